@@ -1,0 +1,63 @@
+"""The ``fedpar`` command: dispatches to one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fedpar.cli.config import ConfigError, apply_config_defaults
+
+# subcommand -> module under fedpar.cli that defines add_arguments(parser) and run(args) -> int
+SUBCOMMANDS = {
+    "serve": ("serve", "run the coordinator service"),
+    "client": ("agent", "run one client agent that dials out to a coordinator"),
+    "simulate": ("simulate", "run a coordinator and many agents on this machine"),
+    "train": ("train", "centralized training on the parallel engine (DDP/FSDP/TP/PP)"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    out = {}
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if importlib.util.find_spec(f"fedpar.cli.{module}") is not None:
+            out[name] = (module, help_text)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser with every available subcommand."""
+    parser = argparse.ArgumentParser(prog="fedpar", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in _available().items():
+        mod = importlib.import_module(f"fedpar.cli.{module}")
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--config", metavar="FILE",
+                       help=f"TOML file whose [{name}] table (or top level) sets defaults; flags override it")
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in _available():
+        parser.print_help() if not argv else parser.parse_args(argv)
+        return 2
+    subparser = parser._subparsers._group_actions[0].choices[argv[0]]
+    try:
+        apply_config_defaults(subparser, argv[1:], argv[0])
+        args = parser.parse_args(argv)
+        return int(args._module.run(args) or 0)
+    except ConfigError as exc:
+        print(f"fedpar {argv[0]}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
