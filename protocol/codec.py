@@ -1,0 +1,200 @@
+"""Tensor codec: raw little-endian buffers described by (name, dtype, shape) headers, streamed in chunks.
+
+A model travels as the concatenation of its tensors' bytes, in order, with no padding. The sender cuts
+that byte stream into chunks of at most ``chunk_bytes``; the receiver writes each chunk straight into
+preallocated arrays (:class:`TensorAssembler`), checking order, bounds and size as it goes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+# Only plain numeric dtypes cross the wire: no object arrays, no structured dtypes, no pickle.
+WIRE_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
+FLOAT_DTYPES = ("float16", "float32", "float64")
+MAX_TENSORS = 100_000
+MAX_DIMS = 8
+
+
+class CodecError(ValueError):
+    """A tensor header or data stream that does not describe a valid model."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype, shape and byte range of one tensor inside the concatenated stream."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+class ModelLayout:
+    """The ordered tensor headers of a model and where each tensor's bytes sit in the stream."""
+
+    def __init__(self, specs: Iterable[tuple[str, str, Sequence[int]]], max_total_bytes: int | None = None):
+        tensors: list[TensorMeta] = []
+        offset = 0
+        names: set[str] = set()
+        for name, dtype, shape in specs:
+            if len(tensors) >= MAX_TENSORS:
+                raise CodecError(f"more than {MAX_TENSORS} tensors")
+            if not name or len(name) > 1024:
+                raise CodecError(f"tensor {len(tensors)}: name must be 1..1024 characters")
+            if name in names:
+                raise CodecError(f"tensor {name!r} appears twice")
+            if dtype not in WIRE_DTYPES:
+                raise CodecError(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+            shape = tuple(int(d) for d in shape)
+            if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+                raise CodecError(f"tensor {name!r}: shape {shape} must have at most {MAX_DIMS} non-negative dims")
+            numel = 1
+            for d in shape:
+                numel *= d
+                if numel > (1 << 40):
+                    raise CodecError(f"tensor {name!r}: shape {shape} is absurdly large")
+            nbytes = numel * np.dtype(dtype).itemsize
+            tensors.append(TensorMeta(name, dtype, shape, offset, nbytes))
+            names.add(name)
+            offset += nbytes
+            if max_total_bytes is not None and offset > max_total_bytes:
+                raise CodecError(f"model is larger than the limit of {max_total_bytes} bytes")
+        self.tensors: tuple[TensorMeta, ...] = tuple(tensors)
+        self.total_bytes = offset
+        self._starts = [t.offset for t in self.tensors]
+
+    @classmethod
+    def of_arrays(cls, names: Sequence[str], arrays: Sequence[np.ndarray]) -> "ModelLayout":
+        """Layout of ``arrays`` under ``names``."""
+        if len(names) != len(arrays):
+            raise CodecError(f"{len(names)} names for {len(arrays)} arrays")
+        return cls((n, a.dtype.name, a.shape) for n, a in zip(names, arrays))
+
+    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor, in order."""
+        return [(t.name, t.dtype, t.shape) for t in self.tensors]
+
+    def mismatch(self, other: "ModelLayout") -> str | None:
+        """A sentence naming the first difference from ``other``, or None when they agree."""
+        if len(self.tensors) != len(other.tensors):
+            return f"expected {len(other.tensors)} tensors, got {len(self.tensors)}"
+        for mine, theirs in zip(self.tensors, other.tensors):
+            if (mine.name, mine.dtype, mine.shape) != (theirs.name, theirs.dtype, theirs.shape):
+                return (f"tensor {theirs.name!r}: expected {theirs.dtype}{list(theirs.shape)}, "
+                        f"got {mine.name!r} {mine.dtype}{list(mine.shape)}")
+        return None
+
+    def tensor_at(self, offset: int) -> int:
+        """Index of the tensor holding byte ``offset`` (skipping empty tensors)."""
+        return bisect.bisect_right(self._starts, offset) - 1
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ModelLayout) and self.specs() == other.specs()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.specs()))
+
+
+def as_wire_array(array: np.ndarray) -> np.ndarray:
+    """``array`` as a C-contiguous little-endian array of a wire dtype (copies only when needed)."""
+    if array.dtype.name not in WIRE_DTYPES:
+        raise CodecError(f"dtype {array.dtype} cannot be sent; use one of {', '.join(WIRE_DTYPES)}")
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array)
+
+
+def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(offset, data)`` chunks of at most ``chunk_bytes`` covering the concatenated tensors."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    pending: list[memoryview] = []
+    pending_len = 0
+    offset = 0
+    for array in arrays:
+        array = as_wire_array(array)
+        if array.nbytes == 0:
+            continue
+        view = memoryview(array.reshape(-1)).cast("B")
+        pos = 0
+        while pos < len(view):
+            take = min(chunk_bytes - pending_len, len(view) - pos)
+            pending.append(view[pos:pos + take])
+            pending_len += take
+            pos += take
+            if pending_len == chunk_bytes:
+                yield offset, b"".join(pending) if len(pending) > 1 else pending[0].tobytes()
+                offset += pending_len
+                pending, pending_len = [], 0
+    if pending_len:
+        yield offset, b"".join(pending)
+
+
+class TensorAssembler:
+    """Receives a chunked tensor stream into preallocated arrays, validating as it goes."""
+
+    def __init__(self, layout: ModelLayout, max_chunk_bytes: int):
+        self.layout = layout
+        self.max_chunk_bytes = max_chunk_bytes
+        self.arrays = [np.empty(t.shape, dtype=np.dtype(t.dtype).newbyteorder("<")) for t in layout.tensors]
+        self._views = [memoryview(a.reshape(-1)).cast("B") if a.nbytes else memoryview(b"") for a in self.arrays]
+        self.received = 0
+        self.chunks = 0
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy one chunk into place; chunks must arrive in order and stay within the model."""
+        if len(data) > self.max_chunk_bytes:
+            raise CodecError(f"chunk of {len(data)} bytes exceeds the limit of {self.max_chunk_bytes}")
+        if not data:
+            raise CodecError("empty data chunk")
+        if offset != self.received:
+            raise CodecError(f"chunk at byte {offset}, expected byte {self.received} (chunks must be in order)")
+        end = offset + len(data)
+        if end > self.layout.total_bytes:
+            raise CodecError(f"data runs past the end of the model ({end} > {self.layout.total_bytes} bytes)")
+        src = memoryview(data)
+        index = self.layout.tensor_at(offset)
+        pos = offset
+        while pos < end:
+            meta = self.layout.tensors[index]
+            start = pos - meta.offset
+            take = min(meta.nbytes - start, end - pos)
+            if take > 0:
+                self._views[index][start:start + take] = src[pos - offset:pos - offset + take]
+                pos += take
+            index += 1
+        self.received = end
+        self.chunks += 1
+
+    @property
+    def complete(self) -> bool:
+        """True once every byte of the model has arrived."""
+        return self.received == self.layout.total_bytes
+
+    def first_non_finite(self) -> str | None:
+        """Name of the first floating tensor holding NaN or Inf, or None."""
+        for meta, array in zip(self.layout.tensors, self.arrays):
+            if meta.dtype in FLOAT_DTYPES and array.size and not np.isfinite(array).all():
+                return meta.name
+        return None
+
+
+def decode_arrays(layout: ModelLayout, chunks: Iterable[tuple[int, bytes]], max_chunk_bytes: int) -> list[np.ndarray]:
+    """Assemble a whole stream of ``(offset, data)`` chunks; raises CodecError if it is incomplete."""
+    assembler = TensorAssembler(layout, max_chunk_bytes)
+    for offset, data in chunks:
+        assembler.write(offset, data)
+    if not assembler.complete:
+        raise CodecError(f"stream ended after {assembler.received} of {layout.total_bytes} bytes")
+    return assembler.arrays

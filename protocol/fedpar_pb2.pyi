@@ -1,0 +1,203 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AgentAuth(_message.Message):
+    __slots__ = ("agent_id", "token")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    token: str
+    def __init__(self, agent_id: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("agent_id", "num_examples", "capabilities", "protocol_version")
+    class CapabilitiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    num_examples: int
+    capabilities: _containers.ScalarMap[str, str]
+    protocol_version: int
+    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("token", "heartbeat_seconds", "max_chunk_bytes")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    heartbeat_seconds: float
+    max_chunk_bytes: int
+    def __init__(self, token: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class PullTaskRequest(_message.Message):
+    __slots__ = ("auth", "wait_seconds")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    auth: AgentAuth
+    wait_seconds: float
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class TrainTask(_message.Message):
+    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    task_id: str
+    deadline_seconds: float
+    local_epochs: int
+    batch_size: int
+    learning_rate: float
+    extra_json: str
+    model_bytes: int
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+
+class PullTaskReply(_message.Message):
+    __slots__ = ("task", "wait_seconds", "shutdown_reason")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    task: TrainTask
+    wait_seconds: float
+    shutdown_reason: str
+    def __init__(self, task: _Optional[_Union[TrainTask, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., shutdown_reason: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DataChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ModelHeader(_message.Message):
+    __slots__ = ("round", "tensors", "total_bytes")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    total_bytes: int
+    def __init__(self, round: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("auth", "round", "task_id")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    auth: AgentAuth
+    round: int
+    task_id: str
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ...) -> None: ...
+
+class ModelChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ModelHeader
+    data: DataChunk
+    def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., data: _Optional[_Union[DataChunk, _Mapping]] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("auth", "round", "task_id", "num_examples", "steps", "tensors", "total_bytes", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    auth: AgentAuth
+    round: int
+    task_id: str
+    num_examples: int
+    steps: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    total_bytes: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., steps: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class UploadEnd(_message.Message):
+    __slots__ = ("total_bytes", "num_chunks")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    num_chunks: int
+    def __init__(self, total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class UploadChunk(_message.Message):
+    __slots__ = ("header", "data", "end")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    data: DataChunk
+    end: UploadEnd
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., data: _Optional[_Union[DataChunk, _Mapping]] = ..., end: _Optional[_Union[UploadEnd, _Mapping]] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("accepted", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    def __init__(self, accepted: bool = ..., message: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("auth",)
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    auth: AgentAuth
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("current_round",)
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    current_round: int
+    def __init__(self, current_round: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("auth",)
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    auth: AgentAuth
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,38 @@
+"""Conversions between protobuf messages and codec objects, and the gRPC channel options both ends use."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+
+PROTOCOL_VERSION = 1
+SERVICE_NAME = "fedpar.v1.Coordinator"
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Room for the protobuf framing around one chunk's payload.
+FRAMING_BYTES = 64 << 10
+
+
+def layout_from_pb(specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> ModelLayout:
+    """A :class:`ModelLayout` from wire TensorSpecs (raises CodecError on hostile headers)."""
+    return ModelLayout(((s.name, s.dtype, tuple(s.shape)) for s in specs), max_total_bytes=max_total_bytes)
+
+
+def layout_to_pb(layout: ModelLayout) -> list[pb.TensorSpec]:
+    """Wire TensorSpecs for ``layout``."""
+    return [pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in layout.tensors]
+
+
+def channel_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options for a channel or server that carries chunks of at most ``max_chunk_bytes``."""
+    limit = max_chunk_bytes + FRAMING_BYTES
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]

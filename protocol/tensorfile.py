@@ -1,0 +1,95 @@
+"""Tensor files in the safetensors layout (8-byte header length, JSON header, raw data), written atomically.
+
+Readable by the ``safetensors`` library, and read here without pickle and with every header checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from fedpar.protocol.codec import CodecError, ModelLayout, as_wire_array
+
+_TO_ST = {"float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "int16": "I16",
+          "int32": "I32", "int64": "I64", "uint8": "U8", "bool": "BOOL"}
+_FROM_ST = {v: k for k, v in _TO_ST.items()}
+MAX_HEADER_BYTES = 100 << 20
+
+
+def atomic_write_bytes(path: str | Path, parts: Sequence[bytes | memoryview]) -> None:
+    """Write ``parts`` to ``path`` via a temporary file, fsync and rename, so readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        for part in parts:
+            fh.write(part)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_tensors(path: str | Path, names: Sequence[str], arrays: Sequence[np.ndarray],
+                 metadata: dict[str, str] | None = None) -> None:
+    """Atomically write named arrays (and string metadata) to a safetensors-layout file."""
+    arrays = [as_wire_array(a) for a in arrays]
+    layout = ModelLayout.of_arrays(names, arrays)
+    header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+    for meta in layout.tensors:
+        header[meta.name] = {"dtype": _TO_ST[meta.dtype], "shape": list(meta.shape),
+                             "data_offsets": [meta.offset, meta.offset + meta.nbytes]}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned, as safetensors does
+    parts: list[bytes | memoryview] = [struct.pack("<Q", len(blob)), blob]
+    parts += [memoryview(a.reshape(-1)).cast("B") for a in arrays if a.nbytes]
+    atomic_write_bytes(path, parts)
+
+
+def load_tensors(path: str | Path) -> tuple[list[str], list[np.ndarray], dict[str, str]]:
+    """Read a file written by :func:`save_tensors`; returns names, arrays (in file order) and metadata."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        raw_len = fh.read(8)
+        if len(raw_len) != 8:
+            raise CodecError(f"{path}: too short to be a tensor file")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > MAX_HEADER_BYTES:
+            raise CodecError(f"{path}: header of {header_len} bytes is implausibly large")
+        try:
+            header = json.loads(fh.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CodecError(f"{path}: header is not JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise CodecError(f"{path}: header must be a JSON object")
+        metadata = header.pop("__metadata__", {}) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CodecError(f"{path}: __metadata__ must map strings to strings")
+        entries = []
+        for name, entry in header.items():
+            try:
+                dtype = _FROM_ST[entry["dtype"]]
+                begin, end = (int(x) for x in entry["data_offsets"])
+                shape = [int(d) for d in entry["shape"]]
+            except (KeyError, TypeError, ValueError):
+                raise CodecError(f"{path}: bad header entry for {name!r}") from None
+            entries.append((begin, end, name, dtype, shape))
+        entries.sort()
+        layout = ModelLayout((name, dtype, shape) for _, _, name, dtype, shape in entries)
+        for (begin, end, name, _, _), meta in zip(entries, layout.tensors):
+            if (begin, end) != (meta.offset, meta.offset + meta.nbytes):
+                raise CodecError(f"{path}: tensor {name!r} has inconsistent data_offsets")
+        data = fh.read()
+    if len(data) != layout.total_bytes:
+        raise CodecError(f"{path}: expected {layout.total_bytes} data bytes, found {len(data)} (truncated?)")
+    arrays = [np.frombuffer(data, dtype=np.dtype(m.dtype).newbyteorder("<"), count=m.numel, offset=m.offset)
+              .reshape(m.shape).copy() for m in layout.tensors]
+    return [m.name for m in layout.tensors], arrays, metadata

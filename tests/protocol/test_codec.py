@@ -1,0 +1,109 @@
+"""Tensor codec and tensor files: exact round trips and refusal of hostile headers and streams."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, decode_arrays, iter_chunks
+from fedpar.protocol.tensorfile import load_tensors, save_tensors
+
+
+def _model(rng):
+    return (["a", "b", "empty", "c", "d"],
+            [rng.standard_normal((3, 5)).astype(np.float32), rng.integers(0, 9, 7).astype(np.int64),
+             np.zeros((0, 4), np.float32), rng.standard_normal(11).astype(np.float16),
+             rng.standard_normal((2, 2, 2))])
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 7, 16, 64, 10_000])
+def test_chunked_round_trip_is_bit_exact_for_any_chunk_size(chunk_bytes):
+    names, arrays = _model(np.random.default_rng(0))
+    layout = ModelLayout.of_arrays(names, arrays)
+    chunks = list(iter_chunks(arrays, chunk_bytes))
+    assert all(len(data) <= chunk_bytes for _, data in chunks)
+    assert sum(len(d) for _, d in chunks) == layout.total_bytes
+    out = decode_arrays(layout, chunks, chunk_bytes)
+    for a, b in zip(arrays, out):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+
+
+def test_assembler_refuses_out_of_order_oversized_and_overlong_chunks():
+    names, arrays = _model(np.random.default_rng(1))
+    layout = ModelLayout.of_arrays(names, arrays)
+    chunks = list(iter_chunks(arrays, 16))
+    asm = TensorAssembler(layout, 16)
+    with pytest.raises(CodecError, match="expected byte 0"):
+        asm.write(chunks[1][0], chunks[1][1])
+    with pytest.raises(CodecError, match="exceeds the limit"):
+        asm.write(0, b"x" * 17)
+    for offset, data in chunks:
+        asm.write(offset, data)
+    assert asm.complete
+    with pytest.raises(CodecError, match="past the end"):
+        asm.write(layout.total_bytes, b"x")
+    with pytest.raises(CodecError, match="stream ended"):
+        decode_arrays(layout, chunks[:-1], 16)
+
+
+def test_non_finite_values_are_found_by_name():
+    layout = ModelLayout([("w", "float32", (4,)), ("n", "int64", (1,))])
+    asm = TensorAssembler(layout, 100)
+    asm.write(0, np.array([1, 2, np.inf, 4], np.float32).tobytes() + np.array([5]).tobytes())
+    assert asm.first_non_finite() == "w"
+
+
+@pytest.mark.parametrize("specs, message", [
+    ([("x", "object", (1,))], "dtype"),
+    ([("x", "float32", (-1,))], "non-negative"),
+    ([("x", "float32", (1,)), ("x", "float32", (1,))], "twice"),
+    ([("", "float32", (1,))], "name"),
+    ([("x", "float32", (1 << 21, 1 << 21))], "absurdly large"),
+    ([("x", "float32", (1,) * 9)], "dims"),
+])
+def test_hostile_headers_are_refused(specs, message):
+    with pytest.raises(CodecError, match=message):
+        ModelLayout(specs)
+
+
+def test_layout_size_limit():
+    with pytest.raises(CodecError, match="limit"):
+        ModelLayout([("x", "float32", (1000,))], max_total_bytes=3999)
+
+
+def test_mismatch_names_the_first_difference():
+    a = ModelLayout([("w", "float32", (2, 3)), ("b", "float32", (3,))])
+    assert a.mismatch(a) is None
+    assert "'b'" in a.mismatch(ModelLayout([("w", "float32", (2, 3)), ("b", "float64", (3,))]))
+    assert "expected 1 tensors" in a.mismatch(ModelLayout([("w", "float32", (2, 3))]))
+
+
+def test_tensor_file_round_trip_and_safetensors_layout(tmp_path):
+    names, arrays = _model(np.random.default_rng(2))
+    path = tmp_path / "m.safetensors"
+    save_tensors(path, names, arrays, {"round": "3"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    assert header["a"]["dtype"] == "F32" and header["__metadata__"] == {"round": "3"}
+    got_names, got, meta = load_tensors(path)
+    assert got_names == names and meta == {"round": "3"}
+    for a, b in zip(arrays, got):
+        assert a.tobytes() == b.tobytes() and a.shape == b.shape
+
+
+def test_truncated_or_garbled_tensor_files_are_refused(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_tensors(path, ["w"], [np.ones(10, np.float32)])
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-4])
+    with pytest.raises(CodecError, match="truncated"):
+        load_tensors(path)
+    path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(CodecError, match="implausibly large"):
+        load_tensors(path)
+    path.write_bytes(struct.pack("<Q", 5) + b"nope!")
+    with pytest.raises(CodecError, match="not JSON"):
+        load_tensors(path)
