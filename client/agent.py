@@ -1,0 +1,217 @@
+"""The client agent: dials out to the coordinator, trains locally on each task, uploads in time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from fedpar.client.trainer import LocalTrainer
+from fedpar.models import get_weights, set_weights, weight_specs
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol import fedpar_pb2_grpc as rpc
+from fedpar.protocol.codec import CodecError, ModelLayout
+from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
+from fedpar.client.transfer import download_weights, upload_messages, upload_update
+
+log = logging.getLogger("fedpar.client")
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+@dataclass
+class AgentConfig:
+    """How an agent reaches its coordinator and paces itself."""
+
+    server: str
+    agent_id: str
+    poll_seconds: float = 5.0  # long-poll wait per PullTask
+    initial_backoff: float = 0.5
+    max_backoff: float = 30.0
+    give_up_after: float | None = None  # seconds without reaching the coordinator; None: never
+    upload_margin_seconds: float = 0.25  # kept free before the deadline beyond the upload estimate
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    credentials: grpc.ChannelCredentials | None = None
+    drop_probability: float = 0.0  # simulations: chance of vanishing for a round after training
+    seed: int = 0
+
+
+@dataclass
+class AgentStats:
+    """What an agent did over its life."""
+
+    tasks: int = 0
+    accepted: int = 0
+    refused: int = 0
+    dropped: int = 0
+    reconnects: int = 0
+    refusals: list[str] = field(default_factory=list)
+
+
+class FatalAgentError(RuntimeError):
+    """The coordinator refused this agent in a way retrying cannot fix."""
+
+
+class Agent:
+    """One federated participant: the pull loop around a :class:`LocalTrainer`."""
+
+    def __init__(self, config: AgentConfig, trainer: LocalTrainer):
+        self.config = config
+        self.trainer = trainer
+        self.layout = ModelLayout(weight_specs(trainer.model))
+        self.stats = AgentStats()
+        self._rng = random.Random(config.seed)
+        self._auth: pb.AgentAuth | None = None
+        self._heartbeat_seconds = 5.0
+        self._max_chunk = max(config.chunk_bytes, DEFAULT_CHUNK_BYTES)
+        self._stop = threading.Event()
+        self._channel = self._open_channel()
+        self._stub = rpc.CoordinatorStub(self._channel)
+
+    def _open_channel(self) -> grpc.Channel:
+        options = channel_options(64 << 20)
+        if self.config.credentials is not None:
+            return grpc.secure_channel(self.config.server, self.config.credentials, options=options)
+        return grpc.insecure_channel(self.config.server, options=options)
+
+    def stop(self) -> None:
+        """Ask the agent to leave after its current step."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> AgentStats:
+        """Join, then pull and run tasks until the coordinator says shutdown (or :meth:`stop`)."""
+        try:
+            self._retrying(self._join)
+            while not self._stop.is_set():
+                reply = self._retrying(self._pull)
+                kind = reply.WhichOneof("kind")
+                if kind == "shutdown_reason":
+                    log.info("%s: coordinator says: %s", self.config.agent_id, reply.shutdown_reason)
+                    break
+                if kind == "task":
+                    self._run_task(reply.task)
+            return self.stats
+        finally:
+            self.close()
+
+    def _retrying(self, call):
+        """Run ``call``, re-joining on UNAUTHENTICATED and backing off exponentially while unreachable."""
+        backoff = self.config.initial_backoff
+        unreachable_since = None
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED and call != self._join:
+                    log.info("%s: session not recognised (%s); joining again", self.config.agent_id, err.details())
+                    self.stats.reconnects += 1
+                    self._retrying(self._join)
+                    continue
+                if code not in RETRYABLE:
+                    raise FatalAgentError(f"{self.config.agent_id}: coordinator refused: "
+                                          f"{code.name}: {err.details()}") from None
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if self.config.give_up_after is not None and now - unreachable_since > self.config.give_up_after:
+                    raise FatalAgentError(f"{self.config.agent_id}: coordinator at {self.config.server} "
+                                          f"unreachable for {self.config.give_up_after}s; is it running?") from None
+                if self._stop.is_set():
+                    raise FatalAgentError("stopped while the coordinator was unreachable") from None
+                sleep = backoff * (0.5 + self._rng.random())
+                log.info("%s: coordinator unreachable (%s); retrying in %.1fs", self.config.agent_id,
+                         code.name, sleep)
+                time.sleep(sleep)
+                backoff = min(backoff * 2, self.config.max_backoff)
+
+    def _join(self) -> None:
+        reply = self._stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
+                                               num_examples=self.trainer.num_examples,
+                                               capabilities={"framework": "torch"},
+                                               protocol_version=PROTOCOL_VERSION), timeout=30)
+        self._auth = pb.AgentAuth(agent_id=self.config.agent_id, token=reply.token)
+        self._heartbeat_seconds = reply.heartbeat_seconds or 5.0
+        self._max_chunk = reply.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+
+    def _pull(self) -> pb.PullTaskReply:
+        return self._stub.PullTask(pb.PullTaskRequest(auth=self._auth, wait_seconds=self.config.poll_seconds),
+                                   timeout=self.config.poll_seconds + 30)
+
+    # ------------------------------------------------------------------ one task
+    def _run_task(self, task: pb.TrainTask) -> None:
+        received = time.monotonic()
+        deadline_at = received + task.deadline_seconds
+        self.stats.tasks += 1
+        try:
+            weights = download_weights(self._stub, self._auth, task, self.layout, self._max_chunk,
+                                       timeout=max(1.0, task.deadline_seconds))
+        except (grpc.RpcError, CodecError) as err:
+            self._note_refusal("download", err)
+            return
+        download_seconds = time.monotonic() - received
+        set_weights(self.trainer.model, weights)
+        metrics: dict[str, float] = {}
+        evaluation = self.trainer.evaluate()
+        if evaluation is not None:
+            metrics.update(eval_loss=evaluation.loss, eval_accuracy=evaluation.accuracy,
+                           eval_examples=float(evaluation.examples))
+        extra = json.loads(task.extra_json or "{}")
+        # Uploading takes about as long as downloading did; keep that and a margin free.
+        stop_at = deadline_at - 1.2 * download_seconds - self.config.upload_margin_seconds
+        with _Heartbeat(self._stub, self._auth, self._heartbeat_seconds):
+            result = self.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
+                                        proximal_mu=float(extra.get("proximal_mu", 0.0)), round_id=task.round)
+        if result.examples == 0:
+            log.warning("%s: no time left to train in round %d; skipping the upload", self.config.agent_id,
+                        task.round)
+            return
+        if self.config.drop_probability and self._rng.random() < self.config.drop_probability:
+            self.stats.dropped += 1
+            return
+        metrics.update(train_loss=result.loss, train_seconds=result.seconds)
+        messages = upload_messages(self._auth, task, self.layout, get_weights(self.trainer.model),
+                                   result.examples, result.steps, metrics, min(self._max_chunk, self.config.chunk_bytes))
+        try:
+            upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
+            self.stats.accepted += 1
+        except grpc.RpcError as err:
+            self._note_refusal("upload", err)
+
+    def _note_refusal(self, what: str, err: Exception) -> None:
+        detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+        self.stats.refused += 1
+        self.stats.refusals.append(f"{what}: {detail}")
+        log.info("%s: %s refused: %s", self.config.agent_id, what, detail)
+
+
+class _Heartbeat:
+    """Background heartbeats while the agent trains, so the coordinator knows it is alive."""
+
+    def __init__(self, stub: rpc.CoordinatorStub, auth: pb.AgentAuth, every: float):
+        self._stub, self._auth, self._every = stub, auth, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "_Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self._stub.Heartbeat(pb.HeartbeatRequest(auth=self._auth), timeout=self._every)
+            except grpc.RpcError:
+                pass  # the main loop handles an unreachable coordinator

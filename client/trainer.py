@@ -1,0 +1,113 @@
+"""Local training and evaluation of a PyTorch classifier on data that never leaves the agent."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedpar.datasets import ArrayDataset
+
+
+@dataclass
+class TrainResult:
+    """What one local training run did: the honest basis of the update's FedAvg weight."""
+
+    steps: int
+    examples: int  # examples actually trained on (counted once per epoch they were seen in)
+    loss: float
+    stopped_early: bool
+    seconds: float
+
+
+@dataclass
+class EvalResult:
+    """Loss and accuracy of a model on some examples."""
+
+    loss: float
+    accuracy: float
+    examples: int
+
+
+class LocalTrainer:
+    """Runs SGD epochs over local arrays, stopping before a wall-clock limit."""
+
+    def __init__(self, model: nn.Module, train: ArrayDataset, val: ArrayDataset | None = None,
+                 seed: int = 0, seconds_per_step_delay: float = 0.0):
+        self.model = model
+        self.x, self.y = train.to_tensors()
+        self.val = val.to_tensors() if val is not None and len(val) else None
+        self.seed = seed
+        self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
+        self._step_seconds = 0.0
+
+    @property
+    def num_examples(self) -> int:
+        """Size of the local training set."""
+        return len(self.y)
+
+    def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
+              proximal_mu: float = 0.0, round_id: int = 0) -> TrainResult:
+        """Train for ``epochs`` or until ``time.monotonic()`` would pass ``stop_at``, whichever is first."""
+        start = time.monotonic()
+        model = self.model
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + round_id)
+        steps = examples = 0
+        loss_sum = 0.0
+        stopped = False
+        n = len(self.y)
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen)
+            for begin in range(0, n, batch_size):
+                if time.monotonic() + self._step_seconds > stop_at:
+                    stopped = True
+                    break
+                t0 = time.monotonic()
+                idx = order[begin:begin + batch_size]
+                loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
+                objective = loss
+                if anchor is not None:
+                    # FedProx (Li et al. 2020): keep local weights near the global ones.
+                    objective = loss + 0.5 * proximal_mu * sum(
+                        (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
+                optimizer.zero_grad(set_to_none=True)
+                objective.backward()
+                optimizer.step()
+                if self.delay:
+                    time.sleep(self.delay)
+                steps += 1
+                examples += len(idx)
+                loss_sum += loss.item() * len(idx)
+                dt = time.monotonic() - t0
+                self._step_seconds = dt if steps == 1 else 0.8 * self._step_seconds + 0.2 * dt
+            if stopped:
+                break
+        return TrainResult(steps, examples, loss_sum / examples if examples else float("nan"), stopped,
+                           time.monotonic() - start)
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 1024) -> EvalResult | None:
+        """Loss and accuracy on the local validation split (None when there is none)."""
+        if self.val is None:
+            return None
+        return evaluate_classifier(self.model, *self.val, batch_size=batch_size)
+
+
+@torch.no_grad()
+def evaluate_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> EvalResult:
+    """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""
+    model.eval()
+    loss = correct = 0.0
+    for begin in range(0, len(y), batch_size):
+        logits = model(x[begin:begin + batch_size])
+        target = y[begin:begin + batch_size]
+        loss += F.cross_entropy(logits, target, reduction="sum").item()
+        correct += (logits.argmax(dim=1) == target).sum().item()
+    return EvalResult(loss / len(y), correct / len(y), len(y))

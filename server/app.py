@@ -1,0 +1,107 @@
+"""Runs a Coordinator behind a grpc.aio server on its own event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+
+from fedpar.protocol.messages import channel_options
+from fedpar.server.coordinator import Coordinator
+from fedpar.server.service import CoordinatorService, generic_handler
+
+log = logging.getLogger("fedpar.server")
+
+
+def server_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
+    """Channel options plus the keepalive permissions agents' pings need."""
+    return channel_options(max_chunk_bytes) + [
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.max_concurrent_streams", 4096),
+    ]
+
+
+class CoordinatorServer:
+    """Serves the coordinator on ``host:port`` (port 0 picks a free one) from a background thread."""
+
+    def __init__(self, coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0,
+                 credentials: grpc.ServerCredentials | None = None):
+        self.coordinator = coordinator
+        self.host = host
+        self.requested_port = port
+        self.credentials = credentials
+        self.port: int | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._finished = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` agents should dial."""
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> int:
+        """Start serving and running rounds; returns the bound port."""
+        self._thread = threading.Thread(target=self._thread_main, name="fedpar-coordinator", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
+        return self.port
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until all rounds are done (True) or ``timeout`` passes (False); re-raises round errors."""
+        done = self._finished.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return done
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop the gRPC server and the loop thread."""
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=grace + 10)
+        self.coordinator.close()
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # surfaced to the caller through start()/wait()
+            self.error = exc
+            log.exception("coordinator stopped with an error")
+        finally:
+            self._ready.set()
+            self._finished.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = grpc.aio.server(options=server_options(self.coordinator.config.max_chunk_bytes))
+        server.add_generic_rpc_handlers((generic_handler(CoordinatorService(self.coordinator)),))
+        target = f"{self.host}:{self.requested_port}"
+        if self.credentials is None:
+            self.port = server.add_insecure_port(target)
+        else:
+            self.port = server.add_secure_port(target, self.credentials)
+        await server.start()
+        self.coordinator._bind_loop()
+        self._ready.set()
+        rounds = asyncio.ensure_future(self.coordinator.run())
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({rounds, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if rounds.done():
+                if rounds.exception() is not None:
+                    raise rounds.exception()
+                self._finished.set()
+                await stopper  # keep serving so agents hear "shutdown" until stop() is called
+        finally:
+            rounds.cancel()
+            stopper.cancel()
+            await server.stop(1.0)

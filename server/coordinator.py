@@ -1,0 +1,368 @@
+"""The coordinator: runs rounds, hands out tasks, accepts validated updates, keeps the global model.
+
+All state lives on one asyncio event loop; CPU-heavy work (folding, finishing, serializing,
+checkpointing, evaluating) runs in a thread pool so the loop keeps serving gRPC calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import grpc
+import numpy as np
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import CodecError, ModelLayout
+from fedpar.protocol.messages import layout_from_pb
+from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.metrics import MetricsLog
+from fedpar.server.payload import WeightPayload, build_payload
+from fedpar.server.registry import AgentRecord, AgentRegistry
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState
+from fedpar.server.sampler import CohortSampler
+
+log = logging.getLogger("fedpar.server")
+EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
+RoundCallback = Callable[[dict], None]
+MAX_CLIENT_METRICS = 64
+
+
+@dataclass
+class UploadTicket:
+    """An upload whose header passed validation; its data is still to come."""
+
+    state: RoundState
+    slot: AgentSlot
+    num_examples: int
+    metrics: dict[str, float]
+
+
+class Coordinator:
+    """Round state machine plus the global model; the gRPC servicer calls into it."""
+
+    def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray],
+                 strategy, evaluate_fn: EvaluateFn | None = None,
+                 on_round_end: Sequence[RoundCallback] = ()):
+        config.validate()
+        self.config = config
+        self.strategy = strategy
+        self.evaluate_fn = evaluate_fn
+        self.on_round_end = list(on_round_end)
+        self.registry = AgentRegistry(config.liveness_timeout_seconds)
+        self.sampler = CohortSampler(config.seed)
+        self.names = list(names)
+        self.weights = [np.ascontiguousarray(w) for w in weights]
+        self.layout = ModelLayout.of_arrays(self.names, self.weights)
+        self.round_id = 0  # last completed round
+        self.current: RoundState | None = None
+        self.payload: WeightPayload | None = None
+        self.finished = False
+        self.metrics = MetricsLog(config.metrics_path)
+        self.started_at = time.monotonic()
+        self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._agents_changed: asyncio.Event | None = None
+        self._upload_slots: asyncio.Semaphore | None = None
+        self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                            thread_name_prefix="fedpar-coord")
+        if config.checkpoint_dir is not None:
+            self._resume(load_checkpoint(config.checkpoint_dir))
+
+    # ----------------------------------------------------------------- life cycle
+    def _resume(self, ckpt: Checkpoint | None) -> None:
+        if ckpt is None:
+            return
+        layout = ModelLayout.of_arrays(ckpt.names, ckpt.arrays)
+        problem = layout.mismatch(self.layout)
+        if problem:
+            raise ValueError(f"checkpoint in {self.config.checkpoint_dir} does not fit this model: {problem}; "
+                             "point --checkpoint-dir elsewhere or use the model it was made with")
+        self.weights = ckpt.arrays
+        self.round_id = ckpt.round_id
+        self.sampler.load_state(ckpt.state["sampler"])
+        self.strategy.load_state_dict(ckpt.strategy_arrays, ckpt.state.get("strategy", {}))
+        log.info("resumed from checkpoint after round %d", self.round_id)
+
+    async def run(self) -> None:
+        """Run rounds until ``config.rounds`` have completed, then tell agents to shut down."""
+        self._bind_loop()
+        await self._publish_payload(self.round_id + 1)
+        try:
+            while self.round_id < self.config.rounds:
+                await self._wait_for_agents()
+                await self._run_round(self.round_id + 1)
+        finally:
+            self.finished = True
+            for event in self._wakeups.values():
+                event.set()
+
+    def _bind_loop(self) -> None:
+        if self._agents_changed is None:
+            self._agents_changed = asyncio.Event()
+            self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
+
+    def close(self) -> None:
+        """Release the worker threads."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _publish_payload(self, round_id: int) -> None:
+        self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,
+                                             self.config.max_chunk_bytes)
+
+    async def _wait_for_agents(self) -> None:
+        deadline = None
+        if self.config.wait_for_agents_seconds is not None:
+            deadline = time.monotonic() + self.config.wait_for_agents_seconds
+        while len(self.registry.live_ids()) < self.config.min_available:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.registry.live_ids())} live agents after "
+                                   f"{self.config.wait_for_agents_seconds}s; need min_available="
+                                   f"{self.config.min_available}")
+            self._agents_changed.clear()
+            try:
+                await asyncio.wait_for(self._agents_changed.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    # ----------------------------------------------------------------- one round
+    async def _run_round(self, round_id: int) -> None:
+        live = self.registry.live_ids()
+        cohort = self.sampler.sample(live, self.config.cohort_size(len(live)))
+        target = min(self.config.target_reports(len(live)), len(cohort))
+        slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
+        state = RoundState(round_id, target, self.config.min_reports, self.config.deadline_seconds, slots)
+        await self._in_thread(self.strategy.begin_round, round_id, self.weights)
+        self.current = state
+        for agent_id, slot in slots.items():
+            self._tasks[agent_id] = slot
+            self._wake(agent_id)
+        log.info("round %d: sampled %d of %d live agents, target %d", round_id, len(cohort), len(live), target)
+        try:
+            await asyncio.wait_for(state.closed_event.wait(), timeout=self.config.deadline_seconds)
+        except asyncio.TimeoutError:
+            state.close("deadline")
+        for agent_id in slots:
+            if self._tasks.get(agent_id) is slots[agent_id]:
+                del self._tasks[agent_id]
+        if state.pending_folds:
+            await asyncio.gather(*state.pending_folds, return_exceptions=True)
+        await self._finish_round(state)
+
+    async def _finish_round(self, state: RoundState) -> None:
+        status = "ok"
+        strategy_metrics: dict[str, float] = {}
+        if state.accepted >= state.min_reports and not state.fold_failed:
+            new_weights, strategy_metrics = await self._in_thread(self.strategy.finish)
+            new_weights = [np.ascontiguousarray(w) for w in new_weights]
+            problem = ModelLayout.of_arrays(self.names, new_weights).mismatch(self.layout)
+            if problem or not all(np.isfinite(w).all() for w in new_weights if w.dtype.kind == "f"):
+                status = "failed"
+                log.error("round %d: strategy produced an unusable model (%s); keeping the old one",
+                          state.round_id, problem or "non-finite values")
+            else:
+                self.weights = new_weights
+        else:
+            status = "failed"
+            await self._in_thread(self.strategy.abort_round)
+            log.warning("round %d failed: %d accepted updates < min_reports=%d; global model unchanged",
+                        state.round_id, state.accepted, state.min_reports)
+        self.round_id = state.round_id
+        row = {"round": state.round_id, "status": status, "sampled": state.sampled,
+               "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
+               "examples": state.examples, "close_reason": state.close_reason}
+        row.update(_weighted_client_metrics(state.metrics))
+        row.update({k: float(v) for k, v in strategy_metrics.items()})
+        if self.evaluate_fn is not None:
+            row.update(await self._in_thread(self.evaluate_fn, self.weights))
+        await self._publish_payload(self.round_id + 1)
+        if self.config.checkpoint_dir is not None:
+            await self._in_thread(self._checkpoint)
+        now = time.monotonic()
+        row["round_seconds"] = now - state.started
+        row["wall_seconds"] = now - self.started_at
+        self.metrics.append(row)
+        for callback in self.on_round_end:
+            callback(row)
+
+    def _checkpoint(self) -> None:
+        arrays, meta = self.strategy.state_dict()
+        state = {"sampler": self.sampler.state(), "strategy": meta, "agents": self.registry.snapshot()}
+        json.dumps(state)  # fail here, loudly, if any strategy metadata is not JSON
+        save_checkpoint(self.config.checkpoint_dir,
+                        Checkpoint(self.round_id, self.names, self.weights, dict(arrays), state))
+
+    # ----------------------------------------------------------------- agent calls
+    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str]) -> AgentRecord:
+        """Register an agent; raises Refusal on bad identity data."""
+        try:
+            record = self.registry.join(agent_id, num_examples, capabilities)
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        self._wakeups.setdefault(agent_id, asyncio.Event())
+        self._agents_changed.set()
+        return record
+
+    def _wake(self, agent_id: str) -> None:
+        self._wakeups.setdefault(agent_id, asyncio.Event()).set()
+
+    async def next_task(self, agent: AgentRecord, wait_seconds: float) -> pb.PullTaskReply:
+        """A task for ``agent`` if it has one, waiting up to ``wait_seconds`` for one to appear."""
+        wait_seconds = max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
+        event = self._wakeups.setdefault(agent.agent_id, asyncio.Event())
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            reply = self._task_reply(agent)
+            if reply is not None:
+                return reply
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return pb.PullTaskReply(wait_seconds=0.0)
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+            agent.last_seen = time.monotonic()
+
+    def _task_reply(self, agent: AgentRecord) -> pb.PullTaskReply | None:
+        if self.finished:
+            return pb.PullTaskReply(shutdown_reason=f"training finished after round {self.round_id}")
+        slot = self._tasks.get(agent.agent_id)
+        state = self.current
+        if slot is None or state is None or state.closed:
+            return None
+        del self._tasks[agent.agent_id]
+        slot.dispatched = True
+        remaining = state.started + state.deadline_seconds - time.monotonic()
+        task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=max(0.0, remaining),
+                            local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
+                            learning_rate=self.config.learning_rate,
+                            extra_json=json.dumps({**self.config.client_config,
+                                                   **self.strategy.client_config(state.round_id)}),
+                            model_bytes=self.layout.total_bytes)
+        return pb.PullTaskReply(task=task)
+
+    def payload_for(self, agent: AgentRecord, round_id: int, task_id: str) -> WeightPayload:
+        """The weights an agent may download for its task in ``round_id``."""
+        state = self.current
+        if state is None or state.round_id != round_id:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"round {round_id} is not the current round; pull a new task")
+        state.check_open()
+        state.slot_for(agent.agent_id, task_id)
+        payload = self.payload
+        if payload is None or payload.round_id != round_id:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "weights for this round are not ready; retry")
+        return payload
+
+    def open_upload(self, agent: AgentRecord, header: pb.UploadHeader) -> UploadTicket:
+        """Validate an upload header; returns a ticket or raises Refusal saying what is wrong."""
+        state = self.current
+        if state is None or header.round != state.round_id:
+            current = state.round_id if state else self.round_id
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"upload for round {header.round}, but the current round is {current}; "
+                          "the update was not applied")
+        state.check_open()
+        slot = state.slot_for(agent.agent_id, header.task_id)
+        if slot.status in ("uploading", "accepted", "rejected"):
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                          f"agent {agent.agent_id!r} already sent an update in round {state.round_id} "
+                          f"({slot.status}); duplicates are refused")
+        max_examples = agent.num_examples * self.config.local_epochs if agent.num_examples else None
+        if header.num_examples <= 0 or (max_examples is not None and header.num_examples > max_examples):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"num_examples={header.num_examples} must be in 1..{max_examples or 'inf'} "
+                          f"({agent.num_examples} registered examples x {self.config.local_epochs} epochs)")
+        if header.steps < 0:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 0")
+        try:
+            layout = layout_from_pb(header.tensors, self.config.max_model_bytes)
+        except CodecError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
+        problem = layout.mismatch(self.layout)
+        if problem:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"update does not match the global model: {problem}")
+        if header.total_bytes != layout.total_bytes:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"total_bytes={header.total_bytes} but the tensors need {layout.total_bytes}")
+        metrics = dict(header.metrics)
+        if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
+        slot.status = "uploading"
+        return UploadTicket(state, slot, int(header.num_examples), metrics)
+
+    def upload_slots(self) -> asyncio.Semaphore:
+        """Bounds how many uploads are staged (one model copy each) at once."""
+        return self._upload_slots
+
+    async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
+        """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
+        state, slot = ticket.state, ticket.slot
+        if state.closed:
+            slot.status = "late"
+            state.late_refused += 1
+            state.check_open()
+        slot.status = "accepted"
+        state.accepted += 1
+        state.examples += ticket.num_examples
+        state.metrics.append((ticket.num_examples, ticket.metrics))
+        fold = asyncio.ensure_future(self._in_thread(self.strategy.fold, arrays, ticket.num_examples,
+                                                     slot.agent_id))
+        state.pending_folds.add(fold)
+        if state.accepted >= state.target:
+            state.close("target reached")
+        elif state.settled():
+            state.close("every sampled agent answered")
+        try:
+            await fold
+        except Exception:
+            state.fold_failed = True
+            log.exception("round %d: folding the update of %s failed", state.round_id, slot.agent_id)
+            raise
+
+    def reject(self, ticket: UploadTicket, message: str) -> None:
+        """Record a refused update (bad content); it never touches the model."""
+        ticket.slot.status = "rejected"
+        ticket.state.rejected += 1
+        log.warning("round %d: rejected update from %s: %s", ticket.state.round_id, ticket.slot.agent_id, message)
+        if ticket.state.settled():
+            ticket.state.close("every sampled agent answered")
+
+    def abandon(self, ticket: UploadTicket) -> None:
+        """An upload that broke off (disconnect, truncation): the agent may try again this round."""
+        if ticket.slot.status == "uploading":
+            ticket.slot.status = "pending"
+
+    def leave(self, agent: AgentRecord) -> None:
+        """Agent says goodbye."""
+        self.registry.leave(agent.agent_id)
+
+
+def _weighted_client_metrics(reports: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Example-weighted means of what agents reported (train loss, federated evaluation)."""
+    out: dict[str, float] = {}
+    train = [(n, m["train_loss"]) for n, m in reports if "train_loss" in m]
+    if train:
+        out["train_loss"] = sum(n * v for n, v in train) / sum(n for n, _ in train)
+    evals = [(m["eval_examples"], m) for _, m in reports if m.get("eval_examples", 0) > 0]
+    total = sum(n for n, _ in evals)
+    for key in ("eval_loss", "eval_accuracy"):
+        vals = [(n, m[key]) for n, m in evals if key in m]
+        if vals and total:
+            out[f"federated_{key}"] = sum(n * v for n, v in vals) / sum(n for n, _ in vals)
+    return out

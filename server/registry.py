@@ -1,0 +1,83 @@
+"""Registry of client agents: join, authenticate, liveness from their calls and heartbeats."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import time
+from dataclasses import dataclass, field
+
+MAX_AGENT_ID = 128
+
+
+class AuthError(Exception):
+    """An unknown agent or a wrong session token."""
+
+
+@dataclass
+class AgentRecord:
+    """One registered agent and what the coordinator knows of it."""
+
+    agent_id: str
+    token: str
+    num_examples: int
+    capabilities: dict[str, str] = field(default_factory=dict)
+    last_seen: float = 0.0
+    left: bool = False
+
+
+class AgentRegistry:
+    """Agents by id. Not thread-safe: the coordinator's event loop is its only user."""
+
+    def __init__(self, liveness_timeout: float, clock=time.monotonic):
+        self.liveness_timeout = liveness_timeout
+        self._clock = clock
+        self._agents: dict[str, AgentRecord] = {}
+
+    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str]) -> AgentRecord:
+        """Register ``agent_id`` (or re-register it after a restart) with a fresh session token."""
+        if not agent_id or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
+            raise ValueError(f"agent_id must be 1..{MAX_AGENT_ID} printable characters")
+        if num_examples < 0:
+            raise ValueError("num_examples must be >= 0")
+        if len(capabilities) > 64 or any(len(k) > 64 or len(v) > 256 for k, v in capabilities.items()):
+            raise ValueError("capabilities: at most 64 entries, keys <= 64 and values <= 256 characters")
+        record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities),
+                             last_seen=self._clock())
+        self._agents[agent_id] = record
+        return record
+
+    def authenticate(self, agent_id: str, token: str) -> AgentRecord:
+        """The agent's record if ``token`` is its current session token; marks it seen."""
+        record = self._agents.get(agent_id)
+        if record is None or record.left:
+            raise AuthError(f"unknown agent {agent_id!r}: call Join first")
+        if not hmac.compare_digest(record.token.encode(), token.encode()):
+            raise AuthError(f"bad session token for agent {agent_id!r}: call Join again")
+        record.last_seen = self._clock()
+        return record
+
+    def leave(self, agent_id: str) -> None:
+        """Mark an agent as gone; it is not sampled until it joins again."""
+        if agent_id in self._agents:
+            self._agents[agent_id].left = True
+
+    def is_live(self, record: AgentRecord) -> bool:
+        """Whether the agent has called recently enough to be sampled."""
+        return not record.left and self._clock() - record.last_seen <= self.liveness_timeout
+
+    def live_ids(self) -> list[str]:
+        """Ids of live agents, sorted (sampling is then deterministic for a seed)."""
+        return sorted(a.agent_id for a in self._agents.values() if self.is_live(a))
+
+    def get(self, agent_id: str) -> AgentRecord | None:
+        """The record of ``agent_id`` or None."""
+        return self._agents.get(agent_id)
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def snapshot(self) -> list[dict]:
+        """JSON-able view for checkpoints (no tokens: agents re-join after a restart)."""
+        return [{"agent_id": a.agent_id, "num_examples": a.num_examples, "capabilities": a.capabilities}
+                for a in self._agents.values() if not a.left]

@@ -1,0 +1,87 @@
+"""The state of one round: who was sampled, what arrived, and when it closes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+
+class Refusal(Exception):
+    """A request the coordinator refuses, with the gRPC status to send and a message for the agent."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class AgentSlot:
+    """One sampled agent's task and what became of it."""
+
+    agent_id: str
+    task_id: str
+    dispatched: bool = False
+    status: str = "pending"  # pending | uploading | accepted | rejected | late
+
+
+@dataclass
+class RoundState:
+    """Bookkeeping for one round; mutated only on the coordinator's event loop."""
+
+    round_id: int
+    target: int  # K: accepted updates that close the round early
+    min_reports: int
+    deadline_seconds: float
+    slots: dict[str, AgentSlot]
+    started: float = field(default_factory=time.monotonic)
+    closed: bool = False
+    close_reason: str = ""
+    accepted: int = 0
+    rejected: int = 0
+    late_refused: int = 0
+    examples: int = 0
+    metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    pending_folds: set = field(default_factory=set)
+    fold_failed: bool = False
+    closed_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def sampled(self) -> int:
+        """M, the number of agents given this round's task."""
+        return len(self.slots)
+
+    def slot_for(self, agent_id: str, task_id: str) -> AgentSlot:
+        """The slot of an agent in this round, or a Refusal saying why it has none."""
+        slot = self.slots.get(agent_id)
+        if slot is None:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                          f"agent {agent_id!r} was not sampled in round {self.round_id}")
+        if task_id != slot.task_id:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"task {task_id!r} is not the current task of {agent_id!r} in round {self.round_id}")
+        return slot
+
+    def check_open(self) -> None:
+        """Raise a Refusal if the round has closed."""
+        if self.closed:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"round {self.round_id} is closed ({self.close_reason}); the update was not applied")
+
+    def close(self, reason: str) -> None:
+        """Close the round: later uploads are refused."""
+        if not self.closed:
+            self.closed = True
+            self.close_reason = reason
+            self.closed_event.set()
+
+    def settled(self) -> bool:
+        """True when every sampled agent has an accepted or rejected update."""
+        return all(s.status in ("accepted", "rejected") for s in self.slots.values())
+
+    def late(self) -> int:
+        """Sampled agents whose update had not been accepted or rejected when the round closed."""
+        return sum(1 for s in self.slots.values() if s.status not in ("accepted", "rejected"))
