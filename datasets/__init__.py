@@ -1,1 +1,22 @@
-"""fedpar.datasets"""
+"""fedpar.datasets: digits (bundled), MNIST (npz or IDX folder) and character-level text corpora."""
+
+from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
+from fedpar.datasets.digits import load_digits
+from fedpar.datasets.idx import IdxFormatError, parse_idx, read_idx
+from fedpar.datasets.mnist import load_mnist
+from fedpar.datasets.registry import dataset_names, load_dataset
+from fedpar.datasets.text import CharCorpus, load_text
+
+__all__ = [
+    "ArrayDataset",
+    "CharCorpus",
+    "DatasetSplits",
+    "IdxFormatError",
+    "dataset_names",
+    "load_dataset",
+    "load_digits",
+    "load_mnist",
+    "load_text",
+    "parse_idx",
+    "read_idx",
+]

@@ -1,0 +1,92 @@
+"""MNIST from a local folder: train.npz/test.npz (keys x, y) or the four original IDX files (plain or .gz)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
+from fedpar.datasets.idx import read_idx
+
+MNIST_MEAN = 0.1307
+MNIST_STD = 0.3081
+NPZ_FILES = {"train": "train.npz", "test": "test.npz"}
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+EXPECTED_FILES = ("train.npz and test.npz (arrays x uint8 [N,28,28] and y [N]), or the IDX files "
+                  "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+                  "t10k-labels-idx1-ubyte (each may end in .gz)")
+
+
+def normalize_mnist(images: np.ndarray) -> np.ndarray:
+    """uint8 images (N, H, W) to float32 (N, 1, H, W) standardised with the usual MNIST mean and std."""
+    x = images.astype(np.float32)[:, None, :, :]
+    x /= 255.0
+    x -= MNIST_MEAN
+    x /= MNIST_STD
+    return x
+
+
+def _check_pair(images: np.ndarray, labels: np.ndarray, source: str) -> None:
+    if images.dtype != np.uint8 or images.ndim != 3:
+        raise ValueError(f"{source}: images must be uint8 with shape (N, H, W), got {images.dtype} {images.shape}")
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{source}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{source}: {images.shape[0]} images but {labels.shape[0]} labels")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"{source}: labels must be digits 0..9, found range [{labels.min()}, {labels.max()}]")
+
+
+def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = {"x", "y"} - set(data.files)
+            if missing:
+                raise ValueError(f"{path}: missing arrays {sorted(missing)}; expected keys x (images) and y (labels)")
+            return data["x"], data["y"]
+    except ValueError:
+        raise
+    except Exception as exc:  # zipfile.BadZipFile, OSError, ...: all mean "not a readable npz"
+        raise ValueError(f"{path}: cannot read as .npz ({exc})") from exc
+
+
+def _find_idx(folder: Path, name: str) -> Path | None:
+    for candidate in (folder / name, folder / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _load_split(folder: Path, split: str, use_npz: bool) -> ArrayDataset:
+    if use_npz:
+        path = folder / NPZ_FILES[split]
+        images, labels = _read_npz(path)
+        source = str(path)
+    else:
+        image_path, label_path = (_find_idx(folder, n) for n in IDX_FILES[split])
+        assert image_path is not None and label_path is not None  # checked by load_mnist
+        images, labels = read_idx(image_path), read_idx(label_path)
+        source = f"{image_path.name} + {label_path.name}"
+    _check_pair(images, labels, source)
+    return ArrayDataset(normalize_mnist(images), labels.astype(np.int64))
+
+
+def load_mnist(data_dir: str | Path) -> DatasetSplits:
+    """MNIST from ``data_dir`` as (N, 1, 28, 28) float32 standardised images; npz files win over IDX files."""
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"MNIST folder {folder} does not exist; point it at a folder with {EXPECTED_FILES}")
+    has_npz = all((folder / f).is_file() for f in NPZ_FILES.values())
+    has_idx = all(_find_idx(folder, n) is not None for pair in IDX_FILES.values() for n in pair)
+    if not (has_npz or has_idx):
+        present = sorted(p.name for p in folder.iterdir())[:20]
+        raise FileNotFoundError(f"no MNIST files found in {folder} (it holds {present}); expected {EXPECTED_FILES}")
+    train = _load_split(folder, "train", has_npz)
+    test = _load_split(folder, "test", has_npz)
+    if train.x.shape[1:] != test.x.shape[1:]:
+        raise ValueError(f"train images {train.x.shape[1:]} and test images {test.x.shape[1:]} differ in shape")
+    return DatasetSplits(train, test, num_classes=10, input_shape=tuple(int(d) for d in train.x.shape[1:]))

@@ -1,0 +1,77 @@
+"""A character-level corpus from any UTF-8 text file, with next-token batches for language models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class CharCorpus:
+    """Vocabulary (sorted characters), train/val token arrays (int64) and the context length."""
+
+    chars: list[str]
+    train: np.ndarray
+    val: np.ndarray
+    block_size: int
+    _index: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {c: i for i, c in enumerate(self.chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct characters."""
+        return len(self.chars)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int64) of ``text``; raises ValueError naming a character outside the vocabulary."""
+        try:
+            return np.fromiter((self._index[c] for c in text), dtype=np.int64, count=len(text))
+        except KeyError as exc:
+            raise ValueError(f"character {exc.args[0]!r} is not in the corpus vocabulary") from None
+
+    def decode(self, tokens: np.ndarray | list[int]) -> str:
+        """The text for a sequence of token ids."""
+        ids = np.asarray(tokens, dtype=np.int64).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{ids.min()}, {ids.max()}]")
+        return "".join(self.chars[i] for i in ids)
+
+    def get_batch(self, split: str, batch_size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Random windows: x (batch, block_size) and y = x shifted one token ahead, both int64."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        data = self.train if split == "train" else self.val
+        if len(data) < self.block_size + 1:
+            raise ValueError(f"the {split} split has {len(data)} tokens, fewer than block_size+1="
+                             f"{self.block_size + 1}; use a longer text, a smaller block_size or another val_fraction")
+        starts = rng.integers(0, len(data) - self.block_size, size=batch_size)
+        offsets = np.arange(self.block_size)
+        x = data[starts[:, None] + offsets]
+        y = data[starts[:, None] + offsets + 1]
+        return x, y
+
+
+def load_text(path: str | Path, block_size: int, val_fraction: float = 0.1) -> CharCorpus:
+    """Read a UTF-8 text file; the first (1 - val_fraction) of the characters train, the rest validate."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text corpus {path} does not exist; pass the path of a UTF-8 text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not valid UTF-8 text ({exc}); convert it to UTF-8 first") from exc
+    if not text:
+        raise ValueError(f"{path} is empty; a text corpus needs at least block_size+1 characters")
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    tokens = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
+    n_train = int(len(tokens) * (1.0 - val_fraction))
+    return CharCorpus(chars=chars, train=tokens[:n_train].copy(), val=tokens[n_train:].copy(), block_size=block_size)

@@ -1,0 +1,58 @@
+"""Moving a model's floating-point state to and from lists of numpy arrays (what the wire format carries)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _float_entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t) for name, t in model.state_dict().items() if torch.is_floating_point(t)]
+
+
+def _numpy_dtype(name: str, tensor: torch.Tensor) -> np.dtype:
+    try:
+        return np.dtype(str(tensor.dtype).removeprefix("torch."))
+    except TypeError:
+        raise ValueError(f"state entry {name!r} has dtype {tensor.dtype}, which numpy cannot hold; "
+                         "convert the model to float32 (model.float()) before exchanging weights") from None
+
+
+def weight_specs(model: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, numpy dtype name such as 'float32', shape) of each floating-point state_dict entry, in order."""
+    return [(name, _numpy_dtype(name, t).name, tuple(t.shape)) for name, t in _float_entries(model)]
+
+
+def get_weights(model: nn.Module) -> list[np.ndarray]:
+    """Copies of the floating-point state_dict entries as contiguous numpy arrays, in state_dict order."""
+    arrays = []
+    for name, t in _float_entries(model):
+        _numpy_dtype(name, t)
+        arrays.append(np.ascontiguousarray(t.detach().cpu().numpy()).copy())
+    return arrays
+
+
+def set_weights(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
+    """Copy ``arrays`` into the model's floating-point state (same order as ``get_weights``).
+
+    Everything is validated before anything is written, so a bad list leaves the model unchanged.
+    """
+    entries = _float_entries(model)
+    if len(arrays) != len(entries):
+        raise ValueError(f"expected {len(entries)} weight arrays for this model but got {len(arrays)}; "
+                         "the weights were made for a different model architecture")
+    for i, ((name, t), a) in enumerate(zip(entries, arrays)):
+        if not isinstance(a, np.ndarray):
+            raise ValueError(f"weight {i} ({name!r}) must be a numpy array, got {type(a).__name__}")
+        expected = _numpy_dtype(name, t)
+        if a.dtype != expected:
+            raise ValueError(f"weight {i} ({name!r}) has dtype {a.dtype}, expected {expected}")
+        if tuple(a.shape) != tuple(t.shape):
+            raise ValueError(f"weight {i} ({name!r}) has shape {tuple(a.shape)}, expected {tuple(t.shape)}")
+    with torch.no_grad():
+        for (_, t), a in zip(entries, arrays):
+            # np.require copies read-only (e.g. np.frombuffer) or strided arrays, which torch.from_numpy rejects.
+            t.copy_(torch.from_numpy(np.require(a, requirements=["C", "W"])))

@@ -1,0 +1,197 @@
+"""fedpar.datasets: digits, MNIST from npz or IDX (plain/.gz, corrupted), text corpora, the name registry."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedpar.datasets import (
+    ArrayDataset,
+    IdxFormatError,
+    dataset_names,
+    load_dataset,
+    load_digits,
+    load_mnist,
+    load_text,
+    parse_idx,
+)
+
+SHARED_MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+
+
+def _idx_bytes(array: np.ndarray) -> bytes:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+def _tiny_mnist(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    return rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), rng.integers(0, 10, n).astype(np.uint8)
+
+
+def _write_idx_folder(folder: Path, compress: set[str] = frozenset()) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    (xtr, ytr), (xte, yte) = _tiny_mnist(rng, 12), _tiny_mnist(rng, 5)
+    arrays = {"train-images-idx3-ubyte": xtr, "train-labels-idx1-ubyte": ytr,
+              "t10k-images-idx3-ubyte": xte, "t10k-labels-idx1-ubyte": yte}
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, arr in arrays.items():
+        data = _idx_bytes(arr)
+        if name in compress:
+            (folder / f"{name}.gz").write_bytes(gzip.compress(data))
+        else:
+            (folder / name).write_bytes(data)
+    return arrays
+
+
+def test_array_dataset_subset_and_tensors():
+    ds = ArrayDataset(np.arange(12, dtype=np.float64).reshape(6, 2), np.array([0, 1, 2, 0, 1, 2]))
+    assert ds.x.dtype == np.float32 and ds.y.dtype == np.int64 and len(ds) == 6
+    sub = ds.subset([4, 1])
+    np.testing.assert_array_equal(sub.x, [[8, 9], [2, 3]])
+    np.testing.assert_array_equal(sub.y, [1, 1])
+    sub.x[0, 0] = -1  # a copy
+    assert ds.x[4, 0] == 8
+    x, y = ds.to_tensors()
+    assert tuple(x.shape) == (6, 2) and str(y.dtype) == "torch.int64" and int(y.sum()) == 6
+    with pytest.raises(ValueError, match="6 examples but y has 5"):
+        ArrayDataset(np.zeros((6, 2)), np.zeros(5))
+    with pytest.raises(ValueError, match=r"in \[0, 6\)"):
+        ds.subset([6])
+
+
+def test_digits_are_scaled_shaped_and_stratified():
+    d = load_digits(test_fraction=0.2, seed=0)
+    assert (len(d.train), len(d.test)) == (1437, 360)
+    assert d.train.x.shape == (1437, 1, 8, 8) and d.train.x.dtype == np.float32
+    assert d.train.x.min() == 0.0 and d.train.x.max() == 1.0
+    assert d.num_classes == 10 and d.input_shape == (1, 8, 8)
+    # stratified: every class has 35 or 36 of the 360 test images (sklearn digits has 174..183 per class)
+    assert set(np.bincount(d.test.y, minlength=10)) <= {35, 36, 37}
+    again, other = load_digits(seed=0), load_digits(seed=1)
+    np.testing.assert_array_equal(d.test.y, again.test.y)
+    assert not np.array_equal(d.test.x, other.test.x)
+
+
+def test_mnist_from_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    (xtr, ytr), (xte, yte) = _tiny_mnist(rng, 7), _tiny_mnist(rng, 3)
+    np.savez(tmp_path / "train.npz", x=xtr, y=ytr)
+    np.savez(tmp_path / "test.npz", x=xte, y=yte)
+    d = load_mnist(tmp_path)
+    assert d.train.x.shape == (7, 1, 28, 28) and d.test.x.shape == (3, 1, 28, 28)
+    assert d.input_shape == (1, 28, 28) and d.num_classes == 10
+    np.testing.assert_allclose(d.train.x[:, 0], (xtr / 255.0 - 0.1307) / 0.3081, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(d.test.y, yte)
+    assert d.test.y.dtype == np.int64
+
+
+def test_mnist_npz_must_not_hold_pickles(tmp_path):
+    np.savez(tmp_path / "train.npz", x=np.array([{"a": 1}], dtype=object), y=np.zeros(1, np.uint8))
+    np.savez(tmp_path / "test.npz", x=np.zeros((1, 28, 28), np.uint8), y=np.zeros(1, np.uint8))
+    with pytest.raises(ValueError, match="allow_pickle|pickle"):
+        load_mnist(tmp_path)
+
+
+def test_mnist_from_plain_and_gzipped_idx(tmp_path):
+    plain = _write_idx_folder(tmp_path / "plain")
+    mixed = _write_idx_folder(tmp_path / "gz", compress={"train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"})
+    for folder, arrays in ((tmp_path / "plain", plain), (tmp_path / "gz", mixed)):
+        d = load_mnist(folder)
+        assert d.train.x.shape == (12, 1, 28, 28) and len(d.test) == 5
+        np.testing.assert_array_equal(d.train.y, arrays["train-labels-idx1-ubyte"])
+        expected = (arrays["t10k-images-idx3-ubyte"] / 255.0 - 0.1307) / 0.3081
+        np.testing.assert_allclose(d.test.x[:, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_corrupted_idx_files_give_clear_errors(tmp_path):
+    good = _idx_bytes(np.zeros((2, 3, 3), np.uint8))
+    np.testing.assert_array_equal(parse_idx(good), np.zeros((2, 3, 3)))
+    with pytest.raises(IdxFormatError, match="bad magic number"):
+        parse_idx(b"\x1f\x8b" + good[2:])
+    with pytest.raises(IdxFormatError, match="payload is 17 bytes but dims \\(2, 3, 3\\)"):
+        parse_idx(good[:-1])
+    with pytest.raises(IdxFormatError, match="truncated header"):
+        parse_idx(good[:8])
+    with pytest.raises(IdxFormatError, match="unknown IDX element type 0x07"):
+        parse_idx(b"\x00\x00\x07\x01" + good[4:])
+
+    folder = tmp_path / "broken"
+    _write_idx_folder(folder, compress={"train-labels-idx1-ubyte"})
+    gz = folder / "train-labels-idx1-ubyte.gz"
+    gz.write_bytes(gz.read_bytes()[:-6])  # cut the gzip trailer
+    with pytest.raises(IdxFormatError, match="not a valid gzip file"):
+        load_mnist(folder)
+
+    folder = tmp_path / "short"
+    _write_idx_folder(folder)
+    path = folder / "t10k-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-28])
+    with pytest.raises(IdxFormatError, match="t10k-images-idx3-ubyte: payload is"):
+        load_mnist(folder)
+
+
+def test_mnist_wrong_folder_says_what_is_expected(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(FileNotFoundError, match="expected train.npz and test.npz .* t10k-labels-idx1-ubyte"):
+        load_mnist(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_mnist(tmp_path / "missing")
+
+
+def test_text_corpus(tmp_path):
+    text = "hello world, héllo again!\n" * 20
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    corpus = load_text(path, block_size=8, val_fraction=0.1)
+    assert corpus.chars == sorted(set(text)) and corpus.vocab_size == len(set(text))
+    assert len(corpus.train) == int(len(text) * 0.9) and len(corpus.train) + len(corpus.val) == len(text)
+    assert corpus.train.dtype == np.int64
+    assert corpus.decode(np.concatenate([corpus.train, corpus.val])) == text
+    np.testing.assert_array_equal(corpus.encode("hé"), [corpus.chars.index("h"), corpus.chars.index("é")])
+    x, y = corpus.get_batch("train", 5, np.random.default_rng(0))
+    assert x.shape == y.shape == (5, 8) and x.dtype == np.int64
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    for row_x, row_y in zip(x, y):  # every window is a real slice of the text, y one step ahead
+        s = corpus.decode(row_x) + corpus.decode(row_y[-1:])
+        assert s in text
+    x2, _ = corpus.get_batch("train", 5, np.random.default_rng(0))
+    np.testing.assert_array_equal(x, x2)
+    with pytest.raises(ValueError, match="not in the corpus vocabulary"):
+        corpus.encode("Z")
+    with pytest.raises(ValueError, match="fewer than block_size"):
+        load_text(path, block_size=100).get_batch("val", 1, np.random.default_rng(0))
+
+
+def test_text_errors(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        load_text(bad, block_size=2)
+    with pytest.raises(FileNotFoundError, match="pass the path of a UTF-8 text file"):
+        load_text(tmp_path / "nope.txt", block_size=2)
+
+
+def test_load_dataset_by_name(tmp_path):
+    assert dataset_names() == ["digits", "mnist"]
+    assert len(load_dataset("digits", test_fraction=0.5).test) == 899
+    with pytest.raises(ValueError, match="mnist needs --data-dir pointing at a folder with train.npz"):
+        load_dataset("mnist")
+    _write_idx_folder(tmp_path)
+    assert len(load_dataset("mnist", data_dir=tmp_path).train) == 12
+    with pytest.raises(ValueError, match="valid names are: digits, mnist"):
+        load_dataset("cifar10")
+
+
+@pytest.mark.skipif(not (SHARED_MNIST / "train.npz").is_file(), reason="shared MNIST copy not present")
+def test_real_mnist_matches_its_readme():
+    d = load_mnist(SHARED_MNIST)
+    assert d.train.x.shape == (60000, 1, 28, 28) and d.test.x.shape == (10000, 1, 28, 28)
+    assert np.bincount(d.train.y).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+    assert np.bincount(d.test.y).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+    assert d.train.y[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
+    assert d.test.y[:10].tolist() == [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]
+    assert abs(float(d.train.x.mean())) < 1e-3 and abs(float(d.train.x.std()) - 1.0) < 1e-3
