@@ -1,0 +1,157 @@
+"""Splitting a dataset's examples among federated clients: IID, Dirichlet label skew, label-sorted shards.
+
+Every partitioner returns one sorted int64 index array per client; together they cover each example exactly
+once, and the result depends only on the inputs and ``seed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_MIN_SIZE = 10
+DEFAULT_MAX_ATTEMPTS = 1000
+
+
+def _check_clients(num_examples: int, num_clients: int) -> None:
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be at least 1, got {num_clients}")
+    if num_examples < num_clients:
+        raise ValueError(f"cannot give {num_clients} clients at least one example each from {num_examples} "
+                         "examples; use fewer clients")
+
+
+def _as_labels(labels: np.ndarray) -> np.ndarray:
+    arr = np.asarray(labels)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"labels must be a 1-D integer array, got {arr.dtype} with shape {arr.shape}")
+    return arr
+
+
+def partition_iid(num_examples: int, num_clients: int, seed: int) -> list[np.ndarray]:
+    """A uniformly random split into ``num_clients`` parts whose sizes differ by at most one."""
+    _check_clients(num_examples, num_clients)
+    order = np.random.default_rng(seed).permutation(num_examples)
+    return [np.sort(part).astype(np.int64) for part in np.array_split(order, num_clients)]
+
+
+def partition_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
+                        min_size: int = DEFAULT_MIN_SIZE,
+                        max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> list[np.ndarray]:
+    """Label skew as in Hsu et al. (2019): each class is shared out in Dirichlet(alpha) proportions.
+
+    Smaller ``alpha`` means each client sees fewer classes. Draws are repeated until every client has at
+    least ``min_size`` examples, at most ``max_attempts`` times.
+    """
+    labels = _as_labels(labels)
+    _check_clients(len(labels), num_clients)
+    if not alpha > 0:
+        raise ValueError(f"dirichlet alpha must be positive, got {alpha}")
+    if min_size < 0 or min_size * num_clients > len(labels):
+        raise ValueError(f"min_size={min_size} per client is impossible with {num_clients} clients and "
+                         f"{len(labels)} examples; lower min_size or use fewer clients")
+    rng = np.random.default_rng(seed)
+    by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+    smallest = 0
+    for _ in range(max_attempts):
+        pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for members in by_class:
+            members = rng.permutation(members)
+            proportions = rng.dirichlet(np.full(num_clients, float(alpha)))
+            cuts = (np.cumsum(proportions)[:-1] * len(members)).astype(np.int64)
+            for client, chunk in enumerate(np.split(members, cuts)):
+                pieces[client].append(chunk)
+        parts = [np.sort(np.concatenate(p)).astype(np.int64) for p in pieces]
+        smallest = min(len(p) for p in parts)
+        if smallest >= min_size:
+            return parts
+    raise ValueError(f"dirichlet partition: after {max_attempts} draws some client still had fewer than "
+                     f"{min_size} examples (last draw's smallest: {smallest}) with alpha={alpha}, "
+                     f"{num_clients} clients and {len(labels)} examples; raise alpha, lower min_size "
+                     "or use fewer clients")
+
+
+def partition_shards(labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int) -> list[np.ndarray]:
+    """McMahan et al.'s pathological non-IID split: sort by label, cut into shards, deal shards at random."""
+    labels = _as_labels(labels)
+    _check_clients(len(labels), num_clients)
+    if shards_per_client < 1:
+        raise ValueError(f"shards_per_client must be at least 1, got {shards_per_client}")
+    num_shards = num_clients * shards_per_client
+    if num_shards > len(labels):
+        raise ValueError(f"{num_clients} clients x {shards_per_client} shards = {num_shards} shards, more than the "
+                         f"{len(labels)} examples; use fewer clients or shards")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(labels))  # random order within each label, then a stable sort by label
+    order = order[np.argsort(labels[order], kind="stable")]
+    shards = np.array_split(order, num_shards)
+    dealt = rng.permutation(num_shards).reshape(num_clients, shards_per_client)
+    return [np.sort(np.concatenate([shards[s] for s in row])).astype(np.int64) for row in dealt]
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """A parsed partition spec; call it with (labels, num_clients, seed) to get per-client indices."""
+
+    kind: str
+    alpha: float | None = None
+    shards_per_client: int | None = None
+    min_size: int = DEFAULT_MIN_SIZE
+
+    def __call__(self, labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
+        """Partition the examples with these ``labels`` among ``num_clients`` clients."""
+        if self.kind == "iid":
+            return partition_iid(len(labels), num_clients, seed)
+        if self.kind == "dirichlet":
+            assert self.alpha is not None
+            return partition_dirichlet(labels, num_clients, self.alpha, seed, min_size=self.min_size)
+        assert self.kind == "shards" and self.shards_per_client is not None
+        return partition_shards(labels, num_clients, self.shards_per_client, seed)
+
+    def __str__(self) -> str:
+        """The spec string this was parsed from (canonical form)."""
+        if self.kind == "dirichlet":
+            return f"dirichlet:{self.alpha:g}"
+        if self.kind == "shards":
+            return f"shards:{self.shards_per_client}"
+        return self.kind
+
+
+PARTITION_HELP = "one of: iid, dirichlet:ALPHA (e.g. dirichlet:0.5), shards:K (e.g. shards:2)"
+
+
+def parse_partition(spec: str) -> PartitionSpec:
+    """Parse "iid", "dirichlet:ALPHA" (ALPHA > 0) or "shards:K" (integer K >= 1)."""
+    kind, sep, arg = spec.strip().lower().partition(":")
+    if kind == "iid" and not sep:
+        return PartitionSpec("iid")
+    if kind == "dirichlet" and arg:
+        try:
+            alpha = float(arg)
+        except ValueError:
+            raise ValueError(f"bad partition {spec!r}: alpha {arg!r} is not a number; {PARTITION_HELP}") from None
+        if not (alpha > 0 and np.isfinite(alpha)):
+            raise ValueError(f"bad partition {spec!r}: alpha must be a positive number; {PARTITION_HELP}")
+        return PartitionSpec("dirichlet", alpha=alpha)
+    if kind == "shards" and arg:
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"bad partition {spec!r}: K must be a positive integer; {PARTITION_HELP}")
+        return PartitionSpec("shards", shards_per_client=int(arg))
+    raise ValueError(f"bad partition {spec!r}; expected {PARTITION_HELP}")
+
+
+def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int | None = None) -> np.ndarray:
+    """(clients, classes) matrix of how many examples of each label every client holds."""
+    labels = _as_labels(labels)
+    k = int(num_classes) if num_classes is not None else int(labels.max()) + 1
+    return np.stack([np.bincount(labels[p], minlength=k) for p in parts])
+
+
+def mean_label_entropy(labels: np.ndarray, parts: list[np.ndarray]) -> float:
+    """Average over clients of the entropy (nats) of the client's label distribution; lower = more skewed."""
+    counts = label_counts(labels, parts).astype(np.float64)
+    probs = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(probs > 0, -probs * np.log(probs), 0.0)
+    return float(terms.sum(axis=1).mean())

@@ -1,0 +1,113 @@
+"""fedpar.simulations.partition: coverage, determinism, sizes and skew of the client partitioners."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedpar.simulations.partition import (
+    PartitionSpec,
+    label_counts,
+    mean_label_entropy,
+    parse_partition,
+    partition_dirichlet,
+    partition_iid,
+    partition_shards,
+)
+
+BALANCED = np.repeat(np.arange(10), 100)  # 1,000 examples, 100 per class
+
+
+def _assert_exact_cover(parts: list[np.ndarray], n: int) -> None:
+    assert all(p.dtype == np.int64 for p in parts)
+    joined = np.concatenate(parts)
+    assert len(joined) == n
+    np.testing.assert_array_equal(np.sort(joined), np.arange(n))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(20, 300), clients=st.integers(1, 10), seed=st.integers(0, 2**31),
+       spec=st.sampled_from(["iid", "dirichlet:0.3", "dirichlet:5", "shards:1", "shards:2"]))
+def test_every_partition_covers_each_example_once(n, clients, seed, spec):
+    labels = np.random.default_rng(seed).integers(0, 5, n)
+    partition = parse_partition(spec)
+    if partition.kind == "dirichlet":
+        partition = PartitionSpec("dirichlet", alpha=partition.alpha, min_size=0)
+    parts = partition(labels, clients, seed)
+    assert len(parts) == clients
+    _assert_exact_cover(parts, n)
+
+
+def test_iid_sizes_differ_by_at_most_one_and_are_deterministic():
+    parts = partition_iid(103, 10, seed=3)
+    assert sorted(len(p) for p in parts) == [10] * 7 + [11] * 3
+    again = partition_iid(103, 10, seed=3)
+    other = partition_iid(103, 10, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
+    # random, not contiguous blocks
+    assert not np.array_equal(parts[0], np.arange(parts[0][0], parts[0][0] + len(parts[0])))
+
+
+def test_dirichlet_is_deterministic_and_respects_min_size():
+    a = partition_dirichlet(BALANCED, 10, alpha=0.5, seed=1, min_size=20)
+    b = partition_dirichlet(BALANCED, 10, alpha=0.5, seed=1, min_size=20)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert min(len(p) for p in a) >= 20
+    _assert_exact_cover(a, len(BALANCED))
+
+
+def test_small_alpha_is_more_skewed_than_large_alpha():
+    low = [mean_label_entropy(BALANCED, partition_dirichlet(BALANCED, 10, 0.1, seed=s, min_size=5)) for s in range(5)]
+    high = [mean_label_entropy(BALANCED, partition_dirichlet(BALANCED, 10, 100.0, seed=s)) for s in range(5)]
+    iid = mean_label_entropy(BALANCED, partition_iid(len(BALANCED), 10, seed=0))
+    assert np.log(10) - iid < 0.1  # IID clients see nearly uniform labels (max entropy ln 10 = 2.303)
+    assert np.mean(high) > 2.15
+    assert np.mean(low) < 0.6 * np.mean(high)
+
+
+def test_dirichlet_gives_a_clear_error_when_min_size_cannot_be_met():
+    with pytest.raises(ValueError, match="after 5 draws some client still had fewer than 90 examples"):
+        partition_dirichlet(BALANCED, 10, alpha=0.05, seed=0, min_size=90, max_attempts=5)
+    with pytest.raises(ValueError, match="min_size=200 per client is impossible"):
+        partition_dirichlet(BALANCED, 10, alpha=1.0, seed=0, min_size=200)
+    with pytest.raises(ValueError, match="alpha must be positive"):
+        partition_dirichlet(BALANCED, 10, alpha=0.0, seed=0)
+
+
+def test_shards_give_each_client_few_labels():
+    parts = partition_shards(BALANCED, 10, shards_per_client=2, seed=0)
+    _assert_exact_cover(parts, len(BALANCED))
+    assert [len(p) for p in parts] == [100] * 10
+    counts = label_counts(BALANCED, parts)
+    assert counts.shape == (10, 10)
+    assert ((counts > 0).sum(axis=1) <= 2).all()  # 20 shards of 50 each hold a single label
+    np.testing.assert_array_equal(counts.sum(axis=0), [100] * 10)
+    again = partition_shards(BALANCED, 10, shards_per_client=2, seed=0)
+    assert all(np.array_equal(x, y) for x, y in zip(parts, again))
+    with pytest.raises(ValueError, match="more than the 1000 examples"):
+        partition_shards(BALANCED, 600, shards_per_client=2, seed=0)
+
+
+def test_parse_partition_specs():
+    assert parse_partition("iid") == PartitionSpec("iid")
+    assert parse_partition(" Dirichlet:0.5 ") == PartitionSpec("dirichlet", alpha=0.5)
+    assert parse_partition("shards:2") == PartitionSpec("shards", shards_per_client=2)
+    assert str(parse_partition("dirichlet:0.50")) == "dirichlet:0.5"
+    parts = parse_partition("shards:1")(BALANCED, 10, 0)
+    assert (label_counts(BALANCED, parts) > 0).sum(axis=1).tolist() == [1] * 10
+    for bad in ["", "iid:3", "dirichlet", "dirichlet:", "dirichlet:abc", "dirichlet:-1", "dirichlet:nan",
+                "shards:0", "shards:1.5", "pathological", "shards"]:
+        with pytest.raises(ValueError, match="expected|; one of"):
+            parse_partition(bad)
+
+
+def test_partitioners_validate_inputs():
+    with pytest.raises(ValueError, match="use fewer clients"):
+        partition_iid(3, 5, seed=0)
+    with pytest.raises(ValueError, match="num_clients must be at least 1"):
+        partition_iid(3, 0, seed=0)
+    with pytest.raises(ValueError, match="1-D integer array"):
+        partition_shards(np.zeros(10), 2, 1, seed=0)
