@@ -1,1 +1,20 @@
-"""fedpar.aggregation"""
+"""fedpar.aggregation: strategies and the math of federated aggregation (streaming, sharded, multi-rank)."""
+
+from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
+from fedpar.aggregation.averaging import FedAvg, FedAvgM
+from fedpar.aggregation.distributed import all_reduce_weighted_sum
+from fedpar.aggregation.errors import NoUpdatesError
+from fedpar.aggregation.fedavg import fedavg
+from fedpar.aggregation.fedopt import FedAdagrad, FedAdam, FedOpt, FedYogi
+from fedpar.aggregation.fedprox import FedProx, proximal_term
+from fedpar.aggregation.layout import Layout
+from fedpar.aggregation.registry import build_strategy, strategy_names
+from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
+from fedpar.aggregation.strategy import Strategy, StreamingStrategy
+
+__all__ = [
+    "FoldConfig", "WeightedSum", "Layout", "fedavg", "all_reduce_weighted_sum", "NoUpdatesError",
+    "Strategy", "StreamingStrategy", "FedAvg", "FedAvgM", "FedProx", "proximal_term",
+    "FedOpt", "FedAdam", "FedYogi", "FedAdagrad", "Median", "TrimmedMean", "Krum", "MultiKrum",
+    "build_strategy", "strategy_names",
+]

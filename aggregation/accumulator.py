@@ -1,0 +1,167 @@
+"""Streaming weighted sum of model updates: the running state behind FedAvg and the FedOpt family."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedpar.aggregation.kernels import KERNELS, Segment, plan_shards
+from fedpar.aggregation.layout import Layout, accumulate_dtype_for, all_finite, cast_like
+
+
+@dataclass(frozen=True)
+class FoldConfig:
+    """How a weighted sum is accumulated."""
+
+    accumulate_dtype: str = "float32"  # "float32" or "float64"; float64 inputs always accumulate in float64
+    num_workers: int = 0  # threads folding shards side by side; 0 = one per CPU core
+    min_parallel_elements: int = 1 << 20  # models smaller than this are folded on the calling thread
+    block_elements: int = 1 << 15  # elements per cache block (per worker, x accumulator itemsize)
+    backend: str = "numpy"  # "numpy" (multiply+add through a cached block) or "torch" (fused add_)
+    group_size: int = 8  # updates folded per pass over the accumulator when several are at hand
+
+    def __post_init__(self) -> None:
+        """Reject unknown settings early."""
+        accumulate_dtype_for(np.dtype(np.float32), self.accumulate_dtype)
+        if self.backend not in KERNELS:
+            raise ValueError(f"backend must be one of {sorted(KERNELS)}, got {self.backend!r}")
+        if self.num_workers < 0 or self.block_elements < 1 or self.group_size < 1:
+            raise ValueError("num_workers must be >= 0, block_elements and group_size >= 1")
+
+    def workers(self) -> int:
+        """The resolved number of worker threads."""
+        return self.num_workers or os.cpu_count() or 1
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``n`` fold workers (shared by every accumulator)."""
+    with _POOLS_LOCK:
+        if n not in _POOLS:
+            _POOLS[n] = ThreadPoolExecutor(n, thread_name_prefix="fedpar-fold")
+        return _POOLS[n]
+
+
+def check_weight(weight: float) -> float:
+    """Return ``weight`` as a float after checking it is finite and non-negative."""
+    w = float(weight)
+    if not np.isfinite(w) or w < 0:
+        raise ValueError(f"num_examples (the update weight) must be a finite number >= 0, got {weight!r}")
+    return w
+
+
+class WeightedSum:
+    """Running ``sum_k w_k * x_k`` and ``sum_k w_k`` over updates of one layout; memory is one model.
+
+    The accumulator is one flat buffer per accumulation dtype; each array of the model is a view into
+    it. Large models are cut into contiguous shards folded side by side by a thread pool (numpy and
+    torch release the GIL in their loops). ``fold`` is thread-safe.
+    """
+
+    def __init__(self, layout: Layout, config: FoldConfig | None = None) -> None:
+        """Allocate a zeroed accumulator for ``layout``."""
+        self.layout = layout
+        self.config = config or FoldConfig()
+        self.acc_dtypes = [accumulate_dtype_for(d, self.config.accumulate_dtype) for d in layout.dtypes]
+        self.buffers: dict[str, np.ndarray] = {}
+        sizes = layout.sizes
+        for dt in sorted({d.name for d in self.acc_dtypes}):
+            n = sum(s for s, d in zip(sizes, self.acc_dtypes) if d.name == dt)
+            self.buffers[dt] = np.zeros(n, dtype=dt)
+        self.views: list[np.ndarray] = []
+        used = {dt: 0 for dt in self.buffers}
+        for size, d in zip(sizes, self.acc_dtypes):
+            self.views.append(self.buffers[d.name][used[d.name]: used[d.name] + size])
+            used[d.name] += size
+        workers = self.config.workers()
+        parallel = workers > 1 and layout.num_elements >= self.config.min_parallel_elements
+        self.shards: list[list[Segment]] = plan_shards(sizes, workers if parallel else 1)
+        self.total_weight = 0.0
+        self.count = 0
+        self._lock = threading.Lock()
+        # one scratch block per shard (the numpy kernel's w * x lands here and stays in cache)
+        self._tmp = [np.empty(self.config.block_elements * 8, dtype=np.uint8) for _ in self.shards]
+
+    def reset(self) -> None:
+        """Zero the sum so the accumulator can serve another round."""
+        with self._lock:
+            for b in self.buffers.values():
+                b.fill(0)
+            self.total_weight = 0.0
+            self.count = 0
+
+    def _run_shards(self, fn) -> list:
+        """Run ``fn(shard_index)`` for every shard, on the pool when there are several."""
+        if len(self.shards) == 1:
+            return [fn(0)]
+        return list(_pool(len(self.shards)).map(fn, range(len(self.shards))))
+
+    def _flat_inputs(self, arrays: Sequence[np.ndarray], who: str) -> list[np.ndarray]:
+        """Checked, flattened (view when contiguous) inputs."""
+        return [np.ravel(a) for a in self.layout.check(arrays, who)]
+
+    def all_finite(self, flat_items: Sequence[Sequence[np.ndarray]]) -> bool:
+        """True if every array of every item is free of NaN/Inf (checked shard by shard on the pool)."""
+        def check(k: int) -> bool:
+            return all(all_finite(xs[i][s:e]) for xs in flat_items for i, s, e in self.shards[k])
+        return all(self._run_shards(check))
+
+    def _fold_flat(self, flat_items: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> None:
+        """Add ``sum_k weights[k] * flat_items[k]`` into the accumulator, shard by shard."""
+        kernel = KERNELS[self.config.backend]
+        block = self.config.block_elements
+
+        def fold_shard(k: int) -> None:
+            for i, s, e in self.shards[k]:
+                acc = self.views[i][s:e]
+                tmp = self._tmp[k][: block * acc.dtype.itemsize].view(acc.dtype)
+                kernel(acc, [xs[i][s:e] for xs in flat_items], weights, tmp, block)
+
+        self._run_shards(fold_shard)
+
+    def fold(self, arrays: Sequence[np.ndarray], weight: float, check_finite: bool = True,
+             who: str = "update") -> None:
+        """Add ``weight * arrays``; with ``check_finite`` an update holding NaN/Inf is rejected untouched."""
+        w = check_weight(weight)
+        flat = self._flat_inputs(arrays, who)
+        if check_finite and not self.all_finite([flat]):
+            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        with self._lock:
+            self._fold_flat([flat], [w])
+            self.total_weight += w
+            self.count += 1
+
+    def fold_many(self, items: Sequence[tuple[Sequence[np.ndarray], float]], check_finite: bool = True) -> None:
+        """Fold several updates at once, ``group_size`` per pass over the accumulator (fewer memory passes)."""
+        g = self.config.group_size
+        for start in range(0, len(items), g):
+            group = items[start: start + g]
+            ws = [check_weight(w) for _, w in group]
+            flats = [self._flat_inputs(a, f"update {start + j}") for j, (a, _) in enumerate(group)]
+            if check_finite and not self.all_finite(flats):
+                raise ValueError(f"one of updates {start}..{start + len(group) - 1} contains NaN or Inf values")
+            with self._lock:
+                self._fold_flat(flats, ws)
+                self.total_weight += sum(ws)
+                self.count += len(group)
+
+    def mean(self, inplace: bool = False) -> list[np.ndarray]:
+        """The weighted mean in the input dtypes; ``inplace`` divides the accumulator itself (it is then spent)."""
+        if self.count == 0:
+            raise ValueError("no updates were folded; cannot average an empty set of results")
+        if self.total_weight <= 0:
+            raise ValueError("the total weight (sum of num_examples) is zero; at least one update needs num_examples > 0")
+        out = []
+        for view, shape, dtype in zip(self.views, self.layout.shapes, self.layout.dtypes):
+            total = view.dtype.type(self.total_weight)
+            avg = np.divide(view, total, out=view) if inplace else view / total
+            out.append(cast_like(avg, dtype).reshape(shape))
+        return out

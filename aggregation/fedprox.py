@@ -1,0 +1,42 @@
+"""FedProx (Li et al. 2020): FedAvg at the server, a proximal term ``mu/2 ||w - w_global||^2`` at the client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from fedpar.aggregation.accumulator import FoldConfig
+from fedpar.aggregation.strategy import ConfigValue, StreamingStrategy
+
+
+def proximal_term(model_params: Iterable[torch.Tensor], global_params: Iterable[torch.Tensor],
+                  mu: float) -> torch.Tensor:
+    """``mu/2 * sum ||w - w_global||^2``; add it to the client's loss (``global_params`` are treated as constants)."""
+    model_params = list(model_params)
+    global_params = list(global_params)
+    if len(model_params) != len(global_params):
+        raise ValueError(f"proximal_term got {len(model_params)} model tensors but {len(global_params)} global ones")
+    if not model_params:
+        raise ValueError("proximal_term needs at least one parameter tensor")
+    total = model_params[0].new_zeros(())
+    for w, g in zip(model_params, global_params):
+        total = total + torch.sum((w - g.detach().to(w.dtype)) ** 2)
+    return 0.5 * mu * total
+
+
+class FedProx(StreamingStrategy):
+    """FedAvg aggregation; ``proximal_mu`` is sent to clients, whose trainer adds :func:`proximal_term`."""
+
+    name = "fedprox"
+
+    def __init__(self, proximal_mu: float = 0.01, fold_config: FoldConfig | None = None) -> None:
+        """Set the proximal coefficient mu (>= 0)."""
+        super().__init__(fold_config)
+        if proximal_mu < 0:
+            raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
+        self.proximal_mu = float(proximal_mu)
+
+    def client_config(self, round_id: int) -> dict[str, ConfigValue]:
+        """Every client gets ``proximal_mu``."""
+        return {"proximal_mu": self.proximal_mu}

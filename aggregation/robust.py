@@ -1,0 +1,199 @@
+"""Byzantine-robust rules that need all updates at once: coordinate-wise median, trimmed mean, (Multi-)Krum.
+
+Memory: these strategies keep exactly one copy of each update (K models in the model's dtypes), plus a
+K x chunk float64 scratch block while finishing. They are unweighted (num_examples only weights
+Multi-Krum's final average), as in the original papers and Flower.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from fedpar.aggregation.layout import Layout, all_finite, cast_like
+from fedpar.aggregation.strategy import Strategy
+
+_ROBUST_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes) plus a "
+                  "K x chunk float64 scratch block at finish; memory grows linearly with the cohort size")
+
+
+class UpdateStore:
+    """One flat copy of each update of a round, plus weights; read back in column chunks."""
+
+    def __init__(self, layout: Layout, scratch_bytes: int = 32 << 20) -> None:
+        """Empty store for ``layout``; ``scratch_bytes`` bounds the K x chunk work block."""
+        self.layout = layout
+        self.updates: list[list[np.ndarray]] = []
+        self.weights: list[float] = []
+        self.scratch_bytes = scratch_bytes
+        self._lock = threading.Lock()
+
+    def add(self, update: Sequence[np.ndarray], weight: float, who: str) -> None:
+        """Copy ``update`` in after checking layout and finiteness."""
+        arrays = self.layout.check(update, who)
+        if not all(all_finite(a) for a in arrays):
+            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        copy = [np.array(a, copy=True).ravel() for a in arrays]
+        with self._lock:
+            self.updates.append(copy)
+            self.weights.append(float(weight))
+
+    def __len__(self) -> int:
+        """Number of stored updates."""
+        return len(self.updates)
+
+    def chunks(self) -> Iterator[tuple[int, int, int, np.ndarray]]:
+        """Yield ``(array index, start, stop, K x (stop-start) float64 block)`` covering every parameter."""
+        k = max(1, len(self.updates))
+        step = max(1024, self.scratch_bytes // (8 * k))
+        for i, size in enumerate(self.layout.sizes):
+            for s in range(0, size, step):
+                e = min(s + step, size)
+                yield i, s, e, np.stack([u[i][s:e] for u in self.updates]).astype(np.float64, copy=False)
+
+    def combine_columns(self, fn) -> list[np.ndarray]:
+        """Apply ``fn(K x n block) -> n values`` column-chunk by chunk; returns arrays in the model layout/dtypes."""
+        out = [np.empty(size, np.float64) for size in self.layout.sizes]
+        for i, s, e, block in self.chunks():
+            out[i][s:e] = fn(block)
+        return [cast_like(o, d).reshape(sh) for o, d, sh in zip(out, self.layout.dtypes, self.layout.shapes)]
+
+    def squared_distances(self) -> np.ndarray:
+        """K x K squared Euclidean distances between stored updates (float64 Gram of centred chunks)."""
+        k = len(self.updates)
+        gram = np.zeros((k, k))
+        for _, _, _, block in self.chunks():
+            block = block - block.mean(axis=0, keepdims=True)  # translation-invariant; limits cancellation
+            gram += block @ block.T
+        sq = np.diag(gram)
+        return np.maximum(sq[:, None] + sq[None, :] - 2 * gram, 0.0)
+
+
+class BufferedStrategy(Strategy):
+    """Base for strategies that see all updates at finish."""
+
+    memory_note = _ROBUST_MEMORY
+
+    def __init__(self) -> None:
+        """No store until a round begins."""
+        super().__init__()
+        self._store: UpdateStore | None = None
+
+    def _reset_round(self, layout: Layout) -> None:
+        """Fresh store for the round."""
+        self._store = UpdateStore(layout)
+
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
+        """Keep one copy of the update."""
+        w = float(num_examples)
+        if not np.isfinite(w) or w < 0:
+            raise ValueError(f"num_examples must be a finite number >= 0, got {num_examples!r}")
+        assert self._store is not None
+        self._store.add(update, w, who)
+
+    def _num_folded(self) -> int:
+        """Stored updates."""
+        return len(self._store) if self._store is not None else 0
+
+    def _drop_round(self) -> None:
+        """Release the stored updates."""
+        self._store = None
+
+
+class Median(BufferedStrategy):
+    """Coordinate-wise median of the clients' weights (Yin et al. 2018)."""
+
+    name = "median"
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Median per coordinate."""
+        assert self._store is not None
+        return self._store.combine_columns(lambda b: np.median(b, axis=0)), {}
+
+
+class TrimmedMean(BufferedStrategy):
+    """Coordinate-wise mean after dropping the ``beta`` fraction of largest and of smallest values (Yin et al. 2018)."""
+
+    name = "trimmed_mean"
+
+    def __init__(self, beta: float = 0.2) -> None:
+        """``beta`` in [0, 0.5): fraction cut from each end (as scipy's trim_mean / Flower's FedTrimmedAvg)."""
+        super().__init__()
+        if not 0 <= beta < 0.5:
+            raise ValueError(f"beta must be in [0, 0.5), got {beta}")
+        self.beta = float(beta)
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Sort each column, average the middle."""
+        assert self._store is not None
+        k = len(self._store)
+        cut = int(self.beta * k)
+
+        def trimmed(block: np.ndarray) -> np.ndarray:
+            if cut == 0:
+                return block.mean(axis=0)
+            part = np.partition(block, (cut, k - cut - 1), axis=0)
+            return part[cut: k - cut].mean(axis=0)
+
+        return self._store.combine_columns(trimmed), {"trimmed_per_side": float(cut)}
+
+
+class Krum(BufferedStrategy):
+    """Krum (Blanchard et al. 2017): the update closest to its ``n - f - 2`` nearest neighbours; Multi-Krum averages the best ``m``."""
+
+    name = "krum"
+
+    def __init__(self, num_malicious: int = 0, num_selected: int = 1) -> None:
+        """``num_malicious`` = f; ``num_selected`` = m (1 is Krum; m > 1 averages the m best, weighted by num_examples)."""
+        super().__init__()
+        if num_malicious < 0 or num_selected < 1:
+            raise ValueError("num_malicious must be >= 0 and num_selected >= 1")
+        self.num_malicious = int(num_malicious)
+        self.num_selected = int(num_selected)
+
+    def scores(self) -> np.ndarray:
+        """Krum score of every stored update: sum of squared distances to its n - f - 2 closest others."""
+        assert self._store is not None
+        d = self._store.squared_distances()
+        n = d.shape[0]
+        closest = max(1, n - self.num_malicious - 2)
+        scores = np.empty(n)
+        for i in range(n):
+            others = np.delete(d[i], i)
+            scores[i] = np.sort(others)[:closest].sum() if n > 1 else 0.0
+        return scores
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Select by score and average the selection."""
+        assert self._store is not None
+        store = self._store
+        chosen = np.argsort(self.scores(), kind="stable")[: min(self.num_selected, len(store))]
+        w = np.array([store.weights[j] for j in chosen])
+        w = w / w.sum() if w.sum() > 0 else np.full(len(chosen), 1.0 / len(chosen))
+        out = []
+        for i, (shape, dtype) in enumerate(zip(store.layout.shapes, store.layout.dtypes)):
+            acc = np.zeros(store.layout.sizes[i], np.float64)
+            for j, wj in zip(chosen, w):
+                acc += wj * store.updates[j][i]
+            out.append(cast_like(acc, dtype).reshape(shape))
+        return out, {"selected": float(len(chosen)), "first_selected_index": float(chosen[0])}
+
+
+class MultiKrum(Krum):
+    """Multi-Krum (El Mhamdi et al. 2018): weighted mean of the ``m`` best-scoring updates (default m = n - f at finish)."""
+
+    name = "multikrum"
+
+    def __init__(self, num_malicious: int = 0, num_selected: int = 0) -> None:
+        """``num_selected`` 0 means n - f."""
+        super().__init__(num_malicious, max(1, num_selected))
+        self._auto = num_selected == 0
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Resolve m = n - f when asked, then as Krum."""
+        if self._auto:
+            assert self._store is not None
+            self.num_selected = max(1, len(self._store) - self.num_malicious)
+        return super()._finish(global_weights)

@@ -1,0 +1,192 @@
+"""The server-side strategy interface (Flower-like) and the streaming base most strategies share."""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
+from fedpar.aggregation.errors import NoUpdatesError
+from fedpar.aggregation.layout import Layout
+
+ConfigValue = float | int | str | bool
+
+
+class Strategy(abc.ABC):
+    """One federated round at the server: configure clients, fold updates in, finish with new global weights.
+
+    Call order per round: ``begin_round`` -> any number of ``fold`` (thread-safe, one per complete,
+    validated upload) -> ``finish`` or ``abort_round``. ``state_dict``/``load_state_dict`` carry the
+    strategy's own cross-round state (momentum, Adam moments, round number) as arrays + JSON, no pickle.
+    """
+
+    name: ClassVar[str] = ""
+    memory_note: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        """Start with no round open."""
+        self.round_id = 0
+        self._global: list[np.ndarray] | None = None
+        self._layout: Layout | None = None
+        self._clients: set[str] = set()
+        self._lock = threading.Lock()
+
+    def client_config(self, round_id: int) -> dict[str, ConfigValue]:
+        """Extra task configuration sent to every client sampled in ``round_id`` (none by default)."""
+        return {}
+
+    def begin_round(self, round_id: int, global_weights: Sequence[np.ndarray]) -> None:
+        """Open ``round_id`` on top of ``global_weights`` (kept by reference: do not mutate them until finish)."""
+        layout = Layout.of(global_weights)
+        self._global = [np.asarray(a) for a in global_weights]
+        self._layout = layout
+        self._clients = set()
+        self.round_id = int(round_id)
+        self._reset_round(layout)
+
+    def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "") -> None:
+        """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``."""
+        if self._layout is None:
+            raise RuntimeError("fold() called with no open round; call begin_round(round_id, global_weights) first")
+        who = f"update from client {client_id!r}" if client_id else "update"
+        with self._lock:
+            if client_id and client_id in self._clients:
+                raise ValueError(f"client {client_id!r} already contributed to round {self.round_id}; "
+                                 "each client may send one update per round")
+            if client_id:
+                self._clients.add(client_id)
+        try:
+            self._fold(update, num_examples, who)
+        except Exception:
+            with self._lock:
+                self._clients.discard(client_id)
+            raise
+
+    def finish(self) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Close the round: the new global weights (input dtypes) and metrics. Raises NoUpdatesError if empty."""
+        if self._layout is None or self._global is None:
+            raise RuntimeError("finish() called with no open round; call begin_round first")
+        if self._num_folded() == 0:
+            raise NoUpdatesError(f"round {self.round_id} received no updates; keep the old global model "
+                                 "(call abort_round) or wait for clients")
+        new, metrics = self._finish(self._global)
+        metrics = {"num_updates": float(self._num_folded()), **metrics,
+                   "update_norm": _distance(new, self._global)}
+        self._end_round()
+        return new, metrics
+
+    def abort_round(self) -> None:
+        """Drop the open round's partial state; the strategy's cross-round state stays as it was."""
+        self._end_round()
+
+    def _end_round(self) -> None:
+        """Forget the round's inputs."""
+        self._global = None
+        self._layout = None
+        self._clients = set()
+        self._drop_round()
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Cross-round state as named arrays plus JSON-able metadata (no pickle)."""
+        arrays, meta = self._state()
+        return arrays, {"strategy": self.name, "round": self.round_id, **meta}
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (for a resumed coordinator)."""
+        if meta.get("strategy") != self.name:
+            raise ValueError(f"state was saved by strategy {meta.get('strategy')!r}, not {self.name!r}; "
+                             "resume with the same strategy")
+        self.round_id = int(meta.get("round", 0))
+        self._load_state(arrays, meta)
+
+    # --- hooks for subclasses ---
+    @abc.abstractmethod
+    def _reset_round(self, layout: Layout) -> None:
+        """Prepare empty per-round state for ``layout``."""
+
+    @abc.abstractmethod
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
+        """Validate and count one update (thread-safe)."""
+
+    @abc.abstractmethod
+    def _num_folded(self) -> int:
+        """Updates counted so far this round."""
+
+    @abc.abstractmethod
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Compute the new global weights and strategy-specific metrics."""
+
+    @abc.abstractmethod
+    def _drop_round(self) -> None:
+        """Release per-round state."""
+
+    def _state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Strategy-specific cross-round state (none by default)."""
+        return {}, {}
+
+    def _load_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Restore strategy-specific cross-round state (none by default)."""
+
+
+class StreamingStrategy(Strategy):
+    """A strategy whose round state is one running weighted sum (memory: one model, any cohort size)."""
+
+    memory_note = ("streaming: one accumulator of the model size (float32, or float64 if asked) whatever "
+                   "the number of clients; updates are not retained")
+
+    def __init__(self, fold_config: FoldConfig | None = None) -> None:
+        """Use ``fold_config`` for the running sum."""
+        super().__init__()
+        self.fold_config = fold_config or FoldConfig()
+        self._acc: WeightedSum | None = None
+
+    def _reset_round(self, layout: Layout) -> None:
+        """Reuse the accumulator across rounds when the layout is unchanged."""
+        if self._acc is not None and self._acc.layout == layout:
+            self._acc.reset()
+        else:
+            self._acc = WeightedSum(layout, self.fold_config)
+
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
+        """Add the update into the running sum."""
+        assert self._acc is not None
+        self._acc.fold(update, num_examples, check_finite=True, who=who)
+
+    def _num_folded(self) -> int:
+        """Updates in the running sum."""
+        return self._acc.count if self._acc is not None else 0
+
+    def _drop_round(self) -> None:
+        """Zeroed lazily at the next begin_round; the buffer is kept for reuse."""
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Average, then let the subclass turn the average into the new global model."""
+        assert self._acc is not None
+        total = self._acc.total_weight
+        avg = self._acc.mean(inplace=True)  # the accumulator is zeroed at the next begin_round anyway
+        new = self._server_update(global_weights, avg)
+        return new, {"num_examples": float(total)}
+
+    def _server_update(self, global_weights: list[np.ndarray], average: list[np.ndarray]) -> list[np.ndarray]:
+        """New global weights from the weighted average of the clients' weights (FedAvg: the average)."""
+        return average
+
+    @property
+    def accumulator(self) -> WeightedSum | None:
+        """The running sum of the open round (for the cross-process all-reduce)."""
+        return self._acc
+
+
+def _distance(a: Sequence[np.ndarray], b: Sequence[np.ndarray], chunk: int = 1 << 20) -> float:
+    """Euclidean distance between two models, in float64, one chunk at a time (bounded scratch memory)."""
+    total = 0.0
+    for x, y in zip(a, b):
+        x, y = np.ravel(x), np.ravel(y)
+        for s in range(0, x.size, chunk):
+            d = x[s: s + chunk].astype(np.float64) - y[s: s + chunk]
+            total += float(np.dot(d, d))
+    return float(np.sqrt(total))
