@@ -52,7 +52,10 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 def check_weight(weight: float) -> float:
     """Return ``weight`` as a float after checking it is finite and non-negative."""
-    w = float(weight)
+    try:
+        w = float(weight)
+    except (TypeError, ValueError):
+        raise ValueError(f"num_examples (the update weight) must be a number, got {type(weight).__name__}") from None
     if not np.isfinite(w) or w < 0:
         raise ValueError(f"num_examples (the update weight) must be a finite number >= 0, got {weight!r}")
     return w
