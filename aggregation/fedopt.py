@@ -6,7 +6,8 @@ The averaged client delta ``Delta = average - global`` is a pseudo-gradient (asc
   v = v - (1-b2)*Delta^2*sign(v - Delta^2)           (FedYogi)
   v = v + Delta^2                                    (FedAdagrad)
   x = x + eta * m / (sqrt(v) + tau)
-with m and v starting at zero (as in Flower; the paper also allows v_{-1} = tau^2) and no bias correction.
+with m and v starting at zero (as in Flower; the paper also allows v_{-1} = tau^2). The paper has no
+bias correction; ``bias_correction=True`` scales eta by sqrt(1-b2^t)/(1-b1^t) as in Adam (t = server steps).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ class FedOpt(StreamingStrategy):
     memory_note = StreamingStrategy.memory_note + "; plus first and second moment buffers (2 models, float32/64)"
 
     def __init__(self, eta: float = 1e-1, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-9,
-                 fold_config: FoldConfig | None = None) -> None:
-        """Server learning rate ``eta``, moment factors, and adaptivity ``tau``."""
+                 fold_config: FoldConfig | None = None, bias_correction: bool = False) -> None:
+        """Server learning rate ``eta``, moment factors, adaptivity ``tau``, optional Adam bias correction."""
         super().__init__(fold_config)
+        self.bias_correction = bool(bias_correction)
+        self.steps = 0
         if eta <= 0 or tau <= 0 or not 0 <= beta_1 < 1 or not 0 <= beta_2 < 1:
             raise ValueError("need eta > 0, tau > 0, 0 <= beta_1 < 1, 0 <= beta_2 < 1")
         self.eta, self.beta_1, self.beta_2, self.tau = float(eta), float(beta_1), float(beta_2), float(tau)
@@ -48,11 +51,15 @@ class FedOpt(StreamingStrategy):
             self.m = [np.zeros_like(d) for d in deltas]
             self.v = [np.zeros_like(d) for d in deltas]
         b1 = self.beta_1
+        self.steps += 1
+        eta = self.eta
+        if self.bias_correction:
+            eta *= float(np.sqrt(1 - self.beta_2 ** self.steps) / (1 - b1 ** self.steps))
         new = []
         for i, (g, d) in enumerate(zip(global_weights, deltas)):
             self.m[i] = b1 * self.m[i] + (1 - b1) * d
             self.v[i] = self._second_moment(self.v[i], d * d)
-            step = self.eta * self.m[i] / (np.sqrt(self.v[i]) + self.tau)
+            step = eta * self.m[i] / (np.sqrt(self.v[i]) + self.tau)
             new.append(cast_like(np.asarray(g, d.dtype) + step, g.dtype))
         return new
 
@@ -63,11 +70,13 @@ class FedOpt(StreamingStrategy):
             arrays[f"m.{i}"] = m
             arrays[f"v.{i}"] = v
         return arrays, {"eta": self.eta, "beta_1": self.beta_1, "beta_2": self.beta_2, "tau": self.tau,
+                        "bias_correction": self.bias_correction, "steps": self.steps,
                         "num_arrays": len(self.m or [])}
 
     def _load_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """Restore the moments."""
         n = int(meta.get("num_arrays", 0))
+        self.steps = int(meta.get("steps", 0))
         self.m = [np.array(arrays[f"m.{i}"]) for i in range(n)] or None
         self.v = [np.array(arrays[f"v.{i}"]) for i in range(n)] or None
 
@@ -88,9 +97,9 @@ class FedYogi(FedOpt):
     name = "fedyogi"
 
     def __init__(self, eta: float = 1e-2, beta_1: float = 0.9, beta_2: float = 0.99, tau: float = 1e-3,
-                 fold_config: FoldConfig | None = None) -> None:
+                 fold_config: FoldConfig | None = None, bias_correction: bool = False) -> None:
         """Flower's defaults for Yogi (eta 1e-2, tau 1e-3)."""
-        super().__init__(eta, beta_1, beta_2, tau, fold_config)
+        super().__init__(eta, beta_1, beta_2, tau, fold_config, bias_correction)
 
     def _second_moment(self, v: np.ndarray, delta_sq: np.ndarray) -> np.ndarray:
         """Additive, sign-controlled update."""
@@ -103,9 +112,9 @@ class FedAdagrad(FedOpt):
     name = "fedadagrad"
 
     def __init__(self, eta: float = 1e-1, beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-9,
-                 fold_config: FoldConfig | None = None) -> None:
+                 fold_config: FoldConfig | None = None, bias_correction: bool = False) -> None:
         """Adagrad has no second-moment decay; beta_1 defaults to 0 (plain Adagrad, as in Flower)."""
-        super().__init__(eta, beta_1, beta_2, tau, fold_config)
+        super().__init__(eta, beta_1, beta_2, tau, fold_config, bias_correction)
 
     def _second_moment(self, v: np.ndarray, delta_sq: np.ndarray) -> np.ndarray:
         """Sum of squared deltas."""

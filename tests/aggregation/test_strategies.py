@@ -1,0 +1,283 @@
+"""Every strategy against a closed-form/reference computation, plus the round life cycle and saved state."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fedpar.aggregation import (FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Krum, Median, MultiKrum,
+                                NoUpdatesError, TrimmedMean, build_strategy, proximal_term, strategy_names)
+
+SHAPES = [(4, 3), (3,), (2, 2, 2)]
+
+
+def model(rng, scale=1.0, dtype=np.float64):
+    return [(scale * rng.standard_normal(s)).astype(dtype) for s in SHAPES]
+
+
+def cohort(rng, k, global_w, spread=0.1):
+    return [([g + spread * rng.standard_normal(g.shape) for g in global_w], int(rng.integers(1, 30))) for _ in range(k)]
+
+
+def wmean(results):
+    w = np.array([n for _, n in results], float)
+    return [np.average(np.stack([u[i] for u, _ in results]), axis=0, weights=w) for i in range(len(SHAPES))]
+
+
+def run_round(strategy, round_id, global_w, results):
+    strategy.begin_round(round_id, global_w)
+    for j, (u, n) in enumerate(results):
+        strategy.fold(u, n, client_id=f"c{j}")
+    return strategy.finish()
+
+
+def assert_models_close(a, b, rtol=1e-10, atol=1e-12):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("cls", [FedAvg, FedProx])
+def test_fedavg_and_fedprox_are_the_weighted_mean(cls):
+    rng = np.random.default_rng(0)
+    g = model(rng)
+    results = cohort(rng, 7, g)
+    new, metrics = run_round(cls(), 1, g, results)
+    assert_models_close(new, wmean(results))
+    assert metrics["num_updates"] == 7 and metrics["num_examples"] == sum(n for _, n in results)
+    ref_norm = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(new, g)))
+    assert metrics["update_norm"] == pytest.approx(ref_norm, rel=1e-12)
+
+
+def test_fedprox_sends_mu_and_proximal_term_matches_closed_form():
+    assert FedProx(proximal_mu=0.25).client_config(3) == {"proximal_mu": 0.25}
+    assert FedAvg().client_config(3) == {}
+    w = [torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([[3.0]], requires_grad=True)]
+    g = [torch.tensor([0.0, 1.0]), torch.tensor([[1.0]])]
+    term = proximal_term(w, g, mu=0.5)
+    assert term.item() == pytest.approx(0.25 * (1 + 1 + 4))
+    term.backward()
+    np.testing.assert_allclose(w[0].grad.numpy(), 0.5 * np.array([1.0, 1.0]))  # d/dw = mu (w - g)
+    np.testing.assert_allclose(w[1].grad.numpy(), 0.5 * np.array([[2.0]]))
+    with pytest.raises(ValueError, match="model tensors"):
+        proximal_term(w, g[:1], 0.1)
+
+
+def test_fedavgm_matches_momentum_recurrence():
+    rng = np.random.default_rng(1)
+    lr, beta = 0.7, 0.5
+    s = FedAvgM(server_learning_rate=lr, server_momentum=beta)
+    g = model(rng)
+    ref_g, v = [x.copy() for x in g], None
+    for r in range(1, 4):
+        results = cohort(rng, 5, g)
+        new, _ = run_round(s, r, g, results)
+        grad = [a - b for a, b in zip(ref_g, wmean(results))]
+        v = grad if v is None else [beta * m + d for m, d in zip(v, grad)]
+        ref_g = [x - lr * m for x, m in zip(ref_g, v)]
+        assert_models_close(new, ref_g)
+        g = new
+
+
+def reference_fedopt(kind, rounds, eta, b1, b2, tau, bias=False):
+    """Independent closed form of Reddi et al. Algorithm 2 over a list of (global, average) pairs."""
+    m = v = None
+    outs = []
+    for t, (g, avg) in enumerate(rounds, start=1):
+        d = [a - x for a, x in zip(avg, g)]
+        m = [(1 - b1) * x for x in d] if m is None else [b1 * mm + (1 - b1) * x for mm, x in zip(m, d)]
+        if v is None:
+            v = [np.zeros_like(x) for x in d]
+        if kind == "fedadam":
+            v = [b2 * vv + (1 - b2) * x * x for vv, x in zip(v, d)]
+        elif kind == "fedyogi":
+            v = [vv - (1 - b2) * x * x * np.sign(vv - x * x) for vv, x in zip(v, d)]
+        else:
+            v = [vv + x * x for vv, x in zip(v, d)]
+        lr = eta * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) if bias else eta
+        outs.append([x + lr * mm / (np.sqrt(vv) + tau) for x, mm, vv in zip(g, m, v)])
+    return outs
+
+
+@pytest.mark.parametrize("cls,kw,bias", [
+    (FedAdam, dict(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3), False),
+    (FedAdam, dict(eta=0.05, beta_1=0.8, beta_2=0.9, tau=1e-3), True),
+    (FedYogi, dict(eta=0.02, beta_1=0.9, beta_2=0.99, tau=1e-3), False),
+    (FedAdagrad, dict(eta=0.1, beta_1=0.0, beta_2=0.0, tau=1e-2), False),
+])
+def test_fedopt_family_matches_reddi_algorithm_2(cls, kw, bias):
+    rng = np.random.default_rng(2)
+    s = cls(**kw, bias_correction=bias)
+    g = model(rng)
+    pairs, outs = [], []
+    for r in range(1, 5):
+        results = cohort(rng, 6, g, spread=0.3)
+        pairs.append((g, wmean(results)))
+        g, _ = run_round(s, r, g, results)
+        outs.append(g)
+    ref = reference_fedopt(cls.name, pairs, kw["eta"], kw["beta_1"], kw["beta_2"], kw["tau"], bias)
+    for got, want in zip(outs, ref):
+        assert_models_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_fedopt_matches_flower_where_flower_defines_the_same_rule():
+    flwr_strategy = pytest.importorskip("flwr.server.strategy")
+    from flwr.common import FitRes, Status, Code, ndarrays_to_parameters, parameters_to_ndarrays
+    rng = np.random.default_rng(7)
+    g0 = model(rng)
+    ours = FedYogi(eta=0.03, tau=1e-3)
+    theirs = flwr_strategy.FedYogi(initial_parameters=ndarrays_to_parameters(g0), eta=0.03, tau=1e-3)
+    g = g0
+    for r in range(1, 4):
+        results = cohort(rng, 4, g)
+        g, _ = run_round(ours, r, g, results)
+        fit = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(u), n, {})) for u, n in results]
+        params, _ = theirs.aggregate_fit(r, fit, [])
+        assert_models_close(g, parameters_to_ndarrays(params), rtol=1e-9)
+
+
+def test_robust_rules_match_numpy_and_scipy_references():
+    from scipy.stats import trim_mean
+    rng = np.random.default_rng(3)
+    g = model(rng)
+    results = cohort(rng, 9, g, spread=1.0)
+    stack = [np.stack([u[i] for u, _ in results]) for i in range(len(SHAPES))]
+    med, _ = run_round(Median(), 1, g, results)
+    assert_models_close(med, [np.median(s, axis=0) for s in stack], rtol=0, atol=0)
+    tm, metrics = run_round(TrimmedMean(beta=0.25), 1, g, results)
+    assert metrics["trimmed_per_side"] == 2
+    assert_models_close(tm, [trim_mean(s, 0.25, axis=0) for s in stack], rtol=1e-12)
+
+
+def krum_reference(results, f, m):
+    flat = [np.concatenate([a.ravel() for a in u]) for u, _ in results]
+    n = len(flat)
+    d = np.array([[np.sum((a - b) ** 2) for b in flat] for a in flat])
+    scores = [np.sort(np.delete(d[i], i))[: max(1, n - f - 2)].sum() for i in range(n)]
+    chosen = np.argsort(scores, kind="stable")[:m]
+    w = np.array([results[j][1] for j in chosen], float)
+    return [sum(wj * results[j][0][i] for j, wj in zip(chosen, w / w.sum())) for i in range(len(SHAPES))], chosen
+
+
+def test_krum_and_multikrum_match_brute_force_and_reject_outliers():
+    rng = np.random.default_rng(4)
+    g = model(rng)
+    results = cohort(rng, 8, g, spread=0.2)
+    for j in (2, 5):  # two far-away attackers
+        results[j] = ([x + 50.0 for x in results[j][0]], 1000)
+    want, chosen = krum_reference(results, f=2, m=1)
+    got, metrics = run_round(Krum(num_malicious=2), 1, g, results)
+    assert_models_close(got, want)
+    assert metrics["first_selected_index"] == chosen[0] and chosen[0] not in (2, 5)
+    want, chosen = krum_reference(results, f=2, m=6)
+    got, metrics = run_round(MultiKrum(num_malicious=2), 1, g, results)
+    assert metrics["selected"] == 6 and not {2, 5} & set(chosen.tolist())
+    assert_models_close(got, want)
+
+
+def test_robust_store_keeps_a_copy_and_streaming_keeps_no_reference():
+    rng = np.random.default_rng(5)
+    g = model(rng)
+    results = cohort(rng, 3, g)
+    for cls in (FedAvg, Median):
+        s = cls()
+        s.begin_round(1, g)
+        for j, (u, n) in enumerate(results):
+            mine = [x.copy() for x in u]
+            s.fold(mine, n, f"c{j}")
+            for x in mine:
+                x.fill(1e6)  # the caller reuses its buffers
+        new, _ = s.finish()
+        ref = wmean(results) if cls is FedAvg else [np.median(np.stack([u[i] for u, _ in results]), 0) for i in range(3)]
+        assert_models_close(new, ref)
+    assert "one copy of every update" in Median.memory_note and "one accumulator" in FedAvg.memory_note
+
+
+@pytest.mark.parametrize("name", ["fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedavg"])
+def test_state_dict_resume_continues_identically(name):
+    rng = np.random.default_rng(6)
+    g = model(rng)
+    rounds = []
+    for _ in range(4):
+        rounds.append(cohort(rng, 4, g, spread=0.2))
+    a = build_strategy(name)
+    ga = g
+    for r in (1, 2):
+        ga, _ = run_round(a, r, ga, rounds[r - 1])
+    arrays, meta = a.state_dict()
+    meta = json.loads(json.dumps(meta))  # JSON-able
+    assert meta["strategy"] == name and meta["round"] == 2
+    assert all(isinstance(v, np.ndarray) for v in arrays.values())
+    b = build_strategy(name)
+    b.load_state_dict({k: v.copy() for k, v in arrays.items()}, meta)
+    gb = ga
+    for r in (3, 4):
+        ga, _ = run_round(a, r, ga, rounds[r - 1])
+        gb, _ = run_round(b, r, gb, rounds[r - 1])
+        assert_models_close(ga, gb, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="saved by strategy"):
+        build_strategy("median").load_state_dict(arrays, meta)
+
+
+def test_abort_round_leaves_cross_round_state_unchanged():
+    rng = np.random.default_rng(8)
+    g = model(rng)
+    r1, r2, junk = cohort(rng, 3, g), cohort(rng, 3, g), cohort(rng, 3, g, spread=5.0)
+    a, b = FedAdam(eta=0.1, tau=1e-3), FedAdam(eta=0.1, tau=1e-3)
+    ga, _ = run_round(a, 1, g, r1)
+    gb, _ = run_round(b, 1, g, r1)
+    b.begin_round(2, gb)
+    for j, (u, n) in enumerate(junk):
+        b.fold(u, n, f"j{j}")
+    b.abort_round()
+    ga, _ = run_round(a, 2, ga, r2)
+    gb, _ = run_round(b, 2, gb, r2)
+    assert_models_close(ga, gb, rtol=0, atol=0)
+
+
+def test_life_cycle_errors():
+    rng = np.random.default_rng(9)
+    g = model(rng, dtype=np.float32)
+    for name in strategy_names():
+        s = build_strategy(name)
+        with pytest.raises(RuntimeError, match="begin_round"):
+            s.fold(g, 1)
+        s.begin_round(1, g)
+        with pytest.raises(NoUpdatesError):
+            s.finish()
+        with pytest.raises(ValueError, match="shape"):
+            s.fold([g[0].T, g[1], g[2]], 1, "x")
+        bad = [x.copy() for x in g]
+        bad[2][0, 0, 0] = np.nan
+        with pytest.raises(ValueError, match="NaN"):
+            s.fold(bad, 1, "y")
+        s.fold(g, 1, "x")  # the rejected client may retry
+        with pytest.raises(ValueError, match="already contributed"):
+            s.fold(g, 1, "x")
+        new, metrics = s.finish()
+        assert [x.dtype for x in new] == [np.float32] * 3 and metrics["num_updates"] == 1
+    with pytest.raises(ValueError, match="fedavg, fedavgm, fedprox"):
+        build_strategy("fedsgd")
+    with pytest.raises(ValueError, match="bad options"):
+        build_strategy("fedprox", mu=1)
+    assert build_strategy("Trimmed-Mean").name == "trimmed_mean"
+
+
+def test_concurrent_folds_into_a_strategy():
+    rng = np.random.default_rng(10)
+    g = [np.zeros(400_000, np.float32)]
+    s = FedAvg()
+    s.begin_round(1, g)
+    ups = [([np.full(400_000, float(i), np.float32)], i + 1) for i in range(16)]
+    threads = [threading.Thread(target=s.fold, args=(u, n, f"c{i}")) for i, (u, n) in enumerate(ups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    new, m = s.finish()
+    assert m["num_updates"] == 16
+    np.testing.assert_allclose(new[0], np.full(400_000, sum(i * (i + 1) for i in range(16)) / sum(range(1, 17))),
+                               rtol=1e-6)
