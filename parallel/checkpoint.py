@@ -1,0 +1,117 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), resume, and full-state-dict helpers for FL.
+
+A checkpoint directory holds ``step-XXXXXXXX/`` folders written by every rank (each writes its own shards;
+rank 0 writes DCP's metadata) and a ``latest`` file that rank 0 replaces atomically once all ranks finished.
+Items are all tensors (model, optimizer, step counters, per-rank RNG); the only non-tensor entries are the
+optimizer's hyper-parameters, which DCP stores with ``torch.save`` and reads back with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+LATEST = "latest"
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _rng_key() -> str:
+    return f"rng.rank{dist.get_rank()}"
+
+
+def _part_states(model_parts: list[nn.Module],
+                 optimizers: list[torch.optim.Optimizer]) -> list[tuple[dict[str, object], dict[str, object]]]:
+    return [(get_model_state_dict(part), get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
+            for part, opt in zip(model_parts, optimizers)]
+
+
+def _state(parts: list[tuple[dict[str, object], dict[str, object]]], counters: dict[str, int]) -> dict[str, object]:
+    # Parts of one pipeline rank have disjoint parameter names, so their dicts merge without clashes.
+    state: dict[str, object] = {
+        "model": {k: v for model_sd, _ in parts for k, v in model_sd.items()},
+        "optim": {k: v for _, optim_sd in parts for k, v in optim_sd.items()},
+        "counters": {k: torch.tensor(v, dtype=torch.int64) for k, v in counters.items()},
+        _rng_key(): torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state[_rng_key() + ".cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def step_dir(directory: str | Path, step: int) -> Path:
+    """The folder of the checkpoint taken after ``step`` optimizer steps."""
+    return Path(directory) / f"step-{step:08d}"
+
+
+def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                    counters: dict[str, int], keep: int = 2) -> Path:
+    """Collectively save model, optimizer, integer ``counters`` (must include ``step``) and every rank's RNG.
+
+    Call on all ranks. The checkpoint becomes visible (``latest``) only after every rank has written it.
+    """
+    directory = Path(directory)
+    target = step_dir(directory, counters["step"])
+    dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(target))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = directory / (LATEST + ".tmp")
+        tmp.write_text(target.name + "\n")
+        os.replace(tmp, directory / LATEST)
+        for old in sorted(directory.glob("step-*"))[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return target
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The checkpoint named in ``directory/latest``, or None when there is none yet."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    target = Path(directory) / pointer.read_text().strip()
+    return target if (target / ".metadata").is_file() else None
+
+
+def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                    counter_names: tuple[str, ...] = ("step",)) -> dict[str, int]:
+    """Collectively restore a checkpoint saved by the same world size into the parts and optimizers.
+
+    Restores this rank's RNG state too, and returns the saved counters.
+    """
+    parts = _part_states(model_parts, optimizers)
+    state = _state(parts, {k: 0 for k in counter_names})
+    dcp.load(state, checkpoint_id=str(path))
+    for part, opt, (model_sd, optim_sd) in zip(model_parts, optimizers, parts):
+        set_model_state_dict(part, {k: state["model"][k] for k in model_sd})
+        set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in optim_sd}, options=_OPTIM_OPTIONS)
+    torch.set_rng_state(state[_rng_key()])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state[_rng_key() + ".cuda"])
+    return {k: int(v) for k, v in state["counters"].items()}
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0 receives the whole unsharded model as plain CPU tensors; the other ranks get ``{}``.
+
+    For a sharded (FSDP/TP/DDP) model whose parameters all live on this process group; call on all ranks.
+    """
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict_from_rank0(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict held by rank 0 (other ranks pass ``{}``) into a sharded model on all ranks."""
+    set_model_state_dict(model, state_dict,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

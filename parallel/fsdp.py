@@ -1,0 +1,44 @@
+"""Fully sharded data parallelism with FSDP2 ``fully_shard`` (HSDP when given a 2-D mesh)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from fedpar.parallel.modules import transformer_blocks
+
+
+def mixed_precision_policy(name: str, device_type: str) -> MixedPrecisionPolicy:
+    """bf16 parameters with fp32 gradient reduction on GPU for "bf16"/"auto"; plain fp32 on CPU or "fp32"."""
+    if name == "bf16" or (name == "auto" and device_type == "cuda"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def offload_policy(enabled: bool, device_type: str) -> OffloadPolicy:
+    """CPU offload of sharded parameters; memory pinning only exists with an accelerator."""
+    if not enabled:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+               offload: OffloadPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard every transformer block, then the root, over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP).
+
+    Blocks are sharded separately so only one block's parameters are all-gathered at a time.
+    """
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
+    blocks = transformer_blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward, so keep them gathered.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """True when ``fully_shard`` was applied to ``model``."""
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,97 @@
+"""Process-group start-up: backend and device choice, torchrun environment, and a local spawn launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, local rank, world size, backend and device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the only rank that logs and writes run outputs."""
+        return self.rank == 0
+
+
+def device_type() -> str:
+    """``"cuda"`` when a GPU is usable, else ``"cpu"`` (never guess cuda; see parallel-on-cpu pitfall 3)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for_device() -> str:
+    """NCCL on GPUs, gloo on CPUs."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (bind to port 0 and read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_seconds: float = 300.0) -> DistInfo:
+    """Join (or create) the default process group from torchrun-style environment variables.
+
+    Without WORLD_SIZE in the environment this is a one-process group on an in-memory store, so
+    single-process training runs the same code path without opening a port.
+    """
+    timeout = timedelta(seconds=timeout_seconds)
+    backend = backend_for_device()
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with torchrun "
+                                   "or 'fedpar train --nproc N', or unset WORLD_SIZE for one process")
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if backend == "nccl":
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), backend, device)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Several ranks share few cores: one intra-op thread each avoids oversubscription (torchrun does the same).
+    torch.set_num_threads(1)
+    fn(*args)
+
+
+def spawn(nproc: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
+
+    ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here.
+    """
+    if nproc < 1:
+        raise ValueError("nproc must be at least 1")
+    mp.spawn(_spawned_worker, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True)

@@ -1,0 +1,114 @@
+"""Run outputs: per-rank memory figures, metrics.jsonl and summary.json (rank 0 only), and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """This process's peak memory and how it was measured.
+
+    GPU: ``torch.cuda.max_memory_allocated``. CPU: the peak resident set size from ``getrusage`` (ru_maxrss;
+    kilobytes on Linux, bytes on macOS); it includes the interpreter and torch itself (about 0.3 GB).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "getrusage(RUSAGE_SELF).ru_maxrss"
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (local shards only)."""
+    total = 0
+    for part in parts:
+        for p in part.parameters():
+            total += _local_bytes(p)
+            if p.grad is not None:
+                total += _local_bytes(p.grad)
+    for opt in optimizers:
+        for state in opt.state.values():
+            total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
+
+
+def gather_ints(value: int, device: torch.device) -> list[int]:
+    """Every rank's ``value``, in rank order (collective)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [int(t.item()) for t in out]
+
+
+class MetricsLog:
+    """Appends JSON lines to ``metrics.jsonl`` on rank 0; a no-op elsewhere."""
+
+    def __init__(self, out_dir: Path, enabled: bool, resume_step: int = 0) -> None:
+        """Open the log; on resume, drop lines written after ``resume_step`` by the interrupted run."""
+        self.path = out_dir / "metrics.jsonl"
+        self.enabled = enabled
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step and self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif not resume_step:
+            self.path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record."""
+        if self.enabled:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        """All records written so far (rank 0)."""
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` through a temporary file, so readers never see half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def plot_loss_curve(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Training loss against step (and the evaluation metric per epoch) as a PNG, with the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    evals = [(r["step"], r.get("val_loss", r.get("test_loss"))) for r in records if r.get("kind") == "eval"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    evals = [(s, v) for s, v in evals if v is not None]
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

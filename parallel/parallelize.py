@@ -1,0 +1,95 @@
+"""Compose the parallelisms over one model, torchtitan's order: PP split, TP/SP, activation checkpointing, FSDP/DDP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from fedpar.parallel.config import ParallelConfig
+from fedpar.parallel.ddp import apply_ddp
+from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
+from fedpar.parallel.init import DistInfo
+from fedpar.parallel.mesh import ParallelMesh
+from fedpar.parallel.modules import block_container, block_names
+from fedpar.parallel.pp import Pipeline, build_pipeline, build_stage_module, stage_ids_for_rank
+from fedpar.parallel.tp import apply_tp
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model parts (one, or its pipeline stages) and the pipeline that drives them, if any."""
+
+    parts: list[nn.Module]
+    pipeline: Pipeline | None
+    family: str
+
+    @property
+    def has_last_stage(self) -> bool:
+        """True when this rank produces the model's outputs (always, without pipelining)."""
+        return self.pipeline is None or self.pipeline.has_last_stage
+
+    @property
+    def has_first_stage(self) -> bool:
+        """True when this rank consumes the model's inputs (always, without pipelining)."""
+        return self.pipeline is None or self.pipeline.has_first_stage
+
+    def parameters(self) -> list[nn.Parameter]:
+        """All parameters this rank holds (shards for FSDP/TP)."""
+        return [p for part in self.parts for p in part.parameters()]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each transformer block (or each top-level child of a block-less model) in backward."""
+    layers = block_container(model)
+    if layers is not None:
+        for name in block_names(model):
+            layers[name] = checkpoint_wrapper(layers[name])
+        return model
+    for name, child in list(model.named_children()):
+        if any(True for _ in child.parameters()):
+            setattr(model, name, checkpoint_wrapper(child))
+    return model
+
+
+def _data_parallel(part: nn.Module, config: ParallelConfig, mesh: ParallelMesh) -> nn.Module:
+    device_type = mesh.mesh.device_type
+    if config.fsdp > 1:
+        dp_mesh = mesh[("dp", "fsdp")] if config.dp > 1 else mesh["fsdp"]
+        return apply_fsdp(part, dp_mesh, mixed_precision_policy(config.mixed_precision, device_type),
+                          offload_policy(config.cpu_offload, device_type), config.reshard_after_forward)
+    if config.dp > 1:
+        return apply_ddp(part, mesh["dp"])
+    return part
+
+
+def parallelize(model_fn: Callable[[], nn.Module], family: str, config: ParallelConfig, mesh: ParallelMesh,
+                info: DistInfo, loss_fn: LossFn, seed: int, activation_checkpointing: bool = False) -> ParallelModel:
+    """Build the whole model with ``seed`` on every rank (never meta-init on CPU), then split and shard it.
+
+    Identical seeds make every rank start from the same full weights, so each shard is the right slice.
+    """
+    torch.manual_seed(seed)
+    model = model_fn().to(info.device)
+    if config.pp > 1:
+        stage_ids = stage_ids_for_rank(mesh.coord("pp"), config.pp, config.stages_per_rank)
+        parts = [build_stage_module(model, sid, config.num_stages) for sid in stage_ids]
+        del model
+    else:
+        stage_ids, parts = [0], [model]
+    for i, part in enumerate(parts):
+        if config.tp > 1:
+            part = apply_tp(part, mesh["tp"], family, config.sequence_parallel)
+        if activation_checkpointing:
+            part = apply_activation_checkpointing(part)
+        parts[i] = _data_parallel(part, config, mesh)
+    pipeline = None
+    if config.pp > 1:
+        pipeline = build_pipeline(parts, stage_ids, config.num_stages, info.device, mesh["pp"].get_group(),
+                                  config.pp_schedule, config.microbatches, loss_fn)
+    return ParallelModel(parts, pipeline, family)

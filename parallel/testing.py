@@ -1,0 +1,96 @@
+"""Helpers for multi-process tests and benchmarks: a tiny reference model and a one-spawn-many-checks harness."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedpar.parallel.init import init_distributed, shutdown_distributed, spawn
+
+
+class TinyMLP(nn.Sequential):
+    """in -> hidden -> hidden -> classes with ReLU (and optional dropout, to exercise RNG restore)."""
+
+    def __init__(self, n_in: int = 16, hidden: int = 32, n_out: int = 4, dropout: float = 0.0) -> None:
+        """Three Linear layers (the last stays replicated under TP)."""
+        super().__init__(nn.Linear(n_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden),
+                         nn.ReLU(), nn.Linear(hidden, n_out))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def local_numel(t: torch.Tensor) -> int:
+    """Elements this rank actually stores for ``t`` (the local shard of a DTensor)."""
+    return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor (collective), or ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference over the keys of ``a`` (missing keys count as infinite)."""
+    worst = 0.0
+    for k, v in a.items():
+        if k not in b:
+            return math.inf
+        worst = max(worst, (v.detach().float() - b[k].detach().float()).abs().max().item())
+    return worst
+
+
+def _worker(checks_file: str, names: list[str], out_dir: str) -> None:
+    info = init_distributed(timeout_seconds=60)
+    torch.set_flush_denormal(True)  # long CPU loops slow down badly on denormals (notes/cpu-training.md)
+    spec = importlib.util.spec_from_file_location(f"fedpar_checks_{Path(checks_file).stem}", checks_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results: dict[str, Any] = {}
+    out = Path(out_dir) / f"rank{info.rank}.json"
+    try:
+        for name in names:
+            start = time.perf_counter()
+            try:
+                results[name] = getattr(module, name)()
+                results[name]["seconds"] = round(time.perf_counter() - start, 3)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+                raise  # the peers fail fast on the closed connection rather than wait in a collective
+            finally:
+                out.write_text(json.dumps(results))
+    finally:
+        shutdown_distributed()
+
+
+def run_checks(nproc: int, checks_file: str | Path, names: list[str], out_dir: str | Path) -> list[dict[str, Any]]:
+    """Run check functions ``names`` of ``checks_file`` in one spawned group; return each rank's results.
+
+    Every check returns a JSON-able dict of numbers. A failing check stops the group; its traceback is kept
+    in the results of the ranks that raised, and later checks are missing.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    error: BaseException | None = None
+    try:
+        spawn(nproc, _worker, str(checks_file), list(names), str(out_dir))
+    except Exception as exc:  # keep partial results; the tests report which check failed and why
+        error = exc
+    results = []
+    for r in range(nproc):
+        path = out_dir / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.is_file() else {})
+    if error is not None and not any(results):
+        raise error
+    return results

@@ -1,0 +1,116 @@
+"""Tensor (and sequence) parallelism: DTensor ``parallelize_module`` plans for the MLP and the GPT."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from fedpar.parallel.config import ConfigurationError
+from fedpar.parallel.modules import block_names, transformer_blocks
+
+HEAD_COUNT_NAMES = ("n_heads", "n_head", "n_kv_heads", "num_heads")
+
+
+def _linear_children(module: nn.Module) -> list[str]:
+    return [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+def mlp_plan(model: nn.Module) -> dict[str, object]:
+    """Pair consecutive Linear layers as column-wise then row-wise (one all-reduce per pair).
+
+    With an odd number of Linear layers the last one stays replicated.
+    """
+    names = _linear_children(model)
+    if len(names) < 2:
+        raise ConfigurationError("tensor parallelism needs at least two Linear layers; use --tp 1 for this model")
+    plan: dict[str, object] = {}
+    for i in range(0, len(names) - 1, 2):
+        plan[names[i]] = ColwiseParallel()
+        plan[names[i + 1]] = RowwiseParallel()
+    return plan
+
+
+def _check_divisible(model: nn.Module, tp: int) -> None:
+    for name, block in zip(block_names(model), transformer_blocks(model)):
+        attn = block.attention
+        for head_attr in HEAD_COUNT_NAMES:
+            heads = getattr(attn, head_attr, None)
+            if isinstance(heads, int) and heads % tp:
+                raise ConfigurationError(f"block {name}: {head_attr}={heads} is not divisible by --tp {tp}; "
+                                         "choose a tensor-parallel degree that divides the number of heads")
+        hidden = block.feed_forward.w1.out_features
+        if hidden % tp:
+            raise ConfigurationError(f"block {name}: feed-forward width {hidden} is not divisible by --tp {tp}")
+
+
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, object] = {
+        "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if getattr(block.feed_forward, "w3", None) is not None:
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def _shrink_head_counts(block: nn.Module, tp: int) -> None:
+    # After column-wise sharding each rank holds heads/tp heads; models that reshape with a stored
+    # head count (rather than -1) must see the local count.
+    for head_attr in HEAD_COUNT_NAMES:
+        heads = getattr(block.attention, head_attr, None)
+        if isinstance(heads, int):
+            setattr(block.attention, head_attr, heads // tp)
+
+
+def apply_tp_gpt(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
+    """Megatron-style TP over ``tp_mesh``: q/k/v and w1 column-wise, wo and w2 row-wise, norms sequence-parallel.
+
+    Works on a whole model or a pipeline stage (``tok_embeddings``/``norm``/``output`` may be None).
+    Between blocks activations are sharded along the sequence (dim 1) when ``sequence_parallel``, so the
+    model must not add anything whole-sequence-shaped to the embeddings (the zoo GPT uses rotary positions).
+    """
+    tp = tp_mesh.size()
+    _check_divisible(model, tp)
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, object] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "norm", None) is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+        _shrink_head_counts(block, tp)
+    return model
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, family: str, sequence_parallel: bool = True) -> nn.Module:
+    """Apply the tensor-parallel plan for a model family (``"gpt"`` or ``"mlp"``)."""
+    if family == "gpt":
+        return apply_tp_gpt(model, tp_mesh, sequence_parallel)
+    if family == "mlp":
+        return parallelize_module(model, tp_mesh, mlp_plan(model))
+    raise ConfigurationError(f"tensor parallelism has plans for the mlp and gpt models, not {family!r}; "
+                             "use --tp 1 (and --fsdp/--dp) for this model")

@@ -1,0 +1,284 @@
+"""The training loop over a parallelized model: accumulation, clipping, warmup, evaluation, checkpoints, outputs."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fedpar.parallel.config import TrainConfig
+from fedpar.parallel.data import CLASSIFICATION, TrainData
+from fedpar.parallel.ddp import is_ddp
+from fedpar.parallel.fsdp import is_fsdp
+from fedpar.parallel.init import DistInfo
+from fedpar.parallel.mesh import build_mesh
+from fedpar.parallel.metrics import (
+    MetricsLog,
+    gather_ints,
+    model_state_bytes,
+    peak_memory_bytes,
+    plot_loss_curve,
+    write_json_atomic,
+)
+from fedpar.parallel.optim import build_optimizers, clip_gradients, set_learning_rate, warmup_factor
+from fedpar.parallel.parallelize import parallelize
+from fedpar.parallel.sampler import DistributedBatchSampler
+
+COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
+
+
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the batch (computed in fp32)."""
+    return F.cross_entropy(logits.float(), targets)
+
+
+def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over batch and sequence (computed in fp32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Trainer:
+    """Trains one model with the layout in ``config.parallel`` on the current process group.
+
+    Every rank constructs a Trainer and calls :meth:`run`; only rank 0 prints and writes run outputs
+    (DCP checkpoints are written collectively, each rank its own shards).
+    """
+
+    def __init__(self, config: TrainConfig, model_fn: Callable[[], nn.Module], data: TrainData,
+                 info: DistInfo) -> None:
+        """Check the configuration, build the mesh, parallelize the model and build the optimizers."""
+        config.parallel = config.parallel.resolved(info.world_size)
+        config.check()
+        self.config, self.data, self.info = config, data, info
+        self.out = Path(config.out)
+        pc = config.parallel
+        self.mesh = build_mesh(pc)
+        self.loss_fn = classification_loss if data.task == CLASSIFICATION else language_model_loss
+        self.model = parallelize(model_fn, config.model, pc, self.mesh, info, self.loss_fn, config.seed,
+                                 config.activation_checkpointing)
+        self.optimizers = build_optimizers(self.model.parts, config)
+        self.local_batch = config.batch_size // pc.data_parallel_size
+        dp_rank, dp_size = self.mesh.data_parallel_rank, pc.data_parallel_size
+        self.sampler = DistributedBatchSampler(len(data.train_inputs), self.local_batch, dp_size, dp_rank,
+                                               shuffle=True, seed=config.seed)
+        self.eval_sampler = DistributedBatchSampler(len(data.eval_inputs), self.local_batch, dp_size, dp_rank,
+                                                    shuffle=False)
+        # Rank that reports a loss for its data shard: the last pipeline stage, first tensor-parallel rank.
+        self.reports_loss = self.model.has_last_stage and self.mesh.coord("tp") == 0
+        self.counters = {k: 0 for k in COUNTERS}
+        self.pp_group = self.mesh["pp"].get_group() if pc.pp > 1 else None
+
+    # ----------------------------------------------------------------------------------------- helpers
+    def _log(self, message: str) -> None:
+        if self.info.is_main:
+            print(message, flush=True)
+
+    def _sum_over_reporters(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values if self.reports_loss else [0.0] * len(values), dtype=torch.float64,
+                         device=self.info.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        pc = self.config.parallel
+        if self.info.device.type == "cuda" and pc.mixed_precision in ("auto", "bf16") and pc.fsdp == 1:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, indices: list[int], inputs: torch.Tensor, targets: torch.Tensor):
+        idx = torch.tensor(indices)
+        return inputs[idx].to(self.info.device), targets[idx].to(self.info.device)
+
+    # -------------------------------------------------------------------------------------- one step
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward, backward (accumulated), clip and optimizer step on this rank's batch; returns its loss."""
+        pipeline = self.model.pipeline
+        if pipeline is not None:
+            losses: list[torch.Tensor] = []
+            pipeline.schedule.step(x if pipeline.has_first_stage else None,
+                                   target=y if pipeline.has_last_stage else None, losses=losses)
+            loss = float(torch.stack(losses).mean()) if losses else 0.0
+        else:
+            model, accum = self.model.parts[0], self.config.grad_accum
+            loss = 0.0
+            for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+                last = i == accum - 1
+                if is_fsdp(model):
+                    model.set_requires_gradient_sync(last)
+                sync = model.no_sync() if is_ddp(model) and not last else contextlib.nullcontext()
+                with sync:
+                    with self._autocast():
+                        micro_loss = self.loss_fn(model(xm), ym) / accum
+                    micro_loss.backward()
+                loss += float(micro_loss.detach())
+        if self.config.grad_clip > 0:
+            clip_gradients(self.model.parameters(), self.config.grad_clip, self.pp_group)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss
+
+    # ------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss (and accuracy for classifiers) over the evaluation set, exact despite padding to equal batches."""
+        for part in self.model.parts:
+            part.eval()
+        limit = self.config.eval_batches if self.data.task != CLASSIFICATION else 0
+        loss_sum = correct = count = 0.0
+        self.eval_sampler.set_epoch(0)
+        for b, (indices, valid) in enumerate(self.eval_sampler.iter_with_padding_mask()):
+            if limit and b >= limit:
+                break
+            x, y = self._to_device(indices, self.data.eval_inputs, self.data.eval_targets)
+            pipeline = self.model.pipeline
+            if pipeline is not None:
+                losses: list[torch.Tensor] = []
+                pipeline.schedule.eval(x if pipeline.has_first_stage else None,
+                                       target=y if pipeline.has_last_stage else None, losses=losses)
+                if losses:  # per-microbatch means; padding only repeats real windows
+                    loss_sum += float(torch.stack(losses).mean()) * len(indices)
+                count += len(indices)
+                continue
+            with self._autocast():
+                out = self.model.parts[0](x)
+            valid = valid.to(self.info.device)
+            if self.data.task == CLASSIFICATION:
+                per_example = F.cross_entropy(out.float(), y, reduction="none")
+                correct += float(((out.argmax(-1) == y) & valid).sum())
+            else:
+                per_example = F.cross_entropy(out.flatten(0, 1).float(), y.flatten(),
+                                              reduction="none").view(y.shape).mean(1)
+            loss_sum += float((per_example * valid).sum())
+            count += float(valid.sum())
+        for part in self.model.parts:
+            part.train()
+        loss_sum, correct, count = self._sum_over_reporters([loss_sum, correct, count])
+        if self.data.task == CLASSIFICATION:
+            return {"test_loss": loss_sum / count, "test_accuracy": correct / count}
+        return {"val_loss": loss_sum / count}
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _checkpoint_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save(self) -> Path:
+        """Collectively checkpoint model, optimizer, counters and RNG."""
+        return save_checkpoint(self._checkpoint_dir(), self.model.parts, self.optimizers, dict(self.counters))
+
+    def maybe_resume(self) -> int:
+        """Load the latest checkpoint of this run directory if there is one; returns the step resumed from."""
+        if not self.config.resume:
+            return 0
+        path = latest_checkpoint(self._checkpoint_dir())
+        if path is None:
+            return 0
+        self.counters.update(load_checkpoint(path, self.model.parts, self.optimizers, COUNTERS))
+        self._log(f"resumed from {path} at step {self.counters['step']}")
+        return self.counters["step"]
+
+    # --------------------------------------------------------------------------------------- the loop
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: ``max_steps`` if set, else epochs x batches per epoch."""
+        if self.config.max_steps > 0:
+            return self.config.max_steps
+        return self.config.epochs * len(self.sampler)
+
+    def run(self, stop_after_steps: int | None = None) -> dict[str, Any] | None:
+        """Train to the end and return the summary (on every rank; rank 0 also writes it).
+
+        ``stop_after_steps`` abandons the run right after that step without saving anything, as a crash
+        would (used to test resuming).
+        """
+        cfg, c = self.config, self.counters
+        wall_start = time.perf_counter()
+        resumed_from = self.maybe_resume()
+        log = MetricsLog(self.out, self.info.is_main, resumed_from)
+        total = self.total_steps()
+        global_batch = cfg.batch_size
+        base_lr = cfg.scaled_lr()
+        train_seconds, run_samples, last_eval_step = 0.0, 0, -1
+        last_loss, evals = float("nan"), {}
+        self._log(f"training {cfg.model} on {cfg.dataset}: world {self.info.world_size} "
+                  f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
+                  f"{total} steps of {global_batch} examples, lr {base_lr:g}")
+        while c["step"] < total:
+            self.sampler.set_epoch(c["epoch"], start_batch=c["batch_in_epoch"])
+            interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
+            for indices in self.sampler:
+                x, y = self._to_device(indices, self.data.train_inputs, self.data.train_targets)
+                set_learning_rate(self.optimizers, base_lr * warmup_factor(c["step"], cfg.warmup_steps))
+                t0 = time.perf_counter()
+                interval_loss += self.train_step(x, y)
+                train_seconds += time.perf_counter() - t0
+                c["step"] += 1
+                c["batch_in_epoch"] += 1
+                c["samples"] += global_batch
+                run_samples += global_batch
+                interval_steps += 1
+                if c["step"] % cfg.log_every == 0 or c["step"] == total:
+                    loss_sum, reporters = self._sum_over_reporters([interval_loss / interval_steps, 1.0])
+                    last_loss = loss_sum / reporters
+                    rate = interval_steps * global_batch / max(time.perf_counter() - interval_start, 1e-9)
+                    log.write({"kind": "train", "step": c["step"], "epoch": c["epoch"], "loss": last_loss,
+                               "lr": self.optimizers[0].param_groups[0]["lr"], "samples_per_second": rate})
+                    self._log(f"epoch {c['epoch']} step {c['step']}/{total} loss {last_loss:.4f} "
+                              f"{rate:.0f} samples/s")
+                    interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
+                if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every == 0:
+                    self.save()
+                if stop_after_steps is not None and c["step"] >= stop_after_steps:
+                    return None
+                if c["step"] >= total:
+                    break
+            if c["batch_in_epoch"] >= len(self.sampler):
+                evals = self.evaluate()
+                last_eval_step = c["step"]
+                log.write({"kind": "eval", "step": c["step"], "epoch": c["epoch"], **evals})
+                self._log(f"epoch {c['epoch']} done: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
+                c["epoch"] += 1
+                c["batch_in_epoch"] = 0
+        if last_eval_step != c["step"]:
+            evals = self.evaluate()
+            log.write({"kind": "eval", "step": c["step"], "epoch": c["epoch"], **evals})
+        if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every:
+            self.save()
+        return self._finish(log, evals, last_loss, wall_start, train_seconds, run_samples, resumed_from)
+
+    def _finish(self, log: MetricsLog, evals: dict[str, float], last_loss: float, wall_start: float,
+                train_seconds: float, run_samples: int, resumed_from: int) -> dict[str, Any]:
+        peak, source = peak_memory_bytes(self.info.device)
+        peaks = gather_ints(peak, self.info.device)
+        states = gather_ints(model_state_bytes(self.model.parts, self.optimizers), self.info.device)
+        summary: dict[str, Any] = {
+            "model": self.config.model,
+            "dataset": self.config.dataset,
+            "world_size": self.info.world_size,
+            "backend": self.info.backend,
+            "steps": self.counters["step"],
+            "resumed_from_step": resumed_from,
+            **evals,
+            "final_train_loss": last_loss,
+            "wall_seconds": time.perf_counter() - wall_start,
+            "train_seconds": train_seconds,
+            "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
+            "peak_memory_bytes": peaks,
+            "peak_memory_source": source,
+            "model_state_bytes": states,
+            "config": self.config.to_dict(),
+        }
+        if self.info.is_main:
+            write_json_atomic(self.out / "summary.json", summary)
+            if self.config.plot:
+                plot_loss_curve(log.records(), self.out / "loss_curve.png",
+                                f"{self.config.model} on {self.config.dataset}, world {self.info.world_size}")
+            self._log(f"wrote summary.json, metrics.jsonl{' and loss_curve.png' if self.config.plot else ''} "
+                      f"in {self.out}")
+        return summary

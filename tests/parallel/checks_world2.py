@@ -1,0 +1,280 @@
+"""Checks run inside ONE spawned 2-rank gloo group (see test_world2.py); each returns numbers to assert on."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from fedpar.models import build_model
+from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
+from fedpar.parallel.config import ParallelConfig, TrainConfig
+from fedpar.parallel.data import CLASSIFICATION, TrainData
+from fedpar.parallel.ddp import apply_ddp
+from fedpar.parallel.init import init_distributed
+from fedpar.parallel.fsdp import apply_fsdp
+from fedpar.parallel.pp import build_pipeline, build_stage_module, stage_ids_for_rank
+from fedpar.parallel.sampler import DistributedBatchSampler
+from fedpar.parallel.testing import TinyMLP, full, lm_loss, local_numel, max_abs_diff
+from fedpar.parallel.tp import apply_tp
+from fedpar.parallel.trainer import Trainer
+
+STEPS = 4
+
+
+def _mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _classification_batch(n: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _token_batch(n: int = 8, t: int = 16, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 32, (n, t + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def _train_dense(model, x, y, loss_fn, steps: int = STEPS, opt_cls=torch.optim.SGD, **opt_kw):
+    opt = opt_cls(model.parameters(), **opt_kw)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _params(model):
+    return {k: full(v).detach().clone() for k, v in model.named_parameters()}
+
+
+def check_ddp_equals_single_process():
+    """DDP over 2 ranks, each on half the batch, vs one process on the whole batch."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    model = apply_ddp(copy.deepcopy(ref), _mesh())
+    x, y = _classification_batch()
+    _train_dense(ref, x, y, F.cross_entropy, lr=0.1)
+    half = x.shape[0] // 2
+    _train_dense(model, x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half], F.cross_entropy, lr=0.1)
+    return {"max_param_diff": max_abs_diff(_params(ref), _params(model.module))}
+
+
+def check_fsdp_memory_and_numerics():
+    """FSDP2 + Adam: local share of parameters and optimizer state, and parity with one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    model = apply_fsdp(copy.deepcopy(ref), _mesh())
+    x, y = _classification_batch()
+    ref_losses = _train_dense(ref, x, y, F.cross_entropy, opt_cls=torch.optim.Adam, lr=1e-2)
+    half = x.shape[0] // world
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        F.cross_entropy(model(x[rank * half:(rank + 1) * half]), y[rank * half:(rank + 1) * half]).backward()
+        opt.step()
+    total = sum(p.numel() for p in ref.parameters())
+    local_params = sum(local_numel(p) for p in model.parameters())
+    local_state = sum(local_numel(v) for s in opt.state.values() for k, v in s.items() if k != "step")
+    return {"param_share": local_params / total, "optim_state_share": local_state / (2 * total),
+            "max_param_diff": max_abs_diff(_params(ref), _params(model)), "ref_final_loss": ref_losses[-1]}
+
+
+def check_tp_mlp_equals_dense():
+    """Column-wise then row-wise MLP over 2 ranks vs the dense MLP (same batch on both ranks)."""
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    model = apply_tp(copy.deepcopy(ref), _mesh(), "mlp")
+    x, y = _classification_batch()
+    ref_losses = _train_dense(ref, x, y, F.cross_entropy, lr=0.1)
+    tp_losses = _train_dense(model, x, y, F.cross_entropy, lr=0.1)
+    w1 = model[0].weight
+    return {"max_loss_diff": max(abs(a - b) for a, b in zip(ref_losses, tp_losses)),
+            "max_param_diff": max_abs_diff(_params(ref), _params(model)),
+            "w1_local_rows": local_numel(w1) // w1.shape[1], "w1_rows": w1.shape[0]}
+
+
+def _gpt(n_layers: int = 4):
+    return build_model("gpt", vocab_size=32, block_size=16, n_layer=n_layers, n_head=4, d_model=32)
+
+
+def check_tp_attention_blocks_with_sequence_parallel():
+    """The zoo GPT (attention + MLP blocks, rotary positions, RMSNorm) with TP + sequence parallel vs dense."""
+    torch.manual_seed(0)
+    ref = _gpt()
+    model = apply_tp(copy.deepcopy(ref), _mesh(), "gpt", sequence_parallel=True)
+    x, y = _token_batch()
+    ref_losses = _train_dense(ref, x, y, lm_loss, lr=0.1)
+    tp_losses = _train_dense(model, x, y, lm_loss, lr=0.1)
+    return {"max_loss_diff": max(abs(a - b) for a, b in zip(ref_losses, tp_losses)),
+            "max_param_diff": max_abs_diff(_params(ref), _params(model)),
+            "wq_local_share": local_numel(model.layers["0"].attention.wq.weight)
+            / model.layers["0"].attention.wq.weight.numel(), "final_loss": tp_losses[-1]}
+
+
+def _pipeline_vs_unsplit(schedule: str, stages_per_rank: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _gpt(n_layers=4)
+    x, y = _token_batch()
+    ref_loss = lm_loss(ref(x), y)
+    ref_loss.backward()
+    num_stages = world * stages_per_rank
+    ids = stage_ids_for_rank(rank, world, stages_per_rank)
+    parts = [build_stage_module(ref, sid, num_stages) for sid in ids]
+    for p in parts:
+        p.zero_grad(set_to_none=True)
+    pipe = build_pipeline(parts, ids, num_stages, torch.device("cpu"), dist.group.WORLD, schedule, 4, lm_loss)
+    losses: list[torch.Tensor] = []
+    pipe.schedule.step(x if pipe.has_first_stage else None, target=y if pipe.has_last_stage else None,
+                       losses=losses)
+    mean_loss = torch.stack(losses).mean() if losses else torch.zeros(())
+    dist.all_reduce(mean_loss)  # only the last stage's rank contributes
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    stage_grads = {k: p.grad for part in parts for k, p in part.named_parameters()}
+    return {"loss_diff": abs(mean_loss.item() - ref_loss.item()),
+            "max_grad_diff": max_abs_diff(stage_grads, ref_grads),
+            "params_on_rank": sum(p.numel() for part in parts for p in part.parameters()),
+            "params_total": sum(p.numel() for p in ref.parameters())}
+
+
+def check_pp_gpipe():
+    """GPipe, 2 stages, 4 microbatches: loss and gradients equal the unsplit model's."""
+    return _pipeline_vs_unsplit("gpipe", 1)
+
+
+def check_pp_1f1b():
+    """1F1B, 2 stages, 4 microbatches."""
+    return _pipeline_vs_unsplit("1f1b", 1)
+
+
+def check_pp_interleaved_1f1b():
+    """Interleaved 1F1B, 4 stages on 2 ranks (loop layout)."""
+    return _pipeline_vs_unsplit("interleaved1f1b", 2)
+
+
+def check_full_state_dict_round_trip():
+    """gather_full_state_dict on FSDP gives the plain model; loading it from rank 0 restores every shard."""
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    model = apply_fsdp(copy.deepcopy(ref), _mesh())
+    gathered = gather_full_state_dict(model)
+    gather_diff = max_abs_diff(gathered, ref.state_dict()) if gathered else 0.0
+    keys = len(gathered)
+    torch.manual_seed(123)
+    other = apply_fsdp(TinyMLP(), _mesh())
+    before = max_abs_diff(_params(ref), _params(other))
+    load_full_state_dict_from_rank0(other, gathered if dist.get_rank() == 0 else {})
+    # (loading converts the rank-0 dict's values into DTensors in place, so it was compared above)
+    return {"gathered_keys": keys, "gather_diff": gather_diff, "diff_before_load": before,
+            "diff_after_load": max_abs_diff(_params(ref), _params(other))}
+
+
+def check_sampler_uneven_shards():
+    """13 examples, 2 ranks, batch 4: both ranks get 2 batches, every example is seen, epochs reshuffle."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = DistributedBatchSampler(13, 4, world, rank, seed=7)
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        epochs.append([i for batch in sampler for i in batch])
+    counts = torch.tensor([len(list(sampler))], dtype=torch.int64)
+    gathered = [torch.zeros_like(counts) for _ in range(world)]
+    dist.all_gather(gathered, counts)
+    seen = torch.zeros(13)
+    seen[torch.tensor(epochs[0])] = 1
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return {"batches_per_rank": [int(c) for c in gathered], "covered": int(seen.sum()),
+            "reshuffled": epochs[0] != epochs[1]}
+
+
+
+def _synthetic(n_train: int, n_eval: int, seed: int = 3) -> TrainData:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 4, generator=g)
+    x, ex = torch.randn(n_train, 16, generator=g), torch.randn(n_eval, 16, generator=g)
+    return TrainData(x, (x @ w).argmax(1), ex, (ex @ w).argmax(1), CLASSIFICATION)
+
+
+def _config(out, **kw) -> TrainConfig:
+    par = {k: kw.pop(k) for k in ("dp", "fsdp", "tp", "pp") if k in kw}
+    base = dict(model="mlp", dataset="synthetic", out=str(out), batch_size=8, epochs=2, lr=0.05,
+                optimizer="adamw", log_every=1, warmup_steps=2, grad_clip=1.0, plot=False)
+    base.update(kw)
+    return TrainConfig(**base, parallel=ParallelConfig(**par))
+
+
+def _shared_tmp() -> Path:
+    path = torch.zeros(1, dtype=torch.int64)
+    if dist.get_rank() == 0:
+        path[0] = int(time.time() * 1e6) % (10 ** 12)
+    dist.broadcast(path, 0)
+    return Path(tempfile.gettempdir()) / f"fedpar-resume-{int(path[0])}"
+
+
+def _train_losses(out: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if r["kind"] == "train"}
+
+
+def check_save_kill_resume_continues_identically():
+    """FSDP + AdamW + dropout: crash after step 4 (last checkpoint at 3, mid-epoch), resume, compare to no crash."""
+    root = _shared_tmp()
+    data = _synthetic(40, 13)
+    model_fn = lambda: TinyMLP(dropout=0.2)  # noqa: E731
+    info = init_distributed()
+    straight = Trainer(_config(root / "a", fsdp=2, dp=1, max_steps=7), model_fn, data, info)
+    summary_a = straight.run()
+    crashed = Trainer(_config(root / "b", fsdp=2, dp=1, max_steps=7, checkpoint_every=3), model_fn, data, info)
+    crashed.run(stop_after_steps=4)
+    del crashed
+    resumed = Trainer(_config(root / "b", fsdp=2, dp=1, max_steps=7, checkpoint_every=3), model_fn, data, info)
+    summary_b = resumed.run()
+    out = {"resumed_from_step": summary_b["resumed_from_step"], "steps": summary_b["steps"],
+           "max_param_diff": max_abs_diff(_params(straight.model.parts[0]), _params(resumed.model.parts[0])),
+           "accuracy_a": summary_a["test_accuracy"], "accuracy_b": summary_b["test_accuracy"]}
+    if dist.get_rank() == 0:
+        la, lb = _train_losses(root / "a"), _train_losses(root / "b")
+        out["loss_steps_b"] = sorted(lb)
+        out["max_loss_diff"] = max(abs(la[s] - lb[s]) for s in la)
+        out["losses_a"] = [la[s] for s in sorted(la)]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def check_uneven_shards_train_without_hanging():
+    """13 training and 13 eval examples over 2 DDP ranks: equal step counts, exact distributed accuracy."""
+    root = _shared_tmp()
+    data = _synthetic(13, 13, seed=5)
+    info = init_distributed()
+    trainer = Trainer(_config(root, dp=2, batch_size=8, epochs=2, optimizer="sgd"), TinyMLP, data, info)
+    summary = trainer.run()
+    dense = trainer.model.parts[0].module
+    with torch.no_grad():
+        dense.eval()
+        accuracy = (dense(data.eval_inputs).argmax(1) == data.eval_targets).float().mean().item()
+    steps = torch.tensor([summary["steps"]])
+    gathered = [torch.zeros_like(steps) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, steps)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"steps_per_rank": [int(t) for t in gathered], "distributed_accuracy": summary["test_accuracy"],
+            "dense_accuracy": accuracy}

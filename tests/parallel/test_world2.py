@@ -1,0 +1,111 @@
+"""Parallel engine on 2 gloo ranks: every check runs in ONE spawned process group (launch costs ~10 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedpar.parallel.testing import run_checks
+
+CHECKS = Path(__file__).with_name("checks_world2.py")
+NAMES = [
+    "check_ddp_equals_single_process",
+    "check_fsdp_memory_and_numerics",
+    "check_tp_mlp_equals_dense",
+    "check_tp_attention_blocks_with_sequence_parallel",
+    "check_pp_gpipe",
+    "check_pp_1f1b",
+    "check_pp_interleaved_1f1b",
+    "check_full_state_dict_round_trip",
+    "check_sampler_uneven_shards",
+    "check_uneven_shards_train_without_hanging",
+    "check_save_kill_resume_continues_identically",
+]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    """Each rank's results of every check, from one 2-rank launch."""
+    return run_checks(2, CHECKS, NAMES, tmp_path_factory.mktemp("world2"))
+
+
+def per_rank(results: list[dict], name: str) -> list[dict]:
+    """The check's result on every rank, failing with the rank's traceback if it raised."""
+    out = []
+    for rank, res in enumerate(results):
+        if name not in res:
+            pytest.fail(f"{name} did not run on rank {rank} (an earlier check stopped the group)")
+        if "error" in res[name]:
+            pytest.fail(f"{name} raised on rank {rank}:\n{res[name]['error']}")
+        out.append(res[name])
+    return out
+
+
+def test_ddp_two_ranks_equals_single_process_full_batch(results):
+    for r in per_rank(results, "check_ddp_equals_single_process"):
+        assert r["max_param_diff"] < TOL
+
+
+def test_fsdp_stores_half_the_parameters_and_optimizer_state_and_matches(results):
+    for r in per_rank(results, "check_fsdp_memory_and_numerics"):
+        assert r["param_share"] == pytest.approx(0.5, abs=0.02)
+        assert r["optim_state_share"] == pytest.approx(0.5, abs=0.02)
+        assert r["max_param_diff"] < TOL
+
+
+def test_tensor_parallel_mlp_equals_dense(results):
+    for r in per_rank(results, "check_tp_mlp_equals_dense"):
+        assert r["w1_local_rows"] * 2 == r["w1_rows"]
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+
+
+def test_tensor_parallel_attention_blocks_with_sequence_parallel_equal_dense(results):
+    rs = per_rank(results, "check_tp_attention_blocks_with_sequence_parallel")
+    for r in rs:
+        assert r["wq_local_share"] == pytest.approx(0.5)
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+    assert rs[0]["final_loss"] == rs[1]["final_loss"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_pipeline_gives_unsplit_loss_and_gradients(results, schedule):
+    rs = per_rank(results, f"check_pp_{schedule}")
+    for r in rs:
+        assert r["loss_diff"] < TOL
+        assert r["max_grad_diff"] < TOL
+    assert sum(r["params_on_rank"] for r in rs) == rs[0]["params_total"]
+    assert all(r["params_on_rank"] < r["params_total"] for r in rs)
+
+
+def test_full_state_dict_gathers_on_rank0_and_broadcasts_back(results):
+    rs = per_rank(results, "check_full_state_dict_round_trip")
+    assert rs[0]["gathered_keys"] == 6 and rs[1]["gathered_keys"] == 0
+    assert rs[0]["gather_diff"] == 0.0
+    for r in rs:
+        assert r["diff_before_load"] > 0.01 and r["diff_after_load"] == 0.0
+
+
+def test_sampler_gives_equal_batches_on_uneven_shards(results):
+    for r in per_rank(results, "check_sampler_uneven_shards"):
+        assert r["batches_per_rank"] == [2, 2]
+        assert r["covered"] == 13
+        assert r["reshuffled"]
+
+
+def test_uneven_shards_train_to_the_end_with_exact_evaluation(results):
+    for r in per_rank(results, "check_uneven_shards_train_without_hanging"):
+        assert r["steps_per_rank"] == [4, 4]  # 13 examples, global batch 8 -> 2 steps per epoch, 2 epochs
+        assert r["distributed_accuracy"] == pytest.approx(r["dense_accuracy"], abs=1e-6)
+
+
+def test_save_kill_resume_continues_identically(results):
+    rs = per_rank(results, "check_save_kill_resume_continues_identically")
+    for r in rs:
+        assert r["resumed_from_step"] == 3 and r["steps"] == 7
+        assert r["max_param_diff"] == 0.0
+        assert r["accuracy_a"] == r["accuracy_b"]
+    assert rs[0]["loss_steps_b"] == list(range(1, 8))  # the crashed run's step-4 line was replaced
+    assert rs[0]["max_loss_diff"] == 0.0
+    assert len(set(rs[0]["losses_a"])) > 1
