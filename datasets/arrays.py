@@ -16,6 +16,7 @@ class ArrayDataset:
     y: np.ndarray
 
     def __post_init__(self) -> None:
+        """Convert x to float32 and y to int64 and check that they hold the same number of examples."""
         self.x = np.ascontiguousarray(self.x, dtype=np.float32)
         self.y = np.ascontiguousarray(self.y, dtype=np.int64)
         if self.y.ndim != 1:

@@ -23,11 +23,10 @@ EXPECTED_FILES = ("train.npz and test.npz (arrays x uint8 [N,28,28] and y [N]), 
 
 def normalize_mnist(images: np.ndarray) -> np.ndarray:
     """uint8 images (N, H, W) to float32 (N, 1, H, W) standardised with the usual MNIST mean and std."""
-    x = images.astype(np.float32)[:, None, :, :]
-    x /= 255.0
-    x -= MNIST_MEAN
-    x /= MNIST_STD
-    return x
+    # A 256-entry lookup table: one gather instead of a cast and three passes over 188 MB of floats.
+    table = ((np.arange(256, dtype=np.float32) / np.float32(255.0) - np.float32(MNIST_MEAN))
+             / np.float32(MNIST_STD)).astype(np.float32)
+    return table[images][:, None, :, :]
 
 
 def _check_pair(images: np.ndarray, labels: np.ndarray, source: str) -> None:
@@ -48,7 +47,10 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
             if missing:
                 raise ValueError(f"{path}: missing arrays {sorted(missing)}; expected keys x (images) and y (labels)")
             return data["x"], data["y"]
-    except ValueError:
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise ValueError(f"{path} stores object arrays, which need pickle and are refused; save x and y as "
+                             "plain uint8/integer arrays (np.savez(path, x=images, y=labels))") from exc
         raise
     except Exception as exc:  # zipfile.BadZipFile, OSError, ...: all mean "not a readable npz"
         raise ValueError(f"{path}: cannot read as .npz ({exc})") from exc

@@ -19,6 +19,7 @@ class CharCorpus:
     _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        """Build the character -> id lookup."""
         self._index = {c: i for i, c in enumerate(self.chars)}
 
     @property

@@ -32,6 +32,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        """Validate the fields."""
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")

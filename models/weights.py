@@ -10,7 +10,14 @@ from torch import nn
 
 
 def _float_entries(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(name, t) for name, t in model.state_dict().items() if torch.is_floating_point(t)]
+    entries = [(name, t) for name, t in model.state_dict().items() if torch.is_floating_point(t)]
+    for name, t in entries:
+        if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+            raise ValueError(f"state entry {name!r} is a {type(t).__name__}, not a plain tensor; for a sharded "
+                             "(FSDP/TP) model gather a full state dict first (torch.distributed.checkpoint."
+                             "state_dict.get_model_state_dict(..., full_state_dict=True)) and load it into an "
+                             "unsharded copy")
+    return entries
 
 
 def _numpy_dtype(name: str, tensor: torch.Tensor) -> np.dtype:
