@@ -17,4 +17,5 @@ def build_model_for_data(name: str, input_shape: tuple[int, ...], num_classes: i
         if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
             raise ValueError(f"the cnn needs square images shaped (C, H, W), got {input_shape}")
         return build_model("cnn", in_channels=input_shape[0], image_size=input_shape[1], num_classes=num_classes)
-    raise ValueError(f"model {name!r} is not an image classifier; use mlp or cnn")
+    raise ValueError(f"model {name!r} is not an image classifier for this data; use mlp or cnn "
+                     "(gpt trains on text corpora)")

@@ -12,10 +12,11 @@ import grpc
 class Refusal(Exception):
     """A request the coordinator refuses, with the gRPC status to send and a message for the agent."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.final = final  # the update itself is bad: the agent may not retry this round
 
 
 @dataclass

@@ -75,7 +75,7 @@ class CoordinatorService:
                 await self.coord.accept(ticket, arrays)
             return pb.UploadReply(accepted=True, message=f"update accepted for round {ticket.state.round_id}")
         except Refusal as r:
-            if ticket is not None and r.code == grpc.StatusCode.INVALID_ARGUMENT:
+            if ticket is not None and r.final:
                 self.coord.reject(ticket, r.message)
             elif ticket is not None:
                 self.coord.abandon(ticket)
@@ -92,8 +92,7 @@ class CoordinatorService:
         while True:
             message = await _next_message(request_iterator)
             if message is None:
-                self.coord.abandon(ticket)
-                raise Refusal(grpc.StatusCode.CANCELLED,
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"stream ended after {assembler.received} of {layout.total_bytes} bytes "
                               "without an UploadEnd; the update was not applied")
             ticket.state.check_open()
@@ -102,20 +101,24 @@ class CoordinatorService:
                 try:
                     assembler.write(message.data.offset, message.data.data)
                 except CodecError as exc:
-                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied",
+                                  final=True) from None
             elif kind == "end":
                 if not assembler.complete or message.end.total_bytes != layout.total_bytes \
                         or message.end.num_chunks != assembler.chunks:
                     raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"UploadEnd after {assembler.received} of {layout.total_bytes} bytes in "
                                   f"{assembler.chunks} chunks does not match its totals "
-                                  f"({message.end.total_bytes} bytes, {message.end.num_chunks} chunks)")
+                                  f"({message.end.total_bytes} bytes, {message.end.num_chunks} chunks)",
+                                  final=True)
                 break
             else:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message in upload")
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message in upload",
+                              final=True)
         bad = await asyncio.get_running_loop().run_in_executor(None, assembler.first_non_finite)
         if bad is not None:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
+                          final=True)
         return assembler.arrays
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:

@@ -1,0 +1,35 @@
+"""A per-round table printed as rounds finish."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("reported", "{:>8}"),
+           ("late", "{:>4}"), ("train_loss", "{:>10.4f}"), ("test_accuracy", "{:>13.4f}"),
+           ("round_seconds", "{:>13.2f}")]
+
+
+class RoundTable:
+    """Prints a header once and a row per round: round, sampled, reported, late, loss, accuracy, seconds."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stdout, quiet: bool = False):
+        self.total, self.stream, self.quiet = total, stream, quiet
+        self._header_done = False
+
+    def row(self, metrics: dict) -> None:
+        """Print one round's row."""
+        if self.quiet:
+            return
+        if not self._header_done:
+            print("  ".join(f"{name:>{max(len(name), 5)}}" for name, _ in COLUMNS), file=self.stream)
+            self._header_done = True
+        cells = []
+        for name, fmt in COLUMNS:
+            width = max(len(name), 5)
+            value = metrics.get(name)
+            text = "-" if value is None else (fmt.format(value).strip() if not isinstance(value, str) else value)
+            if name == "round":
+                text = f"{value}/{self.total}"
+            cells.append(f"{text:>{width}}")
+        print("  ".join(cells), file=self.stream, flush=True)

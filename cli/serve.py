@@ -1,0 +1,119 @@
+"""Run the coordinator: agents dial in, rounds run, the global model is checkpointed every round.
+
+Writes OUT/metrics.jsonl (one line per round) and, with --checkpoint-dir, resumes after a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from fedpar.aggregation import build_strategy, strategy_names
+from fedpar.cli.progress import RoundTable
+from fedpar.client.trainer import evaluate_classifier
+from fedpar.datasets import load_dataset
+from fedpar.models import get_weights, set_weights, weight_specs
+from fedpar.models.for_data import build_model_for_data
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.coordinator import Coordinator
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``fedpar serve``."""
+    d = CoordinatorConfig()
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=50051, help="port to listen on (0 picks a free one)")
+    p.add_argument("--model", default="mlp", help="mlp or cnn; agents must use the same")
+    p.add_argument("--dataset", default="digits",
+                   help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
+    p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
+    p.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
+    p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="rounds to run")
+    p.add_argument("--clients-per-round", type=int, default=d.clients_per_round,
+                   help="K: accepted updates that close a round early")
+    p.add_argument("--fraction", type=float, default=d.fraction,
+                   help="alternative to --clients-per-round: K = fraction x live agents")
+    p.add_argument("--min-available", type=int, default=d.min_available,
+                   help="live agents needed before a round starts")
+    p.add_argument("--min-reports", type=int, default=d.min_reports,
+                   help="fewer accepted updates than this fail the round; the model stays as it was")
+    p.add_argument("--overselect", type=float, default=d.overselect,
+                   help="sample ceil(K x overselect) agents so stragglers do not hold a round up")
+    p.add_argument("--deadline", dest="deadline_seconds", type=float, default=d.deadline_seconds,
+                   help="straggler deadline in seconds; later updates are refused")
+    p.add_argument("--local-epochs", type=int, default=d.local_epochs, help="local epochs per task")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="local batch size")
+    p.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate, help="local learning rate")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for initial weights and sampling")
+    p.add_argument("--heartbeat", dest="heartbeat_seconds", type=float, default=d.heartbeat_seconds,
+                   help="seconds between agent heartbeats")
+    p.add_argument("--liveness-timeout", dest="liveness_timeout_seconds", type=float,
+                   default=d.liveness_timeout_seconds, help="an agent silent this long is not sampled")
+    p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
+    p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
+                   help="uploads staged at once (each holds one model copy)")
+    p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
+    p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until every round is done."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_flush_denormal(True)  # denormals slow CPU evaluation badly (see the CPU training notes)
+    fields = set(CoordinatorConfig.__dataclass_fields__)
+    config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    config.metrics_path = args.out / "metrics.jsonl"
+    try:
+        config.validate()
+        splits = load_dataset(args.dataset, args.data_dir)
+        torch.manual_seed(args.seed)
+        model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
+        strategy = build_strategy(args.strategy)
+    except ValueError as exc:
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        return 2
+    evaluate = None
+    if not args.no_central_eval:
+        x, y = splits.test.to_tensors()
+
+        def evaluate(weights):
+            set_weights(model, weights)
+            result = evaluate_classifier(model, x, y)
+            return {"test_loss": result.loss, "test_accuracy": result.accuracy}
+
+    table = RoundTable(total=config.rounds)
+    coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
+                              evaluate_fn=evaluate, on_round_end=[table.row])
+    server = CoordinatorServer(coordinator, host=args.host, port=args.port)
+    try:
+        server.start()
+    except Exception as exc:
+        print(f"fedpar serve: could not listen on {args.host}:{args.port}: {exc}; try another --port",
+              file=sys.stderr)
+        return 1
+    print(f"coordinator listening on {args.host}:{server.port}; waiting for {config.min_available} agents "
+          f"(start them with: fedpar client --server {args.host}:{server.port} ...)", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not server.wait(0.5):
+            if stop.is_set():
+                break
+        stop.wait(2.0)  # let agents hear "shutdown" on their next poll
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    rows = coordinator.metrics.rows
+    if rows:
+        print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))
+    return 0

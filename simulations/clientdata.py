@@ -1,0 +1,24 @@
+"""One client's local data: its partition of the training set, split into train and validation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedpar.datasets import ArrayDataset, DatasetSplits
+from fedpar.simulations.partition import parse_partition
+
+
+def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: int) -> list[np.ndarray]:
+    """Index arrays of every client's share of the training set under partition ``spec``."""
+    return parse_partition(spec)(splits.train.y, num_clients, seed)
+
+
+def local_split(train: ArrayDataset, indices: np.ndarray, val_fraction: float,
+                seed: int) -> tuple[ArrayDataset, ArrayDataset | None]:
+    """Split one client's examples into local train and validation sets (for federated evaluation)."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError("val_fraction must be in [0, 1)")
+    order = np.random.default_rng(seed).permutation(np.asarray(indices))
+    n_val = int(round(len(order) * val_fraction)) if len(order) > 1 else 0
+    val = train.subset(order[:n_val]) if n_val else None
+    return train.subset(order[n_val:]), val

@@ -1,0 +1,30 @@
+"""PNG plots of a run's per-round metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
+
+
+def plot_accuracy(rows: list[dict], path: Path, title: str = "") -> None:
+    """Test accuracy (and federated evaluation, if any) against the round number."""
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    rounds = [r["round"] for r in rows]
+    for key, label in (("test_accuracy", "central test accuracy"),
+                       ("federated_eval_accuracy", "federated evaluation (clients' validation)")):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            ax.plot(rounds, values, marker="o", label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

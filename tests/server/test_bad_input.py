@@ -1,0 +1,129 @@
+"""Bad input is refused with a clear status and changes nothing; only the valid update counts."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+from fedpar.client.transfer import upload_messages
+
+SHAPES = ((6, 4), (4,))
+
+
+def _arrays(value=None, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) if value is None else np.full(s, value, np.float32)
+            for s in SHAPES]
+
+
+def _refused(call, code, *fragments):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == code, (err.value.code(), err.value.details())
+    for fragment in fragments:
+        assert fragment in err.value.details(), err.value.details()
+
+
+def test_every_kind_of_bad_upload_is_refused_and_only_valid_ones_count(start_coordinator, agents):
+    init = _arrays(seed=0)
+    names = ["t0", "t1"]
+    ids = ["shape", "dtype", "nan", "inf", "dup", "chunk", "trunc", "order", "good"]
+    server = start_coordinator(init, clients_per_round=len(ids), min_available=len(ids), deadline_seconds=60)
+    bots = dict(zip(ids, agents(server.address, ids)))
+    tasks = {i: bots[i].task() for i in ids}
+    layout = ModelLayout.of_arrays(names, init)
+
+    # Wrong shapes and dtypes are refused at the header, before any data is accepted.
+    bad_shape = [np.zeros((4, 6), np.float32), np.zeros(4, np.float32)]
+    _refused(lambda: bots["shape"].upload(tasks["shape"], bad_shape, 10, names), grpc.StatusCode.INVALID_ARGUMENT,
+             "does not match the global model", "'t0'")
+    bad_dtype = [a.astype(np.float64) for a in init]
+    _refused(lambda: bots["dtype"].upload(tasks["dtype"], bad_dtype, 10, names), grpc.StatusCode.INVALID_ARGUMENT,
+             "float32")
+
+    # NaN and Inf are found after the stream completes and refuse the whole update.
+    nan = _arrays(seed=3)
+    nan[1][2] = np.nan
+    _refused(lambda: bots["nan"].upload(tasks["nan"], nan, 10, names), grpc.StatusCode.INVALID_ARGUMENT,
+             "'t1'", "NaN or Inf")
+    inf = _arrays(seed=4)
+    inf[0][1, 1] = np.inf
+    _refused(lambda: bots["inf"].upload(tasks["inf"], inf, 10, names), grpc.StatusCode.INVALID_ARGUMENT, "'t0'")
+
+    # Unknown agent / bad token, stale round id, duplicate upload.
+    good = _arrays(seed=7)
+    stranger = pb.AgentAuth(agent_id="nobody", token="x")
+    _refused(lambda: bots["good"].upload(tasks["good"], None, 0, messages=list(
+        upload_messages(stranger, tasks["good"], layout, good, 10, 1, {}, 1024))),
+        grpc.StatusCode.UNAUTHENTICATED, "unknown agent")
+    forged = pb.AgentAuth(agent_id="good", token="forged")
+    _refused(lambda: bots["good"].upload(tasks["good"], None, 0, messages=list(
+        upload_messages(forged, tasks["good"], layout, good, 10, 1, {}, 1024))),
+        grpc.StatusCode.UNAUTHENTICATED, "bad session token")
+    stale = pb.TrainTask()
+    stale.CopyFrom(tasks["good"])
+    stale.round = 0
+    _refused(lambda: bots["good"].upload(stale, good, 10, names), grpc.StatusCode.FAILED_PRECONDITION,
+             "current round is 1")
+    _refused(lambda: bots["good"].upload(tasks["good"], good, 10**6, names), grpc.StatusCode.INVALID_ARGUMENT,
+             "num_examples")
+    dup = _arrays(seed=5)
+    assert bots["dup"].upload(tasks["dup"], dup, 20, names).accepted
+    _refused(lambda: bots["dup"].upload(tasks["dup"], _arrays(seed=6), 20, names), grpc.StatusCode.ALREADY_EXISTS,
+             "duplicates are refused")
+
+    # An oversized chunk: past the gRPC message limit, and past our own chunk limit.
+    def chunked(size):
+        msgs = list(upload_messages(bots["chunk"].auth, tasks["chunk"], layout, _arrays(seed=8), 10, 1, {}, 1 << 20))
+        msgs[1].data.data = msgs[1].data.data + b"\0" * (size - len(msgs[1].data.data))
+        return msgs
+    _refused(lambda: bots["chunk"].upload(tasks["chunk"], None, 0, messages=chunked(1 << 20)),
+             grpc.StatusCode.RESOURCE_EXHAUSTED)
+    _refused(lambda: bots["chunk"].upload(tasks["chunk"], None, 0, messages=chunked((64 << 10) + 100)),
+             grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit")
+
+    # A truncated stream (no UploadEnd) is refused; the agent may then send a complete update.
+    msgs = list(upload_messages(bots["trunc"].auth, tasks["trunc"], layout, _arrays(seed=9), 10, 1, {}, 32))
+    _refused(lambda: bots["trunc"].upload(tasks["trunc"], None, 0, messages=msgs[:3]),
+             grpc.StatusCode.INVALID_ARGUMENT, "without an UploadEnd")
+    retry = _arrays(seed=10)
+    assert bots["trunc"].upload(tasks["trunc"], retry, 30, names).accepted
+
+    # Out-of-order chunks.
+    msgs = list(upload_messages(bots["order"].auth, tasks["order"], layout, _arrays(seed=11), 10, 1, {}, 32))
+    msgs[1], msgs[2] = msgs[2], msgs[1]
+    _refused(lambda: bots["order"].upload(tasks["order"], None, 0, messages=msgs),
+             grpc.StatusCode.INVALID_ARGUMENT, "in order")
+
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, init))
+    # A refused header leaves the agent free to send a correct update.
+    fixed_shape, fixed_dtype = _arrays(seed=12), _arrays(seed=13)
+    assert bots["shape"].upload(tasks["shape"], fixed_shape, 15, names).accepted
+    assert bots["dtype"].upload(tasks["dtype"], fixed_dtype, 25, names).accepted
+    assert bots["good"].upload(tasks["good"], good, 50, names).accepted
+    assert server.wait(30)
+
+    row = server.coordinator.metrics.rows[-1]
+    assert (row["reported"], row["rejected"], row["late"]) == (5, 4, 0)
+    parts = [(20, dup), (30, retry), (15, fixed_shape), (25, fixed_dtype), (50, good)]
+    expected = [sum(n * u[i].astype(np.float64) for n, u in parts) / 140 for i in range(2)]
+    for new, exp in zip(server.coordinator.weights, expected):
+        np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
+
+
+def test_calls_from_unknown_agents_and_bad_joins_are_refused(start_coordinator, agents):
+    server = start_coordinator(_arrays(), clients_per_round=1, min_available=1)
+    (bot,) = agents(server.address, ["a"])
+    _refused(lambda: bot.stub.PullTask(pb.PullTaskRequest(auth=pb.AgentAuth(agent_id="ghost", token="t"))),
+             grpc.StatusCode.UNAUTHENTICATED, "call Join first")
+    _refused(lambda: bot.stub.Heartbeat(pb.HeartbeatRequest(auth=pb.AgentAuth(agent_id="a", token="t"))),
+             grpc.StatusCode.UNAUTHENTICATED, "bad session token")
+    _refused(lambda: bot.stub.Join(pb.JoinRequest(agent_id="", num_examples=1)), grpc.StatusCode.INVALID_ARGUMENT,
+             "agent_id")
+    _refused(lambda: bot.stub.Join(pb.JoinRequest(agent_id="x", num_examples=-5)), grpc.StatusCode.INVALID_ARGUMENT,
+             "num_examples")
+    _refused(lambda: bot.stub.DownloadWeights(pb.DownloadRequest(auth=bot.auth, round=7, task_id="x")).next(),
+             grpc.StatusCode.FAILED_PRECONDITION, "not the current round")

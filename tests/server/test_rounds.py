@@ -1,0 +1,173 @@
+"""Rounds over real gRPC: weighted FedAvg, stragglers, killed agents, failed rounds, big models, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from fedpar.protocol.codec import ModelLayout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _weights(seed=0, shapes=((20, 30), (30,), (30, 5))):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def _names(weights):
+    return [f"t{i}" for i in range(len(weights))]
+
+
+def _weighted_mean(updates, counts):
+    total = float(sum(counts))
+    return [sum(np.float64(n) * u[i].astype(np.float64) for u, n in zip(updates, counts)) / total
+            for i in range(len(updates[0]))]
+
+
+def test_three_agents_produce_the_weighted_mean(start_coordinator, agents):
+    init = _weights()
+    server = start_coordinator(init, clients_per_round=3, min_available=3)
+    bots = agents(server.address, ["a", "b", "c"])
+    layout = ModelLayout.of_arrays(_names(init), init)
+    counts = [10, 25, 65]
+    updates = [_weights(seed) for seed in (1, 2, 3)]
+    for bot, update, n in zip(bots, updates, counts):
+        task = bot.task()
+        got = bot.download(task, layout)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, init))
+        assert bot.upload(task, update, n).accepted
+    assert server.wait(30)
+    row = server.coordinator.metrics.rows[-1]
+    assert (row["status"], row["sampled"], row["reported"], row["late"]) == ("ok", 3, 3, 0)
+    expected = _weighted_mean(updates, counts)
+    for new, exp in zip(server.coordinator.weights, expected):
+        assert new.dtype == np.float32
+        np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
+
+
+def test_straggler_past_the_deadline_is_excluded_and_refused(start_coordinator, agents):
+    init = _weights()
+    server = start_coordinator(init, clients_per_round=3, min_available=3, deadline_seconds=3.0)
+    fast1, fast2, slow = agents(server.address, ["fast1", "fast2", "slow"])
+    updates, counts = [_weights(4), _weights(5)], [30, 70]
+    tasks = {bot.agent_id: bot.task() for bot in (fast1, fast2, slow)}
+    for bot, update, n in zip((fast1, fast2), updates, counts):
+        assert bot.upload(tasks[bot.agent_id], update, n).accepted
+    assert server.wait(20)  # closes at the deadline without the straggler
+    with pytest.raises(grpc.RpcError) as err:
+        slow.upload(tasks["slow"], _weights(6), 50)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "closed" in err.value.details() and "not applied" in err.value.details()
+    row = server.coordinator.metrics.rows[-1]
+    assert (row["status"], row["reported"], row["late"], row["close_reason"]) == ("ok", 2, 1, "deadline")
+    for new, exp in zip(server.coordinator.weights, _weighted_mean(updates, counts)):
+        np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
+
+
+KILLED_AGENT = textwrap.dedent("""
+    import sys, time
+    import grpc, numpy as np
+    from fedpar.protocol import fedpar_pb2 as pb, fedpar_pb2_grpc as rpc
+    from fedpar.protocol.codec import ModelLayout
+    from fedpar.client.transfer import upload_messages
+    stub = rpc.CoordinatorStub(grpc.insecure_channel(sys.argv[1]))
+    token = stub.Join(pb.JoinRequest(agent_id="doomed", num_examples=100)).token
+    auth = pb.AgentAuth(agent_id="doomed", token=token)
+    while True:
+        reply = stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=1.0))
+        if reply.WhichOneof("kind") == "task":
+            break
+    arrays = [np.full(s, 1e6, np.float32) for s in [(20, 30), (30,), (30, 5)]]
+    layout = ModelLayout.of_arrays(["t0", "t1", "t2"], arrays)
+    def stream():
+        for i, m in enumerate(upload_messages(auth, reply.task, layout, arrays, 100, 1, {}, 512)):
+            yield m
+            if i == 3:
+                print("MID-UPLOAD", flush=True)
+                time.sleep(600)
+    stub.UploadUpdate(stream())
+""")
+
+
+def test_agent_killed_mid_upload_leaves_the_model_untouched(start_coordinator, agents):
+    init = _weights()
+    server = start_coordinator(init, clients_per_round=3, min_available=3, deadline_seconds=6.0)
+    a, b = agents(server.address, ["a", "b"])
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_AGENT, server.address], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "MID-UPLOAD"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(server.coordinator.weights, init))
+        updates, counts = [_weights(7), _weights(8)], [40, 60]
+        for bot, update, n in zip((a, b), updates, counts):
+            assert bot.upload(bot.task(), update, n).accepted
+        assert server.wait(20)
+    finally:
+        proc.kill()
+    row = server.coordinator.metrics.rows[-1]
+    assert (row["status"], row["reported"], row["late"]) == ("ok", 2, 1)
+    for new, exp in zip(server.coordinator.weights, _weighted_mean(updates, counts)):
+        np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
+
+
+def test_too_few_reports_fail_the_round_and_keep_the_model(start_coordinator, agents):
+    init = _weights()
+    server = start_coordinator(init, rounds=2, clients_per_round=2, min_available=2, min_reports=2,
+                               deadline_seconds=1.5)
+    a, _ = agents(server.address, ["a", "b"])
+    assert a.upload(a.task(), _weights(9), 10).accepted
+    assert server.wait(20)
+    rows = server.coordinator.metrics.rows
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    assert rows[0]["reported"] == 1
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(server.coordinator.weights, init))
+
+
+def test_100mb_model_round_trips_bit_exact(start_coordinator, agents):
+    rng = np.random.default_rng(0)
+    init = [rng.standard_normal(25_000_000, dtype=np.float32)]
+    server = start_coordinator(init, clients_per_round=1, min_available=1, max_chunk_bytes=4 << 20,
+                               deadline_seconds=120)
+    (bot,) = agents(server.address, ["big"])
+    bot.max_chunk = 4 << 20
+    task = bot.task()
+    got = bot.download(task, ModelLayout.of_arrays(["t0"], init))
+    assert got[0].tobytes() == init[0].tobytes()
+    update = [got[0] + np.float32(0.5)]
+    assert bot.upload(task, update, 1, timeout=120).accepted
+    assert server.wait(60)
+    assert server.coordinator.weights[0].tobytes() == update[0].tobytes()
+
+
+def test_checkpoint_resumes_after_the_last_completed_round(start_coordinator, agents, tmp_path):
+    init = _weights()
+    ckpt = tmp_path / "ckpt"
+    server = start_coordinator(init, clients_per_round=1, min_available=1, checkpoint_dir=ckpt)
+    (a,) = agents(server.address, ["a"])
+    update = _weights(11)
+    assert a.upload(a.task(), update, 10).accepted
+    assert server.wait(20)
+    server.stop()
+    after_round_1 = server.coordinator.weights
+    for x, y in zip(after_round_1, update):
+        np.testing.assert_allclose(x, y, rtol=1e-6)
+    resumed = start_coordinator(init, rounds=2, clients_per_round=1, min_available=1, checkpoint_dir=ckpt)
+    assert resumed.coordinator.round_id == 1
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(resumed.coordinator.weights, after_round_1))
+    (b,) = agents(resumed.address, ["b"])
+    task = b.task()
+    assert task.round == 2
+    downloaded = b.download(task, ModelLayout.of_arrays(_names(init), init))
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(downloaded, after_round_1))
