@@ -1,6 +1,7 @@
 """fedpar.models: the model zoo (MLP, FedAvg CNN, small GPT) and numpy weight exchange helpers."""
 
 from fedpar.models.cnn import FedAvgCNN
+from fedpar.models.for_data import build_model_for_data
 from fedpar.models.gpt import GPT, GPTConfig
 from fedpar.models.mlp import MLP
 from fedpar.models.registry import build_model, count_parameters, model_names
@@ -12,6 +13,7 @@ __all__ = [
     "GPTConfig",
     "MLP",
     "build_model",
+    "build_model_for_data",
     "count_parameters",
     "get_weights",
     "model_names",

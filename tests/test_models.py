@@ -14,6 +14,7 @@ from fedpar.models import (
     FedAvgCNN,
     GPTConfig,
     build_model,
+    build_model_for_data,
     count_parameters,
     get_weights,
     model_names,
@@ -64,6 +65,18 @@ def test_registry_builds_by_name_and_rejects_unknowns():
         build_model("mlp", hidden_units=3)
     with pytest.raises(ValueError, match="not both"):
         build_model("gpt", config=SMALL_GPT, n_layer=2)
+
+
+def test_build_model_for_data_sizes_classifiers_from_the_dataset_shape():
+    mlp = build_model_for_data("mlp", (1, 8, 8), 10)
+    assert isinstance(mlp, MLP) and mlp(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    cnn = build_model_for_data("cnn", (1, 28, 28), 10)
+    assert isinstance(cnn, FedAvgCNN) and count_parameters(cnn) == 1_663_370
+    assert build_model_for_data("cnn", (3, 8, 8), 4)(torch.zeros(1, 3, 8, 8)).shape == (1, 4)
+    with pytest.raises(ValueError, match="square images"):
+        build_model_for_data("cnn", (1, 8, 6), 10)
+    with pytest.raises(ValueError, match="use mlp or cnn"):
+        build_model_for_data("gpt", (1, 8, 8), 10)
 
 
 def test_init_is_deterministic_given_the_seed():
