@@ -14,7 +14,7 @@ import grpc
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol import fedpar_pb2_grpc as rpc
+from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
 from fedpar.client.transfer import download_weights, upload_messages, upload_update
@@ -70,7 +70,7 @@ class Agent:
         self._max_chunk = max(config.chunk_bytes, DEFAULT_CHUNK_BYTES)
         self._stop = threading.Event()
         self._channel = self._open_channel()
-        self._stub = rpc.CoordinatorStub(self._channel)
+        self._stub = CoordinatorStub(self._channel)
 
     def _open_channel(self) -> grpc.Channel:
         options = channel_options(64 << 20)
@@ -90,6 +90,7 @@ class Agent:
     def run(self) -> AgentStats:
         """Join, then pull and run tasks until the coordinator says shutdown (or :meth:`stop`)."""
         try:
+            self.trainer.warm_up()
             self._retrying(self._join)
             while not self._stop.is_set():
                 reply = self._retrying(self._pull)
@@ -196,7 +197,7 @@ class Agent:
 class _Heartbeat:
     """Background heartbeats while the agent trains, so the coordinator knows it is alive."""
 
-    def __init__(self, stub: rpc.CoordinatorStub, auth: pb.AgentAuth, every: float):
+    def __init__(self, stub: CoordinatorStub, auth: pb.AgentAuth, every: float):
         self._stub, self._auth, self._every = stub, auth, every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -7,18 +7,24 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol import fedpar_pb2_grpc as rpc
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks
 from fedpar.protocol.messages import layout_from_pb, layout_to_pb
+from fedpar.protocol.rawchunks import RawData, encode_data_message
+from fedpar.protocol.stubs import CoordinatorStub
 
 
-def download_weights(stub: rpc.CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask,
+def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask,
                      expected: ModelLayout, max_chunk_bytes: int, timeout: float | None = None) -> list[np.ndarray]:
     """Fetch the round's global weights; they must match the local model's layout exactly."""
     stream = stub.DownloadWeights(pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id),
                                   timeout=timeout)
     assembler = None
     for message in stream:
+        if isinstance(message, RawData):
+            if assembler is None:
+                raise CodecError("download did not start with a ModelHeader")
+            assembler.write(message.offset, message.data)
+            continue
         kind = message.WhichOneof("part")
         if assembler is None:
             if kind != "header":
@@ -42,19 +48,19 @@ def download_weights(stub: rpc.CoordinatorStub, auth: pb.AgentAuth, task: pb.Tra
 
 def upload_messages(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, arrays: Sequence[np.ndarray],
                     num_examples: int, steps: int, metrics: dict[str, float],
-                    chunk_bytes: int) -> Iterator[pb.UploadChunk]:
-    """The UploadChunk stream for one update: header, data chunks, end marker."""
+                    chunk_bytes: int) -> Iterator[pb.UploadChunk | bytes]:
+    """The UploadChunk stream for one update: header, data chunks (pre-encoded bytes), end marker."""
     yield pb.UploadChunk(header=pb.UploadHeader(
         auth=auth, round=task.round, task_id=task.task_id, num_examples=num_examples, steps=steps,
         tensors=layout_to_pb(layout), total_bytes=layout.total_bytes, metrics=metrics))
     count = 0
     for offset, data in iter_chunks(arrays, chunk_bytes):
         count += 1
-        yield pb.UploadChunk(data=pb.DataChunk(offset=offset, data=data))
+        yield encode_data_message(offset, data)
     yield pb.UploadChunk(end=pb.UploadEnd(total_bytes=layout.total_bytes, num_chunks=count))
 
 
-def upload_update(stub: rpc.CoordinatorStub, messages: Iterator[pb.UploadChunk],
+def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | bytes],
                   timeout: float | None = None) -> pb.UploadReply:
     """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused."""
     return stub.UploadUpdate(messages, timeout=timeout)

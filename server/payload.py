@@ -10,6 +10,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout, iter_chunks
 from fedpar.protocol.messages import layout_to_pb
+from fedpar.protocol.rawchunks import encode_data_message
 
 
 @dataclass(frozen=True)
@@ -32,5 +33,5 @@ def build_payload(round_id: int, layout: ModelLayout, arrays: Sequence[np.ndarra
                                                  total_bytes=layout.total_bytes))
     messages = [header.SerializeToString()]
     for offset, data in iter_chunks(arrays, chunk_bytes):
-        messages.append(pb.ModelChunk(data=pb.DataChunk(offset=offset, data=data)).SerializeToString())
+        messages.append(encode_data_message(offset, data))
     return WeightPayload(round_id, layout, tuple(messages))

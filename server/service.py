@@ -10,6 +10,7 @@ import grpc
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, TensorAssembler
 from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME
+from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.registry import AgentRecord, AuthError
 from fedpar.server.rounds import Refusal
@@ -66,7 +67,7 @@ class CoordinatorService:
         ticket = None
         try:
             first = await _next_message(request_iterator)
-            if first is None or first.WhichOneof("part") != "header":
+            if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
             agent = self._auth(first.header.auth)
             ticket = self.coord.open_upload(agent, first.header)
@@ -96,10 +97,14 @@ class CoordinatorService:
                               f"stream ended after {assembler.received} of {layout.total_bytes} bytes "
                               "without an UploadEnd; the update was not applied")
             ticket.state.check_open()
-            kind = message.WhichOneof("part")
+            if isinstance(message, RawData):
+                kind, offset, data = "data", message.offset, message.data
+            else:
+                kind = message.WhichOneof("part")
+                offset, data = message.data.offset, message.data.data
             if kind == "data":
                 try:
-                    assembler.write(message.data.offset, message.data.data)
+                    assembler.write(offset, data)
                 except CodecError as exc:
                     raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied",
                                   final=True) from None
@@ -161,7 +166,7 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
             service.DownloadWeights, request_deserializer=pb.DownloadRequest.FromString,
             response_serializer=identity),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
-            service.UploadUpdate, request_deserializer=pb.UploadChunk.FromString,
+            service.UploadUpdate, request_deserializer=lambda raw: decode_chunk_message(raw, pb.UploadChunk),
             response_serializer=pb.UploadReply.SerializeToString),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(
             service.Heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,

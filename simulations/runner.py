@@ -41,7 +41,7 @@ class SimulationConfig:
     clients_per_round: int | None = None  # default: every client
     overselect: float = 1.0
     min_reports: int = 1
-    local_epochs: int = 1
+    local_epochs: int = 5
     batch_size: int = 16
     learning_rate: float = 0.1
     deadline_seconds: float = 60.0

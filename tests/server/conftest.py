@@ -10,7 +10,7 @@ import pytest
 
 from fedpar.aggregation import build_strategy
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol import fedpar_pb2_grpc as rpc
+from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.messages import channel_options
 from fedpar.client.transfer import download_weights, upload_messages
@@ -27,7 +27,7 @@ class ScriptedAgent:
 
     def __init__(self, address: str, agent_id: str, num_examples: int = 100, max_chunk: int = 64 << 10):
         self.channel = grpc.insecure_channel(address, options=channel_options(64 << 20))
-        self.stub = rpc.CoordinatorStub(self.channel)
+        self.stub = CoordinatorStub(self.channel)
         self.agent_id = agent_id
         self.max_chunk = max_chunk
         reply = self.stub.Join(pb.JoinRequest(agent_id=agent_id, num_examples=num_examples), timeout=10)

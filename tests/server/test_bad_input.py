@@ -78,7 +78,7 @@ def test_every_kind_of_bad_upload_is_refused_and_only_valid_ones_count(start_coo
     # An oversized chunk: past the gRPC message limit, and past our own chunk limit.
     def chunked(size):
         msgs = list(upload_messages(bots["chunk"].auth, tasks["chunk"], layout, _arrays(seed=8), 10, 1, {}, 1 << 20))
-        msgs[1].data.data = msgs[1].data.data + b"\0" * (size - len(msgs[1].data.data))
+        msgs[1] = pb.UploadChunk(data=pb.DataChunk(offset=0, data=b"\0" * size))
         return msgs
     _refused(lambda: bots["chunk"].upload(tasks["chunk"], None, 0, messages=chunked(1 << 20)),
              grpc.StatusCode.RESOURCE_EXHAUSTED)

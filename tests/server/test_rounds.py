@@ -77,10 +77,11 @@ def test_straggler_past_the_deadline_is_excluded_and_refused(start_coordinator, 
 KILLED_AGENT = textwrap.dedent("""
     import sys, time
     import grpc, numpy as np
-    from fedpar.protocol import fedpar_pb2 as pb, fedpar_pb2_grpc as rpc
+    from fedpar.protocol import fedpar_pb2 as pb
+    from fedpar.protocol.stubs import CoordinatorStub
     from fedpar.protocol.codec import ModelLayout
     from fedpar.client.transfer import upload_messages
-    stub = rpc.CoordinatorStub(grpc.insecure_channel(sys.argv[1]))
+    stub = CoordinatorStub(grpc.insecure_channel(sys.argv[1]))
     token = stub.Join(pb.JoinRequest(agent_id="doomed", num_examples=100)).token
     auth = pb.AgentAuth(agent_id="doomed", token=token)
     while True:

@@ -1,0 +1,34 @@
+"""The hand-coded data-chunk encoding is byte-identical to protobuf's and decodes every valid form."""
+
+import pytest
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.rawchunks import RawData, decode_chunk_message, encode_data_message
+
+
+@pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 2**35 + 5])
+@pytest.mark.parametrize("size", [1, 127, 128, 70_000])
+def test_encoding_matches_protobuf_for_both_stream_messages(offset, size):
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    raw = encode_data_message(offset, data)
+    assert raw == pb.ModelChunk(data=pb.DataChunk(offset=offset, data=data)).SerializeToString()
+    assert raw == pb.UploadChunk(data=pb.DataChunk(offset=offset, data=data)).SerializeToString()
+    decoded = decode_chunk_message(raw, pb.UploadChunk)
+    assert isinstance(decoded, RawData)
+    assert decoded.offset == offset and bytes(decoded.data) == data
+
+
+def test_other_messages_and_non_canonical_forms_use_the_generated_parser():
+    header = pb.UploadChunk(header=pb.UploadHeader(round=3)).SerializeToString()
+    assert decode_chunk_message(header, pb.UploadChunk).header.round == 3
+    # DataChunk with its fields in reverse order: valid protobuf, not the canonical form.
+    inner = b"\x12\x03abc" + b"\x08\x07"
+    raw = b"\x12" + bytes([len(inner)]) + inner
+    parsed = decode_chunk_message(raw, pb.UploadChunk)
+    assert not isinstance(parsed, RawData)
+    assert (parsed.data.offset, parsed.data.data) == (7, b"abc")
+
+
+def test_garbage_raises_a_decode_error():
+    with pytest.raises(Exception):
+        decode_chunk_message(b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", pb.UploadChunk)
