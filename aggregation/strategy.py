@@ -145,11 +145,8 @@ class StreamingStrategy(Strategy):
         self._acc: WeightedSum | None = None
 
     def _reset_round(self, layout: Layout) -> None:
-        """Reuse the accumulator across rounds when the layout is unchanged."""
-        if self._acc is not None and self._acc.layout == layout:
-            self._acc.reset()
-        else:
-            self._acc = WeightedSum(layout, self.fold_config)
+        """A fresh zeroed accumulator (np.zeros maps zero pages lazily, so this costs no extra pass)."""
+        self._acc = WeightedSum(layout, self.fold_config)
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
         """Add the update into the running sum."""
@@ -161,7 +158,8 @@ class StreamingStrategy(Strategy):
         return self._acc.count if self._acc is not None else 0
 
     def _drop_round(self) -> None:
-        """Zeroed lazily at the next begin_round; the buffer is kept for reuse."""
+        """Forget the accumulator: after finish its buffer is the returned model (mean is taken in place)."""
+        self._acc = None
 
     def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
         """Average, then let the subclass turn the average into the new global model."""

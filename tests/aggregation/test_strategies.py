@@ -281,3 +281,14 @@ def test_concurrent_folds_into_a_strategy():
     assert m["num_updates"] == 16
     np.testing.assert_allclose(new[0], np.full(400_000, sum(i * (i + 1) for i in range(16)) / sum(range(1, 17))),
                                rtol=1e-6)
+
+
+def test_returned_global_survives_the_next_round():
+    rng = np.random.default_rng(11)
+    g = model(rng, dtype=np.float32)
+    s = FedAvg()
+    results = [([x.astype(np.float32) for x in u], n) for u, n in cohort(rng, 3, g)]
+    g1, _ = run_round(s, 1, g, results)
+    kept = [x.copy() for x in g1]
+    g2, _ = run_round(s, 2, g1, results)
+    assert_models_close(g1, kept, rtol=0, atol=0)  # the new round did not write into the previous result
