@@ -2,6 +2,8 @@
 
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
 from fedpar.aggregation.averaging import FedAvg, FedAvgM
+from fedpar.aggregation.compression import (CompressionConfig, Compressor, Encoded, decode, decode_update, encode,
+                                            encode_update)
 from fedpar.aggregation.distributed import all_reduce_weighted_sum
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.fedavg import fedavg
@@ -17,4 +19,5 @@ __all__ = [
     "Strategy", "StreamingStrategy", "FedAvg", "FedAvgM", "FedProx", "proximal_term",
     "FedOpt", "FedAdam", "FedYogi", "FedAdagrad", "Median", "TrimmedMean", "Krum", "MultiKrum",
     "build_strategy", "strategy_names",
+    "CompressionConfig", "Compressor", "Encoded", "encode", "decode", "encode_update", "decode_update",
 ]
