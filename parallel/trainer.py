@@ -104,7 +104,7 @@ class Trainer:
             losses: list[torch.Tensor] = []
             pipeline.schedule.step(x if pipeline.has_first_stage else None,
                                    target=y if pipeline.has_last_stage else None, losses=losses)
-            loss = float(torch.stack(losses).mean()) if losses else 0.0
+            loss = float(torch.stack(losses).detach().mean()) if losses else 0.0
         else:
             model, accum = self.model.parts[0], self.config.grad_accum
             loss = 0.0
@@ -144,7 +144,7 @@ class Trainer:
                 pipeline.schedule.eval(x if pipeline.has_first_stage else None,
                                        target=y if pipeline.has_last_stage else None, losses=losses)
                 if losses:  # per-microbatch means; padding only repeats real windows
-                    loss_sum += float(torch.stack(losses).mean()) * len(indices)
+                    loss_sum += float(torch.stack(losses).detach().mean()) * len(indices)
                 count += len(indices)
                 continue
             with self._autocast():

@@ -1,0 +1,32 @@
+"""One training process end to end: join the group, load data and the zoo model, train, leave the group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedpar.models import build_model
+from fedpar.parallel.config import TrainConfig, train_config_from_dict
+from fedpar.parallel.data import load_train_data, model_kwargs_for
+from fedpar.parallel.init import init_distributed, shutdown_distributed
+from fedpar.parallel.trainer import Trainer
+
+
+def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float = 300.0) -> dict[str, Any]:
+    """Train with ``config`` in this process (one rank of a torchrun/spawned group, or alone); returns the summary."""
+    cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
+    # Long CPU runs slow down several-fold once weights drift into subnormal floats (notes/cpu-training.md).
+    torch.set_flush_denormal(True)
+    info = init_distributed(timeout_seconds)
+    try:
+        data, implied = load_train_data(cfg.dataset, cfg.data_path, cfg.block_size, cfg.seed)
+        kwargs = model_kwargs_for(cfg.model, implied, cfg.model_kwargs)
+        return Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info).run() or {}
+    finally:
+        shutdown_distributed()
+
+
+def spawned_train_process(config: dict[str, Any], timeout_seconds: float) -> None:
+    """Entry point for ``spawn``: the summary is written to disk by rank 0, so nothing is returned."""
+    train_process(config, timeout_seconds)

@@ -1,0 +1,103 @@
+"""Checks run inside ONE spawned 4-rank gloo group (see test_world4.py): 2-D meshes composed by parallelize()."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from fedpar.models import build_model
+from fedpar.parallel.config import ParallelConfig
+from fedpar.parallel.fsdp import apply_fsdp
+from fedpar.parallel.init import init_distributed
+from fedpar.parallel.mesh import build_mesh
+from fedpar.parallel.parallelize import parallelize
+from fedpar.parallel.testing import full, lm_loss, local_numel, max_abs_diff
+
+STEPS = 3
+
+
+def _gpt():
+    return build_model("gpt", vocab_size=30, block_size=16, n_layer=2, n_head=4, d_model=32)
+
+
+def _batch(n: int = 8, t: int = 16):
+    g = torch.Generator().manual_seed(4)
+    data = torch.randint(0, 30, (n, t + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def _dense_reference(x, y):
+    torch.manual_seed(0)
+    ref = _gpt()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = lm_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return ref, losses
+
+
+def _composed(pc: ParallelConfig, microbatches_loss: bool = False):
+    info = init_distributed()
+    pc = pc.resolved(dist.get_world_size())
+    mesh = build_mesh(pc)
+    model = parallelize(_gpt, "gpt", pc, mesh, info, lm_loss, seed=0)
+    opts = [torch.optim.SGD(p.parameters(), lr=0.1) for p in model.parts]
+    x, y = _batch()
+    share = x.shape[0] // pc.data_parallel_size
+    lo = mesh.data_parallel_rank * share
+    xs, ys = x[lo:lo + share], y[lo:lo + share]
+    losses = []
+    for _ in range(STEPS):
+        if model.pipeline is not None:
+            mb: list[torch.Tensor] = []
+            model.pipeline.schedule.step(xs if model.has_first_stage else None,
+                                         target=ys if model.has_last_stage else None, losses=mb)
+            loss = torch.stack(mb).detach().mean() if mb else torch.zeros(())
+        else:
+            loss = lm_loss(model.parts[0](xs), ys)
+            loss.backward()
+            loss = loss.detach()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        reporter = model.has_last_stage and mesh.coord("tp") == 0
+        total = torch.stack([loss * reporter, torch.tensor(float(reporter))])
+        dist.all_reduce(total)
+        losses.append((total[0] / total[1]).item())
+    ref, ref_losses = _dense_reference(x, y)
+    ref_params = dict(ref.named_parameters())
+    params = {k: full(v) for part in model.parts for k, v in part.named_parameters()}
+    return {"max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "max_param_diff": max_abs_diff(params, ref_params), "n_params_checked": len(params),
+            "local_share": sum(local_numel(p) for part in model.parts for p in part.parameters())
+            / sum(p.numel() for p in ref.parameters())}
+
+
+def check_fsdp_x_tp_2x2_matches_dense():
+    """TP (with sequence parallel) over "tp", then FSDP2 over "fsdp", on a 2x2 mesh."""
+    return _composed(ParallelConfig(dp=1, fsdp=2, tp=2))
+
+
+def check_pp_x_fsdp_2x2_matches_dense():
+    """Two 1F1B pipeline stages, each sharded by FSDP2 over 2 ranks."""
+    return _composed(ParallelConfig(dp=1, fsdp=2, pp=2, pp_schedule="1f1b", microbatches=2))
+
+
+def check_fsdp_four_ranks_store_a_quarter():
+    """FSDP2 over 4 ranks on dims that do not divide evenly (vocab 30): about 1/4 stored per rank."""
+    torch.manual_seed(0)
+    ref = _gpt()
+    model = apply_fsdp(copy.deepcopy(ref), init_device_mesh("cpu", (4,)))
+    x, y = _batch()
+    rank = dist.get_rank()
+    lm_loss(model(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]).backward()
+    grads = sum(local_numel(p.grad) for p in model.parameters())
+    total = sum(p.numel() for p in ref.parameters())
+    return {"param_share": sum(local_numel(p) for p in model.parameters()) / total, "grad_share": grads / total}

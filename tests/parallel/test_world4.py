@@ -1,0 +1,51 @@
+"""Parallel engine on 4 gloo ranks (2-D meshes): all checks run in ONE spawned process group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedpar.parallel.testing import run_checks
+
+CHECKS = Path(__file__).with_name("checks_world4.py")
+NAMES = ["check_fsdp_four_ranks_store_a_quarter", "check_fsdp_x_tp_2x2_matches_dense",
+         "check_pp_x_fsdp_2x2_matches_dense"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    """Each rank's results of every check, from one 4-rank launch."""
+    return run_checks(4, CHECKS, NAMES, tmp_path_factory.mktemp("world4"))
+
+
+def per_rank(results: list[dict], name: str) -> list[dict]:
+    """The check's result on every rank, failing with the rank's traceback if it raised."""
+    out = []
+    for rank, res in enumerate(results):
+        if name not in res:
+            pytest.fail(f"{name} did not run on rank {rank} (an earlier check stopped the group)")
+        if "error" in res[name]:
+            pytest.fail(f"{name} raised on rank {rank}:\n{res[name]['error']}")
+        out.append(res[name])
+    return out
+
+
+def test_fsdp_over_four_ranks_stores_about_a_quarter(results):
+    for r in per_rank(results, "check_fsdp_four_ranks_store_a_quarter"):
+        assert r["param_share"] == pytest.approx(0.25, abs=0.03)
+        assert r["grad_share"] == pytest.approx(0.25, abs=0.03)
+
+
+def test_fsdp_x_tp_on_2x2_mesh_matches_dense(results):
+    for r in per_rank(results, "check_fsdp_x_tp_2x2_matches_dense"):
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+        assert r["local_share"] == pytest.approx(0.25, abs=0.03)
+
+
+def test_pipeline_x_fsdp_on_2x2_mesh_matches_dense(results):
+    rs = per_rank(results, "check_pp_x_fsdp_2x2_matches_dense")
+    for r in rs:
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+        assert r["local_share"] < 0.3
