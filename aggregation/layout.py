@@ -79,6 +79,10 @@ def all_finite(a: np.ndarray) -> bool:
     """True if every element of ``a`` is finite (a fast sum test, confirmed exactly when it fails)."""
     if not np.issubdtype(a.dtype, np.floating) or a.size == 0:
         return True
-    if np.isfinite(a.sum(dtype=np.float64)):
+    # A sum in the array's own precision (float32 for float16) runs at memory speed; NaN/Inf anywhere makes it
+    # non-finite. An overflowing sum of large finite values is a false alarm, settled by the exact test.
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = a.sum(dtype=np.float32 if a.dtype == np.float16 else None)
+    if np.isfinite(total):
         return True
     return bool(np.isfinite(a).all())

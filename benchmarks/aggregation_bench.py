@@ -1,0 +1,359 @@
+"""FedAvg aggregation benchmark: fedpar's streaming/sharded fold vs Flower's aggregate / aggregate_inplace.
+
+One command: ``.venv/bin/python benchmarks/aggregation_bench.py`` (add ``--quick`` for a smoke run).
+
+For K clients x P float32 parameters it prints seconds, effective GB/s of update data read
+(K * P * 4 bytes / seconds), that rate as a fraction of this machine's memory read bandwidth (numpy
+stream-read, measured in the same run), peak extra memory, and the speed-up over Flower's best.
+
+What is measured, exactly:
+- Inputs: a pool of R distinct float32 models (R = K when K models fit in --pool-gib, else as many as
+  fit), laid out as a few large matrices plus bias vectors. The K results cycle through the pool, so
+  every fold reads a model that was last touched R-1 models earlier (R * model bytes > the L3 cache
+  for the large cases; small cases are partly cache-resident and say so in the table).
+- fedpar stream: ``fedavg(iterator)`` consuming one result at a time (the coordinator's situation).
+- fedpar list: ``fedavg(list)``; the results are already in memory, so 8 are folded per pass.
+- fedpar strategy: ``FedAvg().fold`` per result (with the NaN/Inf pre-check) + ``finish``.
+- flwr aggregate: ``flwr.server.strategy.aggregate.aggregate(list)`` on the same arrays.
+- flwr aggregate_inplace: on FitRes objects built with ``ndarrays_to_parameters`` from the same pool
+  (serialization is set-up, not timed; its deserialization inside the call is timed, as Flower runs it).
+- Peak extra memory: Linux VmHWM (peak RSS) after resetting it through /proc/self/clear_refs, minus
+  the RSS just before the call; it counts every allocation (numpy, torch, the returned model).
+  Rows whose extra memory alone would exceed --mem-gib are skipped, and say so.
+- Timings are the best of --repeats runs, contenders interleaved round-robin (the machine is shared;
+  best-of filters other processes' load). The first touch of fresh memory is very slow in this VM
+  (~100 us per 4 KiB page once), so the first repeat also serves as warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fedpar.aggregation import FedAvg, FoldConfig, fedavg
+
+GIB = 1 << 30
+
+
+# ----------------------------------------------------------------------------- memory accounting
+def _status_kib(field: str) -> int:
+    """A VmXXX field of /proc/self/status in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure_once(fn: Callable[[], object]) -> tuple[float, int]:
+    """Wall time of one call of ``fn`` and its peak-RSS growth in bytes."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+    base = _status_kib("VmRSS")
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    peak = (_status_kib("VmHWM") - base) * 1024
+    del out
+    return dt, peak
+
+
+def measure_interleaved(contenders: list[tuple[str, Callable[[], object]]], repeats: int) -> dict[str, tuple[float, int]]:
+    """Best time and largest peak growth per contender, running them round-robin so a burst of load from
+    other processes on this shared machine does not hit every repeat of one contender."""
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(repeats):
+        for name, fn in contenders:
+            t, m = measure_once(fn)
+            bt, bm = best.get(name, (math.inf, 0))
+            best[name] = (min(bt, t), max(bm, m))
+    return best
+
+
+# ----------------------------------------------------------------------------- bandwidth baseline
+@dataclass
+class Bandwidth:
+    """Memory bandwidth of this machine measured with numpy (GB/s, 1e9 bytes)."""
+
+    read_1t: float
+    read_2t: float
+    triad_1t: float
+    triad_2t: float
+
+    @property
+    def read(self) -> float:
+        """The best read bandwidth (the reference for 'fraction of read bandwidth')."""
+        return max(self.read_1t, self.read_2t)
+
+
+def measure_bandwidth(nbytes: int, repeats: int) -> Bandwidth:
+    """numpy stream-read (a.sum) and STREAM triad (a = b + s*c, numpy two-pass) on arrays of ``nbytes``, 1 and 2 threads."""
+    n = nbytes // 4
+    a, b, c = (np.random.default_rng(i).random(n, dtype=np.float32) for i in range(3))
+    pool = ThreadPoolExecutor(2)
+    halves = [slice(0, n // 2), slice(n // 2, n)]
+
+    def triad(sl: slice) -> None:
+        np.multiply(c[sl], np.float32(1.5), out=a[sl])
+        np.add(a[sl], b[sl], out=a[sl])
+
+    def best(fn: Callable[[], object]) -> float:
+        return min(_timed(fn) for _ in range(repeats))
+
+    r1 = nbytes / best(lambda: b.sum()) / 1e9
+    r2 = nbytes / best(lambda: list(pool.map(lambda s: b[s].sum(), halves))) / 1e9
+    t1 = 3 * nbytes / best(lambda: triad(slice(0, n))) / 1e9
+    t2 = 3 * nbytes / best(lambda: list(pool.map(triad, halves))) / 1e9
+    pool.shutdown()
+    return Bandwidth(r1, r2, t1, t2)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Wall time of one call."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- inputs
+def layer_sizes(p: int) -> list[int]:
+    """A model of ``p`` parameters: four matrices (40/30/20/10 %) and four small bias vectors."""
+    biases = [min(4096, p // 1000)] * 4
+    rest = p - sum(biases)
+    mats = [rest * 4 // 10, rest * 3 // 10, rest * 2 // 10]
+    mats.append(rest - sum(mats))
+    return [s for pair in zip(mats, biases) for s in pair]
+
+
+def make_pool(p: int, r: int, seed: int = 0) -> list[list[np.ndarray]]:
+    """``r`` distinct float32 models of ``p`` parameters, filled in place (no temporaries)."""
+    rng = np.random.default_rng(seed)
+    pool = []
+    for _ in range(r):
+        model = [np.empty(s, np.float32) for s in layer_sizes(p)]
+        for a in model:
+            rng.random(out=a, dtype=np.float32)
+        pool.append(model)
+    return pool
+
+
+def results_from(pool: list[list[np.ndarray]], k: int) -> list[tuple[list[np.ndarray], int]]:
+    """K (arrays, num_examples) results cycling through the pool (references, no copies)."""
+    return [(pool[i % len(pool)], 10 + (i % 7)) for i in range(k)]
+
+
+# ----------------------------------------------------------------------------- contenders
+def fedpar_stream(results, config: FoldConfig):
+    """fedavg over an iterator (one result at a time)."""
+    return fedavg(iter(results), config)
+
+
+def fedpar_list(results, config: FoldConfig):
+    """fedavg over the list (grouped passes)."""
+    return fedavg(results, config)
+
+
+def fedpar_strategy(results, config: FoldConfig):
+    """The coordinator path: begin_round, fold each (with NaN/Inf check), finish."""
+    s = FedAvg(config)
+    s.begin_round(1, results[0][0])
+    for j, (u, n) in enumerate(results):
+        s.fold(u, n, f"c{j}")
+    return s.finish()[0]
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    k: int
+    p: int
+    method: str
+    seconds: float | None
+    peak_bytes: int | None
+    note: str = ""
+
+
+def run_cell(k: int, p: int, args: argparse.Namespace, flwr_mods) -> list[Row]:
+    """Every contender on K x P."""
+    model_bytes = 4 * p
+    r = max(1, min(k, int(args.pool_gib * GIB) // model_bytes))
+    pool = make_pool(p, r)
+    results = results_from(pool, k)
+    cache_note = "in L3" if r * model_bytes <= args.l3_bytes else ""
+    reps = args.repeats if k * model_bytes <= 4 * GIB else max(1, args.repeats - 1)
+    rows = []
+    contenders = [
+        ("fedpar stream numpy 2w", lambda: fedpar_stream(results, FoldConfig(backend="numpy", num_workers=2))),
+        ("fedpar stream torch 2w", lambda: fedpar_stream(results, FoldConfig(backend="torch", num_workers=2))),
+        ("fedpar stream numpy 1w", lambda: fedpar_stream(results, FoldConfig(backend="numpy", num_workers=1))),
+        ("fedpar list numpy 2w", lambda: fedpar_list(results, FoldConfig(backend="numpy", num_workers=2))),
+        ("fedpar list torch 2w", lambda: fedpar_list(results, FoldConfig(backend="torch", num_workers=2))),
+        ("fedpar strategy.fold", lambda: fedpar_strategy(results, FoldConfig(num_workers=2))),
+    ]
+    skip_flwr = flwr_mods is not None and k * model_bytes * 2 > args.mem_gib * GIB
+    if flwr_mods is not None and not skip_flwr:
+        contenders.append(("flwr aggregate", lambda: flwr_mods[0].aggregate(results)))
+    best = measure_interleaved(contenders, reps)
+    rows += [Row(k, p, name, *best[name], cache_note) for name, _ in contenders]
+    if flwr_mods is None:
+        rows.append(Row(k, p, "flwr (not installed)", None, None, "pip install flwr"))
+    else:
+        agg, FitRes, Status, Code, to_params = flwr_mods
+        if skip_flwr:
+            rows.append(Row(k, p, "flwr aggregate", None, None,
+                            f"skipped: its K weighted copies need {k * model_bytes / GIB:.0f} GiB"))
+        serialized = [to_params(model) for model in pool]
+        del pool, results, contenders
+        gc.collect()
+        fit = [(None, FitRes(Status(Code.OK, ""), serialized[i % r], 10 + (i % 7), {})) for i in range(k)]
+        best = measure_interleaved([("inplace", lambda: agg.aggregate_inplace(fit))], reps)
+        rows.append(Row(k, p, "flwr aggregate_inplace", *best["inplace"], "includes np.load of each result"))
+        del fit, serialized
+    gc.collect()
+    return rows
+
+
+def load_flwr():
+    """Flower's aggregation functions and result types, or None if flwr is absent."""
+    try:
+        from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+        from flwr.server.strategy import aggregate as agg
+    except ImportError:
+        return None
+    return agg, FitRes, Status, Code, ndarrays_to_parameters
+
+
+def print_table(rows: list[Row], bw: Bandwidth) -> None:
+    """The results with GB/s, fraction of read bandwidth, memory in models, and speed-up vs Flower's best."""
+    hdr = (f"{'K':>4} {'P':>5} {'method':<24} {'seconds':>8} {'GB/s':>7} {'x read':>7} "
+           f"{'peak extra':>11} {'models':>7} {'vs flwr best':>12}  note")
+    print(hdr)
+    print("-" * len(hdr))
+    for (k, p) in dict.fromkeys((r.k, r.p) for r in rows):
+        cell = [r for r in rows if (r.k, r.p) == (k, p)]
+        flwr_times = [r.seconds for r in cell if r.method.startswith("flwr") and r.seconds]
+        flwr_best = min(flwr_times) if flwr_times else None
+        for r in cell:
+            pm = f"{p / 1e6:g}M"
+            if r.seconds is None:
+                print(f"{k:>4} {pm:>5} {r.method:<24} {'-':>8} {'-':>7} {'-':>7} {'-':>11} {'-':>7} {'-':>12}  {r.note}")
+                continue
+            gbs = k * p * 4 / r.seconds / 1e9
+            mem = f"{r.peak_bytes / 2**20:,.0f} MiB"
+            models = r.peak_bytes / (4 * p)
+            vs = f"{flwr_best / r.seconds:.2f}x" if flwr_best else "-"
+            print(f"{k:>4} {pm:>5} {r.method:<24} {r.seconds:8.3f} {gbs:7.2f} {gbs / bw.read:7.2f} "
+                  f"{mem:>11} {models:7.2f} {vs:>12}  {r.note}")
+
+
+# ----------------------------------------------------------------------------- compression effect
+def compression_table(rounds: int) -> None:
+    """Digits FL (10 clients, MLP) with each compression method: bytes sent per round and final test accuracy."""
+    import torch
+    from torch import nn
+
+    from fedpar.aggregation import CompressionConfig, Compressor, decode_update, encode_update
+    from fedpar.datasets import load_digits
+    from fedpar.models import build_model, get_weights, set_weights
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # long CPU training slows down on subnormal floats (notes/cpu-training.md)
+    data = load_digits(seed=0)
+    xtr, ytr = data.train.to_tensors()
+    xte, yte = data.test.to_tensors()
+    parts = np.array_split(np.random.default_rng(0).permutation(len(ytr)), 10)
+    print(f"\nUpdate compression on sklearn digits (10 clients, MLP 64-64-10, {rounds} rounds, E=3, lr 0.3):")
+    print(f"{'method':<18} {'bytes/round':>12} {'vs raw':>7} {'test acc':>9}")
+    for method, kw in [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {"seed": 0}),
+                       ("topk", {"topk_ratio": 0.1}), ("topk", {"topk_ratio": 0.01})]:
+        torch.manual_seed(0)
+        model = build_model("mlp", in_features=64, hidden=(64,), num_classes=10)
+        comp = Compressor(CompressionConfig(method=method, **kw))
+        gen = torch.Generator().manual_seed(1)
+        g = get_weights(model)
+        sent = []
+        for r in range(rounds):
+            strategy = FedAvg()
+            strategy.begin_round(r + 1, g)
+            for c, idx in enumerate(parts):
+                set_weights(model, g)
+                opt = torch.optim.SGD(model.parameters(), lr=0.3)
+                for _ in range(3):
+                    for b in torch.randperm(len(idx), generator=gen).split(32):
+                        opt.zero_grad()
+                        nn.functional.cross_entropy(model(xtr[idx][b]), ytr[idx][b]).backward()
+                        opt.step()
+                enc = encode_update(comp, get_weights(model), g, f"c{c}")
+                strategy.fold(decode_update(comp, enc, g), len(idx), f"c{c}")
+            g, _ = strategy.finish()
+            stats = comp.end_round()
+            sent.append(stats["sent_bytes"])
+            raw = stats["raw_bytes"]
+        set_weights(model, g)
+        with torch.no_grad():
+            acc = float((model(xte).argmax(1) == yte).float().mean())
+        label = method + (f" {kw['topk_ratio']:g}" if "topk_ratio" in kw else "")
+        print(f"{label:<18} {np.mean(sent):12,.0f} {raw / np.mean(sent):6.1f}x {acc:9.4f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, measure bandwidth, run every cell, print the tables."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="P=1M only, two repeats, small bandwidth arrays, 3-round compression table")
+    ap.add_argument("--clients", type=int, nargs="+", default=[10, 100], help="cohort sizes K")
+    ap.add_argument("--params", type=float, nargs="+", default=[1, 10, 50], help="model sizes P in millions")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (best is reported)")
+    ap.add_argument("--pool-gib", type=float, default=4.0, help="memory for distinct input models")
+    ap.add_argument("--mem-gib", type=float, default=16.0, help="skip contenders needing more extra memory")
+    ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size for the bandwidth baseline")
+    ap.add_argument("--no-compression", action="store_true", help="skip the digits compression table")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.params, args.repeats, args.bandwidth_gib = [1], 2, 0.25
+    args.l3_bytes = _l3_bytes()
+    flwr_mods = load_flwr()
+    print(f"fedpar aggregation benchmark  (cpus={os.cpu_count()}, L3={args.l3_bytes / 2**20:.0f} MiB, "
+          f"numpy {np.__version__}, python {sys.version.split()[0]}, load avg {os.getloadavg()[0]:.1f})")
+    bw = measure_bandwidth(int(args.bandwidth_gib * GIB), args.repeats + 1)
+    print(f"memory bandwidth (numpy, {args.bandwidth_gib:g} GiB arrays): read 1 thread {bw.read_1t:.1f} GB/s, "
+          f"2 threads {bw.read_2t:.1f} GB/s; STREAM triad 1 thread {bw.triad_1t:.1f} GB/s, "
+          f"2 threads {bw.triad_2t:.1f} GB/s  ('x read' below = update GB/s / {bw.read:.1f})\n")
+    rows: list[Row] = []
+    for p_m in args.params:
+        for k in args.clients:
+            rows.extend(run_cell(k, int(p_m * 1_000_000), args, flwr_mods))
+    print_table(rows, bw)
+    print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
+    if not args.no_compression:
+        compression_table(rounds=3 if args.quick else 10)
+    return 0
+
+
+def _l3_bytes() -> int:
+    """Size of the last-level cache from sysfs (0 if unknown)."""
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+    except OSError:
+        return 0
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+if __name__ == "__main__":
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # A fixed mmap threshold stops glibc from serving big arrays out of already-resident heap
+        # (its dynamic threshold would), so peak-RSS growth really counts every large allocation.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    sys.exit(main())
