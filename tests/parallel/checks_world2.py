@@ -278,3 +278,21 @@ def check_uneven_shards_train_without_hanging():
         shutil.rmtree(root, ignore_errors=True)
     return {"steps_per_rank": [int(t) for t in gathered], "distributed_accuracy": summary["test_accuracy"],
             "dense_accuracy": accuracy}
+
+
+def check_grad_accumulation_equals_full_batch():
+    """DDP trainer: 2 accumulated microbatches per step give the same weights as the whole batch at once."""
+    root = _shared_tmp()
+    data = _synthetic(32, 8, seed=6)
+    info = init_distributed()
+    params = []
+    for accum in (1, 2):
+        cfg = _config(root / str(accum), dp=2, batch_size=16, max_steps=3, grad_accum=accum, optimizer="sgd",
+                      log_every=3)
+        trainer = Trainer(cfg, TinyMLP, data, info)
+        trainer.run()
+        params.append(_params(trainer.model.parts[0].module))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"max_param_diff": max_abs_diff(params[0], params[1])}

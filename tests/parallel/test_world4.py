@@ -9,10 +9,14 @@ import pytest
 from fedpar.parallel.testing import run_checks
 
 CHECKS = Path(__file__).with_name("checks_world4.py")
-NAMES = ["check_fsdp_four_ranks_store_a_quarter", "check_fsdp_x_tp_2x2_matches_dense",
-         "check_pp_x_fsdp_2x2_matches_dense"]
+NAMES = ["check_fsdp_x_tp_2x2_matches_dense",
+         "check_pp_x_fsdp_2x2_matches_dense", "check_hsdp_with_activation_checkpointing_matches_dense"]
 TOL = 1e-5
 
+
+# Process start-up dominates (7-18 s per launch when idle); on a 2-core box shared with other jobs a
+# launch plus its lazy imports has taken several minutes, so allow more than the suite's 300 s default.
+pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
@@ -32,16 +36,11 @@ def per_rank(results: list[dict], name: str) -> list[dict]:
     return out
 
 
-def test_fsdp_over_four_ranks_stores_about_a_quarter(results):
-    for r in per_rank(results, "check_fsdp_four_ranks_store_a_quarter"):
-        assert r["param_share"] == pytest.approx(0.25, abs=0.03)
-        assert r["grad_share"] == pytest.approx(0.25, abs=0.03)
-
-
 def test_fsdp_x_tp_on_2x2_mesh_matches_dense(results):
     for r in per_rank(results, "check_fsdp_x_tp_2x2_matches_dense"):
         assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
-        assert r["local_share"] == pytest.approx(0.25, abs=0.03)
+        assert r["local_share"] == pytest.approx(0.25, abs=0.03)  # 1/4 of the model per rank
+        assert len(r["placements"]) == 2  # parameters are DTensors on the 2-D (fsdp, tp) mesh
 
 
 def test_pipeline_x_fsdp_on_2x2_mesh_matches_dense(results):
@@ -49,3 +48,11 @@ def test_pipeline_x_fsdp_on_2x2_mesh_matches_dense(results):
     for r in rs:
         assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
         assert r["local_share"] < 0.3
+
+
+def test_hsdp_with_activation_checkpointing_matches_dense(results):
+    for r in per_rank(results, "check_hsdp_with_activation_checkpointing_matches_dense"):
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+        assert r["block_type"] == "FSDPCheckpointWrapper"
+        assert r["placements"] == ["R", "S(0)"]  # replicated over dp, sharded over fsdp
+        assert r["local_share"] == pytest.approx(0.5, abs=0.03)  # sharded over 2 of the 4 ranks
