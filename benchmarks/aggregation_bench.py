@@ -17,8 +17,11 @@ What is measured, exactly:
 - flwr aggregate: ``flwr.server.strategy.aggregate.aggregate(list)`` on the same arrays.
 - flwr aggregate_inplace: on FitRes objects built with ``ndarrays_to_parameters`` from the same pool
   (serialization is set-up, not timed; its deserialization inside the call is timed, as Flower runs it).
-- Peak extra memory: Linux VmHWM (peak RSS) after resetting it through /proc/self/clear_refs, minus
-  the RSS just before the call; it counts every allocation (numpy, torch, the returned model).
+- numpy read (same inputs): a.sum() over every array of every result on 2 threads, interleaved with the
+  contenders: the machine's read bandwidth for exactly this data, under the same conditions.
+- Peak extra memory: the larger of (a) Linux VmHWM (peak RSS) after resetting it through
+  /proc/self/clear_refs, minus the RSS just before the call (counts every allocation: numpy, torch,
+  the returned model) and (b) tracemalloc's peak during the first (warm-up) repeat (numpy buffers).
   Rows whose extra memory alone would exceed --mem-gib are skipped, and say so.
 - Timings are the best of --repeats runs, contenders interleaved round-robin (the machine is shared;
   best-of filters other processes' load). The first touch of fresh memory is very slow in this VM
@@ -33,6 +36,7 @@ import math
 import os
 import sys
 import time
+import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -54,27 +58,34 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measure_once(fn: Callable[[], object]) -> tuple[float, int]:
-    """Wall time of one call of ``fn`` and its peak-RSS growth in bytes."""
+def measure_once(fn: Callable[[], object], trace: bool) -> tuple[float, int]:
+    """Wall time of one call of ``fn`` and its peak extra memory in bytes: the larger of the peak-RSS growth
+    and (when ``trace``) tracemalloc's peak, which numpy reports its buffers to."""
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM (peak RSS) to the current RSS
     base = _status_kib("VmRSS")
+    if trace:
+        tracemalloc.start()
     t0 = time.perf_counter()
     out = fn()
     dt = time.perf_counter() - t0
     peak = (_status_kib("VmHWM") - base) * 1024
+    if trace:
+        peak = max(peak, tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
     del out
     return dt, peak
 
 
 def measure_interleaved(contenders: list[tuple[str, Callable[[], object]]], repeats: int) -> dict[str, tuple[float, int]]:
-    """Best time and largest peak growth per contender, running them round-robin so a burst of load from
-    other processes on this shared machine does not hit every repeat of one contender."""
+    """Best time and largest peak extra memory per contender, running them round-robin so a burst of load from
+    other processes on this shared machine does not hit every repeat of one contender. The first round also
+    traces allocations (and is the warm-up); later rounds run untraced."""
     best: dict[str, tuple[float, int]] = {}
-    for _ in range(repeats):
+    for rep in range(repeats):
         for name, fn in contenders:
-            t, m = measure_once(fn)
+            t, m = measure_once(fn, trace=rep == 0)
             bt, bm = best.get(name, (math.inf, 0))
             best[name] = (min(bt, t), max(bm, m))
     return best
@@ -153,6 +164,14 @@ def results_from(pool: list[list[np.ndarray]], k: int) -> list[tuple[list[np.nda
 
 
 # ----------------------------------------------------------------------------- contenders
+def read_all(results) -> float:
+    """The read baseline under the same conditions: sum every array of every result (2 threads, one per half)."""
+    with ThreadPoolExecutor(2) as pool:
+        return sum(pool.map(lambda arrays: sum(float(a.sum()) for a in arrays[0]),
+                            [([a[: a.size // 2] for a in u], n) for u, n in results] +
+                            [([a[a.size // 2:] for a in u], n) for u, n in results]))
+
+
 def fedpar_stream(results, config: FoldConfig):
     """fedavg over an iterator (one result at a time)."""
     return fedavg(iter(results), config)
@@ -194,11 +213,11 @@ def run_cell(k: int, p: int, args: argparse.Namespace, flwr_mods) -> list[Row]:
     reps = args.repeats if k * model_bytes <= 4 * GIB else max(1, args.repeats - 1)
     rows = []
     contenders = [
+        ("numpy read (same inputs)", lambda: read_all(results)),
         ("fedpar stream numpy 2w", lambda: fedpar_stream(results, FoldConfig(backend="numpy", num_workers=2))),
         ("fedpar stream torch 2w", lambda: fedpar_stream(results, FoldConfig(backend="torch", num_workers=2))),
         ("fedpar stream numpy 1w", lambda: fedpar_stream(results, FoldConfig(backend="numpy", num_workers=1))),
         ("fedpar list numpy 2w", lambda: fedpar_list(results, FoldConfig(backend="numpy", num_workers=2))),
-        ("fedpar list torch 2w", lambda: fedpar_list(results, FoldConfig(backend="torch", num_workers=2))),
         ("fedpar strategy.fold", lambda: fedpar_strategy(results, FoldConfig(num_workers=2))),
     ]
     skip_flwr = flwr_mods is not None and k * model_bytes * 2 > args.mem_gib * GIB
@@ -234,16 +253,18 @@ def load_flwr():
     return agg, FitRes, Status, Code, ndarrays_to_parameters
 
 
+HEADER = (f"{'K':>4} {'P':>5} {'method':<24} {'seconds':>8} {'GB/s':>7} {'x read':>7} "
+          f"{'peak extra':>11} {'models':>7} {'vs flwr best':>12}  note")
+
+
 def print_table(rows: list[Row], bw: Bandwidth) -> None:
     """The results with GB/s, fraction of read bandwidth, memory in models, and speed-up vs Flower's best."""
-    hdr = (f"{'K':>4} {'P':>5} {'method':<24} {'seconds':>8} {'GB/s':>7} {'x read':>7} "
-           f"{'peak extra':>11} {'models':>7} {'vs flwr best':>12}  note")
-    print(hdr)
-    print("-" * len(hdr))
     for (k, p) in dict.fromkeys((r.k, r.p) for r in rows):
         cell = [r for r in rows if (r.k, r.p) == (k, p)]
         flwr_times = [r.seconds for r in cell if r.method.startswith("flwr") and r.seconds]
         flwr_best = min(flwr_times) if flwr_times else None
+        reads = [r.seconds for r in cell if r.method.startswith("numpy read") and r.seconds]
+        read_gbs = k * p * 4 / reads[0] / 1e9 if reads else bw.read
         for r in cell:
             pm = f"{p / 1e6:g}M"
             if r.seconds is None:
@@ -253,7 +274,7 @@ def print_table(rows: list[Row], bw: Bandwidth) -> None:
             mem = f"{r.peak_bytes / 2**20:,.0f} MiB"
             models = r.peak_bytes / (4 * p)
             vs = f"{flwr_best / r.seconds:.2f}x" if flwr_best else "-"
-            print(f"{k:>4} {pm:>5} {r.method:<24} {r.seconds:8.3f} {gbs:7.2f} {gbs / bw.read:7.2f} "
+            print(f"{k:>4} {pm:>5} {r.method:<24} {r.seconds:8.3f} {gbs:7.2f} {gbs / read_gbs:7.2f} "
                   f"{mem:>11} {models:7.2f} {vs:>12}  {r.note}")
 
 
@@ -328,12 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     bw = measure_bandwidth(int(args.bandwidth_gib * GIB), args.repeats + 1)
     print(f"memory bandwidth (numpy, {args.bandwidth_gib:g} GiB arrays): read 1 thread {bw.read_1t:.1f} GB/s, "
           f"2 threads {bw.read_2t:.1f} GB/s; STREAM triad 1 thread {bw.triad_1t:.1f} GB/s, "
-          f"2 threads {bw.triad_2t:.1f} GB/s  ('x read' below = update GB/s / {bw.read:.1f})\n")
-    rows: list[Row] = []
+          f"2 threads {bw.triad_2t:.1f} GB/s\n'x read' = update GB/s / GB/s of 'numpy read (same inputs)' in the same cell "
+          "(memory speed in this VM swings 0.4-14 GB/s from minute to minute, so the cell's own read is the fair baseline)\n")
+    print(HEADER)
+    print("-" * len(HEADER), flush=True)
     for p_m in args.params:
         for k in args.clients:
-            rows.extend(run_cell(k, int(p_m * 1_000_000), args, flwr_mods))
-    print_table(rows, bw)
+            print_table(run_cell(k, int(p_m * 1_000_000), args, flwr_mods), bw)  # one cell at a time
+            sys.stdout.flush()
     print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
     if not args.no_compression:
         compression_table(rounds=3 if args.quick else 10)
