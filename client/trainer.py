@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +39,12 @@ class LocalTrainer:
     """Runs SGD epochs over local arrays, stopping before a wall-clock limit."""
 
     def __init__(self, model: nn.Module, train: ArrayDataset, val: ArrayDataset | None = None,
-                 seed: int = 0, seconds_per_step_delay: float = 0.0):
+                 seed: int = 0, seconds_per_step_delay: float = 0.0,
+                 compute_lock: ContextManager | None = None):
         self.model = model
+        # Agents sharing one process share its interpreter lock: stepping dozens of small models at once only
+        # adds lock hand-offs (several times slower per step), so such hosts pass one lock and take turns.
+        self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.x, self.y = train.to_tensors()
         self.val = val.to_tensors() if val is not None and len(val) else None
         self.seed = seed
@@ -46,11 +52,14 @@ class LocalTrainer:
         self._step_seconds = 0.0
 
     def warm_up(self) -> None:
-        """One forward and backward pass on two examples, so torch's lazy set-up is not billed to a deadline."""
+        """One forward, backward and (zero-step) SGD step on two examples, so torch's lazy set-up (the optimizer's
+        first step imports torch._dynamo, about a second) is not billed to a deadline."""
         self.model.train()
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
         loss = F.cross_entropy(self.model(self.x[:2]), self.y[:2])
         loss.backward()
-        self.model.zero_grad(set_to_none=True)
+        optimizer.step()  # lr=0: the weights do not change
+        optimizer.zero_grad(set_to_none=True)
 
     @property
     def num_examples(self) -> int:
@@ -78,15 +87,16 @@ class LocalTrainer:
                     break
                 t0 = time.monotonic()
                 idx = order[begin:begin + batch_size]
-                loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
-                objective = loss
-                if anchor is not None:
-                    # FedProx (Li et al. 2020): keep local weights near the global ones.
-                    objective = loss + 0.5 * proximal_mu * sum(
-                        (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
-                optimizer.zero_grad(set_to_none=True)
-                objective.backward()
-                optimizer.step()
+                with self._compute:
+                    loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
+                    objective = loss
+                    if anchor is not None:
+                        # FedProx (Li et al. 2020): keep local weights near the global ones.
+                        objective = loss + 0.5 * proximal_mu * sum(
+                            (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
+                    optimizer.zero_grad(set_to_none=True)
+                    objective.backward()
+                    optimizer.step()
                 if self.delay:
                     time.sleep(self.delay)
                 steps += 1
@@ -104,7 +114,8 @@ class LocalTrainer:
         """Loss and accuracy on the local validation split (None when there is none)."""
         if self.val is None:
             return None
-        return evaluate_classifier(self.model, *self.val, batch_size=batch_size)
+        with self._compute:
+            return evaluate_classifier(self.model, *self.val, batch_size=batch_size)
 
 
 @torch.no_grad()

@@ -115,8 +115,12 @@ def as_wire_array(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(offset, data)`` chunks of at most ``chunk_bytes`` covering the concatenated tensors."""
+def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tuple[int, bytes | memoryview]]:
+    """Yield ``(offset, data)`` chunks of at most ``chunk_bytes`` covering the concatenated tensors.
+
+    A chunk inside one tensor is a zero-copy view of it (valid while the array lives and is not modified);
+    a chunk spanning tensors is joined into bytes.
+    """
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     pending: list[memoryview] = []
@@ -134,11 +138,11 @@ def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tupl
             pending_len += take
             pos += take
             if pending_len == chunk_bytes:
-                yield offset, b"".join(pending) if len(pending) > 1 else pending[0].tobytes()
+                yield offset, b"".join(pending) if len(pending) > 1 else pending[0]
                 offset += pending_len
                 pending, pending_len = [], 0
     if pending_len:
-        yield offset, b"".join(pending)
+        yield offset, b"".join(pending) if len(pending) > 1 else pending[0]
 
 
 class TensorAssembler:

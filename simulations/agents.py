@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import zlib
 from dataclasses import dataclass
@@ -41,13 +43,13 @@ class WorkerConfig:
     poll_seconds: float = 2.0
 
 
-def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits) -> Agent:
+def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None) -> Agent:
     """A real agent over gRPC for ``spec``'s share of the data."""
     train, val = local_split(splits.train, spec.indices, cfg.val_fraction, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
     trainer = LocalTrainer(model, train, val, seed=cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000,
-                           seconds_per_step_delay=spec.step_delay)
+                           seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
                             drop_probability=spec.drop_probability, seed=cfg.seed, give_up_after=60.0)
     return Agent(agent_cfg, trainer)
@@ -59,7 +61,8 @@ def run_worker(cfg: WorkerConfig) -> list[AgentStats]:
     torch.set_flush_denormal(True)  # denormals slow CPU training up to 7x (see the CPU training notes)
     logging.basicConfig(level=logging.WARNING)
     splits = load_dataset(cfg.dataset, cfg.data_dir)
-    agents = [build_agent(cfg, spec, splits) for spec in cfg.agents]
+    compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see LocalTrainer)
+    agents = [build_agent(cfg, spec, splits, compute_lock) for spec in cfg.agents]
     stats: list[AgentStats] = [AgentStats() for _ in agents]
     errors: list[BaseException] = []
 
@@ -77,3 +80,15 @@ def run_worker(cfg: WorkerConfig) -> list[AgentStats]:
     if errors:
         raise errors[0]
     return stats
+
+
+def run_worker_process(cfg: WorkerConfig) -> None:
+    """Process target around :func:`run_worker` that exits at once when the agents are done.
+
+    A normal interpreter shutdown of a process that used gRPC and torch takes seconds here (measured: 4 s per
+    worker), which every simulation would wait for; its agents have closed their channels, so skip it.
+    """
+    run_worker(cfg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the non-interactive backend)
+from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure registry
+from matplotlib.ticker import MaxNLocator
 
 
 def plot_accuracy(rows: list[dict], path: Path, title: str = "") -> None:
     """Test accuracy (and federated evaluation, if any) against the round number."""
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    fig = Figure(figsize=(6, 4), dpi=110)
+    ax = fig.subplots()
     rounds = [r["round"] for r in rows]
     for key, label in (("test_accuracy", "central test accuracy"),
                        ("federated_eval_accuracy", "federated evaluation (clients' validation)")):
@@ -20,6 +19,7 @@ def plot_accuracy(rows: list[dict], path: Path, title: str = "") -> None:
         if any(v is not None for v in values):
             ax.plot(rounds, values, marker="o", label=label)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
@@ -27,4 +27,3 @@ def plot_accuracy(rows: list[dict], path: Path, title: str = "") -> None:
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)

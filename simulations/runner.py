@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import multiprocessing as mp
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker
+from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.clientdata import partition_indices
 
 log = logging.getLogger("fedpar.simulate")
@@ -77,6 +79,9 @@ def _central_evaluator(cfg: SimulationConfig, splits) -> Callable[[list[np.ndarr
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
+    if cfg.out:
+        # matplotlib takes about a second to import: do it while the agents start, not after the last round.
+        threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     out = Path(cfg.out) if cfg.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +108,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     workers = max(1, min(cfg.workers, cfg.clients))
     groups = [specs[w::workers] for w in range(workers)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_worker, name=f"fedpar-agents-{w}",
+    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}",
                          args=(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction,
                                             cfg.seed, group),), daemon=True)
              for w, group in enumerate(groups)]
