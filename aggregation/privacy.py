@@ -79,10 +79,13 @@ class DPStrategy(Strategy):
             raise ValueError(f"dp clip norm must be a finite number > 0, got {clip_norm}")
         if population < 1 or clients_per_round < 1:
             raise ValueError("dp population and clients_per_round must be >= 1")
+        if clients_per_round > population:
+            raise ValueError(f"clients_per_round ({clients_per_round}) exceeds the DP population ({population}); "
+                             "the population is the number of clients that may be sampled")
         sampled = clients_per_round if sampled_per_round is None else sampled_per_round
         if not clients_per_round <= sampled <= population:
             raise ValueError(f"need clients_per_round ({clients_per_round}) <= sampled_per_round ({sampled}) "
-                             f"<= population ({population}); set --dp-population to the number of clients")
+                             f"<= population ({population})")
         if local_noise_multiplier < 0 or (local_noise_multiplier > 0 and mode != "client"):
             raise ValueError("local noise (local DP) is a client-side setting: use it with mode 'client', >= 0")
         if local_noise_multiplier > 0 and target_quantile is not None:
