@@ -23,6 +23,19 @@ fixed clipping: clients clip before uploading, optionally adding local noise; th
 central noise and *verifies* each update is within ``C``, refusing any that is not, so a lying client
 cannot break the bound).
 
+Accounting: one round is one step of the sampled Gaussian mechanism with multiplier ``z`` and sampling
+rate ``q = sampled_per_round / population``, composed by opacus's RDP accountant. That analysis assumes
+Poisson sampling of the population; the coordinator samples a fixed-size cohort uniformly among the *live*
+agents and counts the first ``clients_per_round`` of them, the usual approximation (as in McMahan et al.
+2018). Counting every sampled agent as a participant bounds its participation probability from above only
+if ``population`` is the number of live agents: if fewer are live, the true rate is higher and the
+reported epsilon is too low. An aborted round releases nothing and is not charged.
+
+Metrics added to each round: ``dp_epsilon`` (at ``dp_delta``), ``dp_clip_norm`` (used this round),
+``dp_noise_multiplier`` (for the updates: ``z`` or ``z_delta``), ``dp_noise_std`` (per-coordinate std of
+the noise in the mean delta handed to the wrapped strategy, ``z_delta C / clients_per_round``),
+``dp_clipped_fraction``, ``dp_sample_rate`` and, with adaptive clipping, ``dp_noisy_unclipped_fraction``.
+
 Trust model: the coordinator is the trusted curator and the released model is what is private. The
 metrics row (exact clipped fraction, train loss, ...) is operator-side diagnostics and is not privatized.
 The noise comes from numpy's PCG64 generator (fresh OS entropy each round unless a seed is given, for
