@@ -16,7 +16,7 @@ def test_central_dp_simulation_reports_epsilon_every_round_and_still_learns(tmp_
     # client-side DP with real agents: tests/server/test_dp_rounds.py (in-process, no worker start-up)
     options = dict(noise_multiplier=0.3, clip_norm=1.0, population=10, clients_per_round=10, seed=0)
     cfg = SimulationConfig(clients=10, rounds=ROUNDS, local_epochs=2, strategy="dp-fedavg",
-                           strategy_options=options, workers=2, out=str(tmp_path))
+                           strategy_options=options, workers=1, out=str(tmp_path))
     summary = run_simulation(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
