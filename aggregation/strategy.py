@@ -49,7 +49,10 @@ class Strategy(abc.ABC):
         self._reset_round(layout)
 
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "") -> None:
-        """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``."""
+        """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``.
+
+        A ValueError means the update was refused and the round's state is unchanged.
+        """
         if self._layout is None:
             raise RuntimeError("fold() called with no open round; call begin_round(round_id, global_weights) first")
         who = f"update from client {client_id!r}" if client_id else "update"

@@ -13,8 +13,10 @@ COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("repo
 class RoundTable:
     """Prints a header once and a row per round: round, sampled, reported, late, loss, accuracy, seconds."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stdout, quiet: bool = False):
+    def __init__(self, total: int, stream: TextIO = sys.stdout, quiet: bool = False,
+                 columns: list[tuple[str, str]] | None = None):
         self.total, self.stream, self.quiet = total, stream, quiet
+        self.columns = COLUMNS if columns is None else columns
         self._header_done = False
 
     def row(self, metrics: dict) -> None:
@@ -22,10 +24,10 @@ class RoundTable:
         if self.quiet:
             return
         if not self._header_done:
-            print("  ".join(f"{name:>{max(len(name), 5)}}" for name, _ in COLUMNS), file=self.stream)
+            print("  ".join(f"{name:>{max(len(name), 5)}}" for name, _ in self.columns), file=self.stream)
             self._header_done = True
         cells = []
-        for name, fmt in COLUMNS:
+        for name, fmt in self.columns:
             width = max(len(name), 5)
             value = metrics.get(name)
             text = "-" if value is None else (fmt.format(value).strip() if not isinstance(value, str) else value)

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from fedpar.aggregation import build_strategy, strategy_names
-from fedpar.cli.progress import RoundTable
+from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
+from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
@@ -63,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uploads staged at once (each holds one model copy)")
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
+    add_dp_arguments(p, population_flag=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
         splits = load_dataset(args.dataset, args.data_dir)
         torch.manual_seed(args.seed)
         model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
-        strategy = build_strategy(args.strategy)
+        if args.dp != "off" and config.fraction is not None:
+            raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
+        name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
+                                    args.dp_population)
+        strategy = build_strategy(name, **options)
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             result = evaluate_classifier(model, x, y)
             return {"test_loss": result.loss, "test_accuracy": result.accuracy}
 
-    table = RoundTable(total=config.rounds)
+    table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
     coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
                               evaluate_fn=evaluate, on_round_end=[table.row])
     server = CoordinatorServer(coordinator, host=args.host, port=args.port)

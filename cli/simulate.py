@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from fedpar.cli.progress import RoundTable
+from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
+from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
 
@@ -47,14 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--out", default="runs/simulation", help="output folder")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    add_dp_arguments(p, population_flag=False)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary."""
     fields = set(SimulationConfig.__dataclass_fields__)
     cfg = SimulationConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet)
+    columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else [])
+    table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     try:
+        cfg.strategy, options = dp_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
+                                            cfg.overselect, cfg.clients)
+        cfg.strategy_options.update(options)
         summary = run_simulation(cfg, on_round=table.row)
     except ValueError as exc:
         print(f"fedpar simulate: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from fedpar.client.privacy import privatize_update
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
@@ -179,7 +180,12 @@ class Agent:
             self.stats.dropped += 1
             return
         metrics.update(train_loss=result.loss, train_seconds=result.seconds)
-        messages = upload_messages(self._auth, task, self.layout, get_weights(self.trainer.model),
+        try:  # client-side DP: clip (and maybe noise) the update if the task asks for it
+            update = privatize_update(get_weights(self.trainer.model), weights, extra)
+        except ValueError as err:
+            self._note_refusal("dp clipping", err)
+            return
+        messages = upload_messages(self._auth, task, self.layout, update,
                                    result.examples, result.steps, metrics, min(self._max_chunk, self.config.chunk_bytes))
         try:
             upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))

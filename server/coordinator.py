@@ -320,16 +320,27 @@ class Coordinator:
         slot.status = "accepted"
         state.accepted += 1
         state.examples += ticket.num_examples
-        state.metrics.append((ticket.num_examples, ticket.metrics))
-        fold = asyncio.ensure_future(self._in_thread(self.strategy.fold, arrays, ticket.num_examples,
-                                                     slot.agent_id))
+        report = (ticket.num_examples, ticket.metrics)
+        state.metrics.append(report)
+        fold = asyncio.ensure_future(self._fold(ticket, arrays, report))
         state.pending_folds.add(fold)
         if state.accepted >= state.target:
             state.close("target reached")
         elif state.settled():
             state.close("every sampled agent answered")
+        await fold
+
+    async def _fold(self, ticket: UploadTicket, arrays: list[np.ndarray], report: tuple) -> None:
+        """Fold in a worker thread; a ValueError is the strategy refusing this update (its state unchanged)."""
+        state, slot = ticket.state, ticket.slot
         try:
-            await fold
+            await self._in_thread(self.strategy.fold, arrays, ticket.num_examples, slot.agent_id)
+        except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
+            state.accepted -= 1
+            state.examples -= ticket.num_examples
+            state.metrics.remove(report)
+            self.reject(ticket, str(exc))
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None  # rejection already recorded
         except Exception:
             state.fold_failed = True
             log.exception("round %d: folding the update of %s failed", state.round_id, slot.agent_id)

@@ -136,6 +136,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         "mean_round_seconds": float(np.mean([r["round_seconds"] for r in rows])) if rows else None,
         "config": asdict(cfg),
     }
+    if rows and "dp_epsilon" in rows[-1]:
+        summary["final_dp_epsilon"] = rows[-1]["dp_epsilon"]
     if out:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         from fedpar.simulations.plots import plot_accuracy

@@ -1,0 +1,240 @@
+"""Differentially private aggregation: DP-FedAvg as a wrapper around any strategy.
+
+DP-FedAvg (McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models"):
+  * each update's delta from the global model is clipped to whole-model L2 norm ``C``;
+  * deltas are weighted *uniformly*, not by ``num_examples``: with example-count weights one client's
+    influence on the sum would depend on its (unbounded, self-reported) weight, so the sum's sensitivity
+    would no longer be ``C``;
+  * Gaussian noise ``N(0, (z C)^2)`` is added to the *sum* of clipped deltas, which is then divided by the
+    fixed expected cohort size ``clients_per_round`` (the fixed-denominator estimator of the paper), not by
+    the number of updates received: that number depends on who took part, so dividing by it would make the
+    noise scale data-dependent and break the Gaussian-mechanism analysis. If fewer updates arrive the step
+    is simply shorter;
+  * the noisy mean delta is handed to the wrapped strategy as if it were one client's update, so FedAvgM,
+    FedAdam etc. post-process it (post-processing does not cost privacy).
+
+Adaptive clipping (Andrew et al. 2021, "Differentially Private Learning with Adaptive Clipping") moves ``C``
+geometrically toward a target quantile of the update norms using a noisy count of unclipped updates; the
+count's noise shares the privacy budget, so the updates get the larger multiplier
+``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` and the accountant is charged ``z``.
+
+Modes: ``central`` (the server clips; clients send raw updates) and ``client`` (Flower's client-side
+fixed clipping: clients clip before uploading, optionally adding local noise; the server still adds the
+central noise and *verifies* each update is within ``C``, refusing any that is not, so a lying client
+cannot break the bound).
+
+Accounting: one round is one step of the sampled Gaussian mechanism with multiplier ``z`` and sampling
+rate ``q = sampled_per_round / population``, composed by opacus's RDP accountant. That analysis assumes
+Poisson sampling of the population; the coordinator samples a fixed-size cohort uniformly among the *live*
+agents and counts the first ``clients_per_round`` of them, the usual approximation (as in McMahan et al.
+2018). Counting every sampled agent as a participant bounds its participation probability from above only
+if ``population`` is the number of live agents: if fewer are live, the true rate is higher and the
+reported epsilon is too low. An aborted round releases nothing and is not charged.
+
+Metrics added to each round: ``dp_epsilon`` (at ``dp_delta``), ``dp_clip_norm`` (used this round),
+``dp_noise_multiplier`` (for the updates: ``z`` or ``z_delta``), ``dp_noise_std`` (per-coordinate std of
+the noise in the mean delta handed to the wrapped strategy, ``z_delta C / clients_per_round``),
+``dp_clipped_fraction``, ``dp_sample_rate`` and, with adaptive clipping, ``dp_noisy_unclipped_fraction``.
+
+Trust model: the coordinator is the trusted curator and the released model is what is private. The
+metrics row (exact clipped fraction, train loss, ...) is operator-side diagnostics and is not privatized.
+The noise comes from numpy's PCG64 generator (fresh OS entropy each round unless a seed is given, for
+tests): it is not a cryptographically secure source, and like most DP libraries it does not defend
+against floating-point attacks on the Gaussian sampler (Mironov 2012).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fedpar.aggregation.accountant import PrivacyAccountant
+from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
+from fedpar.aggregation.clipping import CHUNK, AdaptiveClipping, clip_factor, delta_norm, effective_noise_multiplier
+from fedpar.aggregation.layout import Layout, all_finite, cast_like
+from fedpar.aggregation.strategy import ConfigValue, Strategy
+
+MODES = ("central", "client")
+# A client-clipped update is rebuilt in float32 by the client; allow for that rounding, nothing more.
+CLIENT_CLIP_TOLERANCE = 1e-4  # relative
+CLIENT_CLIP_ATOL = 1e-6
+
+
+class DPStrategy(Strategy):
+    """Clips, uniformly weights and noises updates, accounts privacy, then defers to ``inner``."""
+
+    memory_note = ("streaming: one accumulator of the model size plus the wrapped strategy's own state; "
+                   "updates are not retained")
+
+    def __init__(self, inner: Strategy, noise_multiplier: float, clip_norm: float, population: int,
+                 clients_per_round: int, sampled_per_round: int | None = None, delta: float = 1e-5,
+                 mode: str = "central", target_quantile: float | None = None, clip_learning_rate: float = 0.2,
+                 count_noise: float | None = None, local_noise_multiplier: float = 0.0, seed: int | None = None,
+                 fold_config: FoldConfig | None = None) -> None:
+        """Wrap ``inner``; ``target_quantile`` turns on adaptive clipping starting from ``clip_norm``.
+
+        ``population`` is the number of clients that could be sampled; ``clients_per_round`` the expected
+        number of updates per round (the fixed denominator); ``sampled_per_round`` how many are asked each
+        round (default ``clients_per_round``), giving the sampling rate ``q = sampled / population``.
+        """
+        super().__init__()
+        if isinstance(inner, DPStrategy):
+            raise ValueError("a DP strategy cannot wrap another DP strategy")
+        if mode not in MODES:
+            raise ValueError(f"dp mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"dp noise multiplier must be a finite number > 0, got {noise_multiplier}")
+        if not (clip_norm > 0 and math.isfinite(clip_norm)):
+            raise ValueError(f"dp clip norm must be a finite number > 0, got {clip_norm}")
+        if population < 1 or clients_per_round < 1:
+            raise ValueError("dp population and clients_per_round must be >= 1")
+        if clients_per_round > population:
+            raise ValueError(f"clients_per_round ({clients_per_round}) exceeds the DP population ({population}); "
+                             "the population is the number of clients that may be sampled")
+        sampled = clients_per_round if sampled_per_round is None else sampled_per_round
+        if not clients_per_round <= sampled <= population:
+            raise ValueError(f"need clients_per_round ({clients_per_round}) <= sampled_per_round ({sampled}) "
+                             f"<= population ({population})")
+        if local_noise_multiplier < 0 or (local_noise_multiplier > 0 and mode != "client"):
+            raise ValueError("local noise (local DP) is a client-side setting: use it with mode 'client', >= 0")
+        if local_noise_multiplier > 0 and target_quantile is not None:
+            raise ValueError("adaptive clipping cannot be combined with local noise: the server could not tell "
+                             "which noisy updates the clients clipped")
+        self.inner = inner
+        self.name = f"dp-{inner.name}"
+        self.noise_multiplier = float(noise_multiplier)
+        self.clip_norm = float(clip_norm)
+        self.population = int(population)
+        self.clients_per_round = int(clients_per_round)
+        self.sample_rate = sampled / population
+        self.mode = mode
+        self.local_noise_multiplier = float(local_noise_multiplier)
+        self.adaptive: AdaptiveClipping | None = None
+        self.update_noise_multiplier = self.noise_multiplier
+        if target_quantile is not None:
+            sigma_b = clients_per_round / 20.0 if count_noise is None else float(count_noise)
+            self.adaptive = AdaptiveClipping(float(target_quantile), float(clip_learning_rate), sigma_b)
+            self.update_noise_multiplier = effective_noise_multiplier(self.noise_multiplier, sigma_b)
+        self.accountant = PrivacyAccountant(delta)
+        self.seed = seed
+        self.fold_config = fold_config or FoldConfig()
+        self._acc: WeightedSum | None = None
+        self._unclipped = 0
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ configuration
+    def client_config(self, round_id: int) -> dict[str, ConfigValue]:
+        """The wrapped strategy's settings, plus the clip norm (and local noise) in client mode."""
+        config = dict(self.inner.client_config(round_id))
+        if self.mode == "client":
+            config["dp_clip_norm"] = self.clip_norm
+            config["dp_local_noise"] = self.local_noise_multiplier
+        return config
+
+    def _rng(self) -> np.random.Generator:
+        """Fresh entropy per round, or a per-round stream of ``seed`` (reproducible tests and resumes)."""
+        if self.seed is None:
+            return np.random.default_rng()
+        return np.random.default_rng([int(self.seed), int(self.round_id)])
+
+    # ------------------------------------------------------------------ round hooks
+    def _reset_round(self, layout: Layout) -> None:
+        """A zeroed running sum of ``factor_k * update_k`` (weights ``factor_k`` sum to the total)."""
+        self._acc = WeightedSum(layout, self.fold_config)
+        self._unclipped = 0
+
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
+        """Clip ``update``'s delta to ``C`` and add it with weight 1 (``num_examples`` is ignored on purpose)."""
+        assert self._acc is not None and self._layout is not None and self._global is not None
+        arrays = self._layout.check(update, who)
+        if not all(all_finite(np.ravel(a)) for a in arrays):
+            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        norm = delta_norm(arrays, self._global)
+        c = self.clip_norm
+        if self.mode == "client" and self.local_noise_multiplier == 0:
+            if norm > c * (1 + CLIENT_CLIP_TOLERANCE) + CLIENT_CLIP_ATOL:
+                raise ValueError(f"{who} changes the global model by L2 norm {norm:.6g}, more than the DP clip "
+                                 f"norm {c:.6g}; with client-side DP every client must clip its update to "
+                                 "dp_clip_norm before uploading. The update was refused")
+            unclipped = norm <= c * (1 - CLIENT_CLIP_TOLERANCE)  # a clipped one sits at C (within rounding)
+        else:
+            unclipped = norm <= c
+        # sum_k f_k (x_k - g) = sum_k f_k x_k - (sum_k f_k) g: fold the raw update with weight f_k, no copy.
+        # The server clips client-clipped updates again so rounding within the tolerance cannot exceed C.
+        self._acc.fold(arrays, clip_factor(norm, c), check_finite=False, who=who)
+        with self._stats_lock:
+            self._unclipped += int(unclipped)
+
+    def _num_folded(self) -> int:
+        """Updates counted so far this round."""
+        return self._acc.count if self._acc is not None else 0
+
+    def _drop_round(self) -> None:
+        """Forget the running sum (an aborted round releases nothing, so it costs no privacy)."""
+        self._acc = None
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Noisy mean delta -> wrapped strategy; then account the round and adapt the clip norm."""
+        assert self._acc is not None and self._layout is not None
+        rng = self._rng()
+        received, clip = self._acc.count, self.clip_norm
+        sum_std = self.update_noise_multiplier * clip
+        denominator = float(self.clients_per_round)
+        mean = self._noisy_mean(global_weights, sum_std, denominator, rng)
+        self.inner.begin_round(self.round_id, global_weights)
+        try:
+            self.inner.fold(mean, 1)
+            new, inner_metrics = self.inner.finish()
+        except BaseException:
+            self.inner.abort_round()
+            raise
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        metrics = {k: v for k, v in inner_metrics.items() if k not in ("num_updates", "num_examples", "update_norm")}
+        metrics.update(dp_epsilon=self.accountant.epsilon(), dp_delta=self.accountant.delta, dp_clip_norm=clip,
+                       dp_noise_multiplier=self.update_noise_multiplier, dp_noise_std=sum_std / denominator,
+                       dp_clipped_fraction=1.0 - self._unclipped / received, dp_sample_rate=self.sample_rate)
+        if self.adaptive is not None:
+            self.clip_norm, noisy_fraction = self.adaptive.next_clip_norm(clip, self._unclipped, denominator, rng)
+            metrics["dp_noisy_unclipped_fraction"] = noisy_fraction
+        return new, metrics
+
+    def _noisy_mean(self, global_weights: list[np.ndarray], sum_std: float, denominator: float,
+                    rng: np.random.Generator) -> list[np.ndarray]:
+        """``g + (sum of clipped deltas + N(0, sum_std^2)) / denominator``, computed in the accumulator."""
+        acc = self._acc
+        assert acc is not None and self._layout is not None
+        weight = acc.total_weight
+        out = []
+        for view, g, shape, dtype in zip(acc.views, global_weights, self._layout.shapes, self._layout.dtypes):
+            g = np.ravel(g)
+            for s in range(0, view.size, CHUNK):
+                v, gs = view[s: s + CHUNK], g[s: s + CHUNK].astype(view.dtype)
+                v -= weight * gs  # the sum of clipped deltas
+                v += sum_std * rng.standard_normal(v.size, dtype=view.dtype)
+                v /= denominator
+                v += gs
+            out.append(cast_like(view, dtype).reshape(shape))
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Wrapped strategy's state, the current clip norm and the accountant's history (JSON, no pickle)."""
+        arrays, inner_meta = self.inner.state_dict()
+        return ({f"inner.{k}": v for k, v in arrays.items()},
+                {"inner": inner_meta, "clip_norm": self.clip_norm, "mode": self.mode,
+                 "noise_multiplier": self.noise_multiplier, "accountant": self.accountant.state()})
+
+    def _load_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Restore; the privacy history is kept so epsilon keeps growing from where it was."""
+        self.inner.load_state_dict({k[len("inner."):]: v for k, v in arrays.items() if k.startswith("inner.")},
+                                   meta.get("inner", {}))
+        self.accountant.load_state(meta.get("accountant", {}))
+        if self.adaptive is not None:
+            clip = float(meta.get("clip_norm", self.clip_norm))
+            if not (clip > 0 and math.isfinite(clip)):
+                raise ValueError(f"checkpointed dp clip norm {clip!r} is not a finite number > 0")
+            self.clip_norm = clip

@@ -1,0 +1,229 @@
+"""Differential privacy: clipping, noise scale, adaptive clip norm, accountant, checkpoints, client clipping."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from opacus.accountants import RDPAccountant
+
+from fedpar.aggregation import DPStrategy, FedAvg, FedAvgM, build_strategy
+from fedpar.aggregation.clipping import clip_update, delta_norm, effective_noise_multiplier
+from fedpar.client.privacy import dp_settings, privatize_update
+
+
+def _dp(**kw) -> DPStrategy:
+    options = dict(noise_multiplier=1.0, clip_norm=1.0, population=100, clients_per_round=4, seed=0)
+    options.update(kw)
+    return DPStrategy(FedAvg(), **options)
+
+
+def _model(values: np.ndarray) -> list[np.ndarray]:
+    """A two-array model holding ``values`` (float32) split 3:rest."""
+    values = np.asarray(values, np.float32)
+    return [values[:3].copy(), values[3:].copy()]
+
+
+def _flat(arrays) -> np.ndarray:
+    return np.concatenate([np.ravel(a).astype(np.float64) for a in arrays])
+
+
+TINY_NOISE = pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")  # epsilon is huge
+
+
+@TINY_NOISE
+def test_clipping_bounds_large_deltas_and_leaves_small_ones_untouched():
+    g = np.linspace(-1, 1, 10)
+    big, small = np.zeros(10), np.zeros(10)
+    big[2], small[7] = 10.0, 0.5  # delta norms 10 and 0.5
+    s = _dp(noise_multiplier=1e-9, clip_norm=1.0, clients_per_round=2)
+    s.begin_round(1, _model(g))
+    s.fold(_model(g + big), 500, "big")  # example counts are ignored: DP-FedAvg weights uniformly
+    s.fold(_model(g + small), 1, "small")
+    new, metrics = s.finish()
+    expected = g + (big / 10.0 + small) / 2  # big clipped to norm 1, small kept, fixed denominator 2
+    np.testing.assert_allclose(_flat(new), expected, atol=1e-6)
+    assert metrics["dp_clipped_fraction"] == pytest.approx(0.5)
+    assert metrics["dp_clip_norm"] == 1.0 and metrics["num_updates"] == 2.0
+
+
+@TINY_NOISE
+def test_fixed_denominator_divides_by_clients_per_round_not_by_reports():
+    g = np.zeros(10)
+    d = np.zeros(10)
+    d[0] = 0.4
+    s = _dp(noise_multiplier=1e-9, clip_norm=1.0, clients_per_round=4)
+    s.begin_round(1, _model(g))
+    s.fold(_model(g + d), 1, "only")
+    new, _ = s.finish()
+    np.testing.assert_allclose(_flat(new), d / 4, atol=1e-7)
+
+
+def test_noise_added_at_finish_has_the_stated_standard_deviation():
+    n = 200_000
+    g = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    for kw in (dict(noise_multiplier=1.5, clip_norm=0.8),
+               dict(noise_multiplier=1.5, clip_norm=0.8, target_quantile=0.5, count_noise=2.0)):
+        s = _dp(clients_per_round=4, **kw)
+        s.begin_round(1, _model(g))
+        for i in range(4):
+            s.fold(_model(g), 1, f"c{i}")  # zero deltas: what changes is the noise alone
+        new, metrics = s.finish()
+        z = kw["noise_multiplier"] if "target_quantile" not in kw else (1.5 ** -2 - 4.0 ** -2) ** -0.5
+        assert metrics["dp_noise_multiplier"] == pytest.approx(z)
+        assert metrics["dp_noise_std"] == pytest.approx(z * 0.8 / 4)
+        noise = _flat(new) - g.astype(np.float64)
+        assert abs(noise.mean()) < 5 * metrics["dp_noise_std"] / math.sqrt(n)
+        assert noise.std() == pytest.approx(metrics["dp_noise_std"], rel=0.01)
+
+
+def test_adaptive_clipping_converges_to_the_target_quantile():
+    rng = np.random.default_rng(7)
+    dim, clients = 8, 100
+    g = np.zeros(dim)
+    # q = 1 keeps the accountant cheap (opacus's subsampled RDP takes ~0.15 s per round)
+    s = _dp(noise_multiplier=1.0, clip_norm=0.5, population=clients, clients_per_round=clients,
+            target_quantile=0.5, clip_learning_rate=0.3)  # count noise: clients/20 = 5
+    clips = []
+    for r in range(1, 51):
+        s.begin_round(r, _model(g))
+        norms = rng.uniform(0.0, 10.0, clients)  # median 5
+        for i, norm in enumerate(norms):
+            direction = rng.standard_normal(dim)
+            s.fold(_model(g + norm * direction / np.linalg.norm(direction)), 1, f"c{i}")
+        _, metrics = s.finish()
+        clips.append(metrics["dp_clip_norm"])
+    assert clips[0] == 0.5 and clips[10] > clips[0]  # it moves toward the quantile from far below
+    late = np.array(clips[-20:])  # from about 0.5 to the median 5 takes ~25 rounds at this step size
+    assert 4.5 < late.mean() < 5.5 and late.min() > 4.0 and late.max() < 6.0
+
+
+def test_epsilon_equals_opacus_rdp_accountant_and_grows_every_round():
+    s = _dp(noise_multiplier=1.1, population=1000, clients_per_round=10, sampled_per_round=13, delta=1e-6)
+    reference = RDPAccountant()
+    g = np.zeros(6)
+    eps = []
+    for r in range(1, 8):
+        s.begin_round(r, _model(g))
+        s.fold(_model(g + 0.1), 1, "a")
+        _, metrics = s.finish()
+        reference.step(noise_multiplier=1.1, sample_rate=13 / 1000)
+        assert metrics["dp_epsilon"] == pytest.approx(reference.get_epsilon(delta=1e-6), rel=1e-12)
+        assert metrics["dp_sample_rate"] == pytest.approx(0.013) and metrics["dp_delta"] == 1e-6
+        eps.append(metrics["dp_epsilon"])
+    assert all(b > a > 0 for a, b in zip(eps, eps[1:]))
+
+
+def test_aborted_round_costs_no_privacy():
+    s = _dp()
+    s.begin_round(1, _model(np.zeros(5)))
+    s.fold(_model(np.ones(5)), 1, "a")
+    s.abort_round()
+    assert s.accountant.steps == 0 and s.accountant.epsilon() == 0.0
+
+
+def _run(strategy, rounds, g):
+    out = []
+    for r in rounds:
+        rng = np.random.default_rng([3, r])  # the same client updates in round r, however the run was split
+        strategy.begin_round(r, g)
+        for i in range(4):
+            strategy.fold([a + rng.standard_normal(a.shape).astype(np.float32) for a in g], 1, f"c{i}")
+        g, metrics = strategy.finish()
+        out.append(metrics)
+    return g, out
+
+
+def test_state_dict_round_trip_continues_the_same_epsilon_clip_norm_and_weights():
+    def make():
+        return DPStrategy(FedAvgM(server_momentum=0.5), noise_multiplier=0.9, clip_norm=1.0, population=50,
+                          clients_per_round=4, target_quantile=0.3, count_noise=1.0, seed=5)
+    g0 = _model(np.zeros(12))
+    straight = make()
+    g_straight, m_straight = _run(straight, range(1, 6), g0)
+    first = make()
+    g_mid, _ = _run(first, range(1, 4), g0)
+    arrays, meta = first.state_dict()
+    meta = json.loads(json.dumps(meta))  # checkpoints hold JSON, nothing pickled
+    assert meta["strategy"] == "dp-fedavgm" and meta["accountant"]["history"] == [[0.9, 0.08, 3]]
+    resumed = make()
+    resumed.load_state_dict({k: np.array(v) for k, v in arrays.items()}, meta)
+    assert resumed.clip_norm == first.clip_norm and resumed.accountant.steps == 3
+    g_resumed, m_resumed = _run(resumed, range(4, 6), g_mid)
+    assert m_resumed[-1]["dp_epsilon"] == pytest.approx(m_straight[-1]["dp_epsilon"], rel=1e-12)
+    assert m_resumed[-1]["dp_clip_norm"] == pytest.approx(m_straight[-1]["dp_clip_norm"], rel=1e-12)
+    for a, b in zip(g_resumed, g_straight):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_accountant_history_in_a_checkpoint_is_refused():
+    s = _dp()
+    _, meta = s.state_dict()
+    meta["accountant"]["history"] = [[0.0, 0.5, 3]]
+    with pytest.raises(ValueError, match="accountant history"):
+        s.load_state_dict({}, meta)
+
+
+@TINY_NOISE
+def test_client_mode_refuses_an_update_beyond_the_clip_norm_and_accepts_clipped_ones():
+    g = _model(np.linspace(0, 1, 10))
+    s = _dp(mode="client", clip_norm=0.5, noise_multiplier=1e-9, clients_per_round=2)
+    assert s.client_config(1) == {"dp_clip_norm": 0.5, "dp_local_noise": 0.0}
+    s.begin_round(1, g)
+    liar = [a + 1.0 for a in g]  # delta norm sqrt(10) > 0.5
+    with pytest.raises(ValueError, match="more than the DP clip norm"):
+        s.fold(liar, 1, "liar")
+    honest = privatize_update(liar, g, s.client_config(1))
+    assert delta_norm(honest, g) == pytest.approx(0.5, rel=1e-5)
+    s.fold(honest, 1, "honest")
+    with pytest.raises(ValueError, match="more than the DP clip norm"):
+        s.fold(liar, 1, "liar")  # a second try is refused too (the first left no trace)
+    new, metrics = s.finish()
+    assert metrics["num_updates"] == 1.0 and metrics["dp_clipped_fraction"] == 1.0
+    np.testing.assert_allclose(_flat(new), _flat(g) + (_flat(honest) - _flat(g)) / 2, atol=1e-6)
+
+
+def test_client_side_clipping_module():
+    g = [np.zeros((3, 4), np.float32), np.ones(5, np.float32)]
+    far = [np.full((3, 4), 2.0, np.float32), np.full(5, 3.0, np.float32)]
+    near = [np.full((3, 4), 0.01, np.float32), np.full(5, 1.01, np.float32)]
+    clipped = privatize_update(far, g, {"dp_clip_norm": 1.5})
+    assert delta_norm(clipped, g) == pytest.approx(1.5, rel=1e-6)
+    ratio = (clipped[0] - g[0]) / (far[0] - g[0])  # same direction, only shorter
+    np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-5)
+    assert all(c.dtype == np.float32 and c.shape == f.shape for c, f in zip(clipped, far))
+    kept = privatize_update(near, g, {"dp_clip_norm": 1.5})
+    assert all(np.array_equal(a, b) for a, b in zip(kept, near))
+    assert privatize_update(far, g, {"proximal_mu": 0.1}) == far  # no DP asked: unchanged
+    big = [np.zeros(100_000, np.float32)]
+    noisy = privatize_update(big, [np.zeros(100_000, np.float32)], {"dp_clip_norm": 2.0, "dp_local_noise": 0.5},
+                             rng=np.random.default_rng(0))
+    assert noisy[0].std() == pytest.approx(1.0, rel=0.02)  # local noise std = 0.5 x 2.0
+    for bad in ({"dp_clip_norm": 0}, {"dp_clip_norm": "x"}, {"dp_clip_norm": 1.0, "dp_local_noise": -1},
+                {"dp_clip_norm": float("nan")}):
+        with pytest.raises(ValueError, match="dp_clip_norm"):
+            dp_settings(bad)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        clip_update([np.array([np.nan], np.float32)], [np.zeros(1, np.float32)], 1.0)
+
+
+def test_build_strategy_wraps_any_strategy_and_validates_options():
+    s = build_strategy("dp-fedprox", proximal_mu=0.1, noise_multiplier=0.8, clip_norm=2.0, population=20,
+                       clients_per_round=5, mode="client")
+    assert isinstance(s, DPStrategy) and s.inner.name == "fedprox" and s.name == "dp-fedprox"
+    assert s.client_config(1) == {"proximal_mu": 0.1, "dp_clip_norm": 2.0, "dp_local_noise": 0.0}
+    assert build_strategy("dp-fedavg", noise_multiplier=1, clip_norm=1, population=10,
+                          clients_per_round=10).client_config(1) == {}  # central: clients learn nothing of DP
+    with pytest.raises(ValueError, match="count noise"):
+        build_strategy("dp-fedavg", noise_multiplier=2.0, clip_norm=1, population=10, clients_per_round=10,
+                       target_quantile=0.5)  # default count noise 10/20 = 0.5 < 2.0 / 2
+    with pytest.raises(ValueError, match="population"):
+        build_strategy("dp-fedavg", noise_multiplier=1, clip_norm=1, population=5, clients_per_round=10)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        build_strategy("dp-nope", noise_multiplier=1, clip_norm=1, population=5, clients_per_round=1)
+    with pytest.raises(ValueError, match="local noise"):
+        build_strategy("dp-fedavg", noise_multiplier=1, clip_norm=1, population=5, clients_per_round=1,
+                       local_noise_multiplier=0.5)
+    assert effective_noise_multiplier(1.0, 5.0) == pytest.approx((1 - 0.01) ** -0.5)
