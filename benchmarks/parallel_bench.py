@@ -42,7 +42,7 @@ QUICK = os.environ.get("FEDPAR_BENCH_QUICK") == "1"
 DDP_BATCH, DDP_STEPS, DDP_REPEATS = 128, 10, (3 if QUICK else 6)
 MEM_GPT = dict(vocab_size=65, block_size=64, n_layer=6, n_head=6, d_model=384)
 PIPE_GPT = dict(vocab_size=65, block_size=64, n_layer=4, n_head=4, d_model=128)
-PIPE_BATCH, PIPE_MICROBATCHES, PIPE_REPEATS = 16, (1, 2, 4, 8), (3 if QUICK else 6)
+PIPE_BATCH, PIPE_MICROBATCHES, PIPE_REPEATS = 64, (1, 2, 4, 8), (3 if QUICK else 6)
 
 
 def _device() -> torch.device:
