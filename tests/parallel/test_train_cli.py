@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,47 @@ def test_toml_config_with_command_line_overrides(tmp_path: Path):
     path.write_text('[train]\nlearning_rate = 1\n')
     with pytest.raises(ConfigurationError, match="learning_rate"):
         load_train_config(path)
+
+
+def _train_args(out: Path) -> list[str]:
+    return ["--model", "mlp", "--dataset", "digits", "--max-steps", "240", "--nproc", "2", "--dp", "1",
+            "--fsdp", "2", "--batch-size", "32", "--lr", "0.05", "--log-every", "1", "--checkpoint-every", "40",
+            "--no-plot", "--out", str(out)]
+
+
+def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_run(tmp_path: Path):
+    straight = tmp_path / "straight"
+    assert _fedpar(*_train_args(straight)).returncode == 0
+    crashed = tmp_path / "crashed"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "train", *_train_args(crashed)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = crashed / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    try:
+        # Kill the whole process group (launcher and both ranks) once a checkpoint exists and training went on.
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = [json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+            if steps and max(steps) >= 90:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
+    assert not (crashed / "summary.json").exists()
+    resumed = _fedpar(*_train_args(crashed))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = json.loads((straight / "summary.json").read_text())
+    b = json.loads((crashed / "summary.json").read_text())
+    assert b["resumed_from_step"] in (40, 80, 120, 160, 200) and b["steps"] == a["steps"] == 240
+    assert b["test_accuracy"] == a["test_accuracy"]
+
+    def losses(out: Path) -> dict[int, float]:
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    la, lb = losses(straight), losses(crashed)
+    assert all(la[s] == lb[s] for s in la if s > b["resumed_from_step"])  # bit-identical after the resume
