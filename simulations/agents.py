@@ -14,6 +14,7 @@ from fedpar.client.agent import Agent, AgentConfig, AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
+from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.clientdata import local_split
 
 
@@ -39,6 +40,7 @@ class WorkerConfig:
     seed: int
     agents: list[AgentSpec]
     poll_seconds: float = 2.0
+    certs_dir: str | None = None  # mutual TLS with DIR/ca.pem and DIR/AGENT_ID.pem/.key; None: plaintext
 
 
 def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits) -> Agent:
@@ -48,8 +50,10 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits) -> Agent:
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
     trainer = LocalTrainer(model, train, val, seed=cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000,
                            seconds_per_step_delay=spec.step_delay)
+    credentials = channel_credentials(client_tls_files(spec.agent_id, cfg.certs_dir)) if cfg.certs_dir else None
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
-                            drop_probability=spec.drop_probability, seed=cfg.seed, give_up_after=60.0)
+                            drop_probability=spec.drop_probability, seed=cfg.seed, give_up_after=60.0,
+                            credentials=credentials)
     return Agent(agent_cfg, trainer)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +19,9 @@ from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
+from fedpar.security.admission import Admission
+from fedpar.security.certs import ensure_certs
+from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
@@ -52,6 +56,7 @@ class SimulationConfig:
     workers: int = 2  # agent processes (agents are threads inside them)
     seed: int = 0
     out: str | None = None
+    tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
     strategy_options: dict = field(default_factory=dict)
 
 
@@ -74,6 +79,13 @@ def _central_evaluator(cfg: SimulationConfig, splits) -> Callable[[list[np.ndarr
     return evaluate
 
 
+def _throwaway_certs(agent_ids: list[str]) -> tempfile.TemporaryDirectory:
+    """A temporary folder with a fresh CA, a loopback server certificate and one certificate per agent."""
+    certs = tempfile.TemporaryDirectory(prefix="fedpar-certs-")
+    ensure_certs(certs.name, agent_ids, days=1)
+    return certs
+
+
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
@@ -94,18 +106,21 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
+    specs = _agent_specs(cfg, parts)
+    certs = _throwaway_certs([s.agent_id for s in specs]) if cfg.tls else None
     coordinator = Coordinator(coord_cfg, names, get_weights(model),
                               build_strategy(cfg.strategy, **cfg.strategy_options),
-                              evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks)
-    server = CoordinatorServer(coordinator)
+                              evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks,
+                              admission=Admission(require_certificate=cfg.tls))
+    server = CoordinatorServer(coordinator,
+                               credentials=server_credentials(server_tls_files(certs.name)) if certs else None)
     server.start()
-    specs = _agent_specs(cfg, parts)
     workers = max(1, min(cfg.workers, cfg.clients))
     groups = [specs[w::workers] for w in range(workers)]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=run_worker, name=f"fedpar-agents-{w}",
                          args=(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction,
-                                            cfg.seed, group),), daemon=True)
+                                            cfg.seed, group, certs_dir=certs and certs.name),), daemon=True)
              for w, group in enumerate(groups)]
     for p in procs:
         p.start()
@@ -121,6 +136,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
             if p.is_alive():
                 p.terminate()
         server.stop()
+        if certs is not None:
+            certs.cleanup()
     rows = coordinator.metrics.rows
     summary = {
         "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,
