@@ -103,10 +103,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar serve: could not listen on {args.host}:{args.port}: {exc}; try another --port",
               file=sys.stderr)
         return 1
-    tls_hint = f"--certs {args.certs}" if args.certs else ("--insecure" if args.insecure else "--tls-ca ...")
     print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
           f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
-          f"{tls_hint} ...)", flush=True)
+          f"{security.client_hint} --agent-id ID ...)", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

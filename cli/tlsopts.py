@@ -65,6 +65,7 @@ class ServerSecurity:
     credentials: grpc.ServerCredentials | None
     admission: Admission
     description: str
+    client_hint: str  # the TLS options agents of this coordinator need
 
 
 def server_security(args: argparse.Namespace) -> ServerSecurity:
@@ -86,14 +87,17 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
             raise TlsSetupError("without --tls-ca (server-only TLS) agents have no certificate to prove who they "
                                 "are: pass --enrollment-tokens FILE, or --certs DIR for mutual TLS")
         description = "mutual TLS" if mutual else "server TLS + enrollment tokens"
+        hint = (f"--certs {args.certs}" if args.certs else
+                "--tls-ca CA.pem " + ("--tls-cert ID.pem --tls-key ID.key" if mutual else "--enrollment-token-file F"))
     else:
         log.warning(PLAINTEXT_WARNING)
         if tokens is None:
             log.warning("--insecure without --enrollment-tokens: any agent that can reach this port may join")
         description = "PLAINTEXT (--insecure)" + (" + enrollment tokens" if tokens is not None else "")
+        hint = "--insecure" + (" --enrollment-token-file F" if tokens is not None else "")
     admission = Admission(allowed_ids=args.allow_agents, token_hashes=tokens, revocations=RevocationList(revoked),
                           require_certificate=mutual)
-    return ServerSecurity(credentials, admission, description)
+    return ServerSecurity(credentials, admission, description, hint)
 
 
 @dataclass
