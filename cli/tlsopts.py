@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from fedpar.security.admission import Admission, RevocationList, load_token_hashes
+from fedpar.security.admission import Admission, RevocationList, TokenList
 from fedpar.security.certs import CertPaths
 from fedpar.security.tls import (HOW_TO_FIX, TlsSetupError, certificate_common_name, channel_credentials,
                                  client_tls_files, server_credentials, server_tls_files)
@@ -55,7 +55,17 @@ def add_tls_arguments(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:
+    _normalize(args)
     return bool(args.certs or args.tls_cert or args.tls_key or args.tls_ca)
+
+
+def _normalize(args: argparse.Namespace) -> None:
+    """Values from a --config TOML file arrive as plain strings; make them what the flags would give."""
+    for name in ("certs", "tls_cert", "tls_key", "tls_ca", "enrollment_tokens", "revoked", "enrollment_token_file"):
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, Path(getattr(args, name)))
+    if isinstance(getattr(args, "allow_agents", None), str):
+        args.allow_agents = _id_list(args.allow_agents)
 
 
 @dataclass
@@ -75,10 +85,10 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
     if not args.insecure and not _wants_tls(args):
         raise TlsSetupError(f"TLS is required: {HOW_TO_FIX}")
     try:
-        tokens = load_token_hashes(args.enrollment_tokens) if args.enrollment_tokens else None
+        tokens = TokenList(args.enrollment_tokens) if args.enrollment_tokens else None
+        revocations = RevocationList(args.revoked or (CertPaths(args.certs).revoked if args.certs else None))
     except ValueError as exc:
         raise TlsSetupError(str(exc)) from None
-    revoked = args.revoked or (CertPaths(args.certs).revoked if args.certs else None)
     credentials, mutual = None, False
     if not args.insecure:
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
@@ -95,7 +105,7 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
             log.warning("--insecure without --enrollment-tokens: any agent that can reach this port may join")
         description = "PLAINTEXT (--insecure)" + (" + enrollment tokens" if tokens is not None else "")
         hint = "--insecure" + (" --enrollment-token-file F" if tokens is not None else "")
-    admission = Admission(allowed_ids=args.allow_agents, token_hashes=tokens, revocations=RevocationList(revoked),
+    admission = Admission(allowed_ids=args.allow_agents, token_hashes=tokens, revocations=revocations,
                           require_certificate=mutual)
     return ServerSecurity(credentials, admission, description, hint)
 

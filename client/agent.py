@@ -129,8 +129,8 @@ class Agent:
                 unreachable_since = unreachable_since or now
                 if self.config.give_up_after is not None and now - unreachable_since > self.config.give_up_after:
                     raise FatalAgentError(f"{self.config.agent_id}: coordinator at {self.config.server} "
-                                          f"unreachable for {self.config.give_up_after}s; is it running, and does its TLS "
-                                          "setting (--certs/--insecure) match this agent's?") from None
+                                          f"unreachable for {self.config.give_up_after}s; is it running, and "
+                                          "does its TLS setting (--certs/--insecure) match this agent's?") from None
                 if self._stop.is_set():
                     raise FatalAgentError("stopped while the coordinator was unreachable") from None
                 sleep = backoff * (0.5 + self._rng.random())

@@ -16,7 +16,7 @@ import os
 import secrets
 import threading
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Mapping, TypeVar
 
 import grpc
 
@@ -24,6 +24,7 @@ from fedpar.security.identity import PeerIdentity
 
 log = logging.getLogger("fedpar.security")
 MAX_TOKEN_CHARS = 512
+T = TypeVar("T")
 
 
 class AdmissionRefused(Exception):
@@ -57,16 +58,6 @@ def parse_token_hashes(text: str, source: str = "tokens file") -> dict[str, str]
             raise ValueError(f"{source} line {number}: expected 'AGENT_ID SHA256_HEX', got {line!r}")
         out[parts[0]] = digest
     return out
-
-
-def load_token_hashes(path: str | Path) -> dict[str, str]:
-    """Read an enrollment tokens file (see :func:`parse_token_hashes`)."""
-    path = Path(path)
-    try:
-        return parse_token_hashes(path.read_text(), str(path))
-    except FileNotFoundError:
-        raise ValueError(f"enrollment tokens file {path} does not exist; make one with "
-                         "'fedpar certs --out DIR --mint-token AGENT'") from None
 
 
 def mint_token(path: str | Path, agent_id: str) -> str:
@@ -109,51 +100,88 @@ def parse_revocations(text: str, source: str = "revocation file") -> tuple[set[s
     return ids, serials
 
 
-class RevocationList:
-    """Revoked agent ids and serials from a file that operators append to; re-read when it changes.
+class WatchedFile:
+    """The parsed contents of a text file that operators edit while the coordinator runs.
 
-    A missing file means nothing is revoked (yet): it may be created while the coordinator runs.
+    Re-parsed whenever the file's size, mtime or inode changes. A missing file parses as empty text. A file
+    that cannot be read or parsed raises ValueError the first time (start-up) and later keeps the previous
+    contents, with an error in the log, so one bad edit does not take the coordinator down.
     """
 
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, parse: Callable[[str, str], T]):
         self.path = Path(path) if path else None
-        self.ids: set[str] = set()
-        self.serials: set[int] = set()
-        self._signature: tuple | None = None
+        self._parse = parse
+        self._signature: tuple | None = ()
         self._lock = threading.Lock()
-        self.refresh()
+        self.value: T = parse("", "")
+        self.refresh(strict=True)
 
-    def refresh(self) -> None:
-        """Re-read the file if its size, mtime or inode changed since the last read."""
+    def refresh(self, strict: bool = False) -> T:
+        """Re-read the file if it changed; returns the current parsed value."""
         if self.path is None:
-            return
+            return self.value
         try:
             st = self.path.stat()
             signature = (st.st_mtime_ns, st.st_size, st.st_ino)
         except FileNotFoundError:
             signature = None
+        except OSError as exc:
+            return self._failed(f"cannot stat {self.path}: {exc.strerror}", strict)
         with self._lock:
             if signature == self._signature:
-                return
-            text = self.path.read_text() if signature is not None else ""
-            self.ids, self.serials = parse_revocations(text, str(self.path))
+                return self.value
+            try:
+                text = self.path.read_text(encoding="utf-8") if signature is not None else ""
+                self.value = self._parse(text, str(self.path))
+            except (OSError, UnicodeDecodeError, ValueError) as exc:
+                return self._failed(f"cannot use {self.path}: {exc}", strict)
             self._signature = signature
-        if signature is not None:
-            log.info("revocation list %s: %d agent ids, %d certificate serials", self.path, len(self.ids),
-                     len(self.serials))
+        log.info("read %s", self.path)
+        return self.value
+
+    def _failed(self, message: str, strict: bool) -> T:
+        if strict:
+            raise ValueError(message)
+        log.error("%s; keeping its previous contents", message)
+        return self.value
+
+
+class RevocationList(WatchedFile):
+    """Revoked agent ids and certificate serials from a file operators append to (missing: none revoked)."""
+
+    def __init__(self, path: str | Path | None):
+        super().__init__(path, parse_revocations)
+
+    @property
+    def ids(self) -> set[str]:
+        """Revoked agent ids as last read."""
+        return self.value[0]
 
     def is_revoked(self, agent_id: str, serial: int | None = None) -> bool:
         """Whether the agent id or the certificate serial is listed (call :meth:`refresh` first)."""
-        return agent_id in self.ids or (serial is not None and serial in self.serials)
+        ids, serials = self.value
+        return agent_id in ids or (serial is not None and serial in serials)
+
+
+class TokenList(WatchedFile):
+    """Enrollment token hashes by agent id from a tokens file, re-read when it changes (new agents
+    can be enrolled without restarting the coordinator)."""
+
+    def __init__(self, path: str | Path):
+        if not Path(path).exists():
+            raise ValueError(f"enrollment tokens file {path} does not exist; make one with "
+                             "'fedpar certs --out DIR --mint-token AGENT'")
+        super().__init__(path, parse_token_hashes)
 
 
 class Admission:
     """Decides who may join and who may keep calling. With no options it admits anyone (plaintext tests)."""
 
-    def __init__(self, allowed_ids: Iterable[str] | None = None, token_hashes: dict[str, str] | None = None,
+    def __init__(self, allowed_ids: Iterable[str] | None = None,
+                 token_hashes: Mapping[str, str] | TokenList | None = None,
                  revocations: RevocationList | None = None, require_certificate: bool = False):
         self.allowed_ids = set(allowed_ids) if allowed_ids is not None else None
-        self.token_hashes = token_hashes
+        self.token_hashes = token_hashes  # None: no tokens; agents without certificates are admitted
         self.revocations = revocations or RevocationList(None)
         self.require_certificate = require_certificate
 
@@ -165,8 +193,10 @@ class Admission:
                                    f"agent {agent_id!r} is not on this coordinator's allow-list; "
                                    "ask its operator to add it (--allow-agents)")
         if peer is None and self.token_hashes is not None:
-            expected = self.token_hashes.get(agent_id, "")
-            given = hash_token(enrollment_token[:MAX_TOKEN_CHARS]) if enrollment_token else "-"
+            hashes = self.token_hashes.refresh() if isinstance(self.token_hashes, TokenList) else self.token_hashes
+            expected = hashes.get(agent_id, "")
+            ok_length = 0 < len(enrollment_token) <= MAX_TOKEN_CHARS
+            given = hash_token(enrollment_token) if ok_length else "-"
             if not hmac.compare_digest(expected.encode(), given.encode()) or not expected:
                 what = "wrong" if enrollment_token else "missing"
                 raise AdmissionRefused(grpc.StatusCode.UNAUTHENTICATED,

@@ -16,7 +16,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from fedpar.cli.main import main
-from fedpar.security.admission import (Admission, AdmissionRefused, RevocationList, hash_token, load_token_hashes,
+from fedpar.security.admission import (Admission, AdmissionRefused, RevocationList, TokenList, hash_token,
                                        parse_revocations, parse_token_hashes)
 from fedpar.security.certs import CertPaths, common_name, load_certificate
 from fedpar.security.identity import PeerIdentity
@@ -80,7 +80,7 @@ def test_certs_revokes_and_mints_tokens_without_storing_them(made):
     token = (made.root / "dave.token").read_text().strip()
     assert _mode(made.root / "dave.token") == 0o600 and _mode(made.tokens) == 0o600
     assert token not in made.tokens.read_text()
-    assert load_token_hashes(made.tokens) == {"dave": hash_token(token)}
+    assert TokenList(made.tokens).value == {"dave": hash_token(token)}
 
 
 def test_certs_refuses_agent_ids_that_are_not_safe_file_names(tmp_path, capsys):
@@ -127,8 +127,21 @@ def test_revocation_list_is_reread_when_its_file_changes(tmp_path):
     admission.check_call("alice", None)  # file gone: nothing revoked any more
 
 
-def test_token_file_lines_are_validated():
+def test_token_file_is_validated_at_start_and_a_bad_edit_later_keeps_the_old_tokens(tmp_path):
     digest = hash_token("s3cret")
     assert parse_token_hashes(f"# comment\nalice sha256:{digest.upper()}\n") == {"alice": digest}
+    path = tmp_path / "tokens.txt"
+    with pytest.raises(ValueError, match="does not exist"):
+        TokenList(path)
+    path.write_text(f"alice {digest}\nbob s3cret\n")  # a token in clear instead of its hash
     with pytest.raises(ValueError, match="line 2"):
-        parse_token_hashes(f"alice {digest}\nbob s3cret\n")
+        TokenList(path)
+    path.write_text(f"alice {digest}\n")
+    tokens = TokenList(path)
+    admission = Admission(token_hashes=tokens)
+    admission.admit_join("alice", None, "s3cret")
+    path.write_text(f"alice {digest}\nbob s3cret\n")
+    assert tokens.refresh() == {"alice": digest}  # logged and ignored
+    admission.admit_join("alice", None, "s3cret")
+    with pytest.raises(AdmissionRefused, match="wrong enrollment token"):
+        admission.admit_join("alice", None, "s3cret" * 100)

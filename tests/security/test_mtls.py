@@ -15,7 +15,7 @@ from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import ArrayDataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.models.mlp import MLP
-from fedpar.security.admission import Admission, RevocationList, append_revocation, load_token_hashes, mint_token
+from fedpar.security.admission import Admission, RevocationList, TokenList, append_revocation, mint_token
 from fedpar.security.certs import load_certificate
 from fedpar.security.tls import TlsFiles, channel_credentials, server_credentials
 
@@ -39,8 +39,8 @@ def test_full_round_over_mutual_tls_with_two_real_agents(pki, coordinator_factor
     model = MLP(in_features=4, hidden=(8,), num_classes=3)
     init = get_weights(model)
     server = coordinator_factory(pki.server_credentials(), Admission(require_certificate=True),
-                                 weights=init, names=[n for n, _, _ in weight_specs(model)], rounds=2, min_available=2, clients_per_round=2, local_epochs=1,
-                                 batch_size=8, learning_rate=0.1)
+                                 weights=init, names=[n for n, _, _ in weight_specs(model)], rounds=2,
+                                 min_available=2, clients_per_round=2, local_epochs=1, batch_size=8, learning_rate=0.1)
     coordinator = server.coordinator
     agents = []
     for i, agent_id in enumerate(["alice", "bob"]):
@@ -120,7 +120,7 @@ def test_enrollment_tokens_admit_only_the_agent_they_were_minted_for(pki, coordi
     tokens_file = tmp_path / "tokens.txt"
     dave_token, erin_token = mint_token(tokens_file, "dave"), mint_token(tokens_file, "erin")
     assert dave_token not in tokens_file.read_text()  # only hashes are stored
-    admission = Admission(token_hashes=load_token_hashes(tokens_file))
+    admission = Admission(token_hashes=TokenList(tokens_file))
     if transport == "plaintext":
         server_creds = client_creds = None
     else:
@@ -135,6 +135,9 @@ def test_enrollment_tokens_admit_only_the_agent_they_were_minted_for(pki, coordi
     agent.join("dave", token=dave_token)
     assert agent.heartbeat().current_round == 0
     assert server.coordinator.registry.get("dave") is not None
+    frank_token = mint_token(tokens_file, "frank")  # enrolled while the coordinator runs: no restart needed
+    raw_agents(server.address, client_creds).join("frank", token=frank_token)
+    assert sorted(r["agent_id"] for r in server.coordinator.registry.snapshot()) == ["dave", "frank"]
 
 
 def test_revoked_agent_is_refused_on_its_next_call_and_not_sampled_again(pki, coordinator_factory, raw_agents,
