@@ -145,3 +145,18 @@ def test_token_file_is_validated_at_start_and_a_bad_edit_later_keeps_the_old_tok
     admission.admit_join("alice", None, "s3cret")
     with pytest.raises(AdmissionRefused, match="wrong enrollment token"):
         admission.admit_join("alice", None, "s3cret" * 100)
+
+
+def test_insecure_is_explicit_and_warns(made, caplog):
+    from fedpar.cli.main import build_parser
+    from fedpar.cli.tlsopts import client_security, server_security
+
+    with caplog.at_level("WARNING", logger="fedpar.security"):
+        security = server_security(build_parser().parse_args(["serve", "--insecure"]))
+    assert security.credentials is None and security.description.startswith("PLAINTEXT")
+    assert "plaintext gRPC" in caplog.text and "any agent that can reach this port may join" in caplog.text
+    secure = server_security(build_parser().parse_args(["serve", "--certs", str(made.root)]))
+    assert secure.credentials is not None and secure.admission.require_certificate
+    assert secure.admission.revocations.path == made.revoked  # watched by default with --certs
+    client = client_security(build_parser().parse_args(["client", "--agent-id", "alice", "--certs", str(made.root)]))
+    assert client.credentials is not None
