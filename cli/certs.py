@@ -1,14 +1,9 @@
-"""Make the TLS material of a federation in one folder, add agents to it later, mint enrollment tokens and
-revoke agents.
-
-    fedpar certs --out certs --agents alice,bob           # CA, coordinator certificate, alice's and bob's
-    fedpar certs --out certs --agents carol               # later: reuses the CA, adds carol
-    fedpar certs --out certs --revoke bob                  # appends bob to certs/revoked.txt
-    fedpar certs --out certs --mint-token dave             # token for an agent without a certificate
-
-Then: fedpar serve --certs certs ...   and   fedpar client --certs certs --agent-id alice ...
-Private keys (*.key) and tokens (*.token) are written readable by their owner only; hand each agent only
-ca.pem and its own AGENT.pem/AGENT.key (or AGENT.token).
+"""Make the TLS material of a federation in one folder: a CA, the coordinator's certificate and one client
+certificate per agent (subject CN = agent id). Run it again with more --agents to add agents to the same CA,
+with --revoke to revoke agents, or with --mint-token for agents that enroll by token instead of a
+certificate. Example: 'fedpar certs --out certs --agents alice,bob', then 'fedpar serve --certs certs ...' and
+'fedpar client --certs certs --agent-id alice ...'. Private keys (*.key) and tokens (*.token) are written
+readable by their owner only; give each agent only ca.pem and its own ID.pem and ID.key (or ID.token).
 """
 
 from __future__ import annotations

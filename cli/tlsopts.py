@@ -34,7 +34,7 @@ def add_tls_arguments(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--tls-key", type=Path, metavar="PEM", help="this endpoint's private key (overrides --certs)")
     g.add_argument("--tls-ca", type=Path, metavar="PEM",
                    help="CA certificate that signed the other side's certificate (overrides --certs)"
-                        + ("; without it the coordinator accepts agents without certificates and "
+                        + ("; with no CA at all (no --certs either) agents need no certificate but "
                            "--enrollment-tokens is required" if role == "serve" else ""))
     g.add_argument("--insecure", action="store_true",
                    help="plaintext gRPC without TLS (a warning is logged); only on a network you trust")
