@@ -200,6 +200,14 @@ def common_name(cert: x509.Certificate) -> str:
     return str(attrs[0].value) if attrs else ""
 
 
+def temporary_cert_dir(agent_ids: Iterable[str], days: int = 1) -> tempfile.TemporaryDirectory:
+    """A temporary folder with a fresh CA, a loopback server certificate and one certificate per agent
+    (simulations); call ``.cleanup()`` to delete the keys."""
+    certs = tempfile.TemporaryDirectory(prefix="fedpar-certs-")
+    ensure_certs(Path(certs.name), agent_ids, days=days)
+    return certs
+
+
 @dataclass
 class CertReport:
     """What :func:`ensure_certs` did."""

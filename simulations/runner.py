@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
 from fedpar.security.admission import Admission
-from fedpar.security.certs import ensure_certs
+from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
@@ -79,13 +78,6 @@ def _central_evaluator(cfg: SimulationConfig, splits) -> Callable[[list[np.ndarr
     return evaluate
 
 
-def _throwaway_certs(agent_ids: list[str]) -> tempfile.TemporaryDirectory:
-    """A temporary folder with a fresh CA, a loopback server certificate and one certificate per agent."""
-    certs = tempfile.TemporaryDirectory(prefix="fedpar-certs-")
-    ensure_certs(certs.name, agent_ids, days=1)
-    return certs
-
-
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
@@ -107,7 +99,9 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
     specs = _agent_specs(cfg, parts)
-    certs = _throwaway_certs([s.agent_id for s in specs]) if cfg.tls else None
+    certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
+    for spec in specs if certs else ():
+        spec.certs_dir = certs.name
     coordinator = Coordinator(coord_cfg, names, get_weights(model),
                               build_strategy(cfg.strategy, **cfg.strategy_options),
                               evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks,
@@ -120,7 +114,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=run_worker, name=f"fedpar-agents-{w}",
                          args=(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction,
-                                            cfg.seed, group, certs_dir=certs and certs.name),), daemon=True)
+                                            cfg.seed, group),), daemon=True)
              for w, group in enumerate(groups)]
     for p in procs:
         p.start()
