@@ -14,6 +14,7 @@ import torch
 
 from fedpar.client.agent import Agent, AgentConfig, FatalAgentError
 from fedpar.client.trainer import LocalTrainer
+from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
 from fedpar.simulations.clientdata import local_split, partition_indices
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--give-up-after", type=float, default=None,
                    help="exit after this many seconds without reaching the coordinator (default: never)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for local training")
+    add_tls_arguments(p, "client")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
         return 2
     try:
+        security = client_security(args)
         splits = load_dataset(args.dataset, args.data_dir)
         parts = partition_indices(splits, args.partition, args.num_partitions, args.partition_seed)
         train, val = local_split(splits.train, parts[args.partition_index], args.val_fraction, args.seed)
@@ -57,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     config = AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
-                         max_backoff=args.max_backoff, give_up_after=args.give_up_after, seed=args.seed)
+                         max_backoff=args.max_backoff, give_up_after=args.give_up_after, seed=args.seed,
+                         credentials=security.credentials, tls_server_name=security.server_name,
+                         enrollment_token=security.enrollment_token)
     agent = Agent(config, LocalTrainer(model, train, val, seed=args.seed))
     print(f"agent {args.agent_id}: {len(train)} training examples, dialing {args.server}", flush=True)
     try:

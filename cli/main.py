@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "client": ("agent", "run one client agent that dials out to a coordinator"),
     "simulate": ("simulate", "run a coordinator and many agents on this machine"),
     "train": ("train", "centralized training on the parallel engine (DDP/FSDP/TP/PP)"),
+    "certs": ("certs", "make TLS certificates (CA, coordinator, agents), enrollment tokens; revoke agents"),
 }
 
 

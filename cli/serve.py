@@ -18,6 +18,7 @@ import torch
 from fedpar.aggregation import build_strategy, strategy_names
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.progress import COLUMNS, RoundTable
+from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
@@ -65,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
     add_dp_arguments(p, population_flag=True)
+    add_tls_arguments(p, "serve")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     config.metrics_path = args.out / "metrics.jsonl"
     try:
+        security = server_security(args)  # first: a missing certificate should not wait for data loading
         config.validate()
         splits = load_dataset(args.dataset, args.data_dir)
         torch.manual_seed(args.seed)
@@ -98,16 +101,17 @@ def run(args: argparse.Namespace) -> int:
 
     table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
     coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
-                              evaluate_fn=evaluate, on_round_end=[table.row])
-    server = CoordinatorServer(coordinator, host=args.host, port=args.port)
+                              evaluate_fn=evaluate, on_round_end=[table.row], admission=security.admission)
+    server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
     try:
         server.start()
     except Exception as exc:
         print(f"fedpar serve: could not listen on {args.host}:{args.port}: {exc}; try another --port",
               file=sys.stderr)
         return 1
-    print(f"coordinator listening on {args.host}:{server.port}; waiting for {config.min_available} agents "
-          f"(start them with: fedpar client --server {args.host}:{server.port} ...)", flush=True)
+    print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
+          f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
+          f"{security.client_hint} --agent-id ID ...)", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

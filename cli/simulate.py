@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chance per client per round of vanishing before it uploads")
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
+    p.add_argument("--tls", action="store_true",
+                   help="run every agent over mutual TLS with throw-away certificates (default: plaintext on "
+                        "loopback, which never leaves this machine)")
     p.add_argument("--out", default="runs/simulation", help="output folder")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     add_dp_arguments(p, population_flag=False)

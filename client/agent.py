@@ -36,7 +36,9 @@ class AgentConfig:
     give_up_after: float | None = None  # seconds without reaching the coordinator; None: never
     upload_margin_seconds: float = 0.25  # kept free before the deadline beyond the upload estimate
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    credentials: grpc.ChannelCredentials | None = None
+    credentials: grpc.ChannelCredentials | None = None  # None: plaintext (callers must ask for it explicitly)
+    tls_server_name: str | None = None  # name to check the coordinator's certificate for, if not the host
+    enrollment_token: str = ""  # for coordinators that admit agents without certificates by token
     drop_probability: float = 0.0  # simulations: chance of vanishing for a round after training
     seed: int = 0
 
@@ -75,6 +77,8 @@ class Agent:
 
     def _open_channel(self) -> grpc.Channel:
         options = channel_options(64 << 20)
+        if self.config.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.config.tls_server_name))
         if self.config.credentials is not None:
             return grpc.secure_channel(self.config.server, self.config.credentials, options=options)
         return grpc.insecure_channel(self.config.server, options=options)
@@ -126,7 +130,8 @@ class Agent:
                 unreachable_since = unreachable_since or now
                 if self.config.give_up_after is not None and now - unreachable_since > self.config.give_up_after:
                     raise FatalAgentError(f"{self.config.agent_id}: coordinator at {self.config.server} "
-                                          f"unreachable for {self.config.give_up_after}s; is it running?") from None
+                                          f"unreachable for {self.config.give_up_after}s; is it running, and "
+                                          "does its TLS setting (--certs/--insecure) match this agent's?") from None
                 if self._stop.is_set():
                     raise FatalAgentError("stopped while the coordinator was unreachable") from None
                 sleep = backoff * (0.5 + self._rng.random())
@@ -139,7 +144,8 @@ class Agent:
         reply = self._stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
                                                num_examples=self.trainer.num_examples,
                                                capabilities={"framework": "torch"},
-                                               protocol_version=PROTOCOL_VERSION), timeout=30)
+                                               protocol_version=PROTOCOL_VERSION,
+                                               enrollment_token=self.config.enrollment_token), timeout=30)
         self._auth = pb.AgentAuth(agent_id=self.config.agent_id, token=reply.token)
         self._heartbeat_seconds = reply.heartbeat_seconds or 5.0
         self._max_chunk = reply.max_chunk_bytes or DEFAULT_CHUNK_BYTES

@@ -15,7 +15,7 @@ class AgentAuth(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("agent_id", "num_examples", "capabilities", "protocol_version")
+    __slots__ = ("agent_id", "num_examples", "capabilities", "protocol_version", "enrollment_token")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,11 +27,13 @@ class JoinRequest(_message.Message):
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENROLLMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     num_examples: int
     capabilities: _containers.ScalarMap[str, str]
     protocol_version: int
-    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    enrollment_token: str
+    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("token", "heartbeat_seconds", "max_chunk_bytes")

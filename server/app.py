@@ -86,6 +86,8 @@ class CoordinatorServer:
         server.add_generic_rpc_handlers((generic_handler(CoordinatorService(self.coordinator)),))
         target = f"{self.host}:{self.requested_port}"
         if self.credentials is None:
+            if self.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("serving PLAINTEXT gRPC on %s: traffic and agent identities are unprotected", target)
             self.port = server.add_insecure_port(target)
         else:
             self.port = server.add_secure_port(target, self.credentials)

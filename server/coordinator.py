@@ -23,6 +23,8 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import layout_from_pb
+from fedpar.security.admission import Admission, AdmissionRefused
+from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.metrics import MetricsLog
@@ -52,13 +54,13 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray],
                  strategy, evaluate_fn: EvaluateFn | None = None,
-                 on_round_end: Sequence[RoundCallback] = ()):
+                 on_round_end: Sequence[RoundCallback] = (), admission: Admission | None = None):
         config.validate()
         self.config = config
         self.strategy = strategy
         self.evaluate_fn = evaluate_fn
         self.on_round_end = list(on_round_end)
-        self.registry = AgentRegistry(config.liveness_timeout_seconds)
+        self.registry = AgentRegistry(config.liveness_timeout_seconds, admission=admission)
         self.sampler = CohortSampler(config.seed)
         self.names = list(names)
         self.weights = [np.ascontiguousarray(w) for w in weights]
@@ -205,12 +207,16 @@ class Coordinator:
                         Checkpoint(self.round_id, self.names, self.weights, dict(arrays), state))
 
     # ----------------------------------------------------------------- agent calls
-    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str]) -> AgentRecord:
-        """Register an agent; raises Refusal on bad identity data."""
+    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
+             peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
+        """Register an agent; raises Refusal on bad identity data or if the agent is not admitted."""
         try:
-            record = self.registry.join(agent_id, num_examples, capabilities)
+            record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except AdmissionRefused as exc:
+            log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
+            raise Refusal(exc.code, exc.message) from None
         self._wakeups.setdefault(agent_id, asyncio.Event())
         self._agents_changed.set()
         return record

@@ -7,6 +7,9 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from fedpar.security.admission import Admission
+from fedpar.security.identity import PeerIdentity
+
 MAX_AGENT_ID = 128
 
 
@@ -24,31 +27,40 @@ class AgentRecord:
     capabilities: dict[str, str] = field(default_factory=dict)
     last_seen: float = 0.0
     left: bool = False
+    cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS)
 
 
 class AgentRegistry:
     """Agents by id. Not thread-safe: the coordinator's event loop is its only user."""
 
-    def __init__(self, liveness_timeout: float, clock=time.monotonic):
+    def __init__(self, liveness_timeout: float, clock=time.monotonic, admission: Admission | None = None):
         self.liveness_timeout = liveness_timeout
         self._clock = clock
+        self.admission = admission or Admission()
         self._agents: dict[str, AgentRecord] = {}
 
-    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str]) -> AgentRecord:
-        """Register ``agent_id`` (or re-register it after a restart) with a fresh session token."""
+    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
+             peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
+        """Register ``agent_id`` (or re-register it after a restart) with a fresh session token.
+
+        Raises ValueError on bad data and AdmissionRefused if the admission policy refuses the agent.
+        """
         if not agent_id or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
             raise ValueError(f"agent_id must be 1..{MAX_AGENT_ID} printable characters")
         if num_examples < 0:
             raise ValueError("num_examples must be >= 0")
         if len(capabilities) > 64 or any(len(k) > 64 or len(v) > 256 for k, v in capabilities.items()):
             raise ValueError("capabilities: at most 64 entries, keys <= 64 and values <= 256 characters")
+        self.admission.admit_join(agent_id, peer, enrollment_token)
         record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities),
-                             last_seen=self._clock())
+                             last_seen=self._clock(), cert_serial=peer.serial if peer else None)
         self._agents[agent_id] = record
         return record
 
-    def authenticate(self, agent_id: str, token: str) -> AgentRecord:
-        """The agent's record if ``token`` is its current session token; marks it seen."""
+    def authenticate(self, agent_id: str, token: str, peer: PeerIdentity | None = None) -> AgentRecord:
+        """The agent's record if ``token`` is its current session token and the admission policy still
+        admits it over a connection proving ``peer``; marks it seen."""
+        self.admission.check_call(agent_id, peer)
         record = self._agents.get(agent_id)
         if record is None or record.left:
             raise AuthError(f"unknown agent {agent_id!r}: call Join first")
@@ -67,8 +79,10 @@ class AgentRegistry:
         return not record.left and self._clock() - record.last_seen <= self.liveness_timeout
 
     def live_ids(self) -> list[str]:
-        """Ids of live agents, sorted (sampling is then deterministic for a seed)."""
-        return sorted(a.agent_id for a in self._agents.values() if self.is_live(a))
+        """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed)."""
+        revoked = self.admission.revoked_filter()
+        return sorted(a.agent_id for a in self._agents.values()
+                      if self.is_live(a) and not revoked(a.agent_id, a.cert_serial))
 
     def get(self, agent_id: str) -> AgentRecord | None:
         """The record of ``agent_id`` or None."""

@@ -11,6 +11,8 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, TensorAssembler
 from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME
 from fedpar.protocol.rawchunks import RawData, decode_chunk_message
+from fedpar.security.admission import AdmissionRefused
+from fedpar.security.identity import peer_identity
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.registry import AgentRecord, AuthError
 from fedpar.server.rounds import Refusal
@@ -24,11 +26,13 @@ class CoordinatorService:
     def __init__(self, coordinator: Coordinator):
         self.coord = coordinator
 
-    def _auth(self, auth: pb.AgentAuth) -> AgentRecord:
+    def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
-            return self.coord.registry.authenticate(auth.agent_id, auth.token)
+            return self.coord.registry.authenticate(auth.agent_id, auth.token, peer_identity(context))
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         """Register an agent."""
@@ -37,7 +41,8 @@ class CoordinatorService:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"protocol version {request.protocol_version} is not supported "
                               f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the agent")
-            record = self.coord.join(request.agent_id, request.num_examples, dict(request.capabilities))
+            record = self.coord.join(request.agent_id, request.num_examples, dict(request.capabilities),
+                                     peer_identity(context), request.enrollment_token)
         except Refusal as r:
             await context.abort(r.code, r.message)
         log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
@@ -47,7 +52,7 @@ class CoordinatorService:
     async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
         """Long-poll for a task."""
         try:
-            agent = self._auth(request.auth)
+            agent = self._auth(request.auth, context)
         except Refusal as r:
             await context.abort(r.code, r.message)
         return await self.coord.next_task(agent, request.wait_seconds)
@@ -55,7 +60,7 @@ class CoordinatorService:
     async def DownloadWeights(self, request: pb.DownloadRequest, context):
         """Stream the pre-serialized global weights of the agent's current round."""
         try:
-            agent = self._auth(request.auth)
+            agent = self._auth(request.auth, context)
             payload = self.coord.payload_for(agent, request.round, request.task_id)
         except Refusal as r:
             await context.abort(r.code, r.message)
@@ -69,7 +74,7 @@ class CoordinatorService:
             first = await _next_message(request_iterator)
             if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
-            agent = self._auth(first.header.auth)
+            agent = self._auth(first.header.auth, context)
             ticket = self.coord.open_upload(agent, first.header)
             async with self.coord.upload_slots():
                 arrays = await self._receive(ticket, request_iterator)
@@ -129,7 +134,7 @@ class CoordinatorService:
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         """Mark the agent alive."""
         try:
-            self._auth(request.auth)
+            self._auth(request.auth, context)
         except Refusal as r:
             await context.abort(r.code, r.message)
         current = self.coord.current.round_id if self.coord.current else self.coord.round_id
@@ -138,7 +143,7 @@ class CoordinatorService:
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         """Unregister the agent."""
         try:
-            agent = self._auth(request.auth)
+            agent = self._auth(request.auth, context)
         except Refusal as r:
             await context.abort(r.code, r.message)
         self.coord.leave(agent)

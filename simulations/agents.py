@@ -16,6 +16,7 @@ from fedpar.client.agent import Agent, AgentConfig, AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
+from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.clientdata import local_split
 
 
@@ -27,6 +28,7 @@ class AgentSpec:
     indices: np.ndarray
     step_delay: float = 0.0  # seconds added per local step: a slow device
     drop_probability: float = 0.0  # chance per round of vanishing before the upload
+    certs_dir: str | None = None  # mutual TLS with DIR/ca.pem and DIR/AGENT_ID.pem/.key; None: plaintext
 
 
 @dataclass
@@ -45,13 +47,15 @@ class WorkerConfig:
 
 def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None) -> Agent:
     """A real agent over gRPC for ``spec``'s share of the data."""
+    credentials = channel_credentials(client_tls_files(spec.agent_id, spec.certs_dir)) if spec.certs_dir else None
     train, val = local_split(splits.train, spec.indices, cfg.val_fraction, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
     trainer = LocalTrainer(model, train, val, seed=cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000,
                            seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
-                            drop_probability=spec.drop_probability, seed=cfg.seed, give_up_after=60.0)
+                            drop_probability=spec.drop_probability, seed=cfg.seed, give_up_after=60.0,
+                            credentials=credentials)
     return Agent(agent_cfg, trainer)
 
 

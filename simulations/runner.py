@@ -20,6 +20,9 @@ from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
+from fedpar.security.admission import Admission
+from fedpar.security.certs import temporary_cert_dir
+from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
@@ -54,6 +57,7 @@ class SimulationConfig:
     workers: int = 2  # agent processes (agents are threads inside them)
     seed: int = 0
     out: str | None = None
+    tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
     strategy_options: dict = field(default_factory=dict)
 
 
@@ -99,12 +103,17 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
+    specs = _agent_specs(cfg, parts)
+    certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
+    for spec in specs if certs else ():
+        spec.certs_dir = certs.name
     coordinator = Coordinator(coord_cfg, names, get_weights(model),
                               build_strategy(cfg.strategy, **cfg.strategy_options),
-                              evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks)
-    server = CoordinatorServer(coordinator)
+                              evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks,
+                              admission=Admission(require_certificate=cfg.tls))
+    server = CoordinatorServer(coordinator,
+                               credentials=server_credentials(server_tls_files(certs.name)) if certs else None)
     server.start()
-    specs = _agent_specs(cfg, parts)
     workers = max(1, min(cfg.workers, cfg.clients))
     groups = [specs[w::workers] for w in range(workers)]
     ctx = mp.get_context("spawn")
@@ -126,6 +135,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
             if p.is_alive():
                 p.terminate()
         server.stop()
+        if certs is not None:
+            certs.cleanup()
     rows = coordinator.metrics.rows
     summary = {
         "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,

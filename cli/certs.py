@@ -1,0 +1,85 @@
+"""Make the TLS material of a federation in one folder: a CA, the coordinator's certificate and one client
+certificate per agent (subject CN = agent id). Run it again with more --agents to add agents to the same CA,
+with --revoke to revoke agents, or with --mint-token for agents that enroll by token instead of a
+certificate. Example: 'fedpar certs --out certs --agents alice,bob', then 'fedpar serve --certs certs ...' and
+'fedpar client --certs certs --agent-id alice ...'. Private keys (*.key) and tokens (*.token) are written
+readable by their owner only; give each agent only ca.pem and its own ID.pem and ID.key (or ID.token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fedpar.security.admission import append_revocation, mint_token
+from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, CertPaths, check_agent_id, ensure_certs, \
+    load_certificate
+
+
+def _id_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``fedpar certs``."""
+    p.add_argument("--out", type=Path, required=True,
+                   help="certificate folder: created if missing; an existing CA in it is reused")
+    p.add_argument("--agents", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
+                   help="agent ids to issue client certificates for (certificate subject CN = agent id)")
+    p.add_argument("--server-name", action="append", metavar="NAME",
+                   help="DNS name or IP address agents dial the coordinator by (repeat for several); given, "
+                        "it re-issues server.pem. Default for a new folder: " + ", ".join(DEFAULT_SERVER_NAMES))
+    p.add_argument("--days", type=int, default=DEFAULT_DAYS, help="validity of new server and agent certificates")
+    p.add_argument("--force", action="store_true", help="re-issue certificates of agents that already have one")
+    p.add_argument("--revoke", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
+                   help="append these agent ids to OUT/revoked.txt; a coordinator watching it refuses them")
+    p.add_argument("--revoke-cert", type=Path, action="append", default=[], metavar="PEM",
+                   help="append this certificate's serial number to OUT/revoked.txt (revokes that certificate "
+                        "only, so the agent may get a new one)")
+    p.add_argument("--mint-token", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
+                   help="make an enrollment token per agent: OUT/ID.token (give it to the agent) and its SHA-256 "
+                        "in OUT/tokens.txt (for 'fedpar serve --enrollment-tokens')")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Create, extend or revoke, then say what to run next."""
+    paths = CertPaths(args.out)
+    housekeeping = args.revoke or args.revoke_cert or args.mint_token
+    try:
+        for agent_id in [*args.agents, *args.revoke, *args.mint_token]:
+            check_agent_id(agent_id)
+        if args.agents or args.server_name or args.force or not housekeeping:
+            report = ensure_certs(args.out, args.agents, args.server_name, args.days, args.force)
+            if report.created_ca:
+                print(f"created a new CA in {paths.root}")
+            for path in report.written:
+                print(f"wrote {path}")
+            for path in report.skipped:
+                print(f"kept {path} (exists; --force re-issues it)")
+        for agent_id in args.revoke:
+            append_revocation(paths.revoked, agent_id=agent_id)
+            print(f"revoked agent {agent_id} in {paths.revoked}")
+        for pem in args.revoke_cert:
+            serial = load_certificate(pem).serial_number
+            append_revocation(paths.revoked, serial=serial)
+            print(f"revoked certificate {pem} (serial {serial:x}) in {paths.revoked}")
+        for agent_id in args.mint_token:
+            token = mint_token(paths.tokens, agent_id)
+            token_path = paths.root / f"{agent_id}.token"
+            fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token + "\n")
+            print(f"wrote {token_path} (give it to agent {agent_id}) and its hash to {paths.tokens}")
+    except FileNotFoundError as exc:
+        print(f"fedpar certs: {exc.filename} does not exist", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"fedpar certs: {exc}", file=sys.stderr)
+        return 2
+    if not housekeeping:
+        print(f"next: fedpar serve --certs {paths.root} ...   and on each agent:   "
+              f"fedpar client --certs {paths.root} --agent-id ID ...")
+    return 0

@@ -1,0 +1,148 @@
+"""TLS and admission options shared by ``fedpar serve`` and ``fedpar client``: secure by default, plaintext
+only with ``--insecure`` (and a warning)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from fedpar.security.admission import Admission, RevocationList, TokenList
+from fedpar.security.certs import CertPaths
+from fedpar.security.tls import (HOW_TO_FIX, TlsSetupError, certificate_common_name, channel_credentials,
+                                 client_tls_files, server_credentials, server_tls_files)
+
+log = logging.getLogger("fedpar.security")
+PLAINTEXT_WARNING = ("--insecure: plaintext gRPC; anyone on the network can read the model and updates "
+                     "and impersonate agents. Use TLS ('fedpar certs', then --certs) outside a trusted network.")
+
+
+def _id_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_tls_arguments(p: argparse.ArgumentParser, role: str) -> None:
+    """``--certs``, ``--tls-*`` and ``--insecure`` (plus admission options for the coordinator)."""
+    g = p.add_argument_group("TLS and identity")
+    own = "server.pem/server.key" if role == "serve" else "AGENT_ID.pem/AGENT_ID.key"
+    g.add_argument("--certs", type=Path, metavar="DIR",
+                   help=f"folder made by 'fedpar certs': uses DIR/ca.pem and DIR/{own} (mutual TLS)")
+    g.add_argument("--tls-cert", type=Path, metavar="PEM", help="this endpoint's certificate (overrides --certs)")
+    g.add_argument("--tls-key", type=Path, metavar="PEM", help="this endpoint's private key (overrides --certs)")
+    g.add_argument("--tls-ca", type=Path, metavar="PEM",
+                   help="CA certificate that signed the other side's certificate (overrides --certs)"
+                        + ("; with no CA at all (no --certs either) agents need no certificate but "
+                           "--enrollment-tokens is required" if role == "serve" else ""))
+    g.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC without TLS (a warning is logged); only on a network you trust")
+    if role == "serve":
+        g.add_argument("--allow-agents", type=_id_list, action="extend", metavar="ID[,ID...]",
+                       help="admit only these agent ids (default: any agent the CA certified or a token enrolled)")
+        g.add_argument("--enrollment-tokens", type=Path, metavar="FILE",
+                       help="agents without a client certificate must present a token whose SHA-256 is listed "
+                            "here ('AGENT_ID HEX' lines, made by 'fedpar certs --mint-token')")
+        g.add_argument("--revoked", type=Path, metavar="FILE",
+                       help="revocation list (agent ids and 'serial:HEX' lines), re-read whenever it changes; "
+                            "default with --certs: DIR/revoked.txt ('fedpar certs --revoke ID' appends to it)")
+    else:
+        g.add_argument("--tls-server-name", metavar="NAME",
+                       help="name to check the coordinator's certificate for when --server uses another name")
+        g.add_argument("--enrollment-token-file", type=Path, metavar="FILE",
+                       help="file holding this agent's enrollment token (for coordinators that admit by token)")
+
+
+def _wants_tls(args: argparse.Namespace) -> bool:
+    _normalize(args)
+    return bool(args.certs or args.tls_cert or args.tls_key or args.tls_ca)
+
+
+def _normalize(args: argparse.Namespace) -> None:
+    """Values from a --config TOML file arrive as plain strings; make them what the flags would give."""
+    for name in ("certs", "tls_cert", "tls_key", "tls_ca", "enrollment_tokens", "revoked", "enrollment_token_file"):
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, Path(getattr(args, name)))
+    if isinstance(getattr(args, "allow_agents", None), str):
+        args.allow_agents = _id_list(args.allow_agents)
+
+
+@dataclass
+class ServerSecurity:
+    """What ``fedpar serve`` needs: credentials (None: plaintext) and the admission policy."""
+
+    credentials: grpc.ServerCredentials | None
+    admission: Admission
+    description: str
+    client_hint: str  # the TLS options agents of this coordinator need
+
+
+def server_security(args: argparse.Namespace) -> ServerSecurity:
+    """Build the coordinator's TLS credentials and admission policy; TlsSetupError says what is missing."""
+    if args.insecure and _wants_tls(args):
+        raise TlsSetupError("--insecure cannot be combined with --certs/--tls-*; choose one")
+    if not args.insecure and not _wants_tls(args):
+        raise TlsSetupError(f"TLS is required: {HOW_TO_FIX}")
+    try:
+        tokens = TokenList(args.enrollment_tokens) if args.enrollment_tokens else None
+        revocations = RevocationList(args.revoked or (CertPaths(args.certs).revoked if args.certs else None))
+    except ValueError as exc:
+        raise TlsSetupError(str(exc)) from None
+    credentials, mutual = None, False
+    if not args.insecure:
+        files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
+        credentials, mutual = server_credentials(files), files.ca is not None
+        if not mutual and tokens is None:
+            raise TlsSetupError("without --tls-ca (server-only TLS) agents have no certificate to prove who they "
+                                "are: pass --enrollment-tokens FILE, or --certs DIR for mutual TLS")
+        description = "mutual TLS" if mutual else "server TLS + enrollment tokens"
+        hint = (f"--certs {args.certs}" if args.certs else
+                "--tls-ca CA.pem " + ("--tls-cert ID.pem --tls-key ID.key" if mutual else "--enrollment-token-file F"))
+    else:
+        log.warning(PLAINTEXT_WARNING)
+        if tokens is None:
+            log.warning("--insecure without --enrollment-tokens: any agent that can reach this port may join")
+        description = "PLAINTEXT (--insecure)" + (" + enrollment tokens" if tokens is not None else "")
+        hint = "--insecure" + (" --enrollment-token-file F" if tokens is not None else "")
+    admission = Admission(allowed_ids=args.allow_agents, token_hashes=tokens, revocations=revocations,
+                          require_certificate=mutual)
+    return ServerSecurity(credentials, admission, description, hint)
+
+
+@dataclass
+class ClientSecurity:
+    """What ``fedpar client`` needs: credentials (None: plaintext), server-name override, enrollment token."""
+
+    credentials: grpc.ChannelCredentials | None
+    server_name: str | None
+    enrollment_token: str
+
+
+def client_security(args: argparse.Namespace) -> ClientSecurity:
+    """Build the agent's TLS credentials; TlsSetupError says what is missing or inconsistent."""
+    if args.insecure and _wants_tls(args):
+        raise TlsSetupError("--insecure cannot be combined with --certs/--tls-*; choose one")
+    if not args.insecure and not _wants_tls(args):
+        raise TlsSetupError(f"TLS is required: {HOW_TO_FIX}")
+    token = ""
+    if args.enrollment_token_file:
+        try:
+            token = args.enrollment_token_file.read_text().strip()
+        except OSError as exc:
+            raise TlsSetupError(f"cannot read --enrollment-token-file {args.enrollment_token_file}: "
+                                f"{exc.strerror}") from None
+    if args.insecure:
+        log.warning(PLAINTEXT_WARNING)
+        return ClientSecurity(None, None, token)
+    try:
+        files = client_tls_files(args.agent_id, args.certs, args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:  # an agent id that cannot name certificate files
+        raise TlsSetupError(str(exc)) from None
+    credentials = channel_credentials(files)
+    if files.cert is not None:
+        cn = certificate_common_name(files.cert)
+        if cn != args.agent_id:
+            raise TlsSetupError(f"{files.cert} is the certificate of agent {cn!r}, not of --agent-id "
+                                f"{args.agent_id!r}; the coordinator would refuse it")
+    return ClientSecurity(credentials, args.tls_server_name, token)

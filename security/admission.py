@@ -1,0 +1,228 @@
+"""Which agents the coordinator admits: certificate identity, an optional allow-list, enrollment tokens,
+and a revocation list that is re-read whenever its file changes.
+
+Files (one entry per line, ``#`` starts a comment):
+- tokens file: ``AGENT_ID SHA256_HEX_OF_TOKEN`` (the token itself is never stored);
+- revocation file: an agent id, or ``serial:HEX`` for one certificate.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, TypeVar
+
+import grpc
+
+from fedpar.security.identity import PeerIdentity
+
+log = logging.getLogger("fedpar.security")
+MAX_TOKEN_CHARS = 512
+T = TypeVar("T")
+
+
+class AdmissionRefused(Exception):
+    """An agent the coordinator does not admit; ``code`` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def hash_token(token: str) -> str:
+    """Hex SHA-256 of an enrollment token (what the tokens file stores)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _entries(text: str):
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            yield number, line
+
+
+def parse_token_hashes(text: str, source: str = "tokens file") -> dict[str, str]:
+    """``{agent_id: sha256 hex}`` from a tokens file's text; ValueError naming the bad line."""
+    out: dict[str, str] = {}
+    for number, line in _entries(text):
+        parts = line.split()
+        digest = parts[1].lower().removeprefix("sha256:") if len(parts) == 2 else ""
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{source} line {number}: expected 'AGENT_ID SHA256_HEX', got {line!r}")
+        out[parts[0]] = digest
+    return out
+
+
+def mint_token(path: str | Path, agent_id: str) -> str:
+    """A new random enrollment token for ``agent_id``; its hash is appended to ``path`` (mode 0600)."""
+    token = secrets.token_urlsafe(32)
+    _append_line(Path(path), f"{agent_id} {hash_token(token)}")
+    return token
+
+
+def _append_line(path: Path, line: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as fh:
+        fh.write(line + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def append_revocation(path: str | Path, agent_id: str | None = None, serial: int | None = None) -> None:
+    """Add an agent id and/or a certificate serial to the revocation file (created if missing)."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if agent_id:
+        _append_line(Path(path), f"{agent_id}  # revoked {stamp}")
+    if serial is not None:
+        _append_line(Path(path), f"serial:{serial:x}  # revoked {stamp}")
+
+
+def parse_revocations(text: str, source: str = "revocation file") -> tuple[set[str], set[int]]:
+    """Revoked agent ids and certificate serials; malformed serial lines are logged and skipped."""
+    ids: set[str] = set()
+    serials: set[int] = set()
+    for number, line in _entries(text):
+        if line.lower().startswith("serial:"):
+            try:
+                serials.add(int(line[7:].strip().replace(":", ""), 16))
+            except ValueError:
+                log.error("%s line %d: %r is not a hex serial number; line ignored", source, number, line)
+        else:
+            ids.add(line.split()[0])
+    return ids, serials
+
+
+class WatchedFile:
+    """The parsed contents of a text file that operators edit while the coordinator runs.
+
+    Re-parsed whenever the file's size, mtime or inode changes. A missing file parses as empty text. A file
+    that cannot be read or parsed raises ValueError the first time (start-up) and later keeps the previous
+    contents, with an error in the log, so one bad edit does not take the coordinator down.
+    """
+
+    def __init__(self, path: str | Path | None, parse: Callable[[str, str], T]):
+        self.path = Path(path) if path else None
+        self._parse = parse
+        self._signature: tuple | None = ()
+        self._lock = threading.Lock()
+        self.value: T = parse("", "")
+        self.refresh(strict=True)
+
+    def refresh(self, strict: bool = False) -> T:
+        """Re-read the file if it changed; returns the current parsed value."""
+        if self.path is None:
+            return self.value
+        try:
+            st = self.path.stat()
+            signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            signature = None
+        except OSError as exc:
+            return self._failed(f"cannot stat {self.path}: {exc.strerror}", strict)
+        with self._lock:
+            if signature == self._signature:
+                return self.value
+            try:
+                text = self.path.read_text(encoding="utf-8") if signature is not None else ""
+                self.value = self._parse(text, str(self.path))
+            except (OSError, UnicodeDecodeError, ValueError) as exc:
+                return self._failed(f"cannot use {self.path}: {exc}", strict)
+            self._signature = signature
+        log.info("read %s", self.path)
+        return self.value
+
+    def _failed(self, message: str, strict: bool) -> T:
+        if strict:
+            raise ValueError(message)
+        log.error("%s; keeping its previous contents", message)
+        return self.value
+
+
+class RevocationList(WatchedFile):
+    """Revoked agent ids and certificate serials from a file operators append to (missing: none revoked)."""
+
+    def __init__(self, path: str | Path | None):
+        super().__init__(path, parse_revocations)
+
+    @property
+    def ids(self) -> set[str]:
+        """Revoked agent ids as last read."""
+        return self.value[0]
+
+    def is_revoked(self, agent_id: str, serial: int | None = None) -> bool:
+        """Whether the agent id or the certificate serial is listed (call :meth:`refresh` first)."""
+        ids, serials = self.value
+        return agent_id in ids or (serial is not None and serial in serials)
+
+
+class TokenList(WatchedFile):
+    """Enrollment token hashes by agent id from a tokens file, re-read when it changes (new agents
+    can be enrolled without restarting the coordinator)."""
+
+    def __init__(self, path: str | Path):
+        if not Path(path).exists():
+            raise ValueError(f"enrollment tokens file {path} does not exist; make one with "
+                             "'fedpar certs --out DIR --mint-token AGENT'")
+        super().__init__(path, parse_token_hashes)
+
+
+class Admission:
+    """Decides who may join and who may keep calling. With no options it admits anyone (plaintext tests)."""
+
+    def __init__(self, allowed_ids: Iterable[str] | None = None,
+                 token_hashes: Mapping[str, str] | TokenList | None = None,
+                 revocations: RevocationList | None = None, require_certificate: bool = False):
+        self.allowed_ids = set(allowed_ids) if allowed_ids is not None else None
+        self.token_hashes = token_hashes  # None: no tokens; agents without certificates are admitted
+        self.revocations = revocations or RevocationList(None)
+        self.require_certificate = require_certificate
+
+    def admit_join(self, agent_id: str, peer: PeerIdentity | None, enrollment_token: str = "") -> None:
+        """Raise AdmissionRefused unless ``agent_id`` may join over a connection proving ``peer``."""
+        self.check_call(agent_id, peer)
+        if self.allowed_ids is not None and agent_id not in self.allowed_ids:
+            raise AdmissionRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"agent {agent_id!r} is not on this coordinator's allow-list; "
+                                   "ask its operator to add it (--allow-agents)")
+        if peer is None and self.token_hashes is not None:
+            hashes = self.token_hashes.refresh() if isinstance(self.token_hashes, TokenList) else self.token_hashes
+            expected = hashes.get(agent_id, "")
+            ok_length = 0 < len(enrollment_token) <= MAX_TOKEN_CHARS
+            given = hash_token(enrollment_token) if ok_length else "-"
+            if not hmac.compare_digest(expected.encode(), given.encode()) or not expected:
+                what = "wrong" if enrollment_token else "missing"
+                raise AdmissionRefused(grpc.StatusCode.UNAUTHENTICATED,
+                                       f"{what} enrollment token for agent {agent_id!r}; ask the operator for "
+                                       "one ('fedpar certs --mint-token') and pass it with --enrollment-token-file")
+
+    def check_call(self, agent_id: str, peer: PeerIdentity | None) -> None:
+        """Raise AdmissionRefused if the certificate names someone else, or the agent was revoked."""
+        if peer is None and self.require_certificate:
+            raise AdmissionRefused(grpc.StatusCode.UNAUTHENTICATED,
+                                   "this coordinator requires a client certificate signed by its CA")
+        if peer is not None and peer.common_name != agent_id:
+            raise AdmissionRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"the client certificate proves agent {peer.common_name!r}, but the request "
+                                   f"names agent {agent_id!r}; use --agent-id {peer.common_name} or that "
+                                   "agent's own certificate")
+        self.revocations.refresh()
+        serial = peer.serial if peer is not None else None
+        if self.revocations.is_revoked(agent_id, serial):
+            what = f"agent {agent_id!r}" if agent_id in self.revocations.ids else \
+                f"the certificate (serial {serial:x}) of agent {agent_id!r}"
+            raise AdmissionRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"{what} was revoked by the coordinator's operator; it may not take part any "
+                                   "more (ask for a new certificate if this is a mistake)")
+
+    def revoked_filter(self):
+        """A predicate ``(agent_id, serial) -> revoked?`` on the current revocation list (read once)."""
+        self.revocations.refresh()
+        return self.revocations.is_revoked

@@ -1,0 +1,254 @@
+"""A small certificate authority for one federation: CA, server certificate, one client certificate per agent.
+
+Keys are EC P-256 (fast to make, accepted by gRPC's TLS). The layout of a certificate folder is fixed so that
+``--certs DIR`` is enough on every command: ca.pem/ca.key, server.pem/server.key, AGENT.pem/AGENT.key,
+revoked.txt and tokens.txt.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+DEFAULT_SERVER_NAMES = ("localhost", "127.0.0.1")
+DEFAULT_DAYS = 365
+# Agent ids that go into certificates are also file names: keep them to a safe alphabet (CN max is 64).
+AGENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RESERVED_NAMES = {"ca", "server"}
+
+PrivateKey = ec.EllipticCurvePrivateKey
+
+
+def check_agent_id(agent_id: str) -> str:
+    """``agent_id`` if it can name a certificate and its files, else ValueError saying what is allowed."""
+    if not AGENT_ID_RE.fullmatch(agent_id or "") or agent_id in RESERVED_NAMES:
+        raise ValueError(f"agent id {agent_id!r} cannot be used in a certificate: use 1-64 characters from "
+                         "A-Z a-z 0-9 . _ - starting with a letter or digit (and not 'ca' or 'server')")
+    return agent_id
+
+
+@dataclass(frozen=True)
+class CertPaths:
+    """Where each file of a certificate folder lives."""
+
+    root: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.root / "ca.pem"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.root / "ca.key"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.root / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.root / "server.key"
+
+    @property
+    def revoked(self) -> Path:
+        return self.root / "revoked.txt"
+
+    @property
+    def tokens(self) -> Path:
+        return self.root / "tokens.txt"
+
+    def agent_cert(self, agent_id: str) -> Path:
+        """Client certificate of ``agent_id``."""
+        return self.root / f"{check_agent_id(agent_id)}.pem"
+
+    def agent_key(self, agent_id: str) -> Path:
+        """Private key of ``agent_id``."""
+        return self.root / f"{check_agent_id(agent_id)}.key"
+
+
+def new_private_key() -> PrivateKey:
+    """A fresh EC P-256 private key."""
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, public_key, days: int) -> x509.CertificateBuilder:
+    now = dt.datetime.now(dt.timezone.utc)
+    return (x509.CertificateBuilder()
+            .subject_name(subject).issuer_name(issuer).public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))  # tolerate small clock skew
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False))
+
+
+def create_ca(common_name: str = "fedpar CA", days: int = 10 * DEFAULT_DAYS) -> tuple[PrivateKey, x509.Certificate]:
+    """A self-signed CA that may sign end-entity certificates only (path length 0)."""
+    key = new_private_key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedpar")])
+    cert = (_builder(name, name, key.public_key(), days)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False),
+                           critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def _leaf(ca_key: PrivateKey, ca_cert: x509.Certificate, common_name: str, usage: x509.ObjectIdentifier,
+          days: int, san: x509.SubjectAlternativeName | None = None) -> tuple[PrivateKey, x509.Certificate]:
+    key = new_private_key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    builder = (_builder(subject, ca_cert.subject, key.public_key(), days)
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_agreement=True,
+                                            content_commitment=False, data_encipherment=False, key_cert_sign=False,
+                                            crl_sign=False, encipher_only=False, decipher_only=False),
+                              critical=True)
+               .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+                              critical=False))
+    if san is not None:
+        builder = builder.add_extension(san, critical=False)
+    return key, builder.sign(ca_key, hashes.SHA256())
+
+
+def server_san(names: Iterable[str]) -> x509.SubjectAlternativeName:
+    """Subject alternative names: IP addresses as IPs, everything else as DNS names."""
+    entries: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.-]{0,252})", name):
+                raise ValueError(f"server name {name!r} is neither an IP address nor a DNS name") from None
+            entries.append(x509.DNSName(name))
+    if not entries:
+        raise ValueError("the server certificate needs at least one --server-name")
+    return x509.SubjectAlternativeName(entries)
+
+
+def issue_server_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, names: Iterable[str] = DEFAULT_SERVER_NAMES,
+                      days: int = DEFAULT_DAYS) -> tuple[PrivateKey, x509.Certificate]:
+    """The coordinator's certificate, valid for ``names`` (DNS names and IP addresses)."""
+    names = list(names)
+    san = server_san(names)
+    return _leaf(ca_key, ca_cert, names[0], ExtendedKeyUsageOID.SERVER_AUTH, days, san)
+
+
+def issue_agent_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, agent_id: str,
+                     days: int = DEFAULT_DAYS) -> tuple[PrivateKey, x509.Certificate]:
+    """A client certificate whose subject common name is ``agent_id``: what the coordinator trusts as identity."""
+    return _leaf(ca_key, ca_cert, check_agent_id(agent_id), ExtendedKeyUsageOID.CLIENT_AUTH, days)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)  # before any byte is written, whatever the umask
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_private_key(path: Path, key: PrivateKey) -> None:
+    """Write ``key`` as unencrypted PKCS#8 PEM, readable by the owner only (mode 0600)."""
+    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    _write_atomic(Path(path), data, 0o600)
+
+
+def write_certificate(path: Path, cert: x509.Certificate) -> None:
+    """Write ``cert`` as PEM (mode 0644: certificates are public)."""
+    _write_atomic(Path(path), cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
+def load_certificate(path: Path) -> x509.Certificate:
+    """A PEM certificate from ``path``."""
+    return x509.load_pem_x509_certificate(Path(path).read_bytes())
+
+
+def load_ca(paths: CertPaths) -> tuple[PrivateKey, x509.Certificate]:
+    """The CA key and certificate of a certificate folder."""
+    key = serialization.load_pem_private_key(paths.ca_key.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{paths.ca_key} is not an EC private key made by 'fedpar certs'")
+    return key, load_certificate(paths.ca_cert)
+
+
+def common_name(cert: x509.Certificate) -> str:
+    """The subject common name of ``cert`` ('' if it has none)."""
+    attrs = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(attrs[0].value) if attrs else ""
+
+
+def temporary_cert_dir(agent_ids: Iterable[str], days: int = 1) -> tempfile.TemporaryDirectory:
+    """A temporary folder with a fresh CA, a loopback server certificate and one certificate per agent
+    (simulations); call ``.cleanup()`` to delete the keys."""
+    certs = tempfile.TemporaryDirectory(prefix="fedpar-certs-")
+    ensure_certs(Path(certs.name), agent_ids, days=days)
+    return certs
+
+
+@dataclass
+class CertReport:
+    """What :func:`ensure_certs` did."""
+
+    created_ca: bool
+    written: list[Path]
+    skipped: list[Path]
+
+
+def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[str] | None = None,
+                 days: int = DEFAULT_DAYS, force: bool = False) -> CertReport:
+    """Make (or extend) a certificate folder: the CA if missing, the server certificate if missing or if
+    ``server_names`` is given, and one certificate per agent (existing ones kept unless ``force``)."""
+    paths = CertPaths(Path(out))
+    agents = [check_agent_id(a) for a in agents]
+    if days < 1:
+        raise ValueError("--days must be >= 1")
+    written: list[Path] = []
+    skipped: list[Path] = []
+    created_ca = False
+    if paths.ca_cert.exists() and paths.ca_key.exists():
+        ca_key, ca_cert = load_ca(paths)
+    elif paths.ca_cert.exists() or paths.ca_key.exists():
+        raise ValueError(f"{paths.root} holds only one of ca.pem and ca.key; restore the other or use a new --out")
+    else:
+        ca_key, ca_cert = create_ca(days=max(days, 10 * DEFAULT_DAYS))
+        write_private_key(paths.ca_key, ca_key)
+        write_certificate(paths.ca_cert, ca_cert)
+        written += [paths.ca_cert, paths.ca_key]
+        created_ca = True
+    if server_names is not None or force or not paths.server_cert.exists():
+        key, cert = issue_server_cert(ca_key, ca_cert, list(server_names or DEFAULT_SERVER_NAMES), days)
+        write_private_key(paths.server_key, key)
+        write_certificate(paths.server_cert, cert)
+        written += [paths.server_cert, paths.server_key]
+    for agent_id in agents:
+        if paths.agent_cert(agent_id).exists() and not force:
+            skipped.append(paths.agent_cert(agent_id))
+            continue
+        key, cert = issue_agent_cert(ca_key, ca_cert, agent_id, days)
+        write_private_key(paths.agent_key(agent_id), key)
+        write_certificate(paths.agent_cert(agent_id), cert)
+        written += [paths.agent_cert(agent_id), paths.agent_key(agent_id)]
+    return CertReport(created_ca, written, skipped)

@@ -1,0 +1,158 @@
+"""``fedpar certs`` output (subjects, SANs, usages, signatures, permissions), extending and revoking, and the
+secure-by-default start-up checks of ``fedpar serve`` and ``fedpar client``."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from fedpar.cli.main import main
+from fedpar.security.admission import (Admission, AdmissionRefused, RevocationList, TokenList, hash_token,
+                                       parse_revocations, parse_token_hashes)
+from fedpar.security.certs import CertPaths, common_name, load_certificate
+from fedpar.security.identity import PeerIdentity
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A folder made by the real command: two agents, three server names."""
+    out = tmp_path_factory.mktemp("certs") / "fl"
+    rc = main(["certs", "--out", str(out), "--agents", "alice,bob", "--server-name", "localhost",
+               "--server-name", "127.0.0.1", "--server-name", "fl.example.org", "--days", "30"])
+    assert rc == 0
+    return CertPaths(out)
+
+
+def test_certs_writes_a_ca_a_server_and_one_certificate_per_agent(made):
+    ca = load_certificate(made.ca_cert)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    server = load_certificate(made.server_cert)
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "fl.example.org"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    assert ExtendedKeyUsageOID.SERVER_AUTH in server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    for agent_id in ("alice", "bob"):
+        cert = load_certificate(made.agent_cert(agent_id))
+        cert.verify_directly_issued_by(ca)
+        assert common_name(cert) == agent_id and cert.subject.rfc4514_string() == f"CN={agent_id}"
+        assert ExtendedKeyUsageOID.CLIENT_AUTH in cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert 29 <= (cert.not_valid_after_utc - cert.not_valid_before_utc).days <= 31
+    keys = [made.ca_key, made.server_key, made.agent_key("alice"), made.agent_key("bob")]
+    assert all(_mode(k) == 0o600 for k in keys)
+    assert _mode(made.ca_cert) == 0o644
+    serials = {load_certificate(p).serial_number for p in (made.server_cert, made.agent_cert("alice"),
+                                                           made.agent_cert("bob"))}
+    assert len(serials) == 3
+
+
+def test_certs_adds_an_agent_to_an_existing_ca_and_keeps_everything_else(made, capsys):
+    before = {p: p.read_bytes() for p in (made.ca_cert, made.ca_key, made.server_cert, made.agent_cert("alice"))}
+    assert main(["certs", "--out", str(made.root), "--agents", "carol,alice"]) == 0
+    assert "kept" in capsys.readouterr().out  # alice already had a certificate
+    assert all(p.read_bytes() == data for p, data in before.items())
+    carol = load_certificate(made.agent_cert("carol"))
+    carol.verify_directly_issued_by(load_certificate(made.ca_cert))
+    assert common_name(carol) == "carol" and _mode(made.agent_key("carol")) == 0o600
+
+
+def test_certs_revokes_and_mints_tokens_without_storing_them(made):
+    assert main(["certs", "--out", str(made.root), "--revoke", "bob",
+                 "--revoke-cert", str(made.agent_cert("alice"))]) == 0
+    ids, serials = parse_revocations(made.revoked.read_text())
+    assert ids == {"bob"} and serials == {load_certificate(made.agent_cert("alice")).serial_number}
+    assert main(["certs", "--out", str(made.root), "--mint-token", "dave"]) == 0
+    token = (made.root / "dave.token").read_text().strip()
+    assert _mode(made.root / "dave.token") == 0o600 and _mode(made.tokens) == 0o600
+    assert token not in made.tokens.read_text()
+    assert TokenList(made.tokens).value == {"dave": hash_token(token)}
+
+
+def test_certs_refuses_agent_ids_that_are_not_safe_file_names(tmp_path, capsys):
+    assert main(["certs", "--out", str(tmp_path / "x"), "--agents", "../evil"]) == 2
+    assert "cannot be used in a certificate" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_serve_without_certificates_or_insecure_exits_with_advice(tmp_path, capsys):
+    # main()'s return value is the process exit code (cli/main.py: raise SystemExit(main())); the real
+    # processes of tests/security/test_deployed_form.py show the secure path end to end.
+    assert main(["serve", "--port", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "TLS is required" in err and "fedpar certs" in err and "--insecure" in err
+
+
+def test_serve_and_client_name_the_missing_or_mismatched_file(made, tmp_path, capsys):
+    assert main(["serve", "--port", "0", "--certs", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
+    assert "nowhere/server.pem does not exist" in capsys.readouterr().err
+    assert main(["client", "--agent-id", "alice"]) == 2
+    assert "fedpar certs" in capsys.readouterr().err
+    assert main(["client", "--agent-id", "bob", "--certs", str(made.root), "--tls-cert", str(made.agent_cert("alice")),
+                 "--tls-key", str(made.agent_key("alice"))]) == 2
+    assert "certificate of agent 'alice', not of --agent-id 'bob'" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--tls-cert", str(made.server_cert), "--tls-key", str(made.server_key),
+                 "--out", str(tmp_path)]) == 2  # server-only TLS with no way for agents to prove who they are
+    assert "--enrollment-tokens" in capsys.readouterr().err
+    assert main(["serve", "--insecure", "--certs", str(made.root), "--out", str(tmp_path)]) == 2
+    assert "choose one" in capsys.readouterr().err
+
+
+def test_revocation_list_is_reread_when_its_file_changes(tmp_path):
+    path = tmp_path / "revoked.txt"
+    revocations = RevocationList(path)  # a missing file revokes nothing
+    admission = Admission(revocations=revocations)
+    admission.check_call("alice", None)
+    path.write_text("# operators append here\nalice  # lost laptop\nserial:0A:FF\nserial:zz\n")
+    with pytest.raises(AdmissionRefused) as info:
+        admission.check_call("alice", None)
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(AdmissionRefused, match="serial aff"):
+        admission.check_call("bob", PeerIdentity("bob", 0xAFF))
+    admission.check_call("bob", PeerIdentity("bob", 0xB00))
+    os.unlink(path)
+    admission.check_call("alice", None)  # file gone: nothing revoked any more
+
+
+def test_token_file_is_validated_at_start_and_a_bad_edit_later_keeps_the_old_tokens(tmp_path):
+    digest = hash_token("s3cret")
+    assert parse_token_hashes(f"# comment\nalice sha256:{digest.upper()}\n") == {"alice": digest}
+    path = tmp_path / "tokens.txt"
+    with pytest.raises(ValueError, match="does not exist"):
+        TokenList(path)
+    path.write_text(f"alice {digest}\nbob s3cret\n")  # a token in clear instead of its hash
+    with pytest.raises(ValueError, match="line 2"):
+        TokenList(path)
+    path.write_text(f"alice {digest}\n")
+    tokens = TokenList(path)
+    admission = Admission(token_hashes=tokens)
+    admission.admit_join("alice", None, "s3cret")
+    path.write_text(f"alice {digest}\nbob s3cret\n")
+    assert tokens.refresh() == {"alice": digest}  # logged and ignored
+    admission.admit_join("alice", None, "s3cret")
+    with pytest.raises(AdmissionRefused, match="wrong enrollment token"):
+        admission.admit_join("alice", None, "s3cret" * 100)
+
+
+def test_insecure_is_explicit_and_warns(made, caplog):
+    from fedpar.cli.main import build_parser
+    from fedpar.cli.tlsopts import client_security, server_security
+
+    with caplog.at_level("WARNING", logger="fedpar.security"):
+        security = server_security(build_parser().parse_args(["serve", "--insecure"]))
+    assert security.credentials is None and security.description.startswith("PLAINTEXT")
+    assert "plaintext gRPC" in caplog.text and "any agent that can reach this port may join" in caplog.text
+    secure = server_security(build_parser().parse_args(["serve", "--certs", str(made.root)]))
+    assert secure.credentials is not None and secure.admission.require_certificate
+    assert secure.admission.revocations.path == made.revoked  # watched by default with --certs
+    client = client_security(build_parser().parse_args(["client", "--agent-id", "alice", "--certs", str(made.root)]))
+    assert client.credentials is not None

@@ -1,0 +1,54 @@
+"""The README's deployed form, as separate processes: fedpar certs, then serve and two clients with --certs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
+
+
+def _port_from(proc: subprocess.Popen, timeout: float = 90.0) -> int:
+    end = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+) \(mutual TLS\)", line)
+        if match:
+            return int(match.group(1))
+    raise AssertionError(f"coordinator did not start: {''.join(lines)}")
+
+
+def test_readme_deployed_form_runs_a_round_over_mutual_tls(tmp_path):
+    certs = tmp_path / "certs"
+    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "alice,bob"], check=True, cwd=ROOT,
+                   capture_output=True, timeout=60)
+    serve = subprocess.Popen([*FEDPAR, "serve", "--port", "0", "--certs", str(certs), "--min-available", "2",
+                              "--clients-per-round", "2", "--rounds", "1", "--local-epochs", "1", "--lr", "0.1",
+                              "--out", str(tmp_path / "run")],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    clients = []
+    try:
+        port = _port_from(serve)
+        clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--certs", str(certs),
+                                     "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
+                                     "--threads", "1", "--give-up-after", "60"],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                   for i, agent_id in enumerate(["alice", "bob"])]
+        outputs = [c.communicate(timeout=180)[0] for c in clients]
+        serve_out = serve.communicate(timeout=60)[0]
+    finally:
+        for proc in [serve, *clients]:
+            if proc.poll() is None:
+                proc.kill()
+    assert serve.returncode == 0, serve_out
+    for client, out in zip(clients, outputs):
+        assert client.returncode == 0 and "1 updates accepted, 0 refused" in out, out
+    assert '"status": "ok"' in serve_out and '"reported": 2' in serve_out
