@@ -22,7 +22,7 @@ class FoldConfig:
     num_workers: int = 0  # threads folding shards side by side; 0 = one per CPU core
     min_parallel_elements: int = 1 << 20  # models smaller than this are folded on the calling thread
     block_elements: int = 1 << 15  # elements per cache block (per worker, x accumulator itemsize)
-    backend: str = "numpy"  # "numpy" (multiply+add through a cached block) or "torch" (fused add_)
+    backend: str = "blas"  # "blas" (fused axpy), "numpy" (multiply+add through a cached block), "torch" (add_)
     group_size: int = 8  # updates folded per pass over the accumulator when several are at hand
 
     def __post_init__(self) -> None:

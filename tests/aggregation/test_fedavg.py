@@ -20,7 +20,7 @@ def reference(results):
 
 
 @pytest.mark.parametrize("accumulate", ["float32", "float64"])
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("backend", ["blas", "numpy", "torch"])
 def test_matches_weighted_average(accumulate, backend):
     results = make_results(13)
     out = fedavg(results, FoldConfig(accumulate_dtype=accumulate, backend=backend))
@@ -53,7 +53,7 @@ def test_equal_weights_of_constant_models_is_exact():
     np.testing.assert_array_equal(fedavg(results)[0], np.full(10, 3.0, np.float32))
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("backend", ["blas", "numpy", "torch"])
 def test_sharded_equals_unsharded_bit_for_bit_in_float64(backend):
     rng = np.random.default_rng(3)
     shapes = [(1000, 37), (5,), (333, 301), (1,), (20001,)]
@@ -129,3 +129,20 @@ def test_weighted_sum_fold_rejects_nonfinite_without_touching_the_sum():
         acc.fold([x], 5)
     assert acc.count == 1 and acc.total_weight == 1.0
     np.testing.assert_array_equal(acc.mean()[0], np.ones(10, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_all_finite_finds_every_nan_and_inf_wherever_it_sits(dtype):
+    from fedpar.aggregation.layout import all_finite
+
+    for n in (1, 2, 7, 16, 17, 33, 64, 129, 4097, 100_003):
+        base = np.random.default_rng(n).standard_normal(n).astype(dtype)
+        assert all_finite(base)
+        for p in sorted({0, n // 3, n // 2, n - 1}):
+            for v in (np.nan, np.inf, -np.inf):
+                x = base.copy()
+                x[p] = v
+                assert not all_finite(x), (n, p, v)
+                assert not all_finite(x[::-1])  # strided views take the numpy path
+    big = np.full(10, np.finfo(dtype).max / 2, dtype)  # the fast sum overflows: a false alarm, settled exactly
+    assert all_finite(big)
