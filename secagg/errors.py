@@ -7,3 +7,7 @@ class SecAggError(ValueError):
 
 class SecAggAbort(RuntimeError):
     """The round cannot complete (too many dropouts, inconsistent shares): no sum is revealed."""
+
+
+class SecAggStageError(SecAggError):
+    """A message that is well formed but out of turn: wrong stage, or its sender missed an earlier stage."""

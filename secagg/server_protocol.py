@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedpar.secagg import keys, prg, shamir
-from fedpar.secagg.errors import SecAggAbort, SecAggError
+from fedpar.secagg.errors import SecAggAbort, SecAggError, SecAggStageError
 from fedpar.secagg.field import DTYPE, add_into, sub_into
 from fedpar.secagg.messages import (SHARE_CIPHERTEXT_BYTES, AdvertiseKeys, KeyBroadcast, MaskedInput, RoutedShares,
                                     ShareKeys, UnmaskRequest, UnmaskShares)
@@ -56,11 +56,11 @@ class SecAggServer:
         if self.stage == "aborted":
             raise SecAggAbort(f"round {self.params.round_id} was aborted")
         if self.stage != stage:
-            raise SecAggError(f"{what} from {sender!r} arrived in stage {self.stage!r}, expected in {stage!r}")
+            raise SecAggStageError(f"{what} from {sender!r} arrived in stage {self.stage!r}, expected in {stage!r}")
         if sender not in self.params.index:
             raise SecAggError(f"{what} from {sender!r}, who is not a participant of round {self.params.round_id}")
         if sender not in allowed:
-            raise SecAggError(f"{what} from {sender!r}, who did not complete the previous stage")
+            raise SecAggStageError(f"{what} from {sender!r}, who did not complete the previous stage")
 
     def _abort(self, reason: str) -> None:
         self.stage = "aborted"
@@ -87,6 +87,11 @@ class SecAggServer:
     def shared(self) -> tuple[str, ...]:
         """U2."""
         return tuple(sorted(self._shares))
+
+    @property
+    def responded(self) -> tuple[str, ...]:
+        """U4: survivors that sent their unmask shares."""
+        return tuple(sorted(self._unmask))
 
     @property
     def survivors(self) -> tuple[str, ...]:
