@@ -39,8 +39,9 @@ class SecureSession:
         self.poll_seconds = poll_seconds
         self.stage_timeout = stage_timeout
         self.client: SecAggClient | None = None
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes_sent = 0  # SecAggExchange requests plus the masked vector's data
+        self.bytes_received = 0  # SecAggExchange replies
+        self.compute_cpu_seconds = 0.0  # CPU time of local cryptography and masking (no network waits)
 
     def _call(self, stage: int, wait: bool = True, **body) -> pb.SecAggReply:
         """Send this stage's message (once), then poll until the server's broadcast or ``stage_timeout``."""
@@ -72,10 +73,14 @@ class SecureSession:
             raise SecAggError(f"secure-aggregation settings are for round {params.round_id} and "
                               f"{params.vector_length} values; this task is round {self.task.round} with "
                               f"{vector_length}")
+        start = time.thread_time()
         self.client = SecAggClient(params, me)
         advert = wire.advertise_to_pb(self.client.advertise())
+        self.compute_cpu_seconds += time.thread_time() - start
         keys = self._expect(self._call(pb.SECAGG_ADVERTISE, public_keys=advert), "keys")
+        start = time.thread_time()
         shares = self.client.share_keys(wire.key_broadcast_from_pb(me, keys))
+        self.compute_cpu_seconds += time.thread_time() - start
         self._call(pb.SECAGG_SHARE, wait=False, ciphertexts=wire.ciphertexts_to_pb(shares.ciphertexts))
         return params
 
@@ -85,8 +90,10 @@ class SecureSession:
         me = self.auth.agent_id
         routed = self._expect(self._call(pb.SECAGG_SHARE), "ciphertexts")
         weight = max(1, min(int(weight), self.client.params.max_weight))
+        start = time.thread_time()
         masked = self.client.masked_input(wire.routed_shares_from_pb(me, routed), update, weight)
         array = masked.vector.view(np.int32)
+        self.compute_cpu_seconds += time.thread_time() - start
         layout = ModelLayout([(MASKED_TENSOR, "int32", array.shape)])
         # num_examples=1: the real weight rides inside the masked vector, not in the clear.
         messages = upload_messages(self.auth, self.task, layout, [array], 1, 0, metrics, chunk_bytes)
@@ -97,7 +104,9 @@ class SecureSession:
         """Stage 4: hear who survived and send the shares that remove their masks."""
         me = self.auth.agent_id
         survivors = self._expect(self._call(pb.SECAGG_MASKED), "survivors")
+        start = time.thread_time()
         shares = self.client.unmask(wire.unmask_request_from_pb(me, survivors))
+        self.compute_cpu_seconds += time.thread_time() - start
         return self._expect(self._call(pb.SECAGG_UNMASK, wait=False,
                                        unmask_shares=wire.unmask_shares_to_pb(shares)), "done")
 

@@ -13,7 +13,6 @@ import numpy as np
 
 from fedpar.secagg import keys, prg, shamir
 from fedpar.secagg.errors import SecAggAbort, SecAggError
-from fedpar.secagg.field import add_into, sub_into
 from fedpar.secagg.messages import (SHARE_CIPHERTEXT_BYTES, SHARE_HEADER, AdvertiseKeys, KeyBroadcast, MaskedInput,
                                     RoutedShares, ShareKeys, UnmaskRequest, UnmaskShares)
 from fedpar.secagg.params import RoundParams
@@ -111,11 +110,11 @@ class SecAggClient:
         if len(held) + 1 < p.threshold:
             raise SecAggAbort(f"{self.me}: only {len(held)} neighbours shared keys; {p.threshold - 1} needed")
         vector = p.quantizer.quantize(update, weight, self._rng)
-        add_into(vector, prg.expand(self._b, vector.shape[0], prg.SELF_MASK_NONCE))
+        masks = prg.MaskStream(vector.shape[0])
+        masks.add(vector, self._b, prg.SELF_MASK_NONCE)
         for peer in held:
             seed = keys.pairwise_mask_seed(self._s, self._peer_keys[peer][1], p.round_id, self.me, peer)
-            mask = prg.expand(seed, vector.shape[0], prg.PAIR_MASK_NONCE)
-            (add_into if p.index[self.me] < p.index[peer] else sub_into)(vector, mask)
+            (masks.add if p.index[self.me] < p.index[peer] else masks.subtract)(vector, seed, prg.PAIR_MASK_NONCE)
         self._held = held
         self.stage = "unmask"
         return MaskedInput(self.me, vector)

@@ -23,16 +23,12 @@ from fedpar.secagg.errors import SecAggAbort, SecAggError
 
 DTYPE = np.dtype("<u4")  # masked vectors: little-endian uint32, arithmetic wraps mod 2^32
 INT31_MAX = (1 << 31) - 1
+BLOCK = 1 << 16  # quantize in cache-sized blocks: no model-sized float64 temporaries
 
 
 def add_into(acc: np.ndarray, other: np.ndarray) -> None:
     """acc += other (mod 2^32), in place."""
     np.add(acc, other, out=acc)
-
-
-def sub_into(acc: np.ndarray, other: np.ndarray) -> None:
-    """acc -= other (mod 2^32), in place."""
-    np.subtract(acc, other, out=acc)
 
 
 @dataclass(frozen=True)
@@ -69,13 +65,15 @@ class Quantizer:
         x = np.asarray(update).reshape(-1)
         if not np.isfinite(x).all():
             raise SecAggError("the update holds NaN or Inf; refusing to quantize it")
-        v = np.clip(x.astype(np.float64), -self.clip, self.clip)
-        v *= weight * self.scale
-        low = np.floor(v)
-        v -= low  # fractional part in [0, 1): round up with that probability
-        low += rng.random(v.shape[0]) < v
-        out = np.empty(v.shape[0] + 1, dtype=DTYPE)
-        out[:-1] = low.astype(np.int64).astype(DTYPE)  # two's complement: negatives wrap mod 2^32
+        out = np.empty(x.shape[0] + 1, dtype=DTYPE)
+        factor = weight * self.scale
+        for start in range(0, x.shape[0], BLOCK):
+            v = np.clip(x[start:start + BLOCK].astype(np.float64), -self.clip, self.clip)
+            v *= factor
+            low = np.floor(v)
+            v -= low  # fractional part in [0, 1): round up with that probability
+            low += rng.random(v.shape[0]) < v
+            out[start:start + v.shape[0]] = low.astype(np.int64).astype(DTYPE)  # negatives wrap mod 2^32
         out[-1] = weight
         return out
 

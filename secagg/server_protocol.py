@@ -15,7 +15,7 @@ import numpy as np
 
 from fedpar.secagg import keys, prg, shamir
 from fedpar.secagg.errors import SecAggAbort, SecAggError, SecAggStageError
-from fedpar.secagg.field import DTYPE, add_into, sub_into
+from fedpar.secagg.field import DTYPE, add_into
 from fedpar.secagg.messages import (SHARE_CIPHERTEXT_BYTES, AdvertiseKeys, KeyBroadcast, MaskedInput, RoutedShares,
                                     ShareKeys, UnmaskRequest, UnmaskShares)
 from fedpar.secagg.params import RoundParams
@@ -194,11 +194,10 @@ class SecAggServer:
         if len(self._unmask) < p.threshold:
             self._abort(f"only {len(self._unmask)} survivors sent unmask shares; at least {p.threshold} are needed")
         total = self._sum
-        length = total.shape[0]
+        masks = prg.MaskStream(total.shape[0])
         alive = set(self._survivors)
         for owner in sorted(alive):
-            seed = self._reconstruct(owner, "self_mask_shares", "self-mask seed")
-            sub_into(total, prg.expand(seed, length, prg.SELF_MASK_NONCE))
+            masks.subtract(total, self._reconstruct(owner, "self_mask_shares", "self-mask seed"), prg.SELF_MASK_NONCE)
         for owner in sorted(set(self._shares) - alive):
             raw = self._reconstruct(owner, "key_shares", "mask key")
             private = keys.private_from_bytes(raw)
@@ -206,8 +205,7 @@ class SecAggServer:
                 self._abort(f"the reconstructed mask key of dropped client {owner!r} does not match its public key")
             for v in sorted(p.graph[owner] & alive):  # v added sign(v, owner) * PRG(s_{v,owner})
                 seed = keys.pairwise_mask_seed(private, self._keys[v][1], p.round_id, owner, v)
-                mask = prg.expand(seed, length, prg.PAIR_MASK_NONCE)
-                (sub_into if p.index[v] < p.index[owner] else add_into)(total, mask)
+                (masks.subtract if p.index[v] < p.index[owner] else masks.add)(total, seed, prg.PAIR_MASK_NONCE)
         try:
             weighted_sum, weight_sum = p.quantizer.dequantize_sum(total)
         except SecAggAbort as exc:

@@ -73,6 +73,7 @@ class SecureRound:
         self.failure: str | None = None
         self.result: SecAggResult | None = None
         self.unmask_seconds = 0.0
+        self.unmask_cpu_seconds = 0.0
         self._changed = asyncio.Event()
         self._key_stages: asyncio.Task | None = None
         self._finishing = False
@@ -158,7 +159,7 @@ class SecureRound:
             await self._until(lambda: s.responded == s.survivors, self.stage_seconds)
             self._finishing = True
             start = time.perf_counter()
-            self.result = await in_thread(s.finish)
+            self.result, self.unmask_cpu_seconds = await in_thread(_timed, s.finish)
             self.unmask_seconds = time.perf_counter() - start
         except SecAggAbort as exc:
             self._fail(str(exc), state)
@@ -178,7 +179,8 @@ class SecureRound:
 
     def metrics(self) -> dict:
         """Columns for the round's metrics row."""
-        row = {"secagg_survivors": len(self.server.survivors), "secagg_unmask_seconds": self.unmask_seconds}
+        row = {"secagg_survivors": len(self.server.survivors), "secagg_unmask_seconds": self.unmask_seconds,
+               "secagg_unmask_cpu_seconds": self.unmask_cpu_seconds}
         if self.result is not None:
             row.update(secagg_dropped=len(self.result.dropped), secagg_error_bound=self.result.error_bound)
         if self.failure is not None:
@@ -240,6 +242,13 @@ class SecureRound:
         if self.failure is not None:
             raise SecAggAbort(f"secure aggregation of this round failed: {self.failure}")
         return ready()
+
+
+def _timed(fn):
+    """fn() and the CPU seconds this thread spent in it."""
+    start = time.thread_time()
+    result = fn()
+    return result, time.thread_time() - start
 
 
 def wire_masked(agent_id: str, array: np.ndarray):
