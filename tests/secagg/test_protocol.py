@@ -4,6 +4,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedpar.secagg.errors import SecAggAbort, SecAggError
 from fedpar.secagg.messages import AdvertiseKeys, MaskedInput, ShareKeys, UnmaskRequest, UnmaskShares
@@ -258,3 +260,25 @@ def test_client_refuses_unsafe_unmask_requests_and_foreign_key_broadcasts(make_r
                            (UnmaskRequest(me, (me, ids[1])), "refusing")]:
         with pytest.raises((SecAggError, SecAggAbort), match=match):
             client.unmask(request)
+
+
+STAGES = ["advertise", "share", "mask", "unmask"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(3, 8), data=st.data())
+def test_any_dropout_pattern_either_recovers_the_exact_sum_or_aborts(make_round, n, data):
+    ids = [f"p{i}" for i in range(n)]
+    drop_at = data.draw(st.dictionaries(st.sampled_from(ids), st.sampled_from(STAGES + [None])))
+    drop_at = {k: v for k, v in drop_at.items() if v is not None}
+    rnd = make_round(ids, 16)  # a stateless factory: safe to share across examples
+    t = rnd.params.threshold
+    # In the complete graph every stage's survivors hold shares of everyone: only the counts matter.
+    alive = [sum(1 for i in ids if i not in drop_at or STAGES.index(drop_at[i]) > s) for s in range(4)]
+    updates, weights = _inputs(ids, 16, seed=n)
+    if min(alive) < t:
+        with pytest.raises(SecAggAbort):
+            rnd.run(updates, weights, drop_at)
+        return
+    result = rnd.run(updates, weights, drop_at)
+    _check(result, rnd, updates, weights, [i for i in ids if drop_at.get(i) not in ("advertise", "share", "mask")])
