@@ -6,10 +6,11 @@ For each cohort size N (default 10 and 50) and a model of P float32 parameters (
 1000 x 1000 tensor), it starts a real coordinator on 127.0.0.1 and N scripted agents (threads in
 --workers spawned processes, as `fedpar simulate` does) and runs --rounds rounds of plain FedAvg, then
 --rounds rounds with --secure-aggregation. Agents do not train: each adds a fixed random delta to the
-global weights, so the rounds measure aggregation and transport only. Reported per round (mean over
-the rounds after the first, which pays channel and page-fault warm-up):
+global weights, so the rounds measure aggregation and transport only. Reported per round (median over
+the rounds after the first, which pays channel and page-fault warm-up; the median resists the load
+other processes put on this shared machine):
 - total s: the coordinator's round_seconds (task dispatch -> new global model);
-- client CPU s: per agent, mean CPU seconds (thread time) of its local secure-aggregation work:
+- client CPU s: per agent, median CPU seconds (thread time) of its local secure-aggregation work:
   computing local - global, key generation, Shamir splitting and share encryption, quantizing and
   adding the masks, and the unmask answer (no network waits);
 - unmask s / unmask CPU s: wall and CPU seconds of the coordinator's mask removal (Shamir
@@ -104,7 +105,7 @@ def _worker(address: str, ids: list[str], shape: tuple[int, ...], out: mp.Queue)
 
 
 def run_mode(n: int, params: int, rounds: int, workers: int, secure: bool) -> dict:
-    """Run ``rounds`` rounds with ``n`` agents; per-round means after the first round."""
+    """Run ``rounds`` rounds with ``n`` agents; per-round medians after the first round."""
     shape = _shape(params)
     config = CoordinatorConfig(rounds=rounds, clients_per_round=n, min_available=n, overselect=1.0,
                                deadline_seconds=900.0, heartbeat_seconds=5.0, liveness_timeout_seconds=120.0,
@@ -145,10 +146,10 @@ def run_mode(n: int, params: int, rounds: int, workers: int, secure: bool) -> di
     agent_rows = [a for a in records if a[0] in kept]
     model_bytes = params * 4
     return {
-        "total_s": float(np.mean([r["round_seconds"] for r in measured])),
-        "client_mask_s": float(np.mean([a[1] for a in agent_rows])) if secure else 0.0,
-        "unmask_s": float(np.mean([r.get("secagg_unmask_seconds", 0.0) for r in measured])),
-        "unmask_cpu_s": float(np.mean([r.get("secagg_unmask_cpu_seconds", 0.0) for r in measured])),
+        "total_s": float(np.median([r["round_seconds"] for r in measured])),
+        "client_mask_s": float(np.median([a[1] for a in agent_rows])) if secure else 0.0,
+        "unmask_s": float(np.median([r.get("secagg_unmask_seconds", 0.0) for r in measured])),
+        "unmask_cpu_s": float(np.median([r.get("secagg_unmask_cpu_seconds", 0.0) for r in measured])),
         "mb_up": n * (model_bytes + (4 if secure else 0)) / 1e6,
         "mb_down": n * model_bytes / 1e6,
         "ctrl_kb": sum(a[2] for a in agent_rows) / len(kept) / 1e3,
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", type=int, nargs="+", default=[10, 50], help="cohort sizes to measure")
     p.add_argument("--params", type=int, default=1_000_000, help="float32 parameters of the model")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per mode (the first is warm-up)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per mode (the first is warm-up)")
     p.add_argument("--workers", type=int, default=2, help="agent processes (agents are threads in them)")
     p.add_argument("--quick", action="store_true", help="smoke run: 5 agents, 10k parameters, 2 rounds")
     args = p.parse_args(argv)
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         args.agents, args.params, args.rounds = [5], 10_000, 2
     logging.basicConfig(level=logging.WARNING)
     print(f"secure aggregation vs plain FedAvg over gRPC on 127.0.0.1: {args.params:,} float32 parameters, "
-          f"{args.rounds} rounds per mode (mean of rounds 2..{args.rounds}), {args.workers} agent processes, "
+          f"{args.rounds} rounds per mode (median of rounds 2..{args.rounds}), {args.workers} agent processes, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
     header = (f"{'agents':>6} {'mode':>7} {'total s':>8} {'overhead s':>10} {'client CPU s':>12} {'unmask s':>9} "
               f"{'unmask CPU s':>12} {'MB up':>7} {'MB down':>7} {'ctrl KB':>8} {'time x':>7} {'bytes x':>8}")
