@@ -154,6 +154,8 @@ def run_mode(n: int, params: int, rounds: int, workers: int, secure: bool) -> di
         "mb_down": n * model_bytes / 1e6,
         "ctrl_kb": sum(a[2] for a in agent_rows) / len(kept) / 1e3,
         "rounds": len(measured),
+        "timeline": [float(np.median([r.get(f"secagg_{k}_at", 0.0) for r in measured]))
+                     for k in ("shared", "masked", "unmask_shares")],
     }
 
 
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'unmask CPU s':>12} {'MB up':>7} {'MB down':>7} {'ctrl KB':>8} {'time x':>7} {'bytes x':>8}")
     print(header)
     print("-" * len(header), flush=True)
+    timelines = []
     for n in args.agents:
         plain = run_mode(n, args.params, args.rounds, args.workers, secure=False)
         secure = run_mode(n, args.params, args.rounds, args.workers, secure=True)
@@ -186,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['client_mask_s']:>12.3f} {r['unmask_s']:>9.3f} {r['unmask_cpu_s']:>12.3f} "
                   f"{r['mb_up']:>7.1f} {r['mb_down']:>7.1f} {r['ctrl_kb']:>8.1f} "
                   f"{r['total_s'] / plain['total_s']:>7.2f} {bytes_ratio:>8.4f}", flush=True)
+        timelines.append((n, secure["timeline"], secure["total_s"]))
+    print("\nsecure rounds, seconds from task dispatch until: keys exchanged (stages 1-2) | every masked input "
+          "in (download, masking, upload) | unmask shares in | new model")
+    for n, (keys_at, masked_at, shares_at), total in timelines:
+        print(f"{n:>6} agents: {keys_at:6.2f} | {masked_at:6.2f} | {shares_at:6.2f} | {total:6.2f}")
     return 0
 
 

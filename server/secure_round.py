@@ -77,6 +77,8 @@ class SecureRound:
         self._changed = asyncio.Event()
         self._key_stages: asyncio.Task | None = None
         self._finishing = False
+        self._started = time.monotonic()
+        self.marks: dict[str, float] = {}  # seconds from round start at which each stage closed
 
     # ------------------------------------------------------------------ timing of the stages
     def _notify(self) -> None:
@@ -114,9 +116,11 @@ class SecureRound:
         try:
             await self._until(lambda: set(s.advertised) == everyone, self.stage_seconds)
             s.close_advertising()
+            self._mark("advertised")
             self._notify()
             await self._until(lambda: s.shared == s.advertised, self.stage_seconds)
             s.close_sharing()
+            self._mark("shared")
             self._notify()
         except SecAggAbort as exc:
             self._fail(str(exc), state)
@@ -155,9 +159,11 @@ class SecureRound:
             return
         try:
             s.close_masking()
+            self._mark("masked")
             self._notify()
             await self._until(lambda: s.responded == s.survivors, self.stage_seconds)
             self._finishing = True
+            self._mark("unmask_shares")
             start = time.perf_counter()
             self.result, self.unmask_cpu_seconds = await in_thread(_timed, s.finish)
             self.unmask_seconds = time.perf_counter() - start
@@ -177,10 +183,14 @@ class SecureRound:
         log.info("round %d: unmasked the sum of %d agents (%d dropped after sharing keys) in %.2fs",
                  self.params.round_id, len(r.survivors), len(r.dropped), self.unmask_seconds)
 
+    def _mark(self, stage: str) -> None:
+        self.marks[stage] = time.monotonic() - self._started
+
     def metrics(self) -> dict:
         """Columns for the round's metrics row."""
         row = {"secagg_survivors": len(self.server.survivors), "secagg_unmask_seconds": self.unmask_seconds,
-               "secagg_unmask_cpu_seconds": self.unmask_cpu_seconds}
+               "secagg_unmask_cpu_seconds": self.unmask_cpu_seconds,
+               **{f"secagg_{k}_at": v for k, v in self.marks.items()}}
         if self.result is not None:
             row.update(secagg_dropped=len(self.result.dropped), secagg_error_bound=self.result.error_bound)
         if self.failure is not None:
