@@ -58,6 +58,10 @@ class CoordinatorConfig:
             (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),
             (self.secagg_max_weight is None or self.secagg_max_weight >= 1, "secagg_max_weight must be >= 1"),
             (self.secagg_stage_seconds > 0, "secagg_stage_seconds must be > 0"),
+            (not self.secure_aggregation or (self.min_available >= 2 and (self.fraction is not None
+                                                                       or self.clients_per_round >= 2)),
+             "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
+             "clients_per_round >= 2"),
         ]
         for ok, message in checks:
             if not ok:

@@ -66,11 +66,16 @@ class SecureRound:
     def __init__(self, round_id: int, cohort: Sequence[str], weights: Sequence[np.ndarray], clip: float,
                  max_weight: int, stage_seconds: float):
         length = sum(int(w.size) for w in weights)
-        self.params = RoundParams.create(round_id, cohort, length, clip, max_weight)
-        self.server = SecAggServer(self.params)
+        self.round_id = round_id
         self.upload_layout = masked_layout(length)
         self.stage_seconds = stage_seconds
         self.failure: str | None = None
+        try:
+            self.params: RoundParams | None = RoundParams.create(round_id, cohort, length, clip, max_weight)
+            self.server: SecAggServer | None = SecAggServer(self.params)
+        except SecAggError as exc:  # e.g. a cohort of one: masking cannot hide a lone update
+            self.params = self.server = None
+            self.failure = f"cannot set up secure aggregation for {len(cohort)} agents: {exc}"
         self.result: SecAggResult | None = None
         self.unmask_seconds = 0.0
         self.unmask_cpu_seconds = 0.0
@@ -101,7 +106,7 @@ class SecureRound:
     def _fail(self, reason: str, state: RoundState | None = None) -> None:
         if self.failure is None:
             self.failure = reason
-            log.warning("round %d: secure aggregation failed: %s", self.params.round_id, reason)
+            log.warning("round %d: secure aggregation failed: %s", self.round_id, reason)
         if state is not None:
             state.fold_failed = True
             state.close("secure aggregation failed")
@@ -109,6 +114,9 @@ class SecureRound:
 
     def start(self, state: RoundState) -> None:
         """Run stages 1 and 2 in the background while agents train."""
+        if self.failure is not None:
+            self._fail(self.failure, state)
+            return
         self._key_stages = asyncio.ensure_future(self._run_key_stages(state))
 
     async def _run_key_stages(self, state: RoundState) -> None:
@@ -188,7 +196,7 @@ class SecureRound:
 
     def metrics(self) -> dict:
         """Columns for the round's metrics row."""
-        row = {"secagg_survivors": len(self.server.survivors), "secagg_unmask_seconds": self.unmask_seconds,
+        row = {"secagg_survivors": len(self.server.survivors) if self.server else 0, "secagg_unmask_seconds": self.unmask_seconds,
                "secagg_unmask_cpu_seconds": self.unmask_cpu_seconds,
                **{f"secagg_{k}_at": v for k, v in self.marks.items()}}
         if self.result is not None:

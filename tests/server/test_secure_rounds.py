@@ -159,3 +159,16 @@ def test_secure_exchange_is_refused_when_not_enabled(start_coordinator, agents):
         bot.stub.SecAggExchange(pb.SecAggRequest(auth=bot.auth, round=task.round, task_id=task.task_id), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--secure-aggregation" in err.value.details()
     assert bot.upload(task, init, 10).accepted
+
+
+def test_a_cohort_too_small_to_mask_fails_the_round_cleanly(start_coordinator, agents):
+    with pytest.raises(ValueError, match="clients_per_round >= 2"):
+        start_coordinator(_weights(), secure_aggregation=True, clients_per_round=1, min_available=2)
+    init = _weights()
+    # fraction 0.2 of 2 live agents: K = 1, a cohort of one, whose update masking could not hide.
+    server = start_coordinator(init, secure_aggregation=True, fraction=0.2, min_available=2, deadline_seconds=5.0)
+    agents(server.address, ["p", "q"])
+    assert server.wait(30)
+    row = server.coordinator.metrics.rows[-1]
+    assert row["status"] == "failed" and "cannot set up secure aggregation for 1 agents" in row["secagg_failure"]
+    assert all(new.tobytes() == old.tobytes() for new, old in zip(server.coordinator.weights, init))
