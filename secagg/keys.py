@@ -45,6 +45,19 @@ def private_from_bytes(raw: bytes) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(bytes(raw))
 
 
+_PROBE = X25519PrivateKey.generate()
+
+
+def check_public(raw: bytes) -> None:
+    """Raise SecAggError unless ``raw`` is a usable X25519 public key (32 bytes, not a low-order point)."""
+    if len(raw) != KEY_BYTES:
+        raise SecAggError(f"an X25519 public key is {KEY_BYTES} bytes, got {len(raw)}")
+    try:  # clamping makes every low-order point give the all-zero secret, which cryptography refuses
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(bytes(raw)))
+    except ValueError:
+        raise SecAggError("public key is a low-order point; it would make every derived key predictable") from None
+
+
 def _info(purpose: bytes, round_id: int, a: str, b: str) -> bytes:
     first, second = sorted((a, b))
     parts = [purpose, struct.pack("<Q", round_id), first.encode(), second.encode()]

@@ -109,6 +109,8 @@ class SecAggServer:
             raise SecAggError(f"public keys from {msg.sender!r} must be {keys.KEY_BYTES} bytes each")
         if pair[0] == pair[1] or self._seen_keys & set(pair):
             raise SecAggError(f"public keys from {msg.sender!r} repeat a key already seen this round")
+        for key in pair:
+            keys.check_public(key)
         self._keys[msg.sender] = pair
         self._seen_keys.update(pair)
 

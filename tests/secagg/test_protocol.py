@@ -126,7 +126,9 @@ def test_server_refuses_foreign_duplicate_and_malformed_key_adverts(make_round):
     s.receive_advertise(ads["a"])
     for bad, match in [(ads["a"], "already"), (dataclasses.replace(ads["b"], sender="mallory"), "not a participant"),
                        (dataclasses.replace(ads["b"], c_public=b"x" * 31), "32 bytes"),
-                       (dataclasses.replace(ads["b"], s_public=ads["a"].s_public), "repeat")]:
+                       (dataclasses.replace(ads["b"], s_public=ads["a"].s_public), "repeat"),
+                       (dataclasses.replace(ads["b"], s_public=bytes(32)), "low-order"),
+                       (dataclasses.replace(ads["b"], c_public=(1).to_bytes(32, "little")), "low-order")]:
         with pytest.raises(SecAggError, match=match):
             s.receive_advertise(bad)
     with pytest.raises(SecAggError, match="stage"):
