@@ -26,6 +26,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
+from fedpar.server.secure_round import check_secure_setup
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
     p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
+    p.add_argument("--secure-aggregation", action="store_true",
+                   help="SecAgg+ masking: the coordinator learns only the weighted mean of the agents' updates "
+                        "(needs a linear strategy: fedavg, fedavgm, fedprox, fedadam, fedyogi, fedadagrad)")
+    p.add_argument("--secagg-clip", type=float, default=d.secagg_clip,
+                   help="with --secure-aggregation: clip each coordinate of an update (local - global) to +-this")
+    p.add_argument("--secagg-max-weight", type=int, default=d.secagg_max_weight,
+                   help="with --secure-aggregation: cap on an agent's weight (default: largest registered "
+                        "examples x local epochs in the cohort)")
+    p.add_argument("--secagg-stage-seconds", type=float, default=d.secagg_stage_seconds,
+                   help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
     add_dp_arguments(p, population_flag=True)
@@ -87,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
                                     args.dp_population)
         strategy = build_strategy(name, **options)
+        if config.secure_aggregation:
+            check_secure_setup([n for n, _, _ in weight_specs(model)], get_weights(model), strategy)
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra seconds per local step on a slow client")
     p.add_argument("--drop-probability", type=float, default=d.drop_probability,
                    help="chance per client per round of vanishing before it uploads")
+    p.add_argument("--secure-aggregation", action="store_true",
+                   help="SecAgg+ masking: the coordinator learns only the weighted mean of the updates")
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--tls", action="store_true",

@@ -19,6 +19,8 @@ from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
 from fedpar.client.transfer import download_weights, upload_messages, upload_update
+from fedpar.client.secure_upload import SecureSession, flat_update
+from fedpar.secagg.errors import SecAggAbort, SecAggError
 
 log = logging.getLogger("fedpar.client")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -159,6 +161,14 @@ class Agent:
         received = time.monotonic()
         deadline_at = received + task.deadline_seconds
         self.stats.tasks += 1
+        secure = None
+        if json.loads(task.extra_json or "{}").get("secure_aggregation"):
+            secure = SecureSession(self._stub, self._auth, task, self.config.poll_seconds)
+            try:  # key exchange first, so it overlaps training rather than following it
+                secure.begin(sum(t.numel for t in self.layout.tensors))
+            except (grpc.RpcError, SecAggError, SecAggAbort) as err:
+                self._note_refusal("secure aggregation", err)
+                return
         try:
             weights = download_weights(self._stub, self._auth, task, self.layout, self._max_chunk,
                                        timeout=max(1.0, task.deadline_seconds))
@@ -186,6 +196,16 @@ class Agent:
             self.stats.dropped += 1
             return
         metrics.update(train_loss=result.loss, train_seconds=result.seconds)
+        if secure is not None:
+            try:
+                secure.upload_masked(flat_update(get_weights(self.trainer.model), weights), result.examples, metrics,
+                                     min(self._max_chunk, self.config.chunk_bytes),
+                                     timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
+                self.stats.accepted += 1
+                secure.unmask()
+            except (grpc.RpcError, SecAggError, SecAggAbort) as err:
+                self._note_refusal("secure aggregation", err)
+            return
         try:  # client-side DP: clip (and maybe noise) the update if the task asks for it
             update = privatize_update(get_weights(self.trainer.model), weights, extra)
         except ValueError as err:

@@ -1,10 +1,24 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SecAggStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SECAGG_SETUP: _ClassVar[SecAggStage]
+    SECAGG_ADVERTISE: _ClassVar[SecAggStage]
+    SECAGG_SHARE: _ClassVar[SecAggStage]
+    SECAGG_MASKED: _ClassVar[SecAggStage]
+    SECAGG_UNMASK: _ClassVar[SecAggStage]
+SECAGG_SETUP: SecAggStage
+SECAGG_ADVERTISE: SecAggStage
+SECAGG_SHARE: SecAggStage
+SECAGG_MASKED: SecAggStage
+SECAGG_UNMASK: SecAggStage
 
 class AgentAuth(_message.Message):
     __slots__ = ("agent_id", "token")
@@ -203,3 +217,91 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SecAggPublicKeys(_message.Message):
+    __slots__ = ("agent_id", "c_public", "s_public")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    C_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    S_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    c_public: bytes
+    s_public: bytes
+    def __init__(self, agent_id: _Optional[str] = ..., c_public: _Optional[bytes] = ..., s_public: _Optional[bytes] = ...) -> None: ...
+
+class SecAggCiphertext(_message.Message):
+    __slots__ = ("peer", "ciphertext")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    ciphertext: bytes
+    def __init__(self, peer: _Optional[str] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
+
+class SecAggShare(_message.Message):
+    __slots__ = ("owner", "share")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    share: bytes
+    def __init__(self, owner: _Optional[str] = ..., share: _Optional[bytes] = ...) -> None: ...
+
+class SecAggUnmaskShares(_message.Message):
+    __slots__ = ("self_mask_shares", "key_shares")
+    SELF_MASK_SHARES_FIELD_NUMBER: _ClassVar[int]
+    KEY_SHARES_FIELD_NUMBER: _ClassVar[int]
+    self_mask_shares: _containers.RepeatedCompositeFieldContainer[SecAggShare]
+    key_shares: _containers.RepeatedCompositeFieldContainer[SecAggShare]
+    def __init__(self, self_mask_shares: _Optional[_Iterable[_Union[SecAggShare, _Mapping]]] = ..., key_shares: _Optional[_Iterable[_Union[SecAggShare, _Mapping]]] = ...) -> None: ...
+
+class SecAggRequest(_message.Message):
+    __slots__ = ("auth", "round", "task_id", "stage", "wait_seconds", "public_keys", "ciphertexts", "unmask_shares")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_SHARES_FIELD_NUMBER: _ClassVar[int]
+    auth: AgentAuth
+    round: int
+    task_id: str
+    stage: SecAggStage
+    wait_seconds: float
+    public_keys: SecAggPublicKeys
+    ciphertexts: SecAggCiphertexts
+    unmask_shares: SecAggUnmaskShares
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., stage: _Optional[_Union[SecAggStage, str]] = ..., wait_seconds: _Optional[float] = ..., public_keys: _Optional[_Union[SecAggPublicKeys, _Mapping]] = ..., ciphertexts: _Optional[_Union[SecAggCiphertexts, _Mapping]] = ..., unmask_shares: _Optional[_Union[SecAggUnmaskShares, _Mapping]] = ...) -> None: ...
+
+class SecAggCiphertexts(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SecAggCiphertext]
+    def __init__(self, items: _Optional[_Iterable[_Union[SecAggCiphertext, _Mapping]]] = ...) -> None: ...
+
+class SecAggKeys(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SecAggPublicKeys]
+    def __init__(self, items: _Optional[_Iterable[_Union[SecAggPublicKeys, _Mapping]]] = ...) -> None: ...
+
+class SecAggSurvivors(_message.Message):
+    __slots__ = ("agent_ids",)
+    AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecAggReply(_message.Message):
+    __slots__ = ("params_json", "keys", "ciphertexts", "survivors", "wait_seconds", "done")
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    params_json: str
+    keys: SecAggKeys
+    ciphertexts: SecAggCiphertexts
+    survivors: SecAggSurvivors
+    wait_seconds: float
+    done: str
+    def __init__(self, params_json: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., ciphertexts: _Optional[_Union[SecAggCiphertexts, _Mapping]] = ..., survivors: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., done: _Optional[str] = ...) -> None: ...

@@ -64,6 +64,11 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=fedpar__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.SecAggExchange = channel.unary_unary(
+                '/fedpar.v1.Coordinator/SecAggExchange',
+                request_serializer=fedpar__pb2.SecAggRequest.SerializeToString,
+                response_deserializer=fedpar__pb2.SecAggReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -111,6 +116,14 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAggExchange(self, request, context):
+        """Secure aggregation (SecAgg+): deliver this agent's message for one stage, then long-poll for the
+        server's next broadcast to it. The masked vector itself travels through UploadUpdate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=fedpar__pb2.LeaveRequest.FromString,
                     response_serializer=fedpar__pb2.LeaveReply.SerializeToString,
+            ),
+            'SecAggExchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAggExchange,
+                    request_deserializer=fedpar__pb2.SecAggRequest.FromString,
+                    response_serializer=fedpar__pb2.SecAggReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class Coordinator(object):
             '/fedpar.v1.Coordinator/Leave',
             fedpar__pb2.LeaveRequest.SerializeToString,
             fedpar__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAggExchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.Coordinator/SecAggExchange',
+            fedpar__pb2.SecAggRequest.SerializeToString,
+            fedpar__pb2.SecAggReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,3 +34,5 @@ class CoordinatorStub:
                                              response_deserializer=pb.HeartbeatReply.FromString)
         self.Leave = channel.unary_unary(method("Leave"), request_serializer=_serialize,
                                          response_deserializer=pb.LeaveReply.FromString)
+        self.SecAggExchange = channel.unary_unary(method("SecAggExchange"), request_serializer=_serialize,
+                                                  response_deserializer=pb.SecAggReply.FromString)

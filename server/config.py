@@ -33,6 +33,10 @@ class CoordinatorConfig:
     checkpoint_dir: Path | None = None
     metrics_path: Path | None = None
     client_config: dict[str, float | int | str | bool] = field(default_factory=dict)
+    secure_aggregation: bool = False  # SecAgg+: the coordinator learns only the weighted mean update
+    secagg_clip: float = 1.0  # each coordinate of an agent's update (local - global) is clipped to +-this
+    secagg_max_weight: int | None = None  # cap on an agent's weight; None: largest registered examples x epochs
+    secagg_stage_seconds: float = 30.0  # longest wait for each key-exchange stage and for unmasking
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""
@@ -51,6 +55,13 @@ class CoordinatorConfig:
             (self.max_concurrent_uploads >= 1, "max_concurrent_uploads must be >= 1"),
             (self.liveness_timeout_seconds > self.heartbeat_seconds,
              "liveness_timeout_seconds must exceed heartbeat_seconds"),
+            (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),
+            (self.secagg_max_weight is None or self.secagg_max_weight >= 1, "secagg_max_weight must be >= 1"),
+            (self.secagg_stage_seconds > 0, "secagg_stage_seconds must be > 0"),
+            (not self.secure_aggregation or (self.min_available >= 2 and (self.fraction is not None
+                                                                       or self.clients_per_round >= 2)),
+             "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
+             "clients_per_round >= 2"),
         ]
         for ok, message in checks:
             if not ok:

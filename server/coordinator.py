@@ -32,6 +32,7 @@ from fedpar.server.payload import WeightPayload, build_payload
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState
 from fedpar.server.sampler import CohortSampler
+from fedpar.server.secure_round import SecureRound, check_secure_setup, default_max_weight
 
 log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
@@ -47,6 +48,7 @@ class UploadTicket:
     slot: AgentSlot
     num_examples: int
     metrics: dict[str, float]
+    layout: ModelLayout  # what the data must fill: the model, or the masked vector under secure aggregation
 
 
 class Coordinator:
@@ -65,6 +67,9 @@ class Coordinator:
         self.names = list(names)
         self.weights = [np.ascontiguousarray(w) for w in weights]
         self.layout = ModelLayout.of_arrays(self.names, self.weights)
+        self.secure: SecureRound | None = None  # the current round's secure aggregation, if enabled
+        if config.secure_aggregation:
+            check_secure_setup(self.names, self.weights, strategy)
         self.round_id = 0  # last completed round
         self.current: RoundState | None = None
         self.payload: WeightPayload | None = None
@@ -147,6 +152,9 @@ class Coordinator:
         slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
         state = RoundState(round_id, target, self.config.min_reports, self.config.deadline_seconds, slots)
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
+        if self.config.secure_aggregation:
+            self.secure = self._secure_round(round_id, cohort)
+            self.secure.start(state)
         self.current = state
         for agent_id, slot in slots.items():
             self._tasks[agent_id] = slot
@@ -161,7 +169,15 @@ class Coordinator:
                 del self._tasks[agent_id]
         if state.pending_folds:
             await asyncio.gather(*state.pending_folds, return_exceptions=True)
+        if self.secure is not None:
+            await self.secure.complete(state, self.strategy, self.weights, self._in_thread)
         await self._finish_round(state)
+
+    def _secure_round(self, round_id: int, cohort: list[str]) -> SecureRound:
+        max_weight = self.config.secagg_max_weight or default_max_weight(
+            [r.num_examples for r in map(self.registry.get, cohort) if r], self.config.local_epochs, len(cohort))
+        return SecureRound(round_id, cohort, self.weights, self.config.secagg_clip, max_weight,
+                           self.config.secagg_stage_seconds)
 
     async def _finish_round(self, state: RoundState) -> None:
         status = "ok"
@@ -186,6 +202,9 @@ class Coordinator:
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
                "examples": state.examples, "close_reason": state.close_reason}
         row.update(_weighted_client_metrics(state.metrics))
+        if self.secure is not None:
+            row.update(self.secure.metrics())
+            self.secure = None
         row.update({k: float(v) for k, v in strategy_metrics.items()})
         if self.evaluate_fn is not None:
             row.update(await self._in_thread(self.evaluate_fn, self.weights))
@@ -257,7 +276,8 @@ class Coordinator:
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
                             learning_rate=self.config.learning_rate,
                             extra_json=json.dumps({**self.config.client_config,
-                                                   **self.strategy.client_config(state.round_id)}),
+                                                   **self.strategy.client_config(state.round_id),
+                                                   **({"secure_aggregation": True} if self.secure else {})}),
                             model_bytes=self.layout.total_bytes)
         return pb.PullTaskReply(task=task)
 
@@ -284,6 +304,8 @@ class Coordinator:
                           "the update was not applied")
         state.check_open()
         slot = state.slot_for(agent.agent_id, header.task_id)
+        if self.secure is not None:
+            self.secure.check_upload(agent.agent_id)
         if slot.status in ("uploading", "accepted", "rejected"):
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
                           f"agent {agent.agent_id!r} already sent an update in round {state.round_id} "
@@ -299,7 +321,8 @@ class Coordinator:
             layout = layout_from_pb(header.tensors, self.config.max_model_bytes)
         except CodecError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
-        problem = layout.mismatch(self.layout)
+        expected = self.secure.upload_layout if self.secure is not None else self.layout
+        problem = layout.mismatch(expected)
         if problem:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"update does not match the global model: {problem}")
         if header.total_bytes != layout.total_bytes:
@@ -310,7 +333,7 @@ class Coordinator:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
         slot.status = "uploading"
-        return UploadTicket(state, slot, int(header.num_examples), metrics)
+        return UploadTicket(state, slot, int(header.num_examples), metrics, expected)
 
     def upload_slots(self) -> asyncio.Semaphore:
         """Bounds how many uploads are staged (one model copy each) at once."""
@@ -323,6 +346,14 @@ class Coordinator:
             slot.status = "late"
             state.late_refused += 1
             state.check_open()
+        if self.secure is not None:  # the masked vector joins the running sum; nothing reaches the strategy yet
+            all_in = self.secure.add_masked(slot.agent_id, arrays[0])
+            slot.status = "accepted"
+            state.accepted += 1
+            state.metrics.append((1, ticket.metrics))
+            if all_in or state.accepted >= state.target:
+                state.close("every agent that shared keys uploaded" if all_in else "target reached")
+            return
         slot.status = "accepted"
         state.accepted += 1
         state.examples += ticket.num_examples

@@ -16,6 +16,7 @@ from fedpar.security.identity import peer_identity
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.registry import AgentRecord, AuthError
 from fedpar.server.rounds import Refusal
+from fedpar.server.secure_round import secagg_exchange
 
 log = logging.getLogger("fedpar.server")
 
@@ -93,7 +94,7 @@ class CoordinatorService:
             raise
 
     async def _receive(self, ticket, request_iterator) -> list:
-        layout = self.coord.layout
+        layout = ticket.layout
         assembler = TensorAssembler(layout, self.coord.config.max_chunk_bytes)
         while True:
             message = await _next_message(request_iterator)
@@ -150,6 +151,15 @@ class CoordinatorService:
         return pb.LeaveReply()
 
 
+    async def SecAggExchange(self, request: pb.SecAggRequest, context) -> pb.SecAggReply:
+        """One secure-aggregation stage message, answered by the server's next broadcast (long-poll)."""
+        try:
+            agent = self._auth(request.auth)
+            return await secagg_exchange(self.coord, agent.agent_id, request)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+
 async def _next_message(request_iterator):
     try:
         return await request_iterator.__anext__()
@@ -179,5 +189,8 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
         "Leave": grpc.unary_unary_rpc_method_handler(
             service.Leave, request_deserializer=pb.LeaveRequest.FromString,
             response_serializer=pb.LeaveReply.SerializeToString),
+        "SecAggExchange": grpc.unary_unary_rpc_method_handler(
+            service.SecAggExchange, request_deserializer=pb.SecAggRequest.FromString,
+            response_serializer=pb.SecAggReply.SerializeToString),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

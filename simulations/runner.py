@@ -55,6 +55,7 @@ class SimulationConfig:
     slow_step_delay: float = 0.05  # extra seconds per local step on a slow device
     drop_probability: float = 0.0  # chance per client per round of vanishing before uploading
     workers: int = 2  # agent processes (agents are threads inside them)
+    secure_aggregation: bool = False  # SecAgg+ masking: the coordinator sees only the weighted mean
     seed: int = 0
     out: str | None = None
     tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
@@ -100,7 +101,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         rounds=cfg.rounds, clients_per_round=k, min_available=cfg.clients, min_reports=cfg.min_reports,
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
-        liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
+        liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
     specs = _agent_specs(cfg, parts)

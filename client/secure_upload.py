@@ -1,0 +1,114 @@
+"""The agent's side of a secure-aggregation round: SecAgg+ stages over SecAggExchange, masked upload.
+
+Use: ``begin`` as soon as the task arrives (key exchange overlaps other agents' training), then, after
+local training, ``upload_masked`` with the update local - global, then ``unmask``. A refusal surfaces as
+grpc.RpcError (with the coordinator's status and reason), SecAggError or SecAggAbort.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from fedpar.client.transfer import upload_messages, upload_update
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.secagg import wire
+from fedpar.secagg.client_protocol import SecAggClient
+from fedpar.secagg.errors import SecAggAbort, SecAggError
+from fedpar.secagg.params import RoundParams
+
+MASKED_TENSOR = "secagg.masked"
+
+
+def flat_update(local: Sequence[np.ndarray], global_weights: Sequence[np.ndarray]) -> np.ndarray:
+    """local - global of every tensor, flattened and concatenated, as float64."""
+    return np.concatenate([(np.asarray(a, np.float64) - np.asarray(b, np.float64)).reshape(-1)
+                           for a, b in zip(local, global_weights)])
+
+
+class SecureSession:
+    """One agent in one secure-aggregation round."""
+
+    def __init__(self, stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask, poll_seconds: float = 5.0,
+                 stage_timeout: float = 120.0):
+        self.stub, self.auth, self.task = stub, auth, task
+        self.poll_seconds = poll_seconds
+        self.stage_timeout = stage_timeout
+        self.client: SecAggClient | None = None
+        self.bytes_sent = 0  # SecAggExchange requests plus the masked vector's data
+        self.bytes_received = 0  # SecAggExchange replies
+        self.compute_cpu_seconds = 0.0  # CPU time of local cryptography and masking (no network waits)
+
+    def _call(self, stage: int, wait: bool = True, **body) -> pb.SecAggReply:
+        """Send this stage's message (once), then poll until the server's broadcast or ``stage_timeout``."""
+        end = time.monotonic() + self.stage_timeout
+        request = pb.SecAggRequest(auth=self.auth, round=self.task.round, task_id=self.task.task_id, stage=stage,
+                                   wait_seconds=self.poll_seconds if wait else 0.0, **body)
+        while True:
+            self.bytes_sent += request.ByteSize()
+            reply = self.stub.SecAggExchange(request, timeout=self.poll_seconds + 30)
+            self.bytes_received += reply.ByteSize()
+            if reply.WhichOneof("body") != "wait_seconds" or not wait:
+                return reply
+            if time.monotonic() > end:
+                raise SecAggAbort(f"no secure-aggregation broadcast for stage {pb.SecAggStage.Name(stage)} "
+                                  f"within {self.stage_timeout}s")
+            request = pb.SecAggRequest(auth=self.auth, round=self.task.round, task_id=self.task.task_id,
+                                       stage=stage, wait_seconds=self.poll_seconds)
+
+    def _expect(self, reply: pb.SecAggReply, kind: str):
+        if reply.WhichOneof("body") != kind:
+            raise SecAggError(f"expected {kind} from the coordinator, got {reply.WhichOneof('body')}")
+        return getattr(reply, kind)
+
+    def begin(self, vector_length: int) -> RoundParams:
+        """Stages 0-2: fetch and check the settings, advertise keys, send encrypted shares to the neighbours."""
+        params = RoundParams.from_json(self._expect(self._call(pb.SECAGG_SETUP, wait=False), "params_json"))
+        me = self.auth.agent_id
+        if params.round_id != self.task.round or params.vector_length != vector_length:
+            raise SecAggError(f"secure-aggregation settings are for round {params.round_id} and "
+                              f"{params.vector_length} values; this task is round {self.task.round} with "
+                              f"{vector_length}")
+        start = time.thread_time()
+        self.client = SecAggClient(params, me)
+        advert = wire.advertise_to_pb(self.client.advertise())
+        self.compute_cpu_seconds += time.thread_time() - start
+        keys = self._expect(self._call(pb.SECAGG_ADVERTISE, public_keys=advert), "keys")
+        start = time.thread_time()
+        shares = self.client.share_keys(wire.key_broadcast_from_pb(me, keys))
+        self.compute_cpu_seconds += time.thread_time() - start
+        self._call(pb.SECAGG_SHARE, wait=False, ciphertexts=wire.ciphertexts_to_pb(shares.ciphertexts))
+        return params
+
+    def upload_masked(self, update: np.ndarray, weight: int, metrics: dict[str, float], chunk_bytes: int,
+                      timeout: float) -> pb.UploadReply:
+        """Stage 3: receive the shares addressed to us, mask the weighted update, stream it up."""
+        me = self.auth.agent_id
+        routed = self._expect(self._call(pb.SECAGG_SHARE), "ciphertexts")
+        weight = max(1, min(int(weight), self.client.params.max_weight))
+        start = time.thread_time()
+        masked = self.client.masked_input(wire.routed_shares_from_pb(me, routed), update, weight)
+        array = masked.vector.view(np.int32)
+        self.compute_cpu_seconds += time.thread_time() - start
+        layout = ModelLayout([(MASKED_TENSOR, "int32", array.shape)])
+        # num_examples=1: the real weight rides inside the masked vector, not in the clear.
+        messages = upload_messages(self.auth, self.task, layout, [array], 1, 0, metrics, chunk_bytes)
+        self.bytes_sent += array.nbytes
+        return upload_update(self.stub, messages, timeout=timeout)
+
+    def unmask(self) -> str:
+        """Stage 4: hear who survived and send the shares that remove their masks."""
+        me = self.auth.agent_id
+        survivors = self._expect(self._call(pb.SECAGG_MASKED), "survivors")
+        start = time.thread_time()
+        shares = self.client.unmask(wire.unmask_request_from_pb(me, survivors))
+        self.compute_cpu_seconds += time.thread_time() - start
+        return self._expect(self._call(pb.SECAGG_UNMASK, wait=False,
+                                       unmask_shares=wire.unmask_shares_to_pb(shares)), "done")
+
+
+

@@ -1,0 +1,288 @@
+"""Secure aggregation at the coordinator: drives one SecAgg+ round over gRPC and folds only the unmasked mean.
+
+Flow (agent side in client/secure_upload.py):
+  task dispatch ──> SETUP (params) ──> ADVERTISE keys ──[stage 1 closes]──> neighbours' keys
+  ──> SHARE encrypted shares ──[stage 2 closes]──> shares addressed to the agent
+  ──> masked vector via UploadUpdate (tensor "secagg.masked", int32 bits of the uint32 field vector)
+  ──[round closes: all uploaded / target / deadline]──> survivor list ──> UNMASK shares ──> unmasking.
+Masked vectors reuse the chunked UploadUpdate path (bounded staging, chunk checks, the raw fast path,
+the deadline and late-upload refusal) instead of a second streaming RPC; the coordinator adds each one
+into a single running uint32 sum, so its memory stays about one model whatever the cohort size.
+Each agent uploads delta = local - global, clipped, quantized and weighted by its example count; the
+strategy then receives one update, global + sum(w*delta)/sum(w), with weight sum(w). Only linear
+strategies (FedAvg and the FedOpt family) give the same result as without masking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Sequence
+
+import grpc
+import numpy as np
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout
+from fedpar.secagg import wire
+from fedpar.secagg.errors import SecAggAbort, SecAggError, SecAggStageError
+from fedpar.secagg.field import DTYPE
+from fedpar.secagg.messages import MaskedInput
+from fedpar.secagg.params import RoundParams
+from fedpar.secagg.server_protocol import SecAggResult, SecAggServer
+from fedpar.server.rounds import Refusal, RoundState
+
+log = logging.getLogger("fedpar.server")
+MASKED_TENSOR = "secagg.masked"
+SECURE_STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
+MAX_POLL_SECONDS = 30.0
+
+
+def check_secure_setup(names: Sequence[str], weights: Sequence[np.ndarray], strategy) -> None:
+    """Raise ValueError unless this model and strategy can be aggregated under masking."""
+    if getattr(strategy, "name", "") not in SECURE_STRATEGIES:
+        raise ValueError(f"secure aggregation reveals only the weighted mean, which strategy "
+                         f"{getattr(strategy, 'name', strategy)!r} cannot use; choose one of {', '.join(SECURE_STRATEGIES)}")
+    bad = [n for n, w in zip(names, weights) if w.dtype.name not in FLOAT_DTYPES]
+    if bad:
+        raise ValueError(f"secure aggregation needs floating-point tensors only; {bad[:3]} are not")
+
+
+def default_max_weight(registered_examples: Sequence[int], local_epochs: int, cohort: int) -> int:
+    """W: the largest weight an agent of this cohort can honestly claim, kept inside the 31-bit budget."""
+    claimed = max((n * local_epochs for n in registered_examples), default=0) or 10_000
+    return max(1, min(claimed, (2**31 - 1) // (2 * cohort)))
+
+
+def masked_layout(vector_length: int) -> ModelLayout:
+    """The single-tensor layout masked uploads must have."""
+    return ModelLayout([(MASKED_TENSOR, "int32", (vector_length + 1,))])
+
+
+class SecureRound:
+    """One round's SecAgg+ server, its stage timing, and the gRPC replies to SecAggExchange."""
+
+    def __init__(self, round_id: int, cohort: Sequence[str], weights: Sequence[np.ndarray], clip: float,
+                 max_weight: int, stage_seconds: float):
+        length = sum(int(w.size) for w in weights)
+        self.round_id = round_id
+        self.upload_layout = masked_layout(length)
+        self.stage_seconds = stage_seconds
+        self.failure: str | None = None
+        try:
+            self.params: RoundParams | None = RoundParams.create(round_id, cohort, length, clip, max_weight)
+            self.server: SecAggServer | None = SecAggServer(self.params)
+        except SecAggError as exc:  # e.g. a cohort of one: masking cannot hide a lone update
+            self.params = self.server = None
+            self.failure = f"cannot set up secure aggregation for {len(cohort)} agents: {exc}"
+        self.result: SecAggResult | None = None
+        self.unmask_seconds = 0.0
+        self.unmask_cpu_seconds = 0.0
+        self._changed = asyncio.Event()
+        self._key_stages: asyncio.Task | None = None
+        self._finishing = False
+        self._started = time.monotonic()
+        self.marks: dict[str, float] = {}  # seconds from round start at which each stage closed
+
+    # ------------------------------------------------------------------ timing of the stages
+    def _notify(self) -> None:
+        """Wake every waiter (stage drivers and long-polls) to re-check its condition."""
+        old, self._changed = self._changed, asyncio.Event()
+        old.set()
+
+    async def _until(self, ready: Callable[[], bool], seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not ready() and self.failure is None:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return
+            event = self._changed
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _fail(self, reason: str, state: RoundState | None = None) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.warning("round %d: secure aggregation failed: %s", self.round_id, reason)
+        if state is not None:
+            state.fold_failed = True
+            state.close("secure aggregation failed")
+        self._notify()
+
+    def start(self, state: RoundState) -> None:
+        """Run stages 1 and 2 in the background while agents train."""
+        if self.failure is not None:
+            self._fail(self.failure, state)
+            return
+        self._key_stages = asyncio.ensure_future(self._run_key_stages(state))
+
+    async def _run_key_stages(self, state: RoundState) -> None:
+        s, everyone = self.server, set(self.params.participants)
+        try:
+            await self._until(lambda: set(s.advertised) == everyone, self.stage_seconds)
+            s.close_advertising()
+            self._mark("advertised")
+            self._notify()
+            await self._until(lambda: s.shared == s.advertised, self.stage_seconds)
+            s.close_sharing()
+            self._mark("shared")
+            self._notify()
+        except SecAggAbort as exc:
+            self._fail(str(exc), state)
+
+    # ------------------------------------------------------------------ masked uploads
+    def check_upload(self, agent_id: str) -> None:
+        """Refuse a masked upload from an agent that did not share keys this round."""
+        if self.failure is not None:
+            raise Refusal(grpc.StatusCode.ABORTED, f"secure aggregation of this round failed: {self.failure}")
+        if self.server.stage != "mask" or agent_id not in self.server.shared:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"masked input from {agent_id!r} in stage {self.server.stage!r}: an agent uploads "
+                          "only after it shared its keys and the sharing stage closed")
+
+    def add_masked(self, agent_id: str, array: np.ndarray) -> bool:
+        """Add a validated masked upload to the sum; True when every agent that shared keys has uploaded."""
+        try:
+            self.server.receive_masked(wire_masked(agent_id, array))
+        except SecAggError as exc:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc), final=True) from None
+        self._notify()
+        return self.server.survivors == self.server.shared
+
+    # ------------------------------------------------------------------ unmasking
+    async def complete(self, state: RoundState, strategy, global_weights: Sequence[np.ndarray],
+                       in_thread: Callable[..., Awaitable]) -> None:
+        """Close stage 3, collect unmask shares, remove the masks and fold the mean into ``strategy``."""
+        if self._key_stages is not None:
+            self._key_stages.cancel()
+        s = self.server
+        if self.failure is None and s.stage != "mask":
+            self._fail(f"the round closed ({state.close_reason}) before the key stages finished (stage {s.stage!r})",
+                       state)
+        if self.failure is not None:
+            state.fold_failed = True
+            return
+        try:
+            s.close_masking()
+            self._mark("masked")
+            self._notify()
+            await self._until(lambda: s.responded == s.survivors, self.stage_seconds)
+            self._finishing = True
+            self._mark("unmask_shares")
+            start = time.perf_counter()
+            self.result, self.unmask_cpu_seconds = await in_thread(_timed, s.finish)
+            self.unmask_seconds = time.perf_counter() - start
+        except SecAggAbort as exc:
+            self._fail(str(exc), state)
+            return
+        finally:
+            self._notify()
+        r = self.result
+        state.examples = r.weight_sum
+        update, offset = [], 0
+        for w in global_weights:
+            delta = r.mean[offset:offset + w.size].reshape(w.shape)
+            update.append((w.astype(np.float64) + delta).astype(w.dtype))
+            offset += w.size
+        await in_thread(strategy.fold, update, r.weight_sum, "secure-aggregate")
+        log.info("round %d: unmasked the sum of %d agents (%d dropped after sharing keys) in %.2fs",
+                 self.params.round_id, len(r.survivors), len(r.dropped), self.unmask_seconds)
+
+    def _mark(self, stage: str) -> None:
+        self.marks[stage] = time.monotonic() - self._started
+
+    def metrics(self) -> dict:
+        """Columns for the round's metrics row."""
+        row = {"secagg_survivors": len(self.server.survivors) if self.server else 0, "secagg_unmask_seconds": self.unmask_seconds,
+               "secagg_unmask_cpu_seconds": self.unmask_cpu_seconds,
+               **{f"secagg_{k}_at": v for k, v in self.marks.items()}}
+        if self.result is not None:
+            row.update(secagg_dropped=len(self.result.dropped), secagg_error_bound=self.result.error_bound)
+        if self.failure is not None:
+            row["secagg_failure"] = self.failure
+        return row
+
+    # ------------------------------------------------------------------ SecAggExchange
+    async def exchange(self, agent_id: str, request: pb.SecAggRequest) -> pb.SecAggReply:
+        """Take this agent's stage message, then long-poll for the server's next broadcast to it."""
+        wait = min(max(request.wait_seconds, 0.0), MAX_POLL_SECONDS)
+        stage, body = request.stage, request.WhichOneof("body")
+        expected_body = {pb.SECAGG_ADVERTISE: "public_keys", pb.SECAGG_SHARE: "ciphertexts",
+                         pb.SECAGG_UNMASK: "unmask_shares"}.get(stage)
+        if body is not None and body != expected_body:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"stage {pb.SecAggStage.Name(stage)} takes "
+                          f"{expected_body or 'no body'}, not {body}")
+        if self.failure is not None:
+            raise Refusal(grpc.StatusCode.ABORTED, f"secure aggregation of this round failed: {self.failure}")
+        s = self.server
+        try:
+            if stage == pb.SECAGG_SETUP:
+                return pb.SecAggReply(params_json=self.params.to_json())
+            if stage == pb.SECAGG_ADVERTISE:
+                if body:
+                    s.receive_advertise(wire.advertise_from_pb(agent_id, request.public_keys))
+                    self._notify()
+                if not await self._ready(lambda: s.stage != "advertise", wait):
+                    return pb.SecAggReply(wait_seconds=0.0)
+                return pb.SecAggReply(keys=wire.key_broadcast_to_pb(s.key_broadcast(agent_id)))
+            if stage == pb.SECAGG_SHARE:
+                if body:
+                    s.receive_shares(wire.share_keys_from_pb(agent_id, request.ciphertexts))
+                    self._notify()
+                if not await self._ready(lambda: s.stage not in ("advertise", "share"), wait):
+                    return pb.SecAggReply(wait_seconds=0.0)
+                return pb.SecAggReply(ciphertexts=wire.ciphertexts_to_pb(s.routed_shares(agent_id).ciphertexts))
+            if stage == pb.SECAGG_MASKED:
+                if not await self._ready(lambda: s.stage not in ("advertise", "share", "mask"), wait):
+                    return pb.SecAggReply(wait_seconds=0.0)
+                return pb.SecAggReply(survivors=pb.SecAggSurvivors(agent_ids=s.unmask_request(agent_id).survivors))
+            if stage == pb.SECAGG_UNMASK:
+                if not body:
+                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "SECAGG_UNMASK needs unmask_shares")
+                if self._finishing:
+                    raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "unmasking already started; too late")
+                s.receive_unmask(wire.unmask_shares_from_pb(agent_id, request.unmask_shares))
+                self._notify()
+                return pb.SecAggReply(done=f"unmask shares accepted for round {self.params.round_id}")
+        except SecAggStageError as exc:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        except SecAggError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except SecAggAbort as exc:
+            raise Refusal(grpc.StatusCode.ABORTED, str(exc)) from None
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unknown secure-aggregation stage {stage}")
+
+    async def _ready(self, ready: Callable[[], bool], wait: float) -> bool:
+        await self._until(ready, wait)
+        if self.failure is not None:
+            raise SecAggAbort(f"secure aggregation of this round failed: {self.failure}")
+        return ready()
+
+
+def _timed(fn):
+    """fn() and the CPU seconds this thread spent in it."""
+    start = time.thread_time()
+    result = fn()
+    return result, time.thread_time() - start
+
+
+def wire_masked(agent_id: str, array: np.ndarray):
+    """The MaskedInput of an upload whose single int32 tensor carries the uint32 field vector's bits."""
+    return MaskedInput(agent_id, np.ascontiguousarray(array).reshape(-1).view(DTYPE))
+
+
+async def secagg_exchange(coordinator, agent_id: str, request: pb.SecAggRequest) -> pb.SecAggReply:
+    """Route a SecAggExchange call of an authenticated agent to the current round's SecureRound."""
+    secure, state = coordinator.secure, coordinator.current
+    if not coordinator.config.secure_aggregation:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      "this coordinator does not run secure aggregation (start it with --secure-aggregation)")
+    if state is None or secure is None or request.round != state.round_id:
+        current = state.round_id if state else coordinator.round_id
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"secure-aggregation message for round {request.round}, but the current round is {current}")
+    state.slot_for(agent_id, request.task_id)
+    return await secure.exchange(agent_id, request)
