@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     config = AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
-                         max_backoff=args.max_backoff, give_up_after=args.give_up_after, seed=args.seed,
+                         max_backoff=args.max_backoff, give_up_after=args.give_up_after,
                          credentials=security.credentials, tls_server_name=security.server_name,
                          enrollment_token=security.enrollment_token)
     agent = Agent(config, LocalTrainer(model, train, val, seed=args.seed))

@@ -42,7 +42,7 @@ class AgentConfig:
     tls_server_name: str | None = None  # name to check the coordinator's certificate for, if not the host
     enrollment_token: str = ""  # for coordinators that admit agents without certificates by token
     drop_probability: float = 0.0  # simulations: chance of vanishing for a round after training
-    seed: int = 0
+    seed: int | None = None  # drop decisions and backoff jitter; None: fresh entropy (agents must not move in lockstep)
 
 
 @dataclass

@@ -154,7 +154,7 @@ class CoordinatorService:
     async def SecAggExchange(self, request: pb.SecAggRequest, context) -> pb.SecAggReply:
         """One secure-aggregation stage message, answered by the server's next broadcast (long-poll)."""
         try:
-            agent = self._auth(request.auth)
+            agent = self._auth(request.auth, context)
             return await secagg_exchange(self.coord, agent.agent_id, request)
         except Refusal as r:
             await context.abort(r.code, r.message)

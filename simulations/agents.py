@@ -54,8 +54,8 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: thread
     trainer = LocalTrainer(model, train, val, seed=cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000,
                            seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
-                            drop_probability=spec.drop_probability, seed=cfg.seed, give_up_after=60.0,
-                            credentials=credentials)
+                            drop_probability=spec.drop_probability, give_up_after=60.0, credentials=credentials,
+                            seed=cfg.seed * 1_000_003 + zlib.crc32(spec.agent_id.encode()))  # own drops and jitter
     return Agent(agent_cfg, trainer)
 
 

@@ -29,7 +29,8 @@ def test_secure_simulation_learns_like_fedavg(tmp_path):
 def test_serve_refuses_secure_aggregation_with_a_robust_strategy(tmp_path, capsys):
     from fedpar.cli.main import main
 
-    code = main(["serve", "--port", "0", "--secure-aggregation", "--strategy", "krum", "--out", str(tmp_path)])
+    code = main(["serve", "--port", "0", "--insecure", "--secure-aggregation", "--strategy", "krum", "--out",
+                 str(tmp_path)])
     assert code == 2
     err = capsys.readouterr().err
     assert "secure aggregation" in err and "fedavg" in err
