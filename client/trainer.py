@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +40,12 @@ class LocalTrainer:
 
     def __init__(self, model: nn.Module, train: ArrayDataset, val: ArrayDataset | None = None,
                  seed: int = 0, seconds_per_step_delay: float = 0.0,
-                 compute_lock: ContextManager | None = None):
+                 compute_lock: threading.Lock | None = None):
         self.model = model
         # Agents sharing one process share its interpreter lock: stepping dozens of small models at once only
-        # adds lock hand-offs (several times slower per step), so such hosts pass one lock and take turns.
-        self._compute = compute_lock if compute_lock is not None else contextlib.nullcontext()
+        # adds lock hand-offs and cache misses (several times slower per step), so such hosts pass one lock and
+        # each agent trains in one turn (a simulated slow device gives the turn up while it sleeps).
+        self._turn = compute_lock
         self.x, self.y = train.to_tensors()
         self.val = val.to_tensors() if val is not None and len(val) else None
         self.seed = seed
@@ -79,15 +80,15 @@ class LocalTrainer:
         loss_sum = 0.0
         stopped = False
         n = len(self.y)
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=gen)
-            for begin in range(0, n, batch_size):
-                if time.monotonic() + self._step_seconds > stop_at:
-                    stopped = True
-                    break
-                t0 = time.monotonic()
-                idx = order[begin:begin + batch_size]
-                with self._compute:
+        with self._taking_turn():
+            for _ in range(epochs):
+                order = torch.randperm(n, generator=gen)
+                for begin in range(0, n, batch_size):
+                    if time.monotonic() + self._step_seconds > stop_at:
+                        stopped = True
+                        break
+                    t0 = time.monotonic()
+                    idx = order[begin:begin + batch_size]
                     loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
                     objective = loss
                     if anchor is not None:
@@ -97,15 +98,15 @@ class LocalTrainer:
                     optimizer.zero_grad(set_to_none=True)
                     objective.backward()
                     optimizer.step()
-                if self.delay:
-                    time.sleep(self.delay)
-                steps += 1
-                examples += len(idx)
-                loss_sum += loss.item() * len(idx)
-                dt = time.monotonic() - t0
-                self._step_seconds = dt if steps == 1 else 0.8 * self._step_seconds + 0.2 * dt
-            if stopped:
-                break
+                    if self.delay:
+                        self._pause(self.delay)
+                    steps += 1
+                    examples += len(idx)
+                    loss_sum += loss.item() * len(idx)
+                    dt = time.monotonic() - t0
+                    self._step_seconds = dt if steps == 1 else 0.8 * self._step_seconds + 0.2 * dt
+                if stopped:
+                    break
         return TrainResult(steps, examples, loss_sum / examples if examples else float("nan"), stopped,
                            time.monotonic() - start)
 
@@ -114,8 +115,28 @@ class LocalTrainer:
         """Loss and accuracy on the local validation split (None when there is none)."""
         if self.val is None:
             return None
-        with self._compute:
+        with self._taking_turn():
             return evaluate_classifier(self.model, *self.val, batch_size=batch_size)
+
+    @contextlib.contextmanager
+    def _taking_turn(self):
+        """Hold this process's compute turn (if agents share one) for the duration."""
+        if self._turn is None:
+            yield
+            return
+        with self._turn:
+            yield
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep like a slow device would, without holding the compute turn."""
+        if self._turn is None:
+            time.sleep(seconds)
+            return
+        self._turn.release()
+        try:
+            time.sleep(seconds)
+        finally:
+            self._turn.acquire()
 
 
 @torch.no_grad()
