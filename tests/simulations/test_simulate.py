@@ -23,3 +23,22 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
     for key in ("sampled", "reported", "late", "test_accuracy", "round_seconds"):
         assert all(key in r for r in rows)
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(600)
+def test_heterogeneous_federation_overselects_and_leaves_slow_and_dropping_clients_behind(tmp_path):
+    from fedpar.simulations.runner import SimulationConfig, run_simulation
+
+    cfg = SimulationConfig(clients=12, rounds=3, partition="dirichlet:0.3", clients_per_round=6, overselect=1.3,
+                           slow_fraction=0.25, slow_step_delay=0.5, drop_probability=0.2, deadline_seconds=4.0,
+                           workers=1, out=str(tmp_path / "het"))
+    summary = run_simulation(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "het" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and summary["failed_rounds"] == 0
+    for r in rows:
+        assert r["sampled"] == 8  # ceil(6 x 1.3) of the 12 live agents
+        assert 1 <= r["reported"] <= 6  # the first K count; a round also closes at its deadline
+        assert r["reported"] + r["late"] + r["rejected"] == r["sampled"]
+    # Slow devices need ~0.5 s per step: they cannot be among the first K, and drops happen per agent.
+    assert sum(r["late"] for r in rows) >= 3
+    assert summary["final_test_accuracy"] > 0.3  # chance is 0.1: the fast clients still teach the model
