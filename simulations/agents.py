@@ -8,6 +8,7 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
@@ -59,12 +60,13 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: thread
     return Agent(agent_cfg, trainer)
 
 
-def run_worker(cfg: WorkerConfig) -> list[AgentStats]:
-    """Entry point of a worker process: run every agent in a thread until the coordinator shuts down."""
+def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
+    """Run every agent of ``cfg`` in a thread until the coordinator shuts down (``splits``: the loaded data)."""
     torch.set_num_threads(1)  # several worker processes share the cores
     torch.set_flush_denormal(True)  # denormals slow CPU training up to 7x (see the CPU training notes)
     logging.basicConfig(level=logging.WARNING)
-    splits = load_dataset(cfg.dataset, cfg.data_dir)
+    if splits is None:
+        splits = load_dataset(cfg.dataset, cfg.data_dir)
     compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see LocalTrainer)
     agents = [build_agent(cfg, spec, splits, compute_lock) for spec in cfg.agents]
     stats: list[AgentStats] = [AgentStats() for _ in agents]
@@ -86,13 +88,17 @@ def run_worker(cfg: WorkerConfig) -> list[AgentStats]:
     return stats
 
 
-def run_worker_process(cfg: WorkerConfig) -> None:
-    """Process target around :func:`run_worker` that exits at once when the agents are done.
+def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> None:
+    """Process target: load the data while the coordinator starts, then run the agents of the WorkerConfig that
+    arrives on ``conn`` (None: the simulation was called off), and exit at once when they are done.
 
     A normal interpreter shutdown of a process that used gRPC and torch takes seconds here (measured: 4 s per
     worker), which every simulation would wait for; its agents have closed their channels, so skip it.
     """
-    run_worker(cfg)
+    splits = load_dataset(dataset, data_dir)
+    cfg = conn.recv()
+    if cfg is not None:
+        run_worker(cfg, splits)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

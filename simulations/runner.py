@@ -91,6 +91,33 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").unlink(missing_ok=True)
+    # Start the agent processes first: their imports and data loading overlap the coordinator's set-up.
+    workers = max(1, min(cfg.workers, cfg.clients))
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
+    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}", args=(recv, cfg.dataset, cfg.data_dir),
+                         daemon=True) for w, (recv, _) in enumerate(pipes)]
+    for p in procs:
+        p.start()
+    for recv, _ in pipes:
+        recv.close()  # the child's end
+    try:
+        return _run(cfg, on_round, started, out, procs, [send for _, send in pipes])
+    finally:
+        for _, send in pipes:
+            if not send.closed:
+                try:
+                    send.send(None)  # called off before this worker got its agents
+                except OSError:
+                    pass  # that worker is gone already
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+
+
+def _run(cfg: SimulationConfig, on_round, started: float, out: Path | None, procs, pipes) -> dict:
+    """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = partition_indices(splits, cfg.partition, cfg.clients, cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -115,16 +142,11 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     server = CoordinatorServer(coordinator,
                                credentials=server_credentials(server_tls_files(certs.name)) if certs else None)
     server.start()
-    workers = max(1, min(cfg.workers, cfg.clients))
-    groups = [specs[w::workers] for w in range(workers)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}",
-                         args=(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction,
-                                            cfg.seed, group),), daemon=True)
-             for w, group in enumerate(groups)]
-    for p in procs:
-        p.start()
     try:
+        for w, send in enumerate(pipes):
+            send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
+                                   specs[w::len(pipes)]))
+            send.close()
         while not server.wait(0.5):
             dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
             if dead:
@@ -132,9 +154,6 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         for p in procs:
             p.join(timeout=30)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
         server.stop()
         if certs is not None:
             certs.cleanup()
