@@ -21,6 +21,7 @@ from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
+from fedpar.protocol.tensorfile import atomic_write_bytes
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
@@ -61,7 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
     p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
-    p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="checkpoint every round here, and resume from it after a restart (same model and strategy)")
+    p.add_argument("--port-file", type=Path,
+                   help="once listening, write the bound port to this file (handy with --port 0)")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
 
 
@@ -91,8 +95,12 @@ def run(args: argparse.Namespace) -> int:
             return {"test_loss": result.loss, "test_accuracy": result.accuracy}
 
     table = RoundTable(total=config.rounds)
-    coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
-                              evaluate_fn=evaluate, on_round_end=[table.row])
+    try:
+        coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
+                                  evaluate_fn=evaluate, on_round_end=[table.row])
+    except ValueError as exc:  # e.g. a damaged checkpoint, or one made with another model
+        print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
+        return 2
     server = CoordinatorServer(coordinator, host=args.host, port=args.port)
     try:
         server.start()
@@ -100,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar serve: could not listen on {args.host}:{args.port}: {exc}; try another --port",
               file=sys.stderr)
         return 1
+    if args.port_file:
+        atomic_write_bytes(args.port_file, [f"{server.port}\n".encode()])
     print(f"coordinator listening on {args.host}:{server.port}; waiting for {config.min_available} agents "
           f"(start them with: fedpar client --server {args.host}:{server.port} ...)", flush=True)
     stop = threading.Event()

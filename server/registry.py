@@ -24,6 +24,7 @@ class AgentRecord:
     capabilities: dict[str, str] = field(default_factory=dict)
     last_seen: float = 0.0
     left: bool = False
+    restored: bool = False  # known from a checkpoint, no session yet: not live until it joins again
 
 
 class AgentRegistry:
@@ -52,6 +53,8 @@ class AgentRegistry:
         record = self._agents.get(agent_id)
         if record is None or record.left:
             raise AuthError(f"unknown agent {agent_id!r}: call Join first")
+        if record.restored:
+            raise AuthError(f"the coordinator restarted since agent {agent_id!r} joined: call Join again")
         if not hmac.compare_digest(record.token.encode(), token.encode()):
             raise AuthError(f"bad session token for agent {agent_id!r}: call Join again")
         record.last_seen = self._clock()
@@ -64,7 +67,7 @@ class AgentRegistry:
 
     def is_live(self, record: AgentRecord) -> bool:
         """Whether the agent has called recently enough to be sampled."""
-        return not record.left and self._clock() - record.last_seen <= self.liveness_timeout
+        return not record.left and not record.restored and self._clock() - record.last_seen <= self.liveness_timeout
 
     def live_ids(self) -> list[str]:
         """Ids of live agents, sorted (sampling is then deterministic for a seed)."""
@@ -76,6 +79,28 @@ class AgentRegistry:
 
     def __len__(self) -> int:
         return len(self._agents)
+
+    def restore(self, snapshot: list[dict]) -> list[str]:
+        """Re-create the agents of a checkpoint's :meth:`snapshot` without sessions; returns their ids.
+
+        Tokens are never checkpointed: a restored agent is refused (UNAUTHENTICATED) until it joins
+        again, and it is not live, so it counts toward min_available only once it has re-joined.
+        """
+        ids = []
+        for entry in snapshot:
+            try:
+                agent_id, num_examples = str(entry["agent_id"]), int(entry["num_examples"])
+                capabilities = {str(k): str(v) for k, v in dict(entry.get("capabilities", {})).items()}
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise ValueError(f"bad agent entry in checkpoint: {entry!r:.200}") from None
+            if agent_id not in self._agents:
+                self._agents[agent_id] = AgentRecord(agent_id, "", num_examples, capabilities, restored=True)
+                ids.append(agent_id)
+        return ids
+
+    def waiting_for_rejoin(self, ids: list[str]) -> list[str]:
+        """Those of ``ids`` that are still restored records (have not joined again)."""
+        return [i for i in ids if (r := self._agents.get(i)) is not None and r.restored]
 
     def snapshot(self) -> list[dict]:
         """JSON-able view for checkpoints (no tokens: agents re-join after a restart)."""
