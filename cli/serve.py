@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fedpar.aggregation import build_strategy, strategy_names
+from fedpar.cli.limit_options import add_limit_arguments
 from fedpar.cli.progress import RoundTable
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
@@ -62,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
     p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
+    add_limit_arguments(p)
     p.add_argument("--checkpoint-dir", type=Path,
                    help="checkpoint every round here, and resume from it after a restart (same model and strategy)")
     p.add_argument("--port-file", type=Path,

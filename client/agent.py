@@ -20,7 +20,9 @@ from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, chan
 from fedpar.client.transfer import download_weights, upload_messages, upload_update
 
 log = logging.getLogger("fedpar.client")
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @dataclass
