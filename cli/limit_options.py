@@ -28,5 +28,9 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="registered agents; a Join from a new agent beyond this is refused")
     g.add_argument("--max-joins-per-second", type=float, default=d.max_joins_per_second,
                    help="server-wide Join rate, with a burst of five seconds' worth")
+    g.add_argument("--max-queued-uploads", type=int, default=d.max_queued_uploads,
+                   help="uploads staged or waiting for a staging slot; beyond this agents are told to retry")
+    g.add_argument("--max-concurrent-downloads", type=int, default=d.max_concurrent_downloads,
+                   help="weight downloads streamed at once; further downloads wait their turn")
     g.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
                    help="server-wide calls in flight (every agent holds a long-poll, so keep it > 2 x agents)")

@@ -181,13 +181,21 @@ class Agent:
             self.stats.dropped += 1
             return
         metrics.update(train_loss=result.loss, train_seconds=result.seconds)
-        messages = upload_messages(self._auth, task, self.layout, get_weights(self.trainer.model),
-                                   result.examples, result.steps, metrics, min(self._max_chunk, self.config.chunk_bytes))
-        try:
-            upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
-            self.stats.accepted += 1
-        except grpc.RpcError as err:
-            self._note_refusal("upload", err)
+        weights, backoff = get_weights(self.trainer.model), 0.1
+        while True:
+            messages = upload_messages(self._auth, task, self.layout, weights, result.examples, result.steps,
+                                       metrics, min(self._max_chunk, self.config.chunk_bytes))
+            try:
+                upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
+                self.stats.accepted += 1
+                return
+            except grpc.RpcError as err:
+                # RESOURCE_EXHAUSTED: the coordinator is busy (or rate-limits us); retry while the deadline allows.
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + backoff >= deadline_at:
+                    self._note_refusal("upload", err)
+                    return
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 2.0)
 
     def _note_refusal(self, what: str, err: Exception) -> None:
         detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)

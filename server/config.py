@@ -36,6 +36,8 @@ class CoordinatorConfig:
     max_agents: int = 100_000  # registered agents; Join of a new agent beyond this is refused
     max_joins_per_second: float = 500.0  # server-wide Join rate (with a 5-second burst)
     max_concurrent_rpcs: int = 20_000  # server-wide calls in flight; long-polls count, so > agents
+    max_queued_uploads: int = 64  # uploads holding or awaiting a staging slot; more are refused (agents retry)
+    max_concurrent_downloads: int = 64  # weight streams sent at once; more wait their turn
     wait_for_agents_seconds: float | None = None  # None: wait forever for min_available agents
     checkpoint_dir: Path | None = None
     metrics_path: Path | None = None
@@ -63,6 +65,9 @@ class CoordinatorConfig:
              "max_upload_bytes_per_second must be > 0"),
             (self.max_agents >= self.min_available, "max_agents must be >= min_available"),
             (self.max_joins_per_second > 0, "max_joins_per_second must be > 0"),
+            (self.max_queued_uploads >= self.max_concurrent_uploads,
+             "max_queued_uploads must be >= max_concurrent_uploads"),
+            (self.max_concurrent_downloads >= 1, "max_concurrent_downloads must be >= 1"),
             (self.max_concurrent_rpcs >= 2 * self.min_available,
              "max_concurrent_rpcs must be at least twice min_available (every agent long-polls)"),
             (self.liveness_timeout_seconds > self.heartbeat_seconds,

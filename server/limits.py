@@ -7,9 +7,10 @@ event loop is the only user, so nothing here locks.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import grpc
 
@@ -48,6 +49,8 @@ class Limits:
         self._calls: dict[str, int] = {}
         self._attempts: dict[str, tuple[int, int]] = {}  # agent -> (round, upload attempts in it)
         self._bytes: dict[str, TokenBucket] = {}
+        self._queued_uploads = 0
+        self._downloads: asyncio.Semaphore | None = None
 
     def admit_join(self, agent_id: str, known: bool, registry_size: int) -> None:
         """Refuse a Join when joins come too fast or a new agent would overfill the registry."""
@@ -75,6 +78,30 @@ class Limits:
                 self._calls[agent_id] = left
             else:
                 del self._calls[agent_id]
+
+    @contextmanager
+    def upload_queue(self) -> Iterator[None]:
+        """Hold a place among the uploads that are staged or waiting to be; refuse when they are full.
+
+        Every waiting upload has up to one HTTP/2 window of data buffered in the transport, so bounding
+        the queue keeps that memory independent of how many agents upload at once.
+        """
+        if self._queued_uploads >= self.config.max_queued_uploads:
+            raise Refusal(EXHAUSTED, f"the coordinator is busy with {self._queued_uploads} uploads "
+                                     f"(--max-queued-uploads {self.config.max_queued_uploads}); retry in a moment")
+        self._queued_uploads += 1
+        try:
+            yield
+        finally:
+            self._queued_uploads -= 1
+
+    @asynccontextmanager
+    async def download_slot(self) -> AsyncIterator[None]:
+        """Wait for one of the concurrent-download slots (each stream buffers about one chunk)."""
+        if self._downloads is None:
+            self._downloads = asyncio.Semaphore(self.config.max_concurrent_downloads)
+        async with self._downloads:
+            yield
 
     def start_upload(self, agent_id: str, round_id: int) -> None:
         """Count an upload attempt; an abandoned upload may be retried, but not without bound."""

@@ -65,8 +65,9 @@ class CoordinatorService:
             agent = self._auth(request.auth)
             payload = self.coord.payload_for(agent, request.round, request.task_id)
             with self.limits.agent_call(agent.agent_id):
-                for message in payload.messages:
-                    yield message
+                async with self.limits.download_slot():
+                    for message in payload.messages:
+                        yield message
         except Refusal as r:
             await context.abort(r.code, r.message)
 
@@ -78,7 +79,7 @@ class CoordinatorService:
             if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
             agent = self._auth(first.header.auth)
-            with self.limits.agent_call(agent.agent_id):
+            with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
                 current = self.coord.current.round_id if self.coord.current else self.coord.round_id
                 self.limits.start_upload(agent.agent_id, current)
                 ticket = self.coord.open_upload(agent, first.header)
@@ -146,7 +147,7 @@ class CoordinatorService:
         """Mark the agent alive."""
         try:
             agent = self._auth(request.auth)
-            with self.limits.agent_call(agent.agent_id):
+            with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
                 current = self.coord.current.round_id if self.coord.current else self.coord.round_id
         except Refusal as r:
             await context.abort(r.code, r.message)
