@@ -74,7 +74,7 @@ def load_tensors(path: str | Path) -> tuple[list[str], list[np.ndarray], dict[st
             raise CodecError(f"{path}: too short to be a tensor file")
         (header_len,) = struct.unpack("<Q", raw_len)
         if header_len > min(MAX_HEADER_BYTES, os.fstat(fh.fileno()).st_size - 8):
-            raise CodecError(f"{path}: header length {header_len} is larger than the file allows (truncated?)")
+            raise CodecError(f"{path}: header length {header_len} is implausibly large for this file (truncated?)")
         try:
             header = json.loads(fh.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

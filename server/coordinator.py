@@ -212,15 +212,17 @@ class Coordinator:
         row["round_seconds"] = now - state.started
         row["wall_seconds"] = now - self.started_at
         if self.config.checkpoint_dir is not None:
-            await self._in_thread(self._checkpoint, row)  # before the metrics line: a crash between is repaired
+            # The registry and sampler belong to the loop: snapshot them here, write in a thread. The
+            # checkpoint precedes the metrics line; a crash between the two is repaired on resume.
+            loop_state = {"sampler": self.sampler.state(), "agents": self.registry.snapshot()}
+            await self._in_thread(self._checkpoint, row, loop_state)
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)
 
-    def _checkpoint(self, row: dict) -> None:
+    def _checkpoint(self, row: dict, loop_state: dict) -> None:
         arrays, meta = self.strategy.state_dict()
-        state = {"sampler": self.sampler.state(), "strategy": meta, "agents": self.registry.snapshot(),
-                 "metrics_row": clean_row(row)}
+        state = {**loop_state, "strategy": meta, "metrics_row": clean_row(row)}
         json.dumps(state)  # fail here, loudly, if any strategy metadata is not JSON
         save_checkpoint(self.config.checkpoint_dir,
                         Checkpoint(self.round_id, self.names, self.weights, dict(arrays), state))

@@ -147,7 +147,7 @@ class CoordinatorService:
         """Mark the agent alive."""
         try:
             agent = self._auth(request.auth)
-            with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
+            with self.limits.agent_call(agent.agent_id):
                 current = self.coord.current.round_id if self.coord.current else self.coord.round_id
         except Refusal as r:
             await context.abort(r.code, r.message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     def note(row: dict | None) -> None:
         if args.memory_file:
             with args.memory_file.open("a") as fh:
-                fh.write(json.dumps({"round": row["round"] if row else 0, "time": time.time(), **memory_kib()}) + "\n")
+                cpu = os.times()
+                fh.write(json.dumps({"round": row["round"] if row else 0, "time": time.time(),
+                                     "cpu_seconds": cpu.user + cpu.system, **memory_kib()}) + "\n")
 
     coordinator = Coordinator(config, names, weights, build_strategy("fedavg"), on_round_end=[note])
     server = CoordinatorServer(coordinator, port=args.port)

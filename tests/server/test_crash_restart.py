@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedpar.cli.main import build_parser
 from fedpar.client.agent import Agent, AgentConfig
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
@@ -70,8 +71,14 @@ class Hub:
             self.killed.wait(60)
 
 
+def _plaintext_flag() -> list[str]:
+    """``--insecure`` where `fedpar serve` has TLS by default (these agents dial plaintext loopback)."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    return ["--insecure"] if any("--insecure" in a.option_strings for a in serve._actions) else []
+
+
 def _serve(tmp: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", *_plaintext_flag(), "--port", str(port),
            "--port-file", str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"),
            "--rounds", str(ROUNDS), "--min-available", str(len(IDS)), "--clients-per-round", str(K),
            "--overselect", "1.0", "--deadline", "30", "--seed", str(SEED), "--heartbeat", "1",

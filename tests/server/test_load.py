@@ -52,6 +52,10 @@ def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
             "growth_kib": memory[-1]["VmHWM"] - memory[0]["VmRSS"]}
 
 
+def _cpu(run: dict) -> float:
+    return run["memory"][-1]["cpu_seconds"] - run["memory"][0]["cpu_seconds"]
+
+
 @pytest.mark.timeout(240)
 def test_1000_concurrent_agents_complete_rounds_with_memory_bounded_per_agent(tmp_path):
     runs = {n: _run(tmp_path / f"n{n}", n) for n in (100, 1000)}
@@ -63,7 +67,8 @@ def test_1000_concurrent_agents_complete_rounds_with_memory_bounded_per_agent(tm
     per_agent = (runs[1000]["growth_kib"] - runs[100]["growth_kib"]) / 900
     print(f"\ncoordinator peak growth: 100 agents {runs[100]['growth_kib']} KiB, "
           f"1000 agents {runs[1000]['growth_kib']} KiB -> {per_agent:.1f} KiB per extra agent; "
-          f"round seconds (1000): {[round(r['round_seconds'], 2) for r in runs[1000]['rows']]}")
+          f"round seconds (1000): {[round(r['round_seconds'], 2) for r in runs[1000]['rows']]}, coordinator "
+          f"CPU seconds for {ROUNDS} rounds: {_cpu(runs[1000]):.1f}")
     # Registry entry, pending long-poll and gRPC call state per agent, with model copies bounded by
     # --max-queued-uploads / --max-concurrent-downloads rather than by the agent count.
     assert per_agent < 100, per_agent
