@@ -52,11 +52,14 @@ class Limits:
         self._queued_uploads = 0
         self._downloads: asyncio.Semaphore | None = None
 
-    def admit_join(self, agent_id: str, known: bool, registry_size: int) -> None:
-        """Refuse a Join when joins come too fast or a new agent would overfill the registry."""
-        if not known and registry_size >= self.config.max_agents:
-            raise Refusal(EXHAUSTED, f"the coordinator already has {registry_size} agents registered "
-                                     f"(--max-agents {self.config.max_agents}); try again later")
+    def admit_join(self, agent_id: str, registry) -> None:
+        """Refuse a Join when joins come too fast or a new agent would overfill the registry (after
+        forgetting agents that left or have been silent for ten liveness timeouts)."""
+        if registry.get(agent_id) is None and len(registry) >= self.config.max_agents:
+            registry.prune_inactive(10 * self.config.liveness_timeout_seconds)
+            if len(registry) >= self.config.max_agents:
+                raise Refusal(EXHAUSTED, f"the coordinator already has {len(registry)} agents registered "
+                                         f"(--max-agents {self.config.max_agents}); try again later")
         if not self._joins.take():
             raise Refusal(EXHAUSTED, f"too many joins (more than {self.config.max_joins_per_second:g}/s, "
                                      "--max-joins-per-second); back off and retry")

@@ -98,6 +98,14 @@ class AgentRegistry:
                 ids.append(agent_id)
         return ids
 
+    def prune_inactive(self, max_idle_seconds: float) -> int:
+        """Forget agents that left or have been silent longer than ``max_idle_seconds``; returns how many."""
+        now = self._clock()
+        gone = [i for i, r in self._agents.items() if r.left or r.restored or now - r.last_seen > max_idle_seconds]
+        for agent_id in gone:
+            del self._agents[agent_id]
+        return len(gone)
+
     def waiting_for_rejoin(self, ids: list[str]) -> list[str]:
         """Those of ``ids`` that are still restored records (have not joined again)."""
         return [i for i in ids if (r := self._agents.get(i)) is not None and r.restored]

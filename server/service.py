@@ -41,8 +41,7 @@ class CoordinatorService:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"protocol version {request.protocol_version} is not supported "
                               f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the agent")
-            self.limits.admit_join(request.agent_id, self.coord.registry.get(request.agent_id) is not None,
-                                   len(self.coord.registry))
+            self.limits.admit_join(request.agent_id, self.coord.registry)
             record = self.coord.join(request.agent_id, request.num_examples, dict(request.capabilities))
         except Refusal as r:
             await context.abort(r.code, r.message)

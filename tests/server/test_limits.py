@@ -102,6 +102,15 @@ def test_registry_size_and_join_rate_are_bounded(start_coordinator, agents):
     assert len(server.coordinator.registry) == 3
 
 
+def test_a_full_registry_makes_room_by_forgetting_agents_that_left(start_coordinator, agents):
+    server = start_coordinator(_arrays(), min_available=2, max_agents=2)
+    a, b = agents(server.address, ["a", "b"])
+    _exhausted(lambda: a.stub.Join(pb.JoinRequest(agent_id="c", num_examples=1), timeout=5), "--max-agents")
+    b.stub.Leave(pb.LeaveRequest(auth=b.auth), timeout=5)
+    assert a.stub.Join(pb.JoinRequest(agent_id="c", num_examples=1), timeout=5).token
+    assert sorted(r for r in ("a", "b", "c") if server.coordinator.registry.get(r)) == ["a", "c"]
+
+
 def test_a_stalled_upload_is_cut_off_at_the_round_deadline(start_coordinator, agents):
     init = _arrays()
     server = start_coordinator(init, min_available=1, clients_per_round=1, deadline_seconds=2.0,
