@@ -235,6 +235,8 @@ class Coordinator:
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self._wakeups.setdefault(agent_id, asyncio.Event())
+        if len(self._wakeups) > 2 * len(self.registry) + 64:  # agents the registry has since forgotten
+            self._wakeups = {i: e for i, e in self._wakeups.items() if self.registry.get(i) is not None}
         self._agents_changed.set()
         return record
 
