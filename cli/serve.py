@@ -17,12 +17,14 @@ import torch
 
 from fedpar.aggregation import build_strategy, strategy_names
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
+from fedpar.cli.limit_options import add_limit_arguments
 from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
+from fedpar.protocol.tensorfile import atomic_write_bytes
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
@@ -74,7 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "examples x local epochs in the cohort)")
     p.add_argument("--secagg-stage-seconds", type=float, default=d.secagg_stage_seconds,
                    help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
-    p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
+    add_limit_arguments(p)
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="checkpoint every round here, and resume from it after a restart (same model and strategy)")
+    p.add_argument("--port-file", type=Path,
+                   help="once listening, write the bound port to this file (handy with --port 0)")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
     add_dp_arguments(p, population_flag=True)
     add_tls_arguments(p, "serve")
@@ -113,8 +119,12 @@ def run(args: argparse.Namespace) -> int:
             return {"test_loss": result.loss, "test_accuracy": result.accuracy}
 
     table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
-    coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
-                              evaluate_fn=evaluate, on_round_end=[table.row], admission=security.admission)
+    try:
+        coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
+                                  evaluate_fn=evaluate, on_round_end=[table.row], admission=security.admission)
+    except ValueError as exc:  # e.g. a damaged checkpoint, or one made with another model
+        print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
+        return 2
     server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
     try:
         server.start()
@@ -122,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar serve: could not listen on {args.host}:{args.port}: {exc}; try another --port",
               file=sys.stderr)
         return 1
+    if args.port_file:
+        atomic_write_bytes(args.port_file, [f"{server.port}\n".encode()])
     print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
           f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
           f"{security.client_hint} --agent-id ID ...)", flush=True)

@@ -23,7 +23,9 @@ from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.secagg.errors import SecAggAbort, SecAggError
 
 log = logging.getLogger("fedpar.client")
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @dataclass
@@ -211,13 +213,21 @@ class Agent:
         except ValueError as err:
             self._note_refusal("dp clipping", err)
             return
-        messages = upload_messages(self._auth, task, self.layout, update,
-                                   result.examples, result.steps, metrics, min(self._max_chunk, self.config.chunk_bytes))
-        try:
-            upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
-            self.stats.accepted += 1
-        except grpc.RpcError as err:
-            self._note_refusal("upload", err)
+        backoff = 0.1
+        while True:
+            messages = upload_messages(self._auth, task, self.layout, update, result.examples, result.steps,
+                                       metrics, min(self._max_chunk, self.config.chunk_bytes))
+            try:
+                upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
+                self.stats.accepted += 1
+                return
+            except grpc.RpcError as err:
+                # RESOURCE_EXHAUSTED: the coordinator is busy (or rate-limits us); retry while the deadline allows.
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + backoff >= deadline_at:
+                    self._note_refusal("upload", err)
+                    return
+                time.sleep(backoff * (0.5 + self._rng.random()))
+                backoff = min(backoff * 2, 2.0)
 
     def _note_refusal(self, what: str, err: Exception) -> None:
         detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)

@@ -35,4 +35,9 @@ def channel_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # Reconnect to a restarted coordinator within about a second instead of gRPC's default backoff
+        # (1 s growing to 120 s; while it waits, calls fail at once). Agents add their own jittered backoff.
+        ("grpc.initial_reconnect_backoff_ms", 300),
+        ("grpc.min_reconnect_backoff_ms", 300),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]

@@ -31,7 +31,12 @@ def atomic_write_bytes(path: str | Path, parts: Sequence[bytes | memoryview]) ->
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: str | Path) -> None:
+    """Make renames and new entries in directory ``path`` durable."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
@@ -54,6 +59,12 @@ def save_tensors(path: str | Path, names: Sequence[str], arrays: Sequence[np.nda
     atomic_write_bytes(path, parts)
 
 
+def _int(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError("not an integer")
+    return value
+
+
 def load_tensors(path: str | Path) -> tuple[list[str], list[np.ndarray], dict[str, str]]:
     """Read a file written by :func:`save_tensors`; returns names, arrays (in file order) and metadata."""
     path = Path(path)
@@ -62,8 +73,8 @@ def load_tensors(path: str | Path) -> tuple[list[str], list[np.ndarray], dict[st
         if len(raw_len) != 8:
             raise CodecError(f"{path}: too short to be a tensor file")
         (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > MAX_HEADER_BYTES:
-            raise CodecError(f"{path}: header of {header_len} bytes is implausibly large")
+        if header_len > min(MAX_HEADER_BYTES, os.fstat(fh.fileno()).st_size - 8):
+            raise CodecError(f"{path}: header length {header_len} is implausibly large for this file (truncated?)")
         try:
             header = json.loads(fh.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -77,16 +88,22 @@ def load_tensors(path: str | Path) -> tuple[list[str], list[np.ndarray], dict[st
         for name, entry in header.items():
             try:
                 dtype = _FROM_ST[entry["dtype"]]
-                begin, end = (int(x) for x in entry["data_offsets"])
-                shape = [int(d) for d in entry["shape"]]
+                begin, end = (_int(x) for x in entry["data_offsets"])
+                shape = [_int(d) for d in entry["shape"]]
             except (KeyError, TypeError, ValueError):
                 raise CodecError(f"{path}: bad header entry for {name!r}") from None
             entries.append((begin, end, name, dtype, shape))
         entries.sort()
-        layout = ModelLayout((name, dtype, shape) for _, _, name, dtype, shape in entries)
+        try:
+            layout = ModelLayout((name, dtype, shape) for _, _, name, dtype, shape in entries)
+        except CodecError as exc:
+            raise CodecError(f"{path}: {exc}") from None
         for (begin, end, name, _, _), meta in zip(entries, layout.tensors):
             if (begin, end) != (meta.offset, meta.offset + meta.nbytes):
                 raise CodecError(f"{path}: tensor {name!r} has inconsistent data_offsets")
+        remaining = os.fstat(fh.fileno()).st_size - fh.tell()
+        if remaining != layout.total_bytes:
+            raise CodecError(f"{path}: expected {layout.total_bytes} data bytes, found {remaining} (truncated?)")
         data = fh.read()
     if len(data) != layout.total_bytes:
         raise CodecError(f"{path}: expected {layout.total_bytes} data bytes, found {len(data)} (truncated?)")

@@ -82,7 +82,9 @@ class CoordinatorServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        server = grpc.aio.server(options=server_options(self.coordinator.config.max_chunk_bytes))
+        config = self.coordinator.config
+        server = grpc.aio.server(options=server_options(config.max_chunk_bytes),
+                                 maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((generic_handler(CoordinatorService(self.coordinator)),))
         target = f"{self.host}:{self.requested_port}"
         if self.credentials is None:

@@ -1,22 +1,39 @@
 """Coordinator checkpoints: one directory per completed round, published by an atomic LATEST pointer.
 
 Tensors go into safetensors-layout files and everything else into JSON, so a checkpoint is read
-without pickle. A crash at any moment leaves LATEST pointing at a complete checkpoint.
+without pickle. The write order makes a crash at any moment harmless:
+
+1. every file goes into ``.round-NNNNNN.partial/`` (temporary file, fsync, rename, fsync of the directory);
+2. the staging directory is renamed to ``round-NNNNNN`` and the root directory is fsynced;
+3. only then is ``LATEST`` replaced (temporary file, fsync, rename, fsync of the root).
+
+So ``LATEST`` only ever names a complete, durable directory; leftovers of an interrupted write
+(``.partial`` directories, ``.tmp-`` files, a round directory ``LATEST`` does not name yet) are ignored
+on load and cleaned up by the next save.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from fedpar.protocol.tensorfile import atomic_write_bytes, load_tensors, save_tensors
+from fedpar.protocol.codec import CodecError
+from fedpar.protocol.tensorfile import atomic_write_bytes, fsync_directory, load_tensors, save_tensors
 
 LATEST = "LATEST"
 KEEP = 2
+FILES = ("global.safetensors", "strategy.safetensors", "state.json")
+_NAME = re.compile(r"round-(\d{6,})")
+MAX_STATE_BYTES = 256 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what to do."""
 
 
 @dataclass
@@ -27,40 +44,117 @@ class Checkpoint:
     names: list[str]
     arrays: list[np.ndarray]
     strategy_arrays: dict[str, np.ndarray]
-    state: dict  # sampler RNG, strategy metadata, registry snapshot, counters
+    state: dict  # sampler RNG, strategy metadata, registry snapshot, the round's metrics row
+
+
+def checkpoint_name(round_id: int) -> str:
+    """Directory name of the checkpoint taken after ``round_id``."""
+    return f"round-{round_id:06d}"
 
 
 def save_checkpoint(root: Path, ckpt: Checkpoint) -> Path:
     """Write ``ckpt`` under ``root`` and make it the latest; old checkpoints beyond KEEP are removed."""
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"round-{ckpt.round_id:06d}"
+    name = checkpoint_name(ckpt.round_id)
     target = root / name
     staging = root / f".{name}.partial"
+    if _read_pointer(root) == name:
+        raise CheckpointError(f"{root / LATEST} already names {name}; refusing to overwrite the live checkpoint")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     save_tensors(staging / "global.safetensors", ckpt.names, ckpt.arrays, {"round": str(ckpt.round_id)})
     keys = sorted(ckpt.strategy_arrays)
     save_tensors(staging / "strategy.safetensors", keys, [ckpt.strategy_arrays[k] for k in keys])
     atomic_write_bytes(staging / "state.json", [json.dumps({"round": ckpt.round_id, **ckpt.state}).encode()])
+    # A round directory LATEST does not name is a leftover of a crash between rename and pointer update.
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
+    fsync_directory(root)  # the directory entry is durable before LATEST can name it
     atomic_write_bytes(root / LATEST, [name.encode()])
-    for old in sorted(root.glob("round-*"))[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(root, keep_from=ckpt.round_id)
     return target
 
 
-def load_checkpoint(root: Path) -> Checkpoint | None:
-    """The latest checkpoint under ``root``, or None if there is none."""
+def _prune(root: Path, keep_from: int) -> None:
+    """Remove checkpoints older than the KEEP newest up to ``keep_from``, and crash leftovers."""
+    rounds = sorted(int(m.group(1)) for p in root.iterdir() if (m := _NAME.fullmatch(p.name)))
+    kept = [r for r in rounds if r <= keep_from][-KEEP:]
+    for r in rounds:
+        if r not in kept:
+            shutil.rmtree(root / checkpoint_name(r), ignore_errors=True)
+    for leftover in root.glob(".*.partial"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in root.glob(f".{LATEST}.tmp-*"):
+        leftover.unlink(missing_ok=True)
+
+
+def _read_pointer(root: Path) -> str | None:
     pointer = root / LATEST
-    if not pointer.exists():
+    try:
+        return pointer.read_bytes().decode("ascii").strip()
+    except FileNotFoundError:
         return None
-    directory = root / pointer.read_text().strip()
-    if not directory.name.startswith("round-") or not directory.is_dir():
-        raise ValueError(f"{pointer} points at {directory}, which is not a checkpoint directory")
-    names, arrays, _ = load_tensors(directory / "global.safetensors")
-    skeys, sarrays, _ = load_tensors(directory / "strategy.safetensors")
-    state = json.loads((directory / "state.json").read_text())
-    if not isinstance(state, dict) or not isinstance(state.get("round"), int):
-        raise ValueError(f"{directory / 'state.json'} has no integer 'round'")
-    return Checkpoint(state.pop("round"), names, arrays, dict(zip(skeys, sarrays)), state)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer} cannot be read ({exc}); restore it or delete the checkpoint "
+                              "directory to start over") from None
+
+
+def load_checkpoint(root: Path) -> Checkpoint | None:
+    """The latest checkpoint under ``root``, or None if there is none; raises CheckpointError if it is damaged."""
+    root = Path(root)
+    name = _read_pointer(root)
+    if name is None:
+        return None
+    pointer = root / LATEST
+    match = _NAME.fullmatch(name)
+    directory = root / name
+    if match is None or not directory.is_dir():
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}"
+                              f"{_older_hint(root, None)}")
+    round_id = int(match.group(1))
+    try:
+        names, arrays, meta = load_tensors(directory / "global.safetensors")
+        skeys, sarrays, _ = load_tensors(directory / "strategy.safetensors")
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {exc.filename} is missing{_older_hint(root, round_id)}") from None
+    except CodecError as exc:  # the message starts with the file's path
+        raise CheckpointError(f"damaged checkpoint: {exc}{_older_hint(root, round_id)}") from None
+    state = _load_state(directory / "state.json", root, round_id)
+    if state.get("round") != round_id or meta.get("round") != str(round_id):
+        raise CheckpointError(f"{directory}: state.json says round {state.get('round')!r} and global.safetensors "
+                              f"round {meta.get('round')!r}, but the directory is for round {round_id}"
+                              f"{_older_hint(root, round_id)}")
+    for tensor_name, array in zip(names, arrays):
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise CheckpointError(f"{directory / 'global.safetensors'}: tensor {tensor_name!r} holds NaN or Inf"
+                                  f"{_older_hint(root, round_id)}")
+    if not isinstance(state.get("sampler"), dict) or not isinstance(state.get("agents", []), list):
+        raise CheckpointError(f"{directory / 'state.json'}: 'sampler' must be an object and 'agents' a list")
+    state.pop("round")
+    return Checkpoint(round_id, names, arrays, dict(zip(skeys, sarrays)), state)
+
+
+def _load_state(path: Path, root: Path, round_id: int) -> dict:
+    try:
+        if path.stat().st_size > MAX_STATE_BYTES:
+            raise CheckpointError(f"{path} is implausibly large ({path.stat().st_size} bytes)")
+        state = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing{_older_hint(root, round_id)}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"damaged checkpoint: {path} is not JSON ({exc}){_older_hint(root, round_id)}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"damaged checkpoint: {path} must hold a JSON object{_older_hint(root, round_id)}")
+    return state
+
+
+def _older_hint(root: Path, round_id: int | None) -> str:
+    """Tell the operator how to fall back to an older complete checkpoint, if there is one."""
+    older = sorted(p.name for p in root.iterdir() if _NAME.fullmatch(p.name)
+                   and (round_id is None or int(_NAME.fullmatch(p.name).group(1)) < round_id))
+    if not older:
+        return "; move the checkpoint directory away to start from scratch"
+    return (f"; to resume from the previous checkpoint instead, write {older[-1]!r} into {root / LATEST} "
+            "(the rounds after it run again)")
+

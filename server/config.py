@@ -29,6 +29,15 @@ class CoordinatorConfig:
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_model_bytes: int = 8 << 30
     max_concurrent_uploads: int = 4  # each in-flight upload stages one model copy
+    max_upload_chunks: int = 100_000  # chunks in one upload (tiny chunks cost CPU per message)
+    max_calls_per_agent: int = 8  # one agent's calls in flight at once (long-poll, heartbeat, download, upload)
+    max_upload_attempts_per_round: int = 4  # uploads an agent may start in one round (retries after breaks)
+    max_upload_bytes_per_second: float | None = None  # per agent, after a one-model burst; None: unlimited
+    max_agents: int = 100_000  # registered agents; Join of a new agent beyond this is refused
+    max_joins_per_second: float = 500.0  # server-wide Join rate (with a 5-second burst)
+    max_concurrent_rpcs: int = 20_000  # server-wide calls in flight; long-polls count, so > agents
+    max_queued_uploads: int = 64  # uploads holding or awaiting a staging slot; more are refused (agents retry)
+    max_concurrent_downloads: int = 64  # weight streams sent at once; more wait their turn
     wait_for_agents_seconds: float | None = None  # None: wait forever for min_available agents
     checkpoint_dir: Path | None = None
     metrics_path: Path | None = None
@@ -53,6 +62,18 @@ class CoordinatorConfig:
             (self.max_chunk_bytes >= 1024, "max_chunk_bytes must be >= 1024"),
             (self.max_chunk_bytes <= 64 << 20, "max_chunk_bytes must be <= 64 MiB"),
             (self.max_concurrent_uploads >= 1, "max_concurrent_uploads must be >= 1"),
+            (self.max_upload_chunks >= 1 and self.max_calls_per_agent >= 1,
+             "max_upload_chunks and max_calls_per_agent must be >= 1"),
+            (self.max_upload_attempts_per_round >= 1, "max_upload_attempts_per_round must be >= 1"),
+            (self.max_upload_bytes_per_second is None or self.max_upload_bytes_per_second > 0,
+             "max_upload_bytes_per_second must be > 0"),
+            (self.max_agents >= self.min_available, "max_agents must be >= min_available"),
+            (self.max_joins_per_second > 0, "max_joins_per_second must be > 0"),
+            (self.max_queued_uploads >= self.max_concurrent_uploads,
+             "max_queued_uploads must be >= max_concurrent_uploads"),
+            (self.max_concurrent_downloads >= 1, "max_concurrent_downloads must be >= 1"),
+            (self.max_concurrent_rpcs >= 2 * self.min_available,
+             "max_concurrent_rpcs must be at least twice min_available (every agent long-polls)"),
             (self.liveness_timeout_seconds > self.heartbeat_seconds,
              "liveness_timeout_seconds must exceed heartbeat_seconds"),
             (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),

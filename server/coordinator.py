@@ -7,6 +7,7 @@ checkpointing, evaluating) runs in a thread pool so the loop keeps serving gRPC 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.metrics import MetricsLog
+from fedpar.server.metrics import MetricsLog, clean_row
 from fedpar.server.payload import WeightPayload, build_payload
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState
@@ -80,6 +81,7 @@ class Coordinator:
         self._wakeups: dict[str, asyncio.Event] = {}
         self._agents_changed: asyncio.Event | None = None
         self._upload_slots: asyncio.Semaphore | None = None
+        self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
         self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                             thread_name_prefix="fedpar-coord")
         if config.checkpoint_dir is not None:
@@ -98,13 +100,17 @@ class Coordinator:
         self.round_id = ckpt.round_id
         self.sampler.load_state(ckpt.state["sampler"])
         self.strategy.load_state_dict(ckpt.strategy_arrays, ckpt.state.get("strategy", {}))
-        log.info("resumed from checkpoint after round %d", self.round_id)
+        self._restored_ids = self.registry.restore(ckpt.state.get("agents", []))
+        self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"))
+        log.info("resumed from checkpoint after round %d; waiting up to %.0fs for its %d agents to re-join",
+                 self.round_id, self.config.liveness_timeout_seconds, len(self._restored_ids))
 
     async def run(self) -> None:
         """Run rounds until ``config.rounds`` have completed, then tell agents to shut down."""
         self._bind_loop()
         await self._publish_payload(self.round_id + 1)
         try:
+            await self._wait_for_restored_agents()
             while self.round_id < self.config.rounds:
                 await self._wait_for_agents()
                 await self._run_round(self.round_id + 1)
@@ -143,6 +149,19 @@ class Coordinator:
                 await asyncio.wait_for(self._agents_changed.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
+
+    async def _wait_for_restored_agents(self) -> None:
+        """After a restart, give the checkpoint's agents up to one liveness timeout to re-join, so the
+        first cohort is drawn from the same population (and RNG stream) as without the crash."""
+        deadline = time.monotonic() + self.config.liveness_timeout_seconds
+        while self.registry.waiting_for_rejoin(self._restored_ids) and time.monotonic() < deadline \
+                and self.round_id < self.config.rounds:
+            self._agents_changed.clear()
+            try:
+                await asyncio.wait_for(self._agents_changed.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+        self._restored_ids = []
 
     # ----------------------------------------------------------------- one round
     async def _run_round(self, round_id: int) -> None:
@@ -200,7 +219,8 @@ class Coordinator:
         self.round_id = state.round_id
         row = {"round": state.round_id, "status": status, "sampled": state.sampled,
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
-               "examples": state.examples, "close_reason": state.close_reason}
+               "examples": state.examples, "close_reason": state.close_reason,
+               "cohort_digest": cohort_digest(state.slots)}
         row.update(_weighted_client_metrics(state.metrics))
         if self.secure is not None:
             row.update(self.secure.metrics())
@@ -209,18 +229,21 @@ class Coordinator:
         if self.evaluate_fn is not None:
             row.update(await self._in_thread(self.evaluate_fn, self.weights))
         await self._publish_payload(self.round_id + 1)
-        if self.config.checkpoint_dir is not None:
-            await self._in_thread(self._checkpoint)
         now = time.monotonic()
         row["round_seconds"] = now - state.started
         row["wall_seconds"] = now - self.started_at
+        if self.config.checkpoint_dir is not None:
+            # The registry and sampler belong to the loop: snapshot them here, write in a thread. The
+            # checkpoint precedes the metrics line; a crash between the two is repaired on resume.
+            loop_state = {"sampler": self.sampler.state(), "agents": self.registry.snapshot()}
+            await self._in_thread(self._checkpoint, row, loop_state)
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, row: dict, loop_state: dict) -> None:
         arrays, meta = self.strategy.state_dict()
-        state = {"sampler": self.sampler.state(), "strategy": meta, "agents": self.registry.snapshot()}
+        state = {**loop_state, "strategy": meta, "metrics_row": clean_row(row)}
         json.dumps(state)  # fail here, loudly, if any strategy metadata is not JSON
         save_checkpoint(self.config.checkpoint_dir,
                         Checkpoint(self.round_id, self.names, self.weights, dict(arrays), state))
@@ -237,6 +260,8 @@ class Coordinator:
             log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
             raise Refusal(exc.code, exc.message) from None
         self._wakeups.setdefault(agent_id, asyncio.Event())
+        if len(self._wakeups) > 2 * len(self.registry) + 64:  # agents the registry has since forgotten
+            self._wakeups = {i: e for i, e in self._wakeups.items() if self.registry.get(i) is not None}
         self._agents_changed.set()
         return record
 
@@ -399,6 +424,11 @@ class Coordinator:
     def leave(self, agent: AgentRecord) -> None:
         """Agent says goodbye."""
         self.registry.leave(agent.agent_id)
+
+
+def cohort_digest(agent_ids) -> str:
+    """A short fingerprint of a cohort (sorted ids), so runs can be compared round by round."""
+    return hashlib.sha256("\n".join(sorted(agent_ids)).encode()).hexdigest()[:16]
 
 
 def _weighted_client_metrics(reports: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

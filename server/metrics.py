@@ -6,11 +6,18 @@ import json
 import math
 from pathlib import Path
 
+from fedpar.protocol.tensorfile import atomic_write_bytes
+
 
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def clean_row(row: dict) -> dict:
+    """``row`` with non-finite floats replaced by None (strict JSON)."""
+    return {k: _clean(v) for k, v in row.items()}
 
 
 class MetricsLog:
@@ -24,8 +31,32 @@ class MetricsLog:
 
     def append(self, row: dict) -> None:
         """Record one round's metrics."""
-        row = {k: _clean(v) for k, v in row.items()}
+        row = clean_row(row)
         self.rows.append(row)
         if self.path:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
+
+    def resume(self, last_round: int, last_row: dict | None) -> None:
+        """Make the file hold exactly one row per round up to ``last_round`` (the checkpointed one).
+
+        Rows of a round that was in flight at a crash (and will run again) are dropped, a torn last line
+        is discarded, and the checkpointed round's row is appended if the crash came before its line.
+        """
+        lines = self.path.read_text(errors="replace").splitlines() if self.path and self.path.exists() else []
+        rows: dict[int, dict] = {}
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by the crash
+            if isinstance(row, dict) and isinstance(row.get("round"), int) and row["round"] <= last_round:
+                rows.setdefault(row["round"], row)
+        if last_row is not None and last_round not in rows:
+            rows[last_round] = last_row
+        self.rows = [rows[r] for r in sorted(rows)]
+        if self.path:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        atomic_write_bytes(self.path, [(json.dumps(row) + "\n").encode() for row in self.rows])

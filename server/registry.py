@@ -28,6 +28,7 @@ class AgentRecord:
     last_seen: float = 0.0
     left: bool = False
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS)
+    restored: bool = False  # known from a checkpoint, no session yet: not live until it joins again
 
 
 class AgentRegistry:
@@ -64,6 +65,8 @@ class AgentRegistry:
         record = self._agents.get(agent_id)
         if record is None or record.left:
             raise AuthError(f"unknown agent {agent_id!r}: call Join first")
+        if record.restored:
+            raise AuthError(f"the coordinator restarted since agent {agent_id!r} joined: call Join again")
         if not hmac.compare_digest(record.token.encode(), token.encode()):
             raise AuthError(f"bad session token for agent {agent_id!r}: call Join again")
         record.last_seen = self._clock()
@@ -76,7 +79,7 @@ class AgentRegistry:
 
     def is_live(self, record: AgentRecord) -> bool:
         """Whether the agent has called recently enough to be sampled."""
-        return not record.left and self._clock() - record.last_seen <= self.liveness_timeout
+        return not record.left and not record.restored and self._clock() - record.last_seen <= self.liveness_timeout
 
     def live_ids(self) -> list[str]:
         """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed)."""
@@ -90,6 +93,36 @@ class AgentRegistry:
 
     def __len__(self) -> int:
         return len(self._agents)
+
+    def restore(self, snapshot: list[dict]) -> list[str]:
+        """Re-create the agents of a checkpoint's :meth:`snapshot` without sessions; returns their ids.
+
+        Tokens are never checkpointed: a restored agent is refused (UNAUTHENTICATED) until it joins
+        again, and it is not live, so it counts toward min_available only once it has re-joined.
+        """
+        ids = []
+        for entry in snapshot:
+            try:
+                agent_id, num_examples = str(entry["agent_id"]), int(entry["num_examples"])
+                capabilities = {str(k): str(v) for k, v in dict(entry.get("capabilities", {})).items()}
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise ValueError(f"bad agent entry in checkpoint: {entry!r:.200}") from None
+            if agent_id not in self._agents:
+                self._agents[agent_id] = AgentRecord(agent_id, "", num_examples, capabilities, restored=True)
+                ids.append(agent_id)
+        return ids
+
+    def prune_inactive(self, max_idle_seconds: float) -> int:
+        """Forget agents that left or have been silent longer than ``max_idle_seconds``; returns how many."""
+        now = self._clock()
+        gone = [i for i, r in self._agents.items() if r.left or r.restored or now - r.last_seen > max_idle_seconds]
+        for agent_id in gone:
+            del self._agents[agent_id]
+        return len(gone)
+
+    def waiting_for_rejoin(self, ids: list[str]) -> list[str]:
+        """Those of ``ids`` that are still restored records (have not joined again)."""
+        return [i for i in ids if (r := self._agents.get(i)) is not None and r.restored]
 
     def snapshot(self) -> list[dict]:
         """JSON-able view for checkpoints (no tokens: agents re-join after a restart)."""

@@ -81,7 +81,7 @@ class RoundState:
 
     def settled(self) -> bool:
         """True when every sampled agent has an accepted or rejected update."""
-        return all(s.status in ("accepted", "rejected") for s in self.slots.values())
+        return self.accepted + self.rejected >= len(self.slots)  # O(1): called on every upload
 
     def late(self) -> int:
         """Sampled agents whose update had not been accepted or rejected when the round closed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -14,6 +15,8 @@ from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused
 from fedpar.security.identity import peer_identity
 from fedpar.server.coordinator import Coordinator
+from fedpar.server.decoding import Malformed, parser, refuse_malformed
+from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord, AuthError
 from fedpar.server.rounds import Refusal
 from fedpar.server.secure_round import secagg_exchange
@@ -26,6 +29,7 @@ class CoordinatorService:
 
     def __init__(self, coordinator: Coordinator):
         self.coord = coordinator
+        self.limits = Limits(coordinator.config, coordinator.layout.total_bytes)
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
@@ -42,6 +46,7 @@ class CoordinatorService:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"protocol version {request.protocol_version} is not supported "
                               f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the agent")
+            self.limits.admit_join(request.agent_id, self.coord.registry)
             record = self.coord.join(request.agent_id, request.num_examples, dict(request.capabilities),
                                      peer_identity(context), request.enrollment_token)
         except Refusal as r:
@@ -54,32 +59,38 @@ class CoordinatorService:
         """Long-poll for a task."""
         try:
             agent = self._auth(request.auth, context)
+            with self.limits.agent_call(agent.agent_id):
+                return await self.coord.next_task(agent, request.wait_seconds)
         except Refusal as r:
             await context.abort(r.code, r.message)
-        return await self.coord.next_task(agent, request.wait_seconds)
 
     async def DownloadWeights(self, request: pb.DownloadRequest, context):
         """Stream the pre-serialized global weights of the agent's current round."""
         try:
             agent = self._auth(request.auth, context)
             payload = self.coord.payload_for(agent, request.round, request.task_id)
+            with self.limits.agent_call(agent.agent_id):
+                async with self.limits.download_slot():
+                    for message in payload.messages:
+                        yield message
         except Refusal as r:
             await context.abort(r.code, r.message)
-        for message in payload.messages:
-            yield message
 
     async def UploadUpdate(self, request_iterator, context) -> pb.UploadReply:
         """Receive one update: header, in-order data chunks, end marker; fold it only if all is valid."""
         ticket = None
         try:
-            first = await _next_message(request_iterator)
+            first = await _next_message(request_iterator, self.coord.config.deadline_seconds)
             if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
             agent = self._auth(first.header.auth, context)
-            ticket = self.coord.open_upload(agent, first.header)
-            async with self.coord.upload_slots():
-                arrays = await self._receive(ticket, request_iterator)
-                await self.coord.accept(ticket, arrays)
+            with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
+                current = self.coord.current.round_id if self.coord.current else self.coord.round_id
+                self.limits.start_upload(agent.agent_id, current)
+                ticket = self.coord.open_upload(agent, first.header)
+                async with self.coord.upload_slots():
+                    arrays = await self._receive(ticket, request_iterator)
+                    await self.coord.accept(ticket, arrays)
             return pb.UploadReply(accepted=True, message=f"update accepted for round {ticket.state.round_id}")
         except Refusal as r:
             if ticket is not None and r.final:
@@ -96,8 +107,11 @@ class CoordinatorService:
     async def _receive(self, ticket, request_iterator) -> list:
         layout = ticket.layout
         assembler = TensorAssembler(layout, self.coord.config.max_chunk_bytes)
+        state = ticket.state
         while True:
-            message = await _next_message(request_iterator)
+            # A stalled stream must not hold its staging buffer past the round's deadline.
+            remaining = state.started + state.deadline_seconds - time.monotonic()
+            message = await _next_message(request_iterator, max(0.0, remaining))
             if message is None:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"stream ended after {assembler.received} of {layout.total_bytes} bytes "
@@ -109,11 +123,13 @@ class CoordinatorService:
                 kind = message.WhichOneof("part")
                 offset, data = message.data.offset, message.data.data
             if kind == "data":
+                self.limits.count_chunk(assembler.chunks)
                 try:
                     assembler.write(offset, data)
                 except CodecError as exc:
                     raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied",
                                   final=True) from None
+                self.limits.count_bytes(ticket.slot.agent_id, len(data))
             elif kind == "end":
                 if not assembler.complete or message.end.total_bytes != layout.total_bytes \
                         or message.end.num_chunks != assembler.chunks:
@@ -135,10 +151,11 @@ class CoordinatorService:
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         """Mark the agent alive."""
         try:
-            self._auth(request.auth, context)
+            agent = self._auth(request.auth, context)
+            with self.limits.agent_call(agent.agent_id):
+                current = self.coord.current.round_id if self.coord.current else self.coord.round_id
         except Refusal as r:
             await context.abort(r.code, r.message)
-        current = self.coord.current.round_id if self.coord.current else self.coord.round_id
         return pb.HeartbeatReply(current_round=current)
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
@@ -148,23 +165,30 @@ class CoordinatorService:
         except Refusal as r:
             await context.abort(r.code, r.message)
         self.coord.leave(agent)
+        self.limits.forget(agent.agent_id)
         return pb.LeaveReply()
-
 
     async def SecAggExchange(self, request: pb.SecAggRequest, context) -> pb.SecAggReply:
         """One secure-aggregation stage message, answered by the server's next broadcast (long-poll)."""
         try:
             agent = self._auth(request.auth, context)
-            return await secagg_exchange(self.coord, agent.agent_id, request)
+            with self.limits.agent_call(agent.agent_id):
+                return await secagg_exchange(self.coord, agent.agent_id, request)
         except Refusal as r:
             await context.abort(r.code, r.message)
 
 
-async def _next_message(request_iterator):
+async def _next_message(request_iterator, timeout: float | None = None):
     try:
-        return await request_iterator.__anext__()
+        message = await asyncio.wait_for(request_iterator.__anext__(), timeout)
     except StopAsyncIteration:
         return None
+    except asyncio.TimeoutError:
+        raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
+                      "no upload data arrived before the round's deadline; the update was not applied") from None
+    if isinstance(message, Malformed):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{message.reason}; the update was not applied")
+    return message
 
 
 def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
@@ -172,25 +196,26 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     identity = lambda b: b  # noqa: E731 - payload messages are serialized once per round
     handlers = {
         "Join": grpc.unary_unary_rpc_method_handler(
-            service.Join, request_deserializer=pb.JoinRequest.FromString,
+            refuse_malformed(service.Join), request_deserializer=parser(pb.JoinRequest),
             response_serializer=pb.JoinReply.SerializeToString),
         "PullTask": grpc.unary_unary_rpc_method_handler(
-            service.PullTask, request_deserializer=pb.PullTaskRequest.FromString,
+            refuse_malformed(service.PullTask), request_deserializer=parser(pb.PullTaskRequest),
             response_serializer=pb.PullTaskReply.SerializeToString),
         "DownloadWeights": grpc.unary_stream_rpc_method_handler(
-            service.DownloadWeights, request_deserializer=pb.DownloadRequest.FromString,
+            refuse_malformed(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
             response_serializer=identity),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
-            service.UploadUpdate, request_deserializer=lambda raw: decode_chunk_message(raw, pb.UploadChunk),
+            service.UploadUpdate,
+            request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
             response_serializer=pb.UploadReply.SerializeToString),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            service.Heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
+            refuse_malformed(service.Heartbeat), request_deserializer=parser(pb.HeartbeatRequest),
             response_serializer=pb.HeartbeatReply.SerializeToString),
         "Leave": grpc.unary_unary_rpc_method_handler(
-            service.Leave, request_deserializer=pb.LeaveRequest.FromString,
+            refuse_malformed(service.Leave), request_deserializer=parser(pb.LeaveRequest),
             response_serializer=pb.LeaveReply.SerializeToString),
         "SecAggExchange": grpc.unary_unary_rpc_method_handler(
-            service.SecAggExchange, request_deserializer=pb.SecAggRequest.FromString,
+            refuse_malformed(service.SecAggExchange), request_deserializer=parser(pb.SecAggRequest),
             response_serializer=pb.SecAggReply.SerializeToString),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

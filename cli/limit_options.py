@@ -1,0 +1,36 @@
+"""Command-line options for the coordinator's hardening limits (their dests are CoordinatorConfig fields)."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedpar.server.config import CoordinatorConfig
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """Add every admission limit of ``fedpar serve`` as an option; refusals name the option to raise."""
+    d = CoordinatorConfig()
+    g = p.add_argument_group("limits", "refusals are RESOURCE_EXHAUSTED (or INVALID_ARGUMENT for malformed "
+                                       "input) with a message naming the option")
+    g.add_argument("--max-model-bytes", type=int, default=d.max_model_bytes,
+                   help="largest model (sum of tensor bytes) an upload header may describe")
+    g.add_argument("--max-upload-chunks", type=int, default=d.max_upload_chunks,
+                   help="most data chunks in one upload (the chunk size itself is --max-chunk-bytes)")
+    g.add_argument("--max-calls-per-agent", type=int, default=d.max_calls_per_agent,
+                   help="calls/streams one agent may have in flight at once (long-poll, heartbeat, "
+                        "download, upload)")
+    g.add_argument("--max-upload-attempts", dest="max_upload_attempts_per_round", type=int,
+                   default=d.max_upload_attempts_per_round,
+                   help="uploads one agent may start per round (retries after a broken-off upload)")
+    g.add_argument("--max-upload-bytes-per-second", type=float, default=d.max_upload_bytes_per_second,
+                   help="per-agent upload rate in bytes/s after a burst of two models; unset: unlimited")
+    g.add_argument("--max-agents", type=int, default=d.max_agents,
+                   help="registered agents; a Join from a new agent beyond this is refused")
+    g.add_argument("--max-joins-per-second", type=float, default=d.max_joins_per_second,
+                   help="server-wide Join rate, with a burst of five seconds' worth")
+    g.add_argument("--max-queued-uploads", type=int, default=d.max_queued_uploads,
+                   help="uploads staged or waiting for a staging slot; beyond this agents are told to retry")
+    g.add_argument("--max-concurrent-downloads", type=int, default=d.max_concurrent_downloads,
+                   help="weight downloads streamed at once; further downloads wait their turn")
+    g.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
+                   help="server-wide calls in flight (every agent holds a long-poll, so keep it > 2 x agents)")

@@ -1,0 +1,153 @@
+"""Lightweight scripted agents on asyncio (raw gRPC, numpy, no torch): hundreds per process.
+
+Each agent joins, long-polls for tasks, downloads the global weights, uploads them plus a little noise,
+re-joins when the coordinator forgets it (restart) and backs off while it is unreachable. Used by the
+load test and the restart benchmark; `python -m fedpar.simulations.swarm --help` runs a swarm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import numpy as np
+
+from fedpar.client.transfer import upload_messages
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import TensorAssembler
+from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options, layout_from_pb
+from fedpar.protocol.rawchunks import RawData
+from fedpar.protocol.stubs import CoordinatorStub
+
+BACKOFF = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+           grpc.StatusCode.CANCELLED}
+
+
+@dataclass
+class SwarmStats:
+    """What a swarm's agents did, summed."""
+
+    agents: int = 0
+    tasks: int = 0
+    accepted: int = 0
+    refused: int = 0
+    reconnects: int = 0
+    backoffs: int = 0
+    busy: int = 0  # uploads retried because the coordinator was busy
+    finished: int = 0
+    refusals: list[str] = field(default_factory=list)
+
+
+async def _download(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask, timeout: float):
+    assembler = None
+    async for message in stub.DownloadWeights(pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id),
+                                              timeout=timeout):
+        if isinstance(message, RawData):
+            assembler.write(message.offset, message.data)
+        elif message.WhichOneof("part") == "header":
+            assembler = TensorAssembler(layout_from_pb(message.header.tensors), 64 << 20)
+        else:
+            assembler.write(message.data.offset, message.data.data)
+    return assembler.layout, assembler.arrays
+
+
+async def _upload(stub, auth, task, layout, update, chunk_bytes, stats: SwarmStats, rng) -> None:
+    """Upload, retrying while the coordinator says it is busy (RESOURCE_EXHAUSTED) and time remains."""
+    deadline_at = time.monotonic() + task.deadline_seconds
+    backoff = 0.05
+    while True:
+        messages = upload_messages(auth, task, layout, update, 100, 1, {}, chunk_bytes)
+        try:
+            await stub.UploadUpdate(messages, timeout=max(5.0, deadline_at - time.monotonic() + 5))
+            stats.accepted += 1
+            return
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + backoff >= deadline_at:
+                raise
+            stats.busy += 1
+            await asyncio.sleep(backoff * (0.5 + rng.random()))
+            backoff = min(backoff * 2, 1.0)
+
+
+async def run_agent(channel: grpc.aio.Channel, agent_id: str, stats: SwarmStats, poll_seconds: float = 5.0,
+                    max_backoff: float = 1.0, chunk_bytes: int = 1 << 20) -> None:
+    """One scripted agent until the coordinator says shutdown."""
+    stub = CoordinatorStub(channel)
+    rng = np.random.default_rng(zlib.crc32(agent_id.encode()))
+    auth, backoff = None, 0.05
+    while True:
+        try:
+            if auth is None:
+                reply = await stub.Join(pb.JoinRequest(agent_id=agent_id, num_examples=100,
+                                                       protocol_version=PROTOCOL_VERSION), timeout=30)
+                auth = pb.AgentAuth(agent_id=agent_id, token=reply.token)
+            reply = await stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=poll_seconds),
+                                        timeout=poll_seconds + 30)
+            backoff = 0.05
+            kind = reply.WhichOneof("kind")
+            if kind == "shutdown_reason":
+                stats.finished += 1
+                return
+            if kind != "task":
+                continue
+            task = reply.task
+            stats.tasks += 1
+            layout, arrays = await _download(stub, auth, task, timeout=max(5.0, task.deadline_seconds))
+            update = [a + rng.standard_normal(a.shape).astype(a.dtype) * a.dtype.type(0.01)
+                      if a.dtype.kind == "f" else a for a in arrays]
+            await _upload(stub, auth, task, layout, update, chunk_bytes, stats, rng)
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                auth = None
+                stats.reconnects += 1
+            elif code in BACKOFF:
+                stats.backoffs += 1
+                await asyncio.sleep(backoff * (0.5 + rng.random()))
+                backoff = min(backoff * 2, max_backoff)
+            else:  # a refused task (round closed, duplicate, ...): note it and pull again
+                stats.refused += 1
+                if len(stats.refusals) < 20:
+                    stats.refusals.append(f"{agent_id}: {code.name}: {err.details()}")
+
+
+async def run_swarm(address: str, ids: list[str], agents_per_channel: int = 1, poll_seconds: float = 5.0,
+                    max_backoff: float = 1.0) -> SwarmStats:
+    """Run scripted agents ``ids`` against ``address`` until all are told to shut down."""
+    stats = SwarmStats(agents=len(ids))
+    channels = [grpc.aio.insecure_channel(address, options=channel_options(64 << 20))
+                for _ in range(0, len(ids), agents_per_channel)]
+    try:
+        await asyncio.gather(*(run_agent(channels[i // agents_per_channel], agent_id, stats, poll_seconds,
+                                         max_backoff) for i, agent_id in enumerate(ids)))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: run a swarm and print its stats as JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--server", required=True, help="coordinator HOST:PORT")
+    p.add_argument("--count", type=int, required=True, help="number of agents")
+    p.add_argument("--prefix", default="swarm", help="agent ids are PREFIX-0000, PREFIX-0001, ...")
+    p.add_argument("--first", type=int, default=0, help="index of the first agent id")
+    p.add_argument("--agents-per-channel", type=int, default=1, help="agents sharing one connection")
+    p.add_argument("--poll", type=float, default=5.0, help="long-poll seconds")
+    p.add_argument("--max-backoff", type=float, default=1.0, help="longest reconnect wait")
+    args = p.parse_args(argv)
+    ids = [f"{args.prefix}-{i:05d}" for i in range(args.first, args.first + args.count)]
+    start = time.monotonic()
+    stats = asyncio.run(run_swarm(args.server, ids, args.agents_per_channel, args.poll, args.max_backoff))
+    print(json.dumps({**asdict(stats), "seconds": time.monotonic() - start}), flush=True)
+    return 0 if stats.finished == len(ids) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

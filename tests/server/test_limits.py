@@ -1,0 +1,132 @@
+"""Every admission limit refuses with RESOURCE_EXHAUSTED (naming its option) and changes nothing."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from fedpar.client.transfer import upload_messages
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+from fedpar.server.limits import TokenBucket
+
+SHAPES = ((6, 4), (4,))
+NAMES = ["t0", "t1"]
+
+
+def _arrays(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+
+def _exhausted(call, option):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.value.code(), err.value.details())
+    assert option in err.value.details(), err.value.details()
+
+
+def _unchanged(server, init):
+    return all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, init))
+
+
+def test_token_bucket_refills_at_its_rate_up_to_its_burst():
+    now = [0.0]
+    bucket = TokenBucket(rate=2.0, burst=4.0, clock=lambda: now[0])
+    assert all(bucket.take() for _ in range(4)) and not bucket.take()
+    now[0] = 1.0
+    assert bucket.take(2.0) and not bucket.take(0.5)
+    now[0] = 100.0
+    assert bucket.take(4.0) and not bucket.take(0.1)
+
+
+def test_per_agent_calls_in_flight_are_bounded(start_coordinator, agents):
+    server = start_coordinator(_arrays(), min_available=5, max_calls_per_agent=2)
+    (bot,) = agents(server.address, ["a"])
+    polls = [bot.stub.PullTask.future(pb.PullTaskRequest(auth=bot.auth, wait_seconds=3.0), timeout=10)
+             for _ in range(2)]
+    time.sleep(0.5)
+    _exhausted(lambda: bot.stub.Heartbeat(pb.HeartbeatRequest(auth=bot.auth), timeout=5), "--max-calls-per-agent")
+    for poll in polls:
+        assert poll.result().WhichOneof("kind") == "wait_seconds"
+    assert bot.stub.Heartbeat(pb.HeartbeatRequest(auth=bot.auth), timeout=5).current_round == 0  # none yet
+
+
+def test_upload_attempts_chunks_and_byte_rate_are_bounded(start_coordinator, agents):
+    init = _arrays()
+    layout = ModelLayout.of_arrays(NAMES, init)  # 112 bytes
+    server = start_coordinator(init, clients_per_round=3, min_available=3, max_upload_attempts_per_round=3,
+                               max_upload_chunks=3, max_upload_bytes_per_second=1.0,
+                               deadline_seconds=4.0)
+    tries, chunky, fast = agents(server.address, ["tries", "chunky", "fast"])
+    tasks = {b.agent_id: b.task() for b in (tries, chunky, fast)}
+
+    def stream(bot, chunk, keep=None):
+        msgs = list(upload_messages(bot.auth, tasks[bot.agent_id], layout, _arrays(5), 10, 1, {}, chunk))
+        return msgs if keep is None else msgs[:keep]
+
+    # Three broken-off uploads are allowed; a fourth start is refused.
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as err:
+            tries.upload(tasks["tries"], None, 0, messages=stream(tries, 64, keep=2))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    _exhausted(lambda: tries.upload(tasks["tries"], _arrays(6), 10, NAMES), "--max-upload-attempts")
+    # 112 bytes in 16-byte chunks is 7 chunks > 3; the same update in 64-byte chunks passes.
+    _exhausted(lambda: chunky.upload(tasks["chunky"], None, 0, messages=stream(chunky, 16)), "--max-upload-chunks")
+    # At 1 byte/s the burst is two models (224 bytes): 96 + 96 bytes pass, the next 64 do not.
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError):
+            fast.upload(tasks["fast"], None, 0, messages=stream(fast, 32, keep=4))
+    _exhausted(lambda: fast.upload(tasks["fast"], None, 0, messages=stream(fast, 32)), "--max-upload-bytes-per-second")
+    assert _unchanged(server, init)
+    update = _arrays(7)
+    assert chunky.upload(tasks["chunky"], update, 10, NAMES).accepted
+    assert server.wait(20)
+    row = server.coordinator.metrics.rows[-1]
+    assert (row["reported"], row["rejected"], row["late"]) == (1, 0, 2)
+    np.testing.assert_allclose(server.coordinator.weights[0], update[0], rtol=1e-6)
+
+
+def test_registry_size_and_join_rate_are_bounded(start_coordinator, agents):
+    server = start_coordinator(_arrays(), min_available=2, max_agents=3, max_joins_per_second=1.0)
+    a, b, c = agents(server.address, ["a", "b", "c"])
+    _exhausted(lambda: a.stub.Join(pb.JoinRequest(agent_id="d", num_examples=1), timeout=5), "--max-agents")
+    assert a.stub.Join(pb.JoinRequest(agent_id="a", num_examples=1), timeout=5).token  # a known agent re-joins
+    a.stub.Join(pb.JoinRequest(agent_id="b", num_examples=1), timeout=5)
+    # Burst of five seconds' worth (5 joins) is now spent.
+    _exhausted(lambda: a.stub.Join(pb.JoinRequest(agent_id="c", num_examples=1), timeout=5),
+               "--max-joins-per-second")
+    assert len(server.coordinator.registry) == 3
+
+
+def test_a_full_registry_makes_room_by_forgetting_agents_that_left(start_coordinator, agents):
+    server = start_coordinator(_arrays(), min_available=2, max_agents=2)
+    a, b = agents(server.address, ["a", "b"])
+    _exhausted(lambda: a.stub.Join(pb.JoinRequest(agent_id="c", num_examples=1), timeout=5), "--max-agents")
+    b.stub.Leave(pb.LeaveRequest(auth=b.auth), timeout=5)
+    assert a.stub.Join(pb.JoinRequest(agent_id="c", num_examples=1), timeout=5).token
+    assert sorted(r for r in ("a", "b", "c") if server.coordinator.registry.get(r)) == ["a", "c"]
+
+
+def test_a_stalled_upload_is_cut_off_at_the_round_deadline(start_coordinator, agents):
+    init = _arrays()
+    server = start_coordinator(init, min_available=1, clients_per_round=1, deadline_seconds=2.0,
+                               max_concurrent_uploads=1)
+    (bot,) = agents(server.address, ["slow"])
+    task = bot.task()
+    msgs = list(upload_messages(bot.auth, task, ModelLayout.of_arrays(NAMES, init), _arrays(3), 10, 1, {}, 32))
+
+    def stalled():
+        yield from msgs[:2]
+        time.sleep(8)
+
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        bot.upload(task, None, 0, messages=stalled(), timeout=20)
+    assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION)
+    assert "not applied" in err.value.details()
+    assert time.monotonic() - start < 6
+    assert server.wait(10) and _unchanged(server, init)
