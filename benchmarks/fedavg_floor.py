@@ -18,6 +18,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import zlib  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -53,8 +54,10 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def run(clients: int, rounds: int, dataset: str, data_dir: str | None, model_name: str, partition: str,
-        epochs: int, batch_size: int, lr: float, val_fraction: float, seed: int, threads: int = 1) -> dict:
-    """Run the FedAvg job; every client takes part in every round."""
+        epochs: int, batch_size: int, lr: float, val_fraction: float, seed: int, threads: int = 1,
+        clients_per_round: int | None = None) -> dict:
+    """Run the FedAvg job: each round ``clients_per_round`` clients (default all) drawn as fedpar's coordinator
+    draws them (numpy PCG64 seeded with ``seed``, without replacement, in id order)."""
     torch.set_flush_denormal(True)  # as fedpar's agents do (denormals slow CPU training up to 7x)
     # One intra-op thread: the fastest setting for these small models here (2 threads measured slower and
     # erratic whenever the other core is busy), so the floor is as low as plain PyTorch gets.
@@ -69,12 +72,15 @@ def run(clients: int, rounds: int, dataset: str, data_dir: str | None, model_nam
         train, _ = local_split(splits.train, indices, val_fraction, seed)
         data.append((*train.to_tensors(), seed + zlib.crc32(f"client-{i:04d}".encode()) % 10_000))
     x_test, y_test = splits.test.to_tensors()
+    sampler = np.random.Generator(np.random.PCG64(seed))
+    cohort_size = clients_per_round or clients
     rows = []
     for round_id in range(1, rounds + 1):
         t0 = time.monotonic()
         total = 0
         summed = {k: torch.zeros_like(v) for k, v in global_model.state_dict().items()}
-        for x, y, client_seed in data:
+        cohort = range(clients) if cohort_size >= clients else sorted(sampler.choice(clients, size=cohort_size, replace=False))
+        for x, y, client_seed in (data[i] for i in cohort):
             local.load_state_dict(global_model.state_dict())
             n = local_sgd(local, x, y, epochs, batch_size, lr, client_seed * 1_000_003 + round_id)
             for k, v in local.state_dict().items():
@@ -102,9 +108,11 @@ def main() -> None:
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--clients-per-round", type=int, help="clients drawn each round (default: all)")
     a = p.parse_args()
     print(json.dumps(run(a.clients, a.rounds, a.dataset, a.data_dir, a.model, a.partition, a.local_epochs,
-                         a.batch_size, a.lr, a.val_fraction, a.seed, a.threads)))
+                         a.batch_size, a.lr, a.val_fraction, a.seed, a.threads,
+                         a.clients_per_round)))
 
 
 if __name__ == "__main__":
