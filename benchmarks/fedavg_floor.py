@@ -79,7 +79,8 @@ def run(clients: int, rounds: int, dataset: str, data_dir: str | None, model_nam
         t0 = time.monotonic()
         total = 0
         summed = {k: torch.zeros_like(v) for k, v in global_model.state_dict().items()}
-        cohort = range(clients) if cohort_size >= clients else sorted(sampler.choice(clients, size=cohort_size, replace=False))
+        cohort = (range(clients) if cohort_size >= clients
+                  else sorted(sampler.choice(clients, size=cohort_size, replace=False)))
         for x, y, client_seed in (data[i] for i in cohort):
             local.load_state_dict(global_model.state_dict())
             n = local_sgd(local, x, y, epochs, batch_size, lr, client_seed * 1_000_003 + round_id)
