@@ -74,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "examples x local epochs in the cohort)")
     p.add_argument("--secagg-stage-seconds", type=float, default=d.secagg_stage_seconds,
                    help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
+    p.add_argument("--data-plane", choices=["auto", "on", "off"], default="auto",
+                   help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC "
+                        f"uses TLS): auto = for models of at least {d.data_plane_min_bytes >> 20} MiB; agents "
+                        "that do not support it keep using the gRPC streams")
+    p.add_argument("--data-port", type=int, default=d.data_port,
+                   help="port of the data plane on --host (0 picks a free one; agents learn it with each task)")
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
     add_dp_arguments(p, population_flag=True)
@@ -87,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     fields = set(CoordinatorConfig.__dataclass_fields__)
     config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     config.metrics_path = args.out / "metrics.jsonl"
+    choice = getattr(args, "data_plane", None)  # a --config TOML file may give a bool
+    config.data_plane = choice if choice is None or isinstance(choice, bool) else \
+        {"auto": None, "on": True, "off": False}.get(choice, choice)
     try:
         security = server_security(args)  # first: a missing certificate should not wait for data loading
         config.validate()
@@ -115,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
     coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
                               evaluate_fn=evaluate, on_round_end=[table.row], admission=security.admission)
-    server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
+    server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials,
+                               data_tls=security.data_tls)
     try:
         server.start()
     except Exception as exc:

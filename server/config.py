@@ -62,6 +62,7 @@ class CoordinatorConfig:
             (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),
             (self.secagg_max_weight is None or self.secagg_max_weight >= 1, "secagg_max_weight must be >= 1"),
             (self.secagg_stage_seconds > 0, "secagg_stage_seconds must be > 0"),
+            (self.data_plane in (None, True, False), "data_plane must be on, off or auto"),
             (0 <= self.data_port <= 65535, "data_port must be in 0..65535"),
             (self.data_plane_downloads >= 1, "data_plane_downloads must be >= 1"),
             (not self.secure_aggregation or (self.min_available >= 2 and (self.fraction is not None
