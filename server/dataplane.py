@@ -99,7 +99,11 @@ class DataPlaneServer:
             peer = None
             if self.ssl_context is not None:
                 early.arm(sock)
-                sock = self.ssl_context.wrap_socket(sock, server_side=True)
+                wrapped = self.ssl_context.wrap_socket(sock, server_side=True)
+                with self._lock:  # stop() must reach the TLS socket, which now owns the descriptor
+                    self._active.discard(sock)
+                    self._active.add(wrapped)
+                sock = wrapped
                 peer = _peer_identity(sock)
             op, ticket = decode_preamble(recv_exact(sock, PREAMBLE.size, early))
             if op == OP_DOWNLOAD:
