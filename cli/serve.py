@@ -64,6 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
     p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
+    p.add_argument("--data-plane", choices=["auto", "on", "off"], default="auto",
+                   help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC "
+                        f"uses TLS): auto = for models of at least {d.data_plane_min_bytes >> 20} MiB; agents "
+                        "that do not support it keep using the gRPC streams")
+    p.add_argument("--data-port", type=int, default=d.data_port,
+                   help="port of the data plane on --host (0 picks a free one; agents learn it with each task)")
     p.add_argument("--secure-aggregation", action="store_true",
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the agents' updates "
                         "(needs a linear strategy: fedavg, fedavgm, fedprox, fedadam, fedyogi, fedadagrad)")
@@ -74,12 +80,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "examples x local epochs in the cohort)")
     p.add_argument("--secagg-stage-seconds", type=float, default=d.secagg_stage_seconds,
                    help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
-    p.add_argument("--data-plane", choices=["auto", "on", "off"], default="auto",
-                   help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC "
-                        f"uses TLS): auto = for models of at least {d.data_plane_min_bytes >> 20} MiB; agents "
-                        "that do not support it keep using the gRPC streams")
-    p.add_argument("--data-port", type=int, default=d.data_port,
-                   help="port of the data plane on --host (0 picks a free one; agents learn it with each task)")
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
     add_dp_arguments(p, population_flag=True)
@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
     table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
     coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
                               evaluate_fn=evaluate, on_round_end=[table.row], admission=security.admission)
-    server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials,
-                               data_tls=security.data_tls)
+    server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
+    server.data_tls = security.data_tls  # the data plane serves TLS with the same certificate
     try:
         server.start()
     except Exception as exc:

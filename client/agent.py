@@ -221,16 +221,22 @@ class Agent:
         except ValueError as err:
             self._note_refusal("dp clipping", err)
             return
+        if data_plane is not None:  # falls through to the gRPC stream only if the data connection broke
+            try:
+                if self._via_data_plane("upload", dataplane.upload, data_plane, self._auth, task, self.layout, update,
+                                        result.examples, result.steps, metrics,
+                                        max(5.0, deadline_at - time.monotonic() + 5.0)) is not None:
+                    self.stats.accepted += 1
+                    return
+            except dataplane.DataPlaneRefused as err:
+                self._note_refusal("upload", err)
+                return
         messages = upload_messages(self._auth, task, self.layout, update,
                                    result.examples, result.steps, metrics, min(self._max_chunk, self.config.chunk_bytes))
         try:
-            timeout = max(5.0, deadline_at - time.monotonic() + 5.0)
-            if data_plane is None or self._via_data_plane(
-                    "upload", dataplane.upload, data_plane, self._auth, task, self.layout, update,
-                    result.examples, result.steps, metrics, timeout) is None:
-                upload_update(self._stub, messages, timeout=timeout)
+            upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
             self.stats.accepted += 1
-        except (grpc.RpcError, dataplane.DataPlaneRefused) as err:
+        except grpc.RpcError as err:
             self._note_refusal("upload", err)
 
     def _data_plane(self, task: pb.TrainTask) -> dataplane.DataPlaneTarget | None:
@@ -250,8 +256,9 @@ class Agent:
             return None
 
     def _note_refusal(self, what: str, err: Exception) -> None:
-        detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else \
-            dataplane.refusal_text(err) if isinstance(err, dataplane.DataPlaneRefused) else str(err)
+        detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+        if isinstance(err, dataplane.DataPlaneRefused):
+            detail = dataplane.refusal_text(err)
         self.stats.refused += 1
         self.stats.refusals.append(f"{what}: {detail}")
         log.info("%s: %s refused: %s", self.config.agent_id, what, detail)
