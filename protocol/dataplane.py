@@ -31,7 +31,6 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from typing import Callable
 
 MAGIC = b"FPDP"
 VERSION = 1
@@ -41,7 +40,7 @@ TICKET_BYTES = 32  # 256 random bits
 PREAMBLE = struct.Struct("<4sBB32s")
 STATUS = struct.Struct("<BI")
 LENGTH = struct.Struct("<I")
-MAX_FRAME_BYTES = 16 << 20  # headers (tensor specs) and messages; far above any real model's header
+MAX_FRAME_BYTES = 16 << 20  # default bound on headers and replies (the coordinator uses its gRPC message limit)
 MAX_MESSAGE_BYTES = 4096  # refusal messages are truncated to this
 OK = 0
 
@@ -166,12 +165,3 @@ def read_status(sock: socket.socket, deadline: Deadline, limit: int = MAX_FRAME_
         raise DataPlaneRefused(code, body.decode("utf-8", "replace"))
     return body
 
-
-def fill_views(views, reader: Callable[[memoryview], None]) -> int:
-    """Call ``reader`` on each non-empty view in order; returns the bytes filled."""
-    total = 0
-    for view in views:
-        if len(view):
-            reader(view)
-            total += len(view)
-    return total

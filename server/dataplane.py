@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import TensorAssembler
+from fedpar.protocol.messages import FRAMING_BYTES
 from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, DataPlaneError, Deadline, decode_preamble,
                                        encode_status, read_frame, recv_exact, recv_exact_into, refusal, send_all,
                                        send_views)
@@ -183,7 +184,8 @@ class DataPlaneServer:
     # ----------------------------------------------------------------- upload
     def _upload(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None, early: Deadline) -> None:
         try:
-            header = pb.UploadHeader.FromString(read_frame(sock, early))
+            limit = self.coord.config.max_chunk_bytes + FRAMING_BYTES  # the gRPC path's message limit
+            header = pb.UploadHeader.FromString(read_frame(sock, early, limit))
         except (DataPlaneError, DecodeError) as exc:
             _send_refusal(sock, Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}"))
             return

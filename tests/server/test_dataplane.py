@@ -193,3 +193,28 @@ def test_preamble_that_is_not_ours_is_dropped(start_coordinator):
             assert s.recv(100) == b""  # closed without an answer
         except ConnectionResetError:
             pass  # (or reset: it left our unread bytes behind)
+
+
+def test_upload_that_stalls_past_the_round_deadline_is_dropped_and_changes_nothing(start_coordinator, agents):
+    init = _arrays(0)
+    server = start_coordinator(init, data_plane=True, clients_per_round=1, min_available=1, deadline_seconds=1.5)
+    (bot,) = agents(server.address, ["slow"])
+    task = bot.task()
+    layout = ModelLayout.of_arrays(NAMES, init)
+    header = pb.UploadHeader(auth=bot.auth, round=task.round, task_id=task.task_id, num_examples=10, steps=1,
+                             tensors=layout_to_pb(layout), total_bytes=layout.total_bytes)
+    with socket.create_connection(("127.0.0.1", task.data_port)) as s:
+        d = Deadline(10)
+        send_all(s, encode_preamble(OP_UPLOAD, task.data_ticket) + encode_frame(header.SerializeToString()), d)
+        read_status(s, d)
+        send_all(s, _arrays(1)[0].tobytes()[:100], d)  # ... and then nothing more
+        s.settimeout(10)
+        started = time.monotonic()
+        try:
+            assert s.recv(100) == b""
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - started < 5  # dropped at the round deadline, not at our timeout
+    assert server.wait(10)
+    assert server.coordinator.metrics.rows[-1]["status"] == "failed"
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(server.coordinator.weights, init))
