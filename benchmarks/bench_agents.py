@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from fedpar.client import dataplane
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.dataplane import OP_DOWNLOAD, Deadline, read_status, recv_exact_into
 from fedpar.protocol.codec import ModelLayout, iter_chunks
 from fedpar.protocol.messages import channel_options, layout_to_pb
 from fedpar.protocol.rawchunks import RawData, encode_data_message
@@ -28,13 +30,14 @@ class SharedUpdate:
 
     layout: ModelLayout
     chunks: list[bytes]
+    arrays: list[np.ndarray]
 
     @classmethod
     def build(cls, layout: ModelLayout, chunk_bytes: int, seed: int) -> "SharedUpdate":
         """Random finite float32 weights in ``layout``, encoded once."""
         rng = np.random.default_rng(seed)
         arrays = [rng.standard_normal(t.shape, dtype=np.float32) for t in layout.tensors]
-        return cls(layout, [encode_data_message(o, d) for o, d in iter_chunks(arrays, chunk_bytes)])
+        return cls(layout, [encode_data_message(o, d) for o, d in iter_chunks(arrays, chunk_bytes)], arrays)
 
     def messages(self, auth: pb.AgentAuth, task: pb.TrainTask, num_examples: int):
         """Header, the shared data chunks, end marker."""
@@ -58,6 +61,21 @@ def download_and_discard(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.Tra
         raise RuntimeError(f"download ended at {received} of {total_bytes} bytes")
 
 
+def data_plane_download_and_discard(target: dataplane.DataPlaneTarget, total_bytes: int) -> None:
+    """Receive the round's weights over the data plane into one reused scratch buffer, checking the total."""
+    deadline = Deadline(3600)
+    scratch = memoryview(bytearray(4 << 20))
+    with target.connect(OP_DOWNLOAD, deadline) as sock:
+        header = pb.ModelHeader.FromString(read_status(sock, deadline))
+        if header.total_bytes != total_bytes:
+            raise RuntimeError(f"data-plane header says {header.total_bytes} bytes, expected {total_bytes}")
+        left = total_bytes
+        while left:
+            take = min(left, len(scratch))
+            recv_exact_into(sock, scratch[:take], deadline)
+            left -= take
+
+
 def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examples: int,
                     errors: list[BaseException]) -> None:
     """Join, then for every task: download, upload the shared update; until the coordinator says shutdown."""
@@ -73,8 +91,14 @@ def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examp
                 break
             if kind != "task":
                 continue
-            download_and_discard(stub, auth, pulled.task, shared.layout.total_bytes)
-            stub.UploadUpdate(shared.messages(auth, pulled.task, num_examples), timeout=3600)
+            task = pulled.task
+            if dataplane.DataPlaneTarget.offered(task):  # whatever the coordinator offers, like a real agent
+                data_plane_download_and_discard(dataplane.DataPlaneTarget(address, task), shared.layout.total_bytes)
+                dataplane.upload(dataplane.DataPlaneTarget(address, task), auth, task, shared.layout, shared.arrays,
+                                 num_examples, 1, {}, 3600)
+            else:
+                download_and_discard(stub, auth, task, shared.layout.total_bytes)
+                stub.UploadUpdate(shared.messages(auth, task, num_examples), timeout=3600)
         channel.close()
     except BaseException as exc:  # reported by the worker
         errors.append(exc)

@@ -4,13 +4,16 @@ One command: ``.venv/bin/python benchmarks/round_bench.py`` (``--quick`` for a s
 transfer|overhead|simulate`` for one section). Everything runs on 127.0.0.1 and prints one table per section.
 
 1. Transfer: a 100 MB model (25M float32) between the coordinator (this process) and one agent in its own
-   process, through fedpar's real client code (download_weights into arrays; upload_messages). Next to it,
+   process, through fedpar's real client code: the gRPC streams (download_weights into arrays;
+   upload_messages) and the bulk data plane (client/dataplane.py: recv_into the arrays; sendall). Next to it,
    in the same run and interleaved with it, raw loopback TCP between the same two processes (Python
    sockets, sendall / recv_into of the same number of bytes). The upload time runs until the coordinator's
    reply, so it includes validation (NaN/Inf scan) and the FedAvg fold. Best and median of --repeats.
 2. Round overhead: seconds per round when local training takes no time at all, for N in {10, 100} agents
    and models of 1M, 10M and 100M parameters. The agents (bench_agents.py) download every weight, upload a
-   full update and speak the real protocol; they run as threads in 2 processes. Next to it: the time
+   full update and speak the real protocol over whatever the coordinator offers by default (the data plane
+   for models >= 8 MiB, the gRPC streams below; --no-data-plane: streams only); they run as threads in 2
+   processes. Next to it: the time
    raw TCP would need to move the same bytes (2 x N x model bytes) at the rate measured in section 1.
 3. Simulation: `fedpar simulate` (real coordinator, real agents in worker processes, real gRPC) against
    the same FedAvg job as plain PyTorch in one process (fedavg_floor.py: same split, model, epochs, seeds),
@@ -40,6 +43,7 @@ sys.path.insert(0, str(HERE))
 from bench_agents import run_light_worker  # noqa: E402
 
 from fedpar.aggregation import build_strategy  # noqa: E402
+from fedpar.client import dataplane  # noqa: E402
 from fedpar.client.transfer import download_weights, upload_messages, upload_update  # noqa: E402
 from fedpar.protocol import fedpar_pb2 as pb  # noqa: E402
 from fedpar.protocol.codec import ModelLayout  # noqa: E402
@@ -53,11 +57,12 @@ MIB = 1 << 20
 
 
 # ----------------------------------------------------------------------------- helpers
-def start_coordinator(arrays: list[np.ndarray], rounds: int, agents: int, chunk_bytes: int) -> CoordinatorServer:
+def start_coordinator(arrays: list[np.ndarray], rounds: int, agents: int, chunk_bytes: int,
+                      data_plane: bool | None = None) -> CoordinatorServer:
     """A coordinator on a free loopback port that runs ``rounds`` rounds with all ``agents`` every round."""
     cfg = CoordinatorConfig(rounds=rounds, clients_per_round=agents, min_available=agents, overselect=1.0,
                             deadline_seconds=3600, heartbeat_seconds=5.0, liveness_timeout_seconds=3600,
-                            max_chunk_bytes=chunk_bytes, wait_for_agents_seconds=600)
+                            max_chunk_bytes=chunk_bytes, wait_for_agents_seconds=600, data_plane=data_plane)
     names = [f"layer{i}" for i in range(len(arrays))]
     server = CoordinatorServer(Coordinator(cfg, names, arrays, build_strategy("fedavg")))
     server.start()
@@ -79,7 +84,7 @@ def gbps(nbytes: float, seconds: float) -> float:
 
 # ----------------------------------------------------------------------------- 1. transfer
 def transfer_peer(address: str, specs, chunk_bytes: int, conn) -> None:
-    """Agent process for section 1: answers ('tcp', port, n) and ('grpc',) commands with timings."""
+    """Agent process for section 1: answers ('tcp', port, n), ('grpc',) and ('dp',) commands with timings."""
     layout = ModelLayout(specs)
     channel = __import__("grpc").insecure_channel(address, options=channel_options(64 * MIB))
     stub = CoordinatorStub(channel)
@@ -100,16 +105,23 @@ def transfer_peer(address: str, specs, chunk_bytes: int, conn) -> None:
                         raise RuntimeError("raw TCP sender went away")
                     got += n
                 conn.send(time.perf_counter() - t0)
-        elif cmd[0] == "grpc":
+        elif cmd[0] in ("grpc", "dp"):
             while True:
                 pulled = stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=5.0), timeout=60)
                 if pulled.WhichOneof("kind") == "task":
                     break
             task = pulled.task
-            t0 = time.perf_counter()
-            arrays = download_weights(stub, auth, task, layout, chunk_bytes, timeout=600)
-            t1 = time.perf_counter()
-            upload_update(stub, upload_messages(auth, task, layout, arrays, 1, 1, {}, chunk_bytes), timeout=600)
+            if cmd[0] == "dp":
+                target = dataplane.DataPlaneTarget(address, task)
+                t0 = time.perf_counter()
+                arrays = dataplane.download(target, layout, 600)
+                t1 = time.perf_counter()
+                dataplane.upload(target, auth, task, layout, arrays, 1, 1, {}, 600)
+            else:
+                t0 = time.perf_counter()
+                arrays = download_weights(stub, auth, task, layout, chunk_bytes, timeout=600)
+                t1 = time.perf_counter()
+                upload_update(stub, upload_messages(auth, task, layout, arrays, 1, 1, {}, chunk_bytes), timeout=600)
             conn.send((t1 - t0, time.perf_counter() - t1))
         else:
             channel.close()
@@ -136,23 +148,26 @@ def raw_tcp_once(conn, nbytes: int) -> float:
 
 
 def bench_transfer(params: int, repeats: int, chunk_bytes: int) -> dict:
-    """Interleaved raw TCP / gRPC download / gRPC upload timings for one model size."""
+    """Interleaved raw TCP / gRPC / data-plane download and upload timings for one model size."""
     arrays = model_arrays(params)
     nbytes = sum(a.nbytes for a in arrays)
-    server = start_coordinator(arrays, rounds=repeats + 1, agents=1, chunk_bytes=chunk_bytes)
+    server = start_coordinator(arrays, rounds=2 * (repeats + 1), agents=1, chunk_bytes=chunk_bytes,
+                               data_plane=True)
     specs = ModelLayout.of_arrays([f"layer{i}" for i in range(len(arrays))], arrays).specs()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     peer = ctx.Process(target=transfer_peer, args=(server.address, specs, chunk_bytes, child), daemon=True)
     peer.start()
-    tcp, down, up = [], [], []
+    tcp, down, up, dp_down, dp_up = [], [], [], [], []
     try:
         for rep in range(repeats + 1):
             t = raw_tcp_once(parent, nbytes)
             parent.send(("grpc",))
             d, u = parent.recv()
+            parent.send(("dp",))
+            dd, du = parent.recv()
             if rep:  # the first repeat touches fresh memory on both sides: warm-up
-                tcp.append(t), down.append(d), up.append(u)
+                tcp.append(t), down.append(d), up.append(u), dp_down.append(dd), dp_up.append(du)
         parent.send(("stop",))
         peer.join(30)
         server.wait(60)
@@ -160,7 +175,7 @@ def bench_transfer(params: int, repeats: int, chunk_bytes: int) -> dict:
         if peer.is_alive():
             peer.terminate()
         server.stop()
-    return {"bytes": nbytes, "tcp": tcp, "download": down, "upload": up}
+    return {"bytes": nbytes, "tcp": tcp, "download": down, "upload": up, "dp_download": dp_down, "dp_upload": dp_up}
 
 
 def print_transfer(result: dict, chunk_bytes: int) -> float:
@@ -172,7 +187,9 @@ def print_transfer(result: dict, chunk_bytes: int) -> float:
     print(f"{'path':<44}{'best GB/s':>10}{'median GB/s':>13}{'best / raw TCP':>16}")
     for label, key in (("raw loopback TCP (python sockets)", "tcp"),
                        ("gRPC download (DownloadWeights stream)", "download"),
-                       ("gRPC upload (incl. NaN check + FedAvg fold)", "upload")):
+                       ("gRPC upload (incl. NaN check + FedAvg fold)", "upload"),
+                       ("data plane download (recv_into arrays)", "dp_download"),
+                       ("data plane upload (incl. NaN check + fold)", "dp_upload")):
         best = gbps(n, min(result[key]))
         median = gbps(n, statistics.median(result[key]))
         print(f"{label:<44}{best:>10.3f}{median:>13.3f}{best / best_tcp:>16.2f}")
@@ -180,10 +197,11 @@ def print_transfer(result: dict, chunk_bytes: int) -> float:
 
 
 # ----------------------------------------------------------------------------- 2. round overhead
-def bench_overhead(params: int, agents: int, rounds: int, chunk_bytes: int, workers: int = 2) -> dict:
+def bench_overhead(params: int, agents: int, rounds: int, chunk_bytes: int, workers: int = 2,
+                   data_plane: bool | None = None) -> dict:
     """Steady-state round seconds with ``agents`` non-training agents and a ``params``-parameter model."""
     arrays = model_arrays(params)
-    server = start_coordinator(arrays, rounds=rounds, agents=agents, chunk_bytes=chunk_bytes)
+    server = start_coordinator(arrays, rounds=rounds, agents=agents, chunk_bytes=chunk_bytes, data_plane=data_plane)
     specs = ModelLayout.of_arrays([f"layer{i}" for i in range(len(arrays))], arrays).specs()
     ids = [f"bench-{i:04d}" for i in range(agents)]
     ctx = mp.get_context("spawn")
@@ -205,20 +223,21 @@ def bench_overhead(params: int, agents: int, rounds: int, chunk_bytes: int, work
     rows = server.coordinator.metrics.rows
     if any(r["status"] != "ok" or r["reported"] != agents for r in rows):
         raise RuntimeError(f"a benchmark round did not complete with all agents: {rows}")
-    return {"bytes": sum(a.nbytes for a in arrays), "round_seconds": [r["round_seconds"] for r in rows]}
+    return {"bytes": sum(a.nbytes for a in arrays), "round_seconds": [r["round_seconds"] for r in rows],
+            "path": "data plane" if server.coordinator.data_port else "gRPC"}
 
 
 def print_overhead(results: list[tuple[int, int, dict]], tcp_gbps: float) -> None:
     """Print section 2."""
     print("\n== 2. Round overhead: seconds per round beyond local training (agents train for 0 s) ==")
     print(f"{'agents':>6}{'params':>8}{'model MB':>10}{'rounds':>8}{'s/round':>10}{'raw-TCP s':>11}"
-          f"{'ratio':>8}{'first round s':>15}")
+          f"{'ratio':>8}{'first round s':>15}{'path':>12}")
     for agents, params, r in results:
         steady = r["round_seconds"][1:] or r["round_seconds"]
         per_round = statistics.median(steady)
         wire = 2 * agents * r["bytes"] / (tcp_gbps * 1e9)
         print(f"{agents:>6}{params / 1e6:>7.0f}M{r['bytes'] / 1e6:>10.0f}{len(steady):>8}{per_round:>10.3f}"
-              f"{wire:>11.3f}{per_round / wire:>8.2f}{r['round_seconds'][0]:>15.3f}")
+              f"{wire:>11.3f}{per_round / wire:>8.2f}{r['round_seconds'][0]:>15.3f}{r['path']:>12}")
     print("raw-TCP s: time to move every round's bytes (N downloads + N uploads) at section 1's raw TCP rate; "
           "s/round: median of rounds 2..R")
 
@@ -277,6 +296,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes only: a smoke run of every section")
     p.add_argument("--only", choices=["transfer", "overhead", "simulate"], help="run one section")
     p.add_argument("--repeats", type=int, default=5, help="transfer repeats (after one warm-up)")
+    p.add_argument("--no-data-plane", action="store_true",
+                   help="section 2: weights over the gRPC streams only (the coordinator's default is the data "
+                        "plane for models >= 8 MiB)")
     p.add_argument("--chunk-kib", type=int, default=1024, help="chunk size on the wire")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"),
                    help="MNIST folder for the MNIST simulation jobs (skipped if missing)")
@@ -293,7 +315,8 @@ def main() -> None:
             cells += [(100, 10_000_000, 3), (10, 100_000_000, 3), (100, 100_000_000, 2)]
         results = []
         for agents, params, rounds in cells:
-            results.append((agents, params, bench_overhead(params, agents, rounds, chunk)))
+            results.append((agents, params, bench_overhead(params, agents, rounds, chunk,
+                                                           data_plane=False if a.no_data_plane else None)))
             print(f"  overhead: {agents} agents x {params / 1e6:.0f}M done", flush=True)
         print_overhead(results, tcp_gbps)
     if a.only in (None, "simulate"):

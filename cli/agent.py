@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--give-up-after", type=float, default=None,
                    help="exit after this many seconds without reaching the coordinator (default: never)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for local training")
+    p.add_argument("--no-data-plane", action="store_true",
+                   help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
     add_tls_arguments(p, "client")
 
 
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     config = AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
                          max_backoff=args.max_backoff, give_up_after=args.give_up_after,
                          credentials=security.credentials, tls_server_name=security.server_name,
-                         enrollment_token=security.enrollment_token)
+                         enrollment_token=security.enrollment_token,
+                         data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls)
     agent = Agent(config, LocalTrainer(model, train, val, seed=args.seed))
     print(f"agent {args.agent_id}: {len(train)} training examples, dialing {args.server}", flush=True)
     try:

@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
     p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
+    p.add_argument("--data-plane", choices=["auto", "on", "off"], default="auto",
+                   help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC "
+                        f"uses TLS): auto = for models of at least {d.data_plane_min_bytes >> 20} MiB; agents "
+                        "that do not support it keep using the gRPC streams")
+    p.add_argument("--data-port", type=int, default=d.data_port,
+                   help="port of the data plane on --host (0 picks a free one; agents learn it with each task)")
     p.add_argument("--secure-aggregation", action="store_true",
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the agents' updates "
                         "(needs a linear strategy: fedavg, fedavgm, fedprox, fedadam, fedyogi, fedadagrad)")
@@ -93,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     fields = set(CoordinatorConfig.__dataclass_fields__)
     config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     config.metrics_path = args.out / "metrics.jsonl"
+    choice = getattr(args, "data_plane", None)  # a --config TOML file may give a bool
+    config.data_plane = choice if choice is None or isinstance(choice, bool) else \
+        {"auto": None, "on": True, "off": False}.get(choice, choice)
     try:
         security = server_security(args)  # first: a missing certificate should not wait for data loading
         config.validate()
@@ -126,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
         return 2
     server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
+    server.data_tls = security.data_tls  # the data plane serves TLS with the same certificate
     try:
         server.start()
     except Exception as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import grpc
 
 from fedpar.security.admission import Admission, RevocationList, TokenList
 from fedpar.security.certs import CertPaths
+from fedpar.security.sslcontext import client_ssl_context, server_ssl_context
 from fedpar.security.tls import (HOW_TO_FIX, TlsSetupError, certificate_common_name, channel_credentials,
                                  client_tls_files, server_credentials, server_tls_files)
 
@@ -76,6 +78,7 @@ class ServerSecurity:
     admission: Admission
     description: str
     client_hint: str  # the TLS options agents of this coordinator need
+    data_tls: ssl.SSLContext | None = None  # the same certificate for the bulk data plane
 
 
 def server_security(args: argparse.Namespace) -> ServerSecurity:
@@ -89,10 +92,11 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
         revocations = RevocationList(args.revoked or (CertPaths(args.certs).revoked if args.certs else None))
     except ValueError as exc:
         raise TlsSetupError(str(exc)) from None
-    credentials, mutual = None, False
+    credentials, mutual, data_tls = None, False, None
     if not args.insecure:
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
         credentials, mutual = server_credentials(files), files.ca is not None
+        data_tls = server_ssl_context(files)
         if not mutual and tokens is None:
             raise TlsSetupError("without --tls-ca (server-only TLS) agents have no certificate to prove who they "
                                 "are: pass --enrollment-tokens FILE, or --certs DIR for mutual TLS")
@@ -107,7 +111,7 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
         hint = "--insecure" + (" --enrollment-token-file F" if tokens is not None else "")
     admission = Admission(allowed_ids=args.allow_agents, token_hashes=tokens, revocations=revocations,
                           require_certificate=mutual)
-    return ServerSecurity(credentials, admission, description, hint)
+    return ServerSecurity(credentials, admission, description, hint, data_tls)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class ClientSecurity:
     credentials: grpc.ChannelCredentials | None
     server_name: str | None
     enrollment_token: str
+    data_tls: ssl.SSLContext | None = None  # the same certificate for the bulk data plane
 
 
 def client_security(args: argparse.Namespace) -> ClientSecurity:
@@ -145,4 +150,4 @@ def client_security(args: argparse.Namespace) -> ClientSecurity:
         if cn != args.agent_id:
             raise TlsSetupError(f"{files.cert} is the certificate of agent {cn!r}, not of --agent-id "
                                 f"{args.agent_id!r}; the coordinator would refuse it")
-    return ClientSecurity(credentials, args.tls_server_name, token)
+    return ClientSecurity(credentials, args.tls_server_name, token, client_ssl_context(files))

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 
 import grpc
 
+from fedpar.client import dataplane
 from fedpar.client.privacy import privatize_update
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
@@ -45,6 +47,8 @@ class AgentConfig:
     enrollment_token: str = ""  # for coordinators that admit agents without certificates by token
     drop_probability: float = 0.0  # simulations: chance of vanishing for a round after training
     seed: int | None = None  # drop decisions and backoff jitter; None: fresh entropy (agents must not move in lockstep)
+    data_plane: bool = True  # move weights over the coordinator's data plane when a task offers it
+    data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
 
 
 @dataclass
@@ -171,10 +175,16 @@ class Agent:
             except (grpc.RpcError, SecAggError, SecAggAbort) as err:
                 self._note_refusal("secure aggregation", err)
                 return
+        data_plane = self._data_plane(task)
         try:
-            weights = download_weights(self._stub, self._auth, task, self.layout, self._max_chunk,
-                                       timeout=max(1.0, task.deadline_seconds))
-        except (grpc.RpcError, CodecError) as err:
+            weights = None
+            if data_plane is not None:
+                weights = self._via_data_plane("download", dataplane.download, data_plane, self.layout,
+                                               max(1.0, task.deadline_seconds))
+            if weights is None:
+                weights = download_weights(self._stub, self._auth, task, self.layout, self._max_chunk,
+                                           timeout=max(1.0, task.deadline_seconds))
+        except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
             self._note_refusal("download", err)
             return
         download_seconds = time.monotonic() - received
@@ -213,6 +223,16 @@ class Agent:
         except ValueError as err:
             self._note_refusal("dp clipping", err)
             return
+        if data_plane is not None:  # falls through to the gRPC stream only if the data connection broke
+            try:
+                if self._via_data_plane("upload", dataplane.upload, data_plane, self._auth, task, self.layout, update,
+                                        result.examples, result.steps, metrics,
+                                        max(5.0, deadline_at - time.monotonic() + 5.0)) is not None:
+                    self.stats.accepted += 1
+                    return
+            except dataplane.DataPlaneRefused as err:
+                self._note_refusal("upload", err)
+                return
         backoff = 0.1
         while True:
             messages = upload_messages(self._auth, task, self.layout, update, result.examples, result.steps,
@@ -229,8 +249,26 @@ class Agent:
                 time.sleep(backoff * (0.5 + self._rng.random()))
                 backoff = min(backoff * 2, 2.0)
 
+    def _data_plane(self, task: pb.TrainTask) -> dataplane.DataPlaneTarget | None:
+        """Where to move this task's weights outside gRPC, or None (not offered, off, or no TLS for it)."""
+        if not (self.config.data_plane and dataplane.DataPlaneTarget.offered(task)):
+            return None
+        if self.config.credentials is not None and self.config.data_tls is None:
+            return None  # never send weights in plaintext beside a TLS control channel
+        return dataplane.DataPlaneTarget(self.config.server, task, self.config.data_tls, self.config.tls_server_name)
+
+    def _via_data_plane(self, what: str, fn, *args):
+        """``fn(*args)``, or None after a transport failure (the caller then uses the gRPC stream)."""
+        try:
+            return fn(*args)
+        except dataplane.DataPlaneError as err:
+            log.info("%s: data-plane %s failed (%s); using the gRPC stream", self.config.agent_id, what, err)
+            return None
+
     def _note_refusal(self, what: str, err: Exception) -> None:
         detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+        if isinstance(err, dataplane.DataPlaneRefused):
+            detail = dataplane.refusal_text(err)
         self.stats.refused += 1
         self.stats.refusals.append(f"{what}: {detail}")
         log.info("%s: %s refused: %s", self.config.agent_id, what, detail)

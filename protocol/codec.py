@@ -181,6 +181,17 @@ class TensorAssembler:
         self.received = end
         self.chunks += 1
 
+    def fill(self, read_into) -> None:
+        """Fill the whole model in one pass: ``read_into(view)`` must fill each tensor's byte view exactly
+        (the data plane's recv_into); ``received`` counts only what was filled."""
+        if self.received:
+            raise CodecError("fill() needs an assembler that has received nothing yet")
+        for meta, view in zip(self.layout.tensors, self._views):
+            if meta.nbytes:
+                read_into(view)
+                self.received += meta.nbytes
+        self.chunks += 1
+
     @property
     def complete(self) -> bool:
         """True once every byte of the model has arrived."""

@@ -68,7 +68,7 @@ class PullTaskRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes")
+    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,8 @@ class TrainTask(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_seconds: float
@@ -85,7 +87,9 @@ class TrainTask(_message.Message):
     learning_rate: float
     extra_json: str
     model_bytes: int
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    data_ticket: bytes
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PullTaskReply(_message.Message):
     __slots__ = ("task", "wait_seconds", "shutdown_reason")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 
 import grpc
 
 from fedpar.protocol.messages import channel_options
 from fedpar.server.coordinator import Coordinator
+from fedpar.server.dataplane import start_data_plane
 from fedpar.server.service import CoordinatorService, generic_handler
 
 log = logging.getLogger("fedpar.server")
@@ -27,11 +29,13 @@ class CoordinatorServer:
     """Serves the coordinator on ``host:port`` (port 0 picks a free one) from a background thread."""
 
     def __init__(self, coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0,
-                 credentials: grpc.ServerCredentials | None = None):
+                 credentials: grpc.ServerCredentials | None = None, data_tls: ssl.SSLContext | None = None):
         self.coordinator = coordinator
         self.host = host
         self.requested_port = port
         self.credentials = credentials
+        self.data_tls = data_tls  # TLS for the data plane; required for it when ``credentials`` is set
+        self.data_plane = None
         self.port: int | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -95,6 +99,8 @@ class CoordinatorServer:
             self.port = server.add_secure_port(target, self.credentials)
         await server.start()
         self.coordinator._bind_loop()
+        self.data_plane = start_data_plane(self.coordinator, self._loop, self.host, self.credentials is not None,
+                                           self.data_tls)
         self._ready.set()
         rounds = asyncio.ensure_future(self.coordinator.run())
         stopper = asyncio.ensure_future(self._stop.wait())
@@ -108,4 +114,6 @@ class CoordinatorServer:
         finally:
             rounds.cancel()
             stopper.cancel()
+            if self.data_plane is not None:
+                self.data_plane.stop()
             await server.stop(1.0)

@@ -46,6 +46,10 @@ class CoordinatorConfig:
     secagg_clip: float = 1.0  # each coordinate of an agent's update (local - global) is clipped to +-this
     secagg_max_weight: int | None = None  # cap on an agent's weight; None: largest registered examples x epochs
     secagg_stage_seconds: float = 30.0  # longest wait for each key-exchange stage and for unmasking
+    data_plane: bool | None = None  # bulk socket transfers beside gRPC; None: on for models >= data_plane_min_bytes
+    data_plane_min_bytes: int = 8 << 20
+    data_port: int = 0  # port of the data plane on the gRPC host; 0: a free one
+    data_plane_downloads: int = 8  # data-plane downloads served at once (uploads: max_concurrent_uploads)
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""
@@ -79,6 +83,9 @@ class CoordinatorConfig:
             (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),
             (self.secagg_max_weight is None or self.secagg_max_weight >= 1, "secagg_max_weight must be >= 1"),
             (self.secagg_stage_seconds > 0, "secagg_stage_seconds must be > 0"),
+            (self.data_plane in (None, True, False), "data_plane must be on, off or auto"),
+            (0 <= self.data_port <= 65535, "data_port must be in 0..65535"),
+            (self.data_plane_downloads >= 1, "data_plane_downloads must be >= 1"),
             (not self.secure_aggregation or (self.min_available >= 2 and (self.fraction is not None
                                                                        or self.clients_per_round >= 2)),
              "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
@@ -90,6 +97,10 @@ class CoordinatorConfig:
         if self.min_reports > self.clients_per_round and self.fraction is None:
             raise ValueError(f"min_reports ({self.min_reports}) cannot exceed clients_per_round "
                              f"({self.clients_per_round})")
+
+    def wants_data_plane(self, model_bytes: int) -> bool:
+        """Whether weights of ``model_bytes`` should move on the data plane."""
+        return self.data_plane if self.data_plane is not None else model_bytes >= self.data_plane_min_bytes
 
     def target_reports(self, live: int) -> int:
         """K for a round with ``live`` agents available."""

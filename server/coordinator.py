@@ -34,6 +34,7 @@ from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState
 from fedpar.server.sampler import CohortSampler
 from fedpar.server.secure_round import SecureRound, check_secure_setup, default_max_weight
+from fedpar.server.tickets import TicketBook
 
 log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
@@ -78,6 +79,8 @@ class Coordinator:
         self.metrics = MetricsLog(config.metrics_path)
         self.started_at = time.monotonic()
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
+        self.tickets = TicketBook()  # data-plane transfer tickets
+        self.data_port: int | None = None  # set when the data plane listens (server/dataplane.py)
         self._wakeups: dict[str, asyncio.Event] = {}
         self._agents_changed: asyncio.Event | None = None
         self._upload_slots: asyncio.Semaphore | None = None
@@ -133,7 +136,7 @@ class Coordinator:
 
     async def _publish_payload(self, round_id: int) -> None:
         self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,
-                                             self.config.max_chunk_bytes)
+                                             self.config.max_chunk_bytes, self.data_port is not None)
 
     async def _wait_for_agents(self) -> None:
         deadline = None
@@ -170,6 +173,7 @@ class Coordinator:
         target = min(self.config.target_reports(len(live)), len(cohort))
         slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
         state = RoundState(round_id, target, self.config.min_reports, self.config.deadline_seconds, slots)
+        self.tickets.expire_rounds_before(round_id)
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         if self.config.secure_aggregation:
             self.secure = self._secure_round(round_id, cohort)
@@ -304,6 +308,9 @@ class Coordinator:
                                                    **self.strategy.client_config(state.round_id),
                                                    **({"secure_aggregation": True} if self.secure else {})}),
                             model_bytes=self.layout.total_bytes)
+        if self.data_port is not None:
+            task.data_port = self.data_port
+            task.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id)
         return pb.PullTaskReply(task=task)
 
     def payload_for(self, agent: AgentRecord, round_id: int, task_id: str) -> WeightPayload:

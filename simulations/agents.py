@@ -17,6 +17,7 @@ from fedpar.client.agent import Agent, AgentConfig, AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
+from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.clientdata import local_split
 
@@ -48,7 +49,8 @@ class WorkerConfig:
 
 def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None) -> Agent:
     """A real agent over gRPC for ``spec``'s share of the data."""
-    credentials = channel_credentials(client_tls_files(spec.agent_id, spec.certs_dir)) if spec.certs_dir else None
+    files = client_tls_files(spec.agent_id, spec.certs_dir) if spec.certs_dir else None
+    credentials = channel_credentials(files) if files else None
     train, val = local_split(splits.train, spec.indices, cfg.val_fraction, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
@@ -56,6 +58,7 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: thread
                            seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
                             drop_probability=spec.drop_probability, give_up_after=60.0, credentials=credentials,
+                            data_tls=client_ssl_context(files) if files else None,
                             seed=cfg.seed * 1_000_003 + zlib.crc32(spec.agent_id.encode()))  # own drops and jitter
     return Agent(agent_cfg, trainer)
 

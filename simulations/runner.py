@@ -22,6 +22,7 @@ from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
+from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
@@ -140,7 +141,8 @@ def _run(cfg: SimulationConfig, on_round, started: float, out: Path | None, proc
                               evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks,
                               admission=Admission(require_certificate=cfg.tls))
     server = CoordinatorServer(coordinator,
-                               credentials=server_credentials(server_tls_files(certs.name)) if certs else None)
+                               credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
+                               data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None)
     server.start()
     try:
         for w, send in enumerate(pipes):

@@ -1,4 +1,5 @@
-"""The README's deployed form, as separate processes: fedpar certs, then serve and two clients with --certs."""
+"""The README's deployed form, as separate processes: fedpar certs, then serve and two clients with --certs
+(with the data plane forced on, so the weights also cross a TLS data socket between real processes)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
 
 
-def _port_from(proc: subprocess.Popen, timeout: float = 90.0) -> int:
+def _port_from(proc: subprocess.Popen, timeout: float = 90.0, lines: list[str] | None = None) -> int:
     end = time.monotonic() + timeout
-    lines = []
+    lines = [] if lines is None else lines
     while time.monotonic() < end:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
@@ -32,11 +33,12 @@ def test_readme_deployed_form_runs_a_round_over_mutual_tls(tmp_path):
                    capture_output=True, timeout=60)
     serve = subprocess.Popen([*FEDPAR, "serve", "--port", "0", "--certs", str(certs), "--min-available", "2",
                               "--clients-per-round", "2", "--rounds", "1", "--local-epochs", "1", "--lr", "0.1",
-                              "--out", str(tmp_path / "run")],
+                              "--out", str(tmp_path / "run"), "--data-plane", "on"],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     clients = []
+    early: list[str] = []
     try:
-        port = _port_from(serve)
+        port = _port_from(serve, lines=early)
         clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--certs", str(certs),
                                      "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
                                      "--threads", "1", "--give-up-after", "60"],
@@ -51,4 +53,6 @@ def test_readme_deployed_form_runs_a_round_over_mutual_tls(tmp_path):
     assert serve.returncode == 0, serve_out
     for client, out in zip(clients, outputs):
         assert client.returncode == 0 and "1 updates accepted, 0 refused" in out, out
+        assert "data-plane" not in out, out  # no fallback to the gRPC streams was needed
     assert '"status": "ok"' in serve_out and '"reported": 2' in serve_out
+    assert re.search(r"data plane listening on 127\.0\.0\.1:\d+ \(TLS\)", "".join(early)), early

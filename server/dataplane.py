@@ -1,0 +1,295 @@
+"""The coordinator's bulk data plane: serves downloads and receives uploads over plain (or TLS) sockets.
+
+The wire format is in :mod:`fedpar.protocol.dataplane`. Connections are handled by a bounded pool of
+threads with blocking sockets (sendall of the round's contiguous payload; recv_into straight into the
+upload's staging arrays). The coordinator's event loop owns all round state, so every check and state
+change (ticket claim, ``open_upload``, ``accept``, ``reject``, ``abandon``) runs on that loop through
+``asyncio.run_coroutine_threadsafe``; only byte moving and the NaN/Inf scan happen in these threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import TensorAssembler
+from fedpar.protocol.messages import FRAMING_BYTES
+from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, DataPlaneError, Deadline, decode_preamble,
+                                       encode_status, read_frame, recv_exact, recv_exact_into, refusal, send_all,
+                                       send_views)
+from fedpar.security.admission import AdmissionRefused
+from fedpar.security.identity import PeerIdentity
+from fedpar.server.registry import AuthError
+from fedpar.server.rounds import Refusal
+
+log = logging.getLogger("fedpar.server.dataplane")
+HANDSHAKE_SECONDS = 10.0  # TLS handshake, preamble and upload header must arrive this fast
+LOOP_CALL_SECONDS = 60.0
+
+
+class DataPlaneServer:
+    """Listens on ``host:port`` (0: a free port) and moves weights for ticket holders."""
+
+    def __init__(self, coordinator, loop: asyncio.AbstractEventLoop, host: str, port: int = 0,
+                 ssl_context: ssl.SSLContext | None = None):
+        self.coord = coordinator
+        self.loop = loop
+        self.ssl_context = ssl_context
+        config = coordinator.config
+        self.workers = config.max_concurrent_uploads + config.data_plane_downloads
+        self._free = threading.Semaphore(self.workers)
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedpar-data")
+        self._listener = socket.create_server((host, port), backlog=1024)
+        self._listener.settimeout(0.5)
+        self.port = self._listener.getsockname()[1]
+        self._stopped = threading.Event()
+        self._active: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.downloads = 0  # completed data-plane downloads and accepted uploads (for tests and logs)
+        self.uploads = 0
+        self._thread = threading.Thread(target=self._accept_loop, name="fedpar-data-accept", daemon=True)
+
+    def start(self) -> int:
+        """Start accepting; returns the bound port."""
+        self._thread.start()
+        return self.port
+
+    def stop(self) -> None:
+        """Stop accepting and break off transfers in progress (never blocks the event loop)."""
+        self._stopped.set()
+        self._listener.close()
+        with self._lock:
+            for sock in self._active:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------- connections
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            if not self._free.acquire(timeout=0.5):
+                continue  # every worker is busy: new connections wait in the listen backlog
+            try:
+                sock, _ = self._listener.accept()
+            except (socket.timeout, OSError):
+                self._free.release()
+                continue
+            try:
+                self._pool.submit(self._serve, sock)
+            except RuntimeError:  # the pool shut down
+                self._free.release()
+                sock.close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._active.add(sock)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            early = Deadline(HANDSHAKE_SECONDS)
+            peer = None
+            if self.ssl_context is not None:
+                early.arm(sock)
+                wrapped = self.ssl_context.wrap_socket(sock, server_side=True)
+                with self._lock:  # stop() must reach the TLS socket, which now owns the descriptor
+                    self._active.discard(sock)
+                    self._active.add(wrapped)
+                sock = wrapped
+                peer = _peer_identity(sock)
+            op, ticket = decode_preamble(recv_exact(sock, PREAMBLE.size, early))
+            if op == OP_DOWNLOAD:
+                self._download(sock, ticket, peer)
+            else:
+                self._upload(sock, ticket, peer, early)
+        except (DataPlaneError, ssl.SSLError, OSError) as exc:
+            log.info("data connection dropped: %s", exc)
+        except Exception:  # never let one connection take a worker down silently
+            log.exception("data connection failed")
+        finally:
+            with self._lock:
+                self._active.discard(sock)
+            try:
+                sock.close()
+            except OSError:
+                pass
+            self._free.release()
+
+    def _on_loop(self, fn, *args):
+        """Run ``fn(*args)`` on the coordinator's loop (a coroutine function is awaited) and return its result."""
+        async def call():
+            result = fn(*args)
+            return await result if asyncio.iscoroutine(result) else result
+        if self._stopped.is_set():
+            raise DataPlaneError("the coordinator is shutting down")
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(LOOP_CALL_SECONDS)
+
+    # ----------------------------------------------------------------- download
+    def _download(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None) -> None:
+        try:
+            entry, payload, deadline_at = self._on_loop(self._claim_download, ticket, peer)
+        except Refusal as r:
+            _send_refusal(sock, r)
+            return
+        done = False
+        try:
+            deadline = Deadline(deadline_at - time.monotonic())
+            send_all(sock, encode_status(OK, payload.model_header), deadline)
+            send_views(sock, [payload.flat], deadline)
+            done = True
+            self.downloads += 1
+        finally:
+            self._on_loop(self.coord.tickets.release, entry, OP_DOWNLOAD, done)
+
+    def _claim(self, ticket: bytes, op: int, peer: PeerIdentity | None):
+        """Check a ticket and its holder (loop thread); returns (entry, agent record, round deadline)."""
+        coord = self.coord
+        state = coord.current
+        entry = coord.tickets.claim(ticket, op, state.round_id if state else None,
+                                    state is not None and not state.closed, peer and peer.common_name)
+        try:
+            agent = coord.registry.get(entry.agent_id)
+            if agent is None:
+                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"agent {entry.agent_id!r} is not registered; join again")
+            try:
+                coord.registry.admission.check_call(entry.agent_id, peer)
+            except AdmissionRefused as exc:
+                raise Refusal(exc.code, exc.message) from None
+            agent.last_seen = time.monotonic()
+        except Refusal:
+            coord.tickets.release(entry, op, False)
+            raise
+        return entry, agent, state.started + state.deadline_seconds
+
+    def _claim_download(self, ticket: bytes, peer: PeerIdentity | None):
+        entry, agent, deadline_at = self._claim(ticket, OP_DOWNLOAD, peer)
+        try:
+            payload = self.coord.payload_for(agent, entry.round_id, entry.task_id)
+            if payload.flat is None:
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "weights for the data plane are not ready; use gRPC")
+        except Refusal:
+            self.coord.tickets.release(entry, OP_DOWNLOAD, False)
+            raise
+        return entry, payload, deadline_at
+
+    # ----------------------------------------------------------------- upload
+    def _upload(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None, early: Deadline) -> None:
+        try:
+            limit = self.coord.config.max_chunk_bytes + FRAMING_BYTES  # the gRPC path's message limit
+            header = pb.UploadHeader.FromString(read_frame(sock, early, limit))
+        except (DataPlaneError, DecodeError) as exc:
+            _send_refusal(sock, Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}"))
+            return
+        try:
+            entry, upload, deadline_at = self._on_loop(self._open_upload, ticket, peer, header)
+        except Refusal as r:
+            _send_refusal(sock, r)
+            return
+        deadline = Deadline(deadline_at - time.monotonic())
+        slots = self.coord.upload_slots()
+        have_slot = False
+        refused: Refusal | None = None
+        try:
+            left = deadline_at - time.monotonic()
+            try:
+                asyncio.run_coroutine_threadsafe(asyncio.wait_for(slots.acquire(), left), self.loop).result(left + 5)
+            except Exception:
+                raise DataPlaneError("no upload slot became free before the round deadline") from None
+            have_slot = True
+            send_all(sock, encode_status(OK), deadline)
+            assembler = TensorAssembler(upload.layout, self.coord.config.max_chunk_bytes)
+            assembler.fill(lambda view: recv_exact_into(sock, view, deadline))
+            bad = assembler.first_non_finite()
+            if bad is not None:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
+                              final=True)
+            self._on_loop(self.coord.accept, upload, assembler.arrays)
+            reply = pb.UploadReply(accepted=True, message=f"update accepted for round {upload.state.round_id}")
+            self.uploads += 1
+            send_all(sock, encode_status(OK, reply.SerializeToString()), deadline)
+        except Refusal as r:
+            refused = r
+            _send_refusal(sock, r)
+        finally:
+            if have_slot:
+                self.loop.call_soon_threadsafe(slots.release)
+            try:
+                self._on_loop(self._settle_upload, entry, upload, refused)
+            except (DataPlaneError, RuntimeError, TimeoutError) as exc:
+                log.warning("could not record the end of a data-plane upload: %s", exc)
+
+    def _open_upload(self, ticket: bytes, peer: PeerIdentity | None, header: pb.UploadHeader):
+        entry, agent, deadline_at = self._claim(ticket, OP_UPLOAD, peer)
+        try:
+            try:  # the upload header carries the session like on gRPC: ticket and session must agree
+                agent = self.coord.registry.authenticate(header.auth.agent_id, header.auth.token, peer)
+            except AuthError as exc:
+                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+            except AdmissionRefused as exc:
+                raise Refusal(exc.code, exc.message) from None
+            if agent.agent_id != entry.agent_id:
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"this data-plane ticket was issued to agent {entry.agent_id!r}, not to "
+                              f"{agent.agent_id!r}")
+            if header.round != entry.round_id or header.task_id != entry.task_id:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the upload header names round {header.round} task {header.task_id!r}, but the "
+                              f"ticket is for round {entry.round_id} task {entry.task_id!r}")
+            upload = self.coord.open_upload(agent, header)
+        except Refusal:
+            self.coord.tickets.release(entry, OP_UPLOAD, False)
+            raise
+        return entry, upload, deadline_at
+
+    def _settle_upload(self, entry, upload, refused: Refusal | None) -> None:
+        """Same bookkeeping as the gRPC stream: a bad update is rejected; a broken-off one abandoned."""
+        if refused is not None and refused.final:
+            self.coord.reject(upload, refused.message)
+        else:
+            self.coord.abandon(upload)  # no-op unless the upload is still marked in progress
+        self.coord.tickets.release(entry, OP_UPLOAD, upload.slot.status != "pending")
+
+
+def _send_refusal(sock: socket.socket, r: Refusal) -> None:
+    """Tell the agent why (best effort: it may already be gone)."""
+    try:
+        send_all(sock, refusal(r.code.value[0], r.message), Deadline(5.0))
+    except DataPlaneError:
+        pass
+
+
+def _peer_identity(sock: ssl.SSLSocket) -> PeerIdentity | None:
+    """The verified client certificate's CN and serial (None if the client sent none)."""
+    cert = sock.getpeercert()
+    if not cert:
+        return None
+    names = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    if not names:
+        return None
+    serial = cert.get("serialNumber")
+    return PeerIdentity(names[0], int(serial, 16) if serial else None)
+
+
+def start_data_plane(coordinator, loop, host: str, tls_control: bool,
+                     ssl_context: ssl.SSLContext | None) -> DataPlaneServer | None:
+    """Start the data plane if the coordinator's config asks for it; never in plaintext beside TLS gRPC."""
+    config = coordinator.config
+    if not config.wants_data_plane(coordinator.layout.total_bytes):
+        return None
+    if tls_control and ssl_context is None:
+        log.warning("data plane off: gRPC uses TLS but no TLS context was given for the data plane; "
+                    "weights move over the gRPC streams")
+        return None
+    server = DataPlaneServer(coordinator, loop, host, config.data_port, ssl_context)
+    coordinator.data_port = server.start()
+    log.info("data plane listening on %s:%d (%s)", host, server.port, "TLS" if ssl_context else "plaintext")
+    return server
