@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fedpar.aggregation import build_strategy, strategy_names
+from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.progress import RoundTable
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
     p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
+    add_compression_arguments(p)
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round here, and resume from it")
     p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
 
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     config.metrics_path = args.out / "metrics.jsonl"
     try:
+        config.upload_compression = compression_from_args(args)
         config.validate()
         splits = load_dataset(args.dataset, args.data_dir)
         torch.manual_seed(args.seed)

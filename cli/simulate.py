@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.progress import RoundTable
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra seconds per local step on a slow client")
     p.add_argument("--drop-probability", type=float, default=d.drop_probability,
                    help="chance per client per round of vanishing before it uploads")
+    add_compression_arguments(p)
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--out", default="runs/simulation", help="output folder")

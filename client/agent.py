@@ -7,10 +7,12 @@ import logging
 import random
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import grpc
 
+from fedpar.client.compressed import UpdateCompressor
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
@@ -64,6 +66,7 @@ class Agent:
         self.trainer = trainer
         self.layout = ModelLayout(weight_specs(trainer.model))
         self.stats = AgentStats()
+        self.compression = UpdateCompressor(self.layout, seed=zlib.crc32(f"{config.seed}:{config.agent_id}".encode()))
         self._rng = random.Random(config.seed)
         self._auth: pb.AgentAuth | None = None
         self._heartbeat_seconds = 5.0
@@ -179,12 +182,19 @@ class Agent:
             self.stats.dropped += 1
             return
         metrics.update(train_loss=result.loss, train_seconds=result.seconds)
-        messages = upload_messages(self._auth, task, self.layout, get_weights(self.trainer.model),
-                                   result.examples, result.steps, metrics, min(self._max_chunk, self.config.chunk_bytes))
+        try:  # the new weights, or their delta compressed as the task's extra_json asks
+            upload = self.compression.prepare(extra, get_weights(self.trainer.model), weights)
+        except ValueError as err:
+            self._note_refusal("compress", err)
+            return
+        messages = upload_messages(self._auth, task, upload.layout, upload.arrays, result.examples, result.steps,
+                                   metrics, min(self._max_chunk, self.config.chunk_bytes),
+                                   upload.encoding, upload.encoding_json)
         try:
             upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
             self.stats.accepted += 1
         except grpc.RpcError as err:
+            self.compression.refused()
             self._note_refusal("upload", err)
 
     def _note_refusal(self, what: str, err: Exception) -> None:

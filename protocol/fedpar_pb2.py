@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x66\x65\x64par.proto\x12\tfedpar.v1\",\n\tAgentAuth\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\xc4\x01\n\x0bJoinRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\x12>\n\x0c\x63\x61pabilities\x18\x03 \x03(\x0b\x32(.fedpar.v1.JoinRequest.CapabilitiesEntry\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x1a\x33\n\x11\x43\x61pabilitiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\tJoinReply\x12\r\n\x05token\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\"K\n\x0fPullTaskRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xaf\x01\n\tTrainTask\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x03 \x01(\x01\x12\x14\n\x0clocal_epochs\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x15\n\rlearning_rate\x18\x06 \x01(\x01\x12\x12\n\nextra_json\x18\x07 \x01(\t\x12\x13\n\x0bmodel_bytes\x18\x08 \x01(\x04\"p\n\rPullTaskReply\x12$\n\x04task\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.TrainTaskH\x00\x12\x16\n\x0cwait_seconds\x18\x02 \x01(\x01H\x00\x12\x19\n\x0fshutdown_reason\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Y\n\x0bModelHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.fedpar.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"U\n\x0f\x44ownloadRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07task_id\x18\x03 \x01(\t\"d\n\nModelChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedpar.v1.ModelHeaderH\x00\x12$\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x14.fedpar.v1.DataChunkH\x00\x42\x06\n\x04part\"\x9b\x02\n\x0cUploadHeader\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x14\n\x0cnum_examples\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.fedpar.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x35\n\x07metrics\x18\x08 \x03(\x0b\x32$.fedpar.v1.UploadHeader.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\tUploadEnd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\"\x8b\x01\n\x0bUploadChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpar.v1.UploadHeaderH\x00\x12$\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x14.fedpar.v1.DataChunkH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.fedpar.v1.UploadEndH\x00\x42\x06\n\x04part\"0\n\x0bUploadReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"6\n\x10HeartbeatRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\"\'\n\x0eHeartbeatReply\x12\x15\n\rcurrent_round\x18\x01 \x01(\x04\"2\n\x0cLeaveRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\"\x0c\n\nLeaveReply2\x8d\x03\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.fedpar.v1.JoinRequest\x1a\x14.fedpar.v1.JoinReply\x12@\n\x08PullTask\x12\x1a.fedpar.v1.PullTaskRequest\x1a\x18.fedpar.v1.PullTaskReply\x12\x46\n\x0f\x44ownloadWeights\x12\x1a.fedpar.v1.DownloadRequest\x1a\x15.fedpar.v1.ModelChunk0\x01\x12@\n\x0cUploadUpdate\x12\x16.fedpar.v1.UploadChunk\x1a\x16.fedpar.v1.UploadReply(\x01\x12\x43\n\tHeartbeat\x12\x1b.fedpar.v1.HeartbeatRequest\x1a\x19.fedpar.v1.HeartbeatReply\x12\x37\n\x05Leave\x12\x17.fedpar.v1.LeaveRequest\x1a\x15.fedpar.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x66\x65\x64par.proto\x12\tfedpar.v1\",\n\tAgentAuth\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\xc4\x01\n\x0bJoinRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\x12>\n\x0c\x63\x61pabilities\x18\x03 \x03(\x0b\x32(.fedpar.v1.JoinRequest.CapabilitiesEntry\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\x1a\x33\n\x11\x43\x61pabilitiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\tJoinReply\x12\r\n\x05token\x18\x01 \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\x02 \x01(\x01\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\"K\n\x0fPullTaskRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xaf\x01\n\tTrainTask\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x03 \x01(\x01\x12\x14\n\x0clocal_epochs\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x15\n\rlearning_rate\x18\x06 \x01(\x01\x12\x12\n\nextra_json\x18\x07 \x01(\t\x12\x13\n\x0bmodel_bytes\x18\x08 \x01(\x04\"p\n\rPullTaskReply\x12$\n\x04task\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.TrainTaskH\x00\x12\x16\n\x0cwait_seconds\x18\x02 \x01(\x01H\x00\x12\x19\n\x0fshutdown_reason\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\")\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Y\n\x0bModelHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.fedpar.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"U\n\x0f\x44ownloadRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07task_id\x18\x03 \x01(\t\"d\n\nModelChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedpar.v1.ModelHeaderH\x00\x12$\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x14.fedpar.v1.DataChunkH\x00\x42\x06\n\x04part\"\xc4\x02\n\x0cUploadHeader\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x14\n\x0cnum_examples\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.fedpar.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x35\n\x07metrics\x18\x08 \x03(\x0b\x32$.fedpar.v1.UploadHeader.MetricsEntry\x12\x10\n\x08\x65ncoding\x18\t \x01(\t\x12\x15\n\rencoding_json\x18\n \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\tUploadEnd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\"\x8b\x01\n\x0bUploadChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedpar.v1.UploadHeaderH\x00\x12$\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x14.fedpar.v1.DataChunkH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.fedpar.v1.UploadEndH\x00\x42\x06\n\x04part\"0\n\x0bUploadReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"6\n\x10HeartbeatRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\"\'\n\x0eHeartbeatReply\x12\x15\n\rcurrent_round\x18\x01 \x01(\x04\"2\n\x0cLeaveRequest\x12\"\n\x04\x61uth\x18\x01 \x01(\x0b\x32\x14.fedpar.v1.AgentAuth\"\x0c\n\nLeaveReply2\x8d\x03\n\x0b\x43oordinator\x12\x34\n\x04Join\x12\x16.fedpar.v1.JoinRequest\x1a\x14.fedpar.v1.JoinReply\x12@\n\x08PullTask\x12\x1a.fedpar.v1.PullTaskRequest\x1a\x18.fedpar.v1.PullTaskReply\x12\x46\n\x0f\x44ownloadWeights\x12\x1a.fedpar.v1.DownloadRequest\x1a\x15.fedpar.v1.ModelChunk0\x01\x12@\n\x0cUploadUpdate\x12\x16.fedpar.v1.UploadChunk\x1a\x16.fedpar.v1.UploadReply(\x01\x12\x43\n\tHeartbeat\x12\x1b.fedpar.v1.HeartbeatRequest\x1a\x19.fedpar.v1.HeartbeatReply\x12\x37\n\x05Leave\x12\x17.fedpar.v1.LeaveRequest\x1a\x15.fedpar.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -60,23 +60,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELCHUNK']._serialized_start=1000
   _globals['_MODELCHUNK']._serialized_end=1100
   _globals['_UPLOADHEADER']._serialized_start=1103
-  _globals['_UPLOADHEADER']._serialized_end=1386
-  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_start=1340
-  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_end=1386
-  _globals['_UPLOADEND']._serialized_start=1388
-  _globals['_UPLOADEND']._serialized_end=1440
-  _globals['_UPLOADCHUNK']._serialized_start=1443
-  _globals['_UPLOADCHUNK']._serialized_end=1582
-  _globals['_UPLOADREPLY']._serialized_start=1584
-  _globals['_UPLOADREPLY']._serialized_end=1632
-  _globals['_HEARTBEATREQUEST']._serialized_start=1634
-  _globals['_HEARTBEATREQUEST']._serialized_end=1688
-  _globals['_HEARTBEATREPLY']._serialized_start=1690
-  _globals['_HEARTBEATREPLY']._serialized_end=1729
-  _globals['_LEAVEREQUEST']._serialized_start=1731
-  _globals['_LEAVEREQUEST']._serialized_end=1781
-  _globals['_LEAVEREPLY']._serialized_start=1783
-  _globals['_LEAVEREPLY']._serialized_end=1795
-  _globals['_COORDINATOR']._serialized_start=1798
-  _globals['_COORDINATOR']._serialized_end=2195
+  _globals['_UPLOADHEADER']._serialized_end=1427
+  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_start=1381
+  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_end=1427
+  _globals['_UPLOADEND']._serialized_start=1429
+  _globals['_UPLOADEND']._serialized_end=1481
+  _globals['_UPLOADCHUNK']._serialized_start=1484
+  _globals['_UPLOADCHUNK']._serialized_end=1623
+  _globals['_UPLOADREPLY']._serialized_start=1625
+  _globals['_UPLOADREPLY']._serialized_end=1673
+  _globals['_HEARTBEATREQUEST']._serialized_start=1675
+  _globals['_HEARTBEATREQUEST']._serialized_end=1729
+  _globals['_HEARTBEATREPLY']._serialized_start=1731
+  _globals['_HEARTBEATREPLY']._serialized_end=1770
+  _globals['_LEAVEREQUEST']._serialized_start=1772
+  _globals['_LEAVEREQUEST']._serialized_end=1822
+  _globals['_LEAVEREPLY']._serialized_start=1824
+  _globals['_LEAVEREPLY']._serialized_end=1836
+  _globals['_COORDINATOR']._serialized_start=1839
+  _globals['_COORDINATOR']._serialized_end=2236
 # @@protoc_insertion_point(module_scope)

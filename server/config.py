@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedpar.aggregation.compression import CompressionConfig
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
 
 
@@ -33,6 +34,7 @@ class CoordinatorConfig:
     checkpoint_dir: Path | None = None
     metrics_path: Path | None = None
     client_config: dict[str, float | int | str | bool] = field(default_factory=dict)
+    upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # agents compress their deltas
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""

@@ -23,6 +23,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import layout_from_pb
+from fedpar.server.compressed_upload import UploadFormat
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.metrics import MetricsLog
@@ -45,6 +46,7 @@ class UploadTicket:
     slot: AgentSlot
     num_examples: int
     metrics: dict[str, float]
+    layout: ModelLayout  # what the upload's tensors must be (the model's, or its compressed encoding's)
 
 
 class Coordinator:
@@ -63,6 +65,7 @@ class Coordinator:
         self.names = list(names)
         self.weights = [np.ascontiguousarray(w) for w in weights]
         self.layout = ModelLayout.of_arrays(self.names, self.weights)
+        self.upload_format = UploadFormat(self.layout, config.upload_compression)
         self.round_id = 0  # last completed round
         self.current: RoundState | None = None
         self.payload: WeightPayload | None = None
@@ -182,7 +185,7 @@ class Coordinator:
         self.round_id = state.round_id
         row = {"round": state.round_id, "status": status, "sampled": state.sampled,
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
-               "examples": state.examples, "close_reason": state.close_reason}
+               "examples": state.examples, "close_reason": state.close_reason, "upload_bytes": state.upload_bytes}
         row.update(_weighted_client_metrics(state.metrics))
         row.update({k: float(v) for k, v in strategy_metrics.items()})
         if self.evaluate_fn is not None:
@@ -250,7 +253,7 @@ class Coordinator:
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=max(0.0, remaining),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
                             learning_rate=self.config.learning_rate,
-                            extra_json=json.dumps({**self.config.client_config,
+                            extra_json=json.dumps({**self.config.client_config, **self.upload_format.task_settings(),
                                                    **self.strategy.client_config(state.round_id)}),
                             model_bytes=self.layout.total_bytes)
         return pb.PullTaskReply(task=task)
@@ -293,9 +296,11 @@ class Coordinator:
             layout = layout_from_pb(header.tensors, self.config.max_model_bytes)
         except CodecError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
-        problem = layout.mismatch(self.layout)
+        expected = self.upload_format.expected_layout(header)
+        problem = layout.mismatch(expected)
         if problem:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"update does not match the global model: {problem}")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"update does not match {self.upload_format.described}: {problem}")
         if header.total_bytes != layout.total_bytes:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"total_bytes={header.total_bytes} but the tensors need {layout.total_bytes}")
@@ -304,7 +309,7 @@ class Coordinator:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
         slot.status = "uploading"
-        return UploadTicket(state, slot, int(header.num_examples), metrics)
+        return UploadTicket(state, slot, int(header.num_examples), metrics, expected)
 
     def upload_slots(self) -> asyncio.Semaphore:
         """Bounds how many uploads are staged (one model copy each) at once."""
@@ -313,6 +318,9 @@ class Coordinator:
     async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
         """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
         state, slot = ticket.state, ticket.slot
+        upload_bytes = ticket.layout.total_bytes
+        if self.upload_format.compressed:  # global + decoded delta; refused here if the content is invalid
+            arrays = await self._in_thread(self.upload_format.new_weights, self.weights, arrays)
         if state.closed:
             slot.status = "late"
             state.late_refused += 1
@@ -320,6 +328,7 @@ class Coordinator:
         slot.status = "accepted"
         state.accepted += 1
         state.examples += ticket.num_examples
+        state.upload_bytes += upload_bytes
         state.metrics.append((ticket.num_examples, ticket.metrics))
         fold = asyncio.ensure_future(self._in_thread(self.strategy.fold, arrays, ticket.num_examples,
                                                      slot.agent_id))

@@ -45,6 +45,7 @@ class RoundState:
     rejected: int = 0
     late_refused: int = 0
     examples: int = 0
+    upload_bytes: int = 0  # tensor bytes of the accepted uploads, as they crossed the wire
     metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     pending_folds: set = field(default_factory=set)
     fold_failed: bool = False

@@ -88,7 +88,7 @@ class CoordinatorService:
             raise
 
     async def _receive(self, ticket, request_iterator) -> list:
-        layout = self.coord.layout
+        layout = ticket.layout
         assembler = TensorAssembler(layout, self.coord.config.max_chunk_bytes)
         while True:
             message = await _next_message(request_iterator)

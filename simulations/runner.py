@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import build_strategy
+from fedpar.aggregation.compression import CompressionConfig
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
@@ -51,6 +52,9 @@ class SimulationConfig:
     slow_fraction: float = 0.0  # share of clients that are slow devices
     slow_step_delay: float = 0.05  # extra seconds per local step on a slow device
     drop_probability: float = 0.0  # chance per client per round of vanishing before uploading
+    compression: str = "none"  # how agents compress their uploads: none, fp16, bf16, int8, topk
+    topk_ratio: float = 0.01
+    int8_block: int = 256
     workers: int = 2  # agent processes (agents are threads inside them)
     seed: int = 0
     out: str | None = None
@@ -97,6 +101,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
+        upload_compression=CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block),
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
     coordinator = Coordinator(coord_cfg, names, get_weights(model),
@@ -134,6 +139,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         "failed_rounds": sum(r["status"] != "ok" for r in rows),
         "wall_seconds": time.monotonic() - started,
         "mean_round_seconds": float(np.mean([r["round_seconds"] for r in rows])) if rows else None,
+        "mean_upload_bytes_per_round": float(np.mean([r["upload_bytes"] for r in rows])) if rows else None,
         "config": asdict(cfg),
     }
     if out:

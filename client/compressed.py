@@ -1,0 +1,58 @@
+"""The agent's side of update compression: encode each round's delta as the task asks, with error feedback."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from fedpar.aggregation.compression import Compressor, encode_update
+from fedpar.aggregation.wire_compression import config_from_task, encoded_specs, header_fields, pack
+from fedpar.protocol.codec import ModelLayout
+
+
+@dataclass
+class PreparedUpload:
+    """The tensors an agent uploads and how they are encoded ("" = the new weights themselves)."""
+
+    layout: ModelLayout
+    arrays: list[np.ndarray]
+    encoding: str = ""
+    encoding_json: str = ""
+    raw_bytes: int = field(default=0)  # what the uncompressed update would have been
+
+
+class UpdateCompressor:
+    """Encodes an agent's updates as its tasks ask; keeps the error-feedback residual from round to round."""
+
+    def __init__(self, model_layout: ModelLayout, seed: int | None = None):
+        """Nothing encoded yet; ``seed`` seeds int8's stochastic rounding (None: fresh entropy)."""
+        self.model_layout = model_layout
+        self.seed = seed
+        self.compressor: Compressor | None = None
+        self._previous_residual: list[np.ndarray] | None = None
+
+    def prepare(self, task_extra: Mapping, new_weights: Sequence[np.ndarray],
+                global_weights: Sequence[np.ndarray]) -> PreparedUpload:
+        """The upload for this round: the new weights, or their delta from the global compressed as asked.
+
+        Raises ValueError if the task asks for an unknown compression or the delta is not finite.
+        """
+        config = config_from_task(task_extra)
+        raw = self.model_layout.total_bytes
+        if config.method == "none":
+            return PreparedUpload(self.model_layout, list(new_weights), raw_bytes=raw)
+        config = replace(config, seed=self.seed)
+        if self.compressor is None or self.compressor.config != config:
+            self.compressor = Compressor(config)  # new settings: the residual starts from zero
+        self._previous_residual = self.compressor.residual("")
+        encoded = encode_update(self.compressor, new_weights, global_weights)
+        specs = self.model_layout.specs()
+        return PreparedUpload(ModelLayout(encoded_specs(specs, config)), pack(specs, encoded),
+                              *header_fields(config), raw_bytes=raw)
+
+    def refused(self) -> None:
+        """The last prepared update was not applied: go back to the residual from before it."""
+        if self.compressor is not None:
+            self.compressor.restore_residual("", self._previous_residual)
