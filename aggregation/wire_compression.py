@@ -119,7 +119,8 @@ def unpack_delta(model_specs: Sequence[Spec], config: CompressionConfig,
     meta = {"shapes": [list(s) for _, _, s in model_specs], "dtypes": [d for _, d, _ in model_specs],
             "block": config.int8_block}
     try:
-        delta = decode(Encoded(config.method, payload, meta))
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is caught by the finiteness check below
+            delta = decode(Encoded(config.method, payload, meta))
     except ValueError as exc:
         raise EncodedUpdateError(str(exc)) from None
     for (name, _, _), d in zip(model_specs, delta):
@@ -152,10 +153,8 @@ def apply_delta(model_specs: Sequence[Spec], global_weights: Sequence[np.ndarray
     """``global + delta`` in the global weights' dtypes, reusing ``delta``'s memory; refuses overflow to Inf."""
     out = []
     for (name, _, _), g, d in zip(model_specs, global_weights, delta):
-        if d.dtype == g.dtype and d.flags.writeable:
-            new = np.add(g, d, out=d)
-        else:
-            new = (g + d).astype(g.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            new = np.add(g, d, out=d) if d.dtype == g.dtype and d.flags.writeable else (g + d).astype(g.dtype)
         if not np.isfinite(new).all():
             raise EncodedUpdateError(f"tensor {name!r}: global + delta overflows to Inf")
         out.append(new)
