@@ -18,12 +18,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from fedpar.aggregation.compression import CompressionConfig, Encoded, decode, topk_count
+from fedpar.aggregation.compression import CompressionConfig, Encoded, decode, encode, topk_count
 
 Spec = tuple[str, str, tuple[int, ...]]
 # Suffix of each wire tensor per model tensor; "" keeps the model tensor's own name.
 SUFFIXES = {"fp16": ("",), "bf16": ("",), "int8": (".q", ".scale"), "topk": (".idx", ".val")}
 FLOAT_DTYPES = ("float16", "float32", "float64")
+# Unit roundoff (doubled for margin) of the formats whose values are re-rounded when an encoding is rescaled.
+RESCALE_MARGIN = {"fp16": 2.0**-10, "bf16": 2.0**-7, "int8": 2.0**-20, "topk": 2.0**-20}
 
 
 class EncodedUpdateError(ValueError):
@@ -159,3 +161,30 @@ def apply_delta(model_specs: Sequence[Spec], global_weights: Sequence[np.ndarray
             raise EncodedUpdateError(f"tensor {name!r}: global + delta overflows to Inf")
         out.append(new)
     return out
+
+
+def decoded_norm(enc: Encoded) -> float:
+    """L2 norm (float64) of the delta ``enc`` decodes to."""
+    return math.sqrt(sum(float(np.dot(d.ravel().astype(np.float64), d.ravel().astype(np.float64)))
+                         for d in decode(enc)))
+
+
+def limit_norm(enc: Encoded, max_norm: float) -> Encoded:
+    """``enc`` scaled down so that its decoded delta has L2 norm <= ``max_norm`` (as is when it already has).
+
+    int8 and top-k scale their float32 scales / values (exact up to float32 rounding); fp16 and bf16 are
+    re-rounded from the scaled decoded delta, shrunk by their unit roundoff so rounding up cannot exceed
+    the bound. For a client-side clip norm (differential privacy) that the receiver verifies.
+    """
+    for _ in range(4):
+        norm = decoded_norm(enc)
+        if norm <= max_norm:
+            return enc
+        factor = max_norm / norm / (1 + RESCALE_MARGIN[enc.method])
+        if enc.method in ("int8", "topk"):
+            suffix = ".scale" if enc.method == "int8" else ".val"
+            arrays = {k: (a * factor).astype(a.dtype) if k.endswith(suffix) else a for k, a in enc.arrays.items()}
+        else:
+            arrays = encode([d * factor for d in decode(enc)], CompressionConfig(method=enc.method)).arrays
+        enc = Encoded(enc.method, arrays, enc.meta)
+    raise ValueError(f"could not bring the compressed update within L2 norm {max_norm}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from fedpar.aggregation.compression import Compressor, encode_update
-from fedpar.aggregation.wire_compression import config_from_task, encoded_specs, header_fields, pack
+from fedpar.aggregation.wire_compression import config_from_task, encoded_specs, header_fields, limit_norm, pack
 from fedpar.protocol.codec import ModelLayout
 
 
@@ -34,9 +34,11 @@ class UpdateCompressor:
         self._previous_residual: list[np.ndarray] | None = None
 
     def prepare(self, task_extra: Mapping, new_weights: Sequence[np.ndarray],
-                global_weights: Sequence[np.ndarray]) -> PreparedUpload:
+                global_weights: Sequence[np.ndarray], max_norm: float | None = None) -> PreparedUpload:
         """The upload for this round: the new weights, or their delta from the global compressed as asked.
 
+        ``max_norm`` (e.g. a client-side DP clip norm the coordinator verifies) bounds the L2 norm of the
+        delta the upload decodes to; what scaling removes is dropped, not fed back into the residual.
         Raises ValueError if the task asks for an unknown compression or the delta is not finite.
         """
         config = config_from_task(task_extra)
@@ -48,6 +50,8 @@ class UpdateCompressor:
             self.compressor = Compressor(config)  # new settings: the residual starts from zero
         self._previous_residual = self.compressor.residual("")
         encoded = encode_update(self.compressor, new_weights, global_weights)
+        if max_norm is not None:
+            encoded = limit_norm(encoded, max_norm)
         specs = self.model_layout.specs()
         return PreparedUpload(ModelLayout(encoded_specs(specs, config)), pack(specs, encoded),
                               *header_fields(config), raw_bytes=raw)

@@ -308,7 +308,7 @@ class Coordinator:
         if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
-        slot.status = "uploading"
+        slot.status, slot.upload_bytes = "uploading", expected.total_bytes
         return UploadTicket(state, slot, int(header.num_examples), metrics, expected)
 
     def upload_slots(self) -> asyncio.Semaphore:
@@ -318,7 +318,6 @@ class Coordinator:
     async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
         """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
         state, slot = ticket.state, ticket.slot
-        upload_bytes = ticket.layout.total_bytes
         if self.upload_format.compressed:  # global + decoded delta; refused here if the content is invalid
             arrays = await self._in_thread(self.upload_format.new_weights, self.weights, arrays)
         if state.closed:
@@ -328,7 +327,6 @@ class Coordinator:
         slot.status = "accepted"
         state.accepted += 1
         state.examples += ticket.num_examples
-        state.upload_bytes += upload_bytes
         state.metrics.append((ticket.num_examples, ticket.metrics))
         fold = asyncio.ensure_future(self._in_thread(self.strategy.fold, arrays, ticket.num_examples,
                                                      slot.agent_id))

@@ -27,6 +27,7 @@ class AgentSlot:
     task_id: str
     dispatched: bool = False
     status: str = "pending"  # pending | uploading | accepted | rejected | late
+    upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
 
 
 @dataclass
@@ -45,7 +46,6 @@ class RoundState:
     rejected: int = 0
     late_refused: int = 0
     examples: int = 0
-    upload_bytes: int = 0  # tensor bytes of the accepted uploads, as they crossed the wire
     metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     pending_folds: set = field(default_factory=set)
     fold_failed: bool = False
@@ -55,6 +55,11 @@ class RoundState:
     def sampled(self) -> int:
         """M, the number of agents given this round's task."""
         return len(self.slots)
+
+    @property
+    def upload_bytes(self) -> int:
+        """Tensor bytes of this round's accepted uploads, as they crossed the wire."""
+        return sum(s.upload_bytes for s in self.slots.values() if s.status == "accepted")
 
     def slot_for(self, agent_id: str, task_id: str) -> AgentSlot:
         """The slot of an agent in this round, or a Refusal saying why it has none."""
