@@ -83,6 +83,7 @@ def _central_evaluator(cfg: SimulationConfig, splits) -> Callable[[list[np.ndarr
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
+    compression = CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block)  # bad settings: fail first
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
@@ -101,7 +102,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
-        upload_compression=CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block),
+        upload_compression=compression,
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
     coordinator = Coordinator(coord_cfg, names, get_weights(model),
