@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,7 +20,6 @@ class PreparedUpload:
     arrays: list[np.ndarray]
     encoding: str = ""
     encoding_json: str = ""
-    raw_bytes: int = field(default=0)  # what the uncompressed update would have been
 
 
 class UpdateCompressor:
@@ -31,7 +30,7 @@ class UpdateCompressor:
         self.model_layout = model_layout
         self.seed = seed
         self.compressor: Compressor | None = None
-        self._previous_residual: list[np.ndarray] | None = None
+        self._undo: tuple[Compressor, list[np.ndarray] | None] | None = None  # residual before the last update
 
     def prepare(self, task_extra: Mapping, new_weights: Sequence[np.ndarray],
                 global_weights: Sequence[np.ndarray], max_norm: float | None = None) -> PreparedUpload:
@@ -41,22 +40,29 @@ class UpdateCompressor:
         delta the upload decodes to; what scaling removes is dropped, not fed back into the residual.
         Raises ValueError if the task asks for an unknown compression or the delta is not finite.
         """
+        self._undo = None
         config = config_from_task(task_extra)
-        raw = self.model_layout.total_bytes
         if config.method == "none":
-            return PreparedUpload(self.model_layout, list(new_weights), raw_bytes=raw)
+            return PreparedUpload(self.model_layout, list(new_weights))
         config = replace(config, seed=self.seed)
         if self.compressor is None or self.compressor.config != config:
             self.compressor = Compressor(config)  # new settings: the residual starts from zero
-        self._previous_residual = self.compressor.residual("")
-        encoded = encode_update(self.compressor, new_weights, global_weights)
-        if max_norm is not None:
-            encoded = limit_norm(encoded, max_norm)
+        previous = self.compressor.residual("")
+        try:
+            encoded = encode_update(self.compressor, new_weights, global_weights)
+            if max_norm is not None:
+                encoded = limit_norm(encoded, max_norm)
+        except ValueError:
+            self.compressor.restore_residual("", previous)
+            raise
+        self._undo = (self.compressor, previous)
         specs = self.model_layout.specs()
         return PreparedUpload(ModelLayout(encoded_specs(specs, config)), pack(specs, encoded),
-                              *header_fields(config), raw_bytes=raw)
+                              *header_fields(config))
 
     def refused(self) -> None:
         """The last prepared update was not applied: go back to the residual from before it."""
-        if self.compressor is not None:
-            self.compressor.restore_residual("", self._previous_residual)
+        if self._undo is not None:
+            compressor, previous = self._undo
+            compressor.restore_residual("", previous)
+            self._undo = None

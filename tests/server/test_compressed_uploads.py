@@ -208,12 +208,18 @@ def test_the_agent_side_keeps_its_residual_unless_the_update_is_refused():
     new = [g + d for g, d in zip(init, _weights(4, 0.05))]
     first = side.prepare(extra, new, init)
     assert (first.encoding, json.loads(first.encoding_json)) == ("topk", {"topk_ratio": 0.01})
-    assert first.layout.total_bytes == EXPECTED_BYTES["topk"] and first.raw_bytes == RAW
+    assert first.layout.total_bytes == EXPECTED_BYTES["topk"]
     kept = side.compressor.residual("")
     side.prepare(extra, new, init)
     side.refused()  # the second update never counted: back to the residual after the first
     assert all(np.array_equal(a, b) for a, b in zip(side.compressor.residual(""), kept))
+    broken = [a.copy() for a in new]
+    broken[1][0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        side.prepare(extra, broken, init)  # nothing is sent: the residual stays as it was
     plain = side.prepare({}, new, init)
     assert plain.encoding == "" and plain.layout == layout and plain.arrays[0] is new[0]
+    side.refused()  # an uncompressed update leaves the top-k residual alone
+    assert all(np.array_equal(a, b) for a, b in zip(side.compressor.residual(""), kept))
     with pytest.raises(ValueError, match="cannot do"):
         side.prepare({"compression": "zstd"}, new, init)
