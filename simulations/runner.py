@@ -80,10 +80,15 @@ def _central_evaluator(cfg: SimulationConfig, splits) -> Callable[[list[np.ndarr
     return evaluate
 
 
+def upload_compression(cfg: SimulationConfig) -> CompressionConfig:
+    """How the simulated agents compress their uploads (ValueError on bad settings)."""
+    return CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block)
+
+
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
-    compression = CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block)  # bad settings: fail first
+    upload_compression(cfg)  # bad settings fail before anything starts
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
@@ -102,7 +107,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
-        upload_compression=compression,
+        upload_compression=upload_compression(cfg),
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
     coordinator = Coordinator(coord_cfg, names, get_weights(model),
