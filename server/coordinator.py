@@ -23,8 +23,8 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import layout_from_pb
-from fedpar.server.compressed_upload import UploadFormat
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpar.server.compressed_upload import UploadFormat
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.metrics import MetricsLog
 from fedpar.server.payload import WeightPayload, build_payload
@@ -185,8 +185,9 @@ class Coordinator:
         self.round_id = state.round_id
         row = {"round": state.round_id, "status": status, "sampled": state.sampled,
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
-               "examples": state.examples, "close_reason": state.close_reason, "upload_bytes": state.upload_bytes}
+               "examples": state.examples, "close_reason": state.close_reason}
         row.update(_weighted_client_metrics(state.metrics))
+        row["upload_bytes"] = state.upload_bytes  # tensor bytes accepted this round, compressed or not
         row.update({k: float(v) for k, v in strategy_metrics.items()})
         if self.evaluate_fn is not None:
             row.update(await self._in_thread(self.evaluate_fn, self.weights))
