@@ -152,10 +152,15 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray
     return q.astype(np.float32) * np.repeat(scales, block)[:n]
 
 
+def topk_count(n: int, ratio: float) -> int:
+    """How many of an array's ``n`` entries top-k sends: ceil(ratio * n), at least 1, at most n."""
+    return min(n, max(1, math.ceil(ratio * n))) if n else 0
+
+
 def top_k(flat: np.ndarray, ratio: float) -> tuple[np.ndarray, np.ndarray]:
     """Indices (uint32, or int64 past 2**32 entries) and values of the ceil(ratio*n) largest-magnitude entries."""
     n = flat.size
-    k = min(n, max(1, math.ceil(ratio * n))) if n else 0
+    k = topk_count(n, ratio)
     if k == 0:
         return np.zeros(0, np.uint32), flat[:0].copy()
     idx = np.argpartition(np.abs(flat), n - k)[n - k:] if k < n else np.arange(n)
@@ -202,6 +207,14 @@ class Compressor:
     def residual(self, client_id: str) -> list[np.ndarray] | None:
         """The error-feedback residual kept for ``client_id`` (top-k only)."""
         return self._residuals.get(client_id)
+
+    def restore_residual(self, client_id: str, residual: list[np.ndarray] | None) -> None:
+        """Put back an earlier residual, e.g. when the update encoded on top of it was never applied."""
+        with self._lock:
+            if residual is None:
+                self._residuals.pop(client_id, None)
+            else:
+                self._residuals[client_id] = residual
 
     def end_round(self) -> dict[str, float]:
         """Bytes of this round (raw vs sent, and their ratio), then reset the counters."""

@@ -7,7 +7,7 @@ from typing import TextIO
 
 COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("reported", "{:>8}"),
            ("late", "{:>4}"), ("train_loss", "{:>10.4f}"), ("test_accuracy", "{:>13.4f}"),
-           ("round_seconds", "{:>13.2f}")]
+           ("upload_bytes", "{:>12,}"), ("round_seconds", "{:>13.2f}")]
 
 
 class RoundTable:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fedpar.aggregation import build_strategy, strategy_names
+from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.limit_options import add_limit_arguments
 from fedpar.cli.progress import COLUMNS, RoundTable
@@ -82,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "examples x local epochs in the cohort)")
     p.add_argument("--secagg-stage-seconds", type=float, default=d.secagg_stage_seconds,
                    help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
+    add_compression_arguments(p)
     add_limit_arguments(p)
     p.add_argument("--checkpoint-dir", type=Path,
                    help="checkpoint every round here, and resume from it after a restart (same model and strategy)")
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         {"auto": None, "on": True, "off": False}.get(choice, choice)
     try:
         security = server_security(args)  # first: a missing certificate should not wait for data loading
+        config.upload_compression = compression_from_args(args)
         config.validate()
         splits = load_dataset(args.dataset, args.data_dir)
         torch.manual_seed(args.seed)

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.simulations.runner import SimulationConfig, run_simulation
@@ -46,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chance per client per round of vanishing before it uploads")
     p.add_argument("--secure-aggregation", action="store_true",
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the updates")
+    add_compression_arguments(p)
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--tls", action="store_true",

@@ -8,12 +8,14 @@ import random
 import ssl
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import grpc
 
 from fedpar.client import dataplane
-from fedpar.client.privacy import privatize_update
+from fedpar.client.compressed import PreparedUpload, UpdateCompressor
+from fedpar.client.privacy import dp_settings, privatize_update
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
@@ -75,6 +77,7 @@ class Agent:
         self.trainer = trainer
         self.layout = ModelLayout(weight_specs(trainer.model))
         self.stats = AgentStats()
+        self.compression = UpdateCompressor(self.layout, seed=zlib.crc32(f"{config.seed}:{config.agent_id}".encode()))
         self._rng = random.Random(config.seed)
         self._auth: pb.AgentAuth | None = None
         self._heartbeat_seconds = 5.0
@@ -218,16 +221,28 @@ class Agent:
             except (grpc.RpcError, SecAggError, SecAggAbort) as err:
                 self._note_refusal("secure aggregation", err)
             return
-        try:  # client-side DP: clip (and maybe noise) the update if the task asks for it
+        try:  # client-side DP (clip, maybe noise), then compression, as the task's extra_json asks
             update = privatize_update(get_weights(self.trainer.model), weights, extra)
+            dp = dp_settings(extra)
+            # Without local noise the coordinator verifies the clip norm: compression must stay within it.
+            upload = self.compression.prepare(extra, update, weights,
+                                              max_norm=dp[0] if dp is not None and dp[1] == 0 else None)
         except ValueError as err:
-            self._note_refusal("dp clipping", err)
+            self._note_refusal("preparing the update", err)
             return
-        if data_plane is not None:  # falls through to the gRPC stream only if the data connection broke
+        self._upload(task, upload, result, metrics, deadline_at, data_plane)
+
+    def _upload(self, task: pb.TrainTask, upload: PreparedUpload, result, metrics: dict[str, float],
+                deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> None:
+        """Send the prepared update: over the data plane (plain weights only; compressed updates are small) or
+        the gRPC stream, retried while the coordinator says it is busy and the deadline allows."""
+        def timeout() -> float:
+            return max(5.0, deadline_at - time.monotonic() + 5.0)
+
+        if data_plane is not None and not upload.encoding:  # falls through to gRPC only if the connection broke
             try:
-                if self._via_data_plane("upload", dataplane.upload, data_plane, self._auth, task, self.layout, update,
-                                        result.examples, result.steps, metrics,
-                                        max(5.0, deadline_at - time.monotonic() + 5.0)) is not None:
+                if self._via_data_plane("upload", dataplane.upload, data_plane, self._auth, task, self.layout,
+                                        upload.arrays, result.examples, result.steps, metrics, timeout()) is not None:
                     self.stats.accepted += 1
                     return
             except dataplane.DataPlaneRefused as err:
@@ -235,15 +250,17 @@ class Agent:
                 return
         backoff = 0.1
         while True:
-            messages = upload_messages(self._auth, task, self.layout, update, result.examples, result.steps,
-                                       metrics, min(self._max_chunk, self.config.chunk_bytes))
+            messages = upload_messages(self._auth, task, upload.layout, upload.arrays, result.examples, result.steps,
+                                       metrics, min(self._max_chunk, self.config.chunk_bytes), upload.encoding,
+                                       upload.encoding_json)
             try:
-                upload_update(self._stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
+                upload_update(self._stub, messages, timeout=timeout())
                 self.stats.accepted += 1
                 return
             except grpc.RpcError as err:
                 # RESOURCE_EXHAUSTED: the coordinator is busy (or rate-limits us); retry while the deadline allows.
                 if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + backoff >= deadline_at:
+                    self.compression.refused()
                     self._note_refusal("upload", err)
                     return
                 time.sleep(backoff * (0.5 + self._rng.random()))

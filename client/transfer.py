@@ -48,11 +48,15 @@ def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTa
 
 def upload_messages(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, arrays: Sequence[np.ndarray],
                     num_examples: int, steps: int, metrics: dict[str, float],
-                    chunk_bytes: int) -> Iterator[pb.UploadChunk | bytes]:
-    """The UploadChunk stream for one update: header, data chunks (pre-encoded bytes), end marker."""
+                    chunk_bytes: int, encoding: str = "", encoding_json: str = "") -> Iterator[pb.UploadChunk | bytes]:
+    """The UploadChunk stream for one update: header, data chunks (pre-encoded bytes), end marker.
+
+    ``encoding``/``encoding_json`` name the compression of ``arrays`` (empty: they are the new weights).
+    """
     yield pb.UploadChunk(header=pb.UploadHeader(
         auth=auth, round=task.round, task_id=task.task_id, num_examples=num_examples, steps=steps,
-        tensors=layout_to_pb(layout), total_bytes=layout.total_bytes, metrics=metrics))
+        tensors=layout_to_pb(layout), total_bytes=layout.total_bytes, metrics=metrics,
+        encoding=encoding, encoding_json=encoding_json))
     count = 0
     for offset, data in iter_chunks(arrays, chunk_bytes):
         count += 1

@@ -22,7 +22,12 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
     try:
         data, implied = load_train_data(cfg.dataset, cfg.data_path, cfg.block_size, cfg.seed)
         kwargs = model_kwargs_for(cfg.model, implied, cfg.model_kwargs)
-        return Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info).run() or {}
+        summary = Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info).run() or {}
+        # Leave together: rank 0 hosts the rendezvous store, and a peer still using it when rank 0 tears it
+        # down aborts ("terminate called without an active exception", seen under load).
+        if torch.distributed.is_initialized() and info.world_size > 1:
+            torch.distributed.barrier()
+        return summary
     finally:
         shutdown_distributed()
 

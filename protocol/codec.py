@@ -14,7 +14,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 # Only plain numeric dtypes cross the wire: no object arrays, no structured dtypes, no pickle.
-WIRE_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
+# uint16 carries bfloat16 bit patterns (numpy has no bfloat16 dtype).
+WIRE_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "bool")
 FLOAT_DTYPES = ("float16", "float32", "float64")
 MAX_TENSORS = 100_000
 MAX_DIMS = 8

@@ -148,7 +148,7 @@ class ModelChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., data: _Optional[_Union[DataChunk, _Mapping]] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
-    __slots__ = ("auth", "round", "task_id", "num_examples", "steps", "tensors", "total_bytes", "metrics")
+    __slots__ = ("auth", "round", "task_id", "num_examples", "steps", "tensors", "total_bytes", "metrics", "encoding", "encoding_json")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,8 @@ class UploadHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_JSON_FIELD_NUMBER: _ClassVar[int]
     auth: AgentAuth
     round: int
     task_id: str
@@ -172,7 +174,9 @@ class UploadHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., steps: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    encoding: str
+    encoding_json: str
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., steps: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., encoding: _Optional[str] = ..., encoding_json: _Optional[str] = ...) -> None: ...
 
 class UploadEnd(_message.Message):
     __slots__ = ("total_bytes", "num_chunks")

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedpar.aggregation.compression import CompressionConfig
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
 
 
@@ -50,6 +51,7 @@ class CoordinatorConfig:
     data_plane_min_bytes: int = 8 << 20
     data_port: int = 0  # port of the data plane on the gRPC host; 0: a free one
     data_plane_downloads: int = 8  # data-plane downloads served at once (uploads: max_concurrent_uploads)
+    upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # agents compress their deltas
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""
@@ -90,6 +92,9 @@ class CoordinatorConfig:
                                                                        or self.clients_per_round >= 2)),
              "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
              "clients_per_round >= 2"),
+            (not (self.secure_aggregation and self.upload_compression.method != "none"),
+             "secure aggregation masks each update in a finite field, which cannot be compressed: use "
+             "--compression none with --secure-aggregation"),
         ]
         for ok, message in checks:
             if not ok:

@@ -27,6 +27,7 @@ from fedpar.protocol.messages import layout_from_pb
 from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpar.server.compressed_upload import UploadFormat
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.metrics import MetricsLog, clean_row
 from fedpar.server.payload import WeightPayload, build_payload
@@ -50,7 +51,7 @@ class UploadTicket:
     slot: AgentSlot
     num_examples: int
     metrics: dict[str, float]
-    layout: ModelLayout  # what the data must fill: the model, or the masked vector under secure aggregation
+    layout: ModelLayout  # what the data must fill: the model, its compressed encoding, or the masked vector
 
 
 class Coordinator:
@@ -72,6 +73,7 @@ class Coordinator:
         self.secure: SecureRound | None = None  # the current round's secure aggregation, if enabled
         if config.secure_aggregation:
             check_secure_setup(self.names, self.weights, strategy)
+        self.upload_format = UploadFormat(self.layout, config.upload_compression)
         self.round_id = 0  # last completed round
         self.current: RoundState | None = None
         self.payload: WeightPayload | None = None
@@ -229,6 +231,7 @@ class Coordinator:
         if self.secure is not None:
             row.update(self.secure.metrics())
             self.secure = None
+        row["upload_bytes"] = state.upload_bytes  # tensor bytes accepted this round, compressed or not
         row.update({k: float(v) for k, v in strategy_metrics.items()})
         if self.evaluate_fn is not None:
             row.update(await self._in_thread(self.evaluate_fn, self.weights))
@@ -304,7 +307,7 @@ class Coordinator:
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=max(0.0, remaining),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
                             learning_rate=self.config.learning_rate,
-                            extra_json=json.dumps({**self.config.client_config,
+                            extra_json=json.dumps({**self.config.client_config, **self.upload_format.task_settings(),
                                                    **self.strategy.client_config(state.round_id),
                                                    **({"secure_aggregation": True} if self.secure else {})}),
                             model_bytes=self.layout.total_bytes)
@@ -353,10 +356,14 @@ class Coordinator:
             layout = layout_from_pb(header.tensors, self.config.max_model_bytes)
         except CodecError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
-        expected = self.secure.upload_layout if self.secure is not None else self.layout
+        if self.secure is not None:
+            expected, described = self.secure.upload_layout, "the masked vector of this secure round"
+        else:
+            expected, described = self.upload_format.expected_layout(header), self.upload_format.described
         problem = layout.mismatch(expected)
         if problem:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"update does not match the global model: {problem}")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"update does not match {described}: {problem}")
         if header.total_bytes != layout.total_bytes:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"total_bytes={header.total_bytes} but the tensors need {layout.total_bytes}")
@@ -364,7 +371,7 @@ class Coordinator:
         if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
-        slot.status = "uploading"
+        slot.status, slot.upload_bytes = "uploading", expected.total_bytes
         return UploadTicket(state, slot, int(header.num_examples), metrics, expected)
 
     def upload_slots(self) -> asyncio.Semaphore:
@@ -374,6 +381,8 @@ class Coordinator:
     async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
         """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
         state, slot = ticket.state, ticket.slot
+        if self.upload_format.compressed:  # global + decoded delta; refused here if the content is invalid
+            arrays = await self._in_thread(self.upload_format.new_weights, self.weights, arrays)
         if state.closed:
             slot.status = "late"
             state.late_refused += 1

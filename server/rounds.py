@@ -27,6 +27,7 @@ class AgentSlot:
     task_id: str
     dispatched: bool = False
     status: str = "pending"  # pending | uploading | accepted | rejected | late
+    upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
 
 
 @dataclass
@@ -54,6 +55,11 @@ class RoundState:
     def sampled(self) -> int:
         """M, the number of agents given this round's task."""
         return len(self.slots)
+
+    @property
+    def upload_bytes(self) -> int:
+        """Tensor bytes of this round's accepted uploads, as they crossed the wire."""
+        return sum(s.upload_bytes for s in self.slots.values() if s.status == "accepted")
 
     def slot_for(self, agent_id: str, task_id: str) -> AgentSlot:
         """The slot of an agent in this round, or a Refusal saying why it has none."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import build_strategy
+from fedpar.aggregation.compression import CompressionConfig
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
@@ -55,6 +56,9 @@ class SimulationConfig:
     slow_fraction: float = 0.0  # share of clients that are slow devices
     slow_step_delay: float = 0.05  # extra seconds per local step on a slow device
     drop_probability: float = 0.0  # chance per client per round of vanishing before uploading
+    compression: str = "none"  # how agents compress their uploads: none, fp16, bf16, int8, topk
+    topk_ratio: float = 0.01
+    int8_block: int = 256
     workers: int = 2  # agent processes (agents are threads inside them)
     secure_aggregation: bool = False  # SecAgg+ masking: the coordinator sees only the weighted mean
     seed: int = 0
@@ -82,9 +86,15 @@ def _central_evaluator(cfg: SimulationConfig, splits) -> Callable[[list[np.ndarr
     return evaluate
 
 
+def upload_compression(cfg: SimulationConfig) -> CompressionConfig:
+    """How the simulated agents compress their uploads (ValueError on bad settings)."""
+    return CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block)
+
+
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
+    upload_compression(cfg)  # bad settings fail before anything starts
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
@@ -130,6 +140,7 @@ def _run(cfg: SimulationConfig, on_round, started: float, out: Path | None, proc
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
+        upload_compression=upload_compression(cfg),
         metrics_path=out / "metrics.jsonl" if out else None)
     callbacks = [on_round] if on_round else []
     specs = _agent_specs(cfg, parts)
@@ -167,6 +178,7 @@ def _run(cfg: SimulationConfig, on_round, started: float, out: Path | None, proc
         "failed_rounds": sum(r["status"] != "ok" for r in rows),
         "wall_seconds": time.monotonic() - started,
         "mean_round_seconds": float(np.mean([r["round_seconds"] for r in rows])) if rows else None,
+        "mean_upload_bytes_per_round": float(np.mean([r["upload_bytes"] for r in rows])) if rows else None,
         "config": asdict(cfg),
     }
     if rows and "dp_epsilon" in rows[-1]:

@@ -6,6 +6,11 @@ import sys
 
 import pytest
 
+from fedpar.datasets import load_dataset
+from fedpar.models import weight_specs
+from fedpar.models.for_data import build_model_for_data
+from fedpar.protocol.codec import ModelLayout
+
 
 @pytest.mark.timeout(900)
 def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
@@ -20,8 +25,13 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
     assert summary["final_test_accuracy"] >= 0.90
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, 11))
-    for key in ("sampled", "reported", "late", "test_accuracy", "round_seconds"):
+    for key in ("sampled", "reported", "late", "test_accuracy", "round_seconds", "upload_bytes"):
         assert all(key in r for r in rows)
+    # Uncompressed: every accepted upload is the whole float32 model.
+    splits = load_dataset("digits")
+    model_bytes = ModelLayout(weight_specs(build_model_for_data("mlp", splits.input_shape, splits.num_classes))).total_bytes
+    assert all(r["upload_bytes"] == r["reported"] * model_bytes for r in rows)
+    assert summary["mean_upload_bytes_per_round"] == sum(r["upload_bytes"] for r in rows) / 10
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

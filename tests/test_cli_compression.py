@@ -1,0 +1,29 @@
+"""--compression, --topk-ratio and --int8-block on `fedpar serve` and `fedpar simulate`."""
+
+from fedpar.aggregation.compression import CompressionConfig
+from fedpar.cli.compression_options import compression_from_args
+from fedpar.cli.config import apply_config_defaults
+from fedpar.cli.main import build_parser, main
+
+
+def _parse(argv):
+    parser = build_parser()
+    apply_config_defaults(parser._subparsers._group_actions[0].choices[argv[0]], argv[1:], argv[0])
+    return parser.parse_args(argv)
+
+
+def test_flags_and_config_files_select_the_compression(tmp_path):
+    assert compression_from_args(_parse(["serve"])) == CompressionConfig()
+    args = _parse(["serve", "--compression", "int8", "--int8-block", "64"])
+    assert compression_from_args(args) == CompressionConfig("int8", int8_block=64)
+    toml = tmp_path / "run.toml"
+    toml.write_text('[simulate]\ncompression = "topk"\ntopk-ratio = 0.05\n')
+    args = _parse(["simulate", "--config", str(toml)])
+    assert (args.compression, args.topk_ratio) == ("topk", 0.05)
+
+
+def test_bad_settings_are_refused_with_a_clear_message(capsys):
+    assert main(["serve", "--port", "0", "--insecure", "--compression", "topk", "--topk-ratio", "2"]) == 2
+    assert "topk_ratio must be in (0, 1]" in capsys.readouterr().err
+    assert main(["simulate", "--compression", "int8", "--int8-block", "0", "--quiet"]) == 2
+    assert "int8_block must be >= 1" in capsys.readouterr().err
