@@ -70,6 +70,7 @@ def _worker(checks_file: str, names: list[str], out_dir: str) -> None:
                 raise  # the peers fail fast on the closed connection rather than wait in a collective
             finally:
                 out.write_text(json.dumps(results))
+        torch.distributed.barrier()  # leave together (rank 0 hosts the store; see parallel/run.py)
     finally:
         shutdown_distributed()
 
