@@ -8,6 +8,7 @@ worker process uploads the same pre-encoded update, so 100 agents of a 100M-para
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -76,13 +77,26 @@ def data_plane_download_and_discard(target: dataplane.DataPlaneTarget, total_byt
             left -= take
 
 
+def _while_busy(call):
+    """``call()``, retried with jittered backoff while the coordinator answers RESOURCE_EXHAUSTED (as agents do)."""
+    backoff = 0.05
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            time.sleep(backoff * (0.5 + random.random()))
+            backoff = min(2 * backoff, 1.0)
+
+
 def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examples: int,
                     errors: list[BaseException]) -> None:
     """Join, then for every task: download, upload the shared update; until the coordinator says shutdown."""
     try:
         channel = grpc.insecure_channel(address, options=channel_options(64 << 20))
         stub = CoordinatorStub(channel)
-        reply = stub.Join(pb.JoinRequest(agent_id=agent_id, num_examples=num_examples), timeout=60)
+        reply = _while_busy(lambda: stub.Join(pb.JoinRequest(agent_id=agent_id, num_examples=num_examples), timeout=60))
         auth = pb.AgentAuth(agent_id=agent_id, token=reply.token)
         while True:
             pulled = stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=5.0), timeout=3600)
@@ -98,7 +112,7 @@ def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examp
                                  num_examples, 1, {}, 3600)
             else:
                 download_and_discard(stub, auth, task, shared.layout.total_bytes)
-                stub.UploadUpdate(shared.messages(auth, task, num_examples), timeout=3600)
+                _while_busy(lambda: stub.UploadUpdate(shared.messages(auth, task, num_examples), timeout=3600))
         channel.close()
     except BaseException as exc:  # reported by the worker
         errors.append(exc)
