@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -15,33 +15,45 @@ from fedpar.protocol.rawchunks import encode_data_message
 
 @dataclass(frozen=True)
 class WeightPayload:
-    """Pre-serialized ModelChunk messages (header first) for one round's global model."""
+    """One round's global model, held once: as pre-serialized ModelChunk messages, or (with the data plane)
+    as one contiguous buffer that gRPC downloads are chunked from as they stream."""
 
     round_id: int
     layout: ModelLayout
-    messages: tuple[bytes, ...]
-    model_header: bytes = b""  # serialized ModelHeader (the data plane sends it before the bytes)
-    flat: memoryview | None = None  # the model's bytes in one contiguous buffer, for the data plane
+    chunk_bytes: int
+    header_message: bytes  # serialized ModelChunk{header}: the first message of every gRPC download
+    model_header: bytes  # serialized ModelHeader (the data plane sends it before the bytes)
+    encoded: tuple[bytes, ...] = ()  # pre-serialized data chunks (no data plane)
+    flat: memoryview | None = None  # the model's bytes in one contiguous buffer (data plane)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of tensor data (without framing)."""
         return self.layout.total_bytes
 
+    def messages(self) -> Iterator[bytes]:
+        """The serialized ModelChunk messages of a gRPC download, header first."""
+        yield self.header_message
+        if self.flat is None:
+            yield from self.encoded
+            return
+        for offset in range(0, len(self.flat), self.chunk_bytes):
+            yield encode_data_message(offset, self.flat[offset:offset + self.chunk_bytes])
+
 
 def build_payload(round_id: int, layout: ModelLayout, arrays: Sequence[np.ndarray], chunk_bytes: int,
                   flat: bool = False) -> WeightPayload:
-    """Serialize ``arrays`` into header + data ModelChunk messages of at most ``chunk_bytes`` of data
-    (and, with ``flat``, into one contiguous buffer for the data plane)."""
+    """Serialize ``arrays`` once: into data ModelChunk messages of at most ``chunk_bytes`` of data, or with
+    ``flat`` into one contiguous buffer (which the data plane sends as it is)."""
     model_header = pb.ModelHeader(round=round_id, tensors=layout_to_pb(layout), total_bytes=layout.total_bytes)
-    messages = [pb.ModelChunk(header=model_header).SerializeToString()]
-    for offset, data in iter_chunks(arrays, chunk_bytes):
-        messages.append(encode_data_message(offset, data))
-    buffer = None
-    if flat:
-        buffer = np.empty(layout.total_bytes, np.uint8)
-        for meta, array in zip(layout.tensors, arrays):
-            if meta.nbytes:
-                buffer[meta.offset:meta.offset + meta.nbytes] = as_wire_array(array).reshape(-1).view(np.uint8)
-        buffer = memoryview(buffer)
-    return WeightPayload(round_id, layout, tuple(messages), model_header.SerializeToString(), buffer)
+    header_message = pb.ModelChunk(header=model_header).SerializeToString()
+    if not flat:
+        encoded = tuple(encode_data_message(offset, data) for offset, data in iter_chunks(arrays, chunk_bytes))
+        return WeightPayload(round_id, layout, chunk_bytes, header_message, model_header.SerializeToString(),
+                             encoded)
+    buffer = np.empty(layout.total_bytes, np.uint8)
+    for meta, array in zip(layout.tensors, arrays):
+        if meta.nbytes:
+            buffer[meta.offset:meta.offset + meta.nbytes] = as_wire_array(array).reshape(-1).view(np.uint8)
+    return WeightPayload(round_id, layout, chunk_bytes, header_message, model_header.SerializeToString(),
+                         flat=memoryview(buffer))

@@ -71,7 +71,7 @@ class CoordinatorService:
             payload = self.coord.payload_for(agent, request.round, request.task_id)
             with self.limits.agent_call(agent.agent_id):
                 async with self.limits.download_slot():
-                    for message in payload.messages:
+                    for message in payload.messages():
                         yield message
         except Refusal as r:
             await context.abort(r.code, r.message)
@@ -193,7 +193,7 @@ async def _next_message(request_iterator, timeout: float | None = None):
 
 def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     """Method handlers; downloads are sent as pre-serialized bytes (identity serializer)."""
-    identity = lambda b: b  # noqa: E731 - payload messages are serialized once per round
+    identity = lambda b: b  # noqa: E731 - download messages are serialized by WeightPayload
     handlers = {
         "Join": grpc.unary_unary_rpc_method_handler(
             refuse_malformed(service.Join), request_deserializer=parser(pb.JoinRequest),
