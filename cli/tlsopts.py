@@ -81,12 +81,17 @@ class ServerSecurity:
     data_tls: ssl.SSLContext | None = None  # the same certificate for the bulk data plane
 
 
-def server_security(args: argparse.Namespace) -> ServerSecurity:
-    """Build the coordinator's TLS credentials and admission policy; TlsSetupError says what is missing."""
+def _check_mode(args: argparse.Namespace) -> None:
+    """Exactly one of TLS options or --insecure."""
     if args.insecure and _wants_tls(args):
         raise TlsSetupError("--insecure cannot be combined with --certs/--tls-*; choose one")
     if not args.insecure and not _wants_tls(args):
         raise TlsSetupError(f"TLS is required: {HOW_TO_FIX}")
+
+
+def server_security(args: argparse.Namespace) -> ServerSecurity:
+    """Build the coordinator's TLS credentials and admission policy; TlsSetupError says what is missing."""
+    _check_mode(args)
     try:
         tokens = TokenList(args.enrollment_tokens) if args.enrollment_tokens else None
         revocations = RevocationList(args.revoked or (CertPaths(args.certs).revoked if args.certs else None))
@@ -126,10 +131,7 @@ class ClientSecurity:
 
 def client_security(args: argparse.Namespace) -> ClientSecurity:
     """Build the agent's TLS credentials; TlsSetupError says what is missing or inconsistent."""
-    if args.insecure and _wants_tls(args):
-        raise TlsSetupError("--insecure cannot be combined with --certs/--tls-*; choose one")
-    if not args.insecure and not _wants_tls(args):
-        raise TlsSetupError(f"TLS is required: {HOW_TO_FIX}")
+    _check_mode(args)
     token = ""
     if args.enrollment_token_file:
         try:
