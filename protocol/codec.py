@@ -146,29 +146,6 @@ def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[tupl
         yield offset, b"".join(pending) if len(pending) > 1 else pending[0]
 
 
-def _blas_asum(dtype: np.dtype):
-    """scipy's BLAS asum for float32/float64 (None for other dtypes)."""
-    from scipy.linalg import blas
-
-    return {"float32": blas.sasum, "float64": blas.dasum}.get(np.dtype(dtype).name)
-
-
-def all_finite(a: np.ndarray) -> bool:
-    """True if every element of ``a`` is finite (a fast sum test, confirmed exactly when it fails)."""
-    if not np.issubdtype(a.dtype, np.floating) or a.size == 0:
-        return True
-    # A sum runs at memory speed and NaN/Inf anywhere makes it non-finite; BLAS asum (sum of |x|, multithreaded
-    # by OpenBLAS, about 1.4x numpy's 2-thread sum here) for contiguous float32/float64, else numpy's sum in the
-    # array's own precision (float32 for float16). An overflowing sum of large finite values is a false alarm,
-    # settled by the exact test.
-    asum = _blas_asum(a.dtype) if a.flags.c_contiguous and a.dtype.isnative else None
-    with np.errstate(over="ignore", invalid="ignore"):
-        total = asum(a.reshape(-1)) if asum is not None else a.sum(dtype=np.float32 if a.dtype == np.float16 else None)
-    if np.isfinite(total):
-        return True
-    return bool(np.isfinite(a).all())
-
-
 class TensorAssembler:
     """Receives a chunked tensor stream into preallocated arrays, validating as it goes."""
 
@@ -224,7 +201,7 @@ class TensorAssembler:
     def first_non_finite(self) -> str | None:
         """Name of the first floating tensor holding NaN or Inf, or None."""
         for meta, array in zip(self.layout.tensors, self.arrays):
-            if meta.dtype in FLOAT_DTYPES and not all_finite(array):
+            if meta.dtype in FLOAT_DTYPES and array.size and not np.isfinite(array).all():
                 return meta.name
         return None
 
