@@ -4,7 +4,10 @@ One process by default; --nproc N spawns N local ranks (gloo on CPU, NCCL on GPU
 (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set) every launched process is one rank, e.g.
 `torchrun --nnodes 2 --nproc-per-node 8 ... -m fedpar train --model gpt --dataset text --fsdp 8 --tp 2 ...`.
 Writes OUT/metrics.jsonl, OUT/summary.json, OUT/loss_curve.png and (with --checkpoint-every) resumable
-DCP checkpoints in OUT/checkpoints.
+DCP checkpoints in OUT/checkpoints. --config FILE reads a [train] table and its nested tables: [train.parallel]
+holds the parallel options (tp = 2 as --tp 2) and [train.model_kwargs] the model's keywords; flags override.
+Layout errors (degrees, pipeline stages vs blocks, heads vs --tp, bf16 with nothing to apply it) stop the
+launcher before any rank starts.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                      help="model constructor keyword, e.g. n_layer=4 or hidden=[256,128] (repeatable)")
     run.add_argument("--block-size", type=int, default=_T.block_size, help="context length for text")
+    # No flag: a --config file's [train.model_kwargs] table lands here; --model-arg entries override it.
+    parser.set_defaults(model_kwargs={})
     opt = parser.add_argument_group("optimisation")
     opt.add_argument("--epochs", type=int, default=_T.epochs, help="passes over the training set")
     opt.add_argument("--max-steps", type=int, default=_T.max_steps, help="stop after this many steps (0: epochs)")
@@ -98,7 +103,7 @@ def _parse_value(text: str) -> Any:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the parsed options describe."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(getattr(args, "model_kwargs", None) or {})
     for item in args.model_arg:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -111,8 +116,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate, then train in this process or in ``--nproc`` spawned ranks."""
-    from fedpar.parallel.init import spawn
+    """Validate (layout, precision, model shape against the degrees), then train here or in ``--nproc`` ranks."""
+    from fedpar.parallel.init import device_type, spawn
+    from fedpar.parallel.preflight import preflight
     from fedpar.parallel.run import spawned_train_process, train_process
 
     under_launcher = "WORLD_SIZE" in os.environ
@@ -121,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         cfg.parallel = cfg.parallel.resolved(world)
         cfg.check()
-    except ConfigurationError as exc:
+        preflight(cfg, device_type())
+    except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     if world > 1 and not under_launcher:

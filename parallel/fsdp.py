@@ -10,9 +10,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from fedpar.parallel.modules import transformer_blocks
 
 
-def mixed_precision_policy(name: str, device_type: str) -> MixedPrecisionPolicy:
-    """bf16 parameters with fp32 gradient reduction on GPU for "bf16"/"auto"; plain fp32 on CPU or "fp32"."""
-    if name == "bf16" or (name == "auto" and device_type == "cuda"):
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """bf16 parameters with fp32 gradient reduction for "bf16", plain fp32 otherwise (see precision.py)."""
+    if precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

@@ -15,8 +15,15 @@ from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_pol
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import ParallelMesh
 from fedpar.parallel.modules import block_container, block_names
-from fedpar.parallel.pp import Pipeline, build_pipeline, build_stage_module, stage_ids_for_rank
-from fedpar.parallel.tp import apply_tp
+from fedpar.parallel.pp import (
+    Pipeline,
+    build_pipeline,
+    build_stage_module,
+    check_pipeline_split,
+    stage_ids_for_rank,
+)
+from fedpar.parallel.precision import resolve_precision
+from fedpar.parallel.tp import apply_tp, check_tp_divisible
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -44,6 +51,14 @@ class ParallelModel:
         return [p for part in self.parts for p in part.parameters()]
 
 
+def check_model_layout(model: nn.Module, family: str, config: ParallelConfig) -> None:
+    """Raise ConfigurationError when the whole (unsplit) ``model`` cannot take the pipeline or TP degrees."""
+    if config.pp > 1:
+        check_pipeline_split(model, config.pp, config.stages_per_rank)
+    if config.tp > 1:
+        check_tp_divisible(model, family, config.tp)
+
+
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Recompute each transformer block (or each top-level child of a block-less model) in backward."""
     layers = block_container(model)
@@ -61,7 +76,8 @@ def _data_parallel(part: nn.Module, config: ParallelConfig, mesh: ParallelMesh) 
     device_type = mesh.mesh.device_type
     if config.fsdp > 1:
         dp_mesh = mesh[("dp", "fsdp")] if config.dp > 1 else mesh["fsdp"]
-        return apply_fsdp(part, dp_mesh, mixed_precision_policy(config.mixed_precision, device_type),
+        precision = resolve_precision(config, device_type)
+        return apply_fsdp(part, dp_mesh, mixed_precision_policy(precision),
                           offload_policy(config.cpu_offload, device_type), config.reshard_after_forward)
     if config.dp > 1:
         return apply_ddp(part, mesh["dp"])
@@ -76,6 +92,7 @@ def parallelize(model_fn: Callable[[], nn.Module], family: str, config: Parallel
     """
     torch.manual_seed(seed)
     model = model_fn().to(info.device)
+    check_model_layout(model, family, config)
     if config.pp > 1:
         stage_ids = stage_ids_for_rank(mesh.coord("pp"), config.pp, config.stages_per_rank)
         parts = [build_stage_module(model, sid, config.num_stages) for sid in stage_ids]

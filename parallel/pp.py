@@ -39,6 +39,21 @@ def split_blocks(names: list[str], num_stages: int) -> list[list[str]]:
     return groups
 
 
+def check_pipeline_split(model: nn.Module, pp: int, stages_per_rank: int) -> None:
+    """Raise ConfigurationError unless ``model`` can be cut into ``pp`` x ``stages_per_rank`` pipeline stages."""
+    layers = block_container(model)
+    if layers is None or not isinstance(layers, nn.ModuleDict):
+        raise ConfigurationError("pipeline parallelism needs a model whose blocks sit in an nn.ModuleDict "
+                                 "named 'layers' (the gpt model); use --pp 1 for this model")
+    blocks, stages = len(layers), pp * stages_per_rank
+    if stages > blocks:
+        raise ConfigurationError(
+            f"the model has {blocks} transformer blocks but --pp {pp} x --stages-per-rank {stages_per_rank} = "
+            f"{stages} pipeline stages were asked for, and every stage needs at least one block; lower --pp or "
+            f"--stages-per-rank to at most {blocks} stages in all, or build a deeper model "
+            f"(--model-arg n_layer={stages})")
+
+
 def build_stage_module(model: nn.Module, stage_index: int, num_stages: int) -> nn.Module:
     """A deep copy of ``model`` holding only this stage's blocks (plus the embeddings first / the head last).
 

@@ -38,17 +38,49 @@ def mlp_plan(model: nn.Module) -> dict[str, object]:
     return plan
 
 
-def _check_divisible(model: nn.Module, tp: int) -> None:
+def _divisors_above_one(*sizes: int) -> list[int]:
+    return [d for d in range(2, min(sizes) + 1) if all(n % d == 0 for n in sizes)]
+
+
+def _check_gpt_divisible(model: nn.Module, tp: int) -> None:
     for name, block in zip(block_names(model), transformer_blocks(model)):
-        attn = block.attention
-        for head_attr in HEAD_COUNT_NAMES:
-            heads = getattr(attn, head_attr, None)
-            if isinstance(heads, int) and heads % tp:
-                raise ConfigurationError(f"block {name}: {head_attr}={heads} is not divisible by --tp {tp}; "
-                                         "choose a tensor-parallel degree that divides the number of heads")
         hidden = block.feed_forward.w1.out_features
+        for head_attr in HEAD_COUNT_NAMES:
+            heads = getattr(block.attention, head_attr, None)
+            if isinstance(heads, int) and heads % tp:
+                options = _divisors_above_one(heads, hidden)
+                raise ConfigurationError(
+                    f"--tp {tp} cannot split the attention heads: block {name} has {head_attr}={heads}, not "
+                    f"divisible by {tp}; use a --tp that divides {heads}"
+                    + (f" (e.g. {options[0]})" if options else "")
+                    + f", or --model-arg n_head=<a multiple of {tp}> (d_model must stay divisible by n_head)")
         if hidden % tp:
-            raise ConfigurationError(f"block {name}: feed-forward width {hidden} is not divisible by --tp {tp}")
+            raise ConfigurationError(
+                f"--tp {tp} cannot split the feed-forward layer: block {name} is {hidden} wide, not divisible "
+                f"by {tp}; use a --tp that divides {hidden}, or --model-arg ffn_hidden=<a multiple of {tp}>")
+
+
+def _check_mlp_divisible(model: nn.Module, tp: int) -> None:
+    modules = dict(model.named_modules())
+    for name, style in mlp_plan(model).items():
+        width = modules[name].out_features
+        if isinstance(style, ColwiseParallel) and width % tp:
+            raise ConfigurationError(
+                f"--tp {tp} cannot split layer {name}: its {width} outputs are not divisible by {tp}; use a --tp "
+                f"that divides {width}, or hidden widths that are multiples of {tp} (--model-arg hidden=[...])")
+
+
+def check_tp_divisible(model: nn.Module, family: str, tp: int) -> None:
+    """Raise ConfigurationError, saying what to change, when heads or hidden widths do not split ``tp`` ways."""
+    if tp <= 1:
+        return
+    if family == "gpt":
+        _check_gpt_divisible(model, tp)
+    elif family == "mlp":
+        _check_mlp_divisible(model, tp)
+    else:
+        raise ConfigurationError(f"tensor parallelism has plans for the mlp and gpt models, not {family!r}; "
+                                 "use --tp 1 (and --fsdp/--dp) for this model")
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
@@ -88,7 +120,7 @@ def apply_tp_gpt(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool 
     model must not add anything whole-sequence-shaped to the embeddings (the zoo GPT uses rotary positions).
     """
     tp = tp_mesh.size()
-    _check_divisible(model, tp)
+    check_tp_divisible(model, "gpt", tp)
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, object] = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -111,6 +143,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, family: str, sequence_parall
     if family == "gpt":
         return apply_tp_gpt(model, tp_mesh, sequence_parallel)
     if family == "mlp":
+        check_tp_divisible(model, "mlp", tp_mesh.size())
         return parallelize_module(model, tp_mesh, mlp_plan(model))
     raise ConfigurationError(f"tensor parallelism has plans for the mlp and gpt models, not {family!r}; "
                              "use --tp 1 (and --fsdp/--dp) for this model")

@@ -29,6 +29,7 @@ from fedpar.parallel.metrics import (
 )
 from fedpar.parallel.optim import build_optimizers, clip_gradients, set_learning_rate, warmup_factor
 from fedpar.parallel.parallelize import parallelize
+from fedpar.parallel.precision import resolve_precision, uses_autocast
 from fedpar.parallel.sampler import DistributedBatchSampler
 
 COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
@@ -59,6 +60,7 @@ class Trainer:
         self.config, self.data, self.info = config, data, info
         self.out = Path(config.out)
         pc = config.parallel
+        self.precision = resolve_precision(pc, info.device.type)
         self.mesh = build_mesh(pc)
         self.loss_fn = classification_loss if data.task == CLASSIFICATION else language_model_loss
         self.model = parallelize(model_fn, config.model, pc, self.mesh, info, self.loss_fn, config.seed,
@@ -87,9 +89,9 @@ class Trainer:
         return t.tolist()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        pc = self.config.parallel
-        if self.info.device.type == "cuda" and pc.mixed_precision in ("auto", "bf16") and pc.fsdp == 1:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        # Only the plain (non-FSDP, non-pipeline) path on GPUs; FSDP2 casts by itself (precision.py).
+        if uses_autocast(self.precision, self.config.parallel, self.info.device.type):
+            return torch.autocast(self.info.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _to_device(self, indices: list[int], inputs: torch.Tensor, targets: torch.Tensor):
@@ -103,7 +105,8 @@ class Trainer:
         if pipeline is not None:
             losses: list[torch.Tensor] = []
             pipeline.schedule.step(x if pipeline.has_first_stage else None,
-                                   target=y if pipeline.has_last_stage else None, losses=losses)
+                                   target=y if pipeline.has_last_stage else None, losses=losses,
+                                   return_outputs=False)
             loss = float(torch.stack(losses).detach().mean()) if losses else 0.0
         else:
             model, accum = self.model.parts[0], self.config.grad_accum
@@ -128,7 +131,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (and accuracy for classifiers) over the evaluation set, exact despite padding to equal batches."""
+        """Loss (and accuracy for classifiers) over the evaluation set, exact despite padding to equal batches.
+
+        Padded examples (repeats that give every rank the same number of batches) are masked out, with or
+        without a pipeline; only the ranks that report losses (last stage, first TP rank) are counted.
+        """
         for part in self.model.parts:
             part.eval()
         limit = self.config.eval_batches if self.data.task != CLASSIFICATION else 0
@@ -140,15 +147,14 @@ class Trainer:
             x, y = self._to_device(indices, self.data.eval_inputs, self.data.eval_targets)
             pipeline = self.model.pipeline
             if pipeline is not None:
-                losses: list[torch.Tensor] = []
-                pipeline.schedule.eval(x if pipeline.has_first_stage else None,
-                                       target=y if pipeline.has_last_stage else None, losses=losses)
-                if losses:  # per-microbatch means; padding only repeats real windows
-                    loss_sum += float(torch.stack(losses).detach().mean()) * len(indices)
-                count += len(indices)
-                continue
-            with self._autocast():
-                out = self.model.parts[0](x)
+                # The last stage gets the merged logits of all microbatches back; other stages get None.
+                out = pipeline.schedule.eval(x if pipeline.has_first_stage else None,
+                                             target=y if pipeline.has_last_stage else None)
+                if out is None:
+                    continue
+            else:
+                with self._autocast():
+                    out = self.model.parts[0](x)
             valid = valid.to(self.info.device)
             if self.data.task == CLASSIFICATION:
                 per_example = F.cross_entropy(out.float(), y, reduction="none")
@@ -208,7 +214,7 @@ class Trainer:
         last_loss, evals = float("nan"), {}
         self._log(f"training {cfg.model} on {cfg.dataset}: world {self.info.world_size} "
                   f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
-                  f"{total} steps of {global_batch} examples, lr {base_lr:g}")
+                  f"{total} steps of {global_batch} examples, lr {base_lr:g}, {self.precision}")
         while c["step"] < total:
             self.sampler.set_epoch(c["epoch"], start_batch=c["batch_in_epoch"])
             interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
@@ -262,6 +268,7 @@ class Trainer:
             "dataset": self.config.dataset,
             "world_size": self.info.world_size,
             "backend": self.info.backend,
+            "precision": self.precision,
             "steps": self.counters["step"],
             "resumed_from_step": resumed_from,
             **evals,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -131,3 +132,129 @@ def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_
 
     la, lb = losses(straight), losses(crashed)
     assert all(la[s] == lb[s] for s in la if s > b["resumed_from_step"])  # bit-identical after the resume
+
+
+# ------------------------------------------------- config files with nested tables, start-up validation
+def _tiny_text(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.txt"
+    path.write_text("to be or not to be, that is the question. " * 60, encoding="utf-8")
+    return path
+
+
+def _parsed_train_config(argv: list[str]) -> TrainConfig:
+    from fedpar.cli.config import apply_config_defaults
+    from fedpar.cli.main import build_parser
+    from fedpar.cli.train import config_from_args
+
+    parser = build_parser()
+    apply_config_defaults(parser._subparsers._group_actions[0].choices["train"], argv[1:], "train")
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_cli_config_file_nested_train_tables_are_honoured_and_flags_override_them(tmp_path: Path, capsys):
+    from fedpar.cli.main import main
+
+    toml = tmp_path / "train.toml"
+    toml.write_text('[train]\nmodel = "gpt"\ndataset = "text"\nlr = 0.01\n'
+                    '[train.parallel]\ntp = 2\npp = 2\nmicrobatches = 8\npp-schedule = "gpipe"\n'
+                    '[train.model_kwargs]\nn_layer = 2\nd_model = 32\n')
+    cfg = _parsed_train_config(["train", "--config", str(toml), "--pp", "1", "--model-arg", "n_layer=3"])
+    assert (cfg.model, cfg.lr) == ("gpt", 0.01)
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.microbatches, p.pp_schedule) == (2, 1, 8, "gpipe")  # --pp on the command line wins
+    assert cfg.model_kwargs == {"n_layer": 3, "d_model": 32}
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(toml), "--help"])
+    help_text = capsys.readouterr().out
+    assert "tensor-parallel degree (mlp, gpt) (default: 2)" in help_text
+    assert "pipeline microbatches per step (default: 8)" in help_text
+
+
+def test_cli_config_file_errors_name_the_table(tmp_path: Path, capsys, monkeypatch):
+    from fedpar.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    toml = tmp_path / "train.toml"
+    toml.write_text("[train]\ntp = 2\n[train.parallel]\ntp = 1\n")
+    assert main(["train", "--config", str(toml)]) == 2
+    assert "tp is set twice, in [train] and in [train.parallel]" in capsys.readouterr().err
+    toml.write_text("[train.parallel]\ntensor_parallel = 2\n")
+    assert main(["train", "--config", str(toml)]) == 2
+    assert "unknown option(s) for 'train': tensor_parallel" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--pp", "2", "--model-arg", "n_layer=1"],
+     "1 transformer blocks but --pp 2 x --stages-per-rank 1 = 2 pipeline stages"),
+    (["--pp", "2", "--stages-per-rank", "2", "--pp-schedule", "interleaved1f1b", "--microbatches", "4",
+      "--model-arg", "n_layer=3"], "(--model-arg n_layer=4)"),
+    (["--tp", "2", "--model-arg", "n_head=3", "--model-arg", "d_model=36"],
+     "--tp 2 cannot split the attention heads: block 0 has n_heads=3"),
+    (["--tp", "2", "--model-arg", "ffn_hidden=33"], "--tp 2 cannot split the feed-forward layer"),
+    (["--pp", "2", "--mixed-precision", "bf16"], "on CPU only FSDP2 (--fsdp > 1) trains in bf16"),
+    (["--dp", "2", "--mixed-precision", "bf16"], "use --mixed-precision fp32 (or auto)"),
+])
+def test_train_refuses_bad_layouts_before_any_rank_starts(tmp_path: Path, capsys, monkeypatch, extra, expected):
+    from fedpar.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    argv = ["train", "--model", "gpt", "--dataset", "text", "--data-path", str(_tiny_text(tmp_path)),
+            "--nproc", "2", "--out", str(out), *extra]
+    if "--dp" not in extra:
+        argv += ["--dp", "1"]
+    started = time.perf_counter()
+    assert main(argv) == 2
+    assert expected in capsys.readouterr().err
+    assert not out.exists() and time.perf_counter() - started < 5  # refused in the launcher, nothing spawned
+
+
+def test_train_refuses_a_layout_given_in_a_config_file(tmp_path: Path, capsys, monkeypatch):
+    from fedpar.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    toml = tmp_path / "train.toml"
+    toml.write_text(f'[train]\nmodel = "gpt"\ndataset = "text"\ndata_path = "{_tiny_text(tmp_path)}"\n'
+                    f'out = "{tmp_path / "run"}"\n[train.parallel]\ndp = 1\npp = 2\n'
+                    '[train.model_kwargs]\nn_layer = 1\n')
+    assert main(["train", "--config", str(toml), "--nproc", "2"]) == 2
+    assert "--pp 2 x --stages-per-rank 1 = 2 pipeline stages" in capsys.readouterr().err
+
+
+def test_mixed_precision_resolves_to_what_really_applies():
+    from fedpar.parallel.precision import resolve_precision, uses_autocast
+
+    def resolve(device: str, **kw) -> str:
+        return resolve_precision(ParallelConfig(**{"dp": 1, **kw}), device)
+
+    assert [resolve("cpu", mixed_precision=m) for m in ("auto", "fp32")] == ["fp32", "fp32"]
+    assert resolve("cpu", fsdp=2, mixed_precision="bf16") == "bf16"  # FSDP2's MixedPrecisionPolicy applies it
+    assert resolve("cuda", pp=2, fsdp=2) == "bf16" and resolve("cuda", tp=2) == "bf16"
+    assert resolve("cuda", pp=2) == "fp32"  # auto: nothing would apply bf16 to bare pipeline stages
+    with pytest.raises(ConfigurationError, match="pipeline stages"):
+        resolve("cuda", pp=2, mixed_precision="bf16")
+    with pytest.raises(ConfigurationError, match="on CPU only FSDP2"):
+        resolve("cpu", tp=2, mixed_precision="bf16")
+    assert uses_autocast("bf16", ParallelConfig(dp=1, tp=2), "cuda")
+    assert not uses_autocast("bf16", ParallelConfig(dp=1, fsdp=2), "cuda")
+
+
+def test_train_gpt_pipeline_from_a_config_file_two_ranks(tmp_path: Path):
+    """One real launch: `fedpar train --config` whose [train.parallel] asks for --pp 2 trains a pipelined GPT."""
+    out = tmp_path / "run"
+    toml = tmp_path / "train.toml"
+    toml.write_text(f'[train]\nmodel = "gpt"\ndataset = "text"\ndata_path = "{_tiny_text(tmp_path)}"\n'
+                    'batch_size = 8\nblock_size = 16\nlr = 0.003\noptimizer = "adamw"\neval_batches = 0\n'
+                    '[train.parallel]\ndp = 1\npp = 2\nmicrobatches = 2\npp_schedule = "gpipe"\n'
+                    '[train.model_kwargs]\nn_layer = 2\nn_head = 2\nd_model = 32\n')
+    proc = _fedpar("--config", str(toml), "--nproc", "2", "--max-steps", "6", "--log-every", "3", "--no-plot",
+                   "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    par = summary["config"]["parallel"]
+    assert (par["pp"], par["microbatches"], par["pp_schedule"], par["dp"]) == (2, 2, "gpipe", 1)
+    assert summary["config"]["model_kwargs"] == {"n_layer": 2, "n_head": 2, "d_model": 32}
+    assert summary["steps"] == 6 and summary["precision"] == "fp32"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r["loss"] for r in records if r["kind"] == "train"]
+    assert math.isfinite(summary["val_loss"]) and train[-1] < train[0]

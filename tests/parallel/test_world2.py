@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ NAMES = [
     "check_uneven_shards_train_without_hanging",
     "check_save_kill_resume_continues_identically",
     "check_grad_accumulation_equals_full_batch",
+    "check_gpt_text_tensor_parallel",
+    "check_gpt_text_pipeline_checkpoint_resume",
 ]
 TOL = 1e-5
 
@@ -119,3 +122,26 @@ def test_save_kill_resume_continues_identically(results):
 def test_gradient_accumulation_equals_the_whole_batch(results):
     for r in per_rank(results, "check_grad_accumulation_equals_full_batch"):
         assert r["max_param_diff"] < TOL
+
+
+def test_gpt_on_a_text_file_with_tensor_parallel_learns_and_evaluates_like_the_dense_model(results):
+    rs = per_rank(results, "check_gpt_text_tensor_parallel")
+    for r in rs:
+        assert r["vocab"] % 2 == 1  # the embedding and output rows shard unevenly over 2 ranks
+        assert math.isfinite(r["val_loss"]) and r["val_loss"] < r["initial_val_loss"] - 0.1
+        assert r["val_loss"] == pytest.approx(r["dense_val_loss"], abs=1e-5)
+        assert r["precision"] == "fp32"  # the CPU rule
+    assert rs[0]["file_val_loss"] == rs[0]["val_loss"]  # summary.json on rank 0
+
+
+def test_gpt_with_pipeline_parallel_resumes_from_its_multi_part_checkpoint(results):
+    rs = per_rank(results, "check_gpt_text_pipeline_checkpoint_resume")
+    for r in rs:
+        assert math.isfinite(r["val_loss_a"]) and r["val_loss_a"] < r["initial_val_loss"] - 0.1
+        assert r["padded_eval"]  # the last validation batch is padded, and padding is not counted
+        assert r["val_loss_a"] == pytest.approx(r["dense_val_loss"], abs=1e-5)
+        assert r["resumed_from_step"] == 3 and r["steps"] == 7
+        assert r["max_param_diff"] == 0.0 and r["val_loss_b"] == r["val_loss_a"]
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(r["checkpoint_files"])  # one part per stage
+    assert rs[0]["loss_steps_b"] == list(range(1, 8)) and rs[0]["max_loss_diff"] == 0.0
+    assert rs[0]["file_val_loss"] == rs[0]["val_loss_b"]

@@ -1,0 +1,28 @@
+"""Checks the launcher runs once before any rank starts, so a bad layout fails in a second, not after spawning."""
+
+from __future__ import annotations
+
+import torch
+
+from fedpar.models import build_model
+from fedpar.parallel.config import TrainConfig
+from fedpar.parallel.data import load_train_data, model_kwargs_for
+from fedpar.parallel.parallelize import check_model_layout
+from fedpar.parallel.precision import resolve_precision
+
+
+def preflight(config: TrainConfig, device_type: str) -> str:
+    """Check precision, data and model shape against the resolved layout; returns the precision to train in.
+
+    The model is built on the meta device (no memory, no init cost); the data is read only when its shape
+    matters (tensor or pipeline parallelism), since every rank reads it again.
+    """
+    precision = resolve_precision(config.parallel, device_type)
+    pc = config.parallel
+    if pc.tp > 1 or pc.pp > 1:
+        _, implied = load_train_data(config.dataset, config.data_path, config.block_size, config.seed)
+        kwargs = model_kwargs_for(config.model, implied, config.model_kwargs)
+        with torch.device("meta"):
+            model = build_model(config.model, **kwargs)
+        check_model_layout(model, config.model, pc)
+    return precision
