@@ -163,6 +163,11 @@ def test_cli_config_file_nested_train_tables_are_honoured_and_flags_override_the
     p = cfg.parallel
     assert (p.tp, p.pp, p.microbatches, p.pp_schedule) == (2, 1, 8, "gpipe")  # --pp on the command line wins
     assert cfg.model_kwargs == {"n_layer": 3, "d_model": 32}
+    # Without a [train] table the top level is read; other subcommands' tables there are left alone.
+    flat = tmp_path / "flat.toml"
+    flat.write_text('model = "gpt"\n[parallel]\ntp = 2\n[serve]\nport = 1\n[serve.strategy_options]\neta = 1\n')
+    cfg = _parsed_train_config(["train", "--config", str(flat)])
+    assert (cfg.model, cfg.parallel.tp) == ("gpt", 2)
     with pytest.raises(SystemExit):
         main(["train", "--config", str(toml), "--help"])
     help_text = capsys.readouterr().out
