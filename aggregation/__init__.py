@@ -11,7 +11,8 @@ from fedpar.aggregation.fedopt import FedAdagrad, FedAdam, FedOpt, FedYogi
 from fedpar.aggregation.fedprox import FedProx, proximal_term
 from fedpar.aggregation.layout import Layout
 from fedpar.aggregation.privacy import DPStrategy
-from fedpar.aggregation.registry import build_strategy, strategy_names
+from fedpar.aggregation.registry import (build_strategy, parse_strategy_options, strategy_names,
+                                         strategy_options_help)
 from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedpar.aggregation.strategy import Strategy, StreamingStrategy
 
@@ -19,6 +20,6 @@ __all__ = [
     "FoldConfig", "WeightedSum", "Layout", "fedavg", "all_reduce_weighted_sum", "NoUpdatesError",
     "Strategy", "StreamingStrategy", "FedAvg", "FedAvgM", "FedProx", "proximal_term",
     "FedOpt", "FedAdam", "FedYogi", "FedAdagrad", "Median", "TrimmedMean", "Krum", "MultiKrum",
-    "build_strategy", "strategy_names", "DPStrategy",
+    "build_strategy", "strategy_names", "parse_strategy_options", "strategy_options_help", "DPStrategy",
     "CompressionConfig", "Compressor", "Encoded", "encode", "decode", "encode_update", "decode_update",
 ]

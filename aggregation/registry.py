@@ -8,6 +8,7 @@ from typing import Any
 from fedpar.aggregation.averaging import FedAvg, FedAvgM
 from fedpar.aggregation.fedopt import FedAdagrad, FedAdam, FedYogi
 from fedpar.aggregation.fedprox import FedProx
+from fedpar.aggregation.options import option_specs, typed_options
 from fedpar.aggregation.privacy import DPStrategy
 from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedpar.aggregation.strategy import Strategy
@@ -43,9 +44,37 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
             return DPStrategy(inner, **dp)
         except TypeError as e:
             raise ValueError(f"bad DP options for strategy {name!r}: {e}") from None
-    if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    cls = strategy_class(name)
     try:
-        return STRATEGIES[key](**kwargs)
+        options = typed_options(key, cls, kwargs, from_text=False)
+    except ValueError as e:
+        raise ValueError(f"bad options: {e}") from None
+    try:
+        return cls(**options)
     except TypeError as e:
         raise ValueError(f"bad options for strategy {key!r}: {e}") from None
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class of strategy ``name`` (``dp-NAME``: NAME's); ValueError listing the choices when unknown."""
+    key = name.strip().lower().replace("-", "_")
+    key = key[len(DP_PREFIX):] if key.startswith(DP_PREFIX) else key
+    if key not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    return STRATEGIES[key]
+
+
+def parse_strategy_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """Typed constructor options of strategy ``name`` from text or TOML values; short aliases (``mu``) allowed."""
+    return typed_options(name, strategy_class(name), raw, from_text=True)
+
+
+def strategy_options_help() -> str:
+    """Every strategy's settable options, strategies with the same option names grouped."""
+    groups: dict[str, list[str]] = {}
+    for key, cls in STRATEGIES.items():
+        specs = option_specs(cls)
+        if specs:
+            names = ", ".join(f"{s.name} ({'/'.join(s.aliases)})" if s.aliases else s.name for s in specs.values())
+            groups.setdefault(names, []).append(key)
+    return "; ".join(f"{'/'.join(keys)}: {names}" for names, keys in groups.items())

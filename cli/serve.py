@@ -20,6 +20,7 @@ from fedpar.cli.compression_options import add_compression_arguments, compressio
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.limit_options import add_limit_arguments
 from fedpar.cli.progress import COLUMNS, RoundTable
+from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
     p.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
     p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
+    add_strategy_option_argument(p, "serve")
     p.add_argument("--rounds", type=int, default=d.rounds, help="rounds to run")
     p.add_argument("--clients-per-round", type=int, default=d.clients_per_round,
                    help="K: accepted updates that close a round early")
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         security = server_security(args)  # first: a missing certificate should not wait for data loading
         config.upload_compression = compression_from_args(args)
         config.validate()
+        strategy_options = strategy_options_from_args(args)
         splits = load_dataset(args.dataset, args.data_dir)
         torch.manual_seed(args.seed)
         model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
@@ -115,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
         name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
                                     args.dp_population)
-        strategy = build_strategy(name, **options)
+        strategy = build_strategy(name, **strategy_options, **options)
         if config.secure_aggregation:
             check_secure_setup([n for n, _, _ in weight_specs(model)], get_weights(model), strategy)
     except ValueError as exc:

@@ -13,6 +13,7 @@ import sys
 from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.progress import COLUMNS, RoundTable
+from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
 
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how data is split over clients: iid, dirichlet:ALPHA (label skew) or shards:N")
     p.add_argument("--model", default=d.model, help="mlp or cnn (the FedAvg paper's CNN)")
     p.add_argument("--strategy", default=d.strategy, help="aggregation strategy, e.g. fedavg, fedavgm, fedadam")
+    add_strategy_option_argument(p, "simulate")
     p.add_argument("--clients-per-round", type=int, default=d.clients_per_round,
                    help="K, updates that close a round (default: all clients)")
     p.add_argument("--overselect", type=float, default=d.overselect,
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     try:
+        cfg.strategy_options = strategy_options_from_args(args)
         cfg.strategy, options = dp_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
                                             cfg.overselect, cfg.clients)
         cfg.strategy_options.update(options)

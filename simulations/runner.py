@@ -95,6 +95,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
     upload_compression(cfg)  # bad settings fail before anything starts
+    strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
@@ -113,7 +114,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     for recv, _ in pipes:
         recv.close()  # the child's end
     try:
-        return _run(cfg, on_round, started, out, procs, [send for _, send in pipes])
+        return _run(cfg, strategy, on_round, started, out, procs, [send for _, send in pipes])
     finally:
         for _, send in pipes:
             if not send.closed:
@@ -127,7 +128,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                 p.terminate()
 
 
-def _run(cfg: SimulationConfig, on_round, started: float, out: Path | None, procs, pipes) -> dict:
+def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = partition_indices(splits, cfg.partition, cfg.clients, cfg.seed)
@@ -147,8 +148,7 @@ def _run(cfg: SimulationConfig, on_round, started: float, out: Path | None, proc
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
     for spec in specs if certs else ():
         spec.certs_dir = certs.name
-    coordinator = Coordinator(coord_cfg, names, get_weights(model),
-                              build_strategy(cfg.strategy, **cfg.strategy_options),
+    coordinator = Coordinator(coord_cfg, names, get_weights(model), strategy,
                               evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks,
                               admission=Admission(require_certificate=cfg.tls))
     server = CoordinatorServer(coordinator,

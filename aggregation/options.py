@@ -1,0 +1,118 @@
+"""A strategy's options, read off its constructor: names, types, defaults, and typing of text values."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Short names from the papers and other frameworks -> candidate constructor arguments (first that exists wins).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "mu": ("proximal_mu",),
+    "lr": ("server_learning_rate", "eta"),
+    "momentum": ("server_momentum",),
+    "beta1": ("beta_1",),
+    "beta2": ("beta_2",),
+    "fraction": ("beta",),
+    "f": ("num_malicious",),
+    "m": ("num_selected",),
+}
+SIMPLE_TYPES = (bool, int, float, str)
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One constructor argument that can be set from text: name, type, default and short aliases."""
+
+    name: str
+    type: type
+    default: Any
+    aliases: tuple[str, ...] = ()
+
+    def describe(self, aliases: bool = True) -> str:
+        """``name (alias a; float, default 0.01)``."""
+        alias = f"alias {', '.join(self.aliases)}; " if self.aliases and aliases else ""
+        return f"{self.name} ({alias}{self.type.__name__}, default {self.default!r})"
+
+
+def option_specs(cls: type) -> dict[str, OptionSpec]:
+    """The options of strategy class ``cls`` that take a bool, int, float or str (e.g. not ``fold_config``)."""
+    hints = typing.get_type_hints(cls.__init__)
+    specs = {}
+    for name, param in inspect.signature(cls).parameters.items():
+        kind = hints.get(name)
+        if kind in SIMPLE_TYPES and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            aliases = tuple(a for a, targets in ALIASES.items() if _alias_target(targets, cls) == name)
+            specs[name] = OptionSpec(name, kind, param.default, aliases)
+    return specs
+
+
+def describe_options(cls: type, aliases: bool = True) -> str:
+    """Human-readable list of ``cls``'s options, for help texts and error messages."""
+    specs = option_specs(cls)
+    return "; ".join(s.describe(aliases) for s in specs.values()) if specs else "none"
+
+
+def typed_options(strategy: str, cls: type, raw: Mapping[str, Any], from_text: bool = True) -> dict[str, Any]:
+    """``raw`` (keys maybe hyphenated) as typed constructor arguments of ``cls``; ValueError naming the valid ones.
+
+    ``from_text`` (command line, TOML): short aliases such as ``mu`` are accepted and only bool/int/float/str
+    options can be set. Otherwise (Python callers) other constructor arguments (``fold_config``) pass through.
+    """
+    specs = option_specs(cls)
+    params = inspect.signature(cls).parameters
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).strip().replace("-", "_")
+        if from_text and name not in params and name in ALIASES:
+            name = _alias_target(ALIASES[name], cls) or name
+        if name in out:
+            raise ValueError(f"option {name!r} of strategy {strategy!r} is given twice (last as {key!r})")
+        if name in specs:
+            out[name] = _coerce(specs[name], value, strategy)
+        elif name in params and not from_text:
+            out[name] = value
+        else:
+            hint = _alias_target(ALIASES.get(name, ()), cls)
+            hint = f" (did you mean {hint!r}?)" if hint else ""
+            valid = f"valid options: {describe_options(cls, from_text)}" if specs else "it takes no options"
+            raise ValueError(f"unknown option {key!r} for strategy {strategy!r}{hint}; {valid}")
+    return out
+
+
+def _alias_target(targets: tuple[str, ...], cls: type) -> str | None:
+    """The first of ``targets`` that ``cls``'s constructor takes."""
+    params = inspect.signature(cls).parameters
+    return next((t for t in targets if t in params), None)
+
+
+def _coerce(spec: OptionSpec, value: Any, strategy: str) -> Any:
+    """``value`` as ``spec.type``; ValueError saying what was expected."""
+    where = f"option {spec.name!r} of strategy {strategy!r}"
+    text = value.strip() if isinstance(value, str) else None
+    if spec.type is bool:
+        if isinstance(value, bool):
+            return value
+        if text is not None and text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if spec.type is str:
+        return str(value)
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be a number ({spec.type.__name__}), got {value!r}")
+    try:
+        if spec.type is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(text) if text is not None else int(value)
+        number = float(text if text is not None else value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} must be {'an integer' if spec.type is int else 'a number'}, "
+                         f"got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{where} must be finite, got {value!r}")
+    return number

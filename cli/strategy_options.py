@@ -1,0 +1,50 @@
+"""The repeatable --strategy-option KEY=VALUE of `fedpar serve` and `fedpar simulate` (or a TOML table)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fedpar.aggregation import parse_strategy_options, strategy_options_help
+
+
+class _KeyValue(argparse.Action):
+    """Collect ``KEY=VALUE`` into a dict on top of the config file's table; a later flag overrides a key."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        """Add one ``KEY=VALUE``."""
+        key, sep, text = value.partition("=")
+        if not sep or not key.strip():
+            parser.error(f"{option_string} expects KEY=VALUE, got {value!r}")
+        try:
+            options = as_mapping(getattr(namespace, self.dest, None))
+        except ValueError as exc:
+            parser.error(str(exc))
+        options[key.strip()] = text.strip()
+        setattr(namespace, self.dest, options)
+
+
+def add_strategy_option_argument(p: argparse.ArgumentParser, command: str) -> None:
+    """Add ``--strategy-option`` to ``p`` (``command`` names the TOML table in the help)."""
+    p.add_argument("--strategy-option", dest="strategy_options", action=_KeyValue, metavar="KEY=VALUE",
+                   default={},  # a dict default: a TOML [COMMAND.strategy_options] table is taken whole
+                   help="set an option of --strategy (repeatable), checked against its constructor: "
+                        f"{strategy_options_help()}. Short names (in parentheses) also work, e.g. "
+                        f"--strategy fedprox --strategy-option mu=0.01. In a --config file: a "
+                        f"[{command}.strategy_options] table, e.g. mu = 0.01")
+
+
+def as_mapping(value: Any) -> dict[str, Any]:
+    """The options as a dict, from a flag-built dict, a TOML table, or a TOML list of ``"KEY=VALUE"`` strings."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
+        return {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in value)}
+    raise ValueError(f"strategy_options must be a table or a list of \"KEY=VALUE\" strings, got {value!r}")
+
+
+def strategy_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The typed options of ``args.strategy``; ValueError naming the valid ones when a key or value is bad."""
+    return parse_strategy_options(args.strategy, as_mapping(getattr(args, "strategy_options", None)))
