@@ -1,7 +1,20 @@
 """Byzantine-robust rules that need all updates at once: coordinate-wise median, trimmed mean, (Multi-)Krum.
 
-Memory: these strategies keep exactly one copy of each update (K models in the model's dtypes), plus a
-K x chunk float64 scratch block while finishing. They are unweighted (num_examples only weights
+Memory, for K updates of a model with P parameters (a "model" is P parameters in the model's dtypes):
+
+* during the round: exactly one copy of each update, K models;
+* at finish, column-chunk scratch: a float64 block of K x c values (c = max(1024, 32 MiB / (8 K)) columns,
+  so 32 MiB, or K x 8 KiB past K = 4096); at most 3 such blocks are alive at once (the previous block, the
+  next one and the stack it is converted from; median and trimmed mean partition a copy of the block);
+* Median and TrimmedMean (``combine_columns``): a float64 output of the model size, 8 P bytes (two float32
+  models), kept until it is cast back into the new model (one more model; none more for float64 models);
+* Krum and Multi-Krum: a K x K float64 distance matrix; then, while averaging the chosen updates tensor by
+  tensor, a float64 accumulator and a float64 product temporary of that tensor's size (16 bytes x the largest
+  tensor: for a one-tensor model, two model-sized float64 arrays), and the new model (with float64 models
+  the accumulators are the new model: a model-sized float64 output).
+
+So the finish adds about 8 P bytes plus one model (Krum: up to 16 bytes x the largest tensor plus one model)
+on top of the K stored models, plus the bounded scratch. They are unweighted (num_examples only weights
 Multi-Krum's final average), as in the original papers and Flower.
 """
 
@@ -15,8 +28,13 @@ import numpy as np
 from fedpar.aggregation.layout import Layout, all_finite, cast_like
 from fedpar.aggregation.strategy import Strategy
 
-_ROBUST_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes) plus a "
-                  "K x chunk float64 scratch block at finish; memory grows linearly with the cohort size")
+_STORE_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes), so memory grows "
+                 "linearly with the cohort size; at finish, at most 3 K x chunk float64 scratch blocks (~32 MiB each)")
+_ROBUST_MEMORY = (_STORE_MEMORY + ", plus a float64 output of the model size (8 bytes per parameter) that is "
+                  "cast into the new model (one more model)")
+_KRUM_MEMORY = (_STORE_MEMORY + ", a K x K float64 distance matrix, plus, tensor by tensor, a float64 accumulator "
+                "and a float64 product temporary of the tensor's size (16 bytes x the largest tensor: two model-sized "
+                "float64 arrays for a one-tensor model) and the new model")
 
 
 class UpdateStore:
@@ -144,6 +162,7 @@ class Krum(BufferedStrategy):
     """Krum (Blanchard et al. 2017): the update closest to its ``n - f - 2`` nearest neighbours; Multi-Krum averages the best ``m``."""
 
     name = "krum"
+    memory_note = _KRUM_MEMORY
 
     def __init__(self, num_malicious: int = 0, num_selected: int = 1) -> None:
         """``num_malicious`` = f; ``num_selected`` = m (1 is Krum; m > 1 averages the m best, weighted by num_examples)."""
