@@ -2,6 +2,7 @@
 data when sampled, stops in time for the deadline and uploads its update. Data never leaves it.
 
 For demos, --partition/--num-partitions/--partition-index pick this agent's share of a dataset.
+With --nproc N (or under torchrun) the agent is N ranks training with the parallel engine (--fsdp/--dp/--tp).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from fedpar.client.agent import Agent, AgentConfig, FatalAgentError
 from fedpar.client.trainer import LocalTrainer
+from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
@@ -41,6 +43,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-data-plane", action="store_true",
                    help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
     add_tls_arguments(p, "client")
+    add_engine_arguments(p)
+
+
+def local_data(args: argparse.Namespace):
+    """The dataset's splits and this agent's local (train, val) share of it."""
+    splits = load_dataset(args.dataset, args.data_dir)
+    parts = partition_indices(splits, args.partition, args.num_partitions, args.partition_seed)
+    train, val = local_split(splits.train, parts[args.partition_index], args.val_fraction, args.seed)
+    return splits, train, val
+
+
+def agent_config(args: argparse.Namespace, security) -> AgentConfig:
+    """The AgentConfig the options and the TLS set-up describe."""
+    return AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
+                       max_backoff=args.max_backoff, give_up_after=args.give_up_after,
+                       credentials=security.credentials, tls_server_name=security.server_name,
+                       enrollment_token=security.enrollment_token,
+                       data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,21 +72,16 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.partition_index < args.num_partitions:
         print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
         return 2
+    if wants_engine(args):
+        return run_engine(args)
     try:
         security = client_security(args)
-        splits = load_dataset(args.dataset, args.data_dir)
-        parts = partition_indices(splits, args.partition, args.num_partitions, args.partition_seed)
-        train, val = local_split(splits.train, parts[args.partition_index], args.val_fraction, args.seed)
+        splits, train, val = local_data(args)
         model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
     except ValueError as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    config = AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
-                         max_backoff=args.max_backoff, give_up_after=args.give_up_after,
-                         credentials=security.credentials, tls_server_name=security.server_name,
-                         enrollment_token=security.enrollment_token,
-                         data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls)
-    agent = Agent(config, LocalTrainer(model, train, val, seed=args.seed))
+    agent = Agent(agent_config(args, security), LocalTrainer(model, train, val, seed=args.seed))
     print(f"agent {args.agent_id}: {len(train)} training examples, dialing {args.server}", flush=True)
     try:
         stats = agent.run()

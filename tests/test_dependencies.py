@@ -15,7 +15,7 @@ ALLOWED = {
     "aggregation": {"protocol", "models"},
     "parallel": {"models", "datasets"},
     "server": BASE | {"secagg", "aggregation"},
-    "client": BASE | {"secagg", "aggregation"},
+    "client": BASE | {"secagg", "aggregation", "parallel"},  # large-model agents train on the engine
 }
 
 

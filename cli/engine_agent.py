@@ -1,0 +1,131 @@
+"""``fedpar client --nproc N`` (or under torchrun): one agent made of N ranks that train on the parallel engine.
+
+Rank 0 runs the ordinary agent loop against the coordinator; every rank trains its shard of the agent's data
+with FSDP/DDP/TP (client/engine_trainer.py); the other ranks leave when the coordinator says shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+from fedpar.parallel.config import ConfigurationError, ParallelConfig
+
+_P = ParallelConfig()
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The large-model options of ``fedpar client`` (degrees multiply to --nproc, or torchrun's world size)."""
+    g = p.add_argument_group("large-model agent: one agent over several local ranks (dp*fsdp*tp = --nproc)")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="local ranks this agent trains on (ignored under torchrun, which sets the world size); "
+                        "rank 0 talks to the coordinator")
+    g.add_argument("--dp", type=int, default=_P.dp, help="DDP replicas (-1: whatever the other degrees leave)")
+    g.add_argument("--fsdp", type=int, default=_P.fsdp, help="FSDP2 shards of the model")
+    g.add_argument("--tp", type=int, default=_P.tp, help="tensor-parallel degree (mlp only)")
+    g.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds a collective may wait during training before the ranks give up")
+    g.add_argument("--idle-timeout", type=float, default=7 * 86400.0,
+                   help="seconds ranks other than 0 wait for the next task before giving up")
+
+
+def wants_engine(args: argparse.Namespace) -> bool:
+    """True when the options (or a torchrun environment) ask for a multi-rank agent."""
+    return args.nproc > 1 or "WORLD_SIZE" in os.environ or any(d > 1 for d in (args.dp, args.fsdp, args.tp))
+
+
+def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(dp=args.dp, fsdp=args.fsdp, tp=args.tp, sequence_parallel=False)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """Check the degrees, then run this process as one rank (torchrun) or spawn ``--nproc`` local ranks."""
+    from fedpar.cli.tlsopts import client_security
+    from fedpar.parallel.init import spawn
+
+    under_launcher = "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
+    try:
+        _parallel_config(args).resolved(world)
+        if not under_launcher and not args.insecure:
+            client_security(args)  # fail here, before spawning, on missing certificates
+    except (ConfigurationError, ValueError) as exc:
+        print(f"fedpar client: {exc}", file=sys.stderr)
+        return 2
+    if under_launcher or world == 1:
+        return engine_process(args)
+    options = {k: v for k, v in vars(args).items() if k != "_module"}
+    # Rank 0 reports its exit code here rather than by exiting non-zero, which would make torch's spawn
+    # terminate the other ranks while they are still leaving the group.
+    code = torch.multiprocessing.get_context("spawn").Value("i", 0)
+    try:
+        spawn(world, _spawned, options, code)
+    except Exception as exc:  # a rank failed; its traceback was printed by that process
+        print(f"fedpar client: a rank of agent {args.agent_id} failed: {exc}", file=sys.stderr)
+        return 1
+    return code.value
+
+
+def _spawned(options: dict, code) -> None:
+    result = engine_process(argparse.Namespace(**options))
+    if result:
+        code.value = result
+
+
+def engine_process(args: argparse.Namespace) -> int:
+    """One rank of the agent: build the sharded trainer; rank 0 runs the Agent, the others follow it."""
+    from fedpar.cli.agent import agent_config, local_data
+    from fedpar.cli.tlsopts import client_security
+    from fedpar.client.engine_trainer import EngineTrainer
+    from fedpar.models.for_data import build_model_for_data
+    from fedpar.parallel.init import init_distributed, shutdown_distributed
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_flush_denormal(True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = init_distributed(args.dist_timeout)
+    try:
+        try:
+            security = client_security(args) if info.is_main else None
+            splits, train, val = local_data(args)
+            trainer = EngineTrainer(lambda: build_model_for_data(args.model, splits.input_shape, splits.num_classes),
+                                    args.model, train, val, info, _parallel_config(args), seed=args.seed,
+                                    idle_timeout_seconds=args.idle_timeout)
+        except ValueError as exc:  # every rank fails the same way on bad options or data
+            print(f"fedpar client: {exc}", file=sys.stderr)
+            return 2
+        if info.is_main:
+            code = _drive(args, trainer, agent_config(args, security), len(train), info.world_size)
+        else:
+            trainer.follow()
+            code = 0
+        # Leave together: rank 0 hosts the rendezvous store (see parallel/run.py).
+        torch.distributed.barrier()
+        return code
+    finally:
+        shutdown_distributed()
+
+
+def _drive(args: argparse.Namespace, trainer, config, num_train: int, world: int) -> int:
+    """Rank 0: the ordinary agent loop over the engine trainer, then release the other ranks whatever happened."""
+    from fedpar.client.agent import Agent, FatalAgentError
+
+    agent = Agent(config, trainer)
+    print(f"agent {args.agent_id}: {num_train} training examples over {world} ranks, dialing {args.server}",
+          flush=True)
+    # Any other exception ends this process; the other ranks then fail fast on the closed connection.
+    try:
+        stats = agent.run()
+    except FatalAgentError as exc:  # raised between tasks, so the other ranks are waiting for a command
+        print(f"fedpar client: {exc}", file=sys.stderr)
+        trainer.shutdown()
+        return 1
+    trainer.shutdown()
+    print(f"agent {args.agent_id}: {stats.tasks} tasks, {stats.accepted} updates accepted, "
+          f"{stats.refused} refused", flush=True)
+    return 0

@@ -1,0 +1,121 @@
+"""A large-model agent (``fedpar client --nproc 2 --fsdp 2``: two gloo ranks, FSDP2) next to an ordinary agent,
+over real gRPC: the new global is the weighted FedAvg of the uploads, and the engine agent's update is what
+single-process training produces from the same global weights on the same data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from fedpar.aggregation import build_strategy
+from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.trainer import LocalTrainer
+from fedpar.datasets import load_dataset
+from fedpar.models import get_weights, set_weights, weight_specs
+from fedpar.models.for_data import build_model_for_data
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.coordinator import Coordinator
+from fedpar.simulations.clientdata import local_split, partition_indices
+
+PARTS, ENGINE_PART, PLAIN_PART = 5, 0, 2  # share 0 has 259 training examples: odd, so one FSDP rank pads
+EPOCHS, FULL_BATCH, LR = 2, 10_000, 0.1  # full-batch SGD: the result does not depend on the data order
+
+
+def _local(index: int):
+    splits = load_dataset("digits")
+    parts = partition_indices(splits, "iid", PARTS, 0)
+    train, val = local_split(splits.train, parts[index], 0.1, 0)
+    return splits, train, val
+
+
+def _model(splits) -> torch.nn.Module:
+    return build_model_for_data("mlp", splits.input_shape, splits.num_classes)
+
+
+def _recording_fedavg():
+    """FedAvg that keeps each round's global weights and a copy of every update folded in."""
+    strategy = build_strategy("fedavg")
+    globals_, folds = {}, {}
+    begin, fold = strategy.begin_round, strategy.fold
+
+    def begin_round(round_id, weights):
+        globals_[round_id] = [np.array(a) for a in weights]
+        folds[round_id] = {}
+        begin(round_id, weights)
+
+    def record(update, num_examples, client_id=""):
+        folds[strategy.round_id][client_id] = ([np.array(a) for a in update], num_examples)
+        fold(update, num_examples, client_id)
+
+    strategy.begin_round, strategy.fold = begin_round, record
+    return strategy, globals_, folds
+
+
+def _single_process_update(splits, train, weights) -> tuple[list[np.ndarray], int]:
+    model = _model(splits)
+    set_weights(model, weights)
+    result = LocalTrainer(model, train).train(EPOCHS, FULL_BATCH, LR)
+    return get_weights(model), result.examples
+
+
+def test_fsdp_agent_and_plain_agent_run_fedavg_rounds(tmp_path):
+    start = time.monotonic()
+    splits, engine_train, _ = _local(ENGINE_PART)
+    _, plain_train, plain_val = _local(PLAIN_PART)
+    torch.manual_seed(0)
+    init = get_weights(_model(splits))
+    strategy, globals_, folds = _recording_fedavg()
+    config = CoordinatorConfig(rounds=2, clients_per_round=2, min_available=2, overselect=1.0, deadline_seconds=30.0,
+                               heartbeat_seconds=1.0, liveness_timeout_seconds=20.0, local_epochs=EPOCHS,
+                               batch_size=FULL_BATCH, learning_rate=LR)
+    names = [name for name, _, _ in weight_specs(_model(splits))]
+    server = CoordinatorServer(Coordinator(config, names, init, strategy))
+    server.start()
+    log = (tmp_path / "engine_agent.log").open("w")
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "fedpar.cli.main", "client", "--server", server.address, "--agent-id", "big",
+         "--insecure", "--model", "mlp", "--dataset", "digits", "--num-partitions", str(PARTS),
+         "--partition-index", str(ENGINE_PART), "--poll", "1", "--give-up-after", "30",
+         "--nproc", "2", "--fsdp", "2", "--dist-timeout", "60"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    plain_model = _model(splits)
+    plain = Agent(AgentConfig(server=server.address, agent_id="small", poll_seconds=1.0, give_up_after=30.0, seed=0),
+                  LocalTrainer(plain_model, plain_train, plain_val, seed=0))
+    plain_thread = threading.Thread(target=plain.run, daemon=True)
+    plain_thread.start()
+    try:
+        assert server.wait(60), "the two rounds did not finish"
+        assert engine.wait(30) == 0, "the engine agent did not exit cleanly after shutdown"
+        plain_thread.join(15)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+        server.stop()
+        log.close()
+    output = (tmp_path / "engine_agent.log").read_text()
+    assert "2 tasks, 2 updates accepted, 0 refused" in output, output
+
+    rows = server.coordinator.metrics.rows
+    assert [(r["status"], r["reported"]) for r in rows] == [("ok", 2), ("ok", 2)]
+    for round_id in (1, 2):
+        uploads = folds[round_id]
+        assert set(uploads) == {"big", "small"}
+        # The new global is the weighted FedAvg of what was uploaded.
+        after = globals_[2] if round_id == 1 else server.coordinator.weights
+        total = sum(n for _, n in uploads.values())
+        for i, new in enumerate(after):
+            expected = sum(np.float64(n) * w[i].astype(np.float64) for w, n in uploads.values()) / total
+            np.testing.assert_allclose(new, expected, rtol=1e-6, atol=1e-6)
+        # The two-rank FSDP agent uploaded what one process training on the same data would have.
+        reference, examples = _single_process_update(splits, engine_train, globals_[round_id])
+        update, reported = uploads["big"]
+        assert reported == examples == EPOCHS * len(engine_train)
+        assert max(float(np.abs(a - b).max()) for a, b in zip(update, reference)) < 1e-5
+    assert time.monotonic() - start < 60
