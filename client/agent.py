@@ -22,7 +22,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
-from fedpar.client.transfer import download_weights, upload_messages, upload_update
+from fedpar.client.transfer import UPLOAD_RETRYABLE, download_weights, upload_messages, upload_update
 from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.secagg.errors import SecAggAbort, SecAggError
 
@@ -190,6 +190,9 @@ class Agent:
         except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
             self._note_refusal("download", err)
             return
+            if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
+                # The coordinator hands the task out again until a download completes: pull after a pause.
+                time.sleep(self.config.initial_backoff * (0.5 + self._rng.random()))
         download_seconds = time.monotonic() - received
         set_weights(self.trainer.model, weights)
         metrics: dict[str, float] = {}
@@ -258,8 +261,8 @@ class Agent:
                 self.stats.accepted += 1
                 return
             except grpc.RpcError as err:
-                # RESOURCE_EXHAUSTED: the coordinator is busy (or rate-limits us); retry while the deadline allows.
-                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + backoff >= deadline_at:
+                # Busy coordinator or a broken connection: retry while the deadline allows.
+                if err.code() not in UPLOAD_RETRYABLE or time.monotonic() + backoff >= deadline_at:
                     self.compression.refused()
                     self._note_refusal("upload", err)
                     return

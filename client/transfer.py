@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
@@ -11,6 +12,9 @@ from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter
 from fedpar.protocol.messages import layout_from_pb, layout_to_pb
 from fedpar.protocol.rawchunks import RawData, encode_data_message
 from fedpar.protocol.stubs import CoordinatorStub
+
+# An upload refused with these may be sent again this round (busy coordinator, connection lost mid-stream).
+UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
 
 def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask,

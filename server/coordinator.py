@@ -297,11 +297,12 @@ class Coordinator:
     def _task_reply(self, agent: AgentRecord) -> pb.PullTaskReply | None:
         if self.finished:
             return pb.PullTaskReply(shutdown_reason=f"training finished after round {self.round_id}")
-        slot = self._tasks.get(agent.agent_id)
         state = self.current
-        if slot is None or state is None or state.closed:
+        if state is None or state.closed:
             return None
-        del self._tasks[agent.agent_id]
+        slot = self._tasks.pop(agent.agent_id, None) or self._redeliverable(state, agent.agent_id)
+        if slot is None:
+            return None
         slot.dispatched = True
         remaining = state.started + state.deadline_seconds - time.monotonic()
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=max(0.0, remaining),
@@ -315,6 +316,24 @@ class Coordinator:
             task.data_port = self.data_port
             task.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id)
         return pb.PullTaskReply(task=task)
+
+    def _redeliverable(self, state: RoundState, agent_id: str) -> AgentSlot | None:
+        """The task of an agent that pulls again before any download of it completed (the task reply or the
+        download was lost on the way), so a lost message does not cost the agent its round. Secure rounds
+        are excluded: their key exchange cannot be replayed."""
+        slot = state.slots.get(agent_id)
+        if slot is None or not slot.dispatched or slot.downloaded or slot.status != "pending" \
+                or self.secure is not None:
+            return None
+        return slot
+
+    def download_completed(self, agent_id: str, round_id: int, task_id: str) -> None:
+        """Note that ``agent_id`` received the whole model of its task (its task is no longer re-delivered)."""
+        state = self.current
+        if state is not None and state.round_id == round_id:
+            slot = state.slots.get(agent_id)
+            if slot is not None and slot.task_id == task_id:
+                slot.downloaded = True
 
     def payload_for(self, agent: AgentRecord, round_id: int, task_id: str) -> WeightPayload:
         """The weights an agent may download for its task in ``round_id``."""

@@ -148,7 +148,12 @@ class DataPlaneServer:
             done = True
             self.downloads += 1
         finally:
-            self._on_loop(self.coord.tickets.release, entry, OP_DOWNLOAD, done)
+            self._on_loop(self._release_download, entry, done)
+
+    def _release_download(self, entry, done: bool) -> None:
+        self.coord.tickets.release(entry, OP_DOWNLOAD, done)
+        if done:
+            self.coord.download_completed(entry.agent_id, entry.round_id, entry.task_id)
 
     def _claim(self, ticket: bytes, op: int, peer: PeerIdentity | None):
         """Check a ticket and its holder (loop thread); returns (entry, agent record, round deadline)."""

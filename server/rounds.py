@@ -26,6 +26,7 @@ class AgentSlot:
     agent_id: str
     task_id: str
     dispatched: bool = False
+    downloaded: bool = False  # a download of the round's weights completed; the task is not handed out again
     status: str = "pending"  # pending | uploading | accepted | rejected | late
     upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
 

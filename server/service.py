@@ -73,6 +73,7 @@ class CoordinatorService:
                 async with self.limits.download_slot():
                     for message in payload.messages():
                         yield message
+            self.coord.download_completed(agent.agent_id, request.round, request.task_id)
         except Refusal as r:
             await context.abort(r.code, r.message)
 

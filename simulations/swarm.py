@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
-from fedpar.client.transfer import upload_messages
+from fedpar.client.transfer import UPLOAD_RETRYABLE, upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import TensorAssembler
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options, layout_from_pb
@@ -68,11 +68,21 @@ async def _upload(stub, auth, task, layout, update, chunk_bytes, stats: SwarmSta
             stats.accepted += 1
             return
         except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + backoff >= deadline_at:
+            # Busy coordinator or a broken connection: send again while the deadline allows.
+            if not _retryable_upload_error(err) or time.monotonic() + backoff >= deadline_at:
                 raise
             stats.busy += 1
             await asyncio.sleep(backoff * (0.5 + rng.random()))
             backoff = min(backoff * 2, 1.0)
+
+
+def _retryable_upload_error(err: grpc.aio.AioRpcError) -> bool:
+    """Whether an upload may be sent again. grpc.aio clients can report a server's early refusal of a
+    client stream (here: the coordinator is busy) as INTERNAL "Internal error from Core" when a write
+    loses the race with the server's status (grpc/grpc#36066); that is retried like the refusal."""
+    if err.code() in UPLOAD_RETRYABLE:
+        return True
+    return err.code() == grpc.StatusCode.INTERNAL and "Internal error from Core" in (err.details() or "")
 
 
 async def run_agent(channel: grpc.aio.Channel, agent_id: str, stats: SwarmStats, poll_seconds: float = 5.0,

@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 2
+PARAMS = 10_000
 
 
 def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
@@ -25,7 +26,7 @@ def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
     py = [sys.executable, "-m"]
     coordinator = subprocess.Popen(
         py + ["fedpar.simulations.synthetic_coordinator", "--agents", str(agents), "--rounds", str(ROUNDS),
-              "--params", "10000", "--deadline", "50", "--port-file", str(tmp / "port"),
+              "--params", str(PARAMS), "--deadline", "50", "--port-file", str(tmp / "port"),
               "--memory-file", str(tmp / "memory.jsonl"), "--metrics", str(tmp / "metrics.jsonl"), "--linger", "1"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "coordinator.log", "w"))
     swarms = []
@@ -49,7 +50,8 @@ def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
     memory = [json.loads(line) for line in (tmp / "memory.jsonl").read_text().splitlines()]
     rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
     return {"stats": stats, "memory": memory, "rows": rows,
-            "growth_kib": memory[-1]["VmHWM"] - memory[0]["VmRSS"]}
+            "growth_kib": memory[-1]["VmHWM"] - memory[0]["VmRSS"],
+            "log_tail": (tmp / "coordinator.log").read_text()[-3000:]}
 
 
 def _cpu(run: dict) -> float:
@@ -61,9 +63,10 @@ def test_1000_concurrent_agents_complete_rounds_with_memory_bounded_per_agent(tm
     runs = {n: _run(tmp_path / f"n{n}", n) for n in (100, 1000)}
     for n, run in runs.items():
         assert [r["round"] for r in run["rows"]] == list(range(1, ROUNDS + 1))
-        assert all(r["status"] == "ok" and r["reported"] == n and r["sampled"] == n for r in run["rows"]), run["rows"]
-        assert sum(s["finished"] for s in run["stats"]) == n
-        assert sum(s["accepted"] for s in run["stats"]) == n * ROUNDS
+        why = {"rows": run["rows"], "swarms": run["stats"], "coordinator log": run["log_tail"]}
+        assert all(r["status"] == "ok" and r["reported"] == n and r["sampled"] == n for r in run["rows"]), why
+        assert sum(s["finished"] for s in run["stats"]) == n, why
+        assert sum(s["accepted"] for s in run["stats"]) == n * ROUNDS, why
     per_agent = (runs[1000]["growth_kib"] - runs[100]["growth_kib"]) / 900
     print(f"\ncoordinator peak growth: 100 agents {runs[100]['growth_kib']} KiB, "
           f"1000 agents {runs[1000]['growth_kib']} KiB -> {per_agent:.1f} KiB per extra agent; "

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,3 +173,31 @@ def test_checkpoint_resumes_after_the_last_completed_round(start_coordinator, ag
     assert task.round == 2
     downloaded = b.download(task, ModelLayout.of_arrays(_names(init), init))
     assert all(x.tobytes() == y.tobytes() for x, y in zip(downloaded, after_round_1))
+
+
+def test_a_task_whose_reply_or_download_was_lost_is_handed_out_again_until_a_download_completes(
+        start_coordinator, agents):
+    # 40 MB: more than the transport buffers, so the coordinator is still sending when the download breaks off.
+    init = [np.random.default_rng(0).standard_normal(10_000_000, dtype=np.float32)]
+    server = start_coordinator(init, clients_per_round=1, min_available=1, deadline_seconds=20.0)
+    (bot,) = agents(server.address, ["a"])
+    layout = ModelLayout.of_arrays(_names(init), init)
+    lost = bot.task()  # the reply "never arrived": the agent pulls again
+    again = bot.task()
+    assert (again.round, again.task_id) == (lost.round, lost.task_id)
+    stream = bot.stub.DownloadWeights(pb.DownloadRequest(auth=bot.auth, round=again.round, task_id=again.task_id),
+                                      timeout=10)
+    next(stream)
+    stream.cancel()  # the download broke off after its first message
+    task = bot.task()
+    assert task.task_id == lost.task_id
+    got = bot.download(task, layout)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, init))
+    reply = bot.stub.PullTask(pb.PullTaskRequest(auth=bot.auth, wait_seconds=1.0), timeout=10)
+    assert reply.WhichOneof("kind") != "task"  # downloaded: the task is not repeated
+    update = [init[0] + np.float32(1.0)]
+    assert bot.upload(task, update, 1).accepted
+    assert server.wait(20)
+    row = server.coordinator.metrics.rows[-1]
+    assert (row["status"], row["sampled"], row["reported"]) == ("ok", 1, 1)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, update))
