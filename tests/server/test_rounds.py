@@ -201,3 +201,21 @@ def test_a_task_whose_reply_or_download_was_lost_is_handed_out_again_until_a_dow
     row = server.coordinator.metrics.rows[-1]
     assert (row["status"], row["sampled"], row["reported"]) == ("ok", 1, 1)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, update))
+
+
+def test_an_agent_that_stopped_answering_is_not_sampled(start_coordinator, agents):
+    from fedpar.server.coordinator import cohort_digest
+
+    init = _weights()
+    server = start_coordinator(init, clients_per_round=2, min_available=2, liveness_timeout_seconds=1.0,
+                               heartbeat_seconds=0.5)
+    (silent,) = agents(server.address, ["c"])  # joins, then never calls again
+    time.sleep(1.5)
+    a, b = agents(server.address, ["a", "b"])
+    for bot, n in ((a, 10), (b, 30)):
+        assert bot.upload(bot.task(), _weights(n), n).accepted
+    assert server.wait(20)
+    row = server.coordinator.metrics.rows[-1]
+    assert (row["status"], row["sampled"], row["reported"]) == ("ok", 2, 2)
+    assert row["cohort_digest"] == cohort_digest(["a", "b"])
+    assert server.coordinator.registry.live_ids() == ["a", "b"]
