@@ -30,6 +30,7 @@ log = logging.getLogger("fedpar.client")
 # RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.RESOURCE_EXHAUSTED}
+DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 @dataclass
@@ -242,15 +243,21 @@ class Agent:
         def timeout() -> float:
             return max(5.0, deadline_at - time.monotonic() + 5.0)
 
-        if data_plane is not None and not upload.encoding:  # falls through to gRPC only if the connection broke
+        backoff = 0.1
+        while data_plane is not None and not upload.encoding:  # leaves for gRPC only if the connection broke
             try:
                 if self._via_data_plane("upload", dataplane.upload, data_plane, self._auth, task, self.layout,
-                                        upload.arrays, result.examples, result.steps, metrics, timeout()) is not None:
-                    self.stats.accepted += 1
-                    return
-            except dataplane.DataPlaneRefused as err:
-                self._note_refusal("upload", err)
+                                        upload.arrays, result.examples, result.steps, metrics, timeout()) is None:
+                    break
+                self.stats.accepted += 1
                 return
+            except dataplane.DataPlaneRefused as err:
+                # RESOURCE_EXHAUSTED: busy (upload queue) or rate-limited; retry while the deadline allows.
+                if err.code != DATA_PLANE_BUSY or time.monotonic() + backoff >= deadline_at:
+                    self._note_refusal("upload", err)
+                    return
+                time.sleep(backoff * (0.5 + self._rng.random()))
+                backoff = min(backoff * 2, 2.0)
         backoff = 0.1
         while True:
             messages = upload_messages(self._auth, task, upload.layout, upload.arrays, result.examples, result.steps,

@@ -25,6 +25,10 @@ class CodecError(ValueError):
     """A tensor header or data stream that does not describe a valid model."""
 
 
+class ModelTooLarge(CodecError):
+    """A tensor header that describes more bytes than the receiver's limit allows."""
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Name, dtype, shape and byte range of one tensor inside the concatenated stream."""
@@ -70,7 +74,7 @@ class ModelLayout:
             names.add(name)
             offset += nbytes
             if max_total_bytes is not None and offset > max_total_bytes:
-                raise CodecError(f"model is larger than the limit of {max_total_bytes} bytes")
+                raise ModelTooLarge(f"model is larger than the limit of {max_total_bytes} bytes")
         self.tensors: tuple[TensorMeta, ...] = tuple(tensors)
         self.total_bytes = offset
         self._starts = [t.offset for t in self.tensors]

@@ -12,6 +12,7 @@ import grpc
 from fedpar.protocol.messages import channel_options
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
+from fedpar.server.rpc_limit import RpcLimit
 from fedpar.server.service import CoordinatorService, generic_handler
 
 log = logging.getLogger("fedpar.server")
@@ -87,9 +88,11 @@ class CoordinatorServer:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         config = self.coordinator.config
+        service = CoordinatorService(self.coordinator)
+        # --max-concurrent-rpcs is enforced by RpcLimit (gRPC's own limit would refuse without naming it).
         server = grpc.aio.server(options=server_options(config.max_chunk_bytes),
-                                 maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-        server.add_generic_rpc_handlers((generic_handler(CoordinatorService(self.coordinator)),))
+                                 interceptors=[RpcLimit(service.limits)])
+        server.add_generic_rpc_handlers((generic_handler(service),))
         target = f"{self.host}:{self.requested_port}"
         if self.credentials is None:
             if self.host not in ("127.0.0.1", "localhost", "::1"):
@@ -100,7 +103,7 @@ class CoordinatorServer:
         await server.start()
         self.coordinator._bind_loop()
         self.data_plane = start_data_plane(self.coordinator, self._loop, self.host, self.credentials is not None,
-                                           self.data_tls)
+                                           self.data_tls, service.limits)
         self._ready.set()
         rounds = asyncio.ensure_future(self.coordinator.run())
         stopper = asyncio.ensure_future(self._stop.wait())

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelLayout
+from fedpar.protocol.codec import CodecError, ModelLayout, ModelTooLarge
 from fedpar.protocol.messages import layout_from_pb
 from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
@@ -373,6 +373,9 @@ class Coordinator:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 0")
         try:
             layout = layout_from_pb(header.tensors, self.config.max_model_bytes)
+        except ModelTooLarge as exc:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tensor header refused: {exc} (--max-model-bytes); "
+                          "the update was not applied") from None
         except CodecError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
         if self.secure is not None:

@@ -16,6 +16,7 @@ import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -28,23 +29,26 @@ from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, Dat
                                        send_views)
 from fedpar.security.admission import AdmissionRefused
 from fedpar.security.identity import PeerIdentity
+from fedpar.server.limits import Limits
 from fedpar.server.registry import AuthError
 from fedpar.server.rounds import Refusal
 
 log = logging.getLogger("fedpar.server.dataplane")
 HANDSHAKE_SECONDS = 10.0  # TLS handshake, preamble and upload header must arrive this fast
 LOOP_CALL_SECONDS = 60.0
+RECV_PIECE = 4 << 20  # upload bytes are counted (for --max-upload-bytes-per-second) in pieces of this size
 
 
 class DataPlaneServer:
     """Listens on ``host:port`` (0: a free port) and moves weights for ticket holders."""
 
     def __init__(self, coordinator, loop: asyncio.AbstractEventLoop, host: str, port: int = 0,
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None):
         self.coord = coordinator
         self.loop = loop
         self.ssl_context = ssl_context
         config = coordinator.config
+        self.limits = limits or Limits(config, coordinator.layout.total_bytes)  # the gRPC service's, when serving
         self.workers = config.max_concurrent_uploads + config.data_plane_downloads
         self._free = threading.Semaphore(self.workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedpar-data")
@@ -195,7 +199,7 @@ class DataPlaneServer:
             _send_refusal(sock, Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}"))
             return
         try:
-            entry, upload, deadline_at = self._on_loop(self._open_upload, ticket, peer, header)
+            entry, upload, deadline_at, held = self._on_loop(self._open_upload, ticket, peer, header)
         except Refusal as r:
             _send_refusal(sock, r)
             return
@@ -203,6 +207,13 @@ class DataPlaneServer:
         slots = self.coord.upload_slots()
         have_slot = False
         refused: Refusal | None = None
+        received = [0]  # bytes read, in whole RECV_PIECEs: the rest of the advance charge is refunded
+
+        def read_into(view: memoryview) -> None:
+            for start in range(0, len(view), RECV_PIECE):
+                piece = view[start:start + RECV_PIECE]
+                recv_exact_into(sock, piece, deadline)
+                received[0] += len(piece)
         try:
             left = deadline_at - time.monotonic()
             try:
@@ -212,7 +223,7 @@ class DataPlaneServer:
             have_slot = True
             send_all(sock, encode_status(OK), deadline)
             assembler = TensorAssembler(upload.layout, self.coord.config.max_chunk_bytes)
-            assembler.fill(lambda view: recv_exact_into(sock, view, deadline))
+            assembler.fill(read_into)
             bad = assembler.first_non_finite()
             if bad is not None:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
@@ -228,12 +239,14 @@ class DataPlaneServer:
             if have_slot:
                 self.loop.call_soon_threadsafe(slots.release)
             try:
-                self._on_loop(self._settle_upload, entry, upload, refused)
+                self._on_loop(self._settle_upload, entry, upload, refused, held, received[0])
             except (DataPlaneError, RuntimeError, TimeoutError) as exc:
                 log.warning("could not record the end of a data-plane upload: %s", exc)
 
     def _open_upload(self, ticket: bytes, peer: PeerIdentity | None, header: pb.UploadHeader):
         entry, agent, deadline_at = self._claim(ticket, OP_UPLOAD, peer)
+        held = ExitStack()  # the gRPC path's per-agent and queue limits, kept until _settle_upload
+        upload = None
         try:
             try:  # the upload header carries the session like on gRPC: ticket and session must agree
                 agent = self.coord.registry.authenticate(header.auth.agent_id, header.auth.token, peer)
@@ -245,18 +258,28 @@ class DataPlaneServer:
                 raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                               f"this data-plane ticket was issued to agent {entry.agent_id!r}, not to "
                               f"{agent.agent_id!r}")
+            held.enter_context(self.limits.agent_call(agent.agent_id))
+            held.enter_context(self.limits.upload_queue())
+            self.limits.start_upload(agent.agent_id, entry.round_id)
             if header.round != entry.round_id or header.task_id != entry.task_id:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the upload header names round {header.round} task {header.task_id!r}, but the "
                               f"ticket is for round {entry.round_id} task {entry.task_id!r}")
             upload = self.coord.open_upload(agent, header)
+            # Charged in advance, so an agent over its rate is refused before it sends the data.
+            self.limits.count_bytes(agent.agent_id, upload.layout.total_bytes)
         except Refusal:
+            if upload is not None:
+                self.coord.abandon(upload)
+            held.close()
             self.coord.tickets.release(entry, OP_UPLOAD, False)
             raise
-        return entry, upload, deadline_at
+        return entry, upload, deadline_at, held
 
-    def _settle_upload(self, entry, upload, refused: Refusal | None) -> None:
+    def _settle_upload(self, entry, upload, refused: Refusal | None, held: ExitStack, received: int) -> None:
         """Same bookkeeping as the gRPC stream: a bad update is rejected; a broken-off one abandoned."""
+        held.close()
+        self.limits.refund_bytes(entry.agent_id, upload.layout.total_bytes - received)
         if refused is not None and refused.final:
             self.coord.reject(upload, refused.message)
         else:
@@ -284,8 +307,8 @@ def _peer_identity(sock: ssl.SSLSocket) -> PeerIdentity | None:
     return PeerIdentity(names[0], int(serial, 16) if serial else None)
 
 
-def start_data_plane(coordinator, loop, host: str, tls_control: bool,
-                     ssl_context: ssl.SSLContext | None) -> DataPlaneServer | None:
+def start_data_plane(coordinator, loop, host: str, tls_control: bool, ssl_context: ssl.SSLContext | None,
+                     limits: Limits | None = None) -> DataPlaneServer | None:
     """Start the data plane if the coordinator's config asks for it; never in plaintext beside TLS gRPC."""
     config = coordinator.config
     if not config.wants_data_plane(coordinator.layout.total_bytes):
@@ -294,7 +317,7 @@ def start_data_plane(coordinator, loop, host: str, tls_control: bool,
         log.warning("data plane off: gRPC uses TLS but no TLS context was given for the data plane; "
                     "weights move over the gRPC streams")
         return None
-    server = DataPlaneServer(coordinator, loop, host, config.data_port, ssl_context)
+    server = DataPlaneServer(coordinator, loop, host, config.data_port, ssl_context, limits)
     coordinator.data_port = server.start()
     log.info("data plane listening on %s:%d (%s)", host, server.port, "TLS" if ssl_context else "plaintext")
     return server

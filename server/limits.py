@@ -37,6 +37,10 @@ class TokenBucket:
         self.tokens -= amount
         return True
 
+    def give(self, amount: float) -> None:
+        """Return ``amount`` tokens taken earlier (never beyond ``burst``)."""
+        self.tokens = min(self.burst, self.tokens + amount)
+
 
 class Limits:
     """The coordinator's per-agent and server-wide limits (see CoordinatorConfig for each)."""
@@ -50,6 +54,7 @@ class Limits:
         self._attempts: dict[str, tuple[int, int]] = {}  # agent -> (round, upload attempts in it)
         self._bytes: dict[str, TokenBucket] = {}
         self._queued_uploads = 0
+        self._rpcs = 0
         self._downloads: asyncio.Semaphore | None = None
 
     def admit_join(self, agent_id: str, registry) -> None:
@@ -135,6 +140,23 @@ class Limits:
         if not bucket.take(nbytes):
             raise Refusal(EXHAUSTED, f"agent {agent_id!r} is uploading faster than {rate:g} bytes/s "
                                      "(--max-upload-bytes-per-second); the update was not applied, retry later")
+
+    def refund_bytes(self, agent_id: str, nbytes: int) -> None:
+        """Give back bytes charged in advance (by a data-plane upload) that never arrived."""
+        bucket = self._bytes.get(agent_id)
+        if bucket is not None and nbytes > 0:
+            bucket.give(nbytes)
+
+    def enter_rpc(self) -> None:
+        """Count one more call in flight server-wide; refuse beyond the concurrent-call limit."""
+        if self._rpcs >= self.config.max_concurrent_rpcs:
+            raise Refusal(EXHAUSTED, f"the coordinator already has {self._rpcs} calls in flight "
+                                     f"(--max-concurrent-rpcs {self.config.max_concurrent_rpcs}); retry in a moment")
+        self._rpcs += 1
+
+    def exit_rpc(self) -> None:
+        """A call counted by :meth:`enter_rpc` ended."""
+        self._rpcs -= 1
 
     def forget(self, agent_id: str) -> None:
         """Drop what is kept about an agent that left."""

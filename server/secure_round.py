@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Awaitable, Callable, Sequence
 
@@ -208,12 +209,13 @@ class SecureRound:
     # ------------------------------------------------------------------ SecAggExchange
     async def exchange(self, agent_id: str, request: pb.SecAggRequest) -> pb.SecAggReply:
         """Take this agent's stage message, then long-poll for the server's next broadcast to it."""
-        wait = min(max(request.wait_seconds, 0.0), MAX_POLL_SECONDS)
+        wait = request.wait_seconds
+        wait = 0.0 if math.isnan(wait) else min(max(wait, 0.0), MAX_POLL_SECONDS)  # NaN would wait forever
         stage, body = request.stage, request.WhichOneof("body")
         expected_body = {pb.SECAGG_ADVERTISE: "public_keys", pb.SECAGG_SHARE: "ciphertexts",
                          pb.SECAGG_UNMASK: "unmask_shares"}.get(stage)
         if body is not None and body != expected_body:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"stage {pb.SecAggStage.Name(stage)} takes "
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"stage {_stage_name(stage)} takes "
                           f"{expected_body or 'no body'}, not {body}")
         if self.failure is not None:
             raise Refusal(grpc.StatusCode.ABORTED, f"secure aggregation of this round failed: {self.failure}")
@@ -260,6 +262,11 @@ class SecureRound:
         if self.failure is not None:
             raise SecAggAbort(f"secure aggregation of this round failed: {self.failure}")
         return ready()
+
+
+def _stage_name(stage: int) -> str:
+    """The enum name of a known stage, else its number (requests may carry any value)."""
+    return pb.SecAggStage.Name(stage) if stage in pb.SecAggStage.values() else str(stage)
 
 
 def _timed(fn):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
+import threading
 import time
 
 import grpc
@@ -15,6 +17,7 @@ from torch import nn
 from fedpar.client import dataplane
 from fedpar.client.agent import Agent, AgentConfig
 from fedpar.client.trainer import LocalTrainer
+from fedpar.client.transfer import upload_messages
 from fedpar.datasets.arrays import ArrayDataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
@@ -22,6 +25,7 @@ from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.dataplane import (OP_UPLOAD, PREAMBLE, Deadline, encode_frame, encode_preamble, read_status,
                                        send_all)
 from fedpar.protocol.messages import layout_to_pb
+from fedpar.server.rounds import Refusal
 
 SHAPES = ((64, 32), (32,))
 NAMES = ["t0", "t1"]
@@ -218,3 +222,208 @@ def test_upload_that_stalls_past_the_round_deadline_is_dropped_and_changes_nothi
     assert server.wait(10)
     assert server.coordinator.metrics.rows[-1]["status"] == "failed"
     assert all(x.tobytes() == y.tobytes() for x, y in zip(server.coordinator.weights, init))
+
+
+# ----------------------------------------------------------------- the gRPC path's limits apply here too
+def _header(bot, task, layout, examples=10) -> pb.UploadHeader:
+    return pb.UploadHeader(auth=bot.auth, round=task.round, task_id=task.task_id, num_examples=examples, steps=1,
+                           tensors=layout_to_pb(layout), total_bytes=layout.total_bytes)
+
+
+def _begin_upload(bot, task, layout) -> socket.socket:
+    """A data-plane upload that got the go-ahead and has sent nothing yet (raises DataPlaneRefused if refused)."""
+    s = socket.create_connection(("127.0.0.1", task.data_port))
+    d = Deadline(10)
+    try:
+        send_all(s, encode_preamble(OP_UPLOAD, task.data_ticket) + encode_frame(_header(bot, task, layout)
+                                                                              .SerializeToString()), d)
+        read_status(s, d)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _wait_pending(server, agent_id: str) -> None:
+    """Until the coordinator has settled a broken-off upload (the slot is free for a retry)."""
+    slot = server.coordinator.current.slots[agent_id]
+    for _ in range(200):
+        if slot.status == "pending":
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the upload of {agent_id} was not settled: {slot.status}")
+
+
+def _break_off(server, bot, task, layout, data: bytes = b"") -> None:
+    """Start a data-plane upload, send ``data`` (less than the update), hang up, wait until it is settled."""
+    with _begin_upload(bot, task, layout) as s:
+        send_all(s, data, Deadline(10))
+    _wait_pending(server, bot.agent_id)
+
+
+def _exhausted(call, option: str) -> None:
+    _refused(call, grpc.StatusCode.RESOURCE_EXHAUSTED, option)
+
+
+def _grpc_exhausted(call, option: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and option in err.value.details(), \
+        (err.value.code(), err.value.details())
+
+
+def _unchanged(server, init) -> bool:
+    return all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, init))
+
+
+def test_data_plane_upload_attempts_count_with_grpc_ones(start_coordinator, agents):
+    init = _arrays(0)
+    server = start_coordinator(init, data_plane=True, clients_per_round=1, min_available=1,
+                               max_upload_attempts_per_round=3)
+    (bot,) = agents(server.address, ["tries"])
+    task = bot.task()
+    layout = ModelLayout.of_arrays(NAMES, init)
+    msgs = list(upload_messages(bot.auth, task, layout, _arrays(1), 10, 1, {}, 4096))
+    with pytest.raises(grpc.RpcError):  # attempt 1: a gRPC stream that breaks off
+        bot.upload(task, None, 0, messages=msgs[:2])
+    _break_off(server, bot, task, layout)  # attempts 2 and 3 on the data plane
+    _break_off(server, bot, task, layout, _arrays(1)[0].tobytes()[:100])
+    _exhausted(lambda: _upload(server.address, bot, task, _arrays(1)), "--max-upload-attempts")
+    _grpc_exhausted(lambda: bot.upload(task, _arrays(1), 10), "--max-upload-attempts")
+    state = server.coordinator.current
+    assert state.accepted == 0 and state.slots["tries"].status == "pending" and _unchanged(server, init)
+    assert server.data_plane.uploads == 0
+
+
+def test_data_plane_upload_bytes_are_charged_to_the_agents_rate(start_coordinator, agents):
+    init = _arrays(0)
+    layout = ModelLayout.of_arrays(NAMES, init)  # 8320 bytes: at 1 byte/s the burst is 16640
+    server = start_coordinator(init, data_plane=True, clients_per_round=1, min_available=1,
+                               max_upload_bytes_per_second=1.0, max_upload_attempts_per_round=10)
+    (bot,) = agents(server.address, ["fast"])
+    task = bot.task()
+    first = _arrays(1)[0].tobytes()  # the first tensor: 8192 bytes
+    # Each upload is charged in full before its data; what did not arrive is given back when it ends.
+    _break_off(server, bot, task, layout)  # charged 0
+    _break_off(server, bot, task, layout, first)  # 8192
+    _break_off(server, bot, task, layout, first)  # 8192: 256 bytes are left
+    _exhausted(lambda: _upload(server.address, bot, task, _arrays(1)), "--max-upload-bytes-per-second")
+    _grpc_exhausted(lambda: bot.upload(task, _arrays(1), 10), "--max-upload-bytes-per-second")  # the same bucket
+    state = server.coordinator.current
+    assert state.accepted == 0 and state.slots["fast"].status == "pending" and _unchanged(server, init)
+
+
+def test_data_plane_uploads_count_as_calls_of_their_agent(start_coordinator, agents):
+    init = _arrays(0)
+    server = start_coordinator(init, data_plane=True, clients_per_round=1, min_available=1, max_calls_per_agent=1)
+    (bot,) = agents(server.address, ["busy"])
+    task = bot.task()
+    layout = ModelLayout.of_arrays(NAMES, init)
+    with _begin_upload(bot, task, layout):  # the data-plane upload in progress is the agent's one call
+        _grpc_exhausted(lambda: bot.stub.Heartbeat(pb.HeartbeatRequest(auth=bot.auth), timeout=5),
+                   "--max-calls-per-agent")
+    _wait_pending(server, "busy")
+    assert bot.stub.Heartbeat(pb.HeartbeatRequest(auth=bot.auth), timeout=5).current_round == 1
+
+    msgs = list(upload_messages(bot.auth, task, layout, _arrays(1), 10, 1, {}, 4096))
+    release = threading.Event()
+
+    def held_open():
+        yield msgs[0]
+        release.wait(20)
+
+    held = bot.stub.UploadUpdate.future(held_open(), timeout=30)  # a gRPC upload in progress: the one call
+    try:
+        for _ in range(100):
+            if server.coordinator.current.slots["busy"].status == "uploading":
+                break
+            time.sleep(0.05)
+        _exhausted(lambda: _upload(server.address, bot, task, _arrays(1)), "--max-calls-per-agent")
+    finally:
+        release.set()
+        with pytest.raises(grpc.RpcError):
+            held.result()
+    _wait_pending(server, "busy")
+    assert _unchanged(server, init)
+    update = _arrays(2)
+    assert _upload(server.address, bot, task, update).accepted  # every call ended: the limit is free again
+    assert server.wait(20)
+    for got, sent in zip(server.coordinator.weights, update):
+        np.testing.assert_allclose(got, sent, rtol=1e-6)
+
+
+def test_data_plane_uploads_hold_places_in_the_upload_queue(start_coordinator, agents):
+    init = _arrays(0)
+    server = start_coordinator(init, data_plane=True, clients_per_round=2, min_available=2,
+                               max_concurrent_uploads=1, max_queued_uploads=1)
+    a, b = agents(server.address, ["a", "b"])
+    tasks = {bot.agent_id: bot.task() for bot in (a, b)}
+    layout = ModelLayout.of_arrays(NAMES, init)
+    update_a, update_b = _arrays(1), _arrays(2)
+    with _begin_upload(a, tasks["a"], layout) as held:  # a holds the only place
+        _exhausted(lambda: _upload(server.address, b, tasks["b"], update_b, examples=30), "--max-queued-uploads")
+        _grpc_exhausted(lambda: b.upload(tasks["b"], update_b, 30), "--max-queued-uploads")  # one queue for both paths
+        assert _unchanged(server, init) and server.coordinator.current.slots["b"].status == "pending"
+        send_all(held, b"".join(x.tobytes() for x in update_a), Deadline(10))
+        assert pb.UploadReply.FromString(read_status(held, Deadline(10))).accepted
+    assert _upload(server.address, b, tasks["b"], update_b, examples=30).accepted
+    assert server.wait(20)
+    for got, x, y in zip(server.coordinator.weights, update_a, update_b):
+        np.testing.assert_allclose(got, (10 * x + 30 * y) / 40, rtol=1e-6, atol=1e-7)
+
+
+class _GatedTrainer(LocalTrainer):
+    """Trains only once the test says so."""
+
+    def __init__(self, *args, gate: threading.Event, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+
+    def train(self, *args, **kwargs):
+        """Wait for the gate, then train."""
+        assert self.gate.wait(20)
+        return super().train(*args, **kwargs)
+
+
+def test_a_real_agent_retries_a_data_plane_upload_while_the_queue_is_full(start_coordinator, agents):
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    init = [w.detach().numpy().copy() for w in model.parameters()]
+    names = [n for n, _, _ in weight_specs(model)]
+    server = start_coordinator(init, names=names, data_plane=True, clients_per_round=2, min_available=2,
+                               max_concurrent_uploads=1, max_queued_uploads=1)
+    (holder,) = agents(server.address, ["holder"])
+    rng = np.random.default_rng(1)
+    gate = threading.Event()
+    trainer = _GatedTrainer(model, ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32),
+                                                rng.integers(0, 4, 32)), gate=gate)
+    agent = Agent(AgentConfig(server=server.address, agent_id="eager", poll_seconds=1.0, give_up_after=20.0), trainer)
+    runner = threading.Thread(target=agent.run)
+    runner.start()
+    task = holder.task()
+    layout = ModelLayout.of_arrays(names, init)
+    limits, refusals = server.data_plane.limits, []
+    queue = limits.upload_queue
+
+    @contextlib.contextmanager
+    def counted_queue():
+        try:
+            with queue():
+                yield
+        except Refusal as r:
+            refusals.append(r.message)
+            raise
+    limits.upload_queue = counted_queue
+    with _begin_upload(holder, task, layout) as held:
+        gate.set()
+        for _ in range(200):  # the agent is refused (the queue is full) and tries again
+            if len(refusals) >= 2:
+                break
+            time.sleep(0.05)
+        assert len(refusals) >= 2 and "--max-queued-uploads" in refusals[0] and agent.stats.accepted == 0
+        send_all(held, b"".join(w.tobytes() for w in init), Deadline(10))
+        assert pb.UploadReply.FromString(read_status(held, Deadline(10))).accepted
+    runner.join(30)
+    assert not runner.is_alive() and server.wait(10)
+    assert (agent.stats.accepted, agent.stats.refused) == (1, 0), agent.stats.refusals
+    assert server.data_plane.uploads == 2

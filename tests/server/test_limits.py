@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -130,3 +131,68 @@ def test_a_stalled_upload_is_cut_off_at_the_round_deadline(start_coordinator, ag
     assert "not applied" in err.value.details()
     assert time.monotonic() - start < 6
     assert server.wait(10) and _unchanged(server, init)
+
+
+def test_concurrent_rpcs_are_bounded_server_wide(start_coordinator, agents):
+    init = _arrays()
+    # min_available 4 with three agents: no round starts, so every long-poll waits its full three seconds.
+    server = start_coordinator(init, min_available=4, max_concurrent_rpcs=8, heartbeat_seconds=3.0)
+    bots = agents(server.address, ["a", "b", "c"])
+    polls = [bots[i % 3].stub.PullTask.future(pb.PullTaskRequest(auth=bots[i % 3].auth, wait_seconds=3.0),
+                                              timeout=10) for i in range(8)]
+    time.sleep(0.5)
+    _exhausted(lambda: bots[0].stub.Heartbeat(pb.HeartbeatRequest(auth=bots[0].auth), timeout=5),
+               "--max-concurrent-rpcs")
+    _exhausted(lambda: bots[1].stub.Join(pb.JoinRequest(agent_id="d", num_examples=1), timeout=5),
+               "--max-concurrent-rpcs")
+    for poll in polls:
+        assert poll.result().WhichOneof("kind") == "wait_seconds"
+    assert bots[0].stub.Heartbeat(pb.HeartbeatRequest(auth=bots[0].auth), timeout=5).current_round == 0
+    assert server.coordinator.registry.get("d") is None and _unchanged(server, init)
+
+
+def test_queued_uploads_are_bounded(start_coordinator, agents):
+    init = _arrays()
+    server = start_coordinator(init, clients_per_round=2, min_available=2, max_concurrent_uploads=1,
+                               max_queued_uploads=1)
+    a, b = agents(server.address, ["a", "b"])
+    tasks = {bot.agent_id: bot.task() for bot in (a, b)}
+    layout = ModelLayout.of_arrays(NAMES, init)
+    update_a, update_b = _arrays(1), _arrays(2)
+    msgs = list(upload_messages(a.auth, tasks["a"], layout, update_a, 10, 1, {}, 32))
+    release = threading.Event()
+
+    def held_open():  # a's upload holds the only queue place until the test lets it finish
+        yield from msgs[:2]
+        release.wait(20)
+        yield from msgs[2:]
+
+    held = a.stub.UploadUpdate.future(held_open(), timeout=30)
+    for _ in range(100):
+        if server.coordinator.current.slots["a"].status == "uploading":
+            break
+        time.sleep(0.05)
+    _exhausted(lambda: b.upload(tasks["b"], update_b, 30, NAMES), "--max-queued-uploads")
+    assert _unchanged(server, init) and server.coordinator.current.slots["b"].status == "pending"
+    release.set()
+    assert held.result().accepted
+    assert b.upload(tasks["b"], update_b, 30, NAMES).accepted  # the refused upload may be retried
+    assert server.wait(20)
+    for got, x, y in zip(server.coordinator.weights, update_a, update_b):
+        np.testing.assert_allclose(got, (10 * x + 30 * y) / 40, rtol=1e-6, atol=1e-7)
+
+
+def test_upload_headers_describing_more_than_max_model_bytes_are_refused(start_coordinator, agents):
+    init = _arrays()  # 112 bytes
+    server = start_coordinator(init, clients_per_round=1, min_available=1, max_model_bytes=200)
+    (bot,) = agents(server.address, ["big"])
+    task = bot.task()
+    under = [np.zeros((8, 4), np.float32), np.zeros(4, np.float32)]  # 144 bytes: only the shape is wrong
+    over = [np.zeros((16, 4), np.float32), np.zeros(4, np.float32)]  # 272 bytes > 200: refused before that
+    with pytest.raises(grpc.RpcError) as err:
+        bot.upload(task, under, 10, NAMES)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not match" in err.value.details()
+    _exhausted(lambda: bot.upload(task, over, 10, NAMES), "--max-model-bytes")
+    assert _unchanged(server, init) and server.coordinator.current.slots["big"].status == "pending"
+    assert bot.upload(task, _arrays(3), 10, NAMES).accepted
+    assert server.wait(20)

@@ -33,6 +33,11 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
     assert all(r["upload_bytes"] == r["reported"] * model_bytes for r in rows)
     assert summary["mean_upload_bytes_per_round"] == sum(r["upload_bytes"] for r in rows) / 10
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Federated evaluation: the agents score the model they receive on their own validation splits, so
+    # round r's score is that of the model the server tested after round r-1 (other data, same model).
+    for before, row in zip(rows, rows[1:]):
+        assert abs(row["federated_eval_accuracy"] - before["test_accuracy"]) < 0.1, (before, row)
+    assert rows[0]["federated_eval_accuracy"] < 0.5  # the untrained initial model
 
 
 @pytest.mark.timeout(600)
