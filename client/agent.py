@@ -190,10 +190,10 @@ class Agent:
                                            timeout=max(1.0, task.deadline_seconds))
         except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
             self._note_refusal("download", err)
-            return
             if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
                 # The coordinator hands the task out again until a download completes: pull after a pause.
                 time.sleep(self.config.initial_backoff * (0.5 + self._rng.random()))
+            return
         download_seconds = time.monotonic() - received
         set_weights(self.trainer.model, weights)
         metrics: dict[str, float] = {}
