@@ -170,10 +170,13 @@ def test_fuzz_every_rpc(fz):
     @given(wait=st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False)  # other tests flush denormals
            | st.sampled_from([-1e308, 1e308, 0.0]))
     def pull_waits(wait):
-        auth = fz.auths[fz.agent()]
+        i = fz.agent()
         reply = fz.expect_clear(lambda: fz.unary["PullTask"](
-            pb.PullTaskRequest(auth=auth, wait_seconds=wait).SerializeToString(), timeout=5))
-        assert reply is not None and pb.PullTaskReply.FromString(reply).WhichOneof("kind") == "wait_seconds"
+            pb.PullTaskRequest(auth=fz.auths[i], wait_seconds=wait).SerializeToString(), timeout=5))
+        assert reply is not None
+        reply = pb.PullTaskReply.FromString(reply)
+        # An agent that has not downloaded its task yet is handed the same task again; otherwise it waits.
+        assert reply.WhichOneof("kind") == "wait_seconds" or reply.task.task_id == fz.tasks[i].task_id
 
     @FUZZ
     @given(body=mangled, round_id=st.sampled_from([0, 1, 2, (1 << 64) - 1]), task=st.text(max_size=20),
