@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from fedpar.client import dataplane
+from fedpar.client.transfer import upload_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import OP_DOWNLOAD, Deadline, read_status, recv_exact_into
 from fedpar.protocol.codec import ModelLayout, iter_chunks
@@ -112,7 +113,7 @@ def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examp
                                  num_examples, 1, {}, 3600)
             else:
                 download_and_discard(stub, auth, task, shared.layout.total_bytes)
-                _while_busy(lambda: stub.UploadUpdate(shared.messages(auth, task, num_examples), timeout=3600))
+                _while_busy(lambda: upload_update(stub, shared.messages(auth, task, num_examples), timeout=3600))
         channel.close()
     except BaseException as exc:  # reported by the worker
         errors.append(exc)

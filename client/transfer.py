@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator, Sequence
 
 import grpc
@@ -9,7 +10,7 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks
-from fedpar.protocol.messages import layout_from_pb, layout_to_pb
+from fedpar.protocol.messages import UPLOAD_ADMITTED, layout_from_pb, layout_to_pb
 from fedpar.protocol.rawchunks import RawData, encode_data_message
 from fedpar.protocol.stubs import CoordinatorStub
 
@@ -70,5 +71,43 @@ def upload_messages(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout,
 
 def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | bytes],
                   timeout: float | None = None) -> pb.UploadReply:
-    """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused."""
-    return stub.UploadUpdate(messages, timeout=timeout)
+    """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused.
+
+    The header goes first; the data follows only once the coordinator admits the upload (UPLOAD_ADMITTED
+    initial metadata), so a busy coordinator refuses it before any data is on the way.
+    """
+    gate = _AdmissionGate(iter(messages))
+    call = stub.UploadUpdate.future(gate, timeout=timeout)
+    gate.attach(call)
+    return call.result()
+
+
+class _AdmissionGate:
+    """Request iterator that holds everything after the first message until the call is admitted."""
+
+    def __init__(self, messages: Iterator):
+        self._messages = messages
+        self._sent_header = False
+        self._admitted = False
+        self._call = None
+        self._attached = threading.Event()
+
+    def attach(self, call) -> None:
+        """Give the gate the call whose initial metadata it waits for."""
+        self._call = call
+        self._attached.set()
+
+    def __iter__(self) -> "_AdmissionGate":
+        return self
+
+    def __next__(self):
+        if not self._sent_header:
+            self._sent_header = True
+            return next(self._messages)
+        if not self._admitted:
+            self._attached.wait()
+            metadata = self._call.initial_metadata() or ()  # blocks until admitted or refused
+            if UPLOAD_ADMITTED not in tuple(metadata):
+                raise StopIteration  # refused: the call ends with the coordinator's status
+            self._admitted = True
+        return next(self._messages)

@@ -12,6 +12,11 @@ SERVICE_NAME = "fedpar.v1.Coordinator"
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Room for the protobuf framing around one chunk's payload.
 FRAMING_BYTES = 64 << 10
+# Initial metadata the coordinator sends on UploadUpdate once the upload holds a staging slot. Agents send
+# the header, wait for it, and only then the data: an upload refused as busy costs no transfer and no
+# coordinator memory (without the wait, every refused stream would have a flow-control window of data
+# buffered in the coordinator's transport).
+UPLOAD_ADMITTED = ("fedpar-upload", "admitted")
 
 
 def layout_from_pb(specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> ModelLayout:

@@ -23,7 +23,8 @@ class RawData(NamedTuple):
     data: memoryview
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf base-128 varint."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -48,8 +49,9 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
 
 def encode_data_message(offset: int, data: bytes | memoryview) -> bytes:
     """The serialized ModelChunk/UploadChunk carrying ``data`` at ``offset`` (same bytes protobuf writes)."""
-    inner_head = (bytes([_OFFSET_FIELD]) + _varint(offset) if offset else b"") + _DATA_FIELD + _varint(len(data))
-    return b"".join((_DATA_FIELD, _varint(len(inner_head) + len(data)), inner_head, data))
+    inner_head = ((bytes([_OFFSET_FIELD]) + encode_varint(offset) if offset else b"")
+                  + _DATA_FIELD + encode_varint(len(data)))
+    return b"".join((_DATA_FIELD, encode_varint(len(inner_head) + len(data)), inner_head, data))
 
 
 def decode_chunk_message(raw: bytes, message_type: type[Message]) -> RawData | Message:

@@ -10,7 +10,7 @@ import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, TensorAssembler
-from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME
+from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED
 from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused
 from fedpar.security.identity import peer_identity
@@ -90,6 +90,7 @@ class CoordinatorService:
                 self.limits.start_upload(agent.agent_id, current)
                 ticket = self.coord.open_upload(agent, first.header)
                 async with self.coord.upload_slots():
+                    await context.send_initial_metadata((UPLOAD_ADMITTED,))
                     arrays = await self._receive(ticket, request_iterator)
                     await self.coord.accept(ticket, arrays)
             return pb.UploadReply(accepted=True, message=f"update accepted for round {ticket.state.round_id}")

@@ -21,7 +21,7 @@ import numpy as np
 from fedpar.client.transfer import UPLOAD_RETRYABLE, upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import TensorAssembler
-from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options, layout_from_pb
+from fedpar.protocol.messages import PROTOCOL_VERSION, UPLOAD_ADMITTED, channel_options, layout_from_pb
 from fedpar.protocol.rawchunks import RawData
 from fedpar.protocol.stubs import CoordinatorStub
 
@@ -64,7 +64,7 @@ async def _upload(stub, auth, task, layout, update, chunk_bytes, stats: SwarmSta
     while True:
         messages = upload_messages(auth, task, layout, update, 100, 1, {}, chunk_bytes)
         try:
-            await stub.UploadUpdate(messages, timeout=max(5.0, deadline_at - time.monotonic() + 5))
+            await _send_when_admitted(stub, messages, timeout=max(5.0, deadline_at - time.monotonic() + 5))
             stats.accepted += 1
             return
         except grpc.aio.AioRpcError as err:
@@ -74,6 +74,17 @@ async def _upload(stub, auth, task, layout, update, chunk_bytes, stats: SwarmSta
             stats.busy += 1
             await asyncio.sleep(backoff * (0.5 + rng.random()))
             backoff = min(backoff * 2, 1.0)
+
+
+async def _send_when_admitted(stub: CoordinatorStub, messages, timeout: float) -> pb.UploadReply:
+    """The header, then (once the coordinator admits the upload) the data; raises AioRpcError if refused."""
+    call = stub.UploadUpdate(timeout=timeout)
+    await call.write(next(messages))
+    if UPLOAD_ADMITTED in tuple(await call.initial_metadata() or ()):
+        for message in messages:
+            await call.write(message)
+        await call.done_writing()
+    return await call  # refused: raises with the coordinator's status
 
 
 def _retryable_upload_error(err: grpc.aio.AioRpcError) -> bool:

@@ -21,7 +21,7 @@ from fedpar.client.transfer import upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.messages import SERVICE_NAME, channel_options
-from fedpar.protocol.rawchunks import encode_data_message
+from fedpar.protocol.rawchunks import encode_data_message, encode_varint
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
@@ -116,23 +116,14 @@ def fz():
 
 def _field(number: int, wire: int, payload: bytes) -> bytes:
     """One protobuf field with an arbitrary wire type (so types can be wrong on purpose)."""
-    key = _varint((number << 3) | wire)
+    key = encode_varint((number << 3) | wire)
     if wire == 0:
-        return key + _varint(int.from_bytes(payload[:9].ljust(1, b"\0"), "little") % (1 << 64))
+        return key + encode_varint(int.from_bytes(payload[:9].ljust(1, b"\0"), "little") % (1 << 64))
     if wire == 1:
         return key + payload[:8].ljust(8, b"\0")
     if wire == 5:
         return key + payload[:4].ljust(4, b"\0")
-    return key + _varint(len(payload)) + payload
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
+    return key + encode_varint(len(payload)) + payload
 
 
 wrong_types = st.lists(st.tuples(st.integers(1, 12), st.sampled_from([0, 1, 2, 5]), st.binary(max_size=40)),

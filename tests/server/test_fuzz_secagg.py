@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from fedpar.client.secure_upload import MASKED_TENSOR, flat_update
 from fedpar.client.transfer import upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.rawchunks import encode_varint
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.messages import SERVICE_NAME
 from fedpar.secagg import keys, wire
@@ -108,24 +109,15 @@ class Round:
         assert self.call("a", pb.SECAGG_SETUP).WhichOneof("body") == "params_json"
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
-
-
 def _field(number: int, wire_type: int, payload: bytes) -> bytes:
     """One protobuf field with an arbitrary wire type (so types can be wrong on purpose)."""
-    key = _varint((number << 3) | wire_type)
+    key = encode_varint((number << 3) | wire_type)
     if wire_type == 0:
-        return key + _varint(int.from_bytes(payload[:9].ljust(1, b"\0"), "little") % (1 << 64))
+        return key + encode_varint(int.from_bytes(payload[:9].ljust(1, b"\0"), "little") % (1 << 64))
     if wire_type in (1, 5):
         size = 8 if wire_type == 1 else 4
         return key + payload[:size].ljust(size, b"\0")
-    return key + _varint(len(payload)) + payload
+    return key + encode_varint(len(payload)) + payload
 
 
 mangled = st.one_of(st.binary(max_size=300),

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fedpar.client.transfer import upload_messages
+from fedpar.client.transfer import upload_messages, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.server.limits import TokenBucket
@@ -196,3 +196,59 @@ def test_upload_headers_describing_more_than_max_model_bytes_are_refused(start_c
     assert _unchanged(server, init) and server.coordinator.current.slots["big"].status == "pending"
     assert bot.upload(task, _arrays(3), 10, NAMES).accepted
     assert server.wait(20)
+
+
+class _Counting:
+    """Wraps an upload's message iterator and counts the messages gRPC has taken from it."""
+
+    def __init__(self, messages):
+        self.messages, self.taken = iter(messages), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        message = next(self.messages)
+        self.taken += 1
+        return message
+
+
+def test_uploads_send_their_data_only_once_admitted(start_coordinator, agents):
+    init = _arrays()
+    server = start_coordinator(init, clients_per_round=3, min_available=3, max_concurrent_uploads=1,
+                               max_queued_uploads=2)
+    a, b, c = agents(server.address, ["a", "b", "c"])
+    tasks = {bot.agent_id: bot.task() for bot in (a, b, c)}
+    layout = ModelLayout.of_arrays(NAMES, init)
+    msgs = list(upload_messages(a.auth, tasks["a"], layout, _arrays(1), 10, 1, {}, 32))
+    release = threading.Event()
+
+    def held_open():  # a's upload holds the only staging slot until the test lets it finish
+        yield from msgs[:2]
+        release.wait(20)
+        yield from msgs[2:]
+
+    held = a.stub.UploadUpdate.future(held_open(), timeout=30)
+    for _ in range(100):
+        if server.coordinator.current.slots["a"].status == "uploading":
+            break
+        time.sleep(0.05)
+    # b waits in the queue for the slot: only its header has left the agent.
+    waiting = _Counting(upload_messages(b.auth, tasks["b"], layout, _arrays(2), 30, 1, {}, 32))
+    queued = threading.Thread(target=lambda: upload_update(b.stub, waiting, timeout=30))
+    queued.start()
+    time.sleep(0.5)
+    assert waiting.taken == 1 and server.coordinator.current.slots["b"].status == "uploading"
+    # c finds the queue full: refused after its header, its data never sent.
+    refused = _Counting(upload_messages(c.auth, tasks["c"], layout, _arrays(3), 60, 1, {}, 32))
+    _exhausted(lambda: upload_update(c.stub, refused, timeout=30), "--max-queued-uploads")
+    assert refused.taken == 1
+    release.set()
+    assert held.result().accepted
+    queued.join(20)
+    assert waiting.taken == len(msgs)  # admitted once a's upload left the slot: the whole stream went
+    assert upload_update(c.stub, upload_messages(c.auth, tasks["c"], layout, _arrays(3), 60, 1, {}, 32)).accepted
+    assert server.wait(20)
+    expected = [(10 * x + 30 * y + 60 * z) / 100 for x, y, z in zip(_arrays(1), _arrays(2), _arrays(3))]
+    for got, exp in zip(server.coordinator.weights, expected):
+        np.testing.assert_allclose(got, exp, rtol=1e-6, atol=1e-7)
