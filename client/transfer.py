@@ -10,7 +10,8 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks
-from fedpar.protocol.messages import UPLOAD_ADMITTED, layout_from_pb, layout_to_pb
+from fedpar.protocol.messages import (UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, layout_from_pb,
+                                     layout_to_pb)
 from fedpar.protocol.rawchunks import RawData, encode_data_message
 from fedpar.protocol.stubs import CoordinatorStub
 
@@ -73,8 +74,9 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
                   timeout: float | None = None) -> pb.UploadReply:
     """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused.
 
-    The header goes first; the data follows only once the coordinator admits the upload (UPLOAD_ADMITTED
-    initial metadata), so a busy coordinator refuses it before any data is on the way.
+    The header goes first; the data of an upload of UPLOAD_ADMISSION_MIN_BYTES or more follows only once the
+    coordinator admits it (UPLOAD_ADMITTED initial metadata), so a busy coordinator refuses it before any
+    data is on the way.
     """
     gate = _AdmissionGate(iter(messages))
     call = stub.UploadUpdate.future(gate, timeout=timeout)
@@ -103,7 +105,11 @@ class _AdmissionGate:
     def __next__(self):
         if not self._sent_header:
             self._sent_header = True
-            return next(self._messages)
+            header = next(self._messages)
+            small = isinstance(header, pb.UploadChunk) and header.WhichOneof("part") == "header" \
+                and header.header.total_bytes < UPLOAD_ADMISSION_MIN_BYTES
+            self._admitted = small
+            return header
         if not self._admitted:
             self._attached.wait()
             metadata = self._call.initial_metadata() or ()  # blocks until admitted or refused

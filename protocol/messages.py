@@ -17,6 +17,8 @@ FRAMING_BYTES = 64 << 10
 # coordinator memory (without the wait, every refused stream would have a flow-control window of data
 # buffered in the coordinator's transport).
 UPLOAD_ADMITTED = ("fedpar-upload", "admitted")
+# Uploads this small go out whole without waiting: a refused one costs less than the extra round trip.
+UPLOAD_ADMISSION_MIN_BYTES = 256 << 10
 
 
 def layout_from_pb(specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> ModelLayout:

@@ -21,7 +21,8 @@ import numpy as np
 from fedpar.client.transfer import UPLOAD_RETRYABLE, upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import TensorAssembler
-from fedpar.protocol.messages import PROTOCOL_VERSION, UPLOAD_ADMITTED, channel_options, layout_from_pb
+from fedpar.protocol.messages import (PROTOCOL_VERSION, UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, channel_options,
+                                     layout_from_pb)
 from fedpar.protocol.rawchunks import RawData
 from fedpar.protocol.stubs import CoordinatorStub
 
@@ -77,10 +78,12 @@ async def _upload(stub, auth, task, layout, update, chunk_bytes, stats: SwarmSta
 
 
 async def _send_when_admitted(stub: CoordinatorStub, messages, timeout: float) -> pb.UploadReply:
-    """The header, then (once the coordinator admits the upload) the data; raises AioRpcError if refused."""
+    """The header, then the data (a large upload's once the coordinator admits it); raises AioRpcError if refused."""
     call = stub.UploadUpdate(timeout=timeout)
-    await call.write(next(messages))
-    if UPLOAD_ADMITTED in tuple(await call.initial_metadata() or ()):
+    header = next(messages)
+    await call.write(header)
+    if header.header.total_bytes < UPLOAD_ADMISSION_MIN_BYTES \
+            or UPLOAD_ADMITTED in tuple(await call.initial_metadata() or ()):
         for message in messages:
             await call.write(message)
         await call.done_writing()

@@ -214,13 +214,16 @@ class _Counting:
 
 
 def test_uploads_send_their_data_only_once_admitted(start_coordinator, agents):
-    init = _arrays()
-    server = start_coordinator(init, clients_per_round=3, min_available=3, max_concurrent_uploads=1,
+    def big(seed):  # 400 KB, above UPLOAD_ADMISSION_MIN_BYTES: such uploads wait to be admitted
+        return [np.random.default_rng(seed).standard_normal(100_000).astype(np.float32)]
+
+    init = big(0)
+    server = start_coordinator(init, names=["w"], clients_per_round=3, min_available=3, max_concurrent_uploads=1,
                                max_queued_uploads=2)
     a, b, c = agents(server.address, ["a", "b", "c"])
     tasks = {bot.agent_id: bot.task() for bot in (a, b, c)}
-    layout = ModelLayout.of_arrays(NAMES, init)
-    msgs = list(upload_messages(a.auth, tasks["a"], layout, _arrays(1), 10, 1, {}, 32))
+    layout = ModelLayout.of_arrays(["w"], init)
+    msgs = list(upload_messages(a.auth, tasks["a"], layout, big(1), 10, 1, {}, 64 << 10))
     release = threading.Event()
 
     def held_open():  # a's upload holds the only staging slot until the test lets it finish
@@ -234,21 +237,21 @@ def test_uploads_send_their_data_only_once_admitted(start_coordinator, agents):
             break
         time.sleep(0.05)
     # b waits in the queue for the slot: only its header has left the agent.
-    waiting = _Counting(upload_messages(b.auth, tasks["b"], layout, _arrays(2), 30, 1, {}, 32))
+    waiting = _Counting(upload_messages(b.auth, tasks["b"], layout, big(2), 30, 1, {}, 64 << 10))
     queued = threading.Thread(target=lambda: upload_update(b.stub, waiting, timeout=30))
     queued.start()
     time.sleep(0.5)
     assert waiting.taken == 1 and server.coordinator.current.slots["b"].status == "uploading"
     # c finds the queue full: refused after its header, its data never sent.
-    refused = _Counting(upload_messages(c.auth, tasks["c"], layout, _arrays(3), 60, 1, {}, 32))
+    refused = _Counting(upload_messages(c.auth, tasks["c"], layout, big(3), 60, 1, {}, 64 << 10))
     _exhausted(lambda: upload_update(c.stub, refused, timeout=30), "--max-queued-uploads")
     assert refused.taken == 1
     release.set()
     assert held.result().accepted
     queued.join(20)
     assert waiting.taken == len(msgs)  # admitted once a's upload left the slot: the whole stream went
-    assert upload_update(c.stub, upload_messages(c.auth, tasks["c"], layout, _arrays(3), 60, 1, {}, 32)).accepted
+    assert upload_update(c.stub, upload_messages(c.auth, tasks["c"], layout, big(3), 60, 1, {}, 64 << 10)).accepted
     assert server.wait(20)
-    expected = [(10 * x + 30 * y + 60 * z) / 100 for x, y, z in zip(_arrays(1), _arrays(2), _arrays(3))]
+    expected = [(10 * x + 30 * y + 60 * z) / 100 for x, y, z in zip(big(1), big(2), big(3))]
     for got, exp in zip(server.coordinator.weights, expected):
         np.testing.assert_allclose(got, exp, rtol=1e-6, atol=1e-7)
