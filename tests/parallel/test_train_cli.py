@@ -26,6 +26,23 @@ def _fedpar(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
+def test_train_under_torchrun_takes_its_ranks_from_the_environment(tmp_path: Path):
+    """torchrun starts the ranks and sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*; `fedpar train` only joins them."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+           "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = tmp_path / "run"
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "fedpar", "train",  # loopback
+                           "--model", "mlp", "--dataset", "digits", "--epochs", "1", "--fsdp", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["world_size"], summary["backend"], summary["config"]["parallel"]["fsdp"]) == (2, "gloo", 2)
+    assert summary["steps"] == 23 and len(summary["peak_memory_bytes"]) == 2  # ceil(1437 / 64) batches
+    states = summary["model_state_bytes"]
+    assert states[0] == states[1] and summary["test_accuracy"] > 0.5
+
+
 def test_train_two_ranks_fsdp_writes_metrics_summary_and_plot(tmp_path: Path):
     out = tmp_path / "run"
     proc = _fedpar("--model", "mlp", "--dataset", "digits", "--epochs", "2", "--nproc", "2", "--dp", "1",
