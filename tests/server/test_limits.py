@@ -30,6 +30,24 @@ def _exhausted(call, option):
     assert option in err.value.details(), err.value.details()
 
 
+def _hold_open(server, agent, messages):
+    """Start ``agent``'s upload and keep it open after its first data chunk until the returned event is set;
+    returns (the call's future, that event) once the coordinator counts the upload as in progress."""
+    msgs, release = list(messages), threading.Event()
+
+    def held_open():
+        yield from msgs[:2]
+        release.wait(20)
+        yield from msgs[2:]
+
+    held = agent.stub.UploadUpdate.future(held_open(), timeout=30)
+    for _ in range(100):
+        if server.coordinator.current.slots[agent.agent_id].status == "uploading":
+            break
+        time.sleep(0.05)
+    return held, release
+
+
 def _unchanged(server, init):
     return all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, init))
 
@@ -159,19 +177,7 @@ def test_queued_uploads_are_bounded(start_coordinator, agents):
     tasks = {bot.agent_id: bot.task() for bot in (a, b)}
     layout = ModelLayout.of_arrays(NAMES, init)
     update_a, update_b = _arrays(1), _arrays(2)
-    msgs = list(upload_messages(a.auth, tasks["a"], layout, update_a, 10, 1, {}, 32))
-    release = threading.Event()
-
-    def held_open():  # a's upload holds the only queue place until the test lets it finish
-        yield from msgs[:2]
-        release.wait(20)
-        yield from msgs[2:]
-
-    held = a.stub.UploadUpdate.future(held_open(), timeout=30)
-    for _ in range(100):
-        if server.coordinator.current.slots["a"].status == "uploading":
-            break
-        time.sleep(0.05)
+    held, release = _hold_open(server, a, upload_messages(a.auth, tasks["a"], layout, update_a, 10, 1, {}, 32))
     _exhausted(lambda: b.upload(tasks["b"], update_b, 30, NAMES), "--max-queued-uploads")
     assert _unchanged(server, init) and server.coordinator.current.slots["b"].status == "pending"
     release.set()
@@ -224,18 +230,7 @@ def test_uploads_send_their_data_only_once_admitted(start_coordinator, agents):
     tasks = {bot.agent_id: bot.task() for bot in (a, b, c)}
     layout = ModelLayout.of_arrays(["w"], init)
     msgs = list(upload_messages(a.auth, tasks["a"], layout, big(1), 10, 1, {}, 64 << 10))
-    release = threading.Event()
-
-    def held_open():  # a's upload holds the only staging slot until the test lets it finish
-        yield from msgs[:2]
-        release.wait(20)
-        yield from msgs[2:]
-
-    held = a.stub.UploadUpdate.future(held_open(), timeout=30)
-    for _ in range(100):
-        if server.coordinator.current.slots["a"].status == "uploading":
-            break
-        time.sleep(0.05)
+    held, release = _hold_open(server, a, msgs)  # a's upload holds the only staging slot
     # b waits in the queue for the slot: only its header has left the agent.
     waiting = _Counting(upload_messages(b.auth, tasks["b"], layout, big(2), 30, 1, {}, 64 << 10))
     queued = threading.Thread(target=lambda: upload_update(b.stub, waiting, timeout=30))
