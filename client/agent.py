@@ -217,7 +217,8 @@ class Agent:
         metrics.update(train_loss=result.loss, train_seconds=result.seconds)
         if secure is not None:
             try:
-                secure.upload_masked(flat_update(get_weights(self.trainer.model), weights), result.examples, metrics,
+                # No metrics in the clear: the coordinator of a secure round learns only the weighted sum.
+                secure.upload_masked(flat_update(get_weights(self.trainer.model), weights), result.examples, {},
                                      min(self._max_chunk, self.config.chunk_bytes),
                                      timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
                 self.stats.accepted += 1

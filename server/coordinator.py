@@ -413,7 +413,7 @@ class Coordinator:
             all_in = self.secure.add_masked(slot.agent_id, arrays[0])
             slot.status = "accepted"
             state.accepted += 1
-            state.metrics.append((1, ticket.metrics))
+            # Per-agent metrics would reveal more than the sum: agents send none, and any sent are dropped.
             if all_in or state.accepted >= state.target:
                 state.close("every agent that shared keys uploaded" if all_in else "target reached")
             return

@@ -86,6 +86,7 @@ def test_secure_round_equals_plain_fedavg(start_coordinator, agents, drops):
     assert (row["status"], row["reported"], row["secagg_survivors"]) == ("ok", 5, 5)
     assert row["examples"] == sum(COUNTS.values())
     assert row["secagg_error_bound"] < 1e-6
+    assert "train_loss" not in row  # the agents' per-agent metrics are not kept in secure rounds
     for new, exp in zip(server.coordinator.weights, _fedavg(locals_, IDS)):
         assert new.dtype == np.float32
         np.testing.assert_allclose(new, exp, rtol=0, atol=1e-5)

@@ -24,6 +24,7 @@ def test_secure_simulation_learns_like_fedavg(tmp_path):
     assert all(r["secagg_survivors"] == 4 and r["secagg_error_bound"] < 1e-6 for r in rows)
     assert all(r["close_reason"] == "every agent that shared keys uploaded" for r in rows)
     assert rows[-1]["test_accuracy"] >= 0.85
+    assert not any(k.startswith(("train_", "federated_")) for r in rows for k in r)  # nothing per agent in clear
 
 
 def test_serve_refuses_secure_aggregation_with_a_robust_strategy(tmp_path, capsys):
