@@ -140,7 +140,7 @@ class DataPlaneServer:
     # ----------------------------------------------------------------- download
     def _download(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None) -> None:
         try:
-            entry, payload, deadline_at = self._on_loop(self._claim_download, ticket, peer)
+            entry, payload, deadline_at, held = self._on_loop(self._claim_download, ticket, peer)
         except Refusal as r:
             _send_refusal(sock, r)
             return
@@ -152,9 +152,10 @@ class DataPlaneServer:
             done = True
             self.downloads += 1
         finally:
-            self._on_loop(self._release_download, entry, done)
+            self._on_loop(self._release_download, entry, done, held)
 
-    def _release_download(self, entry, done: bool) -> None:
+    def _release_download(self, entry, done: bool, held: ExitStack) -> None:
+        held.close()
         self.coord.tickets.release(entry, OP_DOWNLOAD, done)
         if done:
             self.coord.download_completed(entry.agent_id, entry.round_id, entry.task_id)
@@ -181,14 +182,17 @@ class DataPlaneServer:
 
     def _claim_download(self, ticket: bytes, peer: PeerIdentity | None):
         entry, agent, deadline_at = self._claim(ticket, OP_DOWNLOAD, peer)
+        held = ExitStack()  # as on gRPC, a download in progress is one of its agent's calls
         try:
             payload = self.coord.payload_for(agent, entry.round_id, entry.task_id)
             if payload.flat is None:
                 raise Refusal(grpc.StatusCode.UNAVAILABLE, "weights for the data plane are not ready; use gRPC")
+            held.enter_context(self.limits.agent_call(agent.agent_id))
         except Refusal:
+            held.close()
             self.coord.tickets.release(entry, OP_DOWNLOAD, False)
             raise
-        return entry, payload, deadline_at
+        return entry, payload, deadline_at, held
 
     # ----------------------------------------------------------------- upload
     def _upload(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None, early: Deadline) -> None:

@@ -22,8 +22,8 @@ from fedpar.datasets.arrays import ArrayDataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.dataplane import (OP_UPLOAD, PREAMBLE, Deadline, encode_frame, encode_preamble, read_status,
-                                       send_all)
+from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, Deadline, encode_frame, encode_preamble,
+                                       read_status, send_all)
 from fedpar.protocol.messages import layout_to_pb
 from fedpar.server.rounds import Refusal
 
@@ -427,3 +427,34 @@ def test_a_real_agent_retries_a_data_plane_upload_while_the_queue_is_full(start_
     assert not runner.is_alive() and server.wait(10)
     assert (agent.stats.accepted, agent.stats.refused) == (1, 0), agent.stats.refusals
     assert server.data_plane.uploads == 2
+
+
+def test_data_plane_downloads_count_as_calls_of_their_agent(start_coordinator, agents):
+    init = [np.random.default_rng(0).standard_normal(10_000_000).astype(np.float32)]  # 40 MB: outlasts socket buffers
+    server = start_coordinator(init, names=["w"], data_plane=True, clients_per_round=1, min_available=1,
+                               max_calls_per_agent=1)
+    (bot,) = agents(server.address, ["reader"])
+    task = bot.task()
+    sock = dataplane.DataPlaneTarget(server.address, task).connect(OP_DOWNLOAD, Deadline(10))
+    try:  # once the download is under way (its reader is not reading), it is the agent's one call
+        for _ in range(100):
+            try:
+                bot.stub.Heartbeat(pb.HeartbeatRequest(auth=bot.auth), timeout=5)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+                assert "--max-calls-per-agent" in err.details()
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("a call beside the data-plane download was never refused")
+    finally:
+        sock.close()
+    for _ in range(100):  # the broken-off download gave its call back
+        try:
+            assert bot.stub.Heartbeat(pb.HeartbeatRequest(auth=bot.auth), timeout=5).current_round == 1
+            break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            time.sleep(0.05)
+    else:
+        raise AssertionError("the call of the broken-off download was never released")
