@@ -8,10 +8,17 @@ PY := $(VENV)/bin/python
 
 .PHONY: venv simulate test bench proto
 
-$(VENV)/.installed: pyproject.toml
+# One stamp per torch choice, so `make test TORCH=...` on an existing .venv installs that build.
+TORCH_STAMP := $(VENV)/.torch-$(subst /,_,$(subst =,_,$(subst $() ,_,$(TORCH))))
+
+$(TORCH_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" numpy
+	rm -f $(VENV)/.torch-* $(VENV)/.installed
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	$(PY) -m pip install --quiet -e ".[test,dev]"
 	touch $@
 
