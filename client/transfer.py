@@ -84,6 +84,12 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
     return call.result()
 
 
+def waits_for_admission(first: pb.UploadChunk | bytes) -> bool:
+    """Whether an upload starting with ``first`` holds its data back until the coordinator admits it."""
+    return not (isinstance(first, pb.UploadChunk) and first.WhichOneof("part") == "header"
+                and first.header.total_bytes < UPLOAD_ADMISSION_MIN_BYTES)
+
+
 class _AdmissionGate:
     """Request iterator that holds everything after the first message until the call is admitted."""
 
@@ -106,9 +112,7 @@ class _AdmissionGate:
         if not self._sent_header:
             self._sent_header = True
             header = next(self._messages)
-            small = isinstance(header, pb.UploadChunk) and header.WhichOneof("part") == "header" \
-                and header.header.total_bytes < UPLOAD_ADMISSION_MIN_BYTES
-            self._admitted = small
+            self._admitted = not waits_for_admission(header)
             return header
         if not self._admitted:
             self._attached.wait()

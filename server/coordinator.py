@@ -314,7 +314,9 @@ class Coordinator:
                             model_bytes=self.layout.total_bytes)
         if self.data_port is not None:
             task.data_port = self.data_port
-            task.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id)
+            if slot.data_ticket is None:
+                slot.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id)
+            task.data_ticket = slot.data_ticket
         return pb.PullTaskReply(task=task)
 
     def _redeliverable(self, state: RoundState, agent_id: str) -> AgentSlot | None:

@@ -27,6 +27,7 @@ class AgentSlot:
     task_id: str
     dispatched: bool = False
     downloaded: bool = False  # a download of the round's weights completed; the task is not handed out again
+    data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out
     status: str = "pending"  # pending | uploading | accepted | rejected | late
     upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
 

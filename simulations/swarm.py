@@ -18,11 +18,10 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
-from fedpar.client.transfer import UPLOAD_RETRYABLE, upload_messages
+from fedpar.client.transfer import UPLOAD_RETRYABLE, upload_messages, waits_for_admission
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import TensorAssembler
-from fedpar.protocol.messages import (PROTOCOL_VERSION, UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, channel_options,
-                                     layout_from_pb)
+from fedpar.protocol.messages import PROTOCOL_VERSION, UPLOAD_ADMITTED, channel_options, layout_from_pb
 from fedpar.protocol.rawchunks import RawData
 from fedpar.protocol.stubs import CoordinatorStub
 
@@ -82,8 +81,7 @@ async def _send_when_admitted(stub: CoordinatorStub, messages, timeout: float) -
     call = stub.UploadUpdate(timeout=timeout)
     header = next(messages)
     await call.write(header)
-    if header.header.total_bytes < UPLOAD_ADMISSION_MIN_BYTES \
-            or UPLOAD_ADMITTED in tuple(await call.initial_metadata() or ()):
+    if not waits_for_admission(header) or UPLOAD_ADMITTED in tuple(await call.initial_metadata() or ()):
         for message in messages:
             await call.write(message)
         await call.done_writing()

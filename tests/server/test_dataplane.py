@@ -458,3 +458,12 @@ def test_data_plane_downloads_count_as_calls_of_their_agent(start_coordinator, a
             time.sleep(0.05)
     else:
         raise AssertionError("the call of the broken-off download was never released")
+
+
+def test_a_task_handed_out_again_keeps_its_data_plane_ticket(start_coordinator, agents):
+    init = _arrays(0)
+    server = start_coordinator(init, data_plane=True, clients_per_round=1, min_available=1)
+    (bot,) = agents(server.address, ["again"])
+    first, again = bot.task(), bot.task()  # no download completed in between: the same task again
+    assert first.task_id == again.task_id and first.data_ticket and first.data_ticket == again.data_ticket
+    assert _upload(server.address, bot, again, _arrays(1)).accepted  # the one ticket still works
