@@ -45,7 +45,7 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
 def run_engine(args: argparse.Namespace) -> int:
     """Check the degrees, then run this process as one rank (torchrun) or spawn ``--nproc`` local ranks."""
     from fedpar.cli.tlsopts import client_security
-    from fedpar.parallel.init import spawn
+    from fedpar.parallel.init import exit_rank_process, spawn
 
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
@@ -56,7 +56,9 @@ def run_engine(args: argparse.Namespace) -> int:
     except (ConfigurationError, ValueError) as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    if under_launcher or world == 1:
+    if under_launcher:
+        exit_rank_process(engine_process(args))  # leaves without the teardown that can abort a gloo rank
+    if world == 1:
         return engine_process(args)
     options = {k: v for k, v in vars(args).items() if k != "_module"}
     # Rank 0 reports its exit code here rather than by exiting non-zero, which would make torch's spawn

@@ -117,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Validate (layout, precision, model shape against the degrees), then train here or in ``--nproc`` ranks."""
-    from fedpar.parallel.init import device_type, spawn
+    from fedpar.parallel.init import device_type, exit_rank_process, spawn
     from fedpar.parallel.preflight import preflight
     from fedpar.parallel.run import spawned_train_process, train_process
 
@@ -135,4 +135,6 @@ def run(args: argparse.Namespace) -> int:
         spawn(world, spawned_train_process, cfg.to_dict(), args.timeout)
     else:
         train_process(cfg, args.timeout)
+        if under_launcher:
+            exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
     return 0
