@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness-timeout", dest="liveness_timeout_seconds", type=float,
                    default=d.liveness_timeout_seconds, help="an agent silent this long is not sampled")
     p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
+    p.add_argument("--inline-weights-bytes", dest="inline_weights_max_bytes", type=int,
+                   default=d.inline_weights_max_bytes,
+                   help="models up to this size (and one chunk) travel inside each task instead of a separate "
+                        "download call; every task reply of a round carries a copy; 0 = always download")
     p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
     p.add_argument("--data-plane", choices=["auto", "on", "off"], default="auto",

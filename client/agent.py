@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -10,6 +11,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import grpc
 
@@ -22,7 +24,8 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
-from fedpar.client.transfer import UPLOAD_RETRYABLE, download_weights, upload_messages, upload_update
+from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, small_upload, task_weights, upload_header,
+                                     upload_messages, upload_update)
 from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.secagg.errors import SecAggAbort, SecAggError
 
@@ -86,6 +89,8 @@ class Agent:
         self._stop = threading.Event()
         self._channel = self._open_channel()
         self._stub = CoordinatorStub(self._channel)
+        self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
+        self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
 
     def _open_channel(self) -> grpc.Channel:
         options = channel_options(64 << 20)
@@ -100,7 +105,8 @@ class Agent:
         self._stop.set()
 
     def close(self) -> None:
-        """Close the channel."""
+        """Stop the heartbeat thread and close the channel."""
+        self._heartbeat.close()
         self._channel.close()
 
     # ------------------------------------------------------------------ main loop
@@ -115,8 +121,8 @@ class Agent:
                 if kind == "shutdown_reason":
                     log.info("%s: coordinator says: %s", self.config.agent_id, reply.shutdown_reason)
                     break
-                if kind == "task":
-                    self._run_task(reply.task)
+                if kind == "task" and self._run_task(reply.task):
+                    self._finished_task_id = reply.task.task_id
             return self.stats
         finally:
             self.close()
@@ -163,11 +169,16 @@ class Agent:
         self._max_chunk = reply.max_chunk_bytes or DEFAULT_CHUNK_BYTES
 
     def _pull(self) -> pb.PullTaskReply:
-        return self._stub.PullTask(pb.PullTaskRequest(auth=self._auth, wait_seconds=self.config.poll_seconds),
+        return self._stub.PullTask(pb.PullTaskRequest(auth=self._auth, wait_seconds=self.config.poll_seconds,
+                                                      finished_task_id=self._finished_task_id),
                                    timeout=self.config.poll_seconds + 30)
 
+    def _send_heartbeat(self) -> None:
+        self._stub.Heartbeat(pb.HeartbeatRequest(auth=self._auth), timeout=self._heartbeat_seconds)
+
     # ------------------------------------------------------------------ one task
-    def _run_task(self, task: pb.TrainTask) -> None:
+    def _run_task(self, task: pb.TrainTask) -> bool:
+        """Train on ``task`` and upload; False only if the task should be pulled again (its weights never came)."""
         received = time.monotonic()
         deadline_at = received + task.deadline_seconds
         self.stats.tasks += 1
@@ -178,11 +189,11 @@ class Agent:
                 secure.begin(sum(t.numel for t in self.layout.tensors))
             except (grpc.RpcError, SecAggError, SecAggAbort) as err:
                 self._note_refusal("secure aggregation", err)
-                return
+                return True
         data_plane = self._data_plane(task)
         try:
-            weights = None
-            if data_plane is not None:
+            weights = task_weights(task, self.layout)  # small models come inside the task
+            if weights is None and data_plane is not None:
                 weights = self._via_data_plane("download", dataplane.download, data_plane, self.layout,
                                                max(1.0, task.deadline_seconds))
             if weights is None:
@@ -193,7 +204,8 @@ class Agent:
             if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
                 # The coordinator hands the task out again until a download completes: pull after a pause.
                 time.sleep(self.config.initial_backoff * (0.5 + self._rng.random()))
-            return
+                return False
+            return True
         download_seconds = time.monotonic() - received
         set_weights(self.trainer.model, weights)
         metrics: dict[str, float] = {}
@@ -204,16 +216,16 @@ class Agent:
         extra = json.loads(task.extra_json or "{}")
         # Uploading takes about as long as downloading did; keep that and a margin free.
         stop_at = deadline_at - 1.2 * download_seconds - self.config.upload_margin_seconds
-        with _Heartbeat(self._stub, self._auth, self._heartbeat_seconds):
+        with self._heartbeat.while_training():
             result = self.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
                                         proximal_mu=float(extra.get("proximal_mu", 0.0)), round_id=task.round)
         if result.examples == 0:
             log.warning("%s: no time left to train in round %d; skipping the upload", self.config.agent_id,
                         task.round)
-            return
+            return True
         if self.config.drop_probability and self._rng.random() < self.config.drop_probability:
             self.stats.dropped += 1
-            return
+            return True
         metrics.update(train_loss=result.loss, train_seconds=result.seconds)
         if secure is not None:
             try:
@@ -225,7 +237,7 @@ class Agent:
                 secure.unmask()
             except (grpc.RpcError, SecAggError, SecAggAbort) as err:
                 self._note_refusal("secure aggregation", err)
-            return
+            return True
         try:  # client-side DP (clip, maybe noise), then compression, as the task's extra_json asks
             update = privatize_update(get_weights(self.trainer.model), weights, extra)
             dp = dp_settings(extra)
@@ -234,8 +246,9 @@ class Agent:
                                               max_norm=dp[0] if dp is not None and dp[1] == 0 else None)
         except ValueError as err:
             self._note_refusal("preparing the update", err)
-            return
+            return True
         self._upload(task, upload, result, metrics, deadline_at, data_plane)
+        return True
 
     def _upload(self, task: pb.TrainTask, upload: PreparedUpload, result, metrics: dict[str, float],
                 deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> None:
@@ -260,12 +273,18 @@ class Agent:
                 time.sleep(backoff * (0.5 + self._rng.random()))
                 backoff = min(backoff * 2, 2.0)
         backoff = 0.1
+        header = upload_header(self._auth, task, upload.layout, result.examples, result.steps, metrics,
+                               upload.encoding, upload.encoding_json)
+        single = small_upload(header, upload.layout, upload.arrays, self._max_chunk)
         while True:
             messages = upload_messages(self._auth, task, upload.layout, upload.arrays, result.examples, result.steps,
                                        metrics, min(self._max_chunk, self.config.chunk_bytes), upload.encoding,
                                        upload.encoding_json)
             try:
-                upload_update(self._stub, messages, timeout=timeout())
+                if single is not None:  # one unary call: no stream to set up for a small update
+                    self._stub.UploadSmall(single, timeout=timeout())
+                else:
+                    upload_update(self._stub, messages, timeout=timeout())
                 self.stats.accepted += 1
                 return
             except grpc.RpcError as err:
@@ -303,24 +322,39 @@ class Agent:
 
 
 class _Heartbeat:
-    """Background heartbeats while the agent trains, so the coordinator knows it is alive."""
+    """One background thread per agent that sends heartbeats while it trains, so the coordinator knows it is
+    alive (started on first use and kept: a thread per task would cost more than a small model's round)."""
 
-    def __init__(self, stub: CoordinatorStub, auth: pb.AgentAuth, every: float):
-        self._stub, self._auth, self._every = stub, auth, every
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def __init__(self, send: Callable[[], None], every: Callable[[], float]):
+        self._send, self._every = send, every
+        self._training = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "_Heartbeat":
-        self._thread.start()
-        return self
+    @contextlib.contextmanager
+    def while_training(self) -> Iterator[None]:
+        """Heartbeats flow inside this block."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fedpar-heartbeat", daemon=True)
+            self._thread.start()
+        self._training.set()
+        try:
+            yield
+        finally:
+            self._training.clear()
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    def close(self) -> None:
+        """Stop the thread."""
+        self._closed.set()
+        self._training.set()  # wake it
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._every):
+        while self._training.wait() and not self._closed.wait(self._every()):
+            if not self._training.is_set():
+                continue
             try:
-                self._stub.Heartbeat(pb.HeartbeatRequest(auth=self._auth), timeout=self._every)
+                self._send()
             except grpc.RpcError:
                 pass  # the main loop handles an unreachable coordinator

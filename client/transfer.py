@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks
-from fedpar.protocol.messages import (UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, layout_from_pb,
+from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, as_wire_array, iter_chunks
+from fedpar.protocol.messages import (FRAMING_BYTES, UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, layout_from_pb,
                                      layout_to_pb)
 from fedpar.protocol.rawchunks import RawData, encode_data_message
 from fedpar.protocol.stubs import CoordinatorStub
@@ -52,6 +52,45 @@ def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTa
     return assembler.arrays
 
 
+def task_weights(task: pb.TrainTask, expected: ModelLayout) -> list[np.ndarray] | None:
+    """The global weights carried inside ``task`` (small models), or None when they must be downloaded."""
+    if not task.HasField("weights_header"):
+        return None
+    layout = layout_from_pb(task.weights_header.tensors)
+    problem = layout.mismatch(expected)
+    if problem:
+        raise CodecError(f"the coordinator's model does not match this agent's: {problem}")
+    if len(task.weights) != layout.total_bytes:
+        raise CodecError(f"the task carries {len(task.weights)} bytes of weights; the model has {layout.total_bytes}")
+    assembler = TensorAssembler(layout, max(1, layout.total_bytes))
+    if task.weights:
+        assembler.write(0, task.weights)
+    bad = assembler.first_non_finite()
+    if bad is not None:
+        raise CodecError(f"received tensor {bad!r} holds NaN or Inf")
+    return assembler.arrays
+
+
+def upload_header(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, num_examples: int, steps: int,
+                  metrics: dict[str, float], encoding: str = "", encoding_json: str = "") -> pb.UploadHeader:
+    """The header describing one update (``encoding``: its compression; empty: the new weights)."""
+    return pb.UploadHeader(auth=auth, round=task.round, task_id=task.task_id, num_examples=num_examples, steps=steps,
+                           tensors=layout_to_pb(layout), total_bytes=layout.total_bytes, metrics=metrics,
+                           encoding=encoding, encoding_json=encoding_json)
+
+
+def small_upload(header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[np.ndarray],
+                 max_chunk_bytes: int) -> pb.SmallUpload | None:
+    """The update as one SmallUpload message, or None if it is too large for one (it is then streamed)."""
+    if layout.total_bytes >= UPLOAD_ADMISSION_MIN_BYTES or layout.total_bytes > max_chunk_bytes:
+        return None
+    data = b"".join(as_wire_array(np.asarray(a)).reshape(-1).view(np.uint8).tobytes() for a in arrays)
+    if len(data) != layout.total_bytes:
+        raise CodecError(f"update arrays hold {len(data)} bytes; their layout needs {layout.total_bytes}")
+    message = pb.SmallUpload(header=header, data=data)
+    return message if message.ByteSize() <= max_chunk_bytes + FRAMING_BYTES // 2 else None
+
+
 def upload_messages(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, arrays: Sequence[np.ndarray],
                     num_examples: int, steps: int, metrics: dict[str, float],
                     chunk_bytes: int, encoding: str = "", encoding_json: str = "") -> Iterator[pb.UploadChunk | bytes]:
@@ -59,10 +98,8 @@ def upload_messages(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout,
 
     ``encoding``/``encoding_json`` name the compression of ``arrays`` (empty: they are the new weights).
     """
-    yield pb.UploadChunk(header=pb.UploadHeader(
-        auth=auth, round=task.round, task_id=task.task_id, num_examples=num_examples, steps=steps,
-        tensors=layout_to_pb(layout), total_bytes=layout.total_bytes, metrics=metrics,
-        encoding=encoding, encoding_json=encoding_json))
+    yield pb.UploadChunk(header=upload_header(auth, task, layout, num_examples, steps, metrics, encoding,
+                                              encoding_json))
     count = 0
     for offset, data in iter_chunks(arrays, chunk_bytes):
         count += 1

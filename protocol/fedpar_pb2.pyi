@@ -60,15 +60,17 @@ class JoinReply(_message.Message):
     def __init__(self, token: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullTaskRequest(_message.Message):
-    __slots__ = ("auth", "wait_seconds")
+    __slots__ = ("auth", "wait_seconds", "finished_task_id")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_TASK_ID_FIELD_NUMBER: _ClassVar[int]
     auth: AgentAuth
     wait_seconds: float
-    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    finished_task_id: str
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., finished_task_id: _Optional[str] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket")
+    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,8 @@ class TrainTask(_message.Message):
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_HEADER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_seconds: float
@@ -89,7 +93,9 @@ class TrainTask(_message.Message):
     model_bytes: int
     data_port: int
     data_ticket: bytes
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
+    weights_header: ModelHeader
+    weights: bytes
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class PullTaskReply(_message.Message):
     __slots__ = ("task", "wait_seconds", "shutdown_reason")
@@ -195,6 +201,14 @@ class UploadChunk(_message.Message):
     data: DataChunk
     end: UploadEnd
     def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., data: _Optional[_Union[DataChunk, _Mapping]] = ..., end: _Optional[_Union[UploadEnd, _Mapping]] = ...) -> None: ...
+
+class SmallUpload(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UploadReply(_message.Message):
     __slots__ = ("accepted", "message")

@@ -54,6 +54,11 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.UploadChunk.SerializeToString,
                 response_deserializer=fedpar__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.UploadSmall = channel.unary_unary(
+                '/fedpar.v1.Coordinator/UploadSmall',
+                request_serializer=fedpar__pb2.SmallUpload.SerializeToString,
+                response_deserializer=fedpar__pb2.UploadReply.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/fedpar.v1.Coordinator/Heartbeat',
                 request_serializer=fedpar__pb2.HeartbeatRequest.SerializeToString,
@@ -102,6 +107,14 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadSmall(self, request, context):
+        """One small update in a single message (at most JoinReply.max_chunk_bytes of data): the same checks
+        as UploadUpdate without the cost of a stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Liveness while the agent is busy training.
         """
@@ -145,6 +158,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'UploadUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadUpdate,
                     request_deserializer=fedpar__pb2.UploadChunk.FromString,
+                    response_serializer=fedpar__pb2.UploadReply.SerializeToString,
+            ),
+            'UploadSmall': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadSmall,
+                    request_deserializer=fedpar__pb2.SmallUpload.FromString,
                     response_serializer=fedpar__pb2.UploadReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
@@ -270,6 +288,33 @@ class Coordinator(object):
             target,
             '/fedpar.v1.Coordinator/UploadUpdate',
             fedpar__pb2.UploadChunk.SerializeToString,
+            fedpar__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadSmall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.Coordinator/UploadSmall',
+            fedpar__pb2.SmallUpload.SerializeToString,
             fedpar__pb2.UploadReply.FromString,
             options,
             channel_credentials,

@@ -30,6 +30,8 @@ class CoordinatorStub:
             response_deserializer=lambda raw: decode_chunk_message(raw, pb.ModelChunk))
         self.UploadUpdate = channel.stream_unary(method("UploadUpdate"), request_serializer=_serialize,
                                                  response_deserializer=pb.UploadReply.FromString)
+        self.UploadSmall = channel.unary_unary(method("UploadSmall"), request_serializer=_serialize,
+                                               response_deserializer=pb.UploadReply.FromString)
         self.Heartbeat = channel.unary_unary(method("Heartbeat"), request_serializer=_serialize,
                                              response_deserializer=pb.HeartbeatReply.FromString)
         self.Leave = channel.unary_unary(method("Leave"), request_serializer=_serialize,

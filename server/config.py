@@ -28,6 +28,9 @@ class CoordinatorConfig:
     heartbeat_seconds: float = 5.0
     liveness_timeout_seconds: float = 20.0  # no call for this long: the agent is not sampled
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # Models up to this size (and one chunk) travel inside each task: one call less per agent and round; 0: never.
+    # Every task reply of a round then carries a copy, so keep it small next to the number of agents.
+    inline_weights_max_bytes: int = 64 << 10
     max_model_bytes: int = 8 << 30
     max_concurrent_uploads: int = 4  # each in-flight upload stages one model copy
     max_upload_chunks: int = 100_000  # chunks in one upload (tiny chunks cost CPU per message)
@@ -67,6 +70,7 @@ class CoordinatorConfig:
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.max_chunk_bytes >= 1024, "max_chunk_bytes must be >= 1024"),
             (self.max_chunk_bytes <= 64 << 20, "max_chunk_bytes must be <= 64 MiB"),
+            (self.inline_weights_max_bytes >= 0, "inline_weights_max_bytes must be >= 0"),
             (self.max_concurrent_uploads >= 1, "max_concurrent_uploads must be >= 1"),
             (self.max_upload_chunks >= 1 and self.max_calls_per_agent >= 1,
              "max_upload_chunks and max_calls_per_agent must be >= 1"),

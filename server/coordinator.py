@@ -41,6 +41,7 @@ log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
 MAX_CLIENT_METRICS = 64
+INLINE_UPDATE_BYTES = 256 << 10  # models up to this size fold on the event loop (see _per_update)
 
 
 @dataclass
@@ -136,9 +137,17 @@ class Coordinator:
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def _per_update(self, fn, *args):
+        """``fn(*args)`` for one update: on a worker thread, or here when the model is so small that the
+        hand-off would cost more than the work (a 100-agent round of a small model is 100 of these)."""
+        if self.layout.total_bytes <= INLINE_UPDATE_BYTES:
+            return fn(*args)
+        return await self._in_thread(fn, *args)
+
     async def _publish_payload(self, round_id: int) -> None:
         self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,
-                                             self.config.max_chunk_bytes, self.data_port is not None)
+                                             self.config.max_chunk_bytes, self.data_port is not None,
+                                             min(self.config.inline_weights_max_bytes, self.config.max_chunk_bytes))
 
     async def _wait_for_agents(self) -> None:
         deadline = None
@@ -275,13 +284,15 @@ class Coordinator:
     def _wake(self, agent_id: str) -> None:
         self._wakeups.setdefault(agent_id, asyncio.Event()).set()
 
-    async def next_task(self, agent: AgentRecord, wait_seconds: float) -> pb.PullTaskReply:
-        """A task for ``agent`` if it has one, waiting up to ``wait_seconds`` for one to appear."""
+    async def next_task(self, agent: AgentRecord, wait_seconds: float,
+                        finished_task_id: str = "") -> pb.PullTaskReply:
+        """A task for ``agent`` if it has one, waiting up to ``wait_seconds`` for one to appear
+        (``finished_task_id``: the task the agent says it is done with, never handed out again)."""
         wait_seconds = max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         event = self._wakeups.setdefault(agent.agent_id, asyncio.Event())
         deadline = time.monotonic() + wait_seconds
         while True:
-            reply = self._task_reply(agent)
+            reply = self._task_reply(agent, finished_task_id)
             if reply is not None:
                 return reply
             remaining = deadline - time.monotonic()
@@ -294,13 +305,13 @@ class Coordinator:
                 pass
             agent.last_seen = time.monotonic()
 
-    def _task_reply(self, agent: AgentRecord) -> pb.PullTaskReply | None:
+    def _task_reply(self, agent: AgentRecord, finished_task_id: str = "") -> pb.PullTaskReply | None:
         if self.finished:
             return pb.PullTaskReply(shutdown_reason=f"training finished after round {self.round_id}")
         state = self.current
         if state is None or state.closed:
             return None
-        slot = self._tasks.pop(agent.agent_id, None) or self._redeliverable(state, agent.agent_id)
+        slot = self._tasks.pop(agent.agent_id, None) or self._redeliverable(state, agent.agent_id, finished_task_id)
         if slot is None:
             return None
         slot.dispatched = True
@@ -312,6 +323,10 @@ class Coordinator:
                                                    **self.strategy.client_config(state.round_id),
                                                    **({"secure_aggregation": True} if self.secure else {})}),
                             model_bytes=self.layout.total_bytes)
+        payload = self.payload
+        if payload is not None and payload.inline is not None and payload.round_id == state.round_id:
+            task.weights_header.MergeFromString(payload.model_header)
+            task.weights = payload.inline
         if self.data_port is not None:
             task.data_port = self.data_port
             if slot.data_ticket is None:
@@ -319,13 +334,13 @@ class Coordinator:
             task.data_ticket = slot.data_ticket
         return pb.PullTaskReply(task=task)
 
-    def _redeliverable(self, state: RoundState, agent_id: str) -> AgentSlot | None:
+    def _redeliverable(self, state: RoundState, agent_id: str, finished_task_id: str = "") -> AgentSlot | None:
         """The task of an agent that pulls again before any download of it completed (the task reply or the
-        download was lost on the way), so a lost message does not cost the agent its round. Secure rounds
-        are excluded: their key exchange cannot be replayed."""
+        download was lost on the way), so a lost message does not cost the agent its round; never the task
+        the agent says it finished with. Secure rounds are excluded: their key exchange cannot be replayed."""
         slot = state.slots.get(agent_id)
         if slot is None or not slot.dispatched or slot.downloaded or slot.status != "pending" \
-                or self.secure is not None:
+                or self.secure is not None or slot.task_id == finished_task_id:
             return None
         return slot
 
@@ -406,7 +421,7 @@ class Coordinator:
         """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
         state, slot = ticket.state, ticket.slot
         if self.upload_format.compressed:  # global + decoded delta; refused here if the content is invalid
-            arrays = await self._in_thread(self.upload_format.new_weights, self.weights, arrays)
+            arrays = await self._per_update(self.upload_format.new_weights, self.weights, arrays)
         if state.closed:
             slot.status = "late"
             state.late_refused += 1
@@ -433,10 +448,10 @@ class Coordinator:
         await fold
 
     async def _fold(self, ticket: UploadTicket, arrays: list[np.ndarray], report: tuple) -> None:
-        """Fold in a worker thread; a ValueError is the strategy refusing this update (its state unchanged)."""
+        """Fold (on a worker thread unless tiny); a ValueError is the strategy refusing this update (its state unchanged)."""
         state, slot = ticket.state, ticket.slot
         try:
-            await self._in_thread(self.strategy.fold, arrays, ticket.num_examples, slot.agent_id)
+            await self._per_update(self.strategy.fold, arrays, ticket.num_examples, slot.agent_id)
         except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
             state.accepted -= 1
             state.examples -= ticket.num_examples

@@ -25,6 +25,7 @@ class WeightPayload:
     model_header: bytes  # serialized ModelHeader (the data plane sends it before the bytes)
     encoded: tuple[bytes, ...] = ()  # pre-serialized data chunks (no data plane)
     flat: memoryview | None = None  # the model's bytes in one contiguous buffer (data plane)
+    inline: bytes | None = None  # a small model's bytes, sent inside each TrainTask (no download call)
 
     @property
     def total_bytes(self) -> int:
@@ -42,15 +43,19 @@ class WeightPayload:
 
 
 def build_payload(round_id: int, layout: ModelLayout, arrays: Sequence[np.ndarray], chunk_bytes: int,
-                  flat: bool = False) -> WeightPayload:
+                  flat: bool = False, inline_max_bytes: int = 0) -> WeightPayload:
     """Serialize ``arrays`` once: into data ModelChunk messages of at most ``chunk_bytes`` of data, or with
-    ``flat`` into one contiguous buffer (which the data plane sends as it is)."""
+    ``flat`` into one contiguous buffer (which the data plane sends as it is). A model of at most
+    ``inline_max_bytes`` also gets its bytes in one piece, to travel inside each task."""
     model_header = pb.ModelHeader(round=round_id, tensors=layout_to_pb(layout), total_bytes=layout.total_bytes)
     header_message = pb.ModelChunk(header=model_header).SerializeToString()
     if not flat:
         encoded = tuple(encode_data_message(offset, data) for offset, data in iter_chunks(arrays, chunk_bytes))
+        inline = None
+        if layout.total_bytes <= inline_max_bytes:
+            inline = b"".join(as_wire_array(a).reshape(-1).view(np.uint8).tobytes() for a in arrays)
         return WeightPayload(round_id, layout, chunk_bytes, header_message, model_header.SerializeToString(),
-                             encoded)
+                             encoded, inline=inline)
     buffer = np.empty(layout.total_bytes, np.uint8)
     for meta, array in zip(layout.tensors, arrays):
         if meta.nbytes:

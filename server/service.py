@@ -22,6 +22,8 @@ from fedpar.server.rounds import Refusal
 from fedpar.server.secure_round import secagg_exchange
 
 log = logging.getLogger("fedpar.server")
+# Updates up to this size are scanned for NaN/Inf on the event loop: a thread hop would cost more.
+INLINE_SCAN_BYTES = 256 << 10
 
 
 class CoordinatorService:
@@ -60,7 +62,7 @@ class CoordinatorService:
         try:
             agent = self._auth(request.auth, context)
             with self.limits.agent_call(agent.agent_id):
-                return await self.coord.next_task(agent, request.wait_seconds)
+                return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id)
         except Refusal as r:
             await context.abort(r.code, r.message)
 
@@ -106,6 +108,59 @@ class CoordinatorService:
                 self.coord.abandon(ticket)
             raise
 
+    async def UploadSmall(self, request: pb.SmallUpload, context) -> pb.UploadReply:
+        """Receive one small update in a single message, with every check UploadUpdate makes."""
+        ticket = None
+        try:
+            if not request.HasField("header"):
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
+            agent = self._auth(request.header.auth, context)
+            with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
+                current = self.coord.current.round_id if self.coord.current else self.coord.round_id
+                self.limits.start_upload(agent.agent_id, current)
+                ticket = self.coord.open_upload(agent, request.header)
+                async with self.coord.upload_slots():
+                    arrays = await self._assemble_small(ticket, request.data)
+                    await self.coord.accept(ticket, arrays)
+            return pb.UploadReply(accepted=True, message=f"update accepted for round {ticket.state.round_id}")
+        except Refusal as r:
+            if ticket is not None and r.final:
+                self.coord.reject(ticket, r.message)
+            elif ticket is not None:
+                self.coord.abandon(ticket)
+            await context.abort(r.code, r.message)
+        except asyncio.CancelledError:
+            if ticket is not None:
+                self.coord.abandon(ticket)
+            raise
+
+    async def _assemble_small(self, ticket, data: bytes) -> list:
+        layout = ticket.layout
+        if len(data) != layout.total_bytes:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"SmallUpload carries {len(data)} bytes but its tensors need {layout.total_bytes}; "
+                          "the update was not applied", final=True)
+        if layout.total_bytes > self.coord.config.max_chunk_bytes:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"an update of {layout.total_bytes} bytes is larger than one chunk "
+                          f"({self.coord.config.max_chunk_bytes}); send it with UploadUpdate", final=True)
+        assembler = TensorAssembler(layout, self.coord.config.max_chunk_bytes)
+        if data:
+            assembler.write(0, data)
+        self.limits.count_bytes(ticket.slot.agent_id, len(data))
+        return await self._checked_finite(assembler)
+
+    async def _checked_finite(self, assembler: TensorAssembler) -> list:
+        """The assembled arrays, refused if any holds NaN or Inf (large models are scanned off the loop)."""
+        if assembler.layout.total_bytes <= INLINE_SCAN_BYTES:
+            bad = assembler.first_non_finite()
+        else:
+            bad = await asyncio.get_running_loop().run_in_executor(None, assembler.first_non_finite)
+        if bad is not None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
+                          final=True)
+        return assembler.arrays
+
     async def _receive(self, ticket, request_iterator) -> list:
         layout = ticket.layout
         assembler = TensorAssembler(layout, self.coord.config.max_chunk_bytes)
@@ -144,11 +199,7 @@ class CoordinatorService:
             else:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message in upload",
                               final=True)
-        bad = await asyncio.get_running_loop().run_in_executor(None, assembler.first_non_finite)
-        if bad is not None:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
-                          final=True)
-        return assembler.arrays
+        return await self._checked_finite(assembler)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         """Mark the agent alive."""
@@ -209,6 +260,9 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
             service.UploadUpdate,
             request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
+            response_serializer=pb.UploadReply.SerializeToString),
+        "UploadSmall": grpc.unary_unary_rpc_method_handler(
+            refuse_malformed(service.UploadSmall), request_deserializer=parser(pb.SmallUpload),
             response_serializer=pb.UploadReply.SerializeToString),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(
             refuse_malformed(service.Heartbeat), request_deserializer=parser(pb.HeartbeatRequest),

@@ -57,7 +57,7 @@ class Fuzzer:
         raw = lambda b: b  # noqa: E731
         method = lambda name: f"/{SERVICE_NAME}/{name}"  # noqa: E731
         self.unary = {name: self.channel.unary_unary(method(name), request_serializer=raw, response_deserializer=raw)
-                      for name in ("Join", "PullTask", "Heartbeat", "Leave")}
+                      for name in ("Join", "PullTask", "Heartbeat", "Leave", "UploadSmall")}
         self.download = self.channel.unary_stream(method("DownloadWeights"), request_serializer=raw,
                                                   response_deserializer=raw)
         self.upload = self.channel.stream_unary(method("UploadUpdate"), request_serializer=raw,
@@ -191,6 +191,8 @@ def test_fuzz_every_rpc(fz):
     fz.alive()
     hostile_data(fz)
     fz.alive()
+    small_uploads(fz)
+    fz.alive()
 
     # Only the two valid updates count.
     a, b = POOL, POOL + 1
@@ -223,6 +225,32 @@ def fuzz_uploads(fz: Fuzzer):
             total_bytes=fz.layout.total_bytes)).SerializeToString()
         stream = ([header[:cut % (len(header) + 1)]] if head_first else []) + parts
         fz.expect_clear(lambda: fz.upload(iter(stream), timeout=10), ok_allowed=False)
+    run()
+
+
+def small_uploads(fz: Fuzzer):
+    """UploadSmall with random bytes, truncated messages, data of the wrong length, and NaN in the data."""
+    @FUZZ
+    @given(body=mangled, cut=st.integers(0, 400), extra=st.binary(max_size=64), nan_at=st.integers(0, 1000),
+           inf=st.booleans())
+    def run(body, cut, extra, nan_at, inf):
+        call = fz.unary["UploadSmall"]
+        fz.expect_clear(lambda: call(body, timeout=10), ok_allowed=False)
+        i = fz.agent()
+        header = pb.UploadHeader(
+            auth=fz.auths[i], round=1, task_id=fz.tasks[i].task_id, num_examples=10,
+            tensors=[pb.TensorSpec(name=n, dtype="float32", shape=list(s)) for n, s in zip(NAMES, SHAPES)],
+            total_bytes=fz.layout.total_bytes)
+        arrays = _arrays(3)
+        good = b"".join(a.tobytes() for a in arrays)
+        message = pb.SmallUpload(header=header, data=good).SerializeToString()
+        fz.expect_clear(lambda: call(message[:cut % len(message)], timeout=10), ok_allowed=False)
+        longer = pb.SmallUpload(header=header, data=good + extra + b"x").SerializeToString()
+        fz.expect_clear(lambda: call(longer, timeout=10), ok_allowed=False)
+        flat = arrays[nan_at % 2].reshape(-1)
+        flat[nan_at % flat.size] = np.inf if inf else np.nan
+        poisoned = pb.SmallUpload(header=header, data=b"".join(a.tobytes() for a in arrays)).SerializeToString()
+        fz.expect_clear(lambda: call(poisoned, timeout=10), ok_allowed=False)
     run()
 
 
