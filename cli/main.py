@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from fedpar.cli.config import ConfigError, apply_config_defaults
@@ -16,6 +18,11 @@ SUBCOMMANDS = {
     "train": ("train", "centralized training on the parallel engine (DDP/FSDP/TP/PP)"),
     "certs": ("certs", "make TLS certificates (CA, coordinator, agents), enrollment tokens; revoke agents"),
 }
+
+
+# Commands whose process has nothing left to do once run() returns (every output written and closed, worker
+# processes gone): skip the interpreter's teardown of gRPC and torch, about 0.4 s of a simulation's wall time.
+FAST_EXIT = {"simulate"}
 
 
 def _available() -> dict[str, tuple[str, str]]:
@@ -62,3 +69,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def entry() -> None:
+    """The ``fedpar`` console script: :func:`main`, then exit (at once for :data:`FAST_EXIT` commands)."""
+    code = main()
+    if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
