@@ -82,6 +82,11 @@ def _blas_asum(dtype: np.dtype):
     return {"float32": blas.sasum, "float64": blas.dasum}.get(np.dtype(dtype).name)
 
 
+def checked_by_blas(a: np.ndarray) -> bool:
+    """Whether :func:`all_finite` scans ``a`` with BLAS asum (itself multithreaded by OpenBLAS)."""
+    return a.size > 0 and a.flags.c_contiguous and _blas_asum(a.dtype) is not None
+
+
 def all_finite(a: np.ndarray) -> bool:
     """True if every element of ``a`` is finite (a fast sum test, confirmed exactly when it fails)."""
     if not np.issubdtype(a.dtype, np.floating) or a.size == 0:

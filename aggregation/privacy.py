@@ -147,11 +147,11 @@ class DPStrategy(Strategy):
         self._acc = WeightedSum(layout, self.fold_config)
         self._unclipped = 0
 
-    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Clip ``update``'s delta to ``C`` and add it with weight 1 (``num_examples`` is ignored on purpose)."""
         assert self._acc is not None and self._layout is not None and self._global is not None
         arrays = self._layout.check(update, who)
-        if not all(all_finite(np.ravel(a)) for a in arrays):
+        if not known_finite and not all(all_finite(np.ravel(a)) for a in arrays):
             raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
         norm = delta_norm(arrays, self._global)
         c = self.clip_norm

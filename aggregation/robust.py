@@ -103,8 +103,8 @@ class BufferedStrategy(Strategy):
         """Fresh store for the round."""
         self._store = UpdateStore(layout)
 
-    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
-        """Keep one copy of the update."""
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
+        """Keep one copy of the update (checked for NaN/Inf as it is copied, whatever ``known_finite`` says)."""
         w = float(num_examples)
         if not np.isfinite(w) or w < 0:
             raise ValueError(f"num_examples must be a finite number >= 0, got {num_examples!r}")

@@ -48,10 +48,13 @@ class Strategy(abc.ABC):
         self.round_id = int(round_id)
         self._reset_round(layout)
 
-    def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "") -> None:
+    def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "", *,
+             known_finite: bool = False) -> None:
         """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``.
 
-        A ValueError means the update was refused and the round's state is unchanged.
+        A ValueError means the update was refused and the round's state is unchanged. ``known_finite``: the
+        caller already verified every value is finite (the coordinator does, as the bytes arrive), so the
+        strategy skips its own NaN/Inf pass over the update.
         """
         if self._layout is None:
             raise RuntimeError("fold() called with no open round; call begin_round(round_id, global_weights) first")
@@ -63,7 +66,7 @@ class Strategy(abc.ABC):
             if client_id:
                 self._clients.add(client_id)
         try:
-            self._fold(update, num_examples, who)
+            self._fold(update, num_examples, who, known_finite)
         except Exception:
             with self._lock:
                 self._clients.discard(client_id)
@@ -112,8 +115,8 @@ class Strategy(abc.ABC):
         """Prepare empty per-round state for ``layout``."""
 
     @abc.abstractmethod
-    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
-        """Validate and count one update (thread-safe)."""
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
+        """Validate and count one update (thread-safe); ``known_finite``: skip the NaN/Inf check."""
 
     @abc.abstractmethod
     def _num_folded(self) -> int:
@@ -151,10 +154,10 @@ class StreamingStrategy(Strategy):
         """A fresh zeroed accumulator (np.zeros maps zero pages lazily, so this costs no extra pass)."""
         self._acc = WeightedSum(layout, self.fold_config)
 
-    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str) -> None:
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Add the update into the running sum."""
         assert self._acc is not None
-        self._acc.fold(update, num_examples, check_finite=True, who=who)
+        self._acc.fold(update, num_examples, check_finite=not known_finite, who=who)
 
     def _num_folded(self) -> int:
         """Updates in the running sum."""

@@ -13,7 +13,8 @@ What is measured, exactly:
   for the large cases; small cases are partly cache-resident and say so in the table).
 - fedpar stream: ``fedavg(iterator)`` consuming one result at a time (the coordinator's situation).
 - fedpar list: ``fedavg(list)``; the results are already in memory, so 8 are folded per pass.
-- fedpar strategy: ``FedAvg().fold`` per result (with the NaN/Inf pre-check) + ``finish``.
+- fedpar strategy: ``FedAvg().fold`` per result (with the NaN/Inf pre-check) + ``finish``; "known finite" is
+  the coordinator's call, which skips that pass because the service checked the values on arrival.
 - flwr aggregate: ``flwr.server.strategy.aggregate.aggregate(list)`` on the same arrays.
 - flwr aggregate_inplace: on FitRes objects built with ``ndarrays_to_parameters`` from the same pool
   (serialization is set-up, not timed; its deserialization inside the call is timed, as Flower runs it).
@@ -182,12 +183,13 @@ def fedpar_list(results, config: FoldConfig):
     return fedavg(results, config)
 
 
-def fedpar_strategy(results, config: FoldConfig):
-    """The coordinator path: begin_round, fold each (with NaN/Inf check), finish."""
+def fedpar_strategy(results, config: FoldConfig, known_finite: bool = False):
+    """The strategy API: begin_round, fold each (with its NaN/Inf pass unless ``known_finite``), finish.
+    The coordinator passes ``known_finite`` because it checks the values as they arrive."""
     s = FedAvg(config)
     s.begin_round(1, results[0][0])
     for j, (u, n) in enumerate(results):
-        s.fold(u, n, f"c{j}")
+        s.fold(u, n, f"c{j}", known_finite=known_finite)
     return s.finish()[0]
 
 
@@ -219,6 +221,7 @@ def run_cell(k: int, p: int, args: argparse.Namespace, flwr_mods) -> list[Row]:
         ("fedpar stream torch 2w", lambda: fedpar_stream(results, FoldConfig(backend="torch", num_workers=2))),
         ("fedpar list blas", lambda: fedpar_list(results, FoldConfig(backend="blas"))),
         ("fedpar strategy.fold", lambda: fedpar_strategy(results, FoldConfig(num_workers=2))),
+        ("fedpar strategy known-finite", lambda: fedpar_strategy(results, FoldConfig(num_workers=2), True)),
     ]
     skip_flwr = flwr_mods is not None and k * model_bytes * 2 > args.mem_gib * GIB
     if flwr_mods is not None and not skip_flwr:

@@ -7,6 +7,7 @@ checkpointing, evaluating) runs in a thread pool so the loop keeps serving gRPC 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -451,7 +452,10 @@ class Coordinator:
         """Fold (on a worker thread unless tiny); a ValueError is the strategy refusing this update (its state unchanged)."""
         state, slot = ticket.state, ticket.slot
         try:
-            await self._per_update(self.strategy.fold, arrays, ticket.num_examples, slot.agent_id)
+            # Every upload path checked the received values for NaN/Inf already; decoded compressed deltas
+            # (global + delta may still overflow) get the strategy's own check.
+            await self._per_update(functools.partial(self.strategy.fold, known_finite=not self.upload_format.compressed),
+                                   arrays, ticket.num_examples, slot.agent_id)
         except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
             state.accepted -= 1
             state.examples -= ticket.num_examples

@@ -292,3 +292,34 @@ def test_returned_global_survives_the_next_round():
     kept = [x.copy() for x in g1]
     g2, _ = run_round(s, 2, g1, results)
     assert_models_close(g1, kept, rtol=0, atol=0)  # the new round did not write into the previous result
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_known_finite_folds_give_the_same_result(name):
+    rng = np.random.default_rng(11)
+    g = model(rng, dtype=np.float32)
+    results = [([x.astype(np.float32) for x in u], n) for u, n in cohort(rng, 6, g)]
+    checked, trusted = build_strategy(name), build_strategy(name)
+    for s, known in ((checked, False), (trusted, True)):
+        s.begin_round(1, g)
+        for j, (u, n) in enumerate(results):
+            s.fold(u, n, f"c{j}", known_finite=known)
+    assert_models_close(checked.finish()[0], trusted.finish()[0], rtol=0, atol=0)
+
+
+def test_blas_and_pool_finite_checks_agree():
+    from fedpar.aggregation import FoldConfig
+    from fedpar.aggregation.accumulator import WeightedSum
+    from fedpar.aggregation.layout import Layout, checked_by_blas
+
+    blas_model = [np.ones(3_000_000, np.float32), np.ones(5, np.float64)]
+    pool_model = [np.ones(3_000_000, np.float32), np.ones(10, np.float16)]  # float16: numpy sums on the pool
+    assert all(checked_by_blas(a) for a in blas_model) and not checked_by_blas(pool_model[1])
+    for arrays in (blas_model, pool_model):
+        acc = WeightedSum(Layout.of(arrays), FoldConfig(num_workers=2))
+        assert acc.all_finite([arrays, arrays])
+        for i in range(len(arrays)):
+            for value in (np.inf, -np.inf, np.nan):
+                bad = [a.copy() for a in arrays]
+                bad[i][-1] = value
+                assert not acc.all_finite([arrays, bad])
