@@ -50,9 +50,9 @@ def _recording_fedavg():
         folds[round_id] = {}
         begin(round_id, weights)
 
-    def record(update, num_examples, client_id=""):
+    def record(update, num_examples, client_id="", **options):
         folds[strategy.round_id][client_id] = ([np.array(a) for a in update], num_examples)
-        fold(update, num_examples, client_id)
+        fold(update, num_examples, client_id, **options)
 
     strategy.begin_round, strategy.fold = begin_round, record
     return strategy, globals_, folds
