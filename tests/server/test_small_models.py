@@ -141,3 +141,35 @@ def test_small_upload_helper_leaves_big_updates_to_the_stream():
     header = pb.UploadHeader(total_bytes=layout.total_bytes)
     assert small_upload(header, layout, [np.zeros(100_000, np.float32)], 1 << 20) is None  # >= 256 KiB
     assert small_upload(header, layout, [np.zeros(100_000, np.float32)], 64 << 10) is None  # > one chunk
+
+
+def test_a_real_agent_that_drops_out_trains_once_per_round_and_finishes(start_coordinator):
+    import threading
+
+    import torch
+    from torch import nn
+
+    from fedpar.client.agent import Agent, AgentConfig
+    from fedpar.client.trainer import LocalTrainer
+    from fedpar.datasets import ArrayDataset
+    from fedpar.models import get_weights, weight_specs
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    rng = np.random.default_rng(0)
+    trainer = LocalTrainer(model, ArrayDataset(rng.standard_normal((16, 4)).astype(np.float32), rng.integers(0, 3, 16)))
+    init = get_weights(model)
+    server = start_coordinator(init, names=[n for n, _, _ in weight_specs(model)], rounds=2, clients_per_round=1,
+                               min_available=1, deadline_seconds=2.0, heartbeat_seconds=0.3)
+    # Always vanishes after training: it tells the coordinator it finished, so the task (weights inside) is
+    # not handed to it again in the same round.
+    agent = Agent(AgentConfig(server=server.address, agent_id="flaky", poll_seconds=0.3, drop_probability=1.0,
+                              give_up_after=30, seed=0), trainer)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    assert server.wait(60)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert (agent.stats.tasks, agent.stats.dropped) == (2, 2)
+    assert [row["status"] for row in server.coordinator.metrics.rows] == ["failed", "failed"]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, init))
