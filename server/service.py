@@ -81,19 +81,38 @@ class CoordinatorService:
 
     async def UploadUpdate(self, request_iterator, context) -> pb.UploadReply:
         """Receive one update: header, in-order data chunks, end marker; fold it only if all is valid."""
-        ticket = None
         try:
             first = await _next_message(request_iterator, self.coord.config.deadline_seconds)
             if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
-            agent = self._auth(first.header.auth, context)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+        async def receive(ticket) -> list:
+            await context.send_initial_metadata((UPLOAD_ADMITTED,))  # the agent holds its data back until now
+            return await self._receive(ticket, request_iterator)
+
+        return await self._take_upload(first.header, context, receive)
+
+    async def UploadSmall(self, request: pb.SmallUpload, context) -> pb.UploadReply:
+        """Receive one small update in a single message, with every check UploadUpdate makes."""
+        if not request.HasField("header"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
+        return await self._take_upload(request.header, context,
+                                       lambda ticket: self._assemble_small(ticket, request.data))
+
+    async def _take_upload(self, header: pb.UploadHeader, context, receive) -> pb.UploadReply:
+        """Admit an upload (identity, limits, header, staging slot), ``await receive(ticket)`` for its checked
+        arrays and fold them; a refusal or a vanished agent leaves nothing of it in the round."""
+        ticket = None
+        try:
+            agent = self._auth(header.auth, context)
             with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
                 current = self.coord.current.round_id if self.coord.current else self.coord.round_id
                 self.limits.start_upload(agent.agent_id, current)
-                ticket = self.coord.open_upload(agent, first.header)
+                ticket = self.coord.open_upload(agent, header)
                 async with self.coord.upload_slots():
-                    await context.send_initial_metadata((UPLOAD_ADMITTED,))
-                    arrays = await self._receive(ticket, request_iterator)
+                    arrays = await receive(ticket)
                     await self.coord.accept(ticket, arrays)
             return pb.UploadReply(accepted=True, message=f"update accepted for round {ticket.state.round_id}")
         except Refusal as r:
@@ -104,32 +123,6 @@ class CoordinatorService:
             await context.abort(r.code, r.message)
         except (asyncio.CancelledError, grpc.aio.AioRpcError, ConnectionError):
             # The agent went away mid-stream: nothing of this upload was applied.
-            if ticket is not None:
-                self.coord.abandon(ticket)
-            raise
-
-    async def UploadSmall(self, request: pb.SmallUpload, context) -> pb.UploadReply:
-        """Receive one small update in a single message, with every check UploadUpdate makes."""
-        ticket = None
-        try:
-            if not request.HasField("header"):
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
-            agent = self._auth(request.header.auth, context)
-            with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
-                current = self.coord.current.round_id if self.coord.current else self.coord.round_id
-                self.limits.start_upload(agent.agent_id, current)
-                ticket = self.coord.open_upload(agent, request.header)
-                async with self.coord.upload_slots():
-                    arrays = await self._assemble_small(ticket, request.data)
-                    await self.coord.accept(ticket, arrays)
-            return pb.UploadReply(accepted=True, message=f"update accepted for round {ticket.state.round_id}")
-        except Refusal as r:
-            if ticket is not None and r.final:
-                self.coord.reject(ticket, r.message)
-            elif ticket is not None:
-                self.coord.abandon(ticket)
-            await context.abort(r.code, r.message)
-        except asyncio.CancelledError:
             if ticket is not None:
                 self.coord.abandon(ticket)
             raise
