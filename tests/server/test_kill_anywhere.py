@@ -64,7 +64,7 @@ def test_kill_9_at_random_moments_loses_no_round(tmp_path):
     port = _port(tmp_path, proc)
     swarm = subprocess.Popen([sys.executable, "-m", "fedpar.simulations.swarm", "--server", f"127.0.0.1:{port}",
                               "--count", str(AGENTS), "--poll", "2", "--max-backoff", "0.3"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp_path / "swarm.log", "w"), text=True)
     kills = []
     try:
         for _ in range(KILLS):
@@ -77,13 +77,22 @@ def test_kill_9_at_random_moments_loses_no_round(tmp_path):
             kills.append((round(time.monotonic() - started, 2), len(_rows(tmp_path / "metrics.jsonl", False))))
             proc = _start(tmp_path, port)  # same port and checkpoint directory
             _port(tmp_path, proc)
-        stats = json.loads(swarm.communicate(timeout=180)[0])
+        out = swarm.communicate(timeout=180)[0]
+        try:
+            stats = json.loads(out)
+        except json.JSONDecodeError:
+            raise AssertionError(f"swarm exited {swarm.returncode} without its stats; stdout {out[-1000:]!r}; "
+                                 f"stderr: {(tmp_path / 'swarm.log').read_text()[-3000:]}") from None
         assert proc.wait(60) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
     finally:
         for p in (proc, swarm):
             if p.poll() is None:
                 p.kill()
-    rows = _rows(tmp_path / "metrics.jsonl")
+    try:
+        rows = _rows(tmp_path / "metrics.jsonl")
+    except json.JSONDecodeError:
+        raise AssertionError(f"torn metrics line left after kills {kills}:\n"
+                             f"{(tmp_path / 'metrics.jsonl').read_text()[-2000:]}") from None
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1)), (kills, [r["round"] for r in rows])
     assert all(r["status"] == "ok" and r["reported"] == AGENTS for r in rows), rows
     print(f"\nkills (seconds after the coordinator listened, rounds done): {kills}")
