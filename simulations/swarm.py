@@ -80,11 +80,14 @@ async def _send_when_admitted(stub: CoordinatorStub, messages, timeout: float) -
     """The header, then the data (a large upload's once the coordinator admits it); raises AioRpcError if refused."""
     call = stub.UploadUpdate(timeout=timeout)
     header = next(messages)
-    await call.write(header)
-    if not waits_for_admission(header) or UPLOAD_ADMITTED in tuple(await call.initial_metadata() or ()):
-        for message in messages:
-            await call.write(message)
-        await call.done_writing()
+    try:
+        await call.write(header)
+        if not waits_for_admission(header) or UPLOAD_ADMITTED in tuple(await call.initial_metadata() or ()):
+            for message in messages:
+                await call.write(message)
+            await call.done_writing()
+    except asyncio.InvalidStateError:
+        pass  # the call ended while we wrote (refused, or the coordinator went away): its status says why
     return await call  # refused: raises with the coordinator's status
 
 
