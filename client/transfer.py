@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, as_wire_array, iter_chunks
+from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks, wire_bytes
 from fedpar.protocol.messages import (FRAMING_BYTES, UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, layout_from_pb,
                                      layout_to_pb)
 from fedpar.protocol.rawchunks import RawData, encode_data_message
@@ -35,36 +35,40 @@ def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTa
         if assembler is None:
             if kind != "header":
                 raise CodecError("download did not start with a ModelHeader")
-            layout = layout_from_pb(message.header.tensors)
-            problem = layout.mismatch(expected)
-            if problem:
-                raise CodecError(f"the coordinator's model does not match this agent's: {problem}")
-            assembler = TensorAssembler(layout, max_chunk_bytes)
+            assembler = TensorAssembler(_matching(message.header, expected), max_chunk_bytes)
         elif kind == "data":
             assembler.write(message.data.offset, message.data.data)
         else:
             raise CodecError(f"unexpected {kind} in download")
     if assembler is None or not assembler.complete:
         raise CodecError("download ended before the whole model arrived")
-    bad = assembler.first_non_finite()
-    if bad is not None:
-        raise CodecError(f"downloaded tensor {bad!r} holds NaN or Inf")
-    return assembler.arrays
+    return _finite(assembler)
 
 
 def task_weights(task: pb.TrainTask, expected: ModelLayout) -> list[np.ndarray] | None:
     """The global weights carried inside ``task`` (small models), or None when they must be downloaded."""
     if not task.HasField("weights_header"):
         return None
-    layout = layout_from_pb(task.weights_header.tensors)
-    problem = layout.mismatch(expected)
-    if problem:
-        raise CodecError(f"the coordinator's model does not match this agent's: {problem}")
+    layout = _matching(task.weights_header, expected)
     if len(task.weights) != layout.total_bytes:
         raise CodecError(f"the task carries {len(task.weights)} bytes of weights; the model has {layout.total_bytes}")
     assembler = TensorAssembler(layout, max(1, layout.total_bytes))
     if task.weights:
         assembler.write(0, task.weights)
+    return _finite(assembler)
+
+
+def _matching(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
+    """The layout ``header`` announces, which must be this agent's model."""
+    layout = layout_from_pb(header.tensors)
+    problem = layout.mismatch(expected)
+    if problem:
+        raise CodecError(f"the coordinator's model does not match this agent's: {problem}")
+    return layout
+
+
+def _finite(assembler: TensorAssembler) -> list[np.ndarray]:
+    """The received global weights, refused if any holds NaN or Inf."""
     bad = assembler.first_non_finite()
     if bad is not None:
         raise CodecError(f"received tensor {bad!r} holds NaN or Inf")
@@ -84,7 +88,7 @@ def small_upload(header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[
     """The update as one SmallUpload message, or None if it is too large for one (it is then streamed)."""
     if layout.total_bytes >= UPLOAD_ADMISSION_MIN_BYTES or layout.total_bytes > max_chunk_bytes:
         return None
-    data = b"".join(as_wire_array(np.asarray(a)).reshape(-1).view(np.uint8).tobytes() for a in arrays)
+    data = wire_bytes(arrays)
     if len(data) != layout.total_bytes:
         raise CodecError(f"update arrays hold {len(data)} bytes; their layout needs {layout.total_bytes}")
     message = pb.SmallUpload(header=header, data=data)

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout, as_wire_array, iter_chunks
+from fedpar.protocol.codec import ModelLayout, as_wire_array, iter_chunks, wire_bytes
 from fedpar.protocol.messages import layout_to_pb
 from fedpar.protocol.rawchunks import encode_data_message
 
@@ -53,7 +53,7 @@ def build_payload(round_id: int, layout: ModelLayout, arrays: Sequence[np.ndarra
         encoded = tuple(encode_data_message(offset, data) for offset, data in iter_chunks(arrays, chunk_bytes))
         inline = None
         if layout.total_bytes <= inline_max_bytes:
-            inline = b"".join(as_wire_array(a).reshape(-1).view(np.uint8).tobytes() for a in arrays)
+            inline = wire_bytes(arrays)
         return WeightPayload(round_id, layout, chunk_bytes, header_message, model_header.SerializeToString(),
                              encoded, inline=inline)
     buffer = np.empty(layout.total_bytes, np.uint8)

@@ -107,3 +107,11 @@ def test_truncated_or_garbled_tensor_files_are_refused(tmp_path):
     path.write_bytes(struct.pack("<Q", 5) + b"nope!")
     with pytest.raises(CodecError, match="not JSON"):
         load_tensors(path)
+
+
+def test_wire_bytes_is_the_concatenation_a_chunked_stream_carries():
+    from fedpar.protocol.codec import wire_bytes
+
+    arrays = [np.arange(5, dtype=np.float16), np.array([True, False]), np.zeros((0, 3), np.float32),
+              np.arange(6, dtype=">f4").reshape(2, 3), np.asarray(3.0)]
+    assert wire_bytes(arrays) == b"".join(bytes(d) for _, d in iter_chunks(arrays, 7))
