@@ -3,12 +3,14 @@
 A checkpoint directory holds ``step-XXXXXXXX/`` folders written by every rank (each writes its own shards;
 rank 0 writes DCP's metadata) and a ``latest`` file that rank 0 replaces atomically once all ranks finished.
 Items are all tensors (model, optimizer, step counters, per-rank RNG); the only non-tensor entries are the
-optimizer's hyper-parameters, which DCP stores with ``torch.save`` and reads back with ``weights_only=True``.
+optimizer's hyper-parameters. DCP pickles its metadata and would unpickle it (and non-tensor items) without
+restriction; checkpoints are read through ``safe_dcp`` instead, which allows only what DCP writes.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -24,7 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fedpar.parallel.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+
 LATEST = "latest"
+_STEP_NAME = re.compile(r"step-\d{8}")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -81,7 +86,11 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     pointer = Path(directory) / LATEST
     if not pointer.is_file():
         return None
-    target = Path(directory) / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not _STEP_NAME.fullmatch(name):
+        raise UnsafeCheckpointError(f"{pointer} names {name!r}, not a step-NNNNNNNN folder beside it; "
+                                    "delete the file to start afresh or write the folder name into it")
+    target = Path(directory) / name
     return target if (target / ".metadata").is_file() else None
 
 
@@ -93,7 +102,7 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
     """
     parts = _part_states(model_parts, optimizers)
     state = _state(parts, {k: 0 for k in counter_names})
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
     for part, opt, (model_sd, optim_sd) in zip(model_parts, optimizers, parts):
         set_model_state_dict(part, {k: state["model"][k] for k in model_sd})
         set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in optim_sd}, options=_OPTIM_OPTIONS)

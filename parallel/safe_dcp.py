@@ -1,0 +1,110 @@
+"""Reading torch.distributed.checkpoint (DCP) folders without running arbitrary pickled code.
+
+DCP writes its ``.metadata`` with ``pickle`` and reads it back with ``pickle.load``, and its default planner
+reads non-tensor items with ``torch.load(weights_only=False)``: a checkpoint folder copied from elsewhere
+could run code on load. ``SafeFileSystemReader`` unpickles the metadata with an allow-list of the classes DCP
+itself writes (the restricted-``find_class`` pattern of Python's pickle documentation) and refuses storage
+entries that point outside the folder; ``SafeLoadPlanner`` reads non-tensor items with ``weights_only=True``.
+Tensor data is already read with ``weights_only=True`` by DCP.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import pickle
+from dataclasses import is_dataclass
+from pathlib import PurePath
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+MAX_METADATA_BYTES = 256 << 20
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint holds something DCP never writes (tampered with, or not a DCP checkpoint)."""
+
+
+def _allowed(module: str, name: str) -> Any | None:
+    if module == dcp_metadata.__name__:
+        obj = getattr(dcp_metadata, name, None)
+        return obj if isinstance(obj, type) and (is_dataclass(obj) or issubclass(obj, enum.Enum)) else None
+    if (module, name) == (_StorageInfo.__module__, "_StorageInfo"):
+        return _StorageInfo
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj if name == "Size" or isinstance(obj, (torch.dtype, torch.memory_format)) else None
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        return torch.serialization._get_layout
+    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
+        return getattr(__import__("pathlib"), name)
+    return None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _allowed(module, name)
+        if found is None:
+            raise UnsafeCheckpointError(
+                f"checkpoint metadata names {module}.{name}, which torch.distributed.checkpoint never writes; "
+                "refusing to load it (the folder may have been tampered with: use a checkpoint your own run wrote)")
+        return found
+
+
+def load_metadata_bytes(raw: bytes) -> dcp_metadata.Metadata:
+    """Unpickle DCP metadata allowing only the classes DCP writes; anything else raises UnsafeCheckpointError."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise UnsafeCheckpointError(f"checkpoint metadata is damaged ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UnsafeCheckpointError(f"checkpoint metadata holds a {type(metadata).__name__}, not DCP Metadata")
+    for info in (metadata.storage_data or {}).values():
+        path = PurePath(str(getattr(info, "relative_path", "")))
+        if not isinstance(info, _StorageInfo) or len(path.parts) != 1 or path.name in ("", ".", ".."):
+            raise UnsafeCheckpointError(f"checkpoint metadata points at {path!s}, outside the checkpoint folder")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A DCP FileSystemReader whose metadata is unpickled with an allow-list and checked (see module doc)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        """Read and check ``.metadata``; refuse oversized or foreign content with UnsafeCheckpointError."""
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            raw = stream.read(MAX_METADATA_BYTES + 1)
+        if len(raw) > MAX_METADATA_BYTES:
+            raise UnsafeCheckpointError(f"{path} is larger than {MAX_METADATA_BYTES} bytes; not a DCP metadata file")
+        metadata = load_metadata_bytes(raw)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Load one non-tensor item (e.g. an optimizer hyper-parameter) without arbitrary unpickling."""
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(
+                f"checkpoint item {read_item.dest_index.fqn} is not plain data ({exc}); refusing to load it") from exc
+        # The same as DefaultLoadPlanner.load_bytes, which loads with weights_only=False.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
