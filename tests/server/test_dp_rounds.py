@@ -12,6 +12,8 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.clipping import delta_norm
+from fedpar.cli.dp import dp_strategy
+from fedpar.cli.main import build_parser
 from fedpar.client.privacy import privatize_update
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, weight_specs
@@ -98,3 +100,110 @@ def test_real_agents_clip_to_the_adaptive_clip_norm_and_none_is_refused(start_co
     assert rows[0]["dp_clip_norm"] == 0.05 and rows[0]["dp_clipped_fraction"] == 1.0  # one epoch moves > 0.05
     assert rows[1]["dp_clip_norm"] > 0.05  # all clipped: the clip norm grows toward the median norm
     assert all(b.stats.accepted == 3 and not b.stats.refusals for b in bots)
+
+
+def _clipped_delta(update, reference, clip):
+    """``update - reference`` over the whole model, flat, scaled down to L2 norm ``clip`` if longer (float64)."""
+    delta = np.concatenate([(np.asarray(u, np.float64) - r).ravel() for u, r in zip(update, reference)])
+    return delta * min(1.0, clip / np.linalg.norm(delta))
+
+
+def _flat(arrays):
+    return np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")
+@pytest.mark.parametrize("clip, local_noise, central_noise, coordinator_clips",
+                         [(0.5, 0.005, 0.1, False), (0.05, 1.0, 1.0, True)],
+                         ids=["noisy-update-within-clip", "noisy-update-beyond-clip"])
+def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(start_coordinator, monkeypatch, clip,
+                                                                          local_noise, central_noise,
+                                                                          coordinator_clips):
+    """Real agents under `--dp client --dp-local-noise s`: the coordinator folds their noisy uploads, clipped to C.
+
+    An MLP update after one epoch has norm ~0.12. Case one: C = 0.5 and local noise of norm ~0.25, so neither
+    agent nor coordinator clips and the model carries the local noise itself. Case two: C = 0.05 (agents clip)
+    and local noise of norm ~100 C, so the coordinator scales every upload back to norm C.
+    """
+    rounds, k = 2, 3
+    args = build_parser().parse_args(["serve", "--dp", "client", "--dp-clip", str(clip), "--dp-noise",
+                                      str(central_noise), "--dp-local-noise", str(local_noise)])
+    name, options = dp_strategy(args, "fedavg", clients_per_round=k, overselect=1.0, population=k)
+    strategy = build_strategy(name, **options, seed=0)  # seeded central noise, replayed below
+    uploads = []  # (agent, round, global, trained, uploaded), as the agents' own privatize_update saw them
+    calls: dict[str, int] = {}
+
+    def seeded_privatize(new, glob, extra, rng=None):
+        agent = threading.current_thread().name
+        calls[agent] = round_id = calls.get(agent, 0) + 1
+        assert extra["dp_local_noise"] == local_noise and extra["dp_clip_norm"] == clip
+        out = privatize_update(new, glob, extra, rng=np.random.default_rng([int(agent[-1]), round_id]))
+        uploads.append((agent, round_id, [g.copy() for g in glob], [w.copy() for w in new], [o.copy() for o in out]))
+        return out
+
+    monkeypatch.setattr("fedpar.client.agent.privatize_update", seeded_privatize)
+    splits = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
+    names = [n for n, _, _ in weight_specs(model)]
+    server = start_coordinator(get_weights(model), names=names, strategy=strategy, rounds=rounds,
+                               clients_per_round=k, min_available=k, local_epochs=1, learning_rate=0.05)
+    parts = np.array_split(np.arange(600), k)
+    worker = WorkerConfig(server.address, "digits", None, "mlp", 0.0, 0, [], poll_seconds=1.0)
+    bots = [build_agent(worker, AgentSpec(f"agent-{i}", part), splits) for i, part in enumerate(parts)]
+    threads = [threading.Thread(target=bot.run, name=bot.config.agent_id) for bot in bots]
+    for t in threads:
+        t.start()
+    assert server.wait(90)
+    for t in threads:
+        t.join(timeout=30)
+    rows = server.coordinator.metrics.rows
+    assert [(r["status"], r["reported"], r["rejected"]) for r in rows] == [("ok", k, 0)] * rounds
+    assert all(b.stats.accepted == rounds and not b.stats.refusals for b in bots)
+    assert len(uploads) == k * rounds
+
+    # Replay each round through a fresh DP strategy with the same seed, fed the agents' updates *before* their
+    # local noise: the noise-free model, with the very same central noise draw as the coordinator's.
+    replay = build_strategy(name, **options, seed=0)
+    d = sum(w.size for w in get_weights(model))
+    for round_id, row in enumerate(rows, 1):
+        mine = [u for u in uploads if u[1] == round_id]
+        glob = mine[0][2]
+        assert all(_flat(u[2]).tobytes() == _flat(glob).tobytes() for u in mine)
+        new = server.coordinator.weights if round_id == rounds else [u for u in uploads if u[1] == round_id + 1][0][2]
+        replay.begin_round(round_id, glob)
+        clean_deltas, local_noises, folded = [], [], []
+        for agent, _, g, trained, uploaded in mine:
+            clean = privatize_update(trained, g, {"dp_clip_norm": clip})  # the agent's clip, no noise
+            replay.fold(clean, 1, agent)
+            noise = _flat(uploaded) - _flat(clean)
+            # The agent added N(0, (s C)^2) to each of the d coordinates (std within ~7 standard errors).
+            assert noise.std() == pytest.approx(local_noise * clip, rel=0.05)
+            assert abs(noise.mean()) < 5 * local_noise * clip / np.sqrt(d)
+            clean_deltas.append(_clipped_delta(clean, g, clip))
+            local_noises.append(noise)
+            folded.append(_clipped_delta(uploaded, g, clip))  # what the coordinator should have folded
+        noise_free, replay_metrics = replay.finish()
+        # The coordinator folded each noisy upload clipped to C: its model is the noise-free one plus the
+        # mean over agents of (clipped noisy delta - clean delta), to float32 rounding.
+        moved = _flat(new) - _flat(noise_free)
+        np.testing.assert_allclose(moved, sum(f - c for f, c in zip(folded, clean_deltas)) / k, rtol=0, atol=2e-6)
+        if not coordinator_clips:  # local noise of norm s C sqrt(d) ~ C / 2 kept every upload within C
+            assert row["dp_clipped_fraction"] == 0.0
+            assert all(np.linalg.norm(c) < clip / 2 for c in clean_deltas)  # the agents did not clip either
+            np.testing.assert_allclose(moved, sum(local_noises) / k, rtol=0, atol=2e-6)
+            # the mean of k independent local noises: per-coordinate std s C / sqrt(k)
+            assert moved.std() == pytest.approx(local_noise * clip / np.sqrt(k), rel=0.05)
+        else:  # local noise of norm ~ 100 C put every upload far beyond C: the coordinator scaled it back to C
+            assert row["dp_clipped_fraction"] == 1.0
+            assert all(np.linalg.norm(n) > 50 * clip for n in local_noises)
+            assert all(np.linalg.norm(c) == pytest.approx(clip, rel=1e-5) for c in clean_deltas)  # agents clipped
+            # each agent moves the model by at most 2C from its noise-free place; unclipped local noise alone
+            # would have moved it by about s C sqrt(d / k), ~ 57 C here
+            assert np.linalg.norm(moved) <= 2 * clip
+        # Central noise on top: std z C / k per coordinate, and epsilon as the accountant charges z, q = 1.
+        assert row["dp_noise_std"] == pytest.approx(central_noise * clip / k)
+        assert row["dp_sample_rate"] == 1.0
+        assert row["dp_epsilon"] == pytest.approx(replay_metrics["dp_epsilon"]) and row["dp_epsilon"] > 0
+    assert rows[1]["dp_epsilon"] > rows[0]["dp_epsilon"]
