@@ -21,7 +21,11 @@ count's noise shares the privacy budget, so the updates get the larger multiplie
 Modes: ``central`` (the server clips; clients send raw updates) and ``client`` (Flower's client-side
 fixed clipping: clients clip before uploading, optionally adding local noise; the server still adds the
 central noise and *verifies* each update is within ``C``, refusing any that is not, so a lying client
-cannot break the bound).
+cannot break the bound). With local noise ``N(0, (s C)^2 I)`` the server cannot verify the clip and clips
+each noisy update back to ``C`` itself: under add/remove adjacency (the accountant's) a client's whole
+contribution, noise included, must be bounded for the central guarantee. The local noise then protects the
+client from the coordinator; its norm is about ``s C sqrt(d)``, so once ``s sqrt(d) >> 1`` the re-clip
+shrinks the signal by about ``1 / (s sqrt(d))`` and ``dp_clipped_fraction`` is 1.
 
 Accounting: one round is one step of the sampled Gaussian mechanism with multiplier ``z`` and sampling
 rate ``q = sampled_per_round / population``, composed by opacus's RDP accountant. That analysis assumes
@@ -164,7 +168,8 @@ class DPStrategy(Strategy):
         else:
             unclipped = norm <= c
         # sum_k f_k (x_k - g) = sum_k f_k x_k - (sum_k f_k) g: fold the raw update with weight f_k, no copy.
-        # The server clips client-clipped updates again so rounding within the tolerance cannot exceed C.
+        # The server clips client-clipped updates again so rounding within the tolerance cannot exceed C, and
+        # clips noisy ones (local noise) to C, which bounds each client's contribution for the accountant.
         self._acc.fold(arrays, clip_factor(norm, c), check_finite=False, who=who)
         with self._stats_lock:
             self._unclipped += int(unclipped)

@@ -32,7 +32,9 @@ def add_dp_arguments(p: argparse.ArgumentParser, population_flag: bool) -> None:
     g.add_argument("--dp-delta", type=float, default=1e-5,
                    help="delta at which epsilon is reported each round; pick it below 1 / population")
     g.add_argument("--dp-local-noise", type=float, default=0.0,
-                   help="with --dp client: agents also add N(0, (s x C)^2) to every coordinate (local DP)")
+                   help="with --dp client: agents also add N(0, (s x C)^2) to every coordinate (local DP); the "
+                        "coordinator clips each noisy update back to C (the accountant's bound), which shrinks "
+                        "the signal by ~1/(s sqrt(parameters)) once that noise dominates")
     if population_flag:
         g.add_argument("--dp-population", type=int, default=None,
                        help="number of agents that may be sampled (needed with --dp: it sets the sampling rate "
