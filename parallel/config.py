@@ -18,6 +18,11 @@ class ConfigurationError(ValueError):
     """A setting that cannot work, with a message that says what to change."""
 
 
+def interleaved_microbatches_fit(microbatches: int, pp: int) -> bool:
+    """torch's ScheduleInterleaved1F1B rule: microbatches divisible by its rounds, max(1, microbatches // pp)."""
+    return microbatches % max(1, microbatches // pp) == 0
+
+
 @dataclass
 class ParallelConfig:
     """Degrees of each parallelism (their product is the world size) and how they are applied.
@@ -88,6 +93,15 @@ class ParallelConfig:
         if self.pp > 1 and self.microbatches < self.pp:
             raise ConfigurationError(f"--microbatches {self.microbatches} is below --pp {self.pp}: the pipeline "
                                      f"would idle; use at least {self.pp} microbatches")
+        if self.pp > 1 and interleaved and not interleaved_microbatches_fit(self.microbatches, self.pp):
+            rounds = self.microbatches // self.pp
+            below = next(m for m in range(self.microbatches - 1, 0, -1) if interleaved_microbatches_fit(m, self.pp))
+            above = next(m for m in range(self.microbatches + 1, 2 * self.microbatches + self.pp)
+                         if interleaved_microbatches_fit(m, self.pp))
+            raise ConfigurationError(
+                f"--microbatches {self.microbatches} does not fit the interleaved1f1b schedule at --pp {self.pp}: "
+                f"torch runs it in {self.microbatches} // {self.pp} = {rounds} rounds and needs the microbatches to "
+                f"be a multiple of the rounds; use --microbatches {below} or {above} (any multiple of --pp works)")
         if self.dp > 1 and self.fsdp == 1 and self.tp > 1:
             raise ConfigurationError("DDP (--dp) cannot replicate tensor-parallel (DTensor) parameters; "
                                      "use --fsdp for the data-parallel degree when --tp > 1")

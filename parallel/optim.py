@@ -39,18 +39,23 @@ def set_learning_rate(optimizers: list[torch.optim.Optimizer], lr: float) -> Non
             group["lr"] = lr
 
 
-def total_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The global L2 norm of all gradients, across shards (DTensor) and pipeline stages (``pp_group``)."""
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+def _by_grad_layout(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters with gradients, grouped by gradient layout: plain tensors, or DTensors of one mesh and placement."""
+    # torch's foreach norm and multiply refuse lists that mix DTensors and plain tensors (TP's replicated last layer).
+    groups: dict[object, list[nn.Parameter]] = defaultdict(list)
     for p in parameters:
         if p.grad is None:
             continue
         g = p.grad
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        groups[key].append(g)
+        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(p)
+    return list(groups.values())
+
+
+def total_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global L2 norm of all gradients, across shards (DTensor) and pipeline stages (``pp_group``)."""
     squares = torch.zeros((), dtype=torch.float32)
-    for key, grads in groups.items():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    for group in _by_grad_layout(parameters):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares = squares + norm.float().cpu() ** 2
@@ -64,6 +69,6 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: float,
                    pp_group: dist.ProcessGroup | None = None) -> float:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
     norm = total_grad_norm(parameters, pp_group)
-    torch.nn.utils.clip_grads_with_norm_([p for p in parameters if p.grad is not None], max_norm, norm.to(
-        parameters[0].device) if parameters else norm)
+    for group in _by_grad_layout(parameters):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].device))
     return float(norm)

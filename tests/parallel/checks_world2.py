@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import random
 import shutil
 import tempfile
@@ -15,15 +16,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage
 
 from fedpar.models import build_model
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
-from fedpar.parallel.config import ParallelConfig, TrainConfig
+from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig
 from fedpar.parallel.data import CLASSIFICATION, TrainData, load_train_data, model_kwargs_for
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.fsdp import apply_fsdp
-from fedpar.parallel.pp import build_pipeline, build_stage_module, stage_ids_for_rank
+from fedpar.parallel.optim import clip_gradients, total_grad_norm
+from fedpar.parallel.pp import build_pipeline, build_schedule, build_stage_module, stage_ids_for_rank
 from fedpar.parallel.sampler import DistributedBatchSampler
 from fedpar.parallel.testing import TinyMLP, full, lm_loss, local_numel, max_abs_diff
 from fedpar.parallel.tp import apply_tp
@@ -397,3 +400,168 @@ def check_gpt_text_pipeline_checkpoint_resume():
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+# ---------------------------------------------------------------------- gradient clipping vs the dense model
+CLIP_LR = 0.1
+
+
+def _dense_clipped_sgd_step(ref, x, y, loss_fn) -> tuple[float, float]:
+    """One SGD step of ``ref`` with its gradients clipped to half their norm; returns (norm, max_norm)."""
+    loss_fn(ref(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), math.inf).item()  # max_norm inf: measure only
+    max_norm = norm / 2
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    torch.optim.SGD(ref.parameters(), lr=CLIP_LR).step()
+    return norm, max_norm
+
+
+def _clipped_sgd_step(params, max_norm: float, pp_group=None) -> dict[str, float]:
+    """clip_gradients then one SGD step on this rank's (sharded or staged) parameters."""
+    local_norm = total_grad_norm(params).item()  # without the pipeline all-reduce: this rank's stages only
+    norm = clip_gradients(params, max_norm, pp_group)
+    clipped_norm = total_grad_norm(params, pp_group).item()
+    torch.optim.SGD(params, lr=CLIP_LR).step()
+    return {"norm": norm, "local_norm": local_norm, "clipped_norm": clipped_norm}
+
+
+def check_grad_clipping_fsdp():
+    """FSDP2, each rank on half the batch: global grad norm and the clipped SGD step equal the dense model's."""
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    model = apply_fsdp(copy.deepcopy(ref), _mesh())
+    x, y = _classification_batch()
+    dense_norm, max_norm = _dense_clipped_sgd_step(ref, x, y, F.cross_entropy)
+    xl, yl = _local_half(x, y)
+    F.cross_entropy(model(xl), yl).backward()
+    out = _clipped_sgd_step(list(model.parameters()), max_norm)
+    return {**out, "dense_norm": dense_norm, "max_norm": max_norm,
+            "max_param_diff": max_abs_diff(_params(ref), _params(model))}
+
+
+def _grad_clipping_tp(ref, family: str, x, y, loss_fn):
+    model = apply_tp(copy.deepcopy(ref), _mesh(), family, sequence_parallel=True)
+    dense_norm, max_norm = _dense_clipped_sgd_step(ref, x, y, loss_fn)
+    loss_fn(model(x), y).backward()
+    placements = sorted({str(getattr(p.grad, "placements", "plain tensor")) for p in model.parameters()})
+    out = _clipped_sgd_step(list(model.parameters()), max_norm)
+    return {**out, "dense_norm": dense_norm, "max_norm": max_norm, "grad_placements": placements,
+            "max_param_diff": max_abs_diff(_params(ref), _params(model))}
+
+
+def check_grad_clipping_tp_gpt():
+    """GPT with TP + sequence parallel (Shard(0), Shard(1), Replicate grads): norm and clipped step vs dense."""
+    torch.manual_seed(0)
+    return _grad_clipping_tp(_gpt(), "gpt", *_token_batch(), lm_loss)
+
+
+def check_grad_clipping_tp_mlp():
+    """TinyMLP with TP, whose last Linear stays a plain tensor next to the DTensors: norm and clipped step."""
+    torch.manual_seed(0)
+    return _grad_clipping_tp(TinyMLP(), "mlp", *_classification_batch(), F.cross_entropy)
+
+
+def check_grad_clipping_pp():
+    """GPT in 2 pipeline stages (1F1B): the norm all-reduced over the pp group and the clipped step vs dense."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _gpt(n_layers=4)
+    parts = [build_stage_module(ref, rank, world)]
+    x, y = _token_batch()
+    dense_norm, max_norm = _dense_clipped_sgd_step(ref, x, y, lm_loss)
+    pipe = build_pipeline(parts, [rank], world, torch.device("cpu"), dist.group.WORLD, "1f1b", 4, lm_loss)
+    pipe.schedule.step(x if pipe.has_first_stage else None, target=y if pipe.has_last_stage else None)
+    out = _clipped_sgd_step([p for part in parts for p in part.parameters()], max_norm, dist.group.WORLD)
+    stage_params = {k: v.detach() for part in parts for k, v in part.named_parameters()}
+    return {**out, "dense_norm": dense_norm, "max_norm": max_norm,
+            "max_param_diff": max_abs_diff(stage_params, _params(ref))}
+
+
+# ---------------------------------------------------------------------- trainer steps vs the dense model
+def _trainer_for_steps(**kw) -> Trainer:
+    """A 2-rank Trainer on TinyMLP for calling train_step directly (nothing is written: run() is not called)."""
+    cfg = _config(Path(tempfile.gettempdir()) / "fedpar-unused", optimizer="sgd", lr=0.1, momentum=0.9,
+                  warmup_steps=0, grad_clip=0.0, batch_size=16, max_steps=STEPS, **kw)
+    return Trainer(cfg, TinyMLP, _synthetic(32, 8), init_distributed())
+
+
+def _dense_sgd_steps(batches, lr: float = 0.1, momentum: float = 0.9):
+    """TinyMLP as the trainer builds it (seed 0), trained on each whole batch; returns (model, losses)."""
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return ref, losses
+
+
+def _local_half(x, y):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    half = x.shape[0] // world
+    return x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
+
+
+def _mean_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def check_fsdp_grad_accumulation_equals_dense_batch():
+    """Trainer with --fsdp 2 --grad-accum 2 (reduce-scatter skipped on the first microbatch) vs the dense batch."""
+    trainer = _trainer_for_steps(dp=1, fsdp=2, grad_accum=2)
+    forward_rows: list[int] = []
+    trainer.model.parts[0].register_forward_pre_hook(lambda m, args: forward_rows.append(len(args[0])))
+    batches = [_classification_batch(16, seed=10 + s) for s in range(STEPS)]
+    ref, ref_losses = _dense_sgd_steps(batches)
+    losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
+    model = trainer.model.parts[0]
+    return {"max_param_diff": max_abs_diff(_params(ref), _params(model)),
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "forward_rows": forward_rows}
+
+
+def check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense():
+    """--fsdp 2 --mixed-precision bf16: forward sees bf16 weights, master params and grads stay fp32, near dense."""
+    trainer = _trainer_for_steps(dp=1, fsdp=2, mixed_precision="bf16")
+    model = trainer.model.parts[0]
+    forward_dtypes, grad_dtypes = set(), set()
+    model[0].register_forward_pre_hook(lambda m, args: forward_dtypes.add(str(m.weight.dtype)))
+    trainer.optimizers[0].register_step_pre_hook(
+        lambda opt, args, kwargs: grad_dtypes.update(str(p.grad.dtype) for p in model.parameters()))
+    batches = [_classification_batch(16, seed=20)] * STEPS  # one batch again and again: the loss must fall
+    ref, ref_losses = _dense_sgd_steps(batches)
+    losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
+    return {"precision": trainer.precision, "forward_weight_dtypes": sorted(forward_dtypes),
+            "grad_dtypes": sorted(grad_dtypes),
+            "master_param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "master_params_sharded": all(hasattr(p, "to_local") for p in model.parameters()),
+            "max_param_diff": max_abs_diff(_params(ref), _params(model)),
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)), "losses": losses}
+
+
+def check_interleaved_microbatch_rule_matches_torch():
+    """For 2..9 microbatches on 2 ranks x 2 stages: our start-up check accepts exactly what torch's schedule does."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = stage_ids_for_rank(rank, world, 2)
+    stages = [PipelineStage(torch.nn.Linear(2, 2), sid, 2 * world, torch.device("cpu"), group=dist.group.WORLD)
+              for sid in ids]
+    torch_ok, ours_ok = [], []
+    for m in range(2, 10):
+        try:
+            build_schedule(stages, "interleaved1f1b", m, F.mse_loss)
+            torch_ok.append(m)
+        except ValueError:
+            pass
+        try:
+            ParallelConfig(dp=1, pp=world, stages_per_rank=2, pp_schedule="interleaved1f1b",
+                           microbatches=m).resolved(world)
+            ours_ok.append(m)
+        except ConfigurationError:
+            pass
+    return {"torch_accepts": torch_ok, "config_accepts": ours_ok}

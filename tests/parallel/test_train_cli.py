@@ -91,6 +91,45 @@ def test_parallel_config_infers_one_degree_and_explains_bad_settings():
         cfg.check()
 
 
+def test_interleaved_schedule_microbatches_must_be_a_multiple_of_its_rounds():
+    def interleaved(pp: int, microbatches: int) -> ParallelConfig:
+        return ParallelConfig(dp=1, pp=pp, stages_per_rank=2, pp_schedule="interleaved1f1b",
+                              microbatches=microbatches).resolved(pp)
+
+    # torch: rounds = max(1, microbatches // pp), and microbatches % rounds must be 0 (its docstring examples).
+    for pp, microbatches in [(2, 3), (2, 4), (2, 6), (4, 4), (4, 5), (4, 10), (4, 12)]:
+        assert interleaved(pp, microbatches).microbatches == microbatches
+    with pytest.raises(ConfigurationError, match=r"5 // 2 = 2 rounds .* use --microbatches 4 or 6"):
+        interleaved(2, 5)
+    with pytest.raises(ConfigurationError, match=r"9 // 4 = 2 rounds .* use --microbatches 8 or 10"):
+        interleaved(4, 9)
+    with pytest.raises(ConfigurationError, match=r"11 // 4 = 2 rounds .* use --microbatches 10 or 12"):
+        interleaved(4, 11)
+    # The other schedules have no such rule.
+    assert ParallelConfig(dp=1, pp=2, pp_schedule="1f1b", microbatches=5).resolved(2).microbatches == 5
+
+
+@pytest.mark.parametrize("scaling, warmup, base_lr", [("linear", 4, 0.2), ("sqrt", 3, 0.1 * 2 ** 0.5),
+                                                      ("none", 0, 0.1)])
+def test_logged_lr_follows_the_warmup_and_the_batch_size_scaling(tmp_path: Path, monkeypatch, scaling, warmup,
+                                                                 base_lr):
+    """One in-process run: the lr of every step is lr x scaling(128 / 64) x min(1, step / warmup)."""
+    from fedpar.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    assert main(["train", "--model", "mlp", "--dataset", "digits", "--nproc", "1", "--max-steps", "6",
+                 "--batch-size", "128", "--base-batch-size", "64", "--lr", "0.1", "--lr-scaling", scaling,
+                 "--warmup-steps", str(warmup), "--log-every", "1", "--no-plot", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if r["kind"] == "train"}
+    assert sorted(lrs) == [1, 2, 3, 4, 5, 6]
+    expected = {step: base_lr * (min(1.0, step / warmup) if warmup else 1.0) for step in lrs}
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    if warmup:
+        assert lrs[1] == pytest.approx(base_lr / warmup) and lrs[warmup] == pytest.approx(base_lr)
+
+
 def test_lr_scaling_rules():
     assert TrainConfig(lr=0.1, batch_size=256, base_batch_size=64, lr_scaling="linear").scaled_lr() == pytest.approx(0.4)
     assert TrainConfig(lr=0.1, batch_size=256, base_batch_size=64, lr_scaling="sqrt").scaled_lr() == pytest.approx(0.2)
@@ -215,6 +254,8 @@ def test_cli_config_file_errors_name_the_table(tmp_path: Path, capsys, monkeypat
     (["--tp", "2", "--model-arg", "ffn_hidden=33"], "--tp 2 cannot split the feed-forward layer"),
     (["--pp", "2", "--mixed-precision", "bf16"], "on CPU only FSDP2 (--fsdp > 1) trains in bf16"),
     (["--dp", "2", "--mixed-precision", "bf16"], "use --mixed-precision fp32 (or auto)"),
+    (["--pp", "2", "--stages-per-rank", "2", "--pp-schedule", "interleaved1f1b", "--microbatches", "5",
+      "--batch-size", "40", "--model-arg", "n_layer=4"], "use --microbatches 4 or 6"),
 ])
 def test_train_refuses_bad_layouts_before_any_rank_starts(tmp_path: Path, capsys, monkeypatch, extra, expected):
     from fedpar.cli.main import main

@@ -25,6 +25,13 @@ NAMES = [
     "check_grad_accumulation_equals_full_batch",
     "check_gpt_text_tensor_parallel",
     "check_gpt_text_pipeline_checkpoint_resume",
+    "check_grad_clipping_fsdp",
+    "check_grad_clipping_tp_gpt",
+    "check_grad_clipping_tp_mlp",
+    "check_grad_clipping_pp",
+    "check_fsdp_grad_accumulation_equals_dense_batch",
+    "check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense",
+    "check_interleaved_microbatch_rule_matches_torch",
 ]
 TOL = 1e-5
 
@@ -145,3 +152,44 @@ def test_gpt_with_pipeline_parallel_resumes_from_its_multi_part_checkpoint(resul
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(r["checkpoint_files"])  # one part per stage
     assert rs[0]["loss_steps_b"] == list(range(1, 8)) and rs[0]["max_loss_diff"] == 0.0
     assert rs[0]["file_val_loss"] == rs[0]["val_loss_b"]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp_gpt", "tp_mlp", "pp"])
+def test_grad_clipping_matches_dense_clip_grad_norm(results, layout):
+    rs = per_rank(results, f"check_grad_clipping_{layout}")
+    for r in rs:
+        assert r["norm"] == pytest.approx(r["dense_norm"], rel=1e-5)
+        assert r["max_norm"] < r["norm"]  # clipping is active: the step below is the clipped one
+        assert r["clipped_norm"] == pytest.approx(r["max_norm"], rel=1e-5)
+        assert r["max_param_diff"] < TOL
+    if layout == "tp_gpt":
+        assert {"(Shard(dim=0),)", "(Shard(dim=1),)", "(Replicate(),)"} <= set(rs[0]["grad_placements"])
+    if layout == "tp_mlp":  # DTensor and plain gradients in one norm
+        assert {"(Shard(dim=0),)", "plain tensor"} <= set(rs[0]["grad_placements"])
+    if layout == "pp":  # each stage alone sees part of the norm; the pp all-reduce makes it whole
+        assert all(r["local_norm"] < r["norm"] - 0.01 for r in rs)
+        assert math.hypot(*(r["local_norm"] for r in rs)) == pytest.approx(rs[0]["dense_norm"], rel=1e-5)
+
+
+def test_fsdp_gradient_accumulation_equals_the_dense_whole_batch(results):
+    for r in per_rank(results, "check_fsdp_grad_accumulation_equals_dense_batch"):
+        assert r["forward_rows"] == [4] * 8  # 4 steps, each 8 rows per rank in 2 forwards
+        assert r["max_param_diff"] < TOL and r["max_loss_diff"] < TOL
+
+
+def test_fsdp_bf16_mixed_precision_computes_in_bf16_and_keeps_fp32_masters(results):
+    for r in per_rank(results, "check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense"):
+        assert r["precision"] == "bf16"
+        assert r["forward_weight_dtypes"] == ["torch.bfloat16"]
+        assert r["master_param_dtypes"] == ["torch.float32"] and r["master_params_sharded"]
+        assert r["grad_dtypes"] == ["torch.float32"]  # reduce_dtype fp32
+        assert r["losses"][-1] < r["losses"][0]
+        # bf16 keeps 8 mantissa bits (relative rounding ~4e-3); 4 SGD steps stay within a few of those.
+        assert r["max_loss_diff"] < 5e-3
+        assert 1e-6 < r["max_param_diff"] < 1e-2  # above 0: the bf16 rounding really happened
+
+
+def test_config_accepts_exactly_the_interleaved_microbatch_counts_torch_accepts(results):
+    for r in per_rank(results, "check_interleaved_microbatch_rule_matches_torch"):
+        assert r["config_accepts"] == r["torch_accepts"]
+        assert 5 not in r["torch_accepts"] and 6 in r["torch_accepts"]
