@@ -1,15 +1,19 @@
 """Parallel engine benchmark: DDP scaling, per-rank memory (DDP / FSDP / TP), measured pipeline bubble.
 
-    .venv/bin/python benchmarks/parallel_bench.py [--quick]
+    .venv/bin/python benchmarks/parallel_bench.py [--quick] [--ranks 1 2 4]
 
-Two launches (1 rank, then 2 ranks; gloo on CPU, NCCL if CUDA is available; one thread per rank):
-- DDP: global samples/s of an MLP at a fixed per-rank batch (weak scaling); efficiency = sps(2) / (2 sps(1)).
+One launch per world size (gloo on CPU, NCCL if CUDA is available; one thread per rank):
+- DDP: global samples/s of an MLP at a fixed per-rank batch (weak scaling) for each world size in --ranks
+  (default 1 2 on CPU; 1 2 4 ... up to the GPU count on CUDA; 1 is always run as the baseline);
+  efficiency(n) = sps(n) / (n sps(1)). Rows with more ranks than CPU cores are marked oversubscribed.
 - Memory: a GPT trained 2 steps with AdamW under DDP, FSDP and TP on 2 ranks vs one process. "state" is
   the parameters + gradients + optimizer state held by the rank (local shards); "peak" is the rise of the
   process's peak RSS (VmHWM, reset through /proc/self/clear_refs before each layout) or, on GPU,
   torch.cuda.max_memory_allocated.
-- Pipeline: GPipe over 2 stages with m microbatches. Bubble = 1 - busy / step time, where busy is the time
-  the same stage needs for m microbatch forwards+backwards run alone; compared with (p-1)/(m+p-1).
+- Pipeline: torch's ScheduleGPipe and Schedule1F1B over 2 stages with m microbatches. Bubble = 1 - busy /
+  step time, where busy is the time the same stage needs for m microbatch forwards+backwards run alone
+  (timed in turn with the two schedules, so outside load hits all three alike); both schedules are
+  compared with (p-1)/(m+p-1). Schedule1F1B refuses m < p (torch raises ValueError): those cells stay empty.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ DDP_BATCH, DDP_STEPS, DDP_REPEATS = 128, 10, (3 if QUICK else 6)
 MEM_GPT = dict(vocab_size=65, block_size=64, n_layer=6, n_head=6, d_model=384)
 PIPE_GPT = dict(vocab_size=65, block_size=64, n_layer=4, n_head=4, d_model=128)
 PIPE_BATCH, PIPE_MICROBATCHES, PIPE_REPEATS = 64, (1, 2, 4, 8), (3 if QUICK else 6)
+PIPE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # build_schedule names -> torch schedule labels
 
 
 def _device() -> torch.device:
@@ -93,6 +98,7 @@ def bench_ddp_throughput() -> dict:
         _sync()
         rates.append(world * DDP_BATCH * DDP_STEPS / (time.perf_counter() - t0))
     return {"samples_per_second": max(rates), "samples_per_second_median": statistics.median(rates),
+            "repeats": DDP_REPEATS,
             "step_seconds": world * DDP_BATCH / max(rates), "allreduce_seconds": allreduce,
             "gradient_bytes": 4 * sum(p.numel() for p in model.parameters())}
 
@@ -157,65 +163,73 @@ def bench_memory() -> dict:
     return {layout: _memory_of(layout) for layout in layouts}
 
 
-def _stage_busy_seconds(stage_mod: torch.nn.Module, stage_index: int, m: int, dev: torch.device) -> float:
-    """Time for this stage alone to run m microbatch forwards and backwards (no communication)."""
+def _stage_alone(stage_mod: torch.nn.Module, stage_index: int, m: int, dev: torch.device):
+    """A callable that runs this stage alone over m microbatch forwards and backwards (no communication)."""
     mb = PIPE_BATCH // m
     t, d = PIPE_GPT["block_size"], PIPE_GPT["d_model"]
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 65, (mb, t), generator=g).to(dev)
     hidden = torch.randn(mb, t, d, generator=g).to(dev)
 
-    def once() -> None:
-        inp = tokens if stage_index == 0 else hidden.clone().requires_grad_(True)
-        out = stage_mod(inp)
-        if stage_mod.output is not None:
-            lm_loss(out, tokens).backward()
-        else:
-            out.backward(torch.ones_like(out))
-
-    once()
-    best = float("inf")
-    for _ in range(PIPE_REPEATS):
-        _sync()
-        t0 = time.perf_counter()
+    def run() -> None:
         for _ in range(m):
-            once()
-        _sync()
-        best = min(best, time.perf_counter() - t0)
-    stage_mod.zero_grad(set_to_none=True)
-    return best
+            inp = tokens if stage_index == 0 else hidden.clone().requires_grad_(True)
+            out = stage_mod(inp)
+            if stage_mod.output is not None:
+                lm_loss(out, tokens).backward()
+            else:
+                out.backward(torch.ones_like(out))
+        stage_mod.zero_grad(set_to_none=True)
+
+    return run
 
 
 def bench_pipeline_bubble() -> dict:
-    """GPipe over all ranks (one stage each): measured bubble for several microbatch counts."""
+    """GPipe and 1F1B over all ranks (one stage each): measured bubble for several microbatch counts.
+
+    In every repetition the stage alone (busy), the GPipe step and the 1F1B step are timed one after the
+    other, each on its own copy of the stage, so load from other work on the machine affects all three alike.
+    Returns {schedule: {m: figures}}; where torch refuses a schedule (1F1B with m < p) the entry is
+    {"skipped": torch's message}.
+    """
     world, rank, dev = dist.get_world_size(), dist.get_rank(), _device()
     torch.manual_seed(0)
     full = build_model("gpt", **PIPE_GPT).to(dev)
     g = torch.Generator().manual_seed(2)
     x = torch.randint(0, 65, (PIPE_BATCH, PIPE_GPT["block_size"]), generator=g).to(dev)
-    out = {}
+    out: dict[str, dict] = {name: {} for name in PIPE_SCHEDULES}
     for m in PIPE_MICROBATCHES:
-        stage_mod = build_stage_module(full, rank, world)
-        busy = _stage_busy_seconds(stage_mod, rank, m, dev)
-        pipe = build_pipeline([stage_mod], [rank], world, dev, dist.group.WORLD, "gpipe", m, lm_loss)
-        first, last = pipe.has_first_stage, pipe.has_last_stage
+        runs = {"busy": _stage_alone(build_stage_module(full, rank, world), rank, m, dev)}
+        for name in PIPE_SCHEDULES:
+            stage_mod = build_stage_module(full, rank, world)
+            try:
+                pipe = build_pipeline([stage_mod], [rank], world, dev, dist.group.WORLD, name, m, lm_loss)
+            except ValueError as exc:  # torch's own rule (Schedule1F1B: m >= number of stages)
+                out[name][str(m)] = {"skipped": " ".join(str(exc).split())}
+                continue
 
-        def step() -> None:
-            pipe.schedule.step(x if first else None, target=x if last else None)
-            stage_mod.zero_grad(set_to_none=True)
+            def step(pipe=pipe) -> None:
+                pipe.schedule.step(x if pipe.has_first_stage else None, target=x if pipe.has_last_stage else None)
+                pipe.modules[0].zero_grad(set_to_none=True)
 
-        step()
-        best = float("inf")
+            runs[name] = step
+        for run in runs.values():  # warm-up (pipeline shape inference, allocator)
+            run()
+        best = {name: float("inf") for name in runs}
         for _ in range(PIPE_REPEATS):
-            dist.barrier()
-            _sync()
-            t0 = time.perf_counter()
-            step()
-            _sync()
-            best = min(best, time.perf_counter() - t0)
-        out[str(m)] = {"busy_seconds": busy, "step_seconds": best, "bubble": max(0.0, 1.0 - busy / best),
-                       "theory": (world - 1) / (m + world - 1)}
-        del pipe, stage_mod
+            for name, run in runs.items():
+                dist.barrier()
+                _sync()
+                t0 = time.perf_counter()
+                run()
+                _sync()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        busy = best.pop("busy")
+        for name, step_seconds in best.items():
+            out[name][str(m)] = {"busy_seconds": busy, "step_seconds": step_seconds,
+                                 "bubble": max(0.0, 1.0 - busy / step_seconds),
+                                 "theory": (world - 1) / (m + world - 1), "repeats": PIPE_REPEATS}
+        del runs
     return out
 
 
@@ -223,26 +237,43 @@ def _fmt_mb(n: float) -> str:
     return f"{n / 2**20:8.1f}"
 
 
-def _print_tables(single: dict, pair: list[dict]) -> None:
+def _print_tables(runs: dict[int, list[dict]], ranks: list[int]) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cores = os.cpu_count() or 1
     print(f"\nfedpar parallel engine benchmark ({backend}, {device_type()}, 1 thread per rank, "
-          f"{os.cpu_count()} cores)\n")
-    s1 = single["bench_ddp_throughput"]["samples_per_second"]
-    s2 = pair[0]["bench_ddp_throughput"]["samples_per_second"]
-    print(f"DDP weak scaling (MLP 784-1024-1024-10, per-rank batch {DDP_BATCH}; best of {DDP_REPEATS} runs "
-          f"of {DDP_STEPS} steps)")
-    d1, d2 = single["bench_ddp_throughput"], pair[0]["bench_ddp_throughput"]
+          f"{cores} cores" + (f", {torch.cuda.device_count()} GPUs" if torch.cuda.is_available() else "") + ")\n")
+    print(f"DDP weak scaling (MLP 784-1024-1024-10, per-rank batch {DDP_BATCH}; best of "
+          f"{runs[1][0]['bench_ddp_throughput']['repeats']} runs "
+          f"of {DDP_STEPS} steps; efficiency = sps(n) / (n sps(1)))")
     print(f"{'ranks':>5} | {'samples/s':>10} | {'speed-up':>8} | {'efficiency':>10} | {'step s':>7} | "
           f"{'all-reduce s':>12}")
-    print(f"{1:>5} | {s1:>10.0f} | {1.0:>8.2f} | {1.0:>10.2f} | {d1['step_seconds']:>7.3f} | {'-':>12}")
-    print(f"{2:>5} | {s2:>10.0f} | {s2 / s1:>8.2f} | {s2 / (2 * s1):>10.2f} | {d2['step_seconds']:>7.3f} | "
-          f"{d2['allreduce_seconds']:>12.3f}")
-    print(f"(all-reduce s: one plain all_reduce of the {d2['gradient_bytes'] / 2**20:.1f} MiB gradient, "
-          "best of 5)\n")
+    s1 = runs[1][0]["bench_ddp_throughput"]["samples_per_second"]
+    oversubscribed = []
+    for n in ranks:
+        d = runs[n][0]["bench_ddp_throughput"]
+        sps = d["samples_per_second"]
+        allreduce = f"{d['allreduce_seconds']:>12.3f}" if n > 1 else f"{'-':>12}"
+        over = not torch.cuda.is_available() and n > cores
+        if over:
+            oversubscribed.append(n)
+        print(f"{n:>5} | {sps:>10.0f} | {sps / s1:>8.2f} | {sps / (n * s1):>10.2f} | {d['step_seconds']:>7.3f} | "
+              f"{allreduce}" + ("  oversubscribed" if over else ""))
+    multi = [n for n in ranks if n > 1]
+    if multi:
+        grad = runs[multi[0]][0]["bench_ddp_throughput"]["gradient_bytes"]
+        print(f"(all-reduce s: one plain all_reduce of the {grad / 2**20:.1f} MiB gradient, best of 5)")
+    if oversubscribed:
+        print(f"(oversubscribed: {', '.join(map(str, oversubscribed))} ranks on {cores} cores; the ranks "
+              f"time-share the cores, so efficiency is at most about {cores}/n)")
+    print()
+    if 2 not in runs:
+        print("(per-rank memory and pipeline bubble need 2 ranks: skipped, fewer than 2 GPUs)")
+        return
+    pair = runs[2]
     print(f"Per-rank memory, GPT {MEM_GPT['n_layer']}x{MEM_GPT['d_model']} + AdamW "
           f"(MiB; state = params+grads+optimizer state held; peak = rise of peak "
           f"{'CUDA allocation' if torch.cuda.is_available() else 'RSS (VmHWM)'})")
-    base = single["bench_memory"]["single"]
+    base = runs[1][0]["bench_memory"]["single"]
     print(f"{'layout':>8} | {'ranks':>5} | {'state rank0':>11} | {'state rank1':>11} | {'vs single':>9} | "
           f"{'peak rank0':>10} | {'peak rank1':>10}")
     print(f"{'single':>8} | {1:>5} | {_fmt_mb(base['state_bytes']):>11} | {'-':>11} | {1.0:>9.2f} | "
@@ -252,15 +283,30 @@ def _print_tables(single: dict, pair: list[dict]) -> None:
         print(f"{layout:>8} | {2:>5} | {_fmt_mb(r0['state_bytes']):>11} | {_fmt_mb(r1['state_bytes']):>11} | "
               f"{r0['state_bytes'] / base['state_bytes']:>9.2f} | {_fmt_mb(r0['peak_rise_bytes']):>10} | "
               f"{_fmt_mb(r1['peak_rise_bytes']):>10}")
-    print(f"\nPipeline bubble, GPipe, p=2 stages, GPT {PIPE_GPT['n_layer']}x{PIPE_GPT['d_model']}, "
-          f"global batch {PIPE_BATCH}; best of {PIPE_REPEATS}; mean of the two ranks)")
-    print(f"{'m':>3} | {'step s':>8} | {'busy s':>8} | {'measured bubble':>15} | {'(p-1)/(m+p-1)':>13}")
+    print(f"\nPipeline bubble, p=2 stages, GPT {PIPE_GPT['n_layer']}x{PIPE_GPT['d_model']}, global batch "
+          f"{PIPE_BATCH} (stage alone, ScheduleGPipe and Schedule1F1B timed in turn; best of "
+          f"{pair[0]['bench_pipeline_bubble']['gpipe'][str(PIPE_MICROBATCHES[0])]['repeats']}; "
+          "mean of the two ranks)")
+    header = f"{'m':>3} | {'busy s':>8}"
+    for label in PIPE_SCHEDULES.values():
+        header += f" | {label + ' step s':>12} | {label + ' bubble':>12}"
+    print(header + f" | {'(p-1)/(m+p-1)':>13}")
+    skipped = {}
     for m in PIPE_MICROBATCHES:
-        rs = [r["bench_pipeline_bubble"][str(m)] for r in pair]
-        step = statistics.mean(r["step_seconds"] for r in rs)
-        busy = statistics.mean(r["busy_seconds"] for r in rs)
-        bubble = statistics.mean(r["bubble"] for r in rs)
-        print(f"{m:>3} | {step:>8.3f} | {busy:>8.3f} | {bubble:>15.2f} | {rs[0]['theory']:>13.2f}")
+        busy, theory, row = None, None, ""
+        for name in PIPE_SCHEDULES:
+            rs = [r["bench_pipeline_bubble"][name][str(m)] for r in pair]
+            if "skipped" in rs[0]:
+                skipped.setdefault(rs[0]["skipped"], []).append((PIPE_SCHEDULES[name], m))
+                row += f" | {'-':>12} | {'-':>12}"
+                continue
+            busy = statistics.mean(r["busy_seconds"] for r in rs)
+            theory = rs[0]["theory"]
+            row += (f" | {statistics.mean(r['step_seconds'] for r in rs):>12.3f} | "
+                    f"{statistics.mean(r['bubble'] for r in rs):>12.2f}")
+        print(f"{m:>3} | {busy:>8.3f}{row} | {theory:>13.2f}")
+    for message, cells in skipped.items():
+        print(f"(- : {', '.join(f'{label} at m={m}' for label, m in cells)} not run; torch: {message})")
 
 
 def _check(results: list[dict], names: list[str]) -> None:
@@ -270,24 +316,45 @@ def _check(results: list[dict], names: list[str]) -> None:
                 sys.exit(f"{name} failed on rank {rank}:\n{res.get(name, {}).get('error', 'did not run')}")
 
 
+def _default_ranks() -> list[int]:
+    """1 and 2 on CPU; 1, 2, 4, ... up to the GPU count (and the count itself) on CUDA."""
+    if not torch.cuda.is_available():
+        return [1, 2]
+    gpus, out, n = torch.cuda.device_count(), [], 1
+    while n <= gpus:
+        out.append(n)
+        n *= 2
+    return sorted(set(out) | {gpus})
+
+
 def main() -> int:
-    """Run both launches and print the tables."""
+    """One launch per world size, then print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed repetitions")
+    parser.add_argument("--ranks", type=int, nargs="+", metavar="N", default=None,
+                        help="world sizes for the DDP scaling table (1 is always added as the baseline); "
+                             "default: 1 2 on CPU, 1 2 4 ... up to the GPU count on CUDA")
     args = parser.parse_args()
     if args.quick:
         os.environ["FEDPAR_BENCH_QUICK"] = "1"
+    ranks = sorted(set(args.ranks or _default_ranks()) | {1})
+    if ranks[0] < 1:
+        parser.error("--ranks must be positive")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and ranks[-1] > gpus:
+        parser.error(f"--ranks {ranks[-1]} needs {ranks[-1]} GPUs (one rank per GPU with NCCL); {gpus} found")
     here = Path(__file__).resolve()
+    launches = sorted(set(ranks) | ({2} if not gpus or gpus >= 2 else set()))
+    runs: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        names1 = ["bench_ddp_throughput", "bench_memory"]
-        single = run_checks(1, here, names1, Path(tmp) / "w1")
-        _check(single, names1)
-        names2 = ["bench_ddp_throughput", "bench_memory", "bench_pipeline_bubble"]
-        pair = run_checks(2, here, names2, Path(tmp) / "w2")
-        _check(pair, names2)
-    _print_tables(single[0], pair)
-    print(f"\n(total {time.perf_counter() - t0:.0f} s including process start-up)")
+        for n in launches:
+            names = (["bench_ddp_throughput"] if n in ranks else []) + (["bench_memory"] if n <= 2 else []) \
+                + (["bench_pipeline_bubble"] if n == 2 else [])
+            runs[n] = run_checks(n, here, names, Path(tmp) / f"w{n}")
+            _check(runs[n], names)
+    _print_tables(runs, ranks)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s including process start-up of {len(launches)} launches)")
     return 0
 
 
