@@ -1,7 +1,8 @@
-"""`kill -9` of a real `fedpar serve` in the middle of a round, restart on the same checkpoint and port.
+"""`kill -9` of a real `fedpar serve` in the middle of a round (plain, then secure aggregation), restart on the
+same checkpoint and port: the in-flight round runs again from scratch and every round counts once.
 
 Real agents (client.agent.Agent, training an MLP on digits) run in threads of this process and must
-reconnect by themselves; the run must finish with every round exactly once in metrics.jsonl.
+reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from fedpar.cli.main import build_parser
 from fedpar.client.agent import Agent, AgentConfig
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
@@ -30,38 +31,23 @@ from fedpar.server.sampler import CohortSampler
 from fedpar.simulations.clientdata import local_split, partition_indices
 
 ROOT = Path(__file__).resolve().parents[2]
-IDS = ["ag0", "ag1", "ag2", "ag3"]
-ROUNDS, K, SEED, KILL_ROUND = 4, 2, 3, 2
-
-
-class RecordingTrainer(LocalTrainer):
-    """The real local trainer; it records the global weights each task starts from, and in round
-    KILL_ROUND (before the kill) holds the second agent back so the kill lands mid-round."""
-
-    def __init__(self, agent_id, hub, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.agent_id, self.hub = agent_id, hub
-
-    def train(self, epochs, batch_size, lr, stop_at=float("inf"), proximal_mu=0.0, round_id=0):
-        self.hub.record(round_id, self.agent_id, get_weights(self.model))
-        self.hub.maybe_hold(round_id)
-        return super().train(epochs, batch_size, lr, stop_at, proximal_mu, round_id)
+KILL_ROUND = 2  # one agent is held in this round so the kill lands mid-round
+IDS, ROUNDS, K, SEED = ["ag0", "ag1", "ag2", "ag3"], 4, 2, 3  # plain rounds
+SECURE_IDS = ["ag0", "ag1", "ag2"]  # secure rounds take every agent: a held one keeps the masking stage open
+SECURE_ROUNDS = 3
 
 
 class Hub:
-    """Shared by the agent threads: what each started from, and the gate that holds one agent back."""
+    """Shared by the agent threads: every local training run, and the gate that holds one agent back."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.starts: list[tuple[int, str, list[np.ndarray]]] = []
+        self.runs: list[dict] = []  # round, agent, after_kill, start and end weights, examples
         self.killed = threading.Event()
         self.started_in_kill_round = 0
 
-    def record(self, round_id, agent_id, weights):
-        with self.lock:
-            self.starts.append((round_id, agent_id, [w.copy() for w in weights]))
-
-    def maybe_hold(self, round_id):
+    def hold_if_second(self, round_id: int) -> None:
+        """In KILL_ROUND before the kill, the second agent to start training waits for the kill."""
         with self.lock:
             if round_id != KILL_ROUND or self.killed.is_set():
                 return
@@ -71,24 +57,37 @@ class Hub:
             self.killed.wait(60)
 
 
-def _plaintext_flag() -> list[str]:
-    """``--insecure`` where `fedpar serve` has TLS by default (these agents dial plaintext loopback)."""
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    return ["--insecure"] if any("--insecure" in a.option_strings for a in serve._actions) else []
+class RecordingTrainer(LocalTrainer):
+    """The real local trainer; records where each run started and ended, and lets the hub hold it back."""
+
+    def __init__(self, agent_id, hub, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.agent_id, self.hub = agent_id, hub
+
+    def train(self, epochs, batch_size, lr, stop_at=float("inf"), proximal_mu=0.0, round_id=0):
+        """Record the starting weights, maybe wait for the kill, train, record the result."""
+        after_kill = self.hub.killed.is_set()
+        start = [w.copy() for w in get_weights(self.model)]
+        self.hub.hold_if_second(round_id)
+        result = super().train(epochs, batch_size, lr, stop_at, proximal_mu, round_id)
+        with self.hub.lock:
+            self.hub.runs.append(dict(round=round_id, agent=self.agent_id, after_kill=after_kill, start=start,
+                                      end=[w.copy() for w in get_weights(self.model)], examples=result.examples))
+        return result
 
 
-def _serve(tmp: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", *_plaintext_flag(), "--port", str(port),
+def _serve(tmp: Path, port: int, flags: list[str]) -> subprocess.Popen:
+    """Start `fedpar serve --insecure` on ``port`` with checkpoints in tmp/ckpt and outputs in tmp/out."""
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--insecure", "--port", str(port),
            "--port-file", str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"),
-           "--rounds", str(ROUNDS), "--min-available", str(len(IDS)), "--clients-per-round", str(K),
-           "--overselect", "1.0", "--deadline", "30", "--seed", str(SEED), "--heartbeat", "1",
-           "--liveness-timeout", "10", "--local-epochs", "1"]
+           *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp / "serve.log", "a") as log:  # a file, not a pipe: a full pipe would block the server
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _wait_for(predicate, timeout, what):
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; TimeoutError naming ``what`` after ``timeout`` seconds."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if predicate():
@@ -97,50 +96,78 @@ def _wait_for(predicate, timeout, what):
     raise TimeoutError(what)
 
 
-def test_kill_9_mid_round_then_restart_resumes_and_finishes(tmp_path):
+def _start_agents(port: int, ids: list[str], hub: Hub) -> tuple[list[Agent], list[threading.Thread], list]:
+    """One real agent per id (MLP on its IID share of digits) running in a daemon thread; errors collected."""
+    splits = load_dataset("digits")
+    parts = partition_indices(splits, "iid", len(ids), 0)
+    agents, errors = [], []
+    for i, agent_id in enumerate(ids):
+        train, val = local_split(splits.train, parts[i], 0.1, 0)
+        torch.manual_seed(0)
+        model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
+        trainer = RecordingTrainer(agent_id, hub, model, train, val, seed=i)
+        agents.append(Agent(AgentConfig(server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
+                                        initial_backoff=0.05, max_backoff=0.3, give_up_after=60), trainer))
+
+    def run(agent):
+        try:
+            agent.run()
+        except BaseException as exc:  # surfaced by the test
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    return agents, threads, errors
+
+
+def _plain_flags() -> list[str]:
+    return ["--rounds", str(ROUNDS), "--min-available", str(len(IDS)), "--clients-per-round", str(K),
+            "--overselect", "1.0", "--deadline", "30", "--seed", str(SEED), "--heartbeat", "1",
+            "--liveness-timeout", "10", "--local-epochs", "1"]
+
+
+def _secure_flags() -> list[str]:
+    k = len(SECURE_IDS)
+    return ["--rounds", str(SECURE_ROUNDS), "--min-available", str(k), "--clients-per-round", str(k),
+            "--overselect", "1.0", "--deadline", "30", "--seed", "3", "--heartbeat", "1",
+            "--liveness-timeout", "10", "--local-epochs", "1", "--no-central-eval",
+            "--secure-aggregation", "--secagg-stage-seconds", "10"]
+
+
+def _rows(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _model(ckpt: Path, round_id: int) -> list[np.ndarray]:
+    return load_tensors(ckpt / f"round-{round_id:06d}" / "global.safetensors")[1]
+
+
+def _run_killing_once(tmp_path: Path, flags: list[str], ids: list[str], k: int) -> tuple[list[Agent], Hub, list]:
+    """Serve with ``flags``, run the agents, SIGKILL the coordinator once round KILL_ROUND has one accepted
+    update and a second agent is held in training, restart it on the same port and checkpoint directory, and
+    wait until the agents finish. Returns the agents, the hub and the model checkpointed before the kill."""
     torch.set_num_threads(1)
-    (tmp_path / "port").unlink(missing_ok=True)
-    server = _serve(tmp_path, 0)
+    server = _serve(tmp_path, 0, flags)
     hub = Hub()
     agents, threads, errors = [], [], []
     try:
         _wait_for(lambda: (tmp_path / "port").exists() or server.poll() is not None, 60, "serve did not start")
         assert server.poll() is None, (tmp_path / "serve.log").read_text()
         port = int((tmp_path / "port").read_text())
-        splits = load_dataset("digits")
-        parts = partition_indices(splits, "iid", len(IDS), 0)
-        for i, agent_id in enumerate(IDS):
-            train, val = local_split(splits.train, parts[i], 0.1, 0)
-            torch.manual_seed(0)
-            model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
-            trainer = RecordingTrainer(agent_id, hub, model, train, val, seed=i)
-            agents.append(Agent(AgentConfig(server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
-                                            initial_backoff=0.05, max_backoff=0.3, give_up_after=60), trainer))
-
-        def run(agent):
-            try:
-                agent.run()
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
-        threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in agents]
-        for t in threads:
-            t.start()
-
-        # Kill once round KILL_ROUND has one accepted update and another agent is still training.
+        agents, threads, errors = _start_agents(port, ids, hub)
         accepted = lambda: sum(a.stats.accepted for a in agents)  # noqa: E731
-        _wait_for(lambda: accepted() >= K * (KILL_ROUND - 1) + 1 and hub.started_in_kill_round >= 2, 60,
+        _wait_for(lambda: accepted() >= k * (KILL_ROUND - 1) + 1 and hub.started_in_kill_round >= 2, 60,
                   f"round {KILL_ROUND} never got one update in; errors={errors}")
         ckpt = tmp_path / "ckpt"
         assert (ckpt / "LATEST").read_text().strip() == f"round-{KILL_ROUND - 1:06d}"
-        names, saved, _ = load_tensors(ckpt / f"round-{KILL_ROUND - 1:06d}" / "global.safetensors")
+        before_kill = _model(ckpt, KILL_ROUND - 1)
         os.kill(server.pid, signal.SIGKILL)
         server.wait(10)
         hub.killed.set()  # the held agent trains on and finds the coordinator gone
-        rows_before = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows_before] == list(range(1, KILL_ROUND))
+        assert [r["round"] for r in _rows(tmp_path)] == list(range(1, KILL_ROUND))
 
         time.sleep(0.5)
-        server = _serve(tmp_path, port)  # same port and checkpoint directory
+        server = _serve(tmp_path, port, flags)  # same port, checkpoint directory and flags
         for t in threads:
             t.join(90)
         assert not any(t.is_alive() for t in threads), "agents did not finish"
@@ -152,9 +179,15 @@ def test_kill_9_mid_round_then_restart_resumes_and_finishes(tmp_path):
         for a in agents:
             a.stop()
     assert not errors, errors
+    assert f"resumed from checkpoint after round {KILL_ROUND - 1}" in (tmp_path / "serve.log").read_text()
+    return agents, hub, before_kill
+
+
+def test_kill_9_mid_round_then_restart_resumes_and_finishes(tmp_path):
+    agents, hub, saved = _run_killing_once(tmp_path, _plain_flags(), IDS, K)
 
     # Every round exactly once, in order, and the in-flight round counted only its re-run updates.
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(tmp_path)
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
     assert all(r["status"] == "ok" and r["reported"] == K for r in rows), rows
     # Agents noticed the restart (UNAUTHENTICATED) and re-joined by themselves.
@@ -163,10 +196,48 @@ def test_kill_9_mid_round_then_restart_resumes_and_finishes(tmp_path):
     sampler = CohortSampler(SEED)
     assert [r["cohort_digest"] for r in rows] == [cohort_digest(sampler.sample(IDS, K)) for _ in rows]
     # The model checkpointed after round KILL_ROUND-1 is, bit for bit, what the restarted coordinator served.
-    starts = [(aid, w) for r, aid, w in hub.starts if r == KILL_ROUND]
+    starts = [run["start"] for run in hub.runs if run["round"] == KILL_ROUND]
     assert len(starts) == K + 2  # two before the kill, K after the restart
-    for _, weights in starts:
+    for weights in starts:
         assert [w.tobytes() for w in weights] == [a.tobytes() for a in saved]
     final = (tmp_path / "ckpt" / "LATEST").read_text().strip()
     assert final == f"round-{ROUNDS:06d}"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["LATEST", f"round-{ROUNDS - 1:06d}", final]
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_mid_secure_round_then_restart_reruns_the_round_masked(tmp_path):
+    ids, rounds, k = SECURE_IDS, SECURE_ROUNDS, len(SECURE_IDS)
+    agents, hub, before_kill = _run_killing_once(tmp_path, _secure_flags(), ids, k)
+
+    # Every round exactly once, each a complete secure round over the whole cohort.
+    rows = _rows(tmp_path)
+    assert [r["round"] for r in rows] == list(range(1, rounds + 1))
+    for r in rows:
+        assert (r["status"], r["reported"], r["secagg_survivors"], r["secagg_dropped"]) == ("ok", k, k, 0), r
+        assert "secagg_failure" not in r and "train_loss" not in r  # masked: no per-agent metrics
+    # Agents noticed the restart (their sessions were unknown to it) and re-joined by themselves.
+    assert all(a.stats.reconnects >= 1 for a in agents), [a.stats for a in agents]
+
+    # Round KILL_ROUND was started twice: two or three agents trained before the kill, all k again after it.
+    kill_round = [run["after_kill"] for run in hub.runs if run["round"] == KILL_ROUND]
+    assert kill_round.count(False) >= 2 and kill_round.count(True) == k, kill_round
+    final = tmp_path / "ckpt"
+    assert (final / "LATEST").read_text().strip() == f"round-{rounds:06d}"
+    models = {KILL_ROUND - 1: before_kill, **{r: _model(final, r) for r in range(KILL_ROUND, rounds + 1)}}
+    for round_id in range(KILL_ROUND, rounds + 1):
+        runs = [run for run in hub.runs if run["round"] == round_id and run["after_kill"]]
+        assert sorted(run["agent"] for run in runs) == ids
+        # What the restarted coordinator served is, bit for bit, the checkpoint of the round before.
+        for run in runs:
+            assert [w.tobytes() for w in run["start"]] == [w.tobytes() for w in models[round_id - 1]]
+        # Its checkpoint is the example-weighted mean of these k runs' updates only (nothing of the masked
+        # upload that arrived before the kill), to within the secure aggregation's quantization error.
+        row = rows[round_id - 1]
+        weights = [run["examples"] for run in runs]
+        assert row["examples"] == sum(weights)
+        for i, new in enumerate(models[round_id]):
+            start = runs[0]["start"][i].astype(np.float64)
+            mean = start + sum(w * (run["end"][i] - start) for w, run in zip(weights, runs)) / sum(weights)
+            np.testing.assert_allclose(new, mean, rtol=0, atol=row["secagg_error_bound"] + 1e-6)
+        assert not all(np.array_equal(a, b) for a, b in zip(models[round_id], models[round_id - 1]))

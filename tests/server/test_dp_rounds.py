@@ -29,6 +29,20 @@ def _weights(seed=0):
 
 
 @pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")
+def _run_real_agents(server, splits, k: int) -> list:
+    """k real agents (MLP, 600 digits split evenly), each in a thread named after it, until the run ends."""
+    parts = np.array_split(np.arange(600), k)
+    worker = WorkerConfig(server.address, "digits", None, "mlp", 0.0, 0, [], poll_seconds=1.0)
+    bots = [build_agent(worker, AgentSpec(f"agent-{i}", part), splits) for i, part in enumerate(parts)]
+    threads = [threading.Thread(target=bot.run, name=bot.config.agent_id) for bot in bots]
+    for t in threads:
+        t.start()
+    assert server.wait(90)
+    for t in threads:
+        t.join(timeout=30)
+    return bots
+
+
 def test_client_dp_refuses_an_unclipped_update_and_completes_the_round(start_coordinator, agents, tmp_path):
     init = _weights()
     strategy = build_strategy("dp-fedavg", noise_multiplier=1e-6, clip_norm=0.5, population=3,
@@ -85,15 +99,7 @@ def test_real_agents_clip_to_the_adaptive_clip_norm_and_none_is_refused(start_co
                               seed=0)
     server = start_coordinator(get_weights(model), names=names, strategy=strategy, rounds=3,
                                clients_per_round=3, min_available=3, local_epochs=1, learning_rate=0.1)
-    parts = np.array_split(np.arange(600), 3)
-    worker = WorkerConfig(server.address, "digits", None, "mlp", 0.0, 0, [], poll_seconds=1.0)
-    bots = [build_agent(worker, AgentSpec(f"agent-{i}", part), splits) for i, part in enumerate(parts)]
-    threads = [threading.Thread(target=bot.run) for bot in bots]
-    for t in threads:
-        t.start()
-    assert server.wait(90)
-    for t in threads:
-        t.join(timeout=30)
+    bots = _run_real_agents(server, splits, 3)
     rows = server.coordinator.metrics.rows
     assert [r["status"] for r in rows] == ["ok"] * 3
     assert all(r["reported"] == 3 and r["rejected"] == 0 for r in rows)  # every agent clipped as asked
@@ -149,15 +155,7 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
     names = [n for n, _, _ in weight_specs(model)]
     server = start_coordinator(get_weights(model), names=names, strategy=strategy, rounds=rounds,
                                clients_per_round=k, min_available=k, local_epochs=1, learning_rate=0.05)
-    parts = np.array_split(np.arange(600), k)
-    worker = WorkerConfig(server.address, "digits", None, "mlp", 0.0, 0, [], poll_seconds=1.0)
-    bots = [build_agent(worker, AgentSpec(f"agent-{i}", part), splits) for i, part in enumerate(parts)]
-    threads = [threading.Thread(target=bot.run, name=bot.config.agent_id) for bot in bots]
-    for t in threads:
-        t.start()
-    assert server.wait(90)
-    for t in threads:
-        t.join(timeout=30)
+    bots = _run_real_agents(server, splits, k)
     rows = server.coordinator.metrics.rows
     assert [(r["status"], r["reported"], r["rejected"]) for r in rows] == [("ok", k, 0)] * rounds
     assert all(b.stats.accepted == rounds and not b.stats.refusals for b in bots)
