@@ -1,4 +1,4 @@
-"""Helpers for multi-process tests and benchmarks: a tiny reference model and a one-spawn-many-checks harness."""
+"""Helpers for multi-process tests and benchmarks: a tiny model, dense clipped-step references, a spawn harness."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedpar.parallel.init import init_distributed, shutdown_distributed, spawn
+from fedpar.parallel.optim import clip_gradients, total_grad_norm
+
+CLIP_LR = 0.1
 
 
 class TinyMLP(nn.Sequential):
@@ -49,6 +52,25 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
             return math.inf
         worst = max(worst, (v.detach().float() - b[k].detach().float()).abs().max().item())
     return worst
+
+
+def dense_clipped_sgd_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn) -> tuple[float, float]:
+    """One SGD step of ``ref`` with its gradients clipped to half their norm; returns (norm, max_norm)."""
+    loss_fn(ref(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), math.inf).item()  # max_norm inf: measure only
+    max_norm = norm / 2
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    torch.optim.SGD(ref.parameters(), lr=CLIP_LR).step()
+    return norm, max_norm
+
+
+def clipped_sgd_step(params: list[nn.Parameter], max_norm: float, pp_group=None) -> dict[str, float]:
+    """clip_gradients then one SGD step on this rank's (sharded or staged) parameters."""
+    local_norm = total_grad_norm(params).item()  # without the pipeline all-reduce: this rank's stages only
+    norm = clip_gradients(params, max_norm, pp_group)
+    clipped_norm = total_grad_norm(params, pp_group).item()
+    torch.optim.SGD(params, lr=CLIP_LR).step()
+    return {"norm": norm, "local_norm": local_norm, "clipped_norm": clipped_norm}
 
 
 def _worker(checks_file: str, names: list[str], out_dir: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import random
 import shutil
 import tempfile
@@ -21,14 +20,21 @@ from torch.distributed.pipelining import PipelineStage
 from fedpar.models import build_model
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig
-from fedpar.parallel.data import CLASSIFICATION, TrainData, load_train_data, model_kwargs_for
+from fedpar.parallel.data import CLASSIFICATION, LANGUAGE_MODEL, TrainData, load_train_data, model_kwargs_for
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.fsdp import apply_fsdp
-from fedpar.parallel.optim import clip_gradients, total_grad_norm
 from fedpar.parallel.pp import build_pipeline, build_schedule, build_stage_module, stage_ids_for_rank
 from fedpar.parallel.sampler import DistributedBatchSampler
-from fedpar.parallel.testing import TinyMLP, full, lm_loss, local_numel, max_abs_diff
+from fedpar.parallel.testing import (
+    TinyMLP,
+    clipped_sgd_step,
+    dense_clipped_sgd_step,
+    full,
+    lm_loss,
+    local_numel,
+    max_abs_diff,
+)
 from fedpar.parallel.tp import apply_tp
 from fedpar.parallel.trainer import Trainer
 
@@ -403,48 +409,26 @@ def check_gpt_text_pipeline_checkpoint_resume():
 
 
 # ---------------------------------------------------------------------- gradient clipping vs the dense model
-CLIP_LR = 0.1
-
-
-def _dense_clipped_sgd_step(ref, x, y, loss_fn) -> tuple[float, float]:
-    """One SGD step of ``ref`` with its gradients clipped to half their norm; returns (norm, max_norm)."""
-    loss_fn(ref(x), y).backward()
-    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), math.inf).item()  # max_norm inf: measure only
-    max_norm = norm / 2
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-    torch.optim.SGD(ref.parameters(), lr=CLIP_LR).step()
-    return norm, max_norm
-
-
-def _clipped_sgd_step(params, max_norm: float, pp_group=None) -> dict[str, float]:
-    """clip_gradients then one SGD step on this rank's (sharded or staged) parameters."""
-    local_norm = total_grad_norm(params).item()  # without the pipeline all-reduce: this rank's stages only
-    norm = clip_gradients(params, max_norm, pp_group)
-    clipped_norm = total_grad_norm(params, pp_group).item()
-    torch.optim.SGD(params, lr=CLIP_LR).step()
-    return {"norm": norm, "local_norm": local_norm, "clipped_norm": clipped_norm}
-
-
 def check_grad_clipping_fsdp():
     """FSDP2, each rank on half the batch: global grad norm and the clipped SGD step equal the dense model's."""
     torch.manual_seed(0)
     ref = TinyMLP()
     model = apply_fsdp(copy.deepcopy(ref), _mesh())
     x, y = _classification_batch()
-    dense_norm, max_norm = _dense_clipped_sgd_step(ref, x, y, F.cross_entropy)
+    dense_norm, max_norm = dense_clipped_sgd_step(ref, x, y, F.cross_entropy)
     xl, yl = _local_half(x, y)
     F.cross_entropy(model(xl), yl).backward()
-    out = _clipped_sgd_step(list(model.parameters()), max_norm)
+    out = clipped_sgd_step(list(model.parameters()), max_norm)
     return {**out, "dense_norm": dense_norm, "max_norm": max_norm,
             "max_param_diff": max_abs_diff(_params(ref), _params(model))}
 
 
 def _grad_clipping_tp(ref, family: str, x, y, loss_fn):
     model = apply_tp(copy.deepcopy(ref), _mesh(), family, sequence_parallel=True)
-    dense_norm, max_norm = _dense_clipped_sgd_step(ref, x, y, loss_fn)
+    dense_norm, max_norm = dense_clipped_sgd_step(ref, x, y, loss_fn)
     loss_fn(model(x), y).backward()
     placements = sorted({str(getattr(p.grad, "placements", "plain tensor")) for p in model.parameters()})
-    out = _clipped_sgd_step(list(model.parameters()), max_norm)
+    out = clipped_sgd_step(list(model.parameters()), max_norm)
     return {**out, "dense_norm": dense_norm, "max_norm": max_norm, "grad_placements": placements,
             "max_param_diff": max_abs_diff(_params(ref), _params(model))}
 
@@ -468,10 +452,10 @@ def check_grad_clipping_pp():
     ref = _gpt(n_layers=4)
     parts = [build_stage_module(ref, rank, world)]
     x, y = _token_batch()
-    dense_norm, max_norm = _dense_clipped_sgd_step(ref, x, y, lm_loss)
+    dense_norm, max_norm = dense_clipped_sgd_step(ref, x, y, lm_loss)
     pipe = build_pipeline(parts, [rank], world, torch.device("cpu"), dist.group.WORLD, "1f1b", 4, lm_loss)
     pipe.schedule.step(x if pipe.has_first_stage else None, target=y if pipe.has_last_stage else None)
-    out = _clipped_sgd_step([p for part in parts for p in part.parameters()], max_norm, dist.group.WORLD)
+    out = clipped_sgd_step([p for part in parts for p in part.parameters()], max_norm, dist.group.WORLD)
     stage_params = {k: v.detach() for part in parts for k, v in part.named_parameters()}
     return {**out, "dense_norm": dense_norm, "max_norm": max_norm,
             "max_param_diff": max_abs_diff(stage_params, _params(ref))}
@@ -543,6 +527,40 @@ def check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense():
             "master_params_sharded": all(hasattr(p, "to_local") for p in model.parameters()),
             "max_param_diff": max_abs_diff(_params(ref), _params(model)),
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)), "losses": losses}
+
+
+TRAINER_PP_CLIP = 0.3
+
+
+def check_trainer_interleaved_1f1b_gpt_matches_dense():
+    """Trainer.train_step, --pp 2 interleaved1f1b with 2 stages per rank, momentum SGD, clipping: 2 steps vs dense."""
+    cfg = _config(Path(tempfile.gettempdir()) / "fedpar-unused", model="gpt", dp=1, pp=2,
+                  pp_schedule="interleaved1f1b", stages_per_rank=2, microbatches=4, optimizer="sgd", lr=0.1,
+                  momentum=0.9, warmup_steps=0, grad_clip=TRAINER_PP_CLIP, batch_size=8, max_steps=2)
+    batches = [_token_batch(8, seed=30 + s) for s in range(2)]
+    trainer = Trainer(cfg, _gpt, TrainData(*batches[0], *batches[0], LANGUAGE_MODEL), init_distributed())
+    losses = torch.tensor([trainer.train_step(x, y) for x, y in batches], dtype=torch.float64)
+    losses *= trainer.reports_loss  # only the last stage's rank has the loss; the sum gives it to both ranks
+    dist.all_reduce(losses)
+    torch.manual_seed(0)  # the trainer builds its model with seed 0 too
+    ref = _gpt()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_losses, ref_norms = [], []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = lm_loss(ref(x), y)
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), TRAINER_PP_CLIP).item())
+        opt.step()
+        ref_losses.append(loss.item())
+    pipeline = trainer.model.pipeline
+    stage_params = {k: v.detach() for part in trainer.model.parts for k, v in part.named_parameters()}
+    return {"schedule": type(pipeline.schedule).__name__, "stage_ids": [s.stage_index for s in pipeline.stages],
+            "num_stages": pipeline.stages[0].num_stages, "max_norm": TRAINER_PP_CLIP, "dense_norms": ref_norms,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses.tolist(), ref_losses)),
+            "max_param_diff": max_abs_diff(stage_params, _params(ref)),
+            "params_on_rank": sum(v.numel() for v in stage_params.values()),
+            "params_total": sum(p.numel() for p in ref.parameters())}
 
 
 def check_interleaved_microbatch_rule_matches_torch():

@@ -10,7 +10,7 @@ from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
-from fedpar.parallel.testing import full, lm_loss, local_numel, max_abs_diff
+from fedpar.parallel.testing import clipped_sgd_step, dense_clipped_sgd_step, full, lm_loss, local_numel, max_abs_diff
 
 STEPS = 3
 
@@ -39,17 +39,22 @@ def _dense_reference(x, y):
     return ref, losses
 
 
-def _composed(pc: ParallelConfig, activation_checkpointing: bool = False):
+def _parallel_gpt(pc: ParallelConfig, activation_checkpointing: bool = False):
+    """The GPT parallelized by parallelize() on a mesh for ``pc``, and this rank's data shard of the global batch."""
     info = init_distributed()
     pc = pc.resolved(dist.get_world_size())
     mesh = build_mesh(pc)
     model = parallelize(_gpt, "gpt", pc, mesh, info, lm_loss, seed=0,
                         activation_checkpointing=activation_checkpointing)
-    opts = [torch.optim.SGD(p.parameters(), lr=0.1) for p in model.parts]
     x, y = _batch()
     share = x.shape[0] // pc.data_parallel_size
     lo = mesh.data_parallel_rank * share
-    xs, ys = x[lo:lo + share], y[lo:lo + share]
+    return model, mesh, (x, y), (x[lo:lo + share], y[lo:lo + share])
+
+
+def _composed(pc: ParallelConfig, activation_checkpointing: bool = False):
+    model, mesh, (x, y), (xs, ys) = _parallel_gpt(pc, activation_checkpointing)
+    opts = [torch.optim.SGD(p.parameters(), lr=0.1) for p in model.parts]
     losses = []
     for _ in range(STEPS):
         if model.pipeline is not None:
@@ -95,3 +100,18 @@ def check_pp_x_fsdp_2x2_matches_dense():
 def check_hsdp_with_activation_checkpointing_matches_dense():
     """HSDP (replicate 2 x shard 2) with every block recomputed in backward."""
     return _composed(ParallelConfig(dp=2, fsdp=2), activation_checkpointing=True)
+
+
+def check_grad_clipping_fsdp_x_tp_2x2():
+    """FSDP2 x TP (sequence parallel) on a 2x2 mesh: global grad norm and the clipped SGD step equal the dense's."""
+    model, _, (x, y), (xs, ys) = _parallel_gpt(ParallelConfig(dp=1, fsdp=2, tp=2))
+    torch.manual_seed(0)
+    ref = _gpt()
+    dense_norm, max_norm = dense_clipped_sgd_step(ref, x, y, lm_loss)
+    lm_loss(model.parts[0](xs), ys).backward()
+    params = model.parameters()
+    placements = sorted({str(getattr(p.grad, "placements", "plain tensor")) for p in params})
+    out = clipped_sgd_step(params, max_norm)
+    return {**out, "dense_norm": dense_norm, "max_norm": max_norm, "grad_placements": placements,
+            "max_param_diff": max_abs_diff({k: full(v) for k, v in model.parts[0].named_parameters()},
+                                           dict(ref.named_parameters()))}

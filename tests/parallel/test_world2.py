@@ -32,6 +32,7 @@ NAMES = [
     "check_fsdp_grad_accumulation_equals_dense_batch",
     "check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense",
     "check_interleaved_microbatch_rule_matches_torch",
+    "check_trainer_interleaved_1f1b_gpt_matches_dense",
 ]
 TOL = 1e-5
 
@@ -193,3 +194,13 @@ def test_config_accepts_exactly_the_interleaved_microbatch_counts_torch_accepts(
     for r in per_rank(results, "check_interleaved_microbatch_rule_matches_torch"):
         assert r["config_accepts"] == r["torch_accepts"]
         assert 5 not in r["torch_accepts"] and 6 in r["torch_accepts"]
+
+
+def test_trainer_with_interleaved_1f1b_matches_the_dense_model(results):
+    rs = per_rank(results, "check_trainer_interleaved_1f1b_gpt_matches_dense")
+    assert [r["stage_ids"] for r in rs] == [[0, 2], [1, 3]]  # loop layout, 2 stages per rank
+    for r in rs:
+        assert r["schedule"] == "ScheduleInterleaved1F1B" and r["num_stages"] == 4
+        assert min(r["dense_norms"]) > r["max_norm"]  # clipping (over the pp group) is active in both steps
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+    assert sum(r["params_on_rank"] for r in rs) == rs[0]["params_total"]

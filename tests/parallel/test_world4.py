@@ -10,7 +10,8 @@ from fedpar.parallel.testing import run_checks
 
 CHECKS = Path(__file__).with_name("checks_world4.py")
 NAMES = ["check_fsdp_x_tp_2x2_matches_dense",
-         "check_pp_x_fsdp_2x2_matches_dense", "check_hsdp_with_activation_checkpointing_matches_dense"]
+         "check_pp_x_fsdp_2x2_matches_dense", "check_hsdp_with_activation_checkpointing_matches_dense",
+         "check_grad_clipping_fsdp_x_tp_2x2"]
 TOL = 1e-5
 
 
@@ -56,3 +57,15 @@ def test_hsdp_with_activation_checkpointing_matches_dense(results):
         assert r["block_type"] == "FSDPCheckpointWrapper"
         assert r["placements"] == ["R", "S(0)"]  # replicated over dp, sharded over fsdp
         assert r["local_share"] == pytest.approx(0.5, abs=0.03)  # sharded over 2 of the 4 ranks
+
+
+def test_grad_clipping_under_fsdp_x_tp_matches_dense_clip_grad_norm(results):
+    rs = per_rank(results, "check_grad_clipping_fsdp_x_tp_2x2")
+    for r in rs:
+        assert r["norm"] == pytest.approx(r["dense_norm"], rel=1e-5)
+        assert r["max_norm"] < r["norm"]  # clipping is active: the step below is the clipped one
+        assert r["clipped_norm"] == pytest.approx(r["max_norm"], rel=1e-5)
+        assert r["max_param_diff"] < TOL
+    # 2-D gradients: row-wise weights, norm weights (replicated over tp), column-wise weights (FSDP strides over TP)
+    assert {"(Shard(dim=0), Replicate())", "(Shard(dim=0), Shard(dim=1))",
+            "(_StridedShard(dim=0, sf=2), Shard(dim=0))"} <= set(rs[0]["grad_placements"])
