@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="rounds before the first kill")
     p.add_argument("--gap", type=int, default=2, help="undisturbed rounds between kills")
     p.add_argument("--delay", type=float, default=0.05, help="seconds into the next round at which to kill")
+    p.add_argument("--quick", action="store_true", help="smoke run: 100k parameters, 1 kill after 2 rounds")
     args = p.parse_args(argv)
+    if args.quick:
+        args.params, args.kills, args.warmup = 100_000, 1, 2
     args.rounds = args.warmup + args.kills * args.gap + 1
     work = Path(tempfile.mkdtemp(prefix="fedpar-restart-bench-"))
     bench = Bench(args, work)
