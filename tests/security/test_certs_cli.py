@@ -156,3 +156,7 @@ def test_insecure_is_explicit_and_warns(made, caplog):
     assert secure.admission.revocations.path == made.revoked  # watched by default with --certs
     client = client_security(build_parser().parse_args(["client", "--agent-id", "alice", "--certs", str(made.root)]))
     assert client.credentials is not None
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedpar.security"):
+        plain = client_security(build_parser().parse_args(["client", "--agent-id", "alice", "--insecure"]))
+    assert plain.credentials is None and "--insecure: plaintext gRPC" in caplog.text
