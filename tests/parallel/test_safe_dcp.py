@@ -23,6 +23,8 @@ from fedpar.parallel.safe_dcp import (
     load_metadata_bytes,
 )
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 class _Planted:
     """Unpickling this creates a file: the stand-in for arbitrary code in a hostile checkpoint."""
