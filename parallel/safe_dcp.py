@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import enum
 import io
+import pathlib
 import pickle
 from dataclasses import is_dataclass
-from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -44,8 +44,9 @@ def _allowed(module: str, name: str) -> Any | None:
         return obj if name == "Size" or isinstance(obj, (torch.dtype, torch.memory_format)) else None
     if (module, name) == ("torch.serialization", "_get_layout"):
         return torch.serialization._get_layout
-    if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
-        return getattr(__import__("pathlib"), name)
+    if module in ("pathlib", "pathlib._local") and name in ("PosixPath", "WindowsPath", "PurePosixPath",
+                                                           "PureWindowsPath", "Path"):  # _local: Python 3.13+
+        return getattr(pathlib, name)
     return None
 
 
@@ -70,7 +71,7 @@ def load_metadata_bytes(raw: bytes) -> dcp_metadata.Metadata:
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"checkpoint metadata holds a {type(metadata).__name__}, not DCP Metadata")
     for info in (metadata.storage_data or {}).values():
-        path = PurePath(str(getattr(info, "relative_path", "")))
+        path = pathlib.PurePath(str(getattr(info, "relative_path", "")))
         if not isinstance(info, _StorageInfo) or len(path.parts) != 1 or path.name in ("", ".", ".."):
             raise UnsafeCheckpointError(f"checkpoint metadata points at {path!s}, outside the checkpoint folder")
     return metadata
