@@ -16,8 +16,9 @@ other processes put on this shared machine):
 - unmask s / unmask CPU s: wall and CPU seconds of the coordinator's mask removal (Shamir
   reconstruction, PRG expansion, dequantization);
 - overhead s: secure total minus plain total; time x / bytes x: secure over plain;
-- MB up / MB down: tensor data over UploadUpdate / DownloadWeights for the whole cohort; ctrl KB: the
-  SecAggExchange messages (keys, encrypted shares, survivor lists, unmask shares) of the whole cohort.
+- MB up: tensor bytes of the cohort's uploads as the coordinator counted them (its upload_bytes metric);
+  MB down: the cohort's N downloads of the model; ctrl KB: the SecAggExchange messages (keys, encrypted
+  shares, survivor lists, unmask shares) of the whole cohort, as serialized.
 The machine is shared and small (2 cores for the coordinator and every agent), so the seconds are
 upper bounds for a real deployment where each agent has its own machine.
 """
@@ -150,7 +151,7 @@ def run_mode(n: int, params: int, rounds: int, workers: int, secure: bool) -> di
         "client_mask_s": float(np.median([a[1] for a in agent_rows])) if secure else 0.0,
         "unmask_s": float(np.median([r.get("secagg_unmask_seconds", 0.0) for r in measured])),
         "unmask_cpu_s": float(np.median([r.get("secagg_unmask_cpu_seconds", 0.0) for r in measured])),
-        "mb_up": n * (model_bytes + (4 if secure else 0)) / 1e6,
+        "mb_up": float(np.median([r["upload_bytes"] for r in measured])) / 1e6,  # accepted at the coordinator
         "mb_down": n * model_bytes / 1e6,
         "ctrl_kb": sum(a[2] for a in agent_rows) / len(kept) / 1e3,
         "rounds": len(measured),
