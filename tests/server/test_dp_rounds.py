@@ -28,7 +28,6 @@ def _weights(seed=0):
     return [rng.standard_normal(s).astype(np.float32) for s in ((20, 30), (30,))]
 
 
-@pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")
 def _run_real_agents(server, splits, k: int) -> list:
     """k real agents (MLP, 600 digits split evenly), each in a thread named after it, until the run ends."""
     parts = np.array_split(np.arange(600), k)
@@ -43,6 +42,7 @@ def _run_real_agents(server, splits, k: int) -> list:
     return bots
 
 
+@pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")
 def test_client_dp_refuses_an_unclipped_update_and_completes_the_round(start_coordinator, agents, tmp_path):
     init = _weights()
     strategy = build_strategy("dp-fedavg", noise_multiplier=1e-6, clip_norm=0.5, population=3,
