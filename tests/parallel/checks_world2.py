@@ -469,19 +469,22 @@ def _trainer_for_steps(**kw) -> Trainer:
     return Trainer(cfg, TinyMLP, _synthetic(32, 8), init_distributed())
 
 
-def _dense_sgd_steps(batches, lr: float = 0.1, momentum: float = 0.9):
-    """TinyMLP as the trainer builds it (seed 0), trained on each whole batch; returns (model, losses)."""
+def _dense_sgd_steps(batches, build=TinyMLP, loss_fn=F.cross_entropy, clip: float | None = None):
+    """The model as the trainer builds it (seed 0), momentum SGD (lr 0.1, 0.9) on each whole batch, gradients
+    clipped to ``clip`` if given; returns (model, losses, gradient norms before clipping)."""
     torch.manual_seed(0)
-    ref = TinyMLP()
-    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
-    losses = []
+    ref = build()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses, norms = [], []
     for x, y in batches:
         opt.zero_grad()
-        loss = F.cross_entropy(ref(x), y)
+        loss = loss_fn(ref(x), y)
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
         opt.step()
         losses.append(loss.item())
-    return ref, losses
+    return ref, losses, norms
 
 
 def _local_half(x, y):
@@ -502,7 +505,7 @@ def check_fsdp_grad_accumulation_equals_dense_batch():
     forward_rows: list[int] = []
     trainer.model.parts[0].register_forward_pre_hook(lambda m, args: forward_rows.append(len(args[0])))
     batches = [_classification_batch(16, seed=10 + s) for s in range(STEPS)]
-    ref, ref_losses = _dense_sgd_steps(batches)
+    ref, ref_losses, _ = _dense_sgd_steps(batches)
     losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
     model = trainer.model.parts[0]
     return {"max_param_diff": max_abs_diff(_params(ref), _params(model)),
@@ -519,7 +522,7 @@ def check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense():
     trainer.optimizers[0].register_step_pre_hook(
         lambda opt, args, kwargs: grad_dtypes.update(str(p.grad.dtype) for p in model.parameters()))
     batches = [_classification_batch(16, seed=20)] * STEPS  # one batch again and again: the loss must fall
-    ref, ref_losses = _dense_sgd_steps(batches)
+    ref, ref_losses, _ = _dense_sgd_steps(batches)
     losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
     return {"precision": trainer.precision, "forward_weight_dtypes": sorted(forward_dtypes),
             "grad_dtypes": sorted(grad_dtypes),
@@ -542,17 +545,7 @@ def check_trainer_interleaved_1f1b_gpt_matches_dense():
     losses = torch.tensor([trainer.train_step(x, y) for x, y in batches], dtype=torch.float64)
     losses *= trainer.reports_loss  # only the last stage's rank has the loss; the sum gives it to both ranks
     dist.all_reduce(losses)
-    torch.manual_seed(0)  # the trainer builds its model with seed 0 too
-    ref = _gpt()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    ref_losses, ref_norms = [], []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), TRAINER_PP_CLIP).item())
-        opt.step()
-        ref_losses.append(loss.item())
+    ref, ref_losses, ref_norms = _dense_sgd_steps(batches, _gpt, lm_loss, TRAINER_PP_CLIP)
     pipeline = trainer.model.pipeline
     stage_params = {k: v.detach() for part in trainer.model.parts for k, v in part.named_parameters()}
     return {"schedule": type(pipeline.schedule).__name__, "stage_ids": [s.stage_index for s in pipeline.stages],
