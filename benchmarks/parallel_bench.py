@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fedpar.models import build_model
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.fsdp import apply_fsdp
-from fedpar.parallel.init import device_type
+from fedpar.parallel.init import init_distributed
 from fedpar.parallel.metrics import model_state_bytes
 from fedpar.parallel.pp import build_pipeline, build_stage_module
 from fedpar.parallel.testing import lm_loss, run_checks
@@ -51,8 +51,7 @@ PIPE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # build_schedule names -> t
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if device_type() == "cuda" \
-        else torch.device("cpu")
+    return init_distributed().device  # the group run_checks joined: this rank's GPU, or the CPU
 
 
 def _sync() -> None:
@@ -66,7 +65,7 @@ def bench_ddp_throughput() -> dict:
     torch.manual_seed(0)
     model = build_model("mlp", in_features=784, hidden=(1024, 1024), num_classes=10).to(dev)
     if world > 1:
-        model = apply_ddp(model, init_device_mesh(device_type(), (world,)))
+        model = apply_ddp(model, init_device_mesh(dev.type, (world,)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(DDP_BATCH, 784, generator=g).to(dev), torch.randint(0, 10, (DDP_BATCH,), generator=g).to(dev)
@@ -139,11 +138,11 @@ def _memory_of(layout: str) -> dict:
     torch.manual_seed(0)
     model = build_model("gpt", **MEM_GPT).to(dev)
     if layout == "ddp":
-        model = apply_ddp(model, init_device_mesh(device_type(), (world,)))
+        model = apply_ddp(model, init_device_mesh(dev.type, (world,)))
     elif layout == "fsdp":
-        model = apply_fsdp(model, init_device_mesh(device_type(), (world,)))
+        model = apply_fsdp(model, init_device_mesh(dev.type, (world,)))
     elif layout == "tp":
-        model = apply_tp(model, init_device_mesh(device_type(), (world,)), "gpt")
+        model = apply_tp(model, init_device_mesh(dev.type, (world,)), "gpt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 65, (4, 64), generator=g).to(dev)
@@ -240,7 +239,7 @@ def _fmt_mb(n: float) -> str:
 def _print_tables(runs: dict[int, list[dict]], ranks: list[int]) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     cores = os.cpu_count() or 1
-    print(f"\nfedpar parallel engine benchmark ({backend}, {device_type()}, 1 thread per rank, "
+    print(f"\nfedpar parallel engine benchmark ({backend}, {'cuda' if backend == 'nccl' else 'cpu'}, 1 thread per rank, "
           f"{cores} cores" + (f", {torch.cuda.device_count()} GPUs" if torch.cuda.is_available() else "") + ")\n")
     print(f"DDP weak scaling (MLP 784-1024-1024-10, per-rank batch {DDP_BATCH}; best of "
           f"{runs[1][0]['bench_ddp_throughput']['repeats']} runs "
@@ -351,7 +350,7 @@ def main() -> int:
         for n in launches:
             names = (["bench_ddp_throughput"] if n in ranks else []) + (["bench_memory"] if n <= 2 else []) \
                 + (["bench_pipeline_bubble"] if n == 2 else [])
-            runs[n] = run_checks(n, here, names, Path(tmp) / f"w{n}")
+            runs[n] = run_checks(n, here, names, Path(tmp) / f"w{n}", device="cuda" if gpus else "cpu")
             _check(runs[n], names)
     _print_tables(runs, ranks)
     print(f"\n(total {time.perf_counter() - t0:.0f} s including process start-up of {len(launches)} launches)")

@@ -14,11 +14,13 @@ import sys
 import torch
 
 from fedpar.client.agent import Agent, AgentConfig, FatalAgentError
-from fedpar.client.trainer import LocalTrainer
+from fedpar.client.trainer import PRECISIONS, LocalTrainer
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
+from fedpar.parallel.config import ConfigurationError
+from fedpar.parallel.device import DEVICE_HELP, check_device_layout, resolve_device
 from fedpar.simulations.clientdata import local_split, partition_indices
 
 
@@ -40,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--give-up-after", type=float, default=None,
                    help="exit after this many seconds without reaching the coordinator (default: never)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for local training")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="bf16: forward passes under bf16 autocast (weights and uploads stay fp32)")
     p.add_argument("--no-data-plane", action="store_true",
                    help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
     add_tls_arguments(p, "client")
@@ -75,14 +80,17 @@ def run(args: argparse.Namespace) -> int:
     if wants_engine(args):
         return run_engine(args)
     try:
+        check_device_layout(args.device)
+        device = resolve_device(args.device)
         security = client_security(args)
         splits, train, val = local_data(args)
         model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
-    except ValueError as exc:
+    except (ConfigurationError, ValueError) as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    agent = Agent(agent_config(args, security), LocalTrainer(model, train, val, seed=args.seed))
-    print(f"agent {args.agent_id}: {len(train)} training examples, dialing {args.server}", flush=True)
+    trainer = LocalTrainer(model, train, val, seed=args.seed, device=device, precision=args.precision)
+    agent = Agent(agent_config(args, security), trainer)
+    print(f"agent {args.agent_id}: {len(train)} training examples on {device}, dialing {args.server}", flush=True)
     try:
         stats = agent.run()
     except FatalAgentError as exc:

@@ -45,12 +45,17 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
 def run_engine(args: argparse.Namespace) -> int:
     """Check the degrees, then run this process as one rank (torchrun) or spawn ``--nproc`` local ranks."""
     from fedpar.cli.tlsopts import client_security
+    from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.init import exit_rank_process, spawn
 
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     try:
         _parallel_config(args).resolved(world)
+        if args.precision != "fp32":
+            raise ConfigurationError("--precision bf16 is for single-process agents; a large-model agent trains "
+                                     "in fp32 (drop --precision, or drop --nproc/--fsdp/--dp/--tp)")
+        check_device_layout(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world)
         if not under_launcher and not args.insecure:
             client_security(args)  # fail here, before spawning, on missing certificates
     except (ConfigurationError, ValueError) as exc:
@@ -90,7 +95,7 @@ def engine_process(args: argparse.Namespace) -> int:
     torch.set_flush_denormal(True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = init_distributed(args.dist_timeout)
+    info = init_distributed(args.dist_timeout, args.device)
     try:
         try:
             security = client_security(args) if info.is_main else None

@@ -22,10 +22,11 @@ from fedpar.cli.limit_options import add_limit_arguments
 from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
-from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
-from fedpar.models import get_weights, set_weights, weight_specs
+from fedpar.models import get_weights, weight_specs
+from fedpar.models.evaluation import CentralEvaluator
 from fedpar.models.for_data import build_model_for_data
+from fedpar.parallel.device import DEVICE_HELP, check_device_layout, resolve_device
 from fedpar.protocol.tensorfile import atomic_write_bytes
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
     p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
     p.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
+    p.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
     p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
     add_strategy_option_argument(p, "serve")
     p.add_argument("--rounds", type=int, default=d.rounds, help="rounds to run")
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         {"auto": None, "on": True, "off": False}.get(choice, choice)
     try:
         security = server_security(args)  # first: a missing certificate should not wait for data loading
+        check_device_layout(args.device)
         config.upload_compression = compression_from_args(args)
         config.validate()
         strategy_options = strategy_options_from_args(args)
@@ -130,12 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     evaluate = None
     if not args.no_central_eval:
-        x, y = splits.test.to_tensors()
-
-        def evaluate(weights):
-            set_weights(model, weights)
-            result = evaluate_classifier(model, x, y)
-            return {"test_loss": result.loss, "test_accuracy": result.accuracy}
+        evaluate = CentralEvaluator(build_model_for_data(args.model, splits.input_shape, splits.num_classes),
+                                    *splits.test.to_tensors(), device=resolve_device(args.device))
 
     table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
     try:

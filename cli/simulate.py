@@ -14,6 +14,8 @@ from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
+from fedpar.client.trainer import PRECISIONS
+from fedpar.parallel.device import DEVICE_HELP
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
 
@@ -51,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the updates")
     add_compression_arguments(p)
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
+    p.add_argument("--device", default=d.device,
+                   help=f"where agents train and the coordinator evaluates: {DEVICE_HELP}; with several GPUs the "
+                        "worker processes are dealt over them")
+    p.add_argument("--precision", default=d.precision, choices=PRECISIONS,
+                   help="bf16: agents run forward passes under bf16 autocast (weights and uploads stay fp32)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--tls", action="store_true",
                    help="run every agent over mutual TLS with throw-away certificates (default: plaintext on "

@@ -28,6 +28,7 @@ from fedpar.parallel.config import (
     ParallelConfig,
     TrainConfig,
 )
+from fedpar.parallel.device import DEVICE_HELP
 
 _T, _P = TrainConfig(), ParallelConfig()
 
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="MNIST folder or text file, e.g. ../shared/data/tinyshakespeare/input.txt")
     run.add_argument("--out", default=_T.out, help="run directory for metrics, summary, plot and checkpoints")
     run.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
+    run.add_argument("--device", default=_T.device, help=DEVICE_HELP)
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait before failing")
     run.add_argument("--seed", type=int, default=_T.seed, help="seed for the weights and the data order")
     run.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -117,7 +119,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Validate (layout, precision, model shape against the degrees), then train here or in ``--nproc`` ranks."""
-    from fedpar.parallel.init import device_type, exit_rank_process, spawn
+    from fedpar.parallel.device import check_device_layout
+    from fedpar.parallel.init import exit_rank_process, spawn
     from fedpar.parallel.preflight import preflight
     from fedpar.parallel.run import spawned_train_process, train_process
 
@@ -127,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         cfg.parallel = cfg.parallel.resolved(world)
         cfg.check()
-        preflight(cfg, device_type())
+        # One GPU per rank on this machine: torchrun's LOCAL_WORLD_SIZE, else the ranks spawned here.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
+        preflight(cfg, check_device_layout(cfg.device, local_ranks))
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
-from fedpar.client.trainer import EvalResult, TrainResult, evaluate_classifier
+from fedpar.client.trainer import TrainResult
+from fedpar.models.evaluation import EvalResult, evaluate_classifier
 from fedpar.datasets import ArrayDataset
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ConfigurationError, ParallelConfig
@@ -45,7 +46,7 @@ class EngineTrainer:
             raise ConfigurationError("agents train with --dp/--fsdp/--tp; pipeline parallelism (--pp) is not "
                                      "supported for agents, use --fsdp to spread a large model instead")
         self.info, self.seed, self.shuffle = info, seed, shuffle
-        self.mesh = build_mesh(config)
+        self.mesh = build_mesh(config, info.device.type)
         self._dp_size, self._dp_rank = config.data_parallel_size, self.mesh.data_parallel_rank
         self._counts = self.mesh.coord("tp") == 0  # TP peers see the same examples: count them once
         self.module = parallelize(model_fn, family, config, self.mesh, info, classification_loss, seed).parts[0]

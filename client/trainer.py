@@ -14,6 +14,8 @@ from torch import nn
 from torch.optim.sgd import sgd
 
 from fedpar.datasets import ArrayDataset
+from fedpar.models.evaluation import EvalResult, evaluate_classifier
+from fedpar.parallel.device import synchronize
 
 
 @dataclass
@@ -27,28 +29,31 @@ class TrainResult:
     seconds: float
 
 
-@dataclass
-class EvalResult:
-    """Loss and accuracy of a model on some examples."""
-
-    loss: float
-    accuracy: float
-    examples: int
+PRECISIONS = ("fp32", "bf16")
 
 
 class LocalTrainer:
-    """Runs SGD epochs over local arrays, stopping before a wall-clock limit."""
+    """Runs SGD epochs over local arrays on one device, stopping before a wall-clock limit.
+
+    The model and the local data live on ``device`` for the trainer's life; ``precision="bf16"`` runs forward
+    passes under bf16 autocast (weights, gradients and the update stay fp32, so uploads are unchanged).
+    """
 
     def __init__(self, model: nn.Module, train: ArrayDataset, val: ArrayDataset | None = None,
                  seed: int = 0, seconds_per_step_delay: float = 0.0,
-                 compute_lock: threading.Lock | None = None):
-        self.model = model
+                 compute_lock: threading.Lock | None = None, device: torch.device | str = "cpu",
+                 precision: str = "fp32"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.device = torch.device(device)
+        self.precision = precision
+        self.model = model.to(self.device)
         # Agents sharing one process share its interpreter lock: stepping dozens of small models at once only
         # adds lock hand-offs and cache misses (several times slower per step), so such hosts pass one lock and
         # each agent trains in one turn (a simulated slow device gives the turn up while it sleeps).
         self._turn = compute_lock
-        self.x, self.y = train.to_tensors()
-        self.val = val.to_tensors() if val is not None and len(val) else None
+        self.x, self.y = (t.to(self.device) for t in train.to_tensors())
+        self.val = tuple(t.to(self.device) for t in val.to_tensors()) if val is not None and len(val) else None
         self.seed = seed
         self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
         self._step_seconds = 0.0
@@ -58,7 +63,8 @@ class LocalTrainer:
         to a deadline."""
         self.model.train()
         params = trainable(self.model)
-        loss = F.cross_entropy(self.model(self.x[:2]), self.y[:2])
+        with self._autocast():
+            loss = F.cross_entropy(self.model(self.x[:2]), self.y[:2])
         loss.backward()
         sgd_step(params, lr=0.0)  # the weights do not change
         for p in params:
@@ -79,19 +85,21 @@ class LocalTrainer:
         anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + round_id)
         steps = examples = 0
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stopped = False
         n = len(self.y)
         with self._taking_turn():
             for _ in range(epochs):
-                order = torch.randperm(n, generator=gen)
+                order = torch.randperm(n, generator=gen).to(self.device)  # drawn on the CPU: same order anywhere
                 for begin in range(0, n, batch_size):
+                    synchronize(self.device)  # the clock must see the queued GPU work, or the deadline is missed
                     if time.monotonic() + self._step_seconds > stop_at:
                         stopped = True
                         break
                     t0 = time.monotonic()
                     idx = order[begin:begin + batch_size]
-                    loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
+                    with self._autocast():
+                        loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
                     objective = loss
                     if anchor is not None:
                         # FedProx (Li et al. 2020): keep local weights near the global ones.
@@ -105,12 +113,13 @@ class LocalTrainer:
                         self._pause(self.delay)
                     steps += 1
                     examples += len(idx)
-                    loss_sum += loss.item() * len(idx)
+                    loss_sum += loss.detach().double() * len(idx)
+                    synchronize(self.device)
                     dt = time.monotonic() - t0
                     self._step_seconds = dt if steps == 1 else 0.8 * self._step_seconds + 0.2 * dt
                 if stopped:
                     break
-        return TrainResult(steps, examples, loss_sum / examples if examples else float("nan"), stopped,
+        return TrainResult(steps, examples, loss_sum.item() / examples if examples else float("nan"), stopped,
                            time.monotonic() - start)
 
     @torch.no_grad()
@@ -120,6 +129,10 @@ class LocalTrainer:
             return None
         with self._taking_turn():
             return evaluate_classifier(self.model, *self.val, batch_size=batch_size)
+
+    def _autocast(self):
+        """bf16 autocast around a forward pass when asked for, else nothing."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     @contextlib.contextmanager
     def _taking_turn(self):
@@ -159,16 +172,3 @@ def sgd_step(params: list[nn.Parameter], lr: float) -> None:
     if with_grad:
         sgd(with_grad, [p.grad for p in with_grad], [None] * len(with_grad), weight_decay=0.0, momentum=0.0, lr=lr,
             dampening=0.0, nesterov=False, maximize=False)
-
-
-@torch.no_grad()
-def evaluate_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> EvalResult:
-    """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""
-    model.eval()
-    loss = correct = 0.0
-    for begin in range(0, len(y), batch_size):
-        logits = model(x[begin:begin + batch_size])
-        target = y[begin:begin + batch_size]
-        loss += F.cross_entropy(logits, target, reduction="sum").item()
-        correct += (logits.argmax(dim=1) == target).sum().item()
-    return EvalResult(loss / len(y), correct / len(y), len(y))

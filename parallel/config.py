@@ -123,6 +123,7 @@ class TrainConfig:
 
     model: str = "mlp"
     dataset: str = "digits"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (parallel/device.py)
     data_path: str = ""
     out: str = "runs/train"
     epochs: int = 1

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fedpar.parallel.device import backend_for, resolve_device
+
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -32,16 +34,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def device_type() -> str:
-    """``"cuda"`` when a GPU is usable, else ``"cpu"`` (never guess cuda; see parallel-on-cpu pitfall 3)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def backend_for_device() -> str:
-    """NCCL on GPUs, gloo on CPUs."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host`` (bind to port 0 and read it back)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -49,33 +41,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_seconds: float = 300.0) -> DistInfo:
+_joined: DistInfo | None = None  # what init_distributed set up in this process
+
+
+def init_distributed(timeout_seconds: float = 300.0, device: str = "auto") -> DistInfo:
     """Join (or create) the default process group from torchrun-style environment variables.
 
-    Without WORLD_SIZE in the environment this is a one-process group on an in-memory store, so
+    ``device`` is the ``--device`` choice (see parallel/device.py): NCCL with ``cuda:LOCAL_RANK`` on GPUs, gloo on
+    the CPU. Without WORLD_SIZE in the environment this is a one-process group on an in-memory store, so
     single-process training runs the same code path without opening a port.
     """
+    global _joined
+    if _joined is not None and dist.is_initialized():
+        return _joined  # already joined: the device chosen then stays (a second ``auto`` must not move it)
     timeout = timedelta(seconds=timeout_seconds)
-    backend = backend_for_device()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch_device = resolve_device(device, local_rank)
+    backend = backend_for(torch_device)
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
             if missing:
                 raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with torchrun "
                                    "or 'fedpar train --nproc N', or unset WORLD_SIZE for one process")
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            if backend == "nccl":
-                torch.cuda.set_device(local_rank)
-            dist.init_process_group(backend, timeout=timeout)
+            # device_id binds NCCL's communicator to this rank's GPU at once (no guessing from the current device).
+            extra = {"device_id": torch_device} if backend == "nccl" else {}
+            dist.init_process_group(backend, timeout=timeout, **extra)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), backend, device)
+    _joined = DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), dist.get_backend(), torch_device)
+    return _joined
 
 
 def shutdown_distributed() -> None:
     """Destroy the default process group if there is one."""
+    global _joined
+    _joined = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

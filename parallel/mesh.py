@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fedpar.parallel.config import ParallelConfig
-from fedpar.parallel.init import device_type
 
 # Outermost to innermost: TP ranks are neighbours (fastest links), PP is the slowest dimension.
 MESH_DIMS = ("pp", "dp", "fsdp", "tp")
@@ -39,7 +38,7 @@ class ParallelMesh:
         return self.mesh[dims]
 
 
-def build_mesh(config: ParallelConfig) -> ParallelMesh:
-    """Create the 4-D mesh for already-resolved degrees; size-1 dimensions are kept so names always exist."""
+def build_mesh(config: ParallelConfig, device_type: str) -> ParallelMesh:
+    """Create the 4-D mesh (on ``"cuda"`` or ``"cpu"``) for resolved degrees; size-1 dimensions are kept."""
     shape = tuple(getattr(config, d) for d in MESH_DIMS)
-    return ParallelMesh(init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS), config)
+    return ParallelMesh(init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS), config)

@@ -18,7 +18,7 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
     cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
     # Long CPU runs slow down several-fold once weights drift into subnormal floats (notes/cpu-training.md).
     torch.set_flush_denormal(True)
-    info = init_distributed(timeout_seconds)
+    info = init_distributed(timeout_seconds, cfg.device)
     try:
         data, implied = load_train_data(cfg.dataset, cfg.data_path, cfg.block_size, cfg.seed)
         kwargs = model_kwargs_for(cfg.model, implied, cfg.model_kwargs)

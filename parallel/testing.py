@@ -73,8 +73,18 @@ def clipped_sgd_step(params: list[nn.Parameter], max_norm: float, pp_group=None)
     return {"norm": norm, "local_norm": local_norm, "clipped_norm": clipped_norm}
 
 
-def _worker(checks_file: str, names: list[str], out_dir: str) -> None:
-    info = init_distributed(timeout_seconds=60)
+def gpus_for_ranks(nproc: int) -> bool:
+    """True when this machine has a CUDA GPU for each of ``nproc`` local ranks (so NCCL can join them)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+
+
+def backend_id(device: str) -> str:
+    """The backend a group on ``device`` uses, for test ids: ``"nccl"`` on GPUs, ``"gloo"`` on the CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _worker(checks_file: str, names: list[str], out_dir: str, device: str) -> None:
+    info = init_distributed(timeout_seconds=60, device=device)
     torch.set_flush_denormal(True)  # long CPU loops slow down badly on denormals (notes/cpu-training.md)
     spec = importlib.util.spec_from_file_location(f"fedpar_checks_{Path(checks_file).stem}", checks_file)
     module = importlib.util.module_from_spec(spec)
@@ -97,8 +107,9 @@ def _worker(checks_file: str, names: list[str], out_dir: str) -> None:
         shutdown_distributed()
 
 
-def run_checks(nproc: int, checks_file: str | Path, names: list[str], out_dir: str | Path) -> list[dict[str, Any]]:
-    """Run check functions ``names`` of ``checks_file`` in one spawned group; return each rank's results.
+def run_checks(nproc: int, checks_file: str | Path, names: list[str], out_dir: str | Path,
+               device: str = "cpu") -> list[dict[str, Any]]:
+    """Run check functions ``names`` of ``checks_file`` in one spawned group on ``device``; return each rank's results.
 
     Every check returns a JSON-able dict of numbers. A failing check stops the group; its traceback is kept
     in the results of the ranks that raised, and later checks are missing.
@@ -107,7 +118,7 @@ def run_checks(nproc: int, checks_file: str | Path, names: list[str], out_dir: s
     out_dir.mkdir(parents=True, exist_ok=True)
     error: BaseException | None = None
     try:
-        spawn(nproc, _worker, str(checks_file), list(names), str(out_dir))
+        spawn(nproc, _worker, str(checks_file), list(names), str(out_dir), device)
     except Exception as exc:  # keep partial results; the tests report which check failed and why
         error = exc
     results = []

@@ -61,7 +61,7 @@ class Trainer:
         self.out = Path(config.out)
         pc = config.parallel
         self.precision = resolve_precision(pc, info.device.type)
-        self.mesh = build_mesh(pc)
+        self.mesh = build_mesh(pc, info.device.type)
         self.loss_fn = classification_loss if data.task == CLASSIFICATION else language_model_loss
         self.model = parallelize(model_fn, config.model, pc, self.mesh, info, self.loss_fn, config.seed,
                                  config.activation_checkpointing)
@@ -268,6 +268,7 @@ class Trainer:
             "dataset": self.config.dataset,
             "world_size": self.info.world_size,
             "backend": self.info.backend,
+            "device": str(self.info.device),
             "precision": self.precision,
             "steps": self.counters["step"],
             "resumed_from_step": resumed_from,

@@ -45,6 +45,8 @@ class WorkerConfig:
     seed: int
     agents: list[AgentSpec]
     poll_seconds: float = 2.0
+    device: str = "cpu"  # where this worker's agents train, e.g. "cuda:1" (the runner spreads workers over GPUs)
+    precision: str = "fp32"  # bf16: forward passes under bf16 autocast
 
 
 def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None) -> Agent:
@@ -55,7 +57,8 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: thread
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
     trainer = LocalTrainer(model, train, val, seed=cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000,
-                           seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock)
+                           seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock, device=cfg.device,
+                           precision=cfg.precision)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
                             drop_probability=spec.drop_probability, give_up_after=60.0, credentials=credentials,
                             data_tls=client_ssl_context(files) if files else None,

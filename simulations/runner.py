@@ -17,10 +17,12 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compression import CompressionConfig
-from fedpar.client.trainer import evaluate_classifier
+from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
-from fedpar.models import get_weights, set_weights, weight_specs
+from fedpar.models import get_weights, weight_specs
+from fedpar.models.evaluation import CentralEvaluator
 from fedpar.models.for_data import build_model_for_data
+from fedpar.parallel.device import check_device_layout, device_kind, parse_device, resolve_device, visible_gpus
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
@@ -60,6 +62,8 @@ class SimulationConfig:
     topk_ratio: float = 0.01
     int8_block: int = 256
     workers: int = 2  # agent processes (agents are threads inside them)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N: where agents train and the coordinator evaluates
+    precision: str = "fp32"  # bf16: agents' forward passes under bf16 autocast
     secure_aggregation: bool = False  # SecAgg+ masking: the coordinator sees only the weighted mean
     seed: int = 0
     out: str | None = None
@@ -74,16 +78,15 @@ def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray]) -> list[AgentSp
             for i in range(cfg.clients)]
 
 
-def _central_evaluator(cfg: SimulationConfig, splits) -> Callable[[list[np.ndarray]], dict[str, float]]:
-    model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
-    x, y = splits.test.to_tensors()
-
-    def evaluate(weights: list[np.ndarray]) -> dict[str, float]:
-        set_weights(model, weights)
-        result = evaluate_classifier(model, x, y)
-        return {"test_loss": result.loss, "test_accuracy": result.accuracy}
-
-    return evaluate
+def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
+    """The device of each agent worker process: one GPU named by ``spec``, or workers dealt round-robin over
+    the ``gpus`` visible GPUs (``cuda``/``auto`` on a GPU machine; default: this machine's), or the CPU."""
+    gpus = visible_gpus() if gpus is None else gpus
+    if device_kind(spec, gpus) == "cpu":
+        return ["cpu"] * workers
+    if ":" in parse_device(spec):
+        return [parse_device(spec)] * workers
+    return [f"cuda:{w % gpus}" for w in range(workers)]
 
 
 def upload_compression(cfg: SimulationConfig) -> CompressionConfig:
@@ -95,6 +98,9 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
     upload_compression(cfg)  # bad settings fail before anything starts
+    check_device_layout(cfg.device)
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
@@ -148,17 +154,20 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
     for spec in specs if certs else ():
         spec.certs_dir = certs.name
-    coordinator = Coordinator(coord_cfg, names, get_weights(model), strategy,
-                              evaluate_fn=_central_evaluator(cfg, splits), on_round_end=callbacks,
+    evaluate = CentralEvaluator(build_model_for_data(cfg.model, splits.input_shape, splits.num_classes),
+                                *splits.test.to_tensors(), device=resolve_device(cfg.device))
+    coordinator = Coordinator(coord_cfg, names, get_weights(model), strategy, evaluate_fn=evaluate,
+                              on_round_end=callbacks,
                               admission=Admission(require_certificate=cfg.tls))
     server = CoordinatorServer(coordinator,
                                credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
                                data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None)
     server.start()
     try:
+        devices = worker_devices(cfg.device, len(pipes))
         for w, send in enumerate(pipes):
             send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
-                                   specs[w::len(pipes)]))
+                                   specs[w::len(pipes)], device=devices[w], precision=cfg.precision))
             send.close()
         while not server.wait(0.5):
             dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]

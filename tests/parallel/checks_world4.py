@@ -43,7 +43,7 @@ def _parallel_gpt(pc: ParallelConfig, activation_checkpointing: bool = False):
     """The GPT parallelized by parallelize() on a mesh for ``pc``, and this rank's data shard of the global batch."""
     info = init_distributed()
     pc = pc.resolved(dist.get_world_size())
-    mesh = build_mesh(pc)
+    mesh = build_mesh(pc, info.device.type)
     model = parallelize(_gpt, "gpt", pc, mesh, info, lm_loss, seed=0,
                         activation_checkpointing=activation_checkpointing)
     x, y = _batch()

@@ -20,9 +20,14 @@ from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConf
 # launch plus its lazy imports has taken several minutes, so allow more than the suite's 300 s default.
 pytestmark = pytest.mark.timeout(900)
 
+# Multi-rank runs here are gloo on the CPU on every machine, so their figures do not depend on the GPUs present
+# (tests/parallel/test_cuda.py covers NCCL and the GPU paths).
+GLOO = ("--device", "cpu")
+
+
 def _fedpar(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "fedpar", "train", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fedpar", "train", *GLOO, *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -30,10 +35,11 @@ def test_train_under_torchrun_takes_its_ranks_from_the_environment(tmp_path: Pat
     """torchrun starts the ranks and sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*; `fedpar train` only joins them."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
            "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "run"
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "fedpar", "train",  # loopback
-                           "--model", "mlp", "--dataset", "digits", "--epochs", "1", "--fsdp", "2", "--out", str(out)],
+    # torch.distributed.run is torchrun's module: found wherever torch is, even when no torchrun script is on PATH.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",  # loopback
+                           "--nproc_per_node=2", "-m", "fedpar", "train", "--model", "mlp", "--dataset", "digits",
+                           "--epochs", "1", "--fsdp", "2", *GLOO, "--out", str(out)],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -69,7 +75,7 @@ def test_train_rejects_degrees_that_do_not_multiply_to_the_world_size(tmp_path: 
     from fedpar.cli.main import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    code = main(["train", "--model", "gpt", "--dataset", "text", "--nproc", "2", "--dp", "1", "--tp", "3",
+    code = main(["train", "--model", "gpt", "--dataset", "text", "--nproc", "2", *GLOO, "--dp", "1", "--tp", "3",
                  "--out", str(tmp_path)])
     assert code == 2
     err = capsys.readouterr().err
@@ -157,7 +163,7 @@ def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_
     assert _fedpar(*_train_args(straight)).returncode == 0
     crashed = tmp_path / "crashed"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "train", *_train_args(crashed)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "train", *GLOO, *_train_args(crashed)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     metrics = crashed / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -263,7 +269,7 @@ def test_train_refuses_bad_layouts_before_any_rank_starts(tmp_path: Path, capsys
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "run"
     argv = ["train", "--model", "gpt", "--dataset", "text", "--data-path", str(_tiny_text(tmp_path)),
-            "--nproc", "2", "--out", str(out), *extra]
+            "--nproc", "2", *GLOO, "--out", str(out), *extra]
     if "--dp" not in extra:
         argv += ["--dp", "1"]
     started = time.perf_counter()
@@ -280,7 +286,7 @@ def test_train_refuses_a_layout_given_in_a_config_file(tmp_path: Path, capsys, m
     toml.write_text(f'[train]\nmodel = "gpt"\ndataset = "text"\ndata_path = "{_tiny_text(tmp_path)}"\n'
                     f'out = "{tmp_path / "run"}"\n[train.parallel]\ndp = 1\npp = 2\n'
                     '[train.model_kwargs]\nn_layer = 1\n')
-    assert main(["train", "--config", str(toml), "--nproc", "2"]) == 2
+    assert main(["train", "--config", str(toml), "--nproc", "2", *GLOO]) == 2
     assert "--pp 2 x --stages-per-rank 1 = 2 pipeline stages" in capsys.readouterr().err
 
 

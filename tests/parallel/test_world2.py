@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpar.parallel.testing import run_checks
+from fedpar.parallel.testing import backend_id, run_checks
 
 CHECKS = Path(__file__).with_name("checks_world2.py")
 NAMES = [
@@ -41,10 +41,12 @@ TOL = 1e-5
 # launch plus its lazy imports has taken several minutes, so allow more than the suite's 300 s default.
 pytestmark = pytest.mark.timeout(900)
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
+# The checks compare against dense references computed on the CPU, so the group is gloo on every machine (even
+# one with a GPU per rank); the CUDA paths have their own tests in tests/parallel/test_cuda.py.
+@pytest.fixture(scope="module", params=["cpu"], ids=backend_id)
+def results(request, tmp_path_factory) -> list[dict]:
     """Each rank's results of every check, from one 2-rank launch."""
-    return run_checks(2, CHECKS, NAMES, tmp_path_factory.mktemp("world2"))
+    return run_checks(2, CHECKS, NAMES, tmp_path_factory.mktemp("world2"), device=request.param)
 
 
 def per_rank(results: list[dict], name: str) -> list[dict]:
