@@ -104,9 +104,7 @@ class Trainer:
         pipeline = self.model.pipeline
         if pipeline is not None:
             losses: list[torch.Tensor] = []
-            pipeline.schedule.step(x if pipeline.has_first_stage else None,
-                                   target=y if pipeline.has_last_stage else None, losses=losses,
-                                   return_outputs=False)
+            pipeline.step(x, y, losses=losses, return_outputs=False)
             loss = float(torch.stack(losses).detach().mean()) if losses else 0.0
         else:
             model, accum = self.model.parts[0], self.config.grad_accum
@@ -148,8 +146,7 @@ class Trainer:
             pipeline = self.model.pipeline
             if pipeline is not None:
                 # The last stage gets the merged logits of all microbatches back; other stages get None.
-                out = pipeline.schedule.eval(x if pipeline.has_first_stage else None,
-                                             target=y if pipeline.has_last_stage else None)
+                out = pipeline.eval(x, y)
                 if out is None:
                     continue
             else:

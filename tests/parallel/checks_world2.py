@@ -152,8 +152,7 @@ def _pipeline_vs_unsplit(schedule: str, stages_per_rank: int):
         p.zero_grad(set_to_none=True)
     pipe = build_pipeline(parts, ids, num_stages, torch.device("cpu"), dist.group.WORLD, schedule, 4, lm_loss)
     losses: list[torch.Tensor] = []
-    pipe.schedule.step(x if pipe.has_first_stage else None, target=y if pipe.has_last_stage else None,
-                       losses=losses)
+    pipe.step(x, y, losses=losses)
     mean_loss = torch.stack(losses).mean() if losses else torch.zeros(())
     dist.all_reduce(mean_loss)  # only the last stage's rank contributes
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
@@ -454,7 +453,7 @@ def check_grad_clipping_pp():
     x, y = _token_batch()
     dense_norm, max_norm = dense_clipped_sgd_step(ref, x, y, lm_loss)
     pipe = build_pipeline(parts, [rank], world, torch.device("cpu"), dist.group.WORLD, "1f1b", 4, lm_loss)
-    pipe.schedule.step(x if pipe.has_first_stage else None, target=y if pipe.has_last_stage else None)
+    pipe.step(x, y)
     out = clipped_sgd_step([p for part in parts for p in part.parameters()], max_norm, dist.group.WORLD)
     stage_params = {k: v.detach() for part in parts for k, v in part.named_parameters()}
     return {**out, "dense_norm": dense_norm, "max_norm": max_norm,
