@@ -27,7 +27,13 @@ from fedpar.parallel.metrics import (
     plot_loss_curve,
     write_json_atomic,
 )
-from fedpar.parallel.optim import build_optimizers, clip_gradients, set_learning_rate, warmup_factor
+from fedpar.parallel.optim import (
+    build_optimizers,
+    clip_gradients,
+    replicate_partial_grads,
+    set_learning_rate,
+    warmup_factor,
+)
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.precision import resolve_precision, uses_autocast
 from fedpar.parallel.sampler import DistributedBatchSampler
@@ -119,6 +125,7 @@ class Trainer:
                         micro_loss = self.loss_fn(model(xm), ym) / accum
                     micro_loss.backward()
                 loss += float(micro_loss.detach())
+        replicate_partial_grads(self.model.parameters())
         if self.config.grad_clip > 0:
             clip_gradients(self.model.parameters(), self.config.grad_clip, self.pp_group)
         for opt in self.optimizers:
