@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fedpar.parallel.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+from fedpar.parallel.safe_dcp import UnsafeCheckpointError, safe_load
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step-\d{8}")
@@ -102,7 +102,7 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
     """
     parts = _part_states(model_parts, optimizers)
     state = _state(parts, {k: 0 for k in counter_names})
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    safe_load(state, path)
     for part, opt, (model_sd, optim_sd) in zip(model_parts, optimizers, parts):
         set_model_state_dict(part, {k: state["model"][k] for k in model_sd})
         set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in optim_sd}, options=_OPTIM_OPTIONS)

@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from fedpar.parallel.config import TrainConfig
 
@@ -51,6 +51,16 @@ def _by_grad_layout(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
+def replicate_partial_grads(parameters: list[nn.Parameter]) -> None:
+    """Sum Partial DTensor gradients (sequence-parallel norm weights) into Replicate ones, in place of them."""
+    # torch 2.11's in-place foreach ops (clip_grads_with_norm_, SGD momentum's default on GPU) leave a Partial
+    # DTensor unchanged. The sum costs nothing extra: the norm and the optimizer would all-reduce it anyway.
+    for p in parameters:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
 def total_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The global L2 norm of all gradients, across shards (DTensor) and pipeline stages (``pp_group``)."""
     squares = torch.zeros((), dtype=torch.float32)
@@ -68,6 +78,7 @@ def total_grad_norm(parameters: list[nn.Parameter], pp_group: dist.ProcessGroup 
 def clip_gradients(parameters: list[nn.Parameter], max_norm: float,
                    pp_group: dist.ProcessGroup | None = None) -> float:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    replicate_partial_grads(parameters)
     norm = total_grad_norm(parameters, pp_group)
     for group in _by_grad_layout(parameters):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].device))

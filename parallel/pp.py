@@ -86,6 +86,7 @@ class Pipeline:
     modules: list[nn.Module]
     stages: list[PipelineStage]
     schedule: _PipelineSchedule
+    eval_schedule: _PipelineSchedule
 
     @property
     def has_first_stage(self) -> bool:
@@ -96,6 +97,22 @@ class Pipeline:
     def has_last_stage(self) -> bool:
         """True when this rank computes the loss."""
         return any(s.is_last for s in self.stages)
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Only the first stage's rank may pass inputs: torch 2.11 takes any positional argument (even None)
+        # on a later stage as a shape-inference input and asserts; 2.13 ignores it. Contiguous, because 2.11
+        # checks each microbatch's strides against a meta copy of the first one, and .to("meta") drops a view's
+        # strides (a token batch sliced x = seq[:, :-1] would fail the check).
+        return (x.contiguous(),) if self.has_first_stage else ()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, losses: list | None = None, return_outputs: bool = True):
+        """One training step of the schedule; inputs/targets are used only on the first/last stage's rank."""
+        return self.schedule.step(*self._inputs(x), target=y if self.has_last_stage else None, losses=losses,
+                                  return_outputs=return_outputs)
+
+    def eval(self, x: torch.Tensor, y: torch.Tensor):
+        """A forward-only pass; the last stage's rank gets the merged outputs back, the others None."""
+        return self.eval_schedule.eval(*self._inputs(x), target=y if self.has_last_stage else None)
 
 
 def build_schedule(stages: list[PipelineStage], name: str, microbatches: int,
@@ -116,5 +133,13 @@ def build_pipeline(stage_modules: list[nn.Module], stage_ids: list[int], num_sta
 
     ``loss_fn`` returns the mean loss of one microbatch; the schedule scales gradients by 1/microbatches.
     """
-    stages = [PipelineStage(m, sid, num_stages, device, group=pp_group) for m, sid in zip(stage_modules, stage_ids)]
-    return Pipeline(stage_modules, stages, build_schedule(stages, schedule, microbatches, loss_fn))
+    def schedule_over_new_stages() -> tuple[list[PipelineStage], _PipelineSchedule]:
+        stages = [PipelineStage(m, sid, num_stages, device, group=pp_group)
+                  for m, sid in zip(stage_modules, stage_ids)]
+        return stages, build_schedule(stages, schedule, microbatches, loss_fn)
+
+    stages, train_schedule = schedule_over_new_stages()
+    # Evaluation gets its own stages over the same modules: torch 2.11 fixes the receive buffers' requires_grad
+    # when a schedule first runs, so a schedule whose first use was eval() cannot train afterwards.
+    _, eval_schedule = schedule_over_new_stages()
+    return Pipeline(stage_modules, stages, train_schedule, eval_schedule)

@@ -5,7 +5,7 @@ reads non-tensor items with ``torch.load(weights_only=False)``: a checkpoint fol
 could run code on load. ``SafeFileSystemReader`` unpickles the metadata with an allow-list of the classes DCP
 itself writes (the restricted-``find_class`` pattern of Python's pickle documentation) and refuses storage
 entries that point outside the folder; ``SafeLoadPlanner`` reads non-tensor items with ``weights_only=True``.
-Tensor data is already read with ``weights_only=True`` by DCP.
+Tensor data is already read with ``weights_only=True`` by DCP. ``safe_load`` is ``dcp.load`` through both.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import is_dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
@@ -109,3 +110,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def safe_load(state_dict: dict[str, Any], path: str | pathlib.Path, **dcp_kwargs: Any) -> None:
+    """``dcp.load`` of the checkpoint folder ``path`` through the safe reader and planner (in place)."""
+    reader = SafeFileSystemReader(str(path))
+    # Check .metadata before DCP does, so a refusal raises UnsafeCheckpointError with its reason: torch 2.11's
+    # dcp.load catches any read_metadata error and reports only "metadata is None" (2.13 keeps the message).
+    reader.read_metadata()
+    dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), **dcp_kwargs)

@@ -27,7 +27,13 @@ from fedpar.parallel.metrics import (
     plot_loss_curve,
     write_json_atomic,
 )
-from fedpar.parallel.optim import build_optimizers, clip_gradients, set_learning_rate, warmup_factor
+from fedpar.parallel.optim import (
+    build_optimizers,
+    clip_gradients,
+    replicate_partial_grads,
+    set_learning_rate,
+    warmup_factor,
+)
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.precision import resolve_precision, uses_autocast
 from fedpar.parallel.sampler import DistributedBatchSampler
@@ -104,9 +110,7 @@ class Trainer:
         pipeline = self.model.pipeline
         if pipeline is not None:
             losses: list[torch.Tensor] = []
-            pipeline.schedule.step(x if pipeline.has_first_stage else None,
-                                   target=y if pipeline.has_last_stage else None, losses=losses,
-                                   return_outputs=False)
+            pipeline.step(x, y, losses=losses, return_outputs=False)
             loss = float(torch.stack(losses).detach().mean()) if losses else 0.0
         else:
             model, accum = self.model.parts[0], self.config.grad_accum
@@ -121,6 +125,7 @@ class Trainer:
                         micro_loss = self.loss_fn(model(xm), ym) / accum
                     micro_loss.backward()
                 loss += float(micro_loss.detach())
+        replicate_partial_grads(self.model.parameters())
         if self.config.grad_clip > 0:
             clip_gradients(self.model.parameters(), self.config.grad_clip, self.pp_group)
         for opt in self.optimizers:
@@ -148,8 +153,7 @@ class Trainer:
             pipeline = self.model.pipeline
             if pipeline is not None:
                 # The last stage gets the merged logits of all microbatches back; other stages get None.
-                out = pipeline.schedule.eval(x if pipeline.has_first_stage else None,
-                                             target=y if pipeline.has_last_stage else None)
+                out = pipeline.eval(x, y)
                 if out is None:
                     continue
             else:

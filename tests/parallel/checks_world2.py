@@ -24,6 +24,7 @@ from fedpar.parallel.data import CLASSIFICATION, LANGUAGE_MODEL, TrainData, load
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.fsdp import apply_fsdp
+from fedpar.parallel.optim import replicate_partial_grads
 from fedpar.parallel.pp import build_pipeline, build_schedule, build_stage_module, stage_ids_for_rank
 from fedpar.parallel.sampler import DistributedBatchSampler
 from fedpar.parallel.testing import (
@@ -152,8 +153,7 @@ def _pipeline_vs_unsplit(schedule: str, stages_per_rank: int):
         p.zero_grad(set_to_none=True)
     pipe = build_pipeline(parts, ids, num_stages, torch.device("cpu"), dist.group.WORLD, schedule, 4, lm_loss)
     losses: list[torch.Tensor] = []
-    pipe.schedule.step(x if pipe.has_first_stage else None, target=y if pipe.has_last_stage else None,
-                       losses=losses)
+    pipe.step(x, y, losses=losses)
     mean_loss = torch.stack(losses).mean() if losses else torch.zeros(())
     dist.all_reduce(mean_loss)  # only the last stage's rank contributes
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
@@ -445,6 +445,31 @@ def check_grad_clipping_tp_mlp():
     return _grad_clipping_tp(TinyMLP(), "mlp", *_classification_batch(), F.cross_entropy)
 
 
+def check_tp_sequence_parallel_foreach_momentum_sgd_matches_dense():
+    """GPT with TP + sequence parallel, momentum SGD with foreach=True (the GPU default): 3 steps vs dense.
+
+    The norm weights' gradients come out Partial(sum); replicate_partial_grads sums them first, as the
+    trainer does (torch 2.11's foreach momentum update leaves a Partial DTensor unchanged).
+    """
+    batches = [_token_batch(seed=s) for s in range(3)]
+    ref, ref_losses, _ = _dense_sgd_steps(batches, build=_gpt, loss_fn=lm_loss)
+    torch.manual_seed(0)
+    model = apply_tp(_gpt(), _mesh(), "gpt", sequence_parallel=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    losses, partial = [], set()
+    for x, y in batches:
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        partial |= {k for k, p in model.named_parameters()
+                    if any(pl.is_partial() for pl in getattr(p.grad, "placements", ()))}
+        replicate_partial_grads(list(model.parameters()))
+        opt.step()
+        losses.append(loss.item())
+    return {"partial_grads": sorted(partial), "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "max_param_diff": max_abs_diff(_params(model), _params(ref))}
+
+
 def check_grad_clipping_pp():
     """GPT in 2 pipeline stages (1F1B): the norm all-reduced over the pp group and the clipped step vs dense."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -454,7 +479,7 @@ def check_grad_clipping_pp():
     x, y = _token_batch()
     dense_norm, max_norm = dense_clipped_sgd_step(ref, x, y, lm_loss)
     pipe = build_pipeline(parts, [rank], world, torch.device("cpu"), dist.group.WORLD, "1f1b", 4, lm_loss)
-    pipe.schedule.step(x if pipe.has_first_stage else None, target=y if pipe.has_last_stage else None)
+    pipe.step(x, y)
     out = clipped_sgd_step([p for part in parts for p in part.parameters()], max_norm, dist.group.WORLD)
     stage_params = {k: v.detach() for part in parts for k, v in part.named_parameters()}
     return {**out, "dense_norm": dense_norm, "max_norm": max_norm,

@@ -59,8 +59,7 @@ def _composed(pc: ParallelConfig, activation_checkpointing: bool = False):
     for _ in range(STEPS):
         if model.pipeline is not None:
             mb: list[torch.Tensor] = []
-            model.pipeline.schedule.step(xs if model.has_first_stage else None,
-                                         target=ys if model.has_last_stage else None, losses=mb)
+            model.pipeline.step(xs, ys, losses=mb)
             loss = torch.stack(mb).detach().mean() if mb else torch.zeros(())
         else:
             loss = lm_loss(model.parts[0](xs), ys)

@@ -1,6 +1,7 @@
 """DCP checkpoints are read without running pickled code: tampered metadata, items and pointers are refused.
 
-DCP wraps a reader's or planner's error in a CheckpointException carrying its text.
+``safe_load`` refuses bad metadata itself (UnsafeCheckpointError); DCP wraps a planner's error in a
+CheckpointException carrying its text.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fedpar.parallel.safe_dcp import (
     SafeLoadPlanner,
     UnsafeCheckpointError,
     load_metadata_bytes,
+    safe_load,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -46,7 +48,7 @@ def _save(path: Path, state: dict[str, object]) -> None:
 
 
 def _safe_load(path: Path, into: dict[str, object]) -> None:
-    dcp.load(into, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+    safe_load(into, path, no_dist=True)
 
 
 def test_safe_reader_loads_what_dcp_wrote(tmp_path: Path) -> None:
@@ -62,8 +64,13 @@ def test_metadata_naming_a_foreign_callable_is_refused_without_running_it(tmp_pa
     _save(tmp_path / "ck", _state())
     marker = tmp_path / "pwned"
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
-    with pytest.raises(CheckpointException, match="names io.open, which torch.distributed.checkpoint never writes"):
+    with pytest.raises(UnsafeCheckpointError, match="names io.open, which torch.distributed.checkpoint never writes"):
         _safe_load(tmp_path / "ck", _state())
+    assert not marker.exists()
+    # The reader refuses when DCP itself calls it, too (torch 2.11 then reports only "metadata is None").
+    with pytest.raises(CheckpointException):
+        dcp.load(_state(), storage_reader=SafeFileSystemReader(str(tmp_path / "ck")), planner=SafeLoadPlanner(),
+                 no_dist=True)
     assert not marker.exists()
 
 

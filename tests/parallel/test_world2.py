@@ -29,6 +29,7 @@ NAMES = [
     "check_grad_clipping_tp_gpt",
     "check_grad_clipping_tp_mlp",
     "check_grad_clipping_pp",
+    "check_tp_sequence_parallel_foreach_momentum_sgd_matches_dense",
     "check_fsdp_grad_accumulation_equals_dense_batch",
     "check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense",
     "check_interleaved_microbatch_rule_matches_torch",
@@ -172,6 +173,12 @@ def test_grad_clipping_matches_dense_clip_grad_norm(results, layout):
     if layout == "pp":  # each stage alone sees part of the norm; the pp all-reduce makes it whole
         assert all(r["local_norm"] < r["norm"] - 0.01 for r in rs)
         assert math.hypot(*(r["local_norm"] for r in rs)) == pytest.approx(rs[0]["dense_norm"], rel=1e-5)
+
+
+def test_partial_gradients_of_sequence_parallel_norms_train_like_dense_under_foreach_sgd(results):
+    for r in per_rank(results, "check_tp_sequence_parallel_foreach_momentum_sgd_matches_dense"):
+        assert "norm.weight" in r["partial_grads"]  # the case the summing is for really occurs
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
 
 
 def test_fsdp_gradient_accumulation_equals_the_dense_whole_batch(results):
