@@ -22,6 +22,7 @@ from typing import Any
 from fedpar.parallel.config import (
     LR_SCALING_RULES,
     MIXED_PRECISION,
+    OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
     ConfigurationError,
@@ -60,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="scale the lr with batch-size/base-batch-size linearly or by its square root")
     opt.add_argument("--warmup-steps", type=int, default=_T.warmup_steps, help="linear learning-rate warmup steps")
     opt.add_argument("--optimizer", default=_T.optimizer, choices=OPTIMIZERS, help="optimizer")
+    opt.add_argument("--optimizer-impl", default=_T.optimizer_impl, choices=OPTIMIZER_IMPLS,
+                     help="torch optimizer kernels; auto: fused AdamW (CPU and GPU), torch's default for SGD")
     opt.add_argument("--momentum", type=float, default=_T.momentum, help="SGD momentum")
     opt.add_argument("--weight-decay", type=float, default=_T.weight_decay, help="weight decay")
     opt.add_argument("--grad-accum", type=int, default=_T.grad_accum, help="microbatches accumulated per step")
