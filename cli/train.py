@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--grad-clip", type=float, default=_T.grad_clip, help="max global gradient norm (0: off)")
     opt.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                      default=_T.activation_checkpointing, help="recompute block activations in backward")
+    opt.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_T.compile,
+                     help="torch.compile each transformer block (the whole forward of other models)")
     out = parser.add_argument_group("outputs")
     out.add_argument("--eval-batches", type=int, default=_T.eval_batches,
                      help="validation batches per evaluation for text (0: all)")

@@ -140,6 +140,7 @@ class TrainConfig:
     grad_accum: int = 1
     grad_clip: float = 0.0
     activation_checkpointing: bool = False
+    compile: bool = False
     seed: int = 0
     block_size: int = 64
     model_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -64,7 +64,7 @@ class Trainer:
         self.mesh = build_mesh(pc)
         self.loss_fn = classification_loss if data.task == CLASSIFICATION else language_model_loss
         self.model = parallelize(model_fn, config.model, pc, self.mesh, info, self.loss_fn, config.seed,
-                                 config.activation_checkpointing)
+                                 config.activation_checkpointing, config.compile)
         self.optimizers = build_optimizers(self.model.parts, config, info.device.type)
         self.local_batch = config.batch_size // pc.data_parallel_size
         dp_rank, dp_size = self.mesh.data_parallel_rank, pc.data_parallel_size

@@ -34,6 +34,7 @@ NAMES = [
     "check_interleaved_microbatch_rule_matches_torch",
     "check_trainer_interleaved_1f1b_gpt_matches_dense",
     "check_fused_adamw_on_tp_and_fsdp_matches_dense",
+    "check_compiled_gpt_fsdp_matches_eager",
 ]
 TOL = 1e-5
 
@@ -214,3 +215,10 @@ def test_fused_adamw_steps_sharded_parameters_like_dense_adamw(results, layout, 
         r = r[layout]
         assert r["fused"] is True and r["groups"] == groups
         assert r["max_param_diff"] < TOL and r["max_loss_diff"] < TOL
+
+
+def test_compiled_blocks_under_fsdp_train_like_eager(results):
+    for r in per_rank(results, "check_compiled_gpt_fsdp_matches_eager"):
+        assert r["graphs_eager"] == 0 and r["graphs_compiled"] > 0
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+        assert r["losses"][-1] < r["losses"][0]
