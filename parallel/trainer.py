@@ -25,6 +25,7 @@ from fedpar.parallel.metrics import (
     model_state_bytes,
     peak_memory_bytes,
     plot_loss_curve,
+    reset_peak_memory,
     write_json_atomic,
 )
 from fedpar.parallel.optim import build_optimizers, clip_gradients, set_learning_rate, warmup_factor
@@ -205,6 +206,7 @@ class Trainer:
         """
         cfg, c = self.config, self.counters
         wall_start = time.perf_counter()
+        reset_peak_memory(self.info.device)
         resumed_from = self.maybe_resume()
         log = MetricsLog(self.out, self.info.is_main, resumed_from)
         total = self.total_steps()
