@@ -18,7 +18,7 @@ def optimizer_kwargs(optimizer: str, impl: str, device_type: str) -> dict[str, b
     """The ``fused``/``foreach`` keywords for the torch optimizer that ``impl`` ("auto", "fused", ...) selects.
 
     auto: fused AdamW on every device (torch has fused AdamW kernels for CPU and CUDA, and a DTensor rule for
-    them in torch 2.11 and 2.13, so FSDP and TP shards take it too); on CPU, one thread, it measured 3-6x
+    them in torch 2.11 and 2.13, so FSDP and TP shards take it too); on CPU, one thread, its step measured 4-11x
     faster than the for-loop torch picks by default there (README). SGD keeps torch's own choice (foreach on
     CUDA, for-loop on CPU): torch has no DTensor rule for fused SGD.
     """
