@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(600)
+# Dynamo's start-up touches torch.jit, which warns that it is deprecated: torch's own business.
+pytestmark = [pytest.mark.timeout(600),
+              pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")]
 
 # The same GPT blocks and per-rank batch as check_compiled_gpt_fsdp_matches_eager (world 2), so the second
 # compile reuses Inductor's on-disk cache.
