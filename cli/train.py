@@ -22,6 +22,7 @@ from typing import Any
 from fedpar.parallel.config import (
     LR_SCALING_RULES,
     MIXED_PRECISION,
+    OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
     ConfigurationError,
@@ -62,12 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="scale the lr with batch-size/base-batch-size linearly or by its square root")
     opt.add_argument("--warmup-steps", type=int, default=_T.warmup_steps, help="linear learning-rate warmup steps")
     opt.add_argument("--optimizer", default=_T.optimizer, choices=OPTIMIZERS, help="optimizer")
+    opt.add_argument("--optimizer-impl", default=_T.optimizer_impl, choices=OPTIMIZER_IMPLS,
+                     help="torch optimizer kernels; auto: fused AdamW (CPU and GPU), torch's default for SGD")
     opt.add_argument("--momentum", type=float, default=_T.momentum, help="SGD momentum")
     opt.add_argument("--weight-decay", type=float, default=_T.weight_decay, help="weight decay")
     opt.add_argument("--grad-accum", type=int, default=_T.grad_accum, help="microbatches accumulated per step")
     opt.add_argument("--grad-clip", type=float, default=_T.grad_clip, help="max global gradient norm (0: off)")
     opt.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                      default=_T.activation_checkpointing, help="recompute block activations in backward")
+    opt.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_T.compile,
+                     help="torch.compile each transformer block (the whole forward of other models)")
     out = parser.add_argument_group("outputs")
     out.add_argument("--eval-batches", type=int, default=_T.eval_batches,
                      help="validation batches per evaluation for text (0: all)")

@@ -89,6 +89,9 @@ class Attention(nn.Module):
         q = apply_rotary(self.wq(x).view(b, t, -1, self.head_dim))
         k = apply_rotary(self.wk(x).view(b, t, -1, self.head_dim))
         v = self.wv(x).view(b, t, -1, self.head_dim)
+        # Flash attention's conditions on CUDA: no mask tensor (is_causal), unit stride in the last dim (these
+        # transposed views have it), bf16/fp16 inputs, head_dim <= 256; dropout it supports. tests/parallel/
+        # test_cuda_engine.py forces the flash backend, which raises if any of them breaks.
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(b, t, -1)

@@ -12,6 +12,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 MIXED_PRECISION = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
 
 
 class ConfigurationError(ValueError):
@@ -134,11 +135,13 @@ class TrainConfig:
     lr_scaling: str = "none"
     warmup_steps: int = 0
     optimizer: str = "sgd"
+    optimizer_impl: str = "auto"
     momentum: float = 0.9
     weight_decay: float = 0.0
     grad_accum: int = 1
     grad_clip: float = 0.0
     activation_checkpointing: bool = False
+    compile: bool = False
     seed: int = 0
     block_size: int = 64
     model_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -155,6 +158,12 @@ class TrainConfig:
             raise ConfigurationError(f"--lr-scaling must be one of {', '.join(LR_SCALING_RULES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigurationError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ConfigurationError(f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}")
+        if self.optimizer_impl == "fused" and self.optimizer == "sgd" and (
+                self.parallel.fsdp > 1 or self.parallel.tp > 1):
+            raise ConfigurationError("--optimizer-impl fused: torch has no fused SGD for sharded (DTensor) "
+                                     "parameters, which --fsdp/--tp make; use --optimizer-impl foreach or auto")
         if self.grad_accum < 1:
             raise ConfigurationError("--grad-accum must be at least 1")
         if self.epochs < 1 and self.max_steps < 1:

@@ -14,11 +14,18 @@ import torch.distributed as dist
 from torch import nn
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the GPU peak-memory count afresh (the trainer calls it when training starts); CPU peaks cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     """This process's peak memory and how it was measured.
 
-    GPU: ``torch.cuda.max_memory_allocated``. CPU: the peak resident set size from ``getrusage`` (ru_maxrss;
-    kilobytes on Linux, bytes on macOS); it includes the interpreter and torch itself (about 0.3 GB).
+    GPU: ``torch.cuda.max_memory_allocated`` since ``reset_peak_memory``. CPU: the peak resident set size from
+    ``getrusage`` (ru_maxrss; kilobytes on Linux, bytes on macOS); it includes the interpreter and torch itself
+    (about 0.3 GB).
     """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"

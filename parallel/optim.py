@@ -11,17 +11,47 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fedpar.parallel.config import TrainConfig
 
+FUSED_DEVICES = ("cpu", "cuda")
 
-def build_optimizers(parts: list[nn.Module], config: TrainConfig) -> list[torch.optim.Optimizer]:
+
+def optimizer_kwargs(optimizer: str, impl: str, device_type: str) -> dict[str, bool]:
+    """The ``fused``/``foreach`` keywords for the torch optimizer that ``impl`` ("auto", "fused", ...) selects.
+
+    auto: fused AdamW on every device (torch has fused AdamW kernels for CPU and CUDA, and a DTensor rule for
+    them in torch 2.11 and 2.13, so FSDP and TP shards take it too); on CPU, one thread, its step measured 4-11x
+    faster than the for-loop torch picks by default there (README). SGD keeps torch's own choice (foreach on
+    CUDA, for-loop on CPU): torch has no DTensor rule for fused SGD.
+    """
+    if impl == "auto":
+        return {"fused": True} if optimizer == "adamw" and device_type in FUSED_DEVICES else {}
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
+
+
+def _param_groups(parameters: list[nn.Parameter]) -> list[dict[str, list[nn.Parameter]]]:
+    """One parameter group per layout: plain tensors, and DTensors of each mesh.
+
+    torch's foreach and fused kernels refuse lists that mix plain tensors and DTensors (TP leaves some layers
+    plain), and each parameter group gets its own kernel call.
+    """
+    groups: dict[object, list[nn.Parameter]] = defaultdict(list)
+    for p in parameters:
+        groups[p.device_mesh if isinstance(p, DTensor) else None].append(p)
+    return [{"params": params} for params in groups.values()]
+
+
+def build_optimizers(parts: list[nn.Module], config: TrainConfig,
+                     device_type: str = "cpu") -> list[torch.optim.Optimizer]:
     """One optimizer per model part (pipeline stages keep separate optimizers, as DCP expects)."""
     lr = config.scaled_lr()
+    impl = optimizer_kwargs(config.optimizer, config.optimizer_impl, device_type)
     out: list[torch.optim.Optimizer] = []
     for part in parts:
+        groups = _param_groups(list(part.parameters()))
         if config.optimizer == "adamw":
-            out.append(torch.optim.AdamW(part.parameters(), lr=lr, weight_decay=config.weight_decay))
+            out.append(torch.optim.AdamW(groups, lr=lr, weight_decay=config.weight_decay, **impl))
         else:
-            out.append(torch.optim.SGD(part.parameters(), lr=lr, momentum=config.momentum,
-                                       weight_decay=config.weight_decay))
+            out.append(torch.optim.SGD(groups, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay,
+                                       **impl))
     return out
 
 

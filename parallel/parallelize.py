@@ -1,4 +1,5 @@
-"""Compose the parallelisms over one model, torchtitan's order: PP split, TP/SP, activation checkpointing, FSDP/DDP."""
+"""Compose the parallelisms over one model, torchtitan's order: PP split, TP/SP, activation checkpointing, compile,
+FSDP/DDP."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from fedpar.parallel.compile import apply_compile, check_compile_layout
 from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
@@ -85,7 +87,8 @@ def _data_parallel(part: nn.Module, config: ParallelConfig, mesh: ParallelMesh) 
 
 
 def parallelize(model_fn: Callable[[], nn.Module], family: str, config: ParallelConfig, mesh: ParallelMesh,
-                info: DistInfo, loss_fn: LossFn, seed: int, activation_checkpointing: bool = False) -> ParallelModel:
+                info: DistInfo, loss_fn: LossFn, seed: int, activation_checkpointing: bool = False,
+                compile: bool = False) -> ParallelModel:
     """Build the whole model with ``seed`` on every rank (never meta-init on CPU), then split and shard it.
 
     Identical seeds make every rank start from the same full weights, so each shard is the right slice.
@@ -93,6 +96,8 @@ def parallelize(model_fn: Callable[[], nn.Module], family: str, config: Parallel
     torch.manual_seed(seed)
     model = model_fn().to(info.device)
     check_model_layout(model, family, config)
+    if compile:
+        check_compile_layout(family, config)
     if config.pp > 1:
         stage_ids = stage_ids_for_rank(mesh.coord("pp"), config.pp, config.stages_per_rank)
         parts = [build_stage_module(model, sid, config.num_stages) for sid in stage_ids]
@@ -104,6 +109,8 @@ def parallelize(model_fn: Callable[[], nn.Module], family: str, config: Parallel
             part = apply_tp(part, mesh["tp"], family, config.sequence_parallel)
         if activation_checkpointing:
             part = apply_activation_checkpointing(part)
+        if compile:
+            part = apply_compile(part)
         parts[i] = _data_parallel(part, config, mesh)
     pipeline = None
     if config.pp > 1:

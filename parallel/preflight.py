@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedpar.models import build_model
+from fedpar.parallel.compile import check_compile_layout
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.data import load_train_data, model_kwargs_for
 from fedpar.parallel.parallelize import check_model_layout
@@ -19,6 +20,8 @@ def preflight(config: TrainConfig, device_type: str) -> str:
     """
     precision = resolve_precision(config.parallel, device_type)
     pc = config.parallel
+    if config.compile:
+        check_compile_layout(config.model, pc)
     if pc.tp > 1 or pc.pp > 1:
         _, implied = load_train_data(config.dataset, config.data_path, config.block_size, config.seed)
         kwargs = model_kwargs_for(config.model, implied, config.model_kwargs)

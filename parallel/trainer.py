@@ -25,6 +25,7 @@ from fedpar.parallel.metrics import (
     model_state_bytes,
     peak_memory_bytes,
     plot_loss_curve,
+    reset_peak_memory,
     write_json_atomic,
 )
 from fedpar.parallel.optim import (
@@ -70,8 +71,8 @@ class Trainer:
         self.mesh = build_mesh(pc, info.device.type)
         self.loss_fn = classification_loss if data.task == CLASSIFICATION else language_model_loss
         self.model = parallelize(model_fn, config.model, pc, self.mesh, info, self.loss_fn, config.seed,
-                                 config.activation_checkpointing)
-        self.optimizers = build_optimizers(self.model.parts, config)
+                                 config.activation_checkpointing, config.compile)
+        self.optimizers = build_optimizers(self.model.parts, config, info.device.type)
         self.local_batch = config.batch_size // pc.data_parallel_size
         dp_rank, dp_size = self.mesh.data_parallel_rank, pc.data_parallel_size
         self.sampler = DistributedBatchSampler(len(data.train_inputs), self.local_batch, dp_size, dp_rank,
@@ -209,6 +210,7 @@ class Trainer:
         """
         cfg, c = self.config, self.counters
         wall_start = time.perf_counter()
+        reset_peak_memory(self.info.device)
         resumed_from = self.maybe_resume()
         log = MetricsLog(self.out, self.info.is_main, resumed_from)
         total = self.total_steps()

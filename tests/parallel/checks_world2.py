@@ -601,3 +601,73 @@ def check_interleaved_microbatch_rule_matches_torch():
         except ConfigurationError:
             pass
     return {"torch_accepts": torch_ok, "config_accepts": ours_ok}
+
+
+# ---------------------------------------------------------------------------- fused AdamW and compile
+def _steps_trainer(model: str, model_fn, data: TrainData, **kw) -> Trainer:
+    """A 2-rank Trainer (AdamW lr 0.01 unless overridden) for calling train_step directly (run() is not called)."""
+    kw = {"optimizer": "adamw", "lr": 0.01, **kw}
+    cfg = _config(Path(tempfile.gettempdir()) / "fedpar-unused", model=model, warmup_steps=0, grad_clip=0.0,
+                  batch_size=8, max_steps=STEPS, **kw)
+    return Trainer(cfg, model_fn, data, init_distributed())
+
+
+def _dense_adamw_steps(batches, build, loss_fn) -> tuple[torch.nn.Module, list[float]]:
+    """The model as the trainer builds it (seed 0), for-loop AdamW (lr 0.01, no decay) on each whole batch."""
+    torch.manual_seed(0)
+    ref = build()
+    return ref, _train_dense_batches(ref, batches, loss_fn)
+
+
+def _train_dense_batches(model, batches, loss_fn) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0, foreach=False)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def check_fused_adamw_on_tp_and_fsdp_matches_dense():
+    """AdamW's default (fused) kernels on TP shards next to a plain layer, and on FSDP shards, vs for-loop dense."""
+    batches = [_classification_batch(8, seed=40 + s) for s in range(STEPS)]
+    ref, ref_losses = _dense_adamw_steps(batches, TinyMLP, F.cross_entropy)
+    out = {}
+    for layout, kw in (("tp", dict(dp=1, tp=2)), ("fsdp", dict(dp=1, fsdp=2))):
+        trainer = _steps_trainer("mlp", TinyMLP, _synthetic(16, 8), **kw)
+        # TP: every rank sees the whole batch; FSDP: each rank its half.
+        steps = [trainer.train_step(x, y) if layout == "tp" else trainer.train_step(*_local_half(x, y))
+                 for x, y in batches]
+        losses = steps if layout == "tp" else _mean_over_ranks(steps)
+        opt = trainer.optimizers[0]
+        out[layout] = {"fused": opt.defaults["fused"], "groups": len(opt.param_groups),
+                       "max_param_diff": max_abs_diff(_params(ref), _params(trainer.model.parts[0])),
+                       "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses))}
+    return out
+
+
+def check_compiled_gpt_fsdp_matches_eager():
+    """--compile under FSDP2 (blocks compiled in place, then sharded): momentum-SGD steps equal the eager run's.
+
+    SGD, not Adam: Adam's first steps turn the rounding differences of near-zero gradients into whole steps.
+    """
+    from torch._dynamo.utils import counters
+
+    # The blocks and per-rank batch of test_compile_optim's one-rank run (Inductor's disk cache is shared).
+    def gpt():
+        return build_model("gpt", vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=32)
+
+    batches = [_token_batch(8, seed=50)] * 3  # one batch again and again: the loss must fall
+    data = TrainData(*batches[0], *batches[0], LANGUAGE_MODEL)
+    runs = {}
+    for compiled in (False, True):
+        graphs = counters["stats"]["unique_graphs"]
+        trainer = _steps_trainer("gpt", gpt, data, dp=1, fsdp=2, compile=compiled, optimizer="sgd", lr=0.1)
+        losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
+        runs[compiled] = (losses, _params(trainer.model.parts[0]), counters["stats"]["unique_graphs"] - graphs)
+    return {"max_loss_diff": max(abs(a - b) for a, b in zip(runs[False][0], runs[True][0])),
+            "max_param_diff": max_abs_diff(runs[False][1], runs[True][1]),
+            "graphs_eager": runs[False][2], "graphs_compiled": runs[True][2], "losses": runs[True][0]}

@@ -34,6 +34,8 @@ NAMES = [
     "check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense",
     "check_interleaved_microbatch_rule_matches_torch",
     "check_trainer_interleaved_1f1b_gpt_matches_dense",
+    "check_fused_adamw_on_tp_and_fsdp_matches_dense",
+    "check_compiled_gpt_fsdp_matches_eager",
 ]
 TOL = 1e-5
 
@@ -213,3 +215,19 @@ def test_trainer_with_interleaved_1f1b_matches_the_dense_model(results):
         assert min(r["dense_norms"]) > r["max_norm"]  # clipping (over the pp group) is active in both steps
         assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
     assert sum(r["params_on_rank"] for r in rs) == rs[0]["params_total"]
+
+
+@pytest.mark.parametrize("layout, groups", [("tp", 2), ("fsdp", 1)])
+def test_fused_adamw_steps_sharded_parameters_like_dense_adamw(results, layout, groups):
+    """TP leaves the last Linear plain: plain tensors and DTensors get one parameter group each."""
+    for r in per_rank(results, "check_fused_adamw_on_tp_and_fsdp_matches_dense"):
+        r = r[layout]
+        assert r["fused"] is True and r["groups"] == groups
+        assert r["max_param_diff"] < TOL and r["max_loss_diff"] < TOL
+
+
+def test_compiled_blocks_under_fsdp_train_like_eager(results):
+    for r in per_rank(results, "check_compiled_gpt_fsdp_matches_eager"):
+        assert r["graphs_eager"] == 0 and r["graphs_compiled"] > 0
+        assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
+        assert r["losses"][-1] < r["losses"][0]
