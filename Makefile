@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv simulate test bench proto
+.PHONY: venv simulate test bench proto gpu-check
 
 # One stamp per torch choice, so `make test TORCH=...` on an existing .venv installs that build.
 TORCH_STAMP := $(VENV)/.torch-$(subst /,_,$(subst =,_,$(subst $() ,_,$(TORCH))))
@@ -32,3 +32,15 @@ test: $(VENV)/.installed
 
 proto: $(VENV)/.installed
 	$(PY) -m fedpar.protocol.generate
+
+# On a machine with a CUDA GPU (README, "Checking on a GPU box"): the whole suite, CUDA tests included, then
+# benchmarks/gpu_bench.py; logs and the benchmark's JSON go to GPU_CHECK_OUT. GPU_PY is a python that has fedpar
+# installed over the GPU build of torch (the default, .venv's, is the CPU wheel unless made with TORCH=torch).
+GPU_PY ?= $(PY)
+GPU_CHECK_OUT ?= runs/gpu-check
+GPU_CHECK_PYTEST_ARGS ?= -n 6
+gpu-check:
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: torch ' + torch.__version__ + ' sees no CUDA GPU here')"
+	mkdir -p $(GPU_CHECK_OUT)
+	bash -o pipefail -c '$(GPU_PY) -m pytest -q -rs -p no:cacheprovider $(GPU_CHECK_PYTEST_ARGS) tests 2>&1 | tee $(GPU_CHECK_OUT)/tests.log'
+	bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --json $(GPU_CHECK_OUT)/gpu_bench.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench.log'

@@ -45,7 +45,8 @@ sys.path.insert(0, str(HERE))
 from fedpar.models.gpt import GPT, GPTConfig  # noqa: E402
 from fedpar.parallel.config import ParallelConfig, TrainConfig  # noqa: E402
 from fedpar.parallel.data import LANGUAGE_MODEL, TrainData  # noqa: E402
-from fedpar.parallel.init import device_type, init_distributed, shutdown_distributed  # noqa: E402
+from fedpar.parallel.device import DEVICE_HELP, check_device_layout  # noqa: E402
+from fedpar.parallel.init import init_distributed, shutdown_distributed  # noqa: E402
 from fedpar.parallel.trainer import Trainer  # noqa: E402
 
 # bf16 dense peaks (TFLOP/s) from NVIDIA's data sheets, matched against torch.cuda.get_device_name in order.
@@ -116,7 +117,7 @@ def _fresh() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_fedpar(shape: Shape, compile: bool, warmup: int, steps: int) -> dict:
+def run_fedpar(shape: Shape, compile: bool, warmup: int, steps: int, device: str) -> dict:
     """Trainer.run on one rank for warmup + steps steps; tokens/s of the log intervals after the warm-up."""
     _fresh()
     tokens = random_tokens(shape, shape.batch * (warmup + steps) + shape.batch)
@@ -126,8 +127,8 @@ def run_fedpar(shape: Shape, compile: bool, warmup: int, steps: int) -> dict:
         cfg = TrainConfig(model="gpt", dataset="random-tokens", out=out, max_steps=warmup + steps,
                           batch_size=shape.batch, lr=3e-4, optimizer="adamw", block_size=shape.block,
                           log_every=warmup, eval_batches=1, plot=False, compile=compile,
-                          parallel=ParallelConfig(dp=1))
-        info = init_distributed()
+                          device=device, parallel=ParallelConfig(dp=1))
+        info = init_distributed(device=device)
         try:
             with contextlib.redirect_stdout(None):  # the trainer's progress lines
                 summary = Trainer(cfg, lambda: GPT(shape.gpt_config()), data, info).run()
@@ -136,7 +137,7 @@ def run_fedpar(shape: Shape, compile: bool, warmup: int, steps: int) -> dict:
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     rates = [r["samples_per_second"] for r in rows if r["kind"] == "train" and r["step"] > warmup]
     return {**_rates(rates, shape), "precision": summary["precision"],
-            "peak_memory_bytes": summary["peak_memory_bytes"][0] if torch.cuda.is_available() else None}
+            "peak_memory_bytes": summary["peak_memory_bytes"][0] if device == "cuda" else None}
 
 
 def _rates(interval_rates: list[float], shape: Shape) -> dict:
@@ -147,10 +148,10 @@ def _rates(interval_rates: list[float], shape: Shape) -> dict:
             "span_samples_per_second": span, "interval_samples_per_second": interval_rates}
 
 
-def run_bare(shape: Shape, compile: bool, warmup: int, steps: int) -> dict:
+def run_bare(shape: Shape, compile: bool, warmup: int, steps: int, device: str) -> dict:
     """The floor: the same GPT in a plain loop (bf16 autocast on GPU, fused AdamW, SDPA), timed like fedpar."""
     _fresh()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
     torch.manual_seed(0)
     model = GPT(shape.gpt_config()).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=True)
@@ -188,7 +189,8 @@ def run_bare(shape: Shape, compile: bool, warmup: int, steps: int) -> dict:
             "peak_memory_bytes": peak}
 
 
-def bench_mfu(shape: Shape, modes: list[bool], warmup: int, steps: int, peak: float | None) -> dict:
+def bench_mfu(shape: Shape, modes: list[bool], warmup: int, steps: int, peak: float | None,
+              device: str) -> dict:
     """fedpar and the bare loop, eager and/or compiled, with MFU where the GPU's peak is known."""
     n_params = non_embedding_params(GPT(shape.gpt_config()))
     per_token = flops_per_token(n_params, shape.n_layer, shape.d_model, shape.block)
@@ -197,7 +199,7 @@ def bench_mfu(shape: Shape, modes: list[bool], warmup: int, steps: int, peak: fl
         for name, run in (("bare", run_bare), ("fedpar", run_fedpar)):
             label = f"{name} {'compiled' if compile else 'eager'}"
             print(f"  mfu: {label} ({warmup} warm-up + {steps} timed steps) ...", flush=True)
-            r = run(shape, compile, warmup, steps)
+            r = run(shape, compile, warmup, steps, device)
             r.update(runner=name, compile=compile,
                      mfu=per_token * r["tokens_per_second"] / (peak * 1e12) if peak else None)
             rows.append(r)
@@ -258,12 +260,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="the GPU's peak bf16 TFLOP/s for MFU (default: 989 on H100/H200, from the device name)")
     p.add_argument("--only", choices=["mfu", "fedavg"], help="run one section")
     p.add_argument("--json", default="runs/gpu_bench.json", help="where to write the results")
+    p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (one process)")
     a = p.parse_args(argv)
     warmup = a.warmup or (5 if a.quick else 10)
     steps = a.steps or 5 * warmup
     if steps % warmup:
         p.error(f"--steps {steps} must be a multiple of --warmup {warmup} (fedpar logs every --warmup steps)")
-    dev = device_type()
+    try:
+        dev = check_device_layout(a.device)
+    except ValueError as exc:
+        p.error(str(exc))
     gpu = torch.cuda.get_device_name() if dev == "cuda" else None
     peak = peak_tflops(a.peak_tflops)
     print(f"fedpar GPU benchmark: torch {torch.__version__}, {gpu or 'no GPU (CPU run)'}"
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(CPU: GPT {shape.n_layer} x {shape.d_model} in fp32, 1 thread, instead of 12 x 768 in bf16; MFU n/a"
                   + ("; compiled runs skipped under --quick (Inductor's C++ compile takes ~30 s a graph here)"
                      if a.quick else "") + ")", flush=True)
-        results["mfu"] = bench_mfu(shape, modes, warmup, steps, peak if dev == "cuda" else None)
+        results["mfu"] = bench_mfu(shape, modes, warmup, steps, peak if dev == "cuda" else None, dev)
         print_mfu(results["mfu"])
     if a.only in (None, "fedavg"):
         results["fedavg_round"] = run_fedavg_round(dev, a.quick)
