@@ -77,7 +77,7 @@ class LocalTrainer:
         model.train()
         params = trainable(model)
         anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + round_id)
+        gen = shuffling_generator(self.seed, round_id)
         steps = examples = 0
         loss_sum = 0.0
         stopped = False
@@ -140,6 +140,11 @@ class LocalTrainer:
             time.sleep(seconds)
         finally:
             self._turn.acquire()
+
+
+def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
+    """The generator of a client's batch order in round ``round_id``: one ``torch.randperm`` per epoch."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
