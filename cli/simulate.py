@@ -51,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the updates")
     add_compression_arguments(p)
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
+    p.add_argument("--client-batching", action="store_true",
+                   help="the agents of one worker process that train in the same round train together as one "
+                        "batched model (torch.func), each with its own data, batches, steps and deadline; slow "
+                        "devices (--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and "
+                        "DP still apply to each agent's update. Models with dropout or batch norm are refused")
+    p.add_argument("--batching-device", default=d.batching_device,
+                   help="with --client-batching: where the batched training runs (cpu or cuda)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--tls", action="store_true",
                    help="run every agent over mutual TLS with throw-away certificates (default: plaintext on "

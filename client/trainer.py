@@ -69,6 +69,11 @@ class LocalTrainer:
         """Size of the local training set."""
         return len(self.y)
 
+    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
+        """The span in which the agent holds a task of ``round_id`` (nothing to do here; a trainer that batches
+        several agents' training uses it to know whom to wait for)."""
+        return contextlib.nullcontext()
+
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
               proximal_mu: float = 0.0, round_id: int = 0) -> TrainResult:
         """Train for ``epochs`` or until ``time.monotonic()`` would pass ``stop_at``, whichever is first."""

@@ -17,6 +17,7 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compression import CompressionConfig
+from fedpar.client.batched_trainer import check_batchable
 from fedpar.client.trainer import evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights, weight_specs
@@ -64,6 +65,8 @@ class SimulationConfig:
     seed: int = 0
     out: str | None = None
     tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
+    client_batching: bool = False  # a worker's agents of one round train as one batched model (torch.func)
+    batching_device: str = "cpu"  # where batched training runs: cpu or cuda
     strategy_options: dict = field(default_factory=dict)
 
 
@@ -91,10 +94,21 @@ def upload_compression(cfg: SimulationConfig) -> CompressionConfig:
     return CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block)
 
 
+def check_client_batching(cfg: SimulationConfig) -> None:
+    """ValueError if the client-batching settings cannot work."""
+    if cfg.batching_device != "cpu" and not cfg.client_batching:
+        raise ValueError("--batching-device needs --client-batching")
+    if cfg.batching_device not in ("cpu", "cuda") and not cfg.batching_device.startswith("cuda:"):
+        raise ValueError(f"--batching-device must be cpu or cuda, got {cfg.batching_device!r}")
+    if cfg.batching_device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--batching-device {cfg.batching_device}: this machine has no CUDA device")
+
+
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
     upload_compression(cfg)  # bad settings fail before anything starts
+    check_client_batching(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
@@ -134,6 +148,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     parts = partition_indices(splits, cfg.partition, cfg.clients, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
+    if cfg.client_batching:
+        check_batchable(model)
     names = [name for name, _, _ in weight_specs(model)]
     k = cfg.clients_per_round or cfg.clients
     coord_cfg = CoordinatorConfig(
@@ -158,7 +174,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     try:
         for w, send in enumerate(pipes):
             send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
-                                   specs[w::len(pipes)]))
+                                   specs[w::len(pipes)], client_batching=cfg.client_batching,
+                                   batching_device=cfg.batching_device))
             send.close()
         while not server.wait(0.5):
             dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
