@@ -41,11 +41,13 @@ def _trainers(batcher: ClientBatcher, sizes, delays=None):
     return batched, alone
 
 
-def _agent(trainer, results, k, hold=True):
-    """What an Agent does around train(): hold the task, then train."""
-    with trainer.holding_task(ROUND) if hold else trainer.batcher.holding(object(), ROUND - 1):
+def _agent(trainer, results, k, returned=None):
+    """What an Agent does around train(): hold the task, then train (``returned``: when train returned)."""
+    with trainer.holding_task(ROUND):
         time.sleep(0.01 * k)  # tasks arrive a little apart
         results[k] = trainer.train(EPOCHS, BATCH, LR, round_id=ROUND)
+        if returned is not None:
+            returned[k] = time.monotonic()
 
 
 def _run_threads(targets):
@@ -58,10 +60,10 @@ def _run_threads(targets):
 
 def test_agents_holding_tasks_of_a_round_train_in_one_batch_with_local_trainer_results():
     batcher = ClientBatcher(gather_seconds=10.0)
-    batched, alone = _trainers(batcher, (40, 75, 33), delays=(0.0, 0.0, 0.004))
-    results = [None] * 3
+    batched, alone = _trainers(batcher, (40, 75, 33), delays=(0.0, 0.0, 0.02))
+    results, returned = [None] * 3, [0.0] * 3
     started = time.monotonic()
-    _run_threads([lambda k=k: _agent(batched[k], results, k) for k in range(3)])
+    _run_threads([lambda k=k: _agent(batched[k], results, k, returned) for k in range(3)])
     assert time.monotonic() - started < 5.0  # nobody waited for the gather window
     assert batcher.batch_sizes == [3]
     for k in range(3):
@@ -71,8 +73,9 @@ def test_agents_holding_tasks_of_a_round_train_in_one_batch_with_local_trainer_r
         assert got.loss == pytest.approx(want.loss, rel=1e-6)
         for p, q in zip(batched[k].model.parameters(), alone[k].model.parameters()):
             assert (p - q).abs().max() <= 2e-6 * q.abs().max()
-    # The slow device's simulated delays are billed to its clock (and waited out before it returns).
-    assert results[2].seconds - results[0].seconds == pytest.approx(results[2].steps * 0.004)
+    # The slow device's simulated delays are billed to its clock and waited out before it returns (uploads).
+    assert results[2].seconds - results[0].seconds == pytest.approx(results[2].steps * 0.02)
+    assert returned[2] - max(returned[:2]) >= 0.9 * results[2].steps * 0.02
 
 
 def test_an_agent_that_holds_a_task_but_never_trains_delays_the_batch_by_the_gather_window_at_most():
