@@ -4,10 +4,10 @@ batched model (client/batched_trainer.py) instead of one after another.
 The agents stay real agents (their own joins, polls, downloads and uploads); only their ``trainer.train`` calls
 meet here. The rule: an agent announces a task when it receives it and withdraws when the task ends
 (``Agent`` wraps each task in ``trainer.holding_task``). A round's batch starts as soon as every agent of this
-process that holds a task of that round has called ``train`` (or withdrawn) and no new task of that round has
-arrived for ``settle_seconds`` (a round's tasks reach a process over a few milliseconds, and a small model's
-agent can call ``train`` within one), or else ``gather_seconds`` after the first call, so nobody waits for an
-agent that never calls. A call that arrives after its batch started trains in a later batch. Calls with
+process that holds a task of that round has called ``train`` (or withdrawn) and, unless every agent of the
+process got a task of that round, no new task of it has arrived for ``settle_seconds`` (a round's tasks reach
+a process over a few milliseconds, and a small model's agent can call ``train`` within one); or else
+``gather_seconds`` after the first call, so nobody waits for an agent that never calls. A call that arrives after its batch started trains in a later batch. Calls with
 different settings (epochs, batch size, learning rate, FedProx mu) form separate batches.
 """
 
@@ -39,6 +39,15 @@ class _Call:
 
 
 @dataclass
+class _Round:
+    """One round's tasks in this process."""
+
+    last_arrival: float
+    holding: set[int] = field(default_factory=set)  # agents holding a task of it that have not called train
+    arrived: set[int] = field(default_factory=set)  # every agent that got a task of it
+
+
+@dataclass
 class _Batch:
     """The calls gathered so far for one round and one set of training settings."""
 
@@ -55,21 +64,29 @@ class ClientBatcher:
         self.gather_seconds, self.settle_seconds = gather_seconds, settle_seconds
         self._turn = compute_lock if compute_lock is not None else threading.Lock()
         self._cond = threading.Condition()
-        self._holding: dict[int, set[int]] = {}  # round -> agents holding a task of it that have not called train
-        self._last_task: dict[int, float] = {}  # round -> when its latest task arrived in this process
+        self._agents = 0  # BatchedTrainers of this process
+        self._rounds: dict[int, _Round] = {}
         self._open: dict[tuple, _Batch] = {}  # batches still gathering, by (round, epochs, batch size, lr, mu)
         self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
         self._warm = False
         self.batch_sizes: list[int] = []  # clients per batch run, in order (for tests and diagnostics)
 
+    def add_agent(self) -> None:
+        """Count one more agent training through this batcher."""
+        with self._cond:
+            self._agents += 1
+
     @contextlib.contextmanager
     def holding(self, agent: object, round_id: int):
         """While inside, ``agent`` holds a task of ``round_id``: that round's batch waits for its train() call."""
         with self._cond:
-            self._holding.setdefault(round_id, set()).add(id(agent))
-            self._last_task[round_id] = time.monotonic()
-            for old in [r for r in self._last_task if r < round_id - 2]:
-                del self._last_task[old]
+            now = time.monotonic()
+            tasks = self._rounds.setdefault(round_id, _Round(now))
+            tasks.last_arrival = now
+            tasks.holding.add(id(agent))
+            tasks.arrived.add(id(agent))
+            for old in [r for r in self._rounds if r < round_id - 2]:
+                del self._rounds[old]
         try:
             yield
         finally:
@@ -120,18 +137,19 @@ class ClientBatcher:
 
     def _not_waiting_for(self, agent: object, round_id: int) -> None:
         """``agent`` has called train or left its task of ``round_id`` (hold the condition's lock)."""
-        holders = self._holding.get(round_id)
-        if holders is not None:
-            holders.discard(id(agent))
-            if not holders:
-                del self._holding[round_id]
+        if round_id in self._rounds:
+            self._rounds[round_id].holding.discard(id(agent))
         self._cond.notify_all()
 
     def _wait(self, batch: _Batch, round_id: int) -> float:
         """Seconds until ``batch`` may start by the module's rule, if nothing else happens (<= 0: now)."""
         start = batch.opened + self.gather_seconds
-        if not self._holding.get(round_id):
-            start = min(start, self._last_task.get(round_id, -math.inf) + self.settle_seconds)
+        tasks = self._rounds.get(round_id)
+        if tasks is None:  # trained without announcing a task
+            return 0.0
+        if not tasks.holding:
+            everyone = len(tasks.arrived) >= self._agents
+            start = min(start, -math.inf if everyone else tasks.last_arrival + self.settle_seconds)
         return start - time.monotonic()
 
     def _run(self, batch: _Batch, settings: tuple) -> None:
@@ -159,6 +177,7 @@ class BatchedTrainer(LocalTrainer):
                  seed: int = 0, seconds_per_step_delay: float = 0.0, compute_lock: threading.Lock | None = None):
         super().__init__(model, train, val, seed, seconds_per_step_delay, compute_lock)
         self.batcher = batcher
+        batcher.add_agent()
 
     def warm_up(self) -> None:
         """LocalTrainer's warm-up, and the batcher's (once per process)."""

@@ -122,3 +122,15 @@ def test_an_agent_that_leaves_its_task_releases_the_batch_at_once():
     worker.join(10)
     holder.join()
     assert results[0] is not None and time.monotonic() - started < 2.0
+
+
+def test_a_task_that_arrives_just_after_another_agents_train_call_joins_its_batch():
+    # Three agents in the process, two of them sampled: the first trains at once, the second's task comes
+    # 20 ms later. The batch waits settle_seconds after the last task arrival (not for the unsampled third).
+    batcher = ClientBatcher(gather_seconds=10.0, settle_seconds=0.2)
+    batched, _ = _trainers(batcher, (20, 20, 20))
+    results = [None] * 3
+    started = time.monotonic()
+    _run_threads([lambda: _agent(batched[0], results, 0), lambda: _agent(batched[1], results, 2)])  # 0 and 20 ms
+    assert batcher.batch_sizes == [2] and results[0].steps == results[2].steps == EPOCHS * 2
+    assert 0.2 <= time.monotonic() - started < 5.0
