@@ -148,3 +148,9 @@ def test_models_with_random_or_stateful_layers_are_refused():
     for layer in (nn.Dropout(0.5), nn.BatchNorm1d(3)):
         with pytest.raises(ValueError, match="without batch-norm statistics or dropout"):
             check_batchable(nn.Sequential(nn.Linear(3, 3), layer))
+
+
+def test_the_compiled_step_is_refused_off_cuda():
+    model, data = _setup("mlp")
+    with pytest.raises(ValueError, match="compile_step is for CUDA"):
+        train_clients_batched(model, _inputs(data), 1, BATCH, LR, device="cpu", compile_step=True)
