@@ -125,8 +125,8 @@ class ClientBatch:
         starts = [c.start if c.start is not None else own for c in clients]
         self.params = {name: torch.stack([s[name].detach() for s in starts]).to(self.device) for name in self.names}
         self._anchor = {name: p.clone() for name, p in self.params.items()} if proximal_mu > 0 else {}
-        self.x = torch.cat([c.x for c in clients]).to(self.device) if clients else None
-        self.y = torch.cat([c.y for c in clients]).to(self.device) if clients else None
+        self.x = torch.cat([c.x for c in clients]).to(self.device)
+        self.y = torch.cat([c.y for c in clients]).to(self.device)
         self._index, self._mask, self.total_steps = self._schedules(epochs, batch_size, round_id)
         self._counts = self._mask.sum(dim=2)  # real examples per client and step
         self._mask = self._mask.to(self.params[self.names[0]].dtype)

@@ -7,8 +7,9 @@ meet here. The rule: an agent announces a task when it receives it and withdraws
 process that holds a task of that round has called ``train`` (or withdrawn) and, unless every agent of the
 process got a task of that round, no new task of it has arrived for ``settle_seconds`` (a round's tasks reach
 a process over a few milliseconds, and a small model's agent can call ``train`` within one); or else
-``gather_seconds`` after the first call, so nobody waits for an agent that never calls. A call that arrives after its batch started trains in a later batch. Calls with
-different settings (epochs, batch size, learning rate, FedProx mu) form separate batches.
+``gather_seconds`` after the first call, so nobody waits for an agent that never calls. A call that arrives
+after its batch started trains in a later batch. Calls with different settings (epochs, batch size, learning
+rate, FedProx mu) form separate batches.
 """
 
 from __future__ import annotations
