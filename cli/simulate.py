@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "worker processes are dealt over them")
     p.add_argument("--precision", default=d.precision, choices=PRECISIONS,
                    help="bf16: agents run forward passes under bf16 autocast (weights and uploads stay fp32)")
+    p.add_argument("--client-batching", action="store_true",
+                   help="the agents of one worker process that train in the same round train together as one "
+                        "batched model (torch.func), each with its own data, batches, steps and deadline; slow "
+                        "devices (--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and "
+                        "DP still apply to each agent's update. Models with dropout or batch norm are refused")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--tls", action="store_true",
                    help="run every agent over mutual TLS with throw-away certificates (default: plaintext on "

@@ -121,8 +121,11 @@ class Agent:
                 if kind == "shutdown_reason":
                     log.info("%s: coordinator says: %s", self.config.agent_id, reply.shutdown_reason)
                     break
-                if kind == "task" and self._run_task(reply.task):
-                    self._finished_task_id = reply.task.task_id
+                if kind == "task":
+                    with self.trainer.holding_task(reply.task.round):
+                        finished = self._run_task(reply.task)
+                    if finished:
+                        self._finished_task_id = reply.task.task_id
             return self.stats
         finally:
             self.close()

@@ -8,6 +8,7 @@ back into it. The other ranks sit in :meth:`EngineTrainer.follow` until rank 0 s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable
@@ -31,7 +32,7 @@ from fedpar.parallel.trainer import classification_loss
 
 
 class EngineTrainer:
-    """The LocalTrainer interface (train/evaluate/num_examples/model/warm_up) over a sharded model.
+    """The LocalTrainer interface (train/evaluate/num_examples/model/warm_up/holding_task) over a sharded model.
 
     Construct on every rank of the group at once (it is collective); then rank 0 hands itself to an Agent
     and calls :meth:`shutdown` when the agent is done, while every other rank calls :meth:`follow`.
@@ -70,6 +71,10 @@ class EngineTrainer:
     def num_examples(self) -> int:
         """Size of the agent's local training set (all ranks together train on it once per epoch)."""
         return len(self.y)
+
+    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
+        """The span in which the agent holds a task of ``round_id`` (as LocalTrainer: nothing to do)."""
+        return contextlib.nullcontext()
 
     def warm_up(self) -> None:
         """Nothing to do: every rank already ran one broadcast, zero-lr step and gather when constructed."""

@@ -75,6 +75,11 @@ class LocalTrainer:
         """Size of the local training set."""
         return len(self.y)
 
+    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
+        """The span in which the agent holds a task of ``round_id`` (nothing to do here; a trainer that batches
+        several agents' training uses it to know whom to wait for)."""
+        return contextlib.nullcontext()
+
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
               proximal_mu: float = 0.0, round_id: int = 0) -> TrainResult:
         """Train for ``epochs`` or until ``time.monotonic()`` would pass ``stop_at``, whichever is first."""
@@ -83,7 +88,7 @@ class LocalTrainer:
         model.train()
         params = trainable(model)
         anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + round_id)
+        gen = shuffling_generator(self.seed, round_id)
         steps = examples = 0
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stopped = False
@@ -153,6 +158,11 @@ class LocalTrainer:
             time.sleep(seconds)
         finally:
             self._turn.acquire()
+
+
+def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
+    """The generator of a client's batch order in round ``round_id``: one ``torch.randperm`` per epoch."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

@@ -19,6 +19,7 @@ from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
+from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.simulations.clientdata import local_split
 
 
@@ -47,18 +48,24 @@ class WorkerConfig:
     poll_seconds: float = 2.0
     device: str = "cpu"  # where this worker's agents train, e.g. "cuda:1" (the runner spreads workers over GPUs)
     precision: str = "fp32"  # bf16: forward passes under bf16 autocast
+    client_batching: bool = False  # the process's agents of one round train as one batched model
 
 
-def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None) -> Agent:
-    """A real agent over gRPC for ``spec``'s share of the data."""
+def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None,
+                batcher: ClientBatcher | None = None) -> Agent:
+    """A real agent over gRPC for ``spec``'s share of the data (``batcher``: it trains in its process's batch)."""
     files = client_tls_files(spec.agent_id, spec.certs_dir) if spec.certs_dir else None
     credentials = channel_credentials(files) if files else None
     train, val = local_split(splits.train, spec.indices, cfg.val_fraction, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
-    trainer = LocalTrainer(model, train, val, seed=cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000,
-                           seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock, device=cfg.device,
-                           precision=cfg.precision)
+    seed = cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000
+    if batcher is not None:
+        trainer = BatchedTrainer(model, train, val, batcher, seed=seed, seconds_per_step_delay=spec.step_delay,
+                                 compute_lock=compute_lock, device=cfg.device)
+    else:
+        trainer = LocalTrainer(model, train, val, seed=seed, seconds_per_step_delay=spec.step_delay,
+                               compute_lock=compute_lock, device=cfg.device, precision=cfg.precision)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
                             drop_probability=spec.drop_probability, give_up_after=60.0, credentials=credentials,
                             data_tls=client_ssl_context(files) if files else None,
@@ -74,7 +81,8 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     if splits is None:
         splits = load_dataset(cfg.dataset, cfg.data_dir)
     compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see LocalTrainer)
-    agents = [build_agent(cfg, spec, splits, compute_lock) for spec in cfg.agents]
+    batcher = ClientBatcher(cfg.device, compute_lock) if cfg.client_batching else None
+    agents = [build_agent(cfg, spec, splits, compute_lock, batcher) for spec in cfg.agents]
     stats: list[AgentStats] = [AgentStats() for _ in agents]
     errors: list[BaseException] = []
 

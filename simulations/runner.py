@@ -17,6 +17,7 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compression import CompressionConfig
+from fedpar.client.batched_trainer import check_batchable
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, weight_specs
@@ -68,6 +69,7 @@ class SimulationConfig:
     seed: int = 0
     out: str | None = None
     tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
+    client_batching: bool = False  # a worker's agents of one round train as one batched model (torch.func)
     strategy_options: dict = field(default_factory=dict)
 
 
@@ -94,6 +96,12 @@ def upload_compression(cfg: SimulationConfig) -> CompressionConfig:
     return CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block)
 
 
+def check_client_batching(cfg: SimulationConfig) -> None:
+    """ValueError if the client-batching settings cannot work."""
+    if cfg.client_batching and cfg.precision != "fp32":
+        raise ValueError("--client-batching trains in fp32; drop --precision bf16 or --client-batching")
+
+
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
@@ -101,6 +109,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_device_layout(cfg.device)
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    check_client_batching(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
@@ -140,6 +149,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     parts = partition_indices(splits, cfg.partition, cfg.clients, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
+    if cfg.client_batching:
+        check_batchable(model)
     names = [name for name, _, _ in weight_specs(model)]
     k = cfg.clients_per_round or cfg.clients
     coord_cfg = CoordinatorConfig(
@@ -167,7 +178,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         devices = worker_devices(cfg.device, len(pipes))
         for w, send in enumerate(pipes):
             send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
-                                   specs[w::len(pipes)], device=devices[w], precision=cfg.precision))
+                                   specs[w::len(pipes)], device=devices[w], precision=cfg.precision,
+                                   client_batching=cfg.client_batching))
             send.close()
         while not server.wait(0.5):
             dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]

@@ -1,0 +1,170 @@
+"""The FedAvg paper's round, clients one after another vs client-batched (client/batched_trainer.py).
+
+The round: 10 clients of an IID split into 100 (C = 0.1), E = 5 local epochs, B = 10, SGD lr 0.1, the paper's
+CNN, on MNIST when ``../shared/data/mnist`` holds it (600 examples a client) and on digits otherwise (about
+14; ``--dataset`` picks). From the same initial model, round after round and interleaved: (1) sequential: each
+client's LocalTrainer on ``device`` in turn; (2) batched: all 10 clients as one batched model on ``device``;
+each followed by the FedAvg of the clients' weights and the test accuracy of that averaged model. The two
+trajectories must match, so that the ratio compares the same work: every round's accuracies within 0.3
+points (``accuracy_matches``). Each step's gradients agree to about 1e-6 relative, but over hundreds of SGD
+steps float32 rounding moves the weights apart (up to about 2e-2 on MNIST after two rounds, at the same
+accuracy; ``max_weight_difference``). ``--compile`` adds (3): the batched step compiled into CUDA graphs
+(CUDA only, experimental).
+
+Run: ``.venv/bin/python benchmarks/fedavg_round_bench.py [--device cpu|cuda] [--quick] [--rounds R]``.
+``--quick``: E = 1 and at most 100 examples a client. TF32 is off (both ways), so the trajectories compare.
+Prints progress, a table and one JSON object; ``fedavg_round(device, quick)`` returns that object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedpar.aggregation.fedavg import fedavg
+from fedpar.client.batched_trainer import ClientBatchInput, train_clients_batched
+from fedpar.client.trainer import LocalTrainer, evaluate_classifier
+from fedpar.datasets import ArrayDataset, load_dataset
+from fedpar.models import get_weights, set_weights
+from fedpar.models.for_data import build_model_for_data
+from fedpar.simulations.clientdata import partition_indices
+
+HERE = Path(__file__).resolve().parent
+MNIST_DIRS = [HERE.parent.parent / "shared" / "data" / "mnist", HERE.parent / "shared" / "data" / "mnist"]
+POPULATION, COHORT, EPOCHS, BATCH, LR, SEED = 100, 10, 5, 10, 0.1, 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _data(quick: bool, dataset: str | None):
+    """(dataset name, splits, the cohort's local datasets): the first COHORT clients of an IID split in 100."""
+    mnist = next((d for d in MNIST_DIRS if (d / "train.npz").exists()), None) if dataset != "digits" else None
+    if dataset == "mnist" and mnist is None:
+        raise SystemExit(f"fedavg_round_bench: no MNIST in {' or '.join(map(str, MNIST_DIRS))}")
+    splits = load_dataset("mnist", mnist) if mnist else load_dataset("digits")
+    parts = partition_indices(splits, "iid", POPULATION, SEED)[:COHORT]
+    clients = [splits.train.subset(p[:100] if quick else p) for p in parts]
+    return ("mnist" if mnist else "digits"), splits, clients
+
+
+def _sequential_round(model: torch.nn.Module, trainers: list[LocalTrainer], global_weights, epochs: int,
+                      round_id: int, device: torch.device):
+    """Every client's LocalTrainer in turn from ``global_weights``; (FedAvg of their weights, seconds)."""
+    _sync(device)
+    start = time.perf_counter()
+    results = []
+    for trainer in trainers:
+        set_weights(model, global_weights)
+        result = trainer.train(epochs, BATCH, LR, round_id=round_id)
+        results.append((get_weights(model), result.examples))
+    averaged = fedavg(results)
+    return averaged, time.perf_counter() - start
+
+
+def _batched_round(model: torch.nn.Module, clients: list[ClientBatchInput], global_weights, epochs: int,
+                   round_id: int, device: torch.device, compile_step: bool):
+    """All clients as one batched model from ``global_weights``; (FedAvg of their weights, seconds)."""
+    set_weights(model, global_weights)
+    _sync(device)
+    start = time.perf_counter()
+    outputs = train_clients_batched(model, clients, epochs, BATCH, LR, round_id, device, compile_step=compile_step)
+    names = [name for name, _ in model.named_parameters()]  # the state's float entries (the CNN has no buffers)
+    averaged = fedavg([([o.weights[n].numpy() for n in names], o.result.examples) for o in outputs])
+    return averaged, time.perf_counter() - start
+
+
+def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_step: bool = False,
+                 dataset: str | None = None) -> dict:
+    """Seconds per FedAvg-paper round, sequential vs client-batched on ``device``, and both trajectories
+    (``dataset``: mnist or digits; default MNIST when it is there)."""
+    dev = torch.device(device)
+    torch.set_flush_denormal(True)  # denormals slow CPU training up to 7x (see the CPU training notes)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _measure(dev, quick, rounds or 2, compile_step, dataset)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, dataset: str | None) -> dict:
+    epochs = 1 if quick else EPOCHS
+    name, splits, data = _data(quick, dataset)
+    torch.manual_seed(SEED)
+    model = build_model_for_data("cnn", splits.input_shape, splits.num_classes).to(dev)
+    initial = get_weights(model)
+    x_test, y_test = (t.to(dev) for t in splits.test.to_tensors())
+    trainers = []
+    for k, d in enumerate(data):
+        trainer = LocalTrainer(model, d, seed=k, device=dev)
+        trainers.append(trainer)
+    clients = [ClientBatchInput(*d.to_tensors(), seed=k) for k, d in enumerate(data)]
+    ways = {"sequential": lambda w, r: _sequential_round(model, trainers, w, epochs, r, dev),
+            "batched": lambda w, r: _batched_round(model, clients, w, epochs, r, dev, False)}
+    if compile_step:
+        ways["batched_compiled"] = lambda w, r: _batched_round(model, clients, w, epochs, r, dev, True)
+    # Warm-up, not timed: torch's lazy set-up (cuDNN, torch.func's dynamo import, compilation), on two batches
+    # of every client (the batched step's shapes).
+    trainers[0].warm_up()
+    warm = [ClientBatchInput(c.x[:2 * BATCH], c.y[:2 * BATCH], c.seed) for c in clients]
+    for compiled in [False, True] if compile_step else [False]:
+        train_clients_batched(model, warm, 1, BATCH, 0.0, device=dev, compile_step=compiled)
+    out = {"device": str(dev), "dataset": name, "clients": COHORT, "epochs": epochs, "batch_size": BATCH,
+           "lr": LR, "examples_per_client": [len(d) for d in data], "rounds": rounds, "tf32": False,
+           "torch_threads": torch.get_num_threads()}
+    final = {label: initial for label in ways}
+    out["ways"] = {label: {"round_seconds": [], "test_accuracy": []} for label in ways}
+    for r in range(1, rounds + 1):
+        for label, way in ways.items():  # interleaved: every way sees the same machine load, round by round
+            final[label], s = way(final[label], r)
+            set_weights(model, final[label])
+            accuracy = evaluate_classifier(model, x_test, y_test).accuracy
+            out["ways"][label]["round_seconds"].append(s)
+            out["ways"][label]["test_accuracy"].append(accuracy)
+            print(f"  {label}: round {r} {s:.3f} s, test accuracy {accuracy:.4f}", file=sys.stderr, flush=True)
+    base = out["ways"]["sequential"]
+    for label, way in out["ways"].items():
+        way["seconds_per_round"] = statistics.median(way["round_seconds"])
+        way["ratio_vs_sequential"] = way["seconds_per_round"] / base["seconds_per_round"]
+        way["max_weight_difference"] = max(float(np.abs(a - b).max())
+                                           for a, b in zip(final[label], final["sequential"]))
+        way["accuracy_matches"] = all(abs(a - b) <= 0.003
+                                      for a, b in zip(way["test_accuracy"], base["test_accuracy"]))
+    return out
+
+
+def main() -> None:
+    """Command line: run the benchmark, print the table and the JSON object."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--quick", action="store_true", help="E=1 and at most 100 examples a client: a smoke run")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per way (after one untimed warm-up round)")
+    p.add_argument("--compile", action="store_true", help="also the batched step compiled into CUDA graphs (CUDA)")
+    p.add_argument("--dataset", choices=["mnist", "digits"], help="default: MNIST when it is there, else digits")
+    a = p.parse_args()
+    print(f"FedAvg round benchmark on {a.device} ({os.cpu_count()} cores)", file=sys.stderr, flush=True)
+    r = fedavg_round(a.device, a.quick, a.rounds, a.compile, a.dataset)
+    print(f"\n== FedAvg paper round: {r['dataset']} CNN, {r['clients']} clients x E={r['epochs']} x B={r['batch_size']}"
+          f" on {r['device']} ==")
+    print(f"{'way':<18}{'s/round':>10}{'ratio':>8}{'final accuracy':>16}{'max |dw|':>11}{'match':>7}")
+    for label, way in r["ways"].items():
+        print(f"{label:<18}{way['seconds_per_round']:>10.3f}{way['ratio_vs_sequential']:>8.2f}"
+              f"{way['test_accuracy'][-1]:>16.4f}{way['max_weight_difference']:>11.2e}"
+              f"{str(way['accuracy_matches']):>7}")
+    print("s/round: median of the timed rounds (training + FedAvg, not the evaluation); ratio: way / sequential")
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

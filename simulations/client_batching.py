@@ -1,0 +1,204 @@
+"""Client batching in a simulation worker: the agents of one process that train in the same round train as one
+batched model (client/batched_trainer.py) instead of one after another.
+
+The agents stay real agents (their own joins, polls, downloads and uploads); only their ``trainer.train`` calls
+meet here. The rule: an agent announces a task when it receives it and withdraws when the task ends
+(``Agent`` wraps each task in ``trainer.holding_task``). A round's batch starts as soon as every agent of this
+process that holds a task of that round has called ``train`` (or withdrawn) and, unless every agent of the
+process got a task of that round, no new task of it has arrived for ``settle_seconds`` (a round's tasks reach
+a process over a few milliseconds, and a small model's agent can call ``train`` within one); or else
+``gather_seconds`` after the first call, so nobody waits for an agent that never calls. A call that arrives
+after its batch started trains in a later batch. Calls with different settings (epochs, batch size, learning
+rate, FedProx mu) form separate batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fedpar.client.batched_trainer import ClientBatchInput, ClientBatchOutput, train_clients_batched
+from fedpar.client.trainer import LocalTrainer, TrainResult
+from fedpar.datasets import ArrayDataset
+
+
+@dataclass
+class _Call:
+    """One agent's train() call waiting in a batch."""
+
+    client: ClientBatchInput
+    output: ClientBatchOutput | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class _Round:
+    """One round's tasks in this process."""
+
+    last_arrival: float
+    holding: set[int] = field(default_factory=set)  # agents holding a task of it that have not called train
+    arrived: set[int] = field(default_factory=set)  # every agent that got a task of it
+
+
+@dataclass
+class _Batch:
+    """The calls gathered so far for one round and one set of training settings."""
+
+    opened: float
+    calls: list[_Call] = field(default_factory=list)
+
+
+class ClientBatcher:
+    """The meeting point of one worker process's agents: their train() calls for a round run as one batch."""
+
+    def __init__(self, device: str = "cpu", compute_lock: threading.Lock | None = None, gather_seconds: float = 1.0,
+                 settle_seconds: float = 0.05, compile_step: bool = False):
+        self.device, self.compile_step = device, compile_step
+        self.gather_seconds, self.settle_seconds = gather_seconds, settle_seconds
+        self._turn = compute_lock if compute_lock is not None else threading.Lock()
+        self._cond = threading.Condition()
+        self._agents = 0  # BatchedTrainers of this process
+        self._rounds: dict[int, _Round] = {}
+        self._open: dict[tuple, _Batch] = {}  # batches still gathering, by (round, epochs, batch size, lr, mu)
+        self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
+        self._warm = False
+        self.batch_sizes: list[int] = []  # clients per batch run, in order (for tests and diagnostics)
+
+    def add_agent(self) -> None:
+        """Count one more agent training through this batcher."""
+        with self._cond:
+            self._agents += 1
+
+    @contextlib.contextmanager
+    def holding(self, agent: object, round_id: int):
+        """While inside, ``agent`` holds a task of ``round_id``: that round's batch waits for its train() call."""
+        with self._cond:
+            now = time.monotonic()
+            tasks = self._rounds.setdefault(round_id, _Round(now))
+            tasks.last_arrival = now
+            tasks.holding.add(id(agent))
+            tasks.arrived.add(id(agent))
+            for old in [r for r in self._rounds if r < round_id - 2]:
+                del self._rounds[old]
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._not_waiting_for(agent, round_id)
+
+    def warm_up(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One zero-learning-rate batched step, once per process, so torch.func's set-up (it imports
+        torch._dynamo) is not billed to a deadline."""
+        with self._turn:
+            if self._warm:
+                return
+            self._template = copy.deepcopy(model)
+            train_clients_batched(self._template, [ClientBatchInput(x[:2], y[:2], seed=0)], 1, 2, 0.0,
+                                  device=self.device)
+            self._warm = True
+
+    def train(self, agent: object, model: nn.Module, client: ClientBatchInput, epochs: int, batch_size: int,
+              lr: float, round_id: int, proximal_mu: float) -> ClientBatchOutput:
+        """Train ``client`` in this round's batch; returns when that batch has run (see the module's rule)."""
+        settings = (round_id, epochs, batch_size, lr, proximal_mu)
+        call = _Call(client)
+        with self._cond:
+            if self._template is None:
+                self._template = copy.deepcopy(model)
+            batch = self._open.get(settings)
+            if batch is None:
+                batch = self._open[settings] = _Batch(time.monotonic())
+            batch.calls.append(call)
+            self._not_waiting_for(agent, round_id)
+            while not call.done:
+                wait = self._wait(batch, round_id)
+                if self._open.get(settings) is batch and wait <= 0:
+                    del self._open[settings]  # later calls open a new batch
+                    self._cond.release()
+                    try:
+                        self._run(batch, settings)
+                    finally:
+                        self._cond.acquire()
+                    self._cond.notify_all()
+                elif self._open.get(settings) is batch:
+                    self._cond.wait(wait)
+                else:
+                    self._cond.wait(1.0)  # another agent runs this batch
+        if call.error is not None:
+            raise call.error
+        return call.output
+
+    def _not_waiting_for(self, agent: object, round_id: int) -> None:
+        """``agent`` has called train or left its task of ``round_id`` (hold the condition's lock)."""
+        if round_id in self._rounds:
+            self._rounds[round_id].holding.discard(id(agent))
+        self._cond.notify_all()
+
+    def _wait(self, batch: _Batch, round_id: int) -> float:
+        """Seconds until ``batch`` may start by the module's rule, if nothing else happens (<= 0: now)."""
+        start = batch.opened + self.gather_seconds
+        tasks = self._rounds.get(round_id)
+        if tasks is None:  # trained without announcing a task
+            return 0.0
+        if not tasks.holding:
+            everyone = len(tasks.arrived) >= self._agents
+            start = min(start, -math.inf if everyone else tasks.last_arrival + self.settle_seconds)
+        return start - time.monotonic()
+
+    def _run(self, batch: _Batch, settings: tuple) -> None:
+        """Train every call of ``batch`` together (in this process's compute turn) and hand out the results."""
+        round_id, epochs, batch_size, lr, mu = settings
+        try:
+            with self._turn:
+                outputs = train_clients_batched(self._template, [c.client for c in batch.calls], epochs, batch_size,
+                                                lr, round_id, self.device, mu, self.compile_step)
+            for call, output in zip(batch.calls, outputs):
+                call.output = output
+        except BaseException as exc:  # every agent of the batch sees the failure
+            for call in batch.calls:
+                call.error = exc
+        with self._cond:
+            self.batch_sizes.append(len(batch.calls))
+            for call in batch.calls:
+                call.done = True
+
+
+class BatchedTrainer(LocalTrainer):
+    """A LocalTrainer whose train() runs in its process's client batch (see :class:`ClientBatcher`)."""
+
+    def __init__(self, model: nn.Module, train: ArrayDataset, val: ArrayDataset | None, batcher: ClientBatcher,
+                 seed: int = 0, seconds_per_step_delay: float = 0.0, compute_lock: threading.Lock | None = None,
+                 device: torch.device | str = "cpu"):
+        super().__init__(model, train, val, seed, seconds_per_step_delay, compute_lock, device=device)
+        self.batcher = batcher
+        batcher.add_agent()
+
+    def warm_up(self) -> None:
+        """LocalTrainer's warm-up, and the batcher's (once per process)."""
+        super().warm_up()
+        self.batcher.warm_up(self.model, self.x, self.y)
+
+    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
+        """Tell the batcher this agent holds a task of ``round_id`` until the block ends."""
+        return self.batcher.holding(self, round_id)
+
+    def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
+              proximal_mu: float = 0.0, round_id: int = 0) -> TrainResult:
+        """LocalTrainer.train, computed in the batch; a slow device then waits out its simulated step delays."""
+        start = {name: p.detach() for name, p in self.model.named_parameters()}
+        client = ClientBatchInput(self.x, self.y, self.seed, start, stop_at, self.delay)
+        output = self.batcher.train(self, self.model, client, epochs, batch_size, lr, round_id, proximal_mu)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(output.weights[name])
+        if self.delay:  # the upload leaves when a slow device's would
+            time.sleep(output.result.steps * self.delay)
+        return output.result

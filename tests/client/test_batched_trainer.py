@@ -1,0 +1,156 @@
+"""Client-batched training computes what each client's LocalTrainer computes alone: per step and per round."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedpar.client.batched_trainer import ClientBatch, ClientBatchInput, check_batchable, train_clients_batched
+from fedpar.client.trainer import LocalTrainer, shuffling_generator
+from fedpar.datasets import ArrayDataset, load_dataset
+from fedpar.models.for_data import build_model_for_data
+
+# Different example counts: partial last batches (23, 37 and 7 are not multiples of BATCH), one client that
+# runs out of steps first (7 examples: one step per epoch) and one whose counts divide evenly (40).
+SIZES, BATCH, EPOCHS, LR, ROUND = (23, 40, 7, 37), 8, 2, 0.1, 3
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_one_thread():
+    """TF32 off (it only matters on CUDA): the comparisons are float32 against float32. One CPU thread: these
+    small steps only lose time to a second thread on a shared machine."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_num_threads()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_num_threads(1)
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, threads = before
+    torch.set_num_threads(threads)
+
+
+def _setup(model_name: str):
+    """A digits model and one ArrayDataset per client, of SIZES examples each."""
+    splits = load_dataset("digits")
+    torch.manual_seed(0)
+    model = build_model_for_data(model_name, splits.input_shape, splits.num_classes)
+    offsets = np.cumsum((0,) + SIZES)
+    data = [splits.train.subset(np.arange(a, b)) for a, b in zip(offsets[:-1], offsets[1:])]
+    return model, data
+
+
+def _inputs(data: list[ArrayDataset]) -> list[ClientBatchInput]:
+    return [ClientBatchInput(*d.to_tensors(), seed=10 + k) for k, d in enumerate(data)]
+
+
+def _local_batches(n: int, seed: int) -> list[torch.Tensor]:
+    """The index batches LocalTrainer.train draws (written out again here, independently of batch_schedule)."""
+    gen = shuffling_generator(seed, ROUND)
+    batches = []
+    for _ in range(EPOCHS):
+        order = torch.randperm(n, generator=gen)
+        batches += [order[b:b + BATCH] for b in range(0, n, BATCH)]
+    return batches
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_name, mu", [("mlp", 0.0), ("mlp", 0.5), ("cnn", 0.0)])
+def test_batched_gradients_equal_each_clients_own_gradients_at_every_step(model_name, mu, device):
+    model, data = _setup(model_name)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = ClientBatch(model, _inputs(data), EPOCHS, BATCH, ROUND, device, proximal_mu=mu)
+    plans = [_local_batches(len(d), 10 + k) for k, d in enumerate(data)]
+    deadline_stop = (0, 3)  # client 0 is stopped (as by its deadline) after its first epoch (8 + 8 + 7)
+    reference = copy.deepcopy(model).to(device)
+    worst, steps_seen = 0.0, [0] * len(data)
+    while batch.active:
+        s = batch.step_index
+        if s == deadline_stop[1] and deadline_stop[0] in batch.active:
+            frozen = batch.client_weights(deadline_stop[0])
+            batch.leave([deadline_stop[0]], stopped=True)
+        assert batch.active == [k for k, p in enumerate(plans) if s < len(p) and not (k == 0 and s >= 3)]
+        grads, losses = batch.gradients()
+        for row, k in enumerate(batch.active):
+            x, y = (t.to(device) for t in data[k].to_tensors())
+            idx = plans[k][s].to(device)
+            now = batch.client_weights(k)
+            with torch.no_grad():
+                for n, p in reference.named_parameters():
+                    p.copy_(now[n])
+            reference.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(reference(x[idx]), y[idx])
+            objective = loss + 0.5 * mu * sum((p - start[n].to(device)).pow(2).sum()
+                                              for n, p in reference.named_parameters())
+            objective.backward()
+            assert abs(losses[row].item() - loss.item()) <= 1e-6 * abs(loss.item())
+            for n, p in reference.named_parameters():
+                worst = max(worst, _relative_error(grads[n][row], p.grad))
+            steps_seen[k] += 1
+        batch.step(LR)
+    assert worst <= 1e-5, worst
+    assert steps_seen == [3, len(plans[1]), len(plans[2]), len(plans[3])]
+    assert len(plans[2]) == EPOCHS < len(plans[1])  # the small client left the batch early
+    # The stopped client's weights froze when it left; the others' results count what they trained on.
+    out = batch.outputs(seconds=0.0)
+    assert all(torch.equal(out[0].weights[n], frozen[n].cpu()) for n in frozen)
+    assert [o.result.stopped_early for o in out] == [True, False, False, False]
+    assert [o.result.steps for o in out] == steps_seen
+    assert out[0].result.examples == SIZES[0] and out[1].result.examples == EPOCHS * SIZES[1]
+
+
+@pytest.mark.parametrize("model_name, mu", [("mlp", 0.0), ("mlp", 0.3), ("cnn", 0.0)])
+def test_a_batched_round_ends_where_each_local_trainer_ends(model_name, mu):
+    model, data = _setup(model_name)
+    before = [p.detach().clone() for p in model.parameters()]
+    outputs = train_clients_batched(model, _inputs(data), EPOCHS + 1, BATCH, LR, ROUND, proximal_mu=mu)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the template is not trained
+    for k, (d, out) in enumerate(zip(data, outputs)):
+        alone = copy.deepcopy(model)
+        want = LocalTrainer(alone, d, seed=10 + k).train(EPOCHS + 1, BATCH, LR, proximal_mu=mu, round_id=ROUND)
+        got = out.result
+        assert (got.steps, got.examples, got.stopped_early) == (want.steps, want.examples, False)
+        assert got.loss == pytest.approx(want.loss, rel=1e-6)
+        for n, p in alone.named_parameters():
+            # Measured on this CPU: at most 2.2e-7 of the tensor's largest weight after 3 epochs (loss: 7e-8).
+            assert (out.weights[n] - p.detach()).abs().max() <= 2e-6 * p.detach().abs().max(), n
+
+
+def test_deadlines_stop_each_client_on_its_own_clock():
+    model, data = _setup("mlp")
+    now = time.monotonic()
+    clients = _inputs(data)
+    clients[0].stop_at = now - 1.0  # no time left: no step at all
+    clients[1].stop_at, clients[1].step_delay = now + 0.3, 0.02  # a slow device: about 15 of its 30 steps fit
+    outputs = train_clients_batched(model, clients, 6, BATCH, LR, ROUND)
+    assert (outputs[0].result.steps, outputs[0].result.examples, outputs[0].result.stopped_early) == (0, 0, True)
+    assert math.isnan(outputs[0].result.loss)
+    assert all(torch.equal(outputs[0].weights[n], p.detach()) for n, p in model.named_parameters())
+    slow = outputs[1].result
+    assert slow.stopped_early and 5 <= slow.steps <= 15 and slow.examples == slow.steps * BATCH  # 40 = 5 batches
+    assert slow.seconds >= slow.steps * 0.02
+    for k in (2, 3):  # no deadline: every step of every epoch
+        assert not outputs[k].result.stopped_early
+        assert outputs[k].result.examples == 6 * SIZES[k]
+
+
+def test_models_with_random_or_stateful_layers_are_refused():
+    check_batchable(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.0)))  # p=0 draws nothing: allowed
+    for layer in (nn.Dropout(0.5), nn.BatchNorm1d(3)):
+        with pytest.raises(ValueError, match="without batch-norm statistics or dropout"):
+            check_batchable(nn.Sequential(nn.Linear(3, 3), layer))
+
+
+def test_the_compiled_step_is_refused_off_cuda():
+    model, data = _setup("mlp")
+    with pytest.raises(ValueError, match="compile_step is for CUDA"):
+        train_clients_batched(model, _inputs(data), 1, BATCH, LR, device="cpu", compile_step=True)

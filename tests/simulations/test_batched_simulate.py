@@ -1,0 +1,52 @@
+"""`fedpar simulate --client-batching`: real agents and a real coordinator, each worker's clients trained as one
+batched model; the federation learns what the sequential one learns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedpar.cli.main import main
+
+SMALL = ["--dataset", "digits", "--model", "mlp", "--seed", "0", "--quiet"]
+
+
+def _simulate(out, *flags) -> list[dict]:
+    code = main(["simulate", *SMALL, "--out", str(out), *flags])
+    assert code == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_batched_and_sequential_federations_reach_the_same_accuracy(tmp_path):
+    flags = ["--clients", "6", "--rounds", "3", "--workers", "2"]
+    sequential = _simulate(tmp_path / "sequential", *flags)
+    batched = _simulate(tmp_path / "batched", *flags, "--client-batching")
+    assert all(r["status"] == "ok" and r["reported"] == 6 for r in sequential + batched)
+    # Each client's batched update equals its LocalTrainer update to float32 rounding (tests/client/
+    # test_batched_trainer.py); measured here: the same accuracy every round (0.919 after round 3).
+    for s, b in zip(sequential, batched):
+        assert abs(s["test_accuracy"] - b["test_accuracy"]) <= 0.003, (s, b)
+        assert b["train_loss"] == pytest.approx(s["train_loss"], rel=1e-4)
+    assert batched[-1]["test_accuracy"] >= 0.85
+
+
+@pytest.mark.timeout(300)
+def test_batched_clients_still_mask_their_updates_for_secure_aggregation(tmp_path):
+    # All four agents live in one worker: they train in one batch, then run SecAgg+ on their own updates.
+    rows = _simulate(tmp_path / "secure", "--clients", "4", "--rounds", "2", "--workers", "1",
+                     "--secure-aggregation", "--client-batching")
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert all(r["secagg_survivors"] == 4 and r["secagg_error_bound"] < 1e-6 for r in rows)
+    assert rows[-1]["test_accuracy"] >= 0.85  # as without batching (tests/simulations/test_secure_simulate.py)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--client-batching", "--precision", "bf16"], "--client-batching trains in fp32"),
+])
+def test_impossible_batching_settings_are_one_line_errors(tmp_path, capsys, flags, message):
+    assert main(["simulate", *SMALL, "--out", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err

@@ -1,0 +1,136 @@
+"""The per-process batcher: agents holding a task of a round train in one batch, with LocalTrainer's results."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from fedpar.client.trainer import LocalTrainer
+from fedpar.datasets import load_dataset
+from fedpar.models.for_data import build_model_for_data
+from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
+
+EPOCHS, BATCH, LR, ROUND = 2, 16, 0.1, 1
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trainers(batcher: ClientBatcher, sizes, delays=None):
+    """BatchedTrainers (and their LocalTrainer twins) on digits shares of ``sizes`` examples, one model each."""
+    splits = load_dataset("digits")
+    offsets = np.cumsum((0,) + tuple(sizes))
+    torch.manual_seed(0)
+    model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
+    batched, alone = [], []
+    for k, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        data = splits.train.subset(np.arange(a, b))
+        delay = delays[k] if delays else 0.0
+        batched.append(BatchedTrainer(copy.deepcopy(model), data, None, batcher, seed=k, seconds_per_step_delay=delay))
+        alone.append(LocalTrainer(copy.deepcopy(model), data, seed=k))
+    return batched, alone
+
+
+def _agent(trainer, results, k, returned=None):
+    """What an Agent does around train(): hold the task, then train (``returned``: when train returned)."""
+    with trainer.holding_task(ROUND):
+        time.sleep(0.01 * k)  # tasks arrive a little apart
+        results[k] = trainer.train(EPOCHS, BATCH, LR, round_id=ROUND)
+        if returned is not None:
+            returned[k] = time.monotonic()
+
+
+def _run_threads(targets):
+    threads = [threading.Thread(target=t) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def test_agents_holding_tasks_of_a_round_train_in_one_batch_with_local_trainer_results():
+    batcher = ClientBatcher(gather_seconds=10.0)
+    batched, alone = _trainers(batcher, (40, 75, 33), delays=(0.0, 0.0, 0.02))
+    results, returned = [None] * 3, [0.0] * 3
+    started = time.monotonic()
+    _run_threads([lambda k=k: _agent(batched[k], results, k, returned) for k in range(3)])
+    assert time.monotonic() - started < 5.0  # nobody waited for the gather window
+    assert batcher.batch_sizes == [3]
+    for k in range(3):
+        want = alone[k].train(EPOCHS, BATCH, LR, round_id=ROUND)
+        got = results[k]
+        assert (got.steps, got.examples, got.stopped_early) == (want.steps, want.examples, want.stopped_early)
+        assert got.loss == pytest.approx(want.loss, rel=1e-6)
+        for p, q in zip(batched[k].model.parameters(), alone[k].model.parameters()):
+            assert (p - q).abs().max() <= 2e-6 * q.abs().max()
+    # The slow device's simulated delays are billed to its clock and waited out before it returns (uploads).
+    assert results[2].seconds - results[0].seconds == pytest.approx(results[2].steps * 0.02)
+    assert returned[2] - max(returned[:2]) >= 0.9 * results[2].steps * 0.02
+
+
+def test_an_agent_that_holds_a_task_but_never_trains_delays_the_batch_by_the_gather_window_at_most():
+    batcher = ClientBatcher(gather_seconds=0.5)
+    batched, _ = _trainers(batcher, (20, 20))
+    results = [None] * 2
+    never = threading.Event()
+
+    def silent_holder():
+        with batcher.holding(object(), ROUND):
+            never.wait(3.0)
+
+    holder = threading.Thread(target=silent_holder)
+    holder.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    _run_threads([lambda k=k: _agent(batched[k], results, k) for k in range(2)])
+    waited = time.monotonic() - started
+    never.set()
+    holder.join()
+    assert batcher.batch_sizes == [2] and all(r.steps == EPOCHS * 2 for r in results)
+    assert 0.5 <= waited < 2.5
+
+
+def test_an_agent_that_leaves_its_task_releases_the_batch_at_once():
+    batcher = ClientBatcher(gather_seconds=5.0)
+    (trainer,), _ = _trainers(batcher, (20,))
+    results = [None]
+    leaves = threading.Event()
+
+    def leaving_holder():
+        with batcher.holding(object(), ROUND):
+            leaves.wait(3.0)  # e.g. its download failed
+
+    holder = threading.Thread(target=leaving_holder)
+    holder.start()
+    time.sleep(0.05)
+    worker = threading.Thread(target=_agent, args=(trainer, results, 0))
+    started = time.monotonic()
+    worker.start()
+    time.sleep(0.3)
+    assert results[0] is None  # still waiting for the other holder
+    leaves.set()
+    worker.join(10)
+    holder.join()
+    assert results[0] is not None and time.monotonic() - started < 2.0
+
+
+def test_a_task_that_arrives_just_after_another_agents_train_call_joins_its_batch():
+    # Three agents in the process, two of them sampled: the first trains at once, the second's task comes
+    # 20 ms later. The batch waits settle_seconds after the last task arrival (not for the unsampled third).
+    batcher = ClientBatcher(gather_seconds=10.0, settle_seconds=0.2)
+    batched, _ = _trainers(batcher, (20, 20, 20))
+    results = [None] * 3
+    started = time.monotonic()
+    _run_threads([lambda: _agent(batched[0], results, 0), lambda: _agent(batched[1], results, 2)])  # 0 and 20 ms
+    assert batcher.batch_sizes == [2] and results[0].steps == results[2].steps == EPOCHS * 2
+    assert 0.2 <= time.monotonic() - started < 5.0
