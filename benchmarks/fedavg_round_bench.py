@@ -9,7 +9,9 @@ trajectories must match, so that the ratio compares the same work: every round's
 points (``accuracy_matches``). Each step's gradients agree to about 1e-6 relative, but over hundreds of SGD
 steps float32 rounding moves the weights apart (up to about 2e-2 on MNIST after two rounds, at the same
 accuracy; ``max_weight_difference``). ``--compile`` adds (3): the batched step compiled into CUDA graphs
-(CUDA only, experimental).
+(CUDA only, experimental). Beside them, the baseline the GPU must beat: (4) ``fedpar simulate`` of the same
+round (100 clients, 10 a round, E, B, lr, the CNN) on the CPU with one agent worker per core, its median round
+time from metrics.jsonl (round 1, with the workers' start-up, excluded); ``--no-simulate`` skips it.
 
 Run: ``.venv/bin/python benchmarks/fedavg_round_bench.py [--device cpu|cuda] [--quick] [--rounds R]``.
 ``--quick``: E = 1 and at most 100 examples a client. TF32 is off (both ways), so the trajectories compare.
@@ -22,7 +24,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +36,7 @@ import torch
 from fedpar.aggregation.fedavg import fedavg
 from fedpar.client.batched_trainer import ClientBatchInput, train_clients_batched
 from fedpar.client.trainer import LocalTrainer, evaluate_classifier
-from fedpar.datasets import ArrayDataset, load_dataset
+from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights
 from fedpar.models.for_data import build_model_for_data
 from fedpar.simulations.clientdata import partition_indices
@@ -84,8 +88,25 @@ def _batched_round(model: torch.nn.Module, clients: list[ClientBatchInput], glob
     return averaged, time.perf_counter() - start
 
 
+def simulate_on_cpu(dataset: str, epochs: int, rounds: int) -> dict:
+    """The same round through ``fedpar simulate --device cpu`` with a worker per core: median round seconds."""
+    workers = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as out:
+        mnist = next((d for d in MNIST_DIRS if (d / "train.npz").exists()), None)
+        data = ["--data-dir", str(mnist)] if dataset == "mnist" else []
+        cmd = [sys.executable, "-m", "fedpar", "simulate", "--device", "cpu", "--workers", str(workers),
+               "--clients", str(POPULATION), "--clients-per-round", str(COHORT), "--rounds", str(rounds + 1),
+               "--model", "cnn", "--dataset", dataset, *data, "--local-epochs", str(epochs), "--batch-size",
+               str(BATCH), "--lr", str(LR), "--seed", str(SEED), "--deadline", "3600", "--quiet", "--out", out]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    seconds = [r["round_seconds"] for r in rows[1:]]
+    return {"workers": workers, "round_seconds": seconds, "seconds_per_round": statistics.median(seconds),
+            "test_accuracy": [r.get("test_accuracy") for r in rows[1:]]}
+
+
 def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_step: bool = False,
-                 dataset: str | None = None) -> dict:
+                 dataset: str | None = None, simulate: bool = True) -> dict:
     """Seconds per FedAvg-paper round, sequential vs client-batched on ``device``, and both trajectories
     (``dataset``: mnist or digits; default MNIST when it is there)."""
     dev = torch.device(device)
@@ -93,9 +114,15 @@ def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_st
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        return _measure(dev, quick, rounds or 2, compile_step, dataset)
+        out = _measure(dev, quick, rounds or 2, compile_step, dataset)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    if simulate and not quick:  # a quick run's clients hold 100 examples; simulate's hold all of theirs
+        print("  simulate on the CPU ...", file=sys.stderr, flush=True)
+        cpu = simulate_on_cpu(out["dataset"], out["epochs"], rounds or 2)
+        cpu["batched_speedup"] = cpu["seconds_per_round"] / out["ways"]["batched"]["seconds_per_round"]
+        out["simulate_cpu"] = cpu
+    return out
 
 
 def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, dataset: str | None) -> dict:
@@ -152,9 +179,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per way (after one untimed warm-up round)")
     p.add_argument("--compile", action="store_true", help="also the batched step compiled into CUDA graphs (CUDA)")
     p.add_argument("--dataset", choices=["mnist", "digits"], help="default: MNIST when it is there, else digits")
+    p.add_argument("--no-simulate", action="store_true", help="skip the fedpar simulate (CPU, all cores) baseline")
     a = p.parse_args()
     print(f"FedAvg round benchmark on {a.device} ({os.cpu_count()} cores)", file=sys.stderr, flush=True)
-    r = fedavg_round(a.device, a.quick, a.rounds, a.compile, a.dataset)
+    r = fedavg_round(a.device, a.quick, a.rounds, a.compile, a.dataset, simulate=not a.no_simulate)
     print(f"\n== FedAvg paper round: {r['dataset']} CNN, {r['clients']} clients x E={r['epochs']} x B={r['batch_size']}"
           f" on {r['device']} ==")
     print(f"{'way':<18}{'s/round':>10}{'ratio':>8}{'final accuracy':>16}{'max |dw|':>11}{'match':>7}")
@@ -162,6 +190,10 @@ def main() -> None:
         print(f"{label:<18}{way['seconds_per_round']:>10.3f}{way['ratio_vs_sequential']:>8.2f}"
               f"{way['test_accuracy'][-1]:>16.4f}{way['max_weight_difference']:>11.2e}"
               f"{str(way['accuracy_matches']):>7}")
+    if "simulate_cpu" in r:
+        cpu = r["simulate_cpu"]
+        print(f"{'simulate (CPU)':<18}{cpu['seconds_per_round']:>10.3f}  ({cpu['workers']} workers; batched is "
+              f"{cpu['batched_speedup']:.1f}x faster)")
     print("s/round: median of the timed rounds (training + FedAvg, not the evaluation); ratio: way / sequential")
     print(json.dumps(r))
 
