@@ -192,8 +192,8 @@ def main() -> None:
               f"{str(way['accuracy_matches']):>7}")
     if "simulate_cpu" in r:
         cpu = r["simulate_cpu"]
-        print(f"{'simulate (CPU)':<18}{cpu['seconds_per_round']:>10.3f}  ({cpu['workers']} workers; batched is "
-              f"{cpu['batched_speedup']:.1f}x faster)")
+        print(f"{'simulate (CPU)':<18}{cpu['seconds_per_round']:>10.3f}  ({cpu['workers']} workers; its round time / "
+              f"batched's = {cpu['batched_speedup']:.2f})")
     print("s/round: median of the timed rounds (training + FedAvg, not the evaluation); ratio: way / sequential")
     print(json.dumps(r))
 
