@@ -45,6 +45,7 @@ from typing import Callable
 import numpy as np
 
 from fedpar.aggregation import FedAvg, FoldConfig, fedavg
+from fedpar.parallel.device import flush_denormals
 
 GIB = 1 << 30
 
@@ -292,7 +293,7 @@ def compression_table(rounds: int) -> None:
     from fedpar.models import build_model, get_weights, set_weights
 
     torch.set_num_threads(1)
-    torch.set_flush_denormal(True)  # long CPU training slows down on subnormal floats (notes/cpu-training.md)
+    flush_denormals()
     data = load_digits(seed=0)
     xtr, ytr = data.train.to_tensors()
     xte, yte = data.test.to_tensors()

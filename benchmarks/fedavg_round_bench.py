@@ -40,6 +40,7 @@ from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights
 from fedpar.models.for_data import build_model_for_data
 from fedpar.simulations.clientdata import partition_indices
+from fedpar.parallel.device import flush_denormals
 
 HERE = Path(__file__).resolve().parent
 MNIST_DIRS = [HERE.parent.parent / "shared" / "data" / "mnist", HERE.parent / "shared" / "data" / "mnist"]
@@ -110,7 +111,7 @@ def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_st
     """Seconds per FedAvg-paper round, sequential vs client-batched on ``device``, and both trajectories
     (``dataset``: mnist or digits; default MNIST when it is there)."""
     dev = torch.device(device)
-    torch.set_flush_denormal(True)  # denormals slow CPU training up to 7x (see the CPU training notes)
+    flush_denormals()
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:

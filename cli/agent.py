@@ -20,7 +20,7 @@ from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.config import ConfigurationError
-from fedpar.parallel.device import DEVICE_HELP, check_device_layout, resolve_device
+from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
 from fedpar.simulations.clientdata import local_split, partition_indices
 
 
@@ -71,7 +71,7 @@ def agent_config(args: argparse.Namespace, security) -> AgentConfig:
 def run(args: argparse.Namespace) -> int:
     """Run the agent until the coordinator says shutdown."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_flush_denormal(True)  # denormals slow CPU training up to 7x (see the CPU training notes)
+    flush_denormals()
     if args.threads:
         torch.set_num_threads(args.threads)
     if not 0 <= args.partition_index < args.num_partitions:

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from fedpar.parallel.config import ConfigurationError, ParallelConfig
+from fedpar.parallel.device import flush_denormals
 
 _P = ParallelConfig()
 
@@ -92,7 +93,7 @@ def engine_process(args: argparse.Namespace) -> int:
     from fedpar.parallel.init import init_distributed, shutdown_distributed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_flush_denormal(True)
+    flush_denormals()
     if args.threads:
         torch.set_num_threads(args.threads)
     info = init_distributed(args.dist_timeout, args.device)

@@ -26,7 +26,7 @@ from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.models.evaluation import CentralEvaluator
 from fedpar.models.for_data import build_model_for_data
-from fedpar.parallel.device import DEVICE_HELP, check_device_layout, resolve_device
+from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
 from fedpar.protocol.tensorfile import atomic_write_bytes
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until every round is done."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_flush_denormal(True)  # denormals slow CPU evaluation badly (see the CPU training notes)
+    flush_denormals()
     fields = set(CoordinatorConfig.__dataclass_fields__)
     config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     config.metrics_path = args.out / "metrics.jsonl"

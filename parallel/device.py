@@ -105,6 +105,16 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == CUDA else "gloo"
 
 
+def flush_denormals() -> None:
+    """Treat subnormal floats as zero in this process's CPU arithmetic, for every long CPU training or evaluation.
+
+    Tiny weights and gradients drift into the subnormal range, where these CPUs multiply far slower: plain PyTorch
+    FedAvg of the MNIST CNN took 36 s and 41 s for rounds 1 and 2, then 297 s for round 3; with flushing, 38-49 s
+    every round, with the same test accuracies. GPUs are not affected.
+    """
+    torch.set_flush_denormal(True)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a no-op on the CPU), so a clock read after it is honest."""
     if device.type == CUDA:

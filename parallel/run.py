@@ -11,13 +11,13 @@ from fedpar.parallel.config import TrainConfig, train_config_from_dict
 from fedpar.parallel.data import load_train_data, model_kwargs_for
 from fedpar.parallel.init import init_distributed, shutdown_distributed
 from fedpar.parallel.trainer import Trainer
+from fedpar.parallel.device import flush_denormals
 
 
 def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float = 300.0) -> dict[str, Any]:
     """Train with ``config`` in this process (one rank of a torchrun/spawned group, or alone); returns the summary."""
     cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
-    # Long CPU runs slow down several-fold once weights drift into subnormal floats (notes/cpu-training.md).
-    torch.set_flush_denormal(True)
+    flush_denormals()
     info = init_distributed(timeout_seconds, cfg.device)
     try:
         data, implied = load_train_data(cfg.dataset, cfg.data_path, cfg.block_size, cfg.seed)

@@ -16,6 +16,7 @@ from torch import nn
 
 from fedpar.parallel.init import init_distributed, shutdown_distributed, spawn
 from fedpar.parallel.optim import clip_gradients, total_grad_norm
+from fedpar.parallel.device import flush_denormals
 
 CLIP_LR = 0.1
 
@@ -85,7 +86,7 @@ def backend_id(device: str) -> str:
 
 def _worker(checks_file: str, names: list[str], out_dir: str, device: str) -> None:
     info = init_distributed(timeout_seconds=60, device=device)
-    torch.set_flush_denormal(True)  # long CPU loops slow down badly on denormals (notes/cpu-training.md)
+    flush_denormals()
     spec = importlib.util.spec_from_file_location(f"fedpar_checks_{Path(checks_file).stem}", checks_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -21,6 +21,7 @@ from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.simulations.clientdata import local_split
+from fedpar.parallel.device import flush_denormals
 
 
 @dataclass
@@ -76,7 +77,7 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: thread
 def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     """Run every agent of ``cfg`` in a thread until the coordinator shuts down (``splits``: the loaded data)."""
     torch.set_num_threads(1)  # several worker processes share the cores
-    torch.set_flush_denormal(True)  # denormals slow CPU training up to 7x (see the CPU training notes)
+    flush_denormals()
     logging.basicConfig(level=logging.WARNING)
     if splits is None:
         splits = load_dataset(cfg.dataset, cfg.data_dir)

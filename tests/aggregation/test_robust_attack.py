@@ -8,6 +8,7 @@ from torch import nn
 from fedpar.aggregation import Strategy, build_strategy
 from fedpar.datasets import load_digits
 from fedpar.models import build_model, get_weights, set_weights
+from fedpar.parallel.device import flush_denormals
 
 NUM_CLIENTS, NUM_ATTACKERS, ROUNDS = 10, 2, 12
 
@@ -55,7 +56,7 @@ def federate(strategy: Strategy, attack: bool) -> float:
 def clean_accuracy():
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.set_flush_denormal(True)  # long CPU training slows down on subnormal floats (see notes/cpu-training.md)
+    flush_denormals()
     yield federate(build_strategy("fedavg"), attack=False)
     torch.set_num_threads(prev)
 
