@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
+
+from fedpar.protocol.codec import ModelLayout
+
+if TYPE_CHECKING:
+    from fedpar.server.plain_round import PlainRound
+
+log = logging.getLogger("fedpar.server")
 
 
 class Refusal(Exception):
@@ -91,6 +100,47 @@ class RoundState:
         """True when every sampled agent has an accepted or rejected update."""
         return self.accepted + self.rejected >= len(self.slots)  # O(1): called on every upload
 
+    def close_if_done(self) -> None:
+        """Close once K updates are in (first-K) or every sampled agent has answered."""
+        if self.accepted >= self.target:
+            self.close("target reached")
+        elif self.settled():
+            self.close("every sampled agent answered")
+
+    def count_accepted(self, slot: AgentSlot, report: tuple[int, dict[str, float]] | None = None) -> None:
+        """Count ``slot``'s update as accepted, with its (examples, metrics) report if the round may see one."""
+        slot.status = "accepted"
+        self.accepted += 1
+        if report is not None:
+            self.examples += report[0]
+            self.metrics.append(report)
+
+    def withdraw(self, report: tuple[int, dict[str, float]]) -> None:
+        """Undo :meth:`count_accepted` of an update the strategy then refused (its slot is rejected next)."""
+        self.accepted -= 1
+        self.examples -= report[0]
+        self.metrics.remove(report)
+
+    def reject(self, slot: AgentSlot, message: str) -> None:
+        """Record a refused update (bad content); it never touches the model."""
+        slot.status = "rejected"
+        self.rejected += 1
+        log.warning("round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
+        if self.settled():
+            self.close("every sampled agent answered")
+
     def late(self) -> int:
         """Sampled agents whose update had not been accepted or rejected when the round closed."""
         return sum(1 for s in self.slots.values() if s.status not in ("accepted", "rejected"))
+
+
+@dataclass
+class UploadTicket:
+    """An upload whose header passed validation; its data is still to come."""
+
+    state: RoundState
+    slot: AgentSlot
+    num_examples: int
+    metrics: dict[str, float]
+    layout: ModelLayout  # what the data must fill: the model, its compressed encoding, or the masked vector
+    mode: PlainRound  # the round's mode, which decodes and folds the update
