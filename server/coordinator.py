@@ -28,12 +28,10 @@ from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.metrics import MetricsLog, clean_row
-from fedpar.server.offload import per_update
 from fedpar.server.payload import WeightPayload, build_payload
-from fedpar.server.plain_round import PlainRound
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
+from fedpar.server.rounds import AgentSlot, Refusal, RoundMode, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
 from fedpar.server.secure_round import SecureRound
 from fedpar.server.tickets import TicketBook
@@ -60,8 +58,10 @@ class Coordinator:
         self.names = list(names)
         self.weights = [np.ascontiguousarray(w) for w in weights]
         self.layout = ModelLayout.of_arrays(self.names, self.weights)
-        self.modes = RoundModes(config, self.names, self.weights, strategy, self._per_update, self._in_thread)
-        self.mode: PlainRound | None = None  # the current round's mode (plain, compressed or secure)
+        self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                            thread_name_prefix="fedpar-coord")
+        self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
+        self.mode: RoundMode | None = None  # the current round's mode (plain, compressed or secure)
         self._task_settings = "{}"  # the current round's TaskSettings, as every task carries them
         self.round_id = 0  # last completed round
         self.current: RoundState | None = None
@@ -75,8 +75,6 @@ class Coordinator:
         self._wakeups: dict[str, asyncio.Event] = {}
         self._agents_changed: asyncio.Event | None = None
         self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
-        self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                            thread_name_prefix="fedpar-coord")
         if config.checkpoint_dir is not None:
             self._resume(load_checkpoint(config.checkpoint_dir))
 
@@ -122,10 +120,6 @@ class Coordinator:
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _per_update(self, fn, *args):
-        """``fn(*args)`` for one update: on a worker thread, or here when the model is small (server/offload.py)."""
-        return await per_update(self.layout.total_bytes, fn, *args, executor=self._executor)
 
     async def _publish_payload(self, round_id: int) -> None:
         self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,

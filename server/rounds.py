@@ -6,16 +6,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import grpc
+import numpy as np
 
+from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-
-if TYPE_CHECKING:
-    from fedpar.server.plain_round import PlainRound
+from fedpar.protocol.task_settings import TaskSettings
 
 log = logging.getLogger("fedpar.server")
+RunUpdate = Callable[..., Awaitable]  # runs fn(*args) for one update, on the event loop or a worker thread
 
 
 class Refusal(Exception):
@@ -143,4 +144,38 @@ class UploadTicket:
     num_examples: int
     metrics: dict[str, float]
     layout: ModelLayout  # what the data must fill: the model, its compressed encoding, or the masked vector
-    mode: PlainRound  # the round's mode, which decodes and folds the update
+    mode: RoundMode  # the round's mode, which decodes and folds the update
+
+
+class RoundMode(Protocol):
+    """What sets a kind of round apart (plain, compressed, secure: server/round_modes.py, server/secure_round.py).
+
+    The coordinator keeps the round policy (sampling, the deadline, first-K, the accounting) and asks the
+    round's mode the rest. Every method runs on the coordinator's event loop.
+    """
+
+    redelivers_tasks: bool  # whether a task whose download was lost may be handed out again
+
+    def task_settings(self, settings: TaskSettings) -> TaskSettings:
+        """``settings`` (the strategy's) with what this mode adds for every task."""
+
+    def start(self, state: RoundState) -> None:
+        """The round opened."""
+
+    def admit(self, agent_id: str) -> None:
+        """Refuse, before the header is checked further, an upload this round takes from no such agent."""
+
+    def expected_layout(self, header: pb.UploadHeader) -> tuple[ModelLayout, str]:
+        """The layout the upload's tensors must have and what a refusal calls it; a Refusal for a wrong encoding."""
+
+    async def decoded(self, global_weights: Sequence[np.ndarray], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The update a complete upload stands for (a final Refusal if its content is invalid)."""
+
+    async def accept(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
+        """Count the update in ``state`` and add it to the round's sum (a Refusal if it cannot be)."""
+
+    async def close(self, state: RoundState, global_weights: Sequence[np.ndarray]) -> None:
+        """The round closed and its accepted updates are in: finish combining them for the strategy."""
+
+    def metrics(self) -> dict:
+        """This mode's columns of the round's metrics row."""

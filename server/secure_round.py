@@ -34,8 +34,7 @@ from fedpar.secagg.messages import MaskedInput
 from fedpar.secagg.params import RoundParams
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.server_protocol import SecAggResult, SecAggServer
-from fedpar.server.plain_round import PlainRound, RunUpdate
-from fedpar.server.rounds import Refusal, RoundState, UploadTicket
+from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket
 
 log = logging.getLogger("fedpar.server")
 MASKED_TENSOR = "secagg.masked"
@@ -64,15 +63,17 @@ def masked_layout(vector_length: int) -> ModelLayout:
     return ModelLayout([(MASKED_TENSOR, "int32", (vector_length + 1,))])
 
 
-class SecureRound(PlainRound):
-    """One round's SecAgg+ server, its stage timing, and the gRPC replies to SecAggExchange (a round mode)."""
+class SecureRound:
+    """Secure rounds (a RoundMode): one round's SecAgg+ server, its stage timing, and the replies to SecAggExchange."""
 
     redelivers_tasks = False  # the key exchange of a task cannot be replayed
 
     def __init__(self, round_id: int, cohort: Sequence[str], weights: Sequence[np.ndarray], clip: float,
                  max_weight: int, stage_seconds: float, strategy, in_thread: RunUpdate):
         length = sum(int(w.size) for w in weights)
-        super().__init__(masked_layout(length), strategy, in_thread)  # unmasking always runs on a worker thread
+        self.layout = masked_layout(length)
+        self.strategy = strategy
+        self.in_thread = in_thread
         self.round_id = round_id
         self.stage_seconds = stage_seconds
         self.failure: str | None = None
@@ -157,6 +158,10 @@ class SecureRound(PlainRound):
         """The single int32 tensor of the masked vector."""
         return self.layout, "the masked vector of this secure round"
 
+    async def decoded(self, global_weights: Sequence[np.ndarray], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The masked vector as received (it is unmasked only in sum)."""
+        return arrays
+
     async def accept(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
         """Add the masked vector to the running sum; nothing reaches the strategy before unmasking."""
         all_in = self.add_masked(ticket.slot.agent_id, arrays[0])
@@ -194,7 +199,7 @@ class SecureRound(PlainRound):
             self._finishing = True
             self._mark("unmask_shares")
             start = time.perf_counter()
-            self.result, self.unmask_cpu_seconds = await self.run_update(_timed, s.finish)
+            self.result, self.unmask_cpu_seconds = await self.in_thread(_timed, s.finish)
             self.unmask_seconds = time.perf_counter() - start
         except SecAggAbort as exc:
             self._fail(str(exc), state)
@@ -208,7 +213,7 @@ class SecureRound(PlainRound):
             delta = r.mean[offset:offset + w.size].reshape(w.shape)
             update.append((w.astype(np.float64) + delta).astype(w.dtype))
             offset += w.size
-        await self.run_update(self.strategy.fold, update, r.weight_sum, "secure-aggregate")
+        await self.in_thread(self.strategy.fold, update, r.weight_sum, "secure-aggregate")
         log.info("round %d: unmasked the sum of %d agents (%d dropped after sharing keys) in %.2fs",
                  self.params.round_id, len(r.survivors), len(r.dropped), self.unmask_seconds)
 

@@ -198,13 +198,13 @@ async def _next_message(request_iterator, timeout: float | None = None):
 def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     """Method handlers; downloads are sent as pre-serialized bytes (identity serializer)."""
     identity = lambda b: b  # noqa: E731 - download messages are serialized by WeightPayload
+
+    def unary(handler, request: type, reply: type):
+        return grpc.unary_unary_rpc_method_handler(refuse_malformed(handler), request_deserializer=parser(request),
+                                                   response_serializer=reply.SerializeToString)
     handlers = {
-        "Join": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.Join), request_deserializer=parser(pb.JoinRequest),
-            response_serializer=pb.JoinReply.SerializeToString),
-        "PullTask": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.PullTask), request_deserializer=parser(pb.PullTaskRequest),
-            response_serializer=pb.PullTaskReply.SerializeToString),
+        "Join": unary(service.Join, pb.JoinRequest, pb.JoinReply),
+        "PullTask": unary(service.PullTask, pb.PullTaskRequest, pb.PullTaskReply),
         "DownloadWeights": grpc.unary_stream_rpc_method_handler(
             refuse_malformed(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
             response_serializer=identity),
@@ -212,17 +212,9 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
             service.UploadUpdate,
             request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
             response_serializer=pb.UploadReply.SerializeToString),
-        "UploadSmall": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.UploadSmall), request_deserializer=parser(pb.SmallUpload),
-            response_serializer=pb.UploadReply.SerializeToString),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.Heartbeat), request_deserializer=parser(pb.HeartbeatRequest),
-            response_serializer=pb.HeartbeatReply.SerializeToString),
-        "Leave": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.Leave), request_deserializer=parser(pb.LeaveRequest),
-            response_serializer=pb.LeaveReply.SerializeToString),
-        "SecAggExchange": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.SecAggExchange), request_deserializer=parser(pb.SecAggRequest),
-            response_serializer=pb.SecAggReply.SerializeToString),
+        "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
+        "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+        "Leave": unary(service.Leave, pb.LeaveRequest, pb.LeaveReply),
+        "SecAggExchange": unary(service.SecAggExchange, pb.SecAggRequest, pb.SecAggReply),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

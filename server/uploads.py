@@ -4,7 +4,8 @@ An authenticated agent's upload passes, in this order: the limits (calls in flig
 attempts per round) -> the coordinator opens it (round, slot, expected layout) -> a staging slot
 (each staged upload holds one model copy) -> its bytes land in a staging buffer -> complete and finite ->
 the coordinator accepts and folds it -> settled: a final refusal rejects the update, any other end leaves
-the agent free to try again. gRPC (server/service.py) runs all of it on the coordinator's event loop
+the agent free to try again. Per-update work runs on the loop for small updates, on a thread for large
+ones (:func:`per_update`). gRPC (server/service.py) runs all of it on the coordinator's event loop
 through :meth:`UploadIntake.take`. The data plane (server/dataplane.py) moves bytes and scans them in its
 worker threads and runs :meth:`UploadIntake.open`, :meth:`Upload.accept` and :meth:`UploadIntake.settle`
 on the loop. Every state change happens on the loop.
@@ -13,6 +14,8 @@ on the loop. Every state change happens on the loop.
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import Executor
 from contextlib import ExitStack, asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -22,9 +25,29 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, TensorAssembler
 from fedpar.server.limits import Limits
-from fedpar.server.offload import per_update
 from fedpar.server.registry import AgentRecord
 from fedpar.server.rounds import Refusal, UploadTicket
+
+# Per-update work (NaN/Inf scan, decoding, folding) on an update of up to this many bytes runs on the event
+# loop: the hand-off to a thread would cost more (a 100-agent round of a small model is 100 of these).
+INLINE_BYTES = 256 << 10
+
+
+async def in_thread(executor: Executor | None, fn, *args):
+    """``fn(*args)`` on a thread of ``executor`` (None: the loop's default one)."""
+    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+async def per_update(nbytes: int, fn, *args, executor: Executor | None = None):
+    """``fn(*args)`` for one update of ``nbytes``: on the loop when small, else on a thread of ``executor``."""
+    if nbytes <= INLINE_BYTES:
+        return fn(*args)
+    return await in_thread(executor, fn, *args)
+
+
+def update_runner(nbytes: int, executor: Executor):
+    """:func:`per_update` for the updates of a model of ``nbytes``, on ``executor``'s threads."""
+    return functools.partial(per_update, nbytes, executor=executor)
 
 
 class Upload:
