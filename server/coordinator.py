@@ -62,7 +62,7 @@ class Coordinator:
                                             thread_name_prefix="fedpar-coord")
         self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
         self.mode: RoundMode | None = None  # the current round's mode (plain, compressed or secure)
-        self._task_settings = "{}"  # the current round's TaskSettings, as every task carries them
+        self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
         self.round_id = 0  # last completed round
         self.current: RoundState | None = None
         self.payload: WeightPayload | None = None
@@ -165,7 +165,7 @@ class Coordinator:
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
         self.mode.start(state)
-        self._task_settings = self.mode.task_settings(self.strategy.client_config(round_id)).to_json()
+        self._task_json = self.mode.task_settings(self.strategy.client_config(round_id)).to_json()
         self.current = state
         for agent_id, slot in slots.items():
             self._tasks[agent_id] = slot
@@ -178,8 +178,6 @@ class Coordinator:
         for agent_id in slots:
             if self._tasks.get(agent_id) is slots[agent_id]:
                 del self._tasks[agent_id]
-        if state.pending_folds:
-            await asyncio.gather(*state.pending_folds, return_exceptions=True)
         await self.mode.close(state, self.weights)
         await self._finish_round(state)
 
@@ -297,7 +295,7 @@ class Coordinator:
         remaining = state.started + state.deadline_seconds - time.monotonic()
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=max(0.0, remaining),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
-                            learning_rate=self.config.learning_rate, extra_json=self._task_settings,
+                            learning_rate=self.config.learning_rate, extra_json=self._task_json,
                             model_bytes=self.layout.total_bytes)
         payload = self.payload
         if payload is not None and payload.inline is not None and payload.round_id == state.round_id:

@@ -95,7 +95,9 @@ class PlainRound:
             raise
 
     async def close(self, state: RoundState, global_weights: Sequence[np.ndarray]) -> None:
-        """The round closed and its folds are done: finish combining (plain: nothing left to do)."""
+        """The round closed: wait for the folds still running (a refused or failed one is already recorded)."""
+        if state.pending_folds:
+            await asyncio.gather(*state.pending_folds, return_exceptions=True)
 
     def metrics(self) -> dict:
         """This mode's columns of the round's metrics row."""

@@ -175,7 +175,7 @@ class RoundMode(Protocol):
         """Count the update in ``state`` and add it to the round's sum (a Refusal if it cannot be)."""
 
     async def close(self, state: RoundState, global_weights: Sequence[np.ndarray]) -> None:
-        """The round closed and its accepted updates are in: finish combining them for the strategy."""
+        """The round closed: finish combining its accepted updates, so the strategy can finish the round."""
 
     def metrics(self) -> dict:
         """This mode's columns of the round's metrics row."""
