@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from collections.abc import Sequence
 
 import numpy as np
@@ -49,11 +50,11 @@ def header_fields(config: CompressionConfig) -> tuple[str, str]:
     return config.method, json.dumps(knobs(config), sort_keys=True)
 
 
-def compression_settings(config: CompressionConfig) -> dict[str, str | float | int]:
-    """The TaskSettings fields that make agents compress with ``config`` (none when uncompressed)."""
+def with_compression(settings: TaskSettings, config: CompressionConfig) -> TaskSettings:
+    """``settings`` asking agents to compress with ``config`` (its method and the knobs that shape the layout)."""
     if config.method == "none":
-        return {}
-    return {"compression": config.method, **knobs(config)}
+        return settings
+    return replace(settings, compression=config.method, **knobs(config))
 
 
 def config_from_settings(settings: TaskSettings) -> CompressionConfig:

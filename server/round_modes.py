@@ -15,15 +15,14 @@ import functools
 import json
 import logging
 from concurrent.futures import Executor
-from dataclasses import replace
 from typing import Sequence
 
 import grpc
 import numpy as np
 
 from fedpar.aggregation.compression import CompressionConfig
-from fedpar.aggregation.wire_compression import (EncodedUpdateError, apply_delta, compression_settings,
-                                                 encoded_specs, header_fields, knobs, unpack_delta)
+from fedpar.aggregation.wire_compression import (EncodedUpdateError, apply_delta, encoded_specs, header_fields,
+                                                 knobs, unpack_delta, with_compression)
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
@@ -120,7 +119,7 @@ class CompressedRound(PlainRound):
 
     def task_settings(self, settings: TaskSettings) -> TaskSettings:
         """``settings`` plus the compression every agent must use."""
-        return replace(settings, **compression_settings(self.config))
+        return with_compression(settings, self.config)
 
     def expected_layout(self, header: pb.UploadHeader) -> tuple[ModelLayout, str]:
         """The encoded layout, if ``header`` names this run's encoding and knobs; else a Refusal."""

@@ -131,9 +131,9 @@ class UploadIntake:
             if prepaid:  # so an agent over its rate is refused before it sends the data
                 self.limits.count_bytes(agent.agent_id, ticket.layout.total_bytes)
                 upload.prepaid = ticket.layout.total_bytes
-        except Refusal as r:
+        except BaseException as exc:
             if ticket is not None:
-                self.coord.settle_upload(ticket, r)
+                self.coord.settle_upload(ticket, exc if isinstance(exc, Refusal) else None)
             held.close()
             raise
         return upload
