@@ -58,11 +58,17 @@ class PlainUpload:
         except ValueError as err:
             self.note_refusal("preparing the update", err)
             return False
-        return self.send(prepared, result, metrics)
+        if self.send(prepared, result, metrics):
+            return True
+        self.refused()
+        return False
 
     def prepare(self, update: list[np.ndarray], global_weights: list[np.ndarray]) -> PreparedUpload:
         """The tensors to send: the (privatized) new weights themselves."""
         return PreparedUpload(self.layout, list(update))
+
+    def refused(self) -> None:
+        """The prepared update was sent but not taken: nothing to undo for plain weights."""
 
     def close(self) -> None:
         """Nothing more: the coordinator folds the update by itself."""
@@ -83,13 +89,9 @@ class CompressedUpload(PlainUpload):
         return self.compressor.prepare(self.settings, update, global_weights,
                                        max_norm=dp[0] if dp is not None and dp[1] == 0 else None)
 
-    def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
-               metrics: dict[str, float]) -> bool:
-        """As a plain upload; a refused one does not count toward the error-feedback residual."""
-        if super().upload(trained, global_weights, result, metrics):
-            return True
+    def refused(self) -> None:
+        """The update was not taken: it does not count toward the error-feedback residual."""
         self.compressor.refused()
-        return False
 
 
 class SecureUpload:
