@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-METHODS = ("none", "fp16", "bf16", "int8", "topk")
+from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS, check_compression
+
 FP16_MAX = 65504.0
 
 
@@ -36,12 +37,7 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         """Reject unknown methods and out-of-range knobs."""
-        if self.method not in METHODS:
-            raise ValueError(f"compression method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if not 0 < self.topk_ratio <= 1:
-            raise ValueError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
-        if self.int8_block < 1:
-            raise ValueError(f"int8_block must be >= 1, got {self.int8_block}")
+        check_compression(self.method, self.topk_ratio, self.int8_block)
 
 
 @dataclass

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import torch
 
 from fedpar.aggregation.accumulator import FoldConfig
-from fedpar.aggregation.strategy import ConfigValue, StreamingStrategy
+from fedpar.aggregation.strategy import StreamingStrategy
+from fedpar.protocol.task_settings import TaskSettings
 
 
 def proximal_term(model_params: Iterable[torch.Tensor], global_params: Iterable[torch.Tensor],
@@ -37,6 +38,6 @@ class FedProx(StreamingStrategy):
             raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
         self.proximal_mu = float(proximal_mu)
 
-    def client_config(self, round_id: int) -> dict[str, ConfigValue]:
+    def client_config(self, round_id: int) -> TaskSettings:
         """Every client gets ``proximal_mu``."""
-        return {"proximal_mu": self.proximal_mu}
+        return TaskSettings(proximal_mu=self.proximal_mu)

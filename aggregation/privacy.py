@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -60,7 +61,8 @@ from fedpar.aggregation.accountant import PrivacyAccountant
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
 from fedpar.aggregation.clipping import CHUNK, AdaptiveClipping, clip_factor, delta_norm, effective_noise_multiplier
 from fedpar.aggregation.layout import Layout, all_finite, cast_like
-from fedpar.aggregation.strategy import ConfigValue, Strategy
+from fedpar.aggregation.strategy import Strategy
+from fedpar.protocol.task_settings import TaskSettings
 
 MODES = ("central", "client")
 # A client-clipped update is rebuilt in float32 by the client; allow for that rounding, nothing more.
@@ -131,13 +133,12 @@ class DPStrategy(Strategy):
         self._stats_lock = threading.Lock()
 
     # ------------------------------------------------------------------ configuration
-    def client_config(self, round_id: int) -> dict[str, ConfigValue]:
+    def client_config(self, round_id: int) -> TaskSettings:
         """The wrapped strategy's settings, plus the clip norm (and local noise) in client mode."""
-        config = dict(self.inner.client_config(round_id))
+        settings = self.inner.client_config(round_id)
         if self.mode == "client":
-            config["dp_clip_norm"] = self.clip_norm
-            config["dp_local_noise"] = self.local_noise_multiplier
-        return config
+            settings = replace(settings, dp_clip_norm=self.clip_norm, dp_local_noise=self.local_noise_multiplier)
+        return settings
 
     def _rng(self) -> np.random.Generator:
         """Fresh entropy per round, or a per-round stream of ``seed`` (reproducible tests and resumes)."""

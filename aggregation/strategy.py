@@ -12,8 +12,7 @@ import numpy as np
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.layout import Layout
-
-ConfigValue = float | int | str | bool
+from fedpar.protocol.task_settings import TaskSettings
 
 
 class Strategy(abc.ABC):
@@ -35,9 +34,9 @@ class Strategy(abc.ABC):
         self._clients: set[str] = set()
         self._lock = threading.Lock()
 
-    def client_config(self, round_id: int) -> dict[str, ConfigValue]:
-        """Extra task configuration sent to every client sampled in ``round_id`` (none by default)."""
-        return {}
+    def client_config(self, round_id: int) -> TaskSettings:
+        """Task settings sent to every client sampled in ``round_id`` (none by default)."""
+        return TaskSettings()
 
     def begin_round(self, round_id: int, global_weights: Sequence[np.ndarray]) -> None:
         """Open ``round_id`` on top of ``global_weights`` (kept by reference: do not mutate them until finish)."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from collections.abc import Sequence
 
 import numpy as np
 
 from fedpar.aggregation.compression import CompressionConfig, Encoded, decode, encode, topk_count
+from fedpar.protocol.task_settings import TaskSettings
 
 Spec = tuple[str, str, tuple[int, ...]]
 # Suffix of each wire tensor per model tensor; "" keeps the model tensor's own name.
@@ -48,22 +50,19 @@ def header_fields(config: CompressionConfig) -> tuple[str, str]:
     return config.method, json.dumps(knobs(config), sort_keys=True)
 
 
-def task_settings(config: CompressionConfig) -> dict[str, str | float | int]:
-    """Keys a coordinator adds to every task's extra_json so that its agents compress with ``config``."""
+def with_compression(settings: TaskSettings, config: CompressionConfig) -> TaskSettings:
+    """``settings`` asking agents to compress with ``config`` (its method and the knobs that shape the layout)."""
     if config.method == "none":
-        return {}
-    return {"compression": config.method, **knobs(config)}
+        return settings
+    return replace(settings, compression=config.method, **knobs(config))
 
 
-def config_from_task(extra: Mapping) -> CompressionConfig:
-    """The CompressionConfig a task's extra_json asks for (method "none" when it names none)."""
+def config_from_settings(settings: TaskSettings) -> CompressionConfig:
+    """The CompressionConfig a task's settings ask for (method "none" when they name none)."""
     d = CompressionConfig()
-    try:
-        return CompressionConfig(method=str(extra.get("compression", "none")),
-                                 topk_ratio=float(extra.get("topk_ratio", d.topk_ratio)),
-                                 int8_block=int(extra.get("int8_block", d.int8_block)))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"the task asks for a compression this agent cannot do: {exc}") from None
+    return CompressionConfig(method=settings.compression,
+                             topk_ratio=d.topk_ratio if settings.topk_ratio is None else settings.topk_ratio,
+                             int8_block=d.int8_block if settings.int8_block is None else settings.int8_block)
 
 
 def encoded_specs(model_specs: Sequence[Spec], config: CompressionConfig) -> list[Spec]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import logging
 import random
 import ssl
@@ -17,17 +17,18 @@ import grpc
 
 from fedpar.client import dataplane
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
-from fedpar.client.privacy import dp_settings, privatize_update
+from fedpar.client.privacy import privatize_update
+from fedpar.client.round_modes import CompressedUpload, PlainUpload, SecureUpload, upload_timeout
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, small_upload, task_weights, upload_header,
                                      upload_messages, upload_update)
-from fedpar.client.secure_upload import SecureSession, flat_update
-from fedpar.secagg.errors import SecAggAbort, SecAggError
+from fedpar.client.secure_upload import SecureSession
 
 log = logging.getLogger("fedpar.client")
 # RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
@@ -185,15 +186,15 @@ class Agent:
         received = time.monotonic()
         deadline_at = received + task.deadline_seconds
         self.stats.tasks += 1
-        secure = None
-        if json.loads(task.extra_json or "{}").get("secure_aggregation"):
-            secure = SecureSession(self._stub, self._auth, task, self.config.poll_seconds)
-            try:  # key exchange first, so it overlaps training rather than following it
-                secure.begin(sum(t.numel for t in self.layout.tensors))
-            except (grpc.RpcError, SecAggError, SecAggAbort) as err:
-                self._note_refusal("secure aggregation", err)
-                return True
+        try:
+            settings = TaskSettings.from_json(task.extra_json)
+        except ValueError as err:
+            self._note_refusal("task settings", err)
+            return True
         data_plane = self._data_plane(task)
+        mode = self._round_mode(task, settings, deadline_at, data_plane)
+        if not mode.begin():
+            return True
         try:
             weights = task_weights(task, self.layout)  # small models come inside the task
             if weights is None and data_plane is not None:
@@ -216,12 +217,11 @@ class Agent:
         if evaluation is not None:
             metrics.update(eval_loss=evaluation.loss, eval_accuracy=evaluation.accuracy,
                            eval_examples=float(evaluation.examples))
-        extra = json.loads(task.extra_json or "{}")
         # Uploading takes about as long as downloading did; keep that and a margin free.
         stop_at = deadline_at - 1.2 * download_seconds - self.config.upload_margin_seconds
         with self._heartbeat.while_training():
             result = self.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
-                                        proximal_mu=float(extra.get("proximal_mu", 0.0)), round_id=task.round)
+                                        proximal_mu=settings.proximal_mu or 0.0, round_id=task.round)
         if result.examples == 0:
             log.warning("%s: no time left to train in round %d; skipping the upload", self.config.agent_id,
                         task.round)
@@ -230,49 +230,40 @@ class Agent:
             self.stats.dropped += 1
             return True
         metrics.update(train_loss=result.loss, train_seconds=result.seconds)
-        if secure is not None:
-            try:
-                # No metrics in the clear: the coordinator of a secure round learns only the weighted sum.
-                secure.upload_masked(flat_update(get_weights(self.trainer.model), weights), result.examples, {},
-                                     min(self._max_chunk, self.config.chunk_bytes),
-                                     timeout=max(5.0, deadline_at - time.monotonic() + 5.0))
-                self.stats.accepted += 1
-                secure.unmask()
-            except (grpc.RpcError, SecAggError, SecAggAbort) as err:
-                self._note_refusal("secure aggregation", err)
-            return True
-        try:  # client-side DP (clip, maybe noise), then compression, as the task's extra_json asks
-            update = privatize_update(get_weights(self.trainer.model), weights, extra)
-            dp = dp_settings(extra)
-            # Without local noise the coordinator verifies the clip norm: compression must stay within it.
-            upload = self.compression.prepare(extra, update, weights,
-                                              max_norm=dp[0] if dp is not None and dp[1] == 0 else None)
-        except ValueError as err:
-            self._note_refusal("preparing the update", err)
-            return True
-        self._upload(task, upload, result, metrics, deadline_at, data_plane)
+        if mode.upload(get_weights(self.trainer.model), weights, result, metrics):
+            self.stats.accepted += 1
+            mode.close()
         return True
 
-    def _upload(self, task: pb.TrainTask, upload: PreparedUpload, result, metrics: dict[str, float],
-                deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> None:
-        """Send the prepared update: over the data plane (plain weights only; compressed updates are small) or
-        the gRPC stream, retried while the coordinator says it is busy and the deadline allows."""
-        def timeout() -> float:
-            return max(5.0, deadline_at - time.monotonic() + 5.0)
+    def _round_mode(self, task: pb.TrainTask, settings: TaskSettings, deadline_at: float,
+                    data_plane: dataplane.DataPlaneTarget | None) -> PlainUpload | SecureUpload:
+        """How this task's update is made and sent, as its settings say (client/round_modes.py)."""
+        if settings.secure_aggregation:
+            return SecureUpload(SecureSession(self._stub, self._auth, task, self.config.poll_seconds), self.layout,
+                                min(self._max_chunk, self.config.chunk_bytes), deadline_at, self._note_refusal)
+        send = functools.partial(self._upload, task, deadline_at=deadline_at, data_plane=data_plane)
+        if settings.compression != "none":
+            return CompressedUpload(settings, self.layout, send, privatize_update, self._note_refusal,
+                                    self.compression)
+        return PlainUpload(settings, self.layout, send, privatize_update, self._note_refusal)
 
+    def _upload(self, task: pb.TrainTask, upload: PreparedUpload, result, metrics: dict[str, float], *,
+                deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> bool:
+        """Send the prepared update: over the data plane (plain weights only; compressed updates are small) or
+        the gRPC stream, retried while the coordinator says it is busy and the deadline allows; True if accepted."""
         backoff = 0.1
         while data_plane is not None and not upload.encoding:  # leaves for gRPC only if the connection broke
             try:
                 if self._via_data_plane("upload", dataplane.upload, data_plane, self._auth, task, self.layout,
-                                        upload.arrays, result.examples, result.steps, metrics, timeout()) is None:
+                                        upload.arrays, result.examples, result.steps, metrics,
+                                        upload_timeout(deadline_at)) is None:
                     break
-                self.stats.accepted += 1
-                return
+                return True
             except dataplane.DataPlaneRefused as err:
                 # RESOURCE_EXHAUSTED: busy (upload queue) or rate-limited; retry while the deadline allows.
                 if err.code != DATA_PLANE_BUSY or time.monotonic() + backoff >= deadline_at:
                     self._note_refusal("upload", err)
-                    return
+                    return False
                 time.sleep(backoff * (0.5 + self._rng.random()))
                 backoff = min(backoff * 2, 2.0)
         backoff = 0.1
@@ -285,17 +276,15 @@ class Agent:
                                        upload.encoding_json)
             try:
                 if single is not None:  # one unary call: no stream to set up for a small update
-                    self._stub.UploadSmall(single, timeout=timeout())
+                    self._stub.UploadSmall(single, timeout=upload_timeout(deadline_at))
                 else:
-                    upload_update(self._stub, messages, timeout=timeout())
-                self.stats.accepted += 1
-                return
+                    upload_update(self._stub, messages, timeout=upload_timeout(deadline_at))
+                return True
             except grpc.RpcError as err:
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 if err.code() not in UPLOAD_RETRYABLE or time.monotonic() + backoff >= deadline_at:
-                    self.compression.refused()
                     self._note_refusal("upload", err)
-                    return
+                    return False
                 time.sleep(backoff * (0.5 + self._rng.random()))
                 backoff = min(backoff * 2, 2.0)
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fedpar.aggregation.compression import Compressor, encode_update
-from fedpar.aggregation.wire_compression import config_from_task, encoded_specs, header_fields, limit_norm, pack
+from fedpar.aggregation.wire_compression import config_from_settings, encoded_specs, header_fields, limit_norm, pack
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.task_settings import TaskSettings
 
 
 @dataclass
@@ -32,7 +33,7 @@ class UpdateCompressor:
         self.compressor: Compressor | None = None
         self._undo: tuple[Compressor, list[np.ndarray] | None] | None = None  # residual before the last update
 
-    def prepare(self, task_extra: Mapping, new_weights: Sequence[np.ndarray],
+    def prepare(self, settings: TaskSettings | Mapping, new_weights: Sequence[np.ndarray],
                 global_weights: Sequence[np.ndarray], max_norm: float | None = None) -> PreparedUpload:
         """The upload for this round: the new weights, or their delta from the global compressed as asked.
 
@@ -41,7 +42,7 @@ class UpdateCompressor:
         Raises ValueError if the task asks for an unknown compression or the delta is not finite.
         """
         self._undo = None
-        config = config_from_task(task_extra)
+        config = config_from_settings(TaskSettings.of(settings))
         if config.method == "none":
             return PreparedUpload(self.model_layout, list(new_weights))
         config = replace(config, seed=self.seed)

@@ -103,7 +103,7 @@ class CoordinatorServer:
         await server.start()
         self.coordinator._bind_loop()
         self.data_plane = start_data_plane(self.coordinator, self._loop, self.host, self.credentials is not None,
-                                           self.data_tls, service.limits)
+                                           self.data_tls, service.intake)
         self._ready.set()
         rounds = asyncio.ensure_future(self.coordinator.run())
         stopper = asyncio.ensure_future(self._stop.wait())

@@ -45,7 +45,6 @@ class CoordinatorConfig:
     wait_for_agents_seconds: float | None = None  # None: wait forever for min_available agents
     checkpoint_dir: Path | None = None
     metrics_path: Path | None = None
-    client_config: dict[str, float | int | str | bool] = field(default_factory=dict)
     secure_aggregation: bool = False  # SecAgg+: the coordinator learns only the weighted mean update
     secagg_clip: float = 1.0  # each coordinate of an agent's update (local - global) is clipped to +-this
     secagg_max_weight: int | None = None  # cap on an agent's weight; None: largest registered examples x epochs

@@ -7,7 +7,6 @@ checkpointing, evaluating) runs in a thread pool so the loop keeps serving gRPC 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import logging
@@ -16,7 +15,6 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import grpc
@@ -28,32 +26,20 @@ from fedpar.protocol.messages import layout_from_pb
 from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedpar.server.compressed_upload import UploadFormat
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.metrics import MetricsLog, clean_row
 from fedpar.server.payload import WeightPayload, build_payload
 from fedpar.server.registry import AgentRecord, AgentRegistry
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState
+from fedpar.server.round_modes import RoundModes
+from fedpar.server.rounds import AgentSlot, Refusal, RoundMode, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
-from fedpar.server.secure_round import SecureRound, check_secure_setup, default_max_weight
+from fedpar.server.secure_round import SecureRound
 from fedpar.server.tickets import TicketBook
 
 log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
 MAX_CLIENT_METRICS = 64
-INLINE_UPDATE_BYTES = 256 << 10  # models up to this size fold on the event loop (see _per_update)
-
-
-@dataclass
-class UploadTicket:
-    """An upload whose header passed validation; its data is still to come."""
-
-    state: RoundState
-    slot: AgentSlot
-    num_examples: int
-    metrics: dict[str, float]
-    layout: ModelLayout  # what the data must fill: the model, its compressed encoding, or the masked vector
 
 
 class Coordinator:
@@ -72,10 +58,11 @@ class Coordinator:
         self.names = list(names)
         self.weights = [np.ascontiguousarray(w) for w in weights]
         self.layout = ModelLayout.of_arrays(self.names, self.weights)
-        self.secure: SecureRound | None = None  # the current round's secure aggregation, if enabled
-        if config.secure_aggregation:
-            check_secure_setup(self.names, self.weights, strategy)
-        self.upload_format = UploadFormat(self.layout, config.upload_compression)
+        self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                            thread_name_prefix="fedpar-coord")
+        self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
+        self.mode: RoundMode | None = None  # the current round's mode (plain, compressed or secure)
+        self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
         self.round_id = 0  # last completed round
         self.current: RoundState | None = None
         self.payload: WeightPayload | None = None
@@ -87,10 +74,7 @@ class Coordinator:
         self.data_port: int | None = None  # set when the data plane listens (server/dataplane.py)
         self._wakeups: dict[str, asyncio.Event] = {}
         self._agents_changed: asyncio.Event | None = None
-        self._upload_slots: asyncio.Semaphore | None = None
         self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
-        self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                            thread_name_prefix="fedpar-coord")
         if config.checkpoint_dir is not None:
             self._resume(load_checkpoint(config.checkpoint_dir))
 
@@ -129,7 +113,6 @@ class Coordinator:
     def _bind_loop(self) -> None:
         if self._agents_changed is None:
             self._agents_changed = asyncio.Event()
-            self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
 
     def close(self) -> None:
         """Release the worker threads."""
@@ -137,13 +120,6 @@ class Coordinator:
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _per_update(self, fn, *args):
-        """``fn(*args)`` for one update: on a worker thread, or here when the model is so small that the
-        hand-off would cost more than the work (a 100-agent round of a small model is 100 of these)."""
-        if self.layout.total_bytes <= INLINE_UPDATE_BYTES:
-            return fn(*args)
-        return await self._in_thread(fn, *args)
 
     async def _publish_payload(self, round_id: int) -> None:
         self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,
@@ -187,9 +163,9 @@ class Coordinator:
         state = RoundState(round_id, target, self.config.min_reports, self.config.deadline_seconds, slots)
         self.tickets.expire_rounds_before(round_id)
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
-        if self.config.secure_aggregation:
-            self.secure = self._secure_round(round_id, cohort)
-            self.secure.start(state)
+        self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
+        self.mode.start(state)
+        self._task_json = self.mode.task_settings(self.strategy.client_config(round_id)).to_json()
         self.current = state
         for agent_id, slot in slots.items():
             self._tasks[agent_id] = slot
@@ -202,17 +178,18 @@ class Coordinator:
         for agent_id in slots:
             if self._tasks.get(agent_id) is slots[agent_id]:
                 del self._tasks[agent_id]
-        if state.pending_folds:
-            await asyncio.gather(*state.pending_folds, return_exceptions=True)
-        if self.secure is not None:
-            await self.secure.complete(state, self.strategy, self.weights, self._in_thread)
+        await self.mode.close(state, self.weights)
         await self._finish_round(state)
 
-    def _secure_round(self, round_id: int, cohort: list[str]) -> SecureRound:
-        max_weight = self.config.secagg_max_weight or default_max_weight(
-            [r.num_examples for r in map(self.registry.get, cohort) if r], self.config.local_epochs, len(cohort))
-        return SecureRound(round_id, cohort, self.weights, self.config.secagg_clip, max_weight,
-                           self.config.secagg_stage_seconds)
+    @property
+    def secure(self) -> SecureRound | None:
+        """The current round's secure aggregation, if it runs one (SecAggExchange calls go there)."""
+        return self.mode if isinstance(self.mode, SecureRound) else None
+
+    @property
+    def current_round_id(self) -> int:
+        """The round in progress, else the last one completed."""
+        return self.current.round_id if self.current else self.round_id
 
     async def _finish_round(self, state: RoundState) -> None:
         status = "ok"
@@ -238,9 +215,8 @@ class Coordinator:
                "examples": state.examples, "close_reason": state.close_reason,
                "cohort_digest": cohort_digest(state.slots)}
         row.update(_weighted_client_metrics(state.metrics))
-        if self.secure is not None:
-            row.update(self.secure.metrics())
-            self.secure = None
+        row.update(self.mode.metrics())
+        self.mode = None
         row["upload_bytes"] = state.upload_bytes  # tensor bytes accepted this round, compressed or not
         row.update({k: float(v) for k, v in strategy_metrics.items()})
         if self.evaluate_fn is not None:
@@ -319,10 +295,7 @@ class Coordinator:
         remaining = state.started + state.deadline_seconds - time.monotonic()
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=max(0.0, remaining),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
-                            learning_rate=self.config.learning_rate,
-                            extra_json=json.dumps({**self.config.client_config, **self.upload_format.task_settings(),
-                                                   **self.strategy.client_config(state.round_id),
-                                                   **({"secure_aggregation": True} if self.secure else {})}),
+                            learning_rate=self.config.learning_rate, extra_json=self._task_json,
                             model_bytes=self.layout.total_bytes)
         payload = self.payload
         if payload is not None and payload.inline is not None and payload.round_id == state.round_id:
@@ -341,7 +314,7 @@ class Coordinator:
         the agent says it finished with. Secure rounds are excluded: their key exchange cannot be replayed."""
         slot = state.slots.get(agent_id)
         if slot is None or not slot.dispatched or slot.downloaded or slot.status != "pending" \
-                or self.secure is not None or slot.task_id == finished_task_id:
+                or not self.mode.redelivers_tasks or slot.task_id == finished_task_id:
             return None
         return slot
 
@@ -368,16 +341,14 @@ class Coordinator:
 
     def open_upload(self, agent: AgentRecord, header: pb.UploadHeader) -> UploadTicket:
         """Validate an upload header; returns a ticket or raises Refusal saying what is wrong."""
-        state = self.current
+        state, mode = self.current, self.mode
         if state is None or header.round != state.round_id:
-            current = state.round_id if state else self.round_id
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"upload for round {header.round}, but the current round is {current}; "
+                          f"upload for round {header.round}, but the current round is {self.current_round_id}; "
                           "the update was not applied")
         state.check_open()
         slot = state.slot_for(agent.agent_id, header.task_id)
-        if self.secure is not None:
-            self.secure.check_upload(agent.agent_id)
+        mode.admit(agent.agent_id)
         if slot.status in ("uploading", "accepted", "rejected"):
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
                           f"agent {agent.agent_id!r} already sent an update in round {state.round_id} "
@@ -396,10 +367,7 @@ class Coordinator:
                           "the update was not applied") from None
         except CodecError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
-        if self.secure is not None:
-            expected, described = self.secure.upload_layout, "the masked vector of this secure round"
-        else:
-            expected, described = self.upload_format.expected_layout(header), self.upload_format.described
+        expected, described = mode.expected_layout(header)
         problem = layout.mismatch(expected)
         if problem:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
@@ -412,72 +380,24 @@ class Coordinator:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
         slot.status, slot.upload_bytes = "uploading", expected.total_bytes
-        return UploadTicket(state, slot, int(header.num_examples), metrics, expected)
-
-    def upload_slots(self) -> asyncio.Semaphore:
-        """Bounds how many uploads are staged (one model copy each) at once."""
-        return self._upload_slots
+        return UploadTicket(state, slot, int(header.num_examples), metrics, expected, mode)
 
     async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
         """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
         state, slot = ticket.state, ticket.slot
-        if self.upload_format.compressed:  # global + decoded delta; refused here if the content is invalid
-            arrays = await self._per_update(self.upload_format.new_weights, self.weights, arrays)
+        arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
         if state.closed:
             slot.status = "late"
             state.late_refused += 1
             state.check_open()
-        if self.secure is not None:  # the masked vector joins the running sum; nothing reaches the strategy yet
-            all_in = self.secure.add_masked(slot.agent_id, arrays[0])
-            slot.status = "accepted"
-            state.accepted += 1
-            # Per-agent metrics would reveal more than the sum: agents send none, and any sent are dropped.
-            if all_in or state.accepted >= state.target:
-                state.close("every agent that shared keys uploaded" if all_in else "target reached")
-            return
-        slot.status = "accepted"
-        state.accepted += 1
-        state.examples += ticket.num_examples
-        report = (ticket.num_examples, ticket.metrics)
-        state.metrics.append(report)
-        fold = asyncio.ensure_future(self._fold(ticket, arrays, report))
-        state.pending_folds.add(fold)
-        if state.accepted >= state.target:
-            state.close("target reached")
-        elif state.settled():
-            state.close("every sampled agent answered")
-        await fold
+        await ticket.mode.accept(state, ticket, arrays)
 
-    async def _fold(self, ticket: UploadTicket, arrays: list[np.ndarray], report: tuple) -> None:
-        """Fold (on a worker thread unless tiny); a ValueError is the strategy refusing this update (its state unchanged)."""
-        state, slot = ticket.state, ticket.slot
-        try:
-            # Every upload path checked the received values for NaN/Inf already; decoded compressed deltas
-            # (global + delta may still overflow) get the strategy's own check.
-            await self._per_update(functools.partial(self.strategy.fold, known_finite=not self.upload_format.compressed),
-                                   arrays, ticket.num_examples, slot.agent_id)
-        except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
-            state.accepted -= 1
-            state.examples -= ticket.num_examples
-            state.metrics.remove(report)
-            self.reject(ticket, str(exc))
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None  # rejection already recorded
-        except Exception:
-            state.fold_failed = True
-            log.exception("round %d: folding the update of %s failed", state.round_id, slot.agent_id)
-            raise
-
-    def reject(self, ticket: UploadTicket, message: str) -> None:
-        """Record a refused update (bad content); it never touches the model."""
-        ticket.slot.status = "rejected"
-        ticket.state.rejected += 1
-        log.warning("round %d: rejected update from %s: %s", ticket.state.round_id, ticket.slot.agent_id, message)
-        if ticket.state.settled():
-            ticket.state.close("every sampled agent answered")
-
-    def abandon(self, ticket: UploadTicket) -> None:
-        """An upload that broke off (disconnect, truncation): the agent may try again this round."""
-        if ticket.slot.status == "uploading":
+    def settle_upload(self, ticket: UploadTicket, refused: Refusal | None) -> None:
+        """The end of an upload: a final refusal rejects the update (it never touches the model); any other
+        end that left it unaccepted (refusal, disconnect, truncation) lets the agent try again this round."""
+        if refused is not None and refused.final:
+            ticket.state.reject(ticket.slot, refused.message)
+        elif ticket.slot.status == "uploading":
             ticket.slot.status = "pending"
 
     def leave(self, agent: AgentRecord) -> None:

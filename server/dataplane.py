@@ -3,8 +3,8 @@
 The wire format is in :mod:`fedpar.protocol.dataplane`. Connections are handled by a bounded pool of
 threads with blocking sockets (sendall of the round's contiguous payload; recv_into straight into the
 upload's staging arrays). The coordinator's event loop owns all round state, so every check and state
-change (ticket claim, ``open_upload``, ``accept``, ``reject``, ``abandon``) runs on that loop through
-``asyncio.run_coroutine_threadsafe``; only byte moving and the NaN/Inf scan happen in these threads.
+change (ticket claim, the upload intake's open, accept and settle: server/uploads.py) runs on that loop
+through ``asyncio.run_coroutine_threadsafe``; only byte moving and the NaN/Inf scan happen in these threads.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import TensorAssembler
 from fedpar.protocol.messages import FRAMING_BYTES
 from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, DataPlaneError, Deadline, decode_preamble,
                                        encode_status, read_frame, recv_exact, recv_exact_into, refusal, send_all,
@@ -32,6 +31,7 @@ from fedpar.security.identity import PeerIdentity
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AuthError
 from fedpar.server.rounds import Refusal
+from fedpar.server.uploads import Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server.dataplane")
 HANDSHAKE_SECONDS = 10.0  # TLS handshake, preamble and upload header must arrive this fast
@@ -43,12 +43,14 @@ class DataPlaneServer:
     """Listens on ``host:port`` (0: a free port) and moves weights for ticket holders."""
 
     def __init__(self, coordinator, loop: asyncio.AbstractEventLoop, host: str, port: int = 0,
-                 ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None):
+                 ssl_context: ssl.SSLContext | None = None, intake: UploadIntake | None = None):
         self.coord = coordinator
         self.loop = loop
         self.ssl_context = ssl_context
         config = coordinator.config
-        self.limits = limits or Limits(config, coordinator.layout.total_bytes)  # the gRPC service's, when serving
+        # The gRPC service's intake (and so its limits), when serving beside it.
+        self.intake = intake or UploadIntake(coordinator, Limits(config, coordinator.layout.total_bytes))
+        self.limits = self.intake.limits
         self.workers = config.max_concurrent_uploads + config.data_plane_downloads
         self._free = threading.Semaphore(self.workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedpar-data")
@@ -196,6 +198,7 @@ class DataPlaneServer:
 
     # ----------------------------------------------------------------- upload
     def _upload(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None, early: Deadline) -> None:
+        """Receive an upload for the intake: its checks and state changes run on the loop, bytes move here."""
         try:
             limit = self.coord.config.max_chunk_bytes + FRAMING_BYTES  # the gRPC path's message limit
             header = pb.UploadHeader.FromString(read_frame(sock, early, limit))
@@ -203,12 +206,11 @@ class DataPlaneServer:
             _send_refusal(sock, Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}"))
             return
         try:
-            entry, upload, deadline_at, held = self._on_loop(self._open_upload, ticket, peer, header)
+            entry, upload, deadline_at = self._on_loop(self._open_upload, ticket, peer, header)
         except Refusal as r:
             _send_refusal(sock, r)
             return
         deadline = Deadline(deadline_at - time.monotonic())
-        slots = self.coord.upload_slots()
         have_slot = False
         refused: Refusal | None = None
         received = [0]  # bytes read, in whole RECV_PIECEs: the rest of the advance charge is refunded
@@ -221,19 +223,13 @@ class DataPlaneServer:
         try:
             left = deadline_at - time.monotonic()
             try:
-                asyncio.run_coroutine_threadsafe(asyncio.wait_for(slots.acquire(), left), self.loop).result(left + 5)
+                asyncio.run_coroutine_threadsafe(self.intake.reserve_staging(left), self.loop).result(left + 5)
             except Exception:
                 raise DataPlaneError("no upload slot became free before the round deadline") from None
             have_slot = True
             send_all(sock, encode_status(OK), deadline)
-            assembler = TensorAssembler(upload.layout, self.coord.config.max_chunk_bytes)
-            assembler.fill(read_into)
-            bad = assembler.first_non_finite()
-            if bad is not None:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
-                              final=True)
-            self._on_loop(self.coord.accept, upload, assembler.arrays)
-            reply = pb.UploadReply(accepted=True, message=f"update accepted for round {upload.state.round_id}")
+            upload.staging.fill(read_into)
+            reply = self._on_loop(upload.accept, upload.finite_arrays())
             self.uploads += 1
             send_all(sock, encode_status(OK, reply.SerializeToString()), deadline)
         except Refusal as r:
@@ -241,16 +237,15 @@ class DataPlaneServer:
             _send_refusal(sock, r)
         finally:
             if have_slot:
-                self.loop.call_soon_threadsafe(slots.release)
+                self.loop.call_soon_threadsafe(self.intake.release_staging)
             try:
-                self._on_loop(self._settle_upload, entry, upload, refused, held, received[0])
+                self._on_loop(self._settle_upload, entry, upload, refused, received[0])
             except (DataPlaneError, RuntimeError, TimeoutError) as exc:
                 log.warning("could not record the end of a data-plane upload: %s", exc)
 
     def _open_upload(self, ticket: bytes, peer: PeerIdentity | None, header: pb.UploadHeader):
+        """Claim the ticket, check that the header's session is its holder's, and open the upload (loop)."""
         entry, agent, deadline_at = self._claim(ticket, OP_UPLOAD, peer)
-        held = ExitStack()  # the gRPC path's per-agent and queue limits, kept until _settle_upload
-        upload = None
         try:
             try:  # the upload header carries the session like on gRPC: ticket and session must agree
                 agent = self.coord.registry.authenticate(header.auth.agent_id, header.auth.token, peer)
@@ -262,33 +257,15 @@ class DataPlaneServer:
                 raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                               f"this data-plane ticket was issued to agent {entry.agent_id!r}, not to "
                               f"{agent.agent_id!r}")
-            held.enter_context(self.limits.agent_call(agent.agent_id))
-            held.enter_context(self.limits.upload_queue())
-            self.limits.start_upload(agent.agent_id, entry.round_id)
-            if header.round != entry.round_id or header.task_id != entry.task_id:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"the upload header names round {header.round} task {header.task_id!r}, but the "
-                              f"ticket is for round {entry.round_id} task {entry.task_id!r}")
-            upload = self.coord.open_upload(agent, header)
-            # Charged in advance, so an agent over its rate is refused before it sends the data.
-            self.limits.count_bytes(agent.agent_id, upload.layout.total_bytes)
+            upload = self.intake.open(agent, header, issued=(entry.round_id, entry.task_id), prepaid=True)
         except Refusal:
-            if upload is not None:
-                self.coord.abandon(upload)
-            held.close()
             self.coord.tickets.release(entry, OP_UPLOAD, False)
             raise
-        return entry, upload, deadline_at, held
+        return entry, upload, deadline_at
 
-    def _settle_upload(self, entry, upload, refused: Refusal | None, held: ExitStack, received: int) -> None:
-        """Same bookkeeping as the gRPC stream: a bad update is rejected; a broken-off one abandoned."""
-        held.close()
-        self.limits.refund_bytes(entry.agent_id, upload.layout.total_bytes - received)
-        if refused is not None and refused.final:
-            self.coord.reject(upload, refused.message)
-        else:
-            self.coord.abandon(upload)  # no-op unless the upload is still marked in progress
-        self.coord.tickets.release(entry, OP_UPLOAD, upload.slot.status != "pending")
+    def _settle_upload(self, entry, upload: Upload, refused: Refusal | None, received: int) -> None:
+        self.intake.settle(upload, refused, received)
+        self.coord.tickets.release(entry, OP_UPLOAD, upload.ticket.slot.status != "pending")
 
 
 def _send_refusal(sock: socket.socket, r: Refusal) -> None:
@@ -312,7 +289,7 @@ def _peer_identity(sock: ssl.SSLSocket) -> PeerIdentity | None:
 
 
 def start_data_plane(coordinator, loop, host: str, tls_control: bool, ssl_context: ssl.SSLContext | None,
-                     limits: Limits | None = None) -> DataPlaneServer | None:
+                     intake: UploadIntake | None = None) -> DataPlaneServer | None:
     """Start the data plane if the coordinator's config asks for it; never in plaintext beside TLS gRPC."""
     config = coordinator.config
     if not config.wants_data_plane(coordinator.layout.total_bytes):
@@ -321,7 +298,7 @@ def start_data_plane(coordinator, loop, host: str, tls_control: bool, ssl_contex
         log.warning("data plane off: gRPC uses TLS but no TLS context was given for the data plane; "
                     "weights move over the gRPC streams")
         return None
-    server = DataPlaneServer(coordinator, loop, host, config.data_port, ssl_context, limits)
+    server = DataPlaneServer(coordinator, loop, host, config.data_port, ssl_context, intake)
     coordinator.data_port = server.start()
     log.info("data plane listening on %s:%d (%s)", host, server.port, "TLS" if ssl_context else "plaintext")
     return server

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import grpc
+import numpy as np
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.task_settings import TaskSettings
+
+log = logging.getLogger("fedpar.server")
+RunUpdate = Callable[..., Awaitable]  # runs fn(*args) for one update, on the event loop or a worker thread
 
 
 class Refusal(Exception):
@@ -91,6 +101,81 @@ class RoundState:
         """True when every sampled agent has an accepted or rejected update."""
         return self.accepted + self.rejected >= len(self.slots)  # O(1): called on every upload
 
+    def close_if_done(self) -> None:
+        """Close once K updates are in (first-K) or every sampled agent has answered."""
+        if self.accepted >= self.target:
+            self.close("target reached")
+        elif self.settled():
+            self.close("every sampled agent answered")
+
+    def count_accepted(self, slot: AgentSlot, report: tuple[int, dict[str, float]] | None = None) -> None:
+        """Count ``slot``'s update as accepted, with its (examples, metrics) report if the round may see one."""
+        slot.status = "accepted"
+        self.accepted += 1
+        if report is not None:
+            self.examples += report[0]
+            self.metrics.append(report)
+
+    def withdraw(self, report: tuple[int, dict[str, float]]) -> None:
+        """Undo :meth:`count_accepted` of an update the strategy then refused (its slot is rejected next)."""
+        self.accepted -= 1
+        self.examples -= report[0]
+        self.metrics.remove(report)
+
+    def reject(self, slot: AgentSlot, message: str) -> None:
+        """Record a refused update (bad content); it never touches the model."""
+        slot.status = "rejected"
+        self.rejected += 1
+        log.warning("round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
+        if self.settled():
+            self.close("every sampled agent answered")
+
     def late(self) -> int:
         """Sampled agents whose update had not been accepted or rejected when the round closed."""
         return sum(1 for s in self.slots.values() if s.status not in ("accepted", "rejected"))
+
+
+@dataclass
+class UploadTicket:
+    """An upload whose header passed validation; its data is still to come."""
+
+    state: RoundState
+    slot: AgentSlot
+    num_examples: int
+    metrics: dict[str, float]
+    layout: ModelLayout  # what the data must fill: the model, its compressed encoding, or the masked vector
+    mode: RoundMode  # the round's mode, which decodes and folds the update
+
+
+class RoundMode(Protocol):
+    """What sets a kind of round apart (plain, compressed, secure: server/round_modes.py, server/secure_round.py).
+
+    The coordinator keeps the round policy (sampling, the deadline, first-K, the accounting) and asks the
+    round's mode the rest. Every method runs on the coordinator's event loop.
+    """
+
+    redelivers_tasks: bool  # whether a task whose download was lost may be handed out again
+
+    def task_settings(self, settings: TaskSettings) -> TaskSettings:
+        """``settings`` (the strategy's) with what this mode adds for every task."""
+
+    def start(self, state: RoundState) -> None:
+        """The round opened."""
+
+    def admit(self, agent_id: str) -> None:
+        """Refuse, before the header is checked further, an upload this round takes from no such agent."""
+
+    def expected_layout(self, header: pb.UploadHeader) -> tuple[ModelLayout, str]:
+        """The layout the upload's tensors must have and what a refusal calls it; a Refusal for a wrong encoding."""
+
+    async def decoded(self, global_weights: Sequence[np.ndarray], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The update a complete upload stands for (a final Refusal if its content is invalid)."""
+
+    async def accept(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
+        """Count the update in ``state`` and add it to the round's sum (a Refusal if it cannot be)."""
+
+    async def close(self, state: RoundState, global_weights: Sequence[np.ndarray]) -> None:
+        """The round closed: finish combining its accepted updates, so the strategy can finish the round."""
+
+    def metrics(self) -> dict:
+        """This mode's columns of the round's metrics row."""

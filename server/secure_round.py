@@ -19,7 +19,8 @@ import asyncio
 import logging
 import math
 import time
-from typing import Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -31,8 +32,9 @@ from fedpar.secagg.errors import SecAggAbort, SecAggError, SecAggStageError
 from fedpar.secagg.field import DTYPE
 from fedpar.secagg.messages import MaskedInput
 from fedpar.secagg.params import RoundParams
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.server_protocol import SecAggResult, SecAggServer
-from fedpar.server.rounds import Refusal, RoundState
+from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket
 
 log = logging.getLogger("fedpar.server")
 MASKED_TENSOR = "secagg.masked"
@@ -62,13 +64,17 @@ def masked_layout(vector_length: int) -> ModelLayout:
 
 
 class SecureRound:
-    """One round's SecAgg+ server, its stage timing, and the gRPC replies to SecAggExchange."""
+    """Secure rounds (a RoundMode): one round's SecAgg+ server, its stage timing, and the replies to SecAggExchange."""
+
+    redelivers_tasks = False  # the key exchange of a task cannot be replayed
 
     def __init__(self, round_id: int, cohort: Sequence[str], weights: Sequence[np.ndarray], clip: float,
-                 max_weight: int, stage_seconds: float):
+                 max_weight: int, stage_seconds: float, strategy, in_thread: RunUpdate):
         length = sum(int(w.size) for w in weights)
+        self.layout = masked_layout(length)
+        self.strategy = strategy
+        self.in_thread = in_thread
         self.round_id = round_id
-        self.upload_layout = masked_layout(length)
         self.stage_seconds = stage_seconds
         self.failure: str | None = None
         try:
@@ -113,6 +119,10 @@ class SecureRound:
             state.close("secure aggregation failed")
         self._notify()
 
+    def task_settings(self, settings: TaskSettings) -> TaskSettings:
+        """``settings`` plus the order to mask the upload."""
+        return replace(settings, secure_aggregation=True)
+
     def start(self, state: RoundState) -> None:
         """Run stages 1 and 2 in the background while agents train."""
         if self.failure is not None:
@@ -135,7 +145,7 @@ class SecureRound:
             self._fail(str(exc), state)
 
     # ------------------------------------------------------------------ masked uploads
-    def check_upload(self, agent_id: str) -> None:
+    def admit(self, agent_id: str) -> None:
         """Refuse a masked upload from an agent that did not share keys this round."""
         if self.failure is not None:
             raise Refusal(grpc.StatusCode.ABORTED, f"secure aggregation of this round failed: {self.failure}")
@@ -143,6 +153,22 @@ class SecureRound:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"masked input from {agent_id!r} in stage {self.server.stage!r}: an agent uploads "
                           "only after it shared its keys and the sharing stage closed")
+
+    def expected_layout(self, header: pb.UploadHeader) -> tuple[ModelLayout, str]:
+        """The single int32 tensor of the masked vector."""
+        return self.layout, "the masked vector of this secure round"
+
+    async def decoded(self, global_weights: Sequence[np.ndarray], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The masked vector as received (it is unmasked only in sum)."""
+        return arrays
+
+    async def accept(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
+        """Add the masked vector to the running sum; nothing reaches the strategy before unmasking."""
+        all_in = self.add_masked(ticket.slot.agent_id, arrays[0])
+        # Per-agent metrics would reveal more than the sum: agents send none, and any sent are dropped.
+        state.count_accepted(ticket.slot)
+        if all_in or state.accepted >= state.target:
+            state.close("every agent that shared keys uploaded" if all_in else "target reached")
 
     def add_masked(self, agent_id: str, array: np.ndarray) -> bool:
         """Add a validated masked upload to the sum; True when every agent that shared keys has uploaded."""
@@ -154,9 +180,8 @@ class SecureRound:
         return self.server.survivors == self.server.shared
 
     # ------------------------------------------------------------------ unmasking
-    async def complete(self, state: RoundState, strategy, global_weights: Sequence[np.ndarray],
-                       in_thread: Callable[..., Awaitable]) -> None:
-        """Close stage 3, collect unmask shares, remove the masks and fold the mean into ``strategy``."""
+    async def close(self, state: RoundState, global_weights: Sequence[np.ndarray]) -> None:
+        """Close stage 3, collect unmask shares, remove the masks and fold the mean into the strategy."""
         if self._key_stages is not None:
             self._key_stages.cancel()
         s = self.server
@@ -174,7 +199,7 @@ class SecureRound:
             self._finishing = True
             self._mark("unmask_shares")
             start = time.perf_counter()
-            self.result, self.unmask_cpu_seconds = await in_thread(_timed, s.finish)
+            self.result, self.unmask_cpu_seconds = await self.in_thread(_timed, s.finish)
             self.unmask_seconds = time.perf_counter() - start
         except SecAggAbort as exc:
             self._fail(str(exc), state)
@@ -188,7 +213,7 @@ class SecureRound:
             delta = r.mean[offset:offset + w.size].reshape(w.shape)
             update.append((w.astype(np.float64) + delta).astype(w.dtype))
             offset += w.size
-        await in_thread(strategy.fold, update, r.weight_sum, "secure-aggregate")
+        await self.in_thread(self.strategy.fold, update, r.weight_sum, "secure-aggregate")
         log.info("round %d: unmasked the sum of %d agents (%d dropped after sharing keys) in %.2fs",
                  self.params.round_id, len(r.survivors), len(r.dropped), self.unmask_seconds)
 
@@ -288,8 +313,7 @@ async def secagg_exchange(coordinator, agent_id: str, request: pb.SecAggRequest)
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator does not run secure aggregation (start it with --secure-aggregation)")
     if state is None or secure is None or request.round != state.round_id:
-        current = state.round_id if state else coordinator.round_id
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"secure-aggregation message for round {request.round}, but the current round is {current}")
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"secure-aggregation message for round {request.round}, "
+                      f"but the current round is {coordinator.current_round_id}")
     state.slot_for(agent_id, request.task_id)
     return await secure.exchange(agent_id, request)

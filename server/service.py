@@ -1,4 +1,5 @@
-"""gRPC servicer (asyncio): authenticates and validates every call, then hands it to the Coordinator."""
+"""gRPC servicer (asyncio): authenticates and validates every call, then hands it to the Coordinator (uploads:
+to the upload intake, server/uploads.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, TensorAssembler
 from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED
 from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused
@@ -20,10 +20,9 @@ from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord, AuthError
 from fedpar.server.rounds import Refusal
 from fedpar.server.secure_round import secagg_exchange
+from fedpar.server.uploads import Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server")
-# Updates up to this size are scanned for NaN/Inf on the event loop: a thread hop would cost more.
-INLINE_SCAN_BYTES = 256 << 10
 
 
 class CoordinatorService:
@@ -32,6 +31,7 @@ class CoordinatorService:
     def __init__(self, coordinator: Coordinator):
         self.coord = coordinator
         self.limits = Limits(coordinator.config, coordinator.layout.total_bytes)
+        self.intake = UploadIntake(coordinator, self.limits)
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
@@ -88,118 +88,45 @@ class CoordinatorService:
         except Refusal as r:
             await context.abort(r.code, r.message)
 
-        async def receive(ticket) -> list:
+        async def receive(upload: Upload) -> None:
             await context.send_initial_metadata((UPLOAD_ADMITTED,))  # the agent holds its data back until now
-            return await self._receive(ticket, request_iterator)
+            await _receive_stream(upload, request_iterator)
 
-        return await self._take_upload(first.header, context, receive)
+        return await self._upload(first.header, context, receive)
 
     async def UploadSmall(self, request: pb.SmallUpload, context) -> pb.UploadReply:
         """Receive one small update in a single message, with every check UploadUpdate makes."""
         if not request.HasField("header"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
-        return await self._take_upload(request.header, context,
-                                       lambda ticket: self._assemble_small(ticket, request.data))
 
-    async def _take_upload(self, header: pb.UploadHeader, context, receive) -> pb.UploadReply:
-        """Admit an upload (identity, limits, header, staging slot), ``await receive(ticket)`` for its checked
-        arrays and fold them; a refusal or a vanished agent leaves nothing of it in the round."""
-        ticket = None
-        try:
-            agent = self._auth(header.auth, context)
-            with self.limits.agent_call(agent.agent_id), self.limits.upload_queue():
-                current = self.coord.current.round_id if self.coord.current else self.coord.round_id
-                self.limits.start_upload(agent.agent_id, current)
-                ticket = self.coord.open_upload(agent, header)
-                async with self.coord.upload_slots():
-                    arrays = await receive(ticket)
-                    await self.coord.accept(ticket, arrays)
-            return pb.UploadReply(accepted=True, message=f"update accepted for round {ticket.state.round_id}")
-        except Refusal as r:
-            if ticket is not None and r.final:
-                self.coord.reject(ticket, r.message)
-            elif ticket is not None:
-                self.coord.abandon(ticket)
-            await context.abort(r.code, r.message)
-        except (asyncio.CancelledError, grpc.aio.AioRpcError, ConnectionError):
-            # The agent went away mid-stream: nothing of this upload was applied.
-            if ticket is not None:
-                self.coord.abandon(ticket)
-            raise
-
-    async def _assemble_small(self, ticket, data: bytes) -> list:
-        layout = ticket.layout
-        if len(data) != layout.total_bytes:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"SmallUpload carries {len(data)} bytes but its tensors need {layout.total_bytes}; "
-                          "the update was not applied", final=True)
-        if layout.total_bytes > self.coord.config.max_chunk_bytes:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"an update of {layout.total_bytes} bytes is larger than one chunk "
-                          f"({self.coord.config.max_chunk_bytes}); send it with UploadUpdate", final=True)
-        assembler = TensorAssembler(layout, self.coord.config.max_chunk_bytes)
-        if data:
-            assembler.write(0, data)
-        self.limits.count_bytes(ticket.slot.agent_id, len(data))
-        return await self._checked_finite(assembler)
-
-    async def _checked_finite(self, assembler: TensorAssembler) -> list:
-        """The assembled arrays, refused if any holds NaN or Inf (large models are scanned off the loop)."""
-        if assembler.layout.total_bytes <= INLINE_SCAN_BYTES:
-            bad = assembler.first_non_finite()
-        else:
-            bad = await asyncio.get_running_loop().run_in_executor(None, assembler.first_non_finite)
-        if bad is not None:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
-                          final=True)
-        return assembler.arrays
-
-    async def _receive(self, ticket, request_iterator) -> list:
-        layout = ticket.layout
-        assembler = TensorAssembler(layout, self.coord.config.max_chunk_bytes)
-        state = ticket.state
-        while True:
-            # A stalled stream must not hold its staging buffer past the round's deadline.
-            remaining = state.started + state.deadline_seconds - time.monotonic()
-            message = await _next_message(request_iterator, max(0.0, remaining))
-            if message is None:
+        async def receive(upload: Upload) -> None:
+            layout = upload.ticket.layout
+            if len(request.data) != layout.total_bytes:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"stream ended after {assembler.received} of {layout.total_bytes} bytes "
-                              "without an UploadEnd; the update was not applied")
-            ticket.state.check_open()
-            if isinstance(message, RawData):
-                kind, offset, data = "data", message.offset, message.data
-            else:
-                kind = message.WhichOneof("part")
-                offset, data = message.data.offset, message.data.data
-            if kind == "data":
-                self.limits.count_chunk(assembler.chunks)
-                try:
-                    assembler.write(offset, data)
-                except CodecError as exc:
-                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied",
-                                  final=True) from None
-                self.limits.count_bytes(ticket.slot.agent_id, len(data))
-            elif kind == "end":
-                if not assembler.complete or message.end.total_bytes != layout.total_bytes \
-                        or message.end.num_chunks != assembler.chunks:
-                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"UploadEnd after {assembler.received} of {layout.total_bytes} bytes in "
-                                  f"{assembler.chunks} chunks does not match its totals "
-                                  f"({message.end.total_bytes} bytes, {message.end.num_chunks} chunks)",
-                                  final=True)
-                break
-            else:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message in upload",
-                              final=True)
-        return await self._checked_finite(assembler)
+                              f"SmallUpload carries {len(request.data)} bytes but its tensors need "
+                              f"{layout.total_bytes}; the update was not applied", final=True)
+            if layout.total_bytes > self.coord.config.max_chunk_bytes:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"an update of {layout.total_bytes} bytes is larger than one chunk "
+                              f"({self.coord.config.max_chunk_bytes}); send it with UploadUpdate", final=True)
+            if request.data:
+                upload.write(0, request.data)
+
+        return await self._upload(request.header, context, receive)
+
+    async def _upload(self, header: pb.UploadHeader, context, receive) -> pb.UploadReply:
+        """Authenticate the uploading agent and hand the upload to the intake; a refusal aborts the call."""
+        try:
+            return await self.intake.take(self._auth(header.auth, context), header, receive)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         """Mark the agent alive."""
         try:
             agent = self._auth(request.auth, context)
             with self.limits.agent_call(agent.agent_id):
-                current = self.coord.current.round_id if self.coord.current else self.coord.round_id
+                current = self.coord.current_round_id
         except Refusal as r:
             await context.abort(r.code, r.message)
         return pb.HeartbeatReply(current_round=current)
@@ -224,6 +151,37 @@ class CoordinatorService:
             await context.abort(r.code, r.message)
 
 
+async def _receive_stream(upload: Upload, request_iterator) -> None:
+    """Stage an UploadUpdate stream's data chunks up to its UploadEnd, whose totals must match."""
+    layout, staging, state = upload.ticket.layout, upload.staging, upload.ticket.state
+    while True:
+        # A stalled stream must not hold its staging buffer past the round's deadline.
+        remaining = state.started + state.deadline_seconds - time.monotonic()
+        message = await _next_message(request_iterator, max(0.0, remaining))
+        if message is None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"stream ended after {staging.received} of {layout.total_bytes} bytes "
+                          "without an UploadEnd; the update was not applied")
+        state.check_open()
+        if isinstance(message, RawData):
+            upload.write(message.offset, message.data)
+            continue
+        kind = message.WhichOneof("part")
+        if kind == "data":
+            upload.write(message.data.offset, message.data.data)
+        elif kind == "end":
+            if not staging.complete or message.end.total_bytes != layout.total_bytes \
+                    or message.end.num_chunks != staging.chunks:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"UploadEnd after {staging.received} of {layout.total_bytes} bytes in "
+                              f"{staging.chunks} chunks does not match its totals "
+                              f"({message.end.total_bytes} bytes, {message.end.num_chunks} chunks)", final=True)
+            return
+        else:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message in upload",
+                          final=True)
+
+
 async def _next_message(request_iterator, timeout: float | None = None):
     try:
         message = await asyncio.wait_for(request_iterator.__anext__(), timeout)
@@ -240,13 +198,13 @@ async def _next_message(request_iterator, timeout: float | None = None):
 def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     """Method handlers; downloads are sent as pre-serialized bytes (identity serializer)."""
     identity = lambda b: b  # noqa: E731 - download messages are serialized by WeightPayload
+
+    def unary(handler, request: type, reply: type):
+        return grpc.unary_unary_rpc_method_handler(refuse_malformed(handler), request_deserializer=parser(request),
+                                                   response_serializer=reply.SerializeToString)
     handlers = {
-        "Join": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.Join), request_deserializer=parser(pb.JoinRequest),
-            response_serializer=pb.JoinReply.SerializeToString),
-        "PullTask": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.PullTask), request_deserializer=parser(pb.PullTaskRequest),
-            response_serializer=pb.PullTaskReply.SerializeToString),
+        "Join": unary(service.Join, pb.JoinRequest, pb.JoinReply),
+        "PullTask": unary(service.PullTask, pb.PullTaskRequest, pb.PullTaskReply),
         "DownloadWeights": grpc.unary_stream_rpc_method_handler(
             refuse_malformed(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
             response_serializer=identity),
@@ -254,17 +212,9 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
             service.UploadUpdate,
             request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
             response_serializer=pb.UploadReply.SerializeToString),
-        "UploadSmall": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.UploadSmall), request_deserializer=parser(pb.SmallUpload),
-            response_serializer=pb.UploadReply.SerializeToString),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.Heartbeat), request_deserializer=parser(pb.HeartbeatRequest),
-            response_serializer=pb.HeartbeatReply.SerializeToString),
-        "Leave": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.Leave), request_deserializer=parser(pb.LeaveRequest),
-            response_serializer=pb.LeaveReply.SerializeToString),
-        "SecAggExchange": grpc.unary_unary_rpc_method_handler(
-            refuse_malformed(service.SecAggExchange), request_deserializer=parser(pb.SecAggRequest),
-            response_serializer=pb.SecAggReply.SerializeToString),
+        "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
+        "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+        "Leave": unary(service.Leave, pb.LeaveRequest, pb.LeaveReply),
+        "SecAggExchange": unary(service.SecAggExchange, pb.SecAggRequest, pb.SecAggReply),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,126 @@
+"""Every setting a training task carries beyond TrainTask's own fields, as one typed value (the wire's extra_json).
+
+The coordinator builds a :class:`TaskSettings` per round (strategy, upload compression, round mode) and sends
+``to_json()``; the agent reads it back with ``from_json``: those are the only two places the JSON is written
+and read. Both ends validate types and ranges, and an agent refuses a key it does not know. A TaskSettings
+also reads as the mapping of the keys it sends (unset fields are left out), so it compares equal to that dict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+COMPRESSION_METHODS = ("none", "fp16", "bf16", "int8", "topk")
+MAX_JSON_CHARS = 64 << 10
+
+
+def check_compression(method: str, topk_ratio: float | None = None, int8_block: int | None = None) -> None:
+    """Raise ValueError unless ``method`` is a known compression and the knobs given are in range."""
+    if method not in COMPRESSION_METHODS:
+        raise ValueError(f"compression method must be one of {', '.join(COMPRESSION_METHODS)}, got {method!r}")
+    if topk_ratio is not None and not 0 < topk_ratio <= 1:
+        raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
+    if int8_block is not None and int8_block < 1:
+        raise ValueError(f"int8_block must be >= 1, got {int8_block}")
+
+
+@dataclass(frozen=True, eq=False)
+class TaskSettings(Mapping):
+    """What an agent must do differently in a task: compress, add a proximal term, clip/noise, mask its upload."""
+
+    compression: str = "none"  # "none": the agent uploads its new weights; else the method of its delta
+    topk_ratio: float | None = None  # compression "topk" only; None: CompressionConfig's default
+    int8_block: int | None = None  # compression "int8" only; None: CompressionConfig's default
+    proximal_mu: float | None = None  # FedProx: weight of the proximal term (>= 0)
+    dp_clip_norm: float | None = None  # client-side DP: L2 bound on new - global (> 0)
+    dp_local_noise: float | None = None  # client-side DP: local noise multiplier (>= 0), with dp_clip_norm only
+    secure_aggregation: bool = False  # SecAgg+: the agent uploads a masked vector and nothing in the clear
+
+    def __post_init__(self) -> None:
+        """Check types (numbers become floats) and ranges; raise ValueError naming the setting."""
+        if not isinstance(self.compression, str):
+            raise ValueError(f"compression must be a string, got {self.compression!r}")
+        if not isinstance(self.secure_aggregation, bool):
+            raise ValueError(f"secure_aggregation must be true or false, got {self.secure_aggregation!r}")
+        if self.int8_block is not None and (isinstance(self.int8_block, bool) or not isinstance(self.int8_block, int)):
+            raise ValueError(f"int8_block must be a whole number, got {self.int8_block!r}")
+        for name in ("topk_ratio", "proximal_mu", "dp_clip_norm", "dp_local_noise"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"{name} must be a number, got {value!r}")
+                object.__setattr__(self, name, float(value))
+        check_compression(self.compression, self.topk_ratio, self.int8_block)
+        for knob, method in (("topk_ratio", "topk"), ("int8_block", "int8")):
+            if getattr(self, knob) is not None and self.compression != method:
+                raise ValueError(f"{knob} goes with compression {method!r}, not {self.compression!r}")
+        if self.proximal_mu is not None and not (self.proximal_mu >= 0 and math.isfinite(self.proximal_mu)):
+            raise ValueError(f"proximal_mu must be >= 0, got {self.proximal_mu}")
+        clip, noise = self.dp_clip_norm, self.dp_local_noise
+        if noise is not None and clip is None:
+            raise ValueError("dp_local_noise needs dp_clip_norm (local noise is scaled by the clip norm)")
+        if clip is not None and not (clip > 0 and math.isfinite(clip) and (noise is None or
+                                                                         (noise >= 0 and math.isfinite(noise)))):
+            raise ValueError(f"client-side DP needs dp_clip_norm > 0 and dp_local_noise >= 0, got dp_clip_norm={clip}"
+                             + ("" if noise is None else f" and dp_local_noise={noise}"))
+        if self.secure_aggregation and (self.compression != "none" or clip is not None):
+            raise ValueError("secure_aggregation masks the update itself: it goes with neither compression "
+                             "nor client-side DP")
+
+    # ------------------------------------------------------------------ the wire form
+    def to_json(self) -> str:
+        """The extra_json of a task with these settings (unset fields left out)."""
+        return json.dumps(dict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TaskSettings:
+        """Parse a task's extra_json; ValueError (one line) for bad JSON, unknown keys, wrong types or ranges."""
+        if len(text) > MAX_JSON_CHARS:
+            raise ValueError(f"the task's settings are longer than {MAX_JSON_CHARS} characters")
+        try:
+            parsed = json.loads(text or "{}")
+        except ValueError as exc:
+            raise ValueError(f"the task's settings are not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"the task's settings must be a JSON object, got {type(parsed).__name__}")
+        return cls.of(parsed)
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> TaskSettings:
+        """``settings`` as a TaskSettings (a mapping of wire keys is checked like a task's JSON)."""
+        if isinstance(settings, TaskSettings):
+            return settings
+        unknown = sorted(set(settings) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"the task asks for settings this agent cannot do: unknown {', '.join(map(repr, unknown))} "
+                             f"(it knows {', '.join(_FIELDS)}); update the agent or the coordinator")
+        try:
+            return cls(**settings)
+        except ValueError as exc:
+            raise ValueError(f"the task asks for settings this agent cannot do: {exc}") from None
+
+    # ------------------------------------------------------------------ read as the mapping it travels as
+    def __getitem__(self, key: str) -> Any:
+        """The value of a set field (KeyError for one left at its default)."""
+        if key not in _FIELDS or getattr(self, key) == _FIELDS[key]:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        """The names of the set fields, in declaration order."""
+        return (name for name, default in _FIELDS.items() if getattr(self, name) != default)
+
+    def __len__(self) -> int:
+        """How many fields are set."""
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        """Only the set fields."""
+        return f"TaskSettings({', '.join(f'{k}={v!r}' for k, v in self.items())})"
+
+
+_FIELDS = {f.name: f.default for f in fields(TaskSettings)}

@@ -1,0 +1,178 @@
+"""Round modes at the coordinator: plain and compressed rounds, and which mode each round gets.
+
+A round mode (the RoundMode protocol in server/rounds.py) is what sets a kind of round apart: what its
+tasks carry, which uploads it takes, how an upload becomes an update and joins the round's sum, and how
+the round closes. The coordinator keeps the round policy (sampling, the deadline, first-K, the accounting).
+:class:`PlainRound` folds each update into the strategy as it arrives; :class:`CompressedRound` decodes
+compressed deltas first; SecureRound (server/secure_round.py) sums masked vectors and unmasks at the close.
+A new mode is a new class here or beside it, and a line in :meth:`RoundModes.for_round`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from concurrent.futures import Executor
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from fedpar.aggregation.compression import CompressionConfig
+from fedpar.aggregation.wire_compression import (EncodedUpdateError, apply_delta, encoded_specs, header_fields,
+                                                 knobs, unpack_delta, with_compression)
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.task_settings import TaskSettings
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.registry import AgentRegistry
+from fedpar.server.rounds import Refusal, RoundMode, RoundState, RunUpdate, UploadTicket
+from fedpar.server.secure_round import SecureRound, check_secure_setup, default_max_weight
+from fedpar.server.uploads import in_thread, update_runner
+
+log = logging.getLogger("fedpar.server")
+MAX_ENCODING_JSON = 1024
+
+
+class PlainRound:
+    """Plain rounds: agents upload their new weights; each is folded into the strategy as soon as it is accepted."""
+
+    redelivers_tasks = True  # a task whose download was lost is handed out again (the round has nothing to replay)
+    known_finite = True  # what is folded is what was received, already scanned for NaN/Inf
+
+    def __init__(self, layout: ModelLayout, strategy, run_update: RunUpdate):
+        self.layout = layout
+        self.strategy = strategy
+        self.run_update = run_update
+
+    def task_settings(self, settings: TaskSettings) -> TaskSettings:
+        """``settings`` (the strategy's) with what this mode adds for every task."""
+        return settings
+
+    def start(self, state: RoundState) -> None:
+        """The round opened."""
+
+    def admit(self, agent_id: str) -> None:
+        """Refuse, before the header is checked further, an upload this round takes from no such agent."""
+
+    def expected_layout(self, header: pb.UploadHeader) -> tuple[ModelLayout, str]:
+        """The layout the upload's tensors must have and what a refusal calls it; a Refusal for a wrong encoding."""
+        if header.encoding:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"this run takes uncompressed updates, but the upload is encoded as "
+                          f"{header.encoding[:32]!r}; send the new weights with no encoding")
+        return self.layout, "the global model"
+
+    async def decoded(self, global_weights: Sequence[np.ndarray], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The update a complete upload stands for (a final Refusal if its content is invalid)."""
+        return arrays
+
+    async def accept(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
+        """Count the update and fold it; the round may close on it before the fold is done."""
+        report = (ticket.num_examples, ticket.metrics)
+        state.count_accepted(ticket.slot, report)
+        fold = asyncio.ensure_future(self._fold(state, ticket, arrays, report))
+        state.pending_folds.add(fold)
+        state.close_if_done()
+        await fold
+
+    async def _fold(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray], report: tuple) -> None:
+        """Fold (on a worker thread unless tiny); a ValueError is the strategy refusing this update (its state unchanged)."""
+        slot = ticket.slot
+        try:
+            await self.run_update(functools.partial(self.strategy.fold, known_finite=self.known_finite),
+                                  arrays, ticket.num_examples, slot.agent_id)
+        except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
+            state.withdraw(report)
+            state.reject(slot, str(exc))
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None  # rejection already recorded
+        except Exception:
+            state.fold_failed = True
+            log.exception("round %d: folding the update of %s failed", state.round_id, slot.agent_id)
+            raise
+
+    async def close(self, state: RoundState, global_weights: Sequence[np.ndarray]) -> None:
+        """The round closed: wait for the folds still running (a refused or failed one is already recorded)."""
+        if state.pending_folds:
+            await asyncio.gather(*state.pending_folds, return_exceptions=True)
+
+    def metrics(self) -> dict:
+        """This mode's columns of the round's metrics row."""
+        return {}
+
+
+class CompressedRound(PlainRound):
+    """Compressed rounds: uploads have the exact encoded layout of the run's compression (the wire format:
+    aggregation/wire_compression.py); the update folded is global + the decoded delta."""
+
+    known_finite = False  # global + delta may still overflow: the strategy checks what it folds
+
+    def __init__(self, model_layout: ModelLayout, config: CompressionConfig, strategy, run_update: RunUpdate):
+        self.config = config
+        self.model_specs = model_layout.specs()
+        self.encoding, self.encoding_json = header_fields(config)
+        super().__init__(ModelLayout(encoded_specs(self.model_specs, config)), strategy, run_update)
+        self.described = (f"the {config.method} encoding of the global model this run expects "
+                          f"({self.encoding_json})")
+
+    def task_settings(self, settings: TaskSettings) -> TaskSettings:
+        """``settings`` plus the compression every agent must use."""
+        return with_compression(settings, self.config)
+
+    def expected_layout(self, header: pb.UploadHeader) -> tuple[ModelLayout, str]:
+        """The encoded layout, if ``header`` names this run's encoding and knobs; else a Refusal."""
+        if header.encoding != self.encoding:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"this run takes {self.encoding}-compressed updates ({self.encoding_json}), but the upload "
+                          f"is encoded as {header.encoding[:32] or 'none'!r}; compress as the task's extra_json says")
+        try:
+            if len(header.encoding_json) > MAX_ENCODING_JSON:
+                raise ValueError(f"longer than {MAX_ENCODING_JSON} characters")
+            sent = json.loads(header.encoding_json or "{}")
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"encoding_json is not valid: {exc}") from None
+        if sent != knobs(self.config):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"encoding_json {header.encoding_json[:200]!r} does not match this run's "
+                          f"{self.encoding} settings {self.encoding_json}")
+        return self.layout, self.described
+
+    async def decoded(self, global_weights: Sequence[np.ndarray], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Global + the decoded delta (off the loop for large models); a final Refusal if the content is invalid."""
+        return await self.run_update(self._new_weights, global_weights, arrays)
+
+    def _new_weights(self, global_weights: Sequence[np.ndarray], arrays: list[np.ndarray]) -> list[np.ndarray]:
+        try:
+            return apply_delta(self.model_specs, global_weights, unpack_delta(self.model_specs, self.config, arrays))
+        except EncodedUpdateError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied",
+                          final=True) from None
+
+
+class RoundModes:
+    """The run's round modes; raises ValueError at once if the model or strategy cannot run them."""
+
+    def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray], strategy,
+                 executor: Executor):
+        if config.secure_aggregation:
+            check_secure_setup(names, weights, strategy)
+        self.config = config
+        self.strategy = strategy
+        self.in_thread = functools.partial(in_thread, executor)  # unmasking always runs on a worker thread
+        layout = ModelLayout.of_arrays(names, weights)
+        run_update = update_runner(layout.total_bytes, executor)
+        self.run_mode = (CompressedRound(layout, config.upload_compression, strategy, run_update)
+                         if config.upload_compression.method != "none" else PlainRound(layout, strategy, run_update))
+
+    def for_round(self, round_id: int, cohort: list[str], registry: AgentRegistry,
+                  weights: Sequence[np.ndarray]) -> RoundMode:
+        """The mode of round ``round_id`` over ``cohort``, on top of the global ``weights``."""
+        c = self.config
+        if not c.secure_aggregation:
+            return self.run_mode
+        registered = [r.num_examples for r in map(registry.get, cohort) if r]
+        max_weight = c.secagg_max_weight or default_max_weight(registered, c.local_epochs, len(cohort))
+        return SecureRound(round_id, cohort, weights, c.secagg_clip, max_weight, c.secagg_stage_seconds,
+                           self.strategy, self.in_thread)

@@ -1,0 +1,185 @@
+"""The upload intake: the one way an update enters a round, whichever transport carried it.
+
+An authenticated agent's upload passes, in this order: the limits (calls in flight, the upload queue,
+attempts per round) -> the coordinator opens it (round, slot, expected layout) -> a staging slot
+(each staged upload holds one model copy) -> its bytes land in a staging buffer -> complete and finite ->
+the coordinator accepts and folds it -> settled: a final refusal rejects the update, any other end leaves
+the agent free to try again. Per-update work runs on the loop for small updates, on a thread for large
+ones (:func:`per_update`). gRPC (server/service.py) runs all of it on the coordinator's event loop
+through :meth:`UploadIntake.take`. The data plane (server/dataplane.py) moves bytes and scans them in its
+worker threads and runs :meth:`UploadIntake.open`, :meth:`Upload.accept` and :meth:`UploadIntake.settle`
+on the loop. Every state change happens on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import Executor
+from contextlib import ExitStack, asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+import numpy as np
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import CodecError, TensorAssembler
+from fedpar.server.limits import Limits
+from fedpar.server.registry import AgentRecord
+from fedpar.server.rounds import Refusal, UploadTicket
+
+# Per-update work (NaN/Inf scan, decoding, folding) on an update of up to this many bytes runs on the event
+# loop: the hand-off to a thread would cost more (a 100-agent round of a small model is 100 of these).
+INLINE_BYTES = 256 << 10
+
+
+async def in_thread(executor: Executor | None, fn, *args):
+    """``fn(*args)`` on a thread of ``executor`` (None: the loop's default one)."""
+    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+async def per_update(nbytes: int, fn, *args, executor: Executor | None = None):
+    """``fn(*args)`` for one update of ``nbytes``: on the loop when small, else on a thread of ``executor``."""
+    if nbytes <= INLINE_BYTES:
+        return fn(*args)
+    return await in_thread(executor, fn, *args)
+
+
+def update_runner(nbytes: int, executor: Executor):
+    """:func:`per_update` for the updates of a model of ``nbytes``, on ``executor``'s threads."""
+    return functools.partial(per_update, nbytes, executor=executor)
+
+
+class Upload:
+    """One admitted upload: its ticket, the limits it holds until settled, and its staging buffer."""
+
+    def __init__(self, intake: UploadIntake, agent_id: str, ticket: UploadTicket, held: ExitStack):
+        self.intake = intake
+        self.agent_id = agent_id
+        self.ticket = ticket
+        self.held = held
+        self.prepaid = 0  # upload bytes charged to the agent's rate before they arrived
+        self._staging: TensorAssembler | None = None
+
+    @property
+    def staging(self) -> TensorAssembler:
+        """The staging buffer (one copy of the upload), allocated on first use: after a staging slot is held."""
+        if self._staging is None:
+            self._staging = TensorAssembler(self.ticket.layout, self.intake.max_chunk_bytes)
+        return self._staging
+
+    @property
+    def round_id(self) -> int:
+        """The round the upload is for."""
+        return self.ticket.state.round_id
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Stage one chunk: counted against the chunk limit and the agent's byte rate; a bad chunk is final."""
+        self.intake.limits.count_chunk(self.staging.chunks)
+        try:
+            self.staging.write(offset, data)
+        except CodecError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied", final=True) from None
+        self.intake.limits.count_bytes(self.agent_id, len(data))
+
+    def finite_arrays(self) -> list[np.ndarray]:
+        """The complete staged arrays, or a final Refusal if any holds NaN or Inf (any thread)."""
+        bad = self.staging.first_non_finite()
+        if bad is not None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {bad!r} contains NaN or Inf; update refused",
+                          final=True)
+        return self.staging.arrays
+
+    async def checked_arrays(self) -> list[np.ndarray]:
+        """:meth:`finite_arrays`, scanned on the loop for small updates and on a worker thread for large ones."""
+        return await per_update(self.staging.layout.total_bytes, self.finite_arrays)
+
+    async def accept(self, arrays: list[np.ndarray]) -> pb.UploadReply:
+        """Hand the complete, finite update to the coordinator to fold (loop); the reply to send on success."""
+        await self.intake.coord.accept(self.ticket, arrays)
+        return pb.UploadReply(accepted=True, message=f"update accepted for round {self.round_id}")
+
+
+class UploadIntake:
+    """Admits, stages, checks and settles every upload (the gRPC service's and the data plane's)."""
+
+    def __init__(self, coordinator, limits: Limits):
+        self.coord = coordinator
+        self.limits = limits
+        self.max_chunk_bytes = coordinator.config.max_chunk_bytes
+        self._staging: asyncio.Semaphore | None = None
+
+    def open(self, agent: AgentRecord, header: pb.UploadHeader, issued: tuple[int, str] | None = None,
+             prepaid: bool = False) -> Upload:
+        """Admit ``agent``'s upload (loop): its limits are held until :meth:`settle`; a Refusal leaves nothing held.
+
+        ``issued``: (round, task id) the transport's ticket was issued for, which the header must name.
+        ``prepaid``: charge the whole upload to the agent's byte rate now (refunded in part if it breaks off).
+        """
+        held = ExitStack()
+        ticket = None
+        try:
+            held.enter_context(self.limits.agent_call(agent.agent_id))
+            held.enter_context(self.limits.upload_queue())
+            self.limits.start_upload(agent.agent_id, issued[0] if issued else self.coord.current_round_id)
+            if issued is not None and (header.round, header.task_id) != issued:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the upload header names round {header.round} task {header.task_id!r}, but the "
+                              f"ticket is for round {issued[0]} task {issued[1]!r}")
+            ticket = self.coord.open_upload(agent, header)
+            upload = Upload(self, agent.agent_id, ticket, held)
+            if prepaid:  # so an agent over its rate is refused before it sends the data
+                self.limits.count_bytes(agent.agent_id, ticket.layout.total_bytes)
+                upload.prepaid = ticket.layout.total_bytes
+        except BaseException as exc:
+            if ticket is not None:
+                self.coord.settle_upload(ticket, exc if isinstance(exc, Refusal) else None)
+            held.close()
+            raise
+        return upload
+
+    def settle(self, upload: Upload, refused: Refusal | None, received: int = 0) -> None:
+        """The upload ended (loop): release its limits, refund prepaid bytes that never came, and let the
+        coordinator record the outcome (a final refusal rejects the update; otherwise it may come again)."""
+        upload.held.close()
+        self.limits.refund_bytes(upload.agent_id, upload.prepaid - received)
+        self.coord.settle_upload(upload.ticket, refused)
+
+    async def reserve_staging(self, seconds: float | None = None) -> None:
+        """Wait for one of the staging slots (each staged upload holds one model copy); TimeoutError after ``seconds``."""
+        if self._staging is None:
+            self._staging = asyncio.Semaphore(self.coord.config.max_concurrent_uploads)
+        if seconds is None:
+            await self._staging.acquire()
+        else:
+            await asyncio.wait_for(self._staging.acquire(), seconds)
+
+    def release_staging(self) -> None:
+        """Give back a slot taken by :meth:`reserve_staging` (loop)."""
+        self._staging.release()
+
+    @asynccontextmanager
+    async def staging_slot(self) -> AsyncIterator[None]:
+        """Hold a staging slot for the block."""
+        await self.reserve_staging()
+        try:
+            yield
+        finally:
+            self.release_staging()
+
+    async def take(self, agent: AgentRecord, header: pb.UploadHeader,
+                   receive: Callable[[Upload], Awaitable[None]]) -> pb.UploadReply:
+        """A whole upload on the loop: open it, ``await receive(upload)`` to stage its bytes, check and accept
+        them; a refusal (raised on to the caller) or a vanished agent leaves nothing of it in the round."""
+        upload = refused = None
+        try:
+            upload = self.open(agent, header)
+            async with self.staging_slot():
+                await receive(upload)
+                return await upload.accept(await upload.checked_arrays())
+        except Refusal as r:
+            refused = r
+            raise
+        finally:
+            if upload is not None:
+                self.settle(upload, refused)

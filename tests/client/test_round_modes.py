@@ -1,0 +1,53 @@
+"""The agent's round modes: what each sends, and what a refusal undoes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedpar.client.compressed import UpdateCompressor
+from fedpar.client.privacy import privatize_update
+from fedpar.client.round_modes import CompressedUpload, PlainUpload
+from fedpar.client.trainer import TrainResult
+from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.task_settings import TaskSettings
+
+GLOBAL = [np.zeros(100, np.float32)]
+LAYOUT = ModelLayout.of_arrays(["w"], GLOBAL)
+RESULT = TrainResult(1, 10, 0.5, False, 0.1)
+
+
+def _mode(cls, settings, accept: bool, **extra):
+    sent, refusals = [], []
+
+    def send(prepared, result, metrics):
+        sent.append(prepared)
+        return accept
+    mode = cls(settings, LAYOUT, send, privatize_update, lambda what, err: refusals.append(what), **extra)
+    return mode, sent, refusals
+
+
+def test_plain_sends_the_clipped_new_weights():
+    mode, sent, _ = _mode(PlainUpload, TaskSettings(dp_clip_norm=1.0), accept=True)
+    assert mode.begin() and mode.upload([np.full(100, 1.0, np.float32)], GLOBAL, RESULT, {})
+    assert sent[0].encoding == "" and np.linalg.norm(sent[0].arrays[0]) == np.float32(1.0)
+
+
+def test_compressed_rolls_back_its_residual_only_for_an_update_sent_and_refused():
+    compressor = UpdateCompressor(LAYOUT, seed=0)
+    settings = TaskSettings(compression="topk", topk_ratio=0.1)
+    trained = [np.linspace(-1, 1, 100).astype(np.float32)]
+    mode, sent, _ = _mode(CompressedUpload, settings, accept=True, compressor=compressor)
+    assert mode.upload(trained, GLOBAL, RESULT, {}) and sent[0].encoding == "topk"
+    kept = [r.copy() for r in compressor.compressor.residual("")]
+
+    mode, sent, refusals = _mode(CompressedUpload, settings, accept=False, compressor=compressor)
+    assert not mode.upload(trained, GLOBAL, RESULT, {}) and sent and not refusals
+    assert all(np.array_equal(a, b) for a, b in zip(compressor.compressor.residual(""), kept))  # rolled back
+
+    broken = [np.full(100, np.nan, np.float32)]  # the DP step fails before anything is encoded
+    mode, sent, refusals = _mode(CompressedUpload, TaskSettings(compression="topk", topk_ratio=0.1, dp_clip_norm=1.0),
+                                 accept=True, compressor=compressor)
+    assert mode.upload(trained, GLOBAL, RESULT, {})  # an accepted update: its residual stays
+    after = [r.copy() for r in compressor.compressor.residual("")]
+    assert not mode.upload(broken, GLOBAL, RESULT, {}) and refusals == ["preparing the update"] and len(sent) == 1
+    assert all(np.array_equal(a, b) for a, b in zip(compressor.compressor.residual(""), after))
