@@ -14,9 +14,11 @@ on load and cleaned up by the next save.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,20 @@ class Checkpoint:
     arrays: list[np.ndarray]
     strategy_arrays: dict[str, np.ndarray]
     state: dict  # sampler RNG, strategy metadata, registry snapshot, the round's metrics row
+    directory: Path | None = None  # where it was loaded from (None: not loaded from disk)
+
+    @contextlib.contextmanager
+    def restoring(self, entry: str) -> Iterator[None]:
+        """Turn a failure to restore state.json's ``entry`` into a CheckpointError that names the file."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            where = self.directory / "state.json" if self.directory else "state.json"
+            hint = _older_hint(self.directory.parent, self.round_id) if self.directory else ""
+            raise CheckpointError(f"damaged checkpoint: {where}: its {entry!r} entry cannot be restored "
+                                  f"({exc}){hint}") from None
 
 
 def checkpoint_name(round_id: int) -> str:
@@ -112,6 +128,9 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
     if match is None or not directory.is_dir():
         raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}"
                               f"{_older_hint(root, None)}")
+    if directory.is_symlink() or directory.resolve().parent != root.resolve():
+        raise CheckpointError(f"{pointer} names {name!r}, which is a link to {directory.resolve()}, outside {root}; "
+                              f"checkpoints are read only from real directories in it{_older_hint(root, None)}")
     round_id = int(match.group(1))
     try:
         names, arrays, meta = load_tensors(directory / "global.safetensors")
@@ -129,10 +148,14 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise CheckpointError(f"{directory / 'global.safetensors'}: tensor {tensor_name!r} holds NaN or Inf"
                                   f"{_older_hint(root, round_id)}")
-    if not isinstance(state.get("sampler"), dict) or not isinstance(state.get("agents", []), list):
-        raise CheckpointError(f"{directory / 'state.json'}: 'sampler' must be an object and 'agents' a list")
+    shapes = {"sampler": (dict,), "strategy": (dict,), "agents": (list,), "metrics_row": (dict, type(None))}
+    for entry, types in shapes.items():
+        if (entry in state and not isinstance(state[entry], types)) or (entry == "sampler" and entry not in state):
+            kinds = " or ".join({dict: "an object", list: "a list", type(None): "null"}[t] for t in types)
+            raise CheckpointError(f"damaged checkpoint: {directory / 'state.json'}: {entry!r} must be {kinds}"
+                                  f"{_older_hint(root, round_id)}")
     state.pop("round")
-    return Checkpoint(round_id, names, arrays, dict(zip(skeys, sarrays)), state)
+    return Checkpoint(round_id, names, arrays, dict(zip(skeys, sarrays)), state, directory)
 
 
 def _load_state(path: Path, root: Path, round_id: int) -> dict:

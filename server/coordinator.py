@@ -89,10 +89,14 @@ class Coordinator:
                              "point --checkpoint-dir elsewhere or use the model it was made with")
         self.weights = ckpt.arrays
         self.round_id = ckpt.round_id
-        self.sampler.load_state(ckpt.state["sampler"])
-        self.strategy.load_state_dict(ckpt.strategy_arrays, ckpt.state.get("strategy", {}))
-        self._restored_ids = self.registry.restore(ckpt.state.get("agents", []))
-        self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"))
+        with ckpt.restoring("sampler"):
+            self.sampler.load_state(ckpt.state["sampler"])
+        with ckpt.restoring("strategy"):
+            self.strategy.load_state_dict(ckpt.strategy_arrays, ckpt.state.get("strategy", {}))
+        with ckpt.restoring("agents"):
+            self._restored_ids = self.registry.restore(ckpt.state.get("agents", []))
+        with ckpt.restoring("metrics_row"):
+            self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"))
         log.info("resumed from checkpoint after round %d; waiting up to %.0fs for its %d agents to re-join",
                  self.round_id, self.config.liveness_timeout_seconds, len(self._restored_ids))
 
