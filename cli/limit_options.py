@@ -26,6 +26,9 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-agent upload rate in bytes/s after a burst of two models; unset: unlimited")
     g.add_argument("--max-agents", type=int, default=d.max_agents,
                    help="registered agents; a Join from a new agent beyond this is refused")
+    g.add_argument("--max-examples-per-agent", type=int, default=d.max_examples_per_agent,
+                   help="largest example count an agent may declare at Join; FedAvg weighs its updates by at most "
+                        "that times the local epochs (the count is fixed by its first Join)")
     g.add_argument("--max-joins-per-second", type=float, default=d.max_joins_per_second,
                    help="server-wide Join rate, with a burst of five seconds' worth")
     g.add_argument("--max-queued-uploads", type=int, default=d.max_queued_uploads,

@@ -250,7 +250,8 @@ class Coordinator:
              peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
         """Register an agent; raises Refusal on bad identity data or if the agent is not admitted."""
         try:
-            record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token)
+            record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token,
+                                        self.config.max_examples_per_agent)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except AdmissionRefused as exc:
@@ -357,10 +358,10 @@ class Coordinator:
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
                           f"agent {agent.agent_id!r} already sent an update in round {state.round_id} "
                           f"({slot.status}); duplicates are refused")
-        max_examples = agent.num_examples * self.config.local_epochs if agent.num_examples else None
-        if header.num_examples <= 0 or (max_examples is not None and header.num_examples > max_examples):
+        max_examples = agent.num_examples * self.config.local_epochs  # Join made num_examples >= 1
+        if not 1 <= header.num_examples <= max_examples:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"num_examples={header.num_examples} must be in 1..{max_examples or 'inf'} "
+                          f"num_examples={header.num_examples} must be in 1..{max_examples} "
                           f"({agent.num_examples} registered examples x {self.config.local_epochs} epochs)")
         if header.steps < 0:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 0")

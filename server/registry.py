@@ -41,15 +41,22 @@ class AgentRegistry:
         self._agents: dict[str, AgentRecord] = {}
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
-             peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
+             peer: PeerIdentity | None = None, enrollment_token: str = "",
+             max_examples: int = 10_000_000) -> AgentRecord:
         """Register ``agent_id`` (or re-register it after a restart) with a fresh session token.
 
-        Raises ValueError on bad data and AdmissionRefused if the admission policy refuses the agent.
+        The declared example count bounds the FedAvg weight of the agent's updates, so it must be in
+        1..``max_examples``, and it is fixed by the agent's first Join of the run (a checkpoint's, after a
+        restart): a later Join may lower it, never raise it. Raises ValueError on bad data and AdmissionRefused
+        if the admission policy refuses the agent.
         """
         if not agent_id or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
             raise ValueError(f"agent_id must be 1..{MAX_AGENT_ID} printable characters")
-        if num_examples < 0:
-            raise ValueError("num_examples must be >= 0")
+        if not 1 <= num_examples <= max_examples:
+            raise ValueError(f"num_examples={num_examples} must be in 1..{max_examples} (--max-examples-per-agent)")
+        known = self._agents.get(agent_id)
+        if known is not None:
+            num_examples = min(num_examples, known.num_examples)
         if len(capabilities) > 64 or any(len(k) > 64 or len(v) > 256 for k, v in capabilities.items()):
             raise ValueError("capabilities: at most 64 entries, keys <= 64 and values <= 256 characters")
         self.admission.admit_join(agent_id, peer, enrollment_token)
