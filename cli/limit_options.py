@@ -26,6 +26,12 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-agent upload rate in bytes/s after a burst of two models; unset: unlimited")
     g.add_argument("--max-agents", type=int, default=d.max_agents,
                    help="registered agents; a Join from a new agent beyond this is refused")
+    g.add_argument("--upload-header-seconds", type=float, default=d.upload_header_seconds,
+                   help="an upload stream must send its header within this time (nothing is authenticated before)")
+    g.add_argument("--upload-idle-seconds", type=float, default=d.upload_idle_seconds,
+                   help="a staged upload silent this long loses its staging slot (the agent may send it again)")
+    g.add_argument("--upload-min-bytes-per-second", type=float, default=d.upload_min_bytes_per_second,
+                   help="after --upload-idle-seconds, a staged upload slower than this on average loses its slot")
     g.add_argument("--max-examples-per-agent", type=int, default=d.max_examples_per_agent,
                    help="largest example count an agent may declare at Join; FedAvg weighs its updates by at most "
                         "that times the local epochs (the count is fixed by its first Join)")

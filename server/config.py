@@ -38,6 +38,9 @@ class CoordinatorConfig:
     max_upload_attempts_per_round: int = 4  # uploads an agent may start in one round (retries after breaks)
     max_upload_bytes_per_second: float | None = None  # per agent, after a one-model burst; None: unlimited
     max_agents: int = 100_000  # registered agents; Join of a new agent beyond this is refused
+    upload_header_seconds: float = 2.0  # an UploadUpdate stream must send its header (and be authenticated) this fast
+    upload_idle_seconds: float = 10.0  # a staged upload silent this long loses its staging slot
+    upload_min_bytes_per_second: float = 32 << 10  # ... and so does one slower than this on average after that long
     max_examples_per_agent: int = 10_000_000  # largest example count a Join may declare (FedAvg weights by it)
     max_joins_per_second: float = 500.0  # server-wide Join rate (with a 5-second burst)
     max_concurrent_rpcs: int = 20_000  # server-wide calls in flight; long-polls count, so > agents
@@ -79,6 +82,9 @@ class CoordinatorConfig:
              "max_upload_bytes_per_second must be > 0"),
             (self.max_agents >= self.min_available, "max_agents must be >= min_available"),
             (self.max_examples_per_agent >= 1, "max_examples_per_agent must be >= 1"),
+            (self.upload_header_seconds > 0 and self.upload_idle_seconds > 0,
+             "upload_header_seconds and upload_idle_seconds must be > 0"),
+            (self.upload_min_bytes_per_second >= 0, "upload_min_bytes_per_second must be >= 0"),
             (self.max_joins_per_second > 0, "max_joins_per_second must be > 0"),
             (self.max_queued_uploads >= self.max_concurrent_uploads,
              "max_queued_uploads must be >= max_concurrent_uploads"),

@@ -36,7 +36,8 @@ from fedpar.server.uploads import Upload, UploadIntake
 log = logging.getLogger("fedpar.server.dataplane")
 HANDSHAKE_SECONDS = 10.0  # TLS handshake, preamble and upload header must arrive this fast
 LOOP_CALL_SECONDS = 60.0
-RECV_PIECE = 4 << 20  # upload bytes are counted (for --max-upload-bytes-per-second) in pieces of this size
+# Upload bytes are read, counted (--max-upload-bytes-per-second) and paced (UploadPace) in pieces of this size.
+RECV_PIECE = 1 << 20
 
 
 class DataPlaneServer:
@@ -218,8 +219,17 @@ class DataPlaneServer:
         def read_into(view: memoryview) -> None:
             for start in range(0, len(view), RECV_PIECE):
                 piece = view[start:start + RECV_PIECE]
-                recv_exact_into(sock, piece, deadline)
+                allowed = upload.pace.next_wait(len(piece))  # the idle limit plus its time at the minimum rate
+                begun = time.monotonic()
+                try:
+                    recv_exact_into(sock, piece, Deadline(allowed))
+                except DataPlaneError:
+                    now = time.monotonic()  # out of pace before the round's deadline: say so; else drop as before
+                    if now - begun >= allowed - 0.05 and now < upload.pace.deadline_at - 0.05:
+                        raise upload.pace.stalled() from None
+                    raise
                 received[0] += len(piece)
+                upload.pace.note(len(piece))
         try:
             left = deadline_at - time.monotonic()
             try:
@@ -227,6 +237,7 @@ class DataPlaneServer:
             except Exception:
                 raise DataPlaneError("no upload slot became free before the round deadline") from None
             have_slot = True
+            upload.pace.restart()
             send_all(sock, encode_status(OK), deadline)
             upload.staging.fill(read_into)
             reply = self._on_loop(upload.accept, upload.finite_arrays())

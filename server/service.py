@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from typing import Callable
 
 import grpc
 
@@ -82,7 +82,11 @@ class CoordinatorService:
     async def UploadUpdate(self, request_iterator, context) -> pb.UploadReply:
         """Receive one update: header, in-order data chunks, end marker; fold it only if all is valid."""
         try:
-            first = await _next_message(request_iterator, self.coord.config.deadline_seconds)
+            # Nothing is authenticated before the header: a stream that does not send it at once is let go.
+            seconds = self.coord.config.upload_header_seconds
+            first = await _next_message(request_iterator, seconds, lambda: Refusal(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no UploadHeader within {seconds:g} s of opening the upload (--upload-header-seconds)"))
             if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
         except Refusal as r:
@@ -153,11 +157,10 @@ class CoordinatorService:
 
 async def _receive_stream(upload: Upload, request_iterator) -> None:
     """Stage an UploadUpdate stream's data chunks up to its UploadEnd, whose totals must match."""
-    layout, staging, state = upload.ticket.layout, upload.staging, upload.ticket.state
+    layout, staging, state, pace = upload.ticket.layout, upload.staging, upload.ticket.state, upload.pace
     while True:
-        # A stalled stream must not hold its staging buffer past the round's deadline.
-        remaining = state.started + state.deadline_seconds - time.monotonic()
-        message = await _next_message(request_iterator, max(0.0, remaining))
+        # A stalled or trickling stream must not hold its staging buffer (see UploadPace).
+        message = await _next_message(request_iterator, pace.next_wait(), pace.stalled)
         if message is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"stream ended after {staging.received} of {layout.total_bytes} bytes "
@@ -165,10 +168,12 @@ async def _receive_stream(upload: Upload, request_iterator) -> None:
         state.check_open()
         if isinstance(message, RawData):
             upload.write(message.offset, message.data)
+            pace.note(len(message.data))
             continue
         kind = message.WhichOneof("part")
         if kind == "data":
             upload.write(message.data.offset, message.data.data)
+            pace.note(len(message.data.data))
         elif kind == "end":
             if not staging.complete or message.end.total_bytes != layout.total_bytes \
                     or message.end.num_chunks != staging.chunks:
@@ -182,14 +187,14 @@ async def _receive_stream(upload: Upload, request_iterator) -> None:
                           final=True)
 
 
-async def _next_message(request_iterator, timeout: float | None = None):
+async def _next_message(request_iterator, timeout: float, on_timeout: Callable[[], Refusal]):
+    """The stream's next message (None at its end); ``on_timeout()`` is raised if none comes in ``timeout`` s."""
     try:
         message = await asyncio.wait_for(request_iterator.__anext__(), timeout)
     except StopAsyncIteration:
         return None
     except asyncio.TimeoutError:
-        raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
-                      "no upload data arrived before the round's deadline; the update was not applied") from None
+        raise on_timeout() from None
     if isinstance(message, Malformed):
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{message.reason}; the update was not applied")
     return message

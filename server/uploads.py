@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from concurrent.futures import Executor
 from contextlib import ExitStack, asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable
@@ -50,6 +51,50 @@ def update_runner(nbytes: int, executor: Executor):
     return functools.partial(per_update, nbytes, executor=executor)
 
 
+class UploadPace:
+    """Whether a staged upload still earns its staging slot (each holds one model copy that honest uploads wait for).
+
+    It must not fall silent for ``idle_seconds``, and once that long has passed its average rate must stay at
+    least ``min_bytes_per_second``; either failure refuses it (not final: the agent may try again), so a stranger
+    trickling bytes cannot pin the slots until the round's deadline. Both transports keep one per staged upload.
+    """
+
+    def __init__(self, idle_seconds: float, min_bytes_per_second: float, deadline_at: float):
+        self.idle, self.min_rate, self.deadline_at = idle_seconds, min_bytes_per_second, deadline_at
+        self.started = time.monotonic()
+        self.received = 0
+
+    def restart(self) -> None:
+        """Start the clock: the upload holds a staging slot from now on."""
+        self.started, self.received = time.monotonic(), 0
+
+    def next_wait(self, nbytes: int = 0) -> float:
+        """Seconds the next ``nbytes`` may take to arrive: the idle limit (plus their time at the minimum rate),
+        or less when the round's deadline is nearer."""
+        allowed = self.idle + (nbytes / self.min_rate if self.min_rate else 0.0)
+        return max(0.0, min(allowed, self.deadline_at - time.monotonic()))
+
+    def stalled(self) -> Refusal:
+        """The refusal for an upload whose next bytes did not come in :meth:`next_wait`."""
+        if time.monotonic() >= self.deadline_at - 0.01:
+            return Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           "no upload data arrived before the round's deadline; the update was not applied")
+        return Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"the upload stalled after {self.received} bytes (no progress for {self.idle:g} s, "
+                       "--upload-idle-seconds); its staging slot went to others and the update was not applied: "
+                       "send it again")
+
+    def note(self, nbytes: int) -> None:
+        """Count ``nbytes`` arrived; a Refusal if the upload has become slower than the minimum rate."""
+        self.received += nbytes
+        elapsed = time.monotonic() - self.started
+        if elapsed > self.idle and self.received < self.min_rate * elapsed:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the upload is too slow ({self.received / elapsed:.0f} bytes/s over {elapsed:.0f} s, "
+                          f"below --upload-min-bytes-per-second {self.min_rate:.0f}); its staging slot went to "
+                          "others and the update was not applied: send it again")
+
+
 class Upload:
     """One admitted upload: its ticket, the limits it holds until settled, and its staging buffer."""
 
@@ -60,6 +105,9 @@ class Upload:
         self.held = held
         self.prepaid = 0  # upload bytes charged to the agent's rate before they arrived
         self._staging: TensorAssembler | None = None
+        config, state = intake.coord.config, ticket.state
+        self.pace = UploadPace(config.upload_idle_seconds, config.upload_min_bytes_per_second,
+                               state.started + state.deadline_seconds)
 
     @property
     def staging(self) -> TensorAssembler:
@@ -175,6 +223,7 @@ class UploadIntake:
         try:
             upload = self.open(agent, header)
             async with self.staging_slot():
+                upload.pace.restart()
                 await receive(upload)
                 return await upload.accept(await upload.checked_arrays())
         except Refusal as r:
