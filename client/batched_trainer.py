@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedpar.client.trainer import TrainResult, sgd_step, shuffling_generator
+from fedpar.models.losses import classification_loss
 
 
 @dataclass
@@ -82,7 +82,7 @@ def batched_gradient_fn(model: nn.Module, buffers: dict[str, torch.Tensor], prox
 
     def client_loss(params, anchor, x, y, mask, count):
         tensors = (params, buffers) if buffers else params
-        per_example = F.cross_entropy(functional_call(model, tensors, (x,)), y, reduction="none")
+        per_example = classification_loss(functional_call(model, tensors, (x,)), y, reduction="none")
         loss = (per_example * mask).sum() / count  # mean over the real examples: padding adds exact zeros
         if not anchor:
             return loss, loss

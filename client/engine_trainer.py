@@ -15,20 +15,19 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
 from fedpar.client.trainer import TrainResult
-from fedpar.models.evaluation import EvalResult, evaluate_classifier
 from fedpar.datasets import ArrayDataset
+from fedpar.models.evaluation import EvalResult, evaluate_classifier
+from fedpar.models.losses import classification_loss
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ConfigurationError, ParallelConfig
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.sampler import DistributedBatchSampler
-from fedpar.parallel.trainer import classification_loss
 
 
 class EngineTrainer:
@@ -157,7 +156,7 @@ class EngineTrainer:
                 idx = torch.tensor(indices)
                 x, y = self.x[idx].to(self.info.device), self.y[idx].to(self.info.device)
                 weight = valid.to(device=self.info.device, dtype=torch.float32)
-                per_example = F.cross_entropy(model(x).float(), y, reduction="none")
+                per_example = classification_loss(model(x), y, reduction="none")
                 real = min(global_batch, n - b * global_batch)  # examples of this global batch that are not padding
                 # DDP/FSDP average gradients over the data-parallel ranks; scaling by dp/real makes the result
                 # the gradient of the mean loss over the real examples, as one process would compute it.

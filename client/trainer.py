@@ -9,12 +9,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.sgd import sgd
 
 from fedpar.datasets import ArrayDataset
 from fedpar.models.evaluation import EvalResult, evaluate_classifier
+from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
 
 
@@ -64,7 +64,7 @@ class LocalTrainer:
         self.model.train()
         params = trainable(self.model)
         with self._autocast():
-            loss = F.cross_entropy(self.model(self.x[:2]), self.y[:2])
+            loss = classification_loss(self.model(self.x[:2]), self.y[:2])
         loss.backward()
         sgd_step(params, lr=0.0)  # the weights do not change
         for p in params:
@@ -104,7 +104,7 @@ class LocalTrainer:
                     t0 = time.monotonic()
                     idx = order[begin:begin + batch_size]
                     with self._autocast():
-                        loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
+                        loss = classification_loss(model(self.x[idx]), self.y[idx])
                     objective = loss
                     if anchor is not None:
                         # FedProx (Li et al. 2020): keep local weights near the global ones.
