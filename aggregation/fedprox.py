@@ -26,8 +26,22 @@ def proximal_term(model_params: Iterable[torch.Tensor], global_params: Iterable[
     return 0.5 * mu * total
 
 
+@torch.no_grad()
+def add_proximal_gradient(model_params: Iterable[torch.Tensor], global_params: Iterable[torch.Tensor],
+                          mu: float) -> None:
+    """Add the gradient of :func:`proximal_term`, ``mu * (w - w_global)``, to each parameter's ``.grad``.
+
+    For sharded parameters, whose loss cannot hold the term without a collective: each shard adds its own part.
+    Parameters without a gradient are left alone.
+    """
+    for w, g in zip(model_params, global_params, strict=True):
+        if w.grad is not None:
+            w.grad.add_(w.detach() - g, alpha=mu)
+
+
 class FedProx(StreamingStrategy):
-    """FedAvg aggregation; ``proximal_mu`` is sent to clients, whose trainer adds :func:`proximal_term`."""
+    """FedAvg aggregation; ``proximal_mu`` is sent to clients, whose trainer adds :func:`proximal_term` (or, on
+    sharded parameters, its gradient)."""
 
     name = "fedprox"
 

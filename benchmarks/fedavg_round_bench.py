@@ -35,9 +35,10 @@ import torch
 
 from fedpar.aggregation.fedavg import fedavg
 from fedpar.client.batched_trainer import ClientBatchInput, train_clients_batched
-from fedpar.client.trainer import LocalTrainer, evaluate_classifier
+from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights
+from fedpar.models.evaluation import evaluate_classifier
 from fedpar.models.for_data import build_model_for_data
 from fedpar.simulations.clientdata import partition_indices
 from fedpar.parallel.device import flush_denormals

@@ -13,8 +13,6 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
-
 from fedpar.aggregation import build_strategy, strategy_names
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
@@ -23,14 +21,10 @@ from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.datasets import load_dataset
-from fedpar.models import get_weights, weight_specs
-from fedpar.models.evaluation import CentralEvaluator
-from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
 from fedpar.protocol.tensorfile import atomic_write_bytes
-from fedpar.server.app import CoordinatorServer
+from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.coordinator import Coordinator
 from fedpar.server.secure_round import check_secure_setup
 
 
@@ -119,32 +113,27 @@ def run(args: argparse.Namespace) -> int:
         config.validate()
         strategy_options = strategy_options_from_args(args)
         splits = load_dataset(args.dataset, args.data_dir)
-        torch.manual_seed(args.seed)
-        model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
+        eval_device = None if args.no_central_eval else resolve_device(args.device)
+        assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
         if args.dp != "off" and config.fraction is not None:
             raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
         name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
                                     args.dp_population)
         strategy = build_strategy(name, **strategy_options, **options)
         if config.secure_aggregation:
-            check_secure_setup([n for n, _, _ in weight_specs(model)], get_weights(model), strategy)
+            check_secure_setup(assembly.names, assembly.weights, strategy)
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
-    evaluate = None
-    if not args.no_central_eval:
-        evaluate = CentralEvaluator(build_model_for_data(args.model, splits.input_shape, splits.num_classes),
-                                    *splits.test.to_tensors(), device=resolve_device(args.device))
 
     table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
     try:
-        coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model), strategy,
-                                  evaluate_fn=evaluate, on_round_end=[table.row], admission=security.admission)
+        server = assembly.server(config, strategy, on_round_end=[table.row], admission=security.admission,
+                                 host=args.host, port=args.port, credentials=security.credentials,
+                                 data_tls=security.data_tls)  # the data plane: TLS with the same certificate
     except ValueError as exc:  # e.g. a damaged checkpoint, or one made with another model
         print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
         return 2
-    server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
-    server.data_tls = security.data_tls  # the data plane serves TLS with the same certificate
     try:
         server.start()
     except Exception as exc:
@@ -167,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
-    rows = coordinator.metrics.rows
+    rows = server.coordinator.metrics.rows
     if rows:
         print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))
     return 0

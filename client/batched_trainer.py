@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedpar.client.trainer import TrainResult, sgd_step, shuffling_generator
+from fedpar.aggregation.fedprox import proximal_term
+from fedpar.client.local_sgd import StepClock, StepTally, TrainResult, sgd_step, shuffling_generator
+from fedpar.models.losses import classification_loss
+from fedpar.parallel.device import synchronize
 
 
 @dataclass
@@ -82,12 +84,11 @@ def batched_gradient_fn(model: nn.Module, buffers: dict[str, torch.Tensor], prox
 
     def client_loss(params, anchor, x, y, mask, count):
         tensors = (params, buffers) if buffers else params
-        per_example = F.cross_entropy(functional_call(model, tensors, (x,)), y, reduction="none")
+        per_example = classification_loss(functional_call(model, tensors, (x,)), y, reduction="none")
         loss = (per_example * mask).sum() / count  # mean over the real examples: padding adds exact zeros
         if not anchor:
             return loss, loss
-        # FedProx (Li et al. 2020), as LocalTrainer: mu/2 ||w - w_start||^2 over every parameter.
-        return loss + 0.5 * proximal_mu * sum((params[n] - anchor[n]).pow(2).sum() for n in anchor), loss
+        return loss + proximal_term([params[n] for n in anchor], anchor.values(), proximal_mu), loss
 
     step = vmap(grad(client_loss, has_aux=True))
     if compile_step:
@@ -220,9 +221,8 @@ class ClientBatch:
         out = []
         for k, c in enumerate(self.clients):
             steps = self.steps_done[k]
-            examples = int(counts[k, :steps].sum())
-            result = TrainResult(steps, examples, loss_sums[k] / examples if examples else float("nan"),
-                                 self.stopped[k], seconds + steps * c.step_delay)
+            result = StepTally(steps, int(counts[k, :steps].sum()), loss_sums[k], self.stopped[k]).result(
+                seconds + steps * c.step_delay)
             out.append(ClientBatchOutput({name: p[k] for name, p in params.items()}, result))
         return out
 
@@ -237,7 +237,7 @@ class _Deadlines:
 
     def __init__(self, clients: list[ClientBatchInput], device: torch.device):
         self.clients, self.device = clients, device
-        self.step_seconds = 0.0
+        self.pace = StepClock()  # of one batched step
         self._last: tuple[int, float] | None = None
         self._next_check = 0 if any(math.isfinite(c.stop_at) for c in clients) else math.inf
 
@@ -246,23 +246,21 @@ class _Deadlines:
         s = batch.step_index
         if s < self._next_check:
             return []
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         now = time.monotonic()
         if self._last is not None and s > self._last[0]:
-            dt = (now - self._last[1]) / (s - self._last[0])
-            self.step_seconds = dt if self.step_seconds == 0.0 else 0.8 * self.step_seconds + 0.2 * dt
+            self.pace.measured((now - self._last[1]) / (s - self._last[0]))
         self._last = (s, now)
         late, fits = [], math.inf
         for k in batch.active:
             c = self.clients[k]
-            per_step = self.step_seconds + c.step_delay
+            per_step = self.pace.seconds + c.step_delay
             slack = c.stop_at - (now + s * c.step_delay)
             if slack < per_step:
                 late.append(k)
             elif per_step > 0:
                 fits = min(fits, slack / per_step - 1)  # steps that certainly fit at this pace
-        if self.step_seconds == 0.0:  # no pace measured yet
+        if self.pace.seconds == 0.0:  # no pace measured yet
             self._next_check = s + 1
         else:
             self._next_check = s + max(1, int(0.5 * fits)) if fits < math.inf else math.inf
@@ -289,6 +287,5 @@ def train_clients_batched(model: nn.Module, clients: list[ClientBatchInput], epo
             batch.leave(late, stopped=True)
             continue
         batch.step(lr)
-    if batch.device.type == "cuda":
-        torch.cuda.synchronize(batch.device)
+    synchronize(batch.device)
     return batch.outputs(time.monotonic() - start)

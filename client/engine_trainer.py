@@ -11,24 +11,25 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
-from fedpar.client.trainer import TrainResult
-from fedpar.models.evaluation import EvalResult, evaluate_classifier
+from fedpar.client.local_sgd import StepClock, StepTally, TrainResult, descend, run_steps
 from fedpar.datasets import ArrayDataset
+from fedpar.models.evaluation import EvalResult, evaluate_classifier
+from fedpar.models.losses import classification_loss
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ConfigurationError, ParallelConfig
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.sampler import DistributedBatchSampler
-from fedpar.parallel.trainer import classification_loss
+
+ShardBatch = tuple[int, tuple[list[int], torch.Tensor]]  # batch number in its epoch, (this rank's indices, not-padding)
 
 
 class EngineTrainer:
@@ -55,7 +56,7 @@ class EngineTrainer:
         self._control = ControlChannel(info.device, idle_timeout_seconds)
         self.x, self.y = train.to_tensors()
         self.val = val.to_tensors() if val is not None and len(val) and info.is_main else None
-        self._step_seconds = 0.0
+        self._clock = StepClock()
         self._gather_seconds = 0.0
         self._warm_up_all_ranks()
 
@@ -93,8 +94,8 @@ class EngineTrainer:
         ranks (so rounded up to a multiple of their number); padding that evens out the last batch is not trained on.
         """
         start = time.monotonic()
-        if start + self._step_seconds + self._gather_seconds > stop_at:
-            return TrainResult(0, 0, float("nan"), True, 0.0)
+        if not self._clock.fits(stop_at, self._gather_seconds):
+            return StepTally(stopped=True).result(0.0)
         command = Command(TRAIN, epochs, batch_size, lr, proximal_mu, round_id)
         self._control.send(command)
         return self._run(command, stop_at, start)
@@ -115,18 +116,17 @@ class EngineTrainer:
     # ---------------------------------------------------------------- every rank
     def _run(self, c: Command, stop_at: float, start: float) -> TrainResult:
         load_full_state_dict_from_rank0(self.module, self._host.state_dict() if self._host is not None else {})
-        steps, examples, loss_sum, stopped = self._train_shard(c, stop_at)
+        tally = self._train_shard(c, stop_at)
         gather_start = time.monotonic()
         full = gather_full_state_dict(self.module)
-        totals = torch.tensor([examples, loss_sum] if self._counts else [0.0, 0.0], dtype=torch.float64,
+        totals = torch.tensor([tally.examples, tally.loss_sum] if self._counts else [0.0, 0.0], dtype=torch.float64,
                               device=self.info.device)
         dist.all_reduce(totals)
         if self._host is not None:
             self._host.load_state_dict(full)
         self._gather_seconds = time.monotonic() - gather_start
-        examples, loss_sum = int(totals[0].item()), float(totals[1].item())
-        return TrainResult(steps, examples, loss_sum / examples if examples else float("nan"), stopped,
-                           time.monotonic() - start)
+        tally.examples, tally.loss_sum = int(totals[0].item()), float(totals[1].item())
+        return tally.result(time.monotonic() - start)
 
     def _sampler(self, batch_size: int, round_id: int) -> tuple[DistributedBatchSampler, int]:
         n = len(self.y)
@@ -136,50 +136,44 @@ class EngineTrainer:
         sampler = DistributedBatchSampler(n, local, self._dp_size, self._dp_rank, shuffle=self.shuffle, seed=seed)
         return sampler, local * self._dp_size
 
-    def _train_shard(self, c: Command, stop_at: float) -> tuple[int, int, float, bool]:
+    def _train_shard(self, c: Command, stop_at: float) -> StepTally:
         """SGD over this rank's shard of each global batch; rank 0 decides before every step whether to go on."""
         model = self.module
         model.train()
         params = list(model.parameters())
-        optimizer = torch.optim.SGD(params, lr=c.lr)
         anchor = [p.detach().clone() for p in params] if c.proximal_mu > 0 else None
         sampler, global_batch = self._sampler(c.batch_size, c.round_id)
         n = len(self.y)
-        steps = examples = 0
-        loss_sum = 0.0
-        for epoch in range(c.epochs):
+
+        def go_on() -> bool:
+            return self._control.decide(self._clock.fits(stop_at, self._gather_seconds))
+
+        def step(batch: ShardBatch) -> tuple[int, float]:
+            b, (indices, valid) = batch
+            idx = torch.tensor(indices)
+            x, y = self.x[idx].to(self.info.device), self.y[idx].to(self.info.device)
+            weight = valid.to(device=self.info.device, dtype=torch.float32)
+            per_example = classification_loss(model(x), y, reduction="none")
+            real = min(global_batch, n - b * global_batch)  # examples of this global batch that are not padding
+            # DDP/FSDP average gradients over the data-parallel ranks; scaling by dp/real makes the result
+            # the gradient of the mean loss over the real examples, as one process would compute it.
+            loss = (per_example * weight).sum() * (self._dp_size / real)
+            # FedProx's proximal term enters as its gradient, shard by shard, with no collective.
+            descend(params, loss, c.lr, anchor, c.proximal_mu)
+            return int(valid.sum()), float((per_example.detach() * weight).sum())
+
+        return run_steps(self._batches(sampler, c.epochs), step, go_on, self._clock)
+
+    @staticmethod
+    def _batches(sampler: DistributedBatchSampler, epochs: int) -> Iterator[ShardBatch]:
+        """This rank's batches of every epoch in turn."""
+        for epoch in range(epochs):
             sampler.set_epoch(epoch)
-            for b, (indices, valid) in enumerate(sampler.iter_with_padding_mask()):
-                go = time.monotonic() + self._step_seconds + self._gather_seconds <= stop_at
-                if not self._control.decide(go):
-                    return steps, examples, loss_sum, True
-                t0 = time.monotonic()
-                idx = torch.tensor(indices)
-                x, y = self.x[idx].to(self.info.device), self.y[idx].to(self.info.device)
-                weight = valid.to(device=self.info.device, dtype=torch.float32)
-                per_example = F.cross_entropy(model(x).float(), y, reduction="none")
-                real = min(global_batch, n - b * global_batch)  # examples of this global batch that are not padding
-                # DDP/FSDP average gradients over the data-parallel ranks; scaling by dp/real makes the result
-                # the gradient of the mean loss over the real examples, as one process would compute it.
-                loss = (per_example * weight).sum() * (self._dp_size / real)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if anchor is not None:
-                    # FedProx's proximal term enters as its gradient, shard by shard, with no collective.
-                    for p, a in zip(params, anchor):
-                        if p.grad is not None:
-                            p.grad.add_(p.detach() - a, alpha=c.proximal_mu)
-                optimizer.step()
-                steps += 1
-                examples += int(valid.sum())
-                loss_sum += float((per_example.detach() * weight).sum())
-                dt = time.monotonic() - t0
-                self._step_seconds = dt if steps == 1 else 0.8 * self._step_seconds + 0.2 * dt
-        return steps, examples, loss_sum, False
+            yield from enumerate(sampler.iter_with_padding_mask())
 
     def _warm_up_all_ranks(self) -> None:
         """One broadcast, one zero-lr step on two examples per rank and one gather, so torch's lazy set-up (DDP
         imports torch._dynamo, about 4 s) is not billed to a deadline, and the gather time is known."""
         command = Command(TRAIN, epochs=1, batch_size=min(len(self.y), 2 * self._dp_size), lr=0.0)
         self._run(command, math.inf, time.monotonic())
-        self._step_seconds = 0.0  # the first step paid the set-up; measure real steps from scratch
+        self._clock = StepClock()  # the first step paid the set-up; measure real steps from scratch

@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
+from fedpar.client.local_sgd import TrainResult
 from fedpar.client.privacy import dp_settings
 from fedpar.client.secure_upload import SecureSession, flat_update
-from fedpar.client.trainer import TrainResult
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.errors import SecAggAbort, SecAggError

@@ -6,28 +6,17 @@ import contextlib
 import math
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.optim.sgd import sgd
 
+from fedpar.aggregation.fedprox import proximal_term
+from fedpar.client.local_sgd import StepClock, TrainResult, descend, run_steps, shuffling_generator, trainable
 from fedpar.datasets import ArrayDataset
 from fedpar.models.evaluation import EvalResult, evaluate_classifier
+from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
-
-
-@dataclass
-class TrainResult:
-    """What one local training run did: the honest basis of the update's FedAvg weight."""
-
-    steps: int
-    examples: int  # examples actually trained on (counted once per epoch they were seen in)
-    loss: float
-    stopped_early: bool
-    seconds: float
-
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -56,7 +45,7 @@ class LocalTrainer:
         self.val = tuple(t.to(self.device) for t in val.to_tensors()) if val is not None and len(val) else None
         self.seed = seed
         self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
-        self._step_seconds = 0.0
+        self._clock = StepClock()
 
     def warm_up(self) -> None:
         """One forward, backward and (zero-step) SGD step on two examples, so torch's lazy set-up is not billed
@@ -64,9 +53,8 @@ class LocalTrainer:
         self.model.train()
         params = trainable(self.model)
         with self._autocast():
-            loss = F.cross_entropy(self.model(self.x[:2]), self.y[:2])
-        loss.backward()
-        sgd_step(params, lr=0.0)  # the weights do not change
+            loss = classification_loss(self.model(self.x[:2]), self.y[:2])
+        descend(params, loss, lr=0.0)  # the weights do not change
         for p in params:
             p.grad = None
 
@@ -88,44 +76,34 @@ class LocalTrainer:
         model.train()
         params = trainable(model)
         anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
-        gen = shuffling_generator(self.seed, round_id)
-        steps = examples = 0
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        stopped = False
-        n = len(self.y)
+
+        def go_on() -> bool:
+            synchronize(self.device)  # the clock must see the queued GPU work, or the deadline is missed
+            return self._clock.fits(stop_at)
+
+        def step(idx: torch.Tensor) -> tuple[int, torch.Tensor]:
+            with self._autocast():
+                loss = classification_loss(model(self.x[idx]), self.y[idx])
+            objective = loss if anchor is None else loss + proximal_term(model.parameters(), anchor, proximal_mu)
+            descend(params, objective, lr)
+            if self.delay:
+                self._pause(self.delay)
+            loss_sum = loss.detach().double() * len(idx)
+            synchronize(self.device)
+            return len(idx), loss_sum
+
         with self._taking_turn():
-            for _ in range(epochs):
-                order = torch.randperm(n, generator=gen).to(self.device)  # drawn on the CPU: same order anywhere
-                for begin in range(0, n, batch_size):
-                    synchronize(self.device)  # the clock must see the queued GPU work, or the deadline is missed
-                    if time.monotonic() + self._step_seconds > stop_at:
-                        stopped = True
-                        break
-                    t0 = time.monotonic()
-                    idx = order[begin:begin + batch_size]
-                    with self._autocast():
-                        loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
-                    objective = loss
-                    if anchor is not None:
-                        # FedProx (Li et al. 2020): keep local weights near the global ones.
-                        objective = loss + 0.5 * proximal_mu * sum(
-                            (p - a).pow(2).sum() for p, a in zip(model.parameters(), anchor))
-                    for p in params:
-                        p.grad = None
-                    objective.backward()
-                    sgd_step(params, lr)
-                    if self.delay:
-                        self._pause(self.delay)
-                    steps += 1
-                    examples += len(idx)
-                    loss_sum += loss.detach().double() * len(idx)
-                    synchronize(self.device)
-                    dt = time.monotonic() - t0
-                    self._step_seconds = dt if steps == 1 else 0.8 * self._step_seconds + 0.2 * dt
-                if stopped:
-                    break
-        return TrainResult(steps, examples, loss_sum.item() / examples if examples else float("nan"), stopped,
-                           time.monotonic() - start)
+            tally = run_steps(self._batches(epochs, batch_size, round_id), step, go_on, self._clock)
+        return tally.result(time.monotonic() - start)
+
+    def _batches(self, epochs: int, batch_size: int, round_id: int) -> Iterator[torch.Tensor]:
+        """The example indices of each batch, epoch after epoch, in this client's order for ``round_id``."""
+        gen = shuffling_generator(self.seed, round_id)
+        n = len(self.y)
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen).to(self.device)  # drawn on the CPU: same order anywhere
+            for begin in range(0, n, batch_size):
+                yield order[begin:begin + batch_size]
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 1024) -> EvalResult | None:
@@ -159,26 +137,3 @@ class LocalTrainer:
         finally:
             self._turn.acquire()
 
-
-def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
-    """The generator of a client's batch order in round ``round_id``: one ``torch.randperm`` per epoch."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
-
-
-def trainable(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters SGD updates."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-@torch.no_grad()
-def sgd_step(params: list[nn.Parameter], lr: float) -> None:
-    """Plain SGD on the parameters that have a gradient, with torch.optim.SGD's own update function.
-
-    The functional form skips the Optimizer object, whose first construction in a process imports
-    torch._dynamo (about 1.2 s of CPU here, paid again by every simulation worker process); the arithmetic
-    is the one ``torch.optim.SGD(params, lr).step()`` runs.
-    """
-    with_grad = [p for p in params if p.grad is not None]
-    if with_grad:
-        sgd(with_grad, [p.grad for p in with_grad], [None] * len(with_grad), weight_decay=0.0, momentum=0.0, lr=lr,
-            dampening=0.0, nesterov=False, maximize=False)

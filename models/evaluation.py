@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fedpar.models.losses import classification_loss
 from fedpar.models.weights import set_weights
 
 
@@ -31,7 +31,7 @@ def evaluate_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batc
     for begin in range(0, len(y), batch_size):
         logits = model(x[begin:begin + batch_size]).float()
         target = y[begin:begin + batch_size]
-        loss += F.cross_entropy(logits, target, reduction="sum")
+        loss += classification_loss(logits, target, reduction="sum")
         correct += (logits.argmax(dim=1) == target).sum()
     return EvalResult(loss.item() / len(y), correct.item() / len(y), len(y))  # one device sync, at the end
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fedpar.models.losses import language_model_loss as lm_loss  # noqa: F401 (the name tests import)
 from fedpar.parallel.init import init_distributed, shutdown_distributed, spawn
 from fedpar.parallel.optim import clip_gradients, total_grad_norm
 from fedpar.parallel.device import flush_denormals
@@ -28,11 +28,6 @@ class TinyMLP(nn.Sequential):
         """Three Linear layers (the last stays replicated under TP)."""
         super().__init__(nn.Linear(n_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden),
                          nn.ReLU(), nn.Linear(hidden, n_out))
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def local_numel(t: torch.Tensor) -> int:

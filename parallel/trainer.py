@@ -9,9 +9,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from fedpar.models.losses import classification_loss, language_model_loss
 from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.data import CLASSIFICATION, TrainData
@@ -40,16 +40,6 @@ from fedpar.parallel.precision import resolve_precision, uses_autocast
 from fedpar.parallel.sampler import DistributedBatchSampler
 
 COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
-
-
-def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the batch (computed in fp32)."""
-    return F.cross_entropy(logits.float(), targets)
-
-
-def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over batch and sequence (computed in fp32)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class Trainer:
@@ -162,11 +152,10 @@ class Trainer:
                     out = self.model.parts[0](x)
             valid = valid.to(self.info.device)
             if self.data.task == CLASSIFICATION:
-                per_example = F.cross_entropy(out.float(), y, reduction="none")
+                per_example = classification_loss(out, y, reduction="none")
                 correct += float(((out.argmax(-1) == y) & valid).sum())
             else:
-                per_example = F.cross_entropy(out.flatten(0, 1).float(), y.flatten(),
-                                              reduction="none").view(y.shape).mean(1)
+                per_example = language_model_loss(out, y, reduction="none").view(y.shape).mean(1)
             loss_sum += float((per_example * valid).sum())
             count += float(valid.sum())
         for part in self.model.parts:

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from fedpar.client.batched_trainer import ClientBatchInput, ClientBatchOutput, train_clients_batched
-from fedpar.client.trainer import LocalTrainer, TrainResult
+from fedpar.client.local_sgd import TrainResult
+from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import ArrayDataset
 
 

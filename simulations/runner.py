@@ -13,24 +13,19 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compression import CompressionConfig
 from fedpar.client.batched_trainer import check_batchable
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
-from fedpar.models import get_weights, weight_specs
-from fedpar.models.evaluation import CentralEvaluator
-from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.device import check_device_layout, device_kind, parse_device, resolve_device, visible_gpus
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
-from fedpar.server.app import CoordinatorServer
+from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.coordinator import Coordinator
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.clientdata import partition_indices
 
@@ -147,11 +142,9 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = partition_indices(splits, cfg.partition, cfg.clients, cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
+    assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
     if cfg.client_batching:
-        check_batchable(model)
-    names = [name for name, _, _ in weight_specs(model)]
+        check_batchable(assembly.model)
     k = cfg.clients_per_round or cfg.clients
     coord_cfg = CoordinatorConfig(
         rounds=cfg.rounds, clients_per_round=k, min_available=cfg.clients, min_reports=cfg.min_reports,
@@ -165,14 +158,10 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
     for spec in specs if certs else ():
         spec.certs_dir = certs.name
-    evaluate = CentralEvaluator(build_model_for_data(cfg.model, splits.input_shape, splits.num_classes),
-                                *splits.test.to_tensors(), device=resolve_device(cfg.device))
-    coordinator = Coordinator(coord_cfg, names, get_weights(model), strategy, evaluate_fn=evaluate,
-                              on_round_end=callbacks,
-                              admission=Admission(require_certificate=cfg.tls))
-    server = CoordinatorServer(coordinator,
-                               credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
-                               data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None)
+    server = assembly.server(coord_cfg, strategy, on_round_end=callbacks,
+                             admission=Admission(require_certificate=cfg.tls),
+                             credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
+                             data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None)
     server.start()
     try:
         devices = worker_devices(cfg.device, len(pipes))
@@ -191,7 +180,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         server.stop()
         if certs is not None:
             certs.cleanup()
-    rows = coordinator.metrics.rows
+    rows = server.coordinator.metrics.rows
     summary = {
         "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,
         "best_test_accuracy": max((r.get("test_accuracy") or 0.0 for r in rows), default=None),

@@ -19,9 +19,8 @@ import numpy as np
 
 from fedpar.aggregation import build_strategy
 from fedpar.protocol.tensorfile import atomic_write_bytes
-from fedpar.server.app import CoordinatorServer
+from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.coordinator import Coordinator
 
 
 def memory_kib() -> dict[str, int]:
@@ -73,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(json.dumps({"round": row["round"] if row else 0, "time": time.time(),
                                      "cpu_seconds": cpu.user + cpu.system, **memory_kib()}) + "\n")
 
-    coordinator = Coordinator(config, names, weights, build_strategy("fedavg"), on_round_end=[note])
-    server = CoordinatorServer(coordinator, port=args.port)
+    server = CoordinatorAssembly(names, weights).server(config, build_strategy("fedavg"), on_round_end=[note],
+                                                        port=args.port)
     server.start()
     note(None)
     atomic_write_bytes(args.port_file, [f"{server.port}\n".encode()])

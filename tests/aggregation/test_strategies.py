@@ -9,6 +9,7 @@ import torch
 
 from fedpar.aggregation import (FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Krum, Median, MultiKrum,
                                 NoUpdatesError, TrimmedMean, build_strategy, proximal_term, strategy_names)
+from fedpar.aggregation.fedprox import add_proximal_gradient
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]
 
@@ -64,6 +65,18 @@ def test_fedprox_sends_mu_and_proximal_term_matches_closed_form():
     np.testing.assert_allclose(w[1].grad.numpy(), 0.5 * np.array([[2.0]]))
     with pytest.raises(ValueError, match="model tensors"):
         proximal_term(w, g[:1], 0.1)
+
+
+def test_add_proximal_gradient_adds_the_gradient_of_proximal_term():
+    w = [torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([[3.0]], requires_grad=True)]
+    g = [torch.tensor([0.0, 1.0]), torch.tensor([[1.0]])]
+    proximal_term(w, g, mu=0.5).backward()
+    by_autograd = [p.grad.clone() for p in w]
+    for p in w:
+        p.grad = torch.zeros_like(p)
+    add_proximal_gradient(w, g, mu=0.5)
+    for got, want in zip(w, by_autograd):
+        torch.testing.assert_close(got.grad, want)
 
 
 def test_fedavgm_matches_momentum_recurrence():

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedpar.client.batched_trainer import ClientBatch, ClientBatchInput, check_batchable, train_clients_batched
-from fedpar.client.trainer import LocalTrainer, shuffling_generator
+from fedpar.client.local_sgd import shuffling_generator
+from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import ArrayDataset, load_dataset
 from fedpar.models.for_data import build_model_for_data
 

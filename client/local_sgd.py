@@ -1,0 +1,121 @@
+"""The local SGD loop the agents' trainers share: the deadline test, the step clock, the counts and the update."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import nn
+from torch.optim.sgd import sgd
+
+from fedpar.aggregation.fedprox import add_proximal_gradient
+
+Batch = TypeVar("Batch")
+
+
+@dataclass
+class TrainResult:
+    """What one local training run did: the honest basis of the update's FedAvg weight."""
+
+    steps: int
+    examples: int  # examples actually trained on (counted once per epoch they were seen in)
+    loss: float
+    stopped_early: bool
+    seconds: float
+
+
+@dataclass
+class StepTally:
+    """Steps taken so far, the examples they trained on, the sum of their losses, and whether a deadline stopped
+    them (``loss_sum`` may be a tensor, so that counting does not wait for the device)."""
+
+    steps: int = 0
+    examples: int = 0
+    loss_sum: float | torch.Tensor = 0.0
+    stopped: bool = False
+
+    def result(self, seconds: float) -> TrainResult:
+        """The TrainResult of these steps: the mean loss per example (NaN when none was trained on)."""
+        loss = float(self.loss_sum) / self.examples if self.examples else math.nan
+        return TrainResult(self.steps, self.examples, loss, self.stopped, seconds)
+
+
+class StepClock:
+    """Smoothed wall time of one local step: the first step of a run sets it, each later one moves it a fifth of
+    the way to its own time. Between runs it keeps the last estimate, for the next run's first deadline test."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._fresh = True
+
+    def restart(self) -> None:
+        """Let the next measured step replace the estimate (a new run: the data or the load may have changed)."""
+        self._fresh = True
+
+    def measured(self, seconds: float) -> None:
+        """Fold one step's wall time into the estimate."""
+        self.seconds = seconds if self._fresh else 0.8 * self.seconds + 0.2 * seconds
+        self._fresh = False
+
+    def fits(self, stop_at: float, extra: float = 0.0) -> bool:
+        """Whether one more step, and ``extra`` seconds after it, would end by ``time.monotonic()`` ``stop_at``."""
+        return time.monotonic() + self.seconds + extra <= stop_at
+
+
+def run_steps(batches: Iterable[Batch], step: Callable[[Batch], tuple[int, float | torch.Tensor]],
+              go_on: Callable[[], bool], clock: StepClock) -> StepTally:
+    """Call ``step`` on each batch (it returns the examples it trained on and their summed loss) for as long as
+    ``go_on()``, asked before every step, says so; each step's wall time goes into ``clock``."""
+    tally = StepTally()
+    clock.restart()
+    for batch in batches:
+        if not go_on():
+            tally.stopped = True
+            break
+        start = time.monotonic()
+        examples, loss_sum = step(batch)
+        tally.steps += 1
+        tally.examples += examples
+        tally.loss_sum += loss_sum
+        clock.measured(time.monotonic() - start)
+    return tally
+
+
+def descend(params: list[nn.Parameter], objective: torch.Tensor, lr: float,
+            anchor: list[torch.Tensor] | None = None, proximal_mu: float = 0.0) -> None:
+    """One SGD step down ``objective``: fresh gradients of ``params``, plus FedProx's pull toward ``anchor`` when
+    one is given (for sharded parameters, whose objective cannot hold the proximal term), then the update."""
+    for p in params:
+        p.grad = None
+    objective.backward()
+    if anchor is not None:
+        add_proximal_gradient(params, anchor, proximal_mu)
+    sgd_step(params, lr)
+
+
+def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
+    """The generator of a client's batch order in round ``round_id``: one ``torch.randperm`` per epoch."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters SGD updates."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def sgd_step(params: list[nn.Parameter], lr: float) -> None:
+    """Plain SGD on the parameters that have a gradient, with torch.optim.SGD's own update function.
+
+    The functional form skips the Optimizer object, whose first construction in a process imports
+    torch._dynamo (about 1.2 s of CPU here, paid again by every simulation worker process); the arithmetic
+    is the one ``torch.optim.SGD(params, lr).step()`` runs.
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    if with_grad:
+        sgd(with_grad, [p.grad for p in with_grad], [None] * len(with_grad), weight_decay=0.0, momentum=0.0, lr=lr,
+            dampening=0.0, nesterov=False, maximize=False)

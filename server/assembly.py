@@ -1,0 +1,55 @@
+"""Putting a coordinator together, one way for `fedpar serve`, `fedpar simulate` and the synthetic coordinator."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+from torch import nn
+
+from fedpar.aggregation.strategy import Strategy
+from fedpar.datasets import DatasetSplits
+from fedpar.models import build_model_for_data, get_weights, weight_specs
+from fedpar.models.evaluation import CentralEvaluator
+from fedpar.security.admission import Admission
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
+
+
+@dataclass
+class CoordinatorAssembly:
+    """The global model a coordinator starts from (its names and first weights), its central evaluation, and
+    the torch model the weights came from when there is one; :meth:`server` adds the rest."""
+
+    names: list[str]
+    weights: list[np.ndarray]
+    evaluate: EvaluateFn | None = None
+    model: nn.Module | None = None
+
+    @classmethod
+    def for_data(cls, model: str, splits: DatasetSplits, seed: int,
+                 eval_device: torch.device | str | None) -> CoordinatorAssembly:
+        """A ``model`` classifier sized for ``splits`` with weights drawn from ``seed``, evaluated after every
+        round on ``splits.test`` on ``eval_device`` (None: not evaluated)."""
+        torch.manual_seed(seed)
+        first = build_model_for_data(model, splits.input_shape, splits.num_classes)
+        evaluate = None
+        if eval_device is not None:
+            evaluate = CentralEvaluator(build_model_for_data(model, splits.input_shape, splits.num_classes),
+                                        *splits.test.to_tensors(), device=eval_device)
+        return cls([name for name, _, _ in weight_specs(first)], get_weights(first), evaluate, first)
+
+    def server(self, config: CoordinatorConfig, strategy: Strategy, *, on_round_end: Sequence[RoundCallback] = (),
+               admission: Admission | None = None, host: str = "127.0.0.1", port: int = 0,
+               credentials: grpc.ServerCredentials | None = None,
+               data_tls: ssl.SSLContext | None = None) -> CoordinatorServer:
+        """A Coordinator of this model and ``strategy`` behind a CoordinatorServer that is not started yet
+        (ValueError when the Coordinator cannot be built, e.g. from a checkpoint of another model)."""
+        coordinator = Coordinator(config, self.names, self.weights, strategy, evaluate_fn=self.evaluate,
+                                  on_round_end=on_round_end, admission=admission)
+        return CoordinatorServer(coordinator, host=host, port=port, credentials=credentials, data_tls=data_tls)
