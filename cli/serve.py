@@ -27,7 +27,7 @@ from fedpar.models import get_weights, weight_specs
 from fedpar.models.evaluation import CentralEvaluator
 from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
-from fedpar.protocol.tensorfile import atomic_write_bytes
+from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator

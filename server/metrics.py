@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from fedpar.protocol.tensorfile import atomic_write_bytes
+from fedpar.protocol.atomicfile import atomic_write_bytes
 
 
 def _clean(value):
