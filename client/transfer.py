@@ -10,7 +10,7 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks, wire_bytes
-from fedpar.protocol.messages import (FRAMING_BYTES, UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, layout_from_pb,
+from fedpar.protocol.messages import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, layout_from_pb,
                                      layout_to_pb)
 from fedpar.protocol.rawchunks import RawData, encode_data_message
 from fedpar.protocol.stubs import CoordinatorStub
@@ -86,7 +86,7 @@ def upload_header(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, n
 def small_upload(header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[np.ndarray],
                  max_chunk_bytes: int) -> pb.SmallUpload | None:
     """The update as one SmallUpload message, or None if it is too large for one (it is then streamed)."""
-    if layout.total_bytes >= UPLOAD_ADMISSION_MIN_BYTES or layout.total_bytes > max_chunk_bytes:
+    if layout.total_bytes >= SMALL_UPDATE_BYTES or layout.total_bytes > max_chunk_bytes:
         return None
     data = wire_bytes(arrays)
     if len(data) != layout.total_bytes:
@@ -115,7 +115,7 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
                   timeout: float | None = None) -> pb.UploadReply:
     """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused.
 
-    The header goes first; the data of an upload of UPLOAD_ADMISSION_MIN_BYTES or more follows only once the
+    The header goes first; the data of an upload of SMALL_UPDATE_BYTES or more follows only once the
     coordinator admits it (UPLOAD_ADMITTED initial metadata), so a busy coordinator refuses it before any
     data is on the way.
     """
@@ -128,7 +128,7 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
 def waits_for_admission(first: pb.UploadChunk | bytes) -> bool:
     """Whether an upload starting with ``first`` holds its data back until the coordinator admits it."""
     return not (isinstance(first, pb.UploadChunk) and first.WhichOneof("part") == "header"
-                and first.header.total_bytes < UPLOAD_ADMISSION_MIN_BYTES)
+                and first.header.total_bytes < SMALL_UPDATE_BYTES)
 
 
 class _AdmissionGate:
