@@ -39,7 +39,7 @@ from fedpar.client.trainer import LocalTrainer, evaluate_classifier
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights
 from fedpar.models.for_data import build_model_for_data
-from fedpar.simulations.clientdata import partition_indices
+from fedpar.datasets.clientdata import partition_indices
 from fedpar.parallel.device import flush_denormals
 
 HERE = Path(__file__).resolve().parent

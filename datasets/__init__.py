@@ -1,4 +1,5 @@
-"""fedpar.datasets: digits (bundled), MNIST (npz or IDX folder) and character-level text corpora."""
+"""fedpar.datasets: digits (bundled), MNIST (npz or IDX folder), character-level text corpora, and each client's
+share of a training set (``partition``: IID, Dirichlet, shards; ``clientdata``: local train/validation split)."""
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
 from fedpar.datasets.digits import load_digits

@@ -20,7 +20,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
-from fedpar.simulations.clientdata import local_split
+from fedpar.datasets.clientdata import local_split
 from fedpar.parallel.device import flush_denormals
 
 

@@ -32,7 +32,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
-from fedpar.simulations.clientdata import partition_indices
+from fedpar.datasets.clientdata import partition_indices
 
 log = logging.getLogger("fedpar.simulate")
 
