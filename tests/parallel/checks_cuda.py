@@ -20,8 +20,9 @@ from fedpar.parallel.data import CLASSIFICATION, TrainData
 from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.precision import uses_autocast
-from fedpar.parallel.testing import TinyMLP
 from fedpar.parallel.trainer import Trainer
+
+from support.engine_refs import TinyMLP
 
 SHAPES = [(300, 41), (41,), (7, 3, 5)]
 
