@@ -2,8 +2,7 @@
 
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
 from fedpar.aggregation.averaging import FedAvg, FedAvgM
-from fedpar.aggregation.compression import (CompressionConfig, Compressor, Encoded, decode, decode_update, encode,
-                                            encode_update)
+from fedpar.aggregation.compression import Compressor, Encoded, decode, decode_update, encode, encode_update
 from fedpar.aggregation.distributed import all_reduce_weighted_sum
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.fedavg import fedavg
@@ -15,6 +14,7 @@ from fedpar.aggregation.registry import (build_strategy, parse_strategy_options,
                                          strategy_options_help)
 from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedpar.aggregation.strategy import Strategy, StreamingStrategy
+from fedpar.protocol.compressed_wire import CompressionConfig
 
 __all__ = [
     "FoldConfig", "WeightedSum", "Layout", "fedavg", "all_reduce_weighted_sum", "NoUpdatesError",

@@ -21,23 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS, check_compression
+from fedpar.protocol.compressed_wire import CompressionConfig, topk_count
+from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS
 
 FP16_MAX = 65504.0
-
-
-@dataclass(frozen=True)
-class CompressionConfig:
-    """Which compression a run uses, and its knobs."""
-
-    method: str = "none"
-    topk_ratio: float = 0.01  # fraction of each array's entries sent by top-k
-    int8_block: int = 256  # elements sharing one float32 scale in int8 quantization
-    seed: int | None = None  # seed of the stochastic rounding (None: fresh entropy)
-
-    def __post_init__(self) -> None:
-        """Reject unknown methods and out-of-range knobs."""
-        check_compression(self.method, self.topk_ratio, self.int8_block)
 
 
 @dataclass
@@ -146,11 +133,6 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray
     if scales.size != -(-n // block):
         raise ValueError(f"int8 payload has {scales.size} scales for {n} values in blocks of {block}")
     return q.astype(np.float32) * np.repeat(scales, block)[:n]
-
-
-def topk_count(n: int, ratio: float) -> int:
-    """How many of an array's ``n`` entries top-k sends: ceil(ratio * n), at least 1, at most n."""
-    return min(n, max(1, math.ceil(ratio * n))) if n else 0
 
 
 def top_k(flat: np.ndarray, ratio: float) -> tuple[np.ndarray, np.ndarray]:
