@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from fedpar.aggregation.compression import Encoded, decode, encode
-from fedpar.protocol.compressed_wire import (SUFFIXES, CompressionConfig, EncodedUpdateError, Spec, check_encoded_parts,
+from fedpar.protocol.codec import Spec
+from fedpar.protocol.compressed_wire import (SUFFIXES, CompressionConfig, EncodedUpdateError, check_encoded_parts,
                                              index_dtype)
 
 # Unit roundoff (doubled for margin) of the formats whose values are re-rounded when an encoding is rescaled.
@@ -19,7 +20,7 @@ RESCALE_MARGIN = {"fp16": 2.0**-10, "bf16": 2.0**-7, "int8": 2.0**-20, "topk": 2
 
 
 def pack(model_specs: Sequence[Spec], enc: Encoded) -> list[np.ndarray]:
-    """The wire tensors of ``enc`` in ``encoded_specs`` order (protocol/compressed_wire.py; top-k indices as ``index_dtype``)."""
+    """The wire tensors of ``enc`` in ``encoded_specs`` order (top-k indices as ``index_dtype``)."""
     out = []
     for i, (_, _, shape) in enumerate(model_specs):
         for suffix in SUFFIXES[enc.method]:

@@ -41,8 +41,8 @@ class Encoded:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def _layout_meta(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
-    """Shapes and dtype names, for decoding."""
+def _shapes_and_dtypes(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
+    """Shapes and dtype names (aggregation/arrays.ShapesAndDtypes as JSON), for decoding."""
     return {"shapes": [list(a.shape) for a in arrays], "dtypes": [a.dtype.name for a in arrays]}
 
 
@@ -62,7 +62,7 @@ def _floats(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 def encode(arrays: Sequence[np.ndarray], config: CompressionConfig, rng: np.random.Generator | None = None) -> Encoded:
     """Compress ``arrays`` with ``config.method`` (stateless; top-k here has no error feedback: use Compressor)."""
     arrays = _floats(arrays)
-    meta = _layout_meta(arrays)
+    meta = _shapes_and_dtypes(arrays)
     payload: dict[str, np.ndarray] = {}
     m = config.method
     for i, a in enumerate(arrays):

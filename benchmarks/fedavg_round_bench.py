@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedpar.aggregation.fedavg import fedavg
+from fedpar.aggregation import fedavg
 from fedpar.client.batched_trainer import ClientBatchInput, train_clients_batched
 from fedpar.client.trainer import LocalTrainer, evaluate_classifier
 from fedpar.datasets import load_dataset

@@ -61,8 +61,8 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
     return [int(t.item()) for t in out]
 
 
-class MetricsLog:
-    """Appends JSON lines to ``metrics.jsonl`` on rank 0; a no-op elsewhere."""
+class StepMetricsLog:
+    """A training run's metrics.jsonl: JSON lines per logged step and evaluation, on rank 0; a no-op elsewhere."""
 
     def __init__(self, out_dir: Path, enabled: bool, resume_step: int = 0) -> None:
         """Open the log; on resume, drop lines written after ``resume_step`` by the interrupted run."""

@@ -20,10 +20,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from fedpar.protocol.codec import FLOAT_DTYPES
+from fedpar.protocol.codec import FLOAT_DTYPES, Spec
 from fedpar.protocol.task_settings import TaskSettings, check_compression
 
-Spec = tuple[str, str, tuple[int, ...]]
 # Suffix of each wire tensor per model tensor; "" keeps the model tensor's own name.
 SUFFIXES = {"fp16": ("",), "bf16": ("",), "int8": (".q", ".scale"), "topk": (".idx", ".val")}
 

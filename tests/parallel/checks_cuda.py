@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from fedpar.aggregation import FoldConfig, Layout, WeightedSum, all_reduce_weighted_sum, fedavg
+from fedpar.aggregation import FoldConfig, ShapesAndDtypes, WeightedSum, all_reduce_weighted_sum, fedavg
 from fedpar.parallel.config import ParallelConfig, TrainConfig
 from fedpar.parallel.data import CLASSIFICATION, TrainData
 from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy
@@ -38,7 +38,7 @@ def check_nccl_all_reduce_of_weighted_sums():
     assert info.backend == "nccl" and info.device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     cohort = _cohort()
-    acc = WeightedSum(Layout.of(cohort[0][0]), FoldConfig(accumulate_dtype="float64", num_workers=1))
+    acc = WeightedSum(ShapesAndDtypes.of(cohort[0][0]), FoldConfig(accumulate_dtype="float64", num_workers=1))
     for arrays, n in cohort[rank::world]:
         acc.fold(arrays, n)
     all_reduce_weighted_sum(acc)
