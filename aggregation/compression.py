@@ -1,8 +1,8 @@
 """Client-to-server update compression: fp16/bf16, int8 stochastic quantization, top-k with error feedback.
 
 Compress the update *delta* (new weights - global weights), not the weights: deltas are small and
-sparse-friendly. ``encode_update``/``decode_update`` do the subtraction and addition around a
-``Compressor``. An ``Encoded`` is named numpy arrays plus JSON metadata, so it travels through the
+sparse-friendly. ``encode_update`` does the subtraction around a ``Compressor``; the coordinator adds the decoded
+delta back (aggregation/compressed_delta.py). An ``Encoded`` is named numpy arrays plus JSON metadata, so it travels through the
 tensor codec without pickle. Error bounds (per element, for finite inputs):
   fp16  |x' - x| <= 2**-11 |x| + 2**-25          (inputs beyond +-65504 are rejected: use bf16)
   bf16  |x' - x| <= 2**-8 |x| + 2**-133
@@ -209,7 +209,3 @@ def encode_update(compressor: Compressor, new_weights: Sequence[np.ndarray], glo
     """Client side: compress ``new - global``."""
     return compressor.encode([np.asarray(n) - np.asarray(g) for n, g in zip(new_weights, global_weights)], client_id)
 
-
-def decode_update(compressor: Compressor, enc: Encoded, global_weights: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Server side: ``global + decoded delta``, in the global weights' dtypes."""
-    return [(np.asarray(g) + d).astype(np.asarray(g).dtype) for g, d in zip(global_weights, compressor.decode(enc))]

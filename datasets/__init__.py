@@ -5,7 +5,7 @@ from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
 from fedpar.datasets.digits import load_digits
 from fedpar.datasets.idx import IdxFormatError, parse_idx, read_idx
 from fedpar.datasets.mnist import load_mnist
-from fedpar.datasets.registry import dataset_names, load_dataset
+from fedpar.datasets.registry import load_dataset
 from fedpar.datasets.text import CharCorpus, load_text
 
 __all__ = [
@@ -13,7 +13,6 @@ __all__ = [
     "CharCorpus",
     "DatasetSplits",
     "IdxFormatError",
-    "dataset_names",
     "load_dataset",
     "load_digits",
     "load_mnist",

@@ -221,12 +221,3 @@ def wire_bytes(arrays: Sequence[np.ndarray]) -> bytes:
     """The tensors' bytes concatenated in order: what a whole chunked stream of ``arrays`` carries."""
     return b"".join(memoryview(as_wire_array(np.asarray(a)).reshape(-1)).cast("B") for a in arrays if np.size(a))
 
-
-def decode_arrays(layout: ModelLayout, chunks: Iterable[tuple[int, bytes]], max_chunk_bytes: int) -> list[np.ndarray]:
-    """Assemble a whole stream of ``(offset, data)`` chunks; raises CodecError if it is incomplete."""
-    assembler = TensorAssembler(layout, max_chunk_bytes)
-    for offset, data in chunks:
-        assembler.write(offset, data)
-    if not assembler.complete:
-        raise CodecError(f"stream ended after {assembler.received} of {layout.total_bytes} bytes")
-    return assembler.arrays

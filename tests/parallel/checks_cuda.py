@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from fedpar.aggregation import FoldConfig, ShapesAndDtypes, WeightedSum, all_reduce_weighted_sum, fedavg
+from fedpar.aggregation import FoldConfig, ShapesAndDtypes, WeightedSum, fedavg
 from fedpar.parallel.config import ParallelConfig, TrainConfig
 from fedpar.parallel.data import CLASSIFICATION, TrainData
 from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy
@@ -22,6 +22,7 @@ from fedpar.parallel.init import init_distributed
 from fedpar.parallel.precision import uses_autocast
 from fedpar.parallel.trainer import Trainer
 
+from support.allreduce import all_reduce_weighted_sum
 from support.engine_refs import TinyMLP
 
 SHAPES = [(300, 41), (41,), (7, 3, 5)]
