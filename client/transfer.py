@@ -19,30 +19,62 @@ from fedpar.protocol.stubs import CoordinatorStub
 UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
 
+def download_request(auth: pb.AgentAuth, task: pb.TrainTask) -> pb.DownloadRequest:
+    """The DownloadWeights request for ``task``'s global weights."""
+    return pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id)
+
+
 def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask,
                      expected: ModelLayout, max_chunk_bytes: int, timeout: float | None = None) -> list[np.ndarray]:
     """Fetch the round's global weights; they must match the local model's layout exactly."""
-    stream = stub.DownloadWeights(pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id),
-                                  timeout=timeout)
-    assembler = None
-    for message in stream:
+    receiver = WeightsReceiver(expected, max_chunk_bytes)
+    for message in stub.DownloadWeights(download_request(auth, task), timeout=timeout):
+        receiver.take(message)
+    return receiver.weights()
+
+
+class WeightsReceiver:
+    """The global weights, assembled from a DownloadWeights stream message by message and checked on the way.
+
+    No I/O here: the agent feeds it from a blocking stream, the asyncio swarm from an async one.
+    """
+
+    def __init__(self, expected: ModelLayout | None, max_chunk_bytes: int):
+        """Expect the model ``expected`` (None: take the layout the header announces) in chunks of at most
+        ``max_chunk_bytes``."""
+        self.expected = expected
+        self.max_chunk_bytes = max_chunk_bytes
+        self.assembler: TensorAssembler | None = None
+
+    @property
+    def layout(self) -> ModelLayout | None:
+        """The layout the stream's header announced (None before it)."""
+        return None if self.assembler is None else self.assembler.layout
+
+    def take(self, message: pb.ModelChunk | RawData) -> None:
+        """Add one message of the stream; CodecError if it is out of place or does not fit."""
         if isinstance(message, RawData):
-            if assembler is None:
+            if self.assembler is None:
                 raise CodecError("download did not start with a ModelHeader")
-            assembler.write(message.offset, message.data)
-            continue
+            self.assembler.write(message.offset, message.data)
+            return
         kind = message.WhichOneof("part")
-        if assembler is None:
+        if self.assembler is None:
             if kind != "header":
                 raise CodecError("download did not start with a ModelHeader")
-            assembler = TensorAssembler(_matching(message.header, expected), max_chunk_bytes)
+            layout = layout_from_pb(message.header.tensors) if self.expected is None else \
+                _matching(message.header, self.expected)
+            self.assembler = TensorAssembler(layout, self.max_chunk_bytes)
         elif kind == "data":
-            assembler.write(message.data.offset, message.data.data)
+            self.assembler.write(message.data.offset, message.data.data)
         else:
             raise CodecError(f"unexpected {kind} in download")
-    if assembler is None or not assembler.complete:
-        raise CodecError("download ended before the whole model arrived")
-    return _finite(assembler)
+
+    def weights(self) -> list[np.ndarray]:
+        """The whole model, once the stream has ended; CodecError if it is incomplete or holds NaN/Inf."""
+        if self.assembler is None or not self.assembler.complete:
+            raise CodecError("download ended before the whole model arrived")
+        return _finite(self.assembler)
 
 
 def task_weights(task: pb.TrainTask, expected: ModelLayout) -> list[np.ndarray] | None:
