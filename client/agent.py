@@ -10,7 +10,7 @@ import ssl
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
@@ -20,6 +20,7 @@ from fedpar.client.backoff import RETRYABLE, Backoff, jittered
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.privacy import privatize_update
 from fedpar.client.round_modes import CompressedUpload, PlainUpload, SecureUpload, upload_timeout
+from fedpar.client.stats import AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
@@ -54,18 +55,6 @@ class AgentConfig:
     seed: int | None = None  # drop decisions and backoff jitter; None: fresh entropy (agents must not move in lockstep)
     data_plane: bool = True  # move weights over the coordinator's data plane when a task offers it
     data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
-
-
-@dataclass
-class AgentStats:
-    """What an agent did over its life."""
-
-    tasks: int = 0
-    accepted: int = 0
-    refused: int = 0
-    dropped: int = 0
-    reconnects: int = 0
-    refusals: list[str] = field(default_factory=list)
 
 
 class FatalAgentError(RuntimeError):

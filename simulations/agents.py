@@ -13,7 +13,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from fedpar.client.agent import Agent, AgentConfig, AgentStats
+from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.stats import AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data

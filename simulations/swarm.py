@@ -21,12 +21,13 @@ import json
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import grpc
 import numpy as np
 
 from fedpar.client.backoff import RETRYABLE, Backoff
+from fedpar.client.stats import AgentStats
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, WeightsReceiver, download_request, upload_messages,
                                     waits_for_admission)
 from fedpar.protocol import fedpar_pb2 as pb
@@ -35,18 +36,14 @@ from fedpar.protocol.stubs import CoordinatorStub
 
 
 @dataclass
-class SwarmStats:
-    """What a swarm's agents did, summed."""
+class SwarmStats(AgentStats):
+    """What a swarm's agents did, summed: an agent's counts (``dropped`` stays 0: these never drop out), plus
+    the swarm's own."""
 
     agents: int = 0
-    tasks: int = 0
-    accepted: int = 0
-    refused: int = 0
-    reconnects: int = 0
     backoffs: int = 0
     busy: int = 0  # uploads retried because the coordinator was busy
     finished: int = 0
-    refusals: list[str] = field(default_factory=list)
 
 
 async def _download(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask, timeout: float):
