@@ -63,7 +63,7 @@ class WeightsReceiver:
             if kind != "header":
                 raise CodecError("download did not start with a ModelHeader")
             layout = layout_from_pb(message.header.tensors) if self.expected is None else \
-                _matching(message.header, self.expected)
+                matching_layout(message.header, self.expected)
             self.assembler = TensorAssembler(layout, self.max_chunk_bytes)
         elif kind == "data":
             self.assembler.write(message.data.offset, message.data.data)
@@ -74,24 +74,24 @@ class WeightsReceiver:
         """The whole model, once the stream has ended; CodecError if it is incomplete or holds NaN/Inf."""
         if self.assembler is None or not self.assembler.complete:
             raise CodecError("download ended before the whole model arrived")
-        return _finite(self.assembler)
+        return finite_weights(self.assembler)
 
 
 def task_weights(task: pb.TrainTask, expected: ModelLayout) -> list[np.ndarray] | None:
     """The global weights carried inside ``task`` (small models), or None when they must be downloaded."""
     if not task.HasField("weights_header"):
         return None
-    layout = _matching(task.weights_header, expected)
+    layout = matching_layout(task.weights_header, expected)
     if len(task.weights) != layout.total_bytes:
         raise CodecError(f"the task carries {len(task.weights)} bytes of weights; the model has {layout.total_bytes}")
     assembler = TensorAssembler(layout, max(1, layout.total_bytes))
     if task.weights:
         assembler.write(0, task.weights)
-    return _finite(assembler)
+    return finite_weights(assembler)
 
 
-def _matching(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
-    """The layout ``header`` announces, which must be this agent's model."""
+def matching_layout(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
+    """The layout ``header`` announces, which must be this agent's model (CodecError naming the difference)."""
     layout = layout_from_pb(header.tensors)
     problem = layout.mismatch(expected)
     if problem:
@@ -99,8 +99,8 @@ def _matching(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
     return layout
 
 
-def _finite(assembler: TensorAssembler) -> list[np.ndarray]:
-    """The received global weights, refused if any holds NaN or Inf."""
+def finite_weights(assembler: TensorAssembler) -> list[np.ndarray]:
+    """The received global weights, refused (CodecError) if any holds NaN or Inf."""
     bad = assembler.first_non_finite()
     if bad is not None:
         raise CodecError(f"received tensor {bad!r} holds NaN or Inf")
