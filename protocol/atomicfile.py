@@ -14,12 +14,13 @@ from typing import Sequence
 def atomic_write_bytes(path: str | Path, parts: Sequence[bytes | memoryview], mode: int | None = None) -> None:
     """Replace ``path`` by the concatenation of ``parts``: temporary file, fsync, rename, fsync of the directory.
 
-    The temporary file (``.NAME.tmp-*`` beside ``path``) is created exclusively; ``mode``, when given, is set
-    on it before any byte is written, whatever the umask (e.g. 0o600 for keys). On failure it is removed.
+    The temporary file (``.NAME.tmp-*`` beside ``path``) is created exclusively. With ``mode`` (e.g. 0o600 for
+    keys) it is created readable by the owner only and given ``mode`` before any byte is written, whatever the
+    umask; without, it gets the umask's default. On failure it is removed.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)
     try:
         with os.fdopen(fd, "wb") as fh:
             if mode is not None:
