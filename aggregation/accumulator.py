@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedpar.aggregation.kernels import KERNELS, Segment, plan_shards
-from fedpar.aggregation.layout import Layout, accumulate_dtype_for, all_finite, cast_like, checked_by_blas
+from fedpar.aggregation.arrays import ShapesAndDtypes, accumulate_dtype_for, all_finite, cast_like, checked_by_blas
 
 
 @dataclass(frozen=True)
@@ -62,20 +62,20 @@ def check_weight(weight: float) -> float:
 
 
 class WeightedSum:
-    """Running ``sum_k w_k * x_k`` and ``sum_k w_k`` over updates of one layout; memory is one model.
+    """Running ``sum_k w_k * x_k`` and ``sum_k w_k`` over updates of one shape and dtype list; memory is one model.
 
     The accumulator is one flat buffer per accumulation dtype; each array of the model is a view into
     it. Large models are cut into contiguous shards folded side by side by a thread pool (numpy and
     torch release the GIL in their loops). ``fold`` is thread-safe.
     """
 
-    def __init__(self, layout: Layout, config: FoldConfig | None = None) -> None:
-        """Allocate a zeroed accumulator for ``layout``."""
-        self.layout = layout
+    def __init__(self, shapes: ShapesAndDtypes, config: FoldConfig | None = None) -> None:
+        """Allocate a zeroed accumulator for ``shapes``."""
+        self.shapes = shapes
         self.config = config or FoldConfig()
-        self.acc_dtypes = [accumulate_dtype_for(d, self.config.accumulate_dtype) for d in layout.dtypes]
+        self.acc_dtypes = [accumulate_dtype_for(d, self.config.accumulate_dtype) for d in shapes.dtypes]
         self.buffers: dict[str, np.ndarray] = {}
-        sizes = layout.sizes
+        sizes = shapes.sizes
         for dt in sorted({d.name for d in self.acc_dtypes}):
             n = sum(s for s, d in zip(sizes, self.acc_dtypes) if d.name == dt)
             self.buffers[dt] = np.zeros(n, dtype=dt)
@@ -85,7 +85,7 @@ class WeightedSum:
             self.views.append(self.buffers[d.name][used[d.name]: used[d.name] + size])
             used[d.name] += size
         workers = self.config.workers()
-        parallel = workers > 1 and layout.num_elements >= self.config.min_parallel_elements
+        parallel = workers > 1 and shapes.num_elements >= self.config.min_parallel_elements
         self.shards: list[list[Segment]] = plan_shards(sizes, workers if parallel else 1)
         self.total_weight = 0.0
         self.count = 0
@@ -109,7 +109,7 @@ class WeightedSum:
 
     def _flat_inputs(self, arrays: Sequence[np.ndarray], who: str) -> list[np.ndarray]:
         """Checked, flattened (view when contiguous) inputs."""
-        return [np.ravel(a) for a in self.layout.check(arrays, who)]
+        return [np.ravel(a) for a in self.shapes.check(arrays, who)]
 
     def all_finite(self, flat_items: Sequence[Sequence[np.ndarray]]) -> bool:
         """True if every array of every item is free of NaN/Inf (checked shard by shard on the pool)."""
@@ -168,7 +168,7 @@ class WeightedSum:
         if self.total_weight <= 0:
             raise ValueError("the total weight (sum of num_examples) is zero; at least one update needs num_examples > 0")
         out = []
-        for view, shape, dtype in zip(self.views, self.layout.shapes, self.layout.dtypes):
+        for view, shape, dtype in zip(self.views, self.shapes.shapes, self.shapes.dtypes):
             total = view.dtype.type(self.total_weight)
             avg = np.divide(view, total, out=view) if inplace else view / total
             out.append(cast_like(avg, dtype).reshape(shape))

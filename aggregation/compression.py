@@ -1,8 +1,8 @@
 """Client-to-server update compression: fp16/bf16, int8 stochastic quantization, top-k with error feedback.
 
 Compress the update *delta* (new weights - global weights), not the weights: deltas are small and
-sparse-friendly. ``encode_update``/``decode_update`` do the subtraction and addition around a
-``Compressor``. An ``Encoded`` is named numpy arrays plus JSON metadata, so it travels through the
+sparse-friendly. ``encode_update`` does the subtraction around a ``Compressor``; the coordinator adds the decoded
+delta back (aggregation/compressed_delta.py). An ``Encoded`` is named numpy arrays plus JSON metadata, so it travels through the
 tensor codec without pickle. Error bounds (per element, for finite inputs):
   fp16  |x' - x| <= 2**-11 |x| + 2**-25          (inputs beyond +-65504 are rejected: use bf16)
   bf16  |x' - x| <= 2**-8 |x| + 2**-133
@@ -21,23 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS, check_compression
+from fedpar.protocol.compressed_wire import CompressionConfig, topk_count
+from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS
 
 FP16_MAX = 65504.0
-
-
-@dataclass(frozen=True)
-class CompressionConfig:
-    """Which compression a run uses, and its knobs."""
-
-    method: str = "none"
-    topk_ratio: float = 0.01  # fraction of each array's entries sent by top-k
-    int8_block: int = 256  # elements sharing one float32 scale in int8 quantization
-    seed: int | None = None  # seed of the stochastic rounding (None: fresh entropy)
-
-    def __post_init__(self) -> None:
-        """Reject unknown methods and out-of-range knobs."""
-        check_compression(self.method, self.topk_ratio, self.int8_block)
 
 
 @dataclass
@@ -54,8 +41,8 @@ class Encoded:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def _layout_meta(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
-    """Shapes and dtype names, for decoding."""
+def _shapes_and_dtypes(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
+    """Shapes and dtype names (aggregation/arrays.ShapesAndDtypes as JSON), for decoding."""
     return {"shapes": [list(a.shape) for a in arrays], "dtypes": [a.dtype.name for a in arrays]}
 
 
@@ -75,7 +62,7 @@ def _floats(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
 def encode(arrays: Sequence[np.ndarray], config: CompressionConfig, rng: np.random.Generator | None = None) -> Encoded:
     """Compress ``arrays`` with ``config.method`` (stateless; top-k here has no error feedback: use Compressor)."""
     arrays = _floats(arrays)
-    meta = _layout_meta(arrays)
+    meta = _shapes_and_dtypes(arrays)
     payload: dict[str, np.ndarray] = {}
     m = config.method
     for i, a in enumerate(arrays):
@@ -146,11 +133,6 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray
     if scales.size != -(-n // block):
         raise ValueError(f"int8 payload has {scales.size} scales for {n} values in blocks of {block}")
     return q.astype(np.float32) * np.repeat(scales, block)[:n]
-
-
-def topk_count(n: int, ratio: float) -> int:
-    """How many of an array's ``n`` entries top-k sends: ceil(ratio * n), at least 1, at most n."""
-    return min(n, max(1, math.ceil(ratio * n))) if n else 0
 
 
 def top_k(flat: np.ndarray, ratio: float) -> tuple[np.ndarray, np.ndarray]:
@@ -227,7 +209,3 @@ def encode_update(compressor: Compressor, new_weights: Sequence[np.ndarray], glo
     """Client side: compress ``new - global``."""
     return compressor.encode([np.asarray(n) - np.asarray(g) for n, g in zip(new_weights, global_weights)], client_id)
 
-
-def decode_update(compressor: Compressor, enc: Encoded, global_weights: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Server side: ``global + decoded delta``, in the global weights' dtypes."""
-    return [(np.asarray(g) + d).astype(np.asarray(g).dtype) for g, d in zip(global_weights, compressor.decode(enc))]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from fedpar.aggregation.accumulator import FoldConfig
-from fedpar.aggregation.layout import cast_like
+from fedpar.aggregation.arrays import cast_like
 from fedpar.aggregation.strategy import StreamingStrategy
 
 

@@ -60,7 +60,7 @@ import numpy as np
 from fedpar.aggregation.accountant import PrivacyAccountant
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
 from fedpar.aggregation.clipping import CHUNK, AdaptiveClipping, clip_factor, delta_norm, effective_noise_multiplier
-from fedpar.aggregation.layout import Layout, all_finite, cast_like
+from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol.task_settings import TaskSettings
 
@@ -147,15 +147,15 @@ class DPStrategy(Strategy):
         return np.random.default_rng([int(self.seed), int(self.round_id)])
 
     # ------------------------------------------------------------------ round hooks
-    def _reset_round(self, layout: Layout) -> None:
+    def _reset_round(self, shapes: ShapesAndDtypes) -> None:
         """A zeroed running sum of ``factor_k * update_k`` (weights ``factor_k`` sum to the total)."""
-        self._acc = WeightedSum(layout, self.fold_config)
+        self._acc = WeightedSum(shapes, self.fold_config)
         self._unclipped = 0
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Clip ``update``'s delta to ``C`` and add it with weight 1 (``num_examples`` is ignored on purpose)."""
-        assert self._acc is not None and self._layout is not None and self._global is not None
-        arrays = self._layout.check(update, who)
+        assert self._acc is not None and self._shapes is not None and self._global is not None
+        arrays = self._shapes.check(update, who)
         if not known_finite and not all(all_finite(np.ravel(a)) for a in arrays):
             raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
         norm = delta_norm(arrays, self._global)
@@ -185,7 +185,7 @@ class DPStrategy(Strategy):
 
     def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
         """Noisy mean delta -> wrapped strategy; then account the round and adapt the clip norm."""
-        assert self._acc is not None and self._layout is not None
+        assert self._acc is not None and self._shapes is not None
         rng = self._rng()
         received, clip = self._acc.count, self.clip_norm
         sum_std = self.update_noise_multiplier * clip
@@ -212,10 +212,10 @@ class DPStrategy(Strategy):
                     rng: np.random.Generator) -> list[np.ndarray]:
         """``g + (sum of clipped deltas + N(0, sum_std^2)) / denominator``, computed in the accumulator."""
         acc = self._acc
-        assert acc is not None and self._layout is not None
+        assert acc is not None and self._shapes is not None
         weight = acc.total_weight
         out = []
-        for view, g, shape, dtype in zip(acc.views, global_weights, self._layout.shapes, self._layout.dtypes):
+        for view, g, shape, dtype in zip(acc.views, global_weights, self._shapes.shapes, self._shapes.dtypes):
             g = np.ravel(g)
             for s in range(0, view.size, CHUNK):
                 v, gs = view[s: s + CHUNK], g[s: s + CHUNK].astype(view.dtype)

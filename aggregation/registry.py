@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from fedpar.aggregation.averaging import FedAvg, FedAvgM
+from fedpar.aggregation.fedavg_strategies import FedAvg, FedAvgM
 from fedpar.aggregation.fedopt import FedAdagrad, FedAdam, FedYogi
 from fedpar.aggregation.fedprox import FedProx
 from fedpar.aggregation.options import option_specs, typed_options

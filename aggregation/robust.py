@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from fedpar.aggregation.layout import Layout, all_finite, cast_like
+from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.strategy import Strategy
 
 _STORE_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes), so memory grows "
@@ -40,17 +40,17 @@ _KRUM_MEMORY = (_STORE_MEMORY + ", a K x K float64 distance matrix, plus, tensor
 class UpdateStore:
     """One flat copy of each update of a round, plus weights; read back in column chunks."""
 
-    def __init__(self, layout: Layout, scratch_bytes: int = 32 << 20) -> None:
-        """Empty store for ``layout``; ``scratch_bytes`` bounds the K x chunk work block."""
-        self.layout = layout
+    def __init__(self, shapes: ShapesAndDtypes, scratch_bytes: int = 32 << 20) -> None:
+        """Empty store for ``shapes``; ``scratch_bytes`` bounds the K x chunk work block."""
+        self.shapes = shapes
         self.updates: list[list[np.ndarray]] = []
         self.weights: list[float] = []
         self.scratch_bytes = scratch_bytes
         self._lock = threading.Lock()
 
     def add(self, update: Sequence[np.ndarray], weight: float, who: str) -> None:
-        """Copy ``update`` in after checking layout and finiteness."""
-        arrays = self.layout.check(update, who)
+        """Copy ``update`` in after checking shapes and finiteness."""
+        arrays = self.shapes.check(update, who)
         if not all(all_finite(a) for a in arrays):
             raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
         copy = [np.array(a, copy=True).ravel() for a in arrays]
@@ -66,17 +66,17 @@ class UpdateStore:
         """Yield ``(array index, start, stop, K x (stop-start) float64 block)`` covering every parameter."""
         k = max(1, len(self.updates))
         step = max(1024, self.scratch_bytes // (8 * k))
-        for i, size in enumerate(self.layout.sizes):
+        for i, size in enumerate(self.shapes.sizes):
             for s in range(0, size, step):
                 e = min(s + step, size)
                 yield i, s, e, np.stack([u[i][s:e] for u in self.updates]).astype(np.float64, copy=False)
 
     def combine_columns(self, fn) -> list[np.ndarray]:
-        """Apply ``fn(K x n block) -> n values`` column-chunk by chunk; returns arrays in the model layout/dtypes."""
-        out = [np.empty(size, np.float64) for size in self.layout.sizes]
+        """Apply ``fn(K x n block) -> n values`` column-chunk by chunk; returns arrays shaped and typed as the model."""
+        out = [np.empty(size, np.float64) for size in self.shapes.sizes]
         for i, s, e, block in self.chunks():
             out[i][s:e] = fn(block)
-        return [cast_like(o, d).reshape(sh) for o, d, sh in zip(out, self.layout.dtypes, self.layout.shapes)]
+        return [cast_like(o, d).reshape(sh) for o, d, sh in zip(out, self.shapes.dtypes, self.shapes.shapes)]
 
     def squared_distances(self) -> np.ndarray:
         """K x K squared Euclidean distances between stored updates (float64 Gram of centred chunks)."""
@@ -99,9 +99,9 @@ class BufferedStrategy(Strategy):
         super().__init__()
         self._store: UpdateStore | None = None
 
-    def _reset_round(self, layout: Layout) -> None:
+    def _reset_round(self, shapes: ShapesAndDtypes) -> None:
         """Fresh store for the round."""
-        self._store = UpdateStore(layout)
+        self._store = UpdateStore(shapes)
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Keep one copy of the update (checked for NaN/Inf as it is copied, whatever ``known_finite`` says)."""
@@ -192,8 +192,8 @@ class Krum(BufferedStrategy):
         w = np.array([store.weights[j] for j in chosen])
         w = w / w.sum() if w.sum() > 0 else np.full(len(chosen), 1.0 / len(chosen))
         out = []
-        for i, (shape, dtype) in enumerate(zip(store.layout.shapes, store.layout.dtypes)):
-            acc = np.zeros(store.layout.sizes[i], np.float64)
+        for i, (shape, dtype) in enumerate(zip(store.shapes.shapes, store.shapes.dtypes)):
+            acc = np.zeros(store.shapes.sizes[i], np.float64)
             for j, wj in zip(chosen, w):
                 acc += wj * store.updates[j][i]
             out.append(cast_like(acc, dtype).reshape(shape))

@@ -11,7 +11,7 @@ import numpy as np
 
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
 from fedpar.aggregation.errors import NoUpdatesError
-from fedpar.aggregation.layout import Layout
+from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.protocol.task_settings import TaskSettings
 
 
@@ -30,7 +30,7 @@ class Strategy(abc.ABC):
         """Start with no round open."""
         self.round_id = 0
         self._global: list[np.ndarray] | None = None
-        self._layout: Layout | None = None
+        self._shapes: ShapesAndDtypes | None = None
         self._clients: set[str] = set()
         self._lock = threading.Lock()
 
@@ -40,12 +40,12 @@ class Strategy(abc.ABC):
 
     def begin_round(self, round_id: int, global_weights: Sequence[np.ndarray]) -> None:
         """Open ``round_id`` on top of ``global_weights`` (kept by reference: do not mutate them until finish)."""
-        layout = Layout.of(global_weights)
+        shapes = ShapesAndDtypes.of(global_weights)
         self._global = [np.asarray(a) for a in global_weights]
-        self._layout = layout
+        self._shapes = shapes
         self._clients = set()
         self.round_id = int(round_id)
-        self._reset_round(layout)
+        self._reset_round(shapes)
 
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "", *,
              known_finite: bool = False) -> None:
@@ -55,7 +55,7 @@ class Strategy(abc.ABC):
         caller already verified every value is finite (the coordinator does, as the bytes arrive), so the
         strategy skips its own NaN/Inf pass over the update.
         """
-        if self._layout is None:
+        if self._shapes is None:
             raise RuntimeError("fold() called with no open round; call begin_round(round_id, global_weights) first")
         who = f"update from client {client_id!r}" if client_id else "update"
         with self._lock:
@@ -73,7 +73,7 @@ class Strategy(abc.ABC):
 
     def finish(self) -> tuple[list[np.ndarray], dict[str, float]]:
         """Close the round: the new global weights (input dtypes) and metrics. Raises NoUpdatesError if empty."""
-        if self._layout is None or self._global is None:
+        if self._shapes is None or self._global is None:
             raise RuntimeError("finish() called with no open round; call begin_round first")
         if self._num_folded() == 0:
             raise NoUpdatesError(f"round {self.round_id} received no updates; keep the old global model "
@@ -91,7 +91,7 @@ class Strategy(abc.ABC):
     def _end_round(self) -> None:
         """Forget the round's inputs."""
         self._global = None
-        self._layout = None
+        self._shapes = None
         self._clients = set()
         self._drop_round()
 
@@ -110,8 +110,8 @@ class Strategy(abc.ABC):
 
     # --- hooks for subclasses ---
     @abc.abstractmethod
-    def _reset_round(self, layout: Layout) -> None:
-        """Prepare empty per-round state for ``layout``."""
+    def _reset_round(self, shapes: ShapesAndDtypes) -> None:
+        """Prepare empty per-round state for ``shapes``."""
 
     @abc.abstractmethod
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
@@ -149,9 +149,9 @@ class StreamingStrategy(Strategy):
         self.fold_config = fold_config or FoldConfig()
         self._acc: WeightedSum | None = None
 
-    def _reset_round(self, layout: Layout) -> None:
+    def _reset_round(self, shapes: ShapesAndDtypes) -> None:
         """A fresh zeroed accumulator (np.zeros maps zero pages lazily, so this costs no extra pass)."""
-        self._acc = WeightedSum(layout, self.fold_config)
+        self._acc = WeightedSum(shapes, self.fold_config)
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Add the update into the running sum."""

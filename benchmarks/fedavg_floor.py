@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from fedpar.datasets import load_dataset  # noqa: E402
 from fedpar.models.for_data import build_model_for_data  # noqa: E402
-from fedpar.simulations.clientdata import local_split, partition_indices  # noqa: E402
+from fedpar.datasets.clientdata import local_split, partition_indices  # noqa: E402
 from fedpar.parallel.device import flush_denormals
 
 

@@ -33,14 +33,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedpar.aggregation.fedavg import fedavg
+from fedpar.aggregation import fedavg
 from fedpar.client.batched_trainer import ClientBatchInput, train_clients_batched
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights
 from fedpar.models.evaluation import evaluate_classifier
 from fedpar.models.for_data import build_model_for_data
-from fedpar.simulations.clientdata import partition_indices
+from fedpar.datasets.clientdata import partition_indices
 from fedpar.parallel.device import flush_denormals
 
 HERE = Path(__file__).resolve().parent

@@ -39,8 +39,11 @@ from fedpar.parallel.fsdp import apply_fsdp
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.metrics import model_state_bytes
 from fedpar.parallel.pp import build_pipeline, build_stage_module
-from fedpar.parallel.testing import lm_loss, run_checks
 from fedpar.parallel.tp import apply_tp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support; spawned ranks inherit it
+from support.engine_refs import lm_loss  # noqa: E402
+from support.spawn_checks import run_checks  # noqa: E402
 
 QUICK = os.environ.get("FEDPAR_BENCH_QUICK") == "1"
 DDP_BATCH, DDP_STEPS, DDP_REPEATS = 128, 10, (3 if QUICK else 6)

@@ -21,7 +21,7 @@ from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.config import ConfigurationError
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
-from fedpar.simulations.clientdata import local_split, partition_indices
+from fedpar.datasets.clientdata import local_split, partition_indices
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

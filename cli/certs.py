@@ -9,10 +9,10 @@ readable by their owner only; give each agent only ca.pem and its own ID.pem and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.security.admission import append_revocation, mint_token
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, CertPaths, check_agent_id, ensure_certs, \
     load_certificate
@@ -68,10 +68,7 @@ def run(args: argparse.Namespace) -> int:
         for agent_id in args.mint_token:
             token = mint_token(paths.tokens, agent_id)
             token_path = paths.root / f"{agent_id}.token"
-            fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(token + "\n")
+            atomic_write_bytes(token_path, [(token + "\n").encode()], mode=0o600)
             print(f"wrote {token_path} (give it to agent {agent_id}) and its hash to {paths.tokens}")
     except FileNotFoundError as exc:
         print(f"fedpar certs: {exc.filename} does not exist", file=sys.stderr)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from fedpar.aggregation.compression import METHODS, CompressionConfig
+from fedpar.protocol.compressed_wire import CompressionConfig
+from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS
 
 COMPRESSION_HELP = (
     "how agents compress the update they upload (the coordinator tells them; agents need no flag). "

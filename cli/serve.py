@@ -22,7 +22,7 @@ from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_o
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.datasets import load_dataset
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
-from fedpar.protocol.tensorfile import atomic_write_bytes
+from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.secure_round import check_secure_setup

@@ -10,15 +10,17 @@ import ssl
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
 
 from fedpar.client import dataplane
+from fedpar.client.backoff import RETRYABLE, Backoff, jittered
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.privacy import privatize_update
 from fedpar.client.round_modes import CompressedUpload, PlainUpload, SecureUpload, upload_timeout
+from fedpar.client.stats import AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
@@ -31,9 +33,6 @@ from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, small_up
 from fedpar.client.secure_upload import SecureSession
 
 log = logging.getLogger("fedpar.client")
-# RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.RESOURCE_EXHAUSTED}
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
@@ -56,18 +55,6 @@ class AgentConfig:
     seed: int | None = None  # drop decisions and backoff jitter; None: fresh entropy (agents must not move in lockstep)
     data_plane: bool = True  # move weights over the coordinator's data plane when a task offers it
     data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
-
-
-@dataclass
-class AgentStats:
-    """What an agent did over its life."""
-
-    tasks: int = 0
-    accepted: int = 0
-    refused: int = 0
-    dropped: int = 0
-    reconnects: int = 0
-    refusals: list[str] = field(default_factory=list)
 
 
 class FatalAgentError(RuntimeError):
@@ -133,7 +120,7 @@ class Agent:
 
     def _retrying(self, call):
         """Run ``call``, re-joining on UNAUTHENTICATED and backing off exponentially while unreachable."""
-        backoff = self.config.initial_backoff
+        backoff = Backoff(self.config.initial_backoff, self.config.max_backoff, self._rng)
         unreachable_since = None
         while True:
             try:
@@ -156,11 +143,10 @@ class Agent:
                                           "does its TLS setting (--certs/--insecure) match this agent's?") from None
                 if self._stop.is_set():
                     raise FatalAgentError("stopped while the coordinator was unreachable") from None
-                sleep = backoff * (0.5 + self._rng.random())
+                sleep = backoff.wait()
                 log.info("%s: coordinator unreachable (%s); retrying in %.1fs", self.config.agent_id,
                          code.name, sleep)
                 time.sleep(sleep)
-                backoff = min(backoff * 2, self.config.max_backoff)
 
     def _join(self) -> None:
         reply = self._stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
@@ -207,7 +193,7 @@ class Agent:
             self._note_refusal("download", err)
             if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
                 # The coordinator hands the task out again until a download completes: pull after a pause.
-                time.sleep(self.config.initial_backoff * (0.5 + self._rng.random()))
+                time.sleep(jittered(self.config.initial_backoff, self._rng))
                 return False
             return True
         download_seconds = time.monotonic() - received
@@ -251,7 +237,7 @@ class Agent:
                 deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> bool:
         """Send the prepared update: over the data plane (plain weights only; compressed updates are small) or
         the gRPC stream, retried while the coordinator says it is busy and the deadline allows; True if accepted."""
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0, self._rng)
         while data_plane is not None and not upload.encoding:  # leaves for gRPC only if the connection broke
             try:
                 if self._via_data_plane("upload", dataplane.upload, data_plane, self._auth, task, self.layout,
@@ -261,12 +247,11 @@ class Agent:
                 return True
             except dataplane.DataPlaneRefused as err:
                 # RESOURCE_EXHAUSTED: busy (upload queue) or rate-limited; retry while the deadline allows.
-                if err.code != DATA_PLANE_BUSY or time.monotonic() + backoff >= deadline_at:
+                if err.code != DATA_PLANE_BUSY or not backoff.fits_before(deadline_at):
                     self._note_refusal("upload", err)
                     return False
-                time.sleep(backoff * (0.5 + self._rng.random()))
-                backoff = min(backoff * 2, 2.0)
-        backoff = 0.1
+                time.sleep(backoff.wait())
+        backoff.reset()
         header = upload_header(self._auth, task, upload.layout, result.examples, result.steps, metrics,
                                upload.encoding, upload.encoding_json)
         single = small_upload(header, upload.layout, upload.arrays, self._max_chunk)
@@ -282,11 +267,10 @@ class Agent:
                 return True
             except grpc.RpcError as err:
                 # Busy coordinator or a broken connection: retry while the deadline allows.
-                if err.code() not in UPLOAD_RETRYABLE or time.monotonic() + backoff >= deadline_at:
+                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):
                     self._note_refusal("upload", err)
                     return False
-                time.sleep(backoff * (0.5 + self._rng.random()))
-                backoff = min(backoff * 2, 2.0)
+                time.sleep(backoff.wait())
 
     def _data_plane(self, task: pb.TrainTask) -> dataplane.DataPlaneTarget | None:
         """Where to move this task's weights outside gRPC, or None (not offered, off, or no TLS for it)."""

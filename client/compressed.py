@@ -7,9 +7,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from fedpar.aggregation.compressed_delta import limit_norm, pack
 from fedpar.aggregation.compression import Compressor, encode_update
-from fedpar.aggregation.wire_compression import config_from_settings, encoded_specs, header_fields, limit_norm, pack
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.compressed_wire import config_from_settings, encoded_specs, header_fields
 from fedpar.protocol.task_settings import TaskSettings
 
 

@@ -17,12 +17,12 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from fedpar.client.transfer import finite_weights, matching_layout, upload_header
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, as_wire_array
 from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, TICKET_BYTES, DataPlaneError, DataPlaneRefused,
                                        Deadline, encode_frame, encode_preamble, read_status, recv_exact_into,
                                        send_all, send_views)
-from fedpar.protocol.messages import layout_from_pb, layout_to_pb
 
 __all__ = ["DataPlaneError", "DataPlaneRefused", "DataPlaneTarget", "download", "upload", "refusal_text"]
 
@@ -76,18 +76,12 @@ def download(target: DataPlaneTarget, expected: ModelLayout, timeout: float) -> 
             header = pb.ModelHeader.FromString(read_status(sock, deadline))
         except DecodeError:
             raise DataPlaneError("the coordinator sent a malformed ModelHeader") from None
-        layout = layout_from_pb(header.tensors)
-        problem = layout.mismatch(expected)
-        if problem:
-            raise CodecError(f"the coordinator's model does not match this agent's: {problem}")
+        layout = matching_layout(header, expected)
         if header.total_bytes != layout.total_bytes:
             raise CodecError(f"ModelHeader total_bytes={header.total_bytes} but the tensors need {layout.total_bytes}")
         assembler = TensorAssembler(layout, max(1, layout.total_bytes))
         assembler.fill(lambda view: recv_exact_into(sock, view, deadline))
-    bad = assembler.first_non_finite()
-    if bad is not None:
-        raise CodecError(f"downloaded tensor {bad!r} holds NaN or Inf")
-    return assembler.arrays
+    return finite_weights(assembler)
 
 
 def upload(target: DataPlaneTarget, auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout,
@@ -95,9 +89,7 @@ def upload(target: DataPlaneTarget, auth: pb.AgentAuth, task: pb.TrainTask, layo
            timeout: float) -> pb.UploadReply:
     """Send one update; returns the coordinator's reply or raises DataPlaneRefused with its reason."""
     arrays = [as_wire_array(a) for a in arrays]
-    header = pb.UploadHeader(auth=auth, round=task.round, task_id=task.task_id, num_examples=num_examples,
-                             steps=steps, tensors=layout_to_pb(layout), total_bytes=layout.total_bytes,
-                             metrics=metrics)
+    header = upload_header(auth, task, layout, num_examples, steps, metrics)
     deadline = Deadline(timeout)
     with target.connect(OP_UPLOAD, deadline) as sock:
         send_all(sock, encode_frame(header.SerializeToString()), deadline)

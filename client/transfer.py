@@ -10,7 +10,7 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks, wire_bytes
-from fedpar.protocol.messages import (FRAMING_BYTES, UPLOAD_ADMISSION_MIN_BYTES, UPLOAD_ADMITTED, layout_from_pb,
+from fedpar.protocol.messages import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, layout_from_pb,
                                      layout_to_pb)
 from fedpar.protocol.rawchunks import RawData, encode_data_message
 from fedpar.protocol.stubs import CoordinatorStub
@@ -19,47 +19,79 @@ from fedpar.protocol.stubs import CoordinatorStub
 UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
 
+def download_request(auth: pb.AgentAuth, task: pb.TrainTask) -> pb.DownloadRequest:
+    """The DownloadWeights request for ``task``'s global weights."""
+    return pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id)
+
+
 def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask,
                      expected: ModelLayout, max_chunk_bytes: int, timeout: float | None = None) -> list[np.ndarray]:
     """Fetch the round's global weights; they must match the local model's layout exactly."""
-    stream = stub.DownloadWeights(pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id),
-                                  timeout=timeout)
-    assembler = None
-    for message in stream:
+    receiver = WeightsReceiver(expected, max_chunk_bytes)
+    for message in stub.DownloadWeights(download_request(auth, task), timeout=timeout):
+        receiver.take(message)
+    return receiver.weights()
+
+
+class WeightsReceiver:
+    """The global weights, assembled from a DownloadWeights stream message by message and checked on the way.
+
+    No I/O here: the agent feeds it from a blocking stream, the asyncio swarm from an async one.
+    """
+
+    def __init__(self, expected: ModelLayout | None, max_chunk_bytes: int):
+        """Expect the model ``expected`` (None: take the layout the header announces) in chunks of at most
+        ``max_chunk_bytes``."""
+        self.expected = expected
+        self.max_chunk_bytes = max_chunk_bytes
+        self.assembler: TensorAssembler | None = None
+
+    @property
+    def layout(self) -> ModelLayout | None:
+        """The layout the stream's header announced (None before it)."""
+        return None if self.assembler is None else self.assembler.layout
+
+    def take(self, message: pb.ModelChunk | RawData) -> None:
+        """Add one message of the stream; CodecError if it is out of place or does not fit."""
         if isinstance(message, RawData):
-            if assembler is None:
+            if self.assembler is None:
                 raise CodecError("download did not start with a ModelHeader")
-            assembler.write(message.offset, message.data)
-            continue
+            self.assembler.write(message.offset, message.data)
+            return
         kind = message.WhichOneof("part")
-        if assembler is None:
+        if self.assembler is None:
             if kind != "header":
                 raise CodecError("download did not start with a ModelHeader")
-            assembler = TensorAssembler(_matching(message.header, expected), max_chunk_bytes)
+            layout = layout_from_pb(message.header.tensors) if self.expected is None else \
+                matching_layout(message.header, self.expected)
+            self.assembler = TensorAssembler(layout, self.max_chunk_bytes)
         elif kind == "data":
-            assembler.write(message.data.offset, message.data.data)
+            self.assembler.write(message.data.offset, message.data.data)
         else:
             raise CodecError(f"unexpected {kind} in download")
-    if assembler is None or not assembler.complete:
-        raise CodecError("download ended before the whole model arrived")
-    return _finite(assembler)
+
+    def weights(self) -> list[np.ndarray]:
+        """The whole model, once the stream has ended; CodecError if it is incomplete or holds NaN/Inf."""
+        if self.assembler is None or not self.assembler.complete:
+            raise CodecError("download ended before the whole model arrived")
+        return finite_weights(self.assembler)
 
 
 def task_weights(task: pb.TrainTask, expected: ModelLayout) -> list[np.ndarray] | None:
     """The global weights carried inside ``task`` (small models), or None when they must be downloaded."""
     if not task.HasField("weights_header"):
         return None
-    layout = _matching(task.weights_header, expected)
+    layout = matching_layout(task.weights_header, expected)
     if len(task.weights) != layout.total_bytes:
         raise CodecError(f"the task carries {len(task.weights)} bytes of weights; the model has {layout.total_bytes}")
     assembler = TensorAssembler(layout, max(1, layout.total_bytes))
     if task.weights:
         assembler.write(0, task.weights)
-    return _finite(assembler)
+    return finite_weights(assembler)
 
 
-def _matching(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
-    """The layout ``header`` announces, which must be this agent's model."""
+def matching_layout(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
+    """The layout ``header`` announces, which must be this agent's model (CodecError naming the difference)."""
     layout = layout_from_pb(header.tensors)
     problem = layout.mismatch(expected)
     if problem:
@@ -67,8 +99,8 @@ def _matching(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
     return layout
 
 
-def _finite(assembler: TensorAssembler) -> list[np.ndarray]:
-    """The received global weights, refused if any holds NaN or Inf."""
+def finite_weights(assembler: TensorAssembler) -> list[np.ndarray]:
+    """The received global weights, refused (CodecError) if any holds NaN or Inf."""
     bad = assembler.first_non_finite()
     if bad is not None:
         raise CodecError(f"received tensor {bad!r} holds NaN or Inf")
@@ -86,7 +118,7 @@ def upload_header(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, n
 def small_upload(header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[np.ndarray],
                  max_chunk_bytes: int) -> pb.SmallUpload | None:
     """The update as one SmallUpload message, or None if it is too large for one (it is then streamed)."""
-    if layout.total_bytes >= UPLOAD_ADMISSION_MIN_BYTES or layout.total_bytes > max_chunk_bytes:
+    if layout.total_bytes >= SMALL_UPDATE_BYTES or layout.total_bytes > max_chunk_bytes:
         return None
     data = wire_bytes(arrays)
     if len(data) != layout.total_bytes:
@@ -115,7 +147,7 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
                   timeout: float | None = None) -> pb.UploadReply:
     """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused.
 
-    The header goes first; the data of an upload of UPLOAD_ADMISSION_MIN_BYTES or more follows only once the
+    The header goes first; the data of an upload of SMALL_UPDATE_BYTES or more follows only once the
     coordinator admits it (UPLOAD_ADMITTED initial metadata), so a busy coordinator refuses it before any
     data is on the way.
     """
@@ -128,7 +160,7 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
 def waits_for_admission(first: pb.UploadChunk | bytes) -> bool:
     """Whether an upload starting with ``first`` holds its data back until the coordinator admits it."""
     return not (isinstance(first, pb.UploadChunk) and first.WhichOneof("part") == "header"
-                and first.header.total_bytes < UPLOAD_ADMISSION_MIN_BYTES)
+                and first.header.total_bytes < SMALL_UPDATE_BYTES)
 
 
 class _AdmissionGate:

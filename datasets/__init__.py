@@ -1,10 +1,11 @@
-"""fedpar.datasets: digits (bundled), MNIST (npz or IDX folder) and character-level text corpora."""
+"""fedpar.datasets: digits (bundled), MNIST (npz or IDX folder), character-level text corpora, and each client's
+share of a training set (``partition``: IID, Dirichlet, shards; ``clientdata``: local train/validation split)."""
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
 from fedpar.datasets.digits import load_digits
 from fedpar.datasets.idx import IdxFormatError, parse_idx, read_idx
 from fedpar.datasets.mnist import load_mnist
-from fedpar.datasets.registry import dataset_names, load_dataset
+from fedpar.datasets.registry import load_dataset
 from fedpar.datasets.text import CharCorpus, load_text
 
 __all__ = [
@@ -12,7 +13,6 @@ __all__ = [
     "CharCorpus",
     "DatasetSplits",
     "IdxFormatError",
-    "dataset_names",
     "load_dataset",
     "load_digits",
     "load_mnist",

@@ -11,11 +11,6 @@ from fedpar.datasets.mnist import EXPECTED_FILES, load_mnist
 _NAMES = ("digits", "mnist")
 
 
-def dataset_names() -> list[str]:
-    """The names ``load_dataset`` accepts."""
-    return list(_NAMES)
-
-
 def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object) -> DatasetSplits:
     """Load ``name``; digits takes test_fraction/seed keywords, mnist needs ``data_dir``."""
     key = name.lower()

@@ -1,4 +1,4 @@
-"""A character-level corpus from any UTF-8 text file, with next-token batches for language models."""
+"""A character-level corpus from any UTF-8 text file, for language models (windows: parallel/data.py)."""
 
 from __future__ import annotations
 
@@ -40,20 +40,6 @@ class CharCorpus:
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{ids.min()}, {ids.max()}]")
         return "".join(self.chars[i] for i in ids)
-
-    def get_batch(self, split: str, batch_size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Random windows: x (batch, block_size) and y = x shifted one token ahead, both int64."""
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        data = self.train if split == "train" else self.val
-        if len(data) < self.block_size + 1:
-            raise ValueError(f"the {split} split has {len(data)} tokens, fewer than block_size+1="
-                             f"{self.block_size + 1}; use a longer text, a smaller block_size or another val_fraction")
-        starts = rng.integers(0, len(data) - self.block_size, size=batch_size)
-        offsets = np.arange(self.block_size)
-        x = data[starts[:, None] + offsets]
-        y = data[starts[:, None] + offsets + 1]
-        return x, y
 
 
 def load_text(path: str | Path, block_size: int, val_fraction: float = 0.1) -> CharCorpus:

@@ -4,7 +4,7 @@ from fedpar.models.cnn import FedAvgCNN
 from fedpar.models.for_data import build_model_for_data
 from fedpar.models.gpt import GPT, GPTConfig
 from fedpar.models.mlp import MLP
-from fedpar.models.registry import build_model, count_parameters, model_names
+from fedpar.models.registry import build_model, model_names
 from fedpar.models.weights import get_weights, set_weights, weight_specs
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "MLP",
     "build_model",
     "build_model_for_data",
-    "count_parameters",
     "get_weights",
     "model_names",
     "set_weights",

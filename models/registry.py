@@ -44,7 +44,3 @@ def build_model(name: str, **kwargs: object) -> nn.Module:
                          f"it accepts: {', '.join(_accepted_keywords(key))}")
     return _BUILDERS[key](**kwargs)
 
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of scalar parameters (trainable or not), counting shared parameters once."""
-    return sum(p.numel() for p in model.parameters())

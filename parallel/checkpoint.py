@@ -9,7 +9,6 @@ restriction; checkpoints are read through ``safe_dcp`` instead, which allows onl
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fedpar.parallel.safe_dcp import UnsafeCheckpointError, safe_load
+from fedpar.protocol.atomicfile import atomic_write_bytes
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step-\d{8}")
@@ -72,9 +72,7 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
     dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(target))
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = directory / (LATEST + ".tmp")
-        tmp.write_text(target.name + "\n")
-        os.replace(tmp, directory / LATEST)
+        atomic_write_bytes(directory / LATEST, [(target.name + "\n").encode()])
         for old in sorted(directory.glob("step-*"))[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

@@ -1,11 +1,9 @@
-"""Engine configuration: parallel degrees and training settings as dataclasses, from TOML or overrides."""
+"""Engine configuration: parallel degrees and training settings as dataclasses, from flat keys or overrides."""
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -209,18 +207,3 @@ def train_config_from_dict(values: dict[str, Any]) -> TrainConfig:
         raise ConfigurationError(f"unknown training option(s): {', '.join(unknown)}; "
                                  "run 'fedpar train --help' for the valid ones")
     return TrainConfig(**values, parallel=ParallelConfig(**par))
-
-
-def load_train_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Read a TOML file (its ``[train]`` table or top level), then apply ``overrides`` on top."""
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigurationError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigurationError(f"config file {path} is not valid TOML: {exc}") from None
-    table = dict(doc.get("train", doc))
-    for k, v in (overrides or {}).items():
-        if v is not None:
-            table[k] = v
-    return train_config_from_dict(table)

@@ -18,14 +18,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, bucket_cap_mb: float = 25.0
                                    bucket_cap_mb=bucket_cap_mb)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (or ``model`` itself)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def is_ddp(model: nn.Module) -> bool:
     """True when ``model`` is DDP-wrapped."""
     return isinstance(model, DistributedDataParallel)
 
 
-__all__ = ["apply_ddp", "unwrap", "is_ddp"]
+__all__ = ["apply_ddp", "is_ddp"]

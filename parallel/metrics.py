@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fedpar.protocol.atomicfile import atomic_write_bytes
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -60,8 +61,8 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
     return [int(t.item()) for t in out]
 
 
-class MetricsLog:
-    """Appends JSON lines to ``metrics.jsonl`` on rank 0; a no-op elsewhere."""
+class StepMetricsLog:
+    """A training run's metrics.jsonl: JSON lines per logged step and evaluation, on rank 0; a no-op elsewhere."""
 
     def __init__(self, out_dir: Path, enabled: bool, resume_step: int = 0) -> None:
         """Open the log; on resume, drop lines written after ``resume_step`` by the interrupted run."""
@@ -73,9 +74,9 @@ class MetricsLog:
         if resume_step and self.path.is_file():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            atomic_write_bytes(self.path, [(line + "\n").encode() for line in kept])
         elif not resume_step:
-            self.path.write_text("")
+            atomic_write_bytes(self.path, [])
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record."""
@@ -91,10 +92,8 @@ class MetricsLog:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` through a temporary file, so readers never see half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` as indented JSON with :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, [(json.dumps(data, indent=2) + "\n").encode()])
 
 
 def plot_loss_curve(records: list[dict[str, Any]], path: Path, title: str) -> None:

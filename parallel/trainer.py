@@ -20,7 +20,7 @@ from fedpar.parallel.fsdp import is_fsdp
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.metrics import (
-    MetricsLog,
+    StepMetricsLog,
     gather_ints,
     model_state_bytes,
     peak_memory_bytes,
@@ -201,7 +201,7 @@ class Trainer:
         wall_start = time.perf_counter()
         reset_peak_memory(self.info.device)
         resumed_from = self.maybe_resume()
-        log = MetricsLog(self.out, self.info.is_main, resumed_from)
+        log = StepMetricsLog(self.out, self.info.is_main, resumed_from)
         total = self.total_steps()
         global_batch = cfg.batch_size
         base_lr = cfg.scaled_lr()
@@ -253,7 +253,7 @@ class Trainer:
             self.save()
         return self._finish(log, evals, last_loss, wall_start, train_seconds, run_samples, resumed_from)
 
-    def _finish(self, log: MetricsLog, evals: dict[str, float], last_loss: float, wall_start: float,
+    def _finish(self, log: StepMetricsLog, evals: dict[str, float], last_loss: float, wall_start: float,
                 train_seconds: float, run_samples: int, resumed_from: int) -> dict[str, Any]:
         peak, source = peak_memory_bytes(self.info.device)
         peaks = gather_ints(peak, self.info.device)

@@ -21,6 +21,10 @@ MAX_TENSORS = 100_000
 MAX_DIMS = 8
 
 
+# One tensor's (name, dtype, shape): what a ModelLayout is built from and gives back (``specs()``).
+Spec = tuple[str, str, tuple[int, ...]]
+
+
 class CodecError(ValueError):
     """A tensor header or data stream that does not describe a valid model."""
 
@@ -46,7 +50,10 @@ class TensorMeta:
 
 
 class ModelLayout:
-    """The ordered tensor headers of a model and where each tensor's bytes sit in the stream."""
+    """The ordered tensor headers of a model (or of an encoded update) and where each tensor's bytes sit in the stream.
+
+    Strategies see the same weights as an unnamed array list: aggregation/arrays.ShapesAndDtypes.
+    """
 
     def __init__(self, specs: Iterable[tuple[str, str, Sequence[int]]], max_total_bytes: int | None = None):
         tensors: list[TensorMeta] = []
@@ -86,7 +93,7 @@ class ModelLayout:
             raise CodecError(f"{len(names)} names for {len(arrays)} arrays")
         return cls((n, a.dtype.name, a.shape) for n, a in zip(names, arrays))
 
-    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+    def specs(self) -> list[Spec]:
         """(name, dtype, shape) of every tensor, in order."""
         return [(t.name, t.dtype, t.shape) for t in self.tensors]
 
@@ -214,12 +221,3 @@ def wire_bytes(arrays: Sequence[np.ndarray]) -> bytes:
     """The tensors' bytes concatenated in order: what a whole chunked stream of ``arrays`` carries."""
     return b"".join(memoryview(as_wire_array(np.asarray(a)).reshape(-1)).cast("B") for a in arrays if np.size(a))
 
-
-def decode_arrays(layout: ModelLayout, chunks: Iterable[tuple[int, bytes]], max_chunk_bytes: int) -> list[np.ndarray]:
-    """Assemble a whole stream of ``(offset, data)`` chunks; raises CodecError if it is incomplete."""
-    assembler = TensorAssembler(layout, max_chunk_bytes)
-    for offset, data in chunks:
-        assembler.write(offset, data)
-    if not assembler.complete:
-        raise CodecError(f"stream ended after {assembler.received} of {layout.total_bytes} bytes")
-    return assembler.arrays

@@ -17,8 +17,11 @@ FRAMING_BYTES = 64 << 10
 # coordinator memory (without the wait, every refused stream would have a flow-control window of data
 # buffered in the coordinator's transport).
 UPLOAD_ADMITTED = ("fedpar-upload", "admitted")
-# Uploads this small go out whole without waiting: a refused one costs less than the extra round trip.
-UPLOAD_ADMISSION_MIN_BYTES = 256 << 10
+# An update of fewer bytes is small, at both ends. The agent sends it whole without waiting for admission (a
+# refused one costs less than the extra round trip), as one UploadSmall when it fits a chunk; the coordinator
+# checks and folds it on its event loop (the hand-off to a thread would cost more: a 100-agent round of a
+# small model is 100 of these).
+SMALL_UPDATE_BYTES = 256 << 10
 
 
 def layout_from_pb(specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> ModelLayout:

@@ -13,34 +13,13 @@ from typing import Sequence
 
 import numpy as np
 
+from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.codec import CodecError, ModelLayout, as_wire_array
 
 _TO_ST = {"float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "int16": "I16",
           "int32": "I32", "int64": "I64", "uint8": "U8", "bool": "BOOL"}
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
 MAX_HEADER_BYTES = 100 << 20
-
-
-def atomic_write_bytes(path: str | Path, parts: Sequence[bytes | memoryview]) -> None:
-    """Write ``parts`` to ``path`` via a temporary file, fsync and rename, so readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        for part in parts:
-            fh.write(part)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-
-
-def fsync_directory(path: str | Path) -> None:
-    """Make renames and new entries in directory ``path`` durable."""
-    dir_fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def save_tensors(path: str | Path, names: Sequence[str], arrays: Sequence[np.ndarray],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import re
 import tempfile
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedpar.protocol.atomicfile import atomic_write_bytes
 
 DEFAULT_SERVER_NAMES = ("localhost", "127.0.0.1")
 DEFAULT_DAYS = 365
@@ -156,17 +157,7 @@ def issue_agent_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, agent_id: st
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)  # before any byte is written, whatever the umask
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, [data], mode=mode)
 
 
 def write_private_key(path: Path, key: PrivateKey) -> None:

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.protocol.codec import CodecError
-from fedpar.protocol.tensorfile import atomic_write_bytes, fsync_directory, load_tensors, save_tensors
+from fedpar.protocol.atomicfile import atomic_write_bytes, fsync_directory
+from fedpar.protocol.tensorfile import load_tensors, save_tensors
 
 LATEST = "LATEST"
 KEEP = 2

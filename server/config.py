@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedpar.aggregation.compression import CompressionConfig
+from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
 
 

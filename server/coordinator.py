@@ -27,7 +27,7 @@ from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.metrics import MetricsLog, clean_row
+from fedpar.server.metrics import RoundMetricsLog, clean_row
 from fedpar.server.payload import WeightPayload, build_payload
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.round_modes import RoundModes
@@ -67,7 +67,7 @@ class Coordinator:
         self.current: RoundState | None = None
         self.payload: WeightPayload | None = None
         self.finished = False
-        self.metrics = MetricsLog(config.metrics_path)
+        self.metrics = RoundMetricsLog(config.metrics_path)
         self.started_at = time.monotonic()
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
         self.tickets = TicketBook()  # data-plane transfer tickets

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from fedpar.protocol.tensorfile import atomic_write_bytes
+from fedpar.protocol.atomicfile import atomic_write_bytes
 
 
 def _clean(value):
@@ -20,8 +20,8 @@ def clean_row(row: dict) -> dict:
     return {k: _clean(v) for k, v in row.items()}
 
 
-class MetricsLog:
-    """Appends one JSON object per round to a file (and keeps them in memory)."""
+class RoundMetricsLog:
+    """The coordinator's metrics.jsonl: one JSON object per completed round, appended (and kept in memory)."""
 
     def __init__(self, path: Path | None):
         self.path = Path(path) if path else None

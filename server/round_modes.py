@@ -20,11 +20,11 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from fedpar.aggregation.compression import CompressionConfig
-from fedpar.aggregation.wire_compression import (EncodedUpdateError, apply_delta, encoded_specs, header_fields,
-                                                 knobs, unpack_delta, with_compression)
+from fedpar.aggregation.compressed_delta import apply_delta, unpack_delta
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.compressed_wire import (CompressionConfig, EncodedUpdateError, encoded_specs, header_fields, knobs,
+                                             with_compression)
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.registry import AgentRegistry
@@ -105,7 +105,7 @@ class PlainRound:
 
 class CompressedRound(PlainRound):
     """Compressed rounds: uploads have the exact encoded layout of the run's compression (the wire format:
-    aggregation/wire_compression.py); the update folded is global + the decoded delta."""
+    protocol/compressed_wire.py); the update folded is global + the decoded delta (aggregation/compressed_delta.py)."""
 
     known_finite = False  # global + delta may still overflow: the strategy checks what it folds
 

@@ -25,13 +25,11 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, TensorAssembler
+from fedpar.protocol.messages import SMALL_UPDATE_BYTES
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
 from fedpar.server.rounds import Refusal, UploadTicket
 
-# Per-update work (NaN/Inf scan, decoding, folding) on an update of up to this many bytes runs on the event
-# loop: the hand-off to a thread would cost more (a 100-agent round of a small model is 100 of these).
-INLINE_BYTES = 256 << 10
 
 
 async def in_thread(executor: Executor | None, fn, *args):
@@ -41,7 +39,7 @@ async def in_thread(executor: Executor | None, fn, *args):
 
 async def per_update(nbytes: int, fn, *args, executor: Executor | None = None):
     """``fn(*args)`` for one update of ``nbytes``: on the loop when small, else on a thread of ``executor``."""
-    if nbytes <= INLINE_BYTES:
+    if nbytes <= SMALL_UPDATE_BYTES:  # per-update work (NaN/Inf scan, decoding, folding) stays on the loop
         return fn(*args)
     return await in_thread(executor, fn, *args)
 

@@ -13,14 +13,15 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from fedpar.client.agent import Agent, AgentConfig, AgentStats
+from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.stats import AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
-from fedpar.simulations.clientdata import local_split
+from fedpar.datasets.clientdata import local_split
 from fedpar.parallel.device import flush_denormals
 
 

@@ -27,7 +27,7 @@ from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
-from fedpar.simulations.clientdata import partition_indices
+from fedpar.datasets.clientdata import partition_indices
 
 log = logging.getLogger("fedpar.simulate")
 

@@ -3,6 +3,14 @@
 Each agent joins, long-polls for tasks, downloads the global weights, uploads them plus a little noise,
 re-joins when the coordinator forgets it (restart) and backs off while it is unreachable. Used by the
 load test and the restart benchmark; `python -m fedpar.simulations.swarm --help` runs a swarm.
+
+Why not the real agent (client/agent.py)? It is one thread per agent plus a heartbeat thread, on blocking
+gRPC, with torch for training: a few hundred per process at most. The load test needs thousands of agents
+against one coordinator from a couple of processes, so these are coroutines on grpc.aio that do not train.
+What does not depend on threads or asyncio is the agent's own code: the retry classes and jittered backoff
+(client/backoff.py), the download's checks (client/transfer.WeightsReceiver), the upload messages and the
+admission rule (client/transfer.upload_messages, waits_for_admission). What is written again here is the
+asyncio control flow around them: the join/poll loop, the async admission wait, the async sleeps.
 """
 
 from __future__ import annotations
@@ -13,54 +21,42 @@ import json
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import grpc
 import numpy as np
 
-from fedpar.client.transfer import UPLOAD_RETRYABLE, upload_messages, waits_for_admission
+from fedpar.client.backoff import RETRYABLE, Backoff
+from fedpar.client.stats import AgentStats
+from fedpar.client.transfer import (UPLOAD_RETRYABLE, WeightsReceiver, download_request, upload_messages,
+                                    waits_for_admission)
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import TensorAssembler
-from fedpar.protocol.messages import PROTOCOL_VERSION, UPLOAD_ADMITTED, channel_options, layout_from_pb
-from fedpar.protocol.rawchunks import RawData
+from fedpar.protocol.messages import PROTOCOL_VERSION, UPLOAD_ADMITTED, channel_options
 from fedpar.protocol.stubs import CoordinatorStub
-
-BACKOFF = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-           grpc.StatusCode.CANCELLED}
 
 
 @dataclass
-class SwarmStats:
-    """What a swarm's agents did, summed."""
+class SwarmStats(AgentStats):
+    """What a swarm's agents did, summed: an agent's counts (``dropped`` stays 0: these never drop out), plus
+    the swarm's own."""
 
     agents: int = 0
-    tasks: int = 0
-    accepted: int = 0
-    refused: int = 0
-    reconnects: int = 0
     backoffs: int = 0
     busy: int = 0  # uploads retried because the coordinator was busy
     finished: int = 0
-    refusals: list[str] = field(default_factory=list)
 
 
 async def _download(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTask, timeout: float):
-    assembler = None
-    async for message in stub.DownloadWeights(pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id),
-                                              timeout=timeout):
-        if isinstance(message, RawData):
-            assembler.write(message.offset, message.data)
-        elif message.WhichOneof("part") == "header":
-            assembler = TensorAssembler(layout_from_pb(message.header.tensors), 64 << 20)
-        else:
-            assembler.write(message.data.offset, message.data.data)
-    return assembler.layout, assembler.arrays
+    receiver = WeightsReceiver(None, 64 << 20)
+    async for message in stub.DownloadWeights(download_request(auth, task), timeout=timeout):
+        receiver.take(message)
+    return receiver.layout, receiver.weights()
 
 
 async def _upload(stub, auth, task, layout, update, chunk_bytes, stats: SwarmStats, rng) -> None:
     """Upload, retrying while the coordinator says it is busy (RESOURCE_EXHAUSTED) and time remains."""
     deadline_at = time.monotonic() + task.deadline_seconds
-    backoff = 0.05
+    backoff = Backoff(0.05, 1.0, rng)
     while True:
         messages = upload_messages(auth, task, layout, update, 100, 1, {}, chunk_bytes)
         try:
@@ -69,11 +65,10 @@ async def _upload(stub, auth, task, layout, update, chunk_bytes, stats: SwarmSta
             return
         except grpc.aio.AioRpcError as err:
             # Busy coordinator or a broken connection: send again while the deadline allows.
-            if not _retryable_upload_error(err) or time.monotonic() + backoff >= deadline_at:
+            if not _retryable_upload_error(err) or not backoff.fits_before(deadline_at):
                 raise
             stats.busy += 1
-            await asyncio.sleep(backoff * (0.5 + rng.random()))
-            backoff = min(backoff * 2, 1.0)
+            await asyncio.sleep(backoff.wait())
 
 
 async def _send_when_admitted(stub: CoordinatorStub, messages, timeout: float) -> pb.UploadReply:
@@ -105,7 +100,7 @@ async def run_agent(channel: grpc.aio.Channel, agent_id: str, stats: SwarmStats,
     """One scripted agent until the coordinator says shutdown."""
     stub = CoordinatorStub(channel)
     rng = np.random.default_rng(zlib.crc32(agent_id.encode()))
-    auth, backoff = None, 0.05
+    auth, backoff = None, Backoff(0.05, max_backoff, rng)
     while True:
         try:
             if auth is None:
@@ -114,7 +109,7 @@ async def run_agent(channel: grpc.aio.Channel, agent_id: str, stats: SwarmStats,
                 auth = pb.AgentAuth(agent_id=agent_id, token=reply.token)
             reply = await stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=poll_seconds),
                                         timeout=poll_seconds + 30)
-            backoff = 0.05
+            backoff.reset()
             kind = reply.WhichOneof("kind")
             if kind == "shutdown_reason":
                 stats.finished += 1
@@ -132,10 +127,9 @@ async def run_agent(channel: grpc.aio.Channel, agent_id: str, stats: SwarmStats,
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 auth = None
                 stats.reconnects += 1
-            elif code in BACKOFF:
+            elif code in RETRYABLE:
                 stats.backoffs += 1
-                await asyncio.sleep(backoff * (0.5 + rng.random()))
-                backoff = min(backoff * 2, max_backoff)
+                await asyncio.sleep(backoff.wait())
             else:  # a refused task (round closed, duplicate, ...): note it and pull again
                 stats.refused += 1
                 if len(stats.refusals) < 20:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.aggregation import build_strategy
-from fedpar.protocol.tensorfile import atomic_write_bytes
+from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
 

@@ -10,10 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"protocol", "models", "datasets", "security"}
 ALLOWED = {
-    "protocol": set(), "models": set(), "datasets": set(), "security": set(),
+    "protocol": set(), "models": set(), "datasets": set(),
+    "security": {"protocol"},  # files written with protocol/atomicfile.py
     "secagg": {"protocol"},
     "aggregation": {"protocol", "models"},
-    "parallel": {"models", "datasets"},
+    "parallel": {"protocol", "models", "datasets"},
     "server": BASE | {"secagg", "aggregation"},
     "client": BASE | {"secagg", "aggregation", "parallel"},  # large-model agents train on the engine
 }

@@ -15,12 +15,13 @@ from fedpar.models import (
     GPTConfig,
     build_model,
     build_model_for_data,
-    count_parameters,
     get_weights,
     model_names,
     set_weights,
     weight_specs,
 )
+
+from support.model_size import count_parameters
 
 SMALL_GPT = GPTConfig(vocab_size=17, block_size=16, n_layer=4, n_head=4, d_model=32)
 

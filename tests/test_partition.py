@@ -1,4 +1,4 @@
-"""fedpar.simulations.partition: coverage, determinism, sizes and skew of the client partitioners."""
+"""fedpar.datasets.partition: coverage, determinism, sizes and skew of the client partitioners."""
 
 from __future__ import annotations
 
@@ -7,15 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedpar.simulations.partition import (
-    PartitionSpec,
-    label_counts,
-    mean_label_entropy,
-    parse_partition,
-    partition_dirichlet,
-    partition_iid,
-    partition_shards,
-)
+from fedpar.datasets.partition import PartitionSpec, parse_partition, partition_dirichlet, partition_iid, partition_shards
+from support.partition_stats import label_counts, mean_label_entropy
 
 BALANCED = np.repeat(np.arange(10), 100)  # 1,000 examples, 100 per class
 

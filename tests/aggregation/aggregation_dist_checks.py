@@ -10,7 +10,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fedpar.aggregation import FedAvg, FoldConfig, Layout, WeightedSum, all_reduce_weighted_sum
+from fedpar.aggregation import FedAvg, FoldConfig, ShapesAndDtypes, WeightedSum
+
+from support.allreduce import all_reduce_weighted_sum
 
 SHAPES = [(300, 41), (41,), (7, 3, 5), (1,)]
 K = 9
@@ -40,7 +42,7 @@ def rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
     for name, (acc_dtype, dtype, dyadic) in cases.items():
         results = cohort(dtype, dyadic)
         cfg = FoldConfig(accumulate_dtype=acc_dtype, num_workers=2, min_parallel_elements=1)
-        acc = WeightedSum(Layout.of(results[0][0]), cfg)
+        acc = WeightedSum(ShapesAndDtypes.of(results[0][0]), cfg)
         for arrays, n in results[rank::world]:  # this rank's share of the clients
             acc.fold(arrays, n)
         all_reduce_weighted_sum(acc)

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from fedpar.aggregation import FoldConfig, Layout, WeightedSum, fedavg
+from fedpar.aggregation import FoldConfig, ShapesAndDtypes, WeightedSum, fedavg
 
 
 def make_results(k, shapes=((7, 5), (5,), (3, 4, 2)), dtype=np.float32, seed=0):
@@ -64,7 +64,7 @@ def test_sharded_equals_unsharded_bit_for_bit_in_float64(backend):
     a, b = fedavg(iter(results), one), fedavg(iter(results), sharded)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
-    acc = WeightedSum(Layout.of(results[0][0]), sharded)
+    acc = WeightedSum(ShapesAndDtypes.of(results[0][0]), sharded)
     assert len(acc.shards) == 3 and sum(e - s for sh in acc.shards for _, s, e in sh) == sum(np.prod(s) for s in shapes)
 
 
@@ -77,7 +77,7 @@ def test_grouped_fold_equals_one_by_one_in_float64():
 
 
 def test_concurrent_folds_from_threads_count_every_update():
-    layout = Layout.of([np.zeros(300_000, np.float64)])
+    layout = ShapesAndDtypes.of([np.zeros(300_000, np.float64)])
     acc = WeightedSum(layout, FoldConfig(accumulate_dtype="float64", num_workers=2, min_parallel_elements=1))
     vals = np.arange(1, 33, dtype=np.float64)
 
@@ -121,7 +121,7 @@ def test_errors_say_what_is_wrong():
 
 
 def test_weighted_sum_fold_rejects_nonfinite_without_touching_the_sum():
-    acc = WeightedSum(Layout.of([np.zeros(10, np.float32)]))
+    acc = WeightedSum(ShapesAndDtypes.of([np.zeros(10, np.float32)]))
     acc.fold([np.ones(10, np.float32)], 1)
     x = np.ones(10, np.float32)
     x[9] = np.inf
@@ -133,7 +133,7 @@ def test_weighted_sum_fold_rejects_nonfinite_without_touching_the_sum():
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_all_finite_finds_every_nan_and_inf_wherever_it_sits(dtype):
-    from fedpar.aggregation.layout import all_finite
+    from fedpar.aggregation.arrays import all_finite
 
     for n in (1, 2, 7, 16, 17, 33, 64, 129, 4097, 100_003):
         base = np.random.default_rng(n).standard_normal(n).astype(dtype)

@@ -323,13 +323,13 @@ def test_known_finite_folds_give_the_same_result(name):
 def test_blas_and_pool_finite_checks_agree():
     from fedpar.aggregation import FoldConfig
     from fedpar.aggregation.accumulator import WeightedSum
-    from fedpar.aggregation.layout import Layout, checked_by_blas
+    from fedpar.aggregation.arrays import ShapesAndDtypes, checked_by_blas
 
     blas_model = [np.ones(3_000_000, np.float32), np.ones(5, np.float64)]
     pool_model = [np.ones(3_000_000, np.float32), np.ones(10, np.float16)]  # float16: numpy sums on the pool
     assert all(checked_by_blas(a) for a in blas_model) and not checked_by_blas(pool_model[1])
     for arrays in (blas_model, pool_model):
-        acc = WeightedSum(Layout.of(arrays), FoldConfig(num_workers=2))
+        acc = WeightedSum(ShapesAndDtypes.of(arrays), FoldConfig(num_workers=2))
         assert acc.all_finite([arrays, arrays])
         for i in range(len(arrays)):
             for value in (np.inf, -np.inf, np.nan):

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from fedpar.aggregation.compression import CompressionConfig, Compressor
-from fedpar.aggregation.wire_compression import decoded_norm, encoded_specs, limit_norm, pack
+from fedpar.aggregation.compressed_delta import decoded_norm, limit_norm, pack
+from fedpar.aggregation.compression import Compressor
+from fedpar.protocol.compressed_wire import CompressionConfig, encoded_specs
 
 SPECS = [("w", "float32", (300, 40)), ("b", "float32", (40,)), ("empty", "float32", (0,))]
 

@@ -17,7 +17,7 @@ from fedpar.models import get_weights, set_weights
 from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.init import init_distributed
-from fedpar.simulations.clientdata import local_split, partition_indices
+from fedpar.datasets.clientdata import local_split, partition_indices
 
 SPLITS = load_dataset("digits")
 TRAIN, VAL = local_split(SPLITS.train, partition_indices(SPLITS, "iid", 5, 0)[0], 0.1, 0)  # 259: odd

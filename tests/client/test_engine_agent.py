@@ -23,7 +23,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.simulations.clientdata import local_split, partition_indices
+from fedpar.datasets.clientdata import local_split, partition_indices
 
 PARTS, ENGINE_PART, PLAIN_PART = 5, 0, 2  # share 0 has 259 training examples: odd, so one FSDP rank pads
 EPOCHS, FULL_BATCH, LR = 2, 10_000, 0.1  # full-batch SGD: the result does not depend on the data order

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpar.parallel.testing import backend_id, run_checks
+from support.spawn_checks import backend_id, run_checks
+
 
 CHECKS = Path(__file__).with_name("checks_engine_world2.py")
 NAMES = ["check_ddp_minibatches_with_padding_equal_one_process",

@@ -14,14 +14,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from fedpar.aggregation import FoldConfig, Layout, WeightedSum, all_reduce_weighted_sum, fedavg
+from fedpar.aggregation import FoldConfig, ShapesAndDtypes, WeightedSum, fedavg
 from fedpar.parallel.config import ParallelConfig, TrainConfig
 from fedpar.parallel.data import CLASSIFICATION, TrainData
 from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.precision import uses_autocast
-from fedpar.parallel.testing import TinyMLP
 from fedpar.parallel.trainer import Trainer
+
+from support.allreduce import all_reduce_weighted_sum
+from support.engine_refs import TinyMLP
 
 SHAPES = [(300, 41), (41,), (7, 3, 5)]
 
@@ -37,7 +39,7 @@ def check_nccl_all_reduce_of_weighted_sums():
     assert info.backend == "nccl" and info.device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     cohort = _cohort()
-    acc = WeightedSum(Layout.of(cohort[0][0]), FoldConfig(accumulate_dtype="float64", num_workers=1))
+    acc = WeightedSum(ShapesAndDtypes.of(cohort[0][0]), FoldConfig(accumulate_dtype="float64", num_workers=1))
     for arrays, n in cohort[rank::world]:
         acc.fold(arrays, n)
     all_reduce_weighted_sum(acc)

@@ -27,17 +27,10 @@ from fedpar.parallel.fsdp import apply_fsdp
 from fedpar.parallel.optim import replicate_partial_grads
 from fedpar.parallel.pp import build_pipeline, build_schedule, build_stage_module, stage_ids_for_rank
 from fedpar.parallel.sampler import DistributedBatchSampler
-from fedpar.parallel.testing import (
-    TinyMLP,
-    clipped_sgd_step,
-    dense_clipped_sgd_step,
-    full,
-    lm_loss,
-    local_numel,
-    max_abs_diff,
-)
 from fedpar.parallel.tp import apply_tp
 from fedpar.parallel.trainer import Trainer
+
+from support.engine_refs import TinyMLP, clipped_sgd_step, dense_clipped_sgd_step, full, lm_loss, local_numel, max_abs_diff
 
 STEPS = 4
 

@@ -10,7 +10,8 @@ from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
-from fedpar.parallel.testing import clipped_sgd_step, dense_clipped_sgd_step, full, lm_loss, local_numel, max_abs_diff
+
+from support.engine_refs import clipped_sgd_step, dense_clipped_sgd_step, full, lm_loss, local_numel, max_abs_diff
 
 STEPS = 3
 

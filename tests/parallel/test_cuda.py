@@ -21,8 +21,9 @@ from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights
 from fedpar.models.for_data import build_model_for_data
-from fedpar.parallel.testing import run_checks
-from fedpar.simulations.clientdata import local_split, partition_indices
+from fedpar.datasets.clientdata import local_split, partition_indices
+
+from support.spawn_checks import run_checks
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU; this machine has none (CPU paths are "

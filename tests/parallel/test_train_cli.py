@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig, load_train_config
+from fedpar.cli.config import load_toml_section
+from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig, train_config_from_dict
 
 
 # Process start-up dominates (7-18 s per launch when idle); on a 2-core box shared with other jobs a
@@ -145,11 +146,11 @@ def test_lr_scaling_rules():
 def test_toml_config_with_command_line_overrides(tmp_path: Path):
     path = tmp_path / "train.toml"
     path.write_text('[train]\nmodel = "gpt"\nlr = 0.01\n[train.parallel]\ntp = 2\npp = 2\n')
-    cfg = load_train_config(path, {"lr": 0.02, "pp": 1})
+    cfg = train_config_from_dict({**load_toml_section(path, "train"), "lr": 0.02, "pp": 1})
     assert (cfg.model, cfg.lr, cfg.parallel.tp, cfg.parallel.pp) == ("gpt", 0.02, 2, 1)
     path.write_text('[train]\nlearning_rate = 1\n')
     with pytest.raises(ConfigurationError, match="learning_rate"):
-        load_train_config(path)
+        train_config_from_dict(load_toml_section(path, "train"))
 
 
 def _train_args(out: Path) -> list[str]:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpar.parallel.testing import backend_id, run_checks
+from support.spawn_checks import backend_id, run_checks
+
 
 CHECKS = Path(__file__).with_name("checks_world4.py")
 NAMES = ["check_fsdp_x_tp_2x2_matches_dense",

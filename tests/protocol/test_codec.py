@@ -6,8 +6,10 @@ import struct
 import numpy as np
 import pytest
 
-from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, decode_arrays, iter_chunks
+from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks
 from fedpar.protocol.tensorfile import load_tensors, save_tensors
+
+from support.codec_refs import decode_arrays
 
 
 def _model(rng):

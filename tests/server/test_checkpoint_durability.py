@@ -9,7 +9,7 @@ import pytest
 
 from fedpar.server import checkpoint as ck
 from fedpar.server.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from fedpar.server.metrics import MetricsLog
+from fedpar.server.metrics import RoundMetricsLog
 from fedpar.server.registry import AgentRegistry, AuthError
 from fedpar.server.sampler import CohortSampler
 
@@ -134,7 +134,7 @@ def test_only_the_newest_checkpoints_are_kept_and_the_live_one_is_never_overwrit
 def test_metrics_resume_drops_the_in_flight_round_and_repairs_a_missing_row(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"round": 1, "status": "ok"}\n{"round": 2, "status": "ok"}\n{"round": 3, "sta')
-    log = MetricsLog(path)
+    log = RoundMetricsLog(path)
     log.resume(2, {"round": 2, "status": "from-ckpt"})
     assert [r["round"] for r in log.rows] == [1, 2] and log.rows[1]["status"] == "ok"
     log.resume(3, {"round": 3, "status": "from-ckpt"})  # crash after the checkpoint, before the line

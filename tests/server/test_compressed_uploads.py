@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 from fedpar.aggregation import fedavg
-from fedpar.aggregation.compression import CompressionConfig, Compressor, decode_update, encode_update
-from fedpar.aggregation.wire_compression import encoded_specs, header_fields, pack
+from fedpar.aggregation.compressed_delta import pack
+from fedpar.aggregation.compression import Compressor, encode_update
 from fedpar.client.compressed import UpdateCompressor
 from fedpar.client.transfer import upload_messages
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.compressed_wire import CompressionConfig, encoded_specs, header_fields
+
+from support.compression_refs import decode_update
 
 SHAPES = ((100, 100), (100,), (100, 10))  # 11,100 float32 parameters = 44,400 bytes
 NAMES = ["fc1.weight", "fc1.bias", "fc2.weight"]

@@ -28,7 +28,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.tensorfile import load_tensors
 from fedpar.server.coordinator import cohort_digest
 from fedpar.server.sampler import CohortSampler
-from fedpar.simulations.clientdata import local_split, partition_indices
+from fedpar.datasets.clientdata import local_split, partition_indices
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_ROUND = 2  # one agent is held in this round so the kill lands mid-round

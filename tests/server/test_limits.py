@@ -220,7 +220,7 @@ class _Counting:
 
 
 def test_uploads_send_their_data_only_once_admitted(start_coordinator, agents):
-    def big(seed):  # 400 KB, above UPLOAD_ADMISSION_MIN_BYTES: such uploads wait to be admitted
+    def big(seed):  # 400 KB, above SMALL_UPDATE_BYTES: such uploads wait to be admitted
         return [np.random.default_rng(seed).standard_normal(100_000).astype(np.float32)]
 
     init = big(0)

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from fedpar.aggregation.compression import CompressionConfig
-from fedpar.aggregation.wire_compression import encoded_specs
 from fedpar.datasets import load_dataset
 from fedpar.models import weight_specs
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.compressed_wire import CompressionConfig, encoded_specs
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
 

@@ -1,4 +1,7 @@
-"""The plain-function API: weighted FedAvg of ``(arrays, num_examples)`` results."""
+"""``fedavg()``, FedAvg as one plain function: the weighted mean of ``(arrays, num_examples)`` results.
+
+The FedAvg strategy the coordinator runs round by round is aggregation/fedavg_strategies.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
-from fedpar.aggregation.layout import Layout, all_finite
+from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite
 
 
 def fedavg(results: Iterable[tuple[Sequence[np.ndarray], int]], config: FoldConfig | None = None) -> list[np.ndarray]:
@@ -22,14 +25,14 @@ def fedavg(results: Iterable[tuple[Sequence[np.ndarray], int]], config: FoldConf
     if isinstance(results, Sequence):
         if not results:
             raise ValueError("fedavg needs at least one (arrays, num_examples) result; got none")
-        acc = WeightedSum(Layout.of(results[0][0]), config)
+        acc = WeightedSum(ShapesAndDtypes.of(results[0][0]), config)
         acc.fold_many(results, check_finite=False)
     else:
         acc = None
         for k, item in enumerate(results):
             arrays, num_examples = _unpack(item, k)
             if acc is None:
-                acc = WeightedSum(Layout.of(arrays), config)
+                acc = WeightedSum(ShapesAndDtypes.of(arrays), config)
             acc.fold(arrays, num_examples, check_finite=False, who=f"result {k}")
         if acc is None:
             raise ValueError("fedavg needs at least one (arrays, num_examples) result; got none")

@@ -1,4 +1,7 @@
-"""FedAvg (McMahan et al. 2017) and FedAvgM (server momentum, Hsu et al. 2019)."""
+"""The FedAvg strategies: FedAvg (McMahan et al. 2017) and FedAvgM (server momentum, Hsu et al. 2019).
+
+The same average as one plain function over a list of results is aggregation/weighted_mean.fedavg.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from fedpar.aggregation.accumulator import FoldConfig
-from fedpar.aggregation.layout import cast_like
+from fedpar.aggregation.arrays import cast_like
 from fedpar.aggregation.strategy import StreamingStrategy
 
 

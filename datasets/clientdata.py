@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedpar.datasets import ArrayDataset, DatasetSplits
-from fedpar.simulations.partition import parse_partition
+from fedpar.datasets.partition import parse_partition
 
 
 def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: int) -> list[np.ndarray]:

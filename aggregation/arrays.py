@@ -1,4 +1,4 @@
-"""The shape/dtype layout of a model's list of arrays, and checks of updates against it."""
+"""An update's arrays: their shapes and dtypes (checked against the model's), accumulation dtypes, finiteness."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Shapes and dtypes of a list of arrays, plus their flat offsets."""
+class ShapesAndDtypes:
+    """The shape and dtype of each array of an unnamed list (a model's weights as strategies see them).
+
+    The wire's view of the same model, with names and byte offsets, is protocol/codec.ModelLayout.
+    """
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
 
     @classmethod
-    def of(cls, arrays: Sequence[np.ndarray]) -> Layout:
+    def of(cls, arrays: Sequence[np.ndarray]) -> ShapesAndDtypes:
         """Describe ``arrays``; rejects non-numeric dtypes."""
         arrays = [np.asarray(a) for a in arrays]
         if not arrays:
@@ -35,11 +38,6 @@ class Layout:
     def num_elements(self) -> int:
         """Total number of elements over all arrays."""
         return sum(self.sizes)
-
-    @property
-    def num_bytes(self) -> int:
-        """Total bytes of one model in its own dtypes."""
-        return sum(n * d.itemsize for n, d in zip(self.sizes, self.dtypes))
 
     def check(self, arrays: Sequence[np.ndarray], who: str = "update") -> list[np.ndarray]:
         """Return ``arrays`` as numpy arrays after checking count, shapes and dtypes against the layout."""

@@ -1,4 +1,8 @@
-"""Data-parallel aggregation across processes: all-reduce of partial weighted sums (as DDP does for gradients)."""
+"""Aggregation across processes: all-reduce of partial weighted sums (as DDP does for gradients).
+
+The coordinator aggregates in one process today (README); the tests use this to show that WeightedSum's
+partial sums combine exactly across ranks, on gloo and NCCL.
+"""
 
 from __future__ import annotations
 
