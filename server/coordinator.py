@@ -165,7 +165,8 @@ class Coordinator:
         target = min(self.config.target_reports(len(live)), len(cohort))
         slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
         state = RoundState(round_id, target, self.config.min_reports, self.config.deadline_seconds, slots)
-        self.tickets.expire_rounds_before(round_id)
+        if self.data_port is not None:  # tickets exist only for the data plane
+            self.tickets.expire_rounds_before(round_id)
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
         self.mode.start(state)
