@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from fedpar.aggregation import FedAvg, FoldConfig, ShapesAndDtypes, WeightedSum
 
-from support.allreduce import all_reduce_weighted_sum
+from fedpar.aggregation.distributed import all_reduce_weighted_sum
 
 SHAPES = [(300, 41), (41,), (7, 3, 5), (1,)]
 K = 9

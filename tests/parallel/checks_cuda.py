@@ -22,7 +22,7 @@ from fedpar.parallel.init import init_distributed
 from fedpar.parallel.precision import uses_autocast
 from fedpar.parallel.trainer import Trainer
 
-from support.allreduce import all_reduce_weighted_sum
+from fedpar.aggregation.distributed import all_reduce_weighted_sum
 from support.engine_refs import TinyMLP
 
 SHAPES = [(300, 41), (41,), (7, 3, 5)]

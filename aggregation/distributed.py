@@ -1,7 +1,7 @@
 """Aggregation across processes: all-reduce of partial weighted sums (as DDP does for gradients).
 
-The coordinator aggregates in one process today (README); the tests use this to show that WeightedSum's
-partial sums combine exactly across ranks, on gloo and NCCL.
+The building block of aggregator ranks (several coordinator processes, each folding its share of a round's
+uploads); the coordinator itself still aggregates in one process today. Tested on gloo, and on NCCL where GPUs are.
 """
 
 from __future__ import annotations
