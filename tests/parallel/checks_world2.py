@@ -51,9 +51,13 @@ def _token_batch(n: int = 8, t: int = 16, seed: int = 2):
 
 
 def _train_dense(model, x, y, loss_fn, steps: int = STEPS, opt_cls=torch.optim.SGD, **opt_kw):
+    return _train_dense_on(model, [(x, y)] * steps, loss_fn, opt_cls, **opt_kw)
+
+
+def _train_dense_on(model, batches, loss_fn, opt_cls=torch.optim.SGD, **opt_kw) -> list[float]:
     opt = opt_cls(model.parameters(), **opt_kw)
     losses = []
-    for _ in range(steps):
+    for x, y in batches:
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -613,15 +617,7 @@ def _dense_adamw_steps(batches, build, loss_fn) -> tuple[torch.nn.Module, list[f
 
 
 def _train_dense_batches(model, batches, loss_fn) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0, foreach=False)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return _train_dense_on(model, batches, loss_fn, torch.optim.AdamW, lr=0.01, weight_decay=0.0, foreach=False)
 
 
 def check_fused_adamw_on_tp_and_fsdp_matches_dense():
