@@ -168,12 +168,10 @@ async def _receive_stream(upload: Upload, request_iterator) -> None:
         state.check_open()
         if isinstance(message, RawData):
             upload.write(message.offset, message.data)
-            pace.note(len(message.data))
             continue
         kind = message.WhichOneof("part")
         if kind == "data":
             upload.write(message.data.offset, message.data.data)
-            pace.note(len(message.data.data))
         elif kind == "end":
             if not staging.complete or message.end.total_bytes != layout.total_bytes \
                     or message.end.num_chunks != staging.chunks:

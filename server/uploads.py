@@ -120,13 +120,15 @@ class Upload:
         return self.ticket.state.round_id
 
     def write(self, offset: int, data: bytes) -> None:
-        """Stage one chunk: counted against the chunk limit and the agent's byte rate; a bad chunk is final."""
+        """Stage one chunk: counted against the chunk limit, the agent's byte rate and the upload's pace; a bad
+        chunk is final."""
         self.intake.limits.count_chunk(self.staging.chunks)
         try:
             self.staging.write(offset, data)
         except CodecError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied", final=True) from None
         self.intake.limits.count_bytes(self.agent_id, len(data))
+        self.pace.note(len(data))
 
     def finite_arrays(self) -> list[np.ndarray]:
         """The complete staged arrays, or a final Refusal if any holds NaN or Inf (any thread)."""
