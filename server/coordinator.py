@@ -398,14 +398,6 @@ class Coordinator:
             state.check_open()
         await ticket.mode.accept(state, ticket, arrays)
 
-    def settle_upload(self, ticket: UploadTicket, refused: Refusal | None) -> None:
-        """The end of an upload: a final refusal rejects the update (it never touches the model); any other
-        end that left it unaccepted (refusal, disconnect, truncation) lets the agent try again this round."""
-        if refused is not None and refused.final:
-            ticket.state.reject(ticket.slot, refused.message)
-        elif ticket.slot.status == "uploading":
-            ticket.slot.status = "pending"
-
     def leave(self, agent: AgentRecord) -> None:
         """Agent says goodbye."""
         self.registry.leave(agent.agent_id)

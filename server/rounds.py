@@ -146,6 +146,14 @@ class UploadTicket:
     layout: ModelLayout  # what the data must fill: the model, its compressed encoding, or the masked vector
     mode: RoundMode  # the round's mode, which decodes and folds the update
 
+    def settle(self, refused: Refusal | None) -> None:
+        """The end of the upload: a final refusal rejects the update (it never touches the model); any other
+        end that left it unaccepted (refusal, disconnect, truncation) lets the agent try again this round."""
+        if refused is not None and refused.final:
+            self.state.reject(self.slot, refused.message)
+        elif self.slot.status == "uploading":
+            self.slot.status = "pending"
+
 
 class RoundMode(Protocol):
     """What sets a kind of round apart (plain, compressed, secure: server/round_modes.py, server/secure_round.py).

@@ -169,29 +169,29 @@ class UploadIntake:
         try:
             held.enter_context(self.limits.agent_call(agent.agent_id))
             held.enter_context(self.limits.upload_queue())
-            self.limits.start_upload(agent.agent_id, issued[0] if issued else self.coord.current_round_id)
             if issued is not None and (header.round, header.task_id) != issued:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the upload header names round {header.round} task {header.task_id!r}, but the "
                               f"ticket is for round {issued[0]} task {issued[1]!r}")
             ticket = self.coord.open_upload(agent, header)
+            self.limits.start_upload(agent.agent_id, ticket.state.round_id)  # counted in the round the header opened
             upload = Upload(self, agent.agent_id, ticket, held)
             if prepaid:  # so an agent over its rate is refused before it sends the data
                 self.limits.count_bytes(agent.agent_id, ticket.layout.total_bytes)
                 upload.prepaid = ticket.layout.total_bytes
         except BaseException as exc:
             if ticket is not None:
-                self.coord.settle_upload(ticket, exc if isinstance(exc, Refusal) else None)
+                ticket.settle(exc if isinstance(exc, Refusal) else None)
             held.close()
             raise
         return upload
 
     def settle(self, upload: Upload, refused: Refusal | None, received: int = 0) -> None:
-        """The upload ended (loop): release its limits, refund prepaid bytes that never came, and let the
-        coordinator record the outcome (a final refusal rejects the update; otherwise it may come again)."""
+        """The upload ended (loop): release its limits, refund prepaid bytes that never came, and record the
+        outcome on its ticket (a final refusal rejects the update; otherwise it may come again)."""
         upload.held.close()
         self.limits.refund_bytes(upload.agent_id, upload.prepaid - received)
-        self.coord.settle_upload(upload.ticket, refused)
+        upload.ticket.settle(refused)
 
     async def reserve_staging(self, seconds: float | None = None) -> None:
         """Wait for one of the staging slots (each staged upload holds one model copy); TimeoutError after ``seconds``."""

@@ -1,5 +1,5 @@
-"""The upload intake on its own: the coordinator is entered three times per upload, limits and staging slots are
-always given back, a final refusal rejects while any other end leaves the agent free to retry, and a staging
+"""The upload intake on its own: the coordinator is entered twice per upload (open, accept), limits and staging
+slots are always given back, a final refusal rejects while any other end leaves the agent free to retry, and a staging
 buffer exists only while a staging slot is held."""
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ class FakeCoordinator:
 
     def __init__(self, refuse_open: Refusal | None = None, refuse_accept: Refusal | None = None, **config):
         self.config = CoordinatorConfig(**config)
-        self.current_round_id = 1
         self.calls: list[tuple] = []
         self.refuse_open, self.refuse_accept = refuse_open, refuse_accept
         self.state = RoundState(1, 1, 1, 30.0, {a: AgentSlot(a, "t") for a in "ab"})
@@ -36,15 +35,14 @@ class FakeCoordinator:
         self.calls.append(("open_upload", agent.agent_id))
         if self.refuse_open is not None:
             raise self.refuse_open
-        return UploadTicket(self.state, self.state.slots[agent.agent_id], 10, {}, LAYOUT, mode=None)
+        slot = self.state.slots[agent.agent_id]
+        slot.status = "uploading"
+        return UploadTicket(self.state, slot, 10, {}, LAYOUT, mode=None)
 
     async def accept(self, ticket, arrays):
         self.calls.append(("accept", [a.tolist() for a in arrays]))
         if self.refuse_accept is not None:
             raise self.refuse_accept
-
-    def settle_upload(self, ticket, refused):
-        self.calls.append(("settle_upload", None if refused is None else (refused.final, refused.message)))
 
 
 def _intake(coord: FakeCoordinator) -> UploadIntake:
@@ -61,12 +59,12 @@ def _send(values):
     return receive
 
 
-def test_an_accepted_upload_enters_the_coordinator_three_times_and_holds_nothing_after():
+def test_an_accepted_upload_enters_the_coordinator_twice_and_holds_nothing_after():
     coord = FakeCoordinator()
     intake = _intake(coord)
     reply = asyncio.run(intake.take(AGENT, None, _send([1, 2, 3, 4])))
     assert reply.accepted and reply.message == "update accepted for round 1"
-    assert coord.calls == [("open_upload", "a"), ("accept", [[1.0, 2.0, 3.0, 4.0]]), ("settle_upload", None)]
+    assert coord.calls == [("open_upload", "a"), ("accept", [[1.0, 2.0, 3.0, 4.0]])]
     assert _held(intake) == ({}, 0) and intake._staging._value == coord.config.max_concurrent_uploads
 
 
@@ -82,8 +80,9 @@ def test_bad_content_is_final_and_a_short_upload_is_not(values, final):
     with pytest.raises(Refusal) as err:
         asyncio.run(intake.take(AGENT, None, receive))
     assert err.value.final is final
-    assert coord.calls[0] == ("open_upload", "a") and coord.calls[-1] == ("settle_upload", (final, err.value.message))
-    assert [c[0] for c in coord.calls] == ["open_upload", "settle_upload"]  # nothing reached accept
+    assert coord.calls == [("open_upload", "a")]  # nothing reached accept
+    assert coord.state.slots["a"].status == ("rejected" if final else "pending")  # settled on the ticket
+    assert coord.state.rejected == int(final)
     assert _held(intake) == ({}, 0) and intake._staging._value == coord.config.max_concurrent_uploads
     if final:
         assert "'w' contains NaN or Inf; update refused" in err.value.message
@@ -102,8 +101,12 @@ def test_a_refused_open_leaves_no_limit_held_and_a_ticket_mismatch_is_refused_af
     with pytest.raises(Refusal, match="but the ticket is for round 1 task 't'"):
         intake.open(AGENT, header, issued=(1, "t"))
     assert coord.calls == [] and _held(intake) == ({}, 0)
-    with pytest.raises(Refusal, match="--max-upload-attempts"):  # the refused attempt counted
+    upload = intake.open(AGENT, pb.UploadHeader(round=1, task_id="t"), issued=(1, "t"))  # the mismatch held nothing
+    intake.settle(upload, None)  # broke off: retryable, but the attempt counted
+    assert coord.state.slots["a"].status == "pending"
+    with pytest.raises(Refusal, match="--max-upload-attempts"):
         intake.open(AGENT, pb.UploadHeader(round=1, task_id="t"), issued=(1, "t"))
+    assert _held(intake) == ({}, 0) and coord.state.slots["a"].status == "pending"  # the refusal settled its ticket
 
 
 def test_a_vanished_agent_is_settled_as_retryable_and_staging_waits_for_a_slot():
@@ -125,7 +128,7 @@ def test_a_vanished_agent_is_settled_as_retryable_and_staging_waits_for_a_slot()
         with pytest.raises(asyncio.CancelledError):
             await first
         await asyncio.wait_for(waiting, 1.0)
-        assert coord.calls[-1] == ("settle_upload", None)  # not final: the agent may upload again
+        assert coord.state.slots["a"].status == "pending"  # not final: the agent may upload again
         intake.release_staging()
         intake.settle(second, None)
         assert _held(intake) == ({}, 0)
