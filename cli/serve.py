@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedpar.aggregation import build_strategy, strategy_names
@@ -23,7 +25,10 @@ from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.datasets import load_dataset
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.server.aggregator_ranks import RankLeader, check_ranks_supported, rank_columns
+from fedpar.server.app import CoordinatorServer
 from fedpar.server.assembly import CoordinatorAssembly
+from fedpar.server.rank_group import first_line
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.secure_round import check_secure_setup
 
@@ -87,6 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
     add_compression_arguments(p)
     add_limit_arguments(p)
+    p.add_argument("--aggregator-ranks", type=int, default=d.aggregator_ranks,
+                   help="processes that share each round's downloads, uploads and fold, joined by an all-reduce "
+                        "(rank r listens on --port + r, or a free port with --port 0; agents are told which rank "
+                        "to use). Under torchrun every launched process is one rank and this is ignored")
+    p.add_argument("--aggregator-timeout", dest="aggregator_timeout_seconds", type=float,
+                   default=d.aggregator_timeout_seconds,
+                   help="longest wait for another aggregator rank at a round's close; a rank that misses it is "
+                        "named and the whole coordinator stops (restart it with the same command to resume)")
     p.add_argument("--checkpoint-dir", type=Path,
                    help="checkpoint every round here, and resume from it after a restart (same model and strategy)")
     p.add_argument("--port-file", type=Path,
@@ -96,41 +109,135 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tls_arguments(p, "serve")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until every round is done."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    flush_denormals()
+@dataclass
+class ServePlan:
+    """What ``fedpar serve`` checked and built before listening."""
+
+    config: CoordinatorConfig
+    security: object
+    assembly: CoordinatorAssembly
+    strategy: object
+
+
+def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
+    """Settings, security, model and strategy from ``args`` (ValueError saying what to fix); ranks other than 0
+    keep no metrics, checkpoints or central evaluation."""
     fields = set(CoordinatorConfig.__dataclass_fields__)
     config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
-    config.metrics_path = args.out / "metrics.jsonl"
+    config.metrics_path = args.out / "metrics.jsonl" if rank == 0 else None
+    if rank:
+        config.checkpoint_dir = None
+        config.data_port = config.data_port + rank if config.data_port else 0
     choice = getattr(args, "data_plane", None)  # a --config TOML file may give a bool
     config.data_plane = choice if choice is None or isinstance(choice, bool) else \
         {"auto": None, "on": True, "off": False}.get(choice, choice)
+    security = server_security(args)  # first: a missing certificate should not wait for data loading
+    check_device_layout(args.device)
+    config.upload_compression = compression_from_args(args)
+    config.validate()
+    strategy_options = strategy_options_from_args(args)
+    splits = load_dataset(args.dataset, args.data_dir)
+    eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
+    assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
+    if args.dp != "off" and config.fraction is not None:
+        raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
+    name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
+                                args.dp_population)
+    strategy = build_strategy(name, **strategy_options, **options)
+    if config.secure_aggregation:
+        check_secure_setup(assembly.names, assembly.weights, strategy)
+    check_ranks_supported(_world(args), strategy, config.secure_aggregation)
+    return ServePlan(config, security, assembly, strategy)
+
+
+def _world(args: argparse.Namespace) -> int:
+    """Aggregator ranks: torchrun's WORLD_SIZE when launched by it, else --aggregator-ranks."""
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else args.aggregator_ranks
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until every round is done (in ``--aggregator-ranks`` local processes when more than one)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    flush_denormals()
     try:
-        security = server_security(args)  # first: a missing certificate should not wait for data loading
-        check_device_layout(args.device)
-        config.upload_compression = compression_from_args(args)
-        config.validate()
-        strategy_options = strategy_options_from_args(args)
-        splits = load_dataset(args.dataset, args.data_dir)
-        eval_device = None if args.no_central_eval else resolve_device(args.device)
-        assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
-        if args.dp != "off" and config.fraction is not None:
-            raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
-        name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
-                                    args.dp_population)
-        strategy = build_strategy(name, **strategy_options, **options)
-        if config.secure_aggregation:
-            check_secure_setup(assembly.names, assembly.weights, strategy)
+        plan = _plan(args)
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
+    world = _world(args)
+    if world > 1 and "WORLD_SIZE" not in os.environ:
+        from fedpar.parallel.init import spawn
+        try:
+            spawn(world, serve_rank, _plain_options(args))
+        except Exception as exc:  # a rank died or hung: the others were stopped with it
+            print(f"fedpar serve: an aggregator rank failed: {first_line(exc)}; run the same command again to "
+                  "resume after the last checkpointed round", file=sys.stderr)
+            return 1
+        return 0
+    if world > 1:  # one rank of a torchrun-launched group
+        from fedpar.parallel.init import exit_rank_process
+        serve_rank(args)
+        exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
+    return _serve(args, plan)
 
-    table = RoundTable(total=config.rounds, columns=COLUMNS + (DP_COLUMNS if args.dp != "off" else []))
+
+def _plain_options(args: argparse.Namespace) -> dict:
+    """The parsed options a spawned rank needs (values only: no handlers or modules)."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, Path, list, tuple, type(None)))}
+
+
+def serve_rank(args: argparse.Namespace | dict) -> None:
+    """One aggregator rank (spawned here, or launched by torchrun): rank 0 serves as the coordinator."""
+    if isinstance(args, dict):
+        args = argparse.Namespace(**args)
+    from fedpar.parallel.init import init_distributed, shutdown_distributed
+    from fedpar.server.rank_group import RankGroup
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    flush_denormals()
+    rank = int(os.environ.get("RANK", "0"))
+    plan = _plan(args, rank)
+    init_distributed(plan.config.aggregator_timeout_seconds, args.device)
+    group = RankGroup(plan.config.aggregator_timeout_seconds)
+    advertised = "" if args.host in ("0.0.0.0", "::", "") else args.host
     try:
-        server = assembly.server(config, strategy, on_round_end=[table.row], admission=security.admission,
-                                 host=args.host, port=args.port, credentials=security.credentials,
-                                 data_tls=security.data_tls)  # the data plane: TLS with the same certificate
+        code = _serve(args, plan, RankLeader(group, advertised)) if rank == 0 else \
+            _serve_ingest(args, plan, group, advertised)
+    finally:
+        shutdown_distributed()
+    if code:
+        raise SystemExit(code)
+
+
+def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: str) -> int:
+    """Aggregator rank > 0: serve the agents rank 0 deals here until rank 0 says the rounds are done."""
+    from fedpar.server.ingest_rank import IngestRank
+
+    ingest = IngestRank(plan.config, plan.assembly.names, plan.assembly.weights, plan.strategy, group,
+                        admission=plan.security.admission, advertised_host=advertised)
+    port = args.port + group.rank if args.port else 0
+    server = CoordinatorServer(ingest, host=args.host, port=port, credentials=plan.security.credentials,
+                               data_tls=plan.security.data_tls)
+    server.start()
+    try:
+        while not server.wait(0.5):
+            pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
+    """Rank 0 (or the only rank): run the rounds, print the table, write metrics and checkpoints."""
+    config, security = plan.config, plan.security
+    columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else [])
+    if ranks is not None:
+        columns = columns + rank_columns(ranks.world)
+    table = RoundTable(total=config.rounds, columns=columns)
+    try:
+        server = plan.assembly.server(config, plan.strategy, on_round_end=[table.row], admission=security.admission,
+                                      host=args.host, port=args.port, credentials=security.credentials,
+                                      data_tls=security.data_tls, ranks=ranks)  # data plane: TLS, same certificate
     except ValueError as exc:  # e.g. a damaged checkpoint, or one made with another model
         print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
         return 2

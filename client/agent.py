@@ -75,18 +75,36 @@ class Agent:
         self._heartbeat_seconds = 5.0
         self._max_chunk = max(config.chunk_bytes, DEFAULT_CHUNK_BYTES)
         self._stop = threading.Event()
-        self._channel = self._open_channel()
+        self._channel = self._open_channel(config.server)
         self._stub = CoordinatorStub(self._channel)
+        self._ingest: dict[str, tuple[grpc.Channel, CoordinatorStub]] = {}  # aggregator ranks' channels by address
         self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
         self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
 
-    def _open_channel(self) -> grpc.Channel:
+    def _open_channel(self, address: str) -> grpc.Channel:
         options = channel_options(64 << 20)
         if self.config.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.config.tls_server_name))
         if self.config.credentials is not None:
-            return grpc.secure_channel(self.config.server, self.config.credentials, options=options)
-        return grpc.insecure_channel(self.config.server, options=options)
+            return grpc.secure_channel(address, self.config.credentials, options=options)
+        return grpc.insecure_channel(address, options=options)
+
+    def _ingest_address(self, task: pb.TrainTask) -> str:
+        """Where the task's weights move: the aggregator rank it names, else the coordinator this agent dials."""
+        if not task.ingest_port:
+            return self.config.server
+        host = task.ingest_host or self.config.server.rpartition(":")[0]
+        return f"{host}:{task.ingest_port}"
+
+    def _ingest_stub(self, task: pb.TrainTask) -> CoordinatorStub:
+        """The stub for the task's download and upload (one channel per aggregator rank, kept open)."""
+        address = self._ingest_address(task)
+        if address == self.config.server:
+            return self._stub
+        if address not in self._ingest:
+            channel = self._open_channel(address)
+            self._ingest[address] = (channel, CoordinatorStub(channel))
+        return self._ingest[address][1]
 
     def stop(self) -> None:
         """Ask the agent to leave after its current step."""
@@ -96,6 +114,8 @@ class Agent:
         """Stop the heartbeat thread and close the channel."""
         self._heartbeat.close()
         self._channel.close()
+        for channel, _ in self._ingest.values():
+            channel.close()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> AgentStats:
@@ -187,7 +207,7 @@ class Agent:
                 weights = self._via_data_plane("download", dataplane.download, data_plane, self.layout,
                                                max(1.0, task.deadline_seconds))
             if weights is None:
-                weights = download_weights(self._stub, self._auth, task, self.layout, self._max_chunk,
+                weights = download_weights(self._ingest_stub(task), self._auth, task, self.layout, self._max_chunk,
                                            timeout=max(1.0, task.deadline_seconds))
         except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
             self._note_refusal("download", err)
@@ -255,15 +275,16 @@ class Agent:
         header = upload_header(self._auth, task, upload.layout, result.examples, result.steps, metrics,
                                upload.encoding, upload.encoding_json)
         single = small_upload(header, upload.layout, upload.arrays, self._max_chunk)
+        stub = self._ingest_stub(task)
         while True:
             messages = upload_messages(self._auth, task, upload.layout, upload.arrays, result.examples, result.steps,
                                        metrics, min(self._max_chunk, self.config.chunk_bytes), upload.encoding,
                                        upload.encoding_json)
             try:
                 if single is not None:  # one unary call: no stream to set up for a small update
-                    self._stub.UploadSmall(single, timeout=upload_timeout(deadline_at))
+                    stub.UploadSmall(single, timeout=upload_timeout(deadline_at))
                 else:
-                    upload_update(self._stub, messages, timeout=upload_timeout(deadline_at))
+                    upload_update(stub, messages, timeout=upload_timeout(deadline_at))
                 return True
             except grpc.RpcError as err:
                 # Busy coordinator or a broken connection: retry while the deadline allows.
@@ -278,7 +299,8 @@ class Agent:
             return None
         if self.config.credentials is not None and self.config.data_tls is None:
             return None  # never send weights in plaintext beside a TLS control channel
-        return dataplane.DataPlaneTarget(self.config.server, task, self.config.data_tls, self.config.tls_server_name)
+        return dataplane.DataPlaneTarget(self._ingest_address(task), task, self.config.data_tls,
+                                         self.config.tls_server_name)
 
     def _via_data_plane(self, what: str, fn, *args):
         """``fn(*args)``, or None after a transport failure (the caller then uses the gRPC stream)."""

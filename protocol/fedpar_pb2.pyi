@@ -70,7 +70,7 @@ class PullTaskRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., finished_task_id: _Optional[str] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights")
+    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class TrainTask(_message.Message):
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HEADER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    INGEST_PORT_FIELD_NUMBER: _ClassVar[int]
+    INGEST_HOST_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_seconds: float
@@ -95,7 +97,9 @@ class TrainTask(_message.Message):
     data_ticket: bytes
     weights_header: ModelHeader
     weights: bytes
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ...) -> None: ...
+    ingest_port: int
+    ingest_host: str
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., ingest_port: _Optional[int] = ..., ingest_host: _Optional[str] = ...) -> None: ...
 
 class PullTaskReply(_message.Message):
     __slots__ = ("task", "wait_seconds", "shutdown_reason")

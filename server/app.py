@@ -101,6 +101,7 @@ class CoordinatorServer:
         else:
             self.port = server.add_secure_port(target, self.credentials)
         await server.start()
+        self.coordinator.grpc_port = self.port
         self.coordinator._bind_loop()
         self.data_plane = start_data_plane(self.coordinator, self._loop, self.host, self.credentials is not None,
                                            self.data_tls, service.intake)

@@ -16,6 +16,7 @@ from fedpar.datasets import DatasetSplits
 from fedpar.models import build_model_for_data, get_weights, weight_specs
 from fedpar.models.evaluation import CentralEvaluator
 from fedpar.security.admission import Admission
+from fedpar.server.aggregator_ranks import RankLeader
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
@@ -47,9 +48,9 @@ class CoordinatorAssembly:
     def server(self, config: CoordinatorConfig, strategy: Strategy, *, on_round_end: Sequence[RoundCallback] = (),
                admission: Admission | None = None, host: str = "127.0.0.1", port: int = 0,
                credentials: grpc.ServerCredentials | None = None,
-               data_tls: ssl.SSLContext | None = None) -> CoordinatorServer:
+               data_tls: ssl.SSLContext | None = None, ranks: RankLeader | None = None) -> CoordinatorServer:
         """A Coordinator of this model and ``strategy`` behind a CoordinatorServer that is not started yet
         (ValueError when the Coordinator cannot be built, e.g. from a checkpoint of another model)."""
         coordinator = Coordinator(config, self.names, self.weights, strategy, evaluate_fn=self.evaluate,
-                                  on_round_end=on_round_end, admission=admission)
+                                  on_round_end=on_round_end, admission=admission, ranks=ranks)
         return CoordinatorServer(coordinator, host=host, port=port, credentials=credentials, data_tls=data_tls)

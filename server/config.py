@@ -58,6 +58,8 @@ class CoordinatorConfig:
     data_port: int = 0  # port of the data plane on the gRPC host; 0: a free one
     data_plane_downloads: int = 8  # data-plane downloads served at once (uploads: max_concurrent_uploads)
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # agents compress their deltas
+    aggregator_ranks: int = 1  # processes sharing one round's ingest and fold (server/aggregator_ranks.py)
+    aggregator_timeout_seconds: float = 120.0  # longest wait for another aggregator rank in a collective
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""
@@ -82,6 +84,8 @@ class CoordinatorConfig:
              "max_upload_bytes_per_second must be > 0"),
             (self.max_agents >= self.min_available, "max_agents must be >= min_available"),
             (self.max_examples_per_agent >= 1, "max_examples_per_agent must be >= 1"),
+            (self.aggregator_ranks >= 1 and self.aggregator_timeout_seconds > 0,
+             "aggregator_ranks must be >= 1 and aggregator_timeout_seconds > 0"),
             (self.upload_header_seconds > 0 and self.upload_idle_seconds > 0,
              "upload_header_seconds and upload_idle_seconds must be > 0"),
             (self.upload_min_bytes_per_second >= 0, "upload_min_bytes_per_second must be >= 0"),

@@ -10,68 +10,57 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
-import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelLayout, ModelTooLarge
-from fedpar.protocol.messages import layout_from_pb
+from fedpar.protocol.codec import ModelLayout
 from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.ingest_plane import IngestPlane
 from fedpar.server.metrics import RoundMetricsLog, clean_row
-from fedpar.server.payload import WeightPayload, build_payload
+from fedpar.server.rank_group import RankMissing
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import AgentSlot, Refusal, RoundMode, RoundState, UploadTicket
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
 from fedpar.server.secure_round import SecureRound
-from fedpar.server.tickets import TicketBook
+
+if TYPE_CHECKING:
+    from fedpar.server.aggregator_ranks import RankLeader
 
 log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
-MAX_CLIENT_METRICS = 64
 
 
-class Coordinator:
-    """Round state machine plus the global model; the gRPC servicer calls into it."""
+class Coordinator(IngestPlane):
+    """Round state machine plus the global model; the gRPC servicer calls into it. With aggregator ranks it is
+    rank 0, the control plane, and ``ranks`` reaches the others."""
 
     def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray],
                  strategy, evaluate_fn: EvaluateFn | None = None,
-                 on_round_end: Sequence[RoundCallback] = (), admission: Admission | None = None):
+                 on_round_end: Sequence[RoundCallback] = (), admission: Admission | None = None,
+                 ranks: RankLeader | None = None):
         config.validate()
-        self.config = config
+        super().__init__(config, names, weights, AgentRegistry(config.liveness_timeout_seconds, admission=admission))
         self.strategy = strategy
         self.evaluate_fn = evaluate_fn
         self.on_round_end = list(on_round_end)
-        self.registry = AgentRegistry(config.liveness_timeout_seconds, admission=admission)
         self.sampler = CohortSampler(config.seed)
-        self.names = list(names)
-        self.weights = [np.ascontiguousarray(w) for w in weights]
-        self.layout = ModelLayout.of_arrays(self.names, self.weights)
-        self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                            thread_name_prefix="fedpar-coord")
         self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
-        self.mode: RoundMode | None = None  # the current round's mode (plain, compressed or secure)
+        self.ranks = ranks  # the other aggregator ranks (server/aggregator_ranks.py), or None
         self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
-        self.round_id = 0  # last completed round
-        self.current: RoundState | None = None
-        self.payload: WeightPayload | None = None
         self.finished = False
         self.metrics = RoundMetricsLog(config.metrics_path)
         self.started_at = time.monotonic()
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
-        self.tickets = TicketBook()  # data-plane transfer tickets
-        self.data_port: int | None = None  # set when the data plane listens (server/dataplane.py)
         self._wakeups: dict[str, asyncio.Event] = {}
         self._agents_changed: asyncio.Event | None = None
         self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
@@ -104,12 +93,18 @@ class Coordinator:
         """Run rounds until ``config.rounds`` have completed, then tell agents to shut down."""
         self._bind_loop()
         await self._publish_payload(self.round_id + 1)
+        if self.ranks is not None:
+            await self.ranks.start(self)
+        completed = False
         try:
             await self._wait_for_restored_agents()
             while self.round_id < self.config.rounds:
                 await self._wait_for_agents()
                 await self._run_round(self.round_id + 1)
+            completed = True
         finally:
+            if self.ranks is not None:
+                await self.ranks.stop(completed)
             self.finished = True
             for event in self._wakeups.values():
                 event.set()
@@ -117,18 +112,6 @@ class Coordinator:
     def _bind_loop(self) -> None:
         if self._agents_changed is None:
             self._agents_changed = asyncio.Event()
-
-    def close(self) -> None:
-        """Release the worker threads."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
-
-    async def _in_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _publish_payload(self, round_id: int) -> None:
-        self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,
-                                             self.config.max_chunk_bytes, self.data_port is not None,
-                                             min(self.config.inline_weights_max_bytes, self.config.max_chunk_bytes))
 
     async def _wait_for_agents(self) -> None:
         deadline = None
@@ -164,6 +147,8 @@ class Coordinator:
         cohort = self.sampler.sample(live, self.config.cohort_size(len(live)))
         target = min(self.config.target_reports(len(live)), len(cohort))
         slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
+        if self.ranks is not None:
+            self.ranks.deal(slots)
         state = RoundState(round_id, target, self.config.min_reports, self.config.deadline_seconds, slots)
         if self.data_port is not None:  # tickets exist only for the data plane
             self.tickets.expire_rounds_before(round_id)
@@ -171,6 +156,8 @@ class Coordinator:
         self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
         self.mode.start(state)
         self._task_json = self.mode.task_settings(self.strategy.client_config(round_id)).to_json()
+        if self.ranks is not None:
+            await self.ranks.open_round(state, self.registry)
         self.current = state
         for agent_id, slot in slots.items():
             self._tasks[agent_id] = slot
@@ -184,19 +171,23 @@ class Coordinator:
             if self._tasks.get(agent_id) is slots[agent_id]:
                 del self._tasks[agent_id]
         await self.mode.close(state, self.weights)
-        await self._finish_round(state)
+        rank_columns = {}
+        if self.ranks is not None:
+            try:
+                rank_columns = await self.ranks.close_round(state, self.strategy)
+            except RankMissing:
+                raise
+            except RuntimeError as exc:
+                state.fold_failed = True
+                log.error("%s; the round fails and the model stays", exc)
+        await self._finish_round(state, rank_columns)
 
     @property
     def secure(self) -> SecureRound | None:
         """The current round's secure aggregation, if it runs one (SecAggExchange calls go there)."""
         return self.mode if isinstance(self.mode, SecureRound) else None
 
-    @property
-    def current_round_id(self) -> int:
-        """The round in progress, else the last one completed."""
-        return self.current.round_id if self.current else self.round_id
-
-    async def _finish_round(self, state: RoundState) -> None:
+    async def _finish_round(self, state: RoundState, rank_columns: dict[str, float]) -> None:
         status = "ok"
         strategy_metrics: dict[str, float] = {}
         if state.accepted >= state.min_reports and not state.fold_failed:
@@ -223,7 +214,10 @@ class Coordinator:
         row.update(self.mode.metrics())
         self.mode = None
         row["upload_bytes"] = state.upload_bytes  # tensor bytes accepted this round, compressed or not
+        row.update(rank_columns)
         row.update({k: float(v) for k, v in strategy_metrics.items()})
+        if self.ranks is not None:
+            await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
         if self.evaluate_fn is not None:
             row.update(await self._in_thread(self.evaluate_fn, self.weights))
         await self._publish_payload(self.round_id + 1)
@@ -307,7 +301,12 @@ class Coordinator:
         if payload is not None and payload.inline is not None and payload.round_id == state.round_id:
             task.weights_header.MergeFromString(payload.model_header)
             task.weights = payload.inline
-        if self.data_port is not None:
+        if slot.rank:  # another aggregator rank takes this agent's download and upload
+            endpoint = self.ranks.endpoints[slot.rank]
+            task.ingest_port, task.ingest_host = endpoint.grpc_port, endpoint.host
+            if slot.data_ticket is not None:
+                task.data_port, task.data_ticket = endpoint.data_port, slot.data_ticket
+        elif self.data_port is not None:
             task.data_port = self.data_port
             if slot.data_ticket is None:
                 slot.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id)
@@ -332,71 +331,52 @@ class Coordinator:
             if slot is not None and slot.task_id == task_id:
                 slot.downloaded = True
 
-    def payload_for(self, agent: AgentRecord, round_id: int, task_id: str) -> WeightPayload:
-        """The weights an agent may download for its task in ``round_id``."""
-        state = self.current
-        if state is None or state.round_id != round_id:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"round {round_id} is not the current round; pull a new task")
-        state.check_open()
-        state.slot_for(agent.agent_id, task_id)
-        payload = self.payload
-        if payload is None or payload.round_id != round_id:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, "weights for this round are not ready; retry")
-        return payload
-
-    def open_upload(self, agent: AgentRecord, header: pb.UploadHeader) -> UploadTicket:
-        """Validate an upload header; returns a ticket or raises Refusal saying what is wrong."""
-        state, mode = self.current, self.mode
-        if state is None or header.round != state.round_id:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"upload for round {header.round}, but the current round is {self.current_round_id}; "
-                          "the update was not applied")
-        state.check_open()
-        slot = state.slot_for(agent.agent_id, header.task_id)
-        mode.admit(agent.agent_id)
-        if slot.status in ("uploading", "accepted", "rejected"):
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
-                          f"agent {agent.agent_id!r} already sent an update in round {state.round_id} "
-                          f"({slot.status}); duplicates are refused")
-        max_examples = agent.num_examples * self.config.local_epochs  # Join made num_examples >= 1
-        if not 1 <= header.num_examples <= max_examples:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"num_examples={header.num_examples} must be in 1..{max_examples} "
-                          f"({agent.num_examples} registered examples x {self.config.local_epochs} epochs)")
-        if header.steps < 0:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 0")
-        try:
-            layout = layout_from_pb(header.tensors, self.config.max_model_bytes)
-        except ModelTooLarge as exc:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tensor header refused: {exc} (--max-model-bytes); "
-                          "the update was not applied") from None
-        except CodecError as exc:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
-        expected, described = mode.expected_layout(header)
-        problem = layout.mismatch(expected)
-        if problem:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"update does not match {described}: {problem}")
-        if header.total_bytes != layout.total_bytes:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"total_bytes={header.total_bytes} but the tensors need {layout.total_bytes}")
-        metrics = dict(header.metrics)
-        if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
-        slot.status, slot.upload_bytes = "uploading", expected.total_bytes
-        return UploadTicket(state, slot, int(header.num_examples), metrics, expected, mode)
-
     async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
         """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
         state, slot = ticket.state, ticket.slot
         arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
-        if state.closed:
-            slot.status = "late"
-            state.late_refused += 1
-            state.check_open()
+        state.refuse_if_closed(slot)
         await ticket.mode.accept(state, ticket, arrays)
+
+    # ----------------------------------------------------------------- other aggregator ranks' calls
+    def _remote_slot(self, message: dict) -> tuple[RoundState, AgentSlot]:
+        """The open round's slot an aggregator rank's message is about (a Refusal if it is not current)."""
+        state = self.current
+        if state is None or int(message["round"]) != state.round_id:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"upload for round {message['round']}, but the current round is {self.current_round_id}; "
+                          "the update was not applied")
+        slot = state.slot_for(str(message["agent_id"]), str(message["task_id"]))
+        if slot.rank != int(message["rank"]):
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"agent {slot.agent_id!r} was dealt to aggregator rank {slot.rank}, not {message['rank']}")
+        return state, slot
+
+    def count_remote(self, message: dict) -> dict:
+        """An aggregator rank's complete, checked upload: count it (first K, deadline, duplicates) or refuse it."""
+        state, slot = self._remote_slot(message)
+        if slot.status in ("accepted", "rejected", "late"):
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                          f"agent {slot.agent_id!r} already sent an update in round {state.round_id} "
+                          f"({slot.status}); duplicates are refused")
+        state.refuse_if_closed(slot)
+        slot.upload_bytes = int(message["upload_bytes"])
+        state.count_accepted(slot, (int(message["num_examples"]), dict(message["metrics"])))
+        state.close_if_done()
+        return {}
+
+    def reject_remote(self, message: dict) -> dict:
+        """An aggregator rank's strategy refused an update rank 0 had counted: take the count back."""
+        state, slot = self._remote_slot(message)
+        if slot.status == "accepted":
+            state.withdraw((int(message["num_examples"]), dict(message["metrics"])))
+            state.reject(slot, str(message["reason"]))
+        return {}
+
+    def downloaded_remote(self, message: dict) -> dict:
+        """An aggregator rank served an agent its task's whole model."""
+        self.download_completed(str(message["agent_id"]), int(message["round"]), str(message["task_id"]))
+        return {}
 
     def leave(self, agent: AgentRecord) -> None:
         """Agent says goodbye."""

@@ -79,6 +79,13 @@ class AgentRegistry:
         record.last_seen = self._clock()
         return record
 
+    def admit_session(self, agent_id: str, token: str, num_examples: int, cert_serial: int | None) -> AgentRecord:
+        """Take a session that another registry issued (an aggregator rank takes rank 0's for the agents dealt
+        to it); the agent authenticates here with the same token, identity and revocation checks."""
+        record = AgentRecord(agent_id, token, int(num_examples), last_seen=self._clock(), cert_serial=cert_serial)
+        self._agents[agent_id] = record
+        return record
+
     def leave(self, agent_id: str) -> None:
         """Mark an agent as gone; it is not sampled until it joins again."""
         if agent_id in self._agents:

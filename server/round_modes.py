@@ -14,6 +14,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from concurrent.futures import Executor
 from typing import Sequence
 
@@ -73,17 +74,19 @@ class PlainRound:
         """Count the update and fold it; the round may close on it before the fold is done."""
         report = (ticket.num_examples, ticket.metrics)
         state.count_accepted(ticket.slot, report)
-        fold = asyncio.ensure_future(self._fold(state, ticket, arrays, report))
+        fold = asyncio.ensure_future(self.fold(state, ticket, arrays, report))
         state.pending_folds.add(fold)
         state.close_if_done()
         await fold
 
-    async def _fold(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray], report: tuple) -> None:
+    async def fold(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray], report: tuple) -> None:
         """Fold (on a worker thread unless tiny); a ValueError is the strategy refusing this update (its state unchanged)."""
         slot = ticket.slot
+        started = time.perf_counter()
         try:
             await self.run_update(functools.partial(self.strategy.fold, known_finite=self.known_finite),
                                   arrays, ticket.num_examples, slot.agent_id)
+            state.fold_seconds += time.perf_counter() - started
         except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
             state.withdraw(report)
             state.reject(slot, str(exc))

@@ -35,6 +35,7 @@ class AgentSlot:
 
     agent_id: str
     task_id: str
+    rank: int = 0  # the aggregator rank that takes its download and upload (server/aggregator_ranks.py)
     dispatched: bool = False
     downloaded: bool = False  # a download of the round's weights completed; the task is not handed out again
     data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out
@@ -60,6 +61,7 @@ class RoundState:
     examples: int = 0
     metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     pending_folds: set = field(default_factory=set)
+    fold_seconds: float = 0.0  # spent folding this round's updates on this rank
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -107,6 +109,13 @@ class RoundState:
             self.close("target reached")
         elif self.settled():
             self.close("every sampled agent answered")
+
+    def refuse_if_closed(self, slot: AgentSlot) -> None:
+        """A Refusal for ``slot``'s complete update if the round has closed since it began (counted as late)."""
+        if self.closed:
+            slot.status = "late"
+            self.late_refused += 1
+            self.check_open()
 
     def count_accepted(self, slot: AgentSlot, report: tuple[int, dict[str, float]] | None = None) -> None:
         """Count ``slot``'s update as accepted, with its (examples, metrics) report if the round may see one."""

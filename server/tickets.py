@@ -38,8 +38,14 @@ class TicketBook:
     def issue(self, agent_id: str, round_id: int, task_id: str) -> bytes:
         """A fresh ticket for ``agent_id``'s task in ``round_id``."""
         ticket = secrets.token_bytes(TICKET_BYTES)
-        self._live[ticket] = TransferTicket(agent_id, round_id, task_id)
+        self.admit(ticket, agent_id, round_id, task_id)
         return ticket
+
+    def admit(self, ticket: bytes, agent_id: str, round_id: int, task_id: str) -> None:
+        """Honour ``ticket``, drawn elsewhere (by rank 0 for an agent dealt to this aggregator rank)."""
+        if len(ticket) != TICKET_BYTES:
+            raise ValueError(f"a data-plane ticket has {TICKET_BYTES} bytes, not {len(ticket)}")
+        self._live[ticket] = TransferTicket(agent_id, round_id, task_id)
 
     def expire_rounds_before(self, round_id: int) -> None:
         """Tickets of earlier rounds stop working (called when ``round_id`` starts)."""

@@ -1,0 +1,183 @@
+"""Data-parallel aggregation: one coordinator made of several aggregator ranks (``fedpar serve --aggregator-ranks N``).
+
+Rank 0 is the control plane, as a one-process coordinator is: registry, sampling, tasks, the deadline and
+first-K, strategy state, metrics, checkpoints. Every rank is an ingest plane: it serves the global model to
+the agents dealt to it and takes their uploads, with the same checks, folding them into its own partial sum.
+One round, as rank 0 sees it (:class:`RankLeader`; the other ranks' side is server/ingest_rank.py):
+
+    open:  deal the cohort over the ranks (fewest agents first), send each rank its agents' slots
+    round: another rank asks rank 0 to count each complete, checked upload (server/rank_control.py)
+    close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; check that
+           every rank is there (a missing one is named); all-reduce the partial sums
+    end:   rank 0's strategy finishes once; the new model is broadcast to every rank (or "unchanged")
+
+A rank that dies or hangs fails the collective and every rank exits; the group restarted with the same
+command resumes after the last checkpointed round, so that round runs again and nothing counts twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from fedpar.aggregation.strategy import StreamingStrategy
+from fedpar.protocol.dataplane import TICKET_BYTES
+from fedpar.server.rank_control import control_handler, new_secret
+from fedpar.server.rank_group import RankEndpoint, RankGroup
+from fedpar.server.rounds import AgentSlot, RoundState
+
+log = logging.getLogger("fedpar.server")
+STAT_NAMES = ("uploads", "bytes", "fold_s")  # per-rank ingest columns of the metrics row
+
+
+def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool) -> None:
+    """ValueError unless a coordinator of ``ranks`` aggregator ranks can run this strategy and round mode."""
+    if ranks <= 1:
+        return
+    if secure_aggregation:
+        raise ValueError("--secure-aggregation runs on one aggregator rank: unmasking needs every masked vector "
+                         "and the agents' key shares in one process; use --aggregator-ranks 1")
+    if not isinstance(strategy, StreamingStrategy):
+        raise ValueError(f"strategy {strategy.name!r} cannot be split over aggregator ranks: it is not a running "
+                         "weighted sum (median and Krum need every update in one place, and DP's clipping "
+                         "accounting runs in one process); use fedavg, fedavgm, fedprox, fedadam, fedyogi or "
+                         "fedadagrad, or --aggregator-ranks 1")
+
+
+def rank_columns(world: int) -> list[tuple[str, str]]:
+    """The progress table's per-rank ingest columns (uploads and fold seconds) for ``world`` ranks."""
+    return [col for r in range(world) for col in ((f"r{r}_uploads", "{:>10.0f}"), (f"r{r}_fold_s", "{:>9.3f}"))]
+
+
+def ingest_stats(state: RoundState, rank: int) -> list[float]:
+    """What ``rank`` took in this round: accepted uploads, their bytes, and seconds spent folding."""
+    mine = [s for s in state.slots.values() if s.rank == rank and s.status == "accepted"]
+    return [float(len(mine)), float(sum(s.upload_bytes for s in mine)), state.fold_seconds]
+
+
+class RankLeader:
+    """Rank 0's side: deals agents to ranks, and combines the ranks' partial sums at each round's close."""
+
+    def __init__(self, group: RankGroup, advertised_host: str = ""):
+        self.group = group
+        self.advertised_host = advertised_host  # what agents dial for this rank ("" = the host they dial already)
+        self.endpoints: list[RankEndpoint] = []
+        self.secret = new_secret()
+        self._control: grpc.aio.Server | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
+        self._last_sent = time.monotonic()
+        self._ticker: asyncio.Task | None = None
+
+    @property
+    def world(self) -> int:
+        """The number of aggregator ranks."""
+        return self.group.world
+
+    async def _collective(self, fn, *args):
+        """Run ``fn(*args)`` (one or more collectives) on the collective thread, after those submitted before."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        finally:
+            self._last_sent = time.monotonic()
+
+    async def _tick(self) -> None:
+        """While rank 0 waits (for agents, for a round), keep the other ranks' receive within its timeout."""
+        period = self.group.timeout.total_seconds() / 4
+        while True:
+            await asyncio.sleep(period / 2)
+            if time.monotonic() - self._last_sent > period:
+                await self._collective(self.group.send, {"kind": "tick"})
+
+    async def start(self, coordinator) -> None:
+        """Learn where every rank listens, open rank 0's control service for them (``coordinator``'s count,
+        reject and downloaded), and give every rank the model to serve (rank 0's, perhaps resumed)."""
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # where the other ranks already reach rank 0
+        self._control = grpc.aio.server()
+        self._control.add_generic_rpc_handlers((control_handler(self.secret, {
+            "count": coordinator.count_remote, "reject": coordinator.reject_remote,
+            "downloaded": coordinator.downloaded_remote}),))
+        control_port = self._control.add_insecure_port(f"{host}:0")
+        await self._control.start()
+        me = RankEndpoint(0, self.advertised_host, coordinator.grpc_port or 0, coordinator.data_port or 0)
+
+        def work():
+            self.endpoints = self.group.exchange_endpoints(me)
+            self.group.send({"kind": "start", "round": coordinator.round_id, "control": f"{host}:{control_port}",
+                             "secret": self.secret})
+            self.group.broadcast_arrays(coordinator.weights)
+        await self._collective(work)
+        log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints))
+        self._ticker = asyncio.ensure_future(self._tick())
+
+    def deal(self, slots: dict[str, AgentSlot]) -> None:
+        """Give each sampled agent the rank with the fewest agents so far (updates are the same size, so this
+        spreads the bytes evenly); a remote agent's data-plane ticket is drawn here for its rank to honour."""
+        load = [0] * self.world
+        for agent_id in sorted(slots):
+            rank = min(range(self.world), key=lambda r: (load[r], r))
+            load[rank] += 1
+            slot = slots[agent_id]
+            slot.rank = rank
+            if rank and self.endpoints[rank].data_port:
+                slot.data_ticket = secrets.token_bytes(TICKET_BYTES)
+
+    async def open_round(self, state: RoundState, registry) -> None:
+        """Send every rank its agents' slots (with their sessions), before any task is handed out."""
+        agents: dict[str, list] = {str(r): [] for r in range(1, self.world)}
+        for slot in state.slots.values():
+            record = registry.get(slot.agent_id)
+            if slot.rank and record is not None:
+                agents[str(slot.rank)].append({
+                    "agent_id": slot.agent_id, "task_id": slot.task_id, "token": record.token,
+                    "num_examples": record.num_examples, "cert_serial": record.cert_serial,
+                    "ticket": slot.data_ticket.hex() if slot.data_ticket else ""})
+        await self._collective(self.group.send, {
+            "kind": "open", "round": state.round_id, "deadline_seconds": state.deadline_seconds,
+            "agents": agents})
+
+    async def close_round(self, state: RoundState, strategy: StreamingStrategy) -> dict[str, float]:
+        """Combine every rank's partial sum into rank 0's strategy; the per-rank metrics columns. RuntimeError if a
+        rank folded other than what rank 0 counted for it (the round then fails and the model stays)."""
+        expected = [sum(1 for s in state.slots.values() if s.rank == r and s.status == "accepted")
+                    for r in range(self.world)]
+        acc = strategy.accumulator
+
+        def work():
+            self.group.send({"kind": "close", "round": state.round_id, "expected": expected})
+            self.group.all_present()
+            stats = self.group.gather_floats(ingest_stats(state, 0) + [float(acc.count)])
+            self.group.sum_partials(acc)
+            return stats
+        stats = await self._collective(work)
+        row = {f"r{r}_{name}": values[i] for r, values in enumerate(stats) for i, name in enumerate(STAT_NAMES)}
+        folded = [int(values[-1]) for values in stats]
+        if folded != expected:
+            raise RuntimeError(f"round {state.round_id}: the aggregator ranks folded {folded} updates where rank 0 "
+                               f"counted {expected}")
+        return row
+
+    async def publish(self, round_id: int, weights: Sequence[np.ndarray] | None) -> None:
+        """The round's end: the new global model to every rank, or None: the model stays as it was."""
+        def work():
+            self.group.send({"kind": "model", "round": round_id, "changed": weights is not None})
+            if weights is not None:
+                self.group.broadcast_arrays(weights)
+        await self._collective(work)
+
+    async def stop(self, finished: bool) -> None:
+        """Stop ticking; when every round is ``finished``, the other ranks stop serving too."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if finished:
+            await self._collective(self.group.send, {"kind": "stop"})
+        if self._control is not None:
+            await self._control.stop(0.5)
+        self._thread.shutdown(wait=False)

@@ -1,0 +1,79 @@
+"""What every aggregator rank serves agents: the round's global weights to download, and the checked entry of
+their uploads. The Coordinator (rank 0, server/coordinator.py) is one; IngestRank (server/ingest_rank.py) is the
+others'. The gRPC service and the data plane talk to either through this surface."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.payload import WeightPayload, build_payload
+from fedpar.server.registry import AgentRecord, AgentRegistry
+from fedpar.server.rounds import Refusal, RoundMode, RoundState, UploadTicket
+from fedpar.server.tickets import TicketBook
+from fedpar.server.upload_checks import open_ticket
+
+
+class IngestPlane:
+    """The global model as agents download it, the open round's slots, and the opening of uploads (loop only)."""
+
+    rank = 0  # this process's aggregator rank
+
+    def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray],
+                 registry: AgentRegistry):
+        self.config = config
+        self.names = list(names)
+        self.weights = [np.ascontiguousarray(w) for w in weights]
+        self.layout = ModelLayout.of_arrays(self.names, self.weights)
+        self.registry = registry
+        self.round_id = 0  # last completed round
+        self.current: RoundState | None = None
+        self.mode: RoundMode | None = None  # the current round's mode (plain, compressed or secure)
+        self.payload: WeightPayload | None = None
+        self.tickets = TicketBook()  # data-plane transfer tickets
+        self.data_port: int | None = None  # set when the data plane listens (server/dataplane.py)
+        self.grpc_port: int | None = None  # set when gRPC listens (server/app.py)
+        self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                            thread_name_prefix="fedpar-coord")
+
+    def close(self) -> None:
+        """Release the worker threads."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _publish_payload(self, round_id: int) -> None:
+        self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,
+                                             self.config.max_chunk_bytes, self.data_port is not None,
+                                             min(self.config.inline_weights_max_bytes, self.config.max_chunk_bytes))
+
+    @property
+    def current_round_id(self) -> int:
+        """The round in progress, else the last one completed."""
+        return self.current.round_id if self.current else self.round_id
+
+    def payload_for(self, agent: AgentRecord, round_id: int, task_id: str) -> WeightPayload:
+        """The weights an agent may download for its task in ``round_id``."""
+        state = self.current
+        if state is None or state.round_id != round_id:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"round {round_id} is not the current round; pull a new task")
+        state.check_open()
+        state.slot_for(agent.agent_id, task_id)
+        payload = self.payload
+        if payload is None or payload.round_id != round_id:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "weights for this round are not ready; retry")
+        return payload
+
+    def open_upload(self, agent: AgentRecord, header: pb.UploadHeader) -> UploadTicket:
+        """Validate an upload header; returns a ticket or raises Refusal saying what is wrong."""
+        return open_ticket(self.current, self.mode, agent, header, self.config, self.current_round_id, self.rank)

@@ -1,0 +1,176 @@
+"""An aggregator rank other than 0 (server/aggregator_ranks.py): an ingest plane that follows rank 0's rounds.
+
+It serves the global model to the agents rank 0 dealt to it and takes their uploads through the same gRPC
+service, data plane and upload intake as rank 0, with the same checks. A complete, checked upload is counted
+by rank 0 (which alone decides first-K, the deadline and duplicates) and then folded into this rank's own
+strategy, whose running sum joins the all-reduce at the round's close. Agents join and pull tasks at rank 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from fedpar.server.aggregator_ranks import ingest_stats
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.ingest_plane import IngestPlane
+from fedpar.server.rank_control import RankControlClient
+from fedpar.server.rank_group import RankEndpoint, RankGroup
+from fedpar.server.registry import AgentRecord, AgentRegistry
+from fedpar.server.round_modes import RoundModes
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
+
+log = logging.getLogger("fedpar.server")
+
+
+class IngestRank(IngestPlane):
+    """Rank ``group.rank`` of a coordinator's aggregator ranks; :meth:`run` follows rank 0 until the last round."""
+
+    def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray], strategy,
+                 group: RankGroup, admission=None, advertised_host: str = ""):
+        config.validate()
+        super().__init__(config, names, weights, AgentRegistry(float("inf"), admission=admission))
+        self.rank = group.rank
+        self.group = group
+        self.strategy = strategy
+        self.advertised_host = advertised_host
+        self.mode = RoundModes(config, self.names, self.weights, strategy, self._executor).run_mode
+        self.finished = False
+        self.control: RankControlClient | None = None
+        self._counted = 0  # uploads rank 0 counted for this rank in the open round
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
+
+    def _bind_loop(self) -> None:
+        """Nothing to bind (the server calls this on every coordinator)."""
+
+    async def _receive(self) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.group.receive)
+
+    async def _collective(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def run(self) -> None:
+        """Follow rank 0's messages (start, open, close, model, stop) until every round is done."""
+        me = RankEndpoint(self.rank, self.advertised_host, self.grpc_port or 0, self.data_port or 0)
+        await self._collective(self.group.exchange_endpoints, me)
+        try:
+            while True:
+                message = await self._receive()
+                kind = message["kind"]
+                if kind == "start":
+                    self.control = RankControlClient(message["control"], message["secret"],
+                                                     self.config.aggregator_timeout_seconds)
+                    await self._new_model(int(message["round"]))
+                elif kind == "open":
+                    await self._open(message)
+                elif kind == "close":
+                    await self._close(message)
+                elif kind == "model":
+                    if message["changed"]:
+                        await self._new_model(int(message["round"]))
+                    else:
+                        await self._in_thread(self.strategy.abort_round)
+                        self.round_id = int(message["round"])
+                elif kind == "stop":
+                    return
+        finally:
+            self.finished = True
+            if self.control is not None:
+                await self.control.close()
+
+    async def _new_model(self, round_id: int) -> None:
+        """Receive rank 0's model in place and serve it for the next round."""
+        weights = [np.empty_like(w) for w in self.weights]  # the served payload may still view the old ones
+        await self._collective(self.group.broadcast_arrays, weights)
+        self.weights, self.round_id = weights, round_id
+        await self._publish_payload(round_id + 1)
+
+    async def _open(self, message: dict) -> None:
+        """A round opened: take the sessions and slots of the agents dealt to this rank."""
+        round_id = int(message["round"])
+        slots = {}
+        self.tickets.expire_rounds_before(round_id)
+        for entry in message["agents"].get(str(self.rank), []):
+            agent_id = entry["agent_id"]
+            self.registry.admit_session(agent_id, entry["token"], int(entry["num_examples"]), entry["cert_serial"])
+            slots[agent_id] = AgentSlot(agent_id, entry["task_id"], rank=self.rank)
+            if entry["ticket"]:
+                self.tickets.admit(bytes.fromhex(entry["ticket"]), agent_id, round_id, entry["task_id"])
+        await self._in_thread(self.strategy.begin_round, round_id, self.weights)
+        self._counted = 0
+        self.current = RoundState(round_id, len(slots), 0, float(message["deadline_seconds"]), slots)
+
+    async def _close(self, message: dict) -> None:
+        """The round closed at rank 0: wait for the folds of every upload it counted here, then add up."""
+        state = self.current
+        state.close("closed by rank 0")
+        expected = int(message["expected"][self.rank])
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.aggregator_timeout_seconds / 2
+        while self._counted < expected and loop.time() < give_up:  # a count's reply may still be on its way
+            await asyncio.sleep(0.005)
+        if state.pending_folds:
+            await asyncio.gather(*state.pending_folds, return_exceptions=True)
+        acc = self.strategy.accumulator
+        stats = ingest_stats(state, self.rank) + [float(acc.count)]
+
+        def work():
+            self.group.all_present()
+            self.group.gather_floats(stats)
+            self.group.sum_partials(acc)
+        await self._collective(work)
+
+    def download_completed(self, agent_id: str, round_id: int, task_id: str) -> None:
+        """Tell rank 0 the agent has its weights (so its task is not handed out again)."""
+        if self.control is not None:
+            asyncio.ensure_future(self._tell("downloaded", {"agent_id": agent_id, "round": round_id,
+                                                            "task_id": task_id}))
+
+    async def _tell(self, name: str, message: dict) -> None:
+        try:
+            await self.control.call(name, {**message, "rank": self.rank})
+        except Refusal as r:
+            log.info("rank %d: rank 0 did not take %s: %s", self.rank, name, r.message)
+
+    async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
+        """Have rank 0 count the complete, checked update, then fold it here (a Refusal if rank 0 refuses it)."""
+        state, slot = ticket.state, ticket.slot
+        arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
+        state.check_open()
+        message = {"agent_id": slot.agent_id, "task_id": slot.task_id, "round": state.round_id, "rank": self.rank,
+                   "num_examples": ticket.num_examples, "metrics": ticket.metrics,
+                   "upload_bytes": slot.upload_bytes}
+        await self.control.call("count", message)
+        self._counted += 1
+        report = (ticket.num_examples, ticket.metrics)
+        state.count_accepted(slot, report)
+        fold = asyncio.ensure_future(ticket.mode.fold(state, ticket, arrays, report))
+        state.pending_folds.add(fold)
+        try:
+            await fold
+        except Refusal as r:  # this rank's strategy refused it: rank 0 takes its count back
+            await self._tell("reject", {**message, "reason": r.message})
+            raise
+
+    # Agents join and pull their tasks at rank 0.
+    def join(self, agent_id: str, *args, **kwargs) -> AgentRecord:
+        """Refused: agents join rank 0."""
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"this is aggregator rank {self.rank}, which only moves weights; join the coordinator's rank 0")
+
+    async def next_task(self, agent: AgentRecord, *args, **kwargs):
+        """Refused: tasks come from rank 0."""
+        self.join(agent.agent_id)
+
+    def leave(self, agent: AgentRecord) -> None:
+        """Nothing to do: agents leave rank 0."""
+
+    @property
+    def secure(self) -> None:
+        """No secure aggregation across ranks (refused at start-up)."""
+        return None

@@ -1,0 +1,123 @@
+"""The collectives that join aggregator ranks (server/aggregator_ranks.py): rank 0's control messages, the
+check that every rank is there, the all-reduce of the partial sums and the broadcast of the new model.
+
+Control messages are JSON (never pickle) broadcast from rank 0 over a gloo group, so they work the same on CPU
+and GPU nodes; the sums travel over the default group (NCCL when each rank has a GPU). Every call blocks: the
+ranks make them from one thread each, in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fedpar.aggregation.accumulator import WeightedSum
+from fedpar.aggregation.distributed import all_reduce_weighted_sum
+
+
+HOST_BYTES = 255
+
+
+class RankMissing(RuntimeError):
+    """A rank did not take part in a collective in time (it died or hangs); the message names it."""
+
+
+@dataclass(frozen=True)
+class RankEndpoint:
+    """Where one aggregator rank takes agents' downloads and uploads."""
+
+    rank: int
+    host: str  # what agents dial ("" = the host they dial for rank 0)
+    grpc_port: int
+    data_port: int  # 0: no data plane
+
+
+class RankGroup:
+    """This process's place among the aggregator ranks, and the collectives they share."""
+
+    def __init__(self, timeout_seconds: float):
+        if not dist.is_initialized():
+            raise RuntimeError("aggregator ranks need torch.distributed initialized (init_distributed)")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout = timedelta(seconds=timeout_seconds)
+        self.nccl = dist.get_backend() == "nccl"
+        self.control = dist.new_group(backend="gloo", timeout=self.timeout) if self.nccl else dist.group.WORLD
+
+    # --------------------------------------------------------------- control messages
+    def send(self, message: dict) -> None:
+        """Rank 0: broadcast ``message`` to every rank."""
+        assert self.rank == 0
+        data = json.dumps(message, separators=(",", ":")).encode()
+        self._broadcast_bytes(data)
+
+    def receive(self) -> dict:
+        """Ranks > 0: the next message rank 0 sent."""
+        return json.loads(self._broadcast_bytes(None).decode())
+
+    def _broadcast_bytes(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._collective("broadcast", dist.broadcast, size, src=0, group=self.control)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        if int(size):
+            self._collective("broadcast", dist.broadcast, buf, src=0, group=self.control)
+        return buf.numpy().tobytes()
+
+    def all_present(self) -> None:
+        """Return once every rank reached this point; RankMissing naming the ranks that did not, within the timeout."""
+        try:
+            dist.monitored_barrier(group=self.control, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise RankMissing(f"aggregator rank(s) missing at the round's close: {first_line(exc)}") from None
+
+    def exchange_endpoints(self, mine: RankEndpoint) -> list[RankEndpoint]:
+        """Every rank's endpoint, by rank (each rank passes its own)."""
+        host = mine.host.encode()[:HOST_BYTES]
+        row = torch.zeros(HOST_BYTES + 3, dtype=torch.int64)
+        row[0], row[1], row[2] = len(host), mine.grpc_port, mine.data_port
+        row[3:3 + len(host)] = torch.tensor(list(host), dtype=torch.int64)
+        rows = [torch.empty_like(row) for _ in range(self.world)]
+        self._collective("all-gather", dist.all_gather, rows, row, group=self.control)
+        return [RankEndpoint(r, bytes(t[3:3 + int(t[0])].tolist()).decode(), int(t[1]), int(t[2]))
+                for r, t in enumerate(rows)]
+
+    # --------------------------------------------------------------- data
+    def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's ``values`` (same length everywhere), by rank."""
+        mine = torch.tensor(list(values), dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        self._collective("all-gather", dist.all_gather, out, mine, group=self.control)
+        return [t.tolist() for t in out]
+
+    def sum_partials(self, acc: WeightedSum) -> None:
+        """Add up every rank's partial weighted sum in place (each rank then holds the round's total)."""
+        self._collective("all-reduce", all_reduce_weighted_sum, acc, group=None)
+
+    def broadcast_arrays(self, arrays: Sequence[np.ndarray]) -> None:
+        """Rank 0's ``arrays`` into every rank's arrays of the same shapes (in place)."""
+        for a in arrays:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            if self.nccl:
+                dev = t.cuda()
+                self._collective("broadcast", dist.broadcast, dev, src=0)
+                t.copy_(dev.cpu())
+            else:
+                self._collective("broadcast", dist.broadcast, t, src=0)
+
+    def _collective(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:  # a peer died (connection closed) or the timeout passed
+            who = "rank 0 (the control plane)" if self.rank else "an aggregator rank"
+            raise RankMissing(f"{what} among {self.world} aggregator ranks failed on rank {self.rank}: {who} is gone "
+                              f"or hangs ({first_line(exc)})") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's text (torch's carry C++ stack traces after it)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
