@@ -366,10 +366,11 @@ class Coordinator(IngestPlane):
         return {}
 
     def reject_remote(self, message: dict) -> dict:
-        """An aggregator rank's strategy refused an update rank 0 had counted: take the count back."""
+        """An aggregator rank refused an update for good (its content, or its strategy after rank 0 counted it)."""
         state, slot = self._remote_slot(message)
-        if slot.status == "accepted":
+        if slot.status == "accepted":  # counted already: take the count back
             state.withdraw((int(message["num_examples"]), dict(message["metrics"])))
+        if slot.status in ("pending", "uploading", "accepted"):
             state.reject(slot, str(message["reason"]))
         return {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -43,6 +44,7 @@ class IngestRank(IngestPlane):
         self.finished = False
         self.control: RankControlClient | None = None
         self._counted = 0  # uploads rank 0 counted for this rank in the open round
+        self._reports: dict[str, dict] = {}  # this round's count messages, by agent
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
 
     def _bind_loop(self) -> None:
@@ -58,6 +60,8 @@ class IngestRank(IngestPlane):
         """Follow rank 0's messages (start, open, close, model, stop) until every round is done."""
         me = RankEndpoint(self.rank, self.advertised_host, self.grpc_port or 0, self.data_port or 0)
         await self._collective(self.group.exchange_endpoints, me)
+        log.info("aggregator rank %d (pid %d) serving on port %d, data plane on %s", self.rank, os.getpid(),
+                 me.grpc_port, me.data_port or "none")
         try:
             while True:
                 message = await self._receive()
@@ -103,7 +107,14 @@ class IngestRank(IngestPlane):
                 self.tickets.admit(bytes.fromhex(entry["ticket"]), agent_id, round_id, entry["task_id"])
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self._counted = 0
-        self.current = RoundState(round_id, len(slots), 0, float(message["deadline_seconds"]), slots)
+        self._reports = {}
+        self.current = RoundState(round_id, len(slots), 0, float(message["deadline_seconds"]), slots,
+                                  on_reject=self._rejected)
+
+    def _rejected(self, slot: AgentSlot, reason: str) -> None:
+        """An update refused here for good (bad content, or this rank's strategy): rank 0 records it too."""
+        base = {"agent_id": slot.agent_id, "task_id": slot.task_id, "round": self.current.round_id}
+        asyncio.ensure_future(self._tell("reject", {**self._reports.get(slot.agent_id, base), "reason": reason}))
 
     async def _close(self, message: dict) -> None:
         """The round closed at rank 0: wait for the folds of every upload it counted here, then add up."""
@@ -145,17 +156,14 @@ class IngestRank(IngestPlane):
         message = {"agent_id": slot.agent_id, "task_id": slot.task_id, "round": state.round_id, "rank": self.rank,
                    "num_examples": ticket.num_examples, "metrics": ticket.metrics,
                    "upload_bytes": slot.upload_bytes}
+        self._reports[slot.agent_id] = message
         await self.control.call("count", message)
         self._counted += 1
         report = (ticket.num_examples, ticket.metrics)
         state.count_accepted(slot, report)
-        fold = asyncio.ensure_future(ticket.mode.fold(state, ticket, arrays, report))
+        fold = asyncio.ensure_future(ticket.mode.fold(state, ticket, arrays, report))  # a refusal: _rejected
         state.pending_folds.add(fold)
-        try:
-            await fold
-        except Refusal as r:  # this rank's strategy refused it: rank 0 takes its count back
-            await self._tell("reject", {**message, "reason": r.message})
-            raise
+        await fold
 
     # Agents join and pull their tasks at rank 0.
     def join(self, agent_id: str, *args, **kwargs) -> AgentRecord:

@@ -64,6 +64,7 @@ class RoundState:
     fold_seconds: float = 0.0  # spent folding this round's updates on this rank
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
+    on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
 
     @property
     def sampled(self) -> int:
@@ -136,6 +137,8 @@ class RoundState:
         slot.status = "rejected"
         self.rejected += 1
         log.warning("round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
+        if self.on_reject is not None:
+            self.on_reject(slot, message)
         if self.settled():
             self.close("every sampled agent answered")
 

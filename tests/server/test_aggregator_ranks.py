@@ -1,0 +1,186 @@
+"""`fedpar serve --aggregator-ranks 2` (gloo, real processes) against scripted agents over loopback gRPC.
+
+Agents are dealt over both ranks; each rank checks what it receives and folds it into its own partial sum; rank 0
+decides which uploads count; the all-reduced round equals a one-rank coordinator's on the same uploads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from fedpar.datasets import load_dataset
+from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.protocol.messages import channel_options
+from fedpar.server.assembly import CoordinatorAssembly
+from fedpar.server.checkpoint import load_checkpoint
+from support.scripted_agent import ScriptedAgent
+
+ROOT = Path(__file__).resolve().parents[2]
+IDS = ["a0", "a1", "a2", "a3"]  # dealt a0, a2 -> rank 0 and a1, a3 -> rank 1 (sorted, fewest agents first)
+EXAMPLES = {"a0": 50, "a1": 120, "a2": 80, "a3": 200}
+NAMES = [t.name for t in ModelLayout.of_arrays(*(lambda a: (a.names, a.weights))(
+    CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, None))).tensors]
+
+
+def _layout() -> ModelLayout:
+    """The layout of `fedpar serve`'s default model (mlp on digits)."""
+    assembly = CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, None)
+    return ModelLayout.of_arrays(assembly.names, assembly.weights)
+
+
+def _serve(tmp: Path, ranks: int, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--insecure", "--port", "0", "--port-file",
+           str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--no-central-eval",
+           "--aggregator-ranks", str(ranks), "--inline-weights-bytes", "0", "--overselect", "1.0",
+           "--min-available", "4", "--heartbeat", "1", "--liveness-timeout", "30", "--aggregator-timeout", "30",
+           *flags]
+    tmp.mkdir(parents=True, exist_ok=True)
+    with open(tmp / "serve.log", "a") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def _port(tmp: Path, proc: subprocess.Popen) -> int:
+    end = time.monotonic() + 90
+    while time.monotonic() < end and not (tmp / "port").exists():
+        assert proc.poll() is None, (tmp / "serve.log").read_text()
+        time.sleep(0.1)
+    return int((tmp / "port").read_text())
+
+
+class RankedAgent(ScriptedAgent):
+    """A scripted agent that downloads from and uploads to the aggregator rank its task names."""
+
+    def ingest(self, task) -> CoordinatorStub:
+        """The stub for the task's rank (the coordinator's own when the task names none)."""
+        if not task.ingest_port:
+            return self.stub
+        self.ingest_channel = grpc.insecure_channel(f"127.0.0.1:{task.ingest_port}",
+                                                    options=channel_options(64 << 20))
+        return CoordinatorStub(self.ingest_channel)
+
+    def fetch(self, task, layout: ModelLayout) -> list[np.ndarray]:
+        """The round's global model, from the task's rank."""
+        self.stub, main = self.ingest(task), self.stub
+        try:
+            return self.download(task, layout)
+        finally:
+            self.stub = main
+
+    def send(self, task, arrays, num_examples: int, names, to_rank0: bool = False):
+        """Upload to the task's rank (or to rank 0 when told to)."""
+        main = self.stub
+        if not to_rank0:
+            self.stub = self.ingest(task)
+        try:
+            return self.upload(task, arrays, num_examples, names=names)
+        finally:
+            self.stub = main
+
+
+def _update(agent_id: str, round_id: int, weights: list[np.ndarray]) -> list[np.ndarray]:
+    """A deterministic update of the agent's own: the global model moved by an agent- and round-specific step."""
+    rng = np.random.default_rng(1000 * round_id + int(agent_id[1:]))
+    return [(w + rng.normal(0, 0.1, w.shape)).astype(w.dtype) for w in weights]
+
+
+def _rows(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run_rounds(tmp: Path, ranks: int, rounds: int) -> tuple[list[np.ndarray], list[dict], list[int]]:
+    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks; the final model, the rows, each agent's ranks."""
+    layout = _layout()
+    proc = _serve(tmp, ranks, "--rounds", str(rounds), "--clients-per-round", "4")
+    dealt = []
+    try:
+        port = _port(tmp, proc)
+        agents = [RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS]
+        for round_id in range(1, rounds + 1):
+            for agent in agents:
+                task = agent.task(60)
+                assert task.round == round_id
+                dealt.append(1 if task.ingest_port else 0)
+                weights = agent.fetch(task, layout)
+                reply = agent.send(task, _update(agent.agent_id, round_id, weights), EXAMPLES[agent.agent_id],
+                                   NAMES)
+                assert reply.accepted, reply.message
+        assert proc.wait(60) == 0, (tmp / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return load_checkpoint(tmp / "ckpt").arrays, _rows(tmp), dealt
+
+
+def test_two_ranks_give_the_one_rank_models_with_agents_spread_over_both(tmp_path):
+    one, rows1, dealt1 = _run_rounds(tmp_path / "one", 1, 2)
+    two, rows2, dealt2 = _run_rounds(tmp_path / "two", 2, 2)
+    assert dealt1 == [0] * 8 and sorted(dealt2) == [0] * 4 + [1] * 4  # two agents on each rank, every round
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-6)  # float32 sums in another order
+    assert [r["reported"] for r in rows2] == [4, 4] and all(r["status"] == "ok" for r in rows2)
+    assert all(r["r0_uploads"] == 2 and r["r1_uploads"] == 2 for r in rows2), rows2
+    assert rows1[-1]["examples"] == rows2[-1]["examples"] == sum(EXAMPLES.values())
+
+
+def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_path):
+    layout = _layout()
+    proc = _serve(tmp_path, 2, "--rounds", "3", "--clients-per-round", "3", "--overselect", "1.34", "--deadline", "30")
+    try:
+        port = _port(tmp_path, proc)
+        agents = {a: RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS}
+        tasks = {a: agent.task(60) for a, agent in agents.items()}
+        assert [bool(tasks[a].ingest_port) for a in IDS] == [False, True, False, True]
+        start = agents["a0"].fetch(tasks["a0"], layout)
+        updates = {a: _update(a, 1, start) for a in IDS}
+
+        # Round 1: rank 1 refuses a NaN update (final: the agent is out of the round); an upload sent to rank 0
+        # by an agent dealt to rank 1 is refused there; the three honest ones close the round.
+        bad = [u.copy() for u in updates["a1"]]
+        bad[0].flat[3] = np.nan
+        with pytest.raises(grpc.RpcError) as err:
+            agents["a1"].send(tasks["a1"], bad, EXAMPLES["a1"], NAMES)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            agents["a3"].send(tasks["a3"], updates["a3"], EXAMPLES["a3"], NAMES, to_rank0=True)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "rank 1" in err.value.details()
+        for a in ("a0", "a2", "a3"):
+            assert agents[a].send(tasks[a], updates[a], EXAMPLES[a], NAMES).accepted
+
+        # Round 2: three agents close it; the fourth (on rank 1) comes after the close and is refused.
+        tasks = {a: agent.task(60) for a, agent in agents.items()}
+        model1 = agents["a0"].fetch(tasks["a0"], layout)
+        for a in ("a0", "a2", "a3"):
+            assert agents[a].send(tasks[a], _update(a, 2, model1), EXAMPLES[a], NAMES).accepted
+        with pytest.raises(grpc.RpcError) as err:
+            agents["a1"].send(tasks["a1"], _update("a1", 2, model1), EXAMPLES["a1"], NAMES)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert "closed" in err.value.details() or "current round is 3" in err.value.details()
+        # Round 3: all four (a1 included) are in again.
+        tasks = {a: agent.task(60) for a, agent in agents.items()}
+        model2 = agents["a1"].fetch(tasks["a1"], layout)
+        for a in ("a0", "a1", "a2"):
+            assert agents[a].send(tasks[a], _update(a, 3, model2), EXAMPLES[a], NAMES).accepted
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = _rows(tmp_path)
+    assert [(r["reported"], r["rejected"]) for r in rows] == [(3, 1), (3, 0), (3, 0)]
+    assert rows[1]["late"] == 1
+    # Round 1's model is the weighted mean of the three honest updates: the NaN one never touched rank 1's sum.
+    weights = np.array([EXAMPLES[a] for a in ("a0", "a2", "a3")], np.float64)
+    expected = [sum(w * updates[a][i].astype(np.float64) for w, a in zip(weights, ("a0", "a2", "a3"))) / weights.sum()
+                for i in range(len(start))]
+    for got, want in zip(model1, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
