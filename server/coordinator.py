@@ -95,17 +95,22 @@ class Coordinator(IngestPlane):
         await self._publish_payload(self.round_id + 1)
         if self.ranks is not None:
             await self.ranks.start(self)
-        completed = False
+        completed = stopped_early = False
         try:
             await self._wait_for_restored_agents()
             while self.round_id < self.config.rounds:
                 await self._wait_for_agents()
                 await self._run_round(self.round_id + 1)
             completed = True
+        except asyncio.CancelledError:  # stopped early (a signal, a lost aggregator rank): not finished
+            stopped_early = True
+            raise
         finally:
             if self.ranks is not None:
                 await self.ranks.stop(completed)
-            self.finished = True
+            # A coordinator stopped early leaves its agents polling (they re-join the restarted one by themselves);
+            # after the last round, or an error, they hear that training is over.
+            self.finished = not stopped_early
             for event in self._wakeups.values():
                 event.set()
 

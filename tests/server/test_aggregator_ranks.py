@@ -8,16 +8,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import torch
 
+from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
+from fedpar.datasets.clientdata import local_split, partition_indices
+from fedpar.models.for_data import build_model_for_data
+from fedpar.parallel.init import free_port
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.messages import channel_options
@@ -184,3 +194,76 @@ def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_pa
                 for i in range(len(start))]
     for got, want in zip(model1, expected):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def _free_pair() -> int:
+    """A port p with p and p + 1 free (rank r listens on --port + r)."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def _real_agents(port: int, ids: list[str]) -> tuple[list[Agent], list[threading.Thread], list]:
+    """Real agents (an MLP on their IID share of digits) in daemon threads; they re-join by themselves."""
+    splits = load_dataset("digits")
+    parts = partition_indices(splits, "iid", len(ids), 0)
+    agents, errors = [], []
+    for i, agent_id in enumerate(ids):
+        train, val = local_split(splits.train, parts[i], 0.1, 0)
+        torch.manual_seed(0)
+        trainer = LocalTrainer(build_model_for_data("mlp", splits.input_shape, splits.num_classes), train, val, seed=i)
+        agents.append(Agent(AgentConfig(server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
+                                        initial_backoff=0.05, max_backoff=0.3, give_up_after=90), trainer))
+
+    def run(agent):
+        try:
+            agent.run()
+        except BaseException as exc:  # surfaced by the test
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    return agents, threads, errors
+
+
+def test_kill_9_of_rank_1_mid_run_then_the_same_command_resumes_every_round_once(tmp_path):
+    torch.set_num_threads(1)
+    port = _free_pair()
+    flags = ["--port", str(port), "--rounds", "4", "--clients-per-round", "4", "--local-epochs", "1"]
+    proc = _serve(tmp_path, 2, *flags)
+    agents, threads, errors = [], [], []
+    try:
+        assert _port(tmp_path, proc) == port
+        agents, threads, errors = _real_agents(port, IDS)
+        end = time.monotonic() + 90
+        while time.monotonic() < end and not (tmp_path / "out" / "metrics.jsonl").exists():
+            time.sleep(0.05)
+        pid = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", (tmp_path / "serve.log").read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)  # round 2 is under way, or about to be
+        assert proc.wait(60) == 1
+        assert "an aggregator rank failed" in (tmp_path / "serve.log").read_text()
+        done = [r["round"] for r in _rows(tmp_path)]
+        assert done and done == list(range(1, len(done) + 1)) and len(done) < 4
+
+        (tmp_path / "port").unlink()
+        proc = _serve(tmp_path, 2, *flags)  # the same command
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "agents did not finish"
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for a in agents:
+            a.stop()
+    assert not errors, errors
+    rows = _rows(tmp_path)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]  # every round exactly once
+    assert all(r["status"] == "ok" and r["reported"] == 4 for r in rows), rows
+    assert f"resumed from checkpoint after round {len(done)}" in (tmp_path / "serve.log").read_text()
