@@ -267,3 +267,38 @@ def test_kill_9_of_rank_1_mid_run_then_the_same_command_resumes_every_round_once
     assert [r["round"] for r in rows] == [1, 2, 3, 4]  # every round exactly once
     assert all(r["status"] == "ok" and r["reported"] == 4 for r in rows), rows
     assert f"resumed from checkpoint after round {len(done)}" in (tmp_path / "serve.log").read_text()
+
+
+def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_path):
+    """Two torchrun "machines" (one process each) on 127.0.0.1 are one coordinator: rank 0 serves on --port, the
+    other machine's rank on --port + 1, and agents are dealt to both."""
+    port, master = _free_pair(), free_port()
+    serve = ["-m", "fedpar", "serve", "--insecure", "--port", str(port), "--port-file", str(tmp_path / "port"),
+             "--out", str(tmp_path / "out"), "--no-central-eval", "--inline-weights-bytes", "0", "--overselect", "1.0",
+             "--min-available", "4", "--rounds", "1", "--clients-per-round", "4", "--aggregator-timeout", "30"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master), *serve]
+        with open(tmp_path / f"node{node}.log", "w") as log:
+            nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        assert _port(tmp_path, nodes[0]) == port
+        layout = _layout()
+        agents = [RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS]
+        ports = []
+        for agent in agents:
+            task = agent.task(60)
+            ports.append(task.ingest_port)
+            update = _update(agent.agent_id, 1, agent.fetch(task, layout))
+            assert agent.send(task, update, EXAMPLES[agent.agent_id], NAMES).accepted
+        assert sorted(ports) == [0, 0, port + 1, port + 1]
+        for node in nodes:
+            assert node.wait(90) == 0, "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    row = _rows(tmp_path)[0]
+    assert (row["status"], row["reported"], row["r0_uploads"], row["r1_uploads"]) == ("ok", 4, 2, 2)
