@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from fedpar.client import dataplane
-from fedpar.client.transfer import upload_update
+from fedpar.client.transfer import ingest_address, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import OP_DOWNLOAD, Deadline, read_status, recv_exact_into
 from fedpar.protocol.codec import ModelLayout, iter_chunks
@@ -99,6 +99,7 @@ def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examp
         stub = CoordinatorStub(channel)
         reply = _while_busy(lambda: stub.Join(pb.JoinRequest(agent_id=agent_id, num_examples=num_examples), timeout=60))
         auth = pb.AgentAuth(agent_id=agent_id, token=reply.token)
+        ingest = {address: stub}
         while True:
             pulled = stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=5.0), timeout=3600)
             kind = pulled.WhichOneof("kind")
@@ -107,13 +108,17 @@ def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examp
             if kind != "task":
                 continue
             task = pulled.task
+            target = ingest_address(address, task)  # the aggregator rank the task names, like a real agent
+            if target not in ingest:
+                ingest[target] = CoordinatorStub(grpc.insecure_channel(target, options=channel_options(64 << 20)))
             if dataplane.DataPlaneTarget.offered(task):  # whatever the coordinator offers, like a real agent
-                data_plane_download_and_discard(dataplane.DataPlaneTarget(address, task), shared.layout.total_bytes)
-                dataplane.upload(dataplane.DataPlaneTarget(address, task), auth, task, shared.layout, shared.arrays,
+                data_plane_download_and_discard(dataplane.DataPlaneTarget(target, task), shared.layout.total_bytes)
+                dataplane.upload(dataplane.DataPlaneTarget(target, task), auth, task, shared.layout, shared.arrays,
                                  num_examples, 1, {}, 3600)
             else:
-                download_and_discard(stub, auth, task, shared.layout.total_bytes)
-                _while_busy(lambda: upload_update(stub, shared.messages(auth, task, num_examples), timeout=3600))
+                download_and_discard(ingest[target], auth, task, shared.layout.total_bytes)
+                _while_busy(lambda: upload_update(ingest[target], shared.messages(auth, task, num_examples),
+                                                  timeout=3600))
         channel.close()
     except BaseException as exc:  # reported by the worker
         errors.append(exc)

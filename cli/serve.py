@@ -30,6 +30,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.rank_group import first_line
 from fedpar.server.config import CoordinatorConfig
+from fedpar.simulations.synthetic_coordinator import synthetic_model
 from fedpar.server.secure_round import check_secure_setup
 
 
@@ -38,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = CoordinatorConfig()
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0 picks a free one)")
-    p.add_argument("--model", default="mlp", help="mlp or cnn; agents must use the same")
+    p.add_argument("--model", default="mlp", help="mlp or cnn; agents must use the same (or synthetic: see --params)")
+    p.add_argument("--params", type=int, default=1_000_000,
+                   help="with --model synthetic: a model of about this many float32 parameters and no data or "
+                        "central evaluation, for benchmarks and load tests")
     p.add_argument("--dataset", default="digits",
                    help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
     p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
@@ -136,9 +140,12 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     config.upload_compression = compression_from_args(args)
     config.validate()
     strategy_options = strategy_options_from_args(args)
-    splits = load_dataset(args.dataset, args.data_dir)
-    eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
-    assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
+    if args.model == "synthetic":
+        assembly = CoordinatorAssembly(*synthetic_model(args.params, args.seed))
+    else:
+        splits = load_dataset(args.dataset, args.data_dir)
+        eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
+        assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
     if args.dp != "off" and config.fraction is not None:
         raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
     name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,

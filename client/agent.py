@@ -28,8 +28,8 @@ from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, small_upload, task_weights, upload_header,
-                                     upload_messages, upload_update)
+from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
+                                     upload_header, upload_messages, upload_update)
 from fedpar.client.secure_upload import SecureSession
 
 log = logging.getLogger("fedpar.client")
@@ -89,16 +89,9 @@ class Agent:
             return grpc.secure_channel(address, self.config.credentials, options=options)
         return grpc.insecure_channel(address, options=options)
 
-    def _ingest_address(self, task: pb.TrainTask) -> str:
-        """Where the task's weights move: the aggregator rank it names, else the coordinator this agent dials."""
-        if not task.ingest_port:
-            return self.config.server
-        host = task.ingest_host or self.config.server.rpartition(":")[0]
-        return f"{host}:{task.ingest_port}"
-
     def _ingest_stub(self, task: pb.TrainTask) -> CoordinatorStub:
         """The stub for the task's download and upload (one channel per aggregator rank, kept open)."""
-        address = self._ingest_address(task)
+        address = ingest_address(self.config.server, task)
         if address == self.config.server:
             return self._stub
         if address not in self._ingest:
@@ -299,7 +292,7 @@ class Agent:
             return None
         if self.config.credentials is not None and self.config.data_tls is None:
             return None  # never send weights in plaintext beside a TLS control channel
-        return dataplane.DataPlaneTarget(self._ingest_address(task), task, self.config.data_tls,
+        return dataplane.DataPlaneTarget(ingest_address(self.config.server, task), task, self.config.data_tls,
                                          self.config.tls_server_name)
 
     def _via_data_plane(self, what: str, fn, *args):

@@ -19,6 +19,13 @@ from fedpar.protocol.stubs import CoordinatorStub
 UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
 
+def ingest_address(server: str, task: pb.TrainTask) -> str:
+    """Where a task's weights move: the aggregator rank it names, else ``server``, the coordinator dialed."""
+    if not task.ingest_port:
+        return server
+    return f"{task.ingest_host or server.rpartition(':')[0]}:{task.ingest_port}"
+
+
 def download_request(auth: pb.AgentAuth, task: pb.TrainTask) -> pb.DownloadRequest:
     """The DownloadWeights request for ``task``'s global weights."""
     return pb.DownloadRequest(auth=auth, round=task.round, task_id=task.task_id)

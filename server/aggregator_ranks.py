@@ -5,7 +5,8 @@ first-K, strategy state, metrics, checkpoints. Every rank is an ingest plane: it
 the agents dealt to it and takes their uploads, with the same checks, folding them into its own partial sum.
 One round, as rank 0 sees it (:class:`RankLeader`; the other ranks' side is server/ingest_rank.py):
 
-    open:  deal the cohort over the ranks (fewest agents first), send each rank its agents' slots
+    open:  deal the cohort over the ranks (fewest agents first), send each rank its agents' slots, and wait
+           until every rank holds them before any task is handed out
     round: another rank asks rank 0 to count each complete, checked upload (server/rank_control.py)
     close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; check that
            every rank is there (a missing one is named); all-reduce the partial sums
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +37,7 @@ from fedpar.server.rank_group import RankEndpoint, RankGroup
 from fedpar.server.rounds import AgentSlot, RoundState
 
 log = logging.getLogger("fedpar.server")
-STAT_NAMES = ("uploads", "bytes", "fold_s")  # per-rank ingest columns of the metrics row
+STAT_NAMES = ("uploads", "bytes", "fold_s", "peak_mib")  # per-rank ingest columns of the metrics row
 
 
 def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool) -> None:
@@ -58,9 +60,11 @@ def rank_columns(world: int) -> list[tuple[str, str]]:
 
 
 def ingest_stats(state: RoundState, rank: int) -> list[float]:
-    """What ``rank`` took in this round: accepted uploads, their bytes, and seconds spent folding."""
+    """What ``rank`` took in this round: accepted uploads, their bytes, seconds spent folding, and the process's
+    peak resident memory so far in MiB."""
     mine = [s for s in state.slots.values() if s.rank == rank and s.status == "accepted"]
-    return [float(len(mine)), float(sum(s.upload_bytes for s in mine)), state.fold_seconds]
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return [float(len(mine)), float(sum(s.upload_bytes for s in mine)), state.fold_seconds, peak_mib]
 
 
 class RankLeader:
@@ -139,9 +143,11 @@ class RankLeader:
                     "agent_id": slot.agent_id, "task_id": slot.task_id, "token": record.token,
                     "num_examples": record.num_examples, "cert_serial": record.cert_serial,
                     "ticket": slot.data_ticket.hex() if slot.data_ticket else ""})
-        await self._collective(self.group.send, {
-            "kind": "open", "round": state.round_id, "deadline_seconds": state.deadline_seconds,
-            "agents": agents})
+        def work():
+            self.group.send({"kind": "open", "round": state.round_id, "deadline_seconds": state.deadline_seconds,
+                             "agents": agents})
+            self.group.all_present("the round's opening")  # every rank holds the round before any task leaves
+        await self._collective(work)
 
     async def close_round(self, state: RoundState, strategy: StreamingStrategy) -> dict[str, float]:
         """Combine every rank's partial sum into rank 0's strategy; the per-rank metrics columns. RuntimeError if a
@@ -152,12 +158,14 @@ class RankLeader:
 
         def work():
             self.group.send({"kind": "close", "round": state.round_id, "expected": expected})
-            self.group.all_present()
+            self.group.all_present("the round's close")
             stats = self.group.gather_floats(ingest_stats(state, 0) + [float(acc.count)])
+            started = time.perf_counter()
             self.group.sum_partials(acc)
-            return stats
-        stats = await self._collective(work)
+            return stats, time.perf_counter() - started
+        stats, reduce_seconds = await self._collective(work)
         row = {f"r{r}_{name}": values[i] for r, values in enumerate(stats) for i, name in enumerate(STAT_NAMES)}
+        row["allreduce_s"] = reduce_seconds
         folded = [int(values[-1]) for values in stats]
         if folded != expected:
             raise RuntimeError(f"round {state.round_id}: the aggregator ranks folded {folded} updates where rank 0 "

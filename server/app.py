@@ -21,7 +21,10 @@ log = logging.getLogger("fedpar.server")
 def server_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
     """Channel options plus the keepalive permissions agents' pings need."""
     return channel_options(max_chunk_bytes) + [
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: agents ping every 30 s, also on idle channels
+        # (an aggregator rank's between rounds); under gRPC's 5-minute default such pings end in GOAWAY
+        # "too_many_pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.max_concurrent_streams", 4096),
     ]
 

@@ -110,6 +110,7 @@ class IngestRank(IngestPlane):
         self._reports = {}
         self.current = RoundState(round_id, len(slots), 0, float(message["deadline_seconds"]), slots,
                                   on_reject=self._rejected)
+        await self._collective(self.group.all_present, "the round's opening")  # rank 0 then hands out tasks
 
     def _rejected(self, slot: AgentSlot, reason: str) -> None:
         """An update refused here for good (bad content, or this rank's strategy): rank 0 records it too."""
@@ -131,7 +132,7 @@ class IngestRank(IngestPlane):
         stats = ingest_stats(state, self.rank) + [float(acc.count)]
 
         def work():
-            self.group.all_present()
+            self.group.all_present("the round's close")
             self.group.gather_floats(stats)
             self.group.sum_partials(acc)
         await self._collective(work)

@@ -68,12 +68,12 @@ class RankGroup:
             self._collective("broadcast", dist.broadcast, buf, src=0, group=self.control)
         return buf.numpy().tobytes()
 
-    def all_present(self) -> None:
+    def all_present(self, where: str) -> None:
         """Return once every rank reached this point; RankMissing naming the ranks that did not, within the timeout."""
         try:
             dist.monitored_barrier(group=self.control, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as exc:
-            raise RankMissing(f"aggregator rank(s) missing at the round's close: {first_line(exc)}") from None
+            raise RankMissing(f"aggregator rank(s) missing at {where}: {first_line(exc)}") from None
 
     def exchange_endpoints(self, mine: RankEndpoint) -> list[RankEndpoint]:
         """Every rank's endpoint, by rank (each rank passes its own)."""
