@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         strategy = build_strategy(name, **strategy_options, **options)
         if config.secure_aggregation:
             check_secure_setup(assembly.names, assembly.weights, strategy)
+        if config.max_agent_share is not None:  # before any checkpoint is read: say what is wrong, not "resume"
+            strategy.cap_shares(config.max_agent_share)
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2

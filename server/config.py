@@ -115,6 +115,9 @@ class CoordinatorConfig:
                                                                        or self.clients_per_round >= 2)),
              "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
              "clients_per_round >= 2"),
+            (not (self.secure_aggregation and self.max_agent_share is not None),
+             "secure aggregation hides each update's weight: bound it with --secagg-max-weight instead of "
+             "--max-agent-share"),
             (not (self.secure_aggregation and self.upload_compression.method != "none"),
              "secure aggregation masks each update in a finite field, which cannot be compressed: use "
              "--compression none with --secure-aggregation"),
