@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -63,7 +64,6 @@ class DataPlaneServer:
                                        "data-plane connections")
         self.workers = config.max_concurrent_uploads + config.data_plane_downloads
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedpar-data")  # authenticated only
-        self._gate = ThreadPoolExecutor(config.max_dataplane_handshakes, thread_name_prefix="fedpar-data-gate")
         self._listener = socket.create_server((host, port), backlog=1024)
         self._listener.settimeout(0.5)
         self.port = self._listener.getsockname()[1]
@@ -86,7 +86,6 @@ class DataPlaneServer:
         with self._lock:
             for sock in self._active:
                 _shut(sock, socket.SHUT_RDWR)
-        self._gate.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -109,12 +108,9 @@ class DataPlaneServer:
             with self._lock:
                 self._active.add(sock)
             # A stranger until authenticated; beyond the bounds the oldest stranger is woken up and closed.
-            stranger = self.strangers.admit(address[0], functools.partial(_shut, sock, socket.SHUT_RD))
-            try:
-                self._gate.submit(self._admit, sock, stranger)
-            except RuntimeError:  # the pool shut down
-                stranger.done()
-                self._close(sock)
+            stranger = self.strangers.admit(address[0], functools.partial(_wake, sock), functools.partial(_quiet, sock))
+            # One short-lived thread each (the bound above caps them), so none waits in a queue behind strangers.
+            threading.Thread(target=self._admit, args=(sock, stranger), name="fedpar-data-gate", daemon=True).start()
 
     def _admit(self, sock: socket.socket, stranger: Stranger) -> None:
         """Gate thread: handshake, ticket and upload header under the short deadline, checked on the loop; an
@@ -155,19 +151,21 @@ class DataPlaneServer:
             sock.do_handshake()
             peer = _peer_identity(sock)
         op, ticket = decode_preamble(recv_exact(sock, PREAMBLE.size, early))
-        if op == OP_DOWNLOAD:
-            claimed = self._on_loop(self._claim_download, ticket, peer)
-            stranger.done()
-            return functools.partial(self._download, *claimed)
-        try:
-            limit = self.coord.config.max_chunk_bytes + FRAMING_BYTES  # the gRPC path's message limit
-            header = pb.UploadHeader.FromString(read_frame(sock, early, limit))
-        except (DataPlaneError, DecodeError) as exc:
-            if stranger.evicted is not None or time.monotonic() >= early.at:
-                raise DataPlaneError(str(exc)) from None
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}") from None
-        claimed = self._on_loop(self._open_upload, ticket, peer, header)
+        # It has presented a ticket, which the loop checks at once: no more waiting on it, so it may not be let go.
         stranger.done()
+        if op == OP_DOWNLOAD:
+            return functools.partial(self._download, *self._on_loop(self._claim_download, ticket, peer))
+        entry, _, deadline_at = self._on_loop(self._claim, ticket, OP_UPLOAD, peer)
+        try:
+            try:
+                limit = self.coord.config.max_chunk_bytes + FRAMING_BYTES  # the gRPC path's message limit
+                header = pb.UploadHeader.FromString(read_frame(sock, early, limit))
+            except (DataPlaneError, DecodeError) as exc:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}") from None
+            claimed = self._on_loop(self._open_upload, entry, deadline_at, peer, header)
+        except BaseException:
+            self._on_loop(self.coord.tickets.release, entry, OP_UPLOAD, False)
+            raise
         return functools.partial(self._upload, *claimed)
 
     def _transfer(self, sock: socket.socket, job) -> None:
@@ -298,24 +296,19 @@ class DataPlaneServer:
             except (DataPlaneError, RuntimeError, TimeoutError) as exc:
                 log.warning("could not record the end of a data-plane upload: %s", exc)
 
-    def _open_upload(self, ticket: bytes, peer: PeerIdentity | None, header: pb.UploadHeader):
-        """Claim the ticket, check that the header's session is its holder's, and open the upload (loop)."""
-        entry, agent, deadline_at = self._claim(ticket, OP_UPLOAD, peer)
-        try:
-            try:  # the upload header carries the session like on gRPC: ticket and session must agree
-                agent = self.coord.registry.authenticate(header.auth.agent_id, header.auth.token, peer)
-            except AuthError as exc:
-                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
-            except AdmissionRefused as exc:
-                raise Refusal(exc.code, exc.message) from None
-            if agent.agent_id != entry.agent_id:
-                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                              f"this data-plane ticket was issued to agent {entry.agent_id!r}, not to "
-                              f"{agent.agent_id!r}")
-            upload = self.intake.open(agent, header, issued=(entry.round_id, entry.task_id), prepaid=True)
-        except Refusal:
-            self.coord.tickets.release(entry, OP_UPLOAD, False)
-            raise
+    def _open_upload(self, entry, deadline_at: float, peer: PeerIdentity | None, header: pb.UploadHeader):
+        """Check that the header's session is the claimed ticket's holder's, and open the upload (loop); the
+        caller releases the ticket on a refusal."""
+        try:  # the upload header carries the session like on gRPC: ticket and session must agree
+            agent = self.coord.registry.authenticate(header.auth.agent_id, header.auth.token, peer)
+        except AuthError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
+        if agent.agent_id != entry.agent_id:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                          f"this data-plane ticket was issued to agent {entry.agent_id!r}, not to {agent.agent_id!r}")
+        upload = self.intake.open(agent, header, issued=(entry.round_id, entry.task_id), prepaid=True)
         return entry, upload, deadline_at
 
     def _settle_upload(self, entry, upload: Upload, refused: Refusal | None, received: int) -> None:
@@ -329,6 +322,21 @@ def _shut(sock: socket.socket, how: int) -> None:
         socket.socket.shutdown(sock, how)
     except OSError:
         pass
+
+
+def _wake(sock: socket.socket, _: Refusal) -> None:
+    """Let a stranger go: its gate thread wakes up to an end of input (and may still send it the refusal)."""
+    _shut(sock, socket.SHUT_RD)
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """Whether nothing from the peer waits unread on ``sock`` (raw bytes: TLS records count too); never blocks."""
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed meanwhile
+        return True
 
 
 def _send_refusal(sock: socket.socket, r: Refusal) -> None:

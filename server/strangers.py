@@ -1,9 +1,10 @@
 """Bounds on work done for peers that have not authenticated yet (gRPC streams awaiting their header, data-plane
 connections awaiting their handshake and ticket), per peer and in total.
 
-When a bound is full the *oldest* waiting entry is let go, not the newcomer: an honest agent authenticates
-within milliseconds of connecting, so a stranger's silent calls can fill the bound but never lock out an agent
-sharing its address (NAT, loopback). Used from the event loop and from data-plane threads, so it locks.
+When a bound is full the *oldest* waiting entry is let go, not the newcomer (preferring one that has sent nothing
+we have not read, when the owner can tell): an honest agent authenticates within milliseconds of connecting, so a
+stranger's silent calls can fill the bound but never lock out an agent sharing its address (NAT, loopback). Used
+from the event loop and from data-plane threads, so it locks.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 class Stranger:
     """One unauthenticated call or connection; ``evict(refusal)`` is how its owner is told to let it go."""
 
-    __slots__ = ("peer", "evict", "evicted", "started", "_bound")
+    __slots__ = ("peer", "evict", "quiet", "evicted", "started", "_bound")
 
-    def __init__(self, bound: StrangerBound, peer: str, evict: Callable[[Refusal], None]):
-        self._bound, self.peer, self.evict = bound, peer, evict
+    def __init__(self, bound: StrangerBound, peer: str, evict: Callable[[Refusal], None],
+                 quiet: Callable[[], bool] | None = None):
+        self._bound, self.peer, self.evict, self.quiet = bound, peer, evict, quiet
         self.evicted: Refusal | None = None  # set when a bound or its deadline let it go
         self.started = time.monotonic()
 
@@ -50,16 +52,17 @@ class StrangerBound:
     def __len__(self) -> int:
         return len(self._all)
 
-    def admit(self, peer: str, evict: Callable[[Refusal], None]) -> Stranger:
-        """Count a new unauthenticated entry from ``peer``; lets the oldest go (``evict``) beyond either bound."""
-        entry = Stranger(self, peer, evict)
+    def admit(self, peer: str, evict: Callable[[Refusal], None], quiet: Callable[[], bool] | None = None) -> Stranger:
+        """Count a new unauthenticated entry from ``peer``; beyond either bound lets the oldest go (``evict``),
+        the oldest ``quiet()`` one (nothing unread from it) if there is one."""
+        entry = Stranger(self, peer, evict, quiet)
         victims: list[Stranger] = []
         with self._lock:
             mine = self._by_peer.setdefault(peer, OrderedDict())
             if len(mine) >= self.per_peer:
-                victims.append(self._pop(next(iter(mine)), self._refusal(f"from {peer} ", self.per_peer, 1)))
+                victims.append(self._pop(_victim(mine), self._refusal(f"from {peer} ", self.per_peer, 1)))
             if len(self._all) >= self.total:
-                victims.append(self._pop(next(iter(self._all)), self._refusal("", self.total, 0)))
+                victims.append(self._pop(_victim(self._all), self._refusal("", self.total, 0)))
             mine[entry] = None
             self._all[entry] = None
             self.evictions += len(victims)
@@ -100,3 +103,11 @@ class StrangerBound:
         return Refusal(EXHAUSTED, f"more than {limit} unauthenticated {self._what} {scope}at once "
                                   f"({self._options[option]} {limit}); the oldest was let go: authenticate "
                                   "as soon as you connect")
+
+
+def _victim(entries: OrderedDict[Stranger, None]) -> Stranger:
+    """The oldest entry that is quiet, else the oldest."""
+    for entry in entries:
+        if entry.quiet is not None and entry.quiet():
+            return entry
+    return next(iter(entries))
