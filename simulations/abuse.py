@@ -147,7 +147,7 @@ def run_under_attack(server, attack, n_agents: int = 3, before: int = 3, during:
     ``n_agents`` agents, not started) with real agents. ``attack(server, start, stop, out)`` returns the attacker
     process's target and args (or ``attack`` is None: no attacker). Rounds 2..before are the undisturbed ones
     (the first warms up); the attacker starts when round ``before`` ends, and the round after that is not
-    measured either (the attack ramps up)."""
+    measured either (the attack ramps up). ``agent_kwargs(i)``: more honest_agent arguments for agent ``i``."""
     ctx = mp.get_context("spawn")
     start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     server.coordinator.on_round_end.append(lambda row: start.set() if row["round"] == before else None)
@@ -157,8 +157,8 @@ def run_under_attack(server, attack, n_agents: int = 3, before: int = 3, during:
         target, args = attack(server, start, stop, out)
         proc = ctx.Process(target=target, args=args, daemon=True)
         proc.start()
-    agents = [honest_agent(server.address, f"honest-{i}", train_seconds, seed=i, **(agent_kwargs or {}))
-              for i in range(n_agents)]
+    agents = [honest_agent(server.address, f"honest-{i}", train_seconds, seed=i,
+                           **(agent_kwargs(i) if agent_kwargs else {})) for i in range(n_agents)]
     threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
     for t in threads:
         t.start()
