@@ -108,9 +108,15 @@ class DataPlaneServer:
             with self._lock:
                 self._active.add(sock)
             # A stranger until authenticated; beyond the bounds the oldest stranger is woken up and closed.
-            stranger = self.strangers.admit(address[0], functools.partial(_wake, sock), functools.partial(_quiet, sock))
+            stranger = self.strangers.admit(address[0], functools.partial(_wake, sock),
+                                            functools.partial(_quiet, sock))
             # One short-lived thread each (the bound above caps them), so none waits in a queue behind strangers.
-            threading.Thread(target=self._admit, args=(sock, stranger), name="fedpar-data-gate", daemon=True).start()
+            try:
+                threading.Thread(target=self._admit, args=(sock, stranger), name="fedpar-data-gate",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: this one is closed, the next may find one
+                stranger.done()
+                self._close(sock)
 
     def _admit(self, sock: socket.socket, stranger: Stranger) -> None:
         """Gate thread: handshake, ticket and upload header under the short deadline, checked on the loop; an
@@ -150,6 +156,11 @@ class DataPlaneServer:
         if self.ssl_context is not None:
             sock.do_handshake()
             peer = _peer_identity(sock)
+            if peer is not None:  # a revoked certificate goes no further than its handshake
+                try:
+                    self.coord.registry.admission.check_peer(peer)
+                except AdmissionRefused as exc:
+                    raise Refusal(exc.code, exc.message) from None
         op, ticket = decode_preamble(recv_exact(sock, PREAMBLE.size, early))
         # It has presented a ticket, which the loop checks at once: no more waiting on it, so it may not be let go.
         stranger.done()

@@ -1,4 +1,4 @@
-"""Shared by the attack tests: a coordinator of the abuse harness's tiny model, and what every attacked run must show."""
+"""Shared by the attack tests: a coordinator of the harness's tiny model, and what every attacked run must show."""
 
 from __future__ import annotations
 
