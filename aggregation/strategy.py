@@ -9,9 +9,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
+from fedpar.aggregation.accumulator import FoldConfig, WeightedSum, check_weight
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.arrays import ShapesAndDtypes
+from fedpar.aggregation.share_cap import ShareCap
 from fedpar.protocol.task_settings import TaskSettings
 
 
@@ -33,6 +34,12 @@ class Strategy(abc.ABC):
         self._shapes: ShapesAndDtypes | None = None
         self._clients: set[str] = set()
         self._lock = threading.Lock()
+
+    def cap_shares(self, share: float) -> None:
+        """Cap each update's share of a round's total weight at ``share`` (``--max-agent-share``); a ValueError
+        for strategies that do not weight updates by their example counts."""
+        raise ValueError(f"strategy {self.name!r} does not weight updates by example count, so "
+                         "--max-agent-share does not apply to it; leave it unset")
 
     def client_config(self, round_id: int) -> TaskSettings:
         """Task settings sent to every client sampled in ``round_id`` (none by default)."""
@@ -148,27 +155,50 @@ class StreamingStrategy(Strategy):
         super().__init__()
         self.fold_config = fold_config or FoldConfig()
         self._acc: WeightedSum | None = None
+        self.max_share: float | None = None
+        self._cap: ShareCap | None = None
+
+    def cap_shares(self, share: float) -> None:
+        """Cap each update's share of a round's total weight (aggregation/share_cap.py: the heaviest few updates
+        are held back, up to ceil(1/share) - 1 model copies, until the round closes)."""
+        ShareCap(share)  # checks the value
+        self.max_share = float(share)
 
     def _reset_round(self, shapes: ShapesAndDtypes) -> None:
         """A fresh zeroed accumulator (np.zeros maps zero pages lazily, so this costs no extra pass)."""
         self._acc = WeightedSum(shapes, self.fold_config)
+        self._cap = ShareCap(self.max_share) if self.max_share is not None else None
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
-        """Add the update into the running sum."""
+        """Add the update into the running sum (with a share cap: unless it is among the heaviest so far)."""
         assert self._acc is not None
-        self._acc.fold(update, num_examples, check_finite=not known_finite, who=who)
+        if self._cap is None:
+            self._acc.fold(update, num_examples, check_finite=not known_finite, who=who)
+            return
+        # Check now what the sum would check at fold time: a held update must not fail when the round closes.
+        flat = [np.ravel(a) for a in self._acc.shapes.check(update, who)]
+        if not known_finite and not self._acc.all_finite([flat]):
+            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        out = self._cap.offer(update, check_weight(num_examples))
+        if out is not None:
+            self._acc.fold(out[0], out[1], check_finite=False, who=who)
 
     def _num_folded(self) -> int:
-        """Updates in the running sum."""
-        return self._acc.count if self._acc is not None else 0
+        """Updates in the running sum (and held back by the share cap)."""
+        held = self._cap.held if self._cap is not None else 0
+        return (self._acc.count if self._acc is not None else 0) + held
 
     def _drop_round(self) -> None:
         """Forget the accumulator: after finish its buffer is the returned model (mean is taken in place)."""
         self._acc = None
+        self._cap = None
 
     def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
         """Average, then let the subclass turn the average into the new global model."""
         assert self._acc is not None
+        if self._cap is not None:
+            for update, weight in self._cap.settle():
+                self._acc.fold(update, weight, check_finite=False)
         total = self._acc.total_weight
         avg = self._acc.mean(inplace=True)  # the accumulator is zeroed at the next begin_round anyway
         new = self._server_update(global_weights, avg)

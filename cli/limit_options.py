@@ -32,6 +32,21 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="a staged upload silent this long loses its staging slot (the agent may send it again)")
     g.add_argument("--upload-min-bytes-per-second", type=float, default=d.upload_min_bytes_per_second,
                    help="after --upload-idle-seconds, a staged upload slower than this on average loses its slot")
+    g.add_argument("--max-unauthenticated-calls", type=int, default=d.max_unauthenticated_calls,
+                   help="upload streams still waiting for their header (not yet authenticated), in total; they never "
+                        "count against --max-concurrent-rpcs, and beyond this the oldest is let go")
+    g.add_argument("--max-unauthenticated-per-peer", type=int, default=d.max_unauthenticated_per_peer,
+                   help="the same, from one peer (its certificate's name, else its address)")
+    g.add_argument("--dataplane-handshake-seconds", type=float, default=d.dataplane_handshake_seconds,
+                   help="a data-plane connection must finish its TLS handshake and send its ticket (and upload "
+                        "header) within this time; until then it holds no transfer thread")
+    g.add_argument("--max-dataplane-handshakes", type=int, default=d.max_dataplane_handshakes,
+                   help="data-plane connections not yet authenticated, in total; beyond this the oldest is closed")
+    g.add_argument("--max-dataplane-handshakes-per-peer", type=int, default=d.max_dataplane_handshakes_per_peer,
+                   help="the same, from one address")
+    g.add_argument("--max-agent-share", type=float, default=d.max_agent_share,
+                   help="cap on one update's share of a round's total weight, e.g. 0.5 (unset: no cap); heavier "
+                        "updates are weighted down to it when the round closes (streaming strategies)")
     g.add_argument("--max-examples-per-agent", type=int, default=d.max_examples_per_agent,
                    help="largest example count an agent may declare at Join; FedAvg weighs its updates by at most "
                         "that times the local epochs (the count is fixed by its first Join)")

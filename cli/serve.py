@@ -153,7 +153,9 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     strategy = build_strategy(name, **strategy_options, **options)
     if config.secure_aggregation:
         check_secure_setup(assembly.names, assembly.weights, strategy)
-    check_ranks_supported(_world(args), strategy, config.secure_aggregation)
+    if config.max_agent_share is not None:  # before any checkpoint is read: say what is wrong, not "resume"
+        strategy.cap_shares(config.max_agent_share)
+    check_ranks_supported(_world(args), strategy, config.secure_aggregation, config.max_agent_share)
     return ServePlan(config, security, assembly, strategy)
 
 

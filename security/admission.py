@@ -213,8 +213,15 @@ class Admission:
                                    f"the client certificate proves agent {peer.common_name!r}, but the request "
                                    f"names agent {agent_id!r}; use --agent-id {peer.common_name} or that "
                                    "agent's own certificate")
+        self._check_revoked(agent_id, peer.serial if peer is not None else None)
+
+    def check_peer(self, peer: PeerIdentity) -> None:
+        """Raise AdmissionRefused if the client certificate (its serial, or the agent it names) was revoked:
+        checked at the start of every call, before anything is read or counted."""
+        self._check_revoked(peer.common_name, peer.serial)
+
+    def _check_revoked(self, agent_id: str, serial: int | None) -> None:
         self.revocations.refresh()
-        serial = peer.serial if peer is not None else None
         if self.revocations.is_revoked(agent_id, serial):
             what = f"agent {agent_id!r}" if agent_id in self.revocations.ids else \
                 f"the certificate (serial {serial:x}) of agent {agent_id!r}"

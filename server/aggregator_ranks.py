@@ -40,10 +40,13 @@ log = logging.getLogger("fedpar.server")
 STAT_NAMES = ("uploads", "bytes", "fold_s", "peak_mib")  # per-rank ingest columns of the metrics row
 
 
-def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool) -> None:
+def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool, max_agent_share: float | None = None) -> None:
     """ValueError unless a coordinator of ``ranks`` aggregator ranks can run this strategy and round mode."""
     if ranks <= 1:
         return
+    if max_agent_share is not None:
+        raise ValueError("--max-agent-share runs on one aggregator rank: it weighs each update against the whole "
+                         "round's total, which no single rank sees; use --aggregator-ranks 1")
     if secure_aggregation:
         raise ValueError("--secure-aggregation runs on one aggregator rank: unmasking needs every masked vector "
                          "and the agents' key shares in one process; use --aggregator-ranks 1")

@@ -14,6 +14,7 @@ from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
 from fedpar.server.rpc_limit import RpcLimit
 from fedpar.server.service import CoordinatorService, generic_handler
+from fedpar.server.strangers import StrangerBound
 
 log = logging.getLogger("fedpar.server")
 
@@ -40,6 +41,7 @@ class CoordinatorServer:
         self.credentials = credentials
         self.data_tls = data_tls  # TLS for the data plane; required for it when ``credentials`` is set
         self.data_plane = None
+        self.strangers: StrangerBound | None = None  # upload streams not yet authenticated (for tests and logs)
         self.port: int | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -92,9 +94,13 @@ class CoordinatorServer:
         self._stop = asyncio.Event()
         config = self.coordinator.config
         service = CoordinatorService(self.coordinator)
-        # --max-concurrent-rpcs is enforced by RpcLimit (gRPC's own limit would refuse without naming it).
+        # RpcLimit: revocation at the first call, --max-concurrent-rpcs, and the bounds on unauthenticated streams.
+        strangers = StrangerBound(config.max_unauthenticated_calls, config.max_unauthenticated_per_peer,
+                                  "--max-unauthenticated-calls", "--max-unauthenticated-per-peer", "upload streams")
+        self.strangers = strangers
         server = grpc.aio.server(options=server_options(config.max_chunk_bytes),
-                                 interceptors=[RpcLimit(service.limits)])
+                                 interceptors=[RpcLimit(service.limits, self.coordinator.registry.admission,
+                                                        strangers)])
         server.add_generic_rpc_handlers((generic_handler(service),))
         target = f"{self.host}:{self.requested_port}"
         if self.credentials is None:

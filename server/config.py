@@ -41,7 +41,10 @@ class CoordinatorConfig:
     upload_header_seconds: float = 2.0  # an UploadUpdate stream must send its header (and be authenticated) this fast
     upload_idle_seconds: float = 10.0  # a staged upload silent this long loses its staging slot
     upload_min_bytes_per_second: float = 32 << 10  # ... and so does one slower than this on average after that long
+    max_unauthenticated_calls: int = 1024  # upload streams awaiting their header, in total (oldest let go beyond)
+    max_unauthenticated_per_peer: int = 128  # ... and from one peer (certificate name, else address)
     max_examples_per_agent: int = 10_000_000  # largest example count a Join may declare (FedAvg weights by it)
+    max_agent_share: float | None = None  # cap on one update's share of a round's total weight; None: no cap
     max_joins_per_second: float = 500.0  # server-wide Join rate (with a 5-second burst)
     max_concurrent_rpcs: int = 20_000  # server-wide calls in flight; long-polls count, so > agents
     max_queued_uploads: int = 64  # uploads holding or awaiting a staging slot; more are refused (agents retry)
@@ -57,6 +60,9 @@ class CoordinatorConfig:
     data_plane_min_bytes: int = 8 << 20
     data_port: int = 0  # port of the data plane on the gRPC host; 0: a free one
     data_plane_downloads: int = 8  # data-plane downloads served at once (uploads: max_concurrent_uploads)
+    dataplane_handshake_seconds: float = 2.0  # TLS handshake, ticket (and upload header) must arrive this fast
+    max_dataplane_handshakes: int = 256  # data-plane connections not yet authenticated, in total (oldest closed)
+    max_dataplane_handshakes_per_peer: int = 64  # ... and from one address
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # agents compress their deltas
     aggregator_ranks: int = 1  # processes sharing one round's ingest and fold (server/aggregator_ranks.py)
     aggregator_timeout_seconds: float = 120.0  # longest wait for another aggregator rank in a collective
@@ -86,6 +92,12 @@ class CoordinatorConfig:
             (self.max_examples_per_agent >= 1, "max_examples_per_agent must be >= 1"),
             (self.aggregator_ranks >= 1 and self.aggregator_timeout_seconds > 0,
              "aggregator_ranks must be >= 1 and aggregator_timeout_seconds > 0"),
+            (self.max_agent_share is None or 0 < self.max_agent_share <= 1, "max_agent_share must be in (0, 1]"),
+            (self.max_unauthenticated_calls >= 1 and self.max_unauthenticated_per_peer >= 1,
+             "max_unauthenticated_calls and max_unauthenticated_per_peer must be >= 1"),
+            (self.dataplane_handshake_seconds > 0, "dataplane_handshake_seconds must be > 0"),
+            (self.max_dataplane_handshakes >= 1 and self.max_dataplane_handshakes_per_peer >= 1,
+             "max_dataplane_handshakes and max_dataplane_handshakes_per_peer must be >= 1"),
             (self.upload_header_seconds > 0 and self.upload_idle_seconds > 0,
              "upload_header_seconds and upload_idle_seconds must be > 0"),
             (self.upload_min_bytes_per_second >= 0, "upload_min_bytes_per_second must be >= 0"),
@@ -107,6 +119,9 @@ class CoordinatorConfig:
                                                                        or self.clients_per_round >= 2)),
              "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
              "clients_per_round >= 2"),
+            (not (self.secure_aggregation and self.max_agent_share is not None),
+             "secure aggregation hides each update's weight: bound it with --secagg-max-weight instead of "
+             "--max-agent-share"),
             (not (self.secure_aggregation and self.upload_compression.method != "none"),
              "secure aggregation masks each update in a finite field, which cannot be compressed: use "
              "--compression none with --secure-aggregation"),

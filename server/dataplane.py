@@ -1,16 +1,22 @@
 """The coordinator's bulk data plane: serves downloads and receives uploads over plain (or TLS) sockets.
 
-The wire format is in :mod:`fedpar.protocol.dataplane`. Connections are handled by a bounded pool of
-threads with blocking sockets (sendall of the round's contiguous payload; recv_into straight into the
-upload's staging arrays). The coordinator's event loop owns all round state, so every check and state
-change (ticket claim, the upload intake's open, accept and settle: server/uploads.py) runs on that loop
-through ``asyncio.run_coroutine_threadsafe``; only byte moving and the NaN/Inf scan happen in these threads.
+The wire format is in :mod:`fedpar.protocol.dataplane`. A new connection is a stranger until its TLS handshake,
+ticket (and upload header) have arrived and the ticket checks out: that happens on the gate's threads, under
+``--dataplane-handshake-seconds``, with strangers bounded per address and in total (server/strangers.py: beyond
+either bound the oldest is closed). Only then does the connection get one of the transfer threads, so no thread
+that moves honest bytes ever waits on a stranger. Transfers use blocking sockets (sendall of the round's
+contiguous payload; recv_into straight into the upload's staging arrays). The coordinator's event loop owns
+all round state, so every check and state change (ticket claim, the upload intake's open, accept and settle:
+server/uploads.py) runs on that loop through ``asyncio.run_coroutine_threadsafe``; only byte moving and the
+NaN/Inf scan happen in these threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -31,10 +37,10 @@ from fedpar.security.identity import PeerIdentity
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AuthError
 from fedpar.server.rounds import Refusal
+from fedpar.server.strangers import Stranger, StrangerBound
 from fedpar.server.uploads import Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server.dataplane")
-HANDSHAKE_SECONDS = 10.0  # TLS handshake, preamble and upload header must arrive this fast
 LOOP_CALL_SECONDS = 60.0
 # Upload bytes are read, counted (--max-upload-bytes-per-second) and paced (UploadPace) in pieces of this size.
 RECV_PIECE = 1 << 20
@@ -52,9 +58,12 @@ class DataPlaneServer:
         # The gRPC service's intake (and so its limits), when serving beside it.
         self.intake = intake or UploadIntake(coordinator, Limits(config, coordinator.layout.total_bytes))
         self.limits = self.intake.limits
+        self.handshake_seconds = config.dataplane_handshake_seconds
+        self.strangers = StrangerBound(config.max_dataplane_handshakes, config.max_dataplane_handshakes_per_peer,
+                                       "--max-dataplane-handshakes", "--max-dataplane-handshakes-per-peer",
+                                       "data-plane connections")
         self.workers = config.max_concurrent_uploads + config.data_plane_downloads
-        self._free = threading.Semaphore(self.workers)
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedpar-data")
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fedpar-data")  # authenticated only
         self._listener = socket.create_server((host, port), backlog=1024)
         self._listener.settimeout(0.5)
         self.port = self._listener.getsockname()[1]
@@ -76,60 +85,118 @@ class DataPlaneServer:
         self._listener.close()
         with self._lock:
             for sock in self._active:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _shut(sock, socket.SHUT_RDWR)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any connection is still open (for tests)."""
+        return bool(self._active)
 
     # ----------------------------------------------------------------- connections
     def _accept_loop(self) -> None:
+        late = Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"no data-plane ticket within {self.handshake_seconds:g} s "
+                                                          "of connecting (--dataplane-handshake-seconds)")
         while not self._stopped.is_set():
-            if not self._free.acquire(timeout=0.5):
-                continue  # every worker is busy: new connections wait in the listen backlog
+            self.strangers.expire(self.handshake_seconds, late)  # however slowly a handshake trickles in
             try:
-                sock, _ = self._listener.accept()
+                sock, address = self._listener.accept()
             except (socket.timeout, OSError):
-                self._free.release()
                 continue
+            if self.ssl_context is not None:  # no I/O yet: the handshake happens on a gate thread
+                sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            with self._lock:
+                self._active.add(sock)
+            # A stranger until authenticated; beyond the bounds the oldest stranger is woken up and closed.
+            stranger = self.strangers.admit(address[0], functools.partial(_wake, sock),
+                                            functools.partial(_quiet, sock))
+            # One short-lived thread each (the bound above caps them), so none waits in a queue behind strangers.
             try:
-                self._pool.submit(self._serve, sock)
-            except RuntimeError:  # the pool shut down
-                self._free.release()
-                sock.close()
+                threading.Thread(target=self._admit, args=(sock, stranger), name="fedpar-data-gate",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: this one is closed, the next may find one
+                stranger.done()
+                self._close(sock)
 
-    def _serve(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._active.add(sock)
+    def _admit(self, sock: socket.socket, stranger: Stranger) -> None:
+        """Gate thread: handshake, ticket and upload header under the short deadline, checked on the loop; an
+        authenticated connection then goes to a transfer thread, anything else is refused and closed."""
+        job = None
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            early = Deadline(HANDSHAKE_SECONDS)
-            peer = None
-            if self.ssl_context is not None:
-                early.arm(sock)
-                wrapped = self.ssl_context.wrap_socket(sock, server_side=True)
-                with self._lock:  # stop() must reach the TLS socket, which now owns the descriptor
-                    self._active.discard(sock)
-                    self._active.add(wrapped)
-                sock = wrapped
-                peer = _peer_identity(sock)
-            op, ticket = decode_preamble(recv_exact(sock, PREAMBLE.size, early))
-            if op == OP_DOWNLOAD:
-                self._download(sock, ticket, peer)
-            else:
-                self._upload(sock, ticket, peer, early)
+            job = self._authenticate(sock, stranger)
+        except Refusal as r:
+            _send_refusal(sock, r)
+        except (DataPlaneError, ssl.SSLError, OSError) as exc:
+            if time.monotonic() >= stranger.started + self.handshake_seconds and stranger.evicted is None:
+                stranger.evicted = Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"no data-plane ticket within {self.handshake_seconds:g} s of "
+                                           "connecting (--dataplane-handshake-seconds)")
+            if stranger.evicted is not None and (not isinstance(sock, ssl.SSLSocket) or sock.version()):
+                _send_refusal(sock, stranger.evicted)  # only past the TLS handshake (or without TLS)
+            log.info("data connection dropped before it authenticated: %s",
+                     stranger.evicted.message if stranger.evicted is not None else exc)
+        except Exception:  # never let one connection take a thread down silently
+            log.exception("data connection failed")
+        finally:
+            stranger.done()
+        if job is None:
+            self._close(sock)
+            return
+        try:
+            self._pool.submit(self._transfer, sock, job)
+        except RuntimeError:  # the pool shut down: let the job release what it holds
+            self._transfer(sock, job)
+
+    def _authenticate(self, sock: socket.socket, stranger: Stranger):
+        """The transfer an authenticated connection asked for, as a callable taking the socket."""
+        early = Deadline(self.handshake_seconds)
+        early.arm(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = None
+        if self.ssl_context is not None:
+            sock.do_handshake()
+            peer = _peer_identity(sock)
+            if peer is not None:  # a revoked certificate goes no further than its handshake
+                try:
+                    self.coord.registry.admission.check_peer(peer)
+                except AdmissionRefused as exc:
+                    raise Refusal(exc.code, exc.message) from None
+        op, ticket = decode_preamble(recv_exact(sock, PREAMBLE.size, early))
+        # It has presented a ticket, which the loop checks at once: no more waiting on it, so it may not be let go.
+        stranger.done()
+        if op == OP_DOWNLOAD:
+            return functools.partial(self._download, *self._on_loop(self._claim_download, ticket, peer))
+        entry, _, deadline_at = self._on_loop(self._claim, ticket, OP_UPLOAD, peer)
+        try:
+            try:
+                limit = self.coord.config.max_chunk_bytes + FRAMING_BYTES  # the gRPC path's message limit
+                header = pb.UploadHeader.FromString(read_frame(sock, early, limit))
+            except (DataPlaneError, DecodeError) as exc:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}") from None
+            claimed = self._on_loop(self._open_upload, entry, deadline_at, peer, header)
+        except BaseException:
+            self._on_loop(self.coord.tickets.release, entry, OP_UPLOAD, False)
+            raise
+        return functools.partial(self._upload, *claimed)
+
+    def _transfer(self, sock: socket.socket, job) -> None:
+        """Transfer thread: run an authenticated connection's download or upload, then close it."""
+        try:
+            job(sock)
         except (DataPlaneError, ssl.SSLError, OSError) as exc:
             log.info("data connection dropped: %s", exc)
         except Exception:  # never let one connection take a worker down silently
             log.exception("data connection failed")
         finally:
-            with self._lock:
-                self._active.discard(sock)
-            try:
-                sock.close()
-            except OSError:
-                pass
-            self._free.release()
+            self._close(sock)
+
+    def _close(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._active.discard(sock)
+        try:
+            sock.close()
+        except OSError:
+            pass
 
     def _on_loop(self, fn, *args):
         """Run ``fn(*args)`` on the coordinator's loop (a coroutine function is awaited) and return its result."""
@@ -141,12 +208,8 @@ class DataPlaneServer:
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result(LOOP_CALL_SECONDS)
 
     # ----------------------------------------------------------------- download
-    def _download(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None) -> None:
-        try:
-            entry, payload, deadline_at, held = self._on_loop(self._claim_download, ticket, peer)
-        except Refusal as r:
-            _send_refusal(sock, r)
-            return
+    def _download(self, entry, payload, deadline_at: float, held: ExitStack, sock: socket.socket) -> None:
+        """Send the round's weights to a connection whose ticket was claimed (:meth:`_claim_download`)."""
         done = False
         try:
             deadline = Deadline(deadline_at - time.monotonic())
@@ -198,19 +261,9 @@ class DataPlaneServer:
         return entry, payload, deadline_at, held
 
     # ----------------------------------------------------------------- upload
-    def _upload(self, sock: socket.socket, ticket: bytes, peer: PeerIdentity | None, early: Deadline) -> None:
-        """Receive an upload for the intake: its checks and state changes run on the loop, bytes move here."""
-        try:
-            limit = self.coord.config.max_chunk_bytes + FRAMING_BYTES  # the gRPC path's message limit
-            header = pb.UploadHeader.FromString(read_frame(sock, early, limit))
-        except (DataPlaneError, DecodeError) as exc:
-            _send_refusal(sock, Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad upload header: {exc}"))
-            return
-        try:
-            entry, upload, deadline_at = self._on_loop(self._open_upload, ticket, peer, header)
-        except Refusal as r:
-            _send_refusal(sock, r)
-            return
+    def _upload(self, entry, upload: Upload, deadline_at: float, sock: socket.socket) -> None:
+        """Receive an opened upload (:meth:`_open_upload`) for the intake: its checks and state changes run on the
+        loop, bytes move here."""
         deadline = Deadline(deadline_at - time.monotonic())
         have_slot = False
         refused: Refusal | None = None
@@ -254,29 +307,47 @@ class DataPlaneServer:
             except (DataPlaneError, RuntimeError, TimeoutError) as exc:
                 log.warning("could not record the end of a data-plane upload: %s", exc)
 
-    def _open_upload(self, ticket: bytes, peer: PeerIdentity | None, header: pb.UploadHeader):
-        """Claim the ticket, check that the header's session is its holder's, and open the upload (loop)."""
-        entry, agent, deadline_at = self._claim(ticket, OP_UPLOAD, peer)
-        try:
-            try:  # the upload header carries the session like on gRPC: ticket and session must agree
-                agent = self.coord.registry.authenticate(header.auth.agent_id, header.auth.token, peer)
-            except AuthError as exc:
-                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
-            except AdmissionRefused as exc:
-                raise Refusal(exc.code, exc.message) from None
-            if agent.agent_id != entry.agent_id:
-                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                              f"this data-plane ticket was issued to agent {entry.agent_id!r}, not to "
-                              f"{agent.agent_id!r}")
-            upload = self.intake.open(agent, header, issued=(entry.round_id, entry.task_id), prepaid=True)
-        except Refusal:
-            self.coord.tickets.release(entry, OP_UPLOAD, False)
-            raise
+    def _open_upload(self, entry, deadline_at: float, peer: PeerIdentity | None, header: pb.UploadHeader):
+        """Check that the header's session is the claimed ticket's holder's, and open the upload (loop); the
+        caller releases the ticket on a refusal."""
+        try:  # the upload header carries the session like on gRPC: ticket and session must agree
+            agent = self.coord.registry.authenticate(header.auth.agent_id, header.auth.token, peer)
+        except AuthError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
+        if agent.agent_id != entry.agent_id:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                          f"this data-plane ticket was issued to agent {entry.agent_id!r}, not to {agent.agent_id!r}")
+        upload = self.intake.open(agent, header, issued=(entry.round_id, entry.task_id), prepaid=True)
         return entry, upload, deadline_at
 
     def _settle_upload(self, entry, upload: Upload, refused: Refusal | None, received: int) -> None:
         self.intake.settle(upload, refused, received)
         self.coord.tickets.release(entry, OP_UPLOAD, upload.ticket.slot.status != "pending")
+
+
+def _shut(sock: socket.socket, how: int) -> None:
+    """Wake whatever blocks on ``sock`` (the plain socket call: a TLS socket may be mid-handshake)."""
+    try:
+        socket.socket.shutdown(sock, how)
+    except OSError:
+        pass
+
+
+def _wake(sock: socket.socket, _: Refusal) -> None:
+    """Let a stranger go: its gate thread wakes up to an end of input (and may still send it the refusal)."""
+    _shut(sock, socket.SHUT_RD)
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """Whether nothing from the peer waits unread on ``sock`` (raw bytes: TLS records count too); never blocks."""
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return not poller.poll(0)
+    except (OSError, ValueError):  # closed meanwhile
+        return True
 
 
 def _send_refusal(sock: socket.socket, r: Refusal) -> None:

@@ -161,6 +161,8 @@ class RoundModes:
                  executor: Executor):
         if config.secure_aggregation:
             check_secure_setup(names, weights, strategy)
+        if config.max_agent_share is not None:
+            strategy.cap_shares(config.max_agent_share)
         self.config = config
         self.strategy = strategy
         self.in_thread = functools.partial(in_thread, executor)  # unmasking always runs on a worker thread

@@ -19,6 +19,7 @@ from fedpar.server.decoding import Malformed, parser, refuse_malformed
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord, AuthError
 from fedpar.server.rounds import Refusal
+from fedpar.server.rpc_limit import authenticated
 from fedpar.server.secure_round import secagg_exchange
 from fedpar.server.uploads import Upload, UploadIntake
 
@@ -35,11 +36,13 @@ class CoordinatorService:
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
-            return self.coord.registry.authenticate(auth.agent_id, auth.token, peer_identity(context))
+            record = self.coord.registry.authenticate(auth.agent_id, auth.token, peer_identity(context))
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         except AdmissionRefused as exc:
             raise Refusal(exc.code, exc.message) from None
+        authenticated()  # an upload stream leaves the strangers' bounds for --max-concurrent-rpcs
+        return record
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         """Register an agent."""
@@ -82,7 +85,8 @@ class CoordinatorService:
     async def UploadUpdate(self, request_iterator, context) -> pb.UploadReply:
         """Receive one update: header, in-order data chunks, end marker; fold it only if all is valid."""
         try:
-            # Nothing is authenticated before the header: a stream that does not send it at once is let go.
+            # Nothing is authenticated before the header: a stream that does not send it at once is let go
+            # (meanwhile it counts only against the strangers' bounds: server/rpc_limit.py).
             seconds = self.coord.config.upload_header_seconds
             first = await _next_message(request_iterator, seconds, lambda: Refusal(
                 grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -58,3 +58,26 @@ def test_a_rejoin_cannot_raise_the_weight_and_the_model_moves_by_at_most_the_cap
     share = 100 / 300  # the attacker's capped weight over the round's total
     for new in server.coordinator.weights:
         np.testing.assert_allclose(new, share * 1000.0 + (1 - share) * 1.0, rtol=1e-5)
+
+
+def test_with_a_share_cap_an_inflated_count_moves_the_model_by_at_most_the_capped_share(start_coordinator, agents):
+    init = _zeros()
+    server = start_coordinator(init, clients_per_round=5, min_available=5, local_epochs=EPOCHS,
+                               max_examples_per_agent=10_000_000, max_agent_share=0.25)
+    honest = agents(server.address, [f"h{i}" for i in range(4)], num_examples=100)
+    attacker = agents(server.address, ["evil"], num_examples=10_000_000)[0]  # the most it may declare
+    tasks = {bot.agent_id: bot.task() for bot in [*honest, attacker]}
+    assert attacker.upload(tasks["evil"], [np.full(s, 1000.0, np.float32) for s in SHAPES], 10_000_000).accepted
+    for bot in honest:
+        assert bot.upload(tasks[bot.agent_id], [np.ones(s, np.float32) for s in SHAPES], 100).accepted
+    assert server.wait(30) and server.coordinator.metrics.rows[-1]["status"] == "ok"
+    clean = 1.0  # the attacker-free model: every honest update is +1
+    for new in server.coordinator.weights:  # the attacker holds exactly its capped quarter of the round
+        np.testing.assert_allclose(new, 0.25 * 1000.0 + 0.75 * clean, rtol=1e-5)
+        assert np.all(np.abs(new - clean) <= 0.25 * (1000.0 - clean) * (1 + 1e-5))
+
+
+def test_serve_refuses_a_share_cap_for_a_strategy_that_does_not_weight_by_examples(capsys):
+    from fedpar.cli.main import main
+    assert main(["serve", "--insecure", "--strategy", "median", "--max-agent-share", "0.5", "--rounds", "0"]) == 2
+    assert "--max-agent-share does not apply" in capsys.readouterr().err

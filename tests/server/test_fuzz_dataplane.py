@@ -149,12 +149,11 @@ def _settled(fz) -> None:
     plane, coord = fz.server.data_plane, fz.server.coordinator
     for _ in range(200):
         busy = [e for e in coord.tickets._live.values() if "busy" in e.ops.values()]
-        # The accept loop holds one worker's permit while it waits for the next connection.
-        free = plane._free._value >= plane.workers - 1 and not plane._active
+        free = not plane.busy
         if free and not busy and plane.limits._queued_uploads == 0 and not plane.limits._calls:
             break
         time.sleep(0.01)
-    assert plane._free._value >= plane.workers - 1 and not plane._active, "a data-plane worker was not released"
+    assert not plane.busy and not len(plane.strangers), "a data-plane connection was not released"
     assert not [e for e in coord.tickets._live.values() if "busy" in e.ops.values()], "a ticket stayed busy"
     assert plane.limits._queued_uploads == 0 and not plane.limits._calls, "a limit was not released"
     assert fz.server.error is None and plane._thread.is_alive()

@@ -1,0 +1,94 @@
+"""Honest round time under attack: undisturbed, and under each attack, as ratios measured in the same run.
+
+One command: ``.venv/bin/python benchmarks/abuse_bench.py`` (``--json PATH`` for where the figures go, default
+runs/abuse_bench.json). Each attack is one run of simulations/abuse.py: a coordinator at its default limits
+(except where an attack needs the data plane or mutual TLS), real agents (client/agent.py) training a tiny model
+for ``--train`` seconds per round, and the attacker in its own process, started after the undisturbed rounds:
+1. pre-auth stream flood: silent UploadUpdate streams (no certificate, no session) from the agents' own address;
+2. revoked-certificate flood: the same under mutual TLS with a revoked client certificate;
+3. idle data-plane sockets: TCP connections to the data plane that never send a byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from cryptography import x509
+
+from fedpar.aggregation import build_strategy
+from fedpar.models import get_weights, weight_specs
+from fedpar.security.admission import Admission, RevocationList, append_revocation
+from fedpar.security.certs import CertPaths, ensure_certs
+from fedpar.security.tls import channel_credentials, client_tls_files, server_credentials, server_tls_files
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.coordinator import Coordinator
+from fedpar.simulations.abuse import idle_sockets, run_under_attack, silent_streams, tiny_model
+
+
+def server_for(rounds: int, agents: int, credentials=None, admission=None, **overrides) -> CoordinatorServer:
+    """A coordinator of the tiny model at default limits (plus ``overrides``), not started."""
+    model = tiny_model()
+    config = CoordinatorConfig(rounds=rounds, clients_per_round=agents, min_available=agents, overselect=1.0,
+                               heartbeat_seconds=1.0, liveness_timeout_seconds=10.0, **overrides)
+    coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model),
+                              build_strategy("fedavg"), admission=admission)
+    return CoordinatorServer(coordinator, credentials=credentials)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every attack and print a table of ratios; write the figures as JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agents", type=int, default=3)
+    p.add_argument("--before", type=int, default=5, help="rounds before the attack (the first warms up)")
+    p.add_argument("--during", type=int, default=5, help="rounds measured under attack")
+    p.add_argument("--train", type=float, default=0.3, help="seconds each agent trains per round")
+    p.add_argument("--streams", type=int, default=2000, help="silent streams the flood keeps open")
+    p.add_argument("--sockets", type=int, default=300, help="idle data-plane connections held open")
+    p.add_argument("--json", type=Path, default=Path("runs/abuse_bench.json"))
+    a = p.parse_args(argv)
+    rounds = a.before + 1 + a.during
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = [f"honest-{i}" for i in range(a.agents)]
+        ensure_certs(Path(tmp), [*ids, "mallory"])
+        paths = CertPaths(Path(tmp))
+        serial = x509.load_pem_x509_certificate(paths.agent_cert("mallory").read_bytes()).serial_number
+        append_revocation(paths.revoked, serial=serial)
+        revoked_tls = {"cert": str(paths.agent_cert("mallory")), "key": str(paths.agent_key("mallory")),
+                       "ca": str(paths.ca_cert)}
+        attacks = {
+            "pre-auth stream flood": (server_for(rounds, a.agents),
+                                      lambda s, *ev: (silent_streams, (s.address, a.streams, None, *ev)), None),
+            "revoked-cert flood": (server_for(rounds, a.agents, server_credentials(server_tls_files(tmp)),
+                                              Admission(revocations=RevocationList(paths.revoked),
+                                                        require_certificate=True)),
+                                   lambda s, *ev: (silent_streams, (s.address, a.streams, revoked_tls, *ev)),
+                                   lambda i: {"credentials": channel_credentials(client_tls_files(ids[i], tmp))}),
+            "idle data-plane sockets": (server_for(rounds, a.agents, data_plane=True),
+                                        lambda s, *ev: (idle_sockets, ("127.0.0.1", s.coordinator.data_port,
+                                                                       a.sockets, *ev)), None),
+        }
+        print(f"{'attack':<26}{'undisturbed s':>15}{'attacked s':>12}{'ratio':>8}  attacker's calls ended as")
+        for name, (server, attack, kwargs) in attacks.items():
+            run = run_under_attack(server, attack, a.agents, a.before, a.during, a.train, kwargs)
+            ok = all(r["status"] == "ok" and r["reported"] == a.agents for r in run.rows)
+            before, during = statistics.median(run.before), statistics.median(run.during)
+            top = ", ".join(f"{k[:70]} x{v}" for k, v in run.attacker.most_common(2))
+            print(f"{name:<26}{before:>15.3f}{during:>12.3f}{run.ratio:>8.2f}  {top}"
+                  + ("" if ok else "  (SOME ROUNDS FAILED)"), flush=True)
+            results[name] = {"undisturbed_seconds": run.before, "attacked_seconds": run.during,
+                             "ratio": run.ratio, "all_rounds_ok": ok, "attacker": dict(run.attacker)}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(results, indent=2))
+    print(f"wrote {a.json}")
+    return 0 if all(r["all_rounds_ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

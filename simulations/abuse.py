@@ -1,0 +1,187 @@
+"""Honest rounds under attack, on loopback: a real coordinator, real agents (client/agent.py) in threads, and a
+stranger in its own process that starts after the undisturbed rounds. Used by the attack tests and by
+benchmarks/abuse_bench.py.
+
+The attackers (each one process, one thread, asyncio or one selector):
+- :func:`silent_streams`: UploadUpdate streams that never send their header, re-opened as they are let go;
+  with a certificate (e.g. a revoked one) when given one.
+- :func:`idle_sockets`: TCP connections to the data plane that never send a byte, re-opened as they are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import selectors
+import socket
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.messages import channel_options
+from fedpar.protocol.stubs import CoordinatorStub
+
+REOPEN_PER_SECOND = 200  # how fast an attacker re-opens what was let go (it would burn its own CPU otherwise)
+
+
+# ----------------------------------------------------------------------------- attackers (child processes)
+def silent_streams(address: str, count: int, tls: dict | None, start, stop, out) -> None:
+    """Keep ``count`` silent UploadUpdate streams open until ``stop``; put a Counter of how they ended in ``out``."""
+    start.wait()
+    out.put(asyncio.run(_silent_streams(address, count, tls, stop)))
+
+
+async def _silent_streams(address: str, count: int, tls: dict | None, stop) -> Counter:
+    options = channel_options(64 << 20)
+    if tls:
+        from fedpar.security.tls import TlsFiles, channel_credentials
+        files = TlsFiles(*(Path(tls[k]) if tls.get(k) else None for k in ("cert", "key", "ca")))
+        channel = grpc.aio.secure_channel(address, channel_credentials(files), options=options)
+    else:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    stub = CoordinatorStub(channel)
+    ended: Counter = Counter()
+    pace = asyncio.Semaphore(count)
+
+    async def never():
+        await asyncio.sleep(3600)
+        yield pb.UploadChunk()
+
+    async def one() -> None:
+        while not stop.is_set():
+            async with pace:
+                try:
+                    await stub.UploadUpdate(never(), timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    ended[f"{err.code().name}: {(err.details() or '')[:160]}"] += 1
+            await asyncio.sleep(count / REOPEN_PER_SECOND)
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(count)]
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await channel.close()
+    return ended
+
+
+def idle_sockets(host: str, port: int, count: int, start, stop, out) -> None:
+    """Keep ``count`` idle TCP connections to ``host:port`` until ``stop``; put how many were closed in ``out``."""
+    start.wait()
+    sel = selectors.DefaultSelector()
+    opened = closed = 0
+    last_open = 0.0
+    while not stop.is_set():
+        while len(sel.get_map()) < count and time.monotonic() - last_open >= 1 / REOPEN_PER_SECOND:
+            try:
+                sock = socket.create_connection((host, port), timeout=2)
+            except OSError:
+                break
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ)
+            opened += 1
+            last_open = time.monotonic() if len(sel.get_map()) > count // 2 else 0.0
+        for key, _ in sel.select(0.01):
+            try:
+                data = key.fileobj.recv(4096)
+            except OSError:
+                data = b""
+            if not data:  # the coordinator let it go
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+                closed += 1
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    out.put(Counter(opened=opened, closed=closed))
+
+
+# ----------------------------------------------------------------------------- honest side
+def tiny_model(seed: int = 0):
+    """A small torch classifier (the global model of these runs)."""
+    import torch
+    from torch import nn
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def honest_agent(address: str, agent_id: str, train_seconds: float, credentials=None, data_tls=None,
+                 seed: int = 0):
+    """A real agent (client/agent.py) training ``tiny_model`` on 64 random examples for about ``train_seconds``."""
+    from fedpar.client.agent import Agent, AgentConfig
+    from fedpar.client.trainer import LocalTrainer
+    from fedpar.datasets.arrays import ArrayDataset
+    rng = np.random.default_rng(seed)
+    data = ArrayDataset(rng.standard_normal((64, 16)).astype(np.float32), rng.integers(0, 4, 64))
+    config = AgentConfig(server=address, agent_id=agent_id, poll_seconds=2.0, give_up_after=60.0,
+                         credentials=credentials, data_tls=data_tls, seed=seed, initial_backoff=0.05, max_backoff=0.5)
+    return Agent(config, LocalTrainer(tiny_model(), data, seed=seed, seconds_per_step_delay=train_seconds / 2))
+
+
+@dataclass
+class AttackRun:
+    """Round times of one run: undisturbed rounds first, then rounds while the attacker ran."""
+
+    before: list[float]
+    during: list[float]
+    rows: list[dict]
+    attacker: Counter = field(default_factory=Counter)
+    agents: list = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """Median round time under attack over the undisturbed median."""
+        return statistics.median(self.during) / statistics.median(self.before)
+
+
+def run_under_attack(server, attack, n_agents: int = 3, before: int = 3, during: int = 3,
+                     train_seconds: float = 0.1, agent_kwargs=None, timeout: float = 120.0) -> AttackRun:
+    """Run ``before + 1 + during`` rounds of ``server`` (a CoordinatorServer configured for that many rounds and
+    ``n_agents`` agents, not started) with real agents. ``attack(server, start, stop, out)`` returns the attacker
+    process's target and args (or ``attack`` is None: no attacker). Rounds 2..before are the undisturbed ones
+    (the first warms up); the attacker starts when round ``before`` ends, and the round after that is not
+    measured either (the attack ramps up). ``agent_kwargs(i)``: more honest_agent arguments for agent ``i``."""
+    ctx = mp.get_context("spawn")
+    start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    server.coordinator.on_round_end.append(lambda row: start.set() if row["round"] == before else None)
+    server.start()
+    proc = None
+    if attack is not None:
+        target, args = attack(server, start, stop, out)
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+    agents = [honest_agent(server.address, f"honest-{i}", train_seconds, seed=i,
+                           **(agent_kwargs(i) if agent_kwargs else {})) for i in range(n_agents)]
+    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    found = Counter()
+    try:
+        if not server.wait(timeout):
+            raise TimeoutError(f"the rounds did not finish in {timeout} s: {server.coordinator.metrics.rows}")
+    finally:
+        stop.set()
+        start.set()
+        if proc is not None:
+            try:
+                found = out.get(timeout=20)
+            except Exception:  # the attacker's report is a nicety; the rounds are the result
+                pass
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        for a in agents:
+            a.stop()
+        server.stop(grace=0.2)
+        for t in threads:
+            t.join(10)
+    rows = server.coordinator.metrics.rows
+    seconds = [r["round_seconds"] for r in rows]
+    return AttackRun(seconds[1:before], seconds[before + 1:], rows, found, agents)
