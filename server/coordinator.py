@@ -102,7 +102,7 @@ class Coordinator(IngestPlane):
                 await self._wait_for_agents()
                 await self._run_round(self.round_id + 1)
             completed = True
-        except asyncio.CancelledError:  # stopped early (a signal, a lost aggregator rank): not finished
+        except (asyncio.CancelledError, RankMissing):  # stopped early (a signal, a lost aggregator rank)
             stopped_early = True
             raise
         finally:
