@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             spawn(world, serve_rank, _plain_options(args))
         except Exception as exc:  # a rank died or hung: the others were stopped with it
-            print(f"fedpar serve: an aggregator rank failed: {first_line(exc)}; run the same command again to "
+            print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
                   "resume after the last checkpointed round", file=sys.stderr)
             return 1
         return 0
@@ -188,6 +188,12 @@ def run(args: argparse.Namespace) -> int:
         serve_rank(args)
         exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
     return _serve(args, plan)
+
+
+def _rank_failure(exc: BaseException) -> str:
+    """What went wrong in a spawned rank: its RankMissing line when it raised one, else the launcher's first line."""
+    missing = [line.split("RankMissing: ", 1)[1] for line in str(exc).splitlines() if "RankMissing: " in line]
+    return missing[0] if missing else first_line(exc)
 
 
 def _plain_options(args: argparse.Namespace) -> dict:

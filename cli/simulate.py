@@ -13,6 +13,7 @@ import sys
 from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.progress import COLUMNS, RoundTable
+from fedpar.server.aggregator_ranks import rank_columns
 from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.client.trainer import PRECISIONS
 from fedpar.parallel.device import DEVICE_HELP
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "batched model (torch.func), each with its own data, batches, steps and deadline; slow "
                         "devices (--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and "
                         "DP still apply to each agent's update. Models with dropout or batch norm are refused")
+    p.add_argument("--aggregator-ranks", type=int, default=d.aggregator_ranks,
+                   help="coordinator processes sharing each round's downloads, uploads and fold (as serve's "
+                        "--aggregator-ranks); the table shows each rank's uploads and fold seconds")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
     p.add_argument("--tls", action="store_true",
                    help="run every agent over mutual TLS with throw-away certificates (default: plaintext on "
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary."""
     fields = set(SimulationConfig.__dataclass_fields__)
     cfg = SimulationConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else [])
+    columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else []) + \
+        (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     try:
         cfg.strategy_options = strategy_options_from_args(args)

@@ -75,6 +75,13 @@ def init_distributed(timeout_seconds: float = 300.0, device: str = "auto") -> Di
     return _joined
 
 
+def join_gloo_group(rank: int, world_size: int, port: int, timeout_seconds: float, host: str = "127.0.0.1") -> None:
+    """Join a gloo group of ``world_size`` processes whose rank 0 listens on ``host:port`` (processes started by
+    their own launcher, e.g. `fedpar simulate`'s aggregator ranks, not torchrun)."""
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_seconds))
+
+
 def shutdown_distributed() -> None:
     """Destroy the default process group if there is one."""
     global _joined

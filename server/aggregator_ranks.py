@@ -33,10 +33,11 @@ import numpy as np
 from fedpar.aggregation.strategy import StreamingStrategy
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.server.rank_control import control_handler, new_secret
-from fedpar.server.rank_group import RankEndpoint, RankGroup
+from fedpar.server.rank_group import RankEndpoint, RankGroup, RankMissing
 from fedpar.server.rounds import AgentSlot, RoundState
 
 log = logging.getLogger("fedpar.server")
+HEARTBEAT_SECONDS = 1.0  # how often the other ranks tell rank 0 they are alive
 STAT_NAMES = ("uploads", "bytes", "fold_s", "peak_mib")  # per-rank ingest columns of the metrics row
 
 
@@ -81,6 +82,7 @@ class RankLeader:
         self._control: grpc.aio.Server | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
         self._last_sent = time.monotonic()
+        self._heard: dict[int, float] = {}  # last heartbeat of each other rank
         self._ticker: asyncio.Task | None = None
 
     @property
@@ -89,11 +91,28 @@ class RankLeader:
         return self.group.world
 
     async def _collective(self, fn, *args):
-        """Run ``fn(*args)`` (one or more collectives) on the collective thread, after those submitted before."""
+        """Run ``fn(*args)`` (one or more collectives) on the collective thread, after those submitted before; a
+        RankMissing names the ranks whose heartbeats stopped."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        except RankMissing as exc:
+            raise RankMissing(f"{exc}; {self.silent_ranks()}") from None
         finally:
             self._last_sent = time.monotonic()
+
+    def alive(self, message: dict) -> dict:
+        """Another rank's heartbeat (every HEARTBEAT_SECONDS, over the control service)."""
+        self._heard[int(message["rank"])] = time.monotonic()
+        return {}
+
+    def silent_ranks(self) -> str:
+        """Which ranks' heartbeats stopped: the ones a failed collective waited for."""
+        now = time.monotonic()
+        silent = [r for r in range(1, self.world) if now - self._heard.get(r, 0.0) > 3 * HEARTBEAT_SECONDS]
+        if not silent:
+            return "every other rank's heartbeat is still arriving"
+        return "no heartbeat from " + ", ".join(
+            f"rank {r} for {now - self._heard[r]:.1f} s" if r in self._heard else f"rank {r} ever" for r in silent)
 
     async def _tick(self) -> None:
         """While rank 0 waits (for agents, for a round), keep the other ranks' receive within its timeout."""
@@ -110,7 +129,7 @@ class RankLeader:
         self._control = grpc.aio.server()
         self._control.add_generic_rpc_handlers((control_handler(self.secret, {
             "count": coordinator.count_remote, "reject": coordinator.reject_remote,
-            "downloaded": coordinator.downloaded_remote}),))
+            "downloaded": coordinator.downloaded_remote, "alive": self.alive}),))
         control_port = self._control.add_insecure_port(f"{host}:0")
         await self._control.start()
         me = RankEndpoint(0, self.advertised_host, coordinator.grpc_port or 0, coordinator.data_port or 0)

@@ -17,7 +17,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from fedpar.server.aggregator_ranks import ingest_stats
+from fedpar.server.aggregator_ranks import HEARTBEAT_SECONDS, ingest_stats
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ingest_plane import IngestPlane
 from fedpar.server.rank_control import RankControlClient
@@ -69,6 +69,7 @@ class IngestRank(IngestPlane):
                 if kind == "start":
                     self.control = RankControlClient(message["control"], message["secret"],
                                                      self.config.aggregator_timeout_seconds)
+                    heartbeat = asyncio.ensure_future(self._heartbeat())
                     await self._new_model(int(message["round"]))
                 elif kind == "open":
                     await self._open(message)
@@ -85,7 +86,14 @@ class IngestRank(IngestPlane):
         finally:
             self.finished = True
             if self.control is not None:
+                heartbeat.cancel()
                 await self.control.close()
+
+    async def _heartbeat(self) -> None:
+        """Tell rank 0 this rank is alive, so a failed collective can name the ranks that are not."""
+        while True:
+            await self._tell("alive", {})
+            await asyncio.sleep(HEARTBEAT_SECONDS)
 
     async def _new_model(self, round_id: int) -> None:
         """Receive rank 0's model in place and serve it for the next round."""

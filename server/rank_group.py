@@ -51,13 +51,15 @@ class RankGroup:
 
     # --------------------------------------------------------------- control messages
     def send(self, message: dict) -> None:
-        """Rank 0: broadcast ``message`` to every rank."""
+        """Rank 0: broadcast ``message`` to every rank, once every rank is there to take it (else RankMissing
+        naming those that are not)."""
         assert self.rank == 0
-        data = json.dumps(message, separators=(",", ":")).encode()
-        self._broadcast_bytes(data)
+        self.all_present(f"rank 0's {message['kind']!r} message")
+        self._broadcast_bytes(json.dumps(message, separators=(",", ":")).encode())
 
     def receive(self) -> dict:
         """Ranks > 0: the next message rank 0 sent."""
+        self.all_present("rank 0's next message")
         return json.loads(self._broadcast_bytes(None).decode())
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:

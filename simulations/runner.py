@@ -26,7 +26,9 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
+from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
 from fedpar.datasets.clientdata import partition_indices
 
 log = logging.getLogger("fedpar.simulate")
@@ -65,6 +67,7 @@ class SimulationConfig:
     out: str | None = None
     tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
     client_batching: bool = False  # a worker's agents of one round train as one batched model (torch.func)
+    aggregator_ranks: int = 1  # coordinator processes sharing each round's ingest and fold (server/aggregator_ranks.py)
     strategy_options: dict = field(default_factory=dict)
 
 
@@ -151,17 +154,24 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
-        upload_compression=upload_compression(cfg),
+        upload_compression=upload_compression(cfg), aggregator_ranks=cfg.aggregator_ranks,
         metrics_path=out / "metrics.jsonl" if out else None)
+    check_ranks_supported(cfg.aggregator_ranks, strategy, cfg.secure_aggregation)
     callbacks = [on_round] if on_round else []
     specs = _agent_specs(cfg, parts)
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
     for spec in specs if certs else ():
         spec.certs_dir = certs.name
+    ranks = None
+    if cfg.aggregator_ranks > 1:
+        ranks = IngestRanks(cfg.aggregator_ranks, IngestRankSpec(
+            coord_cfg, cfg.model, cfg.dataset, cfg.data_dir, cfg.seed, cfg.strategy, cfg.strategy_options,
+            certs.name if certs else None))
     server = assembly.server(coord_cfg, strategy, on_round_end=callbacks,
                              admission=Admission(require_certificate=cfg.tls),
                              credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
-                             data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None)
+                             data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None,
+                             ranks=ranks.leader if ranks else None)
     server.start()
     try:
         devices = worker_devices(cfg.device, len(pipes))
@@ -174,10 +184,14 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
             dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
             if dead:
                 raise RuntimeError(f"agent worker {dead[0].name} died with exit code {dead[0].exitcode}")
+            if ranks is not None and ranks.failed():
+                raise RuntimeError(ranks.failed())
         for p in procs:
             p.join(timeout=30)
     finally:
         server.stop()
+        if ranks is not None:
+            ranks.close()
         if certs is not None:
             certs.cleanup()
     rows = server.coordinator.metrics.rows

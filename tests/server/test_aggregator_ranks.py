@@ -302,3 +302,47 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
                 node.kill()
     row = _rows(tmp_path)[0]
     assert (row["status"], row["reported"], row["r0_uploads"], row["r1_uploads"]) == ("ok", 4, 2, 2)
+
+
+def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
+    """SIGSTOP rank 1 mid-round: at the close rank 0's barrier names rank 1, the coordinator stops (exit 1) and the
+    last checkpoint stays the last complete round's."""
+    layout = _layout()
+    proc = _serve(tmp_path, 2, "--rounds", "3", "--clients-per-round", "4", "--aggregator-timeout", "4",
+                  "--deadline", "8")
+    pid = None
+    try:
+        port = _port(tmp_path, proc)
+        agents = [RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS]
+        tasks = [agent.task(60) for agent in agents]
+        for agent, task in zip(agents, tasks):
+            assert agent.send(task, _update(agent.agent_id, 1, agent.fetch(task, layout)), EXAMPLES[agent.agent_id],
+                              NAMES).accepted
+        tasks = [agent.task(60) for agent in agents]
+        model1 = agents[0].fetch(tasks[0], layout)
+        for agent, task in zip(agents, tasks):
+            if not task.ingest_port:  # rank 0's two agents are in; rank 1 stops before its two arrive
+                assert agent.send(task, _update(agent.agent_id, 2, model1), EXAMPLES[agent.agent_id], NAMES).accepted
+        pid = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", (tmp_path / "serve.log").read_text()).group(1))
+        os.kill(pid, signal.SIGSTOP)
+        end = time.monotonic() + 60  # the round's deadline (8 s) closes it; the barrier then waits 4 s for rank 1
+        while time.monotonic() < end and "aggregator rank(s) missing" not in (tmp_path / "serve.log").read_text():
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGCONT)  # so the launcher's SIGTERM ends it at once
+        assert proc.wait(60) == 1
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "serve.log").read_text()
+    failure = [line for line in log.splitlines() if line.startswith("fedpar serve: an aggregator rank failed")]
+    assert len(failure) == 1 and "no heartbeat from rank 1 for" in failure[0], log[-3000:]
+    assert [r["round"] for r in _rows(tmp_path)] == [1]
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    assert ckpt.round_id == 1
+    for got, want in zip(ckpt.arrays, model1):
+        np.testing.assert_array_equal(got, want)

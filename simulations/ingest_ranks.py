@@ -1,0 +1,88 @@
+"""Aggregator ranks for `fedpar simulate --aggregator-ranks N`: the simulation's own process is rank 0 (its
+coordinator), and N - 1 spawned processes are the other ranks, each an IngestRank behind its own gRPC server."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+from dataclasses import dataclass
+
+import torch
+
+from fedpar.aggregation import build_strategy
+from fedpar.datasets import load_dataset
+from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
+from fedpar.security.admission import Admission
+from fedpar.security.sslcontext import server_ssl_context
+from fedpar.security.tls import server_credentials, server_tls_files
+from fedpar.server.aggregator_ranks import RankLeader
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.assembly import CoordinatorAssembly
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.ingest_rank import IngestRank
+from fedpar.server.rank_group import RankGroup
+
+
+@dataclass
+class IngestRankSpec:
+    """What a spawned rank builds: the coordinator's settings, model, strategy, and the TLS certificates if any."""
+
+    config: CoordinatorConfig
+    model: str
+    dataset: str
+    data_dir: str | None
+    seed: int
+    strategy: str
+    strategy_options: dict
+    certs_dir: str | None = None
+
+
+def _rank_main(rank: int, world: int, port: int, spec: IngestRankSpec) -> None:
+    """A spawned process: join the group, then serve as aggregator rank ``rank`` until rank 0 stops."""
+    torch.set_num_threads(1)
+    join_gloo_group(rank, world, port, spec.config.aggregator_timeout_seconds)
+    assembly = CoordinatorAssembly.for_data(spec.model, load_dataset(spec.dataset, spec.data_dir), spec.seed, None)
+    strategy = build_strategy(spec.strategy, **spec.strategy_options)
+    files = server_tls_files(spec.certs_dir) if spec.certs_dir else None
+    ingest = IngestRank(spec.config, assembly.names, assembly.weights, strategy,
+                        RankGroup(spec.config.aggregator_timeout_seconds),
+                        admission=Admission(require_certificate=files is not None))
+    server = CoordinatorServer(ingest, credentials=server_credentials(files) if files else None,
+                               data_tls=server_ssl_context(files) if files else None)
+    server.start()
+    try:
+        while not server.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        shutdown_distributed()
+    exit_rank_process(0)
+
+
+class IngestRanks:
+    """Ranks 1..N-1 in spawned processes, and this process joined as rank 0; :attr:`leader` goes to the coordinator."""
+
+    def __init__(self, world: int, spec: IngestRankSpec):
+        port = free_port()
+        rank_config = dataclasses.replace(spec.config, metrics_path=None, checkpoint_dir=None)
+        spec = dataclasses.replace(spec, config=rank_config)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_rank_main, args=(r, world, port, spec), name=f"fedpar-rank-{r}",
+                                  daemon=True) for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        join_gloo_group(0, world, port, spec.config.aggregator_timeout_seconds)
+        self.leader = RankLeader(RankGroup(spec.config.aggregator_timeout_seconds))
+
+    def failed(self) -> str | None:
+        """A line naming a rank process that died, if one did."""
+        dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+        return f"aggregator rank process {dead[0].name} died with exit code {dead[0].exitcode}" if dead else None
+
+    def close(self) -> None:
+        """Wait for the ranks to leave (they stop when rank 0 says the rounds are done), then leave the group."""
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        shutdown_distributed()
