@@ -12,7 +12,7 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -22,6 +22,7 @@ from fedpar.protocol.codec import ModelLayout
 from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpar.server.aggregator_ranks import STAT_NAMES, RankLeader, ingest_stats
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ingest_plane import IngestPlane
 from fedpar.server.metrics import RoundMetricsLog, clean_row
@@ -31,9 +32,6 @@ from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
 from fedpar.server.secure_round import SecureRound
-
-if TYPE_CHECKING:
-    from fedpar.server.aggregator_ranks import RankLeader
 
 log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
@@ -176,7 +174,7 @@ class Coordinator(IngestPlane):
             if self._tasks.get(agent_id) is slots[agent_id]:
                 del self._tasks[agent_id]
         await self.mode.close(state, self.weights)
-        rank_columns = {}
+        rank_columns = dict(zip((f"r0_{name}" for name in STAT_NAMES), ingest_stats(state, 0)))  # one rank
         if self.ranks is not None:
             try:
                 rank_columns = await self.ranks.close_round(state, self.strategy)
