@@ -346,3 +346,23 @@ def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
     assert ckpt.round_id == 1
     for got, want in zip(ckpt.arrays, model1):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("strategy, secure, share, says", [
+    ("median", False, None, "median and Krum need every update"),
+    ("fedavg", True, None, "unmasking needs every masked vector"),
+    ("fedavg", False, 0.5, "weighs each update against the whole round's total"),
+])
+def test_what_cannot_be_split_over_ranks_is_refused_with_the_reason(strategy, secure, share, says):
+    from fedpar.aggregation import build_strategy
+    from fedpar.server.aggregator_ranks import check_ranks_supported
+    check_ranks_supported(1, build_strategy(strategy), secure, share)  # one rank runs them all
+    with pytest.raises(ValueError, match=says):
+        check_ranks_supported(2, build_strategy(strategy), secure, share)
+
+
+def test_serve_refuses_a_strategy_it_cannot_split_in_one_line():
+    result = subprocess.run([sys.executable, "-m", "fedpar", "serve", "--insecure", "--aggregator-ranks", "2",
+                             "--strategy", "krum", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("fedpar serve: strategy 'krum' cannot be split")
