@@ -6,7 +6,9 @@ runs/abuse_bench.json). Each attack is one run of simulations/abuse.py: a coordi
 for ``--train`` seconds per round, and the attacker in its own process, started after the undisturbed rounds:
 1. pre-auth stream flood: silent UploadUpdate streams (no certificate, no session) from the agents' own address;
 2. revoked-certificate flood: the same under mutual TLS with a revoked client certificate;
-3. idle data-plane sockets: TCP connections to the data plane that never send a byte.
+3. idle data-plane sockets: TCP connections to the data plane that never send a byte;
+4. slow uploads: ``--tricklers`` sampled agents of the attacker's that answer every task with an upload of 4 bytes
+   every 0.3 s (at the defaults, and at a 1 s idle limit), holding staging slots until their pace is refused.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ from fedpar.security.tls import channel_credentials, client_tls_files, server_cr
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.simulations.abuse import idle_sockets, run_under_attack, silent_streams, tiny_model
+from fedpar.simulations.abuse import idle_sockets, run_under_attack, silent_streams, tiny_model, trickling_uploads
 
 
 def server_for(rounds: int, agents: int, credentials=None, admission=None, **overrides) -> CoordinatorServer:
     """A coordinator of the tiny model at default limits (plus ``overrides``), not started."""
     model = tiny_model()
-    config = CoordinatorConfig(rounds=rounds, clients_per_round=agents, min_available=agents, overselect=1.0,
-                               heartbeat_seconds=1.0, liveness_timeout_seconds=10.0, **overrides)
+    config = CoordinatorConfig(**{**dict(rounds=rounds, clients_per_round=agents, min_available=agents, overselect=1.0,
+                                         heartbeat_seconds=1.0, liveness_timeout_seconds=10.0), **overrides})
     coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model),
                               build_strategy("fedavg"), admission=admission)
     return CoordinatorServer(coordinator, credentials=credentials)
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", type=float, default=0.3, help="seconds each agent trains per round")
     p.add_argument("--streams", type=int, default=2000, help="silent streams the flood keeps open")
     p.add_argument("--sockets", type=int, default=300, help="idle data-plane connections held open")
+    p.add_argument("--tricklers", type=int, default=2, help="sampled attacker agents trickling their uploads")
     p.add_argument("--json", type=Path, default=Path("runs/abuse_bench.json"))
     a = p.parse_args(argv)
     rounds = a.before + 1 + a.during
@@ -74,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                                         lambda s, *ev: (idle_sockets, ("127.0.0.1", s.coordinator.data_port,
                                                                        a.sockets, *ev)), None),
         }
+        tricklers = [f"trickler-{i}" for i in range(a.tricklers)]
+        everyone = dict(min_available=a.agents + a.tricklers, overselect=(a.agents + a.tricklers) / a.agents)
+        specs = weight_specs(tiny_model())
+        for label, pace in (("slow uploads, defaults", {}),
+                            ("slow uploads, idle 1 s", dict(upload_idle_seconds=1.0, upload_min_bytes_per_second=4096))):
+            attacks[label] = (server_for(rounds, a.agents, max_concurrent_uploads=a.tricklers, **everyone, **pace),
+                              lambda s, *ev: (trickling_uploads, (s.address, tricklers, specs, *ev)), None)
         print(f"{'attack':<26}{'undisturbed s':>15}{'attacked s':>12}{'ratio':>8}  attacker's calls ended as")
         for name, (server, attack, kwargs) in attacks.items():
             run = run_under_attack(server, attack, a.agents, a.before, a.during, a.train, kwargs)

@@ -49,16 +49,23 @@ def update_runner(nbytes: int, executor: Executor):
     return functools.partial(per_update, nbytes, executor=executor)
 
 
+RATE_GRACE_SECONDS = 2.0  # a staged upload's average rate counts from this long after it got its slot
+
+
 class UploadPace:
     """Whether a staged upload still earns its staging slot (each holds one model copy that honest uploads wait for).
 
-    It must not fall silent for ``idle_seconds``, and once that long has passed its average rate must stay at
-    least ``min_bytes_per_second``; either failure refuses it (not final: the agent may try again), so a stranger
-    trickling bytes cannot pin the slots until the round's deadline. Both transports keep one per staged upload.
+    It must not fall silent for ``idle_seconds``, and from RATE_GRACE_SECONDS on (or ``idle_seconds`` if shorter)
+    its average rate must stay at least ``min_bytes_per_second``; either failure refuses it (not final: the agent
+    may try again), so an upload trickling bytes holds a slot for seconds, not until the idle limit or the round's
+    deadline (measured: 2 trickling agents cost honest rounds 10 s each when the rate waited for the 10 s idle
+    limit). Each chunk may take ``idle_seconds`` plus its size at the minimum rate, so an honest upload on a link
+    at least that fast is never refused. Both transports keep one per staged upload.
     """
 
     def __init__(self, idle_seconds: float, min_bytes_per_second: float, deadline_at: float):
         self.idle, self.min_rate, self.deadline_at = idle_seconds, min_bytes_per_second, deadline_at
+        self.grace = min(idle_seconds, RATE_GRACE_SECONDS)
         self.started = time.monotonic()
         self.received = 0
 
@@ -86,7 +93,7 @@ class UploadPace:
         """Count ``nbytes`` arrived; a Refusal if the upload has become slower than the minimum rate."""
         self.received += nbytes
         elapsed = time.monotonic() - self.started
-        if elapsed > self.idle and self.received < self.min_rate * elapsed:
+        if elapsed > self.grace and self.received < self.min_rate * elapsed:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the upload is too slow ({self.received / elapsed:.0f} bytes/s over {elapsed:.0f} s, "
                           f"below --upload-min-bytes-per-second {self.min_rate:.0f}); its staging slot went to "

@@ -6,6 +6,9 @@ The attackers (each one process, one thread, asyncio or one selector):
 - :func:`silent_streams`: UploadUpdate streams that never send their header, re-opened as they are let go;
   with a certificate (e.g. a revoked one) when given one.
 - :func:`idle_sockets`: TCP connections to the data plane that never send a byte, re-opened as they are closed.
+- :func:`trickling_uploads`: sampled agents of the attacker's own that, once the attack starts, answer every task
+  with an upload trickling 4 bytes every 0.3 s (each holds a staging slot until its pace gets it refused), and
+  upload again while the coordinator lets them.
 """
 
 from __future__ import annotations
@@ -101,6 +104,52 @@ def idle_sockets(host: str, port: int, count: int, start, stop, out) -> None:
     for key in list(sel.get_map().values()):
         key.fileobj.close()
     out.put(Counter(opened=opened, closed=closed))
+
+
+def trickling_uploads(address: str, ids: list[str], layout_specs, start, stop, out) -> None:
+    """Join as ``ids`` at once (so they are sampled) and, after ``start``, trickle every task's upload until
+    ``stop``; put a Counter of how the uploads ended in ``out``."""
+    from fedpar.client.transfer import upload_header
+    from fedpar.protocol.codec import ModelLayout
+    from fedpar.protocol.rawchunks import encode_data_message
+
+    layout = ModelLayout(layout_specs)
+    ended: Counter = Counter()
+    lock = threading.Lock()
+
+    def trickle(auth, task):
+        yield pb.UploadChunk(header=upload_header(auth, task, layout, 1, 1, {}))
+        for offset in range(0, layout.total_bytes, 4):
+            if stop.is_set():
+                return
+            time.sleep(0.3)
+            yield encode_data_message(offset, b"\0\0\0\0")
+
+    def one(agent_id: str) -> None:
+        channel = grpc.insecure_channel(address, options=channel_options(64 << 20))
+        stub = CoordinatorStub(channel)
+        auth = pb.AgentAuth(agent_id=agent_id, token=stub.Join(pb.JoinRequest(agent_id=agent_id, num_examples=1),
+                                                               timeout=30).token)
+        while not stop.is_set():
+            try:
+                reply = stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=1.0), timeout=10)
+                if reply.WhichOneof("kind") != "task" or not start.is_set():
+                    continue  # before the attack: a silent straggler
+                while not stop.is_set():  # upload again as long as the coordinator takes the attempts
+                    stub.UploadUpdate(trickle(auth, reply.task), timeout=60)
+            except grpc.RpcError as err:
+                with lock:
+                    ended[f"{err.code().name}: {(err.details() or '')[:100]}"] += 1
+                time.sleep(0.1)  # refused (e.g. out of attempts this round): ask again, not in a tight loop
+        channel.close()
+
+    threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in ids]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(5)
+    out.put(ended)
 
 
 # ----------------------------------------------------------------------------- honest side
