@@ -28,8 +28,8 @@ import numpy as np
 
 from fedpar.client.backoff import RETRYABLE, Backoff
 from fedpar.client.stats import AgentStats
-from fedpar.client.transfer import (UPLOAD_RETRYABLE, WeightsReceiver, download_request, upload_messages,
-                                    waits_for_admission)
+from fedpar.client.transfer import (UPLOAD_RETRYABLE, WeightsReceiver, download_request, ingest_address,
+                                    upload_messages, waits_for_admission)
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import PROTOCOL_VERSION, UPLOAD_ADMITTED, channel_options
 from fedpar.protocol.stubs import CoordinatorStub
@@ -95,9 +95,30 @@ def _retryable_upload_error(err: grpc.aio.AioRpcError) -> bool:
     return err.code() == grpc.StatusCode.INTERNAL and "Internal error from Core" in (err.details() or "")
 
 
+class IngestChannels:
+    """The swarm's channels to the aggregator ranks its tasks name (server/aggregator_ranks.py), one per rank."""
+
+    def __init__(self, server: str):
+        self.server = server
+        self.channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, task: pb.TrainTask, default: CoordinatorStub) -> CoordinatorStub:
+        """The stub for the task's download and upload (``default``: the coordinator's, when it names no rank)."""
+        address = ingest_address(self.server, task)
+        if address == self.server:
+            return default
+        if address not in self.channels:
+            self.channels[address] = grpc.aio.insecure_channel(address, options=channel_options(64 << 20))
+        return CoordinatorStub(self.channels[address])
+
+    async def close(self) -> None:
+        """Close the ranks' channels."""
+        await asyncio.gather(*(c.close() for c in self.channels.values()))
+
+
 async def run_agent(channel: grpc.aio.Channel, agent_id: str, stats: SwarmStats, poll_seconds: float = 5.0,
-                    max_backoff: float = 1.0, chunk_bytes: int = 1 << 20) -> None:
-    """One scripted agent until the coordinator says shutdown."""
+                    max_backoff: float = 1.0, chunk_bytes: int = 1 << 20, ingest: IngestChannels | None = None) -> None:
+    """One scripted agent until the coordinator says shutdown (its weights move through the rank its task names)."""
     stub = CoordinatorStub(channel)
     rng = np.random.default_rng(zlib.crc32(agent_id.encode()))
     auth, backoff = None, Backoff(0.05, max_backoff, rng)
@@ -118,10 +139,11 @@ async def run_agent(channel: grpc.aio.Channel, agent_id: str, stats: SwarmStats,
                 continue
             task = reply.task
             stats.tasks += 1
-            layout, arrays = await _download(stub, auth, task, timeout=max(5.0, task.deadline_seconds))
+            moves = ingest.stub(task, stub) if ingest is not None else stub
+            layout, arrays = await _download(moves, auth, task, timeout=max(5.0, task.deadline_seconds))
             update = [a + rng.standard_normal(a.shape).astype(a.dtype) * a.dtype.type(0.01)
                       if a.dtype.kind == "f" else a for a in arrays]
-            await _upload(stub, auth, task, layout, update, chunk_bytes, stats, rng)
+            await _upload(moves, auth, task, layout, update, chunk_bytes, stats, rng)
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -142,11 +164,13 @@ async def run_swarm(address: str, ids: list[str], agents_per_channel: int = 1, p
     stats = SwarmStats(agents=len(ids))
     channels = [grpc.aio.insecure_channel(address, options=channel_options(64 << 20))
                 for _ in range(0, len(ids), agents_per_channel)]
+    ingest = IngestChannels(address)
     try:
         await asyncio.gather(*(run_agent(channels[i // agents_per_channel], agent_id, stats, poll_seconds,
-                                         max_backoff) for i, agent_id in enumerate(ids)))
+                                         max_backoff, ingest=ingest) for i, agent_id in enumerate(ids)))
     finally:
         await asyncio.gather(*(c.close() for c in channels))
+        await ingest.close()
     return stats
 
 
