@@ -21,12 +21,13 @@ from fedpar.server.aggregator_ranks import HEARTBEAT_SECONDS, ingest_stats
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ingest_plane import IngestPlane
 from fedpar.server.rank_control import RankControlClient
-from fedpar.server.rank_group import RankEndpoint, RankGroup
+from fedpar.server.rank_group import RankEndpoint, RankGroup, RankMissing
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
 
 log = logging.getLogger("fedpar.server")
+LEAVE_AFTER_RANK0_SECONDS = 2.0
 
 
 class IngestRank(IngestPlane):
@@ -64,7 +65,13 @@ class IngestRank(IngestPlane):
                  me.grpc_port, me.data_port or "none")
         try:
             while True:
-                message = await self._receive()
+                try:
+                    message = await self._receive()
+                except RankMissing:
+                    # Leave a moment after rank 0 would: its diagnosis names the silent rank, and the launcher
+                    # reports the first rank to fail.
+                    await asyncio.sleep(LEAVE_AFTER_RANK0_SECONDS)
+                    raise
                 kind = message["kind"]
                 if kind == "start":
                     self.control = RankControlClient(message["control"], message["secret"],
