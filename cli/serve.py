@@ -233,12 +233,7 @@ def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: 
     port = args.port + group.rank if args.port else 0
     server = CoordinatorServer(ingest, host=args.host, port=port, credentials=plan.security.credentials,
                                data_tls=plan.security.data_tls)
-    server.start()
-    try:
-        while not server.wait(0.5):
-            pass
-    finally:
-        server.stop()
+    server.serve_to_end()
     return 0
 
 

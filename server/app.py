@@ -71,6 +71,15 @@ class CoordinatorServer:
             raise self.error
         return done
 
+    def serve_to_end(self) -> None:
+        """Start, serve until every round is done (re-raising a round error), then stop."""
+        self.start()
+        try:
+            while not self.wait(0.5):
+                pass
+        finally:
+            self.stop()
+
     def stop(self, grace: float = 1.0) -> None:
         """Stop the gRPC server and the loop thread."""
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():

@@ -49,12 +49,9 @@ def _rank_main(rank: int, world: int, port: int, spec: IngestRankSpec) -> None:
                         admission=Admission(require_certificate=files is not None))
     server = CoordinatorServer(ingest, credentials=server_credentials(files) if files else None,
                                data_tls=server_ssl_context(files) if files else None)
-    server.start()
     try:
-        while not server.wait(0.5):
-            pass
+        server.serve_to_end()
     finally:
-        server.stop()
         shutdown_distributed()
     exit_rank_process(0)
 
