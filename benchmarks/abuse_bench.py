@@ -8,7 +8,10 @@ for ``--train`` seconds per round, and the attacker in its own process, started 
 2. revoked-certificate flood: the same under mutual TLS with a revoked client certificate;
 3. idle data-plane sockets: TCP connections to the data plane that never send a byte;
 4. slow uploads: ``--tricklers`` sampled agents of the attacker's that answer every task with an upload of 4 bytes
-   every 0.3 s (at the defaults, and at a 1 s idle limit), holding staging slots until their pace is refused.
+   every 0.3 s (at the defaults, and at a 1 s idle limit), holding staging slots until their pace is refused;
+5. inflated weight: one sampled agent of the attacker's that declares the most examples it may and answers every
+   task at once with weights of 1000, under --max-agent-share 0.25 (tests/server/test_bounded_influence.py shows
+   the model moves by at most that share).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from fedpar.security.tls import channel_credentials, client_tls_files, server_cr
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.simulations.abuse import idle_sockets, run_under_attack, silent_streams, tiny_model, trickling_uploads
+from fedpar.simulations.abuse import (idle_sockets, inflated_updates, run_under_attack, silent_streams, tiny_model,
+                                      trickling_uploads)
 
 
 def server_for(rounds: int, agents: int, credentials=None, admission=None, **overrides) -> CoordinatorServer:
@@ -53,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=2000, help="silent streams the flood keeps open")
     p.add_argument("--sockets", type=int, default=300, help="idle data-plane connections held open")
     p.add_argument("--tricklers", type=int, default=2, help="sampled attacker agents trickling their uploads")
+    p.add_argument("--only", default="", help="run only the attacks whose name contains this")
     p.add_argument("--json", type=Path, default=Path("runs/abuse_bench.json"))
     a = p.parse_args(argv)
     rounds = a.before + 1 + a.during
@@ -84,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
                             ("slow uploads, idle 1 s", dict(upload_idle_seconds=1.0, upload_min_bytes_per_second=4096))):
             attacks[label] = (server_for(rounds, a.agents, max_concurrent_uploads=a.tricklers, **everyone, **pace),
                               lambda s, *ev: (trickling_uploads, (s.address, tricklers, specs, *ev)), None)
+        attacks["inflated weight"] = (
+            server_for(rounds, a.agents, max_agent_share=0.25, min_available=a.agents + 1,
+                       overselect=(a.agents + 1) / a.agents),
+            lambda s, *ev: (inflated_updates, (s.address, ["inflater"], specs, 10_000_000, *ev)), None)
         print(f"{'attack':<26}{'undisturbed s':>15}{'attacked s':>12}{'ratio':>8}  attacker's calls ended as")
         for name, (server, attack, kwargs) in attacks.items():
+            if a.only not in name:
+                continue
             run = run_under_attack(server, attack, a.agents, a.before, a.during, a.train, kwargs)
             ok = all(r["status"] == "ok" and r["reported"] == a.agents for r in run.rows)
             before, during = statistics.median(run.before), statistics.median(run.during)

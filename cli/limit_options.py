@@ -32,7 +32,7 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="a staged upload silent this long loses its staging slot (the agent may send it again)")
     g.add_argument("--upload-min-bytes-per-second", type=float, default=d.upload_min_bytes_per_second,
                    help="a staged upload slower than this on average (from 2 s after it got its staging slot, or "
-                        "--upload-idle-seconds if shorter) loses its slot")
+                        "--upload-idle-seconds if shorter) loses its slot; while others wait for a slot, at once")
     g.add_argument("--max-unauthenticated-calls", type=int, default=d.max_unauthenticated_calls,
                    help="upload streams still waiting for their header (not yet authenticated), in total; they never "
                         "count against --max-concurrent-rpcs, and beyond this the oldest is let go")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from typing import Callable
 
 MAGIC = b"FPDP"
 VERSION = 1
@@ -91,8 +92,10 @@ class Deadline:
         sock.settimeout(left)
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> None:
-    """Fill ``view`` from ``sock`` with recv_into (no intermediate copy); short reads raise DataPlaneError."""
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: Deadline,
+                    progress: Callable[[int], None] | None = None) -> None:
+    """Fill ``view`` from ``sock`` with recv_into (no intermediate copy); short reads raise DataPlaneError.
+    ``progress(n)`` is told of every ``n`` bytes as they arrive."""
     pos, end = 0, len(view)
     while pos < end:
         deadline.arm(sock)
@@ -105,6 +108,8 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: Deadline) -
         if not got:
             raise DataPlaneError(f"connection closed after {pos} of {end} bytes")
         pos += got
+        if progress is not None:
+            progress(got)
 
 
 def recv_exact(sock: socket.socket, nbytes: int, deadline: Deadline) -> bytes:

@@ -265,7 +265,7 @@ class DataPlaneServer:
         """Receive an opened upload (:meth:`_open_upload`) for the intake: its checks and state changes run on the
         loop, bytes move here."""
         deadline = Deadline(deadline_at - time.monotonic())
-        have_slot = False
+        hold = None
         refused: Refusal | None = None
         received = [0]  # bytes read, in whole RECV_PIECEs: the rest of the advance charge is refunded
 
@@ -275,22 +275,23 @@ class DataPlaneServer:
                 allowed = upload.pace.next_wait(len(piece))  # the idle limit plus its time at the minimum rate
                 begun = time.monotonic()
                 try:
-                    recv_exact_into(sock, piece, Deadline(allowed))
+                    recv_exact_into(sock, piece, Deadline(allowed), upload.pace.note)
                 except DataPlaneError:
                     now = time.monotonic()  # out of pace before the round's deadline: say so; else drop as before
+                    if upload.pace.preempted:  # its slot went to a waiting upload: reading was stopped
+                        raise upload.pace.overtaken() from None
                     if now - begun >= allowed - 0.05 and now < upload.pace.deadline_at - 0.05:
                         raise upload.pace.stalled() from None
                     raise
                 received[0] += len(piece)
-                upload.pace.note(len(piece))
         try:
             left = deadline_at - time.monotonic()
             try:
-                asyncio.run_coroutine_threadsafe(self.intake.reserve_staging(left), self.loop).result(left + 5)
+                hold = asyncio.run_coroutine_threadsafe(
+                    self.intake.reserve_staging(upload, functools.partial(_stop_reading, sock), left),
+                    self.loop).result(left + 5)
             except Exception:
                 raise DataPlaneError("no upload slot became free before the round deadline") from None
-            have_slot = True
-            upload.pace.restart()
             send_all(sock, encode_status(OK), deadline)
             upload.staging.fill(read_into)
             reply = self._on_loop(upload.accept, upload.finite_arrays())
@@ -300,8 +301,8 @@ class DataPlaneServer:
             refused = r
             _send_refusal(sock, r)
         finally:
-            if have_slot:
-                self.loop.call_soon_threadsafe(self.intake.release_staging)
+            if hold is not None:
+                self.loop.call_soon_threadsafe(self.intake.release_staging, hold)
             try:
                 self._on_loop(self._settle_upload, entry, upload, refused, received[0])
             except (DataPlaneError, RuntimeError, TimeoutError) as exc:
@@ -348,6 +349,15 @@ def _quiet(sock: socket.socket) -> bool:
         return not poller.poll(0)
     except (OSError, ValueError):  # closed meanwhile
         return True
+
+
+def _stop_reading(sock: socket.socket) -> None:
+    """Wake the thread blocked reading ``sock`` (it reads end of stream); its write side stays open for the
+    refusal. The plain socket's shutdown, also under TLS, whose own would drop the TLS layer first."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RD)
+    except OSError:
+        pass
 
 
 def _send_refusal(sock: socket.socket, r: Refusal) -> None:

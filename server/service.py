@@ -163,8 +163,8 @@ async def _receive_stream(upload: Upload, request_iterator) -> None:
     """Stage an UploadUpdate stream's data chunks up to its UploadEnd, whose totals must match."""
     layout, staging, state, pace = upload.ticket.layout, upload.staging, upload.ticket.state, upload.pace
     while True:
-        # A stalled or trickling stream must not hold its staging buffer (see UploadPace).
-        message = await _next_message(request_iterator, pace.next_wait(), pace.stalled)
+        # A stalled or trickling stream must not hold its staging buffer (server/staging.py).
+        message = await _next_message(request_iterator, pace.next_wait(), pace.stalled, upload.overtaken)
         if message is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"stream ended after {staging.received} of {layout.total_bytes} bytes "
@@ -189,10 +189,20 @@ async def _receive_stream(upload: Upload, request_iterator) -> None:
                           final=True)
 
 
-async def _next_message(request_iterator, timeout: float, on_timeout: Callable[[], Refusal]):
-    """The stream's next message (None at its end); ``on_timeout()`` is raised if none comes in ``timeout`` s."""
+async def _next_message(request_iterator, timeout: float, on_timeout: Callable[[], Refusal],
+                        interrupted: asyncio.Future | None = None):
+    """The stream's next message (None at its end); ``on_timeout()`` is raised if none comes in ``timeout`` s, or
+    as soon as ``interrupted`` is done."""
     try:
-        message = await asyncio.wait_for(request_iterator.__anext__(), timeout)
+        if interrupted is None:
+            message = await asyncio.wait_for(request_iterator.__anext__(), timeout)
+        else:
+            coming = asyncio.ensure_future(request_iterator.__anext__())
+            await asyncio.wait((coming, interrupted), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not coming.done():
+                coming.cancel()
+                raise asyncio.TimeoutError
+            message = coming.result()
     except StopAsyncIteration:
         return None
     except asyncio.TimeoutError:

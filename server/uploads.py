@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from concurrent.futures import Executor
 from contextlib import ExitStack, asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable
@@ -29,6 +28,7 @@ from fedpar.protocol.messages import SMALL_UPDATE_BYTES
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
 from fedpar.server.rounds import Refusal, UploadTicket
+from fedpar.server.staging import SlotHold, StagingSlots, UploadPace
 
 
 
@@ -49,57 +49,6 @@ def update_runner(nbytes: int, executor: Executor):
     return functools.partial(per_update, nbytes, executor=executor)
 
 
-RATE_GRACE_SECONDS = 2.0  # a staged upload's average rate counts from this long after it got its slot
-
-
-class UploadPace:
-    """Whether a staged upload still earns its staging slot (each holds one model copy that honest uploads wait for).
-
-    It must not fall silent for ``idle_seconds``, and from RATE_GRACE_SECONDS on (or ``idle_seconds`` if shorter)
-    its average rate must stay at least ``min_bytes_per_second``; either failure refuses it (not final: the agent
-    may try again), so an upload trickling bytes holds a slot for seconds, not until the idle limit or the round's
-    deadline (measured: 2 trickling agents cost honest rounds 10 s each when the rate waited for the 10 s idle
-    limit). Each chunk may take ``idle_seconds`` plus its size at the minimum rate, so an honest upload on a link
-    at least that fast is never refused. Both transports keep one per staged upload.
-    """
-
-    def __init__(self, idle_seconds: float, min_bytes_per_second: float, deadline_at: float):
-        self.idle, self.min_rate, self.deadline_at = idle_seconds, min_bytes_per_second, deadline_at
-        self.grace = min(idle_seconds, RATE_GRACE_SECONDS)
-        self.started = time.monotonic()
-        self.received = 0
-
-    def restart(self) -> None:
-        """Start the clock: the upload holds a staging slot from now on."""
-        self.started, self.received = time.monotonic(), 0
-
-    def next_wait(self, nbytes: int = 0) -> float:
-        """Seconds the next ``nbytes`` may take to arrive: the idle limit (plus their time at the minimum rate),
-        or less when the round's deadline is nearer."""
-        allowed = self.idle + (nbytes / self.min_rate if self.min_rate else 0.0)
-        return max(0.0, min(allowed, self.deadline_at - time.monotonic()))
-
-    def stalled(self) -> Refusal:
-        """The refusal for an upload whose next bytes did not come in :meth:`next_wait`."""
-        if time.monotonic() >= self.deadline_at - 0.01:
-            return Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           "no upload data arrived before the round's deadline; the update was not applied")
-        return Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
-                       f"the upload stalled after {self.received} bytes (no progress for {self.idle:g} s, "
-                       "--upload-idle-seconds); its staging slot went to others and the update was not applied: "
-                       "send it again")
-
-    def note(self, nbytes: int) -> None:
-        """Count ``nbytes`` arrived; a Refusal if the upload has become slower than the minimum rate."""
-        self.received += nbytes
-        elapsed = time.monotonic() - self.started
-        if elapsed > self.grace and self.received < self.min_rate * elapsed:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the upload is too slow ({self.received / elapsed:.0f} bytes/s over {elapsed:.0f} s, "
-                          f"below --upload-min-bytes-per-second {self.min_rate:.0f}); its staging slot went to "
-                          "others and the update was not applied: send it again")
-
-
 class Upload:
     """One admitted upload: its ticket, the limits it holds until settled, and its staging buffer."""
 
@@ -112,7 +61,8 @@ class Upload:
         self._staging: TensorAssembler | None = None
         config, state = intake.coord.config, ticket.state
         self.pace = UploadPace(config.upload_idle_seconds, config.upload_min_bytes_per_second,
-                               state.started + state.deadline_seconds)
+                               state.started + state.deadline_seconds, ticket.layout.total_bytes)
+        self.overtaken: asyncio.Future | None = None  # on gRPC: done when its staging slot is taken back
 
     @property
     def staging(self) -> TensorAssembler:
@@ -162,7 +112,7 @@ class UploadIntake:
         self.coord = coordinator
         self.limits = limits
         self.max_chunk_bytes = coordinator.config.max_chunk_bytes
-        self._staging: asyncio.Semaphore | None = None
+        self._staging: StagingSlots | None = None
 
     def open(self, agent: AgentRecord, header: pb.UploadHeader, issued: tuple[int, str] | None = None,
              prepaid: bool = False) -> Upload:
@@ -200,27 +150,34 @@ class UploadIntake:
         self.limits.refund_bytes(upload.agent_id, upload.prepaid - received)
         upload.ticket.settle(refused)
 
-    async def reserve_staging(self, seconds: float | None = None) -> None:
-        """Wait for one of the staging slots (each staged upload holds one model copy); TimeoutError after ``seconds``."""
+    @property
+    def staging_slots(self) -> StagingSlots:
+        """The staging slots (each staged upload holds one model copy), made on the loop at first use."""
         if self._staging is None:
-            self._staging = asyncio.Semaphore(self.coord.config.max_concurrent_uploads)
-        if seconds is None:
-            await self._staging.acquire()
-        else:
-            await asyncio.wait_for(self._staging.acquire(), seconds)
+            self._staging = StagingSlots(self.coord.config.max_concurrent_uploads)
+        return self._staging
 
-    def release_staging(self) -> None:
+    async def reserve_staging(self, upload: Upload, interrupt: Callable[[], None],
+                              seconds: float | None = None) -> SlotHold:
+        """Wait for a staging slot for ``upload`` (loop) and start its pace; ``interrupt()`` stops its wait for
+        bytes if the slot is taken back (it fell behind while others waited). TimeoutError after ``seconds``."""
+        hold = await self.staging_slots.acquire((upload.agent_id, upload.round_id), upload.pace, interrupt, seconds)
+        upload.pace.restart()
+        return hold
+
+    def release_staging(self, hold: SlotHold) -> None:
         """Give back a slot taken by :meth:`reserve_staging` (loop)."""
-        self._staging.release()
+        self.staging_slots.release(hold)
 
     @asynccontextmanager
-    async def staging_slot(self) -> AsyncIterator[None]:
-        """Hold a staging slot for the block."""
-        await self.reserve_staging()
+    async def staging_slot(self, upload: Upload) -> AsyncIterator[None]:
+        """Hold a staging slot for ``upload`` for the block; ``upload.overtaken`` is done if it is taken back."""
+        upload.overtaken = asyncio.get_running_loop().create_future()
+        hold = await self.reserve_staging(upload, lambda: upload.overtaken.done() or upload.overtaken.set_result(None))
         try:
             yield
         finally:
-            self.release_staging()
+            self.release_staging(hold)
 
     async def take(self, agent: AgentRecord, header: pb.UploadHeader,
                    receive: Callable[[Upload], Awaitable[None]]) -> pb.UploadReply:
@@ -229,8 +186,7 @@ class UploadIntake:
         upload = refused = None
         try:
             upload = self.open(agent, header)
-            async with self.staging_slot():
-                upload.pace.restart()
+            async with self.staging_slot(upload):
                 await receive(upload)
                 return await upload.accept(await upload.checked_arrays())
         except Refusal as r:

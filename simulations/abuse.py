@@ -9,6 +9,8 @@ The attackers (each one process, one thread, asyncio or one selector):
 - :func:`trickling_uploads`: sampled agents of the attacker's own that, once the attack starts, answer every task
   with an upload trickling 4 bytes every 0.3 s (each holds a staging slot until its pace gets it refused), and
   upload again while the coordinator lets them.
+- :func:`inflated_updates`: sampled agents of the attacker's own that declare the most examples they may and
+  answer every task at once with weights of 1000, first claiming a thousand times their examples.
 """
 
 from __future__ import annotations
@@ -141,6 +143,52 @@ def trickling_uploads(address: str, ids: list[str], layout_specs, start, stop, o
                 with lock:
                     ended[f"{err.code().name}: {(err.details() or '')[:100]}"] += 1
                 time.sleep(0.1)  # refused (e.g. out of attempts this round): ask again, not in a tight loop
+        channel.close()
+
+    threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in ids]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(5)
+    out.put(ended)
+
+
+def inflated_updates(address: str, ids: list[str], layout_specs, examples: int, start, stop, out) -> None:
+    """Join as ``ids`` declaring ``examples`` each and, after ``start``, answer every task at once with weights of
+    1000 claiming those examples (and a thousand times more first) until ``stop``; put a Counter of how the
+    uploads ended in ``out``."""
+    from fedpar.client.transfer import upload_messages, upload_update
+    from fedpar.protocol.codec import ModelLayout
+
+    layout = ModelLayout(layout_specs)
+    arrays = [np.full(shape, 1000.0, np.dtype(dtype)) for _, dtype, shape in layout_specs]
+    ended: Counter = Counter()
+    lock = threading.Lock()
+
+    def one(agent_id: str) -> None:
+        channel = grpc.insecure_channel(address, options=channel_options(64 << 20))
+        stub = CoordinatorStub(channel)
+        auth = pb.AgentAuth(agent_id=agent_id, token=stub.Join(
+            pb.JoinRequest(agent_id=agent_id, num_examples=examples), timeout=30).token)
+        while not stop.is_set():
+            try:
+                reply = stub.PullTask(pb.PullTaskRequest(auth=auth, wait_seconds=1.0), timeout=10)
+                if reply.WhichOneof("kind") != "task" or not start.is_set():
+                    continue  # before the attack: a silent straggler
+                for claim in (examples * 1000, examples):  # the inflated claim is refused; the bound is taken
+                    try:
+                        upload_update(stub, upload_messages(auth, reply.task, layout, arrays, claim, 1, {}, 1 << 20),
+                                      timeout=30)
+                        outcome = f"accepted claiming {claim}"
+                    except grpc.RpcError as err:
+                        outcome = f"{err.code().name}: {(err.details() or '')[:100]}"
+                    with lock:
+                        ended[outcome] += 1
+            except grpc.RpcError as err:
+                with lock:
+                    ended[f"{err.code().name}: {(err.details() or '')[:100]}"] += 1
+                time.sleep(0.1)
         channel.close()
 
     threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in ids]

@@ -65,7 +65,7 @@ def test_an_accepted_upload_enters_the_coordinator_twice_and_holds_nothing_after
     reply = asyncio.run(intake.take(AGENT, None, _send([1, 2, 3, 4])))
     assert reply.accepted and reply.message == "update accepted for round 1"
     assert coord.calls == [("open_upload", "a"), ("accept", [[1.0, 2.0, 3.0, 4.0]])]
-    assert _held(intake) == ({}, 0) and intake._staging._value == coord.config.max_concurrent_uploads
+    assert _held(intake) == ({}, 0) and intake.staging_slots.free == coord.config.max_concurrent_uploads
 
 
 @pytest.mark.parametrize("values, final", [([1, np.nan, 3, 4], True), ([1, 2], False)])
@@ -83,7 +83,7 @@ def test_bad_content_is_final_and_a_short_upload_is_not(values, final):
     assert coord.calls == [("open_upload", "a")]  # nothing reached accept
     assert coord.state.slots["a"].status == ("rejected" if final else "pending")  # settled on the ticket
     assert coord.state.rejected == int(final)
-    assert _held(intake) == ({}, 0) and intake._staging._value == coord.config.max_concurrent_uploads
+    assert _held(intake) == ({}, 0) and intake.staging_slots.free == coord.config.max_concurrent_uploads
     if final:
         assert "'w' contains NaN or Inf; update refused" in err.value.message
 
@@ -121,15 +121,15 @@ def test_a_vanished_agent_is_settled_as_retryable_and_staging_waits_for_a_slot()
         first = asyncio.ensure_future(intake.take(AGENT, None, slow))
         await asyncio.sleep(0.01)
         second = intake.open(AgentRecord("b", "token", 10), None)
-        waiting = asyncio.ensure_future(intake.reserve_staging(5.0))
+        waiting = asyncio.ensure_future(intake.reserve_staging(second, lambda: None, 5.0))
         await asyncio.sleep(0.01)
         assert not waiting.done() and second._staging is None  # no model copy before a slot is free
         first.cancel()  # the first agent goes away mid-upload
         with pytest.raises(asyncio.CancelledError):
             await first
-        await asyncio.wait_for(waiting, 1.0)
+        hold = await asyncio.wait_for(waiting, 1.0)
         assert coord.state.slots["a"].status == "pending"  # not final: the agent may upload again
-        intake.release_staging()
+        intake.release_staging(hold)
         intake.settle(second, None)
         assert _held(intake) == ({}, 0)
     asyncio.run(scenario())
