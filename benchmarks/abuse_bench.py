@@ -5,11 +5,12 @@ runs/abuse_bench.json). Each attack is one run of simulations/abuse.py: a coordi
 (except where an attack needs the data plane or mutual TLS), real agents (client/agent.py) training a tiny model
 for ``--train`` seconds per round, and the attacker in its own process, started after the undisturbed rounds:
 1. pre-auth stream flood: silent UploadUpdate streams (no certificate, no session) from the agents' own address;
-2. revoked-certificate flood: the same under mutual TLS with a revoked client certificate;
-3. idle data-plane sockets: TCP connections to the data plane that never send a byte;
-4. slow uploads: ``--tricklers`` sampled agents of the attacker's that answer every task with an upload of 4 bytes
+2. silent-request flood: Join calls that never send their request, from the same address;
+3. revoked-certificate flood: silent UploadUpdate streams under mutual TLS with a revoked client certificate;
+4. idle data-plane sockets: TCP connections to the data plane that never send a byte;
+5. slow uploads: ``--tricklers`` sampled agents of the attacker's that answer every task with an upload of 4 bytes
    every 0.3 s (at the defaults, and at a 1 s idle limit), holding staging slots until their pace is refused;
-5. inflated weight: one sampled agent of the attacker's that declares the most examples it may and answers every
+6. inflated weight: one sampled agent of the attacker's that declares the most examples it may and answers every
    task at once with weights of 1000, under --max-agent-share 0.25 (tests/server/test_bounded_influence.py shows
    the model moves by at most that share).
 """
@@ -33,8 +34,8 @@ from fedpar.security.tls import channel_credentials, client_tls_files, server_cr
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.simulations.abuse import (idle_sockets, inflated_updates, run_under_attack, silent_streams, tiny_model,
-                                      trickling_uploads)
+from fedpar.simulations.abuse import (idle_sockets, inflated_updates, run_under_attack, silent_requests, silent_streams,
+                                      tiny_model, trickling_uploads)
 
 
 def server_for(rounds: int, agents: int, credentials=None, admission=None, **overrides) -> CoordinatorServer:
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         attacks = {
             "pre-auth stream flood": (server_for(rounds, a.agents),
                                       lambda s, *ev: (silent_streams, (s.address, a.streams, None, *ev)), None),
+            "silent-request flood": (server_for(rounds, a.agents),
+                                     lambda s, *ev: (silent_requests, (s.address, a.streams, *ev)), None),
             "revoked-cert flood": (server_for(rounds, a.agents, server_credentials(server_tls_files(tmp)),
                                               Admission(revocations=RevocationList(paths.revoked),
                                                         require_certificate=True)),

@@ -5,6 +5,7 @@ benchmarks/abuse_bench.py.
 The attackers (each one process, one thread, asyncio or one selector):
 - :func:`silent_streams`: UploadUpdate streams that never send their header, re-opened as they are let go;
   with a certificate (e.g. a revoked one) when given one.
+- :func:`silent_requests`: Join calls that never send their request, re-opened as they are let go.
 - :func:`idle_sockets`: TCP connections to the data plane that never send a byte, re-opened as they are closed.
 - :func:`trickling_uploads`: sampled agents of the attacker's own that, once the attack starts, answer every task
   with an upload trickling 4 bytes every 0.3 s (each holds a staging slot until its pace gets it refused), and
@@ -30,7 +31,7 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import channel_options
+from fedpar.protocol.messages import SERVICE_NAME, channel_options
 from fedpar.protocol.stubs import CoordinatorStub
 
 REOPEN_PER_SECOND = 200  # how fast an attacker re-opens what was let go (it would burn its own CPU otherwise)
@@ -40,10 +41,17 @@ REOPEN_PER_SECOND = 200  # how fast an attacker re-opens what was let go (it wou
 def silent_streams(address: str, count: int, tls: dict | None, start, stop, out) -> None:
     """Keep ``count`` silent UploadUpdate streams open until ``stop``; put a Counter of how they ended in ``out``."""
     start.wait()
-    out.put(asyncio.run(_silent_streams(address, count, tls, stop)))
+    out.put(asyncio.run(_silent_calls(address, count, tls, stop, "UploadUpdate")))
 
 
-async def _silent_streams(address: str, count: int, tls: dict | None, stop) -> Counter:
+def silent_requests(address: str, count: int, start, stop, out) -> None:
+    """Keep ``count`` Join calls open that never send their request until ``stop``; put a Counter of how they ended
+    in ``out``."""
+    start.wait()
+    out.put(asyncio.run(_silent_calls(address, count, None, stop, "Join")))
+
+
+async def _silent_calls(address: str, count: int, tls: dict | None, stop, method: str) -> Counter:
     options = channel_options(64 << 20)
     if tls:
         from fedpar.security.tls import TlsFiles, channel_credentials
@@ -51,7 +59,8 @@ async def _silent_streams(address: str, count: int, tls: dict | None, stop) -> C
         channel = grpc.aio.secure_channel(address, channel_credentials(files), options=options)
     else:
         channel = grpc.aio.insecure_channel(address, options=options)
-    stub = CoordinatorStub(channel)
+    # A request stream whose first message never comes: for a unary method, a call that never sends its request.
+    call = channel.stream_unary(f"/{SERVICE_NAME}/{method}", request_serializer=lambda m: m.SerializeToString())
     ended: Counter = Counter()
     pace = asyncio.Semaphore(count)
 
@@ -63,7 +72,7 @@ async def _silent_streams(address: str, count: int, tls: dict | None, stop) -> C
         while not stop.is_set():
             async with pace:
                 try:
-                    await stub.UploadUpdate(never(), timeout=30)
+                    await call(never(), timeout=30)
                 except grpc.aio.AioRpcError as err:
                     ended[f"{err.code().name}: {(err.details() or '')[:160]}"] += 1
             await asyncio.sleep(count / REOPEN_PER_SECOND)
