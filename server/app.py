@@ -105,7 +105,7 @@ class CoordinatorServer:
         service = CoordinatorService(self.coordinator)
         # RpcLimit: revocation at the first call, --max-concurrent-rpcs, and the bounds on unauthenticated streams.
         strangers = StrangerBound(config.max_unauthenticated_calls, config.max_unauthenticated_per_peer,
-                                  "--max-unauthenticated-calls", "--max-unauthenticated-per-peer", "calls")
+                                  "--max-unauthenticated-calls", "--max-unauthenticated-per-peer", "upload streams")
         self.strangers = strangers
         server = grpc.aio.server(options=server_options(config.max_chunk_bytes),
                                  interceptors=[RpcLimit(service.limits, self.coordinator.registry.admission,

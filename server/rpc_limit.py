@@ -1,15 +1,13 @@
 """What every gRPC call passes before its handler runs: the revocation check, and the budget it is counted in.
 
 - A client certificate that was revoked is refused at the first call, before anything is read or counted.
-- Every call starts as a stranger's: until it has sent its request (a unary call) or its upload header and
-  session (an upload stream), it counts only against the strangers' bounds (``--max-unauthenticated-calls`` in
-  total, ``--max-unauthenticated-per-peer`` per peer: its certificate's name, else its address), never the
-  honest budget; beyond either bound the oldest such call is let go (server/strangers.py), and a call must send
-  its request within ``--upload-header-seconds``. gRPC would hand a unary handler its request only once it
-  arrived, holding a call whose request never comes uncounted and without limit, so unary methods are served
-  here as one-message request streams (the same bytes on the wire). A unary call leaves the strangers' bounds
-  when its request arrives (it authenticates before it waits on anything); an upload stream when the handler
-  calls :func:`authenticated`. Both then count against ``--max-concurrent-rpcs`` for as long as they run.
+- Calls that send their request up front (unary requests) authenticate before they wait on anything, so they
+  count against the honest budget, ``--max-concurrent-rpcs``, for as long as they run (long-polls included).
+- A request stream (an upload) waits for its header before it can authenticate. Until then it counts only
+  against the strangers' bounds (``--max-unauthenticated-calls`` in total, ``--max-unauthenticated-per-peer``
+  per peer: its certificate's name, else its address), never the honest budget; beyond either bound the
+  oldest such stream is let go (server/strangers.py). The handler calls :func:`authenticated` once the
+  header's session checks out, which moves the call into the honest budget.
 
 gRPC's own ``maximum_concurrent_rpcs`` answers "Concurrent RPC limit exceeded!", which does not tell an
 operator which option to raise, so the counts live here and in :class:`Limits`.
@@ -96,69 +94,57 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         return None if handler is None else self.counted(handler)
 
-    async def _enter(self, context) -> CallBudget:
-        """The call's budget, a stranger's until it authenticates; or an abort: a revoked certificate, or a bound."""
+    async def _enter(self, context, streaming_request: bool) -> CallBudget:
+        """The call's budget, or an abort: a revoked certificate, or a full budget."""
         identity = peer_identity(context)
         try:
             if identity is not None:
                 self.admission.check_peer(identity)
             budget = CallBudget(self.limits)
-            task = asyncio.current_task()
-            budget.stranger = self.strangers.admit(peer_key(context, identity), lambda _: task.cancel())
+            if streaming_request:
+                task = asyncio.current_task()
+                budget.stranger = self.strangers.admit(peer_key(context, identity), lambda _: task.cancel())
+            else:
+                budget.enter()
         except AdmissionRefused as exc:
             await context.abort(exc.code, exc.message)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
         _CALL.set(budget)
         return budget
 
-    async def _request(self, request_iterator, context, budget: CallBudget):
-        """A unary call's one request, within --upload-header-seconds; it then leaves the strangers' bounds."""
-        seconds = self.limits.config.upload_header_seconds
-        try:
-            request = await asyncio.wait_for(request_iterator.__anext__(), seconds)
-        except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no request within {seconds:g} s of opening the call (--upload-header-seconds)")
-        except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request")
-        try:
-            budget.authenticate()
-        except Refusal as r:
-            await context.abort(r.code, r.message)
-        return request
-
     def counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """``handler`` served as a request stream inside :meth:`_enter` and :meth:`CallBudget.release`."""
+        """``handler`` with its behaviour run inside :meth:`_enter` and :meth:`CallBudget.release`."""
         serde = dict(request_deserializer=handler.request_deserializer,
                      response_serializer=handler.response_serializer)
         streams_in = handler.request_streaming
         if handler.response_streaming:
+            make = grpc.stream_stream_rpc_method_handler if streams_in else grpc.unary_stream_rpc_method_handler
             behavior = handler.stream_stream if streams_in else handler.unary_stream
 
-            async def streaming(request_iterator, context):
-                budget = await self._enter(context)
+            async def streaming(request, context):
+                budget = await self._enter(context, streams_in)
                 try:
-                    request = request_iterator if streams_in else await self._request(request_iterator, context,
-                                                                                      budget)
                     async for item in behavior(request, context):
                         yield item
                 except asyncio.CancelledError:
                     await _evicted(budget, context)
                 finally:
                     budget.release()
-            return grpc.stream_stream_rpc_method_handler(streaming, **serde)
+            return make(streaming, **serde)
 
+        make = grpc.stream_unary_rpc_method_handler if streams_in else grpc.unary_unary_rpc_method_handler
         behavior = handler.stream_unary if streams_in else handler.unary_unary
 
-        async def unary(request_iterator, context):
-            budget = await self._enter(context)
+        async def unary(request, context):
+            budget = await self._enter(context, streams_in)
             try:
-                request = request_iterator if streams_in else await self._request(request_iterator, context, budget)
                 return await behavior(request, context)
             except asyncio.CancelledError:
                 await _evicted(budget, context)
             finally:
                 budget.release()
-        return grpc.stream_unary_rpc_method_handler(unary, **serde)
+        return make(unary, **serde)
 
 
 async def _evicted(budget: CallBudget, context) -> None:
