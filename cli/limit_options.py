@@ -27,15 +27,16 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-agents", type=int, default=d.max_agents,
                    help="registered agents; a Join from a new agent beyond this is refused")
     g.add_argument("--upload-header-seconds", type=float, default=d.upload_header_seconds,
-                   help="an upload stream must send its header within this time (nothing is authenticated before)")
+                   help="a call must send its request (an upload stream: its header) within this time; nothing is "
+                        "authenticated before")
     g.add_argument("--upload-idle-seconds", type=float, default=d.upload_idle_seconds,
                    help="a staged upload silent this long loses its staging slot (the agent may send it again)")
     g.add_argument("--upload-min-bytes-per-second", type=float, default=d.upload_min_bytes_per_second,
                    help="a staged upload slower than this on average (from 2 s after it got its staging slot, or "
                         "--upload-idle-seconds if shorter) loses its slot; while others wait for a slot, at once")
     g.add_argument("--max-unauthenticated-calls", type=int, default=d.max_unauthenticated_calls,
-                   help="upload streams still waiting for their header (not yet authenticated), in total; they never "
-                        "count against --max-concurrent-rpcs, and beyond this the oldest is let go")
+                   help="calls still waiting for their request or upload header (not yet authenticated), in total; "
+                        "they never count against --max-concurrent-rpcs, and beyond this the oldest is let go")
     g.add_argument("--max-unauthenticated-per-peer", type=int, default=d.max_unauthenticated_per_peer,
                    help="the same, from one peer (its certificate's name, else its address)")
     g.add_argument("--dataplane-handshake-seconds", type=float, default=d.dataplane_handshake_seconds,

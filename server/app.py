@@ -27,6 +27,11 @@ def server_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
         # "too_many_pings".
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.max_concurrent_streams", 4096),
+        # gRPC core cancels calls beyond 1,000 (soft) and 3,000 (hard) not yet handed to a handler: a burst of
+        # strangers' calls got honest agents' calls cancelled before fedpar's own bounds (which let the oldest
+        # stranger go instead) could see them.
+        ("grpc.server.max_pending_requests", 1 << 16),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
     ]
 
 
@@ -105,7 +110,7 @@ class CoordinatorServer:
         service = CoordinatorService(self.coordinator)
         # RpcLimit: revocation at the first call, --max-concurrent-rpcs, and the bounds on unauthenticated streams.
         strangers = StrangerBound(config.max_unauthenticated_calls, config.max_unauthenticated_per_peer,
-                                  "--max-unauthenticated-calls", "--max-unauthenticated-per-peer", "upload streams")
+                                  "--max-unauthenticated-calls", "--max-unauthenticated-per-peer", "calls")
         self.strangers = strangers
         server = grpc.aio.server(options=server_options(config.max_chunk_bytes),
                                  interceptors=[RpcLimit(service.limits, self.coordinator.registry.admission,

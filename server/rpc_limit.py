@@ -1,13 +1,17 @@
 """What every gRPC call passes before its handler runs: the revocation check, and the budget it is counted in.
 
 - A client certificate that was revoked is refused at the first call, before anything is read or counted.
-- Calls that send their request up front (unary requests) authenticate before they wait on anything, so they
-  count against the honest budget, ``--max-concurrent-rpcs``, for as long as they run (long-polls included).
-- A request stream (an upload) waits for its header before it can authenticate. Until then it counts only
-  against the strangers' bounds (``--max-unauthenticated-calls`` in total, ``--max-unauthenticated-per-peer``
-  per peer: its certificate's name, else its address), never the honest budget; beyond either bound the
-  oldest such stream is let go (server/strangers.py). The handler calls :func:`authenticated` once the
-  header's session checks out, which moves the call into the honest budget.
+- Every call starts as a stranger's: until it has sent its request (a unary call) or its upload header and
+  session (an upload stream), it counts only against the strangers' bounds (``--max-unauthenticated-calls`` in
+  total, ``--max-unauthenticated-per-peer`` per peer: its certificate's name, else its address), never the
+  honest budget; beyond either bound the oldest such call is let go (server/strangers.py), and a call must send
+  its request within ``--upload-header-seconds``. gRPC would hand a unary handler its request only once it
+  arrived, holding a call whose request never comes uncounted and without limit, so unary methods are served
+  here as one-message request streams (the same bytes on the wire). A unary call leaves the strangers' bounds
+  when its request arrives (it authenticates before it waits on anything); an upload stream when the handler
+  calls :func:`authenticated`. Both then count against ``--max-concurrent-rpcs`` for as long as they run. A unary
+  call's request normally comes with the call, so it enters the strangers' bounds only if it is still missing
+  after REQUEST_GRACE_SECONDS: a flood from an agent's own address (NAT) cannot let go of an agent's call.
 
 gRPC's own ``maximum_concurrent_rpcs`` answers "Concurrent RPC limit exceeded!", which does not tell an
 operator which option to raise, so the counts live here and in :class:`Limits`.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from typing import Callable
 
 import grpc
 
@@ -26,13 +31,16 @@ from fedpar.server.limits import Limits
 from fedpar.server.rounds import Refusal
 from fedpar.server.strangers import Stranger, StrangerBound
 
+REQUEST_GRACE_SECONDS = 0.25  # a unary call's request normally comes with the call: only a later one is a stranger's
+
 
 class CallBudget:
     """Which budget one call holds: the strangers' (until it authenticates) or the honest one."""
 
-    def __init__(self, limits: Limits, stranger: Stranger | None = None):
+    def __init__(self, limits: Limits, peer: str):
         self.limits = limits
-        self.stranger = stranger
+        self.peer = peer  # whom its strangers' bound is kept for
+        self.stranger: Stranger | None = None
         self.counted = False  # holds a --max-concurrent-rpcs place
 
     def enter(self) -> None:
@@ -41,14 +49,15 @@ class CallBudget:
         self.counted = True
 
     def authenticate(self) -> None:
-        """The call proved who it is: leave the strangers' bounds for the honest budget."""
-        stranger = self.stranger
-        if stranger is None:
+        """The call proved who it is (or sent its request): leave the strangers' bounds for the honest budget."""
+        if self.counted:
             return
-        if stranger.evicted is not None:  # let go while its header was on the way
-            raise stranger.evicted
-        stranger.done()
-        self.stranger = None
+        stranger = self.stranger
+        if stranger is not None:
+            if stranger.evicted is not None:  # let go while its header was on the way
+                raise stranger.evicted
+            stranger.done()
+            self.stranger = None
         self.enter()
 
     def release(self) -> None:
@@ -94,57 +103,95 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         return None if handler is None else self.counted(handler)
 
-    async def _enter(self, context, streaming_request: bool) -> CallBudget:
-        """The call's budget, or an abort: a revoked certificate, or a full budget."""
+    async def _enter(self, context, stranger: bool) -> CallBudget:
+        """The call's budget, a stranger's from the start if ``stranger``; or an abort: a revoked certificate."""
         identity = peer_identity(context)
-        try:
-            if identity is not None:
+        if identity is not None:
+            try:
                 self.admission.check_peer(identity)
-            budget = CallBudget(self.limits)
-            if streaming_request:
-                task = asyncio.current_task()
-                budget.stranger = self.strangers.admit(peer_key(context, identity), lambda _: task.cancel())
-            else:
-                budget.enter()
-        except AdmissionRefused as exc:
-            await context.abort(exc.code, exc.message)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+            except AdmissionRefused as exc:
+                await context.abort(exc.code, exc.message)
+        budget = CallBudget(self.limits, peer_key(context, identity))
+        if stranger:
+            self._admit(budget)
         _CALL.set(budget)
         return budget
 
+    def _admit(self, budget: CallBudget, let_go: Callable[[Refusal], None] | None = None) -> None:
+        """Count the running call in the strangers' bounds; if it is let go, ``let_go(refusal)`` is called (by
+        default its task is cancelled)."""
+        if let_go is None:
+            task = asyncio.current_task()
+            let_go = lambda _: task.cancel()  # noqa: E731
+        budget.stranger = self.strangers.admit(budget.peer, let_go)
+
+    async def _request(self, request_iterator, context, budget: CallBudget):
+        """A unary call's one request, within --upload-header-seconds; it then leaves the strangers' bounds (a
+        request that comes within REQUEST_GRACE_SECONDS never entered them). The read is never cancelled (that
+        disturbed other calls' reads under a flood): a call let go or out of time is aborted, which ends it."""
+        seconds = self.limits.config.upload_header_seconds
+        coming = asyncio.ensure_future(request_iterator.__anext__())
+        coming.add_done_callback(_retrieved)  # it ends with an error once the call is aborted
+        await asyncio.wait((coming,), timeout=min(seconds, REQUEST_GRACE_SECONDS))
+        if not coming.done():  # late: a stranger's call until its request comes
+            let_go = asyncio.get_running_loop().create_future()
+            self._admit(budget, lambda refusal: let_go.done() or let_go.set_result(refusal))
+            await asyncio.wait((coming, let_go), timeout=max(0.0, seconds - REQUEST_GRACE_SECONDS),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not coming.done() and let_go.done():
+                refusal = let_go.result()
+                await context.abort(refusal.code, refusal.message)
+        if not coming.done():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no request within {seconds:g} s of opening the call (--upload-header-seconds)")
+        if coming.exception() is not None:  # StopAsyncIteration: it ended without one
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request")
+        request = coming.result()
+        try:
+            budget.authenticate()
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        return request
+
     def counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """``handler`` with its behaviour run inside :meth:`_enter` and :meth:`CallBudget.release`."""
+        """``handler`` served as a request stream inside :meth:`_enter` and :meth:`CallBudget.release`."""
         serde = dict(request_deserializer=handler.request_deserializer,
                      response_serializer=handler.response_serializer)
         streams_in = handler.request_streaming
         if handler.response_streaming:
-            make = grpc.stream_stream_rpc_method_handler if streams_in else grpc.unary_stream_rpc_method_handler
             behavior = handler.stream_stream if streams_in else handler.unary_stream
 
-            async def streaming(request, context):
+            async def streaming(request_iterator, context):
                 budget = await self._enter(context, streams_in)
                 try:
+                    request = request_iterator if streams_in else await self._request(request_iterator, context,
+                                                                                      budget)
                     async for item in behavior(request, context):
                         yield item
                 except asyncio.CancelledError:
                     await _evicted(budget, context)
                 finally:
                     budget.release()
-            return make(streaming, **serde)
+            return grpc.stream_stream_rpc_method_handler(streaming, **serde)
 
-        make = grpc.stream_unary_rpc_method_handler if streams_in else grpc.unary_unary_rpc_method_handler
         behavior = handler.stream_unary if streams_in else handler.unary_unary
 
-        async def unary(request, context):
+        async def unary(request_iterator, context):
             budget = await self._enter(context, streams_in)
             try:
+                request = request_iterator if streams_in else await self._request(request_iterator, context, budget)
                 return await behavior(request, context)
             except asyncio.CancelledError:
                 await _evicted(budget, context)
             finally:
                 budget.release()
-        return make(unary, **serde)
+        return grpc.stream_unary_rpc_method_handler(unary, **serde)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a finished future's outcome as seen (asyncio would log an unretrieved exception)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _evicted(budget: CallBudget, context) -> None:
