@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,17 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedpar.client.agent import Agent, AgentConfig
-from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
-from fedpar.datasets.clientdata import local_split, partition_indices
-from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.init import free_port
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.messages import channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
+from support.digit_agents import start_digit_agents
 from support.scripted_agent import ScriptedAgent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,29 +205,6 @@ def _free_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def _real_agents(port: int, ids: list[str]) -> tuple[list[Agent], list[threading.Thread], list]:
-    """Real agents (an MLP on their IID share of digits) in daemon threads; they re-join by themselves."""
-    splits = load_dataset("digits")
-    parts = partition_indices(splits, "iid", len(ids), 0)
-    agents, errors = [], []
-    for i, agent_id in enumerate(ids):
-        train, val = local_split(splits.train, parts[i], 0.1, 0)
-        torch.manual_seed(0)
-        trainer = LocalTrainer(build_model_for_data("mlp", splits.input_shape, splits.num_classes), train, val, seed=i)
-        agents.append(Agent(AgentConfig(server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
-                                        initial_backoff=0.05, max_backoff=0.3, give_up_after=90), trainer))
-
-    def run(agent):
-        try:
-            agent.run()
-        except BaseException as exc:  # surfaced by the test
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    return agents, threads, errors
-
-
 def test_kill_9_of_rank_1_mid_run_then_the_same_command_resumes_every_round_once(tmp_path):
     torch.set_num_threads(1)
     port = _free_pair()
@@ -240,7 +213,7 @@ def test_kill_9_of_rank_1_mid_run_then_the_same_command_resumes_every_round_once
     agents, threads, errors = [], [], []
     try:
         assert _port(tmp_path, proc) == port
-        agents, threads, errors = _real_agents(port, IDS)
+        agents, threads, errors = start_digit_agents(port, IDS, give_up_after=90)
         end = time.monotonic() + 90
         while time.monotonic() < end and not (tmp_path / "out" / "metrics.jsonl").exists():
             time.sleep(0.05)

@@ -20,15 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.agent import Agent
 from fedpar.client.trainer import LocalTrainer
-from fedpar.datasets import load_dataset
 from fedpar.models import get_weights
-from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.tensorfile import load_tensors
 from fedpar.server.coordinator import cohort_digest
 from fedpar.server.sampler import CohortSampler
-from fedpar.datasets.clientdata import local_split, partition_indices
+from support.digit_agents import start_digit_agents
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_ROUND = 2  # one agent is held in this round so the kill lands mid-round
@@ -96,30 +94,6 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
     raise TimeoutError(what)
 
 
-def _start_agents(port: int, ids: list[str], hub: Hub) -> tuple[list[Agent], list[threading.Thread], list]:
-    """One real agent per id (MLP on its IID share of digits) running in a daemon thread; errors collected."""
-    splits = load_dataset("digits")
-    parts = partition_indices(splits, "iid", len(ids), 0)
-    agents, errors = [], []
-    for i, agent_id in enumerate(ids):
-        train, val = local_split(splits.train, parts[i], 0.1, 0)
-        torch.manual_seed(0)
-        model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
-        trainer = RecordingTrainer(agent_id, hub, model, train, val, seed=i)
-        agents.append(Agent(AgentConfig(server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
-                                        initial_backoff=0.05, max_backoff=0.3, give_up_after=60), trainer))
-
-    def run(agent):
-        try:
-            agent.run()
-        except BaseException as exc:  # surfaced by the test
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    return agents, threads, errors
-
-
 def _plain_flags() -> list[str]:
     return ["--rounds", str(ROUNDS), "--min-available", str(len(IDS)), "--clients-per-round", str(K),
             "--overselect", "1.0", "--deadline", "30", "--seed", str(SEED), "--heartbeat", "1",
@@ -154,7 +128,8 @@ def _run_killing_once(tmp_path: Path, flags: list[str], ids: list[str], k: int) 
         _wait_for(lambda: (tmp_path / "port").exists() or server.poll() is not None, 60, "serve did not start")
         assert server.poll() is None, (tmp_path / "serve.log").read_text()
         port = int((tmp_path / "port").read_text())
-        agents, threads, errors = _start_agents(port, ids, hub)
+        agents, threads, errors = start_digit_agents(
+            port, ids, trainer=lambda agent_id, *args, **kw: RecordingTrainer(agent_id, hub, *args, **kw))
         accepted = lambda: sum(a.stats.accepted for a in agents)  # noqa: E731
         _wait_for(lambda: accepted() >= k * (KILL_ROUND - 1) + 1 and hub.started_in_kill_round >= 2, 60,
                   f"round {KILL_ROUND} never got one update in; errors={errors}")
