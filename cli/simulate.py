@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the updates")
     add_compression_arguments(p)
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
+    p.add_argument("--virtual-clients", action="store_true",
+                   help="the worker processes host the population (a few bytes per client) and only the clients "
+                        "sampled in a round get a model and their data, for that round: populations of 100,000")
+    p.add_argument("--seats", type=int, default=d.seats,
+                   help="with --virtual-clients: sampled clients training at once in one worker process")
     p.add_argument("--device", default=d.device,
                    help=f"where agents train and the coordinator evaluates: {DEVICE_HELP}; with several GPUs the "
                         "worker processes are dealt over them")

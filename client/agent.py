@@ -179,6 +179,14 @@ class Agent:
     def _send_heartbeat(self) -> None:
         self._stub.Heartbeat(pb.HeartbeatRequest(auth=self._auth), timeout=self._heartbeat_seconds)
 
+    def run_task_as(self, auth: pb.AgentAuth, task: pb.TrainTask, max_chunk_bytes: int = 0) -> bool:
+        """Run one task for another identity (a virtual client whose host pulled the task): its session ``auth``
+        on this agent's channel and trainer (whose data the caller set). As :meth:`_run_task`."""
+        self._auth = auth
+        self._max_chunk = max_chunk_bytes or self._max_chunk
+        with self.trainer.holding_task(task.round):
+            return self._run_task(task)
+
     # ------------------------------------------------------------------ one task
     def _run_task(self, task: pb.TrainTask) -> bool:
         """Train on ``task`` and upload; False only if the task should be pulled again (its weights never came)."""

@@ -47,6 +47,16 @@ class LocalTrainer:
         self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
         self._clock = StepClock()
 
+    def use_data(self, train: ArrayDataset, val: ArrayDataset | None, seed: int,
+                 seconds_per_step_delay: float = 0.0) -> None:
+        """Train from now on as another client: its data, its shuffling seed, its device speed (a simulation
+        host's seat takes on each sampled virtual client in turn)."""
+        self.x, self.y = (t.to(self.device) for t in train.to_tensors())
+        self.val = tuple(t.to(self.device) for t in val.to_tensors()) if val is not None and len(val) else None
+        self.seed = seed
+        self.delay = seconds_per_step_delay
+        self._clock = StepClock()
+
     def warm_up(self) -> None:
         """One forward, backward and (zero-step) SGD step on two examples, so torch's lazy set-up is not billed
         to a deadline."""

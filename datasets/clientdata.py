@@ -13,12 +13,17 @@ def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: 
     return parse_partition(spec)(splits.train.y, num_clients, seed)
 
 
+def local_train_size(examples: int, val_fraction: float) -> int:
+    """How many of a client's ``examples`` :func:`local_split` keeps for training."""
+    return examples - (int(round(examples * val_fraction)) if examples > 1 else 0)
+
+
 def local_split(train: ArrayDataset, indices: np.ndarray, val_fraction: float,
                 seed: int) -> tuple[ArrayDataset, ArrayDataset | None]:
     """Split one client's examples into local train and validation sets (for federated evaluation)."""
     if not 0 <= val_fraction < 1:
         raise ValueError("val_fraction must be in [0, 1)")
     order = np.random.default_rng(seed).permutation(np.asarray(indices))
-    n_val = int(round(len(order) * val_fraction)) if len(order) > 1 else 0
+    n_val = len(order) - local_train_size(len(order), val_fraction)
     val = train.subset(order[:n_val]) if n_val else None
     return train.subset(order[n_val:]), val

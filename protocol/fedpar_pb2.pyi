@@ -331,3 +331,59 @@ class SecAggReply(_message.Message):
     wait_seconds: float
     done: str
     def __init__(self, params_json: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., ciphertexts: _Optional[_Union[SecAggCiphertexts, _Mapping]] = ..., survivors: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., done: _Optional[str] = ...) -> None: ...
+
+class PopulationMember(_message.Message):
+    __slots__ = ("agent_id", "num_examples")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    num_examples: int
+    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ...) -> None: ...
+
+class JoinPopulationRequest(_message.Message):
+    __slots__ = ("host", "members", "protocol_version", "enrollment_token")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENROLLMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    host: AgentAuth
+    members: _containers.RepeatedCompositeFieldContainer[PopulationMember]
+    protocol_version: int
+    enrollment_token: str
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., members: _Optional[_Iterable[_Union[PopulationMember, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ...) -> None: ...
+
+class JoinPopulationReply(_message.Message):
+    __slots__ = ("host_token", "tokens", "heartbeat_seconds", "max_chunk_bytes")
+    HOST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    host_token: str
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    heartbeat_seconds: float
+    max_chunk_bytes: int
+    def __init__(self, host_token: _Optional[str] = ..., tokens: _Optional[_Iterable[str]] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class PullHostTasksRequest(_message.Message):
+    __slots__ = ("host", "wait_seconds")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    host: AgentAuth
+    wait_seconds: float
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class HostedTask(_message.Message):
+    __slots__ = ("agent_id", "task")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    task: TrainTask
+    def __init__(self, agent_id: _Optional[str] = ..., task: _Optional[_Union[TrainTask, _Mapping]] = ...) -> None: ...
+
+class PullHostTasksReply(_message.Message):
+    __slots__ = ("tasks", "shutdown_reason")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[HostedTask]
+    shutdown_reason: str
+    def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ...) -> None: ...

@@ -74,6 +74,16 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.SecAggRequest.SerializeToString,
                 response_deserializer=fedpar__pb2.SecAggReply.FromString,
                 _registered_method=True)
+        self.JoinPopulation = channel.unary_unary(
+                '/fedpar.v1.Coordinator/JoinPopulation',
+                request_serializer=fedpar__pb2.JoinPopulationRequest.SerializeToString,
+                response_deserializer=fedpar__pb2.JoinPopulationReply.FromString,
+                _registered_method=True)
+        self.PullHostTasks = channel.unary_unary(
+                '/fedpar.v1.Coordinator/PullHostTasks',
+                request_serializer=fedpar__pb2.PullHostTasksRequest.SerializeToString,
+                response_deserializer=fedpar__pb2.PullHostTasksReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -137,6 +147,21 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinPopulation(self, request, context):
+        """Simulations (coordinators started with --accept-populations): one host process registers a slice of a
+        virtual population at once, and long-polls for the tasks of whichever of its members were sampled. Each
+        member then downloads and uploads with its own session, like an agent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullHostTasks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +204,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.SecAggExchange,
                     request_deserializer=fedpar__pb2.SecAggRequest.FromString,
                     response_serializer=fedpar__pb2.SecAggReply.SerializeToString,
+            ),
+            'JoinPopulation': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinPopulation,
+                    request_deserializer=fedpar__pb2.JoinPopulationRequest.FromString,
+                    response_serializer=fedpar__pb2.JoinPopulationReply.SerializeToString,
+            ),
+            'PullHostTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullHostTasks,
+                    request_deserializer=fedpar__pb2.PullHostTasksRequest.FromString,
+                    response_serializer=fedpar__pb2.PullHostTasksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +432,60 @@ class Coordinator(object):
             '/fedpar.v1.Coordinator/SecAggExchange',
             fedpar__pb2.SecAggRequest.SerializeToString,
             fedpar__pb2.SecAggReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinPopulation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.Coordinator/JoinPopulation',
+            fedpar__pb2.JoinPopulationRequest.SerializeToString,
+            fedpar__pb2.JoinPopulationReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullHostTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.Coordinator/PullHostTasks',
+            fedpar__pb2.PullHostTasksRequest.SerializeToString,
+            fedpar__pb2.PullHostTasksReply.FromString,
             options,
             channel_credentials,
             insecure,

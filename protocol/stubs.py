@@ -36,5 +36,9 @@ class CoordinatorStub:
                                              response_deserializer=pb.HeartbeatReply.FromString)
         self.Leave = channel.unary_unary(method("Leave"), request_serializer=_serialize,
                                          response_deserializer=pb.LeaveReply.FromString)
+        self.JoinPopulation = channel.unary_unary(method("JoinPopulation"), request_serializer=_serialize,
+                                                  response_deserializer=pb.JoinPopulationReply.FromString)
+        self.PullHostTasks = channel.unary_unary(method("PullHostTasks"), request_serializer=_serialize,
+                                                 response_deserializer=pb.PullHostTasksReply.FromString)
         self.SecAggExchange = channel.unary_unary(method("SecAggExchange"), request_serializer=_serialize,
                                                   response_deserializer=pb.SecAggReply.FromString)

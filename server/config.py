@@ -66,6 +66,8 @@ class CoordinatorConfig:
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # agents compress their deltas
     aggregator_ranks: int = 1  # processes sharing one round's ingest and fold (server/aggregator_ranks.py)
     aggregator_timeout_seconds: float = 120.0  # longest wait for another aggregator rank in a collective
+    accept_populations: bool = False  # simulations: hosts may register virtual populations (JoinPopulation)
+    max_population_join: int = 10_000  # members in one JoinPopulation call
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""

@@ -27,7 +27,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ingest_plane import IngestPlane
 from fedpar.server.metrics import RoundMetricsLog, clean_row
 from fedpar.server.rank_group import RankMissing
-from fedpar.server.registry import AgentRecord, AgentRegistry
+from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
@@ -36,6 +36,7 @@ from fedpar.server.secure_round import SecureRound
 log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
+HOST_WAKEUP = "\0host:"  # wakeup key prefix of a simulation host (agent ids are printable, so never clash)
 
 
 class Coordinator(IngestPlane):
@@ -59,7 +60,8 @@ class Coordinator(IngestPlane):
         self.metrics = RoundMetricsLog(config.metrics_path)
         self.started_at = time.monotonic()
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
-        self._wakeups: dict[str, asyncio.Event] = {}
+        self._wakeups: dict[str, asyncio.Event] = {}  # per agent, and per simulation host (HOST_WAKEUP + id)
+        self._host_tasks: dict[str, set[str]] = {}  # per simulation host: its members dealt a task not yet sent
         self._agents_changed: asyncio.Event | None = None
         self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
         if config.checkpoint_dir is not None:
@@ -261,8 +263,62 @@ class Coordinator(IngestPlane):
         self._agents_changed.set()
         return record
 
+    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int]],
+                        peer: PeerIdentity | None = None, enrollment_token: str = "") -> tuple[HostRecord,
+                                                                                             list[AgentRecord]]:
+        """Register a simulation host's members (server/registry.py); a Refusal if this coordinator takes no
+        populations, or on bad data."""
+        if not self.config.accept_populations:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this coordinator hosts no simulated populations; start it with --accept-populations")
+        if len(members) > self.config.max_population_join:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(members)} members in one JoinPopulation; send at most "
+                          f"{self.config.max_population_join} per call")
+        try:
+            host, records = self.registry.join_population(host_id, host_token, members, peer, enrollment_token,
+                                                          self.config.max_examples_per_agent)
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except AuthError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
+        self._host_tasks.setdefault(host_id, set())
+        self._agents_changed.set()
+        return host, records
+
     def _wake(self, agent_id: str) -> None:
+        record = self.registry.get(agent_id)
+        if record is not None and record.host is not None:  # its host long-polls for it
+            self._host_tasks.setdefault(record.host, set()).add(agent_id)
+            agent_id = HOST_WAKEUP + record.host
         self._wakeups.setdefault(agent_id, asyncio.Event()).set()
+
+    async def next_host_tasks(self, host: HostRecord, wait_seconds: float) -> pb.PullHostTasksReply:
+        """The tasks of ``host``'s members sampled since its last call, waiting up to ``wait_seconds`` for some."""
+        wait_seconds = max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
+        event = self._wakeups.setdefault(HOST_WAKEUP + host.host_id, asyncio.Event())
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            if self.finished:
+                return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {self.round_id}")
+            pending, self._host_tasks[host.host_id] = self._host_tasks.get(host.host_id, set()), set()
+            tasks = []
+            for agent_id in sorted(pending):
+                record = self.registry.get(agent_id)
+                reply = self._task_reply(record) if record is not None and record.host == host.host_id else None
+                if reply is not None and reply.WhichOneof("kind") == "task":
+                    tasks.append(pb.HostedTask(agent_id=agent_id, task=reply.task))
+            remaining = deadline - time.monotonic()
+            if tasks or remaining <= 0:
+                return pb.PullHostTasksReply(tasks=tasks)
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+            host.last_seen = time.monotonic()
 
     async def next_task(self, agent: AgentRecord, wait_seconds: float,
                         finished_task_id: str = "") -> pb.PullTaskReply:

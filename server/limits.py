@@ -57,12 +57,13 @@ class Limits:
         self._rpcs = 0
         self._downloads: asyncio.Semaphore | None = None
 
-    def admit_join(self, agent_id: str, registry) -> None:
-        """Refuse a Join when joins come too fast or a new agent would overfill the registry (after
-        forgetting agents that left or have been silent for ten liveness timeouts)."""
-        if registry.get(agent_id) is None and len(registry) >= self.config.max_agents:
+    def admit_join(self, agent_id: str, registry, members: int = 0) -> None:
+        """Refuse a Join (a JoinPopulation of ``members``: one join) when joins come too fast or new agents would
+        overfill the registry (after forgetting agents that left or have been silent for ten liveness timeouts)."""
+        more = max(members, 1 if registry.get(agent_id) is None else 0)
+        if len(registry) + more > self.config.max_agents:
             registry.prune_inactive(10 * self.config.liveness_timeout_seconds)
-            if len(registry) >= self.config.max_agents:
+            if len(registry) + more > self.config.max_agents:
                 raise Refusal(EXHAUSTED, f"the coordinator already has {len(registry)} agents registered "
                                          f"(--max-agents {self.config.max_agents}); try again later")
         if not self._joins.take():

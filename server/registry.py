@@ -29,6 +29,17 @@ class AgentRecord:
     left: bool = False
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS)
     restored: bool = False  # known from a checkpoint, no session yet: not live until it joins again
+    host: str | None = None  # a simulated population's member: live while its host calls (JoinPopulation)
+
+
+@dataclass
+class HostRecord:
+    """A simulation host: one process speaking for a slice of a virtual population (its members' liveness)."""
+
+    host_id: str
+    token: str
+    last_seen: float = 0.0
+    members: int = 0
 
 
 class AgentRegistry:
@@ -39,6 +50,7 @@ class AgentRegistry:
         self._clock = clock
         self.admission = admission or Admission()
         self._agents: dict[str, AgentRecord] = {}
+        self._hosts: dict[str, HostRecord] = {}
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
@@ -50,10 +62,7 @@ class AgentRegistry:
         restart): a later Join may lower it, never raise it. Raises ValueError on bad data and AdmissionRefused
         if the admission policy refuses the agent.
         """
-        if not agent_id or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
-            raise ValueError(f"agent_id must be 1..{MAX_AGENT_ID} printable characters")
-        if not 1 <= num_examples <= max_examples:
-            raise ValueError(f"num_examples={num_examples} must be in 1..{max_examples} (--max-examples-per-agent)")
+        _check_member(agent_id, num_examples, max_examples)
         known = self._agents.get(agent_id)
         if known is not None:
             num_examples = min(num_examples, known.num_examples)
@@ -64,6 +73,46 @@ class AgentRegistry:
                              last_seen=self._clock(), cert_serial=peer.serial if peer else None)
         self._agents[agent_id] = record
         return record
+
+    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int]],
+                        peer: PeerIdentity | None = None, enrollment_token: str = "",
+                        max_examples: int = 10_000_000) -> tuple[HostRecord, list[AgentRecord]]:
+        """Register (more of) ``host_id``'s population: each member gets its own session, live while the host
+        calls. ``host_token``: empty on the host's first call, then the one it got. A member's example count is
+        fixed by its first join, as for an agent; an id joined as an agent, or by another host, is refused.
+        Raises ValueError on bad data (naming the member), AuthError on a wrong host token."""
+        host = self._hosts.get(host_id)
+        if host is not None and host_token:
+            self.authenticate_host(host_id, host_token)
+        else:
+            _check_member(host_id, 1, 1)
+            self.admission.admit_join(host_id, peer, enrollment_token)
+            host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0)
+            self._hosts[host_id] = host
+        checked = []
+        for agent_id, num_examples in members:
+            _check_member(agent_id, num_examples, max_examples)
+            known = self._agents.get(agent_id)
+            if known is not None and known.host != host_id and not known.restored:
+                raise ValueError(f"member {agent_id!r} is registered already, not by host {host_id!r}")
+            checked.append((agent_id, min(num_examples, known.num_examples) if known is not None else num_examples))
+        records = []
+        for agent_id, num_examples in checked:
+            if agent_id not in self._agents:
+                host.members += 1
+            record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id)
+            self._agents[agent_id] = record
+            records.append(record)
+        host.last_seen = self._clock()
+        return host, records
+
+    def authenticate_host(self, host_id: str, token: str) -> HostRecord:
+        """The host's record if ``token`` is its session token; marks it (and so its members) seen."""
+        host = self._hosts.get(host_id)
+        if host is None or not hmac.compare_digest(host.token.encode(), token.encode()):
+            raise AuthError(f"unknown host {host_id!r} or bad session token: call JoinPopulation again")
+        host.last_seen = self._clock()
+        return host
 
     def authenticate(self, agent_id: str, token: str, peer: PeerIdentity | None = None) -> AgentRecord:
         """The agent's record if ``token`` is its current session token and the admission policy still
@@ -92,8 +141,13 @@ class AgentRegistry:
             self._agents[agent_id].left = True
 
     def is_live(self, record: AgentRecord) -> bool:
-        """Whether the agent has called recently enough to be sampled."""
-        return not record.left and not record.restored and self._clock() - record.last_seen <= self.liveness_timeout
+        """Whether the agent (a population member: its host) has called recently enough to be sampled."""
+        if record.left or record.restored:
+            return False
+        if record.host is not None:
+            host = self._hosts.get(record.host)
+            return host is not None and self._clock() - host.last_seen <= self.liveness_timeout
+        return self._clock() - record.last_seen <= self.liveness_timeout
 
     def live_ids(self) -> list[str]:
         """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed)."""
@@ -129,7 +183,11 @@ class AgentRegistry:
     def prune_inactive(self, max_idle_seconds: float) -> int:
         """Forget agents that left or have been silent longer than ``max_idle_seconds``; returns how many."""
         now = self._clock()
-        gone = [i for i, r in self._agents.items() if r.left or r.restored or now - r.last_seen > max_idle_seconds]
+        idle_hosts = {h for h, r in self._hosts.items() if now - r.last_seen > max_idle_seconds}
+        gone = [i for i, r in self._agents.items() if r.left or r.restored or r.host in idle_hosts
+                or (r.host is None and now - r.last_seen > max_idle_seconds)]
+        for host_id in idle_hosts:
+            del self._hosts[host_id]
         for agent_id in gone:
             del self._agents[agent_id]
         return len(gone)
@@ -141,4 +199,13 @@ class AgentRegistry:
     def snapshot(self) -> list[dict]:
         """JSON-able view for checkpoints (no tokens: agents re-join after a restart)."""
         return [{"agent_id": a.agent_id, "num_examples": a.num_examples, "capabilities": a.capabilities}
-                for a in self._agents.values() if not a.left]
+                for a in self._agents.values() if not a.left and a.host is None]  # hosts join theirs again
+
+
+def _check_member(agent_id: str, num_examples: int, max_examples: int) -> None:
+    """A ValueError unless ``agent_id`` is a sane id and ``num_examples`` is in 1..``max_examples``."""
+    if not agent_id or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
+        raise ValueError(f"agent_id must be 1..{MAX_AGENT_ID} printable characters, got {agent_id[:40]!r}")
+    if not 1 <= num_examples <= max_examples:
+        raise ValueError(f"num_examples={num_examples} of {agent_id[:40]!r} must be in 1..{max_examples} "
+                         "(--max-examples-per-agent)")

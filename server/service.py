@@ -14,7 +14,7 @@ from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMI
 from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused
 from fedpar.security.identity import peer_identity
-from fedpar.server.coordinator import Coordinator
+from fedpar.server.coordinator import HOST_WAKEUP as HOST_CALLS, Coordinator
 from fedpar.server.decoding import Malformed, parser, refuse_malformed
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord, AuthError
@@ -59,6 +59,37 @@ class CoordinatorService:
         log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
         return pb.JoinReply(token=record.token, heartbeat_seconds=self.coord.config.heartbeat_seconds,
                             max_chunk_bytes=self.coord.config.max_chunk_bytes)
+
+    async def JoinPopulation(self, request: pb.JoinPopulationRequest, context) -> pb.JoinPopulationReply:
+        """Register (more of) a simulation host's virtual population; one session token per member."""
+        try:
+            if request.protocol_version not in (0, PROTOCOL_VERSION):
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"protocol version {request.protocol_version} is not supported "
+                              f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the host")
+            self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
+            host, records = self.coord.join_population(
+                request.host.agent_id, request.host.token, [(m.agent_id, m.num_examples) for m in request.members],
+                peer_identity(context), request.enrollment_token)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        authenticated()
+        return pb.JoinPopulationReply(host_token=host.token, tokens=[r.token for r in records],
+                                      heartbeat_seconds=self.coord.config.heartbeat_seconds,
+                                      max_chunk_bytes=self.coord.config.max_chunk_bytes)
+
+    async def PullHostTasks(self, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
+        """Long-poll for the tasks of a simulation host's sampled members."""
+        try:
+            try:
+                host = self.coord.registry.authenticate_host(request.host.agent_id, request.host.token)
+            except AuthError as exc:
+                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+            authenticated()
+            with self.limits.agent_call(HOST_CALLS + host.host_id):
+                return await self.coord.next_host_tasks(host, request.wait_seconds)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
 
     async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
         """Long-poll for a task."""
@@ -222,6 +253,8 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     handlers = {
         "Join": unary(service.Join, pb.JoinRequest, pb.JoinReply),
         "PullTask": unary(service.PullTask, pb.PullTaskRequest, pb.PullTaskReply),
+        "JoinPopulation": unary(service.JoinPopulation, pb.JoinPopulationRequest, pb.JoinPopulationReply),
+        "PullHostTasks": unary(service.PullHostTasks, pb.PullHostTasksRequest, pb.PullHostTasksReply),
         "DownloadWeights": grpc.unary_stream_rpc_method_handler(
             refuse_malformed(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
             response_serializer=identity),

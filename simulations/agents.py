@@ -21,6 +21,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
+from fedpar.simulations.population import PopulationHost, PopulationSlice, client_seed
 from fedpar.datasets.clientdata import local_split
 from fedpar.parallel.device import flush_denormals
 
@@ -51,6 +52,8 @@ class WorkerConfig:
     device: str = "cpu"  # where this worker's agents train, e.g. "cuda:1" (the runner spreads workers over GPUs)
     precision: str = "fp32"  # bf16: forward passes under bf16 autocast
     client_batching: bool = False  # the process's agents of one round train as one batched model
+    population: PopulationSlice | None = None  # virtual clients this process hosts (instead of ``agents``)
+    seats: int = 2  # virtual clients of this process that train at once
 
 
 def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None,
@@ -61,7 +64,7 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: thread
     train, val = local_split(splits.train, spec.indices, cfg.val_fraction, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
-    seed = cfg.seed + zlib.crc32(spec.agent_id.encode()) % 10_000
+    seed = client_seed(cfg.seed, spec.agent_id)
     if batcher is not None:
         trainer = BatchedTrainer(model, train, val, batcher, seed=seed, seconds_per_step_delay=spec.step_delay,
                                  compute_lock=compute_lock, device=cfg.device)
@@ -82,6 +85,9 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     logging.basicConfig(level=logging.WARNING)
     if splits is None:
         splits = load_dataset(cfg.dataset, cfg.data_dir)
+    if cfg.population is not None:
+        return PopulationHost(cfg.server, cfg.population, splits, cfg.model, cfg.val_fraction, cfg.seed, cfg.seats,
+                              cfg.poll_seconds, cfg.device, cfg.precision).run()
     compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see LocalTrainer)
     batcher = ClientBatcher(cfg.device, compute_lock) if cfg.client_batching else None
     agents = [build_agent(cfg, spec, splits, compute_lock, batcher) for spec in cfg.agents]

@@ -29,6 +29,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
+from fedpar.simulations.population import PopulationSlice, client_id
 from fedpar.datasets.clientdata import partition_indices
 
 log = logging.getLogger("fedpar.simulate")
@@ -68,14 +69,42 @@ class SimulationConfig:
     tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
     client_batching: bool = False  # a worker's agents of one round train as one batched model (torch.func)
     aggregator_ranks: int = 1  # coordinator processes sharing each round's ingest and fold (server/aggregator_ranks.py)
+    virtual_clients: bool = False  # worker processes host the population; only sampled clients train, per round
+    seats: int = 2  # virtual clients training at once in one worker process
     strategy_options: dict = field(default_factory=dict)
 
 
-def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray]) -> list[AgentSpec]:
+def _step_delays(cfg: SimulationConfig) -> list[float]:
+    """Seconds each client adds per local step: ``slow_step_delay`` for the slow share, else 0."""
     rng = np.random.default_rng(cfg.seed + 1)
     slow = set(rng.choice(cfg.clients, size=int(round(cfg.slow_fraction * cfg.clients)), replace=False).tolist())
-    return [AgentSpec(f"client-{i:04d}", parts[i], cfg.slow_step_delay if i in slow else 0.0, cfg.drop_probability)
-            for i in range(cfg.clients)]
+    return [cfg.slow_step_delay if i in slow else 0.0 for i in range(cfg.clients)]
+
+
+def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray]) -> list[AgentSpec]:
+    return [AgentSpec(client_id(i), parts[i], delay, cfg.drop_probability)
+            for i, delay in enumerate(_step_delays(cfg))]
+
+
+def _population_slices(cfg: SimulationConfig, parts: list[np.ndarray], hosts: int) -> list[PopulationSlice]:
+    """The population dealt round-robin over ``hosts`` worker processes."""
+    delays = _step_delays(cfg)
+    return [PopulationSlice.of(f"host-{h}", list(range(h, cfg.clients, hosts)), parts, delays, cfg.drop_probability)
+            for h in range(hosts)]
+
+
+def check_virtual_clients(cfg: SimulationConfig) -> None:
+    """ValueError for settings virtual clients cannot honour yet."""
+    if not cfg.virtual_clients:
+        return
+    for on, what in ((cfg.tls, "--tls (members have no certificates of their own)"),
+                     (cfg.secure_aggregation, "--secure-aggregation (its key exchange needs a session per agent)"),
+                     (cfg.client_batching, "--client-batching"),
+                     (cfg.compression == "topk", "--compression topk (its error feedback is per-agent state)")):
+        if on:
+            raise ValueError(f"--virtual-clients does not work with {what} yet; drop one of them")
+    if cfg.seats < 1:
+        raise ValueError("--seats must be >= 1")
 
 
 def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
@@ -108,6 +137,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     check_client_batching(cfg)
+    check_virtual_clients(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
@@ -155,10 +185,12 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
         upload_compression=upload_compression(cfg), aggregator_ranks=cfg.aggregator_ranks,
-        metrics_path=out / "metrics.jsonl" if out else None)
+        metrics_path=out / "metrics.jsonl" if out else None, accept_populations=cfg.virtual_clients,
+        max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
     check_ranks_supported(cfg.aggregator_ranks, strategy, cfg.secure_aggregation)
     callbacks = [on_round] if on_round else []
-    specs = _agent_specs(cfg, parts)
+    specs = [] if cfg.virtual_clients else _agent_specs(cfg, parts)
+    slices = _population_slices(cfg, parts, len(pipes)) if cfg.virtual_clients else [None] * len(pipes)
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
     for spec in specs if certs else ():
         spec.certs_dir = certs.name
@@ -178,7 +210,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         for w, send in enumerate(pipes):
             send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
                                    specs[w::len(pipes)], device=devices[w], precision=cfg.precision,
-                                   client_batching=cfg.client_batching))
+                                   client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats))
             send.close()
         while not server.wait(0.5):
             dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]

@@ -1,0 +1,169 @@
+"""Virtual clients: a simulation host process speaks for a slice of a population, and only the clients sampled in
+a round get a model and their data, for that round.
+
+A population of N costs O(N) bytes here (a client's number, its data indices, its speed) and O(N) small records
+in the coordinator, never an agent, a thread or a model copy each. The host registers its slice with
+JoinPopulation (every member gets its own session), long-polls PullHostTasks for the tasks of whichever members
+the coordinator sampled, and runs each task on one of a few *seats*: a real agent (client/agent.py) whose
+trainer takes on the member's data for that task and whose calls carry the member's session. Sampling, the
+deadline, first-K-of-M, validation and the fold stay the coordinator's own, over real gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.stats import AgentStats
+from fedpar.client.trainer import LocalTrainer
+from fedpar.datasets.clientdata import local_split, local_train_size
+from fedpar.models.for_data import build_model_for_data
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
+from fedpar.protocol.stubs import CoordinatorStub
+
+log = logging.getLogger("fedpar.simulate")
+
+JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def client_seed(seed: int, agent_id: str) -> int:
+    """The shuffling seed of client ``agent_id`` in a run seeded ``seed`` (an agent's or a virtual client's)."""
+    return seed + zlib.crc32(agent_id.encode()) % 10_000
+
+
+def client_id(number: int) -> str:
+    """The id of client ``number`` of a simulated federation (agents and virtual clients alike)."""
+    return f"client-{number:04d}"
+
+
+@dataclass
+class PopulationSlice:
+    """The clients one host speaks for, compactly: their numbers, their data indices (CSR: ``flat`` cut at
+    ``offsets``), the seconds each adds per local step (a slow device), and the drop chance per round."""
+
+    host_id: str
+    numbers: np.ndarray  # int64, the clients' numbers in the federation
+    offsets: np.ndarray  # int64, len(numbers) + 1
+    flat: np.ndarray  # int64, every member's example indices, back to back
+    step_delays: np.ndarray  # float32 per member
+    drop_probability: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def indices(self, i: int) -> np.ndarray:
+        """Member ``i``'s example indices into the training set."""
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+    @staticmethod
+    def of(host_id: str, numbers: list[int], parts: list[np.ndarray], step_delays: list[float],
+           drop_probability: float = 0.0) -> PopulationSlice:
+        """The slice of clients ``numbers`` (``parts[n]``: client n's indices)."""
+        sizes = [len(parts[n]) for n in numbers]
+        flat = np.concatenate([np.asarray(parts[n], np.int64) for n in numbers]) if numbers else np.zeros(0, np.int64)
+        return PopulationSlice(host_id, np.asarray(numbers, np.int64), np.concatenate([[0], np.cumsum(sizes)]),
+                               flat, np.asarray([step_delays[n] for n in numbers], np.float32), drop_probability)
+
+
+class PopulationHost:
+    """Registers a :class:`PopulationSlice` and runs its members' tasks on ``seats`` seats until training ends."""
+
+    def __init__(self, server: str, population: PopulationSlice, splits, model: str, val_fraction: float,
+                 seed: int, seats: int = 2, poll_seconds: float = 2.0, device: str = "cpu",
+                 precision: str = "fp32"):
+        self.server, self.pop, self.splits = server, population, splits
+        self.val_fraction, self.seed, self.poll_seconds = val_fraction, seed, poll_seconds
+        self.channel = grpc.insecure_channel(server, options=channel_options(64 << 20))
+        self.stub = CoordinatorStub(self.channel)
+        self.host = pb.AgentAuth(agent_id=population.host_id)
+        self.tokens: list[str] = []
+        self.max_chunk = 0
+        self._tasks: queue.Queue = queue.Queue()
+        compute_lock = threading.Lock()  # the seats take turns on this process's CPU (see LocalTrainer)
+        first = population.indices(0) if len(population) else np.zeros(1, np.int64)
+        self.seats = []
+        for s in range(seats):
+            train, val = local_split(splits.train, first, val_fraction, seed)
+            torch.manual_seed(seed)
+            net = build_model_for_data(model, splits.input_shape, splits.num_classes)
+            trainer = LocalTrainer(net, train, val, seed=seed, compute_lock=compute_lock, device=device,
+                                   precision=precision)
+            self.seats.append(Agent(AgentConfig(server=server, agent_id=f"{population.host_id}-seat{s}",
+                                                poll_seconds=poll_seconds, give_up_after=60.0,
+                                                drop_probability=population.drop_probability,
+                                                seed=seed * 1_000_003 + s), trainer))
+
+    def join(self) -> None:
+        """Register every member, JOIN_CHUNK at a time (each member gets its own session token)."""
+        for start in range(0, len(self.pop), JOIN_CHUNK):
+            members = [pb.PopulationMember(agent_id=client_id(int(self.pop.numbers[i])),
+                                           num_examples=max(1, local_train_size(len(self.pop.indices(i)),
+                                                                                self.val_fraction)))
+                       for i in range(start, min(start + JOIN_CHUNK, len(self.pop)))]
+            reply = _retrying(lambda: self.stub.JoinPopulation(pb.JoinPopulationRequest(
+                host=self.host, members=members, protocol_version=PROTOCOL_VERSION), timeout=60))
+            self.host.token = reply.host_token
+            self.tokens.extend(reply.tokens)
+            self.max_chunk = reply.max_chunk_bytes
+
+    def run(self) -> list[AgentStats]:
+        """Join, then pull and run the members' tasks until the coordinator says training is over."""
+        self.join()
+        members = {client_id(int(n)): i for i, n in enumerate(self.pop.numbers)}
+        workers = [threading.Thread(target=self._seat, args=(seat,), daemon=True) for seat in self.seats]
+        for w in workers:
+            w.start()
+        try:
+            while True:
+                reply = _retrying(lambda: self.stub.PullHostTasks(pb.PullHostTasksRequest(
+                    host=self.host, wait_seconds=self.poll_seconds), timeout=self.poll_seconds + 30))
+                if reply.shutdown_reason:
+                    log.info("%s: coordinator says: %s", self.host.agent_id, reply.shutdown_reason)
+                    break
+                for hosted in reply.tasks:
+                    self._tasks.put((members[hosted.agent_id], hosted.task))
+        finally:
+            for _ in workers:
+                self._tasks.put(None)
+            for w in workers:
+                w.join(timeout=60)
+            for seat in self.seats:
+                seat.close()
+            self.channel.close()
+        return [seat.stats for seat in self.seats]
+
+    def _seat(self, seat: Agent) -> None:
+        """Run queued tasks on ``seat``, each as its member: the member's data and session, for that task only."""
+        seat.trainer.warm_up()
+        while (item := self._tasks.get()) is not None:
+            i, task = item
+            member = client_id(int(self.pop.numbers[i]))
+            seed = client_seed(self.seed, member)
+            train, val = local_split(self.splits.train, self.pop.indices(i), self.val_fraction, self.seed)
+            seat.trainer.use_data(train, val, seed, float(self.pop.step_delays[i]))
+            try:
+                seat.run_task_as(pb.AgentAuth(agent_id=member, token=self.tokens[i]), task, self.max_chunk)
+            except Exception:  # one member's failure must not stop the seat
+                log.exception("%s: task of %s failed", self.host.agent_id, member)
+
+
+def _retrying(call, attempts: int = 30):
+    """``call()``, retried with a short pause while the coordinator is busy or not up yet."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except grpc.RpcError as err:
+            if err.code() not in RETRYABLE or attempt == attempts - 1:
+                raise
+            time.sleep(min(2.0, 0.05 * 2 ** attempt))

@@ -1,0 +1,112 @@
+"""Simulated populations at the coordinator: a host registers many members in one call, each member has its own
+session, only sampled members' tasks reach the host, the members are live while the host calls, and the
+coordinator refuses what it must. Real coordinator, raw gRPC over loopback."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.messages import channel_options
+from fedpar.protocol.stubs import CoordinatorStub
+from support.scripted_agent import ScriptedAgent
+
+SHAPE = (8,)
+
+
+def _stub(server):
+    return CoordinatorStub(grpc.insecure_channel(server.address, options=channel_options(64 << 20)))
+
+
+def _join(stub, host: str, ids, token: str = "", examples: int = 10):
+    members = [pb.PopulationMember(agent_id=i, num_examples=examples) for i in ids]
+    return stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=host, token=token),
+                                                        members=members), timeout=30)
+
+
+def _refused(call, code, text):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == code and text in err.value.details(), err.value.details()
+
+
+def test_only_sampled_members_get_tasks_and_each_uploads_with_its_own_session(start_coordinator):
+    ids = [f"v{i:05d}" for i in range(3000)]
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=5,
+                               min_available=3000, max_population_join=2000, rounds=2)
+    stub = _stub(server)
+    first = _join(stub, "host-a", ids[:2000])
+    second = _join(stub, "host-a", ids[2000:], token=first.host_token)  # more members, same host session
+    assert second.host_token == first.host_token and len(first.tokens) + len(second.tokens) == 3000
+    tokens = dict(zip(ids, [*first.tokens, *second.tokens]))
+    host = pb.AgentAuth(agent_id="host-a", token=first.host_token)
+    for round_id in (1, 2):
+        got: list[pb.HostedTask] = []
+        end = time.monotonic() + 20
+        while len(got) < 5 and time.monotonic() < end:
+            got += stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10).tasks
+        assert len(got) == 5 and len({t.agent_id for t in got}) == 5
+        assert all(t.task.round == round_id for t in got)
+        for hosted in got:  # each sampled member uploads with its own session token
+            member = pb.AgentAuth(agent_id=hosted.agent_id, token=tokens[hosted.agent_id])
+            reply = stub.UploadSmall(pb.SmallUpload(
+                header=pb.UploadHeader(auth=member, round=hosted.task.round, task_id=hosted.task.task_id,
+                                       num_examples=10, steps=1, tensors=[pb.TensorSpec(name="t0", dtype="float32",
+                                                                                        shape=list(SHAPE))],
+                                       total_bytes=32),
+                data=np.full(SHAPE, round_id, np.float32).tobytes()), timeout=10)
+            assert reply.accepted
+    assert server.wait(20)
+    rows = server.coordinator.metrics.rows
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["reported"] == 5 for r in rows)
+    np.testing.assert_array_equal(server.coordinator.weights[0], np.full(SHAPE, 2.0, np.float32))
+    reply = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10)
+    assert "training finished" in reply.shutdown_reason
+    assert server.coordinator.registry.snapshot() == []  # the host joins its members again after a restart
+
+
+def test_members_are_live_while_their_host_calls(start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=50,
+                               liveness_timeout_seconds=1.0, heartbeat_seconds=0.5)
+    stub = _stub(server)
+    reply = _join(stub, "host-b", [f"m{i}" for i in range(3)])
+    registry = server.coordinator.registry
+    assert len(registry.live_ids()) == 3
+    time.sleep(1.3)
+    assert registry.live_ids() == []  # the host went quiet
+    stub.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="host-b", token=reply.host_token),
+                                               wait_seconds=0.0), timeout=10)
+    assert len(registry.live_ids()) == 3
+
+
+def test_what_a_coordinator_refuses(start_coordinator):
+    closed = start_coordinator([np.zeros(SHAPE, np.float32)])
+    _refused(lambda: _join(_stub(closed), "h", ["x"]), grpc.StatusCode.FAILED_PRECONDITION, "--accept-populations")
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, max_population_join=10,
+                               max_agents=20, min_available=5)
+    stub = _stub(server)
+    agent = ScriptedAgent(server.address, "agent-1")
+    try:
+        _refused(lambda: _join(stub, "h", [f"m{i}" for i in range(11)]), grpc.StatusCode.INVALID_ARGUMENT,
+                 "at most 10 per call")
+        _refused(lambda: _join(stub, "h", ["agent-1"]), grpc.StatusCode.INVALID_ARGUMENT, "registered already")
+        _refused(lambda: _join(stub, "h", ["ok", "bad\n"]), grpc.StatusCode.INVALID_ARGUMENT, "printable")
+        _refused(lambda: _join(stub, "h", ["zero"], examples=0), grpc.StatusCode.INVALID_ARGUMENT,
+                 "--max-examples-per-agent")
+        assert len(server.coordinator.registry) == 1  # a refused call registers none of its members
+        first = _join(stub, "h", [f"m{i}" for i in range(10)])
+        _refused(lambda: _join(stub, "h", ["m99"], token="forged"), grpc.StatusCode.UNAUTHENTICATED, "bad session")
+        _refused(lambda: _join(stub, "h2", [f"n{i}" for i in range(10)]), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 "--max-agents 20")
+        _refused(lambda: _join(stub, "h2", ["m1"]), grpc.StatusCode.INVALID_ARGUMENT, "not by host 'h2'")
+        _refused(lambda: stub.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="h", token="x")),
+                                            timeout=10), grpc.StatusCode.UNAUTHENTICATED, "bad session")
+        member = pb.AgentAuth(agent_id="m0", token=first.tokens[1])  # another member's token
+        _refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(auth=member), timeout=10),
+                 grpc.StatusCode.UNAUTHENTICATED, "bad session token")
+    finally:
+        agent.close()
