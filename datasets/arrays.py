@@ -50,3 +50,4 @@ class DatasetSplits:
     test: ArrayDataset
     num_classes: int
     input_shape: tuple[int, ...]
+    train_owners: np.ndarray | None = None  # the client each training example belongs to, where data has owners

@@ -9,7 +9,18 @@ from fedpar.datasets.partition import parse_partition
 
 
 def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: int) -> list[np.ndarray]:
-    """Index arrays of every client's share of the training set under partition ``spec``."""
+    """Index arrays of every client's share of the training set under partition ``spec`` ("natural": each
+    client's own examples, for data that has owners)."""
+    if spec == "natural":
+        owners = splits.train_owners
+        if owners is None:
+            raise ValueError("--partition natural needs data whose examples have owners (e.g. synthetic); "
+                             "use iid, dirichlet:ALPHA or shards:N")
+        found = int(owners.max()) + 1 if len(owners) else 0
+        if found != num_clients:
+            raise ValueError(f"the data has {found} clients of its own; run it with --clients {found}")
+        order = np.argsort(owners, kind="stable")
+        return np.split(order.astype(np.int64), np.cumsum(np.bincount(owners, minlength=found))[:-1])
     return parse_partition(spec)(splits.train.y, num_clients, seed)
 
 

@@ -7,12 +7,14 @@ from pathlib import Path
 from fedpar.datasets.arrays import DatasetSplits
 from fedpar.datasets.digits import load_digits
 from fedpar.datasets.mnist import EXPECTED_FILES, load_mnist
+from fedpar.datasets.synthetic import SyntheticSpec, load_synthetic
 
-_NAMES = ("digits", "mnist")
+_NAMES = ("digits", "mnist", "synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]]")
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object) -> DatasetSplits:
-    """Load ``name``; digits takes test_fraction/seed keywords, mnist needs ``data_dir``."""
+    """Load ``name``; digits takes test_fraction/seed keywords, mnist needs ``data_dir``, synthetic takes
+    ``clients`` when its name does not say how many."""
     key = name.lower()
     if key == "digits":
         return load_digits(**kwargs)  # bundled with scikit-learn: data_dir is not used
@@ -22,4 +24,11 @@ def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object
         if kwargs:
             raise ValueError(f"mnist takes no options besides data_dir, got {sorted(kwargs)}")
         return load_mnist(data_dir)
+    if key.startswith("synthetic"):
+        return load_synthetic(SyntheticSpec.parse(key, kwargs.pop("clients", None)))
     raise ValueError(f"unknown dataset {name!r}; valid names are: {', '.join(_NAMES)}")
+
+
+def full_dataset_name(name: str, clients: int) -> str:
+    """``name`` with what a federation of ``clients`` fills in (a synthetic dataset's client count)."""
+    return SyntheticSpec.parse(name.lower(), clients).name if name.lower().startswith("synthetic") else name

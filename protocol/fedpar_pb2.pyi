@@ -381,9 +381,13 @@ class HostedTask(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., task: _Optional[_Union[TrainTask, _Mapping]] = ...) -> None: ...
 
 class PullHostTasksReply(_message.Message):
-    __slots__ = ("tasks", "shutdown_reason")
+    __slots__ = ("tasks", "shutdown_reason", "weights_header", "weights")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_HEADER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[HostedTask]
     shutdown_reason: str
-    def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ...) -> None: ...
+    weights_header: ModelHeader
+    weights: bytes
+    def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ...) -> None: ...

@@ -107,8 +107,9 @@ class CoordinatorConfig:
             (self.max_queued_uploads >= self.max_concurrent_uploads,
              "max_queued_uploads must be >= max_concurrent_uploads"),
             (self.max_concurrent_downloads >= 1, "max_concurrent_downloads must be >= 1"),
-            (self.max_concurrent_rpcs >= 2 * self.min_available,
-             "max_concurrent_rpcs must be at least twice min_available (every agent long-polls)"),
+            (self.accept_populations or self.max_concurrent_rpcs >= 2 * self.min_available,
+             "max_concurrent_rpcs must be at least twice min_available (every agent long-polls; a simulation's "
+             "population members do not)"),
             (self.liveness_timeout_seconds > self.heartbeat_seconds,
              "liveness_timeout_seconds must exceed heartbeat_seconds"),
             (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),

@@ -37,6 +37,7 @@ log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
 HOST_WAKEUP = "\0host:"  # wakeup key prefix of a simulation host (agent ids are printable, so never clash)
+MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasks reply (a reply stays far below the message size limit)
 
 
 class Coordinator(IngestPlane):
@@ -303,16 +304,24 @@ class Coordinator(IngestPlane):
         while True:
             if self.finished:
                 return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {self.round_id}")
-            pending, self._host_tasks[host.host_id] = self._host_tasks.get(host.host_id, set()), set()
-            tasks = []
-            for agent_id in sorted(pending):
+            pending = sorted(self._host_tasks.get(host.host_id, ()))
+            self._host_tasks[host.host_id] = set(pending[MAX_HOSTED_TASKS:])  # the next call takes the rest
+            out = pb.PullHostTasksReply()
+            for agent_id in pending[:MAX_HOSTED_TASKS]:
                 record = self.registry.get(agent_id)
                 reply = self._task_reply(record) if record is not None and record.host == host.host_id else None
-                if reply is not None and reply.WhichOneof("kind") == "task":
-                    tasks.append(pb.HostedTask(agent_id=agent_id, task=reply.task))
+                if reply is None or reply.WhichOneof("kind") != "task":
+                    continue
+                task = reply.task
+                if task.weights:  # one copy of a small model for the whole reply, not one per task
+                    out.weights_header.CopyFrom(task.weights_header)
+                    out.weights = task.weights
+                    task.ClearField("weights_header")
+                    task.ClearField("weights")
+                out.tasks.append(pb.HostedTask(agent_id=agent_id, task=task))
             remaining = deadline - time.monotonic()
-            if tasks or remaining <= 0:
-                return pb.PullHostTasksReply(tasks=tasks)
+            if out.tasks or remaining <= 0:
+                return out
             event.clear()
             try:
                 await asyncio.wait_for(event.wait(), timeout=remaining)

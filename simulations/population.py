@@ -132,6 +132,9 @@ class PopulationHost:
                     log.info("%s: coordinator says: %s", self.host.agent_id, reply.shutdown_reason)
                     break
                 for hosted in reply.tasks:
+                    if reply.weights:  # the round's small model, sent once for all of them
+                        hosted.task.weights_header.CopyFrom(reply.weights_header)
+                        hosted.task.weights = reply.weights
                     self._tasks.put((members[hosted.agent_id], hosted.task))
         finally:
             for _ in workers:

@@ -8,7 +8,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +19,7 @@ from fedpar.aggregation.compression import CompressionConfig
 from fedpar.client.batched_trainer import check_batchable
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
+from fedpar.datasets.registry import full_dataset_name
 from fedpar.parallel.device import check_device_layout, device_kind, parse_device, resolve_device, visible_gpus
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
@@ -132,6 +133,7 @@ def check_client_batching(cfg: SimulationConfig) -> None:
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
     """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
     started = time.monotonic()
+    cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
     upload_compression(cfg)  # bad settings fail before anything starts
     check_device_layout(cfg.device)
     if cfg.precision not in PRECISIONS:

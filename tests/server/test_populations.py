@@ -110,3 +110,21 @@ def test_what_a_coordinator_refuses(start_coordinator):
                  grpc.StatusCode.UNAUTHENTICATED, "bad session token")
     finally:
         agent.close()
+
+
+def test_a_big_cohort_of_one_host_comes_in_replies_of_bounded_size_with_one_copy_of_a_small_model(start_coordinator):
+    from fedpar.server.coordinator import MAX_HOSTED_TASKS
+    ids = [f"w{i:04d}" for i in range(700)]
+    weights = np.arange(12_000, dtype=np.float32)  # 48 KB: small enough to travel with the tasks
+    server = start_coordinator([weights], accept_populations=True, clients_per_round=600, min_available=700,
+                               max_chunk_bytes=1 << 20)
+    stub = _stub(server)
+    reply = _join(stub, "host-c", ids)
+    host = pb.AgentAuth(agent_id="host-c", token=reply.host_token)
+    first = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=5.0), timeout=10)
+    second = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=5.0), timeout=10)
+    assert (len(first.tasks), len(second.tasks)) == (MAX_HOSTED_TASKS, 600 - MAX_HOSTED_TASKS)
+    assert first.ByteSize() < 2 * weights.nbytes + 200 * MAX_HOSTED_TASKS  # the weights once, not 512 times
+    assert np.frombuffer(first.weights, np.float32).tolist() == weights.tolist()
+    assert all(not t.task.weights for t in first.tasks)
+    assert len({t.agent_id for t in [*first.tasks, *second.tasks]}) == 600
