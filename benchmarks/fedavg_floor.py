@@ -24,7 +24,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from fedpar.datasets import load_dataset  # noqa: E402
 from fedpar.models.for_data import build_model_for_data  # noqa: E402
-from fedpar.datasets.clientdata import local_split, partition_indices  # noqa: E402
+from fedpar.datasets.clientdata import client_parts, local_split  # noqa: E402
+from fedpar.datasets.registry import full_dataset_name  # noqa: E402
 from fedpar.parallel.device import flush_denormals
 
 
@@ -56,15 +57,15 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def run(clients: int, rounds: int, dataset: str, data_dir: str | None, model_name: str, partition: str,
         epochs: int, batch_size: int, lr: float, val_fraction: float, seed: int, threads: int = 1,
-        clients_per_round: int | None = None) -> dict:
+        clients_per_round: int | None = None, examples_per_client: int | None = None) -> dict:
     """Run the FedAvg job: each round ``clients_per_round`` clients (default all) drawn as fedpar's coordinator
     draws them (numpy PCG64 seeded with ``seed``, without replacement, in id order)."""
     flush_denormals()
     # One intra-op thread: the fastest setting for these small models here (2 threads measured slower and
     # erratic whenever the other core is busy), so the floor is as low as plain PyTorch gets.
     torch.set_num_threads(threads)
-    splits = load_dataset(dataset, data_dir)
-    parts = partition_indices(splits, partition, clients, seed)
+    splits = load_dataset(full_dataset_name(dataset, clients), data_dir)
+    parts = client_parts(splits, partition, clients, seed, examples_per_client)
     torch.manual_seed(seed)
     global_model = build_model_for_data(model_name, splits.input_shape, splits.num_classes)
     local = build_model_for_data(model_name, splits.input_shape, splits.num_classes)
@@ -111,10 +112,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--clients-per-round", type=int, help="clients drawn each round (default: all)")
+    p.add_argument("--examples-per-client", type=int, help="keep at most this many of each client's examples")
     a = p.parse_args()
     print(json.dumps(run(a.clients, a.rounds, a.dataset, a.data_dir, a.model, a.partition, a.local_epochs,
                          a.batch_size, a.lr, a.val_fraction, a.seed, a.threads,
-                         a.clients_per_round)))
+                         a.clients_per_round, a.examples_per_client)))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the updates")
     add_compression_arguments(p)
     p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
+    p.add_argument("--examples-per-client", type=int, default=d.examples_per_client,
+                   help="keep at most this many of each client's examples (populations of different sizes with "
+                        "clients of the same size)")
     p.add_argument("--virtual-clients", action="store_true",
                    help="the worker processes host the population (a few bytes per client) and only the clients "
                         "sampled in a round get a model and their data, for that round: populations of 100,000")

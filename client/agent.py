@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
+import numpy as np
 
 from fedpar.client import dataplane
 from fedpar.client.backoff import RETRYABLE, Backoff, jittered
@@ -89,7 +90,7 @@ class Agent:
             return grpc.secure_channel(address, self.config.credentials, options=options)
         return grpc.insecure_channel(address, options=options)
 
-    def _ingest_stub(self, task: pb.TrainTask) -> CoordinatorStub:
+    def ingest_stub(self, task: pb.TrainTask) -> CoordinatorStub:
         """The stub for the task's download and upload (one channel per aggregator rank, kept open)."""
         address = ingest_address(self.config.server, task)
         if address == self.config.server:
@@ -179,17 +180,20 @@ class Agent:
     def _send_heartbeat(self) -> None:
         self._stub.Heartbeat(pb.HeartbeatRequest(auth=self._auth), timeout=self._heartbeat_seconds)
 
-    def run_task_as(self, auth: pb.AgentAuth, task: pb.TrainTask, max_chunk_bytes: int = 0) -> bool:
+    def run_task_as(self, auth: pb.AgentAuth, task: pb.TrainTask, max_chunk_bytes: int = 0,
+                    weights: list[np.ndarray] | None = None) -> bool:
         """Run one task for another identity (a virtual client whose host pulled the task): its session ``auth``
-        on this agent's channel and trainer (whose data the caller set). As :meth:`_run_task`."""
+        on this agent's channel and trainer (whose data the caller set); ``weights``: the round's global model
+        if the host has it already. As :meth:`_run_task`."""
         self._auth = auth
         self._max_chunk = max_chunk_bytes or self._max_chunk
         with self.trainer.holding_task(task.round):
-            return self._run_task(task)
+            return self._run_task(task, weights)
 
     # ------------------------------------------------------------------ one task
-    def _run_task(self, task: pb.TrainTask) -> bool:
-        """Train on ``task`` and upload; False only if the task should be pulled again (its weights never came)."""
+    def _run_task(self, task: pb.TrainTask, weights: list[np.ndarray] | None = None) -> bool:
+        """Train on ``task`` and upload; False only if the task should be pulled again (its weights never came).
+        ``weights``: the task's global weights when they are at hand already (nothing is downloaded)."""
         received = time.monotonic()
         deadline_at = received + task.deadline_seconds
         self.stats.tasks += 1
@@ -203,12 +207,13 @@ class Agent:
         if not mode.begin():
             return True
         try:
-            weights = task_weights(task, self.layout)  # small models come inside the task
+            if weights is None:
+                weights = task_weights(task, self.layout)  # small models come inside the task
             if weights is None and data_plane is not None:
                 weights = self._via_data_plane("download", dataplane.download, data_plane, self.layout,
                                                max(1.0, task.deadline_seconds))
             if weights is None:
-                weights = download_weights(self._ingest_stub(task), self._auth, task, self.layout, self._max_chunk,
+                weights = download_weights(self.ingest_stub(task), self._auth, task, self.layout, self._max_chunk,
                                            timeout=max(1.0, task.deadline_seconds))
         except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
             self._note_refusal("download", err)
@@ -276,7 +281,7 @@ class Agent:
         header = upload_header(self._auth, task, upload.layout, result.examples, result.steps, metrics,
                                upload.encoding, upload.encoding_json)
         single = small_upload(header, upload.layout, upload.arrays, self._max_chunk)
-        stub = self._ingest_stub(task)
+        stub = self.ingest_stub(task)
         while True:
             messages = upload_messages(self._auth, task, upload.layout, upload.arrays, result.examples, result.steps,
                                        metrics, min(self._max_chunk, self.config.chunk_bytes), upload.encoding,

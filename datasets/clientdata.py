@@ -24,6 +24,20 @@ def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: 
     return parse_partition(spec)(splits.train.y, num_clients, seed)
 
 
+def client_parts(splits: DatasetSplits, spec: str, num_clients: int, seed: int,
+                 examples_per_client: int | None = None) -> list[np.ndarray]:
+    """:func:`partition_indices`, each client keeping at most ``examples_per_client`` of its examples (a random
+    choice of them; None: all), so that populations of different sizes can hold clients of the same size."""
+    parts = partition_indices(splits, spec, num_clients, seed)
+    if examples_per_client is None:
+        return parts
+    if examples_per_client < 1:
+        raise ValueError("--examples-per-client must be >= 1")
+    rng = np.random.default_rng([seed, 7])
+    return [np.sort(rng.choice(p, examples_per_client, replace=False)) if len(p) > examples_per_client else p
+            for p in parts]
+
+
 def local_train_size(examples: int, val_fraction: float) -> int:
     """How many of a client's ``examples`` :func:`local_split` keeps for training."""
     return examples - (int(round(examples * val_fraction)) if examples > 1 else 0)

@@ -28,6 +28,8 @@ from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets.clientdata import local_split, local_train_size
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.client.transfer import download_weights
+from fedpar.protocol.codec import CodecError
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
 from fedpar.protocol.stubs import CoordinatorStub
 
@@ -90,6 +92,8 @@ class PopulationHost:
         self.tokens: list[str] = []
         self.max_chunk = 0
         self._tasks: queue.Queue = queue.Queue()
+        self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
+        self._weights_lock = threading.Lock()
         compute_lock = threading.Lock()  # the seats take turns on this process's CPU (see LocalTrainer)
         first = population.indices(0) if len(population) else np.zeros(1, np.int64)
         self.seats = []
@@ -155,10 +159,27 @@ class PopulationHost:
             seed = client_seed(self.seed, member)
             train, val = local_split(self.splits.train, self.pop.indices(i), self.val_fraction, self.seed)
             seat.trainer.use_data(train, val, seed, float(self.pop.step_delays[i]))
+            auth = pb.AgentAuth(agent_id=member, token=self.tokens[i])
             try:
-                seat.run_task_as(pb.AgentAuth(agent_id=member, token=self.tokens[i]), task, self.max_chunk)
+                seat.run_task_as(auth, task, self.max_chunk, self._round_weights(seat, auth, task))
             except Exception:  # one member's failure must not stop the seat
                 log.exception("%s: task of %s failed", self.host.agent_id, member)
+
+    def _round_weights(self, seat: Agent, auth: pb.AgentAuth, task: pb.TrainTask) -> list[np.ndarray] | None:
+        """The global model of ``task``'s round, downloaded once per round for all this host's members (the first
+        member to need it fetches it with its own session); None when the task carries it or the download fails
+        (the member then fetches it itself)."""
+        if task.weights:
+            return None
+        with self._weights_lock:
+            if self._weights[0] != task.round:
+                try:
+                    arrays = download_weights(seat.ingest_stub(task), auth, task, seat.layout, self.max_chunk,
+                                              timeout=max(1.0, task.deadline_seconds))
+                except (grpc.RpcError, CodecError):
+                    return None
+                self._weights = (task.round, arrays)
+            return self._weights[1]
 
 
 def _retrying(call, attempts: int = 30):

@@ -31,7 +31,7 @@ from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, client_id
-from fedpar.datasets.clientdata import partition_indices
+from fedpar.datasets.clientdata import client_parts
 
 log = logging.getLogger("fedpar.simulate")
 
@@ -70,6 +70,7 @@ class SimulationConfig:
     tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
     client_batching: bool = False  # a worker's agents of one round train as one batched model (torch.func)
     aggregator_ranks: int = 1  # coordinator processes sharing each round's ingest and fold (server/aggregator_ranks.py)
+    examples_per_client: int | None = None  # keep at most this many of each client's examples (None: all)
     virtual_clients: bool = False  # worker processes host the population; only sampled clients train, per round
     seats: int = 2  # virtual clients training at once in one worker process
     strategy_options: dict = field(default_factory=dict)
@@ -176,7 +177,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
 def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     splits = load_dataset(cfg.dataset, cfg.data_dir)
-    parts = partition_indices(splits, cfg.partition, cfg.clients, cfg.seed)
+    parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
     assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
     if cfg.client_batching:
         check_batchable(assembly.model)

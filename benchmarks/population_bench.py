@@ -1,0 +1,131 @@
+"""Simulation at population scale: `fedpar simulate --virtual-clients` with populations of 100 to 100,000 clients
+at 100 per round, next to the same rounds as one plain PyTorch loop (fedavg_floor.py), measured in the same run.
+
+One command: ``.venv/bin/python benchmarks/population_bench.py`` (``--quick``: 100 and 10,000 only, 4 rounds).
+For each population N it runs, each in a fresh process:
+- `fedpar simulate --virtual-clients` on Synthetic(0.5, 0.5) (FedProx's generated benchmark, --partition natural,
+  a median of 5 examples per client, so every population's clients are alike), 100 clients per round, one
+  local epoch, 2 worker processes: time to the first round's start, steady round seconds (median of rounds
+  2..R), and the peak memory of the whole process tree (sum of the processes' PSS, sampled every 0.2 s);
+- the floor: the same rounds (same data, cohorts, seeds and local SGD) as one plain PyTorch loop, no service.
+It prints the round time as a ratio to the floor's (the cost of going through the real service, per round of
+100 sampled clients) and to the N=100 cell's (what a larger population costs). With ``--mnist-dir`` holding
+MNIST it also runs the issue's MNIST cells: 10,000 clients of six examples each against 100 such clients.
+Results go to runs/population_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PER_ROUND = 100
+
+
+def tree_pss_mib(root: int) -> float:
+    """PSS of ``root`` and every descendant, in MiB (shared pages counted once, in shares)."""
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, StopIteration, ValueError):
+            continue  # the process ended meanwhile
+    return total / 1024
+
+
+def run_simulate(args: list[str], out: Path) -> dict:
+    """One `fedpar simulate` run: its rows, the time to its first round's start, and its peak tree memory."""
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", *args, "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, first_row_at = 0.0, None
+    metrics = out / "metrics.jsonl"
+    while proc.poll() is None:
+        peak = max(peak, tree_pss_mib(proc.pid))
+        if first_row_at is None and metrics.exists() and metrics.stat().st_size:
+            first_row_at = time.monotonic() - started
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"simulate failed ({proc.returncode}): {stderr[-2000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    startup = (first_row_at or 0.0) - rows[0]["round_seconds"]
+    return {"rows": rows, "startup_seconds": startup, "peak_tree_mib": peak,
+            "steady_round_seconds": statistics.median(r["round_seconds"] for r in rows[1:]),
+            "failed_rounds": sum(r["status"] != "ok" for r in rows), "wall_seconds": time.monotonic() - started}
+
+
+def run_floor(args: list[str]) -> dict:
+    """The same rounds as plain PyTorch in one process (benchmarks/fedavg_floor.py)."""
+    out = subprocess.run([sys.executable, str(HERE / "fedavg_floor.py"), *args], capture_output=True, text=True,
+                         check=True)
+    result = json.loads(out.stdout)
+    result["steady_round_seconds"] = statistics.median(r["round_seconds"] for r in result["rounds"][1:])
+    return result
+
+
+def cell(name: str, clients: int, job: list[str], floor_job: list[str], tmp: Path) -> dict:
+    """One population: the simulation and its floor."""
+    shared = ["--clients", str(clients), "--clients-per-round", str(PER_ROUND), "--local-epochs", "1", *job]
+    sim = run_simulate([*shared, "--virtual-clients"], tmp / f"{name}-{clients}")
+    floor = run_floor(["--clients", str(clients), "--clients-per-round", str(PER_ROUND), "--local-epochs", "1",
+                       *floor_job])
+    sim.pop("rows")
+    return {"population": clients, **sim, "floor_round_seconds": floor["steady_round_seconds"],
+            "vs_floor": sim["steady_round_seconds"] / floor["steady_round_seconds"]}
+
+
+def main() -> int:
+    """Run the cells and print the table."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="populations 100 and 10,000, 4 rounds")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))
+    p.add_argument("--json", type=Path, default=Path("runs/population_bench.json"))
+    a = p.parse_args()
+    rounds = 4 if a.quick else a.rounds
+    populations = [100, 10_000] if a.quick else [100, 1_000, 10_000, 100_000]
+    results: dict[str, list[dict]] = {}
+    print(f"{'data':<10}{'population':>11}{'start-up s':>11}{'round s':>9}{'floor s':>9}{'x floor':>8}"
+          f"{'x N=100':>8}{'tree MiB':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = {"synthetic": lambda n: (["--dataset", "synthetic:0.5:0.5", "--partition", "natural",
+                                         "--rounds", str(rounds)],
+                                        ["--dataset", "synthetic:0.5:0.5", "--partition", "natural",
+                                         "--rounds", str(rounds)])}
+        if (Path(a.mnist_dir) / "train.npz").exists():
+            mnist = ["--dataset", "mnist", "--data-dir", a.mnist_dir, "--examples-per-client", "6",
+                     "--val-fraction", "0", "--rounds", str(rounds)]
+            jobs["mnist"] = lambda n: (mnist, mnist)
+        for name, job in jobs.items():
+            cells = results.setdefault(name, [])
+            for n in (populations if name == "synthetic" else [100, 10_000]):
+                c = cell(name, n, *job(n), Path(tmp))
+                c["vs_population_100"] = c["steady_round_seconds"] / cells[0]["steady_round_seconds"] if cells \
+                    else 1.0
+                cells.append(c)
+                print(f"{name:<10}{n:>11,}{c['startup_seconds']:>11.2f}{c['steady_round_seconds']:>9.3f}"
+                      f"{c['floor_round_seconds']:>9.3f}{c['vs_floor']:>8.2f}{c['vs_population_100']:>8.2f}"
+                      f"{c['peak_tree_mib']:>10.0f}" + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
+                      flush=True)
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(results, indent=2))
+    print(f"wrote {a.json}")
+    return 0 if all(not c["failed_rounds"] for cells in results.values() for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
