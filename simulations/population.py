@@ -141,6 +141,8 @@ class PopulationHost:
                         hosted.task.weights = reply.weights
                     self._tasks.put((members[hosted.agent_id], hosted.task))
         finally:
+            while not self._tasks.empty():  # training is over: tasks not started yet are moot
+                self._tasks.get_nowait()
             for _ in workers:
                 self._tasks.put(None)
             for w in workers:
