@@ -139,6 +139,8 @@ class UploadIntake:
         except BaseException as exc:
             if ticket is not None:
                 ticket.settle(exc if isinstance(exc, Refusal) else None)
+            if isinstance(exc, Refusal) and self.coord.current is not None:
+                self.coord.current.note_refusal(exc)
             held.close()
             raise
         return upload
@@ -149,6 +151,8 @@ class UploadIntake:
         upload.held.close()
         self.limits.refund_bytes(upload.agent_id, upload.prepaid - received)
         upload.ticket.settle(refused)
+        if refused is not None:
+            upload.ticket.state.note_refusal(refused)
 
     @property
     def staging_slots(self) -> StagingSlots:
