@@ -139,8 +139,9 @@ class UploadIntake:
         except BaseException as exc:
             if ticket is not None:
                 ticket.settle(exc if isinstance(exc, Refusal) else None)
-            if isinstance(exc, Refusal) and self.coord.current is not None:
-                self.coord.current.note_refusal(exc)
+            state = ticket.state if ticket is not None else getattr(self.coord, "current", None)
+            if isinstance(exc, Refusal) and state is not None:  # counted in the round it was refused in
+                state.note_refusal(exc)
             held.close()
             raise
         return upload
