@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from fedpar.cli.argtypes import count, non_negative_int, positive, probability
 from fedpar.client.agent import Agent, AgentConfig, FatalAgentError
 from fedpar.client.trainer import PRECISIONS, LocalTrainer
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
@@ -32,16 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="digits", help="digits or mnist")
     p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
     p.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N")
-    p.add_argument("--num-partitions", type=int, default=1, help="how many shares the training set is cut into")
-    p.add_argument("--partition-index", type=int, default=0, help="which share is this agent's (0-based)")
+    p.add_argument("--num-partitions", type=count, default=1, help="how many shares the training set is cut into")
+    p.add_argument("--partition-index", type=non_negative_int, default=0, help="which share is this agent's (0-based)")
     p.add_argument("--partition-seed", type=int, default=0, help="seed of the split (same on every agent)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="local share kept for federated evaluation")
+    p.add_argument("--val-fraction", type=probability, default=0.1, help="local share kept for federated evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed for local shuffling")
-    p.add_argument("--poll", dest="poll_seconds", type=float, default=5.0, help="long-poll seconds per request")
-    p.add_argument("--max-backoff", type=float, default=30.0, help="longest wait between reconnection attempts")
-    p.add_argument("--give-up-after", type=float, default=None,
+    p.add_argument("--poll", dest="poll_seconds", type=positive, default=5.0, help="long-poll seconds per request")
+    p.add_argument("--max-backoff", type=positive, default=30.0, help="longest wait between reconnection attempts")
+    p.add_argument("--give-up-after", type=positive, default=None,
                    help="exit after this many seconds without reaching the coordinator (default: never)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for local training")
+    p.add_argument("--threads", type=count, default=None, help="torch threads for local training")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="bf16: forward passes under bf16 autocast (weights and uploads stay fp32)")

@@ -12,8 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from fedpar.cli.argtypes import count
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.security.admission import append_revocation, mint_token
+from fedpar.security.admission import append_revocation, mint_token, parse_token_hashes
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, CertPaths, check_agent_id, ensure_certs, \
     load_certificate
 
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-name", action="append", metavar="NAME",
                    help="DNS name or IP address agents dial the coordinator by (repeat for several); given, "
                         "it re-issues server.pem. Default for a new folder: " + ", ".join(DEFAULT_SERVER_NAMES))
-    p.add_argument("--days", type=int, default=DEFAULT_DAYS, help="validity of new server and agent certificates")
+    p.add_argument("--days", type=count, default=DEFAULT_DAYS, help="validity of new server and agent certificates")
     p.add_argument("--force", action="store_true", help="re-issue certificates of agents that already have one")
     p.add_argument("--revoke", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
                    help="append these agent ids to OUT/revoked.txt; a coordinator watching it refuses them")
@@ -41,6 +42,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mint-token", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
                    help="make an enrollment token per agent: OUT/ID.token (give it to the agent) and its SHA-256 "
                         "in OUT/tokens.txt (for 'fedpar serve --enrollment-tokens')")
+
+
+def known_agents(paths: CertPaths) -> set[str]:
+    """Agent ids with a certificate (ID.pem beside ID.key) or an enrollment token in ``paths``."""
+    certs = {p.stem for p in paths.root.glob("*.pem") if (paths.root / f"{p.stem}.key").exists()} - {"ca", "server"}
+    tokens = set(parse_token_hashes(paths.tokens.read_text(), str(paths.tokens))) if paths.tokens.exists() else set()
+    return certs | tokens
+
+
+def check_known_agent(paths: CertPaths, agent_id: str) -> None:
+    """ValueError unless ``agent_id`` has a certificate or token here: a typo must not leave the real agent trusted."""
+    known = known_agents(paths)
+    if agent_id not in known:
+        listed = ", ".join(sorted(known)) or "none"
+        raise ValueError(f"--revoke {agent_id}: no certificate or enrollment token for agent {agent_id!r} in "
+                         f"{paths.root} (agents there: {listed}); check the id, or use --revoke-cert PEM for a "
+                         "certificate kept elsewhere")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}")
             for path in report.skipped:
                 print(f"kept {path} (exists; --force re-issues it)")
+        for agent_id in args.revoke:
+            check_known_agent(paths, agent_id)
         for agent_id in args.revoke:
             append_revocation(paths.revoked, agent_id=agent_id)
             print(f"revoked agent {agent_id} in {paths.revoked}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from fedpar.cli.argtypes import count, fraction
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.task_settings import COMPRESSION_METHODS as METHODS
 
@@ -24,10 +25,10 @@ def add_compression_arguments(p: argparse.ArgumentParser) -> None:
     """Add the update-compression options to ``p``."""
     d = CompressionConfig()
     p.add_argument("--compression", choices=METHODS, default=d.method, help=COMPRESSION_HELP)
-    p.add_argument("--topk-ratio", type=float, default=d.topk_ratio,
+    p.add_argument("--topk-ratio", type=fraction, default=d.topk_ratio,
                    help="with --compression topk: share of each tensor's entries sent, in (0, 1]; "
                         "0.01 sends 1/50 of the float32 bytes")
-    p.add_argument("--int8-block", type=int, default=d.int8_block,
+    p.add_argument("--int8-block", type=count, default=d.int8_block,
                    help="with --compression int8: values sharing one float32 scale (smaller: more accurate, "
                         "4 more bytes per block)")
 

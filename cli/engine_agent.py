@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from fedpar.cli.argtypes import count, positive
 from fedpar.parallel.config import ConfigurationError, ParallelConfig
 from fedpar.parallel.device import flush_denormals
 
@@ -22,15 +23,15 @@ _P = ParallelConfig()
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The large-model options of ``fedpar client`` (degrees multiply to --nproc, or torchrun's world size)."""
     g = p.add_argument_group("large-model agent: one agent over several local ranks (dp*fsdp*tp = --nproc)")
-    g.add_argument("--nproc", type=int, default=1,
+    g.add_argument("--nproc", type=count, default=1,
                    help="local ranks this agent trains on (ignored under torchrun, which sets the world size); "
                         "rank 0 talks to the coordinator")
     g.add_argument("--dp", type=int, default=_P.dp, help="DDP replicas (-1: whatever the other degrees leave)")
     g.add_argument("--fsdp", type=int, default=_P.fsdp, help="FSDP2 shards of the model")
     g.add_argument("--tp", type=int, default=_P.tp, help="tensor-parallel degree (mlp only)")
-    g.add_argument("--dist-timeout", type=float, default=300.0,
+    g.add_argument("--dist-timeout", type=positive, default=300.0,
                    help="seconds a collective may wait during training before the ranks give up")
-    g.add_argument("--idle-timeout", type=float, default=7 * 86400.0,
+    g.add_argument("--idle-timeout", type=positive, default=7 * 86400.0,
                    help="seconds ranks other than 0 wait for the next task before giving up")
 
 

@@ -8,7 +8,9 @@ import logging
 import os
 import sys
 
+from fedpar.cli.argtypes import FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults
+from fedpar.cli.user_errors import UserError, describe
 
 # subcommand -> module under fedpar.cli that defines add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
@@ -35,7 +37,7 @@ def _available() -> dict[str, tuple[str, str]]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser with every available subcommand."""
-    parser = argparse.ArgumentParser(prog="fedpar", description=__doc__)
+    parser = FedparParser(prog="fedpar", description=__doc__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _available().items():
         mod = importlib.import_module(f"fedpar.cli.{module}")
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.add_argument("--config", metavar="FILE",
                        help=f"TOML file whose [{name}] table (or top level) sets defaults; flags override it")
+        p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its one line")
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
     return parser
@@ -56,15 +59,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help() if not argv else parser.parse_args(argv)
         return 2
     subparser = parser._subparsers._group_actions[0].choices[argv[0]]
+    args = None
     try:
         apply_config_defaults(subparser, argv[1:], argv[0])
-        args = parser.parse_args(argv)
+        args = parser.parse_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
         return int(args._module.run(args) or 0)
     except ConfigError as exc:
         print(f"fedpar {argv[0]}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"fedpar {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    except (UserError, OSError) as exc:  # a mistake in the set-up, said in one line (--debug: the traceback)
+        if args is not None and args.debug:
+            raise
+        print(f"fedpar {argv[0]}: {describe(exc)} (--debug shows the traceback)", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, UserError) else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Run the coordinator: agents dial in, rounds run, the global model is checkpointed every round.
 
-Writes OUT/metrics.jsonl (one line per round) and, with --checkpoint-dir, resumes after a restart.
+Writes OUT/metrics.jsonl and metrics.csv (one line per round), OUT/summary.json at the end (also after Ctrl-C),
+and, with --checkpoint-dir, resumes after a restart.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedpar.cli.argtypes import at_least_one, count, fraction, non_negative_int, port, positive
 from fedpar.aggregation import build_strategy, strategy_names
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
@@ -22,6 +24,8 @@ from fedpar.cli.limit_options import add_limit_arguments
 from fedpar.cli.progress import COLUMNS, RoundTable
 from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
+from fedpar.cli.observability import Observers, add_observability_arguments
+from fedpar.cli.user_errors import check_output_folder, check_port_free, run_exit_code
 from fedpar.datasets import load_dataset
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
 from fedpar.protocol.atomicfile import atomic_write_bytes
@@ -30,6 +34,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.rank_group import first_line
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.metrics import summarize_rounds
 from fedpar.simulations.synthetic_coordinator import synthetic_model
 from fedpar.server.secure_round import check_secure_setup
 
@@ -38,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar serve``."""
     d = CoordinatorConfig()
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=50051, help="port to listen on (0 picks a free one)")
+    p.add_argument("--port", type=port, default=50051, help="port to listen on (0 picks a free one)")
     p.add_argument("--model", default="mlp", help="mlp or cnn; agents must use the same (or synthetic: see --params)")
-    p.add_argument("--params", type=int, default=1_000_000,
+    p.add_argument("--params", type=count, default=1_000_000,
                    help="with --model synthetic: a model of about this many float32 parameters and no data or "
                         "central evaluation, for benchmarks and load tests")
     p.add_argument("--dataset", default="digits",
@@ -50,57 +55,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
     p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
     add_strategy_option_argument(p, "serve")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="rounds to run")
-    p.add_argument("--clients-per-round", type=int, default=d.clients_per_round,
+    p.add_argument("--rounds", type=non_negative_int, default=d.rounds, help="rounds to run (0: none)")
+    p.add_argument("--clients-per-round", type=count, default=d.clients_per_round,
                    help="K: accepted updates that close a round early")
-    p.add_argument("--fraction", type=float, default=d.fraction,
+    p.add_argument("--fraction", type=fraction, default=d.fraction,
                    help="alternative to --clients-per-round: K = fraction x live agents")
-    p.add_argument("--min-available", type=int, default=d.min_available,
+    p.add_argument("--min-available", type=count, default=d.min_available,
                    help="live agents needed before a round starts")
-    p.add_argument("--min-reports", type=int, default=d.min_reports,
+    p.add_argument("--min-reports", type=non_negative_int, default=d.min_reports,
                    help="fewer accepted updates than this fail the round; the model stays as it was")
-    p.add_argument("--overselect", type=float, default=d.overselect,
+    p.add_argument("--overselect", type=at_least_one, default=d.overselect,
                    help="sample ceil(K x overselect) agents so stragglers do not hold a round up")
-    p.add_argument("--deadline", dest="deadline_seconds", type=float, default=d.deadline_seconds,
+    p.add_argument("--deadline", dest="deadline_seconds", type=positive, default=d.deadline_seconds,
                    help="straggler deadline in seconds; later updates are refused")
-    p.add_argument("--local-epochs", type=int, default=d.local_epochs, help="local epochs per task")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="local batch size")
-    p.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate, help="local learning rate")
+    p.add_argument("--local-epochs", type=count, default=d.local_epochs, help="local epochs per task")
+    p.add_argument("--batch-size", type=count, default=d.batch_size, help="local batch size")
+    p.add_argument("--lr", dest="learning_rate", type=positive, default=d.learning_rate, help="local learning rate")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for initial weights and sampling")
-    p.add_argument("--heartbeat", dest="heartbeat_seconds", type=float, default=d.heartbeat_seconds,
+    p.add_argument("--heartbeat", dest="heartbeat_seconds", type=positive, default=d.heartbeat_seconds,
                    help="seconds between agent heartbeats")
-    p.add_argument("--liveness-timeout", dest="liveness_timeout_seconds", type=float,
+    p.add_argument("--liveness-timeout", dest="liveness_timeout_seconds", type=positive,
                    default=d.liveness_timeout_seconds, help="an agent silent this long is not sampled")
-    p.add_argument("--max-chunk-bytes", type=int, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
-    p.add_argument("--inline-weights-bytes", dest="inline_weights_max_bytes", type=int,
+    p.add_argument("--max-chunk-bytes", type=count, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
+    p.add_argument("--inline-weights-bytes", dest="inline_weights_max_bytes", type=non_negative_int,
                    default=d.inline_weights_max_bytes,
                    help="models up to this size (and one chunk) travel inside each task instead of a separate "
                         "download call; every task reply of a round carries a copy; 0 = always download")
-    p.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
+    p.add_argument("--max-concurrent-uploads", type=count, default=d.max_concurrent_uploads,
                    help="uploads staged at once (each holds one model copy)")
     p.add_argument("--data-plane", choices=["auto", "on", "off"], default="auto",
                    help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC "
                         f"uses TLS): auto = for models of at least {d.data_plane_min_bytes >> 20} MiB; agents "
                         "that do not support it keep using the gRPC streams")
-    p.add_argument("--data-port", type=int, default=d.data_port,
+    p.add_argument("--data-port", type=port, default=d.data_port,
                    help="port of the data plane on --host (0 picks a free one; agents learn it with each task)")
     p.add_argument("--secure-aggregation", action="store_true",
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the agents' updates "
                         "(needs a linear strategy: fedavg, fedavgm, fedprox, fedadam, fedyogi, fedadagrad)")
-    p.add_argument("--secagg-clip", type=float, default=d.secagg_clip,
+    p.add_argument("--secagg-clip", type=positive, default=d.secagg_clip,
                    help="with --secure-aggregation: clip each coordinate of an update (local - global) to +-this")
-    p.add_argument("--secagg-max-weight", type=int, default=d.secagg_max_weight,
+    p.add_argument("--secagg-max-weight", type=count, default=d.secagg_max_weight,
                    help="with --secure-aggregation: cap on an agent's weight (default: largest registered "
                         "examples x local epochs in the cohort)")
-    p.add_argument("--secagg-stage-seconds", type=float, default=d.secagg_stage_seconds,
+    p.add_argument("--secagg-stage-seconds", type=positive, default=d.secagg_stage_seconds,
                    help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
     add_compression_arguments(p)
     add_limit_arguments(p)
-    p.add_argument("--aggregator-ranks", type=int, default=d.aggregator_ranks,
+    p.add_argument("--aggregator-ranks", type=count, default=d.aggregator_ranks,
                    help="processes that share each round's downloads, uploads and fold, joined by an all-reduce "
                         "(rank r listens on --port + r, or a free port with --port 0; agents are told which rank "
                         "to use). Under torchrun every launched process is one rank and this is ignored")
-    p.add_argument("--aggregator-timeout", dest="aggregator_timeout_seconds", type=float,
+    p.add_argument("--aggregator-timeout", dest="aggregator_timeout_seconds", type=positive,
                    default=d.aggregator_timeout_seconds,
                    help="longest wait for another aggregator rank at a round's close; a rank that misses it is "
                         "named and the whole coordinator stops (restart it with the same command to resume)")
@@ -108,9 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint every round here, and resume from it after a restart (same model and strategy)")
     p.add_argument("--port-file", type=Path,
                    help="once listening, write the bound port to this file (handy with --port 0)")
-    p.add_argument("--out", type=Path, default=Path("runs/serve"), help="folder for metrics.jsonl")
+    p.add_argument("--out", type=Path, default=Path("runs/serve"),
+                   help="folder for metrics.jsonl, metrics.csv and summary.json")
     add_dp_arguments(p, population_flag=True)
     add_tls_arguments(p, "serve")
+    add_observability_arguments(p)
 
 
 @dataclass
@@ -168,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
     """Serve until every round is done (in ``--aggregator-ranks`` local processes when more than one)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     flush_denormals()
+    check_output_folder(args.out)
+    if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
+        check_port_free(args.host, args.port)
+        check_port_free(args.host, args.data_port, "--data-port")
     try:
         plan = _plan(args)
     except ValueError as exc:
@@ -244,36 +255,44 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     if ranks is not None:
         columns = columns + rank_columns(ranks.world)
     table = RoundTable(total=config.rounds, columns=columns)
+    observers = Observers(args)
     try:
-        server = plan.assembly.server(config, plan.strategy, on_round_end=[table.row], admission=security.admission,
-                                      host=args.host, port=args.port, credentials=security.credentials,
-                                      data_tls=security.data_tls, ranks=ranks)  # data plane: TLS, same certificate
+        server = plan.assembly.server(config, plan.strategy, on_round_end=[table.row, *observers.round_callbacks()],
+                                      admission=security.admission, host=args.host, port=args.port,
+                                      credentials=security.credentials, data_tls=security.data_tls,
+                                      ranks=ranks)  # data plane: TLS, same certificate
     except ValueError as exc:  # e.g. a damaged checkpoint, or one made with another model
+        observers.close()
         print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
         return 2
     try:
         server.start()
     except Exception as exc:
-        print(f"fedpar serve: could not listen on {args.host}:{args.port}: {exc}; try another --port",
-              file=sys.stderr)
+        observers.close()
+        print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
         return 1
-    if args.port_file:
-        atomic_write_bytes(args.port_file, [f"{server.port}\n".encode()])
-    print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
-          f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
-          f"{security.client_hint} --agent-id ID ...)", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    interrupted = False
     try:
+        observers.attach(server)
+        if args.port_file:
+            atomic_write_bytes(args.port_file, [f"{server.port}\n".encode()])
+        print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
+              f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
+              f"{security.client_hint} --agent-id ID ...)", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         while not server.wait(0.5):
             if stop.is_set():
                 break
         stop.wait(2.0)  # let agents hear "shutdown" on their next poll
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # Ctrl-C: stop at once; what completed is checkpointed and summarized
+        interrupted = True
     finally:
-        server.stop()
+        server.stop(grace=0.5 if interrupted else 1.0)
+        observers.close()
     rows = server.coordinator.metrics.rows
+    summary = {**summarize_rounds(rows), "interrupted": interrupted}
+    atomic_write_bytes(args.out / "summary.json", [(json.dumps(summary, indent=2) + "\n").encode()])
     if rows:
         print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))
-    return 0
+    return run_exit_code("fedpar serve", summary)

@@ -10,9 +10,12 @@ import argparse
 import json
 import sys
 
+from fedpar.cli.argtypes import at_least_one, count, non_negative, non_negative_int, positive, probability
 from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.progress import COLUMNS, RoundTable
+from fedpar.cli.observability import Observers, add_observability_arguments
+from fedpar.cli.user_errors import check_output_folder, run_exit_code
 from fedpar.server.aggregator_ranks import rank_columns
 from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.client.trainer import PRECISIONS
@@ -23,8 +26,8 @@ from fedpar.simulations.runner import SimulationConfig, run_simulation
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar simulate``."""
     d = SimulationConfig()
-    p.add_argument("--clients", type=int, default=d.clients, help="number of simulated agents")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="federated rounds to run")
+    p.add_argument("--clients", type=count, default=d.clients, help="number of simulated agents")
+    p.add_argument("--rounds", type=count, default=d.rounds, help="federated rounds to run")
     p.add_argument("--dataset", default=d.dataset, help="digits (bundled with scikit-learn) or mnist")
     p.add_argument("--data-dir", default=d.data_dir, help="folder with MNIST train.npz/test.npz or the IDX files")
     p.add_argument("--partition", default=d.partition,
@@ -32,35 +35,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="mlp or cnn (the FedAvg paper's CNN)")
     p.add_argument("--strategy", default=d.strategy, help="aggregation strategy, e.g. fedavg, fedavgm, fedadam")
     add_strategy_option_argument(p, "simulate")
-    p.add_argument("--clients-per-round", type=int, default=d.clients_per_round,
+    p.add_argument("--clients-per-round", type=count, default=d.clients_per_round,
                    help="K, updates that close a round (default: all clients)")
-    p.add_argument("--overselect", type=float, default=d.overselect,
+    p.add_argument("--overselect", type=at_least_one, default=d.overselect,
                    help="sample ceil(K * overselect) clients per round; the first K updates count")
-    p.add_argument("--min-reports", type=int, default=d.min_reports,
+    p.add_argument("--min-reports", type=non_negative_int, default=d.min_reports,
                    help="a round with fewer accepted updates fails and keeps the old model")
-    p.add_argument("--local-epochs", type=int, default=d.local_epochs, help="local epochs per round (E)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="local batch size (B)")
-    p.add_argument("--lr", dest="learning_rate", type=float, default=d.learning_rate, help="local SGD learning rate")
-    p.add_argument("--deadline", dest="deadline_seconds", type=float, default=d.deadline_seconds,
+    p.add_argument("--local-epochs", type=count, default=d.local_epochs, help="local epochs per round (E)")
+    p.add_argument("--batch-size", type=count, default=d.batch_size, help="local batch size (B)")
+    p.add_argument("--lr", dest="learning_rate", type=positive, default=d.learning_rate, help="local SGD learning rate")
+    p.add_argument("--deadline", dest="deadline_seconds", type=positive, default=d.deadline_seconds,
                    help="straggler deadline per round, in seconds")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+    p.add_argument("--val-fraction", type=probability, default=d.val_fraction,
                    help="share of each client's data kept for federated evaluation")
-    p.add_argument("--slow-fraction", type=float, default=d.slow_fraction, help="share of clients that are slow")
-    p.add_argument("--slow-step-delay", type=float, default=d.slow_step_delay,
+    p.add_argument("--slow-fraction", type=probability, default=d.slow_fraction, help="share of clients that are slow")
+    p.add_argument("--slow-step-delay", type=non_negative, default=d.slow_step_delay,
                    help="extra seconds per local step on a slow client")
-    p.add_argument("--drop-probability", type=float, default=d.drop_probability,
+    p.add_argument("--drop-probability", type=probability, default=d.drop_probability,
                    help="chance per client per round of vanishing before it uploads")
     p.add_argument("--secure-aggregation", action="store_true",
                    help="SecAgg+ masking: the coordinator learns only the weighted mean of the updates")
     add_compression_arguments(p)
-    p.add_argument("--workers", type=int, default=d.workers, help="agent processes (agents are threads in them)")
-    p.add_argument("--examples-per-client", type=int, default=d.examples_per_client,
+    p.add_argument("--workers", type=count, default=d.workers, help="agent processes (agents are threads in them)")
+    p.add_argument("--examples-per-client", type=count, default=d.examples_per_client,
                    help="keep at most this many of each client's examples (populations of different sizes with "
                         "clients of the same size)")
     p.add_argument("--virtual-clients", action="store_true",
                    help="the worker processes host the population (a few bytes per client) and only the clients "
                         "sampled in a round get a model and their data, for that round: populations of 100,000")
-    p.add_argument("--seats", type=int, default=d.seats,
+    p.add_argument("--seats", type=count, default=d.seats,
                    help="with --virtual-clients: sampled clients training at once in one worker process")
     p.add_argument("--device", default=d.device,
                    help=f"where agents train and the coordinator evaluates: {DEVICE_HELP}; with several GPUs the "
@@ -72,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "batched model (torch.func), each with its own data, batches, steps and deadline; slow "
                         "devices (--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and "
                         "DP still apply to each agent's update. Models with dropout or batch norm are refused")
-    p.add_argument("--aggregator-ranks", type=int, default=d.aggregator_ranks,
+    p.add_argument("--aggregator-ranks", type=count, default=d.aggregator_ranks,
                    help="coordinator processes sharing each round's downloads, uploads and fold (as serve's "
                         "--aggregator-ranks); the table shows each rank's uploads and fold seconds")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for data split, sampling and initial weights")
@@ -82,25 +85,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/simulation", help="output folder")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     add_dp_arguments(p, population_flag=False)
+    add_observability_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary."""
+    check_output_folder(args.out)
     fields = set(SimulationConfig.__dataclass_fields__)
     cfg = SimulationConfig(**{k: v for k, v in vars(args).items() if k in fields})
     columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else []) + \
         (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
+    observers = Observers(args)
     try:
         cfg.strategy_options = strategy_options_from_args(args)
         cfg.strategy, options = dp_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
                                             cfg.overselect, cfg.clients)
         cfg.strategy_options.update(options)
-        summary = run_simulation(cfg, on_round=table.row)
+        callbacks = [table.row, *observers.round_callbacks()]
+        summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks], on_server=observers.attach)
     except ValueError as exc:
         print(f"fedpar simulate: {exc}", file=sys.stderr)
         return 2
+    finally:
+        observers.close()
     summary.pop("config", None)
     print(json.dumps(summary, indent=2))
-    print(f"wrote {cfg.out}/metrics.jsonl, summary.json and accuracy.png")
-    return 0
+    print(f"wrote {cfg.out}/metrics.jsonl, metrics.csv, summary.json and accuracy.png")
+    return run_exit_code("fedpar simulate", summary)
+

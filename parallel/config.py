@@ -148,6 +148,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = True
     plot: bool = True
+    tensorboard: str | None = None  # folder for TensorBoard events of the logged steps and evaluations (rank 0)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def check(self) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.run_logs import TensorBoardScalars, write_csv
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -64,10 +65,12 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
 class StepMetricsLog:
     """A training run's metrics.jsonl: JSON lines per logged step and evaluation, on rank 0; a no-op elsewhere."""
 
-    def __init__(self, out_dir: Path, enabled: bool, resume_step: int = 0) -> None:
-        """Open the log; on resume, drop lines written after ``resume_step`` by the interrupted run."""
+    def __init__(self, out_dir: Path, enabled: bool, resume_step: int = 0, tensorboard: str | None = None) -> None:
+        """Open the log; on resume, drop lines written after ``resume_step`` by the interrupted run. With
+        ``tensorboard``, every record's numbers also go there as scalars at its step."""
         self.path = out_dir / "metrics.jsonl"
         self.enabled = enabled
+        self.tensorboard = TensorBoardScalars(tensorboard, "step") if enabled and tensorboard else None
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +86,15 @@ class StepMetricsLog:
         if self.enabled:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def close(self) -> None:
+        """Write metrics.csv beside metrics.jsonl (every record so far) and close the TensorBoard events."""
+        if self.enabled:
+            write_csv(self.path.with_suffix(".csv"), self.records())
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def records(self) -> list[dict[str, Any]]:
         """All records written so far (rank 0)."""

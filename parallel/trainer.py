@@ -201,7 +201,7 @@ class Trainer:
         wall_start = time.perf_counter()
         reset_peak_memory(self.info.device)
         resumed_from = self.maybe_resume()
-        log = StepMetricsLog(self.out, self.info.is_main, resumed_from)
+        log = StepMetricsLog(self.out, self.info.is_main, resumed_from, cfg.tensorboard)
         total = self.total_steps()
         global_batch = cfg.batch_size
         base_lr = cfg.scaled_lr()
@@ -277,11 +277,12 @@ class Trainer:
             "model_state_bytes": states,
             "config": self.config.to_dict(),
         }
+        log.close()
         if self.info.is_main:
             write_json_atomic(self.out / "summary.json", summary)
             if self.config.plot:
                 plot_loss_curve(log.records(), self.out / "loss_curve.png",
                                 f"{self.config.model} on {self.config.dataset}, world {self.info.world_size}")
-            self._log(f"wrote summary.json, metrics.jsonl{' and loss_curve.png' if self.config.plot else ''} "
+            self._log(f"wrote summary.json, metrics.jsonl, metrics.csv{' and loss_curve.png' if self.config.plot else ''} "
                       f"in {self.out}")
         return summary

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import ssl
 import threading
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedpar.protocol.messages import channel_options
+from fedpar.protocol.messages import SERVICE_NAME, channel_options
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
 from fedpar.server.rpc_limit import RpcLimit
@@ -32,7 +34,13 @@ def server_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
         # stranger go instead) could see them.
         ("grpc.server.max_pending_requests", 1 << 16),
         ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+        # gRPC sets SO_REUSEPORT by default, so a second coordinator on a port in use would share it silently.
+        ("grpc.so_reuseport", 0),
     ]
+
+
+class BindError(OSError):
+    """The coordinator could not listen on its address (the port is in use, or the host is not this machine's)."""
 
 
 class CoordinatorServer:
@@ -54,6 +62,8 @@ class CoordinatorServer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._grace = 1.0  # seconds calls in flight get when the server stops
+        self.health: health.aio.HealthServicer | None = None  # grpc.health.v1 on the same port
 
     @property
     def address(self) -> str:
@@ -87,18 +97,42 @@ class CoordinatorServer:
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop the gRPC server and the loop thread."""
+        self._grace = grace
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
             self._thread.join(timeout=grace + 10)
         self.coordinator.close()
 
+    async def _set_health(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING on grpc.health.v1, for the whole server and for fedpar's service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    def on_loop(self, fn, timeout: float = 1.0):
+        """``fn()`` run on the coordinator's event loop from another thread (its state belongs to the loop); raises
+        RuntimeError when the loop is not running, TimeoutError when it does not answer in ``timeout`` s."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            raise RuntimeError("the coordinator is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call():
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+        loop.call_soon_threadsafe(call)
+        return done.result(timeout)
+
     def _thread_main(self) -> None:
         try:
             asyncio.run(self._main())
         except BaseException as exc:  # surfaced to the caller through start()/wait()
             self.error = exc
-            log.exception("coordinator stopped with an error")
+            if not isinstance(exc, BindError):  # said in one line by the caller
+                log.exception("coordinator stopped with an error")
         finally:
             self._ready.set()
             self._finished.set()
@@ -116,13 +150,21 @@ class CoordinatorServer:
                                  interceptors=[RpcLimit(service.limits, self.coordinator.registry.admission,
                                                         strangers)])
         server.add_generic_rpc_handlers((generic_handler(service),))
+        self.health = health.aio.HealthServicer()
+        await self._set_health(False)  # until the coordinator serves rounds
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.coordinator.on_ready = lambda serving: asyncio.ensure_future(self._set_health(serving))
         target = f"{self.host}:{self.requested_port}"
-        if self.credentials is None:
-            if self.host not in ("127.0.0.1", "localhost", "::1"):
-                log.warning("serving PLAINTEXT gRPC on %s: traffic and agent identities are unprotected", target)
-            self.port = server.add_insecure_port(target)
-        else:
-            self.port = server.add_secure_port(target, self.credentials)
+        try:
+            if self.credentials is None:
+                if self.host not in ("127.0.0.1", "localhost", "::1"):
+                    log.warning("serving PLAINTEXT gRPC on %s: traffic and agent identities are unprotected", target)
+                self.port = server.add_insecure_port(target)
+            else:
+                self.port = server.add_secure_port(target, self.credentials)
+        except RuntimeError as exc:  # gRPC says only "Failed to bind"
+            raise BindError(f"cannot listen on {target}: the port is in use or the address is not this "
+                            "machine's") from exc
         await server.start()
         self.coordinator.grpc_port = self.port
         self.coordinator._bind_loop()
@@ -139,8 +181,9 @@ class CoordinatorServer:
                 self._finished.set()
                 await stopper  # keep serving so agents hear "shutdown" until stop() is called
         finally:
+            await self._set_health(False)
             rounds.cancel()
             stopper.cancel()
             if self.data_plane is not None:
                 self.data_plane.stop()
-            await server.stop(1.0)
+            await server.stop(self._grace)

@@ -97,6 +97,7 @@ class Coordinator(IngestPlane):
         if self.ranks is not None:
             await self.ranks.start(self)
         completed = stopped_early = False
+        self._ready(True)
         try:
             await self._wait_for_restored_agents()
             while self.round_id < self.config.rounds:
@@ -107,6 +108,7 @@ class Coordinator(IngestPlane):
             stopped_early = True
             raise
         finally:
+            self._ready(False)
             if self.ranks is not None:
                 await self.ranks.stop(completed)
             # A coordinator stopped early leaves its agents polling (they re-join the restarted one by themselves);
@@ -220,6 +222,8 @@ class Coordinator(IngestPlane):
         row.update(self.mode.metrics())
         self.mode = None
         row["upload_bytes"] = state.upload_bytes  # tensor bytes accepted this round, compressed or not
+        row["download_bytes"] = state.download_bytes  # model bytes sent: inline in tasks and completed downloads
+        row.update({f"refused_{reason}": n for reason, n in sorted(state.refused.items())})
         row.update(rank_columns)
         row.update({k: float(v) for k, v in strategy_metrics.items()})
         if self.ranks is not None:
@@ -369,6 +373,7 @@ class Coordinator(IngestPlane):
         if payload is not None and payload.inline is not None and payload.round_id == state.round_id:
             task.weights_header.MergeFromString(payload.model_header)
             task.weights = payload.inline
+            state.download_bytes += len(payload.inline)
         if slot.rank:  # another aggregator rank takes this agent's download and upload
             endpoint = self.ranks.endpoints[slot.rank]
             task.ingest_port, task.ingest_host = endpoint.grpc_port, endpoint.host
@@ -398,6 +403,7 @@ class Coordinator(IngestPlane):
             slot = state.slots.get(agent_id)
             if slot is not None and slot.task_id == task_id:
                 slot.downloaded = True
+                state.download_bytes += self.layout.total_bytes
 
     async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
         """Fold a complete, validated update into the round (raises Refusal if the round closed)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -41,8 +41,14 @@ class IngestPlane:
         self.tickets = TicketBook()  # data-plane transfer tickets
         self.data_port: int | None = None  # set when the data plane listens (server/dataplane.py)
         self.grpc_port: int | None = None  # set when gRPC listens (server/app.py)
+        self.on_ready: Callable[[bool], None] | None = None  # told when it starts and stops serving rounds (health)
         self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                             thread_name_prefix="fedpar-coord")
+
+    def _ready(self, serving: bool) -> None:
+        """Tell :attr:`on_ready` whether this plane serves rounds now (the health service reports it)."""
+        if self.on_ready is not None:
+            self.on_ready(serving)
 
     def close(self) -> None:
         """Release the worker threads."""

@@ -78,6 +78,7 @@ class IngestRank(IngestPlane):
                                                      self.config.aggregator_timeout_seconds)
                     heartbeat = asyncio.ensure_future(self._heartbeat())
                     await self._new_model(int(message["round"]))
+                    self._ready(True)
                 elif kind == "open":
                     await self._open(message)
                 elif kind == "close":
@@ -92,6 +93,7 @@ class IngestRank(IngestPlane):
                     return
         finally:
             self.finished = True
+            self._ready(False)
             if self.control is not None:
                 heartbeat.cancel()
                 await self.control.close()

@@ -1,4 +1,4 @@
-"""Per-round metrics as JSON lines."""
+"""Per-round metrics as JSON lines, and the same rows as CSV beside them (metrics.csv)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.run_logs import write_csv
 
 
 def _clean(value):
@@ -20,8 +21,25 @@ def clean_row(row: dict) -> dict:
     return {k: _clean(v) for k, v in row.items()}
 
 
+def summarize_rounds(rows: list[dict]) -> dict:
+    """What a run's rounds came to: accuracy, rounds and failed rounds, mean round seconds and upload bytes, and
+    the privacy budget spent (``simulate``'s and ``serve``'s summary.json)."""
+    summary = {
+        "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,
+        "best_test_accuracy": max((r.get("test_accuracy") or 0.0 for r in rows), default=None),
+        "rounds": len(rows),
+        "failed_rounds": sum(r["status"] != "ok" for r in rows),
+        "mean_round_seconds": sum(r["round_seconds"] for r in rows) / len(rows) if rows else None,
+        "mean_upload_bytes_per_round": sum(r["upload_bytes"] for r in rows) / len(rows) if rows else None,
+    }
+    if rows and "dp_epsilon" in rows[-1]:
+        summary["final_dp_epsilon"] = rows[-1]["dp_epsilon"]
+    return summary
+
+
 class RoundMetricsLog:
-    """The coordinator's metrics.jsonl: one JSON object per completed round, appended (and kept in memory)."""
+    """The coordinator's metrics.jsonl: one JSON object per completed round, appended (and kept in memory); its
+    rows are also written as metrics.csv, rewritten whole each round (its columns grow with new keys)."""
 
     def __init__(self, path: Path | None):
         self.path = Path(path) if path else None
@@ -36,6 +54,12 @@ class RoundMetricsLog:
         if self.path:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
+            write_csv(self.csv_path, self.rows)
+
+    @property
+    def csv_path(self) -> Path | None:
+        """metrics.csv beside metrics.jsonl."""
+        return self.path.with_suffix(".csv") if self.path else None
 
     def resume(self, last_round: int, last_row: dict | None) -> None:
         """Make the file hold exactly one row per round up to ``last_round`` (the checkpointed one).
@@ -60,3 +84,4 @@ class RoundMetricsLog:
 
     def _rewrite(self) -> None:
         atomic_write_bytes(self.path, [(json.dumps(row) + "\n").encode() for row in self.rows])
+        write_csv(self.csv_path, self.rows)

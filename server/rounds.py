@@ -62,6 +62,8 @@ class RoundState:
     metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     pending_folds: set = field(default_factory=set)
     fold_seconds: float = 0.0  # spent folding this round's updates on this rank
+    download_bytes: int = 0  # model bytes sent to agents this round (inline in tasks, or completed downloads)
+    refused: dict[str, int] = field(default_factory=dict)  # upload refusals by gRPC status, e.g. resource_exhausted
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
@@ -92,6 +94,11 @@ class RoundState:
         if self.closed:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"round {self.round_id} is closed ({self.close_reason}); the update was not applied")
+
+    def note_refusal(self, refusal: Refusal) -> None:
+        """Count one refused upload attempt under its status (a busy agent retrying counts once per attempt)."""
+        reason = refusal.code.name.lower()
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
     def close(self, reason: str) -> None:
         """Close the round: later uploads are refused."""

@@ -13,6 +13,9 @@
   call's request normally comes with the call, so it enters the strangers' bounds only if it is still missing
   after REQUEST_GRACE_SECONDS: a flood from an agent's own address (NAT) cannot let go of an agent's call.
 
+- grpc.health.v1 calls are unauthenticated: they count in the strangers' bounds for their whole life (a Watch
+  stream too), never in ``--max-concurrent-rpcs``, so a probe is answered however busy the agents keep it.
+
 gRPC's own ``maximum_concurrent_rpcs`` answers "Concurrent RPC limit exceeded!", which does not tell an
 operator which option to raise, so the counts live here and in :class:`Limits`.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 from typing import Callable
 
 import grpc
@@ -31,6 +35,10 @@ from fedpar.server.limits import Limits
 from fedpar.server.rounds import Refusal
 from fedpar.server.strangers import Stranger, StrangerBound
 
+# grpc.health.v1 is unauthenticated: its calls stay in the strangers' bounds for their whole life, so a probe is
+# never refused because agents fill --max-concurrent-rpcs, and a flood of probes (or of Watch streams) cannot
+# take agents' places.
+HEALTH_METHODS = "/grpc.health.v1.Health/"
 REQUEST_GRACE_SECONDS = 0.25  # a unary call's request normally comes with the call: only a later one is a stranger's
 
 
@@ -99,9 +107,11 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         self.strangers = strangers
 
     async def intercept_service(self, continuation, handler_call_details):
-        """The method's handler, checked and counted."""
+        """The method's handler, checked and counted (health checks: as strangers' calls, never authenticated)."""
         handler = await continuation(handler_call_details)
-        return None if handler is None else self.counted(handler)
+        if handler is None:
+            return None
+        return self.counted(handler, stranger_only=handler_call_details.method.startswith(HEALTH_METHODS))
 
     async def _enter(self, context, stranger: bool) -> CallBudget:
         """The call's budget, a stranger's from the start if ``stranger``; or an abort: a revoked certificate."""
@@ -125,7 +135,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
             let_go = lambda _: task.cancel()  # noqa: E731
         budget.stranger = self.strangers.admit(budget.peer, let_go)
 
-    async def _request(self, request_iterator, context, budget: CallBudget):
+    async def _request(self, request_iterator, context, budget: CallBudget, authenticate: bool = True):
         """A unary call's one request, within --upload-header-seconds; it then leaves the strangers' bounds (a
         request that comes within REQUEST_GRACE_SECONDS never entered them). The read is never cancelled (that
         disturbed other calls' reads under a flood): a call let go or out of time is aborted, which ends it."""
@@ -133,7 +143,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         coming = asyncio.ensure_future(request_iterator.__anext__())
         coming.add_done_callback(_retrieved)  # it ends with an error once the call is aborted
         await asyncio.wait((coming,), timeout=min(seconds, REQUEST_GRACE_SECONDS))
-        if not coming.done():  # late: a stranger's call until its request comes
+        if not coming.done() and budget.stranger is None:  # late: a stranger's call until its request comes
             let_go = asyncio.get_running_loop().create_future()
             self._admit(budget, lambda refusal: let_go.done() or let_go.set_result(refusal))
             await asyncio.wait((coming, let_go), timeout=max(0.0, seconds - REQUEST_GRACE_SECONDS),
@@ -147,25 +157,44 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         if coming.exception() is not None:  # StopAsyncIteration: it ended without one
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request")
         request = coming.result()
+        if not authenticate:
+            return request
         try:
             budget.authenticate()
         except Refusal as r:
             await context.abort(r.code, r.message)
         return request
 
-    def counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """``handler`` served as a request stream inside :meth:`_enter` and :meth:`CallBudget.release`."""
+    def counted(self, handler: grpc.RpcMethodHandler, stranger_only: bool = False) -> grpc.RpcMethodHandler:
+        """``handler`` served as a request stream inside :meth:`_enter` and :meth:`CallBudget.release`;
+        ``stranger_only``: the call counts in the strangers' bounds throughout and never authenticates."""
         serde = dict(request_deserializer=handler.request_deserializer,
                      response_serializer=handler.response_serializer)
         streams_in = handler.request_streaming
+        authenticate = not stranger_only
+
+        async def request_of(request_iterator, context, budget):
+            if streams_in:
+                return request_iterator
+            return await self._request(request_iterator, context, budget, authenticate)
+
         if handler.response_streaming:
             behavior = handler.stream_stream if streams_in else handler.unary_stream
+            if not inspect.isasyncgenfunction(behavior):  # it answers with context.write (grpc_health's Watch)
+                async def writing(request_iterator, context):
+                    budget = await self._enter(context, streams_in or stranger_only)
+                    try:
+                        await behavior(await request_of(request_iterator, context, budget), context)
+                    except asyncio.CancelledError:
+                        await _evicted(budget, context)
+                    finally:
+                        budget.release()
+                return grpc.stream_stream_rpc_method_handler(writing, **serde)
 
             async def streaming(request_iterator, context):
-                budget = await self._enter(context, streams_in)
+                budget = await self._enter(context, streams_in or stranger_only)
                 try:
-                    request = request_iterator if streams_in else await self._request(request_iterator, context,
-                                                                                      budget)
+                    request = await request_of(request_iterator, context, budget)
                     async for item in behavior(request, context):
                         yield item
                 except asyncio.CancelledError:
@@ -177,9 +206,9 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         behavior = handler.stream_unary if streams_in else handler.unary_unary
 
         async def unary(request_iterator, context):
-            budget = await self._enter(context, streams_in)
+            budget = await self._enter(context, streams_in or stranger_only)
             try:
-                request = request_iterator if streams_in else await self._request(request_iterator, context, budget)
+                request = await request_of(request_iterator, context, budget)
                 return await behavior(request, context)
             except asyncio.CancelledError:
                 await _evicted(budget, context)

@@ -139,6 +139,9 @@ class UploadIntake:
         except BaseException as exc:
             if ticket is not None:
                 ticket.settle(exc if isinstance(exc, Refusal) else None)
+            state = ticket.state if ticket is not None else getattr(self.coord, "current", None)
+            if isinstance(exc, Refusal) and state is not None:  # counted in the round it was refused in
+                state.note_refusal(exc)
             held.close()
             raise
         return upload
@@ -149,6 +152,8 @@ class UploadIntake:
         upload.held.close()
         self.limits.refund_bytes(upload.agent_id, upload.prepaid - received)
         upload.ticket.settle(refused)
+        if refused is not None:
+            upload.ticket.state.note_refusal(refused)
 
     @property
     def staging_slots(self) -> StagingSlots:

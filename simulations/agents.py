@@ -117,9 +117,17 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> 
     A normal interpreter shutdown of a process that used gRPC and torch takes seconds here (measured: 4 s per
     worker), which every simulation would wait for; its agents have closed their channels, so skip it.
     """
-    splits = load_dataset(dataset, data_dir)
-    cfg = conn.recv()
+    try:
+        splits, problem = load_dataset(dataset, data_dir), None
+    except (ValueError, OSError) as exc:  # the coordinator loads the same data and says what is wrong, once
+        splits, problem = None, exc
+    try:
+        cfg = conn.recv()
+    except (EOFError, KeyboardInterrupt):  # the simulation stopped before it got here
+        cfg = None
     if cfg is not None:
+        if problem is not None:
+            raise problem
         run_worker(cfg, splits)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -6,6 +6,7 @@ import importlib
 import json
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -27,6 +28,7 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.metrics import summarize_rounds
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
@@ -131,8 +133,10 @@ def check_client_batching(cfg: SimulationConfig) -> None:
         raise ValueError("--client-batching trains in fp32; drop --precision bf16 or --client-batching")
 
 
-def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None) -> dict:
-    """Run the federation to the end; writes metrics.jsonl, summary.json and accuracy.png under ``cfg.out``."""
+def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
+                   on_server: Callable[[object], None] | None = None) -> dict:
+    """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
+    summary.json and accuracy.png under ``cfg.out``. ``on_server(server)`` sees the coordinator before it starts."""
     started = time.monotonic()
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
     upload_compression(cfg)  # bad settings fail before anything starts
@@ -155,12 +159,23 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
     procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}", args=(recv, cfg.dataset, cfg.data_dir),
                          daemon=True) for w, (recv, _) in enumerate(pipes)]
-    for p in procs:
-        p.start()
+    # Ctrl-C reaches the whole process group; the workers ignore it from birth (an ignored signal stays ignored
+    # through exec) and this process stops them, so an interrupt prints no worker tracebacks.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
     for recv, _ in pipes:
         recv.close()  # the child's end
+    interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     try:
-        return _run(cfg, strategy, on_round, started, out, procs, [send for _, send in pipes])
+        summary = _run(cfg, strategy, on_round, started, out, procs, [send for _, send in pipes], on_server)
+        interrupted = summary.get("interrupted", False)
+        return summary
     finally:
         for _, send in pipes:
             if not send.closed:
@@ -169,12 +184,14 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                 except OSError:
                     pass  # that worker is gone already
         for p in procs:
-            p.join(timeout=5)
+            if not interrupted:
+                p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
 
 
-def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes) -> dict:
+def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes,
+         on_server=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
@@ -198,6 +215,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     specs = [] if cfg.virtual_clients else _agent_specs(cfg, parts)
     slices = _population_slices(cfg, parts, len(pipes)) if cfg.virtual_clients else [None] * len(pipes)
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
+    interrupted = False
     for spec in specs if certs else ():
         spec.certs_dir = certs.name
     ranks = None
@@ -210,6 +228,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
                              credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
                              data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None,
                              ranks=ranks.leader if ranks else None)
+    if on_server is not None:
+        on_server(server)
     server.start()
     try:
         devices = worker_devices(cfg.device, len(pipes))
@@ -218,13 +238,17 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
                                    specs[w::len(pipes)], device=devices[w], precision=cfg.precision,
                                    client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats))
             send.close()
-        while not server.wait(0.5):
-            dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-            if dead:
-                raise RuntimeError(f"agent worker {dead[0].name} died with exit code {dead[0].exitcode}")
-            if ranks is not None and ranks.failed():
-                raise RuntimeError(ranks.failed())
-        for p in procs:
+        try:
+            while not server.wait(0.5):
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise RuntimeError(f"agent worker {dead[0].name} died with exit code {dead[0].exitcode}")
+                if ranks is not None and ranks.failed():
+                    raise RuntimeError(ranks.failed())
+        except KeyboardInterrupt:  # Ctrl-C: stop now, and still write the summary of the rounds that completed
+            interrupted = True
+            log.warning("interrupted: stopping after %d completed rounds", len(server.coordinator.metrics.rows))
+        for p in procs if not interrupted else ():
             p.join(timeout=30)
     finally:
         server.stop()
@@ -233,18 +257,9 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         if certs is not None:
             certs.cleanup()
     rows = server.coordinator.metrics.rows
-    summary = {
-        "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,
-        "best_test_accuracy": max((r.get("test_accuracy") or 0.0 for r in rows), default=None),
-        "rounds": len(rows),
-        "failed_rounds": sum(r["status"] != "ok" for r in rows),
-        "wall_seconds": time.monotonic() - started,
-        "mean_round_seconds": float(np.mean([r["round_seconds"] for r in rows])) if rows else None,
-        "mean_upload_bytes_per_round": float(np.mean([r["upload_bytes"] for r in rows])) if rows else None,
-        "config": asdict(cfg),
-    }
-    if rows and "dp_epsilon" in rows[-1]:
-        summary["final_dp_epsilon"] = rows[-1]["dp_epsilon"]
+    summary = {**summarize_rounds(rows), "wall_seconds": time.monotonic() - started, "config": asdict(cfg)}
+    if interrupted:
+        summary["interrupted"] = True
     if out:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         from fedpar.simulations.plots import plot_accuracy

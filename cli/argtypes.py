@@ -1,0 +1,72 @@
+"""Range-checked argparse types for numeric options, and the parser that reports a bad option in one line.
+
+Every subcommand declares its numeric options with these, so ``--port 99999`` or ``--drop-probability 1.5``
+is refused at parse time with the option's name and the range it takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Callable
+
+
+class FedparParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line naming the command, the problem and where help is."""
+
+    def error(self, message: str):
+        """Print ``prog: error: message`` and exit 2 (argparse would print the whole usage first)."""
+        print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _number(kind: type, text: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def ranged(kind: type, low=None, high=None, what: str = "") -> Callable[[str], int | float]:
+    """An argparse type: ``kind(text)`` within [low, high] (None: unbounded), else an error naming the range."""
+    def parse(text: str):
+        value = _number(kind, text)
+        if (low is not None and value < low) or (high is not None and value > high):
+            if high is None:
+                bound = f"at least {low}"
+            elif low is None:
+                bound = f"at most {high}"
+            else:
+                bound = f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what or 'it'} must be {bound}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+port = ranged(int, 0, 65535, "a TCP port (0 picks a free one)")
+count = ranged(int, 1, None, "a count")  # rounds, clients, workers, ranks, ...
+non_negative_int = ranged(int, 0, None, "a non-negative integer")
+probability = ranged(float, 0.0, 1.0, "a probability or fraction")
+non_negative = ranged(float, 0.0, None, "a non-negative number")
+at_least_one = ranged(float, 1.0, None, "a factor")  # --overselect
+
+
+def positive(text: str) -> float:
+    """An argparse type: a number greater than 0 (seconds, rates, learning rates, clip norms)."""
+    value = _number(float, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be greater than 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a share in (0, 1] (--fraction, --topk-ratio)."""
+    value = _number(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in (0, 1]")
+    return value

@@ -1,0 +1,84 @@
+"""The observability options of ``fedpar serve`` and ``fedpar simulate``: a Prometheus endpoint and TensorBoard."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from fedpar.cli.argtypes import port
+from fedpar.cli.user_errors import UserError
+
+
+def add_observability_arguments(p: argparse.ArgumentParser) -> None:
+    """Add --metrics-port, --metrics-host and --tensorboard."""
+    g = p.add_argument_group("observability", "metrics.jsonl and metrics.csv are always written to --out")
+    g.add_argument("--metrics-port", type=port, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port): rounds, "
+                        "agents, uploads, refusals, bytes, round and fold seconds, DP epsilon")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the Prometheus endpoint (0.0.0.0 for every interface: it has no "
+                        "authentication)")
+    add_tensorboard_argument(g)
+
+
+def add_tensorboard_argument(p) -> None:
+    """Add --tensorboard DIR (serve, simulate, train)."""
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="write per-round (train: per-step) scalars as TensorBoard events to DIR "
+                        "(needs pip install 'fedpar[tensorboard]')")
+
+
+def require_tensorboard() -> None:
+    """A UserError saying how to install tensorboard unless it is importable."""
+    from fedpar.protocol.run_logs import check_tensorboard
+
+    try:
+        check_tensorboard()
+    except RuntimeError as exc:
+        raise UserError(str(exc)) from None
+
+
+def tensorboard_writer(log_dir: str | None, step_key: str = "round"):
+    """A TensorBoardScalars for ``log_dir`` (None: none); a UserError saying how to install tensorboard."""
+    if not log_dir:
+        return None
+    from fedpar.protocol.run_logs import TensorBoardScalars
+
+    require_tensorboard()
+    return TensorBoardScalars(log_dir, step_key)
+
+
+class Observers:
+    """What watches a running coordinator: the Prometheus endpoint and the TensorBoard writer."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.tensorboard = tensorboard_writer(args.tensorboard)  # first: a missing package fails before any work
+        self.exporter = None
+
+    def round_callbacks(self) -> list[Callable[[dict], None]]:
+        """Callbacks for each round's metrics row."""
+        return [self.tensorboard.write] if self.tensorboard else []
+
+    def attach(self, server) -> None:
+        """Start the Prometheus endpoint for ``server`` (a CoordinatorServer) when --metrics-port is set."""
+        if self.args.metrics_port is None:
+            return
+        from fedpar.server.prometheus_metrics import PrometheusExporter
+
+        self.exporter = PrometheusExporter(server, privacy=getattr(self.args, "dp", "off") != "off")
+        server.coordinator.on_round_end.append(self.exporter.observe)
+        try:
+            bound = self.exporter.serve(self.args.metrics_host, self.args.metrics_port)
+        except OSError as exc:
+            raise UserError(f"cannot serve metrics on {self.args.metrics_host}:{self.args.metrics_port}: "
+                            f"{exc.strerror}; pick another --metrics-port (0 picks a free one)", 1) from None
+        print(f"Prometheus metrics at http://{self.args.metrics_host}:{bound}/metrics", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Stop the endpoint and flush the event file."""
+        if self.exporter is not None:
+            self.exporter.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

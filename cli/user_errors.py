@@ -1,0 +1,81 @@
+"""Mistakes in how a command was set up, reported as one line instead of a traceback."""
+
+from __future__ import annotations
+
+import errno
+import sys
+
+
+class UserError(Exception):
+    """Something the user must change (an option, a path, a port), with the line that says what to do."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a UserError or an OSError: what is wrong, on which path, and what to do."""
+    if isinstance(exc, UserError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno is not None:
+        where = f" {exc.filename}" if exc.filename else ""
+        advice = {
+            errno.ENOENT: "check the path",
+            errno.ENOTDIR: "a folder was expected there: pick another path",
+            errno.EEXIST: "remove it or pick another path",
+            errno.EACCES: "check the permissions, or pick another path",
+            errno.ENOSPC: "free some disk space",
+            errno.EADDRINUSE: "another process uses that port: stop it or pick another port",
+        }.get(exc.errno, "check the path and the permissions")
+        return f"{exc.strerror or exc}:{where}; {advice}"
+    return str(exc)
+
+
+def check_output_folder(path, option: str = "--out") -> None:
+    """UserError unless ``path`` is a folder or can be made one (a file there, or a file on the way, is named)."""
+    from pathlib import Path
+
+    path = Path(path)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise UserError(f"{option} {path}: {part} is a file, not a folder; remove it or point {option} "
+                                "at a folder")
+            return
+
+
+def check_port_free(host: str, port: int, option: str = "--port") -> None:
+    """UserError if another process listens on ``host:port`` (port 0 always passes)."""
+    import socket
+
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use by another process; stop it or pick another "
+                                f"{option} (0 picks a free one)", exit_code=1) from None
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host and {option}",
+                            exit_code=1) from None
+
+
+def run_exit_code(command: str, summary: dict) -> int:
+    """130 for an interrupted run, 1 (with one line saying so) when every round failed, else 0."""
+    if summary.get("interrupted"):
+        print(f"{command}: interrupted after {summary['rounds']} completed rounds", file=sys.stderr)
+        return 130
+    if summary["rounds"] and summary["failed_rounds"] == summary["rounds"]:
+        print(f"{command}: every round failed ({summary['rounds']} of {summary['rounds']}): too few updates arrived "
+              "(see close_reason in metrics.jsonl); check --min-reports, --deadline and the agents' logs",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,99 @@
+"""A Prometheus endpoint for the coordinator (``fedpar serve --metrics-port``), fed by its metrics rows.
+
+Round figures come from each round's metrics row (the row metrics.jsonl gets: one bookkeeping, two views);
+agent counts are read from the registry on the coordinator's event loop when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger("fedpar.server")
+SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
+UPLOAD_OUTCOMES = {"accepted": "reported", "rejected": "rejected", "late": "late"}  # label: row key
+
+
+class _AgentCounts:
+    """Collector of fedpar_agents{state="registered"|"live"}, counted on the coordinator's loop at each scrape."""
+
+    def __init__(self, server):
+        self.server = server
+        self.last = (0, 0)
+
+    def collect(self):
+        """The registry's counts (the last known ones if the loop is busy or stopped)."""
+        registry = self.server.coordinator.registry
+        try:
+            self.last = self.server.on_loop(lambda: (len(registry), len(registry.live_ids())))
+        except (RuntimeError, TimeoutError):
+            pass
+        family = GaugeMetricFamily("fedpar_agents", "agents known to the coordinator: registered (ever joined, "
+                                   "or restored from a checkpoint) and live (may be sampled)", labels=["state"])
+        family.add_metric(["registered"], self.last[0])
+        family.add_metric(["live"], self.last[1])
+        yield family
+
+
+class PrometheusExporter:
+    """The coordinator's Prometheus metrics; :meth:`observe` is an on_round_end callback."""
+
+    def __init__(self, server, privacy: bool = False):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rounds = Counter("fedpar_rounds", "rounds ended, by status (ok or failed)", ["status"], registry=r)
+        self.last_round = Gauge("fedpar_round", "the last round that ended", registry=r)
+        self.uploads = Counter("fedpar_uploads", "updates of sampled agents by outcome: accepted, rejected (bad "
+                               "content) or late", ["outcome"], registry=r)
+        self.refusals = Counter("fedpar_upload_refusals", "refused upload attempts by gRPC status (busy, limits, "
+                                "malformed, late); an agent may retry some", ["reason"], registry=r)
+        self.bytes = Counter("fedpar_model_bytes", "model tensor bytes: in = accepted uploads, out = weights sent",
+                             ["direction"], registry=r)
+        self.round_seconds = Histogram("fedpar_round_seconds", "wall seconds per round", registry=r,
+                                       buckets=SECONDS_BUCKETS)
+        self.fold_seconds = Histogram("fedpar_fold_seconds", "seconds spent folding updates per round (all "
+                                      "aggregator ranks)", registry=r, buckets=SECONDS_BUCKETS)
+        self.dp_epsilon = Gauge("fedpar_dp_epsilon", "differential privacy budget spent so far (epsilon at "
+                                "--dp-delta)", registry=r) if privacy else None
+        for status in ("ok", "failed"):  # present at 0 from the first scrape
+            self.rounds.labels(status)
+        for outcome in UPLOAD_OUTCOMES:
+            self.uploads.labels(outcome)
+        for direction in ("in", "out"):
+            self.bytes.labels(direction)
+        r.register(_AgentCounts(server))
+        self._http = None
+
+    def observe(self, row: dict) -> None:
+        """Count one round's metrics row."""
+        self.rounds.labels("ok" if row.get("status") == "ok" else "failed").inc()
+        self.last_round.set(row["round"])
+        for outcome, key in UPLOAD_OUTCOMES.items():
+            self.uploads.labels(outcome).inc(row.get(key) or 0)
+        for key, value in row.items():
+            if key.startswith("refused_") and value:
+                self.refusals.labels(key[len("refused_"):]).inc(value)
+        self.bytes.labels("in").inc(row.get("upload_bytes") or 0)
+        self.bytes.labels("out").inc(row.get("download_bytes") or 0)
+        if row.get("round_seconds") is not None:
+            self.round_seconds.observe(row["round_seconds"])
+        fold = [v for k, v in row.items() if k.startswith("r") and k.endswith("_fold_s") and v is not None]
+        if fold:
+            self.fold_seconds.observe(sum(fold))
+        if self.dp_epsilon is not None and row.get("dp_epsilon") is not None:
+            self.dp_epsilon.set(row["dp_epsilon"])
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics over HTTP on ``host:port`` (0: a free port) from a thread; returns the bound port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._http.server_port
+        return bound
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

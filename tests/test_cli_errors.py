@@ -1,0 +1,135 @@
+"""Mistakes and interrupts as a user meets them: each a `fedpar` subprocess that must end with one clear line,
+a non-zero exit code and no traceback (issue 17)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FEDPAR = [sys.executable, "-m", "fedpar"]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([*FEDPAR, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _one_line(err: str, expected: str) -> str:
+    """The stderr line holding ``expected``; no traceback anywhere."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if expected in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    certs = tmp_path / "certs"
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    busy = holder.getsockname()[1]
+    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "alice,bob"], check=True, capture_output=True)
+    cases = [  # (args, exit code, the line's text)
+        (["serve", "--port", "99999"], 2, "argument --port: 99999 is out of range: a TCP port (0 picks a free one) "
+                                          "must be in 0..65535"),
+        (["simulate", "--drop-probability", "1.5"], 2, "argument --drop-probability: 1.5 is out of range"),
+        (["simulate", "--clients", "0"], 2, "argument --clients: 0 is out of range: a count must be at least 1"),
+        (["train", "--lr", "-1"], 2, "argument --lr: -1 is out of range: it must be greater than 0"),
+        (["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "a-file")], 2,
+         f"--out {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a folder"),
+        (["simulate", "--out", str(tmp_path / "a-file" / "run")], 2, "is a file, not a folder"),
+        (["serve", "--insecure", "--port", str(busy), "--out", str(tmp_path / "s")], 1,
+         f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --port"),
+        (["serve", "--insecure", "--port", "0", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"),
+          "--out", str(tmp_path / "s")], 1, f"MNIST folder {tmp_path / 'nowhere'} does not exist"),
+        (["certs", "--out", str(certs), "--revoke", "bbo"], 2,
+         "--revoke bbo: no certificate or enrollment token for agent 'bbo'"),
+    ]
+    try:
+        procs = [_start(args, tmp_path) for args, _, _ in cases]  # side by side: each pays Python's start-up
+        results = [_finish(p) for p in procs]
+    finally:
+        holder.close()
+    for (args, code, text), (rc, _, err) in zip(cases, results):
+        assert rc == code, (args, err)
+        _one_line(err, text)
+    assert not (certs / "revoked.txt").exists()  # nothing was revoked
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    rc, _, err = _finish(_start(["serve", "--insecure", "--port", "0", "--dataset", "mnist", "--data-dir",
+                                 str(tmp_path / "nowhere"), "--debug"], tmp_path))
+    assert rc == 1 and "Traceback" in err and "FileNotFoundError" in err
+
+
+def test_a_simulation_whose_every_round_failed_exits_non_zero_and_a_wrong_data_dir_is_one_line(tmp_path):
+    failing = _start(["simulate", "--clients", "2", "--rounds", "1", "--drop-probability", "1", "--deadline", "1",
+                      "--workers", "1", "--out", str(tmp_path / "failed"), "--quiet"], tmp_path)
+    no_data = _start(["simulate", "--clients", "2", "--rounds", "1", "--dataset", "mnist", "--data-dir",
+                      str(tmp_path / "nowhere"), "--out", str(tmp_path / "nodata")], tmp_path)
+    rc, _, err = _finish(failing)
+    assert rc == 1
+    _one_line(err, "fedpar simulate: every round failed (1 of 1)")
+    assert json.loads((tmp_path / "failed" / "summary.json").read_text())["failed_rounds"] == 1
+    rc, _, err = _finish(no_data)
+    assert rc == 1
+    _one_line(err, f"fedpar simulate: MNIST folder {tmp_path / 'nowhere'} does not exist")
+    assert len(err.strip().splitlines()) == 1, err  # the agent workers stay quiet about it
+
+
+def _wait_for(proc: subprocess.Popen, path: Path, timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_summary(tmp_path):
+    tb = pytest.importorskip("tensorboard", reason="tensorboard is not installed: the simulation also checks "
+                             "--tensorboard (pip install 'fedpar[tensorboard]')")
+    del tb
+    sim_out, serve_out = tmp_path / "sim", tmp_path / "serve"
+    sim = _start(["simulate", "--clients", "2", "--rounds", "500", "--local-epochs", "1", "--workers", "1",
+                  "--out", str(sim_out), "--tensorboard", str(tmp_path / "tb"), "--quiet"], tmp_path)
+    serve = _start(["serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
+                    str(serve_out), "--no-central-eval"], tmp_path)
+    _wait_for(serve, tmp_path / "port")
+    _wait_for(sim, sim_out / "metrics.csv", timeout=90)  # a round completed
+    results = {}
+    for name, proc in (("serve", serve), ("simulate", sim)):
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc, _, err = _finish(proc, timeout=30)
+        results[name] = (rc, time.monotonic() - started, err)
+    for name, (rc, seconds, err) in results.items():
+        assert rc == 130, (name, err)
+        assert seconds < 2.0, (name, seconds)
+        _one_line(err, f"fedpar {name}: interrupted")
+    summary = json.loads((sim_out / "summary.json").read_text())
+    rows = (sim_out / "metrics.jsonl").read_text().splitlines()
+    assert summary["interrupted"] and summary["rounds"] == len(rows) >= 1
+    assert json.loads((serve_out / "summary.json").read_text()) == {**json.loads((serve_out / "summary.json")
+                                                                                 .read_text()), "rounds": 0,
+                                                                     "interrupted": True}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert len(events.Scalars("test_accuracy")) >= 1
