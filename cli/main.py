@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "serve": ("serve", "run the coordinator service"),
     "client": ("agent", "run one client agent that dials out to a coordinator"),
     "simulate": ("simulate", "run a coordinator and many agents on this machine"),
+    "simulate-workers": ("simulate_workers", "host a slice of a virtual population against a coordinator "
+                                             "(one process per torchrun rank)"),
     "train": ("train", "centralized training on the parallel engine (DDP/FSDP/TP/PP)"),
     "certs": ("certs", "make TLS certificates (CA, coordinator, agents), enrollment tokens; revoke agents"),
 }

@@ -1,4 +1,4 @@
-"""A per-round table printed as rounds finish."""
+"""A per-round table printed as rounds finish, and a progress bar while the clients join."""
 
 from __future__ import annotations
 
@@ -35,3 +35,31 @@ class RoundTable:
                 text = f"{value}/{self.total}"
             cells.append(f"{text:>{width}}")
         print("  ".join(cells), file=self.stream, flush=True)
+
+
+class JoiningBar:
+    """A rich progress bar of the clients registered until the first round starts (on a terminal only: a log or a
+    pipe gets the one line the first round's row follows)."""
+
+    def __init__(self, stream: TextIO = sys.stderr, quiet: bool = False):
+        self.stream, self.quiet = stream, quiet
+        self._progress = self._task = None
+
+    def update(self, registered: int, needed: int) -> None:
+        """Show ``registered`` of ``needed`` clients joined."""
+        if self.quiet or not self.stream.isatty():
+            return
+        if self._progress is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self._progress = Progress(TextColumn("clients joining"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=Console(file=self.stream), transient=True)
+            self._task = self._progress.add_task("join", total=needed)
+            self._progress.start()
+        self._progress.update(self._task, completed=min(registered, needed), total=needed)
+
+    def close(self) -> None:
+        """Take the bar down."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

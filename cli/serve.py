@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
     p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
     p.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
+    p.add_argument("--accept-populations", action="store_true",
+                   help="let simulation hosts (`fedpar simulate-workers`) register virtual populations: members "
+                        "without certificates of their own, live while their host calls")
     p.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
     p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
     add_strategy_option_argument(p, "serve")

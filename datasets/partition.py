@@ -1,4 +1,5 @@
-"""Splitting a dataset's examples among federated clients: IID, Dirichlet label skew, label-sorted shards.
+"""Splitting a dataset's examples among federated clients: IID, Dirichlet label skew, label-sorted shards,
+quantity skew.
 
 Every partitioner returns one sorted int64 index array per client; together they cover each example exactly
 once, and the result depends only on the inputs and ``seed``.
@@ -90,6 +91,18 @@ def partition_shards(labels: np.ndarray, num_clients: int, shards_per_client: in
     return [np.sort(np.concatenate([shards[s] for s in row])).astype(np.int64) for row in dealt]
 
 
+def partition_quantity(num_examples: int, num_clients: int, sigma: float, seed: int) -> list[np.ndarray]:
+    """Quantity skew: IID examples, but client sizes proportional to log-normal(0, ``sigma``) draws (each client
+    one example at least), so a few clients hold much of the data; sigma 0 gives equal sizes."""
+    _check_clients(num_examples, num_clients)
+    rng = np.random.default_rng(seed)
+    shares = rng.lognormal(0.0, sigma, num_clients)
+    sizes = 1 + np.floor(shares / shares.sum() * (num_examples - num_clients)).astype(np.int64)
+    sizes[np.argsort(-shares)[:num_examples - int(sizes.sum())]] += 1  # hand out what flooring left over
+    order = rng.permutation(num_examples)
+    return [np.sort(part).astype(np.int64) for part in np.split(order, np.cumsum(sizes)[:-1])]
+
+
 @dataclass(frozen=True)
 class PartitionSpec:
     """A parsed partition spec; call it with (labels, num_clients, seed) to get per-client indices."""
@@ -98,6 +111,7 @@ class PartitionSpec:
     alpha: float | None = None
     shards_per_client: int | None = None
     min_size: int = DEFAULT_MIN_SIZE
+    sigma: float | None = None
 
     def __call__(self, labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
         """Partition the examples with these ``labels`` among ``num_clients`` clients."""
@@ -106,6 +120,9 @@ class PartitionSpec:
         if self.kind == "dirichlet":
             assert self.alpha is not None
             return partition_dirichlet(labels, num_clients, self.alpha, seed, min_size=self.min_size)
+        if self.kind == "quantity":
+            assert self.sigma is not None
+            return partition_quantity(len(labels), num_clients, self.sigma, seed)
         assert self.kind == "shards" and self.shards_per_client is not None
         return partition_shards(labels, num_clients, self.shards_per_client, seed)
 
@@ -115,14 +132,17 @@ class PartitionSpec:
             return f"dirichlet:{self.alpha:g}"
         if self.kind == "shards":
             return f"shards:{self.shards_per_client}"
+        if self.kind == "quantity":
+            return f"quantity:{self.sigma:g}"
         return self.kind
 
 
-PARTITION_HELP = "one of: iid, dirichlet:ALPHA (e.g. dirichlet:0.5), shards:K (e.g. shards:2)"
+PARTITION_HELP = ("one of: iid, dirichlet:ALPHA (e.g. dirichlet:0.5), shards:K (e.g. shards:2), quantity:SIGMA "
+                  "(e.g. quantity:1), natural (data with owners)")
 
 
 def parse_partition(spec: str) -> PartitionSpec:
-    """Parse "iid", "dirichlet:ALPHA" (ALPHA > 0) or "shards:K" (integer K >= 1)."""
+    """Parse "iid", "dirichlet:ALPHA" (ALPHA > 0), "shards:K" (integer K >= 1) or "quantity:SIGMA" (>= 0)."""
     kind, sep, arg = spec.strip().lower().partition(":")
     if kind == "iid" and not sep:
         return PartitionSpec("iid")
@@ -134,6 +154,14 @@ def parse_partition(spec: str) -> PartitionSpec:
         if not (alpha > 0 and np.isfinite(alpha)):
             raise ValueError(f"bad partition {spec!r}: alpha must be a positive number; {PARTITION_HELP}")
         return PartitionSpec("dirichlet", alpha=alpha)
+    if kind == "quantity" and arg:
+        try:
+            sigma = float(arg)
+        except ValueError:
+            raise ValueError(f"bad partition {spec!r}: sigma {arg!r} is not a number; {PARTITION_HELP}") from None
+        if not (sigma >= 0 and np.isfinite(sigma)):
+            raise ValueError(f"bad partition {spec!r}: sigma must be >= 0; {PARTITION_HELP}")
+        return PartitionSpec("quantity", sigma=sigma)
     if kind == "shards" and arg:
         if not arg.isdigit() or int(arg) < 1:
             raise ValueError(f"bad partition {spec!r}: K must be a positive integer; {PARTITION_HELP}")

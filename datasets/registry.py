@@ -8,8 +8,9 @@ from fedpar.datasets.arrays import DatasetSplits
 from fedpar.datasets.digits import load_digits
 from fedpar.datasets.mnist import EXPECTED_FILES, load_mnist
 from fedpar.datasets.synthetic import SyntheticSpec, load_synthetic
+from fedpar.datasets.tables import load_csv_table, load_npz_table
 
-_NAMES = ("digits", "mnist", "synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]]")
+_NAMES = ("digits", "mnist", "synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]]", "npz:PATH", "csv:PATH")
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object) -> DatasetSplits:
@@ -24,6 +25,8 @@ def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object
         if kwargs:
             raise ValueError(f"mnist takes no options besides data_dir, got {sorted(kwargs)}")
         return load_mnist(data_dir)
+    if key.startswith(("npz:", "csv:")):
+        return (load_npz_table if key.startswith("npz:") else load_csv_table)(name[4:])
     if key.startswith("synthetic"):
         return load_synthetic(SyntheticSpec.parse(key, kwargs.pop("clients", None)))
     raise ValueError(f"unknown dataset {name!r}; valid names are: {', '.join(_NAMES)}")

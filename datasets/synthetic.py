@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
+from fedpar.datasets.arrays import DatasetSplits
+from fedpar.datasets.tables import owned_splits
 
 DIM, CLASSES = 60, 10
 CHUNK = 512  # clients generated at once (a chunk's per-example model gather stays near 40 MiB)
@@ -90,10 +91,4 @@ def generate(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def load_synthetic(spec: SyntheticSpec) -> DatasetSplits:
     """The federation as train and test sets, with the owner of every training example."""
     x, y, owners = generate(spec)
-    sizes = client_sizes(spec)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    position = np.arange(len(y)) - np.repeat(starts, sizes)  # an example's place within its client
-    held_out = position < np.repeat(np.where(sizes >= 2, np.maximum(1, sizes // 5), 0), sizes)
-    train = ArrayDataset(x[~held_out], y[~held_out])
-    return DatasetSplits(train, ArrayDataset(x[held_out], y[held_out]), CLASSES, (DIM,),
-                         train_owners=owners[~held_out])
+    return owned_splits(x, y, owners, CLASSES)

@@ -27,3 +27,18 @@ def plot_accuracy(rows: list[dict], path: Path, title: str = "") -> None:
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def plot_label_counts(counts, path: Path, title: str = "") -> None:
+    """A heat map of the examples of each class (x) each client (y) holds."""
+    fig = Figure(figsize=(6, max(3.0, min(12.0, 0.12 * len(counts) + 1.5))), dpi=110)
+    ax = fig.subplots()
+    image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_xlabel("class")
+    ax.set_ylabel("client")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(image, ax=ax, label="examples")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -44,6 +44,13 @@ def client_seed(seed: int, agent_id: str) -> int:
     return seed + zlib.crc32(agent_id.encode()) % 10_000
 
 
+def step_delays(clients: int, slow_fraction: float, slow_step_delay: float, seed: int) -> list[float]:
+    """Seconds each client adds per local step: ``slow_step_delay`` for a random ``slow_fraction`` of them."""
+    rng = np.random.default_rng(seed + 1)
+    slow = set(rng.choice(clients, size=int(round(slow_fraction * clients)), replace=False).tolist())
+    return [slow_step_delay if i in slow else 0.0 for i in range(clients)]
+
+
 def client_id(number: int) -> str:
     """The id of client ``number`` of a simulated federation (agents and virtual clients alike)."""
     return f"client-{number:04d}"

@@ -32,10 +32,11 @@ from fedpar.server.metrics import summarize_rounds
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
-from fedpar.simulations.population import PopulationSlice, client_id
-from fedpar.datasets.clientdata import client_parts
+from fedpar.simulations.population import PopulationSlice, client_id, step_delays
+from fedpar.datasets.clientdata import client_parts, label_counts, label_skew
 
 log = logging.getLogger("fedpar.simulate")
+LABEL_PLOT_CLIENTS = 100  # clients shown in OUT/labels.png
 
 
 @dataclass
@@ -80,9 +81,7 @@ class SimulationConfig:
 
 def _step_delays(cfg: SimulationConfig) -> list[float]:
     """Seconds each client adds per local step: ``slow_step_delay`` for the slow share, else 0."""
-    rng = np.random.default_rng(cfg.seed + 1)
-    slow = set(rng.choice(cfg.clients, size=int(round(cfg.slow_fraction * cfg.clients)), replace=False).tolist())
-    return [cfg.slow_step_delay if i in slow else 0.0 for i in range(cfg.clients)]
+    return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed)
 
 
 def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray]) -> list[AgentSpec]:
@@ -134,9 +133,12 @@ def check_client_batching(cfg: SimulationConfig) -> None:
 
 
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
-                   on_server: Callable[[object], None] | None = None) -> dict:
+                   on_server: Callable[[object], None] | None = None,
+                   on_joining: Callable[[int, int], None] | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
-    summary.json and accuracy.png under ``cfg.out``. ``on_server(server)`` sees the coordinator before it starts."""
+    summary.json and accuracy.png under ``cfg.out``. ``on_server(server)`` sees the coordinator before it starts;
+    ``on_joining(registered, needed)`` hears, twice a second until the first round starts, how many clients
+    have joined."""
     started = time.monotonic()
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
     upload_compression(cfg)  # bad settings fail before anything starts
@@ -173,7 +175,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         recv.close()  # the child's end
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     try:
-        summary = _run(cfg, strategy, on_round, started, out, procs, [send for _, send in pipes], on_server)
+        summary = _run(cfg, strategy, on_round, started, out, procs, [send for _, send in pipes], on_server,
+                       on_joining)
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
@@ -191,7 +194,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
 
 
 def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes,
-         on_server=None) -> dict:
+         on_server=None, on_joining=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
@@ -240,6 +243,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
             send.close()
         try:
             while not server.wait(0.5):
+                if on_joining is not None and server.coordinator.current is None:
+                    on_joining(len(server.coordinator.registry), coord_cfg.min_available)
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
                     raise RuntimeError(f"agent worker {dead[0].name} died with exit code {dead[0].exitcode}")
@@ -257,12 +262,18 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         if certs is not None:
             certs.cleanup()
     rows = server.coordinator.metrics.rows
-    summary = {**summarize_rounds(rows), "wall_seconds": time.monotonic() - started, "config": asdict(cfg)}
+    first_start = server.coordinator.started_at + rows[0]["wall_seconds"] - rows[0]["round_seconds"] if rows else None
+    summary = {**summarize_rounds(rows), "wall_seconds": time.monotonic() - started,
+               "startup_seconds": None if first_start is None else first_start - started,
+               "label_skew": label_skew(parts, splits.train.y, splits.num_classes), "config": asdict(cfg)}
     if interrupted:
         summary["interrupted"] = True
     if out:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        from fedpar.simulations.plots import plot_accuracy
+        from fedpar.simulations.plots import plot_accuracy, plot_label_counts
         plot_accuracy(rows, out / "accuracy.png", title=f"{cfg.dataset} / {cfg.model} / {cfg.partition}, "
                                                           f"{cfg.clients} clients")
+        plot_label_counts(label_counts(parts[:LABEL_PLOT_CLIENTS], splits.train.y, splits.num_classes),
+                          out / "labels.png", title=f"{cfg.partition}: labels of the first "
+                                                    f"{min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")
     return summary

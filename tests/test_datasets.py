@@ -183,3 +183,44 @@ def test_real_mnist_matches_its_readme():
     assert d.train.y[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
     assert d.test.y[:10].tolist() == [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]
     assert abs(float(d.train.x.mean())) < 1e-3 and abs(float(d.train.x.std()) - 1.0) < 1e-3
+
+
+def test_tables_with_writers_load_and_split_naturally(tmp_path):
+    from fedpar.datasets.clientdata import partition_indices
+    rng = np.random.default_rng(0)
+    writers = np.array(["ann", "bob", "cy", "dee"])[rng.integers(0, 4, 60)]
+    x, y = rng.standard_normal((60, 5)).astype(np.float32), rng.integers(0, 3, 60)
+    np.savez(tmp_path / "w.npz", x=x, y=y, client=writers)
+    with open(tmp_path / "w.csv", "w") as f:
+        f.write("f0,client,f1,f2,f3,f4,label\n")
+        for row, w, label in zip(x, writers, y):
+            f.write(",".join([repr(float(row[0])), w, *(repr(float(v)) for v in row[1:]), str(label)]) + "\n")
+    for name in (f"npz:{tmp_path / 'w.npz'}", f"csv:{tmp_path / 'w.csv'}"):
+        splits = load_dataset(name)
+        assert splits.input_shape == (5,) and splits.num_classes == 3
+        assert len(splits.train) + len(splits.test) == 60
+        parts = partition_indices(splits, "natural", 4, seed=0)
+        for k, who in enumerate(["ann", "bob", "cy", "dee"]):  # clients in the sorted order of their ids
+            mine = np.flatnonzero(writers == who)
+            assert len(parts[k]) == len(mine) - max(1, len(mine) // 5)
+            assert {tuple(r) for r in splits.train.x[parts[k]]} <= {tuple(r) for r in x[mine]}
+    np.savez(tmp_path / "bad.npz", x=x)
+    with pytest.raises(ValueError, match="lacks the arrays"):
+        load_dataset(f"npz:{tmp_path / 'bad.npz'}")
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="'label' column"):
+        load_dataset(f"csv:{tmp_path / 'bad.csv'}")
+
+
+def test_synthetic_clients_differ_as_alpha_and_beta_say():
+    from fedpar.datasets.synthetic import SyntheticSpec, client_sizes
+    spec = SyntheticSpec.parse("synthetic:1:1", clients=300)
+    assert spec.name == "synthetic:1:1:300:10" and load_dataset(spec.name).input_shape == (60,)
+    sizes = client_sizes(spec)
+    assert sizes.min() >= 2 and np.median(sizes) > 8 and sizes.max() > 5 * np.median(sizes)  # long-tailed
+    again = load_dataset("synthetic:1:1:300:10")
+    np.testing.assert_array_equal(again.train.x, load_dataset(spec.name).train.x)  # every process builds the same
+    means = [load_dataset(f"synthetic:0:{beta}:300:10").train.x.mean(axis=1).std() for beta in (0.0, 4.0)]
+    assert means[1] > 1.5 * means[0]  # beta spreads the clients' inputs apart
+    with pytest.raises(ValueError, match="CLIENTS"):
+        load_dataset("synthetic:1:1")

@@ -22,7 +22,7 @@ def _assert_exact_cover(parts: list[np.ndarray], n: int) -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(20, 300), clients=st.integers(1, 10), seed=st.integers(0, 2**31),
-       spec=st.sampled_from(["iid", "dirichlet:0.3", "dirichlet:5", "shards:1", "shards:2"]))
+       spec=st.sampled_from(["iid", "dirichlet:0.3", "dirichlet:5", "shards:1", "shards:2", "quantity:2"]))
 def test_every_partition_covers_each_example_once(n, clients, seed, spec):
     labels = np.random.default_rng(seed).integers(0, 5, n)
     partition = parse_partition(spec)
@@ -104,3 +104,41 @@ def test_partitioners_validate_inputs():
         partition_iid(3, 0, seed=0)
     with pytest.raises(ValueError, match="1-D integer array"):
         partition_shards(np.zeros(10), 2, 1, seed=0)
+
+
+def test_quantity_skew_covers_every_example_and_larger_sigma_is_more_skewed():
+    sizes = {}
+    for sigma in (0.0, 0.5, 2.0):
+        parts = parse_partition(f"quantity:{sigma}")(np.zeros(5000, np.int64), 50, seed=1)
+        everything = np.sort(np.concatenate(parts))
+        assert np.array_equal(everything, np.arange(5000)) and min(len(p) for p in parts) >= 1
+        sizes[sigma] = np.array([len(p) for p in parts])
+    assert sizes[0.0].max() - sizes[0.0].min() <= 1  # sigma 0: equal sizes
+    assert sizes[2.0].std() > sizes[0.5].std() > sizes[0.0].std()
+    assert str(parse_partition("quantity:1.5")) == "quantity:1.5"
+    with pytest.raises(ValueError, match="sigma must be >= 0"):
+        parse_partition("quantity:-1")
+
+
+def test_natural_partition_gives_each_owner_its_examples():
+    from fedpar.datasets import load_dataset
+    from fedpar.datasets.clientdata import client_parts, partition_indices
+    splits = load_dataset("synthetic:0.5:0.5:40:6")
+    parts = partition_indices(splits, "natural", 40, seed=0)
+    for k, part in enumerate(parts):
+        assert len(part) >= 1 and set(splits.train_owners[part]) == {k}
+    assert sum(len(p) for p in parts) == len(splits.train)
+    assert all(len(p) <= 3 for p in client_parts(splits, "natural", 40, 0, examples_per_client=3))
+    with pytest.raises(ValueError, match="--clients 40"):
+        partition_indices(splits, "natural", 41, seed=0)
+    with pytest.raises(ValueError, match="needs data whose examples have owners"):
+        partition_indices(load_dataset("digits"), "natural", 10, seed=0)
+
+
+def test_label_skew_tells_label_sorted_shards_from_iid():
+    from fedpar.datasets.clientdata import label_counts, label_skew
+    shards = parse_partition("shards:1")(BALANCED, 10, seed=0)
+    iid = parse_partition("iid")(BALANCED, 10, seed=0)
+    assert label_skew(shards, BALANCED, 10) == {"mean_classes_per_client": 1.0, "mean_top_class_share": 1.0}
+    assert label_skew(iid, BALANCED, 10)["mean_classes_per_client"] == 10.0
+    assert label_counts(shards, BALANCED, 10).sum() == 1000 and (label_counts(shards, BALANCED, 10) > 0).sum() == 10

@@ -32,6 +32,8 @@ def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
                           virtual_clients=True, out=str(tmp_path / "run"))
     assert summary["failed_rounds"] == 0 and [r["reported"] for r in rows] == [30, 30, 30]
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] - 0.05
+    assert (tmp_path / "run" / "labels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # label heat map
+    assert 1.0 <= summary["label_skew"]["mean_classes_per_client"] <= 1.1  # about one example each
 
 
 def test_settings_virtual_clients_cannot_honour_are_refused_before_anything_starts():

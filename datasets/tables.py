@@ -1,0 +1,90 @@
+"""Your own tabular data with writers: ``--dataset npz:PATH`` or ``--dataset csv:PATH``, for ``--partition natural``.
+
+- npz: arrays ``x`` (examples first), ``y`` (integer labels) and, optionally, ``client`` (who wrote each example:
+  integers or strings).
+- csv: a header row; a ``label`` column (integers), an optional ``client`` column, and every other column a
+  numeric feature.
+
+Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
+clients of two or more) is held out as the pooled test set, as for the synthetic data; without a client column
+the whole file is one owner-less pool (use iid, dirichlet or shards then) and a fifth of it, drawn at random,
+is the test set.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
+
+TEST_SHARE = 5  # one example in TEST_SHARE of each client's goes to the test set
+
+
+def owned_splits(x: np.ndarray, y: np.ndarray, owners: np.ndarray | None, num_classes: int | None = None,
+                 seed: int = 0) -> DatasetSplits:
+    """Train and test sets from examples with (or without) owners: each owner's first fifth is held out."""
+    y = np.asarray(y, np.int64)
+    classes = int(num_classes if num_classes is not None else y.max() + 1)
+    if owners is None:
+        held_out = np.zeros(len(y), bool)
+        held_out[np.random.default_rng(seed).permutation(len(y))[:len(y) // TEST_SHARE]] = True
+    else:
+        order = np.argsort(owners, kind="stable")
+        x, y, owners = x[order], y[order], owners[order]
+        sizes = np.bincount(owners)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        position = np.arange(len(y)) - np.repeat(starts, sizes)  # an example's place within its owner's
+        held_out = position < np.repeat(np.where(sizes >= 2, np.maximum(1, sizes // TEST_SHARE), 0), sizes)
+    return DatasetSplits(ArrayDataset(x[~held_out], y[~held_out]), ArrayDataset(x[held_out], y[held_out]),
+                         classes, tuple(x.shape[1:]),
+                         train_owners=None if owners is None else owners[~held_out])
+
+
+def owner_numbers(ids: np.ndarray) -> np.ndarray:
+    """Each example's client as a number 0..K-1, in the sorted order of the ids."""
+    _, numbers = np.unique(np.asarray(ids), return_inverse=True)
+    return numbers.astype(np.int64)
+
+
+def load_npz_table(path: str | Path) -> DatasetSplits:
+    """A federation from an .npz with x, y and optionally client."""
+    with np.load(path, allow_pickle=False) as f:
+        missing = {"x", "y"} - set(f.files)
+        if missing:
+            raise ValueError(f"{path} lacks the arrays {sorted(missing)}; it needs x, y and optionally client")
+        x, y = np.asarray(f["x"], np.float32), f["y"]
+        owners = owner_numbers(f["client"]) if "client" in f.files else None
+    return _checked(path, x, y, owners)
+
+
+def load_csv_table(path: str | Path) -> DatasetSplits:
+    """A federation from a CSV with a label column, optionally a client column, and numeric features."""
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header or "label" not in header:
+            raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
+        rows = list(reader)
+    label, client = header.index("label"), header.index("client") if "client" in header else None
+    features = [i for i in range(len(header)) if i not in (label, client)]
+    try:
+        x = np.array([[float(r[i]) for i in features] for r in rows], np.float32).reshape(len(rows), len(features))
+        y = np.array([int(r[label]) for r in rows], np.int64)
+    except (ValueError, IndexError) as exc:
+        raise ValueError(f"{path}: every row needs a whole-number label and numeric features ({exc})") from None
+    owners = owner_numbers(np.array([r[client] for r in rows])) if client is not None else None
+    return _checked(path, x, y, owners)
+
+
+def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> DatasetSplits:
+    y = np.asarray(y)
+    if len(x) != len(y) or (owners is not None and len(owners) != len(y)) or not len(y):
+        raise ValueError(f"{path}: x, y (and client) must hold the same, non-zero number of examples")
+    if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
+        raise ValueError(f"{path}: labels must be whole numbers >= 0")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{path}: features hold NaN or Inf")
+    return owned_splits(x, y, owners)

@@ -1,0 +1,54 @@
+"""`fedpar simulate-workers` under torchrun: two "machines" (torchrun --nnodes 2, one process each, on 127.0.0.1)
+host one virtual population against a real `fedpar serve --accept-populations`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedpar.parallel.init import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS, PER_ROUND, ROUNDS = 300, 20, 3
+
+
+def test_torchrun_nnodes_2_hosts_one_population_against_one_coordinator(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"),
+         "--out", str(tmp_path / "out"), "--accept-populations", "--min-available", str(CLIENTS),
+         "--clients-per-round", str(PER_ROUND), "--rounds", str(ROUNDS), "--local-epochs", "1"],
+        cwd=ROOT, env=env, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
+    nodes = []
+    try:
+        end = time.monotonic() + 60
+        while not (tmp_path / "port").exists():
+            assert serve.poll() is None and time.monotonic() < end, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        server = f"127.0.0.1:{int((tmp_path / 'port').read_text())}"
+        master = free_port()
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master),
+                   "-m", "fedpar", "simulate-workers", "--server", server, "--clients", str(CLIENTS),
+                   "--val-fraction", "0", "--seats", "2"]
+            nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / f"node{node}.log", "w"),
+                                          stderr=subprocess.STDOUT))
+        for node in nodes:
+            assert node.wait(120) == 0, "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
+        assert serve.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        for proc in (serve, *nodes):
+            if proc.poll() is None:
+                proc.kill()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["reported"]) for r in rows] == [("ok", PER_ROUND)] * ROUNDS
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    hosted = [int(log.split(" clients hosted")[0].rsplit(": ", 1)[1]) for log in logs]
+    assert sorted(hosted) == [CLIENTS // 2, CLIENTS // 2]  # torchrun's ranks split the population
+    ran = [int(log.split(" tasks run")[0].rsplit(", ", 1)[1]) for log in logs]
+    assert sum(ran) >= PER_ROUND * ROUNDS and min(ran) > 0  # both machines' clients were sampled
