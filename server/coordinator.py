@@ -302,9 +302,7 @@ class Coordinator(IngestPlane):
 
     async def next_host_tasks(self, host: HostRecord, wait_seconds: float) -> pb.PullHostTasksReply:
         """The tasks of ``host``'s members sampled since its last call, waiting up to ``wait_seconds`` for some."""
-        wait_seconds = max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
-        event = self._wakeups.setdefault(HOST_WAKEUP + host.host_id, asyncio.Event())
-        deadline = time.monotonic() + wait_seconds
+        deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
             if self.finished:
                 return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {self.round_id}")
@@ -323,36 +321,36 @@ class Coordinator(IngestPlane):
                     task.ClearField("weights_header")
                     task.ClearField("weights")
                 out.tasks.append(pb.HostedTask(agent_id=agent_id, task=task))
-            remaining = deadline - time.monotonic()
-            if out.tasks or remaining <= 0:
+            if out.tasks or not await self._wait_for_wakeup(HOST_WAKEUP + host.host_id, deadline):
                 return out
-            event.clear()
-            try:
-                await asyncio.wait_for(event.wait(), timeout=remaining)
-            except asyncio.TimeoutError:
-                pass
             host.last_seen = time.monotonic()
 
     async def next_task(self, agent: AgentRecord, wait_seconds: float,
                         finished_task_id: str = "") -> pb.PullTaskReply:
         """A task for ``agent`` if it has one, waiting up to ``wait_seconds`` for one to appear
         (``finished_task_id``: the task the agent says it is done with, never handed out again)."""
-        wait_seconds = max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
-        event = self._wakeups.setdefault(agent.agent_id, asyncio.Event())
-        deadline = time.monotonic() + wait_seconds
+        deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
             reply = self._task_reply(agent, finished_task_id)
             if reply is not None:
                 return reply
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not await self._wait_for_wakeup(agent.agent_id, deadline):
                 return pb.PullTaskReply(wait_seconds=0.0)
-            event.clear()
-            try:
-                await asyncio.wait_for(event.wait(), timeout=remaining)
-            except asyncio.TimeoutError:
-                pass
             agent.last_seen = time.monotonic()
+
+    async def _wait_for_wakeup(self, key: str, deadline: float) -> bool:
+        """A long-poll's wait: until ``key`` (an agent, or HOST_WAKEUP + a host) is woken or ``deadline``
+        passes; False if the time was up already."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        event = self._wakeups.setdefault(key, asyncio.Event())
+        event.clear()
+        try:
+            await asyncio.wait_for(event.wait(), timeout=remaining)
+        except asyncio.TimeoutError:
+            pass
+        return True
 
     def _task_reply(self, agent: AgentRecord, finished_task_id: str = "") -> pb.PullTaskReply | None:
         if self.finished:

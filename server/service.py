@@ -47,10 +47,7 @@ class CoordinatorService:
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         """Register an agent."""
         try:
-            if request.protocol_version not in (0, PROTOCOL_VERSION):
-                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"protocol version {request.protocol_version} is not supported "
-                              f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the agent")
+            _check_protocol(request.protocol_version, "agent")
             self.limits.admit_join(request.agent_id, self.coord.registry)
             record = self.coord.join(request.agent_id, request.num_examples, dict(request.capabilities),
                                      peer_identity(context), request.enrollment_token)
@@ -63,10 +60,7 @@ class CoordinatorService:
     async def JoinPopulation(self, request: pb.JoinPopulationRequest, context) -> pb.JoinPopulationReply:
         """Register (more of) a simulation host's virtual population; one session token per member."""
         try:
-            if request.protocol_version not in (0, PROTOCOL_VERSION):
-                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"protocol version {request.protocol_version} is not supported "
-                              f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the host")
+            _check_protocol(request.protocol_version, "host")
             self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
             host, records = self.coord.join_population(
                 request.host.agent_id, request.host.token, [(m.agent_id, m.num_examples) for m in request.members],
@@ -188,6 +182,13 @@ class CoordinatorService:
                 return await secagg_exchange(self.coord, agent.agent_id, request)
         except Refusal as r:
             await context.abort(r.code, r.message)
+
+
+def _check_protocol(version: int, who: str) -> None:
+    """Refuse a peer speaking a protocol version this coordinator does not (0: unstated, taken as ours)."""
+    if version not in (0, PROTOCOL_VERSION):
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {version} is not supported "
+                                                           f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the {who}")
 
 
 async def _receive_stream(upload: Upload, request_iterator) -> None:
