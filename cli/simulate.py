@@ -63,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-clients", action="store_true",
                    help="the worker processes host the population (a few bytes per client) and only the clients "
                         "sampled in a round get a model and their data, for that round: populations of 100,000")
+    p.add_argument("--trace", default=d.trace,
+                   help="with --virtual-clients: system traces, 'fedscale' (generated: long-tailed speeds, diurnal "
+                        "availability) or a CSV/JSON file (columns in simulations/traces.py); a client's speed "
+                        "slows its steps and its availability decides when it can be sampled")
+    p.add_argument("--trace-day-seconds", type=positive, default=d.trace_day_seconds,
+                   help="real seconds one day of the trace lasts (e.g. 60: availability cycles every minute)")
     p.add_argument("--seats", type=count, default=d.seats,
                    help="with --virtual-clients: sampled clients training at once in one worker process")
     p.add_argument("--device", default=d.device,

@@ -333,12 +333,14 @@ class SecAggReply(_message.Message):
     def __init__(self, params_json: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., ciphertexts: _Optional[_Union[SecAggCiphertexts, _Mapping]] = ..., survivors: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., done: _Optional[str] = ...) -> None: ...
 
 class PopulationMember(_message.Message):
-    __slots__ = ("agent_id", "num_examples")
+    __slots__ = ("agent_id", "num_examples", "away")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    AWAY_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     num_examples: int
-    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ...) -> None: ...
+    away: bool
+    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., away: bool = ...) -> None: ...
 
 class JoinPopulationRequest(_message.Message):
     __slots__ = ("host", "members", "protocol_version", "enrollment_token")
@@ -365,12 +367,16 @@ class JoinPopulationReply(_message.Message):
     def __init__(self, host_token: _Optional[str] = ..., tokens: _Optional[_Iterable[str]] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullHostTasksRequest(_message.Message):
-    __slots__ = ("host", "wait_seconds")
+    __slots__ = ("host", "wait_seconds", "away", "back")
     HOST_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AWAY_FIELD_NUMBER: _ClassVar[int]
+    BACK_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     wait_seconds: float
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    away: _containers.RepeatedScalarFieldContainer[str]
+    back: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., away: _Optional[_Iterable[str]] = ..., back: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HostedTask(_message.Message):
     __slots__ = ("agent_id", "task")

@@ -268,7 +268,7 @@ class Coordinator(IngestPlane):
         self._agents_changed.set()
         return record
 
-    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int]],
+    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
                         peer: PeerIdentity | None = None, enrollment_token: str = "") -> tuple[HostRecord,
                                                                                              list[AgentRecord]]:
         """Register a simulation host's members (server/registry.py); a Refusal if this coordinator takes no
@@ -300,8 +300,13 @@ class Coordinator(IngestPlane):
             agent_id = HOST_WAKEUP + record.host
         self._wakeups.setdefault(agent_id, asyncio.Event()).set()
 
-    async def next_host_tasks(self, host: HostRecord, wait_seconds: float) -> pb.PullHostTasksReply:
-        """The tasks of ``host``'s members sampled since its last call, waiting up to ``wait_seconds`` for some."""
+    async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str] = (),
+                              back: Sequence[str] = ()) -> pb.PullHostTasksReply:
+        """The tasks of ``host``'s members sampled since its last call, waiting up to ``wait_seconds`` for some;
+        ``away`` / ``back``: its members that went offline or came back (not sampled while away)."""
+        if away or back:
+            self.registry.set_away(host.host_id, list(away), list(back))
+            self._agents_changed.set()
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
             if self.finished:

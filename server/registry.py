@@ -30,6 +30,7 @@ class AgentRecord:
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS)
     restored: bool = False  # known from a checkpoint, no session yet: not live until it joins again
     host: str | None = None  # a simulated population's member: live while its host calls (JoinPopulation)
+    away: bool = False  # a member its host reported offline (availability trace): not sampled meanwhile
 
 
 @dataclass
@@ -74,7 +75,7 @@ class AgentRegistry:
         self._agents[agent_id] = record
         return record
 
-    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int]],
+    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
                         peer: PeerIdentity | None = None, enrollment_token: str = "",
                         max_examples: int = 10_000_000) -> tuple[HostRecord, list[AgentRecord]]:
         """Register (more of) ``host_id``'s population: each member gets its own session, live while the host
@@ -90,21 +91,30 @@ class AgentRegistry:
             host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0)
             self._hosts[host_id] = host
         checked = []
-        for agent_id, num_examples in members:
+        for agent_id, num_examples, away in members:
             _check_member(agent_id, num_examples, max_examples)
             known = self._agents.get(agent_id)
             if known is not None and known.host != host_id and not known.restored:
                 raise ValueError(f"member {agent_id!r} is registered already, not by host {host_id!r}")
-            checked.append((agent_id, min(num_examples, known.num_examples) if known is not None else num_examples))
+            checked.append((agent_id, min(num_examples, known.num_examples) if known is not None else num_examples,
+                            away))
         records = []
-        for agent_id, num_examples in checked:
+        for agent_id, num_examples, away in checked:
             if agent_id not in self._agents:
                 host.members += 1
-            record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id)
+            record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id, away=away)
             self._agents[agent_id] = record
             records.append(record)
         host.last_seen = self._clock()
         return host, records
+
+    def set_away(self, host_id: str, away: list[str], back: list[str]) -> None:
+        """Mark members of ``host_id`` offline (``away``) or online again (``back``); others' ids are ignored."""
+        for ids, flag in ((away, True), (back, False)):
+            for agent_id in ids:
+                record = self._agents.get(agent_id)
+                if record is not None and record.host == host_id:
+                    record.away = flag
 
     def authenticate_host(self, host_id: str, token: str) -> HostRecord:
         """The host's record if ``token`` is its session token; marks it (and so its members) seen."""
@@ -142,7 +152,7 @@ class AgentRegistry:
 
     def is_live(self, record: AgentRecord) -> bool:
         """Whether the agent (a population member: its host) has called recently enough to be sampled."""
-        if record.left or record.restored:
+        if record.left or record.restored or record.away:
             return False
         if record.host is not None:
             host = self._hosts.get(record.host)

@@ -63,7 +63,8 @@ class CoordinatorService:
             _check_protocol(request.protocol_version, "host")
             self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
             host, records = self.coord.join_population(
-                request.host.agent_id, request.host.token, [(m.agent_id, m.num_examples) for m in request.members],
+                request.host.agent_id, request.host.token,
+                [(m.agent_id, m.num_examples, m.away) for m in request.members],
                 peer_identity(context), request.enrollment_token)
         except Refusal as r:
             await context.abort(r.code, r.message)
@@ -81,7 +82,7 @@ class CoordinatorService:
                 raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
             authenticated()
             with self.limits.agent_call(HOST_CALLS + host.host_id):
-                return await self.coord.next_host_tasks(host, request.wait_seconds)
+                return await self.coord.next_host_tasks(host, request.wait_seconds, request.away, request.back)
         except Refusal as r:
             await context.abort(r.code, r.message)
 

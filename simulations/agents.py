@@ -54,6 +54,7 @@ class WorkerConfig:
     client_batching: bool = False  # the process's agents of one round train as one batched model
     population: PopulationSlice | None = None  # virtual clients this process hosts (instead of ``agents``)
     seats: int = 2  # virtual clients of this process that train at once
+    day_seconds: float = 86_400.0  # real seconds one day of the population's availability trace lasts
 
 
 def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None,
@@ -87,7 +88,7 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
         splits = load_dataset(cfg.dataset, cfg.data_dir)
     if cfg.population is not None:
         return PopulationHost(cfg.server, cfg.population, splits, cfg.model, cfg.val_fraction, cfg.seed, cfg.seats,
-                              cfg.poll_seconds, cfg.device, cfg.precision).run()
+                              cfg.poll_seconds, cfg.device, cfg.precision, cfg.day_seconds).run()
     compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see LocalTrainer)
     batcher = ClientBatcher(cfg.device, compute_lock) if cfg.client_batching else None
     agents = [build_agent(cfg, spec, splits, compute_lock, batcher) for spec in cfg.agents]

@@ -32,6 +32,7 @@ from fedpar.client.transfer import download_weights
 from fedpar.protocol.codec import CodecError
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
 from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.simulations.traces import DAY_SECONDS, Traces, online
 
 log = logging.getLogger("fedpar.simulate")
 
@@ -67,6 +68,8 @@ class PopulationSlice:
     flat: np.ndarray  # int64, every member's example indices, back to back
     step_delays: np.ndarray  # float32 per member
     drop_probability: float = 0.0
+    available_from: np.ndarray | None = None  # float32 per member: seconds into a trace day it comes online
+    available_for: np.ndarray | None = None  # ... and for how long (None: always online)
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -75,14 +78,23 @@ class PopulationSlice:
         """Member ``i``'s example indices into the training set."""
         return self.flat[self.offsets[i]:self.offsets[i + 1]]
 
+    def away(self, day_seconds: float) -> np.ndarray:
+        """Which members are offline ``day_seconds`` into the trace's day (none without availability)."""
+        if self.available_from is None:
+            return np.zeros(len(self), bool)
+        return ~online(day_seconds, self.available_from, self.available_for)
+
     @staticmethod
     def of(host_id: str, numbers: list[int], parts: list[np.ndarray], step_delays: list[float],
-           drop_probability: float = 0.0) -> PopulationSlice:
-        """The slice of clients ``numbers`` (``parts[n]``: client n's indices)."""
+           drop_probability: float = 0.0, traces: Traces | None = None) -> PopulationSlice:
+        """The slice of clients ``numbers`` (``parts[n]``: client n's indices; ``traces``: their availability)."""
         sizes = [len(parts[n]) for n in numbers]
         flat = np.concatenate([np.asarray(parts[n], np.int64) for n in numbers]) if numbers else np.zeros(0, np.int64)
-        return PopulationSlice(host_id, np.asarray(numbers, np.int64), np.concatenate([[0], np.cumsum(sizes)]),
-                               flat, np.asarray([step_delays[n] for n in numbers], np.float32), drop_probability)
+        picked = np.asarray(numbers, np.int64)
+        return PopulationSlice(host_id, picked, np.concatenate([[0], np.cumsum(sizes)]),
+                               flat, np.asarray([step_delays[n] for n in numbers], np.float32), drop_probability,
+                               traces.available_from[picked] if traces is not None else None,
+                               traces.available_for[picked] if traces is not None else None)
 
 
 class PopulationHost:
@@ -90,8 +102,11 @@ class PopulationHost:
 
     def __init__(self, server: str, population: PopulationSlice, splits, model: str, val_fraction: float,
                  seed: int, seats: int = 2, poll_seconds: float = 2.0, device: str = "cpu",
-                 precision: str = "fp32"):
+                 precision: str = "fp32", day_seconds: float = DAY_SECONDS):
         self.server, self.pop, self.splits = server, population, splits
+        self.day_scale = DAY_SECONDS / day_seconds  # trace seconds per real second
+        self.started = time.monotonic()
+        self.offline = population.away(0.0)  # whom the coordinator knows as away
         self.val_fraction, self.seed, self.poll_seconds = val_fraction, seed, poll_seconds
         self.channel = grpc.insecure_channel(server, options=channel_options(64 << 20))
         self.stub = CoordinatorStub(self.channel)
@@ -120,7 +135,8 @@ class PopulationHost:
         for start in range(0, len(self.pop), JOIN_CHUNK):
             members = [pb.PopulationMember(agent_id=client_id(int(self.pop.numbers[i])),
                                            num_examples=max(1, local_train_size(len(self.pop.indices(i)),
-                                                                                self.val_fraction)))
+                                                                                self.val_fraction)),
+                                           away=bool(self.offline[i]))
                        for i in range(start, min(start + JOIN_CHUNK, len(self.pop)))]
             reply = _retrying(lambda: self.stub.JoinPopulation(pb.JoinPopulationRequest(
                 host=self.host, members=members, protocol_version=PROTOCOL_VERSION), timeout=60))
@@ -137,12 +153,16 @@ class PopulationHost:
             w.start()
         try:
             while True:
+                away, back = self._availability_changes()
                 reply = _retrying(lambda: self.stub.PullHostTasks(pb.PullHostTasksRequest(
-                    host=self.host, wait_seconds=self.poll_seconds), timeout=self.poll_seconds + 30))
+                    host=self.host, wait_seconds=self.poll_seconds, away=away, back=back),
+                    timeout=self.poll_seconds + 30))
                 if reply.shutdown_reason:
                     log.info("%s: coordinator says: %s", self.host.agent_id, reply.shutdown_reason)
                     break
                 for hosted in reply.tasks:
+                    if self.offline[members[hosted.agent_id]]:
+                        continue  # sampled just as it went offline: an offline device does not answer
                     if reply.weights:  # the round's small model, sent once for all of them
                         hosted.task.weights_header.CopyFrom(reply.weights_header)
                         hosted.task.weights = reply.weights
@@ -158,6 +178,15 @@ class PopulationHost:
                 seat.close()
             self.channel.close()
         return [seat.stats for seat in self.seats]
+
+    def _availability_changes(self) -> tuple[list[str], list[str]]:
+        """Members that went offline and that came back since the last call, by the trace's clock (one real
+        second is ``day_scale`` trace seconds, from when this host started)."""
+        now = self.pop.away((time.monotonic() - self.started) * self.day_scale)
+        changed = np.flatnonzero(now != self.offline)
+        self.offline = now
+        ids = [(client_id(int(self.pop.numbers[i])), bool(now[i])) for i in changed]
+        return [m for m, gone in ids if gone], [m for m, gone in ids if not gone]
 
     def _seat(self, seat: Agent) -> None:
         """Run queued tasks on ``seat``, each as its member: the member's data and session, for that task only."""

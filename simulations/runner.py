@@ -33,6 +33,7 @@ from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, client_id, step_delays
+from fedpar.simulations.traces import Traces, traces_for
 from fedpar.datasets.clientdata import client_parts, label_counts, label_skew
 
 log = logging.getLogger("fedpar.simulate")
@@ -75,12 +76,16 @@ class SimulationConfig:
     aggregator_ranks: int = 1  # coordinator processes sharing each round's ingest and fold (server/aggregator_ranks.py)
     examples_per_client: int | None = None  # keep at most this many of each client's examples (None: all)
     virtual_clients: bool = False  # worker processes host the population; only sampled clients train, per round
+    trace: str | None = None  # "fedscale" or a CSV/JSON trace file: speeds and availability per client
+    trace_day_seconds: float = 86_400.0  # real seconds one day of the trace lasts (availability cycles)
     seats: int = 4  # virtual clients training at once in one worker process (measured best of 2/4/8 here)
     strategy_options: dict = field(default_factory=dict)
 
 
-def _step_delays(cfg: SimulationConfig) -> list[float]:
-    """Seconds each client adds per local step: ``slow_step_delay`` for the slow share, else 0."""
+def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> list[float]:
+    """Seconds each client adds per local step: its trace's, else ``slow_step_delay`` for the slow share."""
+    if traces is not None:
+        return traces.seconds_per_step.tolist()
     return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed)
 
 
@@ -90,10 +95,11 @@ def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray]) -> list[AgentSp
 
 
 def _population_slices(cfg: SimulationConfig, parts: list[np.ndarray], hosts: int) -> list[PopulationSlice]:
-    """The population dealt round-robin over ``hosts`` worker processes."""
-    delays = _step_delays(cfg)
-    return [PopulationSlice.of(f"host-{h}", list(range(h, cfg.clients, hosts)), parts, delays, cfg.drop_probability)
-            for h in range(hosts)]
+    """The population dealt round-robin over ``hosts`` worker processes (with its traces, if any)."""
+    traces = traces_for(cfg.trace, cfg.clients, cfg.seed)
+    delays = _step_delays(cfg, traces)
+    return [PopulationSlice.of(f"host-{h}", list(range(h, cfg.clients, hosts)), parts, delays, cfg.drop_probability,
+                               traces) for h in range(hosts)]
 
 
 def check_virtual_clients(cfg: SimulationConfig) -> None:
@@ -108,6 +114,15 @@ def check_virtual_clients(cfg: SimulationConfig) -> None:
             raise ValueError(f"--virtual-clients does not work with {what} yet; drop one of them")
     if cfg.seats < 1:
         raise ValueError("--seats must be >= 1")
+
+
+def check_traces(cfg: SimulationConfig) -> None:
+    """ValueError for a trace that cannot be used (read before anything starts)."""
+    if cfg.trace and not cfg.virtual_clients:
+        raise ValueError("--trace needs --virtual-clients (its availability decides whom the coordinator samples)")
+    if cfg.trace_day_seconds <= 0:
+        raise ValueError("--trace-day-seconds must be > 0")
+    traces_for(cfg.trace, cfg.clients, cfg.seed)
 
 
 def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
@@ -147,6 +162,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     check_client_batching(cfg)
     check_virtual_clients(cfg)
+    check_traces(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
@@ -203,7 +219,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         check_batchable(assembly.model)
     k = cfg.clients_per_round or cfg.clients
     coord_cfg = CoordinatorConfig(
-        rounds=cfg.rounds, clients_per_round=k, min_available=cfg.clients, min_reports=cfg.min_reports,
+        rounds=cfg.rounds, clients_per_round=k, min_reports=cfg.min_reports,
+        min_available=min(cfg.clients, k) if cfg.trace else cfg.clients,  # with availability, never all at once
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
         batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
@@ -239,7 +256,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         for w, send in enumerate(pipes):
             send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
                                    specs[w::len(pipes)], device=devices[w], precision=cfg.precision,
-                                   client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats))
+                                   client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats,
+                                   day_seconds=cfg.trace_day_seconds))
             send.close()
         try:
             while not server.wait(0.5):

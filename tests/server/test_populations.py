@@ -128,3 +128,17 @@ def test_a_big_cohort_of_one_host_comes_in_replies_of_bounded_size_with_one_copy
     assert np.frombuffer(first.weights, np.float32).tolist() == weights.tolist()
     assert all(not t.task.weights for t in first.tasks)
     assert len({t.agent_id for t in [*first.tasks, *second.tasks]}) == 600
+
+
+def test_members_reported_away_are_not_live_until_they_are_back(start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=50)
+    stub = _stub(server)
+    members = [pb.PopulationMember(agent_id=f"p{i}", num_examples=5, away=i % 2 == 1) for i in range(6)]
+    reply = stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id="host-d"), members=members),
+                                timeout=10)
+    registry = server.coordinator.registry
+    assert registry.live_ids() == ["p0", "p2", "p4"]
+    host = pb.AgentAuth(agent_id="host-d", token=reply.host_token)
+    stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=0.0, away=["p0", "not-mine"], back=["p1"]),
+                       timeout=10)
+    assert registry.live_ids() == ["p1", "p2", "p4"]

@@ -1,0 +1,124 @@
+"""System heterogeneity traces: how fast each simulated client computes, how fast its links are, and when in the
+day it is online. Read from CSV or JSON (no pickle), or generated in the shapes the FedScale paper reports.
+
+File format, one row (CSV) or object (JSON list) per client, clients numbered 0..N-1 in any order:
+
+    client,seconds_per_step,download_mbps,upload_mbps,available_from,available_for
+    0,0.012,25.0,6.0,28800,43200
+
+- ``seconds_per_step``: one local SGD step on that device (added to the real step as a pause in real time);
+- ``download_mbps`` / ``upload_mbps``: link speeds in megabits per second;
+- ``available_from`` / ``available_for``: seconds into the day the client comes online, and for how long (a window
+  may wrap past midnight; ``available_for`` >= DAY_SECONDS: always online).
+
+``generate_traces`` follows FedScale (Lai et al., ICML 2022): compute speeds with a long tail (log-normal, the
+slowest devices several times the median), link speeds log-normal around a mobile median, and diurnal
+availability: each client is online for a stretch of 2 to 18 hours starting at a random time of day.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DAY_SECONDS = 86_400.0
+COLUMNS = ("client", "seconds_per_step", "download_mbps", "upload_mbps", "available_from", "available_for")
+
+
+@dataclass
+class Traces:
+    """Every client's trace, as columns (float32 arrays indexed by client number)."""
+
+    seconds_per_step: np.ndarray
+    download_mbps: np.ndarray
+    upload_mbps: np.ndarray
+    available_from: np.ndarray
+    available_for: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.seconds_per_step)
+
+    def available(self, day_seconds: float, clients: np.ndarray | None = None) -> np.ndarray:
+        """Which clients (all, or those numbered ``clients``) are online ``day_seconds`` into the trace's day."""
+        idx = slice(None) if clients is None else clients
+        return online(day_seconds, self.available_from[idx], self.available_for[idx])
+
+    def transfer_seconds(self, model_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds each client needs to download and to upload ``model_bytes``."""
+        bits = 8.0 * model_bytes
+        return bits / (self.download_mbps * 1e6), bits / (self.upload_mbps * 1e6)
+
+    def save(self, path: str | Path) -> None:
+        """Write the traces as CSV (.csv) or JSON (anything else)."""
+        rows = [dict(zip(COLUMNS, (i, *(float(c[i]) for c in self._columns())))) for i in range(len(self))]
+        path = Path(path)
+        if path.suffix == ".csv":
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+        else:
+            path.write_text(json.dumps(rows))
+
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return (self.seconds_per_step, self.download_mbps, self.upload_mbps, self.available_from, self.available_for)
+
+
+def online(day_seconds: float, available_from: np.ndarray, available_for: np.ndarray) -> np.ndarray:
+    """Whether each window (start, length; wrapping past midnight) holds the time ``day_seconds`` into the day."""
+    since = np.mod(day_seconds - available_from, DAY_SECONDS)
+    return (since < available_for) | (available_for >= DAY_SECONDS)
+
+
+def generate_traces(clients: int, seed: int = 0, median_seconds_per_step: float = 0.01) -> Traces:
+    """FedScale-shaped traces for ``clients`` clients (see the module docstring)."""
+    rng = np.random.default_rng([seed, 11])
+    speed = median_seconds_per_step * rng.lognormal(0.0, 0.8, clients)
+    down = rng.lognormal(np.log(20.0), 0.9, clients)
+    up = down / rng.uniform(2.0, 8.0, clients)  # uplinks are a fraction of downlinks
+    start = rng.uniform(0.0, DAY_SECONDS, clients)
+    hours = rng.uniform(2.0, 18.0, clients)
+    return Traces(*(np.asarray(c, np.float32) for c in (speed, down, up, start, hours * 3600.0)))
+
+
+def load_traces(path: str | Path, clients: int) -> Traces:
+    """The traces of ``clients`` clients from a CSV or JSON file; a ValueError names what is wrong."""
+    path = Path(path)
+    try:
+        if path.suffix == ".csv":
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+        else:
+            rows = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the traces in {path}: {exc}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: traces must be a CSV with a header row or a JSON list of objects")
+    table = np.full((clients, len(COLUMNS) - 1), np.nan, np.float64)
+    for n, row in enumerate(rows, start=1):
+        try:
+            client = int(row["client"])
+            values = [float(row[c]) for c in COLUMNS[1:]]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}, entry {n}: needs the columns {', '.join(COLUMNS)}, all numbers") from None
+        if not 0 <= client < clients:
+            raise ValueError(f"{path}, entry {n}: client {client} is outside 0..{clients - 1} (--clients {clients})")
+        if not all(np.isfinite(values)) or min(values) < 0 or min(values[1:3]) <= 0:
+            raise ValueError(f"{path}, entry {n}: values must be finite and >= 0, link speeds > 0")
+        table[client] = values
+    missing = np.flatnonzero(np.isnan(table[:, 0]))
+    if len(missing):
+        raise ValueError(f"{path} has no trace for {len(missing)} of the {clients} clients (e.g. client "
+                         f"{missing[0]}); give every client a row")
+    return Traces(*(table[:, k].astype(np.float32) for k in range(table.shape[1])))
+
+
+def traces_for(spec: str | None, clients: int, seed: int) -> Traces | None:
+    """``--trace``: None, "fedscale" (generated) or a CSV/JSON file."""
+    if not spec:
+        return None
+    return generate_traces(clients, seed) if spec == "fedscale" else load_traces(spec, clients)
