@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from fedpar.cli.argtypes import FedparParser
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # A process started in the background by a shell script inherits SIGINT ignored, and Python then keeps it
+    # so: Ctrl-C (or kill -INT) must stop a coordinator or a simulation however it was started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = build_parser()
     if not argv or argv[0] not in _available():
         parser.print_help() if not argv else parser.parse_args(argv)
