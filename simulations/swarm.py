@@ -24,6 +24,7 @@ import zlib
 from dataclasses import asdict, dataclass
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError  # done_writing() on a call the server ended (not an AioRpcError)
 import numpy as np
 
 from fedpar.client.backoff import RETRYABLE, Backoff
@@ -81,8 +82,10 @@ async def _send_when_admitted(stub: CoordinatorStub, messages, timeout: float) -
             for message in messages:
                 await call.write(message)
             await call.done_writing()
-    except asyncio.InvalidStateError:
-        pass  # the call ended while we wrote (refused, or the coordinator went away): its status says why
+    except (asyncio.InvalidStateError, grpc.aio.UsageError, ExecuteBatchError):
+        # The call ended while we wrote (refused, or the coordinator went away, e.g. killed): grpc.aio then fails
+        # the write or the half-close, and the call's status says why.
+        pass
     return await call  # refused: raises with the coordinator's status
 
 
