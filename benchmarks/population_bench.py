@@ -102,9 +102,9 @@ def main() -> int:
     print(f"{'data':<10}{'population':>11}{'start-up s':>11}{'round s':>9}{'floor s':>9}{'x floor':>8}"
           f"{'x N=100':>8}{'tree MiB':>10}")
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = {"synthetic": lambda n: (["--dataset", "synthetic:0.5:0.5", "--partition", "natural",
+        jobs = {"synthetic": lambda n: ([f"--dataset=synthetic:0.5:0.5:{n}:5", "--partition", "natural",
                                          "--rounds", str(rounds)],
-                                        ["--dataset", "synthetic:0.5:0.5", "--partition", "natural",
+                                        [f"--dataset=synthetic:0.5:0.5:{n}:5", "--partition", "natural",
                                          "--rounds", str(rounds)])}
         if (Path(a.mnist_dir) / "train.npz").exists():
             mnist = ["--dataset", "mnist", "--data-dir", a.mnist_dir, "--examples-per-client", "6",

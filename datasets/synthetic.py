@@ -69,7 +69,9 @@ def generate(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every client's examples: x (float32, n x 60), y (int64) and the owning client of each (int64)."""
     sizes = client_sizes(spec)
     scale = np.arange(1, DIM + 1, dtype=np.float64) ** -0.6  # sqrt of Sigma_jj = j^-1.2
-    xs, ys = [], []
+    x_all = np.empty((int(sizes.sum()), DIM), np.float32)  # filled chunk by chunk: no second copy to concatenate
+    y_all = np.empty(len(x_all), np.int64)
+    ends = np.cumsum(sizes)
     for lo in range(0, spec.clients, CHUNK):
         hi = min(lo + CHUNK, spec.clients)
         rng = np.random.default_rng([spec.seed, 1, lo])
@@ -82,10 +84,10 @@ def generate(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         owner = np.repeat(np.arange(n), sizes[lo:hi])
         x = v[owner] + rng.standard_normal((len(owner), DIM)) * scale
         logits = np.einsum("ncd,nd->nc", w.astype(np.float32)[owner], x.astype(np.float32)) + b[owner]
-        xs.append(x.astype(np.float32))
-        ys.append(logits.argmax(axis=1))
-    owners = np.repeat(np.arange(spec.clients), sizes)
-    return np.concatenate(xs), np.concatenate(ys).astype(np.int64), owners
+        start = ends[lo] - sizes[lo]
+        x_all[start:start + len(owner)] = x
+        y_all[start:start + len(owner)] = logits.argmax(axis=1)
+    return x_all, y_all, np.repeat(np.arange(spec.clients), sizes)
 
 
 def load_synthetic(spec: SyntheticSpec) -> DatasetSplits:
