@@ -38,9 +38,19 @@ def _available() -> dict[str, tuple[str, str]]:
     return out
 
 
+def _version() -> str:
+    """The installed fedpar's version (pyproject's)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("fedpar")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser with every available subcommand."""
     parser = FedparParser(prog="fedpar", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fedpar {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _available().items():
         mod = importlib.import_module(f"fedpar.cli.{module}")

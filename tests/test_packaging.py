@@ -34,3 +34,11 @@ def test_subpackages_import_from_their_root_folders():
 
     assert Path(fedpar.server.__file__).parent == ROOT / "server"
     assert Path(fedpar.aggregation.__file__).parent == ROOT / "aggregation"
+
+
+def test_fedpar_version_names_the_installed_version():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+    out = subprocess.run([sys.executable, "-m", "fedpar", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"fedpar {version('fedpar')}", (out.stdout, out.stderr)
