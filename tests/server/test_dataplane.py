@@ -148,6 +148,10 @@ def test_bad_tickets_and_bad_uploads_are_refused_and_only_valid_updates_count(st
     nan[1][5] = np.nan
     _refused(lambda: _upload(address, bots["d"], tasks["d"], nan), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
     _refused(lambda: _upload(address, bots["d"], tasks["d"], _arrays(5)), grpc.StatusCode.ALREADY_EXISTS)
+    for _ in range(100):  # the refusal reaches the agent just before the coordinator records it
+        if state.rejected == 1:
+            break
+        time.sleep(0.05)
     assert state.rejected == 1 and state.accepted == 0
 
     # Two good updates (c retries after its broken one) close the round; a later one is refused.
