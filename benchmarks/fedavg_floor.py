@@ -16,7 +16,6 @@ PROCESS_START = time.monotonic()  # before torch is imported: the floor pays its
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import zlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -26,6 +25,7 @@ from fedpar.datasets import load_dataset  # noqa: E402
 from fedpar.models.for_data import build_model_for_data  # noqa: E402
 from fedpar.datasets.clientdata import client_parts, local_split  # noqa: E402
 from fedpar.datasets.registry import full_dataset_name  # noqa: E402
+from fedpar.simulations.population import client_id, client_seed as seed_of  # noqa: E402
 from fedpar.parallel.device import flush_denormals
 
 
@@ -72,7 +72,7 @@ def run(clients: int, rounds: int, dataset: str, data_dir: str | None, model_nam
     data = []
     for i, indices in enumerate(parts):
         train, _ = local_split(splits.train, indices, val_fraction, seed)
-        data.append((*train.to_tensors(), seed + zlib.crc32(f"client-{i:04d}".encode()) % 10_000))
+        data.append((*train.to_tensors(), seed_of(seed, client_id(i))))  # the seed fedpar's client i uses
     x_test, y_test = splits.test.to_tensors()
     sampler = np.random.Generator(np.random.PCG64(seed))
     cohort_size = clients_per_round or clients

@@ -57,17 +57,15 @@ def local_split(train: ArrayDataset, indices: np.ndarray, val_fraction: float,
 def label_counts(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) -> np.ndarray:
     """Examples of each class (columns) held by each client (rows)."""
     counts = np.zeros((len(parts), num_classes), np.int64)
-    for k, part in enumerate(parts):
-        counts[k] = np.bincount(labels[part], minlength=num_classes)
+    if parts:
+        owners = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+        np.add.at(counts, (owners, labels[np.concatenate(parts)]), 1)
     return counts
 
 
 def label_skew(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) -> dict[str, float]:
     """How label-skewed a partition is: classes a client holds on average, and the mean share of its largest."""
-    sizes = np.array([len(p) for p in parts])
-    owners = np.repeat(np.arange(len(parts)), sizes)
-    counts = np.zeros((len(parts), num_classes), np.int64)
-    np.add.at(counts, (owners, labels[np.concatenate(parts)] if len(parts) else []), 1)
-    held = counts > 0
-    return {"mean_classes_per_client": float(held.sum(1).mean()),
-            "mean_top_class_share": float((counts.max(1) / np.maximum(sizes, 1)).mean())}
+    counts = label_counts(parts, labels, num_classes)
+    sizes = np.maximum(counts.sum(1), 1)
+    return {"mean_classes_per_client": float((counts > 0).sum(1).mean()),
+            "mean_top_class_share": float((counts.max(1) / sizes).mean())}
