@@ -8,6 +8,7 @@ from typing import TextIO
 COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("reported", "{:>8}"),
            ("late", "{:>4}"), ("train_loss", "{:>10.4f}"), ("test_accuracy", "{:>13.4f}"),
            ("upload_bytes", "{:>12,}"), ("round_seconds", "{:>13.2f}")]
+CLOCK_COLUMNS = [("sim_round_seconds", "{:>17.1f}"), ("sim_seconds", "{:>11.1f}")]  # under a virtual clock
 
 
 class RoundTable:

@@ -13,7 +13,7 @@ import sys
 from fedpar.cli.argtypes import at_least_one, count, non_negative, non_negative_int, positive, probability
 from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
-from fedpar.cli.progress import COLUMNS, JoiningBar, RoundTable
+from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, JoiningBar, RoundTable
 from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.user_errors import check_output_folder, run_exit_code
 from fedpar.server.aggregator_ranks import rank_columns
@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "slows its steps and its availability decides when it can be sampled")
     p.add_argument("--trace-day-seconds", type=positive, default=d.trace_day_seconds,
                    help="real seconds one day of the trace lasts (e.g. 60: availability cycles every minute)")
+    p.add_argument("--clock", choices=("real", "virtual"), default=d.clock,
+                   help="with --virtual-clients: 'virtual' runs the deadline and first-K on simulated time (each "
+                        "client's finish time from its trace and its work); only the first K in time train, so "
+                        "rounds run as fast as the machine allows and the table shows simulated seconds")
+    p.add_argument("--target-accuracy", type=probability, default=d.target_accuracy,
+                   help="summary.json reports the rounds, wall and simulated seconds to reach this test accuracy")
     p.add_argument("--seats", type=count, default=d.seats,
                    help="with --virtual-clients: sampled clients training at once in one worker process")
     p.add_argument("--device", default=d.device,
@@ -100,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     fields = set(SimulationConfig.__dataclass_fields__)
     cfg = SimulationConfig(**{k: v for k, v in vars(args).items() if k in fields})
     columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else []) + \
-        (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else [])
+        (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else []) + \
+        (CLOCK_COLUMNS if cfg.clock == "virtual" else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     observers = Observers(args)
     joining = JoiningBar(quiet=args.quiet)

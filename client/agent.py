@@ -232,8 +232,9 @@ class Agent:
         # Uploading takes about as long as downloading did; keep that and a margin free.
         stop_at = deadline_at - 1.2 * download_seconds - self.config.upload_margin_seconds
         with self._heartbeat.while_training():
+            cap = {"max_steps": task.max_steps} if task.max_steps else {}  # only LocalTrainer is given a cap
             result = self.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
-                                        proximal_mu=settings.proximal_mu or 0.0, round_id=task.round)
+                                        proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **cap)
         if result.examples == 0:
             log.warning("%s: no time left to train in round %d; skipping the upload", self.config.agent_id,
                         task.round)

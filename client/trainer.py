@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 import time
@@ -79,8 +80,9 @@ class LocalTrainer:
         return contextlib.nullcontext()
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
-              proximal_mu: float = 0.0, round_id: int = 0) -> TrainResult:
-        """Train for ``epochs`` or until ``time.monotonic()`` would pass ``stop_at``, whichever is first."""
+              proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None) -> TrainResult:
+        """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``,
+        whichever is first."""
         start = time.monotonic()
         model = self.model
         model.train()
@@ -103,7 +105,8 @@ class LocalTrainer:
             return len(idx), loss_sum
 
         with self._taking_turn():
-            tally = run_steps(self._batches(epochs, batch_size, round_id), step, go_on, self._clock)
+            batches = itertools.islice(self._batches(epochs, batch_size, round_id), max_steps)
+            tally = run_steps(batches, step, go_on, self._clock)
         return tally.result(time.monotonic() - start)
 
     def _batches(self, epochs: int, batch_size: int, round_id: int) -> Iterator[torch.Tensor]:

@@ -70,7 +70,7 @@ class PullTaskRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., finished_task_id: _Optional[str] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host")
+    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host", "virtual_clock", "clock_seconds", "max_steps", "clock_deadline_seconds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,10 @@ class TrainTask(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     INGEST_PORT_FIELD_NUMBER: _ClassVar[int]
     INGEST_HOST_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_seconds: float
@@ -99,7 +103,11 @@ class TrainTask(_message.Message):
     weights: bytes
     ingest_port: int
     ingest_host: str
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., ingest_port: _Optional[int] = ..., ingest_host: _Optional[str] = ...) -> None: ...
+    virtual_clock: bool
+    clock_seconds: float
+    max_steps: int
+    clock_deadline_seconds: float
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., ingest_port: _Optional[int] = ..., ingest_host: _Optional[str] = ..., virtual_clock: bool = ..., clock_seconds: _Optional[float] = ..., max_steps: _Optional[int] = ..., clock_deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class PullTaskReply(_message.Message):
     __slots__ = ("task", "wait_seconds", "shutdown_reason")
@@ -367,16 +375,28 @@ class JoinPopulationReply(_message.Message):
     def __init__(self, host_token: _Optional[str] = ..., tokens: _Optional[_Iterable[str]] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullHostTasksRequest(_message.Message):
-    __slots__ = ("host", "wait_seconds", "away", "back")
+    __slots__ = ("host", "wait_seconds", "away", "back", "finish_estimates")
     HOST_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AWAY_FIELD_NUMBER: _ClassVar[int]
     BACK_FIELD_NUMBER: _ClassVar[int]
+    FINISH_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     wait_seconds: float
     away: _containers.RepeatedScalarFieldContainer[str]
     back: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., away: _Optional[_Iterable[str]] = ..., back: _Optional[_Iterable[str]] = ...) -> None: ...
+    finish_estimates: _containers.RepeatedCompositeFieldContainer[FinishEstimate]
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., away: _Optional[_Iterable[str]] = ..., back: _Optional[_Iterable[str]] = ..., finish_estimates: _Optional[_Iterable[_Union[FinishEstimate, _Mapping]]] = ...) -> None: ...
+
+class FinishEstimate(_message.Message):
+    __slots__ = ("agent_id", "task_id", "seconds")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    task_id: str
+    seconds: float
+    def __init__(self, agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class HostedTask(_message.Message):
     __slots__ = ("agent_id", "task")
@@ -387,13 +407,17 @@ class HostedTask(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., task: _Optional[_Union[TrainTask, _Mapping]] = ...) -> None: ...
 
 class PullHostTasksReply(_message.Message):
-    __slots__ = ("tasks", "shutdown_reason", "weights_header", "weights")
+    __slots__ = ("tasks", "shutdown_reason", "weights_header", "weights", "go", "clock_seconds")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HEADER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    GO_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[HostedTask]
     shutdown_reason: str
     weights_header: ModelHeader
     weights: bytes
-    def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ...) -> None: ...
+    go: _containers.RepeatedScalarFieldContainer[str]
+    clock_seconds: float
+    def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., go: _Optional[_Iterable[str]] = ..., clock_seconds: _Optional[float] = ...) -> None: ...

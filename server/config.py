@@ -68,6 +68,9 @@ class CoordinatorConfig:
     aggregator_timeout_seconds: float = 120.0  # longest wait for another aggregator rank in a collective
     accept_populations: bool = False  # simulations: hosts may register virtual populations (JoinPopulation)
     max_population_join: int = 10_000  # members in one JoinPopulation call
+    # Simulations: the deadline and first-K act on simulated time (server/virtual_clock.py); hosts only.
+    virtual_clock: bool = False
+    round_wall_seconds: float = 600.0  # under the virtual clock: longest real time a round may take
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""
@@ -107,6 +110,11 @@ class CoordinatorConfig:
             (self.max_queued_uploads >= self.max_concurrent_uploads,
              "max_queued_uploads must be >= max_concurrent_uploads"),
             (self.max_concurrent_downloads >= 1, "max_concurrent_downloads must be >= 1"),
+            (not self.virtual_clock or self.accept_populations,
+             "the virtual clock needs accept_populations: only simulation hosts can report finish times"),
+            (not self.virtual_clock or (self.aggregator_ranks == 1 and not self.secure_aggregation),
+             "the virtual clock does not work with aggregator ranks or secure aggregation yet; drop one of them"),
+            (self.round_wall_seconds > 0, "round_wall_seconds must be > 0"),
             (self.accept_populations or self.max_concurrent_rpcs >= 2 * self.min_available,
              "max_concurrent_rpcs must be at least twice min_available (every agent long-polls; a simulation's "
              "population members do not)"),

@@ -32,6 +32,7 @@ from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
 from fedpar.server.secure_round import SecureRound
+from fedpar.server.virtual_clock import VirtualClock
 
 log = logging.getLogger("fedpar.server")
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
@@ -63,6 +64,8 @@ class Coordinator(IngestPlane):
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
         self._wakeups: dict[str, asyncio.Event] = {}  # per agent, and per simulation host (HOST_WAKEUP + id)
         self._host_tasks: dict[str, set[str]] = {}  # per simulation host: its members dealt a task not yet sent
+        self._host_go: dict[str, set[str]] = {}  # per simulation host: its members the virtual clock let go
+        self.clock = VirtualClock() if config.virtual_clock else None
         self._agents_changed: asyncio.Event | None = None
         self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
         if config.checkpoint_dir is not None:
@@ -87,6 +90,9 @@ class Coordinator(IngestPlane):
             self._restored_ids = self.registry.restore(ckpt.state.get("agents", []))
         with ckpt.restoring("metrics_row"):
             self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"))
+        if self.clock is not None:
+            with ckpt.restoring("clock_seconds"):
+                self.clock.seconds = float(ckpt.state.get("clock_seconds", 0.0))
         log.info("resumed from checkpoint after round %d; waiting up to %.0fs for its %d agents to re-join",
                  self.round_id, self.config.liveness_timeout_seconds, len(self._restored_ids))
 
@@ -157,7 +163,11 @@ class Coordinator(IngestPlane):
         slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
         if self.ranks is not None:
             self.ranks.deal(slots)
-        state = RoundState(round_id, target, self.config.min_reports, self.config.deadline_seconds, slots)
+        # Under the virtual clock the deadline is simulated (server/virtual_clock.py); in real time it guards hosts.
+        wall_limit = self.config.round_wall_seconds if self.clock is not None else self.config.deadline_seconds
+        state = RoundState(round_id, target, self.config.min_reports, wall_limit, slots)
+        if self.clock is not None:
+            self.clock.open_round(state)
         if self.data_port is not None:  # tickets exist only for the data plane
             self.tickets.expire_rounds_before(round_id)
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
@@ -171,8 +181,10 @@ class Coordinator(IngestPlane):
             self._tasks[agent_id] = slot
             self._wake(agent_id)
         log.info("round %d: sampled %d of %d live agents, target %d", round_id, len(cohort), len(live), target)
+        if self.clock is not None:
+            await self._decide_by_virtual_clock(state)
         try:
-            await asyncio.wait_for(state.closed_event.wait(), timeout=self.config.deadline_seconds)
+            await asyncio.wait_for(state.closed_event.wait(), timeout=self._round_time_left(state))
         except asyncio.TimeoutError:
             state.close("deadline")
         for agent_id in slots:
@@ -189,6 +201,25 @@ class Coordinator(IngestPlane):
                 state.fold_failed = True
                 log.error("%s; the round fails and the model stays", exc)
         await self._finish_round(state, rank_columns)
+
+    def _round_time_left(self, state: RoundState) -> float:
+        """Real seconds left before the round closes: its deadline, or under the virtual clock its wall guard."""
+        return max(0.0, state.started + state.deadline_seconds - time.monotonic())
+
+    async def _decide_by_virtual_clock(self, state: RoundState) -> None:
+        """Wait for the sampled members' finish times (half the wall guard at most), then let the first K within
+        the deadline train (server/virtual_clock.py)."""
+        await self.clock.wait_for_estimates(self.config.round_wall_seconds / 2)
+        decision = self.clock.close_estimates(state, self.config.deadline_seconds)
+        log.info("round %d: %d of %d sampled clients train (virtual clock: %s after %.1f simulated seconds)",
+                 state.round_id, len(decision.chosen), state.sampled, decision.reason, decision.seconds)
+        if not decision.chosen:
+            state.close("deadline")
+        for slot in decision.chosen:
+            record = self.registry.get(slot.agent_id)
+            if record is not None and record.host is not None:
+                self._host_go.setdefault(record.host, set()).add(slot.agent_id)
+                self._wakeups.setdefault(HOST_WAKEUP + record.host, asyncio.Event()).set()
 
     @property
     def secure(self) -> SecureRound | None:
@@ -226,6 +257,8 @@ class Coordinator(IngestPlane):
         row.update({f"refused_{reason}": n for reason, n in sorted(state.refused.items())})
         row.update(rank_columns)
         row.update({k: float(v) for k, v in strategy_metrics.items()})
+        if self.clock is not None:
+            row.update(self.clock.finish_round())
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
         if self.evaluate_fn is not None:
@@ -238,6 +271,8 @@ class Coordinator(IngestPlane):
             # The registry and sampler belong to the loop: snapshot them here, write in a thread. The
             # checkpoint precedes the metrics line; a crash between the two is repaired on resume.
             loop_state = {"sampler": self.sampler.state(), "agents": self.registry.snapshot()}
+            if self.clock is not None:
+                loop_state["clock_seconds"] = self.clock.seconds
             await self._in_thread(self._checkpoint, row, loop_state)
         self.metrics.append(row)
         for callback in self.on_round_end:
@@ -254,6 +289,9 @@ class Coordinator(IngestPlane):
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
         """Register an agent; raises Refusal on bad identity data or if the agent is not admitted."""
+        if self.clock is not None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this coordinator runs a virtual clock (--clock virtual): only simulation hosts take part")
         try:
             record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token,
                                         self.config.max_examples_per_agent)
@@ -301,12 +339,15 @@ class Coordinator(IngestPlane):
         self._wakeups.setdefault(agent_id, asyncio.Event()).set()
 
     async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str] = (),
-                              back: Sequence[str] = ()) -> pb.PullHostTasksReply:
-        """The tasks of ``host``'s members sampled since its last call, waiting up to ``wait_seconds`` for some;
-        ``away`` / ``back``: its members that went offline or came back (not sampled while away)."""
+                              back: Sequence[str] = (),
+                              finish_estimates: Sequence[pb.FinishEstimate] = ()) -> pb.PullHostTasksReply:
+        """The tasks of ``host``'s members sampled since its last call (and, under the virtual clock, those let go),
+        waiting up to ``wait_seconds`` for some; ``away`` / ``back``: its members that went offline or came back (not
+        sampled while away); ``finish_estimates``: its members' simulated finish times for their held tasks."""
         if away or back:
             self.registry.set_away(host.host_id, list(away), list(back))
             self._agents_changed.set()
+        self._record_estimates(host, finish_estimates)
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
             if self.finished:
@@ -314,6 +355,9 @@ class Coordinator(IngestPlane):
             pending = sorted(self._host_tasks.get(host.host_id, ()))
             self._host_tasks[host.host_id] = set(pending[MAX_HOSTED_TASKS:])  # the next call takes the rest
             out = pb.PullHostTasksReply()
+            if self.clock is not None:
+                out.go.extend(sorted(self._host_go.pop(host.host_id, ())))
+                out.clock_seconds = self.clock.seconds
             for agent_id in pending[:MAX_HOSTED_TASKS]:
                 record = self.registry.get(agent_id)
                 reply = self._task_reply(record) if record is not None and record.host == host.host_id else None
@@ -326,9 +370,24 @@ class Coordinator(IngestPlane):
                     task.ClearField("weights_header")
                     task.ClearField("weights")
                 out.tasks.append(pb.HostedTask(agent_id=agent_id, task=task))
-            if out.tasks or not await self._wait_for_wakeup(HOST_WAKEUP + host.host_id, deadline):
+            if out.tasks or out.go or not await self._wait_for_wakeup(HOST_WAKEUP + host.host_id, deadline):
                 return out
             host.last_seen = time.monotonic()
+
+    def _record_estimates(self, host: HostRecord, estimates: Sequence[pb.FinishEstimate]) -> None:
+        """Hand the virtual clock ``host``'s finish estimates; a Refusal for another host's member or when there
+        is no virtual clock."""
+        if not estimates:
+            return
+        if self.clock is None:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "finish estimates sent, but this coordinator runs in real time (no --clock virtual)")
+        for estimate in estimates:
+            record = self.registry.get(estimate.agent_id)
+            if record is None or record.host != host.host_id:
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{estimate.agent_id[:128]!r} is not a member of host {host.host_id!r}")
+            self.clock.record(self.current, estimate.agent_id, estimate.task_id, estimate.seconds)
 
     async def next_task(self, agent: AgentRecord, wait_seconds: float,
                         finished_task_id: str = "") -> pb.PullTaskReply:
@@ -367,11 +426,13 @@ class Coordinator(IngestPlane):
         if slot is None:
             return None
         slot.dispatched = True
-        remaining = state.started + state.deadline_seconds - time.monotonic()
-        task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=max(0.0, remaining),
+        task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=self._round_time_left(state),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
                             learning_rate=self.config.learning_rate, extra_json=self._task_json,
                             model_bytes=self.layout.total_bytes)
+        if self.clock is not None:
+            task.virtual_clock, task.clock_seconds = True, self.clock.seconds
+            task.clock_deadline_seconds = self.config.deadline_seconds
         payload = self.payload
         if payload is not None and payload.inline is not None and payload.round_id == state.round_id:
             task.weights_header.MergeFromString(payload.model_header)

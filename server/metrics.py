@@ -21,9 +21,21 @@ def clean_row(row: dict) -> dict:
     return {k: _clean(v) for k, v in row.items()}
 
 
-def summarize_rounds(rows: list[dict]) -> dict:
-    """What a run's rounds came to: accuracy, rounds and failed rounds, mean round seconds and upload bytes, and
-    the privacy budget spent (``simulate``'s and ``serve``'s summary.json)."""
+def time_to_accuracy(rows: list[dict], target: float) -> dict:
+    """Rounds, wall seconds and (under a virtual clock) simulated seconds until the central test accuracy first
+    reached ``target`` (None each when it never did)."""
+    hit = next((r for r in rows if (r.get("test_accuracy") or 0.0) >= target), None)
+    out = {"target_accuracy": target, "rounds_to_target": hit["round"] if hit else None,
+           "wall_seconds_to_target": hit["wall_seconds"] if hit else None}
+    if rows and "sim_seconds" in rows[-1]:
+        out["sim_seconds_to_target"] = hit["sim_seconds"] if hit else None
+    return out
+
+
+def summarize_rounds(rows: list[dict], target_accuracy: float | None = None) -> dict:
+    """What a run's rounds came to: accuracy, rounds and failed rounds, mean round seconds and upload bytes, the
+    privacy budget spent, simulated seconds under a virtual clock, and the time to ``target_accuracy`` if given
+    (``simulate``'s and ``serve``'s summary.json)."""
     summary = {
         "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,
         "best_test_accuracy": max((r.get("test_accuracy") or 0.0 for r in rows), default=None),
@@ -34,6 +46,10 @@ def summarize_rounds(rows: list[dict]) -> dict:
     }
     if rows and "dp_epsilon" in rows[-1]:
         summary["final_dp_epsilon"] = rows[-1]["dp_epsilon"]
+    if rows and "sim_seconds" in rows[-1]:
+        summary["sim_seconds"] = rows[-1]["sim_seconds"]
+    if target_accuracy is not None:
+        summary.update(time_to_accuracy(rows, target_accuracy))
     return summary
 
 

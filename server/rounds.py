@@ -41,6 +41,7 @@ class AgentSlot:
     data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out
     status: str = "pending"  # pending | uploading | accepted | rejected | late
     upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
+    go: bool = True  # under the virtual clock, False until it is among the first K to finish (server/virtual_clock.py)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class RoundState:
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
+    answering: int | None = None  # sampled agents that may still answer (virtual clock: the chosen); None: all
 
     @property
     def sampled(self) -> int:
@@ -78,8 +80,9 @@ class RoundState:
         """Tensor bytes of this round's accepted uploads, as they crossed the wire."""
         return sum(s.upload_bytes for s in self.slots.values() if s.status == "accepted")
 
-    def slot_for(self, agent_id: str, task_id: str) -> AgentSlot:
-        """The slot of an agent in this round, or a Refusal saying why it has none."""
+    def slot_for(self, agent_id: str, task_id: str, held_ok: bool = False) -> AgentSlot:
+        """The slot of an agent in this round, or a Refusal saying why it has none (or why it may not download or
+        upload yet: a task the virtual clock holds, unless ``held_ok``)."""
         slot = self.slots.get(agent_id)
         if slot is None:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
@@ -87,6 +90,10 @@ class RoundState:
         if task_id != slot.task_id:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"task {task_id!r} is not the current task of {agent_id!r} in round {self.round_id}")
+        if not (slot.go or held_ok):
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"agent {agent_id!r} is not among the first to finish round {self.round_id} in simulated "
+                          "time (virtual clock): it does not train this round")
         return slot
 
     def check_open(self) -> None:
@@ -108,8 +115,9 @@ class RoundState:
             self.closed_event.set()
 
     def settled(self) -> bool:
-        """True when every sampled agent has an accepted or rejected update."""
-        return self.accepted + self.rejected >= len(self.slots)  # O(1): called on every upload
+        """True when every sampled agent (that may still answer) has an accepted or rejected update."""
+        answering = len(self.slots) if self.answering is None else self.answering
+        return self.accepted + self.rejected >= answering  # O(1): called on every upload
 
     def close_if_done(self) -> None:
         """Close once K updates are in (first-K) or every sampled agent has answered."""

@@ -82,7 +82,8 @@ class CoordinatorService:
                 raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
             authenticated()
             with self.limits.agent_call(HOST_CALLS + host.host_id):
-                return await self.coord.next_host_tasks(host, request.wait_seconds, request.away, request.back)
+                return await self.coord.next_host_tasks(host, request.wait_seconds, request.away, request.back,
+                                                        request.finish_estimates)
         except Refusal as r:
             await context.abort(r.code, r.message)
 

@@ -12,6 +12,7 @@ deadline, first-K-of-M, validation and the fold stay the coordinator's own, over
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -32,11 +33,12 @@ from fedpar.client.transfer import download_weights
 from fedpar.protocol.codec import CodecError
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
 from fedpar.protocol.stubs import CoordinatorStub
-from fedpar.simulations.traces import DAY_SECONDS, Traces, online
+from fedpar.simulations.traces import DAY_SECONDS, Traces, online, seconds_left_online
 
 log = logging.getLogger("fedpar.simulate")
 
 JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
+VIRTUAL_STEP_SECONDS = 0.01  # virtual clock without a trace: a local step's simulated seconds (FedScale's median)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -70,6 +72,9 @@ class PopulationSlice:
     drop_probability: float = 0.0
     available_from: np.ndarray | None = None  # float32 per member: seconds into a trace day it comes online
     available_for: np.ndarray | None = None  # ... and for how long (None: always online)
+    step_seconds: np.ndarray | None = None  # float32 per member: a local step's simulated seconds (virtual clock)
+    download_mbps: np.ndarray | None = None  # float32 per member: link speeds (None: transfers take no time)
+    upload_mbps: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -84,6 +89,26 @@ class PopulationSlice:
             return np.zeros(len(self), bool)
         return ~online(day_seconds, self.available_from, self.available_for)
 
+    def work(self, i: int, steps: int, model_bytes: int, clock_seconds: float, deadline: float,
+             dropped: bool) -> tuple[int, float]:
+        """The local steps member ``i`` does of a task of ``steps`` on a model of ``model_bytes``, and the simulated
+        seconds it needs (download, train, upload) from ``clock_seconds`` on. Like a real agent it trains only as
+        many steps as fit before ``deadline``; (0, -1) when it would not upload: no step fits, it drops out, or its
+        availability window closes first."""
+        step = float(self.step_seconds[i]) if self.step_seconds is not None \
+            else VIRTUAL_STEP_SECONDS + float(self.step_delays[i])
+        transfer = 0.0
+        if self.download_mbps is not None:
+            bits = 8.0 * model_bytes
+            transfer = bits / (float(self.download_mbps[i]) * 1e6) + bits / (float(self.upload_mbps[i]) * 1e6)
+        fit = steps if step <= 0 else int(max(0.0, deadline - transfer) // step)
+        done = min(steps, fit)
+        seconds = transfer + done * step
+        if self.available_from is not None:
+            left = seconds_left_online(clock_seconds, self.available_from[i:i + 1], self.available_for[i:i + 1])[0]
+            dropped = dropped or seconds > left
+        return (0, -1.0) if dropped or done == 0 else (done, seconds)
+
     @staticmethod
     def of(host_id: str, numbers: list[int], parts: list[np.ndarray], step_delays: list[float],
            drop_probability: float = 0.0, traces: Traces | None = None) -> PopulationSlice:
@@ -91,10 +116,11 @@ class PopulationSlice:
         sizes = [len(parts[n]) for n in numbers]
         flat = np.concatenate([np.asarray(parts[n], np.int64) for n in numbers]) if numbers else np.zeros(0, np.int64)
         picked = np.asarray(numbers, np.int64)
+        columns = (traces.available_from, traces.available_for, traces.seconds_per_step, traces.download_mbps,
+                   traces.upload_mbps) if traces is not None else (None,) * 5
         return PopulationSlice(host_id, picked, np.concatenate([[0], np.cumsum(sizes)]),
                                flat, np.asarray([step_delays[n] for n in numbers], np.float32), drop_probability,
-                               traces.available_from[picked] if traces is not None else None,
-                               traces.available_for[picked] if traces is not None else None)
+                               *(None if c is None else c[picked] for c in columns))
 
 
 class PopulationHost:
@@ -107,6 +133,8 @@ class PopulationHost:
         self.day_scale = DAY_SECONDS / day_seconds  # trace seconds per real second
         self.started = time.monotonic()
         self.offline = population.away(0.0)  # whom the coordinator knows as away
+        self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
+        self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
         self.val_fraction, self.seed, self.poll_seconds = val_fraction, seed, poll_seconds
         self.channel = grpc.insecure_channel(server, options=channel_options(64 << 20))
         self.stub = CoordinatorStub(self.channel)
@@ -151,22 +179,29 @@ class PopulationHost:
         workers = [threading.Thread(target=self._seat, args=(seat,), daemon=True) for seat in self.seats]
         for w in workers:
             w.start()
+        estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
         try:
             while True:
                 away, back = self._availability_changes()
                 reply = _retrying(lambda: self.stub.PullHostTasks(pb.PullHostTasksRequest(
-                    host=self.host, wait_seconds=self.poll_seconds, away=away, back=back),
-                    timeout=self.poll_seconds + 30))
+                    host=self.host, wait_seconds=self.poll_seconds, away=away, back=back,
+                    finish_estimates=estimates), timeout=self.poll_seconds + 30))
+                estimates = []
                 if reply.shutdown_reason:
                     log.info("%s: coordinator says: %s", self.host.agent_id, reply.shutdown_reason)
                     break
                 for hosted in reply.tasks:
-                    if self.offline[members[hosted.agent_id]]:
-                        continue  # sampled just as it went offline: an offline device does not answer
+                    i = members[hosted.agent_id]
                     if reply.weights:  # the round's small model, sent once for all of them
                         hosted.task.weights_header.CopyFrom(reply.weights_header)
                         hosted.task.weights = reply.weights
-                    self._tasks.put((members[hosted.agent_id], hosted.task))
+                    if hosted.task.virtual_clock:
+                        estimates.append(self._hold(i, hosted.agent_id, hosted.task))
+                    elif not self.offline[i]:  # sampled just as it went offline: an offline device does not answer
+                        self._tasks.put((i, hosted.task))
+                for member in reply.go:
+                    if member in self._held:
+                        self._tasks.put(self._held.pop(member))
         finally:
             while not self._tasks.empty():  # training is over: tasks not started yet are moot
                 self._tasks.get_nowait()
@@ -179,10 +214,28 @@ class PopulationHost:
             self.channel.close()
         return [seat.stats for seat in self.seats]
 
+    def _hold(self, i: int, member: str, task: pb.TrainTask) -> pb.FinishEstimate:
+        """Keep member ``i``'s task until the virtual clock lets it go; its simulated finish time, from its trace
+        and its real amount of work (the local steps of its data at the task's epochs and batch size that fit)."""
+        self.clock_seconds = task.clock_seconds
+        self._held = {m: held for m, held in self._held.items() if held[1].round >= task.round}  # older rounds: moot
+        self._held[member] = (i, task)
+        examples = local_train_size(len(self.pop.indices(i)), self.val_fraction)
+        steps = task.local_epochs * math.ceil(examples / max(1, task.batch_size))
+        # the member's own draw for the round, the same whichever host speaks for it
+        dropped = np.random.default_rng([self.seed, int(self.pop.numbers[i]), task.round]).random() \
+            < self.pop.drop_probability
+        task.max_steps, seconds = self.pop.work(i, steps, task.model_bytes, task.clock_seconds,
+                                                task.clock_deadline_seconds, dropped)
+        return pb.FinishEstimate(agent_id=member, task_id=task.task_id, seconds=seconds)
+
     def _availability_changes(self) -> tuple[list[str], list[str]]:
-        """Members that went offline and that came back since the last call, by the trace's clock (one real
-        second is ``day_scale`` trace seconds, from when this host started)."""
-        now = self.pop.away((time.monotonic() - self.started) * self.day_scale)
+        """Members that went offline and that came back since the last call, by the trace's clock: the
+        coordinator's simulated time under a virtual clock, else one real second is ``day_scale`` trace seconds,
+        from when this host started."""
+        day = self.clock_seconds if self.clock_seconds is not None \
+            else (time.monotonic() - self.started) * self.day_scale
+        now = self.pop.away(day)
         changed = np.flatnonzero(now != self.offline)
         self.offline = now
         ids = [(client_id(int(self.pop.numbers[i])), bool(now[i])) for i in changed]
@@ -196,7 +249,9 @@ class PopulationHost:
             member = client_id(int(self.pop.numbers[i]))
             seed = client_seed(self.seed, member)
             train, val = local_split(self.splits.train, self.pop.indices(i), self.val_fraction, self.seed)
-            seat.trainer.use_data(train, val, seed, float(self.pop.step_delays[i]))
+            # under the virtual clock a slow device costs simulated time, not real pauses
+            seat.trainer.use_data(train, val, seed, 0.0 if task.virtual_clock else float(self.pop.step_delays[i]))
+            seat.config.drop_probability = 0.0 if task.virtual_clock else self.pop.drop_probability
             auth = pb.AgentAuth(agent_id=member, token=self.tokens[i])
             try:
                 seat.run_task_as(auth, task, self.max_chunk, self._round_weights(seat, auth, task))

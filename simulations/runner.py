@@ -79,6 +79,8 @@ class SimulationConfig:
     trace: str | None = None  # "fedscale" or a CSV/JSON trace file: speeds and availability per client
     trace_day_seconds: float = 86_400.0  # real seconds one day of the trace lasts (availability cycles)
     seats: int = 4  # virtual clients training at once in one worker process (measured best of 2/4/8 here)
+    clock: str = "real"  # "virtual": the deadline and first-K act on simulated time (server/virtual_clock.py)
+    target_accuracy: float | None = None  # summary.json reports the rounds, wall and simulated seconds to reach it
     strategy_options: dict = field(default_factory=dict)
 
 
@@ -114,6 +116,16 @@ def check_virtual_clients(cfg: SimulationConfig) -> None:
             raise ValueError(f"--virtual-clients does not work with {what} yet; drop one of them")
     if cfg.seats < 1:
         raise ValueError("--seats must be >= 1")
+
+
+def check_clock(cfg: SimulationConfig) -> None:
+    """ValueError for a clock the settings cannot run."""
+    if cfg.clock not in ("real", "virtual"):
+        raise ValueError(f"--clock must be real or virtual, got {cfg.clock!r}")
+    if cfg.clock == "virtual" and not cfg.virtual_clients:
+        raise ValueError("--clock virtual needs --virtual-clients (their hosts report each client's simulated time)")
+    if cfg.clock == "virtual" and cfg.aggregator_ranks > 1:
+        raise ValueError("--clock virtual does not work with --aggregator-ranks yet; drop one of them")
 
 
 def check_traces(cfg: SimulationConfig) -> None:
@@ -163,6 +175,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_client_batching(cfg)
     check_virtual_clients(cfg)
     check_traces(cfg)
+    check_clock(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
@@ -226,6 +239,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
         upload_compression=upload_compression(cfg), aggregator_ranks=cfg.aggregator_ranks,
         metrics_path=out / "metrics.jsonl" if out else None, accept_populations=cfg.virtual_clients,
+        virtual_clock=cfg.clock == "virtual",
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads,
                                    cfg.workers * cfg.seats if cfg.virtual_clients else 0),
@@ -281,7 +295,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
             certs.cleanup()
     rows = server.coordinator.metrics.rows
     first_start = server.coordinator.started_at + rows[0]["wall_seconds"] - rows[0]["round_seconds"] if rows else None
-    summary = {**summarize_rounds(rows), "wall_seconds": time.monotonic() - started,
+    summary = {**summarize_rounds(rows, cfg.target_accuracy), "wall_seconds": time.monotonic() - started,
                "startup_seconds": None if first_start is None else first_start - started,
                "label_skew": label_skew(parts, splits.train.y, splits.num_classes), "config": asdict(cfg)}
     if interrupted:

@@ -70,8 +70,15 @@ class Traces:
 
 def online(day_seconds: float, available_from: np.ndarray, available_for: np.ndarray) -> np.ndarray:
     """Whether each window (start, length; wrapping past midnight) holds the time ``day_seconds`` into the day."""
+    return seconds_left_online(day_seconds, available_from, available_for) > 0
+
+
+def seconds_left_online(day_seconds: float, available_from: np.ndarray, available_for: np.ndarray) -> np.ndarray:
+    """How long each window (start, length) stays open from ``day_seconds`` into the day: 0 when closed then,
+    infinite when always open."""
     since = np.mod(day_seconds - available_from, DAY_SECONDS)
-    return (since < available_for) | (available_for >= DAY_SECONDS)
+    left = np.where(since < available_for, available_for - since, 0.0)
+    return np.where(available_for >= DAY_SECONDS, np.inf, left)
 
 
 def generate_traces(clients: int, seed: int = 0, median_seconds_per_step: float = 0.01) -> Traces:

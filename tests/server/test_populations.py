@@ -8,30 +8,12 @@ import time
 
 import grpc
 import numpy as np
-import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import channel_options
-from fedpar.protocol.stubs import CoordinatorStub
+from support.population_calls import host_stub as _stub, join_members as _join, refused as _refused
 from support.scripted_agent import ScriptedAgent
 
 SHAPE = (8,)
-
-
-def _stub(server):
-    return CoordinatorStub(grpc.insecure_channel(server.address, options=channel_options(64 << 20)))
-
-
-def _join(stub, host: str, ids, token: str = "", examples: int = 10):
-    members = [pb.PopulationMember(agent_id=i, num_examples=examples) for i in ids]
-    return stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=host, token=token),
-                                                        members=members), timeout=30)
-
-
-def _refused(call, code, text):
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    assert err.value.code() == code and text in err.value.details(), err.value.details()
 
 
 def test_only_sampled_members_get_tasks_and_each_uploads_with_its_own_session(start_coordinator):
