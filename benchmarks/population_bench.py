@@ -11,6 +11,10 @@ For each population N it runs, each in a fresh process:
 It prints the round time as a ratio to the floor's (the cost of going through the real service, per round of
 100 sampled clients) and to the N=100 cell's (what a larger population costs). With ``--mnist-dir`` holding
 MNIST it also runs the issue's MNIST cells: 10,000 clients of six examples each against 100 such clients.
+Then a straggler study (digits, 100 clients, 20 per round of 26 sampled, 30% slow devices, a 1 s deadline, until
+90% test accuracy) run twice: on the real clock, waiting for the slow devices as a deployment would, and on the
+virtual clock (`--clock virtual`), where only the first K in simulated time train. It prints the rounds, simulated
+and wall seconds to 90% for both, and the wall-time ratio. ``--straggler-only`` runs just that.
 Results go to runs/population_bench.json.
 """
 
@@ -88,6 +92,44 @@ def cell(name: str, clients: int, job: list[str], floor_job: list[str], tmp: Pat
             "vs_floor": sim["steady_round_seconds"] / floor["steady_round_seconds"]}
 
 
+STRAGGLER_STUDY = ["--dataset", "digits", "--clients", "100", "--clients-per-round", "20", "--overselect", "1.3",
+                   "--local-epochs", "5", "--lr", "0.2", "--slow-fraction", "0.3", "--slow-step-delay", "0.2",
+                   "--deadline", "1.0", "--seed", "1"]
+TARGET_ACCURACY = 0.9
+
+
+def to_target(rows: list[dict]) -> dict:
+    """Rounds, wall seconds (from the first round's start) and simulated seconds until the target accuracy."""
+    start = rows[0]["wall_seconds"] - rows[0]["round_seconds"]
+    hit = next((r for r in rows if (r.get("test_accuracy") or 0.0) >= TARGET_ACCURACY), None)
+    return {"rounds_to_target": hit["round"] if hit else None,
+            "wall_seconds_to_target": hit["wall_seconds"] - start if hit else None,
+            "sim_seconds_to_target": hit.get("sim_seconds", hit["wall_seconds"] - start) if hit else None,
+            "mean_round_seconds": statistics.mean(r["round_seconds"] for r in rows),
+            "final_test_accuracy": rows[-1].get("test_accuracy")}
+
+
+def straggler_study(rounds: int, tmp: Path) -> dict:
+    """The straggler study on the real clock and on the virtual clock, same settings and seed."""
+    args = [*STRAGGLER_STUDY, "--rounds", str(rounds)]
+    real = run_simulate(args, tmp / "straggler-real")
+    virtual = run_simulate([*args, "--virtual-clients", "--clock", "virtual"], tmp / "straggler-virtual")
+    out = {"real": to_target(real["rows"]), "virtual": to_target(virtual["rows"])}
+    print(f"\nstraggler study (30% slow, 1 s deadline), to {TARGET_ACCURACY:.0%} test accuracy:")
+    print(f"{'clock':<9}{'rounds':>7}{'sim s':>8}{'wall s':>8}{'round s':>9}{'final acc':>10}")
+    for clock, r in out.items():
+        cells = [f"{r[k]:>{w}.{d}f}" if r[k] is not None else f"{'-':>{w}}"
+                 for k, w, d in (("sim_seconds_to_target", 8, 2), ("wall_seconds_to_target", 8, 2),
+                                 ("mean_round_seconds", 9, 3), ("final_test_accuracy", 10, 3))]
+        print(f"{clock:<9}{r['rounds_to_target'] or '-':>7}" + "".join(cells))
+    if out["real"]["wall_seconds_to_target"] and out["virtual"]["wall_seconds_to_target"]:
+        out["wall_ratio_real_to_virtual"] = out["real"]["wall_seconds_to_target"] / \
+            out["virtual"]["wall_seconds_to_target"]
+        print(f"the virtual clock reached it {out['wall_ratio_real_to_virtual']:.1f}x sooner in wall time")
+    out["failed_rounds"] = real["failed_rounds"] + virtual["failed_rounds"]
+    return out
+
+
 def main() -> int:
     """Run the cells and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +137,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))
     p.add_argument("--json", type=Path, default=Path("runs/population_bench.json"))
+    p.add_argument("--straggler-only", action="store_true", help="only the straggler study")
+    p.add_argument("--straggler-rounds", type=int, default=25)
     a = p.parse_args()
     rounds = 4 if a.quick else a.rounds
     populations = [100, 10_000] if a.quick else [100, 1_000, 10_000, 100_000]
@@ -102,6 +146,8 @@ def main() -> int:
     print(f"{'data':<10}{'population':>11}{'start-up s':>11}{'round s':>9}{'floor s':>9}{'x floor':>8}"
           f"{'x N=100':>8}{'tree MiB':>10}")
     with tempfile.TemporaryDirectory() as tmp:
+        if a.straggler_only:
+            populations = []
         jobs = {"synthetic": lambda n: ([f"--dataset=synthetic:0.5:0.5:{n}:5", "--partition", "natural",
                                          "--rounds", str(rounds)],
                                         [f"--dataset=synthetic:0.5:0.5:{n}:5", "--partition", "natural",
@@ -110,7 +156,7 @@ def main() -> int:
             mnist = ["--dataset", "mnist", "--data-dir", a.mnist_dir, "--examples-per-client", "6",
                      "--val-fraction", "0", "--rounds", str(rounds)]
             jobs["mnist"] = lambda n: (mnist, mnist)
-        for name, job in jobs.items():
+        for name, job in jobs.items() if populations else ():
             cells = results.setdefault(name, [])
             for n in (populations if name == "synthetic" else [100, 10_000]):
                 c = cell(name, n, *job(n), Path(tmp))
@@ -121,10 +167,12 @@ def main() -> int:
                       f"{c['floor_round_seconds']:>9.3f}{c['vs_floor']:>8.2f}{c['vs_population_100']:>8.2f}"
                       f"{c['peak_tree_mib']:>10.0f}" + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
                       flush=True)
+        study = straggler_study(a.straggler_rounds, Path(tmp))
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(results, indent=2))
+    a.json.write_text(json.dumps({**results, "straggler_study": study}, indent=2))
     print(f"wrote {a.json}")
-    return 0 if all(not c["failed_rounds"] for cells in results.values() for c in cells) else 1
+    failed = study["failed_rounds"] + sum(c["failed_rounds"] for cells in results.values() for c in cells)
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

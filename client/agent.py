@@ -36,6 +36,9 @@ from fedpar.client.secure_upload import SecureSession
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
+UPLOAD_TO_DOWNLOAD = 1.2  # an agent expects its upload to take this many times its download
+UPLOAD_MARGIN_SECONDS = 0.25  # ... and keeps this much more free before the deadline
+
 
 @dataclass
 class AgentConfig:
@@ -47,7 +50,7 @@ class AgentConfig:
     initial_backoff: float = 0.5
     max_backoff: float = 30.0
     give_up_after: float | None = None  # seconds without reaching the coordinator; None: never
-    upload_margin_seconds: float = 0.25  # kept free before the deadline beyond the upload estimate
+    upload_margin_seconds: float = UPLOAD_MARGIN_SECONDS  # kept free before the deadline beyond the upload estimate
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     credentials: grpc.ChannelCredentials | None = None  # None: plaintext (callers must ask for it explicitly)
     tls_server_name: str | None = None  # name to check the coordinator's certificate for, if not the host
@@ -230,7 +233,7 @@ class Agent:
             metrics.update(eval_loss=evaluation.loss, eval_accuracy=evaluation.accuracy,
                            eval_examples=float(evaluation.examples))
         # Uploading takes about as long as downloading did; keep that and a margin free.
-        stop_at = deadline_at - 1.2 * download_seconds - self.config.upload_margin_seconds
+        stop_at = deadline_at - UPLOAD_TO_DOWNLOAD * download_seconds - self.config.upload_margin_seconds
         with self._heartbeat.while_training():
             cap = {"max_steps": task.max_steps} if task.max_steps else {}  # only LocalTrainer is given a cap
             result = self.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,

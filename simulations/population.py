@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import torch
 
-from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.agent import UPLOAD_MARGIN_SECONDS, UPLOAD_TO_DOWNLOAD, Agent, AgentConfig
 from fedpar.client.stats import AgentStats
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets.clientdata import local_split, local_train_size
@@ -92,18 +92,21 @@ class PopulationSlice:
     def work(self, i: int, steps: int, model_bytes: int, clock_seconds: float, deadline: float,
              dropped: bool) -> tuple[int, float]:
         """The local steps member ``i`` does of a task of ``steps`` on a model of ``model_bytes``, and the simulated
-        seconds it needs (download, train, upload) from ``clock_seconds`` on. Like a real agent it trains only as
-        many steps as fit before ``deadline``; (0, -1) when it would not upload: no step fits, it drops out, or its
-        availability window closes first."""
+        seconds it needs (download, train, upload) from ``clock_seconds`` on; (0, -1) when it would not upload. It
+        stops training as a real agent does (client/agent.py): in time to upload before ``deadline`` if its upload
+        takes UPLOAD_TO_DOWNLOAD times its download, with UPLOAD_MARGIN_SECONDS to spare; so a slow uplink may
+        still make it late. It does not upload when no step fits, when it drops out, or when its availability
+        window closes before it is done."""
         step = float(self.step_seconds[i]) if self.step_seconds is not None \
             else VIRTUAL_STEP_SECONDS + float(self.step_delays[i])
-        transfer = 0.0
+        down = up = 0.0
         if self.download_mbps is not None:
             bits = 8.0 * model_bytes
-            transfer = bits / (float(self.download_mbps[i]) * 1e6) + bits / (float(self.upload_mbps[i]) * 1e6)
-        fit = steps if step <= 0 else int(max(0.0, deadline - transfer) // step)
+            down, up = bits / (float(self.download_mbps[i]) * 1e6), bits / (float(self.upload_mbps[i]) * 1e6)
+        stop_at = deadline - UPLOAD_TO_DOWNLOAD * down - UPLOAD_MARGIN_SECONDS
+        fit = steps if step <= 0 else int(max(0.0, stop_at - down) // step)
         done = min(steps, fit)
-        seconds = transfer + done * step
+        seconds = down + done * step + up
         if self.available_from is not None:
             left = seconds_left_online(clock_seconds, self.available_from[i:i + 1], self.available_for[i:i + 1])[0]
             dropped = dropped or seconds > left

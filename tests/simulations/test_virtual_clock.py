@@ -52,8 +52,10 @@ def test_a_virtual_client_does_the_steps_that_fit_before_the_deadline_and_no_mor
     pop = PopulationSlice.of("h", [0, 1, 2], parts, [0.0] * 3, traces=traces)
     mb = 1_000_000  # 1 s down at 8 Mbit/s, 2 s up at 4 Mbit/s
     assert pop.work(0, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=60.0, dropped=False) == (4, 5.0)
-    assert pop.work(0, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=4.2, dropped=False) == (2, 4.0)
-    assert pop.work(0, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=3.4, dropped=False) == (0, -1.0)
+    # it stops in time for an upload of 1.2x its download plus 0.25 s, as an agent does: 3 steps by 1 + 1.5 s
+    assert pop.work(0, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=3.95, dropped=False) == (3, 4.5)
+    # ... which its slower uplink misses (the coordinator then counts it late); no step fits at all: no upload
+    assert pop.work(0, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=2.0, dropped=False) == (0, -1.0)
     assert pop.work(0, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=60.0, dropped=True) == (0, -1.0)
     offline_first = (0, -1.0)  # its window closes at 4 s, or 150 s, before it is done
     assert pop.work(1, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=60.0, dropped=False) == offline_first
