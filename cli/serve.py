@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept-populations", action="store_true",
                    help="let simulation hosts (`fedpar simulate-workers`) register virtual populations: members "
                         "without certificates of their own, live while their host calls")
+    p.add_argument("--clock", choices=("real", "virtual"), default="real",
+                   help="with --accept-populations: 'virtual' runs the deadline and first-K on simulated time; hosts "
+                        "report each member's finish time from its trace and only the first K in time train")
     p.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
     p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
     add_strategy_option_argument(p, "serve")
@@ -139,6 +142,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     fields = set(CoordinatorConfig.__dataclass_fields__)
     config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     config.metrics_path = args.out / "metrics.jsonl" if rank == 0 else None
+    config.virtual_clock = getattr(args, "clock", "real") == "virtual"
     if rank:
         config.checkpoint_dir = None
         config.data_port = config.data_port + rank if config.data_port else 0

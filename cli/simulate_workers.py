@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-step-delay", type=non_negative, default=0.05, help="extra seconds per step when slow")
     p.add_argument("--drop-probability", type=probability, default=0.0,
                    help="chance per client per round of vanishing before it uploads")
+    p.add_argument("--trace", help="system traces, 'fedscale' (generated from --seed) or a CSV/JSON file: speeds, "
+                                   "links and availability per client (simulations/traces.py)")
     p.add_argument("--seats", type=count, default=4, help="sampled clients training at once in this process")
     p.add_argument("--seed", type=int, default=0, help="the seed of the data split (the same in every process)")
     p.add_argument("--device", default="cpu", help=f"where the clients train: {DEVICE_HELP}")
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
     from fedpar.simulations.population import PopulationHost, PopulationSlice, step_delays
+    from fedpar.simulations.traces import traces_for
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -58,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
         dataset = full_dataset_name(args.dataset, args.clients)
         splits = load_dataset(dataset, args.data_dir)
         parts = client_parts(splits, args.partition, args.clients, args.seed, args.examples_per_client)
-        delays = step_delays(args.clients, args.slow_fraction, args.slow_step_delay, args.seed)
+        traces = traces_for(args.trace, args.clients, args.seed)
+        delays = step_delays(args.clients, args.slow_fraction, args.slow_step_delay, args.seed, traces)
         mine = list(range(info.rank, args.clients, info.world_size))
         population = PopulationSlice.of(f"host-{info.rank}-of-{info.world_size}", mine, parts, delays,
-                                        args.drop_probability)
+                                        args.drop_probability, traces)
         stats = PopulationHost(args.server, population, splits, args.model, args.val_fraction, args.seed,
                                args.seats, device=args.device).run()
     except ValueError as exc:

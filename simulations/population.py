@@ -47,8 +47,12 @@ def client_seed(seed: int, agent_id: str) -> int:
     return seed + zlib.crc32(agent_id.encode()) % 10_000
 
 
-def step_delays(clients: int, slow_fraction: float, slow_step_delay: float, seed: int) -> list[float]:
-    """Seconds each client adds per local step: ``slow_step_delay`` for a random ``slow_fraction`` of them."""
+def step_delays(clients: int, slow_fraction: float, slow_step_delay: float, seed: int,
+                traces: Traces | None = None) -> list[float]:
+    """Seconds each client adds per local step: its trace's when there are ``traces``, else ``slow_step_delay`` for
+    a random ``slow_fraction`` of them."""
+    if traces is not None:
+        return traces.seconds_per_step.tolist()
     rng = np.random.default_rng(seed + 1)
     slow = set(rng.choice(clients, size=int(round(slow_fraction * clients)), replace=False).tolist())
     return [slow_step_delay if i in slow else 0.0 for i in range(clients)]

@@ -86,9 +86,7 @@ class SimulationConfig:
 
 def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> list[float]:
     """Seconds each client adds per local step: its trace's, else ``slow_step_delay`` for the slow share."""
-    if traces is not None:
-        return traces.seconds_per_step.tolist()
-    return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed)
+    return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed, traces)
 
 
 def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray]) -> list[AgentSpec]:

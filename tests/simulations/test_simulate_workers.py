@@ -1,5 +1,6 @@
 """`fedpar simulate-workers` under torchrun: two "machines" (torchrun --nnodes 2, one process each, on 127.0.0.1)
-host one virtual population against a real `fedpar serve --accept-populations`."""
+host one virtual population, with FedScale-shaped traces, against a real `fedpar serve --accept-populations` that
+runs a virtual clock."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_torchrun_nnodes_2_hosts_one_population_against_one_coordinator(tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     serve = subprocess.Popen(
         [sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"),
-         "--out", str(tmp_path / "out"), "--accept-populations", "--min-available", str(CLIENTS),
+         "--out", str(tmp_path / "out"), "--accept-populations", "--clock", "virtual",
+         "--min-available", str(CLIENTS // 3),  # with availability traces, never everybody is online at once
          "--clients-per-round", str(PER_ROUND), "--rounds", str(ROUNDS), "--local-epochs", "1"],
         cwd=ROOT, env=env, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT)
     nodes = []
@@ -35,7 +37,7 @@ def test_torchrun_nnodes_2_hosts_one_population_against_one_coordinator(tmp_path
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                    "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master),
                    "-m", "fedpar", "simulate-workers", "--server", server, "--clients", str(CLIENTS),
-                   "--val-fraction", "0", "--seats", "2"]
+                   "--val-fraction", "0", "--seats", "2", "--trace", "fedscale"]
             nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / f"node{node}.log", "w"),
                                           stderr=subprocess.STDOUT))
         for node in nodes:
@@ -47,6 +49,7 @@ def test_torchrun_nnodes_2_hosts_one_population_against_one_coordinator(tmp_path
                 proc.kill()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", PER_ROUND)] * ROUNDS
+    assert 0 < rows[0]["sim_seconds"] < rows[-1]["sim_seconds"] < 60 * ROUNDS  # simulated seconds, on the clock
     logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
     hosted = [int(log.split(" clients hosted")[0].rsplit(": ", 1)[1]) for log in logs]
     assert sorted(hosted) == [CLIENTS // 2, CLIENTS // 2]  # torchrun's ranks split the population
