@@ -62,6 +62,26 @@ class UpdateCompressor:
         return PreparedUpload(ModelLayout(encoded_specs(specs, config)), pack(specs, encoded),
                               *header_fields(config))
 
+    def take_residual(self) -> list[np.ndarray] | None:
+        """Remove and return the error-feedback residual (top-k; None when there is none): a simulation host's seat
+        hands it back to the virtual client it just trained for."""
+        if self.compressor is None:
+            return None
+        residual = self.compressor.residual("")
+        self.compressor.restore_residual("", None)
+        self._undo = None
+        return residual
+
+    def give_residual(self, settings: TaskSettings | Mapping, residual: list[np.ndarray] | None) -> None:
+        """Encode the next update asked with ``settings`` on top of ``residual`` (a virtual client's own, from its
+        earlier rounds; None: from zero)."""
+        config = replace(config_from_settings(TaskSettings.of(settings)), seed=self.seed)
+        if config.method == "none":
+            return
+        if self.compressor is None or self.compressor.config != config:
+            self.compressor = Compressor(config)
+        self.compressor.restore_residual("", residual)
+
     def refused(self) -> None:
         """The last prepared update was not applied: go back to the residual from before it."""
         if self._undo is not None:

@@ -32,7 +32,9 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.client.transfer import download_weights
 from fedpar.protocol.codec import CodecError
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.simulations.member_state import ResidualStore
 from fedpar.simulations.traces import DAY_SECONDS, Traces, online, seconds_left_online
 
 log = logging.getLogger("fedpar.simulate")
@@ -149,6 +151,8 @@ class PopulationHost:
         self.tokens: list[str] = []
         self.max_chunk = 0
         self._tasks: queue.Queue = queue.Queue()
+        self.residuals: ResidualStore | None = None  # members' top-k error feedback, made by the first seat
+        self._residuals_lock = threading.Lock()
         self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
         self._weights_lock = threading.Lock()
         compute_lock = threading.Lock()  # the seats take turns on this process's CPU (see LocalTrainer)
@@ -218,6 +222,8 @@ class PopulationHost:
                 w.join(timeout=60)
             for seat in self.seats:
                 seat.close()
+            if self.residuals is not None:
+                self.residuals.close()
             self.channel.close()
         return [seat.stats for seat in self.seats]
 
@@ -261,9 +267,19 @@ class PopulationHost:
             seat.config.drop_probability = 0.0 if task.virtual_clock else self.pop.drop_probability
             auth = pb.AgentAuth(agent_id=member, token=self.tokens[i])
             try:
+                residuals = self._residual_store(seat)
+                seat.compression.give_residual(TaskSettings.from_json(task.extra_json), residuals.load(member))
                 seat.run_task_as(auth, task, self.max_chunk, self._round_weights(seat, auth, task))
+                residuals.save(member, seat.compression.take_residual())  # the member's own error feedback
             except Exception:  # one member's failure must not stop the seat
                 log.exception("%s: task of %s failed", self.host.agent_id, member)
+
+    def _residual_store(self, seat: Agent) -> ResidualStore:
+        """The host's store of its members' residuals (made once, for the model's shapes)."""
+        with self._residuals_lock:
+            if self.residuals is None:
+                self.residuals = ResidualStore([tuple(t.shape) for t in seat.layout.tensors])
+            return self.residuals
 
     def _round_weights(self, seat: Agent, auth: pb.AgentAuth, task: pb.TrainTask) -> list[np.ndarray] | None:
         """The global model of ``task``'s round, downloaded once per round for all this host's members (the first

@@ -108,8 +108,7 @@ def check_virtual_clients(cfg: SimulationConfig) -> None:
         return
     for on, what in ((cfg.tls, "--tls (members have no certificates of their own)"),
                      (cfg.secure_aggregation, "--secure-aggregation (its key exchange needs a session per agent)"),
-                     (cfg.client_batching, "--client-batching"),
-                     (cfg.compression == "topk", "--compression topk (its error feedback is per-agent state)")):
+                     (cfg.client_batching, "--client-batching")):
         if on:
             raise ValueError(f"--virtual-clients does not work with {what} yet; drop one of them")
     if cfg.seats < 1:

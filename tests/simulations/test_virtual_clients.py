@@ -15,16 +15,36 @@ def _rows(**kw):
     return summary, rows
 
 
-def test_virtual_clients_learn_what_one_agent_per_client_learns(tmp_path):
-    common = dict(clients=20, clients_per_round=6, rounds=3, local_epochs=1, seed=3, slow_fraction=0.2,
-                  slow_step_delay=0.0)
+def test_virtual_clients_learn_what_one_agent_per_client_learns_with_their_own_error_feedback(tmp_path):
+    # 6 of 12 clients a round for 4 rounds with top-k uploads: most clients are sampled more than once, and each must
+    # pick up its own error-feedback residual where it left it (the host keeps them on disk, a seat carries one)
+    common = dict(clients=12, clients_per_round=6, rounds=4, local_epochs=1, seed=4, slow_fraction=0.2,
+                  slow_step_delay=0.0, compression="topk", topk_ratio=0.05)
     _, agents = _rows(**common, out=str(tmp_path / "agents"))
-    summary, virtual = _rows(**common, virtual_clients=True, seats=3, out=str(tmp_path / "virtual"))
+    summary, virtual = _rows(**common, virtual_clients=True, seats=2, out=str(tmp_path / "virtual"))
     assert summary["failed_rounds"] == 0
-    for a, v in zip(agents, virtual):  # the same cohorts, data, seeds and training: the same rounds
+    for a, v in zip(agents, virtual):  # the same cohorts, data, seeds, training and residuals: the same rounds
         assert (a["sampled"], a["reported"]) == (v["sampled"], v["reported"]) == (6, 6)
         assert v["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
         assert v["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-9)
+        assert v["upload_bytes"] == a["upload_bytes"]
+
+
+def test_a_residual_store_keeps_each_clients_residual_on_disk(tmp_path):
+    import numpy as np
+
+    from fedpar.simulations.member_state import ResidualStore
+
+    store = ResidualStore([(2, 3), (4,)], tmp_path / "res")
+    assert store.load("c1") is None
+    store.save("c1", [np.full((2, 3), 1.5, np.float32), np.arange(4, dtype=np.float32)])
+    store.save("c2", [np.zeros((2, 3), np.float32), np.ones(4, np.float32)])
+    got = store.load("c1")
+    assert [g.shape for g in got] == [(2, 3), (4,)] and got[0][1, 2] == 1.5 and got[1].tolist() == [0, 1, 2, 3]
+    store.save("c2", None)
+    assert store.load("c2") is None and len(store) == 1
+    with pytest.raises(ValueError, match="holds 10 values"):
+        ResidualStore([(3,)], tmp_path / "res").load("c1")
 
 
 def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
@@ -38,6 +58,6 @@ def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
 
 def test_settings_virtual_clients_cannot_honour_are_refused_before_anything_starts():
     for extra, says in ((dict(tls=True), "--tls"), (dict(secure_aggregation=True), "--secure-aggregation"),
-                        (dict(compression="topk"), "topk"), (dict(seats=0), "--seats")):
+                        (dict(client_batching=True), "--client-batching"), (dict(seats=0), "--seats")):
         with pytest.raises(ValueError, match=says):
             run_simulation(SimulationConfig(clients=4, rounds=1, virtual_clients=True, **extra))
