@@ -73,6 +73,8 @@ class Agent:
         self.trainer = trainer
         self.layout = ModelLayout(weight_specs(trainer.model))
         self.stats = AgentStats()
+        # How a small update is sent (a simulation host batches its seats' updates: simulations/host_uploads.py)
+        self.send_small: Callable[[CoordinatorStub, pb.SmallUpload, float], pb.UploadReply] = _upload_small
         self.compression = UpdateCompressor(self.layout, seed=zlib.crc32(f"{config.seed}:{config.agent_id}".encode()))
         self._rng = random.Random(config.seed)
         self._auth: pb.AgentAuth | None = None
@@ -292,7 +294,8 @@ class Agent:
                                        upload.encoding_json)
             try:
                 if single is not None:  # one unary call: no stream to set up for a small update
-                    stub.UploadSmall(single, timeout=upload_timeout(deadline_at))
+                    send = self.send_small if not task.ingest_port else _upload_small  # hooks: this port only
+                    send(stub, single, upload_timeout(deadline_at))
                 else:
                     upload_update(stub, messages, timeout=upload_timeout(deadline_at))
                 return True
@@ -327,6 +330,11 @@ class Agent:
         self.stats.refused += 1
         self.stats.refusals.append(f"{what}: {detail}")
         log.info("%s: %s refused: %s", self.config.agent_id, what, detail)
+
+
+def _upload_small(stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
+    """Send one small update in one UploadSmall call."""
+    return stub.UploadSmall(message, timeout=timeout)
 
 
 class _Heartbeat:

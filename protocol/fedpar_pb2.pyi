@@ -421,3 +421,27 @@ class PullHostTasksReply(_message.Message):
     go: _containers.RepeatedScalarFieldContainer[str]
     clock_seconds: float
     def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., go: _Optional[_Iterable[str]] = ..., clock_seconds: _Optional[float] = ...) -> None: ...
+
+class HostUploads(_message.Message):
+    __slots__ = ("host", "uploads")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    host: AgentAuth
+    uploads: _containers.RepeatedCompositeFieldContainer[SmallUpload]
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., uploads: _Optional[_Iterable[_Union[SmallUpload, _Mapping]]] = ...) -> None: ...
+
+class HostUploadResult(_message.Message):
+    __slots__ = ("accepted", "message", "code")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    code: int
+    def __init__(self, accepted: bool = ..., message: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...
+
+class HostUploadResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[HostUploadResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[HostUploadResult, _Mapping]]] = ...) -> None: ...

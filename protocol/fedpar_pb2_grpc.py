@@ -84,6 +84,11 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.PullHostTasksRequest.SerializeToString,
                 response_deserializer=fedpar__pb2.PullHostTasksReply.FromString,
                 _registered_method=True)
+        self.UploadHostUpdates = channel.unary_unary(
+                '/fedpar.v1.Coordinator/UploadHostUpdates',
+                request_serializer=fedpar__pb2.HostUploads.SerializeToString,
+                response_deserializer=fedpar__pb2.HostUploadResults.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -162,6 +167,14 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadHostUpdates(self, request, context):
+        """Several small updates of one host's members in one call, each with its member's session and every check
+        UploadSmall makes; one result per update, in order (one call instead of one per member).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +227,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.PullHostTasks,
                     request_deserializer=fedpar__pb2.PullHostTasksRequest.FromString,
                     response_serializer=fedpar__pb2.PullHostTasksReply.SerializeToString,
+            ),
+            'UploadHostUpdates': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadHostUpdates,
+                    request_deserializer=fedpar__pb2.HostUploads.FromString,
+                    response_serializer=fedpar__pb2.HostUploadResults.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +504,33 @@ class Coordinator(object):
             '/fedpar.v1.Coordinator/PullHostTasks',
             fedpar__pb2.PullHostTasksRequest.SerializeToString,
             fedpar__pb2.PullHostTasksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadHostUpdates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.Coordinator/UploadHostUpdates',
+            fedpar__pb2.HostUploads.SerializeToString,
+            fedpar__pb2.HostUploadResults.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,5 +40,7 @@ class CoordinatorStub:
                                                   response_deserializer=pb.JoinPopulationReply.FromString)
         self.PullHostTasks = channel.unary_unary(method("PullHostTasks"), request_serializer=_serialize,
                                                  response_deserializer=pb.PullHostTasksReply.FromString)
+        self.UploadHostUpdates = channel.unary_unary(method("UploadHostUpdates"), request_serializer=_serialize,
+                                                     response_deserializer=pb.HostUploadResults.FromString)
         self.SecAggExchange = channel.unary_unary(method("SecAggExchange"), request_serializer=_serialize,
                                                   response_deserializer=pb.SecAggReply.FromString)

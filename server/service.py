@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -17,13 +17,14 @@ from fedpar.security.identity import peer_identity
 from fedpar.server.coordinator import HOST_WAKEUP as HOST_CALLS, Coordinator
 from fedpar.server.decoding import Malformed, parser, refuse_malformed
 from fedpar.server.limits import Limits
-from fedpar.server.registry import AgentRecord, AuthError
+from fedpar.server.registry import AgentRecord, AuthError, HostRecord
 from fedpar.server.rounds import Refusal
 from fedpar.server.rpc_limit import authenticated
 from fedpar.server.secure_round import secagg_exchange
 from fedpar.server.uploads import Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server")
+MAX_HOST_UPLOADS = 512  # updates in one UploadHostUpdates call (each at most one chunk: far below the message limit)
 
 
 class CoordinatorService:
@@ -76,11 +77,7 @@ class CoordinatorService:
     async def PullHostTasks(self, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
         """Long-poll for the tasks of a simulation host's sampled members."""
         try:
-            try:
-                host = self.coord.registry.authenticate_host(request.host.agent_id, request.host.token)
-            except AuthError as exc:
-                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
-            authenticated()
+            host = self._host(request.host)
             with self.limits.agent_call(HOST_CALLS + host.host_id):
                 return await self.coord.next_host_tasks(host, request.wait_seconds, request.away, request.back,
                                                         request.finish_estimates)
@@ -133,6 +130,46 @@ class CoordinatorService:
         """Receive one small update in a single message, with every check UploadUpdate makes."""
         if not request.HasField("header"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
+        return await self._upload(request.header, context, self._small_receiver(request))
+
+    async def UploadHostUpdates(self, request: pb.HostUploads, context) -> pb.HostUploadResults:
+        """Several small updates of a simulation host's members: each is authenticated with its member's session
+        and taken with every check UploadSmall makes, in order; one result each (a refusal is a result, not the
+        call's end)."""
+        try:
+            host = self._host(request.host)
+            if len(request.uploads) > MAX_HOST_UPLOADS:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
+                                                                f"at most {MAX_HOST_UPLOADS}")
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        results = pb.HostUploadResults()
+        with self.limits.agent_call(HOST_CALLS + host.host_id):
+            for item in request.uploads:
+                try:
+                    if not item.HasField("header"):
+                        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
+                    member = self._auth(item.header.auth, context)
+                    if member.host != host.host_id:
+                        raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                                      f"{member.agent_id!r} is not a member of host {host.host_id!r}")
+                    reply = await self.intake.take(member, item.header, self._small_receiver(item))
+                    results.results.add(accepted=reply.accepted, message=reply.message)
+                except Refusal as r:
+                    results.results.add(message=r.message, code=r.code.value[0])
+        return results
+
+    def _host(self, auth: pb.AgentAuth) -> HostRecord:
+        """The simulation host whose session ``auth`` is, or a Refusal."""
+        try:
+            host = self.coord.registry.authenticate_host(auth.agent_id, auth.token)
+        except AuthError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        authenticated()
+        return host
+
+    def _small_receiver(self, request: pb.SmallUpload) -> Callable[[Upload], Awaitable[None]]:
+        """What stages a SmallUpload's bytes once its header passed, after checking their size."""
 
         async def receive(upload: Upload) -> None:
             layout = upload.ticket.layout
@@ -147,7 +184,7 @@ class CoordinatorService:
             if request.data:
                 upload.write(0, request.data)
 
-        return await self._upload(request.header, context, receive)
+        return receive
 
     async def _upload(self, header: pb.UploadHeader, context, receive) -> pb.UploadReply:
         """Authenticate the uploading agent and hand the upload to the intake; a refusal aborts the call."""
@@ -266,6 +303,7 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
             request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
             response_serializer=pb.UploadReply.SerializeToString),
         "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
+        "UploadHostUpdates": unary(service.UploadHostUpdates, pb.HostUploads, pb.HostUploadResults),
         "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
         "Leave": unary(service.Leave, pb.LeaveRequest, pb.LeaveReply),
         "SecAggExchange": unary(service.SecAggExchange, pb.SecAggRequest, pb.SecAggReply),

@@ -34,6 +34,7 @@ from fedpar.protocol.codec import CodecError
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.simulations.host_uploads import HostUploads
 from fedpar.simulations.member_state import ResidualStore
 from fedpar.simulations.traces import DAY_SECONDS, Traces, online, seconds_left_online
 
@@ -186,6 +187,9 @@ class PopulationHost:
     def run(self) -> list[AgentStats]:
         """Join, then pull and run the members' tasks until the coordinator says training is over."""
         self.join()
+        uploads = HostUploads(self.stub, self.host, self.max_chunk)  # the seats' small updates, batched
+        for seat in self.seats:
+            seat.send_small = uploads.send
         members = {client_id(int(n)): i for i, n in enumerate(self.pop.numbers)}
         workers = [threading.Thread(target=self._seat, args=(seat,), daemon=True) for seat in self.seats]
         for w in workers:
@@ -220,6 +224,7 @@ class PopulationHost:
                 self._tasks.put(None)
             for w in workers:
                 w.join(timeout=60)
+            uploads.close()
             for seat in self.seats:
                 seat.close()
             if self.residuals is not None:

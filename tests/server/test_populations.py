@@ -124,3 +124,43 @@ def test_members_reported_away_are_not_live_until_they_are_back(start_coordinato
     stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=0.0, away=["p0", "not-mine"], back=["p1"]),
                        timeout=10)
     assert registry.live_ids() == ["p1", "p2", "p4"]
+
+
+def test_a_host_sends_its_members_updates_in_one_call_each_checked_on_its_own(start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=4,
+                               min_available=5, rounds=1)
+    stub = _stub(server)
+    a = _join(stub, "host-a", ["a0", "a1", "a2", "a3"])
+    b = _join(stub, "host-b", ["b0"])
+    tokens = dict(zip(["a0", "a1", "a2", "a3"], a.tokens))
+    host = pb.AgentAuth(agent_id="host-a", token=a.host_token)
+    tasks: dict[str, pb.TrainTask] = {}
+    end = time.monotonic() + 20
+    while len(tasks) < 4 and time.monotonic() < end:  # four of the five are sampled; b0 may be one of them
+        for auth in (host, pb.AgentAuth(agent_id="host-b", token=b.host_token)):
+            tasks.update({t.agent_id: t.task for t in stub.PullHostTasks(
+                pb.PullHostTasksRequest(host=auth, wait_seconds=0.2), timeout=10).tasks})
+    mine = sorted(m for m in tasks if m.startswith("a"))
+    assert len(mine) >= 3
+
+    def small(member: str, value: float, token: str | None = None, nbytes: int = 32) -> pb.SmallUpload:
+        task = tasks.get(member) or next(iter(tasks.values()))
+        return pb.SmallUpload(header=pb.UploadHeader(
+            auth=pb.AgentAuth(agent_id=member, token=tokens.get(member, "") if token is None else token),
+            round=task.round, task_id=task.task_id, num_examples=10, steps=1,
+            tensors=[pb.TensorSpec(name="t0", dtype="float32", shape=list(SHAPE))], total_bytes=32),
+            data=np.full(SHAPE, value, np.float32).tobytes()[:nbytes])
+
+    batch = [small(mine[0], 2.0), small(mine[1], 4.0, token="forged"), small("b0", 8.0, token=b.tokens[0]),
+             small(mine[1], 16.0, nbytes=16), small(mine[0], 2.0), pb.SmallUpload()]
+    results = stub.UploadHostUpdates(pb.HostUploads(host=host, uploads=batch), timeout=10).results
+    codes = [grpc.StatusCode.OK if r.accepted else next(c for c in grpc.StatusCode if c.value[0] == r.code)
+             for r in results]
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
+                     grpc.StatusCode.INVALID_ARGUMENT], [r.message for r in results]
+    assert "not a member of host 'host-a'" in results[2].message and "UploadHeader" in results[5].message
+    assert server.coordinator.current.accepted == 1  # only the good update counts so far
+    _refused(lambda: stub.UploadHostUpdates(pb.HostUploads(host=pb.AgentAuth(agent_id="host-a", token="x"),
+                                                            uploads=[small(mine[2], 1.0)]), timeout=10),
+             grpc.StatusCode.UNAUTHENTICATED, "")
