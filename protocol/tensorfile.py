@@ -46,7 +46,7 @@ def load_tensors(path: str | Path) -> tuple[list[str], list[np.ndarray], dict[st
     except FileNotFoundError:  # the package's says which file only in its message
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path)) from None
     except SafetensorError as exc:
-        raise CodecError(f"{path}: not a complete safetensors file ({exc}); it is truncated or damaged") from None
+        raise CodecError(f"{path}: not a safetensors file, or a truncated or damaged one ({exc})") from None
     except (TypeError, ValueError, KeyError) as exc:  # e.g. a dtype numpy cannot hold
         raise CodecError(f"{path}: cannot be read as numpy arrays ({exc})") from None
     try:

@@ -28,6 +28,7 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.final_model import write_coordinator_model
 from fedpar.server.metrics import summarize_rounds
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
@@ -151,9 +152,9 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                    on_server: Callable[[object], None] | None = None,
                    on_joining: Callable[[int, int], None] | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
-    summary.json and accuracy.png under ``cfg.out``. ``on_server(server)`` sees the coordinator before it starts;
-    ``on_joining(registered, needed)`` hears, twice a second until the first round starts, how many clients
-    have joined."""
+    summary.json, accuracy.png and the final model (global.safetensors, global.json) under ``cfg.out``.
+    ``on_server(server)`` sees the coordinator before it starts; ``on_joining(registered, needed)`` hears, twice
+    a second until the first round starts, how many clients have joined."""
     started = time.monotonic()
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
     upload_compression(cfg)  # bad settings fail before anything starts
@@ -288,6 +289,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         summary["interrupted"] = True
     if out:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        model = {**assembly.description, "dataset": cfg.dataset}
+        write_coordinator_model(out, server.coordinator, model, interrupted)
         from fedpar.simulations.plots import plot_accuracy, plot_label_counts
         plot_accuracy(rows, out / "accuracy.png", title=f"{cfg.dataset} / {cfg.model} / {cfg.partition}, "
                                                           f"{cfg.clients} clients")
