@@ -40,10 +40,15 @@ def write_final_model(out: Path, names: list[str], weights: list[np.ndarray], ro
 
 
 def write_coordinator_model(out: Path, coordinator, model: dict, interrupted: bool = False) -> bool:
-    """:func:`write_final_model` for a coordinator's current global model, round and last metrics line."""
+    """:func:`write_final_model` for a coordinator's current global model, its round and that round's metrics line.
+
+    A coordinator stopped while closing a round holds that round's model (the model and the round number change
+    together) but may not have logged its line yet: then ``metrics`` is None.
+    """
     rows = coordinator.metrics.rows
-    return write_final_model(out, coordinator.names, coordinator.weights, coordinator.round_id, model,
-                             rows[-1] if rows else None, interrupted)
+    row = rows[-1] if rows and rows[-1].get("round") == coordinator.round_id else None
+    return write_final_model(out, coordinator.names, coordinator.weights, coordinator.round_id, model, row,
+                             interrupted)
 
 
 def load_final_model(source: Path) -> tuple[list[str], list[np.ndarray]]:

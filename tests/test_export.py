@@ -45,6 +45,20 @@ def test_nothing_is_kept_before_the_first_round(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_coordinator_stopped_while_closing_a_round_keeps_its_model_without_a_metrics_row(tmp_path):
+    from types import SimpleNamespace
+
+    from fedpar.server.final_model import write_coordinator_model
+
+    rows = [{"round": 1, "status": "ok"}]
+    for round_id, metrics in ((1, rows[0]), (2, None)):  # round 2's model is made, its row not yet logged
+        state = SimpleNamespace(names=["w"], weights=[np.full(2, round_id, np.float32)], round_id=round_id,
+                                metrics=SimpleNamespace(rows=rows))
+        assert write_coordinator_model(tmp_path, state, {"model": "x"}, interrupted=True)
+        info = json.loads((tmp_path / "global.json").read_text())
+        assert (info["round"], info["metrics"], info["interrupted"]) == (round_id, metrics, True)
+
+
 def test_export_errors_are_one_line_and_a_non_zero_exit(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not a model")
     _kept_model(tmp_path / "run")
