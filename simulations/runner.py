@@ -216,6 +216,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
     assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
+    assembly.description["dataset"] = cfg.dataset
     if cfg.client_batching:
         check_batchable(assembly.model)
     k = cfg.clients_per_round or cfg.clients
@@ -289,8 +290,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         summary["interrupted"] = True
     if out:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        model = {**assembly.description, "dataset": cfg.dataset}
-        write_coordinator_model(out, server.coordinator, model, interrupted)
+        write_coordinator_model(out, server.coordinator, assembly.description, interrupted)
         from fedpar.simulations.plots import plot_accuracy, plot_label_counts
         plot_accuracy(rows, out / "accuracy.png", title=f"{cfg.dataset} / {cfg.model} / {cfg.partition}, "
                                                           f"{cfg.clients} clients")
