@@ -22,6 +22,7 @@ SUBCOMMANDS = {
                                              "(one process per torchrun rank)"),
     "train": ("train", "centralized training on the parallel engine (DDP/FSDP/TP/PP)"),
     "certs": ("certs", "make TLS certificates (CA, coordinator, agents), enrollment tokens; revoke agents"),
+    "export": ("export", "write a run's global model (or a checkpoint's) as a torch state_dict file"),
 }
 
 

@@ -1,7 +1,7 @@
 """Run the coordinator: agents dial in, rounds run, the global model is checkpointed every round.
 
-Writes OUT/metrics.jsonl and metrics.csv (one line per round), OUT/summary.json at the end (also after Ctrl-C),
-and, with --checkpoint-dir, resumes after a restart.
+Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end (also after Ctrl-C) OUT/summary.json
+and the global model, OUT/global.safetensors with OUT/global.json; with --checkpoint-dir, resumes after a restart.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.rank_group import first_line
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.final_model import write_coordinator_model
 from fedpar.server.metrics import summarize_rounds
 from fedpar.simulations.synthetic_coordinator import synthetic_model
 from fedpar.server.secure_round import check_secure_setup
@@ -120,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port-file", type=Path,
                    help="once listening, write the bound port to this file (handy with --port 0)")
     p.add_argument("--out", type=Path, default=Path("runs/serve"),
-                   help="folder for metrics.jsonl, metrics.csv and summary.json")
+                   help="folder for metrics.jsonl, metrics.csv, summary.json and the final model (global.safetensors, "
+                        "global.json)")
     add_dp_arguments(p, population_flag=True)
     add_tls_arguments(p, "serve")
     add_observability_arguments(p)
@@ -155,11 +157,13 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     config.validate()
     strategy_options = strategy_options_from_args(args)
     if args.model == "synthetic":
-        assembly = CoordinatorAssembly(*synthetic_model(args.params, args.seed))
+        assembly = CoordinatorAssembly(*synthetic_model(args.params, args.seed),
+                                       description={"model": "synthetic", "params": args.params, "seed": args.seed})
     else:
         splits = load_dataset(args.dataset, args.data_dir)
         eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
         assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
+        assembly.description["dataset"] = args.dataset
     if args.dp != "off" and config.fraction is not None:
         raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
     name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
@@ -300,6 +304,7 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     rows = server.coordinator.metrics.rows
     summary = {**summarize_rounds(rows), "interrupted": interrupted}
     atomic_write_bytes(args.out / "summary.json", [(json.dumps(summary, indent=2) + "\n").encode()])
+    write_coordinator_model(args.out, server.coordinator, plan.assembly.description, interrupted)
     if rows:
         print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))
     return run_exit_code("fedpar serve", summary)

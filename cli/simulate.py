@@ -1,7 +1,7 @@
 """Run a federation on this machine: a real coordinator and N real agents talking gRPC on loopback.
 
-Writes OUT/metrics.jsonl (one JSON object per round), OUT/summary.json and OUT/accuracy.png, and prints a
-per-round table while it runs.
+Writes OUT/metrics.jsonl (one JSON object per round), OUT/summary.json, OUT/accuracy.png and the final global
+model (OUT/global.safetensors with OUT/global.json), and prints a per-round table while it runs.
 """
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         observers.close()
     summary.pop("config", None)
     print(json.dumps(summary, indent=2))
-    print(f"wrote {cfg.out}/metrics.jsonl, metrics.csv, summary.json, accuracy.png and labels.png")
+    written = ["metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", "labels.png"]
+    written += ["global.safetensors", "global.json"] if summary["rounds"] else []  # the model of the last round
+    print(f"wrote {cfg.out}/{', '.join(written[:-1])} and {written[-1]}")
     return run_exit_code("fedpar simulate", summary)
 

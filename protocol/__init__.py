@@ -1,4 +1,4 @@
-"""Wire protocol: the gRPC service, its generated stubs, the tensor codec and tensor files."""
+"""Wire protocol: the gRPC service, its generated stubs, the tensor codec and safetensors files."""
 
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks
 from fedpar.protocol.tensorfile import load_tensors, save_tensors

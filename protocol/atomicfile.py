@@ -5,35 +5,50 @@ Readers, and a crash at any moment, see either the old file or the new one, neve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Sequence
 
 
-def atomic_write_bytes(path: str | Path, parts: Sequence[bytes | memoryview], mode: int | None = None) -> None:
-    """Replace ``path`` by the concatenation of ``parts``: temporary file, fsync, rename, fsync of the directory.
+@contextlib.contextmanager
+def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
+    """A new empty temporary file beside ``path`` for the block to write (by name); it then replaces ``path``.
 
-    The temporary file (``.NAME.tmp-*`` beside ``path``) is created exclusively. With ``mode`` (e.g. 0o600 for
-    keys) it is created readable by the owner only and given ``mode`` before any byte is written, whatever the
-    umask; without, it gets the umask's default. On failure it is removed.
+    The temporary file (``.NAME.tmp-*``) is created exclusively. With ``mode`` (e.g. 0o600 for keys) it is
+    created readable by the owner only and given ``mode`` before any byte is written, whatever the umask;
+    without, it gets the umask's default. When the block ends it is fsynced, renamed over ``path`` and the
+    directory fsynced; when the block raises it is removed.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)
     try:
-        with os.fdopen(fd, "wb") as fh:
+        try:
             if mode is not None:
-                os.fchmod(fh.fileno(), mode)
-            for part in parts:
-                fh.write(part)
-            fh.flush()
-            os.fsync(fh.fileno())
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # whoever wrote it by name may not have
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, parts: Sequence[bytes | memoryview], mode: int | None = None) -> None:
+    """Replace ``path`` by the concatenation of ``parts`` durably (see :func:`atomic_path`, which ``mode`` is for)."""
+    with atomic_path(path, mode) as tmp, open(tmp, "r+b") as fh:
+        for part in parts:
+            fh.write(part)
 
 
 def fsync_directory(path: str | Path) -> None:

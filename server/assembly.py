@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -24,13 +24,15 @@ from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
 
 @dataclass
 class CoordinatorAssembly:
-    """The global model a coordinator starts from (its names and first weights), its central evaluation, and
-    the torch model the weights came from when there is one; :meth:`server` adds the rest."""
+    """The global model a coordinator starts from (its names and first weights), its central evaluation, the
+    torch model the weights came from when there is one, and what rebuilds it (``description``, kept in
+    global.json); :meth:`server` adds the rest."""
 
     names: list[str]
     weights: list[np.ndarray]
     evaluate: EvaluateFn | None = None
     model: nn.Module | None = None
+    description: dict = field(default_factory=dict)
 
     @classmethod
     def for_data(cls, model: str, splits: DatasetSplits, seed: int,
@@ -43,7 +45,8 @@ class CoordinatorAssembly:
         if eval_device is not None:
             evaluate = CentralEvaluator(build_model_for_data(model, splits.input_shape, splits.num_classes),
                                         *splits.test.to_tensors(), device=eval_device)
-        return cls([name for name, _, _ in weight_specs(first)], get_weights(first), evaluate, first)
+        description = {"model": model, "input_shape": list(splits.input_shape), "num_classes": splits.num_classes}
+        return cls([name for name, _, _ in weight_specs(first)], get_weights(first), evaluate, first, description)
 
     def server(self, config: CoordinatorConfig, strategy: Strategy, *, on_round_end: Sequence[RoundCallback] = (),
                admission: Admission | None = None, host: str = "127.0.0.1", port: int = 0,

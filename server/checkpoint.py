@@ -1,6 +1,6 @@
 """Coordinator checkpoints: one directory per completed round, published by an atomic LATEST pointer.
 
-Tensors go into safetensors-layout files and everything else into JSON, so a checkpoint is read
+Tensors go into safetensors files (protocol/tensorfile.py) and everything else into JSON, so a checkpoint is read
 without pickle. The write order makes a crash at any moment harmless:
 
 1. every file goes into ``.round-NNNNNN.partial/`` (temporary file, fsync, rename, fsync of the directory);

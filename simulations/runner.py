@@ -28,6 +28,7 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.final_model import write_coordinator_model
 from fedpar.server.metrics import summarize_rounds
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
@@ -160,9 +161,9 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                    on_server: Callable[[object], None] | None = None,
                    on_joining: Callable[[int, int], None] | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
-    summary.json and accuracy.png under ``cfg.out``. ``on_server(server)`` sees the coordinator before it starts;
-    ``on_joining(registered, needed)`` hears, twice a second until the first round starts, how many clients
-    have joined."""
+    summary.json, accuracy.png and the final model (global.safetensors, global.json) under ``cfg.out``.
+    ``on_server(server)`` sees the coordinator before it starts; ``on_joining(registered, needed)`` hears, twice
+    a second until the first round starts, how many clients have joined."""
     started = time.monotonic()
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
     upload_compression(cfg)  # bad settings fail before anything starts
@@ -225,6 +226,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
     assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
+    assembly.description["dataset"] = cfg.dataset
     if cfg.client_batching:
         check_batchable(assembly.model)
     k = cfg.clients_per_round or cfg.clients
@@ -299,6 +301,7 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
         summary["interrupted"] = True
     if out:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_coordinator_model(out, server.coordinator, assembly.description, interrupted)
         from fedpar.simulations.plots import plot_accuracy, plot_label_counts
         plot_accuracy(rows, out / "accuracy.png", title=f"{cfg.dataset} / {cfg.model} / {cfg.partition}, "
                                                           f"{cfg.clients} clients")

@@ -125,6 +125,12 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
     summary = json.loads((sim_out / "summary.json").read_text())
     rows = (sim_out / "metrics.jsonl").read_text().splitlines()
     assert summary["interrupted"] and summary["rounds"] == len(rows) >= 1
+    kept = json.loads((sim_out / "global.json").read_text())  # the model of the last completed round
+    assert kept["interrupted"] and (sim_out / "global.safetensors").is_file()
+    # Stopped while closing a round: its model is kept, without the metrics line it had no time to log.
+    assert (kept["round"], kept["metrics"]["round"]) == (len(rows), len(rows)) if kept["metrics"] else \
+        kept["round"] == len(rows) + 1
+    assert not list(serve_out.glob("global.*"))  # no round completed: no model to keep
     assert json.loads((serve_out / "summary.json").read_text()) == {**json.loads((serve_out / "summary.json")
                                                                                  .read_text()), "rounds": 0,
                                                                      "interrupted": True}

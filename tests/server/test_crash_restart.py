@@ -178,6 +178,31 @@ def test_kill_9_mid_round_then_restart_resumes_and_finishes(tmp_path):
     final = (tmp_path / "ckpt" / "LATEST").read_text().strip()
     assert final == f"round-{ROUNDS:06d}"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["LATEST", f"round-{ROUNDS - 1:06d}", final]
+    _check_kept_model(tmp_path, rows[-1])
+
+
+def _check_kept_model(tmp_path: Path, last_row: dict) -> None:
+    """OUT/global.* hold the last round's model (as checkpointed), and `fedpar export` of the --out folder and
+    of the checkpoint directory both give a state_dict the model loads, with the same tensors."""
+    import torch
+
+    from fedpar.cli.main import main
+    from fedpar.models.for_data import build_model_for_data
+
+    info = json.loads((tmp_path / "out" / "global.json").read_text())
+    assert info["round"] == ROUNDS and not info["interrupted"] and info["metrics"] == last_row
+    assert info["model"] == {"model": "mlp", "dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10}
+    final = _model(tmp_path / "ckpt", ROUNDS)
+    names, kept, meta = load_tensors(tmp_path / "out" / "global.safetensors")
+    assert meta["round"] == str(ROUNDS) and [a.tobytes() for a in kept] == [a.tobytes() for a in final]
+    for source in (tmp_path / "out", tmp_path / "ckpt"):
+        target = tmp_path / f"{source.name}.pt"
+        assert main(["export", str(source), "--to", str(target)]) == 0
+        model = build_model_for_data(info["model"]["model"], tuple(info["model"]["input_shape"]),
+                                     info["model"]["num_classes"])
+        model.load_state_dict(torch.load(target, weights_only=True))  # strict: every entry, by name
+        assert list(model.state_dict()) == names
+        assert all(np.array_equal(t.numpy(), a) for t, a in zip(model.state_dict().values(), final))
 
 
 @pytest.mark.timeout(120)

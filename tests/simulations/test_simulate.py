@@ -5,9 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.numpy import load_file
 
 from fedpar.datasets import load_dataset
-from fedpar.models import weight_specs
+from fedpar.models import get_weights, weight_specs
+from fedpar.models.evaluation import CentralEvaluator
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
 
@@ -33,6 +36,13 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
     assert all(r["upload_bytes"] == r["reported"] * model_bytes for r in rows)
     assert summary["mean_upload_bytes_per_round"] == sum(r["upload_bytes"] for r in rows) / 10
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The model to keep: the last round's global model, by state_dict name, and what rebuilds it.
+    info = json.loads((out / "global.json").read_text())
+    assert info["round"] == 10 and info["metrics"] == rows[-1] and info["model"]["model"] == "mlp"
+    model = build_model_for_data("mlp", tuple(info["model"]["input_shape"]), info["model"]["num_classes"])
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(out / "global.safetensors").items()})
+    assert CentralEvaluator(model, *splits.test.to_tensors())(get_weights(model))["test_accuracy"] == \
+        pytest.approx(rows[-1]["test_accuracy"])
     # Federated evaluation: the agents score the model they receive on their own validation splits, so
     # round r's score is that of the model the server tested after round r-1 (other data, same model).
     for before, row in zip(rows, rows[1:]):

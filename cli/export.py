@@ -1,0 +1,46 @@
+"""Write a fedpar model as a torch state_dict file.
+
+SOURCE is a run's --out folder (its global.safetensors), a global.safetensors file, or a coordinator checkpoint
+directory (--checkpoint-dir: its latest round). The file written holds a dict of tensors by state_dict name:
+torch.load(FILE, weights_only=True) reads it and model.load_state_dict takes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fedpar.cli.user_errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``fedpar export``."""
+    p.add_argument("source", type=Path, metavar="SOURCE",
+                   help="a run's --out folder, a global.safetensors file, or a coordinator checkpoint directory")
+    p.add_argument("--to", type=Path, required=True, metavar="FILE",
+                   help="the torch state_dict file to write (e.g. model.pt); replaced if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read the model at ``args.source`` and torch.save its state_dict to ``args.to``."""
+    import torch
+
+    from fedpar.protocol.atomicfile import atomic_path
+    from fedpar.server.final_model import load_final_model
+
+    if not args.source.exists():
+        raise UserError(f"{args.source} does not exist; give a run's --out folder, a global.safetensors file or "
+                        "a coordinator checkpoint directory")
+    if args.to.is_dir():
+        raise UserError(f"--to {args.to} is a folder; name the file to write, e.g. {args.to / 'model.pt'}")
+    try:
+        names, arrays = load_final_model(args.source)
+    except ValueError as exc:  # CodecError, CheckpointError: the message names the file
+        raise UserError(f"{args.source} is not a fedpar model: {exc}") from None
+    state_dict = {name: torch.from_numpy(array) for name, array in zip(names, arrays)}
+    args.to.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(args.to) as tmp:
+        torch.save(state_dict, tmp)
+    params = sum(a.size for a in arrays)
+    print(f"wrote {args.to}: {len(names)} tensors, {params:,} parameters, from {args.source}")
+    return 0

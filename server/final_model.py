@@ -1,0 +1,74 @@
+"""The global model a run keeps: ``global.safetensors`` and ``global.json`` in its ``--out`` folder.
+
+``fedpar serve`` and ``fedpar simulate`` write them at the end of a run (also after Ctrl-C, once a round has
+completed), whether or not checkpoints are on; ``fedpar export`` reads them, or a coordinator checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.tensorfile import load_tensors, save_tensors
+from fedpar.server.checkpoint import LATEST, load_checkpoint
+from fedpar.server.metrics import clean_row
+
+TENSORS = "global.safetensors"  # the state_dict entries, by name
+INFO = "global.json"  # the round, how to rebuild the model, the round's metrics
+MODEL_KEY = "fedpar.model"  # global.safetensors metadata: the model description as JSON
+
+
+def write_final_model(out: Path, names: list[str], weights: list[np.ndarray], round_id: int, model: dict,
+                      metrics_row: dict | None, interrupted: bool = False) -> bool:
+    """Write ``out/global.safetensors`` and ``out/global.json`` for the global model after ``round_id``.
+
+    ``model`` describes how to rebuild the network (e.g. ``{"model": "mlp", "dataset": "digits",
+    "input_shape": [1, 8, 8], "num_classes": 10}``). Returns False, writing nothing, when no round has completed.
+    """
+    if round_id < 1:
+        return False
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_tensors(out / TENSORS, names, weights, {"round": str(round_id), MODEL_KEY: json.dumps(model)})
+    info = {"round": round_id, "interrupted": interrupted, "tensors": TENSORS, "model": model,
+            "metrics": clean_row(metrics_row) if metrics_row else None}
+    atomic_write_bytes(out / INFO, [(json.dumps(info, indent=2) + "\n").encode()])
+    return True
+
+
+def write_coordinator_model(out: Path, coordinator, model: dict, interrupted: bool = False) -> bool:
+    """:func:`write_final_model` for a coordinator's current global model, its round and that round's metrics line.
+
+    A coordinator stopped while closing a round holds that round's model (the model and the round number change
+    together) but may not have logged its line yet: then ``metrics`` is None.
+    """
+    rows = coordinator.metrics.rows
+    row = rows[-1] if rows and rows[-1].get("round") == coordinator.round_id else None
+    return write_final_model(out, coordinator.names, coordinator.weights, coordinator.round_id, model, row,
+                             interrupted)
+
+
+def load_final_model(source: Path) -> tuple[list[str], list[np.ndarray]]:
+    """The names and arrays of the model at ``source``: a safetensors file, a folder holding global.safetensors
+    (an ``--out`` folder or one checkpoint round), or a checkpoint directory (its LATEST round).
+
+    Raises FileNotFoundError when ``source`` is missing, ValueError (CodecError, CheckpointError) when it is not
+    a model fedpar can read.
+    """
+    source = Path(source)
+    if source.is_dir():
+        if (source / TENSORS).is_file():
+            source = source / TENSORS
+        elif (source / LATEST).is_file():
+            ckpt = load_checkpoint(source)
+            return ckpt.names, ckpt.arrays
+        else:
+            raise ValueError(f"{source} holds neither {TENSORS} (a run's --out folder) nor {LATEST} (a "
+                             "coordinator checkpoint directory)")
+    names, arrays, _ = load_tensors(source)
+    if not names:
+        raise ValueError(f"{source} holds no tensors")
+    return names, arrays

@@ -1,0 +1,77 @@
+"""`fedpar export`: a kept global model (or a checkpoint's) becomes a torch state_dict the model loads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedpar.cli.main import main
+from fedpar.models import get_weights, weight_specs
+from fedpar.models.for_data import build_model_for_data
+from fedpar.server.final_model import write_final_model
+
+DESCRIPTION = {"model": "cnn", "dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10}
+
+
+def _kept_model(out) -> list[np.ndarray]:
+    torch.manual_seed(5)
+    model = build_model_for_data("cnn", (1, 8, 8), 10)
+    weights = get_weights(model)
+    assert write_final_model(out, [n for n, _, _ in weight_specs(model)], weights, 3, DESCRIPTION,
+                             {"round": 3, "status": "ok", "test_loss": float("nan")})
+    return weights
+
+
+def test_export_of_an_out_folder_loads_into_the_model_it_describes(tmp_path, capsys):
+    weights = _kept_model(tmp_path / "run")
+    info = json.loads((tmp_path / "run" / "global.json").read_text())
+    assert info == {"round": 3, "interrupted": False, "tensors": "global.safetensors", "model": DESCRIPTION,
+                    "metrics": {"round": 3, "status": "ok", "test_loss": None}}
+    for source in (tmp_path / "run", tmp_path / "run" / "global.safetensors"):
+        target = tmp_path / "exported" / "model.pt"
+        assert main(["export", str(source), "--to", str(target)]) == 0
+        assert f"wrote {target}: 8 tensors" in capsys.readouterr().out
+        model = build_model_for_data(info["model"]["model"], tuple(info["model"]["input_shape"]),
+                                     info["model"]["num_classes"])
+        model.load_state_dict(torch.load(target, weights_only=True))  # strict: every entry, by name
+        assert all(np.array_equal(t.numpy(), w) for t, w in zip(model.state_dict().values(), weights))
+
+
+def test_nothing_is_kept_before_the_first_round(tmp_path):
+    assert not write_final_model(tmp_path / "run", ["w"], [np.ones(2, np.float32)], 0, {}, None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_coordinator_stopped_while_closing_a_round_keeps_its_model_without_a_metrics_row(tmp_path):
+    from types import SimpleNamespace
+
+    from fedpar.server.final_model import write_coordinator_model
+
+    rows = [{"round": 1, "status": "ok"}]
+    for round_id, metrics in ((1, rows[0]), (2, None)):  # round 2's model is made, its row not yet logged
+        state = SimpleNamespace(names=["w"], weights=[np.full(2, round_id, np.float32)], round_id=round_id,
+                                metrics=SimpleNamespace(rows=rows))
+        assert write_coordinator_model(tmp_path, state, {"model": "x"}, interrupted=True)
+        info = json.loads((tmp_path / "global.json").read_text())
+        assert (info["round"], info["metrics"], info["interrupted"]) == (round_id, metrics, True)
+
+
+def test_export_errors_are_one_line_and_a_non_zero_exit(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a model")
+    _kept_model(tmp_path / "run")
+    cases = [([str(tmp_path / "nowhere")], f"{tmp_path / 'nowhere'} does not exist; give a run's --out folder"),
+             ([str(tmp_path / "notes.txt")], f"{tmp_path / 'notes.txt'} is not a fedpar model: "
+                                             f"{tmp_path / 'notes.txt'}: not a safetensors file"),
+             ([str(tmp_path)], f"{tmp_path} is not a fedpar model: {tmp_path} holds neither global.safetensors"),
+             ([str(tmp_path / "run"), "--to", str(tmp_path)], f"--to {tmp_path} is a folder")]
+    for args, line in cases:
+        to = [] if "--to" in args else ["--to", str(tmp_path / "m.pt")]
+        assert main(["export", *args, *to]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and line in err, err
+    assert not (tmp_path / "m.pt").exists()
+    with pytest.raises(SystemExit):  # --to is required
+        main(["export", str(tmp_path / "run")])
