@@ -32,7 +32,8 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
     model_bytes = ModelLayout(weight_specs(build_model_for_data("mlp", splits.input_shape, splits.num_classes))).total_bytes
     assert all(r["upload_bytes"] == r["reported"] * model_bytes for r in rows)
     assert summary["mean_upload_bytes_per_round"] == sum(r["upload_bytes"] for r in rows) / 10
-    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for plot in ("accuracy.png", "loss.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Federated evaluation: the agents score the model they receive on their own validation splits, so
     # round r's score is that of the model the server tested after round r-1 (other data, same model).
     for before, row in zip(rows, rows[1:]):
