@@ -66,7 +66,8 @@ def agent_config(args: argparse.Namespace, security) -> AgentConfig:
                        max_backoff=args.max_backoff, give_up_after=args.give_up_after,
                        credentials=security.credentials, tls_server_name=security.server_name,
                        enrollment_token=security.enrollment_token,
-                       data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls)
+                       data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls,
+                       tls_files=security.files)
 
 
 def run(args: argparse.Namespace) -> int:

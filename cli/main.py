@@ -28,7 +28,7 @@ SUBCOMMANDS = {
 
 # Commands whose process has nothing left to do once run() returns (every output written and closed, worker
 # processes gone): skip the interpreter's teardown of gRPC and torch, about 0.4 s of a simulation's wall time.
-FAST_EXIT = {"simulate"}
+FAST_EXIT = {"simulate", "train"}
 
 
 def _available() -> dict[str, tuple[str, str]]:

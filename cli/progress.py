@@ -1,8 +1,11 @@
-"""A per-round table printed as rounds finish, and a progress bar while the clients join."""
+"""A per-round table printed as rounds finish, and a progress bar while the clients join and rounds run."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+import time
 from typing import TextIO
 
 COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("reported", "{:>8}"),
@@ -38,29 +41,61 @@ class RoundTable:
         print("  ".join(cells), file=self.stream, flush=True)
 
 
-class JoiningBar:
-    """A rich progress bar of the clients registered until the first round starts (on a terminal only: a log or a
-    pipe gets the one line the first round's row follows)."""
+class LiveBar:
+    """A rich progress bar on a terminal only (a log or a pipe gets nothing from it, so its output is unchanged):
+    the clients registered until the first round starts, then the open round's accepted uploads of K and the time
+    left to its deadline, beside the table's line per round (:meth:`close` before that line is printed)."""
 
     def __init__(self, stream: TextIO = sys.stderr, quiet: bool = False):
         self.stream, self.quiet = stream, quiet
-        self._progress = self._task = None
+        self._progress = self._task = self._shown = None
+        self._moved: list = []  # (log handler, its stream) while the bar is up
+        self._lock = threading.Lock()  # updated by the caller's loop, closed by the round callbacks' thread
 
-    def update(self, registered: int, needed: int) -> None:
+    def follow(self, coordinator) -> None:
+        """Show where ``coordinator`` (a server.coordinator.Coordinator) is: joining, or the open round."""
+        state = coordinator.current
+        if state is None:
+            self.joining(len(coordinator.registry), coordinator.config.min_available)
+        elif not state.closed:
+            left = state.deadline_seconds - (time.monotonic() - state.started)
+            self.round(state.round_id, state.accepted, state.target, left)
+
+    def joining(self, registered: int, needed: int) -> None:
         """Show ``registered`` of ``needed`` clients joined."""
+        self._show(("join",), "clients joining", registered, needed, "")
+
+    def round(self, round_id: int, accepted: int, target: int, seconds_left: float) -> None:
+        """Show round ``round_id``'s ``accepted`` uploads of ``target`` (K) and the seconds left to its deadline."""
+        self._show(("round", round_id), f"round {round_id}: uploads accepted", accepted, target,
+                   f"deadline in {max(0.0, seconds_left):.0f} s")
+
+    def _show(self, key: tuple, description: str, completed: int, total: int, note: str) -> None:
         if self.quiet or not self.stream.isatty():
             return
-        if self._progress is None:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self._progress = Progress(TextColumn("clients joining"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), console=Console(file=self.stream), transient=True)
-            self._task = self._progress.add_task("join", total=needed)
-            self._progress.start()
-        self._progress.update(self._task, completed=min(registered, needed), total=needed)
+        with self._lock:
+            if self._progress is None:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+                self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                          TextColumn("{task.fields[note]}"), TimeElapsedColumn(),
+                                          console=Console(file=self.stream), transient=True)
+                self._progress.start()
+                # Log lines (serve logs to stderr) go above the bar through rich's proxy, not across it.
+                self._moved = [(h, h.setStream(sys.stderr)) for h in logging.getLogger().handlers
+                               if type(h) is logging.StreamHandler and h.stream in (self.stream, sys.__stderr__)]
+            if key != self._shown:  # a new phase or round: its own bar and elapsed time
+                if self._task is not None:
+                    self._progress.remove_task(self._task)
+                self._task, self._shown = self._progress.add_task(description, total=total, note=note), key
+            self._progress.update(self._task, description=description, completed=min(completed, total), total=total,
+                                  note=note)
 
     def close(self) -> None:
-        """Take the bar down."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        """Take the bar down (before a line is printed below it)."""
+        with self._lock:
+            if self._progress is not None:
+                self._progress.stop()
+                for handler, stream in self._moved:
+                    handler.setStream(stream)
+                self._progress = self._task = self._shown = None

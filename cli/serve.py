@@ -1,18 +1,21 @@
 """Run the coordinator: agents dial in, rounds run, the global model is checkpointed every round.
 
-Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end (also after Ctrl-C) OUT/summary.json
-and the global model, OUT/global.safetensors with OUT/global.json; with --checkpoint-dir, resumes after a restart.
+Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end (also after Ctrl-C) OUT/summary.json,
+accuracy.png and loss.png as `fedpar simulate` does, and the global model, OUT/global.safetensors with
+OUT/global.json; with --checkpoint-dir it resumes after a restart.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from fedpar.aggregation import build_strategy, strategy_names
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
 from fedpar.cli.limit_options import add_limit_arguments
-from fedpar.cli.progress import COLUMNS, RoundTable
+from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
 from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.cli.observability import Observers, add_observability_arguments
@@ -30,12 +33,11 @@ from fedpar.datasets import load_dataset
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.aggregator_ranks import RankLeader, check_ranks_supported, rank_columns
-from fedpar.server.app import CoordinatorServer
+from fedpar.server.app import CoordinatorServer, RestoreError
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.rank_group import first_line
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.final_model import write_coordinator_model
-from fedpar.server.metrics import summarize_rounds
 from fedpar.simulations.synthetic_coordinator import synthetic_model
 from fedpar.server.secure_round import check_secure_setup
 
@@ -121,8 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port-file", type=Path,
                    help="once listening, write the bound port to this file (handy with --port 0)")
     p.add_argument("--out", type=Path, default=Path("runs/serve"),
-                   help="folder for metrics.jsonl, metrics.csv, summary.json and the final model (global.safetensors, "
-                        "global.json)")
+                   help="folder for metrics.jsonl, metrics.csv, summary.json, accuracy.png, loss.png and the final "
+                        "model (global.safetensors, global.json)")
     add_dp_arguments(p, population_flag=True)
     add_tls_arguments(p, "serve")
     add_observability_arguments(p)
@@ -266,27 +268,41 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     if ranks is not None:
         columns = columns + rank_columns(ranks.world)
     table = RoundTable(total=config.rounds, columns=columns)
+    progress = LiveBar()
     observers = Observers(args)
+    started = time.monotonic()
+    # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
+    threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     try:
-        server = plan.assembly.server(config, plan.strategy, on_round_end=[table.row, *observers.round_callbacks()],
+        server = plan.assembly.server(config, plan.strategy,
+                                      on_round_end=[lambda _: progress.close(), table.row,
+                                                    *observers.round_callbacks()],
                                       admission=security.admission, host=args.host, port=args.port,
                                       credentials=security.credentials, data_tls=security.data_tls,
                                       ranks=ranks)  # data plane: TLS, same certificate
-    except ValueError as exc:  # e.g. a damaged checkpoint, or one made with another model
+    except ValueError as exc:
+        observers.close()
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        return 2
+    if args.port_file:  # as soon as health checks are answered (NOT_SERVING while a checkpoint is restored)
+        server.on_listening = lambda port: atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
+    interrupted = False
+    try:
+        server.start()
+    except RestoreError as exc:  # e.g. a damaged checkpoint, or one made with another model
         observers.close()
         print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
         return 2
-    try:
-        server.start()
+    except KeyboardInterrupt:  # while the checkpoint was restored
+        interrupted = True
     except Exception as exc:
         observers.close()
         print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
         return 1
-    interrupted = False
     try:
+        if interrupted:
+            raise KeyboardInterrupt
         observers.attach(server)
-        if args.port_file:
-            atomic_write_bytes(args.port_file, [f"{server.port}\n".encode()])
         print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
               f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
               f"{security.client_hint} --agent-id ID ...)", flush=True)
@@ -295,15 +311,20 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         while not server.wait(0.5):
             if stop.is_set():
                 break
+            progress.follow(server.coordinator)
+        progress.close()
         stop.wait(2.0)  # let agents hear "shutdown" on their next poll
     except KeyboardInterrupt:  # Ctrl-C: stop at once; what completed is checkpointed and summarized
         interrupted = True
     finally:
+        progress.close()
         server.stop(grace=0.5 if interrupted else 1.0)
         observers.close()
     rows = server.coordinator.metrics.rows
-    summary = {**summarize_rounds(rows), "interrupted": interrupted}
-    atomic_write_bytes(args.out / "summary.json", [(json.dumps(summary, indent=2) + "\n").encode()])
+    from fedpar.simulations.run_outputs import write_run_outputs
+    summary = write_run_outputs(args.out, rows, {"wall_seconds": time.monotonic() - started,
+                                                 "interrupted": interrupted},
+                                title=f"{args.dataset} / {args.model}, fedpar serve")
     write_coordinator_model(args.out, server.coordinator, plan.assembly.description, interrupted)
     if rows:
         print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))

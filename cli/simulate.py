@@ -1,7 +1,7 @@
 """Run a federation on this machine: a real coordinator and N real agents talking gRPC on loopback.
 
-Writes OUT/metrics.jsonl (one JSON object per round), OUT/summary.json, OUT/accuracy.png and the final global
-model (OUT/global.safetensors with OUT/global.json), and prints a per-round table while it runs.
+Writes OUT/metrics.jsonl (one JSON object per round), OUT/summary.json, OUT/accuracy.png, OUT/loss.png and the
+final global model (OUT/global.safetensors with OUT/global.json), and prints a per-round table while it runs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from fedpar.cli.argtypes import at_least_one, count, non_negative, non_negative_int, positive, probability
 from fedpar.cli.compression_options import add_compression_arguments
 from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
-from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, JoiningBar, RoundTable
+from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.user_errors import check_output_folder, run_exit_code
 from fedpar.server.aggregator_ranks import rank_columns
@@ -110,24 +110,24 @@ def run(args: argparse.Namespace) -> int:
         (CLOCK_COLUMNS if cfg.clock == "virtual" else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     observers = Observers(args)
-    joining = JoiningBar(quiet=args.quiet)
+    progress = LiveBar(quiet=args.quiet)
     try:
         cfg.strategy_options = strategy_options_from_args(args)
         cfg.strategy, options = dp_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
                                             cfg.overselect, cfg.clients)
         cfg.strategy_options.update(options)
-        callbacks = [lambda _: joining.close(), table.row, *observers.round_callbacks()]
+        callbacks = [lambda _: progress.close(), table.row, *observers.round_callbacks()]
         summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks], on_server=observers.attach,
-                                 on_joining=joining.update)
+                                 on_progress=progress.follow)
     except ValueError as exc:
         print(f"fedpar simulate: {exc}", file=sys.stderr)
         return 2
     finally:
-        joining.close()
+        progress.close()
         observers.close()
     summary.pop("config", None)
     print(json.dumps(summary, indent=2))
-    written = ["metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", "labels.png"]
+    written = ["metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", "loss.png", "labels.png"]
     written += ["global.safetensors", "global.json"] if summary["rounds"] else []  # the model of the last round
     print(f"wrote {cfg.out}/{', '.join(written[:-1])} and {written[-1]}")
     return run_exit_code("fedpar simulate", summary)

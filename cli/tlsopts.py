@@ -14,8 +14,8 @@ import grpc
 from fedpar.security.admission import Admission, RevocationList, TokenList
 from fedpar.security.certs import CertPaths
 from fedpar.security.sslcontext import client_ssl_context, server_ssl_context
-from fedpar.security.tls import (HOW_TO_FIX, TlsSetupError, certificate_common_name, channel_credentials,
-                                 client_tls_files, server_credentials, server_tls_files)
+from fedpar.security.tls import (HOW_TO_FIX, TlsFiles, TlsSetupError, certificate_common_name,
+                                 channel_credentials, client_tls_files, server_credentials, server_tls_files)
 
 log = logging.getLogger("fedpar.security")
 PLAINTEXT_WARNING = ("--insecure: plaintext gRPC; anyone on the network can read the model and updates "
@@ -127,6 +127,7 @@ class ClientSecurity:
     server_name: str | None
     enrollment_token: str
     data_tls: ssl.SSLContext | None = None  # the same certificate for the bulk data plane
+    files: TlsFiles | None = None  # the PEM files of the credentials (to diagnose a failing handshake)
 
 
 def client_security(args: argparse.Namespace) -> ClientSecurity:
@@ -152,4 +153,4 @@ def client_security(args: argparse.Namespace) -> ClientSecurity:
         if cn != args.agent_id:
             raise TlsSetupError(f"{files.cert} is the certificate of agent {cn!r}, not of --agent-id "
                                 f"{args.agent_id!r}; the coordinator would refuse it")
-    return ClientSecurity(credentials, args.tls_server_name, token, client_ssl_context(files))
+    return ClientSecurity(credentials, args.tls_server_name, token, client_ssl_context(files), files)

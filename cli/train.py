@@ -17,6 +17,8 @@ import dataclasses
 import json
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from fedpar.cli.argtypes import count, non_negative, non_negative_int, positive
@@ -150,10 +152,21 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
-    if world > 1 and not under_launcher:
-        spawn(world, spawned_train_process, cfg.to_dict(), args.timeout)
-    else:
-        train_process(cfg, args.timeout)
-        if under_launcher:
-            exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
+    started = time.perf_counter()
+    try:
+        if world > 1 and not under_launcher:
+            spawn(world, spawned_train_process, cfg.to_dict(), args.timeout, parent_stops=True)
+        else:
+            train_process(cfg, args.timeout)
+            if under_launcher:
+                exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
+    except KeyboardInterrupt:  # Ctrl-C: the ranks are stopped; say what completed
+        if int(os.environ.get("RANK", "0")):
+            return 130
+        from fedpar.parallel.metrics import write_interrupted_summary
+        summary = write_interrupted_summary(Path(cfg.out), cfg.model, cfg.dataset, world,
+                                            time.perf_counter() - started, cfg.to_dict())
+        print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json",
+              file=sys.stderr)
+        return 130
     return 0

@@ -29,6 +29,8 @@ from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.security.handshake import diagnose_handshake
+from fedpar.security.tls import TlsFiles
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
                                      upload_header, upload_messages, upload_update)
 from fedpar.client.secure_upload import SecureSession
@@ -59,6 +61,7 @@ class AgentConfig:
     seed: int | None = None  # drop decisions and backoff jitter; None: fresh entropy (agents must not move in lockstep)
     data_plane: bool = True  # move weights over the coordinator's data plane when a task offers it
     data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
+    tls_files: TlsFiles | None = None  # the PEM files behind ``credentials``: to say why a handshake fails
 
 
 class FatalAgentError(RuntimeError):
@@ -154,6 +157,8 @@ class Agent:
                 if code not in RETRYABLE:
                     raise FatalAgentError(f"{self.config.agent_id}: coordinator refused: "
                                           f"{code.name}: {err.details()}") from None
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._check_tls()
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if self.config.give_up_after is not None and now - unreachable_since > self.config.give_up_after:
@@ -166,6 +171,15 @@ class Agent:
                 log.info("%s: coordinator unreachable (%s); retrying in %.1fs", self.config.agent_id,
                          code.name, sleep)
                 time.sleep(sleep)
+
+    def _check_tls(self) -> None:
+        """FatalAgentError saying what is wrong when TLS to the coordinator fails (gRPC says only UNAVAILABLE):
+        a wrong CA, a name mismatch or a refused certificate is not cured by retrying."""
+        if self.config.credentials is None or self.config.tls_files is None:
+            return
+        problem = diagnose_handshake(self.config.server, self.config.tls_files, self.config.tls_server_name)
+        if problem is not None:
+            raise FatalAgentError(f"{self.config.agent_id}: {problem}")
 
     def _join(self) -> None:
         reply = self._stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,

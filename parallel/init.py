@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -103,7 +105,10 @@ def exit_rank_process(code: int = 0) -> None:
     os._exit(code)
 
 
-def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
+                    parent_stops: bool = False) -> None:
+    if parent_stops:  # SIGINT is ignored (inherited from birth); still leave when the launcher dies
+        _die_with_parent(signal.SIGTERM)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Several ranks share few cores: one intra-op thread each avoids oversubscription (torchrun does the same).
@@ -113,11 +118,45 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
     exit_rank_process(0)  # an exception above takes torch's path instead: traceback to the parent, exit code 1
 
 
-def spawn(nproc: int, fn: Callable[..., Any], *args: Any) -> None:
+def _die_with_parent(signum: int) -> None:
+    """Have the kernel send ``signum`` to this process when its parent exits (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
 
-    ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here.
+    ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
+    ``parent_stops`` the ranks ignore Ctrl-C and, on KeyboardInterrupt here, are stopped (SIGTERM) before it is
+    re-raised: the caller then says what completed, and no rank prints a traceback of its own.
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
-    mp.spawn(_spawned_worker, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True)
+    port = free_port()
+    if not parent_stops:
+        mp.spawn(_spawned_worker, args=(nproc, port, fn, args), nprocs=nproc, join=True)
+        return
+    # An ignored SIGINT stays ignored through exec, so the ranks ignore Ctrl-C from birth.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True), nprocs=nproc,
+                                     join=False)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
+    try:
+        while not context.join(timeout=0.5):
+            pass
+    except KeyboardInterrupt:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(timeout=1.0)
+            if process.is_alive():
+                process.kill()
+        raise

@@ -98,9 +98,38 @@ class StepMetricsLog:
 
     def records(self) -> list[dict[str, Any]]:
         """All records written so far (rank 0)."""
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_records(self.path)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (none if it is missing); a last line torn by a killed writer is skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def write_interrupted_summary(out_dir: Path, model: str, dataset: str, world_size: int, wall_seconds: float,
+                              config: dict[str, Any]) -> dict[str, Any]:
+    """summary.json (and metrics.csv) of a run stopped by Ctrl-C, from what its metrics.jsonl holds: the steps
+    logged, the last evaluation and train loss; ``"interrupted": true``. Returns the summary."""
+    records = read_records(out_dir / "metrics.jsonl")
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    last_eval = {k: v for k, v in evals[-1].items() if k not in ("kind", "step", "epoch")} if evals else {}
+    summary = {"model": model, "dataset": dataset, "world_size": world_size, "interrupted": True,
+               "steps": train[-1]["step"] if train else 0, **last_eval,
+               "final_train_loss": train[-1]["loss"] if train else None, "wall_seconds": wall_seconds,
+               "config": config}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(out_dir / "metrics.csv", records)
+    write_json_atomic(out_dir / "summary.json", summary)
+    return summary
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import concurrent.futures
 import logging
 import ssl
 import threading
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,6 +44,10 @@ class BindError(OSError):
     """The coordinator could not listen on its address (the port is in use, or the host is not this machine's)."""
 
 
+class RestoreError(ValueError):
+    """The coordinator's checkpoint cannot be restored (damaged, or of another model); the message says why."""
+
+
 class CoordinatorServer:
     """Serves the coordinator on ``host:port`` (port 0 picks a free one) from a background thread."""
 
@@ -64,6 +69,8 @@ class CoordinatorServer:
         self._stop: asyncio.Event | None = None
         self._grace = 1.0  # seconds calls in flight get when the server stops
         self.health: health.aio.HealthServicer | None = None  # grpc.health.v1 on the same port
+        self.on_listening: Callable[[int], None] | None = None  # called with the port once health checks answer
+        self.restoring = False  # the checkpoint is being restored: health says NOT_SERVING, other calls UNAVAILABLE
 
     @property
     def address(self) -> str:
@@ -131,7 +138,7 @@ class CoordinatorServer:
             asyncio.run(self._main())
         except BaseException as exc:  # surfaced to the caller through start()/wait()
             self.error = exc
-            if not isinstance(exc, BindError):  # said in one line by the caller
+            if not isinstance(exc, (BindError, RestoreError)):  # said in one line by the caller
                 log.exception("coordinator stopped with an error")
         finally:
             self._ready.set()
@@ -148,7 +155,7 @@ class CoordinatorServer:
         self.strangers = strangers
         server = grpc.aio.server(options=server_options(config.max_chunk_bytes),
                                  interceptors=[RpcLimit(service.limits, self.coordinator.registry.admission,
-                                                        strangers)])
+                                                        strangers, restoring=lambda: self.restoring)])
         server.add_generic_rpc_handlers((generic_handler(service),))
         self.health = health.aio.HealthServicer()
         await self._set_health(False)  # until the coordinator serves rounds
@@ -165,8 +172,17 @@ class CoordinatorServer:
         except RuntimeError as exc:  # gRPC says only "Failed to bind"
             raise BindError(f"cannot listen on {target}: the port is in use or the address is not this "
                             "machine's") from exc
+        self.restoring = True
         await server.start()
         self.coordinator.grpc_port = self.port
+        if self.on_listening is not None:
+            self.on_listening(self.port)
+        try:  # health checks are answered (NOT_SERVING) while the checkpoint is read
+            await asyncio.to_thread(self.coordinator.restore)
+        except ValueError as exc:
+            await server.stop(0)
+            raise RestoreError(str(exc)) from exc
+        self.restoring = False
         self.coordinator._bind_loop()
         self.data_plane = start_data_plane(self.coordinator, self._loop, self.host, self.credentials is not None,
                                            self.data_tls, service.intake)

@@ -68,10 +68,15 @@ class Coordinator(IngestPlane):
         self.clock = VirtualClock() if config.virtual_clock else None
         self._agents_changed: asyncio.Event | None = None
         self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
-        if config.checkpoint_dir is not None:
-            self._resume(load_checkpoint(config.checkpoint_dir))
 
     # ----------------------------------------------------------------- life cycle
+    def restore(self) -> None:
+        """Resume from the latest checkpoint in ``config.checkpoint_dir``, if any (CheckpointError/ValueError when
+        it is damaged or of another model). The server calls it once its port answers health checks (NOT_SERVING
+        meanwhile) and before any agent's call is served."""
+        if self.config.checkpoint_dir is not None:
+            self._resume(load_checkpoint(self.config.checkpoint_dir))
+
     def _resume(self, ckpt: Checkpoint | None) -> None:
         if ckpt is None:
             return

@@ -50,6 +50,9 @@ class IngestPlane:
         if self.on_ready is not None:
             self.on_ready(serving)
 
+    def restore(self) -> None:
+        """Resume saved state before serving (nothing here: only the coordinator checkpoints)."""
+
     def close(self) -> None:
         """Release the worker threads."""
         self._executor.shutdown(wait=True, cancel_futures=True)

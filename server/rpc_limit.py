@@ -101,10 +101,12 @@ def peer_key(context, identity: PeerIdentity | None) -> str:
 class RpcLimit(grpc.aio.ServerInterceptor):
     """Wraps every method handler in the revocation check and the budget it is counted in."""
 
-    def __init__(self, limits: Limits, admission: Admission, strangers: StrangerBound):
+    def __init__(self, limits: Limits, admission: Admission, strangers: StrangerBound,
+                 restoring: Callable[[], bool] = lambda: False):
         self.limits = limits
         self.admission = admission
         self.strangers = strangers
+        self.restoring = restoring  # while true, every call but health checks is refused (UNAVAILABLE: retry)
 
     async def intercept_service(self, continuation, handler_call_details):
         """The method's handler, checked and counted (health checks: as strangers' calls, never authenticated)."""
@@ -113,8 +115,12 @@ class RpcLimit(grpc.aio.ServerInterceptor):
             return None
         return self.counted(handler, stranger_only=handler_call_details.method.startswith(HEALTH_METHODS))
 
-    async def _enter(self, context, stranger: bool) -> CallBudget:
-        """The call's budget, a stranger's from the start if ``stranger``; or an abort: a revoked certificate."""
+    async def _enter(self, context, stranger: bool, health_check: bool = False) -> CallBudget:
+        """The call's budget, a stranger's from the start if ``stranger``; or an abort: a revoked certificate, or
+        any call but a health check while the coordinator restores its checkpoint."""
+        if not health_check and self.restoring():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is restoring its checkpoint; "
+                                                             "try again in a moment")
         identity = peer_identity(context)
         if identity is not None:
             try:
@@ -182,7 +188,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
             behavior = handler.stream_stream if streams_in else handler.unary_stream
             if not inspect.isasyncgenfunction(behavior):  # it answers with context.write (grpc_health's Watch)
                 async def writing(request_iterator, context):
-                    budget = await self._enter(context, streams_in or stranger_only)
+                    budget = await self._enter(context, streams_in or stranger_only, stranger_only)
                     try:
                         await behavior(await request_of(request_iterator, context, budget), context)
                     except asyncio.CancelledError:
@@ -192,7 +198,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
                 return grpc.stream_stream_rpc_method_handler(writing, **serde)
 
             async def streaming(request_iterator, context):
-                budget = await self._enter(context, streams_in or stranger_only)
+                budget = await self._enter(context, streams_in or stranger_only, stranger_only)
                 try:
                     request = await request_of(request_iterator, context, budget)
                     async for item in behavior(request, context):
@@ -206,7 +212,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         behavior = handler.stream_unary if streams_in else handler.unary_unary
 
         async def unary(request_iterator, context):
-            budget = await self._enter(context, streams_in or stranger_only)
+            budget = await self._enter(context, streams_in or stranger_only, stranger_only)
             try:
                 request = await request_of(request_iterator, context, budget)
                 return await behavior(request, context)

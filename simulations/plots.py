@@ -2,31 +2,69 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure registry
 from matplotlib.ticker import MaxNLocator
 
 
-def plot_accuracy(rows: list[dict], path: Path, title: str = "") -> None:
-    """Test accuracy (and federated evaluation, if any) against the round number."""
-    fig = Figure(figsize=(6, 4), dpi=110)
-    ax = fig.subplots()
-    rounds = [r["round"] for r in rows]
-    for key, label in (("test_accuracy", "central test accuracy"),
-                       ("federated_eval_accuracy", "federated evaluation (clients' validation)")):
-        values = [r.get(key) for r in rows]
-        if any(v is not None for v in values):
-            ax.plot(rounds, values, marker="o", label=label)
-    ax.set_xlabel("round")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path)
+# (column, label, shift): federated evaluation is scored by the agents of round r on the global model they
+# received, the model of round r - 1, so it is placed there (round 0: the initial model).
+PANELS = {
+    "accuracy": [("test_accuracy", "central test accuracy", 0),
+                 ("federated_eval_accuracy", "federated evaluation (clients' validation)", -1)],
+    "loss": [("train_loss", "train loss (clients' local training)", 0),
+             ("test_loss", "central test loss", 0),
+             ("federated_eval_loss", "federated evaluation loss (clients' validation)", -1)],
+}
+
+
+def round_series(rows: list[dict]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """What the plots of a run's rounds show: per panel ('accuracy', 'loss') and curve label, the rounds of the
+    models scored and the values (curves without a value are left out)."""
+    out: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for panel, curves in PANELS.items():
+        out[panel] = {}
+        for key, label, shift in curves:
+            points = [(r["round"] + shift, float(r[key])) for r in rows
+                      if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            if points:
+                out[panel][label] = ([x for x, _ in points], [y for _, y in points])
+    return out
+
+
+def accuracy_limits(values: list[float]) -> tuple[float, float]:
+    """The accuracy axis zoomed to the data, with a margin, inside [0, 1]."""
+    low, high = min(values), max(values)
+    margin = max(0.02, 0.08 * (high - low))
+    return max(0.0, low - margin), min(1.0, high + margin)
+
+
+def plot_rounds(rows: list[dict], out_dir: Path, title: str = "") -> list[Path]:
+    """accuracy.png and loss.png of a federated run against the round of the model scored (each only when it has
+    a curve); returns the files written."""
+    written = []
+    for panel, curves in round_series(rows).items():
+        if not curves:
+            continue
+        fig = Figure(figsize=(6, 4), dpi=110)
+        ax = fig.subplots()
+        for label, (rounds, values) in curves.items():
+            ax.plot(rounds, values, marker="o", markersize=3, label=label)
+        ax.set_xlabel("round (of the global model scored)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(panel)
+        if panel == "accuracy":
+            ax.set_ylim(*accuracy_limits([v for _, values in curves.values() for v in values]))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right" if panel == "accuracy" else "upper right")
+        ax.set_title(title)
+        fig.tight_layout()
+        path = Path(out_dir) / f"{panel}.png"
+        fig.savefig(path)
+        written.append(path)
+    return written
 
 
 def plot_label_counts(counts, path: Path, title: str = "") -> None:

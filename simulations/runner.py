@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import multiprocessing as mp
 import signal
@@ -34,6 +33,7 @@ from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, client_id, step_delays
+from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.datasets.clientdata import client_parts, label_counts, label_skew
 
@@ -159,11 +159,11 @@ def check_client_batching(cfg: SimulationConfig) -> None:
 
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
                    on_server: Callable[[object], None] | None = None,
-                   on_joining: Callable[[int, int], None] | None = None) -> dict:
+                   on_progress: Callable[[object], None] | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
-    summary.json, accuracy.png and the final model (global.safetensors, global.json) under ``cfg.out``.
-    ``on_server(server)`` sees the coordinator before it starts; ``on_joining(registered, needed)`` hears, twice
-    a second until the first round starts, how many clients have joined."""
+    summary.json, accuracy.png, loss.png and the final model (global.safetensors, global.json) under ``cfg.out``.
+    ``on_server(server)`` sees the coordinator before it starts; ``on_progress(coordinator)`` is called twice a
+    second while it runs (clients joined, the open round)."""
     started = time.monotonic()
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
     upload_compression(cfg)  # bad settings fail before anything starts
@@ -203,7 +203,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     try:
         summary = _run(cfg, strategy, on_round, started, out, procs, [send for _, send in pipes], on_server,
-                       on_joining)
+                       on_progress)
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
@@ -221,7 +221,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
 
 
 def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes,
-         on_server=None, on_joining=None) -> dict:
+         on_server=None, on_progress=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     splits = load_dataset(cfg.dataset, cfg.data_dir)
     parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
@@ -274,8 +274,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
             send.close()
         try:
             while not server.wait(0.5):
-                if on_joining is not None and server.coordinator.current is None:
-                    on_joining(len(server.coordinator.registry), coord_cfg.min_available)
+                if on_progress is not None:
+                    on_progress(server.coordinator)
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
                     raise RuntimeError(f"agent worker {dead[0].name} died with exit code {dead[0].exitcode}")
@@ -294,18 +294,19 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
             certs.cleanup()
     rows = server.coordinator.metrics.rows
     first_start = server.coordinator.started_at + rows[0]["wall_seconds"] - rows[0]["round_seconds"] if rows else None
-    summary = {**summarize_rounds(rows, cfg.target_accuracy), "wall_seconds": time.monotonic() - started,
-               "startup_seconds": None if first_start is None else first_start - started,
-               "label_skew": label_skew(parts, splits.train.y, splits.num_classes), "config": asdict(cfg)}
-    if interrupted:
-        summary["interrupted"] = True
-    if out:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        write_coordinator_model(out, server.coordinator, assembly.description, interrupted)
-        from fedpar.simulations.plots import plot_accuracy, plot_label_counts
-        plot_accuracy(rows, out / "accuracy.png", title=f"{cfg.dataset} / {cfg.model} / {cfg.partition}, "
-                                                          f"{cfg.clients} clients")
-        plot_label_counts(label_counts(parts[:LABEL_PLOT_CLIENTS], splits.train.y, splits.num_classes),
-                          out / "labels.png", title=f"{cfg.partition}: labels of the first "
-                                                    f"{min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")
+    extra = {"wall_seconds": time.monotonic() - started,
+             "startup_seconds": None if first_start is None else first_start - started,
+             "label_skew": label_skew(parts, splits.train.y, splits.num_classes), "config": asdict(cfg),
+             **({"interrupted": True} if interrupted else {})}
+    if not out:
+        return {**summarize_rounds(rows, cfg.target_accuracy), **extra}
+    summary = write_run_outputs(out, rows, extra, title=f"{cfg.dataset} / {cfg.model} / {cfg.partition}, "
+                                                        f"{cfg.clients} clients", target_accuracy=cfg.target_accuracy)
+    write_coordinator_model(out, server.coordinator, assembly.description, interrupted)
+    if interrupted:  # stop within 2 s: no plots (see write_run_outputs)
+        return summary
+    from fedpar.simulations.plots import plot_label_counts
+    plot_label_counts(label_counts(parts[:LABEL_PLOT_CLIENTS], splits.train.y, splits.num_classes),
+                      out / "labels.png", title=f"{cfg.partition}: labels of the first "
+                                                f"{min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")
     return summary

@@ -139,3 +139,30 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert len(events.Scalars("test_accuracy")) >= 1
+
+
+def test_ctrl_c_stops_train_within_two_seconds_with_exit_130_and_a_summary(tmp_path):
+    outs = {nproc: tmp_path / f"train{nproc}" for nproc in (1, 2)}  # in this process, and in 2 spawned ranks
+    procs = {nproc: _start(["train", "--model", "mlp", "--dataset", "digits", "--max-steps", "100000", "--nproc",
+                            str(nproc), "--device", "cpu", "--log-every", "2", "--no-plot", "--out", str(out)],
+                           tmp_path) for nproc, out in outs.items()}
+    results = {}
+    for nproc, proc in procs.items():
+        _wait_for(proc, outs[nproc] / "metrics.jsonl", timeout=90)
+        while not (outs[nproc] / "metrics.jsonl").read_text():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc, _, err = _finish(proc, timeout=30)
+        results[nproc] = (rc, time.monotonic() - started, err)
+    for nproc, (rc, seconds, err) in results.items():
+        assert rc == 130, (nproc, err)
+        assert seconds < 2.0, (nproc, seconds)
+        line = _one_line(err, "fedpar train: interrupted after")
+        summary = json.loads((outs[nproc] / "summary.json").read_text())
+        logged = [json.loads(r) for r in (outs[nproc] / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in logged if r["kind"] == "train"]
+        assert summary["interrupted"] and summary["world_size"] == nproc and summary["steps"] == steps[-1] >= 2
+        assert f"after {steps[-1]} logged steps" in line
+        assert (outs[nproc] / "metrics.csv").exists()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -56,3 +57,8 @@ def test_readme_deployed_form_runs_a_round_over_mutual_tls(tmp_path):
         assert "data-plane" not in out, out  # no fallback to the gRPC streams was needed
     assert '"status": "ok"' in serve_out and '"reported": 2' in serve_out
     assert re.search(r"data plane listening on 127\.0\.0\.1:\d+ \(TLS\)", "".join(early)), early
+    # serve leaves what simulate leaves: the same summary (one writer) and the round plots
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rounds"] == 1 and summary["interrupted"] is False and summary["final_test_accuracy"] > 0
+    for plot in ("accuracy.png", "loss.png"):
+        assert (tmp_path / "run" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -38,7 +38,9 @@ def _save(root: Path, **state_overrides) -> Path:
 
 def _coordinator(root: Path) -> Coordinator:
     names, arrays = _digits_mlp()
-    return Coordinator(CoordinatorConfig(checkpoint_dir=root), names, arrays, build_strategy("fedavg"))
+    coordinator = Coordinator(CoordinatorConfig(checkpoint_dir=root), names, arrays, build_strategy("fedavg"))
+    coordinator.restore()  # what the server does once its port answers health checks
+    return coordinator
 
 
 def test_a_good_checkpoint_resumes(tmp_path):

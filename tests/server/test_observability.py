@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import threading
 import urllib.request
 
@@ -172,3 +173,88 @@ def test_tensorboard_scalars_and_csv_of_a_real_round_read_back(start_coordinator
     assert len(lines) == 3 and header[:2] == ["round", "status"]
     assert [line.split(",")[header.index("upload_bytes")] for line in lines[1:]] == \
         [str(r["upload_bytes"]) for r in rows]
+
+
+def test_health_is_not_serving_while_a_checkpoint_is_restored(tmp_path):
+    """The port opens first with health NOT_SERVING (agents' calls: UNAVAILABLE, so they retry), then the real
+    restore runs, then SERVING. The restore is held until the test has looked (it then runs as always)."""
+    from fedpar.aggregation import build_strategy
+    from fedpar.protocol.messages import PROTOCOL_VERSION
+    from fedpar.protocol.stubs import CoordinatorStub
+    from fedpar.server.app import CoordinatorServer
+    from fedpar.server.checkpoint import Checkpoint, save_checkpoint
+    from fedpar.server.config import CoordinatorConfig
+    from fedpar.server.coordinator import Coordinator
+    from fedpar.server.sampler import CohortSampler
+
+    saved = _weights(7)
+    save_checkpoint(tmp_path, Checkpoint(1, NAMES, saved, {}, {"sampler": CohortSampler(0).state(),
+                                                               "strategy": build_strategy("fedavg").state_dict()[1]}))
+    release, restoring = threading.Event(), threading.Event()
+
+    class HeldRestore(Coordinator):
+        def restore(self):
+            restoring.set()
+            assert release.wait(30)
+            super().restore()
+
+    coordinator = HeldRestore(CoordinatorConfig(rounds=2, min_available=1, checkpoint_dir=tmp_path), NAMES,
+                              _weights(), build_strategy("fedavg"))
+    server = CoordinatorServer(coordinator)
+    ports: list[int] = []
+    server.on_listening = ports.append
+    starting = threading.Thread(target=server.start)
+    starting.start()
+    try:
+        assert restoring.wait(30)
+        address = f"127.0.0.1:{ports[0]}"
+        assert _health(address) == NOT_SERVING
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                CoordinatorStub(channel).Join(pb.JoinRequest(agent_id="a", num_examples=5,
+                                                             protocol_version=PROTOCOL_VERSION), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "restoring its checkpoint" in err.value.details()
+        assert coordinator.round_id == 0
+        release.set()
+        starting.join(30)
+        for _ in range(100):
+            if _health(address) == SERVING:
+                break
+            threading.Event().wait(0.05)
+        assert _health(address) == SERVING
+        assert coordinator.round_id == 1 and all(a.tobytes() == b.tobytes() for a, b in zip(coordinator.weights, saved))
+    finally:
+        release.set()
+        starting.join(30)
+        server.stop()
+
+
+class _Terminal(io.StringIO):
+    """What rich writes to a terminal, kept as text."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_shows_a_rounds_uploads_and_deadline_on_a_terminal_only(start_coordinator, agents):
+    from fedpar.cli.progress import LiveBar
+
+    server = start_coordinator(_weights(), names=NAMES, rounds=1, min_available=1, clients_per_round=1,
+                               deadline_seconds=60.0)
+    terminal, pipe = _Terminal(), io.StringIO()
+    bars = [LiveBar(stream=terminal), LiveBar(stream=pipe)]
+    for bar in bars:
+        bar.follow(server.coordinator)  # before the first round: clients joining
+    assert "clients joining" in terminal.getvalue() and "0/1" in terminal.getvalue()
+    (bot,) = agents(server.address, ["a"])
+    task = bot.task()
+    for bar in bars:
+        bar.follow(server.coordinator)  # round 1 is open, nothing uploaded yet
+        bar.close()
+    shown = terminal.getvalue()
+    assert "round 1: uploads accepted" in shown and "0/1" in shown
+    seconds_left = float(shown.rsplit("deadline in ", 1)[1].split(" s", 1)[0])
+    assert 0 < seconds_left <= 60
+    assert pipe.getvalue() == ""  # not a terminal: nothing beside the per-round lines
+    assert bot.upload(task, _weights(1), 10, names=NAMES).accepted
+    assert server.wait(30)

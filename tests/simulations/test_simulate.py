@@ -35,7 +35,8 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
     model_bytes = ModelLayout(weight_specs(build_model_for_data("mlp", splits.input_shape, splits.num_classes))).total_bytes
     assert all(r["upload_bytes"] == r["reported"] * model_bytes for r in rows)
     assert summary["mean_upload_bytes_per_round"] == sum(r["upload_bytes"] for r in rows) / 10
-    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for plot in ("accuracy.png", "loss.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The model to keep: the last round's global model, by state_dict name, and what rebuilds it.
     info = json.loads((out / "global.json").read_text())
     assert info["round"] == 10 and info["metrics"] == rows[-1] and info["model"]["model"] == "mlp"

@@ -1,0 +1,173 @@
+"""Why a TLS connection to the coordinator fails, in one line that says what to do.
+
+gRPC reports a failed TLS handshake as UNAVAILABLE, like a coordinator that is not running, and keeps the
+cause in its own log. :func:`diagnose_handshake` repeats the handshake with Python's ``ssl`` module and the same
+CA, certificate and key, and classifies what it sees:
+
+- the coordinator's certificate does not verify against our CA (unknown CA), names another host (name mismatch),
+  or is expired: ``ssl.SSLCertVerificationError`` says which;
+- the coordinator refuses our certificate: under TLS 1.3 the handshake completes on our side and the coordinator
+  then closes the connection without a word (under TLS 1.2 it sends an alert). Our certificate is then checked
+  against our own CA and its validity dates to say why, as far as can be told from here;
+- the coordinator does not speak TLS at all (started with --insecure).
+
+fedpar's own revocation is not a TLS matter: a revoked agent completes the handshake and is refused with
+PERMISSION_DENIED naming the revocation, which the agent reports as it is.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import ssl
+import time
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+
+from fedpar.security.certs import common_name
+from fedpar.security.sslcontext import client_ssl_context
+from fedpar.security.tls import TlsFiles
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # preface + empty SETTINGS
+UNKNOWN_ISSUER = {2, 18, 19, 20, 21}  # X509_V_ERR_*: issuer not found / self-signed / unable to verify leaf
+EXPIRED, NOT_YET_VALID, HOSTNAME_MISMATCH, IP_MISMATCH = 10, 9, 62, 64
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``HOST:PORT`` or ``[IPv6]:PORT`` address, or None if it is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def diagnose_handshake(address: str, files: TlsFiles, server_name: str | None = None,
+                       timeout: float = 3.0) -> str | None:
+    """What makes TLS to the coordinator at ``address`` fail, as one line, or None when TLS is not the problem
+    (the handshake works, or nothing answers at all). ``server_name``: the name its certificate is checked for
+    when it is not the host of ``address``. A refusal of our certificate is reported only when seen twice, so a
+    coordinator that closes connections while it stops is not taken for one."""
+    target = split_address(address)
+    if target is None:
+        return None
+    name = server_name or target[0]
+    verdict = _handshake(target, files, name, timeout)
+    if verdict is _REFUSED_OURS:
+        time.sleep(0.2)
+        verdict = _handshake(target, files, name, timeout)
+    if verdict is None:
+        return None
+    where = f"TLS handshake with the coordinator at {address} failed"
+    if verdict is _REFUSED_OURS:
+        return f"{where}: the coordinator refused this agent's certificate {files.cert}: {_why_refused(files)}"
+    if isinstance(verdict, ssl.SSLCertVerificationError):
+        return f"{where}: {_why_unverified(verdict, target, files, name, timeout)}"
+    if "ALERT" in (verdict.reason or ""):  # a TLS 1.2 coordinator says why it refused our certificate
+        alert = verdict.reason.split("ALERT_", 1)[-1].replace("_", " ").lower()
+        return (f"{where}: the coordinator refused this agent's certificate {files.cert} ({alert}): "
+                f"{_why_refused(files)}")
+    if verdict.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
+                          "HTTP_REQUEST", "UNEXPECTED_RECORD"):
+        return (f"{where}: it does not answer TLS ({verdict.reason}), so it probably runs with --insecure; run "
+                "this agent with --insecure too (on a network you trust), or the coordinator with --certs")
+    return f"{where}: {verdict.reason or verdict}; check --certs/--tls-ca and the coordinator's TLS options"
+
+
+_REFUSED_OURS = object()  # the handshake completed on our side, then the coordinator hung up
+
+
+def _handshake(target: tuple[str, int], files: TlsFiles, name: str, timeout: float):
+    """None (fine, or unreachable), _REFUSED_OURS, or the ssl.SSLError the handshake ended with."""
+    context = client_ssl_context(files)
+    context.set_alpn_protocols(["h2"])  # gRPC closes connections that do not offer HTTP/2
+    handshake_done = False
+    try:
+        with socket.create_connection(target, timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=name) as tls:
+                handshake_done = True
+                # Under TLS 1.3 the coordinator checks our certificate after our side is done: a coordinator that
+                # accepts it answers the HTTP/2 preface with its SETTINGS, one that refuses it hangs up.
+                tls.sendall(HTTP2_PREFACE)
+                return None if tls.recv(64) else _REFUSED_OURS
+    except ssl.SSLCertVerificationError as exc:
+        return exc
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError, BrokenPipeError):
+        # Hung up after our side of the handshake: our certificate was refused. Hung up during it: unclear.
+        return _REFUSED_OURS if handshake_done and files.cert is not None else None
+    except ssl.SSLError as exc:
+        return exc
+    except OSError:  # refused, timed out, no route: not a TLS matter (the agent keeps trying)
+        return None
+
+
+def _why_unverified(exc: ssl.SSLCertVerificationError, target: tuple[str, int], files: TlsFiles, name: str,
+                    timeout: float) -> str:
+    """What is wrong with the coordinator's certificate, and what to do."""
+    code = exc.verify_code
+    if code in UNKNOWN_ISSUER:
+        return (f"its certificate is not signed by the CA in {files.ca} ({exc.verify_message}); give this agent the "
+                "ca.pem of the folder that issued the coordinator's certificate (--certs DIR or --tls-ca)")
+    if code in (HOSTNAME_MISMATCH, IP_MISMATCH):
+        names = _served_names(target, files, name, timeout)
+        valid = f" (it is valid for {', '.join(names)})" if names else ""
+        return (f"its certificate is not valid for the name {name!r} this agent dialled{valid}; dial it by one of "
+                "its names in --server, or pass --tls-server-name NAME, or have its operator re-issue it with "
+                f"'fedpar certs --out DIR --server-name {name}'")
+    if code in (EXPIRED, NOT_YET_VALID):
+        return (f"its certificate {exc.verify_message} (check this machine's clock too); its operator must re-issue "
+                "it ('fedpar certs --out DIR --server-name NAME') and restart the coordinator")
+    return f"its certificate does not verify ({exc.verify_message}); check --certs/--tls-ca"
+
+
+def _served_names(target: tuple[str, int], files: TlsFiles, name: str, timeout: float) -> list[str]:
+    """The DNS names and IP addresses the coordinator's certificate is valid for (read without verifying it)."""
+    context = client_ssl_context(files)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection(target, timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=name) as tls:
+                der = tls.getpeercert(binary_form=True)
+        san = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return []
+    return [*san.value.get_values_for_type(x509.DNSName),
+            *(str(ip) for ip in san.value.get_values_for_type(x509.IPAddress))]
+
+
+def _why_refused(files: TlsFiles) -> str:
+    """Why the coordinator may have refused our certificate, as far as our own files tell, and what to do."""
+    try:
+        cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
+        cas = x509.load_pem_x509_certificates(files.ca.read_bytes())
+    except (OSError, ValueError):
+        cert, cas = None, []
+    if cert is not None:
+        now = dt.datetime.now(dt.timezone.utc)
+        if cert.not_valid_after_utc < now:
+            return (f"it expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; have a new one issued "
+                    f"('fedpar certs --out DIR --agents {common_name(cert)} --force')")
+        if cert.not_valid_before_utc > now:
+            return (f"it is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC; check this machine's "
+                    "clock and the coordinator's")
+        if not any(_signed_by(cert, ca) for ca in cas):
+            issuer = ("another CA of the same name (another 'fedpar certs' folder)"
+                      if any(cert.issuer == ca.subject for ca in cas) else repr(cert.issuer.rfc4514_string()))
+            return (f"it was not issued by the CA in {files.ca} but by {issuer}; use the certificate and key made "
+                    "for this agent in the coordinator's certificate folder ('fedpar certs --out DIR --agents ID')")
+    return ("the coordinator does not trust the CA that issued it, or it was revoked; ask the coordinator's "
+            "operator for a certificate from its CA ('fedpar certs --out DIR --agents ID')")
+
+
+def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    """Whether ``ca`` issued ``cert`` (names match and the signature verifies)."""
+    if cert.issuer != ca.subject:
+        return False
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError):  # a bad signature, or a key type it cannot check
+        return False
+    return True
+
