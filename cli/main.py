@@ -47,12 +47,16 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser with every available subcommand."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every available subcommand in full, or only ``only`` in full (the others are listed
+    by name and help, so `fedpar --help` imports no subcommand's module)."""
     parser = FedparParser(prog="fedpar", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fedpar {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _available().items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
         mod = importlib.import_module(f"fedpar.cli.{module}")
         p = sub.add_parser(name, help=help_text, description=mod.__doc__,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -64,17 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` inside ``parser`` (from :func:`build_parser`)."""
+    return parser._subparsers._group_actions[0].choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # A process started in the background by a shell script inherits SIGINT ignored, and Python then keeps it
     # so: Ctrl-C (or kill -INT) must stop a coordinator or a simulation however it was started.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    parser = build_parser()
     if not argv or argv[0] not in _available():
+        parser = build_parser(only="")
         parser.print_help() if not argv else parser.parse_args(argv)
         return 2
-    subparser = parser._subparsers._group_actions[0].choices[argv[0]]
+    parser = build_parser(only=argv[0])
+    subparser = subcommand_parser(parser, argv[0])
     args = None
     try:
         apply_config_defaults(subparser, argv[1:], argv[0])
