@@ -11,6 +11,7 @@ import sys
 
 from fedpar.cli.argtypes import FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults
+from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.user_errors import UserError, describe
 
 # subcommand -> module under fedpar.cli that defines add_arguments(parser) and run(args) -> int
@@ -63,6 +64,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE",
                        help=f"TOML file whose [{name}] table (or top level) sets defaults; flags override it")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its one line")
+        add_log_level_argument(p, getattr(mod, "LOG_LEVEL", "info"))
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
     return parser
@@ -83,12 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(only="")
         parser.print_help() if not argv else parser.parse_args(argv)
         return 2
+    set_grpc_verbosity(argv[1:])
     parser = build_parser(only=argv[0])
     subparser = subcommand_parser(parser, argv[0])
     args = None
     try:
         apply_config_defaults(subparser, argv[1:], argv[0])
         args = parser.parse_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
+        if args.log_level:
+            setup_logging(args)
         return int(args._module.run(args) or 0)
     except ConfigError as exc:
         print(f"fedpar {argv[0]}: {exc}", file=sys.stderr)
