@@ -58,17 +58,7 @@ def add_tls_arguments(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:
-    _normalize(args)
     return bool(args.certs or args.tls_cert or args.tls_key or args.tls_ca)
-
-
-def _normalize(args: argparse.Namespace) -> None:
-    """Values from a --config TOML file arrive as plain strings; make them what the flags would give."""
-    for name in ("certs", "tls_cert", "tls_key", "tls_ca", "enrollment_tokens", "revoked", "enrollment_token_file"):
-        if isinstance(getattr(args, name, None), str):
-            setattr(args, name, Path(getattr(args, name)))
-    if isinstance(getattr(args, "allow_agents", None), str):
-        args.allow_agents = _id_list(args.allow_agents)
 
 
 @dataclass
