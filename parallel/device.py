@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from fedpar.parallel.config import DEVICE_HELP, ConfigurationError  # noqa: F401 (DEVICE_HELP: re-exported)
+from fedpar.parallel.config import ConfigurationError
 
 AUTO, CPU, CUDA = "auto", "cpu", "cuda"
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")

@@ -14,7 +14,8 @@ def _args(argv):
 
 
 def test_simulate_flags_build_an_adaptive_client_side_privacy_strategy():
-    args = _args(["simulate", "--strategy", "fedavgm", "--privacy", "client", "--privacy-noise", "0.7", "--privacy-clip", "0.5",
+    args = _args(["simulate", "--strategy", "fedavgm", "--privacy", "client", "--privacy-noise", "0.7",
+                  "--privacy-clip", "0.5",
                   "--privacy-adaptive-quantile", "0.4", "--privacy-count-noise", "1.0", "--privacy-delta", "1e-6"])
     name, options = privacy_strategy(args, args.strategy, clients_per_round=10, overselect=1.3, population=100)
     assert name == "dp-fedavgm"

@@ -126,7 +126,8 @@ def _flat(arrays):
 def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(start_coordinator, monkeypatch, clip,
                                                                           local_noise, central_noise,
                                                                           coordinator_clips):
-    """Real agents under `--privacy client --privacy-local-noise s`: the coordinator folds their noisy uploads, clipped to C.
+    """Real agents under `--privacy client --privacy-local-noise s`: the coordinator folds their noisy uploads,
+    clipped to C.
 
     An MLP update after one epoch has norm ~0.12. Case one: C = 0.5 and local noise of norm ~0.25, so neither
     agent nor coordinator clips and the model carries the local noise itself. Case two: C = 0.05 (agents clip)
