@@ -42,7 +42,8 @@ def server_for(rounds: int, agents: int, credentials=None, admission=None, **ove
     """A coordinator of the tiny model at default limits (plus ``overrides``), not started."""
     model = tiny_model()
     config = CoordinatorConfig(**{**dict(rounds=rounds, clients_per_round=agents, min_available=agents, overselect=1.0,
-                                         heartbeat_seconds=1.0, liveness_timeout_seconds=10.0), **overrides})
+                                         heartbeat_seconds=1.0, liveness_timeout_seconds=10.0, local_epochs=1,
+                                         batch_size=32, learning_rate=0.05), **overrides})
     coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model),
                               build_strategy("fedavg"), admission=admission)
     return CoordinatorServer(coordinator, credentials=credentials)

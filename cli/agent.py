@@ -2,66 +2,67 @@
 data when sampled, stops in time for the deadline and uploads its update. Data never leaves it.
 
 For demos, --partition/--num-partitions/--partition-index pick this agent's share of a dataset.
-With --nproc N (or under torchrun) the agent is N ranks training with the parallel engine (--fsdp/--dp/--tp).
+With --nproc N (or under torchrun) the agent is N ranks training with the parallel engine (--fsdp/--dp-replicate/--tp).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-import torch
-
 from fedpar.cli.argtypes import count, non_negative_int, positive, probability
-from fedpar.client.agent import Agent, AgentConfig, FatalAgentError
-from fedpar.client.trainer import PRECISIONS, LocalTrainer
+from fedpar.cli.declared import section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
+from fedpar.cli.log_level import setup_logging
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
-from fedpar.datasets import load_dataset
-from fedpar.models.for_data import build_model_for_data
-from fedpar.parallel.config import ConfigurationError
-from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
-from fedpar.datasets.clientdata import local_split, partition_indices
+from fedpar.parallel.config import DEVICE_HELP, PRECISIONS, ConfigurationError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar client``."""
-    p.add_argument("--server", default="127.0.0.1:50051", help="coordinator address HOST:PORT")
-    p.add_argument("--agent-id", required=True, help="this agent's unique name")
-    p.add_argument("--model", default="mlp", help="mlp or cnn; must match the coordinator's")
-    p.add_argument("--dataset", default="digits", help="digits or mnist")
-    p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
-    p.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N")
-    p.add_argument("--num-partitions", type=count, default=1, help="how many shares the training set is cut into")
-    p.add_argument("--partition-index", type=non_negative_int, default=0, help="which share is this agent's (0-based)")
-    p.add_argument("--partition-seed", type=int, default=0, help="seed of the split (same on every agent)")
-    p.add_argument("--val-fraction", type=probability, default=0.1, help="local share kept for federated evaluation")
-    p.add_argument("--seed", type=int, default=0, help="seed for local shuffling")
-    p.add_argument("--poll", dest="poll_seconds", type=positive, default=5.0, help="long-poll seconds per request")
-    p.add_argument("--max-backoff", type=positive, default=30.0, help="longest wait between reconnection attempts")
-    p.add_argument("--give-up-after", type=positive, default=None,
+    g = section(p, "connection")
+    g.add_argument("--server", default="127.0.0.1:50051", help="coordinator address HOST:PORT")
+    g.add_argument("--agent-id", required=True, help="this agent's unique name")
+    g.add_argument("--poll", dest="poll_seconds", type=positive, default=5.0, help="long-poll seconds per request")
+    g.add_argument("--max-backoff", type=positive, default=30.0, help="longest wait between reconnection attempts")
+    g.add_argument("--give-up-after", type=positive, default=None,
                    help="exit after this many seconds without reaching the coordinator (default: never)")
-    p.add_argument("--threads", type=count, default=None, help="torch threads for local training")
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="bf16: forward passes under bf16 autocast (weights and uploads stay fp32)")
-    p.add_argument("--no-data-plane", action="store_true",
+    g.add_argument("--no-data-plane", action="store_true",
                    help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
+    g = section(p, "data")
+    g.add_argument("--model", default="mlp", help="mlp or cnn; must match the coordinator's")
+    g.add_argument("--dataset", default="digits", help="digits or mnist")
+    g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
+    g.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N")
+    g.add_argument("--num-partitions", type=count, default=1, help="how many shares the training set is cut into")
+    g.add_argument("--partition-index", type=non_negative_int, default=0, help="which share is this agent's (0-based)")
+    g.add_argument("--partition-seed", type=int, default=0, help="seed of the split (same on every agent)")
+    g.add_argument("--val-fraction", type=probability, default=0.1, help="local share kept for federated evaluation")
+    g.add_argument("--seed", type=int, default=0, help="seed for local shuffling")
+    g = section(p, "device")
+    g.add_argument("--threads", type=count, default=None, help="torch threads for local training")
+    g.add_argument("--device", default="auto", help=DEVICE_HELP)
+    g.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="bf16: forward passes under bf16 autocast (weights and uploads stay fp32)")
     add_tls_arguments(p, "client")
     add_engine_arguments(p)
 
 
 def local_data(args: argparse.Namespace):
     """The dataset's splits and this agent's local (train, val) share of it."""
+    from fedpar.datasets import load_dataset
+    from fedpar.datasets.clientdata import local_split, partition_indices
+
     splits = load_dataset(args.dataset, args.data_dir)
     parts = partition_indices(splits, args.partition, args.num_partitions, args.partition_seed)
     train, val = local_split(splits.train, parts[args.partition_index], args.val_fraction, args.seed)
     return splits, train, val
 
 
-def agent_config(args: argparse.Namespace, security) -> AgentConfig:
+def agent_config(args: argparse.Namespace, security):
     """The AgentConfig the options and the TLS set-up describe."""
+    from fedpar.client.agent import AgentConfig
+
     return AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
                        max_backoff=args.max_backoff, give_up_after=args.give_up_after,
                        credentials=security.credentials, tls_server_name=security.server_name,
@@ -72,7 +73,14 @@ def agent_config(args: argparse.Namespace, security) -> AgentConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the agent until the coordinator says shutdown."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import torch
+
+    from fedpar.client.agent import Agent, FatalAgentError
+    from fedpar.client.trainer import LocalTrainer
+    from fedpar.models.for_data import build_model_for_data
+    from fedpar.parallel.device import check_device_layout, flush_denormals, resolve_device
+
+    setup_logging(args)
     flush_denormals()
     if args.threads:
         torch.set_num_threads(args.threads)

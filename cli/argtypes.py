@@ -15,6 +15,14 @@ from typing import Callable
 class FedparParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the command, the problem and where help is."""
 
+    def format_help(self) -> str:
+        """The help text; an option's ``help_factory`` (help that needs heavy imports) is called only now."""
+        for action in self._actions:
+            factory = getattr(action, "help_factory", None)
+            if factory is not None:
+                action.help, action.help_factory = factory(), None
+        return super().format_help()
+
     def error(self, message: str):
         """Print ``prog: error: message`` and exit 2 (argparse would print the whole usage first)."""
         print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
@@ -45,6 +53,7 @@ def ranged(kind: type, low=None, high=None, what: str = "") -> Callable[[str], i
             raise argparse.ArgumentTypeError(f"{text} is out of range: {what or 'it'} must be {bound}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its messages
+    parse.kind = kind  # what a TOML value must be (cli/config.py)
     return parse
 
 
@@ -64,9 +73,15 @@ def positive(text: str) -> float:
     return value
 
 
+positive.kind = float
+
+
 def fraction(text: str) -> float:
     """An argparse type: a share in (0, 1] (--fraction, --topk-ratio)."""
     value = _number(float, text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in (0, 1]")
     return value
+
+
+fraction.kind = float

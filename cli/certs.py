@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from fedpar.cli.argtypes import count
+from fedpar.cli.declared import section
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.security.admission import append_revocation, mint_token, parse_token_hashes
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, CertPaths, check_agent_id, ensure_certs, \
@@ -23,23 +24,28 @@ def _id_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar certs``."""
-    p.add_argument("--out", type=Path, required=True,
+    g = section(p, "certificates")
+    g.add_argument("--out", type=Path, required=True,
                    help="certificate folder: created if missing; an existing CA in it is reused")
-    p.add_argument("--agents", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
+    g.add_argument("--agents", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
                    help="agent ids to issue client certificates for (certificate subject CN = agent id)")
-    p.add_argument("--server-name", action="append", metavar="NAME",
+    g.add_argument("--server-name", action="append", metavar="NAME",
                    help="DNS name or IP address agents dial the coordinator by (repeat for several); given, "
                         "it re-issues server.pem. Default for a new folder: " + ", ".join(DEFAULT_SERVER_NAMES))
-    p.add_argument("--days", type=count, default=DEFAULT_DAYS, help="validity of new server and agent certificates")
-    p.add_argument("--force", action="store_true", help="re-issue certificates of agents that already have one")
-    p.add_argument("--revoke", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
+    g.add_argument("--days", type=count, default=DEFAULT_DAYS, help="validity of new server and agent certificates")
+    g.add_argument("--force", action="store_true", help="re-issue certificates of agents that already have one")
+    g = section(p, "revocation")
+    g.add_argument("--revoke", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
                    help="append these agent ids to OUT/revoked.txt; a coordinator watching it refuses them")
-    p.add_argument("--revoke-cert", type=Path, action="append", default=[], metavar="PEM",
+    g.add_argument("--revoke-cert", type=Path, action="append", default=[], metavar="PEM",
                    help="append this certificate's serial number to OUT/revoked.txt (revokes that certificate "
                         "only, so the agent may get a new one)")
-    p.add_argument("--mint-token", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
+    g.add_argument("--mint-token", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
                    help="make an enrollment token per agent: OUT/ID.token (give it to the agent) and its SHA-256 "
                         "in OUT/tokens.txt (for 'fedpar serve --enrollment-tokens')")
 

@@ -12,6 +12,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from fedpar.cli.renamed import RenamedOption
+
 
 class ConfigError(ValueError):
     """A configuration file that cannot be used, with a message that says what to change."""
@@ -28,17 +30,18 @@ def _key(name: str) -> str:
 
 
 def _flatten(table: dict[str, Any], where: str, dict_options: set[str], skip: set[str],
-             out: dict[str, Any], origin: dict[str, str]) -> None:
+             out: dict[str, Any], origin: dict[str, str], names: dict[str, str], prefix: str = "") -> None:
     label = f"[{where}]" if where else "the top level"
     for raw, value in table.items():
         key = _key(raw)
         if isinstance(value, dict) and key not in dict_options:
             if raw not in skip:
-                _flatten(value, f"{where}.{raw}" if where else raw, dict_options, set(), out, origin)
+                _flatten(value, f"{where}.{raw}" if where else raw, dict_options, set(), out, origin, names,
+                         f"{prefix}{raw}.")
             continue
         if key in out:
             raise ConfigError(f"option {key} is set twice, in {origin[key]} and in {label}; keep one of them")
-        out[key], origin[key] = value, label
+        out[key], origin[key], names[key] = value, label, f"{prefix}{raw}"
 
 
 def load_toml_section(path: str | Path, section: str, dict_options: set[str] | frozenset[str] = frozenset()
@@ -48,6 +51,12 @@ def load_toml_section(path: str | Path, section: str, dict_options: set[str] | f
     Nested tables are flattened into the options (an option in ``dict_options`` takes its table as a dict);
     at the top level, tables named after other subcommands are left to those subcommands.
     """
+    return _load(path, section, dict_options)[0]
+
+
+def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str]
+          ) -> tuple[dict[str, Any], dict[str, str]]:
+    """:func:`load_toml_section`, and each option's key as written in the file (``parallel.tp``)."""
     path = Path(path)
     try:
         with path.open("rb") as fh:
@@ -61,12 +70,59 @@ def load_toml_section(path: str | Path, section: str, dict_options: set[str] | f
     if not isinstance(table, dict):
         raise ConfigError(f"[{section}] in {path} must be a table")
     values: dict[str, Any] = {}
+    names: dict[str, str] = {}
     try:
         _flatten(table, section if own else "", set(dict_options), set() if own else _subcommand_names(),
-                 values, {})
+                 values, {}, names)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    return values
+    return values, names
+
+
+_FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", Path: "a path (a string)"}
+
+
+def typed_value(action: argparse.Action, value: Any) -> Any:
+    """``value`` from a TOML file as the option's flag would make it; ValueError saying what was expected."""
+    if isinstance(action, RenamedOption):
+        raise ValueError(action.toml_message)
+    if isinstance(action, _FLAGS):
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+    if isinstance(action, (argparse._AppendAction, argparse._ExtendAction)):
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError(f"expected a string or a list of strings, got {value!r}")
+        converted = [action.type(item) if action.type else item for item in items]
+        if isinstance(action, argparse._ExtendAction):
+            converted = [part for item in converted for part in (item if isinstance(item, list) else [item])]
+        return converted
+    if not isinstance(action, argparse._StoreAction):
+        return value  # options with actions of their own (--strategy-option) check their values themselves
+    if action.choices is not None:
+        values = getattr(action, "choice_values", {})
+        if value in action.choices or any(value is v or (value == v and type(value) is type(v))
+                                          for v in values.values()):
+            return value
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}, got {value!r}")
+    kind = getattr(action.type, "kind", action.type) or str
+    if kind in _KIND_WORDS:
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = numeric and (kind is float or isinstance(value, int)) if kind in (int, float) else isinstance(value, str)
+        if not ok:
+            raise ValueError(f"expected {_KIND_WORDS[kind]}, got {value!r}")
+        if kind is float:
+            value = float(value)
+    elif not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    if action.type is None:
+        return value
+    try:
+        return action.type(value if isinstance(value, str) else str(value))  # range checks (cli/argtypes.py)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], section: str) -> None:
@@ -79,11 +135,18 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     # Options without a flag (set with parser.set_defaults) can be set from the file too.
     dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}
     dict_options = {k for k in dests if isinstance(parser.get_default(k), dict)}
-    values = load_toml_section(known.config, section, dict_options)
+    values, names = _load(known.config, section, dict_options)
     unknown = sorted(set(values) - dests)
     if unknown:
         raise ConfigError(
             f"{known.config}: unknown option(s) for '{section}': {', '.join(unknown)}; "
             f"run 'fedpar {section} --help' for the valid ones"
         )
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in values.items():
+        if key in actions:
+            try:
+                values[key] = typed_value(actions[key], value)
+            except ValueError as exc:
+                raise ConfigError(f"{known.config}: {names[key]}: {exc}") from None
     parser.set_defaults(**values)

@@ -7,28 +7,24 @@ with FSDP/DDP/TP (client/engine_trainer.py); the other ranks leave when the coor
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
-import torch
-
 from fedpar.cli.argtypes import count, positive
+from fedpar.cli.declared import add_declared, from_args, section
+from fedpar.cli.log_level import setup_logging
+from fedpar.cli.renamed import add_replicas_renamed
 from fedpar.parallel.config import ConfigurationError, ParallelConfig
-from fedpar.parallel.device import flush_denormals
-
-_P = ParallelConfig()
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The large-model options of ``fedpar client`` (degrees multiply to --nproc, or torchrun's world size)."""
-    g = p.add_argument_group("large-model agent: one agent over several local ranks (dp*fsdp*tp = --nproc)")
+    g = section(p, "engine")
     g.add_argument("--nproc", type=count, default=1,
                    help="local ranks this agent trains on (ignored under torchrun, which sets the world size); "
                         "rank 0 talks to the coordinator")
-    g.add_argument("--dp", type=int, default=_P.dp, help="DDP replicas (-1: whatever the other degrees leave)")
-    g.add_argument("--fsdp", type=int, default=_P.fsdp, help="FSDP2 shards of the model")
-    g.add_argument("--tp", type=int, default=_P.tp, help="tensor-parallel degree (mlp only)")
+    add_declared(p, ParallelConfig, only=("dp", "fsdp", "tp"), group="engine")
+    add_replicas_renamed(p)
     g.add_argument("--dist-timeout", type=positive, default=300.0,
                    help="seconds a collective may wait during training before the ranks give up")
     g.add_argument("--idle-timeout", type=positive, default=7 * 86400.0,
@@ -37,15 +33,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def wants_engine(args: argparse.Namespace) -> bool:
     """True when the options (or a torchrun environment) ask for a multi-rank agent."""
-    return args.nproc > 1 or "WORLD_SIZE" in os.environ or any(d > 1 for d in (args.dp, args.fsdp, args.tp))
+    p = _parallel_config(args)
+    return args.nproc > 1 or "WORLD_SIZE" in os.environ or any(d > 1 for d in (p.dp, p.fsdp, p.tp))
 
 
 def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
-    return ParallelConfig(dp=args.dp, fsdp=args.fsdp, tp=args.tp, sequence_parallel=False)
+    return from_args(ParallelConfig, args, sequence_parallel=False)
 
 
 def run_engine(args: argparse.Namespace) -> int:
     """Check the degrees, then run this process as one rank (torchrun) or spawn ``--nproc`` local ranks."""
+    import torch
+
     from fedpar.cli.tlsopts import client_security
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.init import exit_rank_process, spawn
@@ -56,7 +55,7 @@ def run_engine(args: argparse.Namespace) -> int:
         _parallel_config(args).resolved(world)
         if args.precision != "fp32":
             raise ConfigurationError("--precision bf16 is for single-process agents; a large-model agent trains "
-                                     "in fp32 (drop --precision, or drop --nproc/--fsdp/--dp/--tp)")
+                                     "in fp32 (drop --precision, or drop --nproc/--fsdp/--dp-replicate/--tp)")
         check_device_layout(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world)
         if not under_launcher and not args.insecure:
             client_security(args)  # fail here, before spawning, on missing certificates
@@ -87,13 +86,16 @@ def _spawned(options: dict, code) -> None:
 
 def engine_process(args: argparse.Namespace) -> int:
     """One rank of the agent: build the sharded trainer; rank 0 runs the Agent, the others follow it."""
+    import torch
+
     from fedpar.cli.agent import agent_config, local_data
     from fedpar.cli.tlsopts import client_security
     from fedpar.client.engine_trainer import EngineTrainer
     from fedpar.models.for_data import build_model_for_data
+    from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args)
     flush_denormals()
     if args.threads:
         torch.set_num_threads(args.threads)

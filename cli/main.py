@@ -11,6 +11,7 @@ import sys
 
 from fedpar.cli.argtypes import FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults
+from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.user_errors import UserError, describe
 
 # subcommand -> module under fedpar.cli that defines add_arguments(parser) and run(args) -> int
@@ -48,21 +49,31 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser with every available subcommand."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every available subcommand in full, or only ``only`` in full (the others are listed
+    by name and help, so `fedpar --help` imports no subcommand's module)."""
     parser = FedparParser(prog="fedpar", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fedpar {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _available().items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
         mod = importlib.import_module(f"fedpar.cli.{module}")
         p = sub.add_parser(name, help=help_text, description=mod.__doc__,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.add_argument("--config", metavar="FILE",
                        help=f"TOML file whose [{name}] table (or top level) sets defaults; flags override it")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its one line")
+        add_log_level_argument(p, getattr(mod, "LOG_LEVEL", "info"))
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
     return parser
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` inside ``parser`` (from :func:`build_parser`)."""
+    return parser._subparsers._group_actions[0].choices[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,15 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     # A process started in the background by a shell script inherits SIGINT ignored, and Python then keeps it
     # so: Ctrl-C (or kill -INT) must stop a coordinator or a simulation however it was started.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    parser = build_parser()
     if not argv or argv[0] not in _available():
+        parser = build_parser(only="")
         parser.print_help() if not argv else parser.parse_args(argv)
         return 2
-    subparser = parser._subparsers._group_actions[0].choices[argv[0]]
+    set_grpc_verbosity(argv[1:])
+    parser = build_parser(only=argv[0])
+    subparser = subcommand_parser(parser, argv[0])
     args = None
     try:
         apply_config_defaults(subparser, argv[1:], argv[0])
         args = parser.parse_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
+        if args.log_level:
+            setup_logging(args)
         return int(args._module.run(args) or 0)
     except ConfigError as exc:
         print(f"fedpar {argv[0]}: {exc}", file=sys.stderr)

@@ -7,12 +7,14 @@ import sys
 from typing import Callable
 
 from fedpar.cli.argtypes import port
+from fedpar.cli.declared import section
+from fedpar.cli.privacy import privacy_on
 from fedpar.cli.user_errors import UserError
 
 
 def add_observability_arguments(p: argparse.ArgumentParser) -> None:
     """Add --metrics-port, --metrics-host and --tensorboard."""
-    g = p.add_argument_group("observability", "metrics.jsonl and metrics.csv are always written to --out")
+    g = section(p, "observability")
     g.add_argument("--metrics-port", type=port, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port): rounds, "
                         "agents, uploads, refusals, bytes, round and fold seconds, DP epsilon")
@@ -67,7 +69,7 @@ class Observers:
             return
         from fedpar.server.prometheus_metrics import PrometheusExporter
 
-        self.exporter = PrometheusExporter(server, privacy=getattr(self.args, "dp", "off") != "off")
+        self.exporter = PrometheusExporter(server, privacy=privacy_on(self.args))
         server.coordinator.on_round_end.append(self.exporter.observe)
         try:
             bound = self.exporter.serve(self.args.metrics_host, self.args.metrics_port)

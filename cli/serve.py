@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -18,114 +17,52 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fedpar.cli.argtypes import at_least_one, count, fraction, non_negative_int, port, positive
-from fedpar.aggregation import build_strategy, strategy_names
+from fedpar.cli.argtypes import count, port
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
-from fedpar.cli.dp import DP_COLUMNS, add_dp_arguments, dp_strategy
-from fedpar.cli.limit_options import add_limit_arguments
-from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
-from fedpar.cli.strategy_options import add_strategy_option_argument, strategy_options_from_args
-from fedpar.cli.tlsopts import add_tls_arguments, server_security
+from fedpar.cli.declared import add_declared, from_args, section
+from fedpar.cli.log_level import setup_logging
 from fedpar.cli.observability import Observers, add_observability_arguments
+from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
+from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
+from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
+from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.cli.user_errors import check_output_folder, check_port_free, run_exit_code
-from fedpar.datasets import load_dataset
-from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
+from fedpar.parallel.config import DEVICE_HELP
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.server.aggregator_ranks import RankLeader, check_ranks_supported, rank_columns
-from fedpar.server.app import CoordinatorServer, RestoreError
-from fedpar.server.assembly import CoordinatorAssembly
-from fedpar.server.rank_group import first_line
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.final_model import write_coordinator_model
-from fedpar.simulations.synthetic_coordinator import synthetic_model
-from fedpar.server.secure_round import check_secure_setup
+
+if TYPE_CHECKING:
+    from fedpar.server.assembly import CoordinatorAssembly
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``fedpar serve``."""
-    d = CoordinatorConfig()
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=port, default=50051, help="port to listen on (0 picks a free one)")
-    p.add_argument("--model", default="mlp", help="mlp or cnn; agents must use the same (or synthetic: see --params)")
-    p.add_argument("--params", type=count, default=1_000_000,
-                   help="with --model synthetic: a model of about this many float32 parameters and no data or "
-                        "central evaluation, for benchmarks and load tests")
-    p.add_argument("--dataset", default="digits",
-                   help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
-    p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
-    p.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
-    p.add_argument("--accept-populations", action="store_true",
-                   help="let simulation hosts (`fedpar simulate-workers`) register virtual populations: members "
-                        "without certificates of their own, live while their host calls")
-    p.add_argument("--clock", choices=("real", "virtual"), default="real",
-                   help="with --accept-populations: 'virtual' runs the deadline and first-K on simulated time; hosts "
-                        "report each member's finish time from its trace and only the first K in time train")
-    p.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
-    p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
-    add_strategy_option_argument(p, "serve")
-    p.add_argument("--rounds", type=non_negative_int, default=d.rounds, help="rounds to run (0: none)")
-    p.add_argument("--clients-per-round", type=count, default=d.clients_per_round,
-                   help="K: accepted updates that close a round early")
-    p.add_argument("--fraction", type=fraction, default=d.fraction,
-                   help="alternative to --clients-per-round: K = fraction x live agents")
-    p.add_argument("--min-available", type=count, default=d.min_available,
-                   help="live agents needed before a round starts")
-    p.add_argument("--min-reports", type=non_negative_int, default=d.min_reports,
-                   help="fewer accepted updates than this fail the round; the model stays as it was")
-    p.add_argument("--overselect", type=at_least_one, default=d.overselect,
-                   help="sample ceil(K x overselect) agents so stragglers do not hold a round up")
-    p.add_argument("--deadline", dest="deadline_seconds", type=positive, default=d.deadline_seconds,
-                   help="straggler deadline in seconds; later updates are refused")
-    p.add_argument("--local-epochs", type=count, default=d.local_epochs, help="local epochs per task")
-    p.add_argument("--batch-size", type=count, default=d.batch_size, help="local batch size")
-    p.add_argument("--lr", dest="learning_rate", type=positive, default=d.learning_rate, help="local learning rate")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for initial weights and sampling")
-    p.add_argument("--heartbeat", dest="heartbeat_seconds", type=positive, default=d.heartbeat_seconds,
-                   help="seconds between agent heartbeats")
-    p.add_argument("--liveness-timeout", dest="liveness_timeout_seconds", type=positive,
-                   default=d.liveness_timeout_seconds, help="an agent silent this long is not sampled")
-    p.add_argument("--max-chunk-bytes", type=count, default=d.max_chunk_bytes, help="largest tensor chunk accepted")
-    p.add_argument("--inline-weights-bytes", dest="inline_weights_max_bytes", type=non_negative_int,
-                   default=d.inline_weights_max_bytes,
-                   help="models up to this size (and one chunk) travel inside each task instead of a separate "
-                        "download call; every task reply of a round carries a copy; 0 = always download")
-    p.add_argument("--max-concurrent-uploads", type=count, default=d.max_concurrent_uploads,
-                   help="uploads staged at once (each holds one model copy)")
-    p.add_argument("--data-plane", choices=["auto", "on", "off"], default="auto",
-                   help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC "
-                        f"uses TLS): auto = for models of at least {d.data_plane_min_bytes >> 20} MiB; agents "
-                        "that do not support it keep using the gRPC streams")
-    p.add_argument("--data-port", type=port, default=d.data_port,
-                   help="port of the data plane on --host (0 picks a free one; agents learn it with each task)")
-    p.add_argument("--secure-aggregation", action="store_true",
-                   help="SecAgg+ masking: the coordinator learns only the weighted mean of the agents' updates "
-                        "(needs a linear strategy: fedavg, fedavgm, fedprox, fedadam, fedyogi, fedadagrad)")
-    p.add_argument("--secagg-clip", type=positive, default=d.secagg_clip,
-                   help="with --secure-aggregation: clip each coordinate of an update (local - global) to +-this")
-    p.add_argument("--secagg-max-weight", type=count, default=d.secagg_max_weight,
-                   help="with --secure-aggregation: cap on an agent's weight (default: largest registered "
-                        "examples x local epochs in the cohort)")
-    p.add_argument("--secagg-stage-seconds", type=positive, default=d.secagg_stage_seconds,
-                   help="with --secure-aggregation: longest wait for each key-exchange stage and for unmasking")
-    add_compression_arguments(p)
-    add_limit_arguments(p)
-    p.add_argument("--aggregator-ranks", type=count, default=d.aggregator_ranks,
-                   help="processes that share each round's downloads, uploads and fold, joined by an all-reduce "
-                        "(rank r listens on --port + r, or a free port with --port 0; agents are told which rank "
-                        "to use). Under torchrun every launched process is one rank and this is ignored")
-    p.add_argument("--aggregator-timeout", dest="aggregator_timeout_seconds", type=positive,
-                   default=d.aggregator_timeout_seconds,
-                   help="longest wait for another aggregator rank at a round's close; a rank that misses it is "
-                        "named and the whole coordinator stops (restart it with the same command to resume)")
-    p.add_argument("--checkpoint-dir", type=Path,
-                   help="checkpoint every round here, and resume from it after a restart (same model and strategy)")
-    p.add_argument("--port-file", type=Path,
+    """Options of ``fedpar serve``: CoordinatorConfig's declared settings, and what only the command line sets."""
+    g = section(p, "coordinator")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    g.add_argument("--port", type=port, default=50051, help="port to listen on (0 picks a free one)")
+    g.add_argument("--port-file", type=Path,
                    help="once listening, write the bound port to this file (handy with --port 0)")
-    p.add_argument("--out", type=Path, default=Path("runs/serve"),
+    g.add_argument("--out", type=Path, default=Path("runs/serve"),
                    help="folder for metrics.jsonl, metrics.csv, summary.json, accuracy.png, loss.png and the final "
                         "model (global.safetensors, global.json)")
-    add_dp_arguments(p, population_flag=True)
+    g = section(p, "data")
+    g.add_argument("--model", default="mlp", help="mlp or cnn; agents must use the same (or synthetic: see --params)")
+    g.add_argument("--params", type=count, default=1_000_000,
+                   help="with --model synthetic: a model of about this many float32 parameters and no data or "
+                        "central evaluation, for benchmarks and load tests")
+    g.add_argument("--dataset", default="digits",
+                   help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
+    g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
+    g.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
+    g.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
+    section(p, "rounds")
+    section(p, "training")
+    add_strategy_arguments(p, "serve")
+    add_declared(p, CoordinatorConfig)
+    add_compression_arguments(p)
+    add_privacy_arguments(p, population_flag=True)
     add_tls_arguments(p, "serve")
     add_observability_arguments(p)
 
@@ -143,16 +80,19 @@ class ServePlan:
 def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     """Settings, security, model and strategy from ``args`` (ValueError saying what to fix); ranks other than 0
     keep no metrics, checkpoints or central evaluation."""
-    fields = set(CoordinatorConfig.__dataclass_fields__)
-    config = CoordinatorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    from fedpar.aggregation import build_strategy
+    from fedpar.datasets import load_dataset
+    from fedpar.parallel.device import check_device_layout, resolve_device
+    from fedpar.server.aggregator_ranks import check_ranks_supported
+    from fedpar.server.assembly import CoordinatorAssembly
+    from fedpar.server.secure_round import check_secure_setup
+    from fedpar.simulations.synthetic_coordinator import synthetic_model
+
+    config = from_args(CoordinatorConfig, args)
     config.metrics_path = args.out / "metrics.jsonl" if rank == 0 else None
-    config.virtual_clock = getattr(args, "clock", "real") == "virtual"
     if rank:
         config.checkpoint_dir = None
         config.data_port = config.data_port + rank if config.data_port else 0
-    choice = getattr(args, "data_plane", None)  # a --config TOML file may give a bool
-    config.data_plane = choice if choice is None or isinstance(choice, bool) else \
-        {"auto": None, "on": True, "off": False}.get(choice, choice)
     security = server_security(args)  # first: a missing certificate should not wait for data loading
     check_device_layout(args.device)
     config.upload_compression = compression_from_args(args)
@@ -166,10 +106,10 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
         eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
         assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
         assembly.description["dataset"] = args.dataset
-    if args.dp != "off" and config.fraction is not None:
-        raise ValueError("--dp needs a fixed cohort: use --clients-per-round instead of --fraction")
-    name, options = dp_strategy(args, args.strategy, config.clients_per_round, config.overselect,
-                                args.dp_population)
+    if privacy_on(args) and config.fraction is not None:
+        raise ValueError("--privacy needs a fixed cohort: use --clients-per-round instead of --fraction")
+    name, options = privacy_strategy(args, args.strategy, config.clients_per_round, config.overselect,
+                                     args.privacy_population)
     strategy = build_strategy(name, **strategy_options, **options)
     if config.secure_aggregation:
         check_secure_setup(assembly.names, assembly.weights, strategy)
@@ -186,7 +126,9 @@ def _world(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until every round is done (in ``--aggregator-ranks`` local processes when more than one)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from fedpar.parallel.device import flush_denormals
+
+    setup_logging(args)
     flush_denormals()
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
@@ -216,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank_failure(exc: BaseException) -> str:
     """What went wrong in a spawned rank: its RankMissing line when it raised one, else the launcher's first line."""
+    from fedpar.server.rank_group import first_line
+
     missing = [line.split("RankMissing: ", 1)[1] for line in str(exc).splitlines() if "RankMissing: " in line]
     return missing[0] if missing else first_line(exc)
 
@@ -229,10 +173,12 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     """One aggregator rank (spawned here, or launched by torchrun): rank 0 serves as the coordinator."""
     if isinstance(args, dict):
         args = argparse.Namespace(**args)
+    from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
+    from fedpar.server.aggregator_ranks import RankLeader
     from fedpar.server.rank_group import RankGroup
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args)
     flush_denormals()
     rank = int(os.environ.get("RANK", "0"))
     plan = _plan(args, rank)
@@ -250,6 +196,7 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
 
 def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: str) -> int:
     """Aggregator rank > 0: serve the agents rank 0 deals here until rank 0 says the rounds are done."""
+    from fedpar.server.app import CoordinatorServer
     from fedpar.server.ingest_rank import IngestRank
 
     ingest = IngestRank(plan.config, plan.assembly.names, plan.assembly.weights, plan.strategy, group,
@@ -263,8 +210,13 @@ def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: 
 
 def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     """Rank 0 (or the only rank): run the rounds, print the table, write metrics and checkpoints."""
+    from fedpar.server.aggregator_ranks import rank_columns
+    from fedpar.server.app import RestoreError
+    from fedpar.server.final_model import write_coordinator_model
+    from fedpar.simulations.run_outputs import write_run_outputs
+
     config, security = plan.config, plan.security
-    columns = COLUMNS + (DP_COLUMNS if args.dp != "off" else [])
+    columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else [])
     if ranks is not None:
         columns = columns + rank_columns(ranks.world)
     table = RoundTable(total=config.rounds, columns=columns)
@@ -321,7 +273,6 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         server.stop(grace=0.5 if interrupted else 1.0)
         observers.close()
     rows = server.coordinator.metrics.rows
-    from fedpar.simulations.run_outputs import write_run_outputs
     summary = write_run_outputs(args.out, rows, {"wall_seconds": time.monotonic() - started,
                                                  "interrupted": interrupted},
                                 title=f"{args.dataset} / {args.model}, fedpar serve")

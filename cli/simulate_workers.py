@@ -11,34 +11,40 @@ coordinator samples, times and folds; it must be started with --min-available N 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from fedpar.cli.argtypes import count, non_negative, probability
-from fedpar.parallel.device import DEVICE_HELP
+from fedpar.cli.declared import section
+from fedpar.cli.log_level import setup_logging
+from fedpar.parallel.config import DEVICE_HELP
+
+LOG_LEVEL = "warning"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar simulate-workers``."""
-    p.add_argument("--server", required=True, help="the coordinator, HOST:PORT (plaintext: loopback or a private "
+    g = section(p, "connection")
+    g.add_argument("--server", required=True, help="the coordinator, HOST:PORT (plaintext: loopback or a private "
                                                    "network; members have no certificates of their own)")
-    p.add_argument("--clients", type=count, required=True, help="the whole population, over every process")
-    p.add_argument("--dataset", default="digits", help="digits, mnist, synthetic:ALPHA:BETA, npz:PATH or csv:PATH")
-    p.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
-    p.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA, shards:K, quantity:SIGMA or natural")
-    p.add_argument("--examples-per-client", type=count, help="keep at most this many of each client's examples")
-    p.add_argument("--model", default="mlp", help="mlp or cnn, as the coordinator's")
-    p.add_argument("--val-fraction", type=probability, default=0.1, help="share of a client's data kept for "
+    g = section(p, "data")
+    g.add_argument("--clients", type=count, required=True, help="the whole population, over every process")
+    g.add_argument("--dataset", default="digits", help="digits, mnist, synthetic:ALPHA:BETA, npz:PATH or csv:PATH")
+    g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
+    g.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA, shards:K, quantity:SIGMA or natural")
+    g.add_argument("--examples-per-client", type=count, help="keep at most this many of each client's examples")
+    g.add_argument("--model", default="mlp", help="mlp or cnn, as the coordinator's")
+    g.add_argument("--val-fraction", type=probability, default=0.1, help="share of a client's data kept for "
                                                                        "federated evaluation")
-    p.add_argument("--slow-fraction", type=probability, default=0.0, help="share of clients that are slow")
-    p.add_argument("--slow-step-delay", type=non_negative, default=0.05, help="extra seconds per step when slow")
-    p.add_argument("--drop-probability", type=probability, default=0.0,
+    g = section(p, "simulation")
+    g.add_argument("--slow-fraction", type=probability, default=0.0, help="share of clients that are slow")
+    g.add_argument("--slow-step-delay", type=non_negative, default=0.05, help="extra seconds per step when slow")
+    g.add_argument("--drop-probability", type=probability, default=0.0,
                    help="chance per client per round of vanishing before it uploads")
-    p.add_argument("--trace", help="system traces, 'fedscale' (generated from --seed) or a CSV/JSON file: speeds, "
+    g.add_argument("--trace", help="system traces, 'fedscale' (generated from --seed) or a CSV/JSON file: speeds, "
                                    "links and availability per client (simulations/traces.py)")
-    p.add_argument("--seats", type=count, default=4, help="sampled clients training at once in this process")
-    p.add_argument("--seed", type=int, default=0, help="the seed of the data split (the same in every process)")
-    p.add_argument("--device", default="cpu", help=f"where the clients train: {DEVICE_HELP}")
+    g.add_argument("--seats", type=count, default=4, help="sampled clients training at once in this process")
+    g.add_argument("--seed", type=int, default=0, help="the seed of the data split (the same in every process)")
+    g.add_argument("--device", default="cpu", help=f"where the clients train: {DEVICE_HELP}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.simulations.population import PopulationHost, PopulationSlice, step_delays
     from fedpar.simulations.traces import traces_for
 
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging(args)
     torch.set_num_threads(1)
     flush_denormals()
     info = init_distributed(device="cpu")  # rank and world size from torchrun; the group is only for numbering

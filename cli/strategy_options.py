@@ -1,11 +1,12 @@
-"""The repeatable --strategy-option KEY=VALUE of `fedpar serve` and `fedpar simulate` (or a TOML table)."""
+"""--strategy and the repeatable --strategy-option KEY=VALUE of `fedpar serve` and `fedpar simulate` (or a TOML
+table). Their help lists the strategies, which imports them: it is made only when help is shown."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from fedpar.aggregation import parse_strategy_options, strategy_options_help
+from fedpar.cli.declared import section
 
 
 class _KeyValue(argparse.Action):
@@ -24,14 +25,28 @@ class _KeyValue(argparse.Action):
         setattr(namespace, self.dest, options)
 
 
-def add_strategy_option_argument(p: argparse.ArgumentParser, command: str) -> None:
-    """Add ``--strategy-option`` to ``p`` (``command`` names the TOML table in the help)."""
-    p.add_argument("--strategy-option", dest="strategy_options", action=_KeyValue, metavar="KEY=VALUE",
+def add_strategy_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """Add ``--strategy`` and ``--strategy-option`` to ``p`` (``command`` names the TOML table in the help)."""
+    g = section(p, "strategy")
+    g.add_argument("--strategy", default="fedavg", help="aggregation strategy").help_factory = _strategy_help
+    g.add_argument("--strategy-option", dest="strategy_options", action=_KeyValue, metavar="KEY=VALUE",
                    default={},  # a dict default: a TOML [COMMAND.strategy_options] table is taken whole
-                   help="set an option of --strategy (repeatable), checked against its constructor: "
-                        f"{strategy_options_help()}. Short names (in parentheses) also work, e.g. "
-                        f"--strategy fedprox --strategy-option mu=0.01. In a --config file: a "
-                        f"[{command}.strategy_options] table, e.g. mu = 0.01")
+                   help="set an option of --strategy (repeatable)").help_factory = lambda: _options_help(command)
+
+
+def _strategy_help() -> str:
+    from fedpar.aggregation import strategy_names
+
+    return f"aggregation strategy ({', '.join(strategy_names())})"
+
+
+def _options_help(command: str) -> str:
+    from fedpar.aggregation import strategy_options_help
+
+    return ("set an option of --strategy (repeatable), checked against its constructor: "
+            f"{strategy_options_help()}. Short names (in parentheses) also work, e.g. "
+            f"--strategy fedprox --strategy-option mu=0.01. In a --config file: a "
+            f"[{command}.strategy_options] table, e.g. mu = 0.01")
 
 
 def as_mapping(value: Any) -> dict[str, Any]:
@@ -47,4 +62,6 @@ def as_mapping(value: Any) -> dict[str, Any]:
 
 def strategy_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The typed options of ``args.strategy``; ValueError naming the valid ones when a key or value is bad."""
+    from fedpar.aggregation import parse_strategy_options
+
     return parse_strategy_options(args.strategy, as_mapping(getattr(args, "strategy_options", None)))

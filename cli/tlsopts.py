@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from fedpar.cli.declared import section
 from fedpar.security.admission import Admission, RevocationList, TokenList
 from fedpar.security.certs import CertPaths
 from fedpar.security.sslcontext import client_ssl_context, server_ssl_context
@@ -28,7 +29,7 @@ def _id_list(text: str) -> list[str]:
 
 def add_tls_arguments(p: argparse.ArgumentParser, role: str) -> None:
     """``--certs``, ``--tls-*`` and ``--insecure`` (plus admission options for the coordinator)."""
-    g = p.add_argument_group("TLS and identity")
+    g = section(p, "tls")
     own = "server.pem/server.key" if role == "serve" else "AGENT_ID.pem/AGENT_ID.key"
     g.add_argument("--certs", type=Path, metavar="DIR",
                    help=f"folder made by 'fedpar certs': uses DIR/ca.pem and DIR/{own} (mutual TLS)")
@@ -57,17 +58,7 @@ def add_tls_arguments(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:
-    _normalize(args)
     return bool(args.certs or args.tls_cert or args.tls_key or args.tls_ca)
-
-
-def _normalize(args: argparse.Namespace) -> None:
-    """Values from a --config TOML file arrive as plain strings; make them what the flags would give."""
-    for name in ("certs", "tls_cert", "tls_key", "tls_ca", "enrollment_tokens", "revoked", "enrollment_token_file"):
-        if isinstance(getattr(args, name, None), str):
-            setattr(args, name, Path(getattr(args, name)))
-    if isinstance(getattr(args, "allow_agents", None), str):
-        args.allow_agents = _id_list(args.allow_agents)
 
 
 @dataclass

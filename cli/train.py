@@ -13,7 +13,6 @@ launcher before any rank starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -21,89 +20,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedpar.cli.argtypes import count, non_negative, non_negative_int, positive
+from fedpar.cli.argtypes import count, positive
+from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import add_tensorboard_argument
-from fedpar.parallel.config import (
-    LR_SCALING_RULES,
-    MIXED_PRECISION,
-    OPTIMIZER_IMPLS,
-    OPTIMIZERS,
-    PIPELINE_SCHEDULES,
-    ConfigurationError,
-    ParallelConfig,
-    TrainConfig,
-)
-from fedpar.parallel.device import DEVICE_HELP
+from fedpar.cli.renamed import add_replicas_renamed
+from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig
 
-_T, _P = TrainConfig(), ParallelConfig()
+
+LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``fedpar train`` (defaults are those of TrainConfig / ParallelConfig)."""
-    run = parser.add_argument_group("run")
-    run.add_argument("--model", default=_T.model, choices=("mlp", "cnn", "gpt"), help="model from the zoo")
-    run.add_argument("--dataset", default=_T.dataset, choices=("digits", "mnist", "text"),
-                     help="digits (bundled), mnist (needs --data-path DIR) or text (any UTF-8 file, for gpt)")
-    run.add_argument("--data-path", default=_T.data_path,
-                     help="MNIST folder or text file, e.g. ../shared/data/tinyshakespeare/input.txt")
-    run.add_argument("--out", default=_T.out, help="run directory for metrics, summary, plot and checkpoints")
+    """Options of ``fedpar train``: TrainConfig's and ParallelConfig's declared settings, and the launcher's."""
+    add_declared(parser, TrainConfig, skip=("tensorboard",))
+    run = section(parser, "run")
     run.add_argument("--nproc", type=count, default=1, help="local ranks to spawn (ignored under torchrun)")
-    run.add_argument("--device", default=_T.device, help=DEVICE_HELP)
     run.add_argument("--timeout", type=positive, default=300.0, help="seconds a collective may wait before failing")
-    run.add_argument("--seed", type=int, default=_T.seed, help="seed for the weights and the data order")
     run.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                      help="model constructor keyword, e.g. n_layer=4 or hidden=[256,128] (repeatable)")
-    run.add_argument("--block-size", type=count, default=_T.block_size, help="context length for text")
     # No flag: a --config file's [train.model_kwargs] table lands here; --model-arg entries override it.
     parser.set_defaults(model_kwargs={})
-    opt = parser.add_argument_group("optimisation")
-    opt.add_argument("--epochs", type=count, default=_T.epochs, help="passes over the training set")
-    opt.add_argument("--max-steps", type=non_negative_int, default=_T.max_steps, help="stop after this many steps (0: epochs)")
-    opt.add_argument("--batch-size", type=count, default=_T.batch_size, help="global batch size per optimizer step")
-    opt.add_argument("--lr", type=positive, default=_T.lr, help="learning rate at --base-batch-size")
-    opt.add_argument("--base-batch-size", type=non_negative_int, default=_T.base_batch_size,
-                     help="batch size --lr was tuned for (0: no scaling)")
-    opt.add_argument("--lr-scaling", default=_T.lr_scaling, choices=LR_SCALING_RULES,
-                     help="scale the lr with batch-size/base-batch-size linearly or by its square root")
-    opt.add_argument("--warmup-steps", type=non_negative_int, default=_T.warmup_steps, help="linear learning-rate warmup steps")
-    opt.add_argument("--optimizer", default=_T.optimizer, choices=OPTIMIZERS, help="optimizer")
-    opt.add_argument("--optimizer-impl", default=_T.optimizer_impl, choices=OPTIMIZER_IMPLS,
-                     help="torch optimizer kernels; auto: fused AdamW (CPU and GPU), torch's default for SGD")
-    opt.add_argument("--momentum", type=non_negative, default=_T.momentum, help="SGD momentum")
-    opt.add_argument("--weight-decay", type=non_negative, default=_T.weight_decay, help="weight decay")
-    opt.add_argument("--grad-accum", type=count, default=_T.grad_accum, help="microbatches accumulated per step")
-    opt.add_argument("--grad-clip", type=non_negative, default=_T.grad_clip, help="max global gradient norm (0: off)")
-    opt.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-                     default=_T.activation_checkpointing, help="recompute block activations in backward")
-    opt.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_T.compile,
-                     help="torch.compile each transformer block (the whole forward of other models)")
-    out = parser.add_argument_group("outputs")
-    out.add_argument("--eval-batches", type=non_negative_int, default=_T.eval_batches,
-                     help="validation batches per evaluation for text (0: all)")
-    out.add_argument("--log-every", type=count, default=_T.log_every, help="steps between progress lines")
-    out.add_argument("--checkpoint-every", type=non_negative_int, default=_T.checkpoint_every,
-                     help="steps between DCP checkpoints (0: none)")
-    out.add_argument("--resume", action=argparse.BooleanOptionalAction, default=_T.resume,
-                     help="continue from OUT/checkpoints/latest if it exists")
-    out.add_argument("--plot", action=argparse.BooleanOptionalAction, default=_T.plot, help="write loss_curve.png")
-    add_tensorboard_argument(out)
-    par = parser.add_argument_group("parallelism (dp*fsdp*tp*pp = world size; -1 infers one degree)")
-    par.add_argument("--dp", type=int, default=_P.dp, help="replicas (DDP, or HSDP's replicate dim with --fsdp)")
-    par.add_argument("--fsdp", type=int, default=_P.fsdp, help="FSDP2 shards")
-    par.add_argument("--tp", type=int, default=_P.tp, help="tensor-parallel degree (mlp, gpt)")
-    par.add_argument("--pp", type=int, default=_P.pp, help="pipeline stages across ranks (gpt)")
-    par.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=_P.sequence_parallel,
-                     help="shard norms/activations along the sequence with --tp")
-    par.add_argument("--mixed-precision", default=_P.mixed_precision, choices=MIXED_PRECISION,
-                     help="auto: bf16 params + fp32 reduce on GPU, fp32 on CPU")
-    par.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, default=_P.cpu_offload,
-                     help="keep FSDP shards in CPU memory")
-    par.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
-                     default=_P.reshard_after_forward, help="free gathered FSDP params after forward")
-    par.add_argument("--pp-schedule", default=_P.pp_schedule, choices=PIPELINE_SCHEDULES, help="pipeline schedule")
-    par.add_argument("--microbatches", type=count, default=_P.microbatches, help="pipeline microbatches per step")
-    par.add_argument("--stages-per-rank", type=count, default=_P.stages_per_rank,
-                     help="pipeline stages per rank (2+ for interleaved1f1b)")
+    add_tensorboard_argument(section(parser, "outputs"))
+    add_declared(parser, ParallelConfig)
+    add_replicas_renamed(parser)
 
 
 def _parse_value(text: str) -> Any:
@@ -121,10 +60,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if not sep or not key:
             raise ConfigurationError(f"--model-arg {item!r} must look like KEY=VALUE, e.g. n_layer=4")
         kwargs[key.strip()] = _parse_value(value.strip())
-    par = {f.name: getattr(args, f.name) for f in dataclasses.fields(ParallelConfig)}
-    train = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-             if f.name not in ("parallel", "model_kwargs")}
-    return TrainConfig(**train, model_kwargs=kwargs, parallel=ParallelConfig(**par))
+    return from_args(TrainConfig, args, tensorboard=args.tensorboard, model_kwargs=kwargs,
+                     parallel=from_args(ParallelConfig, args))
 
 
 def run(args: argparse.Namespace) -> int:

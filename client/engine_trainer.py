@@ -45,7 +45,7 @@ class EngineTrainer:
         """Shard ``model_fn()`` over the group as ``parallel`` says (pp must be 1) and warm everything up."""
         config = parallel.resolved(info.world_size)
         if config.pp > 1:
-            raise ConfigurationError("agents train with --dp/--fsdp/--tp; pipeline parallelism (--pp) is not "
+            raise ConfigurationError("agents train with --dp-replicate/--fsdp/--tp; pipeline parallelism (--pp) is not "
                                      "supported for agents, use --fsdp to spread a large model instead")
         self.info, self.seed, self.shuffle = info, seed, shuffle
         self.mesh = build_mesh(config, info.device.type)

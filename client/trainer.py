@@ -17,9 +17,9 @@ from fedpar.client.local_sgd import StepClock, TrainResult, descend, run_steps, 
 from fedpar.datasets import ArrayDataset
 from fedpar.models.evaluation import EvalResult, evaluate_classifier
 from fedpar.models.losses import classification_loss
+from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import synchronize
 
-PRECISIONS = ("fp32", "bf16")
 
 
 class LocalTrainer:

@@ -26,7 +26,7 @@ def check_compile_layout(family: str, config: ParallelConfig) -> None:
     if config.tp > 1 and family == "gpt" and _torch_version() >= (2, 12):
         raise ConfigurationError(
             f"--compile with --tp > 1 fails in torch {torch.__version__}'s DTensor backward for the gpt model "
-            "(it works with torch 2.11); drop --compile, or use --fsdp/--dp instead of --tp")
+            "(it works with torch 2.11); drop --compile, or use --fsdp/--dp-replicate instead of --tp")
 
 
 def apply_compile(model: nn.Module) -> nn.Module:

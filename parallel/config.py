@@ -6,11 +6,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedpar.settings import flag_of, setting
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 MIXED_PRECISION = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("sgd", "adamw")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for-loop")
+PRECISIONS = ("fp32", "bf16")  # of a single-process trainer (client/trainer.py); bf16: forward passes under autocast
+DEVICE_HELP = ("auto (the GPUs when present, else the CPU), cpu, cuda (one visible GPU per local rank) or "
+               "cuda:N (visible GPU N); CUDA_VISIBLE_DEVICES picks which GPUs are visible")
 
 
 class ConfigurationError(ValueError):
@@ -31,28 +36,33 @@ class ParallelConfig:
     into pipeline stages. One degree may be -1: it is then inferred from the world size.
     """
 
-    dp: int = -1
-    fsdp: int = 1
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = True
-    mixed_precision: str = "auto"
-    cpu_offload: bool = False
-    reshard_after_forward: bool = True
-    pp_schedule: str = "1f1b"
-    microbatches: int = 4
-    stages_per_rank: int = 1
+    dp: int = setting(-1, flag="dp-replicate", key="dp_replicate", group="parallel",
+                      help="DDP replicas (or HSDP's replicate dim with --fsdp; -1: whatever the other degrees leave)")
+    fsdp: int = setting(1, group="parallel", help="FSDP2 shards of the model")
+    tp: int = setting(1, group="parallel", help="tensor-parallel degree (mlp, gpt)")
+    pp: int = setting(1, group="parallel", help="pipeline stages across ranks (gpt)")
+    sequence_parallel: bool = setting(True, group="parallel",
+                                      help="shard norms/activations along the sequence with --tp")
+    mixed_precision: str = setting("auto", choices=MIXED_PRECISION, group="parallel",
+                                   help="auto: bf16 params + fp32 reduce on GPU, fp32 on CPU")
+    cpu_offload: bool = setting(False, negatable=True, group="parallel", help="keep FSDP shards in CPU memory")
+    reshard_after_forward: bool = setting(True, group="parallel", help="free gathered FSDP params after forward")
+    pp_schedule: str = setting("1f1b", choices=PIPELINE_SCHEDULES, group="parallel", help="pipeline schedule")
+    microbatches: int = setting(4, check="count", group="parallel", help="pipeline microbatches per step")
+    stages_per_rank: int = setting(1, check="count", group="parallel",
+                                   help="pipeline stages per rank (2+ for interleaved1f1b)")
 
     def resolved(self, world_size: int) -> ParallelConfig:
         """A copy with the -1 degree filled in and every setting checked against ``world_size``."""
         degrees = {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "pp": self.pp}
         inferred = [k for k, v in degrees.items() if v == -1]
-        bad = [f"--{k} {v}" for k, v in degrees.items() if v == 0 or v < -1]
+        bad = [f"{flag_of(ParallelConfig, k)} {v}" for k, v in degrees.items() if v == 0 or v < -1]
         if bad:
             raise ConfigurationError(f"parallel degrees must be positive (or -1 to infer one): got {', '.join(bad)}")
         if len(inferred) > 1:
             raise ConfigurationError(
-                f"only one degree may be -1 (inferred), got {', '.join('--' + k for k in inferred)}; set the others")
+                f"only one degree may be -1 (inferred), got {', '.join(flag_of(ParallelConfig, k) for k in inferred)}; "
+                "set the others")
         known = 1
         for k, v in degrees.items():
             if v != -1:
@@ -60,8 +70,8 @@ class ParallelConfig:
         if inferred:
             if world_size % known:
                 raise ConfigurationError(
-                    f"cannot infer --{inferred[0]}: world size {world_size} is not divisible by the product "
-                    f"{known} of the other degrees; choose degrees whose product divides {world_size}")
+                    f"cannot infer {flag_of(ParallelConfig, inferred[0])}: world size {world_size} is not divisible "
+                    f"by the product {known} of the other degrees; choose degrees whose product divides {world_size}")
             degrees[inferred[0]] = world_size // known
         product = degrees["dp"] * degrees["fsdp"] * degrees["tp"] * degrees["pp"]
         if product != world_size:
@@ -102,7 +112,7 @@ class ParallelConfig:
                 f"torch runs it in {self.microbatches} // {self.pp} = {rounds} rounds and needs the microbatches to "
                 f"be a multiple of the rounds; use --microbatches {below} or {above} (any multiple of --pp works)")
         if self.dp > 1 and self.fsdp == 1 and self.tp > 1:
-            raise ConfigurationError("DDP (--dp) cannot replicate tensor-parallel (DTensor) parameters; "
+            raise ConfigurationError("DDP (--dp-replicate) cannot replicate tensor-parallel (DTensor) parameters; "
                                      "use --fsdp for the data-parallel degree when --tp > 1")
 
     @property
@@ -120,34 +130,47 @@ class ParallelConfig:
 class TrainConfig:
     """Everything the centralized trainer needs: model, data, optimisation and the parallel layout."""
 
-    model: str = "mlp"
-    dataset: str = "digits"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (parallel/device.py)
-    data_path: str = ""
-    out: str = "runs/train"
-    epochs: int = 1
-    max_steps: int = 0
-    batch_size: int = 64
-    lr: float = 0.05
-    base_batch_size: int = 0
-    lr_scaling: str = "none"
-    warmup_steps: int = 0
-    optimizer: str = "sgd"
-    optimizer_impl: str = "auto"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    grad_accum: int = 1
-    grad_clip: float = 0.0
-    activation_checkpointing: bool = False
-    compile: bool = False
-    seed: int = 0
-    block_size: int = 64
+    model: str = setting("mlp", choices=("mlp", "cnn", "gpt"), group="run", help="model from the zoo")
+    dataset: str = setting("digits", choices=("digits", "mnist", "text"), group="run",
+                           help="digits (bundled), mnist (needs --data-path DIR) or text (any UTF-8 file, for gpt)")
+    device: str = setting("auto", group="run", help=DEVICE_HELP)
+    data_path: str = setting("", group="run",
+                             help="MNIST folder or text file, e.g. ../shared/data/tinyshakespeare/input.txt")
+    out: str = setting("runs/train", group="run", help="run directory for metrics, summary, plot and checkpoints")
+    epochs: int = setting(1, check="count", group="optimisation", help="passes over the training set")
+    max_steps: int = setting(0, check="non_negative_int", group="optimisation",
+                             help="stop after this many steps (0: epochs)")
+    batch_size: int = setting(64, check="count", group="optimisation", help="global batch size per optimizer step")
+    lr: float = setting(0.05, check="positive", group="optimisation", help="learning rate at --base-batch-size")
+    base_batch_size: int = setting(0, check="non_negative_int", group="optimisation",
+                                   help="batch size --lr was tuned for (0: no scaling)")
+    lr_scaling: str = setting("none", choices=LR_SCALING_RULES, group="optimisation",
+                              help="scale the lr with batch-size/base-batch-size linearly or by its square root")
+    warmup_steps: int = setting(0, check="non_negative_int", group="optimisation",
+                                help="linear learning-rate warmup steps")
+    optimizer: str = setting("sgd", choices=OPTIMIZERS, group="optimisation", help="optimizer")
+    optimizer_impl: str = setting("auto", choices=OPTIMIZER_IMPLS, group="optimisation",
+                                  help="torch optimizer kernels; auto: fused AdamW (CPU and GPU), torch's default "
+                                       "for SGD")
+    momentum: float = setting(0.9, check="non_negative", group="optimisation", help="SGD momentum")
+    weight_decay: float = setting(0.0, check="non_negative", group="optimisation", help="weight decay")
+    grad_accum: int = setting(1, check="count", group="optimisation", help="microbatches accumulated per step")
+    grad_clip: float = setting(0.0, check="non_negative", group="optimisation",
+                               help="max global gradient norm (0: off)")
+    activation_checkpointing: bool = setting(False, negatable=True, group="optimisation",
+                                             help="recompute block activations in backward")
+    compile: bool = setting(False, negatable=True, group="optimisation",
+                            help="torch.compile each transformer block (the whole forward of other models)")
+    seed: int = setting(0, group="run", help="seed for the weights and the data order")
+    block_size: int = setting(64, check="count", group="run", help="context length for text")
     model_kwargs: dict[str, Any] = field(default_factory=dict)
-    eval_batches: int = 20
-    log_every: int = 10
-    checkpoint_every: int = 0
-    resume: bool = True
-    plot: bool = True
+    eval_batches: int = setting(20, check="non_negative_int", group="outputs",
+                                help="validation batches per evaluation for text (0: all)")
+    log_every: int = setting(10, check="count", group="outputs", help="steps between progress lines")
+    checkpoint_every: int = setting(0, check="non_negative_int", group="outputs",
+                                    help="steps between DCP checkpoints (0: none)")
+    resume: bool = setting(True, group="outputs", help="continue from OUT/checkpoints/latest if it exists")
+    plot: bool = setting(True, group="outputs", help="write loss_curve.png")
     tensorboard: str | None = None  # folder for TensorBoard events of the logged steps and evaluations (rank 0)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

@@ -21,8 +21,6 @@ import torch
 from fedpar.parallel.config import ConfigurationError
 
 AUTO, CPU, CUDA = "auto", "cpu", "cuda"
-DEVICE_HELP = ("auto (the GPUs when present, else the CPU), cpu, cuda (one visible GPU per local rank) or "
-               "cuda:N (visible GPU N); CUDA_VISIBLE_DEVICES picks which GPUs are visible")
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
 

@@ -80,7 +80,7 @@ def check_tp_divisible(model: nn.Module, family: str, tp: int) -> None:
         _check_mlp_divisible(model, tp)
     else:
         raise ConfigurationError(f"tensor parallelism has plans for the mlp and gpt models, not {family!r}; "
-                                 "use --tp 1 (and --fsdp/--dp) for this model")
+                                 "use --tp 1 (and --fsdp/--dp-replicate) for this model")
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, object]:
@@ -146,4 +146,4 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, family: str, sequence_parall
         check_tp_divisible(model, "mlp", tp_mesh.size())
         return parallelize_module(model, tp_mesh, mlp_plan(model))
     raise ConfigurationError(f"tensor parallelism has plans for the mlp and gpt models, not {family!r}; "
-                             "use --tp 1 (and --fsdp/--dp) for this model")
+                             "use --tp 1 (and --fsdp/--dp-replicate) for this model")

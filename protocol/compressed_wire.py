@@ -21,19 +21,38 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fedpar.protocol.codec import FLOAT_DTYPES, Spec
-from fedpar.protocol.task_settings import TaskSettings, check_compression
+from fedpar.protocol.task_settings import COMPRESSION_METHODS, TaskSettings, check_compression
+from fedpar.settings import setting
 
 # Suffix of each wire tensor per model tensor; "" keeps the model tensor's own name.
 SUFFIXES = {"fp16": ("",), "bf16": ("",), "int8": (".q", ".scale"), "topk": (".idx", ".val")}
+
+
+COMPRESSION_HELP = (
+    "how agents compress the update they upload (the coordinator tells them; agents need no flag). "
+    "none: the new float32 weights, exact. "
+    "fp16: the delta (new - global) as float16, 2 bytes/parameter, error <= 2^-11 |x| + 2^-25 per element "
+    "(deltas beyond +-65504 are not sent: use bf16). "
+    "bf16: the delta as bfloat16, 2 bytes/parameter, error <= 2^-8 |x|. "
+    "int8: the delta stochastically rounded to int8 with one float32 scale per --int8-block values, "
+    "about 1 byte/parameter, error <= max|x in its block| / 127 and unbiased. "
+    "topk: only the ceil(ratio x n) largest-magnitude delta entries of each tensor (int32 index + float32 value, "
+    "8 bytes each); the rest stays on the agent and is added to its next delta (error feedback): "
+    "delayed, never lost")
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
     """Which compression a run uses, and its knobs."""
 
-    method: str = "none"
-    topk_ratio: float = 0.01  # fraction of each array's entries sent by top-k
-    int8_block: int = 256  # elements sharing one float32 scale in int8 quantization
+    method: str = setting("none", flag="compression", key="compression", choices=COMPRESSION_METHODS,
+                          group="transfer", help=COMPRESSION_HELP)
+    topk_ratio: float = setting(0.01, check="fraction", group="transfer",
+                                help="with --compression topk: share of each tensor's entries sent, in (0, 1]; 0.01 "
+                                     "sends 1/50 of the float32 bytes")
+    int8_block: int = setting(256, check="count", group="transfer",
+                              help="with --compression int8: values sharing one float32 scale (smaller: more "
+                                   "accurate, 4 more bytes per block)")
     seed: int | None = None  # seed of the stochastic rounding (None: fresh entropy)
 
     def __post_init__(self) -> None:

@@ -7,70 +7,158 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedpar.protocol.compressed_wire import CompressionConfig
+from fedpar.protocol.local_training import LocalTraining
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
+from fedpar.settings import setting
+
+
+DATA_PLANE_MIN_BYTES = 8 << 20
 
 
 @dataclass
-class CoordinatorConfig:
-    """Everything that shapes the coordinator's rounds and its limits."""
+class CoordinatorConfig(LocalTraining):
+    """Everything that shapes the coordinator's rounds and its limits (and the local training its tasks ask for)."""
 
-    rounds: int = 10
-    clients_per_round: int = 10  # K: updates that close a round early
-    fraction: float | None = None  # if set, K = max(min_reports, round(fraction * live agents))
-    min_available: int = 2  # live agents needed before a round starts
-    min_reports: int = 1  # fewer accepted updates than this and the round fails, global unchanged
-    overselect: float = 1.3  # sample M = ceil(K * overselect) agents (FedScale's over-commitment)
-    deadline_seconds: float = 60.0  # straggler deadline, from task dispatch
-    local_epochs: int = 1
-    batch_size: int = 32
-    learning_rate: float = 0.05
-    seed: int = 0
-    heartbeat_seconds: float = 5.0
-    liveness_timeout_seconds: float = 20.0  # no call for this long: the agent is not sampled
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    rounds: int = setting(10, check="non_negative_int", group="rounds", help="rounds to run (0: none)")
+    clients_per_round: int = setting(10, check="count", group="rounds",
+                                     help="K: accepted updates that close a round early")
+    # if set, K = max(min_reports, round(fraction * live agents))
+    fraction: float | None = setting(None, check="fraction", group="rounds",
+                                     help="alternative to --clients-per-round: K = fraction x live agents")
+    min_available: int = setting(2, check="count", group="rounds", help="live agents needed before a round starts")
+    min_reports: int = setting(1, check="non_negative_int", group="rounds",
+                               help="fewer accepted updates than this fail the round; the model stays as it was")
+    overselect: float = setting(1.3, check="at_least_one", group="rounds",  # FedScale's over-commitment
+                                help="sample ceil(K x overselect) agents so stragglers do not hold a round up")
+    deadline_seconds: float = setting(60.0, check="positive", flag="deadline", group="rounds",
+                                      help="straggler deadline in seconds, from task dispatch; later updates are "
+                                           "refused")
+    seed: int = setting(0, group="rounds", help="seed for initial weights and sampling")
+    heartbeat_seconds: float = setting(5.0, check="positive", flag="heartbeat", group="coordinator",
+                                       help="seconds between agent heartbeats")
+    liveness_timeout_seconds: float = setting(20.0, check="positive", flag="liveness-timeout", group="coordinator",
+                                              help="an agent silent this long is not sampled")
+    max_chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, check="count", group="transfer",
+                                   help="largest tensor chunk accepted")
     # Models up to this size (and one chunk) travel inside each task: one call less per agent and round; 0: never.
     # Every task reply of a round then carries a copy, so keep it small next to the number of agents.
-    inline_weights_max_bytes: int = 64 << 10
-    max_model_bytes: int = 8 << 30
-    max_concurrent_uploads: int = 4  # each in-flight upload stages one model copy
-    max_upload_chunks: int = 100_000  # chunks in one upload (tiny chunks cost CPU per message)
-    max_calls_per_agent: int = 8  # one agent's calls in flight at once (long-poll, heartbeat, download, upload)
-    max_upload_attempts_per_round: int = 4  # uploads an agent may start in one round (retries after breaks)
-    max_upload_bytes_per_second: float | None = None  # per agent, after a one-model burst; None: unlimited
-    max_agents: int = 100_000  # registered agents; Join of a new agent beyond this is refused
-    upload_header_seconds: float = 2.0  # an UploadUpdate stream must send its header (and be authenticated) this fast
-    upload_idle_seconds: float = 10.0  # a staged upload silent this long loses its staging slot
-    upload_min_bytes_per_second: float = 32 << 10  # ... and so does one slower than this on average after that long
-    max_unauthenticated_calls: int = 1024  # upload streams awaiting their header, in total (oldest let go beyond)
-    max_unauthenticated_per_peer: int = 128  # ... and from one peer (certificate name, else address)
-    max_examples_per_agent: int = 10_000_000  # largest example count a Join may declare (FedAvg weights by it)
-    max_agent_share: float | None = None  # cap on one update's share of a round's total weight; None: no cap
-    max_joins_per_second: float = 500.0  # server-wide Join rate (with a 5-second burst)
-    max_concurrent_rpcs: int = 20_000  # server-wide calls in flight; long-polls count, so > agents
-    max_queued_uploads: int = 64  # uploads holding or awaiting a staging slot; more are refused (agents retry)
-    max_concurrent_downloads: int = 64  # weight streams sent at once; more wait their turn
+    inline_weights_max_bytes: int = setting(
+        64 << 10, check="non_negative_int", flag="inline-weights-bytes", group="transfer",
+        help="models up to this size (and one chunk) travel inside each task instead of a separate download call; "
+             "every task reply of a round carries a copy; 0 = always download")
+    max_model_bytes: int = setting(8 << 30, check="count", group="limits",
+                                   help="largest model (sum of tensor bytes) an upload header may describe")
+    max_concurrent_uploads: int = setting(4, check="count", group="limits",
+                                          help="uploads staged at once (each holds one model copy)")
+    max_upload_chunks: int = setting(100_000, check="count", group="limits",  # tiny chunks cost CPU per message
+                                     help="most data chunks in one upload (the chunk size itself is --max-chunk-bytes)")
+    max_calls_per_agent: int = setting(8, check="count", group="limits",
+                                       help="calls/streams one agent may have in flight at once (long-poll, "
+                                            "heartbeat, download, upload)")
+    max_upload_attempts_per_round: int = setting(4, check="count", flag="max-upload-attempts", group="limits",
+                                                 help="uploads one agent may start per round (retries after a "
+                                                      "broken-off upload)")
+    max_upload_bytes_per_second: float | None = setting(
+        None, check="positive", group="limits",
+        help="per-agent upload rate in bytes/s after a burst of two models; unset: unlimited")
+    max_agents: int = setting(100_000, check="count", group="limits",
+                              help="registered agents; a Join from a new agent beyond this is refused")
+    upload_header_seconds: float = setting(2.0, check="positive", group="limits",
+                                           help="a call must send its request (an upload stream: its header) within "
+                                                "this time; nothing is authenticated before")
+    upload_idle_seconds: float = setting(10.0, check="positive", group="limits",
+                                         help="a staged upload silent this long loses its staging slot (the agent "
+                                              "may send it again)")
+    upload_min_bytes_per_second: float = setting(
+        32 << 10, check="non_negative", group="limits",
+        help="a staged upload slower than this on average (from 2 s after it got its staging slot, or "
+             "--upload-idle-seconds if shorter) loses its slot; while others wait for a slot, at once")
+    max_unauthenticated_calls: int = setting(
+        1024, check="count", group="limits",
+        help="calls still waiting for their request or upload header (not yet authenticated), in total; they never "
+             "count against --max-concurrent-rpcs, and beyond this the oldest is let go")
+    max_unauthenticated_per_peer: int = setting(128, check="count", group="limits",
+                                                help="the same, from one peer (its certificate's name, else its "
+                                                     "address)")
+    max_examples_per_agent: int = setting(
+        10_000_000, check="count", group="limits",
+        help="largest example count an agent may declare at Join; FedAvg weighs its updates by at most that times "
+             "the local epochs (the count is fixed by its first Join)")
+    max_agent_share: float | None = setting(
+        None, check="fraction", group="limits",
+        help="cap on one update's share of a round's total weight, e.g. 0.5 (unset: no cap); heavier updates are "
+             "weighted down to it when the round closes (streaming strategies)")
+    max_joins_per_second: float = setting(500.0, check="positive", group="limits",
+                                          help="server-wide Join rate, with a burst of five seconds' worth")
+    max_concurrent_rpcs: int = setting(20_000, check="count", group="limits",
+                                       help="server-wide calls in flight (every agent holds a long-poll, so keep it "
+                                            "> 2 x agents)")
+    max_queued_uploads: int = setting(64, check="count", group="limits",
+                                      help="uploads staged or waiting for a staging slot; beyond this agents are "
+                                           "told to retry")
+    max_concurrent_downloads: int = setting(64, check="count", group="limits",
+                                            help="weight downloads streamed at once; further downloads wait their "
+                                                 "turn")
     wait_for_agents_seconds: float | None = None  # None: wait forever for min_available agents
-    checkpoint_dir: Path | None = None
+    checkpoint_dir: Path | None = setting(None, group="coordinator",
+                                          help="checkpoint every round here, and resume from it after a restart "
+                                               "(same model and strategy)")
     metrics_path: Path | None = None
-    secure_aggregation: bool = False  # SecAgg+: the coordinator learns only the weighted mean update
-    secagg_clip: float = 1.0  # each coordinate of an agent's update (local - global) is clipped to +-this
-    secagg_max_weight: int | None = None  # cap on an agent's weight; None: largest registered examples x epochs
-    secagg_stage_seconds: float = 30.0  # longest wait for each key-exchange stage and for unmasking
-    data_plane: bool | None = None  # bulk socket transfers beside gRPC; None: on for models >= data_plane_min_bytes
-    data_plane_min_bytes: int = 8 << 20
-    data_port: int = 0  # port of the data plane on the gRPC host; 0: a free one
+    secure_aggregation: bool = setting(False, group="secagg",
+                                       help="SecAgg+ masking: the coordinator learns only the weighted mean of the "
+                                            "agents' updates (needs a linear strategy: fedavg, fedavgm, fedprox, "
+                                            "fedadam, fedyogi, fedadagrad)")
+    secagg_clip: float = setting(1.0, check="positive", group="secagg",
+                                 help="with --secure-aggregation: clip each coordinate of an update (local - global) "
+                                      "to +-this")
+    secagg_max_weight: int | None = setting(
+        None, check="count", group="secagg",
+        help="with --secure-aggregation: cap on an agent's weight (default: largest registered examples x local "
+             "epochs in the cohort)")
+    secagg_stage_seconds: float = setting(30.0, check="positive", group="secagg",
+                                          help="with --secure-aggregation: longest wait for each key-exchange stage "
+                                               "and for unmasking")
+    # bulk socket transfers beside gRPC; None: on for models >= data_plane_min_bytes
+    data_plane: bool | None = setting(
+        None, choices={"auto": None, "on": True, "off": False}, group="transfer",
+        help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC uses TLS): "
+             f"auto = for models of at least {DATA_PLANE_MIN_BYTES >> 20} MiB; agents that do not support it keep "
+             "using the gRPC streams")
+    data_plane_min_bytes: int = DATA_PLANE_MIN_BYTES
+    data_port: int = setting(0, check="port", group="transfer",
+                             help="port of the data plane on --host (0 picks a free one; agents learn it with each "
+                                  "task)")
     data_plane_downloads: int = 8  # data-plane downloads served at once (uploads: max_concurrent_uploads)
-    dataplane_handshake_seconds: float = 2.0  # TLS handshake, ticket (and upload header) must arrive this fast
-    max_dataplane_handshakes: int = 256  # data-plane connections not yet authenticated, in total (oldest closed)
-    max_dataplane_handshakes_per_peer: int = 64  # ... and from one address
+    dataplane_handshake_seconds: float = setting(
+        2.0, check="positive", group="limits",
+        help="a data-plane connection must finish its TLS handshake and send its ticket (and upload header) within "
+             "this time; until then it holds no transfer thread")
+    max_dataplane_handshakes: int = setting(256, check="count", group="limits",
+                                            help="data-plane connections not yet authenticated, in total; beyond "
+                                                 "this the oldest is closed")
+    max_dataplane_handshakes_per_peer: int = setting(64, check="count", group="limits",
+                                                     help="the same, from one address")
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # agents compress their deltas
-    aggregator_ranks: int = 1  # processes sharing one round's ingest and fold (server/aggregator_ranks.py)
-    aggregator_timeout_seconds: float = 120.0  # longest wait for another aggregator rank in a collective
-    accept_populations: bool = False  # simulations: hosts may register virtual populations (JoinPopulation)
+    aggregator_ranks: int = setting(
+        1, check="count", group="coordinator",
+        help="processes that share each round's downloads, uploads and fold, joined by an all-reduce (rank r listens "
+             "on --port + r, or a free port with --port 0; agents are told which rank to use). Under torchrun every "
+             "launched process is one rank and this is ignored")
+    aggregator_timeout_seconds: float = setting(
+        120.0, check="positive", flag="aggregator-timeout", group="coordinator",
+        help="longest wait for another aggregator rank at a round's close; a rank that misses it is named and the "
+             "whole coordinator stops (restart it with the same command to resume)")
+    accept_populations: bool = setting(False, group="coordinator",
+                                       help="let simulation hosts (`fedpar simulate-workers`) register virtual "
+                                            "populations: members without certificates of their own, live while "
+                                            "their host calls")
     max_population_join: int = 10_000  # members in one JoinPopulation call
-    # Simulations: the deadline and first-K act on simulated time (server/virtual_clock.py); hosts only.
-    virtual_clock: bool = False
-    round_wall_seconds: float = 600.0  # under the virtual clock: longest real time a round may take
+    virtual_clock: bool = setting(  # server/virtual_clock.py
+        False, group="coordinator", flag="clock", choices={"real": False, "virtual": True},
+        help="with --accept-populations: 'virtual' runs the deadline and first-K on simulated time; hosts report each "
+             "member's finish time from its trace and only the first K in time train")
+    round_wall_seconds: float = setting(600.0, check="positive", flag="round-wall-timeout", group="coordinator",
+                                        help="with --clock virtual: the longest real time a round may take")
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""

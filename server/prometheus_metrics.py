@@ -56,7 +56,7 @@ class PrometheusExporter:
         self.fold_seconds = Histogram("fedpar_fold_seconds", "seconds spent folding updates per round (all "
                                       "aggregator ranks)", registry=r, buckets=SECONDS_BUCKETS)
         self.dp_epsilon = Gauge("fedpar_dp_epsilon", "differential privacy budget spent so far (epsilon at "
-                                "--dp-delta)", registry=r) if privacy else None
+                                "--privacy-delta)", registry=r) if privacy else None
         for status in ("ok", "failed"):  # present at 0 from the first scrape
             self.rounds.labels(status)
         for outcome in UPLOAD_OUTCOMES:

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +31,7 @@ from fedpar.server.final_model import write_coordinator_model
 from fedpar.server.metrics import summarize_rounds
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
+from fedpar.simulations.config import SimulationConfig
 from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, client_id, step_delays
 from fedpar.simulations.run_outputs import write_run_outputs
@@ -39,50 +40,6 @@ from fedpar.datasets.clientdata import client_parts, label_counts, label_skew
 
 log = logging.getLogger("fedpar.simulate")
 LABEL_PLOT_CLIENTS = 100  # clients shown in OUT/labels.png
-
-
-@dataclass
-class SimulationConfig:
-    """One simulated federation: data, model, rounds, and how heterogeneous the clients are."""
-
-    clients: int = 10
-    rounds: int = 10
-    dataset: str = "digits"
-    data_dir: str | None = None
-    partition: str = "iid"
-    model: str = "mlp"
-    strategy: str = "fedavg"
-    clients_per_round: int | None = None  # default: every client
-    overselect: float = 1.0
-    min_reports: int = 1
-    local_epochs: int = 5
-    batch_size: int = 16
-    learning_rate: float = 0.1
-    deadline_seconds: float = 60.0
-    val_fraction: float = 0.1
-    slow_fraction: float = 0.0  # share of clients that are slow devices
-    slow_step_delay: float = 0.05  # extra seconds per local step on a slow device
-    drop_probability: float = 0.0  # chance per client per round of vanishing before uploading
-    compression: str = "none"  # how agents compress their uploads: none, fp16, bf16, int8, topk
-    topk_ratio: float = 0.01
-    int8_block: int = 256
-    workers: int = 2  # agent processes (agents are threads inside them)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N: where agents train and the coordinator evaluates
-    precision: str = "fp32"  # bf16: agents' forward passes under bf16 autocast
-    secure_aggregation: bool = False  # SecAgg+ masking: the coordinator sees only the weighted mean
-    seed: int = 0
-    out: str | None = None
-    tls: bool = False  # mutual TLS with throw-away certificates (default: plaintext on loopback)
-    client_batching: bool = False  # a worker's agents of one round train as one batched model (torch.func)
-    aggregator_ranks: int = 1  # coordinator processes sharing each round's ingest and fold (server/aggregator_ranks.py)
-    examples_per_client: int | None = None  # keep at most this many of each client's examples (None: all)
-    virtual_clients: bool = False  # worker processes host the population; only sampled clients train, per round
-    trace: str | None = None  # "fedscale" or a CSV/JSON trace file: speeds and availability per client
-    trace_day_seconds: float = 86_400.0  # real seconds one day of the trace lasts (availability cycles)
-    seats: int = 4  # virtual clients training at once in one worker process (measured best of 2/4/8 here)
-    clock: str = "real"  # "virtual": the deadline and first-K act on simulated time (server/virtual_clock.py)
-    target_accuracy: float | None = None  # summary.json reports the rounds, wall and simulated seconds to reach it
-    strategy_options: dict = field(default_factory=dict)
 
 
 def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> list[float]:

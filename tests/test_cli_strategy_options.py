@@ -6,7 +6,7 @@ import pytest
 
 from fedpar.aggregation import DPStrategy, build_strategy
 from fedpar.cli.config import apply_config_defaults
-from fedpar.cli.dp import dp_strategy
+from fedpar.cli.privacy import privacy_strategy
 from fedpar.cli.main import build_parser, main
 from fedpar.cli.strategy_options import strategy_options_from_args
 
@@ -45,8 +45,8 @@ def test_every_strategy_takes_its_options_from_the_command_line(command):
 
 def test_a_later_flag_overrides_an_earlier_one_and_dp_wraps_the_configured_strategy():
     args = _parse(["simulate", "--strategy", "fedprox", "--strategy-option", "mu=0.1", "--strategy-option", "mu=0.2",
-                   "--dp", "central"])
-    name, dp = dp_strategy(args, args.strategy, 10, 1.0, 100)
+                   "--privacy", "central"])
+    name, dp = privacy_strategy(args, args.strategy, 10, 1.0, 100)
     s = build_strategy(name, **strategy_options_from_args(args), **dp)
     assert isinstance(s, DPStrategy) and s.inner.proximal_mu == 0.2
 

@@ -52,7 +52,7 @@ def test_train_under_torchrun_takes_its_ranks_from_the_environment(tmp_path: Pat
 
 def test_train_two_ranks_fsdp_writes_metrics_summary_and_plot(tmp_path: Path):
     out = tmp_path / "run"
-    proc = _fedpar("--model", "mlp", "--dataset", "digits", "--epochs", "2", "--nproc", "2", "--dp", "1",
+    proc = _fedpar("--model", "mlp", "--dataset", "digits", "--epochs", "2", "--nproc", "2", "--dp-replicate", "1",
                    "--fsdp", "2", "--batch-size", "32", "--lr", "0.05", "--log-every", "20", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -76,8 +76,8 @@ def test_train_rejects_degrees_that_do_not_multiply_to_the_world_size(tmp_path: 
     from fedpar.cli.main import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    code = main(["train", "--model", "gpt", "--dataset", "text", "--nproc", "2", *GLOO, "--dp", "1", "--tp", "3",
-                 "--out", str(tmp_path)])
+    code = main(["train", "--model", "gpt", "--dataset", "text", "--nproc", "2", *GLOO, "--dp-replicate", "1",
+                 "--tp", "3", "--out", str(tmp_path)])
     assert code == 2
     err = capsys.readouterr().err
     assert "multiply" in err and "--nproc" in err
@@ -154,7 +154,7 @@ def test_toml_config_with_command_line_overrides(tmp_path: Path):
 
 
 def _train_args(out: Path) -> list[str]:
-    return ["--model", "mlp", "--dataset", "digits", "--max-steps", "240", "--nproc", "2", "--dp", "1",
+    return ["--model", "mlp", "--dataset", "digits", "--max-steps", "240", "--nproc", "2", "--dp-replicate", "1",
             "--fsdp", "2", "--batch-size", "32", "--lr", "0.05", "--log-every", "1", "--checkpoint-every", "40",
             "--no-plot", "--out", str(out)]
 
@@ -260,7 +260,7 @@ def test_cli_config_file_errors_name_the_table(tmp_path: Path, capsys, monkeypat
      "--tp 2 cannot split the attention heads: block 0 has n_heads=3"),
     (["--tp", "2", "--model-arg", "ffn_hidden=33"], "--tp 2 cannot split the feed-forward layer"),
     (["--pp", "2", "--mixed-precision", "bf16"], "on CPU only FSDP2 (--fsdp > 1) trains in bf16"),
-    (["--dp", "2", "--mixed-precision", "bf16"], "use --mixed-precision fp32 (or auto)"),
+    (["--dp-replicate", "2", "--mixed-precision", "bf16"], "use --mixed-precision fp32 (or auto)"),
     (["--pp", "2", "--stages-per-rank", "2", "--pp-schedule", "interleaved1f1b", "--microbatches", "5",
       "--batch-size", "40", "--model-arg", "n_layer=4"], "use --microbatches 4 or 6"),
 ])
@@ -271,8 +271,8 @@ def test_train_refuses_bad_layouts_before_any_rank_starts(tmp_path: Path, capsys
     out = tmp_path / "run"
     argv = ["train", "--model", "gpt", "--dataset", "text", "--data-path", str(_tiny_text(tmp_path)),
             "--nproc", "2", *GLOO, "--out", str(out), *extra]
-    if "--dp" not in extra:
-        argv += ["--dp", "1"]
+    if "--dp-replicate" not in extra:
+        argv += ["--dp-replicate", "1"]
     started = time.perf_counter()
     assert main(argv) == 2
     assert expected in capsys.readouterr().err
@@ -285,7 +285,7 @@ def test_train_refuses_a_layout_given_in_a_config_file(tmp_path: Path, capsys, m
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     toml = tmp_path / "train.toml"
     toml.write_text(f'[train]\nmodel = "gpt"\ndataset = "text"\ndata_path = "{_tiny_text(tmp_path)}"\n'
-                    f'out = "{tmp_path / "run"}"\n[train.parallel]\ndp = 1\npp = 2\n'
+                    f'out = "{tmp_path / "run"}"\n[train.parallel]\ndp_replicate = 1\npp = 2\n'
                     '[train.model_kwargs]\nn_layer = 1\n')
     assert main(["train", "--config", str(toml), "--nproc", "2", *GLOO]) == 2
     assert "--pp 2 x --stages-per-rank 1 = 2 pipeline stages" in capsys.readouterr().err
@@ -315,7 +315,7 @@ def test_train_gpt_pipeline_from_a_config_file_two_ranks(tmp_path: Path):
     toml = tmp_path / "train.toml"
     toml.write_text(f'[train]\nmodel = "gpt"\ndataset = "text"\ndata_path = "{_tiny_text(tmp_path)}"\n'
                     'batch_size = 8\nblock_size = 16\nlr = 0.003\noptimizer = "adamw"\neval_batches = 0\n'
-                    '[train.parallel]\ndp = 1\npp = 2\nmicrobatches = 2\npp_schedule = "gpipe"\n'
+                    '[train.parallel]\ndp_replicate = 1\npp = 2\nmicrobatches = 2\npp_schedule = "gpipe"\n'
                     '[train.model_kwargs]\nn_layer = 2\nn_head = 2\nd_model = 32\n')
     proc = _fedpar("--config", str(toml), "--nproc", "2", "--max-steps", "6", "--log-every", "3", "--no-plot",
                    "--out", str(out), timeout=300)

@@ -17,7 +17,8 @@ def test_cnn_trains_under_ddp_and_only_rank_0_logs(tmp_path: Path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "fedpar", "train", "--model", "cnn", "--dataset", "digits",
-                           "--epochs", "2", "--nproc", "2", "--device", "cpu", "--dp", "2", "--lr", "0.1", "--log-every", "10",
+                           "--epochs", "2", "--nproc", "2", "--device", "cpu", "--dp-replicate", "2", "--lr", "0.1",
+                           "--log-every", "10",
                            "--no-plot", "--out", str(out)], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

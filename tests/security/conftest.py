@@ -23,7 +23,8 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
 
 FAST = dict(rounds=1, overselect=1.0, deadline_seconds=30.0, heartbeat_seconds=1.0,
-            liveness_timeout_seconds=10.0, max_chunk_bytes=64 << 10)
+            liveness_timeout_seconds=10.0, max_chunk_bytes=64 << 10,
+            local_epochs=1, batch_size=32, learning_rate=0.05)  # quick local training (the defaults are 5, 16, 0.1)
 
 
 @pytest.fixture(scope="module")

@@ -74,11 +74,14 @@ class RecordingTrainer(LocalTrainer):
         return result
 
 
+QUICK_TRAINING = ["--local-epochs", "1", "--batch-size", "32", "--lr", "0.05"]  # the defaults are 5, 16, 0.1
+
+
 def _serve(tmp: Path, port: int, flags: list[str]) -> subprocess.Popen:
     """Start `fedpar serve --insecure` on ``port`` with checkpoints in tmp/ckpt and outputs in tmp/out."""
     cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--insecure", "--port", str(port),
            "--port-file", str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"),
-           *flags]
+           *QUICK_TRAINING, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp / "serve.log", "a") as log:  # a file, not a pipe: a full pipe would block the server
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -12,7 +12,7 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.clipping import delta_norm
-from fedpar.cli.dp import dp_strategy
+from fedpar.cli.privacy import privacy_strategy
 from fedpar.cli.main import build_parser
 from fedpar.client.privacy import privatize_update
 from fedpar.datasets import load_dataset
@@ -126,16 +126,17 @@ def _flat(arrays):
 def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(start_coordinator, monkeypatch, clip,
                                                                           local_noise, central_noise,
                                                                           coordinator_clips):
-    """Real agents under `--dp client --dp-local-noise s`: the coordinator folds their noisy uploads, clipped to C.
+    """Real agents under `--privacy client --privacy-local-noise s`: the coordinator folds their noisy uploads,
+    clipped to C.
 
     An MLP update after one epoch has norm ~0.12. Case one: C = 0.5 and local noise of norm ~0.25, so neither
     agent nor coordinator clips and the model carries the local noise itself. Case two: C = 0.05 (agents clip)
     and local noise of norm ~100 C, so the coordinator scales every upload back to norm C.
     """
     rounds, k = 2, 3
-    args = build_parser().parse_args(["serve", "--dp", "client", "--dp-clip", str(clip), "--dp-noise",
-                                      str(central_noise), "--dp-local-noise", str(local_noise)])
-    name, options = dp_strategy(args, "fedavg", clients_per_round=k, overselect=1.0, population=k)
+    args = build_parser().parse_args(["serve", "--privacy", "client", "--privacy-clip", str(clip), "--privacy-noise",
+                                      str(central_noise), "--privacy-local-noise", str(local_noise)])
+    name, options = privacy_strategy(args, "fedavg", clients_per_round=k, overselect=1.0, population=k)
     strategy = build_strategy(name, **options, seed=0)  # seeded central noise, replayed below
     uploads = []  # (agent, round, global, trained, uploaded), as the agents' own privatize_update saw them
     calls: dict[str, int] = {}

@@ -17,7 +17,8 @@ def coordinator_server(credentials=None, admission=None, **overrides) -> Coordin
     model = tiny_model()
     config = CoordinatorConfig(**{**dict(rounds=BEFORE + 1 + DURING, clients_per_round=AGENTS, min_available=AGENTS,
                                          overselect=1.0, deadline_seconds=30.0, heartbeat_seconds=1.0,
-                                         liveness_timeout_seconds=10.0, batch_size=32), **overrides})
+                                         liveness_timeout_seconds=10.0, local_epochs=1, batch_size=32,
+                                         learning_rate=0.05), **overrides})
     coordinator = Coordinator(config, [n for n, _, _ in weight_specs(model)], get_weights(model),
                               build_strategy("fedavg"), admission=admission)
     return CoordinatorServer(coordinator, credentials=credentials)

@@ -1,0 +1,125 @@
+"""Command-line options generated from settings declared once in a dataclass (``fedpar.settings.setting``), and the
+short sections every subcommand's ``--help`` is grouped into."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from fedpar.cli import argtypes
+from fedpar.settings import CHECK, CHOICES, FLAG, GROUP, HELP, METAVAR, NEGATABLE, declared_fields, setting_key
+
+# Section key -> (title, description). A subcommand's --help shows its sections in the order it first uses them.
+SECTIONS: dict[str, tuple[str, str | None]] = {
+    "coordinator": ("coordinator", None),
+    "connection": ("connection", None),
+    "data": ("data and model", None),
+    "rounds": ("rounds and sampling", None),
+    "training": ("local training", "sent to the agents with each task"),
+    "device": ("device", None),
+    "strategy": ("aggregation", None),
+    "transfer": ("transfer", "how weights and updates travel"),
+    "secagg": ("secure aggregation", "SecAgg+ masking: the coordinator learns only the weighted mean"),
+    "simulation": ("simulated clients", None),
+    "engine": ("large-model agent", "one agent over several local ranks (dp-replicate*fsdp*tp = --nproc)"),
+    "run": ("run", None),
+    "optimisation": ("optimisation", None),
+    "parallel": ("parallelism", "dp-replicate*fsdp*tp*pp = world size; -1 infers one degree"),
+    "privacy": ("differential privacy", "DP-FedAvg (McMahan et al. 2018, Andrew et al. 2021)"),
+    "limits": ("limits", "refusals are RESOURCE_EXHAUSTED (or INVALID_ARGUMENT for malformed input) with a message "
+                         "naming the option"),
+    "tls": ("TLS and identity", None),
+    "observability": ("observability", "metrics.jsonl and metrics.csv are always written to --out"),
+    "outputs": ("outputs", None),
+    "certificates": ("certificates", None),
+    "revocation": ("revocation and tokens", None),
+}
+
+
+def section(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
+    """The argument group of section ``key`` in ``parser`` (made on first use)."""
+    groups = parser.__dict__.setdefault("_fedpar_sections", {})
+    if key not in groups:
+        title, description = SECTIONS[key]
+        groups[key] = parser.add_argument_group(title, description)
+    return groups[key]
+
+
+def _base_type(hint: Any) -> Any:
+    """``int`` for ``int`` and ``int | None`` (and so on); the hint itself otherwise."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else hint
+    return hint
+
+
+def _word_for(choices: dict, value: Any) -> Any:
+    """The command-line word of ``choices`` whose value is ``value`` (``value`` itself when there is none)."""
+    return next((word for word, v in choices.items() if v is value or v == value and type(v) is type(value)), value)
+
+
+def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Iterable[str] | None = None,
+                 skip: typing.Iterable[str] = (), defaults: dict[str, Any] | None = None,
+                 group: str | None = None) -> None:
+    """Add an option for every declared field of dataclass ``cls`` (``only`` those, less ``skip``), in its section
+    (or in section ``group``).
+
+    ``defaults`` overrides the dataclass's defaults by field name, for a command whose defaults differ.
+    """
+    hints = typing.get_type_hints(cls)
+    wanted, skipped, defaults = (set(only) if only is not None else None), set(skip), defaults or {}
+    for f in declared_fields(cls):
+        if f.name in skipped or (wanted is not None and f.name not in wanted):
+            continue
+        meta, dest = f.metadata, setting_key(f)
+        kind = _base_type(hints[f.name])
+        if f.name in defaults:
+            default = defaults[f.name]
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()
+        key = group or meta[GROUP]
+        target = section(parser, key) if key else parser
+        kw: dict[str, Any] = dict(dest=dest, default=default, help=meta[HELP])
+        choices = meta[CHOICES]
+        if kind is bool and not isinstance(choices, dict):
+            kw["action"] = argparse.BooleanOptionalAction if (default or meta[NEGATABLE]) else "store_true"
+        elif isinstance(choices, dict):
+            kw.update(choices=tuple(choices), default=_word_for(choices, default))
+        elif choices is not None:
+            kw["choices"] = tuple(choices)
+        elif meta[CHECK]:
+            kw["type"] = getattr(argtypes, meta[CHECK])
+        elif kind in (int, float, Path):
+            kw["type"] = kind
+        if meta[METAVAR]:
+            kw["metavar"] = meta[METAVAR]
+        action = target.add_argument("--" + (meta[FLAG] or dest.replace("_", "-")), **kw)
+        if isinstance(choices, dict):
+            action.choice_values = choices  # a TOML file may give the value itself (cli/config.py)
+
+
+def declared_values(cls: type, args: argparse.Namespace, also: typing.Iterable[str] = ()) -> dict[str, Any]:
+    """Field name -> value of every declared field of ``cls`` that ``args`` holds (command-line words of a
+    ``choices`` dict turned into the values they stand for), and of the fields named in ``also`` (options
+    declared elsewhere, such as a simulation's --compression), by name."""
+    out = {name: getattr(args, name) for name in also}
+    for f in declared_fields(cls):
+        dest = setting_key(f)
+        if not hasattr(args, dest):
+            continue
+        value, choices = getattr(args, dest), f.metadata[CHOICES]
+        if isinstance(choices, dict) and isinstance(value, str) and value in choices:
+            value = choices[value]
+        out[f.name] = value
+    return out
+
+
+def from_args(cls: type, args: argparse.Namespace, also: typing.Iterable[str] = (), **overrides: Any) -> Any:
+    """An instance of dataclass ``cls`` from the declared options in ``args`` (and ``also``), then ``overrides``."""
+    return cls(**{**declared_values(cls, args, also), **overrides})

@@ -1,0 +1,33 @@
+"""``--log-level`` of every subcommand: the level of fedpar's loggers, and gRPC's own verbosity at debug."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+LEVELS = ("debug", "info", "warning", "error")
+FORMAT = "%(asctime)s %(name)s %(message)s"
+
+
+def add_log_level_argument(p: argparse.ArgumentParser, default: str | None) -> None:
+    """Add ``--log-level`` (``default``: the command's level when it is not given; None: Python's own)."""
+    p.add_argument("--log-level", choices=LEVELS, default=default,
+                   help="level of fedpar's log lines (and of gRPC's, at debug)")
+
+
+def set_grpc_verbosity(argv: list[str]) -> None:
+    """Ask gRPC for its debug lines when ``argv`` says --log-level debug; before gRPC starts, which reads it once.
+    GRPC_VERBOSITY set by the user wins."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    known, _ = pre.parse_known_args(argv)
+    if known.log_level == "debug":
+        os.environ.setdefault("GRPC_VERBOSITY", "DEBUG")
+
+
+def setup_logging(args: argparse.Namespace | dict, fallback: str = "info") -> None:
+    """Log at ``args.log_level`` (``fallback`` where args have none, e.g. a rank spawned with plain options)."""
+    level = (args.get("log_level") if isinstance(args, dict) else getattr(args, "log_level", None)) or fallback
+    logging.basicConfig(level=level.upper(), format=FORMAT)
+    logging.getLogger("fedpar").setLevel(level.upper())

@@ -1,0 +1,45 @@
+"""Settings declared once: a dataclass field that also carries its command-line help, section and range.
+
+``fedpar.cli.declared`` turns such fields into argparse options and TOML keys, so a setting's name, type, default,
+help and range are written in one place, its dataclass. This module depends on nothing: every room may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# Metadata keys of a declared field.
+HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, NEGATABLE = (
+    "help", "group", "check", "flag", "key", "choices", "metavar", "negatable")
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, group: str | None = None, check: str | None = None,
+            flag: str | None = None, key: str | None = None, choices: Any = None, metavar: str | None = None,
+            negatable: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field that is also a command-line option.
+
+    ``check`` names a range-checked type of ``fedpar.cli.argtypes`` (``count``, ``port``, ``probability``, ...);
+    ``flag`` is the option's name without dashes when it is not the field's (``lr`` for ``learning_rate``);
+    ``key`` is its TOML key and argparse dest when not the field's name; ``choices`` a tuple of allowed values, or a
+    dict from the words the command line takes to the values the field holds; ``negatable`` adds ``--no-FLAG``.
+    """
+    metadata = {HELP: help, GROUP: group, CHECK: check, FLAG: flag, KEY: key, CHOICES: choices,
+                METAVAR: metavar, NEGATABLE: negatable}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def declared_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of dataclass ``cls`` declared with :func:`setting`, in declaration order."""
+    return [f for f in dataclasses.fields(cls) if HELP in f.metadata]
+
+
+def setting_key(f: dataclasses.Field) -> str:
+    """The TOML key (and argparse dest) of a declared field."""
+    return f.metadata.get(KEY) or f.name
+
+
+def flag_of(cls: type, name: str) -> str:
+    """The command-line flag of field ``name`` of ``cls`` (``--dp-replicate`` for ParallelConfig.dp)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return "--" + (f.metadata.get(FLAG) or setting_key(f).replace("_", "-"))

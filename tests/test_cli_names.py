@@ -1,0 +1,171 @@
+"""Names and help of the command line (issue 17): one meaning per flag, the same defaults for the same knob, options
+declared once with TOML errors that name the key, --log-level everywhere, help in sections, a light `fedpar --help`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fedpar.cli.log_level import set_grpc_verbosity
+from fedpar.cli.main import SUBCOMMANDS, build_parser, main, subcommand_parser
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """The one line a refused option prints (argparse's exit code 2)."""
+    with pytest.raises(SystemExit, match="2"):
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "simulate"])
+def test_dp_is_refused_where_it_meant_privacy_naming_the_new_flags(command, capsys):
+    line = _refused([command, "--dp", "central"], capsys)
+    assert line == (f"fedpar {command}: error: --dp is gone: differential privacy is --privacy {{off,central,client}} "
+                    f"(DDP replicas, on client and train, are --dp-replicate); see 'fedpar {command} --help'")
+    assert "is now --privacy-noise" in _refused([command, "--dp-noise", "0.5"], capsys)
+    assert "is now --privacy-adaptive-quantile" in _refused([command, "--dp-adaptive-quantile", "0.5"], capsys)
+
+
+@pytest.mark.parametrize("command", ["train", "client"])
+def test_dp_is_refused_where_it_meant_replicas_naming_the_new_flags(command, capsys):
+    line = _refused([command, "--dp", "2"], capsys)
+    assert "--dp is now --dp-replicate (DDP replicas); differential privacy is --privacy" in line
+
+
+def test_each_flag_has_one_meaning_and_the_new_names_parse():
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--privacy", "central", "--privacy-noise", "0.5", "--privacy-population", "9"])
+    assert (args.privacy, args.privacy_noise, args.privacy_population) == ("central", 0.5, 9)
+    assert parser.parse_args(["train", "--dp-replicate", "2"]).dp_replicate == 2
+    assert parser.parse_args(["client", "--agent-id", "a", "--dp-replicate", "2"]).dp_replicate == 2
+    for command in SUBCOMMANDS:
+        flags = {s for a in subcommand_parser(parser, command)._actions for s in a.option_strings
+                 if a.help != "==SUPPRESS=="}
+        assert "--dp" not in flags
+        assert not ({"--privacy", "--dp-replicate"} <= flags)  # never both meanings in one command
+
+
+def test_serve_client_and_simulate_share_the_defaults_of_the_same_knob():
+    parser = build_parser()
+    serve = parser.parse_args(["serve"])
+    simulate = parser.parse_args(["simulate"])
+    client = parser.parse_args(["client", "--agent-id", "a"])
+    for knob in ("local_epochs", "batch_size", "learning_rate", "rounds", "min_reports", "deadline_seconds", "seed",
+                 "model", "dataset", "device", "compression", "topk_ratio", "int8_block", "privacy_noise"):
+        assert getattr(serve, knob) == getattr(simulate, knob), knob
+    for knob in ("model", "dataset", "partition", "val_fraction", "seed", "device", "precision"):
+        assert getattr(client, knob) == getattr(simulate, knob), knob
+
+
+@pytest.mark.parametrize("toml, expected", [
+    ('[serve]\nrounds = "ten"\n', "config.toml: rounds: expected an integer, got 'ten'"),
+    ("rounds = -1\n", "config.toml: rounds: -1 is out of range: a non-negative integer must be at least 0"),
+    ("[serve]\nlr = 0.1\n", "unknown option(s) for 'serve': lr"),  # TOML keys are the settings' names
+    ('[serve]\nlearning_rate = "fast"\n', "config.toml: learning_rate: expected a number, got 'fast'"),
+    ("[serve]\nsecure_aggregation = 1\n", "config.toml: secure_aggregation: expected true or false, got 1"),
+    ('[serve]\nprivacy = "centre"\n', "config.toml: privacy: expected one of off, central, client, got 'centre'"),
+    ('[serve]\ndp = "central"\n', "config.toml: dp: is gone: differential privacy is privacy"),
+    ("[serve]\ndp_noise = 0.5\n", "config.toml: dp_noise: is now privacy_noise"),
+    ("[serve]\nmax_agent_share = 1.5\n", "config.toml: max_agent_share: 1.5 is out of range: it must be in (0, 1]"),
+])
+def test_a_config_file_error_names_the_key_in_the_file(tmp_path, capsys, toml, expected):
+    path = tmp_path / "config.toml"
+    path.write_text(toml)
+    assert main(["serve", "--insecure", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1 and "--" not in err.split(expected)[0][-20:]
+
+
+def test_nested_and_renamed_keys_of_train_are_typed_too(tmp_path, capsys):
+    path = tmp_path / "config.toml"
+    path.write_text('[train.parallel]\ntp = "2"\n')
+    assert main(["train", "--config", str(path)]) == 2
+    assert "config.toml: parallel.tp: expected an integer, got '2'" in capsys.readouterr().err
+    path.write_text("[train.parallel]\ndp = 2\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "config.toml: parallel.dp: is now dp_replicate (DDP replicas)" in capsys.readouterr().err
+    path.write_text('[train]\nout = "x"\ncompile = true\ndp_replicate = 2\ndata_plane = "on"\n')
+    assert main(["train", "--config", str(path)]) == 2  # data_plane is serve's
+    assert "unknown option(s) for 'train': data_plane" in capsys.readouterr().err
+
+
+def test_config_values_arrive_typed_as_the_flags_make_them(tmp_path):
+    from fedpar.cli.config import apply_config_defaults
+
+    path = tmp_path / "config.toml"
+    path.write_text('[serve]\ncheckpoint_dir = "ck"\ndeadline_seconds = 5\ndata_plane = "off"\n'
+                    'allow_agents = ["a,b", "c"]\n[client]\ndata_plane = true\n')
+    parser = build_parser()
+    apply_config_defaults(subcommand_parser(parser, "serve"), ["--config", str(path)], "serve")
+    args = parser.parse_args(["serve"])
+    assert (str(args.checkpoint_dir), args.deadline_seconds, args.data_plane) == ("ck", 5.0, "off")
+    assert isinstance(args.deadline_seconds, float) and args.allow_agents == ["a", "b", "c"]
+
+
+def test_every_subcommand_takes_log_level(caplog):
+    parser = build_parser()
+    for command in SUBCOMMANDS:
+        action = next(a for a in subcommand_parser(parser, command)._actions if "--log-level" in a.option_strings)
+        assert action.choices == ("debug", "info", "warning", "error")
+    fedpar_log = logging.getLogger("fedpar")
+    try:
+        with caplog.at_level(logging.DEBUG):  # pytest's handler takes everything the loggers let through
+            assert main(["serve", "--insecure", "--log-level", "error", "--aggregator-ranks", "2", "--strategy",
+                         "krum"]) == 2
+            assert fedpar_log.level == logging.ERROR and "plaintext" not in caplog.text
+            assert main(["serve", "--insecure", "--log-level", "warning", "--aggregator-ranks", "2", "--strategy",
+                         "krum"]) == 2
+            assert fedpar_log.level == logging.WARNING and "--insecure: plaintext gRPC" in caplog.text
+    finally:
+        fedpar_log.setLevel(logging.NOTSET)
+
+
+def test_log_level_debug_turns_on_grpc_debug_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    set_grpc_verbosity(["--log-level", "info"])
+    assert "GRPC_VERBOSITY" not in os.environ
+    set_grpc_verbosity(["--log-level", "debug"])
+    assert os.environ["GRPC_VERBOSITY"] == "DEBUG"
+    monkeypatch.setenv("GRPC_VERBOSITY", "ERROR")
+    set_grpc_verbosity(["--log-level", "debug"])
+    assert os.environ["GRPC_VERBOSITY"] == "ERROR"
+
+
+@pytest.mark.parametrize("command, sections", [
+    ("serve", ["coordinator", "data and model", "rounds and sampling", "local training", "aggregation", "transfer",
+               "limits", "secure aggregation", "differential privacy", "TLS and identity", "observability"]),
+    ("simulate", ["run", "rounds and sampling", "data and model", "local training", "simulated clients",
+                  "aggregation", "secure aggregation", "transfer", "differential privacy", "observability"]),
+    ("client", ["connection", "data and model", "device", "TLS and identity", "large-model agent"]),
+    ("train", ["run", "optimisation", "outputs", "parallelism"]),
+    ("simulate-workers", ["connection", "data and model", "simulated clients"]),
+    ("certs", ["certificates", "revocation and tokens"]),
+])
+def test_help_is_grouped_into_short_sections(command, sections):
+    parser = subcommand_parser(build_parser(only=command), command)
+    titles = [g.title for g in parser._action_groups if g._group_actions]
+    assert titles[0] == "options" and titles[1:] == sections
+    general = {s for a in parser._action_groups[1]._group_actions for s in a.option_strings
+               if a.help != "==SUPPRESS=="}  # hidden: the renamed --dp* that refuse themselves
+    assert general == {"-h", "--help", "--config", "--debug", "--log-level"}
+    assert max(len(g._group_actions) for g in parser._action_groups) <= 25
+
+
+def test_fedpar_help_and_building_any_parser_import_no_torch():
+    code = ("import sys\n"
+            "from fedpar.cli.main import SUBCOMMANDS, build_parser, main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'fedpar --help imported torch'\n"
+            "for name in SUBCOMMANDS:\n"
+            "    build_parser(only=name)\n"
+            "    assert 'torch' not in sys.modules, 'building the parser of ' + name + ' imported torch'\n"
+            "print('no torch')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("no torch") and "usage: fedpar" in proc.stdout

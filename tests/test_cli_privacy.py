@@ -1,0 +1,33 @@
+"""The --privacy options of `fedpar serve` / `fedpar simulate` turn into a DP-FedAvg strategy, or a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedpar.aggregation import DPStrategy, build_strategy
+from fedpar.cli.privacy import privacy_strategy
+from fedpar.cli.main import build_parser
+
+
+def _args(argv):
+    return build_parser().parse_args(argv)
+
+
+def test_simulate_flags_build_an_adaptive_client_side_privacy_strategy():
+    args = _args(["simulate", "--strategy", "fedavgm", "--privacy", "client", "--privacy-noise", "0.7",
+                  "--privacy-clip", "0.5",
+                  "--privacy-adaptive-quantile", "0.4", "--privacy-count-noise", "1.0", "--privacy-delta", "1e-6"])
+    name, options = privacy_strategy(args, args.strategy, clients_per_round=10, overselect=1.3, population=100)
+    assert name == "dp-fedavgm"
+    assert options["sampled_per_round"] == 13 and options["population"] == 100 and options["mode"] == "client"
+    s = build_strategy(name, **options)
+    assert isinstance(s, DPStrategy) and s.sample_rate == pytest.approx(0.13) and s.adaptive is not None
+    assert s.accountant.delta == 1e-6 and s.client_config(1)["dp_clip_norm"] == 0.5
+
+
+def test_dp_off_changes_nothing_and_serve_needs_the_population():
+    args = _args(["serve"])
+    assert privacy_strategy(args, "fedavg", 10, 1.3, None) == ("fedavg", {})
+    args = _args(["serve", "--privacy", "central"])
+    with pytest.raises(ValueError, match="--privacy-population"):
+        privacy_strategy(args, "fedavg", 10, 1.3, args.privacy_population)
