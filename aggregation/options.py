@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import inspect
-import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from fedpar.settings import SIMPLE_TYPES, coerce_value
 
 # Short names from the papers and other frameworks -> candidate constructor arguments (first that exists wins).
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -20,8 +21,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "f": ("num_malicious",),
     "m": ("num_selected",),
 }
-SIMPLE_TYPES = (bool, int, float, str)
-_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
 
 @dataclass(frozen=True)
@@ -92,27 +91,4 @@ def _alias_target(targets: tuple[str, ...], cls: type) -> str | None:
 
 def _coerce(spec: OptionSpec, value: Any, strategy: str) -> Any:
     """``value`` as ``spec.type``; ValueError saying what was expected."""
-    where = f"option {spec.name!r} of strategy {strategy!r}"
-    text = value.strip() if isinstance(value, str) else None
-    if spec.type is bool:
-        if isinstance(value, bool):
-            return value
-        if text is not None and text.lower() in _TRUE | _FALSE:
-            return text.lower() in _TRUE
-        raise ValueError(f"{where} must be true or false, got {value!r}")
-    if spec.type is str:
-        return str(value)
-    if isinstance(value, bool):
-        raise ValueError(f"{where} must be a number ({spec.type.__name__}), got {value!r}")
-    try:
-        if spec.type is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(text) if text is not None else int(value)
-        number = float(text if text is not None else value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where} must be {'an integer' if spec.type is int else 'a number'}, "
-                         f"got {value!r}") from None
-    if not math.isfinite(number):
-        raise ValueError(f"{where} must be finite, got {value!r}")
-    return number
+    return coerce_value(spec.type, value, f"option {spec.name!r} of strategy {strategy!r}")

@@ -14,6 +14,7 @@ from fedpar.cli.argtypes import count, non_negative_int, positive, probability
 from fedpar.cli.declared import section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
+from fedpar.cli.task_options import add_task_arguments, load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.parallel.config import DEVICE_HELP, PRECISIONS, ConfigurationError
 
@@ -33,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="mlp", help="mlp or cnn; must match the coordinator's")
     g.add_argument("--dataset", default="digits", help="digits or mnist")
     g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
+    add_task_arguments(p)
     g.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N")
     g.add_argument("--num-partitions", type=count, default=1, help="how many shares the training set is cut into")
     g.add_argument("--partition-index", type=non_negative_int, default=0, help="which share is this agent's (0-based)")
@@ -48,15 +50,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def local_data(args: argparse.Namespace):
-    """The dataset's splits and this agent's local (train, val) share of it."""
-    from fedpar.datasets import load_dataset
-    from fedpar.datasets.clientdata import local_split, partition_indices
+def agent_task(args: argparse.Namespace):
+    """The task this agent runs: --task, else the zoo's classifier for --model and --dataset."""
+    from fedpar.tasks.zoo import classifier
 
-    splits = load_dataset(args.dataset, args.data_dir)
-    parts = partition_indices(splits, args.partition, args.num_partitions, args.partition_seed)
-    train, val = local_split(splits.train, parts[args.partition_index], args.val_fraction, args.seed)
-    return splits, train, val
+    task = load_task_from_args(args)
+    return task if task is not None else classifier(args.model, args.dataset, args.data_dir)
+
+
+def agent_partition(args: argparse.Namespace):
+    """This agent's share of the task's data, as --partition/--num-partitions/--partition-index say."""
+    from fedpar.task import Partition
+
+    return Partition(args.partition_index, args.num_partitions, args.agent_id, args.partition, args.partition_seed,
+                     args.val_fraction)
 
 
 def agent_config(args: argparse.Namespace, security):
@@ -76,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedpar.client.agent import Agent, FatalAgentError
-    from fedpar.client.trainer import LocalTrainer
-    from fedpar.models.for_data import build_model_for_data
+    from fedpar.client.task_trainer import TaskTrainer
     from fedpar.parallel.device import check_device_layout, flush_denormals, resolve_device
 
     setup_logging(args)
@@ -88,24 +94,32 @@ def run(args: argparse.Namespace) -> int:
         print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
         return 2
     if wants_engine(args):
+        if args.task:
+            print("fedpar client: --task runs on one process for now; drop --nproc/--fsdp/--dp-replicate/--tp "
+                  "(large-model agents train the zoo's --model)", file=sys.stderr)
+            return 2
         return run_engine(args)
     try:
         check_device_layout(args.device)
         device = resolve_device(args.device)
         security = client_security(args)
-        splits, train, val = local_data(args)
-        model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
-    except (ConfigurationError, ValueError) as exc:
+        task = agent_task(args)
+        trainer = TaskTrainer(task, task.client_data(agent_partition(args)), seed=args.seed, device=device,
+                              precision=args.precision)
+    except (ConfigurationError, ValueError) as exc:  # a task's mistakes too (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    trainer = LocalTrainer(model, train, val, seed=args.seed, device=device, precision=args.precision)
     agent = Agent(agent_config(args, security), trainer)
-    print(f"agent {args.agent_id}: {len(train)} training examples on {device}, dialing {args.server}", flush=True)
+    print(f"agent {args.agent_id}: {trainer.num_examples} training examples of {task.name} on {device}, dialing "
+          f"{args.server}", flush=True)
     try:
         stats = agent.run()
     except FatalAgentError as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # the task's hooks gave something fedpar cannot use (TaskError)
+        print(f"fedpar client: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     print(f"agent {args.agent_id}: {stats.tasks} tasks, {stats.accepted} updates accepted, "

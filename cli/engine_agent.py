@@ -88,10 +88,9 @@ def engine_process(args: argparse.Namespace) -> int:
     """One rank of the agent: build the sharded trainer; rank 0 runs the Agent, the others follow it."""
     import torch
 
-    from fedpar.cli.agent import agent_config, local_data
+    from fedpar.cli.agent import agent_config, agent_partition, agent_task
     from fedpar.cli.tlsopts import client_security
     from fedpar.client.engine_trainer import EngineTrainer
-    from fedpar.models.for_data import build_model_for_data
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
 
@@ -103,10 +102,11 @@ def engine_process(args: argparse.Namespace) -> int:
     try:
         try:
             security = client_security(args) if info.is_main else None
-            splits, train, val = local_data(args)
-            trainer = EngineTrainer(lambda: build_model_for_data(args.model, splits.input_shape, splits.num_classes),
-                                    args.model, train, val, info, _parallel_config(args), seed=args.seed,
-                                    idle_timeout_seconds=args.idle_timeout)
+            task = agent_task(args)  # the zoo's classifier (in memory: the engine shards arrays over the ranks)
+            data = task.client_data(agent_partition(args))
+            train = data.train
+            trainer = EngineTrainer(task.model, args.model, train, data.val, info, _parallel_config(args),
+                                    seed=args.seed, idle_timeout_seconds=args.idle_timeout)
         except ValueError as exc:  # every rank fails the same way on bad options or data
             print(f"fedpar client: {exc}", file=sys.stderr)
             return 2

@@ -27,6 +27,7 @@ from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
+from fedpar.cli.task_options import add_task_arguments, load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.cli.user_errors import check_output_folder, check_port_free, run_exit_code
 from fedpar.parallel.config import DEVICE_HELP
@@ -55,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", default="digits",
                    help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
     g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
+    add_task_arguments(p)
     g.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
     g.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
     section(p, "rounds")
@@ -98,12 +100,15 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     config.upload_compression = compression_from_args(args)
     config.validate()
     strategy_options = strategy_options_from_args(args)
-    if args.model == "synthetic":
+    task = load_task_from_args(args)
+    eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
+    if task is not None:
+        assembly = CoordinatorAssembly.for_task(task, args.seed, eval_device)
+    elif args.model == "synthetic":
         assembly = CoordinatorAssembly(*synthetic_model(args.params, args.seed),
                                        description={"model": "synthetic", "params": args.params, "seed": args.seed})
     else:
         splits = load_dataset(args.dataset, args.data_dir)
-        eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
         assembly = CoordinatorAssembly.for_data(args.model, splits, args.seed, eval_device)
         assembly.description["dataset"] = args.dataset
     if privacy_on(args) and config.fraction is not None:
@@ -166,7 +171,7 @@ def _rank_failure(exc: BaseException) -> str:
 
 def _plain_options(args: argparse.Namespace) -> dict:
     """The parsed options a spawned rank needs (values only: no handlers or modules)."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, Path, list, tuple, type(None)))}
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, Path, list, tuple, dict, type(None)))}
 
 
 def serve_rank(args: argparse.Namespace | dict) -> None:
@@ -275,7 +280,7 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     rows = server.coordinator.metrics.rows
     summary = write_run_outputs(args.out, rows, {"wall_seconds": time.monotonic() - started,
                                                  "interrupted": interrupted},
-                                title=f"{args.dataset} / {args.model}, fedpar serve")
+                                title=f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve")
     write_coordinator_model(args.out, server.coordinator, plan.assembly.description, interrupted)
     if rows:
         print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))

@@ -16,6 +16,7 @@ from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
+from fedpar.cli.task_options import add_task_arguments, task_options
 from fedpar.cli.user_errors import check_output_folder, run_exit_code
 from fedpar.simulations.config import SimulationConfig
 
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         section(p, key)
     add_strategy_arguments(p, "simulate")
     add_declared(p, SimulationConfig)
+    add_task_arguments(p, declared=False)  # --task is SimulationConfig's (TaskReference)
     add_compression_arguments(p)
     add_privacy_arguments(p, population_flag=False)
     add_observability_arguments(p)
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.simulations.runner import run_simulation
 
     check_output_folder(args.out)
-    cfg = from_args(SimulationConfig, args, also=("strategy", "compression", "topk_ratio", "int8_block", "out"))
+    cfg = from_args(SimulationConfig, args, also=("strategy", "compression", "topk_ratio", "int8_block", "out"),
+                    task_options=task_options(args))
     columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else []) + \
         (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else []) + \
         (CLOCK_COLUMNS if cfg.clock == "virtual" else [])
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         observers.close()
     summary.pop("config", None)
     print(json.dumps(summary, indent=2))
-    written = ["metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", "loss.png", "labels.png"]
+    written = ["metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", "loss.png"]
+    written += [] if cfg.task else ["labels.png"]  # a task's labels are its own
     written += ["global.safetensors", "global.json"] if summary["rounds"] else []  # the model of the last round
     print(f"wrote {cfg.out}/{', '.join(written[:-1])} and {written[-1]}")
     return run_exit_code("fedpar simulate", summary)

@@ -18,7 +18,7 @@ class _KeyValue(argparse.Action):
         if not sep or not key.strip():
             parser.error(f"{option_string} expects KEY=VALUE, got {value!r}")
         try:
-            options = as_mapping(getattr(namespace, self.dest, None))
+            options = as_mapping(getattr(namespace, self.dest, None), self.dest)
         except ValueError as exc:
             parser.error(str(exc))
         options[key.strip()] = text.strip()
@@ -49,15 +49,16 @@ def _options_help(command: str) -> str:
             f"[{command}.strategy_options] table, e.g. mu = 0.01")
 
 
-def as_mapping(value: Any) -> dict[str, Any]:
-    """The options as a dict, from a flag-built dict, a TOML table, or a TOML list of ``"KEY=VALUE"`` strings."""
+def as_mapping(value: Any, name: str = "strategy_options") -> dict[str, Any]:
+    """The options (``name`` in a config file) as a dict, from a flag-built dict, a TOML table, or a TOML list of
+    ``"KEY=VALUE"`` strings."""
     if value is None:
         return {}
     if isinstance(value, dict):
         return dict(value)
     if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
         return {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in value)}
-    raise ValueError(f"strategy_options must be a table or a list of \"KEY=VALUE\" strings, got {value!r}")
+    raise ValueError(f"{name} must be a table or a list of \"KEY=VALUE\" strings, got {value!r}")
 
 
 def strategy_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

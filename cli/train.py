@@ -24,6 +24,7 @@ from fedpar.cli.argtypes import count, positive
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import add_tensorboard_argument
 from fedpar.cli.renamed import add_replicas_renamed
+from fedpar.cli.task_options import add_task_arguments, load_task_from_args
 from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig
 
 
@@ -33,6 +34,7 @@ LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fedpar train``: TrainConfig's and ParallelConfig's declared settings, and the launcher's."""
     add_declared(parser, TrainConfig, skip=("tensorboard",))
+    add_task_arguments(parser)
     run = section(parser, "run")
     run.add_argument("--nproc", type=count, default=1, help="local ranks to spawn (ignored under torchrun)")
     run.add_argument("--timeout", type=positive, default=300.0, help="seconds a collective may wait before failing")
@@ -79,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         require_tensorboard()  # a missing package is said before any rank starts
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
+    if args.task or args.task_options:
+        return _train_task(args, world)
     try:
         cfg = config_from_args(args)
         cfg.parallel = cfg.parallel.resolved(world)
@@ -106,4 +110,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json",
               file=sys.stderr)
         return 130
+    return 0
+
+
+def _train_task(args: argparse.Namespace, world: int) -> int:
+    """``fedpar train --task``: the task trained centrally in this process (tasks/central.py), its model kept as
+    OUT/global.safetensors and global.json (``round``: the epochs trained)."""
+    from fedpar.models.weights import get_weights, weight_specs
+    from fedpar.parallel.device import check_device_layout, resolve_device
+    from fedpar.server.final_model import write_final_model
+    from fedpar.tasks.central import train_centrally
+
+    try:
+        if world > 1:
+            raise ConfigurationError("--task trains in one process for now; drop --nproc (and torchrun), or train a "
+                                     "zoo --model on the parallel engine")
+        cfg = config_from_args(args)
+        cfg.check()
+        check_device_layout(cfg.device)
+        task = load_task_from_args(args)
+        model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
+    except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
+        print(f"fedpar train: {exc}", file=sys.stderr)
+        return 2
+    evals = {k: v for k, v in summary.items() if k.startswith(("test_", "val_"))}
+    write_final_model(Path(cfg.out), [name for name, _, _ in weight_specs(model)], get_weights(model),
+                      max(summary["epochs"], 1), task.description, {"round": summary["epochs"], **evals})
+    print(json.dumps({k: summary[k] for k in ("task", "steps", "epochs", *evals)}, indent=2))
+    print(f"wrote {cfg.out}/metrics.jsonl, metrics.csv, summary.json, global.safetensors, global.json"
+          f"{' and loss_curve.png' if cfg.plot else ''}")
     return 0

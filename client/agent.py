@@ -246,8 +246,7 @@ class Agent:
         metrics: dict[str, float] = {}
         evaluation = self.trainer.evaluate()
         if evaluation is not None:
-            metrics.update(eval_loss=evaluation.loss, eval_accuracy=evaluation.accuracy,
-                           eval_examples=float(evaluation.examples))
+            metrics.update(evaluation.as_metrics())
         # Uploading takes about as long as downloading did; keep that and a margin free.
         stop_at = deadline_at - UPLOAD_TO_DOWNLOAD * download_seconds - self.config.upload_margin_seconds
         with self._heartbeat.while_training():
@@ -261,7 +260,7 @@ class Agent:
         if self.config.drop_probability and self._rng.random() < self.config.drop_probability:
             self.stats.dropped += 1
             return True
-        metrics.update(train_loss=result.loss, train_seconds=result.seconds)
+        metrics.update(result.as_metrics())
         if mode.upload(get_weights(self.trainer.model), weights, result, metrics):
             self.stats.accepted += 1
             mode.close()

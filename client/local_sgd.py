@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -26,6 +26,12 @@ class TrainResult:
     loss: float
     stopped_early: bool
     seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)  # other named metrics (a task's own training)
+
+    def as_metrics(self) -> dict[str, float]:
+        """What an agent reports of it: train_seconds, train_loss and train_NAME, where finite."""
+        named = {"loss": self.loss, **self.metrics, "seconds": self.seconds}
+        return {f"train_{k}": float(v) for k, v in named.items() if math.isfinite(v)}
 
 
 @dataclass

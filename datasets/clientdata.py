@@ -46,12 +46,18 @@ def local_train_size(examples: int, val_fraction: float) -> int:
 def local_split(train: ArrayDataset, indices: np.ndarray, val_fraction: float,
                 seed: int) -> tuple[ArrayDataset, ArrayDataset | None]:
     """Split one client's examples into local train and validation sets (for federated evaluation)."""
+    train_idx, val_idx = split_indices(indices, val_fraction, seed)
+    return train.subset(train_idx), (train.subset(val_idx) if len(val_idx) else None)
+
+
+def split_indices(indices: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """One client's example indices shuffled by ``seed`` and cut into (train, validation) as :func:`local_split`
+    cuts them (for any dataset that can be indexed)."""
     if not 0 <= val_fraction < 1:
         raise ValueError("val_fraction must be in [0, 1)")
     order = np.random.default_rng(seed).permutation(np.asarray(indices))
     n_val = len(order) - local_train_size(len(order), val_fraction)
-    val = train.subset(order[:n_val]) if n_val else None
-    return train.subset(order[n_val:]), val
+    return order[n_val:], order[:n_val]
 
 
 def label_counts(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) -> np.ndarray:

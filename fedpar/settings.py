@@ -43,3 +43,36 @@ def flag_of(cls: type, name: str) -> str:
     """The command-line flag of field ``name`` of ``cls`` (``--dp-replicate`` for ParallelConfig.dp)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     return "--" + (f.metadata.get(FLAG) or setting_key(f).replace("_", "-"))
+
+
+SIMPLE_TYPES = (bool, int, float, str)  # what an option given as text (command line, TOML) can be
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def coerce_value(kind: type, value: Any, where: str) -> Any:
+    """``value`` (text from a command line, or a TOML value) as ``kind`` (bool, int, float or str); ValueError
+    starting with ``where`` (e.g. "option 'mu' of strategy 'fedprox'") saying what was expected."""
+    import math
+
+    text = value.strip() if isinstance(value, str) else None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if text is not None and text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if kind is str:
+        return str(value)
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be a number ({kind.__name__}), got {value!r}")
+    try:
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(text) if text is not None else int(value)
+        number = float(text if text is not None else value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} must be {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{where} must be finite, got {value!r}")
+    return number

@@ -1,25 +1,29 @@
-"""Scoring a classifier: loss and accuracy on some examples, and the coordinator's central evaluation."""
+"""Scoring a classifier: loss and accuracy on some examples."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
 from fedpar.models.losses import classification_loss
-from fedpar.models.weights import set_weights
 
 
 @dataclass
 class EvalResult:
-    """Loss and accuracy of a model on some examples."""
+    """Loss and accuracy of a model on some examples (None: not measured), and any other named metrics."""
 
-    loss: float
-    accuracy: float
+    loss: float | None
+    accuracy: float | None
     examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        """What an agent reports of it: eval_loss, eval_accuracy, eval_examples and eval_NAME, where finite."""
+        named = {"loss": self.loss, "accuracy": self.accuracy, **self.metrics, "examples": float(self.examples)}
+        return {f"eval_{k}": float(v) for k, v in named.items() if v is not None and math.isfinite(v)}
 
 
 @torch.no_grad()
@@ -34,19 +38,3 @@ def evaluate_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batc
         loss += classification_loss(logits, target, reduction="sum")
         correct += (logits.argmax(dim=1) == target).sum()
     return EvalResult(loss.item() / len(y), correct.item() / len(y), len(y))  # one device sync, at the end
-
-
-class CentralEvaluator:
-    """The coordinator's evaluation of each new global model on a held-out test set, on ``device``."""
-
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device | str = "cpu"):
-        """Keep ``model`` and the test set on ``device`` for every later call."""
-        self.device = torch.device(device)
-        self.model = model.to(self.device)
-        self.x, self.y = x.to(self.device), y.to(self.device)
-
-    def __call__(self, weights: Sequence[np.ndarray]) -> dict[str, float]:
-        """``test_loss`` and ``test_accuracy`` of the model with ``weights``."""
-        set_weights(self.model, weights)
-        result = evaluate_classifier(self.model, self.x, self.y)
-        return {"test_loss": result.loss, "test_accuracy": result.accuracy}

@@ -144,7 +144,7 @@ def plot_loss_curve(records: list[dict[str, Any]], path: Path, title: str) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and "loss" in r]
     evals = [(r["step"], r.get("val_loss", r.get("test_loss"))) for r in records if r.get("kind") == "eval"]
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:

@@ -13,13 +13,15 @@ from torch import nn
 
 from fedpar.aggregation.strategy import Strategy
 from fedpar.datasets import DatasetSplits
-from fedpar.models import build_model_for_data, get_weights, weight_specs
-from fedpar.models.evaluation import CentralEvaluator
+from fedpar.models import get_weights, weight_specs
 from fedpar.security.admission import Admission
 from fedpar.server.aggregator_ranks import RankLeader
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
+from fedpar.task import Task
+from fedpar.tasks.evaluator import TaskEvaluator
+from fedpar.tasks.zoo import classifier_for
 
 
 @dataclass
@@ -38,15 +40,21 @@ class CoordinatorAssembly:
     def for_data(cls, model: str, splits: DatasetSplits, seed: int,
                  eval_device: torch.device | str | None) -> CoordinatorAssembly:
         """A ``model`` classifier sized for ``splits`` with weights drawn from ``seed``, evaluated after every
-        round on ``splits.test`` on ``eval_device`` (None: not evaluated)."""
+        round on ``splits.test`` on ``eval_device`` (None: not evaluated): the zoo's task (fedpar.tasks.zoo)."""
+        return cls.for_task(classifier_for(model, splits), seed, eval_device)
+
+    @classmethod
+    def for_task(cls, task: Task, seed: int, eval_device: torch.device | str | None) -> CoordinatorAssembly:
+        """``task``'s model with weights drawn from ``seed``, evaluated after every round with the task's evaluation
+        on its test data on ``eval_device`` (None, or a task without test data: not evaluated)."""
         torch.manual_seed(seed)
-        first = build_model_for_data(model, splits.input_shape, splits.num_classes)
+        first = task.model()
         evaluate = None
-        if eval_device is not None:
-            evaluate = CentralEvaluator(build_model_for_data(model, splits.input_shape, splits.num_classes),
-                                        *splits.test.to_tensors(), device=eval_device)
-        description = {"model": model, "input_shape": list(splits.input_shape), "num_classes": splits.num_classes}
-        return cls([name for name, _, _ in weight_specs(first)], get_weights(first), evaluate, first, description)
+        test_data = task.test_data() if eval_device is not None and task.test_data is not None else None
+        if test_data is not None:
+            evaluate = TaskEvaluator(task, test_data, device=eval_device)
+        return cls([name for name, _, _ in weight_specs(first)], get_weights(first), evaluate, first,
+                   dict(task.description))
 
     def server(self, config: CoordinatorConfig, strategy: Strategy, *, on_round_end: Sequence[RoundCallback] = (),
                admission: Admission | None = None, host: str = "127.0.0.1", port: int = 0,

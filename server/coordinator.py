@@ -535,13 +535,14 @@ def cohort_digest(agent_ids) -> str:
 def _weighted_client_metrics(reports: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """Example-weighted means of what agents reported (train loss, federated evaluation)."""
     out: dict[str, float] = {}
-    train = [(n, m["train_loss"]) for n, m in reports if "train_loss" in m]
-    if train:
-        out["train_loss"] = sum(n * v for n, v in train) / sum(n for n, _ in train)
+    named = sorted({k for _, m in reports for k in m})
+    for key in (k for k in named if k.startswith("train_") and k != "train_seconds"):  # train_loss, a task's own
+        train = [(n, m[key]) for n, m in reports if key in m]
+        if train and sum(n for n, _ in train):
+            out[key] = sum(n * v for n, v in train) / sum(n for n, _ in train)
     evals = [(m["eval_examples"], m) for _, m in reports if m.get("eval_examples", 0) > 0]
-    total = sum(n for n, _ in evals)
-    for key in ("eval_loss", "eval_accuracy"):
+    for key in (k for k in named if k.startswith("eval_") and k != "eval_examples"):  # eval_loss, eval_accuracy, ...
         vals = [(n, m[key]) for n, m in evals if key in m]
-        if vals and total:
+        if vals:
             out[f"federated_{key}"] = sum(n * v for n, v in vals) / sum(n for n, _ in vals)
     return out

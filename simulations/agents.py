@@ -35,6 +35,7 @@ class AgentSpec:
     step_delay: float = 0.0  # seconds added per local step: a slow device
     drop_probability: float = 0.0  # chance per round of vanishing before the upload
     certs_dir: str | None = None  # mutual TLS with DIR/ca.pem and DIR/AGENT_ID.pem/.key; None: plaintext
+    index: int = 0  # its share of a task's data (Partition.index)
 
 
 @dataclass
@@ -55,6 +56,10 @@ class WorkerConfig:
     population: PopulationSlice | None = None  # virtual clients this process hosts (instead of ``agents``)
     seats: int = 2  # virtual clients of this process that train at once
     day_seconds: float = 86_400.0  # real seconds one day of the population's availability trace lasts
+    task: str | None = None  # --task: its agents train this task (reference) instead of ``model`` on ``dataset``
+    task_options: dict | None = None
+    partition: str = "iid"  # a task's Partition.scheme
+    clients: int = 1  # a task's Partition.count
 
 
 def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None,
@@ -79,11 +84,34 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: thread
     return Agent(agent_cfg, trainer)
 
 
+def build_task_agent(cfg: WorkerConfig, spec: AgentSpec, task) -> Agent:
+    """A real agent over gRPC training ``task`` on its share of the task's data (``spec.index`` of ``cfg.clients``)."""
+    from fedpar.client.task_trainer import TaskTrainer
+    from fedpar.task import Partition
+
+    files = client_tls_files(spec.agent_id, spec.certs_dir) if spec.certs_dir else None
+    data = task.client_data(Partition(spec.index, cfg.clients, spec.agent_id, cfg.partition, cfg.seed,
+                                      cfg.val_fraction))
+    torch.manual_seed(cfg.seed)
+    trainer = TaskTrainer(task, data, seed=client_seed(cfg.seed, spec.agent_id), device=cfg.device,
+                          precision=cfg.precision, seconds_per_step_delay=spec.step_delay)
+    agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
+                            drop_probability=spec.drop_probability, give_up_after=60.0,
+                            credentials=channel_credentials(files) if files else None,
+                            data_tls=client_ssl_context(files) if files else None,
+                            seed=cfg.seed * 1_000_003 + zlib.crc32(spec.agent_id.encode()))
+    return Agent(agent_cfg, trainer)
+
+
 def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     """Run every agent of ``cfg`` in a thread until the coordinator shuts down (``splits``: the loaded data)."""
     torch.set_num_threads(1)  # several worker processes share the cores
     flush_denormals()
     logging.basicConfig(level=logging.WARNING)
+    if cfg.task is not None:
+        from fedpar.tasks.reference import load_task
+        task = load_task(cfg.task, cfg.task_options)  # once per process: its data is loaded once
+        return _run_agents([build_task_agent(cfg, spec, task) for spec in cfg.agents])
     if splits is None:
         splits = load_dataset(cfg.dataset, cfg.data_dir)
     if cfg.population is not None:
@@ -91,7 +119,11 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
                               cfg.poll_seconds, cfg.device, cfg.precision, cfg.day_seconds).run()
     compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see LocalTrainer)
     batcher = ClientBatcher(cfg.device, compute_lock) if cfg.client_batching else None
-    agents = [build_agent(cfg, spec, splits, compute_lock, batcher) for spec in cfg.agents]
+    return _run_agents([build_agent(cfg, spec, splits, compute_lock, batcher) for spec in cfg.agents])
+
+
+def _run_agents(agents: list[Agent]) -> list[AgentStats]:
+    """Run each agent in a thread until the coordinator shuts down; the first agent's error is raised."""
     stats: list[AgentStats] = [AgentStats() for _ in agents]
     errors: list[BaseException] = []
 
@@ -119,7 +151,7 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> 
     worker), which every simulation would wait for; its agents have closed their channels, so skip it.
     """
     try:
-        splits, problem = load_dataset(dataset, data_dir), None
+        splits, problem = (load_dataset(dataset, data_dir) if dataset else None), None  # a task loads its own
     except (ValueError, OSError) as exc:  # the coordinator loads the same data and says what is wrong, once
         splits, problem = None, exc
     try:

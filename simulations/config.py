@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from fedpar.parallel.config import DEVICE_HELP, PRECISIONS
 from fedpar.protocol.local_training import LocalTraining
 from fedpar.settings import setting
+from fedpar.task import TaskReference
 
 
 @dataclass
-class SimulationConfig(LocalTraining):
+class SimulationConfig(TaskReference, LocalTraining):
     """One simulated federation: data, model, rounds, and how heterogeneous the clients are."""
 
     clients: int = setting(10, check="count", group="rounds", help="number of simulated agents")

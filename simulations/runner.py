@@ -36,6 +36,7 @@ from fedpar.simulations.ingest_ranks import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, client_id, step_delays
 from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
+from fedpar.tasks.reference import load_task
 from fedpar.datasets.clientdata import client_parts, label_counts, label_skew
 
 log = logging.getLogger("fedpar.simulate")
@@ -47,8 +48,8 @@ def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> list[fl
     return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed, traces)
 
 
-def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray]) -> list[AgentSpec]:
-    return [AgentSpec(client_id(i), parts[i], delay, cfg.drop_probability)
+def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray | None]) -> list[AgentSpec]:
+    return [AgentSpec(client_id(i), parts[i], delay, cfg.drop_probability, index=i)
             for i, delay in enumerate(_step_delays(cfg))]
 
 
@@ -71,6 +72,16 @@ def check_virtual_clients(cfg: SimulationConfig) -> None:
             raise ValueError(f"--virtual-clients does not work with {what} yet; drop one of them")
     if cfg.seats < 1:
         raise ValueError("--seats must be >= 1")
+
+
+def check_task(cfg: SimulationConfig) -> None:
+    """ValueError for settings a --task run cannot honour yet (they need the zoo's in-memory arrays)."""
+    if not cfg.task:
+        return
+    for on, what in ((cfg.virtual_clients, "--virtual-clients"), (cfg.client_batching, "--client-batching"),
+                     (cfg.aggregator_ranks > 1, "--aggregator-ranks > 1")):
+        if on:
+            raise ValueError(f"--task does not work with {what} yet; drop it (the zoo's --model/--dataset do)")
 
 
 def check_clock(cfg: SimulationConfig) -> None:
@@ -128,6 +139,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     check_client_batching(cfg)
+    check_task(cfg)
     check_virtual_clients(cfg)
     check_traces(cfg)
     check_clock(cfg)
@@ -143,7 +155,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     workers = max(1, min(cfg.workers, cfg.clients))
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
-    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}", args=(recv, cfg.dataset, cfg.data_dir),
+    preload = None if cfg.task else cfg.dataset  # a task's worker loads the task instead
+    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}", args=(recv, preload, cfg.data_dir),
                          daemon=True) for w, (recv, _) in enumerate(pipes)]
     # Ctrl-C reaches the whole process group; the workers ignore it from birth (an ignored signal stays ignored
     # through exec) and this process stops them, so an interrupt prints no worker tracebacks.
@@ -180,10 +193,15 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
 def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes,
          on_server=None, on_progress=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
-    splits = load_dataset(cfg.dataset, cfg.data_dir)
-    parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
-    assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
-    assembly.description["dataset"] = cfg.dataset
+    if cfg.task:
+        task = load_task(cfg.task, cfg.task_options)
+        splits, parts = None, [None] * cfg.clients  # the task's client_data gives each agent its share
+        assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))
+    else:
+        splits = load_dataset(cfg.dataset, cfg.data_dir)
+        parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
+        assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
+        assembly.description["dataset"] = cfg.dataset
     if cfg.client_batching:
         check_batchable(assembly.model)
     k = cfg.clients_per_round or cfg.clients
@@ -227,7 +245,8 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
             send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
                                    specs[w::len(pipes)], device=devices[w], precision=cfg.precision,
                                    client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats,
-                                   day_seconds=cfg.trace_day_seconds))
+                                   day_seconds=cfg.trace_day_seconds, task=cfg.task,
+                                   task_options=cfg.task_options, partition=cfg.partition, clients=cfg.clients))
             send.close()
         try:
             while not server.wait(0.5):
@@ -253,14 +272,16 @@ def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | 
     first_start = server.coordinator.started_at + rows[0]["wall_seconds"] - rows[0]["round_seconds"] if rows else None
     extra = {"wall_seconds": time.monotonic() - started,
              "startup_seconds": None if first_start is None else first_start - started,
-             "label_skew": label_skew(parts, splits.train.y, splits.num_classes), "config": asdict(cfg),
+             "label_skew": label_skew(parts, splits.train.y, splits.num_classes) if splits else None,
+             "config": asdict(cfg),
              **({"interrupted": True} if interrupted else {})}
     if not out:
         return {**summarize_rounds(rows, cfg.target_accuracy), **extra}
-    summary = write_run_outputs(out, rows, extra, title=f"{cfg.dataset} / {cfg.model} / {cfg.partition}, "
-                                                        f"{cfg.clients} clients", target_accuracy=cfg.target_accuracy)
+    what = cfg.task or f"{cfg.dataset} / {cfg.model}"
+    summary = write_run_outputs(out, rows, extra, title=f"{what} / {cfg.partition}, {cfg.clients} clients",
+                                target_accuracy=cfg.target_accuracy)
     write_coordinator_model(out, server.coordinator, assembly.description, interrupted)
-    if interrupted:  # stop within 2 s: no plots (see write_run_outputs)
+    if interrupted or splits is None:  # stop within 2 s: no plots (see write_run_outputs); a task's labels are its own
         return summary
     from fedpar.simulations.plots import plot_label_counts
     plot_label_counts(label_counts(parts[:LABEL_PLOT_CLIENTS], splits.train.y, splits.num_classes),

@@ -9,8 +9,8 @@ import torch
 from safetensors.numpy import load_file
 
 from fedpar.datasets import load_dataset
-from fedpar.models import get_weights, weight_specs
-from fedpar.models.evaluation import CentralEvaluator
+from fedpar.models import weight_specs
+from fedpar.models.evaluation import evaluate_classifier
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
 
@@ -42,8 +42,7 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
     assert info["round"] == 10 and info["metrics"] == rows[-1] and info["model"]["model"] == "mlp"
     model = build_model_for_data("mlp", tuple(info["model"]["input_shape"]), info["model"]["num_classes"])
     model.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(out / "global.safetensors").items()})
-    assert CentralEvaluator(model, *splits.test.to_tensors())(get_weights(model))["test_accuracy"] == \
-        pytest.approx(rows[-1]["test_accuracy"])
+    assert evaluate_classifier(model, *splits.test.to_tensors()).accuracy == pytest.approx(rows[-1]["test_accuracy"])
     # Federated evaluation: the agents score the model they receive on their own validation splits, so
     # round r's score is that of the model the server tested after round r-1 (other data, same model).
     for before, row in zip(rows, rows[1:]):

@@ -1,0 +1,39 @@
+"""--task REF and the repeatable --task-option KEY=VALUE of `fedpar serve|client|simulate|train` (or a TOML
+``task = "..."`` and a ``[COMMAND.task_options]`` table): the task a command runs instead of --model/--dataset."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fedpar.cli.declared import add_declared, section
+from fedpar.cli.strategy_options import _KeyValue, as_mapping
+from fedpar.task import TaskReference
+
+
+def add_task_arguments(p: argparse.ArgumentParser, declared: bool = True) -> None:
+    """Add ``--task`` (unless ``declared`` is False: a settings class of the command declares it) and
+    ``--task-option`` to ``p``."""
+    if declared:
+        add_declared(p, TaskReference)
+    section(p, "data").add_argument(
+        "--task-option", dest="task_options", action=_KeyValue, metavar="KEY=VALUE", default={},
+        help="an option of --task, given to its factory (repeatable), typed as the factory declares it")
+
+
+def task_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The --task-option pairs (or the config file's table) as a dict."""
+    return as_mapping(getattr(args, "task_options", None), "task_options")
+
+
+def load_task_from_args(args: argparse.Namespace):
+    """The task ``--task`` names, made with its options; TaskError (a ValueError) saying what is wrong. Options
+    without --task are refused."""
+    from fedpar.task import TaskError
+    from fedpar.tasks.reference import load_task
+
+    if not args.task:
+        if task_options(args):
+            raise TaskError("--task-option needs --task")
+        return None
+    return load_task(args.task, task_options(args))

@@ -1,0 +1,93 @@
+"""An agent's trainer for any :class:`fedpar.Task`: the task's model and local data on one device, trained by its
+own hook or the built-in loop, and evaluated with its named metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+
+import torch
+
+from fedpar.client.local_sgd import TrainResult, trainable
+from fedpar.models.evaluation import EvalResult
+from fedpar.parallel.config import PRECISIONS
+from fedpar.task import ClientData, Deadline, LocalConfig, Task, TaskError
+from fedpar.tasks.data import default_batches, inputs_and_targets, on_device, to_device
+from fedpar.tasks.loop import autocast, evaluate_task, finite, train_task
+
+log = logging.getLogger("fedpar.client")
+LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is warned about
+
+
+class TaskTrainer:
+    """What :class:`fedpar.client.agent.Agent` drives (as it does LocalTrainer): a task's model and one client's
+    data on ``device``. The model is built once, so its weights keep the layout the coordinator expects."""
+
+    def __init__(self, task: Task, data: ClientData, seed: int = 0, device: torch.device | str = "cpu",
+                 precision: str = "fp32", seconds_per_step_delay: float = 0.0):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if data.train is None or not len(data.train):
+            raise TaskError(f"task {task.name!r}: client_data gave no training examples")
+        self.task = task
+        self.device = torch.device(device)
+        self.precision = precision
+        self.model = task.model().to(self.device)
+        if not isinstance(self.model, torch.nn.Module):
+            raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got "
+                            f"{type(self.model).__name__}")
+        self.data = ClientData(on_device(data.train, self.device),
+                               on_device(data.val, self.device) if data.val is not None and len(data.val) else None)
+        self.seed = seed
+        self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
+
+    @property
+    def num_examples(self) -> int:
+        """Size of the local training set."""
+        return len(self.data.train)
+
+    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
+        """Nothing to hold (see LocalTrainer.holding_task)."""
+        return contextlib.nullcontext()
+
+    def warm_up(self) -> None:
+        """One forward and backward pass on a small batch (the built-in loop's), so torch's lazy set-up is not
+        billed to a deadline; the weights do not change."""
+        if self.task.train is not None or self.task.loss is None:
+            return
+        self.model.train()
+        loader = self.task.loader or default_batches
+        batch = next(iter(loader(self.data.train, 2, torch.Generator().manual_seed(0))), None)
+        if batch is None:
+            return
+        inputs, targets = inputs_and_targets(to_device(batch, self.device))
+        with autocast(self.device, self.precision):
+            self.task.loss(self.model(inputs), targets).backward()
+        for p in trainable(self.model):
+            p.grad = None
+
+    def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, proximal_mu: float = 0.0,
+              round_id: int = 0, max_steps: int | None = None) -> TrainResult:
+        """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``."""
+        start = time.monotonic()
+        config = LocalConfig(epochs, batch_size, lr, round_id, self.seed, proximal_mu, max_steps, self.device)
+        trained = train_task(self.task, self.model, self.data, config, Deadline(stop_at, self.device), self.precision,
+                             self.delay)
+        late = time.monotonic() - stop_at
+        if late > LATE_SECONDS:
+            log.warning("task %r: train returned %.1f s after its deadline, so its update may come too late; loop "
+                        "over deadline.steps(batches) to stop in time", self.task.name, late)
+        metrics = dict(trained.metrics)
+        loss = metrics.pop("loss", math.nan)
+        return TrainResult(trained.steps, trained.examples, loss, trained.stopped_early, time.monotonic() - start,
+                           finite(metrics))
+
+    def evaluate(self) -> EvalResult | None:
+        """The task's metrics on the local validation split (None when there is none)."""
+        if self.data.val is None:
+            return None
+        metrics = evaluate_task(self.task, self.model, self.data.val, self.precision)
+        loss, accuracy = metrics.pop("loss", None), metrics.pop("accuracy", None)
+        return EvalResult(loss, accuracy, len(self.data.val), metrics)

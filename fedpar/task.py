@@ -1,0 +1,181 @@
+"""Bring your own task: the model, data, training and evaluation fedpar runs, federated or central.
+
+A :class:`Task` is plain Python: a model factory, each client's data, and either your own training hook or the
+built-in loop (your loss, optimizer and batches), and an evaluation returning named metrics. The command line
+loads one by reference (``--task package.module:factory`` or ``--task path/to/file.py:factory``), calling the
+factory with the ``--task-option KEY=VALUE`` pairs. The built-in models (mlp/cnn on digits, mnist and tables)
+are tasks too (``fedpar.tasks.zoo``).
+
+This module imports neither torch nor anything else heavy: the command line reads it to build its parsers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fedpar.settings import setting
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class TaskError(ValueError):
+    """A task that cannot be run as it is, with the line that says what to change."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which share of the data a client holds: share ``index`` of ``count``, and how the shares are drawn.
+
+    ``scheme`` (iid, dirichlet:ALPHA, shards:N: the ``--partition`` option), ``seed`` (the same on every client)
+    and ``val_fraction`` (the share of a client's examples kept for federated evaluation) are suggestions a
+    task may follow, as :func:`fedpar.tasks.share_of` does, or ignore.
+    """
+
+    index: int = 0
+    count: int = 1
+    client_id: str = ""
+    scheme: str = "iid"
+    seed: int = 0
+    val_fraction: float = 0.1
+
+
+@dataclass
+class ClientData:
+    """One client's local data: a training set and, optionally, a validation set for federated evaluation.
+
+    Both are map-style datasets (``len`` and indexing: a ``torch.utils.data.Dataset``, ``TensorDataset``, or
+    ``fedpar.datasets.ArrayDataset``); the built-in loop batches them with the task's ``loader``.
+    """
+
+    train: Any
+    val: Any = None
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """What the coordinator asks of one local training run (the round's task), as a ``Task.train`` hook sees it."""
+
+    epochs: int
+    batch_size: int
+    learning_rate: float
+    round: int = 0
+    seed: int = 0  # this client's shuffling seed
+    proximal_mu: float = 0.0  # FedProx: the built-in loop adds mu/2 * ||w - w_global||^2 to the loss
+    max_steps: int | None = None
+    device: Any = "cpu"  # the torch.device the model lives on
+
+
+class Deadline:
+    """When local training must have returned (``at``, a ``time.monotonic()`` value), and a loop that keeps to it.
+
+    ``for batch in deadline.steps(batches): ...`` yields batches for as long as one more step, timed like the
+    ones before it, still ends in time; ``stopped_early`` then says whether it cut the loop short and ``taken``
+    counts the steps it let through. fedpar's built-in loop uses it too.
+    """
+
+    def __init__(self, at: float = math.inf, device: Any = None):
+        """A deadline at ``time.monotonic()`` value ``at``; work queued on ``device`` is waited for before each test."""
+        self.at = at
+        self.device = device
+        self.stopped_early = False
+        self.taken = 0
+        self._clock = None
+
+    def remaining(self) -> float:
+        """Seconds left."""
+        return self.at - time.monotonic()
+
+    def steps(self, batches: Iterable) -> Iterator:
+        """``batches``, one at a time, while the next step still fits before the deadline."""
+        from fedpar.client.local_sgd import StepClock
+        from fedpar.parallel.device import synchronize
+
+        if self._clock is None:
+            self._clock = StepClock()
+        clock = self._clock
+        clock.restart()
+        for batch in batches:
+            if self.device is not None:
+                synchronize(self.device)  # the clock must see queued GPU work, or the deadline is missed
+            if not clock.fits(self.at):
+                self.stopped_early = True
+                return
+            start = time.monotonic()
+            yield batch
+            if self.device is not None:
+                synchronize(self.device)
+            self.taken += 1
+            clock.measured(time.monotonic() - start)
+
+
+TrainHook = Callable[["nn.Module", ClientData, LocalConfig, Deadline], "tuple[int, dict[str, float]]"]
+EvaluateHook = Callable[["nn.Module", Any], "dict[str, float]"]
+
+
+@dataclass
+class Task:
+    """A model, its data and how to train and score it: what ``fedpar simulate|serve|client|train --task`` runs.
+
+    - ``model()``: a fresh ``torch.nn.Module`` (the same architecture every call); its floating-point
+      ``state_dict`` entries are the weights the coordinator averages.
+    - ``client_data(partition)``: the :class:`ClientData` of one client (``Partition(0, 1)`` holds everything:
+      ``fedpar train`` trains on that).
+    - ``test_data()``: the held-out set the coordinator (and ``fedpar train``) evaluates on; None: no central
+      evaluation.
+    - Training, either ``train(model, data, config, deadline) -> (examples, metrics)``, your own loop (use
+      ``deadline.steps(batches)`` to stop in time; ``examples`` counts the examples trained on, each time seen, and
+      weighs the update), or the built-in loop: ``loss(model(inputs), targets)`` over the batches of
+      ``loader(dataset, batch_size, generator)`` (default: shuffled batches of (inputs, targets)), stepped by
+      ``optimizer(parameters, lr)`` (default: plain SGD at the round's learning rate), epoch after epoch until the
+      deadline.
+    - ``evaluate(model, dataset) -> {name: value}``: named metrics (the built-in one: the mean ``loss``, and
+      ``accuracy`` when the model outputs class scores for integer labels). Central evaluation reports them as
+      ``test_NAME``, agents on their validation sets as ``federated_eval_NAME``.
+    """
+
+    model: Callable[[], nn.Module]
+    client_data: Callable[[Partition], ClientData]
+    test_data: Callable[[], Any] | None = None
+    train: TrainHook | None = None
+    loss: Callable[[Any, Any], torch.Tensor] | None = None
+    optimizer: Callable[[list, float], Any] | None = None
+    loader: Callable[[Any, int, torch.Generator], Iterable] | None = None
+    evaluate: EvaluateHook | None = None
+    name: str = "task"
+    description: dict = field(default_factory=dict)  # what rebuilds the model, kept in global.json
+
+    def check(self) -> None:
+        """TaskError naming what is missing or of the wrong kind."""
+        problems = []
+        for name in ("model", "client_data"):
+            if not callable(getattr(self, name)):
+                problems.append(f"{name} must be a function (got {type(getattr(self, name)).__name__})")
+        for name in ("test_data", "train", "loss", "optimizer", "loader", "evaluate"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                problems.append(f"{name} must be a function or None (got {type(value).__name__})")
+        if self.train is None and self.loss is None:
+            problems.append("it needs a loss(outputs, targets) for the built-in loop, or its own train(model, data, "
+                            "config, deadline) hook")
+        if self.evaluate is None and self.loss is None:
+            problems.append("it needs an evaluate(model, dataset) returning named metrics, or a loss the built-in "
+                            "evaluation can average")
+        if problems:
+            raise TaskError(f"task {self.name!r}: " + "; ".join(problems))
+
+
+@dataclass
+class TaskReference:
+    """Which task a command runs: ``--task`` and its ``--task-option KEY=VALUE`` pairs (declared once here)."""
+
+    task: str | None = setting(
+        None, group="data", metavar="REF",
+        help="your own task: package.module:factory or path/to/file.py:factory, a function returning a fedpar.Task "
+             "(see README, 'Your own task'); it replaces --model and --dataset")
+    task_options: dict = field(default_factory=dict)  # --task-option KEY=VALUE, given to the factory

@@ -1,0 +1,137 @@
+"""A task named on the command line: ``--task package.module:factory`` or ``--task path/to/file.py:factory``, called
+with the ``--task-option KEY=VALUE`` pairs.
+
+The factory's options are declared once, torchtitan style, as a dataclass: ``def task(options: MyOptions) -> Task``
+gets a ``MyOptions`` built from the pairs, each value typed as its field (bool, int, float, str, Path, or ``X | None``
+of those). A factory with plain keyword parameters gets them typed by annotation (or by default value). The
+reference may also name a Task itself (then it takes no options). Mistakes are one-line :class:`TaskError`\\ s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fedpar.models.references import load_reference
+from fedpar.settings import SIMPLE_TYPES, coerce_value
+from fedpar.task import Task, TaskError
+
+
+def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
+    """The Task ``ref`` makes with ``options`` (text or TOML values), checked; TaskError saying what is wrong."""
+    options = dict(options or {})
+    try:
+        target = load_reference(ref, "task factory")
+    except ValueError as exc:
+        raise TaskError(f"--task: {exc}") from None
+    if isinstance(target, Task):
+        if options:
+            raise TaskError(f"--task {ref} is a Task, not a factory: it takes no --task-option "
+                            f"(got {', '.join(sorted(options))})")
+        task = target
+    elif callable(target):
+        task = target(**factory_arguments(ref, target, options))
+    else:
+        raise TaskError(f"--task {ref} is a {type(target).__name__}; it must name a function returning a fedpar.Task")
+    if not isinstance(task, Task):
+        raise TaskError(f"--task {ref} returned a {type(task).__name__}, not a fedpar.Task")
+    if task.name == "task":
+        task = dataclasses.replace(task, name=ref)
+    if not task.description:
+        task.description = {"task": ref, "task_options": {k: str(v) for k, v in options.items()}}
+    task.check()
+    return task
+
+
+def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``factory`` that ``options`` give: one dataclass argument built from all of them,
+    or typed keyword arguments."""
+    try:
+        params = inspect.signature(factory).parameters
+        hints = typing.get_type_hints(factory)
+    except (TypeError, ValueError, NameError) as exc:
+        raise TaskError(f"--task {ref}: cannot read the factory's parameters ({exc})") from None
+    declared = [(name, hints.get(name)) for name in params if dataclasses.is_dataclass(hints.get(name))]
+    if len(params) == 1 and declared:
+        name, cls = declared[0]
+        return {name: options_dataclass(ref, cls, options)}
+    kinds = {name: _text_type(hints.get(name), p.default) for name, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    valid = _describe({n: (kinds[n], params[n].default) for n in kinds})
+    out = {}
+    for key, value in options.items():
+        name = key.strip().replace("-", "_")
+        if name not in kinds:
+            raise TaskError(f"--task {ref} has no option {key!r}; {valid}")
+        out[name] = _typed(ref, name, kinds[name], value)
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in out
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise TaskError(f"--task {ref} needs --task-option {missing[0]}=...; {valid}")
+    return out
+
+
+def options_dataclass(ref: str, cls: type, options: dict[str, Any]) -> Any:
+    """An instance of dataclass ``cls`` from ``options``; TaskError naming its fields for an unknown or missing one."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kinds = {name: _text_type(hints.get(name), f.default) for name, f in fields.items()}
+    valid = _describe({n: (kinds[n], _default(f)) for n, f in fields.items()})
+    values = {}
+    for key, value in options.items():
+        name = key.strip().replace("-", "_")
+        if name not in fields:
+            raise TaskError(f"--task {ref} has no option {key!r}; {valid}")
+        values[name] = _typed(ref, name, kinds[name], value)
+    missing = [n for n, f in fields.items() if _default(f) is inspect.Parameter.empty and n not in values]
+    if missing:
+        raise TaskError(f"--task {ref} needs --task-option {missing[0]}=...; {valid}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
+        raise TaskError(f"--task {ref}: {exc}") from None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return inspect.Parameter.empty
+
+
+def _text_type(hint: Any, default: Any) -> type | None:
+    """The type a text value of this option becomes (None: passed as given)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else None
+    if hint in SIMPLE_TYPES or hint is Path:
+        return hint
+    if hint is None and default is not None and type(default) in SIMPLE_TYPES:
+        return type(default)
+    return None
+
+
+def _typed(ref: str, name: str, kind: type | None, value: Any) -> Any:
+    if kind is None:
+        return value
+    if kind is Path:
+        return Path(str(value))
+    try:
+        return coerce_value(kind, value, f"--task {ref}: option {name!r}")
+    except ValueError as exc:
+        raise TaskError(str(exc)) from None
+
+
+def _describe(options: dict[str, tuple[type | None, Any]]) -> str:
+    if not options:
+        return "it takes no options"
+    parts = [f"{name} ({kind.__name__ if kind else 'any'}"
+             f"{'' if default is inspect.Parameter.empty else f', default {default!r}'})"
+             for name, (kind, default) in options.items()]
+    return "its options: " + "; ".join(parts)

@@ -1,0 +1,66 @@
+"""The built-in models as tasks like any other: what ``--model/--dataset`` stand for.
+
+- ``classifier``: the mlp or the FedAvg CNN on digits, mnist or a table (``csv:PATH``, ``npz:PATH``), with
+  cross-entropy, plain SGD and the built-in evaluation (test_loss, test_accuracy);
+- ``language_model``: the small GPT on a character-level text corpus (next-token cross-entropy).
+
+``fedpar simulate --model mlp --dataset digits`` and ``--task fedpar.tasks.zoo:classifier --task-option model=mlp
+--task-option dataset=digits`` run the same task.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch.utils.data import TensorDataset
+
+from fedpar.datasets import DatasetSplits, load_dataset, load_text
+from fedpar.datasets.clientdata import client_parts, local_split
+from fedpar.models import build_model, build_model_for_data
+from fedpar.models.losses import classification_loss, language_model_loss
+from fedpar.task import ClientData, Partition, Task
+from fedpar.tasks.data import share_of
+
+
+def classifier(model: str = "mlp", dataset: str = "digits", data_dir: str | None = None,
+               examples_per_client: int | None = None) -> Task:
+    """Zoo classifier ``model`` on ``dataset`` (loaded once, when the task is made)."""
+    return classifier_for(model, load_dataset(dataset, data_dir), dataset, examples_per_client)
+
+
+def classifier_for(model: str, splits: DatasetSplits, dataset: str = "", examples_per_client: int | None = None) -> Task:
+    """Zoo classifier ``model`` sized for ``splits``: clients get shares of ``splits.train`` as their Partition
+    says (``natural``: the data's own owners), the coordinator evaluates on ``splits.test``."""
+    shape, classes = splits.input_shape, splits.num_classes
+    build_model_for_data(model, shape, classes)  # an unknown model or a shape it cannot take fails now
+
+    @functools.lru_cache(maxsize=4)
+    def parts(scheme: str, count: int, seed: int):
+        return client_parts(splits, scheme, count, seed, examples_per_client)
+
+    def client_data(p: Partition) -> ClientData:
+        train, val = local_split(splits.train, parts(p.scheme, p.count, p.seed)[p.index], p.val_fraction, p.seed)
+        return ClientData(train, val)
+
+    description = {"model": model, "input_shape": list(shape), "num_classes": classes}
+    if dataset:
+        description["dataset"] = dataset
+    return Task(model=lambda: build_model_for_data(model, shape, classes), client_data=client_data,
+                test_data=lambda: splits.test, loss=classification_loss,
+                name=f"{model} on {dataset}" if dataset else model, description=description)
+
+
+def language_model(data_path: str, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
+                   d_model: int = 64) -> Task:
+    """The zoo GPT on the characters of the text file ``data_path``: windows of ``block_size`` characters, the
+    first 90% of the text shared among the clients, the rest evaluated on."""
+    from fedpar.parallel.data import text_windows
+
+    corpus = load_text(data_path, block_size)
+    train = TensorDataset(*text_windows(corpus.train, block_size))
+    test = TensorDataset(*text_windows(corpus.val, block_size))
+    sizes = dict(vocab_size=corpus.vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                 d_model=d_model)
+    return Task(model=lambda: build_model("gpt", **sizes), client_data=lambda p: share_of(train, p),
+                test_data=lambda: test, loss=language_model_loss, name=f"gpt on {data_path}",
+                description={"model": "gpt", **sizes})
