@@ -11,12 +11,12 @@ from fedpar.cli.strategy_options import _KeyValue, as_mapping
 from fedpar.task import TaskReference
 
 
-def add_task_arguments(p: argparse.ArgumentParser, declared: bool = True) -> None:
+def add_task_arguments(p: argparse.ArgumentParser, declared: bool = True, group: str = "data") -> None:
     """Add ``--task`` (unless ``declared`` is False: a settings class of the command declares it) and
-    ``--task-option`` to ``p``."""
+    ``--task-option`` to ``p``, in help section ``group``."""
     if declared:
-        add_declared(p, TaskReference)
-    section(p, "data").add_argument(
+        add_declared(p, TaskReference, group=group)
+    section(p, group).add_argument(
         "--task-option", dest="task_options", action=_KeyValue, metavar="KEY=VALUE", default={},
         help="an option of --task, given to its factory (repeatable), typed as the factory declares it")
 

@@ -34,7 +34,7 @@ LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fedpar train``: TrainConfig's and ParallelConfig's declared settings, and the launcher's."""
     add_declared(parser, TrainConfig, skip=("tensorboard",))
-    add_task_arguments(parser)
+    add_task_arguments(parser, group="run")
     run = section(parser, "run")
     run.add_argument("--nproc", type=count, default=1, help="local ranks to spawn (ignored under torchrun)")
     run.add_argument("--timeout", type=positive, default=300.0, help="seconds a collective may wait before failing")

@@ -144,6 +144,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_traces(cfg)
     check_clock(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
+    task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
     if cfg.out:
         # matplotlib takes about a second to import: do it while the agents start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
@@ -172,7 +173,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         recv.close()  # the child's end
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     try:
-        summary = _run(cfg, strategy, on_round, started, out, procs, [send for _, send in pipes], on_server,
+        summary = _run(cfg, strategy, task, on_round, started, out, procs, [send for _, send in pipes], on_server,
                        on_progress)
         interrupted = summary.get("interrupted", False)
         return summary
@@ -190,11 +191,10 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                 p.terminate()
 
 
-def _run(cfg: SimulationConfig, strategy, on_round, started: float, out: Path | None, procs, pipes,
+def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: Path | None, procs, pipes,
          on_server=None, on_progress=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
-    if cfg.task:
-        task = load_task(cfg.task, cfg.task_options)
+    if task is not None:
         splits, parts = None, [None] * cfg.clients  # the task's client_data gives each agent its share
         assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))
     else:

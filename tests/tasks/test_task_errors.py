@@ -1,0 +1,63 @@
+"""A task's mistakes are one line and exit code 2, saying what is missing; module references load too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedpar.cli.main import main
+from fedpar.task import TaskError
+from fedpar.tasks.reference import load_task
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "own_task.py") + ":task"
+
+
+def _one_line(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "/no/such/file.py:task"], "fedpar train: --task: no such file: /no/such/file.py"),
+    (["--task", "fedpar.tasks.zoo:nothing"], "fedpar.tasks.zoo has no task factory called 'nothing'"),
+    (["--task", "no_such_module_xyz:task"], "cannot import 'no_such_module_xyz'"),
+    (["--task", "nocolon"], "is not a reference: write package.module:name or path/to/file.py:name"),
+    (["--task", EXAMPLE], "needs --task-option csv=...; its options: csv (str); hidden (int, default 32); "
+                          "weight_decay (float, default 0.0)"),
+    (["--task", EXAMPLE, "--task-option", "csv=t.csv", "--task-option", "colour=red"], "has no option 'colour'"),
+    (["--task", EXAMPLE, "--task-option", "csv=t.csv", "--task-option", "hidden=many"],
+     "option 'hidden' must be an integer, got 'many'"),
+    (["--task", "fedpar.tasks.zoo:classifier_for"], "needs --task-option model=..."),
+    (["--task-option", "csv=t.csv"], "--task-option needs --task"),
+])
+def test_task_mistakes_are_one_line(argv, message, capsys, tmp_path):
+    assert message in _one_line(["train", *argv, "--out", str(tmp_path)], capsys)
+
+
+def test_what_a_task_lacks_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from torch import nn\nfrom fedpar import Task\n"
+                   "def no_loss():\n    return Task(model=lambda: nn.Linear(2, 2), client_data=lambda p: None)\n"
+                   "def not_a_task():\n    return 42\n"
+                   "T = Task(model=lambda: nn.Linear(2, 2), client_data=lambda p: None, loss=nn.functional.mse_loss)\n")
+    line = _one_line(["simulate", "--task", f"{bad}:no_loss", "--out", str(tmp_path / "o")], capsys)
+    assert line.startswith(f"fedpar simulate: task '{bad}:no_loss': it needs a loss(outputs, targets) for the "
+                           "built-in loop, or its own train(model, data, config, deadline) hook")
+    line = _one_line(["serve", "--insecure", "--port", "0", "--task", f"{bad}:not_a_task"], capsys)
+    assert line == f"fedpar serve: --task {bad}:not_a_task returned a int, not a fedpar.Task"
+    assert load_task(f"{bad}:T").name == f"{bad}:T"  # a reference may name a Task itself
+    with pytest.raises(TaskError, match="is a Task, not a factory: it takes no --task-option"):
+        load_task(f"{bad}:T", {"x": 1})
+
+
+def test_a_zoo_task_by_module_reference_trains_centrally(tmp_path, capsys):
+    assert main(["train", "--task", "fedpar.tasks.zoo:classifier", "--task-option", "model=cnn",
+                 "--max-steps", "3", "--no-plot", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["model"]["model"] == "cnn" and "test_accuracy" in summary
+    capsys.readouterr()

@@ -1,0 +1,142 @@
+"""fedpar.Task in an agent's trainer: the built-in loop with the task's loss, optimizer and loader, a task's own
+train hook, named metrics, the deadline, and the zoo as a task (the same numbers as LocalTrainer)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from fedpar import ClientData, Deadline, Partition, Task, TaskError
+from fedpar.client.task_trainer import TaskTrainer
+from fedpar.client.trainer import LocalTrainer
+from fedpar.models import get_weights, weight_specs
+from fedpar.server.coordinator import _weighted_client_metrics
+from fedpar.tasks import share_of
+from fedpar.tasks.zoo import classifier
+
+
+class Regression(Dataset):
+    """A map-style dataset that is not in memory as tensors: the built-in loop batches it with a DataLoader."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 3, generator=g)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5]) + 0.3
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def _mae(model: nn.Module, data) -> dict[str, float]:
+    x, y = data.x, data.y
+    out = model(x).squeeze(1)
+    return {"loss": float(((out - y) ** 2).mean()), "mae": float((out - y).abs().mean())}
+
+
+def _regression_task(**hooks) -> Task:
+    return Task(model=lambda: nn.Linear(3, 1), client_data=lambda p: ClientData(Regression(64), Regression(32, 1)),
+                loss=lambda out, y: nn.functional.mse_loss(out.squeeze(1), y), evaluate=_mae, **hooks)
+
+
+def test_builtin_loop_uses_the_tasks_optimizer_and_dataloader_and_reports_named_metrics():
+    task = _regression_task(optimizer=lambda params, lr: torch.optim.Adam(params, lr))
+    trainer = TaskTrainer(task, task.client_data(Partition()))
+    specs = weight_specs(trainer.model)
+    before = trainer.evaluate()
+    result = trainer.train(epochs=20, batch_size=8, lr=0.05)
+    after = trainer.evaluate()
+    assert (result.steps, result.examples) == (20 * 8, 20 * 64) and not result.stopped_early
+    assert after.metrics["mae"] < before.metrics["mae"] / 2 and after.accuracy is None
+    assert set(after.as_metrics()) == {"eval_loss", "eval_mae", "eval_examples"}  # no accuracy of a regression
+    assert weight_specs(trainer.model) == specs  # the layout the coordinator expects, unchanged
+
+
+def test_builtin_loop_stops_before_the_deadline():
+    task = _regression_task()
+    trainer = TaskTrainer(task, task.client_data(Partition()), seconds_per_step_delay=0.01)
+    stop_at = time.monotonic() + 0.3
+    result = trainer.train(epochs=1000, batch_size=4, lr=0.01, stop_at=stop_at)
+    assert time.monotonic() <= stop_at + 0.05 and result.stopped_early and 0 < result.steps < 1000 * 16
+
+
+def test_a_tasks_own_train_hook_gets_config_and_deadline_and_its_metrics_travel():
+    seen = {}
+
+    def train(model, data, config, deadline):
+        seen.update(epochs=config.epochs, lr=config.learning_rate, round=config.round, left=deadline.remaining())
+        opt = torch.optim.SGD(model.parameters(), config.learning_rate)
+        examples = 0
+        for x, y in deadline.steps(torch.utils.data.DataLoader(data.train, batch_size=16)):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x).squeeze(1), y).backward()
+            opt.step()
+            examples += len(y)
+        return examples, {"seen_batches": deadline.taken}
+
+    task = _regression_task(train=train)
+    trainer = TaskTrainer(task, task.client_data(Partition()))
+    result = trainer.train(epochs=3, batch_size=16, lr=0.1, stop_at=time.monotonic() + 30, round_id=4)
+    assert seen["epochs"] == 3 and seen["lr"] == 0.1 and seen["round"] == 4 and 0 < seen["left"] <= 30
+    assert (result.examples, result.steps) == (64, 4) and math.isnan(result.loss)
+    assert result.as_metrics().keys() == {"train_seen_batches", "train_seconds"}  # no loss reported: none sent
+    # The coordinator averages every named metric by examples (train_*) or validation examples (eval_*).
+    row = _weighted_client_metrics([(10, {"train_seen_batches": 4.0, "eval_mae": 1.0, "eval_examples": 1.0}),
+                                    (30, {"train_seen_batches": 8.0, "eval_mae": 3.0, "eval_examples": 3.0})])
+    assert row == {"train_seen_batches": 7.0, "federated_eval_mae": 2.5}
+
+
+def test_deadline_steps_stop_an_endless_loop_in_time():
+    deadline = Deadline(time.monotonic() + 0.2)
+    for _ in deadline.steps(iter(int, 1)):  # endless
+        time.sleep(0.01)
+    assert deadline.stopped_early and deadline.remaining() > -0.03 and deadline.taken > 5
+
+
+@pytest.mark.parametrize("result, message", [
+    ("oops", r"train must return \(examples, metrics\)"),
+    ((-1, {}), "whole number of examples >= 0"),
+    ((3, {"bad name": 1.0}), "metric name 'bad name'"),
+    ((3, {"acc": "high"}), "metric 'acc' must be a number"),
+])
+def test_a_train_hook_returning_the_wrong_thing_is_named(result, message):
+    task = _regression_task(train=lambda *a: result)
+    with pytest.raises(TaskError, match=message):
+        TaskTrainer(task, task.client_data(Partition())).train(1, 8, 0.1)
+
+
+def test_a_task_without_a_loss_or_a_train_hook_says_what_is_missing():
+    with pytest.raises(TaskError, match="needs a loss.*or its own train.*needs an evaluate"):
+        Task(model=lambda: nn.Linear(1, 1), client_data=lambda p: None, name="bare").check()
+
+
+def test_the_zoo_classifier_task_trains_as_local_trainer_does():
+    task = classifier("mlp", "digits")
+    data = task.client_data(Partition(1, 4, "b", "iid", 0, 0.1))
+    torch.manual_seed(0)
+    ours = TaskTrainer(task, data, seed=7)
+    torch.manual_seed(0)
+    theirs = LocalTrainer(task.model(), data.train, data.val, seed=7)
+    a, b = ours.train(2, 16, 0.1, round_id=3), theirs.train(2, 16, 0.1, round_id=3)
+    assert (a.steps, a.examples) == (b.steps, b.examples) and a.loss == pytest.approx(b.loss, rel=1e-5)
+    for x, y in zip(get_weights(ours.model), get_weights(theirs.model)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    assert ours.evaluate().as_metrics() == pytest.approx(theirs.evaluate().as_metrics())
+
+
+def test_share_of_splits_a_dataset_among_clients_with_validation_shares():
+    data = Regression(100)
+    shares = [share_of(data, Partition(i, 4, val_fraction=0.2)) for i in range(4)]
+    assert [(len(s.train), len(s.val)) for s in shares] == [(20, 5)] * 4
+    seen = {float(x[0]) for s in shares for part in (s.train, s.val) for x, _ in part}
+    assert len(seen) == 100  # every example once
+    with pytest.raises(TaskError, match="needs integer class labels"):
+        share_of(data, Partition(0, 2, scheme="dirichlet:0.5"))
