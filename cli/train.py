@@ -114,12 +114,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train_task(args: argparse.Namespace, world: int) -> int:
-    """``fedpar train --task``: the task trained centrally in this process (tasks/central.py), its model kept as
+    """``fedpar train --task``: the task trained centrally in this process (cli/train_task.py), its model kept as
     OUT/global.safetensors and global.json (``round``: the epochs trained)."""
     from fedpar.models.weights import get_weights, weight_specs
     from fedpar.parallel.device import check_device_layout, resolve_device
     from fedpar.server.final_model import write_final_model
-    from fedpar.tasks.central import train_centrally
+    from fedpar.cli.train_task import train_centrally
 
     try:
         if world > 1:

@@ -15,7 +15,8 @@ from fedpar.models.evaluation import EvalResult
 from fedpar.parallel.config import PRECISIONS
 from fedpar.task import ClientData, Deadline, LocalConfig, Task, TaskError
 from fedpar.tasks.data import default_batches, inputs_and_targets, on_device, to_device
-from fedpar.tasks.loop import autocast, evaluate_task, finite, train_task
+from fedpar.client.task_loop import train_task
+from fedpar.tasks.evaluation import autocast, evaluate_task, finite
 
 log = logging.getLogger("fedpar.client")
 LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is warned about

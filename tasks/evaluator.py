@@ -11,7 +11,7 @@ import torch
 from fedpar.models.weights import set_weights
 from fedpar.task import Task
 from fedpar.tasks.data import on_device
-from fedpar.tasks.loop import evaluate_task, finite
+from fedpar.tasks.evaluation import evaluate_task, finite
 
 
 class TaskEvaluator:

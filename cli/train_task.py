@@ -19,7 +19,8 @@ from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
 from fedpar.task import Deadline, LocalConfig, Partition, Task
 from fedpar.tasks.data import on_device
-from fedpar.tasks.loop import evaluate_task, finite, train_task
+from fedpar.client.task_loop import train_task
+from fedpar.tasks.evaluation import evaluate_task, finite
 
 
 def train_centrally(task: Task, cfg: TrainConfig, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
