@@ -34,6 +34,7 @@ def _one_line(argv: list[str], capsys) -> str:
      "option 'hidden' must be an integer, got 'many'"),
     (["--task", "fedpar.tasks.zoo:classifier_for"], "needs --task-option model=..."),
     (["--task-option", "csv=t.csv"], "--task-option needs --task"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "2"], "--task trains in one process for now"),
 ])
 def test_task_mistakes_are_one_line(argv, message, capsys, tmp_path):
     assert message in _one_line(["train", *argv, "--out", str(tmp_path)], capsys)
@@ -61,3 +62,15 @@ def test_a_zoo_task_by_module_reference_trains_centrally(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["model"]["model"] == "cnn" and "test_accuracy" in summary
     capsys.readouterr()
+
+
+def test_simulate_refuses_what_a_task_cannot_do_yet(tmp_path, capsys):
+    line = _one_line(["simulate", "--task", "fedpar.tasks.zoo:classifier", "--client-batching", "--out",
+                      str(tmp_path)], capsys)
+    assert line == ("fedpar simulate: --task does not work with --client-batching yet; drop it (the zoo's "
+                    "--model/--dataset do)")
+
+
+def test_the_readme_shows_the_example_as_it_is():
+    example = (ROOT / "examples" / "own_task.py").read_text()
+    assert example[example.index("from dataclasses"):] in (ROOT / "README.md").read_text()

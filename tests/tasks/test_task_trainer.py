@@ -18,7 +18,7 @@ from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights, weight_specs
 from fedpar.server.coordinator import _weighted_client_metrics
 from fedpar.tasks import share_of
-from fedpar.tasks.zoo import classifier
+from fedpar.tasks.zoo import classifier, language_model
 
 
 class Regression(Dataset):
@@ -140,3 +140,13 @@ def test_share_of_splits_a_dataset_among_clients_with_validation_shares():
     assert len(seen) == 100  # every example once
     with pytest.raises(TaskError, match="needs integer class labels"):
         share_of(data, Partition(0, 2, scheme="dirichlet:0.5"))
+
+
+def test_the_zoo_gpt_is_a_task_on_a_text_file(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    task = language_model(str(text), block_size=16, n_layer=1, n_head=2, d_model=16)
+    trainer = TaskTrainer(task, task.client_data(Partition(0, 2, val_fraction=0.2)))
+    result = trainer.train(1, 4, 0.1)
+    assert result.steps == math.ceil(trainer.num_examples / 4) and math.isfinite(result.loss)
+    assert set(trainer.evaluate().as_metrics()) == {"eval_loss", "eval_examples"}  # token scores: no accuracy
