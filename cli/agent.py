@@ -15,10 +15,12 @@ import torch
 
 from fedpar.cli.argtypes import count, non_negative_int, positive, probability
 from fedpar.client.agent import Agent, AgentConfig, FatalAgentError
+from fedpar.client.flower_client import FlowerClientError, FlowerTrainer, flower_context, load_flower_client
 from fedpar.client.trainer import PRECISIONS, LocalTrainer
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.datasets import load_dataset
+from fedpar.models import weight_specs
 from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.config import ConfigurationError
 from fedpar.parallel.device import DEVICE_HELP, check_device_layout, flush_denormals, resolve_device
@@ -48,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16: forward passes under bf16 autocast (weights and uploads stay fp32)")
     p.add_argument("--no-data-plane", action="store_true",
                    help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
+    p.add_argument("--flower-client", metavar="MODULE:FN",
+                   help="train with a Flower NumPyClient: FN (package.module:fn or path/file.py:fn) takes a Flower "
+                        "Context (node_config: partition-id, num-partitions, agent-id) and returns the client; its "
+                        "arrays must match --model (needs pip install 'fedpar[flower]')")
+    p.add_argument("--flower-examples", type=count, default=None,
+                   help="with --flower-client: the client's training set size, told to the coordinator at join "
+                        "(default: get_properties()['num_examples'])")
     add_tls_arguments(p, "client")
     add_engine_arguments(p)
 
@@ -69,6 +78,17 @@ def agent_config(args: argparse.Namespace, security) -> AgentConfig:
                        data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls)
 
 
+def flower_trainer(args: argparse.Namespace, model):
+    """The trainer around the Flower client ``--flower-client`` makes, checked against ``model``'s arrays."""
+    try:
+        context = flower_context(args.agent_id, args.partition_index, args.num_partitions)
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "flwr":
+            raise
+        raise ValueError("--flower-client needs Flower: pip install 'fedpar[flower]'") from None
+    return FlowerTrainer(load_flower_client(args.flower_client, context), weight_specs(model), args.flower_examples)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the agent until the coordinator says shutdown."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -78,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.partition_index < args.num_partitions:
         print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
         return 2
+    if args.flower_client and wants_engine(args):
+        print("fedpar client: --flower-client trains with the Flower client's own code; --nproc and the engine "
+              "options are for fedpar's trainer", file=sys.stderr)
+        return 2
     if wants_engine(args):
         return run_engine(args)
     try:
@@ -86,17 +110,22 @@ def run(args: argparse.Namespace) -> int:
         security = client_security(args)
         splits, train, val = local_data(args)
         model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
+        trainer = flower_trainer(args, model) if args.flower_client else \
+            LocalTrainer(model, train, val, seed=args.seed, device=device, precision=args.precision)
     except (ConfigurationError, ValueError) as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    trainer = LocalTrainer(model, train, val, seed=args.seed, device=device, precision=args.precision)
     agent = Agent(agent_config(args, security), trainer)
-    print(f"agent {args.agent_id}: {len(train)} training examples on {device}, dialing {args.server}", flush=True)
+    where = f"Flower client {args.flower_client}" if args.flower_client else f"{len(train)} training examples on {device}"
+    print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)
     try:
         stats = agent.run()
     except FatalAgentError as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 1
+    except FlowerClientError as exc:  # e.g. a fit that returned arrays which do not fit the model
+        print(f"fedpar client: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     print(f"agent {args.agent_id}: {stats.tasks} tasks, {stats.accepted} updates accepted, "
