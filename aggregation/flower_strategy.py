@@ -21,10 +21,12 @@ Not used: Flower's client sampling (fedpar's sampler picks each cohort, so optio
 coordinator evaluates centrally.
 
 Memory: Flower's interface needs every update of the round at once. The adapter serializes each accepted update
-into its FitRes as it is folded (one model copy per update, K models for K updates, kept until the close); at the
-close Flower's FedAvg-based rules decode all K (K more) and weigh them (K more), so the peak is about 3 K models
-plus the strategy's own state, against fedpar's streaming strategies' one running sum whatever K. Pick
-``--max-concurrent-uploads`` and the cohort with that in mind.
+into its FitRes as it is folded (one model copy per update: K models for K updates, kept until the close), against
+fedpar's streaming strategies' one running sum whatever K. At the close Flower's FedAvg (and FedProx, FedOpt)
+decodes one update at a time (about 3 models more); rules built on ``flwr...aggregate()`` (FedAvgM, FedTrimmedAvg,
+...) decode and weigh all K at once (about 2 K more). Measured (benchmarks/flower_strategy_memory.py, 10 updates):
+peaks of 13 models for Flower's FedAvg, 32 for FedAvgM, 41 for FedTrimmedAvg, against 4 for fedpar's FedAvg.
+Size the cohort (``--clients-per-round``, ``--overselect``) with that in mind.
 
 Refused with a reason: ``--aggregator-ranks`` above 1 and ``--secure-aggregation`` (they give the coordinator
 partial or masked sums, never one update per agent) and ``--dp`` (fedpar's DP wraps its own running sums).
@@ -67,7 +69,8 @@ SAMPLING_OPTIONS = {
     "min_evaluate_clients": "nothing (agents evaluate the global model in every task)",
 }
 MEMORY_NOTE = ("holds every update of the round as Flower requires (one serialized model per update in its FitRes); "
-               "at the close Flower's FedAvg-based rules decode and weigh them all: about 3 K models for K updates")
+               "at the close Flower decodes them: about K + 3 models for K updates under its FedAvg, 3 K + 2 under "
+               "rules built on flwr's aggregate() (FedAvgM, FedTrimmedAvg)")
 
 
 def flower_class(name: str) -> type:

@@ -59,7 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --accept-populations: 'virtual' runs the deadline and first-K on simulated time; hosts "
                         "report each member's finish time from its trace and only the first K in time train")
     p.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
-    p.add_argument("--strategy", default="fedavg", help=f"aggregation strategy ({', '.join(strategy_names())})")
+    p.add_argument("--strategy", default="fedavg",
+                   help=f"aggregation strategy ({', '.join(strategy_names())}), or flower:package.module:Class "
+                        "(or flower:file.py:Class) for a Flower strategy's aggregate_fit (pip install 'fedpar[flower]'; "
+                        "it holds every update of a round)")
     add_strategy_option_argument(p, "serve")
     p.add_argument("--rounds", type=non_negative_int, default=d.rounds, help="rounds to run (0: none)")
     p.add_argument("--clients-per-round", type=count, default=d.clients_per_round,

@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=d.partition,
                    help="how data is split over clients: iid, dirichlet:ALPHA (label skew) or shards:N")
     p.add_argument("--model", default=d.model, help="mlp or cnn (the FedAvg paper's CNN)")
-    p.add_argument("--strategy", default=d.strategy, help="aggregation strategy, e.g. fedavg, fedavgm, fedadam")
+    p.add_argument("--strategy", default=d.strategy,
+                   help="aggregation strategy, e.g. fedavg, fedavgm, fedadam, or flower:package.module:Class (a Flower "
+                        "strategy, see fedpar serve --help)")
     add_strategy_option_argument(p, "simulate")
     p.add_argument("--clients-per-round", type=count, default=d.clients_per_round,
                    help="K, updates that close a round (default: all clients)")
