@@ -54,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train with a Flower NumPyClient: FN (package.module:fn or path/file.py:fn) takes a Flower "
                         "Context (node_config: partition-id, num-partitions, agent-id) and returns the client; its "
                         "arrays must match --model (needs pip install 'fedpar[flower]')")
-    p.add_argument("--flower-examples", type=count, default=None,
-                   help="with --flower-client: the client's training set size, told to the coordinator at join "
-                        "(default: get_properties()['num_examples'])")
+    p.add_argument("--flower-examples", type=count, default=None, metavar="N",
+                   help="with --flower-client: the client's training set size, told to the coordinator at join; "
+                        "unset: the client's get_properties()['num_examples']")
     add_tls_arguments(p, "client")
     add_engine_arguments(p)
 

@@ -76,7 +76,9 @@ def test_flower_numpy_clients_complete_rounds_as_fedpar_agents(secure):
     assert rows[-1]["test_accuracy"] > 0.5  # the coordinator's central evaluation of what the Flower clients trained
     for agent in agents:
         assert agent.stats.accepted == 2 and agent.stats.refused == 0, agent.stats.refusals
-    if not secure:  # the clients' own evaluate and train loss reach the round's row
+    if secure:  # the coordinator unmasked the two agents' sum
+        assert all(r["secagg_survivors"] == 2 and "secagg_failure" not in r for r in rows)
+    else:  # the clients' own evaluate and train loss reach the round's row
         assert 0 < rows[-1]["federated_eval_accuracy"] <= 1 and rows[-1]["train_loss"] > 0
 
 
