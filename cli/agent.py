@@ -31,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
     g = section(p, "data")
     g.add_argument("--model", default="mlp", help="mlp or cnn; must match the coordinator's")
+    g.add_argument("--flower-client", metavar="MODULE:FN",
+                   help="train with a Flower NumPyClient: FN (package.module:fn or path/file.py:fn) takes a Flower "
+                        "Context (node_config: partition-id, num-partitions, agent-id) and returns the client; its "
+                        "arrays must match --model (needs pip install 'fedpar[flower]')")
+    g.add_argument("--flower-examples", type=count, default=None, metavar="N",
+                   help="with --flower-client: the client's training set size, told to the coordinator at join; "
+                        "unset: the client's get_properties()['num_examples']")
     g.add_argument("--dataset", default="digits", help="digits or mnist")
     g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
     g.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N")
@@ -71,11 +78,26 @@ def agent_config(args: argparse.Namespace, security):
                        tls_files=security.files)
 
 
+def flower_trainer(args: argparse.Namespace, model):
+    """The trainer around the Flower client ``--flower-client`` makes, checked against ``model``'s arrays."""
+    from fedpar.client.flower_client import FlowerTrainer, flower_context, load_flower_client
+    from fedpar.models import weight_specs
+
+    try:
+        context = flower_context(args.agent_id, args.partition_index, args.num_partitions)
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "flwr":
+            raise
+        raise ValueError("--flower-client needs Flower: pip install 'fedpar[flower]'") from None
+    return FlowerTrainer(load_flower_client(args.flower_client, context), weight_specs(model), args.flower_examples)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the agent until the coordinator says shutdown."""
     import torch
 
     from fedpar.client.agent import Agent, FatalAgentError
+    from fedpar.client.flower_client import FlowerClientError
     from fedpar.client.trainer import LocalTrainer
     from fedpar.models.for_data import build_model_for_data
     from fedpar.parallel.device import check_device_layout, flush_denormals, resolve_device
@@ -87,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.partition_index < args.num_partitions:
         print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
         return 2
+    if args.flower_client and wants_engine(args):
+        print("fedpar client: --flower-client trains with the Flower client's own code; --nproc and the engine "
+              "options are for fedpar's trainer", file=sys.stderr)
+        return 2
     if wants_engine(args):
         return run_engine(args)
     try:
@@ -95,17 +121,22 @@ def run(args: argparse.Namespace) -> int:
         security = client_security(args)
         splits, train, val = local_data(args)
         model = build_model_for_data(args.model, splits.input_shape, splits.num_classes)
+        trainer = flower_trainer(args, model) if args.flower_client else \
+            LocalTrainer(model, train, val, seed=args.seed, device=device, precision=args.precision)
     except (ConfigurationError, ValueError) as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    trainer = LocalTrainer(model, train, val, seed=args.seed, device=device, precision=args.precision)
     agent = Agent(agent_config(args, security), trainer)
-    print(f"agent {args.agent_id}: {len(train)} training examples on {device}, dialing {args.server}", flush=True)
+    where = f"Flower client {args.flower_client}" if args.flower_client else f"{len(train)} training examples on {device}"
+    print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)
     try:
         stats = agent.run()
     except FatalAgentError as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 1
+    except FlowerClientError as exc:  # e.g. a fit that returned arrays which do not fit the model
+        print(f"fedpar client: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     print(f"agent {args.agent_id}: {stats.tasks} tasks, {stats.accepted} updates accepted, "

@@ -18,7 +18,7 @@ class EvalResult:
     """Loss and accuracy of a model on some examples."""
 
     loss: float
-    accuracy: float
+    accuracy: float | None  # None: not measured (a Flower client's evaluate without an "accuracy" metric)
     examples: int
 
 
