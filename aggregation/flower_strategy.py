@@ -29,7 +29,7 @@ peaks of 13 models for Flower's FedAvg, 32 for FedAvgM, 41 for FedTrimmedAvg, ag
 Size the cohort (``--clients-per-round``, ``--overselect``) with that in mind.
 
 Refused with a reason: ``--aggregator-ranks`` above 1 and ``--secure-aggregation`` (they give the coordinator
-partial or masked sums, never one update per agent) and ``--dp`` (fedpar's DP wraps its own running sums).
+partial or masked sums, never one update per agent) and ``--privacy`` (fedpar's DP wraps its own running sums).
 Upload compression works: a compressed upload is decoded into the agent's new weights before it is folded.
 
 Checkpoints: the strategy's array-valued attributes (momentum, Adam moments, the running global model), as

@@ -40,7 +40,7 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
     key = name.strip().lower().replace("-", "_")
     if key.startswith(DP_PREFIX):
         if _flower_name(name.strip()[len(DP_PREFIX):]):
-            raise ValueError("--dp wraps fedpar's own strategies (its clipping and noise act on their running sum); "
+            raise ValueError("--privacy wraps fedpar's own strategies (its clipping and noise act on their running sum); "
                              "it cannot wrap a Flower strategy")
         dp = {k: kwargs.pop(k) for k in list(kwargs) if k in DP_OPTIONS}
         if "fold_config" in kwargs:
