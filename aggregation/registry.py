@@ -20,6 +20,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 
 DP_PREFIX = "dp_"
+FLOWER_PREFIX = "flower:"  # the rest names a Flower Strategy class: package.module:Class or path/file.py:Class
 DP_OPTIONS = frozenset(inspect.signature(DPStrategy).parameters) - {"inner", "fold_config"}
 
 
@@ -34,8 +35,13 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
     ``dp-NAME`` wraps strategy NAME in :class:`DPStrategy`; the DP options (``noise_multiplier``,
     ``clip_norm``, ``population``, ``clients_per_round``, ...) go to the wrapper, the rest to NAME.
     """
+    if _flower_name(name):
+        return _flower_module().build_flower_strategy(name, **kwargs)
     key = name.strip().lower().replace("-", "_")
     if key.startswith(DP_PREFIX):
+        if _flower_name(name.strip()[len(DP_PREFIX):]):
+            raise ValueError("--privacy wraps fedpar's own strategies (its clipping and noise act on their running sum); "
+                             "it cannot wrap a Flower strategy")
         dp = {k: kwargs.pop(k) for k in list(kwargs) if k in DP_OPTIONS}
         if "fold_config" in kwargs:
             dp["fold_config"] = kwargs["fold_config"]
@@ -55,18 +61,41 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
         raise ValueError(f"bad options for strategy {key!r}: {e}") from None
 
 
-def strategy_class(name: str) -> type[Strategy]:
-    """The class of strategy ``name`` (``dp-NAME``: NAME's); ValueError listing the choices when unknown."""
+def strategy_class(name: str) -> type:
+    """The class of strategy ``name`` (``dp-NAME``: NAME's; ``flower:REF``: the Flower class); ValueError listing
+    the choices when unknown."""
+    if _flower_name(name):
+        return _flower_module().flower_class(name)
     key = name.strip().lower().replace("-", "_")
     key = key[len(DP_PREFIX):] if key.startswith(DP_PREFIX) else key
     if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}, "
+                         f"or flower:package.module:Class for a Flower strategy")
     return STRATEGIES[key]
 
 
 def parse_strategy_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
     """Typed constructor options of strategy ``name`` from text or TOML values; short aliases (``mu``) allowed."""
+    if _flower_name(name):
+        return _flower_module().flower_options(name, strategy_class(name), raw, from_text=True)
     return typed_options(name, strategy_class(name), raw, from_text=True)
+
+
+def _flower_name(name: str) -> bool:
+    """``flower:REFERENCE``: a Flower strategy class (aggregation/flower_strategy.py)."""
+    return name.strip().lower().startswith(FLOWER_PREFIX)
+
+
+def _flower_module():
+    """aggregation/flower_strategy.py, which needs Flower: a one-line ValueError when flwr is not installed."""
+    try:
+        from fedpar.aggregation import flower_strategy
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "flwr":
+            raise
+        raise ValueError("--strategy flower:... runs a Flower strategy and needs Flower: "
+                         "pip install 'fedpar[flower]'") from None
+    return flower_strategy
 
 
 def strategy_options_help() -> str:

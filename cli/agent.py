@@ -32,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
     g = section(p, "data")
     g.add_argument("--model", default="mlp", help="mlp or cnn; must match the coordinator's")
+    g.add_argument("--flower-client", metavar="MODULE:FN",
+                   help="train with a Flower NumPyClient: FN (package.module:fn or path/file.py:fn) takes a Flower "
+                        "Context (node_config: partition-id, num-partitions, agent-id) and returns the client; its "
+                        "arrays must match --model (needs pip install 'fedpar[flower]')")
+    g.add_argument("--flower-examples", type=count, default=None, metavar="N",
+                   help="with --flower-client: the client's training set size, told to the coordinator at join; "
+                        "unset: the client's get_properties()['num_examples']")
     g.add_argument("--dataset", default="digits", help="digits or mnist")
     g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
     add_task_arguments(p)
@@ -78,11 +85,26 @@ def agent_config(args: argparse.Namespace, security):
                        tls_files=security.files)
 
 
+def flower_trainer(args: argparse.Namespace, model):
+    """The trainer around the Flower client ``--flower-client`` makes, checked against ``model``'s arrays."""
+    from fedpar.client.flower_client import FlowerTrainer, flower_context, load_flower_client
+    from fedpar.models import weight_specs
+
+    try:
+        context = flower_context(args.agent_id, args.partition_index, args.num_partitions)
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "flwr":
+            raise
+        raise ValueError("--flower-client needs Flower: pip install 'fedpar[flower]'") from None
+    return FlowerTrainer(load_flower_client(args.flower_client, context), weight_specs(model), args.flower_examples)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the agent until the coordinator says shutdown."""
     import torch
 
     from fedpar.client.agent import Agent, FatalAgentError
+    from fedpar.client.flower_client import FlowerClientError
     from fedpar.client.task_trainer import TaskTrainer
     from fedpar.parallel.device import check_device_layout, flush_denormals, resolve_device
 
@@ -92,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if not 0 <= args.partition_index < args.num_partitions:
         print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
+        return 2
+    if args.flower_client and wants_engine(args):
+        print("fedpar client: --flower-client trains with the Flower client's own code; --nproc and the engine "
+              "options are for fedpar's trainer", file=sys.stderr)
         return 2
     if wants_engine(args):
         if args.task:
@@ -104,20 +130,24 @@ def run(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         security = client_security(args)
         task = agent_task(args)
-        trainer = TaskTrainer(task, task.client_data(agent_partition(args)), seed=args.seed, device=device,
-                              precision=args.precision)
+        if args.flower_client:  # its arrays are checked against the task's model
+            trainer = flower_trainer(args, task.model())
+        else:
+            trainer = TaskTrainer(task, task.client_data(agent_partition(args)), seed=args.seed, device=device,
+                                  precision=args.precision)
     except (ConfigurationError, ValueError) as exc:  # a task's mistakes too (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     agent = Agent(agent_config(args, security), trainer)
-    print(f"agent {args.agent_id}: {trainer.num_examples} training examples of {task.name} on {device}, dialing "
-          f"{args.server}", flush=True)
+    where = f"Flower client {args.flower_client}" if args.flower_client else \
+        f"{trainer.num_examples} training examples of {task.name} on {device}"
+    print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)
     try:
         stats = agent.run()
     except FatalAgentError as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # the task's hooks gave something fedpar cannot use (TaskError)
+    except (FlowerClientError, ValueError) as exc:  # a Flower fit's arrays that do not fit; a task hook's (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -37,7 +37,9 @@ def add_strategy_arguments(p: argparse.ArgumentParser, command: str) -> None:
 def _strategy_help() -> str:
     from fedpar.aggregation import strategy_names
 
-    return f"aggregation strategy ({', '.join(strategy_names())})"
+    return (f"aggregation strategy ({', '.join(strategy_names())}), or flower:package.module:Class (or "
+            "flower:file.py:Class) for a Flower strategy's aggregate_fit (pip install 'fedpar[flower]'; it holds "
+            "every update of a round)")
 
 
 def _options_help(command: str) -> str:

@@ -64,17 +64,40 @@ class AgentConfig:
     tls_files: TlsFiles | None = None  # the PEM files behind ``credentials``: to say why a handshake fails
 
 
+def trainer_specs(trainer) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of what the trainer trains: its ``array_specs()`` if it has no torch ``.model``."""
+    return trainer.array_specs() if hasattr(trainer, "array_specs") else weight_specs(trainer.model)
+
+
+def load_arrays(trainer, arrays: list[np.ndarray]) -> None:
+    """Give the trainer the round's global weights (``set_arrays``, or into its torch model)."""
+    if hasattr(trainer, "set_arrays"):
+        trainer.set_arrays(arrays)
+    else:
+        set_weights(trainer.model, arrays)
+
+
+def trainer_arrays(trainer) -> list[np.ndarray]:
+    """The trainer's weights after training (``get_arrays``, or its torch model's)."""
+    return trainer.get_arrays() if hasattr(trainer, "get_arrays") else get_weights(trainer.model)
+
+
 class FatalAgentError(RuntimeError):
     """The coordinator refused this agent in a way retrying cannot fix."""
 
 
 class Agent:
-    """One federated participant: the pull loop around a :class:`LocalTrainer`."""
+    """One federated participant: the pull loop around a :class:`LocalTrainer`.
+
+    Any trainer with LocalTrainer's ``warm_up``, ``num_examples``, ``holding_task``, ``train`` and ``evaluate``
+    will do; one without a torch ``.model`` provides ``array_specs()``, ``set_arrays()`` and ``get_arrays()``
+    instead (client/flower_client.py), and one with ``reads_task_settings`` gets the task's settings in ``train``.
+    """
 
     def __init__(self, config: AgentConfig, trainer: LocalTrainer):
         self.config = config
         self.trainer = trainer
-        self.layout = ModelLayout(weight_specs(trainer.model))
+        self.layout = ModelLayout(trainer_specs(trainer))
         self.stats = AgentStats()
         # How a small update is sent (a simulation host batches its seats' updates: simulations/host_uploads.py)
         self.send_small: Callable[[CoordinatorStub, pb.SmallUpload, float], pb.UploadReply] = _upload_small
@@ -184,7 +207,8 @@ class Agent:
     def _join(self) -> None:
         reply = self._stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
                                                num_examples=self.trainer.num_examples,
-                                               capabilities={"framework": "torch"},
+                                               capabilities={"framework": getattr(self.trainer, "framework",
+                                                                                  "torch")},
                                                protocol_version=PROTOCOL_VERSION,
                                                enrollment_token=self.config.enrollment_token), timeout=30)
         self._auth = pb.AgentAuth(agent_id=self.config.agent_id, token=reply.token)
@@ -242,17 +266,19 @@ class Agent:
                 return False
             return True
         download_seconds = time.monotonic() - received
-        set_weights(self.trainer.model, weights)
+        load_arrays(self.trainer, weights)
         metrics: dict[str, float] = {}
         evaluation = self.trainer.evaluate()
         if evaluation is not None:
-            metrics.update(evaluation.as_metrics())
+            metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
         # Uploading takes about as long as downloading did; keep that and a margin free.
         stop_at = deadline_at - UPLOAD_TO_DOWNLOAD * download_seconds - self.config.upload_margin_seconds
         with self._heartbeat.while_training():
-            cap = {"max_steps": task.max_steps} if task.max_steps else {}  # only LocalTrainer is given a cap
+            extra = {"max_steps": task.max_steps} if task.max_steps else {}  # only LocalTrainer is given a cap
+            if getattr(self.trainer, "reads_task_settings", False):  # e.g. a Flower client's fit config
+                extra["settings"] = settings
             result = self.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
-                                        proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **cap)
+                                        proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)
         if result.examples == 0:
             log.warning("%s: no time left to train in round %d; skipping the upload", self.config.agent_id,
                         task.round)
@@ -260,8 +286,8 @@ class Agent:
         if self.config.drop_probability and self._rng.random() < self.config.drop_probability:
             self.stats.dropped += 1
             return True
-        metrics.update(result.as_metrics())
-        if mode.upload(get_weights(self.trainer.model), weights, result, metrics):
+        metrics.update(result.as_metrics())  # a NaN loss (e.g. a Flower client's fit that reports none) is left out
+        if mode.upload(trainer_arrays(self.trainer), weights, result, metrics):
             self.stats.accepted += 1
             mode.close()
         return True

@@ -16,7 +16,7 @@ class EvalResult:
     """Loss and accuracy of a model on some examples (None: not measured), and any other named metrics."""
 
     loss: float | None
-    accuracy: float | None
+    accuracy: float | None  # None: not measured (a Flower client's evaluate without an "accuracy" metric)
     examples: int
     metrics: dict[str, float] = field(default_factory=dict)
 

@@ -39,6 +39,9 @@ class TaskSettings(Mapping):
     dp_clip_norm: float | None = None  # client-side DP: L2 bound on new - global (> 0)
     dp_local_noise: float | None = None  # client-side DP: local noise multiplier (>= 0), with dp_clip_norm only
     secure_aggregation: bool = False  # SecAgg+: the agent uploads a masked vector and nothing in the clear
+    # A Flower strategy's configure_fit config (aggregation/flower_strategy.py): str keys, bool/int/float/str
+    # values, passed to the fit() of Flower clients run by fedpar (client/flower_client.py); other trainers ignore it.
+    fit_config: dict | None = None
 
     def __post_init__(self) -> None:
         """Check types (numbers become floats) and ranges; raise ValueError naming the setting."""
@@ -55,6 +58,9 @@ class TaskSettings(Mapping):
                     raise ValueError(f"{name} must be a number, got {value!r}")
                 object.__setattr__(self, name, float(value))
         check_compression(self.compression, self.topk_ratio, self.int8_block)
+        if self.fit_config is not None:
+            _check_fit_config(self.fit_config)
+            object.__setattr__(self, "fit_config", dict(self.fit_config))  # not the caller's dict
         for knob, method in (("topk_ratio", "topk"), ("int8_block", "int8")):
             if getattr(self, knob) is not None and self.compression != method:
                 raise ValueError(f"{knob} goes with compression {method!r}, not {self.compression!r}")
@@ -121,6 +127,17 @@ class TaskSettings(Mapping):
     def __repr__(self) -> str:
         """Only the set fields."""
         return f"TaskSettings({', '.join(f'{k}={v!r}' for k, v in self.items())})"
+
+
+def _check_fit_config(config: Any) -> None:
+    """ValueError unless ``config`` is a JSON object of short names to bool, int, finite float or str values."""
+    if not isinstance(config, dict):
+        raise ValueError(f"fit_config must be an object of names to values, got {type(config).__name__}")
+    for key, value in config.items():
+        if not isinstance(key, str) or not 0 < len(key) <= 128:
+            raise ValueError(f"fit_config names must be strings of 1..128 characters, got {key!r}")
+        if not isinstance(value, (bool, int, float, str)) or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"fit_config {key!r} must be a bool, int, finite float or str, got {value!r}")
 
 
 _FIELDS = {f.name: f.default for f in fields(TaskSettings)}

@@ -29,6 +29,8 @@ def _imported_rooms(folder: Path) -> dict[str, str]:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 parts = name.split(".")
+                if parts[:2] == ["fedpar", "settings"]:
+                    continue  # fedpar/settings.py (declared settings) depends on nothing: every room may use it
                 if parts[0] == "fedpar" and len(parts) > 1:
                     found.setdefault(parts[1], str(path.relative_to(ROOT)))
     return found

@@ -336,3 +336,35 @@ def test_blas_and_pool_finite_checks_agree():
                 bad = [a.copy() for a in arrays]
                 bad[i][-1] = value
                 assert not acc.all_finite([arrays, bad])
+
+
+def fedadam_counting_like_flower(**kw):
+    """fedpar's FedAdam with bias correction, its step count started at 1: Flower's FedAdam corrects with
+    ``server_round + 1`` (so round 1 is Adam's step 2); the rule is otherwise the same."""
+    s = FedAdam(**kw, bias_correction=True)
+    s.steps = 1
+    return s
+
+
+@pytest.mark.parametrize("ours,flower,options", [
+    (FedAvg, "FedAvg", {}),
+    (FedProx, "FedProx", dict(proximal_mu=0.1)),
+    (fedadam_counting_like_flower, "FedAdam", dict(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3)),
+], ids=["fedavg", "fedprox", "fedadam"])
+def test_flower_strategies_run_by_the_adapter_match_fedpars_own(ours, flower, options):
+    pytest.importorskip("flwr")
+    rng = np.random.default_rng(11)
+    g = model(rng)
+    mine, theirs = ours(**options), build_strategy(f"flower:flwr.server.strategy:{flower}", **options)
+    for r in range(1, 4):
+        results = cohort(rng, 5, g, spread=0.3)
+        new, metrics = run_round(mine, r, g, results)
+        theirs.begin_round(r, g)  # what run_round does, with configure_fit's config asked as the coordinator asks it
+        assert theirs.client_config(r) == mine.client_config(r)
+        for j, (u, n) in enumerate(results):
+            theirs.fold(u, n, client_id=f"c{j}")
+        got, their_metrics = theirs.finish()
+        assert_models_close(got, new, rtol=1e-9)
+        assert their_metrics["num_examples"] == metrics["num_examples"]
+        assert their_metrics["num_updates"] == metrics["num_updates"] == 5
+        g = new

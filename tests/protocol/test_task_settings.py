@@ -28,6 +28,8 @@ def test_round_trip_sends_only_what_is_set_and_reads_as_that_mapping():
     assert TaskSettings.from_json(settings.to_json()) == settings == dict(settings)
     assert settings["dp_clip_norm"] == 2.0 and "int8_block" not in settings and "secure_aggregation" not in settings
     assert TaskSettings.from_json('{"secure_aggregation": true}').secure_aggregation is True
+    flower = TaskSettings(fit_config={"epochs": 2, "lr": 0.1, "tag": "x", "warm": True})  # a Flower strategy's
+    assert TaskSettings.from_json(flower.to_json()).fit_config == {"epochs": 2, "lr": 0.1, "tag": "x", "warm": True}
 
 
 @pytest.mark.parametrize("text, words", [
@@ -43,6 +45,8 @@ def test_round_trip_sends_only_what_is_set_and_reads_as_that_mapping():
     ('{"dp_clip_norm": 1, "dp_local_noise": -1}', "dp_clip_norm > 0 and dp_local_noise >= 0"),
     ('{"secure_aggregation": 1}', "secure_aggregation must be true or false"),
     ('{"secure_aggregation": true, "compression": "fp16"}', "neither compression nor client-side DP"),
+    ('{"fit_config": [1]}', "fit_config must be an object"),
+    ('{"fit_config": {"a": [1]}}', "fit_config 'a' must be a bool, int, finite float or str"),
     ('[1, 2]', "must be a JSON object"),
     ('{"proximal_mu": ', "not valid JSON"),
 ])

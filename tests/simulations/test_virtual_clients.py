@@ -7,12 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fedpar.simulations.runner import SimulationConfig, run_simulation
-
-
-def _rows(**kw):
-    rows = []
-    summary = run_simulation(SimulationConfig(**kw), on_round=rows.append)
-    return summary, rows
+from support.simulation_runs import simulate_rows as _rows
 
 
 def test_virtual_clients_learn_what_one_agent_per_client_learns_with_their_own_error_feedback(tmp_path):

@@ -7,12 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fedpar.simulations.runner import SimulationConfig, run_simulation
-
-
-def _rows(**kw):
-    rows = []
-    summary = run_simulation(SimulationConfig(**kw), on_round=rows.append)
-    return summary, rows
+from support.simulation_runs import simulate_rows as _rows
 
 
 def test_a_straggler_study_on_the_virtual_clock_counts_who_real_time_counts(tmp_path):

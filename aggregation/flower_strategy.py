@@ -1,0 +1,298 @@
+"""A Flower ``Strategy`` run inside fedpar's coordinator: ``--strategy flower:package.module:Class`` (or
+``flower:path/file.py:Class``), for aggregation rules fedpar lacks (FedAvgM as Flower writes it, FedTrimmedAvg,
+FedMedian, Krum, Bulyan, QFedAvg, your own subclass).
+
+What runs, as Flower's own server would run it:
+  * the class is built at the first round with its ``--strategy-option`` values and, when its constructor takes
+    ``initial_parameters``, fedpar's global model; ``initialize_parameters`` is called once, as Flower's server
+    does (its answer is not used: fedpar's model is the initial global);
+  * ``configure_fit(round, empty parameters, one placeholder client)`` each round, for its config only: fedpar
+    sends one config to every agent. ``proximal_mu`` becomes fedpar's own FedProx setting (fedpar's trainers add
+    the proximal term), every other key travels as ``fit_config`` (Flower clients run by fedpar get it in
+    ``fit``'s config);
+  * ``aggregate_fit(round, results, [])`` at the close, on one ``(ClientProxy, FitRes)`` per accepted upload
+    (``FitRes.parameters``: the agent's new weights, ``num_examples``: its claimed example count, ``metrics``:
+    empty, since fedpar aggregates the agents' metrics itself). Failures are always empty: a refused or late
+    upload never reaches a strategy. A ``None`` answer keeps the old global model. Float arrays of the answer are
+    cast to the model's dtypes; the coordinator then checks its layout and finiteness as for any strategy.
+Not used: Flower's client sampling (fedpar's sampler picks each cohort, so options that size Flower's sample,
+``fraction_fit``, ``min_fit_clients``, ... are refused), and the evaluate side (``configure_evaluate``,
+``aggregate_evaluate``, ``evaluate``): fedpar's agents evaluate the global model before training and the
+coordinator evaluates centrally.
+
+Memory: Flower's interface needs every update of the round at once. The adapter serializes each accepted update
+into its FitRes as it is folded (one model copy per update: K models for K updates, kept until the close), against
+fedpar's streaming strategies' one running sum whatever K. At the close Flower's FedAvg (and FedProx, FedOpt)
+decodes one update at a time (about 3 models more); rules built on ``flwr...aggregate()`` (FedAvgM, FedTrimmedAvg,
+...) decode and weigh all K at once (about 2 K more). Measured (benchmarks/flower_strategy_memory.py, 10 updates):
+peaks of 13 models for Flower's FedAvg, 32 for FedAvgM, 41 for FedTrimmedAvg, against 4 for fedpar's FedAvg.
+Size the cohort (``--clients-per-round``, ``--overselect``) with that in mind.
+
+Refused with a reason: ``--aggregator-ranks`` above 1 and ``--secure-aggregation`` (they give the coordinator
+partial or masked sums, never one update per agent) and ``--privacy`` (fedpar's DP wraps its own running sums).
+Upload compression works: a compressed upload is decoded into the agent's new weights before it is folded.
+
+Checkpoints: the strategy's array-valued attributes (momentum, Adam moments, the running global model), as
+arrays; scalar attributes are constructor settings and come from the options again. State kept elsewhere
+(in closures, in nested objects) starts afresh after a restart.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import ClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import Strategy as FlowerBase
+
+from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.options import typed_options
+from fedpar.aggregation.registry import FLOWER_PREFIX
+from fedpar.aggregation.strategy import Strategy
+from fedpar.models.references import load_reference
+from fedpar.protocol.task_settings import TaskSettings
+
+log = logging.getLogger("fedpar.aggregation")
+# Constructor options that size Flower's own client sample, and what sets the same thing in fedpar.
+SAMPLING_OPTIONS = {
+    "fraction_fit": "--clients-per-round or --fraction",
+    "min_fit_clients": "--clients-per-round and --min-reports",
+    "min_available_clients": "--min-available",
+    "fraction_evaluate": "nothing (agents evaluate the global model in every task)",
+    "min_evaluate_clients": "nothing (agents evaluate the global model in every task)",
+}
+MEMORY_NOTE = ("holds every update of the round as Flower requires (one serialized model per update in its FitRes); "
+               "at the close Flower decodes them: about K + 3 models for K updates under its FedAvg, 3 K + 2 under "
+               "rules built on flwr's aggregate() (FedAvgM, FedTrimmedAvg)")
+
+
+def flower_class(name: str) -> type:
+    """The Flower Strategy class ``flower:REFERENCE`` names; ValueError unless it is one."""
+    ref = name.strip()[len(FLOWER_PREFIX):]
+    cls = load_reference(ref, "Flower strategy class")
+    if not (isinstance(cls, type) and issubclass(cls, FlowerBase)):
+        raise ValueError(f"{ref!r} is not a Flower strategy class (a subclass of flwr.server.strategy.Strategy)")
+    return cls
+
+
+def flower_options(name: str, cls: type, raw: dict[str, Any], from_text: bool) -> dict[str, Any]:
+    """``raw`` as typed constructor options of ``cls``; refuses the options of Flower's client sampling."""
+    options = typed_options(name, cls, raw, from_text=from_text)
+    for key in options:
+        if key in SAMPLING_OPTIONS:
+            raise ValueError(f"option {key!r} of {name} sizes Flower's client sample, which fedpar's sampler "
+                             f"replaces; leave it out and use {SAMPLING_OPTIONS[key]}")
+    if "initial_parameters" in options:
+        raise ValueError(f"option 'initial_parameters' of {name}: the initial global model is the coordinator's")
+    return options
+
+
+def build_flower_strategy(name: str, **options: Any) -> FlowerStrategy:
+    """The adapter around ``flower:REFERENCE`` with constructor ``options`` (ValueError naming what is wrong)."""
+    cls = flower_class(name)
+    return FlowerStrategy(cls, name=name.strip(), **flower_options(name, cls, options, from_text=False))
+
+
+class FlowerStrategy(Strategy):
+    """A Flower ``Strategy`` (a class, built at the first round, or an instance) as a fedpar strategy."""
+
+    memory_note = MEMORY_NOTE
+
+    def __init__(self, strategy: type | FlowerBase, name: str = "", **options: Any) -> None:
+        """Wrap ``strategy``: a class (``options`` go to its constructor) or a ready instance (no options)."""
+        super().__init__()
+        if isinstance(strategy, type):
+            params = inspect.signature(strategy).parameters
+            extra = {"initial_parameters": Parameters([], "numpy.ndarray")} if "initial_parameters" in params else {}
+            try:
+                inspect.signature(strategy).bind(**options, **extra)
+            except TypeError as exc:
+                raise ValueError(f"bad options for {name or strategy.__name__}: {exc}") from None
+            self._flower: FlowerBase | None = None
+        elif options:
+            raise ValueError("options go to a Flower strategy class, not to an instance built already")
+        else:
+            self._flower = strategy
+        self._factory = strategy if isinstance(strategy, type) else None
+        self._options = options
+        cls = strategy if isinstance(strategy, type) else type(strategy)
+        self.name = name or f"{FLOWER_PREFIX}{cls.__module__}:{cls.__qualname__}"
+        self._results: list[tuple[ClientProxy, FitRes]] = []
+        self._pending_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None
+        self._who = threading.local()  # the client id of the fold running on this thread
+
+    # ------------------------------------------------------------------ the Flower object
+    def _strategy(self, global_weights: Sequence[np.ndarray]) -> FlowerBase:
+        """The Flower strategy, built on first use on top of ``global_weights`` (and its saved state restored)."""
+        if self._flower is None:
+            extra = {}
+            if "initial_parameters" in inspect.signature(self._factory).parameters:
+                extra["initial_parameters"] = ndarrays_to_parameters(list(global_weights))
+            self._flower = self._factory(**self._options, **extra)
+            self._flower.initialize_parameters(_OneClientManager())
+        if self._pending_state is not None:
+            _restore_arrays(self._flower, *self._pending_state)
+            self._pending_state = None
+        return self._flower
+
+    def client_config(self, round_id: int) -> TaskSettings:
+        """``configure_fit``'s config for this round: ``proximal_mu`` as fedpar's own, the rest as ``fit_config``."""
+        assert self._global is not None, "client_config is asked after begin_round"
+        manager = _OneClientManager()
+        pairs = self._strategy(self._global).configure_fit(round_id, Parameters([], "numpy.ndarray"), manager)
+        config = dict(pairs[0][1].config) if pairs else {}
+        mu = config.pop("proximal_mu", None)
+        for key, value in config.items():
+            if not isinstance(value, (bool, int, float, str)):
+                raise ValueError(f"{self.name}: configure_fit's config {key!r} is a {type(value).__name__}; fedpar "
+                                 "sends bool, int, float and str values to its agents")
+        return TaskSettings(proximal_mu=mu, fit_config=config or None)
+
+    # ------------------------------------------------------------------ the round
+    def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "", *,
+             known_finite: bool = False) -> None:
+        """As :meth:`Strategy.fold`; the client id becomes the ClientProxy's ``cid``."""
+        self._who.client_id = client_id
+        super().fold(update, num_examples, client_id, known_finite=known_finite)
+
+    def _reset_round(self, shapes: ShapesAndDtypes) -> None:
+        """No results yet."""
+        self._results = []
+
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
+        """Serialize the checked update into a FitRes (one model copy, kept until the close)."""
+        assert self._shapes is not None
+        arrays = self._shapes.check(update, who)
+        if not known_finite and not all(all_finite(a) for a in arrays):
+            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
+            raise ValueError(f"{who}: num_examples must be a whole number >= 0, got {num_examples!r}")
+        fit = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), int(num_examples), {})
+        proxy = _AgentProxy(getattr(self._who, "client_id", "") or str(len(self._results)))
+        with self._lock:
+            self._results.append((proxy, fit))
+
+    def _num_folded(self) -> int:
+        """Results held for the close."""
+        return len(self._results)
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """``aggregate_fit`` on the round's results; a None answer keeps ``global_weights``."""
+        strategy = self._strategy(global_weights)
+        total = float(sum(fit.num_examples for _, fit in self._results))
+        parameters, flower_metrics = strategy.aggregate_fit(self.round_id, list(self._results), [])
+        metrics = {"num_examples": total, **_numeric(flower_metrics)}
+        if parameters is None:
+            log.warning("round %d: %s.aggregate_fit returned no parameters; the global model stays",
+                        self.round_id, type(strategy).__name__)
+            return list(global_weights), metrics
+        new = parameters_to_ndarrays(parameters)
+        if len(new) == len(global_weights):  # a wrong count is the coordinator's to refuse, naming the layout
+            new = [cast_like(a, g.dtype) if a.dtype != g.dtype and a.shape == g.shape and a.dtype.kind == "f" else a
+                   for a, g in zip(new, global_weights)]
+        return new, metrics
+
+    def _drop_round(self) -> None:
+        """Release the round's results."""
+        self._results = []
+
+    # ------------------------------------------------------------------ cross-round state
+    def _state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The Flower strategy's array-valued attributes (see the module docstring)."""
+        if self._flower is None:
+            return self._pending_state or ({}, {})
+        return _saved_arrays(self._flower)
+
+    def _load_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Restore them when the Flower strategy is built (or now, if it is)."""
+        self._pending_state = (dict(arrays), dict(meta))
+        if self._flower is not None:
+            _restore_arrays(self._flower, arrays, meta)
+            self._pending_state = None
+
+
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    """Finite numeric entries of Flower's metrics, named ``flower_KEY`` (for the round's metrics row)."""
+    out = {}
+    for key, value in (metrics or {}).items():
+        if isinstance(value, (bool, int, float, np.number)) and math.isfinite(float(value)):
+            out[f"flower_{key}"] = float(value)
+    return out
+
+
+def _saved_arrays(strategy: FlowerBase) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Every attribute holding an array, a list of arrays or Parameters: as named arrays plus their kinds."""
+    arrays: dict[str, np.ndarray] = {}
+    kinds: dict[str, list] = {}
+    for attr, value in vars(strategy).items():
+        if isinstance(value, Parameters):
+            kind, values = "parameters", parameters_to_ndarrays(value)
+        elif isinstance(value, np.ndarray):
+            kind, values = "ndarray", [value]
+        elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) for v in value):
+            kind, values = "ndarrays", value
+        else:
+            continue
+        kinds[attr] = [kind, len(values)]
+        arrays.update({f"{attr}.{i}": np.asarray(v) for i, v in enumerate(values)})
+    return arrays, {"flower_arrays": kinds}
+
+
+def _restore_arrays(strategy: FlowerBase, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """Set back what :func:`_saved_arrays` took; ValueError naming a missing array."""
+    for attr, (kind, count) in meta.get("flower_arrays", {}).items():
+        try:
+            values = [np.array(arrays[f"{attr}.{i}"]) for i in range(int(count))]
+        except KeyError as exc:
+            raise ValueError(f"the checkpoint lacks array {exc.args[0]!r} of the Flower strategy's state") from None
+        value = ndarrays_to_parameters(values) if kind == "parameters" else values[0] if kind == "ndarray" \
+            else values
+        setattr(strategy, attr, value)
+
+
+class _AgentProxy(ClientProxy):
+    """A fedpar agent as Flower's results name it; fedpar runs the agent's fit itself, so the calls are refused."""
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError("fedpar's coordinator talks to its agents itself; a Flower strategy run by "
+                                  "fedpar only aggregates")
+
+    get_properties = get_parameters = fit = evaluate = reconnect = _refuse
+
+
+class _OneClientManager(ClientManager):
+    """One placeholder client standing for the whole cohort: fedpar's sampler picks the agents, and every agent
+    gets the same config, so ``configure_fit`` needs to configure one."""
+
+    def __init__(self) -> None:
+        self._client = _AgentProxy("cohort")
+
+    def num_available(self) -> int:
+        """One."""
+        return 1
+
+    def register(self, client: ClientProxy) -> bool:
+        """Nothing registers here."""
+        return False
+
+    def unregister(self, client: ClientProxy) -> None:
+        """Nothing to unregister."""
+
+    def all(self) -> dict[str, ClientProxy]:
+        """The placeholder."""
+        return {self._client.cid: self._client}
+
+    def wait_for(self, num_clients: int, timeout: int = 86400) -> bool:
+        """Never waits."""
+        return True
+
+    def sample(self, num_clients: int, min_num_clients: int | None = None, criterion=None) -> list[ClientProxy]:
+        """The placeholder, whatever the sample size asked."""
+        return [self._client]
