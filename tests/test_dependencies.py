@@ -15,9 +15,11 @@ ALLOWED = {
     "secagg": {"protocol"},
     "aggregation": {"protocol", "models"},
     "parallel": {"protocol", "models", "datasets"},
-    "server": BASE | {"secagg", "aggregation"},
-    "client": BASE | {"secagg", "aggregation", "parallel"},  # large-model agents train on the engine
+    "tasks": {"protocol", "models", "datasets", "parallel"},  # running a fedpar.Task: its data, evaluation, the zoo
+    "server": BASE | {"secagg", "aggregation", "tasks"},
+    "client": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # large-model agents train on the engine
 }
+PACKAGE_ROOT = {"settings", "task"}  # fedpar/settings.py and fedpar/task.py (the public Task): for every room
 
 
 def _imported_rooms(folder: Path) -> dict[str, str]:
@@ -29,8 +31,8 @@ def _imported_rooms(folder: Path) -> dict[str, str]:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 parts = name.split(".")
-                if parts[:2] == ["fedpar", "settings"]:
-                    continue  # fedpar/settings.py (declared settings) depends on nothing: every room may use it
+                if parts[0] == "fedpar" and len(parts) > 1 and parts[1] in PACKAGE_ROOT:
+                    continue
                 if parts[0] == "fedpar" and len(parts) > 1:
                     found.setdefault(parts[1], str(path.relative_to(ROOT)))
     return found

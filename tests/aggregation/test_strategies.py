@@ -280,7 +280,6 @@ def test_life_cycle_errors():
 
 
 def test_concurrent_folds_into_a_strategy():
-    rng = np.random.default_rng(10)
     g = [np.zeros(400_000, np.float32)]
     s = FedAvg()
     s.begin_round(1, g)

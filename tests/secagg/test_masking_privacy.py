@@ -3,7 +3,6 @@
 import time
 
 import numpy as np
-import pytest
 from scipy import stats
 
 P_MIN = 1e-4  # each test here fails by chance with probability <= 1e-4 (masks come from the OS RNG)
