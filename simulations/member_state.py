@@ -23,15 +23,16 @@ class ResidualStore:
         self._own = folder is None
         self.folder = Path(tempfile.mkdtemp(prefix="fedpar-residuals-") if folder is None else folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._kept = {path.stem for path in self.folder.glob("*.npy")}  # who has a file: no disk call for the rest
 
     def _path(self, client: str) -> Path:
         return self.folder / f"{client}.npy"  # client ids are checked names (no path separators)
 
     def load(self, client: str) -> list[np.ndarray] | None:
         """``client``'s residual, or None when it has none yet."""
-        path = self._path(client)
-        if not path.exists():
+        if client not in self._kept:
             return None
+        path = self._path(client)
         flat = np.load(path, allow_pickle=False)
         sizes = [int(np.prod(s)) for s in self.shapes]
         if flat.size != sum(sizes):
@@ -42,15 +43,18 @@ class ResidualStore:
         """Keep ``client``'s residual (None: forget it)."""
         path = self._path(client)
         if residual is None:
-            path.unlink(missing_ok=True)
+            if client in self._kept:
+                path.unlink(missing_ok=True)
+                self._kept.discard(client)
             return
         flat = np.concatenate([np.asarray(r, np.float32).ravel() for r in residual])
         tmp = path.with_suffix(".tmp.npy")
         np.save(tmp, flat, allow_pickle=False)
         tmp.replace(path)
+        self._kept.add(client)
 
     def __len__(self) -> int:
-        return sum(1 for _ in self.folder.glob("*.npy"))
+        return len(self._kept)
 
     def close(self) -> None:
         """Remove the folder if this store made it."""
