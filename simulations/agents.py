@@ -56,6 +56,7 @@ class WorkerConfig:
     population: PopulationSlice | None = None  # virtual clients this process hosts (instead of ``agents``)
     seats: int = 2  # virtual clients of this process that train at once
     day_seconds: float = 86_400.0  # real seconds one day of the population's availability trace lasts
+    log_level: int = logging.WARNING  # of the worker's fedpar loggers: the parent's (simulate --log-level)
     task: str | None = None  # --task: its agents train this task (reference) instead of ``model`` on ``dataset``
     task_options: dict | None = None
     partition: str = "iid"  # a task's Partition.scheme
@@ -107,7 +108,8 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     """Run every agent of ``cfg`` in a thread until the coordinator shuts down (``splits``: the loaded data)."""
     torch.set_num_threads(1)  # several worker processes share the cores
     flush_denormals()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=min(cfg.log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("fedpar").setLevel(cfg.log_level)
     if cfg.task is not None:
         from fedpar.tasks.reference import load_task
         task = load_task(cfg.task, cfg.task_options)  # once per process: its data is loaded once

@@ -246,7 +246,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                                    specs[w::len(pipes)], device=devices[w], precision=cfg.precision,
                                    client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats,
                                    day_seconds=cfg.trace_day_seconds, task=cfg.task,
-                                   task_options=cfg.task_options, partition=cfg.partition, clients=cfg.clients))
+                                   task_options=cfg.task_options, partition=cfg.partition, clients=cfg.clients,
+                                   log_level=logging.getLogger("fedpar").getEffectiveLevel()))
             send.close()
         try:
             while not server.wait(0.5):

@@ -126,6 +126,15 @@ def test_every_subcommand_takes_log_level(caplog):
         fedpar_log.setLevel(logging.NOTSET)
 
 
+def test_simulate_log_level_reaches_its_worker_processes(tmp_path):
+    cmd = [sys.executable, "-m", "fedpar", "simulate", "--clients", "2", "--rounds", "1", "--local-epochs", "1",
+           "--out", str(tmp_path / "run"), "--quiet"]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    loud = subprocess.run([*cmd, "--log-level", "info"], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == loud.returncode == 0, loud.stderr[-2000:]
+    assert "fedpar.client" not in quiet.stderr and "fedpar.client" in loud.stderr  # the agents' lines, from workers
+
+
 def test_log_level_debug_turns_on_grpc_debug_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
     set_grpc_verbosity(["--log-level", "info"])
