@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 import grpc
@@ -36,10 +37,16 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class HostUploads:
-    """Batches a host's small updates into UploadHostUpdates calls of at most ``max_bytes`` each (one thread)."""
+    """Batches a host's small updates into UploadHostUpdates calls of at most ``max_bytes`` each (one thread).
 
-    def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, max_updates: int = 512):
-        self.stub, self.host, self.max_bytes, self.max_updates = stub, host, max_bytes, max_updates
+    ``seats`` updates at most can wait at once (each seat waits for its result), so a batch that holds that many
+    goes at once; a smaller one waits up to ``linger`` seconds for the seats still training.
+    """
+
+    def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, seats: int = 512,
+                 linger: float = 0.0):
+        self.stub, self.host, self.max_bytes = stub, host, max_bytes
+        self.max_updates, self.linger = min(seats, 512), linger
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="fedpar-host-uploads", daemon=True)
         self._thread.start()
@@ -59,9 +66,10 @@ class HostUploads:
     def _run(self) -> None:
         while (first := self._queue.get()) is not None:
             batch, size, stop = [first], first[0].ByteSize(), False
+            until = time.monotonic() + self.linger
             while len(batch) < self.max_updates:
                 try:
-                    item = self._queue.get_nowait()
+                    item = self._queue.get(timeout=max(0.0, until - time.monotonic()))
                 except queue.Empty:
                     break
                 if item is None:
