@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -223,3 +224,11 @@ def _distance(a: Sequence[np.ndarray], b: Sequence[np.ndarray], chunk: int = 1 <
             d = x[s: s + chunk].astype(np.float64) - y[s: s + chunk]
             total += float(np.dot(d, d))
     return float(np.sqrt(total))
+
+
+def accumulate_in(strategy, dtype: str) -> None:
+    """Make ``strategy``'s running sums accumulate in ``dtype`` ("float32" or "float64") from its next round on;
+    strategies that keep no running sum are left as they are."""
+    config = getattr(strategy, "fold_config", None)
+    if isinstance(config, FoldConfig) and config.accumulate_dtype != dtype:
+        strategy.fold_config = replace(config, accumulate_dtype=dtype)

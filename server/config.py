@@ -148,6 +148,11 @@ class CoordinatorConfig(LocalTraining):
         120.0, check="positive", flag="aggregator-timeout", group="coordinator",
         help="longest wait for another aggregator rank at a round's close; a rank that misses it is named and the "
              "whole coordinator stops (restart it with the same command to resume)")
+    fold_dtype: str = setting(
+        "float32", group="strategy", choices=("float32", "float64"),
+        help="what the running weighted sums accumulate in: float64 costs twice the memory and traffic, and makes one "
+             "rank's and several ranks' models agree to float64 rounding (bit for bit when every coordinate's "
+             "weighted values span less than 2^19: then the float64 sums are exact)")
     accept_populations: bool = setting(False, group="coordinator",
                                        help="let simulation hosts (`fedpar simulate-workers`) register virtual "
                                             "populations: members without certificates of their own, live while "

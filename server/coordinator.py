@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
+from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.security.admission import Admission, AdmissionRefused
@@ -52,6 +53,7 @@ class Coordinator(IngestPlane):
         config.validate()
         super().__init__(config, names, weights, AgentRegistry(config.liveness_timeout_seconds, admission=admission))
         self.strategy = strategy
+        accumulate_in(strategy, config.fold_dtype)
         self.evaluate_fn = evaluate_fn
         self.on_round_end = list(on_round_end)
         self.sampler = CohortSampler(config.seed)

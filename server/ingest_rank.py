@@ -17,6 +17,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from fedpar.aggregation.strategy import accumulate_in
 from fedpar.server.aggregator_ranks import HEARTBEAT_SECONDS, ingest_stats
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ingest_plane import IngestPlane
@@ -40,6 +41,7 @@ class IngestRank(IngestPlane):
         self.rank = group.rank
         self.group = group
         self.strategy = strategy
+        accumulate_in(strategy, config.fold_dtype)
         self.advertised_host = advertised_host
         self.mode = RoundModes(config, self.names, self.weights, strategy, self._executor).run_mode
         self.finished = False
