@@ -24,6 +24,9 @@ class FoldConfig:
     block_elements: int = 1 << 15  # elements per cache block (per worker, x accumulator itemsize)
     backend: str = "blas"  # "blas" (fused axpy), "numpy" (multiply+add through a cached block), "torch" (add_)
     group_size: int = 8  # updates folded per pass over the accumulator when several are at hand
+    # "host": numpy/BLAS in host memory (WeightedSum); a torch device, e.g. "cuda:0" (an NCCL aggregator rank's
+    # GPU), holds the sum there instead (aggregation/device_sum.py; "cpu" runs that path on the host, for tests)
+    device: str = "host"
 
     def __post_init__(self) -> None:
         """Reject unknown settings early."""

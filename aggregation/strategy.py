@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fedpar.aggregation.accumulator import FoldConfig, WeightedSum, check_weight
+from fedpar.aggregation.device_sum import weighted_sum
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.share_cap import ShareCap
@@ -167,7 +168,7 @@ class StreamingStrategy(Strategy):
 
     def _reset_round(self, shapes: ShapesAndDtypes) -> None:
         """A fresh zeroed accumulator (np.zeros maps zero pages lazily, so this costs no extra pass)."""
-        self._acc = WeightedSum(shapes, self.fold_config)
+        self._acc = weighted_sum(shapes, self.fold_config)
         self._cap = ShareCap(self.max_share) if self.max_share is not None else None
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
@@ -226,9 +227,11 @@ def _distance(a: Sequence[np.ndarray], b: Sequence[np.ndarray], chunk: int = 1 <
     return float(np.sqrt(total))
 
 
-def accumulate_in(strategy, dtype: str) -> None:
-    """Make ``strategy``'s running sums accumulate in ``dtype`` ("float32" or "float64") from its next round on;
-    strategies that keep no running sum are left as they are."""
+def accumulate_in(strategy, dtype: str | None = None, device: str | None = None) -> None:
+    """Make ``strategy``'s running sums accumulate in ``dtype`` ("float32" or "float64") and on ``device`` ("host",
+    or a torch device such as "cuda:0") from its next round on; None keeps what it has. Strategies that keep no
+    running sum are left as they are."""
     config = getattr(strategy, "fold_config", None)
-    if isinstance(config, FoldConfig) and config.accumulate_dtype != dtype:
-        strategy.fold_config = replace(config, accumulate_dtype=dtype)
+    if isinstance(config, FoldConfig):
+        strategy.fold_config = replace(config, accumulate_dtype=dtype or config.accumulate_dtype,
+                                       device=device or config.device)

@@ -53,7 +53,7 @@ class Coordinator(IngestPlane):
         config.validate()
         super().__init__(config, names, weights, AgentRegistry(config.liveness_timeout_seconds, admission=admission))
         self.strategy = strategy
-        accumulate_in(strategy, config.fold_dtype)
+        accumulate_in(strategy, config.fold_dtype, ranks.group.fold_device if ranks is not None else None)
         self.evaluate_fn = evaluate_fn
         self.on_round_end = list(on_round_end)
         self.sampler = CohortSampler(config.seed)

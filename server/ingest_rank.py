@@ -41,7 +41,7 @@ class IngestRank(IngestPlane):
         self.rank = group.rank
         self.group = group
         self.strategy = strategy
-        accumulate_in(strategy, config.fold_dtype)
+        accumulate_in(strategy, config.fold_dtype, group.fold_device)
         self.advertised_host = advertised_host
         self.mode = RoundModes(config, self.names, self.weights, strategy, self._executor).run_mode
         self.finished = False

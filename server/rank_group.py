@@ -48,6 +48,8 @@ class RankGroup:
         self.timeout = timedelta(seconds=timeout_seconds)
         self.nccl = dist.get_backend() == "nccl"
         self.control = dist.new_group(backend="gloo", timeout=self.timeout) if self.nccl else dist.group.WORLD
+        # where this rank keeps its partial sum: its GPU under NCCL (uploads go there from pinned staging), else host
+        self.fold_device = f"cuda:{torch.cuda.current_device()}" if self.nccl else "host"
 
     # --------------------------------------------------------------- control messages
     def send(self, message: dict) -> None:

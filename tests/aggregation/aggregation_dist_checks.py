@@ -61,6 +61,14 @@ def rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
     saved["strategy.num_updates"] = np.array(metrics["num_updates"])
     for i, a in enumerate(new):
         saved[f"strategy.{i}"] = a
+    # the same with the partial sums kept as torch tensors (an NCCL rank's GPU path; here on the CPU device)
+    strategy = FedAvg(FoldConfig(accumulate_dtype="float64", device="cpu"))
+    strategy.begin_round(1, [np.zeros(s, np.float32) for s in SHAPES])
+    for j in range(rank, K, world):
+        strategy.fold(*results[j], client_id=f"c{j}")
+    all_reduce_weighted_sum(strategy.accumulator)
+    for i, a in enumerate(strategy.finish()[0]):
+        saved[f"device.{i}"] = a
     np.savez(Path(out_dir) / f"rank{rank}.npz", **saved)
     dist.barrier()
     dist.destroy_process_group()

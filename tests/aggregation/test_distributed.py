@@ -40,3 +40,4 @@ def test_two_rank_all_reduce_equals_single_process(tmp_path):
     assert float(ranks[0]["strategy.num_updates"]) == checks.K
     for i, want in enumerate(single):
         np.testing.assert_allclose(ranks[0][f"strategy.{i}"], want, rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(ranks[0][f"device.{i}"], want, rtol=2e-6, atol=2e-6)  # sums kept as tensors
