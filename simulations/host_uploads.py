@@ -1,19 +1,31 @@
 """A simulation host's seats send their small updates together: one UploadHostUpdates call carries whatever updates
 are waiting when the call can go, each with its member's session and checked by the coordinator as UploadSmall
-would be. While one call is in flight the next updates queue up, so batches grow with the load by themselves and
-an update never waits for a batch to fill."""
+would be. While one call is in flight the next updates queue up, so batches grow with the load by themselves.
+
+A seat either waits for its update's own result (:meth:`HostUploads.send`: top-k error feedback must know whether
+its update counted) or hands the update over and goes on with its next client (:meth:`HostUploads.send_later`):
+then the update travels in the background, a busy coordinator's refusal is retried while its deadline allows, and
+any other refusal is logged. Uploads are never left out of the coordinator's checks either way.
+"""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.stubs import CoordinatorStub
+
+log = logging.getLogger("fedpar.simulate")
+RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class HostUploadRefused(grpc.RpcError):
@@ -33,20 +45,24 @@ class HostUploadRefused(grpc.RpcError):
         return self._details
 
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
+@dataclass
+class _Queued:
+    """One update waiting for a batch: its message, when it stops being worth sending, who hears the result."""
+
+    message: pb.SmallUpload
+    deadline: float  # time.monotonic()
+    done: Future
+    background: bool
 
 
 class HostUploads:
-    """Batches a host's small updates into UploadHostUpdates calls of at most ``max_bytes`` each (one thread).
+    """Batches a host's small updates into UploadHostUpdates calls of at most ``max_bytes`` each (one thread); a
+    batch waits up to ``linger`` seconds for more updates after its first."""
 
-    ``seats`` updates at most can wait at once (each seat waits for its result), so a batch that holds that many
-    goes at once; a smaller one waits up to ``linger`` seconds for the seats still training.
-    """
-
-    def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, seats: int = 512,
-                 linger: float = 0.0):
+    def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
+                 max_updates: int = 512):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
-        self.max_updates, self.linger = min(seats, 512), linger
+        self.max_updates, self.linger = max_updates, linger
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="fedpar-host-uploads", daemon=True)
         self._thread.start()
@@ -54,9 +70,14 @@ class HostUploads:
     def send(self, stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
         """Send ``message`` in the next batch and wait for its own result (the Agent's small-upload hook; ``stub``
         is the agent's, unused: the host's channel carries the batch)."""
-        done: Future = Future()
-        self._queue.put((message, timeout, done))
-        return done.result()
+        item = _Queued(message, time.monotonic() + timeout, Future(), background=False)
+        self._queue.put(item)
+        return item.done.result()
+
+    def send_later(self, stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
+        """Queue ``message`` for the next batch and return at once, so the seat goes on with its next client."""
+        self._queue.put(_Queued(message, time.monotonic() + timeout, Future(), background=True))
+        return pb.UploadReply(accepted=True, message="queued")
 
     def close(self) -> None:
         """Stop after the batches already queued."""
@@ -65,7 +86,7 @@ class HostUploads:
 
     def _run(self) -> None:
         while (first := self._queue.get()) is not None:
-            batch, size, stop = [first], first[0].ByteSize(), False
+            batch, size, stop = [first], first.message.ByteSize(), False
             until = time.monotonic() + self.linger
             while len(batch) < self.max_updates:
                 try:
@@ -75,29 +96,40 @@ class HostUploads:
                 if item is None:
                     stop = True
                     break
-                if size + item[0].ByteSize() > self.max_bytes:
+                if size + item.message.ByteSize() > self.max_bytes:
                     self._queue.put(item)  # the next batch starts with it (order among seats does not matter)
                     break
                 batch.append(item)
-                size += item[0].ByteSize()
+                size += item.message.ByteSize()
             self._send(batch)
             if stop:
                 break
 
-    def _send(self, batch: list) -> None:
-        """One call for ``batch``; each waiting seat gets its own result (or the call's failure)."""
+    def _send(self, batch: list[_Queued]) -> None:
+        """One call for ``batch``; each update's result goes to its seat, or is retried or logged."""
         try:
-            reply = self.stub.UploadHostUpdates(pb.HostUploads(host=self.host, uploads=[m for m, _, _ in batch]),
-                                                timeout=min(t for _, t, _ in batch))
+            reply = self.stub.UploadHostUpdates(
+                pb.HostUploads(host=self.host, uploads=[q.message for q in batch]),
+                timeout=max(0.5, min(q.deadline for q in batch) - time.monotonic()))
+            results = list(reply.results)
         except grpc.RpcError as err:
-            for _, _, done in batch:
-                done.set_exception(err)
+            for q in batch:
+                self._settle(q, err)
             return
-        for (_, _, done), result in zip(batch, reply.results):
+        results += [pb.HostUploadResult(code=grpc.StatusCode.INTERNAL.value[0],
+                                        message="the coordinator sent no result for it")] * (len(batch) - len(results))
+        for q, result in zip(batch, results):
             if result.code:
-                done.set_exception(HostUploadRefused(_CODES.get(result.code, grpc.StatusCode.UNKNOWN),
-                                                     result.message))
+                self._settle(q, HostUploadRefused(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message))
             else:
-                done.set_result(pb.UploadReply(accepted=result.accepted, message=result.message))
-        for _, _, done in batch[len(reply.results):]:
-            done.set_exception(HostUploadRefused(grpc.StatusCode.INTERNAL, "the coordinator sent no result for it"))
+                q.done.set_result(pb.UploadReply(accepted=result.accepted, message=result.message))
+
+    def _settle(self, q: _Queued, err: grpc.RpcError) -> None:
+        """A refused update: its seat hears it; a background one is tried again while the coordinator is busy and
+        its deadline allows, else logged."""
+        if not q.background:
+            q.done.set_exception(err)
+        elif err.code() in RETRYABLE and time.monotonic() + RETRY_PAUSE < q.deadline:
+            threading.Timer(RETRY_PAUSE, self._queue.put, (q,)).start()
+        else:
+            log.info("an update sent in the background was refused: %s: %s", err.code().name, err.details())

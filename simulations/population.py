@@ -41,7 +41,7 @@ from fedpar.simulations.traces import DAY_SECONDS, Traces, online, seconds_left_
 log = logging.getLogger("fedpar.simulate")
 
 JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
-UPLOAD_LINGER = 0.02  # seconds a host's upload batch waits for its other seats
+UPLOAD_LINGER = 0.005  # seconds a host's upload batch waits for more updates after its first
 VIRTUAL_STEP_SECONDS = 0.01  # virtual clock without a trace: a local step's simulated seconds (FedScale's median)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -189,9 +189,7 @@ class PopulationHost:
         """Join, then pull and run the members' tasks until the coordinator says training is over."""
         self.join()
         # the seats' small updates, batched (a few ms' wait for the seats still training saves calls)
-        uploads = HostUploads(self.stub, self.host, self.max_chunk, seats=len(self.seats), linger=UPLOAD_LINGER)
-        for seat in self.seats:
-            seat.send_small = uploads.send
+        self.uploads = HostUploads(self.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER)
         members = {client_id(int(n)): i for i, n in enumerate(self.pop.numbers)}
         workers = [threading.Thread(target=self._seat, args=(seat,), daemon=True) for seat in self.seats]
         for w in workers:
@@ -226,7 +224,7 @@ class PopulationHost:
                 self._tasks.put(None)
             for w in workers:
                 w.join(timeout=60)
-            uploads.close()
+            self.uploads.close()
             for seat in self.seats:
                 seat.close()
             if self.residuals is not None:
@@ -275,7 +273,11 @@ class PopulationHost:
             auth = pb.AgentAuth(agent_id=member, token=self.tokens[i])
             try:
                 residuals = self._residual_store(seat)
-                seat.compression.give_residual(TaskSettings.from_json(task.extra_json), residuals.load(member))
+                settings = TaskSettings.from_json(task.extra_json)
+                seat.compression.give_residual(settings, residuals.load(member))
+                # top-k's error feedback must know whether the update counted; other updates travel while the
+                # seat trains its next client
+                seat.send_small = self.uploads.send if settings.compression == "topk" else self.uploads.send_later
                 seat.run_task_as(auth, task, self.max_chunk, self._round_weights(seat, auth, task))
                 residuals.save(member, seat.compression.take_residual())  # the member's own error feedback
             except Exception:  # one member's failure must not stop the seat
