@@ -79,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         shutdown_distributed()
-    tasks, accepted = sum(s.tasks for s in stats), sum(s.accepted for s in stats)
-    print(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {tasks} tasks run, {accepted} accepted")
+    tasks, sent = sum(s.tasks for s in stats), sum(s.accepted for s in stats)
+    print(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {tasks} tasks run, {sent} updates sent")
     return 0

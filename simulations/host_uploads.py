@@ -64,6 +64,7 @@ class HostUploads:
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
         self.max_updates, self.linger = max_updates, linger
         self._queue: queue.Queue = queue.Queue()
+        self.refused_in_background = 0  # updates sent with send_later that did not count
         self._thread = threading.Thread(target=self._run, name="fedpar-host-uploads", daemon=True)
         self._thread.start()
 
@@ -132,4 +133,5 @@ class HostUploads:
         elif err.code() in RETRYABLE and time.monotonic() + RETRY_PAUSE < q.deadline:
             threading.Timer(RETRY_PAUSE, self._queue.put, (q,)).start()
         else:
+            self.refused_in_background += 1
             log.info("an update sent in the background was refused: %s: %s", err.code().name, err.details())

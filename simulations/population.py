@@ -225,6 +225,9 @@ class PopulationHost:
             for w in workers:
                 w.join(timeout=60)
             self.uploads.close()
+            if self.uploads.refused_in_background:
+                log.warning("%s: %d updates sent in the background were refused (--log-level info says why)",
+                            self.host.agent_id, self.uploads.refused_in_background)
             for seat in self.seats:
                 seat.close()
             if self.residuals is not None:
