@@ -64,6 +64,14 @@ def check_weight(weight: float) -> float:
     return w
 
 
+def check_averageable(count: int, total_weight: float) -> None:
+    """ValueError unless ``count`` updates of ``total_weight`` in all can be averaged."""
+    if count == 0:
+        raise ValueError("no updates were folded; cannot average an empty set of results")
+    if total_weight <= 0:
+        raise ValueError("the total weight (sum of num_examples) is zero; at least one update needs num_examples > 0")
+
+
 class WeightedSum:
     """Running ``sum_k w_k * x_k`` and ``sum_k w_k`` over updates of one shape and dtype list; memory is one model.
 
@@ -166,10 +174,7 @@ class WeightedSum:
 
     def mean(self, inplace: bool = False) -> list[np.ndarray]:
         """The weighted mean in the input dtypes; ``inplace`` divides the accumulator itself (it is then spent)."""
-        if self.count == 0:
-            raise ValueError("no updates were folded; cannot average an empty set of results")
-        if self.total_weight <= 0:
-            raise ValueError("the total weight (sum of num_examples) is zero; at least one update needs num_examples > 0")
+        check_averageable(self.count, self.total_weight)
         out = []
         for view, shape, dtype in zip(self.views, self.shapes.shapes, self.shapes.dtypes):
             total = view.dtype.type(self.total_weight)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedpar.aggregation.accumulator import FoldConfig, check_weight
+from fedpar.aggregation.accumulator import FoldConfig, check_averageable, check_weight
 from fedpar.aggregation.arrays import ShapesAndDtypes, accumulate_dtype_for, all_finite, cast_like
 
 
@@ -101,10 +101,7 @@ class DeviceWeightedSum:
 
     def mean(self, inplace: bool = False) -> list[np.ndarray]:
         """The weighted mean in the input dtypes, on the host; ``inplace`` divides the accumulator itself."""
-        if self.count == 0:
-            raise ValueError("no updates were folded; cannot average an empty set of results")
-        if self.total_weight <= 0:
-            raise ValueError("the total weight (sum of num_examples) is zero; at least one update needs num_examples > 0")
+        check_averageable(self.count, self.total_weight)
         out = []
         for view, shape, dtype in zip(self.views, self.shapes.shapes, self.shapes.dtypes):
             avg = view.div_(self.total_weight) if inplace else view / self.total_weight

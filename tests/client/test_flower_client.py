@@ -21,6 +21,7 @@ from fedpar.client.flower_client import (FlowerClientError, FlowerTrainer, flowe
 from fedpar.datasets import load_dataset  # noqa: E402
 from fedpar.server.assembly import CoordinatorAssembly  # noqa: E402
 from fedpar.server.config import CoordinatorConfig  # noqa: E402
+from support.digit_agents import run_in_threads  # noqa: E402
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "flower_client.py")
 FAST = dict(overselect=1.0, deadline_seconds=30.0, heartbeat_seconds=1.0, liveness_timeout_seconds=10.0,
@@ -29,7 +30,7 @@ FAST = dict(overselect=1.0, deadline_seconds=30.0, heartbeat_seconds=1.0, livene
 
 def flower_agents(address: str, ids: list[str], clients=None) -> tuple[list[Agent], list[threading.Thread], list]:
     """One agent per id around the example's client for partition i of len(ids), each in a daemon thread."""
-    agents, errors = [], []
+    agents = []
     for i, agent_id in enumerate(ids):
         client = load_flower_client(f"{EXAMPLE}:client_fn", flower_context(agent_id, i, len(ids)))
         if clients is not None:
@@ -37,16 +38,7 @@ def flower_agents(address: str, ids: list[str], clients=None) -> tuple[list[Agen
         trainer = FlowerTrainer(client, SPECS)
         agents.append(Agent(AgentConfig(server=address, agent_id=agent_id, poll_seconds=1.0, initial_backoff=0.05,
                                         max_backoff=0.3, give_up_after=30, seed=i), trainer))
-
-    def run(agent):
-        try:
-            agent.run()
-        except BaseException as exc:  # surfaced by the test
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    return agents, threads, errors
+    return agents, *run_in_threads(agents)
 
 
 ASSEMBLY = CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, "cpu")

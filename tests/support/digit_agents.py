@@ -23,7 +23,7 @@ def start_digit_agents(port: int, ids: list[str], give_up_after: float = 60.0,
     Returns the agents, their threads and a list that collects what any of them raised."""
     splits = load_dataset("digits")
     parts = partition_indices(splits, "iid", len(ids), 0)
-    agents, errors = [], []
+    agents = []
     for i, agent_id in enumerate(ids):
         train, val = local_split(splits.train, parts[i], 0.1, 0)
         torch.manual_seed(0)
@@ -32,6 +32,12 @@ def start_digit_agents(port: int, ids: list[str], give_up_after: float = 60.0,
                  else LocalTrainer(model, train, val, seed=i))
         agents.append(Agent(AgentConfig(server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
                                         initial_backoff=0.05, max_backoff=0.3, give_up_after=give_up_after), local))
+    return agents, *run_in_threads(agents)
+
+
+def run_in_threads(agents: list[Agent]) -> tuple[list[threading.Thread], list[BaseException]]:
+    """Run each agent in a daemon thread; the threads, and a list that collects what any of them raised."""
+    errors: list[BaseException] = []
 
     def run(agent):
         try:
@@ -41,4 +47,4 @@ def start_digit_agents(port: int, ids: list[str], give_up_after: float = 60.0,
     threads = [threading.Thread(target=run, args=(a,), daemon=True) for a in agents]
     for t in threads:
         t.start()
-    return agents, threads, errors
+    return threads, errors
