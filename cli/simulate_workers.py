@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
     from fedpar.simulations.population import PopulationHost, PopulationSlice, step_delays
+    from fedpar.task import Partition
+    from fedpar.tasks.zoo import classifier_for
     from fedpar.simulations.traces import traces_for
 
     setup_logging(args)
@@ -72,8 +74,13 @@ def run(args: argparse.Namespace) -> int:
         mine = list(range(info.rank, args.clients, info.world_size))
         population = PopulationSlice.of(f"host-{info.rank}-of-{info.world_size}", mine, parts, delays,
                                         args.drop_probability, traces)
-        stats = PopulationHost(args.server, population, splits, args.model, args.val_fraction, args.seed,
-                               args.seats, device=args.device).run()
+        task = classifier_for(args.model, splits, dataset, args.examples_per_client)
+
+        def partition_of(number: int, member: str) -> Partition:
+            return Partition(number, args.clients, member, args.partition, args.seed, args.val_fraction)
+
+        stats = PopulationHost(args.server, population, task, partition_of, args.seed, args.seats,
+                               device=args.device).run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
         return 2

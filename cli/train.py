@@ -24,7 +24,7 @@ from fedpar.cli.argtypes import count, positive
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import add_tensorboard_argument
 from fedpar.cli.renamed import add_replicas_renamed
-from fedpar.cli.task_options import add_task_arguments, load_task_from_args
+from fedpar.cli.task_options import add_task_arguments, load_task_from_args, task_options
 from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig
 
 
@@ -114,29 +114,35 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train_task(args: argparse.Namespace, world: int) -> int:
-    """``fedpar train --task``: the task trained centrally in this process (cli/train_task.py), its model kept as
-    OUT/global.safetensors and global.json (``round``: the epochs trained)."""
-    from fedpar.models.weights import get_weights, weight_specs
+    """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
+    DDP ranks, its model kept as OUT/global.safetensors and global.json (``round``: the epochs trained)."""
+    from fedpar.cli.train_task import check_data_parallel, train_centrally, train_task_rank, write_task_model
     from fedpar.parallel.device import check_device_layout, resolve_device
-    from fedpar.server.final_model import write_final_model
-    from fedpar.cli.train_task import train_centrally
+    from fedpar.parallel.init import exit_rank_process, spawn
 
+    under_launcher = "WORLD_SIZE" in os.environ
     try:
-        if world > 1:
-            raise ConfigurationError("--task trains in one process for now; drop --nproc (and torchrun), or train a "
-                                     "zoo --model on the parallel engine")
         cfg = config_from_args(args)
         cfg.check()
-        check_device_layout(cfg.device)
-        task = load_task_from_args(args)
-        model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
+        check_device_layout(cfg.device, local_ranks)
+        task = load_task_from_args(args)  # a task's mistakes, before any rank starts
+        check_data_parallel(task, cfg, world)
+        if world > 1:
+            rank_args = (cfg.to_dict(), args.task, task_options(args), args.timeout)
+            if under_launcher:
+                train_task_rank(*rank_args)
+                exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
+            spawn(world, train_task_rank, *rank_args, parent_stops=True)
+            summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+            evals = {k: v for k, v in summary.items() if k.startswith(("test_", "val_"))}
+        else:
+            model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
+            evals = write_task_model(task, cfg, model, summary)
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
-    evals = {k: v for k, v in summary.items() if k.startswith(("test_", "val_"))}
-    write_final_model(Path(cfg.out), [name for name, _, _ in weight_specs(model)], get_weights(model),
-                      max(summary["epochs"], 1), task.description, {"round": summary["epochs"], **evals})
-    print(json.dumps({k: summary[k] for k in ("task", "steps", "epochs", *evals)}, indent=2))
+    print(json.dumps({k: summary[k] for k in ("task", "ranks", "steps", "epochs", *evals)}, indent=2))
     print(f"wrote {cfg.out}/metrics.jsonl, metrics.csv, summary.json, global.safetensors, global.json"
           f"{' and loss_curve.png' if cfg.plot else ''}")
     return 0

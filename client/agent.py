@@ -22,7 +22,7 @@ from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.privacy import privatize_update
 from fedpar.client.round_modes import CompressedUpload, PlainUpload, SecureUpload, upload_timeout
 from fedpar.client.stats import AgentStats
-from fedpar.client.trainer import LocalTrainer
+from fedpar.client.task_trainer import TaskTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.stubs import CoordinatorStub
@@ -87,14 +87,15 @@ class FatalAgentError(RuntimeError):
 
 
 class Agent:
-    """One federated participant: the pull loop around a :class:`LocalTrainer`.
+    """One federated participant: the pull loop around a trainer, a :class:`TaskTrainer` (or LocalTrainer, the
+    zoo's kind of it).
 
-    Any trainer with LocalTrainer's ``warm_up``, ``num_examples``, ``holding_task``, ``train`` and ``evaluate``
+    Any trainer with TaskTrainer's ``warm_up``, ``num_examples``, ``holding_task``, ``train`` and ``evaluate``
     will do; one without a torch ``.model`` provides ``array_specs()``, ``set_arrays()`` and ``get_arrays()``
     instead (client/flower_client.py), and one with ``reads_task_settings`` gets the task's settings in ``train``.
     """
 
-    def __init__(self, config: AgentConfig, trainer: LocalTrainer):
+    def __init__(self, config: AgentConfig, trainer: TaskTrainer):
         self.config = config
         self.trainer = trainer
         self.layout = ModelLayout(trainer_specs(trainer))
@@ -274,7 +275,7 @@ class Agent:
         # Uploading takes about as long as downloading did; keep that and a margin free.
         stop_at = deadline_at - UPLOAD_TO_DOWNLOAD * download_seconds - self.config.upload_margin_seconds
         with self._heartbeat.while_training():
-            extra = {"max_steps": task.max_steps} if task.max_steps else {}  # only LocalTrainer is given a cap
+            extra = {"max_steps": task.max_steps} if task.max_steps else {}  # the virtual clock's cap (a TaskTrainer's)
             if getattr(self.trainer, "reads_task_settings", False):  # e.g. a Flower client's fit config
                 extra["settings"] = settings
             result = self.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,

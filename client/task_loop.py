@@ -10,7 +10,7 @@ second of CPU in every process).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +35,11 @@ class Trained:
 
 
 def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConfig, deadline: Deadline,
-               precision: str = "fp32", step_delay: float = 0.0) -> Trained:
-    """Train ``model`` in place on ``data`` with the task's own hook or the built-in loop, before ``deadline``."""
+               precision: str = "fp32", after_step: Callable[[], None] | None = None) -> Trained:
+    """Train ``model`` in place on ``data`` with the task's own hook or the built-in loop, before ``deadline``
+    (``after_step``: called after each step of the built-in loop; a simulated slow device waits there)."""
     if task.train is None:
-        return _builtin_loop(task, model, data, config, deadline, precision, step_delay)
+        return _builtin_loop(task, model, data, config, deadline, precision, after_step)
     model.train()
     result = task.train(model, data, config, deadline)
     if not (isinstance(result, tuple) and len(result) == 2):
@@ -51,7 +52,7 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
 
 
 def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalConfig, deadline: Deadline,
-                  precision: str, step_delay: float) -> Trained:
+                  precision: str, after_step: Callable[[], None] | None) -> Trained:
     """Epochs of ``task.loss`` over the task's batches, stepped by its optimizer (or plain SGD), in time."""
     device = torch.device(config.device)
     model.train()
@@ -74,9 +75,8 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
         n = batch_examples(targets)
         examples += n
         loss_sum += loss.detach().double() * n
-        if step_delay:
-            import time
-            time.sleep(step_delay)  # a simulated slow device
+        if after_step is not None:
+            after_step()
     metrics = {"loss": float(loss_sum) / examples} if examples else {}
     return Trained(examples, deadline.taken, metrics, deadline.stopped_early)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 
 import torch
 
-from fedpar.client.local_sgd import TrainResult, trainable
+from fedpar.client.local_sgd import StepClock, TrainResult, descend, trainable
 from fedpar.models.evaluation import EvalResult
 from fedpar.parallel.config import PRECISIONS
 from fedpar.task import ClientData, Deadline, LocalConfig, Task, TaskError
@@ -23,26 +24,42 @@ LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is war
 
 
 class TaskTrainer:
-    """What :class:`fedpar.client.agent.Agent` drives (as it does LocalTrainer): a task's model and one client's
-    data on ``device``. The model is built once, so its weights keep the layout the coordinator expects."""
+    """What :class:`fedpar.client.agent.Agent` drives: a task's model and one client's data on ``device``, trained by
+    the task's own hook or the built-in loop, and evaluated with its named metrics. The model is built once (or
+    given, ``model``), so its weights keep the layout the coordinator expects.
+
+    Simulations add two things: agents sharing one process share its interpreter lock, and stepping dozens of
+    small models at once only adds lock hand-offs and cache misses (several times slower per step), so such hosts
+    pass one ``compute_lock`` and each agent trains in one turn (a simulated slow device,
+    ``seconds_per_step_delay``, gives the turn up while it sleeps); and a host's seat takes on one client after
+    another (:meth:`use_data`).
+    """
 
     def __init__(self, task: Task, data: ClientData, seed: int = 0, device: torch.device | str = "cpu",
-                 precision: str = "fp32", seconds_per_step_delay: float = 0.0):
+                 precision: str = "fp32", seconds_per_step_delay: float = 0.0,
+                 compute_lock: threading.Lock | None = None, model: torch.nn.Module | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if data.train is None or not len(data.train):
-            raise TaskError(f"task {task.name!r}: client_data gave no training examples")
         self.task = task
         self.device = torch.device(device)
         self.precision = precision
-        self.model = task.model().to(self.device)
-        if not isinstance(self.model, torch.nn.Module):
-            raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got "
-                            f"{type(self.model).__name__}")
+        model = task.model() if model is None else model
+        if not isinstance(model, torch.nn.Module):
+            raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got {type(model).__name__}")
+        self.model = model.to(self.device)
+        self._turn = compute_lock
+        self.use_data(data, seed, seconds_per_step_delay)
+
+    def use_data(self, data: ClientData, seed: int, seconds_per_step_delay: float = 0.0) -> None:
+        """Train from now on as another client: its data (kept on the device), its shuffling seed, its device speed
+        (a simulation host's seat takes on each sampled virtual client in turn)."""
+        if data.train is None or not len(data.train):
+            raise TaskError(f"task {self.task.name!r}: client_data gave no training examples")
         self.data = ClientData(on_device(data.train, self.device),
                                on_device(data.val, self.device) if data.val is not None and len(data.val) else None)
         self.seed = seed
         self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
+        self._clock = StepClock()  # a step's time, kept between runs for the next run's first deadline test
 
     @property
     def num_examples(self) -> int:
@@ -50,12 +67,13 @@ class TaskTrainer:
         return len(self.data.train)
 
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
-        """Nothing to hold (see LocalTrainer.holding_task)."""
+        """The span in which the agent holds a task of ``round_id`` (nothing to do here; a trainer that batches
+        several agents' training uses it to know whom to wait for)."""
         return contextlib.nullcontext()
 
     def warm_up(self) -> None:
-        """One forward and backward pass on a small batch (the built-in loop's), so torch's lazy set-up is not
-        billed to a deadline; the weights do not change."""
+        """One forward and backward pass (and a zero-step SGD update) on a small batch of the built-in loop's, so
+        torch's lazy set-up is not billed to a deadline; the weights do not change."""
         if self.task.train is not None or self.task.loss is None:
             return
         self.model.train()
@@ -64,9 +82,14 @@ class TaskTrainer:
         if batch is None:
             return
         inputs, targets = inputs_and_targets(to_device(batch, self.device))
+        params = trainable(self.model)
         with autocast(self.device, self.precision):
-            self.task.loss(self.model(inputs), targets).backward()
-        for p in trainable(self.model):
+            loss = self.task.loss(self.model(inputs), targets)
+        if self.task.optimizer is None:
+            descend(params, loss, lr=0.0)  # the weights do not change
+        else:
+            loss.backward()
+        for p in params:
             p.grad = None
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, proximal_mu: float = 0.0,
@@ -74,8 +97,9 @@ class TaskTrainer:
         """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``."""
         start = time.monotonic()
         config = LocalConfig(epochs, batch_size, lr, round_id, self.seed, proximal_mu, max_steps, self.device)
-        trained = train_task(self.task, self.model, self.data, config, Deadline(stop_at, self.device), self.precision,
-                             self.delay)
+        with self._taking_turn():
+            trained = train_task(self.task, self.model, self.data, config, Deadline(stop_at, self.device, self._clock),
+                                 self.precision, self._pause if self.delay else None)
         late = time.monotonic() - stop_at
         if late > LATE_SECONDS:
             log.warning("task %r: train returned %.1f s after its deadline, so its update may come too late; loop "
@@ -89,6 +113,27 @@ class TaskTrainer:
         """The task's metrics on the local validation split (None when there is none)."""
         if self.data.val is None:
             return None
-        metrics = evaluate_task(self.task, self.model, self.data.val, self.precision)
+        with self._taking_turn():
+            metrics = evaluate_task(self.task, self.model, self.data.val, self.precision)
         loss, accuracy = metrics.pop("loss", None), metrics.pop("accuracy", None)
         return EvalResult(loss, accuracy, len(self.data.val), metrics)
+
+    @contextlib.contextmanager
+    def _taking_turn(self):
+        """Hold this process's compute turn (if agents share one) for the duration."""
+        if self._turn is None:
+            yield
+            return
+        with self._turn:
+            yield
+
+    def _pause(self) -> None:
+        """Sleep one step's delay like a slow device would, without holding the compute turn."""
+        if self._turn is None:
+            time.sleep(self.delay)
+            return
+        self._turn.release()
+        try:
+            time.sleep(self.delay)
+        finally:
+            self._turn.acquire()

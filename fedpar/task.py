@@ -79,13 +79,15 @@ class Deadline:
     counts the steps it let through. fedpar's built-in loop uses it too.
     """
 
-    def __init__(self, at: float = math.inf, device: Any = None):
-        """A deadline at ``time.monotonic()`` value ``at``; work queued on ``device`` is waited for before each test."""
+    def __init__(self, at: float = math.inf, device: Any = None, clock: Any = None):
+        """A deadline at ``time.monotonic()`` value ``at``; work queued on ``device`` is waited for before each test.
+        ``clock``: the step clock to time steps with (a trainer keeps one across runs, so that the first test of a
+        run already knows how long a step takes); default: a fresh one."""
         self.at = at
         self.device = device
         self.stopped_early = False
         self.taken = 0
-        self._clock = None
+        self._clock = clock
 
     def remaining(self) -> float:
         """Seconds left."""

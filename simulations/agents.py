@@ -10,32 +10,31 @@ import zlib
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import numpy as np
 import torch
 
 from fedpar.client.agent import Agent, AgentConfig
 from fedpar.client.stats import AgentStats
-from fedpar.client.trainer import LocalTrainer
+from fedpar.client.task_trainer import TaskTrainer
 from fedpar.datasets import load_dataset
-from fedpar.models.for_data import build_model_for_data
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.simulations.population import PopulationHost, PopulationSlice, client_seed
-from fedpar.datasets.clientdata import local_split
 from fedpar.parallel.device import flush_denormals
+from fedpar.task import Partition, Task
+from fedpar.tasks.reference import load_task
+from fedpar.tasks.zoo import classifier_for
 
 
 @dataclass
 class AgentSpec:
-    """One simulated agent: its data share and how it misbehaves."""
+    """One simulated agent: which share of the task's data it holds and how it misbehaves."""
 
     agent_id: str
-    indices: np.ndarray
+    index: int = 0  # its share of the task's data: Partition.index of WorkerConfig.clients
     step_delay: float = 0.0  # seconds added per local step: a slow device
     drop_probability: float = 0.0  # chance per round of vanishing before the upload
     certs_dir: str | None = None  # mutual TLS with DIR/ca.pem and DIR/AGENT_ID.pem/.key; None: plaintext
-    index: int = 0  # its share of a task's data (Partition.index)
 
 
 @dataclass
@@ -59,48 +58,44 @@ class WorkerConfig:
     log_level: int = logging.WARNING  # of the worker's fedpar loggers: the parent's (simulate --log-level)
     task: str | None = None  # --task: its agents train this task (reference) instead of ``model`` on ``dataset``
     task_options: dict | None = None
-    partition: str = "iid"  # a task's Partition.scheme
-    clients: int = 1  # a task's Partition.count
+    partition: str = "iid"  # Partition.scheme of every client's share
+    clients: int = 1  # Partition.count: clients in the federation
+    examples_per_client: int | None = None  # the zoo's cap on a client's examples
+
+    def partition_of(self, index: int, agent_id: str) -> Partition:
+        """The Partition of client ``index`` (``agent_id``) of this federation."""
+        return Partition(index, self.clients, agent_id, self.partition, self.seed, self.val_fraction)
 
 
-def build_agent(cfg: WorkerConfig, spec: AgentSpec, splits, compute_lock: threading.Lock | None = None,
+def worker_task(cfg: WorkerConfig, splits=None) -> Task:
+    """The task this worker's agents train: ``--task``, loaded, or the zoo's classifier ``cfg.model`` on
+    ``cfg.dataset`` (``splits``: that data, loaded already)."""
+    if cfg.task is not None:
+        return load_task(cfg.task, cfg.task_options)  # once per process: its data is loaded once
+    if splits is None:
+        splits = load_dataset(cfg.dataset, cfg.data_dir)
+    return classifier_for(cfg.model, splits, cfg.dataset, cfg.examples_per_client)
+
+
+def build_agent(cfg: WorkerConfig, spec: AgentSpec, task: Task, compute_lock: threading.Lock | None = None,
                 batcher: ClientBatcher | None = None) -> Agent:
-    """A real agent over gRPC for ``spec``'s share of the data (``batcher``: it trains in its process's batch)."""
+    """A real agent over gRPC training ``task`` on its share of the task's data (``spec.index`` of
+    ``cfg.clients``); ``batcher``: it trains in its process's client batch (the zoo's in-memory arrays only)."""
     files = client_tls_files(spec.agent_id, spec.certs_dir) if spec.certs_dir else None
-    credentials = channel_credentials(files) if files else None
-    train, val = local_split(splits.train, spec.indices, cfg.val_fraction, cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = build_model_for_data(cfg.model, splits.input_shape, splits.num_classes)
+    data = task.client_data(cfg.partition_of(spec.index, spec.agent_id))
     seed = client_seed(cfg.seed, spec.agent_id)
-    if batcher is not None:
-        trainer = BatchedTrainer(model, train, val, batcher, seed=seed, seconds_per_step_delay=spec.step_delay,
-                                 compute_lock=compute_lock, device=cfg.device)
-    else:
-        trainer = LocalTrainer(model, train, val, seed=seed, seconds_per_step_delay=spec.step_delay,
-                               compute_lock=compute_lock, device=cfg.device, precision=cfg.precision)
-    agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
-                            drop_probability=spec.drop_probability, give_up_after=60.0, credentials=credentials,
-                            data_tls=client_ssl_context(files) if files else None,
-                            seed=cfg.seed * 1_000_003 + zlib.crc32(spec.agent_id.encode()))  # own drops and jitter
-    return Agent(agent_cfg, trainer)
-
-
-def build_task_agent(cfg: WorkerConfig, spec: AgentSpec, task) -> Agent:
-    """A real agent over gRPC training ``task`` on its share of the task's data (``spec.index`` of ``cfg.clients``)."""
-    from fedpar.client.task_trainer import TaskTrainer
-    from fedpar.task import Partition
-
-    files = client_tls_files(spec.agent_id, spec.certs_dir) if spec.certs_dir else None
-    data = task.client_data(Partition(spec.index, cfg.clients, spec.agent_id, cfg.partition, cfg.seed,
-                                      cfg.val_fraction))
     torch.manual_seed(cfg.seed)
-    trainer = TaskTrainer(task, data, seed=client_seed(cfg.seed, spec.agent_id), device=cfg.device,
-                          precision=cfg.precision, seconds_per_step_delay=spec.step_delay)
+    if batcher is not None:
+        trainer = BatchedTrainer(task.model(), data.train, data.val, batcher, seed=seed,
+                                 seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock, device=cfg.device)
+    else:
+        trainer = TaskTrainer(task, data, seed=seed, device=cfg.device, precision=cfg.precision,
+                              seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
                             drop_probability=spec.drop_probability, give_up_after=60.0,
                             credentials=channel_credentials(files) if files else None,
                             data_tls=client_ssl_context(files) if files else None,
-                            seed=cfg.seed * 1_000_003 + zlib.crc32(spec.agent_id.encode()))
+                            seed=cfg.seed * 1_000_003 + zlib.crc32(spec.agent_id.encode()))  # own drops and jitter
     return Agent(agent_cfg, trainer)
 
 
@@ -110,18 +105,13 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     flush_denormals()
     logging.basicConfig(level=min(cfg.log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("fedpar").setLevel(cfg.log_level)
-    if cfg.task is not None:
-        from fedpar.tasks.reference import load_task
-        task = load_task(cfg.task, cfg.task_options)  # once per process: its data is loaded once
-        return _run_agents([build_task_agent(cfg, spec, task) for spec in cfg.agents])
-    if splits is None:
-        splits = load_dataset(cfg.dataset, cfg.data_dir)
+    task = worker_task(cfg, splits)
     if cfg.population is not None:
-        return PopulationHost(cfg.server, cfg.population, splits, cfg.model, cfg.val_fraction, cfg.seed, cfg.seats,
+        return PopulationHost(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
                               cfg.poll_seconds, cfg.device, cfg.precision, cfg.day_seconds).run()
-    compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see LocalTrainer)
+    compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see TaskTrainer)
     batcher = ClientBatcher(cfg.device, compute_lock) if cfg.client_batching else None
-    return _run_agents([build_agent(cfg, spec, splits, compute_lock, batcher) for spec in cfg.agents])
+    return _run_agents([build_agent(cfg, spec, task, compute_lock, batcher) for spec in cfg.agents])
 
 
 def _run_agents(agents: list[Agent]) -> list[AgentStats]:

@@ -1,11 +1,12 @@
 """Virtual clients: a simulation host process speaks for a slice of a population, and only the clients sampled in
 a round get a model and their data, for that round.
 
-A population of N costs O(N) bytes here (a client's number, its data indices, its speed) and O(N) small records
-in the coordinator, never an agent, a thread or a model copy each. The host registers its slice with
+A population of N costs O(N) bytes here (a client's number, its number of examples, its speed) and O(N) small
+records in the coordinator, never an agent, a thread or a model copy each. The host registers its slice with
 JoinPopulation (every member gets its own session), long-polls PullHostTasks for the tasks of whichever members
 the coordinator sampled, and runs each task on one of a few *seats*: a real agent (client/agent.py) whose
-trainer takes on the member's data for that task and whose calls carry the member's session. Sampling, the
+trainer takes on the member's data for that task (the task's ``client_data`` for the member's Partition, made
+then) and whose calls carry the member's session. Sampling, the
 deadline, first-K-of-M, validation and the fold stay the coordinator's own, over real gRPC.
 """
 
@@ -17,6 +18,7 @@ import queue
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -25,9 +27,8 @@ import torch
 
 from fedpar.client.agent import UPLOAD_MARGIN_SECONDS, UPLOAD_TO_DOWNLOAD, Agent, AgentConfig
 from fedpar.client.stats import AgentStats
-from fedpar.client.trainer import LocalTrainer
-from fedpar.datasets.clientdata import local_split, local_train_size
-from fedpar.models.for_data import build_model_for_data
+from fedpar.client.task_trainer import TaskTrainer
+from fedpar.datasets.clientdata import local_train_size
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.client.transfer import download_weights
 from fedpar.protocol.codec import CodecError
@@ -36,6 +37,7 @@ from fedpar.protocol.task_settings import TaskSettings
 from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.simulations.host_uploads import HostUploads
 from fedpar.simulations.member_state import ResidualStore
+from fedpar.task import ClientData, Partition, Task
 from fedpar.simulations.traces import DAY_SECONDS, Traces, online, seconds_left_online
 
 log = logging.getLogger("fedpar.simulate")
@@ -69,13 +71,13 @@ def client_id(number: int) -> str:
 
 @dataclass
 class PopulationSlice:
-    """The clients one host speaks for, compactly: their numbers, their data indices (CSR: ``flat`` cut at
-    ``offsets``), the seconds each adds per local step (a slow device), and the drop chance per round."""
+    """The clients one host speaks for, compactly: their numbers, how many examples each holds (None: unknown
+    until the host asks the task), the seconds each adds per local step (a slow device), and the drop chance per
+    round."""
 
     host_id: str
     numbers: np.ndarray  # int64, the clients' numbers in the federation
-    offsets: np.ndarray  # int64, len(numbers) + 1
-    flat: np.ndarray  # int64, every member's example indices, back to back
+    sizes: np.ndarray | None  # int64 per member: its examples, before its validation share is kept apart
     step_delays: np.ndarray  # float32 per member
     drop_probability: float = 0.0
     available_from: np.ndarray | None = None  # float32 per member: seconds into a trace day it comes online
@@ -86,10 +88,6 @@ class PopulationSlice:
 
     def __len__(self) -> int:
         return len(self.numbers)
-
-    def indices(self, i: int) -> np.ndarray:
-        """Member ``i``'s example indices into the training set."""
-        return self.flat[self.offsets[i]:self.offsets[i + 1]]
 
     def away(self, day_seconds: float) -> np.ndarray:
         """Which members are offline ``day_seconds`` into the trace's day (none without availability)."""
@@ -121,32 +119,32 @@ class PopulationSlice:
         return (0, -1.0) if dropped or done == 0 else (done, seconds)
 
     @staticmethod
-    def of(host_id: str, numbers: list[int], parts: list[np.ndarray], step_delays: list[float],
+    def of(host_id: str, numbers: list[int], parts: list[np.ndarray] | None, step_delays: list[float],
            drop_probability: float = 0.0, traces: Traces | None = None) -> PopulationSlice:
-        """The slice of clients ``numbers`` (``parts[n]``: client n's indices; ``traces``: their availability)."""
-        sizes = [len(parts[n]) for n in numbers]
-        flat = np.concatenate([np.asarray(parts[n], np.int64) for n in numbers]) if numbers else np.zeros(0, np.int64)
+        """The slice of clients ``numbers`` (``parts[n]``: client n's example indices, for their number; None: the
+        task's, unknown here; ``traces``: their availability)."""
         picked = np.asarray(numbers, np.int64)
+        sizes = None if parts is None else np.asarray([len(parts[n]) for n in numbers], np.int64)
         columns = (traces.available_from, traces.available_for, traces.seconds_per_step, traces.download_mbps,
                    traces.upload_mbps) if traces is not None else (None,) * 5
-        return PopulationSlice(host_id, picked, np.concatenate([[0], np.cumsum(sizes)]),
-                               flat, np.asarray([step_delays[n] for n in numbers], np.float32), drop_probability,
-                               *(None if c is None else c[picked] for c in columns))
+        return PopulationSlice(host_id, picked, sizes, np.asarray([step_delays[n] for n in numbers], np.float32),
+                               drop_probability, *(None if c is None else c[picked] for c in columns))
 
 
 class PopulationHost:
-    """Registers a :class:`PopulationSlice` and runs its members' tasks on ``seats`` seats until training ends."""
+    """Registers a :class:`PopulationSlice` and runs its members' tasks on ``seats`` seats until training ends:
+    ``task`` trained on each member's ``task.client_data(partition_of(number, member_id))``."""
 
-    def __init__(self, server: str, population: PopulationSlice, splits, model: str, val_fraction: float,
-                 seed: int, seats: int = 2, poll_seconds: float = 2.0, device: str = "cpu",
-                 precision: str = "fp32", day_seconds: float = DAY_SECONDS):
-        self.server, self.pop, self.splits = server, population, splits
+    def __init__(self, server: str, population: PopulationSlice, task: Task,
+                 partition_of: Callable[[int, str], Partition], seed: int, seats: int = 2, poll_seconds: float = 2.0,
+                 device: str = "cpu", precision: str = "fp32", day_seconds: float = DAY_SECONDS):
+        self.server, self.pop, self.task, self.partition_of = server, population, task, partition_of
         self.day_scale = DAY_SECONDS / day_seconds  # trace seconds per real second
         self.started = time.monotonic()
         self.offline = population.away(0.0)  # whom the coordinator knows as away
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
-        self.val_fraction, self.seed, self.poll_seconds = val_fraction, seed, poll_seconds
+        self.seed, self.poll_seconds = seed, poll_seconds
         self.channel = grpc.insecure_channel(server, options=channel_options(64 << 20))
         self.stub = CoordinatorStub(self.channel)
         self.host = pb.AgentAuth(agent_id=population.host_id)
@@ -157,26 +155,37 @@ class PopulationHost:
         self._residuals_lock = threading.Lock()
         self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
         self._weights_lock = threading.Lock()
-        compute_lock = threading.Lock()  # the seats take turns on this process's CPU (see LocalTrainer)
-        first = population.indices(0) if len(population) else np.zeros(1, np.int64)
+        self.train_sizes = self._train_sizes()  # each member's training examples, for Join and the virtual clock
+        compute_lock = threading.Lock()  # the seats take turns on this process's CPU (see TaskTrainer)
+        first = self.member_data(0) if len(population) else None
         self.seats = []
-        for s in range(seats):
-            train, val = local_split(splits.train, first, val_fraction, seed)
+        for s in range(seats if first is not None else 0):
             torch.manual_seed(seed)
-            net = build_model_for_data(model, splits.input_shape, splits.num_classes)
-            trainer = LocalTrainer(net, train, val, seed=seed, compute_lock=compute_lock, device=device,
-                                   precision=precision)
+            trainer = TaskTrainer(task, first, seed=seed, device=device, precision=precision,
+                                  compute_lock=compute_lock)
             self.seats.append(Agent(AgentConfig(server=server, agent_id=f"{population.host_id}-seat{s}",
                                                 poll_seconds=poll_seconds, give_up_after=60.0,
                                                 drop_probability=population.drop_probability,
                                                 seed=seed * 1_000_003 + s), trainer))
 
+    def member_data(self, i: int) -> ClientData:
+        """Member ``i``'s data: the task's client_data for its Partition."""
+        number = int(self.pop.numbers[i])
+        return self.task.client_data(self.partition_of(number, client_id(number)))
+
+    def _train_sizes(self) -> np.ndarray:
+        """Each member's training examples: from the slice's sizes when it has them (the zoo's, split as
+        datasets/clientdata.local_split does), else counted in the task's data of each member, made once here."""
+        if self.pop.sizes is not None:
+            val_fraction = self.partition_of(0, client_id(0)).val_fraction
+            return np.asarray([local_train_size(int(n), val_fraction) for n in self.pop.sizes], np.int64)
+        return np.asarray([len(self.member_data(i).train) for i in range(len(self.pop))], np.int64)
+
     def join(self) -> None:
         """Register every member, JOIN_CHUNK at a time (each member gets its own session token)."""
         for start in range(0, len(self.pop), JOIN_CHUNK):
             members = [pb.PopulationMember(agent_id=client_id(int(self.pop.numbers[i])),
-                                           num_examples=max(1, local_train_size(len(self.pop.indices(i)),
-                                                                                self.val_fraction)),
+                                           num_examples=max(1, int(self.train_sizes[i])),
                                            away=bool(self.offline[i]))
                        for i in range(start, min(start + JOIN_CHUNK, len(self.pop)))]
             reply = _retrying(lambda: self.stub.JoinPopulation(pb.JoinPopulationRequest(
@@ -241,7 +250,7 @@ class PopulationHost:
         self.clock_seconds = task.clock_seconds
         self._held = {m: held for m, held in self._held.items() if held[1].round >= task.round}  # older rounds: moot
         self._held[member] = (i, task)
-        examples = local_train_size(len(self.pop.indices(i)), self.val_fraction)
+        examples = int(self.train_sizes[i])
         steps = task.local_epochs * math.ceil(examples / max(1, task.batch_size))
         # the member's own draw for the round, the same whichever host speaks for it
         dropped = np.random.default_rng([self.seed, int(self.pop.numbers[i]), task.round]).random() \
@@ -269,12 +278,12 @@ class PopulationHost:
             i, task = item
             member = client_id(int(self.pop.numbers[i]))
             seed = client_seed(self.seed, member)
-            train, val = local_split(self.splits.train, self.pop.indices(i), self.val_fraction, self.seed)
-            # under the virtual clock a slow device costs simulated time, not real pauses
-            seat.trainer.use_data(train, val, seed, 0.0 if task.virtual_clock else float(self.pop.step_delays[i]))
             seat.config.drop_probability = 0.0 if task.virtual_clock else self.pop.drop_probability
             auth = pb.AgentAuth(agent_id=member, token=self.tokens[i])
             try:
+                # under the virtual clock a slow device costs simulated time, not real pauses
+                seat.trainer.use_data(self.member_data(i), seed,
+                                      0.0 if task.virtual_clock else float(self.pop.step_delays[i]))
                 residuals = self._residual_store(seat)
                 settings = TaskSettings.from_json(task.extra_json)
                 seat.compression.give_residual(settings, residuals.load(member))

@@ -48,13 +48,13 @@ def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> list[fl
     return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed, traces)
 
 
-def _agent_specs(cfg: SimulationConfig, parts: list[np.ndarray | None]) -> list[AgentSpec]:
-    return [AgentSpec(client_id(i), parts[i], delay, cfg.drop_probability, index=i)
-            for i, delay in enumerate(_step_delays(cfg))]
+def _agent_specs(cfg: SimulationConfig) -> list[AgentSpec]:
+    return [AgentSpec(client_id(i), i, delay, cfg.drop_probability) for i, delay in enumerate(_step_delays(cfg))]
 
 
-def _population_slices(cfg: SimulationConfig, parts: list[np.ndarray], hosts: int) -> list[PopulationSlice]:
-    """The population dealt round-robin over ``hosts`` worker processes (with its traces, if any)."""
+def _population_slices(cfg: SimulationConfig, parts: list[np.ndarray] | None, hosts: int) -> list[PopulationSlice]:
+    """The population dealt round-robin over ``hosts`` worker processes (with its traces, if any; ``parts``: each
+    client's example indices, None for a task, whose hosts count each member's examples in its data)."""
     traces = traces_for(cfg.trace, cfg.clients, cfg.seed)
     delays = _step_delays(cfg, traces)
     return [PopulationSlice.of(f"host-{h}", list(range(h, cfg.clients, hosts)), parts, delays, cfg.drop_probability,
@@ -78,8 +78,7 @@ def check_task(cfg: SimulationConfig) -> None:
     """ValueError for settings a --task run cannot honour yet (they need the zoo's in-memory arrays)."""
     if not cfg.task:
         return
-    for on, what in ((cfg.virtual_clients, "--virtual-clients"), (cfg.client_batching, "--client-batching"),
-                     (cfg.aggregator_ranks > 1, "--aggregator-ranks > 1")):
+    for on, what in ((cfg.client_batching, "--client-batching"), (cfg.aggregator_ranks > 1, "--aggregator-ranks > 1")):
         if on:
             raise ValueError(f"--task does not work with {what} yet; drop it (the zoo's --model/--dataset do)")
 
@@ -195,7 +194,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
          on_server=None, on_progress=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     if task is not None:
-        splits, parts = None, [None] * cfg.clients  # the task's client_data gives each agent its share
+        splits, parts = None, None  # the task's client_data gives each agent its share
         assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))
     else:
         splits = load_dataset(cfg.dataset, cfg.data_dir)
@@ -220,7 +219,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
     check_ranks_supported(cfg.aggregator_ranks, strategy, cfg.secure_aggregation)
     callbacks = [on_round] if on_round else []
-    specs = [] if cfg.virtual_clients else _agent_specs(cfg, parts)
+    specs = [] if cfg.virtual_clients else _agent_specs(cfg)
     slices = _population_slices(cfg, parts, len(pipes)) if cfg.virtual_clients else [None] * len(pipes)
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
     interrupted = False
@@ -247,6 +246,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                                    client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats,
                                    day_seconds=cfg.trace_day_seconds, task=cfg.task,
                                    task_options=cfg.task_options, partition=cfg.partition, clients=cfg.clients,
+                                   examples_per_client=cfg.examples_per_client,
                                    log_level=logging.getLogger("fedpar").getEffectiveLevel()))
             send.close()
         try:

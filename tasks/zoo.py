@@ -10,15 +10,17 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
+from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedpar.datasets import DatasetSplits, load_dataset, load_text
 from fedpar.datasets.clientdata import client_parts, local_split
 from fedpar.models import build_model, build_model_for_data
 from fedpar.models.losses import classification_loss, language_model_loss
-from fedpar.task import ClientData, Partition, Task
+from fedpar.task import ClientData, Partition, Task, TaskError
 from fedpar.tasks.data import share_of
 
 
@@ -48,6 +50,17 @@ def classifier_for(model: str, splits: DatasetSplits, dataset: str = "", example
     return Task(model=lambda: build_model_for_data(model, shape, classes), client_data=client_data,
                 test_data=lambda: splits.test, loss=classification_loss,
                 name=f"{model} on {dataset}" if dataset else model, description=description)
+
+
+def classifier_module(model: nn.Module) -> Task:
+    """``model``, a classifier built already, trained as the zoo's are (cross-entropy, plain SGD, the built-in
+    evaluation): the task of :class:`fedpar.client.trainer.LocalTrainer`, which is given the model and the data."""
+
+    def no_data(partition: Partition) -> ClientData:
+        raise TaskError("this task's data is given to its trainer directly; it has no client_data")
+
+    return Task(model=lambda: copy.deepcopy(model), client_data=no_data, loss=classification_loss,
+                name=type(model).__name__.lower())
 
 
 def language_model(data_path: str, block_size: int = 64, n_layer: int = 2, n_head: int = 4,

@@ -21,6 +21,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, build_agent
+from fedpar.tasks.zoo import classifier_for
 
 
 def _weights(seed=0):
@@ -29,10 +30,10 @@ def _weights(seed=0):
 
 
 def _run_real_agents(server, splits, k: int) -> list:
-    """k real agents (MLP, 600 digits split evenly), each in a thread named after it, until the run ends."""
-    parts = np.array_split(np.arange(600), k)
-    worker = WorkerConfig(server.address, "digits", None, "mlp", 0.0, 0, [], poll_seconds=1.0)
-    bots = [build_agent(worker, AgentSpec(f"agent-{i}", part), splits) for i, part in enumerate(parts)]
+    """k real agents (MLP, at most 600 // k digits each), each in a thread named after it, until the run ends."""
+    worker = WorkerConfig(server.address, "digits", None, "mlp", 0.0, 0, [], poll_seconds=1.0, clients=k)
+    task = classifier_for("mlp", splits, examples_per_client=600 // k)
+    bots = [build_agent(worker, AgentSpec(f"agent-{i}", i), task) for i in range(k)]
     threads = [threading.Thread(target=bot.run, name=bot.config.agent_id) for bot in bots]
     for t in threads:
         t.start()

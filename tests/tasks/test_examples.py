@@ -7,26 +7,13 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 from safetensors.numpy import load_file
 
 from fedpar.cli.main import main
+from support.own_task import EXAMPLE, write_table
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = str(ROOT / "examples" / "own_task.py") + ":task"
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
-
-
-def write_table(path: Path, rows: int = 300, seed: int = 0) -> Path:
-    """A CSV of 4 numeric features and a 3-class label that depends on them."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 4))
-    y = (x[:, 0] + x[:, 1] > 0).astype(int) + (x[:, 2] > 0.8)
-    lines = ["f0,f1,f2,f3,label"] + [",".join(f"{v:.4f}" for v in r) + f",{int(c)}" for r, c in zip(x, y)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def test_own_task_federated_and_its_centralized_baseline(tmp_path, capsys):

@@ -34,7 +34,10 @@ def _one_line(argv: list[str], capsys) -> str:
      "option 'hidden' must be an integer, got 'many'"),
     (["--task", "fedpar.tasks.zoo:classifier_for"], "needs --task-option model=..."),
     (["--task-option", "csv=t.csv"], "--task-option needs --task"),
-    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "2"], "--task trains in one process for now"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "3"], "--batch-size 64 (global) must be divisible by the "
+                                                                 "3 ranks"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "2", "--tp", "2"], "a task trains with DDP only for now; "
+                                                                             "drop --tp"),
 ])
 def test_task_mistakes_are_one_line(argv, message, capsys, tmp_path):
     assert message in _one_line(["train", *argv, "--out", str(tmp_path)], capsys)

@@ -1,0 +1,38 @@
+"""`fedpar simulate` runs every agent through the task route: the zoo named by --model/--dataset and the same zoo task
+named by --task learn the same federation, and a user's own task runs on virtual clients as on one agent each."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.simulation_runs import simulate_rows
+from support.own_task import EXAMPLE, write_table
+
+
+def _same_rounds(a_rows: list[dict], b_rows: list[dict], reported: int) -> None:
+    assert len(a_rows) == len(b_rows)
+    for a, b in zip(a_rows, b_rows):
+        assert (a["sampled"], a["reported"]) == (b["sampled"], b["reported"]) and a["reported"] == reported
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-9)
+        assert b["federated_eval_loss"] == pytest.approx(a["federated_eval_loss"], rel=1e-5)
+
+
+def test_the_zoo_by_name_and_by_task_reference_learn_the_same_federation(tmp_path):
+    common = dict(clients=4, rounds=2, local_epochs=1, seed=3, workers=1, slow_fraction=0.25, slow_step_delay=0.001,
+                  partition="dirichlet:0.5")
+    _, by_name = simulate_rows(**common, model="cnn", dataset="digits", out=str(tmp_path / "name"))
+    _, by_task = simulate_rows(**common, task="fedpar.tasks.zoo:classifier",
+                               task_options={"model": "cnn", "dataset": "digits"}, out=str(tmp_path / "task"))
+    _same_rounds(by_name, by_task, reported=4)
+
+
+def test_a_users_task_on_virtual_clients_learns_what_one_agent_per_client_learns(tmp_path):
+    # 3 of 6 clients a round: members come back, each with its own data from the task's client_data, on 2 seats
+    csv = write_table(tmp_path / "table.csv")
+    common = dict(task=EXAMPLE, task_options={"csv": str(csv), "hidden": "8"}, clients=6, clients_per_round=3,
+                  rounds=3, local_epochs=1, seed=5, learning_rate=0.01, workers=1)
+    _, agents = simulate_rows(**common, out=str(tmp_path / "agents"))
+    summary, virtual = simulate_rows(**common, virtual_clients=True, seats=2, out=str(tmp_path / "virtual"))
+    assert summary["failed_rounds"] == 0
+    _same_rounds(agents, virtual, reported=3)

@@ -1,0 +1,42 @@
+"""`fedpar train --task --nproc 2`: the task's model, data and loss on two DDP ranks (gloo), a real 2-rank run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from fedpar.cli.main import main
+from support.own_task import EXAMPLE, write_table
+
+
+def test_two_ddp_ranks_take_the_full_batch_steps_one_process_takes(tmp_path, capsys):
+    # 240 training rows in one batch: each rank steps on its 120 and DDP averages their gradients, which is the
+    # gradient of the mean over all 240, so AdamW moves both runs' weights alike
+    csv = write_table(tmp_path / "table.csv")
+    common = ["train", "--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=8", "--epochs", "3",
+              "--lr", "0.05", "--batch-size", "240", "--no-plot"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert main([*common, "--nproc", "2", "--out", str(tmp_path / "two")]) == 0
+    one, two = load_file(tmp_path / "one" / "global.safetensors"), load_file(tmp_path / "two" / "global.safetensors")
+    assert one.keys() == two.keys()
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-4, atol=1e-6)
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert (summary["ranks"], summary["steps"], summary["examples"]) == (2, 3, 3 * 240)
+    first = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["test_accuracy"] == first["test_accuracy"]  # rank 0 evaluates the whole test set
+    capsys.readouterr()
+
+
+def test_a_task_with_its_own_train_hook_is_refused_on_ranks_in_one_line(tmp_path, capsys):
+    hook = tmp_path / "hooked.py"
+    hook.write_text("import torch\nfrom torch import nn\nfrom fedpar import ClientData, Task\n"
+                    "def task():\n"
+                    "    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))\n"
+                    "    return Task(model=lambda: nn.Linear(2, 2), client_data=lambda p: ClientData(data),\n"
+                    "                train=lambda *a: (0, {}), loss=nn.functional.cross_entropy)\n")
+    assert main(["train", "--task", f"{hook}:task", "--nproc", "2", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().endswith("has its own train hook, which trains in one process; drop "
+                                                    "--nproc (and torchrun)")
