@@ -146,6 +146,7 @@ class CoordinatorServer:
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(_quiet_about_cancelled_calls)
         self._stop = asyncio.Event()
         config = self.coordinator.config
         service = CoordinatorService(self.coordinator)
@@ -203,3 +204,12 @@ class CoordinatorServer:
             if self.data_plane is not None:
                 self.data_plane.stop()
             await server.stop(self._grace)
+
+
+def _quiet_about_cancelled_calls(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's exception handler: a call cancelled as the server stops (gRPC's RPC tasks end that way on Ctrl-C)
+    is no error worth a traceback; everything else goes to asyncio's default handler."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        log.debug("a call was cancelled as the coordinator stopped: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
