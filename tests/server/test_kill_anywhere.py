@@ -22,7 +22,7 @@ import pytest
 from fedpar.server.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS, AGENTS, KILLS = 12, 6, 4
+ROUNDS, AGENTS, KILLS = 10, 6, 3
 SEED = int(os.environ.get("FEDPAR_KILL_SEED", "20261122"))
 
 

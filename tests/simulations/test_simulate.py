@@ -55,7 +55,7 @@ def test_heterogeneous_federation_overselects_and_leaves_slow_and_dropping_clien
     from fedpar.simulations.runner import SimulationConfig, run_simulation
 
     cfg = SimulationConfig(clients=12, rounds=3, partition="dirichlet:0.3", clients_per_round=6, overselect=1.3,
-                           slow_fraction=0.25, slow_step_delay=0.5, drop_probability=0.2, deadline_seconds=4.0,
+                           slow_fraction=0.25, slow_step_delay=0.5, drop_probability=0.2, deadline_seconds=2.5,
                            workers=1, out=str(tmp_path / "het"))
     summary = run_simulation(cfg)
     rows = [json.loads(line) for line in (tmp_path / "het" / "metrics.jsonl").read_text().splitlines()]
