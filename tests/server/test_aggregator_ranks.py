@@ -289,7 +289,7 @@ def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
     last checkpoint stays the last complete round's."""
     layout = _layout()
     proc = _serve(tmp_path, 2, "--rounds", "3", "--clients-per-round", "4", "--aggregator-timeout", "4",
-                  "--deadline", "8")
+                  "--deadline", "5")
     pid = None
     try:
         port = _port(tmp_path, proc)
@@ -305,7 +305,7 @@ def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
                 assert agent.send(task, _update(agent.agent_id, 2, model1), EXAMPLES[agent.agent_id], NAMES).accepted
         pid = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", (tmp_path / "serve.log").read_text()).group(1))
         os.kill(pid, signal.SIGSTOP)
-        end = time.monotonic() + 60  # the round's deadline (8 s) closes it; the barrier then waits 4 s for rank 1
+        end = time.monotonic() + 60  # the round's deadline (5 s) closes it; the barrier then waits 4 s for rank 1
         while time.monotonic() < end and "aggregator rank(s) missing" not in (tmp_path / "serve.log").read_text():
             time.sleep(0.1)
         os.kill(pid, signal.SIGCONT)  # so the launcher's SIGTERM ends it at once

@@ -165,7 +165,9 @@ def test_checkpoint_resumes_after_the_last_completed_round(start_coordinator, ag
     after_round_1 = server.coordinator.weights
     for x, y in zip(after_round_1, update):
         np.testing.assert_allclose(x, y, rtol=1e-6)
-    resumed = start_coordinator(init, rounds=2, clients_per_round=1, min_available=1, checkpoint_dir=ckpt)
+    # a short liveness timeout: the resumed coordinator waits that long for agent a, which never comes back
+    resumed = start_coordinator(init, rounds=2, clients_per_round=1, min_available=1, checkpoint_dir=ckpt,
+                                liveness_timeout_seconds=1.5)
     assert resumed.coordinator.round_id == 1
     assert all(x.tobytes() == y.tobytes() for x, y in zip(resumed.coordinator.weights, after_round_1))
     (b,) = agents(resumed.address, ["b"])
