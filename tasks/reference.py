@@ -60,41 +60,36 @@ def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> dict[s
     if len(params) == 1 and declared:
         name, cls = declared[0]
         return {name: options_dataclass(ref, cls, options)}
-    kinds = {name: _text_type(hints.get(name), p.default) for name, p in params.items()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    valid = _describe({n: (kinds[n], params[n].default) for n in kinds})
-    out = {}
-    for key, value in options.items():
-        name = key.strip().replace("-", "_")
-        if name not in kinds:
-            raise TaskError(f"--task {ref} has no option {key!r}; {valid}")
-        out[name] = _typed(ref, name, kinds[name], value)
-    missing = [n for n, p in params.items() if p.default is p.empty and n not in out
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if missing:
-        raise TaskError(f"--task {ref} needs --task-option {missing[0]}=...; {valid}")
-    return out
+    named = {name: p.default for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return _typed_options(ref, options, {n: (_text_type(hints.get(n), d), d) for n, d in named.items()})
 
 
 def options_dataclass(ref: str, cls: type, options: dict[str, Any]) -> Any:
     """An instance of dataclass ``cls`` from ``options``; TaskError naming its fields for an unknown or missing one."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kinds = {name: _text_type(hints.get(name), f.default) for name, f in fields.items()}
-    valid = _describe({n: (kinds[n], _default(f)) for n, f in fields.items()})
-    values = {}
-    for key, value in options.items():
-        name = key.strip().replace("-", "_")
-        if name not in fields:
-            raise TaskError(f"--task {ref} has no option {key!r}; {valid}")
-        values[name] = _typed(ref, name, kinds[name], value)
-    missing = [n for n, f in fields.items() if _default(f) is inspect.Parameter.empty and n not in values]
-    if missing:
-        raise TaskError(f"--task {ref} needs --task-option {missing[0]}=...; {valid}")
+    values = _typed_options(ref, options, {n: (_text_type(hints.get(n), f.default), _default(f))
+                                           for n, f in fields.items()})
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
         raise TaskError(f"--task {ref}: {exc}") from None
+
+
+def _typed_options(ref: str, options: dict[str, Any], accepted: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+    """``options`` typed by ``accepted`` (name -> (type, default; inspect.Parameter.empty when required)); TaskError
+    for an unknown option or a missing required one, naming the valid ones."""
+    valid = _describe(accepted)
+    values = {}
+    for key, value in options.items():
+        name = key.strip().replace("-", "_")
+        if name not in accepted:
+            raise TaskError(f"--task {ref} has no option {key!r}; {valid}")
+        values[name] = _typed(ref, name, accepted[name][0], value)
+    missing = [n for n, (_, default) in accepted.items() if default is inspect.Parameter.empty and n not in values]
+    if missing:
+        raise TaskError(f"--task {ref} needs --task-option {missing[0]}=...; {valid}")
+    return values
 
 
 def _default(f: dataclasses.Field) -> Any:
