@@ -214,6 +214,9 @@ class PopulationHost:
                 if reply.shutdown_reason:
                     log.info("%s: coordinator says: %s", self.host.agent_id, reply.shutdown_reason)
                     break
+                if reply.tasks and self._held:  # tasks held from an older round are moot once a newer one opens
+                    newest = max(hosted.task.round for hosted in reply.tasks)
+                    self._held = {m: held for m, held in self._held.items() if held[1].round >= newest}
                 for hosted in reply.tasks:
                     i = members[hosted.agent_id]
                     if reply.weights:  # the round's small model, sent once for all of them
@@ -248,7 +251,6 @@ class PopulationHost:
         """Keep member ``i``'s task until the virtual clock lets it go; its simulated finish time, from its trace
         and its real amount of work (the local steps of its data at the task's epochs and batch size that fit)."""
         self.clock_seconds = task.clock_seconds
-        self._held = {m: held for m, held in self._held.items() if held[1].round >= task.round}  # older rounds: moot
         self._held[member] = (i, task)
         examples = int(self.train_sizes[i])
         steps = task.local_epochs * math.ceil(examples / max(1, task.batch_size))
