@@ -165,8 +165,7 @@ class PopulationHost:
                                   compute_lock=compute_lock)
             self.seats.append(Agent(AgentConfig(server=server, agent_id=f"{population.host_id}-seat{s}",
                                                 poll_seconds=poll_seconds, give_up_after=60.0,
-                                                drop_probability=population.drop_probability,
-                                                seed=seed * 1_000_003 + s), trainer))
+                                                seed=seed * 1_000_003 + s), trainer))  # the host draws the drops
 
     def member_data(self, i: int) -> ClientData:
         """Member ``i``'s data: the task's client_data for its Partition."""
@@ -224,8 +223,8 @@ class PopulationHost:
                         hosted.task.weights = reply.weights
                     if hosted.task.virtual_clock:
                         estimates.append(self._hold(i, hosted.agent_id, hosted.task))
-                    elif not self.offline[i]:  # sampled just as it went offline: an offline device does not answer
-                        self._tasks.put((i, hosted.task))
+                    elif not (self.offline[i] or self._drops(i, hosted.task.round)):  # an offline or vanished
+                        self._tasks.put((i, hosted.task))  # device does not answer
                 for member in reply.go:
                     if member in self._held:
                         self._tasks.put(self._held.pop(member))
@@ -254,12 +253,16 @@ class PopulationHost:
         self._held[member] = (i, task)
         examples = int(self.train_sizes[i])
         steps = task.local_epochs * math.ceil(examples / max(1, task.batch_size))
-        # the member's own draw for the round, the same whichever host speaks for it
-        dropped = np.random.default_rng([self.seed, int(self.pop.numbers[i]), task.round]).random() \
-            < self.pop.drop_probability
         task.max_steps, seconds = self.pop.work(i, steps, task.model_bytes, task.clock_seconds,
-                                                task.clock_deadline_seconds, dropped)
+                                                task.clock_deadline_seconds, self._drops(i, task.round))
         return pb.FinishEstimate(agent_id=member, task_id=task.task_id, seconds=seconds)
+
+    def _drops(self, i: int, round_id: int) -> bool:
+        """Whether member ``i`` vanishes in round ``round_id``: its own draw, the same whichever host speaks for it."""
+        if not self.pop.drop_probability:
+            return False
+        return np.random.default_rng([self.seed, int(self.pop.numbers[i]), round_id]).random() \
+            < self.pop.drop_probability
 
     def _availability_changes(self) -> tuple[list[str], list[str]]:
         """Members that went offline and that came back since the last call, by the trace's clock: the
@@ -280,7 +283,6 @@ class PopulationHost:
             i, task = item
             member = client_id(int(self.pop.numbers[i]))
             seed = client_seed(self.seed, member)
-            seat.config.drop_probability = 0.0 if task.virtual_clock else self.pop.drop_probability
             auth = pb.AgentAuth(agent_id=member, token=self.tokens[i])
             try:
                 # under the virtual clock a slow device costs simulated time, not real pauses
