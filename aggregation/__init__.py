@@ -11,13 +11,13 @@ from fedpar.aggregation.privacy import DPStrategy
 from fedpar.aggregation.registry import (build_strategy, parse_strategy_options, strategy_names,
                                          strategy_options_help)
 from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
-from fedpar.aggregation.strategy import Strategy, StreamingStrategy
+from fedpar.aggregation.strategy import FoldItem, Strategy, StreamingStrategy
 from fedpar.aggregation.weighted_mean import fedavg
 from fedpar.protocol.compressed_wire import CompressionConfig
 
 __all__ = [
     "FoldConfig", "WeightedSum", "ShapesAndDtypes", "fedavg", "NoUpdatesError",
-    "Strategy", "StreamingStrategy", "FedAvg", "FedAvgM", "FedProx", "proximal_term",
+    "Strategy", "StreamingStrategy", "FoldItem", "FedAvg", "FedAvgM", "FedProx", "proximal_term",
     "FedOpt", "FedAdam", "FedYogi", "FedAdagrad", "Median", "TrimmedMean", "Krum", "MultiKrum",
     "build_strategy", "strategy_names", "parse_strategy_options", "strategy_options_help", "DPStrategy",
     "CompressionConfig", "Compressor", "Encoded", "encode", "decode", "encode_update",

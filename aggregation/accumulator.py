@@ -146,31 +146,51 @@ class WeightedSum:
 
         self._run_shards(fold_shard)
 
-    def fold(self, arrays: Sequence[np.ndarray], weight: float, check_finite: bool = True,
-             who: str = "update") -> None:
-        """Add ``weight * arrays``; with ``check_finite`` an update holding NaN/Inf is rejected untouched."""
+    def check(self, arrays: Sequence[np.ndarray], weight: float, who: str = "update",
+              check_finite: bool = True) -> tuple[list[np.ndarray], float]:
+        """One update made ready to add: its flattened arrays and weight, after checking the weight, the shapes and
+        dtypes and (with ``check_finite``) NaN/Inf; a ValueError says what is wrong."""
         w = check_weight(weight)
         flat = self._flat_inputs(arrays, who)
         if check_finite and not self.all_finite([flat]):
             raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        return flat, w
+
+    def add(self, checked: Sequence[tuple[list[np.ndarray], float]]) -> None:
+        """Add updates returned by :meth:`check`, in order, ``group_size`` per pass over the accumulator."""
+        g = self.config.group_size
         with self._lock:
-            self._fold_flat([flat], [w])
-            self.total_weight += w
-            self.count += 1
+            for start in range(0, len(checked), g):
+                group = checked[start: start + g]
+                self._fold_flat([flat for flat, _ in group], [w for _, w in group])
+                for _, w in group:  # one addition per update, as one-by-one folds add them
+                    self.total_weight += w
+                self.count += len(group)
+
+    def fold(self, arrays: Sequence[np.ndarray], weight: float, check_finite: bool = True,
+             who: str = "update") -> None:
+        """Add ``weight * arrays``; with ``check_finite`` an update holding NaN/Inf is rejected untouched."""
+        self.add([self.check(arrays, weight, who, check_finite)])
 
     def fold_many(self, items: Sequence[tuple[Sequence[np.ndarray], float]], check_finite: bool = True) -> None:
-        """Fold several updates at once, ``group_size`` per pass over the accumulator (fewer memory passes)."""
-        g = self.config.group_size
-        for start in range(0, len(items), g):
-            group = items[start: start + g]
-            ws = [check_weight(w) for _, w in group]
-            flats = [self._flat_inputs(a, f"update {start + j}") for j, (a, _) in enumerate(group)]
-            if check_finite and not self.all_finite(flats):
-                raise ValueError(f"one of updates {start}..{start + len(group) - 1} contains NaN or Inf values")
-            with self._lock:
-                self._fold_flat(flats, ws)
-                self.total_weight += sum(ws)
-                self.count += len(group)
+        """Fold several updates at once, ``group_size`` per pass over the accumulator (fewer memory passes); a
+        ValueError for any of them leaves the sum untouched."""
+        self.add([self.check(a, w, f"update {j}", check_finite) for j, (a, w) in enumerate(items)])
+
+    def fold_each(self, items: Sequence[tuple[Sequence[np.ndarray], float, str]],
+                  check_finite: bool = True) -> list[ValueError | None]:
+        """Fold several (arrays, weight, who) updates in order, ``group_size`` per pass, leaving out alone each one
+        that fails its checks; per item, None (added) or the ValueError that refused it. Bit for bit the sum of
+        folding the added ones one by one in this order."""
+        ready, errors = [], []
+        for arrays, weight, who in items:
+            try:
+                ready.append(self.check(arrays, weight, who, check_finite))
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(exc)
+        self.add(ready)
+        return errors
 
     def mean(self, inplace: bool = False) -> list[np.ndarray]:
         """The weighted mean in the input dtypes; ``inplace`` divides the accumulator itself (it is then spent)."""

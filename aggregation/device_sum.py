@@ -99,6 +99,20 @@ class DeviceWeightedSum:
         for j, (arrays, weight) in enumerate(items):
             self.fold(arrays, weight, check_finite, who=f"update {j}")
 
+    def fold_each(self, items: Sequence[tuple[Sequence[np.ndarray], float, str]],
+                  check_finite: bool = True) -> list[ValueError | None]:
+        """Fold several (arrays, weight, who) updates one after the other (each crosses to the device through the
+        one staging buffer; the device's memory is not what bounds the fold), leaving out alone each one that fails
+        its checks; per item, None (added) or the ValueError that refused it."""
+        errors: list[ValueError | None] = []
+        for arrays, weight, who in items:
+            try:
+                self.fold(arrays, weight, check_finite, who)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(exc)
+        return errors
+
     def mean(self, inplace: bool = False) -> list[np.ndarray]:
         """The weighted mean in the input dtypes, on the host; ``inplace`` divides the accumulator itself."""
         check_averageable(self.count, self.total_weight)

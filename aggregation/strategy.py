@@ -6,7 +6,7 @@ import abc
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -18,11 +18,24 @@ from fedpar.aggregation.share_cap import ShareCap
 from fedpar.protocol.task_settings import TaskSettings
 
 
+class FoldItem(NamedTuple):
+    """One client's update for :meth:`Strategy.fold_many`: its new full weights, weight and client id."""
+
+    update: Sequence[np.ndarray]
+    num_examples: float
+    client_id: str = ""
+
+
+def _who(client_id: str) -> str:
+    """How refusals name an update."""
+    return f"update from client {client_id!r}" if client_id else "update"
+
+
 class Strategy(abc.ABC):
     """One federated round at the server: configure clients, fold updates in, finish with new global weights.
 
     Call order per round: ``begin_round`` -> any number of ``fold`` (thread-safe, one per complete,
-    validated upload) -> ``finish`` or ``abort_round``. ``state_dict``/``load_state_dict`` carry the
+    validated upload) or ``fold_many`` (several at once) -> ``finish`` or ``abort_round``. ``state_dict``/``load_state_dict`` carry the
     strategy's own cross-round state (momentum, Adam moments, round number) as arrays + JSON, no pickle.
     """
 
@@ -64,26 +77,57 @@ class Strategy(abc.ABC):
         caller already verified every value is finite (the coordinator does, as the bytes arrive), so the
         strategy skips its own NaN/Inf pass over the update.
         """
+        self._check_open("fold")
+        self._claim(client_id)
+        try:
+            self._fold(update, num_examples, _who(client_id), known_finite)
+        except Exception:
+            self._release(client_id)
+            raise
+
+    def fold_many(self, items: Sequence[FoldItem], *, known_finite: bool = False) -> list[ValueError | None]:
+        """Count several clients' updates as :meth:`fold` counts them one by one in this order, in one pass where
+        the strategy can (a streaming sum adds up to :attr:`group_size` per pass over its accumulator, bit for bit
+        the one-by-one sum). Per item, None (counted) or the ValueError that refused it: a refused update leaves
+        the round's state as it was, and the others still count."""
+        errors: list[ValueError | None] = []
+        for item in items:
+            try:
+                self.fold(item.update, item.num_examples, item.client_id, known_finite=known_finite)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(exc)
+        return errors
+
+    @property
+    def group_size(self) -> int:
+        """How many updates :meth:`fold_many` adds in one pass at most (1: this strategy counts them one by one)."""
+        return 1
+
+    def _check_open(self, call: str) -> None:
+        """RuntimeError unless a round is open."""
         if self._shapes is None:
-            raise RuntimeError("fold() called with no open round; call begin_round(round_id, global_weights) first")
-        who = f"update from client {client_id!r}" if client_id else "update"
+            raise RuntimeError(f"{call}() called with no open round; call begin_round(round_id, global_weights) "
+                               "first")
+
+    def _claim(self, client_id: str) -> None:
+        """Note ``client_id``'s update for this round; a ValueError if it sent one already."""
         with self._lock:
             if client_id and client_id in self._clients:
                 raise ValueError(f"client {client_id!r} already contributed to round {self.round_id}; "
                                  "each client may send one update per round")
             if client_id:
                 self._clients.add(client_id)
-        try:
-            self._fold(update, num_examples, who, known_finite)
-        except Exception:
-            with self._lock:
-                self._clients.discard(client_id)
-            raise
+
+    def _release(self, client_id: str) -> None:
+        """Forget a claimed update that was then refused (the client may send another)."""
+        with self._lock:
+            self._clients.discard(client_id)
 
     def finish(self) -> tuple[list[np.ndarray], dict[str, float]]:
         """Close the round: the new global weights (input dtypes) and metrics. Raises NoUpdatesError if empty."""
-        if self._shapes is None or self._global is None:
-            raise RuntimeError("finish() called with no open round; call begin_round first")
+        self._check_open("finish")
+        assert self._global is not None
         if self._num_folded() == 0:
             raise NoUpdatesError(f"round {self.round_id} received no updates; keep the old global model "
                                  "(call abort_round) or wait for clients")
@@ -184,6 +228,37 @@ class StreamingStrategy(Strategy):
         out = self._cap.offer(update, check_weight(num_examples))
         if out is not None:
             self._acc.fold(out[0], out[1], check_finite=False, who=who)
+
+    @property
+    def group_size(self) -> int:
+        """Updates added per pass over the running sum (one by one under a share cap, which holds some back)."""
+        return 1 if self.max_share is not None else self.fold_config.group_size
+
+    def fold_many(self, items: Sequence[FoldItem], *, known_finite: bool = False) -> list[ValueError | None]:
+        """As :meth:`Strategy.fold_many`: the running sum adds the group's accepted updates ``group_size`` per pass
+        over the accumulator, so each block of it stays in cache while they are added."""
+        if self._cap is not None or self._acc is None:  # the share cap offers updates one at a time
+            return super().fold_many(items, known_finite=known_finite)
+        errors: list[ValueError | None] = [None] * len(items)
+        claimed = []
+        for j, item in enumerate(items):
+            try:
+                self._claim(item.client_id)
+                claimed.append(j)
+            except ValueError as exc:
+                errors[j] = exc
+        try:
+            refused = self._acc.fold_each([(items[j].update, items[j].num_examples, _who(items[j].client_id))
+                                           for j in claimed], check_finite=not known_finite)
+        except Exception:
+            for j in claimed:
+                self._release(items[j].client_id)
+            raise
+        for j, error in zip(claimed, refused):
+            if error is not None:
+                errors[j] = error
+                self._release(items[j].client_id)
+        return errors
 
     def _num_folded(self) -> int:
         """Updates in the running sum (and held back by the share cap)."""

@@ -38,7 +38,9 @@ from fedpar.server.rounds import AgentSlot, RoundState
 
 log = logging.getLogger("fedpar.server")
 HEARTBEAT_SECONDS = 1.0  # how often the other ranks tell rank 0 they are alive
-STAT_NAMES = ("uploads", "bytes", "fold_s", "peak_mib")  # per-rank ingest columns of the metrics row
+# per-rank ingest columns of the metrics row: uploads, their bytes, fold seconds, folds (each a group of the updates
+# that waited: server/fold_queue.py) and the most updates one took, peak memory
+STAT_NAMES = ("uploads", "bytes", "fold_s", "fold_groups", "fold_group_max", "peak_mib")
 
 
 def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool, max_agent_share: float | None = None) -> None:
@@ -64,11 +66,12 @@ def rank_columns(world: int) -> list[tuple[str, str]]:
 
 
 def ingest_stats(state: RoundState, rank: int) -> list[float]:
-    """What ``rank`` took in this round: accepted uploads, their bytes, seconds spent folding, and the process's
-    peak resident memory so far in MiB."""
+    """What ``rank`` took in this round (the columns of STAT_NAMES): accepted uploads, their bytes, seconds spent
+    folding, the folds and the most updates one took, and the process's peak resident memory so far in MiB."""
     mine = [s for s in state.slots.values() if s.rank == rank and s.status == "accepted"]
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    return [float(len(mine)), float(sum(s.upload_bytes for s in mine)), state.fold_seconds, peak_mib]
+    return [float(len(mine)), float(sum(s.upload_bytes for s in mine)), state.fold_seconds, float(state.fold_groups),
+            float(state.fold_group_max), peak_mib]
 
 
 class RankLeader:

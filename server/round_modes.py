@@ -3,8 +3,9 @@
 A round mode (the RoundMode protocol in server/rounds.py) is what sets a kind of round apart: what its
 tasks carry, which uploads it takes, how an upload becomes an update and joins the round's sum, and how
 the round closes. The coordinator keeps the round policy (sampling, the deadline, first-K, the accounting).
-:class:`PlainRound` folds each update into the strategy as it arrives; :class:`CompressedRound` decodes
-compressed deltas first; SecureRound (server/secure_round.py) sums masked vectors and unmasks at the close.
+:class:`PlainRound` folds each update into the strategy as it arrives (grouped with those that wait
+for a fold: server/fold_queue.py); :class:`CompressedRound` decodes compressed deltas first; SecureRound
+(server/secure_round.py) sums masked vectors and unmasks at the close.
 A new mode is a new class here or beside it, and a line in :meth:`RoundModes.for_round`.
 """
 
@@ -14,7 +15,6 @@ import asyncio
 import functools
 import json
 import logging
-import time
 from concurrent.futures import Executor
 from typing import Sequence
 
@@ -22,12 +22,14 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation.compressed_delta import apply_delta, unpack_delta
+from fedpar.aggregation.strategy import FoldItem
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.compressed_wire import (CompressionConfig, EncodedUpdateError, encoded_specs, header_fields, knobs,
                                              with_compression)
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.fold_queue import FoldQueue
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, RunUpdate, UploadTicket
 from fedpar.server.secure_round import SecureRound, check_secure_setup, default_max_weight
@@ -47,6 +49,7 @@ class PlainRound:
         self.layout = layout
         self.strategy = strategy
         self.run_update = run_update
+        self.folds = FoldQueue(strategy, run_update, self.known_finite)
 
     def task_settings(self, settings: TaskSettings) -> TaskSettings:
         """``settings`` (the strategy's) with what this mode adds for every task."""
@@ -80,13 +83,11 @@ class PlainRound:
         await fold
 
     async def fold(self, state: RoundState, ticket: UploadTicket, arrays: list[np.ndarray], report: tuple) -> None:
-        """Fold (on a worker thread unless tiny); a ValueError is the strategy refusing this update (its state unchanged)."""
+        """Fold through the fold queue (grouped with the updates waiting for it; on a worker thread unless tiny); a
+        ValueError is the strategy refusing this update (its state unchanged)."""
         slot = ticket.slot
-        started = time.perf_counter()
         try:
-            await self.run_update(functools.partial(self.strategy.fold, known_finite=self.known_finite),
-                                  arrays, ticket.num_examples, slot.agent_id)
-            state.fold_seconds += time.perf_counter() - started
+            await self.folds.fold(state, FoldItem(arrays, ticket.num_examples, slot.agent_id))
         except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
             state.withdraw(report)
             state.reject(slot, str(exc))

@@ -63,6 +63,8 @@ class RoundState:
     metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     pending_folds: set = field(default_factory=set)
     fold_seconds: float = 0.0  # spent folding this round's updates on this rank
+    fold_groups: int = 0  # folds into the strategy on this rank (each a group of the updates that waited)
+    fold_group_max: int = 0  # the most updates one of them took
     download_bytes: int = 0  # model bytes sent to agents this round (inline in tasks, or completed downloads)
     refused: dict[str, int] = field(default_factory=dict)  # upload refusals by gRPC status, e.g. resource_exhausted
     fold_failed: bool = False
