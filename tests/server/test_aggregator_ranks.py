@@ -142,6 +142,8 @@ def test_two_ranks_give_the_one_rank_models_bit_for_bit_with_agents_spread_over_
         np.testing.assert_array_equal(b, a)
     assert [r["reported"] for r in rows2] == [4, 4] and all(r["status"] == "ok" for r in rows2)
     assert all(r["r0_uploads"] == 2 and r["r1_uploads"] == 2 for r in rows2), rows2
+    # each agent waits for its reply before the next uploads, so no update waits for a fold: each folds alone
+    assert all(r[f"r{k}_fold_groups"] == 2 and r[f"r{k}_fold_group_max"] == 1 for r in rows2 for k in (0, 1)), rows2
     assert rows1[-1]["examples"] == rows2[-1]["examples"] == sum(EXAMPLES.values())
 
 
