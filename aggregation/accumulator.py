@@ -22,7 +22,10 @@ class FoldConfig:
     num_workers: int = 0  # threads folding shards side by side; 0 = one per CPU core
     min_parallel_elements: int = 1 << 20  # models smaller than this are folded on the calling thread
     block_elements: int = 1 << 15  # elements per cache block (per worker, x accumulator itemsize)
-    backend: str = "blas"  # "blas" (fused axpy), "numpy" (multiply+add through a cached block), "torch" (add_)
+    # "torch" (fused add_ over cache blocks, on the pool's threads), "numpy" (multiply+add through a cached block),
+    # "blas" (axpy over whole shards, each call threaded by OpenBLAS: fast on idle cores, 2-3x slower than torch on
+    # busy ones, where every call waits for OpenBLAS's threads)
+    backend: str = "torch"
     group_size: int = 8  # updates folded per pass over the accumulator when several are at hand
     # "host": numpy/BLAS in host memory (WeightedSum); a torch device, e.g. "cuda:0" (an NCCL aggregator rank's
     # GPU), holds the sum there instead (aggregation/device_sum.py; "cpu" runs that path on the host, for tests)

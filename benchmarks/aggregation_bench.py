@@ -11,10 +11,15 @@ What is measured, exactly:
   fit), laid out as a few large matrices plus bias vectors. The K results cycle through the pool, so
   every fold reads a model that was last touched R-1 models earlier (R * model bytes > the L3 cache
   for the large cases; small cases are partly cache-resident and say so in the table).
-- fedpar stream: ``fedavg(iterator)`` consuming one result at a time (the coordinator's situation).
+- fedpar stream: ``fedavg(iterator)`` consuming one result at a time, with each kernel (torch, the default; numpy;
+  BLAS axpy threaded by OpenBLAS).
 - fedpar list: ``fedavg(list)``; the results are already in memory, so 8 are folded per pass.
 - fedpar strategy: ``FedAvg().fold`` per result (with the NaN/Inf pre-check) + ``finish``; "known finite" is
   the coordinator's call, which skips that pass because the service checked the values on arrival.
+- coordinator folds: the coordinator's own fold path (server/fold_queue.py): each result is accepted once it holds
+  one of S staging slots (as an upload holds its slot until its fold is done), folded on the coordinator's worker
+  threads by ``Strategy.fold_many(..., known_finite=True)``, grouped with the results that wait for a fold; S = 4
+  (the default --max-concurrent-uploads) and S = 8 (groups of the strategy's default group size).
 - flwr aggregate: ``flwr.server.strategy.aggregate.aggregate(list)`` on the same arrays.
 - flwr aggregate_inplace: on FitRes objects built with ``ndarrays_to_parameters`` from the same pool
   (serialization is set-up, not timed; its deserialization inside the call is timed, as Flower runs it).
@@ -32,6 +37,7 @@ What is measured, exactly:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import math
 import os
@@ -44,8 +50,11 @@ from typing import Callable
 
 import numpy as np
 
-from fedpar.aggregation import FedAvg, FoldConfig, fedavg
+from fedpar.aggregation import FedAvg, FoldConfig, FoldItem, fedavg
 from fedpar.parallel.device import flush_denormals
+from fedpar.server.fold_queue import FoldQueue
+from fedpar.server.rounds import RoundState
+from fedpar.server.uploads import update_runner
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))  # tests/support
 
@@ -196,6 +205,25 @@ def fedpar_strategy(results, config: FoldConfig, known_finite: bool = False):
     return s.finish()[0]
 
 
+def coordinator_folds(results, slots: int, executor: ThreadPoolExecutor):
+    """The coordinator's fold path: each result folds through the fold queue once it holds one of ``slots`` staging
+    slots (held until its fold is done), on ``executor``'s threads, grouped with the results that wait; then finish."""
+    s = FedAvg()  # the coordinator's defaults
+    s.begin_round(1, results[0][0])
+    queue = FoldQueue(s, update_runner(sum(a.nbytes for a in results[0][0]), executor), known_finite=True)
+    state = RoundState(1, len(results), 1, 0.0, {})
+
+    async def upload(j: int, staging: asyncio.Semaphore) -> None:
+        async with staging:
+            await queue.fold(state, FoldItem(results[j][0], results[j][1], f"c{j}"))
+
+    async def run() -> None:
+        staging = asyncio.Semaphore(slots)
+        await asyncio.gather(*(upload(j, staging) for j in range(len(results))))
+    asyncio.run(run())
+    return s.finish()[0]
+
+
 @dataclass
 class Row:
     """One line of the table."""
@@ -219,17 +247,21 @@ def run_cell(k: int, p: int, args: argparse.Namespace, flwr_mods) -> list[Row]:
     rows = []
     contenders = [
         ("numpy read (same inputs)", lambda: read_all(results)),
-        ("fedpar stream blas (default)", lambda: fedpar_stream(results, FoldConfig(backend="blas"))),
-        ("fedpar stream numpy 2w", lambda: fedpar_stream(results, FoldConfig(backend="numpy", num_workers=2))),
-        ("fedpar stream torch 2w", lambda: fedpar_stream(results, FoldConfig(backend="torch", num_workers=2))),
-        ("fedpar list blas", lambda: fedpar_list(results, FoldConfig(backend="blas"))),
-        ("fedpar strategy.fold", lambda: fedpar_strategy(results, FoldConfig(num_workers=2))),
-        ("fedpar strategy known-finite", lambda: fedpar_strategy(results, FoldConfig(num_workers=2), True)),
+        ("fedpar stream torch (default)", lambda: fedpar_stream(results, FoldConfig())),
+        ("fedpar stream numpy", lambda: fedpar_stream(results, FoldConfig(backend="numpy"))),
+        ("fedpar stream blas", lambda: fedpar_stream(results, FoldConfig(backend="blas"))),
+        ("fedpar list (default)", lambda: fedpar_list(results, FoldConfig())),
+        ("fedpar strategy.fold", lambda: fedpar_strategy(results, FoldConfig())),
+        ("fedpar strategy known-finite", lambda: fedpar_strategy(results, FoldConfig(), True)),
+        ("coordinator folds, 4 slots", lambda: coordinator_folds(results, 4, executor)),
+        ("coordinator folds, 8 slots", lambda: coordinator_folds(results, 8, executor)),
     ]
+    executor = ThreadPoolExecutor(max(2, os.cpu_count() or 2))  # as the coordinator's (server/ingest_plane.py)
     skip_flwr = flwr_mods is not None and k * model_bytes * 2 > args.mem_gib * GIB
     if flwr_mods is not None and not skip_flwr:
         contenders.append(("flwr aggregate", lambda: flwr_mods[0].aggregate(results)))
     best = measure_interleaved(contenders, reps)
+    executor.shutdown()
     rows += [Row(k, p, name, *best[name], cache_note) for name, _ in contenders]
     if flwr_mods is None:
         rows.append(Row(k, p, "flwr (not installed)", None, None, "pip install flwr"))

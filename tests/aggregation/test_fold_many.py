@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from fedpar.aggregation import FedAvg, FedAvgM, FoldConfig, FoldItem, Median
-from fedpar.aggregation.kernels import BLAS_INLINE_ELEMENTS
+from fedpar.aggregation.kernels import TORCH_INLINE_ELEMENTS
 
-# sizes off every block boundary, one array longer than a BLAS block, one with float64 and one with integer values
-SHAPES = [(301, 97), (5,), (BLAS_INLINE_ELEMENTS + 4096 + 3,), (1,)]
+# sizes off every block boundary, one array longer than a torch block, one with float64 and one with integer values
+SHAPES = [(301, 97), (5,), (TORCH_INLINE_ELEMENTS + 4096 + 3,), (1,)]
 DTYPES = [np.float32, np.float32, np.float64, np.int32]
 
 
@@ -61,7 +61,7 @@ def test_a_grouped_fold_is_bit_for_bit_the_one_by_one_fold(backend, accumulate):
 def test_a_group_refuses_a_non_finite_update_and_a_duplicate_alone_and_folds_the_rest():
     good = _updates(6, seed=1)
     bad = [a.copy() for a in good[2].update]
-    bad[2][BLAS_INLINE_ELEMENTS + 7] = np.inf
+    bad[2][TORCH_INLINE_ELEMENTS + 7] = np.inf
     items = good[:2] + [good[2]._replace(update=bad)] + good[3:] + [good[0]._replace(update=good[1].update)]
     config = FoldConfig(group_size=3, num_workers=2, min_parallel_elements=1)
     strategy = FedAvg(config)
