@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.aggregation.kernels import KERNELS, Segment, plan_shards
+from fedpar.aggregation.kernels import KERNELS, NUMPY_BLOCK_ELEMENTS, Segment, plan_shards
 from fedpar.aggregation.arrays import ShapesAndDtypes, accumulate_dtype_for, all_finite, cast_like, checked_by_blas
 
 
@@ -21,7 +21,8 @@ class FoldConfig:
     accumulate_dtype: str = "float32"  # "float32" or "float64"; float64 inputs always accumulate in float64
     num_workers: int = 0  # threads folding shards side by side; 0 = one per CPU core
     min_parallel_elements: int = 1 << 20  # models smaller than this are folded on the calling thread
-    block_elements: int = 1 << 15  # elements per cache block (per worker, x accumulator itemsize)
+    # elements per cache block (per worker, x accumulator itemsize); 0: the kernel's own (aggregation/kernels.py)
+    block_elements: int = 0
     # "torch" (fused add_ over cache blocks, on the pool's threads), "numpy" (multiply+add through a cached block),
     # "blas" (axpy over whole shards, each call threaded by OpenBLAS: fast on idle cores, 2-3x slower than torch on
     # busy ones, where every call waits for OpenBLAS's threads)
@@ -36,8 +37,8 @@ class FoldConfig:
         accumulate_dtype_for(np.dtype(np.float32), self.accumulate_dtype)
         if self.backend not in KERNELS:
             raise ValueError(f"backend must be one of {sorted(KERNELS)}, got {self.backend!r}")
-        if self.num_workers < 0 or self.block_elements < 1 or self.group_size < 1:
-            raise ValueError("num_workers must be >= 0, block_elements and group_size >= 1")
+        if self.num_workers < 0 or self.block_elements < 0 or self.group_size < 1:
+            raise ValueError("num_workers and block_elements must be >= 0, group_size >= 1")
 
     def workers(self) -> int:
         """The resolved number of worker threads."""
@@ -105,7 +106,8 @@ class WeightedSum:
         self.count = 0
         self._lock = threading.Lock()
         # one scratch block per shard (the numpy kernel's w * x lands here and stays in cache)
-        self._tmp = [np.empty(self.config.block_elements * 8, dtype=np.uint8) for _ in self.shards]
+        self._tmp_elements = self.config.block_elements or NUMPY_BLOCK_ELEMENTS
+        self._tmp = [np.empty(self._tmp_elements * 8, dtype=np.uint8) for _ in self.shards]
 
     def reset(self) -> None:
         """Zero the sum so the accumulator can serve another round."""
@@ -144,7 +146,7 @@ class WeightedSum:
         def fold_shard(k: int) -> None:
             for i, s, e in self.shards[k]:
                 acc = self.views[i][s:e]
-                tmp = self._tmp[k][: block * acc.dtype.itemsize].view(acc.dtype)
+                tmp = self._tmp[k][: self._tmp_elements * acc.dtype.itemsize].view(acc.dtype)
                 kernel(acc, [xs[i][s:e] for xs in flat_items], weights, tmp, block)
 
         self._run_shards(fold_shard)

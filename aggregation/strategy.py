@@ -35,8 +35,9 @@ class Strategy(abc.ABC):
     """One federated round at the server: configure clients, fold updates in, finish with new global weights.
 
     Call order per round: ``begin_round`` -> any number of ``fold`` (thread-safe, one per complete,
-    validated upload) or ``fold_many`` (several at once) -> ``finish`` or ``abort_round``. ``state_dict``/``load_state_dict`` carry the
-    strategy's own cross-round state (momentum, Adam moments, round number) as arrays + JSON, no pickle.
+    validated upload) or ``fold_many`` (several at once) -> ``finish`` or ``abort_round``.
+    ``state_dict``/``load_state_dict`` carry the strategy's own cross-round state (momentum, Adam moments, round
+    number) as arrays + JSON, no pickle.
     """
 
     name: ClassVar[str] = ""

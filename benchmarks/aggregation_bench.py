@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 
 from fedpar.aggregation import FedAvg, FoldConfig, FoldItem, fedavg
 from fedpar.parallel.device import flush_denormals
@@ -319,7 +320,6 @@ def print_table(rows: list[Row], bw: Bandwidth) -> None:
 # ----------------------------------------------------------------------------- compression effect
 def compression_table(rounds: int) -> None:
     """Digits FL (10 clients, MLP) with each compression method: bytes sent per round and final test accuracy."""
-    import torch
     from torch import nn
 
     from fedpar.aggregation import CompressionConfig, Compressor, encode_update
@@ -378,14 +378,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-gib", type=float, default=16.0, help="skip contenders needing more extra memory")
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size for the bandwidth baseline")
     ap.add_argument("--no-compression", action="store_true", help="skip the digits compression table")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default); 1 is an aggregator rank's setting, where the "
+                         "fold kernel takes longer blocks (aggregation/kernels.py)")
     args = ap.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)  # before any fold thread starts: each takes it at its first op
     # Load scipy's BLAS (the default fold kernel) once up front: a library load, not memory of any aggregation.
     fedavg([([np.ones(4, np.float32)], 1)])
     if args.quick:
         args.params, args.repeats, args.bandwidth_gib = [1], 2, 0.25
     args.l3_bytes = _l3_bytes()
     flwr_mods = load_flwr()
-    print(f"fedpar aggregation benchmark  (cpus={os.cpu_count()}, L3={args.l3_bytes / 2**20:.0f} MiB, "
+    print(f"fedpar aggregation benchmark  (cpus={os.cpu_count()}, torch threads {torch.get_num_threads()}, "
+          f"L3={args.l3_bytes / 2**20:.0f} MiB, "
           f"numpy {np.__version__}, python {sys.version.split()[0]}, load avg {os.getloadavg()[0]:.1f})")
     bw = measure_bandwidth(int(args.bandwidth_gib * GIB), args.repeats + 1)
     print(f"memory bandwidth (numpy, {args.bandwidth_gib:g} GiB arrays): read 1 thread {bw.read_1t:.1f} GB/s, "

@@ -4,8 +4,8 @@ Each cell runs the real `fedpar serve --model synthetic --aggregator-ranks R` an
 (benchmarks/bench_agents.py: fedpar's own wire code, data plane included) in worker processes, then reads the
 coordinator's metrics rows. Per rank count it prints the round seconds (download + upload + fold + all-reduce,
 median over the rounds after the first), the upload GB/s, the all-reduce seconds, the scaling efficiency
-against one rank measured in the same run (t1 / (R x tR)), each rank's fold seconds and peak memory, and the
-cores each side had. One command:
+against one rank measured in the same run (t1 / (R x tR)), each rank's fold seconds, folds (each a group of the
+uploads that waited for it) and peak memory, and the cores each side had. One command:
 
     python benchmarks/aggregator_ranks_bench.py            # K=100 x P=10M, ranks 1 2 (4 with >= 8 cores)
     python benchmarks/aggregator_ranks_bench.py --quick    # K=20 x P=1M
@@ -77,6 +77,8 @@ def summarize(ranks: int, cell: dict, agents: int) -> dict:
     seconds = statistics.median(r["round_seconds"] for r in rows)
     per_rank = [{"uploads": statistics.median(r.get(f"r{k}_uploads", r["reported"]) for r in rows),
                  "fold_s": statistics.median(r.get(f"r{k}_fold_s", 0.0) for r in rows),
+                 "folds": statistics.median(r.get(f"r{k}_fold_groups", 0.0) for r in rows),
+                 "largest_fold": max(r.get(f"r{k}_fold_group_max", 0.0) for r in rows),
                  "peak_mib": max(r.get(f"r{k}_peak_mib", 0.0) for r in rows)} for k in range(ranks)]
     return {"ranks": ranks, "round_seconds": seconds,
             "upload_gbps": agents * cell["model_bytes"] / seconds / 1e9,
@@ -107,11 +109,12 @@ def main() -> None:
             results.append(summarize(r, cell, args.agents))
     base = results[0]["round_seconds"]
     print(f"{'ranks':>5} {'round s':>9} {'upload GB/s':>12} {'all-reduce s':>13} {'speed-up':>9} {'efficiency':>11}"
-          "   per rank: uploads / fold s / peak MiB")
+          "   per rank: uploads / fold s / folds (most updates in one) / peak MiB")
     for res in results:
         speedup = base / res["round_seconds"]
         res["speedup"], res["efficiency"] = speedup, speedup / res["ranks"]
-        ranks_text = "  ".join(f"{x['uploads']:.0f}/{x['fold_s']:.2f}/{x['peak_mib']:.0f}" for x in res["per_rank"])
+        ranks_text = "  ".join(f"{x['uploads']:.0f}/{x['fold_s']:.2f}/{x['folds']:.0f} ({x['largest_fold']:.0f})/"
+                               f"{x['peak_mib']:.0f}" for x in res["per_rank"])
         print(f"{res['ranks']:>5} {res['round_seconds']:>9.2f} {res['upload_gbps']:>12.2f} {res['allreduce_s']:>13.3f} "
               f"{speedup:>9.2f} {res['efficiency']:>11.2f}   {ranks_text}")
     args.json.parent.mkdir(parents=True, exist_ok=True)

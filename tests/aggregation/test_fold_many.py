@@ -33,13 +33,14 @@ def _one_by_one(strategy, items, global_w, skip=()) -> list[np.ndarray]:
     return strategy.finish()[0]
 
 
+@pytest.mark.parametrize("block", [0, 4096 + 17], ids=["kernel-blocks", "odd-blocks"])
 @pytest.mark.parametrize("accumulate", ["float32", "float64"])
 @pytest.mark.parametrize("backend", ["blas", "numpy", "torch"])
-def test_a_grouped_fold_is_bit_for_bit_the_one_by_one_fold(backend, accumulate):
+def test_a_grouped_fold_is_bit_for_bit_the_one_by_one_fold(backend, accumulate, block):
     items = _updates(11)
     global_w = items[0].update
     config = FoldConfig(accumulate_dtype=accumulate, backend=backend, num_workers=2, min_parallel_elements=1,
-                        block_elements=4096 + 17, group_size=4)
+                        block_elements=block, group_size=4)
     grouped = FedAvgM(server_momentum=0.5, fold_config=config)  # the server update runs on what was folded
     grouped.begin_round(1, global_w)
     assert grouped.group_size == 4
