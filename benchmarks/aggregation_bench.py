@@ -19,7 +19,9 @@ What is measured, exactly:
 - coordinator folds: the coordinator's own fold path (server/fold_queue.py): each result is accepted once it holds
   one of S staging slots (as an upload holds its slot until its fold is done), folded on the coordinator's worker
   threads by ``Strategy.fold_many(..., known_finite=True)``, grouped with the results that wait for a fold; S = 4
-  (the default --max-concurrent-uploads) and S = 8 (groups of the strategy's default group size).
+  (the default --max-concurrent-uploads) and S = 8 (groups of the strategy's default group size). Timed from
+  ``begin_round`` to the last fold (what a rank's ``rN_fold_s`` counts), without the round's one ``finish``.
+  ``--torch-threads 1`` gives an aggregator rank's setting (one intra-op thread, longer kernel blocks).
 - flwr aggregate: ``flwr.server.strategy.aggregate.aggregate(list)`` on the same arrays.
 - flwr aggregate_inplace: on FitRes objects built with ``ndarrays_to_parameters`` from the same pool
   (serialization is set-up, not timed; its deserialization inside the call is timed, as Flower runs it).
@@ -208,7 +210,8 @@ def fedpar_strategy(results, config: FoldConfig, known_finite: bool = False):
 
 def coordinator_folds(results, slots: int, executor: ThreadPoolExecutor):
     """The coordinator's fold path: each result folds through the fold queue once it holds one of ``slots`` staging
-    slots (held until its fold is done), on ``executor``'s threads, grouped with the results that wait; then finish."""
+    slots (held until its fold is done), on ``executor``'s threads, grouped with the results that wait. What a rank's
+    ``rN_fold_s`` counts (the round's one ``finish`` is not timed: the strategy is returned with its sum)."""
     s = FedAvg()  # the coordinator's defaults
     s.begin_round(1, results[0][0])
     queue = FoldQueue(s, update_runner(sum(a.nbytes for a in results[0][0]), executor), known_finite=True)
@@ -222,7 +225,7 @@ def coordinator_folds(results, slots: int, executor: ThreadPoolExecutor):
         staging = asyncio.Semaphore(slots)
         await asyncio.gather(*(upload(j, staging) for j in range(len(results))))
     asyncio.run(run())
-    return s.finish()[0]
+    return s
 
 
 @dataclass
