@@ -8,6 +8,7 @@ of them are added, so accumulator traffic is paid once per group instead of once
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -67,8 +68,10 @@ def fold_block_torch(acc: np.ndarray, xs: Sequence[np.ndarray], ws: Sequence[flo
             a.add_(x[s:e], alpha=w)
 
 
-def _blas_axpy(dtype: np.dtype):
-    """scipy's BLAS axpy for float32/float64 (None for other dtypes)."""
+@functools.lru_cache(maxsize=None)
+def blas_axpy(dtype: np.dtype):
+    """scipy's BLAS axpy for float32/float64 (None for other dtypes); the first call imports scipy.linalg (about
+    1 s), which an accumulator pays when it is made, not in its first fold."""
     from scipy.linalg import blas
 
     return {"float32": blas.saxpy, "float64": blas.daxpy}.get(np.dtype(dtype).name)
@@ -79,7 +82,7 @@ def fold_block_blas(acc: np.ndarray, xs: Sequence[np.ndarray], ws: Sequence[floa
     """Same sum with BLAS ``axpy``: one fused pass per update over the whole range, multithreaded by OpenBLAS
     (measured here at about 0.85x the machine's 2-thread read bandwidth, against 0.2x for two numpy passes).
     Updates whose dtype differs from the accumulator's take the numpy kernel."""
-    axpy = _blas_axpy(acc.dtype)
+    axpy = blas_axpy(acc.dtype)
     for x, w in zip(xs, ws):
         if axpy is None or x.dtype != acc.dtype or not x.flags.c_contiguous or not acc.flags.c_contiguous:
             fold_block_numpy(acc, [x], [w], tmp, block)

@@ -269,7 +269,7 @@ class Agent:
         download_seconds = time.monotonic() - received
         load_arrays(self.trainer, weights)
         metrics: dict[str, float] = {}
-        evaluation = self.trainer.evaluate()
+        evaluation = self.trainer.evaluate() if settings.evaluate else None
         if evaluation is not None:
             metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
         # Uploading takes about as long as downloading did; keep that and a margin free.

@@ -12,6 +12,7 @@ import json
 import logging
 import secrets
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import grpc
@@ -180,7 +181,8 @@ class Coordinator(IngestPlane):
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
         self.mode.start(state)
-        self._task_json = self.mode.task_settings(self.strategy.client_config(round_id)).to_json()
+        settings = self.mode.task_settings(self.strategy.client_config(round_id))
+        self._task_json = replace(settings, evaluate=self.config.evaluates_in(round_id)).to_json()
         if self.ranks is not None:
             await self.ranks.open_round(state, self.registry)
         self.current = state

@@ -30,7 +30,7 @@ from fedpar.client.stats import AgentStats
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.datasets.clientdata import local_train_size
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.client.transfer import download_weights
+from fedpar.client.transfer import download_weights, task_weights
 from fedpar.protocol.codec import CodecError
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
 from fedpar.protocol.task_settings import TaskSettings
@@ -307,16 +307,16 @@ class PopulationHost:
             return self.residuals
 
     def _round_weights(self, seat: Agent, auth: pb.AgentAuth, task: pb.TrainTask) -> list[np.ndarray] | None:
-        """The global model of ``task``'s round, downloaded once per round for all this host's members (the first
-        member to need it fetches it with its own session); None when the task carries it or the download fails
-        (the member then fetches it itself)."""
-        if task.weights:
-            return None
+        """The global model of ``task``'s round, read once per round for all this host's members: decoded from the
+        first task that carries it (small models), else downloaded by the first member to need it, with its own
+        session; None when that fails (the member then reads or fetches it itself, and reports what went wrong)."""
         with self._weights_lock:
             if self._weights[0] != task.round:
                 try:
-                    arrays = download_weights(seat.ingest_stub(task), auth, task, seat.layout, self.max_chunk,
-                                              timeout=max(1.0, task.deadline_seconds))
+                    arrays = task_weights(task, seat.layout)
+                    if arrays is None:
+                        arrays = download_weights(seat.ingest_stub(task), auth, task, seat.layout, self.max_chunk,
+                                                  timeout=max(1.0, task.deadline_seconds))
                 except (grpc.RpcError, CodecError):
                     return None
                 self._weights = (task.round, arrays)

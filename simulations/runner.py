@@ -208,7 +208,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         rounds=cfg.rounds, clients_per_round=k, min_reports=cfg.min_reports,
         min_available=min(cfg.clients, k) if cfg.trace else cfg.clients,  # with availability, never all at once
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
+        batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, client_eval_every=cfg.client_eval_every,
+        seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
         upload_compression=upload_compression(cfg), aggregator_ranks=cfg.aggregator_ranks,
         metrics_path=out / "metrics.jsonl" if out else None, accept_populations=cfg.virtual_clients,

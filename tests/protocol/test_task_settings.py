@@ -28,6 +28,7 @@ def test_round_trip_sends_only_what_is_set_and_reads_as_that_mapping():
     assert TaskSettings.from_json(settings.to_json()) == settings == dict(settings)
     assert settings["dp_clip_norm"] == 2.0 and "int8_block" not in settings and "secure_aggregation" not in settings
     assert TaskSettings.from_json('{"secure_aggregation": true}').secure_aggregation is True
+    assert TaskSettings(evaluate=False).to_json() == '{"evaluate": false}' and TaskSettings().evaluate is True
     flower = TaskSettings(fit_config={"epochs": 2, "lr": 0.1, "tag": "x", "warm": True})  # a Flower strategy's
     assert TaskSettings.from_json(flower.to_json()).fit_config == {"epochs": 2, "lr": 0.1, "tag": "x", "warm": True}
 
@@ -44,6 +45,7 @@ def test_round_trip_sends_only_what_is_set_and_reads_as_that_mapping():
     ('{"dp_local_noise": 0.5}', "dp_local_noise needs dp_clip_norm"),
     ('{"dp_clip_norm": 1, "dp_local_noise": -1}', "dp_clip_norm > 0 and dp_local_noise >= 0"),
     ('{"secure_aggregation": 1}', "secure_aggregation must be true or false"),
+    ('{"evaluate": "no"}', "evaluate must be true or false"),
     ('{"secure_aggregation": true, "compression": "fp16"}', "neither compression nor client-side DP"),
     ('{"fit_config": [1]}', "fit_config must be an object"),
     ('{"fit_config": {"a": [1]}}', "fit_config 'a' must be a bool, int, finite float or str"),
