@@ -28,7 +28,9 @@ from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.messages import channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
+from fedpar.tasks.reference import load_task
 from support.digit_agents import start_digit_agents
+from support.own_task import EXAMPLE, write_table
 from support.scripted_agent import ScriptedAgent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,9 +109,12 @@ def _rows(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[np.ndarray], list[dict], list[int]]:
-    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks; the final model, the rows, each agent's ranks."""
-    layout = _layout()
+def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str,
+                layout: ModelLayout | None = None) -> tuple[list[np.ndarray], list[dict], list[int]]:
+    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks (of a model of ``layout``; default: the mlp on
+    digits); the final model, the rows, each agent's ranks."""
+    layout = layout or _layout()
+    names = [t.name for t in layout.tensors]
     proc = _serve(tmp, ranks, "--rounds", str(rounds), "--clients-per-round", "4", *flags)
     dealt = []
     try:
@@ -122,7 +127,7 @@ def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[n
                 dealt.append(1 if task.ingest_port else 0)
                 weights = agent.fetch(task, layout)
                 reply = agent.send(task, _update(agent.agent_id, round_id, weights), EXAMPLES[agent.agent_id],
-                                   NAMES)
+                                   names)
                 assert reply.accepted, reply.message
         assert proc.wait(60) == 0, (tmp / "serve.log").read_text()
     finally:
@@ -143,6 +148,18 @@ def test_two_ranks_give_the_one_rank_models_bit_for_bit_with_agents_spread_over_
     assert [r["reported"] for r in rows2] == [4, 4] and all(r["status"] == "ok" for r in rows2)
     assert all(r["r0_uploads"] == 2 and r["r1_uploads"] == 2 for r in rows2), rows2
     assert rows1[-1]["examples"] == rows2[-1]["examples"] == sum(EXAMPLES.values())
+
+
+def test_serve_runs_a_users_task_on_two_ranks(tmp_path):
+    # every rank loads the task by reference for the model's weight names and shapes (central evaluation is off)
+    csv = write_table(tmp_path / "table.csv")
+    assembly = CoordinatorAssembly.for_task(load_task(EXAMPLE, {"csv": str(csv)}), 0, None)
+    layout = ModelLayout.of_arrays(assembly.names, assembly.weights)
+    weights, rows, dealt = _run_rounds(tmp_path / "run", 2, 1, "--task", EXAMPLE, "--task-option", f"csv={csv}",
+                                       layout=layout)
+    assert [(r["status"], r["r0_uploads"], r["r1_uploads"]) for r in rows] == [("ok", 2, 2)] and sorted(dealt) == [
+        0, 0, 1, 1]
+    assert [w.shape for w in weights] == [w.shape for w in assembly.weights]
 
 
 def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_path):
