@@ -42,7 +42,8 @@ def _one_line(argv: list[str], capsys) -> str:
     (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "2", "--pp", "2"],
      "task 'mlp on digits' declares no pipeline stages, so --pp does not apply to it; spread the model with --fsdp "
      "(or --tp with a tp_plan) instead"),
-    (["--task", "fedpar.tasks.zoo:classifier", "--fsdp", "2"], "cannot infer --dp-replicate: world size 1 is not divisible by the product 2"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--fsdp", "2"],
+     "cannot infer --dp-replicate: world size 1 is not divisible by the product 2"),
 ])
 def test_task_mistakes_are_one_line(argv, message, capsys, tmp_path):
     assert message in _one_line(["train", *argv, "--out", str(tmp_path)], capsys)
@@ -96,7 +97,8 @@ def test_a_large_model_agent_refuses_what_its_task_cannot_do_in_one_line(task, f
         hooked = tmp_path / "hooked.py"
         hooked.write_text("import torch\nfrom torch import nn\nfrom fedpar import ClientData, Task\n"
                           "def task():\n"
-                          "    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))\n"
+                          "    data = torch.utils.data.TensorDataset(torch.zeros(4, 2),\n"
+                          "                                          torch.zeros(4, dtype=torch.long))\n"
                           "    return Task(model=lambda: nn.Linear(2, 2), client_data=lambda p: ClientData(data),\n"
                           "                train=lambda *a: (0, {}), loss=nn.functional.cross_entropy)\n")
         task = f"{hooked}:task"
