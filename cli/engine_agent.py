@@ -56,7 +56,8 @@ def run_engine(args: argparse.Namespace) -> int:
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     try:
         config = _parallel_config(args).resolved(world)
-        check_engine_task(agent_task(args), config, world)  # a task's mistakes, before any rank starts
+        if not under_launcher:  # a task's mistakes, before any rank starts (torchrun's ranks check as they build)
+            check_engine_task(agent_task(args), config, world)
         if args.precision != "fp32":
             raise ConfigurationError("--precision bf16 is for single-process agents; a large-model agent trains "
                                      "in fp32 (drop --precision, or drop --nproc/--fsdp/--dp-replicate/--tp)")
