@@ -120,10 +120,6 @@ def run(args: argparse.Namespace) -> int:
               "options are for fedpar's trainer", file=sys.stderr)
         return 2
     if wants_engine(args):
-        if args.task:
-            print("fedpar client: --task runs on one process for now; drop --nproc/--fsdp/--dp-replicate/--tp "
-                  "(large-model agents train the zoo's --model)", file=sys.stderr)
-            return 2
         return run_engine(args)
     try:
         check_device_layout(args.device)

@@ -19,7 +19,7 @@ from fedpar.parallel.config import PRECISIONS
 from fedpar.task import ClientData, Deadline, LocalConfig, Task, TaskError
 from fedpar.tasks.data import default_batches, inputs_and_targets, on_device, to_device
 from fedpar.client.task_loop import train_task
-from fedpar.tasks.evaluation import autocast, evaluate_task, finite
+from fedpar.tasks.evaluation import autocast, finite, task_eval_result
 
 log = logging.getLogger("fedpar.client")
 LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is warned about
@@ -129,9 +129,7 @@ class TaskTrainer:
         if self.data.val is None:
             return None
         with self._taking_turn():
-            metrics = evaluate_task(self.task, self.model, self.data.val, self.precision)
-        loss, accuracy = metrics.pop("loss", None), metrics.pop("accuracy", None)
-        return EvalResult(loss, accuracy, len(self.data.val), metrics)
+            return task_eval_result(self.task, self.model, self.data.val, self.precision)
 
     @contextlib.contextmanager
     def _taking_turn(self):

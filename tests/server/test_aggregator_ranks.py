@@ -28,7 +28,9 @@ from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.messages import channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
+from fedpar.tasks.reference import load_task
 from support.digit_agents import start_digit_agents
+from support.own_task import EXAMPLE, write_table
 from support.scripted_agent import ScriptedAgent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,9 +109,12 @@ def _rows(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[np.ndarray], list[dict], list[int]]:
-    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks; the final model, the rows, each agent's ranks."""
-    layout = _layout()
+def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str,
+                layout: ModelLayout | None = None) -> tuple[list[np.ndarray], list[dict], list[int]]:
+    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks (of a model of ``layout``; default: the mlp on
+    digits); the final model, the rows, each agent's ranks."""
+    layout = layout or _layout()
+    names = [t.name for t in layout.tensors]
     proc = _serve(tmp, ranks, "--rounds", str(rounds), "--clients-per-round", "4", *flags)
     dealt = []
     try:
@@ -122,7 +127,7 @@ def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[n
                 dealt.append(1 if task.ingest_port else 0)
                 weights = agent.fetch(task, layout)
                 reply = agent.send(task, _update(agent.agent_id, round_id, weights), EXAMPLES[agent.agent_id],
-                                   NAMES)
+                                   names)
                 assert reply.accepted, reply.message
         assert proc.wait(60) == 0, (tmp / "serve.log").read_text()
     finally:
@@ -133,9 +138,15 @@ def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[n
 
 def test_two_ranks_give_the_one_rank_models_bit_for_bit_with_agents_spread_over_both(tmp_path):
     # float64 running sums: rank 0 folds a0 + a2, rank 1 a1 + a3, one rank a0 + a1 + a2 + a3, and each of these
-    # float64 sums of weighted float32 values is exact here, so the order cannot show (float32 sums differ by 1e-7)
-    one, rows1, dealt1 = _run_rounds(tmp_path / "one", 1, 2, "--fold-dtype", "float64")
-    two, rows2, dealt2 = _run_rounds(tmp_path / "two", 2, 2, "--fold-dtype", "float64")
+    # float64 sums of weighted float32 values is exact here, so the order cannot show (float32 sums differ by 1e-7).
+    # The model is a user's task: every rank loads it by reference for the weight names and shapes.
+    csv = write_table(tmp_path / "table.csv")
+    assembly = CoordinatorAssembly.for_task(load_task(EXAMPLE, {"csv": str(csv)}), 0, None)
+    task = ["--fold-dtype", "float64", "--task", EXAMPLE, "--task-option", f"csv={csv}"]
+    layout = ModelLayout.of_arrays(assembly.names, assembly.weights)
+    one, rows1, dealt1 = _run_rounds(tmp_path / "one", 1, 2, *task, layout=layout)
+    two, rows2, dealt2 = _run_rounds(tmp_path / "two", 2, 2, *task, layout=layout)
+    assert [a.shape for a in two] == [w.shape for w in assembly.weights]
     assert dealt1 == [0] * 8 and sorted(dealt2) == [0] * 4 + [1] * 4  # two agents on each rank, every round
     for a, b in zip(one, two):
         assert a.dtype == b.dtype == np.float32
