@@ -79,7 +79,8 @@ def agent_config(args: argparse.Namespace, security):
 
     return AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
                        max_backoff=args.max_backoff, give_up_after=args.give_up_after,
-                       credentials=security.credentials, tls_server_name=security.server_name,
+                       credentials=security.credentials, insecure=security.credentials is None,
+                       tls_server_name=security.server_name,
                        enrollment_token=security.enrollment_token,
                        data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls,
                        tls_files=security.files)

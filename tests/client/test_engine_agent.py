@@ -97,7 +97,7 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
          *(a for k, v in OPTIONS.items() for a in ("--task-option", f"{k}={v}")), "--num-partitions", str(PARTS),
          "--partition-index", str(ENGINE_PART), "--poll", "1", "--give-up-after", "30", "--dist-timeout", "60"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    plain = Agent(AgentConfig(server=server.address, agent_id="small", poll_seconds=1.0, give_up_after=30.0, seed=0),
+    plain = Agent(AgentConfig(insecure=True, server=server.address, agent_id="small", poll_seconds=1.0, give_up_after=30.0, seed=0),
                   TaskTrainer(task, _data(task, PLAIN_PART), seed=0))
     plain_thread = threading.Thread(target=plain.run, daemon=True)
     plain_thread.start()

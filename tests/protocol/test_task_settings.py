@@ -74,7 +74,7 @@ def test_the_coordinator_side_builds_settings_from_strategy_and_round_mode():
 def test_an_agent_refuses_a_task_whose_settings_it_does_not_know_before_training():
     rng = np.random.default_rng(0)
     data = ArrayDataset(rng.standard_normal((20, 4)).astype(np.float32), rng.integers(0, 3, 20))
-    agent = Agent(AgentConfig(server="127.0.0.1:1", agent_id="a"), LocalTrainer(nn.Linear(4, 3), data))
+    agent = Agent(AgentConfig(insecure=True, server="127.0.0.1:1", agent_id="a"), LocalTrainer(nn.Linear(4, 3), data))
     try:
         task = pb.TrainTask(round=1, task_id="t", deadline_seconds=5.0, extra_json='{"compression": "fp16", "x": 1}')
         assert agent._run_task(task) is True  # the task is done with: no download, no training, no upload
