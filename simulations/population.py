@@ -151,6 +151,8 @@ class PopulationHost:
         self.tokens: list[str] = []
         self.max_chunk = 0
         self._tasks: queue.Queue = queue.Queue()
+        self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
+        self._in_flight_lock = threading.Lock()
         self.residuals: ResidualStore | None = None  # members' top-k error feedback, made by the first seat
         self._residuals_lock = threading.Lock()
         self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
@@ -197,7 +199,8 @@ class PopulationHost:
         """Join, then pull and run the members' tasks until the coordinator says training is over."""
         self.join()
         # the seats' small updates, batched (a few ms' wait for the seats still training saves calls)
-        self.uploads = HostUploads(self.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER)
+        self.uploads = HostUploads(self.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
+                                   more_coming=lambda: self._in_flight > 0)
         members = {client_id(int(n)): i for i, n in enumerate(self.pop.numbers)}
         workers = [threading.Thread(target=self._seat, args=(seat,), daemon=True) for seat in self.seats]
         for w in workers:
@@ -224,10 +227,10 @@ class PopulationHost:
                     if hosted.task.virtual_clock:
                         estimates.append(self._hold(i, hosted.agent_id, hosted.task))
                     elif not (self.offline[i] or self._drops(i, hosted.task.round)):  # an offline or vanished
-                        self._tasks.put((i, hosted.task))  # device does not answer
+                        self._start((i, hosted.task))  # device does not answer
                 for member in reply.go:
                     if member in self._held:
-                        self._tasks.put(self._held.pop(member))
+                        self._start(self._held.pop(member))
         finally:
             while not self._tasks.empty():  # training is over: tasks not started yet are moot
                 self._tasks.get_nowait()
@@ -276,6 +279,12 @@ class PopulationHost:
         ids = [(client_id(int(self.pop.numbers[i])), bool(now[i])) for i in changed]
         return [m for m, gone in ids if gone], [m for m, gone in ids if not gone]
 
+    def _start(self, item: tuple[int, pb.TrainTask]) -> None:
+        """Queue member ``item[0]``'s task for the next free seat (it is in flight until that seat is done)."""
+        with self._in_flight_lock:
+            self._in_flight += 1
+        self._tasks.put(item)
+
     def _seat(self, seat: Agent) -> None:
         """Run queued tasks on ``seat``, each as its member: the member's data and session, for that task only."""
         seat.trainer.warm_up()
@@ -298,6 +307,9 @@ class PopulationHost:
                 residuals.save(member, seat.compression.take_residual())  # the member's own error feedback
             except Exception:  # one member's failure must not stop the seat
                 log.exception("%s: task of %s failed", self.host.agent_id, member)
+            finally:  # its update, if any, is queued by now
+                with self._in_flight_lock:
+                    self._in_flight -= 1
 
     def _residual_store(self, seat: Agent) -> ResidualStore:
         """The host's store of its members' residuals (made once, for the model's shapes)."""
