@@ -129,6 +129,8 @@ def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str,
                 reply = agent.send(task, _update(agent.agent_id, round_id, weights), EXAMPLES[agent.agent_id],
                                    names)
                 assert reply.accepted, reply.message
+        for agent in agents:  # told on their next poll: serve then exits without lingering
+            assert agent.shutdown_reason() == f"training finished after round {rounds}"
         assert proc.wait(60) == 0, (tmp / "serve.log").read_text()
     finally:
         if proc.poll() is None:
@@ -194,6 +196,8 @@ def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_pa
         model2 = agents["a1"].fetch(tasks["a1"], layout)
         for a in ("a0", "a1", "a2"):
             assert agents[a].send(tasks[a], _update(a, 3, model2), EXAMPLES[a], NAMES).accepted
+        for agent in agents.values():
+            assert agent.shutdown_reason() == "training finished after round 3"
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
     finally:
         if proc.poll() is None:
@@ -285,6 +289,8 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
             update = _update(agent.agent_id, 1, agent.fetch(task, layout))
             assert agent.send(task, update, EXAMPLES[agent.agent_id], NAMES).accepted
         assert sorted(ports) == [0, 0, port + 1, port + 1]
+        for agent in agents:
+            assert agent.shutdown_reason() == "training finished after round 1"
         for node in nodes:
             assert node.wait(90) == 0, "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
     finally:
@@ -354,11 +360,14 @@ def test_what_cannot_be_split_over_ranks_is_refused_with_the_reason(strategy, se
         check_ranks_supported(2, build_strategy(strategy), secure, share)
 
 
-def test_serve_refuses_a_strategy_it_cannot_split_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "fedpar", "serve", "--insecure", "--aggregator-ranks", "2",
-                             "--strategy", "krum", "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("fedpar serve: strategy 'krum' cannot be split")
+def test_serve_refuses_a_strategy_it_cannot_split_in_one_line(tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    assert main(["serve", "--insecure", "--aggregator-ranks", "2", "--strategy", "krum", "--port", "0", "--out",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("fedpar serve: strategy 'krum' cannot be split")
 
 
 def test_the_load_test_swarm_follows_its_tasks_to_both_ranks(tmp_path):
