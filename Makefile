@@ -28,7 +28,7 @@ simulate: $(VENV)/.installed
 	$(VENV)/bin/fedpar simulate --clients 10 --rounds 10 --dataset digits --partition iid --out runs/digits
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 proto: $(VENV)/.installed
 	$(PY) -m fedpar.protocol.generate

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.aggregation.kernels import KERNELS, NUMPY_BLOCK_ELEMENTS, Segment, plan_shards
+from fedpar.aggregation.kernels import KERNELS, NUMPY_BLOCK_ELEMENTS, Segment, blas_axpy, plan_shards
 from fedpar.aggregation.arrays import ShapesAndDtypes, accumulate_dtype_for, all_finite, cast_like, checked_by_blas
 
 
@@ -108,6 +108,9 @@ class WeightedSum:
         # one scratch block per shard (the numpy kernel's w * x lands here and stays in cache)
         self._tmp_elements = self.config.block_elements or NUMPY_BLOCK_ELEMENTS
         self._tmp = [np.empty(self._tmp_elements * 8, dtype=np.uint8) for _ in self.shards]
+        if self.config.backend == "blas":
+            for dtype in self.acc_dtypes:
+                blas_axpy(dtype)
 
     def reset(self) -> None:
         """Zero the sum so the accumulator can serve another round."""

@@ -10,6 +10,7 @@ one-by-one fold in the same order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,8 +89,10 @@ def torch_block(block: int) -> int:
     return min(block or TORCH_INLINE_ELEMENTS, TORCH_INLINE_ELEMENTS)
 
 
-def _blas_axpy(dtype: np.dtype):
-    """scipy's BLAS axpy for float32/float64 (None for other dtypes)."""
+@functools.lru_cache(maxsize=None)
+def blas_axpy(dtype: np.dtype):
+    """scipy's BLAS axpy for float32/float64 (None for other dtypes); the first call imports scipy.linalg (about
+    1 s), which an accumulator pays when it is made, not in its first fold."""
     from scipy.linalg import blas
 
     return {"float32": blas.saxpy, "float64": blas.daxpy}.get(np.dtype(dtype).name)
@@ -102,7 +105,7 @@ def fold_block_blas(acc: np.ndarray, xs: Sequence[np.ndarray], ws: Sequence[floa
     0.14-0.31x against 0.34-0.51x for the torch kernel, as each call waits for OpenBLAS's threads). No cache blocking:
     a group's updates each pass over the whole accumulator. Updates whose dtype differs from the accumulator's take
     the numpy kernel."""
-    axpy = _blas_axpy(acc.dtype)
+    axpy = blas_axpy(acc.dtype)
     for x, w in zip(xs, ws):
         if axpy is None or x.dtype != acc.dtype or not x.flags.c_contiguous or not acc.flags.c_contiguous:
             fold_block_numpy(acc, [x], [w], tmp, block)

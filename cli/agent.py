@@ -79,7 +79,8 @@ def agent_config(args: argparse.Namespace, security):
 
     return AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
                        max_backoff=args.max_backoff, give_up_after=args.give_up_after,
-                       credentials=security.credentials, tls_server_name=security.server_name,
+                       credentials=security.credentials, insecure=security.credentials is None,
+                       tls_server_name=security.server_name,
                        enrollment_token=security.enrollment_token,
                        data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls,
                        tls_files=security.files)
@@ -120,10 +121,6 @@ def run(args: argparse.Namespace) -> int:
               "options are for fedpar's trainer", file=sys.stderr)
         return 2
     if wants_engine(args):
-        if args.task:
-            print("fedpar client: --task runs on one process for now; drop --nproc/--fsdp/--dp-replicate/--tp "
-                  "(large-model agents train the zoo's --model)", file=sys.stderr)
-            return 2
         return run_engine(args)
     try:
         check_device_layout(args.device)

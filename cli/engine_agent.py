@@ -1,7 +1,8 @@
 """``fedpar client --nproc N`` (or under torchrun): one agent made of N ranks that train on the parallel engine.
 
 Rank 0 runs the ordinary agent loop against the coordinator; every rank trains its shard of the agent's data
-with FSDP/DDP/TP (client/engine_trainer.py); the other ranks leave when the coordinator says shutdown.
+with FSDP/DDP/TP (client/engine_trainer.py); the other ranks leave when the coordinator says shutdown. The agent
+trains ``--task`` (its model, loss, optimizer and client data) or the zoo's classifier for --model/--dataset.
 """
 
 from __future__ import annotations
@@ -45,14 +46,18 @@ def run_engine(args: argparse.Namespace) -> int:
     """Check the degrees, then run this process as one rank (torchrun) or spawn ``--nproc`` local ranks."""
     import torch
 
+    from fedpar.cli.agent import agent_task
     from fedpar.cli.tlsopts import client_security
+    from fedpar.client.engine_trainer import check_engine_task
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.init import exit_rank_process, spawn
 
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     try:
-        _parallel_config(args).resolved(world)
+        config = _parallel_config(args).resolved(world)
+        if not under_launcher:  # a task's mistakes, before any rank starts (torchrun's ranks check as they build)
+            check_engine_task(agent_task(args), config, world)
         if args.precision != "fp32":
             raise ConfigurationError("--precision bf16 is for single-process agents; a large-model agent trains "
                                      "in fp32 (drop --precision, or drop --nproc/--fsdp/--dp-replicate/--tp)")
@@ -102,16 +107,14 @@ def engine_process(args: argparse.Namespace) -> int:
     try:
         try:
             security = client_security(args) if info.is_main else None
-            task = agent_task(args)  # the zoo's classifier (in memory: the engine shards arrays over the ranks)
-            data = task.client_data(agent_partition(args))
-            train = data.train
-            trainer = EngineTrainer(task.model, args.model, train, data.val, info, _parallel_config(args),
+            task = agent_task(args)
+            trainer = EngineTrainer(task, task.client_data(agent_partition(args)), info, _parallel_config(args),
                                     seed=args.seed, idle_timeout_seconds=args.idle_timeout)
         except ValueError as exc:  # every rank fails the same way on bad options or data
             print(f"fedpar client: {exc}", file=sys.stderr)
             return 2
         if info.is_main:
-            code = _drive(args, trainer, agent_config(args, security), len(train), info.world_size)
+            code = _drive(args, trainer, agent_config(args, security), task.name, info.world_size)
         else:
             trainer.follow()
             code = 0
@@ -122,13 +125,13 @@ def engine_process(args: argparse.Namespace) -> int:
         shutdown_distributed()
 
 
-def _drive(args: argparse.Namespace, trainer, config, num_train: int, world: int) -> int:
+def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int) -> int:
     """Rank 0: the ordinary agent loop over the engine trainer, then release the other ranks whatever happened."""
     from fedpar.client.agent import Agent, FatalAgentError
 
     agent = Agent(config, trainer)
-    print(f"agent {args.agent_id}: {num_train} training examples over {world} ranks, dialing {args.server}",
-          flush=True)
+    print(f"agent {args.agent_id}: {trainer.num_examples} training examples of {task_name} over {world} ranks, "
+          f"dialing {args.server}", flush=True)
     # Any other exception ends this process; the other ranks then fail fast on the closed connection.
     try:
         stats = agent.run()

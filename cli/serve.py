@@ -270,7 +270,10 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
                 break
             progress.follow(server.coordinator)
         progress.close()
-        stop.wait(2.0)  # let agents hear "shutdown" on their next poll
+        linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
+        while not server.coordinator.everyone_told_finished() and not stop.wait(0.05) \
+                and time.monotonic() < linger_until:
+            pass
     except KeyboardInterrupt:  # Ctrl-C: stop at once; what completed is checkpointed and summarized
         interrupted = True
     finally:

@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _train_task(args: argparse.Namespace, world: int) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
-    DDP ranks, its model kept as OUT/global.safetensors and global.json (``round``: the epochs trained)."""
+    engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
+    (``round``: the epochs trained)."""
     from fedpar.cli.train_task import check_data_parallel, train_centrally, train_task_rank, write_task_model
     from fedpar.parallel.device import check_device_layout, resolve_device
     from fedpar.parallel.init import exit_rank_process, spawn

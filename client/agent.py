@@ -54,7 +54,8 @@ class AgentConfig:
     give_up_after: float | None = None  # seconds without reaching the coordinator; None: never
     upload_margin_seconds: float = UPLOAD_MARGIN_SECONDS  # kept free before the deadline beyond the upload estimate
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    credentials: grpc.ChannelCredentials | None = None  # None: plaintext (callers must ask for it explicitly)
+    credentials: grpc.ChannelCredentials | None = None  # TLS (mTLS with a client certificate) for every channel
+    insecure: bool = False  # a plaintext channel instead: only asked for explicitly (loopback, tests)
     tls_server_name: str | None = None  # name to check the coordinator's certificate for, if not the host
     enrollment_token: str = ""  # for coordinators that admit agents without certificates by token
     drop_probability: float = 0.0  # simulations: chance of vanishing for a round after training
@@ -62,6 +63,14 @@ class AgentConfig:
     data_plane: bool = True  # move weights over the coordinator's data plane when a task offers it
     data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
     tls_files: TlsFiles | None = None  # the PEM files behind ``credentials``: to say why a handshake fails
+
+    def __post_init__(self) -> None:
+        """ValueError unless the channel's security is said: credentials for TLS, or insecure=True for plaintext."""
+        if self.credentials is None and not self.insecure:
+            raise ValueError("AgentConfig has no credentials: pass credentials=... (grpc.ssl_channel_credentials) for "
+                             "TLS, or insecure=True for a plaintext channel (loopback and tests only)")
+        if self.credentials is not None and self.insecure:
+            raise ValueError("AgentConfig: credentials and insecure=True contradict each other; drop one")
 
 
 def trainer_specs(trainer) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -269,7 +278,7 @@ class Agent:
         download_seconds = time.monotonic() - received
         load_arrays(self.trainer, weights)
         metrics: dict[str, float] = {}
-        evaluation = self.trainer.evaluate()
+        evaluation = self.trainer.evaluate() if settings.evaluate else None
         if evaluation is not None:
             metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
         # Uploading takes about as long as downloading did; keep that and a margin free.

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 TRAIN, SHUTDOWN = 1, 2
-_FIELDS = 6  # kind, epochs, batch_size, lr, proximal_mu, round_id
+_FIELDS = 7  # kind, epochs, batch_size, lr, proximal_mu, round_id, max_steps
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Command:
     lr: float = 0.0
     proximal_mu: float = 0.0
     round_id: int = 0
+    max_steps: int = 0  # 0: no limit but the epochs
 
 
 class ControlChannel:
@@ -42,13 +43,14 @@ class ControlChannel:
     def send(self, command: Command) -> None:
         """Rank 0: hand ``command`` to every rank."""
         self._broadcast(torch.tensor([command.kind, command.epochs, command.batch_size, command.lr,
-                                      command.proximal_mu, command.round_id], dtype=torch.float64))
+                                      command.proximal_mu, command.round_id, command.max_steps],
+                                     dtype=torch.float64))
 
     def receive(self) -> Command:
         """Other ranks: wait for rank 0's next command."""
         t = self._broadcast(torch.zeros(_FIELDS, dtype=torch.float64))
-        kind, epochs, batch_size, lr, mu, round_id = t.tolist()
-        return Command(int(kind), int(epochs), int(batch_size), lr, mu, int(round_id))
+        kind, epochs, batch_size, lr, mu, round_id, max_steps = t.tolist()
+        return Command(int(kind), int(epochs), int(batch_size), lr, mu, int(round_id), int(max_steps))
 
     def decide(self, go: bool) -> bool:
         """Every rank: rank 0's ``go`` (the others' argument is ignored), so all ranks stop at the same step."""

@@ -1,35 +1,55 @@
 """Local training for agents that are a process group of their own, on the shared parallel engine (FSDP/DDP/TP).
 
-Rank 0 is the one the :class:`~fedpar.client.agent.Agent` drives: it holds a plain, whole copy of the model
-(``model``: what the agent downloads into, evaluates and uploads from). ``train`` broadcasts that copy to
-the sharded model on every rank, trains all ranks on their shards of the local data, and gathers the result
-back into it. The other ranks sit in :meth:`EngineTrainer.follow` until rank 0 says shutdown.
+The agent trains a :class:`fedpar.Task`: its model, its loss and optimizer (else plain SGD), and its client data,
+dealt to the data-parallel ranks batch by batch by the engine's sampler. Rank 0 is the one the
+:class:`~fedpar.client.agent.Agent` drives: it holds a plain, whole copy of the task's model (``model``: what the
+agent downloads into, evaluates with the task's evaluation and uploads from, so the coordinator sees the names and
+shapes a single-process agent of the task has). ``train`` broadcasts that copy to the sharded model on every rank,
+trains all ranks on their shares of each batch, and gathers the result back into it. The other ranks sit in
+:meth:`EngineTrainer.follow` until rank 0 says shutdown. ``fedpar train --task`` on several ranks drives it the same
+way, one epoch per call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fedpar.aggregation.fedprox import add_proximal_gradient
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
-from fedpar.client.local_sgd import StepClock, StepTally, TrainResult, descend, run_steps
-from fedpar.datasets import ArrayDataset
-from fedpar.models.evaluation import EvalResult, evaluate_classifier
-from fedpar.models.losses import classification_loss
+from fedpar.client.local_sgd import StepClock, StepTally, TrainResult, descend, run_steps, trainable
+from fedpar.models.evaluation import EvalResult
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
-from fedpar.parallel.config import ConfigurationError, ParallelConfig
+from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.sampler import DistributedBatchSampler
+from fedpar.task import ClientData, Task, TaskError
+from fedpar.tasks.data import batch_at, batch_examples, inputs_and_targets, on_device, to_device
+from fedpar.tasks.evaluation import task_eval_result
 
 ShardBatch = tuple[int, tuple[list[int], torch.Tensor]]  # batch number in its epoch, (this rank's indices, not-padding)
+
+
+def check_engine_task(task: Task, config: ParallelConfig, world_size: int) -> None:
+    """TaskError, in one line, for a task the engine cannot train on ``world_size`` ranks laid out as ``config``."""
+    if world_size > 1 and task.train is not None:
+        raise TaskError(f"task {task.name!r} has its own train hook, which trains in one process; drop --nproc and "
+                        "the engine options (--fsdp, --dp-replicate, --tp; and torchrun)")
+    if config.pp > 1:
+        raise TaskError(f"task {task.name!r} declares no pipeline stages, so --pp does not apply to it; spread "
+                        "the model with --fsdp (or --tp with a tp_plan) instead")
+    if config.tp > 1 and task.tp_plan is None:
+        raise TaskError(f"task {task.name!r} declares no tensor-parallel plan (Task.tp_plan), so --tp does not "
+                        "apply to it; drop --tp, or give the task a tp_plan")
 
 
 class EngineTrainer:
@@ -39,26 +59,36 @@ class EngineTrainer:
     and calls :meth:`shutdown` when the agent is done, while every other rank calls :meth:`follow`.
     """
 
-    def __init__(self, model_fn: Callable[[], nn.Module], family: str, train: ArrayDataset,
-                 val: ArrayDataset | None, info: DistInfo, parallel: ParallelConfig, seed: int = 0,
-                 shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0):
-        """Shard ``model_fn()`` over the group as ``parallel`` says (pp must be 1) and warm everything up."""
+    def __init__(self, task: Task, data: ClientData, info: DistInfo, parallel: ParallelConfig, seed: int = 0,
+                 shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0, warm_up: bool = True):
+        """Shard ``task.model()`` over the group as ``parallel`` says (pp must be 1) and, unless ``warm_up`` is
+        False, warm everything up; rank 0's whole copy starts from the weights ``seed`` draws."""
         config = parallel.resolved(info.world_size)
-        if config.pp > 1:
-            raise ConfigurationError("agents train with --dp-replicate/--fsdp/--tp; pipeline parallelism (--pp) is not "
-                                     "supported for agents, use --fsdp to spread a large model instead")
-        self.info, self.seed, self.shuffle = info, seed, shuffle
+        check_engine_task(task, config, info.world_size)
+        if data.train is None or not len(data.train):
+            raise TaskError(f"task {task.name!r}: client_data gave no training examples")
+        self.task, self.info, self.seed, self.shuffle = task, info, seed, shuffle
         self.mesh = build_mesh(config, info.device.type)
         self._dp_size, self._dp_rank = config.data_parallel_size, self.mesh.data_parallel_rank
         self._counts = self.mesh.coord("tp") == 0  # TP peers see the same examples: count them once
-        self.module = parallelize(model_fn, family, config, self.mesh, info, classification_loss, seed).parts[0]
-        self._host = model_fn() if info.is_main else None
+        self.module = parallelize(task.model, "task", config, self.mesh, info, task.loss, seed,
+                                  tp_plan=task.tp_plan).parts[0]
+        self._host = self._whole_model(task, seed) if info.is_main else None
         self._control = ControlChannel(info.device, idle_timeout_seconds)
-        self.x, self.y = train.to_tensors()
-        self.val = val.to_tensors() if val is not None and len(val) and info.is_main else None
+        self.train_data = on_device(data.train, info.device)
+        self.val = data.val if data.val is not None and len(data.val) and info.is_main else None
         self._clock = StepClock()
         self._gather_seconds = 0.0
-        self._warm_up_all_ranks()
+        if warm_up:
+            self._warm_up_all_ranks()
+
+    @staticmethod
+    def _whole_model(task: Task, seed: int) -> nn.Module:
+        torch.manual_seed(seed)  # the weights every rank's shards were cut from (parallelize draws the same)
+        model = task.model()
+        if not isinstance(model, nn.Module):
+            raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got {type(model).__name__}")
+        return model
 
     # ---------------------------------------------------------------- what the Agent sees (rank 0)
     @property
@@ -71,7 +101,7 @@ class EngineTrainer:
     @property
     def num_examples(self) -> int:
         """Size of the agent's local training set (all ranks together train on it once per epoch)."""
-        return len(self.y)
+        return len(self.train_data)
 
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
         """The span in which the agent holds a task of ``round_id`` (as LocalTrainer: nothing to do)."""
@@ -80,23 +110,24 @@ class EngineTrainer:
     def warm_up(self) -> None:
         """Nothing to do: every rank already ran one broadcast, zero-lr step and gather when constructed."""
 
-    @torch.no_grad()
-    def evaluate(self, batch_size: int = 1024) -> EvalResult | None:
-        """Loss and accuracy of rank 0's whole model on the local validation split (None without one)."""
+    def evaluate(self) -> EvalResult | None:
+        """The task's metrics of rank 0's whole model on the local validation split (None without one)."""
         if self.val is None:
             return None
-        return evaluate_classifier(self.model, *self.val, batch_size=batch_size)
+        return task_eval_result(self.task, self.model, self.val)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
-              proximal_mu: float = 0.0, round_id: int = 0) -> TrainResult:
-        """Rank 0: train all ranks from ``model``'s weights for ``epochs`` or until ``stop_at``; ``model`` then
-        holds the result. ``batch_size`` is the agent's whole batch per step, split evenly over the data-parallel
-        ranks (so rounded up to a multiple of their number); padding that evens out the last batch is not trained on.
+              proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None) -> TrainResult:
+        """Rank 0: train all ranks from ``model``'s weights for ``epochs`` (at most ``max_steps`` steps) or until
+        ``stop_at``; ``model`` then holds the result. ``batch_size`` is the agent's whole batch per step, split
+        evenly over the data-parallel ranks (so rounded up to a multiple of their number); padding that evens out
+        the last batch is not trained on. The task's optimizer is made afresh for each call, as the built-in loop
+        of a single-process agent makes it for each round.
         """
         start = time.monotonic()
         if not self._clock.fits(stop_at, self._gather_seconds):
             return StepTally(stopped=True).result(0.0)
-        command = Command(TRAIN, epochs, batch_size, lr, proximal_mu, round_id)
+        command = Command(TRAIN, epochs, batch_size, lr, proximal_mu, round_id, max_steps or 0)
         self._control.send(command)
         return self._run(command, stop_at, start)
 
@@ -129,7 +160,7 @@ class EngineTrainer:
         return tally.result(time.monotonic() - start)
 
     def _sampler(self, batch_size: int, round_id: int) -> tuple[DistributedBatchSampler, int]:
-        n = len(self.y)
+        n = self.num_examples
         local = math.ceil(min(batch_size, n) / self._dp_size)
         # Seeds of neighbouring rounds must not overlap: the sampler adds the epoch to its seed.
         seed = (self.seed * 1_000_003 + round_id) * 10_007
@@ -137,43 +168,59 @@ class EngineTrainer:
         return sampler, local * self._dp_size
 
     def _train_shard(self, c: Command, stop_at: float) -> StepTally:
-        """SGD over this rank's shard of each global batch; rank 0 decides before every step whether to go on."""
-        model = self.module
+        """The task's loss over this rank's share of each global batch, stepped by its optimizer (else plain SGD);
+        rank 0 decides before every step whether to go on."""
+        model, task, device = self.module, self.task, self.info.device
         model.train()
-        params = list(model.parameters())
+        params = trainable(model)
+        optimizer = task.optimizer(params, c.lr) if task.optimizer is not None else None
         anchor = [p.detach().clone() for p in params] if c.proximal_mu > 0 else None
         sampler, global_batch = self._sampler(c.batch_size, c.round_id)
-        n = len(self.y)
+        n = self.num_examples
 
         def go_on() -> bool:
             return self._control.decide(self._clock.fits(stop_at, self._gather_seconds))
 
         def step(batch: ShardBatch) -> tuple[int, float]:
             b, (indices, valid) = batch
-            idx = torch.tensor(indices)
-            x, y = self.x[idx].to(self.info.device), self.y[idx].to(self.info.device)
-            weight = valid.to(device=self.info.device, dtype=torch.float32)
-            per_example = classification_loss(model(x), y, reduction="none")
-            real = min(global_batch, n - b * global_batch)  # examples of this global batch that are not padding
-            # DDP/FSDP average gradients over the data-parallel ranks; scaling by dp/real makes the result
-            # the gradient of the mean loss over the real examples, as one process would compute it.
-            loss = (per_example * weight).sum() * (self._dp_size / real)
-            # FedProx's proximal term enters as its gradient, shard by shard, with no collective.
-            descend(params, loss, c.lr, anchor, c.proximal_mu)
-            return int(valid.sum()), float((per_example.detach() * weight).sum())
+            real = [i for i, keep in zip(indices, valid.tolist()) if keep]
+            # A rank dealt only padding still runs forward and backward (FSDP/DDP collectives need every rank),
+            # on the padding, weighted zero.
+            inputs, targets = inputs_and_targets(to_device(batch_at(self.train_data, real or indices, task.loader),
+                                                           device))
+            loss = task.loss(model(inputs), targets)
+            examples = batch_examples(targets) if real else 0
+            in_batch = min(global_batch, n - b * global_batch)  # examples of this global batch that are not padding
+            # DDP/FSDP average gradients over the data-parallel ranks and the loss is the mean over this rank's
+            # examples: weighting it by examples * dp / in_batch makes the result the gradient of the mean loss over
+            # the global batch's real examples, as one process would compute it.
+            objective = loss * (examples * self._dp_size / in_batch)
+            if optimizer is None:
+                # FedProx's proximal term enters as its gradient, shard by shard, with no collective.
+                descend(params, objective, c.lr, anchor, c.proximal_mu)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                objective.backward()
+                if anchor is not None:
+                    add_proximal_gradient(params, anchor, c.proximal_mu)
+                optimizer.step()
+            return examples, float(loss.detach()) * examples
 
-        return run_steps(self._batches(sampler, c.epochs), step, go_on, self._clock)
+        return run_steps(self._batches(sampler, c.epochs, c.max_steps), step, go_on, self._clock)
 
     @staticmethod
-    def _batches(sampler: DistributedBatchSampler, epochs: int) -> Iterator[ShardBatch]:
-        """This rank's batches of every epoch in turn."""
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            yield from enumerate(sampler.iter_with_padding_mask())
+    def _batches(sampler: DistributedBatchSampler, epochs: int, max_steps: int = 0) -> Iterator[ShardBatch]:
+        """This rank's batches of every epoch in turn (the first ``max_steps`` of them when it is not 0)."""
+        def every_epoch() -> Iterator[ShardBatch]:
+            for epoch in range(epochs):
+                sampler.set_epoch(epoch)
+                yield from enumerate(sampler.iter_with_padding_mask())
+
+        return itertools.islice(every_epoch(), max_steps or None)
 
     def _warm_up_all_ranks(self) -> None:
         """One broadcast, one zero-lr step on two examples per rank and one gather, so torch's lazy set-up (DDP
         imports torch._dynamo, about 4 s) is not billed to a deadline, and the gather time is known."""
-        command = Command(TRAIN, epochs=1, batch_size=min(len(self.y), 2 * self._dp_size), lr=0.0)
+        command = Command(TRAIN, epochs=1, batch_size=min(self.num_examples, 2 * self._dp_size), lr=0.0, max_steps=1)
         self._run(command, math.inf, time.monotonic())
         self._clock = StepClock()  # the first step paid the set-up; measure real steps from scratch

@@ -9,15 +9,17 @@ import math
 import threading
 import time
 
+import numpy as np
 import torch
 
 from fedpar.client.local_sgd import StepClock, TrainResult, descend, trainable
 from fedpar.models.evaluation import EvalResult
+from fedpar.models.weights import ModelWeights, get_weights, set_weights
 from fedpar.parallel.config import PRECISIONS
 from fedpar.task import ClientData, Deadline, LocalConfig, Task, TaskError
 from fedpar.tasks.data import default_batches, inputs_and_targets, on_device, to_device
 from fedpar.client.task_loop import train_task
-from fedpar.tasks.evaluation import autocast, evaluate_task, finite
+from fedpar.tasks.evaluation import autocast, finite, task_eval_result
 
 log = logging.getLogger("fedpar.client")
 LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is warned about
@@ -47,6 +49,8 @@ class TaskTrainer:
         if not isinstance(model, torch.nn.Module):
             raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got {type(model).__name__}")
         self.model = model.to(self.device)
+        # The built-in loop updates the tensors in place, so they are listed once; a train hook may replace them.
+        self._weights = ModelWeights(self.model) if task.train is None else None
         self._turn = compute_lock
         self.use_data(data, seed, seconds_per_step_delay)
 
@@ -60,6 +64,17 @@ class TaskTrainer:
         self.seed = seed
         self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
         self._clock = StepClock()  # a step's time, kept between runs for the next run's first deadline test
+
+    def get_arrays(self) -> list[np.ndarray]:
+        """The model's weights (what the agent uploads), as :func:`fedpar.models.weights.get_weights`."""
+        return self._weights.get() if self._weights is not None else get_weights(self.model)
+
+    def set_arrays(self, arrays: list[np.ndarray]) -> None:
+        """Load the round's global weights into the model, as :func:`fedpar.models.weights.set_weights`."""
+        if self._weights is not None:
+            self._weights.set(arrays)
+        else:
+            set_weights(self.model, arrays)
 
     @property
     def num_examples(self) -> int:
@@ -114,9 +129,7 @@ class TaskTrainer:
         if self.data.val is None:
             return None
         with self._taking_turn():
-            metrics = evaluate_task(self.task, self.model, self.data.val, self.precision)
-        loss, accuracy = metrics.pop("loss", None), metrics.pop("accuracy", None)
-        return EvalResult(loss, accuracy, len(self.data.val), metrics)
+            return task_eval_result(self.task, self.model, self.data.val, self.precision)
 
     @contextlib.contextmanager
     def _taking_turn(self):

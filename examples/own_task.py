@@ -2,6 +2,8 @@
 
     fedpar simulate --task examples/own_task.py:task --task-option csv=table.csv --clients 4 --rounds 5
     fedpar train    --task examples/own_task.py:task --task-option csv=table.csv --epochs 5
+    fedpar train    --task examples/own_task.py:task --task-option csv=table.csv --epochs 5 --nproc 2 --fsdp 2
+    fedpar client   --task examples/own_task.py:task --task-option csv=table.csv --nproc 2 --fsdp 2 --agent-id big ...
 """
 
 from dataclasses import dataclass

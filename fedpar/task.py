@@ -139,6 +139,14 @@ class Task:
     - ``evaluate(model, dataset) -> {name: value}``: named metrics (the built-in one: the mean ``loss``, and
       ``accuracy`` when the model outputs class scores for integer labels). Central evaluation reports them as
       ``test_NAME``, agents on their validation sets as ``federated_eval_NAME``.
+    - ``tp_plan(model) -> {module name: ParallelStyle}``: how ``--tp`` splits the model, a
+      ``torch.distributed.tensor.parallel`` plan (e.g. ``{"0": ColwiseParallel(), "2": RowwiseParallel()}``) that
+      the engine applies with ``parallelize_module``; None: the task does not take ``--tp``. The model must then
+      reshape with ``-1`` wherever a split width shows (each rank holds its share of the heads or features).
+
+    On the engine (``client --nproc``, ``train --nproc``/``--fsdp``/``--tp``) the built-in loop's ``loss`` is taken
+    to be the mean over the batch's examples (torch's default reduction): each rank weighs its share of a batch
+    by its examples, so the ranks together step as one process does on the whole batch.
     """
 
     model: Callable[[], nn.Module]
@@ -149,6 +157,7 @@ class Task:
     optimizer: Callable[[list, float], Any] | None = None
     loader: Callable[[Any, int, torch.Generator], Iterable] | None = None
     evaluate: EvaluateHook | None = None
+    tp_plan: Callable[[nn.Module], dict] | None = None
     name: str = "task"
     description: dict = field(default_factory=dict)  # what rebuilds the model, kept in global.json
 
@@ -158,7 +167,7 @@ class Task:
         for name in ("model", "client_data"):
             if not callable(getattr(self, name)):
                 problems.append(f"{name} must be a function (got {type(getattr(self, name)).__name__})")
-        for name in ("test_data", "train", "loss", "optimizer", "loader", "evaluate"):
+        for name in ("test_data", "train", "loss", "optimizer", "loader", "evaluate", "tp_plan"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 problems.append(f"{name} must be a function or None (got {type(value).__name__})")

@@ -35,11 +35,7 @@ def weight_specs(model: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def get_weights(model: nn.Module) -> list[np.ndarray]:
     """Copies of the floating-point state_dict entries as contiguous numpy arrays, in state_dict order."""
-    arrays = []
-    for name, t in _float_entries(model):
-        _numpy_dtype(name, t)
-        arrays.append(np.ascontiguousarray(t.detach().cpu().numpy()).copy())
-    return arrays
+    return _copies(_float_entries(model))
 
 
 def set_weights(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
@@ -47,7 +43,34 @@ def set_weights(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
 
     Everything is validated before anything is written, so a bad list leaves the model unchanged.
     """
-    entries = _float_entries(model)
+    _assign(_float_entries(model), arrays)
+
+
+class ModelWeights:
+    """:func:`get_weights` and :func:`set_weights` for one model whose tensors stay in place (fedpar's own training
+    updates them in place): its entries are listed once, not by a state_dict walk of the module tree per call."""
+
+    def __init__(self, model: nn.Module):
+        self.entries = _float_entries(model)
+
+    def get(self) -> list[np.ndarray]:
+        """Copies of the model's floating-point state, as :func:`get_weights`."""
+        return _copies(self.entries)
+
+    def set(self, arrays: Sequence[np.ndarray]) -> None:
+        """Copy ``arrays`` into the model, as :func:`set_weights`."""
+        _assign(self.entries, arrays)
+
+
+def _copies(entries: list[tuple[str, torch.Tensor]]) -> list[np.ndarray]:
+    arrays = []
+    for name, t in entries:
+        _numpy_dtype(name, t)
+        arrays.append(np.ascontiguousarray(t.detach().cpu().numpy()).copy())
+    return arrays
+
+
+def _assign(entries: list[tuple[str, torch.Tensor]], arrays: Sequence[np.ndarray]) -> None:
     if len(arrays) != len(entries):
         raise ValueError(f"expected {len(entries)} weight arrays for this model but got {len(arrays)}; "
                          "the weights were made for a different model architecture")

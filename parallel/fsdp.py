@@ -7,7 +7,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from fedpar.parallel.modules import transformer_blocks
+from fedpar.parallel.modules import shard_units
+
+MIN_UNIT_PARAMS = 1 << 20  # a block-less model's children smaller than this are gathered with the root
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -25,13 +27,15 @@ def offload_policy(enabled: bool, device_type: str) -> OffloadPolicy:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
-               offload: OffloadPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard every transformer block, then the root, over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP).
+               offload: OffloadPolicy | None = None, reshard_after_forward: bool = True,
+               min_unit_params: int = MIN_UNIT_PARAMS) -> nn.Module:
+    """Shard every transformer block (any model: every child big enough, see ``shard_units``), then the root,
+    over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP).
 
     Blocks are sharded separately so only one block's parameters are all-gathered at a time.
     """
     kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
-    blocks = transformer_blocks(model)
+    blocks = shard_units(model, min_unit_params)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward, so keep them gathered.
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)

@@ -25,7 +25,7 @@ from fedpar.parallel.pp import (
     stage_ids_for_rank,
 )
 from fedpar.parallel.precision import resolve_precision
-from fedpar.parallel.tp import apply_tp, check_tp_divisible
+from fedpar.parallel.tp import PlanFn, apply_tp, check_tp_divisible
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -53,12 +53,13 @@ class ParallelModel:
         return [p for part in self.parts for p in part.parameters()]
 
 
-def check_model_layout(model: nn.Module, family: str, config: ParallelConfig) -> None:
-    """Raise ConfigurationError when the whole (unsplit) ``model`` cannot take the pipeline or TP degrees."""
+def check_model_layout(model: nn.Module, family: str, config: ParallelConfig, tp_plan: PlanFn | None = None) -> None:
+    """Raise ConfigurationError when the whole (unsplit) ``model`` cannot take the pipeline or TP degrees
+    (``tp_plan``: a task's own tensor-parallel plan, instead of the family's)."""
     if config.pp > 1:
         check_pipeline_split(model, config.pp, config.stages_per_rank)
     if config.tp > 1:
-        check_tp_divisible(model, family, config.tp)
+        check_tp_divisible(model, family, config.tp, tp_plan)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
@@ -88,14 +89,15 @@ def _data_parallel(part: nn.Module, config: ParallelConfig, mesh: ParallelMesh) 
 
 def parallelize(model_fn: Callable[[], nn.Module], family: str, config: ParallelConfig, mesh: ParallelMesh,
                 info: DistInfo, loss_fn: LossFn, seed: int, activation_checkpointing: bool = False,
-                compile: bool = False) -> ParallelModel:
-    """Build the whole model with ``seed`` on every rank (never meta-init on CPU), then split and shard it.
+                compile: bool = False, tp_plan: PlanFn | None = None) -> ParallelModel:
+    """Build the whole model with ``seed`` on every rank (never meta-init on CPU), then split and shard it
+    (``tp_plan``: a task's own tensor-parallel plan; else the family's).
 
     Identical seeds make every rank start from the same full weights, so each shard is the right slice.
     """
     torch.manual_seed(seed)
     model = model_fn().to(info.device)
-    check_model_layout(model, family, config)
+    check_model_layout(model, family, config, tp_plan)
     if compile:
         check_compile_layout(family, config)
     if config.pp > 1:
@@ -106,7 +108,7 @@ def parallelize(model_fn: Callable[[], nn.Module], family: str, config: Parallel
         stage_ids, parts = [0], [model]
     for i, part in enumerate(parts):
         if config.tp > 1:
-            part = apply_tp(part, mesh["tp"], family, config.sequence_parallel)
+            part = apply_tp(part, mesh["tp"], family, config.sequence_parallel, tp_plan)
         if activation_checkpointing:
             part = apply_activation_checkpointing(part)
         if compile:

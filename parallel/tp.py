@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -15,6 +17,8 @@ from torch.distributed.tensor.parallel import (
 
 from fedpar.parallel.config import ConfigurationError
 from fedpar.parallel.modules import block_names, transformer_blocks
+
+PlanFn = Callable[[nn.Module], dict]  # a model's tensor-parallel plan: {module name: ParallelStyle}
 
 HEAD_COUNT_NAMES = ("n_heads", "n_head", "n_kv_heads", "num_heads")
 
@@ -70,11 +74,37 @@ def _check_mlp_divisible(model: nn.Module, tp: int) -> None:
                 f"that divides {width}, or hidden widths that are multiples of {tp} (--model-arg hidden=[...])")
 
 
-def check_tp_divisible(model: nn.Module, family: str, tp: int) -> None:
-    """Raise ConfigurationError, saying what to change, when heads or hidden widths do not split ``tp`` ways."""
+def check_plan_divisible(model: nn.Module, plan: dict, tp: int) -> None:
+    """Raise ConfigurationError when ``plan`` names a module ``model`` lacks, or splits a Linear layer's width
+    (outputs column-wise, inputs row-wise) that ``tp`` does not divide (wildcard names are left to torch)."""
+    if not isinstance(plan, dict) or not plan:
+        raise ConfigurationError(f"the task's tp_plan must return a non-empty dict of module name to parallel "
+                                 f"style, got {plan!r}")
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if "*" in name:
+            continue
+        if name not in modules:
+            raise ConfigurationError(f"the task's tp_plan names {name!r}, which its model does not have; its "
+                                     f"modules: {', '.join(n for n in modules if n) or 'none'}")
+        layer = modules[name]
+        if not isinstance(layer, nn.Linear):
+            continue
+        split = ("outputs", layer.out_features) if isinstance(style, ColwiseParallel) else \
+            ("inputs", layer.in_features) if isinstance(style, RowwiseParallel) else None
+        if split is not None and split[1] % tp:
+            raise ConfigurationError(f"--tp {tp} cannot split layer {name}: its {split[1]} {split[0]} are not "
+                                     f"divisible by {tp}; use a --tp that divides {split[1]}")
+
+
+def check_tp_divisible(model: nn.Module, family: str, tp: int, plan: PlanFn | None = None) -> None:
+    """Raise ConfigurationError, saying what to change, when heads or hidden widths do not split ``tp`` ways
+    (``plan``: a task's own plan, checked instead of the family's)."""
     if tp <= 1:
         return
-    if family == "gpt":
+    if plan is not None:
+        check_plan_divisible(model, plan(model), tp)
+    elif family == "gpt":
         _check_gpt_divisible(model, tp)
     elif family == "mlp":
         _check_mlp_divisible(model, tp)
@@ -138,8 +168,13 @@ def apply_tp_gpt(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool 
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, family: str, sequence_parallel: bool = True) -> nn.Module:
-    """Apply the tensor-parallel plan for a model family (``"gpt"`` or ``"mlp"``)."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, family: str, sequence_parallel: bool = True,
+             plan: PlanFn | None = None) -> nn.Module:
+    """Apply ``plan`` (a task's own) or else the tensor-parallel plan for a model family (``"gpt"`` or ``"mlp"``)."""
+    if plan is not None:
+        layout = plan(model)
+        check_plan_divisible(model, layout, tp_mesh.size())
+        return parallelize_module(model, tp_mesh, layout)
     if family == "gpt":
         return apply_tp_gpt(model, tp_mesh, sequence_parallel)
     if family == "mlp":

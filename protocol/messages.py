@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
@@ -27,6 +27,15 @@ SMALL_UPDATE_BYTES = 256 << 10
 def layout_from_pb(specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> ModelLayout:
     """A :class:`ModelLayout` from wire TensorSpecs (raises CodecError on hostile headers)."""
     return ModelLayout(((s.name, s.dtype, tuple(s.shape)) for s in specs), max_total_bytes=max_total_bytes)
+
+
+def specs_match(specs: Sequence[pb.TensorSpec], layout: ModelLayout) -> bool:
+    """True when wire TensorSpecs name exactly ``layout``'s tensors (the usual header, checked without parsing it
+    into a layout of its own)."""
+    if len(specs) != len(layout.tensors):
+        return False
+    return all(s.name == t.name and s.dtype == t.dtype and tuple(s.shape) == t.shape
+               for s, t in zip(specs, layout.tensors))
 
 
 def layout_to_pb(layout: ModelLayout) -> list[pb.TensorSpec]:

@@ -8,6 +8,7 @@ also reads as the mapping of the keys it sends (unset fields are left out), so i
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -42,13 +43,17 @@ class TaskSettings(Mapping):
     # A Flower strategy's configure_fit config (aggregation/flower_strategy.py): str keys, bool/int/float/str
     # values, passed to the fit() of Flower clients run by fedpar (client/flower_client.py); other trainers ignore it.
     fit_config: dict | None = None
+    # Federated evaluation: the agent scores the received global model on its validation split before training
+    # (off in the rounds --client-eval-every skips).
+    evaluate: bool = True
 
     def __post_init__(self) -> None:
         """Check types (numbers become floats) and ranges; raise ValueError naming the setting."""
         if not isinstance(self.compression, str):
             raise ValueError(f"compression must be a string, got {self.compression!r}")
-        if not isinstance(self.secure_aggregation, bool):
-            raise ValueError(f"secure_aggregation must be true or false, got {self.secure_aggregation!r}")
+        for flag in ("secure_aggregation", "evaluate"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.int8_block is not None and (isinstance(self.int8_block, bool) or not isinstance(self.int8_block, int)):
             raise ValueError(f"int8_block must be a whole number, got {self.int8_block!r}")
         for name in ("topk_ratio", "proximal_mu", "dp_clip_norm", "dp_local_noise"):
@@ -85,6 +90,10 @@ class TaskSettings(Mapping):
     @classmethod
     def from_json(cls, text: str) -> TaskSettings:
         """Parse a task's extra_json; ValueError (one line) for bad JSON, unknown keys, wrong types or ranges."""
+        return _parsed(cls, text)
+
+    @classmethod
+    def _from_json(cls, text: str) -> TaskSettings:
         if len(text) > MAX_JSON_CHARS:
             raise ValueError(f"the task's settings are longer than {MAX_JSON_CHARS} characters")
         try:
@@ -141,3 +150,10 @@ def _check_fit_config(config: Any) -> None:
 
 
 _FIELDS = {f.name: f.default for f in fields(TaskSettings)}
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(cls: type[TaskSettings], text: str) -> TaskSettings:
+    """:meth:`TaskSettings._from_json`, once per text: a round's tasks all carry the same settings, and a simulation
+    host reads them for every member (a TaskSettings is frozen; a ValueError is not cached)."""
+    return cls._from_json(text)

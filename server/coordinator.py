@@ -12,6 +12,7 @@ import json
 import logging
 import secrets
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import grpc
@@ -61,6 +62,7 @@ class Coordinator(IngestPlane):
         self.ranks = ranks  # the other aggregator ranks (server/aggregator_ranks.py), or None
         self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
         self.finished = False
+        self._not_yet_told: set[str] = set()  # live agents (or their hosts) not yet told that training is over
         self.metrics = RoundMetricsLog(config.metrics_path)
         self.started_at = time.monotonic()
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
@@ -126,6 +128,8 @@ class Coordinator(IngestPlane):
                 await self.ranks.stop(completed)
             # A coordinator stopped early leaves its agents polling (they re-join the restarted one by themselves);
             # after the last round, or an error, they hear that training is over.
+            if not stopped_early:
+                self._not_yet_told = {self._wakeup_key(a) for a in self.registry.live_ids()}
             self.finished = not stopped_early
             for event in self._wakeups.values():
                 event.set()
@@ -180,7 +184,8 @@ class Coordinator(IngestPlane):
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
         self.mode.start(state)
-        self._task_json = self.mode.task_settings(self.strategy.client_config(round_id)).to_json()
+        settings = self.mode.task_settings(self.strategy.client_config(round_id))
+        self._task_json = replace(settings, evaluate=self.config.evaluates_in(round_id)).to_json()
         if self.ranks is not None:
             await self.ranks.open_round(state, self.registry)
         self.current = state
@@ -342,8 +347,16 @@ class Coordinator(IngestPlane):
         record = self.registry.get(agent_id)
         if record is not None and record.host is not None:  # its host long-polls for it
             self._host_tasks.setdefault(record.host, set()).add(agent_id)
-            agent_id = HOST_WAKEUP + record.host
-        self._wakeups.setdefault(agent_id, asyncio.Event()).set()
+        self._wakeups.setdefault(self._wakeup_key(agent_id), asyncio.Event()).set()
+
+    def _wakeup_key(self, agent_id: str) -> str:
+        """Who long-polls for ``agent_id``: the agent itself, or HOST_WAKEUP + its host for a population member."""
+        record = self.registry.get(agent_id)
+        return HOST_WAKEUP + record.host if record is not None and record.host is not None else agent_id
+
+    def everyone_told_finished(self) -> bool:
+        """Whether training is over and every agent (or host) live at the end has been told so by a reply."""
+        return self.finished and not self._not_yet_told
 
     async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str] = (),
                               back: Sequence[str] = (),
@@ -358,6 +371,7 @@ class Coordinator(IngestPlane):
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
             if self.finished:
+                self._not_yet_told.discard(HOST_WAKEUP + host.host_id)
                 return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {self.round_id}")
             pending = sorted(self._host_tasks.get(host.host_id, ()))
             self._host_tasks[host.host_id] = set(pending[MAX_HOSTED_TASKS:])  # the next call takes the rest
@@ -425,6 +439,7 @@ class Coordinator(IngestPlane):
 
     def _task_reply(self, agent: AgentRecord, finished_task_id: str = "") -> pb.PullTaskReply | None:
         if self.finished:
+            self._not_yet_told.discard(agent.agent_id)
             return pb.PullTaskReply(shutdown_reason=f"training finished after round {self.round_id}")
         state = self.current
         if state is None or state.closed:

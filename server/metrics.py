@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.protocol.run_logs import write_csv
+from fedpar.protocol.run_logs import GrowingCsv
 
 
 def _clean(value):
@@ -55,11 +55,12 @@ def summarize_rounds(rows: list[dict], target_accuracy: float | None = None) -> 
 
 class RoundMetricsLog:
     """The coordinator's metrics.jsonl: one JSON object per completed round, appended (and kept in memory); its
-    rows are also written as metrics.csv, rewritten whole each round (its columns grow with new keys)."""
+    rows are also written as metrics.csv (a row appended; the table rewritten when a row brings a new column)."""
 
     def __init__(self, path: Path | None):
         self.path = Path(path) if path else None
         self.rows: list[dict] = []
+        self._csv = GrowingCsv(self.csv_path) if self.path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -70,7 +71,7 @@ class RoundMetricsLog:
         if self.path:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            write_csv(self.csv_path, self.rows)
+            self._csv.write(self.rows)
 
     @property
     def csv_path(self) -> Path | None:
@@ -100,4 +101,4 @@ class RoundMetricsLog:
 
     def _rewrite(self) -> None:
         atomic_write_bytes(self.path, [(json.dumps(row) + "\n").encode() for row in self.rows])
-        write_csv(self.csv_path, self.rows)
+        self._csv.rewrite(self.rows)

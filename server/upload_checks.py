@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelTooLarge
-from fedpar.protocol.messages import layout_from_pb
+from fedpar.protocol.codec import CodecError, ModelLayout, ModelTooLarge
+from fedpar.protocol.messages import layout_from_pb, specs_match
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.registry import AgentRecord
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, UploadTicket
@@ -42,6 +43,23 @@ def open_ticket(state: RoundState | None, mode: RoundMode | None, agent: AgentRe
                       f"({agent.num_examples} registered examples x {config.local_epochs} epochs)")
     if header.steps < 0:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 0")
+    expected, described = mode.expected_layout(header)
+    if not specs_match(header.tensors, expected):
+        _refuse_tensors(header, config, expected, described)
+    if header.total_bytes != expected.total_bytes:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"total_bytes={header.total_bytes} but the tensors need {expected.total_bytes}")
+    metrics = dict(header.metrics)
+    if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
+    slot.status, slot.upload_bytes = "uploading", expected.total_bytes
+    return UploadTicket(state, slot, int(header.num_examples), metrics, expected, mode)
+
+
+def _refuse_tensors(header: pb.UploadHeader, config: CoordinatorConfig, expected: ModelLayout,
+                    described: str) -> NoReturn:
+    """Refuse a header whose tensors are not ``expected``'s, saying what is wrong with them."""
     try:
         layout = layout_from_pb(header.tensors, config.max_model_bytes)
     except ModelTooLarge as exc:
@@ -49,17 +67,5 @@ def open_ticket(state: RoundState | None, mode: RoundMode | None, agent: AgentRe
                       "the update was not applied") from None
     except CodecError as exc:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"bad tensor header: {exc}") from None
-    expected, described = mode.expected_layout(header)
-    problem = layout.mismatch(expected)
-    if problem:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"update does not match {described}: {problem}")
-    if header.total_bytes != layout.total_bytes:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"total_bytes={header.total_bytes} but the tensors need {layout.total_bytes}")
-    metrics = dict(header.metrics)
-    if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
-    slot.status, slot.upload_bytes = "uploading", expected.total_bytes
-    return UploadTicket(state, slot, int(header.num_examples), metrics, expected, mode)
+    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"update does not match {described}: {layout.mismatch(expected) or 'its tensors differ'}")

@@ -93,7 +93,7 @@ def build_agent(cfg: WorkerConfig, spec: AgentSpec, task: Task, compute_lock: th
                               seconds_per_step_delay=spec.step_delay, compute_lock=compute_lock)
     agent_cfg = AgentConfig(server=cfg.server, agent_id=spec.agent_id, poll_seconds=cfg.poll_seconds,
                             drop_probability=spec.drop_probability, give_up_after=60.0,
-                            credentials=channel_credentials(files) if files else None,
+                            credentials=channel_credentials(files) if files else None, insecure=not files,
                             data_tls=client_ssl_context(files) if files else None,
                             seed=cfg.seed * 1_000_003 + zlib.crc32(spec.agent_id.encode()))  # own drops and jitter
     return Agent(agent_cfg, trainer)

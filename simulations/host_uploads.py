@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -57,12 +58,13 @@ class _Queued:
 
 class HostUploads:
     """Batches a host's small updates into UploadHostUpdates calls of at most ``max_bytes`` each (one thread); a
-    batch waits up to ``linger`` seconds for more updates after its first."""
+    batch waits up to ``linger`` seconds for more updates after its first, while ``more_coming()`` says the seats
+    are still making some (the last updates of a round go at once)."""
 
     def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
-                 max_updates: int = 512):
+                 max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
-        self.max_updates, self.linger = max_updates, linger
+        self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: queue.Queue = queue.Queue()
         self.refused_in_background = 0  # updates sent with send_later that did not count
         self._thread = threading.Thread(target=self._run, name="fedpar-host-uploads", daemon=True)
@@ -90,8 +92,10 @@ class HostUploads:
             batch, size, stop = [first], first.message.ByteSize(), False
             until = time.monotonic() + self.linger
             while len(batch) < self.max_updates:
-                try:
-                    item = self._queue.get(timeout=max(0.0, until - time.monotonic()))
+                try:  # a seat queues its update before it stops counting as more to come
+                    wait = self.more_coming()
+                    item = self._queue.get(timeout=max(0.0, until - time.monotonic())) if wait \
+                        else self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:

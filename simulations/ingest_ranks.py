@@ -21,11 +21,13 @@ from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ingest_rank import IngestRank
 from fedpar.server.rank_group import RankGroup
+from fedpar.tasks.reference import load_task
 
 
 @dataclass
 class IngestRankSpec:
-    """What a spawned rank builds: the coordinator's settings, model, strategy, and the TLS certificates if any."""
+    """What a spawned rank builds: the coordinator's settings, model (the zoo's for ``model``/``dataset``, or
+    ``task`` made with ``task_options``), strategy, and the TLS certificates if any."""
 
     config: CoordinatorConfig
     model: str
@@ -35,13 +37,23 @@ class IngestRankSpec:
     strategy: str
     strategy_options: dict
     certs_dir: str | None = None
+    task: str | None = None
+    task_options: dict = dataclasses.field(default_factory=dict)
+
+
+def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:
+    """The rank's model: its weight names and first weights, with no central evaluation (a task's client and test
+    data are not asked for)."""
+    if spec.task:
+        return CoordinatorAssembly.for_task(load_task(spec.task, spec.task_options), spec.seed, None)
+    return CoordinatorAssembly.for_data(spec.model, load_dataset(spec.dataset, spec.data_dir), spec.seed, None)
 
 
 def _rank_main(rank: int, world: int, port: int, spec: IngestRankSpec) -> None:
     """A spawned process: join the group, then serve as aggregator rank ``rank`` until rank 0 stops."""
     torch.set_num_threads(1)
     join_gloo_group(rank, world, port, spec.config.aggregator_timeout_seconds)
-    assembly = CoordinatorAssembly.for_data(spec.model, load_dataset(spec.dataset, spec.data_dir), spec.seed, None)
+    assembly = _assembly(spec)
     strategy = build_strategy(spec.strategy, **spec.strategy_options)
     files = server_tls_files(spec.certs_dir) if spec.certs_dir else None
     ingest = IngestRank(spec.config, assembly.names, assembly.weights, strategy,

@@ -75,12 +75,11 @@ def check_virtual_clients(cfg: SimulationConfig) -> None:
 
 
 def check_task(cfg: SimulationConfig) -> None:
-    """ValueError for settings a --task run cannot honour yet (they need the zoo's in-memory arrays)."""
-    if not cfg.task:
-        return
-    for on, what in ((cfg.client_batching, "--client-batching"), (cfg.aggregator_ranks > 1, "--aggregator-ranks > 1")):
-        if on:
-            raise ValueError(f"--task does not work with {what} yet; drop it (the zoo's --model/--dataset do)")
+    """ValueError for settings a --task run cannot honour."""
+    if cfg.task and cfg.client_batching:
+        raise ValueError("--task does not work with --client-batching: it steps the clients' stacked models with "
+                         "plain SGD on per-example losses masked for padding, and a task's loss (one mean per "
+                         "batch), optimizer and loader do not stack; drop --client-batching")
 
 
 def check_clock(cfg: SimulationConfig) -> None:
@@ -208,7 +207,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         rounds=cfg.rounds, clients_per_round=k, min_reports=cfg.min_reports,
         min_available=min(cfg.clients, k) if cfg.trace else cfg.clients,  # with availability, never all at once
         overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, seed=cfg.seed, heartbeat_seconds=2.0,
+        batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, client_eval_every=cfg.client_eval_every,
+        seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
         upload_compression=upload_compression(cfg), aggregator_ranks=cfg.aggregator_ranks,
         metrics_path=out / "metrics.jsonl" if out else None, accept_populations=cfg.virtual_clients,
@@ -229,7 +229,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     if cfg.aggregator_ranks > 1:
         ranks = IngestRanks(cfg.aggregator_ranks, IngestRankSpec(
             coord_cfg, cfg.model, cfg.dataset, cfg.data_dir, cfg.seed, cfg.strategy, cfg.strategy_options,
-            certs.name if certs else None))
+            certs.name if certs else None, cfg.task, cfg.task_options))
     server = assembly.server(coord_cfg, strategy, on_round_end=callbacks,
                              admission=Admission(require_certificate=cfg.tls),
                              credentials=server_credentials(server_tls_files(certs.name)) if certs else None,

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint every round and resume from here")
     p.add_argument("--metrics", type=Path, help="metrics.jsonl path")
     p.add_argument("--memory-file", type=Path, help="append this process's memory as JSON lines here")
-    p.add_argument("--linger", type=float, default=3.0, help="seconds to keep serving 'shutdown' after the last round")
+    p.add_argument("--linger", type=float, default=3.0,
+                   help="at most this many seconds to keep serving 'shutdown' after the last round, "
+                   "until every live agent has heard it")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     names, weights = synthetic_model(args.params)
@@ -79,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_bytes(args.port_file, [f"{server.port}\n".encode()])
     try:
         server.wait()
-        time.sleep(args.linger)
+        linger_until = time.monotonic() + args.linger
+        while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:
+            time.sleep(0.05)
     finally:
         server.stop()
     return 0

@@ -84,6 +84,16 @@ def default_batches(dataset: Any, batch_size: int, generator: torch.Generator | 
         yield tuple(t[idx] for t in tensors)
 
 
+def batch_at(dataset: Any, indices: list[int], loader: Any = None) -> Any:
+    """The examples of ``dataset`` at ``indices`` as one batch, in that order: batched by the task's ``loader``
+    when it has one (given just those examples, no generator), else as :func:`default_batches` batches them."""
+    tensors = in_memory(dataset) if loader is None else None
+    if tensors is not None:
+        idx = torch.as_tensor(indices, dtype=torch.int64, device=tensors[0].device)
+        return tuple(t[idx] for t in tensors)
+    return next(iter((loader or default_batches)(subset(dataset, np.asarray(indices, np.int64)), len(indices), None)))
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``."""
     if isinstance(batch, torch.Tensor):

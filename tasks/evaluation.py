@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedpar.models.evaluation import EvalResult
 from fedpar.task import Task, TaskError
 from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, to_device
 
@@ -64,6 +65,13 @@ def evaluate_task(task: Task, model: nn.Module, dataset: Any, precision: str = "
         return builtin_evaluation(task, model, dataset, precision=precision)
     finally:
         model.train()
+
+
+def task_eval_result(task: Task, model: nn.Module, dataset: Any, precision: str = "fp32") -> EvalResult:
+    """The task's metrics of ``model`` on ``dataset`` as an agent reports them (loss and accuracy apart)."""
+    metrics = evaluate_task(task, model, dataset, precision)
+    loss, accuracy = metrics.pop("loss", None), metrics.pop("accuracy", None)
+    return EvalResult(loss, accuracy, len(dataset), metrics)
 
 
 def named_metrics(task: Task, hook: str, metrics: Any) -> dict[str, float]:

@@ -49,7 +49,15 @@ def classifier_for(model: str, splits: DatasetSplits, dataset: str = "", example
         description["dataset"] = dataset
     return Task(model=lambda: build_model_for_data(model, shape, classes), client_data=client_data,
                 test_data=lambda: splits.test, loss=classification_loss,
+                tp_plan=_mlp_tp_plan if model == "mlp" else None,
                 name=f"{model} on {dataset}" if dataset else model, description=description)
+
+
+def _mlp_tp_plan(model: nn.Module) -> dict:
+    """The zoo MLP's tensor-parallel plan: its Linear layers in column-wise, row-wise pairs (parallel/tp.py)."""
+    from fedpar.parallel.tp import mlp_plan
+
+    return mlp_plan(model)
 
 
 def classifier_module(model: nn.Module) -> Task:

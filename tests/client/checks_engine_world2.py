@@ -18,6 +18,8 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.init import init_distributed
 from fedpar.datasets.clientdata import local_split, partition_indices
+from fedpar.task import ClientData
+from fedpar.tasks.zoo import classifier_for
 
 SPLITS = load_dataset("digits")
 TRAIN, VAL = local_split(SPLITS.train, partition_indices(SPLITS, "iid", 5, 0)[0], 0.1, 0)  # 259: odd
@@ -34,7 +36,8 @@ def _start() -> list[np.ndarray]:
 
 def _engine(**degrees) -> EngineTrainer:
     config = ParallelConfig(**degrees, sequence_parallel=False)
-    return EngineTrainer(_model, "mlp", TRAIN, VAL, init_distributed(), config, shuffle=False, idle_timeout_seconds=60)
+    return EngineTrainer(classifier_for("mlp", SPLITS), ClientData(TRAIN, VAL), init_distributed(), config,
+                         shuffle=False, idle_timeout_seconds=60)
 
 
 def _drive(trainer: EngineTrainer, start: list[np.ndarray], *train_args, **train_kwargs):

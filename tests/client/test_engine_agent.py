@@ -1,6 +1,8 @@
-"""A large-model agent (``fedpar client --nproc 2 --fsdp 2``: two gloo ranks, FSDP2; or one NCCL rank on a GPU)
-next to an ordinary agent, over real gRPC: the new global is the weighted FedAvg of the uploads, and the engine agent's update is what
-single-process training produces from the same global weights on the same data."""
+"""A large-model agent of your own task (``fedpar client --task examples/own_task.py:task --nproc 2 --fsdp 2``: two
+gloo ranks, FSDP2; or one NCCL rank on a GPU) next to an ordinary agent of the same task, over real gRPC: the
+coordinator takes both agents' uploads (the same weight names and shapes as a single-process agent's), the new
+global is the weighted FedAvg of the uploads, and the engine agent's update is what single-process training of the
+task (its loss, its AdamW) produces from the same global weights on the same data."""
 
 from __future__ import annotations
 
@@ -16,28 +18,22 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.client.agent import Agent, AgentConfig
-from fedpar.client.trainer import LocalTrainer
-from fedpar.datasets import load_dataset
+from fedpar.client.task_trainer import TaskTrainer
 from fedpar.models import get_weights, set_weights, weight_specs
-from fedpar.models.for_data import build_model_for_data
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.datasets.clientdata import local_split, partition_indices
+from fedpar.task import Partition
+from fedpar.tasks.reference import load_task
+from support.own_task import EXAMPLE, write_table
 
-PARTS, ENGINE_PART, PLAIN_PART = 5, 0, 2  # share 0 has 259 training examples: odd, so one FSDP rank pads
-EPOCHS, FULL_BATCH, LR = 2, 10_000, 0.1  # full-batch SGD: the result does not depend on the data order
-
-
-def _local(index: int):
-    splits = load_dataset("digits")
-    parts = partition_indices(splits, "iid", PARTS, 0)
-    train, val = local_split(splits.train, parts[index], 0.1, 0)
-    return splits, train, val
+PARTS, ENGINE_PART, PLAIN_PART = 2, 0, 1  # of 320 rows: 115 training examples each, odd, so one FSDP rank pads
+EPOCHS, FULL_BATCH, LR = 2, 10_000, 0.01  # full-batch steps: the result does not depend on the data order
+OPTIONS = {"hidden": 8}
 
 
-def _model(splits) -> torch.nn.Module:
-    return build_model_for_data("mlp", splits.input_shape, splits.num_classes)
+def _data(task, index: int):
+    return task.client_data(Partition(index, PARTS, "", "iid", 0, 0.1))
 
 
 def _recording_fedavg():
@@ -59,11 +55,11 @@ def _recording_fedavg():
     return strategy, globals_, folds
 
 
-def _single_process_update(splits, train, weights) -> tuple[list[np.ndarray], int]:
-    model = _model(splits)
-    set_weights(model, weights)
-    result = LocalTrainer(model, train).train(EPOCHS, FULL_BATCH, LR)
-    return get_weights(model), result.examples
+def _single_process_update(task, data, weights) -> tuple[list[np.ndarray], int]:
+    trainer = TaskTrainer(task, data)
+    set_weights(trainer.model, weights)
+    result = trainer.train(EPOCHS, FULL_BATCH, LR)
+    return get_weights(trainer.model), result.examples
 
 
 # gloo: two CPU ranks under FSDP2 on any machine; nccl: the agent on a GPU, one torchrun rank (NCCL takes one GPU
@@ -81,26 +77,28 @@ ENGINE_LAUNCHES = {
 def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
     launch, tolerance = ENGINE_LAUNCHES[backend]
     start = time.monotonic()
-    splits, engine_train, _ = _local(ENGINE_PART)
-    _, plain_train, plain_val = _local(PLAIN_PART)
+    csv = write_table(tmp_path / "table.csv", rows=320)
+    task = load_task(EXAMPLE, {"csv": str(csv), **OPTIONS})
+    engine_data = _data(task, ENGINE_PART)
     torch.manual_seed(0)
-    init = get_weights(_model(splits))
+    init = get_weights(task.model())
     strategy, globals_, folds = _recording_fedavg()
     config = CoordinatorConfig(rounds=2, clients_per_round=2, min_available=2, overselect=1.0, deadline_seconds=30.0,
                                heartbeat_seconds=1.0, liveness_timeout_seconds=20.0, local_epochs=EPOCHS,
                                batch_size=FULL_BATCH, learning_rate=LR)
-    names = [name for name, _, _ in weight_specs(_model(splits))]
+    specs = weight_specs(task.model())  # what a single-process agent of the task uploads
+    names = [name for name, _, _ in specs]
     server = CoordinatorServer(Coordinator(config, names, init, strategy))
     server.start()
     log = (tmp_path / "engine_agent.log").open("w")
     engine = subprocess.Popen(
         [*launch, "--server", server.address, "--agent-id", "big",
-         "--insecure", "--model", "mlp", "--dataset", "digits", "--num-partitions", str(PARTS),
+         "--insecure", "--task", EXAMPLE, "--task-option", f"csv={csv}",
+         *(a for k, v in OPTIONS.items() for a in ("--task-option", f"{k}={v}")), "--num-partitions", str(PARTS),
          "--partition-index", str(ENGINE_PART), "--poll", "1", "--give-up-after", "30", "--dist-timeout", "60"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    plain_model = _model(splits)
-    plain = Agent(AgentConfig(server=server.address, agent_id="small", poll_seconds=1.0, give_up_after=30.0, seed=0),
-                  LocalTrainer(plain_model, plain_train, plain_val, seed=0))
+    plain = Agent(AgentConfig(insecure=True, server=server.address, agent_id="small", poll_seconds=1.0, give_up_after=30.0, seed=0),
+                  TaskTrainer(task, _data(task, PLAIN_PART), seed=0))
     plain_thread = threading.Thread(target=plain.run, daemon=True)
     plain_thread.start()
     try:
@@ -120,15 +118,16 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
     for round_id in (1, 2):
         uploads = folds[round_id]
         assert set(uploads) == {"big", "small"}
+        assert [(a.shape, a.dtype.name) for a in uploads["big"][0]] == [(shape, dtype) for _, dtype, shape in specs]
         # The new global is the weighted FedAvg of what was uploaded.
         after = globals_[2] if round_id == 1 else server.coordinator.weights
         total = sum(n for _, n in uploads.values())
         for i, new in enumerate(after):
             expected = sum(np.float64(n) * w[i].astype(np.float64) for w, n in uploads.values()) / total
             np.testing.assert_allclose(new, expected, rtol=1e-6, atol=1e-6)
-        # The two-rank FSDP agent uploaded what one process training on the same data would have.
-        reference, examples = _single_process_update(splits, engine_train, globals_[round_id])
+        # The two-rank FSDP agent uploaded what one process training the task on the same data would have.
+        reference, examples = _single_process_update(task, engine_data, globals_[round_id])
         update, reported = uploads["big"]
-        assert reported == examples == EPOCHS * len(engine_train)
+        assert reported == examples == EPOCHS * len(engine_data.train)
         assert max(float(np.abs(a - b).max()) for a, b in zip(update, reference)) < tolerance
     assert time.monotonic() - start < 60

@@ -32,31 +32,29 @@ def _fedpar(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
-def test_train_under_torchrun_takes_its_ranks_from_the_environment(tmp_path: Path):
-    """torchrun starts the ranks and sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*; `fedpar train` only joins them."""
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
-           "OMP_NUM_THREADS": "1"}
-    out = tmp_path / "run"
-    # torch.distributed.run is torchrun's module: found wherever torch is, even when no torchrun script is on PATH.
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",  # loopback
-                           "--nproc_per_node=2", "-m", "fedpar", "train", "--model", "mlp", "--dataset", "digits",
-                           "--epochs", "1", "--fsdp", "2", *GLOO, "--out", str(out)],
-                          capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert (summary["world_size"], summary["backend"], summary["config"]["parallel"]["fsdp"]) == (2, "gloo", 2)
-    assert summary["steps"] == 23 and len(summary["peak_memory_bytes"]) == 2  # ceil(1437 / 64) batches
-    states = summary["model_state_bytes"]
-    assert states[0] == states[1] and summary["test_accuracy"] > 0.5
+# One FSDP run of 3 epochs on 2 ranks, checkpointed every 20 steps: the summary test reads it, and the SIGKILL test
+# compares a killed and resumed run with it (ceil(1437 / 32) = 45 batches per epoch).
+FSDP_STEPS = 3 * 45
 
 
-def test_train_two_ranks_fsdp_writes_metrics_summary_and_plot(tmp_path: Path):
-    out = tmp_path / "run"
-    proc = _fedpar("--model", "mlp", "--dataset", "digits", "--epochs", "2", "--nproc", "2", "--dp-replicate", "1",
-                   "--fsdp", "2", "--batch-size", "32", "--lr", "0.05", "--log-every", "20", "--out", str(out))
+def _fsdp_args(out: Path, *extra: str) -> list[str]:
+    return ["--model", "mlp", "--dataset", "digits", "--epochs", "3", "--nproc", "2", "--dp-replicate", "1",
+            "--fsdp", "2", "--batch-size", "32", "--lr", "0.05", "--log-every", "1", "--checkpoint-every", "20",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The uninterrupted run: its folder and its process."""
+    out = tmp_path_factory.mktemp("fsdp") / "straight"
+    return out, _fedpar(*_fsdp_args(out))
+
+
+def test_train_two_ranks_fsdp_writes_metrics_summary_and_plot(fsdp_run):
+    out, proc = fsdp_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 2 * 45  # ceil(1437 / 32) batches per epoch
+    assert summary["world_size"] == 2 and summary["steps"] == FSDP_STEPS
     assert summary["test_accuracy"] > 0.85  # an MLP reaches ~0.95 on digits in 2 epochs
     assert summary["samples_per_second"] > 0 and summary["wall_seconds"] > 0
     assert len(summary["peak_memory_bytes"]) == 2 and min(summary["peak_memory_bytes"]) > 10 * 2**20
@@ -64,10 +62,10 @@ def test_train_two_ranks_fsdp_writes_metrics_summary_and_plot(tmp_path: Path):
     assert abs(states[0] - states[1]) / states[0] < 0.1  # FSDP: each rank holds half
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["epoch"] for r in evals] == [0, 1]
+    assert [r["epoch"] for r in evals] == [0, 1, 2]
     assert evals[-1]["test_accuracy"] == summary["test_accuracy"]
     train = [r["loss"] for r in records if r["kind"] == "train"]
-    assert train[-1] < train[0]
+    assert len(train) == FSDP_STEPS and train[-1] < train[0]
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "test_accuracy" in proc.stdout
 
@@ -153,26 +151,20 @@ def test_toml_config_with_command_line_overrides(tmp_path: Path):
         train_config_from_dict(load_toml_section(path, "train"))
 
 
-def _train_args(out: Path) -> list[str]:
-    return ["--model", "mlp", "--dataset", "digits", "--max-steps", "240", "--nproc", "2", "--dp-replicate", "1",
-            "--fsdp", "2", "--batch-size", "32", "--lr", "0.05", "--log-every", "1", "--checkpoint-every", "40",
-            "--no-plot", "--out", str(out)]
-
-
-def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_run(tmp_path: Path):
-    straight = tmp_path / "straight"
-    assert _fedpar(*_train_args(straight)).returncode == 0
+def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, fsdp_run):
+    straight, proc = fsdp_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
     crashed = tmp_path / "crashed"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "train", *GLOO, *_train_args(crashed)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "train", *GLOO, *_fsdp_args(crashed, "--no-plot")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     metrics = crashed / "metrics.jsonl"
     deadline = time.monotonic() + 300
     try:
         # Kill the whole process group (launcher and both ranks) once a checkpoint exists and training went on.
         while time.monotonic() < deadline and proc.poll() is None:
             steps = [json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-            if steps and max(steps) >= 90:
+            if steps and max(steps) >= 30:
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
             time.sleep(0.02)
@@ -182,19 +174,21 @@ def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
     assert not (crashed / "summary.json").exists()
-    resumed = _fedpar(*_train_args(crashed))
+    resumed = _fedpar(*_fsdp_args(crashed, "--no-plot"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = json.loads((straight / "summary.json").read_text())
     b = json.loads((crashed / "summary.json").read_text())
-    assert b["resumed_from_step"] in (40, 80, 120, 160, 200) and b["steps"] == a["steps"] == 240
+    assert b["resumed_from_step"] in range(20, FSDP_STEPS, 20) and b["steps"] == a["steps"] == FSDP_STEPS
     assert b["test_accuracy"] == a["test_accuracy"]
 
-    def losses(out: Path) -> dict[int, float]:
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    def rows(out: Path, kind: str) -> dict[int, dict]:
+        return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if r["kind"] == kind}
 
-    la, lb = losses(straight), losses(crashed)
-    assert all(la[s] == lb[s] for s in la if s > b["resumed_from_step"])  # bit-identical after the resume
+    la, lb = rows(straight, "train"), rows(crashed, "train")
+    assert all(la[s]["loss"] == lb[s]["loss"] for s in la if s > b["resumed_from_step"])  # bit-identical
+    ea, eb = rows(straight, "eval"), rows(crashed, "eval")
+    assert all(ea[s] == eb[s] for s in ea if s > b["resumed_from_step"])  # the epochs' evaluations too
 
 
 # ------------------------------------------------- config files with nested tables, start-up validation
@@ -309,18 +303,26 @@ def test_mixed_precision_resolves_to_what_really_applies():
     assert not uses_autocast("bf16", ParallelConfig(dp=1, fsdp=2), "cuda")
 
 
-def test_train_gpt_pipeline_from_a_config_file_two_ranks(tmp_path: Path):
-    """One real launch: `fedpar train --config` whose [train.parallel] asks for --pp 2 trains a pipelined GPT."""
+def test_train_under_torchrun_takes_its_ranks_from_the_environment_and_a_pipeline_from_a_config_file(
+        tmp_path: Path):
+    """One real launch: torchrun starts the ranks and sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*, and `fedpar train
+    --config`, whose [train.parallel] asks for --pp 2, only joins them and trains a pipelined GPT."""
     out = tmp_path / "run"
     toml = tmp_path / "train.toml"
     toml.write_text(f'[train]\nmodel = "gpt"\ndataset = "text"\ndata_path = "{_tiny_text(tmp_path)}"\n'
                     'batch_size = 8\nblock_size = 16\nlr = 0.003\noptimizer = "adamw"\neval_batches = 0\n'
                     '[train.parallel]\ndp_replicate = 1\npp = 2\nmicrobatches = 2\npp_schedule = "gpipe"\n'
                     '[train.model_kwargs]\nn_layer = 2\nn_head = 2\nd_model = 32\n')
-    proc = _fedpar("--config", str(toml), "--nproc", "2", "--max-steps", "6", "--log-every", "3", "--no-plot",
-                   "--out", str(out), timeout=300)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+           "OMP_NUM_THREADS": "1"}
+    # torch.distributed.run is torchrun's module: found wherever torch is, even when no torchrun script is on PATH.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",  # loopback
+                           "--nproc_per_node=2", "-m", "fedpar", "train", "--config", str(toml), *GLOO,
+                           "--max-steps", "6", "--log-every", "3", "--no-plot", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    assert (summary["world_size"], summary["backend"], len(summary["peak_memory_bytes"])) == (2, "gloo", 2)
     par = summary["config"]["parallel"]
     assert (par["pp"], par["microbatches"], par["pp_schedule"], par["dp"]) == (2, 2, "gpipe", 1)
     assert summary["config"]["model_kwargs"] == {"n_layer": 2, "n_head": 2, "d_model": 32}

@@ -28,6 +28,7 @@ def test_round_trip_sends_only_what_is_set_and_reads_as_that_mapping():
     assert TaskSettings.from_json(settings.to_json()) == settings == dict(settings)
     assert settings["dp_clip_norm"] == 2.0 and "int8_block" not in settings and "secure_aggregation" not in settings
     assert TaskSettings.from_json('{"secure_aggregation": true}').secure_aggregation is True
+    assert TaskSettings(evaluate=False).to_json() == '{"evaluate": false}' and TaskSettings().evaluate is True
     flower = TaskSettings(fit_config={"epochs": 2, "lr": 0.1, "tag": "x", "warm": True})  # a Flower strategy's
     assert TaskSettings.from_json(flower.to_json()).fit_config == {"epochs": 2, "lr": 0.1, "tag": "x", "warm": True}
 
@@ -44,6 +45,7 @@ def test_round_trip_sends_only_what_is_set_and_reads_as_that_mapping():
     ('{"dp_local_noise": 0.5}', "dp_local_noise needs dp_clip_norm"),
     ('{"dp_clip_norm": 1, "dp_local_noise": -1}', "dp_clip_norm > 0 and dp_local_noise >= 0"),
     ('{"secure_aggregation": 1}', "secure_aggregation must be true or false"),
+    ('{"evaluate": "no"}', "evaluate must be true or false"),
     ('{"secure_aggregation": true, "compression": "fp16"}', "neither compression nor client-side DP"),
     ('{"fit_config": [1]}', "fit_config must be an object"),
     ('{"fit_config": {"a": [1]}}', "fit_config 'a' must be a bool, int, finite float or str"),
@@ -72,7 +74,7 @@ def test_the_coordinator_side_builds_settings_from_strategy_and_round_mode():
 def test_an_agent_refuses_a_task_whose_settings_it_does_not_know_before_training():
     rng = np.random.default_rng(0)
     data = ArrayDataset(rng.standard_normal((20, 4)).astype(np.float32), rng.integers(0, 3, 20))
-    agent = Agent(AgentConfig(server="127.0.0.1:1", agent_id="a"), LocalTrainer(nn.Linear(4, 3), data))
+    agent = Agent(AgentConfig(insecure=True, server="127.0.0.1:1", agent_id="a"), LocalTrainer(nn.Linear(4, 3), data))
     try:
         task = pb.TrainTask(round=1, task_id="t", deadline_seconds=5.0, extra_json='{"compression": "fp16", "x": 1}')
         assert agent._run_task(task) is True  # the task is done with: no download, no training, no upload

@@ -28,7 +28,9 @@ from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.messages import channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
+from fedpar.tasks.reference import load_task
 from support.digit_agents import start_digit_agents
+from support.own_task import EXAMPLE, write_table
 from support.scripted_agent import ScriptedAgent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,9 +109,12 @@ def _rows(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[np.ndarray], list[dict], list[int]]:
-    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks; the final model, the rows, each agent's ranks."""
-    layout = _layout()
+def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str,
+                layout: ModelLayout | None = None) -> tuple[list[np.ndarray], list[dict], list[int]]:
+    """Serve ``rounds`` rounds of 4 agents on ``ranks`` ranks (of a model of ``layout``; default: the mlp on
+    digits); the final model, the rows, each agent's ranks."""
+    layout = layout or _layout()
+    names = [t.name for t in layout.tensors]
     proc = _serve(tmp, ranks, "--rounds", str(rounds), "--clients-per-round", "4", *flags)
     dealt = []
     try:
@@ -122,8 +127,10 @@ def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[n
                 dealt.append(1 if task.ingest_port else 0)
                 weights = agent.fetch(task, layout)
                 reply = agent.send(task, _update(agent.agent_id, round_id, weights), EXAMPLES[agent.agent_id],
-                                   NAMES)
+                                   names)
                 assert reply.accepted, reply.message
+        for agent in agents:  # told on their next poll: serve then exits without lingering
+            assert agent.shutdown_reason() == f"training finished after round {rounds}"
         assert proc.wait(60) == 0, (tmp / "serve.log").read_text()
     finally:
         if proc.poll() is None:
@@ -133,9 +140,15 @@ def _run_rounds(tmp: Path, ranks: int, rounds: int, *flags: str) -> tuple[list[n
 
 def test_two_ranks_give_the_one_rank_models_bit_for_bit_with_agents_spread_over_both(tmp_path):
     # float64 running sums: rank 0 folds a0 + a2, rank 1 a1 + a3, one rank a0 + a1 + a2 + a3, and each of these
-    # float64 sums of weighted float32 values is exact here, so the order cannot show (float32 sums differ by 1e-7)
-    one, rows1, dealt1 = _run_rounds(tmp_path / "one", 1, 2, "--fold-dtype", "float64")
-    two, rows2, dealt2 = _run_rounds(tmp_path / "two", 2, 2, "--fold-dtype", "float64")
+    # float64 sums of weighted float32 values is exact here, so the order cannot show (float32 sums differ by 1e-7).
+    # The model is a user's task: every rank loads it by reference for the weight names and shapes.
+    csv = write_table(tmp_path / "table.csv")
+    assembly = CoordinatorAssembly.for_task(load_task(EXAMPLE, {"csv": str(csv)}), 0, None)
+    task = ["--fold-dtype", "float64", "--task", EXAMPLE, "--task-option", f"csv={csv}"]
+    layout = ModelLayout.of_arrays(assembly.names, assembly.weights)
+    one, rows1, dealt1 = _run_rounds(tmp_path / "one", 1, 2, *task, layout=layout)
+    two, rows2, dealt2 = _run_rounds(tmp_path / "two", 2, 2, *task, layout=layout)
+    assert [a.shape for a in two] == [w.shape for w in assembly.weights]
     assert dealt1 == [0] * 8 and sorted(dealt2) == [0] * 4 + [1] * 4  # two agents on each rank, every round
     for a, b in zip(one, two):
         assert a.dtype == b.dtype == np.float32
@@ -185,6 +198,8 @@ def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_pa
         model2 = agents["a1"].fetch(tasks["a1"], layout)
         for a in ("a0", "a1", "a2"):
             assert agents[a].send(tasks[a], _update(a, 3, model2), EXAMPLES[a], NAMES).accepted
+        for agent in agents.values():
+            assert agent.shutdown_reason() == "training finished after round 3"
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
     finally:
         if proc.poll() is None:
@@ -276,6 +291,8 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
             update = _update(agent.agent_id, 1, agent.fetch(task, layout))
             assert agent.send(task, update, EXAMPLES[agent.agent_id], NAMES).accepted
         assert sorted(ports) == [0, 0, port + 1, port + 1]
+        for agent in agents:
+            assert agent.shutdown_reason() == "training finished after round 1"
         for node in nodes:
             assert node.wait(90) == 0, "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
     finally:
@@ -345,11 +362,14 @@ def test_what_cannot_be_split_over_ranks_is_refused_with_the_reason(strategy, se
         check_ranks_supported(2, build_strategy(strategy), secure, share)
 
 
-def test_serve_refuses_a_strategy_it_cannot_split_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "fedpar", "serve", "--insecure", "--aggregator-ranks", "2",
-                             "--strategy", "krum", "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("fedpar serve: strategy 'krum' cannot be split")
+def test_serve_refuses_a_strategy_it_cannot_split_in_one_line(tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    assert main(["serve", "--insecure", "--aggregator-ranks", "2", "--strategy", "krum", "--port", "0", "--out",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("fedpar serve: strategy 'krum' cannot be split")
 
 
 def test_the_load_test_swarm_follows_its_tasks_to_both_ranks(tmp_path):

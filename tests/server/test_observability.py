@@ -258,3 +258,22 @@ def test_progress_bar_shows_a_rounds_uploads_and_deadline_on_a_terminal_only(sta
     assert pipe.getvalue() == ""  # not a terminal: nothing beside the per-round lines
     assert bot.upload(task, _weights(1), 10, names=NAMES).accepted
     assert server.wait(30)
+
+
+def test_the_csv_table_appends_rows_and_is_rewritten_only_for_a_new_column(tmp_path):
+    import csv
+
+    from fedpar.protocol.run_logs import GrowingCsv, csv_bytes
+
+    path = tmp_path / "metrics.csv"
+    table = GrowingCsv(path)
+    rows = [{"round": 1, "loss": 2.0}]
+    table.write(rows)
+    rows.append({"round": 2, "loss": 1.5})
+    before = path.stat().st_ino
+    table.write(rows)  # same columns: appended in place
+    assert path.stat().st_ino == before and path.read_bytes() == csv_bytes(rows)
+    rows.append({"round": 3, "accuracy": 0.9, "loss": None})  # a new column: the table is rewritten with it
+    table.write(rows)
+    assert path.read_bytes() == csv_bytes(rows)
+    assert [r["accuracy"] for r in csv.DictReader(path.open())] == ["", "", "0.9"]

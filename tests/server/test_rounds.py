@@ -54,6 +54,11 @@ def test_three_agents_produce_the_weighted_mean(start_coordinator, agents):
     for new, exp in zip(server.coordinator.weights, expected):
         assert new.dtype == np.float32
         np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
+    # `fedpar serve` stops lingering once every agent live at the end has heard that training is over
+    for bot in bots:
+        assert not server.coordinator.everyone_told_finished()
+        assert bot.shutdown_reason() == "training finished after round 1"
+    assert server.coordinator.everyone_told_finished()
 
 
 def test_straggler_past_the_deadline_is_excluded_and_refused(start_coordinator, agents):

@@ -13,8 +13,9 @@ from support.simulation_runs import simulate_rows as _rows
 def test_virtual_clients_learn_what_one_agent_per_client_learns_with_their_own_error_feedback(tmp_path):
     # 6 of 12 clients a round for 4 rounds with top-k uploads: most clients are sampled more than once, and each must
     # pick up its own error-feedback residual where it left it (the host keeps them on disk, a seat carries one)
+    # (federated evaluation in every 2nd round only: the agents score the global model in rounds 2 and 4)
     common = dict(clients=12, clients_per_round=6, rounds=4, local_epochs=1, seed=4, slow_fraction=0.2,
-                  slow_step_delay=0.0, compression="topk", topk_ratio=0.05)
+                  slow_step_delay=0.0, compression="topk", topk_ratio=0.05, client_eval_every=2)
     _, agents = _rows(**common, out=str(tmp_path / "agents"))
     summary, virtual = _rows(**common, virtual_clients=True, seats=2, out=str(tmp_path / "virtual"))
     assert summary["failed_rounds"] == 0
@@ -23,6 +24,7 @@ def test_virtual_clients_learn_what_one_agent_per_client_learns_with_their_own_e
         assert v["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
         assert v["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=1e-9)
         assert v["upload_bytes"] == a["upload_bytes"]
+        assert ("federated_eval_accuracy" in v) == ("federated_eval_accuracy" in a) == (v["round"] % 2 == 0)
 
 
 def test_a_residual_store_keeps_each_clients_residual_on_disk(tmp_path):

@@ -30,7 +30,7 @@ def start_digit_agents(port: int, ids: list[str], give_up_after: float = 60.0,
         model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
         local = (trainer(agent_id, model, train, val, seed=i) if trainer is not None
                  else LocalTrainer(model, train, val, seed=i))
-        agents.append(Agent(AgentConfig(server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
+        agents.append(Agent(AgentConfig(insecure=True, server=f"127.0.0.1:{port}", agent_id=agent_id, poll_seconds=1.0,
                                         initial_backoff=0.05, max_backoff=0.3, give_up_after=give_up_after), local))
     return agents, *run_in_threads(agents)
 

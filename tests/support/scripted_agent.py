@@ -35,6 +35,16 @@ class ScriptedAgent:
             assert reply.WhichOneof("kind") != "shutdown_reason", reply.shutdown_reason
         raise TimeoutError(f"{self.agent_id} got no task")
 
+    def shutdown_reason(self, timeout: float = 20.0) -> str:
+        """Long-poll after the last upload until the coordinator says why it stops (no task may come)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            reply = self.stub.PullTask(pb.PullTaskRequest(auth=self.auth, wait_seconds=1.0), timeout=10)
+            assert reply.WhichOneof("kind") != "task", reply
+            if reply.WhichOneof("kind") == "shutdown_reason":
+                return reply.shutdown_reason
+        raise TimeoutError(f"{self.agent_id} was not told to stop")
+
     def download(self, task: pb.TrainTask, layout: ModelLayout) -> list[np.ndarray]:
         """The round's global weights."""
         return download_weights(self.stub, self.auth, task, layout, self.max_chunk, timeout=60)

@@ -67,3 +67,13 @@ def test_own_task_served_to_a_client_agent(tmp_path):
     assert serve.returncode == 0, serve_out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok"] and "test_accuracy" in rows[-1]
+
+
+def test_a_federation_in_python_without_the_cli():
+    import runpy
+    from pathlib import Path
+
+    example = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "in_python.py"))
+    rows = example["run"](rounds=2)
+    assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(1, "ok", 2), (2, "ok", 2)]
+    assert rows[-1]["test_accuracy"] > 0.5

@@ -35,9 +35,15 @@ def _one_line(argv: list[str], capsys) -> str:
     (["--task", "fedpar.tasks.zoo:classifier_for"], "needs --task-option model=..."),
     (["--task-option", "csv=t.csv"], "--task-option needs --task"),
     (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "3"], "--batch-size 64 (global) must be divisible by the "
-                                                                 "3 ranks"),
-    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "2", "--tp", "2"], "a task trains with DDP only for now; "
-                                                                             "drop --tp"),
+                                                                 "3 data-parallel ranks"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--task-option", "model=cnn", "--nproc", "2", "--tp", "2"],
+     "task 'cnn on digits' declares no tensor-parallel plan (Task.tp_plan), so --tp does not apply to it; drop --tp, "
+     "or give the task a tp_plan"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "2", "--pp", "2"],
+     "task 'mlp on digits' declares no pipeline stages, so --pp does not apply to it; spread the model with --fsdp "
+     "(or --tp with a tp_plan) instead"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--fsdp", "2"],
+     "cannot infer --dp-replicate: world size 1 is not divisible by the product 2"),
 ])
 def test_task_mistakes_are_one_line(argv, message, capsys, tmp_path):
     assert message in _one_line(["train", *argv, "--out", str(tmp_path)], capsys)
@@ -67,13 +73,34 @@ def test_a_zoo_task_by_module_reference_trains_centrally(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_simulate_refuses_what_a_task_cannot_do_yet(tmp_path, capsys):
+def test_simulate_refuses_client_batching_with_a_task_saying_why(tmp_path, capsys):
     line = _one_line(["simulate", "--task", "fedpar.tasks.zoo:classifier", "--client-batching", "--out",
                       str(tmp_path)], capsys)
-    assert line == ("fedpar simulate: --task does not work with --client-batching yet; drop it (the zoo's "
-                    "--model/--dataset do)")
+    assert line == ("fedpar simulate: --task does not work with --client-batching: it steps the clients' stacked "
+                    "models with plain SGD on per-example losses masked for padding, and a task's loss (one mean per "
+                    "batch), optimizer and loader do not stack; drop --client-batching")
 
 
 def test_the_readme_shows_the_example_as_it_is():
     example = (ROOT / "examples" / "own_task.py").read_text()
     assert example[example.index("from dataclasses"):] in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("task, flags, message", [
+    ("hooked", ["--nproc", "2", "--fsdp", "2"], "has its own train hook, which trains in one process; drop --nproc "
+                                                "and the engine options (--fsdp, --dp-replicate, --tp; and torchrun)"),
+    ("fedpar.tasks.zoo:classifier", ["--task-option", "model=cnn", "--nproc", "2", "--tp", "2"],
+     "task 'cnn on digits' declares no tensor-parallel plan (Task.tp_plan), so --tp does not apply to it"),
+])
+def test_a_large_model_agent_refuses_what_its_task_cannot_do_in_one_line(task, flags, message, tmp_path, capsys):
+    if task == "hooked":
+        hooked = tmp_path / "hooked.py"
+        hooked.write_text("import torch\nfrom torch import nn\nfrom fedpar import ClientData, Task\n"
+                          "def task():\n"
+                          "    data = torch.utils.data.TensorDataset(torch.zeros(4, 2),\n"
+                          "                                          torch.zeros(4, dtype=torch.long))\n"
+                          "    return Task(model=lambda: nn.Linear(2, 2), client_data=lambda p: ClientData(data),\n"
+                          "                train=lambda *a: (0, {}), loss=nn.functional.cross_entropy)\n")
+        task = f"{hooked}:task"
+    line = _one_line(["client", "--insecure", "--agent-id", "a", "--task", task, *flags], capsys)
+    assert line.startswith("fedpar client: task ") and message in line

@@ -150,3 +150,22 @@ def test_the_zoo_gpt_is_a_task_on_a_text_file(tmp_path):
     result = trainer.train(1, 4, 0.1)
     assert result.steps == math.ceil(trainer.num_examples / 4) and math.isfinite(result.loss)
     assert set(trainer.evaluate().as_metrics()) == {"eval_loss", "eval_examples"}  # token scores: no accuracy
+
+
+def test_the_engines_batch_of_given_examples_is_what_the_built_in_loop_would_batch():
+    from torch.utils.data import TensorDataset
+
+    from fedpar.tasks.data import batch_at
+
+    slow = Regression(10)
+    fast = TensorDataset(slow.x, slow.y)
+    picked = [7, 2, 5]
+    for dataset in (slow, fast):  # by a DataLoader, and by indexing the tensors
+        x, y = batch_at(dataset, picked)
+        assert torch.equal(x, slow.x[picked]) and torch.equal(y, slow.y[picked])
+
+    def doubled(dataset, batch_size, generator):  # a task's own loader collates the examples it is given
+        yield from ((x * 2, y) for x, y in torch.utils.data.DataLoader(dataset, batch_size=batch_size))
+
+    x, y = batch_at(fast, picked, doubled)
+    assert torch.equal(x, 2 * slow.x[picked]) and torch.equal(y, slow.y[picked])

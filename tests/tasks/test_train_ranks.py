@@ -1,4 +1,5 @@
-"""`fedpar train --task --nproc 2`: the task's model, data and loss on two DDP ranks (gloo), a real 2-rank run."""
+"""`fedpar train --task --nproc 2 --fsdp 2`: the task's model, data, loss and optimizer on two FSDP2 ranks of the
+engine (gloo), a real 2-rank run."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from fedpar.cli.main import main
 from support.own_task import EXAMPLE, write_table
 
 
-def test_two_ddp_ranks_take_the_full_batch_steps_one_process_takes(tmp_path, capsys):
-    # 240 training rows in one batch: each rank steps on its 120 and DDP averages their gradients, which is the
-    # gradient of the mean over all 240, so AdamW moves both runs' weights alike
+def test_two_fsdp_ranks_take_the_full_batch_steps_one_process_takes(tmp_path, capsys):
+    # 240 training rows in one batch: each rank steps on its 120 and FSDP averages their gradients, which is the
+    # gradient of the mean over all 240, so AdamW (on each rank's shard) moves both runs' weights alike
     csv = write_table(tmp_path / "table.csv")
     common = ["train", "--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=8", "--epochs", "3",
               "--lr", "0.05", "--batch-size", "240", "--no-plot"]
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
-    assert main([*common, "--nproc", "2", "--out", str(tmp_path / "two")]) == 0
+    assert main([*common, "--nproc", "2", "--fsdp", "2", "--out", str(tmp_path / "two")]) == 0
     one, two = load_file(tmp_path / "one" / "global.safetensors"), load_file(tmp_path / "two" / "global.safetensors")
     assert one.keys() == two.keys()
     for name in one:
@@ -39,4 +40,5 @@ def test_a_task_with_its_own_train_hook_is_refused_on_ranks_in_one_line(tmp_path
                     "                train=lambda *a: (0, {}), loss=nn.functional.cross_entropy)\n")
     assert main(["train", "--task", f"{hook}:task", "--nproc", "2", "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip().endswith("has its own train hook, which trains in one process; drop "
-                                                    "--nproc (and torchrun)")
+                                                    "--nproc and the engine options (--fsdp, --dp-replicate, --tp; "
+                                                    "and torchrun)")

@@ -1,0 +1,49 @@
+"""A host's upload batches: updates queued while seats are still training wait (up to the linger) to go together;
+once no seat is making one, what is queued goes at once. The stub here only records the calls (the batches' real
+gRPC path is tested in tests/server/test_populations.py and by every virtual-client simulation)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.simulations.host_uploads import HostUploads
+
+
+class _RecordingStub:
+    def __init__(self):
+        self.batches: list[tuple[float, int]] = []
+        self.sent = threading.Event()
+
+    def UploadHostUpdates(self, request, timeout):  # noqa: N802 (gRPC's method name)
+        self.batches.append((time.monotonic(), len(request.uploads)))
+        self.sent.set()
+        return pb.HostUploadResults(results=[pb.HostUploadResult(accepted=True) for _ in request.uploads])
+
+
+def _message(i: int) -> pb.SmallUpload:
+    return pb.SmallUpload(header=pb.UploadHeader(task_id=f"t{i}"), data=b"x" * 8)
+
+
+def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_none_are():
+    more = threading.Event()
+    more.set()
+    stub = _RecordingStub()
+    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20, linger=0.5,
+                          more_coming=more.is_set)
+    try:
+        start = time.monotonic()
+        uploads.send_later(None, _message(0), 10.0)
+        time.sleep(0.05)
+        uploads.send_later(None, _message(1), 10.0)  # within the linger: the same call
+        assert stub.sent.wait(5)
+        assert [n for _, n in stub.batches] == [2] and stub.batches[0][0] - start >= 0.45
+        more.clear()  # no seat is training: the round's last update does not wait
+        stub.sent.clear()
+        start = time.monotonic()
+        uploads.send_later(None, _message(2), 10.0)
+        assert stub.sent.wait(5)
+        assert [n for _, n in stub.batches] == [2, 1] and stub.batches[1][0] - start < 0.3
+    finally:
+        uploads.close()
