@@ -55,7 +55,8 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
                   precision: str, after_step: Callable[[], None] | None) -> Trained:
     """Epochs of ``task.loss`` over the task's batches, stepped by its optimizer (or plain SGD), in time."""
     device = torch.device(config.device)
-    model.train()
+    if not model.training:  # fedpar switches modes on the root only; a walk of the module tree costs ~25 us
+        model.train()
     params = trainable(model)
     optimizer = task.optimizer(params, config.learning_rate) if task.optimizer is not None else None
     anchor = [p.detach().clone() for p in model.parameters()] if config.proximal_mu > 0 else None

@@ -45,7 +45,8 @@ log = logging.getLogger("fedpar.simulate")
 JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
 # Seconds a host's upload batch waits for more updates after its first (the round's last ones go at once): a fifth
 # of the margin a seat keeps free before the deadline. Each call costs both ends far more than its bytes (gRPC's
-# per-call work), and measured here 5 -> 50 ms cut a 100-client round of the digits MLP by about a fifth.
+# per-call work); on a quiet machine 5, 20 and 50 ms gave the same 100-client digits round (0.08-0.09 s), on
+# loaded cores 50 ms did best.
 UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
 VIRTUAL_STEP_SECONDS = 0.01  # virtual clock without a trace: a local step's simulated seconds (FedScale's median)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -18,8 +18,11 @@ from fedpar.tasks.data import batch_examples, default_batches, inputs_and_target
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast around forward passes when ``precision`` is bf16, else nothing."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    """bf16 autocast around forward passes when ``precision`` is bf16, else nothing (a disabled torch.autocast
+    still costs about 9 us a step)."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 @torch.no_grad()
