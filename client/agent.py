@@ -27,7 +27,7 @@ from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
-from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, channel_options
+from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, channel_options
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.security.handshake import diagnose_handshake
 from fedpar.security.tls import TlsFiles
@@ -111,6 +111,9 @@ class Agent:
         self.stats = AgentStats()
         # How a small update is sent (a simulation host batches its seats' updates: simulations/host_uploads.py)
         self.send_small: Callable[[CoordinatorStub, pb.SmallUpload, float], pb.UploadReply] = _upload_small
+        # Updates of fewer bytes go whole, in one message, without waiting for admission (a host that batches its
+        # seats' updates takes whole ones up to a chunk: its batch call carries them anyway)
+        self.small_below = SMALL_UPDATE_BYTES
         self.compression = UpdateCompressor(self.layout, seed=zlib.crc32(f"{config.seed}:{config.agent_id}".encode()))
         self._rng = random.Random(config.seed)
         self._auth: pb.AgentAuth | None = None
@@ -335,7 +338,7 @@ class Agent:
         backoff.reset()
         header = upload_header(self._auth, task, upload.layout, result.examples, result.steps, metrics,
                                upload.encoding, upload.encoding_json)
-        single = small_upload(header, upload.layout, upload.arrays, self._max_chunk)
+        single = small_upload(header, upload.layout, upload.arrays, self._max_chunk, self.small_below)
         stub = self.ingest_stub(task)
         while True:
             messages = upload_messages(self._auth, task, upload.layout, upload.arrays, result.examples, result.steps,

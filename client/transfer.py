@@ -123,9 +123,10 @@ def upload_header(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, n
 
 
 def small_upload(header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[np.ndarray],
-                 max_chunk_bytes: int) -> pb.SmallUpload | None:
-    """The update as one SmallUpload message, or None if it is too large for one (it is then streamed)."""
-    if layout.total_bytes >= SMALL_UPDATE_BYTES or layout.total_bytes > max_chunk_bytes:
+                 max_chunk_bytes: int, small_below: int = SMALL_UPDATE_BYTES) -> pb.SmallUpload | None:
+    """The update as one SmallUpload message when it has fewer than ``small_below`` bytes and fits a chunk, else
+    None (it is then streamed)."""
+    if layout.total_bytes >= small_below or layout.total_bytes > max_chunk_bytes:
         return None
     data = wire_bytes(arrays)
     if len(data) != layout.total_bytes:

@@ -307,6 +307,7 @@ class PopulationHost:
                 # top-k's error feedback must know whether the update counted; other updates travel while the
                 # seat trains its next client
                 seat.send_small = self.uploads.send if settings.compression == "topk" else self.uploads.send_later
+                seat.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
                 seat.run_task_as(auth, task, self.max_chunk, self._round_weights(seat, auth, task))
                 residuals.save(member, seat.compression.take_residual())  # the member's own error feedback
             except Exception:  # one member's failure must not stop the seat
