@@ -5,7 +5,8 @@ One command: ``.venv/bin/python benchmarks/population_bench.py`` (``--quick``: 1
 For each population N it runs, each in a fresh process:
 - `fedpar simulate --virtual-clients` on Synthetic(0.5, 0.5) (FedProx's generated benchmark, --partition natural,
   a median of 5 examples per client, so every population's clients are alike), 100 clients per round, one
-  local epoch, 2 worker processes, no federated evaluation (`--client-eval-every 0`, as the floor has none): time to the first round's start, steady round seconds (median of rounds
+  local epoch, 2 worker processes, no federated evaluation (`--client-eval-every 0`, as the floor has none):
+  time to the first round's start, steady round seconds (median of rounds
   2..R), and the peak memory of the whole process tree (sum of the processes' PSS, sampled every 0.2 s);
 - the floor: the same rounds (same data, cohorts, seeds and local SGD) as one plain PyTorch loop, no service.
 It prints the round time as a ratio to the floor's (the cost of going through the real service, per round of

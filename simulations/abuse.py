@@ -227,7 +227,8 @@ def honest_agent(address: str, agent_id: str, train_seconds: float, credentials=
     rng = np.random.default_rng(seed)
     data = ArrayDataset(rng.standard_normal((64, 16)).astype(np.float32), rng.integers(0, 4, 64))
     config = AgentConfig(server=address, agent_id=agent_id, poll_seconds=2.0, give_up_after=60.0,
-                         credentials=credentials, insecure=credentials is None, data_tls=data_tls, seed=seed, initial_backoff=0.05, max_backoff=0.5)
+                         credentials=credentials, insecure=credentials is None, data_tls=data_tls, seed=seed,
+                         initial_backoff=0.05, max_backoff=0.5)
     return Agent(config, LocalTrainer(tiny_model(), data, seed=seed, seconds_per_step_delay=train_seconds / 2))
 
 

@@ -40,18 +40,19 @@ def _recording_fedavg():
     """FedAvg that keeps each round's global weights and a copy of every update folded in."""
     strategy = build_strategy("fedavg")
     globals_, folds = {}, {}
-    begin, fold = strategy.begin_round, strategy.fold
+    begin, fold_many = strategy.begin_round, strategy.fold_many
 
     def begin_round(round_id, weights):
         globals_[round_id] = [np.array(a) for a in weights]
         folds[round_id] = {}
         begin(round_id, weights)
 
-    def record(update, num_examples, client_id="", **options):
-        folds[strategy.round_id][client_id] = ([np.array(a) for a in update], num_examples)
-        fold(update, num_examples, client_id, **options)
+    def record(items, **options):  # the coordinator folds through fold_many (server/fold_queue.py)
+        for update, num_examples, client_id in items:
+            folds[strategy.round_id][client_id] = ([np.array(a) for a in update], num_examples)
+        return fold_many(items, **options)
 
-    strategy.begin_round, strategy.fold = begin_round, record
+    strategy.begin_round, strategy.fold_many = begin_round, record
     return strategy, globals_, folds
 
 
@@ -97,7 +98,8 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
          *(a for k, v in OPTIONS.items() for a in ("--task-option", f"{k}={v}")), "--num-partitions", str(PARTS),
          "--partition-index", str(ENGINE_PART), "--poll", "1", "--give-up-after", "30", "--dist-timeout", "60"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    plain = Agent(AgentConfig(insecure=True, server=server.address, agent_id="small", poll_seconds=1.0, give_up_after=30.0, seed=0),
+    plain = Agent(AgentConfig(insecure=True,
+                              server=server.address, agent_id="small", poll_seconds=1.0, give_up_after=30.0, seed=0),
                   TaskTrainer(task, _data(task, PLAIN_PART), seed=0))
     plain_thread = threading.Thread(target=plain.run, daemon=True)
     plain_thread.start()

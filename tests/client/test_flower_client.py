@@ -36,7 +36,8 @@ def flower_agents(address: str, ids: list[str], clients=None) -> tuple[list[Agen
         if clients is not None:
             clients.append(client)
         trainer = FlowerTrainer(client, SPECS)
-        agents.append(Agent(AgentConfig(insecure=True, server=address, agent_id=agent_id, poll_seconds=1.0, initial_backoff=0.05,
+        agents.append(Agent(AgentConfig(insecure=True,
+                                        server=address, agent_id=agent_id, poll_seconds=1.0, initial_backoff=0.05,
                                         max_backoff=0.3, give_up_after=30, seed=i), trainer))
     return agents, *run_in_threads(agents)
 
@@ -104,7 +105,8 @@ def test_fit_config_carries_the_task_and_a_flower_strategys_configure_fit_config
     try:
         inner = load_flower_client(f"{EXAMPLE}:client_fn", flower_context("solo", 0, 1))
         client = RecordingClient(inner)
-        agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="solo", poll_seconds=1.0, initial_backoff=0.05,
+        agent = Agent(AgentConfig(insecure=True,
+                                  server=server.address, agent_id="solo", poll_seconds=1.0, initial_backoff=0.05,
                                   max_backoff=0.3, give_up_after=30), FlowerTrainer(client, SPECS))
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()

@@ -79,7 +79,8 @@ def test_100mb_model_round_trips_bit_exact_through_a_real_agent(start_coordinato
                                min_available=1, deadline_seconds=60)
     assert server.coordinator.data_port  # on by default for a model this large
     data = ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32), rng.integers(0, 4, 32))
-    agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="big", poll_seconds=1.0, give_up_after=20.0),
+    agent = Agent(AgentConfig(insecure=True,
+                              server=server.address, agent_id="big", poll_seconds=1.0, give_up_after=20.0),
                   LocalTrainer(model, data))
     stats = agent.run()
     assert stats.accepted == 1 and stats.refused == 0, stats.refusals
@@ -401,7 +402,8 @@ def test_a_real_agent_retries_a_data_plane_upload_while_the_queue_is_full(start_
     gate = threading.Event()
     trainer = _GatedTrainer(model, ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32),
                                                 rng.integers(0, 4, 32)), gate=gate)
-    agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="eager", poll_seconds=1.0, give_up_after=20.0), trainer)
+    agent = Agent(AgentConfig(insecure=True,
+                              server=server.address, agent_id="eager", poll_seconds=1.0, give_up_after=20.0), trainer)
     runner = threading.Thread(target=agent.run)
     runner.start()
     task = holder.task()

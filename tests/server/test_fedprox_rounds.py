@@ -42,7 +42,8 @@ def test_proximal_mu_reaches_the_agents_trainer_every_round(start_coordinator):
     server = start_coordinator(init, names=[n for n, _, _ in weight_specs(model)],
                                strategy=build_strategy("fedprox", proximal_mu=MU), rounds=2, clients_per_round=1,
                                min_available=1, local_epochs=1, batch_size=8, learning_rate=0.1)
-    agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="prox", poll_seconds=1.0, initial_backoff=0.05,
+    agent = Agent(AgentConfig(insecure=True,
+                              server=server.address, agent_id="prox", poll_seconds=1.0, initial_backoff=0.05,
                               max_backoff=0.3, give_up_after=30, seed=0), trainer)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()

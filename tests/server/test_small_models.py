@@ -163,7 +163,8 @@ def test_a_real_agent_that_drops_out_trains_once_per_round_and_finishes(start_co
                                min_available=1, deadline_seconds=2.0, heartbeat_seconds=0.3)
     # Always vanishes after training: it tells the coordinator it finished, so the task (weights inside) is
     # not handed to it again in the same round.
-    agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="flaky", poll_seconds=0.3, drop_probability=1.0,
+    agent = Agent(AgentConfig(insecure=True,
+                              server=server.address, agent_id="flaky", poll_seconds=0.3, drop_probability=1.0,
                               give_up_after=30, seed=0), trainer)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
