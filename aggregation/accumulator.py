@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.aggregation.kernels import KERNELS, NUMPY_BLOCK_ELEMENTS, Segment, blas_axpy, plan_shards
+from fedpar.aggregation.kernels import (KERNELS, NUMPY_BLOCK_ELEMENTS, Segment, blas_axpy, plan_shards,
+                                       torch_block, torch_splits_ops)
 from fedpar.aggregation.arrays import ShapesAndDtypes, accumulate_dtype_for, all_finite, cast_like, checked_by_blas
 
 
@@ -100,8 +101,13 @@ class WeightedSum:
             self.views.append(self.buffers[d.name][used[d.name]: used[d.name] + size])
             used[d.name] += size
         workers = self.config.workers()
-        parallel = workers > 1 and shapes.num_elements >= self.config.min_parallel_elements
+        # torch with intra-op threads of its own splits each op itself: by default no pool of ours on top
+        torch_kernel = self.config.backend == "torch"
+        own_threads = torch_kernel and self.config.num_workers == 0 and torch_splits_ops()
+        parallel = workers > 1 and shapes.num_elements >= self.config.min_parallel_elements and not own_threads
         self.shards: list[list[Segment]] = plan_shards(sizes, workers if parallel else 1)
+        self._block = torch_block(self.config.block_elements, len(self.shards) > 1) if torch_kernel \
+            else self.config.block_elements
         self.total_weight = 0.0
         self.count = 0
         self._lock = threading.Lock()
@@ -144,7 +150,7 @@ class WeightedSum:
     def _fold_flat(self, flat_items: Sequence[Sequence[np.ndarray]], weights: Sequence[float]) -> None:
         """Add ``sum_k weights[k] * flat_items[k]`` into the accumulator, shard by shard."""
         kernel = KERNELS[self.config.backend]
-        block = self.config.block_elements
+        block = self._block
 
         def fold_shard(k: int) -> None:
             for i, s, e in self.shards[k]:

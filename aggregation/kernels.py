@@ -17,14 +17,18 @@ import numpy as np
 import torch
 
 NUMPY_BLOCK_ELEMENTS = 32768  # the numpy kernel's block (with its w * x scratch, in a core's L2)
-# torch runs element-wise ops inline (no intra-op threads) below this many elements (at::internal::GRAIN_SIZE);
-# the torch kernel stays under it so our own worker pool does not oversubscribe the cores.
+# torch runs element-wise ops inline (no intra-op threads) below this many elements (at::internal::GRAIN_SIZE).
 TORCH_INLINE_ELEMENTS = 32768
 # Where the calling thread has one intra-op thread (every aggregator rank, and torchrun's processes), every op runs
 # inline, and longer blocks cut the per-call overhead, which the pool's threads pay holding the GIL: 1 MiB of float32
 # accumulator, a core's L2 here (measured, K=40 x 10M float32 in groups of 8 on 2 busy cores: 0.67-0.70 of the
 # same numpy read against 0.43 with 32768).
 TORCH_SERIAL_BLOCK_ELEMENTS = 1 << 18
+# Where torch has several intra-op threads (a one-process coordinator), one thread folds and torch splits each add_
+# over its own threads: no pool of ours on top (it would oversubscribe the cores, or, over blocks short enough to
+# run inline, pay a Python call per 32768 elements). Measured, 24 x 10M float32 in groups of 8 on 2 quiet cores:
+# 0.67 / 0.78 of the same numpy read with 2^18 / 2^20 blocks, against 0.48 for the pool over inline blocks.
+TORCH_PARALLEL_BLOCK_ELEMENTS = 1 << 20
 
 Segment = tuple[int, int, int]  # (array index, start, stop) within that array's flat view
 
@@ -80,13 +84,22 @@ def fold_block_torch(acc: np.ndarray, xs: Sequence[np.ndarray], ws: Sequence[flo
             a.add_(x[s:e], alpha=w)
 
 
-def torch_block(block: int) -> int:
-    """The torch kernel's block on the calling thread: ``block`` (0: TORCH_SERIAL_BLOCK_ELEMENTS) where torch runs
-    this thread's ops on one intra-op thread, else at most TORCH_INLINE_ELEMENTS. A thread's torch thread count is
-    its own (set before the thread's first op), so the folds of one accumulator all use the same blocks."""
-    if torch.get_num_threads() == 1:
+def torch_block(block: int, pooled: bool = False) -> int:
+    """The torch kernel's block: ``block``, or by default TORCH_SERIAL_BLOCK_ELEMENTS where torch runs ops on one
+    intra-op thread and TORCH_PARALLEL_BLOCK_ELEMENTS where it splits them itself (:func:`torch_splits_ops`); on
+    the threads of a pool of ours (``pooled``) with such a torch, at most TORCH_INLINE_ELEMENTS, which torch runs
+    inline (no oversubscribed cores)."""
+    if not torch_splits_ops():
         return block or TORCH_SERIAL_BLOCK_ELEMENTS
-    return min(block or TORCH_INLINE_ELEMENTS, TORCH_INLINE_ELEMENTS)
+    if pooled:
+        return min(block or TORCH_INLINE_ELEMENTS, TORCH_INLINE_ELEMENTS)
+    return block or TORCH_PARALLEL_BLOCK_ELEMENTS
+
+
+def torch_splits_ops() -> bool:
+    """Whether torch spreads each element-wise op over several intra-op threads in this process (the torch kernel
+    then folds on one thread, with no pool of ours: aggregation/accumulator.py)."""
+    return torch.get_num_threads() > 1
 
 
 @functools.lru_cache(maxsize=None)
