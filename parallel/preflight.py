@@ -13,7 +13,8 @@ from fedpar.parallel.precision import resolve_precision
 
 
 def preflight(config: TrainConfig, device_type: str) -> str:
-    """Check the data source, precision, data and model shape against the resolved layout; returns the precision to train in.
+    """Check that the data is there, then precision, data and model shape against the resolved layout; returns the
+    precision to train in.
 
     The model is built on the meta device (no memory, no init cost); the data is read only when its shape
     matters (tensor or pipeline parallelism), since every rank reads it again.
