@@ -19,6 +19,8 @@ IDX_FILES = {
 EXPECTED_FILES = ("train.npz and test.npz (arrays x uint8 [N,28,28] and y [N]), or the IDX files "
                   "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
                   "t10k-labels-idx1-ubyte (each may end in .gz)")
+WHERE_TO_GET = ("download the four IDX .gz files from https://ossci-datasets.s3.amazonaws.com/mnist/ (the mirror "
+                "torchvision uses of yann.lecun.com/exdb/mnist) into that folder")
 
 
 def normalize_mnist(images: np.ndarray) -> np.ndarray:
@@ -70,23 +72,34 @@ def _load_split(folder: Path, split: str, use_npz: bool) -> ArrayDataset:
         source = str(path)
     else:
         image_path, label_path = (_find_idx(folder, n) for n in IDX_FILES[split])
-        assert image_path is not None and label_path is not None  # checked by load_mnist
+        assert image_path is not None and label_path is not None  # checked by check_mnist_folder
         images, labels = read_idx(image_path), read_idx(label_path)
         source = f"{image_path.name} + {label_path.name}"
     _check_pair(images, labels, source)
     return ArrayDataset(normalize_mnist(images), labels.astype(np.int64))
 
 
-def load_mnist(data_dir: str | Path) -> DatasetSplits:
-    """MNIST from ``data_dir`` as (N, 1, 28, 28) float32 standardised images; npz files win over IDX files."""
+def check_mnist_folder(data_dir: str | Path) -> bool:
+    """True when ``data_dir`` holds MNIST as train.npz/test.npz, False when as the IDX files; ValueError saying which
+    files are expected and where to get them when the folder or its files are missing (nothing is read)."""
     folder = Path(data_dir)
     if not folder.is_dir():
-        raise FileNotFoundError(f"MNIST folder {folder} does not exist; point it at a folder with {EXPECTED_FILES}")
-    has_npz = all((folder / f).is_file() for f in NPZ_FILES.values())
-    has_idx = all(_find_idx(folder, n) is not None for pair in IDX_FILES.values() for n in pair)
-    if not (has_npz or has_idx):
-        present = sorted(p.name for p in folder.iterdir())[:20]
-        raise FileNotFoundError(f"no MNIST files found in {folder} (it holds {present}); expected {EXPECTED_FILES}")
+        raise ValueError(f"MNIST folder {folder} does not exist; point it at a folder with {EXPECTED_FILES}, or "
+                         f"{WHERE_TO_GET}")
+    if all((folder / f).is_file() for f in NPZ_FILES.values()):
+        return True
+    if all(_find_idx(folder, n) is not None for pair in IDX_FILES.values() for n in pair):
+        return False
+    present = sorted(p.name for p in folder.iterdir())
+    held = f"it holds {', '.join(present[:10])}{', ...' if len(present) > 10 else ''}" if present else "it is empty"
+    raise ValueError(f"no MNIST files in {folder} ({held}); expected {EXPECTED_FILES}: {WHERE_TO_GET}")
+
+
+def load_mnist(data_dir: str | Path) -> DatasetSplits:
+    """MNIST from ``data_dir`` as (N, 1, 28, 28) float32 standardised images; npz files win over IDX files
+    (ValueError as :func:`check_mnist_folder` says when they are missing)."""
+    folder = Path(data_dir)
+    has_npz = check_mnist_folder(folder)
     train = _load_split(folder, "train", has_npz)
     test = _load_split(folder, "test", has_npz)
     if train.x.shape[1:] != test.x.shape[1:]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fedpar.datasets.arrays import DatasetSplits
 from fedpar.datasets.digits import load_digits
-from fedpar.datasets.mnist import EXPECTED_FILES, load_mnist
+from fedpar.datasets.mnist import EXPECTED_FILES, WHERE_TO_GET, load_mnist
 from fedpar.datasets.synthetic import SyntheticSpec, load_synthetic
 from fedpar.datasets.tables import load_csv_table, load_npz_table
 
@@ -21,7 +21,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object
         return load_digits(**kwargs)  # bundled with scikit-learn: data_dir is not used
     if key == "mnist":
         if data_dir is None:
-            raise ValueError(f"mnist needs --data-dir pointing at a folder with {EXPECTED_FILES}")
+            raise ValueError(f"mnist needs --data-dir pointing at a folder with {EXPECTED_FILES}; {WHERE_TO_GET}")
         if kwargs:
             raise ValueError(f"mnist takes no options besides data_dir, got {sorted(kwargs)}")
         return load_mnist(data_dir)

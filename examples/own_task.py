@@ -1,9 +1,10 @@
-"""Your own model and a CSV table, federated by fedpar (and trained centrally as its baseline):
+"""Your own model and a CSV table, federated by fedpar (and trained centrally as its baseline); from the repository
+root, on the table beside this file (examples/make_table.py writes it):
 
-    fedpar simulate --task examples/own_task.py:task --task-option csv=table.csv --clients 4 --rounds 5
-    fedpar train    --task examples/own_task.py:task --task-option csv=table.csv --epochs 5
-    fedpar train    --task examples/own_task.py:task --task-option csv=table.csv --epochs 5 --nproc 2 --fsdp 2
-    fedpar client   --task examples/own_task.py:task --task-option csv=table.csv --nproc 2 --fsdp 2 --agent-id big ...
+    fedpar simulate --task examples/own_task.py:task --task-option csv=examples/table.csv --clients 4 --rounds 5
+    fedpar train    --task examples/own_task.py:task --task-option csv=examples/table.csv --epochs 5
+    fedpar train    --task examples/own_task.py:task --task-option csv=examples/table.csv --epochs 5 --nproc 2 --fsdp 2
+    fedpar client   --task examples/own_task.py:task --task-option csv=examples/table.csv --nproc 2 --fsdp 2 ...
 """
 
 from dataclasses import dataclass

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedpar.datasets import load_digits, load_mnist, load_text
+from fedpar.datasets.mnist import EXPECTED_FILES, WHERE_TO_GET, check_mnist_folder
 
 CLASSIFICATION = "classification"
 LANGUAGE_MODEL = "language_model"
@@ -42,13 +43,24 @@ def text_windows(tokens: np.ndarray, block_size: int) -> tuple[torch.Tensor, tor
     return t[:-1].view(n, block_size).clone(), t[1:].view(n, block_size).clone()
 
 
+def check_data_source(dataset: str, data_path: str) -> None:
+    """ValueError saying what to give when ``dataset`` needs --data-path and it is missing (or, for mnist, is not a
+    folder of MNIST files); reads nothing, so the launcher checks it once before any rank starts."""
+    name = dataset.lower()
+    if name == "text" and not data_path:
+        raise ValueError("--dataset text needs --data-path FILE (any UTF-8 text, e.g. "
+                         "../shared/data/tinyshakespeare/input.txt)")
+    if name == "mnist":
+        if not data_path:
+            raise ValueError(f"--dataset mnist needs --data-path DIR holding {EXPECTED_FILES}; {WHERE_TO_GET}")
+        check_mnist_folder(data_path)
+
+
 def load_train_data(dataset: str, data_path: str, block_size: int, seed: int) -> tuple[TrainData, dict[str, Any]]:
     """Load ``dataset`` and return it with the model keywords its shapes imply (input size, classes, vocab)."""
+    check_data_source(dataset, data_path)
     name = dataset.lower()
     if name == "text":
-        if not data_path:
-            raise ValueError("--dataset text needs --data-path FILE (any UTF-8 text, e.g. "
-                             "../shared/data/tinyshakespeare/input.txt)")
         corpus = load_text(data_path, block_size)
         x, y = text_windows(corpus.train, block_size)
         vx, vy = text_windows(corpus.val, block_size)
@@ -56,8 +68,6 @@ def load_train_data(dataset: str, data_path: str, block_size: int, seed: int) ->
     if name == "digits":
         splits = load_digits(seed=seed)
     elif name == "mnist":
-        if not data_path:
-            raise ValueError("--dataset mnist needs --data-path DIR holding train.npz/test.npz or the IDX files")
         splits = load_mnist(data_path)
     else:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")

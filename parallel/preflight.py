@@ -7,17 +7,19 @@ import torch
 from fedpar.models import build_model
 from fedpar.parallel.compile import check_compile_layout
 from fedpar.parallel.config import TrainConfig
-from fedpar.parallel.data import load_train_data, model_kwargs_for
+from fedpar.parallel.data import check_data_source, load_train_data, model_kwargs_for
 from fedpar.parallel.parallelize import check_model_layout
 from fedpar.parallel.precision import resolve_precision
 
 
 def preflight(config: TrainConfig, device_type: str) -> str:
-    """Check precision, data and model shape against the resolved layout; returns the precision to train in.
+    """Check that the data is there, then precision, data and model shape against the resolved layout; returns the
+    precision to train in.
 
     The model is built on the meta device (no memory, no init cost); the data is read only when its shape
     matters (tensor or pipeline parallelism), since every rank reads it again.
     """
+    check_data_source(config.dataset, config.data_path)
     precision = resolve_precision(config.parallel, device_type)
     pc = config.parallel
     if config.compile:

@@ -35,7 +35,8 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
                             f"(got {', '.join(sorted(options))})")
         task = target
     elif callable(target):
-        task = target(**factory_arguments(ref, target, options))
+        arguments, options = factory_arguments(ref, target, options)
+        task = target(**arguments)
     else:
         raise TaskError(f"--task {ref} is a {type(target).__name__}; it must name a function returning a fedpar.Task")
     if not isinstance(task, Task):
@@ -43,14 +44,14 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
     if task.name == "task":
         task = dataclasses.replace(task, name=ref)
     if not task.description:
-        task.description = {"task": ref, "task_options": {k: str(v) for k, v in options.items()}}
+        task.description = {"task": ref, "task_options": {k: _recorded(v) for k, v in options.items()}}
     task.check()
     return task
 
 
-def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of ``factory`` that ``options`` give: one dataclass argument built from all of them,
-    or typed keyword arguments."""
+def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keyword arguments of ``factory`` that ``options`` give (one dataclass argument built from all of them,
+    or typed keyword arguments), and ``options`` typed as the factory declares them, by field or parameter name."""
     try:
         params = inspect.signature(factory).parameters
         hints = typing.get_type_hints(factory)
@@ -59,21 +60,20 @@ def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> dict[s
     declared = [(name, hints.get(name)) for name in params if dataclasses.is_dataclass(hints.get(name))]
     if len(params) == 1 and declared:
         name, cls = declared[0]
-        return {name: options_dataclass(ref, cls, options)}
+        typed = _typed_options(ref, options, _dataclass_options(cls))
+        try:
+            return {name: cls(**typed)}, typed
+        except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
+            raise TaskError(f"--task {ref}: {exc}") from None
     named = {name: p.default for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return _typed_options(ref, options, {n: (_text_type(hints.get(n), d), d) for n, d in named.items()})
+    typed = _typed_options(ref, options, {n: (_text_type(hints.get(n), d), d) for n, d in named.items()})
+    return typed, typed
 
 
-def options_dataclass(ref: str, cls: type, options: dict[str, Any]) -> Any:
-    """An instance of dataclass ``cls`` from ``options``; TaskError naming its fields for an unknown or missing one."""
+def _dataclass_options(cls: type) -> dict[str, tuple[type | None, Any]]:
+    """The options dataclass ``cls`` declares: field name -> (type a text value becomes, default)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    values = _typed_options(ref, options, {n: (_text_type(hints.get(n), f.default), _default(f))
-                                           for n, f in fields.items()})
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
-        raise TaskError(f"--task {ref}: {exc}") from None
+    return {f.name: (_text_type(hints.get(f.name), f.default), _default(f)) for f in dataclasses.fields(cls) if f.init}
 
 
 def _typed_options(ref: str, options: dict[str, Any], accepted: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
@@ -110,6 +110,17 @@ def _text_type(hint: Any, default: Any) -> type | None:
     if hint is None and default is not None and type(default) in SIMPLE_TYPES:
         return type(default)
     return None
+
+
+def _recorded(value: Any) -> Any:
+    """A typed option as global.json keeps it: numbers and booleans as such, a Path as its text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_recorded(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _recorded(v) for k, v in value.items()}
+    return str(value)
 
 
 def _typed(ref: str, name: str, kind: type | None, value: Any) -> Any:

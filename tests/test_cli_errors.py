@@ -56,7 +56,7 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
         (["serve", "--insecure", "--port", str(busy), "--out", str(tmp_path / "s")], 1,
          f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --port"),
         (["serve", "--insecure", "--port", "0", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"),
-          "--out", str(tmp_path / "s")], 1, f"MNIST folder {tmp_path / 'nowhere'} does not exist"),
+          "--out", str(tmp_path / "s")], 2, f"MNIST folder {tmp_path / 'nowhere'} does not exist"),
         (["certs", "--out", str(certs), "--revoke", "bbo"], 2,
          "--revoke bbo: no certificate or enrollment token for agent 'bbo'"),
     ]
@@ -73,9 +73,34 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
 
 def test_debug_shows_the_traceback(tmp_path):
     (tmp_path / "a-file").write_text("")
-    rc, _, err = _finish(_start(["serve", "--insecure", "--port", "0", "--dataset", "mnist", "--data-dir",
-                                 str(tmp_path / "nowhere"), "--debug"], tmp_path))
-    assert rc == 1 and "Traceback" in err and "FileNotFoundError" in err
+    rc, _, err = _finish(_start(["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "a-file" / "run"),
+                                 "--debug"], tmp_path))
+    assert rc == 1 and "Traceback" in err and "UserError: --out" in err  # re-raised: Python's exit code
+
+
+def test_a_missing_mnist_is_one_line_saying_which_files_and_where_to_get_them(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    expected = ("expected train.npz and test.npz (arrays x uint8 [N,28,28] and y [N]), or the IDX files "
+                "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
+                "(each may end in .gz): download the four IDX .gz files from "
+                "https://ossci-datasets.s3.amazonaws.com/mnist/ (the mirror torchvision uses of "
+                "yann.lecun.com/exdb/mnist) into that folder")
+    cases = [  # (args, the line)
+        (["train", "--dataset", "mnist", "--data-path", str(empty), "--out", str(tmp_path / "t")],
+         f"fedpar train: no MNIST files in {empty} (it is empty); {expected}"),
+        (["client", "--insecure", "--agent-id", "a", "--dataset", "mnist", "--data-dir", str(empty)],
+         f"fedpar client: no MNIST files in {empty} (it is empty); {expected}"),
+        (["train", "--dataset", "mnist", "--data-path", str(tmp_path / "nowhere"), "--out", str(tmp_path / "t")],
+         f"fedpar train: MNIST folder {tmp_path / 'nowhere'} does not exist; point it at a folder with train.npz"),
+        (["train", "--dataset", "mnist", "--out", str(tmp_path / "t")],
+         "fedpar train: --dataset mnist needs --data-path DIR holding train.npz and test.npz"),
+    ]
+    results = [_finish(p) for p in [_start(args, tmp_path) for args, _ in cases]]
+    for (args, line), (rc, _, err) in zip(cases, results):
+        assert rc == 2, (args, err)
+        assert _one_line(err, line).startswith(line), err
+        assert "https://ossci-datasets.s3.amazonaws.com/mnist/" in _one_line(err, line), err
 
 
 def test_a_simulation_whose_every_round_failed_exits_non_zero_and_a_wrong_data_dir_is_one_line(tmp_path):
@@ -88,7 +113,7 @@ def test_a_simulation_whose_every_round_failed_exits_non_zero_and_a_wrong_data_d
     _one_line(err, "fedpar simulate: every round failed (1 of 1)")
     assert json.loads((tmp_path / "failed" / "summary.json").read_text())["failed_rounds"] == 1
     rc, _, err = _finish(no_data)
-    assert rc == 1
+    assert rc == 2
     _one_line(err, f"fedpar simulate: MNIST folder {tmp_path / 'nowhere'} does not exist")
     assert len(err.strip().splitlines()) == 1, err  # the agent workers stay quiet about it
 

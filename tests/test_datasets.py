@@ -133,11 +133,14 @@ def test_corrupted_idx_files_give_clear_errors(tmp_path):
         load_mnist(folder)
 
 
-def test_mnist_wrong_folder_says_what_is_expected(tmp_path):
+def test_mnist_wrong_folder_says_what_is_expected_and_where_to_get_it(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(FileNotFoundError, match="expected train.npz and test.npz .* t10k-labels-idx1-ubyte"):
+    (tmp_path / "train.npz").write_bytes(b"")  # half of the npz pair is not MNIST
+    where = "download the four IDX .gz files from https://ossci-datasets.s3.amazonaws.com/mnist/"
+    with pytest.raises(ValueError, match=f"no MNIST files in {tmp_path} \\(it holds notes.txt, train.npz\\); "
+                                         f"expected train.npz and test.npz .* t10k-labels-idx1-ubyte .*: {where}"):
         load_mnist(tmp_path)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ValueError, match=f"MNIST folder {tmp_path / 'missing'} does not exist; .*, or {where}"):
         load_mnist(tmp_path / "missing")
 
 

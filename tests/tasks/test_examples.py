@@ -1,53 +1,119 @@
-"""examples/own_task.py, as the README runs it: a user's own model and CSV table federated by `fedpar simulate`, the
-same task trained centrally by `fedpar train` as its baseline, and served to agents by `fedpar serve`/`client`."""
+"""examples/own_task.py, as the README runs it: a user's own model and CSV table (examples/table.csv) federated by
+`fedpar simulate`, the same task trained centrally by `fedpar train` as its baseline, and served to agents by
+`fedpar serve`/`client`; its typed options as global.json keeps them."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import runpy
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
+import torch
 from safetensors.numpy import load_file
 
 from fedpar.cli.main import main
+from fedpar.tasks.reference import load_task
 from support.own_task import EXAMPLE, write_table
 
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
+ROOT = Path(__file__).resolve().parents[2]
+TABLE = ROOT / "examples" / "table.csv"
 
 
-def test_own_task_federated_and_its_centralized_baseline(tmp_path, capsys):
-    csv = write_table(tmp_path / "table.csv")
+def _readme_commands(subcommand: str) -> list[list[str]]:
+    """The README's `.venv/bin/fedpar SUBCOMMAND --task examples/own_task.py:task ...` lines, as argument lists."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [line.split("  #")[0] for line in readme.splitlines()
+             if line.startswith(f".venv/bin/fedpar {subcommand} ") and "examples/own_task.py:task" in line]
+    return [shlex.split(line)[1:] for line in lines]
+
+
+def _fedpar(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run([*FEDPAR, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and "Traceback" not in out.stderr, (args, out.stdout[-2000:], out.stderr[-3000:])
+    return out
+
+
+def test_the_readmes_own_task_commands_run_as_written_from_the_repository_root(tmp_path):
+    """The README's simulate and train lines of examples/own_task.py, on the examples/table.csv that ships, learn:
+    the federation and its centralized baseline both classify the held-out wines."""
+    (simulate,), (train,) = _readme_commands("simulate"), _readme_commands("train")
+    assert "csv=examples/table.csv" in simulate and "csv=examples/table.csv" in train
     fl, central = tmp_path / "fl", tmp_path / "central"
-    assert main(["simulate", "--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=16",
-                 "--clients", "3", "--rounds", "3", "--workers", "1", "--local-epochs", "2", "--lr", "0.01",
-                 "--quiet", "--out", str(fl)]) == 0
+    _fedpar([*simulate, "--out", str(fl)], ROOT)
     rows = [json.loads(line) for line in (fl / "metrics.jsonl").read_text().splitlines()]
-    assert [r["status"] for r in rows] == ["ok"] * 3 and all(r["reported"] == 3 for r in rows)
-    assert rows[-1]["test_accuracy"] > 0.6 and rows[-1]["test_loss"] < rows[0]["test_loss"]
+    assert [r["status"] for r in rows] == ["ok"] * 5 and all(r["reported"] == 4 for r in rows)
+    assert rows[-1]["test_accuracy"] > 0.8 and rows[-1]["test_loss"] < 0.5  # 3 cultivars: chance is 0.4
     assert "federated_eval_accuracy" in rows[-1]  # the agents' validation shares, scored by the task
-    info = json.loads((fl / "global.json").read_text())
-    assert info["model"] == {"task": EXAMPLE, "task_options": {"csv": str(csv), "hidden": "16"}}
 
-    assert main(["train", "--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=16",
-                 "--epochs", "4", "--lr", "0.01", "--batch-size", "16", "--no-plot", "--out", str(central)]) == 0
+    _fedpar([*train, "--out", str(central)], ROOT)
     summary = json.loads((central / "summary.json").read_text())
-    assert summary["epochs"] == 4 and summary["test_accuracy"] > 0.6
+    assert summary["epochs"] == 5 and summary["test_accuracy"] > 0.8
     records = [json.loads(line) for line in (central / "metrics.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == ["train", "eval"] * 4
+    assert [r["kind"] for r in records] == ["train", "eval"] * 5
     # One definition: the baseline's model has the federated model's layout, name by name.
     fl_model, central_model = load_file(fl / "global.safetensors"), load_file(central / "global.safetensors")
     assert {k: v.shape for k, v in fl_model.items()} == {k: v.shape for k, v in central_model.items()}
+
+
+def test_the_shipped_table_is_what_make_table_writes(tmp_path):
+    example = runpy.run_path(str(ROOT / "examples" / "make_table.py"))
+    made, shipped = (path.read_text().splitlines() for path in (example["write_table"](tmp_path / "t.csv"), TABLE))
+    assert made[0] == shipped[0] and shipped[0].endswith(",label") and len(shipped) == 179
+    made_rows, shipped_rows = (np.array([line.split(",") for line in lines[1:]], float) for lines in (made, shipped))
+    assert np.array_equal(made_rows[:, -1], shipped_rows[:, -1])  # the labels
+    assert np.abs(made_rows - shipped_rows).max() <= 0.0011  # the features, to their 3 decimals
+
+
+def _typed(description: dict) -> dict:
+    return {k: (type(v).__name__, v) for k, v in description["task_options"].items()}
+
+
+def test_own_task_options_stay_typed_in_global_json_and_rebuild_its_model(tmp_path, capsys):
+    """`--task-option hidden=64 weight_decay=0.01` are kept in global.json as 64 and 0.01 (simulate and train), and
+    global.json's model rebuilds the task, whose model takes global.safetensors; export reads the run."""
+    options = ["--task", EXAMPLE, "--task-option", f"csv={TABLE}", "--task-option", "hidden=64",
+               "--task-option", "weight-decay=0.01"]
+    expected = {"csv": ("str", str(TABLE)), "hidden": ("int", 64), "weight_decay": ("float", 0.01)}
+    fl, central = tmp_path / "fl", tmp_path / "central"
+    assert main(["simulate", *options, "--clients", "2", "--rounds", "1", "--workers", "1", "--quiet",
+                 "--out", str(fl)]) == 0
+    assert main(["train", *options, "--epochs", "1", "--no-plot", "--out", str(central)]) == 0
+    for out in (fl, central):
+        model = json.loads((out / "global.json").read_text())["model"]
+        assert model["task"] == EXAMPLE and _typed(model) == expected, model
+        rebuilt = load_task(model["task"], model["task_options"]).model()
+        rebuilt.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(out / "global.safetensors").items()})
+        assert rebuilt[0].out_features == 64
+    assert main(["export", str(fl), "--to", str(tmp_path / "model.pt")]) == 0
+    assert torch.load(tmp_path / "model.pt", weights_only=True)["0.weight"].shape == (64, 13)
     capsys.readouterr()
 
 
-def test_own_task_served_to_a_client_agent(tmp_path):
-    csv = write_table(tmp_path / "table.csv")
-    task = ["--task", EXAMPLE, "--task-option", f"csv={csv}"]
+def test_a_bool_option_stays_a_bool_and_a_path_its_text():
+    task_file = ROOT / "tests" / "support" / "flagged_task.py"
+    description = load_task(f"{task_file}:task", {"wide": "true", "scale": "2", "notes": "a/b.txt"}).description
+    assert _typed(description) == {"wide": ("bool", True), "scale": ("float", 2.0), "notes": ("str", "a/b.txt")}
+    json.dumps(description)  # as global.json writes it
+    # Typed values (global.json's, or a TOML table's) are taken as they are.
+    again = load_task(f"{task_file}:task", description["task_options"]).description
+    assert again == description
+
+
+def _serve_with_one_agent(task: list[str], rounds: int, out: Path, checkpoints: Path) -> str:
+    """`fedpar serve` of ``task`` for ``rounds`` rounds (resuming from ``checkpoints``) and one `fedpar client` of it;
+    returns the client's output."""
     serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", *task, "--min-available", "1",
-                              "--clients-per-round", "1", "--rounds", "2", "--local-epochs", "1", "--lr", "0.01",
-                              "--out", str(tmp_path / "run")],
-                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              "--clients-per-round", "1", "--rounds", str(rounds), "--local-epochs", "1",
+                              "--lr", "0.01", "--checkpoint-dir", str(checkpoints), "--out", str(out)],
+                             cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = None
     try:
         lines = []
@@ -58,22 +124,31 @@ def test_own_task_served_to_a_client_agent(tmp_path):
         assert match, "".join(lines)
         client = subprocess.run([*FEDPAR, "client", "--insecure", "--server", f"127.0.0.1:{match.group(1)}", *task,
                                  "--agent-id", "alice", "--threads", "1", "--give-up-after", "30"],
-                                cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                                cwd=out.parent, capture_output=True, text=True, timeout=120)
         serve_out = serve.communicate(timeout=60)[0]
     finally:
         if serve.poll() is None:
             serve.kill()
-    assert client.returncode == 0 and "2 updates accepted, 0 refused" in client.stdout, client.stdout + client.stderr
+    assert client.returncode == 0, client.stdout + client.stderr
     assert serve.returncode == 0, serve_out
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return client.stdout
+
+
+def test_own_task_served_to_a_client_agent_and_resumed_keeps_its_typed_options(tmp_path):
+    csv = write_table(tmp_path / "table.csv")
+    task = ["--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=8"]
+    out, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
+    assert "2 updates accepted, 0 refused" in _serve_with_one_agent(task, 2, out, checkpoints)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok"] and "test_accuracy" in rows[-1]
+    # Restarted with one more round: it resumes from round 2, and its global.json keeps the options typed.
+    assert "1 updates accepted, 0 refused" in _serve_with_one_agent(task, 3, out, checkpoints)
+    info = json.loads((out / "global.json").read_text())
+    assert info["round"] == 3 and info["model"] == {"task": EXAMPLE, "task_options": {"csv": str(csv), "hidden": 8}}
 
 
 def test_a_federation_in_python_without_the_cli():
-    import runpy
-    from pathlib import Path
-
-    example = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "in_python.py"))
+    example = runpy.run_path(str(ROOT / "examples" / "in_python.py"))
     rows = example["run"](rounds=2)
     assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(1, "ok", 2), (2, "ok", 2)]
     assert rows[-1]["test_accuracy"] > 0.5
