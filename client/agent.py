@@ -210,9 +210,9 @@ class Agent:
                 time.sleep(sleep)
 
     def _check_tls(self) -> str | None:
-        """Why the coordinator is unreachable when it is TLS (gRPC says only UNAVAILABLE): a TLS setting that
-        differs from ours, returned to be retried with (its operator may restart it); FatalAgentError for a
-        wrong CA, a name mismatch or a refused certificate, which retrying does not cure."""
+        """What TLS has to do with an unreachable coordinator (gRPC says only UNAVAILABLE): a TLS setting that
+        differs from ours is returned, to be said in each retry line (its operator may restart it with ours); a
+        wrong CA, a name mismatch or a refused certificate, which retrying does not cure, is a FatalAgentError."""
         mismatch = tls_mismatch(self.config.server, self.config.credentials is None)
         if mismatch is not None or self.config.credentials is None or self.config.tls_files is None:
             return mismatch
