@@ -73,6 +73,6 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
         for name, draw in {**round_plots(rows, title), **(more_plots or {})}.items():
             attempt(name, draw)
     if failures:
-        failures[0].add_note(outputs.wrote_line(out) if outputs.written else f"nothing written to {out}")
+        failures[0].add_note(outputs.wrote_line(out))
         raise failures[0]
     return outputs
