@@ -1,4 +1,5 @@
-"""``--log-level`` of every subcommand: the level of fedpar's loggers, and gRPC's own verbosity at debug."""
+"""``--log-level`` of every subcommand: the level of fedpar's loggers, and gRPC's own verbosity (errors only;
+all at debug)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ def add_log_level_argument(p: argparse.ArgumentParser, default: str | None) -> N
 
 
 def set_grpc_verbosity(argv: list[str]) -> None:
-    """Ask gRPC for its debug lines when ``argv`` says --log-level debug; before gRPC starts, which reads it once.
-    GRPC_VERBOSITY set by the user wins."""
+    """gRPC's own log lines: all of them when ``argv`` says --log-level debug, else errors only; set before gRPC
+    starts, which reads it once. GRPC_VERBOSITY set by the user wins."""
+    # Unset, gRPC's C core logs at INFO through absl: "Handshake failed ..." for every agent whose TLS setting
+    # differs from the coordinator's, on both sides, which fedpar's own lines already explain.
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--log-level")
     known, _ = pre.parse_known_args(argv)
-    if known.log_level == "debug":
-        os.environ.setdefault("GRPC_VERBOSITY", "DEBUG")
+    os.environ.setdefault("GRPC_VERBOSITY", "DEBUG" if known.log_level == "debug" else "ERROR")
 
 
 def setup_logging(args: argparse.Namespace | dict, fallback: str = "info") -> None:

@@ -1,8 +1,8 @@
 """Run the coordinator: agents dial in, rounds run, the global model is checkpointed every round.
 
-Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end (also after Ctrl-C) OUT/summary.json,
-accuracy.png and loss.png as `fedpar simulate` does, and the global model, OUT/global.safetensors with
-OUT/global.json; with --checkpoint-dir it resumes after a restart.
+Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end (also after Ctrl-C) the global model,
+OUT/global.safetensors with OUT/global.json, then OUT/summary.json, accuracy.png and loss.png as `fedpar simulate`
+does; with --checkpoint-dir it resumes after a restart.
 """
 
 from __future__ import annotations
@@ -217,7 +217,6 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     """Rank 0 (or the only rank): run the rounds, print the table, write metrics and checkpoints."""
     from fedpar.server.aggregator_ranks import rank_columns
     from fedpar.server.app import RestoreError
-    from fedpar.server.final_model import write_coordinator_model
     from fedpar.simulations.run_outputs import write_run_outputs
 
     config, security = plan.config, plan.security
@@ -281,10 +280,10 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         server.stop(grace=0.5 if interrupted else 1.0)
         observers.close()
     rows = server.coordinator.metrics.rows
-    summary = write_run_outputs(args.out, rows, {"wall_seconds": time.monotonic() - started,
-                                                 "interrupted": interrupted},
+    outputs = write_run_outputs(args.out, server.coordinator, plan.assembly.description,
+                                {"wall_seconds": time.monotonic() - started, "interrupted": interrupted},
                                 title=f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve")
-    write_coordinator_model(args.out, server.coordinator, plan.assembly.description, interrupted)
     if rows:
         print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))
-    return run_exit_code("fedpar serve", summary)
+    print(outputs.wrote_line(args.out))
+    return run_exit_code("fedpar serve", outputs.summary)

@@ -1,7 +1,7 @@
 """Run a federation on this machine: a real coordinator and N real agents talking gRPC on loopback.
 
-Writes OUT/metrics.jsonl (one JSON object per round), OUT/summary.json, OUT/accuracy.png, OUT/loss.png and the
-final global model (OUT/global.safetensors with OUT/global.json), and prints a per-round table while it runs.
+Writes OUT/metrics.jsonl (one JSON object per round) and, at the end, the final global model (OUT/global.safetensors
+with OUT/global.json), OUT/summary.json, OUT/accuracy.png and OUT/loss.png; prints a per-round table while it runs.
 """
 
 from __future__ import annotations
@@ -39,14 +39,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_observability_arguments(p)
 
 
+def simulation_config(args: argparse.Namespace) -> SimulationConfig:
+    """The settings the options describe, settled (:meth:`SimulationConfig.settled`): one line on stderr for each
+    that asked for more clients than there are, saying what is used instead."""
+    cfg, notes = from_args(SimulationConfig, args, also=("strategy", "compression", "topk_ratio", "int8_block", "out"),
+                           task_options=task_options(args)).settled()
+    for note in notes:
+        print(f"fedpar simulate: {note}", file=sys.stderr)
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary."""
     from fedpar.server.aggregator_ranks import rank_columns
+    from fedpar.simulations.run_outputs import RunOutputs
     from fedpar.simulations.runner import run_simulation
 
     check_output_folder(args.out)
-    cfg = from_args(SimulationConfig, args, also=("strategy", "compression", "topk_ratio", "int8_block", "out"),
-                    task_options=task_options(args))
+    cfg = simulation_config(args)
     columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else []) + \
         (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else []) + \
         (CLOCK_COLUMNS if cfg.clock == "virtual" else [])
@@ -68,10 +78,8 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
         observers.close()
     summary.pop("config", None)
+    written = RunOutputs(summary, summary.pop("written"))
     print(json.dumps(summary, indent=2))
-    written = ["metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", "loss.png"]
-    written += [] if cfg.task else ["labels.png"]  # a task's labels are its own
-    written += ["global.safetensors", "global.json"] if summary["rounds"] else []  # the model of the last round
-    print(f"wrote {cfg.out}/{', '.join(written[:-1])} and {written[-1]}")
+    print(written.wrote_line(cfg.out))
     return run_exit_code("fedpar simulate", summary)
 

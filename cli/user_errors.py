@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import sys
 
 
@@ -19,17 +20,29 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, UserError):
         return str(exc)
     if isinstance(exc, OSError) and exc.errno is not None:
-        where = f" {exc.filename}" if exc.filename else ""
         advice = {
             errno.ENOENT: "check the path",
             errno.ENOTDIR: "a folder was expected there: pick another path",
             errno.EEXIST: "remove it or pick another path",
+            errno.EISDIR: "a folder is in the way: move it or pick another path",
             errno.EACCES: "check the permissions, or pick another path",
-            errno.ENOSPC: "free some disk space",
+            errno.ENOSPC: "free some disk space there, or pick a folder on another disk",
+            errno.EDQUOT: "free some of your disk quota, or pick a folder on another disk",
+            errno.EFBIG: "it is larger than this process may write (ulimit -f) or the disk allows; pick another disk",
             errno.EADDRINUSE: "another process uses that port: stop it or pick another port",
         }.get(exc.errno, "check the path and the permissions")
-        return f"{exc.strerror or exc}:{where}; {advice}"
+        notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))  # e.g. what was written all the same
+        return f"{exc.strerror or exc}{_where(exc.filename)}; {advice}{notes}"
     return str(exc)
+
+
+def _where(filename) -> str:
+    """': NAME in folder FOLDER' (the folder in full, so that the disk it is on can be told), or '' for none."""
+    if filename is None or filename == "":
+        return ""
+    path = os.fsdecode(filename)
+    folder = os.path.dirname(os.path.abspath(path))
+    return f": {os.path.basename(path) or path} in folder {folder}"
 
 
 def check_output_folder(path, option: str = "--out") -> None:

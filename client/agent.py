@@ -29,7 +29,7 @@ from fedpar.protocol.stubs import CoordinatorStub
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, channel_options
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.security.handshake import diagnose_handshake
+from fedpar.security.handshake import diagnose_handshake, tls_mismatch
 from fedpar.security.tls import TlsFiles
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
                                      upload_header, upload_messages, upload_update)
@@ -193,29 +193,33 @@ class Agent:
                 if code not in RETRYABLE:
                     raise FatalAgentError(f"{self.config.agent_id}: coordinator refused: "
                                           f"{code.name}: {err.details()}") from None
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self._check_tls()
+                mismatch = self._check_tls() if code == grpc.StatusCode.UNAVAILABLE else None
+                why = f": {mismatch}" if mismatch else ""
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if self.config.give_up_after is not None and now - unreachable_since > self.config.give_up_after:
                     raise FatalAgentError(f"{self.config.agent_id}: coordinator at {self.config.server} "
-                                          f"unreachable for {self.config.give_up_after}s; is it running, and "
-                                          "does its TLS setting (--certs/--insecure) match this agent's?") from None
+                                          f"unreachable for {self.config.give_up_after}s" + (why or
+                                          "; is it running, and does its TLS setting (--certs/--insecure) match "
+                                          "this agent's?")) from None
                 if self._stop.is_set():
                     raise FatalAgentError("stopped while the coordinator was unreachable") from None
                 sleep = backoff.wait()
-                log.info("%s: coordinator unreachable (%s); retrying in %.1fs", self.config.agent_id,
-                         code.name, sleep)
+                log.info("%s: coordinator unreachable (%s)%s; retrying in %.1fs", self.config.agent_id,
+                         code.name, why, sleep)
                 time.sleep(sleep)
 
-    def _check_tls(self) -> None:
-        """FatalAgentError saying what is wrong when TLS to the coordinator fails (gRPC says only UNAVAILABLE):
-        a wrong CA, a name mismatch or a refused certificate is not cured by retrying."""
-        if self.config.credentials is None or self.config.tls_files is None:
-            return
+    def _check_tls(self) -> str | None:
+        """What TLS has to do with an unreachable coordinator (gRPC says only UNAVAILABLE): a TLS setting that
+        differs from ours is returned, to be said in each retry line (its operator may restart it with ours); a
+        wrong CA, a name mismatch or a refused certificate, which retrying does not cure, is a FatalAgentError."""
+        mismatch = tls_mismatch(self.config.server, self.config.credentials is None)
+        if mismatch is not None or self.config.credentials is None or self.config.tls_files is None:
+            return mismatch
         problem = diagnose_handshake(self.config.server, self.config.tls_files, self.config.tls_server_name)
         if problem is not None:
             raise FatalAgentError(f"{self.config.agent_id}: {problem}")
+        return None
 
     def _join(self) -> None:
         reply = self._stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,

@@ -24,24 +24,31 @@ def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)
         try:
-            if mode is not None:
-                os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # whoever wrote it by name may not have
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
+            try:
+                if mode is not None:
+                    os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+            yield tmp
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # whoever wrote it by name may not have
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_directory(path.parent)
+    except OSError as exc:
+        # A full disk or a folder in the way, said of the temporary file (or of no file at all: a write to an open
+        # file names none): name the file the caller asked for, which the user knows.
+        if exc.errno is None or exc.filename not in (None, tmp, str(tmp), path.parent, str(path.parent)):
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def atomic_write_bytes(path: str | Path, parts: Sequence[bytes | memoryview], mode: int | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -32,7 +33,16 @@ def save_tensors(path: str | Path, names: Sequence[str], arrays: Sequence[np.nda
     ModelLayout.of_arrays(names, arrays)  # names unique and non-empty, dtypes the wire's
     metadata = {**(metadata or {}), ORDER_KEY: json.dumps(list(names))}
     with atomic_path(path) as tmp:
-        save_file(dict(zip(names, arrays)), tmp, metadata)
+        try:
+            save_file(dict(zip(names, arrays)), tmp, metadata)
+        except SafetensorError as exc:
+            # The package says why a write failed in its message only ("I/O error: No space left on device (os
+            # error 28) at path ..."): an OSError of that errno, so that the caller can say what to do.
+            found = re.search(r"\(os error (\d+)\)", str(exc))
+            if found is None:
+                raise
+            code = int(found.group(1))
+            raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 def load_tensors(path: str | Path) -> tuple[list[str], list[np.ndarray], dict[str, str]]:

@@ -8,8 +8,11 @@ CA, certificate and key, and classifies what it sees:
   or is expired: ``ssl.SSLCertVerificationError`` says which;
 - the coordinator refuses our certificate: under TLS 1.3 the handshake completes on our side and the coordinator
   then closes the connection without a word (under TLS 1.2 it sends an alert). Our certificate is then checked
-  against our own CA and its validity dates to say why, as far as can be told from here;
-- the coordinator does not speak TLS at all (started with --insecure).
+  against our own CA and its validity dates to say why, as far as can be told from here.
+
+A coordinator whose TLS setting differs from the agent's (one started with --insecure, the other not) is no
+certificate matter and may be restarted with the other setting, so the agent keeps retrying and says which flag
+fits: :func:`tls_mismatch` asks the coordinator's port whether it speaks TLS (:func:`speaks_tls`).
 
 fedpar's own revocation is not a TLS matter: a revoked agent completes the handshake and is refused with
 PERMISSION_DENIED naming the revocation, which the agent reports as it is.
@@ -17,6 +20,7 @@ PERMISSION_DENIED naming the revocation, which the agent reports as it is.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import socket
 import ssl
@@ -30,6 +34,7 @@ from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import TlsFiles
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # preface + empty SETTINGS
+HTTP2_SETTINGS = 0x04  # the frame type a plaintext HTTP/2 server opens with
 UNKNOWN_ISSUER = {2, 18, 19, 20, 21}  # X509_V_ERR_*: issuer not found / self-signed / unable to verify leaf
 EXPIRED, NOT_YET_VALID, HOSTNAME_MISMATCH, IP_MISMATCH = 10, 9, 62, 64
 
@@ -67,11 +72,68 @@ def diagnose_handshake(address: str, files: TlsFiles, server_name: str | None = 
         alert = verdict.reason.split("ALERT_", 1)[-1].replace("_", " ").lower()
         return (f"{where}: the coordinator refused this agent's certificate {files.cert} ({alert}): "
                 f"{_why_refused(files)}")
-    if verdict.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
-                          "HTTP_REQUEST", "UNEXPECTED_RECORD"):
-        return (f"{where}: it does not answer TLS ({verdict.reason}), so it probably runs with --insecure; run "
-                "this agent with --insecure too (on a network you trust), or the coordinator with --certs")
     return f"{where}: {verdict.reason or verdict}; check --certs/--tls-ca and the coordinator's TLS options"
+
+
+def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
+    """Whether the server at ``address`` answers a TLS ClientHello in TLS (True) or in plaintext HTTP/2 (False);
+    None when that cannot be told (nothing listens, it hangs up, or it answers something else)."""
+    # A probe, not gRPC's error text: a plaintext channel to a TLS port and a TLS channel to a plaintext port both
+    # end as UNAVAILABLE with details that vary across gRPC versions ("Socket closed", "Connection reset", "Ssl
+    # handshake failed"), and a handshake's own errors say little more. The bytes a server sends back do not vary:
+    # a TLS server answers a ClientHello with a TLS record (handshake 0x16, or an alert 0x15), and a plaintext
+    # gRPC server sends its HTTP/2 SETTINGS frame as soon as the connection opens, whatever it was sent.
+    target = split_address(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout) as conn:
+            conn.sendall(_client_hello())
+            answer = _read_at_least(conn, 4)
+    except OSError:
+        return None
+    if answer[:1] in (b"\x16", b"\x15"):
+        return True
+    if len(answer) >= 4 and answer[3] == HTTP2_SETTINGS:
+        return False
+    return None
+
+
+def tls_mismatch(address: str, insecure: bool, timeout: float = 3.0) -> str | None:
+    """What to change when the coordinator at ``address`` speaks TLS and this agent does not (``insecure``), or
+    the other way round; None when they agree or it cannot be told (e.g. the coordinator is down)."""
+    speaks = speaks_tls(address, timeout)
+    if insecure and speaks is True:
+        return ("it seems to require TLS: drop --insecure and pass --certs DIR (its 'fedpar certs' folder) or "
+                "--tls-ca CA.pem")
+    if not insecure and speaks is False:
+        return ("it seems not to speak TLS (started with --insecure?): pass --insecure to this agent "
+                "(on a network you trust), or restart the coordinator with --certs DIR")
+    return None
+
+
+def _client_hello() -> bytes:
+    """The bytes of a TLS ClientHello (offering HTTP/2, as gRPC does), made by Python's ``ssl`` in memory."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    outgoing = ssl.MemoryBIO()
+    tls = context.wrap_bio(ssl.MemoryBIO(), outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):  # it waits for the ServerHello it will never get
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _read_at_least(conn: socket.socket, size: int) -> bytes:
+    """Up to ``size`` bytes (fewer if the peer hangs up first)."""
+    data = b""
+    while len(data) < size:
+        more = conn.recv(size - len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 _REFUSED_OURS = object()  # the handshake completed on our side, then the coordinator hung up

@@ -170,7 +170,7 @@ class Coordinator(IngestPlane):
     async def _run_round(self, round_id: int) -> None:
         live = self.registry.live_ids()
         cohort = self.sampler.sample(live, self.config.cohort_size(len(live)))
-        target = min(self.config.target_reports(len(live)), len(cohort))
+        target, moved = self.config.round_target(len(live), len(cohort))
         slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
         if self.ranks is not None:
             self.ranks.deal(slots)
@@ -192,7 +192,8 @@ class Coordinator(IngestPlane):
         for agent_id, slot in slots.items():
             self._tasks[agent_id] = slot
             self._wake(agent_id)
-        log.info("round %d: sampled %d of %d live agents, target %d", round_id, len(cohort), len(live), target)
+        log.info("round %d: sampled %d of %d live agents, target %d%s", round_id, len(cohort), len(live), target,
+                 f" ({moved})" if moved else "")
         if self.clock is not None:
             await self._decide_by_virtual_clock(state)
         try:

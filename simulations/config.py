@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from fedpar.parallel.config import DEVICE_HELP, PRECISIONS
 from fedpar.protocol.local_training import LocalTraining
-from fedpar.settings import setting
+from fedpar.settings import flag_of, setting
 from fedpar.task import TaskReference
 
 
@@ -92,3 +93,28 @@ class SimulationConfig(TaskReference, LocalTraining):
         None, check="probability", group="simulation",
         help="summary.json reports the rounds, wall and simulated seconds to reach this test accuracy")
     strategy_options: dict = field(default_factory=dict)
+
+    def settled(self) -> tuple[SimulationConfig, list[str]]:
+        """A copy with the settings that ask for more clients than there are brought down to ``clients``, and one
+        line for each (what was asked, what is used), so that nothing is changed in silence. Settled settings
+        settle to themselves, with no lines."""
+        clients = f"{flag_of(SimulationConfig, 'clients')} {self.clients}"
+        notes, changes = [], {}
+        if self.clients_per_round is not None and self.clients_per_round > self.clients:
+            notes.append(f"{flag_of(SimulationConfig, 'clients_per_round')} {self.clients_per_round} is above "
+                         f"{clients}; using {self.clients}")
+            changes["clients_per_round"] = self.clients
+        if self.workers > self.clients:
+            notes.append(f"{flag_of(SimulationConfig, 'workers')} {self.workers} is above {clients}; using "
+                         f"{self.clients} (a worker process hosts at least one client)")
+            changes["workers"] = self.clients
+        k = changes.get("clients_per_round", self.clients_per_round) or self.clients
+        if math.ceil(k * self.overselect) > self.clients:
+            overselect = self.clients / k  # samples them all
+            while math.ceil(k * overselect) > self.clients:  # 10 / 3 * 3 may come to a hair above 10
+                overselect = math.nextafter(overselect, 0.0)
+            notes.append(f"{flag_of(SimulationConfig, 'overselect')} {self.overselect:g} would sample "
+                         f"{math.ceil(k * self.overselect)} clients per round, more than {clients}; sampling all "
+                         f"{self.clients} (--overselect {overselect:.4g})")
+            changes["overselect"] = overselect
+        return replace(self, **changes), notes

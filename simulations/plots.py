@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
+from typing import Callable
 
 from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure registry
 from matplotlib.ticker import MaxNLocator
+
+from fedpar.protocol.atomicfile import atomic_path
 
 
 # (column, label, shift): federated evaluation is scored by the agents of round r on the global model they
@@ -41,30 +45,44 @@ def accuracy_limits(values: list[float]) -> tuple[float, float]:
     return max(0.0, low - margin), min(1.0, high + margin)
 
 
+def round_plots(rows: list[dict], title: str = "") -> dict[str, Callable[[Path], None]]:
+    """The plots of a federated run's rounds against the round of the model scored: 'accuracy.png' and
+    'loss.png' (each only when it has a curve), each a function that draws it at the path it is given."""
+    return {f"{panel}.png": functools.partial(_plot_panel, panel, curves, title)
+            for panel, curves in round_series(rows).items() if curves}
+
+
 def plot_rounds(rows: list[dict], out_dir: Path, title: str = "") -> list[Path]:
-    """accuracy.png and loss.png of a federated run against the round of the model scored (each only when it has
-    a curve); returns the files written."""
+    """Draw :func:`round_plots` in ``out_dir``; returns the files written."""
     written = []
-    for panel, curves in round_series(rows).items():
-        if not curves:
-            continue
-        fig = Figure(figsize=(6, 4), dpi=110)
-        ax = fig.subplots()
-        for label, (rounds, values) in curves.items():
-            ax.plot(rounds, values, marker="o", markersize=3, label=label)
-        ax.set_xlabel("round (of the global model scored)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(panel)
-        if panel == "accuracy":
-            ax.set_ylim(*accuracy_limits([v for _, values in curves.values() for v in values]))
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right" if panel == "accuracy" else "upper right")
-        ax.set_title(title)
-        fig.tight_layout()
-        path = Path(out_dir) / f"{panel}.png"
-        fig.savefig(path)
-        written.append(path)
+    for name, draw in round_plots(rows, title).items():
+        draw(Path(out_dir) / name)
+        written.append(Path(out_dir) / name)
     return written
+
+
+def _plot_panel(panel: str, curves: dict[str, tuple[list[int], list[float]]], title: str, path: Path) -> None:
+    """One panel of :func:`round_series` as a PNG at ``path``."""
+    fig = Figure(figsize=(6, 4), dpi=110)
+    ax = fig.subplots()
+    for label, (rounds, values) in curves.items():
+        ax.plot(rounds, values, marker="o", markersize=3, label=label)
+    ax.set_xlabel("round (of the global model scored)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(panel)
+    if panel == "accuracy":
+        ax.set_ylim(*accuracy_limits([v for _, values in curves.values() for v in values]))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right" if panel == "accuracy" else "upper right")
+    ax.set_title(title)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig: Figure, path: Path) -> None:
+    """``fig`` as a PNG at ``path``, whole or not at all (a full disk leaves no cut-off image)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
 
 
 def plot_label_counts(counts, path: Path, title: str = "") -> None:
@@ -79,4 +97,4 @@ def plot_label_counts(counts, path: Path, title: str = "") -> None:
     fig.colorbar(image, ax=ax, label="examples")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)

@@ -1,25 +1,78 @@
-"""summary.json and the round plots of a federated run, written one way for `fedpar simulate` and `fedpar serve`."""
+"""What a federated run leaves in its --out folder at the end, written one way for `fedpar simulate` and
+`fedpar serve`: the global model, summary.json and the round plots, most valuable first."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.server.final_model import INFO, TENSORS, write_coordinator_model
 from fedpar.server.metrics import summarize_rounds
 
+SUMMARY = "summary.json"
 
-def write_run_outputs(out: Path, rows: list[dict], extra: dict, title: str,
-                      target_accuracy: float | None = None) -> dict:
-    """OUT/summary.json (what the rounds came to, with the time to ``target_accuracy`` if given, then ``extra``)
-    and, when a round completed, OUT/accuracy.png and OUT/loss.png; returns the summary. A run stopped by Ctrl-C (``extra["interrupted"]``) gets no plots: rendering
-    them takes about a second on a busy machine, and Ctrl-C must stop a run within 2 s."""
+
+@dataclass
+class RunOutputs:
+    """The summary of a run's rounds, and the files of its --out folder that hold what this run did."""
+
+    summary: dict
+    written: list[str] = field(default_factory=list)  # names in the folder, in the order written
+
+    def wrote_line(self, out: Path) -> str:
+        """'wrote OUT/a, b and c': the files this run left, and only those."""
+        names = self.written
+        if not names:
+            return f"wrote nothing to {out}"
+        return f"wrote {out}/{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else f"wrote {out}/{names[0]}"
+
+
+def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,
+                      target_accuracy: float | None = None,
+                      more_plots: dict[str, Callable[[Path], None]] | None = None) -> RunOutputs:
+    """At the end of a run (also after Ctrl-C), in the order of what is worth most when the disk fills up or a
+    plot fails: the coordinator's global model (OUT/global.safetensors and global.json, once a round completed;
+    ``model`` says how to rebuild it), OUT/summary.json (what the rounds came to, with the time to
+    ``target_accuracy`` if given, then ``extra``), then, when a round completed, OUT/accuracy.png, loss.png and
+    ``more_plots`` (name: a function drawing that file).
+
+    A run stopped by Ctrl-C (``extra["interrupted"]``) gets no plots: rendering them takes about a second on a
+    busy machine, and Ctrl-C must stop a run within 2 s. A file that cannot be written does not stop the ones
+    after it; the first such OSError (naming that file, with a note of what was written) is raised once the rest
+    are written.
+    """
     out = Path(out)
+    rows = coordinator.metrics.rows
+    interrupted = bool(extra.get("interrupted"))
     summary = {**summarize_rounds(rows, target_accuracy), **extra}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "summary.json", [(json.dumps(summary, indent=2) + "\n").encode()])
-    if rows and not extra.get("interrupted"):
-        from fedpar.simulations.plots import plot_rounds  # matplotlib: about a second to import
+    logged = [name for name in ("metrics.jsonl", "metrics.csv") if rows and (out / name).is_file()]
+    outputs = RunOutputs(summary, logged)
+    failures: list[OSError] = []
 
-        plot_rounds(rows, out, title)
-    return summary
+    def attempt(name: str, write: Callable[[Path], object]) -> None:
+        try:
+            write(out / name)
+        except OSError as exc:
+            failures.append(exc)
+        else:
+            outputs.written.append(name)
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if write_coordinator_model(out, coordinator, model, interrupted):
+            outputs.written += [TENSORS, INFO]
+    except OSError as exc:
+        failures.append(exc)
+    attempt(SUMMARY, lambda path: atomic_write_bytes(path, [(json.dumps(summary, indent=2) + "\n").encode()]))
+    if rows and not interrupted:
+        from fedpar.simulations.plots import round_plots  # matplotlib: about a second to import
+
+        for name, draw in {**round_plots(rows, title), **(more_plots or {})}.items():
+            attempt(name, draw)
+    if failures:
+        failures[0].add_note(outputs.wrote_line(out))
+        raise failures[0]
+    return outputs

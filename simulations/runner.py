@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import multiprocessing as mp
@@ -27,7 +28,6 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.final_model import write_coordinator_model
 from fedpar.server.metrics import summarize_rounds
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
@@ -127,10 +127,14 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                    on_server: Callable[[object], None] | None = None,
                    on_progress: Callable[[object], None] | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
-    summary.json, accuracy.png, loss.png and the final model (global.safetensors, global.json) under ``cfg.out``.
+    the final model (global.safetensors, global.json), summary.json, accuracy.png and loss.png under ``cfg.out``
+    (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the files written.
     ``on_server(server)`` sees the coordinator before it starts; ``on_progress(coordinator)`` is called twice a
     second while it runs (clients joined, the open round)."""
     started = time.monotonic()
+    cfg, notes = cfg.settled()  # `fedpar simulate` has settled them already, and said so
+    for note in notes:
+        log.warning(note)
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
     upload_compression(cfg)  # bad settings fail before anything starts
     check_device_layout(cfg.device)
@@ -151,7 +155,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").unlink(missing_ok=True)
     # Start the agent processes first: their imports and data loading overlap the coordinator's set-up.
-    workers = max(1, min(cfg.workers, cfg.clients))
+    workers = cfg.workers  # at most one per client (settled)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
     preload = None if cfg.task else cfg.dataset  # a task's worker loads the task instead
@@ -277,15 +281,19 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
              "config": asdict(cfg),
              **({"interrupted": True} if interrupted else {})}
     if not out:
-        return {**summarize_rounds(rows, cfg.target_accuracy), **extra}
+        return {**summarize_rounds(rows, cfg.target_accuracy), **extra, "written": []}
     what = cfg.task or f"{cfg.dataset} / {cfg.model}"
-    summary = write_run_outputs(out, rows, extra, title=f"{what} / {cfg.partition}, {cfg.clients} clients",
-                                target_accuracy=cfg.target_accuracy)
-    write_coordinator_model(out, server.coordinator, assembly.description, interrupted)
-    if interrupted or splits is None:  # stop within 2 s: no plots (see write_run_outputs); a task's labels are its own
-        return summary
+    more_plots = {} if splits is None else {"labels.png": functools.partial(  # a task's labels are its own
+        _plot_labels, parts[:LABEL_PLOT_CLIENTS], splits,
+        f"{cfg.partition}: labels of the first {min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")}
+    outputs = write_run_outputs(out, server.coordinator, assembly.description, extra,
+                                title=f"{what} / {cfg.partition}, {cfg.clients} clients",
+                                target_accuracy=cfg.target_accuracy, more_plots=more_plots)
+    return {**outputs.summary, "written": outputs.written}
+
+
+def _plot_labels(parts, splits, title: str, path: Path) -> None:
+    """OUT/labels.png: the labels each of the clients ``parts`` holds (matplotlib is imported only to draw it)."""
     from fedpar.simulations.plots import plot_label_counts
-    plot_label_counts(label_counts(parts[:LABEL_PLOT_CLIENTS], splits.train.y, splits.num_classes),
-                      out / "labels.png", title=f"{cfg.partition}: labels of the first "
-                                                f"{min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")
-    return summary
+
+    plot_label_counts(label_counts(parts, splits.train.y, splits.num_classes), path, title)

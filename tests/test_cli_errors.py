@@ -3,6 +3,7 @@ a non-zero exit code and no traceback (issue 17)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -141,12 +142,20 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
     for name, proc in (("serve", serve), ("simulate", sim)):
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        rc, _, err = _finish(proc, timeout=30)
-        results[name] = (rc, time.monotonic() - started, err)
-    for name, (rc, seconds, err) in results.items():
+        rc, out, err = _finish(proc, timeout=30)
+        results[name] = (rc, time.monotonic() - started, out, err)
+    wrote = {}
+    for name, (rc, seconds, out, err) in results.items():
         assert rc == 130, (name, err)
         assert seconds < 2.0, (name, seconds)
         _one_line(err, f"fedpar {name}: interrupted")
+        wrote[name] = _wrote(out, {"simulate": sim_out, "serve": serve_out}[name])
+    # The "wrote" line names what is on disk, and only that: no plots after Ctrl-C, the model only once a round
+    # completed, the model first.
+    assert wrote["simulate"][:2] == ["metrics.jsonl", "metrics.csv"]
+    assert wrote["simulate"][2:] == ["global.safetensors", "global.json", "summary.json"]
+    assert wrote["serve"] == ["summary.json"]
+    assert not list(sim_out.glob("*.png")) and not list(serve_out.glob("*.png"))
     summary = json.loads((sim_out / "summary.json").read_text())
     rows = (sim_out / "metrics.jsonl").read_text().splitlines()
     assert summary["interrupted"] and summary["rounds"] == len(rows) >= 1
@@ -164,6 +173,16 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert len(events.Scalars("test_accuracy")) >= 1
+
+
+def _wrote(out: str, folder: Path) -> list[str]:
+    """The files the one "wrote FOLDER/a, b and c" line of ``out`` names, each checked to be in ``folder``."""
+    lines = [line for line in out.splitlines() if line.startswith("wrote ")]
+    assert len(lines) == 1 and lines[0].startswith(f"wrote {folder}/"), out
+    names = lines[0].removeprefix(f"wrote {folder}/").replace(" and ", ", ").split(", ")
+    missing = [name for name in names if not (folder / name).is_file()]
+    assert not missing, (lines[0], missing)
+    return names
 
 
 def test_ctrl_c_stops_train_within_two_seconds_with_exit_130_and_a_summary(tmp_path):
@@ -191,3 +210,65 @@ def test_ctrl_c_stops_train_within_two_seconds_with_exit_130_and_a_summary(tmp_p
         assert summary["interrupted"] and summary["world_size"] == nproc and summary["steps"] == steps[-1] >= 2
         assert f"after {steps[-1]} logged steps" in line
         assert (outs[nproc] / "metrics.csv").exists()
+
+
+def test_an_output_that_cannot_be_written_is_named_in_one_line_and_the_model_is_kept(tmp_path):
+    out = tmp_path / "run"
+    (out / "accuracy.png").mkdir(parents=True)  # a folder where the plot goes
+    rc, stdout, err = _finish(_start(["simulate", "--clients", "2", "--rounds", "1", "--workers", "1",
+                                      "--local-epochs", "1", "--out", str(out), "--quiet"], tmp_path))
+    assert rc == 1, err
+    line = _one_line(err, "fedpar simulate: ")
+    assert f"accuracy.png in folder {out}; a folder is in the way: move it or pick another path" in line
+    # Written before the plot and after it all the same: the model first, then the summary, then the other plots.
+    assert f"wrote {out}/metrics.jsonl, metrics.csv, global.safetensors, global.json, summary.json, loss.png and " \
+           "labels.png" in line
+    assert json.loads((out / "global.json").read_text())["round"] == 1 and (out / "global.safetensors").is_file()
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 1
+    assert (out / "loss.png").is_file() and (out / "labels.png").is_file() and (out / "accuracy.png").is_dir()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left behind
+
+
+def test_a_full_disk_is_named_with_the_file_and_its_folder(tmp_path):
+    from fedpar.cli.user_errors import describe
+
+    target = tmp_path / "run" / "global.safetensors"
+    line = describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target)))
+    assert line == (f"No space left on device: global.safetensors in folder {tmp_path / 'run'}; free some disk space "
+                    "there, or pick a folder on another disk")
+    assert describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) == ("No space left on device; free some disk "
+                                                                          "space there, or pick a folder on another "
+                                                                          "disk")
+
+
+def test_a_write_cut_short_names_the_file_it_was_for(tmp_path):
+    """A real write that fails half-way (a file-size limit, as a full disk would, but for this process only): the
+    model's safetensors file and an atomic JSON write each raise an OSError naming the file, not its temporary
+    name nor none, and leave no part of a file behind."""
+    script = f"""
+import resource, signal
+from pathlib import Path
+import numpy as np
+from fedpar.cli.user_errors import describe
+from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.tensorfile import save_tensors
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write beyond the limit then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+out = Path({str(tmp_path / "run")!r})
+out.mkdir()
+for write in (lambda: save_tensors(out / "global.safetensors", ["w"], [np.zeros(100_000, np.float32)]),
+              lambda: atomic_write_bytes(out / "summary.json", [b"x" * 100_000])):
+    try:
+        write()
+    except OSError as exc:
+        print(exc.errno, describe(exc))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    folder = tmp_path / "run"
+    assert len(lines) == 2, done.stdout
+    for line, name in zip(lines, ["global.safetensors", "summary.json"]):
+        assert line == (f"{errno.EFBIG} File too large: {name} in folder {folder}; it is larger than this process "
+                        "may write (ulimit -f) or the disk allows; pick another disk"), line
+    assert list(folder.iterdir()) == []

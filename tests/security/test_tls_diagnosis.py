@@ -1,14 +1,17 @@
 """A TLS handshake that fails is fatal for `fedpar client`, with the real cause in one line (issue 17): the
 coordinator's certificate signed by another CA, issued for another name, or our certificate refused (foreign CA,
-expired); a revoked agent is refused by name. Each is a real `fedpar client` against a real coordinator."""
+expired); a revoked agent is refused by name. Each is a real `fedpar client` against a real coordinator. A TLS
+setting that differs from the coordinator's (--insecure on one side only) is retried, its flag named (issue 31)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fedpar.security.admission import Admission, RevocationList, append_revocation
 from fedpar.security.certs import CertPaths, ensure_certs, load_ca, new_private_key, write_certificate, \
     write_private_key
-from fedpar.security.handshake import diagnose_handshake
+from fedpar.security.handshake import diagnose_handshake, speaks_tls, tls_mismatch
 from fedpar.security.tls import client_tls_files, server_credentials, server_tls_files
 
 
@@ -136,7 +139,58 @@ def test_a_working_handshake_or_a_closed_port_is_no_tls_problem(tls_world):
         assert diagnose_handshake(closed, files) is None
 
 
-def test_a_plaintext_coordinator_is_named(coordinator_factory, tls_world):
-    server = coordinator_factory(None, min_available=5)
-    problem = diagnose_handshake(server.address, client_tls_files("alice", tls_world.ours))
-    assert problem is not None and "it does not answer TLS" in problem and "--insecure" in problem
+def test_a_port_is_asked_whether_it_speaks_tls(coordinator_factory, tls_world):
+    plaintext = coordinator_factory(None, min_available=5)
+    assert speaks_tls(tls_world.address) is True
+    assert speaks_tls(plaintext.address) is False
+    assert tls_mismatch(tls_world.address, insecure=False) is None
+    assert tls_mismatch(plaintext.address, insecure=True) is None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{probe.getsockname()[1]}"
+        assert speaks_tls(closed) is None and tls_mismatch(closed, insecure=True) is None
+
+
+def test_a_tls_mismatch_is_retried_and_its_first_retry_line_says_which_flag(coordinator_factory, tls_world):
+    """A real `fedpar serve --certs` with a real `fedpar client --insecure`, and a real `fedpar client --certs` with a
+    plaintext coordinator: each client retries (as for a coordinator that is down, which its operator may restart
+    with the other setting), names the mismatch and the flag from its first retry line on, and neither side shows
+    gRPC's own "Handshake failed" lines."""
+    w = tls_world
+    port_file = w.root / "mismatch.port"
+    serve = subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--certs", str(w.ours), "--port", "0",
+                              "--port-file", str(port_file), "--out", str(w.root / "mismatch-run"), "--rounds", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=w.root)
+    plaintext = coordinator_factory(None, min_available=5)
+    try:
+        tls_client = _client_process(w.root, plaintext.address, ["--certs", str(w.ours), "--agent-id", "alice"])
+        deadline = time.monotonic() + 60
+        while not port_file.exists() and serve.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert port_file.exists(), serve.communicate()[1][-2000:]
+        tls_address = f"127.0.0.1:{port_file.read_text().strip()}"
+        insecure_client = _client_process(w.root, tls_address, ["--insecure", "--agent-id", "alice"])
+        results = {"insecure agent, TLS coordinator": (insecure_client, "it seems to require TLS: drop --insecure and "
+                                                                         "pass --certs DIR"),
+                   "TLS agent, plaintext coordinator": (tls_client, "it seems not to speak TLS (started with "
+                                                                    "--insecure?): pass --insecure to this agent")}
+        for name, (client, says) in results.items():
+            err = client.communicate(timeout=60)[1]
+            code = client.returncode
+            retries = [line for line in err.splitlines() if "retrying in" in line]
+            assert code == 1 and len(retries) >= 2, (name, err)  # it kept trying until --give-up-after
+            assert "coordinator unreachable (UNAVAILABLE): " + says in retries[0], (name, err)
+            last = err.splitlines()[-1]
+            assert last.startswith("fedpar client: alice: coordinator at ") and says in last, (name, err)
+            assert "Handshake failed" not in err and "Traceback" not in err, (name, err)
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve_err = serve.communicate(timeout=60)[1]
+    assert "Handshake failed" not in serve_err, serve_err[-2000:]
+
+
+def _client_process(cwd: Path, address: str, options: list[str]) -> subprocess.Popen:
+    """A real `fedpar client` that gives up after 3 s without reaching the coordinator at ``address``."""
+    return subprocess.Popen([sys.executable, "-m", "fedpar", "client", "--server", address, "--give-up-after", "3",
+                             "--max-backoff", "1", "--threads", "1", *options], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)

@@ -23,6 +23,8 @@ def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
                             capture_output=True, text=True, timeout=850)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "test_accuracy" in result.stdout  # the per-round table
+    assert f"wrote {out}/metrics.jsonl, metrics.csv, global.safetensors, global.json, summary.json, accuracy.png, " \
+           "loss.png and labels.png" in result.stdout.splitlines()  # the model first, then the summary and plots
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 10 and summary["wall_seconds"] > 0
     assert summary["final_test_accuracy"] >= 0.90
