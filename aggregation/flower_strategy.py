@@ -54,8 +54,7 @@ from flwr.server.strategy import Strategy as FlowerBase
 
 from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.options import typed_options
-from fedpar.aggregation.registry import FLOWER_PREFIX
-from fedpar.aggregation.strategy import Strategy
+from fedpar.aggregation.strategy import FLOWER_PREFIX, Strategy
 from fedpar.models.references import load_reference
 from fedpar.protocol.task_settings import TaskSettings
 

@@ -17,6 +17,9 @@ from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.share_cap import ShareCap
 from fedpar.protocol.task_settings import TaskSettings
 
+# A strategy named flower:REF is a Flower Strategy class, REF being package.module:Class or path/file.py:Class.
+FLOWER_PREFIX = "flower:"
+
 
 class FoldItem(NamedTuple):
     """One client's update for :meth:`Strategy.fold_many`: its new full weights, weight and client id."""
