@@ -103,6 +103,7 @@ class FlowerStrategy(Strategy):
     """A Flower ``Strategy`` (a class, built at the first round, or an instance) as a fedpar strategy."""
 
     memory_note = MEMORY_NOTE
+    linear = False  # Flower's aggregate_fit is handed one FitRes per agent
 
     def __init__(self, strategy: type | FlowerBase, name: str = "", **options: Any) -> None:
         """Wrap ``strategy``: a class (``options`` go to its constructor) or a ready instance (no options)."""

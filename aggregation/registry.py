@@ -28,6 +28,12 @@ def strategy_names() -> list[str]:
     return list(STRATEGIES)
 
 
+def linear_strategy_names() -> list[str]:
+    """The strategies whose new model depends on the updates only through their weighted mean (``linear``): those
+    secure aggregation and aggregator ranks can run."""
+    return [name for name, cls in STRATEGIES.items() if cls.linear]
+
+
 def build_strategy(name: str, **kwargs: Any) -> Strategy:
     """Instantiate the strategy called ``name`` with its keyword arguments (e.g. ``proximal_mu=0.01``).
 

@@ -45,6 +45,10 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str] = ""
     memory_note: ClassVar[str] = ""
+    # Whether the new global model depends on a round's updates only through their weighted mean, so that a sum
+    # taken elsewhere (masked by secure aggregation, or partial sums of aggregator ranks) folded as one update of
+    # weight sum(w) gives the same result. Every strategy class declares it; none is assumed.
+    linear: ClassVar[bool]
 
     def __init__(self) -> None:
         """Start with no round open."""
@@ -199,6 +203,7 @@ class StreamingStrategy(Strategy):
 
     memory_note = ("streaming: one accumulator of the model size (float32, or float64 if asked) whatever "
                    "the number of clients; updates are not retained")
+    linear = True  # the round's state is the running weighted sum; the new model is made from its mean alone
 
     def __init__(self, fold_config: FoldConfig | None = None) -> None:
         """Use ``fold_config`` for the running sum."""
