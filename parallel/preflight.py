@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from fedpar.datasets.registry import load_train_data
 from fedpar.models import build_model
+from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.compile import check_compile_layout
 from fedpar.parallel.config import TrainConfig
-from fedpar.parallel.data import load_train_data, model_kwargs_for
 from fedpar.parallel.parallelize import check_model_layout
 from fedpar.parallel.precision import resolve_precision
 
