@@ -155,9 +155,6 @@ class Compressor:
         self._rng = np.random.default_rng(self.config.seed)
         self._residuals: dict[str, list[np.ndarray]] = {}
         self._lock = threading.Lock()
-        self.raw_bytes = 0
-        self.sent_bytes = 0
-        self.updates = 0
 
     def encode(self, arrays: Sequence[np.ndarray], client_id: str = "") -> Encoded:
         """Compress one client's delta; with top-k, add that client's residual first and keep the new residual."""
@@ -172,10 +169,6 @@ class Compressor:
             with self._lock:
                 rng = np.random.default_rng(self._rng.integers(2**63))
             enc = encode(arrays, self.config, rng)
-        with self._lock:
-            self.raw_bytes += sum(a.nbytes for a in arrays)
-            self.sent_bytes += enc.nbytes
-            self.updates += 1
         return enc
 
     def decode(self, enc: Encoded) -> list[np.ndarray]:
@@ -193,15 +186,6 @@ class Compressor:
                 self._residuals.pop(client_id, None)
             else:
                 self._residuals[client_id] = residual
-
-    def end_round(self) -> dict[str, float]:
-        """Bytes of this round (raw vs sent, and their ratio), then reset the counters."""
-        with self._lock:
-            stats = {"updates": float(self.updates), "raw_bytes": float(self.raw_bytes),
-                     "sent_bytes": float(self.sent_bytes),
-                     "compression_ratio": self.raw_bytes / self.sent_bytes if self.sent_bytes else 0.0}
-            self.raw_bytes = self.sent_bytes = self.updates = 0
-        return stats
 
 
 def encode_update(compressor: Compressor, new_weights: Sequence[np.ndarray], global_weights: Sequence[np.ndarray],

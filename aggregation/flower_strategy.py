@@ -54,8 +54,7 @@ from flwr.server.strategy import Strategy as FlowerBase
 
 from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.options import typed_options
-from fedpar.aggregation.registry import FLOWER_PREFIX
-from fedpar.aggregation.strategy import Strategy
+from fedpar.aggregation.strategy import FLOWER_PREFIX, Strategy
 from fedpar.models.references import load_reference
 from fedpar.protocol.task_settings import TaskSettings
 
@@ -104,6 +103,7 @@ class FlowerStrategy(Strategy):
     """A Flower ``Strategy`` (a class, built at the first round, or an instance) as a fedpar strategy."""
 
     memory_note = MEMORY_NOTE
+    linear = False  # Flower's aggregate_fit is handed one FitRes per agent
 
     def __init__(self, strategy: type | FlowerBase, name: str = "", **options: Any) -> None:
         """Wrap ``strategy``: a class (``options`` go to its constructor) or a ready instance (no options)."""

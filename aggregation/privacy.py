@@ -75,6 +75,7 @@ class DPStrategy(Strategy):
 
     memory_note = ("streaming: one accumulator of the model size plus the wrapped strategy's own state; "
                    "updates are not retained")
+    linear = False  # each update is clipped by its own norm before it is summed
 
     def __init__(self, inner: Strategy, noise_multiplier: float, clip_norm: float, population: int,
                  clients_per_round: int, sampled_per_round: int | None = None, delta: float = 1e-5,

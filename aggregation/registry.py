@@ -11,7 +11,7 @@ from fedpar.aggregation.fedprox import FedProx
 from fedpar.aggregation.options import option_specs, typed_options
 from fedpar.aggregation.privacy import DPStrategy
 from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
-from fedpar.aggregation.strategy import Strategy
+from fedpar.aggregation.strategy import FLOWER_PREFIX, Strategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
@@ -20,13 +20,18 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 
 DP_PREFIX = "dp_"
-FLOWER_PREFIX = "flower:"  # the rest names a Flower Strategy class: package.module:Class or path/file.py:Class
 DP_OPTIONS = frozenset(inspect.signature(DPStrategy).parameters) - {"inner", "fold_config"}
 
 
 def strategy_names() -> list[str]:
     """Names accepted by :func:`build_strategy` (each also as ``dp-NAME``: the same under DP-FedAvg)."""
     return list(STRATEGIES)
+
+
+def linear_strategy_names() -> list[str]:
+    """The strategies whose new model depends on the updates only through their weighted mean (``linear``): those
+    secure aggregation and aggregator ranks can run."""
+    return [name for name, cls in STRATEGIES.items() if cls.linear]
 
 
 def build_strategy(name: str, **kwargs: Any) -> Strategy:

@@ -93,6 +93,7 @@ class BufferedStrategy(Strategy):
     """Base for strategies that see all updates at finish."""
 
     memory_note = _ROBUST_MEMORY
+    linear = False  # a median, a trimmed mean or Krum's pick needs the updates themselves
 
     def __init__(self) -> None:
         """No store until a round begins."""

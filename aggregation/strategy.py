@@ -17,6 +17,9 @@ from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.share_cap import ShareCap
 from fedpar.protocol.task_settings import TaskSettings
 
+# A strategy named flower:REF is a Flower Strategy class, REF being package.module:Class or path/file.py:Class.
+FLOWER_PREFIX = "flower:"
+
 
 class FoldItem(NamedTuple):
     """One client's update for :meth:`Strategy.fold_many`: its new full weights, weight and client id."""
@@ -42,6 +45,10 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str] = ""
     memory_note: ClassVar[str] = ""
+    # Whether the new global model depends on a round's updates only through their weighted mean, so that a sum
+    # taken elsewhere (masked by secure aggregation, or partial sums of aggregator ranks) folded as one update of
+    # weight sum(w) gives the same result. Every strategy class declares it; none is assumed.
+    linear: ClassVar[bool]
 
     def __init__(self) -> None:
         """Start with no round open."""
@@ -196,6 +203,7 @@ class StreamingStrategy(Strategy):
 
     memory_note = ("streaming: one accumulator of the model size (float32, or float64 if asked) whatever "
                    "the number of clients; updates are not retained")
+    linear = True  # the round's state is the running weighted sum; the new model is made from its mean alone
 
     def __init__(self, fold_config: FoldConfig | None = None) -> None:
         """Use ``fold_config`` for the running sum."""

@@ -1,7 +1,7 @@
 """Honest round time under attack: undisturbed, and under each attack, as ratios measured in the same run.
 
 One command: ``.venv/bin/python benchmarks/abuse_bench.py`` (``--json PATH`` for where the figures go, default
-runs/abuse_bench.json). Each attack is one run of simulations/abuse.py: a coordinator at its default limits
+runs/abuse_bench.json). Each attack is one run of tests/support/abuse.py: a coordinator at its default limits
 (except where an attack needs the data plane or mutual TLS), real agents (client/agent.py) training a tiny model
 for ``--train`` seconds per round, and the attacker in its own process, started after the undisturbed rounds:
 1. pre-auth stream flood: silent UploadUpdate streams (no certificate, no session) from the agents' own address;
@@ -34,8 +34,10 @@ from fedpar.security.tls import channel_credentials, client_tls_files, server_cr
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.simulations.abuse import (idle_sockets, inflated_updates, run_under_attack, silent_requests, silent_streams,
-                                      tiny_model, trickling_uploads)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support; the attackers inherit it
+from support.abuse import (idle_sockets, inflated_updates, run_under_attack, silent_requests,  # noqa: E402
+                           silent_streams, tiny_model, trickling_uploads)
 
 
 def server_for(rounds: int, agents: int, credentials=None, admission=None, **overrides) -> CoordinatorServer:

@@ -349,6 +349,7 @@ def compression_table(rounds: int) -> None:
         for r in range(rounds):
             strategy = FedAvg()
             strategy.begin_round(r + 1, g)
+            sent_bytes = raw = 0  # this round's
             for c, idx in enumerate(parts):
                 set_weights(model, g)
                 opt = torch.optim.SGD(model.parameters(), lr=0.3)
@@ -357,12 +358,13 @@ def compression_table(rounds: int) -> None:
                         opt.zero_grad()
                         nn.functional.cross_entropy(model(xtr[idx][b]), ytr[idx][b]).backward()
                         opt.step()
-                enc = encode_update(comp, get_weights(model), g, f"c{c}")
+                new = get_weights(model)
+                enc = encode_update(comp, new, g, f"c{c}")
+                sent_bytes += enc.nbytes
+                raw += sum(a.nbytes for a in new)
                 strategy.fold(decode_update(comp, enc, g), len(idx), f"c{c}")
             g, _ = strategy.finish()
-            stats = comp.end_round()
-            sent.append(stats["sent_bytes"])
-            raw = stats["raw_bytes"]
+            sent.append(sent_bytes)
         set_weights(model, g)
         with torch.no_grad():
             acc = float((model(xte).argmax(1) == yte).float().mean())

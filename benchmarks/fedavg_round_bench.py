@@ -38,12 +38,14 @@ from fedpar.client.batched_trainer import ClientBatchInput, train_clients_batche
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, set_weights
-from fedpar.models.evaluation import evaluate_classifier
 from fedpar.models.for_data import build_model_for_data
 from fedpar.datasets.clientdata import partition_indices
 from fedpar.parallel.device import flush_denormals
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # tests/support
+from support.classifier_score import evaluate_classifier  # noqa: E402
+
 MNIST_DIRS = [HERE.parent.parent / "shared" / "data" / "mnist", HERE.parent / "shared" / "data" / "mnist"]
 POPULATION, COHORT, EPOCHS, BATCH, LR, SEED = 100, 10, 5, 10, 0.1, 0
 

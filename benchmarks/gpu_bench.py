@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))
 
 from fedpar.models.gpt import GPT, GPTConfig  # noqa: E402
 from fedpar.parallel.config import ParallelConfig, TrainConfig  # noqa: E402
-from fedpar.parallel.data import LANGUAGE_MODEL, TrainData  # noqa: E402
+from fedpar.datasets.arrays import LANGUAGE_MODEL, TrainData  # noqa: E402
 from fedpar.parallel.config import DEVICE_HELP  # noqa: E402
 from fedpar.parallel.device import check_device_layout  # noqa: E402
 from fedpar.parallel.init import init_distributed, shutdown_distributed  # noqa: E402

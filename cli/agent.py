@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task
 from fedpar.cli.argtypes import count, non_negative_int, positive, probability
 from fedpar.cli.declared import section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.task_options import add_task_arguments, load_task_from_args
+from fedpar.cli.task_options import add_task_arguments
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.parallel.config import DEVICE_HELP, PRECISIONS, ConfigurationError
 
@@ -55,35 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bf16: forward passes under bf16 autocast (weights and uploads stay fp32)")
     add_tls_arguments(p, "client")
     add_engine_arguments(p)
-
-
-def agent_task(args: argparse.Namespace):
-    """The task this agent runs: --task, else the zoo's classifier for --model and --dataset."""
-    from fedpar.tasks.zoo import classifier
-
-    task = load_task_from_args(args)
-    return task if task is not None else classifier(args.model, args.dataset, args.data_dir)
-
-
-def agent_partition(args: argparse.Namespace):
-    """This agent's share of the task's data, as --partition/--num-partitions/--partition-index say."""
-    from fedpar.task import Partition
-
-    return Partition(args.partition_index, args.num_partitions, args.agent_id, args.partition, args.partition_seed,
-                     args.val_fraction)
-
-
-def agent_config(args: argparse.Namespace, security):
-    """The AgentConfig the options and the TLS set-up describe."""
-    from fedpar.client.agent import AgentConfig
-
-    return AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
-                       max_backoff=args.max_backoff, give_up_after=args.give_up_after,
-                       credentials=security.credentials, insecure=security.credentials is None,
-                       tls_server_name=security.server_name,
-                       enrollment_token=security.enrollment_token,
-                       data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls,
-                       tls_files=security.files)
 
 
 def flower_trainer(args: argparse.Namespace, model):

@@ -13,16 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from fedpar.cli.renamed import RenamedOption
+from fedpar.cli.subcommands import SUBCOMMANDS
 
 
 class ConfigError(ValueError):
     """A configuration file that cannot be used, with a message that says what to change."""
-
-
-def _subcommand_names() -> set[str]:
-    from fedpar.cli.main import SUBCOMMANDS  # imported late: main imports this module
-
-    return set(SUBCOMMANDS)
 
 
 def _key(name: str) -> str:
@@ -72,7 +67,7 @@ def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str
     values: dict[str, Any] = {}
     names: dict[str, str] = {}
     try:
-        _flatten(table, section if own else "", set(dict_options), set() if own else _subcommand_names(),
+        _flatten(table, section if own else "", set(dict_options), set() if own else set(SUBCOMMANDS),
                  values, {}, names)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task
 from fedpar.cli.argtypes import count, positive
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.log_level import setup_logging
@@ -46,7 +47,6 @@ def run_engine(args: argparse.Namespace) -> int:
     """Check the degrees, then run this process as one rank (torchrun) or spawn ``--nproc`` local ranks."""
     import torch
 
-    from fedpar.cli.agent import agent_task
     from fedpar.cli.tlsopts import client_security
     from fedpar.client.engine_trainer import check_engine_task
     from fedpar.parallel.device import check_device_layout
@@ -93,7 +93,6 @@ def engine_process(args: argparse.Namespace) -> int:
     """One rank of the agent: build the sharded trainer; rank 0 runs the Agent, the others follow it."""
     import torch
 
-    from fedpar.cli.agent import agent_config, agent_partition, agent_task
     from fedpar.cli.tlsopts import client_security
     from fedpar.client.engine_trainer import EngineTrainer
     from fedpar.parallel.device import flush_denormals

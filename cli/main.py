@@ -13,20 +13,8 @@ import sys
 from fedpar.cli.argtypes import FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
+from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe
-
-# subcommand -> module under fedpar.cli that defines add_arguments(parser) and run(args) -> int
-SUBCOMMANDS = {
-    "serve": ("serve", "run the coordinator service"),
-    "client": ("agent", "run one client agent that dials out to a coordinator"),
-    "simulate": ("simulate", "run a coordinator and many agents on this machine"),
-    "simulate-workers": ("simulate_workers", "host a slice of a virtual population against a coordinator "
-                                             "(one process per torchrun rank)"),
-    "train": ("train", "centralized training on the parallel engine (DDP/FSDP/TP/PP)"),
-    "certs": ("certs", "make TLS certificates (CA, coordinator, agents), enrollment tokens; revoke agents"),
-    "export": ("export", "write a run's global model (or a checkpoint's) as a torch state_dict file"),
-}
-
 
 # Commands whose process has nothing left to do once run() returns (every output written and closed, worker
 # processes gone): skip the interpreter's teardown of gRPC and torch, about 0.4 s of a simulation's wall time.

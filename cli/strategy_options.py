@@ -9,7 +9,7 @@ from typing import Any
 from fedpar.cli.declared import section
 
 
-class _KeyValue(argparse.Action):
+class KeyValueOption(argparse.Action):
     """Collect ``KEY=VALUE`` into a dict on top of the config file's table; a later flag overrides a key."""
 
     def __call__(self, parser, namespace, value, option_string=None):
@@ -29,7 +29,7 @@ def add_strategy_arguments(p: argparse.ArgumentParser, command: str) -> None:
     """Add ``--strategy`` and ``--strategy-option`` to ``p`` (``command`` names the TOML table in the help)."""
     g = section(p, "strategy")
     g.add_argument("--strategy", default="fedavg", help="aggregation strategy").help_factory = _strategy_help
-    g.add_argument("--strategy-option", dest="strategy_options", action=_KeyValue, metavar="KEY=VALUE",
+    g.add_argument("--strategy-option", dest="strategy_options", action=KeyValueOption, metavar="KEY=VALUE",
                    default={},  # a dict default: a TOML [COMMAND.strategy_options] table is taken whole
                    help="set an option of --strategy (repeatable)").help_factory = lambda: _options_help(command)
 

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from fedpar.cli.declared import add_declared, section
-from fedpar.cli.strategy_options import _KeyValue, as_mapping
+from fedpar.cli.strategy_options import KeyValueOption, as_mapping
 from fedpar.task import TaskReference
 
 
@@ -17,7 +17,7 @@ def add_task_arguments(p: argparse.ArgumentParser, declared: bool = True, group:
     if declared:
         add_declared(p, TaskReference, group=group)
     section(p, group).add_argument(
-        "--task-option", dest="task_options", action=_KeyValue, metavar="KEY=VALUE", default={},
+        "--task-option", dest="task_options", action=KeyValueOption, metavar="KEY=VALUE", default={},
         help="an option of --task, given to its factory (repeatable), typed as the factory declares it")
 
 

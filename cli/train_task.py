@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from fedpar.parallel.config import TrainConfig
+from fedpar.parallel.device import queue_waiter
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
 from fedpar.task import Deadline, LocalConfig, Partition, Task, TaskError
@@ -67,7 +68,7 @@ def _local_epochs(task: Task, model: torch.nn.Module, data, cfg: TrainConfig, de
     """One process: each epoch is one run of the task's hook or built-in loop."""
     def run(epoch: int, remaining: int | None) -> Trained:
         return train_task(task, model, data, LocalConfig(1, cfg.batch_size, cfg.lr, epoch, cfg.seed, 0.0, remaining,
-                                                         device), Deadline(device=device))
+                                                         device), Deadline(wait=queue_waiter(device)))
     return run
 
 

@@ -22,9 +22,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedpar.aggregation.fedprox import proximal_term
-from fedpar.client.local_sgd import StepClock, StepTally, TrainResult, sgd_step, shuffling_generator
+from fedpar.client.local_sgd import StepTally, TrainResult, sgd_step, shuffling_generator
 from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
+from fedpar.task import StepClock
 
 
 @dataclass

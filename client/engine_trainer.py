@@ -24,7 +24,7 @@ from torch import nn
 
 from fedpar.aggregation.fedprox import add_proximal_gradient
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
-from fedpar.client.local_sgd import StepClock, StepTally, TrainResult, descend, run_steps, trainable
+from fedpar.client.local_sgd import StepTally, TrainResult, descend, run_steps, trainable
 from fedpar.models.evaluation import EvalResult
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ParallelConfig
@@ -32,7 +32,7 @@ from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.sampler import DistributedBatchSampler
-from fedpar.task import ClientData, Task, TaskError
+from fedpar.task import ClientData, StepClock, Task, TaskError
 from fedpar.tasks.data import batch_at, batch_examples, inputs_and_targets, on_device, to_device
 from fedpar.tasks.evaluation import task_eval_result
 

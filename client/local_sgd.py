@@ -1,4 +1,5 @@
-"""The local SGD loop the agents' trainers share: the deadline test, the step clock, the counts and the update."""
+"""The local SGD loop the agents' trainers share: the deadline test, the counts and the update (the step clock
+is fedpar/task.py's, which a task's own loop keeps to as well)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from torch.optim.sgd import sgd
 
 from fedpar.aggregation.fedprox import add_proximal_gradient
+from fedpar.task import StepClock
 
 Batch = TypeVar("Batch")
 
@@ -48,28 +50,6 @@ class StepTally:
         """The TrainResult of these steps: the mean loss per example (NaN when none was trained on)."""
         loss = float(self.loss_sum) / self.examples if self.examples else math.nan
         return TrainResult(self.steps, self.examples, loss, self.stopped, seconds)
-
-
-class StepClock:
-    """Smoothed wall time of one local step: the first step of a run sets it, each later one moves it a fifth of
-    the way to its own time. Between runs it keeps the last estimate, for the next run's first deadline test."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._fresh = True
-
-    def restart(self) -> None:
-        """Let the next measured step replace the estimate (a new run: the data or the load may have changed)."""
-        self._fresh = True
-
-    def measured(self, seconds: float) -> None:
-        """Fold one step's wall time into the estimate."""
-        self.seconds = seconds if self._fresh else 0.8 * self.seconds + 0.2 * seconds
-        self._fresh = False
-
-    def fits(self, stop_at: float, extra: float = 0.0) -> bool:
-        """Whether one more step, and ``extra`` seconds after it, would end by ``time.monotonic()`` ``stop_at``."""
-        return time.monotonic() + self.seconds + extra <= stop_at
 
 
 def run_steps(batches: Iterable[Batch], step: Callable[[Batch], tuple[int, float | torch.Tensor]],

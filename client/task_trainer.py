@@ -12,11 +12,12 @@ import time
 import numpy as np
 import torch
 
-from fedpar.client.local_sgd import StepClock, TrainResult, descend, trainable
+from fedpar.client.local_sgd import TrainResult, descend, trainable
 from fedpar.models.evaluation import EvalResult
 from fedpar.models.weights import ModelWeights, get_weights, set_weights
 from fedpar.parallel.config import PRECISIONS
-from fedpar.task import ClientData, Deadline, LocalConfig, Task, TaskError
+from fedpar.parallel.device import queue_waiter
+from fedpar.task import ClientData, Deadline, LocalConfig, StepClock, Task, TaskError
 from fedpar.tasks.data import default_batches, inputs_and_targets, on_device, to_device
 from fedpar.client.task_loop import train_task
 from fedpar.tasks.evaluation import autocast, finite, task_eval_result
@@ -112,9 +113,10 @@ class TaskTrainer:
         """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``."""
         start = time.monotonic()
         config = LocalConfig(epochs, batch_size, lr, round_id, self.seed, proximal_mu, max_steps, self.device)
+        deadline = Deadline(stop_at, queue_waiter(self.device), self._clock)
         with self._taking_turn():
-            trained = train_task(self.task, self.model, self.data, config, Deadline(stop_at, self.device, self._clock),
-                                 self.precision, self._pause if self.delay else None)
+            trained = train_task(self.task, self.model, self.data, config, deadline, self.precision,
+                                 self._pause if self.delay else None)
         late = time.monotonic() - stop_at
         if late > LATE_SECONDS:
             log.warning("task %r: train returned %.1f s after its deadline, so its update may come too late; loop "

@@ -1,4 +1,5 @@
-"""In-memory labelled datasets as numpy arrays, and a train/test pair with its metadata."""
+"""In-memory labelled datasets as numpy arrays, a train/test pair with its metadata, and a training and an
+evaluation set as the tensors the centralized trainer reads."""
 
 from __future__ import annotations
 
@@ -51,3 +52,23 @@ class DatasetSplits:
     num_classes: int
     input_shape: tuple[int, ...]
     train_owners: np.ndarray | None = None  # the client each training example belongs to, where data has owners
+
+
+CLASSIFICATION = "classification"
+LANGUAGE_MODEL = "language_model"
+
+
+@dataclass
+class TrainData:
+    """Train and evaluation inputs/targets as tensors, and the task they pose (CLASSIFICATION or LANGUAGE_MODEL)."""
+
+    train_inputs: torch.Tensor
+    train_targets: torch.Tensor
+    eval_inputs: torch.Tensor
+    eval_targets: torch.Tensor
+    task: str
+
+    def __post_init__(self) -> None:
+        """Check that inputs and targets pair up."""
+        if len(self.train_inputs) != len(self.train_targets) or len(self.eval_inputs) != len(self.eval_targets):
+            raise ValueError("inputs and targets must have the same number of examples")

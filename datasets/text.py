@@ -1,4 +1,4 @@
-"""A character-level corpus from any UTF-8 text file, for language models (windows: parallel/data.py)."""
+"""A character-level corpus from any UTF-8 text file, for language models, and its windows as tensors."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -62,3 +63,13 @@ def load_text(path: str | Path, block_size: int, val_fraction: float = 0.1) -> C
     tokens = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
     n_train = int(len(tokens) * (1.0 - val_fraction))
     return CharCorpus(chars=chars, train=tokens[:n_train].copy(), val=tokens[n_train:].copy(), block_size=block_size)
+
+
+def text_windows(tokens: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping windows: inputs (n, block_size) and targets shifted one token ahead."""
+    n = (len(tokens) - 1) // block_size
+    if n < 1:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than block_size+1={block_size + 1}; "
+                         "use a longer text or a smaller --block-size")
+    t = torch.from_numpy(np.ascontiguousarray(tokens[: n * block_size + 1]))
+    return t[:-1].view(n, block_size).clone(), t[1:].view(n, block_size).clone()

@@ -71,6 +71,28 @@ class LocalConfig:
     device: Any = "cpu"  # the torch.device the model lives on
 
 
+class StepClock:
+    """Smoothed wall time of one local step: the first step of a run sets it, each later one moves it a fifth of
+    the way to its own time. Between runs it keeps the last estimate, for the next run's first deadline test."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._fresh = True
+
+    def restart(self) -> None:
+        """Let the next measured step replace the estimate (a new run: the data or the load may have changed)."""
+        self._fresh = True
+
+    def measured(self, seconds: float) -> None:
+        """Fold one step's wall time into the estimate."""
+        self.seconds = seconds if self._fresh else 0.8 * self.seconds + 0.2 * seconds
+        self._fresh = False
+
+    def fits(self, stop_at: float, extra: float = 0.0) -> bool:
+        """Whether one more step, and ``extra`` seconds after it, would end by ``time.monotonic()`` ``stop_at``."""
+        return time.monotonic() + self.seconds + extra <= stop_at
+
+
 class Deadline:
     """When local training must have returned (``at``, a ``time.monotonic()`` value), and a loop that keeps to it.
 
@@ -79,15 +101,16 @@ class Deadline:
     counts the steps it let through. fedpar's built-in loop uses it too.
     """
 
-    def __init__(self, at: float = math.inf, device: Any = None, clock: Any = None):
-        """A deadline at ``time.monotonic()`` value ``at``; work queued on ``device`` is waited for before each test.
-        ``clock``: the step clock to time steps with (a trainer keeps one across runs, so that the first test of a
-        run already knows how long a step takes); default: a fresh one."""
+    def __init__(self, at: float = math.inf, wait: Callable[[], None] | None = None, clock: StepClock | None = None):
+        """A deadline at ``time.monotonic()`` value ``at``. ``wait``: called before each clock read to let the work
+        queued on the model's device finish (fedpar passes a GPU synchronize there: the clock must see queued GPU
+        work, or the deadline is missed). ``clock``: the step clock to time steps with (a trainer keeps one across
+        runs, so that the first test of a run already knows how long a step takes); default: a fresh one."""
         self.at = at
-        self.device = device
         self.stopped_early = False
         self.taken = 0
-        self._clock = clock
+        self._wait = wait
+        self._clock = clock if clock is not None else StepClock()
 
     def remaining(self) -> float:
         """Seconds left."""
@@ -95,23 +118,18 @@ class Deadline:
 
     def steps(self, batches: Iterable) -> Iterator:
         """``batches``, one at a time, while the next step still fits before the deadline."""
-        from fedpar.client.local_sgd import StepClock
-        from fedpar.parallel.device import synchronize
-
-        if self._clock is None:
-            self._clock = StepClock()
         clock = self._clock
         clock.restart()
         for batch in batches:
-            if self.device is not None:
-                synchronize(self.device)  # the clock must see queued GPU work, or the deadline is missed
+            if self._wait is not None:
+                self._wait()
             if not clock.fits(self.at):
                 self.stopped_early = True
                 return
             start = time.monotonic()
             yield batch
-            if self.device is not None:
-                synchronize(self.device)
+            if self._wait is not None:
+                self._wait()
             self.taken += 1
             clock.measured(time.monotonic() - start)
 

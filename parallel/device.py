@@ -13,8 +13,10 @@ This module imports only torch (no torch.distributed), so commands can check a l
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -117,3 +119,9 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a no-op on the CPU), so a clock read after it is honest."""
     if device.type == CUDA:
         torch.cuda.synchronize(device)
+
+
+def queue_waiter(device: torch.device) -> Callable[[], None] | None:
+    """What a :class:`fedpar.Deadline` calls before each clock read: ``synchronize(device)``; None where nothing is
+    queued (the CPU)."""
+    return functools.partial(synchronize, device) if device.type == CUDA else None

@@ -4,30 +4,30 @@ from __future__ import annotations
 
 import torch
 
+from fedpar.datasets.registry import load_train_data
 from fedpar.models import build_model
+from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.compile import check_compile_layout
 from fedpar.parallel.config import TrainConfig
-from fedpar.parallel.data import check_data_source, load_train_data, model_kwargs_for
 from fedpar.parallel.parallelize import check_model_layout
 from fedpar.parallel.precision import resolve_precision
 
 
 def preflight(config: TrainConfig, device_type: str) -> str:
-    """Check that the data is there, then precision, data and model shape against the resolved layout; returns the
-    precision to train in.
+    """Check precision, data and model shape against the resolved layout; returns the precision to train in.
 
-    The model is built on the meta device (no memory, no init cost); the data is read only when its shape
-    matters (tensor or pipeline parallelism), since every rank reads it again.
+    The data is read here too (every rank reads it again), so that a missing --data-path, a model that does not fit
+    the data or a --model-arg it does not take is said in one line before any rank starts; the model is built on
+    the meta device (no memory, no init cost).
     """
-    check_data_source(config.dataset, config.data_path)
     precision = resolve_precision(config.parallel, device_type)
     pc = config.parallel
     if config.compile:
         check_compile_layout(config.model, pc)
+    _, implied = load_train_data(config.dataset, config.data_path, config.block_size, config.seed)
+    kwargs = model_kwargs_for(config.model, implied, config.model_kwargs)
+    with torch.device("meta"):
+        model = build_model(config.model, **kwargs)
     if pc.tp > 1 or pc.pp > 1:
-        _, implied = load_train_data(config.dataset, config.data_path, config.block_size, config.seed)
-        kwargs = model_kwargs_for(config.model, implied, config.model_kwargs)
-        with torch.device("meta"):
-            model = build_model(config.model, **kwargs)
         check_model_layout(model, config.model, pc)
     return precision

@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
+from fedpar.datasets.registry import load_train_data
 from fedpar.models import build_model
+from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.config import TrainConfig, train_config_from_dict
-from fedpar.parallel.data import load_train_data, model_kwargs_for
 from fedpar.parallel.init import init_distributed, shutdown_distributed
 from fedpar.parallel.trainer import Trainer
 from fedpar.parallel.device import flush_denormals

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fedpar.datasets.arrays import CLASSIFICATION, TrainData
 from fedpar.models.losses import classification_loss, language_model_loss
 from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedpar.parallel.config import TrainConfig
-from fedpar.parallel.data import CLASSIFICATION, TrainData
 from fedpar.parallel.ddp import is_ddp
 from fedpar.parallel.fsdp import is_fsdp
 from fedpar.parallel.init import DistInfo

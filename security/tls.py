@@ -70,7 +70,9 @@ def _read(path: Path, what: str) -> bytes:
         raise TlsSetupError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
-def _load_pair(files: TlsFiles) -> tuple[bytes, bytes]:
+def load_pair(files: TlsFiles) -> tuple[bytes, bytes]:
+    """The certificate and key PEM of ``files``, checked (readable, PEM, the key matches the certificate); a
+    TlsSetupError saying which file is wrong."""
     cert_pem, key_pem = _read(files.cert, "certificate"), _read(files.key, "private key")
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
@@ -87,7 +89,8 @@ def _load_pair(files: TlsFiles) -> tuple[bytes, bytes]:
     return cert_pem, key_pem
 
 
-def _load_ca(path: Path) -> bytes:
+def load_ca(path: Path) -> bytes:
+    """The CA certificate PEM at ``path``, checked; a TlsSetupError saying what is wrong."""
     pem = _read(path, "CA certificate")
     try:
         x509.load_pem_x509_certificates(pem)
@@ -98,18 +101,18 @@ def _load_ca(path: Path) -> bytes:
 
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     """Server TLS; with a CA, mutual TLS that refuses any client without a certificate signed by it."""
-    cert_pem, key_pem = _load_pair(files)
-    ca_pem = _load_ca(files.ca) if files.ca is not None else None
+    cert_pem, key_pem = load_pair(files)
+    ca_pem = load_ca(files.ca) if files.ca is not None else None
     return grpc.ssl_server_credentials([(key_pem, cert_pem)], root_certificates=ca_pem,
                                        require_client_auth=ca_pem is not None)
 
 
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     """Client TLS that checks the coordinator against ``files.ca`` and presents the agent's certificate."""
-    ca_pem = _load_ca(files.ca)
+    ca_pem = load_ca(files.ca)
     if files.cert is None:
         return grpc.ssl_channel_credentials(root_certificates=ca_pem)
-    cert_pem, key_pem = _load_pair(files)
+    cert_pem, key_pem = load_pair(files)
     return grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem)
 
 

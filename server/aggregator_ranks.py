@@ -30,6 +30,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from fedpar.aggregation.registry import linear_strategy_names
 from fedpar.aggregation.strategy import StreamingStrategy
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.server.rank_control import control_handler, new_secret
@@ -53,11 +54,11 @@ def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool, max_ag
     if secure_aggregation:
         raise ValueError("--secure-aggregation runs on one aggregator rank: unmasking needs every masked vector "
                          "and the agents' key shares in one process; use --aggregator-ranks 1")
-    if not isinstance(strategy, StreamingStrategy):
+    if not strategy.linear:
         raise ValueError(f"strategy {strategy.name!r} cannot be split over aggregator ranks: it is not a running "
                          "weighted sum (median and Krum need every update in one place, and DP's clipping "
-                         "accounting runs in one process); use fedavg, fedavgm, fedprox, fedadam, fedyogi or "
-                         "fedadagrad, or --aggregator-ranks 1")
+                         f"accounting runs in one process); use {', '.join(linear_strategy_names())}, or "
+                         "--aggregator-ranks 1")
 
 
 def rank_columns(world: int) -> list[tuple[str, str]]:

@@ -184,7 +184,6 @@ class CoordinatorServer:
             await server.stop(0)
             raise RestoreError(str(exc)) from exc
         self.restoring = False
-        self.coordinator._bind_loop()
         self.data_plane = start_data_plane(self.coordinator, self._loop, self.host, self.credentials is not None,
                                            self.data_tls, service.intake)
         self._ready.set()

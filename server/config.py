@@ -106,8 +106,8 @@ class CoordinatorConfig(LocalTraining):
     metrics_path: Path | None = None
     secure_aggregation: bool = setting(False, group="secagg",
                                        help="SecAgg+ masking: the coordinator learns only the weighted mean of the "
-                                            "agents' updates (needs a linear strategy: fedavg, fedavgm, fedprox, "
-                                            "fedadam, fedyogi, fedadagrad)")
+                                            "agents' updates (needs a linear strategy, one that uses only their "
+                                            "weighted mean, such as fedavg: a refusal lists them)")
     secagg_clip: float = setting(1.0, check="positive", group="secagg",
                                  help="with --secure-aggregation: clip each coordinate of an update (local - global) "
                                       "to +-this")

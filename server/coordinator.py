@@ -70,7 +70,7 @@ class Coordinator(IngestPlane):
         self._host_tasks: dict[str, set[str]] = {}  # per simulation host: its members dealt a task not yet sent
         self._host_go: dict[str, set[str]] = {}  # per simulation host: its members the virtual clock let go
         self.clock = VirtualClock() if config.virtual_clock else None
-        self._agents_changed: asyncio.Event | None = None
+        self._agents_changed = asyncio.Event()  # binds to the loop that first waits on it (the serving loop)
         self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
 
     # ----------------------------------------------------------------- life cycle
@@ -107,7 +107,6 @@ class Coordinator(IngestPlane):
 
     async def run(self) -> None:
         """Run rounds until ``config.rounds`` have completed, then tell agents to shut down."""
-        self._bind_loop()
         await self._publish_payload(self.round_id + 1)
         if self.ranks is not None:
             await self.ranks.start(self)
@@ -133,10 +132,6 @@ class Coordinator(IngestPlane):
             self.finished = not stopped_early
             for event in self._wakeups.values():
                 event.set()
-
-    def _bind_loop(self) -> None:
-        if self._agents_changed is None:
-            self._agents_changed = asyncio.Event()
 
     async def _wait_for_agents(self) -> None:
         deadline = None

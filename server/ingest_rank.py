@@ -50,9 +50,6 @@ class IngestRank(IngestPlane):
         self._reports: dict[str, dict] = {}  # this round's count messages, by agent
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
 
-    def _bind_loop(self) -> None:
-        """Nothing to bind (the server calls this on every coordinator)."""
-
     async def _receive(self) -> dict:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self.group.receive)
 

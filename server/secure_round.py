@@ -10,7 +10,7 @@ the deadline and late-upload refusal) instead of a second streaming RPC; the coo
 into a single running uint32 sum, so its memory stays about one model whatever the cohort size.
 Each agent uploads delta = local - global, clipped, quantized and weighted by its example count; the
 strategy then receives one update, global + sum(w*delta)/sum(w), with weight sum(w). Only linear
-strategies (FedAvg and the FedOpt family) give the same result as without masking.
+strategies (``Strategy.linear``: FedAvg, FedProx and the FedOpt family) give the same result as without masking.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
+from fedpar.aggregation.registry import linear_strategy_names
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout
 from fedpar.secagg import wire
@@ -38,15 +39,14 @@ from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket
 
 log = logging.getLogger("fedpar.server")
 MASKED_TENSOR = "secagg.masked"
-SECURE_STRATEGIES = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
 MAX_POLL_SECONDS = 30.0
 
 
 def check_secure_setup(names: Sequence[str], weights: Sequence[np.ndarray], strategy) -> None:
     """Raise ValueError unless this model and strategy can be aggregated under masking."""
-    if getattr(strategy, "name", "") not in SECURE_STRATEGIES:
-        raise ValueError(f"secure aggregation reveals only the weighted mean, which strategy "
-                         f"{getattr(strategy, 'name', strategy)!r} cannot use; choose one of {', '.join(SECURE_STRATEGIES)}")
+    if not strategy.linear:
+        raise ValueError(f"secure aggregation reveals only the weighted mean, which strategy {strategy.name!r} cannot "
+                         f"use; choose one of {', '.join(linear_strategy_names())}")
     bad = [n for n, w in zip(names, weights) if w.dtype.name not in FLOAT_DTYPES]
     if bad:
         raise ValueError(f"secure aggregation needs floating-point tensors only; {bad[:3]} are not")

@@ -47,11 +47,6 @@ class Traces:
         idx = slice(None) if clients is None else clients
         return online(day_seconds, self.available_from[idx], self.available_for[idx])
 
-    def transfer_seconds(self, model_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-        """Seconds each client needs to download and to upload ``model_bytes``."""
-        bits = 8.0 * model_bytes
-        return bits / (self.download_mbps * 1e6), bits / (self.upload_mbps * 1e6)
-
     def save(self, path: str | Path) -> None:
         """Write the traces as CSV (.csv) or JSON (anything else)."""
         rows = [dict(zip(COLUMNS, (i, *(float(c[i]) for c in self._columns())))) for i in range(len(self))]

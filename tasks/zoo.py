@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedpar.datasets import DatasetSplits, load_dataset, load_text
+from fedpar.datasets.text import text_windows
 from fedpar.datasets.clientdata import client_parts, local_split
 from fedpar.models import build_model, build_model_for_data
 from fedpar.models.losses import classification_loss, language_model_loss
@@ -75,8 +76,6 @@ def language_model(data_path: str, block_size: int = 64, n_layer: int = 2, n_hea
                    d_model: int = 64) -> Task:
     """The zoo GPT on the characters of the text file ``data_path``: windows of ``block_size`` characters, the
     first 90% of the text shared among the clients, the rest evaluated on."""
-    from fedpar.parallel.data import text_windows
-
     corpus = load_text(data_path, block_size)
     train = TensorDataset(*text_windows(corpus.train, block_size))
     test = TensorDataset(*text_windows(corpus.val, block_size))

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from fedpar.cli.log_level import set_grpc_verbosity
-from fedpar.cli.main import SUBCOMMANDS, build_parser, main, subcommand_parser
+from fedpar.cli.main import build_parser, main, subcommand_parser
+from fedpar.cli.subcommands import SUBCOMMANDS
 
 
 def _refused(argv: list[str], capsys) -> str:
@@ -168,7 +169,8 @@ def test_help_is_grouped_into_short_sections(command, sections):
 
 def test_fedpar_help_and_building_any_parser_import_no_torch():
     code = ("import sys\n"
-            "from fedpar.cli.main import SUBCOMMANDS, build_parser, main\n"
+            "from fedpar.cli.main import build_parser, main\n"
+            "from fedpar.cli.subcommands import SUBCOMMANDS\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules, 'fedpar --help imported torch'\n"
             "for name in SUBCOMMANDS:\n"

@@ -18,6 +18,10 @@ from fedpar.datasets import (
     load_text,
     parse_idx,
 )
+from fedpar.datasets.arrays import CLASSIFICATION, LANGUAGE_MODEL
+from fedpar.datasets.registry import load_train_data
+from fedpar.models import build_model
+from fedpar.models.for_data import classifier_kwargs, model_kwargs_for
 
 SHARED_MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
 
@@ -169,12 +173,42 @@ def test_text_errors(tmp_path):
 
 def test_load_dataset_by_name(tmp_path):
     assert len(load_dataset("digits", test_fraction=0.5).test) == 899
-    with pytest.raises(ValueError, match="mnist needs --data-dir pointing at a folder with train.npz"):
+    with pytest.raises(ValueError, match="mnist needs the folder with train.npz"):
         load_dataset("mnist")
     _write_idx_folder(tmp_path)
     assert len(load_dataset("mnist", data_dir=tmp_path).train) == 12
     with pytest.raises(ValueError, match="valid names are: digits, mnist"):
         load_dataset("cifar10")
+    with pytest.raises(ValueError, match="text is a character corpus for language models.*--dataset text"):
+        load_dataset("text")
+
+
+def test_the_one_registry_gives_the_trainer_its_tensors_and_model_sizes(tmp_path):
+    data, implied = load_train_data("digits", "", block_size=64, seed=3)
+    x, y = load_dataset("digits", seed=3).train.to_tensors()
+    assert data.task == CLASSIFICATION and data.train_inputs.equal(x) and data.train_targets.equal(y)
+    assert implied == {"input_shape": (1, 8, 8), "num_classes": 10}
+    for model in ("mlp", "cnn"):
+        kwargs = model_kwargs_for(model, implied, {"num_classes": 10})
+        assert kwargs == classifier_kwargs(model, (1, 8, 8), 10)
+        assert build_model(model, **kwargs)(data.eval_inputs[:2]).shape == (2, 10)
+    with pytest.raises(ValueError, match="the gpt model trains on --dataset text"):
+        model_kwargs_for("gpt", implied, {})
+    _write_idx_folder(tmp_path / "mnist")
+    assert len(load_train_data("mnist", str(tmp_path / "mnist"), 64, 0)[0].train_targets) == 12
+    with pytest.raises(ValueError, match="mnist needs the folder with .*fedpar train: --data-path DIR"):
+        load_train_data("mnist", "", 64, 0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abcdefghij" * 5, encoding="utf-8")
+    data, implied = load_train_data("text", str(corpus), block_size=4, seed=0)
+    assert data.task == LANGUAGE_MODEL and implied == {"vocab_size": 10, "block_size": 4}
+    assert data.train_inputs.shape == (11, 4) and data.train_inputs[0].tolist() == [0, 1, 2, 3]
+    assert data.train_targets[0].tolist() == [1, 2, 3, 4]  # one character ahead
+    assert model_kwargs_for("gpt", implied, {"n_layer": 1}) == {"vocab_size": 10, "block_size": 4, "n_layer": 1}
+    with pytest.raises(ValueError, match="use --model gpt, not mlp"):
+        model_kwargs_for("mlp", implied, {})
+    with pytest.raises(ValueError, match="--dataset text needs --data-path FILE"):
+        load_train_data("text", "", 4, 0)
 
 
 @pytest.mark.skipif(not (SHARED_MNIST / "train.npz").is_file(), reason="shared MNIST copy not present")

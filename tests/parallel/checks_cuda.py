@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fedpar.aggregation import FoldConfig, ShapesAndDtypes, WeightedSum, fedavg
 from fedpar.parallel.config import ParallelConfig, TrainConfig
-from fedpar.parallel.data import CLASSIFICATION, TrainData
+from fedpar.datasets.arrays import CLASSIFICATION, TrainData
 from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.precision import uses_autocast

@@ -20,7 +20,9 @@ from torch.distributed.pipelining import PipelineStage
 from fedpar.models import build_model
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig
-from fedpar.parallel.data import CLASSIFICATION, LANGUAGE_MODEL, TrainData, load_train_data, model_kwargs_for
+from fedpar.datasets.arrays import CLASSIFICATION, LANGUAGE_MODEL, TrainData
+from fedpar.datasets.registry import load_train_data
+from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.fsdp import apply_fsdp

@@ -273,6 +273,29 @@ def test_train_refuses_bad_layouts_before_any_rank_starts(tmp_path: Path, capsys
     assert not out.exists() and time.perf_counter() - started < 5  # refused in the launcher, nothing spawned
 
 
+@pytest.mark.parametrize("extra, expected", [
+    (["--dataset", "mnist"], "mnist needs the folder with train.npz"),
+    (["--dataset", "mnist", "--data-path", "NOWHERE"], "MNIST folder NOWHERE does not exist"),
+    (["--dataset", "text"], "--dataset text needs --data-path FILE"),
+    (["--model", "gpt"], "the gpt model trains on --dataset text"),
+    (["--dataset", "text", "--data-path", "TEXT"], "--dataset text is a language-modelling corpus; use --model gpt"),
+    (["--model-arg", "depth=3"], "model 'mlp' does not take depth"),
+])
+def test_train_says_a_data_or_model_mistake_in_one_line_before_any_rank_starts(tmp_path: Path, capsys, monkeypatch,
+                                                                               extra, expected):
+    from fedpar.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    extra = [str(_tiny_text(tmp_path)) if a == "TEXT" else str(tmp_path / "nowhere") if a == "NOWHERE" else a
+             for a in extra]
+    assert main(["train", "--nproc", "2", *GLOO, "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedpar train: ") and len(err.strip().splitlines()) == 1, err
+    assert expected.replace("NOWHERE", str(tmp_path / "nowhere")) in err
+    assert not out.exists()  # refused in the launcher, nothing spawned
+
+
 def test_train_refuses_a_layout_given_in_a_config_file(tmp_path: Path, capsys, monkeypatch):
     from fedpar.cli.main import main
 

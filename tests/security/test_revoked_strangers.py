@@ -9,7 +9,7 @@ from cryptography import x509
 from fedpar.security.admission import Admission, RevocationList, append_revocation
 from fedpar.security.certs import CertPaths, ensure_certs
 from fedpar.security.tls import channel_credentials, client_tls_files, server_credentials, server_tls_files
-from fedpar.simulations.abuse import run_under_attack, silent_streams
+from support.abuse import run_under_attack, silent_streams
 from support.attacks import AGENTS, BEFORE, DURING, TRAIN, check_honest_rounds, coordinator_server
 
 

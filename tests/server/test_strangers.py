@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from fedpar.protocol.messages import SERVICE_NAME
-from fedpar.simulations.abuse import idle_sockets, run_under_attack, silent_requests, silent_streams
+from support.abuse import idle_sockets, run_under_attack, silent_requests, silent_streams
 from support.attacks import AGENTS, BEFORE, DURING, TRAIN, check_honest_rounds, coordinator_server
 
 

@@ -19,7 +19,7 @@ from fedpar.protocol.codec import ModelLayout
 from fedpar.models import weight_specs
 from fedpar.protocol.dataplane import (OP_UPLOAD, DataPlaneRefused, Deadline, encode_frame, encode_preamble,
                                        read_status, send_all)
-from fedpar.simulations.abuse import run_under_attack, tiny_model, trickling_uploads
+from support.abuse import run_under_attack, tiny_model, trickling_uploads
 from support.attacks import AGENTS, BEFORE, DURING, TRAIN, check_honest_rounds, coordinator_server
 
 SHAPE = (64, 64)  # 16 KiB of float32: several chunks of 1 KiB

@@ -10,9 +10,9 @@ from safetensors.numpy import load_file
 
 from fedpar.datasets import load_dataset
 from fedpar.models import weight_specs
-from fedpar.models.evaluation import evaluate_classifier
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
+from support.classifier_score import evaluate_classifier
 
 
 @pytest.mark.timeout(900)

@@ -7,7 +7,7 @@ from fedpar.models import get_weights, weight_specs
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.simulations.abuse import tiny_model
+from support.abuse import tiny_model
 
 AGENTS, BEFORE, DURING, TRAIN = 3, 4, 3, 0.3  # seconds of training per round
 

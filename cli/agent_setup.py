@@ -1,0 +1,37 @@
+"""What the options of ``fedpar client`` describe, for the single-process agent (cli/agent.py) and each rank of a
+large-model agent (cli/engine_agent.py): the task, this agent's share of its data, and the AgentConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedpar.cli.task_options import load_task_from_args
+
+
+def agent_task(args: argparse.Namespace):
+    """The task this agent runs: --task, else the zoo's classifier for --model and --dataset."""
+    from fedpar.tasks.zoo import classifier
+
+    task = load_task_from_args(args)
+    return task if task is not None else classifier(args.model, args.dataset, args.data_dir)
+
+
+def agent_partition(args: argparse.Namespace):
+    """This agent's share of the task's data, as --partition/--num-partitions/--partition-index say."""
+    from fedpar.task import Partition
+
+    return Partition(args.partition_index, args.num_partitions, args.agent_id, args.partition, args.partition_seed,
+                     args.val_fraction)
+
+
+def agent_config(args: argparse.Namespace, security):
+    """The AgentConfig the options and the TLS set-up describe."""
+    from fedpar.client.agent import AgentConfig
+
+    return AgentConfig(server=args.server, agent_id=args.agent_id, poll_seconds=args.poll_seconds,
+                       max_backoff=args.max_backoff, give_up_after=args.give_up_after,
+                       credentials=security.credentials, insecure=security.credentials is None,
+                       tls_server_name=security.server_name,
+                       enrollment_token=security.enrollment_token,
+                       data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls,
+                       tls_files=security.files)

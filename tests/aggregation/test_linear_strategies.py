@@ -1,0 +1,94 @@
+"""``Strategy.linear``: every strategy declares whether its new model depends on a round's updates only through their
+weighted mean, the declaration holds, and secure aggregation and aggregator ranks take exactly the linear ones."""
+
+import re
+
+import numpy as np
+import pytest
+
+from fedpar.aggregation import Strategy, build_strategy
+from fedpar.aggregation.registry import STRATEGIES, linear_strategy_names
+from fedpar.server.aggregator_ranks import check_ranks_supported
+from fedpar.server.secure_round import check_secure_setup
+
+SHAPES = [(4, 3), (3,), (2, 2, 2)]
+# The strategies fedpar documents as linear (README, secure aggregation): the weighted mean, or a server optimizer
+# acting on it.
+LINEAR = {"fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"}
+# Multi-Krum with no malicious clients keeps every update, its weighted mean; with some it drops the outliers.
+OPTIONS = {"multikrum": {"num_malicious": 2}}
+DP = dict(noise_multiplier=1.0, clip_norm=1.0, population=10, clients_per_round=2, seed=0)
+
+
+def test_every_registered_strategy_declares_whether_it_is_linear():
+    assert "linear" not in vars(Strategy)  # the base assumes nothing: a class that does not say fails loudly
+    for name, cls in STRATEGIES.items():
+        assert isinstance(cls.linear, bool), name
+    assert build_strategy("dp-fedavg", **DP).linear is False  # clipping acts on each update
+    assert {name for name, cls in STRATEGIES.items() if cls.linear} == LINEAR
+    assert linear_strategy_names() == [name for name in STRATEGIES if name in LINEAR]
+
+
+def _rounds(strategy, rounds):
+    """Run ``rounds`` (each a list of (update, weight)) on ``strategy``; the global model after each."""
+    g = [np.zeros(s) for s in SHAPES]
+    out = []
+    for r, results in enumerate(rounds, start=1):
+        strategy.begin_round(r, g)
+        for j, (update, weight) in enumerate(results):
+            strategy.fold(update, weight, f"c{j}")
+        g, _ = strategy.finish()
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_linear_strategy_gives_the_same_model_from_the_weighted_mean_alone(name):
+    """What secure aggregation and aggregator ranks rely on: folding the weighted mean as one update of weight
+    sum(w) gives the model that folding each update gives, round after round (server state included)."""
+    rng = np.random.default_rng(7)
+    rounds = [[([rng.standard_normal(s) + r for s in SHAPES], int(rng.integers(1, 30))) for _ in range(7)]
+              for r in range(2)]
+    merged = []
+    for results in rounds:
+        weights = np.array([w for _, w in results], float)
+        mean = [np.average(np.stack([u[i] for u, _ in results]), axis=0, weights=weights) for i in range(len(SHAPES))]
+        merged.append([(mean, int(weights.sum()))])
+    each = _rounds(build_strategy(name, **OPTIONS.get(name, {})), rounds)
+    try:
+        once = _rounds(build_strategy(name, **OPTIONS.get(name, {})), merged)
+        same = all(np.allclose(a, b, rtol=1e-9, atol=1e-12) for x, y in zip(each, once) for a, b in zip(x, y))
+    except ValueError:  # a rule that cannot choose among one update
+        same = False
+    assert same == STRATEGIES[name].linear
+
+
+def _listed(message: str, before: str, after: str) -> set[str]:
+    match = re.search(re.escape(before) + r"(.*?)" + re.escape(after), message)
+    assert match, message
+    return set(match.group(1).split(", "))
+
+
+def test_secure_aggregation_takes_exactly_the_linear_strategies_and_its_refusal_lists_them():
+    names, weights = ["w"], [np.zeros(3, np.float32)]
+    for name in STRATEGIES:
+        if name in LINEAR:
+            check_secure_setup(names, weights, build_strategy(name))
+        else:
+            with pytest.raises(ValueError, match="reveals only the weighted mean") as refused:
+                check_secure_setup(names, weights, build_strategy(name))
+            assert _listed(str(refused.value) + "$", "choose one of ", "$") == LINEAR
+    with pytest.raises(ValueError, match="reveals only the weighted mean"):
+        check_secure_setup(names, weights, build_strategy("dp-fedavg", **DP))
+
+
+def test_aggregator_ranks_take_exactly_the_linear_strategies_and_the_refusal_lists_them():
+    for name in STRATEGIES:
+        if name in LINEAR:
+            check_ranks_supported(2, build_strategy(name), False)
+        else:
+            with pytest.raises(ValueError, match="cannot be split over aggregator ranks") as refused:
+                check_ranks_supported(2, build_strategy(name), False)
+            assert _listed(str(refused.value), "; use ", ", or --aggregator-ranks 1") == LINEAR
+    with pytest.raises(ValueError, match="cannot be split over aggregator ranks"):
+        check_ranks_supported(2, build_strategy("dp-fedavg", **DP), False)
