@@ -26,8 +26,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object
         return load_digits(**kwargs)  # bundled with scikit-learn: data_dir is not used
     if key == "mnist":
         if data_dir is None:
-            raise ValueError(f"mnist needs the folder with {EXPECTED_FILES}: --data-dir DIR (fedpar train: "
-                             f"--data-path DIR); {WHERE_TO_GET}")
+            raise ValueError(f"mnist needs --data-dir DIR holding {EXPECTED_FILES}; {WHERE_TO_GET}")
         if kwargs:
             raise ValueError(f"mnist takes no options besides data_dir, got {sorted(kwargs)}")
         return load_mnist(data_dir)
@@ -55,6 +54,8 @@ def load_train_data(name: str, data_path: str | Path | None, block_size: int, se
         x, y = text_windows(corpus.train, block_size)
         vx, vy = text_windows(corpus.val, block_size)
         return TrainData(x, y, vx, vy, LANGUAGE_MODEL), {"vocab_size": corpus.vocab_size, "block_size": block_size}
+    if name.lower() == "mnist" and not data_path:
+        raise ValueError(f"--dataset mnist needs --data-path DIR holding {EXPECTED_FILES}; {WHERE_TO_GET}")
     options = {"seed": seed} if name.lower() == "digits" else {}
     splits = load_dataset(name, data_path or None, **options)
     x, y = splits.train.to_tensors()

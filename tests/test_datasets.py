@@ -173,7 +173,7 @@ def test_text_errors(tmp_path):
 
 def test_load_dataset_by_name(tmp_path):
     assert len(load_dataset("digits", test_fraction=0.5).test) == 899
-    with pytest.raises(ValueError, match="mnist needs the folder with train.npz"):
+    with pytest.raises(ValueError, match="mnist needs --data-dir DIR holding train.npz"):
         load_dataset("mnist")
     _write_idx_folder(tmp_path)
     assert len(load_dataset("mnist", data_dir=tmp_path).train) == 12
@@ -196,7 +196,7 @@ def test_the_one_registry_gives_the_trainer_its_tensors_and_model_sizes(tmp_path
         model_kwargs_for("gpt", implied, {})
     _write_idx_folder(tmp_path / "mnist")
     assert len(load_train_data("mnist", str(tmp_path / "mnist"), 64, 0)[0].train_targets) == 12
-    with pytest.raises(ValueError, match="mnist needs the folder with .*fedpar train: --data-path DIR"):
+    with pytest.raises(ValueError, match="--dataset mnist needs --data-path DIR holding train.npz"):
         load_train_data("mnist", "", 64, 0)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("abcdefghij" * 5, encoding="utf-8")

@@ -274,7 +274,7 @@ def test_train_refuses_bad_layouts_before_any_rank_starts(tmp_path: Path, capsys
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--dataset", "mnist"], "mnist needs the folder with train.npz"),
+    (["--dataset", "mnist"], "--dataset mnist needs --data-path DIR holding train.npz"),
     (["--dataset", "mnist", "--data-path", "NOWHERE"], "MNIST folder NOWHERE does not exist"),
     (["--dataset", "text"], "--dataset text needs --data-path FILE"),
     (["--model", "gpt"], "the gpt model trains on --dataset text"),
