@@ -280,11 +280,11 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         progress.close()
         server.stop(grace=0.5 if interrupted else 1.0)
         observers.close()
-    rows = server.coordinator.metrics.rows
-    summary = write_run_outputs(args.out, rows, {"wall_seconds": time.monotonic() - started,
-                                                 "interrupted": interrupted},
+    metrics = server.coordinator.metrics
+    summary = write_run_outputs(args.out, metrics, {"wall_seconds": time.monotonic() - started,
+                                                    "interrupted": interrupted},
                                 title=f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve")
     write_coordinator_model(args.out, server.coordinator, plan.assembly.description, interrupted)
-    if rows:
-        print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))
+    if metrics.last:
+        print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
     return run_exit_code("fedpar serve", summary)
