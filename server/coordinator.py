@@ -95,8 +95,9 @@ class Coordinator(IngestPlane):
             self.sampler.load_state(ckpt.state["sampler"])
         with ckpt.restoring("strategy"):
             self.strategy.load_state_dict(ckpt.strategy_arrays, ckpt.state.get("strategy", {}))
-        with ckpt.restoring("example_caps"):
-            self.registry.restore(ckpt.state.get("example_caps", ckpt.state.get("agents", [])))
+        caps = "example_caps" if "example_caps" in ckpt.state else "agents"  # older checkpoints: a list of agents
+        with ckpt.restoring(caps):
+            self.registry.restore(ckpt.state.get(caps, {}))
         with ckpt.restoring("metrics_summary"):
             self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"))
         if self.clock is not None:

@@ -8,7 +8,6 @@ and summary, and repairs the files' ends in place (reading from the end), never 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -16,7 +15,6 @@ from typing import Iterator, Sequence
 from fedpar.protocol.run_logs import AppendedCsv, lines_backward, truncate
 from fedpar.server.run_summary import RunningSummary
 
-log = logging.getLogger("fedpar.server")
 TAIL_ROWS = 64  # rows metrics.csv may lack after a crash before its lines are copied from the end of metrics.jsonl
 
 
@@ -121,7 +119,7 @@ class RoundMetricsLog:
             self._csv.settle(last_round, self._rows_after)
 
     def _settle_jsonl(self, last_round: int) -> dict | None:
-        """Cut metrics.jsonl after its last complete row of a round <= ``last_round``; that row (None: there is none)."""
+        """Cut metrics.jsonl after its last complete row of a round <= ``last_round``; that row (None: none)."""
         if not self.path.exists():
             return None
         cut, kept = 0, None
