@@ -279,11 +279,11 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         progress.close()
         server.stop(grace=0.5 if interrupted else 1.0)
         observers.close()
-    rows = server.coordinator.metrics.rows
+    metrics = server.coordinator.metrics
     outputs = write_run_outputs(args.out, server.coordinator, plan.assembly.description,
                                 {"wall_seconds": time.monotonic() - started, "interrupted": interrupted},
                                 title=f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve")
-    if rows:
-        print(json.dumps({"rounds": len(rows), "final": rows[-1]}, indent=2))
+    if metrics.last:
+        print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
     print(outputs.wrote_line(args.out))
     return run_exit_code("fedpar serve", outputs.summary)

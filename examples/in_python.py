@@ -22,6 +22,8 @@ def run(rounds: int = 3, agents: int = 2) -> list[dict]:
     task = classifier(model="mlp", dataset="digits")  # or your own fedpar.Task (README, "Your own task")
     config = CoordinatorConfig(rounds=rounds, clients_per_round=agents, min_available=agents, local_epochs=1)
     server = CoordinatorAssembly.for_task(task, seed=0, eval_device="cpu").server(config, FedAvg())
+    rows: list[dict] = []  # each round's metrics row as it ends (config.metrics_path would write metrics.jsonl)
+    server.coordinator.on_round_end.append(rows.append)
     server.start()  # binds 127.0.0.1 on a free port: server.address
     workers = []
     for i in range(agents):
@@ -36,7 +38,7 @@ def run(rounds: int = 3, agents: int = 2) -> list[dict]:
         server.stop()
         for w in workers:
             w.join(30)
-    return server.coordinator.metrics.rows
+    return rows
 
 
 if __name__ == "__main__":

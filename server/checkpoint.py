@@ -47,7 +47,7 @@ class Checkpoint:
     names: list[str]
     arrays: list[np.ndarray]
     strategy_arrays: dict[str, np.ndarray]
-    state: dict  # sampler RNG, strategy metadata, registry snapshot, the round's metrics row
+    state: dict  # sampler RNG, strategy metadata, agents' example caps, the round's metrics row and run summary
     directory: Path | None = None  # where it was loaded from (None: not loaded from disk)
 
     @contextlib.contextmanager
@@ -149,7 +149,8 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise CheckpointError(f"{directory / 'global.safetensors'}: tensor {tensor_name!r} holds NaN or Inf"
                                   f"{_older_hint(root, round_id)}")
-    shapes = {"sampler": (dict,), "strategy": (dict,), "agents": (list,), "metrics_row": (dict, type(None))}
+    shapes = {"sampler": (dict,), "strategy": (dict,), "agents": (list,), "example_caps": (dict,),
+              "metrics_row": (dict, type(None)), "metrics_summary": (dict,)}
     for entry, types in shapes.items():
         if (entry in state and not isinstance(state[entry], types)) or (entry == "sampler" and entry not in state):
             kinds = " or ".join({dict: "an object", list: "a list", type(None): "null"}[t] for t in types)

@@ -104,6 +104,7 @@ class CoordinatorConfig(LocalTraining):
                                           help="checkpoint every round here, and resume from it after a restart "
                                                "(same model and strategy)")
     metrics_path: Path | None = None
+    target_accuracy: float | None = None  # summary.json's time to this central test accuracy (fedpar simulate's)
     secure_aggregation: bool = setting(False, group="secagg",
                                        help="SecAgg+ masking: the coordinator learns only the weighted mean of the "
                                             "agents' updates (needs a linear strategy, one that uses only their "

@@ -31,7 +31,7 @@ from fedpar.server.metrics import RoundMetricsLog, clean_row
 from fedpar.server.rank_group import RankMissing
 from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
+from fedpar.server.rounds import UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
 from fedpar.server.secure_round import SecureRound
 from fedpar.server.virtual_clock import VirtualClock
@@ -52,7 +52,8 @@ class Coordinator(IngestPlane):
                  on_round_end: Sequence[RoundCallback] = (), admission: Admission | None = None,
                  ranks: RankLeader | None = None):
         config.validate()
-        super().__init__(config, names, weights, AgentRegistry(config.liveness_timeout_seconds, admission=admission))
+        super().__init__(config, names, weights, AgentRegistry(config.liveness_timeout_seconds, admission=admission,
+                                                              max_known=config.max_agents))
         self.strategy = strategy
         accumulate_in(strategy, config.fold_dtype, ranks.group.fold_device if ranks is not None else None)
         self.evaluate_fn = evaluate_fn
@@ -63,7 +64,7 @@ class Coordinator(IngestPlane):
         self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
         self.finished = False
         self._not_yet_told: set[str] = set()  # live agents (or their hosts) not yet told that training is over
-        self.metrics = RoundMetricsLog(config.metrics_path)
+        self.metrics = RoundMetricsLog(config.metrics_path, declared_columns(config), config.target_accuracy)
         self.started_at = time.monotonic()
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
         self._wakeups: dict[str, asyncio.Event] = {}  # per agent, and per simulation host (HOST_WAKEUP + id)
@@ -71,7 +72,6 @@ class Coordinator(IngestPlane):
         self._host_go: dict[str, set[str]] = {}  # per simulation host: its members the virtual clock let go
         self.clock = VirtualClock() if config.virtual_clock else None
         self._agents_changed = asyncio.Event()  # binds to the loop that first waits on it (the serving loop)
-        self._restored_ids: list[str] = []  # agents of the checkpoint that have not re-joined yet
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
@@ -95,15 +95,16 @@ class Coordinator(IngestPlane):
             self.sampler.load_state(ckpt.state["sampler"])
         with ckpt.restoring("strategy"):
             self.strategy.load_state_dict(ckpt.strategy_arrays, ckpt.state.get("strategy", {}))
-        with ckpt.restoring("agents"):
-            self._restored_ids = self.registry.restore(ckpt.state.get("agents", []))
-        with ckpt.restoring("metrics_row"):
-            self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"))
+        caps = "example_caps" if "example_caps" in ckpt.state else "agents"  # older checkpoints: a list of agents
+        with ckpt.restoring(caps):
+            self.registry.restore(ckpt.state.get(caps, {}))
+        with ckpt.restoring("metrics_summary"):
+            self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"))
         if self.clock is not None:
             with ckpt.restoring("clock_seconds"):
                 self.clock.seconds = float(ckpt.state.get("clock_seconds", 0.0))
-        log.info("resumed from checkpoint after round %d; waiting up to %.0fs for its %d agents to re-join",
-                 self.round_id, self.config.liveness_timeout_seconds, len(self._restored_ids))
+        log.info("resumed from checkpoint after round %d; the next round starts once %d agents have re-joined",
+                 self.round_id, self.config.min_available)
 
     async def run(self) -> None:
         """Run rounds until ``config.rounds`` have completed, then tell agents to shut down."""
@@ -113,7 +114,6 @@ class Coordinator(IngestPlane):
         completed = stopped_early = False
         self._ready(True)
         try:
-            await self._wait_for_restored_agents()
             while self.round_id < self.config.rounds:
                 await self._wait_for_agents()
                 await self._run_round(self.round_id + 1)
@@ -147,19 +147,6 @@ class Coordinator(IngestPlane):
                 await asyncio.wait_for(self._agents_changed.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
-
-    async def _wait_for_restored_agents(self) -> None:
-        """After a restart, give the checkpoint's agents up to one liveness timeout to re-join, so the
-        first cohort is drawn from the same population (and RNG stream) as without the crash."""
-        deadline = time.monotonic() + self.config.liveness_timeout_seconds
-        while self.registry.waiting_for_rejoin(self._restored_ids) and time.monotonic() < deadline \
-                and self.round_id < self.config.rounds:
-            self._agents_changed.clear()
-            try:
-                await asyncio.wait_for(self._agents_changed.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
-        self._restored_ids = []
 
     # ----------------------------------------------------------------- one round
     async def _run_round(self, round_id: int) -> None:
@@ -278,7 +265,8 @@ class Coordinator(IngestPlane):
         if self.config.checkpoint_dir is not None:
             # The registry and sampler belong to the loop: snapshot them here, write in a thread. The
             # checkpoint precedes the metrics line; a crash between the two is repaired on resume.
-            loop_state = {"sampler": self.sampler.state(), "agents": self.registry.snapshot()}
+            loop_state = {"sampler": self.sampler.state(), "example_caps": self.registry.snapshot(),
+                          "metrics_summary": self.metrics.summary_with(row)}
             if self.clock is not None:
                 loop_state["clock_seconds"] = self.clock.seconds
             await self._in_thread(self._checkpoint, row, loop_state)
@@ -309,8 +297,7 @@ class Coordinator(IngestPlane):
             log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
             raise Refusal(exc.code, exc.message) from None
         self._wakeups.setdefault(agent_id, asyncio.Event())
-        if len(self._wakeups) > 2 * len(self.registry) + 64:  # agents the registry has since forgotten
-            self._wakeups = {i: e for i, e in self._wakeups.items() if self.registry.get(i) is not None}
+        self._forget_gone()
         self._agents_changed.set()
         return record
 
@@ -336,8 +323,22 @@ class Coordinator(IngestPlane):
         except AdmissionRefused as exc:
             raise Refusal(exc.code, exc.message) from None
         self._host_tasks.setdefault(host_id, set())
+        self._forget_gone()
         self._agents_changed.set()
         return host, records
+
+    def _forget_gone(self) -> None:
+        """Drop the wake-up events and host queues of agents and hosts the registry no longer holds (they expired),
+        once there are twice as many as it holds: amortized O(1) per join, bounded by the live ones."""
+        if len(self._wakeups) + len(self._host_tasks) <= 2 * (len(self.registry) + self.registry.host_count) + 64:
+            return
+        def kept(key: str) -> bool:
+            if key.startswith(HOST_WAKEUP):
+                return self.registry.host(key[len(HOST_WAKEUP):]) is not None
+            return self.registry.get(key) is not None
+        self._wakeups = {k: e for k, e in self._wakeups.items() if kept(k)}
+        self._host_tasks = {h: q for h, q in self._host_tasks.items() if self.registry.host(h) is not None}
+        self._host_go = {h: q for h, q in self._host_go.items() if self.registry.host(h) is not None}
 
     def _wake(self, agent_id: str) -> None:
         record = self.registry.get(agent_id)
@@ -538,6 +539,17 @@ class Coordinator(IngestPlane):
     def leave(self, agent: AgentRecord) -> None:
         """Agent says goodbye."""
         self.registry.leave(agent.agent_id)
+
+
+def declared_columns(config: CoordinatorConfig) -> list[str]:
+    """The metrics columns this configuration's rows may bring after the first (those every row has come with it):
+    metrics.csv declares them up front so a later row does not widen it (server/metrics.py)."""
+    columns = [f"refused_{code}" for code in UPLOAD_REFUSALS]
+    if config.client_eval_every > 0:  # rounds with federated evaluation (our trainer's names; a task's come once)
+        columns += ["federated_eval_loss", "federated_eval_accuracy"]
+    if config.secure_aggregation:  # only some rounds have them
+        columns += ["secagg_dropped", "secagg_error_bound", "secagg_failure"]
+    return columns
 
 
 def cohort_digest(agent_ids) -> str:

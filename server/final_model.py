@@ -45,8 +45,8 @@ def write_coordinator_model(out: Path, coordinator, model: dict, interrupted: bo
     A coordinator stopped while closing a round holds that round's model (the model and the round number change
     together) but may not have logged its line yet: then ``metrics`` is None.
     """
-    rows = coordinator.metrics.rows
-    row = rows[-1] if rows and rows[-1].get("round") == coordinator.round_id else None
+    row = coordinator.metrics.last
+    row = row if row and row.get("round") == coordinator.round_id else None
     return write_final_model(out, coordinator.names, coordinator.weights, coordinator.round_id, model, row,
                              interrupted)
 

@@ -115,6 +115,8 @@ class IngestRank(IngestPlane):
         round_id = int(message["round"])
         slots = {}
         self.tickets.expire_rounds_before(round_id)
+        # sessions of agents dealt here in earlier rounds: kept while a late upload may still come, then forgotten
+        self.registry.expire(self.config.deadline_seconds + self.config.liveness_timeout_seconds)
         for entry in message["agents"].get(str(self.rank), []):
             agent_id = entry["agent_id"]
             self.registry.admit_session(agent_id, entry["token"], int(entry["num_examples"]), entry["cert_serial"])

@@ -1,8 +1,9 @@
 """Admission limits that keep one agent (or a flood of them) from exhausting the coordinator.
 
 Every refusal is a :class:`Refusal` with RESOURCE_EXHAUSTED and a message saying which limit and
-which option raises it. All state is per agent id and bounded by the registry size; the coordinator's
-event loop is the only user, so nothing here locks.
+which option raises it. All state is per agent id and bounded by the agents active now, not by all that ever
+called: per-call counts end with their calls, upload attempts with their round, byte buckets once refilled. The
+coordinator's event loop is the only user, so nothing here locks.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class TokenBucket:
         """Return ``amount`` tokens taken earlier (never beyond ``burst``)."""
         self.tokens = min(self.burst, self.tokens + amount)
 
+    def full(self) -> bool:
+        """Whether it has refilled to ``burst``: then it is as good as a fresh one."""
+        return self.tokens + (self._clock() - self._stamp) * self.rate >= self.burst
+
 
 class Limits:
     """The coordinator's per-agent and server-wide limits (see CoordinatorConfig for each)."""
@@ -52,17 +57,19 @@ class Limits:
         self._joins = TokenBucket(config.max_joins_per_second, max(1.0, config.max_joins_per_second * 5), clock)
         self._calls: dict[str, int] = {}
         self._attempts: dict[str, tuple[int, int]] = {}  # agent -> (round, upload attempts in it)
+        self._attempts_round = 0  # the newest round in _attempts
         self._bytes: dict[str, TokenBucket] = {}
+        self._bytes_kept = 0  # buckets after the last sweep of refilled ones
         self._queued_uploads = 0
         self._rpcs = 0
         self._downloads: asyncio.Semaphore | None = None
 
     def admit_join(self, agent_id: str, registry, members: int = 0) -> None:
         """Refuse a Join (a JoinPopulation of ``members``: one join) when joins come too fast or new agents would
-        overfill the registry (after forgetting agents that left or have been silent for ten liveness timeouts)."""
+        overfill the registry (after forgetting agents whose liveness expired)."""
         more = max(members, 1 if registry.get(agent_id) is None else 0)
         if len(registry) + more > self.config.max_agents:
-            registry.prune_inactive(10 * self.config.liveness_timeout_seconds)
+            registry.expire()
             if len(registry) + more > self.config.max_agents:
                 raise Refusal(EXHAUSTED, f"the coordinator already has {len(registry)} agents registered "
                                          f"(--max-agents {self.config.max_agents}); try again later")
@@ -114,6 +121,9 @@ class Limits:
 
     def start_upload(self, agent_id: str, round_id: int) -> None:
         """Count an upload attempt; an abandoned upload may be retried, but not without bound."""
+        if round_id > self._attempts_round:  # earlier rounds' counts are moot: forget them
+            self._attempts = {a: v for a, v in self._attempts.items() if v[0] >= round_id}
+            self._attempts_round = round_id
         seen_round, attempts = self._attempts.get(agent_id, (round_id, 0))
         if seen_round != round_id:
             attempts = 0
@@ -136,6 +146,9 @@ class Limits:
             return
         bucket = self._bytes.get(agent_id)
         if bucket is None:
+            if len(self._bytes) > 2 * self._bytes_kept + 64:  # amortized: forget buckets that refilled
+                self._bytes = {a: b for a, b in self._bytes.items() if not b.full()}
+                self._bytes_kept = len(self._bytes)
             # An update plus one retry may arrive at full speed; beyond that the agent is held to ``rate``.
             bucket = self._bytes[agent_id] = TokenBucket(rate, max(rate, 2.0 * self.model_bytes), self._clock)
         if not bucket.take(nbytes):

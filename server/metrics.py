@@ -1,13 +1,21 @@
-"""Per-round metrics as JSON lines, and the same rows as CSV beside them (metrics.csv)."""
+"""Per-round metrics as JSON lines, and the same rows as CSV beside them (metrics.csv).
+
+Rows go to disk only: in memory the log keeps the running summary (summary.json's figures), the last row and the
+first row this process logged, so its memory does not grow with the rounds. A restart reads the checkpoint's row
+and summary, and repairs the files' ends in place (reading from the end), never the whole history.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from typing import Iterator, Sequence
 
-from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.protocol.run_logs import GrowingCsv
+from fedpar.protocol.run_logs import AppendedCsv, lines_backward, truncate
+from fedpar.server.run_summary import RunningSummary
+
+TAIL_ROWS = 64  # rows metrics.csv may lack after a crash before its lines are copied from the end of metrics.jsonl
 
 
 def _clean(value):
@@ -21,84 +29,118 @@ def clean_row(row: dict) -> dict:
     return {k: _clean(v) for k, v in row.items()}
 
 
-def time_to_accuracy(rows: list[dict], target: float) -> dict:
-    """Rounds, wall seconds and (under a virtual clock) simulated seconds until the central test accuracy first
-    reached ``target`` (None each when it never did)."""
-    hit = next((r for r in rows if (r.get("test_accuracy") or 0.0) >= target), None)
-    out = {"target_accuracy": target, "rounds_to_target": hit["round"] if hit else None,
-           "wall_seconds_to_target": hit["wall_seconds"] if hit else None}
-    if rows and "sim_seconds" in rows[-1]:
-        out["sim_seconds_to_target"] = hit["sim_seconds"] if hit else None
-    return out
+def read_rows(path: Path) -> Iterator[dict]:
+    """The rows of a metrics.jsonl, read line by line (a line torn by a crash is skipped)."""
+    with open(path, "rb") as fh:
+        for line in fh:
+            row = _parse(line)
+            if row is not None:
+                yield row
 
 
-def summarize_rounds(rows: list[dict], target_accuracy: float | None = None) -> dict:
-    """What a run's rounds came to: accuracy, rounds and failed rounds, mean round seconds and upload bytes, the
-    privacy budget spent, simulated seconds under a virtual clock, and the time to ``target_accuracy`` if given
-    (``simulate``'s and ``serve``'s summary.json)."""
-    summary = {
-        "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,
-        "best_test_accuracy": max((r.get("test_accuracy") or 0.0 for r in rows), default=None),
-        "rounds": len(rows),
-        "failed_rounds": sum(r["status"] != "ok" for r in rows),
-        "mean_round_seconds": sum(r["round_seconds"] for r in rows) / len(rows) if rows else None,
-        "mean_upload_bytes_per_round": sum(r["upload_bytes"] for r in rows) / len(rows) if rows else None,
-    }
-    if rows and "dp_epsilon" in rows[-1]:
-        summary["final_dp_epsilon"] = rows[-1]["dp_epsilon"]
-    if rows and "sim_seconds" in rows[-1]:
-        summary["sim_seconds"] = rows[-1]["sim_seconds"]
-    if target_accuracy is not None:
-        summary.update(time_to_accuracy(rows, target_accuracy))
-    return summary
+def _parse(line: bytes) -> dict | None:
+    """A complete line's row (a dict with an integer round), or None."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("round"), int) else None
 
 
 class RoundMetricsLog:
-    """The coordinator's metrics.jsonl: one JSON object per completed round, appended (and kept in memory); its
-    rows are also written as metrics.csv (a row appended; the table rewritten when a row brings a new column)."""
+    """The coordinator's metrics.jsonl: one JSON object per completed round, appended; its rows are also appended to
+    metrics.csv, whose columns are ``declared`` up front (server/coordinator.py: what the configuration's rows hold)
+    so steady state never rewrites it. ``path`` None: nothing is written, the summary is still kept."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, declared: Sequence[str] = (), target_accuracy: float | None = None):
         self.path = Path(path) if path else None
-        self.rows: list[dict] = []
-        self._csv = GrowingCsv(self.csv_path) if self.path else None
+        self.summary = RunningSummary(target_accuracy)
+        self.last: dict | None = None  # the last completed round's row (after a restart: the checkpointed one's)
+        self.first: dict | None = None  # the first row this process logged
+        self._csv = AppendedCsv(self.csv_path, declared, self.read_rows) if self.path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def append(self, row: dict) -> None:
-        """Record one round's metrics."""
-        row = clean_row(row)
-        self.rows.append(row)
-        if self.path:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
-            self._csv.write(self.rows)
 
     @property
     def csv_path(self) -> Path | None:
         """metrics.csv beside metrics.jsonl."""
         return self.path.with_suffix(".csv") if self.path else None
 
-    def resume(self, last_round: int, last_row: dict | None) -> None:
-        """Make the file hold exactly one row per round up to ``last_round`` (the checkpointed one).
-
-        Rows of a round that was in flight at a crash (and will run again) are dropped, a torn last line
-        is discarded, and the checkpointed round's row is appended if the crash came before its line.
-        """
-        lines = self.path.read_text(errors="replace").splitlines() if self.path and self.path.exists() else []
-        rows: dict[int, dict] = {}
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by the crash
-            if isinstance(row, dict) and isinstance(row.get("round"), int) and row["round"] <= last_round:
-                rows.setdefault(row["round"], row)
-        if last_row is not None and last_round not in rows:
-            rows[last_round] = last_row
-        self.rows = [rows[r] for r in sorted(rows)]
+    def append(self, row: dict) -> None:
+        """Record one round's metrics."""
+        row = clean_row(row)
+        self.summary.add(row)
+        self.last = row
+        if self.first is None:
+            self.first = row
         if self.path:
-            self._rewrite()
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            self._csv.append(row)
 
-    def _rewrite(self) -> None:
-        atomic_write_bytes(self.path, [(json.dumps(row) + "\n").encode() for row in self.rows])
-        self._csv.rewrite(self.rows)
+    def summary_with(self, row: dict) -> dict:
+        """The summary's state once ``row`` is counted too (for the checkpoint written before the row is logged)."""
+        ahead = self.summary.copy()
+        ahead.add(clean_row(row))
+        return ahead.state()
+
+    def read_rows(self) -> Iterator[dict]:
+        """Every row logged so far (also before a restart), streamed from metrics.jsonl."""
+        if self.path is None:
+            raise ValueError("this coordinator writes no metrics.jsonl (no metrics_path): its rows are not kept")
+        return read_rows(self.path) if self.path.exists() else iter(())
+
+    def resume(self, last_round: int, last_row: dict | None, summary: dict | None) -> None:
+        """Continue after the checkpoint of ``last_round``, whose row and running summary it holds (a checkpoint from
+        before summaries were kept: None, and the summary is counted once from the file, streaming).
+
+        The files end up holding exactly one row per round up to ``last_round``: rows of a round that was in flight
+        at a crash (and will run again) and a torn last line are cut off in place, reading from the end, and the
+        checkpointed round's row is appended if the crash came before its line.
+        """
+        kept = self._settle_jsonl(last_round) if self.path else None
+        if last_row is not None and (kept is None or kept["round"] < last_round):
+            kept = clean_row(last_row)
+            if self.path:
+                with self.path.open("a") as fh:
+                    fh.write(json.dumps(kept) + "\n")
+        self.last = kept
+        target = self.summary.target_accuracy
+        if summary is not None and summary.get("target_accuracy") == target:
+            self.summary = RunningSummary.from_state(summary)
+        else:
+            self.summary = RunningSummary(target)
+            rows = self.read_rows() if self.path else ([kept] if kept else [])
+            for row in rows:
+                self.summary.add(row)
+        if self.path:
+            self._csv.settle(last_round, self._rows_after)
+
+    def _settle_jsonl(self, last_round: int) -> dict | None:
+        """Cut metrics.jsonl after its last complete row of a round <= ``last_round``; that row (None: none)."""
+        if not self.path.exists():
+            return None
+        cut, kept = 0, None
+        for offset, line in lines_backward(self.path):
+            row = _parse(line)
+            if row is not None and row["round"] <= last_round:
+                cut, kept = offset + len(line), row
+                break
+        truncate(self.path, cut)
+        return kept
+
+    def _rows_after(self, round_id: int) -> list[dict] | None:
+        """The rows of metrics.jsonl after ``round_id``, read from its end (None: more than TAIL_ROWS of them)."""
+        rows: list[dict] = []
+        for _, line in lines_backward(self.path):
+            row = _parse(line)
+            if row is None:
+                continue
+            if row["round"] <= round_id:
+                break
+            if len(rows) == TAIL_ROWS:
+                return None
+            rows.append(row)
+        return rows[::-1]

@@ -30,8 +30,8 @@ class _AgentCounts:
             self.last = self.server.on_loop(lambda: (len(registry), len(registry.live_ids())))
         except (RuntimeError, TimeoutError):
             pass
-        family = GaugeMetricFamily("fedpar_agents", "agents known to the coordinator: registered (ever joined, "
-                                   "or restored from a checkpoint) and live (may be sampled)", labels=["state"])
+        family = GaugeMetricFamily("fedpar_agents", "agents known to the coordinator: registered (joined, "
+                                   "liveness not yet expired) and live (may be sampled)", labels=["state"])
         family.add_metric(["registered"], self.last[0])
         family.add_metric(["live"], self.last[1])
         yield family

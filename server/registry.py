@@ -1,4 +1,8 @@
-"""Registry of client agents: join, authenticate, liveness from their calls and heartbeats."""
+"""Registry of live client agents: join, authenticate, liveness from their calls and heartbeats.
+
+An agent (or simulation host) whose liveness expired leaves it; what authenticating a returning one needs, the example
+count it declared first, stays in a compact map bounded by --max-agents (and, for agents, in the checkpoint).
+"""
 
 from __future__ import annotations
 
@@ -28,7 +32,6 @@ class AgentRecord:
     last_seen: float = 0.0
     left: bool = False
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS)
-    restored: bool = False  # known from a checkpoint, no session yet: not live until it joins again
     host: str | None = None  # a simulated population's member: live while its host calls (JoinPopulation)
     away: bool = False  # a member its host reported offline (availability trace): not sampled meanwhile
 
@@ -43,15 +46,48 @@ class HostRecord:
     members: int = 0
 
 
-class AgentRegistry:
-    """Agents by id. Not thread-safe: the coordinator's event loop is its only user."""
+class ExampleCaps:
+    """The example count each id declared first in the run (a later join may lower it, never raise it), kept for the
+    ``limit`` ids that joined most recently: beyond that the longest-unseen is forgotten."""
 
-    def __init__(self, liveness_timeout: float, clock=time.monotonic, admission: Admission | None = None):
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._caps: dict[str, int] = {}  # oldest join first
+
+    def capped(self, agent_id: str, num_examples: int) -> int:
+        """``num_examples``, lowered to the cap of ``agent_id`` if it has one (nothing is recorded)."""
+        cap = self._caps.get(agent_id)
+        return num_examples if cap is None else min(num_examples, cap)
+
+    def fix(self, agent_id: str, num_examples: int) -> int:
+        """Record a join of ``agent_id`` declaring ``num_examples``; returns the count it gets (the capped one)."""
+        count = self.capped(agent_id, num_examples)
+        self._caps.pop(agent_id, None)
+        self._caps[agent_id] = count
+        while len(self._caps) > self.limit:
+            del self._caps[next(iter(self._caps))]
+        return count
+
+    def state(self) -> dict[str, int]:
+        """The caps as JSON (id -> count, oldest join first)."""
+        return dict(self._caps)
+
+    def __len__(self) -> int:
+        return len(self._caps)
+
+
+class AgentRegistry:
+    """Live agents and simulation hosts by id. Not thread-safe: the coordinator's event loop is its only user."""
+
+    def __init__(self, liveness_timeout: float, clock=time.monotonic, admission: Admission | None = None,
+                 max_known: int = 100_000):
         self.liveness_timeout = liveness_timeout
         self._clock = clock
         self.admission = admission or Admission()
         self._agents: dict[str, AgentRecord] = {}
         self._hosts: dict[str, HostRecord] = {}
+        self.caps = ExampleCaps(max_known)  # agents' (checkpointed)
+        self.member_caps = ExampleCaps(max_known)  # population members' (their hosts join them again after a restart)
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
@@ -64,12 +100,10 @@ class AgentRegistry:
         if the admission policy refuses the agent.
         """
         _check_member(agent_id, num_examples, max_examples)
-        known = self._agents.get(agent_id)
-        if known is not None:
-            num_examples = min(num_examples, known.num_examples)
         if len(capabilities) > 64 or any(len(k) > 64 or len(v) > 256 for k, v in capabilities.items()):
             raise ValueError("capabilities: at most 64 entries, keys <= 64 and values <= 256 characters")
         self.admission.admit_join(agent_id, peer, enrollment_token)
+        num_examples = self.caps.fix(agent_id, num_examples)
         record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities),
                              last_seen=self._clock(), cert_serial=peer.serial if peer else None)
         self._agents[agent_id] = record
@@ -94,14 +128,14 @@ class AgentRegistry:
         for agent_id, num_examples, away in members:
             _check_member(agent_id, num_examples, max_examples)
             known = self._agents.get(agent_id)
-            if known is not None and known.host != host_id and not known.restored:
+            if known is not None and known.host != host_id:
                 raise ValueError(f"member {agent_id!r} is registered already, not by host {host_id!r}")
-            checked.append((agent_id, min(num_examples, known.num_examples) if known is not None else num_examples,
-                            away))
+            checked.append((agent_id, num_examples, away))
         records = []
         for agent_id, num_examples, away in checked:
             if agent_id not in self._agents:
                 host.members += 1
+            num_examples = self.member_caps.fix(agent_id, num_examples)
             record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id, away=away)
             self._agents[agent_id] = record
             records.append(record)
@@ -131,8 +165,6 @@ class AgentRegistry:
         record = self._agents.get(agent_id)
         if record is None or record.left:
             raise AuthError(f"unknown agent {agent_id!r}: call Join first")
-        if record.restored:
-            raise AuthError(f"the coordinator restarted since agent {agent_id!r} joined: call Join again")
         if not hmac.compare_digest(record.token.encode(), token.encode()):
             raise AuthError(f"bad session token for agent {agent_id!r}: call Join again")
         record.last_seen = self._clock()
@@ -146,13 +178,13 @@ class AgentRegistry:
         return record
 
     def leave(self, agent_id: str) -> None:
-        """Mark an agent as gone; it is not sampled until it joins again."""
+        """Mark an agent as gone; it is not sampled until it joins again (and leaves at the next :meth:`expire`)."""
         if agent_id in self._agents:
             self._agents[agent_id].left = True
 
     def is_live(self, record: AgentRecord) -> bool:
         """Whether the agent (a population member: its host) has called recently enough to be sampled."""
-        if record.left or record.restored or record.away:
+        if record.left or record.away:
             return False
         if record.host is not None:
             host = self._hosts.get(record.host)
@@ -160,7 +192,9 @@ class AgentRegistry:
         return self._clock() - record.last_seen <= self.liveness_timeout
 
     def live_ids(self) -> list[str]:
-        """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed)."""
+        """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed); those whose liveness
+        expired leave the registry first (:meth:`expire`)."""
+        self.expire()
         revoked = self.admission.revoked_filter()
         return sorted(a.agent_id for a in self._agents.values()
                       if self.is_live(a) and not revoked(a.agent_id, a.cert_serial))
@@ -169,47 +203,51 @@ class AgentRegistry:
         """The record of ``agent_id`` or None."""
         return self._agents.get(agent_id)
 
+    def host(self, host_id: str) -> HostRecord | None:
+        """The record of simulation host ``host_id`` or None."""
+        return self._hosts.get(host_id)
+
+    @property
+    def host_count(self) -> int:
+        """Simulation hosts held."""
+        return len(self._hosts)
+
     def __len__(self) -> int:
         return len(self._agents)
 
-    def restore(self, snapshot: list[dict]) -> list[str]:
-        """Re-create the agents of a checkpoint's :meth:`snapshot` without sessions; returns their ids.
-
-        Tokens are never checkpointed: a restored agent is refused (UNAUTHENTICATED) until it joins
-        again, and it is not live, so it counts toward min_available only once it has re-joined.
-        """
-        ids = []
-        for entry in snapshot:
-            try:
-                agent_id, num_examples = str(entry["agent_id"]), int(entry["num_examples"])
-                capabilities = {str(k): str(v) for k, v in dict(entry.get("capabilities", {})).items()}
-            except (KeyError, TypeError, ValueError, AttributeError):
-                raise ValueError(f"bad agent entry in checkpoint: {entry!r:.200}") from None
-            if agent_id not in self._agents:
-                self._agents[agent_id] = AgentRecord(agent_id, "", num_examples, capabilities, restored=True)
-                ids.append(agent_id)
-        return ids
-
-    def prune_inactive(self, max_idle_seconds: float) -> int:
-        """Forget agents that left or have been silent longer than ``max_idle_seconds``; returns how many."""
+    def expire(self, idle_seconds: float | None = None) -> int:
+        """Forget agents that left or have been silent longer than ``idle_seconds`` (default: the liveness timeout),
+        and hosts silent that long with their members; returns how many agents. Their example caps stay."""
+        idle = self.liveness_timeout if idle_seconds is None else idle_seconds
         now = self._clock()
-        idle_hosts = {h for h, r in self._hosts.items() if now - r.last_seen > max_idle_seconds}
-        gone = [i for i, r in self._agents.items() if r.left or r.restored or r.host in idle_hosts
-                or (r.host is None and now - r.last_seen > max_idle_seconds)]
-        for host_id in idle_hosts:
+        for host_id in [h for h, r in self._hosts.items() if now - r.last_seen > idle]:
             del self._hosts[host_id]
+        gone = [i for i, r in self._agents.items() if r.left
+                or (r.host is None and now - r.last_seen > idle) or (r.host is not None and r.host not in self._hosts)]
         for agent_id in gone:
             del self._agents[agent_id]
         return len(gone)
 
-    def waiting_for_rejoin(self, ids: list[str]) -> list[str]:
-        """Those of ``ids`` that are still restored records (have not joined again)."""
-        return [i for i in ids if (r := self._agents.get(i)) is not None and r.restored]
+    def restore(self, caps) -> None:
+        """Take the example caps of a checkpoint's :meth:`snapshot` (or, from an older checkpoint, its list of
+        agents); ValueError when an entry is not one. Sessions are never checkpointed: agents join again."""
+        if isinstance(caps, list):  # {"agent_id", "num_examples", ...} per agent
+            try:
+                caps = {entry["agent_id"]: entry["num_examples"] for entry in caps}
+            except (KeyError, TypeError):
+                raise ValueError(f"bad agent entry in checkpoint: {caps!r:.200}") from None
+        if not isinstance(caps, dict):
+            raise ValueError(f"example caps must be an object of id: count, not {type(caps).__name__}")
+        for agent_id, count in caps.items():
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1 or not agent_id \
+                    or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
+                raise ValueError(f"bad example cap in checkpoint: {agent_id[:40]!r}: {count!r:.40}")
+            self.caps.fix(agent_id, count)
 
-    def snapshot(self) -> list[dict]:
-        """JSON-able view for checkpoints (no tokens: agents re-join after a restart)."""
-        return [{"agent_id": a.agent_id, "num_examples": a.num_examples, "capabilities": a.capabilities}
-                for a in self._agents.values() if not a.left and a.host is None]  # hosts join theirs again
+    def snapshot(self) -> dict[str, int]:
+        """JSON-able view for checkpoints: the agents' example caps (no sessions: agents re-join after a restart;
+        hosts join their members again)."""
+        return self.caps.state()
 
 
 def _check_member(agent_id: str, num_examples: int, max_examples: int) -> None:

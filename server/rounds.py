@@ -17,6 +17,9 @@ from fedpar.protocol.task_settings import TaskSettings
 
 log = logging.getLogger("fedpar.server")
 RunUpdate = Callable[..., Awaitable]  # runs fn(*args) for one update, on the event loop or a worker thread
+# the statuses an upload may be refused with (a round's refused_<status> columns): each a code some Refusal uses
+UPLOAD_REFUSALS = ("aborted", "already_exists", "deadline_exceeded", "failed_precondition", "invalid_argument",
+                   "permission_denied", "resource_exhausted", "unauthenticated", "unavailable")
 
 
 class Refusal(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure registry
 from matplotlib.ticker import MaxNLocator
@@ -24,17 +24,50 @@ PANELS = {
 }
 
 
-def round_series(rows: list[dict]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+MAX_POINTS = 2000  # a curve keeps between this and twice this many points, however many rounds the run had
+
+
+class _Thinned:
+    """A curve arriving one point at a time, thinned to every stride-th point (the stride doubles whenever twice
+    MAX_POINTS are held), plus its last point: a million-round run plots in bounded memory."""
+
+    def __init__(self):
+        self.xs: list[int] = []
+        self.ys: list[float] = []
+        self.stride, self.seen, self.tail = 1, 0, None
+
+    def add(self, x: int, y: float) -> None:
+        if self.seen % self.stride:
+            self.tail = (x, y)
+        else:
+            self.xs.append(x)
+            self.ys.append(y)
+            self.tail = None
+            if len(self.xs) >= 2 * MAX_POINTS:
+                self.xs, self.ys, self.stride = self.xs[::2], self.ys[::2], 2 * self.stride
+        self.seen += 1
+
+    def points(self) -> tuple[list[int], list[float]]:
+        if self.tail is None:
+            return self.xs, self.ys
+        return self.xs + [self.tail[0]], self.ys + [self.tail[1]]
+
+
+def round_series(rows: Iterable[dict]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     """What the plots of a run's rounds show: per panel ('accuracy', 'loss') and curve label, the rounds of the
-    models scored and the values (curves without a value are left out)."""
-    out: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
-    for panel, curves in PANELS.items():
-        out[panel] = {}
-        for key, label, shift in curves:
-            points = [(r["round"] + shift, float(r[key])) for r in rows
-                      if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-            if points:
-                out[panel][label] = ([x for x, _ in points], [y for _, y in points])
+    models scored and the values (curves without a value are left out). ``rows`` are read once, one at a time
+    (e.g. streamed from metrics.jsonl); beyond 2 x MAX_POINTS rounds a curve is thinned evenly."""
+    curves = {(panel, key, label, shift): _Thinned() for panel, entries in PANELS.items()
+              for key, label, shift in entries}
+    for row in rows:
+        for (_, key, _, shift), curve in curves.items():
+            value = row.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                curve.add(row["round"] + shift, float(value))
+    out: dict[str, dict[str, tuple[list[int], list[float]]]] = {panel: {} for panel in PANELS}
+    for (panel, _, label, _), curve in curves.items():
+        if curve.seen:
+            out[panel][label] = curve.points()
     return out
 
 
@@ -45,14 +78,15 @@ def accuracy_limits(values: list[float]) -> tuple[float, float]:
     return max(0.0, low - margin), min(1.0, high + margin)
 
 
-def round_plots(rows: list[dict], title: str = "") -> dict[str, Callable[[Path], None]]:
+def round_plots(rows: Iterable[dict], title: str = "") -> dict[str, Callable[[Path], None]]:
     """The plots of a federated run's rounds against the round of the model scored: 'accuracy.png' and
-    'loss.png' (each only when it has a curve), each a function that draws it at the path it is given."""
+    'loss.png' (each only when it has a curve), each a function that draws it at the path it is given; ``rows``
+    are read once (see :func:`round_series`)."""
     return {f"{panel}.png": functools.partial(_plot_panel, panel, curves, title)
             for panel, curves in round_series(rows).items() if curves}
 
 
-def plot_rounds(rows: list[dict], out_dir: Path, title: str = "") -> list[Path]:
+def plot_rounds(rows: Iterable[dict], out_dir: Path, title: str = "") -> list[Path]:
     """Draw :func:`round_plots` in ``out_dir``; returns the files written."""
     written = []
     for name, draw in round_plots(rows, title).items():

@@ -10,7 +10,6 @@ from typing import Callable
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.final_model import INFO, TENSORS, write_coordinator_model
-from fedpar.server.metrics import summarize_rounds
 
 SUMMARY = "summary.json"
 
@@ -31,13 +30,13 @@ class RunOutputs:
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,
-                      target_accuracy: float | None = None,
                       more_plots: dict[str, Callable[[Path], None]] | None = None) -> RunOutputs:
     """At the end of a run (also after Ctrl-C), in the order of what is worth most when the disk fills up or a
     plot fails: the coordinator's global model (OUT/global.safetensors and global.json, once a round completed;
-    ``model`` says how to rebuild it), OUT/summary.json (what the rounds came to, with the time to
-    ``target_accuracy`` if given, then ``extra``), then, when a round completed, OUT/accuracy.png, loss.png and
-    ``more_plots`` (name: a function drawing that file).
+    ``model`` says how to rebuild it), OUT/summary.json (what the rounds came to, from the metrics log's running
+    summary, with the time to its target accuracy if it has one, then ``extra``), then, when a round completed,
+    OUT/accuracy.png, loss.png (from metrics.jsonl, streamed) and ``more_plots`` (name: a function drawing that
+    file).
 
     A run stopped by Ctrl-C (``extra["interrupted"]``) gets no plots: rendering them takes about a second on a
     busy machine, and Ctrl-C must stop a run within 2 s. A file that cannot be written does not stop the ones
@@ -45,10 +44,11 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
     are written.
     """
     out = Path(out)
-    rows = coordinator.metrics.rows
+    metrics = coordinator.metrics
+    rounds = metrics.summary.rounds
     interrupted = bool(extra.get("interrupted"))
-    summary = {**summarize_rounds(rows, target_accuracy), **extra}
-    logged = [name for name in ("metrics.jsonl", "metrics.csv") if rows and (out / name).is_file()]
+    summary = {**metrics.summary.result(), **extra}
+    logged = [name for name in ("metrics.jsonl", "metrics.csv") if rounds and (out / name).is_file()]
     outputs = RunOutputs(summary, logged)
     failures: list[OSError] = []
 
@@ -67,10 +67,11 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
     except OSError as exc:
         failures.append(exc)
     attempt(SUMMARY, lambda path: atomic_write_bytes(path, [(json.dumps(summary, indent=2) + "\n").encode()]))
-    if rows and not interrupted:
+    if rounds and not interrupted:
         from fedpar.simulations.plots import round_plots  # matplotlib: about a second to import
 
-        for name, draw in {**round_plots(rows, title), **(more_plots or {})}.items():
+        plots = round_plots(metrics.read_rows(), title) if metrics.path is not None else {}
+        for name, draw in {**plots, **(more_plots or {})}.items():
             attempt(name, draw)
     if failures:
         failures[0].add_note(outputs.wrote_line(out))

@@ -28,7 +28,6 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.metrics import summarize_rounds
 from fedpar.server.aggregator_ranks import check_ranks_supported
 from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
 from fedpar.simulations.config import SimulationConfig
@@ -215,7 +214,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         seed=cfg.seed, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
         upload_compression=upload_compression(cfg), aggregator_ranks=cfg.aggregator_ranks,
-        metrics_path=out / "metrics.jsonl" if out else None, accept_populations=cfg.virtual_clients,
+        metrics_path=out / "metrics.jsonl" if out else None, target_accuracy=cfg.target_accuracy,
+        accept_populations=cfg.virtual_clients,
         virtual_clock=cfg.clock == "virtual",
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads,
@@ -264,7 +264,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                     raise RuntimeError(ranks.failed())
         except KeyboardInterrupt:  # Ctrl-C: stop now, and still write the summary of the rounds that completed
             interrupted = True
-            log.warning("interrupted: stopping after %d completed rounds", len(server.coordinator.metrics.rows))
+            log.warning("interrupted: stopping after %d completed rounds", server.coordinator.metrics.summary.rounds)
         for p in procs if not interrupted else ():
             p.join(timeout=30)
     finally:
@@ -273,22 +273,21 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
             ranks.close()
         if certs is not None:
             certs.cleanup()
-    rows = server.coordinator.metrics.rows
-    first_start = server.coordinator.started_at + rows[0]["wall_seconds"] - rows[0]["round_seconds"] if rows else None
+    first = server.coordinator.metrics.first
+    first_start = server.coordinator.started_at + first["wall_seconds"] - first["round_seconds"] if first else None
     extra = {"wall_seconds": time.monotonic() - started,
              "startup_seconds": None if first_start is None else first_start - started,
              "label_skew": label_skew(parts, splits.train.y, splits.num_classes) if splits else None,
              "config": asdict(cfg),
              **({"interrupted": True} if interrupted else {})}
     if not out:
-        return {**summarize_rounds(rows, cfg.target_accuracy), **extra, "written": []}
+        return {**server.coordinator.metrics.summary.result(), **extra, "written": []}
     what = cfg.task or f"{cfg.dataset} / {cfg.model}"
     more_plots = {} if splits is None else {"labels.png": functools.partial(  # a task's labels are its own
         _plot_labels, parts[:LABEL_PLOT_CLIENTS], splits,
         f"{cfg.partition}: labels of the first {min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")}
     outputs = write_run_outputs(out, server.coordinator, assembly.description, extra,
-                                title=f"{what} / {cfg.partition}, {cfg.clients} clients",
-                                target_accuracy=cfg.target_accuracy, more_plots=more_plots)
+                                title=f"{what} / {cfg.partition}, {cfg.clients} clients", more_plots=more_plots)
     return {**outputs.summary, "written": outputs.written}
 
 

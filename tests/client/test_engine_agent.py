@@ -86,7 +86,7 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
     strategy, globals_, folds = _recording_fedavg()
     config = CoordinatorConfig(rounds=2, clients_per_round=2, min_available=2, overselect=1.0, deadline_seconds=30.0,
                                heartbeat_seconds=1.0, liveness_timeout_seconds=20.0, local_epochs=EPOCHS,
-                               batch_size=FULL_BATCH, learning_rate=LR)
+                               batch_size=FULL_BATCH, learning_rate=LR, metrics_path=tmp_path / "metrics.jsonl")
     specs = weight_specs(task.model())  # what a single-process agent of the task uploads
     names = [name for name, _, _ in specs]
     server = CoordinatorServer(Coordinator(config, names, init, strategy))
@@ -115,7 +115,7 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
     output = (tmp_path / "engine_agent.log").read_text()
     assert "2 tasks, 2 updates accepted, 0 refused" in output, output
 
-    rows = server.coordinator.metrics.rows
+    rows = list(server.coordinator.metrics.read_rows())
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", 2), ("ok", 2)]
     for round_id in (1, 2):
         uploads = folds[round_id]

@@ -93,14 +93,17 @@ class RawAgent:
 
 
 @pytest.fixture
-def coordinator_factory():
-    """``start(credentials, admission=None, weights=None, **config)`` -> a running CoordinatorServer."""
+def coordinator_factory(tmp_path):
+    """``start(credentials, admission=None, weights=None, **config)`` -> a running CoordinatorServer (its metrics rows
+    in a metrics.jsonl under ``tmp_path``)."""
     servers: list[CoordinatorServer] = []
 
     def _start(credentials, admission=None, weights=None, names=None, **overrides) -> CoordinatorServer:
         weights = weights or small_weights()
         names = names or [f"t{i}" for i in range(len(weights))]
-        coordinator = Coordinator(CoordinatorConfig(**{**FAST, **overrides}), names, weights,
+        metrics_path = tmp_path / "coordinators" / f"{len(servers)}" / "metrics.jsonl"
+        config = CoordinatorConfig(**{**FAST, "metrics_path": metrics_path, **overrides})
+        coordinator = Coordinator(config, names, weights,
                                   build_strategy("fedavg"), admission=admission)
         server = CoordinatorServer(coordinator, credentials=credentials)
         server.start()

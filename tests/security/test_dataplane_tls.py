@@ -84,7 +84,7 @@ def test_round_over_a_tls_data_plane_with_two_real_agents(pki, tls_coordinator):
         t.join(30)
     assert all(s.accepted == 1 and not s.refusals for s in stats.values()), stats
     assert (server.data_plane.downloads, server.data_plane.uploads) == (2, 2)
-    assert server.coordinator.metrics.rows[-1]["reported"] == 2
+    assert server.coordinator.metrics.last["reported"] == 2
 
 
 def test_a_ticket_works_only_with_its_own_agents_certificate(pki, tls_coordinator, raw_agents):

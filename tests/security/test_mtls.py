@@ -56,7 +56,7 @@ def test_full_round_over_mutual_tls_with_two_real_agents(pki, coordinator_factor
     assert server.wait(60)
     for t in threads:
         t.join(30)
-    rows = coordinator.metrics.rows
+    rows = list(coordinator.metrics.read_rows())
     assert [(r["status"], r["sampled"], r["reported"]) for r in rows] == [("ok", 2, 2), ("ok", 2, 2)]
     assert {k: (s.accepted, s.refused) for k, s in results.items()} == {"alice": (2, 0), "bob": (2, 0)}
     assert any(not np.array_equal(a, b) for a, b in zip(coordinator.weights, init))
@@ -111,7 +111,7 @@ def test_agent_off_the_allow_list_is_refused(pki, coordinator_factory, raw_agent
     err = _rpc_error(lambda: bob.join("bob"))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "allow-list" in err.details()
     raw_agents(server.address, pki.agent_credentials("alice")).join("alice")
-    assert [r["agent_id"] for r in server.coordinator.registry.snapshot()] == ["alice"]
+    assert list(server.coordinator.registry.snapshot()) == ["alice"]
 
 
 @pytest.mark.parametrize("transport", ["server-only TLS", "plaintext"])
@@ -137,7 +137,7 @@ def test_enrollment_tokens_admit_only_the_agent_they_were_minted_for(pki, coordi
     assert server.coordinator.registry.get("dave") is not None
     frank_token = mint_token(tokens_file, "frank")  # enrolled while the coordinator runs: no restart needed
     raw_agents(server.address, client_creds).join("frank", token=frank_token)
-    assert sorted(r["agent_id"] for r in server.coordinator.registry.snapshot()) == ["dave", "frank"]
+    assert sorted(server.coordinator.registry.snapshot()) == ["dave", "frank"]
 
 
 def test_revoked_agent_is_refused_on_its_next_call_and_not_sampled_again(pki, coordinator_factory, raw_agents,
@@ -167,7 +167,8 @@ def test_revoked_agent_is_refused_on_its_next_call_and_not_sampled_again(pki, co
     for agent, task in ((alice, alice_task), (carol, carol_task)):
         assert agent.train_and_upload(task, coordinator.names, layout).accepted
     assert server.wait(30)
-    assert [(r["round"], r["sampled"], r["reported"]) for r in coordinator.metrics.rows] == [(1, 2, 2), (2, 2, 2)]
+    assert [(r["round"], r["sampled"], r["reported"]) for r in coordinator.metrics.read_rows()] == \
+        [(1, 2, 2), (2, 2, 2)]
 
 
 def test_revoking_one_certificate_serial_refuses_that_certificate(pki, coordinator_factory, raw_agents, tmp_path):

@@ -22,7 +22,9 @@ def start_coordinator(tmp_path):
 
     def _start(weights, names=None, strategy=None, evaluate_fn=None, **overrides):
         names = names or [f"t{i}" for i in range(len(weights))]
-        config = CoordinatorConfig(**{**FAST, **overrides})
+        # rows go to disk only: tests read them back with coordinator.metrics.read_rows()
+        metrics_path = tmp_path / "coordinators" / f"{len(servers)}" / "metrics.jsonl"
+        config = CoordinatorConfig(**{**FAST, "metrics_path": metrics_path, **overrides})
         coordinator = Coordinator(config, names, weights, strategy or build_strategy("fedavg"),
                                   evaluate_fn=evaluate_fn)
         server = CoordinatorServer(coordinator)

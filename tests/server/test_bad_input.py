@@ -106,7 +106,7 @@ def test_every_kind_of_bad_upload_is_refused_and_only_valid_ones_count(start_coo
     assert bots["good"].upload(tasks["good"], good, 50, names).accepted
     assert server.wait(30)
 
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["reported"], row["rejected"], row["late"]) == (5, 4, 0)
     parts = [(20, dup), (30, retry), (15, fixed_shape), (25, fixed_dtype), (50, good)]
     expected = [sum(n * u[i].astype(np.float64) for n, u in parts) / 140 for i in range(2)]

@@ -54,7 +54,7 @@ def test_a_rejoin_cannot_raise_the_weight_and_the_model_moves_by_at_most_the_cap
         bot.download(tasks[bot.agent_id], layout)
         assert bot.upload(tasks[bot.agent_id], [np.ones(s, np.float32) for s in SHAPES], 100).accepted
     assert server.wait(30)
-    assert server.coordinator.metrics.rows[-1]["status"] == "ok"
+    assert server.coordinator.metrics.last["status"] == "ok"
     share = 100 / 300  # the attacker's capped weight over the round's total
     for new in server.coordinator.weights:
         np.testing.assert_allclose(new, share * 1000.0 + (1 - share) * 1.0, rtol=1e-5)
@@ -70,7 +70,7 @@ def test_with_a_share_cap_an_inflated_count_moves_the_model_by_at_most_the_cappe
     assert attacker.upload(tasks["evil"], [np.full(s, 1000.0, np.float32) for s in SHAPES], 10_000_000).accepted
     for bot in honest:
         assert bot.upload(tasks[bot.agent_id], [np.ones(s, np.float32) for s in SHAPES], 100).accepted
-    assert server.wait(30) and server.coordinator.metrics.rows[-1]["status"] == "ok"
+    assert server.wait(30) and server.coordinator.metrics.last["status"] == "ok"
     clean = 1.0  # the attacker-free model: every honest update is +1
     for new in server.coordinator.weights:  # the attacker holds exactly its capped quarter of the round
         np.testing.assert_allclose(new, 0.25 * 1000.0 + 0.75 * clean, rtol=1e-5)

@@ -9,7 +9,6 @@ import pytest
 
 from fedpar.server import checkpoint as ck
 from fedpar.server.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from fedpar.server.metrics import RoundMetricsLog
 from fedpar.server.registry import AgentRegistry, AuthError
 from fedpar.server.sampler import CohortSampler
 
@@ -20,7 +19,7 @@ def _ckpt(round_id: int, seed: int = 0) -> Checkpoint:
     sampler = CohortSampler(seed)
     return Checkpoint(round_id, ["w", "b"], arrays, {"m": np.arange(4, dtype=np.float64)},
                       {"sampler": sampler.state(), "strategy": {"strategy": "fedavg"},
-                       "agents": [{"agent_id": "a", "num_examples": 7, "capabilities": {}}],
+                       "example_caps": {"a": 7},
                        "metrics_row": {"round": round_id, "status": "ok"}})
 
 
@@ -131,29 +130,19 @@ def test_only_the_newest_checkpoints_are_kept_and_the_live_one_is_never_overwrit
     assert _same(load_checkpoint(tmp_path), _ckpt(4, seed=4))
 
 
-def test_metrics_resume_drops_the_in_flight_round_and_repairs_a_missing_row(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"round": 1, "status": "ok"}\n{"round": 2, "status": "ok"}\n{"round": 3, "sta')
-    log = RoundMetricsLog(path)
-    log.resume(2, {"round": 2, "status": "from-ckpt"})
-    assert [r["round"] for r in log.rows] == [1, 2] and log.rows[1]["status"] == "ok"
-    log.resume(3, {"round": 3, "status": "from-ckpt"})  # crash after the checkpoint, before the line
-    log.append({"round": 4, "status": "ok"})
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [(r["round"], r["status"]) for r in rows] == [(1, "ok"), (2, "ok"), (3, "from-ckpt"), (4, "ok")]
-
-
-def test_restored_agents_have_no_session_and_are_not_live_until_they_rejoin():
+def test_restored_example_caps_hold_no_session_and_cap_the_agents_that_join_again():
     registry = AgentRegistry(liveness_timeout=10)
-    ids = registry.restore([{"agent_id": "a", "num_examples": 5, "capabilities": {"x": "y"}},
-                            {"agent_id": "b", "num_examples": 6}])
-    assert ids == ["a", "b"] and registry.live_ids() == []
+    registry.restore({"a": 5, "b": 6})
+    assert registry.live_ids() == [] and len(registry) == 0  # no sessions, nothing live: agents join again
     for token in ("", "anything"):
-        with pytest.raises(AuthError, match="restarted"):
+        with pytest.raises(AuthError, match="call Join first"):
             registry.authenticate("a", token)
-    record = registry.join("a", 5, {})
-    assert registry.authenticate("a", record.token) is record
-    assert registry.live_ids() == ["a"] and registry.waiting_for_rejoin(ids) == ["b"]
-    assert {e["agent_id"] for e in registry.snapshot()} == {"a", "b"}
-    with pytest.raises(ValueError, match="bad agent entry"):
-        AgentRegistry(10).restore([{"num_examples": 1}])
+    record = registry.join("a", 50, {})  # the count declared first in the run still caps it
+    assert record.num_examples == 5 and registry.authenticate("a", record.token) is record
+    assert registry.live_ids() == ["a"] and registry.snapshot() == {"b": 6, "a": 5}
+    older = AgentRegistry(10)  # a checkpoint from before caps were kept: its list of agents
+    older.restore([{"agent_id": "a", "num_examples": 5, "capabilities": {"x": "y"}}])
+    assert older.join("a", 9, {}).num_examples == 5
+    for bad in ([{"num_examples": 1}], {"a": 0}, {"a": "5"}, {"": 3}, ["a"]):
+        with pytest.raises(ValueError, match="bad agent entry|bad example cap"):
+            AgentRegistry(10).restore(bad)

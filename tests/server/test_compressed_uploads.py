@@ -84,7 +84,7 @@ def test_a_compressed_round_equals_in_process_decoding_and_counts_bytes(start_co
         assert _send(bot, task, pack(layout.specs(), enc), config, n, model_specs=layout.specs()).accepted
         decoded.append(decode_update(reference, enc, global_weights))
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"], row["rejected"]) == ("ok", 3, 0)
     assert row["upload_bytes"] == 3 * EXPECTED_BYTES[method]
     expected = fedavg(zip(decoded, counts))
@@ -155,7 +155,7 @@ def test_bad_compressed_uploads_are_refused_and_change_nothing(start_coordinator
         assert _send(bots[who], tasks[who], pack(specs, enc), config, 10 + i, model_specs=specs).accepted
         good[who] = (decode_update(comp, enc, init), 10 + i)
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["reported"], row["rejected"], row["upload_bytes"]) == (6, 3, 6 * EXPECTED_BYTES["topk"])
     for new, exp in zip(server.coordinator.weights, fedavg(good.values())):
         np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
@@ -180,7 +180,7 @@ def test_bad_int8_and_bf16_content_and_unconfigured_encodings_are_refused(start_
     arrays[3][0] = 3e38  # a finite scale whose decoded delta overflows
     _refused(lambda: _send(bots[2], tasks[2], arrays, int8, 10, model_specs=specs), "'fc1.bias'", "Inf")
     assert server.wait(30)
-    assert server.coordinator.metrics.rows[-1]["status"] == "failed"
+    assert server.coordinator.metrics.last["status"] == "failed"
     assert all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, init))
 
     bf16 = CONFIGS["bf16"]

@@ -17,6 +17,7 @@ from fedpar.models.for_data import build_model_for_data
 from fedpar.server.checkpoint import Checkpoint, CheckpointError, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
+from fedpar.server.run_summary import RunningSummary
 from fedpar.server.sampler import CohortSampler
 
 
@@ -31,8 +32,8 @@ def _digits_mlp():
 def _save(root: Path, **state_overrides) -> Path:
     names, arrays = _digits_mlp()
     state = {"sampler": CohortSampler(0).state(), "strategy": build_strategy("fedavg").state_dict()[1],
-             "agents": [{"agent_id": "a", "num_examples": 7, "capabilities": {}}],
-             "metrics_row": {"round": 1, "status": "ok"}, **state_overrides}
+             "example_caps": {"a": 7}, "metrics_row": ROW, "metrics_summary": _summary(), **state_overrides}
+    state = {k: v for k, v in state.items() if v is not None}  # None: an entry older checkpoints lack
     return save_checkpoint(root, Checkpoint(1, names, arrays, {}, state))
 
 
@@ -43,9 +44,28 @@ def _coordinator(root: Path) -> Coordinator:
     return coordinator
 
 
+ROW = {"round": 1, "status": "ok", "round_seconds": 2.0, "upload_bytes": 10, "wall_seconds": 3.0}
+
+
+def _summary() -> dict:
+    summary = RunningSummary()
+    summary.add(ROW)
+    return summary.state()
+
+
 def test_a_good_checkpoint_resumes(tmp_path):
     _save(tmp_path)
-    assert _coordinator(tmp_path).round_id == 1
+    coordinator = _coordinator(tmp_path)
+    assert coordinator.round_id == 1 and coordinator.metrics.summary.result()["mean_round_seconds"] == 2.0
+    assert coordinator.registry.join("a", 50, {}).num_examples == 7
+
+
+def test_a_checkpoint_from_before_summaries_and_caps_resumes(tmp_path):
+    _save(tmp_path, agents=[{"agent_id": "a", "num_examples": 7, "capabilities": {}}], example_caps=None,
+          metrics_summary=None)
+    coordinator = _coordinator(tmp_path)  # the summary is counted from the row it has (no metrics file here)
+    assert coordinator.round_id == 1 and coordinator.metrics.summary.result()["rounds"] == 1
+    assert coordinator.registry.join("a", 50, {}).num_examples == 7
 
 
 BAD_ENTRIES = {
@@ -58,12 +78,17 @@ BAD_ENTRIES = {
     "agents_not_a_list": {"agents": {"a": 1}},
     "agent_entry_garbage": {"agents": [["a", 7]]},
     "metrics_row_not_an_object": {"metrics_row": "ok"},
+    "example_caps_not_an_object": {"example_caps": [["a", 7]]},
+    "example_cap_garbage": {"example_caps": {"a": "seven"}},
+    "metrics_summary_not_an_object": {"metrics_summary": 3},
+    "metrics_summary_garbage": {"metrics_summary": {"rounds": "many"}},
 }
 
 
 @pytest.mark.parametrize("name", BAD_ENTRIES)
 def test_each_malformed_state_entry_is_refused_naming_the_file(tmp_path, name):
-    directory = _save(tmp_path, **BAD_ENTRIES[name])
+    bad = BAD_ENTRIES[name]
+    directory = _save(tmp_path, **bad, **({"example_caps": None} if "agents" in bad else {}))
     with pytest.raises(CheckpointError) as err:
         _coordinator(tmp_path)
     message = str(err.value)

@@ -162,7 +162,7 @@ def test_bad_tickets_and_bad_uploads_are_refused_and_only_valid_updates_count(st
     _refused(lambda: _upload(address, bots["e"], tasks["e"], _arrays(7)), grpc.StatusCode.FAILED_PRECONDITION,
              "expired")
     assert server.wait(20)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["reported"], row["rejected"]) == (2, 1)
     for got, x, y in zip(server.coordinator.weights, update_a, update_c):
         np.testing.assert_allclose(got, (10 * x + 30 * y) / 40, rtol=1e-6, atol=1e-7)
@@ -225,7 +225,7 @@ def test_upload_that_stalls_past_the_round_deadline_is_dropped_and_changes_nothi
             pass
         assert time.monotonic() - started < 5  # dropped at the round deadline, not at our timeout
     assert server.wait(10)
-    assert server.coordinator.metrics.rows[-1]["status"] == "failed"
+    assert server.coordinator.metrics.last["status"] == "failed"
     assert all(x.tobytes() == y.tobytes() for x, y in zip(server.coordinator.weights, init))
 
 

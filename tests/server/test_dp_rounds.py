@@ -70,7 +70,7 @@ def test_client_dp_refuses_an_unclipped_update_and_completes_the_round(start_coo
         assert bot.upload(task, update, 100).accepted
         sent.append(update)
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"], row["rejected"]) == ("ok", 2, 1)
     assert row["dp_epsilon"] > 0 and row["dp_clip_norm"] == 0.5 and row["num_updates"] == 2.0
     # fixed denominator 3: the global model moved by (delta_a + delta_b) / 3, nothing of the liar's
@@ -101,7 +101,7 @@ def test_real_agents_clip_to_the_adaptive_clip_norm_and_none_is_refused(start_co
     server = start_coordinator(get_weights(model), names=names, strategy=strategy, rounds=3,
                                clients_per_round=3, min_available=3, local_epochs=1, learning_rate=0.1)
     bots = _run_real_agents(server, splits, 3)
-    rows = server.coordinator.metrics.rows
+    rows = list(server.coordinator.metrics.read_rows())
     assert [r["status"] for r in rows] == ["ok"] * 3
     assert all(r["reported"] == 3 and r["rejected"] == 0 for r in rows)  # every agent clipped as asked
     assert rows[0]["dp_clip_norm"] == 0.05 and rows[0]["dp_clipped_fraction"] == 1.0  # one epoch moves > 0.05
@@ -158,7 +158,7 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
     server = start_coordinator(get_weights(model), names=names, strategy=strategy, rounds=rounds,
                                clients_per_round=k, min_available=k, local_epochs=1, learning_rate=0.05)
     bots = _run_real_agents(server, splits, k)
-    rows = server.coordinator.metrics.rows
+    rows = list(server.coordinator.metrics.read_rows())
     assert [(r["status"], r["reported"], r["rejected"]) for r in rows] == [("ok", k, 0)] * rounds
     assert all(b.stats.accepted == rounds and not b.stats.refusals for b in bots)
     assert len(uploads) == k * rounds

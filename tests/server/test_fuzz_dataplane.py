@@ -206,7 +206,7 @@ def test_fuzz_data_plane_framing(start_coordinator, agents):
         target = dataplane.DataPlaneTarget(server.address, fz.tasks[i])
         assert dataplane.upload(target, fz.bots[i].auth, fz.tasks[i], fz.layout, update, count, 1, {}, 20).accepted
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"]) == ("ok", 2), row
     for got, x, y in zip(server.coordinator.weights, *updates):
         np.testing.assert_allclose(got, (30 * x.astype(np.float64) + 70 * y) / 100, rtol=1e-6, atol=1e-7)

@@ -205,7 +205,7 @@ def test_fuzz_every_rpc(fz):
     expected = [(30 * u1.astype(np.float64) + 70 * u2.astype(np.float64)) / 100 for u1, u2 in zip(*updates)]
     for new, exp in zip(fz.server.coordinator.weights, expected):
         np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
-    row = fz.server.coordinator.metrics.rows[-1]
+    row = fz.server.coordinator.metrics.last
     assert (row["status"], row["reported"]) == ("ok", 2)
 
 

@@ -317,7 +317,7 @@ def test_fuzz_secagg_exchange_stage_by_stage(start_coordinator, agents):
 
     # The round ends as FedAvg of the honest updates: nothing hostile reached the sum.
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"], row["secagg_survivors"]) == ("ok", 5, 5), row
     total = sum(COUNTS.values())
     for k, new in enumerate(server.coordinator.weights):

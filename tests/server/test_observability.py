@@ -126,7 +126,7 @@ def test_prometheus_endpoint_counts_rounds_uploads_refusals_bytes_and_agents(sta
         # Round 2: nobody uploads; it fails at its deadline.
         a.task()
         assert server.wait(30)
-        rows = server.coordinator.metrics.rows
+        rows = list(server.coordinator.metrics.read_rows())
         got = _scrape(port)
     finally:
         exporter.close()
@@ -162,7 +162,7 @@ def test_tensorboard_scalars_and_csv_of_a_real_round_read_back(start_coordinator
         assert bot.upload(bot.task(), _weights(seed), 10, names=NAMES).accepted
     assert server.wait(30)
     writer.close()
-    rows = server.coordinator.metrics.rows
+    rows = list(server.coordinator.metrics.read_rows())
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert {"reported", "upload_bytes", "round_seconds"} <= set(events.Tags()["scalars"])
@@ -260,20 +260,24 @@ def test_progress_bar_shows_a_rounds_uploads_and_deadline_on_a_terminal_only(sta
     assert server.wait(30)
 
 
-def test_the_csv_table_appends_rows_and_is_rewritten_only_for_a_new_column(tmp_path):
+def test_the_csv_table_appends_rows_and_is_widened_once_for_an_undeclared_column(tmp_path):
     import csv
 
-    from fedpar.protocol.run_logs import GrowingCsv, csv_bytes
+    from fedpar.protocol.run_logs import AppendedCsv, csv_bytes
 
     path = tmp_path / "metrics.csv"
-    table = GrowingCsv(path)
-    rows = [{"round": 1, "loss": 2.0}]
-    table.write(rows)
-    rows.append({"round": 2, "loss": 1.5})
+    rows: list[dict] = []  # stands for metrics.jsonl, which has every row before the table does
+    table = AppendedCsv(path, ["refused_busy"], lambda: iter(rows))
+
+    def add(row):
+        rows.append(row)
+        table.append(row)
+
+    add({"round": 1, "loss": 2.0})
     before = path.stat().st_ino
-    table.write(rows)  # same columns: appended in place
-    assert path.stat().st_ino == before and path.read_bytes() == csv_bytes(rows)
-    rows.append({"round": 3, "accuracy": 0.9, "loss": None})  # a new column: the table is rewritten with it
-    table.write(rows)
-    assert path.read_bytes() == csv_bytes(rows)
+    add({"round": 2, "loss": 1.5, "refused_busy": 1})  # a declared column: appended in place
+    assert path.stat().st_ino == before and path.read_bytes() == csv_bytes(rows, ["round", "loss", "refused_busy"])
+    add({"round": 3, "accuracy": 0.9, "loss": None})  # an undeclared one: the table is rewritten once, with it
+    assert table.rewrites == 1 and path.stat().st_ino != before
+    assert path.read_bytes() == csv_bytes(rows, ["round", "loss", "refused_busy", "accuracy"])
     assert [r["accuracy"] for r in csv.DictReader(path.open())] == ["", "", "0.9"]

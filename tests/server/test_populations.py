@@ -1,6 +1,6 @@
 """Simulated populations at the coordinator: a host registers many members in one call, each member has its own
-session, only sampled members' tasks reach the host, the members are live while the host calls, and the
-coordinator refuses what it must. Real coordinator, raw gRPC over loopback."""
+session, only sampled members' tasks reach the host, the members are live while the host calls (and leave the
+registry with a host gone quiet), and the coordinator refuses what it must. Real coordinator, raw gRPC over loopback."""
 
 from __future__ import annotations
 
@@ -43,26 +43,28 @@ def test_only_sampled_members_get_tasks_and_each_uploads_with_its_own_session(st
                 data=np.full(SHAPE, round_id, np.float32).tobytes()), timeout=10)
             assert reply.accepted
     assert server.wait(20)
-    rows = server.coordinator.metrics.rows
+    rows = list(server.coordinator.metrics.read_rows())
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["reported"] == 5 for r in rows)
     np.testing.assert_array_equal(server.coordinator.weights[0], np.full(SHAPE, 2.0, np.float32))
     reply = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10)
     assert "training finished" in reply.shutdown_reason
-    assert server.coordinator.registry.snapshot() == []  # the host joins its members again after a restart
+    assert server.coordinator.registry.snapshot() == {}  # the host joins its members again after a restart
 
 
-def test_members_are_live_while_their_host_calls(start_coordinator):
+def test_members_are_live_while_their_host_calls_and_leave_the_registry_with_it(start_coordinator):
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=50,
                                liveness_timeout_seconds=1.0, heartbeat_seconds=0.5)
     stub = _stub(server)
-    reply = _join(stub, "host-b", [f"m{i}" for i in range(3)])
+    reply = _join(stub, "host-b", [f"m{i}" for i in range(3)], examples=10)
     registry = server.coordinator.registry
     assert len(registry.live_ids()) == 3
     time.sleep(1.3)
-    assert registry.live_ids() == []  # the host went quiet
-    stub.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="host-b", token=reply.host_token),
-                                               wait_seconds=0.0), timeout=10)
-    assert len(registry.live_ids()) == 3
+    assert registry.live_ids() == [] and len(registry) == 0 and registry.host("host-b") is None  # it went quiet
+    _refused(lambda: stub.PullHostTasks(pb.PullHostTasksRequest(
+        host=pb.AgentAuth(agent_id="host-b", token=reply.host_token), wait_seconds=0.0), timeout=10),
+        grpc.StatusCode.UNAUTHENTICATED, "call JoinPopulation again")
+    _join(stub, "host-b", [f"m{i}" for i in range(3)], examples=99)  # back: its members' counts stay as first joined
+    assert len(registry.live_ids()) == 3 and {registry.get(f"m{i}").num_examples for i in range(3)} == {10}
 
 
 def test_what_a_coordinator_refuses(start_coordinator):

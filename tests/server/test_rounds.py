@@ -48,7 +48,7 @@ def test_three_agents_produce_the_weighted_mean(start_coordinator, agents):
         assert all(a.tobytes() == b.tobytes() for a, b in zip(got, init))
         assert bot.upload(task, update, n).accepted
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["sampled"], row["reported"], row["late"]) == ("ok", 3, 3, 0)
     expected = _weighted_mean(updates, counts)
     for new, exp in zip(server.coordinator.weights, expected):
@@ -74,7 +74,7 @@ def test_straggler_past_the_deadline_is_excluded_and_refused(start_coordinator, 
         slow.upload(tasks["slow"], _weights(6), 50)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "closed" in err.value.details() and "not applied" in err.value.details()
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"], row["late"], row["close_reason"]) == ("ok", 2, 1, "deadline")
     for new, exp in zip(server.coordinator.weights, _weighted_mean(updates, counts)):
         np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
@@ -123,7 +123,7 @@ def test_agent_killed_mid_upload_leaves_the_model_untouched(start_coordinator, a
         assert server.wait(20)
     finally:
         proc.kill()
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"], row["late"]) == ("ok", 2, 1)
     for new, exp in zip(server.coordinator.weights, _weighted_mean(updates, counts)):
         np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
@@ -136,7 +136,7 @@ def test_too_few_reports_fail_the_round_and_keep_the_model(start_coordinator, ag
     a, _ = agents(server.address, ["a", "b"])
     assert a.upload(a.task(), _weights(9), 10).accepted
     assert server.wait(20)
-    rows = server.coordinator.metrics.rows
+    rows = list(server.coordinator.metrics.read_rows())
     assert [r["status"] for r in rows] == ["failed", "failed"]
     assert rows[0]["reported"] == 1
     assert all(x.tobytes() == y.tobytes() for x, y in zip(server.coordinator.weights, init))
@@ -205,7 +205,7 @@ def test_a_task_whose_reply_or_download_was_lost_is_handed_out_again_until_a_dow
     update = [init[0] + np.float32(1.0)]
     assert bot.upload(task, update, 1).accepted
     assert server.wait(20)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["sampled"], row["reported"]) == ("ok", 1, 1)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, update))
 
@@ -222,7 +222,7 @@ def test_an_agent_that_stopped_answering_is_not_sampled(start_coordinator, agent
     for bot, n in ((a, 10), (b, 30)):
         assert bot.upload(bot.task(), _weights(n), n).accepted
     assert server.wait(20)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["sampled"], row["reported"]) == ("ok", 2, 2)
     assert row["cohort_digest"] == cohort_digest(["a", "b"])
     assert server.coordinator.registry.live_ids() == ["a", "b"]

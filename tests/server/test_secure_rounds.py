@@ -82,7 +82,7 @@ def test_secure_round_equals_plain_fedavg(start_coordinator, agents, drops):
     bots = agents(server.address, IDS)
     locals_, errors = _run(server, bots, init, drops)
     assert not errors, errors
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"], row["secagg_survivors"]) == ("ok", 5, 5)
     assert row["examples"] == sum(COUNTS.values())
     assert row["secagg_error_bound"] < 1e-6
@@ -98,7 +98,7 @@ def test_agents_dropping_before_their_upload_have_their_masks_removed(start_coor
     bots = agents(server.address, IDS)
     locals_, errors = _run(server, bots, init, {"a": "before_upload", "c": "after_upload"})
     assert not errors, errors
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["secagg_survivors"], row["secagg_dropped"]) == ("ok", 4, 1)
     for new, exp in zip(server.coordinator.weights, _fedavg(locals_, ["b", "c", "d", "e"])):
         np.testing.assert_allclose(new, exp, rtol=0, atol=1e-5)
@@ -110,7 +110,7 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(start_coordinator, 
     bots = agents(server.address, IDS)
     _, errors = _run(server, bots, init, {"a": "after_upload", "b": "after_upload", "c": "after_upload"})
     assert not errors, errors
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert row["status"] == "failed"
     assert "only 2 survivors sent unmask shares" in row["secagg_failure"]
     for new, old in zip(server.coordinator.weights, init):
@@ -146,7 +146,7 @@ def test_plain_uploads_and_malformed_stage_messages_are_refused(start_coordinato
         assert err.value.code() == code and text in err.value.details(), (kw, err.value.details())
     assert call(stage=pb.SECAGG_SETUP).WhichOneof("body") == "params_json"
     assert server.wait(30)  # nobody advertised: the round fails at the first stage, model unchanged
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert row["status"] == "failed" and "advertised keys" in row["secagg_failure"]
     assert all(new.tobytes() == old.tobytes() for new, old in zip(server.coordinator.weights, init))
 
@@ -170,6 +170,6 @@ def test_a_cohort_too_small_to_mask_fails_the_round_cleanly(start_coordinator, a
     server = start_coordinator(init, secure_aggregation=True, fraction=0.2, min_available=2, deadline_seconds=5.0)
     agents(server.address, ["p", "q"])
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert row["status"] == "failed" and "cannot set up secure aggregation for 1 agents" in row["secagg_failure"]
     assert all(new.tobytes() == old.tobytes() for new, old in zip(server.coordinator.weights, init))

@@ -40,7 +40,7 @@ def test_small_model_comes_inside_the_task_and_its_update_goes_in_one_call(start
         assert all(x.tobytes() == y.tobytes() for x, y in zip(got, init))
         assert bot.stub.UploadSmall(_small(bot, task, update, n), timeout=10).accepted
     assert server.wait(30)
-    row = server.coordinator.metrics.rows[-1]
+    row = server.coordinator.metrics.last
     assert (row["status"], row["reported"]) == ("ok", 2)
     for new, u1, u2 in zip(server.coordinator.weights, *updates):
         np.testing.assert_allclose(new, (30 * u1.astype(np.float64) + 10 * u2) / 40, rtol=1e-6, atol=1e-7)
@@ -172,5 +172,5 @@ def test_a_real_agent_that_drops_out_trains_once_per_round_and_finishes(start_co
     thread.join(30)
     assert not thread.is_alive()
     assert (agent.stats.tasks, agent.stats.dropped) == (2, 2)
-    assert [row["status"] for row in server.coordinator.metrics.rows] == ["failed", "failed"]
+    assert [row["status"] for row in server.coordinator.metrics.read_rows()] == ["failed", "failed"]
     assert all(a.tobytes() == b.tobytes() for a, b in zip(server.coordinator.weights, init))

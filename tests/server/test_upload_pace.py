@@ -72,7 +72,7 @@ def test_trickling_uploads_give_their_slots_to_a_waiting_honest_upload_at_once(s
         t.join(10)
     # Undisturbed, this upload takes milliseconds; a slot is taken back within a poll of the waiter (50 ms).
     assert reply.accepted and waited < 0.5, waited
-    assert server.wait(10) and server.coordinator.metrics.rows[-1]["status"] == "ok"
+    assert server.wait(10) and server.coordinator.metrics.last["status"] == "ok"
     np.testing.assert_array_equal(server.coordinator.weights[0], _ones()[0])  # only the honest update counted
     overtaken = [d for c, d in outcomes.values() if c == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(overtaken) >= 1 and all("fell behind --upload-min-bytes-per-second" in d for d in overtaken), outcomes

@@ -96,7 +96,7 @@ def test_only_the_first_k_in_simulated_time_train_and_the_clock_advances(start_c
     assert _upload(stub, pb.AgentAuth(agent_id="v2", token=tokens["v2"]), tasks["v2"], 6.0).accepted
     assert server.wait(20)
 
-    rows = server.coordinator.metrics.rows
+    rows = list(server.coordinator.metrics.read_rows())
     assert [(r["status"], r["reported"], r["late"]) for r in rows] == [("ok", 3, 3), ("ok", 1, 5)]
     assert [(r["sim_round_seconds"], r["sim_seconds"], r["sim_close_reason"]) for r in rows] == \
         [(3.0, 3.0, "target reached"), (10.0, 13.0, "deadline")]

@@ -45,3 +45,18 @@ def test_plot_rounds_writes_one_png_per_panel_with_curves(tmp_path):
     (tmp_path / "no-accuracy").mkdir()
     only_loss = plot_rounds([{"round": 1, "train_loss": 1.0}], tmp_path / "no-accuracy", "t")
     assert [p.name for p in only_loss] == ["loss.png"]
+
+
+def test_a_long_run_plots_from_a_stream_in_bounded_points():
+    """A million-round run's rows, read once from a generator (as from metrics.jsonl): every curve keeps at most
+    2 x MAX_POINTS evenly spaced points, from the first round to the last."""
+    from fedpar.simulations.plots import MAX_POINTS
+
+    rounds = 1_000_000
+    rows = ({"round": r, "test_accuracy": r / rounds, "train_loss": 1.0 / r} for r in range(1, rounds + 1))
+    series = round_series(rows)
+    xs, ys = series["accuracy"]["central test accuracy"]
+    assert MAX_POINTS <= len(xs) <= 2 * MAX_POINTS + 1 and xs[0] == 1 and xs[-1] == rounds
+    steps = {b - a for a, b in zip(xs[:-2], xs[1:-1])}
+    assert len(steps) == 1 and ys[-1] == 1.0  # evenly thinned, and the last value is there
+    assert len(series["loss"]["train loss (clients' local training)"][0]) == len(xs)

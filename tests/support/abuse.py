@@ -258,6 +258,8 @@ def run_under_attack(server, attack, n_agents: int = 3, before: int = 3, during:
     ctx = mp.get_context("spawn")
     start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     server.coordinator.on_round_end.append(lambda row: start.set() if row["round"] == before else None)
+    rows: list[dict] = []  # a short run's rows, as they end (the coordinator keeps none in memory)
+    server.coordinator.on_round_end.append(rows.append)
     server.start()
     proc = None
     if attack is not None:
@@ -272,7 +274,7 @@ def run_under_attack(server, attack, n_agents: int = 3, before: int = 3, during:
     found = Counter()
     try:
         if not server.wait(timeout):
-            raise TimeoutError(f"the rounds did not finish in {timeout} s: {server.coordinator.metrics.rows}")
+            raise TimeoutError(f"the rounds did not finish in {timeout} s: {rows}")
     finally:
         stop.set()
         start.set()
@@ -289,6 +291,5 @@ def run_under_attack(server, attack, n_agents: int = 3, before: int = 3, during:
         server.stop(grace=0.2)
         for t in threads:
             t.join(10)
-    rows = server.coordinator.metrics.rows
     seconds = [r["round_seconds"] for r in rows]
     return AttackRun(seconds[1:before], seconds[before + 1:], rows, found, agents)
