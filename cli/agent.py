@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task
+from fedpar.cli.agent_setup import add_reconnect_arguments, agent_config, agent_partition, agent_task
 from fedpar.cli.argtypes import count, non_negative_int, positive, probability
 from fedpar.cli.declared import section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
@@ -26,9 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--server", default="127.0.0.1:50051", help="coordinator address HOST:PORT")
     g.add_argument("--agent-id", required=True, help="this agent's unique name")
     g.add_argument("--poll", dest="poll_seconds", type=positive, default=5.0, help="long-poll seconds per request")
-    g.add_argument("--max-backoff", type=positive, default=30.0, help="longest wait between reconnection attempts")
-    g.add_argument("--give-up-after", type=positive, default=None,
-                   help="exit after this many seconds without reaching the coordinator (default: never)")
+    add_reconnect_arguments(g)
     g.add_argument("--no-data-plane", action="store_true",
                    help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
     g = section(p, "data")

@@ -1,11 +1,20 @@
 """What the options of ``fedpar client`` describe, for the single-process agent (cli/agent.py) and each rank of a
-large-model agent (cli/engine_agent.py): the task, this agent's share of its data, and the AgentConfig."""
+large-model agent (cli/engine_agent.py): the task, this agent's share of its data, and the AgentConfig; and the
+reconnection options it shares with ``fedpar simulate-workers``."""
 
 from __future__ import annotations
 
 import argparse
 
+from fedpar.cli.argtypes import positive
 from fedpar.cli.task_options import load_task_from_args
+
+
+def add_reconnect_arguments(g) -> None:
+    """How a client waits for an unreachable coordinator (client/reconnect.py): agents' and simulation hosts'."""
+    g.add_argument("--max-backoff", type=positive, default=30.0, help="longest wait between reconnection attempts")
+    g.add_argument("--give-up-after", type=positive, default=None,
+                   help="exit after this many seconds without reaching the coordinator (default: never)")
 
 
 def agent_task(args: argparse.Namespace):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fedpar.cli.agent_setup import add_reconnect_arguments
 from fedpar.cli.argtypes import count, non_negative, probability
 from fedpar.cli.declared import section
 from fedpar.cli.log_level import setup_logging
@@ -26,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = section(p, "connection")
     g.add_argument("--server", required=True, help="the coordinator, HOST:PORT (plaintext: loopback or a private "
                                                    "network; members have no certificates of their own)")
+    add_reconnect_arguments(g)
     g = section(p, "data")
     g.add_argument("--clients", type=count, required=True, help="the whole population, over every process")
     g.add_argument("--dataset", default="digits", help="digits, mnist, synthetic:ALPHA:BETA, npz:PATH or csv:PATH")
@@ -51,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     """Host this process's slice until the coordinator says training is over."""
     import torch
 
+    from fedpar.client.reconnect import FatalAgentError
     from fedpar.datasets import load_dataset
     from fedpar.datasets.clientdata import client_parts
     from fedpar.datasets.registry import full_dataset_name
@@ -80,10 +83,14 @@ def run(args: argparse.Namespace) -> int:
             return Partition(number, args.clients, member, args.partition, args.seed, args.val_fraction)
 
         stats = PopulationHost(args.server, population, task, partition_of, args.seed, args.seats,
-                               device=args.device).run()
+                               device=args.device, max_backoff=args.max_backoff,
+                               give_up_after=args.give_up_after).run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
         return 2
+    except FatalAgentError as exc:  # refused, or unreachable for --give-up-after
+        print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutdown_distributed()
     tasks, sent = sum(s.tasks for s in stats), sum(s.accepted for s in stats)

@@ -18,6 +18,7 @@ import numpy as np
 
 from fedpar.client import dataplane
 from fedpar.client.backoff import RETRYABLE, Backoff, jittered
+from fedpar.client.reconnect import FatalAgentError, Reconnecting
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.privacy import privatize_update
 from fedpar.client.round_modes import CompressedUpload, PlainUpload, SecureUpload, upload_timeout
@@ -91,10 +92,6 @@ def trainer_arrays(trainer) -> list[np.ndarray]:
     return trainer.get_arrays() if hasattr(trainer, "get_arrays") else get_weights(trainer.model)
 
 
-class FatalAgentError(RuntimeError):
-    """The coordinator refused this agent in a way retrying cannot fix."""
-
-
 class Agent:
     """One federated participant: the pull loop around a trainer, a :class:`TaskTrainer` (or LocalTrainer, the
     zoo's kind of it).
@@ -125,6 +122,9 @@ class Agent:
         self._ingest: dict[str, tuple[grpc.Channel, CoordinatorStub]] = {}  # aggregator ranks' channels by address
         self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
         self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
+        self._calls = Reconnecting(config.agent_id, config.server, self._join, config.initial_backoff,
+                                   config.max_backoff, self._rng, config.give_up_after, self._stop.is_set,
+                                   self._check_tls, self._count_reconnect)
 
     def _open_channel(self, address: str) -> grpc.Channel:
         options = channel_options(64 << 20)
@@ -160,9 +160,9 @@ class Agent:
         """Join, then pull and run tasks until the coordinator says shutdown (or :meth:`stop`)."""
         try:
             self.trainer.warm_up()
-            self._retrying(self._join)
+            self._calls.join()
             while not self._stop.is_set():
-                reply = self._retrying(self._pull)
+                reply = self._calls.call(self._pull)
                 kind = reply.WhichOneof("kind")
                 if kind == "shutdown_reason":
                     log.info("%s: coordinator says: %s", self.config.agent_id, reply.shutdown_reason)
@@ -176,38 +176,8 @@ class Agent:
         finally:
             self.close()
 
-    def _retrying(self, call):
-        """Run ``call``, re-joining on UNAUTHENTICATED and backing off exponentially while unreachable."""
-        backoff = Backoff(self.config.initial_backoff, self.config.max_backoff, self._rng)
-        unreachable_since = None
-        while True:
-            try:
-                return call()
-            except grpc.RpcError as err:
-                code = err.code()
-                if code == grpc.StatusCode.UNAUTHENTICATED and call != self._join:
-                    log.info("%s: session not recognised (%s); joining again", self.config.agent_id, err.details())
-                    self.stats.reconnects += 1
-                    self._retrying(self._join)
-                    continue
-                if code not in RETRYABLE:
-                    raise FatalAgentError(f"{self.config.agent_id}: coordinator refused: "
-                                          f"{code.name}: {err.details()}") from None
-                mismatch = self._check_tls() if code == grpc.StatusCode.UNAVAILABLE else None
-                why = f": {mismatch}" if mismatch else ""
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if self.config.give_up_after is not None and now - unreachable_since > self.config.give_up_after:
-                    raise FatalAgentError(f"{self.config.agent_id}: coordinator at {self.config.server} "
-                                          f"unreachable for {self.config.give_up_after}s" + (why or
-                                          "; is it running, and does its TLS setting (--certs/--insecure) match "
-                                          "this agent's?")) from None
-                if self._stop.is_set():
-                    raise FatalAgentError("stopped while the coordinator was unreachable") from None
-                sleep = backoff.wait()
-                log.info("%s: coordinator unreachable (%s)%s; retrying in %.1fs", self.config.agent_id,
-                         code.name, why, sleep)
-                time.sleep(sleep)
+    def _count_reconnect(self) -> None:
+        self.stats.reconnects += 1
 
     def _check_tls(self) -> str | None:
         """What TLS has to do with an unreachable coordinator (gRPC says only UNAVAILABLE): a TLS setting that

@@ -108,7 +108,7 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     task = worker_task(cfg, splits)
     if cfg.population is not None:
         return PopulationHost(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
-                              cfg.poll_seconds, cfg.device, cfg.precision, cfg.day_seconds).run()
+                              cfg.poll_seconds, cfg.device, cfg.precision, cfg.day_seconds, give_up_after=60.0).run()
     compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see TaskTrainer)
     batcher = ClientBatcher(cfg.device, compute_lock) if cfg.client_batching else None
     return _run_agents([build_agent(cfg, spec, task, compute_lock, batcher) for spec in cfg.agents])

@@ -20,11 +20,11 @@ from typing import Callable
 
 import grpc
 
+from fedpar.client.transfer import UPLOAD_RETRYABLE
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.stubs import CoordinatorStub
 
 log = logging.getLogger("fedpar.simulate")
-RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -134,7 +134,7 @@ class HostUploads:
         its deadline allows, else logged."""
         if not q.background:
             q.done.set_exception(err)
-        elif err.code() in RETRYABLE and time.monotonic() + RETRY_PAUSE < q.deadline:
+        elif err.code() in UPLOAD_RETRYABLE and time.monotonic() + RETRY_PAUSE < q.deadline:
             threading.Timer(RETRY_PAUSE, self._queue.put, (q,)).start()
         else:
             self.refused_in_background += 1

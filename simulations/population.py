@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import random
 import threading
 import time
 import zlib
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from fedpar.client.agent import UPLOAD_MARGIN_SECONDS, UPLOAD_TO_DOWNLOAD, Agent, AgentConfig
+from fedpar.client.reconnect import Reconnecting
 from fedpar.client.stats import AgentStats
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.datasets.clientdata import local_train_size
@@ -49,7 +51,6 @@ JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
 # loaded cores 50 ms did best.
 UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
 VIRTUAL_STEP_SECONDS = 0.01  # virtual clock without a trace: a local step's simulated seconds (FedScale's median)
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def client_seed(seed: int, agent_id: str) -> int:
@@ -141,7 +142,8 @@ class PopulationHost:
 
     def __init__(self, server: str, population: PopulationSlice, task: Task,
                  partition_of: Callable[[int, str], Partition], seed: int, seats: int = 2, poll_seconds: float = 2.0,
-                 device: str = "cpu", precision: str = "fp32", day_seconds: float = DAY_SECONDS):
+                 device: str = "cpu", precision: str = "fp32", day_seconds: float = DAY_SECONDS,
+                 max_backoff: float = 30.0, give_up_after: float | None = None):
         self.server, self.pop, self.task, self.partition_of = server, population, task, partition_of
         self.day_scale = DAY_SECONDS / day_seconds  # trace seconds per real second
         self.started = time.monotonic()
@@ -152,7 +154,7 @@ class PopulationHost:
         self.channel = grpc.insecure_channel(server, options=channel_options(64 << 20))
         self.stub = CoordinatorStub(self.channel)
         self.host = pb.AgentAuth(agent_id=population.host_id)
-        self.tokens: list[str] = []
+        self.tokens: list[str] = []  # each member's session, by member index
         self.max_chunk = 0
         self._tasks: queue.Queue = queue.Queue()
         self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
@@ -161,6 +163,10 @@ class PopulationHost:
         self._residuals_lock = threading.Lock()
         self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
         self._weights_lock = threading.Lock()
+        # an agent's rule (client/reconnect.py): back off while the coordinator is down, join again (every member
+        # a new session) when it no longer knows this host's session, e.g. after it restarted
+        self.calls = Reconnecting(population.host_id, server, self._join_all, 0.5, max_backoff,
+                                  random.Random(zlib.crc32(f"{seed}:{population.host_id}".encode())), give_up_after)
         self.train_sizes = self._train_sizes()  # each member's training examples, for Join and the virtual clock
         compute_lock = threading.Lock()  # the seats take turns on this process's CPU (see TaskTrainer)
         first = self.member_data(0) if len(population) else None
@@ -187,17 +193,42 @@ class PopulationHost:
         return np.asarray([len(self.member_data(i).train) for i in range(len(self.pop))], np.int64)
 
     def join(self) -> None:
-        """Register every member, JOIN_CHUNK at a time (each member gets its own session token)."""
+        """Register every member (each gets its own session token), retried while the coordinator is unreachable."""
+        self.calls.join()
+
+    def _join_all(self) -> None:
+        """A new session for the host and every member, JOIN_CHUNK members per call; what was queued for the old
+        sessions is moot."""
+        self.host.token = ""  # a new session, whatever the coordinator remembers
+        tokens: list[str] = []
         for start in range(0, len(self.pop), JOIN_CHUNK):
             members = [pb.PopulationMember(agent_id=client_id(int(self.pop.numbers[i])),
                                            num_examples=max(1, int(self.train_sizes[i])),
                                            away=bool(self.offline[i]))
                        for i in range(start, min(start + JOIN_CHUNK, len(self.pop)))]
-            reply = _retrying(lambda: self.stub.JoinPopulation(pb.JoinPopulationRequest(
-                host=self.host, members=members, protocol_version=PROTOCOL_VERSION), timeout=60))
+            reply = self.stub.JoinPopulation(pb.JoinPopulationRequest(
+                host=self.host, members=members, protocol_version=PROTOCOL_VERSION), timeout=60)
             self.host.token = reply.host_token
-            self.tokens.extend(reply.tokens)
+            tokens.extend(reply.tokens)
             self.max_chunk = reply.max_chunk_bytes
+        self.tokens = tokens
+        self._held.clear()
+        self._drop_queued()
+        with self._weights_lock:
+            self._weights = (-1, None)
+
+    def _drop_queued(self) -> None:
+        """Forget the members' tasks no seat has started (training is over, or their sessions are gone)."""
+        while True:
+            try:
+                item = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # a seat's stop: keep it
+                self._tasks.put(None)
+                return
+            with self._in_flight_lock:
+                self._in_flight -= 1
 
     def run(self) -> list[AgentStats]:
         """Join, then pull and run the members' tasks until the coordinator says training is over."""
@@ -213,7 +244,7 @@ class PopulationHost:
         try:
             while True:
                 away, back = self._availability_changes()
-                reply = _retrying(lambda: self.stub.PullHostTasks(pb.PullHostTasksRequest(
+                reply = self.calls.call(lambda: self.stub.PullHostTasks(pb.PullHostTasksRequest(
                     host=self.host, wait_seconds=self.poll_seconds, away=away, back=back,
                     finish_estimates=estimates), timeout=self.poll_seconds + 30))
                 estimates = []
@@ -236,8 +267,7 @@ class PopulationHost:
                     if member in self._held:
                         self._start(self._held.pop(member))
         finally:
-            while not self._tasks.empty():  # training is over: tasks not started yet are moot
-                self._tasks.get_nowait()
+            self._drop_queued()  # training is over: tasks not started yet are moot
             for _ in workers:
                 self._tasks.put(None)
             for w in workers:
@@ -339,13 +369,3 @@ class PopulationHost:
                 self._weights = (task.round, arrays)
             return self._weights[1]
 
-
-def _retrying(call, attempts: int = 30):
-    """``call()``, retried with a short pause while the coordinator is busy or not up yet."""
-    for attempt in range(attempts):
-        try:
-            return call()
-        except grpc.RpcError as err:
-            if err.code() not in RETRYABLE or attempt == attempts - 1:
-                raise
-            time.sleep(min(2.0, 0.05 * 2 ** attempt))
