@@ -15,6 +15,7 @@ from fedpar.cli.config import ConfigError, apply_config_defaults
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe
+from fedpar.parallel.stopping import exit_code, signal_name
 
 # Commands whose process has nothing left to do once run() returns (every output written and closed, worker
 # processes gone): skip the interpreter's teardown of gRPC and torch, about 0.4 s of a simulation's wall time.
@@ -88,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fedpar {argv[0]}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it (parallel/stopping.py)
         print(f"fedpar {argv[0]}: interrupted", file=sys.stderr)
-        return 130
+        return exit_code(signal_name(exc))
     except (UserError, OSError) as exc:  # a mistake in the set-up, said in one line (--debug: the traceback)
         if args is not None and args.debug:
             raise

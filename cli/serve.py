@@ -11,7 +11,6 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -31,11 +30,16 @@ from fedpar.cli.task_options import add_task_arguments, load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.cli.user_errors import check_output_folder, check_port_free, run_exit_code
 from fedpar.parallel.config import DEVICE_HELP
+from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.config import CoordinatorConfig
 
 if TYPE_CHECKING:
     from fedpar.server.assembly import CoordinatorAssembly
+
+# Seconds rank 0 of a multi-rank coordinator gets, once signalled, to end the round, finish the checkpoint under
+# way and write the summary and the model, before its launcher kills it.
+STOP_GRACE_SECONDS = 10.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     if world > 1 and "WORLD_SIZE" not in os.environ:
         from fedpar.parallel.init import spawn
         try:
-            spawn(world, serve_rank, _plain_options(args))
+            spawn(world, serve_rank, _plain_options(args), parent_stops=True, stop_grace=STOP_GRACE_SECONDS)
+        except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
+            return exit_code(signal_name(exc))
         except Exception as exc:  # a rank died or hung: the others were stopped with it
             print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
                   "resume after the last checkpointed round", file=sys.stderr)
@@ -158,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         from fedpar.parallel.init import exit_rank_process
         serve_rank(args)
         exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
-    return _serve(args, plan)
+    with stop_on_signals():
+        return _serve(args, plan)
 
 
 def _rank_failure(exc: BaseException) -> str:
@@ -179,7 +186,7 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     if isinstance(args, dict):
         args = argparse.Namespace(**args)
     from fedpar.parallel.device import flush_denormals
-    from fedpar.parallel.init import init_distributed, shutdown_distributed
+    from fedpar.parallel.init import exit_rank_process, init_distributed, shutdown_distributed
     from fedpar.server.aggregator_ranks import RankLeader
     from fedpar.server.rank_group import RankGroup
 
@@ -191,12 +198,15 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     group = RankGroup(plan.config.aggregator_timeout_seconds)
     advertised = "" if args.host in ("0.0.0.0", "::", "") else args.host
     try:
-        code = _serve(args, plan, RankLeader(group, advertised)) if rank == 0 else \
-            _serve_ingest(args, plan, group, advertised)
+        if rank == 0:
+            with stop_on_signals(second_exits=False):  # the launcher (spawn, torchrun) escalates
+                code = _serve(args, plan, RankLeader(group, advertised))
+        else:  # a signal ends it: it holds nothing rank 0 does not
+            code = _serve_ingest(args, plan, group, advertised)
     finally:
         shutdown_distributed()
     if code:
-        raise SystemExit(code)
+        exit_rank_process(code)
 
 
 def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: str) -> int:
@@ -242,40 +252,36 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         return 2
     if args.port_file:  # as soon as health checks are answered (NOT_SERVING while a checkpoint is restored)
         server.on_listening = lambda port: atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
-    interrupted = False
+    stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
     try:
         server.start()
     except RestoreError as exc:  # e.g. a damaged checkpoint, or one made with another model
         observers.close()
         print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # while the checkpoint was restored
-        interrupted = True
+    except KeyboardInterrupt as exc:  # while the checkpoint was restored
+        stopped_by = exc
     except Exception as exc:
         observers.close()
         print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
         return 1
     try:
-        if interrupted:
-            raise KeyboardInterrupt
+        if stopped_by is not None:
+            raise stopped_by
         observers.attach(server)
         print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
               f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
               f"{security.client_hint} --agent-id ID ...)", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         while not server.wait(0.5):
-            if stop.is_set():
-                break
             progress.follow(server.coordinator)
         progress.close()
         linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
-        while not server.coordinator.everyone_told_finished() and not stop.wait(0.05) \
-                and time.monotonic() < linger_until:
-            pass
-    except KeyboardInterrupt:  # Ctrl-C: stop at once; what completed is checkpointed and summarized
-        interrupted = True
+        while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:
+            time.sleep(0.05)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop at once; what completed is checkpointed and summarized
+        stopped_by = exc
     finally:
+        interrupted = stopped_by is not None
         progress.close()
         server.stop(grace=0.5 if interrupted else 1.0)
         observers.close()
@@ -286,4 +292,5 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     if metrics.last:
         print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
     print(outputs.wrote_line(args.out))
-    return run_exit_code("fedpar serve", outputs.summary)
+    return run_exit_code("fedpar serve", outputs.summary,
+                         signal_name(stopped_by) if stopped_by is not None else None)

@@ -18,6 +18,7 @@ from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import add_task_arguments, task_options
 from fedpar.cli.user_errors import check_output_folder, run_exit_code
+from fedpar.parallel.stopping import stop_on_signals
 from fedpar.simulations.config import SimulationConfig
 
 
@@ -69,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
                                                  cfg.overselect, cfg.clients)
         cfg.strategy_options.update(options)
         callbacks = [lambda _: progress.close(), table.row, *observers.round_callbacks()]
-        summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks], on_server=observers.attach,
-                                 on_progress=progress.follow)
+        with stop_on_signals() as stop:  # SIGINT or SIGTERM: what completed is written (a second: exit now)
+            summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
+                                     on_server=observers.attach, on_progress=progress.follow)
     except ValueError as exc:
         print(f"fedpar simulate: {exc}", file=sys.stderr)
         return 2
@@ -81,5 +83,5 @@ def run(args: argparse.Namespace) -> int:
     written = RunOutputs(summary, summary.pop("written"))
     print(json.dumps(summary, indent=2))
     print(written.wrote_line(cfg.out))
-    return run_exit_code("fedpar simulate", summary)
+    return run_exit_code("fedpar simulate", summary, stop.signal)
 

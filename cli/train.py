@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             train_process(cfg, args.timeout)
             if under_launcher:
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
-    except KeyboardInterrupt:  # Ctrl-C: the ranks are stopped; say what completed
+    except KeyboardInterrupt as exc:  # Ctrl-C (or SIGTERM to the launcher): the ranks are stopped; say what completed
+        from fedpar.parallel.stopping import exit_code, signal_name
         if int(os.environ.get("RANK", "0")):
             return 130
         from fedpar.parallel.metrics import write_interrupted_summary
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                                             time.perf_counter() - started, cfg.to_dict())
         print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json",
               file=sys.stderr)
-        return 130
+        return exit_code(signal_name(exc))
     return 0
 
 

@@ -6,6 +6,8 @@ import errno
 import os
 import sys
 
+from fedpar.parallel.stopping import exit_code
+
 
 class UserError(Exception):
     """Something the user must change (an option, a path, a port), with the line that says what to do."""
@@ -81,11 +83,12 @@ def check_port_free(host: str, port: int, option: str = "--port") -> None:
                             exit_code=1) from None
 
 
-def run_exit_code(command: str, summary: dict) -> int:
-    """130 for an interrupted run, 1 (with one line saying so) when every round failed, else 0."""
+def run_exit_code(command: str, summary: dict, signal_name: str | None = None) -> int:
+    """128 + the number of the signal that stopped an interrupted run (130 for SIGINT, the default; 143 for
+    SIGTERM), 1 (with one line saying so) when every round failed, else 0."""
     if summary.get("interrupted"):
         print(f"{command}: interrupted after {summary['rounds']} completed rounds", file=sys.stderr)
-        return 130
+        return exit_code(signal_name or "SIGINT")
     if summary["rounds"] and summary["failed_rounds"] == summary["rounds"]:
         print(f"{command}: every round failed ({summary['rounds']} of {summary['rounds']}): too few updates arrived "
               "(see close_reason in metrics.jsonl); check --min-reports, --deadline and the agents' logs",

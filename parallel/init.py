@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fedpar.parallel.device import backend_for, resolve_device
+from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -108,7 +108,7 @@ def exit_rank_process(code: int = 0) -> None:
 def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
                     parent_stops: bool = False) -> None:
     if parent_stops:  # SIGINT is ignored (inherited from birth); still leave when the launcher dies
-        _die_with_parent(signal.SIGTERM)
+        die_with_parent(signal.SIGTERM)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Several ranks share few cores: one intra-op thread each avoids oversubscription (torchrun does the same).
@@ -118,20 +118,14 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
     exit_rank_process(0)  # an exception above takes torch's path instead: traceback to the parent, exit code 1
 
 
-def _die_with_parent(signum: int) -> None:
-    """Have the kernel send ``signum`` to this process when its parent exits (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
-
-
-def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False) -> None:
+def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False,
+          stop_grace: float = 1.0) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
 
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
-    ``parent_stops`` the ranks ignore Ctrl-C and, on KeyboardInterrupt here, are stopped (SIGTERM) before it is
-    re-raised: the caller then says what completed, and no rank prints a traceback of its own.
+    ``parent_stops`` the ranks ignore Ctrl-C and leave when this process dies; SIGINT or SIGTERM here stops them
+    (:func:`stop_ranks`, rank 0 given ``stop_grace`` seconds) before StopRequested is raised: the caller then says
+    what completed, and no rank prints a traceback of its own. A second signal kills them and exits at once.
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
@@ -139,24 +133,31 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     if not parent_stops:
         mp.spawn(_spawned_worker, args=(nproc, port, fn, args), nprocs=nproc, join=True)
         return
-    # An ignored SIGINT stays ignored through exec, so the ranks ignore Ctrl-C from birth.
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
-    try:
+    with children_ignore_interrupts():
         context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True), nprocs=nproc,
                                      join=False)
-    finally:
-        if in_main:
-            signal.signal(signal.SIGINT, previous)
-    try:
-        while not context.join(timeout=0.5):
-            pass
-    except KeyboardInterrupt:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in context.processes:
+    ranks = context.processes
+    with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
+        try:
+            while not context.join(timeout=0.5):
+                pass
+        except KeyboardInterrupt:
+            stop_ranks(ranks, stop_grace)
+            raise
+
+
+def stop_ranks(ranks: list, grace: float) -> None:
+    """SIGTERM to rank 0 and up to ``grace`` seconds for it to leave (it may hold what the run must write: the
+    coordinator's summary and checkpoint), then to the others; a rank still there a second later is killed."""
+    first, rest = ranks[0], ranks[1:]
+    if first.is_alive():
+        first.terminate()
+        first.join(grace)
+    for process in rest:
+        if process.is_alive():
+            process.terminate()
+    for process in ranks:
+        process.join(timeout=1.0)
+        if process.is_alive():
+            process.kill()
             process.join(timeout=1.0)
-            if process.is_alive():
-                process.kill()
-        raise

@@ -21,6 +21,7 @@ from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.simulations.population import PopulationHost, PopulationSlice, client_seed
 from fedpar.parallel.device import flush_denormals
+from fedpar.parallel.stopping import die_with_parent
 from fedpar.task import Partition, Task
 from fedpar.tasks.reference import load_task
 from fedpar.tasks.zoo import classifier_for
@@ -142,6 +143,7 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> 
     A normal interpreter shutdown of a process that used gRPC and torch takes seconds here (measured: 4 s per
     worker), which every simulation would wait for; its agents have closed their channels, so skip it.
     """
+    die_with_parent()  # a simulation killed outright takes its agents with it
     try:
         splits, problem = (load_dataset(dataset, data_dir) if dataset else None), None  # a task loads its own
     except (ValueError, OSError) as exc:  # the coordinator loads the same data and says what is wrong, once

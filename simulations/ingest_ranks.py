@@ -12,6 +12,7 @@ import torch
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
+from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
@@ -50,7 +51,8 @@ def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:
 
 
 def _rank_main(rank: int, world: int, port: int, spec: IngestRankSpec) -> None:
-    """A spawned process: join the group, then serve as aggregator rank ``rank`` until rank 0 stops."""
+    """A spawned process: join the group, then serve as aggregator rank ``rank`` until rank 0 stops (or dies)."""
+    die_with_parent()
     torch.set_num_threads(1)
     join_gloo_group(rank, world, port, spec.config.aggregator_timeout_seconds)
     assembly = _assembly(spec)
@@ -78,8 +80,9 @@ class IngestRanks:
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_rank_main, args=(r, world, port, spec), name=f"fedpar-rank-{r}",
                                   daemon=True) for r in range(1, world)]
-        for p in self.procs:
-            p.start()
+        with children_ignore_interrupts():  # rank 0 stops them
+            for p in self.procs:
+                p.start()
         join_gloo_group(0, world, port, spec.config.aggregator_timeout_seconds)
         self.leader = RankLeader(RankGroup(spec.config.aggregator_timeout_seconds))
 
@@ -88,10 +91,13 @@ class IngestRanks:
         dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
         return f"aggregator rank process {dead[0].name} died with exit code {dead[0].exitcode}" if dead else None
 
-    def close(self) -> None:
-        """Wait for the ranks to leave (they stop when rank 0 says the rounds are done), then leave the group."""
+    def close(self, wait: bool = True) -> None:
+        """Wait for the ranks to leave (they stop when rank 0 says the rounds are done), or without ``wait`` (the run
+        was stopped early) stop them now; then leave the group."""
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if wait else 0)
             if p.is_alive():
                 p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
         shutdown_distributed()

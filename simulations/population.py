@@ -138,7 +138,10 @@ class PopulationSlice:
 
 class PopulationHost:
     """Registers a :class:`PopulationSlice` and runs its members' tasks on ``seats`` seats until training ends:
-    ``task`` trained on each member's ``task.client_data(partition_of(number, member_id))``."""
+    ``task`` trained on each member's ``task.client_data(partition_of(number, member_id))``. Like an agent it outlives
+    its coordinator: it backs off while the coordinator is unreachable (up to ``max_backoff`` seconds between tries;
+    ``give_up_after`` seconds unreachable end it, None: never) and registers its members again when a restarted
+    coordinator no longer knows its session."""
 
     def __init__(self, server: str, population: PopulationSlice, task: Task,
                  partition_of: Callable[[int, str], Partition], seed: int, seats: int = 2, poll_seconds: float = 2.0,
@@ -150,6 +153,7 @@ class PopulationHost:
         self.offline = population.away(0.0)  # whom the coordinator knows as away
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
+        self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
         self.seed, self.poll_seconds = seed, poll_seconds
         self.channel = grpc.insecure_channel(server, options=channel_options(64 << 20))
         self.stub = CoordinatorStub(self.channel)
@@ -213,6 +217,7 @@ class PopulationHost:
             self.max_chunk = reply.max_chunk_bytes
         self.tokens = tokens
         self._held.clear()
+        self._estimates = []
         self._drop_queued()
         with self._weights_lock:
             self._weights = (-1, None)
@@ -240,14 +245,13 @@ class PopulationHost:
         workers = [threading.Thread(target=self._seat, args=(seat,), daemon=True) for seat in self.seats]
         for w in workers:
             w.start()
-        estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
         try:
             while True:
                 away, back = self._availability_changes()
                 reply = self.calls.call(lambda: self.stub.PullHostTasks(pb.PullHostTasksRequest(
                     host=self.host, wait_seconds=self.poll_seconds, away=away, back=back,
-                    finish_estimates=estimates), timeout=self.poll_seconds + 30))
-                estimates = []
+                    finish_estimates=self._estimates), timeout=self.poll_seconds + 30))
+                self._estimates = []
                 if reply.shutdown_reason:
                     log.info("%s: coordinator says: %s", self.host.agent_id, reply.shutdown_reason)
                     break
@@ -260,7 +264,7 @@ class PopulationHost:
                         hosted.task.weights_header.CopyFrom(reply.weights_header)
                         hosted.task.weights = reply.weights
                     if hosted.task.virtual_clock:
-                        estimates.append(self._hold(i, hosted.agent_id, hosted.task))
+                        self._estimates.append(self._hold(i, hosted.agent_id, hosted.task))
                     elif not (self.offline[i] or self._drops(i, hosted.task.round)):  # an offline or vanished
                         self._start((i, hosted.task))  # device does not answer
                 for member in reply.go:

@@ -6,7 +6,6 @@ import functools
 import importlib
 import logging
 import multiprocessing as mp
-import signal
 import threading
 import time
 from dataclasses import asdict, replace
@@ -22,6 +21,7 @@ from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
 from fedpar.parallel.device import check_device_layout, device_kind, parse_device, resolve_device, visible_gpus
+from fedpar.parallel.stopping import children_ignore_interrupts
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
@@ -160,16 +160,9 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     preload = None if cfg.task else cfg.dataset  # a task's worker loads the task instead
     procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}", args=(recv, preload, cfg.data_dir),
                          daemon=True) for w, (recv, _) in enumerate(pipes)]
-    # Ctrl-C reaches the whole process group; the workers ignore it from birth (an ignored signal stays ignored
-    # through exec) and this process stops them, so an interrupt prints no worker tracebacks.
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
-    try:
+    with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
         for p in procs:
             p.start()
-    finally:
-        if in_main:
-            signal.signal(signal.SIGINT, previous)
     for recv, _ in pipes:
         recv.close()  # the child's end
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
@@ -226,7 +219,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     specs = [] if cfg.virtual_clients else _agent_specs(cfg)
     slices = _population_slices(cfg, parts, len(pipes)) if cfg.virtual_clients else [None] * len(pipes)
     certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
-    interrupted = False
+    stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
     for spec in specs if certs else ():
         spec.certs_dir = certs.name
     ranks = None
@@ -262,15 +255,15 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                     raise RuntimeError(f"agent worker {dead[0].name} died with exit code {dead[0].exitcode}")
                 if ranks is not None and ranks.failed():
                     raise RuntimeError(ranks.failed())
-        except KeyboardInterrupt:  # Ctrl-C: stop now, and still write the summary of the rounds that completed
-            interrupted = True
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop now, and still write the rounds that completed
+            stopped_by = exc
             log.warning("interrupted: stopping after %d completed rounds", server.coordinator.metrics.summary.rounds)
-        for p in procs if not interrupted else ():
+        for p in procs if stopped_by is None else ():
             p.join(timeout=30)
     finally:
         server.stop()
         if ranks is not None:
-            ranks.close()
+            ranks.close(wait=stopped_by is None)
         if certs is not None:
             certs.cleanup()
     first = server.coordinator.metrics.first
@@ -279,7 +272,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
              "startup_seconds": None if first_start is None else first_start - started,
              "label_skew": label_skew(parts, splits.train.y, splits.num_classes) if splits else None,
              "config": asdict(cfg),
-             **({"interrupted": True} if interrupted else {})}
+             **({"interrupted": True} if stopped_by is not None else {})}
     if not out:
         return {**server.coordinator.metrics.summary.result(), **extra, "written": []}
     what = cfg.task or f"{cfg.dataset} / {cfg.model}"

@@ -1,0 +1,112 @@
+"""Stopping a run by signal: SIGINT (Ctrl-C) and SIGTERM (what systemd, Docker or a script sends) both ask it to stop.
+
+Inside :func:`stop_on_signals` the first of them raises :class:`StopRequested` in the main thread. It is a
+KeyboardInterrupt, so whatever stops a run cleanly on Ctrl-C (ending the rounds, writing the summary, the model and
+the last checkpoint) does the same for SIGTERM; the process then exits 128 + the signal's number (130, 143). A
+second signal ends the process at once: what it was writing is lost, never torn, since every output is replaced
+atomically (protocol/atomicfile.py) and a checkpoint is published only once complete (server/checkpoint.py).
+
+A process with a launcher (a rank of `fedpar serve --aggregator-ranks N`) leaves second signals to the launcher,
+which stops its ranks in order and kills them if they take too long (parallel/init.py spawn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Callable
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(KeyboardInterrupt):
+    """A signal asked this process to stop (the first one: there is time to write what must be written)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_name(exc: BaseException) -> str:
+    """The signal behind a KeyboardInterrupt: a StopRequested's, else SIGINT (Python's own Ctrl-C)."""
+    return signal.Signals(exc.signum).name if isinstance(exc, StopRequested) else "SIGINT"
+
+
+def exit_code(name: str = "SIGINT") -> int:
+    """What a process stopped by signal ``name`` exits with, as a shell reports it: 128 + its number."""
+    return 128 + int(signal.Signals[name])
+
+
+class Received:
+    """The first stop signal :func:`stop_on_signals` took, by name (None: none yet)."""
+
+    signal: str | None = None
+
+    def exit_code(self) -> int:
+        """What the process exits with for it (130 when none came: a KeyboardInterrupt raised otherwise)."""
+        return exit_code(self.signal or "SIGINT")
+
+
+@contextlib.contextmanager
+def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | None = None) -> Iterator[Received]:
+    """Inside the block the first SIGINT or SIGTERM raises StopRequested in the main thread (and is noted in the
+    Received it yields); a later one calls ``on_second()`` and ends the process at once with 128 + its number, or,
+    without ``second_exits``, is ignored (a rank whose launcher escalates). A SIGINT ignored from birth (a rank of a
+    launcher that stops it) stays ignored. Off the main thread (where Python cannot take signals) the block runs
+    as it is."""
+    received = Received()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handle(signum: int, frame) -> None:
+        if received.signal is None:
+            received.signal = signal.Signals(signum).name
+            raise StopRequested(signum)
+        if second_exits:
+            if on_second is not None:
+                on_second()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signum)
+
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        if not (s == signal.SIGINT and previous[s] == signal.SIG_IGN):
+            signal.signal(s, handle)
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def children_ignore_interrupts() -> Iterator[None]:
+    """Processes started inside the block ignore SIGINT from birth (an ignored signal stays ignored through exec):
+    Ctrl-C reaches a terminal's whole process group, and their parent stops them instead, without a traceback."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        yield
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send ``signum`` to this process when its parent exits (Linux; elsewhere nothing); sent now
+    if the parent of this multiprocessing child is gone already."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the line above
+        os.kill(os.getpid(), signum)

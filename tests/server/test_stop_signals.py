@@ -1,0 +1,209 @@
+"""One signal to the main PID stops a whole coordinator: SIGINT or SIGTERM to `fedpar serve` or `fedpar simulate`,
+with one aggregator rank or two, ends every process of its tree within seconds, after the summary, the final model
+and the last checkpoint are written, and exits 130 or 143, as a supervisor (systemd, Docker, a script) that signals
+only the main PID expects. A second signal exits at once, and the checkpoint directory still loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpar.server.checkpoint import load_checkpoint
+from fedpar.server.final_model import load_final_model
+from support.digit_agents import start_digit_agents
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ["--local-epochs", "1", "--batch-size", "32", "--rounds", "100000"]  # rounds run until the signal
+STOP_SECONDS = 5.0  # "within a few seconds" of the signal, on 2 busy cores
+
+
+def _start(tmp: Path, args: list[str]) -> subprocess.Popen:
+    with open(tmp / "run.log", "a") as log:  # a file, not a pipe: a full pipe would block the process
+        return subprocess.Popen([sys.executable, "-m", "fedpar", *args], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _serve(tmp: Path, ranks: int) -> subprocess.Popen:
+    return _start(tmp, ["serve", "--insecure", "--port", "0", "--port-file", str(tmp / "port"), "--checkpoint-dir",
+                        str(tmp / "ckpt"), "--out", str(tmp / "out"), "--no-central-eval", "--aggregator-ranks",
+                        str(ranks), "--min-available", "2", "--clients-per-round", "2", "--overselect", "1.0",
+                        "--heartbeat", "1", "--aggregator-timeout", "30", *QUICK])
+
+
+def _simulate(tmp: Path, ranks: int) -> subprocess.Popen:
+    return _start(tmp, ["simulate", "--clients", "2", "--workers", "1", "--aggregator-ranks", str(ranks), "--out",
+                        str(tmp / "out"), "--quiet", *QUICK])
+
+
+def _port(tmp: Path, proc: subprocess.Popen) -> int:
+    """The port ``proc`` (a `fedpar serve`) listens on, once it does."""
+    end = time.monotonic() + 120
+    while not (tmp / "port").exists():
+        assert proc.poll() is None and time.monotonic() < end, (tmp / "run.log").read_text()
+        time.sleep(0.05)
+    return int((tmp / "port").read_text())
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (a zombie has ended)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def _rounds_done(tmp: Path) -> int:
+    path = tmp / "out" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _running(tmp: Path, proc: subprocess.Popen, ranks: int, rounds: int = 2) -> set[int]:
+    """Wait until ``rounds`` rounds completed; the processes below ``proc`` then (every rank among them)."""
+    end = time.monotonic() + 120
+    while _rounds_done(tmp) < rounds:
+        assert proc.poll() is None, (tmp / "run.log").read_text()
+        assert time.monotonic() < end, (tmp / "run.log").read_text()
+        time.sleep(0.05)
+    tree = _descendants(proc.pid)
+    assert len(tree) >= ranks - 1, tree
+    return tree
+
+
+def _stop(tmp: Path, proc: subprocess.Popen, tree: set[int], *signals: int) -> tuple[int, float]:
+    """Send ``signals`` to the main PID, one after the other; its exit code and the seconds until the whole
+    tree was gone."""
+    started = time.monotonic()
+    for i, signum in enumerate(signals):
+        if i:
+            time.sleep(0.02)  # while it stops (the launcher's handler has taken the first)
+        proc.send_signal(signum)
+    try:
+        code = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 30 s after {signals}:\n{(tmp / 'run.log').read_text()[-3000:]}")
+    while _alive(tree) and time.monotonic() - started < 30:
+        time.sleep(0.02)
+    assert not _alive(tree), f"left running: {_alive(tree)}"
+    return code, time.monotonic() - started
+
+
+@pytest.fixture
+def agents():
+    """Real agents (threads of this process) against a coordinator; stopped after the test."""
+    started = []
+
+    def start(port: int):
+        torch.set_num_threads(1)
+        made, _, errors = start_digit_agents(port, ["a0", "a1"], give_up_after=30)
+        started.extend(made)
+        return errors
+    yield start
+    for agent in started:
+        agent.stop()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_one_signal_to_a_two_rank_serve_stops_every_rank_and_writes_the_summary_and_checkpoint(tmp_path, agents,
+                                                                                              signum):
+    proc = _serve(tmp_path, 2)
+    try:
+        agents(_port(tmp_path, proc))
+        tree = _running(tmp_path, proc, ranks=2)
+        code, seconds = _stop(tmp_path, proc, tree, signum)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "run.log").read_text()
+    assert code == 128 + signum, log[-3000:]
+    assert seconds < STOP_SECONDS, seconds
+    assert "Traceback" not in log, log[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["interrupted"] and summary["rounds"] == _rounds_done(tmp_path) >= 2
+    assert log.count(f"fedpar serve: interrupted after {summary['rounds']} completed rounds") == 1, log[-3000:]
+    ckpt = load_checkpoint(tmp_path / "ckpt")  # the last completed round's (its metrics line may not be logged)
+    assert ckpt.round_id in (summary["rounds"], summary["rounds"] + 1)
+    kept = json.loads((tmp_path / "out" / "global.json").read_text())
+    assert kept["interrupted"] and kept["round"] >= summary["rounds"]
+    names, arrays = load_final_model(tmp_path / "out")
+    assert names == ckpt.names and len(arrays) == len(ckpt.arrays)
+
+
+def test_a_second_signal_ends_a_stopping_serve_at_once_and_the_checkpoint_still_loads(tmp_path, agents):
+    proc = _serve(tmp_path, 2)
+    try:
+        agents(_port(tmp_path, proc))
+        tree = _running(tmp_path, proc, ranks=2)
+        code, seconds = _stop(tmp_path, proc, tree, signal.SIGTERM, signal.SIGINT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130  # the second signal's: the launcher killed its ranks and left
+    assert seconds < 2.0, seconds
+    assert load_checkpoint(tmp_path / "ckpt").round_id >= 2  # LATEST names a complete checkpoint, whenever it died
+
+
+@pytest.mark.parametrize("command, ranks", [("serve", 1), ("simulate", 1), ("simulate", 2)])
+def test_sigterm_stops_serve_and_simulate_with_exit_143_and_a_summary(tmp_path, agents, command, ranks):
+    proc = _serve(tmp_path, ranks) if command == "serve" else _simulate(tmp_path, ranks)
+    try:
+        if command == "serve":
+            agents(_port(tmp_path, proc))
+        tree = _running(tmp_path, proc, ranks)
+        code, seconds = _stop(tmp_path, proc, tree, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "run.log").read_text()
+    assert code == 143, log[-3000:]
+    assert seconds < STOP_SECONDS, seconds
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["interrupted"] and summary["rounds"] >= 2
+    assert "Traceback" not in log and f"fedpar {command}: interrupted after {summary['rounds']} completed rounds" in log, \
+        log[-3000:]
+    assert json.loads((tmp_path / "out" / "global.json").read_text())["round"] >= summary["rounds"]
+
+
+def test_the_ranks_leave_when_their_launcher_is_killed(tmp_path, agents):
+    proc = _serve(tmp_path, 2)
+    try:
+        agents(_port(tmp_path, proc))
+        tree = _running(tmp_path, proc, ranks=2)
+        code, seconds = _stop(tmp_path, proc, tree, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == -signal.SIGKILL
+    assert seconds < STOP_SECONDS, seconds  # rank 0 stopped as on SIGTERM (the kernel's word that its parent died)
+    assert load_checkpoint(tmp_path / "ckpt").round_id >= 2
