@@ -19,7 +19,7 @@ from fedpar.parallel.init import free_port
 ROOT = Path(__file__).resolve().parents[2]
 MEMBERS, AGENTS = 4, 2  # the host's population, and the plain agents beside it
 EVERYONE = MEMBERS + AGENTS
-ROUNDS = 40  # enough that the kills land mid-run; each round takes a fraction of a second
+ROUNDS = 20  # enough that the kills land mid-run (each round takes a fraction of a second)
 RETRY = ["--max-backoff", "0.5"]  # the clients look for the restarted coordinator often
 
 
@@ -35,7 +35,7 @@ def _serve(tmp: Path, port: int) -> subprocess.Popen:
         "serve", "--insecure", "--port", str(port), "--port-file", str(tmp / "port"), "--checkpoint-dir",
         str(tmp / "ckpt"), "--out", str(tmp / "out"), "--accept-populations", "--no-central-eval",
         "--rounds", str(ROUNDS), "--min-available", str(EVERYONE), "--clients-per-round", str(EVERYONE),
-        "--overselect", "1.0", "--deadline", "10", "--heartbeat", "1", "--liveness-timeout", "3",
+        "--overselect", "1.0", "--deadline", "5", "--heartbeat", "1", "--liveness-timeout", "3",
         "--local-epochs", "1", "--batch-size", "32"])
 
 
