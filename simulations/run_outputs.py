@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -61,11 +62,13 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
             outputs.written.append(name)
 
     out.mkdir(parents=True, exist_ok=True)
+    before = time.time()
     try:
         if write_coordinator_model(out, coordinator, model, interrupted):
             outputs.written += [TENSORS, INFO]
-    except OSError as exc:
+    except OSError as exc:  # global.safetensors may be written already, global.json not
         failures.append(exc)
+        outputs.written += [name for name in (TENSORS, INFO) if _written_since(out / name, before)]
     attempt(SUMMARY, lambda path: atomic_write_bytes(path, [(json.dumps(summary, indent=2) + "\n").encode()]))
     if rounds and not interrupted:
         from fedpar.simulations.plots import round_plots  # matplotlib: about a second to import
@@ -77,3 +80,11 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
         failures[0].add_note(outputs.wrote_line(out))
         raise failures[0]
     return outputs
+
+
+def _written_since(path: Path, when: float) -> bool:
+    """Whether ``path`` is a file written at or after ``when`` (not one left by an earlier run)."""
+    try:
+        return path.stat().st_mtime >= when - 1.0  # file-system timestamps may be coarser than time.time()
+    except OSError:
+        return False

@@ -53,7 +53,7 @@ def test_a_coordinator_stopped_while_closing_a_round_keeps_its_model_without_a_m
     rows = [{"round": 1, "status": "ok"}]
     for round_id, metrics in ((1, rows[0]), (2, None)):  # round 2's model is made, its row not yet logged
         state = SimpleNamespace(names=["w"], weights=[np.full(2, round_id, np.float32)], round_id=round_id,
-                                metrics=SimpleNamespace(rows=rows))
+                                metrics=SimpleNamespace(last=rows[-1]))
         assert write_coordinator_model(tmp_path, state, {"model": "x"}, interrupted=True)
         info = json.loads((tmp_path / "global.json").read_text())
         assert (info["round"], info["metrics"], info["interrupted"]) == (round_id, metrics, True)
