@@ -260,7 +260,7 @@ def run_cell(k: int, p: int, args: argparse.Namespace, flwr_mods) -> list[Row]:
         ("coordinator folds, 4 slots", lambda: coordinator_folds(results, 4, executor)),
         ("coordinator folds, 8 slots", lambda: coordinator_folds(results, 8, executor)),
     ]
-    executor = ThreadPoolExecutor(max(2, os.cpu_count() or 2))  # as the coordinator's (server/ingest_plane.py)
+    executor = ThreadPoolExecutor(max(2, os.cpu_count() or 2))  # as the coordinator's (server/ranks/plane.py)
     skip_flwr = flwr_mods is not None and k * model_bytes * 2 > args.mem_gib * GIB
     if flwr_mods is not None and not skip_flwr:
         contenders.append(("flwr aggregate", lambda: flwr_mods[0].aggregate(results)))

@@ -89,7 +89,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     from fedpar.aggregation import build_strategy
     from fedpar.datasets import load_dataset
     from fedpar.parallel.device import check_device_layout, resolve_device
-    from fedpar.server.aggregator_ranks import check_ranks_supported
+    from fedpar.server.ranks.leader import check_ranks_supported
     from fedpar.server.assembly import CoordinatorAssembly
     from fedpar.server.secure_round import check_secure_setup
     from fedpar.simulations.synthetic_coordinator import synthetic_model
@@ -169,11 +169,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rank_failure(exc: BaseException) -> str:
-    """What went wrong in a spawned rank: its RankMissing line when it raised one, else the launcher's first line."""
-    from fedpar.server.rank_group import first_line
+    """What went wrong in a spawned rank: its RankMissing or RankMessageError line when it raised one, else the
+    launcher's first line."""
+    from fedpar.server.ranks.group import first_line
 
-    missing = [line.split("RankMissing: ", 1)[1] for line in str(exc).splitlines() if "RankMissing: " in line]
-    return missing[0] if missing else first_line(exc)
+    said = [line.split(f"{name}: ", 1)[1] for line in str(exc).splitlines()
+            for name in ("RankMissing", "RankMessageError") if f"{name}: " in line]
+    return said[0] if said else first_line(exc)
 
 
 def _plain_options(args: argparse.Namespace) -> dict:
@@ -187,8 +189,8 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
         args = argparse.Namespace(**args)
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import exit_rank_process, init_distributed, shutdown_distributed
-    from fedpar.server.aggregator_ranks import RankLeader
-    from fedpar.server.rank_group import RankGroup
+    from fedpar.server.ranks.group import RankGroup
+    from fedpar.server.ranks.leader import RankLeader
 
     setup_logging(args)
     flush_denormals()
@@ -212,7 +214,7 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
 def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: str) -> int:
     """Aggregator rank > 0: serve the agents rank 0 deals here until rank 0 says the rounds are done."""
     from fedpar.server.app import CoordinatorServer
-    from fedpar.server.ingest_rank import IngestRank
+    from fedpar.server.ranks.ingest import IngestRank
 
     ingest = IngestRank(plan.config, plan.assembly.names, plan.assembly.weights, plan.strategy, group,
                         admission=plan.security.admission, advertised_host=advertised)
@@ -225,7 +227,7 @@ def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: 
 
 def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     """Rank 0 (or the only rank): run the rounds, print the table, write metrics and checkpoints."""
-    from fedpar.server.aggregator_ranks import rank_columns
+    from fedpar.server.ranks.stats import rank_columns
     from fedpar.server.app import RestoreError
     from fedpar.simulations.run_outputs import write_run_outputs
 

@@ -52,7 +52,7 @@ def simulation_config(args: argparse.Namespace) -> SimulationConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary."""
-    from fedpar.server.aggregator_ranks import rank_columns
+    from fedpar.server.ranks.stats import rank_columns
     from fedpar.simulations.run_outputs import RunOutputs
     from fedpar.simulations.runner import run_simulation
 

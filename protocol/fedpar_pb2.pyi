@@ -445,3 +445,136 @@ class HostUploadResults(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[HostUploadResult]
     def __init__(self, results: _Optional[_Iterable[_Union[HostUploadResult, _Mapping]]] = ...) -> None: ...
+
+class RankBroadcast(_message.Message):
+    __slots__ = ("start", "open", "close", "model", "stop", "tick")
+    START_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    TICK_FIELD_NUMBER: _ClassVar[int]
+    start: RankStart
+    open: RankOpen
+    close: RankClose
+    model: RankModel
+    stop: RankStop
+    tick: RankTick
+    def __init__(self, start: _Optional[_Union[RankStart, _Mapping]] = ..., open: _Optional[_Union[RankOpen, _Mapping]] = ..., close: _Optional[_Union[RankClose, _Mapping]] = ..., model: _Optional[_Union[RankModel, _Mapping]] = ..., stop: _Optional[_Union[RankStop, _Mapping]] = ..., tick: _Optional[_Union[RankTick, _Mapping]] = ...) -> None: ...
+
+class RankStart(_message.Message):
+    __slots__ = ("round", "control", "secret")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    control: str
+    secret: str
+    def __init__(self, round: _Optional[int] = ..., control: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class RankOpen(_message.Message):
+    __slots__ = ("round", "deadline_seconds", "agents")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    deadline_seconds: float
+    agents: _containers.RepeatedCompositeFieldContainer[RankAgent]
+    def __init__(self, round: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[RankAgent, _Mapping]]] = ...) -> None: ...
+
+class RankAgent(_message.Message):
+    __slots__ = ("rank", "agent_id", "task_id", "token", "num_examples", "cert_serial", "ticket")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CERT_SERIAL_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    agent_id: str
+    task_id: str
+    token: str
+    num_examples: int
+    cert_serial: bytes
+    ticket: bytes
+    def __init__(self, rank: _Optional[int] = ..., agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., token: _Optional[str] = ..., num_examples: _Optional[int] = ..., cert_serial: _Optional[bytes] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class RankClose(_message.Message):
+    __slots__ = ("round", "expected")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    expected: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., expected: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankModel(_message.Message):
+    __slots__ = ("round", "changed")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    changed: bool
+    def __init__(self, round: _Optional[int] = ..., changed: bool = ...) -> None: ...
+
+class RankStop(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankTick(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankUpload(_message.Message):
+    __slots__ = ("round", "agent_id", "task_id", "num_examples", "metrics", "upload_bytes")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    agent_id: str
+    task_id: str
+    num_examples: int
+    metrics: _containers.ScalarMap[str, float]
+    upload_bytes: int
+    def __init__(self, round: _Optional[int] = ..., agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_bytes: _Optional[int] = ...) -> None: ...
+
+class RankRejection(_message.Message):
+    __slots__ = ("round", "agent_id", "task_id", "counted", "reason")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    agent_id: str
+    task_id: str
+    counted: RankUpload
+    reason: str
+    def __init__(self, round: _Optional[int] = ..., agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., counted: _Optional[_Union[RankUpload, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RankDownload(_message.Message):
+    __slots__ = ("round", "agent_id", "task_id")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    agent_id: str
+    task_id: str
+    def __init__(self, round: _Optional[int] = ..., agent_id: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+
+class RankAlive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

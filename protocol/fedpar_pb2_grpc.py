@@ -540,3 +540,217 @@ class Coordinator(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RankControlStub(object):
+    """The calls a rank makes to rank 0 during a round; each carries the run's secret and the caller's rank in its
+    metadata. Rank 0 alone decides which uploads count (first K, deadline, duplicates); a refusal is the call's
+    status and message.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Count = channel.unary_unary(
+                '/fedpar.v1.RankControl/Count',
+                request_serializer=fedpar__pb2.RankUpload.SerializeToString,
+                response_deserializer=fedpar__pb2.RankAck.FromString,
+                _registered_method=True)
+        self.Reject = channel.unary_unary(
+                '/fedpar.v1.RankControl/Reject',
+                request_serializer=fedpar__pb2.RankRejection.SerializeToString,
+                response_deserializer=fedpar__pb2.RankAck.FromString,
+                _registered_method=True)
+        self.Downloaded = channel.unary_unary(
+                '/fedpar.v1.RankControl/Downloaded',
+                request_serializer=fedpar__pb2.RankDownload.SerializeToString,
+                response_deserializer=fedpar__pb2.RankAck.FromString,
+                _registered_method=True)
+        self.Alive = channel.unary_unary(
+                '/fedpar.v1.RankControl/Alive',
+                request_serializer=fedpar__pb2.RankAlive.SerializeToString,
+                response_deserializer=fedpar__pb2.RankAck.FromString,
+                _registered_method=True)
+
+
+class RankControlServicer(object):
+    """The calls a rank makes to rank 0 during a round; each carries the run's secret and the caller's rank in its
+    metadata. Rank 0 alone decides which uploads count (first K, deadline, duplicates); a refusal is the call's
+    status and message.
+    """
+
+    def Count(self, request, context):
+        """A complete, checked upload: count it, or refuse it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reject(self, request, context):
+        """An update refused at the rank for good (its content, or its strategy after rank 0 counted it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Downloaded(self, request, context):
+        """An agent downloaded its task's whole model (its task is not handed out again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Alive(self, request, context):
+        """The caller is alive (every second), so a failed collective can name the ranks that are not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RankControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Count': grpc.unary_unary_rpc_method_handler(
+                    servicer.Count,
+                    request_deserializer=fedpar__pb2.RankUpload.FromString,
+                    response_serializer=fedpar__pb2.RankAck.SerializeToString,
+            ),
+            'Reject': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reject,
+                    request_deserializer=fedpar__pb2.RankRejection.FromString,
+                    response_serializer=fedpar__pb2.RankAck.SerializeToString,
+            ),
+            'Downloaded': grpc.unary_unary_rpc_method_handler(
+                    servicer.Downloaded,
+                    request_deserializer=fedpar__pb2.RankDownload.FromString,
+                    response_serializer=fedpar__pb2.RankAck.SerializeToString,
+            ),
+            'Alive': grpc.unary_unary_rpc_method_handler(
+                    servicer.Alive,
+                    request_deserializer=fedpar__pb2.RankAlive.FromString,
+                    response_serializer=fedpar__pb2.RankAck.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedpar.v1.RankControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedpar.v1.RankControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RankControl(object):
+    """The calls a rank makes to rank 0 during a round; each carries the run's secret and the caller's rank in its
+    metadata. Rank 0 alone decides which uploads count (first K, deadline, duplicates); a refusal is the call's
+    status and message.
+    """
+
+    @staticmethod
+    def Count(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.RankControl/Count',
+            fedpar__pb2.RankUpload.SerializeToString,
+            fedpar__pb2.RankAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reject(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.RankControl/Reject',
+            fedpar__pb2.RankRejection.SerializeToString,
+            fedpar__pb2.RankAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Downloaded(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.RankControl/Downloaded',
+            fedpar__pb2.RankDownload.SerializeToString,
+            fedpar__pb2.RankAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Alive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.RankControl/Alive',
+            fedpar__pb2.RankAlive.SerializeToString,
+            fedpar__pb2.RankAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -15,7 +15,7 @@ from fedpar.aggregation.strategy import Strategy
 from fedpar.datasets import DatasetSplits
 from fedpar.models import get_weights, weight_specs
 from fedpar.security.admission import Admission
-from fedpar.server.aggregator_ranks import RankLeader
+from fedpar.server.ranks.leader import RankLeader
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback

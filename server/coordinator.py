@@ -24,11 +24,12 @@ from fedpar.protocol.codec import ModelLayout
 from fedpar.security.admission import Admission, AdmissionRefused
 from fedpar.security.identity import PeerIdentity
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedpar.server.aggregator_ranks import STAT_NAMES, RankLeader, ingest_stats
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.ingest_plane import IngestPlane
 from fedpar.server.metrics import RoundMetricsLog, clean_row
-from fedpar.server.rank_group import RankMissing
+from fedpar.server.ranks.group import RankMissing
+from fedpar.server.ranks.leader import RankLeader
+from fedpar.server.ranks.plane import IngestPlane
+from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
 from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, UploadTicket
@@ -60,7 +61,7 @@ class Coordinator(IngestPlane):
         self.on_round_end = list(on_round_end)
         self.sampler = CohortSampler(config.seed)
         self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
-        self.ranks = ranks  # the other aggregator ranks (server/aggregator_ranks.py), or None
+        self.ranks = ranks  # the other aggregator ranks (server/ranks/), or None
         self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
         self.finished = False
         self._not_yet_told: set[str] = set()  # live agents (or their hosts) not yet told that training is over
@@ -458,10 +459,7 @@ class Coordinator(IngestPlane):
             task.weights = payload.inline
             state.download_bytes += len(payload.inline)
         if slot.rank:  # another aggregator rank takes this agent's download and upload
-            endpoint = self.ranks.endpoints[slot.rank]
-            task.ingest_port, task.ingest_host = endpoint.grpc_port, endpoint.host
-            if slot.data_ticket is not None:
-                task.data_port, task.data_ticket = endpoint.data_port, slot.data_ticket
+            self.ranks.route(task, slot)
         elif self.data_port is not None:
             task.data_port = self.data_port
             if slot.data_ticket is None:
@@ -494,47 +492,6 @@ class Coordinator(IngestPlane):
         arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
         state.refuse_if_closed(slot)
         await ticket.mode.accept(state, ticket, arrays)
-
-    # ----------------------------------------------------------------- other aggregator ranks' calls
-    def _remote_slot(self, message: dict) -> tuple[RoundState, AgentSlot]:
-        """The open round's slot an aggregator rank's message is about (a Refusal if it is not current)."""
-        state = self.current
-        if state is None or int(message["round"]) != state.round_id:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"upload for round {message['round']}, but the current round is {self.current_round_id}; "
-                          "the update was not applied")
-        slot = state.slot_for(str(message["agent_id"]), str(message["task_id"]))
-        if slot.rank != int(message["rank"]):
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"agent {slot.agent_id!r} was dealt to aggregator rank {slot.rank}, not {message['rank']}")
-        return state, slot
-
-    def count_remote(self, message: dict) -> dict:
-        """An aggregator rank's complete, checked upload: count it (first K, deadline, duplicates) or refuse it."""
-        state, slot = self._remote_slot(message)
-        if slot.status in ("accepted", "rejected", "late"):
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
-                          f"agent {slot.agent_id!r} already sent an update in round {state.round_id} "
-                          f"({slot.status}); duplicates are refused")
-        state.refuse_if_closed(slot)
-        slot.upload_bytes = int(message["upload_bytes"])
-        state.count_accepted(slot, (int(message["num_examples"]), dict(message["metrics"])))
-        state.close_if_done()
-        return {}
-
-    def reject_remote(self, message: dict) -> dict:
-        """An aggregator rank refused an update for good (its content, or its strategy after rank 0 counted it)."""
-        state, slot = self._remote_slot(message)
-        if slot.status == "accepted":  # counted already: take the count back
-            state.withdraw((int(message["num_examples"]), dict(message["metrics"])))
-        if slot.status in ("pending", "uploading", "accepted"):
-            state.reject(slot, str(message["reason"]))
-        return {}
-
-    def downloaded_remote(self, message: dict) -> dict:
-        """An aggregator rank served an agent its task's whole model."""
-        self.download_completed(str(message["agent_id"]), int(message["round"]), str(message["task_id"]))
-        return {}
 
     def leave(self, agent: AgentRecord) -> None:
         """Agent says goodbye."""

@@ -38,7 +38,7 @@ class AgentSlot:
 
     agent_id: str
     task_id: str
-    rank: int = 0  # the aggregator rank that takes its download and upload (server/aggregator_ranks.py)
+    rank: int = 0  # the aggregator rank that takes its download and upload (server/ranks/)
     dispatched: bool = False
     downloaded: bool = False  # a download of the round's weights completed; the task is not handed out again
     data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out

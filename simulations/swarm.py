@@ -99,7 +99,7 @@ def _retryable_upload_error(err: grpc.aio.AioRpcError) -> bool:
 
 
 class IngestChannels:
-    """The swarm's channels to the aggregator ranks its tasks name (server/aggregator_ranks.py), one per rank."""
+    """The swarm's channels to the aggregator ranks its tasks name (server/ranks/), one per rank."""
 
     def __init__(self, server: str):
         self.server = server

@@ -8,7 +8,7 @@ import pytest
 
 from fedpar.aggregation import Strategy, build_strategy
 from fedpar.aggregation.registry import STRATEGIES, linear_strategy_names
-from fedpar.server.aggregator_ranks import check_ranks_supported
+from fedpar.server.ranks.leader import check_ranks_supported
 from fedpar.server.secure_round import check_secure_setup
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]

@@ -356,7 +356,7 @@ def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
 ])
 def test_what_cannot_be_split_over_ranks_is_refused_with_the_reason(strategy, secure, share, says):
     from fedpar.aggregation import build_strategy
-    from fedpar.server.aggregator_ranks import check_ranks_supported
+    from fedpar.server.ranks.leader import check_ranks_supported
     check_ranks_supported(1, build_strategy(strategy), secure, share)  # one rank runs them all
     with pytest.raises(ValueError, match=says):
         check_ranks_supported(2, build_strategy(strategy), secure, share)

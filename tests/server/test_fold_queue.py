@@ -13,7 +13,7 @@ import numpy as np
 from fedpar.aggregation import FedAvg
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.messages import SMALL_UPDATE_BYTES
-from fedpar.server.aggregator_ranks import STAT_NAMES, ingest_stats
+from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket

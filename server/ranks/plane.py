@@ -1,5 +1,5 @@
 """What every aggregator rank serves agents: the round's global weights to download, and the checked entry of
-their uploads. The Coordinator (rank 0, server/coordinator.py) is one; IngestRank (server/ingest_rank.py) is the
+their uploads. The Coordinator (rank 0, server/coordinator.py) is one; IngestRank (server/ranks/ingest.py) is the
 others'. The gRPC service and the data plane talk to either through this surface."""
 
 from __future__ import annotations

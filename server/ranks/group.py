@@ -1,14 +1,14 @@
-"""The collectives that join aggregator ranks (server/aggregator_ranks.py): rank 0's control messages, the
-check that every rank is there, the all-reduce of the partial sums and the broadcast of the new model.
+"""The collectives that join aggregator ranks (server/ranks/leader.py): rank 0's control messages, the check
+that every rank is there, the all-reduce of the partial sums and the broadcast of the new model.
 
-Control messages are JSON (never pickle) broadcast from rank 0 over a gloo group, so they work the same on CPU
-and GPU nodes; the sums travel over the default group (NCCL when each rank has a GPU). Every call blocks: the
-ranks make them from one thread each, in the same order.
+Control messages are RankBroadcast protobuf messages (server/ranks/messages.py; never pickle) broadcast from rank 0
+as byte tensors over a gloo group, so they work the same on CPU and GPU nodes; the sums travel over the default
+group (NCCL when each rank has a GPU). Every call blocks: the ranks make them from one thread each, in the same
+order.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from fedpar.aggregation.accumulator import WeightedSum
 from fedpar.aggregation.distributed import all_reduce_weighted_sum
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.server.ranks.messages import decode, encode
 
 
 HOST_BYTES = 255
@@ -52,17 +54,18 @@ class RankGroup:
         self.fold_device = f"cuda:{torch.cuda.current_device()}" if self.nccl else "host"
 
     # --------------------------------------------------------------- control messages
-    def send(self, message: dict) -> None:
+    def send(self, message: pb.RankBroadcast) -> None:
         """Rank 0: broadcast ``message`` to every rank, once every rank is there to take it (else RankMissing
         naming those that are not)."""
         assert self.rank == 0
-        self.all_present(f"rank 0's {message['kind']!r} message")
-        self._broadcast_bytes(json.dumps(message, separators=(",", ":")).encode())
+        data = encode(message)
+        self.all_present(f"rank 0's {message.WhichOneof('kind')!r} message")
+        self._broadcast_bytes(data)
 
-    def receive(self) -> dict:
-        """Ranks > 0: the next message rank 0 sent."""
+    def receive(self) -> pb.RankBroadcast:
+        """Ranks > 0: the next message rank 0 sent (RankMessageError if it is not a whole RankBroadcast)."""
         self.all_present("rank 0's next message")
-        return json.loads(self._broadcast_bytes(None).decode())
+        return decode(pb.RankBroadcast, self._broadcast_bytes(None), "rank 0")
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)

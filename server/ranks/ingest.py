@@ -1,4 +1,4 @@
-"""An aggregator rank other than 0 (server/aggregator_ranks.py): an ingest plane that follows rank 0's rounds.
+"""An aggregator rank other than 0 (server/ranks/): an ingest plane that follows rank 0's rounds.
 
 It serves the global model to the agents rank 0 dealt to it and takes their uploads through the same gRPC
 service, data plane and upload intake as rank 0, with the same checks. A complete, checked upload is counted
@@ -18,11 +18,13 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation.strategy import accumulate_in
-from fedpar.server.aggregator_ranks import HEARTBEAT_SECONDS, ingest_stats
+from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.ingest_plane import IngestPlane
-from fedpar.server.rank_control import RankControlClient
-from fedpar.server.rank_group import RankEndpoint, RankGroup, RankMissing
+from fedpar.server.ranks.control import HEARTBEAT_SECONDS, RankControlClient
+from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
+from fedpar.server.ranks.messages import RankMessageError, serial_number
+from fedpar.server.ranks.plane import IngestPlane
+from fedpar.server.ranks.stats import ingest_stats
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
@@ -47,10 +49,10 @@ class IngestRank(IngestPlane):
         self.finished = False
         self.control: RankControlClient | None = None
         self._counted = 0  # uploads rank 0 counted for this rank in the open round
-        self._reports: dict[str, dict] = {}  # this round's count messages, by agent
+        self._reports: dict[str, pb.RankUpload] = {}  # this round's count messages, by agent
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
 
-    async def _receive(self) -> dict:
+    async def _receive(self) -> pb.RankBroadcast:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self.group.receive)
 
     async def _collective(self, fn, *args):
@@ -71,23 +73,24 @@ class IngestRank(IngestPlane):
                     # reports the first rank to fail.
                     await asyncio.sleep(LEAVE_AFTER_RANK0_SECONDS)
                     raise
-                kind = message["kind"]
+                kind = message.WhichOneof("kind")
                 if kind == "start":
-                    self.control = RankControlClient(message["control"], message["secret"],
+                    start = message.start
+                    self.control = RankControlClient(start.control, start.secret, self.rank,
                                                      self.config.aggregator_timeout_seconds)
                     heartbeat = asyncio.ensure_future(self._heartbeat())
-                    await self._new_model(int(message["round"]))
+                    await self._new_model(start.round)
                     self._ready(True)
                 elif kind == "open":
-                    await self._open(message)
+                    await self._open(message.open)
                 elif kind == "close":
-                    await self._close(message)
+                    await self._close(message.close)
                 elif kind == "model":
-                    if message["changed"]:
-                        await self._new_model(int(message["round"]))
+                    if message.model.changed:
+                        await self._new_model(message.model.round)
                     else:
                         await self._in_thread(self.strategy.abort_round)
-                        self.round_id = int(message["round"])
+                        self.round_id = message.model.round
                 elif kind == "stop":
                     return
         finally:
@@ -100,7 +103,7 @@ class IngestRank(IngestPlane):
     async def _heartbeat(self) -> None:
         """Tell rank 0 this rank is alive, so a failed collective can name the ranks that are not."""
         while True:
-            await self._tell("alive", {})
+            await self._tell("Alive", pb.RankAlive())
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
     async def _new_model(self, round_id: int) -> None:
@@ -110,36 +113,42 @@ class IngestRank(IngestPlane):
         self.weights, self.round_id = weights, round_id
         await self._publish_payload(round_id + 1)
 
-    async def _open(self, message: dict) -> None:
+    async def _open(self, opened: pb.RankOpen) -> None:
         """A round opened: take the sessions and slots of the agents dealt to this rank."""
-        round_id = int(message["round"])
+        round_id = opened.round
         slots = {}
         self.tickets.expire_rounds_before(round_id)
         # sessions of agents dealt here in earlier rounds: kept while a late upload may still come, then forgotten
         self.registry.expire(self.config.deadline_seconds + self.config.liveness_timeout_seconds)
-        for entry in message["agents"].get(str(self.rank), []):
-            agent_id = entry["agent_id"]
-            self.registry.admit_session(agent_id, entry["token"], int(entry["num_examples"]), entry["cert_serial"])
-            slots[agent_id] = AgentSlot(agent_id, entry["task_id"], rank=self.rank)
-            if entry["ticket"]:
-                self.tickets.admit(bytes.fromhex(entry["ticket"]), agent_id, round_id, entry["task_id"])
+        for agent in opened.agents:
+            if agent.rank != self.rank:
+                continue
+            self.registry.admit_session(agent.agent_id, agent.token, agent.num_examples,
+                                        serial_number(agent.cert_serial))
+            slots[agent.agent_id] = AgentSlot(agent.agent_id, agent.task_id, rank=self.rank)
+            if agent.ticket:
+                self.tickets.admit(agent.ticket, agent.agent_id, round_id, agent.task_id)
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self._counted = 0
         self._reports = {}
-        self.current = RoundState(round_id, len(slots), 0, float(message["deadline_seconds"]), slots,
+        self.current = RoundState(round_id, len(slots), 0, opened.deadline_seconds, slots,
                                   on_reject=self._rejected)
         await self._collective(self.group.all_present, "the round's opening")  # rank 0 then hands out tasks
 
     def _rejected(self, slot: AgentSlot, reason: str) -> None:
         """An update refused here for good (bad content, or this rank's strategy): rank 0 records it too."""
-        base = {"agent_id": slot.agent_id, "task_id": slot.task_id, "round": self.current.round_id}
-        asyncio.ensure_future(self._tell("reject", {**self._reports.get(slot.agent_id, base), "reason": reason}))
+        rejection = pb.RankRejection(round=self.current.round_id, agent_id=slot.agent_id, task_id=slot.task_id,
+                                     counted=self._reports.get(slot.agent_id), reason=reason)
+        asyncio.ensure_future(self._tell("Reject", rejection))
 
-    async def _close(self, message: dict) -> None:
+    async def _close(self, closed: pb.RankClose) -> None:
         """The round closed at rank 0: wait for the folds of every upload it counted here, then add up."""
+        if len(closed.expected) != self.group.world:
+            raise RankMessageError(f"rank 0 sent a RankClose with {len(closed.expected)} counts for "
+                                   f"{self.group.world} ranks")
         state = self.current
         state.close("closed by rank 0")
-        expected = int(message["expected"][self.rank])
+        expected = closed.expected[self.rank]
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.config.aggregator_timeout_seconds / 2
         while self._counted < expected and loop.time() < give_up:  # a count's reply may still be on its way
@@ -158,12 +167,12 @@ class IngestRank(IngestPlane):
     def download_completed(self, agent_id: str, round_id: int, task_id: str) -> None:
         """Tell rank 0 the agent has its weights (so its task is not handed out again)."""
         if self.control is not None:
-            asyncio.ensure_future(self._tell("downloaded", {"agent_id": agent_id, "round": round_id,
-                                                            "task_id": task_id}))
+            asyncio.ensure_future(self._tell("Downloaded", pb.RankDownload(round=round_id, agent_id=agent_id,
+                                                                           task_id=task_id)))
 
-    async def _tell(self, name: str, message: dict) -> None:
+    async def _tell(self, name: str, message) -> None:
         try:
-            await self.control.call(name, {**message, "rank": self.rank})
+            await self.control.call(name, message)
         except Refusal as r:
             log.info("rank %d: rank 0 did not take %s: %s", self.rank, name, r.message)
 
@@ -172,11 +181,11 @@ class IngestRank(IngestPlane):
         state, slot = ticket.state, ticket.slot
         arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
         state.check_open()
-        message = {"agent_id": slot.agent_id, "task_id": slot.task_id, "round": state.round_id, "rank": self.rank,
-                   "num_examples": ticket.num_examples, "metrics": ticket.metrics,
-                   "upload_bytes": slot.upload_bytes}
-        self._reports[slot.agent_id] = message
-        await self.control.call("count", message)
+        upload = pb.RankUpload(round=state.round_id, agent_id=slot.agent_id, task_id=slot.task_id,
+                               num_examples=ticket.num_examples, metrics=ticket.metrics,
+                               upload_bytes=slot.upload_bytes)
+        self._reports[slot.agent_id] = upload
+        await self.control.call("Count", upload)
         self._counted += 1
         report = (ticket.num_examples, ticket.metrics)
         state.count_accepted(slot, report)

@@ -1,4 +1,4 @@
-"""Aggregator ranks for `fedpar simulate --aggregator-ranks N`: the simulation's own process is rank 0 (its
+"""Aggregator ranks on this machine, for `fedpar simulate --aggregator-ranks N`: the calling process is rank 0 (its
 coordinator), and N - 1 spawned processes are the other ranks, each an IngestRank behind its own gRPC server."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
-from fedpar.server.aggregator_ranks import RankLeader
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.ingest_rank import IngestRank
-from fedpar.server.rank_group import RankGroup
+from fedpar.server.ranks.group import RankGroup
+from fedpar.server.ranks.ingest import IngestRank
+from fedpar.server.ranks.leader import RankLeader
 from fedpar.tasks.reference import load_task
 
 

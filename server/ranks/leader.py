@@ -1,27 +1,12 @@
-"""Data-parallel aggregation: one coordinator made of several aggregator ranks (``fedpar serve --aggregator-ranks N``).
-
-Rank 0 is the control plane, as a one-process coordinator is: registry, sampling, tasks, the deadline and
-first-K, strategy state, metrics, checkpoints. Every rank is an ingest plane: it serves the global model to
-the agents dealt to it and takes their uploads, with the same checks, folding them into its own partial sum.
-One round, as rank 0 sees it (:class:`RankLeader`; the other ranks' side is server/ingest_rank.py):
-
-    open:  deal the cohort over the ranks (fewest agents first), send each rank its agents' slots, and wait
-           until every rank holds them before any task is handed out
-    round: another rank asks rank 0 to count each complete, checked upload (server/rank_control.py)
-    close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; check that
-           every rank is there (a missing one is named); all-reduce the partial sums
-    end:   rank 0's strategy finishes once; the new model is broadcast to every rank (or "unchanged")
-
-A rank that dies or hangs fails the collective and every rank exits; the group restarted with the same
-command resumes after the last checkpointed round, so that round runs again and nothing counts twice.
-"""
+"""Rank 0's side of the aggregator ranks (the package's docstring tells one round): :class:`RankLeader` deals
+agents to ranks, sends every rank the round's steps (RankBroadcast messages) and combines the ranks' partial sums
+at each round's close."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import resource
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,16 +17,16 @@ import numpy as np
 
 from fedpar.aggregation.registry import linear_strategy_names
 from fedpar.aggregation.strategy import StreamingStrategy
+from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import TICKET_BYTES
-from fedpar.server.rank_control import control_handler, new_secret
-from fedpar.server.rank_group import RankEndpoint, RankGroup, RankMissing
+from fedpar.server.ranks.calls import RankCalls
+from fedpar.server.ranks.control import HEARTBEAT_SECONDS, control_handler, new_secret
+from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
+from fedpar.server.ranks.messages import serial_bytes
+from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
 from fedpar.server.rounds import AgentSlot, RoundState
 
 log = logging.getLogger("fedpar.server")
-HEARTBEAT_SECONDS = 1.0  # how often the other ranks tell rank 0 they are alive
-# per-rank ingest columns of the metrics row: uploads, their bytes, fold seconds, folds (each a group of the updates
-# that waited: server/fold_queue.py) and the most updates one took, peak memory
-STAT_NAMES = ("uploads", "bytes", "fold_s", "fold_groups", "fold_group_max", "peak_mib")
 
 
 def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool, max_agent_share: float | None = None) -> None:
@@ -61,20 +46,6 @@ def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool, max_ag
                          "--aggregator-ranks 1")
 
 
-def rank_columns(world: int) -> list[tuple[str, str]]:
-    """The progress table's per-rank ingest columns (uploads and fold seconds) for ``world`` ranks."""
-    return [col for r in range(world) for col in ((f"r{r}_uploads", "{:>10.0f}"), (f"r{r}_fold_s", "{:>9.3f}"))]
-
-
-def ingest_stats(state: RoundState, rank: int) -> list[float]:
-    """What ``rank`` took in this round (the columns of STAT_NAMES): accepted uploads, their bytes, seconds spent
-    folding, the folds and the most updates one took, and the process's peak resident memory so far in MiB."""
-    mine = [s for s in state.slots.values() if s.rank == rank and s.status == "accepted"]
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    return [float(len(mine)), float(sum(s.upload_bytes for s in mine)), state.fold_seconds, float(state.fold_groups),
-            float(state.fold_group_max), peak_mib]
-
-
 class RankLeader:
     """Rank 0's side: deals agents to ranks, and combines the ranks' partial sums at each round's close."""
 
@@ -86,7 +57,7 @@ class RankLeader:
         self._control: grpc.aio.Server | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
         self._last_sent = time.monotonic()
-        self._heard: dict[int, float] = {}  # last heartbeat of each other rank
+        self.calls: RankCalls | None = None  # rank 0's answers to the other ranks' calls, once started
         self._ticker: asyncio.Task | None = None
 
     @property
@@ -104,19 +75,14 @@ class RankLeader:
         finally:
             self._last_sent = time.monotonic()
 
-    def alive(self, message: dict) -> dict:
-        """Another rank's heartbeat (every HEARTBEAT_SECONDS, over the control service)."""
-        self._heard[int(message["rank"])] = time.monotonic()
-        return {}
-
     def silent_ranks(self) -> str:
         """Which ranks' heartbeats stopped: the ones a failed collective waited for."""
-        now = time.monotonic()
-        silent = [r for r in range(1, self.world) if now - self._heard.get(r, 0.0) > 3 * HEARTBEAT_SECONDS]
+        now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
+        silent = [r for r in range(1, self.world) if now - heard.get(r, 0.0) > 3 * HEARTBEAT_SECONDS]
         if not silent:
             return "every other rank's heartbeat is still arriving"
         return "no heartbeat from " + ", ".join(
-            f"rank {r} for {now - self._heard[r]:.1f} s" if r in self._heard else f"rank {r} ever" for r in silent)
+            f"rank {r} for {now - heard[r]:.1f} s" if r in heard else f"rank {r} ever" for r in silent)
 
     async def _tick(self) -> None:
         """While rank 0 waits (for agents, for a round), keep the other ranks' receive within its timeout."""
@@ -124,24 +90,23 @@ class RankLeader:
         while True:
             await asyncio.sleep(period / 2)
             if time.monotonic() - self._last_sent > period:
-                await self._collective(self.group.send, {"kind": "tick"})
+                await self._collective(self.group.send, pb.RankBroadcast(tick=pb.RankTick()))
 
     async def start(self, coordinator) -> None:
-        """Learn where every rank listens, open rank 0's control service for them (``coordinator``'s count,
-        reject and downloaded), and give every rank the model to serve (rank 0's, perhaps resumed)."""
+        """Learn where every rank listens, open rank 0's control service for them (answered by ``coordinator``'s
+        round: server/ranks/calls.py), and give every rank the model to serve (rank 0's, perhaps resumed)."""
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # where the other ranks already reach rank 0
+        self.calls = RankCalls(coordinator)
         self._control = grpc.aio.server()
-        self._control.add_generic_rpc_handlers((control_handler(self.secret, {
-            "count": coordinator.count_remote, "reject": coordinator.reject_remote,
-            "downloaded": coordinator.downloaded_remote, "alive": self.alive}),))
+        self._control.add_generic_rpc_handlers((control_handler(self.secret, self.world, self.calls),))
         control_port = self._control.add_insecure_port(f"{host}:0")
         await self._control.start()
         me = RankEndpoint(0, self.advertised_host, coordinator.grpc_port or 0, coordinator.data_port or 0)
 
         def work():
             self.endpoints = self.group.exchange_endpoints(me)
-            self.group.send({"kind": "start", "round": coordinator.round_id, "control": f"{host}:{control_port}",
-                             "secret": self.secret})
+            self.group.send(pb.RankBroadcast(start=pb.RankStart(
+                round=coordinator.round_id, control=f"{host}:{control_port}", secret=self.secret)))
             self.group.broadcast_arrays(coordinator.weights)
         await self._collective(work)
         log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints))
@@ -159,19 +124,28 @@ class RankLeader:
             if rank and self.endpoints[rank].data_port:
                 slot.data_ticket = secrets.token_bytes(TICKET_BYTES)
 
+    def route(self, task: pb.TrainTask, slot: AgentSlot) -> None:
+        """Send ``slot``'s agent to the rank it was dealt to for its download and upload (another than rank 0): that
+        rank's port, and its data-plane port and ticket."""
+        endpoint = self.endpoints[slot.rank]
+        task.ingest_port, task.ingest_host = endpoint.grpc_port, endpoint.host
+        if slot.data_ticket is not None:
+            task.data_port, task.data_ticket = endpoint.data_port, slot.data_ticket
+
     async def open_round(self, state: RoundState, registry) -> None:
         """Send every rank its agents' slots (with their sessions), before any task is handed out."""
-        agents: dict[str, list] = {str(r): [] for r in range(1, self.world)}
+        agents = []
         for slot in state.slots.values():
             record = registry.get(slot.agent_id)
             if slot.rank and record is not None:
-                agents[str(slot.rank)].append({
-                    "agent_id": slot.agent_id, "task_id": slot.task_id, "token": record.token,
-                    "num_examples": record.num_examples, "cert_serial": record.cert_serial,
-                    "ticket": slot.data_ticket.hex() if slot.data_ticket else ""})
+                agents.append(pb.RankAgent(rank=slot.rank, agent_id=slot.agent_id, task_id=slot.task_id,
+                                           token=record.token, num_examples=record.num_examples,
+                                           cert_serial=serial_bytes(record.cert_serial),
+                                           ticket=slot.data_ticket or b""))
+        opened = pb.RankOpen(round=state.round_id, deadline_seconds=state.deadline_seconds, agents=agents)
+
         def work():
-            self.group.send({"kind": "open", "round": state.round_id, "deadline_seconds": state.deadline_seconds,
-                             "agents": agents})
+            self.group.send(pb.RankBroadcast(open=opened))
             self.group.all_present("the round's opening")  # every rank holds the round before any task leaves
         await self._collective(work)
 
@@ -183,7 +157,7 @@ class RankLeader:
         acc = strategy.accumulator
 
         def work():
-            self.group.send({"kind": "close", "round": state.round_id, "expected": expected})
+            self.group.send(pb.RankBroadcast(close=pb.RankClose(round=state.round_id, expected=expected)))
             self.group.all_present("the round's close")
             stats = self.group.gather_floats(ingest_stats(state, 0) + [float(acc.count)])
             started = time.perf_counter()
@@ -201,7 +175,7 @@ class RankLeader:
     async def publish(self, round_id: int, weights: Sequence[np.ndarray] | None) -> None:
         """The round's end: the new global model to every rank, or None: the model stays as it was."""
         def work():
-            self.group.send({"kind": "model", "round": round_id, "changed": weights is not None})
+            self.group.send(pb.RankBroadcast(model=pb.RankModel(round=round_id, changed=weights is not None)))
             if weights is not None:
                 self.group.broadcast_arrays(weights)
         await self._collective(work)
@@ -211,7 +185,7 @@ class RankLeader:
         if self._ticker is not None:
             self._ticker.cancel()
         if finished:
-            await self._collective(self.group.send, {"kind": "stop"})
+            await self._collective(self.group.send, pb.RankBroadcast(stop=pb.RankStop()))
         if self._control is not None:
             await self._control.stop(0.5)
         self._thread.shutdown(wait=False)

@@ -1,0 +1,20 @@
+"""Data-parallel aggregation: one coordinator made of several aggregator ranks (``fedpar serve --aggregator-ranks N``,
+``fedpar simulate --aggregator-ranks N``).
+
+Rank 0 is the control plane, as a one-process coordinator is: registry, sampling, tasks, the deadline and
+first-K, strategy state, metrics, checkpoints. Every rank is an ingest plane (plane.py): it serves the global model
+to the agents dealt to it and takes their uploads, with the same checks, folding them into its own partial sum.
+One round, as rank 0 sees it (leader.py; the other ranks' side is ingest.py):
+
+    open:  deal the cohort over the ranks (fewest agents first), send each rank its agents' slots, and wait
+           until every rank holds them before any task is handed out
+    round: another rank asks rank 0 to count each complete, checked upload (control.py, answered by calls.py)
+    close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; check that
+           every rank is there (a missing one is named); all-reduce the partial sums (group.py)
+    end:   rank 0's strategy finishes once; the new model is broadcast to every rank (or "unchanged")
+
+Every control message is a protobuf message of fedpar.proto (RankBroadcast from rank 0, RankControl's calls to it),
+read and written by one codec (messages.py). local.py starts ranks 1..N-1 as processes of this machine for
+``simulate``. A rank that dies or hangs fails the collective and every rank exits; the group restarted with the same
+command resumes after the last checkpointed round, so that round runs again and nothing counts twice.
+"""

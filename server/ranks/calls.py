@@ -1,0 +1,67 @@
+"""Rank 0's answers to the other ranks' RankControl calls (server/ranks/control.py), on the coordinator's loop:
+rank 0 alone counts uploads (first K, deadline, duplicates), whichever rank took them."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState
+
+
+class RankCalls:
+    """What rank 0 does with each RankControl call of rank ``rank``: the coordinator's round takes the counts,
+    refusals and downloads; :attr:`heard` keeps each rank's last heartbeat."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self.heard: dict[int, float] = {}  # monotonic time of each other rank's last heartbeat
+
+    def _slot(self, rank: int, round_id: int, agent_id: str, task_id: str) -> tuple[RoundState, AgentSlot]:
+        """The open round's slot a rank's call is about (a Refusal if the round is not current, or the agent was
+        dealt to another rank)."""
+        state = self.coordinator.current
+        if state is None or round_id != state.round_id:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"upload for round {round_id}, but the current round is "
+                          f"{self.coordinator.current_round_id}; the update was not applied")
+        slot = state.slot_for(agent_id, task_id)
+        if slot.rank != rank:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"agent {slot.agent_id!r} was dealt to aggregator rank {slot.rank}, not {rank}")
+        return state, slot
+
+    def count(self, rank: int, upload: pb.RankUpload) -> None:
+        """A complete, checked upload at ``rank``: count it (first K, deadline, duplicates) or refuse it."""
+        state, slot = self._slot(rank, upload.round, upload.agent_id, upload.task_id)
+        if slot.status in ("accepted", "rejected", "late"):
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                          f"agent {slot.agent_id!r} already sent an update in round {state.round_id} "
+                          f"({slot.status}); duplicates are refused")
+        state.refuse_if_closed(slot)
+        slot.upload_bytes = upload.upload_bytes
+        state.count_accepted(slot, report(upload))
+        state.close_if_done()
+
+    def reject(self, rank: int, rejection: pb.RankRejection) -> None:
+        """``rank`` refused an update for good (its content, or its strategy after rank 0 counted it)."""
+        state, slot = self._slot(rank, rejection.round, rejection.agent_id, rejection.task_id)
+        if slot.status == "accepted" and rejection.HasField("counted"):  # counted already: take the count back
+            state.withdraw(report(rejection.counted))
+        if slot.status in ("pending", "uploading", "accepted"):
+            state.reject(slot, rejection.reason)
+
+    def downloaded(self, rank: int, download: pb.RankDownload) -> None:
+        """``rank`` served an agent its task's whole model."""
+        self.coordinator.download_completed(download.agent_id, download.round, download.task_id)
+
+    def alive(self, rank: int, _: pb.RankAlive) -> None:
+        """``rank``'s heartbeat."""
+        self.heard[rank] = time.monotonic()
+
+
+def report(upload: pb.RankUpload) -> tuple[int, dict[str, float]]:
+    """The (examples, metrics) report of an upload, as the round counts it."""
+    return upload.num_examples, dict(upload.metrics)
