@@ -14,16 +14,17 @@ import time
 
 import numpy as np
 
+from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
 METHODS = [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("topk", {"topk_ratio": 0.1}),
-           ("topk", {"topk_ratio": 0.01})]
+           ("topk", {"topk_ratio": 0.01})]  # CompressionConfig's knobs
 
 
 def run_method(method: str, knobs: dict, args: argparse.Namespace, seed: int) -> dict:
     """One simulation with ``method``; its per-round upload bytes and accuracy."""
     cfg = SimulationConfig(clients=args.clients, rounds=args.rounds, dataset="digits", partition=args.partition,
-                           compression=method, workers=args.workers, seed=seed, **knobs)
+                           upload_compression=CompressionConfig(method, **knobs), workers=args.workers, seed=seed)
     started = time.monotonic()
     summary = run_simulation(cfg)
     return {"bytes": summary["mean_upload_bytes_per_round"], "final": summary["final_test_accuracy"],

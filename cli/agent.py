@@ -9,49 +9,60 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
-from fedpar.cli.agent_setup import add_reconnect_arguments, agent_config, agent_partition, agent_task
-from fedpar.cli.argtypes import count, non_negative_int, positive, probability
-from fedpar.cli.declared import section
+from fedpar.cli.agent_setup import Connection, agent_config, agent_partition, agent_task
+from fedpar.cli.declared import add_declared, section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.task_options import add_task_arguments
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
-from fedpar.parallel.config import DEVICE_HELP, PRECISIONS, ConfigurationError
+from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
+from fedpar.parallel.config import ConfigurationError, Device, Precision
+from fedpar.sections import Seeded
+from fedpar.settings import setting
+from fedpar.task import TaskReference
+
+
+@dataclass
+class AgentOptions:
+    """What only ``fedpar client`` sets: who the agent is, its share of the data, and how it trains."""
+
+    agent_id: str | None = setting(None, group="connection", help="this agent's unique name")
+    poll_seconds: float = setting(5.0, check="positive", flag="poll", group="connection",
+                                  help="long-poll seconds per request")
+    no_data_plane: bool = setting(False, group="connection",
+                                  help="always move weights over the gRPC streams, even when the coordinator offers "
+                                       "its data plane")
+    flower_client: str | None = setting(
+        None, group="data", metavar="MODULE:FN",
+        help="train with a Flower NumPyClient: FN (package.module:fn or path/file.py:fn) takes a Flower Context "
+             "(node_config: partition-id, num-partitions, agent-id) and returns the client; its arrays must match "
+             "--model (needs pip install 'fedpar[flower]')")
+    flower_examples: int | None = setting(
+        None, check="count", group="data", metavar="N",
+        help="with --flower-client: the client's training set size, told to the coordinator at join; unset: the "
+             "client's get_properties()['num_examples']")
+    num_partitions: int = setting(1, check="count", group="data", help="how many shares the training set is cut into")
+    partition_index: int = setting(0, check="non_negative_int", group="data",
+                                   help="which share is this agent's (0-based)")
+    partition_seed: int = setting(0, group="data", help="seed of the split (same on every agent)")
+    threads: int | None = setting(None, check="count", group="device", help="torch threads for local training")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``fedpar client``."""
-    g = section(p, "connection")
-    g.add_argument("--server", default="127.0.0.1:50051", help="coordinator address HOST:PORT")
-    g.add_argument("--agent-id", required=True, help="this agent's unique name")
-    g.add_argument("--poll", dest="poll_seconds", type=positive, default=5.0, help="long-poll seconds per request")
-    add_reconnect_arguments(g)
-    g.add_argument("--no-data-plane", action="store_true",
-                   help="always move weights over the gRPC streams, even when the coordinator offers its data plane")
-    g = section(p, "data")
-    g.add_argument("--model", default="mlp", help="mlp or cnn; must match the coordinator's")
-    g.add_argument("--flower-client", metavar="MODULE:FN",
-                   help="train with a Flower NumPyClient: FN (package.module:fn or path/file.py:fn) takes a Flower "
-                        "Context (node_config: partition-id, num-partitions, agent-id) and returns the client; its "
-                        "arrays must match --model (needs pip install 'fedpar[flower]')")
-    g.add_argument("--flower-examples", type=count, default=None, metavar="N",
-                   help="with --flower-client: the client's training set size, told to the coordinator at join; "
-                        "unset: the client's get_properties()['num_examples']")
-    g.add_argument("--dataset", default="digits", help="digits or mnist")
-    g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
-    add_task_arguments(p)
-    g.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N")
-    g.add_argument("--num-partitions", type=count, default=1, help="how many shares the training set is cut into")
-    g.add_argument("--partition-index", type=non_negative_int, default=0, help="which share is this agent's (0-based)")
-    g.add_argument("--partition-seed", type=int, default=0, help="seed of the split (same on every agent)")
-    g.add_argument("--val-fraction", type=probability, default=0.1, help="local share kept for federated evaluation")
-    g.add_argument("--seed", type=int, default=0, help="seed for local shuffling")
-    g = section(p, "device")
-    g.add_argument("--threads", type=count, default=None, help="torch threads for local training")
-    g.add_argument("--device", default="auto", help=DEVICE_HELP)
-    g.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                   help="bf16: forward passes under bf16 autocast (weights and uploads stay fp32)")
+    """Options of ``fedpar client``, generated from the sections it is composed of."""
+    for key in ("connection", "data", "device"):
+        section(p, key)
+    add_declared(p, Connection)
+    add_declared(p, AgentOptions, only=("agent_id", "poll_seconds", "no_data_plane"), required=("agent_id",))
+    add_declared(p, DataSource)
+    add_declared(p, DataFiles)
+    add_declared(p, TaskReference)
+    add_declared(p, Partitioning)
+    add_declared(p, Seeded)
+    add_declared(p, AgentOptions, skip=("agent_id", "poll_seconds", "no_data_plane"))
+    add_declared(p, Device)
+    add_declared(p, Precision)
     add_tls_arguments(p, "client")
     add_engine_arguments(p)
 

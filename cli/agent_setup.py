@@ -1,20 +1,28 @@
 """What the options of ``fedpar client`` describe, for the single-process agent (cli/agent.py) and each rank of a
 large-model agent (cli/engine_agent.py): the task, this agent's share of its data, and the AgentConfig; and the
-reconnection options it shares with ``fedpar simulate-workers``."""
+connection settings it shares with ``fedpar simulate-workers``, declared once."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from fedpar.cli.argtypes import positive
 from fedpar.cli.task_options import load_task_from_args
+from fedpar.settings import setting
 
 
-def add_reconnect_arguments(g) -> None:
-    """How a client waits for an unreachable coordinator (client/reconnect.py): agents' and simulation hosts'."""
-    g.add_argument("--max-backoff", type=positive, default=30.0, help="longest wait between reconnection attempts")
-    g.add_argument("--give-up-after", type=positive, default=None,
-                   help="exit after this many seconds without reaching the coordinator (default: never)")
+@dataclass
+class Connection:
+    """Which coordinator a client process dials, and how it waits for one it cannot reach (client/reconnect.py:
+    agents' and simulation hosts')."""
+
+    server: str = setting("127.0.0.1:50051", group="connection", metavar="HOST:PORT",
+                          help="the coordinator's address")
+    max_backoff: float = setting(30.0, check="positive", group="connection",
+                                 help="longest wait between reconnection attempts")
+    give_up_after: float | None = setting(None, check="positive", group="connection",
+                                          help="exit after this many seconds without reaching the coordinator "
+                                               "(default: never)")
 
 
 def agent_task(args: argparse.Namespace):

@@ -85,3 +85,39 @@ def fraction(text: str) -> float:
 
 
 fraction.kind = float
+
+
+def id_list(text: str) -> list[str]:
+    """An argparse type: comma-separated ids (``alice,bob``), each stripped, empty ones dropped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+id_list.splits = True  # a repeated flag extends one list (cli/declared.py)
+
+
+class KeyValueOption(argparse.Action):
+    """Collect ``KEY=VALUE`` into a dict on top of the config file's table; a later flag overrides a key."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        """Add one ``KEY=VALUE``."""
+        key, sep, text = value.partition("=")
+        if not sep or not key.strip():
+            parser.error(f"{option_string} expects KEY=VALUE, got {value!r}")
+        try:
+            options = as_mapping(getattr(namespace, self.dest, None), self.dest)
+        except ValueError as exc:
+            parser.error(str(exc))
+        options[key.strip()] = text.strip()
+        setattr(namespace, self.dest, options)
+
+
+def as_mapping(value, name: str = "strategy_options") -> dict:
+    """The options (``name`` in a config file) as a dict, from a flag-built dict, a TOML table, or a TOML list of
+    ``"KEY=VALUE"`` strings."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
+        return {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in value)}
+    raise ValueError(f"{name} must be a table or a list of \"KEY=VALUE\" strings, got {value!r}")

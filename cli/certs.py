@@ -10,44 +10,53 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from fedpar.cli.argtypes import count
-from fedpar.cli.declared import section
+from fedpar.cli.declared import add_declared, section
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.security.admission import append_revocation, mint_token, parse_token_hashes
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, CertPaths, check_agent_id, ensure_certs, \
     load_certificate
-
-
-def _id_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+from fedpar.sections import Output
+from fedpar.settings import setting
 
 
 LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
 
 
+@dataclass
+class CertsOptions(Output):
+    """What ``fedpar certs`` makes, extends or revokes (``out``: the certificate folder)."""
+
+    agents: list[str] = setting(default_factory=list, append=True, check="id_list", group="certificates",
+                                metavar="ID[,ID...]",
+                                help="agent ids to issue client certificates for (certificate subject CN = agent id)")
+    server_name: list[str] | None = setting(
+        None, append=True, group="certificates", metavar="NAME",
+        help="DNS name or IP address agents dial the coordinator by (repeat for several); given, it re-issues "
+             "server.pem. Default for a new folder: " + ", ".join(DEFAULT_SERVER_NAMES))
+    days: int = setting(DEFAULT_DAYS, check="count", group="certificates",
+                        help="validity of new server and agent certificates")
+    force: bool = setting(False, group="certificates", help="re-issue certificates of agents that already have one")
+    revoke: list[str] = setting(default_factory=list, append=True, check="id_list", group="revocation",
+                                metavar="ID[,ID...]",
+                                help="append these agent ids to OUT/revoked.txt; a coordinator watching it refuses "
+                                     "them")
+    revoke_cert: list[Path] = setting(default_factory=list, append=True, group="revocation", metavar="PEM",
+                                      help="append this certificate's serial number to OUT/revoked.txt (revokes that "
+                                           "certificate only, so the agent may get a new one)")
+    mint_token: list[str] = setting(default_factory=list, append=True, check="id_list", group="revocation",
+                                    metavar="ID[,ID...]",
+                                    help="make an enrollment token per agent: OUT/ID.token (give it to the agent) and "
+                                         "its SHA-256 in OUT/tokens.txt (for 'fedpar serve --enrollment-tokens')")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar certs``."""
-    g = section(p, "certificates")
-    g.add_argument("--out", type=Path, required=True,
-                   help="certificate folder: created if missing; an existing CA in it is reused")
-    g.add_argument("--agents", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
-                   help="agent ids to issue client certificates for (certificate subject CN = agent id)")
-    g.add_argument("--server-name", action="append", metavar="NAME",
-                   help="DNS name or IP address agents dial the coordinator by (repeat for several); given, "
-                        "it re-issues server.pem. Default for a new folder: " + ", ".join(DEFAULT_SERVER_NAMES))
-    g.add_argument("--days", type=count, default=DEFAULT_DAYS, help="validity of new server and agent certificates")
-    g.add_argument("--force", action="store_true", help="re-issue certificates of agents that already have one")
-    g = section(p, "revocation")
-    g.add_argument("--revoke", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
-                   help="append these agent ids to OUT/revoked.txt; a coordinator watching it refuses them")
-    g.add_argument("--revoke-cert", type=Path, action="append", default=[], metavar="PEM",
-                   help="append this certificate's serial number to OUT/revoked.txt (revokes that certificate "
-                        "only, so the agent may get a new one)")
-    g.add_argument("--mint-token", type=_id_list, action="extend", default=[], metavar="ID[,ID...]",
-                   help="make an enrollment token per agent: OUT/ID.token (give it to the agent) and its SHA-256 "
-                        "in OUT/tokens.txt (for 'fedpar serve --enrollment-tokens')")
+    for key in ("outputs", "certificates", "revocation"):
+        section(p, key)
+    add_declared(p, CertsOptions, required=("out",))
 
 
 def known_agents(paths: CertPaths) -> set[str]:
@@ -69,7 +78,7 @@ def check_known_agent(paths: CertPaths, agent_id: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Create, extend or revoke, then say what to run next."""
-    paths = CertPaths(args.out)
+    paths = CertPaths(Path(args.out))
     housekeeping = args.revoke or args.revoke_cert or args.mint_token
     try:
         for agent_id in [*args.agents, *args.revoke, *args.mint_token]:

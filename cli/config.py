@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from fedpar.cli.renamed import RenamedOption
+from fedpar.cli.renamed import AliasOption, RenamedOption
 from fedpar.cli.subcommands import SUBCOMMANDS
 
 
@@ -131,6 +131,14 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}
     dict_options = {k for k in dests if isinstance(parser.get_default(k), dict)}
     values, names = _load(known.config, section, dict_options)
+    aliases = {a.old_key: a for a in parser._actions if isinstance(a, AliasOption)}
+    for old in [key for key in values if key in aliases]:  # an option's old name still works, with a note
+        alias = aliases[old]
+        if alias.dest in values:
+            raise ConfigError(f"{known.config}: {names[old]} and {names[alias.dest]} are the same option; keep "
+                              f"{names[alias.dest]}")
+        alias.note(f"fedpar {section}", f"{names[old]} in {known.config}", alias.dest)
+        values[alias.dest], names[alias.dest] = values.pop(old), names.pop(old)
     unknown = sorted(set(values) - dests)
     if unknown:
         raise ConfigError(

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fedpar.cli import argtypes
-from fedpar.settings import CHECK, CHOICES, FLAG, GROUP, HELP, METAVAR, NEGATABLE, declared_fields, setting_key
+from fedpar.settings import (APPEND, CHECK, CHOICES, FLAG, GROUP, HELP, METAVAR, NEGATABLE, declared_fields,
+                             setting_key, setting_site)
 
 # Section key -> (title, description). A subcommand's --help shows its sections in the order it first uses them.
 SECTIONS: dict[str, tuple[str, str | None]] = {
@@ -64,14 +65,17 @@ def _word_for(choices: dict, value: Any) -> Any:
 
 def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Iterable[str] | None = None,
                  skip: typing.Iterable[str] = (), defaults: dict[str, Any] | None = None,
-                 group: str | None = None) -> None:
+                 required: typing.Iterable[str] = (), group: str | None = None) -> dict[str, argparse.Action]:
     """Add an option for every declared field of dataclass ``cls`` (``only`` those, less ``skip``), in its section
-    (or in section ``group``).
+    (or in section ``group``); returns the options added, by field name.
 
-    ``defaults`` overrides the dataclass's defaults by field name, for a command whose defaults differ.
+    ``defaults`` overrides the dataclass's defaults by field name, for a command whose defaults differ;
+    ``required`` names the fields this command needs given on its command line (or in its --config file).
+    Each option remembers where its setting is declared (``setting_site``): a test walks every parser with it.
     """
     hints = typing.get_type_hints(cls)
     wanted, skipped, defaults = (set(only) if only is not None else None), set(skip), defaults or {}
+    needed, added = set(required), {}
     for f in declared_fields(cls):
         if f.name in skipped or (wanted is not None and f.name not in wanted):
             continue
@@ -87,21 +91,37 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
         target = section(parser, key) if key else parser
         kw: dict[str, Any] = dict(dest=dest, default=default, help=meta[HELP])
         choices = meta[CHOICES]
-        if kind is bool and not isinstance(choices, dict):
+        convert = getattr(argtypes, meta[CHECK]) if meta[CHECK] else None
+        if kind is dict or typing.get_origin(kind) is dict:
+            kw["action"] = argtypes.KeyValueOption  # KEY=VALUE, repeatable; a TOML table is taken whole
+        elif meta[APPEND]:
+            kw["action"] = "extend" if getattr(convert, "splits", False) else "append"
+            item = (typing.get_args(kind) or (str,))[0]
+            if convert or item in (int, float, Path):
+                kw["type"] = convert or item
+        elif kind is bool and not isinstance(choices, dict):
             kw["action"] = argparse.BooleanOptionalAction if (default or meta[NEGATABLE]) else "store_true"
         elif isinstance(choices, dict):
             kw.update(choices=tuple(choices), default=_word_for(choices, default))
         elif choices is not None:
             kw["choices"] = tuple(choices)
-        elif meta[CHECK]:
-            kw["type"] = getattr(argtypes, meta[CHECK])
+        elif convert:
+            kw["type"] = convert
         elif kind in (int, float, Path):
             kw["type"] = kind
         if meta[METAVAR]:
             kw["metavar"] = meta[METAVAR]
+        if f.name in needed:
+            kw.update(required=True, default=None)
         action = target.add_argument("--" + (meta[FLAG] or dest.replace("_", "-")), **kw)
+        action.setting_site = setting_site(f)
         if isinstance(choices, dict):
             action.choice_values = choices  # a TOML file may give the value itself (cli/config.py)
+        added[f.name] = action
+    unknown = needed - set(added)
+    if unknown:
+        raise TypeError(f"required settings {sorted(unknown)} are not options of {cls.__name__} here")
+    return added
 
 
 def declared_values(cls: type, args: argparse.Namespace, also: typing.Iterable[str] = ()) -> dict[str, Any]:

@@ -10,27 +10,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task
-from fedpar.cli.argtypes import count, positive
-from fedpar.cli.declared import add_declared, from_args, section
+from fedpar.cli.declared import add_declared, from_args
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_replicas_renamed
-from fedpar.parallel.config import ConfigurationError, ParallelConfig
+from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, ParallelLayout
+from fedpar.settings import setting
+
+
+@dataclass
+class EngineOptions:
+    """What only a large-model agent sets."""
+
+    idle_timeout: float = setting(7 * 86400.0, check="positive", group="engine",
+                                  help="seconds ranks other than 0 wait for the next task before giving up")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The large-model options of ``fedpar client`` (degrees multiply to --nproc, or torchrun's world size)."""
-    g = section(p, "engine")
-    g.add_argument("--nproc", type=count, default=1,
-                   help="local ranks this agent trains on (ignored under torchrun, which sets the world size); "
-                        "rank 0 talks to the coordinator")
+    """The large-model options of ``fedpar client`` (degrees multiply to --nproc, or torchrun's world size), in its
+    "large-model agent" help section."""
+    add_declared(p, Launch, group="engine")
     add_declared(p, ParallelConfig, only=("dp", "fsdp", "tp"), group="engine")
     add_replicas_renamed(p)
-    g.add_argument("--dist-timeout", type=positive, default=300.0,
-                   help="seconds a collective may wait during training before the ranks give up")
-    g.add_argument("--idle-timeout", type=positive, default=7 * 86400.0,
-                   help="seconds ranks other than 0 wait for the next task before giving up")
+    add_declared(p, EngineOptions)
 
 
 def wants_engine(args: argparse.Namespace) -> bool:
@@ -55,42 +59,44 @@ def run_engine(args: argparse.Namespace) -> int:
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     try:
-        config = _parallel_config(args).resolved(world)
-        if not under_launcher:  # a task's mistakes, before any rank starts (torchrun's ranks check as they build)
-            check_engine_task(agent_task(args), config, world)
         if args.precision != "fp32":
             raise ConfigurationError("--precision bf16 is for single-process agents; a large-model agent trains "
                                      "in fp32 (drop --precision, or drop --nproc/--fsdp/--dp-replicate/--tp)")
-        check_device_layout(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world)
+        device_type = check_device_layout(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+                                          if under_launcher else world)
+        layout = _parallel_config(args).resolved(world, device_type)  # once; every rank gets it as it is
+        if not under_launcher:  # a task's mistakes, before any rank starts (torchrun's ranks check as they build)
+            check_engine_task(agent_task(args), layout, world)
         if not under_launcher and not args.insecure:
             client_security(args)  # fail here, before spawning, on missing certificates
     except (ConfigurationError, ValueError) as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     if under_launcher:
-        exit_rank_process(engine_process(args))  # leaves without the teardown that can abort a gloo rank
+        exit_rank_process(engine_process(args, layout))  # leaves without the teardown that can abort a gloo rank
     if world == 1:
-        return engine_process(args)
+        return engine_process(args, layout)
     options = {k: v for k, v in vars(args).items() if k != "_module"}
     # Rank 0 reports its exit code here rather than by exiting non-zero, which would make torch's spawn
     # terminate the other ranks while they are still leaving the group.
     code = torch.multiprocessing.get_context("spawn").Value("i", 0)
     try:
-        spawn(world, _spawned, options, code)
+        spawn(world, _spawned, options, layout, code)
     except Exception as exc:  # a rank failed; its traceback was printed by that process
         print(f"fedpar client: a rank of agent {args.agent_id} failed: {exc}", file=sys.stderr)
         return 1
     return code.value
 
 
-def _spawned(options: dict, code) -> None:
-    result = engine_process(argparse.Namespace(**options))
+def _spawned(options: dict, layout: ParallelLayout, code) -> None:
+    result = engine_process(argparse.Namespace(**options), layout)
     if result:
         code.value = result
 
 
-def engine_process(args: argparse.Namespace) -> int:
-    """One rank of the agent: build the sharded trainer; rank 0 runs the Agent, the others follow it."""
+def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
+    """One rank of the agent (``layout``: the launcher's, as it resolved it): build the sharded trainer; rank 0 runs
+    the Agent, the others follow it."""
     import torch
 
     from fedpar.cli.tlsopts import client_security
@@ -107,7 +113,7 @@ def engine_process(args: argparse.Namespace) -> int:
         try:
             security = client_security(args) if info.is_main else None
             task = agent_task(args)
-            trainer = EngineTrainer(task, task.client_data(agent_partition(args)), info, _parallel_config(args),
+            trainer = EngineTrainer(task, task.client_data(agent_partition(args)), info, layout,
                                     seed=args.seed, idle_timeout_seconds=args.idle_timeout)
         except ValueError as exc:  # every rank fails the same way on bad options or data
             print(f"fedpar client: {exc}", file=sys.stderr)

@@ -8,17 +8,27 @@ torch.load(FILE, weights_only=True) reads it and model.load_state_dict takes it.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
+from fedpar.cli.declared import add_declared
 from fedpar.cli.user_errors import UserError
+from fedpar.settings import setting
+
+
+@dataclass
+class ExportOptions:
+    """Where ``fedpar export`` writes the model (SOURCE, what it reads, is its one positional argument)."""
+
+    to: Path | None = setting(None, metavar="FILE",
+                              help="the torch state_dict file to write (e.g. model.pt); replaced if it exists")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar export``."""
     p.add_argument("source", type=Path, metavar="SOURCE",
                    help="a run's --out folder, a global.safetensors file, or a coordinator checkpoint directory")
-    p.add_argument("--to", type=Path, required=True, metavar="FILE",
-                   help="the torch state_dict file to write (e.g. model.pt); replaced if it exists")
+    add_declared(p, ExportOptions, required=("to",))
 
 
 def run(args: argparse.Namespace) -> int:

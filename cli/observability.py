@@ -4,31 +4,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
-from fedpar.cli.argtypes import port
-from fedpar.cli.declared import section
+from fedpar.cli.declared import add_declared
 from fedpar.cli.privacy import privacy_on
 from fedpar.cli.user_errors import UserError
+from fedpar.settings import setting
 
 
-def add_observability_arguments(p: argparse.ArgumentParser) -> None:
-    """Add --metrics-port, --metrics-host and --tensorboard."""
-    g = section(p, "observability")
-    g.add_argument("--metrics-port", type=port, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port): rounds, "
-                        "agents, uploads, refusals, bytes, round and fold seconds, DP epsilon")
-    g.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the Prometheus endpoint (0.0.0.0 for every interface: it has no "
-                        "authentication)")
-    add_tensorboard_argument(g)
+@dataclass
+class Observability:
+    """What watches a run from outside: a Prometheus endpoint (serve, simulate) and TensorBoard events."""
+
+    metrics_port: int | None = setting(
+        None, check="port", group="observability",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port): rounds, agents, uploads, "
+             "refusals, bytes, round and fold seconds, DP epsilon")
+    metrics_host: str = setting("127.0.0.1", group="observability",
+                                help="address of the Prometheus endpoint (0.0.0.0 for every interface: it has no "
+                                     "authentication)")
+    tensorboard: str | None = setting(None, group="observability", metavar="DIR",
+                                      help="write per-round (train: per-step) scalars as TensorBoard events to DIR "
+                                           "(needs pip install 'fedpar[tensorboard]')")
 
 
-def add_tensorboard_argument(p) -> None:
-    """Add --tensorboard DIR (serve, simulate, train)."""
-    p.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="write per-round (train: per-step) scalars as TensorBoard events to DIR "
-                        "(needs pip install 'fedpar[tensorboard]')")
+def add_observability_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """Add --metrics-port, --metrics-host and --tensorboard (``only``: those of them)."""
+    add_declared(p, Observability, only=only)
 
 
 def require_tensorboard() -> None:

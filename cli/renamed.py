@@ -1,8 +1,10 @@
-"""Options that were renamed: the old flag (or TOML key) is refused with one line naming the new ones."""
+"""Options that were renamed: the old flag (or TOML key) is refused with one line naming the new ones, or (an
+alias) still accepted, with one line naming the new one."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 class RenamedOption(argparse.Action):
@@ -29,3 +31,28 @@ def add_replicas_renamed(parser: argparse.ArgumentParser) -> None:
     add_renamed(parser, "--dp", "is now --dp-replicate (DDP replicas); differential privacy is --privacy, on serve "
                                 "and simulate",
                 "is now dp_replicate (DDP replicas); differential privacy is privacy, for serve and simulate")
+
+
+class AliasOption(argparse.Action):
+    """A hidden old name of an option that still works: it sets the option it became and says so in one line (on
+    the command line, or as a key of a --config file: see cli/config.py)."""
+
+    def __init__(self, option_strings, dest, new: argparse.Action, **kwargs):
+        super().__init__(option_strings, new.dest, default=argparse.SUPPRESS, type=new.type, help=argparse.SUPPRESS,
+                         metavar=new.metavar)
+        self.new_flag = new.option_strings[0]
+        self.old_key = option_strings[0].lstrip("-").replace("-", "_")
+
+    def note(self, prog: str, old: str, new: str | None = None) -> None:
+        """The one line saying that ``old`` is now ``new`` (default: this option's new flag)."""
+        print(f"{prog}: note: {old} is now {new or self.new_flag}; the old name still works", file=sys.stderr)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        """Set the new option, and say its new name."""
+        self.note(parser.prog, option_string)
+        setattr(namespace, self.dest, values)
+
+
+def add_alias(parser: argparse.ArgumentParser, old_flag: str, new: argparse.Action) -> None:
+    """Accept ``old_flag`` (and its TOML key) as the old name of option ``new``, with a one-line note."""
+    parser.add_argument(old_flag, action=AliasOption, new=new)

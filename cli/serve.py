@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedpar.cli.argtypes import count, port
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.log_level import setup_logging
@@ -26,13 +25,17 @@ from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
-from fedpar.cli.task_options import add_task_arguments, load_task_from_args
+from fedpar.cli.task_options import load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.cli.user_errors import check_output_folder, check_port_free, run_exit_code
-from fedpar.parallel.config import DEVICE_HELP
+from fedpar.datasets.settings import DataFiles, DataSource
+from fedpar.parallel.config import Device
 from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.sections import Output
 from fedpar.server.config import CoordinatorConfig
+from fedpar.settings import redefault, setting
+from fedpar.task import TaskReference
 
 if TYPE_CHECKING:
     from fedpar.server.assembly import CoordinatorAssembly
@@ -42,29 +45,33 @@ if TYPE_CHECKING:
 STOP_GRACE_SECONDS = 10.0
 
 
+@dataclass
+class ServeOptions(Output):
+    """What only ``fedpar serve`` sets: where it listens and writes, and the model it serves without data."""
+
+    out: str = redefault(Output, "out", "runs/serve")
+    host: str = setting("127.0.0.1", group="coordinator",
+                        help="address to listen on (0.0.0.0 for every interface)")
+    port: int = setting(50051, check="port", group="coordinator", help="port to listen on (0 picks a free one)")
+    port_file: Path | None = setting(None, group="coordinator",
+                                     help="once listening, write the bound port to this file (handy with --port 0)")
+    params: int = setting(1_000_000, check="count", group="data",
+                          help="with --model synthetic: a model of about this many float32 parameters and no data or "
+                               "central evaluation, for benchmarks and load tests")
+    no_central_eval: bool = setting(False, group="data", help="skip evaluating on the server-side test set")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``fedpar serve``: CoordinatorConfig's declared settings, and what only the command line sets."""
-    g = section(p, "coordinator")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    g.add_argument("--port", type=port, default=50051, help="port to listen on (0 picks a free one)")
-    g.add_argument("--port-file", type=Path,
-                   help="once listening, write the bound port to this file (handy with --port 0)")
-    g.add_argument("--out", type=Path, default=Path("runs/serve"),
-                   help="folder for metrics.jsonl, metrics.csv, summary.json, accuracy.png, loss.png and the final "
-                        "model (global.safetensors, global.json)")
-    g = section(p, "data")
-    g.add_argument("--model", default="mlp", help="mlp or cnn; agents must use the same (or synthetic: see --params)")
-    g.add_argument("--params", type=count, default=1_000_000,
-                   help="with --model synthetic: a model of about this many float32 parameters and no data or "
-                        "central evaluation, for benchmarks and load tests")
-    g.add_argument("--dataset", default="digits",
-                   help="digits or mnist: sets the model's input shape, and the test set for central evaluation")
-    g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
-    add_task_arguments(p)
-    g.add_argument("--no-central-eval", action="store_true", help="skip evaluating on the server-side test set")
-    g.add_argument("--device", default="auto", help=f"where central evaluation runs: {DEVICE_HELP}")
-    section(p, "rounds")
-    section(p, "training")
+    """Options of ``fedpar serve``, generated from the sections it is composed of (CoordinatorConfig's, the data,
+    task, device, strategy, compression, privacy, TLS and observability sections, and ServeOptions)."""
+    for key in ("coordinator", "outputs", "data", "device", "rounds", "training"):
+        section(p, key)
+    add_declared(p, ServeOptions, only=("host", "port", "port_file"))
+    add_declared(p, DataSource)
+    add_declared(p, DataFiles)
+    add_declared(p, TaskReference)
+    add_declared(p, ServeOptions, skip=("host", "port", "port_file"))
+    add_declared(p, Device)
     add_strategy_arguments(p, "serve")
     add_declared(p, CoordinatorConfig)
     add_compression_arguments(p)
@@ -95,7 +102,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     from fedpar.simulations.synthetic_coordinator import synthetic_model
 
     config = from_args(CoordinatorConfig, args)
-    config.metrics_path = args.out / "metrics.jsonl" if rank == 0 else None
+    config.metrics_path = Path(args.out) / "metrics.jsonl" if rank == 0 else None
     if rank:
         config.checkpoint_dir = None
         config.data_port = config.data_port + rank if config.data_port else 0
@@ -288,7 +295,7 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         server.stop(grace=0.5 if interrupted else 1.0)
         observers.close()
     metrics = server.coordinator.metrics
-    outputs = write_run_outputs(args.out, server.coordinator, plan.assembly.description,
+    outputs = write_run_outputs(Path(args.out), server.coordinator, plan.assembly.description,
                                 {"wall_seconds": time.monotonic() - started, "interrupted": interrupted},
                                 title=f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve")
     if metrics.last:

@@ -9,32 +9,39 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
-from fedpar.cli.compression_options import add_compression_arguments
+from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
-from fedpar.cli.task_options import add_task_arguments, task_options
+from fedpar.cli.task_options import task_options
 from fedpar.cli.user_errors import check_output_folder, run_exit_code
 from fedpar.parallel.stopping import stop_on_signals
+from fedpar.settings import setting
 from fedpar.simulations.config import SimulationConfig
 
 
 LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
 
 
+@dataclass
+class SimulateOptions:
+    """What only ``fedpar simulate``'s command line sets."""
+
+    quiet: bool = setting(False, group="outputs", help="print only the summary")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``fedpar simulate``: SimulationConfig's declared settings, and what only the command line sets."""
-    g = section(p, "run")
-    g.add_argument("--out", default="runs/simulation", help="output folder")
-    g.add_argument("--quiet", action="store_true", help="print only the summary")
+    """Options of ``fedpar simulate``: SimulationConfig's sections (it passes them to the coordinator and the
+    workers as they are), the compression, privacy and observability sections, and SimulateOptions."""
     for key in ("rounds", "data", "training", "simulation"):
         section(p, key)
     add_strategy_arguments(p, "simulate")
-    add_declared(p, SimulationConfig)
-    add_task_arguments(p, declared=False)  # --task is SimulationConfig's (TaskReference)
+    add_declared(p, SimulationConfig, skip=("strategy", "strategy_options"), defaults={"out": "runs/simulation"})
+    add_declared(p, SimulateOptions)
     add_compression_arguments(p)
     add_privacy_arguments(p, population_flag=False)
     add_observability_arguments(p)
@@ -43,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def simulation_config(args: argparse.Namespace) -> SimulationConfig:
     """The settings the options describe, settled (:meth:`SimulationConfig.settled`): one line on stderr for each
     that asked for more clients than there are, saying what is used instead."""
-    cfg, notes = from_args(SimulationConfig, args, also=("strategy", "compression", "topk_ratio", "int8_block", "out"),
-                           task_options=task_options(args)).settled()
+    cfg, notes = from_args(SimulationConfig, args, task_options=task_options(args),
+                           upload_compression=compression_from_args(args)).settled()
     for note in notes:
         print(f"fedpar simulate: {note}", file=sys.stderr)
     return cfg
@@ -57,10 +64,14 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.simulations.runner import run_simulation
 
     check_output_folder(args.out)
-    cfg = simulation_config(args)
+    try:
+        cfg = simulation_config(args)
+    except ValueError as exc:  # settings no simulation can run, e.g. a compression knob out of its range
+        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return 2
     columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else []) + \
         (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else []) + \
-        (CLOCK_COLUMNS if cfg.clock == "virtual" else [])
+        (CLOCK_COLUMNS if cfg.virtual_clock else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     observers = Observers(args)
     progress = LiveBar(quiet=args.quiet)

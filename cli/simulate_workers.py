@@ -6,47 +6,39 @@ one slice per process of a torchrun (or srun) launch, on one machine or many:
 Every process joins torch.distributed's group (rendezvous and rank numbering are torchrun's), builds the same
 data and partition from the seed, and hosts clients rank, rank + world, ... (simulations/population.py). The
 coordinator samples, times and folds; it must be started with --min-available N to wait for the whole population.
+The hosts dial it in plaintext (members have no certificates of their own): loopback or a private network only.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from fedpar.cli.agent_setup import add_reconnect_arguments
-from fedpar.cli.argtypes import count, non_negative, probability
-from fedpar.cli.declared import section
+from fedpar.cli.agent_setup import Connection
+from fedpar.cli.declared import add_declared, section
 from fedpar.cli.log_level import setup_logging
-from fedpar.parallel.config import DEVICE_HELP
+from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
+from fedpar.parallel.config import Device, Precision
+from fedpar.sections import Seeded
+from fedpar.simulations.config import Population
 
 LOG_LEVEL = "warning"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``fedpar simulate-workers``."""
-    g = section(p, "connection")
-    g.add_argument("--server", required=True, help="the coordinator, HOST:PORT (plaintext: loopback or a private "
-                                                   "network; members have no certificates of their own)")
-    add_reconnect_arguments(g)
-    g = section(p, "data")
-    g.add_argument("--clients", type=count, required=True, help="the whole population, over every process")
-    g.add_argument("--dataset", default="digits", help="digits, mnist, synthetic:ALPHA:BETA, npz:PATH or csv:PATH")
-    g.add_argument("--data-dir", help="folder with the MNIST files (for --dataset mnist)")
-    g.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA, shards:K, quantity:SIGMA or natural")
-    g.add_argument("--examples-per-client", type=count, help="keep at most this many of each client's examples")
-    g.add_argument("--model", default="mlp", help="mlp or cnn, as the coordinator's")
-    g.add_argument("--val-fraction", type=probability, default=0.1, help="share of a client's data kept for "
-                                                                       "federated evaluation")
-    g = section(p, "simulation")
-    g.add_argument("--slow-fraction", type=probability, default=0.0, help="share of clients that are slow")
-    g.add_argument("--slow-step-delay", type=non_negative, default=0.05, help="extra seconds per step when slow")
-    g.add_argument("--drop-probability", type=probability, default=0.0,
-                   help="chance per client per round of vanishing before it uploads")
-    g.add_argument("--trace", help="system traces, 'fedscale' (generated from --seed) or a CSV/JSON file: speeds, "
-                                   "links and availability per client (simulations/traces.py)")
-    g.add_argument("--seats", type=count, default=4, help="sampled clients training at once in this process")
-    g.add_argument("--seed", type=int, default=0, help="the seed of the data split (the same in every process)")
-    g.add_argument("--device", default="cpu", help=f"where the clients train: {DEVICE_HELP}")
+    """Options of ``fedpar simulate-workers``, generated from the sections it shares with ``fedpar simulate`` (the
+    population, its data and device) and ``fedpar client`` (the connection)."""
+    for key in ("connection", "data", "simulation"):
+        section(p, key)
+    add_declared(p, Connection)
+    add_declared(p, Population, required=("clients",))
+    add_declared(p, DataSource)
+    add_declared(p, DataFiles)
+    add_declared(p, Partitioning)
+    add_declared(p, Seeded)
+    add_declared(p, Device)
+    add_declared(p, Precision)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.datasets import load_dataset
     from fedpar.datasets.clientdata import client_parts
     from fedpar.datasets.registry import full_dataset_name
-    from fedpar.parallel.device import flush_denormals
+    from fedpar.parallel.device import check_device_layout, flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
+    from fedpar.simulations.runner import worker_devices
     from fedpar.simulations.population import PopulationHost, PopulationSlice, step_delays
     from fedpar.task import Partition
     from fedpar.tasks.zoo import classifier_for
@@ -69,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     flush_denormals()
     info = init_distributed(device="cpu")  # rank and world size from torchrun; the group is only for numbering
     try:
+        check_device_layout(args.device)
+        # This machine's hosts are dealt over its GPUs, as simulate deals its worker processes.
+        local_rank, local_world = (int(os.environ.get(k, d)) for k, d in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
+        device = worker_devices(args.device, local_world)[local_rank]
         dataset = full_dataset_name(args.dataset, args.clients)
         splits = load_dataset(dataset, args.data_dir)
         parts = client_parts(splits, args.partition, args.clients, args.seed, args.examples_per_client)
@@ -82,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         def partition_of(number: int, member: str) -> Partition:
             return Partition(number, args.clients, member, args.partition, args.seed, args.val_fraction)
 
-        stats = PopulationHost(args.server, population, task, partition_of, args.seed, args.seats,
-                               device=args.device, max_backoff=args.max_backoff,
-                               give_up_after=args.give_up_after).run()
+        stats = PopulationHost(args.server, population, task, partition_of, args.seed, args.seats, device=device,
+                               precision=args.precision, day_seconds=args.trace_day_seconds,
+                               max_backoff=args.max_backoff, give_up_after=args.give_up_after).run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
         return 2

@@ -1,24 +1,13 @@
 """--task REF and the repeatable --task-option KEY=VALUE of `fedpar serve|client|simulate|train` (or a TOML
-``task = "..."`` and a ``[COMMAND.task_options]`` table): the task a command runs instead of --model/--dataset."""
+``task = "..."`` and a ``[COMMAND.task_options]`` table): the task a command runs instead of --model/--dataset.
+Both are declared once, in ``fedpar.task.TaskReference``."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from fedpar.cli.declared import add_declared, section
-from fedpar.cli.strategy_options import KeyValueOption, as_mapping
-from fedpar.task import TaskReference
-
-
-def add_task_arguments(p: argparse.ArgumentParser, declared: bool = True, group: str = "data") -> None:
-    """Add ``--task`` (unless ``declared`` is False: a settings class of the command declares it) and
-    ``--task-option`` to ``p``, in help section ``group``."""
-    if declared:
-        add_declared(p, TaskReference, group=group)
-    section(p, group).add_argument(
-        "--task-option", dest="task_options", action=KeyValueOption, metavar="KEY=VALUE", default={},
-        help="an option of --task, given to its factory (repeatable), typed as the factory declares it")
+from fedpar.cli.argtypes import as_mapping
 
 
 def task_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,50 +11,72 @@ from pathlib import Path
 
 import grpc
 
-from fedpar.cli.declared import section
+from fedpar.cli.declared import add_declared
 from fedpar.security.admission import Admission, RevocationList, TokenList
 from fedpar.security.certs import CertPaths
 from fedpar.security.sslcontext import client_ssl_context, server_ssl_context
 from fedpar.security.tls import (HOW_TO_FIX, TlsFiles, TlsSetupError, certificate_common_name,
                                  channel_credentials, client_tls_files, server_credentials, server_tls_files)
+from fedpar.settings import setting
 
 log = logging.getLogger("fedpar.security")
 PLAINTEXT_WARNING = ("--insecure: plaintext gRPC; anyone on the network can read the model and updates "
                      "and impersonate agents. Use TLS ('fedpar certs', then --certs) outside a trusted network.")
 
 
-def _id_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+@dataclass
+class TlsFileOptions:
+    """This endpoint's TLS material (serve and client), or --insecure."""
+
+    certs: Path | None = setting(None, group="tls", metavar="DIR",
+                                 help="folder made by 'fedpar certs': uses DIR/ca.pem and this side's certificate "
+                                      "and key, DIR/server.pem and server.key (serve) or DIR/AGENT_ID.pem and "
+                                      "AGENT_ID.key (client): mutual TLS")
+    tls_cert: Path | None = setting(None, group="tls", metavar="PEM",
+                                    help="this endpoint's certificate (overrides --certs)")
+    tls_key: Path | None = setting(None, group="tls", metavar="PEM",
+                                   help="this endpoint's private key (overrides --certs)")
+    tls_ca: Path | None = setting(None, group="tls", metavar="PEM",
+                                  help="CA certificate that signed the other side's certificate (overrides --certs); "
+                                       "a coordinator with no CA at all (no --certs either) admits agents without "
+                                       "certificates, by --enrollment-tokens, which it then needs")
+    insecure: bool = setting(False, group="tls",
+                             help="plaintext gRPC without TLS (a warning is logged); only on a network you trust")
+
+
+@dataclass
+class AdmissionOptions:
+    """Whom the coordinator admits, besides what the CA certified (serve)."""
+
+    allow_agents: list[str] | None = setting(
+        None, append=True, check="id_list", group="tls", metavar="ID[,ID...]",
+        help="admit only these agent ids (default: any agent the CA certified or a token enrolled)")
+    enrollment_tokens: Path | None = setting(
+        None, group="tls", metavar="FILE",
+        help="agents without a client certificate must present a token whose SHA-256 is listed here ('AGENT_ID HEX' "
+             "lines, made by 'fedpar certs --mint-token')")
+    revoked: Path | None = setting(
+        None, group="tls", metavar="FILE",
+        help="revocation list (agent ids and 'serial:HEX' lines), re-read whenever it changes; default with --certs: "
+             "DIR/revoked.txt ('fedpar certs --revoke ID' appends to it)")
+
+
+@dataclass
+class AgentTlsOptions:
+    """How an agent checks the coordinator's name and proves its own identity without a certificate (client)."""
+
+    tls_server_name: str | None = setting(
+        None, group="tls", metavar="NAME",
+        help="name to check the coordinator's certificate for when --server uses another name")
+    enrollment_token_file: Path | None = setting(
+        None, group="tls", metavar="FILE",
+        help="file holding this agent's enrollment token (for coordinators that admit by token)")
 
 
 def add_tls_arguments(p: argparse.ArgumentParser, role: str) -> None:
     """``--certs``, ``--tls-*`` and ``--insecure`` (plus admission options for the coordinator)."""
-    g = section(p, "tls")
-    own = "server.pem/server.key" if role == "serve" else "AGENT_ID.pem/AGENT_ID.key"
-    g.add_argument("--certs", type=Path, metavar="DIR",
-                   help=f"folder made by 'fedpar certs': uses DIR/ca.pem and DIR/{own} (mutual TLS)")
-    g.add_argument("--tls-cert", type=Path, metavar="PEM", help="this endpoint's certificate (overrides --certs)")
-    g.add_argument("--tls-key", type=Path, metavar="PEM", help="this endpoint's private key (overrides --certs)")
-    g.add_argument("--tls-ca", type=Path, metavar="PEM",
-                   help="CA certificate that signed the other side's certificate (overrides --certs)"
-                        + ("; with no CA at all (no --certs either) agents need no certificate but "
-                           "--enrollment-tokens is required" if role == "serve" else ""))
-    g.add_argument("--insecure", action="store_true",
-                   help="plaintext gRPC without TLS (a warning is logged); only on a network you trust")
-    if role == "serve":
-        g.add_argument("--allow-agents", type=_id_list, action="extend", metavar="ID[,ID...]",
-                       help="admit only these agent ids (default: any agent the CA certified or a token enrolled)")
-        g.add_argument("--enrollment-tokens", type=Path, metavar="FILE",
-                       help="agents without a client certificate must present a token whose SHA-256 is listed "
-                            "here ('AGENT_ID HEX' lines, made by 'fedpar certs --mint-token')")
-        g.add_argument("--revoked", type=Path, metavar="FILE",
-                       help="revocation list (agent ids and 'serial:HEX' lines), re-read whenever it changes; "
-                            "default with --certs: DIR/revoked.txt ('fedpar certs --revoke ID' appends to it)")
-    else:
-        g.add_argument("--tls-server-name", metavar="NAME",
-                       help="name to check the coordinator's certificate for when --server uses another name")
-        g.add_argument("--enrollment-token-file", type=Path, metavar="FILE",
-                       help="file holding this agent's enrollment token (for coordinators that admit by token)")
+    add_declared(p, TlsFileOptions)
+    add_declared(p, AdmissionOptions if role == "serve" else AgentTlsOptions)
 
 
 def _wants_tls(args: argparse.Namespace) -> bool:

@@ -17,32 +17,43 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedpar.cli.argtypes import count, positive
 from fedpar.cli.declared import add_declared, from_args, section
-from fedpar.cli.observability import add_tensorboard_argument
-from fedpar.cli.renamed import add_replicas_renamed
-from fedpar.cli.task_options import add_task_arguments, load_task_from_args, task_options
-from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig
+from fedpar.cli.observability import add_observability_arguments
+from fedpar.cli.renamed import add_alias, add_replicas_renamed
+from fedpar.cli.task_options import load_task_from_args, task_options
+from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, TrainConfig
+from fedpar.settings import setting
+from fedpar.task import TaskReference
 
 
 LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
 
 
+@dataclass
+class TrainOptions:
+    """What only ``fedpar train``'s command line sets."""
+
+    model_arg: list[str] = setting(default_factory=list, append=True, group="data", metavar="KEY=VALUE",
+                                   help="model constructor keyword, e.g. n_layer=4 or hidden=[256,128] (repeatable)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``fedpar train``: TrainConfig's and ParallelConfig's declared settings, and the launcher's."""
-    add_declared(parser, TrainConfig, skip=("tensorboard",))
-    add_task_arguments(parser, group="run")
-    run = section(parser, "run")
-    run.add_argument("--nproc", type=count, default=1, help="local ranks to spawn (ignored under torchrun)")
-    run.add_argument("--timeout", type=positive, default=300.0, help="seconds a collective may wait before failing")
-    run.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                     help="model constructor keyword, e.g. n_layer=4 or hidden=[256,128] (repeatable)")
+    """Options of ``fedpar train``, generated from the sections it is composed of: TrainConfig's (data, device,
+    seed, output, optimisation), the task, the launch, the parallel layout and TensorBoard."""
+    for key in ("data", "device", "optimisation", "outputs"):
+        section(parser, key)
+    add_declared(parser, TrainConfig)
+    add_declared(parser, TaskReference)
+    add_declared(parser, TrainOptions)
     # No flag: a --config file's [train.model_kwargs] table lands here; --model-arg entries override it.
     parser.set_defaults(model_kwargs={})
-    add_tensorboard_argument(section(parser, "outputs"))
+    add_observability_arguments(parser, only=("tensorboard",))
+    launch = add_declared(parser, Launch)
+    add_alias(parser, "--timeout", launch["dist_timeout"])
     add_declared(parser, ParallelConfig)
     add_replicas_renamed(parser)
 
@@ -84,21 +95,19 @@ def run(args: argparse.Namespace) -> int:
     if args.task or args.task_options:
         return _train_task(args, world)
     try:
-        cfg = config_from_args(args)
-        cfg.parallel = cfg.parallel.resolved(world)
-        cfg.check()
         # One GPU per rank on this machine: torchrun's LOCAL_WORLD_SIZE, else the ranks spawned here.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
-        preflight(cfg, check_device_layout(cfg.device, local_ranks))
+        cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
+        preflight(cfg)
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     try:
-        if world > 1 and not under_launcher:
-            spawn(world, spawned_train_process, cfg.to_dict(), args.timeout, parent_stops=True)
+        if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
+            spawn(world, spawned_train_process, cfg, args.dist_timeout, parent_stops=True)
         else:
-            train_process(cfg, args.timeout)
+            train_process(cfg, args.dist_timeout)
             if under_launcher:
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
     except KeyboardInterrupt as exc:  # Ctrl-C (or SIGTERM to the launcher): the ranks are stopped; say what completed
@@ -124,14 +133,12 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
 
     under_launcher = "WORLD_SIZE" in os.environ
     try:
-        cfg = config_from_args(args)
-        cfg.check()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
-        check_device_layout(cfg.device, local_ranks)
+        cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
         task = load_task_from_args(args)  # a task's mistakes, before any rank starts
-        check_data_parallel(task, cfg, world)
-        if world > 1:
-            rank_args = (cfg.to_dict(), args.task, task_options(args), args.timeout)
+        check_data_parallel(task, cfg)
+        if world > 1:  # the ranks get the layout resolved here, as it is
+            rank_args = (cfg, args.task, task_options(args), args.dist_timeout)
             if under_launcher:
                 train_task_rank(*rank_args)
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort

@@ -116,25 +116,25 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
             "wall_seconds": time.perf_counter() - started, "train_seconds": train_seconds, "config": cfg.to_dict()}
 
 
-def check_data_parallel(task: Task, cfg: TrainConfig, world: int) -> None:
-    """TaskError (or ConfigurationError) for a task or settings that ``world`` engine ranks cannot train."""
+def check_data_parallel(task: Task, cfg: TrainConfig) -> None:
+    """TaskError (or ConfigurationError) for a task or settings that the engine ranks of ``cfg``'s resolved layout
+    (TrainConfig.resolved) cannot train."""
     from fedpar.client.engine_trainer import check_engine_task
 
-    config = cfg.parallel.resolved(world)
+    config, world = cfg.parallel, cfg.parallel.world_size
     check_engine_task(task, config, world)
     if world > 1 and cfg.batch_size % config.data_parallel_size:
         raise TaskError(f"--batch-size {cfg.batch_size} (global) must be divisible by the "
                         f"{config.data_parallel_size} data-parallel ranks")
 
 
-def train_task_rank(cfg: dict[str, Any], task_ref: str, task_options: dict[str, Any], timeout_seconds: float) -> None:
+def train_task_rank(config: TrainConfig, task_ref: str, task_options: dict[str, Any], timeout_seconds: float) -> None:
     """One rank of ``fedpar train --task --nproc N`` (spawned, or launched by torchrun): join the group, train the
-    task on the engine, and on rank 0 write the outputs and the model."""
-    from fedpar.parallel.config import train_config_from_dict
+    task on the engine (``config``: as the launcher resolved it, its layout used as is), and on rank 0 write the
+    outputs and the model."""
     from fedpar.parallel.init import init_distributed, shutdown_distributed
     from fedpar.tasks.reference import load_task
 
-    config = train_config_from_dict(cfg)
     info = init_distributed(timeout_seconds, config.device)
     try:
         task = load_task(task_ref, task_options)

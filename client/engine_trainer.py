@@ -27,7 +27,7 @@ from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChanne
 from fedpar.client.local_sgd import StepTally, TrainResult, descend, run_steps, trainable
 from fedpar.models.evaluation import EvalResult
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
-from fedpar.parallel.config import ParallelConfig
+from fedpar.parallel.config import ParallelConfig, layout_for
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
@@ -61,9 +61,10 @@ class EngineTrainer:
 
     def __init__(self, task: Task, data: ClientData, info: DistInfo, parallel: ParallelConfig, seed: int = 0,
                  shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0, warm_up: bool = True):
-        """Shard ``task.model()`` over the group as ``parallel`` says (pp must be 1) and, unless ``warm_up`` is
-        False, warm everything up; rank 0's whole copy starts from the weights ``seed`` draws."""
-        config = parallel.resolved(info.world_size)
+        """Shard ``task.model()`` over the group as ``parallel`` says (pp must be 1: a ParallelLayout its launcher
+        resolved, or settings resolved here) and, unless ``warm_up`` is False, warm everything up; rank 0's whole
+        copy starts from the weights ``seed`` draws."""
+        config = layout_for(parallel, info.world_size, info.device.type)
         check_engine_task(task, config, info.world_size)
         if data.train is None or not len(data.train):
             raise TaskError(f"task {task.name!r}: client_data gave no training examples")

@@ -5,22 +5,33 @@ simulate-workers and train), and "text", a character corpus for language models 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedpar.datasets.arrays import CLASSIFICATION, LANGUAGE_MODEL, DatasetSplits, TrainData
-from fedpar.datasets.digits import load_digits
-from fedpar.datasets.mnist import EXPECTED_FILES, WHERE_TO_GET, load_mnist
-from fedpar.datasets.synthetic import SyntheticSpec, load_synthetic
-from fedpar.datasets.tables import load_csv_table, load_npz_table
-from fedpar.datasets.text import load_text, text_windows
+if TYPE_CHECKING:  # the loaders import torch; the names below are read by the command line without it
+    from fedpar.datasets.arrays import DatasetSplits, TrainData
 
 TEXT = "text"
-_NAMES = ("digits", "mnist", "synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]]", "npz:PATH", "csv:PATH", TEXT)
+# Every name load_dataset/load_train_data accepts, and what it is: --dataset's help is made of this table.
+DATASETS = {
+    "digits": "8x8 images bundled with scikit-learn",
+    "mnist": "a local folder: --data-dir, train's --data-path",
+    "synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]": "FedProx's generated federation",
+    "npz:PATH": "a table of features and labels",
+    "csv:PATH": "a table of features and labels",
+    TEXT: "a character corpus for language models: train --model gpt --data-path FILE",
+}
+_NAMES = tuple(DATASETS)
+DATASET_HELP = "one of: " + ", ".join(f"{name} ({what})" for name, what in DATASETS.items())
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None, **kwargs: object) -> DatasetSplits:
     """Load classification set ``name``; digits takes test_fraction/seed keywords, mnist needs ``data_dir``,
     synthetic takes ``clients`` when its name does not say how many."""
+    from fedpar.datasets.digits import load_digits
+    from fedpar.datasets.mnist import EXPECTED_FILES, WHERE_TO_GET, load_mnist
+    from fedpar.datasets.synthetic import SyntheticSpec, load_synthetic
+    from fedpar.datasets.tables import load_csv_table, load_npz_table
+
     key = name.lower()
     if key == "digits":
         return load_digits(**kwargs)  # bundled with scikit-learn: data_dir is not used
@@ -46,6 +57,10 @@ def load_train_data(name: str, data_path: str | Path | None, block_size: int, se
     """Dataset ``name`` as tensors for the centralized trainer, and what its shapes tell the model: ``input_shape``
     and ``num_classes`` of a classification set, ``vocab_size`` and ``block_size`` of the text corpus at
     ``data_path`` (``block_size`` characters per window, the first 90% training)."""
+    from fedpar.datasets.arrays import CLASSIFICATION, LANGUAGE_MODEL, TrainData
+    from fedpar.datasets.mnist import EXPECTED_FILES, WHERE_TO_GET
+    from fedpar.datasets.text import load_text, text_windows
+
     if name.lower() == TEXT:
         if not data_path:
             raise ValueError("--dataset text needs --data-path FILE (any UTF-8 text, e.g. "
@@ -66,4 +81,6 @@ def load_train_data(name: str, data_path: str | Path | None, block_size: int, se
 
 def full_dataset_name(name: str, clients: int) -> str:
     """``name`` with what a federation of ``clients`` fills in (a synthetic dataset's client count)."""
+    from fedpar.datasets.synthetic import SyntheticSpec
+
     return SyntheticSpec.parse(name.lower(), clients).name if name.lower().startswith("synthetic") else name

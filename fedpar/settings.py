@@ -7,26 +7,58 @@ help and range are written in one place, its dataclass. This module depends on n
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 # Metadata keys of a declared field.
-HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, NEGATABLE = (
-    "help", "group", "check", "flag", "key", "choices", "metavar", "negatable")
+HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, NEGATABLE, APPEND, SITE = (
+    "help", "group", "check", "flag", "key", "choices", "metavar", "negatable", "append", "site")
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, group: str | None = None, check: str | None = None,
             flag: str | None = None, key: str | None = None, choices: Any = None, metavar: str | None = None,
-            negatable: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
+            negatable: bool = False, append: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field that is also a command-line option.
 
     ``check`` names a range-checked type of ``fedpar.cli.argtypes`` (``count``, ``port``, ``probability``, ...);
     ``flag`` is the option's name without dashes when it is not the field's (``lr`` for ``learning_rate``);
     ``key`` is its TOML key and argparse dest when not the field's name; ``choices`` a tuple of allowed values, or a
-    dict from the words the command line takes to the values the field holds; ``negatable`` adds ``--no-FLAG``.
+    dict from the words the command line takes to the values the field holds; ``negatable`` adds ``--no-FLAG``;
+    ``append``: a list field whose flag may be repeated (a dict field's flag always may: ``KEY=VALUE`` each time).
     """
+    caller = sys._getframe(1)
     metadata = {HELP: help, GROUP: group, CHECK: check, FLAG: flag, KEY: key, CHOICES: choices,
-                METAVAR: metavar, NEGATABLE: negatable}
+                METAVAR: metavar, NEGATABLE: negatable, APPEND: append,
+                SITE: f"{caller.f_globals.get('__name__', '?')}:{caller.f_lineno}"}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def redefault(section: type, name: str, default: Any = dataclasses.MISSING, *,
+              default_factory: Any = dataclasses.MISSING) -> Any:
+    """Field ``name`` of section ``section`` with another default, for a config composed of that section whose
+    use of the setting starts elsewhere (its help says why); the declaration (help, range, flag) stays the
+    section's."""
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=dict(f.metadata))
+
+
+def setting_site(f: dataclasses.Field) -> str:
+    """Where the setting of field ``f`` is declared (``module:line`` of its :func:`setting` call)."""
+    return f.metadata.get(SITE, "?")
+
+
+def sections_of(cls: type) -> list[type]:
+    """The section dataclasses ``cls`` is composed of (its dataclass bases), ``cls`` itself not included."""
+    return [c for c in cls.__mro__[1:] if dataclasses.is_dataclass(c)]
+
+
+def composed(cls: type, source: Any, **overrides: Any) -> Any:
+    """An instance of config ``cls`` holding every setting of the sections it shares with ``source`` (an instance
+    of another config composed of some of the same sections) as ``source`` holds it, then ``overrides``: one config
+    passes its sections to another without naming their settings."""
+    shared = [c for c in sections_of(cls) if isinstance(source, c)]
+    values = {f.name: getattr(source, f.name) for c in shared for f in dataclasses.fields(c) if f.init}
+    return cls(**{**values, **overrides})
 
 
 def declared_fields(cls: type) -> list[dataclasses.Field]:

@@ -207,4 +207,6 @@ class TaskReference:
         None, group="data", metavar="REF",
         help="your own task: package.module:factory or path/to/file.py:factory, a function returning a fedpar.Task "
              "(see README, 'Your own task'); it replaces --model and --dataset")
-    task_options: dict = field(default_factory=dict)  # --task-option KEY=VALUE, given to the factory
+    task_options: dict = setting(default_factory=dict, flag="task-option", metavar="KEY=VALUE", group="data",
+                                 help="an option of --task, given to its factory (repeatable), typed as the factory "
+                                      "declares it")

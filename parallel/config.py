@@ -1,4 +1,5 @@
-"""Engine configuration: parallel degrees and training settings as dataclasses, from flat keys or overrides."""
+"""Engine configuration: parallel degrees and training settings as dataclasses, from flat keys or overrides; the
+device and launch settings every command that trains shares; and the parallel layout, validated once."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedpar.settings import flag_of, setting
+from fedpar.datasets.settings import DataSource
+from fedpar.sections import Output, Seeded
+from fedpar.settings import flag_of, redefault, setting
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 LR_SCALING_RULES = ("none", "linear", "sqrt")
@@ -22,12 +25,41 @@ class ConfigurationError(ValueError):
     """A setting that cannot work, with a message that says what to change."""
 
 
+@dataclass
+class Device:
+    """Where a command's models run."""
+
+    device: str = setting("auto", group="device",
+                          help=f"where models train and evaluate: {DEVICE_HELP}. simulate and simulate-workers deal "
+                               "their worker processes over the GPUs; serve evaluates there")
+
+
+@dataclass
+class Precision:
+    """The precision one process trains in (the engine's is ParallelConfig.mixed_precision)."""
+
+    precision: str = setting("fp32", choices=PRECISIONS, group="device",
+                             help="bf16: forward passes under bf16 autocast, in one process per agent (weights and "
+                                  "uploads stay fp32)")
+
+
+@dataclass
+class Launch:
+    """How many local ranks a command spawns, and how long their collectives may wait."""
+
+    nproc: int = setting(1, check="count", group="parallel",
+                         help="local ranks to spawn, one process each (ignored under torchrun, which launches the "
+                              "ranks and sets the world size); an agent's rank 0 talks to the coordinator")
+    dist_timeout: float = setting(300.0, check="positive", group="parallel",
+                                  help="seconds a collective of the ranks may wait before they give up")
+
+
 def interleaved_microbatches_fit(microbatches: int, pp: int) -> bool:
     """torch's ScheduleInterleaved1F1B rule: microbatches divisible by its rounds, max(1, microbatches // pp)."""
     return microbatches % max(1, microbatches // pp) == 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of each parallelism (their product is the world size) and how they are applied.
 
@@ -52,8 +84,10 @@ class ParallelConfig:
     stages_per_rank: int = setting(1, check="count", group="parallel",
                                    help="pipeline stages per rank (2+ for interleaved1f1b)")
 
-    def resolved(self, world_size: int) -> ParallelConfig:
-        """A copy with the -1 degree filled in and every setting checked against ``world_size``."""
+    def resolved(self, world_size: int, device_type: str = "cpu") -> ParallelLayout:
+        """The layout these settings make on ``world_size`` ranks of ``device_type`` ("cpu" or "cuda"): the -1
+        degree filled in, every setting checked, and the precision training runs in. Call it once per launch and
+        hand the layout to the ranks as it is."""
         degrees = {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp, "pp": self.pp}
         inferred = [k for k, v in degrees.items() if v == -1]
         bad = [f"{flag_of(ParallelConfig, k)} {v}" for k, v in degrees.items() if v == 0 or v < -1]
@@ -78,9 +112,11 @@ class ParallelConfig:
             raise ConfigurationError(
                 f"dp*fsdp*tp*pp = {degrees['dp']}*{degrees['fsdp']}*{degrees['tp']}*{degrees['pp']} = {product} "
                 f"but the world size is {world_size}; change the degrees (or --nproc) so they multiply to it")
-        out = dataclasses.replace(self, **degrees)
-        out.check()
-        return out
+        settings = dataclasses.replace(self, **degrees)
+        settings.check()
+        return ParallelLayout(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(ParallelConfig)},
+                              world_size=world_size, device_type=device_type,
+                              precision=_precision(settings, device_type))
 
     def check(self) -> None:
         """Raise ConfigurationError for settings that are inconsistent among themselves."""
@@ -126,17 +162,74 @@ class ParallelConfig:
         return self.pp * self.stages_per_rank
 
 
+BF16, FP32 = "bf16", "fp32"
+
+
+def bf16_mechanism(config: ParallelConfig, device_type: str) -> str | None:
+    """What would apply bf16 to this layout: "fsdp" (FSDP2's MixedPrecisionPolicy), "autocast" (a GPU model that is
+    neither FSDP-wrapped nor pipelined), or None (nothing: see parallel/precision.py)."""
+    if config.fsdp > 1:
+        return "fsdp"
+    if device_type == "cuda" and config.pp == 1:
+        return "autocast"
+    return None
+
+
+def _precision(config: ParallelConfig, device_type: str) -> str:
+    """The precision training runs in ("bf16" or "fp32"); a bf16 request that nothing would apply is an error."""
+    mode = config.mixed_precision
+    if mode == FP32:
+        return FP32
+    mechanism = bf16_mechanism(config, device_type)
+    if mode == "auto":
+        return BF16 if device_type == "cuda" and mechanism else FP32
+    if mechanism is None:
+        if device_type != "cuda":
+            raise ConfigurationError(
+                "--mixed-precision bf16 would have no effect here: on CPU only FSDP2 (--fsdp > 1) trains in "
+                "bf16, everything else runs in fp32 (the CPU rule); use --mixed-precision fp32 (or auto), or "
+                "shard with --fsdp 2 or more")
+        raise ConfigurationError(
+            "--mixed-precision bf16 would have no effect: pipeline stages (--pp > 1) get bf16 only from FSDP2's "
+            "MixedPrecisionPolicy; add --fsdp 2 or more, or use --mixed-precision fp32 (or auto)")
+    return BF16
+
+
+@dataclass(frozen=True)
+class ParallelLayout(ParallelConfig):
+    """A ParallelConfig validated once (:meth:`ParallelConfig.resolved`) for ``world_size`` ranks on
+    ``device_type``: no degree left to infer, and ``precision``, what training really runs in. The launcher makes
+    it; every rank gets it as it is (spawn pickles it between our own processes) and resolves nothing again."""
+
+    world_size: int = 1
+    device_type: str = "cpu"
+    precision: str = FP32
+
+    def check_runs_on(self, world_size: int, device_type: str) -> None:
+        """ConfigurationError unless this layout was resolved for ``world_size`` ranks of ``device_type``."""
+        if (self.world_size, self.device_type) != (world_size, device_type):
+            raise ConfigurationError(
+                f"this parallel layout was resolved for {self.world_size} {self.device_type} rank(s), but runs on "
+                f"{world_size} {device_type} rank(s); resolve it for the group it runs in")
+
+
+def layout_for(parallel: ParallelConfig, world_size: int, device_type: str) -> ParallelLayout:
+    """``parallel`` as the layout of a group of ``world_size`` ranks of ``device_type``: as it is when the launcher
+    resolved it already (checked to fit), else resolved now (the path starts here: a test, or a library user)."""
+    if isinstance(parallel, ParallelLayout):
+        parallel.check_runs_on(world_size, device_type)
+        return parallel
+    return parallel.resolved(world_size, device_type)
+
+
+# Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass
-class TrainConfig:
+class TrainConfig(Output, Seeded, Device, DataSource):
     """Everything the centralized trainer needs: model, data, optimisation and the parallel layout."""
 
-    model: str = setting("mlp", choices=("mlp", "cnn", "gpt"), group="run", help="model from the zoo")
-    dataset: str = setting("digits", choices=("digits", "mnist", "text"), group="run",
-                           help="digits (bundled), mnist (needs --data-path DIR) or text (any UTF-8 file, for gpt)")
-    device: str = setting("auto", group="run", help=DEVICE_HELP)
-    data_path: str = setting("", group="run",
+    out: str = redefault(Output, "out", "runs/train")
+    data_path: str = setting("", group="data",
                              help="MNIST folder or text file, e.g. ../shared/data/tinyshakespeare/input.txt")
-    out: str = setting("runs/train", group="run", help="run directory for metrics, summary, plot and checkpoints")
     epochs: int = setting(1, check="count", group="optimisation", help="passes over the training set")
     max_steps: int = setting(0, check="non_negative_int", group="optimisation",
                              help="stop after this many steps (0: epochs)")
@@ -161,8 +254,7 @@ class TrainConfig:
                                              help="recompute block activations in backward")
     compile: bool = setting(False, negatable=True, group="optimisation",
                             help="torch.compile each transformer block (the whole forward of other models)")
-    seed: int = setting(0, group="run", help="seed for the weights and the data order")
-    block_size: int = setting(64, check="count", group="run", help="context length for text")
+    block_size: int = setting(64, check="count", group="data", help="context length for text")
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     eval_batches: int = setting(20, check="non_negative_int", group="outputs",
                                 help="validation batches per evaluation for text (0: all)")
@@ -201,6 +293,14 @@ class TrainConfig:
                 f"{p.data_parallel_size} x grad-accum {self.grad_accum}"
                 + (f" x microbatches {p.microbatches}" if p.pp > 1 else "")
                 + f" = {per_step}; use a multiple of {per_step}")
+
+    def resolved(self, world_size: int, device_type: str) -> TrainConfig:
+        """A copy whose parallel settings are the layout of ``world_size`` ranks of ``device_type``, checked with
+        the training settings (ConfigurationError saying what to change): once per launch, before any rank
+        starts; the ranks get the copy as it is."""
+        out = dataclasses.replace(self, parallel=self.parallel.resolved(world_size, device_type))
+        out.check()
+        return out
 
     def scaled_lr(self) -> float:
         """The learning rate after the batch-size scaling rule (base_batch_size 0 means no scaling)."""

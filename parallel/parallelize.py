@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fedpar.parallel.compile import apply_compile, check_compile_layout
-from fedpar.parallel.config import ParallelConfig
+from fedpar.parallel.config import ParallelConfig, ParallelLayout
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from fedpar.parallel.init import DistInfo
@@ -24,7 +24,6 @@ from fedpar.parallel.pp import (
     check_pipeline_split,
     stage_ids_for_rank,
 )
-from fedpar.parallel.precision import resolve_precision
 from fedpar.parallel.tp import PlanFn, apply_tp, check_tp_divisible
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,19 +74,18 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def _data_parallel(part: nn.Module, config: ParallelConfig, mesh: ParallelMesh) -> nn.Module:
+def _data_parallel(part: nn.Module, config: ParallelLayout, mesh: ParallelMesh) -> nn.Module:
     device_type = mesh.mesh.device_type
     if config.fsdp > 1:
         dp_mesh = mesh[("dp", "fsdp")] if config.dp > 1 else mesh["fsdp"]
-        precision = resolve_precision(config, device_type)
-        return apply_fsdp(part, dp_mesh, mixed_precision_policy(precision),
+        return apply_fsdp(part, dp_mesh, mixed_precision_policy(config.precision),
                           offload_policy(config.cpu_offload, device_type), config.reshard_after_forward)
     if config.dp > 1:
         return apply_ddp(part, mesh["dp"])
     return part
 
 
-def parallelize(model_fn: Callable[[], nn.Module], family: str, config: ParallelConfig, mesh: ParallelMesh,
+def parallelize(model_fn: Callable[[], nn.Module], family: str, config: ParallelLayout, mesh: ParallelMesh,
                 info: DistInfo, loss_fn: LossFn, seed: int, activation_checkpointing: bool = False,
                 compile: bool = False, tp_plan: PlanFn | None = None) -> ParallelModel:
     """Build the whole model with ``seed`` on every rank (never meta-init on CPU), then split and shard it

@@ -10,17 +10,15 @@ from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.compile import check_compile_layout
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.parallelize import check_model_layout
-from fedpar.parallel.precision import resolve_precision
 
 
-def preflight(config: TrainConfig, device_type: str) -> str:
-    """Check precision, data and model shape against the resolved layout; returns the precision to train in.
+def preflight(config: TrainConfig) -> None:
+    """Check data and model shape against the layout ``config`` was resolved into (TrainConfig.resolved).
 
     The data is read here too (every rank reads it again), so that a missing --data-path, a model that does not fit
     the data or a --model-arg it does not take is said in one line before any rank starts; the model is built on
     the meta device (no memory, no init cost).
     """
-    precision = resolve_precision(config.parallel, device_type)
     pc = config.parallel
     if config.compile:
         check_compile_layout(config.model, pc)
@@ -30,4 +28,3 @@ def preflight(config: TrainConfig, device_type: str) -> str:
         model = build_model(config.model, **kwargs)
     if pc.tp > 1 or pc.pp > 1:
         check_model_layout(model, config.model, pc)
-    return precision

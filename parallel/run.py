@@ -33,6 +33,7 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
         shutdown_distributed()
 
 
-def spawned_train_process(config: dict[str, Any], timeout_seconds: float) -> None:
-    """Entry point for ``spawn``: the summary is written to disk by rank 0, so nothing is returned."""
+def spawned_train_process(config: TrainConfig, timeout_seconds: float) -> None:
+    """Entry point for ``spawn``: ``config`` as the launcher resolved it (its layout is used as is); the summary is
+    written to disk by rank 0, so nothing is returned."""
     train_process(config, timeout_seconds)

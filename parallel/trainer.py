@@ -14,7 +14,7 @@ from torch import nn
 from fedpar.datasets.arrays import CLASSIFICATION, TrainData
 from fedpar.models.losses import classification_loss, language_model_loss
 from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fedpar.parallel.config import TrainConfig
+from fedpar.parallel.config import ParallelLayout, TrainConfig
 from fedpar.parallel.ddp import is_ddp
 from fedpar.parallel.fsdp import is_fsdp
 from fedpar.parallel.init import DistInfo
@@ -36,7 +36,7 @@ from fedpar.parallel.optim import (
     warmup_factor,
 )
 from fedpar.parallel.parallelize import parallelize
-from fedpar.parallel.precision import resolve_precision, uses_autocast
+from fedpar.parallel.precision import uses_autocast
 from fedpar.parallel.sampler import DistributedBatchSampler
 
 COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
@@ -52,12 +52,13 @@ class Trainer:
     def __init__(self, config: TrainConfig, model_fn: Callable[[], nn.Module], data: TrainData,
                  info: DistInfo) -> None:
         """Check the configuration, build the mesh, parallelize the model and build the optimizers."""
-        config.parallel = config.parallel.resolved(info.world_size)
-        config.check()
+        if not isinstance(config.parallel, ParallelLayout):  # not resolved by a launcher: this path starts here
+            config = config.resolved(info.world_size, info.device.type)
+        config.parallel.check_runs_on(info.world_size, info.device.type)
         self.config, self.data, self.info = config, data, info
         self.out = Path(config.out)
         pc = config.parallel
-        self.precision = resolve_precision(pc, info.device.type)
+        self.precision = pc.precision
         self.mesh = build_mesh(pc, info.device.type)
         self.loss_fn = classification_loss if data.task == CLASSIFICATION else language_model_loss
         self.model = parallelize(model_fn, config.model, pc, self.mesh, info, self.loss_fn, config.seed,
@@ -87,7 +88,7 @@ class Trainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # Only the plain (non-FSDP, non-pipeline) path on GPUs; FSDP2 casts by itself (precision.py).
-        if uses_autocast(self.precision, self.config.parallel, self.info.device.type):
+        if uses_autocast(self.config.parallel):
             return torch.autocast(self.info.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

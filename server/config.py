@@ -9,31 +9,112 @@ from pathlib import Path
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.local_training import LocalTraining
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
-from fedpar.settings import setting
+from fedpar.sections import Seeded
+from fedpar.settings import redefault, setting
 
 
 DATA_PLANE_MIN_BYTES = 8 << 20
 
 
 @dataclass
-class CoordinatorConfig(LocalTraining):
-    """Everything that shapes the coordinator's rounds and its limits (and the local training its tasks ask for)."""
+class RoundSampling:
+    """How many rounds run, how many updates close one, how many agents it samples, and its deadline."""
 
     rounds: int = setting(10, check="non_negative_int", group="rounds", help="rounds to run (0: none)")
-    clients_per_round: int = setting(10, check="count", group="rounds",
-                                     help="K: accepted updates that close a round early")
+    clients_per_round: int | None = setting(
+        10, check="count", group="rounds",
+        help="K: the accepted updates that close a round, early, before its deadline (simulate: all its clients by "
+             "default)")
+    min_reports: int = setting(1, check="non_negative_int", group="rounds",
+                               help="a round with fewer accepted updates than this fails; the model stays as it was")
+    overselect: float = setting(1.3, check="at_least_one", group="rounds",  # FedScale's over-commitment
+                                help="sample ceil(K x overselect) agents so that stragglers do not hold a round up; "
+                                     "the first K updates count (simulate: 1 by default, as its K is all its "
+                                     "clients)")
+    deadline_seconds: float = setting(60.0, check="positive", flag="deadline", group="rounds",
+                                      help="straggler deadline in seconds, from task dispatch; later updates are "
+                                           "refused")
+
+
+@dataclass
+class StrategyChoice:
+    """Which aggregation strategy folds the updates, and its options (aggregation/registry.py checks them)."""
+
+    strategy: str = setting("fedavg", group="strategy", help="aggregation strategy")
+    strategy_options: dict = setting(default_factory=dict, flag="strategy-option", metavar="KEY=VALUE",
+                                     group="strategy", help="set an option of --strategy (repeatable)")
+
+
+@dataclass
+class AggregatorRanks:
+    """Coordinator processes that split each round's ingest and fold (server/aggregator_ranks.py)."""
+
+    aggregator_ranks: int = setting(
+        1, check="count", group="coordinator",
+        help="coordinator processes that share each round's downloads, uploads and fold, joined by an all-reduce; "
+             "agents are told which rank to use and the round table shows each rank's uploads and fold seconds "
+             "(serve: rank r listens on --port + r, or a free port with --port 0; under torchrun every launched "
+             "process is one rank and this is ignored)")
+    aggregator_timeout_seconds: float = setting(
+        120.0, check="positive", flag="aggregator-timeout", group="coordinator",
+        help="longest wait for another aggregator rank at a round's close; a rank that misses it is named and the "
+             "whole coordinator stops (serve: run the same command again to resume)")
+
+
+@dataclass
+class SecureAggregation:
+    """SecAgg+ masking of the updates (secagg/)."""
+
+    secure_aggregation: bool = setting(False, group="secagg",
+                                       help="SecAgg+ masking: the coordinator learns only the weighted mean of the "
+                                            "agents' updates (needs a linear strategy, one that uses only their "
+                                            "weighted mean, such as fedavg: a refusal lists them)")
+    secagg_clip: float = setting(1.0, check="positive", group="secagg",
+                                 help="with --secure-aggregation: clip each coordinate of an update (local - global) "
+                                      "to +-this")
+    secagg_max_weight: int | None = setting(
+        None, check="count", group="secagg",
+        help="with --secure-aggregation: cap on an agent's weight (default: largest registered examples x local "
+             "epochs in the cohort)")
+    secagg_stage_seconds: float = setting(30.0, check="positive", group="secagg",
+                                          help="with --secure-aggregation: longest wait for each key-exchange stage "
+                                               "and for unmasking")
+
+
+@dataclass
+class RoundClock:
+    """Whether rounds run on real or simulated time (server/virtual_clock.py)."""
+
+    virtual_clock: bool = setting(
+        False, group="coordinator", flag="clock", key="clock", choices={"real": False, "virtual": True},
+        help="'virtual' runs the deadline and first-K on simulated time: each member's finish time comes from its "
+             "trace and its work and only the first K in time train, so rounds run as fast as the machine allows "
+             "and the table shows simulated seconds (needs simulation hosts: serve --accept-populations, simulate "
+             "--virtual-clients)")
+    round_wall_seconds: float = setting(600.0, check="positive", flag="round-wall-timeout", group="coordinator",
+                                        help="with --clock virtual: the longest real time a round may take")
+
+
+@dataclass
+class AccuracyTarget:
+    """A test accuracy the run's summary times (server/run_summary.py)."""
+
+    target_accuracy: float | None = setting(
+        None, check="probability", group="outputs",
+        help="summary.json reports the rounds, wall and simulated seconds to reach this central test accuracy")
+
+
+# Sections are listed last first: a dataclass takes its bases' fields from the last base on.
+@dataclass
+class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, AggregatorRanks, LocalTraining, Seeded,
+                        RoundSampling):
+    """Everything that shapes the coordinator's rounds and its limits (and the local training its tasks ask for)."""
+
+    clients_per_round: int = redefault(RoundSampling, "clients_per_round", 10)
     # if set, K = max(min_reports, round(fraction * live agents))
     fraction: float | None = setting(None, check="fraction", group="rounds",
                                      help="alternative to --clients-per-round: K = fraction x live agents")
     min_available: int = setting(2, check="count", group="rounds", help="live agents needed before a round starts")
-    min_reports: int = setting(1, check="non_negative_int", group="rounds",
-                               help="fewer accepted updates than this fail the round; the model stays as it was")
-    overselect: float = setting(1.3, check="at_least_one", group="rounds",  # FedScale's over-commitment
-                                help="sample ceil(K x overselect) agents so stragglers do not hold a round up")
-    deadline_seconds: float = setting(60.0, check="positive", flag="deadline", group="rounds",
-                                      help="straggler deadline in seconds, from task dispatch; later updates are "
-                                           "refused")
-    seed: int = setting(0, group="rounds", help="seed for initial weights and sampling")
     heartbeat_seconds: float = setting(5.0, check="positive", flag="heartbeat", group="coordinator",
                                        help="seconds between agent heartbeats")
     liveness_timeout_seconds: float = setting(20.0, check="positive", flag="liveness-timeout", group="coordinator",
@@ -104,21 +185,6 @@ class CoordinatorConfig(LocalTraining):
                                           help="checkpoint every round here, and resume from it after a restart "
                                                "(same model and strategy)")
     metrics_path: Path | None = None
-    target_accuracy: float | None = None  # summary.json's time to this central test accuracy (fedpar simulate's)
-    secure_aggregation: bool = setting(False, group="secagg",
-                                       help="SecAgg+ masking: the coordinator learns only the weighted mean of the "
-                                            "agents' updates (needs a linear strategy, one that uses only their "
-                                            "weighted mean, such as fedavg: a refusal lists them)")
-    secagg_clip: float = setting(1.0, check="positive", group="secagg",
-                                 help="with --secure-aggregation: clip each coordinate of an update (local - global) "
-                                      "to +-this")
-    secagg_max_weight: int | None = setting(
-        None, check="count", group="secagg",
-        help="with --secure-aggregation: cap on an agent's weight (default: largest registered examples x local "
-             "epochs in the cohort)")
-    secagg_stage_seconds: float = setting(30.0, check="positive", group="secagg",
-                                          help="with --secure-aggregation: longest wait for each key-exchange stage "
-                                               "and for unmasking")
     # bulk socket transfers beside gRPC; None: on for models >= data_plane_min_bytes
     data_plane: bool | None = setting(
         None, choices={"auto": None, "on": True, "off": False}, group="transfer",
@@ -140,15 +206,6 @@ class CoordinatorConfig(LocalTraining):
     max_dataplane_handshakes_per_peer: int = setting(64, check="count", group="limits",
                                                      help="the same, from one address")
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # agents compress their deltas
-    aggregator_ranks: int = setting(
-        1, check="count", group="coordinator",
-        help="processes that share each round's downloads, uploads and fold, joined by an all-reduce (rank r listens "
-             "on --port + r, or a free port with --port 0; agents are told which rank to use). Under torchrun every "
-             "launched process is one rank and this is ignored")
-    aggregator_timeout_seconds: float = setting(
-        120.0, check="positive", flag="aggregator-timeout", group="coordinator",
-        help="longest wait for another aggregator rank at a round's close; a rank that misses it is named and the "
-             "whole coordinator stops (restart it with the same command to resume)")
     fold_dtype: str = setting(
         "float32", group="strategy", choices=("float32", "float64"),
         help="what the running weighted sums accumulate in: float64 costs twice the memory and traffic, and makes one "
@@ -159,12 +216,6 @@ class CoordinatorConfig(LocalTraining):
                                             "populations: members without certificates of their own, live while "
                                             "their host calls")
     max_population_join: int = 10_000  # members in one JoinPopulation call
-    virtual_clock: bool = setting(  # server/virtual_clock.py
-        False, group="coordinator", flag="clock", choices={"real": False, "virtual": True},
-        help="with --accept-populations: 'virtual' runs the deadline and first-K on simulated time; hosts report each "
-             "member's finish time from its trace and only the first K in time train")
-    round_wall_seconds: float = setting(600.0, check="positive", flag="round-wall-timeout", group="coordinator",
-                                        help="with --clock virtual: the longest real time a round may take")
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""

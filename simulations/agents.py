@@ -16,13 +16,17 @@ from fedpar.client.agent import Agent, AgentConfig
 from fedpar.client.stats import AgentStats
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.datasets import load_dataset
+from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import channel_credentials, client_tls_files
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.simulations.population import PopulationHost, PopulationSlice, client_seed
+from fedpar.parallel.config import Device, Precision
 from fedpar.parallel.device import flush_denormals
 from fedpar.parallel.stopping import die_with_parent
-from fedpar.task import Partition, Task
+from fedpar.sections import Seeded
+from fedpar.simulations.config import Population
+from fedpar.task import Partition, Task, TaskReference
 from fedpar.tasks.reference import load_task
 from fedpar.tasks.zoo import classifier_for
 
@@ -38,30 +42,18 @@ class AgentSpec:
     certs_dir: str | None = None  # mutual TLS with DIR/ca.pem and DIR/AGENT_ID.pem/.key; None: plaintext
 
 
-@dataclass
-class WorkerConfig:
-    """What one worker process needs to build and run its agents."""
+# Sections are listed last first: a dataclass takes its bases' fields from the last base on.
+@dataclass(kw_only=True)
+class WorkerConfig(Precision, Device, Population, TaskReference, Partitioning, DataFiles, DataSource, Seeded):
+    """What one worker process needs to build and run its agents: the simulation's sections it uses, as the
+    simulation holds them (``device``: this worker's, e.g. "cuda:1"; the runner deals workers over the GPUs)."""
 
     server: str
-    dataset: str
-    data_dir: str | None
-    model: str
-    val_fraction: float
-    seed: int
     agents: list[AgentSpec]
     poll_seconds: float = 2.0
-    device: str = "cpu"  # where this worker's agents train, e.g. "cuda:1" (the runner spreads workers over GPUs)
-    precision: str = "fp32"  # bf16: forward passes under bf16 autocast
     client_batching: bool = False  # the process's agents of one round train as one batched model
     population: PopulationSlice | None = None  # virtual clients this process hosts (instead of ``agents``)
-    seats: int = 2  # virtual clients of this process that train at once
-    day_seconds: float = 86_400.0  # real seconds one day of the population's availability trace lasts
     log_level: int = logging.WARNING  # of the worker's fedpar loggers: the parent's (simulate --log-level)
-    task: str | None = None  # --task: its agents train this task (reference) instead of ``model`` on ``dataset``
-    task_options: dict | None = None
-    partition: str = "iid"  # Partition.scheme of every client's share
-    clients: int = 1  # Partition.count: clients in the federation
-    examples_per_client: int | None = None  # the zoo's cap on a client's examples
 
     def partition_of(self, index: int, agent_id: str) -> Partition:
         """The Partition of client ``index`` (``agent_id``) of this federation."""
@@ -109,7 +101,8 @@ def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
     task = worker_task(cfg, splits)
     if cfg.population is not None:
         return PopulationHost(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
-                              cfg.poll_seconds, cfg.device, cfg.precision, cfg.day_seconds, give_up_after=60.0).run()
+                              cfg.poll_seconds, cfg.device, cfg.precision, cfg.trace_day_seconds,
+                              give_up_after=60.0).run()
     compute_lock = threading.Lock()  # this process's agents take turns on its CPU (see TaskTrainer)
     batcher = ClientBatcher(cfg.device, compute_lock) if cfg.client_batching else None
     return _run_agents([build_agent(cfg, spec, task, compute_lock, batcher) for spec in cfg.agents])

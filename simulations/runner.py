@@ -15,7 +15,6 @@ from typing import Callable
 import numpy as np
 
 from fedpar.aggregation import build_strategy
-from fedpar.aggregation.compression import CompressionConfig
 from fedpar.client.batched_trainer import check_batchable
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
@@ -35,6 +34,7 @@ from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, client_id, step_delays
 from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
+from fedpar.settings import composed
 from fedpar.tasks.reference import load_task
 from fedpar.datasets.clientdata import client_parts, label_counts, label_skew
 
@@ -83,11 +83,9 @@ def check_task(cfg: SimulationConfig) -> None:
 
 def check_clock(cfg: SimulationConfig) -> None:
     """ValueError for a clock the settings cannot run."""
-    if cfg.clock not in ("real", "virtual"):
-        raise ValueError(f"--clock must be real or virtual, got {cfg.clock!r}")
-    if cfg.clock == "virtual" and not cfg.virtual_clients:
+    if cfg.virtual_clock and not cfg.virtual_clients:
         raise ValueError("--clock virtual needs --virtual-clients (their hosts report each client's simulated time)")
-    if cfg.clock == "virtual" and cfg.aggregator_ranks > 1:
+    if cfg.virtual_clock and cfg.aggregator_ranks > 1:
         raise ValueError("--clock virtual does not work with --aggregator-ranks yet; drop one of them")
 
 
@@ -111,11 +109,6 @@ def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str
     return [f"cuda:{w % gpus}" for w in range(workers)]
 
 
-def upload_compression(cfg: SimulationConfig) -> CompressionConfig:
-    """How the simulated agents compress their uploads (ValueError on bad settings)."""
-    return CompressionConfig(cfg.compression, cfg.topk_ratio, cfg.int8_block)
-
-
 def check_client_batching(cfg: SimulationConfig) -> None:
     """ValueError if the client-batching settings cannot work."""
     if cfg.client_batching and cfg.precision != "fp32":
@@ -135,7 +128,6 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     for note in notes:
         log.warning(note)
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
-    upload_compression(cfg)  # bad settings fail before anything starts
     check_device_layout(cfg.device)
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
@@ -199,17 +191,14 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     if cfg.client_batching:
         check_batchable(assembly.model)
     k = cfg.clients_per_round or cfg.clients
-    coord_cfg = CoordinatorConfig(
-        rounds=cfg.rounds, clients_per_round=k, min_reports=cfg.min_reports,
+    # The sections the simulation shares with the coordinator (rounds, seed, local training, aggregator ranks,
+    # secure aggregation, clock, target accuracy) pass as they are; the rest is what a simulation on one machine
+    # fills in.
+    coord_cfg = composed(
+        CoordinatorConfig, cfg, clients_per_round=k, upload_compression=cfg.upload_compression,
         min_available=min(cfg.clients, k) if cfg.trace else cfg.clients,  # with availability, never all at once
-        overselect=cfg.overselect, deadline_seconds=cfg.deadline_seconds, local_epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size, learning_rate=cfg.learning_rate, client_eval_every=cfg.client_eval_every,
-        seed=cfg.seed, heartbeat_seconds=2.0,
-        liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, secure_aggregation=cfg.secure_aggregation,
-        upload_compression=upload_compression(cfg), aggregator_ranks=cfg.aggregator_ranks,
-        metrics_path=out / "metrics.jsonl" if out else None, target_accuracy=cfg.target_accuracy,
-        accept_populations=cfg.virtual_clients,
-        virtual_clock=cfg.clock == "virtual",
+        heartbeat_seconds=2.0, liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
+        metrics_path=out / "metrics.jsonl" if out else None, accept_populations=cfg.virtual_clients,
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads,
                                    cfg.workers * cfg.seats if cfg.virtual_clients else 0),
@@ -224,9 +213,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         spec.certs_dir = certs.name
     ranks = None
     if cfg.aggregator_ranks > 1:
-        ranks = IngestRanks(cfg.aggregator_ranks, IngestRankSpec(
-            coord_cfg, cfg.model, cfg.dataset, cfg.data_dir, cfg.seed, cfg.strategy, cfg.strategy_options,
-            certs.name if certs else None, cfg.task, cfg.task_options))
+        ranks = IngestRanks(cfg.aggregator_ranks, composed(IngestRankSpec, cfg, config=coord_cfg,
+                                                            certs_dir=certs.name if certs else None))
     server = assembly.server(coord_cfg, strategy, on_round_end=callbacks,
                              admission=Admission(require_certificate=cfg.tls),
                              credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
@@ -238,13 +226,9 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     try:
         devices = worker_devices(cfg.device, len(pipes))
         for w, send in enumerate(pipes):
-            send.send(WorkerConfig(server.address, cfg.dataset, cfg.data_dir, cfg.model, cfg.val_fraction, cfg.seed,
-                                   specs[w::len(pipes)], device=devices[w], precision=cfg.precision,
-                                   client_batching=cfg.client_batching, population=slices[w], seats=cfg.seats,
-                                   day_seconds=cfg.trace_day_seconds, task=cfg.task,
-                                   task_options=cfg.task_options, partition=cfg.partition, clients=cfg.clients,
-                                   examples_per_client=cfg.examples_per_client,
-                                   log_level=logging.getLogger("fedpar").getEffectiveLevel()))
+            send.send(composed(WorkerConfig, cfg, server=server.address, agents=specs[w::len(pipes)],
+                               device=devices[w], client_batching=cfg.client_batching, population=slices[w],
+                               log_level=logging.getLogger("fedpar").getEffectiveLevel()))
             send.close()
         try:
             while not server.wait(0.5):

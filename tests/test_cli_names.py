@@ -148,14 +148,16 @@ def test_log_level_debug_turns_on_grpc_debug_unless_the_user_chose(monkeypatch):
 
 
 @pytest.mark.parametrize("command, sections", [
-    ("serve", ["coordinator", "data and model", "rounds and sampling", "local training", "aggregation", "transfer",
-               "limits", "secure aggregation", "differential privacy", "TLS and identity", "observability"]),
-    ("simulate", ["run", "rounds and sampling", "data and model", "local training", "simulated clients",
-                  "aggregation", "secure aggregation", "transfer", "differential privacy", "observability"]),
+    ("serve", ["coordinator", "outputs", "data and model", "device", "rounds and sampling", "local training",
+               "aggregation", "secure aggregation", "transfer", "limits", "differential privacy", "TLS and identity",
+               "observability"]),
+    ("simulate", ["rounds and sampling", "data and model", "local training", "simulated clients", "aggregation",
+                  "coordinator", "secure aggregation", "device", "outputs", "transfer", "differential privacy",
+                  "observability"]),
     ("client", ["connection", "data and model", "device", "TLS and identity", "large-model agent"]),
-    ("train", ["run", "optimisation", "outputs", "parallelism"]),
-    ("simulate-workers", ["connection", "data and model", "simulated clients"]),
-    ("certs", ["certificates", "revocation and tokens"]),
+    ("train", ["data and model", "device", "optimisation", "outputs", "observability", "parallelism"]),
+    ("simulate-workers", ["connection", "data and model", "simulated clients", "device"]),
+    ("certs", ["outputs", "certificates", "revocation and tokens"]),
 ])
 def test_help_is_grouped_into_short_sections(command, sections):
     parser = subcommand_parser(build_parser(only=command), command)

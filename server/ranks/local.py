@@ -11,35 +11,31 @@ import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
+from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
 from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
+from fedpar.sections import Seeded
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.assembly import CoordinatorAssembly
-from fedpar.server.config import CoordinatorConfig
+from fedpar.server.config import CoordinatorConfig, StrategyChoice
 from fedpar.server.ranks.group import RankGroup
 from fedpar.server.ranks.ingest import IngestRank
 from fedpar.server.ranks.leader import RankLeader
+from fedpar.task import TaskReference
 from fedpar.tasks.reference import load_task
 
 
-@dataclass
-class IngestRankSpec:
+# Sections are listed last first: a dataclass takes its bases' fields from the last base on.
+@dataclass(kw_only=True)
+class IngestRankSpec(TaskReference, StrategyChoice, Seeded, DataFiles, DataSource):
     """What a spawned rank builds: the coordinator's settings, model (the zoo's for ``model``/``dataset``, or
     ``task`` made with ``task_options``), strategy, and the TLS certificates if any."""
 
     config: CoordinatorConfig
-    model: str
-    dataset: str
-    data_dir: str | None
-    seed: int
-    strategy: str
-    strategy_options: dict
     certs_dir: str | None = None
-    task: str | None = None
-    task_options: dict = dataclasses.field(default_factory=dict)
 
 
 def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from fedpar.cli.config import load_toml_section
-from fedpar.parallel.config import ConfigurationError, ParallelConfig, TrainConfig, train_config_from_dict
+from fedpar.parallel.config import (ConfigurationError, ParallelConfig, ParallelLayout, TrainConfig,
+                                   train_config_from_dict)
 
 
 # Process start-up dominates (7-18 s per launch when idle); on a 2-core box shared with other jobs a
@@ -309,10 +311,17 @@ def test_train_refuses_a_layout_given_in_a_config_file(tmp_path: Path, capsys, m
 
 
 def test_mixed_precision_resolves_to_what_really_applies():
-    from fedpar.parallel.precision import resolve_precision, uses_autocast
+    from fedpar.parallel.precision import uses_autocast
+
+    def layout(device: str, **kw) -> ParallelLayout:
+        degrees = {"dp": 1, **kw}
+        world = 1
+        for name in ("dp", "fsdp", "tp", "pp"):
+            world *= degrees.get(name, 1)
+        return ParallelConfig(**degrees, microbatches=2).resolved(world, device)
 
     def resolve(device: str, **kw) -> str:
-        return resolve_precision(ParallelConfig(**{"dp": 1, **kw}), device)
+        return layout(device, **kw).precision
 
     assert [resolve("cpu", mixed_precision=m) for m in ("auto", "fp32")] == ["fp32", "fp32"]
     assert resolve("cpu", fsdp=2, mixed_precision="bf16") == "bf16"  # FSDP2's MixedPrecisionPolicy applies it
@@ -322,8 +331,25 @@ def test_mixed_precision_resolves_to_what_really_applies():
         resolve("cuda", pp=2, mixed_precision="bf16")
     with pytest.raises(ConfigurationError, match="on CPU only FSDP2"):
         resolve("cpu", tp=2, mixed_precision="bf16")
-    assert uses_autocast("bf16", ParallelConfig(dp=1, tp=2), "cuda")
-    assert not uses_autocast("bf16", ParallelConfig(dp=1, fsdp=2), "cuda")
+    assert uses_autocast(layout("cuda", tp=2))
+    assert not uses_autocast(layout("cuda", fsdp=2))
+
+
+def test_a_layout_is_resolved_once_frozen_and_passed_to_the_ranks_as_it_is():
+    import pickle
+
+    from fedpar.parallel.config import layout_for
+
+    layout = ParallelConfig(dp=-1, fsdp=2).resolved(4, "cpu")
+    assert (layout.dp, layout.world_size, layout.device_type, layout.precision) == (2, 4, "cpu", "fp32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.fsdp = 4
+    assert layout_for(layout, 4, "cpu") is layout  # a rank uses the launcher's layout, resolving nothing again
+    with pytest.raises(ConfigurationError, match="resolved for 4 cpu rank"):
+        layout_for(layout, 2, "cpu")
+    assert pickle.loads(pickle.dumps(layout)) == layout  # what spawn does between our own processes
+    cfg = TrainConfig(batch_size=8, parallel=ParallelConfig(dp=2)).resolved(2, "cpu")
+    assert isinstance(cfg.parallel, ParallelLayout) and cfg.parallel.world_size == 2
 
 
 def test_train_under_torchrun_takes_its_ranks_from_the_environment_and_a_pipeline_from_a_config_file(

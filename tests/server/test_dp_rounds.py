@@ -31,7 +31,7 @@ def _weights(seed=0):
 
 def _run_real_agents(server, splits, k: int) -> list:
     """k real agents (MLP, at most 600 // k digits each), each in a thread named after it, until the run ends."""
-    worker = WorkerConfig(server.address, "digits", None, "mlp", 0.0, 0, [], poll_seconds=1.0, clients=k)
+    worker = WorkerConfig(server=server.address, agents=[], val_fraction=0.0, device="cpu", poll_seconds=1.0, clients=k)
     task = classifier_for("mlp", splits, examples_per_client=600 // k)
     bots = [build_agent(worker, AgentSpec(f"agent-{i}", i), task) for i in range(k)]
     threads = [threading.Thread(target=bot.run, name=bot.config.agent_id) for bot in bots]

@@ -21,7 +21,8 @@ def _bytes_per_upload(config: CompressionConfig) -> tuple[int, int]:
 @pytest.mark.parametrize("method, ratio, floor", [("int8", 0.01, 0.8), ("topk", 0.05, 0.5)])
 def test_compressed_simulation_learns_digits_and_counts_encoded_bytes(method, ratio, floor):
     torch.set_num_threads(1)
-    cfg = SimulationConfig(clients=4, rounds=3, local_epochs=2, workers=1, compression=method, topk_ratio=ratio)
+    cfg = SimulationConfig(clients=4, rounds=3, local_epochs=2, workers=1,
+                           upload_compression=CompressionConfig(method, ratio))
     rows = []
     summary = run_simulation(cfg, on_round=rows.append)
     assert summary["rounds"] == 3 and summary["failed_rounds"] == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 from support.simulation_runs import simulate_rows as _rows
 
@@ -15,7 +16,7 @@ def test_virtual_clients_learn_what_one_agent_per_client_learns_with_their_own_e
     # pick up its own error-feedback residual where it left it (the host keeps them on disk, a seat carries one)
     # (federated evaluation in every 2nd round only: the agents score the global model in rounds 2 and 4)
     common = dict(clients=12, clients_per_round=6, rounds=4, local_epochs=1, seed=4, slow_fraction=0.2,
-                  slow_step_delay=0.0, compression="topk", topk_ratio=0.05, client_eval_every=2)
+                  slow_step_delay=0.0, upload_compression=CompressionConfig("topk", 0.05), client_eval_every=2)
     _, agents = _rows(**common, out=str(tmp_path / "agents"))
     summary, virtual = _rows(**common, virtual_clients=True, seats=2, out=str(tmp_path / "virtual"))
     assert summary["failed_rounds"] == 0
