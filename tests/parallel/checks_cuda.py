@@ -89,5 +89,5 @@ def check_trainer_bf16_autocast_on_cuda():
     trainer = Trainer(cfg, TinyMLP, data, info)
     summary = trainer.run()
     return {"precision": trainer.precision, "backend": summary["backend"], "device": summary["device"],
-            "autocast": uses_autocast(trainer.precision, trainer.config.parallel, info.device.type),
+            "autocast": uses_autocast(trainer.config.parallel),
             "test_accuracy": summary["test_accuracy"], "peak_memory_source": summary["peak_memory_source"]}
