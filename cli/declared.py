@@ -27,7 +27,6 @@ SECTIONS: dict[str, tuple[str, str | None]] = {
     "secagg": ("secure aggregation", "SecAgg+ masking: the coordinator learns only the weighted mean"),
     "simulation": ("simulated clients", None),
     "engine": ("large-model agent", "one agent over several local ranks (dp-replicate*fsdp*tp = --nproc)"),
-    "run": ("run", None),
     "optimisation": ("optimisation", None),
     "parallel": ("parallelism", "dp-replicate*fsdp*tp*pp = world size; -1 infers one degree"),
     "privacy": ("differential privacy", "DP-FedAvg (McMahan et al. 2018, Andrew et al. 2021)"),
@@ -124,11 +123,10 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
     return added
 
 
-def declared_values(cls: type, args: argparse.Namespace, also: typing.Iterable[str] = ()) -> dict[str, Any]:
+def declared_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """Field name -> value of every declared field of ``cls`` that ``args`` holds (command-line words of a
-    ``choices`` dict turned into the values they stand for), and of the fields named in ``also`` (options
-    declared elsewhere, such as a simulation's --compression), by name."""
-    out = {name: getattr(args, name) for name in also}
+    ``choices`` dict turned into the values they stand for)."""
+    out = {}
     for f in declared_fields(cls):
         dest = setting_key(f)
         if not hasattr(args, dest):
@@ -140,6 +138,6 @@ def declared_values(cls: type, args: argparse.Namespace, also: typing.Iterable[s
     return out
 
 
-def from_args(cls: type, args: argparse.Namespace, also: typing.Iterable[str] = (), **overrides: Any) -> Any:
-    """An instance of dataclass ``cls`` from the declared options in ``args`` (and ``also``), then ``overrides``."""
-    return cls(**{**declared_values(cls, args, also), **overrides})
+def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """An instance of dataclass ``cls`` from the declared options in ``args``, then ``overrides``."""
+    return cls(**{**declared_values(cls, args), **overrides})

@@ -1,7 +1,10 @@
 """Settings declared once: a dataclass field that also carries its command-line help, section and range.
 
 ``fedpar.cli.declared`` turns such fields into argparse options and TOML keys, so a setting's name, type, default,
-help and range are written in one place, its dataclass. This module depends on nothing: every room may use it.
+help and range are written in one place, its dataclass. Settings come in sections (small dataclasses: rounds and
+sampling, data and model, device, ...); a command's config is composed of the sections it uses (it inherits them),
+and one config hands another the sections they share with :func:`composed`. This module depends on nothing: every
+room may use it.
 """
 
 from __future__ import annotations
