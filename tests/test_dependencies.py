@@ -19,7 +19,7 @@ ALLOWED = {
     "server": BASE | {"secagg", "aggregation", "tasks"},
     "client": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # large-model agents train on the engine
 }
-PACKAGE_ROOT = {"settings", "task"}  # fedpar/settings.py and fedpar/task.py (the public Task): for every room
+PACKAGE_ROOT = {"settings", "sections", "task"}  # fedpar/settings.py, sections.py, task.py (the public Task): every room
 
 
 def _imported_rooms(folder: Path) -> dict[str, str]:
