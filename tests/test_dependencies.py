@@ -16,7 +16,7 @@ ALLOWED = {
     "aggregation": {"protocol", "models"},
     "parallel": {"protocol", "models", "datasets"},
     "tasks": {"protocol", "models", "datasets", "parallel"},  # running a fedpar.Task: its data, evaluation, the zoo
-    "server": BASE | {"secagg", "aggregation", "tasks"},
+    "server": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # aggregator ranks join a gloo group
     "client": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # large-model agents train on the engine
 }
 PACKAGE_ROOT = {"settings", "sections", "task"}  # fedpar/settings.py, sections.py, task.py (the public Task): every room
