@@ -121,11 +121,7 @@ def check_data_parallel(task: Task, cfg: TrainConfig) -> None:
     (TrainConfig.resolved) cannot train."""
     from fedpar.client.engine_trainer import check_engine_task
 
-    config, world = cfg.parallel, cfg.parallel.world_size
-    check_engine_task(task, config, world)
-    if world > 1 and cfg.batch_size % config.data_parallel_size:
-        raise TaskError(f"--batch-size {cfg.batch_size} (global) must be divisible by the "
-                        f"{config.data_parallel_size} data-parallel ranks")
+    check_engine_task(task, cfg.parallel, cfg.parallel.world_size)  # the batch's split: checked as it was resolved
 
 
 def train_task_rank(config: TrainConfig, task_ref: str, task_options: dict[str, Any], timeout_seconds: float) -> None:

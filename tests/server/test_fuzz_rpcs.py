@@ -297,7 +297,8 @@ def _hostile_header(fz: Fuzzer, defect: str, dim: int, dtype: str, rid: int, exa
     elif defect == "wrong_task":
         header.task_id = fz.tasks[(i + 1) % POOL].task_id
     elif defect == "bad_examples":
-        header.num_examples = examples if not 1 <= examples <= 100 else -examples
+        cap = 100 * fz.server.coordinator.config.local_epochs  # registered examples x epochs: the most it may claim
+        header.num_examples = examples if not 1 <= examples <= cap else -examples
     elif defect == "nan_metric":
         header.metrics["loss"] = math.nan
     elif defect == "wrong_total":

@@ -34,8 +34,8 @@ def _one_line(argv: list[str], capsys) -> str:
      "option 'hidden' must be an integer, got 'many'"),
     (["--task", "fedpar.tasks.zoo:classifier_for"], "needs --task-option model=..."),
     (["--task-option", "csv=t.csv"], "--task-option needs --task"),
-    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "3"], "--batch-size 64 (global) must be divisible by the "
-                                                                 "3 data-parallel ranks"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "3"], "--batch-size 64 (global) must be divisible by "
+                                                                 "data-parallel size 3 x grad-accum 1 = 3"),
     (["--task", "fedpar.tasks.zoo:classifier", "--task-option", "model=cnn", "--nproc", "2", "--tp", "2"],
      "task 'cnn on digits' declares no tensor-parallel plan (Task.tp_plan), so --tp does not apply to it; drop --tp, "
      "or give the task a tp_plan"),
