@@ -67,10 +67,11 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
     torch.set_num_threads(1)
     clients, per_round, rounds = 24, 12, 3
     splits = load_dataset("digits")
+    rows: list[dict] = []
     server = CoordinatorAssembly.for_data("mlp", splits, 0, "cpu").server(
         CoordinatorConfig(rounds=rounds, clients_per_round=per_round, min_available=clients, accept_populations=True,
                           overselect=1.0, local_epochs=3, deadline_seconds=60.0, heartbeat_seconds=1.0),
-        build_strategy("fedavg"))
+        build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
     try:
         population = PopulationSlice.of("host-0", list(range(clients)),
@@ -81,7 +82,6 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
         host.run()  # until the coordinator says training is over
     finally:
         server.stop()
-    rows = server.coordinator.metrics.rows
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", per_round)] * rounds
     assert rows[-1]["test_accuracy"] > max(0.5, rows[0]["test_accuracy"])  # the model learns
     batches = host.seats[0].trainer.batcher.batch_sizes  # one batcher for the host's seats
