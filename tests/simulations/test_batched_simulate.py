@@ -76,7 +76,7 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
     try:
         population = PopulationSlice.of("host-0", list(range(clients)),
                                         client_parts(splits, "iid", clients, 0, None), [0.0] * clients)
-        worker = WorkerConfig(server.address, "digits", None, "mlp", 0.1, 0, population, clients=clients)
+        worker = WorkerConfig(server=server.address, population=population, clients=clients, device="cpu")
         host = PopulationHost(server.address, population, worker_task(worker, splits), worker.partition_of, 0,
                               seats=4, poll_seconds=1.0, client_batching=True)
         host.run()  # until the coordinator says training is over
