@@ -1,9 +1,9 @@
-"""Simulation at population scale: `fedpar simulate --virtual-clients` with populations of 100 to 100,000 clients
+"""Simulation at population scale: `fedpar simulate` (its population route, the only one) with populations of 100 to 100,000 clients
 at 100 per round, next to the same rounds as one plain PyTorch loop (fedavg_floor.py), measured in the same run.
 
 One command: ``.venv/bin/python benchmarks/population_bench.py`` (``--quick``: 100 and 10,000 only, 4 rounds).
 For each population N it runs, each in a fresh process:
-- `fedpar simulate --virtual-clients` on Synthetic(0.5, 0.5) (FedProx's generated benchmark, --partition natural,
+- `fedpar simulate` on Synthetic(0.5, 0.5) (FedProx's generated benchmark, --partition natural,
   a median of 5 examples per client, so every population's clients are alike), 100 clients per round, one
   local epoch, 2 worker processes, no federated evaluation (`--client-eval-every 0`, as the floor has none):
   time to the first round's start, steady round seconds (median of rounds
@@ -87,7 +87,7 @@ def cell(name: str, clients: int, job: list[str], floor_job: list[str], tmp: Pat
     shared = ["--clients", str(clients), "--clients-per-round", str(PER_ROUND), "--local-epochs", "1", *job]
     # --client-eval-every 0: the clients do the floor's work (train; the coordinator evaluates centrally), with no
     # federated evaluation of the model they receive, which the floor does not do either
-    sim = run_simulate([*shared, "--virtual-clients", "--client-eval-every", "0"], tmp / f"{name}-{clients}")
+    sim = run_simulate([*shared, "--client-eval-every", "0"], tmp / f"{name}-{clients}")
     floor = run_floor(["--clients", str(clients), "--clients-per-round", str(PER_ROUND), "--local-epochs", "1",
                        *floor_job])
     sim.pop("rows")
@@ -116,7 +116,7 @@ def straggler_study(rounds: int, tmp: Path) -> dict:
     """The straggler study on the real clock and on the virtual clock, same settings and seed."""
     args = [*STRAGGLER_STUDY, "--rounds", str(rounds)]
     real = run_simulate(args, tmp / "straggler-real")
-    virtual = run_simulate([*args, "--virtual-clients", "--clock", "virtual"], tmp / "straggler-virtual")
+    virtual = run_simulate([*args, "--clock", "virtual"], tmp / "straggler-virtual")
     out = {"real": to_target(real["rows"]), "virtual": to_target(virtual["rows"])}
     print(f"\nstraggler study (30% slow, 1 s deadline), to {TARGET_ACCURACY:.0%} test accuracy:")
     print(f"{'clock':<9}{'rounds':>7}{'sim s':>8}{'wall s':>8}{'round s':>9}{'final acc':>10}")

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from fedpar.cli.renamed import AliasOption, RenamedOption
+from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag
 from fedpar.cli.subcommands import SUBCOMMANDS
 
 
@@ -82,6 +82,9 @@ def typed_value(action: argparse.Action, value: Any) -> Any:
     """``value`` from a TOML file as the option's flag would make it; ValueError saying what was expected."""
     if isinstance(action, RenamedOption):
         raise ValueError(action.toml_message)
+    if isinstance(action, RetiredFlag):
+        action.tell_toml()
+        return value
     if isinstance(action, _FLAGS):
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")

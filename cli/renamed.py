@@ -1,5 +1,6 @@
 """Options that were renamed: the old flag (or TOML key) is refused with one line naming the new ones, or (an
-alias) still accepted, with one line naming the new one."""
+alias) still accepted, with one line naming the new one; and flags that were retired: accepted for one release
+with a one-line note."""
 
 from __future__ import annotations
 
@@ -56,3 +57,27 @@ class AliasOption(argparse.Action):
 def add_alias(parser: argparse.ArgumentParser, old_flag: str, new: argparse.Action) -> None:
     """Accept ``old_flag`` (and its TOML key) as the old name of option ``new``, with a one-line note."""
     parser.add_argument(old_flag, action=AliasOption, new=new)
+
+
+class RetiredFlag(argparse.Action):
+    """A hidden flag that no longer changes anything (what it turned on is the default): its use, on the command
+    line or in a TOML file, is one note on stderr, and the command goes on."""
+
+    def __init__(self, option_strings, dest, note: str, toml_note: str, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.note, self.toml_note = note, toml_note
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        """Say, in one line, that the flag is not needed any more."""
+        print(f"{parser.prog}: note: {option_string} {self.note}", file=sys.stderr)
+
+    def tell_toml(self) -> None:
+        """Say it for the flag's TOML key."""
+        print(self.toml_note, file=sys.stderr)
+
+
+def add_retired(parser: argparse.ArgumentParser, flag: str, note: str) -> None:
+    """Accept ``flag`` (and its TOML key) for one more release with the one-line ``note`` (e.g. 'is the default
+    now; drop it')."""
+    key = flag.lstrip("-").replace("-", "_")
+    parser.add_argument(flag, dest=key, action=RetiredFlag, note=note, toml_note=f"{parser.prog}: note: {key} {note}")

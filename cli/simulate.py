@@ -1,4 +1,4 @@
-"""Run a federation on this machine: a real coordinator and N real agents talking gRPC on loopback.
+"""Run a federation on this machine: a real coordinator and worker processes hosting N clients, on loopback gRPC.
 
 Writes OUT/metrics.jsonl (one JSON object per round) and, at the end, the final global model (OUT/global.safetensors
 with OUT/global.json), OUT/summary.json, OUT/accuracy.png and OUT/loss.png; prints a per-round table while it runs.
@@ -16,6 +16,7 @@ from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
+from fedpar.cli.renamed import add_retired
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import task_options
 from fedpar.cli.user_errors import check_output_folder, run_exit_code
@@ -45,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_compression_arguments(p)
     add_privacy_arguments(p, population_flag=False)
     add_observability_arguments(p)
+    add_retired(p, "--virtual-clients", "is the default now (worker processes host the population; only sampled "
+                                        "clients get a model and data); drop it")
 
 
 def simulation_config(args: argparse.Namespace) -> SimulationConfig:

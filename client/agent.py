@@ -211,19 +211,21 @@ class Agent:
         self._stub.Heartbeat(pb.HeartbeatRequest(auth=self._auth), timeout=self._heartbeat_seconds)
 
     def run_task_as(self, auth: pb.AgentAuth, task: pb.TrainTask, max_chunk_bytes: int = 0,
-                    weights: list[np.ndarray] | None = None) -> bool:
+                    weights: list[np.ndarray] | None = None, mode: SecureUpload | None = None) -> bool:
         """Run one task for another identity (a virtual client whose host pulled the task): its session ``auth``
         on this agent's channel and trainer (whose data the caller set); ``weights``: the round's global model
-        if the host has it already. As :meth:`_run_task`."""
+        if the host has it already; ``mode``: the member's secure round, begun by its host. As :meth:`_run_task`."""
         self._auth = auth
         self._max_chunk = max_chunk_bytes or self._max_chunk
         with self.trainer.holding_task(task.round):
-            return self._run_task(task, weights)
+            return self._run_task(task, weights, mode)
 
     # ------------------------------------------------------------------ one task
-    def _run_task(self, task: pb.TrainTask, weights: list[np.ndarray] | None = None) -> bool:
+    def _run_task(self, task: pb.TrainTask, weights: list[np.ndarray] | None = None,
+                  mode: SecureUpload | None = None) -> bool:
         """Train on ``task`` and upload; False only if the task should be pulled again (its weights never came).
-        ``weights``: the task's global weights when they are at hand already (nothing is downloaded)."""
+        ``weights``: the task's global weights when they are at hand already (nothing is downloaded); ``mode``:
+        how its update goes up, when the caller made it (else as the task's settings say)."""
         received = time.monotonic()
         deadline_at = received + task.deadline_seconds
         self.stats.tasks += 1
@@ -233,7 +235,7 @@ class Agent:
             self._note_refusal("task settings", err)
             return True
         data_plane = self._data_plane(task)
-        mode = self._round_mode(task, settings, deadline_at, data_plane)
+        mode = mode or self._round_mode(task, settings, deadline_at, data_plane)
         if not mode.begin():
             return True
         try:

@@ -38,6 +38,7 @@ class ClientBatchInput:
     start: dict[str, torch.Tensor] | None = None  # start weights (and FedProx anchor); None: the model's own
     stop_at: float = math.inf  # the time.monotonic() the client's training must not pass (LocalTrainer's stop_at)
     step_delay: float = 0.0  # a simulated slow device's extra seconds per step: added to its clock, not slept
+    max_steps: int | None = None  # at most this many steps (a virtual clock's cap, as LocalTrainer's max_steps)
 
 
 @dataclass
@@ -147,7 +148,8 @@ class ClientBatch:
             index, mask = batch_schedule(len(c.y), c.seed, epochs, batch_size, round_id)
             plans.append((index + offset, mask))
             offset += len(c.y)
-        total = [len(index) for index, _ in plans]
+        total = [min(len(index), c.max_steps) if c.max_steps is not None else len(index)
+                 for c, (index, _) in zip(self.clients, plans)]
         longest = max(total, default=0)
         index = torch.zeros(len(plans), longest, batch_size, dtype=torch.long)
         mask = torch.zeros(len(plans), longest, batch_size, dtype=torch.bool)

@@ -483,7 +483,7 @@ class RankOpen(_message.Message):
     def __init__(self, round: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[RankAgent, _Mapping]]] = ...) -> None: ...
 
 class RankAgent(_message.Message):
-    __slots__ = ("rank", "agent_id", "task_id", "token", "num_examples", "cert_serial", "ticket")
+    __slots__ = ("rank", "agent_id", "task_id", "token", "num_examples", "cert_serial", "ticket", "host")
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -491,6 +491,7 @@ class RankAgent(_message.Message):
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     CERT_SERIAL_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     rank: int
     agent_id: str
     task_id: str
@@ -498,7 +499,8 @@ class RankAgent(_message.Message):
     num_examples: int
     cert_serial: bytes
     ticket: bytes
-    def __init__(self, rank: _Optional[int] = ..., agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., token: _Optional[str] = ..., num_examples: _Optional[int] = ..., cert_serial: _Optional[bytes] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    host: str
+    def __init__(self, rank: _Optional[int] = ..., agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., token: _Optional[str] = ..., num_examples: _Optional[int] = ..., cert_serial: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., host: _Optional[str] = ...) -> None: ...
 
 class RankClose(_message.Message):
     __slots__ = ("round", "expected")

@@ -89,8 +89,8 @@ class RoundClock:
         False, group="coordinator", flag="clock", key="clock", choices={"real": False, "virtual": True},
         help="'virtual' runs the deadline and first-K on simulated time: each member's finish time comes from its "
              "trace and its work and only the first K in time train, so rounds run as fast as the machine allows "
-             "and the table shows simulated seconds (needs simulation hosts: serve --accept-populations, simulate "
-             "--virtual-clients)")
+             "and the table shows simulated seconds (needs simulation hosts: serve --accept-populations; every "
+             "simulate has them)")
     round_wall_seconds: float = setting(600.0, check="positive", flag="round-wall-timeout", group="coordinator",
                                         help="with --clock virtual: the longest real time a round may take")
 

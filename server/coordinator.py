@@ -30,7 +30,7 @@ from fedpar.server.ranks.group import RankMissing
 from fedpar.server.ranks.leader import RankLeader
 from fedpar.server.ranks.plane import IngestPlane
 from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
-from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord
+from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord, speaker
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
@@ -463,7 +463,7 @@ class Coordinator(IngestPlane):
         elif self.data_port is not None:
             task.data_port = self.data_port
             if slot.data_ticket is None:
-                slot.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id)
+                slot.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id, speaker(agent))
             task.data_ticket = slot.data_ticket
         return pb.PullTaskReply(task=task)
 

@@ -237,7 +237,7 @@ class DataPlaneServer:
             if agent is None:
                 raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"agent {entry.agent_id!r} is not registered; join again")
             try:
-                coord.registry.admission.check_call(entry.agent_id, peer)
+                coord.registry.admission.check_call(entry.holder, peer)
             except AdmissionRefused as exc:
                 raise Refusal(exc.code, exc.message) from None
             agent.last_seen = time.monotonic()

@@ -33,6 +33,7 @@ class AgentRecord:
     left: bool = False
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS)
     host: str | None = None  # a simulated population's member: live while its host calls (JoinPopulation)
+    # (its host's identity speaks for it: under mutual TLS its calls carry the host's certificate)
     away: bool = False  # a member its host reported offline (availability trace): not sampled meanwhile
 
 
@@ -136,7 +137,8 @@ class AgentRegistry:
             if agent_id not in self._agents:
                 host.members += 1
             num_examples = self.member_caps.fix(agent_id, num_examples)
-            record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id, away=away)
+            record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id, away=away,
+                                 cert_serial=peer.serial if peer else None)  # revoking the host's revokes them
             self._agents[agent_id] = record
             records.append(record)
         host.last_seen = self._clock()
@@ -150,8 +152,10 @@ class AgentRegistry:
                 if record is not None and record.host == host_id:
                     record.away = flag
 
-    def authenticate_host(self, host_id: str, token: str) -> HostRecord:
-        """The host's record if ``token`` is its session token; marks it (and so its members) seen."""
+    def authenticate_host(self, host_id: str, token: str, peer: PeerIdentity | None = None) -> HostRecord:
+        """The host's record if ``token`` is its session token and the admission policy still admits it over a
+        connection proving ``peer``; marks it (and so its members) seen."""
+        self.admission.check_call(host_id, peer)
         host = self._hosts.get(host_id)
         if host is None or not hmac.compare_digest(host.token.encode(), token.encode()):
             raise AuthError(f"unknown host {host_id!r} or bad session token: call JoinPopulation again")
@@ -160,9 +164,9 @@ class AgentRegistry:
 
     def authenticate(self, agent_id: str, token: str, peer: PeerIdentity | None = None) -> AgentRecord:
         """The agent's record if ``token`` is its current session token and the admission policy still
-        admits it over a connection proving ``peer``; marks it seen."""
-        self.admission.check_call(agent_id, peer)
+        admits it over a connection proving ``peer`` (a population member: proving its host); marks it seen."""
         record = self._agents.get(agent_id)
+        self.admission.check_call(speaker(record) if record is not None else agent_id, peer)
         if record is None or record.left:
             raise AuthError(f"unknown agent {agent_id!r}: call Join first")
         if not hmac.compare_digest(record.token.encode(), token.encode()):
@@ -170,10 +174,13 @@ class AgentRegistry:
         record.last_seen = self._clock()
         return record
 
-    def admit_session(self, agent_id: str, token: str, num_examples: int, cert_serial: int | None) -> AgentRecord:
+    def admit_session(self, agent_id: str, token: str, num_examples: int, cert_serial: int | None,
+                      host: str | None = None) -> AgentRecord:
         """Take a session that another registry issued (an aggregator rank takes rank 0's for the agents dealt
-        to it); the agent authenticates here with the same token, identity and revocation checks."""
-        record = AgentRecord(agent_id, token, int(num_examples), last_seen=self._clock(), cert_serial=cert_serial)
+        to it); the agent authenticates here with the same token, identity and revocation checks (``host``: the
+        simulation host that speaks for it, if it is a population member)."""
+        record = AgentRecord(agent_id, token, int(num_examples), last_seen=self._clock(), cert_serial=cert_serial,
+                             host=host)
         self._agents[agent_id] = record
         return record
 
@@ -248,6 +255,12 @@ class AgentRegistry:
         """JSON-able view for checkpoints: the agents' example caps (no sessions: agents re-join after a restart;
         hosts join their members again)."""
         return self.caps.state()
+
+
+def speaker(record: AgentRecord) -> str:
+    """Whose identity (under mutual TLS: whose certificate) speaks for ``record``: its host's, for a population
+    member, else its own."""
+    return record.host or record.agent_id
 
 
 def _check_member(agent_id: str, num_examples: int, max_examples: int) -> None:

@@ -77,7 +77,7 @@ class CoordinatorService:
     async def PullHostTasks(self, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
         """Long-poll for the tasks of a simulation host's sampled members."""
         try:
-            host = self._host(request.host)
+            host = self._host(request.host, context)
             with self.limits.agent_call(HOST_CALLS + host.host_id):
                 return await self.coord.next_host_tasks(host, request.wait_seconds, request.away, request.back,
                                                         request.finish_estimates)
@@ -137,7 +137,7 @@ class CoordinatorService:
         and taken with every check UploadSmall makes, in order; one result each (a refusal is a result, not the
         call's end)."""
         try:
-            host = self._host(request.host)
+            host = self._host(request.host, context)
             if len(request.uploads) > MAX_HOST_UPLOADS:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
                                                                 f"at most {MAX_HOST_UPLOADS}")
@@ -159,12 +159,14 @@ class CoordinatorService:
                     results.results.add(message=r.message, code=r.code.value[0])
         return results
 
-    def _host(self, auth: pb.AgentAuth) -> HostRecord:
-        """The simulation host whose session ``auth`` is, or a Refusal."""
+    def _host(self, auth: pb.AgentAuth, context) -> HostRecord:
+        """The simulation host whose session ``auth`` is (over a connection its admission allows), or a Refusal."""
         try:
-            host = self.coord.registry.authenticate_host(auth.agent_id, auth.token)
+            host = self.coord.registry.authenticate_host(auth.agent_id, auth.token, peer_identity(context))
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
         authenticated()
         return host
 

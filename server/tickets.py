@@ -25,7 +25,11 @@ class TransferTicket:
     agent_id: str
     round_id: int
     task_id: str
+    holder: str = ""  # whose client certificate may present it: the agent's own, or its simulation host's
     ops: dict[int, str] = field(default_factory=dict)  # op -> "busy" | "used"
+
+    def __post_init__(self) -> None:
+        self.holder = self.holder or self.agent_id
 
 
 class TicketBook:
@@ -35,17 +39,18 @@ class TicketBook:
         self._live: dict[bytes, TransferTicket] = {}
         self._expired: dict[bytes, int] = {}  # tickets of the previous round, for a clear refusal
 
-    def issue(self, agent_id: str, round_id: int, task_id: str) -> bytes:
-        """A fresh ticket for ``agent_id``'s task in ``round_id``."""
+    def issue(self, agent_id: str, round_id: int, task_id: str, holder: str = "") -> bytes:
+        """A fresh ticket for ``agent_id``'s task in ``round_id`` (``holder``: whose certificate speaks for it,
+        if not its own)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
-        self.admit(ticket, agent_id, round_id, task_id)
+        self.admit(ticket, agent_id, round_id, task_id, holder)
         return ticket
 
-    def admit(self, ticket: bytes, agent_id: str, round_id: int, task_id: str) -> None:
+    def admit(self, ticket: bytes, agent_id: str, round_id: int, task_id: str, holder: str = "") -> None:
         """Honour ``ticket``, drawn elsewhere (by rank 0 for an agent dealt to this aggregator rank)."""
         if len(ticket) != TICKET_BYTES:
             raise ValueError(f"a data-plane ticket has {TICKET_BYTES} bytes, not {len(ticket)}")
-        self._live[ticket] = TransferTicket(agent_id, round_id, task_id)
+        self._live[ticket] = TransferTicket(agent_id, round_id, task_id, holder)
 
     def expire_rounds_before(self, round_id: int) -> None:
         """Tickets of earlier rounds stop working (called when ``round_id`` starts)."""
@@ -63,9 +68,9 @@ class TicketBook:
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                               f"data-plane ticket of round {self._expired[ticket]} has expired; pull a new task")
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED, "unknown data-plane ticket; pull a new task")
-        if peer_agent is not None and peer_agent != entry.agent_id:
+        if peer_agent is not None and peer_agent != entry.holder:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                          f"this data-plane ticket was issued to agent {entry.agent_id!r}, but the client "
+                          f"this data-plane ticket was issued to agent {entry.holder!r}, but the client "
                           f"certificate proves {peer_agent!r}")
         if entry.round_id != current_round or not round_open:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,

@@ -1,8 +1,8 @@
-"""Client batching in a simulation worker: the agents of one process that train in the same round train as one
-batched model (client/batched_trainer.py) instead of one after another.
+"""Client batching in a simulation worker: the seats of one population host (simulations/population.py) that train
+in the same round train as one batched model (client/batched_trainer.py) instead of one after another.
 
-The agents stay real agents (their own joins, polls, downloads and uploads); only their ``trainer.train`` calls
-meet here. The rule: an agent announces a task when it receives it and withdraws when the task ends
+The seats stay real agents (each member's download and upload go as its own); only their ``trainer.train`` calls
+meet here, and "agent" below means a seat. The rule: an agent announces a task when it receives it and withdraws when the task ends
 (``Agent`` wraps each task in ``trainer.holding_task``). A round's batch starts as soon as every agent of this
 process that holds a task of that round has called ``train`` (or withdrawn) and, unless every agent of the
 process got a task of that round, no new task of it has arrived for ``settle_seconds`` (a round's tasks reach
@@ -192,10 +192,10 @@ class BatchedTrainer(LocalTrainer):
         return self.batcher.holding(self, round_id)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
-              proximal_mu: float = 0.0, round_id: int = 0) -> TrainResult:
+              proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None) -> TrainResult:
         """LocalTrainer.train, computed in the batch; a slow device then waits out its simulated step delays."""
         start = {name: p.detach() for name, p in self.model.named_parameters()}
-        client = ClientBatchInput(self.x, self.y, self.seed, start, stop_at, self.delay)
+        client = ClientBatchInput(self.x, self.y, self.seed, start, stop_at, self.delay, max_steps)
         output = self.batcher.train(self, self.model, client, epochs, batch_size, lr, round_id, proximal_mu)
         with torch.no_grad():
             for name, p in self.model.named_parameters():

@@ -37,13 +37,12 @@ class Population:
         None, group="simulation",
         help="system traces, 'fedscale' (generated from --seed: long-tailed speeds, diurnal availability) or a "
              "CSV/JSON file (columns in simulations/traces.py); a client's speed slows its steps and its availability "
-             "decides when it can be sampled (simulate: with --virtual-clients)")
+             "decides when it can be sampled")
     trace_day_seconds: float = setting(86_400.0, check="positive", group="simulation",
                                        help="real seconds one day of the trace lasts (e.g. 60: availability cycles "
                                             "every minute)")
     seats: int = setting(4, check="count", group="simulation",  # measured best of 2/4/8 here
-                         help="sampled clients training at once in one worker process (simulate: with "
-                              "--virtual-clients)")
+                         help="sampled clients training at once in one worker process")
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
@@ -55,20 +54,19 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
 
     clients_per_round: int | None = redefault(RoundSampling, "clients_per_round", None)  # None: all the clients
     overselect: float = redefault(RoundSampling, "overselect", 1.0)  # K is all the clients by default
-    workers: int = setting(2, check="count", group="simulation", help="agent processes (agents are threads in them)")
+    workers: int = setting(2, check="count", group="simulation",
+                           help="worker processes hosting the population (a few bytes per client; only the clients "
+                                "sampled in a round get a model and their data)")
     tls: bool = setting(False, group="simulation",
-                        help="run every agent over mutual TLS with throw-away certificates (default: plaintext on "
+                        help="run every worker process's connection over mutual TLS with throw-away certificates "
+                             "(a worker's certificate speaks for the clients it hosts; default: plaintext on "
                              "loopback, which never leaves this machine)")
     client_batching: bool = setting(
         False, group="simulation",
-        help="the agents of one worker process that train in the same round train together as one batched model "
+        help="the clients of one worker process that train at once (its seats) train together as one batched model "
              "(torch.func), each with its own data, batches, steps and deadline; slow devices (--slow-fraction) and "
-             "FedProx keep their meaning, and SecAgg, compression and DP still apply to each agent's update. Models "
+             "FedProx keep their meaning, and SecAgg, compression and DP still apply to each client's update. Models "
              "with dropout or batch norm are refused")
-    virtual_clients: bool = setting(
-        False, group="simulation",
-        help="the worker processes host the population (a few bytes per client) and only the clients sampled in a "
-             "round get a model and their data, for that round: populations of 100,000")
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # how agents compress uploads
 
     def settled(self) -> tuple[SimulationConfig, list[str]]:

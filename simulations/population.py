@@ -8,6 +8,11 @@ the coordinator sampled, and runs each task on one of a few *seats*: a real agen
 trainer takes on the member's data for that task (the task's ``client_data`` for the member's Partition, made
 then) and whose calls carry the member's session. Sampling, the
 deadline, first-K-of-M, validation and the fold stay the coordinator's own, over real gRPC.
+
+Under mutual TLS the host's connection carries the host's certificate, which speaks for its members (they have
+none of their own); with client batching the seats train together as one batched model
+(simulations/client_batching.py); in a secure round each member runs the client side of SecAgg+ here
+(simulations/secure_members.py).
 """
 
 from __future__ import annotations
@@ -37,7 +42,11 @@ from fedpar.protocol.codec import CodecError
 from fedpar.protocol.messages import PROTOCOL_VERSION, channel_options
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.security.sslcontext import client_ssl_context
+from fedpar.security.tls import TlsFiles, channel_credentials
+from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.simulations.host_uploads import HostUploads
+from fedpar.simulations.secure_members import SecureMembers
 from fedpar.simulations.member_state import ResidualStore
 from fedpar.task import ClientData, Partition, Task
 from fedpar.simulations.traces import DAY_SECONDS, Traces, online, seconds_left_online
@@ -146,7 +155,8 @@ class PopulationHost:
     def __init__(self, server: str, population: PopulationSlice, task: Task,
                  partition_of: Callable[[int, str], Partition], seed: int, seats: int = 2, poll_seconds: float = 2.0,
                  device: str = "cpu", precision: str = "fp32", day_seconds: float = DAY_SECONDS,
-                 max_backoff: float = 30.0, give_up_after: float | None = None):
+                 max_backoff: float = 30.0, give_up_after: float | None = None, tls: TlsFiles | None = None,
+                 client_batching: bool = False):
         self.server, self.pop, self.task, self.partition_of = server, population, task, partition_of
         self.day_scale = DAY_SECONDS / day_seconds  # trace seconds per real second
         self.started = time.monotonic()
@@ -155,7 +165,9 @@ class PopulationHost:
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
         self.seed, self.poll_seconds = seed, poll_seconds
-        self.channel = grpc.insecure_channel(server, options=channel_options(64 << 20))
+        credentials = channel_credentials(tls) if tls is not None else None
+        self.channel = grpc.secure_channel(server, credentials, options=channel_options(64 << 20)) if credentials \
+            else grpc.insecure_channel(server, options=channel_options(64 << 20))
         self.stub = CoordinatorStub(self.channel)
         self.host = pb.AgentAuth(agent_id=population.host_id)
         self.tokens: list[str] = []  # each member's session, by member index
@@ -173,15 +185,24 @@ class PopulationHost:
                                   random.Random(zlib.crc32(f"{seed}:{population.host_id}".encode())), give_up_after)
         self.train_sizes = self._train_sizes()  # each member's training examples, for Join and the virtual clock
         compute_lock = threading.Lock()  # the seats take turns on this process's CPU (see TaskTrainer)
+        batcher = ClientBatcher(device, compute_lock) if client_batching else None  # the seats' meeting point
         first = self.member_data(0) if len(population) else None
         self.seats = []
         for s in range(seats if first is not None else 0):
             torch.manual_seed(seed)
-            trainer = TaskTrainer(task, first, seed=seed, device=device, precision=precision,
-                                  compute_lock=compute_lock)
+            if batcher is not None:
+                trainer = BatchedTrainer(task.model(), first.train, first.val, batcher, seed=seed,
+                                         compute_lock=compute_lock, device=device)
+            else:
+                trainer = TaskTrainer(task, first, seed=seed, device=device, precision=precision,
+                                      compute_lock=compute_lock)
             self.seats.append(Agent(AgentConfig(server=server, agent_id=f"{population.host_id}-seat{s}",
-                                                poll_seconds=poll_seconds, give_up_after=60.0, insecure=True,
-                                                seed=seed * 1_000_003 + s), trainer))  # the host draws the drops
+                                                poll_seconds=poll_seconds, give_up_after=60.0,
+                                                credentials=credentials, insecure=credentials is None,
+                                                data_tls=client_ssl_context(tls) if tls is not None else None,
+                                                tls_files=tls, seed=seed * 1_000_003 + s),
+                                    trainer))  # the host draws the drops
+        self.secure = SecureMembers(self.stub, poll_seconds)  # members' SecAgg+ client sides, in secure rounds
 
     def member_data(self, i: int) -> ClientData:
         """Member ``i``'s data: the task's client_data for its Partition."""
@@ -266,6 +287,7 @@ class PopulationHost:
                     if hosted.task.virtual_clock:
                         self._estimates.append(self._hold(i, hosted.agent_id, hosted.task))
                     elif not (self.offline[i] or self._drops(i, hosted.task.round)):  # an offline or vanished
+                        self.secure.arrived(self._auth(i), hosted.task, self.seats[0].layout, self.max_chunk)
                         self._start((i, hosted.task))  # device does not answer
                 for member in reply.go:
                     if member in self._held:
@@ -330,7 +352,7 @@ class PopulationHost:
             i, task = item
             member = client_id(int(self.pop.numbers[i]))
             seed = client_seed(self.seed, member)
-            auth = pb.AgentAuth(agent_id=member, token=self.tokens[i])
+            auth = self._auth(i)
             try:
                 # under the virtual clock a slow device costs simulated time, not real pauses
                 seat.trainer.use_data(self.member_data(i), seed,
@@ -342,13 +364,18 @@ class PopulationHost:
                 # seat trains its next client
                 seat.send_small = self.uploads.send if settings.compression == "topk" else self.uploads.send_later
                 seat.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
-                seat.run_task_as(auth, task, self.max_chunk, self._round_weights(seat, auth, task))
+                seat.run_task_as(auth, task, self.max_chunk, self._round_weights(seat, auth, task),
+                                 self.secure.take(task))
                 residuals.save(member, seat.compression.take_residual())  # the member's own error feedback
             except Exception:  # one member's failure must not stop the seat
                 log.exception("%s: task of %s failed", self.host.agent_id, member)
             finally:  # its update, if any, is queued by now
                 with self._in_flight_lock:
                     self._in_flight -= 1
+
+    def _auth(self, i: int) -> pb.AgentAuth:
+        """Member ``i``'s session."""
+        return pb.AgentAuth(agent_id=client_id(int(self.pop.numbers[i])), token=self.tokens[i])
 
     def _residual_store(self, seat: Agent) -> ResidualStore:
         """The host's store of its members' residuals (made once, for the model's shapes)."""

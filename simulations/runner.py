@@ -1,4 +1,5 @@
-"""A whole federated run on one machine: a real coordinator and many real agents on loopback gRPC."""
+"""A whole federated run on one machine: a real coordinator and worker processes hosting the population on
+loopback gRPC (simulations/population.py: only the clients sampled in a round get a model and their data)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ranks.leader import check_ranks_supported
-from fedpar.simulations.agents import AgentSpec, WorkerConfig, run_worker_process
+from fedpar.simulations.agents import WorkerConfig, run_worker_process
 from fedpar.simulations.config import SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
-from fedpar.simulations.population import PopulationSlice, client_id, step_delays
+from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
@@ -47,10 +48,6 @@ def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> list[fl
     return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed, traces)
 
 
-def _agent_specs(cfg: SimulationConfig) -> list[AgentSpec]:
-    return [AgentSpec(client_id(i), i, delay, cfg.drop_probability) for i, delay in enumerate(_step_delays(cfg))]
-
-
 def _population_slices(cfg: SimulationConfig, parts: list[np.ndarray] | None, hosts: int) -> list[PopulationSlice]:
     """The population dealt round-robin over ``hosts`` worker processes (with its traces, if any; ``parts``: each
     client's example indices, None for a task, whose hosts count each member's examples in its data)."""
@@ -60,15 +57,8 @@ def _population_slices(cfg: SimulationConfig, parts: list[np.ndarray] | None, ho
                                traces) for h in range(hosts)]
 
 
-def check_virtual_clients(cfg: SimulationConfig) -> None:
-    """ValueError for settings virtual clients cannot honour yet."""
-    if not cfg.virtual_clients:
-        return
-    for on, what in ((cfg.tls, "--tls (members have no certificates of their own)"),
-                     (cfg.secure_aggregation, "--secure-aggregation (its key exchange needs a session per agent)"),
-                     (cfg.client_batching, "--client-batching")):
-        if on:
-            raise ValueError(f"--virtual-clients does not work with {what} yet; drop one of them")
+def check_seats(cfg: SimulationConfig) -> None:
+    """ValueError unless every worker process has a seat to train its sampled clients on."""
     if cfg.seats < 1:
         raise ValueError("--seats must be >= 1")
 
@@ -83,23 +73,19 @@ def check_task(cfg: SimulationConfig) -> None:
 
 def check_clock(cfg: SimulationConfig) -> None:
     """ValueError for a clock the settings cannot run."""
-    if cfg.virtual_clock and not cfg.virtual_clients:
-        raise ValueError("--clock virtual needs --virtual-clients (their hosts report each client's simulated time)")
     if cfg.virtual_clock and cfg.aggregator_ranks > 1:
         raise ValueError("--clock virtual does not work with --aggregator-ranks yet; drop one of them")
 
 
 def check_traces(cfg: SimulationConfig) -> None:
     """ValueError for a trace that cannot be used (read before anything starts)."""
-    if cfg.trace and not cfg.virtual_clients:
-        raise ValueError("--trace needs --virtual-clients (its availability decides whom the coordinator samples)")
     if cfg.trace_day_seconds <= 0:
         raise ValueError("--trace-day-seconds must be > 0")
     traces_for(cfg.trace, cfg.clients, cfg.seed)
 
 
 def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
-    """The device of each agent worker process: one GPU named by ``spec``, or workers dealt round-robin over
+    """The device of each worker process: one GPU named by ``spec``, or workers dealt round-robin over
     the ``gpus`` visible GPUs (``cuda``/``auto`` on a GPU machine; default: this machine's), or the CPU."""
     gpus = visible_gpus() if gpus is None else gpus
     if device_kind(spec, gpus) == "cpu":
@@ -133,24 +119,24 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     check_client_batching(cfg)
     check_task(cfg)
-    check_virtual_clients(cfg)
+    check_seats(cfg)
     check_traces(cfg)
     check_clock(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
     if cfg.out:
-        # matplotlib takes about a second to import: do it while the agents start, not after the last round.
+        # matplotlib takes about a second to import: do it while the workers start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     out = Path(cfg.out) if cfg.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").unlink(missing_ok=True)
-    # Start the agent processes first: their imports and data loading overlap the coordinator's set-up.
+    # Start the worker processes first: their imports and data loading overlap the coordinator's set-up.
     workers = cfg.workers  # at most one per client (settled)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
     preload = None if cfg.task else cfg.dataset  # a task's worker loads the task instead
-    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-agents-{w}", args=(recv, preload, cfg.data_dir),
+    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-worker-{w}", args=(recv, preload, cfg.data_dir),
                          daemon=True) for w, (recv, _) in enumerate(pipes)]
     with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
         for p in procs:
@@ -167,7 +153,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         for _, send in pipes:
             if not send.closed:
                 try:
-                    send.send(None)  # called off before this worker got its agents
+                    send.send(None)  # called off before this worker got its slice
                 except OSError:
                     pass  # that worker is gone already
         for p in procs:
@@ -181,7 +167,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
          on_server=None, on_progress=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     if task is not None:
-        splits, parts = None, None  # the task's client_data gives each agent its share
+        splits, parts = None, None  # the task's client_data gives each client its share
         assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))
     else:
         splits = load_dataset(cfg.dataset, cfg.data_dir)
@@ -198,19 +184,16 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         CoordinatorConfig, cfg, clients_per_round=k, upload_compression=cfg.upload_compression,
         min_available=min(cfg.clients, k) if cfg.trace else cfg.clients,  # with availability, never all at once
         heartbeat_seconds=2.0, liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
-        metrics_path=out / "metrics.jsonl" if out else None, accept_populations=cfg.virtual_clients,
+        metrics_path=out / "metrics.jsonl" if out else None, accept_populations=True,
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
-        max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads,
-                                   cfg.workers * cfg.seats if cfg.virtual_clients else 0),
+        max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, cfg.workers * cfg.seats),
         max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
     check_ranks_supported(cfg.aggregator_ranks, strategy, cfg.secure_aggregation)
     callbacks = [on_round] if on_round else []
-    specs = [] if cfg.virtual_clients else _agent_specs(cfg)
-    slices = _population_slices(cfg, parts, len(pipes)) if cfg.virtual_clients else [None] * len(pipes)
-    certs = temporary_cert_dir([s.agent_id for s in specs]) if cfg.tls else None
+    slices = _population_slices(cfg, parts, len(pipes))
+    # Under mutual TLS each host proves its own identity, and speaks for its members (who have no certificates).
+    certs = temporary_cert_dir([s.host_id for s in slices]) if cfg.tls else None
     stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
-    for spec in specs if certs else ():
-        spec.certs_dir = certs.name
     ranks = None
     if cfg.aggregator_ranks > 1:
         ranks = IngestRanks(cfg.aggregator_ranks, composed(IngestRankSpec, cfg, config=coord_cfg,
@@ -226,8 +209,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     try:
         devices = worker_devices(cfg.device, len(pipes))
         for w, send in enumerate(pipes):
-            send.send(composed(WorkerConfig, cfg, server=server.address, agents=specs[w::len(pipes)],
-                               device=devices[w], client_batching=cfg.client_batching, population=slices[w],
+            send.send(composed(WorkerConfig, cfg, server=server.address, population=slices[w], device=devices[w],
+                               client_batching=cfg.client_batching, certs_dir=certs.name if certs else None,
                                log_level=logging.getLogger("fedpar").getEffectiveLevel()))
             send.close()
         try:
@@ -236,7 +219,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                     on_progress(server.coordinator)
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
-                    raise RuntimeError(f"agent worker {dead[0].name} died with exit code {dead[0].exitcode}")
+                    raise RuntimeError(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
                 if ranks is not None and ranks.failed():
                     raise RuntimeError(ranks.failed())
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop now, and still write the rounds that completed

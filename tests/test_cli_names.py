@@ -39,6 +39,17 @@ def test_dp_is_refused_where_it_meant_replicas_naming_the_new_flags(command, cap
     assert "--dp is now --dp-replicate (DDP replicas); differential privacy is --privacy" in line
 
 
+def test_virtual_clients_is_the_default_now_and_its_flag_or_key_says_so_in_one_line(tmp_path, capsys):
+    (tmp_path / "config.toml").write_text("[simulate]\nvirtual_clients = true\n")
+    note = ("is the default now (worker processes host the population; only sampled clients get a model and data); "
+            "drop it")
+    for n, (how, named) in enumerate(((["--virtual-clients"], "--virtual-clients"),
+                                      (["--config", str(tmp_path / "config.toml")], "virtual_clients"))):
+        assert main(["simulate", "--clients", "4", "--rounds", "1", "--local-epochs", "1", "--quiet", "--out",
+                     str(tmp_path / f"run{n}"), *how]) == 0
+        assert capsys.readouterr().err.splitlines() == [f"fedpar simulate: note: {named} {note}"]
+
+
 def test_each_flag_has_one_meaning_and_the_new_names_parse():
     parser = build_parser()
     args = parser.parse_args(["serve", "--privacy", "central", "--privacy-noise", "0.5", "--privacy-population", "9"])
@@ -132,7 +143,7 @@ def test_simulate_log_level_reaches_its_worker_processes(tmp_path):
                            "1", "--local-epochs", "1", "--out", str(tmp_path / "run"), "--quiet", "--log-level",
                            "info"], capture_output=True, text=True, timeout=120)
     assert loud.returncode == 0, loud.stderr[-2000:]
-    assert "fedpar.client" in loud.stderr  # the agents' lines, from the worker process (silent by default)
+    assert "fedpar.simulate host-0: coordinator says" in loud.stderr  # its host's line, from the worker process
 
 
 def test_log_level_debug_turns_on_grpc_debug_unless_the_user_chose(monkeypatch):

@@ -25,7 +25,7 @@ from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
 from fedpar.server.ranks.messages import RankMessageError, serial_number
 from fedpar.server.ranks.plane import IngestPlane
 from fedpar.server.ranks.stats import ingest_stats
-from fedpar.server.registry import AgentRecord, AgentRegistry
+from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
 
@@ -123,11 +123,11 @@ class IngestRank(IngestPlane):
         for agent in opened.agents:
             if agent.rank != self.rank:
                 continue
-            self.registry.admit_session(agent.agent_id, agent.token, agent.num_examples,
-                                        serial_number(agent.cert_serial))
+            record = self.registry.admit_session(agent.agent_id, agent.token, agent.num_examples,
+                                                 serial_number(agent.cert_serial), agent.host or None)
             slots[agent.agent_id] = AgentSlot(agent.agent_id, agent.task_id, rank=self.rank)
             if agent.ticket:
-                self.tickets.admit(agent.ticket, agent.agent_id, round_id, agent.task_id)
+                self.tickets.admit(agent.ticket, agent.agent_id, round_id, agent.task_id, speaker(record))
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self._counted = 0
         self._reports = {}

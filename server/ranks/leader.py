@@ -141,7 +141,7 @@ class RankLeader:
                 agents.append(pb.RankAgent(rank=slot.rank, agent_id=slot.agent_id, task_id=slot.task_id,
                                            token=record.token, num_examples=record.num_examples,
                                            cert_serial=serial_bytes(record.cert_serial),
-                                           ticket=slot.data_ticket or b""))
+                                           ticket=slot.data_ticket or b"", host=record.host or ""))
         opened = pb.RankOpen(round=state.round_id, deadline_seconds=state.deadline_seconds, agents=agents)
 
         def work():

@@ -20,7 +20,10 @@ from fedpar.models import get_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
 from fedpar.server.checkpoint import load_checkpoint
-from fedpar.simulations.agents import AgentSpec, WorkerConfig, build_agent
+from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.task_trainer import TaskTrainer
+from fedpar.simulations.population import client_seed
+from fedpar.task import Partition
 from fedpar.tasks.zoo import classifier_for
 
 
@@ -31,9 +34,15 @@ def _weights(seed=0):
 
 def _run_real_agents(server, splits, k: int) -> list:
     """k real agents (MLP, at most 600 // k digits each), each in a thread named after it, until the run ends."""
-    worker = WorkerConfig(server=server.address, agents=[], val_fraction=0.0, device="cpu", poll_seconds=1.0, clients=k)
     task = classifier_for("mlp", splits, examples_per_client=600 // k)
-    bots = [build_agent(worker, AgentSpec(f"agent-{i}", i), task) for i in range(k)]
+    bots = []
+    for i in range(k):
+        agent_id = f"agent-{i}"
+        torch.manual_seed(0)
+        trainer = TaskTrainer(task, task.client_data(Partition(i, k, agent_id, "iid", 0, 0.0)),
+                              seed=client_seed(0, agent_id))
+        bots.append(Agent(AgentConfig(server=server.address, agent_id=agent_id, poll_seconds=1.0, give_up_after=60.0,
+                                      insecure=True, seed=i), trainer))
     threads = [threading.Thread(target=bot.run, name=bot.config.agent_id) for bot in bots]
     for t in threads:
         t.start()

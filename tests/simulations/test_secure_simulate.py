@@ -1,4 +1,5 @@
-"""`fedpar simulate --secure-aggregation`: real agents mask their updates and the federation learns."""
+"""`fedpar simulate --secure-aggregation`: every sampled client runs the client side of SecAgg+ in its host, masks
+its update, and the federation learns."""
 
 import json
 import subprocess
@@ -7,8 +8,8 @@ import sys
 import pytest
 
 
-def _simulate(out, *extra):
-    result = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "2",
+def _simulate(out, *extra, clients=4):
+    result = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", str(clients), "--rounds", "2",
                              "--workers", "1", "--quiet", "--out", str(out), *extra],
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -25,6 +26,19 @@ def test_secure_simulation_learns_like_fedavg(tmp_path):
     assert all(r["close_reason"] == "every agent that shared keys uploaded" for r in rows)
     assert rows[-1]["test_accuracy"] >= 0.85
     assert not any(k.startswith(("train_", "federated_")) for r in rows for k in r)  # nothing per agent in clear
+
+
+@pytest.mark.timeout(300)
+def test_a_host_runs_the_secure_client_side_of_more_members_than_it_has_seats(tmp_path):
+    # 10 members on 2 seats: all 10 must advertise and share keys while the key stages are open, and unmask only
+    # once all 10 have uploaded, while the seats train them two at a time (a seat holding a member through those
+    # waits would stall the round until its deadline)
+    rows = _simulate(tmp_path / "seats", "--seats", "2", "--secure-aggregation", clients=10)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert all(r["secagg_survivors"] == 10 and r["close_reason"] == "every agent that shared keys uploaded"
+               for r in rows)
+    assert all(r["round_seconds"] < 20 for r in rows)  # no stage waited out its timeout
+    assert rows[-1]["test_accuracy"] >= 0.8
 
 
 def test_serve_refuses_secure_aggregation_with_a_robust_strategy(tmp_path, capsys):

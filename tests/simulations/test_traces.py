@@ -47,12 +47,17 @@ def test_availability_decides_who_is_sampled(tmp_path):
              "available_from": 0.0, "available_for": DAY_SECONDS if i < 10 else 0.0} for i in range(40)]
     (tmp_path / "trace.json").write_text(json.dumps(rows))
     summary = run_simulation(SimulationConfig(clients=40, clients_per_round=10, rounds=3, local_epochs=1,
-                                              virtual_clients=True, trace=str(tmp_path / "trace.json"),
+                                              trace=str(tmp_path / "trace.json"),
                                               deadline_seconds=20, out=str(tmp_path / "run")))
     got = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["failed_rounds"] == 0 and [(r["sampled"], r["reported"]) for r in got] == [(10, 10)] * 3
 
 
-def test_a_trace_needs_virtual_clients():
-    with pytest.raises(ValueError, match="--trace needs --virtual-clients"):
-        run_simulation(SimulationConfig(clients=4, rounds=1, trace="fedscale"))
+def test_a_trace_and_the_virtual_clock_need_no_other_flag(tmp_path):
+    from fedpar.cli.main import main
+
+    out = tmp_path / "run"
+    assert main(["simulate", "--clients", "60", "--clients-per-round", "4", "--rounds", "2", "--local-epochs", "1",
+                 "--trace", "fedscale", "--clock", "virtual", "--quiet", "--out", str(out)]) == 0
+    got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in got] == ["ok", "ok"] and 0 < got[0]["sim_seconds"] < got[1]["sim_seconds"]

@@ -1,6 +1,7 @@
-"""Virtual clients: only the sampled clients of a round get a model and their data, through the real coordinator.
-The same federation run with one agent per client and with virtual clients learns the same models, and a
-population far larger than the cohort runs in worker processes that hold no agent per client."""
+"""Virtual clients, every simulation's route: only the sampled clients of a round get a model and their data,
+through the real coordinator. The same federation hosted by one process on one seat and by two processes on two
+seats each learns the same models, and a population far larger than the cohort runs in worker processes that hold
+no agent per client."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from fedpar.simulations.runner import SimulationConfig, run_simulation
 from support.simulation_runs import simulate_rows as _rows
 
 
-def test_virtual_clients_learn_what_one_agent_per_client_learns_with_their_own_error_feedback(tmp_path):
+def test_how_the_population_is_hosted_changes_nothing_it_learns_each_client_keeps_its_error_feedback(tmp_path):
     # 6 of 12 clients a round for 4 rounds with top-k uploads: most clients are sampled more than once, and each must
     # pick up its own error-feedback residual where it left it (the host keeps them on disk, a seat carries one)
     # (federated evaluation in every 2nd round only: the agents score the global model in rounds 2 and 4)
     common = dict(clients=12, clients_per_round=6, rounds=4, local_epochs=1, seed=4, slow_fraction=0.2,
                   slow_step_delay=0.0, upload_compression=CompressionConfig("topk", 0.05), client_eval_every=2)
-    _, agents = _rows(**common, out=str(tmp_path / "agents"))
-    summary, virtual = _rows(**common, virtual_clients=True, seats=2, out=str(tmp_path / "virtual"))
+    _, agents = _rows(**common, workers=1, seats=1, out=str(tmp_path / "one-seat"))  # one member after another
+    summary, virtual = _rows(**common, workers=2, seats=2, out=str(tmp_path / "virtual"))
     assert summary["failed_rounds"] == 0
     for a, v in zip(agents, virtual):  # the same cohorts, data, seeds, training and residuals: the same rounds
         assert (a["sampled"], a["reported"]) == (v["sampled"], v["reported"]) == (6, 6)
@@ -47,15 +48,13 @@ def test_a_residual_store_keeps_each_clients_residual_on_disk(tmp_path):
 
 def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
     summary, rows = _rows(clients=1400, clients_per_round=30, rounds=3, local_epochs=1, val_fraction=0.0,
-                          virtual_clients=True, out=str(tmp_path / "run"))
+                          out=str(tmp_path / "run"))
     assert summary["failed_rounds"] == 0 and [r["reported"] for r in rows] == [30, 30, 30]
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] - 0.05
     assert (tmp_path / "run" / "labels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # label heat map
     assert 1.0 <= summary["label_skew"]["mean_classes_per_client"] <= 1.1  # about one example each
 
 
-def test_settings_virtual_clients_cannot_honour_are_refused_before_anything_starts():
-    for extra, says in ((dict(tls=True), "--tls"), (dict(secure_aggregation=True), "--secure-aggregation"),
-                        (dict(client_batching=True), "--client-batching"), (dict(seats=0), "--seats")):
-        with pytest.raises(ValueError, match=says):
-            run_simulation(SimulationConfig(clients=4, rounds=1, virtual_clients=True, **extra))
+def test_a_host_without_seats_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="--seats must be >= 1"):
+        run_simulation(SimulationConfig(clients=4, rounds=1, seats=0))

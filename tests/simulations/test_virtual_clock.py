@@ -15,7 +15,7 @@ def test_a_straggler_study_on_the_virtual_clock_counts_who_real_time_counts(tmp_
     common = dict(clients=20, rounds=2, local_epochs=1, seed=5, slow_fraction=0.3, slow_step_delay=2.0,
                   deadline_seconds=1.5, target_accuracy=0.3)
     _, real = _rows(**common, out=str(tmp_path / "real"))
-    summary, virtual = _rows(**common, virtual_clients=True, virtual_clock=True, out=str(tmp_path / "virtual"))
+    summary, virtual = _rows(**common, virtual_clock=True, out=str(tmp_path / "virtual"))
     for r, v in zip(real, virtual):
         assert (r["sampled"], r["reported"], r["late"]) == (v["sampled"], v["reported"], v["late"]) == (20, 14, 6)
         assert v["train_loss"] == pytest.approx(r["train_loss"], rel=1e-4)  # the same clients' updates
@@ -27,9 +27,9 @@ def test_a_straggler_study_on_the_virtual_clock_counts_who_real_time_counts(tmp_
         assert summary["sim_seconds_to_target"] == 1.5 * summary["rounds_to_target"]
 
 
-def test_the_virtual_clock_needs_virtual_clients():
-    with pytest.raises(ValueError, match="--virtual-clients"):
-        run_simulation(SimulationConfig(virtual_clock=True))
+def test_the_virtual_clock_refuses_aggregator_ranks_in_one_line():
+    with pytest.raises(ValueError, match="--clock virtual does not work with --aggregator-ranks"):
+        run_simulation(SimulationConfig(virtual_clock=True, aggregator_ranks=2))
 
 
 def test_a_virtual_client_does_the_steps_that_fit_before_the_deadline_and_no_more():

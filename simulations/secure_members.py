@@ -1,0 +1,92 @@
+"""The client side of SecAgg+ for a simulation host's members (simulations/population.py).
+
+Every sampled member must advertise and share its keys while the key stages are open, and its unmasking waits
+until the coordinator has closed the masking stage, i.e. for the whole cohort's uploads. A host trains only a
+few members at once (its seats), so a seat cannot hold a member through those waits: each member's key exchange
+starts when its task reaches the host, and its unmasking runs after its masked upload, each in a thread of that
+member's own (one per member sampled in a secure round, never one per client). The seat that trains the member
+uses the same session (client/round_modes.SecureUpload) for the masked upload in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from fedpar.client.round_modes import SecureUpload
+from fedpar.client.secure_upload import SecureSession
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
+from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.protocol.task_settings import TaskSettings
+
+log = logging.getLogger("fedpar.simulate")
+
+
+class HostedSecureUpload(SecureUpload):
+    """A member's SecureUpload whose key exchange runs from the task's arrival on (:meth:`begin` waits for it)
+    and whose unmasking (:meth:`close`) runs in the background."""
+
+    def start_keys(self) -> None:
+        """Start stages 0-2 in a thread of their own."""
+        self._keys = _in_thread(super().begin, f"secagg-keys-{self.session.auth.agent_id}")
+
+    def begin(self) -> bool:
+        """The key exchange's outcome (False: refused, noted already)."""
+        return self._keys.result()
+
+    def close(self) -> None:
+        """Unmask in a thread of its own: it waits for the rest of the cohort's uploads."""
+        self.unmasking = _in_thread(super().close, f"secagg-unmask-{self.session.auth.agent_id}")
+
+
+class SecureMembers:
+    """The host's members in secure rounds: their sessions from task arrival to unmasking, over ``stub``."""
+
+    def __init__(self, stub: CoordinatorStub, poll_seconds: float):
+        self.stub, self.poll_seconds = stub, poll_seconds
+        self._modes: dict[str, HostedSecureUpload] = {}  # by task id, until a seat takes it
+        self._lock = threading.Lock()
+
+    def arrived(self, auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, max_chunk: int) -> None:
+        """If ``task`` is of a secure round, start its member's key exchange now (``auth``: the member's session)."""
+        try:
+            if not TaskSettings.from_json(task.extra_json).secure_aggregation:
+                return
+        except ValueError:
+            return  # the seat that runs the task says what is wrong with its settings
+        session = SecureSession(self.stub, pb.AgentAuth(agent_id=auth.agent_id, token=auth.token), task,
+                                self.poll_seconds)
+        mode = HostedSecureUpload(session, layout, min(max_chunk or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES),
+                                  time.monotonic() + task.deadline_seconds, _note_refusal(auth.agent_id))
+        mode.start_keys()
+        with self._lock:
+            self._modes[task.task_id] = mode
+
+    def take(self, task: pb.TrainTask) -> HostedSecureUpload | None:
+        """The secure mode started for ``task`` (None: not a secure round's task)."""
+        with self._lock:
+            return self._modes.pop(task.task_id, None)
+
+
+def _note_refusal(member: str):
+    """How a member's secure-aggregation refusal is noted: a log line (the round's metrics count survivors)."""
+    def note(what: str, err: Exception) -> None:
+        log.info("%s: %s refused: %s", member, what, err)
+    return note
+
+
+def _in_thread(fn, name: str) -> Future:
+    """``fn()`` run in a daemon thread; its result (or exception) in the returned future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # the waiter sees it
+            future.set_exception(exc)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
