@@ -203,6 +203,11 @@ class CoordinatorServer:
             if self.data_plane is not None:
                 self.data_plane.stop()
             await server.stop(self._grace)
+            # gRPC's call tasks end by themselves once the server has stopped; the ones asyncio.run would cancel
+            # on the way out print a CancelledError traceback of gRPC's own on stderr.
+            others = asyncio.all_tasks() - {asyncio.current_task()}
+            if others:
+                await asyncio.wait(others, timeout=0.5)
 
 
 def _quiet_about_cancelled_calls(loop: asyncio.AbstractEventLoop, context: dict) -> None:

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation.strategy import accumulate_in
+from fedpar.protocol.heap import trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.security.admission import Admission, AdmissionRefused
@@ -274,6 +275,7 @@ class Coordinator(IngestPlane):
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)
+        await self._in_thread(trim_heap)  # a round's freed buffers leave the process (benchmarks/soak_bench.py)
 
     def _checkpoint(self, row: dict, loop_state: dict) -> None:
         arrays, meta = self.strategy.state_dict()

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation.strategy import accumulate_in
+from fedpar.protocol.heap import trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ranks.control import HEARTBEAT_SECONDS, RankControlClient
@@ -112,6 +113,7 @@ class IngestRank(IngestPlane):
         await self._collective(self.group.broadcast_arrays, weights)
         self.weights, self.round_id = weights, round_id
         await self._publish_payload(round_id + 1)
+        await self._in_thread(trim_heap)  # a round's freed buffers leave the process, as on rank 0
 
     async def _open(self, opened: pb.RankOpen) -> None:
         """A round opened: take the sessions and slots of the agents dealt to this rank."""

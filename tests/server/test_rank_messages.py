@@ -18,12 +18,12 @@ from fedpar.server.rounds import Refusal
 UPLOAD = pb.RankUpload(round=3, agent_id="agent-7", task_id="t-3-7", num_examples=120,
                        metrics={"loss": 0.25, "accuracy": 0.875}, upload_bytes=4096)
 AGENT = pb.RankAgent(rank=1, agent_id="agent-7", task_id="t-3-7", token="tok", num_examples=120,
-                     cert_serial=serial_bytes(2 ** 159 + 11), ticket=b"\x01" * 16)
+                     cert_serial=serial_bytes(2 ** 159 + 11), ticket=b"\x01" * 16, host="host-0")
 BROADCASTS = {
     "start": pb.RankBroadcast(start=pb.RankStart(round=0, control="127.0.0.1:5000", secret="s3cret")),
     "open": pb.RankBroadcast(open=pb.RankOpen(round=3, deadline_seconds=30.0, agents=[
         AGENT, pb.RankAgent(rank=2, agent_id="agent-8", task_id="t-3-8", token="t8", num_examples=0,
-                            cert_serial=b"", ticket=b"")])),
+                            cert_serial=b"", ticket=b"", host="")])),
     "close": pb.RankBroadcast(close=pb.RankClose(round=3, expected=[4, 2, 0])),
     "model": pb.RankBroadcast(model=pb.RankModel(round=3, changed=False)),
     "stop": pb.RankBroadcast(stop=pb.RankStop()),
