@@ -48,7 +48,9 @@ class SecureMembers:
 
     def __init__(self, stub: CoordinatorStub, poll_seconds: float):
         self.stub, self.poll_seconds = stub, poll_seconds
-        self._modes: dict[str, HostedSecureUpload] = {}  # by task id, until a seat takes it
+        # by task id, with its round, until a seat takes it; a task no seat took (its member dropped or went
+        # offline) is forgotten when a later round's task arrives, so this holds at most about one cohort
+        self._modes: dict[str, tuple[int, HostedSecureUpload]] = {}
         self._lock = threading.Lock()
 
     def arrived(self, auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, max_chunk: int) -> None:
@@ -64,12 +66,14 @@ class SecureMembers:
                                   time.monotonic() + task.deadline_seconds, _note_refusal(auth.agent_id))
         mode.start_keys()
         with self._lock:
-            self._modes[task.task_id] = mode
+            self._modes = {key: held for key, held in self._modes.items() if held[0] >= task.round}
+            self._modes[task.task_id] = (task.round, mode)
 
     def take(self, task: pb.TrainTask) -> HostedSecureUpload | None:
         """The secure mode started for ``task`` (None: not a secure round's task)."""
         with self._lock:
-            return self._modes.pop(task.task_id, None)
+            held = self._modes.pop(task.task_id, None)
+        return held[1] if held else None
 
 
 def _note_refusal(member: str):
