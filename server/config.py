@@ -292,25 +292,3 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
     def wants_data_plane(self, model_bytes: int) -> bool:
         """Whether weights of ``model_bytes`` should move on the data plane."""
         return self.data_plane if self.data_plane is not None else model_bytes >= self.data_plane_min_bytes
-
-    def target_reports(self, live: int) -> int:
-        """K for a round with ``live`` agents available."""
-        if self.fraction is not None:
-            return max(self.min_reports, round(self.fraction * live))
-        return self.clients_per_round
-
-    def round_target(self, live: int, sampled: int) -> tuple[int, str]:
-        """The updates a round waits for when ``sampled`` of ``live`` agents were sampled, and what moved it from
-        the K the settings say ('' when nothing did), for the round's log line."""
-        k, why = self.target_reports(live), ""
-        if self.fraction is not None and k > round(self.fraction * live):
-            why = (f"--fraction {self.fraction} of {live} live agents is {round(self.fraction * live)}, below "
-                   f"--min-reports {self.min_reports}; using {k}")
-        if sampled < k:
-            asked = f"--clients-per-round {k}" if self.fraction is None else f"K {k}"
-            why = f"{asked} is above the {sampled} agents sampled; using {sampled}"
-        return min(k, sampled), why
-
-    def cohort_size(self, live: int) -> int:
-        """M = ceil(K * overselect), capped at the number of live agents."""
-        return min(live, math.ceil(self.target_reports(live) * self.overselect))

@@ -34,6 +34,7 @@ from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, Dat
                                        send_views)
 from fedpar.security.admission import AdmissionRefused
 from fedpar.security.identity import PeerIdentity
+from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AuthError
 from fedpar.server.rounds import Refusal
@@ -244,7 +245,7 @@ class DataPlaneServer:
         except Refusal:
             coord.tickets.release(entry, op, False)
             raise
-        return entry, agent, state.started + state.deadline_seconds
+        return entry, agent, closes_at(state)
 
     def _claim_download(self, ticket: bytes, peer: PeerIdentity | None):
         entry, agent, deadline_at = self._claim(ticket, OP_DOWNLOAD, peer)

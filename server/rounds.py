@@ -14,6 +14,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.server.deadline import closing_reason
 
 log = logging.getLogger("fedpar.server")
 RunUpdate = Callable[..., Awaitable]  # runs fn(*args) for one update, on the event loop or a worker thread
@@ -119,17 +120,13 @@ class RoundState:
             self.close_reason = reason
             self.closed_event.set()
 
-    def settled(self) -> bool:
-        """True when every sampled agent (that may still answer) has an accepted or rejected update."""
-        answering = len(self.slots) if self.answering is None else self.answering
-        return self.accepted + self.rejected >= answering  # O(1): called on every upload
-
     def close_if_done(self) -> None:
-        """Close once K updates are in (first-K) or every sampled agent has answered."""
-        if self.accepted >= self.target:
-            self.close("target reached")
-        elif self.settled():
-            self.close("every sampled agent answered")
+        """Close if the deadline policy says so now (server/deadline.py: first K, or every sampled agent that may
+        still answer answered)."""
+        answering = len(self.slots) if self.answering is None else self.answering  # O(1): called on every upload
+        reason = closing_reason(self.accepted, self.rejected, self.target, answering)
+        if reason:
+            self.close(reason)
 
     def refuse_if_closed(self, slot: AgentSlot) -> None:
         """A Refusal for ``slot``'s complete update if the round has closed since it began (counted as late)."""
@@ -159,8 +156,7 @@ class RoundState:
         log.warning("round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
         if self.on_reject is not None:
             self.on_reject(slot, message)
-        if self.settled():
-            self.close("every sampled agent answered")
+        self.close_if_done()
 
     def late(self) -> int:
         """Sampled agents whose update had not been accepted or rejected when the round closed."""

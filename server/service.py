@@ -14,9 +14,10 @@ from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMI
 from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused
 from fedpar.security.identity import peer_identity
-from fedpar.server.coordinator import HOST_WAKEUP as HOST_CALLS, Coordinator
+from fedpar.server.coordinator import Coordinator
 from fedpar.server.decoding import Malformed, parser, refuse_malformed
 from fedpar.server.limits import Limits
+from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.registry import AgentRecord, AuthError, HostRecord
 from fedpar.server.rounds import Refusal
 from fedpar.server.rpc_limit import authenticated
@@ -50,8 +51,8 @@ class CoordinatorService:
         try:
             _check_protocol(request.protocol_version, "agent")
             self.limits.admit_join(request.agent_id, self.coord.registry)
-            record = self.coord.join(request.agent_id, request.num_examples, dict(request.capabilities),
-                                     peer_identity(context), request.enrollment_token)
+            record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
+                                             peer_identity(context), request.enrollment_token)
         except Refusal as r:
             await context.abort(r.code, r.message)
         log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
@@ -63,7 +64,7 @@ class CoordinatorService:
         try:
             _check_protocol(request.protocol_version, "host")
             self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
-            host, records = self.coord.join_population(
+            host, records = self.coord.members.join_population(
                 request.host.agent_id, request.host.token,
                 [(m.agent_id, m.num_examples, m.away) for m in request.members],
                 peer_identity(context), request.enrollment_token)
@@ -79,8 +80,8 @@ class CoordinatorService:
         try:
             host = self._host(request.host, context)
             with self.limits.agent_call(HOST_CALLS + host.host_id):
-                return await self.coord.next_host_tasks(host, request.wait_seconds, request.away, request.back,
-                                                        request.finish_estimates)
+                return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away,
+                                                                request.back, request.finish_estimates, self.coord)
         except Refusal as r:
             await context.abort(r.code, r.message)
 

@@ -25,6 +25,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, TensorAssembler
 from fedpar.protocol.messages import SMALL_UPDATE_BYTES
+from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
 from fedpar.server.rounds import Refusal, UploadTicket
@@ -61,7 +62,7 @@ class Upload:
         self._staging: TensorAssembler | None = None
         config, state = intake.coord.config, ticket.state
         self.pace = UploadPace(config.upload_idle_seconds, config.upload_min_bytes_per_second,
-                               state.started + state.deadline_seconds, ticket.layout.total_bytes)
+                               closes_at(state), ticket.layout.total_bytes)
         self.overtaken: asyncio.Future | None = None  # on gRPC: done when its staging slot is taken back
 
     @property

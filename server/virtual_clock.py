@@ -3,50 +3,36 @@ simulated time, so a straggler study runs as fast as the machine allows.
 
 A round under the virtual clock has two steps. First every sampled member's host reports how many simulated
 seconds the member needs for its task (download, its local steps at its device's speed, upload: from its trace
-and its real amount of work), or that it would not finish (it drops out, or goes offline first). Then the
-coordinator orders the members by finish time and lets train only those the real-time rules would have counted:
-the first K that finish within the deadline. Nobody else trains, so no real time is spent on stragglers. The
+and its real amount of work), or that it would not finish (it drops out, or goes offline first). Then the clock
+lets train only those the real-time rules would have counted: the first K that finish within the deadline
+(server/deadline.py :func:`first_k_in_time`). Nobody else trains, so no real time is spent on stragglers. The
 round lasts, in simulated time, until the K-th finish (target reached), the deadline (too few in time), or the last
 finish (every sampled member answered in time, fewer than K of them). The chosen members then train and upload
 through the same validation and fold as ever; the wall clock only guards against hosts that stop answering.
+It is one of the coordinator's clocks (server/clock.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
-from dataclasses import dataclass
 
 import grpc
 
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.server.deadline import DEADLINE, Decision, first_k_in_time
+from fedpar.server.rounds import Refusal, RoundState
 
-
-@dataclass
-class Decision:
-    """What the virtual clock made of one round: whom it lets train, how long the round lasted, and why."""
-
-    chosen: list[AgentSlot]
-    seconds: float  # simulated duration of the round
-    reason: str  # as RoundState.close_reason: target reached | deadline | every sampled agent answered
-
-
-def decide(finishes: dict[str, float], slots: dict[str, AgentSlot], target: int, deadline: float) -> Decision:
-    """The first ``target`` members to finish within ``deadline`` simulated seconds (``finishes``: each member's
-    reported seconds; a missing or negative one never finishes), ties broken by agent id."""
-    in_time = sorted((s, a) for a, s in finishes.items() if 0 <= s <= deadline and a in slots)
-    chosen = [slots[a] for _, a in in_time[:target]]
-    if len(in_time) >= target:
-        return Decision(chosen, in_time[target - 1][0] if target else 0.0, "target reached")
-    if len(in_time) == len(slots):
-        return Decision(chosen, in_time[-1][0] if in_time else 0.0, "every sampled agent answered")
-    return Decision(chosen, deadline, "deadline")
+log = logging.getLogger("fedpar.server")
 
 
 class VirtualClock:
     """The coordinator's simulated time, and the finish times reported in the current round."""
 
-    def __init__(self, seconds: float = 0.0):
+    def __init__(self, deadline_seconds: float, wall_seconds: float, seconds: float = 0.0):
+        self.deadline_seconds = deadline_seconds  # the straggler deadline, in simulated seconds
+        self.wall_seconds = wall_seconds  # real seconds a round may last (its estimates may take half)
         self.seconds = seconds  # simulated time at the start of the current (or next) round
         self._finishes: dict[str, float] = {}
         self._all_in: asyncio.Event | None = None
@@ -78,23 +64,34 @@ class VirtualClock:
         if len(self._finishes) == len(state.slots):
             self._all_in.set()
 
-    async def wait_for_estimates(self, timeout: float) -> None:
-        """Until every sampled member's finish time is in, or ``timeout`` seconds (the rest then never finish)."""
+    async def choose(self, state: RoundState, members) -> None:
+        """Wait for the sampled members' finish times (half the wall guard at most: the rest then never finish),
+        then let the first K within the deadline go (``members.let_go``) and count only them as still to answer."""
         try:
-            await asyncio.wait_for(self._all_in.wait(), timeout=timeout)
+            await asyncio.wait_for(self._all_in.wait(), timeout=self.wall_seconds / 2)
         except asyncio.TimeoutError:
             pass
-
-    def close_estimates(self, state: RoundState, deadline: float) -> Decision:
-        """Decide the round: let the chosen members go, and count only them as still to answer."""
-        decision = decide(self._finishes, state.slots, state.target, deadline)
+        decision = first_k_in_time(self._finishes, state.slots, state.target, self.deadline_seconds)
         for slot in decision.chosen:
             slot.go = True
         state.target = len(decision.chosen)
         state.answering = len(decision.chosen)
         self._round_id = 0
         self.decision = decision
-        return decision
+        log.info("round %d: %d of %d sampled clients train (virtual clock: %s after %.1f simulated seconds)",
+                 state.round_id, len(decision.chosen), state.sampled, decision.reason, decision.seconds)
+        if not decision.chosen:
+            state.close(DEADLINE)
+        members.let_go([slot.agent_id for slot in decision.chosen])
+
+    def stamp(self, task: pb.TrainTask) -> None:
+        """Mark the task as simulated: the clock's time now and the simulated deadline."""
+        task.virtual_clock, task.clock_seconds = True, self.seconds
+        task.clock_deadline_seconds = self.deadline_seconds
+
+    def stamp_reply(self, reply: pb.PullHostTasksReply) -> None:
+        """The clock's time, for a simulation host."""
+        reply.clock_seconds = self.seconds
 
     def finish_round(self) -> dict:
         """Advance the clock by the round just finished; its metrics columns (simulated seconds of the round and
@@ -103,3 +100,11 @@ class VirtualClock:
         self.seconds += decision.seconds
         self.decision = None
         return {"sim_round_seconds": decision.seconds, "sim_seconds": self.seconds, "sim_close_reason": decision.reason}
+
+    def state(self) -> dict:
+        """The simulated time, for the checkpoint (a restart goes on from there)."""
+        return {"clock_seconds": self.seconds}
+
+    def restore(self, state: dict) -> None:
+        """Go on from a checkpoint's simulated time."""
+        self.seconds = float(state.get("clock_seconds", 0.0))

@@ -10,6 +10,7 @@ import pytest
 from fedpar.cli.main import build_parser
 from fedpar.cli.simulate import simulation_config
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.deadline import round_target
 
 
 def _settle(capsys, *options: str):
@@ -56,9 +57,9 @@ def test_settings_within_reach_are_used_as_given_and_settled_ones_stay_settled(c
 
 
 def test_a_round_with_fewer_agents_sampled_than_k_says_so_in_its_log_line():
-    assert CoordinatorConfig(clients_per_round=10).round_target(live=2, sampled=2) == \
+    assert round_target(CoordinatorConfig(clients_per_round=10), live=2, sampled=2) == \
         (2, "--clients-per-round 10 is above the 2 agents sampled; using 2")
-    assert CoordinatorConfig(clients_per_round=2).round_target(live=5, sampled=3) == (2, "")
-    assert CoordinatorConfig(fraction=0.1, min_reports=3).round_target(live=10, sampled=4) == \
+    assert round_target(CoordinatorConfig(clients_per_round=2), live=5, sampled=3) == (2, "")
+    assert round_target(CoordinatorConfig(fraction=0.1, min_reports=3), live=10, sampled=4) == \
         (3, "--fraction 0.1 of 10 live agents is 1, below --min-reports 3; using 3")
-    assert CoordinatorConfig(fraction=0.5).round_target(live=10, sampled=7) == (5, "")
+    assert round_target(CoordinatorConfig(fraction=0.5), live=10, sampled=7) == (5, "")

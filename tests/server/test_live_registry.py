@@ -47,8 +47,8 @@ def test_churned_agents_leave_the_registry_and_only_the_live_ones_stay(start_coo
         live.append(back)
         assert server.on_loop(lambda: registry.get("gone-005").num_examples) == 15
         assert server.on_loop(lambda: len(registry.caps)) == CHURNED + 2
-        # Nor does the coordinator keep a long-poll wake-up per agent it forgot (peeked at: no public view).
-        assert server.on_loop(lambda: len(coordinator._wakeups)) <= 2 * 3 + 64
+        # Nor does the coordinator keep a long-poll wake-up per agent it forgot.
+        assert server.on_loop(lambda: coordinator.members.wakeups_held) <= 2 * 3 + 64
     finally:
         for agent in live:
             agent.close()

@@ -97,7 +97,7 @@ def test_what_a_coordinator_refuses(start_coordinator):
 
 
 def test_a_big_cohort_of_one_host_comes_in_replies_of_bounded_size_with_one_copy_of_a_small_model(start_coordinator):
-    from fedpar.server.coordinator import MAX_HOSTED_TASKS
+    from fedpar.server.populations import MAX_HOSTED_TASKS
     ids = [f"w{i:04d}" for i in range(700)]
     weights = np.arange(12_000, dtype=np.float32)  # 48 KB: small enough to travel with the tasks
     server = start_coordinator([weights], accept_populations=True, clients_per_round=600, min_available=700,

@@ -14,7 +14,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import PROTOCOL_VERSION
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.rounds import AgentSlot
-from fedpar.server.virtual_clock import decide
+from fedpar.server.deadline import first_k_in_time as decide
 from support.population_calls import host_stub as _stub, join_members as _join, refused as _refused
 
 SHAPE = (8,)

@@ -1,0 +1,111 @@
+"""When a round closes, and what deadline its tasks carry: the server's one deadline policy.
+
+A round of M sampled agents (M = ceil(K * overselect)) closes at the first of:
+- K accepted updates ("target reached": first K of M);
+- every sampled agent that may still answer has an accepted or rejected update ("every sampled agent answered");
+- the straggler deadline, ``--deadline`` seconds after the tasks went out ("deadline"); a task carries the real
+  seconds left until then, and an upload not complete by then is refused.
+Under the virtual clock (server/virtual_clock.py) first K and the deadline act on simulated time
+(:func:`first_k_in_time`); real time then only guards the round (``--round-wall-timeout``).
+Everything else on the server asks this module; the agent's side is client/deadline.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from fedpar.server.config import CoordinatorConfig
+
+TARGET_REACHED = "target reached"
+ALL_ANSWERED = "every sampled agent answered"
+DEADLINE = "deadline"
+
+
+class Timed(Protocol):
+    """What the policy reads of a round: when it opened and how many real seconds it may last."""
+
+    started: float  # time.monotonic() when the tasks went out
+    deadline_seconds: float
+
+
+def target_reports(config: CoordinatorConfig, live: int) -> int:
+    """K for a round with ``live`` agents available."""
+    if config.fraction is not None:
+        return max(config.min_reports, round(config.fraction * live))
+    return config.clients_per_round
+
+
+def cohort_size(config: CoordinatorConfig, live: int) -> int:
+    """M = ceil(K * overselect), capped at the number of live agents."""
+    return min(live, math.ceil(target_reports(config, live) * config.overselect))
+
+
+def round_target(config: CoordinatorConfig, live: int, sampled: int) -> tuple[int, str]:
+    """The updates a round waits for when ``sampled`` of ``live`` agents were sampled, and what moved it from the K
+    the settings say ('' when nothing did), for the round's log line."""
+    k, why = target_reports(config, live), ""
+    if config.fraction is not None and k > round(config.fraction * live):
+        why = (f"--fraction {config.fraction} of {live} live agents is {round(config.fraction * live)}, below "
+               f"--min-reports {config.min_reports}; using {k}")
+    if sampled < k:
+        asked = f"--clients-per-round {k}" if config.fraction is None else f"K {k}"
+        why = f"{asked} is above the {sampled} agents sampled; using {sampled}"
+    return min(k, sampled), why
+
+
+def wall_seconds(config: CoordinatorConfig) -> float:
+    """Real seconds a round may last: the straggler deadline, or under the virtual clock the wall guard."""
+    return config.round_wall_seconds if config.virtual_clock else config.deadline_seconds
+
+
+def closes_at(state: Timed) -> float:
+    """The time.monotonic() at which the round's deadline passes."""
+    return state.started + state.deadline_seconds
+
+
+def seconds_left(state: Timed) -> float:
+    """Real seconds left before the round's deadline: what a task handed out now carries."""
+    return max(0.0, closes_at(state) - time.monotonic())
+
+
+def closing_reason(accepted: int, rejected: int, target: int, answering: int) -> str:
+    """Why a round with these counts closes now ('' while it stays open): K accepted, or all answered."""
+    if accepted >= target:
+        return TARGET_REACHED
+    if accepted + rejected >= answering:
+        return ALL_ANSWERED
+    return ""
+
+
+async def until_closed(state: Timed, closed: asyncio.Event) -> bool:
+    """Wait until ``closed`` is set or the round's deadline passes; False if the deadline passed first."""
+    try:
+        await asyncio.wait_for(closed.wait(), timeout=seconds_left(state))
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+@dataclass
+class Decision:
+    """Who trains in a round on simulated time, how long the round lasted there, and why it closed."""
+
+    chosen: list  # the chosen members' slots (server/rounds.py AgentSlot), first to finish first
+    seconds: float  # simulated duration of the round
+    reason: str  # as RoundState.close_reason: target reached | deadline | every sampled agent answered
+
+
+def first_k_in_time(finishes: dict[str, float], slots: dict, target: int, deadline: float) -> Decision:
+    """The first ``target`` members to finish within ``deadline`` simulated seconds (``finishes``: each member's
+    reported seconds; a missing or negative one never finishes), ties broken by agent id."""
+    in_time = sorted((s, a) for a, s in finishes.items() if 0 <= s <= deadline and a in slots)
+    chosen = [slots[a] for _, a in in_time[:target]]
+    if len(in_time) >= target:
+        return Decision(chosen, in_time[target - 1][0] if target else 0.0, TARGET_REACHED)
+    if len(in_time) == len(slots):
+        return Decision(chosen, in_time[-1][0] if in_time else 0.0, ALL_ANSWERED)
+    return Decision(chosen, deadline, DEADLINE)

@@ -1,0 +1,164 @@
+"""The coordinator's member source: who may be sampled, and how a sampled member hears of its task.
+
+:class:`Members` holds the agents that joined by themselves (Join; each long-polls PullTask for its own tasks).
+server/populations.py extends it with simulation hosts that speak for slices of a virtual population. The
+coordinator is given one and calls it only through these methods; all run on the coordinator's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol, Sequence
+
+import grpc
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.security.admission import AdmissionRefused
+from fedpar.security.identity import PeerIdentity
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord
+from fedpar.server.rounds import Refusal, RoundState
+
+log = logging.getLogger("fedpar.server")
+
+
+class TaskDesk(Protocol):
+    """What a member source asks the coordinator: the task a member is due, and the run's progress."""
+
+    finished: bool
+    round_id: int
+    current: RoundState | None
+    clock: object  # its RoundClock (server/clock.py)
+
+    def task_for(self, agent: AgentRecord) -> pb.PullTaskReply | None:
+        """The reply to a poll of ``agent`` now (its task, or that training is over); None: nothing yet."""
+
+
+class Members:
+    """Agents that joined by themselves: the registry's agents, the wake-up of each one's long-poll, and who has
+    heard that training is over."""
+
+    def __init__(self, config: CoordinatorConfig, registry: AgentRegistry):
+        self.config = config
+        self.registry = registry
+        self._wakeups: dict[str, asyncio.Event] = {}  # per long-poller (see :meth:`poller`)
+        self._not_yet_told: set[str] = set()  # long-pollers live at the end not yet told that training is over
+        self._changed = asyncio.Event()  # binds to the loop that first waits on it (the serving loop)
+
+    # ----------------------------------------------------------------- joining and leaving
+    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
+             peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
+        """Register an agent; raises Refusal on bad identity data or if the agent is not admitted."""
+        try:
+            record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token,
+                                        self.config.max_examples_per_agent)
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except AdmissionRefused as exc:
+            log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
+            raise Refusal(exc.code, exc.message) from None
+        self._wakeups.setdefault(agent_id, asyncio.Event())
+        self._joined()
+        return record
+
+    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
+                        peer: PeerIdentity | None = None,
+                        enrollment_token: str = "") -> tuple[HostRecord, list[AgentRecord]]:
+        """A Refusal: this member source takes no simulated populations (server/populations.py does)."""
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      "this coordinator hosts no simulated populations; start it with --accept-populations")
+
+    async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str],
+                              back: Sequence[str], finish_estimates: Sequence[pb.FinishEstimate],
+                              desk: TaskDesk) -> pb.PullHostTasksReply:
+        """A Refusal: there are no simulation hosts here."""
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      "this coordinator hosts no simulated populations; start it with --accept-populations")
+
+    def leave(self, agent_id: str) -> None:
+        """The agent said goodbye: it is not sampled until it joins again."""
+        self.registry.leave(agent_id)
+
+    def _joined(self) -> None:
+        self._forget_gone()
+        self._changed.set()
+
+    # ----------------------------------------------------------------- sampling
+    def live_ids(self) -> list[str]:
+        """Ids of the members that may be sampled now, sorted."""
+        return self.registry.live_ids()
+
+    async def wait_for_live(self, count: int, wait_seconds: float | None) -> None:
+        """Until ``count`` members are live; TimeoutError after ``wait_seconds`` (None: no limit)."""
+        deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
+        while len(self.live_ids()) < count:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.live_ids())} live agents after {wait_seconds}s; need "
+                                   f"min_available={count}")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    # ----------------------------------------------------------------- tasks
+    def poller(self, agent_id: str) -> str:
+        """Whose long-poll hears of ``agent_id``'s tasks: the agent's own."""
+        return agent_id
+
+    def deal(self, agent_id: str) -> None:
+        """A task is waiting for ``agent_id``: wake its long-poll."""
+        self._wake(self.poller(agent_id))
+
+    def let_go(self, agent_ids: Sequence[str]) -> None:
+        """The clock let these members' held tasks go ahead (only simulation hosts hold tasks)."""
+
+    def _wake(self, key: str) -> None:
+        self._wakeups.setdefault(key, asyncio.Event()).set()
+
+    async def wait(self, key: str, deadline: float) -> bool:
+        """A long-poll's wait: until ``key`` (see :meth:`poller`) is woken or ``deadline`` (time.monotonic())
+        passes; False if the time was up already."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        event = self._wakeups.setdefault(key, asyncio.Event())
+        event.clear()
+        try:
+            await asyncio.wait_for(event.wait(), timeout=remaining)
+        except asyncio.TimeoutError:
+            pass
+        return True
+
+    @property
+    def wakeups_held(self) -> int:
+        """Long-poll wake-ups held (bounded by the members the registry holds)."""
+        return len(self._wakeups)
+
+    # ----------------------------------------------------------------- the end
+    def finish(self, tell: bool) -> None:
+        """Rounds are over: wake every long-poll; ``tell``: each live one must hear that training is over."""
+        if tell:
+            self._not_yet_told = {self.poller(a) for a in self.registry.live_ids()}
+        for event in self._wakeups.values():
+            event.set()
+
+    def told(self, key: str) -> None:
+        """The long-poller ``key`` heard that training is over."""
+        self._not_yet_told.discard(key)
+
+    def everyone_told(self) -> bool:
+        """Whether every long-poller live at the end has heard that training is over."""
+        return not self._not_yet_told
+
+    def _forget_gone(self) -> None:
+        """Drop the wake-ups of members the registry no longer holds (they expired), once there are twice as many
+        as it holds: amortized O(1) per join, bounded by the live ones."""
+        if len(self._wakeups) <= 2 * (len(self.registry) + self.registry.host_count) + 64:
+            return
+        self._wakeups = {k: e for k, e in self._wakeups.items() if self._known(k)}
+
+    def _known(self, key: str) -> bool:
+        return self.registry.get(key) is not None

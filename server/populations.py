@@ -1,0 +1,154 @@
+"""The member source of simulated federations (``--accept-populations``): simulation hosts, each speaking for a slice
+of a virtual population, beside agents that joined by themselves (none under the virtual clock).
+
+A host joins its members (JoinPopulation), long-polls for all of their tasks at once (PullHostTasks), reports which
+went offline or came back, and, under the virtual clock, each sampled member's simulated finish time; its members
+upload with their own sessions. The coordinator deals tasks and lets held ones go through :class:`Populations`
+alone (server/members.py says how).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import grpc
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.security.admission import AdmissionRefused
+from fedpar.security.identity import PeerIdentity
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.members import Members, TaskDesk
+from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord
+from fedpar.server.rounds import Refusal
+
+HOST_WAKEUP = "\0host:"  # long-poll key prefix of a simulation host (agent ids are printable, so never clash)
+MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasks reply (a reply stays far below the message size limit)
+
+
+class Populations(Members):
+    """Simulation hosts and their members (and agents that joined by themselves, unless ``hosts_only``)."""
+
+    def __init__(self, config: CoordinatorConfig, registry: AgentRegistry, hosts_only: bool = False):
+        super().__init__(config, registry)
+        self.hosts_only = hosts_only
+        self._host_tasks: dict[str, set[str]] = {}  # per host: its members dealt a task not yet sent
+        self._host_go: dict[str, set[str]] = {}  # per host: its members the clock let go, not yet told
+
+    def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
+             peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
+        """Register an agent (a Refusal under the virtual clock: only simulation hosts report finish times)."""
+        if self.hosts_only:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this coordinator runs a virtual clock (--clock virtual): only simulation hosts take part")
+        return super().join(agent_id, num_examples, capabilities, peer, enrollment_token)
+
+    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
+                        peer: PeerIdentity | None = None,
+                        enrollment_token: str = "") -> tuple[HostRecord, list[AgentRecord]]:
+        """Register (more of) a simulation host's members (server/registry.py); a Refusal on bad data."""
+        if len(members) > self.config.max_population_join:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(members)} members in one JoinPopulation; send at most "
+                          f"{self.config.max_population_join} per call")
+        try:
+            host, records = self.registry.join_population(host_id, host_token, members, peer, enrollment_token,
+                                                          self.config.max_examples_per_agent)
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except AuthError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
+        self._host_tasks.setdefault(host_id, set())
+        self._joined()
+        return host, records
+
+    def poller(self, agent_id: str) -> str:
+        """Whose long-poll hears of ``agent_id``'s tasks: its host's (HOST_WAKEUP + the host), or its own."""
+        record = self.registry.get(agent_id)
+        return HOST_WAKEUP + record.host if record is not None and record.host is not None else agent_id
+
+    def deal(self, agent_id: str) -> None:
+        """A task is waiting for ``agent_id``: queue it for its host, if it has one, and wake the long-poll."""
+        record = self.registry.get(agent_id)
+        if record is not None and record.host is not None:
+            self._host_tasks.setdefault(record.host, set()).add(agent_id)
+        super().deal(agent_id)
+
+    def let_go(self, agent_ids: Sequence[str]) -> None:
+        """Tell the hosts of ``agent_ids`` that their held tasks may go ahead."""
+        for agent_id in agent_ids:
+            record = self.registry.get(agent_id)
+            if record is not None and record.host is not None:
+                self._host_go.setdefault(record.host, set()).add(agent_id)
+                self._wake(HOST_WAKEUP + record.host)
+
+    async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str],
+                              back: Sequence[str], finish_estimates: Sequence[pb.FinishEstimate],
+                              desk: TaskDesk) -> pb.PullHostTasksReply:
+        """The tasks of ``host``'s members sampled since its last call (and those the clock let go), waiting up to
+        ``wait_seconds`` for some; ``away`` / ``back``: its members that went offline or came back (not sampled
+        while away); ``finish_estimates``: its members' simulated finish times for their held tasks."""
+        if away or back:
+            self.registry.set_away(host.host_id, list(away), list(back))
+            self._changed.set()
+        for estimate in finish_estimates:
+            record = self.registry.get(estimate.agent_id)
+            if record is None or record.host != host.host_id:
+                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{estimate.agent_id[:128]!r} is not a member of host {host.host_id!r}")
+            desk.clock.record(desk.current, estimate.agent_id, estimate.task_id, estimate.seconds)
+        key = HOST_WAKEUP + host.host_id
+        deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
+        while True:
+            if desk.finished:
+                self.told(key)
+                return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {desk.round_id}")
+            out = self._reply(host.host_id, desk)
+            if out.tasks or out.go or not await self.wait(key, deadline):
+                return out
+            host.last_seen = time.monotonic()
+
+    def _reply(self, host_id: str, desk: TaskDesk) -> pb.PullHostTasksReply:
+        """The tasks (at most MAX_HOSTED_TASKS; the next call takes the rest) and go-aheads waiting for ``host_id``,
+        with one copy of a small model for the whole reply."""
+        pending = sorted(self._host_tasks.get(host_id, ()))
+        self._host_tasks[host_id] = set(pending[MAX_HOSTED_TASKS:])
+        out = pb.PullHostTasksReply()
+        out.go.extend(sorted(self._host_go.pop(host_id, ())))
+        desk.clock.stamp_reply(out)
+        for agent_id in pending[:MAX_HOSTED_TASKS]:
+            record = self.registry.get(agent_id)
+            reply = desk.task_for(record) if record is not None and record.host == host_id else None
+            if reply is None or reply.WhichOneof("kind") != "task":
+                continue
+            task = reply.task
+            if task.weights:
+                out.weights_header.CopyFrom(task.weights_header)
+                out.weights = task.weights
+                task.ClearField("weights_header")
+                task.ClearField("weights")
+            out.tasks.append(pb.HostedTask(agent_id=agent_id, task=task))
+        return out
+
+    def _forget_gone(self) -> None:
+        """As for agents, and the queues of hosts the registry no longer holds."""
+        if len(self._wakeups) + len(self._host_tasks) <= 2 * (len(self.registry) + self.registry.host_count) + 64:
+            return
+        self._wakeups = {k: e for k, e in self._wakeups.items() if self._known(k)}
+        self._host_tasks = {h: q for h, q in self._host_tasks.items() if self.registry.host(h) is not None}
+        self._host_go = {h: q for h, q in self._host_go.items() if self.registry.host(h) is not None}
+
+    def _known(self, key: str) -> bool:
+        if key.startswith(HOST_WAKEUP):
+            return self.registry.host(key[len(HOST_WAKEUP):]) is not None
+        return super()._known(key)
+
+
+def member_source(config: CoordinatorConfig, registry: AgentRegistry) -> Members:
+    """The member source ``config`` asks for: agents that joined, plus simulation hosts with --accept-populations
+    (hosts only under the virtual clock)."""
+    if config.accept_populations:
+        return Populations(config, registry, hosts_only=config.virtual_clock)
+    return Members(config, registry)
