@@ -1,0 +1,217 @@
+"""How many fedpar source files one round runs code in, and how many one upload crosses (issue 26's "the round is
+short to read").
+
+Starts `fedpar serve` and one `fedpar client` (digits, one round, K = 1, every other setting at its default) as two
+processes, each under a profiler (``sys.setprofile`` on every thread) that notes the fedpar files whose functions
+are called:
+- the round: on the coordinator from the start of the round (``Coordinator._run_round``) to the end of the run
+  (``Members.finish``); on the agent from its task's arrival (``Agent._run_task``) to the end of that task. Start-up,
+  joining and shutting down are left out;
+- one upload: on the agent from the update's upload call (``PlainUpload.upload``) to its reply, on that thread;
+  on the coordinator from the upload RPC (``UploadSmall`` / ``UploadUpdate``) to the end of its intake
+  (``UploadIntake.settle``), leaving out what the round's own task runs meanwhile (closing the round).
+Generated protobuf modules are not counted. Prints the counts and the files, and writes them as JSON. ``python benchmarks/trace_round.py --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOMS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+# (file, function) that open and close each window; a rename in the code is a rename here
+MARKS = {
+    "server": {"round": ("server/coordinator.py", "_run_round"), "round_end": ("server/members.py", "finish"),
+               "upload": {("server/service.py", "UploadSmall"), ("server/service.py", "UploadUpdate"),
+                          ("server/dataplane.py", "_upload")},
+               "upload_end": ("server/uploads.py", "settle"), "not_upload": ("server/coordinator.py", "_run_round")},
+    "agent": {"round": ("client/agent.py", "_run_task"), "upload": {("client/round_modes.py", "upload")}},
+}
+
+
+class Tracer:
+    """Notes the fedpar files whose functions are called, in the round and upload windows (one process)."""
+
+    def __init__(self, side: str):
+        self.marks = MARKS[side]
+        self.side = side
+        self.round: set[str] = set()
+        self.upload: set[str] = set()
+        self.seen: set[str] = set()  # the windows' markers that fired
+        self.in_round = self.in_upload = False
+        self.round_frame = self.upload_frame = None  # the agent's windows end when these frames return
+        self.upload_thread: int | None = None
+        self._files: dict[str, str | None] = {}
+
+    def rel(self, filename: str) -> str | None:
+        """``filename`` relative to the repository if it is a fedpar source file, else None."""
+        if filename not in self._files:
+            try:
+                rel = Path(filename).resolve().relative_to(ROOT).as_posix()
+            except ValueError:
+                rel = None
+            fedpar = rel is not None and rel.split("/")[0] in ROOMS and rel.endswith(".py") and "_pb2" not in rel
+            self._files[filename] = rel if fedpar else None  # generated protobuf modules are not counted
+        return self._files[filename]
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            rel = self.rel(frame.f_code.co_filename)
+            if rel is not None:
+                self._call(frame, (rel, frame.f_code.co_name), rel)
+        elif event == "return" and frame is not None:
+            if frame is self.round_frame:
+                self.in_round, self.round_frame = False, None
+            if frame is self.upload_frame:
+                self.in_upload, self.upload_frame = False, None
+        return None
+
+    def _call(self, frame, mark: tuple[str, str], rel: str) -> None:
+        m = self.marks
+        if mark == m["round"] and not self.seen & {"round"}:
+            self.seen.add("round")
+            self.in_round = True
+            if self.side == "agent":
+                self.round_frame = frame
+        elif mark == m.get("round_end") and self.in_round:
+            self.in_round = False
+            self.seen.add("round_end")
+        if mark in m["upload"] and "upload" not in self.seen:
+            self.seen.add("upload")
+            self.in_upload, self.upload_thread = True, threading.get_ident()
+            if self.side == "agent":
+                self.upload_frame = frame
+        if self.in_round:
+            self.round.add(rel)
+        if self.in_upload and self._in_upload_window(frame):
+            self.upload.add(rel)
+        if mark == m.get("upload_end") and self.in_upload:
+            self.in_upload = False
+            self.seen.add("upload_end")
+
+    def _in_upload_window(self, frame) -> bool:
+        """On the agent: the upload's thread; on the coordinator: anything but the round's own task."""
+        if self.side == "agent":
+            return threading.get_ident() == self.upload_thread
+        not_upload = self.marks["not_upload"]
+        while frame is not None:
+            if frame.f_code.co_name == not_upload[1] and self.rel(frame.f_code.co_filename) == not_upload[0]:
+                return False
+            frame = frame.f_back
+        return True
+
+
+def child(side: str, out: Path, argv: list[str]) -> int:
+    """Run ``fedpar <argv>`` under a :class:`Tracer` and write what it saw to ``out``."""
+    from fedpar.cli.main import main
+
+    tracer = Tracer(side)
+    threading.setprofile(tracer)
+    sys.setprofile(tracer)
+    code = 1
+    try:
+        code = main(argv) or 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        out.write_text(json.dumps({"side": side, "exit": code, "seen": sorted(tracer.seen),
+                                   "round": sorted(tracer.round), "upload": sorted(tracer.upload)}))
+    return code
+
+
+def measure(work: Path, timeout: float) -> dict:
+    """Trace one round of `fedpar serve` and one `fedpar client`; their files, per side and together."""
+    me = [sys.executable, str(Path(__file__).resolve()), "--child"]
+    port_file = work / "port"
+    serve = subprocess.Popen(me + ["server", str(work / "server.json"), "--", "serve", "--dataset", "digits",
+                                   "--rounds", "1", "--clients-per-round", "1", "--min-available", "1",
+                                   "--port", "0", "--port-file", str(port_file), "--out", str(work / "out"),
+                                   "--log-level", "warning", "--insecure"], cwd=ROOT)
+    agent = None
+    try:
+        end = time.monotonic() + timeout
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if serve.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("fedpar serve did not start listening (see its output above)")
+            time.sleep(0.1)
+        port = port_file.read_text().strip()
+        agent = subprocess.Popen(me + ["agent", str(work / "agent.json"), "--", "client", "--server",
+                                       f"127.0.0.1:{port}", "--dataset", "digits", "--agent-id", "trace-0",
+                                       "--log-level", "warning", "--insecure"], cwd=ROOT)
+        for proc in (agent, serve):
+            proc.wait(timeout=max(1.0, end - time.monotonic()))
+    finally:
+        for proc in (serve, agent):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    sides = {side: json.loads((work / f"{side}.json").read_text()) for side in ("server", "agent")}
+    for side, got in sides.items():
+        wanted = {"round", "upload"} | ({"round_end", "upload_end"} if side == "server" else set())
+        if got["exit"] != 0 or wanted - set(got["seen"]):
+            raise RuntimeError(f"the {side} exited with {got['exit']} and saw markers {got['seen']} of "
+                               f"{sorted(wanted)}: update MARKS in {Path(__file__).name} if the code moved")
+    out = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, Python "
+                      f"{platform.python_version()})",
+           "commit": _commit()}
+    for window in ("round", "upload"):
+        both = sorted(set(sides["server"][window]) | set(sides["agent"][window]))
+        out[window] = {"files": len(both), "coordinator": sides["server"][window], "agent": sides["agent"][window],
+                       "both": both}
+    return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Trace a round, print the figures and file lists, write the JSON."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child(argv[1], Path(argv[2]), argv[4:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, default=Path("trace_round.json"), help="where the figures go")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the round may take in all")
+    p.add_argument("--round-target", type=int, default=30, help="files one round may run code in (issue 26)")
+    p.add_argument("--upload-target", type=int, default=8, help="files one upload may cross (issue 26)")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="fedpar-trace-") as tmp:
+        try:
+            figures = measure(Path(tmp), args.timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"trace_round: {exc}", file=sys.stderr)
+            return 1
+    figures["targets"] = {"round": args.round_target, "upload": args.upload_target}
+    args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"{figures['date']}, {figures['machine']}, commit {figures['commit']}")
+    for window, target in (("round", args.round_target), ("upload", args.upload_target)):
+        got = figures[window]
+        print(f"{window}: {got['files']} files (target {target}; coordinator {len(got['coordinator'])}, agent "
+              f"{len(got['agent'])})")
+        for rel in got["both"]:
+            where = "+".join(s for s, k in (("coordinator", "coordinator"), ("agent", "agent")) if rel in got[k])
+            print(f"  {rel}  [{where}]")
+    print(f"written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
