@@ -16,7 +16,7 @@ What is measured, exactly:
 - fedpar list: ``fedavg(list)``; the results are already in memory, so 8 are folded per pass.
 - fedpar strategy: ``FedAvg().fold`` per result (with the NaN/Inf pre-check) + ``finish``; "known finite" is
   the coordinator's call, which skips that pass because the service checked the values on arrival.
-- coordinator folds: the coordinator's own fold path (server/fold_queue.py): each result is accepted once it holds
+- coordinator folds: the coordinator's own fold path (server/round_modes.py FoldQueue): each result is accepted once it holds
   one of S staging slots (as an upload holds its slot until its fold is done), folded on the coordinator's worker
   threads by ``Strategy.fold_many(..., known_finite=True)``, grouped with the results that wait for a fold; S = 4
   (the default --max-concurrent-uploads) and S = 8 (groups of the strategy's default group size). Timed from
@@ -55,7 +55,7 @@ import torch
 
 from fedpar.aggregation import FedAvg, FoldConfig, FoldItem, fedavg
 from fedpar.parallel.device import flush_denormals
-from fedpar.server.fold_queue import FoldQueue
+from fedpar.server.round_modes import FoldQueue
 from fedpar.server.rounds import RoundState
 from fedpar.server.uploads import update_runner
 

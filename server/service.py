@@ -1,13 +1,17 @@
-"""gRPC servicer (asyncio): authenticates and validates every call, then hands it to the Coordinator (uploads:
-to the upload intake, server/uploads.py)."""
+"""gRPC servicer (asyncio): decodes (malformed bytes get a clear INVALID_ARGUMENT, not an UNKNOWN error),
+authenticates and validates every call, then hands it to the Coordinator (uploads: to the upload intake,
+server/uploads.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED
@@ -15,7 +19,6 @@ from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused
 from fedpar.security.identity import peer_identity
 from fedpar.server.coordinator import Coordinator
-from fedpar.server.decoding import Malformed, parser, refuse_malformed
 from fedpar.server.limits import Limits
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.registry import AgentRecord, AuthError, HostRecord
@@ -284,6 +287,43 @@ async def _next_message(request_iterator, timeout: float, on_timeout: Callable[[
     if isinstance(message, Malformed):
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{message.reason}; the update was not applied")
     return message
+
+
+class Malformed(NamedTuple):
+    """Stands in for a request whose bytes did not parse."""
+
+    reason: str
+
+
+def parser(message_type: type[Message], decode: Callable[[bytes], object] | None = None) -> Callable[[bytes], object]:
+    """A request deserializer that returns :class:`Malformed` instead of raising on bad bytes."""
+    decode = decode or message_type.FromString
+
+    def parse(raw: bytes) -> object:
+        try:
+            return decode(raw)
+        except (DecodeError, ValueError, IndexError, TypeError) as exc:
+            return Malformed(f"request is not a valid {message_type.DESCRIPTOR.full_name} ({exc})")
+    return parse
+
+
+def refuse_malformed(handler):
+    """Wrap a unary-request handler (coroutine or async generator) to abort on a Malformed request."""
+    if inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def stream(request, context):
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            async for item in handler(request, context):
+                yield item
+        return stream
+
+    @functools.wraps(handler)
+    async def unary(request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return await handler(request, context)
+    return unary
 
 
 def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:

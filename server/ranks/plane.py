@@ -19,7 +19,7 @@ from fedpar.server.payload import WeightPayload, build_payload
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, UploadTicket
 from fedpar.server.tickets import TicketBook
-from fedpar.server.upload_checks import open_ticket
+from fedpar.server.uploads import open_ticket
 
 
 class IngestPlane:

@@ -7,7 +7,7 @@ import resource
 from fedpar.server.rounds import RoundState
 
 # per-rank ingest columns of the metrics row: uploads, their bytes, fold seconds, folds (each a group of the updates
-# that waited: server/fold_queue.py) and the most updates one took, peak memory
+# that waited: server/round_modes.py FoldQueue) and the most updates one took, peak memory
 STAT_NAMES = ("uploads", "bytes", "fold_s", "fold_groups", "fold_group_max", "peak_mib")
 
 

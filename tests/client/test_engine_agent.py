@@ -47,7 +47,7 @@ def _recording_fedavg():
         folds[round_id] = {}
         begin(round_id, weights)
 
-    def record(items, **options):  # the coordinator folds through fold_many (server/fold_queue.py)
+    def record(items, **options):  # the coordinator folds through fold_many (server/round_modes.py FoldQueue)
         for update, num_examples, client_id in items:
             folds[strategy.round_id][client_id] = ([np.array(a) for a in update], num_examples)
         return fold_many(items, **options)

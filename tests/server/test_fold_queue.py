@@ -1,4 +1,4 @@
-"""The coordinator's folds (server/fold_queue.py, through the round mode's accept): updates accepted while a fold
+"""The coordinator's folds (server/round_modes.py FoldQueue, through the round mode's accept): updates accepted while a fold
 runs wait and join the next fold as one group; the sum is bit for bit the one-by-one folds in acceptance order;
 an update the strategy refuses inside a group is refused alone."""
 
