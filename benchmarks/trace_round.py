@@ -29,10 +29,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOMS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
 # (file, function) that open and close each window; a rename in the code is a rename here
 MARKS = {
-    "server": {"round": ("server/coordinator.py", "_run_round"), "round_end": ("server/members.py", "finish"),
+    "server": {"round": ("server/coordinator.py", "_run_round"),
+               "round_end": {("server/members.py", "finish"), ("server/ranks/plane.py", "_ready")},
                "upload": {("server/service.py", "UploadSmall"), ("server/service.py", "UploadUpdate"),
                           ("server/dataplane.py", "_upload")},
                "upload_end": ("server/uploads.py", "settle"), "not_upload": ("server/coordinator.py", "_run_round")},
@@ -43,7 +43,10 @@ MARKS = {
 class Tracer:
     """Notes the fedpar files whose functions are called, in the round and upload windows (one process)."""
 
-    def __init__(self, side: str):
+    def __init__(self, side: str, root: Path):
+        self.root = root
+        self.rooms = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+                         .values())  # the folders mapped to fedpar.*
         self.marks = MARKS[side]
         self.side = side
         self.round: set[str] = set()
@@ -58,10 +61,10 @@ class Tracer:
         """``filename`` relative to the repository if it is a fedpar source file, else None."""
         if filename not in self._files:
             try:
-                rel = Path(filename).resolve().relative_to(ROOT).as_posix()
+                rel = Path(filename).resolve().relative_to(self.root).as_posix()
             except ValueError:
                 rel = None
-            fedpar = rel is not None and rel.split("/")[0] in ROOMS and rel.endswith(".py") and "_pb2" not in rel
+            fedpar = rel is not None and rel.split("/")[0] in self.rooms and rel.endswith(".py") and "_pb2" not in rel
             self._files[filename] = rel if fedpar else None  # generated protobuf modules are not counted
         return self._files[filename]
 
@@ -84,7 +87,7 @@ class Tracer:
             self.in_round = True
             if self.side == "agent":
                 self.round_frame = frame
-        elif mark == m.get("round_end") and self.in_round:
+        elif mark in m.get("round_end", ()) and self.in_round:
             self.in_round = False
             self.seen.add("round_end")
         if mark in m["upload"] and "upload" not in self.seen:
@@ -114,9 +117,10 @@ class Tracer:
 
 def child(side: str, out: Path, argv: list[str]) -> int:
     """Run ``fedpar <argv>`` under a :class:`Tracer` and write what it saw to ``out``."""
+    import fedpar.server
     from fedpar.cli.main import main
 
-    tracer = Tracer(side)
+    tracer = Tracer(side, Path(fedpar.server.__file__).resolve().parent.parent)  # the fedpar this python runs
     threading.setprofile(tracer)
     sys.setprofile(tracer)
     code = 1
@@ -127,7 +131,7 @@ def child(side: str, out: Path, argv: list[str]) -> int:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-        out.write_text(json.dumps({"side": side, "exit": code, "seen": sorted(tracer.seen),
+        out.write_text(json.dumps({"side": side, "root": str(tracer.root), "exit": code, "seen": sorted(tracer.seen),
                                    "round": sorted(tracer.round), "upload": sorted(tracer.upload)}))
     return code
 
@@ -136,37 +140,38 @@ def measure(work: Path, timeout: float) -> dict:
     """Trace one round of `fedpar serve` and one `fedpar client`; their files, per side and together."""
     me = [sys.executable, str(Path(__file__).resolve()), "--child"]
     port_file = work / "port"
-    serve = subprocess.Popen(me + ["server", str(work / "server.json"), "--", "serve", "--dataset", "digits",
-                                   "--rounds", "1", "--clients-per-round", "1", "--min-available", "1",
-                                   "--port", "0", "--port-file", str(port_file), "--out", str(work / "out"),
-                                   "--log-level", "warning", "--insecure"], cwd=ROOT)
+    serve = _traced(me, work, "server", ["serve", "--dataset", "digits", "--rounds", "1", "--clients-per-round", "1",
+                                         "--min-available", "1", "--port", "0", "--port-file", str(port_file),
+                                         "--out", str(work / "out"), "--insecure"])
     agent = None
     try:
         end = time.monotonic() + timeout
         while not (port_file.exists() and port_file.read_text().strip()):
             if serve.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("fedpar serve did not start listening (see its output above)")
+                raise RuntimeError(f"fedpar serve did not start listening:\n{_tail(work, 'server')}")
             time.sleep(0.1)
-        port = port_file.read_text().strip()
-        agent = subprocess.Popen(me + ["agent", str(work / "agent.json"), "--", "client", "--server",
-                                       f"127.0.0.1:{port}", "--dataset", "digits", "--agent-id", "trace-0",
-                                       "--log-level", "warning", "--insecure"], cwd=ROOT)
+        agent = _traced(me, work, "agent", ["client", "--server", f"127.0.0.1:{port_file.read_text().strip()}",
+                                            "--dataset", "digits", "--agent-id", "trace-0", "--insecure"])
         for proc in (agent, serve):
             proc.wait(timeout=max(1.0, end - time.monotonic()))
     finally:
         for proc in (serve, agent):
             if proc is not None and proc.poll() is None:
                 proc.kill()
-    sides = {side: json.loads((work / f"{side}.json").read_text()) for side in ("server", "agent")}
-    for side, got in sides.items():
+    sides = {}
+    for side in ("server", "agent"):
+        if not (work / f"{side}.json").exists():
+            raise RuntimeError(f"the traced {side} wrote nothing:\n{_tail(work, side)}")
+        got = sides[side] = json.loads((work / f"{side}.json").read_text())
         wanted = {"round", "upload"} | ({"round_end", "upload_end"} if side == "server" else set())
         if got["exit"] != 0 or wanted - set(got["seen"]):
             raise RuntimeError(f"the {side} exited with {got['exit']} and saw markers {got['seen']} of "
-                               f"{sorted(wanted)}: update MARKS in {Path(__file__).name} if the code moved")
+                               f"{sorted(wanted)}: update MARKS in {Path(__file__).name} if the code moved\n"
+                               f"{_tail(work, side)}")
     out = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, Python "
                       f"{platform.python_version()})",
-           "commit": _commit()}
+           "commit": _commit(Path(sides["server"]["root"]))}
     for window in ("round", "upload"):
         both = sorted(set(sides["server"][window]) | set(sides["agent"][window]))
         out[window] = {"files": len(both), "coordinator": sides["server"][window], "agent": sides["agent"][window],
@@ -174,9 +179,23 @@ def measure(work: Path, timeout: float) -> dict:
     return out
 
 
-def _commit() -> str:
+def _traced(me: list[str], work: Path, side: str, argv: list[str]) -> subprocess.Popen:
+    """Start ``fedpar <argv>`` traced as ``side``; its output goes to WORK/<side>.log."""
+    log = (work / f"{side}.log").open("wb")
+    return subprocess.Popen(me + [side, str(work / f"{side}.json"), "--", *argv], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def _tail(work: Path, side: str, lines: int = 20) -> str:
+    """The last lines a traced process wrote."""
+    path = work / f"{side}.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def _commit(root: Path) -> str:
+    """The commit of the checkout at ``root`` (the fedpar traced)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -1,0 +1,85 @@
+"""The server's one deadline policy (server/deadline.py), and a coordinator that runs on the clock and member source
+it is given (server/clock.py, server/members.py) rather than ones it makes: real coordinator, raw gRPC."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+
+from fedpar.aggregation import build_strategy
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.messages import PROTOCOL_VERSION
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.coordinator import Coordinator
+from fedpar.server.deadline import closing_reason, cohort_size, seconds_left, wall_seconds
+from fedpar.server.populations import Populations
+from fedpar.server.registry import AgentRegistry
+from fedpar.server.rounds import AgentSlot, RoundState
+from fedpar.server.virtual_clock import VirtualClock
+from support.population_calls import host_stub, join_members, refused
+
+SHAPE = (4,)
+
+
+def test_a_round_closes_on_k_accepted_or_all_answered_and_its_tasks_carry_the_time_left():
+    assert closing_reason(accepted=3, rejected=0, target=3, answering=5) == "target reached"
+    assert closing_reason(accepted=2, rejected=3, target=3, answering=5) == "every sampled agent answered"
+    assert closing_reason(accepted=2, rejected=2, target=3, answering=5) == ""  # still open: the deadline decides
+    assert closing_reason(accepted=1, rejected=0, target=3, answering=1) == "every sampled agent answered"
+    state = RoundState(1, 2, 1, 30.0, {"a": AgentSlot("a", "t")}, started=time.monotonic() - 10.0)
+    assert 19.0 < seconds_left(state) <= 20.0
+    state.started -= 100.0
+    assert seconds_left(state) == 0.0
+    state.close_if_done()
+    assert not state.closed
+    state.count_accepted(state.slots["a"])
+    state.close_if_done()
+    assert (state.closed, state.close_reason) == (True, "every sampled agent answered")  # K=2 > the one sampled
+    config = CoordinatorConfig(clients_per_round=4, overselect=1.5, round_wall_seconds=99.0, deadline_seconds=7.0)
+    assert (cohort_size(config, 100), cohort_size(config, 5)) == (6, 5)
+    assert wall_seconds(config) == 7.0
+    assert wall_seconds(CoordinatorConfig(virtual_clock=True, accept_populations=True, round_wall_seconds=99.0)) == 99.0
+
+
+def test_a_coordinator_runs_on_the_clock_and_member_source_it_is_given(tmp_path):
+    # The configuration says real time; the coordinator is handed a virtual clock and a hosts-only member source.
+    config = CoordinatorConfig(rounds=1, clients_per_round=2, min_available=2, overselect=1.0, heartbeat_seconds=1.0,
+                               deadline_seconds=30.0, accept_populations=True, metrics_path=tmp_path / "m.jsonl")
+    members = Populations(config, AgentRegistry(config.liveness_timeout_seconds), hosts_only=True)
+    coordinator = Coordinator(config, ["t0"], [np.zeros(SHAPE, np.float32)], build_strategy("fedavg"),
+                              clock=VirtualClock(deadline_seconds=5.0, wall_seconds=60.0), members=members)
+    assert coordinator.members is members and coordinator.registry is members.registry
+    server = CoordinatorServer(coordinator)
+    server.start()
+    try:
+        stub = host_stub(server)
+        refused(lambda: stub.Join(pb.JoinRequest(agent_id="plain", num_examples=5, protocol_version=PROTOCOL_VERSION),
+                                  timeout=10), grpc.StatusCode.FAILED_PRECONDITION, "only simulation hosts")
+        joined = join_members(stub, "host-a", ["m0", "m1"])
+        host = pb.AgentAuth(agent_id="host-a", token=joined.host_token)
+        tasks: dict[str, pb.TrainTask] = {}
+        end = time.monotonic() + 20
+        while len(tasks) < 2 and time.monotonic() < end:
+            reply = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10)
+            tasks.update({t.agent_id: t.task for t in reply.tasks})
+        assert all(t.virtual_clock and t.clock_deadline_seconds == 5.0 for t in tasks.values()), tasks
+        estimates = [pb.FinishEstimate(agent_id=a, task_id=tasks[a].task_id, seconds=s)
+                     for a, s in (("m0", 2.0), ("m1", 9.0))]  # m1 would finish after the simulated deadline
+        go = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=5.0, finish_estimates=estimates),
+                                timeout=10).go
+        assert list(go) == ["m0"]
+        upload = pb.SmallUpload(header=pb.UploadHeader(
+            auth=pb.AgentAuth(agent_id="m0", token=joined.tokens[0]), round=1, task_id=tasks["m0"].task_id,
+            num_examples=10, steps=1, tensors=[pb.TensorSpec(name="t0", dtype="float32", shape=list(SHAPE))],
+            total_bytes=16), data=np.full(SHAPE, 2.0, np.float32).tobytes())
+        assert stub.UploadSmall(upload, timeout=10).accepted
+        assert server.wait(20)
+    finally:
+        server.stop()
+    [row] = list(coordinator.metrics.read_rows())
+    assert (row["status"], row["reported"], row["close_reason"]) == ("ok", 1, "target reached")  # K: the one let go
+    assert (row["sim_round_seconds"], row["sim_close_reason"]) == (5.0, "deadline")
+    np.testing.assert_array_equal(coordinator.weights[0], np.full(SHAPE, 2.0, np.float32))
