@@ -16,9 +16,10 @@ What is measured, exactly:
 - fedpar list: ``fedavg(list)``; the results are already in memory, so 8 are folded per pass.
 - fedpar strategy: ``FedAvg().fold`` per result (with the NaN/Inf pre-check) + ``finish``; "known finite" is
   the coordinator's call, which skips that pass because the service checked the values on arrival.
-- coordinator folds: the coordinator's own fold path (server/round_modes.py FoldQueue): each result is accepted once it holds
-  one of S staging slots (as an upload holds its slot until its fold is done), folded on the coordinator's worker
-  threads by ``Strategy.fold_many(..., known_finite=True)``, grouped with the results that wait for a fold; S = 4
+- coordinator folds: the coordinator's own fold path (FoldQueue, server/round_modes.py): each result is accepted
+  once it holds one of S staging slots (as an upload holds its slot until its fold is done), folded on the
+  coordinator's worker threads by ``Strategy.fold_many(..., known_finite=True)``, grouped with the results that
+  wait for a fold; S = 4
   (the default --max-concurrent-uploads) and S = 8 (groups of the strategy's default group size). Timed from
   ``begin_round`` to the last fold (what a rank's ``rN_fold_s`` counts), without the round's one ``finish``.
   ``--torch-threads 1`` gives an aggregator rank's setting (one intra-op thread, longer kernel blocks).

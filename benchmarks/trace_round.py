@@ -10,7 +10,8 @@ are called:
 - one upload: on the agent from the update's upload call (``PlainUpload.upload``) to its reply, on that thread;
   on the coordinator from the upload RPC (``UploadSmall`` / ``UploadUpdate``) to the end of its intake
   (``UploadIntake.settle``), leaving out what the round's own task runs meanwhile (closing the round).
-Generated protobuf modules are not counted. Prints the counts and the files, and writes them as JSON. ``python benchmarks/trace_round.py --help``.
+Generated protobuf modules are not counted. Prints the counts and the files, and writes them as JSON
+(``python benchmarks/trace_round.py --help``); docs/explanation/traced-round.md has the figures.
 """
 
 from __future__ import annotations
