@@ -20,7 +20,8 @@ What is measured, exactly:
   once it holds one of S staging slots (as an upload holds its slot until its fold is done), folded on the
   coordinator's worker threads by ``Strategy.fold_many(..., known_finite=True)``, grouped with the results that
   wait for a fold; S = 4 (the default --max-concurrent-uploads) and S = 8 (groups of the strategy's default group
-  size). Timed from ``begin_round`` to the last fold (what a rank's ``rN_fold_s`` counts), without the round's one ``finish``.
+  size). Timed from ``begin_round`` to the last fold (what a rank's ``rN_fold_s`` counts), without the round's one
+  ``finish``.
   ``--torch-threads 1`` gives an aggregator rank's setting (one intra-op thread, longer kernel blocks).
 - flwr aggregate: ``flwr.server.strategy.aggregate.aggregate(list)`` on the same arrays.
 - flwr aggregate_inplace: on FitRes objects built with ``ndarrays_to_parameters`` from the same pool
