@@ -52,6 +52,7 @@ class Tracer:
         self.side = side
         self.round: set[str] = set()
         self.upload: set[str] = set()
+        self.functions: dict[str, set[str]] = {"round": set(), "upload": set()}  # file:function, for the JSON
         self.seen: set[str] = set()  # the windows' markers that fired
         self.in_round = self.in_upload = False
         self.round_frame = self.upload_frame = None  # the agent's windows end when these frames return
@@ -98,8 +99,10 @@ class Tracer:
                 self.upload_frame = frame
         if self.in_round:
             self.round.add(rel)
+            self.functions["round"].add(f"{rel}:{mark[1]}")
         if self.in_upload and self._in_upload_window(frame):
             self.upload.add(rel)
+            self.functions["upload"].add(f"{rel}:{mark[1]}")
         if mark == m.get("upload_end") and self.in_upload:
             self.in_upload = False
             self.seen.add("upload_end")
@@ -133,7 +136,8 @@ def child(side: str, out: Path, argv: list[str]) -> int:
         sys.setprofile(None)
         threading.setprofile(None)
         out.write_text(json.dumps({"side": side, "root": str(tracer.root), "exit": code, "seen": sorted(tracer.seen),
-                                   "round": sorted(tracer.round), "upload": sorted(tracer.upload)}))
+                                   "round": sorted(tracer.round), "upload": sorted(tracer.upload),
+                                   "functions": {k: sorted(v) for k, v in tracer.functions.items()}}))
     return code
 
 
@@ -176,7 +180,8 @@ def measure(work: Path, timeout: float) -> dict:
     for window in ("round", "upload"):
         both = sorted(set(sides["server"][window]) | set(sides["agent"][window]))
         out[window] = {"files": len(both), "coordinator": sides["server"][window], "agent": sides["agent"][window],
-                       "both": both}
+                       "both": both, "functions": {"coordinator": sides["server"]["functions"][window],
+                                                   "agent": sides["agent"]["functions"][window]}}
     return out
 
 
