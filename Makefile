@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv simulate test bench proto gpu-check
+.PHONY: venv simulate test bench proto gpu-check docs
 
 # One stamp per torch choice, so `make test TORCH=...` on an existing .venv installs that build.
 TORCH_STAMP := $(VENV)/.torch-$(subst /,_,$(subst =,_,$(subst $() ,_,$(TORCH))))
@@ -19,7 +19,7 @@ $(TORCH_STAMP):
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
-	$(PY) -m pip install --quiet -e ".[test,dev]"
+	$(PY) -m pip install --quiet -e ".[test,dev,docs]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -29,6 +29,10 @@ simulate: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=30
+
+# The documentation site in site/ (mkdocs.yml; the CLI reference and the benchmarks page are generated as it builds).
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 proto: $(VENV)/.installed
 	$(PY) -m fedpar.protocol.generate

@@ -8,7 +8,6 @@ One command:  .venv/bin/python benchmarks/compression_bench.py   (--quick: 3 rou
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 
@@ -68,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['best_accuracy']:9.4f} {row['failed_rounds']:6d} {row['seconds_per_run']:6.1f}", flush=True)
         rows.append(row)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+        from results import write_results
+        ratios = [{"what": f"upload bytes per round, {r['method']}" + (f" {r['topk_ratio']:g}" if "topk_ratio" in r
+                                                                      else ""),
+                   "ratio": r["bytes_per_round"] / base, "against": "no compression, same run"}
+                  for r in rows if base and r["method"] != "none"]
+        write_results(args.json, ratios, rows)
     return 0
 
 

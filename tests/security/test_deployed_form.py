@@ -1,4 +1,5 @@
-"""The README's deployed form, as separate processes: fedpar certs, then serve and two clients with --certs
+"""The deployed form of the README and docs/tutorials/first-deployment.md, as separate processes: fedpar certs,
+then serve and two clients with --certs
 (with the data plane forced on, so the weights also cross a TLS data socket between real processes)."""
 
 from __future__ import annotations

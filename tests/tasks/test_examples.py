@@ -1,4 +1,4 @@
-"""examples/own_task.py, as the README runs it: a user's own model and CSV table (examples/table.csv) federated by
+"""examples/own_task.py, as the own-task tutorial (docs/tutorials/your-own-task.md) runs it: a user's own model and CSV table (examples/table.csv) federated by
 `fedpar simulate`, the same task trained centrally by `fedpar train` as its baseline, and served to agents by
 `fedpar serve`/`client`; its typed options as global.json keeps them."""
 
@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "examples" / "table.csv"
 
 
-def _readme_commands(subcommand: str) -> list[list[str]]:
-    """The README's `.venv/bin/fedpar SUBCOMMAND --task examples/own_task.py:task ...` lines, as argument lists."""
-    readme = (ROOT / "README.md").read_text()
+def _tutorial_commands(subcommand: str) -> list[list[str]]:
+    """The tutorial's `.venv/bin/fedpar SUBCOMMAND --task examples/own_task.py:task ...` lines, as argument lists."""
+    readme = (ROOT / "docs" / "tutorials" / "your-own-task.md").read_text()
     lines = [line.split("  #")[0] for line in readme.splitlines()
-             if line.startswith(f".venv/bin/fedpar {subcommand} ") and "examples/own_task.py:task" in line]
+             if line.startswith(f".venv/bin/fedpar {subcommand} ") and "examples/own_task.py:task" in line
+             and not line.rstrip().endswith("...")]
     return [shlex.split(line)[1:] for line in lines]
 
 
@@ -41,10 +42,10 @@ def _fedpar(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
     return out
 
 
-def test_the_readmes_own_task_commands_run_as_written_from_the_repository_root(tmp_path):
-    """The README's simulate and train lines of examples/own_task.py, on the examples/table.csv that ships, learn:
+def test_the_tutorials_own_task_commands_run_as_written_from_the_repository_root(tmp_path):
+    """The own-task tutorial's simulate and train lines of examples/own_task.py, on the examples/table.csv that ships, learn:
     the federation and its centralized baseline both classify the held-out wines."""
-    (simulate,), (train,) = _readme_commands("simulate"), _readme_commands("train")
+    (simulate,), (train,) = _tutorial_commands("simulate"), _tutorial_commands("train")
     assert "csv=examples/table.csv" in simulate and "csv=examples/table.csv" in train
     fl, central = tmp_path / "fl", tmp_path / "central"
     _fedpar([*simulate, "--out", str(fl)], ROOT)

@@ -81,9 +81,10 @@ def test_simulate_refuses_client_batching_with_a_task_saying_why(tmp_path, capsy
                     "batch), optimizer and loader do not stack; drop --client-batching")
 
 
-def test_the_readme_shows_the_example_as_it_is():
+def test_the_own_task_tutorial_shows_the_example_as_it_is():
     example = (ROOT / "examples" / "own_task.py").read_text()
-    assert example[example.index("from dataclasses"):] in (ROOT / "README.md").read_text()
+    tutorial = (ROOT / "docs" / "tutorials" / "your-own-task.md").read_text()
+    assert example[example.index("from dataclasses"):] in tutorial
 
 
 @pytest.mark.parametrize("task, flags, message", [

@@ -1,0 +1,132 @@
+"""The documentation site: it builds with --strict, every command block of the tutorials and how-to guides is run
+here (``<!-- doc: run -->``), run by the test it names (``<!-- doc: tested-by PATH -->``) or marked
+``<!-- doc: illustrative (why) -->``, and every fedpar line in any block parses as the CLI parses it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedpar.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+GUIDES = sorted([*(DOCS / "tutorials").glob("*.md"), *(DOCS / "how-to").glob("*.md")])
+COMMAND_LANGUAGES = {"bash", "sh", "shell", "console", ""}
+TAG = re.compile(r"<!-- doc: (run|tested-by|illustrative)\b(.*?)-->")
+FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```", re.M | re.S)
+
+
+def blocks(page: Path) -> list[tuple[str, str, str, str]]:
+    """(language, body, tag, tag's words) of each fenced block of ``page``; tag is '' when the line above has none."""
+    text = page.read_text()
+    out = []
+    for match in FENCE.finditer(text):
+        above = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        tag = TAG.fullmatch(above.strip())
+        out.append((match.group(1), match.group(2), tag.group(1) if tag else "", tag.group(2).strip() if tag else ""))
+    return out
+
+
+def command_lines(body: str) -> list[str]:
+    """The commands of a block: continuation lines joined, comments and console output dropped."""
+    joined = body.replace("\\\n", " ")
+    lines = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line.startswith("$ "):
+            line = line[2:]
+        elif body.lstrip().startswith("$ "):
+            continue  # a console block's output
+        if line and not line.startswith("#"):
+            lines.append(line)
+    return lines
+
+
+def test_the_site_builds_strict(tmp_path):
+    """`mkdocs build --strict` (what `make docs` runs): a broken link, nav entry or API reference fails it."""
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "WARNING" not in out.stderr, out.stderr[-4000:]
+    for name in ("serve", "client", "simulate", "train", "certs", "export", "simulate-workers"):
+        assert (tmp_path / "site" / "reference" / "cli" / name / "index.html").exists()
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_command_block_is_run_tested_or_illustrative(page):
+    for language, body, tag, words in blocks(page):
+        if language not in COMMAND_LANGUAGES:
+            continue
+        assert tag, f"{page.relative_to(ROOT)}: a command block has no <!-- doc: ... --> tag:\n{body}"
+        if tag == "tested-by":
+            assert (ROOT / words.split()[0]).exists(), f"{page.relative_to(ROOT)}: no test {words}"
+        if tag == "illustrative":
+            assert words.startswith("("), f"{page.relative_to(ROOT)}: say why a block is illustrative:\n{body}"
+
+
+def _parses(argv: list[str]) -> None:
+    parser = build_parser(only=argv[0])
+    parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.rglob("*.md")), ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_fedpar_line_in_the_docs_parses(page, capsys):
+    """A renamed or removed option breaks the page's lines even where they are illustrative."""
+    for language, body, tag, _ in blocks(page):
+        if language not in COMMAND_LANGUAGES or body.lstrip().startswith("$ "):
+            continue  # console blocks show failures on purpose (run below)
+        for line in command_lines(body):
+            words = shlex.split(line, comments=True)
+            if not words or Path(words[0]).name != "fedpar" or "..." in words:
+                continue
+            try:
+                _parses(words[1:])
+            except SystemExit as exc:
+                pytest.fail(f"{page.relative_to(ROOT)}: {line}\n{capsys.readouterr().err} (exit {exc.code})")
+
+
+def _sandbox(tmp_path: Path) -> Path:
+    """A folder laid out as the repository root for a doc's commands: .venv/bin/fedpar runs this fedpar, and
+    examples/ is the repository's."""
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    shim = bin_dir / "fedpar"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fedpar.cli.main "$@"\n')
+    shim.chmod(0o755)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    return tmp_path
+
+
+RUN_PAGES = [p for p in GUIDES if any(tag == "run" for _, _, tag, _ in blocks(p))]
+
+
+@pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_run_blocks_run_as_written(page, tmp_path):
+    """Each `doc: run` block, line by line, in one folder per page (a later block may use an earlier one's output).
+    A console block's commands must fail with the line shown under them."""
+    cwd = _sandbox(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for _, body, tag, _ in blocks(page):
+        if tag != "run":
+            continue
+        if body.lstrip().startswith("$ "):
+            for command, expected in re.findall(r"^\$ (.*)\n((?:(?!\$ ).*\n?)*)", body, re.M):
+                out = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=120,
+                                     env=env)
+                assert out.returncode != 0, (command, out.stdout[-2000:])
+                for line in expected.strip().splitlines():
+                    assert line.strip() in out.stderr, (command, line, out.stderr[-2000:])
+                assert "Traceback" not in out.stderr, out.stderr
+            continue
+        for command in command_lines(body):
+            out = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, (command, out.stdout[-2000:],
+                                                                           out.stderr[-3000:])
