@@ -1,4 +1,6 @@
-"""A per-round table printed as rounds finish, and a progress bar while the clients join and rounds run."""
+"""A per-round table printed as rounds finish (its last column the time left: the plain-line form of the progress),
+and a progress bar on a terminal while the clients join and rounds run (the round, the last accuracy, the time
+left)."""
 
 from __future__ import annotations
 
@@ -14,19 +16,48 @@ COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("repo
 CLOCK_COLUMNS = [("sim_round_seconds", "{:>17.1f}"), ("sim_seconds", "{:>11.1f}")]  # under a virtual clock
 
 
+def time_left(done: int, total: int, seconds: float) -> str:
+    """The time left after ``done`` of ``total`` steps took ``seconds``, at their mean pace (e.g. ``1m05s``; ``?``
+    before the first step is done)."""
+    if done <= 0:
+        return "?"
+    left = max(0, round(seconds / done * (total - done)))
+    return f"{left // 3600}h{left % 3600 // 60:02d}m" if left >= 3600 else \
+        f"{left // 60}m{left % 60:02d}s" if left >= 60 else f"{left}s"
+
+
+class RoundPace:
+    """The rounds done in this process and how long they took, for the time left to ``total`` rounds."""
+
+    def __init__(self, total: int):
+        self.total, self.started, self.done, self.last_round = total, time.monotonic(), 0, 0
+
+    def note(self, round_id: int) -> None:
+        """Round ``round_id`` has ended."""
+        self.done, self.last_round = self.done + 1, round_id
+
+    def left(self) -> str:
+        """The time left at the pace of the rounds done here (a resumed run counts only its own)."""
+        return time_left(self.done, self.done + max(0, self.total - self.last_round), time.monotonic() - self.started)
+
+
 class RoundTable:
-    """Prints a header once and a row per round: round, sampled, reported, late, loss, accuracy, seconds."""
+    """Prints a header once and a row per round: round, sampled, reported, late, loss, accuracy, seconds, and the
+    time left to the last round (``left``)."""
 
     def __init__(self, total: int, stream: TextIO = sys.stdout, quiet: bool = False,
                  columns: list[tuple[str, str]] | None = None):
         self.total, self.stream, self.quiet = total, stream, quiet
-        self.columns = COLUMNS if columns is None else columns
+        self.columns = (COLUMNS if columns is None else columns) + [("left", "{}")]
+        self.pace = RoundPace(total)
         self._header_done = False
 
     def row(self, metrics: dict) -> None:
         """Print one round's row."""
+        self.pace.note(int(metrics.get("round") or 0))
         if self.quiet:
             return
+        metrics = {**metrics, "left": self.pace.left()}
         if not self._header_done:
             print("  ".join(f"{name:>{max(len(name), 5)}}" for name, _ in self.columns), file=self.stream)
             self._header_done = True
@@ -42,12 +73,14 @@ class RoundTable:
 
 
 class LiveBar:
-    """A rich progress bar on a terminal only (a log or a pipe gets nothing from it, so its output is unchanged):
-    the clients registered until the first round starts, then the open round's accepted uploads of K and the time
-    left to its deadline, beside the table's line per round (:meth:`close` before that line is printed)."""
+    """A rich progress bar on a terminal only (a log or a pipe gets the table's plain lines instead): the clients
+    registered until the first round starts, then the open round of all, its accepted uploads of K, the seconds
+    left to its deadline, the last test accuracy and the time left to the last round, beside the table's line per
+    round (:meth:`round_ended` takes the bar down before that line is printed)."""
 
-    def __init__(self, stream: TextIO = sys.stderr, quiet: bool = False):
+    def __init__(self, stream: TextIO = sys.stderr, quiet: bool = False, total: int = 0):
         self.stream, self.quiet = stream, quiet
+        self.pace, self.accuracy = RoundPace(total), None
         self._progress = self._task = self._shown = None
         self._moved: list = []  # (log handler, its stream) while the bar is up
         self._lock = threading.Lock()  # updated by the caller's loop, closed by the round callbacks' thread
@@ -66,9 +99,19 @@ class LiveBar:
         self._show(("join",), "clients joining", registered, needed, "")
 
     def round(self, round_id: int, accepted: int, target: int, seconds_left: float) -> None:
-        """Show round ``round_id``'s ``accepted`` uploads of ``target`` (K) and the seconds left to its deadline."""
-        self._show(("round", round_id), f"round {round_id}: uploads accepted", accepted, target,
-                   f"deadline in {max(0.0, seconds_left):.0f} s")
+        """Show round ``round_id``'s ``accepted`` uploads of ``target`` (K), the seconds left to its deadline, the
+        last test accuracy and the time left to the last round."""
+        total = f"/{self.pace.total}" if self.pace.total else ""
+        accuracy = "" if self.accuracy is None else f"acc {self.accuracy:.4f}, "
+        self._show(("round", round_id), f"round {round_id}{total}: uploads accepted", accepted, target,
+                   f"deadline in {max(0.0, seconds_left):.0f} s, {accuracy}{self.pace.left()} left")
+
+    def round_ended(self, metrics: dict) -> None:
+        """Note a round's end (its test accuracy, the pace) and take the bar down before its table line."""
+        self.pace.note(int(metrics.get("round") or 0))
+        if metrics.get("test_accuracy") is not None:
+            self.accuracy = metrics["test_accuracy"]
+        self.close()
 
     def _show(self, key: tuple, description: str, completed: int, total: int, note: str) -> None:
         if self.quiet or not self.stream.isatty():
@@ -76,9 +119,9 @@ class LiveBar:
         with self._lock:
             if self._progress is None:
                 from rich.console import Console
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-                self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                          TextColumn("{task.fields[note]}"), TimeElapsedColumn(),
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+                self._progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=10),
+                                          MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
                                           console=Console(file=self.stream), transient=True)
                 self._progress.start()
                 # Log lines (serve logs to stderr) go above the bar through rich's proxy, not across it.

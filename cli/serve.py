@@ -243,14 +243,14 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     if ranks is not None:
         columns = columns + rank_columns(ranks.world)
     table = RoundTable(total=config.rounds, columns=columns)
-    progress = LiveBar()
+    progress = LiveBar(total=config.rounds)
     observers = Observers(args)
     started = time.monotonic()
     # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
     threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     try:
         server = plan.assembly.server(config, plan.strategy,
-                                      on_round_end=[lambda _: progress.close(), table.row,
+                                      on_round_end=[progress.round_ended, table.row,
                                                     *observers.round_callbacks()],
                                       admission=security.admission, host=args.host, port=args.port,
                                       credentials=security.credentials, data_tls=security.data_tls,

@@ -77,13 +77,13 @@ def run(args: argparse.Namespace) -> int:
         (CLOCK_COLUMNS if cfg.virtual_clock else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     observers = Observers(args)
-    progress = LiveBar(quiet=args.quiet)
+    progress = LiveBar(quiet=args.quiet, total=cfg.rounds)
     try:
         cfg.strategy_options = strategy_options_from_args(args)
         cfg.strategy, options = privacy_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
                                                  cfg.overselect, cfg.clients)
         cfg.strategy_options.update(options)
-        callbacks = [lambda _: progress.close(), table.row, *observers.round_callbacks()]
+        callbacks = [progress.round_ended, table.row, *observers.round_callbacks()]
         with stop_on_signals() as stop:  # SIGINT or SIGTERM: what completed is written (a second: exit now)
             summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
                                      on_server=observers.attach, on_progress=progress.follow)

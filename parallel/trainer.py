@@ -211,6 +211,7 @@ class Trainer:
         self._log(f"training {cfg.model} on {cfg.dataset}: world {self.info.world_size} "
                   f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
                   f"{total} steps of {global_batch} examples, lr {base_lr:g}, {self.precision}")
+        first_step, steps_start = c["step"], time.perf_counter()  # the pace of this process's steps: the time left
         while c["step"] < total:
             self.sampler.set_epoch(c["epoch"], start_batch=c["batch_in_epoch"])
             interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
@@ -231,8 +232,9 @@ class Trainer:
                     rate = interval_steps * global_batch / max(time.perf_counter() - interval_start, 1e-9)
                     log.write({"kind": "train", "step": c["step"], "epoch": c["epoch"], "loss": last_loss,
                                "lr": self.optimizers[0].param_groups[0]["lr"], "samples_per_second": rate})
+                    left = (time.perf_counter() - steps_start) / (c["step"] - first_step) * (total - c["step"])
                     self._log(f"epoch {c['epoch']} step {c['step']}/{total} loss {last_loss:.4f} "
-                              f"{rate:.0f} samples/s")
+                              f"{rate:.0f} samples/s, about {left:.0f} s left")
                     interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
                 if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every == 0:
                     self.save()

@@ -1,0 +1,56 @@
+"""Progress of long runs (cli/progress.py): on a terminal a bar with the round of all, the last accuracy and the time
+left; elsewhere the per-round table's plain lines, whose last column is the time left."""
+
+from __future__ import annotations
+
+import io
+
+from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable, time_left
+
+
+class _Terminal(io.StringIO):
+    """What rich writes to a terminal, kept as text."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_time_left_is_the_mean_pace_times_the_steps_to_go():
+    assert time_left(0, 10, 5.0) == "?"
+    assert time_left(1, 3, 30.0) == "1m00s"
+    assert time_left(5, 10, 10.0) == "10s"
+    assert time_left(10, 10, 99.0) == "0s"
+    assert time_left(1, 101, 36.0 * 2) == "2h00m"
+
+
+def test_the_tables_plain_lines_end_with_the_time_left():
+    out = io.StringIO()
+    table = RoundTable(total=3, stream=out)
+    for round_id in (1, 2, 3):
+        table.row({"round": round_id, "status": "ok", "test_accuracy": 0.5 + round_id / 10})
+    header, *rows = out.getvalue().splitlines()
+    assert header.split()[-1] == "left" and header.split()[:2] == ["round", "status"]
+    assert [row.split()[0] for row in rows] == ["1/3", "2/3", "3/3"]
+    assert all(row.split()[-1].endswith("s") for row in rows) and rows[-1].split()[-1] == "0s"
+    assert rows[-1].split()[len(COLUMNS) - 3] == "0.8000"  # test_accuracy, as the row gave it
+
+
+def test_a_quiet_table_prints_nothing():
+    out = io.StringIO()
+    RoundTable(total=2, stream=out, quiet=True).row({"round": 1, "status": "ok"})
+    assert out.getvalue() == ""
+
+
+def test_the_bar_shows_the_round_of_all_the_last_accuracy_and_the_time_left_on_a_terminal_only():
+    terminal, pipe = _Terminal(), io.StringIO()
+    bars = [LiveBar(stream=terminal, total=5), LiveBar(stream=pipe, total=5)]
+    for bar in bars:
+        bar.round(1, 0, 4, 30.0)
+        bar.round_ended({"round": 1, "status": "ok", "test_accuracy": 0.9123})
+        bar.round(2, 3, 4, 12.0)
+        bar.close()
+    shown = terminal.getvalue()
+    assert "round 1/5: uploads accepted" in shown and "? left" in shown  # no round done yet: no pace
+    assert "round 2/5: uploads accepted" in shown and "3/4" in shown and "deadline in 12 s" in shown
+    assert "acc 0.9123" in shown and "s left" in shown
+    assert pipe.getvalue() == ""  # not a terminal: the table's lines are the progress
