@@ -45,9 +45,9 @@ class RoundTable:
     """Prints a header once and a row per round: round, sampled, reported, late, loss, accuracy, seconds, and the
     time left to the last round (``left``)."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stdout, quiet: bool = False,
+    def __init__(self, total: int, stream: TextIO | None = None, quiet: bool = False,
                  columns: list[tuple[str, str]] | None = None):
-        self.total, self.stream, self.quiet = total, stream, quiet
+        self.total, self.stream, self.quiet = total, sys.stdout if stream is None else stream, quiet
         self.columns = (COLUMNS if columns is None else columns) + [("left", "{}")]
         self.pace = RoundPace(total)
         self._header_done = False
@@ -78,8 +78,8 @@ class LiveBar:
     left to its deadline, the last test accuracy and the time left to the last round, beside the table's line per
     round (:meth:`round_ended` takes the bar down before that line is printed)."""
 
-    def __init__(self, stream: TextIO = sys.stderr, quiet: bool = False, total: int = 0):
-        self.stream, self.quiet = stream, quiet
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False, total: int = 0):
+        self.stream, self.quiet = sys.stderr if stream is None else stream, quiet  # sys.stderr as it is now
         self.pace, self.accuracy = RoundPace(total), None
         self._progress = self._task = self._shown = None
         self._moved: list = []  # (log handler, its stream) while the bar is up

@@ -144,3 +144,27 @@ def test_the_run_blocks_run_as_written(page, tmp_path, monkeypatch, capsys):
         for command in command_lines(body):
             code, output = _run(command, tmp_path, capsys)
             assert code in (0, None) and "Traceback" not in output, (command, output[-3000:])
+
+
+def test_the_cli_reference_pages_hold_every_option_of_every_subcommand_in_its_help_group():
+    """The reference is generated from the parsers (docs/hooks/cli_reference.py): each option appears once, under
+    the title of the --help group it belongs to."""
+    import argparse
+    import importlib.util
+
+    from fedpar.cli.main import subcommand_parser
+    from fedpar.cli.subcommands import SUBCOMMANDS
+
+    spec = importlib.util.spec_from_file_location("cli_reference", DOCS / "hooks" / "cli_reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    for name in SUBCOMMANDS:
+        page = reference.command_page(name)
+        parser = subcommand_parser(build_parser(only=name), name)
+        for group in parser._action_groups:
+            for action in group._group_actions:
+                if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                    continue
+                flag = action.option_strings[0] if action.option_strings else action.dest
+                section = page.split(f"## {group.title}\n", 1)[1].split("\n## ", 1)[0]
+                assert f"`{flag}`" in section, (name, group.title, flag)
