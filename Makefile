@@ -32,7 +32,7 @@ test: $(VENV)/.installed
 
 # The documentation site in site/ (mkdocs.yml; the CLI reference and the benchmarks page are generated as it builds).
 docs: $(VENV)/.installed
-	$(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 proto: $(VENV)/.installed
 	$(PY) -m fedpar.protocol.generate
