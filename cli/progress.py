@@ -13,6 +13,7 @@ from typing import TextIO
 COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("reported", "{:>8}"),
            ("late", "{:>4}"), ("train_loss", "{:>10.4f}"), ("test_accuracy", "{:>13.4f}"),
            ("upload_bytes", "{:>12,}"), ("round_seconds", "{:>13.2f}")]
+PLAIN_EVERY = 10.0  # seconds between two plain lines of the clients joining (a log, not a terminal)
 CLOCK_COLUMNS = [("sim_round_seconds", "{:>17.1f}"), ("sim_seconds", "{:>11.1f}")]  # under a virtual clock
 
 
@@ -73,14 +74,18 @@ class RoundTable:
 
 
 class LiveBar:
-    """A rich progress bar on a terminal only (a log or a pipe gets the table's plain lines instead): the clients
-    registered until the first round starts, then the open round of all, its accepted uploads of K, the seconds
-    left to its deadline, the last test accuracy and the time left to the last round, beside the table's line per
-    round (:meth:`round_ended` takes the bar down before that line is printed)."""
+    """A rich progress bar on a terminal: the clients registered until the first round starts, then the open round
+    of all, its accepted uploads of K, the seconds left to its deadline, the last test accuracy and the time left to
+    the last round, beside the table's line per round (:meth:`round_ended` takes the bar down before that line is
+    printed). Elsewhere (a log, a pipe) the table's lines are the progress, and the clients joining show as a plain
+    line on ``plain`` (the table's stream) when their count changed, at most every ``plain_every`` seconds."""
 
-    def __init__(self, stream: TextIO | None = None, quiet: bool = False, total: int = 0):
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False, total: int = 0,
+                 plain: TextIO | None = None, plain_every: float = PLAIN_EVERY):
         self.stream, self.quiet = sys.stderr if stream is None else stream, quiet  # sys.stderr as it is now
+        self.plain, self.plain_every = sys.stdout if plain is None else plain, plain_every
         self.pace, self.accuracy = RoundPace(total), None
+        self._joining_since, self._plain_said = None, (None, 0.0)  # when joining began; (count, when) last said
         self._progress = self._task = self._shown = None
         self._moved: list = []  # (log handler, its stream) while the bar is up
         self._lock = threading.Lock()  # updated by the caller's loop, closed by the round callbacks' thread
@@ -97,6 +102,16 @@ class LiveBar:
     def joining(self, registered: int, needed: int) -> None:
         """Show ``registered`` of ``needed`` clients joined."""
         self._show(("join",), "clients joining", registered, needed, "")
+        if self.quiet or self.stream.isatty():
+            return
+        now = time.monotonic()
+        if self._joining_since is None:  # the first line after plain_every seconds: a short start-up prints none
+            self._joining_since, self._plain_said = now, (None, now)
+        said, when = self._plain_said
+        if registered != said and now - when >= self.plain_every:
+            print(f"clients joining: {registered:,} of {needed:,} ({now - self._joining_since:.0f} s)",
+                  file=self.plain, flush=True)
+            self._plain_said = (registered, now)
 
     def round(self, round_id: int, accepted: int, target: int, seconds_left: float) -> None:
         """Show round ``round_id``'s ``accepted`` uploads of ``target`` (K), the seconds left to its deadline, the

@@ -54,3 +54,22 @@ def test_the_bar_shows_the_round_of_all_the_last_accuracy_and_the_time_left_on_a
     assert "round 2/5: uploads accepted" in shown and "3/4" in shown and "deadline in 12 s" in shown
     assert "acc 0.9123" in shown and "s left" in shown
     assert pipe.getvalue() == ""  # not a terminal: the table's lines are the progress
+
+
+def test_clients_joining_show_as_plain_lines_off_a_terminal_when_their_count_changed():
+    pipe, table_stream = io.StringIO(), io.StringIO()
+    bar = LiveBar(stream=pipe, plain=table_stream, plain_every=0.0, total=3)
+    for registered in (0, 0, 4, 10):
+        bar.joining(registered, 10)
+    lines = table_stream.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["clients joining: 0 of 10", "clients joining: 4 of 10",
+                                                       "clients joining: 10 of 10"]
+    assert pipe.getvalue() == ""  # no bar off a terminal
+    quiet = io.StringIO()
+    LiveBar(stream=io.StringIO(), plain=quiet, plain_every=0.0, quiet=True).joining(3, 10)
+    assert quiet.getvalue() == ""  # --quiet: only the summary
+    terminal_plain = io.StringIO()
+    bar = LiveBar(stream=_Terminal(), plain=terminal_plain, plain_every=0.0)
+    bar.joining(3, 10)
+    bar.close()
+    assert terminal_plain.getvalue() == ""  # a terminal has the bar
