@@ -18,7 +18,6 @@ for ``--train`` seconds per round, and the attacker in its own process, started 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from fedpar.server.coordinator import Coordinator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support; the attackers inherit it
 from support.abuse import (idle_sockets, inflated_updates, run_under_attack, silent_requests,  # noqa: E402
                            silent_streams, tiny_model, trickling_uploads)
+
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
 
 
 def server_for(rounds: int, agents: int, credentials=None, admission=None, **overrides) -> CoordinatorServer:
@@ -111,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                   + ("" if ok else "  (SOME ROUNDS FAILED)"), flush=True)
             results[name] = {"undisturbed_seconds": run.before, "attacked_seconds": run.during,
                              "ratio": run.ratio, "all_rounds_ok": ok, "attacker": dict(run.attacker)}
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(results, indent=2))
+    write_results(a.json, [{"what": f"honest round time under: {name}", "ratio": r["ratio"],
+                            "against": "the undisturbed rounds of the same run"} for name, r in results.items()],
+                  results)
     print(f"wrote {a.json}")
     return 0 if all(r["all_rounds_ok"] for r in results.values()) else 1
 

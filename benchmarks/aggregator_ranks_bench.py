@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_agents import run_light_worker  # noqa: E402
+from results import write_results  # noqa: E402
 
 from fedpar.protocol.codec import ModelLayout  # noqa: E402
 from fedpar.simulations.synthetic_coordinator import synthetic_model  # noqa: E402
@@ -117,9 +118,10 @@ def main() -> None:
                                f"{x['peak_mib']:.0f}" for x in res["per_rank"])
         print(f"{res['ranks']:>5} {res['round_seconds']:>9.2f} {res['upload_gbps']:>12.2f} {res['allreduce_s']:>13.3f} "
               f"{speedup:>9.2f} {res['efficiency']:>11.2f}   {ranks_text}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"params": args.params, "agents": args.agents, "cores": cores,
-                                     "agent_processes": args.workers, "results": results}, indent=2))
+    write_results(args.json, [{"what": f"round time, {res['ranks']} aggregator ranks", "ratio": 1 / res["speedup"],
+                               "against": "one rank, same run"} for res in results[1:]],
+                  {"params": args.params, "agents": args.agents, "cores": cores, "agent_processes": args.workers,
+                   "results": results})
     print(f"wrote {args.json}")
 
 
