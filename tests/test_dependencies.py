@@ -1,4 +1,5 @@
-"""The rooms import one way only (README "Layout"): checked on the source, import by import."""
+"""The rooms import one way only (docs/explanation/architecture.md, "Layout"): checked on the source, import by
+import."""
 
 from __future__ import annotations
 
@@ -42,4 +43,5 @@ def _imported_rooms(folder: Path) -> dict[str, str]:
 def test_room_imports_only_the_rooms_below_it(room):
     bad = {dep: where for dep, where in _imported_rooms(ROOT / room).items()
            if dep != room and dep not in ALLOWED[room]}
-    assert not bad, f"{room}/ must not import {sorted(bad)} (e.g. {next(iter(bad.values()))}); see README Layout"
+    assert not bad, (f"{room}/ must not import {sorted(bad)} (e.g. {next(iter(bad.values()))}); "
+                     "see docs/explanation/architecture.md")

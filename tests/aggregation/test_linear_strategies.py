@@ -12,7 +12,7 @@ from fedpar.server.ranks.leader import check_ranks_supported
 from fedpar.server.secure_round import check_secure_setup
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]
-# The strategies fedpar documents as linear (README, secure aggregation): the weighted mean, or a server optimizer
+# The strategies fedpar documents as linear (docs/how-to/secure-aggregation.md): the weighted mean, or a server optimizer
 # acting on it.
 LINEAR = {"fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"}
 # Multi-Krum with no malicious clients keeps every update, its weighted mean; with some it drops the outliers.

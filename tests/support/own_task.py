@@ -1,4 +1,4 @@
-"""examples/own_task.py's reference and a CSV table for it (the README's own task, as tests run it)."""
+"""examples/own_task.py's reference and a CSV table for it (the own-task tutorial's, as tests run it)."""
 
 from __future__ import annotations
 
