@@ -77,7 +77,8 @@ def _parses(argv: list[str]) -> None:
     parser.parse_args(argv)
 
 
-@pytest.mark.parametrize("page", sorted(DOCS.rglob("*.md")), ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.parametrize("page", [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_fedpar_line_in_the_docs_parses(page, capsys):
     """A renamed or removed option breaks the page's lines even where they are illustrative."""
     for language, body, tag, _ in blocks(page):
