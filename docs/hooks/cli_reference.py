@@ -39,7 +39,8 @@ def option_groups(name: str) -> list[tuple[str, str | None, list[argparse.Action
     parser = subcommand_parser(build_parser(only=name), name)
     groups = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+        actions = [a for a in group._group_actions
+                   if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
         if actions:
             groups.append((group.title, group.description, actions))
     return groups
