@@ -96,8 +96,8 @@ class LiveBar:
         if state is None:
             self.joining(len(coordinator.registry), coordinator.config.min_available)
         elif not state.closed:
-            left = state.deadline_seconds - (time.monotonic() - state.started)
-            self.round(state.round_id, state.accepted, state.target, left)
+            from fedpar.server.deadline import seconds_left
+            self.round(state.round_id, state.accepted, state.target, seconds_left(state))
 
     def joining(self, registered: int, needed: int) -> None:
         """Show ``registered`` of ``needed`` clients joined."""
