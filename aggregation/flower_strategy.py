@@ -28,8 +28,9 @@ decodes one update at a time (about 3 models more); rules built on ``flwr...aggr
 peaks of 13 models for Flower's FedAvg, 32 for FedAvgM, 41 for FedTrimmedAvg, against 4 for fedpar's FedAvg.
 Size the cohort (``--clients-per-round``, ``--overselect``) with that in mind.
 
-Refused with a reason: ``--aggregator-ranks`` above 1 and ``--secure-aggregation`` (they give the coordinator
-partial or masked sums, never one update per agent) and ``--privacy`` (fedpar's DP wraps its own running sums).
+With ``--aggregator-ranks`` above 1 the other ranks hand their results to rank 0 at the close, which aggregates them
+all. Refused with the reason (aggregation/compatibility.py): ``--secure-aggregation`` and ``--privacy`` (they give
+the coordinator one masked or noisy sum, never one update per agent).
 Upload compression works: a compressed upload is decoded into the agent's new weights before it is folded.
 
 Checkpoints: the strategy's array-valued attributes (momentum, Adam moments, the running global model), as
@@ -54,7 +55,7 @@ from flwr.server.strategy import Strategy as FlowerBase
 
 from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.options import typed_options
-from fedpar.aggregation.strategy import FLOWER_PREFIX, Strategy
+from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem, Strategy
 from fedpar.models.references import load_reference
 from fedpar.protocol.task_settings import TaskSettings
 
@@ -178,6 +179,16 @@ class FlowerStrategy(Strategy):
         proxy = _AgentProxy(getattr(self._who, "client_id", "") or str(len(self._results)))
         with self._lock:
             self._results.append((proxy, fit))
+
+    def handoff(self) -> list[FoldItem]:
+        """Every result held: rank 0's Flower strategy aggregates them all (server/ranks/)."""
+        return [FoldItem(parameters_to_ndarrays(fit.parameters), fit.num_examples, proxy.cid)
+                for proxy, fit in self._results]
+
+    def take_handoff(self, items: Sequence[FoldItem]) -> None:
+        """Another rank's results, with their example counts and client ids."""
+        for item in items:
+            self.fold(item.update, int(round(item.num_examples)), item.client_id)
 
     def _num_folded(self) -> int:
         """Results held for the close."""

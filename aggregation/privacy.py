@@ -180,6 +180,28 @@ class DPStrategy(Strategy):
         """Updates counted so far this round."""
         return self._acc.count if self._acc is not None else 0
 
+    # ------------------------------------------------------------------ aggregator ranks
+    def partial_sum(self) -> WeightedSum | None:
+        """The sum of this rank's clipped updates; rank 0 adds the noise once, after the ranks' sums are added."""
+        return self._acc
+
+    def partial_counts(self) -> list[float]:
+        """How many of this rank's updates were within the clip norm (adaptive clipping counts them all)."""
+        return [float(self._unclipped)]
+
+    def merge_counts(self, others: Sequence[Sequence[float]]) -> None:
+        """The other ranks' unclipped updates join this round's count."""
+        with self._stats_lock:
+            self._unclipped += sum(int(values[0]) for values in others)
+
+    def round_values(self) -> list[float]:
+        """The clip norm of this round (adaptive clipping moves it at rank 0)."""
+        return [self.clip_norm]
+
+    def set_round_values(self, values: Sequence[float]) -> None:
+        """Clip with rank 0's norm this round."""
+        self.clip_norm = float(values[0])
+
     def _drop_round(self) -> None:
         """Forget the running sum (an aborted round releases nothing, so it costs no privacy)."""
         self._acc = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from fedpar.aggregation.compatibility import check_composition
 from fedpar.aggregation.fedavg_strategies import FedAvg, FedAvgM
 from fedpar.aggregation.fedopt import FedAdagrad, FedAdam, FedYogi
 from fedpar.aggregation.fedprox import FedProx
@@ -44,9 +45,7 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
         return _flower_module().build_flower_strategy(name, **kwargs)
     key = name.strip().lower().replace("-", "_")
     if key.startswith(DP_PREFIX):
-        if _flower_name(name.strip()[len(DP_PREFIX):]):
-            raise ValueError("--privacy wraps fedpar's own strategies (its clipping and noise act on their running sum); "
-                             "it cannot wrap a Flower strategy")
+        check_composition(name)
         dp = {k: kwargs.pop(k) for k in list(kwargs) if k in DP_OPTIONS}
         if "fold_config" in kwargs:
             dp["fold_config"] = kwargs["fold_config"]

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
-from fedpar.aggregation.strategy import Strategy
+from fedpar.aggregation.strategy import FoldItem, Strategy
 
 _STORE_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes), so memory grows "
                  "linearly with the cohort size; at finish, at most 3 K x chunk float64 scratch blocks (~32 MiB each)")
@@ -111,6 +111,14 @@ class BufferedStrategy(Strategy):
             raise ValueError(f"num_examples must be a finite number >= 0, got {num_examples!r}")
         assert self._store is not None
         self._store.add(update, w, who)
+
+    def handoff(self) -> list[FoldItem]:
+        """Every stored update: rank 0 needs them all (server/ranks/)."""
+        if self._store is None:
+            return []
+        store = self._store
+        return [FoldItem([u.reshape(shape) for u, shape in zip(update, store.shapes.shapes)], weight)
+                for update, weight in zip(store.updates, store.weights)]
 
     def _num_folded(self) -> int:
         """Stored updates."""

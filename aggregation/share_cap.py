@@ -71,6 +71,24 @@ class ShareCap:
             self._rest = (total + out[1], max(largest, out[1]), count + 1)
             return out
 
+    @property
+    def rest(self) -> tuple[float, float, int]:
+        """The total, largest weight and count of the updates folded at once."""
+        with self._lock:
+            return self._rest
+
+    def merge_rest(self, total: float, largest: float, count: int) -> None:
+        """Count updates folded at once elsewhere (another aggregator rank's) with those folded here."""
+        with self._lock:
+            t, m, c = self._rest
+            self._rest = (t + total, max(m, largest), c + count)
+
+    def held_updates(self) -> list[Update]:
+        """The updates held back so far, with their full weights (they leave the cap)."""
+        with self._lock:
+            held, self._held = self._held, []
+        return held
+
     def settle(self) -> list[Update]:
         """The held updates with their capped weights, to fold as the round closes."""
         with self._lock:

@@ -112,6 +112,39 @@ class Strategy(abc.ABC):
         """How many updates :meth:`fold_many` adds in one pass at most (1: this strategy counts them one by one)."""
         return 1
 
+    # --- aggregator ranks (server/ranks/): each rank folds its share of a round's updates; rank 0 finishes ---
+    @property
+    def folded(self) -> int:
+        """Updates this copy of the strategy took this round (held back or handed on ones included)."""
+        return self._num_folded()
+
+    def partial_sum(self) -> WeightedSum | None:
+        """The running sum that aggregator ranks add up at a round's close (None: this strategy keeps none)."""
+        return None
+
+    def partial_counts(self) -> list[float]:
+        """Numbers this rank's copy kept this round that rank 0 needs too (the same length on every rank)."""
+        return []
+
+    def merge_counts(self, others: Sequence[Sequence[float]]) -> None:
+        """Rank 0: take the other ranks' :meth:`partial_counts` in."""
+
+    def handoff(self) -> list[FoldItem]:
+        """The updates this rank hands to rank 0 at the close, beyond its partial sum (robust rules: every one)."""
+        return []
+
+    def take_handoff(self, items: Sequence[FoldItem]) -> None:
+        """Rank 0: count the updates the other ranks handed on, as if they had been folded here."""
+        for item in items:
+            self.fold(item.update, item.num_examples, item.client_id)
+
+    def round_values(self) -> list[float]:
+        """Rank 0's settings of the open round that every rank's copy must fold with (e.g. DP's clip norm)."""
+        return []
+
+    def set_round_values(self, values: Sequence[float]) -> None:
+        """Another rank: fold this round with rank 0's :meth:`round_values`."""
+
     def _check_open(self, call: str) -> None:
         """RuntimeError unless a round is open."""
         if self._shapes is None:
@@ -268,6 +301,24 @@ class StreamingStrategy(Strategy):
                 errors[j] = error
                 self._release(items[j].client_id)
         return errors
+
+    def partial_sum(self) -> WeightedSum | None:
+        """The running sum (without the updates the share cap holds back)."""
+        return self._acc
+
+    def partial_counts(self) -> list[float]:
+        """Under a share cap: the total, largest weight and count of the updates folded at once."""
+        return list(self._cap.rest) if self._cap is not None else []
+
+    def merge_counts(self, others: Sequence[Sequence[float]]) -> None:
+        """Under a share cap: the other ranks' updates folded at once join the cap's count."""
+        if self._cap is not None:
+            for total, largest, count in others:
+                self._cap.merge_rest(total, largest, int(count))
+
+    def handoff(self) -> list[FoldItem]:
+        """Under a share cap: the updates held back, with their full weights (rank 0 caps them with the rest)."""
+        return [FoldItem(update, weight) for update, weight in self._cap.held_updates()] if self._cap else []
 
     def _num_folded(self) -> int:
         """Updates in the running sum (and held back by the share cap)."""

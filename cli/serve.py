@@ -94,6 +94,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     """Settings, security, model and strategy from ``args`` (ValueError saying what to fix); ranks other than 0
     keep no metrics, checkpoints or central evaluation."""
     from fedpar.aggregation import build_strategy
+    from fedpar.aggregation.compatibility import check_composition
     from fedpar.datasets import load_dataset
     from fedpar.parallel.device import check_device_layout, resolve_device
     from fedpar.server.ranks.leader import check_ranks_supported
@@ -126,12 +127,13 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
         raise ValueError("--privacy needs a fixed cohort: use --clients-per-round instead of --fraction")
     name, options = privacy_strategy(args, args.strategy, config.clients_per_round, config.overselect,
                                      args.privacy_population)
+    check_composition(name, config.secure_aggregation, config.upload_compression.method, config.max_agent_share)
     strategy = build_strategy(name, **strategy_options, **options)
     if config.secure_aggregation:
         check_secure_setup(assembly.names, assembly.weights, strategy)
     if config.max_agent_share is not None:  # before any checkpoint is read: say what is wrong, not "resume"
         strategy.cap_shares(config.max_agent_share)
-    check_ranks_supported(_world(args), strategy, config.secure_aggregation, config.max_agent_share)
+    check_ranks_supported(_world(args), config.secure_aggregation)
     return ServePlan(config, security, assembly, strategy)
 
 

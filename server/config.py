@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedpar.aggregation.compatibility import composition_features, refusal
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.local_training import LocalTraining
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
@@ -257,8 +258,8 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
             (self.max_concurrent_downloads >= 1, "max_concurrent_downloads must be >= 1"),
             (not self.virtual_clock or self.accept_populations,
              "the virtual clock needs accept_populations: only simulation hosts can report finish times"),
-            (not self.virtual_clock or (self.aggregator_ranks == 1 and not self.secure_aggregation),
-             "the virtual clock does not work with aggregator ranks or secure aggregation yet; drop one of them"),
+            (not (self.virtual_clock and self.secure_aggregation),
+             "the virtual clock does not work with secure aggregation yet; drop one of them"),
             (self.round_wall_seconds > 0, "round_wall_seconds must be > 0"),
             (self.accept_populations or self.max_concurrent_rpcs >= 2 * self.min_available,
              "max_concurrent_rpcs must be at least twice min_available (every agent long-polls; a simulation's "
@@ -275,13 +276,10 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
                                                                        or self.clients_per_round >= 2)),
              "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
              "clients_per_round >= 2"),
-            (not (self.secure_aggregation and self.max_agent_share is not None),
-             "secure aggregation hides each update's weight: bound it with --secagg-max-weight instead of "
-             "--max-agent-share"),
-            (not (self.secure_aggregation and self.upload_compression.method != "none"),
-             "secure aggregation masks each update in a finite field, which cannot be compressed: use "
-             "--compression none with --secure-aggregation"),
         ]
+        clash = refusal(composition_features("", self.secure_aggregation, self.upload_compression.method,
+                                             self.max_agent_share))
+        checks.append((clash is None, clash))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
+from fedpar.aggregation.compatibility import check_composition
 from fedpar.aggregation.registry import linear_strategy_names
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout
@@ -44,6 +45,7 @@ MAX_POLL_SECONDS = 30.0
 
 def check_secure_setup(names: Sequence[str], weights: Sequence[np.ndarray], strategy) -> None:
     """Raise ValueError unless this model and strategy can be aggregated under masking."""
+    check_composition(strategy.name, secure_aggregation=True)
     if not strategy.linear:
         raise ValueError(f"secure aggregation reveals only the weighted mean, which strategy {strategy.name!r} cannot "
                          f"use; choose one of {', '.join(linear_strategy_names())}")

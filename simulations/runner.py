@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from fedpar.aggregation import build_strategy
+from fedpar.aggregation.compatibility import check_composition
 from fedpar.client.batched_trainer import check_batchable
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
@@ -71,12 +72,6 @@ def check_task(cfg: SimulationConfig) -> None:
                          "batch), optimizer and loader do not stack; drop --client-batching")
 
 
-def check_clock(cfg: SimulationConfig) -> None:
-    """ValueError for a clock the settings cannot run."""
-    if cfg.virtual_clock and cfg.aggregator_ranks > 1:
-        raise ValueError("--clock virtual does not work with --aggregator-ranks yet; drop one of them")
-
-
 def check_traces(cfg: SimulationConfig) -> None:
     """ValueError for a trace that cannot be used (read before anything starts)."""
     if cfg.trace_day_seconds <= 0:
@@ -121,7 +116,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_task(cfg)
     check_seats(cfg)
     check_traces(cfg)
-    check_clock(cfg)
+    check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
     if cfg.out:
@@ -188,7 +183,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, cfg.workers * cfg.seats),
         max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
-    check_ranks_supported(cfg.aggregator_ranks, strategy, cfg.secure_aggregation)
+    check_ranks_supported(cfg.aggregator_ranks, cfg.secure_aggregation)
     callbacks = [on_round] if on_round else []
     slices = _population_slices(cfg, parts, len(pipes))
     # Under mutual TLS each host proves its own identity, and speaks for its members (who have no certificates).

@@ -18,12 +18,15 @@ import torch
 import torch.distributed as dist
 
 from fedpar.aggregation.accumulator import WeightedSum
+from fedpar.aggregation.arrays import ShapesAndDtypes
+from fedpar.aggregation.strategy import FoldItem, Strategy
 from fedpar.aggregation.distributed import all_reduce_weighted_sum
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.server.ranks.messages import decode, encode
 
 
 HOST_BYTES = 255
+CLIENT_ID_BYTES = 512  # a handed-on update's client id, UTF-8 (agent ids are at most 128 characters)
 
 
 class RankMissing(RuntimeError):
@@ -100,6 +103,62 @@ class RankGroup:
         out = [torch.empty_like(mine) for _ in range(self.world)]
         self._collective("all-gather", dist.all_gather, out, mine, group=self.control)
         return [t.tolist() for t in out]
+
+    def broadcast_floats(self, values: Sequence[float] | None) -> list[float]:
+        """Rank 0's ``values`` on every rank (the others pass None)."""
+        size = torch.tensor([len(values) if values is not None else 0], dtype=torch.int64)
+        self._collective("broadcast", dist.broadcast, size, src=0, group=self.control)
+        out = torch.tensor(list(values), dtype=torch.float64) if values is not None else \
+            torch.empty(int(size), dtype=torch.float64)
+        if int(size):
+            self._collective("broadcast", dist.broadcast, out, src=0, group=self.control)
+        return out.tolist()
+
+    def gather_updates(self, items: Sequence[FoldItem], shapes: ShapesAndDtypes) -> list[FoldItem]:
+        """Rank 0: every other rank's ``items`` (whole updates of the model ``shapes`` describes, their weights and
+        client ids), in rank order; the other ranks send theirs and get []. Memory at rank 0: the updates sent."""
+        counts = [int(c[0]) for c in self.gather_floats([len(items)])]
+        if self.rank:
+            for item in items:
+                for a in shapes.check(item.update, "a handed-on update"):
+                    self._collective("send", dist.send, torch.from_numpy(np.ascontiguousarray(a).ravel()), 0,
+                                     group=self.control)
+                name = item.client_id.encode()[:CLIENT_ID_BYTES].ljust(CLIENT_ID_BYTES, b"\0")
+                name = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+                self._collective("send", dist.send, name, 0, group=self.control)
+                self._collective("send", dist.send, torch.tensor([float(item.num_examples)], dtype=torch.float64),
+                                 0, group=self.control)
+            return []
+        out = []
+        for r in range(1, self.world):
+            for _ in range(counts[r]):
+                update = []
+                for shape, dtype, size in zip(shapes.shapes, shapes.dtypes, shapes.sizes):
+                    buf = np.empty(size, dtype)
+                    self._collective("receive", dist.recv, torch.from_numpy(buf), r, group=self.control)
+                    update.append(buf.reshape(shape))
+                name = torch.empty(CLIENT_ID_BYTES, dtype=torch.uint8)
+                weight = torch.empty(1, dtype=torch.float64)
+                self._collective("receive", dist.recv, name, r, group=self.control)
+                self._collective("receive", dist.recv, weight, r, group=self.control)
+                client_id = bytes(name.tolist()).rstrip(b"\0").decode(errors="replace")
+                out.append(FoldItem(update, float(weight[0]), client_id))
+        return out
+
+    def combine(self, strategy: Strategy, shapes: ShapesAndDtypes) -> None:
+        """Every rank at a round's close (the same calls everywhere): add up the partial sums, give rank 0 the other
+        ranks' counts and the updates they hand on (``shapes``: the model's), and have rank 0's strategy take them."""
+        partial = strategy.partial_sum()
+        if partial is not None:
+            self.sum_partials(partial)
+        counts = strategy.partial_counts()
+        if counts:
+            others = self.gather_floats(counts)[1:]
+            if self.rank == 0:
+                strategy.merge_counts(others)
+        handed = self.gather_updates(strategy.handoff() if self.rank else [], shapes)
+        if self.rank == 0:
+            strategy.take_handoff(handed)
 
     def sum_partials(self, acc: WeightedSum) -> None:
         """Add up every rank's partial weighted sum in place (each rank then holds the round's total)."""

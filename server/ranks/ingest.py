@@ -17,6 +17,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol.heap import trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
@@ -46,6 +47,7 @@ class IngestRank(IngestPlane):
         self.strategy = strategy
         accumulate_in(strategy, config.fold_dtype, group.fold_device)
         self.advertised_host = advertised_host
+        self.shapes = ShapesAndDtypes.of(self.weights)
         self.mode = RoundModes(config, self.names, self.weights, strategy, self._executor).run_mode
         self.finished = False
         self.control: RankControlClient | None = None
@@ -130,6 +132,7 @@ class IngestRank(IngestPlane):
             slots[agent.agent_id] = AgentSlot(agent.agent_id, agent.task_id, rank=self.rank)
             if agent.ticket:
                 self.tickets.admit(agent.ticket, agent.agent_id, round_id, agent.task_id, speaker(record))
+        self.strategy.set_round_values(await self._collective(self.group.broadcast_floats, None))
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self._counted = 0
         self._reports = {}
@@ -157,13 +160,12 @@ class IngestRank(IngestPlane):
             await asyncio.sleep(0.005)
         if state.pending_folds:
             await asyncio.gather(*state.pending_folds, return_exceptions=True)
-        acc = self.strategy.accumulator
-        stats = ingest_stats(state, self.rank) + [float(acc.count)]
+        stats = ingest_stats(state, self.rank) + [float(self.strategy.folded)]
 
         def work():
             self.group.all_present("the round's close")
             self.group.gather_floats(stats)
-            self.group.sum_partials(acc)
+            self.group.combine(self.strategy, self.shapes)
         await self._collective(work)
 
     def download_completed(self, agent_id: str, round_id: int, task_id: str) -> None:

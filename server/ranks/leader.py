@@ -15,8 +15,8 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from fedpar.aggregation.registry import linear_strategy_names
-from fedpar.aggregation.strategy import StreamingStrategy
+from fedpar.aggregation.arrays import ShapesAndDtypes
+from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.server.ranks.calls import RankCalls
@@ -29,21 +29,11 @@ from fedpar.server.rounds import AgentSlot, RoundState
 log = logging.getLogger("fedpar.server")
 
 
-def check_ranks_supported(ranks: int, strategy, secure_aggregation: bool, max_agent_share: float | None = None) -> None:
-    """ValueError unless a coordinator of ``ranks`` aggregator ranks can run this strategy and round mode."""
-    if ranks <= 1:
-        return
-    if max_agent_share is not None:
-        raise ValueError("--max-agent-share runs on one aggregator rank: it weighs each update against the whole "
-                         "round's total, which no single rank sees; use --aggregator-ranks 1")
-    if secure_aggregation:
-        raise ValueError("--secure-aggregation runs on one aggregator rank: unmasking needs every masked vector "
+def check_ranks_supported(ranks: int, secure_aggregation: bool) -> None:
+    """ValueError unless a coordinator of ``ranks`` aggregator ranks can run this round mode."""
+    if ranks > 1 and secure_aggregation:
+        raise ValueError("--secure-aggregation runs on one aggregator rank yet: unmasking needs every masked vector "
                          "and the agents' key shares in one process; use --aggregator-ranks 1")
-    if not strategy.linear:
-        raise ValueError(f"strategy {strategy.name!r} cannot be split over aggregator ranks: it is not a running "
-                         "weighted sum (median and Krum need every update in one place, and DP's clipping "
-                         f"accounting runs in one process); use {', '.join(linear_strategy_names())}, or "
-                         "--aggregator-ranks 1")
 
 
 class RankLeader:
@@ -59,6 +49,8 @@ class RankLeader:
         self._last_sent = time.monotonic()
         self.calls: RankCalls | None = None  # rank 0's answers to the other ranks' calls, once started
         self._ticker: asyncio.Task | None = None
+        self.strategy: Strategy | None = None  # rank 0's, once started
+        self.shapes: ShapesAndDtypes | None = None  # of the model, once started
 
     @property
     def world(self) -> int:
@@ -97,6 +89,7 @@ class RankLeader:
         round: server/ranks/calls.py), and give every rank the model to serve (rank 0's, perhaps resumed)."""
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # where the other ranks already reach rank 0
         self.calls = RankCalls(coordinator)
+        self.strategy, self.shapes = coordinator.strategy, ShapesAndDtypes.of(coordinator.weights)
         self._control = grpc.aio.server()
         self._control.add_generic_rpc_handlers((control_handler(self.secret, self.world, self.calls),))
         control_port = self._control.add_insecure_port(f"{host}:0")
@@ -146,22 +139,23 @@ class RankLeader:
 
         def work():
             self.group.send(pb.RankBroadcast(open=opened))
+            self.group.broadcast_floats(self.strategy.round_values())
             self.group.all_present("the round's opening")  # every rank holds the round before any task leaves
         await self._collective(work)
 
-    async def close_round(self, state: RoundState, strategy: StreamingStrategy) -> dict[str, float]:
-        """Combine every rank's partial sum into rank 0's strategy; the per-rank metrics columns. RuntimeError if a
-        rank folded other than what rank 0 counted for it (the round then fails and the model stays)."""
+    async def close_round(self, state: RoundState, strategy: Strategy) -> dict[str, float]:
+        """Combine every rank's share of the round into rank 0's strategy (the partial sums all-reduced, the updates
+        a robust rule needs handed on); the per-rank metrics columns. RuntimeError if a rank folded other than what
+        rank 0 counted for it (the round then fails and the model stays)."""
         expected = [sum(1 for s in state.slots.values() if s.rank == r and s.status == "accepted")
                     for r in range(self.world)]
-        acc = strategy.accumulator
 
         def work():
             self.group.send(pb.RankBroadcast(close=pb.RankClose(round=state.round_id, expected=expected)))
             self.group.all_present("the round's close")
-            stats = self.group.gather_floats(ingest_stats(state, 0) + [float(acc.count)])
+            stats = self.group.gather_floats(ingest_stats(state, 0) + [float(strategy.folded)])
             started = time.perf_counter()
-            self.group.sum_partials(acc)
+            self.group.combine(strategy, self.shapes)
             return stats, time.perf_counter() - started
         stats, reduce_seconds = await self._collective(work)
         row = {f"r{r}_{name}": values[i] for r, values in enumerate(stats) for i, name in enumerate(STAT_NAMES)}
@@ -189,3 +183,4 @@ class RankLeader:
         if self._control is not None:
             await self._control.stop(0.5)
         self._thread.shutdown(wait=False)
+

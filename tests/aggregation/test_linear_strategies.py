@@ -1,14 +1,12 @@
 """``Strategy.linear``: every strategy declares whether its new model depends on a round's updates only through their
 weighted mean, the declaration holds, and secure aggregation and aggregator ranks take exactly the linear ones."""
 
-import re
 
 import numpy as np
 import pytest
 
 from fedpar.aggregation import Strategy, build_strategy
 from fedpar.aggregation.registry import STRATEGIES, linear_strategy_names
-from fedpar.server.ranks.leader import check_ranks_supported
 from fedpar.server.secure_round import check_secure_setup
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]
@@ -63,32 +61,16 @@ def test_a_linear_strategy_gives_the_same_model_from_the_weighted_mean_alone(nam
     assert same == STRATEGIES[name].linear
 
 
-def _listed(message: str, before: str, after: str) -> set[str]:
-    match = re.search(re.escape(before) + r"(.*?)" + re.escape(after), message)
-    assert match, message
-    return set(match.group(1).split(", "))
+def test_secure_aggregation_takes_exactly_the_linear_strategies_and_refuses_the_rest_in_the_tables_line():
+    from fedpar.aggregation.compatibility import refusal, strategy_features
 
-
-def test_secure_aggregation_takes_exactly_the_linear_strategies_and_its_refusal_lists_them():
     names, weights = ["w"], [np.zeros(3, np.float32)]
-    for name in STRATEGIES:
+    secure = {"secure_aggregation": "--secure-aggregation"}
+    for name in [*STRATEGIES, "dp-fedavg"]:
+        strategy = build_strategy(name, **(DP if name.startswith("dp-") else {}))
         if name in LINEAR:
-            check_secure_setup(names, weights, build_strategy(name))
+            check_secure_setup(names, weights, strategy)
         else:
-            with pytest.raises(ValueError, match="reveals only the weighted mean") as refused:
-                check_secure_setup(names, weights, build_strategy(name))
-            assert _listed(str(refused.value) + "$", "choose one of ", "$") == LINEAR
-    with pytest.raises(ValueError, match="reveals only the weighted mean"):
-        check_secure_setup(names, weights, build_strategy("dp-fedavg", **DP))
-
-
-def test_aggregator_ranks_take_exactly_the_linear_strategies_and_the_refusal_lists_them():
-    for name in STRATEGIES:
-        if name in LINEAR:
-            check_ranks_supported(2, build_strategy(name), False)
-        else:
-            with pytest.raises(ValueError, match="cannot be split over aggregator ranks") as refused:
-                check_ranks_supported(2, build_strategy(name), False)
-            assert _listed(str(refused.value), "; use ", ", or --aggregator-ranks 1") == LINEAR
-    with pytest.raises(ValueError, match="cannot be split over aggregator ranks"):
-        check_ranks_supported(2, build_strategy("dp-fedavg", **DP), False)
+            with pytest.raises(ValueError) as refused:
+                check_secure_setup(names, weights, strategy)
+            assert str(refused.value) == refusal({**strategy_features(name), **secure})

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.parallel.init import free_port
 from fedpar.protocol.codec import ModelLayout
@@ -349,27 +350,55 @@ def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("strategy, secure, share, says", [
-    ("median", False, None, "median and Krum need every update"),
-    ("fedavg", True, None, "unmasking needs every masked vector"),
-    ("fedavg", False, 0.5, "weighs each update against the whole round's total"),
-])
-def test_what_cannot_be_split_over_ranks_is_refused_with_the_reason(strategy, secure, share, says):
-    from fedpar.aggregation import build_strategy
-    from fedpar.server.ranks.leader import check_ranks_supported
-    check_ranks_supported(1, build_strategy(strategy), secure, share)  # one rank runs them all
-    with pytest.raises(ValueError, match=says):
-        check_ranks_supported(2, build_strategy(strategy), secure, share)
+# What a rank cannot fold into a running sum of its own it hands to rank 0 at the close: a robust rule's updates, the
+# updates a share cap holds back; DP's clipped sums are added up and the noise is added once, at rank 0.
+@pytest.mark.parametrize("flags, build", [
+    (["--strategy", "median"], lambda: build_strategy("median")),
+    (["--max-agent-share", "0.3"], lambda: _capped(build_strategy("fedavg"), 0.3)),
+    (["--privacy", "central", "--privacy-noise", "1e-9", "--privacy-clip", "2.0", "--privacy-population", "4"],
+     lambda: build_strategy("dp-fedavg", noise_multiplier=1e-9, clip_norm=2.0, population=4, clients_per_round=4)),
+], ids=["median", "share-cap", "dp-central"])
+def test_two_ranks_run_what_needs_every_update_or_weight_and_give_the_one_rank_model(tmp_path, flags, build):
+    layout = _layout()
+    names = [t.name for t in layout.tensors]
+    proc = _serve(tmp_path, 2, "--rounds", "2", "--clients-per-round", "4", "--fold-dtype", "float64", *flags)
+    strategy = build()  # the same rounds on one process, for the expected models
+    try:
+        agents = [RankedAgent(f"127.0.0.1:{_port(tmp_path, proc)}", a, EXAMPLES[a]) for a in IDS]
+        for round_id in (1, 2):
+            for agent in agents:
+                task = agent.task(60)
+                weights = agent.fetch(task, layout)
+                if agent is agents[0]:
+                    strategy.begin_round(round_id, weights)
+                update = _update(agent.agent_id, round_id, weights)
+                strategy.fold(update, EXAMPLES[agent.agent_id], agent.agent_id)
+                assert agent.send(task, update, EXAMPLES[agent.agent_id], names).accepted
+            expected, _ = strategy.finish()
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = _rows(tmp_path)
+    assert all(r["status"] == "ok" and (r["r0_uploads"], r["r1_uploads"]) == (2, 2) for r in rows), rows
+    for got, want in zip(load_checkpoint(tmp_path / "ckpt").arrays, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
-def test_serve_refuses_a_strategy_it_cannot_split_in_one_line(tmp_path, capsys):
+def _capped(strategy, share: float):
+    strategy.cap_shares(share)
+    return strategy
+
+
+def test_serve_refuses_secure_aggregation_with_a_robust_rule_in_the_tables_line(tmp_path, capsys):
+    from fedpar.aggregation.compatibility import refusal, strategy_features
     from fedpar.cli.main import main
 
-    assert main(["serve", "--insecure", "--aggregator-ranks", "2", "--strategy", "krum", "--port", "0", "--out",
-                 str(tmp_path)]) == 2
+    assert main(["serve", "--insecure", "--aggregator-ranks", "2", "--strategy", "krum", "--secure-aggregation",
+                 "--port", "0", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert err.startswith("fedpar serve: strategy 'krum' cannot be split")
+    line = refusal({**strategy_features("krum"), "secure_aggregation": "--secure-aggregation"})
+    assert err == f"fedpar serve: {line}\n"
 
 
 def test_the_load_test_swarm_follows_its_tasks_to_both_ranks(tmp_path):

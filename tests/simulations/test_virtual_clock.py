@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from fedpar.simulations.runner import SimulationConfig, run_simulation
 from support.simulation_runs import simulate_rows as _rows
 
 
@@ -25,11 +24,6 @@ def test_a_straggler_study_on_the_virtual_clock_counts_who_real_time_counts(tmp_
     assert summary["sim_seconds"] == 3.0 and summary["rounds_to_target"] in (1, 2, None)
     if summary["rounds_to_target"] is not None:
         assert summary["sim_seconds_to_target"] == 1.5 * summary["rounds_to_target"]
-
-
-def test_the_virtual_clock_refuses_aggregator_ranks_in_one_line():
-    with pytest.raises(ValueError, match="--clock virtual does not work with --aggregator-ranks"):
-        run_simulation(SimulationConfig(virtual_clock=True, aggregator_ranks=2))
 
 
 def test_a_virtual_client_does_the_steps_that_fit_before_the_deadline_and_no_more():

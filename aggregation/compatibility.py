@@ -1,0 +1,126 @@
+"""The features that cannot run together, and why: the one table of them (docs/explanation/composition.md shows it).
+
+Every other pair of features composes (tests/test_composition.py runs a pairwise cover of them). What is left here
+is impossible on mathematical grounds: secure aggregation shows the coordinator only a sum, differential privacy
+releases only a noisy sum, and a masked vector is uniformly random. Each refusal is one line saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
+from fedpar.aggregation.strategy import FLOWER_PREFIX
+
+# What each feature of the table is called in its lines and in the docs (a strategy's feature names it instead).
+FEATURES = {
+    "secure_aggregation": "--secure-aggregation",
+    "privacy": "--privacy",
+    "compression": "--compression",
+    "max_agent_share": "--max-agent-share",
+    "robust": "a robust strategy (median, trimmed_mean, krum, multikrum)",
+    "flower": "a Flower strategy (flower:...)",
+}
+# fedpar's rules that need every update of a round (robust.py)
+ROBUST = tuple(cls.name for cls in (Median, TrimmedMean, Krum, MultiKrum))
+DP_PREFIX = "dp-"
+
+
+@dataclass(frozen=True)
+class Clash:
+    """Two features that cannot run together, and the mathematical reason."""
+
+    first: str
+    second: str
+    reason: str
+
+    def line(self, named: Mapping[str, str] | None = None) -> str:
+        """The one-line refusal, each feature as ``named`` calls it (else as FEATURES does)."""
+        named = named or {}
+        a, b = (named.get(f, FEATURES[f]) for f in (self.first, self.second))
+        return f"{a} cannot run with {b}: {self.reason}"
+
+
+CLASHES = (
+    Clash("secure_aggregation", "robust",
+          "the coordinator only sees the sum of the masked updates, and a median, a trimmed mean or Krum's choice "
+          "needs each update"),
+    Clash("secure_aggregation", "flower",
+          "the coordinator only sees the sum of the masked updates, and Flower's aggregate_fit takes one result per "
+          "client"),
+    Clash("secure_aggregation", "privacy",
+          "DP's guarantee needs every update's norm bounded by --privacy-clip where the noise is added, and the "
+          "coordinator can neither clip nor check a masked update"),
+    Clash("secure_aggregation", "compression",
+          "a masked update is uniformly random in its finite field, so no encoding makes it smaller (secure "
+          "aggregation quantizes each update to --secagg-clip's grid already)"),
+    Clash("secure_aggregation", "max_agent_share",
+          "the coordinator never sees an update's weight, only the sum of the masked ones; bound the weights with "
+          "--secagg-max-weight instead"),
+    Clash("privacy", "robust",
+          "DP-FedAvg releases only the noisy sum of the clipped updates (its noise is sized to that sum's "
+          "sensitivity), and a median, a trimmed mean or Krum's choice needs each update"),
+    Clash("privacy", "flower",
+          "DP-FedAvg releases only the noisy sum of the clipped updates (its noise is sized to that sum's "
+          "sensitivity), and Flower's aggregate_fit takes one result per client"),
+)
+
+
+def strategy_features(strategy: str) -> dict[str, str]:
+    """The table's features a ``--strategy`` value brings (``dp-NAME``: DP-FedAvg around NAME), each with how a
+    refusal names it."""
+    name = strategy.strip()
+    out: dict[str, str] = {}
+    if name.lower().replace("_", "-").startswith(DP_PREFIX):
+        out["privacy"] = FEATURES["privacy"]
+        name = name[len(DP_PREFIX):]
+    if name.lower().startswith(FLOWER_PREFIX):
+        out["flower"] = f"--strategy {name}"
+    elif name.lower().replace("-", "_") in ROBUST:
+        out["robust"] = f"--strategy {name}"
+    return out
+
+
+def clash(features: Mapping[str, str]) -> Clash | None:
+    """The first clash among ``features`` (each feature that is on, with how a refusal names it), if any."""
+    for c in CLASHES:
+        if c.first in features and c.second in features:
+            return c
+    return None
+
+
+def refusal(features: Mapping[str, str]) -> str | None:
+    """The one-line refusal of the first clash among ``features``, or None when they compose."""
+    c = clash(features)
+    return c.line(features) if c is not None else None
+
+
+def composition_features(strategy: str, secure_aggregation: bool = False, compression: str = "none",
+                         max_agent_share: float | None = None, privacy: str = "off") -> dict[str, str]:
+    """The table's features a run's settings turn on, each named as a refusal names it."""
+    on = strategy_features(strategy)
+    if privacy != "off":
+        on["privacy"] = FEATURES["privacy"]
+    if secure_aggregation:
+        on["secure_aggregation"] = FEATURES["secure_aggregation"]
+    if compression != "none":
+        on["compression"] = f"--compression {compression}"
+    if max_agent_share is not None:
+        on["max_agent_share"] = FEATURES["max_agent_share"]
+    return on
+
+
+def check_composition(strategy: str, secure_aggregation: bool = False, compression: str = "none",
+                      max_agent_share: float | None = None, privacy: str = "off") -> None:
+    """ValueError with the table's line when the settings ask for two features that cannot run together."""
+    line = refusal(composition_features(strategy, secure_aggregation, compression, max_agent_share, privacy))
+    if line is not None:
+        raise ValueError(line)
+
+
+def markdown_table(clashes: Iterable[Clash] = CLASHES) -> str:
+    """The table as docs/explanation/composition.md shows it."""
+    rows = ["| Feature | Cannot run with | Why |", "| --- | --- | --- |"]
+    rows += [f"| {FEATURES[c.first]} | {FEATURES[c.second]} | {c.reason} |" for c in clashes]
+    return "\n".join(rows)
