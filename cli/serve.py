@@ -97,8 +97,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     from fedpar.aggregation.compatibility import check_composition
     from fedpar.datasets import load_dataset
     from fedpar.parallel.device import check_device_layout, resolve_device
-    from fedpar.server.ranks.leader import check_ranks_supported
-    from fedpar.server.assembly import CoordinatorAssembly
+        from fedpar.server.assembly import CoordinatorAssembly
     from fedpar.server.secure_round import check_secure_setup
     from fedpar.simulations.synthetic_coordinator import synthetic_model
 
@@ -133,7 +132,6 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
         check_secure_setup(assembly.names, assembly.weights, strategy)
     if config.max_agent_share is not None:  # before any checkpoint is read: say what is wrong, not "resume"
         strategy.cap_shares(config.max_agent_share)
-    check_ranks_supported(_world(args), config.secure_aggregation)
     return ServePlan(config, security, assembly, strategy)
 
 

@@ -258,8 +258,6 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
             (self.max_concurrent_downloads >= 1, "max_concurrent_downloads must be >= 1"),
             (not self.virtual_clock or self.accept_populations,
              "the virtual clock needs accept_populations: only simulation hosts can report finish times"),
-            (not (self.virtual_clock and self.secure_aggregation),
-             "the virtual clock does not work with secure aggregation yet; drop one of them"),
             (self.round_wall_seconds > 0, "round_wall_seconds must be > 0"),
             (self.accept_populations or self.max_concurrent_rpcs >= 2 * self.min_available,
              "max_concurrent_rpcs must be at least twice min_available (every agent long-polls; a simulation's "

@@ -134,8 +134,12 @@ class SecureRound:
 
     async def _run_key_stages(self, state: RoundState) -> None:
         s, everyone = self.server, set(self.params.participants)
+
+        def all_advertised() -> bool:  # under the virtual clock, once it chose: every member it lets train
+            answering = everyone if state.answering is None else {a for a, slot in state.slots.items() if slot.go}
+            return answering <= set(s.advertised)
         try:
-            await self._until(lambda: set(s.advertised) == everyone, self.stage_seconds)
+            await self._until(all_advertised, self.stage_seconds)
             s.close_advertising()
             self._mark("advertised")
             self._notify()

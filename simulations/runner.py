@@ -29,7 +29,6 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.ranks.leader import check_ranks_supported
 from fedpar.simulations.agents import WorkerConfig, run_worker_process
 from fedpar.simulations.config import SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
@@ -183,7 +182,6 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, cfg.workers * cfg.seats),
         max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
-    check_ranks_supported(cfg.aggregator_ranks, cfg.secure_aggregation)
     callbacks = [on_round] if on_round else []
     slices = _population_slices(cfg, parts, len(pipes))
     # Under mutual TLS each host proves its own identity, and speaks for its members (who have no certificates).

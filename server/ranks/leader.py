@@ -29,13 +29,6 @@ from fedpar.server.rounds import AgentSlot, RoundState
 log = logging.getLogger("fedpar.server")
 
 
-def check_ranks_supported(ranks: int, secure_aggregation: bool) -> None:
-    """ValueError unless a coordinator of ``ranks`` aggregator ranks can run this round mode."""
-    if ranks > 1 and secure_aggregation:
-        raise ValueError("--secure-aggregation runs on one aggregator rank yet: unmasking needs every masked vector "
-                         "and the agents' key shares in one process; use --aggregator-ranks 1")
-
-
 class RankLeader:
     """Rank 0's side: deals agents to ranks, and combines the ranks' partial sums at each round's close."""
 
@@ -49,6 +42,7 @@ class RankLeader:
         self._last_sent = time.monotonic()
         self.calls: RankCalls | None = None  # rank 0's answers to the other ranks' calls, once started
         self._ticker: asyncio.Task | None = None
+        self.secure = False  # whether rounds are masked (every upload then goes to rank 0), once started
         self.strategy: Strategy | None = None  # rank 0's, once started
         self.shapes: ShapesAndDtypes | None = None  # of the model, once started
 
@@ -90,6 +84,8 @@ class RankLeader:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # where the other ranks already reach rank 0
         self.calls = RankCalls(coordinator)
         self.strategy, self.shapes = coordinator.strategy, ShapesAndDtypes.of(coordinator.weights)
+        # Secure rounds are unmasked where the key shares are: rank 0 takes every masked upload.
+        self.secure = coordinator.config.secure_aggregation
         self._control = grpc.aio.server()
         self._control.add_generic_rpc_handlers((control_handler(self.secret, self.world, self.calls),))
         control_port = self._control.add_insecure_port(f"{host}:0")
@@ -107,10 +103,11 @@ class RankLeader:
 
     def deal(self, slots: dict[str, AgentSlot]) -> None:
         """Give each sampled agent the rank with the fewest agents so far (updates are the same size, so this
-        spreads the bytes evenly); a remote agent's data-plane ticket is drawn here for its rank to honour."""
+        spreads the bytes evenly), or rank 0 in secure rounds; a remote agent's data-plane ticket is drawn here for
+        its rank to honour."""
         load = [0] * self.world
         for agent_id in sorted(slots):
-            rank = min(range(self.world), key=lambda r: (load[r], r))
+            rank = 0 if self.secure else min(range(self.world), key=lambda r: (load[r], r))
             load[rank] += 1
             slot = slots[agent_id]
             slot.rank = rank
@@ -160,8 +157,10 @@ class RankLeader:
         stats, reduce_seconds = await self._collective(work)
         row = {f"r{r}_{name}": values[i] for r, values in enumerate(stats) for i, name in enumerate(STAT_NAMES)}
         row["allreduce_s"] = reduce_seconds
+        # Rank 0 folded its own uploads itself (a secure round: their unmasked sum, once); the others must have
+        # folded what rank 0 counted for them.
         folded = [int(values[-1]) for values in stats]
-        if folded != expected:
+        if folded[1:] != expected[1:]:
             raise RuntimeError(f"round {state.round_id}: the aggregator ranks folded {folded} updates where rank 0 "
                                f"counted {expected}")
         return row
