@@ -97,7 +97,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     from fedpar.aggregation.compatibility import check_composition
     from fedpar.datasets import load_dataset
     from fedpar.parallel.device import check_device_layout, resolve_device
-        from fedpar.server.assembly import CoordinatorAssembly
+    from fedpar.server.assembly import CoordinatorAssembly
     from fedpar.server.secure_round import check_secure_setup
     from fedpar.simulations.synthetic_coordinator import synthetic_model
 
