@@ -345,11 +345,6 @@ class StreamingStrategy(Strategy):
         """New global weights from the weighted average of the clients' weights (FedAvg: the average)."""
         return average
 
-    @property
-    def accumulator(self) -> WeightedSum | None:
-        """The running sum of the open round (for the cross-process all-reduce)."""
-        return self._acc
-
 
 def _distance(a: Sequence[np.ndarray], b: Sequence[np.ndarray], chunk: int = 1 << 20) -> float:
     """Euclidean distance between two models, in float64, one chunk at a time (bounded scratch memory)."""

@@ -6,12 +6,16 @@ first-K, strategy state, metrics, checkpoints. Every rank is an ingest plane (pl
 to the agents dealt to it and takes their uploads, with the same checks, folding them into its own partial sum.
 One round, as rank 0 sees it (leader.py; the other ranks' side is ingest.py):
 
-    open:  deal the cohort over the ranks (fewest agents first), send each rank its agents' slots, and wait
+    open:  deal the cohort over the ranks (fewest agents first; in secure rounds all to rank 0, which unmasks),
+           send each rank its agents' slots and the strategy's settings of the round (DP's clip norm), and wait
            until every rank holds them before any task is handed out
     round: another rank asks rank 0 to count each complete, checked upload (control.py, answered by calls.py)
     close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; check that
-           every rank is there (a missing one is named); all-reduce the partial sums (group.py)
-    end:   rank 0's strategy finishes once; the new model is broadcast to every rank (or "unchanged")
+           every rank is there (a missing one is named); all-reduce the partial sums, and hand rank 0 what its
+           strategy needs beyond them (group.py: a robust rule's or a Flower strategy's updates, those a share cap
+           held back, DP's count of unclipped updates)
+    end:   rank 0's strategy finishes once (DP: the noise is added and accounted once); the new model is broadcast
+           to every rank (or "unchanged")
 
 Every control message is a protobuf message of fedpar.proto (RankBroadcast from rank 0, RankControl's calls to it),
 read and written by one codec (messages.py). local.py starts ranks 1..N-1 as processes of this machine for

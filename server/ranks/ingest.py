@@ -212,5 +212,5 @@ class IngestRank(IngestPlane):
 
     @property
     def secure(self) -> None:
-        """No secure aggregation across ranks (refused at start-up)."""
+        """None: in secure rounds rank 0 takes every masked upload and the key exchange (server/ranks/leader.py)."""
         return None

@@ -56,7 +56,7 @@ def rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
     strategy.begin_round(1, [np.zeros(s, np.float32) for s in SHAPES])
     for j in range(rank, K, world):
         strategy.fold(*results[j], client_id=f"c{j}")
-    all_reduce_weighted_sum(strategy.accumulator)
+    all_reduce_weighted_sum(strategy.partial_sum())
     new, metrics = strategy.finish()
     saved["strategy.num_updates"] = np.array(metrics["num_updates"])
     for i, a in enumerate(new):
@@ -66,7 +66,7 @@ def rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
     strategy.begin_round(1, [np.zeros(s, np.float32) for s in SHAPES])
     for j in range(rank, K, world):
         strategy.fold(*results[j], client_id=f"c{j}")
-    all_reduce_weighted_sum(strategy.accumulator)
+    all_reduce_weighted_sum(strategy.partial_sum())
     for i, a in enumerate(strategy.finish()[0]):
         saved[f"device.{i}"] = a
     np.savez(Path(out_dir) / f"rank{rank}.npz", **saved)

@@ -60,7 +60,7 @@ def test_a_strategy_takes_the_device_sum_from_its_fold_config():
     for config, kind in ((FoldConfig(), WeightedSum), (FoldConfig(device="cpu"), DeviceWeightedSum)):
         s = FedAvg(config)
         s.begin_round(1, [np.zeros_like(a) for a in ups[0][0]])
-        assert type(s.accumulator) is kind
+        assert type(s.partial_sum()) is kind
         for j, (arrays, w) in enumerate(ups):
             s.fold(arrays, w, f"c{j}")
         results.append(s.finish()[0])

@@ -46,7 +46,7 @@ def test_a_grouped_fold_is_bit_for_bit_the_one_by_one_fold(backend, accumulate, 
     assert grouped.group_size == 4
     assert grouped.fold_many(items[:2]) == [None, None]
     assert grouped.fold_many(items[2:], known_finite=True) == [None] * 9  # passes of 4, 4 and 1
-    acc = grouped.accumulator
+    acc = grouped.partial_sum()
     assert (acc.count, len(acc.shards)) == (11, 2)
     sums, total = _bits(acc.buffers.values()), acc.total_weight
     got = grouped.finish()[0]
@@ -55,7 +55,7 @@ def test_a_grouped_fold_is_bit_for_bit_the_one_by_one_fold(backend, accumulate, 
     single.begin_round(1, global_w)
     for item in items:
         single.fold(*item, known_finite=True)
-    assert _bits(single.accumulator.buffers.values()) == sums and single.accumulator.total_weight == total
+    assert _bits(single.partial_sum().buffers.values()) == sums and single.partial_sum().total_weight == total
     assert _bits(single.finish()[0]) == _bits(got)
 
 
@@ -70,7 +70,7 @@ def test_a_group_refuses_a_non_finite_update_and_a_duplicate_alone_and_folds_the
     errors = strategy.fold_many(items)
     assert [e is None for e in errors] == [True, True, False, True, True, True, False]
     assert "'c2' contains NaN or Inf" in str(errors[2]) and "client 'c0' already contributed" in str(errors[6])
-    assert strategy.accumulator.count == 5
+    assert strategy.partial_sum().count == 5
     assert strategy.fold_many([good[2]]) == [None]  # the refused client may still send a good update
     order = [good[j] for j in (0, 1, 3, 4, 5, 2)]
     assert _bits(strategy.finish()[0]) == _bits(_one_by_one(FedAvg(config), order, good[1].update))

@@ -390,17 +390,6 @@ def _capped(strategy, share: float):
     return strategy
 
 
-def test_serve_refuses_secure_aggregation_with_a_robust_rule_in_the_tables_line(tmp_path, capsys):
-    from fedpar.aggregation.compatibility import refusal, strategy_features
-    from fedpar.cli.main import main
-
-    assert main(["serve", "--insecure", "--aggregator-ranks", "2", "--strategy", "krum", "--secure-aggregation",
-                 "--port", "0", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    line = refusal({**strategy_features("krum"), "secure_aggregation": "--secure-aggregation"})
-    assert err == f"fedpar serve: {line}\n"
-
-
 def test_the_load_test_swarm_follows_its_tasks_to_both_ranks(tmp_path):
     proc = _serve(tmp_path, 2, "--model", "synthetic", "--params", "20000", "--rounds", "2", "--clients-per-round", "4")
     try:

@@ -47,5 +47,6 @@ def test_serve_refuses_secure_aggregation_with_a_robust_strategy(tmp_path, capsy
     code = main(["serve", "--port", "0", "--insecure", "--secure-aggregation", "--strategy", "krum", "--out",
                  str(tmp_path)])
     assert code == 2
-    err = capsys.readouterr().err
-    assert "secure aggregation" in err and "fedavg" in err
+    from fedpar.aggregation.compatibility import refusal, strategy_features
+    line = refusal({**strategy_features("krum"), "secure_aggregation": "--secure-aggregation"})
+    assert capsys.readouterr().err == f"fedpar serve: {line}\n"  # the table's line (docs/explanation/composition.md)
