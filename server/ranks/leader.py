@@ -182,4 +182,3 @@ class RankLeader:
         if self._control is not None:
             await self._control.stop(0.5)
         self._thread.shutdown(wait=False)
-
