@@ -13,18 +13,18 @@ from typing import Iterable, Mapping
 from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedpar.aggregation.strategy import FLOWER_PREFIX
 
+# fedpar's rules that need every update of a round (robust.py)
+ROBUST = tuple(cls.name for cls in (Median, TrimmedMean, Krum, MultiKrum))
+DP_PREFIX = "dp-"
 # What each feature of the table is called in its lines and in the docs (a strategy's feature names it instead).
 FEATURES = {
     "secure_aggregation": "--secure-aggregation",
     "privacy": "--privacy",
     "compression": "--compression",
     "max_agent_share": "--max-agent-share",
-    "robust": "a robust strategy (median, trimmed_mean, krum, multikrum)",
+    "robust": f"a robust strategy ({', '.join(ROBUST)})",
     "flower": "a Flower strategy (flower:...)",
 }
-# fedpar's rules that need every update of a round (robust.py)
-ROBUST = tuple(cls.name for cls in (Median, TrimmedMean, Krum, MultiKrum))
-DP_PREFIX = "dp-"
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,8 @@ def test_an_allowed_combination_runs_and_learns(case, tmp_path):
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     chance = 1 / 3 if case["task"] == "on" else 1 / 10  # wine's 3 classes, digits' 10
     assert rows[-1]["test_accuracy"] > chance + 0.15, rows
+    if case["ranks"] == "2":  # the second rank took uploads (a secure round's all go to rank 0, which unmasks)
+        assert all(r["r1_uploads"] == (0 if case["secagg"] == "on" else CLIENTS // 2) for r in rows), rows
 
 
 def _documented_reasons() -> list[str]:
