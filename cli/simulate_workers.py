@@ -43,11 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Host this process's slice until the coordinator says training is over."""
+    import numpy as np
     import torch
 
     from fedpar.client.reconnect import FatalAgentError
     from fedpar.datasets import load_dataset
-    from fedpar.datasets.clientdata import client_parts
+    from fedpar.datasets.members import member_source
     from fedpar.datasets.registry import full_dataset_name
     from fedpar.parallel.device import check_device_layout, flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
@@ -68,11 +69,11 @@ def run(args: argparse.Namespace) -> int:
         device = worker_devices(args.device, local_world)[local_rank]
         dataset = full_dataset_name(args.dataset, args.clients)
         splits = load_dataset(dataset, args.data_dir)
-        parts = client_parts(splits, args.partition, args.clients, args.seed, args.examples_per_client)
+        members = member_source(splits, args.partition, args.clients, args.seed, args.examples_per_client)
         traces = traces_for(args.trace, args.clients, args.seed)
         delays = step_delays(args.clients, args.slow_fraction, args.slow_step_delay, args.seed, traces)
-        mine = list(range(info.rank, args.clients, info.world_size))
-        population = PopulationSlice.of(f"host-{info.rank}-of-{info.world_size}", mine, parts, delays,
+        mine = np.arange(info.rank, args.clients, info.world_size)
+        population = PopulationSlice.of(f"host-{info.rank}-of-{info.world_size}", mine, members.sizes, delays,
                                         args.drop_probability, traces)
         task = classifier_for(args.model, splits, dataset, args.examples_per_client)
 

@@ -5,12 +5,26 @@ from __future__ import annotations
 import numpy as np
 
 from fedpar.datasets import ArrayDataset, DatasetSplits
-from fedpar.datasets.partition import parse_partition
+from fedpar.datasets.partition import AUTO, parse_partition
+
+
+def resolve_partition(spec: str, splits: DatasetSplits) -> str:
+    """``spec``, with "auto" made "natural" for data whose examples have owners (synthetic, tables with a client
+    column) and "iid" for the rest."""
+    if spec.strip().lower() != AUTO:
+        return spec
+    return "natural" if splits.members is not None or splits.train_owners is not None else "iid"
 
 
 def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: int) -> list[np.ndarray]:
     """Index arrays of every client's share of the training set under partition ``spec`` ("natural": each
-    client's own examples, for data that has owners)."""
+    client's own examples, for data that has owners; "auto": natural for such data, else iid)."""
+    spec = resolve_partition(spec, splits)
+    if spec == "natural" and splits.members is not None:  # the pool is the members' examples, member by member
+        sizes = splits.members.sizes
+        if len(sizes) != num_clients:
+            raise ValueError(f"the data has {len(sizes)} clients of its own; run it with --clients {len(sizes)}")
+        return np.split(np.arange(int(sizes.sum()), dtype=np.int64), np.cumsum(sizes)[:-1])
     if spec == "natural":
         owners = splits.train_owners
         if owners is None:
@@ -38,8 +52,10 @@ def client_parts(splits: DatasetSplits, spec: str, num_clients: int, seed: int,
             for p in parts]
 
 
-def local_train_size(examples: int, val_fraction: float) -> int:
-    """How many of a client's ``examples`` :func:`local_split` keeps for training."""
+def local_train_size(examples, val_fraction: float):
+    """How many of a client's ``examples`` :func:`local_split` keeps for training (of each client's, for an array)."""
+    if isinstance(examples, np.ndarray):
+        return examples - np.where(examples > 1, np.round(examples * val_fraction).astype(np.int64), 0)
     return examples - (int(round(examples * val_fraction)) if examples > 1 else 0)
 
 

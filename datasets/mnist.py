@@ -1,12 +1,22 @@
-"""MNIST from a local folder: train.npz/test.npz (keys x, y) or the four original IDX files (plain or .gz)."""
+"""MNIST from a local folder: train.npz/test.npz (keys x, y) or the four original IDX files (plain or .gz).
+
+The images stay uint8 and are decoded to float32 only for the examples a client or the evaluation reads: the first
+process to load a folder writes them uncompressed to a cache (``$XDG_CACHE_HOME/fedpar``, else ``~/.cache/fedpar``,
+keyed by the files' paths, sizes and times), and every process then maps that one read-only copy, which the
+kernel shares among them. Where the cache cannot be written, each process keeps its own uint8 copy.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
+from fedpar.datasets.arrays import ByteImages, DatasetSplits
 from fedpar.datasets.idx import read_idx
 
 MNIST_MEAN = 0.1307
@@ -23,12 +33,34 @@ WHERE_TO_GET = ("download the four IDX .gz files from https://ossci-datasets.s3.
                 "torchvision uses of yann.lecun.com/exdb/mnist) into that folder")
 
 
-def normalize_mnist(images: np.ndarray) -> np.ndarray:
-    """uint8 images (N, H, W) to float32 (N, 1, H, W) standardised with the usual MNIST mean and std."""
-    # A 256-entry lookup table: one gather instead of a cast and three passes over 188 MB of floats.
-    table = ((np.arange(256, dtype=np.float32) / np.float32(255.0) - np.float32(MNIST_MEAN))
-             / np.float32(MNIST_STD)).astype(np.float32)
-    return table[images][:, None, :, :]
+# uint8 pixel -> standardised float32 (a lookup: one gather instead of a cast and three passes over the floats)
+MNIST_TABLE = ((np.arange(256, dtype=np.float32) / np.float32(255.0) - np.float32(MNIST_MEAN))
+               / np.float32(MNIST_STD)).astype(np.float32)
+
+
+def cache_dir() -> Path:
+    """Where decoded dataset files are kept: $XDG_CACHE_HOME/fedpar, else ~/.cache/fedpar."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedpar"
+
+
+def shared_images(source: Path, read: Callable[[], np.ndarray]) -> np.ndarray:
+    """The images in file ``source`` (``read()`` reads them) as a read-only memory map of a cache file written once
+    for it (its path, size and modification time name it), which every process that loads it maps; what ``read()``
+    gives when the cache cannot be written or read."""
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    path = cache_dir() / f"images-{key}.npy"
+    images = None
+    try:
+        if not path.is_file():
+            images = read()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+                np.save(f, np.ascontiguousarray(images))
+            os.replace(f.name, path)  # whole or not at all, whoever writes it first
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError):
+        return read() if images is None else images
 
 
 def _check_pair(images: np.ndarray, labels: np.ndarray, source: str) -> None:
@@ -42,13 +74,13 @@ def _check_pair(images: np.ndarray, labels: np.ndarray, source: str) -> None:
         raise ValueError(f"{source}: labels must be digits 0..9, found range [{labels.min()}, {labels.max()}]")
 
 
-def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _read_npz(path: Path, key: str) -> np.ndarray:
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = {"x", "y"} - set(data.files)
             if missing:
                 raise ValueError(f"{path}: missing arrays {sorted(missing)}; expected keys x (images) and y (labels)")
-            return data["x"], data["y"]
+            return data[key]
     except ValueError as exc:
         if "allow_pickle" in str(exc):
             raise ValueError(f"{path} stores object arrays, which need pickle and are refused; save x and y as "
@@ -65,18 +97,19 @@ def _find_idx(folder: Path, name: str) -> Path | None:
     return None
 
 
-def _load_split(folder: Path, split: str, use_npz: bool) -> ArrayDataset:
+def _load_split(folder: Path, split: str, use_npz: bool) -> ByteImages:
     if use_npz:
         path = folder / NPZ_FILES[split]
-        images, labels = _read_npz(path)
+        labels = _read_npz(path, "y")
+        images = shared_images(path, lambda: _read_npz(path, "x"))
         source = str(path)
     else:
         image_path, label_path = (_find_idx(folder, n) for n in IDX_FILES[split])
         assert image_path is not None and label_path is not None  # checked by check_mnist_folder
-        images, labels = read_idx(image_path), read_idx(label_path)
+        images, labels = shared_images(image_path, lambda: read_idx(image_path)), read_idx(label_path)
         source = f"{image_path.name} + {label_path.name}"
     _check_pair(images, labels, source)
-    return ArrayDataset(normalize_mnist(images), labels.astype(np.int64))
+    return ByteImages(images, labels.astype(np.int64), MNIST_TABLE)
 
 
 def check_mnist_folder(data_dir: str | Path) -> bool:
@@ -96,12 +129,12 @@ def check_mnist_folder(data_dir: str | Path) -> bool:
 
 
 def load_mnist(data_dir: str | Path) -> DatasetSplits:
-    """MNIST from ``data_dir`` as (N, 1, 28, 28) float32 standardised images; npz files win over IDX files
-    (ValueError as :func:`check_mnist_folder` says when they are missing)."""
+    """MNIST from ``data_dir`` as (N, 1, 28, 28) float32 standardised images, decoded as they are read; npz files
+    win over IDX files (ValueError as :func:`check_mnist_folder` says when they are missing)."""
     folder = Path(data_dir)
     has_npz = check_mnist_folder(folder)
     train = _load_split(folder, "train", has_npz)
     test = _load_split(folder, "test", has_npz)
-    if train.x.shape[1:] != test.x.shape[1:]:
-        raise ValueError(f"train images {train.x.shape[1:]} and test images {test.x.shape[1:]} differ in shape")
-    return DatasetSplits(train, test, num_classes=10, input_shape=tuple(int(d) for d in train.x.shape[1:]))
+    if train.shape != test.shape:
+        raise ValueError(f"train images {train.shape} and test images {test.shape} differ in shape")
+    return DatasetSplits(train, test, num_classes=10, input_shape=tuple(int(d) for d in train.shape))

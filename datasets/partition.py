@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+AUTO = "auto"  # natural where the data's examples have owners, else iid (datasets/clientdata.py)
 DEFAULT_MIN_SIZE = 10
 DEFAULT_MAX_ATTEMPTS = 1000
 
@@ -137,14 +138,16 @@ class PartitionSpec:
         return self.kind
 
 
-PARTITION_HELP = ("one of: iid, dirichlet:ALPHA (e.g. dirichlet:0.5), shards:K (e.g. shards:2), quantity:SIGMA "
+PARTITION_HELP = ("one of: auto (natural where the examples have owners: synthetic, a table with a client column; "
+                  "else iid), iid, dirichlet:ALPHA (e.g. dirichlet:0.5), shards:K (e.g. shards:2), quantity:SIGMA "
                   "(e.g. quantity:1), natural (data with owners)")
 
 
 def parse_partition(spec: str) -> PartitionSpec:
-    """Parse "iid", "dirichlet:ALPHA" (ALPHA > 0), "shards:K" (integer K >= 1) or "quantity:SIGMA" (>= 0)."""
+    """Parse "iid", "dirichlet:ALPHA" (ALPHA > 0), "shards:K" (integer K >= 1) or "quantity:SIGMA" (>= 0); "auto"
+    is iid here (data whose examples have owners resolves it to natural first: clientdata.resolve_partition)."""
     kind, sep, arg = spec.strip().lower().partition(":")
-    if kind == "iid" and not sep:
+    if kind in ("iid", AUTO) and not sep:
         return PartitionSpec("iid")
     if kind == "dirichlet" and arg:
         try:

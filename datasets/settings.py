@@ -34,7 +34,7 @@ class DataFiles:
 class Partitioning:
     """How a federation's training set is split over its clients, and the share each keeps for evaluation."""
 
-    partition: str = setting("iid", group="data", help="how the training set is split over the clients, "
+    partition: str = setting("auto", group="data", help="how the training set is split over the clients, "
                                                         + PARTITION_HELP)
     val_fraction: float = setting(0.1, check="probability", group="data",
                                   help="share of each client's data kept for federated evaluation")

@@ -5,9 +5,13 @@ have entries ~ N(u_k, 1); v_k has entries ~ N(B_k, 1); its inputs are x ~ N(v_k,
 Sigma_jj = j^-1.2, and its labels y = argmax(W_k x + b_k). alpha sets how much the clients' models differ, beta how
 much their inputs do (Synthetic(0, 0) to (1, 1) in the paper). Client sizes follow a power law as in the paper,
 here a log-normal around ``samples`` (the paper's clients hold hundreds of examples; populations of 100,000 need
-a few each). Every client is generated from (seed, k) alone, so every process builds the same data. A fifth of
-each client's examples (one at least, for clients of two or more) goes to the pooled test set; ``train_owners``
-says whose each training example is, for ``--partition natural``.
+a few each).
+
+Every client is generated from (seed, k) alone, when it is asked for (:class:`SyntheticMembers`): a population of
+a million costs its sizes (8 bytes a client) until a round samples some. A fifth of each client's examples (one
+at least, for clients of two or more) is held out; the central test set is the held-out examples of at most
+TEST_MEMBERS clients spread evenly over the population (all of them in smaller ones). Partitions other than
+``natural`` pool every client's training examples first (made when first read, if they fit in memory).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.datasets.arrays import DatasetSplits
-from fedpar.datasets.tables import owned_splits
+from fedpar.datasets.arrays import ArrayDataset, DatasetSplits, LazyDataset
+from fedpar.datasets.memory import check_fits
+from fedpar.datasets.tables import TEST_SHARE
 
 DIM, CLASSES = 60, 10
-CHUNK = 512  # clients generated at once (a chunk's per-example model gather stays near 40 MiB)
+TEST_MEMBERS = 2_000  # clients whose held-out examples make the central test set (evenly spread)
+_SCALE = np.arange(1, DIM + 1, dtype=np.float64) ** -0.6  # sqrt of Sigma_jj = j^-1.2
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,6 @@ class SyntheticSpec:
                              "and SAMPLES > 0")
         return SyntheticSpec(alpha, beta, count, samples)
 
-
     @property
     def name(self) -> str:
         """The dataset name that says all of it."""
@@ -65,32 +70,80 @@ def client_sizes(spec: SyntheticSpec) -> np.ndarray:
     return 2 + np.minimum(drawn, 50 * spec.samples).astype(np.int64)
 
 
-def generate(spec: SyntheticSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every client's examples: x (float32, n x 60), y (int64) and the owning client of each (int64)."""
-    sizes = client_sizes(spec)
-    scale = np.arange(1, DIM + 1, dtype=np.float64) ** -0.6  # sqrt of Sigma_jj = j^-1.2
-    x_all = np.empty((int(sizes.sum()), DIM), np.float32)  # filled chunk by chunk: no second copy to concatenate
-    y_all = np.empty(len(x_all), np.int64)
-    ends = np.cumsum(sizes)
-    for lo in range(0, spec.clients, CHUNK):
-        hi = min(lo + CHUNK, spec.clients)
-        rng = np.random.default_rng([spec.seed, 1, lo])
-        n = hi - lo
-        u = rng.normal(0.0, np.sqrt(spec.alpha), n) if spec.alpha else np.zeros(n)
-        b_mean = rng.normal(0.0, np.sqrt(spec.beta), n) if spec.beta else np.zeros(n)
-        w = rng.normal(u[:, None, None], 1.0, (n, CLASSES, DIM))
-        b = rng.normal(u[:, None], 1.0, (n, CLASSES))
-        v = rng.normal(b_mean[:, None], 1.0, (n, DIM))
-        owner = np.repeat(np.arange(n), sizes[lo:hi])
-        x = v[owner] + rng.standard_normal((len(owner), DIM)) * scale
-        logits = np.einsum("ncd,nd->nc", w.astype(np.float32)[owner], x.astype(np.float32)) + b[owner]
-        start = ends[lo] - sizes[lo]
-        x_all[start:start + len(owner)] = x
-        y_all[start:start + len(owner)] = logits.argmax(axis=1)
-    return x_all, y_all, np.repeat(np.arange(spec.clients), sizes)
+def held_out(sizes: np.ndarray) -> np.ndarray:
+    """How many of each client's examples go to the test set: a fifth, one at least for clients of two or more."""
+    return np.where(sizes >= 2, np.maximum(1, sizes // TEST_SHARE), 0)
+
+
+def client_examples(spec: SyntheticSpec, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Client ``k``'s ``size`` examples, from (seed, k) alone: x (float32, size x 60) and y (int64)."""
+    rng = np.random.default_rng([spec.seed, 1, k])
+    u = rng.normal(0.0, np.sqrt(spec.alpha)) if spec.alpha else 0.0
+    b_mean = rng.normal(0.0, np.sqrt(spec.beta)) if spec.beta else 0.0
+    w = rng.normal(u, 1.0, (CLASSES, DIM))
+    b = rng.normal(u, 1.0, CLASSES)
+    v = rng.normal(b_mean, 1.0, DIM)
+    x = (v + rng.standard_normal((size, DIM)) * _SCALE).astype(np.float32)
+    return x, (x @ w.T.astype(np.float32) + b).argmax(axis=1).astype(np.int64)
+
+
+class SyntheticMembers:
+    """The federation's clients, each made from (seed, k) when asked for: ``sizes`` are their training examples."""
+
+    def __init__(self, spec: SyntheticSpec):
+        self.spec = spec
+        self.all_sizes = client_sizes(spec)
+        self.held = held_out(self.all_sizes)
+        self.sizes = self.all_sizes - self.held
+
+    def __len__(self) -> int:
+        """Number of clients."""
+        return len(self.sizes)
+
+    def _made(self, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+        if not 0 <= k < len(self):
+            raise ValueError(f"client {k} is not in [0, {len(self)})")
+        x, y = client_examples(self.spec, k, int(self.all_sizes[k]))
+        return x, y, int(self.held[k])
+
+    def examples(self, k: int) -> ArrayDataset:
+        """Client ``k``'s training examples."""
+        x, y, held = self._made(k)
+        return ArrayDataset(x[held:], y[held:])
+
+    def labels(self, k: int) -> np.ndarray:
+        """Client ``k``'s training labels."""
+        return self.examples(k).y
+
+    def test_examples(self, k: int) -> ArrayDataset:
+        """Client ``k``'s held-out examples."""
+        x, y, held = self._made(k)
+        return ArrayDataset(x[:held], y[:held])
+
+    def test_sample(self) -> ArrayDataset:
+        """The central test set: the held-out examples of at most TEST_MEMBERS clients, evenly spread."""
+        picked = np.unique(np.linspace(0, len(self) - 1, min(len(self), TEST_MEMBERS)).astype(np.int64))
+        parts = [self.test_examples(int(k)) for k in picked]
+        return ArrayDataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]))
+
+    def pooled(self) -> ArrayDataset:
+        """Every client's training examples in one set, client by client (for partitions other than natural)."""
+        total = int(self.sizes.sum())
+        check_fits(2 * total * (DIM * 4 + 8), f"pooling the {len(self):,} clients of {self.spec.name}",
+                   "use --partition natural (each client's own examples, made when it is sampled)")
+        x = np.empty((total, DIM), np.float32)
+        y = np.empty(total, np.int64)
+        at = 0
+        for k in range(len(self)):
+            part = self.examples(k)
+            x[at:at + len(part)], y[at:at + len(part)] = part.x, part.y
+            at += len(part)
+        return ArrayDataset(x, y)
 
 
 def load_synthetic(spec: SyntheticSpec) -> DatasetSplits:
-    """The federation as train and test sets, with the owner of every training example."""
-    x, y, owners = generate(spec)
-    return owned_splits(x, y, owners, CLASSES)
+    """The federation: its clients (made when asked for), their pooled training set (made when first read) and the
+    central test sample."""
+    members = SyntheticMembers(spec)
+    return DatasetSplits(LazyDataset(members.pooled, int(members.sizes.sum())), members.test_sample(), CLASSES,
+                         (DIM,), members=members)

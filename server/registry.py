@@ -6,9 +6,11 @@ count it declared first, stays in a compact map bounded by --max-agents (and, fo
 
 from __future__ import annotations
 
+import bisect
 import hmac
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fedpar.security.admission import Admission
@@ -21,7 +23,7 @@ class AuthError(Exception):
     """An unknown agent or a wrong session token."""
 
 
-@dataclass
+@dataclass(slots=True)  # a population of a million members holds a million of them
 class AgentRecord:
     """One registered agent and what the coordinator knows of it."""
 
@@ -77,6 +79,47 @@ class ExampleCaps:
         return len(self._caps)
 
 
+class LiveIds(Sequence):
+    """The sorted ids of the live agents, kept as agents come and go rather than made again each round: the ids that
+    joined since it was last read wait unsorted and are merged in when an id is looked up, so counting them and
+    sampling a cohort from them costs no pass over the population while it stays as it was."""
+
+    def __init__(self, ids: list[str], key: object, valid_until: float):
+        self._sorted, self._added = ids, []
+        self.key, self.valid_until = key, valid_until  # what it was made from, and until when it holds
+
+    def _merged(self) -> list[str]:
+        if self._added:
+            self._sorted = sorted(self._sorted + self._added)  # two sorted runs: one merge
+            self._added = []
+        return self._sorted
+
+    def __len__(self) -> int:
+        return len(self._sorted) + len(self._added)
+
+    def __getitem__(self, index):
+        return self._merged()[index]
+
+    def __iter__(self):
+        return iter(self._merged())
+
+    def __contains__(self, agent_id: object) -> bool:
+        ids = self._merged()
+        at = bisect.bisect_left(ids, agent_id)
+        return at < len(ids) and ids[at] == agent_id
+
+    def add(self, ids: list[str]) -> None:
+        """Take ``ids``, live now and not held yet."""
+        self._added.extend(sorted(ids))
+
+    def discard(self, agent_id: str) -> None:
+        """Drop ``agent_id`` if it is held."""
+        ids = self._merged()
+        at = bisect.bisect_left(ids, agent_id)
+        if at < len(ids) and ids[at] == agent_id:
+            del ids[at]
+
+
 class AgentRegistry:
     """Live agents and simulation hosts by id. Not thread-safe: the coordinator's event loop is its only user."""
 
@@ -89,6 +132,7 @@ class AgentRegistry:
         self._hosts: dict[str, HostRecord] = {}
         self.caps = ExampleCaps(max_known)  # agents' (checkpointed)
         self.member_caps = ExampleCaps(max_known)  # population members' (their hosts join them again after a restart)
+        self._live: LiveIds | None = None  # kept up to date as they come and go; None: make it again
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
@@ -107,7 +151,7 @@ class AgentRegistry:
         num_examples = self.caps.fix(agent_id, num_examples)
         record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities),
                              last_seen=self._clock(), cert_serial=peer.serial if peer else None)
-        self._agents[agent_id] = record
+        self._newcomers([record])
         return record
 
     def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
@@ -137,20 +181,36 @@ class AgentRegistry:
             if agent_id not in self._agents:
                 host.members += 1
             num_examples = self.member_caps.fix(agent_id, num_examples)
-            record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id, away=away,
-                                 cert_serial=peer.serial if peer else None)  # revoking the host's revokes them
-            self._agents[agent_id] = record
-            records.append(record)
-        host.last_seen = self._clock()
+            records.append(AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), host=host_id,
+                                       away=away, cert_serial=peer.serial if peer else None))  # revoking the host's
+        host.last_seen = self._clock()  # revokes them
+        self._newcomers(records)
         return host, records
+
+    def _newcomers(self, records: list[AgentRecord]) -> None:
+        """Hold ``records``, and keep the live ids up to date: new live ids join them; one that replaces a record
+        held already makes them again at the next read."""
+        fresh = []
+        for record in records:
+            if record.agent_id in self._agents:
+                self._live = None
+            elif not record.away:
+                fresh.append(record.agent_id)
+            self._agents[record.agent_id] = record
+        if self._live is not None:
+            self._live.add(fresh)
 
     def set_away(self, host_id: str, away: list[str], back: list[str]) -> None:
         """Mark members of ``host_id`` offline (``away``) or online again (``back``); others' ids are ignored."""
         for ids, flag in ((away, True), (back, False)):
             for agent_id in ids:
                 record = self._agents.get(agent_id)
-                if record is not None and record.host == host_id:
+                if record is not None and record.host == host_id and record.away != flag:
                     record.away = flag
+                    if self._live is not None and flag:
+                        self._live.discard(agent_id)
+                    elif self._live is not None and self.is_live(record):
+                        self._live.add([agent_id])
 
     def authenticate_host(self, host_id: str, token: str, peer: PeerIdentity | None = None) -> HostRecord:
         """The host's record if ``token`` is its session token and the admission policy still admits it over a
@@ -181,13 +241,15 @@ class AgentRegistry:
         simulation host that speaks for it, if it is a population member)."""
         record = AgentRecord(agent_id, token, int(num_examples), last_seen=self._clock(), cert_serial=cert_serial,
                              host=host)
-        self._agents[agent_id] = record
+        self._newcomers([record])
         return record
 
     def leave(self, agent_id: str) -> None:
         """Mark an agent as gone; it is not sampled until it joins again (and leaves at the next :meth:`expire`)."""
         if agent_id in self._agents:
             self._agents[agent_id].left = True
+            if self._live is not None:
+                self._live.discard(agent_id)
 
     def is_live(self, record: AgentRecord) -> bool:
         """Whether the agent (a population member: its host) has called recently enough to be sampled."""
@@ -198,13 +260,22 @@ class AgentRegistry:
             return host is not None and self._clock() - host.last_seen <= self.liveness_timeout
         return self._clock() - record.last_seen <= self.liveness_timeout
 
-    def live_ids(self) -> list[str]:
-        """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed); those whose liveness
-        expired leave the registry first (:meth:`expire`)."""
-        self.expire()
+    def live_ids(self) -> LiveIds:
+        """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed). Made again (one pass
+        over the agents, those whose liveness expired leaving first: :meth:`expire`) only when the revocation list
+        changed or a liveness may have run out since; else as kept up to date by joins, leaves and availability."""
         revoked = self.admission.revoked_filter()
-        return sorted(a.agent_id for a in self._agents.values()
-                      if self.is_live(a) and not revoked(a.agent_id, a.cert_serial))
+        key = id(self.admission.revocations.value)  # a new list is a new object
+        if self._live is not None and self._live.key == key and self._clock() < self._live.valid_until:
+            return self._live
+        self.expire()
+        now = self._clock()
+        live = [a for a in self._agents.values() if self.is_live(a) and not revoked(a.agent_id, a.cert_serial)]
+        seen = [a.last_seen for a in live if a.host is None] + [h.last_seen for h in self._hosts.values()]
+        # none of them can stop being live before the oldest call's liveness runs out
+        self._live = LiveIds(sorted(a.agent_id for a in live), key,
+                             min(seen, default=now) + self.liveness_timeout)
+        return self._live
 
     def get(self, agent_id: str) -> AgentRecord | None:
         """The record of ``agent_id`` or None."""
@@ -233,6 +304,8 @@ class AgentRegistry:
                 or (r.host is None and now - r.last_seen > idle) or (r.host is not None and r.host not in self._hosts)]
         for agent_id in gone:
             del self._agents[agent_id]
+        if gone:
+            self._live = None
         return len(gone)
 
     def restore(self, caps) -> None:

@@ -14,12 +14,13 @@ class CohortSampler:
         self._rng = np.random.Generator(np.random.PCG64(seed))
 
     def sample(self, live_ids: Sequence[str], size: int) -> list[str]:
-        """``size`` distinct ids from ``live_ids`` (all of them if there are fewer)."""
-        ids = sorted(live_ids)
-        if size >= len(ids):
-            return ids
-        picked = self._rng.choice(len(ids), size=size, replace=False)
-        return [ids[i] for i in sorted(picked)]
+        """``size`` distinct ids from ``live_ids``, which are sorted (all of them if there are fewer). Draws ``size``
+        positions (numpy's Floyd sampling when the cohort is small beside the population) and reads only those: a
+        cohort costs O(cohort), not a pass over the population."""
+        if size >= len(live_ids):
+            return list(live_ids)
+        picked = self._rng.choice(len(live_ids), size=size, replace=False)
+        return [live_ids[int(i)] for i in sorted(picked)]
 
     def state(self) -> dict:
         """The RNG state as JSON-able data."""

@@ -68,14 +68,15 @@ def client_seed(seed: int, agent_id: str) -> int:
 
 
 def step_delays(clients: int, slow_fraction: float, slow_step_delay: float, seed: int,
-                traces: Traces | None = None) -> list[float]:
+                traces: Traces | None = None) -> np.ndarray:
     """Seconds each client adds per local step: its trace's when there are ``traces``, else ``slow_step_delay`` for
     a random ``slow_fraction`` of them."""
     if traces is not None:
-        return traces.seconds_per_step.tolist()
+        return traces.seconds_per_step
     rng = np.random.default_rng(seed + 1)
-    slow = set(rng.choice(clients, size=int(round(slow_fraction * clients)), replace=False).tolist())
-    return [slow_step_delay if i in slow else 0.0 for i in range(clients)]
+    delays = np.zeros(clients, np.float32)
+    delays[rng.choice(clients, size=int(round(slow_fraction * clients)), replace=False)] = slow_step_delay
+    return delays
 
 
 def client_id(number: int) -> str:
@@ -133,16 +134,16 @@ class PopulationSlice:
         return (0, -1.0) if dropped or done == 0 else (done, seconds)
 
     @staticmethod
-    def of(host_id: str, numbers: list[int], parts: list[np.ndarray] | None, step_delays: list[float],
+    def of(host_id: str, numbers: np.ndarray, sizes: np.ndarray | None, step_delays: np.ndarray,
            drop_probability: float = 0.0, traces: Traces | None = None) -> PopulationSlice:
-        """The slice of clients ``numbers`` (``parts[n]``: client n's example indices, for their number; None: the
-        task's, unknown here; ``traces``: their availability)."""
+        """The slice of clients ``numbers`` (``sizes[n]``: client n's examples, for every client; None: the task's,
+        unknown here; ``traces``: their availability)."""
         picked = np.asarray(numbers, np.int64)
-        sizes = None if parts is None else np.asarray([len(parts[n]) for n in numbers], np.int64)
         columns = (traces.available_from, traces.available_for, traces.seconds_per_step, traces.download_mbps,
                    traces.upload_mbps) if traces is not None else (None,) * 5
-        return PopulationSlice(host_id, picked, sizes, np.asarray([step_delays[n] for n in numbers], np.float32),
-                               drop_probability, *(None if c is None else c[picked] for c in columns))
+        return PopulationSlice(host_id, picked, None if sizes is None else np.asarray(sizes, np.int64)[picked],
+                               np.asarray(step_delays, np.float32)[picked], drop_probability,
+                               *(None if c is None else c[picked] for c in columns))
 
 
 class PopulationHost:
@@ -213,8 +214,7 @@ class PopulationHost:
         """Each member's training examples: from the slice's sizes when it has them (the zoo's, split as
         datasets/clientdata.local_split does), else counted in the task's data of each member, made once here."""
         if self.pop.sizes is not None:
-            val_fraction = self.partition_of(0, client_id(0)).val_fraction
-            return np.asarray([local_train_size(int(n), val_fraction) for n in self.pop.sizes], np.int64)
+            return local_train_size(self.pop.sizes, self.partition_of(0, client_id(0)).val_fraction)
         return np.asarray([len(self.member_data(i).train) for i in range(len(self.pop))], np.int64)
 
     def join(self) -> None:

@@ -37,23 +37,25 @@ from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
 from fedpar.tasks.reference import load_task
-from fedpar.datasets.clientdata import client_parts, label_counts, label_skew
+from fedpar.datasets.clientdata import label_counts, label_skew, resolve_partition
+from fedpar.datasets.members import MemberSource, member_source
 
 log = logging.getLogger("fedpar.simulate")
 LABEL_PLOT_CLIENTS = 100  # clients shown in OUT/labels.png
+LABEL_SKEW_CLIENTS = 10_000  # clients the summary's label skew is measured on (the first ones: all, below that)
 
 
-def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> list[float]:
+def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> np.ndarray:
     """Seconds each client adds per local step: its trace's, else ``slow_step_delay`` for the slow share."""
     return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed, traces)
 
 
-def _population_slices(cfg: SimulationConfig, parts: list[np.ndarray] | None, hosts: int) -> list[PopulationSlice]:
-    """The population dealt round-robin over ``hosts`` worker processes (with its traces, if any; ``parts``: each
-    client's example indices, None for a task, whose hosts count each member's examples in its data)."""
+def _population_slices(cfg: SimulationConfig, sizes: np.ndarray | None, hosts: int) -> list[PopulationSlice]:
+    """The population dealt round-robin over ``hosts`` worker processes (with its traces, if any; ``sizes``: each
+    client's examples, None for a task, whose hosts count each member's examples in its data)."""
     traces = traces_for(cfg.trace, cfg.clients, cfg.seed)
     delays = _step_delays(cfg, traces)
-    return [PopulationSlice.of(f"host-{h}", list(range(h, cfg.clients, hosts)), parts, delays, cfg.drop_probability,
+    return [PopulationSlice.of(f"host-{h}", np.arange(h, cfg.clients, hosts), sizes, delays, cfg.drop_probability,
                                traces) for h in range(hosts)]
 
 
@@ -161,11 +163,13 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
          on_server=None, on_progress=None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     if task is not None:
-        splits, parts = None, None  # the task's client_data gives each client its share
+        splits, members = None, None  # the task's client_data gives each client its share
         assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))
     else:
+        log.info("loading %s", cfg.dataset)
         splits = load_dataset(cfg.dataset, cfg.data_dir)
-        parts = client_parts(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
+        log.info("indexing the data of %d clients (%s)", cfg.clients, resolve_partition(cfg.partition, splits))
+        members = member_source(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
         assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
         assembly.description["dataset"] = cfg.dataset
     if cfg.client_batching:
@@ -183,7 +187,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, cfg.workers * cfg.seats),
         max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
     callbacks = [on_round] if on_round else []
-    slices = _population_slices(cfg, parts, len(pipes))
+    slices = _population_slices(cfg, None if members is None else members.sizes, len(pipes))
     # Under mutual TLS each host proves its own identity, and speaks for its members (who have no certificates).
     certs = temporary_cert_dir([s.host_id for s in slices]) if cfg.tls else None
     stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
@@ -230,22 +234,31 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     first_start = server.coordinator.started_at + first["wall_seconds"] - first["round_seconds"] if first else None
     extra = {"wall_seconds": time.monotonic() - started,
              "startup_seconds": None if first_start is None else first_start - started,
-             "label_skew": label_skew(parts, splits.train.y, splits.num_classes) if splits else None,
+             "label_skew": label_skew(*_member_labels(members, LABEL_SKEW_CLIENTS), splits.num_classes)
+             if splits else None,
              "config": asdict(cfg),
              **({"interrupted": True} if stopped_by is not None else {})}
     if not out:
         return {**server.coordinator.metrics.summary.result(), **extra, "written": []}
     what = cfg.task or f"{cfg.dataset} / {cfg.model}"
     more_plots = {} if splits is None else {"labels.png": functools.partial(  # a task's labels are its own
-        _plot_labels, parts[:LABEL_PLOT_CLIENTS], splits,
+        _plot_labels, _member_labels(members, LABEL_PLOT_CLIENTS), splits.num_classes,
         f"{cfg.partition}: labels of the first {min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")}
     outputs = write_run_outputs(out, server.coordinator, assembly.description, extra,
                                 title=f"{what} / {cfg.partition}, {cfg.clients} clients", more_plots=more_plots)
     return {**outputs.summary, "written": outputs.written}
 
 
-def _plot_labels(parts, splits, title: str, path: Path) -> None:
-    """OUT/labels.png: the labels each of the clients ``parts`` holds (matplotlib is imported only to draw it)."""
+def _member_labels(members: MemberSource, count: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The labels of the first ``count`` members, as (each one's indices into the labels, the labels)."""
+    labels = [members.labels(k) for k in range(min(count, len(members.sizes)))]
+    ends = np.cumsum([len(lab) for lab in labels])
+    return np.split(np.arange(ends[-1] if len(ends) else 0), ends[:-1]), \
+        np.concatenate(labels) if labels else np.zeros(0, np.int64)
+
+
+def _plot_labels(labels: tuple[list[np.ndarray], np.ndarray], num_classes: int, title: str, path: Path) -> None:
+    """OUT/labels.png: the labels each of the clients holds (matplotlib is imported only to draw it)."""
     from fedpar.simulations.plots import plot_label_counts
 
-    plot_label_counts(label_counts(parts, splits.train.y, splits.num_classes), path, title)
+    plot_label_counts(label_counts(*labels, num_classes), path, title)

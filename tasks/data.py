@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from fedpar.datasets import ArrayDataset
 from fedpar.datasets.clientdata import split_indices
-from fedpar.datasets.partition import parse_partition
+from fedpar.datasets.partition import AUTO, parse_partition
 from fedpar.task import ClientData, Partition, TaskError
 
 
@@ -48,7 +48,7 @@ def share_of(dataset: Any, partition: Partition) -> ClientData:
     integer labels), with ``partition.val_fraction`` of it kept for federated evaluation."""
     labels = labels_of(dataset)
     if labels is None:
-        if partition.scheme != "iid":
+        if partition.scheme not in ("iid", AUTO):
             raise TaskError(f"--partition {partition.scheme} needs integer class labels; this task's data has none "
                             "fedpar can read (use iid, or split the data in the task's client_data)")
         labels = np.zeros(len(dataset), np.int64)

@@ -13,12 +13,15 @@ from __future__ import annotations
 import copy
 import functools
 
+import numpy as np
+
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedpar.datasets import DatasetSplits, load_dataset, load_text
 from fedpar.datasets.text import text_windows
-from fedpar.datasets.clientdata import client_parts, local_split
+from fedpar.datasets.clientdata import local_split
+from fedpar.datasets.members import member_source
 from fedpar.models import build_model, build_model_for_data
 from fedpar.models.losses import classification_loss, language_model_loss
 from fedpar.task import ClientData, Partition, Task, TaskError
@@ -33,23 +36,28 @@ def classifier(model: str = "mlp", dataset: str = "digits", data_dir: str | None
 
 def classifier_for(model: str, splits: DatasetSplits, dataset: str = "", examples_per_client: int | None = None) -> Task:
     """Zoo classifier ``model`` sized for ``splits``: clients get shares of ``splits.train`` as their Partition
-    says (``natural``: the data's own owners), the coordinator evaluates on ``splits.test``."""
+    says (``natural``: the data's own owners), made when asked for (datasets/members.py); the coordinator evaluates
+    on ``splits.test``."""
     shape, classes = splits.input_shape, splits.num_classes
     build_model_for_data(model, shape, classes)  # an unknown model or a shape it cannot take fails now
 
     @functools.lru_cache(maxsize=4)
-    def parts(scheme: str, count: int, seed: int):
-        return client_parts(splits, scheme, count, seed, examples_per_client)
+    def members(scheme: str, count: int, seed: int):
+        return member_source(splits, scheme, count, seed, examples_per_client)
 
     def client_data(p: Partition) -> ClientData:
-        train, val = local_split(splits.train, parts(p.scheme, p.count, p.seed)[p.index], p.val_fraction, p.seed)
+        source = members(p.scheme, p.count, p.seed)
+        if not 0 <= p.index < len(source.sizes):
+            raise TaskError(f"partition index {p.index} is not in [0, {len(source.sizes)})")
+        examples = source.examples(p.index)
+        train, val = local_split(examples, np.arange(len(examples)), p.val_fraction, p.seed)
         return ClientData(train, val)
 
     description = {"model": model, "input_shape": list(shape), "num_classes": classes}
     if dataset:
         description["dataset"] = dataset
     return Task(model=lambda: build_model_for_data(model, shape, classes), client_data=client_data,
-                test_data=lambda: splits.test, loss=classification_loss,
+                test_data=lambda: splits.test.whole(), loss=classification_loss,
                 tp_plan=_mlp_tp_plan if model == "mlp" else None,
                 name=f"{model} on {dataset}" if dataset else model, description=description)
 

@@ -1,0 +1,118 @@
+"""Members' data on demand (datasets/members.py): the same data as before for MNIST and digits, synthetic members
+from (seed, member) alone, one shared copy of a partitioned set's examples, and cohorts drawn without a pass over
+the population."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedpar.datasets import load_dataset
+from fedpar.datasets.members import PooledMembers, member_source
+from fedpar.server.registry import AgentRegistry
+from fedpar.server.sampler import CohortSampler
+from fedpar.simulations.population import client_id
+from fedpar.task import Partition
+from fedpar.tasks.zoo import classifier_for
+
+SHARED_MNIST = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+
+# Digests of members' local data (train and validation x, y) and of 5 rounds' cohorts of 100, computed on the code
+# before members' data was made on demand: the same seed must keep giving the same data and the same cohorts.
+BEFORE = {
+    "digits/iid": ["6b7a4f1fdd18c8fd", "3de28ee83efa9040", "ed1e92cde7f760f9"],
+    "digits/dirichlet:0.5": ["b26d91e5b183d83d", "144106f99cfd8d4d", "63e70ff44b290b14"],
+    "digits/shards:2": ["f81e6277cdac863d", "963d1d0e3f562fe1", "007397845c11b418"],
+    "digits/quantity:1": ["543b69cde6b515ab", "12279cbc02f9be68", "4942d53cce3b5527"],
+    "mnist/iid/10000": ["990dd5bf2e42ce96", "99e6300636d5ae19", "8f3956354d550153"],
+    "mnist/iid/10000/epc6": ["dab74c2a0754b4f7", "12a6118c3ca959ed"],
+    "cohorts/1000": "5bb569ab98e007af",
+    "cohorts/20000": "a74cf811982a7071",
+}
+
+
+def _digest(task, k: int, count: int, scheme: str, val_fraction: float = 0.1) -> str:
+    data = task.client_data(Partition(k, count, client_id(k), scheme, 0, val_fraction))
+    h = hashlib.sha256()
+    for part in (data.train, data.val):
+        if part is None:
+            h.update(b"none")
+            continue
+        h.update(np.ascontiguousarray(part.x, np.float32).tobytes())
+        h.update(np.ascontiguousarray(part.y, np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_digits_members_hold_the_same_data_as_before():
+    task = classifier_for("mlp", load_dataset("digits"), "digits")
+    for scheme in ("iid", "dirichlet:0.5", "shards:2", "quantity:1"):
+        assert [_digest(task, k, 20, scheme) for k in (0, 7, 19)] == BEFORE[f"digits/{scheme}"], scheme
+    assert [_digest(task, k, 20, "auto") for k in (0, 7, 19)] == BEFORE["digits/iid"]  # auto: iid for digits
+
+
+@pytest.mark.skipif(not (SHARED_MNIST / "train.npz").exists(), reason="needs ../shared/data/mnist")
+def test_mnist_members_hold_the_same_data_as_before_from_one_shared_map():
+    splits = load_dataset("mnist", SHARED_MNIST)
+    assert isinstance(splits.train.images, np.memmap) and not splits.train.images.flags.writeable
+    task = classifier_for("mlp", splits, "mnist")
+    assert [_digest(task, k, 10_000, "iid") for k in (0, 1234, 9999)] == BEFORE["mnist/iid/10000"]
+    capped = classifier_for("mlp", splits, "mnist", examples_per_client=6)
+    assert [_digest(capped, k, 10_000, "iid", 0.0) for k in (0, 9999)] == BEFORE["mnist/iid/10000/epc6"]
+    members = member_source(splits, "iid", 10_000, 0)
+    assert isinstance(members, PooledMembers) and members.pool is splits.train  # indices over the one copy
+    assert members.nbytes < 60_000 * 8 + 10_001 * 16  # 8 bytes an example, 16 a member
+
+
+def test_cohorts_are_the_same_as_before_and_cost_the_cohort():
+    for n in (1000, 20000):
+        registry = AgentRegistry(30.0, max_known=n + 10)
+        h = None
+        for start in range(0, n, 5000):
+            h, _ = registry.join_population("host-0", h.token if h else "",
+                                            [(client_id(i), 5, False) for i in range(start, min(n, start + 5000))])
+        sampler, digest = CohortSampler(0), hashlib.sha256()
+        for _ in range(5):
+            digest.update(",".join(sampler.sample(registry.live_ids(), 100)).encode())
+        assert digest.hexdigest()[:16] == BEFORE[f"cohorts/{n}"]
+    registry.live_ids()
+    started = time.perf_counter()
+    for _ in range(200):  # kept, not made again: no pass over the 20,000 members
+        sampler.sample(registry.live_ids(), 100)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_live_ids_follow_joins_availability_and_leaves():
+    registry = AgentRegistry(30.0)
+    h, _ = registry.join_population("h", "", [("m1", 3, False), ("m3", 3, False)])
+    assert list(registry.live_ids()) == ["m1", "m3"]
+    registry.join_population("h", h.token, [("m2", 3, False), ("m0", 3, True)])
+    assert list(registry.live_ids()) == ["m1", "m2", "m3"] and len(registry.live_ids()) == 3
+    registry.set_away("h", ["m1"], ["m0"])
+    assert list(registry.live_ids()) == ["m0", "m2", "m3"]
+    registry.join("agent", 4, {})
+    registry.leave("m2")
+    assert list(registry.live_ids()) == ["agent", "m0", "m3"] and "m3" in registry.live_ids()
+
+
+def test_a_million_synthetic_members_cost_their_sizes_until_one_is_read():
+    started = time.perf_counter()
+    splits = load_dataset("synthetic:1:1:1000000")
+    members = splits.members
+    assert time.perf_counter() - started < 10 and len(members.sizes) == 1_000_000
+    assert len(splits.test) < 2_000 * 60  # the central test set: a bounded sample of members' held-out examples
+    again = load_dataset("synthetic:1:1:1000000").members.examples(765_432)
+    one = members.examples(765_432)  # from (seed, member) alone: the same in every process, in any order
+    np.testing.assert_array_equal(one.x, again.x)
+    np.testing.assert_array_equal(one.y, again.y)
+    assert len(one) == members.sizes[765_432]
+    small = load_dataset("synthetic:1:1:800000").members.examples(765_432)  # a member is itself in any population
+    np.testing.assert_array_equal(small.x, one.x)
+    assert member_source(splits, "auto", 1_000_000, 0) is members  # auto: the data's own members
+    capped = member_source(splits, "natural", 1_000_000, 0, examples_per_client=3)
+    assert capped.sizes.max() == 3 and len(capped.examples(765_432)) == min(3, len(one))
+    with pytest.raises(ValueError, match="--clients 1000000"):
+        member_source(splits, "natural", 10, 0)
