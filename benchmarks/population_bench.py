@@ -17,6 +17,13 @@ Then a straggler study (digits, 100 clients, 20 per round of 26 sampled, 30% slo
 virtual clock (`--clock virtual`), where only the first K in simulated time train. It prints the rounds, simulated
 and wall seconds to 90% for both, and the wall-time ratio. ``--straggler-only`` runs just that.
 Results go to runs/population_bench.json.
+
+``--scale`` runs instead the population-size table (issue 34): ``fedpar simulate --clients N --clients-per-round 100
+--dataset synthetic:1:1 --rounds 5`` with no other flag, for N = 10^3, 10^4, 10^5 and 10^6, one at a time, and
+prints for each the set-up seconds (start to the first round's start), the whole process tree's peak PSS, the bytes
+each member adds (the tree's peak above the 10^3 run's, per member more), the steady round seconds (median of
+rounds 2..5) and its ratio to the 10^3 run's, and the wall seconds of the whole command. Then a learning check:
+10^6 members of ``synthetic:0:0``, 10 rounds, its test accuracy in the first and the last round.
 """
 
 from __future__ import annotations
@@ -133,6 +140,41 @@ def straggler_study(rounds: int, tmp: Path) -> dict:
     return out
 
 
+SCALE_POPULATIONS = (1_000, 10_000, 100_000, 1_000_000)
+
+
+def scale_table(tmp: Path, populations=SCALE_POPULATIONS, learning: bool = True) -> dict:
+    """The population-size table and the learning check at a million members (see the module docstring)."""
+    print(f"{'population':>11}{'set-up s':>9}{'wall s':>8}{'peak PSS MiB':>13}{'B/member':>9}{'round s':>9}"
+          f"{'x 10^3':>8}")
+    rows: list[dict] = []
+    for n in populations:
+        r = run_simulate(["--clients", str(n), "--clients-per-round", str(PER_ROUND), "--dataset", "synthetic:1:1",
+                          "--rounds", "5"], tmp / f"scale-{n}")
+        r.pop("rows")
+        base = rows[0] if rows else None
+        r["population"] = n
+        r["bytes_per_member"] = (r["peak_tree_mib"] - base["peak_tree_mib"]) * 2**20 / (n - base["population"]) \
+            if base else None
+        r["vs_smallest"] = r["steady_round_seconds"] / base["steady_round_seconds"] if base else 1.0
+        rows.append(r)
+        per_member = f"{r['bytes_per_member']:>9.0f}" if r["bytes_per_member"] is not None else f"{'-':>9}"
+        print(f"{n:>11,}{r['startup_seconds']:>9.1f}{r['wall_seconds']:>8.1f}{r['peak_tree_mib']:>13.0f}{per_member}"
+              f"{r['steady_round_seconds']:>9.3f}{r['vs_smallest']:>8.2f}"
+              + ("  (SOME ROUNDS FAILED)" if r["failed_rounds"] else ""), flush=True)
+    out: dict = {"cells": rows}
+    if learning:
+        n = populations[-1]
+        r = run_simulate(["--clients", str(n), "--clients-per-round", str(PER_ROUND), "--dataset", "synthetic:0:0",
+                          "--rounds", "10"], tmp / "learning")
+        accuracy = [row.get("test_accuracy") for row in r["rows"]]
+        out["learning"] = {"population": n, "dataset": "synthetic:0:0", "test_accuracy": accuracy,
+                           "failed_rounds": r["failed_rounds"]}
+        print(f"learning, {n:,} members of synthetic:0:0: test accuracy {accuracy[0]:.3f} after round 1, "
+              f"{accuracy[-1]:.3f} after round {len(accuracy)}")
+    return out
+
+
 def main() -> int:
     """Run the cells and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +184,16 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=Path("runs/population_bench.json"))
     p.add_argument("--straggler-only", action="store_true", help="only the straggler study")
     p.add_argument("--straggler-rounds", type=int, default=25)
+    p.add_argument("--scale", action="store_true", help="the population-size table, 10^3 to 10^6 members")
     a = p.parse_args()
+    if a.scale:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = scale_table(Path(tmp))
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"scale": result}, indent=2))
+        print(f"wrote {a.json}")
+        failed = sum(c["failed_rounds"] for c in result["cells"]) + result.get("learning", {}).get("failed_rounds", 0)
+        return 0 if not failed else 1
     rounds = 4 if a.quick else a.rounds
     populations = [100, 10_000] if a.quick else [100, 1_000, 10_000, 100_000]
     results: dict[str, list[dict]] = {}

@@ -11,7 +11,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fedpar.security.admission import Admission
 from fedpar.security.identity import PeerIdentity
@@ -30,7 +30,7 @@ class AgentRecord:
     agent_id: str
     token: str
     num_examples: int
-    capabilities: dict[str, str] = field(default_factory=dict)
+    capabilities: dict[str, str] | None = None  # what an agent said it can do (members: None)
     last_seen: float = 0.0
     left: bool = False
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS)
@@ -103,6 +103,11 @@ class LiveIds(Sequence):
     def __iter__(self):
         return iter(self._merged())
 
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, tuple, LiveIds)) else NotImplemented
+
+    __hash__ = None  # it changes
+
     def __contains__(self, agent_id: object) -> bool:
         ids = self._merged()
         at = bisect.bisect_left(ids, agent_id)
@@ -149,7 +154,7 @@ class AgentRegistry:
             raise ValueError("capabilities: at most 64 entries, keys <= 64 and values <= 256 characters")
         self.admission.admit_join(agent_id, peer, enrollment_token)
         num_examples = self.caps.fix(agent_id, num_examples)
-        record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities),
+        record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities) or None,
                              last_seen=self._clock(), cert_serial=peer.serial if peer else None)
         self._newcomers([record])
         return record

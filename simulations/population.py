@@ -91,7 +91,7 @@ class PopulationSlice:
     round."""
 
     host_id: str
-    numbers: np.ndarray  # int64, the clients' numbers in the federation
+    numbers: np.ndarray  # int64, the clients' numbers in the federation, ascending
     sizes: np.ndarray | None  # int64 per member: its examples, before its validation share is kept apart
     step_delays: np.ndarray  # float32 per member
     drop_probability: float = 0.0
@@ -262,7 +262,6 @@ class PopulationHost:
         # the seats' small updates, batched (a few ms' wait for the seats still training saves calls)
         self.uploads = HostUploads(self.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
                                    more_coming=lambda: self._in_flight > 0)
-        members = {client_id(int(n)): i for i, n in enumerate(self.pop.numbers)}
         workers = [threading.Thread(target=self._seat, args=(seat,), daemon=True) for seat in self.seats]
         for w in workers:
             w.start()
@@ -280,7 +279,7 @@ class PopulationHost:
                     newest = max(hosted.task.round for hosted in reply.tasks)
                     self._held = {m: held for m, held in self._held.items() if held[1].round >= newest}
                 for hosted in reply.tasks:
-                    i = members[hosted.agent_id]
+                    i = self._index_of(hosted.agent_id)
                     if reply.weights:  # the round's small model, sent once for all of them
                         hosted.task.weights_header.CopyFrom(reply.weights_header)
                         hosted.task.weights = reply.weights
@@ -308,6 +307,15 @@ class PopulationHost:
                 self.residuals.close()
             self.channel.close()
         return [seat.stats for seat in self.seats]
+
+    def _index_of(self, member: str) -> int:
+        """The index of member ``member`` in the slice, found from the number its id carries (client_id) among the
+        slice's ascending numbers: no table of ids held per member."""
+        number = int(member.rpartition("-")[2])
+        i = int(np.searchsorted(self.pop.numbers, number))
+        if i >= len(self.pop) or self.pop.numbers[i] != number:
+            raise KeyError(f"{member!r} is not a member of {self.host.agent_id}")
+        return i
 
     def _hold(self, i: int, member: str, task: pb.TrainTask) -> pb.FinishEstimate:
         """Keep member ``i``'s task until the virtual clock lets it go; its simulated finish time, from its trace

@@ -39,9 +39,13 @@ from fedpar.settings import composed
 from fedpar.tasks.reference import load_task
 from fedpar.datasets.clientdata import label_counts, label_skew, resolve_partition
 from fedpar.datasets.members import MemberSource, member_source
+from fedpar.datasets.memory import check_fits
 
 log = logging.getLogger("fedpar.simulate")
 LABEL_PLOT_CLIENTS = 100  # clients shown in OUT/labels.png
+# What a run needs, for the one line that says so before it starts (measured: benchmarks/population_bench.py)
+PROCESS_BYTES = 320 << 20  # a coordinator or worker process, torch and gRPC loaded, before its members
+MEMBER_BYTES = 700  # each member's bookkeeping: the coordinator's records and its host's arrays
 LABEL_SKEW_CLIENTS = 10_000  # clients the summary's label skew is measured on (the first ones: all, below that)
 
 
@@ -71,6 +75,13 @@ def check_task(cfg: SimulationConfig) -> None:
         raise ValueError("--task does not work with --client-batching: it steps the clients' stacked models with "
                          "plain SGD on per-example losses masked for padding, and a task's loss (one mean per "
                          "batch), optimizer and loader do not stack; drop --client-batching")
+
+
+def check_population_fits(cfg: SimulationConfig) -> None:
+    """ValueError, one line saying how much memory the population needs, when this machine has less free."""
+    check_fits(PROCESS_BYTES * (cfg.workers + 1) + MEMBER_BYTES * cfg.clients,
+               f"a population of {cfg.clients:,} clients in {cfg.workers} worker processes",
+               "use fewer --clients, or spread them over machines with fedpar simulate-workers under torchrun")
 
 
 def check_traces(cfg: SimulationConfig) -> None:
@@ -118,6 +129,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_seats(cfg)
     check_traces(cfg)
     check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
+    check_population_fits(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
     if cfg.out:

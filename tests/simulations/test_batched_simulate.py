@@ -53,11 +53,12 @@ def test_impossible_batching_settings_are_one_line_errors(tmp_path, capsys, flag
 
 @pytest.mark.timeout(300)
 def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns():
+    import numpy as np
     import torch
 
     from fedpar.aggregation import build_strategy
     from fedpar.datasets import load_dataset
-    from fedpar.datasets.clientdata import client_parts
+    from fedpar.datasets.members import member_source
     from fedpar.server.assembly import CoordinatorAssembly
     from fedpar.server.config import CoordinatorConfig
     from fedpar.simulations.agents import WorkerConfig, worker_task
@@ -74,8 +75,8 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
     try:
-        population = PopulationSlice.of("host-0", list(range(clients)),
-                                        client_parts(splits, "iid", clients, 0, None), [0.0] * clients)
+        population = PopulationSlice.of("host-0", np.arange(clients),
+                                        member_source(splits, "iid", clients, 0).sizes, np.zeros(clients))
         worker = WorkerConfig(server=server.address, population=population, clients=clients, device="cpu")
         host = PopulationHost(server.address, population, worker_task(worker, splits), worker.partition_of, 0,
                               seats=4, poll_seconds=1.0, client_batching=True)

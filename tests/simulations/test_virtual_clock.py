@@ -37,8 +37,7 @@ def test_a_virtual_client_does_the_steps_that_fit_before_the_deadline_and_no_mor
                     upload_mbps=np.array([4.0, 4.0, 4.0], np.float32),
                     available_from=np.array([0.0, 0.0, 100.0], np.float32),
                     available_for=np.array([86_400.0, 4.0, 50.0], np.float32))
-    parts = [np.arange(10)] * 3
-    pop = PopulationSlice.of("h", [0, 1, 2], parts, [0.0] * 3, traces=traces)
+    pop = PopulationSlice.of("h", [0, 1, 2], np.full(3, 10), np.zeros(3), traces=traces)
     mb = 1_000_000  # 1 s down at 8 Mbit/s, 2 s up at 4 Mbit/s
     assert pop.work(0, steps=4, model_bytes=mb, clock_seconds=0.0, deadline=60.0, dropped=False) == (4, 5.0)
     # it stops in time for an upload of 1.2x its download plus 0.25 s, as an agent does: 3 steps by 1 + 1.5 s
