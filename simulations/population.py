@@ -49,7 +49,7 @@ from fedpar.simulations.host_uploads import HostUploads
 from fedpar.simulations.secure_members import SecureMembers
 from fedpar.simulations.member_state import ResidualStore
 from fedpar.task import ClientData, Partition, Task
-from fedpar.simulations.traces import DAY_SECONDS, Traces, online, seconds_left_online
+from fedpar.simulations.traces import DAY_SECONDS, AvailabilityEvents, Traces, online, seconds_left_online
 
 log = logging.getLogger("fedpar.simulate")
 
@@ -162,6 +162,9 @@ class PopulationHost:
         self.day_scale = DAY_SECONDS / day_seconds  # trace seconds per real second
         self.started = time.monotonic()
         self.offline = population.away(0.0)  # whom the coordinator knows as away
+        self._offline_at = 0.0  # ... at this time of the trace
+        self.events = AvailabilityEvents(population.available_from, population.available_for) \
+            if population.available_from is not None else None
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
@@ -341,10 +344,14 @@ class PopulationHost:
         from when this host started."""
         day = self.clock_seconds if self.clock_seconds is not None \
             else (time.monotonic() - self.started) * self.day_scale
-        now = self.pop.away(day)
-        changed = np.flatnonzero(now != self.offline)
-        self.offline = now
-        ids = [(client_id(int(self.pop.numbers[i])), bool(now[i])) for i in changed]
+        if self.events is None:
+            return [], []
+        maybe = self.events.between(self._offline_at, day)  # the others' windows neither opened nor closed
+        self._offline_at = day
+        now = ~online(day, self.pop.available_from[maybe], self.pop.available_for[maybe])
+        changed = maybe[now != self.offline[maybe]]
+        self.offline[changed] = ~self.offline[changed]
+        ids = [(client_id(int(self.pop.numbers[i])), bool(self.offline[i])) for i in changed]
         return [m for m, gone in ids if gone], [m for m, gone in ids if not gone]
 
     def _start(self, item: tuple[int, pb.TrainTask]) -> None:

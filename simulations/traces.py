@@ -76,6 +76,33 @@ def seconds_left_online(day_seconds: float, available_from: np.ndarray, availabl
     return np.where(available_for >= DAY_SECONDS, np.inf, left)
 
 
+class AvailabilityEvents:
+    """The times of day each window opens and closes, sorted, so that the members whose availability may have
+    changed between two times are found by a search, not a pass over every member (a host polls often)."""
+
+    SLACK = 1.0  # seconds either side: the state itself is computed in float32 by online()
+
+    def __init__(self, available_from: np.ndarray, available_for: np.ndarray):
+        self.available_from, self.available_for = available_from, available_for
+        windowed = np.flatnonzero(available_for < DAY_SECONDS)  # the always-online never change
+        start = np.mod(available_from[windowed].astype(np.float64), DAY_SECONDS)
+        end = np.mod(start + available_for[windowed], DAY_SECONDS)
+        times = np.concatenate([start, end])
+        order = np.argsort(times, kind="stable")
+        self.times, self.members = times[order], np.concatenate([windowed, windowed])[order]
+        self.windowed = windowed
+
+    def between(self, since: float, until: float) -> np.ndarray:
+        """The members (indices) whose window opens or closes in (since, until] seconds into the trace (times
+        beyond a day wrap; all that have a window when the span is a day or more, or runs backwards)."""
+        if until < since or until - since + 2 * self.SLACK >= DAY_SECONDS:
+            return self.windowed
+        lo, hi = np.mod(since - self.SLACK, DAY_SECONDS), np.mod(until + self.SLACK, DAY_SECONDS)
+        a, b = np.searchsorted(self.times, [lo, hi], side="right")
+        picked = self.members[a:b] if lo <= hi else np.concatenate([self.members[a:], self.members[:b]])
+        return np.unique(picked)
+
+
 def generate_traces(clients: int, seed: int = 0, median_seconds_per_step: float = 0.01) -> Traces:
     """FedScale-shaped traces for ``clients`` clients (see the module docstring)."""
     rng = np.random.default_rng([seed, 11])
