@@ -120,10 +120,13 @@ class SyntheticMembers:
         x, y, held = self._made(k)
         return ArrayDataset(x[:held], y[:held])
 
+    def test_members(self) -> np.ndarray:
+        """The clients whose held-out examples make the central test set."""
+        return np.unique(np.linspace(0, len(self) - 1, min(len(self), TEST_MEMBERS)).astype(np.int64))
+
     def test_sample(self) -> ArrayDataset:
         """The central test set: the held-out examples of at most TEST_MEMBERS clients, evenly spread."""
-        picked = np.unique(np.linspace(0, len(self) - 1, min(len(self), TEST_MEMBERS)).astype(np.int64))
-        parts = [self.test_examples(int(k)) for k in picked]
+        parts = [self.test_examples(int(k)) for k in self.test_members()]
         return ArrayDataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]))
 
     def pooled(self) -> ArrayDataset:
@@ -142,8 +145,9 @@ class SyntheticMembers:
 
 
 def load_synthetic(spec: SyntheticSpec) -> DatasetSplits:
-    """The federation: its clients (made when asked for), their pooled training set (made when first read) and the
-    central test sample."""
+    """The federation: its clients (made when asked for), their pooled training set and the central test sample
+    (each made when first read: a worker process never reads them)."""
     members = SyntheticMembers(spec)
-    return DatasetSplits(LazyDataset(members.pooled, int(members.sizes.sum())), members.test_sample(), CLASSES,
+    return DatasetSplits(LazyDataset(members.pooled, int(members.sizes.sum())),
+                         LazyDataset(members.test_sample, int(members.held[members.test_members()].sum())), CLASSES,
                          (DIM,), members=members)
