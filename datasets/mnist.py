@@ -3,7 +3,8 @@
 The images stay uint8 and are decoded to float32 only for the examples a client or the evaluation reads: the first
 process to load a folder writes them uncompressed to a cache (``$XDG_CACHE_HOME/fedpar``, else ``~/.cache/fedpar``,
 keyed by the files' paths, sizes and times), and every process then maps that one read-only copy, which the
-kernel shares among them. Where the cache cannot be written, each process keeps its own uint8 copy.
+kernel shares among them. Where the cache cannot be written, and for small sets (under 4 MiB), each process keeps
+its own uint8 copy.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ MNIST_TABLE = ((np.arange(256, dtype=np.float32) / np.float32(255.0) - np.float3
                / np.float32(MNIST_STD)).astype(np.float32)
 
 
+SHARE_FROM_BYTES = 1 << 22  # smaller image sets are kept in each process, not written to the cache
+
+
 def cache_dir() -> Path:
     """Where decoded dataset files are kept: $XDG_CACHE_HOME/fedpar, else ~/.cache/fedpar."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedpar"
@@ -46,7 +50,7 @@ def cache_dir() -> Path:
 def shared_images(source: Path, read: Callable[[], np.ndarray]) -> np.ndarray:
     """The images in file ``source`` (``read()`` reads them) as a read-only memory map of a cache file written once
     for it (its path, size and modification time name it), which every process that loads it maps; what ``read()``
-    gives when the cache cannot be written or read."""
+    gives when the cache cannot be written or read, or for fewer than SHARE_FROM_BYTES."""
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
     path = cache_dir() / f"images-{key}.npy"
@@ -54,6 +58,8 @@ def shared_images(source: Path, read: Callable[[], np.ndarray]) -> np.ndarray:
     try:
         if not path.is_file():
             images = read()
+            if images.nbytes < SHARE_FROM_BYTES:
+                return images
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
                 np.save(f, np.ascontiguousarray(images))

@@ -116,3 +116,22 @@ def test_a_million_synthetic_members_cost_their_sizes_until_one_is_read():
     assert capped.sizes.max() == 3 and len(capped.examples(765_432)) == min(3, len(one))
     with pytest.raises(ValueError, match="--clients 1000000"):
         member_source(splits, "natural", 10, 0)
+
+
+def test_mnist_images_are_mapped_from_the_cache_and_kept_in_memory_where_it_cannot_be_written(tmp_path, monkeypatch):
+    from fedpar.datasets.mnist import MNIST_TABLE
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (6000, 28, 28), dtype=np.uint8), rng.integers(0, 10, 6000)  # 4.7 MB: shared
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "test.npz", x=x[:10], y=y[:10])
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # no folder can be made there
+    kept = load_dataset("mnist", tmp_path)
+    assert not isinstance(kept.train.images, np.memmap)
+    np.testing.assert_array_equal(kept.train.subset([3]).x[0, 0], MNIST_TABLE[x[3]])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    mapped = load_dataset("mnist", tmp_path)
+    assert isinstance(mapped.train.images, np.memmap) and len(list((tmp_path / "cache" / "fedpar").iterdir())) == 1
+    np.testing.assert_array_equal(mapped.train.subset([3, 5]).x, kept.train.subset([3, 5]).x)
+    np.testing.assert_array_equal(load_dataset("mnist", tmp_path).train.images, x)  # read back from the cache
