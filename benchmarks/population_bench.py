@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
 PER_ROUND = 100
 
 
@@ -175,6 +177,15 @@ def scale_table(tmp: Path, populations=SCALE_POPULATIONS, learning: bool = True)
     return out
 
 
+def scale_ratios(result: dict) -> list[dict]:
+    """The population table's ratios for the results envelope: each population's steady round to the 10^3 one's."""
+    smallest = result["cells"][0]["population"]
+    return [{"what": f"steady round, synthetic:1:1, {c['population']:,} members ({c['peak_tree_mib']:.0f} MiB tree, "
+                     f"{c['bytes_per_member']:.0f} B/member)", "ratio": c["vs_smallest"],
+             "against": f"the same command at {smallest:,} members, same run"}
+            for c in result["cells"][1:]]
+
+
 def main() -> int:
     """Run the cells and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,8 +200,7 @@ def main() -> int:
     if a.scale:
         with tempfile.TemporaryDirectory() as tmp:
             result = scale_table(Path(tmp))
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"scale": result}, indent=2))
+        write_results(a.json, scale_ratios(result), {"scale": result})
         print(f"wrote {a.json}")
         failed = sum(c["failed_rounds"] for c in result["cells"]) + result.get("learning", {}).get("failed_rounds", 0)
         return 0 if not failed else 1
