@@ -1,5 +1,6 @@
 """fedpar.datasets: digits (bundled), MNIST (npz or IDX folder), character-level text corpora, and each client's
-share of a training set (``partition``: IID, Dirichlet, shards; ``clientdata``: local train/validation split).
+share of a training set (``partition``: IID, Dirichlet, shards; ``clientdata``: local train/validation split;
+``members``: each client's examples, made only when it is asked for).
 
 Its names are imported on first use, so that the command line can read the dataset registry's names and the
 data settings (``fedpar.datasets.settings``) without importing torch.
