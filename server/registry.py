@@ -80,6 +80,9 @@ class ExampleCaps:
         return len(self._caps)
 
 
+INSERT_AT_MOST = 64  # ids that joined since the live ids were last read, put in place one by one; more: merged
+
+
 class LiveIds(Sequence):
     """The sorted ids of the live agents, kept as agents come and go rather than made again each round: the ids that
     joined since it was last read wait unsorted and are merged in when an id is looked up, so counting them and
@@ -90,9 +93,12 @@ class LiveIds(Sequence):
         self.key, self.valid_until = key, valid_until  # what it was made from, and until when it holds
 
     def _merged(self) -> list[str]:
-        if self._added:
-            self._sorted = sorted(self._sorted + self._added)  # two sorted runs: one merge
-            self._added = []
+        if len(self._added) <= INSERT_AT_MOST:  # a few: each put in place (a move of the list's tail)
+            for agent_id in self._added:
+                bisect.insort(self._sorted, agent_id)
+        else:
+            self._sorted = sorted(self._sorted + self._added)  # sorted runs: merged, not sorted again
+        self._added = []
         return self._sorted
 
     def __len__(self) -> int:
@@ -120,10 +126,12 @@ class LiveIds(Sequence):
 
     def discard(self, agent_id: str) -> None:
         """Drop ``agent_id`` if it is held."""
-        ids = self._merged()
-        at = bisect.bisect_left(ids, agent_id)
-        if at < len(ids) and ids[at] == agent_id:
-            del ids[at]
+        if agent_id in self._added:
+            self._added.remove(agent_id)
+            return
+        at = bisect.bisect_left(self._sorted, agent_id)
+        if at < len(self._sorted) and self._sorted[at] == agent_id:
+            del self._sorted[at]
 
 
 class AgentRegistry:

@@ -145,3 +145,27 @@ def test_a_population_too_big_for_the_memory_gets_one_line_before_it_starts(caps
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     assert err.startswith("fedpar simulate: a population of 10,000,000,000 clients") and "GiB of memory" in err
+
+
+def test_live_ids_kept_up_to_date_match_the_live_agents_counted_anew():
+    import random
+
+    rng = random.Random(0)
+    registry = AgentRegistry(30.0)
+    host, _ = registry.join_population("h", "", [(f"m{i:03d}", 2, False) for i in range(200)])
+    away: set[str] = set()
+    for step in range(300):
+        member = f"m{rng.randrange(260):03d}"
+        kind = rng.random()
+        if kind < 0.4:
+            registry.set_away("h", [member], [])
+        elif kind < 0.8:
+            registry.set_away("h", [], [member])
+        else:
+            registry.join_population("h", host.token, [(member, 2, False)])
+        if step % 7 == 0:
+            live = registry.live_ids()
+            away = {a for a in (f"m{i:03d}" for i in range(260)) if registry.get(a) and registry.get(a).away}
+            assert list(live) == sorted(a for a in (f"m{i:03d}" for i in range(260))
+                                        if registry.get(a) and a not in away)
+    assert len(registry.live_ids()) == len(list(registry.live_ids()))
