@@ -20,7 +20,8 @@ from fedpar.simulations.population import client_id, client_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS, ROUNDS, SEED = 3, 2, 7
-TRAINING = ["--dataset", "digits", "--model", "mlp", "--partition", "iid", "--val-fraction", "0.1"]
+TRAINING = ["--dataset", "digits", "--model", "mlp"]
+SPLIT = ["--partition", "iid", "--val-fraction", "0.1"]  # the clients' (and the simulated members') shares
 ROUND = ["--rounds", str(ROUNDS), "--clients-per-round", str(CLIENTS), "--overselect", "1.0", "--local-epochs", "1",
          "--batch-size", "32", "--lr", "0.1", "--deadline", "60", "--seed", str(SEED)]
 
@@ -45,7 +46,7 @@ def _deployed(tmp: Path) -> list[np.ndarray]:
         for n in range(CLIENTS):
             member = client_id(n)  # the member's id, partition and shuffling seed in the simulation
             clients.append(_fedpar(tmp, member, [
-                "client", "--insecure", "--server", address, "--agent-id", member, "--poll", "1", *TRAINING,
+                "client", "--insecure", "--server", address, "--agent-id", member, "--poll", "1", *TRAINING, *SPLIT,
                 "--num-partitions", str(CLIENTS), "--partition-index", str(n), "--partition-seed", str(SEED),
                 "--seed", str(client_seed(SEED, member))]))
         assert serve.wait(120) == 0, (tmp / "serve.log").read_text()[-3000:]
@@ -60,7 +61,7 @@ def _deployed(tmp: Path) -> list[np.ndarray]:
 
 def test_simulate_and_deployed_agents_give_the_same_model_for_the_same_seed_and_cohort(tmp_path):
     assert main(["simulate", "--clients", str(CLIENTS), "--workers", "1", "--seats", "2", "--quiet", "--out",
-                 str(tmp_path / "simulated"), *TRAINING, *ROUND]) == 0
+                 str(tmp_path / "simulated"), *TRAINING, *SPLIT, *ROUND]) == 0
     simulated = load_final_model(tmp_path / "simulated")[1]
     deployed = _deployed(tmp_path)
     for run in ("simulated", "deployed"):  # every client's update counted in every round, on both routes
