@@ -238,12 +238,13 @@ class HostLink:
 
     def close(self) -> None:
         """Send the batches queued, then stop."""
-        if self.uploads is None:
+        uploads, self.uploads = self.uploads, None
+        if uploads is None:
             return
-        self.uploads.close()
-        if self.uploads.refused_in_background:
+        uploads.close()
+        if uploads.refused_in_background:
             log.warning("%s: %d updates sent in the background were refused (--log-level info says why)",
-                        self.host.agent_id, self.uploads.refused_in_background)
+                        self.host.agent_id, uploads.refused_in_background)
 
 
 def upload_small(stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
