@@ -27,12 +27,12 @@ from fedpar.client import dataplane
 from fedpar.client.backoff import RETRYABLE, Backoff, jittered
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.connection import AgentConfig, Connection
-from fedpar.client.deadline import stop_training_at
+from fedpar.client.deadline import stop_training_at, upload_timeout
 from fedpar.client.links import AgentLink, HostLink, Members, upload_small
 from fedpar.client.member_state import ResidualStore
 from fedpar.client.privacy import privatize_update
 from fedpar.client.reconnect import Reconnecting
-from fedpar.client.round_modes import CompressedUpload, PlainUpload, upload_timeout
+from fedpar.client.round_modes import CompressedUpload, PlainUpload
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
