@@ -26,9 +26,8 @@ import numpy as np
 from fedpar.client import dataplane
 from fedpar.client.backoff import RETRYABLE, Backoff, jittered
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
-from fedpar.client.connection import AgentConfig, Connection
 from fedpar.client.deadline import stop_training_at, upload_timeout
-from fedpar.client.links import AgentLink, HostLink, Members, upload_small
+from fedpar.client.links import AgentConfig, AgentLink, Connection, HostLink, Members, upload_small
 from fedpar.client.member_state import ResidualStore
 from fedpar.client.privacy import privatize_update
 from fedpar.client.reconnect import Reconnecting
@@ -71,6 +70,35 @@ class Seat:
 
     trainer: object
     compression: UpdateCompressor
+
+
+class OwnMember:
+    """The one member of a deployed agent: its id is the agent's, its data is in ``trainer``; it vanishes from a
+    round with ``drop_probability`` (simulations of unreliable devices), drawn from ``seed``."""
+
+    population = False
+
+    def __init__(self, agent_id: str, trainer, drop_probability: float = 0.0, seed: int | None = None):
+        self.agent_id, self.trainer, self.drop_probability = agent_id, trainer, drop_probability
+        self._rng = random.Random(seed)
+
+    def __len__(self) -> int:
+        return 1
+
+    def member_id(self, i: int) -> str:
+        """The agent's id."""
+        return self.agent_id
+
+    def seat_trainers(self, seats: int) -> list:
+        """Its own trainer (one seat)."""
+        return [self.trainer]
+
+    def assign(self, trainer, i: int, task: pb.TrainTask) -> None:
+        """Nothing: the trainer holds the agent's data already."""
+
+    def vanishes(self, i: int, round_id: int) -> bool:
+        """A drop-out draw (never, unless ``drop_probability``)."""
+        return bool(self.drop_probability) and self._rng.random() < self.drop_probability
 
 
 class ClientRuntime:
@@ -165,7 +193,7 @@ class ClientRuntime:
             self._count("dropped")
             self.link.finished(task)
             return
-        if self.layout is not None:  # a secure round's key exchange starts as the task arrives
+        if self.layout is not None and _secure(task):  # a secure round's key exchange starts as the task arrives
             self.secure.arrived(self.link.member_auth(i), task, self.layout, self._chunk_bytes(),
                                 self._refusals_of(self.members.member_id(i)))
         if inline:
@@ -222,7 +250,8 @@ class ClientRuntime:
             self._note_refusal(member, "task settings", err)
             return True
         data_plane = self.data_plane(task)
-        mode = self.secure.take(task) or self._round_mode(seat, auth, task, settings, deadline_at, data_plane)
+        mode = (self.secure.take(task) if settings.secure_aggregation else None) or \
+            self._round_mode(seat, auth, task, settings, deadline_at, data_plane)
         if not mode.begin():
             return True
         weights = self._round_weights(member, auth, task, data_plane)
@@ -373,3 +402,10 @@ class ClientRuntime:
                 self.stats.refusals.append(f"{what}: {detail}")
         log.info("%s: %s refused: %s", member, what, detail)
 
+
+def _secure(task: pb.TrainTask) -> bool:
+    """Whether ``task`` is of a secure round (its settings unreadable: no; running it says what is wrong)."""
+    try:
+        return TaskSettings.from_json(task.extra_json).secure_aggregation
+    except ValueError:
+        return False

@@ -20,7 +20,6 @@ from fedpar.client.secure_upload import SecureSession
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.stubs import CoordinatorStub
-from fedpar.protocol.task_settings import TaskSettings
 
 
 
@@ -53,13 +52,8 @@ class SecureMembers:
 
     def arrived(self, auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, chunk_bytes: int,
                 note_refusal: NoteRefusal) -> None:
-        """If ``task`` is of a secure round, start its member's key exchange now (``auth``: the member's session;
+        """Start the key exchange of ``task``'s member now (a secure round's task; ``auth``: the member's session;
         ``chunk_bytes``: of its masked upload; ``note_refusal``: how its refusals are noted)."""
-        try:
-            if not TaskSettings.from_json(task.extra_json).secure_aggregation:
-                return
-        except ValueError:
-            return  # the seat that runs the task says what is wrong with its settings
         session = SecureSession(self.stub, pb.AgentAuth(agent_id=auth.agent_id, token=auth.token), task,
                                 self.poll_seconds)
         mode = HostedSecureUpload(session, layout, chunk_bytes, time.monotonic() + task.deadline_seconds,

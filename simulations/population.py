@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedpar.client.connection import AgentConfig
+from fedpar.client.links import AgentConfig
 from fedpar.client.deadline import steps_in_time
 from fedpar.client.runtime import ClientRuntime
 from fedpar.client.task_trainer import TaskTrainer
