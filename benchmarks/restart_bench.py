@@ -6,8 +6,9 @@ One command prints a table next to the steady-state round time measured in the s
     .venv/bin/python benchmarks/restart_bench.py --params 100000 --agents 50 --kills 2
 
 The coordinator is `python -m fedpar.simulations.synthetic_coordinator` (the real Coordinator and gRPC
-server with a synthetic float32 model, checkpointing every round); the agents are scripted asyncio
-agents (`fedpar.simulations.swarm`) in one process that re-join by themselves after the restart.
+server with a synthetic float32 model, checkpointing every round); the agents are members of one client runtime
+(tests/support/synthetic_members.py, members that add noise instead of training) that re-joins by itself after
+the restart.
 "Restart" is measured from the new process's start, so it includes interpreter and library imports,
 loading and validating the checkpoint, binding the port, the agents noticing and re-joining, and the
 whole re-run round.
@@ -25,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+MEMBERS = Path(__file__).resolve().parents[1] / "tests" / "support" / "synthetic_members.py"
 
 
 def _rows(path: Path) -> list[dict]:
@@ -45,7 +48,7 @@ def _wait(predicate, timeout: float, what: str):
 
 
 class Bench:
-    """One coordinator (restartable) plus one swarm process, sharing a checkpoint directory."""
+    """One coordinator (restartable) plus one process of members, sharing a checkpoint directory."""
 
     def __init__(self, args, work: Path):
         self.args, self.work = args, work
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=int, default=1_000_000, help="model size in float32 parameters")
-    p.add_argument("--agents", type=int, default=10, help="scripted agents (all of them report every round)")
+    p.add_argument("--agents", type=int, default=10, help="members hosted (all of them report every round)")
     p.add_argument("--kills", type=int, default=3, help="kill -9 / restart cycles")
     p.add_argument("--warmup", type=int, default=3, help="rounds before the first kill")
     p.add_argument("--gap", type=int, default=2, help="undisturbed rounds between kills")
@@ -97,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="fedpar-restart-bench-"))
     bench = Bench(args, work)
     bench.start_coordinator()
-    swarm = subprocess.Popen([sys.executable, "-m", "fedpar.simulations.swarm", "--server", f"127.0.0.1:{bench.port}",
-                              "--count", str(args.agents), "--poll", "5", "--max-backoff", "0.5"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    members = subprocess.Popen([sys.executable, str(MEMBERS), "--server", f"127.0.0.1:{bench.port}", "--count",
+                                str(args.agents), "--params", str(args.params), "--poll", "5", "--max-backoff", "0.5"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     restarts = []
     try:
         bench.watch(args.warmup)
@@ -116,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                              "listening": listening - started, "next_round": done - started})
             bench.watch(last + args.gap)
         bench.watch(args.rounds)
-        stats = json.loads(swarm.communicate(timeout=120)[0])
+        stats = json.loads(members.communicate(timeout=120)[0])
         bench.proc.wait(30)
     finally:
-        for proc in (swarm, bench.proc):
+        for proc in (members, bench.proc):
             if proc is not None and proc.poll() is None:
                 proc.kill()
     rows = _rows(bench.metrics)

@@ -5,8 +5,8 @@ Starts `fedpar serve` and one `fedpar client` (digits, one round, K = 1, every o
 processes, each under a profiler (``sys.setprofile`` on every thread) that notes the fedpar files whose functions
 are called:
 - the round: on the coordinator from the start of the round (``Coordinator._run_round``) to the end of the run
-  (``Members.finish``); on the agent from its task's arrival (``Agent._run_task``) to the end of that task. Start-up,
-  joining and shutting down are left out;
+  (``Members.finish``); on the agent from its task's arrival (``ClientRuntime._dispatch``) to the end of that task.
+  Start-up, joining and shutting down are left out;
 - one upload: on the agent from the update's upload call (``PlainUpload.upload``) to its reply, on that thread;
   on the coordinator from the upload RPC (``UploadSmall`` / ``UploadUpdate``) to the end of its intake
   (``UploadIntake.settle``), leaving out what the round's own task runs meanwhile (closing the round).
@@ -37,7 +37,7 @@ MARKS = {
                "upload": {("server/service.py", "UploadSmall"), ("server/service.py", "UploadUpdate"),
                           ("server/dataplane.py", "_upload")},
                "upload_end": ("server/uploads.py", "settle"), "not_upload": ("server/coordinator.py", "_run_round")},
-    "agent": {"round": ("client/agent.py", "_run_task"), "upload": {("client/round_modes.py", "upload")}},
+    "agent": {"round": ("client/runtime.py", "_dispatch"), "upload": {("client/round_modes.py", "upload")}},
 }
 
 

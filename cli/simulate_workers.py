@@ -4,7 +4,8 @@ one slice per process of a torchrun (or srun) launch, on one machine or many:
     torchrun --nnodes M --nproc-per-node P -m fedpar simulate-workers --server HOST:PORT --clients N ...
 
 Every process joins torch.distributed's group (rendezvous and rank numbering are torchrun's), builds the same
-data and partition from the seed, and hosts clients rank, rank + world, ... (simulations/population.py). The
+data and partition from the seed, and hosts clients rank, rank + world, ...: a client runtime
+(client/runtime.py) given simulations/population.py's members. The
 coordinator samples, times and folds; it must be started with --min-available N to wait for the whole population.
 The hosts dial it in plaintext (members have no certificates of their own): loopback or a private network only.
 """
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.parallel.device import check_device_layout, flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
     from fedpar.simulations.runner import worker_devices
-    from fedpar.simulations.population import PopulationHost, PopulationSlice, step_delays
+    from fedpar.simulations.population import PopulationSlice, host_population, step_delays
     from fedpar.task import Partition
     from fedpar.tasks.zoo import classifier_for
     from fedpar.simulations.traces import traces_for
@@ -80,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
         def partition_of(number: int, member: str) -> Partition:
             return Partition(number, args.clients, member, args.partition, args.seed, args.val_fraction)
 
-        stats = PopulationHost(args.server, population, task, partition_of, args.seed, args.seats, device=device,
-                               precision=args.precision, day_seconds=args.trace_day_seconds,
-                               max_backoff=args.max_backoff, give_up_after=args.give_up_after).run()
+        stats = host_population(args.server, population, task, partition_of, args.seed, args.seats, device=device,
+                                precision=args.precision, day_seconds=args.trace_day_seconds,
+                                max_backoff=args.max_backoff, give_up_after=args.give_up_after).run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
         return 2
@@ -91,6 +92,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         shutdown_distributed()
-    tasks, sent = sum(s.tasks for s in stats), sum(s.accepted for s in stats)
-    print(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {tasks} tasks run, {sent} updates sent")
+    print(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {stats.tasks} tasks run, "
+          f"{stats.accepted} updates sent")
     return 0

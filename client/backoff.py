@@ -1,6 +1,6 @@
 """Retrying calls to the coordinator: which failures are worth another try, and jittered exponential backoff.
 
-Shared by the agent (threads, sync gRPC) and the load-test swarm (asyncio): each only decides how to wait.
+Used by the client runtime (client/runtime.py, client/reconnect.py): it only decides how to wait.
 """
 
 from __future__ import annotations

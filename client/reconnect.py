@@ -1,8 +1,8 @@
 """Calls to a coordinator that outlive it: back off while it is unreachable, and join again when it no longer knows
 the session (it restarted, or forgot a silent participant).
 
-One rule for every client of the coordinator: an agent (client/agent.py) joins with Join, a simulation host
-(simulations/population.py) with JoinPopulation; both make their calls through :class:`Reconnecting`.
+One rule for every client of the coordinator: the client runtime (client/runtime.py) makes its calls through
+:class:`Reconnecting`, whether it joins with Join (a deployed agent) or JoinPopulation (a population's host).
 """
 
 from __future__ import annotations

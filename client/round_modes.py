@@ -11,13 +11,13 @@ the SecAgg+ stages.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import grpc
 import numpy as np
 
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
+from fedpar.client.deadline import upload_timeout
 from fedpar.client.local_sgd import TrainResult
 from fedpar.client.privacy import dp_settings
 from fedpar.client.secure_upload import SecureSession, flat_update
@@ -28,11 +28,6 @@ from fedpar.secagg.errors import SecAggAbort, SecAggError
 Send = Callable[[PreparedUpload, TrainResult, dict[str, float]], bool]  # the agent's transport: True if accepted
 NoteRefusal = Callable[[str, Exception], None]  # (what was refused, why)
 Privatize = Callable[[Sequence[np.ndarray], Sequence[np.ndarray], TaskSettings], list[np.ndarray]]
-
-
-def upload_timeout(deadline_at: float) -> float:
-    """How long an upload call may take: until the round's deadline, plus slack for the reply (at least 5 s)."""
-    return max(5.0, deadline_at - time.monotonic() + 5.0)
 
 
 class PlainUpload:

@@ -1,4 +1,4 @@
-"""What an agent did over its life: the counts the agent keeps and the load-test swarm sums (no torch here)."""
+"""What a client runtime's members did over its life: the counts the runtime keeps (no torch here)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def download_weights(stub: CoordinatorStub, auth: pb.AgentAuth, task: pb.TrainTa
 class WeightsReceiver:
     """The global weights, assembled from a DownloadWeights stream message by message and checked on the way.
 
-    No I/O here: the agent feeds it from a blocking stream, the asyncio swarm from an async one.
+    No I/O here: the client runtime feeds it from a blocking stream.
     """
 
     def __init__(self, expected: ModelLayout | None, max_chunk_bytes: int):

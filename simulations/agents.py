@@ -1,5 +1,6 @@
-"""Simulation worker processes: each hosts a slice of the population (simulations/population.py) against the
-run's coordinator; only the members sampled in a round get a model and their data."""
+"""Simulation worker processes: each is a client runtime (client/runtime.py) hosting a slice of the population
+(simulations/population.py) against the run's coordinator; only the members sampled in a round get a model and
+their data."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fedpar.client.stats import AgentStats
 from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.security.tls import client_tls_files
-from fedpar.simulations.population import PopulationHost, PopulationSlice
+from fedpar.simulations.population import PopulationSlice, host_population
 from fedpar.parallel.config import Device, Precision
 from fedpar.parallel.device import flush_denormals
 from fedpar.parallel.stopping import die_with_parent
@@ -54,18 +55,18 @@ def worker_task(cfg: WorkerConfig, splits=None) -> Task:
     return classifier_for(cfg.model, splits, cfg.dataset, cfg.examples_per_client)
 
 
-def run_worker(cfg: WorkerConfig, splits=None) -> list[AgentStats]:
-    """Host ``cfg.population`` until the coordinator says training is over (``splits``: the loaded data); the
-    stats of the host's seats."""
+def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
+    """Host ``cfg.population`` until the coordinator says training is over (``splits``: the loaded data); what
+    its members did."""
     torch.set_num_threads(1)  # several worker processes share the cores
     flush_denormals()
     logging.basicConfig(level=min(cfg.log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("fedpar").setLevel(cfg.log_level)
     task = worker_task(cfg, splits)
     tls = client_tls_files(cfg.population.host_id, cfg.certs_dir) if cfg.certs_dir else None
-    return PopulationHost(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
-                          cfg.poll_seconds, cfg.device, cfg.precision, cfg.trace_day_seconds, give_up_after=60.0,
-                          tls=tls, client_batching=cfg.client_batching).run()
+    return host_population(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
+                           cfg.poll_seconds, cfg.device, cfg.precision, cfg.trace_day_seconds, give_up_after=60.0,
+                           tls=tls, client_batching=cfg.client_batching).run()
 
 
 def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> None:

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--params", type=int, default=10_000, help="model size in float32 parameters")
     p.add_argument("--rounds", type=int, default=2, help="rounds to run")
-    p.add_argument("--agents", type=int, required=True, help="min_available; also K unless --clients-per-round")
+    p.add_argument("--agents", type=int, required=True,
+                   help="min_available (agents, or members of populations); also K unless --clients-per-round")
     p.add_argument("--clients-per-round", type=int, help="K (default: --agents)")
     p.add_argument("--deadline", type=float, default=60.0, help="round deadline in seconds")
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: a free one)")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(rounds=args.rounds, clients_per_round=k, min_available=args.agents, overselect=1.0,
                                deadline_seconds=args.deadline, liveness_timeout_seconds=60.0,
                                checkpoint_dir=args.checkpoint_dir, metrics_path=args.metrics,
-                               max_concurrent_rpcs=max(20_000, 4 * args.agents))
+                               max_concurrent_rpcs=max(20_000, 4 * args.agents), accept_populations=True)
 
     def note(row: dict | None) -> None:
         if args.memory_file:

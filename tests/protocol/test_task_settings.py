@@ -77,7 +77,7 @@ def test_an_agent_refuses_a_task_whose_settings_it_does_not_know_before_training
     agent = Agent(AgentConfig(insecure=True, server="127.0.0.1:1", agent_id="a"), LocalTrainer(nn.Linear(4, 3), data))
     try:
         task = pb.TrainTask(round=1, task_id="t", deadline_seconds=5.0, extra_json='{"compression": "fp16", "x": 1}')
-        assert agent._run_task(task) is True  # the task is done with: no download, no training, no upload
+        assert agent.run_task(agent.seats[0], 0, task) is True  # the task is done with: no download, no training, no upload
     finally:
         agent.close()
     assert agent.stats.refused == 1 and agent.stats.accepted == 0

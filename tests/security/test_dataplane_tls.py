@@ -135,5 +135,5 @@ def test_tls_control_plane_without_data_tls_keeps_weights_on_grpc(pki, tls_coord
     agent = Agent(AgentConfig(server=server.address, agent_id="bob", credentials=pki.agent_credentials("bob")),
                   LocalTrainer(MLP(in_features=4, hidden=(8,), num_classes=3), _data(0)))
     offered = type(task)(round=1, task_id="x", data_port=1, data_ticket=bytes(32))
-    assert agent._data_plane(offered) is None
+    assert agent.data_plane(offered) is None
     agent.close()

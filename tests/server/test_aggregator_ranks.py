@@ -390,17 +390,19 @@ def _capped(strategy, share: float):
     return strategy
 
 
-def test_the_load_test_swarm_follows_its_tasks_to_both_ranks(tmp_path):
-    proc = _serve(tmp_path, 2, "--model", "synthetic", "--params", "20000", "--rounds", "2", "--clients-per-round", "4")
+def test_a_runtimes_members_follow_their_tasks_to_both_ranks(tmp_path):
+    proc = _serve(tmp_path, 2, "--model", "synthetic", "--params", "20000", "--rounds", "2", "--clients-per-round", "4",
+                  "--accept-populations")
     try:
         port = _port(tmp_path, proc)
-        swarm = subprocess.run([sys.executable, "-m", "fedpar.simulations.swarm", "--server", f"127.0.0.1:{port}",
-                                "--count", "4", "--poll", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert swarm.returncode == 0, swarm.stdout[-2000:] + swarm.stderr[-2000:]
+        members = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "synthetic_members.py"), "--server",
+                                  f"127.0.0.1:{port}", "--count", "4", "--params", "20000", "--poll", "1"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+        assert members.returncode == 0, members.stdout[-2000:] + members.stderr[-2000:]
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    stats = json.loads(swarm.stdout.strip().splitlines()[-1])
+    stats = json.loads(members.stdout.strip().splitlines()[-1])
     assert stats["finished"] == 4 and stats["refused"] == 0, stats
     assert all((r["status"], r["r0_uploads"], r["r1_uploads"]) == ("ok", 2, 2) for r in _rows(tmp_path))

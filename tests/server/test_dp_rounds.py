@@ -159,7 +159,7 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
         uploads.append((agent, round_id, [g.copy() for g in glob], [w.copy() for w in new], [o.copy() for o in out]))
         return out
 
-    monkeypatch.setattr("fedpar.client.agent.privatize_update", seeded_privatize)
+    monkeypatch.setattr("fedpar.client.runtime.privatize_update", seeded_privatize)
     splits = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)

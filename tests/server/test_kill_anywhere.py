@@ -2,8 +2,8 @@
 start-up): every restart resumes, and the run ends with every round exactly once and a loadable checkpoint.
 
 The coordinator is `fedpar.simulations.synthetic_coordinator` (the real Coordinator and gRPC server, a 2M
-parameter model so each checkpoint takes a while to write); the agents are a scripted swarm that
-re-joins by itself.
+parameter model so each checkpoint takes a while to write); the clients are members of one client runtime
+(tests/support/synthetic_members.py), which re-joins by itself.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 from fedpar.server.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
+MEMBERS = ROOT / "tests" / "support" / "synthetic_members.py"
 ROUNDS, AGENTS, KILLS = 10, 6, 3
 SEED = int(os.environ.get("FEDPAR_KILL_SEED", "20261122"))
 
@@ -62,9 +63,9 @@ def test_kill_9_at_random_moments_loses_no_round(tmp_path):
     rng = random.Random(SEED)
     proc = _start(tmp_path, 0)
     port = _port(tmp_path, proc)
-    swarm = subprocess.Popen([sys.executable, "-m", "fedpar.simulations.swarm", "--server", f"127.0.0.1:{port}",
-                              "--count", str(AGENTS), "--poll", "2", "--max-backoff", "0.3"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp_path / "swarm.log", "w"), text=True)
+    members = subprocess.Popen([sys.executable, str(MEMBERS), "--server", f"127.0.0.1:{port}", "--count", str(AGENTS),
+                                "--params", "2000000", "--poll", "2", "--max-backoff", "0.3"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=open(tmp_path / "members.log", "w"), text=True)
     kills = []
     try:
         for _ in range(KILLS):
@@ -77,15 +78,16 @@ def test_kill_9_at_random_moments_loses_no_round(tmp_path):
             kills.append((round(time.monotonic() - started, 2), len(_rows(tmp_path / "metrics.jsonl", False))))
             proc = _start(tmp_path, port)  # same port and checkpoint directory
             _port(tmp_path, proc)
-        out = swarm.communicate(timeout=180)[0]
+        out = members.communicate(timeout=180)[0]
         try:
             stats = json.loads(out)
         except json.JSONDecodeError:
-            raise AssertionError(f"swarm exited {swarm.returncode} without its stats; stdout {out[-1000:]!r}; "
-                                 f"stderr: {(tmp_path / 'swarm.log').read_text()[-3000:]}") from None
+            raise AssertionError(f"the members' runtime exited {members.returncode} without its stats; "
+                                 f"stdout {out[-1000:]!r}; "
+                                 f"stderr: {(tmp_path / 'members.log').read_text()[-3000:]}") from None
         assert proc.wait(60) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
     finally:
-        for p in (proc, swarm):
+        for p in (proc, members):
             if p.poll() is None:
                 p.kill()
     try:

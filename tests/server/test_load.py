@@ -1,7 +1,8 @@
-"""1,000 concurrent agents on loopback: rounds complete and coordinator memory grows only per agent.
+"""1,000 concurrent clients on loopback: rounds complete and coordinator memory grows only per client.
 
-The coordinator runs in its own process (simulations.synthetic_coordinator, ~10k parameters) and logs
-its own VmRSS/VmHWM; the agents are scripted asyncio agents (simulations.swarm) in two processes.
+The coordinator runs in its own process (simulations.synthetic_coordinator, ~100k parameters) and logs
+its own VmRSS/VmHWM; the clients are members of two client runtimes (tests/support/synthetic_members.py, the
+runtime every agent and simulation worker runs, with members that add noise instead of training), one process each.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+MEMBERS = ROOT / "tests" / "support" / "synthetic_members.py"
 ROUNDS = 2
 PARAMS = 100_000  # a 400 KB model: an agent's share of coordinator memory must stay far below one model
 
@@ -29,7 +31,7 @@ def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
               "--params", str(PARAMS), "--deadline", "50", "--port-file", str(tmp / "port"),
               "--memory-file", str(tmp / "memory.jsonl"), "--metrics", str(tmp / "metrics.jsonl"), "--linger", "1"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "coordinator.log", "w"))
-    swarms = []
+    clients = []
     try:
         end = time.monotonic() + 30
         while not (tmp / "port").exists():
@@ -37,14 +39,14 @@ def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
             time.sleep(0.05)
         address = f"127.0.0.1:{int((tmp / 'port').read_text())}"
         share = agents // procs
-        swarms = [subprocess.Popen(py + ["fedpar.simulations.swarm", "--server", address, "--count", str(share),
-                                         "--first", str(i * share), "--poll", "5"],
-                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        clients = [subprocess.Popen([sys.executable, str(MEMBERS), "--server", address, "--count", str(share),
+                                     "--params", str(PARAMS), "--first", str(i * share), "--poll", "5"],
+                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                   for i in range(procs)]
-        stats = [json.loads(s.communicate(timeout=120)[0]) for s in swarms]
+        stats = [json.loads(s.communicate(timeout=120)[0]) for s in clients]
         assert coordinator.wait(30) == 0, (tmp / "coordinator.log").read_text()
     finally:
-        for p in [coordinator, *swarms]:
+        for p in [coordinator, *clients]:
             if p.poll() is None:
                 p.kill()
     memory = [json.loads(line) for line in (tmp / "memory.jsonl").read_text().splitlines()]
@@ -63,7 +65,7 @@ def test_1000_concurrent_agents_complete_rounds_with_memory_bounded_per_agent(tm
     runs = {n: _run(tmp_path / f"n{n}", n) for n in (100, 1000)}
     for n, run in runs.items():
         assert [r["round"] for r in run["rows"]] == list(range(1, ROUNDS + 1))
-        why = {"rows": run["rows"], "swarms": run["stats"], "coordinator log": run["log_tail"]}
+        why = {"rows": run["rows"], "clients": run["stats"], "coordinator log": run["log_tail"]}
         assert all(r["status"] == "ok" and r["reported"] == n and r["sampled"] == n for r in run["rows"]), why
         assert sum(s["finished"] for s in run["stats"]) == n, why
         assert sum(s["accepted"] for s in run["stats"]) == n * ROUNDS, why

@@ -62,7 +62,7 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
     from fedpar.server.assembly import CoordinatorAssembly
     from fedpar.server.config import CoordinatorConfig
     from fedpar.simulations.agents import WorkerConfig, worker_task
-    from fedpar.simulations.population import PopulationHost, PopulationSlice
+    from fedpar.simulations.population import PopulationSlice, host_population
 
     # 12 of 24 members a round on 4 seats: three waves of members per round, each wave one batched model
     torch.set_num_threads(1)
@@ -78,8 +78,8 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
         population = PopulationSlice.of("host-0", np.arange(clients),
                                         member_source(splits, "iid", clients, 0).sizes, np.zeros(clients))
         worker = WorkerConfig(server=server.address, population=population, clients=clients, device="cpu")
-        host = PopulationHost(server.address, population, worker_task(worker, splits), worker.partition_of, 0,
-                              seats=4, poll_seconds=1.0, client_batching=True)
+        host = host_population(server.address, population, worker_task(worker, splits), worker.partition_of, 0,
+                               seats=4, poll_seconds=1.0, client_batching=True)
         host.run()  # until the coordinator says training is over
     finally:
         server.stop()

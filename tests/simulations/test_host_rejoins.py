@@ -1,8 +1,9 @@
 """A coordinator that restarts under its clients: `kill -9` of a real `fedpar serve` (with --checkpoint-dir), twice,
-each time restarted with the same command on the same port, while one population host (`fedpar simulate-workers`,
-the client runtime a user runs) and two plain agents (`fedpar client`) stay up. The host backs off while the
-coordinator is down and joins again (a new session for it and every member) when the new one does not know it;
-its members are sampled and their updates count after each restart, and no process of the clients dies."""
+each time restarted with the same command on the same port, while three client runtimes (client/runtime.py) stay
+up: one hosting a population of members (`fedpar simulate-workers`) and two hosting one member each, themselves
+(`fedpar client`). Each backs off while the coordinator is down and joins again (a new session for it and every
+member) when the new one does not know it; all are sampled and their updates count after each restart, and no
+process of the clients dies."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def test_how_the_population_is_hosted_changes_nothing_it_learns_each_client_keep
 def test_a_residual_store_keeps_each_clients_residual_on_disk(tmp_path):
     import numpy as np
 
-    from fedpar.simulations.member_state import ResidualStore
+    from fedpar.client.member_state import ResidualStore
 
     store = ResidualStore([(2, 3), (4,)], tmp_path / "res")
     assert store.load("c1") is None

@@ -8,7 +8,7 @@ import threading
 import time
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.simulations.host_uploads import HostUploads
+from fedpar.client.host_uploads import HostUploads
 
 
 class _RecordingStub:

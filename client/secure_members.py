@@ -1,29 +1,26 @@
-"""The client side of SecAgg+ for a simulation host's members (simulations/population.py).
+"""The client side of SecAgg+ for a client runtime's members (client/runtime.py).
 
 Every sampled member must advertise and share its keys while the key stages are open, and its unmasking waits
-until the coordinator has closed the masking stage, i.e. for the whole cohort's uploads. A host trains only a
+until the coordinator has closed the masking stage, i.e. for the whole cohort's uploads. A runtime trains only a
 few members at once (its seats), so a seat cannot hold a member through those waits: each member's key exchange
-starts when its task reaches the host, and its unmasking runs after its masked upload, each in a thread of that
+starts when its task reaches the runtime, and its unmasking runs after its masked upload, each in a thread of that
 member's own (one per member sampled in a secure round, never one per client). The seat that trains the member
-uses the same session (client/round_modes.SecureUpload) for the masked upload in between.
+uses the same session (client/round_modes.SecureUpload) for the masked upload in between. A runtime hosting one
+member (a deployed agent) does the same: its key exchange overlaps its download and training.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import Future
 
-from fedpar.client.round_modes import SecureUpload
+from fedpar.client.round_modes import NoteRefusal, SecureUpload
 from fedpar.client.secure_upload import SecureSession
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
 from fedpar.protocol.stubs import CoordinatorStub
-from fedpar.protocol.task_settings import TaskSettings
 
-log = logging.getLogger("fedpar.simulate")
 
 
 class HostedSecureUpload(SecureUpload):
@@ -53,17 +50,14 @@ class SecureMembers:
         self._modes: dict[str, tuple[int, HostedSecureUpload]] = {}
         self._lock = threading.Lock()
 
-    def arrived(self, auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, max_chunk: int) -> None:
-        """If ``task`` is of a secure round, start its member's key exchange now (``auth``: the member's session)."""
-        try:
-            if not TaskSettings.from_json(task.extra_json).secure_aggregation:
-                return
-        except ValueError:
-            return  # the seat that runs the task says what is wrong with its settings
+    def arrived(self, auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, chunk_bytes: int,
+                note_refusal: NoteRefusal) -> None:
+        """Start the key exchange of ``task``'s member now (a secure round's task; ``auth``: the member's session;
+        ``chunk_bytes``: of its masked upload; ``note_refusal``: how its refusals are noted)."""
         session = SecureSession(self.stub, pb.AgentAuth(agent_id=auth.agent_id, token=auth.token), task,
                                 self.poll_seconds)
-        mode = HostedSecureUpload(session, layout, min(max_chunk or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES),
-                                  time.monotonic() + task.deadline_seconds, _note_refusal(auth.agent_id))
+        mode = HostedSecureUpload(session, layout, chunk_bytes, time.monotonic() + task.deadline_seconds,
+                                  note_refusal)
         mode.start_keys()
         with self._lock:
             self._modes = {key: held for key, held in self._modes.items() if held[0] >= task.round}
@@ -74,13 +68,6 @@ class SecureMembers:
         with self._lock:
             held = self._modes.pop(task.task_id, None)
         return held[1] if held else None
-
-
-def _note_refusal(member: str):
-    """How a member's secure-aggregation refusal is noted: a log line (the round's metrics count survivors)."""
-    def note(what: str, err: Exception) -> None:
-        log.info("%s: %s refused: %s", member, what, err)
-    return note
 
 
 def _in_thread(fn, name: str) -> Future:

@@ -1,6 +1,7 @@
-"""A simulation host's seats send their small updates together: one UploadHostUpdates call carries whatever updates
-are waiting when the call can go, each with its member's session and checked by the coordinator as UploadSmall
-would be. While one call is in flight the next updates queue up, so batches grow with the load by themselves.
+"""A client runtime hosting a population (client/links.HostLink) sends its members' small updates together: one
+UploadHostUpdates call carries whatever updates are waiting when the call can go, each with its member's session
+and checked by the coordinator as UploadSmall would be. While one call is in flight the next updates queue up, so
+batches grow with the load by themselves.
 
 A seat either waits for its update's own result (:meth:`HostUploads.send`: top-k error feedback must know whether
 its update counted) or hands the update over and goes on with its next client (:meth:`HostUploads.send_later`):
@@ -71,8 +72,8 @@ class HostUploads:
         self._thread.start()
 
     def send(self, stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
-        """Send ``message`` in the next batch and wait for its own result (the Agent's small-upload hook; ``stub``
-        is the agent's, unused: the host's channel carries the batch)."""
+        """Send ``message`` in the next batch and wait for its own result (the runtime's small-upload call; ``stub``
+        is the task's, unused: the host's channel carries the batch)."""
         item = _Queued(message, time.monotonic() + timeout, Future(), background=False)
         self._queue.put(item)
         return item.done.result()

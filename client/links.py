@@ -1,0 +1,377 @@
+"""How a client runtime (client/runtime.py) reaches its coordinator, joins it and pulls its members' tasks: the
+settings that say how to reach it, the one connection (the control channel, and one kept channel per aggregator
+rank a task names), and the two ways in that the coordinator's protocol has.
+
+AgentLink: the runtime's one member is the runtime itself (a deployed agent, under its own certificate): Join,
+PullTask long-polls, heartbeats while it trains, small updates in one UploadSmall call. HostLink: the runtime speaks
+for a population of members (a simulation worker): JoinPopulation gives every member its own session,
+PullHostTasks long-polls for the tasks of whichever members the coordinator sampled (and, under a virtual clock,
+carries their finish estimates and the coordinator's go), and small updates ride together in UploadHostUpdates
+calls. Everything after the pull (download, deadline, training, update transforms, upload) is the runtime's, the
+same either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import grpc
+import numpy as np
+
+from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
+from fedpar.client.host_uploads import HostUploads
+from fedpar.client.reconnect import FatalAgentError
+from fedpar.client.transfer import ingest_address
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, channel_options
+from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.security.handshake import diagnose_handshake, tls_mismatch
+from fedpar.security.tls import TlsFiles
+
+log = logging.getLogger("fedpar.client")
+
+JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
+# Seconds a host's upload batch waits for more updates after its first (the round's last ones go at once): a fifth
+# of the margin a member keeps free before the deadline. Each call costs both ends far more than its bytes (gRPC's
+# per-call work); on a quiet machine 5, 20 and 50 ms gave the same 100-client digits round (0.08-0.09 s), on
+# loaded cores 50 ms did best.
+UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
+
+SendSmall = Callable[[CoordinatorStub, pb.SmallUpload, float], pb.UploadReply]
+
+
+@dataclass
+class AgentConfig:
+    """How a client runtime reaches its coordinator and paces itself (``agent_id``: its identity there: a deployed
+    agent's own id, or a simulation host's)."""
+
+    server: str
+    agent_id: str
+    poll_seconds: float = 5.0  # long-poll wait per pull
+    initial_backoff: float = 0.5
+    max_backoff: float = 30.0
+    give_up_after: float | None = None  # seconds without reaching the coordinator; None: never
+    upload_margin_seconds: float = UPLOAD_MARGIN_SECONDS  # kept free before the deadline beyond the upload estimate
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    credentials: grpc.ChannelCredentials | None = None  # TLS (mTLS with a client certificate) for every channel
+    insecure: bool = False  # a plaintext channel instead: only asked for explicitly (loopback, tests)
+    tls_server_name: str | None = None  # name to check the coordinator's certificate for, if not the host
+    enrollment_token: str = ""  # for coordinators that admit agents without certificates by token
+    drop_probability: float = 0.0  # simulations: chance of vanishing for a round
+    seed: int | None = None  # drop decisions and backoff jitter; None: fresh entropy (agents must not move in lockstep)
+    data_plane: bool = True  # move weights over the coordinator's data plane when a task offers it
+    data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
+    tls_files: TlsFiles | None = None  # the PEM files behind ``credentials``: to say why a handshake fails
+
+    def __post_init__(self) -> None:
+        """ValueError unless the channel's security is said: credentials for TLS, or insecure=True for plaintext."""
+        if self.credentials is None and not self.insecure:
+            raise ValueError("AgentConfig has no credentials: pass credentials=... (grpc.ssl_channel_credentials) for "
+                             "TLS, or insecure=True for a plaintext channel (loopback and tests only)")
+        if self.credentials is not None and self.insecure:
+            raise ValueError("AgentConfig: credentials and insecure=True contradict each other; drop one")
+
+
+class Connection:
+    """The channel to ``config.server`` and, opened on first use and kept, one to each aggregator rank."""
+
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.channel = self._open(config.server)
+        self.stub = CoordinatorStub(self.channel)
+        self._ingest: dict[str, tuple[grpc.Channel, CoordinatorStub]] = {}  # aggregator ranks' channels by address
+
+    def _open(self, address: str) -> grpc.Channel:
+        options = channel_options(64 << 20)
+        if self.config.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.config.tls_server_name))
+        if self.config.credentials is not None:
+            return grpc.secure_channel(address, self.config.credentials, options=options)
+        return grpc.insecure_channel(address, options=options)
+
+    def ingest_stub(self, task: pb.TrainTask) -> CoordinatorStub:
+        """The stub for the task's download and upload (one channel per aggregator rank, kept open)."""
+        address = ingest_address(self.config.server, task)
+        if address == self.config.server:
+            return self.stub
+        if address not in self._ingest:
+            channel = self._open(address)
+            self._ingest[address] = (channel, CoordinatorStub(channel))
+        return self._ingest[address][1]
+
+    def check_tls(self) -> str | None:
+        """What TLS has to do with an unreachable coordinator (gRPC says only UNAVAILABLE): a TLS setting that
+        differs from ours is returned, to be said in each retry line (its operator may restart it with ours); a
+        wrong CA, a name mismatch or a refused certificate, which retrying does not cure, is a FatalAgentError."""
+        mismatch = tls_mismatch(self.config.server, self.config.credentials is None)
+        if mismatch is not None or self.config.credentials is None or self.config.tls_files is None:
+            return mismatch
+        problem = diagnose_handshake(self.config.server, self.config.tls_files, self.config.tls_server_name)
+        if problem is not None:
+            raise FatalAgentError(f"{self.config.agent_id}: {problem}")
+        return None
+
+    def close(self) -> None:
+        """Close every channel."""
+        self.channel.close()
+        for channel, _ in self._ingest.values():
+            channel.close()
+
+
+class Members(Protocol):
+    """Which members a runtime hosts and what each brings (its id, its examples, its data for a seat, whether it
+    vanishes in a round); a population's adds its availability and its simulated finish times."""
+
+    population: bool  # True: joined as a population (HostLink); False: the member is the runtime itself (AgentLink)
+
+    def __len__(self) -> int: ...
+
+    def member_id(self, i: int) -> str:
+        """Member ``i``'s id at the coordinator."""
+
+    def seat_trainers(self, seats: int) -> list:
+        """The trainers the runtime's seats train with (a member takes one over for a task: :meth:`assign`)."""
+
+    def assign(self, trainer, i: int, task: pb.TrainTask) -> None:
+        """Make ``trainer`` train as member ``i`` for ``task`` (its data, seed and speed)."""
+
+    def vanishes(self, i: int, round_id: int) -> bool:
+        """Whether member ``i`` takes no part in round ``round_id`` (drops out, or is offline)."""
+
+
+class Population(Members, Protocol):
+    """Members joined as a population (HostLink): what the coordinator is told of each, and their simulated
+    availability and finish times."""
+
+    def index_of(self, member: str) -> int:
+        """The index of the member whose id is ``member`` (KeyError: not one of these)."""
+
+    def train_size(self, i: int) -> int:
+        """Member ``i``'s training examples (told at join, and the virtual clock's measure of its work)."""
+
+    def away_now(self) -> np.ndarray:
+        """Which members are offline now (bool per member)."""
+
+    def availability_changes(self, clock_seconds: float | None) -> tuple[list[str], list[str]]:
+        """Members gone offline and come back since the last call (``clock_seconds``: the coordinator's
+        simulated time, None without a virtual clock)."""
+
+    def finish_estimate(self, i: int, task: pb.TrainTask) -> float:
+        """Member ``i``'s simulated seconds for ``task`` (-1: it would not upload); sets ``task.max_steps``."""
+
+
+@dataclass
+class Pulled:
+    """What one pull brought: tasks by member index, or the coordinator's reason to stop."""
+
+    tasks: list[tuple[int, pb.TrainTask]] = field(default_factory=list)
+    shutdown: str | None = None
+
+
+class AgentLink:
+    """The runtime is its one member: Join under ``config.agent_id``, PullTask, heartbeats while training."""
+
+    def __init__(self, conn: Connection, config: AgentConfig, trainer):
+        self.conn, self.config, self.trainer = conn, config, trainer
+        self.auth: pb.AgentAuth | None = None
+        self.max_chunk = max(config.chunk_bytes, DEFAULT_CHUNK_BYTES)
+        self.small_below = SMALL_UPDATE_BYTES  # updates of fewer bytes go whole, without waiting for admission
+        self._heartbeat_seconds = 5.0
+        self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
+        self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
+
+    def join(self) -> None:
+        """A new session for the agent."""
+        reply = self.conn.stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
+                                                   num_examples=self.trainer.num_examples,
+                                                   capabilities={"framework": getattr(self.trainer, "framework",
+                                                                                      "torch")},
+                                                   protocol_version=PROTOCOL_VERSION,
+                                                   enrollment_token=self.config.enrollment_token), timeout=30)
+        self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=reply.token)
+        self._heartbeat_seconds = reply.heartbeat_seconds or 5.0
+        self.max_chunk = reply.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+
+    def pull(self) -> Pulled:
+        """One PullTask long-poll."""
+        reply = self.conn.stub.PullTask(pb.PullTaskRequest(auth=self.auth, wait_seconds=self.config.poll_seconds,
+                                                           finished_task_id=self._finished_task_id),
+                                        timeout=self.config.poll_seconds + 30)
+        kind = reply.WhichOneof("kind")
+        if kind == "shutdown_reason":
+            return Pulled(shutdown=reply.shutdown_reason)
+        return Pulled([(0, reply.task)] if kind == "task" else [])
+
+    def member_auth(self, i: int) -> pb.AgentAuth:
+        """The agent's session."""
+        return self.auth
+
+    def finished(self, task: pb.TrainTask) -> None:
+        """Done with ``task``: said on the next pull, so it is not handed out again."""
+        self._finished_task_id = task.task_id
+
+    def small_sender(self, topk: bool) -> SendSmall:
+        """How a small update goes: one UploadSmall call."""
+        return upload_small
+
+    def while_training(self) -> contextlib.AbstractContextManager:
+        """Heartbeats flow inside this block."""
+        return self._heartbeat.while_training()
+
+    def close(self) -> None:
+        """Stop the heartbeat thread."""
+        self._heartbeat.close()
+
+    def _send_heartbeat(self) -> None:
+        self.conn.stub.Heartbeat(pb.HeartbeatRequest(auth=self.auth), timeout=self._heartbeat_seconds)
+
+
+class HostLink:
+    """The runtime speaks for ``members`` under ``config.agent_id`` (the host's id): JoinPopulation,
+    PullHostTasks, small updates batched into UploadHostUpdates. ``in_flight()``: members' tasks queued or
+    training, whose updates may still join a batch; ``forget_queued()``: drop the tasks no seat started (their
+    sessions are gone)."""
+
+    def __init__(self, conn: Connection, config: AgentConfig, members: Population, in_flight: Callable[[], int],
+                 forget_queued: Callable[[], None]):
+        self.conn, self.config, self.members = conn, config, members
+        self.host = pb.AgentAuth(agent_id=config.agent_id)
+        self.tokens: list[str] = []  # each member's session, by member index
+        self.max_chunk = 0
+        self.small_below = 0
+        self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
+        self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
+        self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
+        self._in_flight, self._forget_queued = in_flight, forget_queued
+        self.uploads: HostUploads | None = None
+
+    def join(self) -> None:
+        """A new session for the host and every member, JOIN_CHUNK members per call; what was queued for the old
+        sessions is moot."""
+        self.host.token = ""  # a new session, whatever the coordinator remembers
+        tokens: list[str] = []
+        away = self.members.away_now()
+        for start in range(0, len(self.members), JOIN_CHUNK):
+            chunk = range(start, min(start + JOIN_CHUNK, len(self.members)))
+            listed = [pb.PopulationMember(agent_id=self.members.member_id(i),
+                                          num_examples=max(1, self.members.train_size(i)), away=bool(away[i]))
+                      for i in chunk]
+            reply = self.conn.stub.JoinPopulation(pb.JoinPopulationRequest(
+                host=self.host, members=listed, protocol_version=PROTOCOL_VERSION), timeout=60)
+            self.host.token = reply.host_token
+            tokens.extend(reply.tokens)
+            self.max_chunk = reply.max_chunk_bytes
+        self.tokens = tokens
+        self.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
+        self._held.clear()
+        self._estimates = []
+        self._forget_queued()
+        if self.uploads is None:  # the members' small updates, batched (a few ms' wait for seats still training)
+            self.uploads = HostUploads(self.conn.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
+                                       more_coming=lambda: self._in_flight() > 0)
+
+    def pull(self) -> Pulled:
+        """One PullHostTasks long-poll: the tasks to start now (under a virtual clock: those the coordinator let
+        go; the others wait, their simulated finish times reported on the next call)."""
+        away, back = self.members.availability_changes(self.clock_seconds)
+        reply = self.conn.stub.PullHostTasks(pb.PullHostTasksRequest(
+            host=self.host, wait_seconds=self.config.poll_seconds, away=away, back=back,
+            finish_estimates=self._estimates), timeout=self.config.poll_seconds + 30)
+        self._estimates = []
+        if reply.shutdown_reason:
+            return Pulled(shutdown=reply.shutdown_reason)
+        if reply.tasks and self._held:  # tasks held from an older round are moot once a newer one opens
+            newest = max(hosted.task.round for hosted in reply.tasks)
+            self._held = {m: held for m, held in self._held.items() if held[1].round >= newest}
+        pulled = Pulled()
+        for hosted in reply.tasks:
+            i = self.members.index_of(hosted.agent_id)
+            if reply.weights:  # the round's small model, sent once for all of them
+                hosted.task.weights_header.CopyFrom(reply.weights_header)
+                hosted.task.weights = reply.weights
+            if hosted.task.virtual_clock:
+                self.clock_seconds = hosted.task.clock_seconds
+                self._held[hosted.agent_id] = (i, hosted.task)
+                seconds = self.members.finish_estimate(i, hosted.task)
+                self._estimates.append(pb.FinishEstimate(agent_id=hosted.agent_id, task_id=hosted.task.task_id,
+                                                         seconds=seconds))
+            else:
+                pulled.tasks.append((i, hosted.task))
+        pulled.tasks += [self._held.pop(member) for member in reply.go if member in self._held]
+        return pulled
+
+    def member_auth(self, i: int) -> pb.AgentAuth:
+        """Member ``i``'s session."""
+        return pb.AgentAuth(agent_id=self.members.member_id(i), token=self.tokens[i])
+
+    def finished(self, task: pb.TrainTask) -> None:
+        """Nothing to tell: the coordinator counts a member's task done when its update arrives."""
+
+    def small_sender(self, topk: bool) -> SendSmall:
+        """How a small update goes: in the host's next batch; waiting for its own result when top-k's error
+        feedback must know whether it counted, else in the background while the seat trains its next member."""
+        return self.uploads.send if topk else self.uploads.send_later
+
+    def while_training(self) -> contextlib.AbstractContextManager:
+        """No heartbeats: the host's pulls say its members are alive."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Send the batches queued, then stop."""
+        uploads, self.uploads = self.uploads, None
+        if uploads is None:
+            return
+        uploads.close()
+        if uploads.refused_in_background:
+            log.warning("%s: %d updates sent in the background were refused (--log-level info says why)",
+                        self.host.agent_id, uploads.refused_in_background)
+
+
+def upload_small(stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
+    """Send one small update in one UploadSmall call."""
+    return stub.UploadSmall(message, timeout=timeout)
+
+
+class _Heartbeat:
+    """One background thread per agent that sends heartbeats while it trains, so the coordinator knows it is
+    alive (started on first use and kept: a thread per task would cost more than a small model's round)."""
+
+    def __init__(self, send: Callable[[], None], every: Callable[[], float]):
+        self._send, self._every = send, every
+        self._training = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def while_training(self) -> Iterator[None]:
+        """Heartbeats flow inside this block."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fedpar-heartbeat", daemon=True)
+            self._thread.start()
+        self._training.set()
+        try:
+            yield
+        finally:
+            self._training.clear()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._closed.set()
+        self._training.set()  # wake it
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while self._training.wait() and not self._closed.wait(self._every()):
+            if not self._training.is_set():
+                continue
+            try:
+                self._send()
+            except grpc.RpcError:
+                pass  # the main loop handles an unreachable coordinator
+

@@ -1,0 +1,411 @@
+"""The client runtime: one process, one connection to the coordinator, hosting 1..N members.
+
+A deployed agent (`fedpar client`, client/agent.py) is the runtime hosting one member, itself, under its own
+certificate; a simulation worker (`fedpar simulate`, `fedpar simulate-workers`) is the same runtime hosting a slice
+of a population (simulations/population.py), whose sampled members take turns on a few *seats* (trainers that
+take on a member's data for one task). How it joins and pulls is its link's (client/links.py); the rest is written
+once here: the round's download (once per round, for every member that needs it), the deadline rule
+(client/deadline.py), local training, the update transforms (client DP, compression, SecAgg masking:
+client/round_modes.py) and the upload with its retries.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import random
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from fedpar.client import dataplane
+from fedpar.client.backoff import RETRYABLE, Backoff, jittered
+from fedpar.client.compressed import PreparedUpload, UpdateCompressor
+from fedpar.client.deadline import stop_training_at, upload_timeout
+from fedpar.client.links import AgentConfig, AgentLink, Connection, HostLink, Members, upload_small
+from fedpar.client.member_state import ResidualStore
+from fedpar.client.privacy import privatize_update
+from fedpar.client.reconnect import Reconnecting
+from fedpar.client.round_modes import CompressedUpload, PlainUpload
+from fedpar.client.secure_members import SecureMembers
+from fedpar.client.stats import AgentStats
+from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
+                                    upload_header, upload_messages, upload_update)
+from fedpar.models import get_weights, set_weights, weight_specs
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import CodecError, ModelLayout
+from fedpar.protocol.task_settings import TaskSettings
+
+log = logging.getLogger("fedpar.client")
+DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+def trainer_specs(trainer) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of what the trainer trains: its ``array_specs()`` if it has no torch ``.model``."""
+    return trainer.array_specs() if hasattr(trainer, "array_specs") else weight_specs(trainer.model)
+
+
+def load_arrays(trainer, arrays: list[np.ndarray]) -> None:
+    """Give the trainer the round's global weights (``set_arrays``, or into its torch model)."""
+    if hasattr(trainer, "set_arrays"):
+        trainer.set_arrays(arrays)
+    else:
+        set_weights(trainer.model, arrays)
+
+
+def trainer_arrays(trainer) -> list[np.ndarray]:
+    """The trainer's weights after training (``get_arrays``, or its torch model's)."""
+    return trainer.get_arrays() if hasattr(trainer, "get_arrays") else get_weights(trainer.model)
+
+
+@dataclass
+class Seat:
+    """A trainer the runtime's members take turns on, and the update compressor that goes with it (a member's
+    top-k residual is given to it for the member's task when members outnumber seats)."""
+
+    trainer: object
+    compression: UpdateCompressor
+
+
+class OwnMember:
+    """The one member of a deployed agent: its id is the agent's, its data is in ``trainer``; it vanishes from a
+    round with ``drop_probability`` (simulations of unreliable devices), drawn from ``seed``."""
+
+    population = False
+
+    def __init__(self, agent_id: str, trainer, drop_probability: float = 0.0, seed: int | None = None):
+        self.agent_id, self.trainer, self.drop_probability = agent_id, trainer, drop_probability
+        self._rng = random.Random(seed)
+
+    def __len__(self) -> int:
+        return 1
+
+    def member_id(self, i: int) -> str:
+        """The agent's id."""
+        return self.agent_id
+
+    def seat_trainers(self, seats: int) -> list:
+        """Its own trainer (one seat)."""
+        return [self.trainer]
+
+    def assign(self, trainer, i: int, task: pb.TrainTask) -> None:
+        """Nothing: the trainer holds the agent's data already."""
+
+    def vanishes(self, i: int, round_id: int) -> bool:
+        """A drop-out draw (never, unless ``drop_probability``)."""
+        return bool(self.drop_probability) and self._rng.random() < self.drop_probability
+
+
+class ClientRuntime:
+    """Hosts ``members`` (client/links.Members) behind one connection to ``config.server``, as ``config.agent_id``,
+    on ``seats`` seats, until the coordinator says training is over (or :meth:`stop`).
+
+    Any trainer with TaskTrainer's ``warm_up``, ``num_examples``, ``holding_task``, ``train`` and ``evaluate`` will
+    do; one without a torch ``.model`` provides ``array_specs()``, ``set_arrays()`` and ``get_arrays()`` instead
+    (client/flower_client.py), and one with ``reads_task_settings`` gets the task's settings in ``train``.
+    """
+
+    def __init__(self, config: AgentConfig, members: Members, seats: int = 1):
+        self.config, self.members = config, members
+        self.stats = AgentStats()
+        self.shutdown_reason: str | None = None  # why the coordinator ended training, once it said so
+        self._rng = random.Random(config.seed)
+        self._stop = threading.Event()
+        self.conn = Connection(config)
+        trainers = members.seat_trainers(seats)
+        self.layout = ModelLayout(trainer_specs(trainers[0])) if trainers else None
+        self.seats = [Seat(t, UpdateCompressor(self.layout, seed=zlib.crc32(
+            f"{config.seed}:{config.agent_id}{f':{s}' if s else ''}".encode()))) for s, t in enumerate(trainers)]
+        self._tasks: queue.Queue = queue.Queue()  # members' tasks for the seats (a population's)
+        self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
+        self._in_flight_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
+        self._weights_lock = threading.Lock()
+        # members that outnumber the seats keep their top-k residuals on disk between their rounds
+        self.residuals = ResidualStore([tuple(t.shape) for t in self.layout.tensors]) \
+            if members.population and self.layout is not None else None
+        self.secure = SecureMembers(self.conn.stub, config.poll_seconds)  # members' SecAgg+ client sides
+        if members.population:
+            self.link = HostLink(self.conn, config, members, lambda: self._in_flight, self._forget_queued)
+        else:
+            self.link = AgentLink(self.conn, config, trainers[0])
+        self._calls = Reconnecting(config.agent_id, config.server, self._join, config.initial_backoff,
+                                   config.max_backoff, self._rng, config.give_up_after, self._stop.is_set,
+                                   self.conn.check_tls, lambda: self._count("reconnects"))
+
+    def stop(self) -> None:
+        """Ask the runtime to leave after its current step."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop the link's threads, close the connection and remove the members' residuals kept on disk."""
+        self.link.close()
+        self.conn.close()
+        if self.residuals is not None:
+            self.residuals.close()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> AgentStats:
+        """Join, then pull and run the members' tasks until the coordinator says shutdown (or :meth:`stop`)."""
+        inline = not self.members.population  # the member is the runtime: it trains between its pulls
+        workers = [] if inline else [threading.Thread(target=self._seat, args=(seat,), daemon=True,
+                                                      name=f"fedpar-seat{s}") for s, seat in enumerate(self.seats)]
+        try:
+            if inline:
+                self.seats[0].trainer.warm_up()
+            self._calls.join()
+            for w in workers:
+                w.start()
+            while not self._stop.is_set():
+                pulled = self._calls.call(self.link.pull)
+                if pulled.shutdown is not None:
+                    self.shutdown_reason = pulled.shutdown
+                    log.info("%s: coordinator says: %s", self.config.agent_id, pulled.shutdown)
+                    break
+                for i, task in pulled.tasks:
+                    self._dispatch(i, task, inline)
+            return self.stats
+        finally:
+            self._forget_queued()  # training is over: tasks not started yet are moot
+            for _ in workers:
+                self._tasks.put(None)
+            for w in workers:
+                w.join(timeout=60)
+            self.close()
+
+    def _join(self) -> None:
+        """A new session (for every member); the round's weights read under the old one are read again."""
+        self.link.join()
+        with self._weights_lock:
+            self._weights = (-1, None)
+
+    def _dispatch(self, i: int, task: pb.TrainTask, inline: bool) -> None:
+        """Run member ``i``'s task now (``inline``) or queue it for the next free seat; a member that vanishes this
+        round (drops out, or is offline) takes no part."""
+        self._count("tasks")
+        if self.members.vanishes(i, task.round):
+            self._count("dropped")
+            self.link.finished(task)
+            return
+        if self.layout is not None and _secure(task):  # a secure round's key exchange starts as the task arrives
+            self.secure.arrived(self.link.member_auth(i), task, self.layout, self._chunk_bytes(),
+                                self._refusals_of(self.members.member_id(i)))
+        if inline:
+            self.run_task(self.seats[0], i, task)
+            return
+        with self._in_flight_lock:
+            self._in_flight += 1
+        self._tasks.put((i, task))
+
+    def _seat(self, seat: Seat) -> None:
+        """Run queued tasks on ``seat``, each as its member, for that task only."""
+        seat.trainer.warm_up()
+        while (item := self._tasks.get()) is not None:
+            i, task = item
+            try:
+                self.run_task(seat, i, task)
+            except Exception:  # one member's failure must not stop the seat
+                log.exception("%s: task of %s failed", self.config.agent_id, self.members.member_id(i))
+            finally:  # its update, if any, is queued by now
+                with self._in_flight_lock:
+                    self._in_flight -= 1
+
+    def _forget_queued(self) -> None:
+        """Forget the members' tasks no seat has started (training is over, or their sessions are gone)."""
+        while True:
+            try:
+                item = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # a seat's stop: keep it
+                self._tasks.put(None)
+                return
+            with self._in_flight_lock:
+                self._in_flight -= 1
+
+    # ------------------------------------------------------------------ one task
+    def run_task(self, seat: Seat, i: int, task: pb.TrainTask) -> bool:
+        """Member ``i``'s ``task`` on ``seat``: its data, its session, its residual; True when done with (False: the
+        task should be pulled again, its weights never came)."""
+        member = self.members.member_id(i)
+        self.members.assign(seat.trainer, i, task)
+        with seat.trainer.holding_task(task.round):
+            finished = self._train_and_upload(seat, member, self.link.member_auth(i), task)
+        if finished:
+            self.link.finished(task)
+        return finished
+
+    def _train_and_upload(self, seat: Seat, member: str, auth: pb.AgentAuth, task: pb.TrainTask) -> bool:
+        received = time.monotonic()
+        deadline_at = received + task.deadline_seconds
+        try:
+            settings = TaskSettings.from_json(task.extra_json)
+        except ValueError as err:
+            self._note_refusal(member, "task settings", err)
+            return True
+        data_plane = self.data_plane(task)
+        mode = (self.secure.take(task) if settings.secure_aggregation else None) or \
+            self._round_mode(seat, auth, task, settings, deadline_at, data_plane)
+        if not mode.begin():
+            return True
+        weights = self._round_weights(member, auth, task, data_plane)
+        if weights is None:
+            return False
+        if weights is True:
+            return True
+        if self.residuals is not None:  # the member's own error feedback, from its earlier rounds
+            seat.compression.give_residual(settings, self.residuals.load(member))
+        load_arrays(seat.trainer, weights)
+        metrics: dict[str, float] = {}
+        evaluation = seat.trainer.evaluate() if settings.evaluate else None
+        if evaluation is not None:
+            metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
+        stop_at = stop_training_at(deadline_at, time.monotonic() - received, self.config.upload_margin_seconds)
+        with self.link.while_training():
+            extra = {"max_steps": task.max_steps} if task.max_steps else {}  # the virtual clock's cap (a TaskTrainer's)
+            if getattr(seat.trainer, "reads_task_settings", False):  # e.g. a Flower client's fit config
+                extra["settings"] = settings
+            result = seat.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
+                                        proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)
+        if result.examples == 0:
+            log.warning("%s: no time left to train in round %d; skipping the upload", member, task.round)
+            return True
+        metrics.update(result.as_metrics())  # a NaN loss (e.g. a Flower client's fit that reports none) is left out
+        if mode.upload(trainer_arrays(seat.trainer), weights, result, metrics):
+            self._count("accepted")
+            mode.close()
+        if self.residuals is not None:
+            self.residuals.save(member, seat.compression.take_residual())
+        return True
+
+    def _round_weights(self, member: str, auth: pb.AgentAuth, task: pb.TrainTask,
+                       data_plane: dataplane.DataPlaneTarget | None) -> list[np.ndarray] | bool | None:
+        """The global model of ``task``'s round, read once per round for all the runtime's members: decoded from the
+        task (small models come inside it), else over the data plane or the gRPC stream by the first member to need
+        it, with its session. None: not read, pull the task again (the coordinator hands it out until a download
+        completes); True: refused, done with the task (noted)."""
+        with self._weights_lock:
+            if self._weights[0] == task.round:
+                return self._weights[1]
+            try:
+                weights = task_weights(task, self.layout)
+                if weights is None and data_plane is not None:
+                    weights = self._via_data_plane("download", dataplane.download, data_plane, self.layout,
+                                                   max(1.0, task.deadline_seconds))
+                if weights is None:
+                    weights = download_weights(self.conn.ingest_stub(task), auth, task, self.layout,
+                                               self.link.max_chunk, timeout=max(1.0, task.deadline_seconds))
+            except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
+                self._note_refusal(member, "download", err)
+                if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
+                    time.sleep(jittered(self.config.initial_backoff, self._rng))  # then pull again
+                    return None
+                return True
+            self._weights = (task.round, weights)
+            return weights
+
+    def _round_mode(self, seat: Seat, auth: pb.AgentAuth, task: pb.TrainTask, settings: TaskSettings,
+                    deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> PlainUpload:
+        """How this task's update is made and sent, as its settings say (client/round_modes.py); a secure round's
+        mode was made as its task arrived (client/secure_members.py)."""
+        note = self._refusals_of(auth.agent_id)
+        send = functools.partial(self._upload, auth, task, deadline_at=deadline_at, data_plane=data_plane,
+                                 topk=settings.compression == "topk")
+        if settings.compression != "none":
+            return CompressedUpload(settings, self.layout, send, privatize_update, note, seat.compression)
+        return PlainUpload(settings, self.layout, send, privatize_update, note)
+
+    def _upload(self, auth: pb.AgentAuth, task: pb.TrainTask, upload: PreparedUpload, result,
+                metrics: dict[str, float], *, deadline_at: float, data_plane: dataplane.DataPlaneTarget | None,
+                topk: bool) -> bool:
+        """Send the prepared update: over the data plane (plain weights only; compressed updates are small) or
+        the gRPC stream, retried while the coordinator says it is busy and the deadline allows; True if accepted.
+        Top-k's error feedback must know whether the update counted; other small updates of a population may
+        travel while its seat trains the next member."""
+        backoff = Backoff(0.1, 2.0, self._rng)
+        while data_plane is not None and not upload.encoding:  # leaves for gRPC only if the connection broke
+            try:
+                if self._via_data_plane("upload", dataplane.upload, data_plane, auth, task, self.layout,
+                                        upload.arrays, result.examples, result.steps, metrics,
+                                        upload_timeout(deadline_at)) is None:
+                    break
+                return True
+            except dataplane.DataPlaneRefused as err:
+                # RESOURCE_EXHAUSTED: busy (upload queue) or rate-limited; retry while the deadline allows.
+                if err.code != DATA_PLANE_BUSY or not backoff.fits_before(deadline_at):
+                    self._note_refusal(auth.agent_id, "upload", err)
+                    return False
+                time.sleep(backoff.wait())
+        backoff.reset()
+        header = upload_header(auth, task, upload.layout, result.examples, result.steps, metrics,
+                               upload.encoding, upload.encoding_json)
+        single = small_upload(header, upload.layout, upload.arrays, self.link.max_chunk, self.link.small_below)
+        stub = self.conn.ingest_stub(task)
+        send_small = self.link.small_sender(topk) if not task.ingest_port else upload_small  # batches: this port
+        while True:
+            messages = upload_messages(auth, task, upload.layout, upload.arrays, result.examples, result.steps,
+                                       metrics, self._chunk_bytes(), upload.encoding, upload.encoding_json)
+            try:
+                if single is not None:  # one unary call: no stream to set up for a small update
+                    send_small(stub, single, upload_timeout(deadline_at))
+                else:
+                    upload_update(stub, messages, timeout=upload_timeout(deadline_at))
+                return True
+            except grpc.RpcError as err:
+                # Busy coordinator or a broken connection: retry while the deadline allows.
+                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):
+                    self._note_refusal(auth.agent_id, "upload", err)
+                    return False
+                time.sleep(backoff.wait())
+
+    def _chunk_bytes(self) -> int:
+        return min(self.link.max_chunk or self.config.chunk_bytes, self.config.chunk_bytes)
+
+    def data_plane(self, task: pb.TrainTask) -> dataplane.DataPlaneTarget | None:
+        """Where to move this task's weights outside gRPC, or None (not offered, off, or no TLS for it)."""
+        if not (self.config.data_plane and dataplane.DataPlaneTarget.offered(task)):
+            return None
+        if self.config.credentials is not None and self.config.data_tls is None:
+            return None  # never send weights in plaintext beside a TLS control channel
+        return dataplane.DataPlaneTarget(ingest_address(self.config.server, task), task, self.config.data_tls,
+                                         self.config.tls_server_name)
+
+    def _via_data_plane(self, what: str, fn, *args):
+        """``fn(*args)``, or None after a transport failure (the caller then uses the gRPC stream)."""
+        try:
+            return fn(*args)
+        except dataplane.DataPlaneError as err:
+            log.info("%s: data-plane %s failed (%s); using the gRPC stream", self.config.agent_id, what, err)
+            return None
+
+    def _count(self, what: str) -> None:
+        with self._stats_lock:
+            setattr(self.stats, what, getattr(self.stats, what) + 1)
+
+    def _refusals_of(self, member: str):
+        """How member ``member``'s refusals are noted (for the round modes)."""
+        return functools.partial(self._note_refusal, member)
+
+    def _note_refusal(self, member: str, what: str, err: Exception) -> None:
+        detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+        if isinstance(err, dataplane.DataPlaneRefused):
+            detail = dataplane.refusal_text(err)
+        with self._stats_lock:
+            self.stats.refused += 1
+            if len(self.stats.refusals) < 100:  # a population's may be many: the first ones say why
+                self.stats.refusals.append(f"{what}: {detail}")
+        log.info("%s: %s refused: %s", member, what, detail)
+
+
+def _secure(task: pb.TrainTask) -> bool:
+    """Whether ``task`` is of a secure round (its settings unreadable: no; running it says what is wrong)."""
+    try:
+        return TaskSettings.from_json(task.extra_json).secure_aggregation
+    except ValueError:
+        return False
