@@ -1,0 +1,301 @@
+"""The run store of a long-lived coordinator service: runs, their per-round metrics and the audit of control actions,
+in SQLite.
+
+One file (WAL mode, so readers never block the writer) or, for the one-shot form, memory. Every write is one
+transaction: a kill -9 at any moment leaves the last committed state. The schema is versioned; :data:`MIGRATIONS`
+brings an older file up to date on open.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STATUSES = ("queued", "running", "finished", "failed", "stopped")
+ENDED = ("finished", "failed", "stopped")
+
+# Migration i brings a store of schema version i to version i + 1.
+MIGRATIONS = (
+    """
+    CREATE TABLE runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        name TEXT NOT NULL,
+        settings TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('queued', 'running', 'finished', 'failed', 'stopped')),
+        round INTEGER NOT NULL DEFAULT 0,
+        last_metrics TEXT NOT NULL DEFAULT '{}',
+        out_dir TEXT NOT NULL DEFAULT '',
+        model_path TEXT NOT NULL DEFAULT '',
+        reason TEXT NOT NULL DEFAULT '',
+        stop_requested INTEGER NOT NULL DEFAULT 0,
+        created REAL NOT NULL,
+        started REAL,
+        ended REAL
+    );
+    CREATE TABLE round_metrics (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        round INTEGER NOT NULL,
+        metrics TEXT NOT NULL,
+        PRIMARY KEY (run_id, round)
+    );
+    """,
+    """
+    CREATE TABLE audit (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        who TEXT NOT NULL,
+        action TEXT NOT NULL,
+        run_id INTEGER,
+        detail TEXT NOT NULL DEFAULT ''
+    );
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(RuntimeError):
+    """The state file cannot be used (corrupt, locked, of a newer fedpar); the message says what to do."""
+
+
+class UnknownRun(KeyError):
+    """No run has this id."""
+
+    def __str__(self) -> str:
+        return f"no run with id {self.args[0]}; 'fedpar run ls' lists them"
+
+
+@dataclass
+class Run:
+    """One run as the store holds it."""
+
+    id: int
+    name: str
+    settings: dict
+    status: str
+    round: int
+    last_metrics: dict
+    out_dir: str
+    model_path: str
+    reason: str
+    stop_requested: bool
+    created: float
+    started: float | None
+    ended: float | None
+
+    def to_json(self) -> dict:
+        """The run as a JSON-ready dict (what the control API sends)."""
+        return dict(self.__dict__)
+
+
+class RunStore:
+    """Runs, round metrics and audit in SQLite at ``path`` (":memory:" for a store that dies with the process).
+    Safe to use from several threads: one connection, one lock, one transaction per write."""
+
+    def __init__(self, path: str | Path = ":memory:", busy_seconds: float = 5.0):
+        self.path = str(path)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, timeout=busy_seconds, check_same_thread=False,
+                                       isolation_level=None)
+            if self.path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(_explain(self.path, exc)) from None
+
+    # ----------------------------------------------------------------- schema
+    def _migrate(self) -> None:
+        with self._write() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            version = row[0] if row else 0
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"state file {self.path} has schema version {version}, newer than this fedpar's "
+                                 f"{SCHEMA_VERSION}; upgrade fedpar")
+            for step in MIGRATIONS[version:]:
+                for statement in filter(str.strip, step.split(";")):
+                    db.execute(statement)
+            if row is None:
+                db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+            else:
+                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+
+    def schema_version(self) -> int:
+        """The schema version of the open store."""
+        return self._read("SELECT version FROM schema_version")[0][0]
+
+    # ----------------------------------------------------------------- transactions
+    class _Transaction:
+        def __init__(self, store: RunStore):
+            self.store = store
+
+        def __enter__(self) -> sqlite3.Connection:
+            self.store._lock.acquire()
+            try:
+                self.store._db.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                self.store._lock.release()
+                raise
+            return self.store._db
+
+        def __exit__(self, kind, exc, tb) -> None:
+            try:
+                self.store._db.execute("COMMIT" if kind is None else "ROLLBACK")
+            finally:
+                self.store._lock.release()
+
+    def _write(self) -> _Transaction:
+        return RunStore._Transaction(self)
+
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return self._db.execute(sql, params).fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise StoreError(_explain(self.path, exc)) from None
+
+    def _run_write(self, fn) -> Any:
+        try:
+            with self._write() as db:
+                return fn(db)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(_explain(self.path, exc)) from None
+
+    def close(self) -> None:
+        """Close the database (every write is committed already)."""
+        with self._lock:
+            self._db.close()
+
+    # ----------------------------------------------------------------- runs
+    def submit(self, name: str, settings: dict, who: str = "local") -> int:
+        """Queue a run of ``settings`` (JSON-ready, already validated); returns its id. Audited."""
+        def write(db):
+            run_id = db.execute("INSERT INTO runs (name, settings, status, created) VALUES (?, ?, 'queued', ?)",
+                                (name, json.dumps(settings, sort_keys=True), time.time())).lastrowid
+            _audit(db, who, "submit", run_id, name)
+            return run_id
+        return self._run_write(write)
+
+    def get(self, run_id: int) -> Run:
+        """The run ``run_id`` (UnknownRun if there is none)."""
+        rows = self._read(f"SELECT {_COLUMNS} FROM runs WHERE id = ?", (int(run_id),))
+        if not rows:
+            raise UnknownRun(run_id)
+        return _run(rows[0])
+
+    def runs(self) -> list[Run]:
+        """Every run, oldest first."""
+        return [_run(row) for row in self._read(f"SELECT {_COLUMNS} FROM runs ORDER BY id")]
+
+    def next_queued(self) -> Run | None:
+        """The oldest queued run, or None."""
+        rows = self._read(f"SELECT {_COLUMNS} FROM runs WHERE status = 'queued' ORDER BY id LIMIT 1")
+        return _run(rows[0]) if rows else None
+
+    def start(self, run_id: int, out_dir: str) -> None:
+        """Mark ``run_id`` running, writing into ``out_dir``."""
+        self._run_write(lambda db: db.execute(
+            "UPDATE runs SET status = 'running', out_dir = ?, started = COALESCE(started, ?) WHERE id = ?",
+            (out_dir, time.time(), run_id)))
+
+    def record_round(self, run_id: int, row: dict) -> None:
+        """Keep round ``row["round"]``'s metrics of ``run_id`` and make them its last (one transaction)."""
+        text = json.dumps(row, sort_keys=True, default=str)
+
+        def write(db):
+            db.execute("INSERT OR REPLACE INTO round_metrics VALUES (?, ?, ?)", (run_id, int(row["round"]), text))
+            db.execute("UPDATE runs SET round = ?, last_metrics = ? WHERE id = ?", (int(row["round"]), text, run_id))
+        self._run_write(write)
+
+    def round_metrics(self, run_id: int, after: int = 0) -> list[dict]:
+        """The metrics rows of ``run_id`` after round ``after``, in order."""
+        self.get(run_id)
+        return [json.loads(text) for (text,) in self._read(
+            "SELECT metrics FROM round_metrics WHERE run_id = ? AND round > ? ORDER BY round", (run_id, after))]
+
+    def end(self, run_id: int, status: str, reason: str = "", model_path: str = "") -> None:
+        """Mark ``run_id`` ended with ``status`` (finished, failed or stopped) and why."""
+        if status not in ENDED:
+            raise ValueError(f"a run ends finished, failed or stopped, not {status!r}")
+        self._run_write(lambda db: db.execute(
+            "UPDATE runs SET status = ?, reason = ?, model_path = ?, ended = ? WHERE id = ?",
+            (status, reason, model_path, time.time(), run_id)))
+
+    def request_stop(self, run_id: int, who: str = "local") -> Run:
+        """Ask ``run_id`` to stop: a queued run is stopped at once, a running one at its next check. Audited."""
+        def write(db):
+            row = db.execute(f"SELECT {_COLUMNS} FROM runs WHERE id = ?", (int(run_id),)).fetchone()
+            if row is None:
+                raise UnknownRun(run_id)
+            run = _run(row)
+            if run.status == "queued":
+                db.execute("UPDATE runs SET status = 'stopped', reason = ?, ended = ? WHERE id = ?",
+                           (f"stopped by {who} before it started", time.time(), run.id))
+            elif run.status == "running":
+                db.execute("UPDATE runs SET stop_requested = 1 WHERE id = ?", (run.id,))
+            _audit(db, who, "stop", run.id, run.status)
+            return run
+        return self._run_write(write)
+
+    def stop_requested(self, run_id: int) -> bool:
+        """Whether someone asked running run ``run_id`` to stop."""
+        return bool(self._read("SELECT stop_requested FROM runs WHERE id = ?", (run_id,))[0][0])
+
+    def recover(self) -> list[int]:
+        """After a crash: every run left running is queued again (it resumes from its checkpoint), or ends stopped
+        if a stop was asked for; returns the ids queued again."""
+        def write(db):
+            stuck = db.execute("SELECT id, stop_requested FROM runs WHERE status = 'running'").fetchall()
+            for run_id, stop in stuck:
+                if stop:
+                    db.execute("UPDATE runs SET status = 'stopped', reason = 'stopped (the service ended first)', "
+                               "ended = ? WHERE id = ?", (time.time(), run_id))
+                else:
+                    db.execute("UPDATE runs SET status = 'queued', reason = 'resumed after the service ended "
+                               "during it' WHERE id = ?", (run_id,))
+            return [run_id for run_id, stop in stuck if not stop]
+        return self._run_write(write)
+
+    # ----------------------------------------------------------------- audit
+    def audit(self, who: str, action: str, run_id: int | None = None, detail: str = "") -> None:
+        """Write a control action to the audit table."""
+        self._run_write(lambda db: _audit(db, who, action, run_id, detail))
+
+    def audit_rows(self) -> list[dict]:
+        """The audit table, oldest first."""
+        return [dict(zip(("at", "who", "action", "run_id", "detail"), row)) for row in
+                self._read("SELECT at, who, action, run_id, detail FROM audit ORDER BY id")]
+
+
+_COLUMNS = ("id, name, settings, status, round, last_metrics, out_dir, model_path, reason, stop_requested, created, "
+            "started, ended")
+
+
+def _run(row: tuple) -> Run:
+    (run_id, name, settings, status, round_id, last, out_dir, model_path, reason, stop, created, started,
+     ended) = row
+    return Run(run_id, name, json.loads(settings), status, round_id, json.loads(last), out_dir, model_path, reason,
+               bool(stop), created, started, ended)
+
+
+def _audit(db: sqlite3.Connection, who: str, action: str, run_id: int | None, detail: str) -> None:
+    db.execute("INSERT INTO audit (at, who, action, run_id, detail) VALUES (?, ?, ?, ?, ?)",
+               (time.time(), who, action, run_id, detail))
+
+
+def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
+    """One line on why the state file at ``path`` cannot be used."""
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return f"state file {path} is locked by another process (another fedpar serve?); stop it or use another --state"
+    if "not a database" in text or "malformed" in text or "corrupt" in text:
+        return (f"state file {path} is not a fedpar state database or is damaged ({text}); move it aside and start "
+                "again, or give another --state")
+    return f"state file {path}: {text}"

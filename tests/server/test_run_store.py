@@ -1,0 +1,87 @@
+"""The run store: runs, round metrics and audit in SQLite, transactional, versioned, recovered after a crash."""
+
+import sqlite3
+
+import pytest
+
+from fedpar.server.run_store import SCHEMA_VERSION, RunStore, StoreError, UnknownRun
+
+
+def test_runs_go_from_queued_to_finished_with_their_rounds_kept(tmp_path):
+    path = tmp_path / "state.db"
+    store = RunStore(path)
+    first = store.submit("a", {"strategy": "fedavg", "rounds": 2}, who="alice")
+    second = store.submit("b", {"strategy": "fedprox", "rounds": 1}, who="alice")
+    assert store.next_queued().id == first
+    store.start(first, str(tmp_path / "1"))
+    store.record_round(first, {"round": 1, "status": "ok", "test_accuracy": 0.5})
+    store.record_round(first, {"round": 2, "status": "ok", "test_accuracy": 0.7})
+    store.end(first, "finished", model_path="m.safetensors")
+    store.close()
+
+    again = RunStore(path)  # everything committed is there after reopening
+    run = again.get(first)
+    assert (run.status, run.round, run.last_metrics["test_accuracy"], run.model_path) == \
+        ("finished", 2, 0.7, "m.safetensors")
+    assert [r["round"] for r in again.round_metrics(first)] == [1, 2]
+    assert [r["round"] for r in again.round_metrics(first, after=1)] == [2]
+    assert again.next_queued().id == second
+    assert [(a["who"], a["action"], a["run_id"]) for a in again.audit_rows()] == \
+        [("alice", "submit", first), ("alice", "submit", second)]
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_run_left_running_by_a_crash_is_queued_again_and_a_stopped_one_ends(tmp_path):
+    path = tmp_path / "state.db"
+    store = RunStore(path)
+    resumed, stopping = store.submit("a", {}), store.submit("b", {})
+    store.start(resumed, "x")
+    store.start(stopping, "y")
+    store.request_stop(stopping, who="bob")
+    store.close()  # as a kill -9 would leave it: two runs "running"
+    again = RunStore(path)
+    assert again.recover() == [resumed]
+    assert again.get(resumed).status == "queued" and "resumed" in again.get(resumed).reason
+    assert again.get(stopping).status == "stopped"
+    assert not [r for r in again.runs() if r.status == "running"]
+
+
+def test_stopping_a_queued_run_ends_it_and_unknown_ids_say_so(tmp_path):
+    store = RunStore()
+    run_id = store.submit("a", {})
+    store.request_stop(run_id, who="carol")
+    assert store.get(run_id).status == "stopped" and store.next_queued() is None
+    with pytest.raises(UnknownRun, match="no run with id 99"):
+        store.get(99)
+    with pytest.raises(UnknownRun):
+        store.request_stop(99)
+    with pytest.raises(ValueError):
+        store.end(run_id, "running")
+
+
+def test_an_older_schema_is_migrated_and_a_newer_one_refused(tmp_path):
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(path)  # version 1: runs and rounds, no audit table yet
+    from fedpar.server.run_store import MIGRATIONS
+    db.executescript("CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (1);"
+                     + MIGRATIONS[0])
+    db.close()
+    store = RunStore(path)
+    assert store.schema_version() == SCHEMA_VERSION
+    store.audit("dave", "ls")
+    assert store.audit_rows()[0]["who"] == "dave"
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE schema_version SET version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="newer than this fedpar"):
+        RunStore(path)
+
+
+def test_a_corrupt_file_is_one_clear_error_and_left_as_it_was(tmp_path):
+    path = tmp_path / "state.db"
+    path.write_bytes(b"this is not sqlite at all" * 100)
+    with pytest.raises(StoreError, match="not a fedpar state database or is damaged"):
+        RunStore(path)
+    assert path.read_bytes() == b"this is not sqlite at all" * 100
