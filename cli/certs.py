@@ -32,6 +32,11 @@ class CertsOptions(Output):
     agents: list[str] = setting(default_factory=list, append=True, check="id_list", group="certificates",
                                 metavar="ID[,ID...]",
                                 help="agent ids to issue client certificates for (certificate subject CN = agent id)")
+    operators: list[str] = setting(default_factory=list, append=True, check="id_list", group="certificates",
+                                   metavar="NAME[,NAME...]",
+                                   help="operator names to issue client certificates with the operator role for "
+                                        "(OUT/operators/NAME.pem and .key): only these may submit, stop or "
+                                        "download runs on a service's control port")
     server_name: list[str] | None = setting(
         None, append=True, group="certificates", metavar="NAME",
         help="DNS name or IP address agents dial the coordinator by (repeat for several); given, it re-issues "
@@ -81,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
     paths = CertPaths(Path(args.out))
     housekeeping = args.revoke or args.revoke_cert or args.mint_token
     try:
-        for agent_id in [*args.agents, *args.revoke, *args.mint_token]:
+        for agent_id in [*args.agents, *args.operators, *args.revoke, *args.mint_token]:
             check_agent_id(agent_id)
-        if args.agents or args.server_name or args.force or not housekeeping:
-            report = ensure_certs(args.out, args.agents, args.server_name, args.days, args.force)
+        if args.agents or args.operators or args.server_name or args.force or not housekeeping:
+            report = ensure_certs(args.out, args.agents, args.server_name, args.days, args.force, args.operators)
             if report.created_ca:
                 print(f"created a new CA in {paths.root}")
             for path in report.written:

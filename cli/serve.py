@@ -24,6 +24,7 @@ from fedpar.cli.log_level import setup_logging
 from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
+from fedpar.cli.serve_service import ServiceOptions
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
@@ -67,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for key in ("coordinator", "outputs", "data", "device", "rounds", "training"):
         section(p, key)
     add_declared(p, ServeOptions, only=("host", "port", "port_file"))
+    add_declared(p, ServiceOptions)
     add_declared(p, DataSource)
     add_declared(p, DataFiles)
     add_declared(p, TaskReference)
@@ -146,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args)
     flush_denormals()
+    if args.state is not None:
+        from fedpar.cli.serve_service import run_service
+        return run_service(args, _plan)
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_port_free(args.host, args.port)

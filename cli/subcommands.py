@@ -9,5 +9,6 @@ SUBCOMMANDS = {
                                              "(one process per torchrun rank)"),
     "train": ("train", "centralized training on the parallel engine (DDP/FSDP/TP/PP)"),
     "certs": ("certs", "make TLS certificates (CA, coordinator, agents), enrollment tokens; revoke agents"),
+    "run": ("run", "submit, list, follow, stop and download the runs of a service (fedpar serve --state)"),
     "export": ("export", "write a run's global model (or a checkpoint's) as a torch state_dict file"),
 }

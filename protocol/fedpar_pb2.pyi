@@ -580,3 +580,53 @@ class RankAlive(_message.Message):
 class RankAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RunSubmit(_message.Message):
+    __slots__ = ("name", "settings_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    settings_json: str
+    def __init__(self, name: _Optional[str] = ..., settings_json: _Optional[str] = ...) -> None: ...
+
+class RunRef(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    def __init__(self, run_id: _Optional[int] = ...) -> None: ...
+
+class RunQuery(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunList(_message.Message):
+    __slots__ = ("runs_json",)
+    RUNS_JSON_FIELD_NUMBER: _ClassVar[int]
+    runs_json: str
+    def __init__(self, runs_json: _Optional[str] = ...) -> None: ...
+
+class RunLogsRequest(_message.Message):
+    __slots__ = ("run_id", "after_round", "follow")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    run_id: int
+    after_round: int
+    follow: bool
+    def __init__(self, run_id: _Optional[int] = ..., after_round: _Optional[int] = ..., follow: bool = ...) -> None: ...
+
+class RunRound(_message.Message):
+    __slots__ = ("metrics_json", "status")
+    METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    metrics_json: str
+    status: str
+    def __init__(self, metrics_json: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+
+class RunFile(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...

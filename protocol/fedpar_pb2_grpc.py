@@ -754,3 +754,261 @@ class RankControl(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RunControlStub(object):
+    """The control API of a long-lived coordinator service (`fedpar serve --state`), on its own port: mutual TLS, and
+    only certificates issued with the operator role (`fedpar certs --operators NAME`) are answered. Settings and
+    runs travel as JSON: they are the declared settings of `fedpar serve` (cli/run_settings.py).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Submit = channel.unary_unary(
+                '/fedpar.v1.RunControl/Submit',
+                request_serializer=fedpar__pb2.RunSubmit.SerializeToString,
+                response_deserializer=fedpar__pb2.RunRef.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/fedpar.v1.RunControl/List',
+                request_serializer=fedpar__pb2.RunQuery.SerializeToString,
+                response_deserializer=fedpar__pb2.RunList.FromString,
+                _registered_method=True)
+        self.Logs = channel.unary_stream(
+                '/fedpar.v1.RunControl/Logs',
+                request_serializer=fedpar__pb2.RunLogsRequest.SerializeToString,
+                response_deserializer=fedpar__pb2.RunRound.FromString,
+                _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/fedpar.v1.RunControl/Stop',
+                request_serializer=fedpar__pb2.RunRef.SerializeToString,
+                response_deserializer=fedpar__pb2.RunList.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_stream(
+                '/fedpar.v1.RunControl/Get',
+                request_serializer=fedpar__pb2.RunRef.SerializeToString,
+                response_deserializer=fedpar__pb2.RunFile.FromString,
+                _registered_method=True)
+
+
+class RunControlServicer(object):
+    """The control API of a long-lived coordinator service (`fedpar serve --state`), on its own port: mutual TLS, and
+    only certificates issued with the operator role (`fedpar certs --operators NAME`) are answered. Settings and
+    runs travel as JSON: they are the declared settings of `fedpar serve` (cli/run_settings.py).
+    """
+
+    def Submit(self, request, context):
+        """Queue a run; its settings are checked first (INVALID_ARGUMENT says what is wrong).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Every run with its status, round and last metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Logs(self, request, context):
+        """A run's rounds after after_round; with follow, until the run ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stop(self, request, context):
+        """Stop a run (a queued one at once, a running one at its next check); returns the run as it was.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """A run's final model and metrics files, each in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RunControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=fedpar__pb2.RunSubmit.FromString,
+                    response_serializer=fedpar__pb2.RunRef.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=fedpar__pb2.RunQuery.FromString,
+                    response_serializer=fedpar__pb2.RunList.SerializeToString,
+            ),
+            'Logs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Logs,
+                    request_deserializer=fedpar__pb2.RunLogsRequest.FromString,
+                    response_serializer=fedpar__pb2.RunRound.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=fedpar__pb2.RunRef.FromString,
+                    response_serializer=fedpar__pb2.RunList.SerializeToString,
+            ),
+            'Get': grpc.unary_stream_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=fedpar__pb2.RunRef.FromString,
+                    response_serializer=fedpar__pb2.RunFile.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedpar.v1.RunControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedpar.v1.RunControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RunControl(object):
+    """The control API of a long-lived coordinator service (`fedpar serve --state`), on its own port: mutual TLS, and
+    only certificates issued with the operator role (`fedpar certs --operators NAME`) are answered. Settings and
+    runs travel as JSON: they are the declared settings of `fedpar serve` (cli/run_settings.py).
+    """
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.RunControl/Submit',
+            fedpar__pb2.RunSubmit.SerializeToString,
+            fedpar__pb2.RunRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.RunControl/List',
+            fedpar__pb2.RunQuery.SerializeToString,
+            fedpar__pb2.RunList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Logs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedpar.v1.RunControl/Logs',
+            fedpar__pb2.RunLogsRequest.SerializeToString,
+            fedpar__pb2.RunRound.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.RunControl/Stop',
+            fedpar__pb2.RunRef.SerializeToString,
+            fedpar__pb2.RunList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedpar.v1.RunControl/Get',
+            fedpar__pb2.RunRef.SerializeToString,
+            fedpar__pb2.RunFile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

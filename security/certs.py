@@ -24,6 +24,7 @@ from fedpar.protocol.atomicfile import atomic_write_bytes
 
 DEFAULT_SERVER_NAMES = ("localhost", "127.0.0.1")
 DEFAULT_DAYS = 365
+OPERATOR_ROLE = "operator"  # subject OU of a certificate the control API answers (fedpar certs --operators)
 # Agent ids that go into certificates are also file names: keep them to a safe alphabet (CN max is 64).
 AGENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_NAMES = {"ca", "server"}
@@ -69,6 +70,14 @@ class CertPaths:
     def tokens(self) -> Path:
         return self.root / "tokens.txt"
 
+    def operator_cert(self, name: str) -> Path:
+        """Client certificate of operator ``name`` (the control API's users)."""
+        return self.root / "operators" / f"{check_agent_id(name)}.pem"
+
+    def operator_key(self, name: str) -> Path:
+        """Private key of operator ``name``."""
+        return self.root / "operators" / f"{check_agent_id(name)}.key"
+
     def agent_cert(self, agent_id: str) -> Path:
         """Client certificate of ``agent_id``."""
         return self.root / f"{check_agent_id(agent_id)}.pem"
@@ -109,9 +118,11 @@ def create_ca(common_name: str = "fedpar CA", days: int = 10 * DEFAULT_DAYS) -> 
 
 
 def _leaf(ca_key: PrivateKey, ca_cert: x509.Certificate, common_name: str, usage: x509.ObjectIdentifier,
-          days: int, san: x509.SubjectAlternativeName | None = None) -> tuple[PrivateKey, x509.Certificate]:
+          days: int, san: x509.SubjectAlternativeName | None = None,
+          role: str | None = None) -> tuple[PrivateKey, x509.Certificate]:
     key = new_private_key()
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+                        + ([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)] if role else []))
     builder = (_builder(subject, ca_cert.subject, key.public_key(), days)
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_agreement=True,
@@ -153,6 +164,19 @@ def issue_agent_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, agent_id: st
                      days: int = DEFAULT_DAYS) -> tuple[PrivateKey, x509.Certificate]:
     """A client certificate whose subject common name is ``agent_id``: what the coordinator trusts as identity."""
     return _leaf(ca_key, ca_cert, check_agent_id(agent_id), ExtendedKeyUsageOID.CLIENT_AUTH, days)
+
+
+def issue_operator_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, name: str,
+                        days: int = DEFAULT_DAYS) -> tuple[PrivateKey, x509.Certificate]:
+    """A client certificate with the operator role (subject OU): the control API answers only these."""
+    return _leaf(ca_key, ca_cert, check_agent_id(name), ExtendedKeyUsageOID.CLIENT_AUTH, days, role=OPERATOR_ROLE)
+
+
+def certificate_role(pem: bytes) -> str:
+    """The role a PEM certificate was issued with: 'operator' or 'agent' (no role)."""
+    cert = x509.load_pem_x509_certificate(pem)
+    units = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)]
+    return OPERATOR_ROLE if OPERATOR_ROLE in units else "agent"
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
@@ -209,9 +233,10 @@ class CertReport:
 
 
 def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[str] | None = None,
-                 days: int = DEFAULT_DAYS, force: bool = False) -> CertReport:
+                 days: int = DEFAULT_DAYS, force: bool = False, operators: Iterable[str] = ()) -> CertReport:
     """Make (or extend) a certificate folder: the CA if missing, the server certificate if missing or if
-    ``server_names`` is given, and one certificate per agent (existing ones kept unless ``force``)."""
+    ``server_names`` is given, one certificate per agent and one per operator (existing ones kept unless
+    ``force``)."""
     paths = CertPaths(Path(out))
     agents = [check_agent_id(a) for a in agents]
     if days < 1:
@@ -242,4 +267,12 @@ def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[s
         write_private_key(paths.agent_key(agent_id), key)
         write_certificate(paths.agent_cert(agent_id), cert)
         written += [paths.agent_cert(agent_id), paths.agent_key(agent_id)]
+    for name in operators:
+        if paths.operator_cert(name).exists() and not force:
+            skipped.append(paths.operator_cert(name))
+            continue
+        key, cert = issue_operator_cert(ca_key, ca_cert, name, days)
+        write_private_key(paths.operator_key(name), key)
+        write_certificate(paths.operator_cert(name), cert)
+        written += [paths.operator_cert(name), paths.operator_key(name)]
     return CertReport(created_ca, written, skipped)

@@ -70,6 +70,7 @@ class Coordinator(IngestPlane):
         self.ranks = ranks  # the other aggregator ranks (server/ranks/), or None
         self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
         self.finished = False
+        self.keeps_members = False  # a service's next run takes the members: they never hear that training is over
         self.metrics = RoundMetricsLog(config.metrics_path, declared_columns(config), config.target_accuracy)
         self.started_at = time.monotonic()
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
@@ -128,7 +129,7 @@ class Coordinator(IngestPlane):
             # A coordinator stopped early leaves its agents polling (they re-join the restarted one by themselves);
             # after the last round, or an error, they hear that training is over.
             self.finished = not stopped_early
-            self.members.finish(tell=not stopped_early)
+            self.members.finish(tell=not stopped_early and not self.keeps_members)
 
     # ----------------------------------------------------------------- one round
     async def _run_round(self, round_id: int) -> None:
@@ -256,7 +257,7 @@ class Coordinator(IngestPlane):
 
     def task_for(self, agent: AgentRecord, finished_task_id: str = "") -> pb.PullTaskReply | None:
         """The reply to a poll of ``agent`` now: its task, or that training is over; None while it has none."""
-        if self.finished:
+        if self.finished and not self.keeps_members:
             self.members.told(agent.agent_id)
             return pb.PullTaskReply(shutdown_reason=f"training finished after round {self.round_id}")
         state = self.current

@@ -1,0 +1,146 @@
+"""Submit, list, follow, stop and download the runs of a long-lived coordinator service (`fedpar serve --state`),
+over its control port with an operator certificate: 'fedpar run submit run.toml', 'fedpar run ls',
+'fedpar run logs ID -f', 'fedpar run stop ID', 'fedpar run get ID --out DIR'."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedpar.cli.config import ConfigError
+from fedpar.cli.declared import add_declared, section
+from fedpar.cli.tlsopts import TlsFileOptions
+from fedpar.sections import Output
+from fedpar.settings import setting
+
+LOG_LEVEL = None
+ACTIONS = ("submit", "ls", "logs", "stop", "get")
+
+
+@dataclass
+class RunCommand:
+    """How ``fedpar run`` reaches the service, and the options of its actions."""
+
+    control: str = setting("127.0.0.1:50052", group="connection", metavar="HOST:PORT",
+                           help="the service's control API (fedpar serve --state ... --control-port)")
+    operator: str | None = setting(None, group="tls", metavar="NAME",
+                                   help="whose certificate of --certs to present: DIR/operators/NAME.pem and .key "
+                                        "(fedpar certs --operators NAME)")
+    name: str | None = setting(None, group="connection",
+                               help="with submit: the run's name (default: the run file's name)")
+    follow: bool = setting(False, group="connection", help="with logs (also -f): keep following until the run ends")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``fedpar run``: an action word, then its argument (a run file or a run id)."""
+    section(p, "connection")
+    p.add_argument("words", nargs="+", metavar="ACTION [FILE|ID]", help=f"one of {', '.join(ACTIONS)}, then a run "
+                                                                      "file (submit) or a run id")
+    follow = add_declared(p, RunCommand)["follow"]
+    follow.option_strings.insert(0, "-f")  # 'fedpar run logs ID -f', as tail -f
+    p._option_string_actions["-f"] = follow
+    add_declared(p, TlsFileOptions, only=("certs",))
+    add_declared(p, Output)
+
+
+def _stub(args: argparse.Namespace):
+    import grpc
+
+    from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
+    from fedpar.security.certs import CertPaths
+    from fedpar.security.tls import TlsFiles, channel_credentials
+
+    if not args.certs or not args.operator:
+        raise ValueError("the control API needs mutual TLS: give --certs DIR and --operator NAME")
+    paths = CertPaths(Path(args.certs))
+    files = TlsFiles(paths.operator_cert(args.operator), paths.operator_key(args.operator), paths.ca_cert)
+    channel = grpc.secure_channel(args.control, channel_credentials(files))
+    return pb_grpc.RunControlStub(channel)
+
+
+def _run_id(words: list[str], action: str) -> int:
+    if len(words) != 1 or not words[0].isdigit():
+        raise ValueError(f"'fedpar run {action}' takes one run id (a number; 'fedpar run ls' lists them)")
+    return int(words[0])
+
+
+def _row_line(row: dict) -> str:
+    keys = ("round", "status", "reported", "test_accuracy", "test_loss", "train_loss")
+    return "  ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
+                     for k in keys if k in row)
+
+
+def _do(args: argparse.Namespace, stub) -> int:
+    from fedpar.protocol import fedpar_pb2 as pb
+
+    words = list(args.words)
+    action = words.pop(0)
+    if action not in ACTIONS:
+        raise ValueError(f"unknown action {action!r}: use one of {', '.join(ACTIONS)}")
+    if action == "submit":
+        from fedpar.cli.run_settings import read_run_file
+
+        if len(words) != 1:
+            raise ValueError("'fedpar run submit' takes one run file (TOML)")
+        settings = read_run_file(words[0])
+        reply = stub.Submit(pb.RunSubmit(name=args.name or Path(words[0]).stem, settings_json=json.dumps(settings)),
+                            timeout=120)
+        print(reply.run_id)
+    elif action == "ls":
+        runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
+        print(f"{'ID':>4}  {'NAME':<16} {'STATUS':<9} {'ROUND':>5}  LAST METRICS")
+        for run in runs:
+            print(f"{run['id']:>4}  {run['name'][:16]:<16} {run['status']:<9} {run['round']:>5}  "
+                  f"{_row_line(run['last_metrics'])}" + (f"  ({run['reason']})" if run["reason"] else ""))
+    elif action == "logs":
+        run_id = _run_id(words, "logs")
+        for message in stub.Logs(pb.RunLogsRequest(run_id=run_id, follow=args.follow), timeout=None):
+            if message.metrics_json:
+                print(_row_line(json.loads(message.metrics_json)), flush=True)
+            else:
+                print(f"run {run_id} is {message.status}")
+    elif action == "stop":
+        run = json.loads(stub.Stop(pb.RunRef(run_id=_run_id(words, "stop")), timeout=30).runs_json)[0]
+        print(f"run {run['id']} was {run['status']}: " + ("stopped" if run["status"] == "queued" else
+                                                         "it stops at its next check" if run["status"] == "running"
+                                                         else "nothing to stop"))
+    elif action == "get":
+        run_id = _run_id(words, "get")
+        if not args.out:
+            raise ValueError("'fedpar run get' needs --out DIR")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        handles: dict[str, object] = {}
+        try:
+            for chunk in stub.Get(pb.RunRef(run_id=run_id), timeout=600):
+                if chunk.name not in handles:
+                    handles[chunk.name] = (out / f"{Path(chunk.name).name}.part").open("wb")
+                handles[chunk.name].write(chunk.data)
+        finally:
+            for handle in handles.values():
+                handle.close()
+        for name in handles:
+            (out / f"{name}.part").replace(out / name)
+        print(f"wrote {out}/{', '.join(handles) or 'nothing'}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Do the action; a refusal or a mistake is one line and a non-zero exit."""
+    import grpc
+
+    try:
+        return _do(args, _stub(args))
+    except (ValueError, ConfigError) as exc:
+        print(f"fedpar run: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as err:
+        code = err.code()
+        where = f" at {args.control}; is 'fedpar serve --state' running there?" \
+            if code == grpc.StatusCode.UNAVAILABLE else ""
+        print(f"fedpar run: {err.details()}{where}", file=sys.stderr)
+        return 1 if code == grpc.StatusCode.UNAVAILABLE else 2

@@ -1,0 +1,61 @@
+"""A run's settings: the run-level sections of ``fedpar serve`` (task, model and data, strategy and its options,
+rounds and cohort, deadline, local training, privacy, secure aggregation, compression, seed), read from a TOML file
+and checked with the same declarations as serve's flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from fedpar.cli.config import ConfigError, load_toml_section, typed_value
+from fedpar.cli.privacy import PrivacyOptions
+from fedpar.datasets.settings import DataSource
+from fedpar.protocol.compressed_wire import CompressionConfig
+from fedpar.protocol.local_training import LocalTraining
+from fedpar.sections import Seeded
+from fedpar.server.config import RoundSampling, SecureAggregation, StrategyChoice
+from fedpar.settings import declared_fields, setting_key
+from fedpar.task import TaskReference
+
+RUN_SECTIONS = (DataSource, TaskReference, StrategyChoice, RoundSampling, LocalTraining, SecureAggregation,
+                CompressionConfig, PrivacyOptions, Seeded)
+RUN_KEYS = frozenset(setting_key(f) for cls in RUN_SECTIONS for f in declared_fields(cls))
+TABLE = "run"  # a run file's settings: its [run] table, or its top level
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The parser of ``fedpar serve``: a run's keys are its options, and checked as they are."""
+    from fedpar.cli.main import build_parser, subcommand_parser
+
+    return subcommand_parser(build_parser(only="serve"), "serve")
+
+
+def run_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` (TOML keys -> values) checked as serve's options; ConfigError naming ``where`` and the key for an
+    unknown key or a bad value. Returns the values as serve's parser would hold them (JSON-ready)."""
+    actions = {a.dest: a for a in serve_parser()._actions}
+    unknown = sorted(k for k in values if k not in RUN_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown run setting(s) {', '.join(unknown)}; a run sets only "
+                          f"{', '.join(sorted(RUN_KEYS))}")
+    out = {}
+    for key, value in values.items():
+        try:
+            out[key] = typed_value(actions[key], value)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {key}: {exc}") from None
+        if isinstance(out[key], Path):
+            out[key] = str(out[key])
+    return out
+
+
+def read_run_file(path: str | Path) -> dict[str, Any]:
+    """The checked settings of run file ``path`` (its [run] table or its top level); ConfigError when unusable."""
+    dict_options = {setting_key(f) for cls in RUN_SECTIONS for f in declared_fields(cls) if f.default_factory is dict}
+    return run_settings(load_toml_section(path, TABLE, dict_options), str(path))
+
+
+def run_args(service: argparse.Namespace, settings: dict[str, Any]) -> argparse.Namespace:
+    """The options of one run: the service's, with the run's settings over them."""
+    return argparse.Namespace(**{**vars(service), **settings})

@@ -1,0 +1,198 @@
+"""The long-lived form of ``fedpar serve`` (``--state PATH``): a federation that outlives its runs.
+
+Runs are submitted on the control port (``fedpar run submit``), kept in a SQLite run store and executed one at a
+time, each by a coordinator of its own on the agents' port; agents stay up across runs (a run that ends keeps
+them, they join the next run's coordinator by themselves). A run left running when the service ended (a signal,
+a crash, kill -9) resumes from its last checkpoint at the next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from fedpar.cli.observability import Observers
+from fedpar.cli.run_settings import run_args, run_settings
+from fedpar.cli.user_errors import UserError
+from fedpar.parallel.stopping import signal_name, stop_on_signals
+from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.server.run_store import RunStore, StoreError
+from fedpar.settings import setting
+
+IDLE_POLL_SECONDS = 0.5
+
+
+@dataclass
+class ServiceOptions:
+    """What the long-lived form of ``fedpar serve`` adds: where its runs are kept and its control port."""
+
+    state: Path | None = setting(
+        None, group="coordinator", metavar="PATH",
+        help="run as a long-lived service keeping its runs in this SQLite file (runs' outputs go beside it, in "
+             "PATH.runs/ID): runs are submitted with 'fedpar run submit' on --control-port and run one at a time; "
+             "agents stay connected between runs. Without it, serve runs one run (these flags) and exits")
+    control_port: int = setting(50052, check="port", group="coordinator",
+                                help="with --state: port of the control API (mutual TLS with --certs; only "
+                                     "certificates from 'fedpar certs --operators NAME' are answered)")
+    control_port_file: Path | None = setting(None, group="coordinator",
+                                             help="with --state: once listening, write the control port to this file")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _lock(path: Path):
+    """An exclusive lock beside the state file: one service per state file (UserError if another holds it)."""
+    handle = open(f"{path}.lock", "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UserError(f"state file {path} is in use by another fedpar serve; stop it or give another --state", 1)
+    return handle
+
+
+class RunService:
+    """Executes the queued runs of ``store`` one after another on ``port``, with ``args`` as every run's base."""
+
+    def __init__(self, args: argparse.Namespace, store: RunStore, port: int, plan: Callable):
+        self.args, self.store, self.port, self.plan = args, store, port, plan  # plan: serve's, args -> ServePlan
+        self.runs_dir = Path(f"{args.state}.runs")
+
+    def validate(self, settings: dict) -> dict:
+        """A submitted run's settings, checked as serve's options and by building its coordinator's parts."""
+        checked = run_settings(settings, "run settings")
+        try:
+            self.plan(run_args(self.args, {**checked, "out": str(self.runs_dir / "check")}))
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        return checked
+
+    def serve_forever(self) -> None:
+        """Run queued runs until a signal (KeyboardInterrupt) ends the service."""
+        while True:
+            run = self.store.next_queued()
+            if run is None:
+                time.sleep(IDLE_POLL_SECONDS)
+                continue
+            self.execute(run)
+
+    def execute(self, run) -> None:
+        """Run ``run`` to its end (finished, failed or stopped); a signal leaves it running, to resume."""
+        from fedpar.server.app import RestoreError
+        from fedpar.simulations.run_outputs import write_run_outputs
+
+        out = self.runs_dir / str(run.id)
+        args = run_args(self.args, {**run.settings, "out": str(out), "checkpoint_dir": out / "checkpoints"})
+        if self.args.tensorboard:
+            args.tensorboard = str(Path(self.args.tensorboard) / f"run-{run.id}")
+        self.store.start(run.id, str(out))
+        print(f"run {run.id} ({run.name}) started", flush=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            plan = self.plan(args)
+            observers = Observers(args)
+        except (ValueError, UserError, OSError) as exc:
+            self._end(run, "failed", f"cannot start: {exc}")
+            return
+        record = lambda row: self.store.record_round(run.id, _plain(row))  # noqa: E731
+        server = plan.assembly.server(plan.config, plan.strategy, on_round_end=[record, *observers.round_callbacks()],
+                                      admission=plan.security.admission, host=self.args.host, port=self.port,
+                                      credentials=plan.security.credentials, data_tls=plan.security.data_tls)
+        server.coordinator.keeps_members = True
+        started, status, reason = time.monotonic(), "failed", ""
+        try:
+            try:
+                server.start()
+            except RestoreError as exc:
+                reason = f"cannot resume: {exc}"
+                return
+            while not server.wait(0.5):
+                if self.store.stop_requested(run.id):
+                    status, reason = "stopped", f"stopped after round {server.coordinator.round_id}"
+                    break
+            else:
+                status = "finished"
+        except KeyboardInterrupt:
+            status = None  # the service is stopping: the run resumes at its next start
+            raise
+        except Exception as exc:  # a round's error ends this run, not the service
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            server.stop(grace=0.5)
+            observers.close()
+            outputs = write_run_outputs(out, server.coordinator, plan.assembly.description,
+                                        {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"},
+                                        title=f"run {run.id} ({run.name})")
+            if status is not None:
+                model = out / "global.safetensors"
+                self._end(run, status, reason or outputs.summary.get("stopped_because", ""),
+                          str(model) if model.is_file() else "")
+
+    def _end(self, run, status: str, reason: str, model: str = "") -> None:
+        self.store.end(run.id, status, reason, model)
+        print(f"run {run.id} ({run.name}) {status}" + (f": {reason}" if reason else ""), flush=True)
+
+
+def _plain(row: dict) -> dict:
+    """A metrics row as JSON holds it (numpy scalars as numbers)."""
+    return json.loads(json.dumps(row, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+
+
+def run_service(args: argparse.Namespace, plan: Callable) -> int:
+    """``fedpar serve --state PATH``: serve runs until SIGTERM or SIGINT (``plan``: serve's, builds a run's
+    coordinator parts from its options)."""
+    from fedpar.cli.tlsopts import server_security
+    from fedpar.security.tls import server_credentials, server_tls_files
+    from fedpar.server.run_control import RunControlServer
+
+    state = Path(args.state)
+    state.parent.mkdir(parents=True, exist_ok=True)
+    lock = _lock(state)
+    try:
+        store = RunStore(state)
+    except StoreError as exc:
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server_security(args)
+        files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
+        if files.ca is None:
+            raise UserError("the control port needs mutual TLS: give --certs DIR (or --tls-ca)")
+        credentials = server_credentials(files)
+    except (ValueError, UserError) as exc:
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        return 2
+    for run_id in store.recover():
+        print(f"run {run_id} was running when the service last ended: it resumes from its last checkpoint",
+              flush=True)
+    port = args.port or _free_port(args.host)
+    service = RunService(args, store, port, plan)
+    control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
+    if args.control_port_file:
+        atomic_write_bytes(args.control_port_file, [f"{control.port}\n".encode()])
+    if args.port_file:
+        atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
+    print(f"fedpar service: agents on {args.host}:{port}, control API on {args.host}:{control.port} (mutual TLS, "
+          f"operators only), runs in {state}", flush=True)
+    try:
+        with stop_on_signals():
+            service.serve_forever()
+    except KeyboardInterrupt as exc:
+        print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)
+        return 0
+    finally:
+        control.stop()
+        store.close()
+        lock.close()
+    return 0

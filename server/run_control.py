@@ -1,0 +1,150 @@
+"""The control API of a long-lived coordinator service: submit, list, follow, stop and download runs, on a port of
+its own, over mutual TLS, answered only for certificates with the operator role; every action is audited."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
+from fedpar.security.certs import OPERATOR_ROLE, certificate_role
+from fedpar.server.run_store import ENDED, RunStore, StoreError, UnknownRun
+
+log = logging.getLogger("fedpar.server")
+FILE_CHUNK_BYTES = 1 << 20
+RUN_FILES = ("global.safetensors", "global.json", "metrics.jsonl", "metrics.csv", "summary.json")
+FOLLOW_POLL_SECONDS = 0.25
+
+# settings (JSON-ready dict) -> the settings to store; ValueError saying what is wrong.
+Validate = Callable[[dict], dict]
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def operator_of(context: grpc.ServicerContext) -> str:
+    """The operator behind a call: its certificate's common name; _Refused unless the certificate has the
+    operator role."""
+    auth = context.auth_context()
+    pem = (auth.get("x509_pem_cert") or [b""])[0]
+    name = (auth.get("x509_common_name") or [b"?"])[0].decode(errors="replace")
+    if not pem:
+        raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "the control API needs a client certificate")
+    if certificate_role(pem) != OPERATOR_ROLE:
+        raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                       f"certificate {name!r} has no operator role; issue one with 'fedpar certs --operators NAME'")
+    return name
+
+
+class RunControl(pb_grpc.RunControlServicer):
+    """The RunControl calls on top of a :class:`RunStore`; ``validate`` checks a submitted run's settings."""
+
+    def __init__(self, store: RunStore, validate: Validate):
+        self.store, self.validate = store, validate
+
+    def _guard(self, context, action: str, fn):
+        try:
+            who = operator_of(context)
+        except _Refused as r:
+            peer = (context.auth_context().get("x509_common_name") or [b"(no certificate)"])[0].decode()
+            self.store.audit(peer, f"refused {action}", detail=r.message)
+            context.abort(r.code, r.message)
+        try:
+            return fn(who)
+        except UnknownRun as exc:
+            self.store.audit(who, action, detail=str(exc))
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:
+            self.store.audit(who, f"refused {action}", detail=str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StoreError as exc:
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+
+    def Submit(self, request: pb.RunSubmit, context) -> pb.RunRef:
+        """Check and queue a run."""
+        def submit(who):
+            try:
+                settings = json.loads(request.settings_json or "{}")
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"run settings are not JSON: {exc}") from None
+            if not isinstance(settings, dict):
+                raise ValueError("run settings must be a table of settings")
+            checked = self.validate(settings)
+            return pb.RunRef(run_id=self.store.submit(request.name or "run", checked, who))
+        return self._guard(context, "submit", submit)
+
+    def List(self, request: pb.RunQuery, context) -> pb.RunList:
+        """Every run."""
+        def listing(who):
+            self.store.audit(who, "ls")
+            return pb.RunList(runs_json=json.dumps([r.to_json() for r in self.store.runs()]))
+        return self._guard(context, "ls", listing)
+
+    def Stop(self, request: pb.RunRef, context) -> pb.RunList:
+        """Ask a run to stop."""
+        return self._guard(context, "stop", lambda who: pb.RunList(
+            runs_json=json.dumps([self.store.request_stop(request.run_id, who).to_json()])))
+
+    def Logs(self, request: pb.RunLogsRequest, context):
+        """A run's rounds; with ``follow``, until it ends (or the caller leaves)."""
+        def first(who):
+            self.store.audit(who, "logs", request.run_id)
+            return self.store.get(request.run_id)
+        run = self._guard(context, "logs", first)
+        after = request.after_round
+        while True:
+            for row in self.store.round_metrics(run.id, after):
+                after = row["round"]
+                yield pb.RunRound(metrics_json=json.dumps(row), status=run.status)
+            run = self.store.get(run.id)
+            if not request.follow or run.status in ENDED or not context.is_active():
+                if request.follow and run.status in ENDED:
+                    for row in self.store.round_metrics(run.id, after):
+                        after = row["round"]
+                        yield pb.RunRound(metrics_json=json.dumps(row), status=run.status)
+                yield pb.RunRound(status=run.status)
+                return
+            time.sleep(FOLLOW_POLL_SECONDS)
+
+    def Get(self, request: pb.RunRef, context):
+        """A run's final model and metrics files."""
+        def files(who):
+            run = self.store.get(request.run_id)
+            if run.status not in ENDED:
+                raise ValueError(f"run {run.id} is {run.status}; its model is downloadable once it ends")
+            self.store.audit(who, "get", run.id)
+            return [p for p in (Path(run.out_dir) / name for name in RUN_FILES) if p.is_file()]
+        for path in self._guard(context, "get", files):
+            with path.open("rb") as fh:
+                while chunk := fh.read(FILE_CHUNK_BYTES):
+                    yield pb.RunFile(name=path.name, data=chunk)
+
+
+class RunControlServer:
+    """The control API served on ``host:port`` (0 picks a free one) with ``credentials`` (mutual TLS)."""
+
+    def __init__(self, store: RunStore, validate: Validate, host: str, port: int,
+                 credentials: grpc.ServerCredentials):
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fedpar-control"),
+                                   options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_RunControlServicer_to_server(RunControl(store, validate), self._server)
+        try:
+            self.port = self._server.add_secure_port(f"{host}:{port}", credentials)
+        except RuntimeError:
+            raise OSError(f"cannot listen on {host}:{port} for the control API: the port is in use or the "
+                          "address is not this machine's") from None
+        self._server.start()
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop answering control calls."""
+        self._server.stop(grace).wait(grace + 1)
