@@ -113,11 +113,11 @@ def _do(args: argparse.Namespace, stub) -> int:
         if not args.out:
             raise ValueError("'fedpar run get' needs --out DIR")
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         handles: dict[str, object] = {}
         try:
             for chunk in stub.Get(pb.RunRef(run_id=run_id), timeout=600):
                 if chunk.name not in handles:
+                    out.mkdir(parents=True, exist_ok=True)
                     handles[chunk.name] = (out / f"{Path(chunk.name).name}.part").open("wb")
                 handles[chunk.name].write(chunk.data)
         finally:

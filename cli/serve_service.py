@@ -79,13 +79,38 @@ class RunService:
         return checked
 
     def serve_forever(self) -> None:
-        """Run queued runs until a signal (KeyboardInterrupt) ends the service."""
-        while True:
-            run = self.store.next_queued()
-            if run is None:
-                time.sleep(IDLE_POLL_SECONDS)
-                continue
-            self.execute(run)
+        """Run queued runs until a signal (KeyboardInterrupt) ends the service; between runs an idle coordinator
+        keeps the agents' port (agents stay joined, health SERVING)."""
+        idle = None
+        try:
+            while True:
+                run = self.store.next_queued()
+                if run is None:
+                    if idle is None:
+                        idle = self._idle()
+                    time.sleep(IDLE_POLL_SECONDS)
+                    continue
+                if idle is not None:
+                    idle.stop(grace=0.2)
+                    idle = None
+                self.execute(run)
+        finally:
+            if idle is not None:
+                idle.stop(grace=0.2)
+
+    def _idle(self):
+        """A started idle coordinator on the agents' port."""
+        from fedpar.cli.declared import from_args
+        from fedpar.cli.tlsopts import server_security
+        from fedpar.server.config import CoordinatorConfig
+        from fedpar.server.idle_coordinator import idle_server
+
+        security = server_security(self.args)
+        config = from_args(CoordinatorConfig, self.args, checkpoint_dir=None)
+        server = idle_server(config, security.admission, self.args.host, self.port, security.credentials,
+                             security.data_tls)
+        server.start()
+        return server
 
     def execute(self, run) -> None:
         """Run ``run`` to its end (finished, failed or stopped); a signal leaves it running, to resume."""
@@ -179,10 +204,10 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
     port = args.port or _free_port(args.host)
     service = RunService(args, store, port, plan)
     control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
+    if args.port_file:  # first: a script that sees the control port file finds both
+        atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
     if args.control_port_file:
         atomic_write_bytes(args.control_port_file, [f"{control.port}\n".encode()])
-    if args.port_file:
-        atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
     print(f"fedpar service: agents on {args.host}:{port}, control API on {args.host}:{control.port} (mutual TLS, "
           f"operators only), runs in {state}", flush=True)
     try:

@@ -1,0 +1,177 @@
+"""`fedpar serve --state`: one long-lived service, two `fedpar client` agents that are never restarted, runs
+submitted, listed, followed, stopped and downloaded with `fedpar run` over mutual TLS with an operator certificate;
+bad input is one line and a non-zero exit. Real processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fedpar.security.certs import ensure_certs
+from fedpar.security.tls import TlsFiles, channel_credentials
+from fedpar.server.run_store import RunStore
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = 'local_epochs = 1\nbatch_size = 32\nclients_per_round = 2\nmin_reports = 2\n'
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _fedpar(*args: str, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "a") if log else subprocess.PIPE  # a file: a full pipe would block a long-lived process
+    return subprocess.Popen([sys.executable, "-m", "fedpar.cli.main", *args], cwd=ROOT, env=ENV, stdout=out,
+                            stderr=subprocess.STDOUT if log else subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+class Federation:
+    """The service, its agents and the `fedpar run` command line to talk to it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.certs = tmp / "certs"
+        ensure_certs(self.certs, ["a1", "a2"], ["127.0.0.1"], operators=["op"])
+        self.state = tmp / "state.db"
+        self.service = _fedpar("serve", "--state", str(self.state), "--certs", str(self.certs), "--port", "0",
+                               "--control-port", "0", "--port-file", str(tmp / "port"), "--control-port-file",
+                               str(tmp / "cport"), "--min-available", "2", "--heartbeat", "1",
+                               log=tmp / "serve.log")
+        _wait_for(lambda: (tmp / "cport").exists() or self.service.poll() is not None, 60, "serve did not start")
+        assert self.service.poll() is None, (tmp / "serve.log").read_text()
+        self.port = int((tmp / "port").read_text())
+        self.control = f"127.0.0.1:{int((tmp / 'cport').read_text())}"
+        self.agents = [_fedpar("client", "--server", f"127.0.0.1:{self.port}", "--certs", str(self.certs),
+                               "--agent-id", f"a{i + 1}", "--num-partitions", "2", "--partition-index", str(i),
+                               "--poll", "1", "--threads", "1", log=tmp / f"a{i + 1}.log") for i in range(2)]
+
+    def run(self, *args: str, operator: str = "op") -> subprocess.CompletedProcess:
+        """`fedpar run ARGS` against the service, as ``operator`` (a name under certs/operators)."""
+        return subprocess.run([sys.executable, "-m", "fedpar.cli.main", "run", *args, "--control", self.control,
+                               "--certs", str(self.certs), "--operator", operator], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=120)
+
+    def submit(self, name: str, text: str) -> int:
+        path = self.tmp / f"{name}.toml"
+        path.write_text(text)
+        done = self.run("submit", str(path))
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.strip())
+
+    def health(self) -> int:
+        files = TlsFiles(self.certs / "a1.pem", self.certs / "a1.key", self.certs / "ca.pem")
+        with grpc.secure_channel(f"127.0.0.1:{self.port}", channel_credentials(files)) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+    def close(self) -> None:
+        for process in [*self.agents, self.service]:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in [*self.agents, self.service]:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    fed = Federation(tmp_path_factory.mktemp("service"))
+    yield fed
+    fed.close()
+
+
+def _one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_three_runs_one_stopped_while_the_agents_stay_up(federation):
+    fed = federation
+    store = RunStore(fed.state)  # a reader beside the service (WAL)
+    first = fed.submit("plain", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
+    long = fed.submit("long", f'rounds = 200\nstrategy = "fedprox"\n{QUICK}[strategy_options]\nmu = 0.01\n')
+    third = fed.submit("momentum", f'rounds = 2\nstrategy = "fedavgm"\n{QUICK}')
+    _wait_for(lambda: store.get(long).round >= 1, 240, "the long run never completed a round")
+    stopped = fed.run("stop", str(long))
+    assert stopped.returncode == 0 and "stops at its next check" in stopped.stdout, stopped.stderr
+    _wait_for(lambda: store.get(third).status in ("finished", "failed"), 240, "the third run did not end")
+    assert fed.health() == health_pb2.HealthCheckResponse.SERVING  # between runs: the idle coordinator
+
+    runs = {run.id: run for run in store.runs()}
+    assert [runs[i].status for i in (first, long, third)] == ["finished", "stopped", "finished"], \
+        [(r.status, r.reason) for r in runs.values()]
+    assert [r["round"] for r in store.round_metrics(first)] == [1, 2]
+    assert [r["round"] for r in store.round_metrics(third)] == [1, 2]
+    assert 1 <= runs[long].round < 200 and len(store.round_metrics(long)) == runs[long].round
+    for run_id in (first, third):
+        run = runs[run_id]
+        assert Path(run.model_path).is_file() and run.last_metrics["round"] == 2
+        assert run.settings["strategy"] in ("fedavg", "fedavgm")
+    listing = fed.run("ls")
+    assert listing.returncode == 0 and "stopped" in listing.stdout and "finished" in listing.stdout
+
+    logs = fed.run("logs", str(first), "-f")
+    assert logs.returncode == 0 and logs.stdout.count("round=") == 2 and "is finished" in logs.stdout
+    got = fed.run("get", str(first), "--out", str(fed.tmp / "got"))
+    assert got.returncode == 0, got.stderr
+    assert (fed.tmp / "got" / "global.safetensors").read_bytes() == Path(runs[first].model_path).read_bytes()
+    assert (fed.tmp / "got" / "metrics.jsonl").is_file()
+
+    assert all(agent.poll() is None for agent in fed.agents)  # never restarted: the same two processes
+    joins = (fed.tmp / "serve.log").read_text().count("agent a1 joined")
+    assert joins >= 3  # it joined each run's coordinator by itself
+    actions = [(a["who"], a["action"]) for a in store.audit_rows()]
+    assert actions.count(("op", "submit")) == 3 and ("op", "stop") in actions and ("op", "get") in actions
+
+
+def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
+    fed = federation
+    store = RunStore(fed.state)
+    before = len(store.runs())
+    for action in (["stop"], ["logs"], ["get", "--out", str(fed.tmp / "nothing")]):
+        _one_line_error(fed.run(action[0], "9999", *action[1:]), "no run with id 9999")
+    assert not (fed.tmp / "nothing").exists()
+    unknown = fed.tmp / "unknown.toml"
+    unknown.write_text('rounds = 2\nstrategi = "fedavg"\n')
+    _one_line_error(fed.run("submit", str(unknown)), "unknown run setting(s) strategi")
+    bad = fed.tmp / "bad.toml"
+    bad.write_text("rounds = -1\n")
+    _one_line_error(fed.run("submit", str(bad)), "rounds")
+    bad.write_text('strategy = "nope"\n')  # checked by the service, as serve checks its flags
+    _one_line_error(fed.run("submit", str(bad)), "unknown strategy 'nope'")
+    operators = fed.certs / "operators"  # an agent's certificate presented as an operator's
+    (operators / "intruder.pem").write_bytes((fed.certs / "a1.pem").read_bytes())
+    (operators / "intruder.key").write_bytes((fed.certs / "a1.key").read_bytes())
+    good = fed.tmp / "good.toml"
+    good.write_text(f"rounds = 1\n{QUICK}")
+    _one_line_error(fed.run("submit", str(good), operator="intruder"), "has no operator role")
+    _one_line_error(fed.run("ls", operator="intruder"), "has no operator role")
+    assert len(store.runs()) == before
+    assert ("a1", "refused ls") in [(a["who"], a["action"]) for a in store.audit_rows()]
+
+
+def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
+    state = tmp_path / "state.db"
+    state.write_bytes(b"not a database\n" * 64)
+    done = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(state), "--insecure",
+                           "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=60)
+    _one_line_error(done, "is not a fedpar state database or is damaged")
+    assert state.read_bytes() == b"not a database\n" * 64
