@@ -74,6 +74,22 @@ class Observers:
 
         self.exporter = PrometheusExporter(server, privacy=privacy_on(self.args))
         server.coordinator.on_round_end.append(self.exporter.observe)
+        self._serve_exporter()
+
+    def attach_run(self, server, run_id) -> None:
+        """:meth:`attach` for run ``run_id`` of a service: one endpoint for all its runs, whose round figures
+        carry a ``run`` label."""
+        if self.args.metrics_port is None:
+            return
+        from fedpar.server.prometheus_metrics import PrometheusExporter
+
+        if self.exporter is None:
+            self.exporter = PrometheusExporter(server, privacy=True, runs=True)
+            self._serve_exporter()
+        self.exporter.follow(server, run_id)
+        server.coordinator.on_round_end.append(self.exporter.observe)
+
+    def _serve_exporter(self) -> None:
         try:
             bound = self.exporter.serve(self.args.metrics_host, self.args.metrics_port)
         except OSError as exc:

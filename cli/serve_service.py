@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fedpar.cli.observability import Observers
+from fedpar.cli.observability import Observers, tensorboard_writer
 from fedpar.cli.run_settings import run_args, run_settings
 from fedpar.cli.user_errors import UserError
 from fedpar.parallel.stopping import signal_name, stop_on_signals
@@ -68,6 +68,7 @@ class RunService:
     def __init__(self, args: argparse.Namespace, store: RunStore, port: int, plan: Callable):
         self.args, self.store, self.port, self.plan = args, store, port, plan  # plan: serve's, args -> ServePlan
         self.runs_dir = Path(f"{args.state}.runs")
+        self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))  # one endpoint
 
     def validate(self, settings: dict) -> dict:
         """A submitted run's settings, checked as serve's options and by building its coordinator's parts."""
@@ -119,22 +120,23 @@ class RunService:
 
         out = self.runs_dir / str(run.id)
         args = run_args(self.args, {**run.settings, "out": str(out), "checkpoint_dir": out / "checkpoints"})
-        if self.args.tensorboard:
-            args.tensorboard = str(Path(self.args.tensorboard) / f"run-{run.id}")
+        tensorboard = str(Path(self.args.tensorboard) / f"run-{run.id}") if self.args.tensorboard else None
         self.store.start(run.id, str(out))
         print(f"run {run.id} ({run.name}) started", flush=True)
         try:
             out.mkdir(parents=True, exist_ok=True)
             plan = self.plan(args)
-            observers = Observers(args)
+            events = tensorboard_writer(tensorboard)
         except (ValueError, UserError, OSError) as exc:
             self._end(run, "failed", f"cannot start: {exc}")
             return
         record = lambda row: self.store.record_round(run.id, _plain(row))  # noqa: E731
-        server = plan.assembly.server(plan.config, plan.strategy, on_round_end=[record, *observers.round_callbacks()],
+        server = plan.assembly.server(plan.config, plan.strategy, on_round_end=[record, *([events.write] if events
+                                                                                          else [])],
                                       admission=plan.security.admission, host=self.args.host, port=self.port,
                                       credentials=plan.security.credentials, data_tls=plan.security.data_tls)
         server.coordinator.keeps_members = True
+        self.observers.attach_run(server, run.id)
         started, status, reason = time.monotonic(), "failed", ""
         try:
             try:
@@ -142,6 +144,9 @@ class RunService:
             except RestoreError as exc:
                 reason = f"cannot resume: {exc}"
                 return
+            resumed = server.coordinator.metrics.last  # a kill between a round's checkpoint and its row here
+            if resumed is not None and server.coordinator.round_id > self.store.get(run.id).round:
+                record(resumed)
             while not server.wait(0.5):
                 if self.store.stop_requested(run.id):
                     status, reason = "stopped", f"stopped after round {server.coordinator.round_id}"
@@ -155,7 +160,8 @@ class RunService:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
             server.stop(grace=0.5)
-            observers.close()
+            if events is not None:
+                events.close()
             outputs = write_run_outputs(out, server.coordinator, plan.assembly.description,
                                         {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"},
                                         title=f"run {run.id} ({run.name})")
@@ -218,6 +224,7 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
         return 0
     finally:
         control.stop()
+        service.observers.close()
         store.close()
         lock.close()
     return 0

@@ -40,50 +40,70 @@ class _AgentCounts:
 class PrometheusExporter:
     """The coordinator's Prometheus metrics; :meth:`observe` is an on_round_end callback."""
 
-    def __init__(self, server, privacy: bool = False):
+    def __init__(self, server, privacy: bool = False, runs: bool = False):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.rounds = Counter("fedpar_rounds", "rounds ended, by status (ok or failed)", ["status"], registry=r)
-        self.last_round = Gauge("fedpar_round", "the last round that ended", registry=r)
+        run = ["run"] if runs else []  # a service's runs: every round figure carries its run's id
+        self.run: str | None = None
+        self.rounds = Counter("fedpar_rounds", "rounds ended, by status (ok or failed)", ["status", *run],
+                              registry=r)
+        self.last_round = Gauge("fedpar_round", "the last round that ended", run, registry=r)
         self.uploads = Counter("fedpar_uploads", "updates of sampled agents by outcome: accepted, rejected (bad "
-                               "content) or late", ["outcome"], registry=r)
+                               "content) or late", ["outcome", *run], registry=r)
         self.refusals = Counter("fedpar_upload_refusals", "refused upload attempts by gRPC status (busy, limits, "
-                                "malformed, late); an agent may retry some", ["reason"], registry=r)
+                                "malformed, late); an agent may retry some", ["reason", *run], registry=r)
         self.bytes = Counter("fedpar_model_bytes", "model tensor bytes: in = accepted uploads, out = weights sent",
-                             ["direction"], registry=r)
-        self.round_seconds = Histogram("fedpar_round_seconds", "wall seconds per round", registry=r,
+                             ["direction", *run], registry=r)
+        self.round_seconds = Histogram("fedpar_round_seconds", "wall seconds per round", run, registry=r,
                                        buckets=SECONDS_BUCKETS)
         self.fold_seconds = Histogram("fedpar_fold_seconds", "seconds spent folding updates per round (all "
-                                      "aggregator ranks)", registry=r, buckets=SECONDS_BUCKETS)
+                                      "aggregator ranks)", run, registry=r, buckets=SECONDS_BUCKETS)
         self.dp_epsilon = Gauge("fedpar_dp_epsilon", "differential privacy budget spent so far (epsilon at "
-                                "--privacy-delta)", registry=r) if privacy else None
-        for status in ("ok", "failed"):  # present at 0 from the first scrape
-            self.rounds.labels(status)
-        for outcome in UPLOAD_OUTCOMES:
-            self.uploads.labels(outcome)
-        for direction in ("in", "out"):
-            self.bytes.labels(direction)
-        r.register(_AgentCounts(server))
+                                "--privacy-delta)", run, registry=r) if privacy else None
+        if not runs:
+            self._present_at_zero()
+        self._agents = _AgentCounts(server)
+        r.register(self._agents)
         self._http = None
+
+    def _present_at_zero(self) -> None:
+        """Every labelled series at 0 from the first scrape (of the run now observed)."""
+        for status in ("ok", "failed"):
+            self._of(self.rounds, status)
+        for outcome in UPLOAD_OUTCOMES:
+            self._of(self.uploads, outcome)
+        for direction in ("in", "out"):
+            self._of(self.bytes, direction)
+
+    def _of(self, metric, *labels: str):
+        """``metric``'s series for ``labels`` (and the current run's id, when runs are labelled)."""
+        labels = (*labels, self.run) if self.run is not None else labels
+        return metric.labels(*labels) if labels else metric
+
+    def follow(self, server, run_id) -> None:
+        """From now on observe run ``run_id`` served by ``server`` (a service's next run)."""
+        self._agents.server = server
+        self.run = str(run_id)
+        self._present_at_zero()
 
     def observe(self, row: dict) -> None:
         """Count one round's metrics row."""
-        self.rounds.labels("ok" if row.get("status") == "ok" else "failed").inc()
-        self.last_round.set(row["round"])
+        self._of(self.rounds, "ok" if row.get("status") == "ok" else "failed").inc()
+        self._of(self.last_round).set(row["round"])
         for outcome, key in UPLOAD_OUTCOMES.items():
-            self.uploads.labels(outcome).inc(row.get(key) or 0)
+            self._of(self.uploads, outcome).inc(row.get(key) or 0)
         for key, value in row.items():
             if key.startswith("refused_") and value:
-                self.refusals.labels(key[len("refused_"):]).inc(value)
-        self.bytes.labels("in").inc(row.get("upload_bytes") or 0)
-        self.bytes.labels("out").inc(row.get("download_bytes") or 0)
+                self._of(self.refusals, key[len("refused_"):]).inc(value)
+        self._of(self.bytes, "in").inc(row.get("upload_bytes") or 0)
+        self._of(self.bytes, "out").inc(row.get("download_bytes") or 0)
         if row.get("round_seconds") is not None:
-            self.round_seconds.observe(row["round_seconds"])
+            self._of(self.round_seconds).observe(row["round_seconds"])
         fold = [v for k, v in row.items() if k.startswith("r") and k.endswith("_fold_s") and v is not None]
         if fold:
-            self.fold_seconds.observe(sum(fold))
+            self._of(self.fold_seconds).observe(sum(fold))
         if self.dp_epsilon is not None and row.get("dp_epsilon") is not None:
-            self.dp_epsilon.set(row["dp_epsilon"])
+            self._of(self.dp_epsilon).set(row["dp_epsilon"])
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP on ``host:port`` (0: a free port) from a thread; returns the bound port."""

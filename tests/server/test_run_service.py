@@ -5,10 +5,12 @@ bad input is one line and a non-zero exit. Real processes on loopback."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -50,7 +52,7 @@ class Federation:
         self.service = _fedpar("serve", "--state", str(self.state), "--certs", str(self.certs), "--port", "0",
                                "--control-port", "0", "--port-file", str(tmp / "port"), "--control-port-file",
                                str(tmp / "cport"), "--min-available", "2", "--heartbeat", "1",
-                               log=tmp / "serve.log")
+                               "--metrics-port", "0", log=tmp / "serve.log")
         _wait_for(lambda: (tmp / "cport").exists() or self.service.poll() is not None, 60, "serve did not start")
         assert self.service.poll() is None, (tmp / "serve.log").read_text()
         self.port = int((tmp / "port").read_text())
@@ -72,10 +74,15 @@ class Federation:
         assert done.returncode == 0, done.stderr
         return int(done.stdout.strip())
 
-    def health(self) -> int:
+    def serving(self) -> bool:
+        """Whether grpc.health.v1 on the agents' port says SERVING."""
         files = TlsFiles(self.certs / "a1.pem", self.certs / "a1.key", self.certs / "ca.pem")
         with grpc.secure_channel(f"127.0.0.1:{self.port}", channel_credentials(files)) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def close(self) -> None:
         for process in [*self.agents, self.service]:
@@ -112,7 +119,9 @@ def test_three_runs_one_stopped_while_the_agents_stay_up(federation):
     stopped = fed.run("stop", str(long))
     assert stopped.returncode == 0 and "stops at its next check" in stopped.stdout, stopped.stderr
     _wait_for(lambda: store.get(third).status in ("finished", "failed"), 240, "the third run did not end")
-    assert fed.health() == health_pb2.HealthCheckResponse.SERVING  # between runs: the idle coordinator
+    _wait_for(fed.serving, 30, "health is not SERVING between runs")  # the idle coordinator's
+    time.sleep(1.5)
+    assert fed.serving()  # and stays so
 
     runs = {run.id: run for run in store.runs()}
     assert [runs[i].status for i in (first, long, third)] == ["finished", "stopped", "finished"], \
@@ -137,6 +146,10 @@ def test_three_runs_one_stopped_while_the_agents_stay_up(federation):
     assert all(agent.poll() is None for agent in fed.agents)  # never restarted: the same two processes
     joins = (fed.tmp / "serve.log").read_text().count("agent a1 joined")
     assert joins >= 3  # it joined each run's coordinator by itself
+    url = re.search(r"Prometheus metrics at (http://\S+)", (fed.tmp / "serve.log").read_text()).group(1)
+    exposition = urllib.request.urlopen(url, timeout=10).read().decode()  # one endpoint; a series per run
+    for run_id, rounds in ((first, 2), (third, 2), (long, runs[long].round)):
+        assert f'fedpar_rounds_total{{run="{run_id}",status="ok"}} {float(rounds)}' in exposition, exposition
     actions = [(a["who"], a["action"]) for a in store.audit_rows()]
     assert actions.count(("op", "submit")) == 3 and ("op", "stop") in actions and ("op", "get") in actions
 
@@ -175,3 +188,36 @@ def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
                           timeout=60)
     _one_line_error(done, "is not a fedpar state database or is damaged")
     assert state.read_bytes() == b"not a database\n" * 64
+
+
+def test_kill_9_at_a_random_moment_loses_no_round_and_the_run_resumes(tmp_path):
+    import random
+
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    fed = Federation(tmp_path)
+    try:
+        store = RunStore(fed.state)
+        first = fed.submit("first", f'rounds = 4\nstrategy = "fedavg"\n{QUICK}')
+        second = fed.submit("second", f'rounds = 2\nstrategy = "fedadam"\n{QUICK}')
+        _wait_for(lambda: store.get(first).round >= 1, 240, "no round completed")
+        time.sleep(rng.uniform(0.0, 3.0))  # somewhere in a later round, its checkpoint, or between runs
+        fed.service.kill()
+        fed.service.wait(10)
+        killed_at = {run.id: (run.status, run.round) for run in store.runs()}
+        fed.service = _fedpar("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port", str(fed.port),
+                              "--control-port", fed.control.rsplit(":", 1)[1], "--min-available", "2",
+                              "--heartbeat", "1", log=fed.tmp / "serve.log")
+        _wait_for(lambda: store.get(second).status in ("finished", "failed"), 300,
+                  f"the runs did not end after the restart (seed {seed}, killed at {killed_at})")
+        for run_id, rounds in ((first, 4), (second, 2)):
+            run = store.get(run_id)
+            assert run.status == "finished", (seed, killed_at, run.reason)
+            assert [r["round"] for r in store.round_metrics(run_id)] == list(range(1, rounds + 1)), (seed, killed_at)
+            assert Path(run.model_path).is_file()
+        assert all(agent.poll() is None for agent in fed.agents)
+        assert "resumes from its last checkpoint" in (fed.tmp / "serve.log").read_text() \
+            or killed_at[first][0] == "finished"
+    finally:
+        fed.close()
