@@ -53,8 +53,13 @@ class Federation:
                                "--control-port", "0", "--port-file", str(tmp / "port"), "--control-port-file",
                                str(tmp / "cport"), "--min-available", "2", "--heartbeat", "1",
                                "--metrics-port", "0", log=tmp / "serve.log")
-        _wait_for(lambda: (tmp / "cport").exists() or self.service.poll() is not None, 60, "serve did not start")
-        assert self.service.poll() is None, (tmp / "serve.log").read_text()
+        self.agents: list[subprocess.Popen] = []
+        try:
+            _wait_for(lambda: (tmp / "cport").exists() or self.service.poll() is not None, 60, "serve did not start")
+            assert self.service.poll() is None, (tmp / "serve.log").read_text()
+        except BaseException:
+            self.close()  # a fixture that fails here gets no teardown
+            raise
         self.port = int((tmp / "port").read_text())
         self.control = f"127.0.0.1:{int((tmp / 'cport').read_text())}"
         self.agents = [_fedpar("client", "--server", f"127.0.0.1:{self.port}", "--certs", str(self.certs),
