@@ -1,22 +1,16 @@
-"""The local SGD loop the agents' trainers share: the deadline test, the counts and the update (the step clock
-is fedpar/task.py's, which a task's own loop keeps to as well)."""
+"""Local SGD's arithmetic and counts, which the one local loop (client/local_loop.py) steps with: the plain SGD update,
+FedProx's pull as a gradient, and the tally of steps, examples and losses."""
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 from torch import nn
 from torch.optim.sgd import sgd
 
 from fedpar.aggregation.fedprox import add_proximal_gradient
-from fedpar.task import StepClock
-
-Batch = TypeVar("Batch")
 
 
 @dataclass
@@ -52,25 +46,6 @@ class StepTally:
         return TrainResult(self.steps, self.examples, loss, self.stopped, seconds)
 
 
-def run_steps(batches: Iterable[Batch], step: Callable[[Batch], tuple[int, float | torch.Tensor]],
-              go_on: Callable[[], bool], clock: StepClock) -> StepTally:
-    """Call ``step`` on each batch (it returns the examples it trained on and their summed loss) for as long as
-    ``go_on()``, asked before every step, says so; each step's wall time goes into ``clock``."""
-    tally = StepTally()
-    clock.restart()
-    for batch in batches:
-        if not go_on():
-            tally.stopped = True
-            break
-        start = time.monotonic()
-        examples, loss_sum = step(batch)
-        tally.steps += 1
-        tally.examples += examples
-        tally.loss_sum += loss_sum
-        clock.measured(time.monotonic() - start)
-    return tally
-
-
 def descend(params: list[nn.Parameter], objective: torch.Tensor, lr: float,
             anchor: list[torch.Tensor] | None = None, proximal_mu: float = 0.0) -> None:
     """One SGD step down ``objective``: fresh gradients of ``params``, plus FedProx's pull toward ``anchor`` when
@@ -81,11 +56,6 @@ def descend(params: list[nn.Parameter], objective: torch.Tensor, lr: float,
     if anchor is not None:
         add_proximal_gradient(params, anchor, proximal_mu)
     sgd_step(params, lr)
-
-
-def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
-    """The generator of a client's batch order in round ``round_id``: one ``torch.randperm`` per epoch."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

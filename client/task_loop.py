@@ -1,26 +1,25 @@
 """A task's local training: its own train hook, or the built-in loop.
 
-The built-in loop takes the task's loss, optimizer and batches, and keeps fedpar's guarantees: it stops before
-the deadline (:class:`fedpar.Deadline`), trains the model in place (so its weights keep the layout the coordinator
-sent) and counts the examples it trained on. Without a task optimizer it steps plain SGD with torch's own
-functional update, as the agents' LocalTrainer does (constructing a torch Optimizer imports torch._dynamo, about a
-second of CPU in every process).
+The built-in loop is the one local loop (client/local_loop.py) on one model: the task's loss, optimizer and
+batches, with fedpar's guarantees: it stops before the deadline (:class:`fedpar.Deadline`), trains the model in
+place (so its weights keep the layout the coordinator sent) and counts the examples it trained on. Without a task
+optimizer it steps plain SGD with torch's own functional update (constructing a torch Optimizer imports
+torch._dynamo, about a second of CPU in every process).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from fedpar.aggregation.fedprox import proximal_term
-from fedpar.client.local_sgd import descend, shuffling_generator, trainable
+from fedpar.client.local_loop import Lane, OneMember, member_batches, objective, run_loop, update
+from fedpar.client.local_sgd import trainable
 from fedpar.task import ClientData, Deadline, LocalConfig, Task, TaskError
-from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, to_device
+from fedpar.tasks.data import batch_examples, inputs_and_targets, to_device
 from fedpar.tasks.evaluation import autocast, named_metrics
 
 
@@ -53,38 +52,28 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
 
 def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalConfig, deadline: Deadline,
                   precision: str, after_step: Callable[[], None] | None) -> Trained:
-    """Epochs of ``task.loss`` over the task's batches, stepped by its optimizer (or plain SGD), in time."""
+    """The one local loop (client/local_loop.py) on ``model``: epochs of ``task.loss`` over the task's batches,
+    stepped by its optimizer (or plain SGD), in time."""
     device = torch.device(config.device)
     if not model.training:  # fedpar switches modes on the root only; a walk of the module tree costs ~25 us
         model.train()
     params = trainable(model)
     optimizer = task.optimizer(params, config.learning_rate) if task.optimizer is not None else None
     anchor = [p.detach().clone() for p in model.parameters()] if config.proximal_mu > 0 else None
-    examples, loss_sum = 0, torch.zeros((), dtype=torch.float64, device=device)
-    batches = itertools.islice(_epochs(task, data.train, config), config.max_steps)
-    for batch in deadline.steps(batches):
+
+    def step(batch) -> tuple[int, torch.Tensor]:
         inputs, targets = inputs_and_targets(to_device(batch, device))
         with autocast(device, precision):
             loss = task.loss(model(inputs), targets)
-        objective = loss if anchor is None else loss + proximal_term(model.parameters(), anchor, config.proximal_mu)
-        if optimizer is None:
-            descend(params, objective, config.learning_rate)
-        else:
-            optimizer.zero_grad(set_to_none=True)
-            objective.backward()
-            optimizer.step()
+        update(params, objective(loss, model.parameters(), anchor, config.proximal_mu), config.learning_rate,
+               optimizer)
         n = batch_examples(targets)
-        examples += n
-        loss_sum += loss.detach().double() * n
-        if after_step is not None:
-            after_step()
-    metrics = {"loss": float(loss_sum) / examples} if examples else {}
-    return Trained(examples, deadline.taken, metrics, deadline.stopped_early)
+        return n, loss.detach().double() * n
 
-
-def _epochs(task: Task, dataset: Any, config: LocalConfig) -> Iterator:
-    """The batches of ``config.epochs`` passes over ``dataset``, shuffled in this client's order for the round."""
-    loader = task.loader or default_batches
-    generator = shuffling_generator(config.seed, config.round)
-    for _ in range(config.epochs):
-        yield from loader(dataset, config.batch_size, generator)
+    batches = itertools.islice(member_batches(data.train, config.batch_size, config.epochs, config.seed,
+                                              config.round, task.loader), config.max_steps)
+    (tally,) = run_loop(OneMember(batches, step), [Lane(deadline.at)], deadline.clock, deadline.wait,
+                        after_step=after_step)
+    deadline.taken, deadline.stopped_early = tally.steps, tally.stopped
+    metrics = {"loss": float(tally.loss_sum) / tally.examples} if tally.examples else {}
+    return Trained(tally.examples, tally.steps, metrics, tally.stopped)

@@ -109,8 +109,8 @@ class Deadline:
         self.at = at
         self.stopped_early = False
         self.taken = 0
-        self._wait = wait
-        self._clock = clock if clock is not None else StepClock()
+        self.wait = wait
+        self.clock = clock if clock is not None else StepClock()
 
     def remaining(self) -> float:
         """Seconds left."""
@@ -118,18 +118,18 @@ class Deadline:
 
     def steps(self, batches: Iterable) -> Iterator:
         """``batches``, one at a time, while the next step still fits before the deadline."""
-        clock = self._clock
+        clock = self.clock
         clock.restart()
         for batch in batches:
-            if self._wait is not None:
-                self._wait()
+            if self.wait is not None:
+                self.wait()
             if not clock.fits(self.at):
                 self.stopped_early = True
                 return
             start = time.monotonic()
             yield batch
-            if self._wait is not None:
-                self._wait()
+            if self.wait is not None:
+                self.wait()
             self.taken += 1
             clock.measured(time.monotonic() - start)
 

@@ -1,0 +1,210 @@
+"""The one local-training loop: a member's batches, one step after another, until its schedule ends or its deadline
+would pass. It runs one member on a model (client/task_loop.py), one engine agent on its ranks
+(client/engine_trainer.py), or the members a worker trains at once, stacked (client/batched_trainer.py).
+
+Written here once: the batch schedule (each epoch a fresh shuffle of the member's examples, cut into batches, capped
+at ``max_steps``), the deadline rule (before a step: would it, with the member's simulated delay, pass its
+``stop_at``?), the objective (the task's batch-mean loss plus FedProx's proximal term) and the update (the task's
+optimizer, else torch's plain SGD). A :class:`Stepper` only says how one step of the members still training is
+computed, and counts what they trained on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from fedpar.aggregation.fedprox import add_proximal_gradient, proximal_term
+from fedpar.client.local_sgd import StepTally, descend
+from fedpar.task import StepClock
+from fedpar.tasks.data import default_batches, in_memory
+
+
+def shuffling_generator(seed: int, round_id: int) -> torch.Generator:
+    """The generator of a member's batch order in round ``round_id``: one ``torch.randperm`` per epoch."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + round_id)
+
+
+def batch_schedule(n: int, seed: int, epochs: int, batch_size: int, round_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A member's batches over ``n`` examples: (steps, batch_size) example indices and a bool mask of the real ones
+    (the last batch of each epoch is padded with index 0 at its end)."""
+    per_epoch = -(-n // batch_size)
+    width = per_epoch * batch_size
+    gen = shuffling_generator(seed, round_id)
+    index = torch.zeros(epochs, width, dtype=torch.long)
+    for epoch in range(epochs):
+        index[epoch, :n] = torch.randperm(n, generator=gen)
+    mask = (torch.arange(width) < n).expand(epochs, width)
+    return index.reshape(epochs * per_epoch, batch_size), mask.reshape(epochs * per_epoch, batch_size)
+
+
+def member_batches(dataset: Any, batch_size: int, epochs: int, seed: int, round_id: int,
+                   loader: Callable | None = None) -> Iterator:
+    """The batches one member trains on, in order: in-memory data is cut by :func:`batch_schedule` (what the
+    stacked members are cut by); a task's ``loader``, or any other dataset, yields each epoch's batches itself."""
+    tensors = in_memory(dataset) if loader is None else None
+    if tensors is None:
+        generator = shuffling_generator(seed, round_id)
+        for _ in range(epochs):
+            yield from (loader or default_batches)(dataset, batch_size, generator)
+        return
+    index, mask = batch_schedule(len(tensors[0]), seed, epochs, batch_size, round_id)
+    index, counts = index.to(tensors[0].device), mask.sum(dim=1).tolist()
+    for row, count in zip(index, counts):
+        idx = row[:count]
+        yield tuple(t[idx] for t in tensors)
+
+
+def objective(loss: torch.Tensor, params: Iterable[torch.Tensor], anchor: Iterable[torch.Tensor] | None,
+              mu: float) -> torch.Tensor:
+    """What a step descends: the batch's mean loss, plus FedProx's ``mu/2 * ||w - anchor||^2`` with an anchor."""
+    return loss if not anchor else loss + proximal_term(params, anchor, mu)
+
+
+def update(params: list[nn.Parameter], descended: torch.Tensor, lr: float, optimizer: Any = None,
+           anchor: list[torch.Tensor] | None = None, mu: float = 0.0) -> None:
+    """One step down ``descended``: the task's ``optimizer``, else plain SGD at ``lr``; ``anchor``: FedProx's pull
+    added as a gradient (sharded parameters, whose objective cannot hold the proximal term)."""
+    if optimizer is None:
+        descend(params, descended, lr, anchor, mu)
+        return
+    optimizer.zero_grad(set_to_none=True)
+    descended.backward()
+    if anchor is not None:
+        add_proximal_gradient(params, anchor, mu)
+    optimizer.step()
+
+
+@dataclass
+class Lane:
+    """One member's clock in the loop: the ``time.monotonic()`` its training must not pass, the simulated seconds
+    each of its steps adds to its clock (billed, not slept: a stacked member's slow device) and the seconds that
+    must stay free after its last step (an engine's gather)."""
+
+    stop_at: float = math.inf
+    step_delay: float = 0.0
+    reserve: float = 0.0
+
+
+class Stepper(Protocol):
+    """How one step of the members still training is computed (one model, an engine's ranks, a stack)."""
+
+    def active(self) -> list[int]:
+        """The members that have a step left and have not left."""
+
+    def step(self) -> None:
+        """One step of every active member, counted in its tally."""
+
+    def leave(self, members: list[int]) -> None:
+        """Stop ``members`` before their next step: their weights stay as they are."""
+
+    def tallies(self) -> list[StepTally]:
+        """What each member trained on so far (steps, examples, loss sum)."""
+
+
+class DeadlineRule:
+    """"Would the next step pass stop_at?" for every lane: a lane's clock is the real time plus its simulated delay
+    per step taken; a step costs ``clock``'s smoothed step time plus that delay. The clock is read only when some
+    deadline could be near (at most half the steps that certainly fit are skipped), since on an accelerator a read
+    (``wait``) waits for every queued step."""
+
+    def __init__(self, lanes: list[Lane], clock: StepClock, wait: Callable[[], None] | None = None):
+        self.lanes, self.clock, self.wait = lanes, clock, wait
+        self._last: tuple[int, float] | None = None
+        self._next_check = 0 if any(math.isfinite(lane.stop_at) for lane in lanes) else math.inf
+        clock.restart()  # its estimate serves the first test; the first span measured replaces it
+
+    def late(self, step: int, active: list[int]) -> list[int]:
+        """The ``active`` lanes (each ``step`` steps in) whose deadline the next step would pass."""
+        if step < self._next_check:
+            return []
+        if self.wait is not None:
+            self.wait()
+        now = time.monotonic()
+        if self._last is not None and step > self._last[0]:
+            self.clock.measured((now - self._last[1]) / (step - self._last[0]))
+        self._last = (step, now)
+        late, fits = [], math.inf
+        for k in active:
+            lane = self.lanes[k]
+            per_step = self.clock.seconds + lane.step_delay
+            slack = lane.stop_at - lane.reserve - (now + step * lane.step_delay)
+            if slack < per_step:
+                late.append(k)
+            elif per_step > 0:
+                fits = min(fits, slack / per_step - 1)  # steps that certainly fit at this pace
+        if self.clock.seconds == 0.0:  # no pace known yet
+            self._next_check = step + 1
+        else:
+            self._next_check = step + max(1, int(0.5 * fits)) if fits < math.inf else math.inf
+        return late
+
+
+def run_loop(stepper: Stepper, lanes: list[Lane], clock: StepClock | None = None,
+             wait: Callable[[], None] | None = None, decide: Callable[[list[int]], list[int]] | None = None,
+             after_step: Callable[[], None] | None = None) -> list[StepTally]:
+    """Step ``stepper``'s members until none has a step left, each leaving before a step its deadline would not
+    allow; every member's tally (``stopped``: its deadline cut it short). ``decide(late)``: the late members as the
+    group agrees (an engine's rank 0 decides for every rank), asked before every step; ``after_step``: called after
+    each step (a simulated slow device sleeps there); ``wait``: lets queued device work finish before a clock read."""
+    rule = DeadlineRule(lanes, clock if clock is not None else StepClock(), wait)
+    stopped, step = [False] * len(lanes), 0
+    while True:
+        active = stepper.active()
+        if not active:
+            break
+        late = rule.late(step, active)
+        if decide is not None:
+            late = decide(late)
+        if late:
+            stepper.leave(late)
+            for k in late:
+                stopped[k] = True
+            continue
+        stepper.step()
+        step += 1
+        if after_step is not None:
+            after_step()
+    if wait is not None:
+        wait()
+    tallies = stepper.tallies()
+    for tally, cut in zip(tallies, stopped):
+        tally.stopped = cut
+    return tallies
+
+
+class OneMember:
+    """The Stepper of one member whose batches come one at a time: ``step(batch)`` trains on one and returns the
+    examples it held and their summed loss (a tensor may stay on the device)."""
+
+    def __init__(self, batches: Iterable, step: Callable[[Any], tuple[int, float | torch.Tensor]]):
+        self._batches, self._step = iter(batches), step
+        self._next = next(self._batches, None)
+        self._left = False
+        self._tally = StepTally()
+
+    def active(self) -> list[int]:
+        """[0] while a batch is left and the member has not left."""
+        return [0] if self._next is not None and not self._left else []
+
+    def step(self) -> None:
+        """Train on the next batch."""
+        examples, loss_sum = self._step(self._next)
+        self._tally.steps += 1
+        self._tally.examples += examples
+        self._tally.loss_sum += loss_sum
+        self._next = next(self._batches, None)
+
+    def leave(self, members: list[int]) -> None:
+        """Stop before the next batch."""
+        self._left = True
+
+    def tallies(self) -> list[StepTally]:
+        """The member's tally."""
+        return [self._tally]
