@@ -1,12 +1,13 @@
-"""Many clients' local training as one batched model: stacked parameters, torch.func over the client axis.
+"""The members a worker trains at once, as one stacked model: the one local loop (client/local_loop.py) run with
+each step computed for all of them by ``vmap(grad(functional_call))`` over a leading member axis.
 
-Training a round's small clients one after another leaves an accelerator idle between kernel launches. Here
-the K clients' copies of one model are stacked along a leading axis, and each SGD step is one call of
-``vmap(grad(functional_call))`` over that axis. Each client still computes what :class:`LocalTrainer` computes
-alone: its own batch order (the same generator, seed and ``randperm`` sequence), its own example count (the
-smaller last batch of an epoch is padded and masked, and the loss is the mean over its real examples, so the
-gradient is the unpadded one), its own number of steps, the FedProx term and its own deadline. A client that
-has no step left leaves the batch, and its parameters stop changing.
+Training a round's small members one after another leaves an accelerator idle between kernel launches. Here the
+K members' copies of one model are stacked along a leading axis. Each member keeps what the loop gives it alone: its
+own batch schedule (the same generator, seed and ``randperm`` sequence), its own example count (the smaller last
+batch of an epoch is padded and masked, and the loss is the mean over its real examples, so the gradient is the
+unpadded one), its own number of steps, the FedProx term, its own deadline and the task's optimizer (an elementwise
+one: each member's state is its own rows). A member that has no step left leaves the stack, and its parameters stop
+changing. The task's loss is taken to be the mean of per-example losses (as on the engine), computed per example.
 """
 
 from __future__ import annotations
@@ -15,35 +16,42 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedpar.aggregation.fedprox import proximal_term
-from fedpar.client.local_sgd import StepTally, TrainResult, sgd_step, shuffling_generator
+from fedpar.client.local_loop import Lane, apply_gradients, batch_schedule, objective, run_loop
+from fedpar.client.local_sgd import StepTally, TrainResult
 from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
-from fedpar.task import StepClock
+from fedpar.task import StepClock, Task
+from fedpar.tasks.data import in_memory
+
+# Optimizers whose update of each element reads only that element and its own state: stepping the stacked
+# parameters steps every member as its own optimizer would.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+                          torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+OptimizerFactory = Callable[[list, float], Any]
 
 
 @dataclass
 class ClientBatchInput:
-    """One client of a batched run: its local data, its LocalTrainer seed, its start weights and its clock."""
+    """One member of a batched run: its local data, its shuffling seed, its start weights and its clock."""
 
     x: torch.Tensor
     y: torch.Tensor
-    seed: int  # the client's LocalTrainer seed: its batch order
+    seed: int  # the member's shuffling seed: its batch order
     start: dict[str, torch.Tensor] | None = None  # start weights (and FedProx anchor); None: the model's own
-    stop_at: float = math.inf  # the time.monotonic() the client's training must not pass (LocalTrainer's stop_at)
+    stop_at: float = math.inf  # the time.monotonic() the member's training must not pass
     step_delay: float = 0.0  # a simulated slow device's extra seconds per step: added to its clock, not slept
-    max_steps: int | None = None  # at most this many steps (a virtual clock's cap, as LocalTrainer's max_steps)
+    max_steps: int | None = None  # at most this many steps (a virtual clock's cap)
 
 
 @dataclass
 class ClientBatchOutput:
-    """One client's trained parameters (CPU tensors, named as in model.named_parameters()) and its TrainResult."""
+    """One member's trained parameters (CPU tensors, named as in model.named_parameters()) and its TrainResult."""
 
     weights: dict[str, torch.Tensor]
     result: TrainResult
@@ -55,21 +63,45 @@ def check_batchable(model: nn.Module) -> None:
         stateful = isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
         random = isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
         if stateful or random:
-            raise ValueError(f"client batching needs a model without batch-norm statistics or dropout; "
+            raise ValueError(f"client batching needs a model without batch-norm statistics or dropout (each "
+                             f"member's step must be a function of its weights and batch alone); "
                              f"{name or 'the model'} is a {type(module).__name__}")
 
 
-def batch_schedule(n: int, seed: int, epochs: int, batch_size: int, round_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """LocalTrainer's batches of one client with ``n`` examples: (steps, batch_size) example indices and a bool
-    mask of the real ones (the last batch of each epoch is padded with index 0)."""
-    per_epoch = -(-n // batch_size)
-    width = per_epoch * batch_size
-    gen = shuffling_generator(seed, round_id)
-    index = torch.zeros(epochs, width, dtype=torch.long)
-    for epoch in range(epochs):
-        index[epoch, :n] = torch.randperm(n, generator=gen)
-    mask = (torch.arange(width) < n).expand(epochs, width)
-    return index.reshape(epochs * per_epoch, batch_size), mask.reshape(epochs * per_epoch, batch_size)
+def batching_refusal(task: Task) -> str | None:
+    """Why ``task``'s members cannot train stacked (one line), or None when they can: its model's layers, its own
+    train hook, its loader or a non-elementwise optimizer."""
+    if task.train is not None:
+        return (f"task {task.name!r} trains with its own train hook, which runs one member at a time; drop "
+                "--client-batching")
+    if task.loader is not None:
+        return (f"task {task.name!r} batches its data with its own loader; client batching cuts in-memory "
+                "(inputs, targets) data itself: drop the loader or --client-batching")
+    if task.optimizer is not None:
+        optimizer = task.optimizer([torch.zeros(1, requires_grad=True)], 0.1)
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            return (f"task {task.name!r}'s optimizer is a {type(optimizer).__name__}; client batching steps the "
+                    f"stacked members with elementwise optimizers only "
+                    f"({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}): drop --client-batching")
+    try:
+        check_batchable(task.model())
+    except ValueError as exc:
+        return f"task {task.name!r}: {exc}"
+    return None
+
+
+def member_tensors(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (inputs, targets) tensors of a member's in-memory training data; ValueError for other data."""
+    tensors = in_memory(dataset)
+    if tensors is None or len(tensors) != 2:
+        raise ValueError("client batching needs each member's training data in memory as (inputs, targets) "
+                         f"tensors (an ArrayDataset or a TensorDataset of two), got a {type(dataset).__name__}")
+    return tensors[0], tensors[1]
+
+
+def per_example_losses(loss: Callable, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``loss`` (a batch mean) of each example alone: the loss of one-example batches, computed for all at once."""
+    return vmap(lambda o, t: loss(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
 
 
 # Compiled steps live as long as their model, so a batcher that reuses one template model compiles once.
@@ -77,39 +109,40 @@ _compiled: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionar
 
 
 def batched_gradient_fn(model: nn.Module, buffers: dict[str, torch.Tensor], proximal_mu: float = 0.0,
-                        compile_step: bool = False) -> Callable:
-    """``f(params, anchor, x, y, mask, count) -> (grads, losses)`` over a leading client axis: each client's
-    gradient of its masked-mean cross-entropy (plus the FedProx term when ``anchor`` is not empty) on its batch."""
-    key = (proximal_mu, tuple((n, b.device) for n, b in buffers.items()))
+                        compile_step: bool = False, loss: Callable = classification_loss) -> Callable:
+    """``f(params, anchor, x, y, mask, count) -> (grads, losses)`` over a leading member axis: each member's
+    gradient of its objective (client/local_loop.py) on its batch, the loss being the masked mean of ``loss`` per
+    example (FedProx's term when ``anchor`` is not empty)."""
+    key = (proximal_mu, loss, tuple((n, b.device) for n, b in buffers.items()))
     if compile_step and key in _compiled.get(model, {}):
         return _compiled[model][key]
 
-    def client_loss(params, anchor, x, y, mask, count):
+    def member_objective(params, anchor, x, y, mask, count):
         tensors = (params, buffers) if buffers else params
-        per_example = classification_loss(functional_call(model, tensors, (x,)), y, reduction="none")
-        loss = (per_example * mask).sum() / count  # mean over the real examples: padding adds exact zeros
-        if not anchor:
-            return loss, loss
-        return loss + proximal_term([params[n] for n in anchor], anchor.values(), proximal_mu), loss
+        per_example = per_example_losses(loss, functional_call(model, tensors, (x,)), y)
+        mean = (per_example * mask).sum() / count  # mean over the real examples: padding adds exact zeros
+        return objective(mean, [params[n] for n in anchor], anchor.values(), proximal_mu), mean
 
-    step = vmap(grad(client_loss, has_aux=True))
+    step = vmap(grad(member_objective, has_aux=True))
     if compile_step:
-        # Static shapes (one graph per number of active clients) replayed as CUDA graphs: the step is launch-bound.
+        # Static shapes (one graph per number of active members) replayed as CUDA graphs: the step is launch-bound.
         step = _compiled.setdefault(model, {})[key] = torch.compile(step, dynamic=False, mode="reduce-overhead")
     return step
 
 
 class ClientBatch:
-    """K clients' copies of one model stacked on ``device``, stepped together, each on its own batches.
+    """The Stepper (client/local_loop.py) of K members' copies of one model stacked on ``device``, stepped
+    together, each on its own batches.
 
-    Only the clients still training (``active``) are computed: when one finishes or is stopped, the working
-    stack is written back and rebuilt without it (rare: at most K times), so the others' steps stay dense.
-    Every active client has taken exactly ``step_index`` steps.
+    Only the members still training (``active()``) are computed: when one finishes or leaves, the working stack
+    (and the optimizer's state) is written back and rebuilt without it (rare: at most K times), so the others'
+    steps stay dense. Every active member has taken exactly ``step_index`` steps.
     """
 
-    def __init__(self, model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int,
+    def __init__(self, model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int, lr: float,
                  round_id: int = 0, device: str | torch.device = "cpu", proximal_mu: float = 0.0,
-                 compile_step: bool = False):
+                 compile_step: bool = False, loss: Callable = classification_loss,
+                 optimizer: OptimizerFactory | None = None):
         check_batchable(model)
         if not clients:
             raise ValueError("a client batch needs at least one client")
@@ -120,7 +153,8 @@ class ClientBatch:
             # Measured with torch 2.13 on the CPU: inductor's CNN step drifted from the eager one after ~20 steps.
             raise ValueError("compile_step is for CUDA devices; on the CPU the compiled step did not reproduce "
                              "the eager gradients")
-        self.model, self.mu, self.clients = model, proximal_mu, clients
+        self.model, self.mu, self.clients, self.lr = model, proximal_mu, clients, lr
+        self._make_optimizer, self._optimizer = optimizer, None
         own = {name: p.detach() for name, p in model.named_parameters()}
         self.names = list(own)
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
@@ -131,18 +165,18 @@ class ClientBatch:
         self.x = torch.cat([c.x for c in clients]).to(self.device)
         self.y = torch.cat([c.y for c in clients]).to(self.device)
         self._index, self._mask, self.total_steps = self._schedules(epochs, batch_size, round_id)
-        self._counts = self._mask.sum(dim=2)  # real examples per client and step
+        self._counts = self._mask.sum(dim=2)  # real examples per member and step
         self._mask = self._mask.to(self.params[self.names[0]].dtype)
         self._loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=self.device)
         self.steps_done = [0] * len(clients)
         self.stopped = [False] * len(clients)
         self.step_index = 0
-        self.active = [k for k in range(len(clients)) if self.total_steps[k] > 0]
-        self._grad_fn = batched_gradient_fn(model, self._buffers, proximal_mu, compile_step)
-        self._load_working()
+        self._active = [k for k in range(len(clients)) if self.total_steps[k] > 0]
+        self._grad_fn = batched_gradient_fn(model, self._buffers, proximal_mu, compile_step, loss)
+        self._load_working(list(range(len(self._active))))
 
     def _schedules(self, epochs: int, batch_size: int, round_id: int):
-        """Every client's batches as global example indices, padded to the longest schedule, on the device."""
+        """Every member's batches as global example indices, padded to the longest schedule, on the device."""
         plans, offset = [], 0
         for c in self.clients:
             index, mask = batch_schedule(len(c.y), c.seed, epochs, batch_size, round_id)
@@ -157,138 +191,125 @@ class ClientBatch:
             index[k, :len(i)], mask[k, :len(m)] = i, m
         return index.to(self.device), mask.to(self.device), total
 
-    def _load_working(self) -> None:
-        """Gather the active clients' parameters, schedules and loss sums into the working stack."""
-        rows = torch.tensor(self.active, dtype=torch.long, device=self.device)
+    def _load_working(self, kept: list[int]) -> None:
+        """Gather the active members' parameters, schedules and loss sums into the working stack; ``kept``: the
+        rows of the previous stack they were (their optimizer state moves with them)."""
+        rows = torch.tensor(self._active, dtype=torch.long, device=self.device)
         self._rows = rows
         self._work = {name: p.index_select(0, rows) for name, p in self.params.items()}
         self._work_anchor = {name: a.index_select(0, rows) for name, a in self._anchor.items()}
         self._work_index, self._work_mask = self._index.index_select(0, rows), self._mask.index_select(0, rows)
         self._work_counts = self._counts.index_select(0, rows)
         self._work_loss = self._loss_sums.index_select(0, rows)
+        if self._make_optimizer is not None:
+            self._optimizer = self._moved_optimizer(self._optimizer, kept)
+
+    def _moved_optimizer(self, old: Any, kept: list[int]) -> Any:
+        """A task optimizer over the working stack, holding ``old``'s state of the ``kept`` rows."""
+        params = [self._work[name] for name in self._trainable]
+        optimizer = self._make_optimizer(params, self.lr)
+        if old is None:
+            return optimizer
+        rows = torch.tensor(kept, dtype=torch.long, device=self.device)
+        for before, after in zip([p for group in old.param_groups for p in group["params"]], params):
+            state = old.state.get(before)
+            if state:
+                optimizer.state[after] = {key: value.index_select(0, rows)
+                                          if isinstance(value, torch.Tensor) and value.ndim and
+                                          value.shape[:1] == before.shape[:1] else value
+                                          for key, value in state.items()}
+        return optimizer
 
     def _store_working(self) -> None:
-        """Write the working stack back into the per-client tensors."""
+        """Write the working stack back into the per-member tensors."""
         for name, p in self.params.items():
             p.index_copy_(0, self._rows, self._work[name])
         self._loss_sums.index_copy_(0, self._rows, self._work_loss)
-        for k in self.active:
+        for k in self._active:
             self.steps_done[k] = self.step_index
 
     def client_weights(self, k: int) -> dict[str, torch.Tensor]:
-        """Client ``k``'s parameters now (on the device; a copy)."""
-        if k in self.active:
-            row = self.active.index(k)
+        """Member ``k``'s parameters now (on the device; a copy)."""
+        if k in self._active:
+            row = self._active.index(k)
             return {name: p[row].clone() for name, p in self._work.items()}
         return {name: p[k].clone() for name, p in self.params.items()}
 
     def gradients(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The active clients' gradients of their objectives on this step's batches, and their losses."""
+        """The active members' gradients of their objectives on this step's batches, and their losses."""
         s = self.step_index
         index = self._work_index[:, s]
         return self._grad_fn(self._work, self._work_anchor, self.x[index], self.y[index], self._work_mask[:, s],
                              self._work_counts[:, s])
 
-    def step(self, lr: float) -> None:
-        """One SGD step of every active client (torch's own SGD update, as LocalTrainer's sgd_step)."""
+    def active(self) -> list[int]:
+        """The members still training."""
+        return list(self._active)
+
+    def step(self) -> None:
+        """One step of every active member: the task's optimizer (elementwise) or plain SGD on the stack."""
         grads, losses = self.gradients()
         params = [self._work[name] for name in self._trainable]
         for name, p in zip(self._trainable, params):
             p.grad = grads[name]
-        sgd_step(params, lr)
+        apply_gradients(params, self.lr, self._optimizer)
         for p in params:
             p.grad = None
         self._work_loss += losses.detach().double() * self._work_counts[:, self.step_index]
         self.step_index += 1
-        done = [k for k in self.active if self.total_steps[k] == self.step_index]
+        done = [k for k in self._active if self.total_steps[k] == self.step_index]
         if done:
-            self.leave(done)
+            self._drop(done)
 
-    def leave(self, clients: list[int], stopped: bool = False) -> None:
-        """Take ``clients`` out of the batch (``stopped``: before their last step); their parameters freeze."""
+    def leave(self, members: list[int]) -> None:
+        """Stop ``members`` before their next step (their deadline): their parameters freeze."""
+        for k in members:
+            self.stopped[k] = True
+        self._drop(members)
+
+    def _drop(self, members: list[int]) -> None:
+        """Take ``members`` out of the working stack."""
         self._store_working()
-        for k in clients:
-            self.stopped[k] = stopped
-        self.active = [k for k in self.active if k not in clients]
-        if self.active:
-            self._load_working()
+        kept = [row for row, k in enumerate(self._active) if k not in members]
+        self._active = [k for k in self._active if k not in members]
+        if self._active:
+            self._load_working(kept)
 
-    def outputs(self, seconds: float) -> list[ClientBatchOutput]:
-        """Every client's trained parameters on the CPU and its TrainResult (``seconds``: the batch's wall time,
-        plus each client's simulated step delays)."""
-        if self.active:
+    def tallies(self) -> list[StepTally]:
+        """Each member's steps, examples (its real ones) and loss sum so far."""
+        if self._active:
             self._store_working()
-        params = {name: p.detach().cpu() for name, p in self.params.items()}
         counts = self._counts.cpu()
         loss_sums = self._loss_sums.cpu().tolist()
-        out = []
-        for k, c in enumerate(self.clients):
-            steps = self.steps_done[k]
-            result = StepTally(steps, int(counts[k, :steps].sum()), loss_sums[k], self.stopped[k]).result(
-                seconds + steps * c.step_delay)
-            out.append(ClientBatchOutput({name: p[k] for name, p in params.items()}, result))
-        return out
+        return [StepTally(steps, int(counts[k, :steps].sum()), loss_sums[k], self.stopped[k])
+                for k, steps in enumerate(self.steps_done)]
 
-
-class _Deadlines:
-    """LocalTrainer's test "would the next step pass stop_at?" for every client of a batch.
-
-    A client's clock is the real time plus its simulated delay per step taken; a step costs the smoothed
-    batched step time plus that delay. The clock is read only when some deadline could be near (at most half
-    the steps that certainly fit are skipped), since on CUDA a read waits for every queued step.
-    """
-
-    def __init__(self, clients: list[ClientBatchInput], device: torch.device):
-        self.clients, self.device = clients, device
-        self.pace = StepClock()  # of one batched step
-        self._last: tuple[int, float] | None = None
-        self._next_check = 0 if any(math.isfinite(c.stop_at) for c in clients) else math.inf
-
-    def late(self, batch: ClientBatch) -> list[int]:
-        """Active clients of ``batch`` whose deadline the next step would pass."""
-        s = batch.step_index
-        if s < self._next_check:
-            return []
-        synchronize(self.device)
-        now = time.monotonic()
-        if self._last is not None and s > self._last[0]:
-            self.pace.measured((now - self._last[1]) / (s - self._last[0]))
-        self._last = (s, now)
-        late, fits = [], math.inf
-        for k in batch.active:
-            c = self.clients[k]
-            per_step = self.pace.seconds + c.step_delay
-            slack = c.stop_at - (now + s * c.step_delay)
-            if slack < per_step:
-                late.append(k)
-            elif per_step > 0:
-                fits = min(fits, slack / per_step - 1)  # steps that certainly fit at this pace
-        if self.pace.seconds == 0.0:  # no pace measured yet
-            self._next_check = s + 1
-        else:
-            self._next_check = s + max(1, int(0.5 * fits)) if fits < math.inf else math.inf
-        return late
+    def outputs(self, seconds: float) -> list[ClientBatchOutput]:
+        """Every member's trained parameters on the CPU and its TrainResult (``seconds``: the batch's wall time,
+        plus each member's simulated step delays)."""
+        tallies = self.tallies()
+        params = {name: p.detach().cpu() for name, p in self.params.items()}
+        return [ClientBatchOutput({name: p[k] for name, p in params.items()},
+                                  tally.result(seconds + tally.steps * c.step_delay))
+                for k, (c, tally) in enumerate(zip(self.clients, tallies))]
 
 
 def train_clients_batched(model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int,
                           lr: float, round_id: int = 0, device: str | torch.device = "cpu",
-                          proximal_mu: float = 0.0, compile_step: bool = False) -> list[ClientBatchOutput]:
-    """Train each client from its start weights as ``LocalTrainer.train`` would alone, all clients in one batch.
+                          proximal_mu: float = 0.0, compile_step: bool = False, loss: Callable = classification_loss,
+                          optimizer: OptimizerFactory | None = None) -> list[ClientBatchOutput]:
+    """Train each member from its start weights as the local loop would alone, all of them stacked: ``loss`` (a
+    batch mean) and ``optimizer(params, lr)`` are the task's (default: cross-entropy and plain SGD).
 
     ``model`` only lends its architecture (and its parameters as the default start); it is not changed.
     ``compile_step`` (CUDA only, experimental): ``torch.compile`` the batched gradient step into CUDA graphs, one
-    per number of active clients; check its results against the eager step on the device before relying on it.
+    per number of active members; check its results against the eager step on the device before relying on it.
     """
     if not clients:
         return []
     start = time.monotonic()
-    batch = ClientBatch(model, clients, epochs, batch_size, round_id, device, proximal_mu, compile_step)
-    deadlines = _Deadlines(clients, batch.device)
-    while batch.active:
-        late = deadlines.late(batch)
-        if late:
-            batch.leave(late, stopped=True)
-            continue
-        batch.step(lr)
-    synchronize(batch.device)
+    batch = ClientBatch(model, clients, epochs, batch_size, lr, round_id, device, proximal_mu, compile_step, loss,
+                        optimizer)
+    run_loop(batch, [Lane(c.stop_at, c.step_delay) for c in clients], StepClock(),
+             wait=lambda: synchronize(batch.device))
     return batch.outputs(time.monotonic() - start)

@@ -22,16 +22,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fedpar.aggregation.fedprox import add_proximal_gradient
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
-from fedpar.client.local_sgd import StepTally, TrainResult, descend, run_steps, trainable
+from fedpar.client.local_loop import Lane, OneMember, run_loop, update
+from fedpar.client.local_sgd import StepTally, TrainResult, trainable
+from fedpar.client.trainer_protocol import Spec
 from fedpar.models.evaluation import EvalResult
+from fedpar.models.weights import get_weights, set_weights, weight_specs
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ParallelConfig, layout_for
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.sampler import DistributedBatchSampler
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, StepClock, Task, TaskError
 from fedpar.tasks.data import batch_at, batch_examples, inputs_and_targets, on_device, to_device
 from fedpar.tasks.evaluation import task_eval_result
@@ -53,11 +56,15 @@ def check_engine_task(task: Task, config: ParallelConfig, world_size: int) -> No
 
 
 class EngineTrainer:
-    """The LocalTrainer interface (train/evaluate/num_examples/model/warm_up/holding_task) over a sharded model.
+    """A :class:`~fedpar.client.trainer_protocol.Trainer` over a sharded model (rank 0's whole copy is what the
+    runtime exchanges).
 
     Construct on every rank of the group at once (it is collective); then rank 0 hands itself to an Agent
     and calls :meth:`shutdown` when the agent is done, while every other rank calls :meth:`follow`.
     """
+
+    framework = "torch"
+    reads_task_settings = False
 
     def __init__(self, task: Task, data: ClientData, info: DistInfo, parallel: ParallelConfig, seed: int = 0,
                  shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0, warm_up: bool = True):
@@ -104,8 +111,20 @@ class EngineTrainer:
         """Size of the agent's local training set (all ranks together train on it once per epoch)."""
         return len(self.train_data)
 
+    def array_specs(self) -> list[Spec]:
+        """(name, dtype, shape) of rank 0's whole model."""
+        return weight_specs(self.model)
+
+    def set_arrays(self, arrays: list) -> None:
+        """Load the round's global weights into rank 0's whole model (train broadcasts them to the shards)."""
+        set_weights(self.model, arrays)
+
+    def get_arrays(self) -> list:
+        """Rank 0's whole model's weights (train gathers the shards into it)."""
+        return get_weights(self.model)
+
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
-        """The span in which the agent holds a task of ``round_id`` (as LocalTrainer: nothing to do)."""
+        """The span in which the agent holds a task of ``round_id`` (nothing to do)."""
         return contextlib.nullcontext()
 
     def warm_up(self) -> None:
@@ -118,7 +137,8 @@ class EngineTrainer:
         return task_eval_result(self.task, self.model, self.val)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
-              proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None) -> TrainResult:
+              proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None,
+              settings: TaskSettings | None = None) -> TrainResult:
         """Rank 0: train all ranks from ``model``'s weights for ``epochs`` (at most ``max_steps`` steps) or until
         ``stop_at``; ``model`` then holds the result. ``batch_size`` is the agent's whole batch per step, split
         evenly over the data-parallel ranks (so rounded up to a multiple of their number); padding that evens out
@@ -169,8 +189,8 @@ class EngineTrainer:
         return sampler, local * self._dp_size
 
     def _train_shard(self, c: Command, stop_at: float) -> StepTally:
-        """The task's loss over this rank's share of each global batch, stepped by its optimizer (else plain SGD);
-        rank 0 decides before every step whether to go on."""
+        """The one local loop (client/local_loop.py) over this rank's share of each global batch: the task's loss,
+        stepped by its optimizer (else plain SGD); rank 0 decides before every step whether to go on, for all."""
         model, task, device = self.module, self.task, self.info.device
         model.train()
         params = trainable(model)
@@ -179,8 +199,8 @@ class EngineTrainer:
         sampler, global_batch = self._sampler(c.batch_size, c.round_id)
         n = self.num_examples
 
-        def go_on() -> bool:
-            return self._control.decide(self._clock.fits(stop_at, self._gather_seconds))
+        def decide(late: list[int]) -> list[int]:
+            return [] if self._control.decide(not late) else [0]
 
         def step(batch: ShardBatch) -> tuple[int, float]:
             b, (indices, valid) = batch
@@ -194,20 +214,14 @@ class EngineTrainer:
             in_batch = min(global_batch, n - b * global_batch)  # examples of this global batch that are not padding
             # DDP/FSDP average gradients over the data-parallel ranks and the loss is the mean over this rank's
             # examples: weighting it by examples * dp / in_batch makes the result the gradient of the mean loss over
-            # the global batch's real examples, as one process would compute it.
-            objective = loss * (examples * self._dp_size / in_batch)
-            if optimizer is None:
-                # FedProx's proximal term enters as its gradient, shard by shard, with no collective.
-                descend(params, objective, c.lr, anchor, c.proximal_mu)
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                objective.backward()
-                if anchor is not None:
-                    add_proximal_gradient(params, anchor, c.proximal_mu)
-                optimizer.step()
+            # the global batch's real examples, as one process would compute it. FedProx's proximal term enters as
+            # its gradient, shard by shard, with no collective.
+            update(params, loss * (examples * self._dp_size / in_batch), c.lr, optimizer, anchor, c.proximal_mu)
             return examples, float(loss.detach()) * examples
 
-        return run_steps(self._batches(sampler, c.epochs, c.max_steps), step, go_on, self._clock)
+        (tally,) = run_loop(OneMember(self._batches(sampler, c.epochs, c.max_steps), step),
+                            [Lane(stop_at, reserve=self._gather_seconds)], self._clock, decide=decide)
+        return tally
 
     @staticmethod
     def _batches(sampler: DistributedBatchSampler, epochs: int, max_steps: int = 0) -> Iterator[ShardBatch]:

@@ -189,8 +189,7 @@ class AgentLink:
         """A new session for the agent."""
         reply = self.conn.stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
                                                    num_examples=self.trainer.num_examples,
-                                                   capabilities={"framework": getattr(self.trainer, "framework",
-                                                                                      "torch")},
+                                                   capabilities={"framework": self.trainer.framework},
                                                    protocol_version=PROTOCOL_VERSION,
                                                    enrollment_token=self.config.enrollment_token), timeout=30)
         self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=reply.token)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fedpar.aggregation.fedprox import add_proximal_gradient, proximal_term
-from fedpar.client.local_sgd import StepTally, descend
+from fedpar.client.local_sgd import StepTally, sgd_step
 from fedpar.task import StepClock
 from fedpar.tasks.data import default_batches, in_memory
 
@@ -69,16 +69,22 @@ def objective(loss: torch.Tensor, params: Iterable[torch.Tensor], anchor: Iterab
 
 def update(params: list[nn.Parameter], descended: torch.Tensor, lr: float, optimizer: Any = None,
            anchor: list[torch.Tensor] | None = None, mu: float = 0.0) -> None:
-    """One step down ``descended``: the task's ``optimizer``, else plain SGD at ``lr``; ``anchor``: FedProx's pull
-    added as a gradient (sharded parameters, whose objective cannot hold the proximal term)."""
-    if optimizer is None:
-        descend(params, descended, lr, anchor, mu)
-        return
-    optimizer.zero_grad(set_to_none=True)
+    """One step down ``descended``: fresh gradients of ``params`` (plus FedProx's pull toward ``anchor`` when one is
+    given: sharded parameters, whose objective cannot hold the proximal term), then :func:`apply_gradients`."""
+    for p in params:
+        p.grad = None
     descended.backward()
     if anchor is not None:
         add_proximal_gradient(params, anchor, mu)
-    optimizer.step()
+    apply_gradients(params, lr, optimizer)
+
+
+def apply_gradients(params: list[torch.Tensor], lr: float, optimizer: Any = None) -> None:
+    """The update from the gradients the tensors hold: the task's ``optimizer`` steps, else plain SGD at ``lr``."""
+    if optimizer is None:
+        sgd_step(params, lr)
+    else:
+        optimizer.step()
 
 
 @dataclass

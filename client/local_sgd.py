@@ -1,5 +1,5 @@
-"""Local SGD's arithmetic and counts, which the one local loop (client/local_loop.py) steps with: the plain SGD update,
-FedProx's pull as a gradient, and the tally of steps, examples and losses."""
+"""Local SGD's arithmetic and counts, which the one local loop (client/local_loop.py) steps with: the plain SGD update
+and the tally of steps, examples and losses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.optim.sgd import sgd
 
-from fedpar.aggregation.fedprox import add_proximal_gradient
 
 
 @dataclass
@@ -44,18 +43,6 @@ class StepTally:
         """The TrainResult of these steps: the mean loss per example (NaN when none was trained on)."""
         loss = float(self.loss_sum) / self.examples if self.examples else math.nan
         return TrainResult(self.steps, self.examples, loss, self.stopped, seconds)
-
-
-def descend(params: list[nn.Parameter], objective: torch.Tensor, lr: float,
-            anchor: list[torch.Tensor] | None = None, proximal_mu: float = 0.0) -> None:
-    """One SGD step down ``objective``: fresh gradients of ``params``, plus FedProx's pull toward ``anchor`` when
-    one is given (for sharded parameters, whose objective cannot hold the proximal term), then the update."""
-    for p in params:
-        p.grad = None
-    objective.backward()
-    if anchor is not None:
-        add_proximal_gradient(params, anchor, proximal_mu)
-    sgd_step(params, lr)
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

@@ -269,7 +269,7 @@ class ClientRuntime:
         stop_at = stop_training_at(deadline_at, time.monotonic() - received, self.config.upload_margin_seconds)
         with self.link.while_training():
             extra = {"max_steps": task.max_steps} if task.max_steps else {}  # the virtual clock's cap (a TaskTrainer's)
-            if getattr(seat.trainer, "reads_task_settings", False):  # e.g. a Flower client's fit config
+            if seat.trainer.reads_task_settings:  # e.g. a Flower client's fit config
                 extra["settings"] = settings
             result = seat.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
                                         proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)

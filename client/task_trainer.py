@@ -12,11 +12,14 @@ import time
 import numpy as np
 import torch
 
-from fedpar.client.local_sgd import TrainResult, descend, trainable
+from fedpar.client.local_loop import update
+from fedpar.client.local_sgd import TrainResult, trainable
+from fedpar.client.trainer_protocol import Spec
 from fedpar.models.evaluation import EvalResult
-from fedpar.models.weights import ModelWeights, get_weights, set_weights
+from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight_specs
 from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Deadline, LocalConfig, StepClock, Task, TaskError
 from fedpar.tasks.data import default_batches, inputs_and_targets, on_device, to_device
 from fedpar.client.task_loop import train_task
@@ -27,9 +30,9 @@ LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is war
 
 
 class TaskTrainer:
-    """What :class:`fedpar.client.agent.Agent` drives: a task's model and one client's data on ``device``, trained by
-    the task's own hook or the built-in loop, and evaluated with its named metrics. The model is built once (or
-    given, ``model``), so its weights keep the layout the coordinator expects.
+    """A :class:`~fedpar.client.trainer_protocol.Trainer`: a task's model and one client's data on ``device``,
+    trained by the task's own hook or the built-in loop, and evaluated with its named metrics. The model is built
+    once (or given, ``model``), so its weights keep the layout the coordinator expects.
 
     Simulations add two things: agents sharing one process share its interpreter lock, and stepping dozens of
     small models at once only adds lock hand-offs and cache misses (several times slower per step), so such hosts
@@ -37,6 +40,9 @@ class TaskTrainer:
     ``seconds_per_step_delay``, gives the turn up while it sleeps); and a host's seat takes on one client after
     another (:meth:`use_data`).
     """
+
+    framework = "torch"
+    reads_task_settings = False
 
     def __init__(self, task: Task, data: ClientData, seed: int = 0, device: torch.device | str = "cpu",
                  precision: str = "fp32", seconds_per_step_delay: float = 0.0,
@@ -65,6 +71,10 @@ class TaskTrainer:
         self.seed = seed
         self.delay = seconds_per_step_delay  # simulated slow hardware (simulations only)
         self._clock = StepClock()  # a step's time, kept between runs for the next run's first deadline test
+
+    def array_specs(self) -> list[Spec]:
+        """(name, dtype, shape) of the model's weights, as :func:`fedpar.models.weights.weight_specs`."""
+        return weight_specs(self.model)
 
     def get_arrays(self) -> list[np.ndarray]:
         """The model's weights (what the agent uploads), as :func:`fedpar.models.weights.get_weights`."""
@@ -102,15 +112,16 @@ class TaskTrainer:
         with autocast(self.device, self.precision):
             loss = self.task.loss(self.model(inputs), targets)
         if self.task.optimizer is None:
-            descend(params, loss, lr=0.0)  # the weights do not change
+            update(params, loss, lr=0.0)  # the weights do not change
         else:
             loss.backward()
         for p in params:
             p.grad = None
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, proximal_mu: float = 0.0,
-              round_id: int = 0, max_steps: int | None = None) -> TrainResult:
-        """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``."""
+              round_id: int = 0, max_steps: int | None = None, settings: TaskSettings | None = None) -> TrainResult:
+        """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``
+        (``settings``: not read)."""
         start = time.monotonic()
         config = LocalConfig(epochs, batch_size, lr, round_id, self.seed, proximal_mu, max_steps, self.device)
         deadline = Deadline(stop_at, queue_waiter(self.device), self._clock)

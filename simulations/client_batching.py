@@ -1,5 +1,6 @@
 """Client batching in a simulation worker: the seats of one population host (simulations/population.py) that train
-in the same round train as one batched model (client/batched_trainer.py) instead of one after another.
+in the same round train as one stacked model (client/batched_trainer.py: the one local loop, run for all of them at
+once) instead of one after another.
 
 The seats stay real agents (each member's download and upload go as its own); only their ``trainer.train`` calls
 meet here, and "agent" below means a seat. The rule: an agent announces a task when it receives it and withdraws when the task ends
@@ -24,10 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fedpar.client.batched_trainer import ClientBatchInput, ClientBatchOutput, train_clients_batched
+from fedpar.client.batched_trainer import (ClientBatchInput, ClientBatchOutput, batching_refusal, member_tensors,
+                                           train_clients_batched)
 from fedpar.client.local_sgd import TrainResult
-from fedpar.client.trainer import LocalTrainer
-from fedpar.datasets import ArrayDataset
+from fedpar.client.task_trainer import TaskTrainer
+from fedpar.protocol.task_settings import TaskSettings
+from fedpar.task import ClientData, Task, TaskError
 
 
 @dataclass
@@ -70,6 +73,7 @@ class ClientBatcher:
         self._rounds: dict[int, _Round] = {}
         self._open: dict[tuple, _Batch] = {}  # batches still gathering, by (round, epochs, batch size, lr, mu)
         self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
+        self._task: Task | None = None  # its loss and optimizer (every agent of a process trains one task)
         self._warm = False
         self.batch_sizes: list[int] = []  # clients per batch run, in order (for tests and diagnostics)
 
@@ -95,25 +99,26 @@ class ClientBatcher:
             with self._cond:
                 self._not_waiting_for(agent, round_id)
 
-    def warm_up(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    def warm_up(self, task: Task, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """One zero-learning-rate batched step, once per process, so torch.func's set-up (it imports
         torch._dynamo) is not billed to a deadline."""
         with self._turn:
             if self._warm:
                 return
-            self._template = copy.deepcopy(model)
+            self._template, self._task = copy.deepcopy(model), task
             train_clients_batched(self._template, [ClientBatchInput(x[:2], y[:2], seed=0)], 1, 2, 0.0,
-                                  device=self.device)
+                                  device=self.device, loss=task.loss, optimizer=task.optimizer)
             self._warm = True
 
-    def train(self, agent: object, model: nn.Module, client: ClientBatchInput, epochs: int, batch_size: int,
-              lr: float, round_id: int, proximal_mu: float) -> ClientBatchOutput:
-        """Train ``client`` in this round's batch; returns when that batch has run (see the module's rule)."""
+    def train(self, agent: object, task: Task, model: nn.Module, client: ClientBatchInput, epochs: int,
+              batch_size: int, lr: float, round_id: int, proximal_mu: float) -> ClientBatchOutput:
+        """Train ``client`` (a member of ``task``) in this round's batch; returns when that batch has run (see the
+        module's rule)."""
         settings = (round_id, epochs, batch_size, lr, proximal_mu)
         call = _Call(client)
         with self._cond:
             if self._template is None:
-                self._template = copy.deepcopy(model)
+                self._template, self._task = copy.deepcopy(model), task
             batch = self._open.get(settings)
             if batch is None:
                 batch = self._open[settings] = _Batch(time.monotonic())
@@ -160,7 +165,8 @@ class ClientBatcher:
         try:
             with self._turn:
                 outputs = train_clients_batched(self._template, [c.client for c in batch.calls], epochs, batch_size,
-                                                lr, round_id, self.device, mu, self.compile_step)
+                                                lr, round_id, self.device, mu, self.compile_step, self._task.loss,
+                                                self._task.optimizer)
             for call, output in zip(batch.calls, outputs):
                 call.output = output
         except BaseException as exc:  # every agent of the batch sees the failure
@@ -172,31 +178,37 @@ class ClientBatcher:
                 call.done = True
 
 
-class BatchedTrainer(LocalTrainer):
-    """A LocalTrainer whose train() runs in its process's client batch (see :class:`ClientBatcher`)."""
+class BatchedTrainer(TaskTrainer):
+    """A TaskTrainer whose built-in loop runs stacked with its process's other seats (see :class:`ClientBatcher`);
+    evaluation and the weights' exchange are TaskTrainer's."""
 
-    def __init__(self, model: nn.Module, train: ArrayDataset, val: ArrayDataset | None, batcher: ClientBatcher,
-                 seed: int = 0, seconds_per_step_delay: float = 0.0, compute_lock: threading.Lock | None = None,
+    def __init__(self, task: Task, data: ClientData, batcher: ClientBatcher, seed: int = 0,
+                 seconds_per_step_delay: float = 0.0, compute_lock: threading.Lock | None = None,
                  device: torch.device | str = "cpu"):
-        super().__init__(model, train, val, seed, seconds_per_step_delay, compute_lock, device=device)
+        refusal = batching_refusal(task)
+        if refusal is not None:
+            raise TaskError(refusal)
+        super().__init__(task, data, seed, device, "fp32", seconds_per_step_delay, compute_lock)
         self.batcher = batcher
         batcher.add_agent()
 
     def warm_up(self) -> None:
-        """LocalTrainer's warm-up, and the batcher's (once per process)."""
+        """TaskTrainer's warm-up, and the batcher's (once per process)."""
         super().warm_up()
-        self.batcher.warm_up(self.model, self.x, self.y)
+        self.batcher.warm_up(self.task, self.model, *member_tensors(self.data.train))
 
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
         """Tell the batcher this agent holds a task of ``round_id`` until the block ends."""
         return self.batcher.holding(self, round_id)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
-              proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None) -> TrainResult:
-        """LocalTrainer.train, computed in the batch; a slow device then waits out its simulated step delays."""
+              proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None,
+              settings: TaskSettings | None = None) -> TrainResult:
+        """The local loop of this member, run in the batch; a slow device then waits out its simulated delays."""
         start = {name: p.detach() for name, p in self.model.named_parameters()}
-        client = ClientBatchInput(self.x, self.y, self.seed, start, stop_at, self.delay, max_steps)
-        output = self.batcher.train(self, self.model, client, epochs, batch_size, lr, round_id, proximal_mu)
+        client = ClientBatchInput(*member_tensors(self.data.train), self.seed, start, stop_at, self.delay, max_steps)
+        output = self.batcher.train(self, self.task, self.model, client, epochs, batch_size, lr, round_id,
+                                    proximal_mu)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(output.weights[name])

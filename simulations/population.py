@@ -189,8 +189,8 @@ class PopulationMembers:
         for _ in range(seats):
             torch.manual_seed(self.seed)
             if batcher is not None:
-                trainers.append(BatchedTrainer(self.task.model(), first.train, first.val, batcher, seed=self.seed,
-                                               compute_lock=compute_lock, device=self.device))
+                trainers.append(BatchedTrainer(self.task, first, batcher, seed=self.seed, compute_lock=compute_lock,
+                                               device=self.device))
             else:
                 trainers.append(TaskTrainer(self.task, first, seed=self.seed, device=self.device,
                                             precision=self.precision, compute_lock=compute_lock))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedpar.client.batched_trainer import ClientBatch, ClientBatchInput, check_batchable, train_clients_batched
-from fedpar.client.local_sgd import shuffling_generator
+from fedpar.client.local_loop import shuffling_generator
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import ArrayDataset, load_dataset
 from fedpar.models.for_data import build_model_for_data
@@ -69,19 +69,19 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_batched_gradients_equal_each_clients_own_gradients_at_every_step(model_name, mu, device):
     model, data = _setup(model_name)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batch = ClientBatch(model, _inputs(data), EPOCHS, BATCH, ROUND, device, proximal_mu=mu)
+    batch = ClientBatch(model, _inputs(data), EPOCHS, BATCH, LR, ROUND, device, proximal_mu=mu)
     plans = [_local_batches(len(d), 10 + k) for k, d in enumerate(data)]
     deadline_stop = (0, 3)  # client 0 is stopped (as by its deadline) after its first epoch (8 + 8 + 7)
     reference = copy.deepcopy(model).to(device)
     worst, steps_seen = 0.0, [0] * len(data)
-    while batch.active:
+    while batch.active():
         s = batch.step_index
-        if s == deadline_stop[1] and deadline_stop[0] in batch.active:
+        if s == deadline_stop[1] and deadline_stop[0] in batch.active():
             frozen = batch.client_weights(deadline_stop[0])
-            batch.leave([deadline_stop[0]], stopped=True)
-        assert batch.active == [k for k, p in enumerate(plans) if s < len(p) and not (k == 0 and s >= 3)]
+            batch.leave([deadline_stop[0]])
+        assert batch.active() == [k for k, p in enumerate(plans) if s < len(p) and not (k == 0 and s >= 3)]
         grads, losses = batch.gradients()
-        for row, k in enumerate(batch.active):
+        for row, k in enumerate(batch.active()):
             x, y = (t.to(device) for t in data[k].to_tensors())
             idx = plans[k][s].to(device)
             now = batch.client_weights(k)
@@ -97,7 +97,7 @@ def test_batched_gradients_equal_each_clients_own_gradients_at_every_step(model_
             for n, p in reference.named_parameters():
                 worst = max(worst, _relative_error(grads[n][row], p.grad))
             steps_seen[k] += 1
-        batch.step(LR)
+        batch.step()
     assert worst <= 1e-5, worst
     assert steps_seen == [3, len(plans[1]), len(plans[2]), len(plans[3])]
     assert len(plans[2]) == EPOCHS < len(plans[1])  # the small client left the batch early

@@ -14,6 +14,8 @@ from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
+from fedpar.task import ClientData
+from fedpar.tasks.zoo import classifier_module
 
 EPOCHS, BATCH, LR, ROUND = 2, 16, 0.1, 1
 
@@ -36,7 +38,8 @@ def _trainers(batcher: ClientBatcher, sizes, delays=None):
     for k, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
         data = splits.train.subset(np.arange(a, b))
         delay = delays[k] if delays else 0.0
-        batched.append(BatchedTrainer(copy.deepcopy(model), data, None, batcher, seed=k, seconds_per_step_delay=delay))
+        batched.append(BatchedTrainer(classifier_module(copy.deepcopy(model)), ClientData(data), batcher, seed=k,
+                                      seconds_per_step_delay=delay))
         alone.append(LocalTrainer(copy.deepcopy(model), data, seed=k))
     return batched, alone
 

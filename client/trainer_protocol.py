@@ -1,0 +1,53 @@
+"""What the client runtime asks of a member's trainer: the one protocol every trainer implements (the task trainer,
+the stacked members' trainer, the engine agent's, a Flower client's)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from fedpar.client.local_sgd import TrainResult
+from fedpar.models.evaluation import EvalResult
+from fedpar.protocol.task_settings import TaskSettings
+
+Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of one array of the model
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """A member's local training, as the runtime drives it: Join declares ``framework`` and ``num_examples``; each
+    task loads the global arrays, holds the task while it runs, evaluates, trains and reads the arrays back."""
+
+    framework: ClassVar[str]  # what the member runs ("torch", "flower"), declared at Join
+    reads_task_settings: ClassVar[bool]  # train() takes the task's settings (``settings=``), e.g. a Flower fit config
+
+    @property
+    def num_examples(self) -> int:
+        """Size of the local training set (declared at Join: it bounds the example counts the member may claim)."""
+
+    def array_specs(self) -> list[Spec]:
+        """(name, dtype, shape) of the model's arrays, in the order the coordinator exchanges them."""
+
+    def set_arrays(self, arrays: list[np.ndarray]) -> None:
+        """Load the round's global weights."""
+
+    def get_arrays(self) -> list[np.ndarray]:
+        """The weights after training (what is uploaded)."""
+
+    def warm_up(self) -> None:
+        """Pay lazy set-up (first passes, imports) before any deadline runs; the weights do not change."""
+
+    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
+        """The span in which the member holds a task of ``round_id`` (a stacked trainer waits for its holders)."""
+
+    def evaluate(self) -> EvalResult | None:
+        """Metrics of the current weights on the local validation split (None without one)."""
+
+    def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, proximal_mu: float = 0.0,
+              round_id: int = 0, max_steps: int | None = None,
+              settings: TaskSettings | None = None) -> TrainResult:
+        """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``
+        (``settings``: the task's, passed when ``reads_task_settings``)."""
