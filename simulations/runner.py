@@ -17,7 +17,7 @@ import numpy as np
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compatibility import check_composition
-from fedpar.client.batched_trainer import check_batchable
+from fedpar.client.batched_trainer import batching_refusal, check_batchable, member_tensors
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
@@ -36,6 +36,7 @@ from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
+from fedpar.task import Partition, Task
 from fedpar.tasks.reference import load_task
 from fedpar.datasets.clientdata import label_counts, label_skew, resolve_partition
 from fedpar.datasets.members import MemberSource, member_source
@@ -69,14 +70,6 @@ def check_seats(cfg: SimulationConfig) -> None:
         raise ValueError("--seats must be >= 1")
 
 
-def check_task(cfg: SimulationConfig) -> None:
-    """ValueError for settings a --task run cannot honour."""
-    if cfg.task and cfg.client_batching:
-        raise ValueError("--task does not work with --client-batching: it steps the clients' stacked models with "
-                         "plain SGD on per-example losses masked for padding, and a task's loss (one mean per "
-                         "batch), optimizer and loader do not stack; drop --client-batching")
-
-
 def check_population_fits(cfg: SimulationConfig) -> None:
     """ValueError, one line saying how much memory the population needs, when this machine has less free."""
     check_fits(PROCESS_BYTES * (cfg.workers + 1) + MEMBER_BYTES * cfg.clients,
@@ -102,10 +95,17 @@ def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str
     return [f"cuda:{w % gpus}" for w in range(workers)]
 
 
-def check_client_batching(cfg: SimulationConfig) -> None:
-    """ValueError if the client-batching settings cannot work."""
-    if cfg.client_batching and cfg.precision != "fp32":
+def check_client_batching(cfg: SimulationConfig, task: Task | None = None) -> None:
+    """ValueError if the client-batching settings cannot work (``task``: the --task's members, which must stack)."""
+    if not cfg.client_batching:
+        return
+    if cfg.precision != "fp32":
         raise ValueError("--client-batching trains in fp32; drop --precision bf16 or --client-batching")
+    if task is not None:
+        refusal = batching_refusal(task)
+        if refusal is not None:
+            raise ValueError(refusal)
+        member_tensors(task.client_data(Partition(0, cfg.clients, seed=cfg.seed)).train)
 
 
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
@@ -124,14 +124,13 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_device_layout(cfg.device)
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
-    check_client_batching(cfg)
-    check_task(cfg)
     check_seats(cfg)
     check_traces(cfg)
     check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
     check_population_fits(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
+    check_client_batching(cfg, task)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the workers start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()

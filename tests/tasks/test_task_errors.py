@@ -73,14 +73,6 @@ def test_a_zoo_task_by_module_reference_trains_centrally(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_simulate_refuses_client_batching_with_a_task_saying_why(tmp_path, capsys):
-    line = _one_line(["simulate", "--task", "fedpar.tasks.zoo:classifier", "--client-batching", "--out",
-                      str(tmp_path)], capsys)
-    assert line == ("fedpar simulate: --task does not work with --client-batching: it steps the clients' stacked "
-                    "models with plain SGD on per-example losses masked for padding, and a task's loss (one mean per "
-                    "batch), optimizer and loader do not stack; drop --client-batching")
-
-
 def test_the_own_task_tutorial_shows_the_example_as_it_is():
     example = (ROOT / "examples" / "own_task.py").read_text()
     tutorial = (ROOT / "docs" / "tutorials" / "your-own-task.md").read_text()
