@@ -14,7 +14,9 @@ round (100 clients, 10 a round, E, B, lr, the CNN) on the CPU with one agent wor
 time from metrics.jsonl (round 1, with the workers' start-up, excluded); ``--no-simulate`` skips it.
 
 Run: ``.venv/bin/python benchmarks/fedavg_round_bench.py [--device cpu|cuda] [--quick] [--rounds R]``.
-``--quick``: E = 1 and at most 100 examples a client. TF32 is off (both ways), so the trajectories compare.
+``--quick``: E = 1 and at most 100 examples a client; ``--epochs E``: E local epochs of the whole shares (the steps
+are alike from epoch to epoch, so E = 1 times a fifth of the round at the same ratio, on a loaded machine). TF32 is
+off (both ways), so the trajectories compare.
 Prints progress, a table and one JSON object; ``fedavg_round(device, quick)`` returns that object.
 """
 
@@ -110,7 +112,7 @@ def simulate_on_cpu(dataset: str, epochs: int, rounds: int) -> dict:
 
 
 def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_step: bool = False,
-                 dataset: str | None = None, simulate: bool = True) -> dict:
+                 dataset: str | None = None, simulate: bool = True, epochs: int | None = None) -> dict:
     """Seconds per FedAvg-paper round, sequential vs client-batched on ``device``, and both trajectories
     (``dataset``: mnist or digits; default MNIST when it is there)."""
     dev = torch.device(device)
@@ -118,7 +120,7 @@ def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_st
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        out = _measure(dev, quick, rounds or 2, compile_step, dataset)
+        out = _measure(dev, quick, rounds or 2, compile_step, dataset, epochs)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     if simulate and not quick:  # a quick run's clients hold 100 examples; simulate's hold all of theirs
@@ -129,8 +131,9 @@ def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_st
     return out
 
 
-def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, dataset: str | None) -> dict:
-    epochs = 1 if quick else EPOCHS
+def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, dataset: str | None,
+             epochs: int | None = None) -> dict:
+    epochs = epochs or (1 if quick else EPOCHS)
     name, splits, data = _data(quick, dataset)
     torch.manual_seed(SEED)
     model = build_model_for_data("cnn", splits.input_shape, splits.num_classes).to(dev)
@@ -183,10 +186,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per way (after one untimed warm-up round)")
     p.add_argument("--compile", action="store_true", help="also the batched step compiled into CUDA graphs (CUDA)")
     p.add_argument("--dataset", choices=["mnist", "digits"], help="default: MNIST when it is there, else digits")
+    p.add_argument("--epochs", type=int, help=f"local epochs (default {EPOCHS}, the paper's; 1 with --quick)")
     p.add_argument("--no-simulate", action="store_true", help="skip the fedpar simulate (CPU, all cores) baseline")
     a = p.parse_args()
     print(f"FedAvg round benchmark on {a.device} ({os.cpu_count()} cores)", file=sys.stderr, flush=True)
-    r = fedavg_round(a.device, a.quick, a.rounds, a.compile, a.dataset, simulate=not a.no_simulate)
+    r = fedavg_round(a.device, a.quick, a.rounds, a.compile, a.dataset, simulate=not a.no_simulate, epochs=a.epochs)
     print(f"\n== FedAvg paper round: {r['dataset']} CNN, {r['clients']} clients x E={r['epochs']} x B={r['batch_size']}"
           f" on {r['device']} ==")
     print(f"{'way':<18}{'s/round':>10}{'ratio':>8}{'final accuracy':>16}{'max |dw|':>11}{'match':>7}")

@@ -63,10 +63,11 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
                              "loopback, which never leaves this machine)")
     client_batching: bool = setting(
         False, group="simulation",
-        help="the clients of one worker process that train at once (its seats) train together as one batched model "
-             "(torch.func), each with its own data, batches, steps and deadline; slow devices (--slow-fraction) and "
-             "FedProx keep their meaning, and SecAgg, compression and DP still apply to each client's update. Models "
-             "with dropout or batch norm are refused")
+        help="the clients of one worker process that train at once (its seats) run the local loop together as one "
+             "stacked model (torch.func), each with its own data, batches, steps and deadline; slow devices "
+             "(--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and DP still apply to each "
+             "client's update. Works with --task (its loss and an elementwise optimizer); models with dropout or "
+             "batch norm, a task's own train hook or loader are refused, saying why")
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # how agents compress uploads
 
     def settled(self) -> tuple[SimulationConfig, list[str]]:
