@@ -36,31 +36,12 @@ from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
                                     upload_header, upload_messages, upload_update)
-from fedpar.models import get_weights, set_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
 
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-
-
-def trainer_specs(trainer) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of what the trainer trains: its ``array_specs()`` if it has no torch ``.model``."""
-    return trainer.array_specs() if hasattr(trainer, "array_specs") else weight_specs(trainer.model)
-
-
-def load_arrays(trainer, arrays: list[np.ndarray]) -> None:
-    """Give the trainer the round's global weights (``set_arrays``, or into its torch model)."""
-    if hasattr(trainer, "set_arrays"):
-        trainer.set_arrays(arrays)
-    else:
-        set_weights(trainer.model, arrays)
-
-
-def trainer_arrays(trainer) -> list[np.ndarray]:
-    """The trainer's weights after training (``get_arrays``, or its torch model's)."""
-    return trainer.get_arrays() if hasattr(trainer, "get_arrays") else get_weights(trainer.model)
 
 
 @dataclass
@@ -105,9 +86,8 @@ class ClientRuntime:
     """Hosts ``members`` (client/links.Members) behind one connection to ``config.server``, as ``config.agent_id``,
     on ``seats`` seats, until the coordinator says training is over (or :meth:`stop`).
 
-    Any trainer with TaskTrainer's ``warm_up``, ``num_examples``, ``holding_task``, ``train`` and ``evaluate`` will
-    do; one without a torch ``.model`` provides ``array_specs()``, ``set_arrays()`` and ``get_arrays()`` instead
-    (client/flower_client.py), and one with ``reads_task_settings`` gets the task's settings in ``train``.
+    Its seats' trainers are :class:`~fedpar.client.trainer_protocol.Trainer`s; one with ``reads_task_settings``
+    gets the task's settings in ``train``.
     """
 
     def __init__(self, config: AgentConfig, members: Members, seats: int = 1):
@@ -118,7 +98,7 @@ class ClientRuntime:
         self._stop = threading.Event()
         self.conn = Connection(config)
         trainers = members.seat_trainers(seats)
-        self.layout = ModelLayout(trainer_specs(trainers[0])) if trainers else None
+        self.layout = ModelLayout(trainers[0].array_specs()) if trainers else None
         self.seats = [Seat(t, UpdateCompressor(self.layout, seed=zlib.crc32(
             f"{config.seed}:{config.agent_id}{f':{s}' if s else ''}".encode()))) for s, t in enumerate(trainers)]
         self._tasks: queue.Queue = queue.Queue()  # members' tasks for the seats (a population's)
@@ -261,7 +241,7 @@ class ClientRuntime:
             return True
         if self.residuals is not None:  # the member's own error feedback, from its earlier rounds
             seat.compression.give_residual(settings, self.residuals.load(member))
-        load_arrays(seat.trainer, weights)
+        seat.trainer.set_arrays(weights)
         metrics: dict[str, float] = {}
         evaluation = seat.trainer.evaluate() if settings.evaluate else None
         if evaluation is not None:
@@ -277,7 +257,7 @@ class ClientRuntime:
             log.warning("%s: no time left to train in round %d; skipping the upload", member, task.round)
             return True
         metrics.update(result.as_metrics())  # a NaN loss (e.g. a Flower client's fit that reports none) is left out
-        if mode.upload(trainer_arrays(seat.trainer), weights, result, metrics):
+        if mode.upload(seat.trainer.get_arrays(), weights, result, metrics):
             self._count("accepted")
             mode.close()
         if self.residuals is not None:
