@@ -308,6 +308,7 @@ class DataPlaneServer:
                 self._on_loop(self._settle_upload, entry, upload, refused, received[0])
             except (DataPlaneError, RuntimeError, TimeoutError) as exc:
                 log.warning("could not record the end of a data-plane upload: %s", exc)
+            refused = None  # its traceback holds this frame: no cycle through it (server/uploads.py says why)
 
     def _open_upload(self, entry, deadline_at: float, peer: PeerIdentity | None, header: pb.UploadHeader):
         """Check that the header's session is the claimed ticket's holder's, and open the upload (loop); the

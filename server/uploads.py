@@ -259,3 +259,6 @@ class UploadIntake:
         finally:
             if upload is not None:
                 self.settle(upload, refused)
+            # The refusal's traceback holds this frame: a local naming the refusal would make a cycle that only a
+            # full gc collection frees, and it keeps the call's request (its protobuf arena) and staging alive.
+            refused = None

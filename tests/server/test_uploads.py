@@ -5,6 +5,7 @@ buffer exists only while a staging slot is held."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import numpy as np
@@ -133,3 +134,31 @@ def test_a_vanished_agent_is_settled_as_retryable_and_staging_waits_for_a_slot()
         intake.settle(second, None)
         assert _held(intake) == ({}, 0)
     asyncio.run(scenario())
+
+
+def test_a_refused_upload_leaves_no_reference_cycle():
+    """A refusal's traceback holds the intake's frame; a cycle through it would keep each refused call's request
+    and staging alive until a rare full gc collection (the coordinator's PSS slope in benchmarks/soak_bench.py)."""
+    coord = FakeCoordinator()
+    intake = _intake(coord)
+
+    async def closed(upload):
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "round 1 is closed; the update was not applied")
+
+    async def refused_uploads():
+        for _ in range(3):
+            try:
+                await intake.take(AGENT, None, closed)
+            except Refusal:
+                pass
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable stays in gc.garbage to be looked at
+    try:
+        asyncio.run(refused_uploads())
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, Refusal)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert coord.state.refused == {"failed_precondition": 3}
+    assert cyclic == []
