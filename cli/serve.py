@@ -33,6 +33,7 @@ from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.config import Device
 from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.heap import freeze_startup_heap
 from fedpar.sections import Output
 from fedpar.server.config import CoordinatorConfig
 from fedpar.settings import redefault, setting
@@ -176,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         from fedpar.parallel.init import exit_rank_process
         serve_rank(args)
         exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
+    freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     with stop_on_signals():
         return _serve(args, plan)
 
@@ -210,6 +212,7 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     plan = _plan(args, rank)
     init_distributed(plan.config.aggregator_timeout_seconds, args.device)
     group = RankGroup(plan.config.aggregator_timeout_seconds)
+    freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     advertised = "" if args.host in ("0.0.0.0", "::", "") else args.host
     try:
         if rank == 0:
