@@ -13,11 +13,16 @@ kill -9 and replaced every `--churn-every` rounds (alternately under the same id
 `--restarts` times and restarted with the same command. Sampled once a second from /proc: the proportional set
 size (PSS) of the coordinator's process tree (its aggregator ranks included), its open file descriptors and
 threads. Printed:
-- PSS slope in MiB per 100 rounds, fitted per coordinator lifetime after `--warmup` rounds (target <= 0.03);
+- PSS slope in MiB per 100 rounds, fitted per coordinator lifetime after `--warmup` rounds (target <= 0.03),
+  and the slope of its anonymous part alone (what the process allocated; library pages come and go with the page cache);
 - restart to the first completed round, and the same figure over a steady round (target <= 8 s);
 - rounds lost or counted twice in metrics.jsonl (target 0), whether the host stayed alive and was sampled
-  after each restart, and the range of fds and threads after warm-up (target: flat).
-`--json FILE` writes the same figures.
+  after each restart, and the range of fds and threads after warm-up (target: flat);
+- which of the coordinator's mappings (/proc/PID/smaps: the heap, anonymous memory, each library) changed in PSS
+  between warm-up and the end of each lifetime.
+To look for a cause: `--agents 0` (the host alone), `--members 0` (no host), `--churn-every 0` (fixed agents),
+`--coordinator-env MALLOC_ARENA_MAX=2` (any variable in the coordinator's environment).
+`--json FILE` writes the same figures. docs/how-to/long-running-service.md has the figures measured.
 """
 
 from __future__ import annotations
@@ -87,20 +92,48 @@ def _tree(pid: int) -> list[int]:
 
 
 def _sample(pid: int) -> dict | None:
-    """PSS (MiB), fds and threads of ``pid``'s process tree; None when it is gone."""
-    pss_kib, fds, threads = 0, 0, 0
+    """PSS (MiB), its anonymous part (no file behind it: what the process allocated), fds and threads of ``pid``'s
+    process tree; None when it is gone."""
+    pss_kib, anon_kib, fds, threads = 0, 0, 0, 0
     for p in _tree(pid):
         try:
             for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
                     pss_kib += int(line.split()[1])
+                elif line.startswith("Pss_Anon:"):
+                    anon_kib += int(line.split()[1])
             fds += len(os.listdir(f"/proc/{p}/fd"))
             threads += int(next(line for line in Path(f"/proc/{p}/status").read_text().splitlines()
                                 if line.startswith("Threads:")).split()[1])
         except (OSError, StopIteration):
             if p == pid:
                 return None
-    return {"pss_mib": pss_kib / 1024, "fds": fds, "threads": threads}
+    return {"pss_mib": pss_kib / 1024, "anon_mib": anon_kib / 1024, "fds": fds, "threads": threads}
+
+
+def _mappings(pid: int) -> dict[str, int]:
+    """PSS (KiB) of ``pid`` per kind of mapping: each file by name, the main heap, thread stacks, and the anonymous
+    rest (glibc's thread arenas, mmapped blocks, gRPC's and torch's own)."""
+    out: dict[str, int] = {}
+    name = None
+    try:
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            head = line.split(None, 5)
+            if "-" in head[0] and not head[0].endswith(":"):
+                name = Path(head[5].strip()).name if len(head) > 5 and head[5].startswith("/") else \
+                    (head[5].strip() if len(head) > 5 else "[anon]")
+            elif head[0] == "Pss:":
+                out[name] = out.get(name, 0) + int(head[1])
+    except OSError:
+        return {}
+    return out
+
+
+def _grown(before: dict[str, int], after: dict[str, int], least_kib: int = 128) -> dict[str, int]:
+    """The mappings whose PSS changed by at least ``least_kib`` KiB, and the total, largest change first."""
+    change = {n: after.get(n, 0) - before.get(n, 0) for n in set(before) | set(after)}
+    out = {n: d for n, d in sorted(change.items(), key=lambda kv: -abs(kv[1])) if abs(d) >= least_kib}
+    return {**out, "total": sum(change.values())}
 
 
 def _slope_per_100(points: list[tuple[int, float]]) -> float | None:
@@ -133,16 +166,18 @@ class Soak:
         return open(self.work / f"{name}.log", "a")
 
     def start_coordinator(self) -> None:
-        """Start (or restart, with the same command) the coordinator."""
+        """Start (or restart, with the same command) the coordinator (``--coordinator-env`` added to its
+        environment)."""
         cmd = [sys.executable, "-m", "fedpar", "serve", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
                "--dataset", "digits", "--deadline", "4", "--clients-per-round", str(PER_ROUND),
                "--min-available", str(PER_ROUND), "--checkpoint-dir", str(self.work / "ckpt"),
                "--out", str(self.work / "out"), "--accept-populations", "--rounds", "100000",
                "--aggregator-ranks", str(self.args.aggregator_ranks)]
-        self.coordinator = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self._log("serve"),
+        env = {**self.env, **dict(kv.split("=", 1) for kv in self.args.coordinator_env)}
+        self.coordinator = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log("serve"),
                                             stderr=subprocess.STDOUT)
         self.lifetimes.append({"started": time.monotonic(), "samples": [], "first_round_at": None,
-                               "first_round": None})
+                               "first_round": None, "mappings_at_warmup": None, "mappings_grown": None})
 
     def start_agent(self, slot: int, agent_id: str) -> None:
         """Start one `fedpar client` in ``slot`` under ``agent_id``."""
@@ -167,6 +202,17 @@ class Soak:
         sample = _sample(self.coordinator.pid)
         if sample is not None and self.tail.rows:
             life["samples"].append({"round": self.tail.rows[-1]["round"], **sample})
+            if life["mappings_at_warmup"] is None and life["first_round"] is not None \
+                    and self.tail.rows[-1]["round"] >= life["first_round"] + self.args.warmup:
+                life["mappings_at_warmup"] = _mappings(self.coordinator.pid)
+
+    def note_mappings(self) -> None:
+        """Which of the coordinator's mappings grew since warm-up (before it is stopped or killed)."""
+        life = self.lifetimes[-1]
+        if life["mappings_at_warmup"] is not None:
+            now = _mappings(self.coordinator.pid)
+            if now:
+                life["mappings_grown"] = _grown(life["mappings_at_warmup"], now)
 
     def stop(self) -> int | None:
         """SIGTERM to the coordinator's PID alone (as a supervisor sends it); its exit code, or None if it hung."""
@@ -198,7 +244,8 @@ def run(args) -> dict:
     soak.start_coordinator()
     for slot in range(args.agents):
         soak.start_agent(slot, f"agent-{slot}")
-    soak.start_host()
+    if args.members:
+        soak.start_host()
     duration = args.minutes * 60
     began = time.monotonic()
     restart_at = [began + duration * (k + 1) / (args.restarts + 1) for k in range(args.restarts)]
@@ -208,9 +255,10 @@ def run(args) -> dict:
             time.sleep(1.0)
             soak.observe()
             last = soak.tail.rows[-1]["round"] if soak.tail.rows else 0
-            if soak.host.poll() is not None and host_died is None:
+            if soak.host is not None and soak.host.poll() is not None and host_died is None:
                 host_died = {"exit": soak.host.returncode, "after_round": last}
-            if last >= next_churn:  # kill -9 one agent, replace it (same id, then a new one, alternately)
+            if args.churn_every and args.agents and last >= next_churn:  # kill -9 one agent, replace it (same id,
+                # then a new one, alternately)
                 slot = churned % args.agents
                 soak.agents[slot].kill()
                 soak.agents[slot].wait()
@@ -220,6 +268,7 @@ def run(args) -> dict:
                 next_churn = last + args.churn_every
             if restart_at and time.monotonic() >= restart_at[0]:
                 restart_at.pop(0)
+                soak.note_mappings()
                 for p in reversed(_tree(soak.coordinator.pid)):
                     try:
                         os.kill(p, signal.SIGKILL)
@@ -229,6 +278,7 @@ def run(args) -> dict:
                 restarts.append({"after_round": last})
                 soak.start_coordinator()
         soak.observe()
+        soak.note_mappings()
         exit_code = soak.stop()
         soak.observe()
     finally:
@@ -249,9 +299,11 @@ def run(args) -> dict:
             "to_first_round_s": (life["first_round_at"] - life["started"]) if life["first_round_at"] else None,
             "rounds": (life["samples"][-1]["round"] - start_round) if life["samples"] else 0,
             "pss_slope_mib_per_100_rounds": _slope_per_100([(s["round"], s["pss_mib"]) for s in warm]),
+            "anon_slope_mib_per_100_rounds": _slope_per_100([(s["round"], s["anon_mib"]) for s in warm]),
             "pss_mib": [round(warm[0]["pss_mib"], 1), round(warm[-1]["pss_mib"], 1)] if warm else None,
             "fds": [min(s["fds"] for s in warm), max(s["fds"] for s in warm)] if warm else None,
             "threads": [min(s["threads"] for s in warm), max(s["threads"] for s in warm)] if warm else None,
+            "mappings_grown_kib": life["mappings_grown"],
         })
     restart_s = [life["to_first_round_s"] for life in lifetimes[1:] if life["to_first_round_s"] is not None]
     slopes = [life["pss_slope_mib_per_100_rounds"] for life in lifetimes
@@ -273,14 +325,20 @@ def report(fig: dict) -> None:
           f"({fig['churned_agents']} churned), {fig['members']} hosted members, {fig['restarts']} kill -9 restarts; "
           f"{fig['rounds']} rounds (work dir {fig['work']})\n")
     print(f"{'lifetime':<10}{'rounds':>8}{'to 1st round s':>16}{'PSS MiB':>16}{'MiB/100 rounds':>16}"
-          f"{'fds':>10}{'threads':>10}")
+          f"{'anon MiB/100':>14}{'fds':>10}{'threads':>10}")
     for k, life in enumerate(fig["lifetimes"]):
         pss = "-" if not life["pss_mib"] else f"{life['pss_mib'][0]:.0f}->{life['pss_mib'][1]:.0f}"
         slope = life["pss_slope_mib_per_100_rounds"]
         first = life["to_first_round_s"]
         span = lambda v: "-" if not v else f"{v[0]}-{v[1]}"  # noqa: E731
+        anon = life["anon_slope_mib_per_100_rounds"]
         print(f"{k:<10}{life['rounds']:>8}{'-' if first is None else f'{first:.1f}':>16}{pss:>16}"
-              f"{'-' if slope is None else f'{slope:+.3f}':>16}{span(life['fds']):>10}{span(life['threads']):>10}")
+              f"{'-' if slope is None else f'{slope:+.3f}':>16}{'-' if anon is None else f'{anon:+.3f}':>14}"
+              f"{span(life['fds']):>10}{span(life['threads']):>10}")
+    for k, life in enumerate(fig["lifetimes"]):
+        if life["mappings_grown_kib"]:
+            print(f"lifetime {k}: PSS change after warm-up by mapping (KiB): "
+                  + ", ".join(f"{n} {d:+d}" for n, d in life["mappings_grown_kib"].items()))
     slopes, restarts = fig["pss_slope_mib_per_100_rounds"], fig["restart_to_first_round_s"]
     print()
     if slopes:
@@ -301,11 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=6.0, help="how long the federation runs")
     p.add_argument("--agents", type=int, default=16, help="`fedpar client` processes")
-    p.add_argument("--members", type=int, default=32, help="members of the `fedpar simulate-workers` host")
-    p.add_argument("--churn-every", type=int, default=25, help="rounds between two agent kill -9s")
+    p.add_argument("--members", type=int, default=32, help="members of the `fedpar simulate-workers` host (0: no host)")
+    p.add_argument("--churn-every", type=int, default=25, help="rounds between two agent kill -9s (0: no churn)")
     p.add_argument("--restarts", type=int, default=3, help="kill -9 restarts of the coordinator")
     p.add_argument("--warmup", type=int, default=200, help="rounds of each lifetime left out of the PSS slope")
     p.add_argument("--aggregator-ranks", type=int, default=1)
+    p.add_argument("--coordinator-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in the coordinator's environment (e.g. MALLOC_ARENA_MAX=2), to compare")
     p.add_argument("--quick", action="store_true", help="smoke run: 1.5 minutes, 8 agents, 1 restart")
     p.add_argument("--json", type=Path, help="write the figures here too")
     args = p.parse_args(argv)
