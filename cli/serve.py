@@ -244,6 +244,7 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
     """Rank 0 (or the only rank): run the rounds, print the table, write metrics and checkpoints."""
     from fedpar.server.ranks.stats import rank_columns
     from fedpar.server.app import RestoreError
+    from fedpar.server.checkpoint import note_resume
     from fedpar.simulations.run_outputs import write_run_outputs
 
     config, security = plan.config, plan.security
@@ -289,8 +290,12 @@ def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
         print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
               f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
               f"{security.client_hint} --agent-id ID ...)", flush=True)
-        while not server.wait(0.5):
-            progress.follow(server.coordinator)
+        try:
+            while not server.wait(0.5):
+                progress.follow(server.coordinator)
+        except OSError as exc:  # a full disk or an unwritable folder: one line (cli/main.py), and how to go on
+            note_resume(exc, config.checkpoint_dir)
+            raise
         progress.close()
         linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
         while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:

@@ -59,8 +59,11 @@ class AppendedCsv:
             self.columns = csv_columns([row, dict.fromkeys(self.declared)])
             atomic_write_bytes(self.path, [csv_bytes([row], self.columns)])
         elif set(row) <= set(self.columns):
-            with self.path.open("ab") as fh:
-                fh.write(csv_bytes([row], self.columns, header=False))
+            try:
+                with self.path.open("ab") as fh:
+                    fh.write(csv_bytes([row], self.columns, header=False))
+            except OSError as exc:  # a full disk says no file name when the write fails: name the one it was for
+                raise OSError(exc.errno, exc.strerror, exc.filename or str(self.path)) from exc
         else:
             self.rewrite(csv_columns([dict.fromkeys(self.columns), row]))
 

@@ -138,7 +138,8 @@ class CoordinatorServer:
             asyncio.run(self._main())
         except BaseException as exc:  # surfaced to the caller through start()/wait()
             self.error = exc
-            if not isinstance(exc, (BindError, RestoreError)):  # said in one line by the caller
+            # Said in one line by the caller: a port, a checkpoint, or a file that cannot be written (a full disk).
+            if not isinstance(exc, (BindError, RestoreError)) and not (isinstance(exc, OSError) and exc.errno):
                 log.exception("coordinator stopped with an error")
         finally:
             self._ready.set()

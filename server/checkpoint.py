@@ -79,18 +79,35 @@ def save_checkpoint(root: Path, ckpt: Checkpoint) -> Path:
     if _read_pointer(root) == name:
         raise CheckpointError(f"{root / LATEST} already names {name}; refusing to overwrite the live checkpoint")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    save_tensors(staging / "global.safetensors", ckpt.names, ckpt.arrays, {"round": str(ckpt.round_id)})
-    keys = sorted(ckpt.strategy_arrays)
-    save_tensors(staging / "strategy.safetensors", keys, [ckpt.strategy_arrays[k] for k in keys])
-    atomic_write_bytes(staging / "state.json", [json.dumps({"round": ckpt.round_id, **ckpt.state}).encode()])
-    # A round directory LATEST does not name is a leftover of a crash between rename and pointer update.
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    fsync_directory(root)  # the directory entry is durable before LATEST can name it
-    atomic_write_bytes(root / LATEST, [name.encode()])
+    try:
+        staging.mkdir()
+        save_tensors(staging / "global.safetensors", ckpt.names, ckpt.arrays, {"round": str(ckpt.round_id)})
+        keys = sorted(ckpt.strategy_arrays)
+        save_tensors(staging / "strategy.safetensors", keys, [ckpt.strategy_arrays[k] for k in keys])
+        atomic_write_bytes(staging / "state.json", [json.dumps({"round": ckpt.round_id, **ckpt.state}).encode()])
+        # A round directory LATEST does not name is a leftover of a crash between rename and pointer update.
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        fsync_directory(root)  # the directory entry is durable before LATEST can name it
+        atomic_write_bytes(root / LATEST, [name.encode()])
+    except OSError as exc:  # a full disk, a quota, a folder made read-only: LATEST still names the last good one
+        shutil.rmtree(staging, ignore_errors=True)
+        raise OSError(exc.errno, exc.strerror, str(target)) from exc  # said of the checkpoint, not a temporary file
     _prune(root, keep_from=ckpt.round_id)
     return target
+
+
+def note_resume(exc: BaseException, root: Path | None) -> None:
+    """Add to ``exc`` (a run stopped by a file it could not write) which checkpoint under ``root`` is kept and that
+    the same command resumes from it."""
+    if root is None:
+        return
+    try:
+        kept = _read_pointer(Path(root))
+    except CheckpointError:
+        kept = None
+    exc.add_note(f"{kept} is kept; run the same command again to resume from it" if kept
+                 else "no checkpoint was written yet")
 
 
 def _prune(root: Path, keep_from: int) -> None:

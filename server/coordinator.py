@@ -119,7 +119,9 @@ class Coordinator(IngestPlane):
                 await self.members.wait_for_live(self.config.min_available, self.config.wait_for_agents_seconds)
                 await self._run_round(self.round_id + 1)
             completed = True
-        except (asyncio.CancelledError, RankMissing):  # stopped early (a signal, a lost aggregator rank)
+        # Stopped early (a signal, a lost aggregator rank, a checkpoint or metrics file it could not write): the same
+        # command resumes.
+        except (asyncio.CancelledError, RankMissing, OSError):
             stopped_early = True
             raise
         finally:

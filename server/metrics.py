@@ -76,8 +76,11 @@ class RoundMetricsLog:
         if self.first is None:
             self.first = row
         if self.path:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            try:
+                with self.path.open("a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+            except OSError as exc:  # a full disk says no file name when the write fails: name the one it was for
+                raise OSError(exc.errno, exc.strerror, exc.filename or str(self.path)) from exc
             self._csv.append(row)
 
     def summary_with(self, row: dict) -> dict:

@@ -244,7 +244,7 @@ def test_a_full_disk_is_named_with_the_file_and_its_folder(tmp_path):
 def test_a_write_cut_short_names_the_file_it_was_for(tmp_path):
     """A real write that fails half-way (a file-size limit, as a full disk would, but for this process only): the
     model's safetensors file and an atomic JSON write each raise an OSError naming the file, not its temporary
-    name nor none, and leave no part of a file behind."""
+    name nor none, and leave no part of a file behind; so does a line appended to metrics.jsonl."""
     script = f"""
 import resource, signal
 from pathlib import Path
@@ -252,12 +252,14 @@ import numpy as np
 from fedpar.cli.user_errors import describe
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.tensorfile import save_tensors
+from fedpar.server.metrics import RoundMetricsLog
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write beyond the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 out = Path({str(tmp_path / "run")!r})
 out.mkdir()
 for write in (lambda: save_tensors(out / "global.safetensors", ["w"], [np.zeros(100_000, np.float32)]),
-              lambda: atomic_write_bytes(out / "summary.json", [b"x" * 100_000])):
+              lambda: atomic_write_bytes(out / "summary.json", [b"x" * 100_000]),
+              lambda: RoundMetricsLog(out / "metrics.jsonl").append(dict(round=1, note="x" * 100_000))):
     try:
         write()
     except OSError as exc:
@@ -267,8 +269,8 @@ for write in (lambda: save_tensors(out / "global.safetensors", ["w"], [np.zeros(
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     folder = tmp_path / "run"
-    assert len(lines) == 2, done.stdout
-    for line, name in zip(lines, ["global.safetensors", "summary.json"]):
+    assert len(lines) == 3, done.stdout
+    for line, name in zip(lines, ["global.safetensors", "summary.json", "metrics.jsonl"]):
         assert line == (f"{errno.EFBIG} File too large: {name} in folder {folder}; it is larger than this process "
                         "may write (ulimit -f) or the disk allows; pick another disk"), line
-    assert list(folder.iterdir()) == []
+    assert [p.name for p in folder.iterdir()] == ["metrics.jsonl"]  # its torn line is cut off on resume

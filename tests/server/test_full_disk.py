@@ -1,0 +1,115 @@
+"""A real `fedpar serve --checkpoint-dir` whose disk fills up, or whose checkpoint folder is made read-only, in the
+middle of a run: it stops with one line naming the folder and what to do, exit 1 and no traceback; the checkpoint
+before stays loadable, and the same command, once the folder can be written again, resumes from it and finishes.
+
+A full disk is a file-size limit set on the running process (prlimit; writes beyond it fail with EFBIG, as they
+would with ENOSPC, for this process only). Real agents (client.agent.Agent on digits) run in threads here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedpar.server.checkpoint import load_checkpoint
+from support.digit_agents import start_digit_agents
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUNDS, FAULT_AFTER = 5, 2
+FLAGS = ["--insecure", "--rounds", str(ROUNDS), "--min-available", "2", "--clients-per-round", "2",
+         "--overselect", "1.0", "--deadline", "30", "--seed", "3", "--heartbeat", "1", "--liveness-timeout", "10",
+         "--local-epochs", "1", "--batch-size", "32", "--no-central-eval"]
+
+
+def _without_root_overrides() -> None:
+    """In the child, before exec: drop the capabilities that let root write into a read-only folder."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _serve(tmp: Path, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--port", str(port), "--port-file", str(tmp / "port"),
+           "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), *FLAGS]
+    # Pipes, not files: a file-size limit on the process would cut its own log short too.
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_without_root_overrides)
+
+
+def _latest(ckpt: Path) -> str:
+    try:
+        return (ckpt / "LATEST").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(what)
+
+
+def _fill_disk(pid: int, ckpt: Path) -> None:
+    # Above what metrics.jsonl and state.json reach in ROUNDS rounds, below the model's file (38 KiB).
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (16 << 10, resource.RLIM_INFINITY))
+
+
+def _make_read_only(pid: int, ckpt: Path) -> None:
+    ckpt.chmod(0o555)
+
+
+@pytest.mark.parametrize("fault, said", [(_fill_disk, "File too large"), (_make_read_only, "Permission denied")],
+                         ids=["full-disk", "read-only-folder"])
+def test_an_unwritable_checkpoint_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, fault, said):
+    ckpt = tmp_path / "ckpt"
+    server = _serve(tmp_path, 0)
+    agents = []
+    try:
+        _wait_for(lambda: (tmp_path / "port").exists() or server.poll() is not None, 60, "serve did not start")
+        port = int((tmp_path / "port").read_text())
+        agents, threads, errors = start_digit_agents(port, ["ag0", "ag1"], give_up_after=60)
+        _wait_for(lambda: _latest(ckpt) >= f"round-{FAULT_AFTER:06d}" or server.poll() is not None, 60,
+                  f"round {FAULT_AFTER} was never checkpointed")
+        fault(server.pid, ckpt)
+        out, err = server.communicate(timeout=60)
+        ckpt.chmod(0o755)
+        assert server.returncode == 1, (out, err)
+        assert "Traceback" not in err, err
+        lines = [line for line in err.splitlines() if line.startswith("fedpar serve:")]
+        assert len(lines) == 1 and " ERROR " not in err, err  # and the log said nothing of it before
+        kept = load_checkpoint(ckpt)  # the checkpoint before the failure is whole
+        assert FAULT_AFTER <= kept.round_id < ROUNDS
+        assert lines[0].startswith(f"fedpar serve: {said}: round-{kept.round_id + 1:06d} in folder {ckpt}; "), err
+        assert lines[0].endswith(f"; round-{kept.round_id:06d} is kept; run the same command again to resume from "
+                                 "it (--debug shows the traceback)"), err
+        assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".")]  # no part of a checkpoint left
+
+        assert not errors and all(t.is_alive() for t in threads), errors  # the agents wait for the coordinator
+        server = _serve(tmp_path, port)  # the same command (on the same port, which the agents dial)
+        out, err = server.communicate(timeout=120)
+        assert server.returncode == 0, err
+        assert f"resumed from checkpoint after round {kept.round_id}" in err
+        assert _latest(ckpt) == f"round-{ROUNDS:06d}"
+        rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
+        assert not errors, errors
+    finally:
+        ckpt.chmod(0o755) if ckpt.exists() else None
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+        for a in agents:
+            a.stop()
