@@ -217,7 +217,7 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     try:
         if rank == 0:
             with stop_on_signals(second_exits=False):  # the launcher (spawn, torchrun) escalates
-                code = _serve(args, plan, RankLeader(group, advertised))
+                code = _serve(args, plan, RankLeader(group, advertised, plan.security.files))
         else:  # a signal ends it: it holds nothing rank 0 does not
             code = _serve_ingest(args, plan, group, advertised)
     finally:
@@ -232,7 +232,8 @@ def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: 
     from fedpar.server.ranks.ingest import IngestRank
 
     ingest = IngestRank(plan.config, plan.assembly.names, plan.assembly.weights, plan.strategy, group,
-                        admission=plan.security.admission, advertised_host=advertised)
+                        admission=plan.security.admission, advertised_host=advertised,
+                        control_tls=plan.security.files)
     port = args.port + group.rank if args.port else 0
     server = CoordinatorServer(ingest, host=args.host, port=port, credentials=plan.security.credentials,
                                data_tls=plan.security.data_tls)

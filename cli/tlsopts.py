@@ -92,6 +92,7 @@ class ServerSecurity:
     description: str
     client_hint: str  # the TLS options agents of this coordinator need
     data_tls: ssl.SSLContext | None = None  # the same certificate for the bulk data plane
+    files: TlsFiles | None = None  # the PEM files of the credentials (aggregator ranks' control channel)
 
 
 def _check_mode(args: argparse.Namespace) -> None:
@@ -110,7 +111,7 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
         revocations = RevocationList(args.revoked or (CertPaths(args.certs).revoked if args.certs else None))
     except ValueError as exc:
         raise TlsSetupError(str(exc)) from None
-    credentials, mutual, data_tls = None, False, None
+    credentials, mutual, data_tls, files = None, False, None, None
     if not args.insecure:
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
         credentials, mutual = server_credentials(files), files.ca is not None
@@ -129,7 +130,7 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
         hint = "--insecure" + (" --enrollment-token-file F" if tokens is not None else "")
     admission = Admission(allowed_ids=args.allow_agents, token_hashes=tokens, revocations=revocations,
                           require_certificate=mutual)
-    return ServerSecurity(credentials, admission, description, hint, data_tls)
+    return ServerSecurity(credentials, admission, description, hint, data_tls, files)
 
 
 @dataclass

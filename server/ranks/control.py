@@ -4,20 +4,25 @@ uploads count (first K, deadline, duplicates); its answers are server/ranks/call
 
 The service runs on rank 0, apart from the agents' port and bound where the process group's rendezvous is. Its
 callers are the other ranks of the group, which already trust each other (they share the process group); each call
-carries, in its metadata, the caller's rank and a secret that rank 0 broadcasts over the group at start-up.
+carries, in its metadata, the caller's rank and a secret that rank 0 broadcasts over the group at start-up. When the
+coordinator has certificates (--certs, --tls-cert) the service speaks TLS with its certificate, which the callers
+check against its CA; without, it is plaintext, said once at start-up when the ranks reach it from another host.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import secrets
+import socket
 from typing import Awaitable
 
 import grpc
 from google.protobuf.message import Message
 
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.security.tls import TlsFiles, certificate_common_name, load_ca, load_pair
 from fedpar.server.ranks.messages import RankMessageError, decode, encode
 from fedpar.server.rounds import Refusal
 
@@ -69,6 +74,31 @@ def control_handler(secret: str, world: int, calls) -> grpc.GenericRpcHandler:
                                                 {name: method(name, kind) for name, kind in REQUESTS.items()})
 
 
+def add_control_port(server: grpc.aio.Server, host: str, tls: TlsFiles | None) -> int:
+    """Bind rank 0's control service on ``host`` (a free port, returned): under TLS with the coordinator's certificate
+    when ``tls`` (callers prove who they are with the secret, not a certificate), else plaintext, with one warning
+    when ``host`` is not a loopback address."""
+    if tls is not None:
+        cert_pem, key_pem = load_pair(tls)
+        return server.add_secure_port(f"{host}:0", grpc.ssl_server_credentials([(key_pem, cert_pem)]))
+    warning = plaintext_warning(host)
+    if warning:
+        log.warning(warning)
+    return server.add_insecure_port(f"{host}:0")
+
+
+def plaintext_warning(host: str) -> str | None:
+    """The line that says rank 0's control service on ``host`` is unencrypted, or None when only this machine can
+    reach it (a loopback address)."""
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return None
+    except (OSError, ValueError):
+        pass
+    return (f"aggregator ranks: rank 0's control channel on {host} is PLAINTEXT: its secret and every count travel "
+            "unencrypted; give the coordinator certificates (--certs) when the ranks run on several hosts")
+
+
 def caller_rank(header: str, world: int) -> int:
     """The rank a call's metadata names: one of 1..world-1 (RankMessageError otherwise)."""
     if not header.isdigit() or not 0 < int(header) < world:
@@ -80,8 +110,13 @@ def caller_rank(header: str, world: int) -> int:
 class RankControlClient:
     """Rank ``rank``'s calls to rank 0 (on the rank's event loop); a refusal comes back as the same Refusal."""
 
-    def __init__(self, target: str, secret: str, rank: int, timeout_seconds: float):
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, secret: str, rank: int, timeout_seconds: float, tls: TlsFiles | None = None):
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(target)
+        else:  # rank 0 answers with the coordinator's certificate, whatever address the group reaches it at
+            credentials = grpc.ssl_channel_credentials(root_certificates=load_ca(tls.ca) if tls.ca else None)
+            self.channel = grpc.aio.secure_channel(target, credentials, options=[
+                ("grpc.ssl_target_name_override", certificate_common_name(tls.cert))])
         self.metadata = ((SECRET_HEADER, secret), (RANK_HEADER, str(rank)))
         self.timeout = timeout_seconds
 

@@ -21,6 +21,7 @@ from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol.heap import trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.security.tls import TlsFiles
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ranks.control import HEARTBEAT_SECONDS, RankControlClient
 from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
@@ -39,7 +40,7 @@ class IngestRank(IngestPlane):
     """Rank ``group.rank`` of a coordinator's aggregator ranks; :meth:`run` follows rank 0 until the last round."""
 
     def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray], strategy,
-                 group: RankGroup, admission=None, advertised_host: str = ""):
+                 group: RankGroup, admission=None, advertised_host: str = "", control_tls: TlsFiles | None = None):
         config.validate()
         super().__init__(config, names, weights, AgentRegistry(float("inf"), admission=admission))
         self.rank = group.rank
@@ -47,6 +48,7 @@ class IngestRank(IngestPlane):
         self.strategy = strategy
         accumulate_in(strategy, config.fold_dtype, group.fold_device)
         self.advertised_host = advertised_host
+        self.control_tls = control_tls  # the coordinator's certificate files, to check rank 0's control service
         self.shapes = ShapesAndDtypes.of(self.weights)
         self.mode = RoundModes(config, self.names, self.weights, strategy, self._executor).run_mode
         self.finished = False
@@ -80,7 +82,7 @@ class IngestRank(IngestPlane):
                 if kind == "start":
                     start = message.start
                     self.control = RankControlClient(start.control, start.secret, self.rank,
-                                                     self.config.aggregator_timeout_seconds)
+                                                     self.config.aggregator_timeout_seconds, self.control_tls)
                     heartbeat = asyncio.ensure_future(self._heartbeat())
                     await self._new_model(start.round)
                     self._ready(True)

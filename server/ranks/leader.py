@@ -20,7 +20,8 @@ from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.server.ranks.calls import RankCalls
-from fedpar.server.ranks.control import HEARTBEAT_SECONDS, control_handler, new_secret
+from fedpar.security.tls import TlsFiles
+from fedpar.server.ranks.control import HEARTBEAT_SECONDS, add_control_port, control_handler, new_secret
 from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
 from fedpar.server.ranks.messages import serial_bytes
 from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
@@ -32,8 +33,9 @@ log = logging.getLogger("fedpar.server")
 class RankLeader:
     """Rank 0's side: deals agents to ranks, and combines the ranks' partial sums at each round's close."""
 
-    def __init__(self, group: RankGroup, advertised_host: str = ""):
+    def __init__(self, group: RankGroup, advertised_host: str = "", tls: TlsFiles | None = None):
         self.group = group
+        self.tls = tls  # the coordinator's certificate for the control service (None: plaintext)
         self.advertised_host = advertised_host  # what agents dial for this rank ("" = the host they dial already)
         self.endpoints: list[RankEndpoint] = []
         self.secret = new_secret()
@@ -88,7 +90,7 @@ class RankLeader:
         self.secure = coordinator.config.secure_aggregation
         self._control = grpc.aio.server()
         self._control.add_generic_rpc_handlers((control_handler(self.secret, self.world, self.calls),))
-        control_port = self._control.add_insecure_port(f"{host}:0")
+        control_port = add_control_port(self._control, host, self.tls)
         await self._control.start()
         me = RankEndpoint(0, self.advertised_host, coordinator.grpc_port or 0, coordinator.data_port or 0)
 

@@ -56,7 +56,7 @@ def _rank_main(rank: int, world: int, port: int, spec: IngestRankSpec) -> None:
     files = server_tls_files(spec.certs_dir) if spec.certs_dir else None
     ingest = IngestRank(spec.config, assembly.names, assembly.weights, strategy,
                         RankGroup(spec.config.aggregator_timeout_seconds),
-                        admission=Admission(require_certificate=files is not None))
+                        admission=Admission(require_certificate=files is not None), control_tls=files)
     server = CoordinatorServer(ingest, credentials=server_credentials(files) if files else None,
                                data_tls=server_ssl_context(files) if files else None)
     try:
@@ -80,7 +80,8 @@ class IngestRanks:
             for p in self.procs:
                 p.start()
         join_gloo_group(0, world, port, spec.config.aggregator_timeout_seconds)
-        self.leader = RankLeader(RankGroup(spec.config.aggregator_timeout_seconds))
+        self.leader = RankLeader(RankGroup(spec.config.aggregator_timeout_seconds),
+                                 tls=server_tls_files(spec.certs_dir) if spec.certs_dir else None)
 
     def failed(self) -> str | None:
         """A line naming a rank process that died, if one did."""

@@ -1,6 +1,6 @@
 """The aggregator ranks' control messages (fedpar.proto's RankBroadcast and RankControl's): one codec takes each
 message whole or refuses it with a line that names the sender and the problem; rank 0's RankControl service
-refuses a malformed call naming the rank."""
+refuses a malformed call naming the rank; with the coordinator's certificates it speaks only TLS."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import grpc
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.security.certs import temporary_cert_dir
+from fedpar.security.tls import server_tls_files
 from fedpar.server.ranks.control import RANK_HEADER, REQUESTS, SECRET_HEADER, SERVICE, RankControlClient, \
-    control_handler
+    add_control_port, control_handler, plaintext_warning
 from fedpar.server.ranks.messages import RankMessageError, decode, encode, serial_bytes, serial_number
 from fedpar.server.rounds import Refusal
 
@@ -190,3 +192,42 @@ def test_rank_0s_service_takes_typed_calls_and_refuses_malformed_ones_naming_the
             await client.close()
             await server.stop(0)
     asyncio.run(scenario())
+
+
+def test_with_the_coordinators_certificates_the_control_channel_speaks_only_tls():
+    certs = temporary_cert_dir([])
+    files = server_tls_files(certs.name)
+
+    async def scenario():
+        recorded = Recorded()
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((control_handler("s3cret", 3, recorded),))
+        port = add_control_port(server, "127.0.0.1", files)
+        await server.start()
+        target = f"127.0.0.1:{port}"
+        # The address the group reaches rank 0 at need not be in its certificate: the rank checks the certificate's
+        # name and its CA.
+        secure = RankControlClient(target, "s3cret", 1, timeout_seconds=10, tls=files)
+        plain = RankControlClient(target, "s3cret", 1, timeout_seconds=2)
+        try:
+            await secure.call("Alive", CALLS["Alive"])
+            assert recorded.calls == [("alive", 1, CALLS["Alive"])]
+            with pytest.raises(Refusal, match="did not answer"):  # plaintext (the secret in clear) is not heard
+                await plain.call("Alive", CALLS["Alive"])
+            assert len(recorded.calls) == 1
+        finally:
+            await secure.close()
+            await plain.close()
+            await server.stop(0)
+    try:
+        asyncio.run(scenario())
+    finally:
+        certs.cleanup()
+
+
+def test_a_plaintext_control_channel_other_hosts_reach_is_said_once_at_start_up():
+    assert plaintext_warning("127.0.0.1") is None and plaintext_warning("localhost") is None
+    line = plaintext_warning("10.1.2.3")
+    assert line == ("aggregator ranks: rank 0's control channel on 10.1.2.3 is PLAINTEXT: its secret and every count "
+                    "travel unencrypted; give the coordinator certificates (--certs) when the ranks run on several "
+                    "hosts")
