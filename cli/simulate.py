@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary."""
     from fedpar.server.ranks.stats import rank_columns
     from fedpar.simulations.run_outputs import RunOutputs
-    from fedpar.simulations.runner import run_simulation
+    from fedpar.server.ranks.group import RankMissing
+    from fedpar.simulations.runner import ProcessLost, run_simulation
 
     check_output_folder(args.out)
     try:
@@ -83,13 +84,21 @@ def run(args: argparse.Namespace) -> int:
         cfg.strategy, options = privacy_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
                                                  cfg.overselect, cfg.clients)
         cfg.strategy_options.update(options)
-        callbacks = [progress.round_ended, table.row, *observers.round_callbacks()]
+        completed: list[int] = []  # the rounds that completed, to say where a lost process stopped the run
+        callbacks = [progress.round_ended, table.row, *observers.round_callbacks(),
+                     lambda row: completed.append(row["round"])]
         with stop_on_signals() as stop:  # SIGINT or SIGTERM: what completed is written (a second: exit now)
             summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
                                      on_server=observers.attach, on_progress=progress.follow)
     except ValueError as exc:
         print(f"fedpar simulate: {exc}", file=sys.stderr)
         return 2
+    except (ProcessLost, RankMissing) as exc:  # a worker or an aggregator rank died: named, with no traceback
+        progress.close()
+        print(f"fedpar simulate: {exc}; the run stopped after round {completed[-1] if completed else 0} (its rows are "
+              f"in {cfg.out}/metrics.jsonl); simulate keeps no checkpoint: run the same command again to start over",
+              file=sys.stderr)
+        return 1
     finally:
         progress.close()
         observers.close()

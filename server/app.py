@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fedpar.protocol.messages import SERVICE_NAME, channel_options
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
+from fedpar.server.ranks.group import RankMissing
 from fedpar.server.rpc_limit import RpcLimit
 from fedpar.server.service import CoordinatorService, generic_handler
 from fedpar.server.strangers import StrangerBound
@@ -138,8 +139,10 @@ class CoordinatorServer:
             asyncio.run(self._main())
         except BaseException as exc:  # surfaced to the caller through start()/wait()
             self.error = exc
-            # Said in one line by the caller: a port, a checkpoint, or a file that cannot be written (a full disk).
-            if not isinstance(exc, (BindError, RestoreError)) and not (isinstance(exc, OSError) and exc.errno):
+            # Said in one line by the caller: a port, a checkpoint, a file that cannot be written (a full disk), or
+            # a lost aggregator rank.
+            if not isinstance(exc, (BindError, RestoreError, RankMissing)) and not (isinstance(exc, OSError)
+                                                                                  and exc.errno):
                 log.exception("coordinator stopped with an error")
         finally:
             self._ready.set()

@@ -50,6 +50,10 @@ MEMBER_BYTES = 700  # each member's bookkeeping: the coordinator's records and i
 LABEL_SKEW_CLIENTS = 2_000  # clients the summary's label skew is measured on (the first ones: all, below that)
 
 
+class ProcessLost(RuntimeError):
+    """A process of the simulation (a worker, an aggregator rank) died; the message names it."""
+
+
 def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> np.ndarray:
     """Seconds each client adds per local step: its trace's, else ``slow_step_delay`` for the slow share."""
     return step_delays(cfg.clients, cfg.slow_fraction, cfg.slow_step_delay, cfg.seed, traces)
@@ -227,9 +231,9 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                     on_progress(server.coordinator)
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
-                    raise RuntimeError(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
+                    raise ProcessLost(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
                 if ranks is not None and ranks.failed():
-                    raise RuntimeError(ranks.failed())
+                    raise ProcessLost(ranks.failed())
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop now, and still write the rounds that completed
             stopped_by = exc
             log.warning("interrupted: stopping after %d completed rounds", server.coordinator.metrics.summary.rounds)

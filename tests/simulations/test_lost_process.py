@@ -1,0 +1,88 @@
+"""`kill -9` of a process of a real `fedpar simulate --aggregator-ranks 2`: of rank 1, the run ends with one line
+naming it, exit 1 and no traceback from any rank or thread; of rank 0 (the simulate process itself), every other
+process (rank 1, the workers) leaves within seconds without a word."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _simulate(tmp: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--aggregator-ranks", "2", "--clients", "4",
+           "--workers", "1", "--rounds", "400", "--local-epochs", "1", "--out", str(tmp / "out"), "--quiet"]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``, oldest first."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append((int(fields[19]), int(entry.name)))  # starttime, pid
+    return [p for _, p in sorted(found)]
+
+
+def _after_rounds(tmp: Path, proc: subprocess.Popen, rounds: int) -> None:
+    metrics = tmp / "out" / "metrics.jsonl"
+    end = time.monotonic() + 120
+    while time.monotonic() < end and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rounds:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {rounds} rounds: {proc.poll()} {proc.stderr.read() if proc.poll() is not None else ''}")
+
+
+def test_kill_9_of_rank_1_ends_simulate_with_one_line_naming_it(tmp_path):
+    proc = _simulate(tmp_path)
+    try:
+        _after_rounds(tmp_path, proc, 2)
+        # The multiprocessing resource tracker, the worker, then rank 1 (started once the coordinator is built).
+        rank_1 = _children(proc.pid)[-1]
+        os.kill(rank_1, signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and " ERROR " not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fedpar simulate: "), err
+    assert "fedpar-rank-1" in lines[0] or "rank 1" in lines[0], err  # whichever noticed first: the process, a collective
+    assert "; the run stopped after round " in lines[0] and lines[0].endswith(
+        "simulate keeps no checkpoint: run the same command again to start over"), err
+
+
+def test_kill_9_of_rank_0_takes_every_other_process_with_it_silently(tmp_path):
+    proc = _simulate(tmp_path)
+    try:
+        _after_rounds(tmp_path, proc, 2)
+        others = _children(proc.pid)
+        assert len(others) >= 3, others  # the resource tracker, the worker, rank 1
+        os.kill(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        end = time.monotonic() + 20
+        while time.monotonic() < end and any(Path(f"/proc/{p}").exists() for p in others):
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    left = [p for p in others if Path(f"/proc/{p}").exists()
+            and (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")]
+    assert not left, left
+    assert err == "", err  # what the orphans wrote to the same stderr before they left: nothing
