@@ -28,7 +28,7 @@ from fedpar.cli.serve_service import ServiceOptions
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
-from fedpar.cli.user_errors import check_output_folder, check_port_free, run_exit_code
+from fedpar.cli.user_errors import check_output_folder, check_port_free, describe, run_exit_code
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.config import Device
 from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
@@ -169,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
             return exit_code(signal_name(exc))
         except Exception as exc:  # a rank died or hung: the others were stopped with it
+            if getattr(exc, "error_index", None) == 0 and (getattr(exc, "exit_code", None) or 0) > 0:
+                return exc.exit_code  # rank 0 ended by itself, and said why in its own line
             print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
                   "resume after the last checkpointed round", file=sys.stderr)
             return 1
@@ -217,7 +219,11 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     try:
         if rank == 0:
             with stop_on_signals(second_exits=False):  # the launcher (spawn, torchrun) escalates
-                code = _serve(args, plan, RankLeader(group, advertised, plan.security.files))
+                try:
+                    code = _serve(args, plan, RankLeader(group, advertised, plan.security.files))
+                except OSError as exc:  # a full disk, a folder made read-only: the line cli/main.py would say
+                    print(f"fedpar serve: {describe(exc)}", file=sys.stderr)
+                    code = 1
         else:  # a signal ends it: it holds nothing rank 0 does not
             code = _serve_ingest(args, plan, group, advertised)
     finally:

@@ -1,6 +1,7 @@
 """A real `fedpar serve --checkpoint-dir` whose disk fills up, or whose checkpoint folder is made read-only, in the
 middle of a run: it stops with one line naming the folder and what to do, exit 1 and no traceback; the checkpoint
-before stays loadable, and the same command, once the folder can be written again, resumes from it and finishes.
+before stays loadable, and the same command, once the folder can be written again, resumes from it and finishes
+(with one rank, and with two: rank 0 says the line, and the launcher adds none).
 
 A full disk is a file-size limit set on the running process (prlimit; writes beyond it fail with EFBIG, as they
 would with ENOSPC, for this process only). Real agents (client.agent.Agent on digits) run in threads here.
@@ -38,9 +39,9 @@ def _without_root_overrides() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def _serve(tmp: Path, port: int) -> subprocess.Popen:
+def _serve(tmp: Path, port: int, ranks: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--port", str(port), "--port-file", str(tmp / "port"),
-           "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), *FLAGS]
+           "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--aggregator-ranks", str(ranks), *FLAGS]
     # Pipes, not files: a file-size limit on the process would cut its own log short too.
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=_without_root_overrides)
@@ -71,11 +72,14 @@ def _make_read_only(pid: int, ckpt: Path) -> None:
     ckpt.chmod(0o555)
 
 
-@pytest.mark.parametrize("fault, said", [(_fill_disk, "File too large"), (_make_read_only, "Permission denied")],
-                         ids=["full-disk", "read-only-folder"])
-def test_an_unwritable_checkpoint_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, fault, said):
+@pytest.mark.parametrize("fault, said, ranks", [(_fill_disk, "File too large", 1),
+                                                (_make_read_only, "Permission denied", 1),
+                                                (_make_read_only, "Permission denied", 2)],
+                         ids=["full-disk", "read-only-folder", "read-only-folder-2-ranks"])
+def test_an_unwritable_checkpoint_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, fault, said,
+                                                                                         ranks):
     ckpt = tmp_path / "ckpt"
-    server = _serve(tmp_path, 0)
+    server = _serve(tmp_path, 0, ranks)
     agents = []
     try:
         _wait_for(lambda: (tmp_path / "port").exists() or server.poll() is not None, 60, "serve did not start")
@@ -94,11 +98,11 @@ def test_an_unwritable_checkpoint_stops_the_run_in_one_line_and_the_same_command
         assert FAULT_AFTER <= kept.round_id < ROUNDS
         assert lines[0].startswith(f"fedpar serve: {said}: round-{kept.round_id + 1:06d} in folder {ckpt}; "), err
         assert lines[0].endswith(f"; round-{kept.round_id:06d} is kept; run the same command again to resume from "
-                                 "it (--debug shows the traceback)"), err
+                                 "it" + (" (--debug shows the traceback)" if ranks == 1 else "")), err
         assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".")]  # no part of a checkpoint left
 
         assert not errors and all(t.is_alive() for t in threads), errors  # the agents wait for the coordinator
-        server = _serve(tmp_path, port)  # the same command (on the same port, which the agents dial)
+        server = _serve(tmp_path, port, ranks)  # the same command (on the same port, which the agents dial)
         out, err = server.communicate(timeout=120)
         assert server.returncode == 0, err
         assert f"resumed from checkpoint after round {kept.round_id}" in err
