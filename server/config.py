@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedpar.aggregation.compatibility import composition_features, refusal
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.local_training import LocalTraining
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
@@ -275,6 +274,9 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
              "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
              "clients_per_round >= 2"),
         ]
+        # imported here: building the CLI's parsers reads this module and must not import torch (aggregation does)
+        from fedpar.aggregation.compatibility import composition_features, refusal
+
         clash = refusal(composition_features("", self.secure_aggregation, self.upload_compression.method,
                                              self.max_agent_share))
         checks.append((clash is None, clash))

@@ -128,10 +128,10 @@ def test_every_subcommand_takes_log_level(caplog):
     fedpar_log = logging.getLogger("fedpar")
     try:
         with caplog.at_level(logging.DEBUG):  # pytest's handler takes everything the loggers let through
-            assert main(["serve", "--insecure", "--log-level", "error", "--aggregator-ranks", "2", "--strategy",
+            assert main(["serve", "--insecure", "--log-level", "error", "--port", "0", "--secure-aggregation", "--strategy",
                          "krum"]) == 2
             assert fedpar_log.level == logging.ERROR and "plaintext" not in caplog.text
-            assert main(["serve", "--insecure", "--log-level", "warning", "--aggregator-ranks", "2", "--strategy",
+            assert main(["serve", "--insecure", "--log-level", "warning", "--port", "0", "--secure-aggregation", "--strategy",
                          "krum"]) == 2
             assert fedpar_log.level == logging.WARNING and "--insecure: plaintext gRPC" in caplog.text
     finally:
@@ -143,7 +143,7 @@ def test_simulate_log_level_reaches_its_worker_processes(tmp_path):
                            "1", "--local-epochs", "1", "--out", str(tmp_path / "run"), "--quiet", "--log-level",
                            "info"], capture_output=True, text=True, timeout=120)
     assert loud.returncode == 0, loud.stderr[-2000:]
-    assert "fedpar.simulate host-0: coordinator says" in loud.stderr  # its host's line, from the worker process
+    assert "fedpar.client host-0: coordinator says" in loud.stderr  # its host's line, from the worker process
 
 
 def test_log_level_debug_turns_on_grpc_debug_unless_the_user_chose(monkeypatch):

@@ -71,7 +71,7 @@ def test_serve_refuses_a_bad_option_name_listing_the_valid_ones(capsys, tmp_path
     err = capsys.readouterr().err
     assert "unknown option 'byzantine' for strategy 'krum'" in err
     assert "num_malicious (alias f; int, default 0); num_selected (alias m; int, default 1)" in err
-    assert main(["serve", "--insecure", "--strategy", "fedavg", "--strategy-option", "mu=1"]) == 2
+    assert main(["serve", "--insecure", "--port", "0", "--strategy", "fedavg", "--strategy-option", "mu=1"]) == 2
     assert "strategy 'fedavg'; it takes no options" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):  # argparse's usage error: not KEY=VALUE
         main(["serve", "--insecure", "--strategy-option", "mu"])

@@ -36,6 +36,8 @@ EXAMPLES = 100  # what each member says it holds, and the weight of its update
 class NoiseTrainer:
     """A seat's trainer: the global weights plus N(0, 0.01) noise, drawn from the member's own stream."""
 
+    framework = "torch"
+    reads_task_settings = False
     num_examples = EXAMPLES
 
     def __init__(self, names: list[str], arrays: list[np.ndarray]):
@@ -92,6 +94,14 @@ class SyntheticMembers:
     def member_id(self, i: int) -> str:
         """``PREFIX-00042``."""
         return f"{self.prefix}-{self.first + i:05d}"
+
+    def index_of(self, member: str) -> int:
+        """The index of ``PREFIX-NNNNN`` among these members (KeyError: not one of them)."""
+        prefix, _, number = member.rpartition("-")
+        i = int(number) - self.first if prefix == self.prefix and number.isdigit() else -1
+        if not 0 <= i < self.count:
+            raise KeyError(f"{member!r} is not one of these members")
+        return i
 
     def train_size(self, i: int) -> int:
         """Every member holds EXAMPLES."""
