@@ -18,14 +18,17 @@ def add_log_level_argument(p: argparse.ArgumentParser, default: str | None) -> N
 
 
 def set_grpc_verbosity(argv: list[str]) -> None:
-    """gRPC's own log lines: all of them when ``argv`` says --log-level debug, else errors only; set before gRPC
-    starts, which reads it once. GRPC_VERBOSITY set by the user wins."""
+    """gRPC's and torch's C++ log lines: all of them when ``argv`` says --log-level debug, else (gRPC's) errors only
+    and (torch's) none; set before either starts, as each reads it once. What the user set wins."""
     # Unset, gRPC's C core logs at INFO through absl: "Handshake failed ..." for every agent whose TLS setting
     # differs from the coordinator's, on both sides, which fedpar's own lines already explain.
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--log-level")
     known, _ = pre.parse_known_args(argv)
     os.environ.setdefault("GRPC_VERBOSITY", "DEBUG" if known.log_level == "debug" else "ERROR")
+    # The same for torch's C++ log (read once, when torch is imported; rank processes inherit it): a lost rank
+    # makes gloo log "Rank 1 failed to pass monitoredBarrier" on the others, beside fedpar's own line naming it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if known.log_level == "debug" else "FATAL")
 
 
 def setup_logging(args: argparse.Namespace | dict, fallback: str = "info") -> None:
