@@ -259,20 +259,15 @@ def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[s
         write_private_key(paths.server_key, key)
         write_certificate(paths.server_cert, cert)
         written += [paths.server_cert, paths.server_key]
-    for agent_id in agents:
-        if paths.agent_cert(agent_id).exists() and not force:
-            skipped.append(paths.agent_cert(agent_id))
+    # agents and operators: one client certificate each, kept unless --force
+    wanted = [(paths.agent_cert(a), paths.agent_key(a), issue_agent_cert, a) for a in agents] + \
+        [(paths.operator_cert(n), paths.operator_key(n), issue_operator_cert, n) for n in operators]
+    for cert_path, key_path, issue, name in wanted:
+        if cert_path.exists() and not force:
+            skipped.append(cert_path)
             continue
-        key, cert = issue_agent_cert(ca_key, ca_cert, agent_id, days)
-        write_private_key(paths.agent_key(agent_id), key)
-        write_certificate(paths.agent_cert(agent_id), cert)
-        written += [paths.agent_cert(agent_id), paths.agent_key(agent_id)]
-    for name in operators:
-        if paths.operator_cert(name).exists() and not force:
-            skipped.append(paths.operator_cert(name))
-            continue
-        key, cert = issue_operator_cert(ca_key, ca_cert, name, days)
-        write_private_key(paths.operator_key(name), key)
-        write_certificate(paths.operator_cert(name), cert)
-        written += [paths.operator_cert(name), paths.operator_key(name)]
+        key, cert = issue(ca_key, ca_cert, name, days)
+        write_private_key(key_path, key)
+        write_certificate(cert_path, cert)
+        written += [cert_path, key_path]
     return CertReport(created_ca, written, skipped)
