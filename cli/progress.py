@@ -157,3 +157,46 @@ class LiveBar:
                 for handler, stream in self._moved:
                     handler.setStream(stream)
                 self._progress = self._task = self._shown = None
+
+
+class StepBar:
+    """``fedpar train``'s progress: on a terminal a rich bar with the step (or epoch) of all, the last loss, the
+    samples per second and the time left, with the trainer's lines printed above it; elsewhere (a log, a pipe) only
+    those lines, which end with the time left. Holds nothing but its unit until it is used, so it crosses ``spawn`` to
+    the rank that trains."""
+
+    def __init__(self, unit: str = "step", stream: TextIO | None = None):
+        self.unit, self._stream = unit, stream
+        self._progress = self._task = None
+
+    @property
+    def stream(self) -> TextIO:
+        """Where the lines and the bar go (standard output unless given)."""
+        return sys.stdout if self._stream is None else self._stream
+
+    def line(self, message: str) -> None:
+        """Print one of the trainer's lines (above the bar, while it is up)."""
+        if self._progress is not None:
+            self._progress.console.print(message, highlight=False, markup=False)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def step(self, done: int, total: int, note: str = "") -> None:
+        """Show ``done`` of ``total`` steps, with ``note`` (the last loss, the speed) beside them."""
+        if not self.stream.isatty():
+            return
+        if self._progress is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self._progress = Progress(TextColumn(f"{self.unit}s"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[note]}"), TimeRemainingColumn(),
+                                      console=Console(file=self.stream), transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task(self.unit, total=total, note=note)
+        self._progress.update(self._task, completed=min(done, total), total=total, note=note)
+
+    def close(self) -> None:
+        """Take the bar down."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = self._task = None

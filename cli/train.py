@@ -23,6 +23,7 @@ from typing import Any
 
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import add_observability_arguments
+from fedpar.cli.progress import StepBar
 from fedpar.cli.renamed import add_alias, add_replicas_renamed
 from fedpar.cli.task_options import load_task_from_args, task_options
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, TrainConfig
@@ -105,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
-            spawn(world, spawned_train_process, cfg, args.dist_timeout, parent_stops=True)
+            spawn(world, spawned_train_process, cfg, args.dist_timeout, StepBar(), parent_stops=True)
         else:
-            train_process(cfg, args.dist_timeout)
+            train_process(cfg, args.dist_timeout, StepBar())
             if under_launcher:
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
     except KeyboardInterrupt as exc:  # Ctrl-C (or SIGTERM to the launcher): the ranks are stopped; say what completed

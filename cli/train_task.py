@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from fedpar.cli.progress import StepBar, time_left
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.device import queue_waiter
 from fedpar.parallel.init import DistInfo
@@ -89,6 +90,7 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
     test = task.test_data() if task.test_data is not None else None
     scored, prefix = (on_device(test, eval_device), "test_") if test is not None else (val, "val_")
     log = StepMetricsLog(out, True, 0, cfg.tensorboard)
+    bar = StepBar("step" if cfg.max_steps else "epoch")
     steps = examples = epoch = 0
     evals: dict[str, float] = {}
     train_metrics: dict[str, float] = {}
@@ -104,10 +106,15 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
         if scored is not None:
             evals = {prefix + k: v for k, v in finite(evaluate_task(task, model, scored)).items()}
             log.write({"kind": "eval", "step": steps, "epoch": epoch - 1, **evals})
-        print(f"epoch {epoch - 1}: step {steps}, " + ", ".join(f"{k} {v:.4f}" for k, v in
-                                                               {**train_metrics, **evals}.items()), flush=True)
+        left = time_left(epoch, cfg.epochs, time.perf_counter() - started) if not cfg.max_steps else \
+            time_left(steps, cfg.max_steps, time.perf_counter() - started)
+        bar.line(f"epoch {epoch - 1}: step {steps}, " + ", ".join(f"{k} {v:.4f}" for k, v in
+                                                                  {**train_metrics, **evals}.items()) + f", {left} left")
+        bar.step(*((steps, cfg.max_steps) if cfg.max_steps else (epoch, cfg.epochs)),
+                 ", ".join(f"{k} {v:.4f}" for k, v in list({**train_metrics, **evals}.items())[:2]))
         if not trained.steps:
             break  # nothing left to train on (a train hook that took no steps ends the run too)
+    bar.close()
     log.close()
     if cfg.plot:
         plot_loss_curve(log.records(), out / "loss_curve.png", f"{task.name}, centralized")

@@ -11,19 +11,21 @@ from fedpar.models import build_model
 from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.config import TrainConfig, train_config_from_dict
 from fedpar.parallel.init import init_distributed, shutdown_distributed
-from fedpar.parallel.trainer import Trainer
+from fedpar.parallel.trainer import StepProgress, Trainer
 from fedpar.parallel.device import flush_denormals
 
 
-def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float = 300.0) -> dict[str, Any]:
-    """Train with ``config`` in this process (one rank of a torchrun/spawned group, or alone); returns the summary."""
+def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float = 300.0,
+                  progress: StepProgress | None = None) -> dict[str, Any]:
+    """Train with ``config`` in this process (one rank of a torchrun/spawned group, or alone), rank 0 showing its
+    progress on ``progress``; returns the summary."""
     cfg = config if isinstance(config, TrainConfig) else train_config_from_dict(config)
     flush_denormals()
     info = init_distributed(timeout_seconds, cfg.device)
     try:
         data, implied = load_train_data(cfg.dataset, cfg.data_path, cfg.block_size, cfg.seed)
         kwargs = model_kwargs_for(cfg.model, implied, cfg.model_kwargs)
-        summary = Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info).run() or {}
+        summary = Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info, progress).run() or {}
         # Leave together: rank 0 hosts the rendezvous store, and a peer still using it when rank 0 tears it
         # down aborts ("terminate called without an active exception", seen under load).
         if torch.distributed.is_initialized() and info.world_size > 1:
@@ -33,7 +35,7 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
         shutdown_distributed()
 
 
-def spawned_train_process(config: TrainConfig, timeout_seconds: float) -> None:
+def spawned_train_process(config: TrainConfig, timeout_seconds: float, progress: StepProgress | None = None) -> None:
     """Entry point for ``spawn``: ``config`` as the launcher resolved it (its layout is used as is); the summary is
     written to disk by rank 0, so nothing is returned."""
-    train_process(config, timeout_seconds)
+    train_process(config, timeout_seconds, progress)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,19 @@ from fedpar.parallel.sampler import DistributedBatchSampler
 COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
 
 
+class StepProgress(Protocol):
+    """Where rank 0 shows its progress (cli/progress.StepBar: a bar on a terminal, plain lines elsewhere)."""
+
+    def line(self, message: str) -> None:
+        """Print one line."""
+
+    def step(self, done: int, total: int, note: str = "") -> None:
+        """``done`` of ``total`` steps, ``note`` beside them."""
+
+    def close(self) -> None:
+        """The run ended: take any bar down."""
+
+
 class Trainer:
     """Trains one model with the layout in ``config.parallel`` on the current process group.
 
@@ -50,12 +63,13 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, model_fn: Callable[[], nn.Module], data: TrainData,
-                 info: DistInfo) -> None:
-        """Check the configuration, build the mesh, parallelize the model and build the optimizers."""
+                 info: DistInfo, progress: StepProgress | None = None) -> None:
+        """Check the configuration, build the mesh, parallelize the model and build the optimizers; rank 0 shows
+        its progress on ``progress`` (plain lines on standard output when None)."""
         if not isinstance(config.parallel, ParallelLayout):  # not resolved by a launcher: this path starts here
             config = config.resolved(info.world_size, info.device.type)
         config.parallel.check_runs_on(info.world_size, info.device.type)
-        self.config, self.data, self.info = config, data, info
+        self.config, self.data, self.info, self.progress = config, data, info, progress
         self.out = Path(config.out)
         pc = config.parallel
         self.precision = pc.precision
@@ -78,7 +92,10 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- helpers
     def _log(self, message: str) -> None:
         if self.info.is_main:
-            print(message, flush=True)
+            if self.progress is not None:
+                self.progress.line(message)
+            else:
+                print(message, flush=True)
 
     def _sum_over_reporters(self, values: list[float]) -> list[float]:
         t = torch.tensor(values if self.reports_loss else [0.0] * len(values), dtype=torch.float64,
@@ -226,6 +243,8 @@ class Trainer:
                 c["samples"] += global_batch
                 run_samples += global_batch
                 interval_steps += 1
+                if self.progress is not None and self.info.is_main:
+                    self.progress.step(c["step"], total, f"loss {last_loss:.4f}")
                 if c["step"] % cfg.log_every == 0 or c["step"] == total:
                     loss_sum, reporters = self._sum_over_reporters([interval_loss / interval_steps, 1.0])
                     last_loss = loss_sum / reporters
@@ -239,6 +258,8 @@ class Trainer:
                 if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every == 0:
                     self.save()
                 if stop_after_steps is not None and c["step"] >= stop_after_steps:
+                    if self.progress is not None:
+                        self.progress.close()
                     return None
                 if c["step"] >= total:
                     break
@@ -254,6 +275,8 @@ class Trainer:
             log.write({"kind": "eval", "step": c["step"], "epoch": c["epoch"], **evals})
         if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every:
             self.save()
+        if self.progress is not None:
+            self.progress.close()
         return self._finish(log, evals, last_loss, wall_start, train_seconds, run_samples, resumed_from)
 
     def _finish(self, log: StepMetricsLog, evals: dict[str, float], last_loss: float, wall_start: float,

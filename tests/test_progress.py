@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable, time_left
+from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable, StepBar, time_left
 
 
 class _Terminal(io.StringIO):
@@ -73,3 +73,16 @@ def test_clients_joining_show_as_plain_lines_off_a_terminal_when_their_count_cha
     bar.joining(3, 10)
     bar.close()
     assert terminal_plain.getvalue() == ""  # a terminal has the bar
+
+
+def test_the_step_bar_shows_the_step_of_all_and_the_loss_on_a_terminal_and_only_the_lines_elsewhere():
+    terminal, pipe = _Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        bar = StepBar(stream=stream)
+        bar.step(3, 10, "loss 0.4321")
+        bar.line("epoch 0 step 3/10 loss 0.4321, about 7 s left")
+        bar.step(10, 10, "loss 0.1234")
+        bar.close()
+    assert "steps" in terminal.getvalue() and "3/10" in terminal.getvalue() and "loss 0.4321" in terminal.getvalue()
+    assert "epoch 0 step 3/10" in terminal.getvalue()  # the trainer's line, above the bar
+    assert pipe.getvalue() == "epoch 0 step 3/10 loss 0.4321, about 7 s left\n"
