@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from fedpar.cli.task_options import load_task_from_args
+from fedpar.cli.task_options import load_task_from_args, task_label
 from fedpar.settings import setting
 
 
@@ -51,4 +51,4 @@ def agent_config(args: argparse.Namespace, security):
                        tls_server_name=security.server_name,
                        enrollment_token=security.enrollment_token,
                        data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls,
-                       tls_files=security.files)
+                       tls_files=security.files, task=task_label(args))

@@ -89,6 +89,8 @@ def _do(args: argparse.Namespace, stub) -> int:
         settings = read_run_file(words[0])
         reply = stub.Submit(pb.RunSubmit(name=args.name or Path(words[0]).stem, settings_json=json.dumps(settings)),
                             timeout=120)
+        if reply.warning:
+            print(f"fedpar run: warning: {reply.warning}", file=sys.stderr)
         print(reply.run_id)
     elif action == "ls":
         runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
@@ -99,7 +101,9 @@ def _do(args: argparse.Namespace, stub) -> int:
     elif action == "logs":
         run_id = _run_id(words, "logs")
         for message in stub.Logs(pb.RunLogsRequest(run_id=run_id, follow=args.follow), timeout=None):
-            if message.metrics_json:
+            if message.line:
+                print(message.line, flush=True)
+            elif message.metrics_json:
                 print(_row_line(json.loads(message.metrics_json)), flush=True)
             else:
                 print(f"run {run_id} is {message.status}")

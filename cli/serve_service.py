@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
 import socket
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Callable
 
 from fedpar.cli.observability import Observers, tensorboard_writer
 from fedpar.cli.run_settings import run_args, run_settings
+from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import UserError
 from fedpar.parallel.stopping import signal_name, stop_on_signals
 from fedpar.protocol.atomicfile import atomic_write_bytes
@@ -69,15 +71,34 @@ class RunService:
         self.args, self.store, self.port, self.plan = args, store, port, plan  # plan: serve's, args -> ServePlan
         self.runs_dir = Path(f"{args.state}.runs")
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))  # one endpoint
+        self.agents_server = None  # the coordinator on the agents' port now (idle or a run's), None between them
 
-    def validate(self, settings: dict) -> dict:
-        """A submitted run's settings, checked as serve's options and by building its coordinator's parts."""
+    def validate(self, settings: dict) -> tuple[dict, str]:
+        """A submitted run's settings, checked as serve's options and by building its coordinator's parts, and a
+        warning when no agent with its task is connected; ValueError when agents are, and none has its task."""
         checked = run_settings(settings, "run settings")
+        args = run_args(self.args, {**checked, "out": str(self.runs_dir / "check")})
         try:
-            self.plan(run_args(self.args, {**checked, "out": str(self.runs_dir / "check")}))
+            self.plan(args)
         except UserError as exc:
             raise ValueError(str(exc)) from None
-        return checked
+        task = task_label(args)
+        declared = self._declared_tasks()
+        if not declared:
+            return checked, f"no agent is connected now; the run waits for agents with task {task!r}"
+        if task not in declared.values():
+            has = "; ".join(f"{agent}: {declared[agent] or 'did not say'}" for agent in sorted(declared))
+            raise ValueError(f"no connected agent has task {task!r} (they have: {has}); start agents with it, or "
+                             "submit a task they have")
+        return checked, ""
+
+    def _declared_tasks(self) -> dict[str, str | None]:
+        """The task each agent connected now declared ({}: none connected, or between two coordinators)."""
+        server = self.agents_server
+        try:
+            return server.on_loop(server.coordinator.members.declared_tasks) if server is not None else {}
+        except (RuntimeError, TimeoutError):
+            return {}
 
     def serve_forever(self) -> None:
         """Run queued runs until a signal (KeyboardInterrupt) ends the service; between runs an idle coordinator
@@ -88,14 +109,16 @@ class RunService:
                 run = self.store.next_queued()
                 if run is None:
                     if idle is None:
-                        idle = self._idle()
+                        idle = self.agents_server = self._idle()
                     time.sleep(IDLE_POLL_SECONDS)
                     continue
                 if idle is not None:
+                    self.agents_server = None
                     idle.stop(grace=0.2)
                     idle = None
                 self.execute(run)
         finally:
+            self.agents_server = None
             if idle is not None:
                 idle.stop(grace=0.2)
 
@@ -121,8 +144,10 @@ class RunService:
         out = self.runs_dir / str(run.id)
         args = run_args(self.args, {**run.settings, "out": str(out), "checkpoint_dir": out / "checkpoints"})
         tensorboard = str(Path(self.args.tensorboard) / f"run-{run.id}") if self.args.tensorboard else None
+        task = task_label(args)
         self.store.start(run.id, str(out))
-        print(f"run {run.id} ({run.name}) started", flush=True)
+        self._say(run, f"run {run.id} ({run.name}) started: task {task!r}, {args.rounds} rounds; only agents that "
+                       "have its task are sampled")
         try:
             out.mkdir(parents=True, exist_ok=True)
             plan = self.plan(args)
@@ -136,6 +161,8 @@ class RunService:
                                       admission=plan.security.admission, host=self.args.host, port=self.port,
                                       credentials=plan.security.credentials, data_tls=plan.security.data_tls)
         server.coordinator.keeps_members = True
+        server.coordinator.members.needs_task = task
+        server.coordinator.members.on_lacking = lambda agent, why: self._say(run, why)
         self.observers.attach_run(server, run.id)
         started, status, reason = time.monotonic(), "failed", ""
         try:
@@ -144,6 +171,7 @@ class RunService:
             except RestoreError as exc:
                 reason = f"cannot resume: {exc}"
                 return
+            self.agents_server = server
             resumed = server.coordinator.metrics.last  # a kill between a round's checkpoint and its row here
             if resumed is not None and server.coordinator.round_id > self.store.get(run.id).round:
                 record(resumed)
@@ -159,6 +187,7 @@ class RunService:
         except Exception as exc:  # a round's error ends this run, not the service
             reason = f"{type(exc).__name__}: {exc}"
         finally:
+            self.agents_server = None
             server.stop(grace=0.5)
             if events is not None:
                 events.close()
@@ -171,8 +200,13 @@ class RunService:
                           str(model) if model.is_file() else "")
 
     def _end(self, run, status: str, reason: str, model: str = "") -> None:
-        self.store.end(run.id, status, reason, model)
-        print(f"run {run.id} ({run.name}) {status}" + (f": {reason}" if reason else ""), flush=True)
+        self._say(run, f"run {run.id} ({run.name}) {status}" + (f": {reason}" if reason else ""))
+        self.store.end(run.id, status, reason, model)  # after its last line: a follower that sees it ended has all
+
+    def _say(self, run, line: str) -> None:
+        """``line`` in the run's log ('fedpar run logs') and on the service's output."""
+        self.store.log(run.id, line)
+        print(line, flush=True)
 
 
 def _plain(row: dict) -> dict:
@@ -187,6 +221,10 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
     from fedpar.security.tls import server_credentials, server_tls_files
     from fedpar.server.run_control import RunControlServer
 
+    if int(os.environ.get("WORLD_SIZE", args.aggregator_ranks)) > 1:
+        print("fedpar serve: --state runs each run on one aggregator rank; drop --aggregator-ranks (several ranks "
+              "work in the one-shot form, without --state)", file=sys.stderr)
+        return 2
     state = Path(args.state)
     state.parent.mkdir(parents=True, exist_ok=True)
     lock = _lock(state)
@@ -205,8 +243,9 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
     for run_id in store.recover():
-        print(f"run {run_id} was running when the service last ended: it resumes from its last checkpoint",
-              flush=True)
+        line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
+        store.log(run_id, line)
+        print(line, flush=True)
     port = args.port or _free_port(args.host)
     service = RunService(args, store, port, plan)
     control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)

@@ -5,6 +5,7 @@ Both are declared once, in ``fedpar.task.TaskReference``."""
 from __future__ import annotations
 
 import argparse
+from pathlib import PurePath
 from typing import Any
 
 from fedpar.cli.argtypes import as_mapping
@@ -26,3 +27,16 @@ def load_task_from_args(args: argparse.Namespace):
             raise TaskError("--task-option needs --task")
         return None
     return load_task(args.task, task_options(args))
+
+
+def task_label(args: argparse.Namespace) -> str:
+    """The task ``args`` train, as agents declare it at Join and a service's run asks for it: 'MODEL on DATASET'
+    for a built-in one, else the --task reference with its options; a file's folder is left out (each site keeps
+    its copy where it likes)."""
+    if not args.task:
+        kind, sep, where = str(args.dataset).partition(":")
+        return f"{args.model} on {kind}{sep}{PurePath(where).name if sep else ''}"
+    where, sep, factory = str(args.task).rpartition(":")
+    reference = f"{PurePath(where).name if where.endswith('.py') else where}{sep}{factory}" if sep else args.task
+    options = task_options(args)
+    return (reference + "".join(f" {key}={options[key]}" for key in sorted(options)))[:256]  # Join's capability limit

@@ -67,6 +67,7 @@ class AgentConfig:
     data_plane: bool = True  # move weights over the coordinator's data plane when a task offers it
     data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
     tls_files: TlsFiles | None = None  # the PEM files behind ``credentials``: to say why a handshake fails
+    task: str = ""  # the task it trains, declared at Join (a service samples for a run only agents that have its task)
 
     def __post_init__(self) -> None:
         """ValueError unless the channel's security is said: credentials for TLS, or insecure=True for plaintext."""
@@ -173,6 +174,11 @@ class Pulled:
     shutdown: str | None = None
 
 
+def agent_capabilities(config: AgentConfig, framework: str) -> dict[str, str]:
+    """What an agent tells the coordinator at Join: its trainer's framework and, if it has one, its task."""
+    return {"framework": framework, **({"task": config.task} if config.task else {})}
+
+
 class AgentLink:
     """The runtime is its one member: Join under ``config.agent_id``, PullTask, heartbeats while training."""
 
@@ -189,7 +195,8 @@ class AgentLink:
         """A new session for the agent."""
         reply = self.conn.stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
                                                    num_examples=self.trainer.num_examples,
-                                                   capabilities={"framework": self.trainer.framework},
+                                                   capabilities=agent_capabilities(self.config,
+                                                                                   self.trainer.framework),
                                                    protocol_version=PROTOCOL_VERSION,
                                                    enrollment_token=self.config.enrollment_token), timeout=30)
         self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=reply.token)

@@ -590,10 +590,12 @@ class RunSubmit(_message.Message):
     def __init__(self, name: _Optional[str] = ..., settings_json: _Optional[str] = ...) -> None: ...
 
 class RunRef(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "warning")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
     run_id: int
-    def __init__(self, run_id: _Optional[int] = ...) -> None: ...
+    warning: str
+    def __init__(self, run_id: _Optional[int] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class RunQuery(_message.Message):
     __slots__ = ()
@@ -616,12 +618,14 @@ class RunLogsRequest(_message.Message):
     def __init__(self, run_id: _Optional[int] = ..., after_round: _Optional[int] = ..., follow: bool = ...) -> None: ...
 
 class RunRound(_message.Message):
-    __slots__ = ("metrics_json", "status")
+    __slots__ = ("metrics_json", "status", "line")
     METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
     metrics_json: str
     status: str
-    def __init__(self, metrics_json: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+    line: str
+    def __init__(self, metrics_json: _Optional[str] = ..., status: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
 
 class RunFile(_message.Message):
     __slots__ = ("name", "data")

@@ -816,7 +816,7 @@ class RunControlServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Logs(self, request, context):
-        """A run's rounds after after_round; with follow, until the run ends.
+        """A run's log lines and its rounds after after_round; with follow, until the run ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -204,10 +204,13 @@ class Admission:
                                        "one ('fedpar certs --mint-token') and pass it with --enrollment-token-file")
 
     def check_call(self, agent_id: str, peer: PeerIdentity | None) -> None:
-        """Raise AdmissionRefused if the certificate names someone else, or the agent was revoked."""
+        """Raise AdmissionRefused if the certificate names someone else or is an operator's, or the agent was
+        revoked."""
         if peer is None and self.require_certificate:
             raise AdmissionRefused(grpc.StatusCode.UNAUTHENTICATED,
                                    "this coordinator requires a client certificate signed by its CA")
+        if peer is not None:
+            _check_role(peer)
         if peer is not None and peer.common_name != agent_id:
             raise AdmissionRefused(grpc.StatusCode.PERMISSION_DENIED,
                                    f"the client certificate proves agent {peer.common_name!r}, but the request "
@@ -216,8 +219,10 @@ class Admission:
         self._check_revoked(agent_id, peer.serial if peer is not None else None)
 
     def check_peer(self, peer: PeerIdentity) -> None:
-        """Raise AdmissionRefused if the client certificate (its serial, or the agent it names) was revoked:
-        checked at the start of every call, before anything is read or counted."""
+        """Raise AdmissionRefused if the client certificate is an operator's (the control API's, not an agent's) or
+        was revoked (its serial, or the agent it names): checked at the start of every call, before anything is read
+        or counted."""
+        _check_role(peer)
         self._check_revoked(peer.common_name, peer.serial)
 
     def _check_revoked(self, agent_id: str, serial: int | None) -> None:
@@ -233,3 +238,11 @@ class Admission:
         """A predicate ``(agent_id, serial) -> revoked?`` on the current revocation list (read once)."""
         self.revocations.refresh()
         return self.revocations.is_revoked
+
+
+def _check_role(peer: PeerIdentity) -> None:
+    """An operator's certificate is for the control API: it may not speak as an agent."""
+    if peer.role != "agent":
+        raise AdmissionRefused(grpc.StatusCode.PERMISSION_DENIED,
+                               f"{peer.describe()} has the {peer.role} role: it may use the control API only, not "
+                               "join as an agent; give the agent its own certificate (fedpar certs --agents ID)")

@@ -1,4 +1,4 @@
-"""Who is on the other end of a gRPC call: the verified client certificate's subject CN and serial number."""
+"""Who is on the other end of a gRPC call: the verified client certificate's subject CN, serial number and role."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from functools import lru_cache
 
 from cryptography import x509
 
+from fedpar.security.certs import certificate_role
+
 
 @dataclass(frozen=True)
 class PeerIdentity:
@@ -14,6 +16,7 @@ class PeerIdentity:
 
     common_name: str
     serial: int | None = None
+    role: str = "agent"  # an operator's certificate (fedpar certs --operators) is for the control API only
 
     def describe(self) -> str:
         """Human-readable form for refusal messages."""
@@ -22,11 +25,11 @@ class PeerIdentity:
 
 
 @lru_cache(maxsize=4096)
-def _serial_of(pem: bytes) -> int | None:
+def _facts_of(pem: bytes) -> tuple[int | None, str]:
     try:
-        return x509.load_pem_x509_certificate(pem).serial_number
+        return x509.load_pem_x509_certificate(pem).serial_number, certificate_role(pem)
     except ValueError:
-        return None
+        return None, "agent"
 
 
 def peer_identity(context) -> PeerIdentity | None:
@@ -43,5 +46,5 @@ def peer_identity(context) -> PeerIdentity | None:
     if not names:
         return None
     pems = auth.get("x509_pem_cert") or []
-    serial = _serial_of(bytes(pems[0])) if pems else None
-    return PeerIdentity(bytes(names[0]).decode("utf-8", "replace"), serial)
+    serial, role = _facts_of(bytes(pems[0])) if pems else (None, "agent")
+    return PeerIdentity(bytes(names[0]).decode("utf-8", "replace"), serial, role)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import grpc
 
@@ -46,6 +46,9 @@ class Members:
         self._wakeups: dict[str, asyncio.Event] = {}  # per long-poller (see :meth:`poller`)
         self._not_yet_told: set[str] = set()  # long-pollers live at the end not yet told that training is over
         self._changed = asyncio.Event()  # binds to the loop that first waits on it (the serving loop)
+        self.needs_task: str | None = None  # a service's run: only agents declaring this task are sampled
+        self.on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
+        self._lacking: set[str] = set()  # joined agents that do not declare ``needs_task``
 
     # ----------------------------------------------------------------- joining and leaving
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
@@ -60,8 +63,24 @@ class Members:
             log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
             raise Refusal(exc.code, exc.message) from None
         self._wakeups.setdefault(agent_id, asyncio.Event())
+        self._check_task(agent_id, capabilities.get("task"))
         self._joined()
         return record
+
+    def _check_task(self, agent_id: str, task: str | None) -> None:
+        """Keep ``agent_id`` out of the cohorts unless it declared the task this coordinator's run needs."""
+        if self.needs_task is None or task == self.needs_task:
+            self._lacking.discard(agent_id)
+            return
+        if agent_id not in self._lacking:
+            self._lacking.add(agent_id)
+            has = f"has task {task!r}" if task else "did not say which task it has (an older fedpar?)"
+            self.on_lacking(agent_id, f"agent {agent_id} is skipped: it {has}, this run needs {self.needs_task!r}")
+
+    def declared_tasks(self) -> dict[str, str | None]:
+        """The task each live agent declared at Join (None: it did not say)."""
+        records = (self.registry.get(a) for a in self.registry.live_ids())
+        return {r.agent_id: (r.capabilities or {}).get("task") for r in records if r is not None}
 
     def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
                         peer: PeerIdentity | None = None,
@@ -87,8 +106,9 @@ class Members:
 
     # ----------------------------------------------------------------- sampling
     def live_ids(self) -> list[str]:
-        """Ids of the members that may be sampled now, sorted."""
-        return self.registry.live_ids()
+        """Ids of the members that may be sampled now, sorted (not those lacking the run's task)."""
+        live = self.registry.live_ids()
+        return [a for a in live if a not in self._lacking] if self._lacking else live
 
     async def wait_for_live(self, count: int, wait_seconds: float | None) -> None:
         """Until ``count`` members are live; TimeoutError after ``wait_seconds`` (None: no limit)."""

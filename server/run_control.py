@@ -22,8 +22,9 @@ FILE_CHUNK_BYTES = 1 << 20
 RUN_FILES = ("global.safetensors", "global.json", "metrics.jsonl", "metrics.csv", "summary.json")
 FOLLOW_POLL_SECONDS = 0.25
 
-# settings (JSON-ready dict) -> the settings to store; ValueError saying what is wrong.
-Validate = Callable[[dict], dict]
+# settings (JSON-ready dict) -> (the settings to store, a warning for the operator or ""); ValueError saying what is
+# wrong.
+Validate = Callable[[dict], tuple[dict, str]]
 
 
 class _Refused(Exception):
@@ -79,8 +80,8 @@ class RunControl(pb_grpc.RunControlServicer):
                 raise ValueError(f"run settings are not JSON: {exc}") from None
             if not isinstance(settings, dict):
                 raise ValueError("run settings must be a table of settings")
-            checked = self.validate(settings)
-            return pb.RunRef(run_id=self.store.submit(request.name or "run", checked, who))
+            checked, warning = self.validate(settings)
+            return pb.RunRef(run_id=self.store.submit(request.name or "run", checked, who), warning=warning)
         return self._guard(context, "submit", submit)
 
     def List(self, request: pb.RunQuery, context) -> pb.RunList:
@@ -96,25 +97,26 @@ class RunControl(pb_grpc.RunControlServicer):
             runs_json=json.dumps([self.store.request_stop(request.run_id, who).to_json()])))
 
     def Logs(self, request: pb.RunLogsRequest, context):
-        """A run's rounds; with ``follow``, until it ends (or the caller leaves)."""
+        """A run's log lines and rounds; with ``follow``, until it ends (or the caller leaves)."""
         def first(who):
             self.store.audit(who, "logs", request.run_id)
             return self.store.get(request.run_id)
         run = self._guard(context, "logs", first)
-        after = request.after_round
+        after, after_line = request.after_round, 0
         while True:
-            for row in self.store.round_metrics(run.id, after):
-                after = row["round"]
-                yield pb.RunRound(metrics_json=json.dumps(row), status=run.status)
-            run = self.store.get(run.id)
-            if not request.follow or run.status in ENDED or not context.is_active():
-                if request.follow and run.status in ENDED:
-                    for row in self.store.round_metrics(run.id, after):
-                        after = row["round"]
-                        yield pb.RunRound(metrics_json=json.dumps(row), status=run.status)
+            ended = run.status in ENDED  # read before the rows: a run that ended has written all of them
+            for kind, key, entry in self.store.timeline(run.id, after_line, after):
+                if kind == "line":
+                    after_line = key
+                    yield pb.RunRound(line=entry, status=run.status)
+                else:
+                    after = key
+                    yield pb.RunRound(metrics_json=json.dumps(entry), status=run.status)
+            if not request.follow or ended or not context.is_active():
                 yield pb.RunRound(status=run.status)
                 return
             time.sleep(FOLLOW_POLL_SECONDS)
+            run = self.store.get(run.id)
 
     def Get(self, request: pb.RunRef, context):
         """A run's final model and metrics files."""

@@ -1,5 +1,5 @@
-"""The run store of a long-lived coordinator service: runs, their per-round metrics and the audit of control actions,
-in SQLite.
+"""The run store of a long-lived coordinator service: runs, their per-round metrics, their log lines and the audit of
+control actions, in SQLite.
 
 One file (WAL mode, so readers never block the writer) or, for the one-shot form, memory. Every write is one
 transaction: a kill -9 at any moment leaves the last committed state. The schema is versioned; :data:`MIGRATIONS`
@@ -53,6 +53,15 @@ MIGRATIONS = (
         run_id INTEGER,
         detail TEXT NOT NULL DEFAULT ''
     );
+    """,
+    """
+    CREATE TABLE run_log (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        at REAL NOT NULL,
+        line TEXT NOT NULL
+    );
+    ALTER TABLE round_metrics ADD COLUMN at REAL
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -210,7 +219,8 @@ class RunStore:
         text = json.dumps(row, sort_keys=True, default=str)
 
         def write(db):
-            db.execute("INSERT OR REPLACE INTO round_metrics VALUES (?, ?, ?)", (run_id, int(row["round"]), text))
+            db.execute("INSERT OR REPLACE INTO round_metrics (run_id, round, metrics, at) VALUES (?, ?, ?, ?)",
+                       (run_id, int(row["round"]), text, time.time()))
             db.execute("UPDATE runs SET round = ?, last_metrics = ? WHERE id = ?", (int(row["round"]), text, run_id))
         self._run_write(write)
 
@@ -262,6 +272,20 @@ class RunStore:
                                "during it' WHERE id = ?", (run_id,))
             return [run_id for run_id, stop in stuck if not stop]
         return self._run_write(write)
+
+    # ----------------------------------------------------------------- a run's log
+    def log(self, run_id: int, line: str) -> None:
+        """Add ``line`` to the log of ``run_id`` (what 'fedpar run logs' shows beside the rounds)."""
+        self._run_write(lambda db: db.execute("INSERT INTO run_log (run_id, at, line) VALUES (?, ?, ?)",
+                                              (run_id, time.time(), line)))
+
+    def timeline(self, run_id: int, after_line: int = 0, after_round: int = 0) -> list[tuple[str, int, Any]]:
+        """The log lines of ``run_id`` with ids above ``after_line`` and its rounds after ``after_round``, in the
+        order they were written: ("line", id, text) and ("round", round, metrics row)."""
+        rows = self._read("SELECT 'line', id, line, at FROM run_log WHERE run_id = ? AND id > ? UNION ALL "
+                          "SELECT 'round', round, metrics, COALESCE(at, 0) FROM round_metrics WHERE run_id = ? "
+                          "AND round > ? ORDER BY 4, 2", (run_id, after_line, run_id, after_round))
+        return [(kind, key, json.loads(text) if kind == "round" else text) for kind, key, text, _ in rows]
 
     # ----------------------------------------------------------------- audit
     def audit(self, who: str, action: str, run_id: int | None = None, detail: str = "") -> None:

@@ -17,6 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.fedpar_pb2_grpc import CoordinatorStub
 from fedpar.security.certs import ensure_certs
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
@@ -44,15 +46,16 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 class Federation:
     """The service, its agents and the `fedpar run` command line to talk to it."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, agent_options: tuple[tuple[str, ...], ...] = ((), ()), min_available: int = 2,
+                 *service_options: str):
         self.tmp = tmp
         self.certs = tmp / "certs"
         ensure_certs(self.certs, ["a1", "a2"], ["127.0.0.1"], operators=["op"])
         self.state = tmp / "state.db"
         self.service = _fedpar("serve", "--state", str(self.state), "--certs", str(self.certs), "--port", "0",
                                "--control-port", "0", "--port-file", str(tmp / "port"), "--control-port-file",
-                               str(tmp / "cport"), "--min-available", "2", "--heartbeat", "1",
-                               "--metrics-port", "0", log=tmp / "serve.log")
+                               str(tmp / "cport"), "--min-available", str(min_available), "--heartbeat", "1",
+                               *service_options, log=tmp / "serve.log")
         self.agents: list[subprocess.Popen] = []
         try:
             _wait_for(lambda: (tmp / "cport").exists() or self.service.poll() is not None, 60, "serve did not start")
@@ -64,7 +67,8 @@ class Federation:
         self.control = f"127.0.0.1:{int((tmp / 'cport').read_text())}"
         self.agents = [_fedpar("client", "--server", f"127.0.0.1:{self.port}", "--certs", str(self.certs),
                                "--agent-id", f"a{i + 1}", "--num-partitions", "2", "--partition-index", str(i),
-                               "--poll", "1", "--threads", "1", log=tmp / f"a{i + 1}.log") for i in range(2)]
+                               "--poll", "1", "--threads", "1", *options, log=tmp / f"a{i + 1}.log")
+                       for i, options in enumerate(agent_options)]
 
     def run(self, *args: str, operator: str = "op") -> subprocess.CompletedProcess:
         """`fedpar run ARGS` against the service, as ``operator`` (a name under certs/operators)."""
@@ -102,7 +106,8 @@ class Federation:
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    fed = Federation(tmp_path_factory.mktemp("service"))
+    tmp = tmp_path_factory.mktemp("service")
+    fed = Federation(tmp, ((), ()), 2, "--metrics-port", "0", "--tensorboard", str(tmp / "tb"))
     yield fed
     fed.close()
 
@@ -157,6 +162,9 @@ def test_three_runs_one_stopped_while_the_agents_stay_up(federation):
         assert f'fedpar_rounds_total{{run="{run_id}",status="ok"}} {float(rounds)}' in exposition, exposition
     actions = [(a["who"], a["action"]) for a in store.audit_rows()]
     assert actions.count(("op", "submit")) == 3 and ("op", "stop") in actions and ("op", "get") in actions
+    for run_id in (first, long, third):  # a TensorBoard folder per run, each with its own rounds
+        assert list((fed.tmp / "tb" / f"run-{run_id}").glob("events.out.tfevents.*")), run_id
+    assert sorted(p.name for p in (fed.tmp / "tb").iterdir()) == sorted(f"run-{i}" for i in (first, long, third))
 
 
 def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
@@ -185,6 +193,10 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
                              str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=60)  # the state file is the first one's
     _one_line_error(second, "is in use by another fedpar serve")
+    ranks = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(fed.tmp / "other.db"),
+                            "--certs", str(fed.certs), "--port", "0", "--control-port", "0", "--aggregator-ranks",
+                            "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    _one_line_error(ranks, "--state runs each run on one aggregator rank")
     assert len(store.runs()) == before and fed.service.poll() is None
     assert ("a1", "refused ls") in [(a["who"], a["action"]) for a in store.audit_rows()]
 
@@ -228,5 +240,52 @@ def test_kill_9_at_a_random_moment_loses_no_round_and_the_run_resumes(tmp_path):
         assert all(agent.poll() is None for agent in fed.agents)
         assert "resumes from its last checkpoint" in (fed.tmp / "serve.log").read_text() \
             or killed_at[first][0] == "finished"
+    finally:
+        fed.close()
+
+
+REFERENCE = ("--task", "fedpar.tasks.zoo:classifier", "--task-option", "model=mlp", "--task-option", "dataset=digits")
+
+
+def test_each_run_samples_only_the_agents_that_have_its_task(tmp_path):
+    fed = Federation(tmp_path, ((), REFERENCE), 1)  # a1: the built-in mlp on digits; a2: a --task reference
+    try:
+        store = RunStore(fed.state)
+        log = fed.tmp / "serve.log"
+        _wait_for(lambda: log.read_text().count(" joined with ") >= 2, 120, "the agents did not join")
+        # agents are connected and none has this task: refused, nothing queued
+        cnn = fed.tmp / "cnn.toml"
+        cnn.write_text('model = "cnn"\nrounds = 1\n')
+        _one_line_error(fed.run("submit", str(cnn)), "no connected agent has task 'cnn on digits'", "a2: ")
+        assert store.runs() == []
+
+        both = 'rounds = 2\nclients_per_round = 2\nmin_reports = 1\nlocal_epochs = 1\nbatch_size = 32\n'
+        builtin = fed.submit("builtin", both)
+        reference = fed.submit("reference", f'task = "fedpar.tasks.zoo:classifier"\n{both}'
+                                            '[task_options]\nmodel = "mlp"\ndataset = "digits"\n')
+        _wait_for(lambda: store.get(reference).status in ("finished", "failed", "stopped"), 240,
+                  "the second run did not end")
+        for run_id, skipped, needed in ((builtin, "a2", "mlp on digits"),
+                                        (reference, "a1", "fedpar.tasks.zoo:classifier dataset=digits model=mlp")):
+            run = store.get(run_id)
+            assert run.status == "finished", run.reason
+            rows = store.round_metrics(run_id)
+            assert [(r["round"], r["sampled"], r["reported"]) for r in rows] == [(1, 1, 1), (2, 1, 1)], rows
+            lines = [entry for kind, _, entry in store.timeline(run_id) if kind == "line"]
+            skips = [line for line in lines if "is skipped" in line]
+            assert len(skips) == 1 and skips[0].startswith(f"agent {skipped} is skipped: it has task ") \
+                and skips[0].endswith(f"this run needs {needed!r}"), lines
+            logs = fed.run("logs", str(run_id))  # the operator sees the reason beside the rounds
+            assert logs.returncode == 0 and skips[0] in logs.stdout and logs.stdout.count("round=") == 2, logs
+        assert all(agent.poll() is None for agent in fed.agents)
+
+        # an operator's certificate may not join the agents' port (the control API is its only use)
+        files = TlsFiles(fed.certs / "operators" / "op.pem", fed.certs / "operators" / "op.key",
+                         fed.certs / "ca.pem")
+        with grpc.secure_channel(f"127.0.0.1:{fed.port}", channel_credentials(files)) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                CoordinatorStub(channel).Join(pb.JoinRequest(agent_id="op", num_examples=10), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "has the operator role" in refused.value.details(), refused.value.details()
     finally:
         fed.close()

@@ -85,3 +85,35 @@ def test_a_corrupt_file_is_one_clear_error_and_left_as_it_was(tmp_path):
     with pytest.raises(StoreError, match="not a fedpar state database or is damaged"):
         RunStore(path)
     assert path.read_bytes() == b"this is not sqlite at all" * 100
+
+
+def test_a_run_log_interleaves_its_lines_and_rounds_in_the_order_written(tmp_path):
+    store = RunStore(tmp_path / "state.db")
+    run_id = store.submit("a", {})
+    other = store.submit("b", {})
+    store.log(run_id, "started")
+    store.record_round(run_id, {"round": 1, "status": "ok"})
+    store.log(run_id, "agent a2 is skipped")
+    store.log(other, "not this run's")
+    store.record_round(run_id, {"round": 2, "status": "ok"})
+    store.log(run_id, "finished")
+    timeline = store.timeline(run_id)
+    assert [(kind, entry if kind == "line" else entry["round"]) for kind, _, entry in timeline] == \
+        [("line", "started"), ("round", 1), ("line", "agent a2 is skipped"), ("round", 2), ("line", "finished")]
+    last_line = timeline[2][1]
+    assert [entry for _, _, entry in store.timeline(run_id, after_line=last_line, after_round=2)] == ["finished"]
+
+
+def test_a_state_file_locked_by_another_writer_is_one_clear_error(tmp_path):
+    path = tmp_path / "state.db"
+    RunStore(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # e.g. someone's sqlite3 shell in the middle of a write
+    try:
+        with pytest.raises(StoreError, match="is locked by another process") as caught:
+            RunStore(path, busy_seconds=0.2)
+        assert "\n" not in str(caught.value)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert RunStore(path).schema_version() == SCHEMA_VERSION  # nothing lost: usable once the lock is gone
