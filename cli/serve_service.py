@@ -72,6 +72,7 @@ class RunService:
         self.runs_dir = Path(f"{args.state}.runs")
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))  # one endpoint
         self.agents_server = None  # the coordinator on the agents' port now (idle or a run's), None between them
+        self.known_tasks: dict[str, str | None] = {}  # agent id -> its task, as the latest coordinator knew them
 
     def validate(self, settings: dict) -> tuple[dict, str]:
         """A submitted run's settings, checked as serve's options and by building its coordinator's parts, and a
@@ -83,7 +84,7 @@ class RunService:
         except UserError as exc:
             raise ValueError(str(exc)) from None
         task = task_label(args)
-        declared = self._declared_tasks()
+        declared = self._agents_now()
         if not declared:
             return checked, f"no agent is connected now; the run waits for agents with task {task!r}"
         if task not in declared.values():
@@ -92,13 +93,22 @@ class RunService:
                              "submit a task they have")
         return checked, ""
 
-    def _declared_tasks(self) -> dict[str, str | None]:
-        """The task each agent connected now declared ({}: none connected, or between two coordinators)."""
+    def _agents_now(self) -> dict[str, str | None]:
+        """The task each agent connected now declared, as the coordinator on the agents' port knows them (between
+        two coordinators: as the last one knew them)."""
         server = self.agents_server
-        try:
-            return server.on_loop(server.coordinator.members.declared_tasks) if server is not None else {}
-        except (RuntimeError, TimeoutError):
-            return {}
+        if server is not None:
+            try:
+                self.known_tasks = server.on_loop(server.coordinator.members.declared_tasks, timeout=5.0)
+            except (RuntimeError, TimeoutError):
+                pass
+        return self.known_tasks
+
+    def _let_go(self, server) -> None:
+        """Stop ``server``, the coordinator on the agents' port, remembering which agents it had."""
+        self._agents_now()
+        self.agents_server = None
+        server.stop(grace=0.2)
 
     def serve_forever(self) -> None:
         """Run queued runs until a signal (KeyboardInterrupt) ends the service; between runs an idle coordinator
@@ -113,14 +123,12 @@ class RunService:
                     time.sleep(IDLE_POLL_SECONDS)
                     continue
                 if idle is not None:
-                    self.agents_server = None
-                    idle.stop(grace=0.2)
+                    self._let_go(idle)
                     idle = None
                 self.execute(run)
         finally:
-            self.agents_server = None
             if idle is not None:
-                idle.stop(grace=0.2)
+                self._let_go(idle)
 
     def _idle(self):
         """A started idle coordinator on the agents' port."""
@@ -161,8 +169,7 @@ class RunService:
                                       admission=plan.security.admission, host=self.args.host, port=self.port,
                                       credentials=plan.security.credentials, data_tls=plan.security.data_tls)
         server.coordinator.keeps_members = True
-        server.coordinator.members.needs_task = task
-        server.coordinator.members.on_lacking = lambda agent, why: self._say(run, why)
+        server.coordinator.members.require_task(task, lambda agent, why: self._say(run, why), self.known_tasks)
         self.observers.attach_run(server, run.id)
         started, status, reason = time.monotonic(), "failed", ""
         try:
@@ -187,6 +194,7 @@ class RunService:
         except Exception as exc:  # a round's error ends this run, not the service
             reason = f"{type(exc).__name__}: {exc}"
         finally:
+            self._agents_now()
             self.agents_server = None
             server.stop(grace=0.5)
             if events is not None:

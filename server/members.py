@@ -48,7 +48,7 @@ class Members:
         self._changed = asyncio.Event()  # binds to the loop that first waits on it (the serving loop)
         self.needs_task: str | None = None  # a service's run: only agents declaring this task are sampled
         self.on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
-        self._lacking: set[str] = set()  # joined agents that do not declare ``needs_task``
+        self._lacking: set[str] = set()  # agents that do not declare ``needs_task``
 
     # ----------------------------------------------------------------- joining and leaving
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
@@ -66,6 +66,15 @@ class Members:
         self._check_task(agent_id, capabilities.get("task"))
         self._joined()
         return record
+
+    def require_task(self, task: str, on_lacking: Callable[[str, str], None],
+                     known: dict[str, str | None] | None = None) -> None:
+        """Sample only agents that declare ``task``; ``on_lacking(agent_id, why)`` names each other one once: those
+        of ``known`` (agent id -> the task it declared to an earlier coordinator) now, the others as they join.
+        Called before the coordinator serves."""
+        self.needs_task, self.on_lacking = task, on_lacking
+        for agent_id, declared in sorted((known or {}).items()):
+            self._check_task(agent_id, declared)
 
     def _check_task(self, agent_id: str, task: str | None) -> None:
         """Keep ``agent_id`` out of the cohorts unless it declared the task this coordinator's run needs."""

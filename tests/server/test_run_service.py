@@ -5,6 +5,7 @@ bad input is one line and a non-zero exit. Real processes on loopback."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -211,35 +212,60 @@ def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
     assert state.read_bytes() == b"not a database\n" * 64
 
 
-def test_kill_9_at_a_random_moment_loses_no_round_and_the_run_resumes(tmp_path):
-    import random
+KILL_SEED = int(os.environ.get("FEDPAR_KILL_SEED", "27"))
 
-    rng = random.Random()
-    seed = rng.randrange(1 << 30)
-    rng.seed(seed)
-    fed = Federation(tmp_path)
+
+def _rounds_intact(store: RunStore, when: str) -> None:
+    """Every run's rounds are 1..its round, each once, and none is past what its settings ask for."""
+    for run in store.runs():
+        rounds = [r["round"] for r in store.round_metrics(run.id)]
+        assert rounds == list(range(1, run.round + 1)) and run.round <= run.settings["rounds"], (when, run, rounds)
+
+
+def test_kill_9_at_seeded_random_moments_across_runs_loses_no_round_and_resumes(tmp_path):
+    import numpy as np
+
+    from fedpar.server.checkpoint import load_checkpoint
+    from fedpar.server.final_model import load_final_model
+
+    rng = random.Random(KILL_SEED)
+    fast = ("--max-backoff", "0.5")  # agents find each restarted service at once
+    fed = Federation(tmp_path, (fast, fast), 2)
     try:
         store = RunStore(fed.state)
-        first = fed.submit("first", f'rounds = 4\nstrategy = "fedavg"\n{QUICK}')
-        second = fed.submit("second", f'rounds = 2\nstrategy = "fedadam"\n{QUICK}')
-        _wait_for(lambda: store.get(first).round >= 1, 240, "no round completed")
-        time.sleep(rng.uniform(0.0, 3.0))  # somewhere in a later round, its checkpoint, or between runs
-        fed.service.kill()
-        fed.service.wait(10)
-        killed_at = {run.id: (run.status, run.round) for run in store.runs()}
-        fed.service = _fedpar("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port", str(fed.port),
-                              "--control-port", fed.control.rsplit(":", 1)[1], "--min-available", "2",
-                              "--heartbeat", "1", log=fed.tmp / "serve.log")
-        _wait_for(lambda: store.get(second).status in ("finished", "failed"), 300,
-                  f"the runs did not end after the restart (seed {seed}, killed at {killed_at})")
-        for run_id, rounds in ((first, 4), (second, 2)):
+        planned = {fed.submit("first", f'rounds = 4\nstrategy = "fedavg"\n{QUICK}'): 4,
+                   fed.submit("second", f'rounds = 3\nstrategy = "fedadam"\n{QUICK}'): 3}
+        # after how many finished rounds of all runs each kill comes (mid-run, at a run's end, in the next run),
+        # then somewhere in the next round, its checkpoint, or between runs
+        kills = [(after, rng.uniform(0.0, 0.4)) for after in sorted(rng.sample(range(1, sum(planned.values())), 2))]
+        history = []
+        for after, delay in kills:
+            _wait_for(lambda: sum(run.round for run in store.runs()) >= after, 240,
+                      f"{after} rounds did not complete (seed {KILL_SEED}, kills {kills}, so far {history})")
+            time.sleep(delay)
+            fed.service.kill()
+            fed.service.wait(10)
+            history.append({run.id: (run.status, run.round) for run in store.runs()})
+            _rounds_intact(store, f"after kill {len(history)} (seed {KILL_SEED}): {history}")
+            fed.service = _fedpar("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port",
+                                  str(fed.port), "--control-port", fed.control.rsplit(":", 1)[1], "--min-available",
+                                  "2", "--heartbeat", "1", log=fed.tmp / "serve.log")
+        last = max(planned)
+        _wait_for(lambda: store.get(last).status in ("finished", "failed", "stopped"), 240,
+                  f"the runs did not end after the restarts (seed {KILL_SEED}, kills {kills}: {history})")
+        _rounds_intact(store, f"at the end (seed {KILL_SEED}): {history}")
+        assert not [run for run in store.runs() if run.status == "running"]
+        for run_id, rounds in planned.items():
             run = store.get(run_id)
-            assert run.status == "finished", (seed, killed_at, run.reason)
-            assert [r["round"] for r in store.round_metrics(run_id)] == list(range(1, rounds + 1)), (seed, killed_at)
-            assert Path(run.model_path).is_file()
-        assert all(agent.poll() is None for agent in fed.agents)
-        assert "resumes from its last checkpoint" in (fed.tmp / "serve.log").read_text() \
-            or killed_at[first][0] == "finished"
+            assert (run.status, run.round) == ("finished", rounds), (KILL_SEED, history, run.reason)
+            names, arrays = load_final_model(Path(run.model_path))  # the model of its last round, as checkpointed
+            checkpoint = load_checkpoint(Path(run.out_dir) / "checkpoints")
+            assert checkpoint.round_id == rounds and names == checkpoint.names
+            assert all(np.array_equal(a, b) for a, b in zip(arrays, checkpoint.arrays))
+        resumed = [run_id for run_id in planned if any(h.get(run_id, ("",))[0] == "running" for h in history)]
+        lines = {run_id: [e for kind, _, e in store.timeline(run_id) if kind == "line"] for run_id in resumed}
+        assert all(any("resumes from its last checkpoint" in line for line in lines[r]) for r in resumed), lines
+        assert all(agent.poll() is None for agent in fed.agents)  # the same agents throughout
     finally:
         fed.close()
 
