@@ -269,6 +269,9 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
     except KeyboardInterrupt as exc:
         print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)
         return 0
+    except StoreError as exc:  # e.g. locked by another writer for longer than the busy timeout: nothing is lost
+        print(f"fedpar serve: {exc}; a run left running resumes at the next start", file=sys.stderr)
+        return 1
     finally:
         control.stop()
         service.observers.close()

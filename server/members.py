@@ -47,7 +47,7 @@ class Members:
         self._not_yet_told: set[str] = set()  # long-pollers live at the end not yet told that training is over
         self._changed = asyncio.Event()  # binds to the loop that first waits on it (the serving loop)
         self.needs_task: str | None = None  # a service's run: only agents declaring this task are sampled
-        self.on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
+        self._on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
         self._lacking: set[str] = set()  # agents that do not declare ``needs_task``
 
     # ----------------------------------------------------------------- joining and leaving
@@ -72,7 +72,7 @@ class Members:
         """Sample only agents that declare ``task``; ``on_lacking(agent_id, why)`` names each other one once: those
         of ``known`` (agent id -> the task it declared to an earlier coordinator) now, the others as they join.
         Called before the coordinator serves."""
-        self.needs_task, self.on_lacking = task, on_lacking
+        self.needs_task, self._on_lacking = task, on_lacking
         for agent_id, declared in sorted((known or {}).items()):
             self._check_task(agent_id, declared)
 
@@ -84,7 +84,7 @@ class Members:
         if agent_id not in self._lacking:
             self._lacking.add(agent_id)
             has = f"has task {task!r}" if task else "did not say which task it has (an older fedpar?)"
-            self.on_lacking(agent_id, f"agent {agent_id} is skipped: it {has}, this run needs {self.needs_task!r}")
+            self._on_lacking(agent_id, f"agent {agent_id} is skipped: it {has}, this run needs {self.needs_task!r}")
 
     def declared_tasks(self) -> dict[str, str | None]:
         """The task each live agent declared at Join (None: it did not say)."""
