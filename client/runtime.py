@@ -34,6 +34,7 @@ from fedpar.client.reconnect import Reconnecting
 from fedpar.client.round_modes import CompressedUpload, PlainUpload
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
+from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
                                     upload_header, upload_messages, upload_update)
 from fedpar.protocol import fedpar_pb2 as pb
@@ -251,8 +252,12 @@ class ClientRuntime:
             extra = {"max_steps": task.max_steps} if task.max_steps else {}  # the virtual clock's cap (a TaskTrainer's)
             if seat.trainer.reads_task_settings:  # e.g. a Flower client's fit config
                 extra["settings"] = settings
-            result = seat.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
-                                        proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)
+            try:
+                result = seat.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
+                                            proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)
+            except UpdateRefused as err:  # e.g. a Flower ClientApp's reply that cannot be an update
+                self._note_refusal(member, "train", err)
+                return True
         if result.examples == 0:
             log.warning("%s: no time left to train in round %d; skipping the upload", member, task.round)
             return True

@@ -16,6 +16,11 @@ from fedpar.protocol.task_settings import TaskSettings
 Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of one array of the model
 
 
+class UpdateRefused(Exception):
+    """A member's training that made no update the runtime may send (e.g. a Flower ClientApp's reply of the wrong
+    shape): the runtime notes the reason among the round's refusals and goes on without the update."""
+
+
 @runtime_checkable
 class Trainer(Protocol):
     """A member's local training, as the runtime drives it: Join declares ``framework`` and ``num_examples``; each
@@ -50,4 +55,4 @@ class Trainer(Protocol):
               round_id: int = 0, max_steps: int | None = None,
               settings: TaskSettings | None = None) -> TrainResult:
         """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``
-        (``settings``: the task's, passed when ``reads_task_settings``)."""
+        (``settings``: the task's, passed when ``reads_task_settings``); UpdateRefused when it made no update."""

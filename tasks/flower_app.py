@@ -1,0 +1,192 @@
+"""A Flower App project (the layout ``flwr new`` makes) as fedpar reads it: ``--flower-app DIR [--run-config ...]``.
+
+``DIR/pyproject.toml`` names the app's parts in ``[tool.flwr.app.components]`` (``serverapp`` and ``clientapp``,
+``package.module:attr`` references imported with DIR on ``sys.path``, as Flower's own loader does) and its run config
+in ``[tool.flwr.app.config]``, which ``--run-config 'key=value ...'`` overrides exactly as ``flwr run --run-config``
+does (Flower's own parser: TOML values, nested keys flattened with dots, unknown keys refused).
+
+When fedpar drives (``--strategy fedavg|...``) it needs what only the ServerApp's ``main`` would otherwise make, the
+initial arrays, and fedpar keeps that in a table of its own, ``[tool.fedpar]`` in the same pyproject:
+  * ``model = "package.module:factory"``: called with no arguments, it returns a ``torch.nn.Module`` (its
+    ``state_dict``, as ``ArrayRecord(model.state_dict())`` holds it) or an ``ArrayRecord``: the initial global arrays,
+    drawn under ``torch.manual_seed(--seed)``;
+  * ``train-examples = "package.module:fn"`` (optional): ``fn(partition_id, num_partitions)`` returns a member's
+    training-set size, which the coordinator learns when members join (it bounds the ``num-examples`` a reply may
+    claim, and secure aggregation's weight range); without it each member declares
+    :data:`UNKNOWN_TRAIN_EXAMPLES`.
+Flower ignores ``[tool.fedpar]``; the app still runs with ``flwr run`` unchanged.
+
+This module imports neither Flower nor torch until an app is loaded: the command line reads it to build its parsers.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpar.settings import setting
+
+UNKNOWN_TRAIN_EXAMPLES = 100_000  # a member's declared training-set size when [tool.fedpar] has no train-examples
+
+
+class FlowerAppError(ValueError):
+    """A Flower App fedpar cannot run as it is: one line saying what to do."""
+
+
+@dataclass
+class FlowerAppReference:
+    """Which Flower App a command runs: ``--flower-app DIR`` and its ``--run-config`` overrides (declared once here)."""
+
+    flower_app: str | None = setting(
+        None, group="data", metavar="DIR",
+        help="a Flower App project directory (pyproject.toml with [tool.flwr.app.components]): its ClientApp trains "
+             "the members; with --strategy, fedpar's strategy aggregates (the initial arrays come from "
+             "[tool.fedpar] model = 'module:factory'); needs pip install 'fedpar[flower]'")
+    run_config: str | None = setting(
+        None, group="data", metavar="'KEY=VALUE ...'",
+        help="with --flower-app: overrides of the app's [tool.flwr.app.config], as flwr run --run-config takes them "
+             "(TOML values, space-separated; or a .toml file)")
+
+
+@dataclass
+class FlowerApp:
+    """A loaded Flower App project: its directory, its run config (overrides applied), its component references,
+    the ``[tool.fedpar]`` table; the ClientApp and ServerApp are imported when first asked for."""
+
+    directory: Path
+    run_config: dict[str, Any]
+    clientapp_ref: str
+    serverapp_ref: str
+    fedpar_table: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def client_app(self):
+        """The ``flwr.clientapp.ClientApp`` the project names."""
+        from flwr.clientapp import ClientApp
+        return _component(self, self.clientapp_ref, "clientapp", ClientApp)
+
+    @cached_property
+    def server_app(self):
+        """The ``flwr.serverapp.ServerApp`` the project names."""
+        from flwr.serverapp import ServerApp
+        return _component(self, self.serverapp_ref, "serverapp", ServerApp)
+
+    def initial_arrays(self, seed: int = 0) -> list[tuple[str, np.ndarray]]:
+        """The initial global arrays, (name, array) in the ArrayRecord's order, from ``[tool.fedpar] model``."""
+        import torch
+        from flwr.app import ArrayRecord
+
+        factory = self._fedpar_reference("model", "a function returning the model (a torch.nn.Module) or an "
+                                                  "ArrayRecord of the initial arrays")
+        torch.manual_seed(seed)
+        try:
+            made = factory()
+            record = ArrayRecord(made.state_dict()) if isinstance(made, torch.nn.Module) else made
+        except Exception as exc:
+            raise FlowerAppError(f"{self.directory}: [tool.fedpar] model failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(record, ArrayRecord) or not len(record):
+            raise FlowerAppError(f"{self.directory}: [tool.fedpar] model must return a torch.nn.Module or a non-empty "
+                                 f"ArrayRecord, got {type(made).__name__}")
+        return [(name, np.ascontiguousarray(array.numpy())) for name, array in record.items()]
+
+    def train_examples(self, partition_id: int, num_partitions: int) -> int:
+        """Member ``partition_id``'s training-set size, from ``[tool.fedpar] train-examples``
+        (:data:`UNKNOWN_TRAIN_EXAMPLES` without it)."""
+        if "train-examples" not in self.fedpar_table:
+            return UNKNOWN_TRAIN_EXAMPLES
+        fn = self._fedpar_reference("train-examples", "a function (partition_id, num_partitions) -> int")
+        count = fn(int(partition_id), int(num_partitions))
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise FlowerAppError(f"{self.directory}: [tool.fedpar] train-examples must return a whole number >= 1, "
+                                 f"got {count!r}")
+        return int(count)
+
+    def _fedpar_reference(self, key: str, what: str):
+        """The callable ``[tool.fedpar] key`` names."""
+        ref = self.fedpar_table.get(key)
+        if not isinstance(ref, str):
+            raise FlowerAppError(f"{self.directory}/pyproject.toml has no [tool.fedpar] {key} = 'package.module:attr' "
+                                 f"({what}); add it so that fedpar can drive the app with its own strategy")
+        target = _load(self.directory, ref, f"[tool.fedpar] {key}")
+        if not callable(target):
+            raise FlowerAppError(f"{self.directory}: [tool.fedpar] {key} = {ref!r} is a {type(target).__name__}, not "
+                                 f"{what}")
+        return target
+
+
+def load_flower_app(directory: str | Path, run_config_overrides: str | None = None) -> FlowerApp:
+    """The Flower App project in ``directory``, its run config overridden by ``run_config_overrides`` (``flwr run
+    --run-config``'s text); FlowerAppError saying what to do for a project fedpar cannot read."""
+    folder = Path(directory).expanduser().resolve()
+    toml_path = folder / "pyproject.toml"
+    if not toml_path.is_file():
+        raise FlowerAppError(f"--flower-app {directory}: no pyproject.toml there; give the Flower App project's "
+                             "directory (flwr new makes one)")
+    try:
+        project = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise FlowerAppError(f"--flower-app {directory}: pyproject.toml cannot be read: {exc}") from None
+    app = project.get("tool", {}).get("flwr", {}).get("app", {})
+    components = app.get("components") if isinstance(app, dict) else None
+    if not isinstance(components, dict):
+        raise FlowerAppError(f"--flower-app {directory}: pyproject.toml has no [tool.flwr.app.components] table; add "
+                             "serverapp = 'package.module:app' and clientapp = 'package.module:app'")
+    refs = {}
+    for key in ("clientapp", "serverapp"):
+        ref = components.get(key)
+        if not isinstance(ref, str) or ":" not in ref:
+            raise FlowerAppError(f"--flower-app {directory}: [tool.flwr.app.components] needs {key} = "
+                                 f"'package.module:attr', got {ref!r}")
+        refs[key] = ref
+    fedpar_table = project.get("tool", {}).get("fedpar", {})
+    if not isinstance(fedpar_table, dict):
+        raise FlowerAppError(f"--flower-app {directory}: [tool.fedpar] must be a table")
+    return FlowerApp(folder, _run_config(folder, app.get("config", {}), run_config_overrides), refs["clientapp"],
+                     refs["serverapp"], dict(fedpar_table))
+
+
+def _run_config(folder: Path, defaults: Any, overrides: str | None) -> dict[str, Any]:
+    """The app's run config, flattened, with ``overrides`` fused in as ``flwr run`` does."""
+    try:
+        from flwr.common.config import flatten_dict, fuse_dicts, parse_config_args
+    except ImportError:
+        raise FlowerAppError("--flower-app needs Flower: pip install 'fedpar[flower]'") from None
+    try:
+        config = flatten_dict(defaults if isinstance(defaults, dict) else {})
+        if overrides and overrides.strip():
+            config = fuse_dicts(config, parse_config_args([overrides.strip()]))
+    except ValueError as exc:
+        raise FlowerAppError(f"--run-config: {exc} (the keys are those of [tool.flwr.app.config] in "
+                             f"{folder}/pyproject.toml)") from None
+    except Exception as exc:  # click.ClickException: a malformed override string
+        message = getattr(exc, "message", None) or str(exc)
+        raise FlowerAppError(f"--run-config: {message}") from None
+    return config
+
+
+def _load(folder: Path, ref: str, what: str) -> Any:
+    """The object ``ref`` names, imported with ``folder`` on sys.path (Flower's loader)."""
+    from flwr.supercore.object_ref import load_app
+
+    try:
+        return load_app(ref, FlowerAppError, folder)
+    except FlowerAppError as exc:
+        first_line = (str(exc).strip().splitlines() or ["cannot be loaded"])[0]
+        raise FlowerAppError(f"{folder}: {what} = {ref!r}: {first_line}") from None
+    except Exception as exc:  # the app's own import failing
+        raise FlowerAppError(f"{folder}: importing {what} = {ref!r} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _component(app: FlowerApp, ref: str, key: str, kind: type) -> Any:
+    """Component ``key`` of ``app``, checked to be a ``kind``."""
+    found = _load(app.directory, ref, f"[tool.flwr.app.components] {key}")
+    if not isinstance(found, kind):
+        raise FlowerAppError(f"{app.directory}: [tool.flwr.app.components] {key} = {ref!r} is a "
+                             f"{type(found).__name__}, not a {kind.__module__}.{kind.__name__}")
+    return found
+
