@@ -23,13 +23,14 @@ from fedpar.parallel.stopping import die_with_parent
 from fedpar.sections import Seeded
 from fedpar.simulations.config import Population
 from fedpar.task import Partition, Task, TaskReference
+from fedpar.tasks.flower_app import FlowerAppReference, load_flower_app
 from fedpar.tasks.reference import load_task
 from fedpar.tasks.zoo import classifier_for
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass(kw_only=True)
-class WorkerConfig(Precision, Device, Population, TaskReference, Partitioning, DataFiles, DataSource, Seeded):
+class WorkerConfig(Precision, Device, Population, FlowerAppReference, TaskReference, Partitioning, DataFiles, DataSource, Seeded):
     """What one worker process needs to host its slice of the population: the simulation's sections it uses, as
     the simulation holds them (``device``: this worker's, e.g. "cuda:1"; the runner deals workers over the GPUs)."""
 
@@ -62,8 +63,14 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
     flush_denormals()
     logging.basicConfig(level=min(cfg.log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("fedpar").setLevel(cfg.log_level)
-    task = worker_task(cfg, splits)
     tls = client_tls_files(cfg.population.host_id, cfg.certs_dir) if cfg.certs_dir else None
+    if cfg.flower_app:  # the app's ClientApp trains the members (simulations/flower_app_members.py)
+        from fedpar.simulations.flower_app_members import FlowerAppMembers
+        members = FlowerAppMembers(cfg.population, load_flower_app(cfg.flower_app, cfg.run_config),
+                                   cfg.partition_of, cfg.seed, cfg.trace_day_seconds)
+        return host_population(cfg.server, cfg.population, None, cfg.partition_of, cfg.seed, cfg.seats,
+                               cfg.poll_seconds, give_up_after=60.0, tls=tls, members=members).run()
+    task = worker_task(cfg, splits)
     return host_population(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
                            cfg.poll_seconds, cfg.device, cfg.precision, cfg.trace_day_seconds, give_up_after=60.0,
                            tls=tls, client_batching=cfg.client_batching).run()

@@ -14,6 +14,7 @@ from fedpar.server.config import (AccuracyTarget, AggregatorRanks, RoundClock, R
                                   StrategyChoice)
 from fedpar.settings import flag_of, redefault, setting
 from fedpar.task import TaskReference
+from fedpar.tasks.flower_app import FlowerAppReference
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Population:
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass
 class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, RoundClock, SecureAggregation,
-                       AggregatorRanks, StrategyChoice, TaskReference, Seeded, Partitioning, DataFiles, DataSource,
+                       AggregatorRanks, StrategyChoice, FlowerAppReference, TaskReference, Seeded, Partitioning, DataFiles, DataSource,
                        LocalTraining, RoundSampling):
     """One simulated federation: data, model, rounds, and how heterogeneous the clients are."""
 

@@ -37,6 +37,7 @@ from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
 from fedpar.task import Partition, Task
+from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 from fedpar.tasks.reference import load_task
 from fedpar.datasets.clientdata import label_counts, label_skew, resolve_partition
 from fedpar.datasets.members import MemberSource, member_source
@@ -134,6 +135,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_population_fits(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
+    flower_app = _flower_app(cfg)
     check_client_batching(cfg, task)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the workers start, not after the last round.
@@ -146,7 +148,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     workers = cfg.workers  # at most one per client (settled)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
-    preload = None if cfg.task else cfg.dataset  # a task's worker loads the task instead
+    preload = None if cfg.task or flower_app else cfg.dataset  # a task's worker loads the task instead
     procs = [ctx.Process(target=run_worker_process, name=f"fedpar-worker-{w}", args=(recv, preload, cfg.data_dir),
                          daemon=True) for w, (recv, _) in enumerate(pipes)]
     with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
@@ -157,7 +159,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     try:
         summary = _run(cfg, strategy, task, on_round, started, out, procs, [send for _, send in pipes], on_server,
-                       on_progress)
+                       on_progress, flower_app)
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
@@ -174,10 +176,33 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                 p.terminate()
 
 
+def _flower_app(cfg: SimulationConfig) -> FlowerApp | None:
+    """The ``--flower-app`` project, loaded (its ClientApp imported: its mistakes show before anything starts), or
+    None; ValueError for settings that cannot go with it."""
+    if not cfg.flower_app:
+        if cfg.run_config:
+            raise ValueError("--run-config needs --flower-app")
+        return None
+    if cfg.task:
+        raise ValueError("--flower-app and --task both say what the clients train; give one")
+    if cfg.client_batching:
+        raise ValueError("--client-batching stacks fedpar's own local loop; a Flower App trains in its ClientApp: "
+                         "drop --client-batching")
+    app = load_flower_app(cfg.flower_app, cfg.run_config)
+    app.client_app  # noqa: B018 (imported now: a broken app is said here, once)
+    return app
+
+
 def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: Path | None, procs, pipes,
-         on_server=None, on_progress=None) -> dict:
+         on_server=None, on_progress=None, flower_app: FlowerApp | None = None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
-    if task is not None:
+    if flower_app is not None:  # the ClientApp loads its own data; fedpar's strategy starts from the app's arrays
+        splits, members = None, None
+        initial = flower_app.initial_arrays(cfg.seed)
+        assembly = CoordinatorAssembly([name for name, _ in initial], [array for _, array in initial],
+                                       description={"flower_app": str(flower_app.directory),
+                                                    "run_config": flower_app.run_config})
+    elif task is not None:
         splits, members = None, None  # the task's client_data gives each client its share
         assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))
     else:
@@ -255,7 +280,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
              **({"interrupted": True} if stopped_by is not None else {})}
     if not out:
         return {**server.coordinator.metrics.summary.result(), **extra, "written": []}
-    what = cfg.task or f"{cfg.dataset} / {cfg.model}"
+    what = cfg.flower_app or cfg.task or f"{cfg.dataset} / {cfg.model}"
     more_plots = {} if splits is None else {"labels.png": functools.partial(  # a task's labels are its own
         _plot_labels, _member_labels(members, LABEL_PLOT_CLIENTS), splits.num_classes,
         f"{cfg.partition}: labels of the first {min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")}

@@ -1,0 +1,52 @@
+"""A simulated population whose members train with a Flower App's ClientApp (``simulate --flower-app DIR``).
+
+The population machinery is :class:`~fedpar.simulations.population.PopulationMembers`' (ids, drop-outs, traces, the
+virtual clock); what differs is what a seat is: a :class:`~fedpar.client.flower_app_member.FlowerAppTrainer`, which
+calls the ClientApp as member ``i`` (partition ``i`` of the population, the run config, the member's own
+``Context.state``, kept in one bounded store per worker process). The ClientApp loads its own data: fedpar knows a
+member's training-set size only from ``[tool.fedpar] train-examples`` (tasks/flower_app.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fedpar.client.flower_app_member import FlowerAppTrainer, MemberStates
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.simulations.population import PopulationMembers, PopulationSlice, client_id
+from fedpar.simulations.traces import DAY_SECONDS
+from fedpar.task import ClientData, Partition
+from fedpar.tasks.flower_app import FlowerApp
+
+
+class FlowerAppMembers(PopulationMembers):
+    """The member source of a worker hosting ``population`` with ``app``'s ClientApp (``seed``: the initial arrays'
+    draw, the same as the coordinator's)."""
+
+    def __init__(self, population: PopulationSlice, app: FlowerApp, partition_of: Callable[[int, str], Partition],
+                 seed: int, day_seconds: float = DAY_SECONDS, states: MemberStates | None = None):
+        self.app = app
+        self.initial = app.initial_arrays(seed)
+        self.states = states if states is not None else MemberStates()
+        super().__init__(population, None, partition_of, seed, day_seconds=day_seconds)
+
+    def member_data(self, i: int) -> ClientData:
+        """Member ``i``'s training-set size, as a range of that length (the ClientApp reads its own data)."""
+        partition = self._partition(i)
+        return ClientData(range(self.app.train_examples(partition.index, partition.count)))
+
+    def seat_trainers(self, seats: int) -> list:
+        """``seats`` trainers over the app's ClientApp, sharing this process's member states."""
+        if not len(self.pop):
+            return []
+        return [FlowerAppTrainer(self.app.client_app, self.app.run_config, self.initial, self.states)
+                for _ in range(seats)]
+
+    def assign(self, trainer, i: int, task: pb.TrainTask) -> None:
+        """Call the ClientApp as member ``i`` (its node, partition and state)."""
+        partition = self._partition(i)
+        trainer.use_member(self.member_id(i), partition.index, partition.count, self.train_size(i))
+
+    def _partition(self, i: int) -> Partition:
+        number = int(self.pop.numbers[i])
+        return self.partition_of(number, client_id(number))
