@@ -91,15 +91,16 @@ def _flower_name(name: str) -> bool:
 
 
 def _flower_module():
-    """aggregation/flower_strategy.py, which needs Flower: a one-line ValueError when flwr is not installed."""
+    """aggregation/flower_message_strategy.py (Message-API strategies; legacy ones it hands to
+    aggregation/flower_strategy.py), which needs Flower: a one-line ValueError when flwr is not installed."""
     try:
-        from fedpar.aggregation import flower_strategy
+        from fedpar.aggregation import flower_message_strategy
     except ImportError as exc:
         if (exc.name or "").split(".")[0] != "flwr":
             raise
         raise ValueError("--strategy flower:... runs a Flower strategy and needs Flower: "
                          "pip install 'fedpar[flower]'") from None
-    return flower_strategy
+    return flower_message_strategy
 
 
 def strategy_options_help() -> str:

@@ -21,6 +21,7 @@ from fedpar.parallel.config import ConfigurationError, Device, Precision
 from fedpar.sections import Seeded
 from fedpar.settings import setting
 from fedpar.task import TaskReference
+from fedpar.tasks.flower_app import FlowerAppReference
 
 
 @dataclass
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_declared(p, DataSource)
     add_declared(p, DataFiles)
     add_declared(p, TaskReference)
+    add_declared(p, FlowerAppReference)
     add_declared(p, Partitioning)
     add_declared(p, Seeded)
     add_declared(p, AgentOptions, skip=("agent_id", "poll_seconds", "no_data_plane"))
@@ -81,6 +83,21 @@ def flower_trainer(args: argparse.Namespace, model):
     return FlowerTrainer(load_flower_client(args.flower_client, context), weight_specs(model), args.flower_examples)
 
 
+def flower_app_trainer(args: argparse.Namespace):
+    """The trainer around the ClientApp of the Flower App ``--flower-app`` names, as this agent's member (its
+    partition, the app's run config; its arrays are the app's [tool.fedpar] model's)."""
+    from fedpar.client.flower_app_member import FlowerAppTrainer
+    from fedpar.tasks.flower_app import load_flower_app
+
+    if args.flower_client or args.task:
+        raise ValueError("--flower-app says what this agent trains: drop --flower-client and --task")
+    app = load_flower_app(args.flower_app, args.run_config)
+    trainer = FlowerAppTrainer(app.client_app, app.run_config, app.initial_arrays(args.seed))
+    trainer.use_member(args.agent_id, args.partition_index, args.num_partitions,
+                       app.train_examples(args.partition_index, args.num_partitions))
+    return trainer
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the agent until the coordinator says shutdown."""
     import torch
@@ -97,9 +114,12 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.partition_index < args.num_partitions:
         print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
         return 2
-    if args.flower_client and wants_engine(args):
-        print("fedpar client: --flower-client trains with the Flower client's own code; --nproc and the engine "
-              "options are for fedpar's trainer", file=sys.stderr)
+    if args.run_config and not args.flower_app:
+        print("fedpar client: --run-config needs --flower-app", file=sys.stderr)
+        return 2
+    if (args.flower_client or args.flower_app) and wants_engine(args):
+        print("fedpar client: --flower-client and --flower-app train with the Flower client's own code; --nproc "
+              "and the engine options are for fedpar's trainer", file=sys.stderr)
         return 2
     if wants_engine(args):
         return run_engine(args)
@@ -107,18 +127,21 @@ def run(args: argparse.Namespace) -> int:
         check_device_layout(args.device)
         device = resolve_device(args.device)
         security = client_security(args)
-        task = agent_task(args)
-        if args.flower_client:  # its arrays are checked against the task's model
+        if args.flower_app:  # the ClientApp loads its own data; its arrays are the app's model's
+            task, trainer = None, flower_app_trainer(args)
+        elif args.flower_client:  # its arrays are checked against the task's model
+            task = agent_task(args)
             trainer = flower_trainer(args, task.model())
         else:
+            task = agent_task(args)
             trainer = TaskTrainer(task, task.client_data(agent_partition(args)), seed=args.seed, device=device,
                                   precision=args.precision)
     except (ConfigurationError, ValueError) as exc:  # a task's mistakes too (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     agent = Agent(agent_config(args, security), trainer)
-    where = f"Flower client {args.flower_client}" if args.flower_client else \
-        f"{trainer.num_examples} training examples of {task.name} on {device}"
+    where = f"Flower App {args.flower_app}" if args.flower_app else f"Flower client {args.flower_client}" \
+        if args.flower_client else f"{trainer.num_examples} training examples of {task.name} on {device}"
     print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)
     try:
         stats = agent.run()

@@ -9,7 +9,7 @@ apply):
     ``lr``, ``local-epochs``, ``batch-size``, ``deadline-seconds`` (seconds the handler may take before the update
     must go up), ``proximal-mu`` when FedProx asks for it, ``max-steps`` when capped, and the config a Flower
     strategy's ``configure_train`` made (``--strategy flower:...``);
-  * the Context is the member's: ``node_id`` (:func:`node_id_of`), ``node_config`` ``partition-id`` /
+  * the Context is the member's: ``node_id`` (protocol/flower_nodes.py), ``node_config`` ``partition-id`` /
     ``num-partitions``, the app's ``run_config``, and a ``state`` RecordDict that persists across the member's
     rounds (:class:`MemberStates`).
 A reply that cannot be an update is refused with its reason (:class:`~fedpar.client.trainer_protocol.UpdateRefused`):
@@ -36,19 +36,14 @@ from fedpar.client.local_sgd import TrainResult
 from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.models.evaluation import EvalResult
 from fedpar.protocol.codec import CodecError, ModelLayout
+from fedpar.protocol.flower_nodes import SERVER_NODE_ID, node_id_of
 from fedpar.protocol.task_settings import TaskSettings
 
 log = logging.getLogger("fedpar.client")
 Spec = tuple[str, str, tuple[int, ...]]
 MEMBER_STATES = 4096  # members whose Context.state a process keeps (least recently trained forgotten first)
-SERVER_NODE_ID = 1  # the sender of the messages a node gets, as in Flower (its SuperLink's node id)
 MESSAGE_TTL = 43_200.0  # seconds: Flower's default time-to-live of a message
 WEIGHT_KEY = "num-examples"  # the MetricRecord entry that weighs an update, as Flower's strategies read it
-
-
-def node_id_of(member_id: str) -> int:
-    """The Flower node id of fedpar member ``member_id``: a stable 63-bit hash of its id (never 0)."""
-    return int.from_bytes(hashlib.blake2b(member_id.encode(), digest_size=8).digest(), "big") >> 1 or 1
 
 
 class MemberStates:

@@ -1,0 +1,243 @@
+"""A Flower Message-API strategy (``flwr.serverapp.strategy``: FedAvg, FedAdam, FedProx, FedMedian, Krum, ...) run
+in fedpar's round loop: ``--strategy flower:FedAvg`` (a class of ``flwr.serverapp.strategy``, by name) or
+``--strategy flower:package.module:Class`` (your subclass of ``flwr.serverapp.strategy.Strategy``). A class of the
+legacy ``flwr.server.strategy`` goes to aggregation/flower_strategy.py, as before.
+
+What runs, as the strategy's own ``start`` would run it, round by round:
+  * the class is built with its ``--strategy-option`` values;
+  * ``configure_train(round, ArrayRecord(global arrays), ConfigRecord(), grid)`` at the start of each round (FedOpt
+    strategies keep the global arrays it is given): the config of its messages is what fedpar sends every member,
+    ``proximal-mu`` (FedProx) as fedpar's own FedProx setting, the rest as the task's config (a ClientApp gets it
+    in its ConfigRecord, a legacy Flower client in ``fit``'s config). The grid it is given only lists placeholder
+    nodes: fedpar's sampler picks the cohort, with its deadline and over-selection;
+  * ``aggregate_train(round, replies)`` at the close, on one reply Message per accepted upload, its content
+    ``{"arrays": ArrayRecord, "metrics": MetricRecord({weighted_by_key: examples})}`` (the member's new arrays and
+    the example count it claimed). A refused or late upload never reaches the strategy. An answer without arrays
+    keeps the global model.
+Refused in one line: the options that size the strategy's own node sample (``fraction_train``, ``min_train_nodes``,
+``min_available_nodes``, ``fraction_evaluate``, ``min_evaluate_nodes``): fedpar's ``--clients-per-round``,
+``--overselect`` and ``--min-available`` say who trains. Not called: ``configure_evaluate`` /
+``aggregate_evaluate`` (members evaluate the global model in every task and the coordinator averages their metrics
+itself) and ``start`` (fedpar's loop is the one that runs).
+
+Memory and rank hand-offs are as for the legacy adapter (every update of a round is held until the close).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, Metadata, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy as MessageBase
+
+from fedpar.aggregation import flower_strategy as legacy
+from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.options import typed_options
+from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem
+from fedpar.models.references import load_reference
+from fedpar.protocol.flower_nodes import SERVER_NODE_ID, node_id_of
+from fedpar.protocol.task_settings import TaskSettings
+
+log = logging.getLogger("fedpar.aggregation")
+FLOWER_STRATEGIES = "flwr.serverapp.strategy"  # where a bare class name (flower:FedAvg) is looked up
+SAMPLING_OPTIONS = {
+    "fraction_train": "--clients-per-round (or --fraction)",
+    "min_train_nodes": "--clients-per-round and --min-reports",
+    "min_available_nodes": "--min-available",
+    "fraction_evaluate": "nothing (members evaluate the global model in every task)",
+    "min_evaluate_nodes": "nothing (members evaluate the global model in every task)",
+}
+
+
+def flower_class(name: str) -> type:
+    """The Flower strategy class ``flower:NAME`` (a class of flwr.serverapp.strategy) or ``flower:REFERENCE``
+    names: a Message-API or a legacy one; ValueError unless it is one."""
+    ref = name.strip()[len(FLOWER_PREFIX):]
+    if ":" not in ref:
+        import flwr.serverapp.strategy as strategies
+        cls = getattr(strategies, ref, None)
+        if not (isinstance(cls, type) and issubclass(cls, MessageBase)) or cls is MessageBase:
+            known = sorted(n for n in dir(strategies) if isinstance(getattr(strategies, n), type)
+                           and issubclass(getattr(strategies, n), MessageBase) and n != "Strategy")
+            raise ValueError(f"flower:{ref} is not a strategy of {FLOWER_STRATEGIES}; choose one of "
+                             f"{', '.join(known)}, or give package.module:Class")
+        return cls
+    cls = load_reference(ref, "Flower strategy class")
+    if isinstance(cls, type) and issubclass(cls, MessageBase):
+        return cls
+    return legacy.flower_class(name)
+
+
+def is_message_api(cls: type) -> bool:
+    """Whether ``cls`` is a Message-API strategy (flwr.serverapp.strategy.Strategy)."""
+    return isinstance(cls, type) and issubclass(cls, MessageBase)
+
+
+def flower_options(name: str, cls: type, raw: dict[str, Any], from_text: bool) -> dict[str, Any]:
+    """``raw`` as typed constructor options of ``cls``; the options of the strategy's own node sampling refused."""
+    if not is_message_api(cls):
+        return legacy.flower_options(name, cls, raw, from_text)
+    options = typed_options(name, cls, raw, from_text=from_text)
+    for key in options:
+        if key in SAMPLING_OPTIONS:
+            raise ValueError(f"option {key!r} of {name} sizes the strategy's own node sample, which fedpar's sampler "
+                             f"(with its deadline) replaces; leave it out and use {SAMPLING_OPTIONS[key]}")
+    return options
+
+
+def build_flower_strategy(name: str, **options: Any):
+    """The adapter around ``flower:...`` with constructor ``options`` (ValueError naming what is wrong)."""
+    cls = flower_class(name)
+    if not is_message_api(cls):
+        return legacy.build_flower_strategy(name, **options)
+    return FlowerMessageStrategy(cls, name=name.strip(), **flower_options(name, cls, options, from_text=False))
+
+
+class FlowerMessageStrategy(legacy.FlowerStrategy):
+    """A Message-API Flower strategy (a class, built at the first round, or an instance) as a fedpar strategy: the
+    round's results are held as reply Messages (the legacy adapter holds FitRes)."""
+
+    def _strategy(self, global_weights: Sequence[np.ndarray]) -> MessageBase:
+        """The Flower strategy, built on first use (its saved array attributes restored)."""
+        if self._flower is None:
+            self._flower = self._factory(**self._options)
+        if self._pending_state is not None:
+            legacy._restore_arrays(self._flower, *self._pending_state)
+            self._pending_state = None
+        return self._flower
+
+    def client_config(self, round_id: int) -> TaskSettings:
+        """``configure_train``'s message config for this round: ``proximal-mu`` as fedpar's own, the rest (less the
+        ``server-round`` every member gets anyway) as the task's config."""
+        assert self._global is not None, "client_config is asked after begin_round"
+        strategy = self._strategy(self._global)
+        _identify_as_server()
+        with _quiet_flower():  # its "Sampled N nodes" lines speak of the placeholder grid
+            messages = list(strategy.configure_train(round_id, self._record(self._global), ConfigRecord(),
+                                                     _PlaceholderGrid(strategy)))
+        if not messages:
+            raise ValueError(f"{self.name}: configure_train sent no messages (fraction_train 0?); fedpar's sampler "
+                             "picks who trains")
+        records = messages[0].content.config_records
+        config = dict(next(iter(records.values()))) if records else {}
+        config.pop("server-round", None)
+        mu = config.pop("proximal-mu", None)
+        for key, value in config.items():
+            if not isinstance(value, (bool, int, float, str)):
+                raise ValueError(f"{self.name}: configure_train's config {key!r} is a {type(value).__name__}; fedpar "
+                                 "sends bool, int, float and str values to its members")
+        return TaskSettings(proximal_mu=mu, fit_config=config or None)
+
+    def _record(self, arrays: Sequence[np.ndarray]) -> ArrayRecord:
+        """``arrays`` as an ArrayRecord named as the global model's (its names are its positions: fedpar's strategies
+        see arrays in the model's order)."""
+        return ArrayRecord({str(i): Array(np.asarray(a)) for i, a in enumerate(arrays)})
+
+    def _reset_round(self, shapes: ShapesAndDtypes) -> None:
+        """No replies yet."""
+        self._results = []
+
+    def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
+        """The checked update as a reply Message (one model copy, kept until the close)."""
+        assert self._shapes is not None
+        arrays = self._shapes.check(update, who)
+        if not known_finite and not all(all_finite(a) for a in arrays):
+            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
+            raise ValueError(f"{who}: num_examples must be a whole number >= 0, got {num_examples!r}")
+        client = getattr(self._who, "client_id", "") or str(len(self._results))
+        weight_key = getattr(self._flower, "weighted_by_key", "num-examples") if self._flower else "num-examples"
+        content = RecordDict({"arrays": self._record(arrays), "metrics": MetricRecord({weight_key: int(num_examples)})})
+        with self._lock:
+            self._results.append((client, Message(content=content, metadata=_reply_metadata(client, self.round_id))))
+
+    def handoff(self) -> list[FoldItem]:
+        """Every reply held: rank 0's strategy aggregates them all (server/ranks/)."""
+        return [FoldItem(_arrays_of(reply), _weight_of(reply), client) for client, reply in self._results]
+
+    def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
+        """``aggregate_train`` on the round's replies; an answer without arrays keeps ``global_weights``."""
+        strategy = self._strategy(global_weights)
+        replies = [reply for _, reply in self._results]
+        total = float(sum(_weight_of(reply) for reply in replies))
+        with _quiet_flower():
+            arrays, flower_metrics = strategy.aggregate_train(self.round_id, replies)
+        metrics = {"num_examples": total, **legacy._numeric(dict(flower_metrics or {}))}
+        if arrays is None:
+            log.warning("round %d: %s.aggregate_train returned no arrays; the global model stays", self.round_id,
+                        type(strategy).__name__)
+            return list(global_weights), metrics
+        new = [arrays[key].numpy() for key in arrays]
+        if len(new) == len(global_weights):  # a wrong count is the coordinator's to refuse, naming the layout
+            new = [cast_like(a, g.dtype) if a.dtype != g.dtype and a.shape == g.shape and a.dtype.kind == "f" else a
+                   for a, g in zip(new, global_weights)]
+        return new, metrics
+
+
+@contextlib.contextmanager
+def _quiet_flower():
+    """Flower's INFO lines off for the span (fedpar's round table says what happened); warnings still show."""
+    flower_log = logging.getLogger("flwr")
+    level = flower_log.level
+    flower_log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        flower_log.setLevel(level)
+
+
+def _identify_as_server() -> None:
+    """Say, as Flower's ServerApp runtime does, which run and node this process's messages come from (a strategy's
+    ``configure_train`` builds messages), unless something in the process has said so already."""
+    from flwr.supercore.task_identity import TaskIdentity
+    try:
+        TaskIdentity.run_id
+    except RuntimeError:
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 0, SERVER_NODE_ID
+
+
+def _arrays_of(reply: Message) -> list[np.ndarray]:
+    """The arrays of a reply held by the adapter."""
+    return [a.numpy() for a in reply.content["arrays"].values()]
+
+
+def _weight_of(reply: Message) -> int:
+    """The example count a reply held by the adapter carries."""
+    return int(next(iter(reply.content["metrics"].values())))
+
+
+def _reply_metadata(client_id: str, round_id: int) -> Metadata:
+    """Metadata of a member's reply as the ServerApp gets it (from the member's node, in the round's group)."""
+    return Metadata(run_id=0, message_id=f"{round_id}:{client_id}", src_node_id=node_id_of(client_id),
+                    dst_node_id=SERVER_NODE_ID, reply_to_message_id="", group_id=str(round_id),
+                    created_at=time.time(), ttl=43_200.0, message_type="train")
+
+
+class _PlaceholderGrid(Grid):
+    """What ``configure_train`` samples from: as many placeholder nodes as the strategy wants to see (fedpar's
+    sampler picks the real cohort); every other call is refused."""
+
+    def __init__(self, strategy: MessageBase) -> None:
+        wanted = [getattr(strategy, k, 1) for k in ("min_available_nodes", "min_train_nodes")]
+        self._nodes = list(range(2, 2 + max([1] + [int(w) for w in wanted if isinstance(w, (int, float))])))
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The placeholder nodes."""
+        return list(self._nodes)
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError("fedpar's coordinator sends the messages itself; a Flower strategy run in "
+                                  "fedpar's loop only configures and aggregates")
+
+    set_run = create_message = push_messages = pull_messages = send_and_receive = _refuse
+
+    @property
+    def run(self):
+        """Refused (see :meth:`_refuse`)."""
+        return self._refuse()
