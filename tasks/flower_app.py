@@ -187,6 +187,6 @@ def _component(app: FlowerApp, ref: str, key: str, kind: type) -> Any:
     found = _load(app.directory, ref, f"[tool.flwr.app.components] {key}")
     if not isinstance(found, kind):
         raise FlowerAppError(f"{app.directory}: [tool.flwr.app.components] {key} = {ref!r} is a "
-                             f"{type(found).__name__}, not a {kind.__module__}.{kind.__name__}")
+                             f"{type(found).__name__}, not a {kind.__module__.rpartition('.')[0]}.{kind.__name__}")
     return found
 

@@ -1,0 +1,109 @@
+"""A Flower App project as `--flower-app DIR` reads it: components and run config from its pyproject.toml, run-config
+overrides parsed as `flwr run --run-config` parses them, and a project fedpar cannot read refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from fedpar.cli.main import main  # noqa: E402
+from fedpar.tasks.flower_app import UNKNOWN_TRAIN_EXAMPLES, FlowerAppError, load_flower_app  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower_app"
+PYPROJECT = """
+[tool.flwr.app.components]
+serverapp = "{package}.server_app:app"
+clientapp = "{package}.client_app:app"
+
+[tool.flwr.app.config]
+num-server-rounds = 3
+lr = 0.1
+nested.depth = 2
+"""
+
+
+def project(root: Path, package: str, pyproject: str = PYPROJECT, client_app: str = "app = ClientApp()\n") -> Path:
+    """A Flower App project under ``root``, its package ``package`` holding ``client_app`` (and an empty ServerApp)."""
+    (root / package).mkdir(parents=True)
+    (root / "pyproject.toml").write_text(pyproject.format(package=package))
+    (root / package / "__init__.py").write_text("")
+    (root / package / "client_app.py").write_text("from flwr.clientapp import ClientApp\n" + client_app)
+    (root / package / "server_app.py").write_text("from flwr.serverapp import ServerApp\napp = ServerApp()\n")
+    return root
+
+
+def test_the_examples_components_run_config_and_fedpar_table_are_read():
+    app = load_flower_app(EXAMPLE, "lr=0.5 local-epochs=2")
+    assert app.run_config == {"num-server-rounds": 3, "fraction-train": 1.0, "local-epochs": 2, "lr": 0.5,
+                              "batch-size": 32}
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+    assert isinstance(app.client_app, ClientApp) and isinstance(app.server_app, ServerApp)
+    names = [name for name, _ in app.initial_arrays(0)]
+    assert names == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    first, again = app.initial_arrays(0), app.initial_arrays(0)
+    assert all((a == b).all() for (_, a), (_, b) in zip(first, again))  # drawn from the seed
+    assert app.train_examples(0, 4) == 288
+
+
+def test_overrides_follow_flwr_run_nested_keys_quoted_strings_and_a_toml_file(tmp_path):
+    root = project(tmp_path / "p", "pkg_overrides")
+    app = load_flower_app(root, "nested.depth=5 lr=0.01")
+    assert app.run_config == {"num-server-rounds": 3, "lr": 0.01, "nested.depth": 5}
+    overrides = tmp_path / "over.toml"
+    overrides.write_text("num-server-rounds = 7\n")
+    assert load_flower_app(root, str(overrides)).run_config["num-server-rounds"] == 7
+    assert load_flower_app(root, None).run_config["lr"] == 0.1
+    assert load_flower_app(root, None).train_examples(0, 2) == UNKNOWN_TRAIN_EXAMPLES  # no [tool.fedpar] key
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("no-pyproject", "no pyproject.toml there"),
+    ("no-components", "has no [tool.flwr.app.components] table"),
+    ("no-clientapp", "needs clientapp = 'package.module:attr'"),
+    ("unknown-override", "Key 'epochs' is not present"),
+    ("malformed-override", "--run-config: The provided configuration string is in an invalid format"),
+    ("missing-module", "importing [tool.flwr.app.components] clientapp"),
+    ("missing-attribute", "Unable to load attribute nothing"),
+    ("not-a-clientapp", "is a int, not a flwr.clientapp.ClientApp"),
+    ("no-model", "no [tool.fedpar] model = 'package.module:attr'"),
+])
+def test_a_project_fedpar_cannot_run_is_refused_in_one_line(tmp_path, breakage, message):
+    package = f"pkg_{breakage.replace('-', '_')}"
+    text, overrides, client_app = PYPROJECT, None, "app = ClientApp()\n"
+    if breakage == "no-components":
+        text = "[tool.flwr.app.config]\nlr = 0.1\n"
+    elif breakage == "no-clientapp":
+        text = PYPROJECT.replace('clientapp = "{package}.client_app:app"', "")
+    elif breakage == "unknown-override":
+        overrides = "epochs=3"
+    elif breakage == "malformed-override":
+        overrides = "lr=[1"
+    elif breakage == "missing-module":
+        text = PYPROJECT.replace("{package}.client_app:app", "{package}.nowhere:app")
+    elif breakage == "missing-attribute":
+        text = PYPROJECT.replace("{package}.client_app:app", "{package}.client_app:nothing")
+    elif breakage == "not-a-clientapp":
+        client_app = "app = 3\n"
+    root = project(tmp_path / "p", package, text, client_app)
+    if breakage == "no-pyproject":
+        (root / "pyproject.toml").unlink()
+    with pytest.raises(FlowerAppError) as caught:
+        app = load_flower_app(root, overrides)
+        app.client_app  # noqa: B018
+        app.initial_arrays(0)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_simulate_and_client_say_a_bad_project_in_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["simulate", "--flower-app", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedpar simulate: --flower-app") and "no pyproject.toml" in err and "\n" not in err
+    assert main(["client", "--insecure", "--agent-id", "a", "--flower-app", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedpar client: --flower-app") and "\n" not in err
+    assert main(["client", "--insecure", "--agent-id", "a", "--run-config", "lr=1"]) == 2
+    assert capsys.readouterr().err.strip() == "fedpar client: --run-config needs --flower-app"

@@ -1,0 +1,169 @@
+"""A Flower ClientApp as the trainer of fedpar's members: called with a proper Message and Context (partition,
+run config, a state that persists across the member's rounds), and each reply that cannot be an update refused with
+its reason, noted by the client runtime, the run going on (real coordinator, loopback gRPC)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from fedpar.aggregation import build_strategy  # noqa: E402
+from fedpar.client.agent import Agent, AgentConfig  # noqa: E402
+from fedpar.client.flower_app_member import FlowerAppTrainer, MemberStates  # noqa: E402
+from fedpar.client.trainer_protocol import Trainer, UpdateRefused  # noqa: E402
+from fedpar.protocol.flower_nodes import node_id_of  # noqa: E402
+from fedpar.server.assembly import CoordinatorAssembly  # noqa: E402
+from fedpar.server.config import CoordinatorConfig  # noqa: E402
+
+INITIAL = [("w", np.zeros((3, 2), np.float32)), ("b", np.zeros(2, np.float32))]
+
+
+def reply(msg: Message, arrays: dict | None = None, metrics: dict | None = None) -> Message:
+    """A reply to ``msg`` carrying ``arrays`` (name -> ndarray) and ``metrics``."""
+    content = RecordDict()
+    if arrays is not None:
+        content["arrays"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+    if metrics is not None:
+        content["metrics"] = MetricRecord(metrics)
+    return Message(content=content, reply_to=msg)
+
+
+def plus_one_app(seen: list | None = None) -> ClientApp:
+    """A ClientApp adding 1 to every array; it counts its rounds in its Context.state and records what it gets."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        counter = context.state.get("counter", MetricRecord({"rounds": 0}))
+        counter["rounds"] = int(counter["rounds"]) + 1
+        context.state["counter"] = counter
+        if seen is not None:
+            seen.append((msg.metadata.message_type, msg.metadata.group_id, msg.metadata.dst_node_id,
+                         dict(context.node_config), dict(context.run_config), dict(msg.content["config"]),
+                         int(counter["rounds"])))
+        arrays = {k: a.numpy() + 1 for k, a in msg.content["arrays"].items()}
+        return reply(msg, arrays, {"num-examples": 10, "train_loss": 0.5, "rounds": int(counter["rounds"])})
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return reply(msg, None, {"eval_loss": 1.5, "eval_acc": 0.25, "num-examples": 4})
+
+    return app
+
+
+def test_members_get_their_partition_run_config_and_a_state_that_persists_across_rounds():
+    seen = []
+    states = MemberStates(capacity=2)
+    trainer = FlowerAppTrainer(plus_one_app(seen), {"local-epochs": 2}, INITIAL, states)
+    assert isinstance(trainer, Trainer)
+    for round_id in (1, 2, 3):
+        for member, partition in (("client-0000", 0), ("client-0001", 1)):
+            trainer.use_member(member, partition, 2, 10)
+            trainer.set_arrays([a for _, a in INITIAL])
+            with trainer.holding_task(round_id):
+                assert trainer.evaluate().as_metrics() == {"eval_loss": 1.5, "eval_accuracy": 0.25, "eval_examples": 4}
+                result = trainer.train(1, 8, 0.05, round_id=round_id)
+            assert result.examples == 10 and result.loss == 0.5 and result.metrics == {"rounds": float(round_id)}
+            assert [a.tolist() for a in trainer.get_arrays()] == [np.ones((3, 2)).tolist(), np.ones(2).tolist()]
+    kind, group, node, node_config, run_config, config, rounds = seen[-1]
+    assert (kind, group, node, rounds) == ("train", "3", node_id_of("client-0001"), 3)
+    assert node_config == {"partition-id": 1, "num-partitions": 2} and run_config == {"local-epochs": 2}
+    assert config["server-round"] == 3 and config["lr"] == 0.05 and config["local-epochs"] == 1
+    assert config["batch-size"] == 8 and config["deadline-seconds"] > 0
+    assert [s[-1] for s in seen] == [1, 1, 2, 2, 3, 3]  # each member's own count, kept across rounds
+    trainer.use_member("client-0002", 2, 3, 10)  # a third member: the least recently used state is forgotten
+    trainer.set_arrays([a for _, a in INITIAL])
+    trainer.train(1, 8, 0.05, round_id=4)
+    trainer.use_member("client-0000", 0, 3, 10)
+    trainer.train(1, 8, 0.05, round_id=4)
+    assert [s[-1] for s in seen[-2:]] == [1, 1] and len(states) == 2
+
+
+def bad_app(kind: str) -> ClientApp:
+    """A ClientApp whose train handler misbehaves as ``kind`` says."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        good = {k: a.numpy() + 1 for k, a in msg.content["arrays"].items()}
+        if kind == "raises":
+            raise RuntimeError("out of memory on the device")
+        if kind == "error-reply":
+            from flwr.app import Error
+            return Message(Error(code=7, reason="dataset missing"), reply_to=msg)
+        if kind == "no-arrays":
+            return reply(msg, None, {"num-examples": 3})
+        if kind == "renamed":
+            return reply(msg, {"weight": good["w"], "b": good["b"]}, {"num-examples": 3})
+        if kind == "reshaped":
+            return reply(msg, {"w": good["w"].reshape(2, 3), "b": good["b"]}, {"num-examples": 3})
+        if kind == "float64":
+            return reply(msg, {"w": good["w"].astype(np.float64), "b": good["b"]}, {"num-examples": 3})
+        if kind == "no-num-examples":
+            return reply(msg, good, {"train_loss": 0.1})
+        if kind == "not-a-message":
+            return good
+        raise AssertionError(kind)
+
+    return app
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("raises", "train handler raised RuntimeError: out of memory on the device"),
+    ("error-reply", "train reply carries an error: dataset missing"),
+    ("no-arrays", "must hold exactly one ArrayRecord, it holds 0"),
+    ("renamed", "its arrays are named ['weight', 'b'], the global model's ['w', 'b']"),
+    ("reshaped", "does not fit the global model: tensor 'w': expected float32[3, 2]"),
+    ("float64", "does not fit the global model: tensor 'w': expected float32[3, 2], got 'w' float64[3, 2]"),
+    ("no-num-examples", "needs 'num-examples' (a whole number >= 1) in its MetricRecord, got None"),
+    ("not-a-message", "train handler returned a dict, not a flwr.app.Message"),
+])
+def test_each_reply_that_cannot_be_an_update_is_refused_with_its_reason(kind, reason):
+    trainer = FlowerAppTrainer(bad_app(kind), {}, INITIAL)
+    trainer.use_member("client-0000", 0, 1, 10)
+    trainer.set_arrays([a for _, a in INITIAL])
+    with pytest.raises(UpdateRefused) as caught:
+        trainer.train(1, 8, 0.1, round_id=1)
+    assert reason in str(caught.value) and "\n" not in str(caught.value)
+    assert trainer.evaluate() is None  # no evaluate handler: logged, training goes on
+
+
+def test_a_refused_update_is_noted_by_the_runtime_and_the_round_goes_on_over_grpc():
+    assembly = CoordinatorAssembly([n for n, _ in INITIAL], [a for _, a in INITIAL])
+    rows = []
+    config = CoordinatorConfig(rounds=2, clients_per_round=2, min_available=2, overselect=1.0, deadline_seconds=3.0,
+                               heartbeat_seconds=1.0, liveness_timeout_seconds=10.0, local_epochs=1, batch_size=8,
+                               learning_rate=0.1)
+    server = assembly.server(config, build_strategy("fedavg"), on_round_end=[rows.append])
+    server.start()
+    agents = []
+    try:
+        for i, app in enumerate((plus_one_app(), bad_app("reshaped"))):
+            trainer = FlowerAppTrainer(app, {}, INITIAL)
+            trainer.use_member(f"member-{i}", i, 2, 10)
+            agents.append(Agent(AgentConfig(insecure=True, server=server.address, agent_id=f"member-{i}",
+                                            poll_seconds=1.0, initial_backoff=0.05, max_backoff=0.3,
+                                            give_up_after=30, seed=i), trainer))
+        threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
+        for t in threads:
+            t.start()
+        assert server.wait(60)
+        for t in threads:
+            t.join(30)
+    finally:
+        server.stop()
+    assert [(r["status"], r["reported"]) for r in rows] == [("ok", 1), ("ok", 1)]
+    good, bad = agents
+    assert good.stats.accepted == 2 and good.stats.refused == 0
+    assert bad.stats.accepted == 0 and bad.stats.refused == 2
+    assert all(r.startswith("train: the ClientApp's train reply does not fit the global model: tensor 'w'")
+               for r in bad.stats.refusals)
+    assert all(np.allclose(w, 2.0) for w in server.coordinator.weights)  # two rounds of the good member's +1
