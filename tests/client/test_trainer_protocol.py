@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fedpar.client.engine_trainer import EngineTrainer
+from fedpar.client.flower_app_member import FlowerAppTrainer
 from fedpar.client.flower_client import FlowerTrainer
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.client.trainer import LocalTrainer
@@ -20,7 +21,7 @@ from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.task import ClientData
 from fedpar.tasks.zoo import classifier_module
 
-TRAINERS = [TaskTrainer, LocalTrainer, BatchedTrainer, EngineTrainer, FlowerTrainer]
+TRAINERS = [TaskTrainer, LocalTrainer, BatchedTrainer, EngineTrainer, FlowerTrainer, FlowerAppTrainer]
 MEMBERS = sorted({*Trainer.__annotations__, *(n for n in vars(Trainer) if not n.startswith("_"))})
 
 

@@ -1,0 +1,121 @@
+"""`--strategy flower:FedAvg` (Flower's Message-API strategies) in fedpar's round loop: configure_train's config
+reaches the members, aggregate_train folds the round's replies, the same arrays as fedpar's fedavg for the same
+updates (one fold, and a whole run of the example ClientApp over loopback gRPC); the strategy's own node sampling is
+refused in one line."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from fedpar.aggregation import build_strategy, parse_strategy_options  # noqa: E402
+from fedpar.aggregation.flower_message_strategy import FlowerMessageStrategy  # noqa: E402
+from fedpar.aggregation.flower_strategy import FlowerStrategy  # noqa: E402
+from fedpar.cli.main import main  # noqa: E402
+from fedpar.client.agent import Agent, AgentConfig  # noqa: E402
+from fedpar.client.flower_app_member import FlowerAppTrainer  # noqa: E402
+from fedpar.server.assembly import CoordinatorAssembly  # noqa: E402
+from fedpar.server.config import CoordinatorConfig  # noqa: E402
+from fedpar.tasks.flower_app import load_flower_app  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower_app"
+
+
+def updates(seed: int = 0):
+    """A global model and three members' updates of it, with their example counts."""
+    rng = np.random.default_rng(seed)
+    global_arrays = [rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)]
+    members = [[a + rng.normal(size=a.shape).astype(np.float32) for a in global_arrays] for _ in range(3)]
+    return global_arrays, members, [10, 30, 7]
+
+
+def one_round(name: str, **options):
+    """The new global arrays and metrics of strategy ``name`` after one round of :func:`updates`."""
+    global_arrays, members, counts = updates()
+    strategy = build_strategy(name, **options)
+    strategy.begin_round(1, global_arrays)
+    settings = strategy.client_config(1)
+    for i, (update, count) in enumerate(zip(members, counts)):
+        strategy.fold(update, count, f"client-{i}")
+    return strategy, settings, *strategy.finish()
+
+
+def test_flower_fedavg_gives_fedpars_fedavg_arrays_for_the_same_updates():
+    _, _, ours, _ = one_round("fedavg")
+    strategy, settings, theirs, metrics = one_round("flower:FedAvg")
+    assert isinstance(strategy, FlowerMessageStrategy)
+    assert all(np.allclose(a, b, atol=1e-6) and a.dtype == b.dtype for a, b in zip(ours, theirs))
+    assert metrics["num_examples"] == 47.0 and settings.fit_config is None
+    _, members, counts = updates()
+    _, _, median, _ = one_round("flower:FedMedian")
+    assert np.allclose(median[0], np.median([m[0] for m in members], axis=0), atol=1e-6)
+    _, _, legacy, _ = one_round("flower:flwr.server.strategy:FedAvg")  # the legacy API goes to its own adapter
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(ours, legacy))
+
+
+def test_configure_trains_config_reaches_the_members_and_proximal_mu_is_fedpars_own(tmp_path):
+    module = tmp_path / "my_message_strategy.py"
+    module.write_text("from flwr.serverapp.strategy import FedProx\n\n"
+                      "class Configured(FedProx):\n"
+                      "    def configure_train(self, server_round, arrays, config, grid):\n"
+                      "        config['lr-decay'] = 0.5 ** server_round\n"
+                      "        return super().configure_train(server_round, arrays, config, grid)\n")
+    strategy, settings, _, _ = one_round(f"flower:{module}:Configured", proximal_mu=0.01)
+    assert isinstance(strategy, FlowerMessageStrategy)
+    assert settings.proximal_mu == 0.01 and settings.fit_config == {"lr-decay": 0.5}
+
+
+def test_the_strategys_own_node_sampling_and_unknown_names_are_refused_in_one_line(capsys):
+    with pytest.raises(ValueError, match="sizes the strategy's own node sample.*--clients-per-round"):
+        parse_strategy_options("flower:FedAvg", {"fraction_train": "0.5"})
+    with pytest.raises(ValueError, match="flower:Nope is not a strategy of flwr.serverapp.strategy; choose one of "
+                                         "Bulyan, .*FedAdam, FedAvg"):
+        build_strategy("flower:Nope")
+    assert isinstance(build_strategy("flower:flwr.server.strategy:FedAvg"), FlowerStrategy)
+    code = main(["simulate", "--strategy", "flower:FedAvg", "--strategy-option", "min_train_nodes=3", "--out",
+                 "/nonexistent/never-written"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "option 'min_train_nodes' of flower:FedAvg sizes" in err
+
+
+def run_example(strategy: str, rounds: int = 2) -> list[np.ndarray]:
+    """The final global arrays of ``rounds`` rounds of the example ClientApp's two members under ``strategy``
+    (a real coordinator, the members as agents over loopback gRPC)."""
+    app = load_flower_app(EXAMPLE, "local-epochs=1")
+    initial = app.initial_arrays(0)
+    assembly = CoordinatorAssembly([n for n, _ in initial], [a for _, a in initial])
+    config = CoordinatorConfig(rounds=rounds, clients_per_round=2, min_available=2, overselect=1.0,
+                               deadline_seconds=30.0, heartbeat_seconds=1.0, liveness_timeout_seconds=10.0,
+                               local_epochs=1, batch_size=32, learning_rate=0.3, client_eval_every=0)
+    server = assembly.server(config, build_strategy(strategy))
+    server.start()
+    try:
+        agents = []
+        for i in range(2):
+            trainer = FlowerAppTrainer(app.client_app, app.run_config, initial)
+            trainer.use_member(f"client-{i:04d}", i, 2, app.train_examples(i, 2))
+            agents.append(Agent(AgentConfig(insecure=True, server=server.address, agent_id=f"client-{i:04d}",
+                                            poll_seconds=1.0, initial_backoff=0.05, max_backoff=0.3,
+                                            give_up_after=30, seed=i), trainer))
+        threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
+        for t in threads:
+            t.start()
+        assert server.wait(90)
+        for t in threads:
+            t.join(30)
+    finally:
+        server.stop()
+    assert all(a.stats.accepted == rounds for a in agents)
+    return [np.array(w) for w in server.coordinator.weights]
+
+
+def test_a_run_under_flower_fedavg_ends_with_fedpars_fedavg_arrays():
+    ours, theirs = run_example("fedavg"), run_example("flower:FedAvg")
+    start = load_flower_app(EXAMPLE).initial_arrays(0)
+    assert any(not np.allclose(a, s) for a, (_, s) in zip(ours, start))  # it trained
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(ours, theirs))
