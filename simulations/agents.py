@@ -64,9 +64,9 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
     logging.basicConfig(level=min(cfg.log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("fedpar").setLevel(cfg.log_level)
     tls = client_tls_files(cfg.population.host_id, cfg.certs_dir) if cfg.certs_dir else None
-    if cfg.flower_app:  # the app's ClientApp trains the members (simulations/flower_app_members.py)
-        from fedpar.simulations.flower_app_members import FlowerAppMembers
-        members = FlowerAppMembers(cfg.population, load_flower_app(cfg.flower_app, cfg.run_config),
+    if cfg.flower_app:  # the app's ClientApp trains the members (simulations/client_app_population.py)
+        from fedpar.simulations.client_app_population import ClientAppPopulation
+        members = ClientAppPopulation(cfg.population, load_flower_app(cfg.flower_app, cfg.run_config),
                                    cfg.partition_of, cfg.seed, cfg.trace_day_seconds)
         return host_population(cfg.server, cfg.population, None, cfg.partition_of, cfg.seed, cfg.seats,
                                cfg.poll_seconds, give_up_after=60.0, tls=tls, members=members).run()

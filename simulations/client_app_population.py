@@ -19,7 +19,7 @@ from fedpar.task import ClientData, Partition
 from fedpar.tasks.flower_app import FlowerApp
 
 
-class FlowerAppMembers(PopulationMembers):
+class ClientAppPopulation(PopulationMembers):
     """The member source of a worker hosting ``population`` with ``app``'s ClientApp (``seed``: the initial arrays'
     draw, the same as the coordinator's)."""
 
