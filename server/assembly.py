@@ -20,6 +20,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
 from fedpar.task import Task
+from fedpar.tasks.flower_app import FlowerApp
 from fedpar.tasks.evaluator import TaskEvaluator
 from fedpar.tasks.zoo import classifier_for
 
@@ -55,6 +56,14 @@ class CoordinatorAssembly:
             evaluate = TaskEvaluator(task, test_data, device=eval_device)
         return cls([name for name, _, _ in weight_specs(first)], get_weights(first), evaluate, first,
                    dict(task.description))
+
+    @classmethod
+    def for_flower_app(cls, app: FlowerApp, seed: int) -> CoordinatorAssembly:
+        """The initial arrays ``app`` names in its ``[tool.fedpar] model``, drawn from ``seed``, with no central
+        evaluation (the ClientApps evaluate): what fedpar's strategies start from when they drive a Flower App."""
+        initial = app.initial_arrays(seed)
+        return cls([name for name, _ in initial], [array for _, array in initial],
+                   description={"flower_app": str(app.directory), "run_config": app.run_config})
 
     def server(self, config: CoordinatorConfig, strategy: Strategy, *, on_round_end: Sequence[RoundCallback] = (),
                admission: Admission | None = None, host: str = "127.0.0.1", port: int = 0,

@@ -198,10 +198,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     if flower_app is not None:  # the ClientApp loads its own data; fedpar's strategy starts from the app's arrays
         splits, members = None, None
-        initial = flower_app.initial_arrays(cfg.seed)
-        assembly = CoordinatorAssembly([name for name, _ in initial], [array for _, array in initial],
-                                       description={"flower_app": str(flower_app.directory),
-                                                    "run_config": flower_app.run_config})
+        assembly = CoordinatorAssembly.for_flower_app(flower_app, cfg.seed)
     elif task is not None:
         splits, members = None, None  # the task's client_data gives each client its share
         assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))

@@ -25,12 +25,13 @@ from fedpar.server.ranks.group import RankGroup
 from fedpar.server.ranks.ingest import IngestRank
 from fedpar.server.ranks.leader import RankLeader
 from fedpar.task import TaskReference
+from fedpar.tasks.flower_app import FlowerAppReference, load_flower_app
 from fedpar.tasks.reference import load_task
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass(kw_only=True)
-class IngestRankSpec(TaskReference, StrategyChoice, Seeded, DataFiles, DataSource):
+class IngestRankSpec(FlowerAppReference, TaskReference, StrategyChoice, Seeded, DataFiles, DataSource):
     """What a spawned rank builds: the coordinator's settings, model (the zoo's for ``model``/``dataset``, or
     ``task`` made with ``task_options``), strategy, and the TLS certificates if any."""
 
@@ -41,6 +42,8 @@ class IngestRankSpec(TaskReference, StrategyChoice, Seeded, DataFiles, DataSourc
 def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:
     """The rank's model: its weight names and first weights, with no central evaluation (a task's client and test
     data are not asked for)."""
+    if spec.flower_app:
+        return CoordinatorAssembly.for_flower_app(load_flower_app(spec.flower_app, spec.run_config), spec.seed)
     if spec.task:
         return CoordinatorAssembly.for_task(load_task(spec.task, spec.task_options), spec.seed, None)
     return CoordinatorAssembly.for_data(spec.model, load_dataset(spec.dataset, spec.data_dir), spec.seed, None)
