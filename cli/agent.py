@@ -20,8 +20,7 @@ from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import ConfigurationError, Device, Precision
 from fedpar.sections import Seeded
 from fedpar.settings import setting
-from fedpar.task import TaskReference
-from fedpar.tasks.flower_app import FlowerAppReference
+from fedpar.task import FlowerAppReference, TaskReference
 
 
 @dataclass

@@ -210,3 +210,18 @@ class TaskReference:
     task_options: dict = setting(default_factory=dict, flag="task-option", metavar="KEY=VALUE", group="data",
                                  help="an option of --task, given to its factory (repeatable), typed as the factory "
                                       "declares it")
+
+
+@dataclass
+class FlowerAppReference:
+    """Which Flower App a command runs: ``--flower-app DIR`` and its ``--run-config`` overrides (declared once here)."""
+
+    flower_app: str | None = setting(
+        None, group="data", metavar="DIR",
+        help="a Flower App project directory (pyproject.toml with [tool.flwr.app.components]): its ClientApp trains "
+             "the members; with --strategy, fedpar's strategy aggregates (the initial arrays come from "
+             "[tool.fedpar] model = 'module:factory'); needs pip install 'fedpar[flower]'")
+    run_config: str | None = setting(
+        None, group="data", metavar="'KEY=VALUE ...'",
+        help="with --flower-app: overrides of the app's [tool.flwr.app.config], as flwr run --run-config takes them "
+             "(TOML values, space-separated; or a .toml file)")

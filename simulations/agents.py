@@ -22,8 +22,8 @@ from fedpar.parallel.device import flush_denormals
 from fedpar.parallel.stopping import die_with_parent
 from fedpar.sections import Seeded
 from fedpar.simulations.config import Population
-from fedpar.task import Partition, Task, TaskReference
-from fedpar.tasks.flower_app import FlowerAppReference, load_flower_app
+from fedpar.task import FlowerAppReference, Partition, Task, TaskReference
+from fedpar.tasks.flower_app import load_flower_app
 from fedpar.tasks.reference import load_task
 from fedpar.tasks.zoo import classifier_for
 

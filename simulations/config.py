@@ -13,8 +13,7 @@ from fedpar.sections import Output, Seeded
 from fedpar.server.config import (AccuracyTarget, AggregatorRanks, RoundClock, RoundSampling, SecureAggregation,
                                   StrategyChoice)
 from fedpar.settings import flag_of, redefault, setting
-from fedpar.task import TaskReference
-from fedpar.tasks.flower_app import FlowerAppReference
+from fedpar.task import FlowerAppReference, TaskReference
 
 
 @dataclass

@@ -16,7 +16,7 @@ initial arrays, and fedpar keeps that in a table of its own, ``[tool.fedpar]`` i
     :data:`UNKNOWN_TRAIN_EXAMPLES`.
 Flower ignores ``[tool.fedpar]``; the app still runs with ``flwr run`` unchanged.
 
-This module imports neither Flower nor torch until an app is loaded: the command line reads it to build its parsers.
+Its settings (``--flower-app``, ``--run-config``) are declared in ``fedpar.task.FlowerAppReference``.
 """
 
 from __future__ import annotations
@@ -29,28 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from fedpar.settings import setting
 
 UNKNOWN_TRAIN_EXAMPLES = 100_000  # a member's declared training-set size when [tool.fedpar] has no train-examples
 
 
 class FlowerAppError(ValueError):
     """A Flower App fedpar cannot run as it is: one line saying what to do."""
-
-
-@dataclass
-class FlowerAppReference:
-    """Which Flower App a command runs: ``--flower-app DIR`` and its ``--run-config`` overrides (declared once here)."""
-
-    flower_app: str | None = setting(
-        None, group="data", metavar="DIR",
-        help="a Flower App project directory (pyproject.toml with [tool.flwr.app.components]): its ClientApp trains "
-             "the members; with --strategy, fedpar's strategy aggregates (the initial arrays come from "
-             "[tool.fedpar] model = 'module:factory'); needs pip install 'fedpar[flower]'")
-    run_config: str | None = setting(
-        None, group="data", metavar="'KEY=VALUE ...'",
-        help="with --flower-app: overrides of the app's [tool.flwr.app.config], as flwr run --run-config takes them "
-             "(TOML values, space-separated; or a .toml file)")
 
 
 @dataclass

@@ -24,8 +24,8 @@ from fedpar.server.config import CoordinatorConfig, StrategyChoice
 from fedpar.server.ranks.group import RankGroup
 from fedpar.server.ranks.ingest import IngestRank
 from fedpar.server.ranks.leader import RankLeader
-from fedpar.task import TaskReference
-from fedpar.tasks.flower_app import FlowerAppReference, load_flower_app
+from fedpar.task import FlowerAppReference, TaskReference
+from fedpar.tasks.flower_app import load_flower_app
 from fedpar.tasks.reference import load_task
 
 
