@@ -256,7 +256,7 @@ class ClientRuntime:
                 result = seat.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
                                             proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)
             except UpdateRefused as err:  # e.g. a Flower ClientApp's reply that cannot be an update
-                self._note_refusal(member, "train", err)
+                self._note_refusal(member, f"round {task.round} train", err, logging.WARNING)  # the user's code
                 return True
         if result.examples == 0:
             log.warning("%s: no time left to train in round %d; skipping the upload", member, task.round)
@@ -377,7 +377,7 @@ class ClientRuntime:
         """How member ``member``'s refusals are noted (for the round modes)."""
         return functools.partial(self._note_refusal, member)
 
-    def _note_refusal(self, member: str, what: str, err: Exception) -> None:
+    def _note_refusal(self, member: str, what: str, err: Exception, level: int = logging.INFO) -> None:
         detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
         if isinstance(err, dataplane.DataPlaneRefused):
             detail = dataplane.refusal_text(err)
@@ -385,7 +385,7 @@ class ClientRuntime:
             self.stats.refused += 1
             if len(self.stats.refusals) < 100:  # a population's may be many: the first ones say why
                 self.stats.refusals.append(f"{what}: {detail}")
-        log.info("%s: %s refused: %s", member, what, detail)
+        log.log(level, "%s: %s refused: %s", member, what, detail)
 
 
 def _secure(task: pb.TrainTask) -> bool:

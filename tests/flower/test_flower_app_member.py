@@ -136,7 +136,7 @@ def test_each_reply_that_cannot_be_an_update_is_refused_with_its_reason(kind, re
     assert trainer.evaluate() is None  # no evaluate handler: logged, training goes on
 
 
-def test_a_refused_update_is_noted_by_the_runtime_and_the_round_goes_on_over_grpc():
+def test_a_refused_update_is_noted_by_the_runtime_and_the_round_goes_on_over_grpc(caplog):
     assembly = CoordinatorAssembly([n for n, _ in INITIAL], [a for _, a in INITIAL])
     rows = []
     config = CoordinatorConfig(rounds=2, clients_per_round=2, min_available=2, overselect=1.0, deadline_seconds=3.0,
@@ -164,6 +164,8 @@ def test_a_refused_update_is_noted_by_the_runtime_and_the_round_goes_on_over_grp
     good, bad = agents
     assert good.stats.accepted == 2 and good.stats.refused == 0
     assert bad.stats.accepted == 0 and bad.stats.refused == 2
-    assert all(r.startswith("train: the ClientApp's train reply does not fit the global model: tensor 'w'")
-               for r in bad.stats.refusals)
+    assert [r.partition(": ")[0] for r in bad.stats.refusals] == ["round 1 train", "round 2 train"]
+    assert all("the ClientApp's train reply does not fit the global model: tensor 'w'" in r for r in bad.stats.refusals)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "fedpar.client"]
+    assert any(m.startswith("member-1: round 2 train refused: the ClientApp's train reply") for m in warned), warned
     assert all(np.allclose(w, 2.0) for w in server.coordinator.weights)  # two rounds of the good member's +1
