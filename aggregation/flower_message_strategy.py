@@ -26,6 +26,7 @@ Memory and rank hand-offs are as for the legacy adapter (every update of a round
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -96,6 +97,11 @@ def build_flower_strategy(name: str, **options: Any):
     cls = flower_class(name)
     if not is_message_api(cls):
         return legacy.build_flower_strategy(name, **options)
+    wrapped = inspect.signature(cls).parameters.get("strategy")
+    if wrapped is not None and wrapped.default is wrapped.empty:
+        raise ValueError(f"{name} wraps another strategy instance, which options cannot build: use fedpar's "
+                         "--privacy central|client for differential privacy, or name a subclass that builds it "
+                         "(flower:package.module:Class)")
     return FlowerMessageStrategy(cls, name=name.strip(), **flower_options(name, cls, options, from_text=False))
 
 
@@ -108,9 +114,22 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
         if self._flower is None:
             self._flower = self._factory(**self._options)
         if self._pending_state is not None:
-            legacy._restore_arrays(self._flower, *self._pending_state)
+            _restore_state(self._flower, *self._pending_state)
             self._pending_state = None
         return self._flower
+
+    def _state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The strategy's array-valued attributes, dicts of arrays included (FedOpt's moments and global arrays)."""
+        if self._flower is None:
+            return self._pending_state or ({}, {})
+        return _saved_state(self._flower)
+
+    def _load_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Restore them when the strategy is built (or now, if it is)."""
+        self._pending_state = (dict(arrays), dict(meta))
+        if self._flower is not None:
+            _restore_state(self._flower, arrays, meta)
+            self._pending_state = None
 
     def client_config(self, round_id: int) -> TaskSettings:
         """``configure_train``'s message config for this round: ``proximal-mu`` as fedpar's own, the rest (less the
@@ -200,6 +219,27 @@ def _identify_as_server() -> None:
         TaskIdentity.run_id
     except RuntimeError:
         TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 0, SERVER_NODE_ID
+
+
+def _saved_state(strategy: MessageBase) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """What the legacy adapter saves (arrays, lists of arrays), and every attribute holding a dict of arrays."""
+    arrays, meta = legacy._saved_arrays(strategy)
+    records: dict[str, list[str]] = {}
+    for attr, value in vars(strategy).items():
+        if isinstance(value, dict) and value and all(isinstance(v, np.ndarray) for v in value.values()):
+            records[attr] = [str(k) for k in value]
+            arrays.update({f"{attr}.{i}": np.asarray(v) for i, v in enumerate(value.values())})
+    return arrays, {**meta, "flower_records": records}
+
+
+def _restore_state(strategy: MessageBase, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """Set back what :func:`_saved_state` took; ValueError naming a missing array."""
+    legacy._restore_arrays(strategy, arrays, meta)
+    for attr, keys in meta.get("flower_records", {}).items():
+        try:
+            setattr(strategy, attr, {k: np.array(arrays[f"{attr}.{i}"]) for i, k in enumerate(keys)})
+        except KeyError as exc:
+            raise ValueError(f"the checkpoint lacks array {exc.args[0]!r} of the Flower strategy's state") from None
 
 
 def _arrays_of(reply: Message) -> list[np.ndarray]:

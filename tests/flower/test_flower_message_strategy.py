@@ -58,6 +58,28 @@ def test_flower_fedavg_gives_fedpars_fedavg_arrays_for_the_same_updates():
     assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(ours, legacy))
 
 
+def test_fedadams_moments_survive_a_checkpoint():
+    global_arrays, members, counts = updates()
+
+    def round_of(strategy, round_id, start):
+        strategy.begin_round(round_id, start)
+        strategy.client_config(round_id)
+        for i, (update, count) in enumerate(zip(members, counts)):
+            strategy.fold([u + round_id for u in update], count, f"client-{i}")
+        return strategy.finish()[0]
+
+    steady = build_strategy("flower:FedAdam", eta=0.1)
+    after_one = round_of(steady, 1, global_arrays)
+    arrays, meta = steady.state_dict()
+    assert {"m_t.0", "v_t.0", "current_arrays.0"} <= set(arrays)
+    resumed = build_strategy("flower:FedAdam", eta=0.1)
+    resumed.load_state_dict(arrays, meta)
+    expected, got = round_of(steady, 2, after_one), round_of(resumed, 2, after_one)
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got))
+    fresh = round_of(build_strategy("flower:FedAdam", eta=0.1), 2, after_one)
+    assert not all(np.allclose(a, b) for a, b in zip(expected, fresh))  # the moments mattered
+
+
 def test_configure_trains_config_reaches_the_members_and_proximal_mu_is_fedpars_own(tmp_path):
     module = tmp_path / "my_message_strategy.py"
     module.write_text("from flwr.serverapp.strategy import FedProx\n\n"
@@ -77,6 +99,8 @@ def test_the_strategys_own_node_sampling_and_unknown_names_are_refused_in_one_li
                                          "Bulyan, .*FedAdam, FedAvg"):
         build_strategy("flower:Nope")
     assert isinstance(build_strategy("flower:flwr.server.strategy:FedAvg"), FlowerStrategy)
+    with pytest.raises(ValueError, match="wraps another strategy instance.*--privacy central|client"):
+        build_strategy("flower:DifferentialPrivacyServerSideFixedClipping")
     code = main(["simulate", "--strategy", "flower:FedAvg", "--strategy-option", "min_train_nodes=3", "--out",
                  "/nonexistent/never-written"])
     err = capsys.readouterr().err.strip()
