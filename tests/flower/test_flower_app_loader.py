@@ -36,8 +36,8 @@ def project(root: Path, package: str, pyproject: str = PYPROJECT, client_app: st
 
 
 def test_the_examples_components_run_config_and_fedpar_table_are_read():
-    app = load_flower_app(EXAMPLE, "lr=0.5 local-epochs=2")
-    assert app.run_config == {"num-server-rounds": 3, "fraction-train": 1.0, "local-epochs": 2, "lr": 0.5,
+    app = load_flower_app(EXAMPLE, "lr=0.2 local-epochs=3")
+    assert app.run_config == {"num-server-rounds": 3, "fraction-train": 1.0, "local-epochs": 3, "lr": 0.2,
                               "batch-size": 32}
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
@@ -47,6 +47,8 @@ def test_the_examples_components_run_config_and_fedpar_table_are_read():
     first, again = app.initial_arrays(0), app.initial_arrays(0)
     assert all((a == b).all() for (_, a), (_, b) in zip(first, again))  # drawn from the seed
     assert app.train_examples(0, 4) == 288
+    from flwr.common.config import get_project_config, validate_config
+    assert validate_config(get_project_config(EXAMPLE), check_module=True, project_dir=EXAMPLE) == (True, [], [])
 
 
 def test_overrides_follow_flwr_run_nested_keys_quoted_strings_and_a_toml_file(tmp_path):

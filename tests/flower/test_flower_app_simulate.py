@@ -17,7 +17,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower_app"
 
 def test_the_example_app_learns_under_fedpars_fedavg(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["simulate", "--flower-app", str(EXAMPLE), "--run-config", "local-epochs=2", "--strategy", "fedavg",
+    code = main(["simulate", "--flower-app", str(EXAMPLE), "--run-config", "num-server-rounds=2", "--strategy", "fedavg",
                  "--clients", "3", "--rounds", "2", "--workers", "1", "--lr", "0.5", "--quiet", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -27,5 +27,5 @@ def test_the_example_app_learns_under_fedpars_fedavg(tmp_path, capsys):
     assert rows[1]["federated_eval_accuracy"] > max(0.3, rows[0]["federated_eval_accuracy"])
     assert rows[1]["train_rounds-trained"] == 2.0  # each member's Context.state counted its own rounds
     model = json.loads((out / "global.json").read_text())["model"]  # what the final arrays belong to
-    assert model == {"flower_app": str(EXAMPLE), "run_config": {"num-server-rounds": 3, "fraction-train": 1.0,
-                                                                "local-epochs": 2, "lr": 0.1, "batch-size": 32}}
+    assert model == {"flower_app": str(EXAMPLE), "run_config": {"num-server-rounds": 2, "fraction-train": 1.0,
+                                                                "local-epochs": 2, "lr": 0.5, "batch-size": 32}}
