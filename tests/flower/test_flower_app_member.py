@@ -36,9 +36,9 @@ def reply(msg: Message, arrays: dict | None = None, metrics: dict | None = None)
     return Message(content=content, reply_to=msg)
 
 
-def plus_one_app(seen: list | None = None) -> ClientApp:
+def plus_one_app(seen: list | None = None, mods: list | None = None) -> ClientApp:
     """A ClientApp adding 1 to every array; it counts its rounds in its Context.state and records what it gets."""
-    app = ClientApp()
+    app = ClientApp(mods=mods)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -85,6 +85,25 @@ def test_members_get_their_partition_run_config_and_a_state_that_persists_across
     trainer.use_member("client-0000", 0, 3, 10)
     trainer.train(1, 8, 0.05, round_id=4)
     assert [s[-1] for s in seen[-2:]] == [1, 1] and len(states) == 2
+
+
+def test_client_mods_wrap_the_handlers_as_in_flower():
+    calls = []
+
+    def mod(msg: Message, context: Context, call_next) -> Message:
+        calls.append((msg.metadata.message_type, context.node_config["partition-id"]))
+        answer = call_next(msg, context)
+        if answer.content.metric_records:
+            answer.content["metrics"]["modded"] = 1
+        return answer
+
+    trainer = FlowerAppTrainer(plus_one_app(mods=[mod]), {}, INITIAL)
+    trainer.use_member("client-0003", 3, 4, 10)
+    trainer.set_arrays([a for _, a in INITIAL])
+    with trainer.holding_task(1):
+        trainer.evaluate()
+        result = trainer.train(1, 8, 0.1, round_id=1)
+    assert calls == [("evaluate", 3), ("train", 3)] and result.metrics["modded"] == 1.0
 
 
 def bad_app(kind: str) -> ClientApp:
