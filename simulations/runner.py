@@ -134,8 +134,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
     check_population_fits(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
-    task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
     flower_app = _flower_app(cfg)
+    task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
     check_client_batching(cfg, task)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the workers start, not after the last round.

@@ -109,3 +109,15 @@ def test_simulate_and_client_say_a_bad_project_in_one_line_and_exit_2(tmp_path, 
     assert err.startswith("fedpar client: --flower-app") and "\n" not in err
     assert main(["client", "--insecure", "--agent-id", "a", "--run-config", "lr=1"]) == 2
     assert capsys.readouterr().err.strip() == "fedpar client: --run-config needs --flower-app"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--task", "examples/own_task.py:task"], "--flower-app and --task both say what the clients train; give one"),
+    (["--client-batching"], "--client-batching stacks fedpar's own local loop; a Flower App trains in its ClientApp"),
+])
+def test_settings_that_cannot_go_with_a_flower_app_are_refused_before_anything_starts(tmp_path, capsys, extra,
+                                                                                        message):
+    code = main(["simulate", "--flower-app", str(EXAMPLE), "--strategy", "fedavg", *extra, "--out",
+                 str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and err.startswith(f"fedpar simulate: {message}")
