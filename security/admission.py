@@ -1,5 +1,5 @@
-"""Which agents the coordinator admits: certificate identity, an optional allow-list, enrollment tokens,
-and a revocation list that is re-read whenever its file changes.
+"""Who is calling and whether the coordinator admits them: the certificate identity a call proves, an optional
+allow-list, enrollment tokens, and a revocation list that is re-read whenever its file changes.
 
 Files (one entry per line, ``#`` starts a comment):
 - tokens file: ``AGENT_ID SHA256_HEX_OF_TOKEN`` (the token itself is never stored);
@@ -15,16 +15,59 @@ import logging
 import os
 import secrets
 import threading
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, TypeVar
 
 import grpc
+from cryptography import x509
 
-from fedpar.security.identity import PeerIdentity
+from fedpar.security.certs import certificate_role
 
 log = logging.getLogger("fedpar.security")
 MAX_TOKEN_CHARS = 512
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """An agent identity proven by a client certificate that the coordinator's CA signed."""
+
+    common_name: str
+    serial: int | None = None
+    role: str = "agent"  # an operator's certificate (fedpar certs --operators) is for the control API only
+
+    def describe(self) -> str:
+        """Human-readable form for refusal messages."""
+        serial = f", serial {self.serial:x}" if self.serial is not None else ""
+        return f"certificate CN={self.common_name!r}{serial}"
+
+
+@lru_cache(maxsize=4096)
+def _facts_of(pem: bytes) -> tuple[int | None, str]:
+    try:
+        return x509.load_pem_x509_certificate(pem).serial_number, certificate_role(pem)
+    except ValueError:
+        return None, "agent"
+
+
+def peer_identity(context) -> PeerIdentity | None:
+    """The identity a call's TLS client certificate proves, or None (plaintext or server-only TLS).
+
+    gRPC fills ``auth_context()`` only after it verified the certificate chain against the server's CA,
+    so the CN found there can be trusted.
+    """
+    try:
+        auth = context.auth_context()
+    except (AttributeError, RuntimeError):
+        return None
+    names = auth.get("x509_common_name") or []
+    if not names:
+        return None
+    pems = auth.get("x509_pem_cert") or []
+    serial, role = _facts_of(bytes(pems[0])) if pems else (None, "agent")
+    return PeerIdentity(bytes(names[0]).decode("utf-8", "replace"), serial, role)
 
 
 class AdmissionRefused(Exception):

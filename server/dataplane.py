@@ -32,8 +32,7 @@ from fedpar.protocol.messages import FRAMING_BYTES
 from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, DataPlaneError, Deadline, decode_preamble,
                                        encode_status, read_frame, recv_exact, recv_exact_into, refusal, send_all,
                                        send_views)
-from fedpar.security.admission import AdmissionRefused
-from fedpar.security.identity import PeerIdentity
+from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AuthError

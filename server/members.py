@@ -15,8 +15,7 @@ from typing import Callable, Protocol, Sequence
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.security.admission import AdmissionRefused
-from fedpar.security.identity import PeerIdentity
+from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord
 from fedpar.server.rounds import Refusal, RoundState

@@ -15,8 +15,7 @@ from typing import Sequence
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.security.admission import AdmissionRefused
-from fedpar.security.identity import PeerIdentity
+from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
 from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord

@@ -14,8 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fedpar.security.admission import Admission
-from fedpar.security.identity import PeerIdentity
+from fedpar.security.admission import Admission, PeerIdentity
 
 MAX_AGENT_ID = 128
 

@@ -29,8 +29,7 @@ from typing import Callable
 
 import grpc
 
-from fedpar.security.admission import Admission, AdmissionRefused
-from fedpar.security.identity import PeerIdentity, peer_identity
+from fedpar.security.admission import Admission, AdmissionRefused, PeerIdentity, peer_identity
 from fedpar.server.limits import Limits
 from fedpar.server.rounds import Refusal
 from fedpar.server.strangers import Stranger, StrangerBound

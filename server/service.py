@@ -16,8 +16,7 @@ from google.protobuf.message import DecodeError, Message
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED
 from fedpar.protocol.rawchunks import RawData, decode_chunk_message
-from fedpar.security.admission import AdmissionRefused
-from fedpar.security.identity import peer_identity
+from fedpar.security.admission import AdmissionRefused, peer_identity
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.limits import Limits
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS

@@ -14,10 +14,9 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from fedpar.cli.main import main
-from fedpar.security.admission import (Admission, AdmissionRefused, RevocationList, TokenList, hash_token,
-                                       parse_revocations, parse_token_hashes)
+from fedpar.security.admission import (Admission, AdmissionRefused, PeerIdentity, RevocationList, TokenList,
+                                       hash_token, parse_revocations, parse_token_hashes)
 from fedpar.security.certs import CertPaths, common_name, load_certificate
-from fedpar.security.identity import PeerIdentity
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
