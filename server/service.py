@@ -239,7 +239,7 @@ async def _receive_stream(upload: Upload, request_iterator) -> None:
     """Stage an UploadUpdate stream's data chunks up to its UploadEnd, whose totals must match."""
     layout, staging, state, pace = upload.ticket.layout, upload.staging, upload.ticket.state, upload.pace
     while True:
-        # A stalled or trickling stream must not hold its staging buffer (server/staging.py).
+        # A stalled or trickling stream must not hold its staging buffer (server/uploads.py).
         message = await _next_message(request_iterator, pace.next_wait(), pace.stalled, upload.overtaken)
         if message is None:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fedpar.server.rounds import Refusal
-from fedpar.server.staging import QUIET_SECONDS, StagingSlots, UploadPace
+from fedpar.server.uploads import QUIET_SECONDS, StagingSlots, UploadPace
 
 MIN_RATE = 1000.0  # bytes per second
 
