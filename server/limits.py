@@ -1,24 +1,55 @@
-"""Admission limits that keep one agent (or a flood of them) from exhausting the coordinator.
+"""The limits every gRPC call is held to: the per-agent and server-wide counts (:class:`Limits`), and the
+interceptor that checks and counts each call before its handler runs (:class:`RpcLimit`).
 
 Every refusal is a :class:`Refusal` with RESOURCE_EXHAUSTED and a message saying which limit and
 which option raises it. All state is per agent id and bounded by the agents active now, not by all that ever
 called: per-call counts end with their calls, upload attempts with their round, byte buckets once refilled. The
 coordinator's event loop is the only user, so nothing here locks.
+
+What every call passes before its handler runs: the revocation check, and the budget it is counted in.
+
+- A client certificate that was revoked is refused at the first call, before anything is read or counted.
+- Every call starts as a stranger's: until it has sent its request (a unary call) or its upload header and
+  session (an upload stream), it counts only against the strangers' bounds (``--max-unauthenticated-calls`` in
+  total, ``--max-unauthenticated-per-peer`` per peer: its certificate's name, else its address), never the
+  honest budget; beyond either bound the oldest such call is let go (server/strangers.py), and a call must send
+  its request within ``--upload-header-seconds``. gRPC would hand a unary handler its request only once it
+  arrived, holding a call whose request never comes uncounted and without limit, so unary methods are served
+  here as one-message request streams (the same bytes on the wire). A unary call leaves the strangers' bounds
+  when its request arrives (it authenticates before it waits on anything); an upload stream when the handler
+  calls :func:`authenticated`. Both then count against ``--max-concurrent-rpcs`` for as long as they run. A unary
+  call's request normally comes with the call, so it enters the strangers' bounds only if it is still missing
+  after REQUEST_GRACE_SECONDS: a flood from an agent's own address (NAT) cannot let go of an agent's call.
+
+- grpc.health.v1 calls are unauthenticated: they count in the strangers' bounds for their whole life (a Watch
+  stream too), never in ``--max-concurrent-rpcs``, so a probe is answered however busy the agents keep it.
+
+gRPC's own ``maximum_concurrent_rpcs`` answers "Concurrent RPC limit exceeded!", which does not tell an
+operator which option to raise, so the counts live here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import inspect
 import time
 from contextlib import asynccontextmanager, contextmanager
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 
+from fedpar.security.admission import Admission, AdmissionRefused, PeerIdentity, peer_identity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.rounds import Refusal
+from fedpar.server.strangers import Stranger, StrangerBound
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+# grpc.health.v1 is unauthenticated: its calls stay in the strangers' bounds for their whole life, so a probe is
+# never refused because agents fill --max-concurrent-rpcs, and a flood of probes (or of Watch streams) cannot
+# take agents' places.
+HEALTH_METHODS = "/grpc.health.v1.Health/"
+REQUEST_GRACE_SECONDS = 0.25  # a unary call's request normally comes with the call: only a later one is a stranger's
 
 
 class TokenBucket:
@@ -176,3 +207,199 @@ class Limits:
         """Drop what is kept about an agent that left."""
         self._attempts.pop(agent_id, None)
         self._bytes.pop(agent_id, None)
+
+
+class CallBudget:
+    """Which budget one call holds: the strangers' (until it authenticates) or the honest one."""
+
+    def __init__(self, limits: Limits, peer: str):
+        self.limits = limits
+        self.peer = peer  # whom its strangers' bound is kept for
+        self.stranger: Stranger | None = None
+        self.counted = False  # holds a --max-concurrent-rpcs place
+
+    def enter(self) -> None:
+        """Take a place in the honest budget (a Refusal naming --max-concurrent-rpcs when it is full)."""
+        self.limits.enter_rpc()
+        self.counted = True
+
+    def authenticate(self) -> None:
+        """The call proved who it is (or sent its request): leave the strangers' bounds for the honest budget."""
+        if self.counted:
+            return
+        stranger = self.stranger
+        if stranger is not None:
+            if stranger.evicted is not None:  # let go while its header was on the way
+                raise stranger.evicted
+            stranger.done()
+            self.stranger = None
+        self.enter()
+
+    def release(self) -> None:
+        """The call ended."""
+        if self.stranger is not None:
+            self.stranger.done()
+        if self.counted:
+            self.limits.exit_rpc()
+            self.counted = False
+
+
+_CALL: contextvars.ContextVar[CallBudget | None] = contextvars.ContextVar("fedpar_call_budget", default=None)
+
+
+def authenticated() -> None:
+    """Tell the running call's budget that it authenticated (no-op outside a counted call)."""
+    budget = _CALL.get()
+    if budget is not None:
+        budget.authenticate()
+
+
+def peer_key(context, identity: PeerIdentity | None) -> str:
+    """Whom a call's strangers' bound is kept for: its certificate's name, else its address without the port."""
+    if identity is not None:
+        return f"certificate {identity.common_name!r}"
+    peer = context.peer() or "unknown"
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
+class RpcLimit(grpc.aio.ServerInterceptor):
+    """Wraps every method handler in the revocation check and the budget it is counted in."""
+
+    def __init__(self, limits: Limits, admission: Admission, strangers: StrangerBound,
+                 restoring: Callable[[], bool] = lambda: False):
+        self.limits = limits
+        self.admission = admission
+        self.strangers = strangers
+        self.restoring = restoring  # while true, every call but health checks is refused (UNAVAILABLE: retry)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        """The method's handler, checked and counted (health checks: as strangers' calls, never authenticated)."""
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self.counted(handler, stranger_only=handler_call_details.method.startswith(HEALTH_METHODS))
+
+    async def _enter(self, context, stranger: bool, health_check: bool = False) -> CallBudget:
+        """The call's budget, a stranger's from the start if ``stranger``; or an abort: a revoked certificate, or
+        any call but a health check while the coordinator restores its checkpoint."""
+        if not health_check and self.restoring():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is restoring its checkpoint; "
+                                                             "try again in a moment")
+        identity = peer_identity(context)
+        if identity is not None:
+            try:
+                self.admission.check_peer(identity)
+            except AdmissionRefused as exc:
+                await context.abort(exc.code, exc.message)
+        budget = CallBudget(self.limits, peer_key(context, identity))
+        if stranger:
+            self._admit(budget)
+        _CALL.set(budget)
+        return budget
+
+    def _admit(self, budget: CallBudget, let_go: Callable[[Refusal], None] | None = None) -> None:
+        """Count the running call in the strangers' bounds; if it is let go, ``let_go(refusal)`` is called (by
+        default its task is cancelled)."""
+        if let_go is None:
+            task = asyncio.current_task()
+            let_go = lambda _: task.cancel()  # noqa: E731
+        budget.stranger = self.strangers.admit(budget.peer, let_go)
+
+    async def _request(self, request_iterator, context, budget: CallBudget, authenticate: bool = True):
+        """A unary call's one request, within --upload-header-seconds; it then leaves the strangers' bounds (a
+        request that comes within REQUEST_GRACE_SECONDS never entered them). The read is never cancelled (that
+        disturbed other calls' reads under a flood): a call let go or out of time is aborted, which ends it."""
+        seconds = self.limits.config.upload_header_seconds
+        coming = asyncio.ensure_future(request_iterator.__anext__())
+        coming.add_done_callback(_retrieved)  # it ends with an error once the call is aborted
+        await asyncio.wait((coming,), timeout=min(seconds, REQUEST_GRACE_SECONDS))
+        if not coming.done() and budget.stranger is None:  # late: a stranger's call until its request comes
+            let_go = asyncio.get_running_loop().create_future()
+            self._admit(budget, lambda refusal: let_go.done() or let_go.set_result(refusal))
+            await asyncio.wait((coming, let_go), timeout=max(0.0, seconds - REQUEST_GRACE_SECONDS),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not coming.done() and let_go.done():
+                refusal = let_go.result()
+                await context.abort(refusal.code, refusal.message)
+        if not coming.done():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no request within {seconds:g} s of opening the call (--upload-header-seconds)")
+        if coming.exception() is not None:  # StopAsyncIteration: it ended without one
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request")
+        request = coming.result()
+        if not authenticate:
+            return request
+        try:
+            budget.authenticate()
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        return request
+
+    def counted(self, handler: grpc.RpcMethodHandler, stranger_only: bool = False) -> grpc.RpcMethodHandler:
+        """``handler`` served as a request stream inside :meth:`_enter` and :meth:`CallBudget.release`;
+        ``stranger_only``: the call counts in the strangers' bounds throughout and never authenticates."""
+        serde = dict(request_deserializer=handler.request_deserializer,
+                     response_serializer=handler.response_serializer)
+        streams_in = handler.request_streaming
+        authenticate = not stranger_only
+
+        async def request_of(request_iterator, context, budget):
+            if streams_in:
+                return request_iterator
+            return await self._request(request_iterator, context, budget, authenticate)
+
+        if handler.response_streaming:
+            behavior = handler.stream_stream if streams_in else handler.unary_stream
+            if not inspect.isasyncgenfunction(behavior):  # it answers with context.write (grpc_health's Watch)
+                async def writing(request_iterator, context):
+                    budget = await self._enter(context, streams_in or stranger_only, stranger_only)
+                    try:
+                        await behavior(await request_of(request_iterator, context, budget), context)
+                    except asyncio.CancelledError:
+                        await _evicted(budget, context)
+                    finally:
+                        budget.release()
+                return grpc.stream_stream_rpc_method_handler(writing, **serde)
+
+            async def streaming(request_iterator, context):
+                budget = await self._enter(context, streams_in or stranger_only, stranger_only)
+                try:
+                    request = await request_of(request_iterator, context, budget)
+                    async for item in behavior(request, context):
+                        yield item
+                except asyncio.CancelledError:
+                    await _evicted(budget, context)
+                finally:
+                    budget.release()
+            return grpc.stream_stream_rpc_method_handler(streaming, **serde)
+
+        behavior = handler.stream_unary if streams_in else handler.unary_unary
+
+        async def unary(request_iterator, context):
+            budget = await self._enter(context, streams_in or stranger_only, stranger_only)
+            try:
+                request = await request_of(request_iterator, context, budget)
+                return await behavior(request, context)
+            except asyncio.CancelledError:
+                await _evicted(budget, context)
+            finally:
+                budget.release()
+        return grpc.stream_unary_rpc_method_handler(unary, **serde)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a finished future's outcome as seen (asyncio would log an unretrieved exception)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _evicted(budget: CallBudget, context) -> None:
+    """A cancelled call: abort with the strangers' bound that let it go, or let the cancellation go on."""
+    stranger = budget.stranger
+    if stranger is None or stranger.evicted is None:
+        raise asyncio.CancelledError
+    asyncio.current_task().uncancel()
+    await context.abort(stranger.evicted.code, stranger.evicted.message)

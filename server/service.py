@@ -18,11 +18,10 @@ from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMI
 from fedpar.protocol.rawchunks import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused, peer_identity
 from fedpar.server.coordinator import Coordinator
-from fedpar.server.limits import Limits
+from fedpar.server.limits import Limits, authenticated
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.registry import AgentRecord, AuthError, HostRecord
 from fedpar.server.rounds import Refusal
-from fedpar.server.rpc_limit import authenticated
 from fedpar.server.secure_round import secagg_exchange
 from fedpar.server.uploads import Upload, UploadIntake
 
@@ -113,7 +112,7 @@ class CoordinatorService:
         """Receive one update: header, in-order data chunks, end marker; fold it only if all is valid."""
         try:
             # Nothing is authenticated before the header: a stream that does not send it at once is let go
-            # (meanwhile it counts only against the strangers' bounds: server/rpc_limit.py).
+            # (meanwhile it counts only against the strangers' bounds: server/limits.py).
             seconds = self.coord.config.upload_header_seconds
             first = await _next_message(request_iterator, seconds, lambda: Refusal(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
