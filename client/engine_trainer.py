@@ -26,7 +26,6 @@ from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChanne
 from fedpar.client.local_loop import Lane, OneMember, run_loop, update
 from fedpar.client.local_sgd import StepTally, TrainResult, trainable
 from fedpar.client.trainer_protocol import Spec
-from fedpar.models.evaluation import EvalResult
 from fedpar.models.weights import get_weights, set_weights, weight_specs
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0
 from fedpar.parallel.config import ParallelConfig, layout_for
@@ -37,7 +36,7 @@ from fedpar.parallel.sampler import DistributedBatchSampler
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, StepClock, Task, TaskError
 from fedpar.tasks.data import batch_at, batch_examples, inputs_and_targets, on_device, to_device
-from fedpar.tasks.evaluation import task_eval_result
+from fedpar.tasks.evaluation import EvalResult, task_eval_result
 
 ShardBatch = tuple[int, tuple[list[int], torch.Tensor]]  # batch number in its epoch, (this rank's indices, not-padding)
 

@@ -34,10 +34,10 @@ import numpy as np
 
 from fedpar.client.local_sgd import TrainResult
 from fedpar.client.trainer_protocol import UpdateRefused
-from fedpar.models.evaluation import EvalResult
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.flower_nodes import SERVER_NODE_ID, node_id_of
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.tasks.evaluation import EvalResult
 
 log = logging.getLogger("fedpar.client")
 Spec = tuple[str, str, tuple[int, ...]]

@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from fedpar.client.local_sgd import TrainResult
-from fedpar.models.evaluation import EvalResult
 from fedpar.models.references import load_reference
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.tasks.evaluation import EvalResult
 
 Spec = tuple[str, str, tuple[int, ...]]
 

@@ -15,7 +15,6 @@ import torch
 from fedpar.client.local_loop import update
 from fedpar.client.local_sgd import TrainResult, trainable
 from fedpar.client.trainer_protocol import Spec
-from fedpar.models.evaluation import EvalResult
 from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight_specs
 from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
@@ -23,7 +22,7 @@ from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Deadline, LocalConfig, StepClock, Task, TaskError
 from fedpar.tasks.data import default_batches, inputs_and_targets, on_device, to_device
 from fedpar.client.task_loop import train_task
-from fedpar.tasks.evaluation import autocast, finite, task_eval_result
+from fedpar.tasks.evaluation import EvalResult, autocast, finite, task_eval_result
 
 log = logging.getLogger("fedpar.client")
 LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is warned about

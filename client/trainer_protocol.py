@@ -10,8 +10,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from fedpar.client.local_sgd import TrainResult
-from fedpar.models.evaluation import EvalResult
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.tasks.evaluation import EvalResult
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype, shape) of one array of the model
 

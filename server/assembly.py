@@ -20,8 +20,8 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
 from fedpar.task import Task
+from fedpar.tasks.evaluation import TaskEvaluator
 from fedpar.tasks.flower_app import FlowerApp
-from fedpar.tasks.evaluator import TaskEvaluator
 from fedpar.tasks.zoo import classifier_for
 
 

@@ -1,20 +1,39 @@
 """A task's evaluation: its own hook's named metrics, or the built-in one (mean loss, and accuracy for classifiers).
 
-The coordinator's central evaluation and the agents' federated evaluation both come here.
+The coordinator's central evaluation (:class:`TaskEvaluator`) and the agents' federated evaluation (what they
+report: :class:`EvalResult`) both come here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from fedpar.models.evaluation import EvalResult
+from fedpar.models.weights import set_weights
 from fedpar.task import Task, TaskError
-from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, to_device
+from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, on_device, to_device
+
+
+@dataclass
+class EvalResult:
+    """Loss and accuracy of a model on some examples (None: not measured), and any other named metrics."""
+
+    loss: float | None
+    accuracy: float | None  # None: not measured (a Flower client's evaluate without an "accuracy" metric)
+    examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        """What an agent reports of it: eval_loss, eval_accuracy, eval_examples and eval_NAME, where finite."""
+        named = {"loss": self.loss, "accuracy": self.accuracy, **self.metrics, "examples": float(self.examples)}
+        return {f"eval_{k}": float(v) for k, v in named.items() if v is not None and math.isfinite(v)}
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -99,3 +118,20 @@ def named_metrics(task: Task, hook: str, metrics: Any) -> dict[str, float]:
 def finite(metrics: dict[str, float]) -> dict[str, float]:
     """The finite entries of ``metrics`` (a NaN loss is not reported: uploads carry finite metrics only)."""
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
+
+
+class TaskEvaluator:
+    """Scores weights with the task's evaluation on its test set, both kept on ``device``; metrics are named
+    ``test_NAME`` (``test_loss``, ``test_accuracy`` for the built-in classifiers)."""
+
+    def __init__(self, task: Task, test_data: Any, device: torch.device | str = "cpu"):
+        """Build the task's model once and keep it and ``test_data`` on ``device``."""
+        self.task = task
+        self.device = torch.device(device)
+        self.model = task.model().to(self.device)
+        self.data = on_device(test_data, self.device)
+
+    def __call__(self, weights: Sequence[np.ndarray]) -> dict[str, float]:
+        """The named metrics of the model with ``weights``, each as ``test_NAME``."""
+        set_weights(self.model, weights)
+        return {f"test_{k}": v for k, v in finite(evaluate_task(self.task, self.model, self.data)).items()}

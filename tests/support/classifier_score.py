@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedpar.models.evaluation import EvalResult
 from fedpar.models.losses import classification_loss
+from fedpar.tasks.evaluation import EvalResult
 
 
 @torch.no_grad()
