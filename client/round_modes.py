@@ -7,19 +7,26 @@ Every mode has the same small interface, which the agent (client/agent.py) uses 
 PlainUpload sends the new weights, CompressedUpload their delta encoded as the task asks (both through the
 agent's transport, after client-side DP when the task asks for it), and SecureUpload a masked vector inside
 the SecAgg+ stages.
+
+Client-side differential privacy (:func:`privatize_update`) clips this agent's update (and optionally adds local
+noise) before upload. The coordinator asks for it through the task's settings: ``dp_clip_norm`` (whole-model L2 bound ``C``
+on ``new - global``) and ``dp_local_noise`` (local noise multiplier ``s``: each coordinate of the clipped
+update gets ``N(0, (s C)^2)``, i.e. local DP, with fresh OS entropy). The central noise is added by the
+coordinator, which also checks that the update really is within ``C``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Callable
 
 import grpc
 import numpy as np
 
+from fedpar.aggregation.clipping import clip_update
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.deadline import upload_timeout
 from fedpar.client.local_sgd import TrainResult
-from fedpar.client.privacy import dp_settings
 from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
@@ -27,18 +34,38 @@ from fedpar.secagg.errors import SecAggAbort, SecAggError
 
 Send = Callable[[PreparedUpload, TrainResult, dict[str, float]], bool]  # the agent's transport: True if accepted
 NoteRefusal = Callable[[str, Exception], None]  # (what was refused, why)
-Privatize = Callable[[Sequence[np.ndarray], Sequence[np.ndarray], TaskSettings], list[np.ndarray]]
+
+
+def dp_settings(settings: TaskSettings | Mapping) -> tuple[float, float] | None:
+    """``(clip_norm, local_noise_multiplier)`` requested by the task, or None when it asks for no clipping."""
+    settings = TaskSettings.of(settings)
+    if settings.dp_clip_norm is None:
+        return None
+    return settings.dp_clip_norm, settings.dp_local_noise or 0.0
+
+
+def privatize_update(new_weights: Sequence[np.ndarray], global_weights: Sequence[np.ndarray],
+                     settings: TaskSettings | Mapping, rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """The weights to upload: ``new_weights`` with its delta from ``global_weights`` clipped (and noised)."""
+    dp = dp_settings(settings)
+    if dp is None:
+        return list(new_weights)
+    clip, local_noise = dp
+    clipped, _ = clip_update(new_weights, global_weights, clip)
+    if local_noise > 0:
+        rng = rng or np.random.default_rng()
+        std = local_noise * clip
+        clipped = [(w + std * rng.standard_normal(w.shape)).astype(w.dtype) for w in clipped]
+    return clipped
 
 
 class PlainUpload:
     """Plain rounds: the new weights go up in the clear (clipped, maybe noised, if the task asks for client DP)."""
 
-    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, privatize: Privatize,
-                 note_refusal: NoteRefusal):
+    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, note_refusal: NoteRefusal):
         self.settings = settings
         self.layout = layout
         self.send = send
-        self.privatize = privatize  # client/privacy.py's privatize_update, as the agent names it
         self.note_refusal = note_refusal
 
     def begin(self) -> bool:
@@ -49,7 +76,7 @@ class PlainUpload:
                metrics: dict[str, float]) -> bool:
         """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport."""
         try:
-            prepared = self.prepare(self.privatize(trained, global_weights, self.settings), global_weights)
+            prepared = self.prepare(privatize_update(trained, global_weights, self.settings), global_weights)
         except ValueError as err:
             self.note_refusal("preparing the update", err)
             return False
@@ -72,9 +99,9 @@ class PlainUpload:
 class CompressedUpload(PlainUpload):
     """Compressed rounds: the delta from the global model, encoded as the task asks, with error feedback."""
 
-    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, privatize: Privatize,
-                 note_refusal: NoteRefusal, compressor: UpdateCompressor):
-        super().__init__(settings, layout, send, privatize, note_refusal)
+    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, note_refusal: NoteRefusal,
+                 compressor: UpdateCompressor):
+        super().__init__(settings, layout, send, note_refusal)
         self.compressor = compressor
 
     def prepare(self, update: list[np.ndarray], global_weights: list[np.ndarray]) -> PreparedUpload:

@@ -29,7 +29,6 @@ from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.deadline import stop_training_at, upload_timeout
 from fedpar.client.links import AgentConfig, AgentLink, Connection, HostLink, Members, upload_small
 from fedpar.client.member_state import ResidualStore
-from fedpar.client.privacy import privatize_update
 from fedpar.client.reconnect import Reconnecting
 from fedpar.client.round_modes import CompressedUpload, PlainUpload
 from fedpar.client.secure_members import SecureMembers
@@ -303,8 +302,8 @@ class ClientRuntime:
         send = functools.partial(self._upload, auth, task, deadline_at=deadline_at, data_plane=data_plane,
                                  topk=settings.compression == "topk")
         if settings.compression != "none":
-            return CompressedUpload(settings, self.layout, send, privatize_update, note, seat.compression)
-        return PlainUpload(settings, self.layout, send, privatize_update, note)
+            return CompressedUpload(settings, self.layout, send, note, seat.compression)
+        return PlainUpload(settings, self.layout, send, note)
 
     def _upload(self, auth: pb.AgentAuth, task: pb.TrainTask, upload: PreparedUpload, result,
                 metrics: dict[str, float], *, deadline_at: float, data_plane: dataplane.DataPlaneTarget | None,

@@ -6,7 +6,6 @@ import numpy as np
 
 from fedpar.client.compressed import UpdateCompressor
 from fedpar.client.local_sgd import TrainResult
-from fedpar.client.privacy import privatize_update
 from fedpar.client.round_modes import CompressedUpload, PlainUpload
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
@@ -22,7 +21,7 @@ def _mode(cls, settings, accept: bool, **extra):
     def send(prepared, result, metrics):
         sent.append(prepared)
         return accept
-    mode = cls(settings, LAYOUT, send, privatize_update, lambda what, err: refusals.append(what), **extra)
+    mode = cls(settings, LAYOUT, send, lambda what, err: refusals.append(what), **extra)
     return mode, sent, refusals
 
 
