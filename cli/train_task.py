@@ -22,13 +22,13 @@ from typing import Any, Callable
 import torch
 
 from fedpar.cli.progress import StepBar, time_left
+from fedpar.client.task_trainer import Trained, train_task
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.device import queue_waiter
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
 from fedpar.task import Deadline, LocalConfig, Partition, Task, TaskError
 from fedpar.tasks.data import on_device
-from fedpar.client.task_loop import Trained, train_task
 from fedpar.tasks.evaluation import evaluate_task, finite
 
 EpochRun = Callable[[int, "int | None"], Trained]  # (epoch, steps left or None) -> what that epoch trained

@@ -1,5 +1,5 @@
 """The one local-training loop: a member's batches, one step after another, until its schedule ends or its deadline
-would pass. It runs one member on a model (client/task_loop.py), one engine agent on its ranks
+would pass. It runs one member on a model (client/task_trainer.py), one engine agent on its ranks
 (client/engine_trainer.py), or the members a worker trains at once, stacked (client/batched_trainer.py).
 
 Written here once: the batch schedule (each epoch a fresh shuffle of the member's examples, cut into batches, capped
