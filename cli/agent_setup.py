@@ -13,7 +13,7 @@ from fedpar.settings import setting
 
 @dataclass
 class Connection:
-    """Which coordinator a client process dials, and how it waits for one it cannot reach (client/reconnect.py:
+    """Which coordinator a client process dials, and how it waits for one it cannot reach (client/links.py:
     agents' and simulation hosts')."""
 
     server: str = setting("127.0.0.1:50051", group="connection", metavar="HOST:PORT",

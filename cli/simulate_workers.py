@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from fedpar.client.reconnect import FatalAgentError
+    from fedpar.client.links import FatalAgentError
     from fedpar.datasets import load_dataset
     from fedpar.datasets.members import member_source
     from fedpar.datasets.registry import full_dataset_name

@@ -3,8 +3,7 @@ trainer."""
 
 from __future__ import annotations
 
-from fedpar.client.links import AgentConfig
-from fedpar.client.reconnect import FatalAgentError
+from fedpar.client.links import AgentConfig, FatalAgentError
 from fedpar.client.runtime import ClientRuntime, OwnMember
 
 __all__ = ["Agent", "AgentConfig", "FatalAgentError", "OwnMember"]

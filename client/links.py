@@ -9,6 +9,11 @@ PullHostTasks long-polls for the tasks of whichever members the coordinator samp
 carries their finish estimates and the coordinator's go), and small updates ride together in UploadHostUpdates
 calls. Everything after the pull (download, deadline, training, update transforms, upload) is the runtime's, the
 same either way.
+
+Calls that outlive the coordinator (:class:`Reconnecting`) back off while it is unreachable, with jittered
+exponential backoff (:class:`Backoff`, also the runtime's upload retries), and join again when it no longer knows
+the session (it restarted, or forgot a silent participant): one rule for every client of the coordinator, whether
+it joins with Join (a deployed agent) or JoinPopulation (a population's host).
 """
 
 from __future__ import annotations
@@ -17,15 +22,15 @@ import contextlib
 import logging
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import grpc
 import numpy as np
 
 from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
 from fedpar.client.host_uploads import HostUploads
-from fedpar.client.reconnect import FatalAgentError
 from fedpar.client.transfer import ingest_address
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, channel_options
@@ -34,6 +39,7 @@ from fedpar.security.handshake import diagnose_handshake, tls_mismatch
 from fedpar.security.tls import TlsFiles
 
 log = logging.getLogger("fedpar.client")
+T = TypeVar("T")
 
 JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
 # Seconds a host's upload batch waits for more updates after its first (the round's last ones go at once): a fifth
@@ -41,8 +47,107 @@ JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
 # per-call work); on a quiet machine 5, 20 and 50 ms gave the same 100-client digits round (0.08-0.09 s), on
 # loaded cores 50 ms did best.
 UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
+# RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 SendSmall = Callable[[CoordinatorStub, pb.SmallUpload, float], pb.UploadReply]
+
+
+class Uniform(Protocol):
+    """A source of uniform draws in [0, 1): random.Random or a numpy Generator."""
+
+    def random(self) -> float:
+        """One draw."""
+
+
+def jittered(step: float, rng: Uniform) -> float:
+    """``step`` times a uniform factor in [0.5, 1.5), so that agents retrying together spread out."""
+    return step * (0.5 + rng.random())
+
+
+class Backoff:
+    """Exponential backoff: each wait is the current step, jittered; the step then doubles, up to ``cap``."""
+
+    def __init__(self, first: float, cap: float, rng: Uniform):
+        """Start at step ``first``; ``rng`` jitters the waits (each agent seeds its own)."""
+        self.first, self.cap, self.rng = first, cap, rng
+        self.step = first
+
+    def wait(self) -> float:
+        """Seconds to wait before the next try (the step doubles for the one after)."""
+        seconds = jittered(self.step, self.rng)
+        self.step = min(self.step * 2, self.cap)
+        return seconds
+
+    def reset(self) -> None:
+        """Back to the first step (after a call that went through)."""
+        self.step = self.first
+
+    def fits_before(self, deadline_at: float) -> bool:
+        """Whether a wait of the current step still ends before ``deadline_at`` (a time.monotonic() value)."""
+        return time.monotonic() + self.step < deadline_at
+
+
+class FatalAgentError(RuntimeError):
+    """The coordinator refused this agent (or host) in a way retrying cannot fix."""
+
+
+class Reconnecting:
+    """Runs calls to the coordinator at ``server`` for ``who``: a call refused UNAUTHENTICATED makes ``join`` run
+    again (a new session) and is then retried; while the coordinator is unreachable (or busy) calls are retried
+    with jittered exponential backoff from ``first`` to ``cap`` seconds, for ever or until ``give_up_after``
+    seconds without reaching it. Any other refusal is a FatalAgentError.
+
+    ``stopped()``: the caller wants to leave (no more waiting); ``diagnose()``, asked when the coordinator is
+    unreachable: what may be the cause, said in each retry line (e.g. its TLS setting differs), or None; it raises
+    FatalAgentError for a cause retrying cannot cure (the agent's TLS handshake check); ``on_rejoin()``: counted.
+    """
+
+    def __init__(self, who: str, server: str, join: Callable[[], None], first: float, cap: float, rng: Uniform,
+                 give_up_after: float | None = None, stopped: Callable[[], bool] = lambda: False,
+                 diagnose: Callable[[], str | None] = lambda: None, on_rejoin: Callable[[], None] = lambda: None):
+        self.who, self.server, self._join = who, server, join
+        self.first, self.cap, self.rng = first, cap, rng
+        self.give_up_after = give_up_after
+        self.stopped, self.diagnose, self.on_rejoin = stopped, diagnose, on_rejoin
+
+    def join(self) -> None:
+        """Join, retried while the coordinator is unreachable (a refused join is fatal)."""
+        self._retry(self._join, rejoin=False)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()``, joining again first whenever the coordinator no longer knows the session."""
+        return self._retry(fn, rejoin=True)
+
+    def _retry(self, fn: Callable[[], T], rejoin: bool) -> T:
+        backoff = Backoff(self.first, self.cap, self.rng)
+        unreachable_since = None
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED and rejoin:
+                    log.info("%s: session not recognised (%s); joining again", self.who, err.details())
+                    self.on_rejoin()
+                    self.join()
+                    continue
+                if code not in RETRYABLE:
+                    raise FatalAgentError(f"{self.who}: coordinator refused: {code.name}: {err.details()}") from None
+                mismatch = self.diagnose() if code == grpc.StatusCode.UNAVAILABLE else None
+                why = f": {mismatch}" if mismatch else ""
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if self.give_up_after is not None and now - unreachable_since > self.give_up_after:
+                    raise FatalAgentError(f"{self.who}: coordinator at {self.server} unreachable for "
+                                          f"{self.give_up_after}s" + (why or "; is it running, and does its TLS "
+                                          "setting (--certs/--insecure) match this agent's?")) from None
+                if self.stopped():
+                    raise FatalAgentError("stopped while the coordinator was unreachable") from None
+                sleep = backoff.wait()
+                log.info("%s: coordinator unreachable (%s)%s; retrying in %.1fs", self.who, code.name, why, sleep)
+                time.sleep(sleep)
 
 
 @dataclass
