@@ -5,6 +5,8 @@ A round of M sampled agents (M = ceil(K * overselect)) closes at the first of:
 - every sampled agent that may still answer has an accepted or rejected update ("every sampled agent answered");
 - the straggler deadline, ``--deadline`` seconds after the tasks went out ("deadline"); a task carries the real
   seconds left until then, and an upload not complete by then is refused.
+A secure round closes at the first of K accepted masked inputs, every agent that shared keys having uploaded, or
+the deadline; a secure round whose protocol fails closes at once (:func:`secure_closing_reason`).
 Under the virtual clock (server/virtual_clock.py) first K and the deadline act on simulated time
 (:func:`first_k_in_time`); real time then only guards the round (``--round-wall-timeout``).
 Everything else on the server asks this module; the agent's side is client/deadline.py.
@@ -23,6 +25,8 @@ from fedpar.server.config import CoordinatorConfig
 TARGET_REACHED = "target reached"
 ALL_ANSWERED = "every sampled agent answered"
 DEADLINE = "deadline"
+ALL_KEYED_UPLOADED = "every agent that shared keys uploaded"
+SECURE_FAILED = "secure aggregation failed"
 
 
 class Timed(Protocol):
@@ -78,6 +82,16 @@ def closing_reason(accepted: int, rejected: int, target: int, answering: int) ->
         return TARGET_REACHED
     if accepted + rejected >= answering:
         return ALL_ANSWERED
+    return ""
+
+
+def secure_closing_reason(accepted: int, target: int, all_keyed_uploaded: bool) -> str:
+    """Why a secure round with ``accepted`` masked inputs closes now ('' while it stays open): every agent that
+    shared keys uploaded, or K accepted."""
+    if all_keyed_uploaded:
+        return ALL_KEYED_UPLOADED
+    if accepted >= target:
+        return TARGET_REACHED
     return ""
 
 

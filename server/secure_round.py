@@ -36,6 +36,7 @@ from fedpar.secagg.messages import MaskedInput
 from fedpar.secagg.params import RoundParams
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.server_protocol import SecAggResult, SecAggServer
+from fedpar.server.deadline import SECURE_FAILED, secure_closing_reason
 from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket
 
 log = logging.getLogger("fedpar.server")
@@ -118,7 +119,7 @@ class SecureRound:
             log.warning("round %d: secure aggregation failed: %s", self.round_id, reason)
         if state is not None:
             state.fold_failed = True
-            state.close("secure aggregation failed")
+            state.close(SECURE_FAILED)
         self._notify()
 
     def task_settings(self, settings: TaskSettings) -> TaskSettings:
@@ -173,8 +174,9 @@ class SecureRound:
         all_in = self.add_masked(ticket.slot.agent_id, arrays[0])
         # Per-agent metrics would reveal more than the sum: agents send none, and any sent are dropped.
         state.count_accepted(ticket.slot)
-        if all_in or state.accepted >= state.target:
-            state.close("every agent that shared keys uploaded" if all_in else "target reached")
+        reason = secure_closing_reason(state.accepted, state.target, all_in)
+        if reason:
+            state.close(reason)
 
     def add_masked(self, agent_id: str, array: np.ndarray) -> bool:
         """Add a validated masked upload to the sum; True when every agent that shared keys has uploaded."""

@@ -14,7 +14,7 @@ from fedpar.protocol.messages import PROTOCOL_VERSION
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.server.deadline import closing_reason, cohort_size, seconds_left, wall_seconds
+from fedpar.server.deadline import closing_reason, cohort_size, seconds_left, secure_closing_reason, wall_seconds
 from fedpar.server.populations import Populations
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import AgentSlot, RoundState
@@ -42,6 +42,14 @@ def test_a_round_closes_on_k_accepted_or_all_answered_and_its_tasks_carry_the_ti
     assert (cohort_size(config, 100), cohort_size(config, 5)) == (6, 5)
     assert wall_seconds(config) == 7.0
     assert wall_seconds(CoordinatorConfig(virtual_clock=True, accept_populations=True, round_wall_seconds=99.0)) == 99.0
+
+
+def test_a_secure_round_closes_on_k_masked_inputs_or_when_every_agent_that_shared_keys_uploaded():
+    # the policy, not server/secure_round.py, words why a secure round closed
+    assert secure_closing_reason(accepted=2, target=3, all_keyed_uploaded=True) == "every agent that shared keys uploaded"
+    assert secure_closing_reason(accepted=3, target=3, all_keyed_uploaded=False) == "target reached"
+    assert secure_closing_reason(accepted=3, target=3, all_keyed_uploaded=True) == "every agent that shared keys uploaded"
+    assert secure_closing_reason(accepted=2, target=3, all_keyed_uploaded=False) == ""  # open: the deadline decides
 
 
 def test_a_coordinator_runs_on_the_clock_and_member_source_it_is_given(tmp_path):
