@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compression", action="store_true", help="skip the digits compression table")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads (0: torch's default); 1 is an aggregator rank's setting, where the "
-                         "fold kernel takes longer blocks (aggregation/kernels.py)")
+                         "fold kernel takes longer blocks (aggregation/accumulator.py)")
     args = ap.parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)  # before any fold thread starts: each takes it at its first op

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedpar.aggregation import FedAvg, FedAvgM, FoldConfig, FoldItem, Median
-from fedpar.aggregation.kernels import TORCH_INLINE_ELEMENTS
+from fedpar.aggregation.accumulator import TORCH_INLINE_ELEMENTS
 
 # sizes off every block boundary, one array longer than a torch block, one with float64 and one with integer values
 SHAPES = [(301, 97), (5,), (TORCH_INLINE_ELEMENTS + 4096 + 3,), (1,)]
