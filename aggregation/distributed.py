@@ -23,7 +23,7 @@ def all_reduce_weighted_sum(acc: WeightedSum, group: dist.ProcessGroup | None = 
         raise RuntimeError("torch.distributed is not initialized; call init_process_group before all-reducing")
     use_cuda = dist.get_backend(group) == "nccl"
     for buf in acc.buffers.values():
-        if isinstance(buf, torch.Tensor):  # a sum kept on the device (aggregation/device_sum.py): reduced there
+        if isinstance(buf, torch.Tensor):  # a DeviceWeightedSum (aggregation/accumulator.py): reduced there
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
             continue
         t = torch.from_numpy(buf)

@@ -9,9 +9,9 @@ agent's transport, after client-side DP when the task asks for it), and SecureUp
 the SecAgg+ stages.
 
 Client-side differential privacy (:func:`privatize_update`) clips this agent's update (and optionally adds local
-noise) before upload. The coordinator asks for it through the task's settings: ``dp_clip_norm`` (whole-model L2 bound ``C``
-on ``new - global``) and ``dp_local_noise`` (local noise multiplier ``s``: each coordinate of the clipped
-update gets ``N(0, (s C)^2)``, i.e. local DP, with fresh OS entropy). The central noise is added by the
+noise) before upload. The coordinator asks for it through the task's settings: ``dp_clip_norm`` (whole-model L2
+bound ``C`` on ``new - global``) and ``dp_local_noise`` (local noise multiplier ``s``: each coordinate of the
+clipped update gets ``N(0, (s C)^2)``, i.e. local DP, with fresh OS entropy). The central noise is added by the
 coordinator, which also checks that the update really is within ``C``.
 """
 

@@ -1,5 +1,5 @@
-"""The running sum kept on a torch device (aggregation/device_sum.py) folds what the host sum folds: run on the CPU
-device here, and on the GPU wherever there is one."""
+"""The running sum kept on a torch device (DeviceWeightedSum) folds what the host sum folds:
+run on the CPU device here, and on the GPU wherever there is one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from fedpar.aggregation import FedAvg, FoldConfig
 from fedpar.aggregation.accumulator import WeightedSum
 from fedpar.aggregation.arrays import ShapesAndDtypes
-from fedpar.aggregation.device_sum import DeviceWeightedSum
+from fedpar.aggregation.accumulator import DeviceWeightedSum
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
