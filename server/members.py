@@ -29,7 +29,7 @@ class TaskDesk(Protocol):
     finished: bool
     round_id: int
     current: RoundState | None
-    clock: object  # its RoundClock (server/clock.py)
+    clock: object  # its RoundClock (server/coordinator.py)
 
     def task_for(self, agent: AgentRecord) -> pb.PullTaskReply | None:
         """The reply to a poll of ``agent`` now (its task, or that training is over); None: nothing yet."""

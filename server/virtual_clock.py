@@ -9,7 +9,7 @@ lets train only those the real-time rules would have counted: the first K that f
 round lasts, in simulated time, until the K-th finish (target reached), the deadline (too few in time), or the last
 finish (every sampled member answered in time, fewer than K of them). The chosen members then train and upload
 through the same validation and fold as ever; the wall clock only guards against hosts that stop answering.
-It is one of the coordinator's clocks (server/clock.py).
+It is one of the coordinator's clocks (server/coordinator.py RoundClock).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The server's one deadline policy (server/deadline.py), and a coordinator that runs on the clock and member source
-it is given (server/clock.py, server/members.py) rather than ones it makes: real coordinator, raw gRPC."""
+it is given (server/coordinator.py RoundClock, server/members.py) rather than ones it makes: real coordinator, raw
+gRPC."""
 
 from __future__ import annotations
 
