@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, iter_chunks, wire_bytes
+from fedpar.protocol.codec import (CodecError, ModelLayout, RawData, TensorAssembler, encode_data_message, iter_chunks,
+                                   wire_bytes)
 from fedpar.protocol.messages import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, layout_from_pb,
                                      layout_to_pb)
-from fedpar.protocol.rawchunks import RawData, encode_data_message
 from fedpar.protocol.stubs import CoordinatorStub
 
 # An upload refused with these may be sent again this round (busy coordinator, connection lost mid-stream).

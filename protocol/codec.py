@@ -3,15 +3,22 @@
 A model travels as the concatenation of its tensors' bytes, in order, with no padding. The sender cuts
 that byte stream into chunks of at most ``chunk_bytes``; the receiver writes each chunk straight into
 preallocated arrays (:class:`TensorAssembler`), checking order, bounds and size as it goes.
+
+Each chunk travels in a data-chunk message, the only large messages fedpar sends, encoded by hand
+(:func:`encode_data_message`, :func:`decode_chunk_message`). ``ModelChunk{data: DataChunk{offset, data}}`` and
+``UploadChunk{data: ...}`` share one wire form (field 2 holding a DataChunk). Encoding it by hand writes the payload
+once instead of through protobuf's arena, and decoding it hands out a zero-copy view of the payload. Anything not in
+the canonical form falls back to the generated parser, so every valid encoding is still accepted.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
+from google.protobuf.message import Message
 
 # Only plain numeric dtypes cross the wire: no object arrays, no structured dtypes, no pickle.
 # uint16 carries bfloat16 bit patterns (numpy has no bfloat16 dtype).
@@ -221,3 +228,62 @@ def wire_bytes(arrays: Sequence[np.ndarray]) -> bytes:
     """The tensors' bytes concatenated in order: what a whole chunked stream of ``arrays`` carries."""
     return b"".join(memoryview(as_wire_array(np.asarray(a)).reshape(-1)).cast("B") for a in arrays if np.size(a))
 
+
+_DATA_FIELD = b"\x12"  # field 2, length-delimited: ModelChunk.data / UploadChunk.data / DataChunk.data
+_OFFSET_FIELD = 0x08  # field 1, varint: DataChunk.offset
+
+
+class RawData(NamedTuple):
+    """A decoded data chunk: its byte offset in the model stream and a view of its payload."""
+
+    offset: int
+    data: memoryview
+
+
+def encode_varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf base-128 varint."""
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    for i in range(pos, min(pos + 10, len(raw))):
+        byte = raw[i]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i + 1
+        shift += 7
+    raise ValueError("bad varint")
+
+
+def encode_data_message(offset: int, data: bytes | memoryview) -> bytes:
+    """The serialized ModelChunk/UploadChunk carrying ``data`` at ``offset`` (same bytes protobuf writes)."""
+    inner_head = ((bytes([_OFFSET_FIELD]) + encode_varint(offset) if offset else b"")
+                  + _DATA_FIELD + encode_varint(len(data)))
+    return b"".join((_DATA_FIELD, encode_varint(len(inner_head) + len(data)), inner_head, data))
+
+
+def decode_chunk_message(raw: bytes, message_type: type[Message]) -> RawData | Message:
+    """A :class:`RawData` for a canonical data chunk, else ``message_type`` parsed from ``raw``."""
+    if raw[:1] == _DATA_FIELD:
+        try:
+            length, pos = _read_varint(raw, 1)
+            if pos + length == len(raw):
+                offset = 0
+                if raw[pos] == _OFFSET_FIELD:
+                    offset, pos = _read_varint(raw, pos + 1)
+                if raw[pos:pos + 1] == _DATA_FIELD:
+                    size, pos = _read_varint(raw, pos + 1)
+                    if pos + size == len(raw):
+                        return RawData(offset, memoryview(raw)[pos:])
+        except (ValueError, IndexError):
+            pass
+    return message_type.FromString(raw)

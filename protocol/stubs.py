@@ -6,7 +6,7 @@ import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import SERVICE_NAME
-from fedpar.protocol.rawchunks import decode_chunk_message
+from fedpar.protocol.codec import decode_chunk_message
 
 
 def _serialize(message) -> bytes:
@@ -15,7 +15,7 @@ def _serialize(message) -> bytes:
 
 class CoordinatorStub:
     """Like the generated stub, but uploads may mix pre-encoded bytes with messages, and downloads
-    yield :class:`~fedpar.protocol.rawchunks.RawData` for data chunks."""
+    yield :class:`~fedpar.protocol.codec.RawData` for data chunks."""
 
     def __init__(self, channel: grpc.Channel):
         def method(name: str) -> str:

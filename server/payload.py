@@ -8,9 +8,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout, as_wire_array, iter_chunks, wire_bytes
+from fedpar.protocol.codec import ModelLayout, as_wire_array, encode_data_message, iter_chunks, wire_bytes
 from fedpar.protocol.messages import layout_to_pb
-from fedpar.protocol.rawchunks import encode_data_message
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError, Message
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED
-from fedpar.protocol.rawchunks import RawData, decode_chunk_message
+from fedpar.protocol.codec import RawData, decode_chunk_message
 from fedpar.security.admission import AdmissionRefused, peer_identity
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.limits import Limits, authenticated

@@ -121,8 +121,7 @@ def trickling_uploads(address: str, ids: list[str], layout_specs, start, stop, o
     """Join as ``ids`` at once (so they are sampled) and, after ``start``, trickle every task's upload until
     ``stop``; put a Counter of how the uploads ended in ``out``."""
     from fedpar.client.transfer import upload_header
-    from fedpar.protocol.codec import ModelLayout
-    from fedpar.protocol.rawchunks import encode_data_message
+    from fedpar.protocol.codec import ModelLayout, encode_data_message
 
     layout = ModelLayout(layout_specs)
     ended: Counter = Counter()

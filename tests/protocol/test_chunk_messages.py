@@ -3,7 +3,7 @@
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.rawchunks import RawData, decode_chunk_message, encode_data_message
+from fedpar.protocol.codec import RawData, decode_chunk_message, encode_data_message
 
 
 @pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 2**35 + 5])
