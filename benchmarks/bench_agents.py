@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from fedpar.client import dataplane
+from fedpar.client.runtime import data_plane_offered
 from fedpar.client.transfer import ingest_address, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import OP_DOWNLOAD, Deadline, read_status, recv_exact_into
@@ -110,7 +111,7 @@ def run_light_agent(address: str, agent_id: str, shared: SharedUpdate, num_examp
             target = ingest_address(address, task)  # the aggregator rank the task names, like a real agent
             if target not in ingest:
                 ingest[target] = CoordinatorStub(grpc.insecure_channel(target, options=channel_options(64 << 20)))
-            if dataplane.DataPlaneTarget.offered(task):  # whatever the coordinator offers, like a real agent
+            if data_plane_offered(task):  # whatever the coordinator offers, like a real agent
                 data_plane_download_and_discard(dataplane.DataPlaneTarget(target, task), shared.layout.total_bytes)
                 dataplane.upload(dataplane.DataPlaneTarget(target, task), auth, task, shared.layout, shared.arrays,
                                  num_examples, 1, {}, 3600)

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from fedpar.client.transfer import finite_weights, matching_layout, upload_header
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, TensorAssembler, as_wire_array
-from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, TICKET_BYTES, DataPlaneError, DataPlaneRefused,
+from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, DataPlaneError, DataPlaneRefused,
                                        Deadline, encode_frame, encode_preamble, read_status, recv_exact_into,
                                        send_all, send_views)
 
@@ -37,11 +37,6 @@ class DataPlaneTarget:
         self.ticket = bytes(task.data_ticket)
         self.ssl_context = ssl_context
         self.server_name = server_name or self.host
-
-    @staticmethod
-    def offered(task: pb.TrainTask) -> bool:
-        """Whether the coordinator offered the data plane for this task."""
-        return bool(task.data_port) and len(task.data_ticket) == TICKET_BYTES
 
     def connect(self, op: int, deadline: Deadline) -> socket.socket:
         """An open (TLS if configured) connection with the preamble sent."""

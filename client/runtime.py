@@ -37,6 +37,7 @@ from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_a
                                     upload_header, upload_messages, upload_update)
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
+from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.protocol.task_settings import TaskSettings
 
 log = logging.getLogger("fedpar.client")
@@ -352,7 +353,7 @@ class ClientRuntime:
 
     def data_plane(self, task: pb.TrainTask) -> dataplane.DataPlaneTarget | None:
         """Where to move this task's weights outside gRPC, or None (not offered, off, or no TLS for it)."""
-        if not (self.config.data_plane and dataplane.DataPlaneTarget.offered(task)):
+        if not (self.config.data_plane and data_plane_offered(task)):
             return None
         if self.config.credentials is not None and self.config.data_tls is None:
             return None  # never send weights in plaintext beside a TLS control channel
@@ -384,6 +385,11 @@ class ClientRuntime:
             if len(self.stats.refusals) < 100:  # a population's may be many: the first ones say why
                 self.stats.refusals.append(f"{what}: {detail}")
         log.log(level, "%s: %s refused: %s", member, what, detail)
+
+
+def data_plane_offered(task: pb.TrainTask) -> bool:
+    """Whether the coordinator offered the data plane for ``task`` (its port and a whole ticket)."""
+    return bool(task.data_port) and len(task.data_ticket) == TICKET_BYTES
 
 
 def _secure(task: pb.TrainTask) -> bool:
