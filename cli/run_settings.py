@@ -12,7 +12,7 @@ from fedpar.cli.config import ConfigError, load_toml_section, typed_value
 from fedpar.cli.privacy import PrivacyOptions
 from fedpar.datasets.settings import DataSource
 from fedpar.protocol.compressed_wire import CompressionConfig
-from fedpar.protocol.local_training import LocalTraining
+from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Seeded
 from fedpar.server.config import RoundSampling, SecureAggregation, StrategyChoice
 from fedpar.settings import declared_fields, setting_key

@@ -1,4 +1,6 @@
-"""Every setting a training task carries beyond TrainTask's own fields, as one typed value (the wire's extra_json).
+"""What a training task carries: its local-training knobs (TrainTask's own fields: :class:`LocalTraining`, declared
+once, so ``serve`` and ``simulate`` have the same defaults), and every setting beyond them as one typed value (the
+wire's extra_json: :class:`TaskSettings`).
 
 The coordinator builds a :class:`TaskSettings` per round (strategy, upload compression, round mode) and sends
 ``to_json()``; the agent reads it back with ``from_json``: those are the only two places the JSON is written
@@ -15,8 +17,28 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fedpar.settings import setting
+
 COMPRESSION_METHODS = ("none", "fp16", "bf16", "int8", "topk")
 MAX_JSON_CHARS = 64 << 10
+
+
+@dataclass
+class LocalTraining:
+    """What an agent does with a task: E local epochs of SGD over batches of B at learning rate lr."""
+
+    local_epochs: int = setting(5, check="count", group="training", help="local epochs per task (E)")
+    batch_size: int = setting(16, check="count", group="training", help="local batch size (B)")
+    learning_rate: float = setting(0.1, check="positive", flag="lr", group="training",
+                                   help="local SGD learning rate")
+    client_eval_every: int = setting(
+        1, check="non_negative_int", group="training",
+        help="agents score the received global model on their validation split (federated evaluation) in every "
+             "N-th round; 0: never (the central evaluation is kept)")
+
+    def evaluates_in(self, round_id: int) -> bool:
+        """Whether the agents of round ``round_id`` evaluate the global model they receive."""
+        return self.client_eval_every > 0 and round_id % self.client_eval_every == 0
 
 
 def check_compression(method: str, topk_ratio: float | None = None, int8_block: int | None = None) -> None:

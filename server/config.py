@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedpar.protocol.compressed_wire import CompressionConfig
-from fedpar.protocol.local_training import LocalTraining
 from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
+from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Seeded
 from fedpar.settings import redefault, setting
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import Device, Precision
 from fedpar.protocol.compressed_wire import CompressionConfig
-from fedpar.protocol.local_training import LocalTraining
+from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Output, Seeded
 from fedpar.server.config import (AccuracyTarget, AggregatorRanks, RoundClock, RoundSampling, SecureAggregation,
                                   StrategyChoice)
