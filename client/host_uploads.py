@@ -23,7 +23,7 @@ import grpc
 
 from fedpar.client.transfer import UPLOAD_RETRYABLE
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.protocol.messages import CoordinatorStub
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again

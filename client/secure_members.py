@@ -19,7 +19,7 @@ from fedpar.client.round_modes import NoteRefusal, SecureUpload
 from fedpar.client.secure_upload import SecureSession
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.protocol.messages import CoordinatorStub
 
 
 

@@ -11,9 +11,8 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (CodecError, ModelLayout, RawData, TensorAssembler, encode_data_message, iter_chunks,
                                    wire_bytes)
-from fedpar.protocol.messages import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, layout_from_pb,
-                                     layout_to_pb)
-from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.protocol.messages import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CoordinatorStub,
+                                     layout_from_pb, layout_to_pb)
 
 # An upload refused with these may be sent again this round (busy coordinator, connection lost mid-stream).
 UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})

@@ -84,7 +84,7 @@ KILLED_AGENT = textwrap.dedent("""
     import sys, time
     import grpc, numpy as np
     from fedpar.protocol import fedpar_pb2 as pb
-    from fedpar.protocol.stubs import CoordinatorStub
+    from fedpar.protocol.messages import CoordinatorStub
     from fedpar.protocol.codec import ModelLayout
     from fedpar.client.transfer import upload_messages
     stub = CoordinatorStub(grpc.insecure_channel(sys.argv[1]))

@@ -6,8 +6,7 @@ import grpc
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import channel_options
-from fedpar.protocol.stubs import CoordinatorStub
+from fedpar.protocol.messages import CoordinatorStub, channel_options
 
 
 def host_stub(server) -> CoordinatorStub:
