@@ -16,9 +16,8 @@ from fedpar.protocol.messages import SERVICE_NAME, channel_options
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
 from fedpar.server.ranks.group import RankMissing
-from fedpar.server.limits import RpcLimit
+from fedpar.server.limits import RpcLimit, StrangerBound
 from fedpar.server.service import CoordinatorService, generic_handler
-from fedpar.server.strangers import StrangerBound
 
 log = logging.getLogger("fedpar.server")
 

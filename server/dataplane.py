@@ -2,7 +2,7 @@
 
 The wire format is in :mod:`fedpar.protocol.dataplane`. A new connection is a stranger until its TLS handshake,
 ticket (and upload header) have arrived and the ticket checks out: that happens on the gate's threads, under
-``--dataplane-handshake-seconds``, with strangers bounded per address and in total (server/strangers.py: beyond
+``--dataplane-handshake-seconds``, with strangers bounded per address and in total (server/limits.py: beyond
 either bound the oldest is closed). Only then does the connection get one of the transfer threads, so no thread
 that moves honest bytes ever waits on a stranger. Transfers use blocking sockets (sendall of the round's
 contiguous payload; recv_into straight into the upload's staging arrays). The coordinator's event loop owns
@@ -34,10 +34,9 @@ from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, Dat
                                        send_views)
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.deadline import closes_at
-from fedpar.server.limits import Limits
+from fedpar.server.limits import Limits, Stranger, StrangerBound
 from fedpar.server.registry import AuthError
 from fedpar.server.rounds import Refusal
-from fedpar.server.strangers import Stranger, StrangerBound
 from fedpar.server.uploads import Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server.dataplane")

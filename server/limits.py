@@ -1,10 +1,11 @@
 """The limits every gRPC call is held to: the per-agent and server-wide counts (:class:`Limits`), and the
-interceptor that checks and counts each call before its handler runs (:class:`RpcLimit`).
+interceptor that checks and counts each call before its handler runs (:class:`RpcLimit`), and the strangers'
+bounds (:class:`StrangerBound`).
 
 Every refusal is a :class:`Refusal` with RESOURCE_EXHAUSTED and a message saying which limit and
 which option raises it. All state is per agent id and bounded by the agents active now, not by all that ever
 called: per-call counts end with their calls, upload attempts with their round, byte buckets once refilled. The
-coordinator's event loop is the only user, so nothing here locks.
+coordinator's event loop is the only user of the counts, so they do not lock (the strangers' bounds do).
 
 What every call passes before its handler runs: the revocation check, and the budget it is counted in.
 
@@ -12,7 +13,7 @@ What every call passes before its handler runs: the revocation check, and the bu
 - Every call starts as a stranger's: until it has sent its request (a unary call) or its upload header and
   session (an upload stream), it counts only against the strangers' bounds (``--max-unauthenticated-calls`` in
   total, ``--max-unauthenticated-per-peer`` per peer: its certificate's name, else its address), never the
-  honest budget; beyond either bound the oldest such call is let go (server/strangers.py), and a call must send
+  honest budget; beyond either bound the oldest such call is let go (:class:`StrangerBound`), and a call must send
   its request within ``--upload-header-seconds``. gRPC would hand a unary handler its request only once it
   arrived, holding a call whose request never comes uncounted and without limit, so unary methods are served
   here as one-message request streams (the same bytes on the wire). A unary call leaves the strangers' bounds
@@ -26,6 +27,14 @@ What every call passes before its handler runs: the revocation check, and the bu
 
 gRPC's own ``maximum_concurrent_rpcs`` answers "Concurrent RPC limit exceeded!", which does not tell an
 operator which option to raise, so the counts live here.
+
+The strangers' bounds: bounds on work done for peers that have not authenticated yet (gRPC streams awaiting their
+header, data-plane connections awaiting their handshake and ticket), per peer and in total.
+
+When a bound is full the *oldest* waiting entry is let go, not the newcomer (preferring one that has sent nothing
+we have not read, when the owner can tell): an honest agent authenticates within milliseconds of connecting, so a
+stranger's silent calls can fill the bound but never lock out an agent sharing its address (NAT, loopback). Used
+from the event loop and from data-plane threads, so it locks.
 """
 
 from __future__ import annotations
@@ -33,7 +42,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import threading
 import time
+from collections import OrderedDict
 from contextlib import asynccontextmanager, contextmanager
 from typing import AsyncIterator, Callable, Iterator
 
@@ -42,7 +53,6 @@ import grpc
 from fedpar.security.admission import Admission, AdmissionRefused, PeerIdentity, peer_identity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.rounds import Refusal
-from fedpar.server.strangers import Stranger, StrangerBound
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 # grpc.health.v1 is unauthenticated: its calls stay in the strangers' bounds for their whole life, so a probe is
@@ -50,6 +60,98 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 # take agents' places.
 HEALTH_METHODS = "/grpc.health.v1.Health/"
 REQUEST_GRACE_SECONDS = 0.25  # a unary call's request normally comes with the call: only a later one is a stranger's
+
+
+class Stranger:
+    """One unauthenticated call or connection; ``evict(refusal)`` is how its owner is told to let it go."""
+
+    __slots__ = ("peer", "evict", "quiet", "evicted", "started", "_bound")
+
+    def __init__(self, bound: StrangerBound, peer: str, evict: Callable[[Refusal], None],
+                 quiet: Callable[[], bool] | None = None):
+        self._bound, self.peer, self.evict, self.quiet = bound, peer, evict, quiet
+        self.evicted: Refusal | None = None  # set when a bound or its deadline let it go
+        self.started = time.monotonic()
+
+    def done(self) -> None:
+        """It authenticated or ended: it no longer counts (idempotent)."""
+        self._bound.remove(self)
+
+
+class StrangerBound:
+    """At most ``total`` unauthenticated entries, at most ``per_peer`` of them from one peer (oldest out first)."""
+
+    def __init__(self, total: int, per_peer: int, total_option: str, per_peer_option: str, what: str):
+        self.total, self.per_peer = total, per_peer
+        self._options = (total_option, per_peer_option)
+        self._what = what
+        self._all: OrderedDict[Stranger, None] = OrderedDict()
+        self._by_peer: dict[str, OrderedDict[Stranger, None]] = {}
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def admit(self, peer: str, evict: Callable[[Refusal], None], quiet: Callable[[], bool] | None = None) -> Stranger:
+        """Count a new unauthenticated entry from ``peer``; beyond either bound lets the oldest go (``evict``),
+        the oldest ``quiet()`` one (nothing unread from it) if there is one."""
+        entry = Stranger(self, peer, evict, quiet)
+        victims: list[Stranger] = []
+        with self._lock:
+            mine = self._by_peer.setdefault(peer, OrderedDict())
+            if len(mine) >= self.per_peer:
+                victims.append(self._pop(_victim(mine), self._refusal(f"from {peer} ", self.per_peer, 1)))
+            if len(self._all) >= self.total:
+                victims.append(self._pop(_victim(self._all), self._refusal("", self.total, 0)))
+            mine[entry] = None
+            self._all[entry] = None
+            self.evictions += len(victims)
+        for victim in victims:  # outside the lock: an owner may close a socket
+            victim.evict(victim.evicted)
+        return entry
+
+    def expire(self, seconds: float, refusal: Refusal) -> None:
+        """Let go (``evict``) every entry waiting longer than ``seconds``: a hard deadline however it trickles."""
+        victims: list[Stranger] = []
+        limit = time.monotonic() - seconds
+        with self._lock:
+            while self._all and (oldest := next(iter(self._all))).started < limit:
+                victims.append(self._pop(oldest, refusal))
+        for victim in victims:
+            victim.evict(victim.evicted)
+
+    def remove(self, entry: Stranger) -> None:
+        """Stop counting ``entry`` (no-op if it was let go or removed already)."""
+        with self._lock:
+            if entry in self._all:
+                del self._all[entry]
+                self._drop_from_peer(entry)
+
+    def _pop(self, entry: Stranger, refusal: Refusal) -> Stranger:
+        del self._all[entry]
+        self._drop_from_peer(entry)
+        entry.evicted = refusal
+        return entry
+
+    def _drop_from_peer(self, entry: Stranger) -> None:
+        mine = self._by_peer[entry.peer]
+        del mine[entry]
+        if not mine:
+            del self._by_peer[entry.peer]
+
+    def _refusal(self, scope: str, limit: int, option: int) -> Refusal:
+        return Refusal(EXHAUSTED, f"more than {limit} unauthenticated {self._what} {scope}at once "
+                                  f"({self._options[option]} {limit}); the oldest was let go: authenticate "
+                                  "as soon as you connect")
+
+
+def _victim(entries: OrderedDict[Stranger, None]) -> Stranger:
+    """The oldest entry that is quiet, else the oldest."""
+    for entry in entries:
+        if entry.quiet is not None and entry.quiet():
+            return entry
+    return next(iter(entries))
 
 
 class TokenBucket:
