@@ -15,7 +15,7 @@ TEXT = "text"
 DATASETS = {
     "digits": "8x8 images bundled with scikit-learn",
     "mnist": "a local folder: --data-dir, train's --data-path",
-    "synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]": "FedProx's generated federation",
+    "synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]": "FedProx's generated federation (synthetic:iid: its IID one)",
     "npz:PATH": "a table of features and labels",
     "csv:PATH": "a table of features and labels",
     TEXT: "a character corpus for language models: train --model gpt --data-path FILE",

@@ -1,11 +1,19 @@
 """Synthetic(alpha, beta), the FedProx paper's generated federated benchmark (Li et al., MLSys 2020, section 5.1).
 
-Client k draws its own model and its own inputs: u_k ~ N(0, alpha), B_k ~ N(0, beta); W_k (10 x 60) and b_k (10)
-have entries ~ N(u_k, 1); v_k has entries ~ N(B_k, 1); its inputs are x ~ N(v_k, Sigma) with Sigma diagonal,
+Client k draws its own model and its own inputs: u_k ~ N(0, alpha), B_k ~ N(0, beta) (alpha and beta are standard
+deviations, as in the paper's generator, FedProx's data/synthetic_*/generate_synthetic.py); W_k (10 x 60) and b_k
+(10) have entries ~ N(u_k, 1); v_k has entries ~ N(B_k, 1); its inputs are x ~ N(v_k, Sigma) with Sigma diagonal,
 Sigma_jj = j^-1.2, and its labels y = argmax(W_k x + b_k). alpha sets how much the clients' models differ, beta how
 much their inputs do (Synthetic(0, 0) to (1, 1) in the paper). Client sizes follow a power law as in the paper,
 here a log-normal around ``samples`` (the paper's clients hold hundreds of examples; populations of 100,000 need
 a few each).
+
+Every client's W_k is its own draw even at alpha = 0 (u_k only adds the same amount to every class's score, so it
+never changes a label): a client's labels say nothing about another's. A shared model learns the clients it trains
+on (the paper evaluates its 30 clients, all of which train), never one it has not seen, which it scores at chance;
+so the test accuracy of a population far larger than the clients its rounds sample stays near 0.1.
+``synthetic:iid`` is the paper's Synthetic-IID instead: one W and b for every client, inputs x ~ N(0, Sigma), so
+a shared model learns every client, seen or not.
 
 Every client is generated from (seed, k) alone, when it is asked for (:class:`SyntheticMembers`): a population of
 a million costs its sizes (8 bytes a client) until a round samples some. A fifth of each client's examples (one
@@ -38,13 +46,19 @@ class SyntheticSpec:
     clients: int = 100
     samples: float = 10.0  # median examples per client (log-normal, sigma 1, as a power law)
     seed: int = 0
+    iid: bool = False  # the paper's Synthetic-IID: one model (W, b) for every client, inputs x ~ N(0, Sigma)
 
     @staticmethod
     def parse(name: str, clients: int | None = None) -> SyntheticSpec:
-        """``synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]``; ``clients`` fills in CLIENTS when the name has none."""
+        """``synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]`` or ``synthetic:iid[:CLIENTS[:SAMPLES]]``; ``clients``
+        fills in CLIENTS when the name has none."""
         parts = name.split(":")
+        iid = len(parts) > 1 and parts[1] == "iid"
+        if iid:
+            parts[1:2] = ["0", "0"]  # Synthetic-IID: alpha and beta play no part
         if parts[0] != "synthetic" or len(parts) > 5:
-            raise ValueError(f"bad synthetic dataset name {name!r}; use synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]]")
+            raise ValueError(f"bad synthetic dataset name {name!r}; use synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]] "
+                             "or synthetic:iid[:CLIENTS[:SAMPLES]]")
         try:
             alpha, beta = (float(p) for p in parts[1:3]) if len(parts) >= 3 else (0.5, 0.5)
             count = int(parts[3]) if len(parts) >= 4 else clients
@@ -55,12 +69,13 @@ class SyntheticSpec:
         if count is None or count < 1 or alpha < 0 or beta < 0 or samples <= 0:
             raise ValueError(f"synthetic dataset {name!r} needs CLIENTS >= 1 (or --clients), ALPHA and BETA >= 0 "
                              "and SAMPLES > 0")
-        return SyntheticSpec(alpha, beta, count, samples)
+        return SyntheticSpec(alpha, beta, count, samples, iid=iid)
 
     @property
     def name(self) -> str:
         """The dataset name that says all of it."""
-        return f"synthetic:{self.alpha:g}:{self.beta:g}:{self.clients}:{self.samples:g}"
+        kind = "iid" if self.iid else f"{self.alpha:g}:{self.beta:g}"
+        return f"synthetic:{kind}:{self.clients}:{self.samples:g}"
 
 
 def client_sizes(spec: SyntheticSpec) -> np.ndarray:
@@ -76,13 +91,18 @@ def held_out(sizes: np.ndarray) -> np.ndarray:
 
 
 def client_examples(spec: SyntheticSpec, k: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Client ``k``'s ``size`` examples, from (seed, k) alone: x (float32, size x 60) and y (int64)."""
+    """Client ``k``'s ``size`` examples, from (seed, k) alone (and, for Synthetic-IID, the model shared by all,
+    from the seed): x (float32, size x 60) and y (int64)."""
     rng = np.random.default_rng([spec.seed, 1, k])
-    u = rng.normal(0.0, np.sqrt(spec.alpha)) if spec.alpha else 0.0
-    b_mean = rng.normal(0.0, np.sqrt(spec.beta)) if spec.beta else 0.0
-    w = rng.normal(u, 1.0, (CLASSES, DIM))
-    b = rng.normal(u, 1.0, CLASSES)
-    v = rng.normal(b_mean, 1.0, DIM)
+    if spec.iid:
+        shared = np.random.default_rng([spec.seed, 2])
+        w, b, v = shared.normal(0.0, 1.0, (CLASSES, DIM)), shared.normal(0.0, 1.0, CLASSES), np.zeros(DIM)
+    else:
+        u = rng.normal(0.0, spec.alpha) if spec.alpha else 0.0
+        b_mean = rng.normal(0.0, spec.beta) if spec.beta else 0.0
+        w = rng.normal(u, 1.0, (CLASSES, DIM))
+        b = rng.normal(u, 1.0, CLASSES)
+        v = rng.normal(b_mean, 1.0, DIM)
     x = (v + rng.standard_normal((size, DIM)) * _SCALE).astype(np.float32)
     return x, (x @ w.T.astype(np.float32) + b).argmax(axis=1).astype(np.int64)
 
