@@ -146,18 +146,69 @@ def straggler_study(rounds: int, tmp: Path) -> dict:
 
 SCALE_POPULATIONS = (1_000, 10_000, 100_000, 1_000_000)
 LEARNING_DATASETS = ("synthetic:0:0", "synthetic:iid")
+RANKS_POPULATION, RANKS = 10_000_000, 2
 
 
-def scale_table(tmp: Path, populations=SCALE_POPULATIONS, learning: bool = True) -> dict:
-    """The population-size table and the learning check at a million members (see the module docstring)."""
+def run_over_ranks(n: int, ranks: int, tmp: Path) -> dict:
+    """The same rounds as the table's, with the population hosted by ``ranks`` local torchrun ranks of
+    `fedpar simulate-workers` against one `fedpar serve --accept-populations`: as :func:`run_simulate` measures
+    them, the peak PSS summed over both process trees."""
+    out = tmp / f"ranks-{n}"
+    started = time.monotonic()
+    serve = subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--port-file",
+                              str(tmp / f"port-{n}"), "--out", str(out), "--accept-populations",
+                              "--min-available", str(n), "--max-agents", str(n),
+                              "--clients-per-round", str(PER_ROUND), "--rounds", "5",
+                              "--dataset", f"synthetic:1:1:{n}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    procs, peak, first_row_at = [serve], 0.0, None
+    metrics, workers_log = out / "metrics.jsonl", tmp / f"ranks-{n}.log"
+    try:
+        while not (tmp / f"port-{n}").exists():
+            if serve.poll() is not None:
+                raise RuntimeError(f"serve failed ({serve.returncode}): {serve.communicate()[1][-2000:]}")
+            time.sleep(0.2)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
+             "fedpar", "simulate-workers", "--server", f"127.0.0.1:{int((tmp / f'port-{n}').read_text())}", "--clients",
+             str(n), "--dataset", "synthetic:1:1"],
+            stdout=workers_log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        while serve.poll() is None:
+            peak = max(peak, sum(tree_pss_mib(p.pid) for p in procs))
+            if first_row_at is None and metrics.exists() and metrics.stat().st_size:
+                first_row_at = time.monotonic() - started
+            time.sleep(0.5)
+        procs[1].wait(120)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if serve.returncode != 0 or procs[1].returncode != 0:
+        raise RuntimeError(f"serve ({serve.returncode}) or workers ({procs[1].returncode}) failed: "
+                           f"{serve.stderr.read()[-2000:]} {workers_log.read_text()[-2000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"startup_seconds": (first_row_at or 0.0) - rows[0]["round_seconds"], "peak_tree_mib": peak,
+            "steady_round_seconds": statistics.median(r["round_seconds"] for r in rows[1:]), "ranks": ranks,
+            "failed_rounds": sum(r["status"] != "ok" for r in rows), "wall_seconds": time.monotonic() - started}
+
+
+def scale_table(tmp: Path, populations=SCALE_POPULATIONS, ranks_populations=(1_000, RANKS_POPULATION),
+                learning: bool = True) -> dict:
+    """The population-size table (``fedpar simulate``; then ``ranks_populations`` on RANKS local ranks of
+    simulate-workers against `fedpar serve`, each compared with the smallest run of its own kind) and the learning
+    check at a million members (see the module docstring)."""
     print(f"{'population':>11}{'set-up s':>9}{'wall s':>8}{'peak PSS MiB':>13}{'B/member':>9}{'round s':>9}"
           f"{'x 10^3':>8}")
     rows: list[dict] = []
-    for n in populations:
-        r = run_simulate(["--clients", str(n), "--clients-per-round", str(PER_ROUND), "--dataset", "synthetic:1:1",
-                          "--rounds", "5"], tmp / f"scale-{n}")
-        r.pop("rows")
-        base = rows[0] if rows else None
+    for n, ranks in [*((n, 0) for n in populations), *((n, RANKS) for n in ranks_populations)]:
+        if ranks:
+            r = run_over_ranks(n, ranks, tmp)
+        else:
+            r = run_simulate(["--clients", str(n), "--clients-per-round", str(PER_ROUND), "--dataset",
+                              "synthetic:1:1", "--rounds", "5"], tmp / f"scale-{n}")
+            r.pop("rows")
+            r["ranks"] = 0
+        base = next((c for c in rows if c["ranks"] == ranks), None)
         r["population"] = n
         r["bytes_per_member"] = (r["peak_tree_mib"] - base["peak_tree_mib"]) * 2**20 / (n - base["population"]) \
             if base else None
@@ -166,6 +217,7 @@ def scale_table(tmp: Path, populations=SCALE_POPULATIONS, learning: bool = True)
         per_member = f"{r['bytes_per_member']:>9.0f}" if r["bytes_per_member"] is not None else f"{'-':>9}"
         print(f"{n:>11,}{r['startup_seconds']:>9.1f}{r['wall_seconds']:>8.1f}{r['peak_tree_mib']:>13.0f}{per_member}"
               f"{r['steady_round_seconds']:>9.3f}{r['vs_smallest']:>8.2f}"
+              + (f"  (serve + {ranks} local ranks of simulate-workers)" if ranks else "")
               + ("  (SOME ROUNDS FAILED)" if r["failed_rounds"] else ""), flush=True)
     out: dict = {"cells": rows}
     if learning:
@@ -185,12 +237,17 @@ def scale_table(tmp: Path, populations=SCALE_POPULATIONS, learning: bool = True)
 
 
 def scale_ratios(result: dict) -> list[dict]:
-    """The population table's ratios for the results envelope: each population's steady round to the 10^3 one's."""
-    smallest = result["cells"][0]["population"]
-    return [{"what": f"steady round, synthetic:1:1, {c['population']:,} members ({c['peak_tree_mib']:.0f} MiB tree, "
-                     f"{c['bytes_per_member']:.0f} B/member)", "ratio": c["vs_smallest"],
-             "against": f"the same command at {smallest:,} members, same run"}
-            for c in result["cells"][1:]]
+    """The population table's ratios for the results envelope: each population's steady round to the smallest one's
+    of the same kind (simulate, or serve and simulate-workers over ranks)."""
+    out = []
+    for c in result["cells"]:
+        if c["bytes_per_member"] is None:
+            continue
+        how = f" on {c['ranks']} local ranks" if c["ranks"] else ""
+        out.append({"what": f"steady round, synthetic:1:1, {c['population']:,} members{how} "
+                            f"({c['peak_tree_mib']:.0f} MiB trees, {c['bytes_per_member']:.0f} B/member)",
+                    "ratio": c["vs_smallest"], "against": "the same command at 1,000 members, same run"})
+    return out
 
 
 def main() -> int:

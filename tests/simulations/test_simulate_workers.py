@@ -1,5 +1,5 @@
-"""`fedpar simulate-workers` under torchrun: two "machines" (torchrun --nnodes 2, one process each, on 127.0.0.1)
-host one virtual population, with FedScale-shaped traces, against a real `fedpar serve --accept-populations` that
+"""`fedpar simulate-workers` under torchrun: two "machines" (torchrun --nnodes 2 on 127.0.0.1, the first with two
+local ranks, the second with one) host one virtual population, with FedScale-shaped traces, against a real `fedpar serve --accept-populations` that
 runs a virtual clock."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENTS, PER_ROUND, ROUNDS = 300, 20, 3
 
 
-def test_torchrun_nnodes_2_hosts_one_population_against_one_coordinator(tmp_path):
+def test_torchrun_two_nodes_and_two_local_ranks_host_one_population_against_one_coordinator(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     serve = subprocess.Popen(
         [sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"),
@@ -34,7 +34,7 @@ def test_torchrun_nnodes_2_hosts_one_population_against_one_coordinator(tmp_path
         server = f"127.0.0.1:{int((tmp_path / 'port').read_text())}"
         master = free_port()
         for node in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(2 - node),
                    "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master),
                    "-m", "fedpar", "simulate-workers", "--server", server, "--clients", str(CLIENTS),
                    "--val-fraction", "0", "--seats", "2", "--trace", "fedscale"]
@@ -51,7 +51,9 @@ def test_torchrun_nnodes_2_hosts_one_population_against_one_coordinator(tmp_path
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", PER_ROUND)] * ROUNDS
     assert 0 < rows[0]["sim_seconds"] < rows[-1]["sim_seconds"] < 60 * ROUNDS  # simulated seconds, on the clock
     logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
-    hosted = [int(log.split(" clients hosted")[0].rsplit(": ", 1)[1]) for log in logs]
-    assert sorted(hosted) == [CLIENTS // 2, CLIENTS // 2]  # torchrun's ranks split the population
-    ran = [int(log.split(" tasks run")[0].rsplit(", ", 1)[1]) for log in logs]
-    assert sum(ran) >= PER_ROUND * ROUNDS and min(ran) > 0  # both machines' clients were sampled
+    ranks = [line for log in logs for line in log.splitlines() if " clients hosted" in line]
+    assert sorted(line.split(":")[0] for line in ranks) == ["rank 0/3", "rank 1/3", "rank 2/3"], logs
+    hosted = [int(line.split(" clients hosted")[0].rsplit(": ", 1)[1]) for line in ranks]
+    assert hosted == [CLIENTS // 3] * 3  # torchrun's ranks split the population
+    ran = [int(line.split(" tasks run")[0].rsplit(", ", 1)[1]) for line in ranks]
+    assert sum(ran) >= PER_ROUND * ROUNDS and min(ran) > 0  # every rank's clients were sampled
