@@ -147,6 +147,7 @@ def straggler_study(rounds: int, tmp: Path) -> dict:
 SCALE_POPULATIONS = (1_000, 10_000, 100_000, 1_000_000)
 LEARNING_DATASETS = ("synthetic:0:0", "synthetic:iid")
 RANKS_POPULATION, RANKS = 10_000_000, 2
+RANKS_LIMIT_SECONDS = 1800
 
 
 def run_over_ranks(n: int, ranks: int, tmp: Path) -> dict:
@@ -160,13 +161,14 @@ def run_over_ranks(n: int, ranks: int, tmp: Path) -> dict:
                               "--min-available", str(n), "--max-agents", str(n),
                               "--clients-per-round", str(PER_ROUND), "--rounds", "5",
                               "--dataset", f"synthetic:1:1:{n}"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=(tmp / f"serve-{n}.log").open("w"))
     procs, peak, first_row_at = [serve], 0.0, None
     metrics, workers_log = out / "metrics.jsonl", tmp / f"ranks-{n}.log"
     try:
         while not (tmp / f"port-{n}").exists():
             if serve.poll() is not None:
-                raise RuntimeError(f"serve failed ({serve.returncode}): {serve.communicate()[1][-2000:]}")
+                raise RuntimeError(f"serve failed ({serve.returncode}): "
+                                   f"{(tmp / f'serve-{n}.log').read_text()[-2000:]}")
             time.sleep(0.2)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
@@ -174,6 +176,9 @@ def run_over_ranks(n: int, ranks: int, tmp: Path) -> dict:
              str(n), "--dataset", "synthetic:1:1"],
             stdout=workers_log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
         while serve.poll() is None:
+            if procs[1].poll() not in (None, 0) or time.monotonic() - started > RANKS_LIMIT_SECONDS:
+                raise RuntimeError(f"the workers ended ({procs[1].returncode}) or the run took over "
+                                   f"{RANKS_LIMIT_SECONDS} s: {workers_log.read_text()[-2000:]}")
             peak = max(peak, sum(tree_pss_mib(p.pid) for p in procs))
             if first_row_at is None and metrics.exists() and metrics.stat().st_size:
                 first_row_at = time.monotonic() - started
@@ -185,7 +190,7 @@ def run_over_ranks(n: int, ranks: int, tmp: Path) -> dict:
                 proc.kill()
     if serve.returncode != 0 or procs[1].returncode != 0:
         raise RuntimeError(f"serve ({serve.returncode}) or workers ({procs[1].returncode}) failed: "
-                           f"{serve.stderr.read()[-2000:]} {workers_log.read_text()[-2000:]}")
+                           f"{(tmp / f'serve-{n}.log').read_text()[-2000:]} {workers_log.read_text()[-2000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {"startup_seconds": (first_row_at or 0.0) - rows[0]["round_seconds"], "peak_tree_mib": peak,
             "steady_round_seconds": statistics.median(r["round_seconds"] for r in rows[1:]), "ranks": ranks,
@@ -202,13 +207,18 @@ def scale_table(tmp: Path, populations=SCALE_POPULATIONS, ranks_populations=(1_0
     rows: list[dict] = []
     for n, ranks in [*((n, 0) for n in populations), *((n, RANKS) for n in ranks_populations)]:
         if ranks:
-            r = run_over_ranks(n, ranks, tmp)
+            try:
+                r = run_over_ranks(n, ranks, tmp)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # kept in the results, the table goes on
+                print(f"{n:>11,}  over {ranks} local ranks FAILED: {str(exc)[-1500:]}", flush=True)
+                rows.append({"population": n, "ranks": ranks, "error": str(exc)[-1500:], "failed_rounds": 1})
+                continue
         else:
             r = run_simulate(["--clients", str(n), "--clients-per-round", str(PER_ROUND), "--dataset",
                               "synthetic:1:1", "--rounds", "5"], tmp / f"scale-{n}")
             r.pop("rows")
             r["ranks"] = 0
-        base = next((c for c in rows if c["ranks"] == ranks), None)
+        base = next((c for c in rows if c["ranks"] == ranks and "error" not in c), None)
         r["population"] = n
         r["bytes_per_member"] = (r["peak_tree_mib"] - base["peak_tree_mib"]) * 2**20 / (n - base["population"]) \
             if base else None
@@ -241,7 +251,7 @@ def scale_ratios(result: dict) -> list[dict]:
     of the same kind (simulate, or serve and simulate-workers over ranks)."""
     out = []
     for c in result["cells"]:
-        if c["bytes_per_member"] is None:
+        if c.get("bytes_per_member") is None:
             continue
         how = f" on {c['ranks']} local ranks" if c["ranks"] else ""
         out.append({"what": f"steady round, synthetic:1:1, {c['population']:,} members{how} "
