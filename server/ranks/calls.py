@@ -67,14 +67,21 @@ class RankCalls:
         """Refuse ``ranks``' calls from now on; their slots in ``state`` (the open round, if any) are lost, and the
         uploads they had counted are counted no more. Returns how many were."""
         self.lost.update(ranks)
-        dropped = 0
-        for slot in state.slots.values() if state is not None else ():
+        if state is None:
+            return 0
+        dropped = silenced = 0
+        for slot in state.slots.values():
             if slot.rank not in ranks or slot.status in ("rejected", "late"):
                 continue
             if slot.status == "accepted":
                 state.withdraw(self._counted[slot.agent_id])
                 dropped += 1
             slot.status = "lost"
+            silenced += slot.go
+        # they will not answer: the round closes once the others have (or by first K, or its deadline)
+        state.answering = (len(state.slots) if state.answering is None else state.answering) - silenced
+        if not state.closed:
+            state.close_if_done()
         return dropped
 
     def downloaded(self, rank: int, download: pb.RankDownload) -> None:

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS = 24
+ROUNDS = 20
 
 
 def _simulate(out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--aggregator-ranks", "3", "--clients", "6",
-           "--workers", "1", "--rounds", str(ROUNDS), "--local-epochs", "1", "--aggregator-timeout", "3",
-           "--deadline", "10", "--seed", "3", "--out", str(out), "--quiet"]
+           "--workers", "1", "--rounds", str(ROUNDS), "--local-epochs", "1", "--aggregator-timeout", "2",
+           "--deadline", "6", "--seed", "3", "--out", str(out), "--quiet"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
