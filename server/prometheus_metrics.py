@@ -104,8 +104,7 @@ class PrometheusExporter:
         fold = [v for k, v in row.items() if k.startswith("r") and k.endswith("_fold_s") and v is not None]
         if fold:
             self._of(self.fold_seconds).observe(sum(fold))
-        if row.get("ranks_live") is not None:
-            self._of(self.ranks_live).set(row["ranks_live"])
+        self._of(self.ranks_live).set(row.get("ranks_live", 1))  # a row without it: a one-rank coordinator
         if self.dp_epsilon is not None and row.get("dp_epsilon") is not None:
             self._of(self.dp_epsilon).set(row["dp_epsilon"])
 

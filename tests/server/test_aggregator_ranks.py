@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -309,7 +310,7 @@ def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_pa
     its model is exactly their weighted mean; rank 1, woken later, finds itself left out and leaves."""
     layout = _layout()
     proc = _serve(tmp_path, 2, "--rounds", "2", "--clients-per-round", "4", "--aggregator-timeout", "4",
-                  "--deadline", "60")
+                  "--deadline", "60", "--metrics-port", "0")
     pid = None
     try:
         port = _port(tmp_path, proc)
@@ -332,6 +333,11 @@ def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_pa
         while time.monotonic() < end and "rank 1 lost" not in (tmp_path / "serve.log").read_text():
             time.sleep(0.1)
         os.kill(pid, signal.SIGCONT)  # it finds the group re-formed without it, and leaves
+        while time.monotonic() < end and len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) < 2:
+            time.sleep(0.1)
+        metrics = re.search(r"Prometheus metrics at (\S+)", (tmp_path / "serve.log").read_text()).group(1)
+        with urllib.request.urlopen(metrics, timeout=10) as page:
+            assert re.search(r"^fedpar_aggregator_ranks_live 1\.0$", page.read().decode(), re.M)
         for agent in agents:
             assert agent.shutdown_reason() == "training finished after round 2"
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
