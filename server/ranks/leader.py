@@ -40,9 +40,8 @@ class RanksChanged(RankMissing):
 
 
 class RankLeader:
-    """Rank 0's side: deals agents to ranks, and combines the ranks' partial sums at each round's close. When a rank dies or hangs, the first collective that fails makes rank 0 form the group again
-over the ranks whose heartbeats still arrive; the lost ranks' share of the open round is dropped and the coordinator
-goes on with the others."""
+    """Rank 0's side: deals agents to the live ranks, combines their partial sums at each round's close, and goes on
+without a rank that is lost."""
 
     def __init__(self, group: RankGroup, advertised_host: str = "", tls: TlsFiles | None = None,
                  on_lost: Callable[[list[int]], None] | None = None):
