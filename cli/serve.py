@@ -165,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     if world > 1 and "WORLD_SIZE" not in os.environ:
         from fedpar.parallel.init import spawn
         try:
-            spawn(world, serve_rank, _plain_options(args), parent_stops=True, stop_grace=STOP_GRACE_SECONDS)
+            spawn(world, serve_rank, _plain_options(args), parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
+                  rank_0_decides=True)  # rank 0 goes on without a lost rank
         except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
             return exit_code(signal_name(exc))
         except Exception as exc:  # a rank died or hung: the others were stopped with it

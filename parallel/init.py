@@ -119,13 +119,15 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
 
 
 def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False,
-          stop_grace: float = 1.0) -> None:
+          stop_grace: float = 1.0, rank_0_decides: bool = False) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
 
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
     ``parent_stops`` the ranks ignore Ctrl-C and leave when this process dies; SIGINT or SIGTERM here stops them
     (:func:`stop_ranks`, rank 0 given ``stop_grace`` seconds) before StopRequested is raised: the caller then says
     what completed, and no rank prints a traceback of its own. A second signal kills them and exits at once.
+    With ``rank_0_decides`` (and ``parent_stops``) another rank may die without ending the others (rank 0 goes on
+    without it: aggregator ranks); the launch ends when rank 0 does, and only rank 0's failure is re-raised.
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
@@ -139,11 +141,29 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     ranks = context.processes
     with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
         try:
-            while not context.join(timeout=0.5):
-                pass
+            if rank_0_decides:
+                _follow_rank_0(context)
+            else:
+                while not context.join(timeout=0.5):
+                    pass
         except KeyboardInterrupt:
             stop_ranks(ranks, stop_grace)
             raise
+
+
+def _follow_rank_0(context, linger: float = 30.0) -> None:
+    """Wait for rank 0 to end, then up to ``linger`` seconds for the others (killed after that); rank 0's failure
+    is raised as torch's launcher raises it, whatever became of the others."""
+    first = context.processes[0]
+    while first.is_alive():
+        first.join(0.5)
+    for process in context.processes[1:]:
+        process.join(timeout=linger)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=1.0)
+    context.sentinels = {s: i for s, i in context.sentinels.items() if i == 0}  # the others' ends are not failures
+    context.join()
 
 
 def stop_ranks(ranks: list, grace: float) -> None:

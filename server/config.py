@@ -57,8 +57,8 @@ class AggregatorRanks:
              "process is one rank and this is ignored)")
     aggregator_timeout_seconds: float = setting(
         120.0, check="positive", flag="aggregator-timeout", group="coordinator",
-        help="longest wait for another aggregator rank at a round's close; a rank that misses it is named and the "
-             "whole coordinator stops (serve: run the same command again to resume)")
+        help="longest wait for another aggregator rank in a collective; a rank that misses it (or dies) is dropped "
+             "and the coordinator goes on with the others, which lose only its share of the open round")
 
 
 @dataclass

@@ -58,6 +58,8 @@ class PrometheusExporter:
                                        buckets=SECONDS_BUCKETS)
         self.fold_seconds = Histogram("fedpar_fold_seconds", "seconds spent folding updates per round (all "
                                       "aggregator ranks)", run, registry=r, buckets=SECONDS_BUCKETS)
+        self.ranks_live = Gauge("fedpar_aggregator_ranks_live", "aggregator ranks in the coordinator's group at the "
+                                "last round's close (fewer than started: ranks were lost)", run, registry=r)
         self.dp_epsilon = Gauge("fedpar_dp_epsilon", "differential privacy budget spent so far (epsilon at "
                                 "--privacy-delta)", run, registry=r) if privacy else None
         if not runs:
@@ -102,6 +104,7 @@ class PrometheusExporter:
         fold = [v for k, v in row.items() if k.startswith("r") and k.endswith("_fold_s") and v is not None]
         if fold:
             self._of(self.fold_seconds).observe(sum(fold))
+        self._of(self.ranks_live).set(row.get("ranks_live", 1))  # a row without it: a one-rank coordinator
         if self.dp_epsilon is not None and row.get("dp_epsilon") is not None:
             self._of(self.dp_epsilon).set(row["dp_epsilon"])
 

@@ -43,7 +43,7 @@ class AgentSlot:
     dispatched: bool = False
     downloaded: bool = False  # a download of the round's weights completed; the task is not handed out again
     data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out
-    status: str = "pending"  # pending | uploading | accepted | rejected | late
+    status: str = "pending"  # pending | uploading | accepted | rejected | late | lost (its aggregator rank was)
     upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
     go: bool = True  # under the virtual clock, False until it is among the first K to finish (server/virtual_clock.py)
 

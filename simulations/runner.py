@@ -254,8 +254,6 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
                     raise ProcessLost(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
-                if ranks is not None and ranks.failed():
-                    raise ProcessLost(ranks.failed())
         except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop now, and still write the rounds that completed
             stopped_by = exc
             log.warning("interrupted: stopping after %d completed rounds", server.coordinator.metrics.summary.rounds)

@@ -19,6 +19,8 @@ One round, as rank 0 sees it (leader.py; the other ranks' side is ingest.py):
 
 Every control message is a protobuf message of fedpar.proto (RankBroadcast from rank 0, RankControl's calls to it),
 read and written by one codec (messages.py). local.py starts ranks 1..N-1 as processes of this machine for
-``simulate``. A rank that dies or hangs fails the collective and every rank exits; the group restarted with the same
-command resumes after the last checkpointed round, so that round runs again and nothing counts twice.
+``simulate``. A rank other than 0 that dies or hangs fails a collective: rank 0 then forms the group again over the
+ranks whose heartbeats still arrive (group.py RankGroup.reform, leader.py), drops the lost rank's share of the open
+round and goes on; the others rejoin (ingest.py). Rank 0's death is the coordinator's: the same command resumes after
+the last checkpointed round.
 """

@@ -1,5 +1,6 @@
 """Rank 0's answers to the other ranks' RankControl calls (server/ranks/control.py), on the coordinator's loop:
-rank 0 alone counts uploads (first K, deadline, duplicates), whichever rank took them."""
+rank 0 alone counts uploads (first K, deadline, duplicates), whichever rank took them. A rank declared lost is
+refused from then on, and the uploads it took in the open round are no longer counted (its partial sum is gone)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ class RankCalls:
     def __init__(self, coordinator):
         self.coordinator = coordinator
         self.heard: dict[int, float] = {}  # monotonic time of each other rank's last heartbeat
+        self.lost: set[int] = set()  # ranks declared lost: their calls are refused
+        self._counted: dict[str, tuple[int, dict[str, float]]] = {}  # the open round's counted reports, by agent
+        self._counted_round = 0
 
     def _slot(self, rank: int, round_id: int, agent_id: str, task_id: str) -> tuple[RoundState, AgentSlot]:
         """The open round's slot a rank's call is about (a Refusal if the round is not current, or the agent was
         dealt to another rank)."""
+        if rank in self.lost:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"aggregator rank {rank} was declared lost; the update was not applied")
         state = self.coordinator.current
         if state is None or round_id != state.round_id:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
@@ -42,6 +49,9 @@ class RankCalls:
                           f"({slot.status}); duplicates are refused")
         state.refuse_if_closed(slot)
         slot.upload_bytes = upload.upload_bytes
+        if self._counted_round != state.round_id:
+            self._counted, self._counted_round = {}, state.round_id
+        self._counted[slot.agent_id] = report(upload)
         state.count_accepted(slot, report(upload))
         state.close_if_done()
 
@@ -52,6 +62,27 @@ class RankCalls:
             state.withdraw(report(rejection.counted))
         if slot.status in ("pending", "uploading", "accepted"):
             state.reject(slot, rejection.reason)
+
+    def drop(self, ranks: list[int], state: RoundState | None) -> int:
+        """Refuse ``ranks``' calls from now on; their slots in ``state`` (the open round, if any) are lost, and the
+        uploads they had counted are counted no more. Returns how many were."""
+        self.lost.update(ranks)
+        if state is None:
+            return 0
+        dropped = silenced = 0
+        for slot in state.slots.values():
+            if slot.rank not in ranks or slot.status in ("rejected", "late"):
+                continue
+            if slot.status == "accepted":
+                state.withdraw(self._counted[slot.agent_id])
+                dropped += 1
+            slot.status = "lost"
+            silenced += slot.go
+        # they will not answer: the round closes once the others have (or by first K, or its deadline)
+        state.answering = (len(state.slots) if state.answering is None else state.answering) - silenced
+        if not state.closed:
+            state.close_if_done()
+        return dropped
 
     def downloaded(self, rank: int, download: pb.RankDownload) -> None:
         """``rank`` served an agent its task's whole model."""

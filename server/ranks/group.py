@@ -26,11 +26,16 @@ from fedpar.server.ranks.messages import decode, encode
 
 
 HOST_BYTES = 255
+REFORM_KEY = "fedpar/ranks/reformed"  # + /N: the ranks of the group's N-th re-forming
 CLIENT_ID_BYTES = 512  # a handed-on update's client id, UTF-8 (agent ids are at most 128 characters)
 
 
 class RankMissing(RuntimeError):
     """A rank did not take part in a collective in time (it died or hangs); the message names it."""
+
+
+class RankLeftOut(RankMissing):
+    """This rank was declared lost (it died or hung) and the others re-formed the group without it."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,70 @@ class RankGroup:
     def __init__(self, timeout_seconds: float):
         if not dist.is_initialized():
             raise RuntimeError("aggregator ranks need torch.distributed initialized (init_distributed)")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()  # as started: ranks keep their numbers
+        self.members = list(range(self.world))  # the ranks in the group now (rank 0 first), as dist ranks 0..
+        self.generation = 0  # how many times the group was re-formed without lost ranks
         self.timeout = timedelta(seconds=timeout_seconds)
-        self.nccl = dist.get_backend() == "nccl"
+        self.backend = dist.get_backend()
+        self.nccl = self.backend == "nccl"
+        # the rendezvous store the group was made with (rank 0's, or torchrun's): re-formed groups meet there
+        self.store = dist.distributed_c10d._get_default_store()
         self.control = dist.new_group(backend="gloo", timeout=self.timeout) if self.nccl else dist.group.WORLD
         # where this rank keeps its partial sum: its GPU under NCCL (uploads go there from pinned staging), else host
         self.fold_device = f"cuda:{torch.cuda.current_device()}" if self.nccl else "host"
+
+    def _index(self, rank: int) -> int:
+        """The torch.distributed rank of aggregator rank ``rank`` in the group as it is now."""
+        return self.members.index(rank)
+
+    # --------------------------------------------------------------- re-forming
+    def reform(self, members: Sequence[int]) -> None:
+        """Rank 0: leave the group and form it again over ``members`` (the ranks still alive, 0 first): leaving wakes
+        every rank still waiting in a collective, which then rejoins (:meth:`rejoin`) if it is a member."""
+        assert self.rank == 0 and members[0] == 0
+        self.leave()
+        self.generation += 1
+        self.store.set(f"{REFORM_KEY}/{self.generation}", ",".join(str(r) for r in members).encode())
+        self._join(members)
+
+    def rejoin(self) -> None:
+        """Ranks > 0, after a failed collective: wait for rank 0 to re-form the group and join it (RankLeftOut if
+        rank 0 left this rank out, RankMissing if it did not re-form the group within a few timeouts)."""
+        self.leave()
+        while True:
+            key = f"{REFORM_KEY}/{self.generation + 1}"
+            try:
+                self.store.wait([key], 3 * self.timeout)
+                members = [int(r) for r in self.store.get(key).decode().split(",")]
+            except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
+                raise RankMissing(f"aggregator rank {self.rank}: rank 0 did not re-form the group of aggregator "
+                                  f"ranks ({first_line(exc)})") from None
+            self.generation += 1
+            if self.rank not in members:
+                raise RankLeftOut(f"aggregator rank {self.rank} was declared lost (it died or hung) and the other "
+                                  "ranks went on without it")
+            try:
+                self._join(members)
+                return
+            except RankMissing:  # another member was lost meanwhile: rank 0 forms the group again
+                continue
+
+    def leave(self) -> None:
+        """Leave the group (every rank still waiting in one of its collectives then fails at once)."""
+        self.control = None  # the last reference: the group's connections close with it
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _join(self, members: Sequence[int]) -> None:
+        store = dist.PrefixStore(f"{REFORM_KEY}/{self.generation}/group", self.store)
+        try:
+            dist.init_process_group(self.backend, store=store, rank=members.index(self.rank),
+                                    world_size=len(members), timeout=self.timeout)
+            self.control = dist.new_group(backend="gloo", timeout=self.timeout) if self.nccl else dist.group.WORLD
+        except RuntimeError as exc:  # a member that was to join did not (it died meanwhile)
+            raise RankMissing(f"re-forming the group of aggregator ranks {list(members)} failed on rank {self.rank} "
+                              f"({first_line(exc)})") from None
+        self.members = list(members)
 
     # --------------------------------------------------------------- control messages
     def send(self, message: pb.RankBroadcast) -> None:
@@ -91,18 +154,18 @@ class RankGroup:
         row = torch.zeros(HOST_BYTES + 3, dtype=torch.int64)
         row[0], row[1], row[2] = len(host), mine.grpc_port, mine.data_port
         row[3:3 + len(host)] = torch.tensor(list(host), dtype=torch.int64)
-        rows = [torch.empty_like(row) for _ in range(self.world)]
+        rows = [torch.empty_like(row) for _ in self.members]
         self._collective("all-gather", dist.all_gather, rows, row, group=self.control)
         return [RankEndpoint(r, bytes(t[3:3 + int(t[0])].tolist()).decode(), int(t[1]), int(t[2]))
-                for r, t in enumerate(rows)]
+                for r, t in zip(self.members, rows)]
 
     # --------------------------------------------------------------- data
-    def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
-        """Every rank's ``values`` (same length everywhere), by rank."""
+    def gather_floats(self, values: Sequence[float]) -> dict[int, list[float]]:
+        """Every member's ``values`` (same length everywhere), by rank."""
         mine = torch.tensor(list(values), dtype=torch.float64)
-        out = [torch.empty_like(mine) for _ in range(self.world)]
+        out = [torch.empty_like(mine) for _ in self.members]
         self._collective("all-gather", dist.all_gather, out, mine, group=self.control)
-        return [t.tolist() for t in out]
+        return {r: t.tolist() for r, t in zip(self.members, out)}
 
     def broadcast_floats(self, values: Sequence[float] | None) -> list[float]:
         """Rank 0's ``values`` on every rank (the others pass None)."""
@@ -117,7 +180,7 @@ class RankGroup:
     def gather_updates(self, items: Sequence[FoldItem], shapes: ShapesAndDtypes) -> list[FoldItem]:
         """Rank 0: every other rank's ``items`` (whole updates of the model ``shapes`` describes, their weights and
         client ids), in rank order; the other ranks send theirs and get []. Memory at rank 0: the updates sent."""
-        counts = [int(c[0]) for c in self.gather_floats([len(items)])]
+        counts = {r: int(c[0]) for r, c in self.gather_floats([len(items)]).items()}
         if self.rank:
             for item in items:
                 for a in shapes.check(item.update, "a handed-on update"):
@@ -130,17 +193,18 @@ class RankGroup:
                                  0, group=self.control)
             return []
         out = []
-        for r in range(1, self.world):
+        for r in self.members[1:]:
             for _ in range(counts[r]):
                 update = []
                 for shape, dtype, size in zip(shapes.shapes, shapes.dtypes, shapes.sizes):
                     buf = np.empty(size, dtype)
-                    self._collective("receive", dist.recv, torch.from_numpy(buf), r, group=self.control)
+                    self._collective("receive", dist.recv, torch.from_numpy(buf), self._index(r),
+                                     group=self.control)
                     update.append(buf.reshape(shape))
                 name = torch.empty(CLIENT_ID_BYTES, dtype=torch.uint8)
                 weight = torch.empty(1, dtype=torch.float64)
-                self._collective("receive", dist.recv, name, r, group=self.control)
-                self._collective("receive", dist.recv, weight, r, group=self.control)
+                self._collective("receive", dist.recv, name, self._index(r), group=self.control)
+                self._collective("receive", dist.recv, weight, self._index(r), group=self.control)
                 client_id = bytes(name.tolist()).rstrip(b"\0").decode(errors="replace")
                 out.append(FoldItem(update, float(weight[0]), client_id))
         return out
@@ -153,7 +217,7 @@ class RankGroup:
             self.sum_partials(partial)
         counts = strategy.partial_counts()
         if counts:
-            others = self.gather_floats(counts)[1:]
+            others = [v for r, v in self.gather_floats(counts).items() if r]
             if self.rank == 0:
                 strategy.merge_counts(others)
         handed = self.gather_updates(strategy.handoff() if self.rank else [], shapes)

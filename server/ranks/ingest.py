@@ -4,6 +4,8 @@ It serves the global model to the agents rank 0 dealt to it and takes their uplo
 service, data plane and upload intake as rank 0, with the same checks. A complete, checked upload is counted
 by rank 0 (which alone decides first-K, the deadline and duplicates) and then folded into this rank's own
 strategy, whose running sum joins the all-reduce at the round's close. Agents join and pull tasks at rank 0.
+When a collective fails (another rank died or hangs), this rank waits for rank 0 to form the group again and
+follows it from rank 0's next message; a rank that rank 0 declared lost leaves.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.tls import TlsFiles
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ranks.control import HEARTBEAT_SECONDS, RankControlClient
-from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
+from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankLeftOut, RankMissing
 from fedpar.server.ranks.messages import RankMessageError, serial_number
 from fedpar.server.ranks.plane import IngestPlane
 from fedpar.server.ranks.stats import ingest_stats
@@ -69,41 +71,63 @@ class IngestRank(IngestPlane):
         await self._collective(self.group.exchange_endpoints, me)
         log.info("aggregator rank %d (pid %d) serving on port %d, data plane on %s", self.rank, os.getpid(),
                  me.grpc_port, me.data_port or "none")
+        heartbeat = None
         try:
             while True:
                 try:
                     message = await self._receive()
+                    kind = message.WhichOneof("kind")
+                    if kind == "start" and heartbeat is None:
+                        start = message.start
+                        self.control = RankControlClient(start.control, start.secret, self.rank,
+                                                         self.config.aggregator_timeout_seconds, self.control_tls)
+                        heartbeat = asyncio.ensure_future(self._heartbeat())
+                    await self._follow(message)
+                except RankLeftOut as exc:
+                    log.warning("%s; this rank leaves", exc)
+                    return
+                except RankMissing as exc:
+                    failure = str(exc)  # not the exception: its frames hold the failed group, which must close
+                else:
+                    if kind == "stop":
+                        return
+                    continue
+                try:  # another rank was lost: rank 0 forms the group again, then its next message comes
+                    log.info("rank %d: %s; waiting for rank 0 to form the group again", self.rank, failure)
+                    await self._collective(self.group.rejoin)
+                except RankLeftOut as left:
+                    log.warning("%s; this rank leaves", left)
+                    return
                 except RankMissing:
                     # Leave a moment after rank 0 would: its diagnosis names the silent rank, and the launcher
                     # reports the first rank to fail.
                     await asyncio.sleep(LEAVE_AFTER_RANK0_SECONDS)
                     raise
-                kind = message.WhichOneof("kind")
-                if kind == "start":
-                    start = message.start
-                    self.control = RankControlClient(start.control, start.secret, self.rank,
-                                                     self.config.aggregator_timeout_seconds, self.control_tls)
-                    heartbeat = asyncio.ensure_future(self._heartbeat())
-                    await self._new_model(start.round)
-                    self._ready(True)
-                elif kind == "open":
-                    await self._open(message.open)
-                elif kind == "close":
-                    await self._close(message.close)
-                elif kind == "model":
-                    if message.model.changed:
-                        await self._new_model(message.model.round)
-                    else:
-                        await self._in_thread(self.strategy.abort_round)
-                        self.round_id = message.model.round
-                elif kind == "stop":
-                    return
         finally:
             self.finished = True
             self._ready(False)
-            if self.control is not None:
+            if heartbeat is not None:
                 heartbeat.cancel()
+            if self.control is not None:
                 await self.control.close()
+
+    async def _follow(self, message: pb.RankBroadcast) -> None:
+        """Do what rank 0's ``message`` says (a step rank 0 sends again after the group formed again does no harm
+        done twice)."""
+        kind = message.WhichOneof("kind")
+        if kind == "start":
+            await self._new_model(message.start.round)
+            self._ready(True)
+        elif kind == "open":
+            await self._open(message.open)
+        elif kind == "close":
+            await self._close(message.close)
+        elif kind == "model":
+            if message.model.changed:
+                await self._new_model(message.model.round)
+            else:
+                await self._in_thread(self.strategy.abort_round)
+                self.round_id = message.model.round
 
     async def _heartbeat(self) -> None:
         """Tell rank 0 this rank is alive, so a failed collective can name the ranks that are not."""

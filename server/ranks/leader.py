@@ -1,6 +1,8 @@
 """Rank 0's side of the aggregator ranks (the package's docstring tells one round): :class:`RankLeader` deals
 agents to ranks, sends every rank the round's steps (RankBroadcast messages) and combines the ranks' partial sums
-at each round's close."""
+at each round's close. When a rank dies or hangs, the first collective that fails makes rank 0 form the group again
+over the ranks whose heartbeats still arrive; the lost ranks' share of the open round is dropped and the coordinator
+goes on with the others."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -28,13 +30,26 @@ from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
 from fedpar.server.rounds import AgentSlot, RoundState
 
 log = logging.getLogger("fedpar.server")
+LOST_AFTER_SECONDS = 3 * HEARTBEAT_SECONDS  # a rank whose heartbeat stopped this long is lost
+REFORM_TRIES = 3  # attempts to form the group again (a rank may be lost while it forms)
+
+
+class RanksChanged(RankMissing):
+    """A collective failed and rank 0 formed the group again without the lost ranks: the step is to be retried
+    (or given up) by its caller."""
 
 
 class RankLeader:
-    """Rank 0's side: deals agents to ranks, and combines the ranks' partial sums at each round's close."""
+    """Rank 0's side: deals agents to the live ranks, combines their partial sums at each round's close, and goes on
+without a rank that is lost."""
 
-    def __init__(self, group: RankGroup, advertised_host: str = "", tls: TlsFiles | None = None):
+    def __init__(self, group: RankGroup, advertised_host: str = "", tls: TlsFiles | None = None,
+                 on_lost: Callable[[list[int]], None] | None = None):
         self.group = group
+        self.on_lost = on_lost  # told the ranks declared lost (simulate's launcher ends their processes)
+        self.lost: list[int] = []  # ranks declared lost, in order
+        self._lock = asyncio.Lock()  # one step of collectives, or one re-forming, at a time
+        self._broken: str | None = None  # why the group could not be formed again, if it could not
         self.tls = tls  # the coordinator's certificate for the control service (None: plaintext)
         self.advertised_host = advertised_host  # what agents dial for this rank ("" = the host they dial already)
         self.endpoints: list[RankEndpoint] = []
@@ -53,20 +68,68 @@ class RankLeader:
         """The number of aggregator ranks."""
         return self.group.world
 
-    async def _collective(self, fn, *args):
-        """Run ``fn(*args)`` (one or more collectives) on the collective thread, after those submitted before; a
-        RankMissing names the ranks whose heartbeats stopped."""
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
-        except RankMissing as exc:
-            raise RankMissing(f"{exc}; {self.silent_ranks()}") from None
-        finally:
+    @property
+    def live(self) -> list[int]:
+        """The ranks in the group now (rank 0 first)."""
+        return self.group.members
+
+    async def _collective(self, fn, *args, state: RoundState | None = None):
+        """Run ``fn(*args)`` (one or more collectives) on the collective thread, one step at a time. When one fails,
+        the group is formed again over the ranks still alive, the lost ones' uploads in ``state`` (the open round)
+        are no longer counted, and RanksChanged says the step did not complete; RankMissing if the group cannot be
+        formed again."""
+        async with self._lock:
+            if self._broken is not None:  # the group could not be formed again: every step fails the same way
+                raise RankMissing(self._broken)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+            except RankMissing as exc:
+                failure = str(exc)  # not the exception: its frames hold the failed group, which must close
+            finally:
+                self._last_sent = time.monotonic()
+            try:
+                await self._survive(failure, state)
+            except RankMissing as exc:
+                self._broken = str(exc)
+                raise
+            raise RanksChanged(failure)
+
+    async def _survive(self, failure: str, state: RoundState | None) -> None:
+        """Form the group again over rank 0 and the ranks whose heartbeats still arrive; drop the others."""
+        loop = asyncio.get_running_loop()
+        before = list(self.group.members)
+        await loop.run_in_executor(self._thread, self.group.leave)  # the ranks waiting in a collective wake up
+        for _ in range(REFORM_TRIES):
+            await asyncio.sleep(LOST_AFTER_SECONDS)  # a lost rank's heartbeat is then overdue
+            now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
+            alive = [0] + [r for r in before[1:] if now - heard.get(r, float("-inf")) < LOST_AFTER_SECONDS]
+            try:
+                await loop.run_in_executor(self._thread, self.group.reform, alive)
+            except RankMissing as exc:  # a rank was lost while the group formed: try again without it
+                failure = str(exc)
+                continue
+            self._drop([r for r in before if r not in alive], state)
             self._last_sent = time.monotonic()
+            return
+        raise RankMissing(f"{failure}; {self.silent_ranks()}; the aggregator ranks could not form their group again")
+
+    def _drop(self, lost: list[int], state: RoundState | None) -> None:
+        """Go on without ``lost``: their calls are refused from now on and their uploads in ``state`` not counted."""
+        if not lost:
+            return
+        self.lost.extend(lost)
+        dropped = self.calls.drop(lost, state) if self.calls is not None else 0
+        where = f"; their {dropped} upload(s) of round {state.round_id} are not counted" if state is not None else ""
+        log.warning("aggregator ranks: %s lost (died or hung); going on with %d of %d ranks (%s)%s",
+                    ", ".join(f"rank {r}" for r in lost), len(self.live), self.world,
+                    ", ".join(str(r) for r in self.live), where)
+        if self.on_lost is not None:
+            self.on_lost(lost)
 
     def silent_ranks(self) -> str:
         """Which ranks' heartbeats stopped: the ones a failed collective waited for."""
         now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
-        silent = [r for r in range(1, self.world) if now - heard.get(r, 0.0) > 3 * HEARTBEAT_SECONDS]
+        silent = [r for r in self.live[1:] if now - heard.get(r, 0.0) > LOST_AFTER_SECONDS]
         if not silent:
             return "every other rank's heartbeat is still arriving"
         return "no heartbeat from " + ", ".join(
@@ -78,7 +141,14 @@ class RankLeader:
         while True:
             await asyncio.sleep(period / 2)
             if time.monotonic() - self._last_sent > period:
-                await self._collective(self.group.send, pb.RankBroadcast(tick=pb.RankTick()))
+                state = self.calls.coordinator.current
+                try:
+                    await self._collective(self.group.send, pb.RankBroadcast(tick=pb.RankTick()),
+                                           state=state if state is not None and not state.closed else None)
+                except RanksChanged:
+                    pass
+                except RankMissing:  # the coordinator's next step fails the same way and says why
+                    return
 
     async def start(self, coordinator) -> None:
         """Learn where every rank listens, open rank 0's control service for them (answered by ``coordinator``'s
@@ -109,7 +179,7 @@ class RankLeader:
         its rank to honour."""
         load = [0] * self.world
         for agent_id in sorted(slots):
-            rank = 0 if self.secure else min(range(self.world), key=lambda r: (load[r], r))
+            rank = 0 if self.secure else min(self.live, key=lambda r: (load[r], r))
             load[rank] += 1
             slot = slots[agent_id]
             slot.rank = rank
@@ -126,6 +196,14 @@ class RankLeader:
 
     async def open_round(self, state: RoundState, registry) -> None:
         """Send every rank its agents' slots (with their sessions), before any task is handed out."""
+        while True:
+            try:
+                return await self._collective(self._open_work(state, registry))
+            except RanksChanged:  # no task was handed out yet: deal the cohort over the ranks left
+                self.deal(state.slots)
+
+    def _open_work(self, state: RoundState, registry):
+        """The collectives that open ``state``'s round on every rank."""
         agents = []
         for slot in state.slots.values():
             record = registry.get(slot.agent_id)
@@ -140,29 +218,40 @@ class RankLeader:
             self.group.send(pb.RankBroadcast(open=opened))
             self.group.broadcast_floats(self.strategy.round_values())
             self.group.all_present("the round's opening")  # every rank holds the round before any task leaves
-        await self._collective(work)
+        return work
 
     async def close_round(self, state: RoundState, strategy: Strategy) -> dict[str, float]:
         """Combine every rank's share of the round into rank 0's strategy (the partial sums all-reduced, the updates
         a robust rule needs handed on); the per-rank metrics columns. RuntimeError if a rank folded other than what
         rank 0 counted for it (the round then fails and the model stays)."""
-        expected = [sum(1 for s in state.slots.values() if s.rank == r and s.status == "accepted")
-                    for r in range(self.world)]
+        while True:
+            expected = [sum(1 for s in state.slots.values() if s.rank == r and s.status == "accepted")
+                        for r in range(self.world)]
+            adding = []  # set once every rank is there and the sums start to move: a failure then fails the round
 
-        def work():
-            self.group.send(pb.RankBroadcast(close=pb.RankClose(round=state.round_id, expected=expected)))
-            self.group.all_present("the round's close")
-            stats = self.group.gather_floats(ingest_stats(state, 0) + [float(strategy.folded)])
-            started = time.perf_counter()
-            self.group.combine(strategy, self.shapes)
-            return stats, time.perf_counter() - started
-        stats, reduce_seconds = await self._collective(work)
-        row = {f"r{r}_{name}": values[i] for r, values in enumerate(stats) for i, name in enumerate(STAT_NAMES)}
+            def work():
+                self.group.send(pb.RankBroadcast(close=pb.RankClose(round=state.round_id, expected=expected)))
+                self.group.all_present("the round's close")
+                adding.append(True)
+                stats = self.group.gather_floats(ingest_stats(state, 0) + [float(strategy.folded)])
+                started = time.perf_counter()
+                self.group.combine(strategy, self.shapes)
+                return stats, time.perf_counter() - started
+            try:
+                stats, reduce_seconds = await self._collective(work, state=state)
+                break
+            except RanksChanged:
+                if adding:  # the partial sums may be half added up: the round fails and the model stays
+                    raise RuntimeError(f"round {state.round_id}: an aggregator rank was lost while the partial sums "
+                                       "were added up") from None
+        zeros = [0.0] * len(STAT_NAMES)  # a lost rank's columns
+        row = {f"r{r}_{name}": stats.get(r, zeros)[i] for r in range(self.world) for i, name in enumerate(STAT_NAMES)}
         row["allreduce_s"] = reduce_seconds
+        row["ranks_live"] = len(self.live)
         # Rank 0 folded its own uploads itself (a secure round: their unmasked sum, once); the others must have
         # folded what rank 0 counted for them.
-        folded = [int(values[-1]) for values in stats]
-        if folded[1:] != expected[1:]:
+        folded = {r: int(values[-1]) for r, values in stats.items()}
+        if any(folded[r] != expected[r] for r in folded if r):
             raise RuntimeError(f"round {state.round_id}: the aggregator ranks folded {folded} updates where rank 0 "
                                f"counted {expected}")
         return row
@@ -173,14 +262,22 @@ class RankLeader:
             self.group.send(pb.RankBroadcast(model=pb.RankModel(round=round_id, changed=weights is not None)))
             if weights is not None:
                 self.group.broadcast_arrays(weights)
-        await self._collective(work)
+        while True:
+            try:
+                return await self._collective(work)
+            except RanksChanged:  # the ranks left take the model again
+                pass
 
     async def stop(self, finished: bool) -> None:
         """Stop ticking; when every round is ``finished``, the other ranks stop serving too."""
         if self._ticker is not None:
             self._ticker.cancel()
-        if finished:
-            await self._collective(self.group.send, pb.RankBroadcast(stop=pb.RankStop()))
+        while finished:
+            try:
+                await self._collective(self.group.send, pb.RankBroadcast(stop=pb.RankStop()))
+                break
+            except RanksChanged:
+                pass
         if self._control is not None:
             await self._control.stop(0.5)
         self._thread.shutdown(wait=False)

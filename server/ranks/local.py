@@ -1,5 +1,7 @@
 """Aggregator ranks on this machine, for `fedpar simulate --aggregator-ranks N`: the calling process is rank 0 (its
-coordinator), and N - 1 spawned processes are the other ranks, each an IngestRank behind its own gRPC server."""
+coordinator), and N - 1 spawned processes are the other ranks, each an IngestRank behind its own gRPC server. A rank
+that rank 0 declares lost (it died or hangs) is killed here, so a hung one cannot come back into a group that went on
+without it."""
 
 from __future__ import annotations
 
@@ -29,6 +31,15 @@ from fedpar.tasks.flower_app import load_flower_app
 from fedpar.tasks.reference import load_task
 
 
+START_SECONDS = 60.0  # the longest wait for the spawned ranks to join at start-up (they import torch first)
+
+
+def _join(rank: int, world: int, port: int, spec: "IngestRankSpec") -> None:
+    """Join the group; its collectives time out after --aggregator-timeout once it re-forms, the start-up may take
+    longer."""
+    join_gloo_group(rank, world, port, max(spec.config.aggregator_timeout_seconds, START_SECONDS))
+
+
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass(kw_only=True)
 class IngestRankSpec(FlowerAppReference, TaskReference, StrategyChoice, Seeded, DataFiles, DataSource):
@@ -53,7 +64,7 @@ def _rank_main(rank: int, world: int, port: int, spec: IngestRankSpec) -> None:
     """A spawned process: join the group, then serve as aggregator rank ``rank`` until rank 0 stops (or dies)."""
     die_with_parent()
     torch.set_num_threads(1)
-    join_gloo_group(rank, world, port, spec.config.aggregator_timeout_seconds)
+    _join(rank, world, port, spec)
     assembly = _assembly(spec)
     strategy = build_strategy(spec.strategy, **spec.strategy_options)
     files = server_tls_files(spec.certs_dir) if spec.certs_dir else None
@@ -82,14 +93,15 @@ class IngestRanks:
         with children_ignore_interrupts():  # rank 0 stops them
             for p in self.procs:
                 p.start()
-        join_gloo_group(0, world, port, spec.config.aggregator_timeout_seconds)
+        _join(0, world, port, spec)
         self.leader = RankLeader(RankGroup(spec.config.aggregator_timeout_seconds),
-                                 tls=server_tls_files(spec.certs_dir) if spec.certs_dir else None)
+                                 tls=server_tls_files(spec.certs_dir) if spec.certs_dir else None, on_lost=self.end)
 
-    def failed(self) -> str | None:
-        """A line naming a rank process that died, if one did."""
-        dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
-        return f"aggregator rank process {dead[0].name} died with exit code {dead[0].exitcode}" if dead else None
+    def end(self, ranks: list[int]) -> None:
+        """Kill the processes of ``ranks`` (declared lost: dead already, or hung)."""
+        for r in ranks:
+            if self.procs[r - 1].is_alive():
+                self.procs[r - 1].kill()
 
     def close(self, wait: bool = True) -> None:
         """Wait for the ranks to leave (they stop when rank 0 says the rounds are done), or without ``wait`` (the run

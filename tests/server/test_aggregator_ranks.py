@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -229,10 +230,13 @@ def _free_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def test_kill_9_of_rank_1_mid_run_then_the_same_command_resumes_every_round_once(tmp_path):
+def test_kill_9_of_rank_1_mid_run_costs_at_most_its_share_of_the_open_round(tmp_path):
+    """kill -9 of rank 1 while its agents train: rank 0 goes on alone, says so in one line, and every round runs
+    once; the agents rank 1 served follow their next tasks to rank 0."""
     torch.set_num_threads(1)
     port = _free_pair()
-    flags = ["--port", str(port), "--rounds", "4", "--clients-per-round", "4", "--local-epochs", "1"]
+    flags = ["--port", str(port), "--rounds", "4", "--clients-per-round", "4", "--local-epochs", "1",
+             "--aggregator-timeout", "4", "--deadline", "10"]
     proc = _serve(tmp_path, 2, *flags)
     agents, threads, errors = [], [], []
     try:
@@ -243,27 +247,24 @@ def test_kill_9_of_rank_1_mid_run_then_the_same_command_resumes_every_round_once
             time.sleep(0.05)
         pid = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", (tmp_path / "serve.log").read_text()).group(1))
         os.kill(pid, signal.SIGKILL)  # round 2 is under way, or about to be
-        assert proc.wait(60) == 1
-        assert "an aggregator rank failed" in (tmp_path / "serve.log").read_text()
-        done = [r["round"] for r in _rows(tmp_path)]
-        assert done and done == list(range(1, len(done) + 1)) and len(done) < 4
-
-        (tmp_path / "port").unlink()
-        proc = _serve(tmp_path, 2, *flags)  # the same command
         for t in threads:
             t.join(120)
         assert not any(t.is_alive() for t in threads), "agents did not finish"
-        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
         for a in agents:
             a.stop()
     assert not errors, errors
+    log = (tmp_path / "serve.log").read_text()
+    lost = [line for line in log.splitlines() if "rank 1 lost (died or hung); going on with 1 of 2 ranks (0)" in line]
+    assert len(lost) == 1, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
     rows = _rows(tmp_path)
     assert [r["round"] for r in rows] == [1, 2, 3, 4]  # every round exactly once
-    assert all(r["status"] == "ok" and r["reported"] == 4 for r in rows), rows
-    assert f"resumed from checkpoint after round {len(done)}" in (tmp_path / "serve.log").read_text()
+    assert sum(r["status"] != "ok" for r in rows) <= 1, rows  # at most the round open at the loss
+    assert rows[-1]["ranks_live"] == 1 and rows[-1]["reported"] == 4 and rows[-1]["r1_uploads"] == 0, rows[-1]
 
 
 def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_path):
@@ -304,12 +305,12 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
     assert (row["status"], row["reported"], row["r0_uploads"], row["r1_uploads"]) == ("ok", 4, 2, 2)
 
 
-def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
-    """SIGSTOP rank 1 mid-round: at the close rank 0's barrier names rank 1, the coordinator stops (exit 1) and the
-    last checkpoint stays the last complete round's."""
+def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_path):
+    """SIGSTOP rank 1 mid-round: rank 0 declares it lost (no heartbeat), the round closes on rank 0's two uploads and
+    its model is exactly their weighted mean; rank 1, woken later, finds itself left out and leaves."""
     layout = _layout()
-    proc = _serve(tmp_path, 2, "--rounds", "3", "--clients-per-round", "4", "--aggregator-timeout", "4",
-                  "--deadline", "5")
+    proc = _serve(tmp_path, 2, "--rounds", "2", "--clients-per-round", "4", "--aggregator-timeout", "4",
+                  "--deadline", "60", "--metrics-port", "0")
     pid = None
     try:
         port = _port(tmp_path, proc)
@@ -320,36 +321,47 @@ def test_a_hung_rank_is_named_and_no_partial_model_is_kept(tmp_path):
                               NAMES).accepted
         tasks = [agent.task(60) for agent in agents]
         model1 = agents[0].fetch(tasks[0], layout)
+        survivors = []
         for agent, task in zip(agents, tasks):
             if not task.ingest_port:  # rank 0's two agents are in; rank 1 stops before its two arrive
-                assert agent.send(task, _update(agent.agent_id, 2, model1), EXAMPLES[agent.agent_id], NAMES).accepted
+                update = _update(agent.agent_id, 2, model1)
+                assert agent.send(task, update, EXAMPLES[agent.agent_id], NAMES).accepted
+                survivors.append((update, EXAMPLES[agent.agent_id]))
         pid = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", (tmp_path / "serve.log").read_text()).group(1))
         os.kill(pid, signal.SIGSTOP)
-        end = time.monotonic() + 60  # the round's deadline (5 s) closes it; the barrier then waits 4 s for rank 1
-        while time.monotonic() < end and "aggregator rank(s) missing" not in (tmp_path / "serve.log").read_text():
+        end = time.monotonic() + 60  # a tick's barrier waits 4 s for rank 1, then its heartbeat is 3 s overdue
+        while time.monotonic() < end and "rank 1 lost" not in (tmp_path / "serve.log").read_text():
             time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):  # the launcher may have ended it already
-            os.kill(pid, signal.SIGCONT)  # so the launcher's SIGTERM ends it at once
-        assert proc.wait(60) == 1
+        os.kill(pid, signal.SIGCONT)  # it finds the group re-formed without it, and leaves
+        while time.monotonic() < end and len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) < 2:
+            time.sleep(0.1)
+        metrics = re.search(r"Prometheus metrics at (\S+)", (tmp_path / "serve.log").read_text()).group(1)
+        with urllib.request.urlopen(metrics, timeout=10) as page:
+            assert re.search(r"^fedpar_aggregator_ranks_live 1\.0$", page.read().decode(), re.M)
+        for agent in agents:
+            assert agent.shutdown_reason() == "training finished after round 2"
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:
         if pid is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         if proc.poll() is None:
             proc.kill()
     log = (tmp_path / "serve.log").read_text()
-    failure = [line for line in log.splitlines() if line.startswith("fedpar serve: an aggregator rank failed")]
-    assert len(failure) == 1, log[-3000:]
-    assert re.search(r"aggregator rank\(s\) missing at rank 0's 'close' message: .*no heartbeat from rank 1 for",
-                     log), log[-3000:]  # rank 0's diagnosis, whichever rank the launcher reports
+    lost = [line for line in log.splitlines() if "rank 1 lost (died or hung); going on with 1 of 2 ranks (0); "
+            "their 0 upload(s) of round 2 are not counted" in line]
+    assert len(lost) == 1, log[-3000:]
+    assert "aggregator rank 1 was declared lost" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
-    assert [r["round"] for r in _rows(tmp_path)] == [1]
+    rows = _rows(tmp_path)
+    assert [(r["round"], r["status"], r["reported"], r["ranks_live"]) for r in rows] == [(1, "ok", 4, 2),
+                                                                                         (2, "ok", 2, 1)], rows
     ckpt = load_checkpoint(tmp_path / "ckpt")
-    assert ckpt.round_id == 1
-    for got, want in zip(ckpt.arrays, model1):
-        np.testing.assert_array_equal(got, want)
+    assert ckpt.round_id == 2
+    total = sum(n for _, n in survivors)
+    for i, got in enumerate(ckpt.arrays):
+        want = sum(u[i].astype(np.float64) * n for u, n in survivors) / total
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 # What a rank cannot fold into a running sum of its own it hands to rank 0 at the close: a robust rule's updates, the

@@ -145,6 +145,7 @@ def test_prometheus_endpoint_counts_rounds_uploads_refusals_bytes_and_agents(sta
     assert got[("fedpar_round_seconds_sum", ())] == pytest.approx(sum(r["round_seconds"] for r in rows))
     assert got[("fedpar_fold_seconds_count", ())] == 2
     assert ("fedpar_dp_epsilon", ()) not in got  # no DP in this run
+    assert got[("fedpar_aggregator_ranks_live", ())] == 1
 
 
 def test_tensorboard_scalars_and_csv_of_a_real_round_read_back(start_coordinator, agents, tmp_path):
