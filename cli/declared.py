@@ -103,6 +103,8 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
             kw["action"] = argparse.BooleanOptionalAction if (default or meta[NEGATABLE]) else "store_true"
         elif isinstance(choices, dict):
             kw.update(choices=tuple(choices), default=_word_for(choices, default))
+            if "on" in choices:  # an auto|on|off setting: the bare flag says on
+                kw.update(nargs="?", const="on")
         elif choices is not None:
             kw["choices"] = tuple(choices)
         elif convert:

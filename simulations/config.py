@@ -61,13 +61,16 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
                         help="run every worker process's connection over mutual TLS with throw-away certificates "
                              "(a worker's certificate speaks for the clients it hosts; default: plaintext on "
                              "loopback, which never leaves this machine)")
-    client_batching: bool = setting(
-        False, group="simulation",
+    client_batching: bool | None = setting(
+        None, choices={"auto": None, "on": True, "off": False}, group="simulation", metavar="auto|on|off",
         help="the clients of one worker process that train at once (its seats) run the local loop together as one "
              "stacked model (torch.func), each with its own data, batches, steps and deadline; slow devices "
              "(--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and DP still apply to each "
-             "client's update. Works with --task (its loss and an elementwise optimizer); models with dropout or "
-             "batch norm, a task's own train hook or loader are refused, saying why")
+             "client's update. auto (the default): batch where the model allows it and it is measured faster (a "
+             "GPU, or a convolutional model on the CPU) and each worker holds at least 2 clients of a round, else "
+             "one by one; on (a bare --client-batching): always, refusing in one line what cannot batch (dropout, "
+             "batch norm, --precision bf16, a task's own train hook or loader, a non-elementwise optimizer); off: "
+             "one by one")
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # how agents compress uploads
 
     def settled(self) -> tuple[SimulationConfig, list[str]]:

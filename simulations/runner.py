@@ -17,7 +17,6 @@ import numpy as np
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compatibility import check_composition
-from fedpar.client.batched_trainer import batching_refusal, check_batchable, member_tensors
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
@@ -30,6 +29,7 @@ from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
 from fedpar.simulations.agents import WorkerConfig, run_worker_process
+from fedpar.simulations.client_batching import batching_refusal_of, client_batching_route
 from fedpar.simulations.config import SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
@@ -100,19 +100,6 @@ def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str
     return [f"cuda:{w % gpus}" for w in range(workers)]
 
 
-def check_client_batching(cfg: SimulationConfig, task: Task | None = None) -> None:
-    """ValueError if the client-batching settings cannot work (``task``: the --task's members, which must stack)."""
-    if not cfg.client_batching:
-        return
-    if cfg.precision != "fp32":
-        raise ValueError("--client-batching trains in fp32; drop --precision bf16 or --client-batching")
-    if task is not None:
-        refusal = batching_refusal(task)
-        if refusal is not None:
-            raise ValueError(refusal)
-        member_tensors(task.client_data(Partition(0, cfg.clients, seed=cfg.seed)).train)
-
-
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
                    on_server: Callable[[object], None] | None = None,
                    on_progress: Callable[[object], None] | None = None) -> dict:
@@ -136,7 +123,6 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     flower_app = _flower_app(cfg)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
-    check_client_batching(cfg, task)
     if cfg.out:
         # matplotlib takes about a second to import: do it while the workers start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
@@ -209,9 +195,13 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         members = member_source(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
         assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
         assembly.description["dataset"] = cfg.dataset
-    if cfg.client_batching:
-        check_batchable(assembly.model)
     k = cfg.clients_per_round or cfg.clients
+    devices = worker_devices(cfg.device, len(pipes))
+    first_member = functools.partial(task.client_data, Partition(0, cfg.clients, seed=cfg.seed)) if task else None
+    batching = client_batching_route(
+        cfg.client_batching, lambda: batching_refusal_of(assembly.model, task, cfg.precision,
+                                                         first_member() if first_member else None),
+        assembly.model, devices[0], k / len(pipes), cfg.seats)
     # The sections the simulation shares with the coordinator (rounds, seed, local training, aggregator ranks,
     # secure aggregation, clock, target accuracy) pass as they are; the rest is what a simulation on one machine
     # fills in.
@@ -241,10 +231,9 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         on_server(server)
     server.start()
     try:
-        devices = worker_devices(cfg.device, len(pipes))
         for w, send in enumerate(pipes):
             send.send(composed(WorkerConfig, cfg, server=server.address, population=slices[w], device=devices[w],
-                               client_batching=cfg.client_batching, certs_dir=certs.name if certs else None,
+                               client_batching=batching, certs_dir=certs.name if certs else None,
                                log_level=logging.getLogger("fedpar").getEffectiveLevel()))
             send.close()
         try:
@@ -272,6 +261,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
              "label_skew": label_skew(*_member_labels(members, LABEL_SKEW_CLIENTS), splits.num_classes)
              if splits else None,
              "config": asdict(cfg),
+             "client_batching": batching,  # the route --client-batching (auto by default) took
              **({"interrupted": True} if stopped_by is not None else {})}
     if not out:
         return {**server.coordinator.metrics.summary.result(), **extra, "written": []}

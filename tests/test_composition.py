@@ -35,7 +35,7 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "dp": {"none": [], "central": ["--privacy", "central", "--privacy-noise", "0.01", "--privacy-clip", "5"],
            "client": ["--privacy", "client", "--privacy-noise", "0.01", "--privacy-clip", "5"]},
     "compression": {"off": [], "on": ["--compression", "int8"]},
-    "batching": {"off": [], "on": ["--client-batching"]},
+    "batching": {"off": ["--client-batching", "off"], "on": ["--client-batching"]},
     "clock": {"off": [], "on": ["--clock", "virtual", "--trace", "{trace}"]},
     "ranks": {"1": [], "2": ["--aggregator-ranks", "2"]},
     "task": {"off": [], "on": TASK},

@@ -44,6 +44,7 @@ def test_batched_clients_still_mask_their_updates_for_secure_aggregation(tmp_pat
 
 @pytest.mark.parametrize("flags, message", [
     (["--client-batching", "--precision", "bf16"], "--client-batching trains in fp32"),
+    (["--client-batching", "on", "--precision", "bf16"], "--client-batching trains in fp32"),
 ])
 def test_impossible_batching_settings_are_one_line_errors(tmp_path, capsys, flags, message):
     assert main(["simulate", *SMALL, "--out", str(tmp_path), *flags]) == 2
@@ -87,3 +88,12 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
     assert rows[-1]["test_accuracy"] > max(0.5, rows[0]["test_accuracy"])  # the model learns
     batches = host.seats[0].trainer.batcher.batch_sizes  # one batcher for the host's seats
     assert sum(batches) == per_round * rounds and max(batches) > 1, batches
+
+
+@pytest.mark.timeout(120)
+def test_by_default_a_convolutional_model_trains_stacked(tmp_path):
+    rows = _simulate(tmp_path, "--model", "cnn", "--clients", "4", "--workers", "1", "--rounds", "1",
+                     "--examples-per-client", "40")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["client_batching"] is True  # auto: allowed, 4 members on the worker's seats, a convolution
+    assert [(r["status"], r["reported"]) for r in rows] == [("ok", 4)]

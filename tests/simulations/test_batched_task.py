@@ -43,17 +43,29 @@ from fedpar.tasks import share_of
 def task():
     x = torch.randn(40, 4).numpy()
     data = ArrayDataset(x, (x[:, 0] > 0).astype("int64"))
-    return Task(model=lambda: nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 2)),
+    # a convolution: auto would stack it on the CPU, were it not for the dropout
+    return Task(model=lambda: nn.Sequential(nn.Unflatten(1, (1, 4)), nn.Conv1d(1, 2, 3), nn.Flatten(),
+                                            nn.Dropout(0.2), nn.Linear(4, 2)),
                 client_data=lambda p: share_of(data, p), loss=nn.functional.cross_entropy, name="dropped")
 """
 
 
-def test_a_task_whose_model_draws_dropout_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("on", [["--client-batching"], ["--client-batching", "on"]])
+def test_a_task_whose_model_draws_dropout_is_refused_in_one_line_when_batching_is_on(tmp_path, capsys, on):
     (tmp_path / "dropped.py").write_text(DROPOUT_TASK)
-    code = main(["simulate", "--task", f"{tmp_path / 'dropped.py'}:task", "--client-batching", "--clients", "2",
+    code = main(["simulate", "--task", f"{tmp_path / 'dropped.py'}:task", *on, "--clients", "2",
                  "--rounds", "1", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err == ("fedpar simulate: task 'dropped': client batching needs a model without batch-norm statistics or "
-                   "dropout (each member's step must be a function of its weights and batch alone); 1 is a "
+                   "dropout (each member's step must be a function of its weights and batch alone); 3 is a "
                    "Dropout\n")
+
+
+def test_by_default_a_task_whose_model_draws_dropout_trains_one_by_one_without_a_word(tmp_path, capsys):
+    (tmp_path / "dropped.py").write_text(DROPOUT_TASK)
+    code = main(["simulate", "--task", f"{tmp_path / 'dropped.py'}:task", "--clients", "4", "--workers", "1",
+                 "--rounds", "1", "--quiet", "--out", str(tmp_path / "out")])
+    assert code == 0 and capsys.readouterr().err == ""
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["client_batching"] is False and summary["rounds"] == 1

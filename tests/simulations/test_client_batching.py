@@ -13,7 +13,8 @@ import torch
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
-from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
+from fedpar.simulations.client_batching import (BatchedTrainer, ClientBatcher, batching_refusal_of,
+                                              client_batching_route)
 from fedpar.task import ClientData
 from fedpar.tasks.zoo import classifier_module
 
@@ -137,3 +138,31 @@ def test_a_task_that_arrives_just_after_another_agents_train_call_joins_its_batc
     _run_threads([lambda: _agent(batched[0], results, 0), lambda: _agent(batched[1], results, 2)])  # 0 and 20 ms
     assert batcher.batch_sizes == [2] and results[0].steps == results[2].steps == EPOCHS * 2
     assert 0.2 <= time.monotonic() - started < 5.0
+
+
+def _cnn(dropout: float = 0.0) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Dropout(dropout), torch.nn.Flatten(),
+                               torch.nn.Linear(72, 10))
+
+
+@pytest.mark.parametrize("choice, model, members, seats, batched", [
+    (None, _cnn(), 5, 4, True),  # auto: a convolutional model, several members a worker: stacked
+    (None, build_model_for_data("mlp", (1, 8, 8), 10), 5, 4, False),  # dense on the CPU: measured slower stacked
+    (None, _cnn(), 1, 4, False),  # one member of a round a worker: nothing to stack
+    (None, _cnn(), 5, 1, False),  # one seat: one member at a time
+    (None, _cnn(0.5), 5, 4, False),  # dropout: one by one, without a word
+    (False, _cnn(), 5, 4, False),
+    (True, build_model_for_data("mlp", (1, 8, 8), 10), 1, 1, True),  # on: whatever auto would say
+])
+def test_auto_batches_where_it_is_allowed_and_pays_and_on_and_off_are_obeyed(choice, model, members, seats,
+                                                                               batched):
+    assert client_batching_route(choice, lambda: batching_refusal_of(model, None, "fp32", None), model, "cpu",
+                                 members, seats) is batched
+
+
+def test_batching_on_with_a_model_that_cannot_stack_is_its_refusal():
+    model = _cnn(0.5)
+    with pytest.raises(ValueError, match="^client batching needs a model without batch-norm statistics or dropout"):
+        client_batching_route(True, lambda: batching_refusal_of(model, None, "fp32", None), model, "cpu", 5, 4)
+    with pytest.raises(ValueError, match="^--client-batching trains in fp32"):
+        client_batching_route(True, lambda: batching_refusal_of(_cnn(), None, "bf16", None), _cnn(), "cpu", 5, 4)
