@@ -28,6 +28,14 @@ and 10^7 members with `fedpar serve --accept-populations` and 2 local torchrun r
 10^6 members of ``synthetic:0:0`` and of ``synthetic:iid`` (FedProx's Synthetic-IID), 10 rounds each, the test
 accuracy in the first and the last round (Synthetic(0, 0) stays near chance on clients it never trained on:
 datasets/synthetic.py says why).
+
+``--steady`` runs instead issue 25's steady-round cells: digits MLP, one local epoch, 10 of 10, 100 of 100 and 10 of
+100 clients, ``--rounds`` rounds (default 6). For each cell, in the same run: `fedpar simulate` with default flags
+(each round: the coordinator samples, the clients download, score the model they received on their validation
+split, train and upload; the coordinator folds and evaluates centrally), the same with ``--client-eval-every 0``
+(the floor's work: no federated evaluation) and the floor (fedavg_floor.py: the same cohorts, data, seeds and local
+SGD in one plain loop, one thread, with the central evaluation). It prints each one's steady round seconds (median of
+rounds 2..R) and the ratios to the floor, with the load average, and writes benchmarks/results/steady_round.json.
 """
 
 from __future__ import annotations
@@ -262,17 +270,70 @@ def scale_ratios(result: dict) -> list[dict]:
     return out
 
 
+STEADY_CELLS = ((10, 10), (100, 100), (100, 10))  # (population, sampled per round)
+
+
+def steady_rounds(rounds: int, tmp: Path) -> dict:
+    """Issue 25's steady-round cells (see the module docstring): simulate (default flags, and without federated
+    evaluation) against the plain loop, each cell measured in the same run."""
+    job = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--rounds", str(rounds)]
+    print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"{'cell':>11}{'simulate s':>11}{'no fed-eval s':>14}{'plain s':>9}{'x plain':>8}{'no fed-eval x':>14}")
+    cells = []
+    for clients, k in STEADY_CELLS:
+        shape = ["--clients", str(clients), "--clients-per-round", str(k)]
+        default = run_simulate([*job, *shape], tmp / f"steady-{clients}-{k}")
+        no_eval = run_simulate([*job, *shape, "--client-eval-every", "0"], tmp / f"steady-{clients}-{k}-no-eval")
+        floor = run_floor([*job, *shape])
+        c = {"clients": clients, "per_round": k, "simulate_round_seconds": default["steady_round_seconds"],
+             "no_fed_eval_round_seconds": no_eval["steady_round_seconds"],
+             "plain_round_seconds": floor["steady_round_seconds"],
+             "client_batching": json.loads((tmp / f"steady-{clients}-{k}" / "summary.json").read_text())
+             .get("client_batching"),
+             "failed_rounds": default["failed_rounds"] + no_eval["failed_rounds"]}
+        c["vs_plain"] = c["simulate_round_seconds"] / c["plain_round_seconds"]
+        c["no_fed_eval_vs_plain"] = c["no_fed_eval_round_seconds"] / c["plain_round_seconds"]
+        cells.append(c)
+        print(f"{f'{k} of {clients}':>11}{c['simulate_round_seconds']:>11.3f}{c['no_fed_eval_round_seconds']:>14.3f}"
+              f"{c['plain_round_seconds']:>9.3f}{c['vs_plain']:>8.2f}{c['no_fed_eval_vs_plain']:>14.2f}"
+              + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""), flush=True)
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"load average after: {load}")
+    return {"rounds": rounds, "cells": cells, "load_average_after": load}
+
+
+def steady_ratios(result: dict) -> list[dict]:
+    """The steady-round cells' ratios for the results envelope."""
+    out = []
+    for c in result["cells"]:
+        cell = f"digits MLP, E1, {c['per_round']} of {c['clients']} clients"
+        out.append({"what": f"steady round of fedpar simulate (default flags), {cell}", "ratio": c["vs_plain"],
+                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
+        out.append({"what": f"steady round of fedpar simulate --client-eval-every 0, {cell}",
+                    "ratio": c["no_fed_eval_vs_plain"],
+                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
+    return out
+
+
 def main() -> int:
     """Run the cells and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="populations 100 and 10,000, 4 rounds")
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, help="rounds per run (default 10; --steady: 6)")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))
     p.add_argument("--json", type=Path, default=Path("runs/population_bench.json"))
     p.add_argument("--straggler-only", action="store_true", help="only the straggler study")
     p.add_argument("--straggler-rounds", type=int, default=25)
     p.add_argument("--scale", action="store_true", help="the population-size table, 10^3 to 10^6 members, and 10^7 on 2 local ranks")
+    p.add_argument("--steady", action="store_true",
+                   help="the steady-round cells: digits MLP, 10 of 10, 100 of 100, 10 of 100, vs a plain loop")
     a = p.parse_args()
+    if a.steady:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = steady_rounds(a.rounds or 6, Path(tmp))
+        path = write_results(HERE / "results" / "steady_round.json", steady_ratios(result), result)
+        print(f"wrote {path}")
+        return 0 if not sum(c["failed_rounds"] for c in result["cells"]) else 1
     if a.scale:
         with tempfile.TemporaryDirectory() as tmp:
             result = scale_table(Path(tmp))
@@ -280,7 +341,7 @@ def main() -> int:
         print(f"wrote {a.json}")
         failed = sum(c["failed_rounds"] for c in [*result["cells"], *result.get("learning", [])])
         return 0 if not failed else 1
-    rounds = 4 if a.quick else a.rounds
+    rounds = 4 if a.quick else a.rounds or 10
     populations = [100, 10_000] if a.quick else [100, 1_000, 10_000, 100_000]
     results: dict[str, list[dict]] = {}
     print(f"{'data':<10}{'population':>11}{'start-up s':>11}{'round s':>9}{'floor s':>9}{'x floor':>8}"
