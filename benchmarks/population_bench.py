@@ -30,7 +30,7 @@ accuracy in the first and the last round (Synthetic(0, 0) stays near chance on c
 datasets/synthetic.py says why).
 
 ``--steady`` runs instead issue 25's steady-round cells: digits MLP, one local epoch, 10 of 10, 100 of 100 and 10 of
-100 clients, ``--rounds`` rounds (default 6). For each cell, in the same run: `fedpar simulate` with default flags
+100 clients, ``--rounds`` rounds (default 11). For each cell, in the same run: `fedpar simulate` with default flags
 (each round: the coordinator samples, the clients download, score the model they received on their validation
 split, train and upload; the coordinator folds and evaluates centrally), the same with ``--client-eval-every 0``
 (the floor's work: no federated evaluation) and the floor (fedavg_floor.py: the same cohorts, data, seeds and local
@@ -319,7 +319,7 @@ def main() -> int:
     """Run the cells and print the table."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="populations 100 and 10,000, 4 rounds")
-    p.add_argument("--rounds", type=int, help="rounds per run (default 10; --steady: 6)")
+    p.add_argument("--rounds", type=int, help="rounds per run (default 10; --steady: 11)")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))
     p.add_argument("--json", type=Path, default=Path("runs/population_bench.json"))
     p.add_argument("--straggler-only", action="store_true", help="only the straggler study")
@@ -330,7 +330,7 @@ def main() -> int:
     a = p.parse_args()
     if a.steady:
         with tempfile.TemporaryDirectory() as tmp:
-            result = steady_rounds(a.rounds or 6, Path(tmp))
+            result = steady_rounds(a.rounds or 11, Path(tmp))
         path = write_results(HERE / "results" / "steady_round.json", steady_ratios(result), result)
         print(f"wrote {path}")
         return 0 if not sum(c["failed_rounds"] for c in result["cells"]) else 1

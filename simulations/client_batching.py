@@ -59,16 +59,15 @@ def batching_refusal_of(model: nn.Module, task: Task | None, precision: str, mem
     return None
 
 
-def batching_pays(model: nn.Module, device: str) -> bool:
-    """Whether stacking ``model``'s members was measured faster than training them one by one on ``device``: on a
-    GPU always (a small member's step is launch-bound); on the CPU for convolutional models (MNIST CNN, 10 clients
-    x B10: 0.33-0.40x the one-by-one time), not for dense ones (digits MLP in `fedpar simulate`: 2-5x slower)."""
-    if torch.device(device).type != "cpu":
-        return True
-    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+def batching_pays(device: str) -> bool:
+    """Whether stacking members is expected faster than training them one by one on ``device``: on a GPU, where a
+    small member's step is launch-bound; not on the CPU, where `fedpar simulate` was measured slower stacked (digits
+    MLP: 2-5x the one-by-one steady round; digits CNN, 10 clients: 1.3x; and torch.func's set-up adds seconds to
+    the first round), although the FedAvg round alone stacks faster (fedavg_round_bench.py: 0.33-0.40x)."""
+    return torch.device(device).type != "cpu"
 
 
-def client_batching_route(choice: bool | None, refusal: Callable[[], str | None], model: nn.Module, device: str,
+def client_batching_route(choice: bool | None, refusal: Callable[[], str | None], device: str,
                           members_per_worker: float, seats: int) -> bool:
     """Whether a simulation's workers batch their members, for ``--client-batching`` ``choice`` (None: auto, True:
     on, False: off): on batches or raises ValueError(``refusal()``, when it says why not); auto batches when it
@@ -80,8 +79,8 @@ def client_batching_route(choice: bool | None, refusal: Callable[[], str | None]
             raise ValueError(why_not)
         return choice
     at_once = min(members_per_worker, seats)
-    if not batching_pays(model, device):
-        why_not = f"stacking a dense model on {device} was measured slower than one by one"
+    if not batching_pays(device):
+        why_not = f"stacking members on {device} was measured slower than training them one by one"
     elif at_once < AUTO_MIN_MEMBERS:
         why_not = f"a worker trains {at_once:g} client(s) of a round at a time"
     else:

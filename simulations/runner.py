@@ -201,7 +201,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     batching = client_batching_route(
         cfg.client_batching, lambda: batching_refusal_of(assembly.model, task, cfg.precision,
                                                          first_member() if first_member else None),
-        assembly.model, devices[0], k / len(pipes), cfg.seats)
+        devices[0], k / len(pipes), cfg.seats)
     # The sections the simulation shares with the coordinator (rounds, seed, local training, aggregator ranks,
     # secure aggregation, clock, target accuracy) pass as they are; the rest is what a simulation on one machine
     # fills in.

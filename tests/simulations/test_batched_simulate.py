@@ -89,11 +89,3 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
     batches = host.seats[0].trainer.batcher.batch_sizes  # one batcher for the host's seats
     assert sum(batches) == per_round * rounds and max(batches) > 1, batches
 
-
-@pytest.mark.timeout(120)
-def test_by_default_a_convolutional_model_trains_stacked(tmp_path):
-    rows = _simulate(tmp_path, "--model", "cnn", "--clients", "4", "--workers", "1", "--rounds", "1",
-                     "--examples-per-client", "40")
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["client_batching"] is True  # auto: allowed, 4 members on the worker's seats, a convolution
-    assert [(r["status"], r["reported"]) for r in rows] == [("ok", 4)]

@@ -43,7 +43,7 @@ from fedpar.tasks import share_of
 def task():
     x = torch.randn(40, 4).numpy()
     data = ArrayDataset(x, (x[:, 0] > 0).astype("int64"))
-    # a convolution: auto would stack it on the CPU, were it not for the dropout
+    # a convolution: auto would stack it on a GPU, were it not for the dropout
     return Task(model=lambda: nn.Sequential(nn.Unflatten(1, (1, 4)), nn.Conv1d(1, 2, 3), nn.Flatten(),
                                             nn.Dropout(0.2), nn.Linear(4, 2)),
                 client_data=lambda p: share_of(data, p), loss=nn.functional.cross_entropy, name="dropped")

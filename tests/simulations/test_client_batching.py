@@ -145,24 +145,24 @@ def _cnn(dropout: float = 0.0) -> torch.nn.Module:
                                torch.nn.Linear(72, 10))
 
 
-@pytest.mark.parametrize("choice, model, members, seats, batched", [
-    (None, _cnn(), 5, 4, True),  # auto: a convolutional model, several members a worker: stacked
-    (None, build_model_for_data("mlp", (1, 8, 8), 10), 5, 4, False),  # dense on the CPU: measured slower stacked
-    (None, _cnn(), 1, 4, False),  # one member of a round a worker: nothing to stack
-    (None, _cnn(), 5, 1, False),  # one seat: one member at a time
-    (None, _cnn(0.5), 5, 4, False),  # dropout: one by one, without a word
-    (False, _cnn(), 5, 4, False),
-    (True, build_model_for_data("mlp", (1, 8, 8), 10), 1, 1, True),  # on: whatever auto would say
+@pytest.mark.parametrize("choice, model, device, members, seats, batched", [
+    (None, _cnn(), "cuda:0", 5, 4, True),  # auto: allowed, several members a worker, a GPU: stacked
+    (None, _cnn(), "cpu", 5, 4, False),  # on the CPU `fedpar simulate` was measured slower stacked
+    (None, _cnn(), "cuda:0", 1, 4, False),  # one member of a round a worker: nothing to stack
+    (None, _cnn(), "cuda:0", 5, 1, False),  # one seat: one member at a time
+    (None, _cnn(0.5), "cuda:0", 5, 4, False),  # dropout: one by one, without a word
+    (False, _cnn(), "cuda:0", 5, 4, False),
+    (True, build_model_for_data("mlp", (1, 8, 8), 10), "cpu", 1, 1, True),  # on: whatever auto would say
 ])
-def test_auto_batches_where_it_is_allowed_and_pays_and_on_and_off_are_obeyed(choice, model, members, seats,
+def test_auto_batches_where_it_is_allowed_and_pays_and_on_and_off_are_obeyed(choice, model, device, members, seats,
                                                                                batched):
-    assert client_batching_route(choice, lambda: batching_refusal_of(model, None, "fp32", None), model, "cpu",
-                                 members, seats) is batched
+    assert client_batching_route(choice, lambda: batching_refusal_of(model, None, "fp32", None), device, members,
+                                 seats) is batched
 
 
 def test_batching_on_with_a_model_that_cannot_stack_is_its_refusal():
     model = _cnn(0.5)
     with pytest.raises(ValueError, match="^client batching needs a model without batch-norm statistics or dropout"):
-        client_batching_route(True, lambda: batching_refusal_of(model, None, "fp32", None), model, "cpu", 5, 4)
+        client_batching_route(True, lambda: batching_refusal_of(model, None, "fp32", None), "cpu", 5, 4)
     with pytest.raises(ValueError, match="^--client-batching trains in fp32"):
-        client_batching_route(True, lambda: batching_refusal_of(_cnn(), None, "bf16", None), _cnn(), "cpu", 5, 4)
+        client_batching_route(True, lambda: batching_refusal_of(_cnn(), None, "bf16", None), "cpu", 5, 4)
