@@ -36,7 +36,7 @@ from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
-from fedpar.task import Partition, Task
+from fedpar.task import Partition
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 from fedpar.tasks.reference import load_task
 from fedpar.datasets.clientdata import label_counts, label_skew, resolve_partition
