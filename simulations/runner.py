@@ -198,7 +198,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     k = cfg.clients_per_round or cfg.clients
     devices = worker_devices(cfg.device, len(pipes))
     first_member = functools.partial(task.client_data, Partition(0, cfg.clients, seed=cfg.seed)) if task else None
-    batching = client_batching_route(
+    batching = flower_app is None and client_batching_route(  # a ClientApp trains itself (on: refused above)
         cfg.client_batching, lambda: batching_refusal_of(assembly.model, task, cfg.precision,
                                                          first_member() if first_member else None),
         devices[0], k / len(pipes), cfg.seats)
