@@ -41,16 +41,18 @@ class FlowerAppMembers:
     its Messages with ``client_app`` under ``run_config``; ``train_sizes``: the examples each declares when it joins.
     ``population``: a simulation host's slice (HostLink); else one deployed agent (AgentLink)."""
 
-    answers_messages = True
-
     def __init__(self, client_app: Any, run_config: dict[str, Any], member_ids: Sequence[str],
                  partition_ids: Sequence[int], num_partitions: int, train_sizes: Sequence[int] | None = None,
-                 population: bool = True, states: MemberStates | None = None):
+                 population: bool = True, states: MemberStates | None = None, trainer=None):
         self.app, self.run_config = client_app, dict(run_config)
+        # A deployed agent may also train the ClientApp under fedpar's strategies (client/flower_app_member.py):
+        # ``trainer`` is then its seat, whose model layout its weight tasks need; else the seats hold nothing.
+        self.trainer = trainer
+        self.answers_messages = trainer is None
         self.ids, self.partitions, self.num_partitions = list(member_ids), list(partition_ids), int(num_partitions)
         self.sizes = list(train_sizes) if train_sizes is not None else [1] * len(self.ids)
         self.population = population
-        self.states = states if states is not None else MemberStates()
+        self.states = states if states is not None else trainer.states if trainer is not None else MemberStates()
         self._index = {m: i for i, m in enumerate(self.ids)}
 
     def __len__(self) -> int:
@@ -70,6 +72,8 @@ class FlowerAppMembers:
 
     def seat_trainers(self, seats: int) -> list:
         """Seats that hold nothing (the ClientApp trains)."""
+        if self.trainer is not None:
+            return [self.trainer]
         return [MessageSeat(self.train_size(0) if self.ids else 1) for _ in range(max(1, seats))]
 
     def assign(self, trainer, i: int, task) -> None:
