@@ -18,7 +18,7 @@ from fedpar.simulations.config import SimulationConfig  # noqa: E402
 from fedpar.simulations.flower_app_run import flower_app_refusal, run_flower_app  # noqa: E402
 from fedpar.tasks.flower_app import load_flower_app  # noqa: E402
 
-from flower.reference_grid import run_with_flower  # noqa: E402
+from support.flower_reference import run_with_flower  # noqa: E402
 
 APP = Path(__file__).parent / "tiny_app"
 TESTED_FLOWER = ("1.41", "1.42")  # the Flower releases this suite ran against (pyproject's flower and test extras)
@@ -72,3 +72,9 @@ def test_settings_a_server_app_run_cannot_honour_are_refused_in_one_line():
     line = flower_app_refusal(SimulationConfig(clients=3, secure_aggregation=True))
     assert "--secure-aggregation" in line and "--strategy" in line and "\n" not in line
     assert flower_app_refusal(SimulationConfig(clients=3)) is None
+
+
+def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_path):
+    cfg = SimulationConfig(clients=1, workers=1, seats=1, out=str(tmp_path / "out"))  # the app's FedAvg wants 2
+    with pytest.raises(RuntimeError, match=r"waited 5 s for more than the 1 nodes it has .*start more clients"):
+        run_flower_app(cfg, load_flower_app(APP))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import numpy as np
+
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
@@ -56,13 +58,17 @@ class ReferenceGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
-def run_with_flower(app_dir: Path, run_config_overrides: str, num_partitions: int) -> None:
-    """Run the app in ``app_dir`` with Flower's own objects on a :class:`ReferenceGrid` (the ServerApp saves what it
-    saves, e.g. its final arrays where its run config says)."""
+def run_with_flower(app_dir: Path, run_config_overrides: str | None, num_partitions: int) -> dict[str, np.ndarray]:
+    """Run the app in ``app_dir`` with Flower's own objects on a :class:`ReferenceGrid`; the final arrays of the
+    Result its strategy's ``start`` returned, by name (the ServerApp also saves what it saves itself)."""
+    from fedpar.server.flower_grid import strategy_results
     from fedpar.tasks.flower_app import load_flower_app
 
     app = load_flower_app(app_dir, run_config_overrides)
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID  # as Flower's runtime
     grid = ReferenceGrid(app.client_app, app.run_config, num_partitions)
-    app.server_app(grid=grid, context=Context(run_id=1, node_id=SUPERLINK_NODE_ID, node_config={},
-                                              state=RecordDict(), run_config=dict(app.run_config)))
+    with strategy_results() as results:
+        app.server_app(grid=grid, context=Context(run_id=1, node_id=SUPERLINK_NODE_ID, node_config={},
+                                                  state=RecordDict(), run_config=dict(app.run_config)))
+    arrays = results[-1].arrays
+    return dict(zip(arrays.keys(), arrays.to_numpy_ndarrays()))
