@@ -51,7 +51,8 @@ def serve_flower_app(args: argparse.Namespace) -> int:
         security = server_security(args)
         app = load_flower_app(args.flower_app, args.run_config)
         coordinator = FlowerCoordinator(config, build_strategy("fedavg"),
-                                        server_app_main(app.server_app, app.run_config), admission=security.admission)
+                                        server_app_main(app.server_app, app.run_config,
+                                                        config.wait_for_agents_seconds or float("inf")), admission=security.admission)
     except ValueError as exc:  # TlsSetupError, FlowerAppError: one line each
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2

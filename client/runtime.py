@@ -278,7 +278,8 @@ class ClientRuntime:
         is busy and the deadline allows (a reply that misses the deadline is no reply, as in Flower)."""
         deadline_at = time.monotonic() + task.deadline_seconds
         try:
-            reply = self.members.answer(i, task.flower_message, self.link.max_chunk or self.config.chunk_bytes)
+            with self.link.while_training():  # heartbeats while the ClientApp works
+                reply = self.members.answer(i, task.flower_message, self.link.max_chunk or self.config.chunk_bytes)
         except ValueError as err:  # the task's Message cannot be read: nothing to answer
             self._note_refusal(member, "message", err)
             return True

@@ -3,10 +3,6 @@ pickle, and checked on receipt (size, parse). Flower (flwr) is imported only by 
 
 from __future__ import annotations
 
-import hashlib
-
-SUPERLINK_NODE_ID = 1  # flwr.common.constant.SUPERLINK_NODE_ID: the ServerApp's side of every message
-
 
 class FlowerWireError(ValueError):
     """Bytes that are not a Flower Message this side may take (too large, or not parseable)."""
@@ -32,9 +28,3 @@ def decode_message(data: bytes, max_bytes: int):
         return message_from_proto(ProtoMessage.FromString(data))
     except (DecodeError, ValueError, TypeError, KeyError, IndexError) as exc:
         raise FlowerWireError(f"not a Flower Message ({type(exc).__name__}: {exc})") from None
-
-
-def node_id_of(agent_id: str) -> int:
-    """The Flower node id of the fedpar client ``agent_id``: a stable 63-bit hash of its id (never 0), the same in
-    every process (the Grid's node ids and the members' Context.node_id)."""
-    return int.from_bytes(hashlib.blake2b(agent_id.encode(), digest_size=8).digest(), "big") >> 1 or 1

@@ -1,5 +1,5 @@
 """fedpar's implementation of Flower's ``Grid`` (flwr.serverapp.Grid): a Flower App's ServerApp runs unchanged on a
-fedpar coordinator. Node ids are fedpar clients (protocol/flower_wire.py ``node_id_of``); ``push_messages`` opens a
+fedpar coordinator. Node ids are fedpar clients (protocol/flower_nodes.py ``node_id_of``); ``push_messages`` opens a
 coordinator round carrying the Messages (server/flower_rounds.py), ``pull_messages`` takes the replies that arrived,
 ``send_and_receive`` waits for the round to close (every node answered, or the timeout / deadline passed).
 
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -24,7 +25,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedpar.protocol.flower_wire import SUPERLINK_NODE_ID, encode_message
+from fedpar.protocol.flower_nodes import SERVER_NODE_ID
+from fedpar.protocol.flower_wire import encode_message
 from fedpar.server.flower_rounds import FlowerCoordinator, agents_by_node, error_reply
 
 FLOWER_RUN_ID = 1  # the run's id in Flower's metadata (one run per coordinator)
@@ -32,11 +34,16 @@ log = logging.getLogger("fedpar.server")
 _capture_lock = threading.Lock()
 
 
+class NodesWillNotCome(RuntimeError):
+    """The ServerApp waits for more nodes than the run will have."""
+
+
 class CoordinatorGrid(Grid):
     """A Flower Grid whose nodes are ``coordinator``'s live members and whose messages travel as its rounds."""
 
-    def __init__(self, coordinator: FlowerCoordinator, loop: asyncio.AbstractEventLoop):
-        self.coordinator, self.loop = coordinator, loop
+    def __init__(self, coordinator: FlowerCoordinator, loop: asyncio.AbstractEventLoop, patience: float = 300.0):
+        self.coordinator, self.loop, self.patience = coordinator, loop, patience
+        self._asking: tuple[float, int] | None = None  # since when the ServerApp asks for nodes, and how many there are
         self._run = Run.create_empty(FLOWER_RUN_ID)
         self._rounds: list[tuple[set[str], Future]] = []  # pushed rounds: their message ids, their replies
         self._lock = threading.Lock()
@@ -61,8 +68,18 @@ class CoordinatorGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        """The node ids of the coordinator's live members."""
-        return list(self._agents().keys())
+        """The node ids of the coordinator's live members. A ServerApp that keeps asking while no node joins (a
+        strategy waiting for more nodes than will come) is stopped after ``patience`` seconds, in one line."""
+        nodes = list(self._agents().keys())
+        now = time.monotonic()
+        if self._asking is None or self._asking[1] != len(nodes):
+            self._asking = (now, len(nodes))
+        elif now - self._asking[0] > self.patience:
+            raise NodesWillNotCome(
+                f"the ServerApp waited {self.patience:.0f} s for more than the {len(nodes)} nodes it has (its "
+                "strategy's min_available_nodes, min_train_nodes or min_evaluate_nodes); start more clients "
+                "(--clients, or more fedpar client agents) or lower those in the app")
+        return nodes
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Send each message to its ``dst_node_id`` as one coordinator round (after any round still open); their
@@ -106,6 +123,7 @@ class CoordinatorGrid(Grid):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def _push(self, messages: Iterable[Message], timeout: float | None) -> list[str]:
+        self._asking = None
         agents = self._agents()
         outgoing: dict[str, tuple[bytes, Message]] = {}
         refused: list[Message] = []
@@ -123,7 +141,14 @@ class CoordinatorGrid(Grid):
                 continue
             if message.has_content() and len(message.content.array_records) == 1:
                 self.last_arrays = next(iter(message.content.array_records.values()))
-            outgoing[agent] = (encode_message(message), message)
+            data = encode_message(message)
+            limit = self.coordinator.config.max_chunk_bytes
+            if len(data) > limit:  # a task travels as one gRPC message
+                log.error("a Flower message of %d bytes is over --max-chunk-bytes %d; raise it (at most 64 MiB)",
+                          len(data), limit)
+                refused.append(error_reply(message, f"message of {len(data)} bytes is over --max-chunk-bytes {limit}"))
+                continue
+            outgoing[agent] = (data, message)
         future = asyncio.run_coroutine_threadsafe(
             self.coordinator.exchange(outgoing, timeout, message_type, flower_round), self.loop)
         ids = {m.metadata.message_id for _, m in outgoing.values()} | \
@@ -157,16 +182,17 @@ def _settle(done: Future, exchange: Future, refused: list[Message]) -> None:
         done.set_result(refused + list(exchange.result().values()))
 
 
-def server_app_main(server_app: ServerApp, run_config: dict):
+def server_app_main(server_app: ServerApp, run_config: dict, patience: float = 300.0):
     """The coordinator's ``app_main`` (server/flower_rounds.py) for ``server_app``: its ``main(grid, context)`` run
     as Flower's own runtime runs it (server/run_serverapp.py: the task identity of the SuperLink's side, a Context
-    with the run config), on a :class:`CoordinatorGrid`. It returns the final arrays, by name (the Result of the
+    with the run config), on a :class:`CoordinatorGrid` (``patience``: seconds it may wait for nodes that do not
+    come). It returns the final arrays, by name (the Result of the
     strategy's ``start``, else the last global model a message carried), and summary.json's "flower" entry."""
 
     def main(coordinator: FlowerCoordinator):
-        grid = CoordinatorGrid(coordinator, coordinator.loop)
-        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, FLOWER_RUN_ID, SUPERLINK_NODE_ID
-        context = Context(run_id=FLOWER_RUN_ID, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
+        grid = CoordinatorGrid(coordinator, coordinator.loop, patience)
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, FLOWER_RUN_ID, SERVER_NODE_ID
+        context = Context(run_id=FLOWER_RUN_ID, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(),
                           run_config=dict(run_config))
         with strategy_results() as results:
             server_app(grid=grid, context=context)

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.flower_nodes import node_id_of
 from fedpar.protocol.flower_wire import FlowerWireError, decode_message
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, cohort_digest
@@ -97,9 +98,18 @@ class FlowerCoordinator(Coordinator):
                 "round": round_id, "status": "ok" if replies or not slots else "failed", "sampled": len(slots),
                 "reported": state.accepted, "rejected": state.rejected, "late": state.late(), "examples": 0,
                 "close_reason": state.close_reason, "cohort_digest": cohort_digest(slots),
-                "flower_round": flower_round, "message_type": message_type,
+                "flower_round": flower_round, "message_type": message_type, "upload_bytes": state.upload_bytes,
+                "download_bytes": sum(len(s.message) for s in slots.values() if s.dispatched),
                 "round_seconds": now - state.started, "wall_seconds": now - self.started_at})
             return replies
+
+    def _redeliverable(self, state: RoundState, agent_id: str, finished_task_id: str = "") -> AgentSlot | None:
+        """The Message of a member that pulls again without having replied or said it is done with it (the task's
+        delivery was lost on the way): handed out again."""
+        slot = state.slots.get(agent_id)
+        if slot is None or not slot.dispatched or slot.status != "pending" or slot.task_id == finished_task_id:
+            return None
+        return slot
 
     def take_reply(self, agent_id: str, request: pb.MessageReply) -> None:
         """Take ``agent_id``'s reply to its round's Message (on the loop); a Refusal when it is not due now. A reply
@@ -139,6 +149,4 @@ def error_reply(message, reason: str):
 
 def agents_by_node(agent_ids: Sequence[str]) -> dict[int, str]:
     """Each agent's Flower node id (protocol/flower_wire.py), mapped back to the agent."""
-    from fedpar.protocol.flower_wire import node_id_of
-
     return {node_id_of(a): a for a in agent_ids}

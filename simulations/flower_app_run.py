@@ -11,8 +11,6 @@ import zlib
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
 from fedpar.aggregation import build_strategy
 from fedpar.client.flower_app_members import FlowerAppMembers
 from fedpar.client.links import AgentConfig
@@ -31,6 +29,7 @@ from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 
 log = logging.getLogger("fedpar.simulate")
+NODE_PATIENCE_SECONDS = 5.0  # every member joined before the ServerApp started: a strategy waiting for more waits in vain
 
 
 def flower_app_refusal(cfg: SimulationConfig) -> str | None:
@@ -70,10 +69,10 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, accept_populations=True,
         metrics_path=out / "metrics.jsonl" if out else None, max_agents=max(CoordinatorConfig.max_agents,
                                                                             cfg.clients + 64))
-    from fedpar.server.flower_grid import server_app_main
+    from fedpar.server.flower_grid import NodesWillNotCome, server_app_main
 
     coordinator = FlowerCoordinator(coord_cfg, build_strategy("fedavg"),
-                                    server_app_main(app.server_app, app.run_config),
+                                    server_app_main(app.server_app, app.run_config, NODE_PATIENCE_SECONDS),
                                     admission=Admission(require_certificate=cfg.tls))
     server = CoordinatorServer(coordinator, credentials=server_credentials(server_tls_files(certs.name))
                                if certs else None)
@@ -93,7 +92,8 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
             if dead:
                 raise RuntimeError(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
         if server.error is not None:
-            raise server.error
+            raise RuntimeError(f"{server.error}" if isinstance(server.error, NodesWillNotCome) else
+                               f"the ServerApp failed: {type(server.error).__name__}: {server.error}")
         for p in procs:
             p.join(timeout=30)
     finally:
@@ -136,10 +136,3 @@ def host_members(server: str, agent_id: str, members: FlowerAppMembers, seats: i
                          seed=zlib.crc32(f"{seed}:{agent_id}".encode()))
     return ClientRuntime(config, members, seats)
 
-
-def final_arrays(out: Path) -> dict[str, np.ndarray]:
-    """The final arrays a run left in ``out`` (global.safetensors), by name."""
-    from fedpar.server.final_model import load_final_model
-
-    names, arrays = load_final_model(out)
-    return dict(zip(names, arrays))

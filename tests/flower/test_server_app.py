@@ -78,3 +78,18 @@ def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_
     cfg = SimulationConfig(clients=1, workers=1, seats=1, out=str(tmp_path / "out"))  # the app's FedAvg wants 2
     with pytest.raises(RuntimeError, match=r"waited 5 s for more than the 1 nodes it has .*start more clients"):
         run_flower_app(cfg, load_flower_app(APP))
+
+
+def test_the_docs_command_runs_the_example_app_on_fedpar(tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "flower_app"
+    code = main(["simulate", "--flower-app", str(example), "--run-config", "num-server-rounds=1", "--clients", "3",
+                 "--workers", "1", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["failed_rounds"] == 0  # one train and one evaluate round
+    evaluated = summary["flower"]["evaluate_metrics_serverapp"]  # the app's global evaluation, before and after
+    assert set(evaluated) == {"0", "1"} and 0.0 <= evaluated["1"]["accuracy"] <= 1.0
+    names, arrays = load_final_model(tmp_path / "out")
+    assert names[0] == "fc1.weight" and arrays[0].shape == (32, 64)
