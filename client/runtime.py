@@ -219,6 +219,11 @@ class ClientRuntime:
         self.members.assign(seat.trainer, i, task)
         if task.flower_message:  # a Flower App run's round: the member answers the Message its task carries
             finished = self._reply(i, member, self.link.member_auth(i), task)
+        elif self.layout is None:  # members that only answer Messages get a round of fedpar's own
+            self._note_refusal(member, "task", ValueError(
+                "this coordinator runs fedpar's strategies, which need the app's initial arrays: name them in its "
+                "pyproject.toml ([tool.fedpar] model = 'module:factory'), or serve the app with --flower-app"))
+            finished = True
         else:
             with seat.trainer.holding_task(task.round):
                 finished = self._train_and_upload(seat, member, self.link.member_auth(i), task)
