@@ -35,7 +35,7 @@ NODE_PATIENCE_SECONDS = 5.0  # every member joined before the ServerApp started:
 def flower_app_refusal(cfg: SimulationConfig) -> str | None:
     """One line saying which of ``cfg``'s settings a ServerApp-driven run cannot honour, and what to do; None when
     every one can be."""
-    asked = [(cfg.secure_aggregation, "--secure-aggregation"), (cfg.virtual_clock, "--clock virtual"),
+    asked = [(cfg.task is not None, "--task"), (cfg.secure_aggregation, "--secure-aggregation"), (cfg.virtual_clock, "--clock virtual"),
              (cfg.aggregator_ranks > 1, "--aggregator-ranks"), (cfg.upload_compression.method != "none",
                                                                "--upload-compression"),
              (cfg.client_batching, "--client-batching"), (cfg.trace is not None, "--trace"),
