@@ -83,18 +83,33 @@ def flower_trainer(args: argparse.Namespace, model):
 
 
 def flower_app_trainer(args: argparse.Namespace):
-    """The trainer around the ClientApp of the Flower App ``--flower-app`` names, as this agent's member (its
-    partition, the app's run config; its arrays are the app's [tool.fedpar] model's)."""
+    """The Flower App ``--flower-app`` names, the trainer around its ClientApp as this agent's member (its partition,
+    the app's run config; its arrays are the app's [tool.fedpar] model's; None when the app names none: only its
+    ServerApp can drive it), and the member's training examples."""
     from fedpar.client.flower_app_member import FlowerAppTrainer
     from fedpar.tasks.flower_app import load_flower_app
 
     if args.flower_client or args.task:
         raise ValueError("--flower-app says what this agent trains: drop --flower-client and --task")
     app = load_flower_app(args.flower_app, args.run_config)
-    trainer = FlowerAppTrainer(app.client_app, app.run_config, app.initial_arrays(args.seed))
-    trainer.use_member(args.agent_id, args.partition_index, args.num_partitions,
-                       app.train_examples(args.partition_index, args.num_partitions))
-    return trainer
+    examples = app.train_examples(args.partition_index, args.num_partitions)
+    trainer = None
+    if app.fedpar_table.get("model"):  # fedpar's strategies may drive it too: they need its initial arrays
+        trainer = FlowerAppTrainer(app.client_app, app.run_config, app.initial_arrays(args.seed))
+        trainer.use_member(args.agent_id, args.partition_index, args.num_partitions, examples)
+    return app, trainer, examples
+
+
+def flower_app_agent(args: argparse.Namespace, config):
+    """The agent of ``--flower-app``: its one member answers a ServerApp's Messages (fedpar serve --flower-app) and,
+    when the app names its [tool.fedpar] model, trains under fedpar's strategies too."""
+    from fedpar.client.flower_app_members import FlowerAppMembers
+    from fedpar.client.runtime import ClientRuntime
+
+    app, trainer, examples = flower_app_trainer(args)
+    members = FlowerAppMembers(app.client_app, app.run_config, [args.agent_id], [args.partition_index],
+                               args.num_partitions, [examples], population=False, trainer=trainer)
+    return ClientRuntime(config, members)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         security = client_security(args)
         if args.flower_app:  # the ClientApp loads its own data; its arrays are the app's model's
-            task, trainer = None, flower_app_trainer(args)
+            task, trainer = None, None
+            agent = flower_app_agent(args, agent_config(args, security))
         elif args.flower_client:  # its arrays are checked against the task's model
             task = agent_task(args)
             trainer = flower_trainer(args, task.model())
@@ -138,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigurationError, ValueError) as exc:  # a task's mistakes too (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    agent = Agent(agent_config(args, security), trainer)
+    if not args.flower_app:
+        agent = Agent(agent_config(args, security), trainer)
     where = f"Flower App {args.flower_app}" if args.flower_app else f"Flower client {args.flower_client}" \
         if args.flower_client else f"{trainer.num_examples} training examples of {task.name} on {device}"
     print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)

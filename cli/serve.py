@@ -37,7 +37,7 @@ from fedpar.protocol.heap import freeze_startup_heap
 from fedpar.sections import Output
 from fedpar.server.config import CoordinatorConfig
 from fedpar.settings import redefault, setting
-from fedpar.task import TaskReference
+from fedpar.task import FlowerAppReference, TaskReference
 
 if TYPE_CHECKING:
     from fedpar.server.assembly import CoordinatorAssembly
@@ -73,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_declared(p, DataSource)
     add_declared(p, DataFiles)
     add_declared(p, TaskReference)
+    add_declared(p, FlowerAppReference)
     add_declared(p, ServeOptions, skip=("host", "port", "port_file"))
     add_declared(p, Device)
     add_strategy_arguments(p, "serve")
@@ -156,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_port_free(args.host, args.port)
         check_port_free(args.host, args.data_port, "--data-port")
+    if args.run_config and not args.flower_app:
+        print("fedpar serve: --run-config needs --flower-app", file=sys.stderr)
+        return 2
+    if args.flower_app:  # the app's ServerApp drives the rounds
+        from fedpar.cli.serve_flower_app import serve_flower_app
+        with stop_on_signals():
+            return serve_flower_app(args)
     try:
         plan = _plan(args)
     except ValueError as exc:

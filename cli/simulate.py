@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for key in ("rounds", "data", "training", "simulation"):
         section(p, key)
     add_strategy_arguments(p, "simulate")
+    # --flower-app without --strategy: the app's ServerApp drives (simulations/flower_app_run.py); None tells it apart
+    p.set_defaults(strategy=None)
     add_declared(p, SimulationConfig, skip=("strategy", "strategy_options"), defaults={"out": "runs/simulation"})
     add_declared(p, SimulateOptions)
     add_compression_arguments(p)
@@ -68,11 +70,15 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.simulations.runner import ProcessLost, run_simulation
 
     check_output_folder(args.out)
+    server_app_drives = bool(args.flower_app) and args.strategy is None
+    args.strategy = args.strategy or "fedavg"
     try:
         cfg = simulation_config(args)
     except ValueError as exc:  # settings no simulation can run, e.g. a compression knob out of its range
         print(f"fedpar simulate: {exc}", file=sys.stderr)
         return 2
+    if server_app_drives:
+        return run_server_app(cfg)
     columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else []) + \
         (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else []) + \
         (CLOCK_COLUMNS if cfg.virtual_clock else [])
@@ -108,3 +114,23 @@ def run(args: argparse.Namespace) -> int:
     print(written.wrote_line(cfg.out))
     return run_exit_code("fedpar simulate", summary, stop.signal)
 
+
+
+def run_server_app(cfg: SimulationConfig) -> int:
+    """``--flower-app DIR`` without ``--strategy``: the app's ServerApp drives the run; print the summary."""
+    from fedpar.simulations.flower_app_run import run_flower_app
+    from fedpar.simulations.run_outputs import RunOutputs
+    from fedpar.tasks.flower_app import load_flower_app
+
+    try:
+        app = load_flower_app(cfg.flower_app, cfg.run_config)
+        with stop_on_signals() as stop:
+            summary = run_flower_app(cfg, app, cfg.run_config)
+    except (ValueError, RuntimeError) as exc:  # a setting it cannot honour, an app that cannot load, a lost worker
+        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    summary.pop("config", None)
+    written = RunOutputs(summary, summary.pop("written"))
+    print(json.dumps(summary, indent=2))
+    print(written.wrote_line(cfg.out))
+    return run_exit_code("fedpar simulate", summary, stop.signal)

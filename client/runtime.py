@@ -98,7 +98,9 @@ class ClientRuntime:
         self._stop = threading.Event()
         self.conn = Connection(config)
         trainers = members.seat_trainers(seats)
-        self.layout = ModelLayout(trainers[0].array_specs()) if trainers else None
+        # a Flower App's members answer whole Messages (client/flower_app_members.py): no model layout of their own
+        answers_messages = getattr(members, "answers_messages", False)
+        self.layout = ModelLayout(trainers[0].array_specs()) if trainers and not answers_messages else None
         self.seats = [Seat(t, UpdateCompressor(self.layout, seed=zlib.crc32(
             f"{config.seed}:{config.agent_id}{f':{s}' if s else ''}".encode()))) for s, t in enumerate(trainers)]
         self._tasks: queue.Queue = queue.Queue()  # members' tasks for the seats (a population's)
@@ -215,8 +217,16 @@ class ClientRuntime:
         task should be pulled again, its weights never came)."""
         member = self.members.member_id(i)
         self.members.assign(seat.trainer, i, task)
-        with seat.trainer.holding_task(task.round):
-            finished = self._train_and_upload(seat, member, self.link.member_auth(i), task)
+        if task.flower_message:  # a Flower App run's round: the member answers the Message its task carries
+            finished = self._reply(i, member, self.link.member_auth(i), task)
+        elif self.layout is None:  # members that only answer Messages get a round of fedpar's own
+            self._note_refusal(member, "task", ValueError(
+                "this coordinator runs fedpar's strategies, which need the app's initial arrays: name them in its "
+                "pyproject.toml ([tool.fedpar] model = 'module:factory'), or serve the app with --flower-app"))
+            finished = True
+        else:
+            with seat.trainer.holding_task(task.round):
+                finished = self._train_and_upload(seat, member, self.link.member_auth(i), task)
         if finished:
             self.link.finished(task)
         return finished
@@ -267,6 +277,29 @@ class ClientRuntime:
         if self.residuals is not None:
             self.residuals.save(member, seat.compression.take_residual())
         return True
+
+    def _reply(self, i: int, member: str, auth: pb.AgentAuth, task: pb.TrainTask) -> bool:
+        """Member ``i``'s reply to its task's Flower Message, sent with ReplyMessage and retried while the coordinator
+        is busy and the deadline allows (a reply that misses the deadline is no reply, as in Flower)."""
+        deadline_at = time.monotonic() + task.deadline_seconds
+        try:
+            with self.link.while_training():  # heartbeats while the ClientApp works
+                reply = self.members.answer(i, task.flower_message, self.link.max_chunk or self.config.chunk_bytes)
+        except ValueError as err:  # the task's Message cannot be read: nothing to answer
+            self._note_refusal(member, "message", err)
+            return True
+        request = pb.MessageReply(auth=auth, round=task.round, task_id=task.task_id, message=reply)
+        backoff = Backoff(0.1, 2.0, self._rng)
+        while True:
+            try:
+                self.conn.stub.ReplyMessage(request, timeout=upload_timeout(deadline_at))
+                self._count("accepted")
+                return True
+            except grpc.RpcError as err:
+                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):
+                    self._note_refusal(member, "reply", err)
+                    return True
+                time.sleep(backoff.wait())
 
     def _round_weights(self, member: str, auth: pb.AgentAuth, task: pb.TrainTask,
                        data_plane: dataplane.DataPlaneTarget | None) -> list[np.ndarray] | bool | None:

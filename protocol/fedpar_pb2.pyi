@@ -70,7 +70,7 @@ class PullTaskRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., finished_task_id: _Optional[str] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host", "virtual_clock", "clock_seconds", "max_steps", "clock_deadline_seconds")
+    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host", "virtual_clock", "clock_seconds", "max_steps", "clock_deadline_seconds", "flower_message")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class TrainTask(_message.Message):
     CLOCK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FLOWER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_seconds: float
@@ -107,7 +108,8 @@ class TrainTask(_message.Message):
     clock_seconds: float
     max_steps: int
     clock_deadline_seconds: float
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., ingest_port: _Optional[int] = ..., ingest_host: _Optional[str] = ..., virtual_clock: bool = ..., clock_seconds: _Optional[float] = ..., max_steps: _Optional[int] = ..., clock_deadline_seconds: _Optional[float] = ...) -> None: ...
+    flower_message: bytes
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., ingest_port: _Optional[int] = ..., ingest_host: _Optional[str] = ..., virtual_clock: bool = ..., clock_seconds: _Optional[float] = ..., max_steps: _Optional[int] = ..., clock_deadline_seconds: _Optional[float] = ..., flower_message: _Optional[bytes] = ...) -> None: ...
 
 class PullTaskReply(_message.Message):
     __slots__ = ("task", "wait_seconds", "shutdown_reason")
@@ -195,6 +197,18 @@ class UploadHeader(_message.Message):
     encoding: str
     encoding_json: str
     def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., steps: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., encoding: _Optional[str] = ..., encoding_json: _Optional[str] = ...) -> None: ...
+
+class MessageReply(_message.Message):
+    __slots__ = ("auth", "round", "task_id", "message")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    auth: AgentAuth
+    round: int
+    task_id: str
+    message: bytes
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., message: _Optional[bytes] = ...) -> None: ...
 
 class UploadEnd(_message.Message):
     __slots__ = ("total_bytes", "num_chunks")

@@ -89,6 +89,11 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.HostUploads.SerializeToString,
                 response_deserializer=fedpar__pb2.HostUploadResults.FromString,
                 _registered_method=True)
+        self.ReplyMessage = channel.unary_unary(
+                '/fedpar.v1.Coordinator/ReplyMessage',
+                request_serializer=fedpar__pb2.MessageReply.SerializeToString,
+                response_deserializer=fedpar__pb2.UploadReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -175,6 +180,14 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplyMessage(self, request, context):
+        """Flower App runs (--flower-app): a member's reply to the Flower Message its task carried
+        (TrainTask.flower_message), a serialized flwr.proto.message_pb2.Message (Flower's own serde, no pickle).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -232,6 +245,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.UploadHostUpdates,
                     request_deserializer=fedpar__pb2.HostUploads.FromString,
                     response_serializer=fedpar__pb2.HostUploadResults.SerializeToString,
+            ),
+            'ReplyMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplyMessage,
+                    request_deserializer=fedpar__pb2.MessageReply.FromString,
+                    response_serializer=fedpar__pb2.UploadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +549,33 @@ class Coordinator(object):
             '/fedpar.v1.Coordinator/UploadHostUpdates',
             fedpar__pb2.HostUploads.SerializeToString,
             fedpar__pb2.HostUploadResults.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplyMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpar.v1.Coordinator/ReplyMessage',
+            fedpar__pb2.MessageReply.SerializeToString,
+            fedpar__pb2.UploadReply.FromString,
             options,
             channel_credentials,
             insecure,

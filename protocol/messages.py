@@ -89,6 +89,8 @@ class CoordinatorStub:
                                                  response_deserializer=pb.UploadReply.FromString)
         self.UploadSmall = channel.unary_unary(method("UploadSmall"), request_serializer=_serialize,
                                                response_deserializer=pb.UploadReply.FromString)
+        self.ReplyMessage = channel.unary_unary(method("ReplyMessage"), request_serializer=_serialize,
+                                                response_deserializer=pb.UploadReply.FromString)
         self.Heartbeat = channel.unary_unary(method("Heartbeat"), request_serializer=_serialize,
                                              response_deserializer=pb.HeartbeatReply.FromString)
         self.Leave = channel.unary_unary(method("Leave"), request_serializer=_serialize,

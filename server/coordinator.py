@@ -353,7 +353,9 @@ class Coordinator(IngestPlane):
                             model_bytes=self.layout.total_bytes)
         self.clock.stamp(task)
         payload = self.payload
-        if payload is not None and payload.inline is not None and payload.round_id == state.round_id:
+        if slot.message:  # a Flower App run's round: the Message is the task (server/flower_rounds.py)
+            task.flower_message = slot.message
+        elif payload is not None and payload.inline is not None and payload.round_id == state.round_id:
             task.weights_header.MergeFromString(payload.model_header)
             task.weights = payload.inline
             state.download_bytes += len(payload.inline)
@@ -391,6 +393,10 @@ class Coordinator(IngestPlane):
         arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
         state.refuse_if_closed(slot)
         await ticket.mode.accept(state, ticket, arrays)
+
+    def take_reply(self, agent_id: str, request: pb.MessageReply) -> None:
+        """A member's reply to a Flower Message: only a Flower App run asks for any (server/flower_rounds.py)."""
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "this coordinator runs no Flower App; nothing to reply to")
 
     def leave(self, agent: AgentRecord) -> None:
         """Agent says goodbye."""

@@ -45,6 +45,7 @@ class AgentSlot:
     data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out
     status: str = "pending"  # pending | uploading | accepted | rejected | late | lost (its aggregator rank was)
     upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
+    message: bytes = b""  # a Flower App run's Message for it (server/flower_rounds.py): its task carries no weights
     go: bool = True  # under the virtual clock, False until it is among the first K to finish (server/virtual_clock.py)
 
 

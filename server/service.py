@@ -197,6 +197,17 @@ class CoordinatorService:
         except Refusal as r:
             await context.abort(r.code, r.message)
 
+    async def ReplyMessage(self, request: pb.MessageReply, context) -> pb.UploadReply:
+        """A member's reply to the Flower Message of its task (a Flower App run: server/flower_rounds.py)."""
+        try:
+            agent = self._auth(request.auth, context)
+            with self.limits.agent_call(agent.agent_id):
+                self.limits.count_bytes(agent.agent_id, len(request.message))
+                self.coord.take_reply(agent.agent_id, request)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        return pb.UploadReply(accepted=True)
+
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         """Mark the agent alive."""
         try:
@@ -345,6 +356,7 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
             response_serializer=pb.UploadReply.SerializeToString),
         "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
         "UploadHostUpdates": unary(service.UploadHostUpdates, pb.HostUploads, pb.HostUploadResults),
+        "ReplyMessage": unary(service.ReplyMessage, pb.MessageReply, pb.UploadReply),
         "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
         "Leave": unary(service.Leave, pb.LeaveRequest, pb.LeaveReply),
         "SecAggExchange": unary(service.SecAggExchange, pb.SecAggRequest, pb.SecAggReply),

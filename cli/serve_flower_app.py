@@ -1,0 +1,86 @@
+"""``fedpar serve --flower-app DIR``: a Flower App's ServerApp runs unchanged on the coordinator (its Grid's
+messages travel as the coordinator's rounds: server/flower_rounds.py), for agents started with
+``fedpar client --flower-app DIR``, under the coordinator's TLS and admission (mutual TLS with ``fedpar certs``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from fedpar.cli.declared import from_args
+from fedpar.cli.tlsopts import server_security
+from fedpar.cli.user_errors import run_exit_code
+from fedpar.parallel.stopping import signal_name
+from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.server.config import CoordinatorConfig
+
+
+def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> str | None:
+    """One line naming the settings a ServerApp-driven coordinator cannot honour, and what to do; None if none."""
+    asked = [(config.secure_aggregation, "--secure-aggregation"), (config.virtual_clock, "--clock virtual"),
+             (getattr(args, "aggregator_ranks", 1) > 1, "--aggregator-ranks"),
+             (config.upload_compression.method != "none", "--upload-compression"),
+             (args.state is not None, "--state"), (config.checkpoint_dir is not None, "--checkpoint-dir")]
+    named = [flag for on, flag in asked if on]
+    if not named:
+        return None
+    return (f"{', '.join(named)}: with --flower-app the app's ServerApp decides rounds, sampling and aggregation, so "
+            "fedpar cannot apply it; drop it (a ServerApp run is not resumable)")
+
+
+def serve_flower_app(args: argparse.Namespace) -> int:
+    """Serve the ServerApp of ``args.flower_app`` until its ``main`` returns; write metrics, the final arrays and
+    summary.json under ``--out``."""
+    from fedpar.aggregation import build_strategy
+    from fedpar.cli.compression_options import compression_from_args
+    from fedpar.server.app import CoordinatorServer
+    from fedpar.server.flower_grid import server_app_main
+    from fedpar.server.flower_rounds import FlowerCoordinator
+    from fedpar.simulations.run_outputs import write_run_outputs
+    from fedpar.tasks.flower_app import load_flower_app
+
+    try:
+        config = from_args(CoordinatorConfig, args)
+        config.upload_compression = compression_from_args(args)
+        config.metrics_path = Path(args.out) / "metrics.jsonl"
+        problem = server_app_refusal(config, args)
+        if problem:
+            raise ValueError(problem)
+        security = server_security(args)
+        app = load_flower_app(args.flower_app, args.run_config)
+        coordinator = FlowerCoordinator(config, build_strategy("fedavg"),
+                                        server_app_main(app.server_app, app.run_config,
+                                                        config.wait_for_agents_seconds or float("inf")), admission=security.admission)
+    except ValueError as exc:  # TlsSetupError, FlowerAppError: one line each
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    server = CoordinatorServer(coordinator, host=args.host, port=args.port, credentials=security.credentials)
+    if args.port_file:
+        server.on_listening = lambda port: atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
+    stopped_by: KeyboardInterrupt | None = None
+    try:
+        server.start()
+        print(f"coordinator listening on {args.host}:{server.port} ({security.description}) for Flower App "
+              f"{app.directory.name}; waiting for {config.min_available} agents (start them with: fedpar client "
+              f"--server {args.host}:{server.port} {security.client_hint} --flower-app DIR --agent-id ID "
+              "--partition-index I --num-partitions N)", flush=True)
+        server.wait()
+        linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
+        while not coordinator.everyone_told_finished() and time.monotonic() < linger_until:
+            time.sleep(0.05)
+    except KeyboardInterrupt as exc:
+        stopped_by = exc
+    finally:
+        server.stop(grace=0.5 if stopped_by is not None else 1.0)
+    if server.error is not None:
+        print(f"fedpar serve: the ServerApp failed: {type(server.error).__name__}: {server.error}", file=sys.stderr)
+        return 1
+    outputs = write_run_outputs(Path(args.out), coordinator, {"flower_app": str(app.directory)},
+                                {"wall_seconds": time.monotonic() - started, "interrupted": stopped_by is not None,
+                                 "flower": coordinator.flower_summary},
+                                title=f"Flower App {app.directory.name}, fedpar serve")
+    print(outputs.wrote_line(args.out))
+    return run_exit_code("fedpar serve", outputs.summary, signal_name(stopped_by) if stopped_by else None)

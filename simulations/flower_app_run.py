@@ -1,0 +1,138 @@
+"""``fedpar simulate --flower-app DIR`` without ``--strategy``: the app's ServerApp runs unchanged on fedpar's
+coordinator (server/flower_rounds.py, through the Grid of server/flower_grid.py) and worker processes host the
+population, whose members answer the Messages with the app's ClientApp (client/flower_app_members.py)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+
+from fedpar.aggregation import build_strategy
+from fedpar.client.flower_app_members import FlowerAppMembers
+from fedpar.client.links import AgentConfig
+from fedpar.client.runtime import ClientRuntime
+from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
+from fedpar.security.admission import Admission
+from fedpar.security.certs import temporary_cert_dir
+from fedpar.security.tls import channel_credentials, client_tls_files, server_credentials, server_tls_files
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.flower_rounds import FlowerCoordinator
+from fedpar.settings import composed
+from fedpar.simulations.config import SimulationConfig
+from fedpar.simulations.population import client_id
+from fedpar.simulations.run_outputs import write_run_outputs
+from fedpar.tasks.flower_app import FlowerApp, load_flower_app
+
+log = logging.getLogger("fedpar.simulate")
+NODE_PATIENCE_SECONDS = 5.0  # every member joined before the ServerApp started: a strategy waiting for more waits in vain
+
+
+def flower_app_refusal(cfg: SimulationConfig) -> str | None:
+    """One line saying which of ``cfg``'s settings a ServerApp-driven run cannot honour, and what to do; None when
+    every one can be."""
+    asked = [(cfg.task is not None, "--task"), (cfg.secure_aggregation, "--secure-aggregation"), (cfg.virtual_clock, "--clock virtual"),
+             (cfg.aggregator_ranks > 1, "--aggregator-ranks"), (cfg.upload_compression.method != "none",
+                                                               "--upload-compression"),
+             (cfg.client_batching, "--client-batching"), (cfg.trace is not None, "--trace"),
+             (cfg.drop_probability > 0, "--drop-probability"), (cfg.clients_per_round not in (None, cfg.clients),
+                                                                "--clients-per-round")]
+    named = [flag for on, flag in asked if on]
+    if not named:
+        return None
+    return (f"{', '.join(named)}: the Flower App's ServerApp decides sampling and aggregation, so fedpar cannot "
+            "apply it; drop it, or add --strategy NAME to let fedpar drive the app's ClientApp")
+
+
+def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None = None) -> dict:
+    """Run ``app``'s ServerApp against ``cfg.clients`` members hosted by ``cfg.workers`` processes (``run_config``:
+    the --run-config overrides, given to the workers, which load the app themselves); writes metrics.jsonl, the
+    final arrays (global.safetensors, global.json) and summary.json (with the Result's metrics under "flower")
+    under ``cfg.out``; returns the summary."""
+    problem = flower_app_refusal(cfg)
+    if problem:
+        raise ValueError(problem)
+    started = time.monotonic()
+    out = Path(cfg.out) if cfg.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    workers = max(1, min(cfg.workers, cfg.clients))
+    hosts = [f"host-{w}" for w in range(workers)]
+    certs = temporary_cert_dir(hosts) if cfg.tls else None
+    coord_cfg = composed(
+        CoordinatorConfig, cfg, clients_per_round=cfg.clients, min_available=cfg.clients, heartbeat_seconds=2.0,
+        liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, accept_populations=True,
+        metrics_path=out / "metrics.jsonl" if out else None, max_agents=max(CoordinatorConfig.max_agents,
+                                                                            cfg.clients + 64))
+    from fedpar.server.flower_grid import NodesWillNotCome, server_app_main
+
+    coordinator = FlowerCoordinator(coord_cfg, build_strategy("fedavg"),
+                                    server_app_main(app.server_app, app.run_config, NODE_PATIENCE_SECONDS),
+                                    admission=Admission(require_certificate=cfg.tls))
+    server = CoordinatorServer(coordinator, credentials=server_credentials(server_tls_files(certs.name))
+                               if certs else None)
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        server.start()
+        with children_ignore_interrupts():
+            for w, host in enumerate(hosts):
+                numbers = list(range(w, cfg.clients, workers))
+                procs.append(ctx.Process(target=host_flower_members, name=f"fedpar-worker-{w}", daemon=True, args=(
+                    server.address, str(app.directory), run_config, host, numbers, cfg.clients, cfg.seats, cfg.seed,
+                    certs.name if certs else None, logging.getLogger("fedpar").getEffectiveLevel())))
+                procs[-1].start()
+        while not server.wait(0.5):
+            dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+            if dead:
+                raise RuntimeError(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
+        if server.error is not None:
+            raise RuntimeError(f"{server.error}" if isinstance(server.error, NodesWillNotCome) else
+                               f"the ServerApp failed: {type(server.error).__name__}: {server.error}")
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        server.stop()
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        if certs is not None:
+            certs.cleanup()
+    extra = {"wall_seconds": time.monotonic() - started, "flower": coordinator.flower_summary,
+             "config": asdict(cfg)}
+    if not out:
+        return {**coordinator.metrics.summary.result(), **extra, "written": []}
+    outputs = write_run_outputs(out, coordinator, {"flower_app": str(app.directory)}, extra,
+                                title=f"Flower App {app.directory.name}, {cfg.clients} clients")
+    return {**outputs.summary, "written": outputs.written}
+
+
+def host_flower_members(server: str, directory: str, run_config: str | None, host_id: str, numbers: list[int],
+                        clients: int, seats: int, seed: int, certs_dir: str | None, log_level: int) -> None:
+    """Worker process: host clients ``numbers`` of ``clients`` (partition id = client number) of the Flower App in
+    ``directory`` until the coordinator says the run is over."""
+    die_with_parent()
+    logging.basicConfig(level=min(log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("fedpar").setLevel(log_level)
+    app = load_flower_app(directory, run_config)
+    members = FlowerAppMembers(app.client_app, app.run_config, [client_id(n) for n in numbers], numbers, clients,
+                               [app.train_examples(n, clients) for n in numbers])
+    host_members(server, host_id, members, seats, seed, certs_dir).run()
+
+
+def host_members(server: str, agent_id: str, members: FlowerAppMembers, seats: int, seed: int,
+                 certs_dir: str | None, give_up_after: float | None = 60.0) -> ClientRuntime:
+    """A client runtime hosting ``members`` against ``server`` as ``agent_id`` (under mutual TLS: its certificate
+    in ``certs_dir``)."""
+    tls = client_tls_files(agent_id, certs_dir) if certs_dir else None
+    credentials = channel_credentials(tls) if tls is not None else None
+    config = AgentConfig(server=server, agent_id=agent_id, poll_seconds=2.0, give_up_after=give_up_after,
+                         credentials=credentials, insecure=credentials is None, tls_files=tls,
+                         seed=zlib.crc32(f"{seed}:{agent_id}".encode()))
+    return ClientRuntime(config, members, seats)
+

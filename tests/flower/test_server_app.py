@@ -1,0 +1,96 @@
+"""A Flower App's ServerApp runs unchanged on fedpar (server/flower_grid.py, server/flower_rounds.py): the same
+global arrays as Flower's own ServerApp, strategy and ClientApp driven in one process (tests/flower/reference_grid.py),
+and a ClientApp that fails gives that node's error reply while the run goes on."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from fedpar.server.final_model import load_final_model  # noqa: E402
+from fedpar.simulations.config import SimulationConfig  # noqa: E402
+from fedpar.simulations.flower_app_run import flower_app_refusal, run_flower_app  # noqa: E402
+from fedpar.tasks.flower_app import load_flower_app  # noqa: E402
+
+from support.flower_reference import run_with_flower  # noqa: E402
+
+APP = Path(__file__).parent / "tiny_app"
+TESTED_FLOWER = ("1.41", "1.42")  # the Flower releases this suite ran against (pyproject's flower and test extras)
+
+
+def test_installed_flower_is_a_tested_release():
+    assert version("flwr").rsplit(".", 1)[0] in TESTED_FLOWER, \
+        f"flwr {version('flwr')} is untested; run tests/flower and add it to TESTED_FLOWER and pyproject.toml"
+
+
+def test_server_app_on_fedpar_ends_with_flowers_own_arrays(tmp_path):
+    flower_final = tmp_path / "flower.npz"
+    run_with_flower(APP, f'final-path="{flower_final}"', num_partitions=3)
+    expected = dict(np.load(flower_final))
+
+    fedpar_final = tmp_path / "fedpar.npz"
+    overrides = f'final-path="{fedpar_final}"'
+    cfg = SimulationConfig(clients=3, workers=1, seats=2, out=str(tmp_path / "out"), deadline_seconds=30.0)
+    summary = run_flower_app(cfg, load_flower_app(APP, overrides), overrides)
+
+    saved_by_app = dict(np.load(fedpar_final))
+    names, arrays = load_final_model(tmp_path / "out")
+    kept_by_fedpar = dict(zip(names, arrays))
+    assert set(kept_by_fedpar) == set(expected) == {"w", "b"}
+    for name, array in expected.items():
+        np.testing.assert_allclose(saved_by_app[name], array, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(kept_by_fedpar[name], array, rtol=1e-5, atol=1e-6)
+    from tiny_flower_app.task import initial_arrays  # loaded with the app (its folder is on sys.path now)
+
+    assert not np.allclose(expected["w"], initial_arrays()["w"])  # it trained
+    # 2 server rounds of train + evaluate messages: 4 fedpar rounds of 3 messages each, every one answered
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["flower_round"], r["message_type"], r["sampled"], r["reported"]) for r in rows] == \
+        [(1, "train", 3, 3), (1, "evaluate", 3, 3), (2, "train", 3, 3), (2, "evaluate", 3, 3)]
+    assert summary["rounds"] == 4 and summary["flower"]["train_metrics_clientapp"]["2"]["rounds"] == pytest.approx(2.0)  # Context.state kept
+
+
+def test_a_failing_client_app_is_that_nodes_error_reply_and_the_run_goes_on(tmp_path):
+    overrides = "fail-partition=1"
+    cfg = SimulationConfig(clients=3, workers=1, seats=1, out=str(tmp_path / "out"), deadline_seconds=30.0)
+    summary = run_flower_app(cfg, load_flower_app(APP, overrides), overrides)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reported"] for r in rows if r["message_type"] == "train"] == [3, 3]  # error replies are replies
+    assert summary["rounds"] == 4
+    # FedAvg aggregated the two good replies: partitions 0 and 2 alone
+    names, arrays = load_final_model(tmp_path / "out")
+    assert np.isfinite(np.concatenate([a.ravel() for a in arrays])).all()
+
+
+def test_settings_a_server_app_run_cannot_honour_are_refused_in_one_line():
+    line = flower_app_refusal(SimulationConfig(clients=3, secure_aggregation=True))
+    assert "--secure-aggregation" in line and "--strategy" in line and "\n" not in line
+    assert "--task" in flower_app_refusal(SimulationConfig(clients=3, task="own_task.py:make"))
+    assert flower_app_refusal(SimulationConfig(clients=3)) is None
+
+
+def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_path):
+    cfg = SimulationConfig(clients=1, workers=1, seats=1, out=str(tmp_path / "out"))  # the app's FedAvg wants 2
+    with pytest.raises(RuntimeError, match=r"waited 5 s for more than the 1 nodes it has .*start more clients"):
+        run_flower_app(cfg, load_flower_app(APP))
+
+
+def test_the_docs_command_runs_the_example_app_on_fedpar(tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "flower_app"
+    code = main(["simulate", "--flower-app", str(example), "--run-config", "num-server-rounds=1", "--clients", "3",
+                 "--workers", "1", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["failed_rounds"] == 0  # one train and one evaluate round
+    evaluated = summary["flower"]["evaluate_metrics_serverapp"]  # the app's global evaluation, before and after
+    assert set(evaluated) == {"0", "1"} and 0.0 <= evaluated["1"]["accuracy"] <= 1.0
+    names, arrays = load_final_model(tmp_path / "out")
+    assert names[0] == "fc1.weight" and arrays[0].shape == (32, 64)

@@ -1,0 +1,73 @@
+"""`fedpar serve --flower-app DIR` and two `fedpar client --flower-app DIR` as separate processes over mutual TLS
+(`fedpar certs`): the app's ServerApp runs 2 rounds on the coordinator and both agents answer its Messages."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = Path(__file__).parent / "tiny_app"
+FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
+
+
+def _port_from(proc: subprocess.Popen, lines: list[str], timeout: float = 90.0) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+) \(mutual TLS\) for Flower App", line)
+        if match:
+            return int(match.group(1))
+    raise AssertionError(f"coordinator did not start: {''.join(lines)}")
+
+
+def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
+    certs = tmp_path / "certs"
+    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "alice,bob"], check=True, cwd=ROOT,
+                   capture_output=True, timeout=60)
+    final = tmp_path / "final.npz"
+    serve = subprocess.Popen([*FEDPAR, "serve", "--port", "0", "--certs", str(certs), "--min-available", "2",
+                              "--flower-app", str(APP), "--run-config", f'final-path="{final}"',
+                              "--out", str(tmp_path / "run")],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    clients, lines = [], []
+    try:
+        port = _port_from(serve, lines)
+        clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--certs", str(certs),
+                                     "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
+                                     "--flower-app", str(APP), "--threads", "1", "--give-up-after", "60"],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                   for i, agent_id in enumerate(["alice", "bob"])]
+        outputs = [c.communicate(timeout=120)[0] for c in clients]
+        serve_out = "".join(lines) + serve.communicate(timeout=60)[0]
+    finally:
+        for proc in [serve, *clients]:
+            if proc.poll() is None:
+                proc.kill()
+    assert serve.returncode == 0, serve_out
+    for client, out in zip(clients, outputs):
+        # 2 server rounds, each a train and an evaluate message: 4 replies, none refused
+        assert client.returncode == 0 and "4 tasks, 4 updates accepted, 0 refused" in out, out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["flower_round"], r["message_type"], r["reported"]) for r in rows] == \
+        [(1, "train", 2), (1, "evaluate", 2), (2, "train", 2), (2, "evaluate", 2)]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rounds"] == 4 and summary["flower"]["train_metrics_clientapp"]["2"]["rounds"] == pytest.approx(2)
+    from fedpar.server.final_model import load_final_model
+
+    names, arrays = load_final_model(tmp_path / "run")
+    saved = dict(np.load(final))  # what the ServerApp itself saved from its Result
+    for name, array in zip(names, arrays):
+        np.testing.assert_array_equal(array, saved[name])

@@ -1,0 +1,1 @@
+"""A tiny Flower App: linear regression on synthetic data, each partition its own slope."""
