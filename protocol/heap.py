@@ -1,11 +1,22 @@
 """Giving a round's freed memory back to the operating system, for long-lived processes (the coordinator and its
-aggregator ranks call :func:`trim_heap` after every round)."""
+aggregator ranks call :func:`trim_heap` after every round), and a switch to find what still grows.
+
+``FEDPAR_HEAP_TRACE=FILE[:EVERY]`` in a server's environment (off by default; it slows rounds) starts tracemalloc
+when the startup heap is frozen and, every EVERY rounds (500), appends to FILE (``.rankN`` added on ranks other
+than 0) the allocation sites that grew most since the first dump, and the object types the collector sees whose
+counts grew: the figures to read when benchmarks/soak.py reports a memory slope.
+"""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import gc
+import linecache
+import os
+import time
+import tracemalloc
 
 _libc = None
 try:
@@ -20,6 +31,51 @@ except OSError:
 _collect_each_round = False  # set by freeze_startup_heap: a long-lived server process's rounds collect cycles
 
 
+class _HeapTrace:
+    """What FEDPAR_HEAP_TRACE asks for: growth of allocation sites and object counts, dumped every N rounds."""
+
+    def __init__(self, spec: str):
+        path, _, every = spec.partition(":")
+        rank = os.environ.get("RANK", "0")
+        self.path = path if rank == "0" else f"{path}.rank{rank}"
+        self.every, self.rounds = int(every or 500), 0
+        self.first: tracemalloc.Snapshot | None = None
+        self.first_types: collections.Counter | None = None
+        tracemalloc.start(12)
+
+    @staticmethod
+    def _types() -> collections.Counter:
+        return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+    def round_done(self) -> None:
+        """Count a round; every ``every`` rounds, append the growth since the first dump to the file."""
+        self.rounds += 1
+        if self.rounds % self.every:
+            return
+        snap = tracemalloc.take_snapshot().filter_traces([  # not what the trace itself holds
+            tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, linecache.__file__),
+            tracemalloc.Filter(False, __file__, all_frames=True)])
+        types = self._types()
+        if self.first is None:
+            self.first, self.first_types = snap, types
+            return
+        traced, _ = tracemalloc.get_traced_memory()
+        lines = [f"== round {self.rounds} ({time.strftime('%H:%M:%S')}): traced {traced / 2**20:.2f} MiB, "
+                 f"gc objects {sum(types.values())} (+{sum(types.values()) - sum(self.first_types.values())})"]
+        for stat in snap.compare_to(self.first, "traceback")[:12]:
+            if stat.size_diff <= 0:
+                continue
+            lines.append(f"{stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d} blocks")
+            lines.extend("      " + line for line in stat.traceback.format(limit=6, most_recent_first=True))
+        grown = sorted(((n - self.first_types.get(t, 0), t) for t, n in types.items()), reverse=True)[:15]
+        lines.append("types grown: " + ", ".join(f"{t} {d:+d}" for d, t in grown if d > 0))
+        with open(self.path, "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
+_trace: _HeapTrace | None = None
+
+
 def freeze_startup_heap() -> None:
     """Call once a long-lived server process has started (modules, model and data loaded): what exists now leaves
     the garbage collector's view, and from now on :func:`trim_heap` also frees the reference cycles a round left.
@@ -31,10 +87,12 @@ def freeze_startup_heap() -> None:
     collection looks only at what rounds made and takes milliseconds. Not for processes that run tests or
     notebooks: frozen objects that later form garbage cycles are never freed.
     """
-    global _collect_each_round
+    global _collect_each_round, _trace
     gc.collect()
     gc.freeze()
     _collect_each_round = True
+    if os.environ.get("FEDPAR_HEAP_TRACE") and _trace is None:
+        _trace = _HeapTrace(os.environ["FEDPAR_HEAP_TRACE"])
 
 
 def trim_heap() -> bool:
@@ -46,4 +104,6 @@ def trim_heap() -> bool:
     """
     if _collect_each_round:
         gc.collect()
+    if _trace is not None:
+        _trace.round_done()
     return bool(_libc.malloc_trim(0)) if _libc is not None else False

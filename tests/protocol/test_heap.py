@@ -3,6 +3,7 @@ heap, it also frees the garbage cycles a round left."""
 
 import ctypes.util
 import os
+import re
 import subprocess
 import sys
 
@@ -57,3 +58,24 @@ print(frozen, alive() is None)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     frozen, freed = out.stdout.split()
     assert int(frozen) >= 1000 and freed == "True"
+
+
+def test_the_heap_trace_names_the_line_whose_allocations_grow_every_round(tmp_path):
+    # FEDPAR_HEAP_TRACE: the first dump is the baseline, later ones say what grew since it (a list kept per round).
+    script = """
+from fedpar.protocol.heap import freeze_startup_heap, trim_heap
+
+history = []
+freeze_startup_heap()
+for _ in range(30):
+    history.append(bytearray(10_000))  # kept_every_round
+    trim_heap()
+"""
+    trace, program = tmp_path / "trace.txt", tmp_path / "server.py"  # a file: the trace quotes its lines
+    program.write_text(script)
+    subprocess.run([sys.executable, str(program)], env={**os.environ, "FEDPAR_HEAP_TRACE": f"{trace}:10"},
+                   capture_output=True, text=True, timeout=60, check=True)
+    dumps = trace.read_text().split("== round ")[1:]
+    assert [d.split()[0] for d in dumps] == ["20", "30"]  # round 10 was the baseline
+    grown, site = re.search(r"\n *([-+0-9.]+) KiB[^\n]*\n(.*?)\n *[-+0-9.]+ KiB|$", dumps[-1], re.S).groups()
+    assert float(grown) >= 190 and "kept_every_round" in site  # 20 rounds x 10,000 bytes: the largest growth
