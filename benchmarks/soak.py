@@ -43,6 +43,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -114,16 +115,34 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def _role(pid: int, root: int) -> str | None:
-    """``launcher`` for the coordinator's own process, ``rankN`` for an aggregator rank (its RANK), else None."""
-    if pid == root:
-        return "launcher"
+def _ranks_logged(log: Path, offset: int) -> dict[int, str]:
+    """pid -> ``rankN`` of the non-zero aggregator ranks the coordinator's log names after byte ``offset`` (a
+    spawned rank's RANK is set after it started, so /proc does not show it)."""
     try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        with log.open("rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
     except OSError:
-        return None
-    rank = next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
-    return f"rank{rank}" if rank is not None else None
+        return {}
+    found = re.findall(r"aggregator rank (\d+) \(pid (\d+)\) serving", text)
+    return {int(pid): f"rank{rank}" for rank, pid in found}
+
+
+def _roles(root: int, ranks: dict[int, str]) -> dict[int, str]:
+    """pid -> role in the coordinator's tree: ``launcher`` (the serve process), ``rankN`` for the logged ranks, and
+    ``rank0`` for the other spawned process when there are ranks (with one rank, the launcher is the coordinator)."""
+    out = {root: "launcher"}
+    for pid in _tree(root)[1:]:
+        if pid in ranks:
+            out[pid] = ranks[pid]
+        elif ranks:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmd:
+                out[pid] = "rank0"
+    return out
 
 
 def _sample_one(pid: int) -> dict | None:
@@ -143,20 +162,14 @@ def _sample_one(pid: int) -> dict | None:
     return {"pss_mib": pss_kib / 1024, "anon_mib": anon_kib / 1024, "fds": fds, "threads": threads}
 
 
-def _sample(root: int) -> dict[str, dict]:
+def _sample(roles: dict[int, str]) -> dict[str, dict]:
     """:func:`_sample_one` of each process of the coordinator's tree, by role (launcher, rank0, rank1, ...)."""
     out = {}
-    for pid in _tree(root):
-        role = _role(pid, root)
-        sample = _sample_one(pid) if role else None
+    for pid, role in roles.items():
+        sample = _sample_one(pid)
         if sample is not None:
             out[role] = sample
     return out
-
-
-def _role_pid(root: int, role: str) -> int | None:
-    """The pid of ``role`` in the coordinator's tree (None: not running)."""
-    return next((pid for pid in _tree(root) if _role(pid, root) == role), None)
 
 
 def _mappings(pid: int) -> dict[str, int]:
@@ -231,8 +244,14 @@ def agent_group(server: str, slots: list[int], partitions: int, seed: int, leave
         agent = Agent(AgentConfig(insecure=True, server=server, agent_id=agent_id, poll_seconds=2.0,
                                   initial_backoff=0.1, max_backoff=1.0, give_up_after=3600.0),
                       LocalTrainer(model, train, val, seed=slot))
-        threading.Thread(target=agent.run, daemon=True).start()
+        threading.Thread(target=quietly, args=(agent,), daemon=True).start()
         return agent
+
+    def quietly(agent: Agent) -> None:
+        try:
+            agent.run()
+        except Exception:  # asked to leave while the coordinator was down (restarting): it left
+            pass
 
     running = {slot: start(slot, f"agent-{slot}") for slot in slots}
     leaves = {slot: time.monotonic() + rng.expovariate(1 / leave_every) for slot in slots} if leave_every else {}
@@ -290,11 +309,13 @@ class Soak:
         """Start (or restart, with the same command) the coordinator (``--coordinator-env`` added to its
         environment)."""
         env = {**self.env, **dict(kv.split("=", 1) for kv in self.args.coordinator_env)}
+        log = self.work / "serve.log"
+        self.log_offset = log.stat().st_size if log.exists() else 0  # this lifetime's lines of serve.log start here
         self.coordinator = subprocess.Popen(self.coordinator_command(), cwd=ROOT, env=env, stdout=self._log("serve"),
                                             stderr=subprocess.STDOUT)
         self.lifetimes.append({"started": time.monotonic(), "samples": [], "first_round_at": None,
                                "first_round": None, "mappings_at_warmup": None, "mappings_grown": None,
-                               "ended_by": None})
+                               "ended_by": None, "hostile": False})
 
     def start_group(self, index: int) -> None:
         """Start agent process ``index``: one `fedpar client`, or a process of agents in threads."""
@@ -313,7 +334,7 @@ class Soak:
                                               stderr=subprocess.STDOUT)
 
     def start_hostile(self) -> None:
-        """(Re)start the abuse agents: they join once, so they start again after each coordinator restart."""
+        """(Re)start the abuse agents: they join once, so they start again once each coordinator lifetime serves."""
         from support.abuse import inflated_updates, trickling_uploads
 
         from fedpar.datasets import load_dataset
@@ -335,11 +356,11 @@ class Soak:
             start.set()
             proc = self.ctx.Process(target=target, args=(self.server, *extra, start, stop, out), daemon=True)
             proc.start()
-            self.hostile.append(proc)
+            self.hostile.append((proc, start, stop, out))  # the events must outlive the child's start
 
     def stop_hostile(self) -> None:
         """kill -9 the abuse agents."""
-        for proc in self.hostile:
+        for proc, *_ in self.hostile:
             proc.kill()
             proc.join()
         self.hostile = []
@@ -350,6 +371,15 @@ class Soak:
                "--clients", str(self.args.members), "--seats", "4"]
         self.host = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self._log("host"), stderr=subprocess.STDOUT)
 
+    def roles(self) -> dict[int, str]:
+        """pid -> role of the coordinator's processes now (see :func:`_roles`)."""
+        ranks = _ranks_logged(self.work / "serve.log", self.log_offset) if self.args.aggregator_ranks > 1 else {}
+        return _roles(self.coordinator.pid, ranks)
+
+    def role_pid(self, role: str) -> int | None:
+        """The pid of ``role`` in the coordinator's tree (None: not running)."""
+        return next((pid for pid, r in self.roles().items() if r == role), None)
+
     def observe(self) -> None:
         """Read new rounds and sample the coordinator's tree."""
         life = self.lifetimes[-1]
@@ -358,7 +388,7 @@ class Soak:
                 life["first_round_at"], life["first_round"] = time.monotonic(), row["round"]
         if self.coordinator.poll() is not None or not self.tail.rows:
             return
-        sample = _sample(self.coordinator.pid)
+        sample = _sample(self.roles())
         if not sample:
             return
         last = self.tail.rows[-1]["round"]
@@ -371,7 +401,7 @@ class Soak:
             life["mappings_at_warmup"] = self._coordinator_mappings()
 
     def _coordinator_mappings(self) -> dict[str, int]:
-        pid = _role_pid(self.coordinator.pid, "rank0") if self.args.aggregator_ranks > 1 else self.coordinator.pid
+        pid = self.role_pid("rank0") if self.args.aggregator_ranks > 1 else self.coordinator.pid
         return _mappings(pid) if pid else {}
 
     def note_mappings(self) -> None:
@@ -426,7 +456,6 @@ def run(args) -> dict:
         soak.start_group(index)
     if args.members:
         soak.start_host()
-    soak.start_hostile()
     span = args.rounds or 10**9
     spacing = max(args.warmup, 1)
     coordinator_kills = _kill_rounds(soak.rng, args.restarts, span, spacing) if args.rounds else []
@@ -443,6 +472,9 @@ def run(args) -> dict:
             last = soak.tail.rows[-1]["round"] if soak.tail.rows else 0
             if args.rounds and last >= args.rounds:
                 break
+            if soak.lifetimes[-1]["first_round"] is not None and not soak.lifetimes[-1]["hostile"]:
+                soak.start_hostile()  # they join once: when this coordinator serves
+                soak.lifetimes[-1]["hostile"] = True
             if soak.host is not None and soak.host.poll() is not None and host_died is None:
                 host_died = {"exit": soak.host.returncode, "after_round": last}
             if args.churn_every and processes and last >= next_kill:  # kill -9 one agent process, start it again
@@ -460,17 +492,15 @@ def run(args) -> dict:
                     pending_rank = None
                     if code is not None:  # it ended with its rank: restarted like a coordinator crash
                         soak.restart_coordinator("rank kill")
-                        soak.start_hostile()
                 continue
             if soak.coordinator.poll() is not None:  # it ended by itself: restart it the same way, and say so
                 events.append({"kind": "coordinator ended", "after_round": last, "code": soak.coordinator.returncode})
                 soak.restart_coordinator("ended")
-                soak.start_hostile()
                 continue
             if rank_kills and last >= rank_kills[0] and soak.lifetimes[-1]["first_round"] is not None:
                 rank_kills.pop(0)
                 rank = soak.rng.randrange(1, args.aggregator_ranks)
-                pid = _role_pid(soak.coordinator.pid, f"rank{rank}")
+                pid = soak.role_pid(f"rank{rank}")
                 if pid is not None:
                     soak.note_mappings()
                     os.kill(pid, signal.SIGKILL)
@@ -482,7 +512,6 @@ def run(args) -> dict:
                 soak.note_mappings()
                 events.append({"kind": "coordinator kill", "after_round": last})
                 soak.restart_coordinator("kill -9")
-                soak.start_hostile()
         soak.observe()
         soak.note_mappings()
         exit_code = soak.stop()
@@ -629,11 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.agents, args.restarts, args.rank_kills, args.warmup = 150, 10, 1, 1, 30
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped soak still kills what it started
     fig = run(args)
     report(fig)
-    restarts = fig["restart_to_first_round_s"]
-    ratios = [{"what": "restart to first completed round", "ratio": statistics.median(restarts) / fig["round_s_p50"],
-               "against": "the median round of the same run"}] if restarts and fig["round_s_p50"] else []
+    restarts, p50 = fig["restart_to_first_round_s"], fig["round_s_p50"]
+    ratios = [{"what": "p99 round time", "ratio": fig["round_s_p99"] / p50, "against": "the p50 round of the same run"}] \
+        if p50 else []
+    if restarts and p50:
+        ratios.append({"what": "restart to first completed round", "ratio": statistics.median(restarts) / p50,
+                       "against": "the p50 round of the same run"})
     write_results(args.json, ratios, fig, argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     return 0
 

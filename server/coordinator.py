@@ -308,7 +308,7 @@ class Coordinator(IngestPlane):
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)
-        await self._in_thread(trim_heap)  # a round's freed buffers leave the process (benchmarks/soak_bench.py)
+        await self._in_thread(trim_heap)  # a round's freed buffers leave the process (benchmarks/soak.py)
 
     def _checkpoint(self, row: dict, loop_state: dict) -> None:
         arrays, meta = self.strategy.state_dict()

@@ -138,7 +138,7 @@ def test_a_vanished_agent_is_settled_as_retryable_and_staging_waits_for_a_slot()
 
 def test_a_refused_upload_leaves_no_reference_cycle():
     """A refusal's traceback holds the intake's frame; a cycle through it would keep each refused call's request
-    and staging alive until a rare full gc collection (the coordinator's PSS slope in benchmarks/soak_bench.py)."""
+    and staging alive until a rare full gc collection (the coordinator's PSS slope in benchmarks/soak.py)."""
     coord = FakeCoordinator()
     intake = _intake(coord)
 
