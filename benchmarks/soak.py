@@ -313,7 +313,8 @@ class Soak:
         self.log_offset = log.stat().st_size if log.exists() else 0  # this lifetime's lines of serve.log start here
         self.coordinator = subprocess.Popen(self.coordinator_command(), cwd=ROOT, env=env, stdout=self._log("serve"),
                                             stderr=subprocess.STDOUT)
-        self.lifetimes.append({"started": time.monotonic(), "samples": [], "first_round_at": None,
+        self.lifetimes.append({"started": time.monotonic(), "ready_at": None, "samples": [], "first_round_at": None,
+                               "rounds_before": max((r["round"] for r in self.tail.rows), default=0),
                                "first_round": None, "mappings_at_warmup": None, "mappings_grown": None,
                                "ended_by": None, "hostile": False})
 
@@ -371,6 +372,12 @@ class Soak:
                "--clients", str(self.args.members), "--seats", "4"]
         self.host = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self._log("host"), stderr=subprocess.STDOUT)
 
+    def _log_since(self) -> bytes:
+        """This lifetime's lines of serve.log."""
+        with (self.work / "serve.log").open("rb") as fh:
+            fh.seek(self.log_offset)
+            return fh.read()
+
     def roles(self) -> dict[int, str]:
         """pid -> role of the coordinator's processes now (see :func:`_roles`)."""
         ranks = _ranks_logged(self.work / "serve.log", self.log_offset) if self.args.aggregator_ranks > 1 else {}
@@ -383,9 +390,11 @@ class Soak:
     def observe(self) -> None:
         """Read new rounds and sample the coordinator's tree."""
         life = self.lifetimes[-1]
-        for row in self.tail.poll():
-            if life["first_round_at"] is None:
+        for row in self.tail.poll():  # a cut file is read again: only a round past the last one seen is new
+            if life["first_round_at"] is None and row["round"] > life["rounds_before"]:
                 life["first_round_at"], life["first_round"] = time.monotonic(), row["round"]
+        if life["ready_at"] is None and b"resumed from checkpoint" in self._log_since():
+            life["ready_at"] = time.monotonic()
         if self.coordinator.poll() is not None or not self.tail.rows:
             return
         sample = _sample(self.roles())
@@ -550,6 +559,8 @@ def figures(args, soak: Soak, work: Path, events: list[dict], group_kills: int, 
         lifetimes.append({
             "restart": k > 0, "ended_by": life["ended_by"],
             "to_first_round_s": (life["first_round_at"] - life["started"]) if life["first_round_at"] else None,
+            "resumed_to_first_round_s": (life["first_round_at"] - life["ready_at"])
+            if life["first_round_at"] and life["ready_at"] else None,
             "rounds": (life["samples"][-1]["round"] - start_round) if life["samples"] else 0,
             "procs": procs, "mappings_grown_kib": life["mappings_grown"]})
     per_100 = []
@@ -564,6 +575,8 @@ def figures(args, soak: Soak, work: Path, events: list[dict], group_kills: int, 
                         "fds": [min(t["fds"] for t in inside), max(t["fds"] for t in inside)],
                         "threads": [min(t["threads"] for t in inside), max(t["threads"] for t in inside)]})
     restart_s = [life["to_first_round_s"] for life in lifetimes[1:] if life["to_first_round_s"] is not None]
+    resumed_s = [life["resumed_to_first_round_s"] for life in lifetimes[1:]
+                 if life["resumed_to_first_round_s"] is not None]
     return {
         "work": str(work), "aggregator_ranks": args.aggregator_ranks, "agents": args.agents,
         "agents_per_process": args.agents_per_process, "hostile": math.ceil(args.hostile * args.agents),
@@ -574,7 +587,8 @@ def figures(args, soak: Soak, work: Path, events: list[dict], group_kills: int, 
         "rounds": len(set(rounds)), "rounds_lost": lost, "rounds_twice": twice,
         "rounds_failed": sum(r.get("status") != "ok" for r in rows),
         "round_s_p50": _percentile(times, 0.5), "round_s_p99": _percentile(times, 0.99),
-        "restart_to_first_round_s": restart_s, "lifetimes": lifetimes, "per_100_rounds": per_100,
+        "restart_to_first_round_s": restart_s, "resumed_to_first_round_s": resumed_s,
+        "lifetimes": lifetimes, "per_100_rounds": per_100,
         "host_died": host_died, "sigterm_exit": exit_code,
         "summary_written": (work / "out" / "summary.json").exists(),
     }
@@ -621,7 +635,8 @@ def report(fig: dict) -> None:
     if fig["restart_to_first_round_s"]:
         r = fig["restart_to_first_round_s"]
         print(f"restart to first completed round: median {statistics.median(r):.1f} s, max {max(r):.1f} s "
-              f"(target <= 8 s)")
+              f"(target <= 8 s); from the log line saying it resumed (imports, ranks and checkpoint done): "
+              + ", ".join(f"{v:.1f} s" for v in fig["resumed_to_first_round_s"]))
     print(f"round time p50 {fmt(fig['round_s_p50'], '.3f')} s, p99 {fmt(fig['round_s_p99'], '.3f')} s; "
           f"rounds failed {fig['rounds_failed']}")
     print(f"rounds lost: {len(fig['rounds_lost'])}, counted twice: {len(fig['rounds_twice'])} (target 0); "
@@ -662,8 +677,8 @@ def main(argv: list[str] | None = None) -> int:
     fig = run(args)
     report(fig)
     restarts, p50 = fig["restart_to_first_round_s"], fig["round_s_p50"]
-    ratios = [{"what": "p99 round time", "ratio": fig["round_s_p99"] / p50, "against": "the p50 round of the same run"}] \
-        if p50 else []
+    ratios = [{"what": "p99 round time", "ratio": fig["round_s_p99"] / p50,
+               "against": "the p50 round of the same run"}] if p50 else []
     if restarts and p50:
         ratios.append({"what": "restart to first completed round", "ratio": statistics.median(restarts) / p50,
                        "against": "the p50 round of the same run"})
