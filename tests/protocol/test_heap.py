@@ -79,3 +79,30 @@ for _ in range(30):
     assert [d.split()[0] for d in dumps] == ["20", "30"]  # round 10 was the baseline
     grown, site = re.search(r"\n *([-+0-9.]+) KiB[^\n]*\n(.*?)\n *[-+0-9.]+ KiB|$", dumps[-1], re.S).groups()
     assert float(grown) >= 190 and "kept_every_round" in site  # 20 rounds x 10,000 bytes: the largest growth
+
+
+@pytest.mark.skipif(not ctypes.util.find_library("c") or not hasattr(ctypes.CDLL(ctypes.util.find_library("c")),
+                                                                     "mallopt"), reason="needs glibc")
+@pytest.mark.parametrize("server", [True, False])
+def test_a_server_keeps_large_blocks_in_mappings_of_their_own_after_a_larger_one_was_freed(server):
+    # glibc's default raises its mmap threshold to the size of a freed mapped block: later large blocks then come
+    # from the heap (where they fragment). A server's heap policy keeps them mapped, returned whole when freed.
+    script = f"""
+import ctypes
+from fedpar.protocol.heap import freeze_startup_heap
+
+class MallInfo(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo.restype, libc.malloc.restype, libc.free.argtypes = MallInfo, ctypes.c_void_p, [ctypes.c_void_p]
+if {server}:
+    freeze_startup_heap()
+libc.free(libc.malloc(4 << 20))
+before = libc.mallinfo().hblks
+blocks = [libc.malloc(256 << 10) for _ in range(20)]
+print(libc.mallinfo().hblks - before)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert int(out.stdout) == (20 if server else 0)
