@@ -92,7 +92,8 @@ import ctypes
 from fedpar.protocol.heap import freeze_startup_heap
 
 class MallInfo(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [(n, ctypes.c_int) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 
 libc = ctypes.CDLL(None)
 libc.mallinfo.restype, libc.malloc.restype, libc.free.argtypes = MallInfo, ctypes.c_void_p, [ctypes.c_void_p]
@@ -104,5 +105,6 @@ blocks = [libc.malloc(256 << 10) for _ in range(20)]
 print(libc.mallinfo().hblks - before)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                         check=True)
     assert int(out.stdout) == (20 if server else 0)
