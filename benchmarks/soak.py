@@ -55,6 +55,7 @@ from pathlib import Path
 from fedpar.parallel.init import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+MIN_SLOPE_ROUNDS = 150  # a lifetime with fewer rounds after its warm-up gets no slope
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support: the abuse agents; the hostile processes inherit it
 from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
 
@@ -546,6 +547,8 @@ def figures(args, soak: Soak, work: Path, events: list[dict], group_kills: int, 
     for k, life in enumerate(soak.lifetimes):
         start_round = life["first_round"] or 0
         warm = [s for s in life["samples"] if s["round"] >= start_round + args.warmup]
+        if warm and warm[-1]["round"] - warm[0]["round"] < MIN_SLOPE_ROUNDS:
+            warm = []  # too few rounds after warm-up for a slope that means anything
         roles = sorted({r for s in warm for r in s["procs"]})
         procs = {}
         for role in roles:
