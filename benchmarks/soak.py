@@ -310,6 +310,7 @@ class Soak:
         """Start (or restart, with the same command) the coordinator (``--coordinator-env`` added to its
         environment)."""
         env = {**self.env, **dict(kv.split("=", 1) for kv in self.args.coordinator_env)}
+        self.tail.poll()  # rows the last process wrote since the last look are not this lifetime's first round
         log = self.work / "serve.log"
         self.log_offset = log.stat().st_size if log.exists() else 0  # this lifetime's lines of serve.log start here
         self.coordinator = subprocess.Popen(self.coordinator_command(), cwd=ROOT, env=env, stdout=self._log("serve"),
