@@ -523,6 +523,10 @@ def run(args) -> dict:
                 soak.note_mappings()
                 events.append({"kind": "coordinator kill", "after_round": last})
                 soak.restart_coordinator("kill -9")
+        if pending_rank is not None:  # the run ended before the check: the coordinator is still here or not
+            code = soak.coordinator.poll()
+            pending_rank.update(survived=code is None, code=code)
+            events.append({k: v for k, v in pending_rank.items() if k != "check_at"})
         soak.observe()
         soak.note_mappings()
         exit_code = soak.stop()
