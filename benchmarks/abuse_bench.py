@@ -1,8 +1,8 @@
 """Honest round time under attack: undisturbed, and under each attack, as ratios measured in the same run.
 
 One command: ``.venv/bin/python benchmarks/abuse_bench.py`` (``--json PATH`` for where the figures go, default
-runs/abuse_bench.json). Each attack is one run of tests/support/abuse.py: a coordinator at its default limits
-(except where an attack needs the data plane or mutual TLS), real agents (client/agent.py) training a tiny model
+benchmarks/results/abuse_bench.json). Each attack is one run of tests/support/abuse.py: a coordinator at its default
+limits (except where an attack needs the data plane or mutual TLS), real agents (client/agent.py) training a tiny model
 for ``--train`` seconds per round, and the attacker in its own process, started after the undisturbed rounds:
 1. pre-auth stream flood: silent UploadUpdate streams (no certificate, no session) from the agents' own address;
 2. silent-request flood: Join calls that never send their request, from the same address;
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sockets", type=int, default=300, help="idle data-plane connections held open")
     p.add_argument("--tricklers", type=int, default=2, help="sampled attacker agents trickling their uploads")
     p.add_argument("--only", default="", help="run only the attacks whose name contains this")
-    p.add_argument("--json", type=Path, default=Path("runs/abuse_bench.json"))
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/abuse_bench.json"))
     a = p.parse_args(argv)
     rounds = a.before + 1 + a.during
     results = {}

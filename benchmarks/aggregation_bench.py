@@ -49,6 +49,7 @@ import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -61,6 +62,8 @@ from fedpar.server.rounds import RoundState
 from fedpar.server.uploads import update_runner
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))  # tests/support
+
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
 
 GIB = 1 << 30
 
@@ -321,8 +324,27 @@ def print_table(rows: list[Row], bw: Bandwidth) -> None:
                   f"{mem:>11} {models:7.2f} {vs:>12}  {r.note}")
 
 
+def cell_ratios(rows: list[Row]) -> list[dict]:
+    """Envelope ratios of one table: each fedpar method's rate over the cell's numpy read, and Flower's best time
+    over fedpar's coordinator folds."""
+    ratios = []
+    for (k, p) in dict.fromkeys((r.k, r.p) for r in rows):
+        cell = {r.method: r for r in rows if (r.k, r.p) == (k, p) and r.seconds}
+        name = f"K={k} x {p / 1e6:g}M float32"
+        read = cell.get("numpy read (same inputs)")
+        flwr = [r.seconds for m, r in cell.items() if m.startswith("flwr")]
+        for method in ("fedpar stream torch (default)", "coordinator folds, 4 slots", "coordinator folds, 8 slots"):
+            if method in cell and read:
+                ratios.append({"what": f"{name}, {method}, rate", "ratio": read.seconds / cell[method].seconds,
+                               "against": "numpy read of the same inputs, same cell"})
+            if method in cell and flwr:
+                ratios.append({"what": f"{name}, {method}, speed", "ratio": min(flwr) / cell[method].seconds,
+                               "against": "Flower's best (aggregate / aggregate_inplace), same cell"})
+    return ratios
+
+
 # ----------------------------------------------------------------------------- compression effect
-def compression_table(rounds: int) -> None:
+def compression_table(rounds: int) -> list[dict]:
     """Digits FL (10 clients, MLP) with each compression method: bytes sent per round and final test accuracy."""
     from torch import nn
 
@@ -339,6 +361,7 @@ def compression_table(rounds: int) -> None:
     parts = np.array_split(np.random.default_rng(0).permutation(len(ytr)), 10)
     print(f"\nUpdate compression on sklearn digits (10 clients, MLP 64-64-10, {rounds} rounds, E=3, lr 0.3):")
     print(f"{'method':<18} {'bytes/round':>12} {'vs raw':>7} {'test acc':>9}")
+    rows = []
     for method, kw in [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {"seed": 0}),
                        ("topk", {"topk_ratio": 0.1}), ("topk", {"topk_ratio": 0.01})]:
         torch.manual_seed(0)
@@ -371,6 +394,9 @@ def compression_table(rounds: int) -> None:
             acc = float((model(xte).argmax(1) == yte).float().mean())
         label = method + (f" {kw['topk_ratio']:g}" if "topk_ratio" in kw else "")
         print(f"{label:<18} {np.mean(sent):12,.0f} {raw / np.mean(sent):6.1f}x {acc:9.4f}")
+        rows.append({"method": label, "bytes_per_round": float(np.mean(sent)), "raw_bytes_per_round": raw,
+                     "test_accuracy": acc})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-gib", type=float, default=16.0, help="skip contenders needing more extra memory")
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size for the bandwidth baseline")
     ap.add_argument("--no-compression", action="store_true", help="skip the digits compression table")
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/aggregation_bench.json"),
+                    help="where to write the ratios and raw figures")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads (0: torch's default); 1 is an aggregator rank's setting, where the "
                          "fold kernel takes longer blocks (aggregation/accumulator.py)")
@@ -406,13 +434,23 @@ def main(argv: list[str] | None = None) -> int:
           "(memory speed in this VM swings 0.4-14 GB/s from minute to minute, so the cell's own read is the fair baseline)\n")
     print(HEADER)
     print("-" * len(HEADER), flush=True)
+    ratios, cells = [], []
     for p_m in args.params:
         for k in args.clients:
-            print_table(run_cell(k, int(p_m * 1_000_000), args, flwr_mods), bw)  # one cell at a time
+            rows = run_cell(k, int(p_m * 1_000_000), args, flwr_mods)
+            print_table(rows, bw)  # one cell at a time
             sys.stdout.flush()
+            ratios += cell_ratios(rows)
+            cells += [{"clients": r.k, "params": r.p, "method": r.method, "seconds": r.seconds,
+                       "peak_extra_bytes": r.peak_bytes, "note": r.note} for r in rows]
     print(f"\nload avg after: {os.getloadavg()[0]:.1f}")
+    raw = {"bandwidth_gbps": vars(bw), "torch_threads": torch.get_num_threads(), "cells": cells}
     if not args.no_compression:
-        compression_table(rounds=3 if args.quick else 10)
+        raw["compression"] = compression_table(rounds=3 if args.quick else 10)
+        ratios += [{"what": f"digits update bytes per round, {row['method']}",
+                    "ratio": row["bytes_per_round"] / row["raw_bytes_per_round"], "against": "raw float32 update"}
+                   for row in raw["compression"] if row["method"] != "none"]
+    print(f"wrote {write_results(args.json, ratios, raw)}")
     return 0
 
 

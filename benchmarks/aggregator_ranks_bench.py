@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+")
     p.add_argument("--workers", type=int, default=2, help="agent processes")
     p.add_argument("--quick", action="store_true", help="K=20 x P=1M, 2 rounds")
-    p.add_argument("--json", type=Path, default=Path("runs/bench/aggregator_ranks.json"))
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/aggregator_ranks_bench.json"))
     args = p.parse_args()
     if args.quick:
         args.params, args.agents, args.rounds = 1_000_000, 20, 2

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import logging
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
 from fedpar.aggregation import build_strategy
+from results import write_results  # benchmarks/, this script's folder
 
 CONTENDERS = [("fedavg", {}), ("flower:flwr.server.strategy:FedAvg", {}),
               ("flower:flwr.server.strategy:FedAvgM", {"server_momentum": 0.9}),
@@ -43,6 +45,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--updates", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/flower_strategy_memory.json"),
+                        help="where to write the ratios and raw figures")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # Flower warns about its metrics aggregation every first round
     rng = np.random.default_rng(0)
@@ -55,6 +59,13 @@ def main() -> None:
     print(f"{'strategy':44} {'held':>6} {'peak':>6} {'held/fedavg':>12} {'peak/fedavg':>12}")
     for name, (held, peak) in results.items():
         print(f"{name:44} {held / model:6.1f} {peak / model:6.1f} {held / base_held:11.1f}x {peak / base_peak:11.1f}x")
+    against = f"fedpar's FedAvg, same run ({args.updates} updates of {args.params:,} float32 parameters)"
+    ratios = [{"what": f"round memory {kind}, {name}", "ratio": figures[i] / (base_held, base_peak)[i],
+               "against": against}
+              for name, figures in results.items() if name != "fedavg" for i, kind in enumerate(("held", "peak"))]
+    raw = {"params": args.params, "updates": args.updates,
+           "bytes": {name: {"held": held, "peak": peak} for name, (held, peak) in results.items()}}
+    print(f"wrote {write_results(args.json, ratios, raw)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """GPU benchmark: MFU of `fedpar train` on one GPU against a bare PyTorch loop, then the FedAvg-paper round.
 
-    .venv/bin/python benchmarks/gpu_bench.py [--quick] [--peak-tflops 989] [--json runs/gpu_bench.json]
+    .venv/bin/python benchmarks/gpu_bench.py [--quick] [--peak-tflops 989] [--json benchmarks/results/gpu_bench.json]
 
 1. MFU. fedpar's Trainer (what `fedpar train --model gpt` runs; here in-process on random tokens) trains a GPT of
    12 layers x d_model 768 (12 heads) at block 1024, batch 16, AdamW, with and without --compile. Next to it,
@@ -49,6 +49,7 @@ from fedpar.parallel.config import DEVICE_HELP  # noqa: E402
 from fedpar.parallel.device import check_device_layout  # noqa: E402
 from fedpar.parallel.init import init_distributed, shutdown_distributed  # noqa: E402
 from fedpar.parallel.trainer import Trainer  # noqa: E402
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
 
 # bf16 dense peaks (TFLOP/s) from NVIDIA's data sheets, matched against torch.cuda.get_device_name in order.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
@@ -249,6 +250,27 @@ def run_fedavg_round(device: str, quick: bool) -> dict | None:
     return result
 
 
+def envelope_ratios(results: dict) -> list[dict]:
+    """The same-run ratios for the results envelope: fedpar over the bare loop, MFU where the peak is known, and
+    the FedAvg-paper round's client-batched speed-up."""
+    ratios = []
+    if results.get("mfu"):
+        s = results["mfu"]["shape"]
+        model = f"GPT {s['n_layer']} x {s['d_model']}, batch {s['batch']}, on {results['device']}"
+        ratios += [{"what": f"fedpar trainer samples/s, {mode}, {model}", "ratio": ratio,
+                    "against": "the same model in a bare PyTorch loop, same run"}
+                   for mode, ratio in results["mfu"].get("fedpar_over_bare", {}).items()]
+        ratios += [{"what": f"MFU, {r['runner']} {'compiled' if r['compile'] else 'eager'}, {model}",
+                    "ratio": r["mfu"], "against": f"peak {results['mfu']['peak_tflops']:g} TFLOP/s bf16"}
+                   for r in results["mfu"]["runs"] if r["mfu"] is not None]
+    ways = (results.get("fedavg_round") or {}).get("ways", {})
+    if "sequential" in ways and "batched" in ways:
+        ratios.append({"what": f"FedAvg-paper round time, client-batched, on {results['device']}",
+                       "ratio": ways["batched"]["seconds_per_round"] / ways["sequential"]["seconds_per_round"],
+                       "against": "the clients one by one, same run"})
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sections, print their tables and write the JSON result file."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -260,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the GPU's peak bf16 TFLOP/s for MFU (default: 989 on H100/H200, from the device name)")
     p.add_argument("--only", choices=["mfu", "fedavg"], help="run one section")
-    p.add_argument("--json", default="runs/gpu_bench.json", help="where to write the results")
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/gpu_bench.json"),
+                   help="where to write the ratios and raw figures")
     p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (one process)")
     a = p.parse_args(argv)
     warmup = a.warmup or (5 if a.quick else 10)
@@ -292,10 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print_mfu(results["mfu"])
     if a.only in (None, "fedavg"):
         results["fedavg_round"] = run_fedavg_round(dev, a.quick)
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_results(a.json, envelope_ratios(results), results)}")
     return 0
 
 

@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test s
 from support.engine_refs import lm_loss  # noqa: E402
 from support.spawn_checks import run_checks  # noqa: E402
 
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+
 QUICK = os.environ.get("FEDPAR_BENCH_QUICK") == "1"
 DDP_BATCH, DDP_STEPS, DDP_REPEATS = 128, 10, (3 if QUICK else 6)
 MEM_GPT = dict(vocab_size=65, block_size=64, n_layer=6, n_head=6, d_model=384)
@@ -311,6 +313,31 @@ def _print_tables(runs: dict[int, list[dict]], ranks: list[int]) -> None:
         print(f"(- : {', '.join(f'{label} at m={m}' for label, m in cells)} not run; torch: {message})")
 
 
+def _ratios(runs: dict[int, list[dict]], ranks: list[int]) -> list[dict]:
+    """The tables' same-run ratios for the results envelope: DDP efficiency, per-rank state, pipeline bubble."""
+    s1 = runs[1][0]["bench_ddp_throughput"]["samples_per_second"]
+    cores = os.cpu_count() or 1
+    ratios = [{"what": f"DDP weak scaling efficiency, {n} ranks"
+               + (" (oversubscribed)" if not torch.cuda.is_available() and n > cores else ""),
+               "ratio": runs[n][0]["bench_ddp_throughput"]["samples_per_second"] / (n * s1),
+               "against": f"{n} x one rank's samples/s, same run"} for n in ranks if n > 1]
+    if 2 not in runs:
+        return ratios
+    pair, base = runs[2], runs[1][0]["bench_memory"]["single"]
+    gpt = f"GPT {MEM_GPT['n_layer']}x{MEM_GPT['d_model']} + AdamW"
+    ratios += [{"what": f"per-rank state, {layout.upper()} on 2 ranks, {gpt}",
+                "ratio": pair[0]["bench_memory"][layout]["state_bytes"] / base["state_bytes"],
+                "against": "one process, same run"} for layout in ("ddp", "fsdp", "tp")]
+    for name, label in PIPE_SCHEDULES.items():
+        for m in PIPE_MICROBATCHES:
+            rs = [r["bench_pipeline_bubble"][name][str(m)] for r in pair]
+            if "skipped" not in rs[0]:
+                ratios.append({"what": f"pipeline bubble, {label}, p=2, m={m}",
+                               "ratio": statistics.mean(r["bubble"] for r in rs),
+                               "against": f"its step time, same run (theory (p-1)/(m+p-1) = {rs[0]['theory']:.2f})"})
+    return ratios
+
+
 def _check(results: list[dict], names: list[str]) -> None:
     for rank, res in enumerate(results):
         for name in names:
@@ -336,6 +363,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", metavar="N", default=None,
                         help="world sizes for the DDP scaling table (1 is always added as the baseline); "
                              "default: 1 2 on CPU, 1 2 4 ... up to the GPU count on CUDA")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/parallel_bench.json"),
+                        help="where to write the ratios and raw figures")
     args = parser.parse_args()
     if args.quick:
         os.environ["FEDPAR_BENCH_QUICK"] = "1"
@@ -357,6 +386,8 @@ def main() -> int:
             _check(runs[n], names)
     _print_tables(runs, ranks)
     print(f"\n(total {time.perf_counter() - t0:.0f} s including process start-up of {len(launches)} launches)")
+    raw = {f"{n} ranks": run for n, run in runs.items()}  # each rank's check results
+    print(f"wrote {write_results(args.json, _ratios(runs, ranks), raw)}")
     return 0
 
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results import write_results  # benchmarks/, this script's folder
+
 MEMBERS = Path(__file__).resolve().parents[1] / "tests" / "support" / "synthetic_members.py"
 
 
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", type=int, default=2, help="undisturbed rounds between kills")
     p.add_argument("--delay", type=float, default=0.05, help="seconds into the next round at which to kill")
     p.add_argument("--quick", action="store_true", help="smoke run: 100k parameters, 1 kill after 2 rounds")
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/restart_bench.json"),
+                   help="where to write the ratios and raw figures")
     args = p.parse_args(argv)
     if args.quick:
         args.params, args.kills, args.warmup = 100_000, 1, 2
@@ -147,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median(r["next_round"] for r in restarts)
     print(f"\nmedian restart-to-next-round {med:.3f} s = {med / steady:.1f} x a steady-state round "
           f"(all {args.rounds} rounds completed exactly once; work dir {work})")
+    ratios = [{"what": f"kill -9 to the next completed round, median of {len(restarts)}", "ratio": med / steady,
+               "against": f"a steady-state round, same run ({args.params:,} parameters, {args.agents} agents)"}]
+    raw = {"params": args.params, "agents": args.agents, "steady_round_s": steady,
+           "steady_dispatch_to_aggregate_s": round_seconds, "restarts": restarts, "reconnects": stats["reconnects"]}
+    print(f"wrote {write_results(args.json, ratios, raw)}")
     return 0
 
 

@@ -38,9 +38,15 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+TRANSFER_PATHS = (("raw loopback TCP (python sockets)", "tcp"),
+                  ("gRPC download (DownloadWeights stream)", "download"),
+                  ("gRPC upload (incl. NaN check + FedAvg fold)", "upload"),
+                  ("data plane download (recv_into arrays)", "dp_download"),
+                  ("data plane upload (incl. NaN check + fold)", "dp_upload"))
 sys.path.insert(0, str(HERE))
 
 from bench_agents import run_light_worker  # noqa: E402
+from results import write_results  # noqa: E402
 
 from fedpar.aggregation import build_strategy  # noqa: E402
 from fedpar.client import dataplane  # noqa: E402
@@ -184,15 +190,18 @@ def print_transfer(result: dict, chunk_bytes: int) -> float:
     print(f"\n== 1. Weight transfer: {n / 1e6:.0f} MB model, coordinator <-> 1 agent process, "
           f"{chunk_bytes // 1024} KiB chunks, {len(result['tcp'])} interleaved repeats ==")
     print(f"{'path':<44}{'best GB/s':>10}{'median GB/s':>13}{'best / raw TCP':>16}")
-    for label, key in (("raw loopback TCP (python sockets)", "tcp"),
-                       ("gRPC download (DownloadWeights stream)", "download"),
-                       ("gRPC upload (incl. NaN check + FedAvg fold)", "upload"),
-                       ("data plane download (recv_into arrays)", "dp_download"),
-                       ("data plane upload (incl. NaN check + fold)", "dp_upload")):
+    for label, key in TRANSFER_PATHS:
         best = gbps(n, min(result[key]))
         median = gbps(n, statistics.median(result[key]))
         print(f"{label:<44}{best:>10.3f}{median:>13.3f}{best / best_tcp:>16.2f}")
     return best_tcp
+
+
+def transfer_ratios(result: dict) -> list[dict]:
+    """Section 1 as envelope ratios: each path's best rate over the best raw TCP rate of the same run."""
+    best_tcp = min(result["tcp"])
+    return [{"what": f"{result['bytes'] / 1e6:.0f} MB model, {label}", "ratio": best_tcp / min(result[key]),
+             "against": "raw loopback TCP, same run (rate ratio)"} for label, key in TRANSFER_PATHS[1:]]
 
 
 # ----------------------------------------------------------------------------- 2. round overhead
@@ -242,6 +251,15 @@ def print_overhead(results: list[tuple[int, int, dict]], tcp_gbps: float) -> Non
           "s/round: median of rounds 2..R")
 
 
+def overhead_ratios(results: list[tuple[int, int, dict]], tcp_gbps: float) -> list[dict]:
+    """Section 2 as envelope ratios: steady seconds per round over raw TCP's time for the same bytes."""
+    return [{"what": f"round, {agents} agents x {params / 1e6:.0f}M parameters ({r['path']})",
+             "ratio": statistics.median(r["round_seconds"][1:] or r["round_seconds"])
+             / (2 * agents * r["bytes"] / (tcp_gbps * 1e9)),
+             "against": "raw loopback TCP moving the round's bytes at section 1's rate"}
+            for agents, params, r in results]
+
+
 # ----------------------------------------------------------------------------- 3. simulate vs floor
 def run_timed(cmd: list[str]) -> tuple[float, str]:
     """Wall seconds of a fresh process running ``cmd``, and its stdout."""
@@ -289,6 +307,19 @@ def print_simulate(results: list[tuple[dict, dict]]) -> None:
           "(target <= 1.5)")
 
 
+def simulate_ratios(results: list[tuple[dict, dict]]) -> list[dict]:
+    """Section 3 as envelope ratios: fedpar simulate's wall time and steady s/round over the floor's."""
+    ratios = []
+    for job, r in results:
+        cohort = f"{job['per_round']} of {job['clients']}" if job.get("per_round") else f"{job['clients']}"
+        name = f"fedpar simulate, {job['dataset']} {cohort} clients x {job['rounds']} rounds"
+        against = "the same FedAvg job in plain PyTorch (fedavg_floor.py), same run"
+        ratios += [{"what": f"{name}, wall", "ratio": r["sim_wall"] / r["floor_wall"], "against": against},
+                   {"what": f"{name}, s/round", "ratio": statistics.median(r["sim_rounds"][1:])
+                    / statistics.median(r["floor_rounds"][1:]), "against": against}]
+    return ratios
+
+
 # ----------------------------------------------------------------------------- main
 def main() -> None:
     """Run the chosen sections and print their tables."""
@@ -300,15 +331,20 @@ def main() -> None:
                    help="section 2: weights over the gRPC streams only (the coordinator's default is the data "
                         "plane for models >= 8 MiB)")
     p.add_argument("--chunk-kib", type=int, default=1024, help="chunk size on the wire")
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/round_bench.json"),
+                   help="where to write the ratios and raw figures")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"),
                    help="MNIST folder for the MNIST simulation jobs (skipped if missing)")
     a = p.parse_args()
     chunk = a.chunk_kib * 1024
     print(f"fedpar round benchmark on {os.cpu_count()} cores; chunk {a.chunk_kib} KiB")
     tcp_gbps = None
+    ratios, raw = [], {}
     if a.only in (None, "transfer", "overhead"):
         result = bench_transfer(4_000_000 if a.quick else 25_000_000, 2 if a.quick else a.repeats, chunk)
         tcp_gbps = print_transfer(result, chunk)
+        ratios += transfer_ratios(result)
+        raw["transfer"] = result
     if a.only in (None, "overhead"):
         cells = [(10, 1_000_000, 4), (10, 10_000_000, 3), (100, 1_000_000, 4)]
         if not a.quick:
@@ -319,6 +355,8 @@ def main() -> None:
                                                            data_plane=False if a.no_data_plane else None)))
             print(f"  overhead: {agents} agents x {params / 1e6:.0f}M done", flush=True)
         print_overhead(results, tcp_gbps)
+        ratios += overhead_ratios(results, tcp_gbps)
+        raw["overhead"] = [{"agents": agents, "params": params, **r} for agents, params, r in results]
     if a.only in (None, "simulate"):
         jobs = [dict(dataset="digits", clients=10, rounds=10, epochs=5, batch=16, lr=0.1),
                 dict(dataset="digits", clients=100, rounds=10, epochs=5, batch=16, lr=0.1)]
@@ -336,6 +374,9 @@ def main() -> None:
                 results.append((job, bench_simulate(job, Path(tmp))))
                 print(f"  simulate: {job['dataset']} {job['clients']} clients done", flush=True)
         print_simulate(results)
+        ratios += simulate_ratios(results)
+        raw["simulate"] = [{"job": job, **r} for job, r in results]
+    print(f"wrote {write_results(a.json, ratios, raw)}")
 
 
 if __name__ == "__main__":

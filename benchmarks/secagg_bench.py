@@ -33,6 +33,7 @@ import queue
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -46,6 +47,7 @@ from fedpar.protocol.messages import CoordinatorStub, channel_options
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
+from results import write_results  # benchmarks/, this script's folder
 
 CHUNK = 1 << 20
 EXAMPLES = 100
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="rounds per mode (the first is warm-up)")
     p.add_argument("--workers", type=int, default=2, help="agent processes (agents are threads in them)")
     p.add_argument("--quick", action="store_true", help="smoke run: 5 agents, 10k parameters, 2 rounds")
+    p.add_argument("--json", type=Path, default=Path("benchmarks/results/secagg_bench.json"),
+                   help="where to write the ratios and raw figures")
     args = p.parse_args(argv)
     if args.quick:
         args.agents, args.params, args.rounds = [5], 10_000, 2
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'unmask CPU s':>12} {'MB up':>7} {'MB down':>7} {'ctrl KB':>8} {'time x':>7} {'bytes x':>8}")
     print(header)
     print("-" * len(header), flush=True)
-    timelines = []
+    timelines, ratios, raw = [], [], []
     for n in args.agents:
         plain = run_mode(n, args.params, args.rounds, args.workers, secure=False)
         secure = run_mode(n, args.params, args.rounds, args.workers, secure=True)
@@ -191,10 +195,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['mb_up']:>7.1f} {r['mb_down']:>7.1f} {r['ctrl_kb']:>8.1f} "
                   f"{r['total_s'] / plain['total_s']:>7.2f} {bytes_ratio:>8.4f}", flush=True)
         timelines.append((n, secure["timeline"], secure["total_s"]))
+        against = f"plain FedAvg, same run ({n} agents, {args.params:,} parameters)"
+        ratios += [{"what": f"SecAgg+ round time, {n} agents", "ratio": secure["total_s"] / plain["total_s"],
+                    "against": against},
+                   {"what": f"SecAgg+ bytes, {n} agents", "against": against,
+                    "ratio": (secure["mb_up"] + secure["mb_down"] + secure["ctrl_kb"] / 1e3) / plain_bytes}]
+        raw.append({"agents": n, "params": args.params, "plain": plain, "secagg": secure})
     print("\nsecure rounds, seconds from task dispatch until: keys exchanged (stages 1-2) | every masked input "
           "in (download, masking, upload) | unmask shares in | new model")
     for n, (keys_at, masked_at, shares_at), total in timelines:
         print(f"{n:>6} agents: {keys_at:6.2f} | {masked_at:6.2f} | {shares_at:6.2f} | {total:6.2f}")
+    print(f"wrote {write_results(args.json, ratios, raw)}")
     return 0
 
 

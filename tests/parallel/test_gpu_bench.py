@@ -45,7 +45,9 @@ def test_quick_run_reports_throughput_and_the_ratio_to_the_bare_loop(tmp_path: P
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--only", "mfu", "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())["mfu"]
+    envelope = json.loads(out.read_text())
+    result = envelope["results"]["mfu"]
+    assert envelope["ratios"][0]["what"].startswith("fedpar trainer samples/s, eager")
     runs = {(r["runner"], r["compile"]): r for r in result["runs"]}
     assert {runner for runner, _ in runs} == {"bare", "fedpar"}
     assert all(r["samples_per_second"] > 0 and len(r["interval_samples_per_second"]) == 5 for r in runs.values())
