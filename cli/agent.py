@@ -82,34 +82,22 @@ def flower_trainer(args: argparse.Namespace, model):
     return FlowerTrainer(load_flower_client(args.flower_client, context), weight_specs(model), args.flower_examples)
 
 
-def flower_app_trainer(args: argparse.Namespace):
-    """The Flower App ``--flower-app`` names, the trainer around its ClientApp as this agent's member (its partition,
-    the app's run config; its arrays are the app's [tool.fedpar] model's; None when the app names none: only its
-    ServerApp can drive it), and the member's training examples."""
-    from fedpar.client.flower_app_member import FlowerAppTrainer
+def flower_app_agent(args: argparse.Namespace, config):
+    """The agent of ``--flower-app``: its one member (its partition, the app's run config) answers a ServerApp's
+    Messages (fedpar serve --flower-app) and, when the app names its [tool.fedpar] model (whose arrays fedpar's
+    strategies start from), trains under fedpar's strategies too."""
+    from fedpar.client.flower_app_member import FlowerAppAgent, FlowerAppTrainer
+    from fedpar.client.runtime import ClientRuntime
     from fedpar.tasks.flower_app import load_flower_app
 
     if args.flower_client or args.task:
         raise ValueError("--flower-app says what this agent trains: drop --flower-client and --task")
     app = load_flower_app(args.flower_app, args.run_config)
-    examples = app.train_examples(args.partition_index, args.num_partitions)
-    trainer = None
-    if app.fedpar_table.get("model"):  # fedpar's strategies may drive it too: they need its initial arrays
-        trainer = FlowerAppTrainer(app.client_app, app.run_config, app.initial_arrays(args.seed))
-        trainer.use_member(args.agent_id, args.partition_index, args.num_partitions, examples)
-    return app, trainer, examples
-
-
-def flower_app_agent(args: argparse.Namespace, config):
-    """The agent of ``--flower-app``: its one member answers a ServerApp's Messages (fedpar serve --flower-app) and,
-    when the app names its [tool.fedpar] model, trains under fedpar's strategies too."""
-    from fedpar.client.flower_app_members import FlowerAppMembers
-    from fedpar.client.runtime import ClientRuntime
-
-    app, trainer, examples = flower_app_trainer(args)
-    members = FlowerAppMembers(app.client_app, app.run_config, [args.agent_id], [args.partition_index],
-                               args.num_partitions, [examples], population=False, trainer=trainer)
-    return ClientRuntime(config, members)
+    initial = app.initial_arrays(args.seed) if app.fedpar_table.get("model") else None
+    trainer = FlowerAppTrainer(app.client_app, app.run_config, initial)
+    trainer.use_member(args.agent_id, args.partition_index, args.num_partitions,
+                       app.train_examples(args.partition_index, args.num_partitions))
+    return ClientRuntime(config, FlowerAppAgent(args.agent_id, trainer))
 
 
 def run(args: argparse.Namespace) -> int:

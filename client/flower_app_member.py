@@ -16,6 +16,12 @@ A reply that cannot be an update is refused with its reason (:class:`~fedpar.cli
 the handler raised, the reply carries an error, it has no single ArrayRecord, its arrays differ from the global
 model in names, shapes or dtypes, its MetricRecord lacks a whole ``num-examples``. The runtime notes the refusal and
 the run goes on without that member's update.
+
+When the app's own ServerApp drives (server/flower_grid.py), a member answers the Message its task carries
+(:func:`answer_message`): the ClientApp is called on it with the member's Context and the reply goes back serialized
+with Flower's serde; a handler that raises, or a reply that is not a reply to that Message, becomes Flower's error
+reply with the reason. A simulation's members are simulations/client_app_population.py's; a deployed agent's one
+member is :class:`FlowerAppAgent`.
 """
 
 from __future__ import annotations
@@ -27,15 +33,17 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from fedpar.client.local_sgd import TrainResult
+from fedpar.client.runtime import OwnMember
 from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.flower_nodes import SERVER_NODE_ID, node_id_of
+from fedpar.protocol.flower_wire import FlowerWireError, decode_message, encode_message
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.tasks.evaluation import EvalResult
 
@@ -44,6 +52,7 @@ Spec = tuple[str, str, tuple[int, ...]]
 MEMBER_STATES = 4096  # members whose Context.state a process keeps (least recently trained forgotten first)
 MESSAGE_TTL = 43_200.0  # seconds: Flower's default time-to-live of a message
 WEIGHT_KEY = "num-examples"  # the MetricRecord entry that weighs an update, as Flower's strategies read it
+ERROR_CODE = 2  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION, as Flower's SuperNode replies
 
 
 class MemberStates:
@@ -84,20 +93,47 @@ def member_context(member_id: str, partition_id: int, num_partitions: int, run_c
                    run_config=dict(run_config))
 
 
+def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
+                   context_of: Callable[[int], Any]) -> bytes:
+    """Member ``member_id``'s reply to the Flower Message in ``data``, serialized: ``client_app`` called on it with
+    ``context_of(run_id)`` (Flower's error reply when the app fails); FlowerWireError when ``data`` is no Message."""
+    from flwr.app import Error, Message
+
+    try:
+        message = decode_message(data, max_bytes)
+    except FlowerWireError as exc:  # the coordinator's bytes: nothing to reply to
+        log.warning("%s: the task's Flower Message cannot be read: %s", member_id, exc)
+        raise
+    try:
+        reply = client_app(message, context_of(message.metadata.run_id))
+        if not isinstance(reply, Message):
+            raise TypeError(f"the ClientApp returned a {type(reply).__name__}, not a flwr.app.Message")
+        if reply.metadata.reply_to_message_id != message.metadata.message_id:
+            raise ValueError("the ClientApp's reply does not answer the message it was given (make it with "
+                             "Message(content, reply_to=msg))")
+    except Exception as exc:  # the app's own failure: Flower's SuperNode replies with an error, so do we
+        reason = f"{type(exc).__name__}: {_one_line(exc)}"
+        log.warning("%s: ClientApp %s handler failed: %s", member_id, message.metadata.message_type, reason)
+        reply = Message(Error(code=ERROR_CODE, reason=f"ClientApp of {member_id} failed: {reason}"), reply_to=message)
+    return encode_message(reply)
+
+
 class FlowerAppTrainer:
     """The runtime's trainer protocol (client/trainer_protocol.py) over a Flower ``ClientApp``; ``initial`` holds the
-    global model's (name, array) pairs (their names, shapes and dtypes are what replies must match). A seat takes on
-    one member after another (:meth:`use_member`)."""
+    global model's (name, array) pairs (their names, shapes and dtypes are what replies must match; None: the app
+    names no model, so its seat only answers a ServerApp's Messages). A seat takes on one member
+    after another (:meth:`use_member`)."""
 
     framework = "flower-app"
     reads_task_settings = True  # the ConfigRecord carries a Flower strategy's configure_train config
 
-    def __init__(self, client_app: Any, run_config: dict[str, Any], initial: Sequence[tuple[str, np.ndarray]],
-                 states: MemberStates | None = None, run_id: int = 0):
+    def __init__(self, client_app: Any, run_config: dict[str, Any],
+                 initial: Sequence[tuple[str, np.ndarray]] | None, states: MemberStates | None = None,
+                 run_id: int = 0):
         self.app = client_app
         self.run_config = dict(run_config)
-        self.names = [name for name, _ in initial]
-        self.layout = ModelLayout.of_arrays(self.names, [a for _, a in initial])
+        self.names = [name for name, _ in initial or ()]
+        self.layout = ModelLayout.of_arrays(self.names, [a for _, a in initial]) if initial is not None else None
         self.states = states if states is not None else MemberStates()
         self.run_id = run_id
         self._member: tuple[str, int, int, int] = ("member", 0, 1, 1)  # (id, partition, partitions, examples)
@@ -110,10 +146,11 @@ class FlowerAppTrainer:
         ``num_examples`` training examples at Join."""
         self._member = (member_id, int(partition_id), int(num_partitions), int(num_examples))
 
-    def context(self):
-        """The current member's Context (its state is the one kept for it)."""
+    def context(self, run_id: int | None = None):
+        """The current member's Context (its state is the one kept for it) in run ``run_id`` (None: this trainer's)."""
         member, partition, partitions, _ = self._member
-        return member_context(member, partition, partitions, self.run_config, self.states.of(member), self.run_id)
+        return member_context(member, partition, partitions, self.run_config, self.states.of(member),
+                              self.run_id if run_id is None else run_id)
 
     # ------------------------------------------------------------------ the runtime's trainer protocol
     @property
@@ -123,6 +160,8 @@ class FlowerAppTrainer:
 
     def array_specs(self) -> list[Spec]:
         """(name, dtype, shape) of the global model's arrays."""
+        if self.layout is None:
+            raise RuntimeError("a ClientApp trainer without initial arrays has no array specs")
         return self.layout.specs()
 
     def set_arrays(self, arrays: list[np.ndarray]) -> None:
@@ -231,6 +270,19 @@ class FlowerAppTrainer:
         if problem:
             raise UpdateRefused(f"the ClientApp's train reply does not fit the global model: {problem}")
         return [np.ascontiguousarray(a) for a in arrays]
+
+
+class FlowerAppAgent(OwnMember):
+    """A deployed agent's one member, training with a Flower App's ClientApp (``trainer``): under fedpar's strategies
+    when the app names its model, and answering a ServerApp's Messages (fedpar serve --flower-app) either way."""
+
+    def __init__(self, agent_id: str, trainer: FlowerAppTrainer):
+        super().__init__(agent_id, trainer)
+        self.answers_messages = trainer.layout is None  # no model of its own: the runtime keeps no layout
+
+    def answer(self, i: int, data: bytes, max_bytes: int) -> bytes:
+        """The member's serialized reply to the Flower Message in ``data``."""
+        return answer_message(self.trainer.app, data, max_bytes, self.agent_id, self.trainer.context)
 
 
 def _delivered(context, message_type: str, round_id: int):

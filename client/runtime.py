@@ -98,7 +98,7 @@ class ClientRuntime:
         self._stop = threading.Event()
         self.conn = Connection(config)
         trainers = members.seat_trainers(seats)
-        # a Flower App's members answer whole Messages (client/flower_app_members.py): no model layout of their own
+        # members that only answer a Flower App's Messages (client/flower_app_member.py) have no model layout
         answers_messages = getattr(members, "answers_messages", False)
         self.layout = ModelLayout(trainers[0].array_specs()) if trainers and not answers_messages else None
         self.seats = [Seat(t, UpdateCompressor(self.layout, seed=zlib.crc32(

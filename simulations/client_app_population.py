@@ -1,4 +1,5 @@
-"""A simulated population whose members train with a Flower App's ClientApp (``simulate --flower-app DIR``).
+"""A simulated population whose members train with a Flower App's ClientApp (``simulate --flower-app DIR``), under
+fedpar's strategies or answering the app's own ServerApp's Messages (simulations/flower_app_run.py).
 
 The population machinery is :class:`~fedpar.simulations.population.PopulationMembers`' (ids, drop-outs, traces, the
 virtual clock); what differs is what a seat is: a :class:`~fedpar.client.flower_app_member.FlowerAppTrainer`, which
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fedpar.client.flower_app_member import FlowerAppTrainer, MemberStates
+from fedpar.client.flower_app_member import FlowerAppTrainer, MemberStates, answer_message, member_context
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.simulations.population import PopulationMembers, PopulationSlice, client_id
 from fedpar.simulations.traces import DAY_SECONDS
@@ -21,12 +22,15 @@ from fedpar.tasks.flower_app import FlowerApp
 
 class ClientAppPopulation(PopulationMembers):
     """The member source of a worker hosting ``population`` with ``app``'s ClientApp (``seed``: the initial arrays'
-    draw, the same as the coordinator's)."""
+    draw, the same as the coordinator's). ``answers_messages``: the app's ServerApp drives, so the members only
+    answer its Messages (:meth:`answer`) and need no initial arrays (the app may name no model)."""
 
     def __init__(self, population: PopulationSlice, app: FlowerApp, partition_of: Callable[[int, str], Partition],
-                 seed: int, day_seconds: float = DAY_SECONDS, states: MemberStates | None = None):
+                 seed: int, day_seconds: float = DAY_SECONDS, states: MemberStates | None = None,
+                 answers_messages: bool = False):
         self.app = app
-        self.initial = app.initial_arrays(seed)
+        self.answers_messages = answers_messages
+        self.initial = None if answers_messages else app.initial_arrays(seed)
         self.states = states if states is not None else MemberStates()
         super().__init__(population, None, partition_of, seed, day_seconds=day_seconds)
 
@@ -46,6 +50,12 @@ class ClientAppPopulation(PopulationMembers):
         """Call the ClientApp as member ``i`` (its node, partition and state)."""
         partition = self._partition(i)
         trainer.use_member(self.member_id(i), partition.index, partition.count, self.train_size(i))
+
+    def answer(self, i: int, data: bytes, max_bytes: int) -> bytes:
+        """Member ``i``'s serialized reply to the Flower Message in ``data`` (client/flower_app_member.py)."""
+        member, partition = self.member_id(i), self._partition(i)
+        return answer_message(self.app.client_app, data, max_bytes, member, lambda run_id: member_context(
+            member, partition.index, partition.count, self.app.run_config, self.states.of(member), run_id))
 
     def _partition(self, i: int) -> Partition:
         number = int(self.pop.numbers[i])

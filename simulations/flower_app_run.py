@@ -1,31 +1,31 @@
 """``fedpar simulate --flower-app DIR`` without ``--strategy``: the app's ServerApp runs unchanged on fedpar's
 coordinator (server/flower_rounds.py, through the Grid of server/flower_grid.py) and worker processes host the
-population, whose members answer the Messages with the app's ClientApp (client/flower_app_members.py)."""
+population, whose members answer the Messages with the app's ClientApp (simulations/client_app_population.py)."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import time
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from fedpar.aggregation import build_strategy
-from fedpar.client.flower_app_members import FlowerAppMembers
-from fedpar.client.links import AgentConfig
-from fedpar.client.runtime import ClientRuntime
 from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
-from fedpar.security.tls import channel_credentials, client_tls_files, server_credentials, server_tls_files
+from fedpar.security.tls import client_tls_files, server_credentials, server_tls_files
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.flower_rounds import FlowerCoordinator
 from fedpar.settings import composed
+from fedpar.simulations.client_app_population import ClientAppPopulation
 from fedpar.simulations.config import SimulationConfig
-from fedpar.simulations.population import client_id
+from fedpar.simulations.population import PopulationSlice, host_population
 from fedpar.simulations.run_outputs import write_run_outputs
+from fedpar.task import Partition
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 
 log = logging.getLogger("fedpar.simulate")
@@ -120,19 +120,9 @@ def host_flower_members(server: str, directory: str, run_config: str | None, hos
     logging.basicConfig(level=min(log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("fedpar").setLevel(log_level)
     app = load_flower_app(directory, run_config)
-    members = FlowerAppMembers(app.client_app, app.run_config, [client_id(n) for n in numbers], numbers, clients,
-                               [app.train_examples(n, clients) for n in numbers])
-    host_members(server, host_id, members, seats, seed, certs_dir).run()
-
-
-def host_members(server: str, agent_id: str, members: FlowerAppMembers, seats: int, seed: int,
-                 certs_dir: str | None, give_up_after: float | None = 60.0) -> ClientRuntime:
-    """A client runtime hosting ``members`` against ``server`` as ``agent_id`` (under mutual TLS: its certificate
-    in ``certs_dir``)."""
-    tls = client_tls_files(agent_id, certs_dir) if certs_dir else None
-    credentials = channel_credentials(tls) if tls is not None else None
-    config = AgentConfig(server=server, agent_id=agent_id, poll_seconds=2.0, give_up_after=give_up_after,
-                         credentials=credentials, insecure=credentials is None, tls_files=tls,
-                         seed=zlib.crc32(f"{seed}:{agent_id}".encode()))
-    return ClientRuntime(config, members, seats)
-
+    population = PopulationSlice.of(host_id, np.asarray(numbers), None, np.zeros(clients, np.float32))
+    members = ClientAppPopulation(population, app, lambda number, member: Partition(number, clients, member), seed,
+                                  answers_messages=True)
+    tls = client_tls_files(host_id, certs_dir) if certs_dir else None
+    host_population(server, population, None, members.partition_of, seed, seats, give_up_after=60.0, tls=tls,
+                    members=members).run()
