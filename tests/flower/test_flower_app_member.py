@@ -1,10 +1,12 @@
 """A Flower ClientApp as the trainer of fedpar's members: called with a proper Message and Context (partition,
 run config, a state that persists across the member's rounds), and each reply that cannot be an update refused with
-its reason, noted by the client runtime, the run going on (real coordinator, loopback gRPC)."""
+its reason, noted by the client runtime, the run going on (real coordinator, loopback gRPC); and a ServerApp's
+Messages answered alike by a simulated member and a deployed agent (Flower's serde both ways)."""
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,16 +14,22 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord,  # noqa: E402
+                      RecordDict)
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from fedpar.aggregation import build_strategy  # noqa: E402
 from fedpar.client.agent import Agent, AgentConfig  # noqa: E402
-from fedpar.client.flower_app_member import FlowerAppTrainer, MemberStates  # noqa: E402
+from fedpar.client.flower_app_member import FlowerAppAgent, FlowerAppTrainer, MemberStates  # noqa: E402
 from fedpar.client.trainer_protocol import Trainer, UpdateRefused  # noqa: E402
-from fedpar.protocol.flower_nodes import node_id_of  # noqa: E402
+from fedpar.protocol.flower_nodes import SERVER_NODE_ID, node_id_of  # noqa: E402
+from fedpar.protocol.flower_wire import decode_message, encode_message  # noqa: E402
 from fedpar.server.assembly import CoordinatorAssembly  # noqa: E402
 from fedpar.server.config import CoordinatorConfig  # noqa: E402
+from fedpar.simulations.client_app_population import ClientAppPopulation  # noqa: E402
+from fedpar.simulations.population import PopulationSlice, client_id  # noqa: E402
+from fedpar.task import Partition  # noqa: E402
+from fedpar.tasks.flower_app import load_flower_app  # noqa: E402
 
 INITIAL = [("w", np.zeros((3, 2), np.float32)), ("b", np.zeros(2, np.float32))]
 
@@ -188,3 +196,49 @@ def test_a_refused_update_is_noted_by_the_runtime_and_the_round_goes_on_over_grp
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "fedpar.client"]
     assert any(m.startswith("member-1: round 2 train refused: the ClientApp's train reply") for m in warned), warned
     assert all(np.allclose(w, 2.0) for w in server.coordinator.weights)  # two rounds of the good member's +1
+
+
+def _server_message(node_id: int, round_id: int, arrays: dict[str, np.ndarray]) -> bytes:
+    """A ServerApp's train Message to node ``node_id`` as fedpar's wire carries it (Flower's serde)."""
+    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                          "config": ConfigRecord({"lr": 0.1})})
+    metadata = Metadata(run_id=7, message_id=f"m-{node_id}-{round_id}", src_node_id=SERVER_NODE_ID,
+                        dst_node_id=node_id, reply_to_message_id="", group_id=str(round_id), created_at=time.time(),
+                        ttl=60.0, message_type="train")
+    return encode_message(Message(content=content, metadata=metadata))
+
+
+def test_a_simulated_member_and_a_deployed_agent_answer_a_server_apps_message_alike():
+    """The ServerApp route's two member sources (a simulation's ClientAppPopulation, a deployed FlowerAppAgent) call
+    the ClientApp with the member's one Context: the same reply for the same partition, its state kept across
+    rounds, and a handler that raises answered with Flower's error reply."""
+    app = load_flower_app(Path(__file__).parent / "tiny_app", "fail-partition=1")
+    assert app.client_app is not None  # imported now, with the app's folder on sys.path
+    from tiny_flower_app.task import initial_arrays
+
+    population = ClientAppPopulation(PopulationSlice.of("host-0", np.arange(2), None, np.zeros(2, np.float32)), app,
+                                     lambda n, member: Partition(n, 2, member), seed=0, answers_messages=True)
+    agents = []
+    for n in range(2):
+        trainer = FlowerAppTrainer(app.client_app, app.run_config, None)
+        trainer.use_member(client_id(n), n, 2, 1)
+        agents.append(FlowerAppAgent(client_id(n), trainer))
+    assert population.answers_messages and all(a.answers_messages for a in agents)
+    start = initial_arrays()
+    for round_id in (1, 2):
+        for n in range(2):
+            data = _server_message(node_id_of(client_id(n)), round_id, start)
+            simulated = decode_message(population.answer(n, data, 1 << 20), 1 << 20)
+            deployed = decode_message(agents[n].answer(0, data, 1 << 20), 1 << 20)
+            for reply in (simulated, deployed):
+                assert reply.metadata.reply_to_message_id == f"m-{node_id_of(client_id(n))}-{round_id}"
+                if n == 1:
+                    assert reply.has_error() and "fails on purpose" in reply.error.reason, reply.error.reason
+                else:
+                    assert not reply.has_error()
+                    assert reply.content["metrics"]["rounds"] == round_id  # the member's Context.state persists
+            if n == 0:
+                for name in start:
+                    np.testing.assert_array_equal(simulated.content["arrays"][name].numpy(),
+                                                  deployed.content["arrays"][name].numpy())
+                assert not np.array_equal(simulated.content["arrays"]["w"].numpy(), start["w"])
