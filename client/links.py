@@ -234,6 +234,7 @@ class Members(Protocol):
     vanishes in a round); a population's adds its availability and its simulated finish times."""
 
     population: bool  # True: joined as a population (HostLink); False: the member is the runtime itself (AgentLink)
+    answers_messages: bool  # True: the members answer a Flower App's Messages (no model layout of their own)
 
     def __len__(self) -> int: ...
 

@@ -58,6 +58,7 @@ class OwnMember:
     round with ``drop_probability`` (simulations of unreliable devices), drawn from ``seed``."""
 
     population = False
+    answers_messages = False
 
     def __init__(self, agent_id: str, trainer, drop_probability: float = 0.0, seed: int | None = None):
         self.agent_id, self.trainer, self.drop_probability = agent_id, trainer, drop_probability
@@ -99,8 +100,7 @@ class ClientRuntime:
         self.conn = Connection(config)
         trainers = members.seat_trainers(seats)
         # members that only answer a Flower App's Messages (client/flower_app_member.py) have no model layout
-        answers_messages = getattr(members, "answers_messages", False)
-        self.layout = ModelLayout(trainers[0].array_specs()) if trainers and not answers_messages else None
+        self.layout = ModelLayout(trainers[0].array_specs()) if trainers and not members.answers_messages else None
         self.seats = [Seat(t, UpdateCompressor(self.layout, seed=zlib.crc32(
             f"{config.seed}:{config.agent_id}{f':{s}' if s else ''}".encode()))) for s, t in enumerate(trainers)]
         self._tasks: queue.Queue = queue.Queue()  # members' tasks for the seats (a population's)

@@ -131,6 +131,7 @@ class PopulationMembers:
     coordinator's simulated time under a virtual clock, else ``day_seconds`` real seconds per trace day)."""
 
     population = True
+    answers_messages = False
 
     def __init__(self, population: PopulationSlice, task: Task, partition_of: Callable[[int, str], Partition],
                  seed: int, device: str = "cpu", precision: str = "fp32", day_seconds: float = DAY_SECONDS,

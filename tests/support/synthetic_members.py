@@ -83,6 +83,7 @@ class SyntheticMembers:
     """Members ``PREFIX-FIRST`` ... of a population that is always online and never drops out."""
 
     population = True
+    answers_messages = False
 
     def __init__(self, prefix: str, first: int, count: int, params: int):
         self.prefix, self.first, self.count = prefix, first, count
