@@ -99,6 +99,13 @@ class LiveBar:
             from fedpar.server.deadline import seconds_left
             self.round(state.round_id, state.accepted, state.target, seconds_left(state))
 
+    def preparing(self, what: str) -> None:
+        """Show a set-up step as it starts (``what``: e.g. loading the data): the bar's line on a terminal, a plain
+        line elsewhere."""
+        self._show(("prepare", what), what, 0, 1, "")
+        if not self.quiet and not self.stream.isatty():
+            print(f"{what} ...", file=self.plain, flush=True)
+
     def joining(self, registered: int, needed: int) -> None:
         """Show ``registered`` of ``needed`` clients joined."""
         self._show(("join",), "clients joining", registered, needed, "")

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
                      lambda row: completed.append(row["round"])]
         with stop_on_signals() as stop:  # SIGINT or SIGTERM: what completed is written (a second: exit now)
             summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
-                                     on_server=observers.attach, on_progress=progress.follow)
+                                     on_server=observers.attach, on_progress=progress.follow,
+                                     on_stage=progress.preparing)
     except ValueError as exc:
         print(f"fedpar simulate: {exc}", file=sys.stderr)
         return 2

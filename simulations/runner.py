@@ -102,12 +102,14 @@ def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str
 
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
                    on_server: Callable[[object], None] | None = None,
-                   on_progress: Callable[[object], None] | None = None) -> dict:
+                   on_progress: Callable[[object], None] | None = None,
+                   on_stage: Callable[[str], None] | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
     the final model (global.safetensors, global.json), summary.json, accuracy.png and loss.png under ``cfg.out``
     (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the files written.
     ``on_server(server)`` sees the coordinator before it starts; ``on_progress(coordinator)`` is called twice a
-    second while it runs (clients joined, the open round)."""
+    second while it runs (clients joined, the open round); ``on_stage(what)`` as each set-up step starts (loading the
+    data, indexing the clients' shares)."""
     started = time.monotonic()
     cfg, notes = cfg.settled()  # `fedpar simulate` has settled them already, and said so
     for note in notes:
@@ -145,7 +147,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     try:
         summary = _run(cfg, strategy, task, on_round, started, out, procs, [send for _, send in pipes], on_server,
-                       on_progress, flower_app)
+                       on_progress, flower_app, on_stage or (lambda what: None))
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
@@ -180,7 +182,8 @@ def _flower_app(cfg: SimulationConfig) -> FlowerApp | None:
 
 
 def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: Path | None, procs, pipes,
-         on_server=None, on_progress=None, flower_app: FlowerApp | None = None) -> dict:
+         on_server=None, on_progress=None, flower_app: FlowerApp | None = None,
+         on_stage: Callable[[str], None] = lambda what: None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     if flower_app is not None:  # the ClientApp loads its own data; fedpar's strategy starts from the app's arrays
         splits, members = None, None
@@ -189,9 +192,9 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         splits, members = None, None  # the task's client_data gives each client its share
         assembly = CoordinatorAssembly.for_task(task, cfg.seed, resolve_device(cfg.device))
     else:
-        log.info("loading %s", cfg.dataset)
+        on_stage(f"loading {cfg.dataset}")
         splits = load_dataset(cfg.dataset, cfg.data_dir)
-        log.info("indexing the data of %d clients (%s)", cfg.clients, resolve_partition(cfg.partition, splits))
+        on_stage(f"indexing the data of {cfg.clients:,} clients ({resolve_partition(cfg.partition, splits)})")
         members = member_source(splits, cfg.partition, cfg.clients, cfg.seed, cfg.examples_per_client)
         assembly = CoordinatorAssembly.for_data(cfg.model, splits, cfg.seed, resolve_device(cfg.device))
         assembly.description["dataset"] = cfg.dataset

@@ -86,3 +86,12 @@ def test_the_step_bar_shows_the_step_of_all_and_the_loss_on_a_terminal_and_only_
     assert "steps" in terminal.getvalue() and "3/10" in terminal.getvalue() and "loss 0.4321" in terminal.getvalue()
     assert "epoch 0 step 3/10" in terminal.getvalue()  # the trainer's line, above the bar
     assert pipe.getvalue() == "epoch 0 step 3/10 loss 0.4321, about 7 s left\n"
+
+
+def test_a_set_up_step_shows_on_the_bar_on_a_terminal_and_as_a_plain_line_elsewhere():
+    terminal, pipe, plain, quiet_plain = _Terminal(), io.StringIO(), io.StringIO(), io.StringIO()
+    LiveBar(stream=terminal, plain=io.StringIO()).preparing("loading mnist")
+    LiveBar(stream=pipe, plain=plain).preparing("loading mnist")
+    LiveBar(stream=pipe, plain=quiet_plain, quiet=True).preparing("loading mnist")
+    assert "loading mnist" in terminal.getvalue()
+    assert plain.getvalue() == "loading mnist ...\n" and quiet_plain.getvalue() == ""
