@@ -118,12 +118,17 @@ class Members:
         live = self.registry.live_ids()
         return [a for a in live if a not in self._lacking] if self._lacking else live
 
+    def live_count(self) -> int:
+        """How many members may be sampled now (no pass over them unless some lack the run's task)."""
+        return len(self.live_ids()) if self._lacking else len(self.registry.live_ids())
+
     async def wait_for_live(self, count: int, wait_seconds: float | None) -> None:
-        """Until ``count`` members are live; TimeoutError after ``wait_seconds`` (None: no limit)."""
+        """Until ``count`` members are live (woken as they join or come back; each half second a liveness may have run
+        out); TimeoutError after ``wait_seconds`` (None: no limit)."""
         deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
-        while len(self.live_ids()) < count:
+        while self.live_count() < count:
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(self.live_ids())} live agents after {wait_seconds}s; need "
+                raise TimeoutError(f"only {self.live_count()} live agents after {wait_seconds}s; need "
                                    f"min_available={count}")
             self._changed.clear()
             try:

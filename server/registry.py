@@ -146,6 +146,7 @@ class AgentRegistry:
         self.caps = ExampleCaps(max_known)  # agents' (checkpointed)
         self.member_caps = ExampleCaps(max_known)  # population members' (their hosts join them again after a restart)
         self._live: LiveIds | None = None  # kept up to date as they come and go; None: make it again
+        self._plain: set[str] = set()  # ids of the agents that joined by themselves (not a host's members)
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
@@ -202,16 +203,26 @@ class AgentRegistry:
         return host, records
 
     def _newcomers(self, records: list[AgentRecord]) -> None:
-        """Hold ``records``, and keep the live ids up to date: new live ids join them; one that replaces a record
-        held already makes them again at the next read."""
-        fresh = []
+        """Hold ``records``, and keep the live ids up to date: new live ids join them, a record replacing one held
+        already joins or leaves them as its availability changed (made again at the next read if its certificate
+        changed: its revocation may have)."""
+        fresh, gone = [], []
         for record in records:
-            if record.agent_id in self._agents:
+            old = self._agents.get(record.agent_id)
+            if old is not None and old.cert_serial != record.cert_serial:
                 self._live = None
-            elif not record.away:
+            elif old is not None and not (old.left or old.away) and record.away:
+                gone.append(record.agent_id)
+            elif (old is None or old.left or old.away) and not record.away:
                 fresh.append(record.agent_id)
             self._agents[record.agent_id] = record
+            if record.host is None:
+                self._plain.add(record.agent_id)
+            else:
+                self._plain.discard(record.agent_id)
         if self._live is not None:
+            for agent_id in gone:
+                self._live.discard(agent_id)
             self._live.add(fresh)
 
     def set_away(self, host_id: str, away: list[str], back: list[str]) -> None:
@@ -277,19 +288,29 @@ class AgentRegistry:
     def live_ids(self) -> LiveIds:
         """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed). Made again (one pass
         over the agents, those whose liveness expired leaving first: :meth:`expire`) only when the revocation list
-        changed or a liveness may have run out since; else as kept up to date by joins, leaves and availability."""
+        changed or a liveness ran out; else as kept up to date by joins, leaves and availability. Whether a liveness
+        ran out is a pass over the hosts and the agents that joined by themselves, not over a host's members."""
         revoked = self.admission.revoked_filter()
         key = id(self.admission.revocations.value)  # a new list is a new object
-        if self._live is not None and self._live.key == key and self._clock() < self._live.valid_until:
-            return self._live
+        if self._live is not None and self._live.key == key:
+            if self._clock() < self._live.valid_until:
+                return self._live
+            self._live.valid_until = self._live_until()
+            if self._clock() < self._live.valid_until:  # all called again in time: still the same ids
+                return self._live
         self.expire()
         now = self._clock()
         live = [a for a in self._agents.values() if self.is_live(a) and not revoked(a.agent_id, a.cert_serial)]
-        seen = [a.last_seen for a in live if a.host is None] + [h.last_seen for h in self._hosts.values()]
-        # none of them can stop being live before the oldest call's liveness runs out
-        self._live = LiveIds(sorted(a.agent_id for a in live), key,
-                             min(seen, default=now) + self.liveness_timeout)
+        self._live = LiveIds(sorted(a.agent_id for a in live), key, min(now + self.liveness_timeout,
+                                                                        self._live_until()))
         return self._live
+
+    def _live_until(self) -> float:
+        """When the first liveness runs out, unless its agent or host calls again: the oldest call of a host or of
+        an agent (not a host's member) that has not left, plus the liveness timeout."""
+        seen = [self._agents[a].last_seen for a in self._plain if not self._agents[a].left]
+        seen += [h.last_seen for h in self._hosts.values()]
+        return min(seen, default=self._clock()) + self.liveness_timeout
 
     def get(self, agent_id: str) -> AgentRecord | None:
         """The record of ``agent_id`` or None."""
@@ -318,6 +339,7 @@ class AgentRegistry:
                 or (r.host is None and now - r.last_seen > idle) or (r.host is not None and r.host not in self._hosts)]
         for agent_id in gone:
             del self._agents[agent_id]
+            self._plain.discard(agent_id)
         if gone:
             self._live = None
         return len(gone)
