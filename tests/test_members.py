@@ -169,3 +169,45 @@ def test_live_ids_kept_up_to_date_match_the_live_agents_counted_anew():
             assert list(live) == sorted(a for a in (f"m{i:03d}" for i in range(260))
                                         if registry.get(a) and a not in away)
     assert len(registry.live_ids()) == len(list(registry.live_ids()))
+
+
+def test_live_ids_outlast_the_liveness_timeout_while_everyone_calls_and_match_a_count_anew_as_calls_lapse():
+    import random
+
+    from fedpar.server.registry import AuthError
+
+    rng, now = random.Random(1), [0.0]
+    registry = AgentRegistry(10.0, clock=lambda: now[0])
+    hosts = {h: registry.join_population(h, "", [(f"{h}-m{i}", 3, False) for i in range(40)])[0].token
+             for h in ("h0", "h1")}
+    registry.join("a0", 5, {})
+    first = registry.live_ids()
+    for _ in range(5):  # past the timeout many times over, with every host and agent calling in time
+        now[0] += 6.0
+        for h, token in hosts.items():
+            registry.authenticate_host(h, token)
+        registry.authenticate("a0", registry.get("a0").token)
+        assert registry.live_ids() is first and len(first) == 81  # kept, not made again
+    for step in range(400):  # then hosts and agents call, lapse, leave, go away and join again at random
+        now[0] += rng.uniform(0.0, 3.0)
+        kind, host = rng.random(), rng.choice(sorted(hosts))
+        try:
+            if kind < 0.3:
+                registry.authenticate_host(host, hosts[host])
+            elif kind < 0.45:
+                registry.set_away(host, [f"{host}-m{rng.randrange(40)}"], [f"{host}-m{rng.randrange(40)}"])
+            elif kind < 0.55:
+                hosts[host] = registry.join_population(host, hosts[host], [(f"{host}-m{rng.randrange(45)}", 3,
+                                                                            rng.random() < 0.3)])[0].token
+            elif kind < 0.7:
+                agent = f"a{rng.randrange(4)}"
+                record = registry.get(agent)
+                registry.authenticate(agent, record.token) if record else registry.join(agent, 5, {})
+            elif kind < 0.75:
+                registry.leave(f"a{rng.randrange(4)}")
+        except AuthError:  # its session lapsed and was forgotten: it joins again
+            hosts[host] = registry.join_population(host, "", [(f"{host}-m{i}", 3, False) for i in range(40)])[0].token
+        if step % 3 == 0:
+            live = registry.live_ids()
+            everyone = [f"{h}-m{i}" for h in hosts for i in range(45)] + [f"a{i}" for i in range(4)]
+            assert list(live) == sorted(a for a in everyone if registry.get(a) and registry.is_live(registry.get(a)))
