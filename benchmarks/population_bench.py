@@ -302,6 +302,33 @@ def steady_rounds(rounds: int, tmp: Path) -> dict:
     return {"rounds": rounds, "cells": cells, "load_average_after": load}
 
 
+BATCHING_CELLS = (("mlp", 100, 100), ("mlp", 10, 10), ("cnn", 10, 10))  # (model, population, sampled per round)
+
+
+def batching_rounds(rounds: int, repeats: int, tmp: Path) -> dict:
+    """Issue 25's client-batching comparison: each cell's steady round (median of rounds 2..R) with
+    ``--client-batching on`` and ``off``, alternated ``repeats`` times in the same run, and on's ratio to off's."""
+    job = ["--dataset", "digits", "--local-epochs", "1", "--rounds", str(rounds)]
+    print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"{'cell':>18}{'on s':>8}{'off s':>8}{'on/off':>8}  load")
+    cells = []
+    for model, clients, k in BATCHING_CELLS:
+        for repeat in range(repeats):
+            shape = ["--model", model, "--clients", str(clients), "--clients-per-round", str(k)]
+            on = run_simulate([*job, *shape, "--client-batching", "on"], tmp / f"on-{model}-{clients}-{repeat}")
+            off = run_simulate([*job, *shape, "--client-batching", "off"], tmp / f"off-{model}-{clients}-{repeat}")
+            load = Path("/proc/loadavg").read_text().split()[:3]
+            c = {"model": model, "clients": clients, "per_round": k, "on_round_seconds": on["steady_round_seconds"],
+                 "off_round_seconds": off["steady_round_seconds"], "load_average": load,
+                 "failed_rounds": on["failed_rounds"] + off["failed_rounds"]}
+            c["on_vs_off"] = c["on_round_seconds"] / c["off_round_seconds"]
+            cells.append(c)
+            print(f"{f'{model} {k} of {clients}':>18}{c['on_round_seconds']:>8.3f}{c['off_round_seconds']:>8.3f}"
+                  f"{c['on_vs_off']:>8.2f}  {' '.join(load)}" + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
+                  flush=True)
+    return {"rounds": rounds, "cells": cells}
+
+
 def steady_ratios(result: dict) -> list[dict]:
     """The steady-round cells' ratios for the results envelope."""
     out = []
@@ -327,7 +354,20 @@ def main() -> int:
     p.add_argument("--scale", action="store_true", help="the population-size table, 10^3 to 10^6 members, and 10^7 on 2 local ranks")
     p.add_argument("--steady", action="store_true",
                    help="the steady-round cells: digits MLP, 10 of 10, 100 of 100, 10 of 100, vs a plain loop")
+    p.add_argument("--batching", action="store_true",
+                   help="steady rounds with --client-batching on against off: digits MLP 100 of 100 and 10 of 10, "
+                        "digits CNN 10 of 10")
+    p.add_argument("--repeats", type=int, default=2, help="--batching: on/off pairs per cell")
     a = p.parse_args()
+    if a.batching:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = batching_rounds(a.rounds or 8, a.repeats, Path(tmp))
+        ratios = [{"what": f"steady round of fedpar simulate --client-batching on, digits {c['model']}, E1, "
+                           f"{c['per_round']} of {c['clients']} clients (load {' '.join(c['load_average'])})",
+                   "ratio": c["on_vs_off"], "against": "--client-batching off, same run"} for c in result["cells"]]
+        path = write_results(HERE / "results" / "client_batching.json", ratios, result)
+        print(f"wrote {path}")
+        return 0 if not sum(c["failed_rounds"] for c in result["cells"]) else 1
     if a.steady:
         with tempfile.TemporaryDirectory() as tmp:
             result = steady_rounds(a.rounds or 11, Path(tmp))

@@ -104,7 +104,8 @@ def per_example_losses(loss: Callable, outputs: torch.Tensor, targets: torch.Ten
     return vmap(lambda o, t: loss(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
 
 
-# Compiled steps live as long as their model, so a batcher that reuses one template model compiles once.
+# Batched steps (compiled or not) live as long as their model: a batcher that reuses one template model builds its
+# step once, not every round.
 _compiled: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
@@ -113,8 +114,8 @@ def batched_gradient_fn(model: nn.Module, buffers: dict[str, torch.Tensor], prox
     """``f(params, anchor, x, y, mask, count) -> (grads, losses)`` over a leading member axis: each member's
     gradient of its objective (client/local_loop.py) on its batch, the loss being the masked mean of ``loss`` per
     example (FedProx's term when ``anchor`` is not empty)."""
-    key = (proximal_mu, loss, tuple((n, b.device) for n, b in buffers.items()))
-    if compile_step and key in _compiled.get(model, {}):
+    key = (proximal_mu, loss, compile_step, tuple((n, b.device) for n, b in buffers.items()))
+    if key in _compiled.get(model, {}):
         return _compiled[model][key]
 
     def member_objective(params, anchor, x, y, mask, count):
@@ -126,7 +127,8 @@ def batched_gradient_fn(model: nn.Module, buffers: dict[str, torch.Tensor], prox
     step = vmap(grad(member_objective, has_aux=True))
     if compile_step:
         # Static shapes (one graph per number of active members) replayed as CUDA graphs: the step is launch-bound.
-        step = _compiled.setdefault(model, {})[key] = torch.compile(step, dynamic=False, mode="reduce-overhead")
+        step = torch.compile(step, dynamic=False, mode="reduce-overhead")
+    _compiled.setdefault(model, {})[key] = step
     return step
 
 

@@ -1,6 +1,7 @@
 """Client batching in a simulation worker: the seats of one population host (simulations/population.py) that train
 in the same round train as one stacked model (client/batched_trainer.py: the one local loop, run for all of them at
-once) instead of one after another.
+once) instead of one after another. A batching worker has a seat for every member it may train in a round
+(:func:`batched_seats`), so a round's members meet in one stack.
 
 The seats stay real agents (each member's download and upload go as its own); only their ``trainer.train`` calls
 meet here, and "agent" below means a seat. The rule: an agent announces a task when it receives it and withdraws when the task ends
@@ -38,6 +39,9 @@ from fedpar.task import ClientData, Task, TaskError
 
 log = logging.getLogger("fedpar.simulate")
 AUTO_MIN_MEMBERS = 2  # a worker's clients of one round that auto batches: one alone gains nothing from a stack
+# What one worker's stack may hold: its members' stacked parameters, their working copy, gradients, optimizer state
+# and FedProx anchor (about 8 copies of the model per member).
+STACK_BYTES = 2 << 30
 
 
 def batching_refusal_of(model: nn.Module, task: Task | None, precision: str, member_data: ClientData | None) -> \
@@ -59,30 +63,39 @@ def batching_refusal_of(model: nn.Module, task: Task | None, precision: str, mem
     return None
 
 
+def batched_seats(seats: int, members: int, per_round: int, model_bytes: int) -> int:
+    """The seats of a batching worker hosting ``members`` of a federation sampling ``per_round`` a round: enough
+    for every member it may train in a round, so that they train as one stack (see :class:`ClientBatcher`), within
+    :data:`STACK_BYTES` for a model of ``model_bytes``; never fewer than ``seats`` (--seats)."""
+    fit = max(1, STACK_BYTES // max(1, 8 * model_bytes))
+    return max(seats, min(members, per_round, fit))
+
+
 def batching_pays(device: str) -> bool:
     """Whether stacking members is expected faster than training them one by one on ``device``: on a GPU, where a
-    small member's step is launch-bound; not on the CPU, where `fedpar simulate` was measured slower stacked (digits
-    MLP: 2-5x the one-by-one steady round; digits CNN, 10 clients: 1.3x; and torch.func's set-up adds seconds to
-    the first round), although the FedAvg round alone stacks faster (fedavg_round_bench.py: 0.33-0.40x)."""
+    small member's step is launch-bound; not on the CPU, where `fedpar simulate` was measured no faster with each
+    worker's members of a round in one stack (population_bench.py --batching: digits MLP 100 of 100 0.9-3.9x the
+    one-by-one steady round, 10 of 10 1.3-1.6x; digits CNN 10 of 10 1.8x: a vmapped convolution steps slower on
+    the CPU than the members' own), although the MLP's local steps alone stack faster (0.2-0.35x)."""
     return torch.device(device).type != "cpu"
 
 
 def client_batching_route(choice: bool | None, refusal: Callable[[], str | None], device: str,
-                          members_per_worker: float, seats: int) -> bool:
+                          members_per_worker: float) -> bool:
     """Whether a simulation's workers batch their members, for ``--client-batching`` ``choice`` (None: auto, True:
     on, False: off): on batches or raises ValueError(``refusal()``, when it says why not); auto batches when it
-    pays (:func:`batching_pays`), a worker trains at least two members of a round at once (``members_per_worker``
-    of a round, on ``seats``) and nothing refuses, else trains one by one, saying why at info level."""
+    pays (:func:`batching_pays`), a worker trains at least two members of a round (``members_per_worker``; a
+    batching worker seats them all: :func:`batched_seats`) and nothing refuses, else trains one by one, saying why
+    at info level."""
     if choice is not None:
         why_not = refusal() if choice else None
         if why_not is not None:
             raise ValueError(why_not)
         return choice
-    at_once = min(members_per_worker, seats)
     if not batching_pays(device):
         why_not = f"stacking members on {device} was measured slower than training them one by one"
-    elif at_once < AUTO_MIN_MEMBERS:
-        why_not = f"a worker trains {at_once:g} client(s) of a round at a time"
+    elif members_per_worker < AUTO_MIN_MEMBERS:
+        why_not = f"a worker trains {members_per_worker:g} client(s) of a round"
     else:
         why_not = refusal()
     log.info("client batching (auto): %s", "on" if why_not is None else f"off, {why_not}")
@@ -220,9 +233,12 @@ class ClientBatcher:
         round_id, epochs, batch_size, lr, mu = settings
         try:
             with self._turn:
+                started = time.monotonic()
                 outputs = train_clients_batched(self._template, [c.client for c in batch.calls], epochs, batch_size,
                                                 lr, round_id, self.device, mu, self.compile_step, self._task.loss,
                                                 self._task.optimizer)
+                log.debug("round %d: a stack of %d members trained in %.3f s", round_id, len(batch.calls),
+                          time.monotonic() - started)
             for call, output in zip(batch.calls, outputs):
                 call.output = output
         except BaseException as exc:  # every agent of the batch sees the failure

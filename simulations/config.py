@@ -63,7 +63,7 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
                              "loopback, which never leaves this machine)")
     client_batching: bool | None = setting(
         None, choices={"auto": None, "on": True, "off": False}, group="simulation", metavar="auto|on|off",
-        help="the clients of one worker process that train at once (its seats) run the local loop together as one "
+        help="the clients one worker process trains in a round (a seat each) run the local loop together as one "
              "stacked model (torch.func), each with its own data, batches, steps and deadline; slow devices "
              "(--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and DP still apply to each "
              "client's update. auto (the default): batch on a GPU where the model allows it and each worker "

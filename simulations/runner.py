@@ -29,7 +29,7 @@ from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
 from fedpar.simulations.agents import WorkerConfig, run_worker_process
-from fedpar.simulations.client_batching import batching_refusal_of, client_batching_route
+from fedpar.simulations.client_batching import batched_seats, batching_refusal_of, client_batching_route
 from fedpar.simulations.config import SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
@@ -204,7 +204,12 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     batching = flower_app is None and client_batching_route(  # a ClientApp trains itself (on: refused above)
         cfg.client_batching, lambda: batching_refusal_of(assembly.model, task, cfg.precision,
                                                          first_member() if first_member else None),
-        devices[0], k / len(pipes), cfg.seats)
+        devices[0], k / len(pipes))
+    slices = _population_slices(cfg, None if members is None else members.sizes, len(pipes))
+    seats = [cfg.seats] * len(slices)
+    if batching:  # a worker's members of a round train as one stack: a seat each
+        model_bytes = sum(p.numel() * p.element_size() for p in assembly.model.parameters())
+        seats = [batched_seats(cfg.seats, len(s), k, model_bytes) for s in slices]
     # The sections the simulation shares with the coordinator (rounds, seed, local training, aggregator ranks,
     # secure aggregation, clock, target accuracy) pass as they are; the rest is what a simulation on one machine
     # fills in.
@@ -214,10 +219,10 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         heartbeat_seconds=2.0, liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
         metrics_path=out / "metrics.jsonl" if out else None, accept_populations=True,
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
-        max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, cfg.workers * cfg.seats),
+        max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, sum(seats)),
+        max_queued_uploads=max(CoordinatorConfig.max_queued_uploads, sum(seats)),
         max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
     callbacks = [on_round] if on_round else []
-    slices = _population_slices(cfg, None if members is None else members.sizes, len(pipes))
     # Under mutual TLS each host proves its own identity, and speaks for its members (who have no certificates).
     certs = temporary_cert_dir([s.host_id for s in slices]) if cfg.tls else None
     stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
@@ -236,7 +241,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     try:
         for w, send in enumerate(pipes):
             send.send(composed(WorkerConfig, cfg, server=server.address, population=slices[w], device=devices[w],
-                               client_batching=batching, certs_dir=certs.name if certs else None,
+                               seats=seats[w], client_batching=batching, certs_dir=certs.name if certs else None,
                                log_level=logging.getLogger("fedpar").getEffectiveLevel()))
             send.close()
         try:

@@ -13,8 +13,8 @@ import torch
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
-from fedpar.simulations.client_batching import (BatchedTrainer, ClientBatcher, batching_refusal_of,
-                                              client_batching_route)
+from fedpar.simulations.client_batching import (STACK_BYTES, BatchedTrainer, ClientBatcher, batched_seats,
+                                              batching_refusal_of, client_batching_route)
 from fedpar.task import ClientData
 from fedpar.tasks.zoo import classifier_module
 
@@ -146,24 +146,32 @@ def _cnn(dropout: float = 0.0) -> torch.nn.Module:
                                torch.nn.Linear(72, 10))
 
 
-@pytest.mark.parametrize("choice, model, device, members, seats, batched", [
-    (None, _cnn(), "cuda:0", 5, 4, True),  # auto: allowed, several members a worker, a GPU: stacked
-    (None, _cnn(), "cpu", 5, 4, False),  # on the CPU `fedpar simulate` was measured slower stacked
-    (None, _cnn(), "cuda:0", 1, 4, False),  # one member of a round a worker: nothing to stack
-    (None, _cnn(), "cuda:0", 5, 1, False),  # one seat: one member at a time
-    (None, _cnn(0.5), "cuda:0", 5, 4, False),  # dropout: one by one, without a word
-    (False, _cnn(), "cuda:0", 5, 4, False),
-    (True, build_model_for_data("mlp", (1, 8, 8), 10), "cpu", 1, 1, True),  # on: whatever auto would say
+@pytest.mark.parametrize("choice, model, device, members, batched", [
+    (None, _cnn(), "cuda:0", 5, True),  # auto: allowed, several members a worker, a GPU: stacked
+    (None, _cnn(), "cpu", 5, False),  # on the CPU `fedpar simulate` was measured slower stacked
+    (None, _cnn(), "cuda:0", 1, False),  # one member of a round a worker: nothing to stack
+    (None, _cnn(0.5), "cuda:0", 5, False),  # dropout: one by one, without a word
+    (False, _cnn(), "cuda:0", 5, False),
+    (True, build_model_for_data("mlp", (1, 8, 8), 10), "cpu", 1, True),  # on: whatever auto would say
 ])
-def test_auto_batches_where_it_is_allowed_and_pays_and_on_and_off_are_obeyed(choice, model, device, members, seats,
+def test_auto_batches_where_it_is_allowed_and_pays_and_on_and_off_are_obeyed(choice, model, device, members,
                                                                                batched):
-    assert client_batching_route(choice, lambda: batching_refusal_of(model, None, "fp32", None), device, members,
-                                 seats) is batched
+    assert client_batching_route(choice, lambda: batching_refusal_of(model, None, "fp32", None), device,
+                                 members) is batched
 
 
 def test_batching_on_with_a_model_that_cannot_stack_is_its_refusal():
     model = _cnn(0.5)
     with pytest.raises(ValueError, match="^client batching needs a model without batch-norm statistics or dropout"):
-        client_batching_route(True, lambda: batching_refusal_of(model, None, "fp32", None), "cpu", 5, 4)
+        client_batching_route(True, lambda: batching_refusal_of(model, None, "fp32", None), "cpu", 5)
     with pytest.raises(ValueError, match="^--client-batching trains in fp32"):
-        client_batching_route(True, lambda: batching_refusal_of(_cnn(), None, "bf16", None), "cpu", 5, 4)
+        client_batching_route(True, lambda: batching_refusal_of(_cnn(), None, "bf16", None), "cpu", 5)
+
+
+def test_a_batching_worker_seats_every_member_it_may_train_in_a_round_as_far_as_the_stack_memory_allows():
+    small = 100_000  # bytes of parameters: the digits MLP's order
+    assert batched_seats(4, 50, 100, small) == 50  # 100 of 100 on 2 workers: each worker's 50 in one stack
+    assert batched_seats(4, 500_000, 100, small) == 100  # no more than a round samples
+    assert batched_seats(4, 2, 100, small) == 4  # never fewer than --seats
+    assert batched_seats(4, 50, 100, STACK_BYTES // 8 // 10) == 10  # 10 members' copies fill the stack's memory
+    assert batched_seats(4, 50, 100, STACK_BYTES) == 4
