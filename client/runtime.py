@@ -139,7 +139,7 @@ class ClientRuntime:
         workers = [] if inline else [threading.Thread(target=self._seat, args=(seat,), daemon=True,
                                                       name=f"fedpar-seat{s}") for s, seat in enumerate(self.seats)]
         try:
-            if inline:
+            if self.seats:  # torch's lazy set-up (client batching's torch.func too) before joining, not in round 1
                 self.seats[0].trainer.warm_up()
             self._calls.join()
             for w in workers:
