@@ -74,10 +74,10 @@ def batched_seats(seats: int, members: int, per_round: int, model_bytes: int) ->
 def batching_pays(device: str) -> bool:
     """Whether stacking members is expected faster than training them one by one on ``device``: on a GPU, where a
     small member's step is launch-bound; not on the CPU, where `fedpar simulate` was measured no faster with each
-    worker's members of a round in one stack (population_bench.py --batching, three runs of two pairs: digits MLP
-    100 of 100 0.63-3.9x the one-by-one steady round, 1.1x in the quietest run; 10 of 10 1.05-1.55x; digits CNN
-    10 of 10 1.03-1.80x: a vmapped convolution steps slower on the CPU than the members' own), although the MLP's
-    local steps alone stack faster (0.2-0.35x)."""
+    worker's members of a round in one stack (population_bench.py --batching, four runs of two pairs: digits MLP
+    100 of 100 0.63-3.9x the one-by-one steady round; 10 of 10 0.66-1.55x; digits CNN 10 of 10 1.03-1.80x: a
+    vmapped convolution steps slower on the CPU than the members' own), although the MLP's local steps alone stack
+    faster (0.2-0.35x)."""
     return torch.device(device).type != "cpu"
 
 
