@@ -13,12 +13,16 @@ What runs, as the strategy's own ``start`` would run it, round by round:
   * ``aggregate_train(round, replies)`` at the close, on one reply Message per accepted upload, its content
     ``{"arrays": ArrayRecord, "metrics": MetricRecord({weighted_by_key: examples})}`` (the member's new arrays and
     the example count it claimed). A refused or late upload never reaches the strategy. An answer without arrays
-    keeps the global model.
+    keeps the global model;
+  * ``configure_evaluate(round, ...)`` beside ``configure_train``: the config of its messages goes to every member's
+    evaluation (a ClientApp's evaluate handler, a legacy Flower client's ``evaluate``);
+  * ``aggregate_evaluate(round, replies)`` at the close of a round whose members evaluated, on one reply per
+    accepted member that reported an evaluation (a MetricRecord of its ``eval_*`` metrics without the prefix, and
+    its example count): its MetricRecord is the round's ``federated_eval_*`` in place of fedpar's weighted means.
 Refused in one line: the options that size the strategy's own node sample (``fraction_train``, ``min_train_nodes``,
 ``min_available_nodes``, ``fraction_evaluate``, ``min_evaluate_nodes``): fedpar's ``--clients-per-round``,
-``--overselect`` and ``--min-available`` say who trains. Not called: ``configure_evaluate`` /
-``aggregate_evaluate`` (members evaluate the global model in every task and the coordinator averages their metrics
-itself) and ``start`` (fedpar's loop is the one that runs).
+``--overselect`` and ``--min-available`` say who trains. Not called: ``start`` (fedpar's loop is the one that runs)
+and so no ``evaluate_fn`` (the coordinator's central evaluation is fedpar's own).
 
 Memory and rank hand-offs are as for the legacy adapter (every update of a round is held until the close).
 """
@@ -29,7 +33,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,8 +55,8 @@ SAMPLING_OPTIONS = {
     "fraction_train": "--clients-per-round (or --fraction)",
     "min_train_nodes": "--clients-per-round and --min-reports",
     "min_available_nodes": "--min-available",
-    "fraction_evaluate": "nothing (members evaluate the global model in every task)",
-    "min_evaluate_nodes": "nothing (members evaluate the global model in every task)",
+    "fraction_evaluate": "--client-eval-every (the cohort of an evaluating round evaluates)",
+    "min_evaluate_nodes": "--client-eval-every (the cohort of an evaluating round evaluates)",
 }
 
 
@@ -143,15 +147,42 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
         if not messages:
             raise ValueError(f"{self.name}: configure_train sent no messages (fraction_train 0?); fedpar's sampler "
                              "picks who trains")
-        records = messages[0].content.config_records
+        config = self._config_of(messages, "configure_train")
+        mu = config.pop("proximal-mu", None)
+        with _quiet_flower():
+            evaluating = list(strategy.configure_evaluate(round_id, self._record(self._global), ConfigRecord(),
+                                                          _PlaceholderGrid(strategy)))
+        eval_config = self._config_of(evaluating, "configure_evaluate")
+        return TaskSettings(proximal_mu=mu, fit_config=config or None, eval_config=eval_config or None)
+
+    def _config_of(self, messages: Sequence[Message], method: str) -> dict[str, Any]:
+        """The ConfigRecord of the first of ``method``'s messages, less the ``server-round`` every member gets."""
+        records = messages[0].content.config_records if messages else {}
         config = dict(next(iter(records.values()))) if records else {}
         config.pop("server-round", None)
-        mu = config.pop("proximal-mu", None)
         for key, value in config.items():
             if not isinstance(value, (bool, int, float, str)):
-                raise ValueError(f"{self.name}: configure_train's config {key!r} is a {type(value).__name__}; fedpar "
+                raise ValueError(f"{self.name}: {method}'s config {key!r} is a {type(value).__name__}; fedpar "
                                  "sends bool, int, float and str values to its members")
-        return TaskSettings(proximal_mu=mu, fit_config=config or None)
+        return config
+
+    def aggregate_evaluation(self, reports: Sequence[Mapping[str, float]]) -> dict[str, float] | None:
+        """``aggregate_evaluate`` on one reply per evaluating member (a MetricRecord of its ``eval_*`` metrics, less
+        the prefix, and its example count): its MetricRecord as the round's ``federated_eval_*`` (None: nothing)."""
+        if self._flower is None:  # no round configured yet
+            return None
+        weight_key = getattr(self._flower, "weighted_by_key", "num-examples")
+        replies = []
+        for i, report in enumerate(reports):
+            metrics = {k[len("eval_"):]: float(v) for k, v in report.items()
+                       if k.startswith("eval_") and k != "eval_examples"}
+            content = RecordDict({"metrics": MetricRecord({**metrics, weight_key: int(report["eval_examples"])})})
+            replies.append(Message(content=content, metadata=_reply_metadata(str(i), self.round_id, "evaluate")))
+        with _quiet_flower():
+            aggregated = self._flower.aggregate_evaluate(self.round_id, replies)
+        return {f"federated_eval_{key.removeprefix('eval_')}": float(value) for key, value in (aggregated or {}).items()
+                if isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+                and np.isfinite(value)} or None
 
     def _record(self, arrays: Sequence[np.ndarray]) -> ArrayRecord:
         """``arrays`` as an ArrayRecord named as the global model's (its names are its positions: fedpar's strategies
@@ -252,11 +283,11 @@ def _weight_of(reply: Message) -> int:
     return int(next(iter(reply.content["metrics"].values())))
 
 
-def _reply_metadata(client_id: str, round_id: int) -> Metadata:
+def _reply_metadata(client_id: str, round_id: int, message_type: str = "train") -> Metadata:
     """Metadata of a member's reply as the ServerApp gets it (from the member's node, in the round's group)."""
-    return Metadata(run_id=0, message_id=f"{round_id}:{client_id}", src_node_id=node_id_of(client_id),
+    return Metadata(run_id=0, message_id=f"{round_id}:{message_type}:{client_id}", src_node_id=node_id_of(client_id),
                     dst_node_id=SERVER_NODE_ID, reply_to_message_id="", group_id=str(round_id),
-                    created_at=time.time(), ttl=43_200.0, message_type="train")
+                    created_at=time.time(), ttl=43_200.0, message_type=message_type)
 
 
 class _PlaceholderGrid(Grid):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
@@ -66,6 +66,11 @@ class Strategy(abc.ABC):
     def client_config(self, round_id: int) -> TaskSettings:
         """Task settings sent to every client sampled in ``round_id`` (none by default)."""
         return TaskSettings()
+
+    def aggregate_evaluation(self, reports: Sequence[Mapping[str, float]]) -> dict[str, float] | None:
+        """The round's federated evaluation from the accepted members' reports (``eval_examples``, ``eval_loss``,
+        ...); None: the coordinator's example-weighted means (a Flower strategy's aggregate_evaluate answers)."""
+        return None
 
     def begin_round(self, round_id: int, global_weights: Sequence[np.ndarray]) -> None:
         """Open ``round_id`` on top of ``global_weights`` (kept by reference: do not mutate them until finish)."""

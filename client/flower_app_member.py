@@ -118,6 +118,10 @@ def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
     return encode_message(reply)
 
 
+LOSS_KEYS = ("eval_loss", "loss")  # an evaluate reply's loss, first found
+ACCURACY_KEYS = ("eval_acc", "accuracy", "eval_accuracy")  # and accuracy
+
+
 class FlowerAppTrainer:
     """The runtime's trainer protocol (client/trainer_protocol.py) over a Flower ``ClientApp``; ``initial`` holds the
     global model's (name, array) pairs (their names, shapes and dtypes are what replies must match; None: the app
@@ -183,22 +187,27 @@ class FlowerAppTrainer:
         self._round = int(round_id)
         return contextlib.nullcontext()
 
-    def evaluate(self) -> EvalResult | None:
-        """The app's evaluate handler on the global arrays: loss and accuracy from its MetricRecord (``eval_loss`` or
-        ``loss``, ``eval_acc`` or ``accuracy``); None when it has none or fails (logged: training goes on)."""
+    def evaluate(self, settings: TaskSettings | None = None) -> EvalResult | None:
+        """The app's evaluate handler on the global arrays (its config: ``server-round`` and a Flower strategy's
+        ``configure_evaluate`` config): loss and accuracy from its MetricRecord (``eval_loss`` or ``loss``,
+        ``eval_acc`` or ``accuracy``) and its other finite metrics by name; None when it has no loss or fails
+        (logged: training goes on)."""
+        config = {"server-round": self._round, **((settings.eval_config or {}) if settings is not None else {})}
         try:
-            reply = self._call("evaluate", {"server-round": self._round})
+            reply = self._call("evaluate", config)
             metrics = _metrics_of(reply, "evaluate")
         except UpdateRefused as err:
             log.warning("%s: evaluate: %s", self._member[0], err)
             return None
         examples = metrics.get(WEIGHT_KEY)
-        loss = next((float(metrics[k]) for k in ("eval_loss", "loss") if _finite(metrics.get(k))), None)
-        accuracy = next((float(metrics[k]) for k in ("eval_acc", "accuracy", "eval_accuracy")
-                         if _finite(metrics.get(k))), None)
-        if loss is None or not _finite(examples) or examples <= 0:
+        loss_key = next((k for k in LOSS_KEYS if _finite(metrics.get(k))), None)
+        accuracy_key = next((k for k in ACCURACY_KEYS if _finite(metrics.get(k))), None)
+        if loss_key is None or not _finite(examples) or examples <= 0:
             return None
-        return EvalResult(loss, accuracy, int(examples))
+        others = {k: float(v) for k, v in metrics.items()  # by their own names, less the ones read as loss/accuracy
+                  if k not in (WEIGHT_KEY, "examples", *LOSS_KEYS, *ACCURACY_KEYS) and _finite(v)}
+        return EvalResult(float(metrics[loss_key]), float(metrics[accuracy_key]) if accuracy_key else None,
+                          int(examples), others)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, proximal_mu: float = 0.0,
               round_id: int = 0, max_steps: int | None = None, settings: TaskSettings | None = None) -> TrainResult:

@@ -136,9 +136,11 @@ class FlowerTrainer:
         self._round = int(round_id)
         return contextlib.nullcontext()
 
-    def evaluate(self) -> EvalResult | None:
-        """The client's evaluate on the global model: loss, ``accuracy`` when its metrics have one."""
-        loss, examples, metrics = self.client.evaluate(self._global, {"server_round": self._round})
+    def evaluate(self, settings: TaskSettings | None = None) -> EvalResult | None:
+        """The client's evaluate on the global model (its config: ``server_round`` and a Flower strategy's
+        configure_evaluate config): loss, ``accuracy`` when its metrics have one."""
+        config = {"server_round": self._round, **((settings.eval_config or {}) if settings is not None else {})}
+        loss, examples, metrics = self.client.evaluate(self._global, config)
         metrics = metrics or {}
         if not examples or not math.isfinite(float(loss)):
             return None

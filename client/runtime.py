@@ -253,7 +253,9 @@ class ClientRuntime:
             seat.compression.give_residual(settings, self.residuals.load(member))
         seat.trainer.set_arrays(weights)
         metrics: dict[str, float] = {}
-        evaluation = seat.trainer.evaluate() if settings.evaluate else None
+        evaluation = None
+        if settings.evaluate:  # a trainer that reads task settings gets them (e.g. a Flower evaluate config)
+            evaluation = seat.trainer.evaluate(**({"settings": settings} if seat.trainer.reads_task_settings else {}))
         if evaluation is not None:
             metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
         stop_at = stop_training_at(deadline_at, time.monotonic() - received, self.config.upload_margin_seconds)

@@ -48,8 +48,9 @@ class Trainer(Protocol):
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
         """The span in which the member holds a task of ``round_id`` (a stacked trainer waits for its holders)."""
 
-    def evaluate(self) -> EvalResult | None:
-        """Metrics of the current weights on the local validation split (None without one)."""
+    def evaluate(self, settings: TaskSettings | None = None) -> EvalResult | None:
+        """Metrics of the current weights on the local validation split (None without one; ``settings``: the
+        task's, passed when ``reads_task_settings``)."""
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, proximal_mu: float = 0.0,
               round_id: int = 0, max_steps: int | None = None,

@@ -65,6 +65,9 @@ class TaskSettings(Mapping):
     # A Flower strategy's configure_fit config (aggregation/flower_strategy.py): str keys, bool/int/float/str
     # values, passed to the fit() of Flower clients run by fedpar (client/flower_client.py); other trainers ignore it.
     fit_config: dict | None = None
+    # A Message-API Flower strategy's configure_evaluate config (aggregation/flower_message_strategy.py), same rules,
+    # passed to the evaluate handler of the ClientApp (or a Flower client's evaluate) run by fedpar.
+    eval_config: dict | None = None
     # Federated evaluation: the agent scores the received global model on its validation split before training
     # (off in the rounds --client-eval-every skips).
     evaluate: bool = True
@@ -85,9 +88,10 @@ class TaskSettings(Mapping):
                     raise ValueError(f"{name} must be a number, got {value!r}")
                 object.__setattr__(self, name, float(value))
         check_compression(self.compression, self.topk_ratio, self.int8_block)
-        if self.fit_config is not None:
-            _check_fit_config(self.fit_config)
-            object.__setattr__(self, "fit_config", dict(self.fit_config))  # not the caller's dict
+        for name in ("fit_config", "eval_config"):
+            if getattr(self, name) is not None:
+                _check_fit_config(getattr(self, name), name)
+                object.__setattr__(self, name, dict(getattr(self, name)))  # not the caller's dict
         for knob, method in (("topk_ratio", "topk"), ("int8_block", "int8")):
             if getattr(self, knob) is not None and self.compression != method:
                 raise ValueError(f"{knob} goes with compression {method!r}, not {self.compression!r}")
@@ -160,15 +164,15 @@ class TaskSettings(Mapping):
         return f"TaskSettings({', '.join(f'{k}={v!r}' for k, v in self.items())})"
 
 
-def _check_fit_config(config: Any) -> None:
+def _check_fit_config(config: Any, name: str = "fit_config") -> None:
     """ValueError unless ``config`` is a JSON object of short names to bool, int, finite float or str values."""
     if not isinstance(config, dict):
-        raise ValueError(f"fit_config must be an object of names to values, got {type(config).__name__}")
+        raise ValueError(f"{name} must be an object of names to values, got {type(config).__name__}")
     for key, value in config.items():
         if not isinstance(key, str) or not 0 < len(key) <= 128:
-            raise ValueError(f"fit_config names must be strings of 1..128 characters, got {key!r}")
+            raise ValueError(f"{name} names must be strings of 1..128 characters, got {key!r}")
         if not isinstance(value, (bool, int, float, str)) or (isinstance(value, float) and not math.isfinite(value)):
-            raise ValueError(f"fit_config {key!r} must be a bool, int, finite float or str, got {value!r}")
+            raise ValueError(f"{name} {key!r} must be a bool, int, finite float or str, got {value!r}")
 
 
 _FIELDS = {f.name: f.default for f in fields(TaskSettings)}

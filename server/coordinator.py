@@ -283,6 +283,10 @@ class Coordinator(IngestPlane):
                "examples": state.examples, "close_reason": state.close_reason,
                "cohort_digest": cohort_digest(state.slots)}
         row.update(_weighted_client_metrics(state.metrics))
+        evaluated = [m for _, m in state.metrics if m.get("eval_examples", 0) > 0]
+        strategy_eval = await self._in_thread(self.strategy.aggregate_evaluation, evaluated) if evaluated else None
+        if strategy_eval is not None:  # the strategy's, in place of the weighted means
+            row = {k: v for k, v in row.items() if not k.startswith("federated_eval_")} | strategy_eval
         row.update(self.mode.metrics())
         self.mode = None
         row["upload_bytes"] = state.upload_bytes  # tensor bytes accepted this round, compressed or not

@@ -5,6 +5,7 @@ refused in one line."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -143,3 +144,88 @@ def test_a_run_under_flower_fedavg_ends_with_fedpars_fedavg_arrays():
     start = load_flower_app(EXAMPLE).initial_arrays(0)
     assert any(not np.allclose(a, s) for a, (_, s) in zip(ours, start))  # it trained
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(ours, theirs))
+
+
+ECHO_APP = {
+    "pyproject.toml": """[project]
+name = "echo-app"
+version = "1.0.0"
+
+[tool.flwr.app]
+publisher = "fedpar-tests"
+
+[tool.flwr.app.components]
+serverapp = "echo_app.apps:server"
+clientapp = "echo_app.apps:client"
+
+[tool.flwr.app.config]
+step = 0.1
+
+[tool.fedpar]
+model = "echo_app.apps:initial"
+""",
+    "echo_app/__init__.py": "",
+    "echo_app/apps.py": '''"""A ClientApp whose evaluate handler echoes its config's eval-marker (numpy only)."""
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
+
+client = ClientApp()
+server = ServerApp()
+
+
+def initial():
+    return ArrayRecord({"w": Array(np.zeros((2, 2), np.float32))})
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    record = msg.content["arrays"]
+    new = {k: Array(v.numpy() - np.float32(context.run_config["step"])) for k, v in record.items()}
+    examples = 5 + int(context.node_config["partition-id"])
+    return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": examples})}),
+                   reply_to=msg)
+
+
+@client.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    echo = float(msg.content["config"].get("eval-marker", -1.0))
+    metrics = MetricRecord({"eval_loss": 1.0, "echo": echo, "num-examples": 4})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+''',
+}
+
+MARKED_STRATEGY = """from flwr.serverapp.strategy import FedAvg
+
+
+class Marked(FedAvg):
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        config["eval-marker"] = 40.0 + server_round
+        return super().configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        replies = list(replies)
+        aggregated = super().aggregate_evaluate(server_round, replies)
+        aggregated["marker"] = 1000.0 + len(replies)
+        return aggregated
+"""
+
+
+def test_configure_and_aggregate_evaluate_run_in_a_simulated_round(tmp_path, capsys):
+    app = tmp_path / "echo"
+    for name, text in ECHO_APP.items():
+        (app / name).parent.mkdir(parents=True, exist_ok=True)
+        (app / name).write_text(text)
+    (tmp_path / "marked.py").write_text(MARKED_STRATEGY)
+    out = tmp_path / "run"
+    code = main(["simulate", "--flower-app", str(app), "--strategy", f"flower:{tmp_path / 'marked.py'}:Marked",
+                 "--clients", "3", "--rounds", "2", "--workers", "1", "--quiet", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["reported"]) for r in rows] == [("ok", 3), ("ok", 3)]
+    # configure_evaluate's config reached every member's evaluate handler, aggregate_evaluate saw one reply each,
+    # and its MetricRecord is the round's federated evaluation
+    assert [r["federated_eval_echo"] for r in rows] == [41.0, 42.0]
+    assert [r["federated_eval_marker"] for r in rows] == [1003.0, 1003.0]
+    assert [r["federated_eval_loss"] for r in rows] == [1.0, 1.0]
