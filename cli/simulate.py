@@ -43,7 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_strategy_arguments(p, "simulate")
     # --flower-app without --strategy: the app's ServerApp drives (simulations/flower_app_run.py); None tells it apart
     p.set_defaults(strategy=None)
-    add_declared(p, SimulationConfig, skip=("strategy", "strategy_options"), defaults={"out": "runs/simulation"})
+    declared = add_declared(p, SimulationConfig, skip=("strategy", "strategy_options"),
+                            defaults={"out": "runs/simulation"})
+    clients = declared["clients"]  # left unset when not given, so a Flower App's num-supernodes can stand in
+    clients.help += f" (default: {clients.default}, or a --flower-app's options.num-supernodes)"
+    clients.default = argparse.SUPPRESS
     add_declared(p, SimulateOptions)
     add_compression_arguments(p)
     add_privacy_arguments(p, population_flag=False)
@@ -73,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     server_app_drives = bool(args.flower_app) and args.strategy is None
     args.strategy = args.strategy or "fedavg"
     try:
+        if args.flower_app:
+            flower_app_clients(args)
         cfg = simulation_config(args)
     except ValueError as exc:  # settings no simulation can run, e.g. a compression knob out of its range
         print(f"fedpar simulate: {exc}", file=sys.stderr)
@@ -115,6 +121,21 @@ def run(args: argparse.Namespace) -> int:
     print(written.wrote_line(cfg.out))
     return run_exit_code("fedpar simulate", summary, stop.signal)
 
+
+
+def flower_app_clients(args: argparse.Namespace) -> None:
+    """``--clients`` from the Flower App's default federation when not given (one line on stderr for what its
+    federation says that is mapped or ignored); FlowerAppError (a ValueError) when no count can be told."""
+    from fedpar.tasks.flower_app import load_flower_app
+
+    federation = load_flower_app(args.flower_app, args.run_config).federation
+    if federation is None:
+        return
+    clients, notes = federation.simulated_clients(getattr(args, "clients", None))
+    for note in notes:
+        print(f"fedpar simulate: {note}", file=sys.stderr)
+    if clients is not None:
+        args.clients = clients
 
 
 def run_server_app(cfg: SimulationConfig) -> int:

@@ -37,6 +37,37 @@ class FlowerAppError(ValueError):
     """A Flower App fedpar cannot run as it is: one line saying what to do."""
 
 
+@dataclass(frozen=True)
+class Federation:
+    """The default federation of ``[tool.flwr.federations]`` (what ``flwr run DIR`` would use), as far as fedpar
+    reads it: a simulation's ``options.num-supernodes``, a SuperLink ``address``, the Ray backend options."""
+
+    name: str
+    num_supernodes: int | None
+    address: str | None
+    backend_options: tuple[str, ...]  # options.backend.* (client-resources, init-args, ...), dotted
+
+    def simulated_clients(self, given: int | None) -> tuple[int | None, list[str]]:
+        """The members ``fedpar simulate`` hosts (``given``: ``--clients``, None when not given; None back: the
+        simulation's default) and one line for each thing of the federation it ignores; FlowerAppError when it cannot
+        tell how many members to simulate."""
+        notes = []
+        if self.backend_options:
+            notes.append(f"the Ray backend options of federation {self.name!r} ({', '.join(self.backend_options)}) "
+                         "do not apply: --workers and --seats say how many processes and threads host the members")
+        if given is not None:
+            if self.address:
+                notes.append(f"federation {self.name!r}'s address {self.address} is not dialled: the members run here")
+            return given, notes
+        if self.num_supernodes is not None:  # as flwr run simulates them
+            return self.num_supernodes, notes
+        if self.address:
+            raise FlowerAppError(f"federation {self.name!r} runs on the SuperLink at {self.address}, which fedpar "
+                                 "simulate does not dial: pass --clients N to simulate N members here (deployed: fedpar "
+                                 "serve --flower-app and fedpar client --flower-app)")
+        return None, notes
+
+
 @dataclass
 class FlowerApp:
     """A loaded Flower App project: its directory, its run config (overrides applied), its component references,
@@ -47,6 +78,7 @@ class FlowerApp:
     clientapp_ref: str
     serverapp_ref: str
     fedpar_table: dict[str, Any] = field(default_factory=dict)
+    federation: Federation | None = None  # the pyproject's default federation, if it names one
 
     @cached_property
     def client_app(self):
@@ -107,6 +139,10 @@ def load_flower_app(directory: str | Path, run_config_overrides: str | None = No
     """The Flower App project in ``directory``, its run config overridden by ``run_config_overrides`` (``flwr run
     --run-config``'s text); FlowerAppError saying what to do for a project fedpar cannot read."""
     folder = Path(directory).expanduser().resolve()
+    if folder.is_file():
+        what = "a FAB (flwr build's archive)" if folder.suffix == ".fab" else "a file"
+        raise FlowerAppError(f"--flower-app {directory} is {what}; fedpar does not unpack or ship FABs: pass the "
+                             "project directory (the one holding pyproject.toml), present on every machine")
     toml_path = folder / "pyproject.toml"
     if not toml_path.is_file():
         raise FlowerAppError(f"--flower-app {directory}: no pyproject.toml there; give the Flower App project's "
@@ -131,7 +167,37 @@ def load_flower_app(directory: str | Path, run_config_overrides: str | None = No
     if not isinstance(fedpar_table, dict):
         raise FlowerAppError(f"--flower-app {directory}: [tool.fedpar] must be a table")
     return FlowerApp(folder, _run_config(folder, app.get("config", {}), run_config_overrides), refs["clientapp"],
-                     refs["serverapp"], dict(fedpar_table))
+                     refs["serverapp"], dict(fedpar_table),
+                     _default_federation(directory, project.get("tool", {}).get("flwr", {}).get("federations")))
+
+
+def _default_federation(directory: str | Path, federations: Any) -> Federation | None:
+    """The federation ``[tool.flwr.federations] default`` names (None without one); FlowerAppError for one that is
+    not there or whose num-supernodes is not a whole number >= 1."""
+    if not isinstance(federations, dict) or not isinstance(federations.get("default"), str):
+        return None
+    name = federations["default"]
+    table = federations.get(name)
+    if not isinstance(table, dict):
+        raise FlowerAppError(f"--flower-app {directory}: [tool.flwr.federations] default = {name!r} names no "
+                             f"[tool.flwr.federations.{name}] table; add it or pass --clients")
+    options = table.get("options") if isinstance(table.get("options"), dict) else {}
+    count = options.get("num-supernodes")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise FlowerAppError(f"--flower-app {directory}: federation {name!r}'s options.num-supernodes must be a whole "
+                             f"number >= 1, got {count!r}")
+    backend = options.get("backend") if isinstance(options.get("backend"), dict) else {}
+    address = table.get("address")
+    return Federation(name, count, address if isinstance(address, str) else None,
+                      tuple(f"options.backend.{key}" for key in _dotted(backend)))
+
+
+def _dotted(table: dict[str, Any], prefix: str = "") -> list[str]:
+    """The leaf keys of a nested TOML table, dotted."""
+    keys = []
+    for key, value in table.items():
+        keys += _dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
 
 
 def _run_config(folder: Path, defaults: Any, overrides: str | None) -> dict[str, Any]:

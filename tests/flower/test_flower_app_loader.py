@@ -3,6 +3,7 @@ overrides parsed as `flwr run --run-config` parses them, and a project fedpar ca
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,52 @@ def test_settings_that_cannot_go_with_a_flower_app_are_refused_before_anything_s
                  str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and err.startswith(f"fedpar simulate: {message}")
+
+
+FEDERATIONS = PYPROJECT + """
+[tool.flwr.federations]
+default = "{{default}}"
+
+[tool.flwr.federations.local-simulation]
+options.num-supernodes = 3
+options.backend.client-resources.num-cpus = 2
+options.backend.client-resources.num-gpus = 0.0
+
+[tool.flwr.federations.remote]
+address = "127.0.0.1:9093"
+insecure = true
+"""
+
+
+def test_the_default_federations_num_supernodes_is_clients_and_ray_options_are_ignored_in_one_line(tmp_path):
+    root = project(tmp_path, "fed_app", FEDERATIONS.replace("{{default}}", "local-simulation"))
+    federation = load_flower_app(root).federation
+    assert (federation.name, federation.num_supernodes, federation.address) == ("local-simulation", 3, None)
+    clients, notes = federation.simulated_clients(None)
+    assert clients == 3 and len(notes) == 1 and "\n" not in notes[0]
+    assert "options.backend.client-resources.num-cpus, options.backend.client-resources.num-gpus" in notes[0]
+    assert "--workers and --seats" in notes[0]
+    assert federation.simulated_clients(5)[0] == 5  # --clients given wins
+    assert load_flower_app(project(tmp_path / "plain", "plain_app")).federation is None
+
+
+def test_simulate_takes_the_examples_num_supernodes_as_clients(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["simulate", "--flower-app", str(EXAMPLE), "--strategy", "fedavg", "--rounds", "1", "--workers", "1",
+                 "--run-config", "local-epochs=1", "--quiet", "--out", str(out)])
+    assert code == 0 and capsys.readouterr().err == ""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["sampled"] == 4  # [tool.flwr.federations.local-simulation] options.num-supernodes = 4
+
+
+def test_a_federation_address_without_clients_and_a_fab_are_refused_in_one_line(tmp_path, capsys):
+    root = project(tmp_path / "remote", "remote_app", FEDERATIONS.replace("{{default}}", "remote"))
+    assert main(["simulate", "--flower-app", str(root), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "127.0.0.1:9093" in err and "pass --clients N" in err
+    fab = tmp_path / "my-app.1.0.0.fab"
+    fab.write_bytes(b"PK\x03\x04")
+    for command in (["simulate", "--out", str(tmp_path / "out")], ["client", "--insecure", "--agent-id", "a"]):
+        assert main([*command, "--flower-app", str(fab)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "is a FAB" in err and "pass the project directory" in err
