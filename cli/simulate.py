@@ -45,9 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(strategy=None)
     declared = add_declared(p, SimulationConfig, skip=("strategy", "strategy_options"),
                             defaults={"out": "runs/simulation"})
-    clients = declared["clients"]  # left unset when not given, so a Flower App's num-supernodes can stand in
-    clients.help += f" (default: {clients.default}, or a --flower-app's options.num-supernodes)"
-    clients.default = argparse.SUPPRESS
+    declared["clients"].default = argparse.SUPPRESS  # unset when not given: a Flower App's num-supernodes may stand in
     add_declared(p, SimulateOptions)
     add_compression_arguments(p)
     add_privacy_arguments(p, population_flag=False)

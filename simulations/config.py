@@ -21,8 +21,9 @@ class Population:
     """A simulated population: its size, and how heterogeneous its clients are (`simulate`, `simulate-workers`)."""
 
     clients: int = setting(10, check="count", group="simulation",
-                           help="clients in the simulated population (simulate-workers: the whole population over "
-                                "every process, as the coordinator's --min-available; it must be given there)")
+                           help="clients in the simulated population (simulate: 10, or a --flower-app's "
+                                "options.num-supernodes; simulate-workers: the whole population over every process, "
+                                "as the coordinator's --min-available; it must be given there)")
     examples_per_client: int | None = setting(
         None, check="count", group="simulation",
         help="keep at most this many of each client's examples (populations of different sizes with clients of the "
