@@ -16,6 +16,11 @@ initial arrays, and fedpar keeps that in a table of its own, ``[tool.fedpar]`` i
     :data:`UNKNOWN_TRAIN_EXAMPLES`.
 Flower ignores ``[tool.fedpar]``; the app still runs with ``flwr run`` unchanged.
 
+Of ``[tool.flwr.federations]`` fedpar reads the default federation (:class:`Federation`): its
+``options.num-supernodes`` is ``simulate``'s ``--clients`` when not given; its Ray backend options are ignored with
+one line; a SuperLink address without ``--clients`` is refused in one line. A FAB file is refused: fedpar reads the
+project directory.
+
 Its settings (``--flower-app``, ``--run-config``) are declared in ``fedpar.task.FlowerAppReference``.
 """
 
