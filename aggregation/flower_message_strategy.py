@@ -178,8 +178,13 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
                        if k.startswith("eval_") and k != "eval_examples"}
             content = RecordDict({"metrics": MetricRecord({**metrics, weight_key: int(report["eval_examples"])})})
             replies.append(Message(content=content, metadata=_reply_metadata(str(i), self.round_id, "evaluate")))
-        with _quiet_flower():
-            aggregated = self._flower.aggregate_evaluate(self.round_id, replies)
+        try:
+            with _quiet_flower():
+                aggregated = self._flower.aggregate_evaluate(self.round_id, replies)
+        except Exception as exc:  # the user's code: the round keeps fedpar's means, the run goes on
+            log.warning("round %d: %s.aggregate_evaluate raised %s: %s; the round's federated evaluation is fedpar's "
+                        "weighted means", self.round_id, type(self._flower).__name__, type(exc).__name__, exc)
+            return None
         return {f"federated_eval_{key.removeprefix('eval_')}": float(value) for key, value in (aggregated or {}).items()
                 if isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
                 and np.isfinite(value)} or None

@@ -229,3 +229,18 @@ def test_configure_and_aggregate_evaluate_run_in_a_simulated_round(tmp_path, cap
     assert [r["federated_eval_echo"] for r in rows] == [41.0, 42.0]
     assert [r["federated_eval_marker"] for r in rows] == [1003.0, 1003.0]
     assert [r["federated_eval_loss"] for r in rows] == [1.0, 1.0]
+
+
+def test_aggregate_evaluate_gets_one_reply_per_evaluated_member_and_a_raising_one_keeps_fedpars_means(tmp_path):
+    strategy, settings, _, _ = one_round("flower:FedAvg")
+    assert settings.eval_config is None  # FedAvg's configure_evaluate sends only server-round
+    reports = [{"eval_loss": 2.0, "eval_accuracy": 0.5, "eval_examples": 10.0},
+               {"eval_loss": 4.0, "eval_accuracy": 1.0, "eval_examples": 30.0}]
+    assert strategy.aggregate_evaluation(reports) == {"federated_eval_loss": 3.5, "federated_eval_accuracy": 0.875}
+    module = tmp_path / "raising_strategy.py"
+    module.write_text("from flwr.serverapp.strategy import FedAvg\n\n"
+                      "class Raising(FedAvg):\n"
+                      "    def aggregate_evaluate(self, server_round, replies):\n"
+                      "        raise RuntimeError('no')\n")
+    raising, _, _, _ = one_round(f"flower:{module}:Raising")
+    assert raising.aggregate_evaluation(reports) is None
