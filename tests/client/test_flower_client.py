@@ -147,3 +147,30 @@ def test_a_client_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, c
                    "tensor 'net.0.weight': expected float32[128, 64], got 'net.0.weight' float64[128, 64]")
     code = main(["client", "--insecure", "--agent-id", "w", "--flower-client", f"{module}:nothing"])
     assert code == 2 and "has no client function called 'nothing'" in capsys.readouterr().err
+
+
+class EvalRecording(NumPyClient):
+    """A one-array client that records the configs its evaluate is given."""
+
+    def __init__(self):
+        self.configs = []
+
+    def get_parameters(self, config):
+        return [np.zeros(2, np.float32)]
+
+    def evaluate(self, parameters, config):
+        self.configs.append(dict(config))
+        return 1.5, 4, {"accuracy": 0.25}
+
+
+def test_a_message_strategys_configure_evaluate_config_reaches_a_numpy_clients_evaluate():
+    from fedpar.protocol.task_settings import TaskSettings
+
+    client = EvalRecording()
+    trainer = FlowerTrainer(client, [("w", "float32", (2,))], num_examples=4)
+    trainer.set_arrays([np.zeros(2, np.float32)])
+    with trainer.holding_task(3):
+        result = trainer.evaluate(TaskSettings(eval_config={"eval-marker": 41.0}))
+        trainer.evaluate()
+    assert client.configs == [{"server_round": 3, "eval-marker": 41.0}, {"server_round": 3}]
+    assert (result.loss, result.accuracy, result.examples) == (1.5, 0.25, 4)
