@@ -26,6 +26,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
 
 
 def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -56,9 +58,11 @@ def with_run_simulation(app_dir: Path, run_config: str | None, clients: int) -> 
 
     app = load_flower_app(app_dir, run_config)
 
-    def configured(context: Context) -> Context:  # run_simulation with objects gives an empty run config
-        context.run_config.update(app.run_config)
-        return context
+    def configured(context: Context) -> Context:
+        # run_simulation with objects gives an empty run config, which Flower forbids changing in place: the app's
+        # handlers get the same Context (its state included) with the app's run config
+        return Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
+                       state=context.state, run_config=dict(app.run_config))
 
     server, client = ServerApp(), ClientApp()
 
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="nodes (partitions) of the federation")
     p.add_argument("--workers", type=int, default=2, help="fedpar's worker processes")
     p.add_argument("--run-config", default=None, help="overrides of the app's run config, as flwr run takes them")
+    p.add_argument("--json", default=str(RESULTS / "flower_app_bench.json"), help="where the results go")
     args = p.parse_args(argv)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     app_dir = Path(args.app)
@@ -113,10 +118,15 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     simulated = with_run_simulation(app_dir, args.run_config, args.clients)
+    figures = {"clients": args.clients, "baseline_seconds": baseline_seconds}
+    ratios = []
     if simulated is None:
         print("flwr.simulation.run_simulation: skipped: needs flwr[simulation]")
     else:
         seconds = time.perf_counter() - started
+        figures.update(run_simulation_seconds=seconds, run_simulation_max_difference=max_difference(simulated, baseline))
+        ratios.append({"what": f"flwr.simulation.run_simulation (Ray), {args.clients} clients, wall time",
+                       "ratio": seconds / baseline_seconds, "against": "Flower in one process, same run"})
         print(f"flwr.simulation.run_simulation: {seconds:.2f} s, ratio {seconds / baseline_seconds:.2f}, "
               f"max |difference| {max_difference(simulated, baseline):.3g}")
 
@@ -125,8 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
     print(f"fedpar simulate --flower-app: {seconds:.2f} s, ratio {seconds / baseline_seconds:.2f}, "
           f"max |difference| {max_difference(fedpar, baseline):.3g}")
+    figures.update(fedpar_seconds=seconds, fedpar_max_difference=max_difference(fedpar, baseline))
+    ratios.append({"what": f"fedpar simulate --flower-app, {args.clients} clients, wall time (max |difference| of the "
+                           f"final arrays {figures['fedpar_max_difference']:.2g})",
+                   "ratio": seconds / baseline_seconds, "against": "Flower in one process, same run"})
     if simulated is not None:
-        print(f"fedpar vs run_simulation: max |difference| {max_difference(fedpar, simulated):.3g}")
+        figures["fedpar_vs_run_simulation_max_difference"] = max_difference(fedpar, simulated)
+        ratios.append({"what": f"fedpar simulate --flower-app, {args.clients} clients, wall time (max |difference| "
+                               f"from run_simulation's arrays {figures['fedpar_vs_run_simulation_max_difference']:.2g})",
+                       "ratio": seconds / figures["run_simulation_seconds"],
+                       "against": "flwr.simulation.run_simulation (Ray), same run"})
+        print(f"fedpar vs run_simulation: max |difference| {figures['fedpar_vs_run_simulation_max_difference']:.3g}")
+    print(f"wrote {write_results(Path(args.json), ratios, figures)}")
     return 0
 
 
