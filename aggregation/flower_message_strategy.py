@@ -113,27 +113,19 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
     """A Message-API Flower strategy (a class, built at the first round, or an instance) as a fedpar strategy: the
     round's results are held as reply Messages (the legacy adapter holds FitRes)."""
 
-    def _strategy(self, global_weights: Sequence[np.ndarray]) -> MessageBase:
-        """The Flower strategy, built on first use (its saved array attributes restored)."""
-        if self._flower is None:
-            self._flower = self._factory(**self._options)
-        if self._pending_state is not None:
-            _restore_state(self._flower, *self._pending_state)
-            self._pending_state = None
-        return self._flower
+    def _build(self, global_weights: Sequence[np.ndarray]) -> MessageBase:
+        """A Message-API strategy object (it gets the arrays with each round's messages)."""
+        return self._factory(**self._options)
 
-    def _state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    @staticmethod
+    def _saved(strategy) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The strategy's array-valued attributes, dicts of arrays included (FedOpt's moments and global arrays)."""
-        if self._flower is None:
-            return self._pending_state or ({}, {})
-        return _saved_state(self._flower)
+        return _saved_state(strategy)
 
-    def _load_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Restore them when the strategy is built (or now, if it is)."""
-        self._pending_state = (dict(arrays), dict(meta))
-        if self._flower is not None:
-            _restore_state(self._flower, arrays, meta)
-            self._pending_state = None
+    @staticmethod
+    def _restore_saved(strategy, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Set back what :meth:`_saved` took."""
+        _restore_state(strategy, arrays, meta)
 
     def client_config(self, round_id: int) -> TaskSettings:
         """``configure_train``'s message config for this round: ``proximal-mu`` as fedpar's own, the rest (less the

@@ -133,15 +133,30 @@ class FlowerStrategy(Strategy):
     def _strategy(self, global_weights: Sequence[np.ndarray]) -> FlowerBase:
         """The Flower strategy, built on first use on top of ``global_weights`` (and its saved state restored)."""
         if self._flower is None:
-            extra = {}
-            if "initial_parameters" in inspect.signature(self._factory).parameters:
-                extra["initial_parameters"] = ndarrays_to_parameters(list(global_weights))
-            self._flower = self._factory(**self._options, **extra)
-            self._flower.initialize_parameters(_OneClientManager())
+            self._flower = self._build(global_weights)
         if self._pending_state is not None:
-            _restore_arrays(self._flower, *self._pending_state)
+            self._restore_saved(self._flower, *self._pending_state)
             self._pending_state = None
         return self._flower
+
+    def _build(self, global_weights: Sequence[np.ndarray]) -> FlowerBase:
+        """A legacy strategy object, initialised on ``global_weights``."""
+        extra = {}
+        if "initial_parameters" in inspect.signature(self._factory).parameters:
+            extra["initial_parameters"] = ndarrays_to_parameters(list(global_weights))
+        flower = self._factory(**self._options, **extra)
+        flower.initialize_parameters(_OneClientManager())
+        return flower
+
+    @staticmethod
+    def _saved(strategy) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The strategy's state as named arrays and their kinds."""
+        return _saved_arrays(strategy)
+
+    @staticmethod
+    def _restore_saved(strategy, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Set back what :meth:`_saved` took."""
+        _restore_arrays(strategy, arrays, meta)
 
     def client_config(self, round_id: int) -> TaskSettings:
         """``configure_fit``'s config for this round: ``proximal_mu`` as fedpar's own, the rest as ``fit_config``."""
@@ -219,13 +234,13 @@ class FlowerStrategy(Strategy):
         """The Flower strategy's array-valued attributes (see the module docstring)."""
         if self._flower is None:
             return self._pending_state or ({}, {})
-        return _saved_arrays(self._flower)
+        return self._saved(self._flower)
 
     def _load_state(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """Restore them when the Flower strategy is built (or now, if it is)."""
         self._pending_state = (dict(arrays), dict(meta))
         if self._flower is not None:
-            _restore_arrays(self._flower, arrays, meta)
+            self._restore_saved(self._flower, arrays, meta)
             self._pending_state = None
 
 
