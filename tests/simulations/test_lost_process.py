@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from support.processes import children
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,20 +21,6 @@ def _simulate(tmp: Path) -> subprocess.Popen:
            "--workers", "1", "--rounds", "400", "--local-epochs", "1", "--out", str(tmp / "out"), "--quiet"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid``, oldest first."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append((int(fields[19]), int(entry.name)))  # starttime, pid
-    return [p for _, p in sorted(found)]
 
 
 def _after_rounds(tmp: Path, proc: subprocess.Popen, rounds: int) -> None:
@@ -49,7 +37,7 @@ def test_kill_9_of_rank_0_takes_every_other_process_with_it_silently(tmp_path):
     proc = _simulate(tmp_path)
     try:
         _after_rounds(tmp_path, proc, 2)
-        others = _children(proc.pid)
+        others = children(proc.pid)
         assert len(others) >= 3, others  # the resource tracker, the worker, rank 1
         os.kill(proc.pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=30)

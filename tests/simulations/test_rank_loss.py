@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from support.processes import children
+
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 20
 
@@ -23,20 +25,6 @@ def _simulate(out: Path) -> subprocess.Popen:
            "--deadline", "6", "--seed", "3", "--out", str(out), "--quiet"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid``, oldest first."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append((int(fields[19]), int(entry.name)))  # starttime, pid
-    return [p for _, p in sorted(found)]
 
 
 def _rows(out: Path) -> list[dict]:
@@ -62,7 +50,7 @@ def test_losing_rank_1_and_rank_2_costs_at_most_the_open_round_each(tmp_path):
     try:
         _after_round(out, proc, 1)
         # The multiprocessing resource tracker, the worker, then ranks 1 and 2 (started once the coordinator is built).
-        rank_1, rank_2 = _children(proc.pid)[-2:]
+        rank_1, rank_2 = children(proc.pid)[-2:]
         _after_round(out, proc, kill_at)
         os.kill(rank_1, signal.SIGKILL)
         _after_round(out, proc, stop_at)
