@@ -27,7 +27,6 @@ member is :class:`FlowerAppAgent`.
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import logging
 import math
@@ -40,7 +39,7 @@ import numpy as np
 
 from fedpar.client.local_sgd import TrainResult
 from fedpar.client.runtime import OwnMember
-from fedpar.client.trainer_protocol import UpdateRefused
+from fedpar.client.trainer_protocol import HeldArrays, UpdateRefused
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.flower_nodes import SERVER_NODE_ID, node_id_of
 from fedpar.protocol.flower_wire import FlowerWireError, decode_message, encode_message
@@ -122,7 +121,7 @@ LOSS_KEYS = ("eval_loss", "loss")  # an evaluate reply's loss, first found
 ACCURACY_KEYS = ("eval_acc", "accuracy", "eval_accuracy")  # and accuracy
 
 
-class FlowerAppTrainer:
+class FlowerAppTrainer(HeldArrays):
     """The runtime's trainer protocol (client/trainer_protocol.py) over a Flower ``ClientApp``; ``initial`` holds the
     global model's (name, array) pairs (their names, shapes and dtypes are what replies must match; None: the app
     names no model, so its seat only answers a ServerApp's Messages). A seat takes on one member
@@ -141,9 +140,6 @@ class FlowerAppTrainer:
         self.states = states if states is not None else MemberStates()
         self.run_id = run_id
         self._member: tuple[str, int, int, int] = ("member", 0, 1, 1)  # (id, partition, partitions, examples)
-        self._global: list[np.ndarray] | None = None
-        self._trained: list[np.ndarray] | None = None
-        self._round = 0
 
     def use_member(self, member_id: str, partition_id: int, num_partitions: int, num_examples: int) -> None:
         """Train from now on as member ``member_id``: partition ``partition_id`` of ``num_partitions``, declaring
@@ -167,25 +163,6 @@ class FlowerAppTrainer:
         if self.layout is None:
             raise RuntimeError("a ClientApp trainer without initial arrays has no array specs")
         return self.layout.specs()
-
-    def set_arrays(self, arrays: list[np.ndarray]) -> None:
-        """The round's global arrays (sent in the messages)."""
-        self._global = arrays
-        self._trained = None
-
-    def get_arrays(self) -> list[np.ndarray]:
-        """The arrays of the last accepted train reply."""
-        if self._trained is None:
-            raise RuntimeError("get_arrays() before a train reply in this task")
-        return self._trained
-
-    def warm_up(self) -> None:
-        """Nothing: the app sets itself up in its handlers."""
-
-    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
-        """Remember the task's round (the messages' ``server-round`` and group id)."""
-        self._round = int(round_id)
-        return contextlib.nullcontext()
 
     def evaluate(self, settings: TaskSettings | None = None) -> EvalResult | None:
         """The app's evaluate handler on the global arrays (its config: ``server-round`` and a Flower strategy's

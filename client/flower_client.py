@@ -21,7 +21,6 @@ counts the agent may claim): pass it (``--flower-examples N``) or return ``{"num
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import zlib
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fedpar.client.local_sgd import TrainResult
+from fedpar.client.trainer_protocol import HeldArrays
 from fedpar.models.references import load_reference
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
@@ -70,7 +70,7 @@ def numpy_client_of(client: Any, origin: str = "the client function") -> Any:
     return client
 
 
-class FlowerTrainer:
+class FlowerTrainer(HeldArrays):
     """The agent's trainer protocol (client/agent.py) over a Flower NumPyClient; the global model's names come
     from ``specs``, the (name, dtype, shape) of the coordinator's model."""
 
@@ -83,9 +83,6 @@ class FlowerTrainer:
         self.layout = ModelLayout(specs)
         self._check(self.client.get_parameters(config={}), "get_parameters()")
         self.num_examples = self._examples(num_examples)
-        self._global: list[np.ndarray] | None = None
-        self._trained: list[np.ndarray] | None = None
-        self._round = 0
 
     def _examples(self, given: int | None) -> int:
         """The training set's size, declared at Join."""
@@ -116,25 +113,6 @@ class FlowerTrainer:
     def array_specs(self) -> list[Spec]:
         """(name, dtype, shape) of the model's arrays."""
         return self.layout.specs()
-
-    def set_arrays(self, arrays: list[np.ndarray]) -> None:
-        """The round's global weights (passed to evaluate and fit)."""
-        self._global = arrays
-        self._trained = None
-
-    def get_arrays(self) -> list[np.ndarray]:
-        """What the last fit returned."""
-        if self._trained is None:
-            raise RuntimeError("get_arrays() before a fit in this task")
-        return self._trained
-
-    def warm_up(self) -> None:
-        """Nothing: the client sets itself up as it likes."""
-
-    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
-        """Remember the task's round (evaluate's config names it)."""
-        self._round = int(round_id)
-        return contextlib.nullcontext()
 
     def evaluate(self, settings: TaskSettings | None = None) -> EvalResult | None:
         """The client's evaluate on the global model (its config: ``server_round`` and a Flower strategy's

@@ -57,3 +57,31 @@ class Trainer(Protocol):
               settings: TaskSettings | None = None) -> TrainResult:
         """Train for ``epochs`` (at most ``max_steps`` steps) or until ``time.monotonic()`` would pass ``stop_at``
         (``settings``: the task's, passed when ``reads_task_settings``); UpdateRefused when it made no update."""
+
+
+class HeldArrays:
+    """The protocol's array hand-over for a trainer that calls someone else's code with the global arrays (a Flower
+    client or ClientApp): it holds the round's global arrays, the trained ones and the task's round."""
+
+    _global: list[np.ndarray] | None = None
+    _trained: list[np.ndarray] | None = None
+    _round = 0
+
+    def set_arrays(self, arrays: list[np.ndarray]) -> None:
+        """The round's global arrays (passed to the client's handlers)."""
+        self._global = arrays
+        self._trained = None
+
+    def get_arrays(self) -> list[np.ndarray]:
+        """The arrays of the last accepted training reply."""
+        if self._trained is None:
+            raise RuntimeError("get_arrays() before a training reply in this task")
+        return self._trained
+
+    def warm_up(self) -> None:
+        """Nothing: the client sets itself up in its own handlers."""
+
+    def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
+        """Remember the task's round (the client's configs name it)."""
+        self._round = int(round_id)
+        return contextlib.nullcontext()

@@ -4,33 +4,20 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from support.processes import port_from
 
 pytest.importorskip("flwr")
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = Path(__file__).parent / "tiny_app"
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
-
-
-def _port_from(proc: subprocess.Popen, lines: list[str], timeout: float = 90.0) -> int:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        match = re.search(r"listening on 127\.0\.0\.1:(\d+) \(mutual TLS\) for Flower App", line)
-        if match:
-            return int(match.group(1))
-    raise AssertionError(f"coordinator did not start: {''.join(lines)}")
 
 
 def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
@@ -44,7 +31,7 @@ def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     clients, lines = [], []
     try:
-        port = _port_from(serve, lines)
+        port = port_from(serve, lines, "(mutual TLS) for Flower App")
         clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--certs", str(certs),
                                      "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
                                      "--flower-app", str(APP), "--threads", "1", "--give-up-after", "60"],

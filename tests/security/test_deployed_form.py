@@ -8,25 +8,12 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from support.processes import port_from
 
 ROOT = Path(__file__).resolve().parents[2]
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
-
-
-def _port_from(proc: subprocess.Popen, timeout: float = 90.0, lines: list[str] | None = None) -> int:
-    end = time.monotonic() + timeout
-    lines = [] if lines is None else lines
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        match = re.search(r"listening on 127\.0\.0\.1:(\d+) \(mutual TLS\)", line)
-        if match:
-            return int(match.group(1))
-    raise AssertionError(f"coordinator did not start: {''.join(lines)}")
 
 
 def test_readme_deployed_form_runs_a_round_over_mutual_tls(tmp_path):
@@ -40,7 +27,7 @@ def test_readme_deployed_form_runs_a_round_over_mutual_tls(tmp_path):
     clients = []
     early: list[str] = []
     try:
-        port = _port_from(serve, lines=early)
+        port = port_from(serve, early)
         clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--certs", str(certs),
                                      "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
                                      "--threads", "1", "--give-up-after", "60"],
