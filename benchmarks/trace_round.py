@@ -75,11 +75,19 @@ class Tracer:
             rel = self.rel(frame.f_code.co_filename)
             if rel is not None:
                 self._call(frame, (rel, frame.f_code.co_name), rel)
-        elif event == "return" and frame is not None:
+            return None
+        if event == "return" and frame is not None:
             if frame is self.round_frame:
                 self.in_round, self.round_frame = False, None
             if frame is self.upload_frame:
                 self.in_upload, self.upload_frame = False, None
+        # code that runs without a call of its own: a frame entered before a window opened, which goes on when a
+        # function returns to it (event "return": its caller) or calls into C (c_call, c_return: the frame itself)
+        running = frame.f_back if event == "return" and frame is not None else frame
+        if running is not None and (self.in_round or self.in_upload):
+            rel = self.rel(running.f_code.co_filename)
+            if rel is not None:
+                self._note(running, rel, running.f_code.co_name)
         return None
 
     def _call(self, frame, mark: tuple[str, str], rel: str) -> None:
@@ -97,15 +105,19 @@ class Tracer:
             self.in_upload, self.upload_thread = True, threading.get_ident()
             if self.side == "agent":
                 self.upload_frame = frame
-        if self.in_round:
-            self.round.add(rel)
-            self.functions["round"].add(f"{rel}:{mark[1]}")
-        if self.in_upload and self._in_upload_window(frame):
-            self.upload.add(rel)
-            self.functions["upload"].add(f"{rel}:{mark[1]}")
+        self._note(frame, rel, mark[1])
         if mark == m.get("upload_end") and self.in_upload:
             self.in_upload = False
             self.seen.add("upload_end")
+
+    def _note(self, frame, rel: str, function: str) -> None:
+        """``rel``'s code runs in ``frame`` now: count it in the windows that are open."""
+        if self.in_round:
+            self.round.add(rel)
+            self.functions["round"].add(f"{rel}:{function}")
+        if self.in_upload and self._in_upload_window(frame):
+            self.upload.add(rel)
+            self.functions["upload"].add(f"{rel}:{function}")
 
     def _in_upload_window(self, frame) -> bool:
         """On the agent: the upload's thread; on the coordinator: anything but the round's own task."""
