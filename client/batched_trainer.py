@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedpar.client.local_loop import Lane, apply_gradients, batch_schedule, objective, run_loop
-from fedpar.client.local_sgd import StepTally, TrainResult
+from fedpar.client.local_loop import (Lane, StepTally, TrainResult, apply_gradients, batch_schedule, objective,
+                                      run_loop)
 from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
 from fedpar.task import StepClock, Task

@@ -23,8 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fedpar.client.engine_control import SHUTDOWN, TRAIN, Command, ControlChannel
-from fedpar.client.local_loop import Lane, OneMember, run_loop, update
-from fedpar.client.local_sgd import StepTally, TrainResult, trainable
+from fedpar.client.local_loop import Lane, OneMember, StepTally, TrainResult, run_loop, trainable, update
 from fedpar.client.trainer_protocol import Spec
 from fedpar.models.weights import get_weights, set_weights, weight_specs
 from fedpar.parallel.checkpoint import gather_full_state_dict, load_full_state_dict_from_rank0

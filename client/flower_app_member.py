@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpar.client.local_sgd import TrainResult
+from fedpar.client.local_loop import TrainResult
 from fedpar.client.runtime import OwnMember
 from fedpar.client.trainer_protocol import HeldArrays, UpdateRefused
 from fedpar.protocol.codec import CodecError, ModelLayout

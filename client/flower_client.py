@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpar.client.local_sgd import TrainResult
+from fedpar.client.local_loop import TrainResult
 from fedpar.client.trainer_protocol import HeldArrays
 from fedpar.models.references import load_reference
 from fedpar.protocol.codec import CodecError, ModelLayout

@@ -26,7 +26,7 @@ import numpy as np
 from fedpar.aggregation.clipping import clip_update
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.deadline import upload_timeout
-from fedpar.client.local_sgd import TrainResult
+from fedpar.client.local_loop import TrainResult
 from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedpar.client.local_loop import Lane, OneMember, member_batches, objective, run_loop, update
-from fedpar.client.local_sgd import TrainResult, trainable
+from fedpar.client.local_loop import (Lane, OneMember, TrainResult, member_batches, objective, run_loop, trainable,
+                                      update)
 from fedpar.client.trainer_protocol import Spec
 from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight_specs
 from fedpar.parallel.config import PRECISIONS

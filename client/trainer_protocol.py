@@ -9,7 +9,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from fedpar.client.local_sgd import TrainResult
+from fedpar.client.local_loop import TrainResult
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.tasks.evaluation import EvalResult
 

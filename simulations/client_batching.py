@@ -32,7 +32,7 @@ from torch import nn
 
 from fedpar.client.batched_trainer import (ClientBatchInput, ClientBatchOutput, batching_refusal, check_batchable,
                                            member_tensors, train_clients_batched)
-from fedpar.client.local_sgd import TrainResult
+from fedpar.client.local_loop import TrainResult
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Task, TaskError

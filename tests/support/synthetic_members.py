@@ -25,7 +25,7 @@ from dataclasses import asdict
 import numpy as np
 
 from fedpar.client.links import AgentConfig
-from fedpar.client.local_sgd import TrainResult
+from fedpar.client.local_loop import TrainResult
 from fedpar.client.runtime import ClientRuntime
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.simulations.synthetic_coordinator import synthetic_model
