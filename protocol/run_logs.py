@@ -1,17 +1,236 @@
-"""Per-round (or per-step) scalars as a CSV table and as TensorBoard events, beside a run's metrics.jsonl."""
+"""A run's logs of its rows: one row per completed round (or step), appended to metrics.jsonl and to the CSV table
+beside it (metrics.csv), the running summary of those rows (summary.json's figures), and the same scalars as
+TensorBoard events.
+
+Rows go to disk only: in memory the coordinator's log keeps the running summary, the last row and the first row this
+process logged, so its memory does not grow with the rounds. A restart reads the checkpoint's row and summary, and
+repairs the files' ends in place (reading from the end), never the whole history.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from fedpar.protocol.atomicfile import atomic_path, atomic_write_bytes
 
+TAIL_ROWS = 64  # rows metrics.csv may lack after a crash before its lines are copied from the end of metrics.jsonl
+_LAST_KEYS = ("test_accuracy", "dp_epsilon", "sim_seconds")  # what the summary reads from the last row
 TENSORBOARD_HINT = "--tensorboard needs the tensorboard package: pip install 'fedpar[tensorboard]'"
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def clean_row(row: dict) -> dict:
+    """``row`` with non-finite floats replaced by None (strict JSON)."""
+    return {k: _clean(v) for k, v in row.items()}
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    """The rows of a metrics.jsonl, read line by line (a line torn by a crash is skipped)."""
+    with open(path, "rb") as fh:
+        for line in fh:
+            row = _parse(line)
+            if row is not None:
+                yield row
+
+
+def _parse(line: bytes) -> dict | None:
+    """A complete line's row (a dict with an integer round), or None."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("round"), int) else None
+
+
+class RoundMetricsLog:
+    """The coordinator's metrics.jsonl: one JSON object per completed round, appended; its rows are also appended to
+    metrics.csv, whose columns are ``declared`` up front (server/coordinator.py: what the configuration's rows hold)
+    so steady state never rewrites it. ``path`` None: nothing is written, the summary is still kept."""
+
+    def __init__(self, path: Path | None, declared: Sequence[str] = (), target_accuracy: float | None = None):
+        self.path = Path(path) if path else None
+        self.summary = RunningSummary(target_accuracy)
+        self.last: dict | None = None  # the last completed round's row (after a restart: the checkpointed one's)
+        self.first: dict | None = None  # the first row this process logged
+        self._csv = AppendedCsv(self.csv_path, declared, self.read_rows) if self.path else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def csv_path(self) -> Path | None:
+        """metrics.csv beside metrics.jsonl."""
+        return self.path.with_suffix(".csv") if self.path else None
+
+    def append(self, row: dict) -> None:
+        """Record one round's metrics."""
+        row = clean_row(row)
+        self.summary.add(row)
+        self.last = row
+        if self.first is None:
+            self.first = row
+        if self.path:
+            try:
+                with self.path.open("a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+            except OSError as exc:  # a full disk says no file name when the write fails: name the one it was for
+                raise OSError(exc.errno, exc.strerror, exc.filename or str(self.path)) from exc
+            self._csv.append(row)
+
+    def summary_with(self, row: dict) -> dict:
+        """The summary's state once ``row`` is counted too (for the checkpoint written before the row is logged)."""
+        ahead = self.summary.copy()
+        ahead.add(clean_row(row))
+        return ahead.state()
+
+    def read_rows(self) -> Iterator[dict]:
+        """Every row logged so far (also before a restart), streamed from metrics.jsonl."""
+        if self.path is None:
+            raise ValueError("this coordinator writes no metrics.jsonl (no metrics_path): its rows are not kept")
+        return read_rows(self.path) if self.path.exists() else iter(())
+
+    def resume(self, last_round: int, last_row: dict | None, summary: dict | None) -> None:
+        """Continue after the checkpoint of ``last_round``, whose row and running summary it holds (a checkpoint from
+        before summaries were kept: None, and the summary is counted once from the file, streaming).
+
+        The files end up holding exactly one row per round up to ``last_round``: rows of a round that was in flight
+        at a crash (and will run again) and a torn last line are cut off in place, reading from the end, and the
+        checkpointed round's row is appended if the crash came before its line.
+        """
+        kept = self._settle_jsonl(last_round) if self.path else None
+        if last_row is not None and (kept is None or kept["round"] < last_round):
+            kept = clean_row(last_row)
+            if self.path:
+                with self.path.open("a") as fh:
+                    fh.write(json.dumps(kept) + "\n")
+        self.last = kept
+        target = self.summary.target_accuracy
+        if summary is not None and summary.get("target_accuracy") == target:
+            self.summary = RunningSummary.from_state(summary)
+        else:
+            self.summary = RunningSummary(target)
+            rows = self.read_rows() if self.path else ([kept] if kept else [])
+            for row in rows:
+                self.summary.add(row)
+        if self.path:
+            self._csv.settle(last_round, self._rows_after)
+
+    def _settle_jsonl(self, last_round: int) -> dict | None:
+        """Cut metrics.jsonl after its last complete row of a round <= ``last_round``; that row (None: none)."""
+        if not self.path.exists():
+            return None
+        cut, kept = 0, None
+        for offset, line in lines_backward(self.path):
+            row = _parse(line)
+            if row is not None and row["round"] <= last_round:
+                cut, kept = offset + len(line), row
+                break
+        truncate(self.path, cut)
+        return kept
+
+    def _rows_after(self, round_id: int) -> list[dict] | None:
+        """The rows of metrics.jsonl after ``round_id``, read from its end (None: more than TAIL_ROWS of them)."""
+        rows: list[dict] = []
+        for _, line in lines_backward(self.path):
+            row = _parse(line)
+            if row is None:
+                continue
+            if row["round"] <= round_id:
+                break
+            if len(rows) == TAIL_ROWS:
+                return None
+            rows.append(row)
+        return rows[::-1]
+
+
+@dataclass
+class RunningSummary:
+    """Accuracy, rounds and failed rounds, mean round seconds and upload bytes, the privacy budget spent, simulated
+    seconds under a virtual clock, and the time to ``target_accuracy`` if given, from the rows taken so far."""
+
+    target_accuracy: float | None = None
+    rounds: int = 0
+    failed_rounds: int = 0
+    round_seconds_sum: float = 0  # summed in row order from 0, as sum() does: the means come out the same
+    upload_bytes_sum: float = 0
+    best_test_accuracy: float | None = None
+    last: dict = field(default_factory=dict)  # the last row's entries of _LAST_KEYS that it has
+    hit: dict | None = None  # round, wall_seconds (and sim_seconds) of the first row at the target accuracy
+
+    def add(self, row: dict) -> None:
+        """Take the next round's (cleaned) metrics row."""
+        accuracy = row.get("test_accuracy") or 0.0
+        self.rounds += 1
+        self.failed_rounds += row.get("status") != "ok"
+        self.round_seconds_sum = self.round_seconds_sum + (row.get("round_seconds") or 0)  # a row without: 0
+        self.upload_bytes_sum = self.upload_bytes_sum + (row.get("upload_bytes") or 0)
+        if self.best_test_accuracy is None or accuracy > self.best_test_accuracy:
+            self.best_test_accuracy = accuracy
+        self.last = {k: row[k] for k in _LAST_KEYS if k in row}
+        if self.hit is None and self.target_accuracy is not None and accuracy >= self.target_accuracy:
+            self.hit = {"round": row.get("round"), "wall_seconds": row.get("wall_seconds"),
+                        "sim_seconds": row.get("sim_seconds")}
+
+    def result(self) -> dict:
+        """summary.json's figures (``simulate``'s and ``serve``'s), in its order."""
+        n = self.rounds
+        out = {"final_test_accuracy": self.last.get("test_accuracy") if n else None,
+               "best_test_accuracy": self.best_test_accuracy,
+               "rounds": n,
+               "failed_rounds": self.failed_rounds,
+               "mean_round_seconds": self.round_seconds_sum / n if n else None,
+               "mean_upload_bytes_per_round": self.upload_bytes_sum / n if n else None}
+        if "dp_epsilon" in self.last:
+            out["final_dp_epsilon"] = self.last["dp_epsilon"]
+        if "sim_seconds" in self.last:
+            out["sim_seconds"] = self.last["sim_seconds"]
+        if self.target_accuracy is not None:
+            hit = self.hit
+            out.update(target_accuracy=self.target_accuracy, rounds_to_target=hit["round"] if hit else None,
+                       wall_seconds_to_target=hit["wall_seconds"] if hit else None)
+            if "sim_seconds" in self.last:
+                out["sim_seconds_to_target"] = hit["sim_seconds"] if hit else None
+        return out
+
+    def copy(self) -> RunningSummary:
+        """An independent copy (to count a row for a checkpoint before the log takes it)."""
+        return RunningSummary(**{**asdict(self), "last": dict(self.last),
+                                 "hit": dict(self.hit) if self.hit else None})
+
+    def state(self) -> dict:
+        """JSON-able state (a checkpoint's ``metrics_summary``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict) -> RunningSummary:
+        """The summary :meth:`state` saved; ValueError when it is not one."""
+        if not isinstance(state, dict) or set(state) != {f.name for f in fields(cls)}:
+            raise ValueError(f"not a running summary: {state!r:.200}")
+        numbers = [state[k] for k in ("rounds", "failed_rounds", "round_seconds_sum", "upload_bytes_sum")]
+        optional = [state[k] for k in ("target_accuracy", "best_test_accuracy")]
+        if not all(_number(v) for v in numbers) or not all(v is None or _number(v) for v in optional) \
+                or not isinstance(state["rounds"], int) or not isinstance(state["failed_rounds"], int) \
+                or not isinstance(state["last"], dict) or set(state["last"]) - set(_LAST_KEYS) \
+                or not (state["hit"] is None or isinstance(state["hit"], dict)):
+            raise ValueError(f"not a running summary: {state!r:.200}")
+        return cls(**state)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def csv_columns(rows: Iterable[dict]) -> list[str]:

@@ -97,7 +97,7 @@ class RoundClock:
 
 @dataclass
 class AccuracyTarget:
-    """A test accuracy the run's summary times (server/run_summary.py)."""
+    """A test accuracy the run's summary times (protocol/run_logs.py)."""
 
     target_accuracy: float | None = setting(
         None, check="probability", group="outputs",

@@ -25,11 +25,11 @@ from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol.heap import trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
 from fedpar.security.admission import Admission
 from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import DEADLINE, cohort_size, round_target, seconds_left, until_closed, wall_seconds
-from fedpar.server.metrics import RoundMetricsLog, clean_row
 from fedpar.server.ranks.group import RankMissing
 from fedpar.server.ranks.leader import RankLeader
 from fedpar.server.ranks.plane import IngestPlane
@@ -409,7 +409,7 @@ class Coordinator(IngestPlane):
 
 def declared_columns(config: CoordinatorConfig) -> list[str]:
     """The metrics columns this configuration's rows may bring after the first (those every row has come with it):
-    metrics.csv declares them up front so a later row does not widen it (server/metrics.py)."""
+    metrics.csv declares them up front so a later row does not widen it (protocol/run_logs.py)."""
     columns = [f"refused_{code}" for code in UPLOAD_REFUSALS]
     if config.client_eval_every > 0:  # rounds with federated evaluation (our trainer's names; a task's come once)
         columns += ["federated_eval_loss", "federated_eval_accuracy"]

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.run_logs import clean_row
 from fedpar.protocol.tensorfile import load_tensors, save_tensors
 from fedpar.server.checkpoint import LATEST, load_checkpoint
-from fedpar.server.metrics import clean_row
 
 TENSORS = "global.safetensors"  # the state_dict entries, by name
 INFO = "global.json"  # the round, how to rebuild the model, the round's metrics

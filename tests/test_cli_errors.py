@@ -251,8 +251,8 @@ from pathlib import Path
 import numpy as np
 from fedpar.cli.user_errors import describe
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.run_logs import RoundMetricsLog
 from fedpar.protocol.tensorfile import save_tensors
-from fedpar.server.metrics import RoundMetricsLog
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write beyond the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 out = Path({str(tmp_path / "run")!r})

@@ -14,10 +14,10 @@ from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
+from fedpar.protocol.run_logs import RunningSummary
 from fedpar.server.checkpoint import Checkpoint, CheckpointError, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.server.run_summary import RunningSummary
 from fedpar.server.sampler import CohortSampler
 
 

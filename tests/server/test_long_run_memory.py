@@ -20,9 +20,9 @@ from fedpar.models import get_weights
 from fedpar.models.for_data import build_model_for_data
 from fedpar.models.weights import weight_specs
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.run_logs import RunningSummary
 from fedpar.protocol.tensorfile import load_tensors
 from fedpar.server.checkpoint import Checkpoint, save_checkpoint
-from fedpar.server.run_summary import RunningSummary
 from support.scripted_agent import ScriptedAgent
 
 ROOT = Path(__file__).resolve().parents[2]

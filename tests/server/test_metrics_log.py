@@ -13,8 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from fedpar.server.metrics import RoundMetricsLog, read_rows
-from fedpar.server.run_summary import RunningSummary
+from fedpar.protocol.run_logs import RoundMetricsLog, RunningSummary, read_rows
 
 
 def reference_summary(rows: list[dict], target_accuracy: float | None = None) -> dict:
