@@ -9,7 +9,8 @@ are called:
   Start-up, joining and shutting down are left out;
 - one upload: on the agent from the update's upload call (``PlainUpload.upload``) to its reply, on that thread;
   on the coordinator from the upload RPC (``UploadSmall`` / ``UploadUpdate``) to the end of its intake
-  (``UploadIntake.settle``), leaving out what the round's own task runs meanwhile (closing the round).
+  (``UploadIntake.settle``), leaving out what the round's own task (``Coordinator.run`` and the round it awaits)
+  runs meanwhile (closing the round).
 Generated protobuf modules are not counted. Prints the counts and the files, and writes them as JSON
 (``python benchmarks/trace_round.py --help``); docs/explanation/traced-round.md has the figures.
 """
@@ -36,7 +37,8 @@ MARKS = {
                "round_end": {("server/members.py", "finish"), ("server/ranks/plane.py", "_ready")},
                "upload": {("server/service.py", "UploadSmall"), ("server/service.py", "UploadUpdate"),
                           ("server/dataplane.py", "_upload")},
-               "upload_end": ("server/uploads.py", "settle"), "not_upload": ("server/coordinator.py", "_run_round")},
+               "upload_end": ("server/uploads.py", "settle"),
+               "not_upload": {("server/coordinator.py", "_run_round"), ("server/coordinator.py", "run")}},
     "agent": {"round": ("client/runtime.py", "_dispatch"), "upload": {("client/round_modes.py", "upload")}},
 }
 
@@ -123,9 +125,9 @@ class Tracer:
         """On the agent: the upload's thread; on the coordinator: anything but the round's own task."""
         if self.side == "agent":
             return threading.get_ident() == self.upload_thread
-        not_upload = self.marks["not_upload"]
+        not_upload = self.marks["not_upload"]  # the round's own task: its loop and the round it awaits
         while frame is not None:
-            if frame.f_code.co_name == not_upload[1] and self.rel(frame.f_code.co_filename) == not_upload[0]:
+            if (self.rel(frame.f_code.co_filename), frame.f_code.co_name) in not_upload:
                 return False
             frame = frame.f_back
         return True
