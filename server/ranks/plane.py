@@ -16,9 +16,9 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.messages import WeightPayload, build_payload
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.dataplane import TicketBook
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, UploadTicket
-from fedpar.server.tickets import TicketBook
 from fedpar.server.uploads import open_ticket
 
 
