@@ -11,8 +11,11 @@ are called:
   on the coordinator from the upload RPC (``UploadSmall`` / ``UploadUpdate``) to the end of its intake
   (``UploadIntake.settle``), leaving out what the round's own task (``Coordinator.run`` and the round it awaits)
   runs meanwhile (closing the round).
-Generated protobuf modules are not counted. Prints the counts and the files, and writes them as JSON
-(``python benchmarks/trace_round.py --help``); docs/explanation/traced-round.md has the figures.
+A file counts when any of its code runs in a window: a function of it is called, or a frame of it that was entered
+before the window goes on (it calls into C, or a callee returns to it). Only files of the rooms pyproject.toml maps
+to fedpar.* count (no third-party code, no tests or benchmarks); generated protobuf modules do not. Prints the
+counts and the files, and writes them (benchmarks/results/trace_round.json by default: the envelope of
+benchmarks/results.py, the counts against the targets as ratios); docs/explanation/traced-round.md has the figures.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
+
 # (file, function) that open and close each window; a rename in the code is a rename here
 MARKS = {
     "server": {"round": ("server/coordinator.py", "_run_round"),
@@ -83,11 +89,12 @@ class Tracer:
                 self.in_round, self.round_frame = False, None
             if frame is self.upload_frame:
                 self.in_upload, self.upload_frame = False, None
-        # code that runs without a call of its own: a frame entered before a window opened, which goes on when a
-        # function returns to it (event "return": its caller) or calls into C (c_call, c_return: the frame itself)
-        running = frame.f_back if event == "return" and frame is not None else frame
-        if running is not None and (self.in_round or self.in_upload):
-            rel = self.rel(running.f_code.co_filename)
+        if frame is None or not (self.in_round or self.in_upload):
+            return None
+        # code that runs without a call of its own, in a frame that may have been entered before the window opened:
+        # the frame calls into C (c_call, c_return) or returns, and a return resumes its caller
+        for running in (frame, frame.f_back) if event == "return" else (frame,):
+            rel = self.rel(running.f_code.co_filename) if running is not None else None
             if rel is not None:
                 self._note(running, rel, running.f_code.co_name)
         return None
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         return child(argv[1], Path(argv[2]), argv[4:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", type=Path, default=Path("trace_round.json"), help="where the figures go")
+    p.add_argument("--json", type=Path, default=RESULTS / "trace_round.json", help="where the figures go")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the round may take in all")
     p.add_argument("--round-target", type=int, default=30, help="files one round may run code in (issue 26)")
     p.add_argument("--upload-target", type=int, default=8, help="files one upload may cross (issue 26)")
@@ -239,7 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trace_round: {exc}", file=sys.stderr)
             return 1
     figures["targets"] = {"round": args.round_target, "upload": args.upload_target}
-    args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    ratios = [{"what": f"files one traced round runs code in: {figures['round']['files']}",
+               "ratio": figures["round"]["files"] / args.round_target,
+               "against": f"issue 26's target of {args.round_target} files (at most 1.00x)"},
+              {"what": f"files one upload crosses: {figures['upload']['files']}",
+               "ratio": figures["upload"]["files"] / args.upload_target,
+               "against": f"issue 26's target of {args.upload_target} files (at most 1.00x)"}]
+    write_results(args.json, ratios, figures, argv=[sys.argv[0], *argv])
     print(f"{figures['date']}, {figures['machine']}, commit {figures['commit']}")
     for window, target in (("round", args.round_target), ("upload", args.upload_target)):
         got = figures[window]

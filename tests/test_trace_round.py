@@ -1,0 +1,51 @@
+"""benchmarks/trace_round.py counts fedpar's own source files only, and counts a file whenever its code runs in a
+window, also from a frame entered before the window opened."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tracer(side: str = "agent"):
+    spec = importlib.util.spec_from_file_location("trace_round", ROOT / "benchmarks" / "trace_round.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Tracer(side, ROOT)
+
+
+def _frame_of(rel: str):
+    """A live frame whose code belongs to ``rel`` (as the profiler sees code of that file)."""
+    scope: dict = {"sys": sys}
+    exec(compile("frame = sys._getframe()", str(ROOT / rel), "exec"), scope)
+    return scope["frame"]
+
+
+def test_only_the_rooms_source_files_count():
+    tracer = _tracer()
+    assert tracer.rel(str(ROOT / "client" / "runtime.py")) == "client/runtime.py"
+    assert tracer.rel(str(ROOT / "server" / "ranks" / "plane.py")) == "server/ranks/plane.py"
+    for other in (ROOT / "protocol" / "fedpar_pb2.py", ROOT / "benchmarks" / "trace_round.py",
+                  ROOT / "tests" / "support" / "processes.py", ROOT / ".venv" / "lib" / "grpc" / "__init__.py",
+                  Path(numpy.__file__), ROOT / "README.md"):
+        assert tracer.rel(str(other)) is None, other
+
+
+def test_a_frame_entered_before_the_window_counts_when_its_code_runs_in_it():
+    tracer = _tracer()
+    waiting = _frame_of("cli/serve.py")  # e.g. a loop that polls from before the round began
+    tracer(waiting, "c_call", None)
+    assert tracer.round == set()  # no window open yet
+    tracer.in_round = True
+    tracer(waiting, "c_call", None)  # it calls into C (a wait) during the round
+    assert tracer.round == {"cli/serve.py"}
+    tracer(_frame_of("server/app.py"), "return", None)  # a frame returns: its code ran (its caller is this test)
+    assert tracer.round == {"cli/serve.py", "server/app.py"}
+    assert tracer.functions["round"] == {"cli/serve.py:<module>", "server/app.py:<module>"}
+    tracer(_frame_of("server/rounds.py"), "call", None)  # a call in the window
+    assert "server/rounds.py" in tracer.round
