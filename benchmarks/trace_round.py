@@ -41,7 +41,7 @@ from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this scr
 MARKS = {
     "server": {"round": ("server/coordinator.py", "_run_round"),
                "round_end": {("server/members.py", "finish"), ("server/ranks/plane.py", "_ready")},
-               "upload": {("server/service.py", "UploadSmall"), ("server/service.py", "UploadUpdate"),
+               "upload": {("server/app.py", "UploadSmall"), ("server/app.py", "UploadUpdate"),
                           ("server/dataplane.py", "_upload")},
                "upload_end": ("server/uploads.py", "settle"),
                "not_upload": {("server/coordinator.py", "_run_round"), ("server/coordinator.py", "run")}},

@@ -1,25 +1,39 @@
-"""Runs a Coordinator behind a grpc.aio server on its own event-loop thread."""
+"""The coordinator on the network: a grpc.aio server on its own event-loop thread (:class:`CoordinatorServer`, with
+the health service and the data plane beside it), and the servicer it runs (:class:`CoordinatorService`), which
+decodes every call (malformed bytes get a clear INVALID_ARGUMENT, not an UNKNOWN error), authenticates and validates
+it, then hands it to the Coordinator (uploads: to the upload intake, server/uploads.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import inspect
 import logging
 import ssl
 import threading
-from typing import Callable
+from typing import Awaitable, Callable, NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedpar.protocol.messages import SERVICE_NAME, channel_options
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import RawData, decode_chunk_message
+from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, channel_options
+from fedpar.security.admission import AdmissionRefused, peer_identity
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
+from fedpar.server.limits import Limits, RpcLimit, StrangerBound, authenticated
+from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.ranks.group import RankMissing
-from fedpar.server.limits import RpcLimit, StrangerBound
-from fedpar.server.service import CoordinatorService, generic_handler
+from fedpar.server.registry import AgentRecord, AuthError, HostRecord
+from fedpar.server.rounds import Refusal
+from fedpar.server.secure_round import secagg_exchange
+from fedpar.server.uploads import Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server")
+MAX_HOST_UPLOADS = 512  # updates in one UploadHostUpdates call (each at most one chunk: far below the message limit)
 
 
 def server_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
@@ -220,3 +234,338 @@ def _quiet_about_cancelled_calls(loop: asyncio.AbstractEventLoop, context: dict)
         log.debug("a call was cancelled as the coordinator stopped: %s", context.get("message"))
         return
     loop.default_exception_handler(context)
+
+
+class CoordinatorService:
+    """Implements the Coordinator RPCs on top of a :class:`Coordinator`."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coord = coordinator
+        self.limits = Limits(coordinator.config, coordinator.layout.total_bytes)
+        self.intake = UploadIntake(coordinator, self.limits)
+
+    def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
+        try:
+            record = self.coord.registry.authenticate(auth.agent_id, auth.token, peer_identity(context))
+        except AuthError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
+        authenticated()  # an upload stream leaves the strangers' bounds for --max-concurrent-rpcs
+        return record
+
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        """Register an agent."""
+        try:
+            _check_protocol(request.protocol_version, "agent")
+            self.limits.admit_join(request.agent_id, self.coord.registry)
+            record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
+                                             peer_identity(context), request.enrollment_token)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
+        return pb.JoinReply(token=record.token, heartbeat_seconds=self.coord.config.heartbeat_seconds,
+                            max_chunk_bytes=self.coord.config.max_chunk_bytes)
+
+    async def JoinPopulation(self, request: pb.JoinPopulationRequest, context) -> pb.JoinPopulationReply:
+        """Register (more of) a simulation host's virtual population; one session token per member."""
+        try:
+            _check_protocol(request.protocol_version, "host")
+            self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
+            host, records = self.coord.members.join_population(
+                request.host.agent_id, request.host.token,
+                [(m.agent_id, m.num_examples, m.away) for m in request.members],
+                peer_identity(context), request.enrollment_token)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        authenticated()
+        return pb.JoinPopulationReply(host_token=host.token, tokens=[r.token for r in records],
+                                      heartbeat_seconds=self.coord.config.heartbeat_seconds,
+                                      max_chunk_bytes=self.coord.config.max_chunk_bytes)
+
+    async def PullHostTasks(self, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
+        """Long-poll for the tasks of a simulation host's sampled members."""
+        try:
+            host = self._host(request.host, context)
+            with self.limits.agent_call(HOST_CALLS + host.host_id):
+                return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away,
+                                                                request.back, request.finish_estimates, self.coord)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+    async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
+        """Long-poll for a task."""
+        try:
+            agent = self._auth(request.auth, context)
+            with self.limits.agent_call(agent.agent_id):
+                return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+    async def DownloadWeights(self, request: pb.DownloadRequest, context):
+        """Stream the pre-serialized global weights of the agent's current round."""
+        try:
+            agent = self._auth(request.auth, context)
+            payload = self.coord.payload_for(agent, request.round, request.task_id)
+            with self.limits.agent_call(agent.agent_id):
+                async with self.limits.download_slot():
+                    for message in payload.messages():
+                        yield message
+            self.coord.download_completed(agent.agent_id, request.round, request.task_id)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+    async def UploadUpdate(self, request_iterator, context) -> pb.UploadReply:
+        """Receive one update: header, in-order data chunks, end marker; fold it only if all is valid."""
+        try:
+            # Nothing is authenticated before the header: a stream that does not send it at once is let go
+            # (meanwhile it counts only against the strangers' bounds: server/limits.py).
+            seconds = self.coord.config.upload_header_seconds
+            first = await _next_message(request_iterator, seconds, lambda: Refusal(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no UploadHeader within {seconds:g} s of opening the upload (--upload-header-seconds)"))
+            if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+        async def receive(upload: Upload) -> None:
+            await context.send_initial_metadata((UPLOAD_ADMITTED,))  # the agent holds its data back until now
+            await _receive_stream(upload, request_iterator)
+
+        return await self._upload(first.header, context, receive)
+
+    async def UploadSmall(self, request: pb.SmallUpload, context) -> pb.UploadReply:
+        """Receive one small update in a single message, with every check UploadUpdate makes."""
+        if not request.HasField("header"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
+        return await self._upload(request.header, context, self._small_receiver(request))
+
+    async def UploadHostUpdates(self, request: pb.HostUploads, context) -> pb.HostUploadResults:
+        """Several small updates of a simulation host's members: each is authenticated with its member's session
+        and taken with every check UploadSmall makes, in order; one result each (a refusal is a result, not the
+        call's end)."""
+        try:
+            host = self._host(request.host, context)
+            if len(request.uploads) > MAX_HOST_UPLOADS:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
+                                                                f"at most {MAX_HOST_UPLOADS}")
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        results = pb.HostUploadResults()
+        with self.limits.agent_call(HOST_CALLS + host.host_id):
+            for item in request.uploads:
+                try:
+                    if not item.HasField("header"):
+                        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
+                    member = self._auth(item.header.auth, context)
+                    if member.host != host.host_id:
+                        raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                                      f"{member.agent_id!r} is not a member of host {host.host_id!r}")
+                    reply = await self.intake.take(member, item.header, self._small_receiver(item))
+                    results.results.add(accepted=reply.accepted, message=reply.message)
+                except Refusal as r:
+                    results.results.add(message=r.message, code=r.code.value[0])
+        return results
+
+    def _host(self, auth: pb.AgentAuth, context) -> HostRecord:
+        """The simulation host whose session ``auth`` is (over a connection its admission allows), or a Refusal."""
+        try:
+            host = self.coord.registry.authenticate_host(auth.agent_id, auth.token, peer_identity(context))
+        except AuthError as exc:
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except AdmissionRefused as exc:
+            raise Refusal(exc.code, exc.message) from None
+        authenticated()
+        return host
+
+    def _small_receiver(self, request: pb.SmallUpload) -> Callable[[Upload], Awaitable[None]]:
+        """What stages a SmallUpload's bytes once its header passed, after checking their size."""
+
+        async def receive(upload: Upload) -> None:
+            layout = upload.ticket.layout
+            if len(request.data) != layout.total_bytes:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"SmallUpload carries {len(request.data)} bytes but its tensors need "
+                              f"{layout.total_bytes}; the update was not applied", final=True)
+            if layout.total_bytes > self.coord.config.max_chunk_bytes:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"an update of {layout.total_bytes} bytes is larger than one chunk "
+                              f"({self.coord.config.max_chunk_bytes}); send it with UploadUpdate", final=True)
+            if request.data:
+                upload.write(0, request.data)
+
+        return receive
+
+    async def _upload(self, header: pb.UploadHeader, context, receive) -> pb.UploadReply:
+        """Authenticate the uploading agent and hand the upload to the intake; a refusal aborts the call."""
+        try:
+            return await self.intake.take(self._auth(header.auth, context), header, receive)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+    async def ReplyMessage(self, request: pb.MessageReply, context) -> pb.UploadReply:
+        """A member's reply to the Flower Message of its task (a Flower App run: server/flower_rounds.py)."""
+        try:
+            agent = self._auth(request.auth, context)
+            with self.limits.agent_call(agent.agent_id):
+                self.limits.count_bytes(agent.agent_id, len(request.message))
+                self.coord.take_reply(agent.agent_id, request)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        return pb.UploadReply(accepted=True)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        """Mark the agent alive."""
+        try:
+            agent = self._auth(request.auth, context)
+            with self.limits.agent_call(agent.agent_id):
+                current = self.coord.current_round_id
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        return pb.HeartbeatReply(current_round=current)
+
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        """Unregister the agent."""
+        try:
+            agent = self._auth(request.auth, context)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        self.coord.leave(agent)
+        self.limits.forget(agent.agent_id)
+        return pb.LeaveReply()
+
+    async def SecAggExchange(self, request: pb.SecAggRequest, context) -> pb.SecAggReply:
+        """One secure-aggregation stage message, answered by the server's next broadcast (long-poll)."""
+        try:
+            agent = self._auth(request.auth, context)
+            with self.limits.agent_call(agent.agent_id):
+                return await secagg_exchange(self.coord, agent.agent_id, request)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+
+
+def _check_protocol(version: int, who: str) -> None:
+    """Refuse a peer speaking a protocol version this coordinator does not (0: unstated, taken as ours)."""
+    if version not in (0, PROTOCOL_VERSION):
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {version} is not supported "
+                                                           f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the {who}")
+
+
+async def _receive_stream(upload: Upload, request_iterator) -> None:
+    """Stage an UploadUpdate stream's data chunks up to its UploadEnd, whose totals must match."""
+    layout, staging, state, pace = upload.ticket.layout, upload.staging, upload.ticket.state, upload.pace
+    while True:
+        # A stalled or trickling stream must not hold its staging buffer (server/uploads.py).
+        message = await _next_message(request_iterator, pace.next_wait(), pace.stalled, upload.overtaken)
+        if message is None:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"stream ended after {staging.received} of {layout.total_bytes} bytes "
+                          "without an UploadEnd; the update was not applied")
+        state.check_open()
+        if isinstance(message, RawData):
+            upload.write(message.offset, message.data)
+            continue
+        kind = message.WhichOneof("part")
+        if kind == "data":
+            upload.write(message.data.offset, message.data.data)
+        elif kind == "end":
+            if not staging.complete or message.end.total_bytes != layout.total_bytes \
+                    or message.end.num_chunks != staging.chunks:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"UploadEnd after {staging.received} of {layout.total_bytes} bytes in "
+                              f"{staging.chunks} chunks does not match its totals "
+                              f"({message.end.total_bytes} bytes, {message.end.num_chunks} chunks)", final=True)
+            return
+        else:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message in upload",
+                          final=True)
+
+
+async def _next_message(request_iterator, timeout: float, on_timeout: Callable[[], Refusal],
+                        interrupted: asyncio.Future | None = None):
+    """The stream's next message (None at its end); ``on_timeout()`` is raised if none comes in ``timeout`` s, or
+    as soon as ``interrupted`` is done."""
+    try:
+        if interrupted is None:
+            message = await asyncio.wait_for(request_iterator.__anext__(), timeout)
+        else:
+            coming = asyncio.ensure_future(request_iterator.__anext__())
+            await asyncio.wait((coming, interrupted), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not coming.done():
+                coming.cancel()
+                raise asyncio.TimeoutError
+            message = coming.result()
+    except StopAsyncIteration:
+        return None
+    except asyncio.TimeoutError:
+        raise on_timeout() from None
+    if isinstance(message, Malformed):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{message.reason}; the update was not applied")
+    return message
+
+
+class Malformed(NamedTuple):
+    """Stands in for a request whose bytes did not parse."""
+
+    reason: str
+
+
+def parser(message_type: type[Message], decode: Callable[[bytes], object] | None = None) -> Callable[[bytes], object]:
+    """A request deserializer that returns :class:`Malformed` instead of raising on bad bytes."""
+    decode = decode or message_type.FromString
+
+    def parse(raw: bytes) -> object:
+        try:
+            return decode(raw)
+        except (DecodeError, ValueError, IndexError, TypeError) as exc:
+            return Malformed(f"request is not a valid {message_type.DESCRIPTOR.full_name} ({exc})")
+    return parse
+
+
+def refuse_malformed(handler):
+    """Wrap a unary-request handler (coroutine or async generator) to abort on a Malformed request."""
+    if inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def stream(request, context):
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            async for item in handler(request, context):
+                yield item
+        return stream
+
+    @functools.wraps(handler)
+    async def unary(request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return await handler(request, context)
+    return unary
+
+
+def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
+    """Method handlers; downloads are sent as pre-serialized bytes (identity serializer)."""
+    identity = lambda b: b  # noqa: E731 - download messages are serialized by WeightPayload
+
+    def unary(handler, request: type, reply: type):
+        return grpc.unary_unary_rpc_method_handler(refuse_malformed(handler), request_deserializer=parser(request),
+                                                   response_serializer=reply.SerializeToString)
+    handlers = {
+        "Join": unary(service.Join, pb.JoinRequest, pb.JoinReply),
+        "PullTask": unary(service.PullTask, pb.PullTaskRequest, pb.PullTaskReply),
+        "JoinPopulation": unary(service.JoinPopulation, pb.JoinPopulationRequest, pb.JoinPopulationReply),
+        "PullHostTasks": unary(service.PullHostTasks, pb.PullHostTasksRequest, pb.PullHostTasksReply),
+        "DownloadWeights": grpc.unary_stream_rpc_method_handler(
+            refuse_malformed(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
+            response_serializer=identity),
+        "UploadUpdate": grpc.stream_unary_rpc_method_handler(
+            service.UploadUpdate,
+            request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
+            response_serializer=pb.UploadReply.SerializeToString),
+        "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
+        "UploadHostUpdates": unary(service.UploadHostUpdates, pb.HostUploads, pb.HostUploadResults),
+        "ReplyMessage": unary(service.ReplyMessage, pb.MessageReply, pb.UploadReply),
+        "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
+        "Leave": unary(service.Leave, pb.LeaveRequest, pb.LeaveReply),
+        "SecAggExchange": unary(service.SecAggExchange, pb.SecAggRequest, pb.SecAggReply),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -5,7 +5,7 @@ attempts per round) -> the coordinator opens it (:func:`open_ticket`: round, slo
 (each staged upload holds one model copy) -> its bytes land in a staging buffer -> complete and finite ->
 the coordinator accepts and folds it -> settled: a final refusal rejects the update, any other end leaves
 the agent free to try again. Per-update work runs on the loop for small updates, on a thread for large
-ones (:func:`per_update`). gRPC (server/service.py) runs all of it on the coordinator's event loop
+ones (:func:`per_update`). gRPC (server/app.py) runs all of it on the coordinator's event loop
 through :meth:`UploadIntake.take`. The data plane (server/dataplane.py) moves bytes and scans them in its
 worker threads and runs :meth:`UploadIntake.open`, :meth:`Upload.accept` and :meth:`UploadIntake.settle`
 on the loop. Every state change happens on the loop.
