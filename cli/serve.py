@@ -8,12 +8,8 @@ does; with --checkpoint-dir it resumes after a restart.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import os
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,18 +17,17 @@ from typing import TYPE_CHECKING
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.observability import Observers, add_observability_arguments
-from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
-from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
+from fedpar.cli.observability import add_observability_arguments
+from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
+from fedpar.cli.serve_once import serve_once
 from fedpar.cli.serve_service import ServiceOptions
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
-from fedpar.cli.user_errors import check_output_folder, check_port_free, describe, run_exit_code
+from fedpar.cli.user_errors import check_output_folder, check_port_free, describe
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.config import Device
 from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
-from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.heap import freeze_startup_heap
 from fedpar.sections import Output
 from fedpar.server.config import CoordinatorConfig
@@ -190,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
     freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     with stop_on_signals():
-        return _serve(args, plan)
+        return serve_once(args, plan)
 
 
 def _rank_failure(exc: BaseException) -> str:
@@ -229,7 +224,7 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
         if rank == 0:
             with stop_on_signals(second_exits=False):  # the launcher (spawn, torchrun) escalates
                 try:
-                    code = _serve(args, plan, RankLeader(group, advertised, plan.security.files))
+                    code = serve_once(args, plan, RankLeader(group, advertised, plan.security.files))
                 except OSError as exc:  # a full disk, a folder made read-only: the line cli/main.py would say
                     print(f"fedpar serve: {describe(exc)}", file=sys.stderr)
                     code = 1
@@ -254,81 +249,3 @@ def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: 
                                data_tls=plan.security.data_tls)
     server.serve_to_end()
     return 0
-
-
-def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
-    """Rank 0 (or the only rank): run the rounds, print the table, write metrics and checkpoints."""
-    from fedpar.server.ranks.stats import rank_columns
-    from fedpar.server.app import RestoreError
-    from fedpar.server.checkpoint import note_resume
-    from fedpar.simulations.run_outputs import write_run_outputs
-
-    config, security = plan.config, plan.security
-    columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else [])
-    if ranks is not None:
-        columns = columns + rank_columns(ranks.world)
-    table = RoundTable(total=config.rounds, columns=columns)
-    progress = LiveBar(total=config.rounds)
-    observers = Observers(args)
-    started = time.monotonic()
-    # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
-    threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
-    try:
-        server = plan.assembly.server(config, plan.strategy,
-                                      on_round_end=[progress.round_ended, table.row,
-                                                    *observers.round_callbacks()],
-                                      admission=security.admission, host=args.host, port=args.port,
-                                      credentials=security.credentials, data_tls=security.data_tls,
-                                      ranks=ranks)  # data plane: TLS, same certificate
-    except ValueError as exc:
-        observers.close()
-        print(f"fedpar serve: {exc}", file=sys.stderr)
-        return 2
-    if args.port_file:  # as soon as health checks are answered (NOT_SERVING while a checkpoint is restored)
-        server.on_listening = lambda port: atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
-    stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
-    try:
-        server.start()
-    except RestoreError as exc:  # e.g. a damaged checkpoint, or one made with another model
-        observers.close()
-        print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:  # while the checkpoint was restored
-        stopped_by = exc
-    except Exception as exc:
-        observers.close()
-        print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
-        return 1
-    try:
-        if stopped_by is not None:
-            raise stopped_by
-        observers.attach(server)
-        print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
-              f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
-              f"{security.client_hint} --agent-id ID ...)", flush=True)
-        try:
-            while not server.wait(0.5):
-                progress.follow(server.coordinator)
-        except OSError as exc:  # a full disk or an unwritable folder: one line (cli/main.py), and how to go on
-            note_resume(exc, config.checkpoint_dir)
-            raise
-        progress.close()
-        linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
-        while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:
-            time.sleep(0.05)
-    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop at once; what completed is checkpointed and summarized
-        stopped_by = exc
-    finally:
-        interrupted = stopped_by is not None
-        progress.close()
-        server.stop(grace=0.5 if interrupted else 1.0)
-        observers.close()
-    metrics = server.coordinator.metrics
-    outputs = write_run_outputs(Path(args.out), server.coordinator, plan.assembly.description,
-                                {"wall_seconds": time.monotonic() - started, "interrupted": interrupted},
-                                title=f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve")
-    if metrics.last:
-        print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
-    print(outputs.wrote_line(args.out))
-    return run_exit_code("fedpar serve", outputs.summary,
-                         signal_name(stopped_by) if stopped_by is not None else None)
