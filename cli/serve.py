@@ -146,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     flush_denormals()
     if args.state is not None:
-        from fedpar.cli.serve_service import run_service
-        return run_service(args, _plan)
+        return _serve_runs(args)
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_port_free(args.host, args.port)
@@ -166,26 +165,50 @@ def run(args: argparse.Namespace) -> int:
         return 2
     world = _world(args)
     if world > 1 and "WORLD_SIZE" not in os.environ:
-        from fedpar.parallel.init import spawn
-        try:
-            spawn(world, serve_rank, _plain_options(args), parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
-                  rank_0_decides=True)  # rank 0 goes on without a lost rank
-        except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
-            return exit_code(signal_name(exc))
-        except Exception as exc:  # a rank died or hung: the others were stopped with it
-            if getattr(exc, "error_index", None) == 0 and (getattr(exc, "exit_code", None) or 0) > 0:
-                return exc.exit_code  # rank 0 ended by itself, and said why in its own line
-            print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
-                  "resume after the last checkpointed round", file=sys.stderr)
-            return 1
-        return 0
+        return _spawn_ranks(args, world)
     if world > 1:  # one rank of a torchrun-launched group
-        from fedpar.parallel.init import exit_rank_process
-        serve_rank(args)
-        exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
+        _torchrun_rank(args)
     freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     with stop_on_signals():
         return serve_once(args, plan)
+
+
+def _serve_runs(args: argparse.Namespace) -> int:
+    """The long-lived form (--state), on one aggregator rank or several."""
+    from fedpar.cli.serve_service import run_service
+
+    world = _world(args)
+    if world > 1 and "WORLD_SIZE" not in os.environ:  # the state file and certificates are checked before
+        return run_service(args, _plan, launch_ranks=lambda: _spawn_ranks(args, world, {"state_lock_held": True}))
+    if world > 1:
+        _torchrun_rank(args)
+    return run_service(args, _plan)
+
+
+def _torchrun_rank(args: argparse.Namespace) -> None:
+    """Serve as one rank of a torchrun-launched group, and leave."""
+    from fedpar.parallel.init import exit_rank_process
+
+    serve_rank(args)
+    exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
+
+
+def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None) -> int:
+    """Serve in ``world`` local aggregator rank processes (``more``: options only they get); the exit code."""
+    from fedpar.parallel.init import spawn
+
+    try:
+        spawn(world, serve_rank, {**_plain_options(args), **(more or {})}, parent_stops=True,
+              stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True)  # rank 0 goes on without a lost rank
+    except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
+        return 0 if args.state is not None else exit_code(signal_name(exc))  # a service ends cleanly by signal
+    except Exception as exc:  # a rank died or hung: the others were stopped with it
+        if getattr(exc, "error_index", None) == 0 and (getattr(exc, "exit_code", None) or 0) > 0:
+            return exc.exit_code  # rank 0 ended by itself, and said why in its own line
+        print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
+              "resume after the last checkpointed round", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _rank_failure(exc: BaseException) -> str:
@@ -210,30 +233,48 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import exit_rank_process, init_distributed, shutdown_distributed
     from fedpar.server.ranks.group import RankGroup
-    from fedpar.server.ranks.leader import RankLeader
 
     setup_logging(args)
     flush_denormals()
     rank = int(os.environ.get("RANK", "0"))
-    plan = _plan(args, rank)
-    init_distributed(plan.config.aggregator_timeout_seconds, args.device)
-    group = RankGroup(plan.config.aggregator_timeout_seconds)
+    if args.state is not None:  # a service: each run's parts are built as it starts
+        timeout, plan = from_args(CoordinatorConfig, args).aggregator_timeout_seconds, None
+    else:
+        plan = _plan(args, rank)
+        timeout = plan.config.aggregator_timeout_seconds
+    init_distributed(timeout, args.device)
+    group = RankGroup(timeout)
     freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     advertised = "" if args.host in ("0.0.0.0", "::", "") else args.host
     try:
         if rank == 0:
             with stop_on_signals(second_exits=False):  # the launcher (spawn, torchrun) escalates
                 try:
-                    code = serve_once(args, plan, RankLeader(group, advertised, plan.security.files))
+                    code = _lead(args, plan, group, advertised)
                 except OSError as exc:  # a full disk, a folder made read-only: the line cli/main.py would say
                     print(f"fedpar serve: {describe(exc)}", file=sys.stderr)
                     code = 1
+        elif plan is None:  # a service's: each run rank 0 announces, until a signal ends it
+            from fedpar.cli.serve_ranks import follow_runs
+            follow_runs(args, group, lambda options: _serve_ingest(options, _plan(options, rank), group, advertised))
+            code = 0
         else:  # a signal ends it: it holds nothing rank 0 does not
             code = _serve_ingest(args, plan, group, advertised)
     finally:
         shutdown_distributed()
     if code:
         exit_rank_process(code)
+
+
+def _lead(args: argparse.Namespace, plan: ServePlan | None, group, advertised: str) -> int:
+    """Rank 0: the service (``plan`` None) or the one run, with the other ranks."""
+    from fedpar.server.ranks.leader import RankLeader
+
+    if plan is None:
+        from fedpar.cli.serve_ranks import ServiceRanks
+        from fedpar.cli.serve_service import run_service
+        return run_service(args, _plan, rank_group=ServiceRanks(group, advertised))
+    return serve_once(args, plan, RankLeader(group, advertised, plan.security.files))
 
 
 def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: str) -> int:

@@ -79,8 +79,9 @@ class RunEnd:
 class RunService:
     """Executes the queued runs of ``store`` one after another on ``port``, with ``args`` as every run's base."""
 
-    def __init__(self, args: argparse.Namespace, store: RunStore, port: int, plan: Callable):
+    def __init__(self, args: argparse.Namespace, store: RunStore, port: int, plan: Callable, rank_group=None):
         self.args, self.store, self.port, self.plan = args, store, port, plan  # plan: serve's, args -> ServePlan
+        self.rank_group = rank_group  # the ServiceRanks of the other aggregator ranks (cli/serve_ranks.py), or None
         self.runs_dir = Path(f"{args.state}.runs")
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))  # one endpoint
         self.agents_server = None  # the coordinator on the agents' port now (idle or a run's), None between them
@@ -207,6 +208,9 @@ class RunService:
             out.mkdir(parents=True, exist_ok=True)
             plan = plan or self.plan(args)
             events = tensorboard_writer(self.tensorboard_dir(run))
+            if ranks is None and self.rank_group is not None:
+                ranks = self.rank_group.leader_for(json_ready({**run.settings, "out": args.out,
+                                                               "checkpoint_dir": args.checkpoint_dir}), plan)
             record = lambda row: self.store.record_round(run.id, json_ready(row))  # noqa: E731
             server = plan.assembly.server(
                 plan.config, plan.strategy, on_round_end=[record, *self.round_callbacks(plan, ranks),
@@ -283,20 +287,19 @@ def json_ready(row: dict) -> dict:
     return json.loads(json.dumps(row, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
-def run_service(args: argparse.Namespace, plan: Callable) -> int:
+def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable[[], int] | None = None,
+                rank_group=None) -> int:
     """``fedpar serve --state PATH``: serve runs until SIGTERM or SIGINT (``plan``: serve's, builds a run's
-    coordinator parts from its options)."""
+    coordinator parts from its options). ``launch_ranks``: once the state file and the certificates are checked
+    (and the state file locked), start the aggregator ranks, rank 0 of which serves, and return their exit code;
+    ``rank_group``: rank 0's ServiceRanks (cli/serve_ranks.py)."""
     from fedpar.cli.tlsopts import server_security
     from fedpar.security.tls import server_credentials, server_tls_files
     from fedpar.server.run_control import RunControlServer
 
-    if int(os.environ.get("WORLD_SIZE", args.aggregator_ranks)) > 1:
-        print("fedpar serve: --state runs each run on one aggregator rank; drop --aggregator-ranks (several ranks "
-              "work in the one-shot form, without --state)", file=sys.stderr)
-        return 2
     state = Path(args.state)
     state.parent.mkdir(parents=True, exist_ok=True)
-    lock = _lock(state)
+    lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
     try:
         store = RunStore(state)
     except StoreError as exc:
@@ -311,12 +314,18 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
     except (ValueError, UserError) as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
+    if launch_ranks is not None:
+        store.close()
+        try:
+            return launch_ranks()
+        finally:
+            lock.close()
     for run_id in store.recover():
         line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
         store.log(run_id, line)
         print(line, flush=True)
     port = args.port or _free_port(args.host)
-    service = RunService(args, store, port, plan)
+    service = RunService(args, store, port, plan, rank_group)
     control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
     if args.port_file:  # first: a script that sees the control port file finds both
         atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
@@ -325,7 +334,9 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
     print(f"fedpar service: agents on {args.host}:{port}, control API on {args.host}:{control.port} (mutual TLS, "
           f"operators only), runs in {state}", flush=True)
     try:
-        with stop_on_signals():
+        with stop_on_signals(second_exits=rank_group is None) as received:  # a rank's launcher escalates
+            if rank_group is not None:
+                rank_group.signalled = lambda: received.signal is not None
             service.serve_forever()
     except KeyboardInterrupt as exc:
         print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)
@@ -337,5 +348,6 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
         control.stop()
         service.observers.close()
         store.close()
-        lock.close()
+        if lock is not None:
+            lock.close()
     return 0

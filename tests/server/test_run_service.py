@@ -209,10 +209,6 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
                              str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=60)  # the state file is the first one's
     _one_line_error(second, "is in use by another fedpar serve")
-    ranks = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(fed.tmp / "other.db"),
-                            "--certs", str(fed.certs), "--port", "0", "--control-port", "0", "--aggregator-ranks",
-                            "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
-    _one_line_error(ranks, "--state runs each run on one aggregator rank")
     assert len(store.runs()) == before and fed.service.poll() is None
     assert ("a1", "refused ls") in [(a["who"], a["action"]) for a in store.audit_rows()]
 
@@ -331,3 +327,27 @@ def test_each_run_samples_only_the_agents_that_have_its_task(tmp_path):
         assert "has the operator role" in refused.value.details(), refused.value.details()
     finally:
         fed.close()
+
+
+def test_a_service_on_two_aggregator_ranks_runs_one_run_after_another_on_both(tmp_path):
+    fed = Federation(tmp_path, ((), ()), 2, "--aggregator-ranks", "2")
+    try:
+        store = RunStore(fed.state)
+        first = fed.submit_rpc("first", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
+        long = fed.submit_rpc("long", f'rounds = 200\nstrategy = "fedavgm"\n{QUICK}')
+        _wait_for(lambda: store.get(long).round >= 1, 240, "the second run never completed a round on two ranks")
+        store.request_stop(long, "test")  # as 'fedpar run stop' does: the other rank leaves this run too
+        third = fed.submit_rpc("third", f'rounds = 1\nstrategy = "fedadam"\n{QUICK}')
+        _wait_for(lambda: store.get(third).status not in ("queued", "running"), 240, "the third run did not end")
+        assert [store.get(i).status for i in (first, long, third)] == ["finished", "stopped", "finished"], \
+            [(r.id, r.status, r.reason) for r in store.runs()]
+        for run_id in (first, third):
+            rows = store.round_metrics(run_id)
+            assert [r["ranks_live"] for r in rows] == [2] * store.get(run_id).settings["rounds"], rows
+            assert all(r["r0_uploads"] + r["r1_uploads"] == r["reported"] == 2 for r in rows), rows
+            assert Path(store.get(run_id).model_path).is_file()
+        assert sum(r["r1_uploads"] for run_id in (first, long, third) for r in store.round_metrics(run_id)) > 0
+        assert fed.service.poll() is None and all(agent.poll() is None for agent in fed.agents)
+    finally:
+        fed.close()
+    assert fed.service.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
