@@ -4,6 +4,7 @@ bad input is one line and a non-zero exit. Real processes on loopback."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -351,3 +352,39 @@ def test_a_service_on_two_aggregator_ranks_runs_one_run_after_another_on_both(tm
     finally:
         fed.close()
     assert fed.service.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+
+
+def test_the_one_shot_form_runs_its_flags_as_one_run_and_leaves_what_it_always_left(tmp_path):
+    """`fedpar serve --rounds N` (no --state) is a service of one run, in memory: its --out folder, checkpoints and
+    TensorBoard folder are as before, its agents hear that training is over, and it exits 0."""
+    from fedpar.server.checkpoint import load_checkpoint
+
+    out, tb, ckpt = tmp_path / "out", tmp_path / "tb", tmp_path / "ckpt"
+    serve = _fedpar("serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out", str(out),
+                    "--rounds", "2", "--min-available", "2", "--clients-per-round", "2", "--local-epochs", "1",
+                    "--checkpoint-dir", str(ckpt), "--tensorboard", str(tb), "--metrics-port", "0",
+                    log=tmp_path / "serve.log")
+    agents = []
+    try:
+        _wait_for(lambda: (tmp_path / "port").exists() or serve.poll() is not None, 60, "serve did not start")
+        port = int((tmp_path / "port").read_text())
+        agents = [_fedpar("client", "--server", f"127.0.0.1:{port}", "--insecure", "--agent-id", f"a{i}",
+                          "--num-partitions", "2", "--partition-index", str(i), "--poll", "1", "--threads", "1",
+                          log=tmp_path / f"a{i}.log") for i in range(2)]
+        assert serve.wait(120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert [agent.wait(30) for agent in agents] == [0, 0]  # told that training is over: they stop
+    finally:
+        for process in [serve, *agents]:
+            if process.poll() is None:
+                process.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert f"coordinator listening on 127.0.0.1:{port}" in log and "Prometheus metrics at http://" in log
+    wrote = rf"^wrote {out}/metrics\.jsonl, .*global\.safetensors.*summary\.json"
+    assert '"final": {' in log and re.search(wrote, log, re.M), log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and (out / "metrics.csv").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2 and not summary["interrupted"]
+    assert load_checkpoint(ckpt).round_id == 2 and (out / "global.safetensors").is_file()
+    assert list(tb.glob("events.out.tfevents.*")) and not list(tb.glob("run-*"))  # its own folder, not a run's
+    assert "run 1" not in log  # the run store's lines are the service's, not this form's
