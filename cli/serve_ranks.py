@@ -72,3 +72,5 @@ def follow_runs(args: argparse.Namespace, group: RankGroup, serve_run: Callable[
             return
         followed += 1
         serve_run(run_args(args, json.loads(group.store.get(key))))
+        if group.control is None:  # rank 0 declared this rank lost and went on without it: it leaves
+            return
