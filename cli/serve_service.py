@@ -204,6 +204,7 @@ class RunService:
         self.store.start(run.id, str(out))
         self._say(run, f"run {run.id} ({run.name}) started: task {task!r}, {args.rounds} rounds; only agents that "
                        "have its task are sampled")
+        events = None
         try:
             out.mkdir(parents=True, exist_ok=True)
             plan = plan or self.plan(args)
@@ -218,6 +219,8 @@ class RunService:
                 admission=plan.security.admission, host=self.args.host, port=self.port,
                 credentials=plan.security.credentials, data_tls=plan.security.data_tls, ranks=ranks)
         except (ValueError, UserError, OSError) as exc:
+            if events is not None:
+                events.close()
             return self._end(run, "failed", f"cannot start: {exc}", said=str(exc), code=2)
         server.coordinator.keeps_members = self.keeps_members
         if self.samples_by_task:
