@@ -8,12 +8,8 @@ does; with --checkpoint-dir it resumes after a restart.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import os
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,18 +17,17 @@ from typing import TYPE_CHECKING
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.observability import Observers, add_observability_arguments
-from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
-from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
+from fedpar.cli.observability import add_observability_arguments
+from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
+from fedpar.cli.serve_once import serve_once
 from fedpar.cli.serve_service import ServiceOptions
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
-from fedpar.cli.user_errors import check_output_folder, check_port_free, describe, run_exit_code
+from fedpar.cli.user_errors import check_output_folder, check_port_free, describe
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.config import Device
 from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
-from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.heap import freeze_startup_heap
 from fedpar.sections import Output
 from fedpar.server.config import CoordinatorConfig
@@ -151,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     flush_denormals()
     if args.state is not None:
-        from fedpar.cli.serve_service import run_service
-        return run_service(args, _plan)
+        return _serve_runs(args)
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_port_free(args.host, args.port)
@@ -171,26 +165,50 @@ def run(args: argparse.Namespace) -> int:
         return 2
     world = _world(args)
     if world > 1 and "WORLD_SIZE" not in os.environ:
-        from fedpar.parallel.init import spawn
-        try:
-            spawn(world, serve_rank, _plain_options(args), parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
-                  rank_0_decides=True)  # rank 0 goes on without a lost rank
-        except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
-            return exit_code(signal_name(exc))
-        except Exception as exc:  # a rank died or hung: the others were stopped with it
-            if getattr(exc, "error_index", None) == 0 and (getattr(exc, "exit_code", None) or 0) > 0:
-                return exc.exit_code  # rank 0 ended by itself, and said why in its own line
-            print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
-                  "resume after the last checkpointed round", file=sys.stderr)
-            return 1
-        return 0
+        return _spawn_ranks(args, world)
     if world > 1:  # one rank of a torchrun-launched group
-        from fedpar.parallel.init import exit_rank_process
-        serve_rank(args)
-        exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
+        _torchrun_rank(args)
     freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     with stop_on_signals():
-        return _serve(args, plan)
+        return serve_once(args, plan)
+
+
+def _serve_runs(args: argparse.Namespace) -> int:
+    """The long-lived form (--state), on one aggregator rank or several."""
+    from fedpar.cli.serve_service import run_service
+
+    world = _world(args)
+    if world > 1 and "WORLD_SIZE" not in os.environ:  # the state file and certificates are checked before
+        return run_service(args, _plan, launch_ranks=lambda: _spawn_ranks(args, world, {"state_lock_held": True}))
+    if world > 1:
+        _torchrun_rank(args)
+    return run_service(args, _plan)
+
+
+def _torchrun_rank(args: argparse.Namespace) -> None:
+    """Serve as one rank of a torchrun-launched group, and leave."""
+    from fedpar.parallel.init import exit_rank_process
+
+    serve_rank(args)
+    exit_rank_process(0)  # a finished rank leaves without the teardown that can abort (parallel/init.py)
+
+
+def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None) -> int:
+    """Serve in ``world`` local aggregator rank processes (``more``: options only they get); the exit code."""
+    from fedpar.parallel.init import spawn
+
+    try:
+        spawn(world, serve_rank, {**_plain_options(args), **(more or {})}, parent_stops=True,
+              stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True)  # rank 0 goes on without a lost rank
+    except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
+        return 0 if args.state is not None else exit_code(signal_name(exc))  # a service ends cleanly by signal
+    except Exception as exc:  # a rank died or hung: the others were stopped with it
+        if getattr(exc, "error_index", None) == 0 and (getattr(exc, "exit_code", None) or 0) > 0:
+            return exc.exit_code  # rank 0 ended by itself, and said why in its own line
+        print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
+              "resume after the last checkpointed round", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _rank_failure(exc: BaseException) -> str:
@@ -215,30 +233,48 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import exit_rank_process, init_distributed, shutdown_distributed
     from fedpar.server.ranks.group import RankGroup
-    from fedpar.server.ranks.leader import RankLeader
 
     setup_logging(args)
     flush_denormals()
     rank = int(os.environ.get("RANK", "0"))
-    plan = _plan(args, rank)
-    init_distributed(plan.config.aggregator_timeout_seconds, args.device)
-    group = RankGroup(plan.config.aggregator_timeout_seconds)
+    if args.state is not None:  # a service: each run's parts are built as it starts
+        timeout, plan = from_args(CoordinatorConfig, args).aggregator_timeout_seconds, None
+    else:
+        plan = _plan(args, rank)
+        timeout = plan.config.aggregator_timeout_seconds
+    init_distributed(timeout, args.device)
+    group = RankGroup(timeout)
     freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     advertised = "" if args.host in ("0.0.0.0", "::", "") else args.host
     try:
         if rank == 0:
             with stop_on_signals(second_exits=False):  # the launcher (spawn, torchrun) escalates
                 try:
-                    code = _serve(args, plan, RankLeader(group, advertised, plan.security.files))
+                    code = _lead(args, plan, group, advertised)
                 except OSError as exc:  # a full disk, a folder made read-only: the line cli/main.py would say
                     print(f"fedpar serve: {describe(exc)}", file=sys.stderr)
                     code = 1
+        elif plan is None:  # a service's: each run rank 0 announces, until a signal ends it
+            from fedpar.cli.serve_ranks import follow_runs
+            follow_runs(args, group, lambda options: _serve_ingest(options, _plan(options, rank), group, advertised))
+            code = 0
         else:  # a signal ends it: it holds nothing rank 0 does not
             code = _serve_ingest(args, plan, group, advertised)
     finally:
         shutdown_distributed()
     if code:
         exit_rank_process(code)
+
+
+def _lead(args: argparse.Namespace, plan: ServePlan | None, group, advertised: str) -> int:
+    """Rank 0: the service (``plan`` None) or the one run, with the other ranks."""
+    from fedpar.server.ranks.leader import RankLeader
+
+    if plan is None:
+        from fedpar.cli.serve_ranks import ServiceRanks
+        from fedpar.cli.serve_service import run_service
+        return run_service(args, _plan, rank_group=ServiceRanks(group, advertised))
+    return serve_once(args, plan, RankLeader(group, advertised, plan.security.files))
 
 
 def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: str) -> int:
@@ -254,81 +290,3 @@ def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: 
                                data_tls=plan.security.data_tls)
     server.serve_to_end()
     return 0
-
-
-def _serve(args: argparse.Namespace, plan: ServePlan, ranks=None) -> int:
-    """Rank 0 (or the only rank): run the rounds, print the table, write metrics and checkpoints."""
-    from fedpar.server.ranks.stats import rank_columns
-    from fedpar.server.app import RestoreError
-    from fedpar.server.checkpoint import note_resume
-    from fedpar.simulations.run_outputs import write_run_outputs
-
-    config, security = plan.config, plan.security
-    columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else [])
-    if ranks is not None:
-        columns = columns + rank_columns(ranks.world)
-    table = RoundTable(total=config.rounds, columns=columns)
-    progress = LiveBar(total=config.rounds)
-    observers = Observers(args)
-    started = time.monotonic()
-    # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
-    threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
-    try:
-        server = plan.assembly.server(config, plan.strategy,
-                                      on_round_end=[progress.round_ended, table.row,
-                                                    *observers.round_callbacks()],
-                                      admission=security.admission, host=args.host, port=args.port,
-                                      credentials=security.credentials, data_tls=security.data_tls,
-                                      ranks=ranks)  # data plane: TLS, same certificate
-    except ValueError as exc:
-        observers.close()
-        print(f"fedpar serve: {exc}", file=sys.stderr)
-        return 2
-    if args.port_file:  # as soon as health checks are answered (NOT_SERVING while a checkpoint is restored)
-        server.on_listening = lambda port: atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
-    stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
-    try:
-        server.start()
-    except RestoreError as exc:  # e.g. a damaged checkpoint, or one made with another model
-        observers.close()
-        print(f"fedpar serve: cannot resume: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:  # while the checkpoint was restored
-        stopped_by = exc
-    except Exception as exc:
-        observers.close()
-        print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
-        return 1
-    try:
-        if stopped_by is not None:
-            raise stopped_by
-        observers.attach(server)
-        print(f"coordinator listening on {args.host}:{server.port} ({security.description}); waiting for "
-              f"{config.min_available} agents (start them with: fedpar client --server {args.host}:{server.port} "
-              f"{security.client_hint} --agent-id ID ...)", flush=True)
-        try:
-            while not server.wait(0.5):
-                progress.follow(server.coordinator)
-        except OSError as exc:  # a full disk or an unwritable folder: one line (cli/main.py), and how to go on
-            note_resume(exc, config.checkpoint_dir)
-            raise
-        progress.close()
-        linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
-        while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:
-            time.sleep(0.05)
-    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop at once; what completed is checkpointed and summarized
-        stopped_by = exc
-    finally:
-        interrupted = stopped_by is not None
-        progress.close()
-        server.stop(grace=0.5 if interrupted else 1.0)
-        observers.close()
-    metrics = server.coordinator.metrics
-    outputs = write_run_outputs(Path(args.out), server.coordinator, plan.assembly.description,
-                                {"wall_seconds": time.monotonic() - started, "interrupted": interrupted},
-                                title=f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve")
-    if metrics.last:
-        print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
-    print(outputs.wrote_line(args.out))
-    return run_exit_code("fedpar serve", outputs.summary,
-                         signal_name(stopped_by) if stopped_by is not None else None)

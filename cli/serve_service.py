@@ -64,11 +64,24 @@ def _lock(path: Path):
     return handle
 
 
+@dataclass
+class RunEnd:
+    """How :meth:`RunService.execute` left a run: its status (None: a signal stopped the service during it), why,
+    the exit code of a run that could not start, and the outputs written (None if it did not start)."""
+
+    status: str | None
+    reason: str
+    code: int = 0
+    outputs: object = None
+    stopped_by: KeyboardInterrupt | None = None
+
+
 class RunService:
     """Executes the queued runs of ``store`` one after another on ``port``, with ``args`` as every run's base."""
 
-    def __init__(self, args: argparse.Namespace, store: RunStore, port: int, plan: Callable):
+    def __init__(self, args: argparse.Namespace, store: RunStore, port: int, plan: Callable, rank_group=None):
         self.args, self.store, self.port, self.plan = args, store, port, plan  # plan: serve's, args -> ServePlan
+        self.rank_group = rank_group  # the ServiceRanks of the other aggregator ranks (cli/serve_ranks.py), or None
         self.runs_dir = Path(f"{args.state}.runs")
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))  # one endpoint
         self.agents_server = None  # the coordinator on the agents' port now (idle or a run's), None between them
@@ -125,7 +138,9 @@ class RunService:
                 if idle is not None:
                     self._let_go(idle)
                     idle = None
-                self.execute(run)
+                end = self.execute(run)
+                if end.stopped_by is not None:
+                    raise end.stopped_by
         finally:
             if idle is not None:
                 self._let_go(idle)
@@ -144,72 +159,125 @@ class RunService:
         server.start()
         return server
 
-    def execute(self, run) -> None:
-        """Run ``run`` to its end (finished, failed or stopped); a signal leaves it running, to resume."""
+    # What one form of the service does differently from the other (cli/serve_once.py overrides these).
+    keeps_members = True  # the next run takes the agents: they never hear that training is over
+    samples_by_task = True  # only agents that declared the run's task are sampled
+
+    def options_of(self, run) -> argparse.Namespace:
+        """The options of ``run``: the service's, with its settings over them, writing in PATH.runs/ID."""
+        out = self.runs_dir / str(run.id)
+        return run_args(self.args, {**run.settings, "out": str(out), "checkpoint_dir": out / "checkpoints"})
+
+    def tensorboard_dir(self, run) -> str | None:
+        """Where ``run``'s TensorBoard events go: a subfolder per run."""
+        return str(Path(self.args.tensorboard) / f"run-{run.id}") if self.args.tensorboard else None
+
+    def round_callbacks(self, plan, ranks) -> list[Callable[[dict], None]]:
+        """What sees each round's metrics row besides the store and TensorBoard."""
+        return []
+
+    def watch(self, server, run) -> None:
+        """Have the Prometheus endpoint follow ``server`` (before it starts): one endpoint, a run label."""
+        self.observers.attach_run(server, run.id)
+
+    def listening(self, server, plan) -> None:
+        """``server`` started: remember it as the one on the agents' port."""
+        self.agents_server = server
+
+    def waiting(self, server) -> None:
+        """Twice a second while ``server``'s rounds run."""
+
+    def round_error(self, exc: Exception, config) -> str:
+        """Why a run ended by ``exc`` (a round's error) failed: the service goes on with the next run (called in
+        its ``except`` clause: raising there ends the service)."""
+        return f"{type(exc).__name__}: {exc}"
+
+    def execute(self, run, plan=None, ranks=None) -> RunEnd:
+        """Run ``run`` to its end (finished, failed or stopped; ``plan``: its parts built already, ``ranks``: the
+        RankLeader of the other aggregator ranks); a signal leaves it running (``stopped_by``), to resume."""
         from fedpar.server.app import RestoreError
         from fedpar.simulations.run_outputs import write_run_outputs
 
-        out = self.runs_dir / str(run.id)
-        args = run_args(self.args, {**run.settings, "out": str(out), "checkpoint_dir": out / "checkpoints"})
-        tensorboard = str(Path(self.args.tensorboard) / f"run-{run.id}") if self.args.tensorboard else None
+        args = self.options_of(run)
+        out = Path(args.out)
         task = task_label(args)
         self.store.start(run.id, str(out))
         self._say(run, f"run {run.id} ({run.name}) started: task {task!r}, {args.rounds} rounds; only agents that "
                        "have its task are sampled")
+        events = None
         try:
             out.mkdir(parents=True, exist_ok=True)
-            plan = self.plan(args)
-            events = tensorboard_writer(tensorboard)
+            plan = plan or self.plan(args)
+            events = tensorboard_writer(self.tensorboard_dir(run))
+            if ranks is None and self.rank_group is not None:
+                ranks = self.rank_group.leader_for(json_ready({**run.settings, "out": args.out,
+                                                               "checkpoint_dir": args.checkpoint_dir}), plan)
+            record = lambda row: self.store.record_round(run.id, json_ready(row))  # noqa: E731
+            server = plan.assembly.server(
+                plan.config, plan.strategy, on_round_end=[record, *self.round_callbacks(plan, ranks),
+                                                          *([events.write] if events else [])],
+                admission=plan.security.admission, host=self.args.host, port=self.port,
+                credentials=plan.security.credentials, data_tls=plan.security.data_tls, ranks=ranks)
         except (ValueError, UserError, OSError) as exc:
-            self._end(run, "failed", f"cannot start: {exc}")
-            return
-        record = lambda row: self.store.record_round(run.id, _plain(row))  # noqa: E731
-        server = plan.assembly.server(plan.config, plan.strategy, on_round_end=[record, *([events.write] if events
-                                                                                          else [])],
-                                      admission=plan.security.admission, host=self.args.host, port=self.port,
-                                      credentials=plan.security.credentials, data_tls=plan.security.data_tls)
-        server.coordinator.keeps_members = True
-        server.coordinator.members.require_task(task, lambda agent, why: self._say(run, why), self.known_tasks)
-        self.observers.attach_run(server, run.id)
-        started, status, reason = time.monotonic(), "failed", ""
+            if events is not None:
+                events.close()
+            return self._end(run, "failed", f"cannot start: {exc}", said=str(exc), code=2)
+        server.coordinator.keeps_members = self.keeps_members
+        if self.samples_by_task:
+            server.coordinator.members.require_task(task, lambda agent, why: self._say(run, why), self.known_tasks)
+        started, status, reason, stopped_by = time.monotonic(), "failed", "", None
         try:
+            self.watch(server, run)
             try:
                 server.start()
-            except RestoreError as exc:
-                reason = f"cannot resume: {exc}"
-                return
-            self.agents_server = server
+            except RestoreError as exc:  # e.g. a damaged checkpoint, or one made with another model
+                return self._end(run, "failed", f"cannot resume: {exc}", code=2)
+            except (KeyboardInterrupt, UserError):
+                raise
+            except Exception as exc:  # the port is taken
+                return self._end(run, "failed", f"{exc}; try another --port (0 picks a free one)", code=1)
+            self.listening(server, plan)
             resumed = server.coordinator.metrics.last  # a kill between a round's checkpoint and its row here
             if resumed is not None and server.coordinator.round_id > self.store.get(run.id).round:
                 record(resumed)
             while not server.wait(0.5):
+                self.waiting(server)
                 if self.store.stop_requested(run.id):
                     status, reason = "stopped", f"stopped after round {server.coordinator.round_id}"
                     break
             else:
                 status = "finished"
-        except KeyboardInterrupt:
-            status = None  # the service is stopping: the run resumes at its next start
-            raise
-        except Exception as exc:  # a round's error ends this run, not the service
-            reason = f"{type(exc).__name__}: {exc}"
+                linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
+                while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:
+                    time.sleep(0.05)
+        except KeyboardInterrupt as exc:  # the service is stopping: the run resumes at its next start
+            status, stopped_by = None, exc
+        except Exception as exc:  # a round's error ends this run (the one-shot form re-raises it)
+            reason = self.round_error(exc, plan.config)
         finally:
             self._agents_now()
             self.agents_server = None
             server.stop(grace=0.5)
             if events is not None:
                 events.close()
-            outputs = write_run_outputs(out, server.coordinator, plan.assembly.description,
-                                        {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"},
-                                        title=f"run {run.id} ({run.name})")
-            if status is not None:
-                model = out / "global.safetensors"
-                self._end(run, status, reason or outputs.summary.get("stopped_because", ""),
-                          str(model) if model.is_file() else "")
+        outputs = write_run_outputs(out, server.coordinator, plan.assembly.description,
+                                    {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"},
+                                    title=self.title(run, args))
+        if status is None:
+            return RunEnd(None, "", outputs=outputs, stopped_by=stopped_by)
+        model = out / "global.safetensors"
+        return self._end(run, status, reason or outputs.summary.get("stopped_because", ""),
+                         str(model) if model.is_file() else "", outputs=outputs)
 
-    def _end(self, run, status: str, reason: str, model: str = "") -> None:
+    def title(self, run, args: argparse.Namespace) -> str:
+        """The title of ``run``'s plots."""
+        return f"run {run.id} ({run.name})"
+
+    def _end(self, run, status: str, reason: str, model: str = "", said: str = "", code: int = 0,
+             outputs=None) -> RunEnd:
         self._say(run, f"run {run.id} ({run.name}) {status}" + (f": {reason}" if reason else ""))
         self.store.end(run.id, status, reason, model)  # after its last line: a follower that sees it ended has all
+        return RunEnd(status, said or reason, code, outputs)
 
     def _say(self, run, line: str) -> None:
         """``line`` in the run's log ('fedpar run logs') and on the service's output."""
@@ -217,25 +285,24 @@ class RunService:
         print(line, flush=True)
 
 
-def _plain(row: dict) -> dict:
+def json_ready(row: dict) -> dict:
     """A metrics row as JSON holds it (numpy scalars as numbers)."""
     return json.loads(json.dumps(row, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
-def run_service(args: argparse.Namespace, plan: Callable) -> int:
+def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable[[], int] | None = None,
+                rank_group=None) -> int:
     """``fedpar serve --state PATH``: serve runs until SIGTERM or SIGINT (``plan``: serve's, builds a run's
-    coordinator parts from its options)."""
+    coordinator parts from its options). ``launch_ranks``: once the state file and the certificates are checked
+    (and the state file locked), start the aggregator ranks, rank 0 of which serves, and return their exit code;
+    ``rank_group``: rank 0's ServiceRanks (cli/serve_ranks.py)."""
     from fedpar.cli.tlsopts import server_security
     from fedpar.security.tls import server_credentials, server_tls_files
     from fedpar.server.run_control import RunControlServer
 
-    if int(os.environ.get("WORLD_SIZE", args.aggregator_ranks)) > 1:
-        print("fedpar serve: --state runs each run on one aggregator rank; drop --aggregator-ranks (several ranks "
-              "work in the one-shot form, without --state)", file=sys.stderr)
-        return 2
     state = Path(args.state)
     state.parent.mkdir(parents=True, exist_ok=True)
-    lock = _lock(state)
+    lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
     try:
         store = RunStore(state)
     except StoreError as exc:
@@ -250,12 +317,18 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
     except (ValueError, UserError) as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
+    if launch_ranks is not None:
+        store.close()
+        try:
+            return launch_ranks()
+        finally:
+            lock.close()
     for run_id in store.recover():
         line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
         store.log(run_id, line)
         print(line, flush=True)
     port = args.port or _free_port(args.host)
-    service = RunService(args, store, port, plan)
+    service = RunService(args, store, port, plan, rank_group)
     control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
     if args.port_file:  # first: a script that sees the control port file finds both
         atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
@@ -264,7 +337,9 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
     print(f"fedpar service: agents on {args.host}:{port}, control API on {args.host}:{control.port} (mutual TLS, "
           f"operators only), runs in {state}", flush=True)
     try:
-        with stop_on_signals():
+        with stop_on_signals(second_exits=rank_group is None) as received:  # a rank's launcher escalates
+            if rank_group is not None:
+                rank_group.signalled = lambda: received.signal is not None
             service.serve_forever()
     except KeyboardInterrupt as exc:
         print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)
@@ -276,5 +351,6 @@ def run_service(args: argparse.Namespace, plan: Callable) -> int:
         control.stop()
         service.observers.close()
         store.close()
-        lock.close()
+        if lock is not None:
+            lock.close()
     return 0

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from fedpar.cli.task_options import task_label
     from fedpar.client.links import FatalAgentError
     from fedpar.datasets import load_dataset
     from fedpar.datasets.members import member_source
@@ -83,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
         stats = host_population(args.server, population, task, partition_of, args.seed, args.seats, device=device,
                                 precision=args.precision, day_seconds=args.trace_day_seconds,
-                                max_backoff=args.max_backoff, give_up_after=args.give_up_after).run()
+                                max_backoff=args.max_backoff, give_up_after=args.give_up_after,
+                                task_name=task_label(argparse.Namespace(task=None, model=args.model,
+                                                                        dataset=args.dataset))).run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
         return 2

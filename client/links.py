@@ -374,7 +374,8 @@ class HostLink:
                                           num_examples=max(1, self.members.train_size(i)), away=bool(away[i]))
                       for i in chunk]
             reply = self.conn.stub.JoinPopulation(pb.JoinPopulationRequest(
-                host=self.host, members=listed, protocol_version=PROTOCOL_VERSION), timeout=60)
+                host=self.host, members=listed, protocol_version=PROTOCOL_VERSION,
+                capabilities={"task": self.config.task} if self.config.task else {}), timeout=60)
             self.host.token = reply.host_token
             tokens.extend(reply.tokens)
             self.max_chunk = reply.max_chunk_bytes

@@ -365,16 +365,25 @@ class PopulationMember(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., away: bool = ...) -> None: ...
 
 class JoinPopulationRequest(_message.Message):
-    __slots__ = ("host", "members", "protocol_version", "enrollment_token")
+    __slots__ = ("host", "members", "protocol_version", "enrollment_token", "capabilities")
+    class CapabilitiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HOST_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENROLLMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     members: _containers.RepeatedCompositeFieldContainer[PopulationMember]
     protocol_version: int
     enrollment_token: str
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., members: _Optional[_Iterable[_Union[PopulationMember, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ...) -> None: ...
+    capabilities: _containers.ScalarMap[str, str]
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., members: _Optional[_Iterable[_Union[PopulationMember, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JoinPopulationReply(_message.Message):
     __slots__ = ("host_token", "tokens", "heartbeat_seconds", "max_chunk_bytes")

@@ -47,7 +47,8 @@ class Members:
         self._changed = asyncio.Event()  # binds to the loop that first waits on it (the serving loop)
         self.needs_task: str | None = None  # a service's run: only agents declaring this task are sampled
         self._on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
-        self._lacking: set[str] = set()  # agents that do not declare ``needs_task``
+        self._lacking: set[str] = set()  # agents (and simulation hosts) that do not declare ``needs_task``
+        self._lacking_hosts: set[str] = set()  # simulation hosts that do not: none of their members is sampled
 
     # ----------------------------------------------------------------- joining and leaving
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
@@ -75,24 +76,33 @@ class Members:
         for agent_id, declared in sorted((known or {}).items()):
             self._check_task(agent_id, declared)
 
-    def _check_task(self, agent_id: str, task: str | None) -> None:
-        """Keep ``agent_id`` out of the cohorts unless it declared the task this coordinator's run needs."""
+    def _check_task(self, agent_id: str, task: str | None, who: str = "agent") -> None:
+        """Keep ``agent_id`` out of the cohorts unless it declared the task this coordinator's run needs (``who``: what
+        it is, as its line names it)."""
         if self.needs_task is None or task == self.needs_task:
             self._lacking.discard(agent_id)
             return
         if agent_id not in self._lacking:
             self._lacking.add(agent_id)
             has = f"has task {task!r}" if task else "did not say which task it has (an older fedpar?)"
-            self._on_lacking(agent_id, f"agent {agent_id} is skipped: it {has}, this run needs {self.needs_task!r}")
+            self._on_lacking(agent_id, f"{who} {agent_id} is skipped: it {has}, this run needs {self.needs_task!r}")
+
+    def _check_host_task(self, host_id: str, task: str | None) -> None:
+        """Keep every member of simulation host ``host_id`` out of the cohorts unless it declared the run's task."""
+        self._check_task(host_id, task, "simulation host")
+        if host_id in self._lacking:
+            self._lacking_hosts.add(host_id)
+        else:
+            self._lacking_hosts.discard(host_id)
 
     def declared_tasks(self) -> dict[str, str | None]:
-        """The task each live agent declared at Join (None: it did not say)."""
+        """The task each live agent declared at Join (None: it did not say); not a simulation host's members."""
         records = (self.registry.get(a) for a in self.registry.live_ids())
-        return {r.agent_id: (r.capabilities or {}).get("task") for r in records if r is not None}
+        return {r.agent_id: (r.capabilities or {}).get("task") for r in records if r is not None and r.host is None}
 
     def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
-                        peer: PeerIdentity | None = None,
-                        enrollment_token: str = "") -> tuple[HostRecord, list[AgentRecord]]:
+                        peer: PeerIdentity | None = None, enrollment_token: str = "",
+                        capabilities: dict[str, str] | None = None) -> tuple[HostRecord, list[AgentRecord]]:
         """A Refusal: this member source takes no simulated populations (server/populations.py does)."""
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")
@@ -116,7 +126,12 @@ class Members:
     def live_ids(self) -> list[str]:
         """Ids of the members that may be sampled now, sorted (not those lacking the run's task)."""
         live = self.registry.live_ids()
-        return [a for a in live if a not in self._lacking] if self._lacking else live
+        if not self._lacking:
+            return live
+        if not self._lacking_hosts:
+            return [a for a in live if a not in self._lacking]
+        hosts = {a: r.host for a in live if (r := self.registry.get(a)) is not None}
+        return [a for a in live if a not in self._lacking and hosts.get(a) not in self._lacking_hosts]
 
     def live_count(self) -> int:
         """How many members may be sampled now (no pass over them unless some lack the run's task)."""

@@ -18,7 +18,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
-from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord
+from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord, check_capabilities
 from fedpar.server.rounds import Refusal
 
 HOST_WAKEUP = "\0host:"  # long-poll key prefix of a simulation host (agent ids are printable, so never clash)
@@ -32,6 +32,7 @@ class Populations(Members):
         super().__init__(config, registry)
         self.hosts_only = hosts_only
         self._host_tasks: dict[str, set[str]] = {}  # per host: its members dealt a task not yet sent
+        self._host_declared: dict[str, str | None] = {}  # per host: the task it declared when it joined
         self._host_go: dict[str, set[str]] = {}  # per host: its members the clock let go, not yet told
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
@@ -43,14 +44,17 @@ class Populations(Members):
         return super().join(agent_id, num_examples, capabilities, peer, enrollment_token)
 
     def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
-                        peer: PeerIdentity | None = None,
-                        enrollment_token: str = "") -> tuple[HostRecord, list[AgentRecord]]:
-        """Register (more of) a simulation host's members (server/registry.py); a Refusal on bad data."""
+                        peer: PeerIdentity | None = None, enrollment_token: str = "",
+                        capabilities: dict[str, str] | None = None) -> tuple[HostRecord, list[AgentRecord]]:
+        """Register (more of) a simulation host's members (server/registry.py), which a service's run samples only
+        if the host's ``capabilities`` declare the run's task; a Refusal on bad data."""
         if len(members) > self.config.max_population_join:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(members)} members in one JoinPopulation; send at most "
                           f"{self.config.max_population_join} per call")
+        capabilities = capabilities or {}
         try:
+            check_capabilities(capabilities)
             host, records = self.registry.join_population(host_id, host_token, members, peer, enrollment_token,
                                                           self.config.max_examples_per_agent)
         except ValueError as exc:
@@ -60,8 +64,15 @@ class Populations(Members):
         except AdmissionRefused as exc:
             raise Refusal(exc.code, exc.message) from None
         self._host_tasks.setdefault(host_id, set())
+        self._host_declared[host_id] = capabilities.get("task")
+        self._check_host_task(host_id, capabilities.get("task"))
         self._joined()
         return host, records
+
+    def declared_tasks(self) -> dict[str, str | None]:
+        """The task each live agent, and each simulation host still known, declared when it joined."""
+        hosts = {h: task for h, task in self._host_declared.items() if self.registry.host(h) is not None}
+        return {**super().declared_tasks(), **hosts}
 
     def poller(self, agent_id: str) -> str:
         """Whose long-poll hears of ``agent_id``'s tasks: its host's (HOST_WAKEUP + the host), or its own."""

@@ -49,6 +49,12 @@ class HostRecord:
     members: int = 0
 
 
+def check_capabilities(capabilities: dict[str, str]) -> None:
+    """ValueError unless ``capabilities`` (an agent's or a simulation host's, at Join) are within their bounds."""
+    if len(capabilities) > 64 or any(len(k) > 64 or len(v) > 256 for k, v in capabilities.items()):
+        raise ValueError("capabilities: at most 64 entries, keys <= 64 and values <= 256 characters")
+
+
 class ExampleCaps:
     """The example count each id declared first in the run (a later join may lower it, never raise it), kept for the
     ``limit`` ids that joined most recently: beyond that the longest-unseen is forgotten."""
@@ -159,8 +165,7 @@ class AgentRegistry:
         if the admission policy refuses the agent.
         """
         _check_member(agent_id, num_examples, max_examples)
-        if len(capabilities) > 64 or any(len(k) > 64 or len(v) > 256 for k, v in capabilities.items()):
-            raise ValueError("capabilities: at most 64 entries, keys <= 64 and values <= 256 characters")
+        check_capabilities(capabilities)
         self.admission.admit_join(agent_id, peer, enrollment_token)
         num_examples = self.caps.fix(agent_id, num_examples)
         record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities) or None,

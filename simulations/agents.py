@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from fedpar.cli.task_options import task_label
 from fedpar.client.stats import AgentStats
 from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
@@ -73,7 +74,7 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
     task = worker_task(cfg, splits)
     return host_population(cfg.server, cfg.population, task, cfg.partition_of, cfg.seed, cfg.seats,
                            cfg.poll_seconds, cfg.device, cfg.precision, cfg.trace_day_seconds, give_up_after=60.0,
-                           tls=tls, client_batching=cfg.client_batching).run()
+                           tls=tls, client_batching=cfg.client_batching, task_name=task_label(cfg)).run()
 
 
 def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> None:

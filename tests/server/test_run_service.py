@@ -4,6 +4,7 @@ bad input is one line and a non-zero exit. Real processes on loopback."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -209,10 +210,6 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
                              str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=60)  # the state file is the first one's
     _one_line_error(second, "is in use by another fedpar serve")
-    ranks = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(fed.tmp / "other.db"),
-                            "--certs", str(fed.certs), "--port", "0", "--control-port", "0", "--aggregator-ranks",
-                            "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
-    _one_line_error(ranks, "--state runs each run on one aggregator rank")
     assert len(store.runs()) == before and fed.service.poll() is None
     assert ("a1", "refused ls") in [(a["who"], a["action"]) for a in store.audit_rows()]
 
@@ -331,3 +328,63 @@ def test_each_run_samples_only_the_agents_that_have_its_task(tmp_path):
         assert "has the operator role" in refused.value.details(), refused.value.details()
     finally:
         fed.close()
+
+
+def test_a_service_on_two_aggregator_ranks_runs_one_run_after_another_on_both(tmp_path):
+    fed = Federation(tmp_path, ((), ()), 2, "--aggregator-ranks", "2")
+    try:
+        store = RunStore(fed.state)
+        first = fed.submit_rpc("first", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
+        long = fed.submit_rpc("long", f'rounds = 200\nstrategy = "fedavgm"\n{QUICK}')
+        _wait_for(lambda: store.get(long).round >= 1, 240, "the second run never completed a round on two ranks")
+        store.request_stop(long, "test")  # as 'fedpar run stop' does: the other rank leaves this run too
+        third = fed.submit_rpc("third", f'rounds = 1\nstrategy = "fedadam"\n{QUICK}')
+        _wait_for(lambda: store.get(third).status not in ("queued", "running"), 240, "the third run did not end")
+        assert [store.get(i).status for i in (first, long, third)] == ["finished", "stopped", "finished"], \
+            [(r.id, r.status, r.reason) for r in store.runs()]
+        for run_id in (first, third):
+            rows = store.round_metrics(run_id)
+            assert [r["ranks_live"] for r in rows] == [2] * store.get(run_id).settings["rounds"], rows
+            assert all(r["r0_uploads"] + r["r1_uploads"] == r["reported"] == 2 for r in rows), rows
+            assert Path(store.get(run_id).model_path).is_file()
+        assert sum(r["r1_uploads"] for run_id in (first, long, third) for r in store.round_metrics(run_id)) > 0
+        assert fed.service.poll() is None and all(agent.poll() is None for agent in fed.agents)
+    finally:
+        fed.close()
+    assert fed.service.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+
+
+def test_the_one_shot_form_runs_its_flags_as_one_run_and_leaves_what_it_always_left(tmp_path):
+    """`fedpar serve --rounds N` (no --state) is a service of one run, in memory: its --out folder, checkpoints and
+    TensorBoard folder are as before, its agents hear that training is over, and it exits 0."""
+    from fedpar.server.checkpoint import load_checkpoint
+
+    out, tb, ckpt = tmp_path / "out", tmp_path / "tb", tmp_path / "ckpt"
+    serve = _fedpar("serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out", str(out),
+                    "--rounds", "2", "--min-available", "2", "--clients-per-round", "2", "--local-epochs", "1",
+                    "--checkpoint-dir", str(ckpt), "--tensorboard", str(tb), "--metrics-port", "0",
+                    log=tmp_path / "serve.log")
+    agents = []
+    try:
+        _wait_for(lambda: (tmp_path / "port").exists() or serve.poll() is not None, 60, "serve did not start")
+        port = int((tmp_path / "port").read_text())
+        agents = [_fedpar("client", "--server", f"127.0.0.1:{port}", "--insecure", "--agent-id", f"a{i}",
+                          "--num-partitions", "2", "--partition-index", str(i), "--poll", "1", "--threads", "1",
+                          log=tmp_path / f"a{i}.log") for i in range(2)]
+        assert serve.wait(120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert [agent.wait(30) for agent in agents] == [0, 0]  # told that training is over: they stop
+    finally:
+        for process in [serve, *agents]:
+            if process.poll() is None:
+                process.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert f"coordinator listening on 127.0.0.1:{port}" in log and "Prometheus metrics at http://" in log
+    wrote = rf"^wrote {out}/metrics\.jsonl, .*global\.safetensors.*summary\.json"
+    assert '"final": {' in log and re.search(wrote, log, re.M), log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and (out / "metrics.csv").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2 and not summary["interrupted"]
+    assert load_checkpoint(ckpt).round_id == 2 and (out / "global.safetensors").is_file()
+    assert list(tb.glob("events.out.tfevents.*")) and not list(tb.glob("run-*"))  # its own folder, not a run's
+    assert "run 1" not in log  # the run store's lines are the service's, not this form's

@@ -1,0 +1,120 @@
+"""The one-shot form of ``fedpar serve`` (no ``--state``): a run service that runs one run and stops.
+
+The run is built from serve's flags and kept in an in-memory run store; :class:`RunService` drives its rounds as
+it drives a long-lived service's. This form writes into --out itself (and resumes from --checkpoint-dir), prints
+the round table and a progress bar, tells the agents that training is over at the end, and exits with the run's
+code (130/143 after SIGINT/SIGTERM, with the summary of the rounds that completed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from fedpar.cli.observability import Observers
+from fedpar.cli.privacy import PRIVACY_COLUMNS, privacy_on
+from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
+from fedpar.cli.run_settings import RUN_KEYS
+from fedpar.cli.serve_service import RunService, json_ready
+from fedpar.cli.user_errors import run_exit_code
+from fedpar.parallel.stopping import signal_name
+from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.server.run_store import RunStore
+
+
+class OneShotService(RunService):
+    """A RunService whose one run writes where serve's flags say, shows its rounds on the terminal and ends the
+    agents' training with it."""
+
+    keeps_members = False  # the agents hear that training is over, and stop
+    samples_by_task = False  # as before services: every agent that joins is sampled
+
+    def __init__(self, args: argparse.Namespace, store: RunStore, plan: Callable):
+        super().__init__(args, store, args.port, plan)
+        self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))
+        self.progress: LiveBar | None = None
+        self.server = None  # the run's coordinator server, once built
+
+    def options_of(self, run) -> argparse.Namespace:
+        """serve's own options: --out, --checkpoint-dir and the rest as given."""
+        return self.args
+
+    def tensorboard_dir(self, run) -> str | None:
+        """--tensorboard itself."""
+        return self.args.tensorboard
+
+    def round_callbacks(self, plan, ranks) -> list[Callable[[dict], None]]:
+        """The progress bar and the round table (with per-rank columns under aggregator ranks)."""
+        from fedpar.server.ranks.stats import rank_columns
+
+        columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(self.args) else [])
+        if ranks is not None:
+            columns = columns + rank_columns(ranks.world)
+        self.progress = LiveBar(total=plan.config.rounds)
+        return [self.progress.round_ended, RoundTable(total=plan.config.rounds, columns=columns).row]
+
+    def watch(self, server, run) -> None:
+        """The port file as soon as health checks are answered (NOT_SERVING while a checkpoint is restored)."""
+        self.server = server
+        if self.args.port_file:
+            server.on_listening = lambda port: atomic_write_bytes(self.args.port_file, [f"{port}\n".encode()])
+
+    def listening(self, server, plan) -> None:
+        """The Prometheus endpoint, and where agents dial."""
+        super().listening(server, plan)
+        self.observers.attach(server)
+        security = plan.security
+        print(f"coordinator listening on {self.args.host}:{server.port} ({security.description}); waiting for "
+              f"{plan.config.min_available} agents (start them with: fedpar client --server "
+              f"{self.args.host}:{server.port} {security.client_hint} --agent-id ID ...)", flush=True)
+
+    def waiting(self, server) -> None:
+        """The progress bar follows the open round."""
+        self.progress.follow(server.coordinator)
+
+    def round_error(self, exc: Exception, config) -> str:
+        """Re-raised: the command ends with it (a file it could not write says which checkpoint is kept)."""
+        from fedpar.server.checkpoint import note_resume
+
+        if isinstance(exc, OSError):  # a full disk or an unwritable folder: one line (cli/main.py), and how to go on
+            note_resume(exc, config.checkpoint_dir)
+        raise exc
+
+    def title(self, run, args: argparse.Namespace) -> str:
+        """What was trained, as `fedpar simulate` titles its plots."""
+        return f"{args.task or f'{args.dataset} / {args.model}'}, fedpar serve"
+
+    def _say(self, run, line: str) -> None:
+        """Into the run's log only: the terminal has the round table."""
+        self.store.log(run.id, line)
+
+
+def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
+    """Run the one run serve's flags describe (``plan``: its parts, built; ``ranks``: the RankLeader of the other
+    aggregator ranks), print its summary and return the command's exit code."""
+    # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
+    threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
+    store = RunStore(":memory:")
+    service = OneShotService(args, store, lambda options: plan)
+    run = store.get(store.submit("serve", json_ready({k: getattr(args, k) for k in sorted(RUN_KEYS)})))
+    try:
+        end = service.execute(run, plan, ranks)
+    finally:
+        if service.progress is not None:
+            service.progress.close()
+        service.observers.close()
+        store.close()
+    if end.outputs is None:
+        print(f"fedpar serve: {end.reason}", file=sys.stderr)
+        return end.code
+    metrics = service.server.coordinator.metrics
+    if metrics.last:
+        print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
+    print(end.outputs.wrote_line(Path(args.out)))
+    return run_exit_code("fedpar serve", end.outputs.summary,
+                         signal_name(end.stopped_by) if end.stopped_by is not None else None)
