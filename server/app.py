@@ -275,7 +275,7 @@ class CoordinatorService:
             host, records = self.coord.members.join_population(
                 request.host.agent_id, request.host.token,
                 [(m.agent_id, m.num_examples, m.away) for m in request.members],
-                peer_identity(context), request.enrollment_token)
+                peer_identity(context), request.enrollment_token, dict(request.capabilities))
         except Refusal as r:
             await context.abort(r.code, r.message)
         authenticated()
