@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import bisect
 import hmac
-import itertools
 import secrets
 import time
 from collections.abc import Sequence
@@ -75,14 +74,14 @@ class ExampleCaps:
 
     def fix_all(self, agent_ids: Sequence[str], counts: Sequence[int]) -> list[int]:
         """:meth:`fix` for each of ``agent_ids`` in turn (a host joins thousands of members in one call)."""
-        caps, out = self._caps, []
+        caps, limit, out = self._caps, self.limit, []
         for agent_id, count in zip(agent_ids, counts):
             cap = caps.pop(agent_id, None)
             count = count if cap is None or cap >= count else cap
             caps[agent_id] = count
             out.append(count)
-        for agent_id in list(itertools.islice(caps, max(0, len(caps) - self.limit))):
-            del caps[agent_id]  # the longest-unseen, as fix would have dropped them one by one
+            if len(caps) > limit:
+                del caps[next(iter(caps))]  # the longest-unseen
         return out
 
     def state(self) -> dict[str, int]:
