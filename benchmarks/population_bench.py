@@ -28,6 +28,7 @@ and 10^7 members with `fedpar serve --accept-populations` and 2 local torchrun r
 10^6 members of ``synthetic:0:0`` and of ``synthetic:iid`` (FedProx's Synthetic-IID), 10 rounds each, the test
 accuracy in the first and the last round (Synthetic(0, 0) stays near chance on clients it never trained on:
 datasets/synthetic.py says why).
+It writes benchmarks/results/population_scale.json (the load average beside each row).
 
 ``--steady`` runs instead issue 25's steady-round cells: digits MLP, one local epoch, 10 of 10, 100 of 100 and 10 of
 100 clients, ``--rounds`` rounds (default 11). For each cell, in the same run: `fedpar simulate` with default flags
@@ -193,7 +194,7 @@ def run_over_ranks(n: int, ranks: int, tmp: Path) -> dict:
             if first_row_at is None and metrics.exists() and metrics.stat().st_size:
                 first_row_at = time.monotonic() - started
             time.sleep(0.5)
-        procs[1].wait(120)
+        procs[1].wait(max(120.0, RANKS_LIMIT_SECONDS - (time.monotonic() - started)))  # freeing 10^7 members
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -233,10 +234,12 @@ def scale_table(tmp: Path, populations=SCALE_POPULATIONS, ranks_populations=(1_0
         r["bytes_per_member"] = (r["peak_tree_mib"] - base["peak_tree_mib"]) * 2**20 / (n - base["population"]) \
             if base else None
         r["vs_smallest"] = r["steady_round_seconds"] / base["steady_round_seconds"] if base else 1.0
+        r["load_average"] = Path("/proc/loadavg").read_text().split()[:3]
         rows.append(r)
         per_member = f"{r['bytes_per_member']:>9.0f}" if r["bytes_per_member"] is not None else f"{'-':>9}"
         print(f"{n:>11,}{r['startup_seconds']:>9.1f}{r['wall_seconds']:>8.1f}{r['peak_tree_mib']:>13.0f}{per_member}"
               f"{r['steady_round_seconds']:>9.3f}{r['vs_smallest']:>8.2f}"
+              + f"  load {' '.join(r['load_average'])}"
               + (f"  (serve + {ranks} local ranks of simulate-workers)" if ranks else "")
               + ("  (SOME ROUNDS FAILED)" if r["failed_rounds"] else ""), flush=True)
     out: dict = {"cells": rows}
@@ -348,7 +351,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="populations 100 and 10,000, 4 rounds")
     p.add_argument("--rounds", type=int, help="rounds per run (default 10; --steady: 11)")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))
-    p.add_argument("--json", type=Path, default=Path("runs/population_bench.json"))
+    p.add_argument("--json", type=Path, help="where the results go (default: runs/population_bench.json; --scale: "
+                   "benchmarks/results/population_scale.json)")
     p.add_argument("--straggler-only", action="store_true", help="only the straggler study")
     p.add_argument("--straggler-rounds", type=int, default=25)
     p.add_argument("--scale", action="store_true", help="the population-size table, 10^3 to 10^6 members, and 10^7 on 2 local ranks")
@@ -359,6 +363,7 @@ def main() -> int:
                         "digits CNN 10 of 10")
     p.add_argument("--repeats", type=int, default=2, help="--batching: on/off pairs per cell")
     a = p.parse_args()
+    a.json = a.json if a.json or a.scale else Path("runs/population_bench.json")
     if a.batching:
         with tempfile.TemporaryDirectory() as tmp:
             result = batching_rounds(a.rounds or 8, a.repeats, Path(tmp))
@@ -377,8 +382,9 @@ def main() -> int:
     if a.scale:
         with tempfile.TemporaryDirectory() as tmp:
             result = scale_table(Path(tmp))
-        write_results(a.json, scale_ratios(result), {"scale": result})
-        print(f"wrote {a.json}")
+        path = write_results(a.json or HERE / "results" / "population_scale.json", scale_ratios(result),
+                             {"scale": result})
+        print(f"wrote {path}")
         failed = sum(c["failed_rounds"] for c in [*result["cells"], *result.get("learning", [])])
         return 0 if not failed else 1
     rounds = 4 if a.quick else a.rounds or 10

@@ -24,10 +24,9 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, TypeVar
+from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import grpc
-import numpy as np
 
 from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
 from fedpar.client.host_uploads import HostUploads
@@ -261,8 +260,9 @@ class Population(Members, Protocol):
     def train_size(self, i: int) -> int:
         """Member ``i``'s training examples (told at join, and the virtual clock's measure of its work)."""
 
-    def away_now(self) -> np.ndarray:
-        """Which members are offline now (bool per member)."""
+    def joining(self, start: int, stop: int) -> Iterable[tuple[str, int, bool]]:
+        """What the coordinator is told of members ``start``..``stop - 1`` at join: id, training examples (at least
+        1), whether away now."""
 
     def availability_changes(self, clock_seconds: float | None) -> tuple[list[str], list[str]]:
         """Members gone offline and come back since the last call (``clock_seconds``: the coordinator's
@@ -367,15 +367,14 @@ class HostLink:
         sessions is moot."""
         self.host.token = ""  # a new session, whatever the coordinator remembers
         tokens: list[str] = []
-        away = self.members.away_now()
         for start in range(0, len(self.members), JOIN_CHUNK):
-            chunk = range(start, min(start + JOIN_CHUNK, len(self.members)))
-            listed = [pb.PopulationMember(agent_id=self.members.member_id(i),
-                                          num_examples=max(1, self.members.train_size(i)), away=bool(away[i]))
-                      for i in chunk]
-            reply = self.conn.stub.JoinPopulation(pb.JoinPopulationRequest(
-                host=self.host, members=listed, protocol_version=PROTOCOL_VERSION,
-                capabilities={"task": self.config.task} if self.config.task else {}), timeout=60)
+            request = pb.JoinPopulationRequest(host=self.host, protocol_version=PROTOCOL_VERSION,
+                                               capabilities={"task": self.config.task} if self.config.task else {})
+            add = request.members.add  # (a million members: no list of messages built first)
+            for agent_id, num_examples, away in self.members.joining(start, min(start + JOIN_CHUNK,
+                                                                                 len(self.members))):
+                add(agent_id=agent_id, num_examples=num_examples, away=away)
+            reply = self.conn.stub.JoinPopulation(request, timeout=60)
             self.host.token = reply.host_token
             tokens.extend(reply.tokens)
             self.max_chunk = reply.max_chunk_bytes

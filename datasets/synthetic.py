@@ -120,11 +120,13 @@ class SyntheticMembers:
         """Number of clients."""
         return len(self.sizes)
 
-    def _made(self, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+    def _made(self, k: int, held_only: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+        """Client ``k``'s examples (``held_only``: just its held-out ones, which come first: the same draws)."""
         if not 0 <= k < len(self):
             raise ValueError(f"client {k} is not in [0, {len(self)})")
-        x, y = client_examples(self.spec, k, int(self.all_sizes[k]))
-        return x, y, int(self.held[k])
+        held = int(self.held[k])
+        x, y = client_examples(self.spec, k, held if held_only else int(self.all_sizes[k]))
+        return x, y, held
 
     def examples(self, k: int) -> ArrayDataset:
         """Client ``k``'s training examples."""
@@ -137,7 +139,7 @@ class SyntheticMembers:
 
     def test_examples(self, k: int) -> ArrayDataset:
         """Client ``k``'s held-out examples."""
-        x, y, held = self._made(k)
+        x, y, held = self._made(k, held_only=True)
         return ArrayDataset(x[:held], y[:held])
 
     def test_members(self) -> np.ndarray:

@@ -70,12 +70,19 @@ class ExampleCaps:
 
     def fix(self, agent_id: str, num_examples: int) -> int:
         """Record a join of ``agent_id`` declaring ``num_examples``; returns the count it gets (the capped one)."""
-        count = self.capped(agent_id, num_examples)
-        self._caps.pop(agent_id, None)
-        self._caps[agent_id] = count
-        while len(self._caps) > self.limit:
-            del self._caps[next(iter(self._caps))]
-        return count
+        return self.fix_all([agent_id], [num_examples])[0]
+
+    def fix_all(self, agent_ids: Sequence[str], counts: Sequence[int]) -> list[int]:
+        """:meth:`fix` for each of ``agent_ids`` in turn (a host joins thousands of members in one call)."""
+        caps, limit, out = self._caps, self.limit, []
+        for agent_id, count in zip(agent_ids, counts):
+            cap = caps.pop(agent_id, None)
+            count = count if cap is None or cap >= count else cap
+            caps[agent_id] = count
+            out.append(count)
+            if len(caps) > limit:
+                del caps[next(iter(caps))]  # the longest-unseen
+        return out
 
     def state(self) -> dict[str, int]:
         """The caps as JSON (id -> count, oldest join first)."""
@@ -188,21 +195,19 @@ class AgentRegistry:
             self.admission.admit_join(host_id, peer, enrollment_token)
             host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0)
             self._hosts[host_id] = host
-        checked = []
-        for agent_id, num_examples, away in members:
-            _check_member(agent_id, num_examples, max_examples)
-            known = self._agents.get(agent_id)
-            if known is not None and known.host != host_id:
-                raise ValueError(f"member {agent_id!r} is registered already, not by host {host_id!r}")
-            checked.append((agent_id, num_examples, away))
-        records = []
+        bad = next((m for m in members if not _sane(m[0], m[1], max_examples)), None)
+        if bad is not None:
+            _check_member(bad[0], bad[1], max_examples)  # raises, naming it
+        ids = [m[0] for m in members]
+        known = [self._agents.get(agent_id) for agent_id in ids]
+        taken = next((a for a, old in zip(ids, known) if old is not None and old.host != host_id), None)
+        if taken is not None:
+            raise ValueError(f"member {taken!r} is registered already, not by host {host_id!r}")
+        host.members += known.count(None)
+        counts = self.member_caps.fix_all(ids, [m[1] for m in members])
         serial = peer.serial if peer else None  # revoking the host's certificate revokes them
-        for (agent_id, num_examples, away), token in zip(checked, session_tokens(len(checked))):
-            if agent_id not in self._agents:
-                host.members += 1
-            num_examples = self.member_caps.fix(agent_id, num_examples)
-            records.append(AgentRecord(agent_id, token, int(num_examples), host=host_id, away=away,
-                                       cert_serial=serial))
+        records = [AgentRecord(agent_id, token, int(count), host=host_id, away=away, cert_serial=serial)
+                   for agent_id, token, count, (_, _, away) in zip(ids, session_tokens(len(ids)), counts, members)]
         host.last_seen = self._clock()
         self._newcomers(records)
         return host, records
@@ -212,19 +217,20 @@ class AgentRegistry:
         already joins or leaves them as its availability changed (made again at the next read if its certificate
         changed: its revocation may have)."""
         fresh, gone = [], []
+        agents, plain = self._agents, self._plain
         for record in records:
-            old = self._agents.get(record.agent_id)
+            old = agents.get(record.agent_id)  # (a record earlier in ``records`` with the same id, too)
             if old is not None and old.cert_serial != record.cert_serial:
                 self._live = None
             elif old is not None and not (old.left or old.away) and record.away:
                 gone.append(record.agent_id)
             elif (old is None or old.left or old.away) and not record.away:
                 fresh.append(record.agent_id)
-            self._agents[record.agent_id] = record
+            agents[record.agent_id] = record
             if record.host is None:
-                self._plain.add(record.agent_id)
-            else:
-                self._plain.discard(record.agent_id)
+                plain.add(record.agent_id)
+            elif plain:
+                plain.discard(record.agent_id)
         if self._live is not None:
             for agent_id in gone:
                 self._live.discard(agent_id)
@@ -381,6 +387,12 @@ def speaker(record: AgentRecord) -> str:
     """Whose identity (under mutual TLS: whose certificate) speaks for ``record``: its host's, for a population
     member, else its own."""
     return record.host or record.agent_id
+
+
+def _sane(agent_id: str, num_examples: int, max_examples: int) -> bool:
+    """Whether :func:`_check_member` lets ``agent_id`` and ``num_examples`` pass."""
+    return bool(agent_id) and len(agent_id) <= MAX_AGENT_ID and agent_id.isprintable() \
+        and 1 <= num_examples <= max_examples
 
 
 def _check_member(agent_id: str, num_examples: int, max_examples: int) -> None:

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,9 +214,11 @@ class PopulationMembers:
         return np.random.default_rng([self.seed, int(self.pop.numbers[i]), round_id]).random() \
             < self.pop.drop_probability
 
-    def away_now(self) -> np.ndarray:
-        """Who is offline, as the coordinator was last told."""
-        return self.offline
+    def joining(self, start: int, stop: int) -> Iterable[tuple[str, int, bool]]:
+        """Members ``start``..``stop - 1`` as the coordinator is told of them at join: id, training examples (at
+        least 1), offline as it was last told (read from the arrays in one go: a host joins a million)."""
+        return zip([client_id(n) for n in self.pop.numbers[start:stop].tolist()],
+                   np.maximum(1, self.train_sizes[start:stop]).tolist(), self.offline[start:stop].tolist())
 
     def availability_changes(self, clock_seconds: float | None) -> tuple[list[str], list[str]]:
         """Members that went offline and that came back since the last call, by the trace's clock: the

@@ -15,7 +15,8 @@ from fedpar.datasets import load_dataset
 from fedpar.datasets.members import PooledMembers, member_source
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.sampler import CohortSampler
-from fedpar.simulations.population import client_id
+from fedpar.datasets.synthetic import client_examples
+from fedpar.simulations.population import PopulationMembers, PopulationSlice, client_id
 from fedpar.task import Partition
 from fedpar.tasks.zoo import classifier_for
 
@@ -211,3 +212,36 @@ def test_live_ids_outlast_the_liveness_timeout_while_everyone_calls_and_match_a_
             live = registry.live_ids()
             everyone = [f"{h}-m{i}" for h in hosts for i in range(45)] + [f"a{i}" for i in range(4)]
             assert list(live) == sorted(a for a in everyone if registry.get(a) and registry.is_live(registry.get(a)))
+
+
+def test_a_host_joins_a_batch_of_members_as_it_would_one_by_one():
+    members = [(f"m{i % 7}", 10 - i % 4, i % 5 == 0) for i in range(20)]  # ids come again, counts go down and up
+    for max_known in (5, 100):  # example caps forgetting the oldest ids, or keeping all
+        batched, single = AgentRegistry(30.0, max_known=max_known), AgentRegistry(30.0, max_known=max_known)
+        h, records = batched.join_population("h", "", members)
+        token = single.join_population("h", "", [])[0].token
+        ones = [single.join_population("h", token, [m])[1][0] for m in members]
+        assert [(r.agent_id, r.num_examples, r.away) for r in records] == \
+            [(r.agent_id, r.num_examples, r.away) for r in ones]
+        assert batched.member_caps.state() == single.member_caps.state()
+        assert list(batched.live_ids()) == list(single.live_ids()) == ["m0", "m2", "m3", "m4", "m5", "m6"]
+    assert [r.num_examples for r in records[7:11]] == [7, 9, 8, 7]  # never above the first join of each
+    with pytest.raises(ValueError, match="'m\\\\n9'"):
+        batched.join_population("h", h.token, [("m8", 3, False), ("m\n9", 3, False)])
+    assert batched.get("m8") is None  # a bad member refuses the whole call: nothing of it is registered
+
+
+def test_a_clients_held_out_examples_are_its_first_and_a_host_tells_its_members_from_its_arrays():
+    members = load_dataset("synthetic:1:1:1000").members
+    for k in (0, 17, 999):  # the central test sample draws only the held-out rows: the same as the whole client's
+        x, y = client_examples(members.spec, k, int(members.all_sizes[k]))
+        held = int(members.held[k])
+        np.testing.assert_array_equal(members.test_examples(k).x, x[:held])
+        np.testing.assert_array_equal(members.examples(k).y, y[held:])
+    sizes = np.array([1, 2, 30, 4, 50, 6], np.int64)
+    hosted = PopulationMembers(PopulationSlice.of("h", np.array([1, 4, 5]), sizes, np.zeros(6, np.float32)), None,
+                               lambda n, member: Partition(n, 6, member, val_fraction=0.1), seed=0)
+    hosted.offline[1] = True
+    assert list(hosted.joining(0, 3)) == [("client-0001", 2, False), ("client-0004", 45, True),
+                                          ("client-0005", 5, False)]  # less the validation share
+    assert list(hosted.joining(1, 2)) == [("client-0004", 45, True)]

@@ -120,9 +120,9 @@ class SyntheticMembers:
         """Never."""
         return False
 
-    def away_now(self) -> np.ndarray:
-        """Nobody."""
-        return np.zeros(self.count, bool)
+    def joining(self, start: int, stop: int) -> list[tuple[str, int, bool]]:
+        """Members ``start``..``stop - 1``: their ids, EXAMPLES each, none away."""
+        return [(self.member_id(i), EXAMPLES, False) for i in range(start, stop)]
 
     def availability_changes(self, clock_seconds: float | None) -> tuple[list[str], list[str]]:
         """None."""
