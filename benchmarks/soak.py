@@ -131,7 +131,8 @@ def _ranks_logged(log: Path, offset: int) -> dict[int, str]:
 
 def _roles(root: int, ranks: dict[int, str]) -> dict[int, str]:
     """pid -> role in the coordinator's tree: ``launcher`` (the serve process), ``rankN`` for the logged ranks, and
-    ``rank0`` for the other spawned process when there are ranks (with one rank, the launcher is the coordinator)."""
+    ``rank0`` for the launcher's other rank process when there are ranks (forked, or spawned: multiprocessing's
+    ``spawn_main``; not its resource tracker), with one rank the launcher is the coordinator."""
     out = {root: "launcher"}
     for pid in _tree(root)[1:]:
         if pid in ranks:
@@ -139,9 +140,10 @@ def _roles(root: int, ranks: dict[int, str]) -> dict[int, str]:
         elif ranks:
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
-            if b"spawn_main" in cmd:
+            if parent == root and b"resource_tracker" not in cmd:
                 out[pid] = "rank0"
     return out
 

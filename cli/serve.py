@@ -195,11 +195,15 @@ def _torchrun_rank(args: argparse.Namespace) -> None:
 
 def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None) -> int:
     """Serve in ``world`` local aggregator rank processes (``more``: options only they get); the exit code."""
-    from fedpar.parallel.init import spawn
+    from fedpar.parallel.init import fork_safe, spawn
 
+    # Forked ranks skip the interpreter's start and torch's import: most of a restart's time. Not under a run
+    # service (--state): its launcher may have served gRPC already, which does not survive a fork.
+    fork = args.state is None and fork_safe()
     try:
         spawn(world, serve_rank, {**_plain_options(args), **(more or {})}, parent_stops=True,
-              stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True)  # rank 0 goes on without a lost rank
+              stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
+              start_method="fork" if fork else "spawn")
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
         return 0 if args.state is not None else exit_code(signal_name(exc))  # a service ends cleanly by signal
     except Exception as exc:  # a rank died or hung: the others were stopped with it

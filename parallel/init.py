@@ -119,7 +119,7 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
 
 
 def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False,
-          stop_grace: float = 1.0, rank_0_decides: bool = False) -> None:
+          stop_grace: float = 1.0, rank_0_decides: bool = False, start_method: str = "spawn") -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
 
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
@@ -128,16 +128,19 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     what completed, and no rank prints a traceback of its own. A second signal kills them and exits at once.
     With ``rank_0_decides`` (and ``parent_stops``) another rank may die without ending the others (rank 0 goes on
     without it: aggregator ranks); the launch ends when rank 0 does, and only rank 0's failure is re-raised.
+    ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds
+    on a loaded machine); only for a caller that has started no threads, gRPC or CUDA (see :func:`fork_safe`).
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
     port = free_port()
     if not parent_stops:
-        mp.spawn(_spawned_worker, args=(nproc, port, fn, args), nprocs=nproc, join=True)
+        mp.start_processes(_spawned_worker, args=(nproc, port, fn, args), nprocs=nproc, join=True,
+                           start_method=start_method)
         return
     with children_ignore_interrupts():
         context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True), nprocs=nproc,
-                                     join=False)
+                                     join=False, start_method=start_method)
     ranks = context.processes
     with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
         try:
@@ -149,6 +152,14 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
         except KeyboardInterrupt:
             stop_ranks(ranks, stop_grace)
             raise
+
+
+def fork_safe() -> bool:
+    """Whether ranks may be forked from this process: no GPU is visible (CUDA does not survive a fork) and only this
+    one thread runs Python (a lock another thread held would stay locked in the copy)."""
+    import threading
+
+    return threading.active_count() == 1 and not torch.cuda.is_available()
 
 
 def _follow_rank_0(context, linger: float = 30.0) -> None:
