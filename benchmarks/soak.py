@@ -26,7 +26,8 @@ proportional set size (PSS), its anonymous part (what the process allocated: lib
 other processes that map them start or end), open file descriptors and threads. Printed:
 - rounds lost or counted twice in metrics.jsonl (target 0), rounds failed, p50/p99 round time;
 - per coordinator lifetime and process: PSS after warm-up, the PSS and anonymous slopes in MiB per 100 rounds
-  (target <= 0.03), fds and threads;
+  (target <= 0.03), the same through each 50 rounds' lowest sample (the floor: what the process keeps, without the
+  buffers of a round in flight that a sample may catch), fds and threads;
 - per 100 rounds: each process's peak and final PSS, the tree's fds and threads;
 - restart to the first completed round, and which of the coordinator's mappings changed after warm-up.
 `--coordinator-env KEY=VALUE` sets a variable in the coordinator's environment (e.g. MALLOC_ARENA_MAX=2, or
@@ -56,6 +57,7 @@ from fedpar.parallel.init import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_SLOPE_ROUNDS = 150  # a lifetime with fewer rounds after its warm-up gets no slope
+FLOOR_WINDOW = 50  # rounds whose lowest sample is one point of the floor slope
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support: the abuse agents; the hostile processes inherit it
 from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
 
@@ -210,6 +212,18 @@ def _slope_per_100(points: list[tuple[int, float]]) -> float | None:
     if sxx == 0:
         return None
     return 100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+
+
+def _floor_slope_per_100(points: list[tuple[int, float]], window: int = FLOOR_WINDOW) -> float | None:
+    """Slope of the floor of (round, MiB) points, in MiB per 100 rounds: the least-squares slope through each
+    ``window`` rounds' lowest sample. A sample taken while a round holds its uploads and model copies lies up to
+    several MiB above what the process keeps; the floor is what it keeps, so a leak moves it and a busy moment not."""
+    floors: dict[int, tuple[int, float]] = {}
+    for r, mib in points:
+        key = r // window
+        if key not in floors or mib < floors[key][1]:
+            floors[key] = (key * window + window // 2, mib)
+    return _slope_per_100(sorted(floors.values()))
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -564,6 +578,8 @@ def figures(args, soak: Soak, work: Path, events: list[dict], group_kills: int, 
                 "pss_mib": [round(points[0][1]["pss_mib"], 1), round(points[-1][1]["pss_mib"], 1)],
                 "pss_slope_mib_per_100_rounds": _slope_per_100([(r, p["pss_mib"]) for r, p in points]),
                 "anon_slope_mib_per_100_rounds": _slope_per_100([(r, p["anon_mib"]) for r, p in points]),
+                "pss_floor_slope_mib_per_100_rounds": _floor_slope_per_100([(r, p["pss_mib"]) for r, p in points]),
+                "anon_floor_slope_mib_per_100_rounds": _floor_slope_per_100([(r, p["anon_mib"]) for r, p in points]),
                 "fds": [min(p["fds"] for _, p in points), max(p["fds"] for _, p in points)],
                 "threads": [min(p["threads"] for _, p in points), max(p["threads"] for _, p in points)]}
         lifetimes.append({
@@ -615,7 +631,7 @@ def report(fig: dict) -> None:
           f"{fig['coordinator_kills']} coordinator kill -9s, {len(ranks)} rank kill -9s "
           f"({sum(bool(e['survived']) for e in ranks)} survived by the coordinator); work dir {fig['work']}\n")
     print(f"{'lifetime':<9}{'ended by':<12}{'process':<10}{'rounds':>7}{'1st round s':>12}{'PSS MiB':>12}"
-          f"{'MiB/100 r':>11}{'anon/100 r':>11}{'fds':>8}{'threads':>9}")
+          f"{'MiB/100 r':>11}{'anon/100 r':>11}{'floor':>8}{'anon fl':>8}{'fds':>8}{'threads':>9}")
     for k, life in enumerate(fig["lifetimes"]):
         for role, p in life["procs"].items() or {"-": None}.items():
             pss = "-" if not p else f"{p['pss_mib'][0]:.0f}->{p['pss_mib'][1]:.0f}"
@@ -623,6 +639,8 @@ def report(fig: dict) -> None:
                   f"{fmt(life['to_first_round_s'], '.1f'):>12}{pss:>12}"
                   f"{fmt(p and p['pss_slope_mib_per_100_rounds']):>11}"
                   f"{fmt(p and p['anon_slope_mib_per_100_rounds']):>11}"
+                  f"{fmt(p and p['pss_floor_slope_mib_per_100_rounds']):>8}"
+                  f"{fmt(p and p['anon_floor_slope_mib_per_100_rounds']):>8}"
                   f"{span(p and p['fds']):>8}{span(p and p['threads']):>9}")
     print("\nper 100 rounds: peak / final PSS MiB of each process, the tree's fds and threads")
     for b in fig["per_100_rounds"]:
@@ -637,11 +655,17 @@ def report(fig: dict) -> None:
               if p["pss_slope_mib_per_100_rounds"] is not None]
     anon = [p["anon_slope_mib_per_100_rounds"] for life in fig["lifetimes"] for p in life["procs"].values()
             if p["anon_slope_mib_per_100_rounds"] is not None]
+    floors = [p["anon_floor_slope_mib_per_100_rounds"] for life in fig["lifetimes"] for p in life["procs"].values()
+              if p["anon_floor_slope_mib_per_100_rounds"] is not None]
     print()
     if slopes:
         print(f"PSS slope after warm-up, any process and lifetime: median {statistics.median(slopes):+.3f}, max "
               f"{max(slopes):+.3f} MiB per 100 rounds (anonymous part: median {statistics.median(anon):+.3f}, max "
               f"{max(anon):+.3f}; target <= 0.03)")
+    if floors:
+        print(f"slope of the anonymous part's floor (each {FLOOR_WINDOW} rounds' lowest sample: what is kept, not a "
+              f"round's buffers in flight): median {statistics.median(floors):+.3f}, max {max(floors):+.3f} MiB per "
+              "100 rounds")
     if fig["restart_to_first_round_s"]:
         r = fig["restart_to_first_round_s"]
         print(f"restart to first completed round: median {statistics.median(r):.1f} s, max {max(r):.1f} s "
