@@ -107,6 +107,9 @@ class RunStore:
 
     def __init__(self, path: str | Path = ":memory:", busy_seconds: float = 5.0):
         self.path = str(path)
+        # In memory (the one-shot form) only the last row is kept: metrics.jsonl holds the history, and memory must
+        # not grow with the rounds of a run that lasts for months.
+        self.keeps_rounds = self.path != ":memory:"
         self._lock = threading.Lock()
         try:
             self._db = sqlite3.connect(self.path, timeout=busy_seconds, check_same_thread=False,
@@ -215,12 +218,14 @@ class RunStore:
             (out_dir, time.time(), run_id)))
 
     def record_round(self, run_id: int, row: dict) -> None:
-        """Keep round ``row["round"]``'s metrics of ``run_id`` and make them its last (one transaction)."""
+        """Make round ``row["round"]``'s metrics the last of ``run_id`` and keep them among its rounds unless the store
+        is in memory (one transaction)."""
         text = json.dumps(row, sort_keys=True, default=str)
 
         def write(db):
-            db.execute("INSERT OR REPLACE INTO round_metrics (run_id, round, metrics, at) VALUES (?, ?, ?, ?)",
-                       (run_id, int(row["round"]), text, time.time()))
+            if self.keeps_rounds:
+                db.execute("INSERT OR REPLACE INTO round_metrics (run_id, round, metrics, at) VALUES (?, ?, ?, ?)",
+                           (run_id, int(row["round"]), text, time.time()))
             db.execute("UPDATE runs SET round = ?, last_metrics = ? WHERE id = ?", (int(row["round"]), text, run_id))
         self._run_write(write)
 

@@ -117,3 +117,14 @@ def test_a_state_file_locked_by_another_writer_is_one_clear_error(tmp_path):
         holder.execute("ROLLBACK")
         holder.close()
     assert RunStore(path).schema_version() == SCHEMA_VERSION  # nothing lost: usable once the lock is gone
+
+
+def test_an_in_memory_store_keeps_a_runs_last_row_only_so_a_long_one_shot_run_does_not_grow(tmp_path):
+    store = RunStore(":memory:")
+    run_id = store.submit("one-shot", {"rounds": 1000})
+    store.start(run_id, str(tmp_path))
+    for round_id in range(1, 1001):
+        store.record_round(run_id, {"round": round_id, "status": "ok", "test_accuracy": round_id / 1000})
+    run = store.get(run_id)
+    assert (run.round, run.last_metrics["test_accuracy"]) == (1000, 1.0)
+    assert store.round_metrics(run_id) == []  # metrics.jsonl holds the one-shot form's history
