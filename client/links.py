@@ -46,9 +46,6 @@ JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
 # per-call work); on a quiet machine 5, 20 and 50 ms gave the same 100-client digits round (0.08-0.09 s), on
 # loaded cores 50 ms did best.
 UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
-# Updates in one of a host's batches: the coordinator starts on a round's first updates while the seats train the
-# rest, and the updates still unsent when the last member is done (the round's tail, folded one by one) stay few.
-HOST_BATCH_UPDATES = 16
 # RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
@@ -388,7 +385,6 @@ class HostLink:
         self._forget_queued()
         if self.uploads is None:  # the members' small updates, batched (a few ms' wait for seats still training)
             self.uploads = HostUploads(self.conn.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
-                                       max_updates=HOST_BATCH_UPDATES,
                                        more_coming=lambda: self._in_flight() > 0)
 
     def pull(self) -> Pulled:
