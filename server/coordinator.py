@@ -40,6 +40,7 @@ from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, UploadTicket
 from fedpar.server.sampler import CohortSampler
+from fedpar.server.uploads import per_update
 from fedpar.server.secure_round import SecureRound
 from fedpar.server.virtual_clock import VirtualClock
 
@@ -223,7 +224,7 @@ class Coordinator(IngestPlane):
         self.clock.open_round(state)
         if self.data_port is not None:  # tickets exist only for the data plane
             self.tickets.expire_rounds_before(round_id)
-        await self._in_thread(self.strategy.begin_round, round_id, self.weights)
+        await self._model_work(self.strategy.begin_round, round_id, self.weights)
         self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
         self.mode.start(state)
         settings = self.mode.task_settings(self.strategy.client_config(round_id))
@@ -274,7 +275,7 @@ class Coordinator(IngestPlane):
                 self.weights = new_weights
         else:
             status = "failed"
-            await self._in_thread(self.strategy.abort_round)
+            await self._model_work(self.strategy.abort_round)
             log.warning("round %d failed: %d accepted updates < min_reports=%d; global model unchanged",
                         state.round_id, state.accepted, state.min_reports)
         self.round_id = state.round_id
@@ -284,7 +285,7 @@ class Coordinator(IngestPlane):
                "cohort_digest": cohort_digest(state.slots)}
         row.update(_weighted_client_metrics(state.metrics))
         evaluated = [m for _, m in state.metrics if m.get("eval_examples", 0) > 0]
-        strategy_eval = await self._in_thread(self.strategy.aggregate_evaluation, evaluated) if evaluated else None
+        strategy_eval = await self._model_work(self.strategy.aggregate_evaluation, evaluated) if evaluated else None
         if strategy_eval is not None:  # the strategy's, in place of the weighted means
             row = {k: v for k, v in row.items() if not k.startswith("federated_eval_")} | strategy_eval
         row.update(self.mode.metrics())
@@ -312,7 +313,13 @@ class Coordinator(IngestPlane):
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)
-        await self._in_thread(trim_heap)  # a round's freed buffers leave the process (benchmarks/soak.py)
+        # a round's freed buffers leave the process (benchmarks/soak.py), beside the next round's opening
+        asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
+
+    async def _model_work(self, fn, *args):
+        """``fn(*args)``, work of the round's that grows with the model: on the loop for a small model (a thread's
+        round trip costs more than the work), else on a worker thread, as an update's own work is run."""
+        return await per_update(self.layout.total_bytes, fn, *args, executor=self._executor)
 
     def _checkpoint(self, row: dict, loop_state: dict) -> None:
         arrays, meta = self.strategy.state_dict()

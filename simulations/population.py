@@ -21,6 +21,7 @@ import math
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -37,8 +38,12 @@ from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.task import ClientData, Partition, Task
+from fedpar.tasks.data import in_memory
 from fedpar.simulations.traces import DAY_SECONDS, AvailabilityEvents, Traces, online, seconds_left_online
 
+# A worker keeps its recent members' data (in-memory datasets only) up to this many bytes: a member sampled again
+# trains without its share being cut and split again (measured: a third of a digits member's local epoch).
+MEMBER_DATA_CACHE_BYTES = 64 << 20
 VIRTUAL_STEP_SECONDS = 0.01  # virtual clock without a trace: a local step's simulated seconds (FedScale's median)
 
 
@@ -57,6 +62,19 @@ def step_delays(clients: int, slow_fraction: float, slow_step_delay: float, seed
     delays = np.zeros(clients, np.float32)
     delays[rng.choice(clients, size=int(round(slow_fraction * clients)), replace=False)] = slow_step_delay
     return delays
+
+
+def _data_bytes(data: ClientData) -> int | None:
+    """The bytes of ``data``'s in-memory tensors (None: a dataset not held in memory, never kept)."""
+    total = 0
+    for part in (data.train, data.val):
+        if part is None:
+            continue
+        tensors = in_memory(part)
+        if tensors is None:
+            return None
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
 
 
 def client_id(number: int) -> str:
@@ -144,6 +162,9 @@ class PopulationMembers:
         self._offline_at = 0.0  # ... at this time of the trace
         self.events = AvailabilityEvents(population.available_from, population.available_for) \
             if population.available_from is not None else None
+        self._data: OrderedDict[int, ClientData] = OrderedDict()  # recent members' data, least recent first
+        self._data_bytes = 0
+        self._data_lock = threading.Lock()  # the seats ask for their members' data side by side
         self.train_sizes = self._train_sizes()  # each member's training examples, for joining and the virtual clock
 
     def __len__(self) -> int:
@@ -163,9 +184,23 @@ class PopulationMembers:
         return i
 
     def member_data(self, i: int) -> ClientData:
-        """Member ``i``'s data: the task's client_data for its Partition."""
+        """Member ``i``'s data: the task's client_data for its Partition (kept from an earlier round while the
+        recent members' in-memory data fits in MEMBER_DATA_CACHE_BYTES, as a deployed agent keeps its own)."""
+        with self._data_lock:
+            data = self._data.get(i)
+            if data is not None:
+                self._data.move_to_end(i)
+                return data
         number = int(self.pop.numbers[i])
-        return self.task.client_data(self.partition_of(number, client_id(number)))
+        data = self.task.client_data(self.partition_of(number, client_id(number)))
+        size = _data_bytes(data)
+        if size is not None and size <= MEMBER_DATA_CACHE_BYTES:
+            with self._data_lock:
+                if i not in self._data:
+                    self._data[i], self._data_bytes = data, self._data_bytes + size
+                while self._data_bytes > MEMBER_DATA_CACHE_BYTES:
+                    self._data_bytes -= _data_bytes(self._data.popitem(last=False)[1])
+        return data
 
     def train_size(self, i: int) -> int:
         """Member ``i``'s training examples."""

@@ -5,6 +5,7 @@ no agent per client."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from fedpar.protocol.compressed_wire import CompressionConfig
@@ -58,3 +59,30 @@ def test_a_population_of_1400_runs_with_a_cohort_of_30(tmp_path):
 def test_a_host_without_seats_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="--seats must be >= 1"):
         run_simulation(SimulationConfig(clients=4, rounds=1, seats=0))
+
+
+def test_a_worker_keeps_its_recent_members_data_within_a_byte_budget(monkeypatch):
+    """A member sampled again gets the same data without its share being made again; beyond the budget the least
+    recent members' data is let go."""
+    from fedpar.datasets import load_dataset
+    from fedpar.simulations import population
+    from fedpar.tasks.zoo import classifier_for
+    from fedpar.task import Partition
+
+    splits = load_dataset("digits", None)
+    task = classifier_for("mlp", splits, "digits", None)
+    made = []
+    client_data = task.client_data
+    task.client_data = lambda p: made.append(p.index) or client_data(p)
+    members = population.PopulationMembers(
+        population.PopulationSlice.of("host-0", np.arange(3), np.full(3, 100), np.zeros(3, np.float32)), task,
+        lambda i, agent_id: Partition(i, 10, agent_id, "iid", 0, 0.1), seed=0)
+    first = members.member_data(1)
+    assert members.member_data(1) is first and made == [1]
+    one = population._data_bytes(first)
+    monkeypatch.setattr(population, "MEMBER_DATA_CACHE_BYTES", 2 * one)
+    members.member_data(0), members.member_data(2)  # three members' data: member 1's, the least recent, goes
+    assert members._data_bytes <= 2 * one
+    members.member_data(1)
+    assert made == [1, 0, 2, 1]
+    assert np.array_equal(members.member_data(1).train.x, first.train.x)
