@@ -203,7 +203,9 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     try:
         spawn(world, serve_rank, {**_plain_options(args), **(more or {})}, parent_stops=True,
               stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
-              start_method="fork" if fork else "spawn")
+              start_method="fork" if fork else "spawn",
+              # and when it dies, every rank starts again where the agents find it: the same port
+              rank_0_resumes=args.state is None and args.checkpoint_dir is not None and bool(args.port))
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
         return 0 if args.state is not None else exit_code(signal_name(exc))  # a service ends cleanly by signal
     except Exception as exc:  # a rank died or hung: the others were stopped with it
@@ -235,8 +237,8 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     if isinstance(args, dict):
         args = argparse.Namespace(**args)
     from fedpar.parallel.device import flush_denormals
-    from fedpar.parallel.init import exit_rank_process, init_distributed, shutdown_distributed
-    from fedpar.server.ranks.group import RankGroup
+    from fedpar.parallel.init import exit_rank_process, shutdown_distributed
+    from fedpar.server.ranks.group import launched_group
 
     setup_logging(args)
     flush_denormals()
@@ -246,8 +248,7 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     else:
         plan = _plan(args, rank)
         timeout = plan.config.aggregator_timeout_seconds
-    init_distributed(timeout, args.device)
-    group = RankGroup(timeout)
+    group = launched_group(timeout, args.device)  # or a lost rank's replacement
     freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     advertised = "" if args.host in ("0.0.0.0", "::", "") else args.host
     try:

@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import secrets
+
 from fedpar.parallel.device import backend_for, resolve_device
+from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
 from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -106,11 +109,11 @@ def exit_rank_process(code: int = 0) -> None:
 
 
 def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
-                    parent_stops: bool = False) -> None:
+                    parent_stops: bool = False, env: dict[str, str] | None = None) -> None:
     if parent_stops:  # SIGINT is ignored (inherited from birth); still leave when the launcher dies
         die_with_parent(signal.SIGTERM)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
     # Several ranks share few cores: one intra-op thread each avoids oversubscription (torchrun does the same).
     torch.set_num_threads(1)
     fn(*args)
@@ -119,7 +122,8 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
 
 
 def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False,
-          stop_grace: float = 1.0, rank_0_decides: bool = False, start_method: str = "spawn") -> None:
+          stop_grace: float = 1.0, rank_0_decides: bool = False, start_method: str = "spawn",
+          rank_0_resumes: bool = False) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
 
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
@@ -127,31 +131,38 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     (:func:`stop_ranks`, rank 0 given ``stop_grace`` seconds) before StopRequested is raised: the caller then says
     what completed, and no rank prints a traceback of its own. A second signal kills them and exits at once.
     With ``rank_0_decides`` (and ``parent_stops``) another rank may die without ending the others (rank 0 goes on
-    without it: aggregator ranks); the launch ends when rank 0 does, and only rank 0's failure is re-raised.
-    ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds
+    without it: aggregator ranks), and a fresh process is started in its slot (parallel/restarts.py: it asks rank 0
+    to take it back); the launch ends when rank 0 does, and only rank 0's failure is re-raised. With
+    ``rank_0_resumes`` (rank 0 keeps a checkpoint) rank 0's death by a signal (``kill -9``, a crash) starts every
+    rank again, as the same command would, within the same restart budget. ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds
     on a loaded machine); only for a caller that has started no threads, gRPC or CUDA (see :func:`fork_safe`).
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
-    port = free_port()
     if not parent_stops:
-        mp.start_processes(_spawned_worker, args=(nproc, port, fn, args), nprocs=nproc, join=True,
+        mp.start_processes(_spawned_worker, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True,
                            start_method=start_method)
         return
-    with children_ignore_interrupts():
-        context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True), nprocs=nproc,
-                                     join=False, start_method=start_method)
-    ranks = context.processes
-    with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
-        try:
-            if rank_0_decides:
-                _follow_rank_0(context)
-            else:
-                while not context.join(timeout=0.5):
-                    pass
-        except KeyboardInterrupt:
-            stop_ranks(ranks, stop_grace)
-            raise
+    budget = RestartBudget()
+    while True:
+        port = free_port()
+        env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else {}
+        with children_ignore_interrupts():
+            context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env), nprocs=nproc,
+                                         join=False, start_method=start_method)
+        ranks = context.processes
+        with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
+            try:
+                if not rank_0_decides:
+                    while not context.join(timeout=0.5):
+                        pass
+                elif _follow_rank_0(context, lambda rank: _start_replacement(rank, nproc, port, fn, args, env),
+                                    budget if rank_0_resumes else None):
+                    continue  # rank 0 died and resumes: every rank again
+            except KeyboardInterrupt:
+                stop_ranks(ranks, stop_grace)
+                raise
+        return
 
 
 def fork_safe() -> bool:
@@ -162,19 +173,43 @@ def fork_safe() -> bool:
     return threading.active_count() == 1 and not torch.cuda.is_available()
 
 
-def _follow_rank_0(context, linger: float = 30.0) -> None:
-    """Wait for rank 0 to end, then up to ``linger`` seconds for the others (killed after that); rank 0's failure
-    is raised as torch's launcher raises it, whatever became of the others."""
-    first = context.processes[0]
+def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
+                       env: dict[str, str]):
+    """A fresh process in lost rank ``rank``'s slot, told it replaces it (it asks rank 0 to take it back)."""
+    process = mp.get_context("spawn").Process(target=_spawned_worker, name=f"fedpar-rank-{rank}",
+                                              args=(rank, nproc, port, fn, args, True, {**env, REPLACEMENT_ENV: "1"}))
+    with children_ignore_interrupts():
+        process.start()
+    return process
+
+
+def _follow_rank_0(context, replace: Callable[[int], Any], rank_0_budget: RestartBudget | None,
+                   linger: float = 30.0) -> bool:
+    """Wait for rank 0 to end, having ``replace`` start a fresh process for each other rank that dies meanwhile (a
+    failure: a rank rank 0 stopped leaves with 0) while the restart budget allows. True when rank 0 died by a signal
+    and ``rank_0_budget`` allows starting every rank again (the others are then stopped at once); else wait up to
+    ``linger`` seconds for the others (killed after that) and raise rank 0's failure as torch's launcher raises it,
+    whatever became of the others."""
+    first, ranks = context.processes[0], context.processes  # the list stop_ranks and a second signal see
+    budget = RestartBudget()
     while first.is_alive():
         first.join(0.5)
-    for process in context.processes[1:]:
+        for rank in range(1, len(ranks)):
+            if ranks[rank].exitcode not in (None, 0) and first.is_alive() and budget.allow(rank):
+                ranks[rank] = replace(rank)
+    if first.exitcode < 0 and rank_0_budget is not None and \
+            rank_0_budget.allow(0, f"signal {signal.Signals(-first.exitcode).name}"):
+        if len(ranks) > 1:
+            stop_ranks(ranks[1:], 0.0)
+        return True
+    for process in ranks[1:]:
         process.join(timeout=linger)
         if process.is_alive():
             process.kill()
             process.join(timeout=1.0)
     context.sentinels = {s: i for s, i in context.sentinels.items() if i == 0}  # the others' ends are not failures
     context.join()
+    return False
 
 
 def stop_ranks(ranks: list, grace: float) -> None:

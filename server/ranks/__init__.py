@@ -21,6 +21,8 @@ Every control message is a protobuf message of fedpar.proto (RankBroadcast from 
 read and written by one codec (messages.py). local.py starts ranks 1..N-1 as processes of this machine for
 ``simulate``. A rank other than 0 that dies or hangs fails a collective: rank 0 then forms the group again over the
 ranks whose heartbeats still arrive (group.py RankGroup.reform, leader.py), drops the lost rank's share of the open
-round and goes on; the others rejoin (ingest.py). Rank 0's death is the coordinator's: the same command resumes after
-the last checkpointed round.
+round and goes on; the others rejoin (ingest.py). A fresh process started in a lost rank's slot (by local.py, or by
+`serve`'s launcher: parallel/init.py) asks in the rendezvous store to be taken back, and rank 0 forms the group again
+with it when the next round opens. Rank 0's death is the coordinator's: the same command resumes after the last
+checkpointed round.
 """

@@ -84,6 +84,12 @@ class RankCalls:
             state.close_if_done()
         return dropped
 
+    def take_back(self, ranks: list[int]) -> None:
+        """``ranks`` (replacements of lost ranks) are in the group again: their calls are taken from now on."""
+        self.lost.difference_update(ranks)
+        for rank in ranks:
+            self.heard[rank] = time.monotonic()  # its heartbeat starts once it has the start message
+
     def downloaded(self, rank: int, download: pb.RankDownload) -> None:
         """``rank`` served an agent its task's whole model."""
         self.coordinator.download_completed(download.agent_id, download.round, download.task_id)

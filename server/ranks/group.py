@@ -9,6 +9,10 @@ order.
 
 from __future__ import annotations
 
+import logging
+import os
+import secrets
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -21,12 +25,19 @@ from fedpar.aggregation.accumulator import WeightedSum
 from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.strategy import FoldItem, Strategy
 from fedpar.aggregation.distributed import all_reduce_weighted_sum
+from fedpar.parallel.device import backend_for, resolve_device
+from fedpar.parallel.init import exit_rank_process, init_distributed
+from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.server.ranks.messages import decode, encode
 
 
+log = logging.getLogger("fedpar.server")
 HOST_BYTES = 255
 REFORM_KEY = "fedpar/ranks/reformed"  # + /N: the ranks of the group's N-th re-forming
+JOIN_KEY = "fedpar/ranks/joining"  # + /R: a replacement for lost rank R asks to be taken back ("NONCE PORT PORT HOST")
+ADMIT_KEY = "fedpar/ranks/admitted"  # + /R/NONCE: the re-forming (its N) that took that replacement back
+STOPPED_KEY = "fedpar/ranks/stopped"  # set by rank 0 once the rounds are done: a replacement still waiting leaves
 CLIENT_ID_BYTES = 512  # a handed-on update's client id, UTF-8 (agent ids are at most 128 characters)
 
 
@@ -51,34 +62,110 @@ class RankEndpoint:
 class RankGroup:
     """This process's place among the aggregator ranks, and the collectives they share."""
 
-    def __init__(self, timeout_seconds: float):
+    def __init__(self, timeout_seconds: float, namespace: str | None = None):
+        """``namespace``: the run's own keys in the rendezvous store, which its launcher gives every rank and the
+        replacements of lost ones (None: the group's own prefix, which a replacement cannot know: under torchrun)."""
         if not dist.is_initialized():
             raise RuntimeError("aggregator ranks need torch.distributed initialized (init_distributed)")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()  # as started: ranks keep their numbers
+        store = dist.distributed_c10d._get_default_store()
+        if namespace is not None:
+            store = dist.PrefixStore(namespace, base_store(store))
+        self._setup(dist.get_rank(), dist.get_world_size(), dist.get_backend(), store, timeout_seconds)
         self.members = list(range(self.world))  # the ranks in the group now (rank 0 first), as dist ranks 0..
-        self.generation = 0  # how many times the group was re-formed without lost ranks
+        self.control = dist.new_group(backend="gloo", timeout=self.timeout) if self.nccl else dist.group.WORLD
+
+    @classmethod
+    def replacement(cls, rank: int, world: int, host: str, port: int, namespace: str, timeout_seconds: float,
+                    backend: str = "gloo") -> "RankGroup":
+        """A fresh process for lost rank ``rank`` of ``world``, whose group met at the rendezvous store on
+        ``host:port`` under ``namespace``: not in the group until rank 0 takes it back (:meth:`ask_to_join`)."""
+        group = cls.__new__(cls)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_seconds))
+        group._setup(rank, world, backend, dist.PrefixStore(namespace, store), timeout_seconds)
+        group.members, group.control = [], None
+        return group
+
+    def _setup(self, rank: int, world: int, backend: str, store, timeout_seconds: float) -> None:
+        self.rank, self.world = rank, world  # as started: ranks keep their numbers
+        self.generation = 0  # how many times the group was re-formed (without lost ranks, or with replacements)
         self.timeout = timedelta(seconds=timeout_seconds)
-        self.backend = dist.get_backend()
+        self.backend = backend
         self.nccl = self.backend == "nccl"
         # the rendezvous store the group was made with (rank 0's, or torchrun's): re-formed groups meet there
-        self.store = dist.distributed_c10d._get_default_store()
-        self.control = dist.new_group(backend="gloo", timeout=self.timeout) if self.nccl else dist.group.WORLD
+        self.store = store
         # where this rank keeps its partial sum: its GPU under NCCL (uploads go there from pinned staging), else host
         self.fold_device = f"cuda:{torch.cuda.current_device()}" if self.nccl else "host"
+
+    @property
+    def replacing(self) -> bool:
+        """Whether this is a replacement rank not yet taken back into the group."""
+        return not self.members
 
     def _index(self, rank: int) -> int:
         """The torch.distributed rank of aggregator rank ``rank`` in the group as it is now."""
         return self.members.index(rank)
 
     # --------------------------------------------------------------- re-forming
-    def reform(self, members: Sequence[int]) -> None:
-        """Rank 0: leave the group and form it again over ``members`` (the ranks still alive, 0 first): leaving wakes
-        every rank still waiting in a collective, which then rejoins (:meth:`rejoin`) if it is a member."""
+    def reform(self, members: Sequence[int], taken_back: dict[int, str] | None = None) -> None:
+        """Rank 0: leave the group and form it again over ``members`` (the ranks still alive, 0 first, and the
+        replacements ``taken_back``, by rank, with the nonce each asked with): leaving wakes every rank still waiting
+        in a collective, which then rejoins (:meth:`rejoin`) if it is a member."""
         assert self.rank == 0 and members[0] == 0
         self.leave()
         self.generation += 1
-        self.store.set(f"{REFORM_KEY}/{self.generation}", ",".join(str(r) for r in members).encode())
+        self._in_store("set", f"{REFORM_KEY}/{self.generation}", ",".join(str(r) for r in members).encode())
+        for rank, nonce in (taken_back or {}).items():
+            self._in_store("delete_key", f"{JOIN_KEY}/{rank}")
+            self._in_store("set", f"{ADMIT_KEY}/{rank}/{nonce}", str(self.generation).encode())
         self._join(members)
+
+    def _in_store(self, op: str, *args):
+        """``op`` on the rendezvous store; RankMissing if the store is gone (its host died: rank 0's process, or
+        torchrun's agent), as the group can then never be formed again."""
+        try:
+            return getattr(self.store, op)(*args)
+        except RuntimeError as exc:  # DistStoreError
+            raise RankMissing(f"the rendezvous store of the aggregator ranks is gone ({first_line(exc)}); their "
+                              "group cannot be formed again") from None
+
+    def asking_to_join(self) -> dict[int, tuple[str, RankEndpoint]]:
+        """Rank 0: the replacement ranks that asked to be taken back (not in the group), with the nonce each asked
+        with and where it takes agents."""
+        asking = {}
+        for rank in range(1, self.world):
+            key = f"{JOIN_KEY}/{rank}"
+            if rank not in self.members and self._in_store("check", [key]):
+                nonce, grpc_port, data_port, host = self._in_store("get", key).decode().split(" ", 3)
+                asking[rank] = (nonce, RankEndpoint(rank, host, int(grpc_port), int(data_port)))
+        return asking
+
+    def ask_to_join(self, mine: RankEndpoint) -> None:
+        """A replacement rank: ask rank 0 to take it back (with its endpoint ``mine``) and join the group once rank 0
+        formed it again with this rank, at a round's opening; RankMissing if the rounds end (or rank 0 and its store
+        are gone) first."""
+        nonce = secrets.token_hex(8)
+        admitted = f"{ADMIT_KEY}/{self.rank}/{nonce}"
+        try:
+            self.store.set(f"{JOIN_KEY}/{self.rank}", f"{nonce} {mine.grpc_port} {mine.data_port} {mine.host}".encode())
+            log.info("aggregator rank %d (pid %d) started again: waiting for rank 0 to take it back when a round "
+                     "opens", self.rank, os.getpid())
+            while not self.store.check([admitted]):
+                if self.store.check([STOPPED_KEY]):
+                    raise RankMissing(f"aggregator rank {self.rank}: the rounds ended before rank 0 took this "
+                                      "replacement back")
+                time.sleep(0.1)
+            self.generation = int(self.store.get(admitted).decode())
+            members = [int(r) for r in self.store.get(f"{REFORM_KEY}/{self.generation}").decode().split(",")]
+        except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError: rank 0 and its store are gone
+            if isinstance(exc, RankMissing):
+                raise
+            raise RankMissing(f"aggregator rank {self.rank}: rank 0 did not take this replacement back "
+                              f"({first_line(exc)})") from None
+        self._join(members)
+
+    def stopped(self) -> None:
+        """Rank 0, once the rounds are done: a replacement rank still asking to be taken back leaves."""
+        self._in_store("set", STOPPED_KEY, b"1")
 
     def rejoin(self) -> None:
         """Ranks > 0, after a failed collective: wait for rank 0 to re-form the group and join it (RankLeftOut if
@@ -114,9 +201,11 @@ class RankGroup:
             dist.init_process_group(self.backend, store=store, rank=members.index(self.rank),
                                     world_size=len(members), timeout=self.timeout)
             self.control = dist.new_group(backend="gloo", timeout=self.timeout) if self.nccl else dist.group.WORLD
-        except RuntimeError as exc:  # a member that was to join did not (it died meanwhile)
+        except RuntimeError as exc:  # a member that was to join did not (it died meanwhile), or the store is gone
+            failure = first_line(exc)
+            self._in_store("check", [f"{REFORM_KEY}/{self.generation}"])  # the store's own line, if it is what failed
             raise RankMissing(f"re-forming the group of aggregator ranks {list(members)} failed on rank {self.rank} "
-                              f"({first_line(exc)})") from None
+                              f"({failure})") from None
         self.members = list(members)
 
     # --------------------------------------------------------------- control messages
@@ -246,6 +335,35 @@ class RankGroup:
             who = "rank 0 (the control plane)" if self.rank else "an aggregator rank"
             raise RankMissing(f"{what} among {self.world} aggregator ranks failed on rank {self.rank}: {who} is gone "
                               f"or hangs ({first_line(exc)})") from None
+
+
+def launched_group(timeout_seconds: float, device: str) -> RankGroup:
+    """This process's place among the aggregator ranks as its launcher started it (torchrun, or `serve`'s own): a
+    rank of the group, or the replacement of a lost rank (parallel/restarts.py), which rank 0 takes back later."""
+    namespace = os.environ.get(NAMESPACE_ENV)
+    if os.environ.get(REPLACEMENT_ENV) != "1" or namespace is None:
+        init_distributed(timeout_seconds, device)
+        return RankGroup(timeout_seconds, namespace)
+    rank = int(os.environ["RANK"])
+    torch_device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    try:
+        return RankGroup.replacement(rank, int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
+                                     int(os.environ["MASTER_PORT"]), namespace, timeout_seconds,
+                                     backend_for(torch_device))
+    except RuntimeError as exc:  # rank 0 and its rendezvous store are gone: nothing to rejoin
+        log.info("aggregator rank %d: not started again: rank 0's rendezvous store is gone (%s)", rank, first_line(exc))
+        exit_rank_process(0)
+        raise
+
+
+def base_store(store: dist.Store) -> dist.Store:
+    """The rendezvous store under ``store``'s prefixes: where a replacement rank, which connects to it alone, meets
+    the group."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def first_line(exc: BaseException) -> str:

@@ -5,7 +5,8 @@ service, data plane and upload intake as rank 0, with the same checks. A complet
 by rank 0 (which alone decides first-K, the deadline and duplicates) and then folded into this rank's own
 strategy, whose running sum joins the all-reduce at the round's close. Agents join and pull tasks at rank 0.
 When a collective fails (another rank died or hangs), this rank waits for rank 0 to form the group again and
-follows it from rank 0's next message; a rank that rank 0 declared lost leaves.
+follows it from rank 0's next message; a rank that rank 0 declared lost leaves. A replacement for a lost rank asks
+rank 0 to take it back (in the rendezvous store) and follows rank 0 from the round it is taken back at.
 """
 
 from __future__ import annotations
@@ -68,11 +69,18 @@ class IngestRank(IngestPlane):
     async def run(self) -> None:
         """Follow rank 0's messages (start, open, close, model, stop) until every round is done."""
         me = RankEndpoint(self.rank, self.advertised_host, self.grpc_port or 0, self.data_port or 0)
-        await self._collective(self.group.exchange_endpoints, me)
-        log.info("aggregator rank %d (pid %d) serving on port %d, data plane on %s", self.rank, os.getpid(),
-                 me.grpc_port, me.data_port or "none")
         heartbeat = None
         try:
+            if self.group.replacing:  # rank 0 takes it back when the next round opens
+                try:
+                    await self._collective(self.group.ask_to_join, me)
+                except RankMissing as exc:
+                    log.info("%s; this rank leaves", exc)
+                    return
+            else:
+                await self._collective(self.group.exchange_endpoints, me)
+            log.info("aggregator rank %d (pid %d) serving on port %d, data plane on %s", self.rank, os.getpid(),
+                     me.grpc_port, me.data_port or "none")
             while True:
                 try:
                     message = await self._receive()

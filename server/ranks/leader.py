@@ -2,7 +2,8 @@
 agents to ranks, sends every rank the round's steps (RankBroadcast messages) and combines the ranks' partial sums
 at each round's close. When a rank dies or hangs, the first collective that fails makes rank 0 form the group again
 over the ranks whose heartbeats still arrive; the lost ranks' share of the open round is dropped and the coordinator
-goes on with the others."""
+goes on with the others. A replacement for a lost rank (a fresh process in its slot, which asks in the rendezvous
+store) is taken back when the next round opens: the group is formed again with it, and it gets the model."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ without a rank that is lost."""
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
         self._last_sent = time.monotonic()
         self.calls: RankCalls | None = None  # rank 0's answers to the other ranks' calls, once started
+        self.coordinator = None  # whose model a replacement rank is given, once started
+        self._control_target = ""  # where the other ranks call rank 0's control service, once started
         self._ticker: asyncio.Task | None = None
         self.secure = False  # whether rounds are masked (every upload then goes to rank 0), once started
         self.strategy: Strategy | None = None  # rank 0's, once started
@@ -163,15 +166,45 @@ without a rank that is lost."""
         control_port = add_control_port(self._control, host, self.tls)
         await self._control.start()
         me = RankEndpoint(0, self.advertised_host, coordinator.grpc_port or 0, coordinator.data_port or 0)
+        self.coordinator, self._control_target = coordinator, f"{host}:{control_port}"
 
         def work():
             self.endpoints = self.group.exchange_endpoints(me)
-            self.group.send(pb.RankBroadcast(start=pb.RankStart(
-                round=coordinator.round_id, control=f"{host}:{control_port}", secret=self.secret)))
-            self.group.broadcast_arrays(coordinator.weights)
+            self._send_start()
         await self._collective(work)
         log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints))
         self._ticker = asyncio.ensure_future(self._tick())
+
+    def _send_start(self) -> None:
+        """Every rank: where rank 0's control service is and its secret, and the model to serve (rank 0's now)."""
+        self.group.send(pb.RankBroadcast(start=pb.RankStart(
+            round=self.coordinator.round_id, control=self._control_target, secret=self.secret)))
+        self.group.broadcast_arrays(self.coordinator.weights)
+
+    async def _take_back(self) -> bool:
+        """Form the group again with the replacement ranks that asked to be taken back, and give them the model;
+        whether any were (RanksChanged if a rank was lost meanwhile: they are then left out again)."""
+        loop = asyncio.get_running_loop()
+        asking = await loop.run_in_executor(self._thread, self.group.asking_to_join)
+        if not asking:
+            return False
+        members = sorted(set(self.live) | set(asking))
+
+        def work():
+            self.group.reform(members, {rank: nonce for rank, (nonce, _) in asking.items()})
+            self._send_start()
+        for rank, (_, endpoint) in asking.items():
+            self.endpoints[rank] = endpoint
+        self.calls.take_back(list(asking))
+        try:
+            await self._collective(work)
+        except RanksChanged:
+            self.calls.lost.update(r for r in asking if r not in self.live)
+            raise
+        log.warning("aggregator ranks: %s taken back; going on with %d of %d ranks (%s)",
+                    ", ".join(f"rank {r}" for r in asking), len(self.live), self.world,
+                    ", ".join(str(r) for r in self.live))
+        return True
 
     def deal(self, slots: dict[str, AgentSlot]) -> None:
         """Give each sampled agent the rank with the fewest agents so far (updates are the same size, so this
@@ -195,9 +228,12 @@ without a rank that is lost."""
             task.data_port, task.data_ticket = endpoint.data_port, slot.data_ticket
 
     async def open_round(self, state: RoundState, registry) -> None:
-        """Send every rank its agents' slots (with their sessions), before any task is handed out."""
+        """Take back the replacement ranks that asked, then send every rank its agents' slots (with their sessions),
+        before any task is handed out."""
         while True:
             try:
+                if await self._take_back():
+                    self.deal(state.slots)  # the replacements take their share of this round
                 return await self._collective(self._open_work(state, registry))
             except RanksChanged:  # no task was handed out yet: deal the cohort over the ranks left
                 self.deal(state.slots)
@@ -278,6 +314,11 @@ without a rank that is lost."""
                 break
             except RanksChanged:
                 pass
+        if finished and self._broken is None:  # a replacement still asking to be taken back leaves
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._thread, self.group.stopped)
+            except RankMissing as exc:  # the store is gone: so is anything that waited in it
+                log.info("aggregator ranks: %s", exc)
         if self._control is not None:
             await self._control.stop(0.5)
         self._thread.shutdown(wait=False)

@@ -1,12 +1,14 @@
 """Aggregator ranks on this machine, for `fedpar simulate --aggregator-ranks N`: the calling process is rank 0 (its
 coordinator), and N - 1 spawned processes are the other ranks, each an IngestRank behind its own gRPC server. A rank
 that rank 0 declares lost (it died or hangs) is killed here, so a hung one cannot come back into a group that went on
-without it."""
+without it, and a fresh process is started in its slot, which rank 0 takes back when the next round opens; at most
+parallel/restarts.py's RESTARTS_PER_HOUR times a slot in any hour, then the coordinator goes on without it."""
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,7 @@ import torch
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource
+from fedpar.parallel.restarts import RestartBudget
 from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
 from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
 from fedpar.security.admission import Admission
@@ -60,16 +63,21 @@ def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:
     return CoordinatorAssembly.for_data(spec.model, load_dataset(spec.dataset, spec.data_dir), spec.seed, None)
 
 
-def _rank_main(rank: int, world: int, port: int, spec: IngestRankSpec) -> None:
-    """A spawned process: join the group, then serve as aggregator rank ``rank`` until rank 0 stops (or dies)."""
+def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRankSpec, replacing: bool) -> None:
+    """A spawned process: join the group (or, ``replacing`` a lost rank, ask rank 0 to take it back), then serve as
+    aggregator rank ``rank`` until rank 0 stops (or dies)."""
     die_with_parent()
     torch.set_num_threads(1)
-    _join(rank, world, port, spec)
+    timeout = spec.config.aggregator_timeout_seconds
+    if replacing:
+        group = RankGroup.replacement(rank, world, "127.0.0.1", port, namespace, timeout)
+    else:
+        _join(rank, world, port, spec)
+        group = RankGroup(timeout, namespace)
     assembly = _assembly(spec)
     strategy = build_strategy(spec.strategy, **spec.strategy_options)
     files = server_tls_files(spec.certs_dir) if spec.certs_dir else None
-    ingest = IngestRank(spec.config, assembly.names, assembly.weights, strategy,
-                        RankGroup(spec.config.aggregator_timeout_seconds),
+    ingest = IngestRank(spec.config, assembly.names, assembly.weights, strategy, group,
                         admission=Admission(require_certificate=files is not None), control_tls=files)
     server = CoordinatorServer(ingest, credentials=server_credentials(files) if files else None,
                                data_tls=server_ssl_context(files) if files else None)
@@ -84,24 +92,37 @@ class IngestRanks:
     """Ranks 1..N-1 in spawned processes, and this process joined as rank 0; :attr:`leader` goes to the coordinator."""
 
     def __init__(self, world: int, spec: IngestRankSpec):
-        port = free_port()
+        self.port = free_port()
+        self.namespace = f"fedpar/ranks/{secrets.token_hex(4)}"  # this run's keys in the rendezvous store
         rank_config = dataclasses.replace(spec.config, metrics_path=None, checkpoint_dir=None)
-        spec = dataclasses.replace(spec, config=rank_config)
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_rank_main, args=(r, world, port, spec), name=f"fedpar-rank-{r}",
-                                  daemon=True) for r in range(1, world)]
+        self.spec = dataclasses.replace(spec, config=rank_config)
+        self.world = world
+        self.restarts = RestartBudget()
+        self.procs = [self._process(r, replacing=False) for r in range(1, world)]
         with children_ignore_interrupts():  # rank 0 stops them
             for p in self.procs:
                 p.start()
-        _join(0, world, port, spec)
-        self.leader = RankLeader(RankGroup(spec.config.aggregator_timeout_seconds),
+        _join(0, world, self.port, self.spec)
+        self.leader = RankLeader(RankGroup(self.spec.config.aggregator_timeout_seconds, self.namespace),
                                  tls=server_tls_files(spec.certs_dir) if spec.certs_dir else None, on_lost=self.end)
 
+    def _process(self, rank: int, replacing: bool) -> mp.Process:
+        return mp.get_context("spawn").Process(
+            target=_rank_main, args=(rank, self.world, self.port, self.namespace, self.spec, replacing),
+            name=f"fedpar-rank-{rank}", daemon=True)
+
     def end(self, ranks: list[int]) -> None:
-        """Kill the processes of ``ranks`` (declared lost: dead already, or hung)."""
+        """Kill the processes of ``ranks`` (declared lost: dead already, or hung) and start a replacement in each
+        slot while its restart budget allows (parallel/restarts.py)."""
         for r in ranks:
             if self.procs[r - 1].is_alive():
                 self.procs[r - 1].kill()
+            self.procs[r - 1].join(timeout=1.0)
+            if not self.restarts.allow(r):
+                continue
+            self.procs[r - 1] = self._process(r, replacing=True)
+            with children_ignore_interrupts():
+                self.procs[r - 1].start()
 
     def close(self, wait: bool = True) -> None:
         """Wait for the ranks to leave (they stop when rank 0 says the rounds are done), or without ``wait`` (the run
