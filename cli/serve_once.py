@@ -50,7 +50,7 @@ class OneShotService(RunService):
 
     def round_callbacks(self, plan, ranks) -> list[Callable[[dict], None]]:
         """The progress bar and the round table (with per-rank columns under aggregator ranks)."""
-        from fedpar.server.ranks.stats import rank_columns
+        from fedpar.server.rounds import rank_columns
 
         columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(self.args) else [])
         if ranks is not None:

@@ -66,7 +66,7 @@ def simulation_config(args: argparse.Namespace) -> SimulationConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary."""
-    from fedpar.server.ranks.stats import rank_columns
+    from fedpar.server.rounds import rank_columns
     from fedpar.simulations.run_outputs import RunOutputs
     from fedpar.server.ranks.group import RankMissing
     from fedpar.simulations.runner import ProcessLost, run_simulation

@@ -33,13 +33,12 @@ from fedpar.server.deadline import DEADLINE, cohort_size, round_target, seconds_
 from fedpar.server.ranks.group import RankMissing
 from fedpar.server.ranks.leader import RankLeader
 from fedpar.server.ranks.plane import IngestPlane
-from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
-from fedpar.server.members import Members
+from fedpar.server.members import CohortSampler, Members
 from fedpar.server.populations import member_source
 from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, UploadTicket
-from fedpar.server.sampler import CohortSampler
+from fedpar.server.rounds import (STAT_NAMES, UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, UploadTicket,
+                                  ingest_stats)
 from fedpar.server.uploads import per_update
 from fedpar.server.secure_round import SecureRound
 from fedpar.server.virtual_clock import VirtualClock

@@ -1,4 +1,5 @@
-"""The coordinator's member source: who may be sampled, and how a sampled member hears of its task.
+"""The coordinator's member source: who may be sampled, how a cohort is drawn from them (seeded, its RNG state kept in
+checkpoints as JSON) and how a sampled member hears of its task.
 
 :class:`Members` holds the agents that joined by themselves (Join; each long-polls PullTask for its own tasks).
 server/populations.py extends it with simulation hosts that speak for slices of a virtual population. The
@@ -13,6 +14,7 @@ import time
 from typing import Callable, Protocol, Sequence
 
 import grpc
+import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
@@ -210,3 +212,29 @@ class Members:
 
     def _known(self, key: str) -> bool:
         return self.registry.get(key) is not None
+
+
+class CohortSampler:
+    """Samples M agents uniformly without replacement from the live ones."""
+
+    def __init__(self, seed: int):
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+
+    def sample(self, live_ids: Sequence[str], size: int) -> list[str]:
+        """``size`` distinct ids from ``live_ids``, which are sorted (all of them if there are fewer). Draws ``size``
+        positions (numpy's Floyd sampling when the cohort is small beside the population) and reads only those: a
+        cohort costs O(cohort), not a pass over the population."""
+        if size >= len(live_ids):
+            return list(live_ids)
+        picked = self._rng.choice(len(live_ids), size=size, replace=False)
+        return [live_ids[int(i)] for i in sorted(picked)]
+
+    def state(self) -> dict:
+        """The RNG state as JSON-able data."""
+        return self._rng.bit_generator.state
+
+    def load_state(self, state: dict) -> None:
+        """Restore an RNG state saved by :meth:`state`."""
+        if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
+            raise ValueError("sampler state must be a PCG64 state dict")
+        self._rng.bit_generator.state = state

@@ -14,7 +14,7 @@ import pytest
 from fedpar.datasets import load_dataset
 from fedpar.datasets.members import PooledMembers, member_source
 from fedpar.server.registry import AgentRegistry
-from fedpar.server.sampler import CohortSampler
+from fedpar.server.members import CohortSampler
 from fedpar.datasets.synthetic import client_examples
 from fedpar.simulations.population import PopulationMembers, PopulationSlice, client_id
 from fedpar.task import Partition

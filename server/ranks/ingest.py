@@ -30,10 +30,9 @@ from fedpar.server.ranks.control import HEARTBEAT_SECONDS, RankControlClient
 from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankLeftOut, RankMissing
 from fedpar.server.ranks.messages import RankMessageError, serial_number
 from fedpar.server.ranks.plane import IngestPlane
-from fedpar.server.ranks.stats import ingest_stats
 from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket, ingest_stats
 
 log = logging.getLogger("fedpar.server")
 LEAVE_AFTER_RANK0_SECONDS = 2.0

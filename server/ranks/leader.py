@@ -27,8 +27,7 @@ from fedpar.security.tls import TlsFiles
 from fedpar.server.ranks.control import HEARTBEAT_SECONDS, add_control_port, control_handler, new_secret
 from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
 from fedpar.server.ranks.messages import serial_bytes
-from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
-from fedpar.server.rounds import AgentSlot, RoundState
+from fedpar.server.rounds import STAT_NAMES, AgentSlot, RoundState, ingest_stats
 
 log = logging.getLogger("fedpar.server")
 LOST_AFTER_SECONDS = 3 * HEARTBEAT_SECONDS  # a rank whose heartbeat stopped this long is lost

@@ -10,7 +10,7 @@ import pytest
 from fedpar.server import checkpoint as ck
 from fedpar.server.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from fedpar.server.registry import AgentRegistry, AuthError
-from fedpar.server.sampler import CohortSampler
+from fedpar.server.members import CohortSampler
 
 
 def _ckpt(round_id: int, seed: int = 0) -> Checkpoint:

@@ -25,7 +25,7 @@ from fedpar.client.trainer import LocalTrainer
 from fedpar.models import get_weights
 from fedpar.protocol.tensorfile import load_tensors
 from fedpar.server.coordinator import cohort_digest
-from fedpar.server.sampler import CohortSampler
+from fedpar.server.members import CohortSampler
 from support.digit_agents import start_digit_agents
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from fedpar.protocol.run_logs import RunningSummary
 from fedpar.server.checkpoint import Checkpoint, CheckpointError, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.server.sampler import CohortSampler
+from fedpar.server.members import CohortSampler
 
 
 def _digits_mlp():

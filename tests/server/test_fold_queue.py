@@ -13,10 +13,9 @@ import numpy as np
 from fedpar.aggregation import FedAvg
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.messages import SMALL_UPDATE_BYTES
-from fedpar.server.ranks.stats import STAT_NAMES, ingest_stats
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
+from fedpar.server.rounds import STAT_NAMES, AgentSlot, Refusal, RoundState, UploadTicket, ingest_stats
 
 NAMES = ["w", "b"]
 GLOBAL = [np.zeros(SMALL_UPDATE_BYTES // 4 + 1000, np.float32), np.zeros(3, np.float32)]  # folded on a worker thread

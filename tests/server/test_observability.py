@@ -185,7 +185,7 @@ def test_health_is_not_serving_while_a_checkpoint_is_restored(tmp_path):
     from fedpar.server.checkpoint import Checkpoint, save_checkpoint
     from fedpar.server.config import CoordinatorConfig
     from fedpar.server.coordinator import Coordinator
-    from fedpar.server.sampler import CohortSampler
+    from fedpar.server.members import CohortSampler
 
     saved = _weights(7)
     save_checkpoint(tmp_path, Checkpoint(1, NAMES, saved, {}, {"sampler": CohortSampler(0).state(),
