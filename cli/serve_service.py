@@ -196,17 +196,17 @@ class RunService:
         """Run ``run`` to its end (finished, failed or stopped; ``plan``: its parts built already, ``ranks``: the
         RankLeader of the other aggregator ranks); a signal leaves it running (``stopped_by``), to resume."""
         from fedpar.server.app import RestoreError
-        from fedpar.simulations.run_outputs import write_run_outputs
 
         args = self.options_of(run)
-        out = Path(args.out)
+        out = Path(args.out) if args.out else None  # None: a run that leaves no files (a simulation without --out)
         task = task_label(args)
-        self.store.start(run.id, str(out))
+        self.store.start(run.id, str(out or ""))
         self._say(run, f"run {run.id} ({run.name}) started: task {task!r}, {args.rounds} rounds; only agents that "
                        "have its task are sampled")
         events = None
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
             plan = plan or self.plan(args)
             events = tensorboard_writer(self.tensorboard_dir(run))
             if ranks is None and self.rank_group is not None:
@@ -260,14 +260,20 @@ class RunService:
             server.stop(grace=0.5)
             if events is not None:
                 events.close()
-        outputs = write_run_outputs(out, server.coordinator, plan.assembly.description,
-                                    {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"},
-                                    title=self.title(run, args))
+        outputs = self.outputs(out, server, plan, run, args,
+                               {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"})
         if status is None:
             return RunEnd(None, "", outputs=outputs, stopped_by=stopped_by)
-        model = out / "global.safetensors"
+        model = out / "global.safetensors" if out is not None else None
         return self._end(run, status, reason or outputs.summary.get("stopped_because", ""),
-                         str(model) if model.is_file() else "", outputs=outputs)
+                         str(model) if model is not None and model.is_file() else "", outputs=outputs)
+
+    def outputs(self, out: Path, server, plan, run, args: argparse.Namespace, extra: dict):
+        """What ``run`` leaves in ``out`` once its coordinator ``server`` stopped (``extra``: for its summary): the
+        RunOutputs of :func:`write_run_outputs`."""
+        from fedpar.simulations.run_outputs import write_run_outputs
+
+        return write_run_outputs(out, server.coordinator, plan.assembly.description, extra, title=self.title(run, args))
 
     def title(self, run, args: argparse.Namespace) -> str:
         """The title of ``run``'s plots."""

@@ -3,13 +3,14 @@ loopback gRPC (simulations/population.py: only the clients sampled in a round ge
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import logging
 import multiprocessing as mp
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +18,9 @@ import numpy as np
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compatibility import check_composition
+from fedpar.cli.serve import ServePlan
+from fedpar.cli.serve_service import RunService, json_ready
+from fedpar.cli.tlsopts import ServerSecurity
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
@@ -28,12 +32,13 @@ from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.run_store import RunStore
 from fedpar.simulations.agents import WorkerConfig, run_worker_process
 from fedpar.simulations.client_batching import batched_seats, batching_refusal_of, client_batching_route
 from fedpar.simulations.config import SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
-from fedpar.simulations.run_outputs import write_run_outputs
+from fedpar.simulations.run_outputs import RunOutputs, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
 from fedpar.task import Partition
@@ -103,13 +108,14 @@ def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
                    on_server: Callable[[object], None] | None = None,
                    on_progress: Callable[[object], None] | None = None,
-                   on_stage: Callable[[str], None] | None = None) -> dict:
+                   on_stage: Callable[[str], None] | None = None, store: RunStore | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
     the final model (global.safetensors, global.json), summary.json, accuracy.png and loss.png under ``cfg.out``
     (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the files written.
     ``on_server(server)`` sees the coordinator before it starts; ``on_progress(coordinator)`` is called twice a
     second while it runs (clients joined, the open round); ``on_stage(what)`` as each set-up step starts (loading the
-    data, indexing the clients' shares)."""
+    data, indexing the clients' shares). The run is kept in ``store`` (default: one in memory), as a service keeps its
+    runs, and driven by the same code (:meth:`RunService.execute`)."""
     started = time.monotonic()
     cfg, notes = cfg.settled()  # `fedpar simulate` has settled them already, and said so
     for note in notes:
@@ -147,7 +153,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     try:
         summary = _run(cfg, strategy, task, on_round, started, out, procs, [send for _, send in pipes], on_server,
-                       on_progress, flower_app, on_stage or (lambda what: None))
+                       on_progress, flower_app, on_stage or (lambda what: None), store)
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
@@ -183,7 +189,7 @@ def _flower_app(cfg: SimulationConfig) -> FlowerApp | None:
 
 def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: Path | None, procs, pipes,
          on_server=None, on_progress=None, flower_app: FlowerApp | None = None,
-         on_stage: Callable[[str], None] = lambda what: None) -> dict:
+         on_stage: Callable[[str], None] = lambda what: None, store: RunStore | None = None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     if flower_app is not None:  # the ClientApp loads its own data; fedpar's strategy starts from the app's arrays
         splits, members = None, None
@@ -222,64 +228,129 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, sum(seats)),
         max_queued_uploads=max(CoordinatorConfig.max_queued_uploads, sum(seats)),
         max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
-    callbacks = [on_round] if on_round else []
     # Under mutual TLS each host proves its own identity, and speaks for its members (who have no certificates).
     certs = temporary_cert_dir([s.host_id for s in slices]) if cfg.tls else None
-    stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
     ranks = None
     if cfg.aggregator_ranks > 1:
         ranks = IngestRanks(cfg.aggregator_ranks, composed(IngestRankSpec, cfg, config=coord_cfg,
                                                             certs_dir=certs.name if certs else None))
-    server = assembly.server(coord_cfg, strategy, on_round_end=callbacks,
-                             admission=Admission(require_certificate=cfg.tls),
-                             credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
-                             data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None,
-                             ranks=ranks.leader if ranks else None)
-    if on_server is not None:
-        on_server(server)
-    server.start()
+    security = ServerSecurity(
+        credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
+        admission=Admission(require_certificate=cfg.tls),
+        description="mutual TLS (the simulation's own certificates)" if certs else "plaintext", client_hint="",
+        data_tls=server_ssl_context(server_tls_files(certs.name)) if certs else None)
+
+    def worker_configs(address: str) -> list[WorkerConfig]:
+        return [composed(WorkerConfig, cfg, server=address, population=slices[w], device=devices[w], seats=seats[w],
+                         client_batching=batching, certs_dir=certs.name if certs else None,
+                         log_level=logging.getLogger("fedpar").getEffectiveLevel()) for w in range(len(pipes))]
+
+    own_store = store is None
+    store = RunStore(":memory:") if own_store else store
+    service = SimulationService(cfg, store, started, procs, pipes, worker_configs, on_round=on_round,
+                                on_server=on_server, on_progress=on_progress, members=members, splits=splits,
+                                batching=batching)
+    run = store.get(store.submit("simulate", json_ready(asdict(cfg))))
+    stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
     try:
-        for w, send in enumerate(pipes):
-            send.send(composed(WorkerConfig, cfg, server=server.address, population=slices[w], device=devices[w],
-                               seats=seats[w], client_batching=batching, certs_dir=certs.name if certs else None,
-                               log_level=logging.getLogger("fedpar").getEffectiveLevel()))
-            send.close()
-        try:
-            while not server.wait(0.5):
-                if on_progress is not None:
-                    on_progress(server.coordinator)
-                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                if dead:
-                    raise ProcessLost(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
-        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop now, and still write the rounds that completed
-            stopped_by = exc
-            log.warning("interrupted: stopping after %d completed rounds", server.coordinator.metrics.summary.rounds)
-        for p in procs if stopped_by is None else ():
-            p.join(timeout=30)
+        end = service.execute(run, ServePlan(coord_cfg, security, assembly, strategy),
+                              ranks.leader if ranks else None)
+        stopped_by = end.stopped_by
+        if stopped_by is None:
+            for p in procs:
+                p.join(timeout=30)
     finally:
-        server.stop()
         if ranks is not None:
             ranks.close(wait=stopped_by is None)
         if certs is not None:
             certs.cleanup()
-    first = server.coordinator.metrics.first
-    first_start = server.coordinator.started_at + first["wall_seconds"] - first["round_seconds"] if first else None
-    extra = {"wall_seconds": time.monotonic() - started,
-             "startup_seconds": None if first_start is None else first_start - started,
-             "label_skew": label_skew(*_member_labels(members, LABEL_SKEW_CLIENTS), splits.num_classes)
-             if splits else None,
-             "config": asdict(cfg),
-             "client_batching": batching,  # the route --client-batching (auto by default) took
-             **({"interrupted": True} if stopped_by is not None else {})}
-    if not out:
-        return {**server.coordinator.metrics.summary.result(), **extra, "written": []}
-    what = cfg.flower_app or cfg.task or f"{cfg.dataset} / {cfg.model}"
-    more_plots = {} if splits is None else {"labels.png": functools.partial(  # a task's labels are its own
-        _plot_labels, _member_labels(members, LABEL_PLOT_CLIENTS), splits.num_classes,
-        f"{cfg.partition}: labels of the first {min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")}
-    outputs = write_run_outputs(out, server.coordinator, assembly.description, extra,
-                                title=f"{what} / {cfg.partition}, {cfg.clients} clients", more_plots=more_plots)
-    return {**outputs.summary, "written": outputs.written}
+        if own_store:
+            store.close()
+    if end.outputs is None:  # the coordinator could not be built or started
+        raise ValueError(end.reason)
+    return {**end.outputs.summary, "written": end.outputs.written}
+
+
+class SimulationService(RunService):
+    """A RunService whose one run is a simulation's: the worker processes get their slices of the population once
+    the coordinator listens, a worker that dies ends the run (ProcessLost), and the summary says how it was set up."""
+
+    keeps_members = False  # the hosts hear that training is over, and stop
+    samples_by_task = False  # every host's members are sampled
+
+    def __init__(self, cfg: SimulationConfig, store: RunStore, started: float, procs, pipes,
+                 worker_configs: Callable[[str], list], *, on_round, on_server, on_progress, members, splits,
+                 batching: bool):
+        options = argparse.Namespace(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, state=None, host="127.0.0.1", port=0, tensorboard=None,
+                                     metrics_port=None)
+        super().__init__(options, store, 0, lambda args: None)
+        self.cfg, self.started, self.procs, self.pipes = cfg, started, procs, pipes
+        self.worker_configs, self.on_round, self.on_server, self.on_progress = (worker_configs, on_round, on_server,
+                                                                                on_progress)
+        self.members, self.splits, self.batching = members, splits, batching
+
+    def options_of(self, run) -> argparse.Namespace:
+        """The simulation's settings."""
+        return self.args
+
+    def tensorboard_dir(self, run) -> str | None:
+        """None: `fedpar simulate` writes TensorBoard events from its own round callbacks."""
+        return None
+
+    def round_callbacks(self, plan, ranks) -> list[Callable[[dict], None]]:
+        """``on_round``."""
+        return [self.on_round] if self.on_round else []
+
+    def watch(self, server, run) -> None:
+        """``on_server`` sees the coordinator before it starts."""
+        if self.on_server is not None:
+            self.on_server(server)
+
+    def listening(self, server, plan) -> None:
+        """Each worker process gets its slice of the population and where to dial."""
+        super().listening(server, plan)
+        for send, config in zip(self.pipes, self.worker_configs(server.address)):
+            send.send(config)
+            send.close()
+
+    def waiting(self, server) -> None:
+        """``on_progress``, and ProcessLost when a worker process died."""
+        if self.on_progress is not None:
+            self.on_progress(server.coordinator)
+        dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+        if dead:
+            raise ProcessLost(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
+
+    def round_error(self, exc: Exception, config) -> str:
+        """Re-raised: the simulation ends with it."""
+        raise exc
+
+    def outputs(self, out: Path | None, server, plan, run, args, extra: dict) -> RunOutputs:
+        """The summary with how the simulation was set up, and, with --out, the files it leaves there."""
+        cfg, coordinator, members, splits = self.cfg, server.coordinator, self.members, self.splits
+        if extra["interrupted"]:  # Ctrl-C or SIGTERM: what completed is still written
+            log.warning("interrupted: stopping after %d completed rounds", coordinator.metrics.summary.rounds)
+        first = coordinator.metrics.first
+        first_start = coordinator.started_at + first["wall_seconds"] - first["round_seconds"] if first else None
+        extra = {"wall_seconds": time.monotonic() - self.started,
+                 "startup_seconds": None if first_start is None else first_start - self.started,
+                 "label_skew": label_skew(*_member_labels(members, LABEL_SKEW_CLIENTS), splits.num_classes)
+                 if splits else None,
+                 "config": asdict(cfg),
+                 "client_batching": self.batching,  # the route --client-batching (auto by default) took
+                 **({"interrupted": True} if extra["interrupted"] else {})}
+        if out is None:
+            return RunOutputs({**coordinator.metrics.summary.result(), **extra})
+        what = cfg.flower_app or cfg.task or f"{cfg.dataset} / {cfg.model}"
+        more_plots = {} if splits is None else {"labels.png": functools.partial(  # a task's labels are its own
+            _plot_labels, _member_labels(members, LABEL_PLOT_CLIENTS), splits.num_classes,
+            f"{cfg.partition}: labels of the first {min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")}
+        return write_run_outputs(out, coordinator, plan.assembly.description, extra,
+                                 title=f"{what} / {cfg.partition}, {cfg.clients} clients", more_plots=more_plots)
+
+    def _say(self, run, line: str) -> None:
+        """Into the run's log only: the terminal has the round table."""
+        self.store.log(run.id, line)
 
 
 def _member_labels(members: MemberSource, count: int) -> tuple[list[np.ndarray], np.ndarray]:
