@@ -18,9 +18,7 @@ import numpy as np
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compatibility import check_composition
-from fedpar.cli.serve import ServePlan
 from fedpar.cli.serve_service import RunService, json_ready
-from fedpar.cli.tlsopts import ServerSecurity
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
@@ -191,6 +189,9 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
          on_server=None, on_progress=None, flower_app: FlowerApp | None = None,
          on_stage: Callable[[str], None] = lambda what: None, store: RunStore | None = None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
+    from fedpar.cli.serve import ServePlan  # serve's command module: not loaded by every spawned worker
+    from fedpar.cli.tlsopts import ServerSecurity
+
     if flower_app is not None:  # the ClientApp loads its own data; fedpar's strategy starts from the app's arrays
         splits, members = None, None
         assembly = CoordinatorAssembly.for_flower_app(flower_app, cfg.seed)
