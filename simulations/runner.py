@@ -282,9 +282,8 @@ class SimulationService(RunService):
     def __init__(self, cfg: SimulationConfig, store: RunStore, started: float, procs, pipes,
                  worker_configs: Callable[[str], list], *, on_round, on_server, on_progress, members, splits,
                  batching: bool):
-        options = argparse.Namespace(**{f.name: getattr(cfg, f.name) for f in fields(cfg)}, state=None, host="127.0.0.1", port=0, tensorboard=None,
-                                     metrics_port=None)
-        super().__init__(options, store, 0, lambda args: None)
+        settings = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+        super().__init__(argparse.Namespace(**settings, state=None, host="127.0.0.1"), store, 0, lambda args: None)
         self.cfg, self.started, self.procs, self.pipes = cfg, started, procs, pipes
         self.worker_configs, self.on_round, self.on_server, self.on_progress = (worker_configs, on_round, on_server,
                                                                                 on_progress)
