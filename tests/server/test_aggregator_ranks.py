@@ -24,12 +24,11 @@ import pytest
 
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
-from fedpar.parallel.init import free_port, shutdown_distributed
+from fedpar.parallel.init import free_port
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.messages import CoordinatorStub, channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
-from fedpar.server.ranks.group import RankGroup, RankMissing
 from fedpar.tasks.reference import load_task
 from support.digit_agents import start_digit_agents
 from support.own_task import EXAMPLE, write_table
@@ -493,28 +492,46 @@ def test_rank_0_cannot_form_the_group_again_once_the_rendezvous_store_is_gone_an
     """The rendezvous store lives in a process of its own here, as it does in torchrun's agent; once that process is
     killed, rank 0's next re-forming (after a lost rank, or to take a replacement back) fails with one RankMissing
     line naming the store: the error with which rank 0 stops the coordinator and says why in one line (leader.py,
-    cli/serve.py, cli/simulate.py), not a traceback or a failed round."""
-    import torch.distributed as dist
-    from datetime import timedelta
-
+    cli/serve.py, cli/simulate.py), not a traceback or a failed round. Rank 0 runs in a process of its own: the failed
+    re-forming leaves torch's count of process groups behind, which would misname a later group in this process."""
     port = free_port()
     host = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; "
                              f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
                              "print('up', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    rank_0 = tmp_path / "rank_0.py"
+    rank_0.write_text(f"""
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from fedpar.server.ranks.group import RankGroup, RankMissing
+
+store = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=timedelta(seconds=5))
+dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=5))
+group = RankGroup(5.0, "fedpar/ranks/test")
+group.reform([0])  # with the store there, the group forms again
+print("formed", group.generation, group.asking_to_join(), flush=True)
+sys.stdin.readline()  # the store's host is killed meanwhile
+try:
+    group.reform([0])
+except RankMissing as exc:
+    print("missing:", exc, flush=True)
+""")
+    proc = None
     try:
         assert host.stdout.readline().strip() == "up"
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=5))
-        group = RankGroup(5.0, "fedpar/ranks/test")
-        group.reform([0])  # with the store there, the group forms again
-        assert group.generation == 1 and group.asking_to_join() == {}
+        proc = subprocess.Popen([sys.executable, str(rank_0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "formed 1 {}"
         host.kill()
         host.wait()
-        with pytest.raises(RankMissing, match=r"^the rendezvous store of the aggregator ranks is gone \(.*\); their "
-                                              r"group cannot be formed again$"):
-            group.reform([0])
+        out, err = proc.communicate("go\n", timeout=60)
+        assert re.fullmatch(r"missing: the rendezvous store of the aggregator ranks is gone \(.*\); their group "
+                            r"cannot be formed again\n", out), out + err
+        assert "Traceback" not in err, err
     finally:
-        shutdown_distributed()
-        if host.poll() is None:
-            host.kill()
-            host.wait()
+        for p in (proc, host):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
