@@ -345,8 +345,11 @@ class Coordinator(IngestPlane):
                 return pb.PullTaskReply(wait_seconds=0.0)
             agent.last_seen = time.monotonic()
 
-    def task_for(self, agent: AgentRecord, finished_task_id: str = "") -> pb.PullTaskReply | None:
-        """The reply to a poll of ``agent`` now: its task, or that training is over; None while it has none."""
+    def task_for(self, agent: AgentRecord, finished_task_id: str = "",
+                 with_weights: bool = True) -> pb.PullTaskReply | None:
+        """The reply to a poll of ``agent`` now: its task, or that training is over; None while it has none.
+        ``with_weights=False``: a small model is left out of the task (a host's reply carries it once, see
+        :meth:`inline_weights`), though still counted as sent."""
         if self.finished and not self.keeps_members:
             self.members.told(agent.agent_id)
             return pb.PullTaskReply(shutdown_reason=f"training finished after round {self.round_id}")
@@ -366,8 +369,9 @@ class Coordinator(IngestPlane):
         if slot.message:  # a Flower App run's round: the Message is the task (server/flower_rounds.py)
             task.flower_message = slot.message
         elif payload is not None and payload.inline is not None and payload.round_id == state.round_id:
-            task.weights_header.MergeFromString(payload.model_header)
-            task.weights = payload.inline
+            if with_weights:
+                task.weights_header.MergeFromString(payload.model_header)
+                task.weights = payload.inline
             state.download_bytes += len(payload.inline)
         if slot.rank:  # another aggregator rank takes this agent's download and upload
             self.ranks.route(task, slot)
@@ -377,6 +381,14 @@ class Coordinator(IngestPlane):
                 slot.data_ticket = self.tickets.issue(agent.agent_id, state.round_id, slot.task_id, speaker(agent))
             task.data_ticket = slot.data_ticket
         return pb.PullTaskReply(task=task)
+
+    def inline_weights(self) -> tuple[bytes, bytes] | None:
+        """The current round's small model as its tasks carry it (serialized ModelHeader, tensor bytes); None when
+        the model is too big to travel inline or no round is open."""
+        state, payload = self.current, self.payload
+        if state is None or payload is None or payload.inline is None or payload.round_id != state.round_id:
+            return None
+        return payload.model_header, payload.inline
 
     def _redeliverable(self, state: RoundState, agent_id: str, finished_task_id: str = "") -> AgentSlot | None:
         """The task of an agent that pulls again before any download of it completed (the task reply or the

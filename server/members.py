@@ -33,8 +33,12 @@ class TaskDesk(Protocol):
     current: RoundState | None
     clock: object  # its RoundClock (server/coordinator.py)
 
-    def task_for(self, agent: AgentRecord) -> pb.PullTaskReply | None:
+    def task_for(self, agent: AgentRecord, finished_task_id: str = "",
+                 with_weights: bool = True) -> pb.PullTaskReply | None:
         """The reply to a poll of ``agent`` now (its task, or that training is over); None: nothing yet."""
+
+    def inline_weights(self) -> tuple[bytes, bytes] | None:
+        """The current round's small model (serialized ModelHeader, tensor bytes), None if it is not sent inline."""
 
 
 class Members:

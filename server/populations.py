@@ -130,16 +130,15 @@ class Populations(Members):
         desk.clock.stamp_reply(out)
         for agent_id in pending[:MAX_HOSTED_TASKS]:
             record = self.registry.get(agent_id)
-            reply = desk.task_for(record) if record is not None and record.host == host_id else None
+            reply = desk.task_for(record, with_weights=False) if record is not None and record.host == host_id \
+                else None
             if reply is None or reply.WhichOneof("kind") != "task":
                 continue
-            task = reply.task
-            if task.weights:
-                out.weights_header.CopyFrom(task.weights_header)
-                out.weights = task.weights
-                task.ClearField("weights_header")
-                task.ClearField("weights")
-            out.tasks.append(pb.HostedTask(agent_id=agent_id, task=task))
+            out.tasks.add(agent_id=agent_id).task.MergeFrom(reply.task)
+        inline = desk.inline_weights() if out.tasks and not out.tasks[0].task.flower_message else None
+        if inline is not None:
+            out.weights_header.MergeFromString(inline[0])
+            out.weights = inline[1]
         return out
 
     def _forget_gone(self) -> None:

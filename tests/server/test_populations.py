@@ -112,6 +112,8 @@ def test_a_big_cohort_of_one_host_comes_in_replies_of_bounded_size_with_one_copy
     assert np.frombuffer(first.weights, np.float32).tolist() == weights.tolist()
     assert all(not t.task.weights for t in first.tasks)
     assert len({t.agent_id for t in [*first.tasks, *second.tasks]}) == 600
+    assert np.frombuffer(second.weights, np.float32).tolist() == weights.tolist()
+    assert server.coordinator.current.download_bytes == 600 * weights.nbytes  # sent once, counted per member
 
 
 def test_members_reported_away_are_not_live_until_they_are_back(start_coordinator):
