@@ -16,7 +16,8 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from fedpar.parallel.sampler import DistributedBatchSampler
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, StepClock, Task, TaskError
 from fedpar.tasks.data import batch_at, batch_examples, inputs_and_targets, on_device, to_device
-from fedpar.tasks.evaluation import EvalResult, task_eval_result
+from fedpar.tasks.evaluation import EvalResult, task_eval_result, task_eval_results
 
 ShardBatch = tuple[int, tuple[list[int], torch.Tensor]]  # batch number in its epoch, (this rank's indices, not-padding)
 
@@ -63,6 +64,7 @@ class EngineTrainer:
 
     framework = "torch"
     reads_task_settings = False
+    evaluates_together = True
 
     def __init__(self, task: Task, data: ClientData, info: DistInfo, parallel: ParallelConfig, seed: int = 0,
                  shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0, warm_up: bool = True):
@@ -133,6 +135,11 @@ class EngineTrainer:
         if self.val is None:
             return None
         return task_eval_result(self.task, self.model, self.val)
+
+    def evaluate_splits(self, splits: Sequence[Any]) -> list[EvalResult | None]:
+        """The task's metrics of rank 0's whole model on each of ``splits`` (tasks/evaluation.py
+        task_eval_results)."""
+        return task_eval_results(self.task, self.model, splits)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
               proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None,

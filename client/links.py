@@ -268,6 +268,9 @@ class Population(Members, Protocol):
         """Members gone offline and come back since the last call (``clock_seconds``: the coordinator's
         simulated time, None without a virtual clock)."""
 
+    def validation(self, i: int):
+        """Member ``i``'s validation split (None without one), for a seat that scores several members at once."""
+
     def finish_estimate(self, i: int, task: pb.TrainTask) -> float:
         """Member ``i``'s simulated seconds for ``task`` (-1: it would not upload); sets ``task.max_steps``."""
 

@@ -109,6 +109,11 @@ class ClientRuntime:
         self._stats_lock = threading.Lock()
         self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
         self._weights_lock = threading.Lock()
+        # a population's members of a round score its global model on their validation splits together
+        self._together = members.population and bool(trainers) and trainers[0].evaluates_together
+        self._to_evaluate: dict[int, list[int]] = {}  # per round: members queued, not yet evaluated
+        self._evaluations: dict[tuple[int, int], object] = {}  # (round, member): its EvalResult (or None)
+        self._evaluation_lock = threading.Lock()
         # members that outnumber the seats keep their top-k residuals on disk between their rounds
         self.residuals = ResidualStore([tuple(t.shape) for t in self.layout.tensors]) \
             if members.population and self.layout is not None else None
@@ -183,6 +188,9 @@ class ClientRuntime:
             return
         with self._in_flight_lock:
             self._in_flight += 1
+        if self._together:
+            with self._evaluation_lock:
+                self._to_evaluate.setdefault(task.round, []).append(i)
         self._tasks.put((i, task))
 
     def _seat(self, seat: Seat) -> None:
@@ -226,12 +234,12 @@ class ClientRuntime:
             finished = True
         else:
             with seat.trainer.holding_task(task.round):
-                finished = self._train_and_upload(seat, member, self.link.member_auth(i), task)
+                finished = self._train_and_upload(seat, i, member, self.link.member_auth(i), task)
         if finished:
             self.link.finished(task)
         return finished
 
-    def _train_and_upload(self, seat: Seat, member: str, auth: pb.AgentAuth, task: pb.TrainTask) -> bool:
+    def _train_and_upload(self, seat: Seat, i: int, member: str, auth: pb.AgentAuth, task: pb.TrainTask) -> bool:
         received = time.monotonic()
         deadline_at = received + task.deadline_seconds
         try:
@@ -253,9 +261,7 @@ class ClientRuntime:
             seat.compression.give_residual(settings, self.residuals.load(member))
         seat.trainer.set_arrays(weights)
         metrics: dict[str, float] = {}
-        evaluation = None
-        if settings.evaluate:  # a trainer that reads task settings gets them (e.g. a Flower evaluate config)
-            evaluation = seat.trainer.evaluate(**({"settings": settings} if seat.trainer.reads_task_settings else {}))
+        evaluation = self._evaluation(seat, i, task.round, settings) if settings.evaluate else None
         if evaluation is not None:
             metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
         stop_at = stop_training_at(deadline_at, time.monotonic() - received, self.config.upload_margin_seconds)
@@ -328,6 +334,25 @@ class ClientRuntime:
                 return True
             self._weights = (task.round, weights)
             return weights
+
+    def _evaluation(self, seat: Seat, i: int, round_id: int, settings: TaskSettings):
+        """Member ``i``'s metrics of round ``round_id``'s global model (loaded in ``seat``'s trainer) on its
+        validation split. A population's seat scores every member of the round queued so far in one pass and keeps
+        the others' results for their turn (they all score the same model); a trainer that reads task settings
+        gets them (e.g. a Flower evaluate config)."""
+        trainer = seat.trainer
+        if not self._together:
+            return trainer.evaluate(**({"settings": settings} if trainer.reads_task_settings else {}))
+        with self._evaluation_lock:
+            if (round_id, i) not in self._evaluations:
+                if any(r < round_id for r, _ in self._evaluations):  # members whose tasks were dropped unrun
+                    self._evaluations = {key: e for key, e in self._evaluations.items() if key[0] >= round_id}
+                self._to_evaluate = {r: queued for r, queued in self._to_evaluate.items() if r >= round_id}
+                group = list(dict.fromkeys([i, *self._to_evaluate.pop(round_id, [])]))
+                group = [j for j in group if j == i or (round_id, j) not in self._evaluations]
+                results = trainer.evaluate_splits([self.members.validation(j) for j in group])
+                self._evaluations.update(((round_id, j), result) for j, result in zip(group, results))
+            return self._evaluations.pop((round_id, i))
 
     def _round_mode(self, seat: Seat, auth: pb.AgentAuth, task: pb.TrainTask, settings: TaskSettings,
                     deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> PlainUpload:

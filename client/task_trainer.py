@@ -16,8 +16,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +33,8 @@ from fedpar.parallel.device import queue_waiter
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Deadline, LocalConfig, StepClock, Task, TaskError
 from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, on_device, to_device
-from fedpar.tasks.evaluation import EvalResult, autocast, finite, named_metrics, task_eval_result
+from fedpar.tasks.evaluation import (EvalResult, autocast, finite, named_metrics, task_eval_result,
+                                     task_eval_results)
 
 log = logging.getLogger("fedpar.client")
 LATE_SECONDS = 0.5  # a train hook returning this long after its deadline is warned about
@@ -108,6 +110,7 @@ class TaskTrainer:
 
     framework = "torch"
     reads_task_settings = False
+    evaluates_together = True
 
     def __init__(self, task: Task, data: ClientData, seed: int = 0, device: torch.device | str = "cpu",
                  precision: str = "fp32", seconds_per_step_delay: float = 0.0,
@@ -208,6 +211,13 @@ class TaskTrainer:
             return None
         with self._taking_turn():
             return task_eval_result(self.task, self.model, self.data.val, self.precision)
+
+    def evaluate_splits(self, splits: Sequence[Any]) -> list[EvalResult | None]:
+        """The task's metrics on each of ``splits`` (members' validation splits), the built-in evaluation of them
+        all in one pass where it can (tasks/evaluation.py task_eval_results)."""
+        splits = [None if split is None else on_device(split, self.device) for split in splits]  # as use_data keeps
+        with self._taking_turn():
+            return task_eval_results(self.task, self.model, splits, self.precision)
 
     @contextlib.contextmanager
     def _taking_turn(self):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import ClassVar, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -28,6 +29,8 @@ class Trainer(Protocol):
 
     framework: ClassVar[str]  # what the member runs ("torch", "flower"), declared at Join
     reads_task_settings: ClassVar[bool]  # train() takes the task's settings (``settings=``), e.g. a Flower fit config
+    # evaluate_splits scores other members' validation splits (a host's members of a round, in one pass)
+    evaluates_together: ClassVar[bool]
 
     @property
     def num_examples(self) -> int:
@@ -52,6 +55,10 @@ class Trainer(Protocol):
         """Metrics of the current weights on the local validation split (None without one; ``settings``: the
         task's, passed when ``reads_task_settings``)."""
 
+    def evaluate_splits(self, splits: Sequence[Any]) -> list[EvalResult | None]:
+        """Metrics of the current weights on each of ``splits`` (members' validation splits; None for an empty or
+        missing one), as :meth:`evaluate` gives them for a member's own; only when ``evaluates_together``."""
+
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, proximal_mu: float = 0.0,
               round_id: int = 0, max_steps: int | None = None,
               settings: TaskSettings | None = None) -> TrainResult:
@@ -63,6 +70,7 @@ class HeldArrays:
     """The protocol's array hand-over for a trainer that calls someone else's code with the global arrays (a Flower
     client or ClientApp): it holds the round's global arrays, the trained ones and the task's round."""
 
+    evaluates_together = False  # the client evaluates its own data only
     _global: list[np.ndarray] | None = None
     _trained: list[np.ndarray] | None = None
     _round = 0
@@ -80,6 +88,10 @@ class HeldArrays:
 
     def warm_up(self) -> None:
         """Nothing: the client sets itself up in its own handlers."""
+
+    def evaluate_splits(self, splits: Sequence[Any]) -> list[EvalResult | None]:
+        """Not possible: the client's evaluate handler sees only its own data (``evaluates_together`` is False)."""
+        raise TypeError(f"{type(self).__name__} evaluates its own data only; call evaluate()")
 
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
         """Remember the task's round (the client's configs name it)."""

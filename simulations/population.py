@@ -202,6 +202,10 @@ class PopulationMembers:
                     self._data_bytes -= _data_bytes(self._data.popitem(last=False)[1])
         return data
 
+    def validation(self, i: int):
+        """Member ``i``'s validation split (None without one)."""
+        return self.member_data(i).val
+
     def train_size(self, i: int) -> int:
         """Member ``i``'s training examples."""
         return int(self.train_sizes[i])

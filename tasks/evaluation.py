@@ -18,7 +18,7 @@ from torch import nn
 
 from fedpar.models.weights import set_weights
 from fedpar.task import Task, TaskError
-from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, on_device, to_device
+from fedpar.tasks.data import batch_examples, default_batches, in_memory, inputs_and_targets, on_device, to_device
 
 
 @dataclass
@@ -71,6 +71,50 @@ def builtin_evaluation(task: Task, model: nn.Module, dataset: Any, batch_size: i
     return metrics
 
 
+@torch.no_grad()
+def builtin_evaluation_of_splits(task: Task, model: nn.Module, splits: Sequence[Any], batch_size: int = 1024,
+                                 precision: str = "fp32") -> list[dict[str, float]] | None:
+    """:func:`builtin_evaluation` of each of ``splits`` (e.g. several members' validation splits) with one forward
+    pass per batch over their examples together; None unless all are in-memory (inputs, targets) tensors of one
+    kind (then evaluate them one by one)."""
+    tensors = [in_memory(split) for split in splits]
+    if not tensors or any(t is None or len(t) != 2 for t in tensors) or any(
+            (t[0].shape[1:], t[0].dtype, t[1].shape[1:], t[1].dtype)
+            != (tensors[0][0].shape[1:], tensors[0][0].dtype, tensors[0][1].shape[1:], tensors[0][1].dtype)
+            for t in tensors):
+        return None
+    device = next(model.parameters()).device
+    inputs = torch.cat([t[0] for t in tensors]).to(device)
+    targets = torch.cat([t[1] for t in tensors]).to(device)
+    bounds = np.cumsum([0] + [len(t[0]) for t in tensors]).tolist()
+    loss_sums = [torch.zeros((), dtype=torch.float64, device=device) for _ in splits]
+    correct = [torch.zeros((), dtype=torch.int64, device=device) for _ in splits]
+    classified = [True] * len(splits)
+    for begin in range(0, len(inputs), batch_size):
+        end = min(begin + batch_size, len(inputs))
+        with autocast(device, precision):
+            outputs = model(inputs[begin:end])
+        for k in range(len(splits)):  # each split's share of this batch, as builtin_evaluation sums it
+            lo, hi = max(bounds[k], begin), min(bounds[k + 1], end)
+            if lo >= hi:
+                continue
+            out, tgt = outputs[lo - begin:hi - begin], targets[lo:hi]
+            loss_sums[k] += task.loss(out, tgt).double() * (hi - lo)
+            classified[k] = classified[k] and _class_scores(out, tgt)
+            if classified[k]:
+                correct[k] += (out.argmax(dim=1) == tgt).sum()
+    losses = torch.stack(loss_sums).tolist()  # one device sync, at the end
+    hits = torch.stack(correct).tolist()
+    results = []
+    for k in range(len(splits)):
+        examples = bounds[k + 1] - bounds[k]
+        metrics = {"loss": losses[k] / examples} if examples else {}
+        if examples and classified[k]:
+            metrics["accuracy"] = hits[k] / examples
+        results.append(metrics)
+    return results
+
+
 def _class_scores(outputs: Any, targets: Any) -> bool:
     """Whether ``outputs`` are per-class scores for the integer labels ``targets``."""
     return (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor) and outputs.ndim == 2
@@ -94,6 +138,29 @@ def task_eval_result(task: Task, model: nn.Module, dataset: Any, precision: str 
     metrics = evaluate_task(task, model, dataset, precision)
     loss, accuracy = metrics.pop("loss", None), metrics.pop("accuracy", None)
     return EvalResult(loss, accuracy, len(dataset), metrics)
+
+
+def task_eval_results(task: Task, model: nn.Module, splits: Sequence[Any],
+                      precision: str = "fp32") -> list[EvalResult | None]:
+    """:func:`task_eval_result` of ``model`` on each of ``splits`` (None for an empty or missing one): the built-in
+    evaluation of them all in one pass where it can (:func:`builtin_evaluation_of_splits`), else one by one."""
+    present = [k for k, split in enumerate(splits) if split is not None and len(split)]
+    results: list[EvalResult | None] = [None] * len(splits)
+    together = None
+    if task.evaluate is None and present:
+        model.eval()
+        try:
+            together = builtin_evaluation_of_splits(task, model, [splits[k] for k in present], precision=precision)
+        finally:
+            model.train()
+    for n, k in enumerate(present):
+        if together is None:
+            results[k] = task_eval_result(task, model, splits[k], precision)
+            continue
+        metrics = together[n]
+        loss, accuracy = metrics.pop("loss", None), metrics.pop("accuracy", None)
+        results[k] = EvalResult(loss, accuracy, len(splits[k]), metrics)
+    return results
 
 
 def named_metrics(task: Task, hook: str, metrics: Any) -> dict[str, float]:

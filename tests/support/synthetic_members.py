@@ -38,6 +38,7 @@ class NoiseTrainer:
 
     framework = "torch"
     reads_task_settings = False
+    evaluates_together = False
     num_examples = EXAMPLES
 
     def __init__(self, names: list[str], arrays: list[np.ndarray]):
@@ -71,6 +72,10 @@ class NoiseTrainer:
     def evaluate(self) -> None:
         """No validation data."""
         return None
+
+    def evaluate_splits(self, splits: list) -> list[None]:
+        """No validation data, for any member."""
+        return [None] * len(splits)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf, **_) -> TrainResult:
         """Add the noise."""
