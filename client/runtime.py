@@ -42,6 +42,7 @@ from fedpar.protocol.task_settings import TaskSettings
 
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+EVALUATED_TOGETHER = 128  # members whose validation splits one pass scores at most (bounds the data held at once)
 
 
 @dataclass
@@ -348,8 +349,11 @@ class ClientRuntime:
                 if any(r < round_id for r, _ in self._evaluations):  # members whose tasks were dropped unrun
                     self._evaluations = {key: e for key, e in self._evaluations.items() if key[0] >= round_id}
                 self._to_evaluate = {r: queued for r, queued in self._to_evaluate.items() if r >= round_id}
-                group = list(dict.fromkeys([i, *self._to_evaluate.pop(round_id, [])]))
-                group = [j for j in group if j == i or (round_id, j) not in self._evaluations]
+                queued = [j for j in dict.fromkeys(self._to_evaluate.pop(round_id, []))
+                          if j != i and (round_id, j) not in self._evaluations]
+                group, rest = [i, *queued[:EVALUATED_TOGETHER - 1]], queued[EVALUATED_TOGETHER - 1:]
+                if rest:
+                    self._to_evaluate[round_id] = rest
                 results = trainer.evaluate_splits([self.members.validation(j) for j in group])
                 self._evaluations.update(((round_id, j), result) for j, result in zip(group, results))
             return self._evaluations.pop((round_id, i))
