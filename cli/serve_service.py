@@ -247,9 +247,7 @@ class RunService:
                     break
             else:
                 status = "finished"
-                linger_until = time.monotonic() + 2.0  # let agents hear "shutdown" on their next poll
-                while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:
-                    time.sleep(0.05)
+                self.linger(server)
         except KeyboardInterrupt as exc:  # the service is stopping: the run resumes at its next start
             status, stopped_by = None, exc
         except Exception as exc:  # a round's error ends this run (the one-shot form re-raises it)
@@ -284,6 +282,12 @@ class RunService:
         self._say(run, f"run {run.id} ({run.name}) {status}" + (f": {reason}" if reason else ""))
         self.store.end(run.id, status, reason, model)  # after its last line: a follower that sees it ended has all
         return RunEnd(status, said or reason, code, outputs)
+
+    def linger(self, server) -> None:
+        """After the last round, before the coordinator stops: let agents hear "shutdown" on their next poll."""
+        linger_until = time.monotonic() + 2.0
+        while not server.coordinator.everyone_told_finished() and time.monotonic() < linger_until:
+            time.sleep(0.05)
 
     def _say(self, run, line: str) -> None:
         """``line`` in the run's log ('fedpar run logs') and on the service's output."""

@@ -321,6 +321,14 @@ class SimulationService(RunService):
         if dead:
             raise ProcessLost(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
 
+    def linger(self, server) -> None:
+        """The coordinator answers until every worker process has heard that training is over and left (up to 30 s):
+        a host whose members were away at the end polls later than the others, and must not be left retrying a
+        coordinator that is gone."""
+        end = time.monotonic() + 30.0
+        for p in self.procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+
     def round_error(self, exc: Exception, config) -> str:
         """Re-raised: the simulation ends with it."""
         raise exc
