@@ -256,28 +256,22 @@ class CoordinatorService:
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         """Register an agent."""
-        try:
-            _check_protocol(request.protocol_version, "agent")
-            self.limits.admit_join(request.agent_id, self.coord.registry)
-            record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
-                                             peer_identity(context), request.enrollment_token)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        _check_protocol(request.protocol_version, "agent")
+        self.limits.admit_join(request.agent_id, self.coord.registry)
+        record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
+                                         peer_identity(context), request.enrollment_token)
         log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
         return pb.JoinReply(token=record.token, heartbeat_seconds=self.coord.config.heartbeat_seconds,
                             max_chunk_bytes=self.coord.config.max_chunk_bytes)
 
     async def JoinPopulation(self, request: pb.JoinPopulationRequest, context) -> pb.JoinPopulationReply:
         """Register (more of) a simulation host's virtual population; one session token per member."""
-        try:
-            _check_protocol(request.protocol_version, "host")
-            self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
-            host, records = self.coord.members.join_population(
-                request.host.agent_id, request.host.token,
-                [(m.agent_id, m.num_examples, m.away) for m in request.members],
-                peer_identity(context), request.enrollment_token, dict(request.capabilities))
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        _check_protocol(request.protocol_version, "host")
+        self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
+        host, records = self.coord.members.join_population(
+            request.host.agent_id, request.host.token,
+            [(m.agent_id, m.num_examples, m.away) for m in request.members],
+            peer_identity(context), request.enrollment_token, dict(request.capabilities))
         authenticated()
         return pb.JoinPopulationReply(host_token=host.token, tokens=[r.token for r in records],
                                       heartbeat_seconds=self.coord.config.heartbeat_seconds,
@@ -285,49 +279,37 @@ class CoordinatorService:
 
     async def PullHostTasks(self, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
         """Long-poll for the tasks of a simulation host's sampled members."""
-        try:
-            host = self._host(request.host, context)
-            with self.limits.agent_call(HOST_CALLS + host.host_id):
-                return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away,
-                                                                request.back, request.finish_estimates, self.coord)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        host = self._host(request.host, context)
+        with self.limits.agent_call(HOST_CALLS + host.host_id):
+            return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away,
+                                                            request.back, request.finish_estimates, self.coord)
 
     async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
         """Long-poll for a task."""
-        try:
-            agent = self._auth(request.auth, context)
-            with self.limits.agent_call(agent.agent_id):
-                return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        agent = self._auth(request.auth, context)
+        with self.limits.agent_call(agent.agent_id):
+            return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id)
 
     async def DownloadWeights(self, request: pb.DownloadRequest, context):
         """Stream the pre-serialized global weights of the agent's current round."""
-        try:
-            agent = self._auth(request.auth, context)
-            payload = self.coord.payload_for(agent, request.round, request.task_id)
-            with self.limits.agent_call(agent.agent_id):
-                async with self.limits.download_slot():
-                    for message in payload.messages():
-                        yield message
-            self.coord.download_completed(agent.agent_id, request.round, request.task_id)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        agent = self._auth(request.auth, context)
+        payload = self.coord.payload_for(agent, request.round, request.task_id)
+        with self.limits.agent_call(agent.agent_id):
+            async with self.limits.download_slot():
+                for message in payload.messages():
+                    yield message
+        self.coord.download_completed(agent.agent_id, request.round, request.task_id)
 
     async def UploadUpdate(self, request_iterator, context) -> pb.UploadReply:
         """Receive one update: header, in-order data chunks, end marker; fold it only if all is valid."""
-        try:
-            # Nothing is authenticated before the header: a stream that does not send it at once is let go
-            # (meanwhile it counts only against the strangers' bounds: server/limits.py).
-            seconds = self.coord.config.upload_header_seconds
-            first = await _next_message(request_iterator, seconds, lambda: Refusal(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no UploadHeader within {seconds:g} s of opening the upload (--upload-header-seconds)"))
-            if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        # Nothing is authenticated before the header: a stream that does not send it at once is let go
+        # (meanwhile it counts only against the strangers' bounds: server/limits.py).
+        seconds = self.coord.config.upload_header_seconds
+        first = await _next_message(request_iterator, seconds, lambda: Refusal(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"no UploadHeader within {seconds:g} s of opening the upload (--upload-header-seconds)"))
+        if first is None or isinstance(first, RawData) or first.WhichOneof("part") != "header":
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with an UploadHeader")
 
         async def receive(upload: Upload) -> None:
             await context.send_initial_metadata((UPLOAD_ADMITTED,))  # the agent holds its data back until now
@@ -345,13 +327,10 @@ class CoordinatorService:
         """Several small updates of a simulation host's members: each is authenticated with its member's session
         and taken with every check UploadSmall makes, in order; one result each (a refusal is a result, not the
         call's end)."""
-        try:
-            host = self._host(request.host, context)
-            if len(request.uploads) > MAX_HOST_UPLOADS:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
-                                                                f"at most {MAX_HOST_UPLOADS}")
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        host = self._host(request.host, context)
+        if len(request.uploads) > MAX_HOST_UPLOADS:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
+                                                            f"at most {MAX_HOST_UPLOADS}")
         results = pb.HostUploadResults()
         with self.limits.agent_call(HOST_CALLS + host.host_id):
             for item in request.uploads:
@@ -398,51 +377,36 @@ class CoordinatorService:
         return receive
 
     async def _upload(self, header: pb.UploadHeader, context, receive) -> pb.UploadReply:
-        """Authenticate the uploading agent and hand the upload to the intake; a refusal aborts the call."""
-        try:
-            return await self.intake.take(self._auth(header.auth, context), header, receive)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        """Authenticate the uploading agent and hand the upload to the intake."""
+        return await self.intake.take(self._auth(header.auth, context), header, receive)
 
     async def ReplyMessage(self, request: pb.MessageReply, context) -> pb.UploadReply:
         """A member's reply to the Flower Message of its task (a Flower App run: server/flower_rounds.py)."""
-        try:
-            agent = self._auth(request.auth, context)
-            with self.limits.agent_call(agent.agent_id):
-                self.limits.count_bytes(agent.agent_id, len(request.message))
-                self.coord.take_reply(agent.agent_id, request)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        agent = self._auth(request.auth, context)
+        with self.limits.agent_call(agent.agent_id):
+            self.limits.count_bytes(agent.agent_id, len(request.message))
+            self.coord.take_reply(agent.agent_id, request)
         return pb.UploadReply(accepted=True)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         """Mark the agent alive."""
-        try:
-            agent = self._auth(request.auth, context)
-            with self.limits.agent_call(agent.agent_id):
-                current = self.coord.current_round_id
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        agent = self._auth(request.auth, context)
+        with self.limits.agent_call(agent.agent_id):
+            current = self.coord.current_round_id
         return pb.HeartbeatReply(current_round=current)
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         """Unregister the agent."""
-        try:
-            agent = self._auth(request.auth, context)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        agent = self._auth(request.auth, context)
         self.coord.leave(agent)
         self.limits.forget(agent.agent_id)
         return pb.LeaveReply()
 
     async def SecAggExchange(self, request: pb.SecAggRequest, context) -> pb.SecAggReply:
         """One secure-aggregation stage message, answered by the server's next broadcast (long-poll)."""
-        try:
-            agent = self._auth(request.auth, context)
-            with self.limits.agent_call(agent.agent_id):
-                return await secagg_exchange(self.coord, agent.agent_id, request)
-        except Refusal as r:
-            await context.abort(r.code, r.message)
+        agent = self._auth(request.auth, context)
+        with self.limits.agent_call(agent.agent_id):
+            return await secagg_exchange(self.coord, agent.agent_id, request)
 
 
 def _check_protocol(version: int, who: str) -> None:
@@ -523,22 +487,29 @@ def parser(message_type: type[Message], decode: Callable[[bytes], object] | None
     return parse
 
 
-def refuse_malformed(handler):
-    """Wrap a unary-request handler (coroutine or async generator) to abort on a Malformed request."""
+def answering_refusals(handler):
+    """Wrap a handler (coroutine or async generator) so that a Malformed request and a Refusal raised anywhere in it
+    abort the call with the refusal's status and message: the handlers only raise."""
     if inspect.isasyncgenfunction(handler):
         @functools.wraps(handler)
         async def stream(request, context):
             if isinstance(request, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-            async for item in handler(request, context):
-                yield item
+            try:
+                async for item in handler(request, context):
+                    yield item
+            except Refusal as r:
+                await context.abort(r.code, r.message)
         return stream
 
     @functools.wraps(handler)
     async def unary(request, context):
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        return await handler(request, context)
+        try:
+            return await handler(request, context)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
     return unary
 
 
@@ -547,7 +518,7 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
     identity = lambda b: b  # noqa: E731 - download messages are serialized by WeightPayload
 
     def unary(handler, request: type, reply: type):
-        return grpc.unary_unary_rpc_method_handler(refuse_malformed(handler), request_deserializer=parser(request),
+        return grpc.unary_unary_rpc_method_handler(answering_refusals(handler), request_deserializer=parser(request),
                                                    response_serializer=reply.SerializeToString)
     handlers = {
         "Join": unary(service.Join, pb.JoinRequest, pb.JoinReply),
@@ -555,10 +526,10 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
         "JoinPopulation": unary(service.JoinPopulation, pb.JoinPopulationRequest, pb.JoinPopulationReply),
         "PullHostTasks": unary(service.PullHostTasks, pb.PullHostTasksRequest, pb.PullHostTasksReply),
         "DownloadWeights": grpc.unary_stream_rpc_method_handler(
-            refuse_malformed(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
+            answering_refusals(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
             response_serializer=identity),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
-            service.UploadUpdate,
+            answering_refusals(service.UploadUpdate),
             request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
             response_serializer=pb.UploadReply.SerializeToString),
         "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
