@@ -10,7 +10,9 @@ are called:
 - one upload: on the agent from the update's upload call (``PlainUpload.upload``) to its reply, on that thread;
   on the coordinator from the upload RPC (``UploadSmall`` / ``UploadUpdate``) to the end of its intake
   (``UploadIntake.settle``), leaving out what the round's own task (``Coordinator.run`` and the round it awaits)
-  runs meanwhile (closing the round).
+  runs meanwhile (closing the round) and what the main thread runs meanwhile (the command's own wait loop: the
+  progress bar, the stop file; the coordinator and its workers run on threads of their own), as the agent's window
+  keeps to the upload's thread.
 A file counts when any of its code runs in a window: a function of it is called, or a frame of it that was entered
 before the window goes on (it calls into C, or a callee returns to it). Only files of the rooms pyproject.toml maps
 to fedpar.* count (no third-party code, no tests or benchmarks); generated protobuf modules do not. Prints the
@@ -129,9 +131,12 @@ class Tracer:
             self.functions["upload"].add(f"{rel}:{function}")
 
     def _in_upload_window(self, frame) -> bool:
-        """On the agent: the upload's thread; on the coordinator: anything but the round's own task."""
+        """On the agent: the upload's thread; on the coordinator: anything but the main thread (the command's wait
+        loop, which polls whether or not an upload runs) and the round's own task."""
         if self.side == "agent":
             return threading.get_ident() == self.upload_thread
+        if threading.current_thread() is threading.main_thread():
+            return False
         not_upload = self.marks["not_upload"]  # the round's own task: its loop and the round it awaits
         while frame is not None:
             if (self.rel(frame.f_code.co_filename), frame.f_code.co_name) in not_upload:

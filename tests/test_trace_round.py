@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 import numpy
@@ -49,3 +50,14 @@ def test_a_frame_entered_before_the_window_counts_when_its_code_runs_in_it():
     assert tracer.functions["round"] == {"cli/serve.py:<module>", "server/app.py:<module>"}
     tracer(_frame_of("server/rounds.py"), "call", None)  # a call in the window
     assert "server/rounds.py" in tracer.round
+
+
+def test_the_coordinators_upload_window_leaves_out_the_main_threads_wait_loop():
+    tracer = _tracer("server")
+    tracer.in_upload = True
+    tracer(_frame_of("cli/progress.py"), "c_call", None)  # the command's wait loop polls on the main thread
+    assert tracer.upload == set()
+    worker = threading.Thread(target=lambda: tracer(_frame_of("server/uploads.py"), "c_call", None))
+    worker.start()
+    worker.join()
+    assert tracer.upload == {"server/uploads.py"}  # the coordinator's own threads count
