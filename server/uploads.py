@@ -1,9 +1,9 @@
 """The upload intake: the one way an update enters a round, whichever transport carried it.
 
 An authenticated agent's upload passes, in this order: the limits (calls in flight, the upload queue,
-attempts per round) -> the coordinator opens it (:func:`open_ticket`: round, slot, duplicates, weight, layout) -> a staging slot
-(each staged upload holds one model copy) -> its bytes land in a staging buffer -> complete and finite ->
-the coordinator accepts and folds it -> settled: a final refusal rejects the update, any other end leaves
+attempts per round) -> its ticket against the open round (:func:`open_ticket`: round, slot, duplicates, weight,
+layout) -> a staging slot (each staged upload holds one model copy) -> its bytes land in a staging buffer ->
+complete and finite -> the coordinator accepts and folds it -> settled: a final refusal rejects the update, any other end leaves
 the agent free to try again. Per-update work runs on the loop for small updates, on a thread for large
 ones (:func:`per_update`). gRPC (server/app.py) runs all of it on the coordinator's event loop
 through :meth:`UploadIntake.take`. The data plane (server/dataplane.py) moves bytes and scans them in its
@@ -44,7 +44,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
-from fedpar.server.rounds import Refusal, RoundMode, RoundState, UploadTicket
+from fedpar.server.rounds import Refusal, UploadTicket
 
 MAX_CLIENT_METRICS = 64
 RATE_GRACE_SECONDS = 2.0  # with no one waiting, an upload's average rate counts from this long after its slot
@@ -211,13 +211,14 @@ class StagingSlots:
         entry[1].set_result(None)
 
 
-def open_ticket(state: RoundState | None, mode: RoundMode | None, agent: AgentRecord, header: pb.UploadHeader,
-                config: CoordinatorConfig, current_round_id: int, rank: int = 0) -> UploadTicket:
-    """Validate ``agent``'s upload header against the open round ``state`` on aggregator ``rank``; its ticket, or a
-    Refusal saying what is wrong (the slot is marked uploading only when every check passed)."""
+def open_ticket(plane, agent: AgentRecord, header: pb.UploadHeader) -> UploadTicket:
+    """Validate ``agent``'s upload header against the open round of ``plane`` (an aggregator rank's IngestPlane,
+    server/ranks/plane.py); its ticket, or a Refusal saying what is wrong (the slot is marked uploading only when
+    every check passed)."""
+    state, mode, config, rank = plane.current, plane.mode, plane.config, plane.rank
     if state is None or header.round != state.round_id:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"upload for round {header.round}, but the current round is {current_round_id}; "
+                      f"upload for round {header.round}, but the current round is {plane.current_round_id}; "
                       "the update was not applied")
     state.check_open()
     slot = state.slot_for(agent.agent_id, header.task_id)
@@ -363,7 +364,7 @@ class UploadIntake:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the upload header names round {header.round} task {header.task_id!r}, but the "
                               f"ticket is for round {issued[0]} task {issued[1]!r}")
-            ticket = self.coord.open_upload(agent, header)
+            ticket = open_ticket(self.coord, agent, header)
             self.limits.start_upload(agent.agent_id, ticket.state.round_id)  # counted in the round the header opened
             upload = Upload(self, agent.agent_id, ticket, held)
             if prepaid:  # so an agent over its rate is refused before it sends the data

@@ -1,6 +1,7 @@
-"""What every aggregator rank serves agents: the round's global weights to download, and the checked entry of
-their uploads. The Coordinator (rank 0, server/coordinator.py) is one; IngestRank (server/ranks/ingest.py) is the
-others'. The gRPC service and the data plane talk to either through this surface."""
+"""What every aggregator rank serves agents: the round's global weights to download, and the open round and its
+mode that their uploads are checked against (server/uploads.py). The Coordinator (rank 0, server/coordinator.py) is
+one; IngestRank (server/ranks/ingest.py) is the others'. The gRPC service and the data plane talk to either through
+this surface."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
-from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.messages import WeightPayload, build_payload
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.dataplane import TicketBook
 from fedpar.server.registry import AgentRecord, AgentRegistry
-from fedpar.server.rounds import Refusal, RoundMode, RoundState, UploadTicket
-from fedpar.server.uploads import open_ticket
+from fedpar.server.rounds import Refusal, RoundMode, RoundState
 
 
 class IngestPlane:
-    """The global model as agents download it, the open round's slots, and the opening of uploads (loop only)."""
+    """The global model as agents download it, and the open round's slots and mode (loop only)."""
 
     rank = 0  # this process's aggregator rank
 
@@ -82,7 +81,3 @@ class IngestPlane:
         if payload is None or payload.round_id != round_id:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "weights for this round are not ready; retry")
         return payload
-
-    def open_upload(self, agent: AgentRecord, header: pb.UploadHeader) -> UploadTicket:
-        """Validate an upload header; returns a ticket or raises Refusal saying what is wrong."""
-        return open_ticket(self.current, self.mode, agent, header, self.config, self.current_round_id, self.rank)

@@ -1,5 +1,5 @@
-"""The upload intake on its own: the coordinator is entered twice per upload (open, accept), limits and staging
-slots are always given back, a final refusal rejects while any other end leaves the agent free to retry, and a staging
+"""The upload intake on its own: an upload is checked against the open round and its mode, and enters the
+coordinator once (accept); limits and staging slots are always given back, a final refusal rejects while any other end leaves the agent free to retry, and a staging
 buffer exists only while a staging slot is held."""
 
 from __future__ import annotations
@@ -13,32 +13,50 @@ import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.messages import layout_to_pb
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState
 from fedpar.server.uploads import UploadIntake
 
 LAYOUT = ModelLayout.of_arrays(["w"], [np.zeros(4, np.float32)])
 AGENT = AgentRecord("a", "token", 10)
 
 
+def _header(task_id: str = "t") -> pb.UploadHeader:
+    """A valid header of round 1 for LAYOUT."""
+    return pb.UploadHeader(round=1, task_id=task_id, num_examples=10, total_bytes=LAYOUT.total_bytes,
+                           tensors=layout_to_pb(LAYOUT))
+
+
+class FakeMode:
+    """A round mode that takes the plain LAYOUT, recording whom it admits; refuses to admit when told to."""
+
+    def __init__(self, calls: list[tuple], refuse: Refusal | None):
+        self.calls, self.refuse = calls, refuse
+
+    def admit(self, agent_id):
+        self.calls.append(("admit", agent_id))
+        if self.refuse is not None:
+            raise self.refuse
+
+    def expected_layout(self, header):
+        return LAYOUT, "the global model"
+
+
 class FakeCoordinator:
-    """Records what the intake asks of it; refuses to open when told to."""
+    """An aggregator rank's open round (round 1, agents a and b) under a :class:`FakeMode`; records what the intake
+    asks of it."""
+
+    rank = 0
 
     def __init__(self, refuse_open: Refusal | None = None, refuse_accept: Refusal | None = None, **config):
         self.config = CoordinatorConfig(**config)
         self.calls: list[tuple] = []
-        self.refuse_open, self.refuse_accept = refuse_open, refuse_accept
-        self.state = RoundState(1, 1, 1, 30.0, {a: AgentSlot(a, "t") for a in "ab"})
-
-    def open_upload(self, agent, header):
-        self.calls.append(("open_upload", agent.agent_id))
-        if self.refuse_open is not None:
-            raise self.refuse_open
-        slot = self.state.slots[agent.agent_id]
-        slot.status = "uploading"
-        return UploadTicket(self.state, slot, 10, {}, LAYOUT, mode=None)
+        self.refuse_accept = refuse_accept
+        self.state = self.current = RoundState(1, 1, 1, 30.0, {a: AgentSlot(a, "t") for a in "ab"})
+        self.mode = FakeMode(self.calls, refuse_open)
 
     async def accept(self, ticket, arrays):
         self.calls.append(("accept", [a.tolist() for a in arrays]))
@@ -60,12 +78,12 @@ def _send(values):
     return receive
 
 
-def test_an_accepted_upload_enters_the_coordinator_twice_and_holds_nothing_after():
+def test_an_accepted_upload_is_admitted_by_the_rounds_mode_then_accepted_and_holds_nothing_after():
     coord = FakeCoordinator()
     intake = _intake(coord)
-    reply = asyncio.run(intake.take(AGENT, None, _send([1, 2, 3, 4])))
+    reply = asyncio.run(intake.take(AGENT, _header(), _send([1, 2, 3, 4])))
     assert reply.accepted and reply.message == "update accepted for round 1"
-    assert coord.calls == [("open_upload", "a"), ("accept", [[1.0, 2.0, 3.0, 4.0]])]
+    assert coord.calls == [("admit", "a"), ("accept", [[1.0, 2.0, 3.0, 4.0]])]
     assert _held(intake) == ({}, 0) and intake.staging_slots.free == coord.config.max_concurrent_uploads
 
 
@@ -79,9 +97,9 @@ def test_bad_content_is_final_and_a_short_upload_is_not(values, final):
         if not upload.staging.complete:  # what the gRPC stream says when it ends early
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "stream ended early")
     with pytest.raises(Refusal) as err:
-        asyncio.run(intake.take(AGENT, None, receive))
+        asyncio.run(intake.take(AGENT, _header(), receive))
     assert err.value.final is final
-    assert coord.calls == [("open_upload", "a")]  # nothing reached accept
+    assert coord.calls == [("admit", "a")]  # nothing reached accept
     assert coord.state.slots["a"].status == ("rejected" if final else "pending")  # settled on the ticket
     assert coord.state.rejected == int(final)
     assert _held(intake) == ({}, 0) and intake.staging_slots.free == coord.config.max_concurrent_uploads
@@ -93,20 +111,20 @@ def test_a_refused_open_leaves_no_limit_held_and_a_ticket_mismatch_is_refused_af
     coord = FakeCoordinator(refuse_open=Refusal(grpc.StatusCode.FAILED_PRECONDITION, "round closed"))
     intake = _intake(coord)
     with pytest.raises(Refusal, match="round closed"):
-        intake.open(AGENT, None)
-    assert _held(intake) == ({}, 0) and coord.calls == [("open_upload", "a")]
+        intake.open(AGENT, _header())
+    assert _held(intake) == ({}, 0) and coord.calls == [("admit", "a")]
 
     coord = FakeCoordinator(max_upload_attempts_per_round=1)
     intake = _intake(coord)
-    header = pb.UploadHeader(round=1, task_id="other")
+    header = _header("other")
     with pytest.raises(Refusal, match="but the ticket is for round 1 task 't'"):
         intake.open(AGENT, header, issued=(1, "t"))
     assert coord.calls == [] and _held(intake) == ({}, 0)
-    upload = intake.open(AGENT, pb.UploadHeader(round=1, task_id="t"), issued=(1, "t"))  # the mismatch held nothing
+    upload = intake.open(AGENT, _header(), issued=(1, "t"))  # the mismatch held nothing
     intake.settle(upload, None)  # broke off: retryable, but the attempt counted
     assert coord.state.slots["a"].status == "pending"
     with pytest.raises(Refusal, match="--max-upload-attempts"):
-        intake.open(AGENT, pb.UploadHeader(round=1, task_id="t"), issued=(1, "t"))
+        intake.open(AGENT, _header(), issued=(1, "t"))
     assert _held(intake) == ({}, 0) and coord.state.slots["a"].status == "pending"  # the refusal settled its ticket
 
 
@@ -119,9 +137,9 @@ def test_a_vanished_agent_is_settled_as_retryable_and_staging_waits_for_a_slot()
         async def slow(upload):
             await release.wait()
             upload.write(0, np.zeros(4, np.float32).tobytes())
-        first = asyncio.ensure_future(intake.take(AGENT, None, slow))
+        first = asyncio.ensure_future(intake.take(AGENT, _header(), slow))
         await asyncio.sleep(0.01)
-        second = intake.open(AgentRecord("b", "token", 10), None)
+        second = intake.open(AgentRecord("b", "token", 10), _header())
         waiting = asyncio.ensure_future(intake.reserve_staging(second, lambda: None, 5.0))
         await asyncio.sleep(0.01)
         assert not waiting.done() and second._staging is None  # no model copy before a slot is free
@@ -148,7 +166,7 @@ def test_a_refused_upload_leaves_no_reference_cycle():
     async def refused_uploads():
         for _ in range(3):
             try:
-                await intake.take(AGENT, None, closed)
+                await intake.take(AGENT, _header(), closed)
             except Refusal:
                 pass
     gc.collect()
