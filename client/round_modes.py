@@ -45,9 +45,9 @@ def dp_settings(settings: TaskSettings | Mapping) -> tuple[float, float] | None:
 
 
 def privatize_update(new_weights: Sequence[np.ndarray], global_weights: Sequence[np.ndarray],
-                     settings: TaskSettings | Mapping, rng: np.random.Generator | None = None) -> list[np.ndarray]:
-    """The weights to upload: ``new_weights`` with its delta from ``global_weights`` clipped (and noised)."""
-    dp = dp_settings(settings)
+                     dp: tuple[float, float] | None, rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """The weights to upload: ``new_weights`` with its delta from ``global_weights`` clipped (and noised) as ``dp``
+    (:func:`dp_settings`) says."""
     if dp is None:
         return list(new_weights)
     clip, local_noise = dp
@@ -64,6 +64,7 @@ class PlainUpload:
 
     def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, note_refusal: NoteRefusal):
         self.settings = settings
+        self.dp = dp_settings(settings)  # client-side DP: (clip norm, local noise), or None
         self.layout = layout
         self.send = send
         self.note_refusal = note_refusal
@@ -76,7 +77,7 @@ class PlainUpload:
                metrics: dict[str, float]) -> bool:
         """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport."""
         try:
-            prepared = self.prepare(privatize_update(trained, global_weights, self.settings), global_weights)
+            prepared = self.prepare(privatize_update(trained, global_weights, self.dp), global_weights)
         except ValueError as err:
             self.note_refusal("preparing the update", err)
             return False
@@ -106,7 +107,7 @@ class CompressedUpload(PlainUpload):
 
     def prepare(self, update: list[np.ndarray], global_weights: list[np.ndarray]) -> PreparedUpload:
         """The encoded delta (ValueError if it cannot be encoded)."""
-        dp = dp_settings(self.settings)
+        dp = self.dp
         # Without local noise the coordinator verifies the clip norm: compression must stay within it.
         return self.compressor.prepare(self.settings, update, global_weights,
                                        max_norm=dp[0] if dp is not None and dp[1] == 0 else None)

@@ -175,7 +175,7 @@ def test_client_mode_refuses_an_update_beyond_the_clip_norm_and_accepts_clipped_
     liar = [a + 1.0 for a in g]  # delta norm sqrt(10) > 0.5
     with pytest.raises(ValueError, match="more than the DP clip norm"):
         s.fold(liar, 1, "liar")
-    honest = privatize_update(liar, g, s.client_config(1))
+    honest = privatize_update(liar, g, dp_settings(s.client_config(1)))
     assert delta_norm(honest, g) == pytest.approx(0.5, rel=1e-5)
     s.fold(honest, 1, "honest")
     with pytest.raises(ValueError, match="more than the DP clip norm"):
@@ -189,17 +189,17 @@ def test_client_side_clipping_module():
     g = [np.zeros((3, 4), np.float32), np.ones(5, np.float32)]
     far = [np.full((3, 4), 2.0, np.float32), np.full(5, 3.0, np.float32)]
     near = [np.full((3, 4), 0.01, np.float32), np.full(5, 1.01, np.float32)]
-    clipped = privatize_update(far, g, {"dp_clip_norm": 1.5})
+    clipped = privatize_update(far, g, dp_settings({"dp_clip_norm": 1.5}))
     assert delta_norm(clipped, g) == pytest.approx(1.5, rel=1e-6)
     ratio = (clipped[0] - g[0]) / (far[0] - g[0])  # same direction, only shorter
     np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-5)
     assert all(c.dtype == np.float32 and c.shape == f.shape for c, f in zip(clipped, far))
-    kept = privatize_update(near, g, {"dp_clip_norm": 1.5})
+    kept = privatize_update(near, g, dp_settings({"dp_clip_norm": 1.5}))
     assert all(np.array_equal(a, b) for a, b in zip(kept, near))
-    assert privatize_update(far, g, {"proximal_mu": 0.1}) == far  # no DP asked: unchanged
+    assert privatize_update(far, g, dp_settings({"proximal_mu": 0.1})) == far  # no DP asked: unchanged
     big = [np.zeros(100_000, np.float32)]
-    noisy = privatize_update(big, [np.zeros(100_000, np.float32)], {"dp_clip_norm": 2.0, "dp_local_noise": 0.5},
-                             rng=np.random.default_rng(0))
+    noisy = privatize_update(big, [np.zeros(100_000, np.float32)],
+                             dp_settings({"dp_clip_norm": 2.0, "dp_local_noise": 0.5}), rng=np.random.default_rng(0))
     assert noisy[0].std() == pytest.approx(1.0, rel=0.02)  # local noise std = 0.5 x 2.0
     for bad in ({"dp_clip_norm": 0}, {"dp_clip_norm": "x"}, {"dp_clip_norm": 1.0, "dp_local_noise": -1},
                 {"dp_clip_norm": float("nan")}):

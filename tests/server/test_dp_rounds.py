@@ -14,7 +14,7 @@ from fedpar.aggregation import build_strategy
 from fedpar.aggregation.clipping import delta_norm
 from fedpar.cli.privacy import privacy_strategy
 from fedpar.cli.main import build_parser
-from fedpar.client.round_modes import privatize_update
+from fedpar.client.round_modes import dp_settings, privatize_update
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
@@ -74,7 +74,7 @@ def test_client_dp_refuses_an_unclipped_update_and_completes_the_round(start_coo
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "clip norm" in err.value.details()
             continue
-        update = privatize_update(trained, glob, extra)
+        update = privatize_update(trained, glob, dp_settings(extra))
         assert delta_norm(update, glob) == pytest.approx(0.5, rel=1e-5)
         assert bot.upload(task, update, 100).accepted
         sent.append(update)
@@ -151,11 +151,11 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
     uploads = []  # (agent, round, global, trained, uploaded), as the agents' own privatize_update saw them
     calls: dict[str, int] = {}
 
-    def seeded_privatize(new, glob, extra, rng=None):
+    def seeded_privatize(new, glob, dp, rng=None):
         agent = threading.current_thread().name
         calls[agent] = round_id = calls.get(agent, 0) + 1
-        assert extra["dp_local_noise"] == local_noise and extra["dp_clip_norm"] == clip
-        out = privatize_update(new, glob, extra, rng=np.random.default_rng([int(agent[-1]), round_id]))
+        assert dp == (clip, local_noise)
+        out = privatize_update(new, glob, dp, rng=np.random.default_rng([int(agent[-1]), round_id]))
         uploads.append((agent, round_id, [g.copy() for g in glob], [w.copy() for w in new], [o.copy() for o in out]))
         return out
 
@@ -184,7 +184,7 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
         replay.begin_round(round_id, glob)
         clean_deltas, local_noises, folded = [], [], []
         for agent, _, g, trained, uploaded in mine:
-            clean = privatize_update(trained, g, {"dp_clip_norm": clip})  # the agent's clip, no noise
+            clean = privatize_update(trained, g, (clip, 0.0))  # the agent's clip, no noise
             replay.fold(clean, 1, agent)
             noise = _flat(uploaded) - _flat(clean)
             # The agent added N(0, (s C)^2) to each of the d coordinates (std within ~7 standard errors).
