@@ -37,8 +37,7 @@ from fedpar.server.members import CohortSampler, Members
 from fedpar.server.populations import member_source
 from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import (STAT_NAMES, UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, UploadTicket,
-                                  ingest_stats)
+from fedpar.server.rounds import STAT_NAMES, UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, ingest_stats
 from fedpar.server.uploads import per_update
 from fedpar.server.secure_round import SecureRound
 from fedpar.server.virtual_clock import VirtualClock
@@ -408,13 +407,6 @@ class Coordinator(IngestPlane):
             if slot is not None and slot.task_id == task_id:
                 slot.downloaded = True
                 state.download_bytes += self.layout.total_bytes
-
-    async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
-        """Fold a complete, validated update into the round (raises Refusal if the round closed)."""
-        state, slot = ticket.state, ticket.slot
-        arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
-        state.refuse_if_closed(slot)
-        await ticket.mode.accept(state, ticket, arrays)
 
     def take_reply(self, agent_id: str, request: pb.MessageReply) -> None:
         """A member's reply to a Flower Message: only a Flower App run asks for any (server/flower_rounds.py)."""

@@ -77,6 +77,8 @@ class RoundState:
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
+    # asked before an update is counted; a Refusal leaves it uncounted (aggregator ranks: rank 0 counts it first)
+    on_count: Callable[[UploadTicket], Awaitable[None]] | None = None
     answering: int | None = None  # sampled agents that may still answer (virtual clock: the chosen); None: all
 
     @property

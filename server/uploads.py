@@ -3,8 +3,8 @@
 An authenticated agent's upload passes, in this order: the limits (calls in flight, the upload queue,
 attempts per round) -> its ticket against the open round (:func:`open_ticket`: round, slot, duplicates, weight,
 layout) -> a staging slot (each staged upload holds one model copy) -> its bytes land in a staging buffer ->
-complete and finite -> the coordinator accepts and folds it -> settled: a final refusal rejects the update, any other end leaves
-the agent free to try again. Per-update work runs on the loop for small updates, on a thread for large
+complete and finite -> the round's mode decodes, counts and folds it (:meth:`Upload.accept`) -> settled: a final
+refusal rejects the update, any other end leaves the agent free to try again. Per-update work runs on the loop for small updates, on a thread for large
 ones (:func:`per_update`). gRPC (server/app.py) runs all of it on the coordinator's event loop
 through :meth:`UploadIntake.take`. The data plane (server/dataplane.py) moves bytes and scans them in its
 worker threads and runs :meth:`UploadIntake.open`, :meth:`Upload.accept` and :meth:`UploadIntake.settle`
@@ -334,8 +334,15 @@ class Upload:
         return await per_update(self.staging.layout.total_bytes, self.finite_arrays)
 
     async def accept(self, arrays: list[np.ndarray]) -> pb.UploadReply:
-        """Hand the complete, finite update to the coordinator to fold (loop); the reply to send on success."""
-        await self.intake.coord.accept(self.ticket, arrays)
+        """Hand the complete, finite update to the round's mode to count and fold (loop; a Refusal if its content is
+        invalid or the round closed meanwhile); the reply to send on success."""
+        ticket = self.ticket
+        state, mode = ticket.state, ticket.mode
+        arrays = await mode.decoded(self.intake.coord.weights, arrays)  # refused here if the content is invalid
+        state.refuse_if_closed(ticket.slot)
+        if state.on_count is not None:
+            await state.on_count(ticket)
+        await mode.accept(state, ticket, arrays)
         return pb.UploadReply(accepted=True, message=f"update accepted for round {self.round_id}")
 
 

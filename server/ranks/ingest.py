@@ -170,7 +170,7 @@ class IngestRank(IngestPlane):
         self._counted = 0
         self._reports = {}
         self.current = RoundState(round_id, len(slots), 0, opened.deadline_seconds, slots,
-                                  on_reject=self._rejected)
+                                  on_reject=self._rejected, on_count=self._count)
         await self._collective(self.group.all_present, "the round's opening")  # rank 0 then hands out tasks
 
     def _rejected(self, slot: AgentSlot, reason: str) -> None:
@@ -213,22 +213,16 @@ class IngestRank(IngestPlane):
         except Refusal as r:
             log.info("rank %d: rank 0 did not take %s: %s", self.rank, name, r.message)
 
-    async def accept(self, ticket: UploadTicket, arrays: list[np.ndarray]) -> None:
-        """Have rank 0 count the complete, checked update, then fold it here (a Refusal if rank 0 refuses it)."""
-        state, slot = ticket.state, ticket.slot
-        arrays = await ticket.mode.decoded(self.weights, arrays)  # refused here if the content is invalid
-        state.check_open()
-        upload = pb.RankUpload(round=state.round_id, agent_id=slot.agent_id, task_id=slot.task_id,
+    async def _count(self, ticket: UploadTicket) -> None:
+        """Have rank 0 count a complete, checked update before it is counted and folded here (a Refusal if rank 0
+        refuses it)."""
+        slot = ticket.slot
+        upload = pb.RankUpload(round=ticket.state.round_id, agent_id=slot.agent_id, task_id=slot.task_id,
                                num_examples=ticket.num_examples, metrics=ticket.metrics,
                                upload_bytes=slot.upload_bytes)
         self._reports[slot.agent_id] = upload
         await self.control.call("Count", upload)
         self._counted += 1
-        report = (ticket.num_examples, ticket.metrics)
-        state.count_accepted(slot, report)
-        fold = asyncio.ensure_future(ticket.mode.fold(state, ticket, arrays, report))  # a refusal: _rejected
-        state.pending_folds.add(fold)
-        await fold
 
     # Agents join and pull their tasks at rank 0.
     def join(self, agent_id: str, *args, **kwargs) -> AgentRecord:

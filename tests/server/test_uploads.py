@@ -1,5 +1,5 @@
-"""The upload intake on its own: an upload is checked against the open round and its mode, and enters the
-coordinator once (accept); limits and staging slots are always given back, a final refusal rejects while any other end leaves the agent free to retry, and a staging
+"""The upload intake on its own: an upload is checked against the open round and handed to its mode (admit,
+accept), not to the coordinator; limits and staging slots are always given back, a final refusal rejects while any other end leaves the agent free to retry, and a staging
 buffer exists only while a staging slot is held."""
 
 from __future__ import annotations
@@ -31,37 +31,42 @@ def _header(task_id: str = "t") -> pb.UploadHeader:
 
 
 class FakeMode:
-    """A round mode that takes the plain LAYOUT, recording whom it admits; refuses to admit when told to."""
+    """A round mode that takes the plain LAYOUT, recording whom it admits and what it accepts; refuses to admit or
+    accept when told to."""
 
-    def __init__(self, calls: list[tuple], refuse: Refusal | None):
-        self.calls, self.refuse = calls, refuse
+    def __init__(self, calls: list[tuple], refuse_admit: Refusal | None, refuse_accept: Refusal | None):
+        self.calls, self.refuse_admit, self.refuse_accept = calls, refuse_admit, refuse_accept
 
     def admit(self, agent_id):
         self.calls.append(("admit", agent_id))
-        if self.refuse is not None:
-            raise self.refuse
+        if self.refuse_admit is not None:
+            raise self.refuse_admit
 
     def expected_layout(self, header):
         return LAYOUT, "the global model"
 
+    async def decoded(self, global_weights, arrays):
+        return arrays
+
+    async def accept(self, state, ticket, arrays):
+        self.calls.append(("accept", [a.tolist() for a in arrays]))
+        if self.refuse_accept is not None:
+            raise self.refuse_accept
+        state.count_accepted(ticket.slot)
+
 
 class FakeCoordinator:
-    """An aggregator rank's open round (round 1, agents a and b) under a :class:`FakeMode`; records what the intake
-    asks of it."""
+    """An aggregator rank's open round (round 1, agents a and b) under a :class:`FakeMode`, which records what the
+    intake asks of it."""
 
     rank = 0
 
     def __init__(self, refuse_open: Refusal | None = None, refuse_accept: Refusal | None = None, **config):
         self.config = CoordinatorConfig(**config)
         self.calls: list[tuple] = []
-        self.refuse_accept = refuse_accept
         self.state = self.current = RoundState(1, 1, 1, 30.0, {a: AgentSlot(a, "t") for a in "ab"})
-        self.mode = FakeMode(self.calls, refuse_open)
-
-    async def accept(self, ticket, arrays):
-        self.calls.append(("accept", [a.tolist() for a in arrays]))
-        if self.refuse_accept is not None:
-            raise self.refuse_accept
+        self.mode = FakeMode(self.calls, refuse_open, refuse_accept)
+        self.weights = [np.zeros(4, np.float32)]
 
 
 def _intake(coord: FakeCoordinator) -> UploadIntake:
