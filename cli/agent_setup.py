@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from fedpar.cli.task_options import load_task_from_args, task_label
+from fedpar.client.backoff import MAX_BACKOFF_SECONDS
 from fedpar.settings import setting
 
 
@@ -18,7 +19,7 @@ class Connection:
 
     server: str = setting("127.0.0.1:50051", group="connection", metavar="HOST:PORT",
                           help="the coordinator's address")
-    max_backoff: float = setting(30.0, check="positive", group="connection",
+    max_backoff: float = setting(MAX_BACKOFF_SECONDS, check="positive", group="connection",
                                  help="longest wait between reconnection attempts")
     give_up_after: float | None = setting(None, check="positive", group="connection",
                                           help="exit after this many seconds without reaching the coordinator "

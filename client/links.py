@@ -11,7 +11,7 @@ calls. Everything after the pull (download, deadline, training, update transform
 same either way.
 
 Calls that outlive the coordinator (:class:`Reconnecting`) back off while it is unreachable, with jittered
-exponential backoff (:class:`Backoff`, also the runtime's upload retries), and join again when it no longer knows
+exponential backoff (client/backoff.py, also the runtime's upload retries), and join again when it no longer knows
 the session (it restarted, or forgot a silent participant): one rule for every client of the coordinator, whether
 it joins with Join (a deployed agent) or JoinPopulation (a population's host).
 """
@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import grpc
 
+from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform
 from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import ingest_address
@@ -51,41 +52,6 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 SendSmall = Callable[[CoordinatorStub, pb.SmallUpload, float], pb.UploadReply]
-
-
-class Uniform(Protocol):
-    """A source of uniform draws in [0, 1): random.Random or a numpy Generator."""
-
-    def random(self) -> float:
-        """One draw."""
-
-
-def jittered(step: float, rng: Uniform) -> float:
-    """``step`` times a uniform factor in [0.5, 1.5), so that agents retrying together spread out."""
-    return step * (0.5 + rng.random())
-
-
-class Backoff:
-    """Exponential backoff: each wait is the current step, jittered; the step then doubles, up to ``cap``."""
-
-    def __init__(self, first: float, cap: float, rng: Uniform):
-        """Start at step ``first``; ``rng`` jitters the waits (each agent seeds its own)."""
-        self.first, self.cap, self.rng = first, cap, rng
-        self.step = first
-
-    def wait(self) -> float:
-        """Seconds to wait before the next try (the step doubles for the one after)."""
-        seconds = jittered(self.step, self.rng)
-        self.step = min(self.step * 2, self.cap)
-        return seconds
-
-    def reset(self) -> None:
-        """Back to the first step (after a call that went through)."""
-        self.step = self.first
-
-    def fits_before(self, deadline_at: float) -> bool:
-        """Whether a wait of the current step still ends before ``deadline_at`` (a time.monotonic() value)."""
-        return time.monotonic() + self.step < deadline_at
 
 
 class FatalAgentError(RuntimeError):
@@ -157,8 +123,8 @@ class AgentConfig:
     server: str
     agent_id: str
     poll_seconds: float = 5.0  # long-poll wait per pull
-    initial_backoff: float = 0.5
-    max_backoff: float = 30.0
+    initial_backoff: float = FIRST_BACKOFF_SECONDS
+    max_backoff: float = MAX_BACKOFF_SECONDS
     give_up_after: float | None = None  # seconds without reaching the coordinator; None: never
     upload_margin_seconds: float = UPLOAD_MARGIN_SECONDS  # kept free before the deadline beyond the upload estimate
     chunk_bytes: int = DEFAULT_CHUNK_BYTES

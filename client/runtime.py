@@ -26,8 +26,9 @@ import numpy as np
 from fedpar.client import dataplane
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.deadline import stop_training_at, upload_timeout
-from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Backoff, Connection, HostLink, Members,
-                                 Reconnecting, jittered, upload_small)
+from fedpar.client.backoff import Backoff, jittered
+from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting,
+                                 upload_small)
 from fedpar.client.member_state import ResidualStore
 from fedpar.client.round_modes import CompressedUpload, PlainUpload
 from fedpar.client.secure_members import SecureMembers

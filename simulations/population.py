@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedpar.client.backoff import MAX_BACKOFF_SECONDS
 from fedpar.client.links import AgentConfig
 from fedpar.client.deadline import steps_in_time
 from fedpar.client.runtime import ClientRuntime
@@ -287,7 +288,7 @@ class PopulationMembers:
 def host_population(server: str, population: PopulationSlice, task: Task | None,
                     partition_of: Callable[[int, str], Partition], seed: int, seats: int = 2,
                     poll_seconds: float = 2.0, device: str = "cpu", precision: str = "fp32",
-                    day_seconds: float = DAY_SECONDS, max_backoff: float = 30.0, give_up_after: float | None = None,
+                    day_seconds: float = DAY_SECONDS, max_backoff: float = MAX_BACKOFF_SECONDS, give_up_after: float | None = None,
                     tls: TlsFiles | None = None, client_batching: bool = False,
                     members: PopulationMembers | None = None, task_name: str = "") -> ClientRuntime:
     """A client runtime hosting ``population`` on ``seats`` seats against ``server``, as its host id (under mutual

@@ -1,0 +1,52 @@
+"""How long a client waits before it tries an unreachable (or busy) coordinator again: jittered exponential
+backoff, and the defaults every client of the coordinator shares (agents and simulation hosts, client/links.py).
+
+The cap is low because a restarted coordinator starts its first round once ``--min-available`` agents are back:
+an agent that has waited through a long outage tries again within MAX_BACKOFF_SECONDS of the coordinator's return
+(issue 33's target: restart to the first completed round within 8 s). At that cap a down coordinator is dialled
+about once every 2.5-5 s per agent, jittered so that agents do not come back in lockstep.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+FIRST_BACKOFF_SECONDS = 0.5  # the first wait; it doubles after each failed try
+MAX_BACKOFF_SECONDS = 5.0  # the longest wait between two tries (`fedpar client --max-backoff`)
+
+
+class Uniform(Protocol):
+    """A source of uniform draws in [0, 1): random.Random or a numpy Generator."""
+
+    def random(self) -> float:
+        """One draw."""
+
+
+def jittered(step: float, rng: Uniform) -> float:
+    """``step`` times a uniform factor in [0.5, 1.5), so that agents retrying together spread out."""
+    return step * (0.5 + rng.random())
+
+
+class Backoff:
+    """Exponential backoff: each wait is the current step, jittered but never above ``cap``; the step then doubles,
+    up to ``cap``."""
+
+    def __init__(self, first: float, cap: float, rng: Uniform):
+        """Start at step ``first``; ``rng`` jitters the waits (each agent seeds its own)."""
+        self.first, self.cap, self.rng = first, cap, rng
+        self.step = first
+
+    def wait(self) -> float:
+        """Seconds to wait before the next try, at most ``cap`` (the step doubles for the one after)."""
+        seconds = min(jittered(self.step, self.rng), self.cap)
+        self.step = min(self.step * 2, self.cap)
+        return seconds
+
+    def reset(self) -> None:
+        """Back to the first step (after a call that went through)."""
+        self.step = self.first
+
+    def fits_before(self, deadline_at: float) -> bool:
+        """Whether a wait of the current step still ends before ``deadline_at`` (a time.monotonic() value)."""
+        return time.monotonic() + self.step < deadline_at
