@@ -177,17 +177,22 @@ def _sample(roles: dict[int, str]) -> dict[str, dict]:
     return out
 
 
+PYMALLOC_ARENA = 1 << 20  # Python's object allocator maps its arenas in blocks of this size (CPython 3.10+)
+
+
 def _mappings(pid: int) -> dict[str, int]:
-    """PSS (KiB) of ``pid`` per kind of mapping: each file by name, the main heap, thread stacks, and the anonymous
-    rest (glibc's thread arenas, mmapped blocks, gRPC's and torch's own)."""
+    """PSS (KiB) of ``pid`` per kind of mapping: each file by name, the main heap, Python's object arenas, and the
+    anonymous rest (glibc's thread heaps, mmapped blocks, thread stacks, gRPC's and torch's own)."""
     out: dict[str, int] = {}
     name = None
     try:
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
             head = line.split(None, 5)
             if "-" in head[0] and not head[0].endswith(":"):
+                start, end = (int(a, 16) for a in head[0].split("-"))
                 name = Path(head[5].strip()).name if len(head) > 5 and head[5].startswith("/") else \
-                    (head[5].strip() if len(head) > 5 else "[anon]")
+                    (head[5].strip() if len(head) > 5 else
+                     "[python arenas]" if end - start == PYMALLOC_ARENA else "[anon]")
             elif head[0] == "Pss:":
                 out[name] = out.get(name, 0) + int(head[1])
     except OSError:
@@ -212,6 +217,24 @@ def _slope_per_100(points: list[tuple[int, float]]) -> float | None:
     if sxx == 0:
         return None
     return 100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+
+
+def _slope_error_per_100(points: list[tuple[int, float]], window: int = FLOOR_WINDOW) -> float | None:
+    """Standard error of the slope of (round, MiB) points, in MiB per 100 rounds, from the means of each ``window``
+    rounds (batch means: consecutive samples are not independent, a round's buffers in flight last several): a
+    slope within about two of these of the target cannot be told from it."""
+    windows: dict[int, list[tuple[int, float]]] = {}
+    for r, mib in points:
+        windows.setdefault(r // window, []).append((r, mib))
+    means = [(statistics.fmean(r for r, _ in w), statistics.fmean(m for _, m in w)) for w in windows.values()]
+    slope = _slope_per_100(means)
+    if slope is None or len(means) < 4:
+        return None
+    xs, ys = [p[0] for p in means], [p[1] for p in means]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    residuals = sum((y - my - slope / 100 * (x - mx)) ** 2 for x, y in means)
+    return 100 * math.sqrt(residuals / (len(means) - 2) / sxx)
 
 
 def _floor_slope_per_100(points: list[tuple[int, float]], window: int = FLOOR_WINDOW) -> float | None:
@@ -578,6 +601,7 @@ def figures(args, soak: Soak, work: Path, events: list[dict], group_kills: int, 
                 "pss_mib": [round(points[0][1]["pss_mib"], 1), round(points[-1][1]["pss_mib"], 1)],
                 "pss_slope_mib_per_100_rounds": _slope_per_100([(r, p["pss_mib"]) for r, p in points]),
                 "anon_slope_mib_per_100_rounds": _slope_per_100([(r, p["anon_mib"]) for r, p in points]),
+                "anon_slope_error_mib_per_100_rounds": _slope_error_per_100([(r, p["anon_mib"]) for r, p in points]),
                 "pss_floor_slope_mib_per_100_rounds": _floor_slope_per_100([(r, p["pss_mib"]) for r, p in points]),
                 "anon_floor_slope_mib_per_100_rounds": _floor_slope_per_100([(r, p["anon_mib"]) for r, p in points]),
                 "fds": [min(p["fds"] for _, p in points), max(p["fds"] for _, p in points)],
@@ -662,6 +686,12 @@ def report(fig: dict) -> None:
         print(f"PSS slope after warm-up, any process and lifetime: median {statistics.median(slopes):+.3f}, max "
               f"{max(slopes):+.3f} MiB per 100 rounds (anonymous part: median {statistics.median(anon):+.3f}, max "
               f"{max(anon):+.3f}; target <= 0.03)")
+    errors = [(role, p["anon_slope_mib_per_100_rounds"], p["anon_slope_error_mib_per_100_rounds"])
+              for life in fig["lifetimes"] for role, p in life["procs"].items()
+              if p["anon_slope_error_mib_per_100_rounds"] is not None]
+    for role, slope, error in errors:
+        print(f"{role}: anonymous slope {slope:+.3f} +- {error:.3f} MiB per 100 rounds (standard error from the means "
+              f"of each {FLOOR_WINDOW} rounds)")
     if floors:
         print(f"slope of the anonymous part's floor (each {FLOOR_WINDOW} rounds' lowest sample: what is kept, not a "
               f"round's buffers in flight): median {statistics.median(floors):+.3f}, max {max(floors):+.3f} MiB per "
