@@ -5,6 +5,11 @@ aggregator ranks call :func:`trim_heap` after every round), and a switch to find
 when the startup heap is frozen and, every EVERY rounds (500), appends to FILE (``.rankN`` added on ranks other
 than 0) the allocation sites that grew most since the first dump, and the object types the collector sees whose
 counts grew: the figures to read when benchmarks/soak.py reports a memory slope.
+
+``FEDPAR_NATIVE_TRACE=FILE:FROM:TO`` (needs ``pip install memray``) records every allocation, C ones with their
+native stacks, from the server's round FROM to round TO into FILE (``.rankN`` as above): what was allocated in
+that window and is still held at its end is what grew (``memray stats FILE``: the window's peak; memray's
+FileReader(FILE).get_leaked_allocation_records(): each such allocation site).
 """
 
 from __future__ import annotations
@@ -94,7 +99,31 @@ class _HeapTrace:
             fh.write("\n".join(lines) + "\n")
 
 
+class _NativeTrace:
+    """What FEDPAR_NATIVE_TRACE asks for: memray's record of every allocation between two rounds."""
+
+    def __init__(self, spec: str):
+        path, start, stop = spec.rsplit(":", 2)
+        rank = os.environ.get("RANK", "0")
+        self.path = path if rank == "0" else f"{path}.rank{rank}"
+        self.start, self.stop, self.rounds = int(start), int(stop), 0
+        try:
+            import memray
+        except ImportError:
+            raise SystemExit("FEDPAR_NATIVE_TRACE needs memray: pip install memray (or unset the variable)") from None
+        self.tracker = memray.Tracker(self.path, native_traces=True)
+
+    def round_done(self) -> None:
+        """Count a round; start recording at round ``start``, stop (the file is then complete) at round ``stop``."""
+        self.rounds += 1
+        if self.rounds == self.start:
+            self.tracker.__enter__()
+        elif self.rounds == self.stop:
+            self.tracker.__exit__(None, None, None)
+
+
 _trace: _HeapTrace | None = None
+_native: _NativeTrace | None = None
 
 
 def freeze_startup_heap() -> None:
@@ -109,13 +138,15 @@ def freeze_startup_heap() -> None:
     notebooks: frozen objects that later form garbage cycles are never freed. It also sets glibc's allocation
     policy for a long-lived process (:func:`_bound_malloc`).
     """
-    global _collect_each_round, _trace
+    global _collect_each_round, _trace, _native
     _bound_malloc()
     gc.collect()
     gc.freeze()
     _collect_each_round = True
     if os.environ.get("FEDPAR_HEAP_TRACE") and _trace is None:
         _trace = _HeapTrace(os.environ["FEDPAR_HEAP_TRACE"])
+    if os.environ.get("FEDPAR_NATIVE_TRACE") and _native is None:
+        _native = _NativeTrace(os.environ["FEDPAR_NATIVE_TRACE"])
 
 
 def trim_heap() -> bool:
@@ -129,4 +160,6 @@ def trim_heap() -> bool:
         gc.collect()
     if _trace is not None:
         _trace.round_done()
+    if _native is not None:
+        _native.round_done()
     return bool(_libc.malloc_trim(0)) if _libc is not None else False

@@ -108,3 +108,38 @@ print(libc.mallinfo().hblks - before)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
                          check=True)
     assert int(out.stdout) == (20 if server else 0)
+
+
+def test_the_native_trace_holds_only_what_its_window_of_rounds_allocated_and_kept(tmp_path):
+    # FEDPAR_NATIVE_TRACE: memray records from round 5 to round 15; of what a round allocates it holds what was
+    # still allocated at round 15: the blocks kept every round in that window, and the last round's scratch.
+    memray = pytest.importorskip("memray")
+    script = """
+from fedpar.protocol.heap import freeze_startup_heap, trim_heap
+
+history = []
+freeze_startup_heap()
+for _ in range(20):
+    history.append(bytearray(100_000))  # kept every round
+    scratch = bytearray(300_000)  # freed by the next round
+    trim_heap()
+"""
+    record = tmp_path / "native.bin"
+    subprocess.run([sys.executable, "-c", script], env={**os.environ, "FEDPAR_NATIVE_TRACE": f"{record}:5:15"},
+                   capture_output=True, text=True, timeout=60, check=True)
+    held = {r.size // r.n_allocations: r.n_allocations for r in
+            memray.FileReader(record).get_leaked_allocation_records(merge_threads=True) if r.size >= 100_000}
+    assert held == {100_001: 10, 300_001: 1}  # the 10 rounds' kept blocks; of the scratch ones only the last
+
+
+def test_the_native_trace_without_memray_says_what_to_install():
+    script = """
+import sys
+sys.modules["memray"] = None  # as if it were not installed
+from fedpar.protocol.heap import freeze_startup_heap
+freeze_startup_heap()
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "FEDPAR_NATIVE_TRACE": "/tmp/x.bin:1:2"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.strip() == ("FEDPAR_NATIVE_TRACE needs memray: pip install memray "
+                                                          "(or unset the variable)")
