@@ -24,9 +24,10 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Protocol, TypeVar
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import grpc
+import numpy as np
 
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform
 from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
@@ -34,14 +35,14 @@ from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import ingest_address
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, CoordinatorStub,
-                                     channel_options)
+                                     channel_options, member_token)
 from fedpar.security.handshake import diagnose_handshake, tls_mismatch
 from fedpar.security.tls import TlsFiles
 
 log = logging.getLogger("fedpar.client")
 T = TypeVar("T")
 
-JOIN_CHUNK = 5_000  # members registered per JoinPopulation call
+JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinator's --max-population-join default)
 # Seconds a host's upload batch waits for more updates after its first (the round's last ones go at once): a fifth
 # of the margin a member keeps free before the deadline. Each call costs both ends far more than its bytes (gRPC's
 # per-call work); on a quiet machine 5, 20 and 50 ms gave the same 100-client digits round (0.08-0.09 s), on
@@ -226,9 +227,9 @@ class Population(Members, Protocol):
     def train_size(self, i: int) -> int:
         """Member ``i``'s training examples (told at join, and the virtual clock's measure of its work)."""
 
-    def joining(self, start: int, stop: int) -> Iterable[tuple[str, int, bool]]:
-        """What the coordinator is told of members ``start``..``stop - 1`` at join: id, training examples (at least
-        1), whether away now."""
+    def joining(self, start: int, stop: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """What the coordinator is told of members ``start``..``stop - 1`` at join, as arrays: their ids, training
+        examples (int64, at least 1) and whether each is away now (bool)."""
 
     def availability_changes(self, clock_seconds: float | None) -> tuple[list[str], list[str]]:
         """Members gone offline and come back since the last call (``clock_seconds``: the coordinator's
@@ -322,7 +323,6 @@ class HostLink:
                  forget_queued: Callable[[], None]):
         self.conn, self.config, self.members = conn, config, members
         self.host = pb.AgentAuth(agent_id=config.agent_id)
-        self.tokens: list[str] = []  # each member's session, by member index
         self.max_chunk = 0
         self.small_below = 0
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
@@ -335,19 +335,15 @@ class HostLink:
         """A new session for the host and every member, JOIN_CHUNK members per call; what was queued for the old
         sessions is moot."""
         self.host.token = ""  # a new session, whatever the coordinator remembers
-        tokens: list[str] = []
         for start in range(0, len(self.members), JOIN_CHUNK):
+            ids, sizes, away = self.members.joining(start, min(start + JOIN_CHUNK, len(self.members)))
             request = pb.JoinPopulationRequest(host=self.host, protocol_version=PROTOCOL_VERSION,
-                                               capabilities={"task": self.config.task} if self.config.task else {})
-            add = request.members.add  # (a million members: no list of messages built first)
-            for agent_id, num_examples, away in self.members.joining(start, min(start + JOIN_CHUNK,
-                                                                                 len(self.members))):
-                add(agent_id=agent_id, num_examples=num_examples, away=away)
+                                               capabilities={"task": self.config.task} if self.config.task else {},
+                                               member_ids="\n".join(ids), num_examples=sizes,
+                                               away=np.flatnonzero(away))
             reply = self.conn.stub.JoinPopulation(request, timeout=60)
             self.host.token = reply.host_token
-            tokens.extend(reply.tokens)
             self.max_chunk = reply.max_chunk_bytes
-        self.tokens = tokens
         self.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
         self._held.clear()
         self._estimates = []
@@ -388,7 +384,8 @@ class HostLink:
 
     def member_auth(self, i: int) -> pb.AgentAuth:
         """Member ``i``'s session."""
-        return pb.AgentAuth(agent_id=self.members.member_id(i), token=self.tokens[i])
+        member = self.members.member_id(i)
+        return pb.AgentAuth(agent_id=member, token=member_token(self.host.token, member))
 
     def finished(self, task: pb.TrainTask) -> None:
         """Nothing to tell: the coordinator counts a member's task done when its update arrives."""

@@ -354,18 +354,8 @@ class SecAggReply(_message.Message):
     done: str
     def __init__(self, params_json: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., ciphertexts: _Optional[_Union[SecAggCiphertexts, _Mapping]] = ..., survivors: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., done: _Optional[str] = ...) -> None: ...
 
-class PopulationMember(_message.Message):
-    __slots__ = ("agent_id", "num_examples", "away")
-    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
-    AWAY_FIELD_NUMBER: _ClassVar[int]
-    agent_id: str
-    num_examples: int
-    away: bool
-    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., away: bool = ...) -> None: ...
-
 class JoinPopulationRequest(_message.Message):
-    __slots__ = ("host", "members", "protocol_version", "enrollment_token", "capabilities")
+    __slots__ = ("host", "protocol_version", "enrollment_token", "capabilities", "member_ids", "num_examples", "away")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -374,28 +364,30 @@ class JoinPopulationRequest(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     HOST_FIELD_NUMBER: _ClassVar[int]
-    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENROLLMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    AWAY_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
-    members: _containers.RepeatedCompositeFieldContainer[PopulationMember]
     protocol_version: int
     enrollment_token: str
     capabilities: _containers.ScalarMap[str, str]
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., members: _Optional[_Iterable[_Union[PopulationMember, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    member_ids: str
+    num_examples: _containers.RepeatedScalarFieldContainer[int]
+    away: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., member_ids: _Optional[str] = ..., num_examples: _Optional[_Iterable[int]] = ..., away: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinPopulationReply(_message.Message):
-    __slots__ = ("host_token", "tokens", "heartbeat_seconds", "max_chunk_bytes")
+    __slots__ = ("host_token", "heartbeat_seconds", "max_chunk_bytes")
     HOST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     host_token: str
-    tokens: _containers.RepeatedScalarFieldContainer[str]
     heartbeat_seconds: float
     max_chunk_bytes: int
-    def __init__(self, host_token: _Optional[str] = ..., tokens: _Optional[_Iterable[str]] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, host_token: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullHostTasksRequest(_message.Message):
     __slots__ = ("host", "wait_seconds", "away", "back", "finish_estimates")

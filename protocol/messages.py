@@ -5,6 +5,9 @@ calls)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -30,6 +33,14 @@ UPLOAD_ADMITTED = ("fedpar-upload", "admitted")
 # checks and folds it on its event loop (the hand-off to a thread would cost more: a 100-agent round of a
 # small model is 100 of these).
 SMALL_UPDATE_BYTES = 256 << 10
+
+
+def member_token(host_token: str, member_id: str) -> str:
+    """The session token of population member ``member_id`` while its host's session is ``host_token``: both ends
+    derive it (HMAC-SHA256), so a host's million members cost no token each on the wire or at the coordinator, and a
+    new host session is a new session for every member."""
+    digest = hmac.new(host_token.encode(), member_id.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest[:24]).decode()
 
 
 def layout_from_pb(specs: Iterable[pb.TensorSpec], max_total_bytes: int | None = None) -> ModelLayout:

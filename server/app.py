@@ -265,15 +265,18 @@ class CoordinatorService:
                             max_chunk_bytes=self.coord.config.max_chunk_bytes)
 
     async def JoinPopulation(self, request: pb.JoinPopulationRequest, context) -> pb.JoinPopulationReply:
-        """Register (more of) a simulation host's virtual population; one session token per member."""
+        """Register (more of) a simulation host's virtual population (each member's session derives from the
+        host's: protocol/messages.py, member_token)."""
         _check_protocol(request.protocol_version, "host")
-        self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.members))
-        host, records = self.coord.members.join_population(
-            request.host.agent_id, request.host.token,
-            [(m.agent_id, m.num_examples, m.away) for m in request.members],
+        if not request.member_ids:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a JoinPopulation must name its members in member_ids "
+                                                            "(a host older than this coordinator? upgrade it)")
+        self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.num_examples))
+        host = self.coord.members.join_population(
+            request.host.agent_id, request.host.token, request.member_ids, request.num_examples, request.away,
             peer_identity(context), request.enrollment_token, dict(request.capabilities))
         authenticated()
-        return pb.JoinPopulationReply(host_token=host.token, tokens=[r.token for r in records],
+        return pb.JoinPopulationReply(host_token=host.token,
                                       heartbeat_seconds=self.coord.config.heartbeat_seconds,
                                       max_chunk_bytes=self.coord.config.max_chunk_bytes)
 

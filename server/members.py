@@ -103,12 +103,11 @@ class Members:
 
     def declared_tasks(self) -> dict[str, str | None]:
         """The task each live agent declared at Join (None: it did not say); not a simulation host's members."""
-        records = (self.registry.get(a) for a in self.registry.live_ids())
-        return {r.agent_id: (r.capabilities or {}).get("task") for r in records if r is not None and r.host is None}
+        return {r.agent_id: (r.capabilities or {}).get("task") for r in self.registry.own_agents()}
 
-    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
-                        peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        capabilities: dict[str, str] | None = None) -> tuple[HostRecord, list[AgentRecord]]:
+    def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
+                        away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
+                        capabilities: dict[str, str] | None = None) -> HostRecord:
         """A Refusal: this member source takes no simulated populations (server/populations.py does)."""
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")

@@ -43,20 +43,20 @@ class Populations(Members):
                           "this coordinator runs a virtual clock (--clock virtual): only simulation hosts take part")
         return super().join(agent_id, num_examples, capabilities, peer, enrollment_token)
 
-    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
-                        peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        capabilities: dict[str, str] | None = None) -> tuple[HostRecord, list[AgentRecord]]:
-        """Register (more of) a simulation host's members (server/registry.py), which a service's run samples only
-        if the host's ``capabilities`` declare the run's task; a Refusal on bad data."""
-        if len(members) > self.config.max_population_join:
+    def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
+                        away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
+                        capabilities: dict[str, str] | None = None) -> HostRecord:
+        """Register (more of) a simulation host's members as JoinPopulation carries them (server/registry.py), which a
+        service's run samples only if the host's ``capabilities`` declare the run's task; a Refusal on bad data."""
+        if len(num_examples) > self.config.max_population_join:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{len(members)} members in one JoinPopulation; send at most "
+                          f"{len(num_examples)} members in one JoinPopulation; send at most "
                           f"{self.config.max_population_join} per call")
         capabilities = capabilities or {}
         try:
             check_capabilities(capabilities)
-            host, records = self.registry.join_population(host_id, host_token, members, peer, enrollment_token,
-                                                          self.config.max_examples_per_agent)
+            host = self.registry.join_population(host_id, host_token, member_ids, num_examples, away, peer,
+                                                 enrollment_token, self.config.max_examples_per_agent)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except AuthError as exc:
@@ -67,7 +67,7 @@ class Populations(Members):
         self._host_declared[host_id] = capabilities.get("task")
         self._check_host_task(host_id, capabilities.get("task"))
         self._joined()
-        return host, records
+        return host
 
     def declared_tasks(self) -> dict[str, str | None]:
         """The task each live agent, and each simulation host still known, declared when it joined."""

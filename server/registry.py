@@ -1,4 +1,5 @@
-"""Registry of live client agents: join, authenticate, liveness from their calls and heartbeats.
+"""Registry of live client agents and simulation hosts' members: join, authenticate, liveness from their calls and
+heartbeats. A host's members are rows of arrays (server/member_table.py), not a record and a session each.
 
 An agent (or simulation host) whose liveness expired leaves it; what authenticating a returning one needs, the example
 count it declared first, stays in a compact map bounded by --max-agents (and, for agents, in the checkpoint).
@@ -6,24 +7,24 @@ count it declared first, stays in a compact map bounded by --max-agents (and, fo
 
 from __future__ import annotations
 
-import base64
-import bisect
 import hmac
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fedpar.security.admission import Admission, PeerIdentity
+import numpy as np
 
-MAX_AGENT_ID = 128
+from fedpar.protocol.messages import member_token
+from fedpar.security.admission import Admission, PeerIdentity
+from fedpar.server.member_table import GONE, MAX_AGENT_ID, MemberTable, find, id_array, insert_sorted, parse_members
 
 
 class AuthError(Exception):
     """An unknown agent or a wrong session token."""
 
 
-@dataclass(slots=True)  # a population of a million members holds a million of them
+@dataclass(slots=True)
 class AgentRecord:
     """One registered agent and what the coordinator knows of it."""
 
@@ -46,7 +47,9 @@ class HostRecord:
     host_id: str
     token: str
     last_seen: float = 0.0
-    members: int = 0
+    members: int = 0  # its members held
+    index: int = 0  # in the member table's host column
+    cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS): its members' too
 
 
 def check_capabilities(capabilities: dict[str, str]) -> None:
@@ -70,19 +73,12 @@ class ExampleCaps:
 
     def fix(self, agent_id: str, num_examples: int) -> int:
         """Record a join of ``agent_id`` declaring ``num_examples``; returns the count it gets (the capped one)."""
-        return self.fix_all([agent_id], [num_examples])[0]
-
-    def fix_all(self, agent_ids: Sequence[str], counts: Sequence[int]) -> list[int]:
-        """:meth:`fix` for each of ``agent_ids`` in turn (a host joins thousands of members in one call)."""
-        caps, limit, out = self._caps, self.limit, []
-        for agent_id, count in zip(agent_ids, counts):
-            cap = caps.pop(agent_id, None)
-            count = count if cap is None or cap >= count else cap
-            caps[agent_id] = count
-            out.append(count)
-            if len(caps) > limit:
-                del caps[next(iter(caps))]  # the longest-unseen
-        return out
+        cap = self._caps.pop(agent_id, None)
+        count = num_examples if cap is None or cap >= num_examples else cap
+        self._caps[agent_id] = count
+        if len(self._caps) > self.limit:
+            del self._caps[next(iter(self._caps))]  # the longest-unseen
+        return count
 
     def state(self) -> dict[str, int]:
         """The caps as JSON (id -> count, oldest join first)."""
@@ -92,35 +88,33 @@ class ExampleCaps:
         return len(self._caps)
 
 
-INSERT_AT_MOST = 64  # ids that joined since the live ids were last read, put in place one by one; more: merged
-
-
 class LiveIds(Sequence):
-    """The sorted ids of the live agents, kept as agents come and go rather than made again each round: the ids that
-    joined since it was last read wait unsorted and are merged in when an id is looked up, so counting them and
-    sampling a cohort from them costs no pass over the population while it stays as it was."""
+    """The sorted ids of the live agents and members (a bytes array), kept as they come and go rather than made again
+    each round: ids that came live since it was last read wait aside and are merged in when an id is looked up, so
+    counting them and sampling a cohort from them costs no pass over the population while it stays as it was."""
 
-    def __init__(self, ids: list[str], key: object, valid_until: float):
+    def __init__(self, ids: np.ndarray, key: object, valid_until: float):
         self._sorted, self._added = ids, []
         self.key, self.valid_until = key, valid_until  # what it was made from, and until when it holds
 
-    def _merged(self) -> list[str]:
-        if len(self._added) <= INSERT_AT_MOST:  # a few: each put in place (a move of the list's tail)
-            for agent_id in self._added:
-                bisect.insort(self._sorted, agent_id)
-        else:
-            self._sorted = sorted(self._sorted + self._added)  # sorted runs: merged, not sorted again
-        self._added = []
+    def _merged(self) -> np.ndarray:
+        if self._added:
+            added = np.concatenate(self._added) if len(self._added) > 1 else self._added[0]
+            self._sorted = insert_sorted(self._sorted, np.sort(added))[0]
+            self._added = []
         return self._sorted
 
     def __len__(self) -> int:
-        return len(self._sorted) + len(self._added)
+        return len(self._sorted) + sum(len(a) for a in self._added)
 
     def __getitem__(self, index):
-        return self._merged()[index]
+        ids = self._merged()
+        if isinstance(index, slice):
+            return [i.decode() for i in ids[index].tolist()]
+        return ids[index].decode()
 
     def __iter__(self):
-        return iter(self._merged())
+        return (i.decode() for i in self._merged().tolist())
 
     def __eq__(self, other: object) -> bool:
         return list(self) == list(other) if isinstance(other, (list, tuple, LiveIds)) else NotImplemented
@@ -128,36 +122,36 @@ class LiveIds(Sequence):
     __hash__ = None  # it changes
 
     def __contains__(self, agent_id: object) -> bool:
-        ids = self._merged()
-        at = bisect.bisect_left(ids, agent_id)
-        return at < len(ids) and ids[at] == agent_id
+        return isinstance(agent_id, str) and find(self._merged(), id_array([agent_id]))[0] >= 0
 
-    def add(self, ids: list[str]) -> None:
-        """Take ``ids``, live now and not held yet."""
-        self._added.extend(sorted(ids))
+    def add(self, ids: np.ndarray) -> None:
+        """Take ``ids`` (bytes), live now and not held yet."""
+        if len(ids):
+            self._added.append(ids)
 
-    def discard(self, agent_id: str) -> None:
-        """Drop ``agent_id`` if it is held."""
-        if agent_id in self._added:
-            self._added.remove(agent_id)
-            return
-        at = bisect.bisect_left(self._sorted, agent_id)
-        if at < len(self._sorted) and self._sorted[at] == agent_id:
-            del self._sorted[at]
+    def discard(self, ids: np.ndarray) -> None:
+        """Drop those of ``ids`` (bytes) that are held."""
+        if len(ids):
+            at = find(self._merged(), ids)
+            self._sorted = np.delete(self._sorted, at[at >= 0])
 
 
 class AgentRegistry:
-    """Live agents and simulation hosts by id. Not thread-safe: the coordinator's event loop is its only user."""
+    """Live agents and simulation hosts by id, and the hosts' members in a :class:`MemberTable`. Not thread-safe: the
+    coordinator's event loop is its only user."""
 
     def __init__(self, liveness_timeout: float, clock=time.monotonic, admission: Admission | None = None,
                  max_known: int = 100_000):
         self.liveness_timeout = liveness_timeout
         self._clock = clock
         self.admission = admission or Admission()
-        self._agents: dict[str, AgentRecord] = {}
+        self.max_known = max_known
+        self._agents: dict[str, AgentRecord] = {}  # agents that joined by themselves, and sessions taken
         self._hosts: dict[str, HostRecord] = {}
+        self._host_index: dict[str, int] = {}  # each host id ever joined: its index in the member table
+        self._host_ids: list[str] = []  # ... and back
         self.caps = ExampleCaps(max_known)  # agents' (checkpointed)
-        self.member_caps = ExampleCaps(max_known)  # population members' (their hosts join them again after a restart)
+        self.members = MemberTable()  # population members (their example counts stay when their host left)
         self._live: LiveIds | None = None  # kept up to date as they come and go; None: make it again
         self._plain: set[str] = set()  # ids of the agents that joined by themselves (not a host's members)
 
@@ -173,6 +167,10 @@ class AgentRegistry:
         """
         _check_member(agent_id, num_examples, max_examples)
         check_capabilities(capabilities)
+        row = self.members.row(agent_id)
+        if row is not None and row[1] != GONE:
+            raise ValueError(f"{agent_id!r} is a member of simulation host {self._host_ids[row[1]]!r}; join with an "
+                             "id of your own")
         self.admission.admit_join(agent_id, peer, enrollment_token)
         num_examples = self.caps.fix(agent_id, num_examples)
         record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities) or None,
@@ -180,42 +178,55 @@ class AgentRegistry:
         self._newcomers([record])
         return record
 
-    def join_population(self, host_id: str, host_token: str, members: list[tuple[str, int, bool]],
-                        peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        max_examples: int = 10_000_000) -> tuple[HostRecord, list[AgentRecord]]:
-        """Register (more of) ``host_id``'s population: each member gets its own session, live while the host
-        calls. ``host_token``: empty on the host's first call, then the one it got. A member's example count is
-        fixed by its first join, as for an agent; an id joined as an agent, or by another host, is refused.
-        Raises ValueError on bad data (naming the member), AuthError on a wrong host token."""
+    def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
+                        away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
+                        max_examples: int = 10_000_000) -> HostRecord:
+        """Register (more of) ``host_id``'s population, as JoinPopulation carries it (ids separated by newlines, each
+        one's examples, the positions of those away): each member's session is derived from the host's
+        (member_token), live while the host calls. ``host_token``: empty on the host's first call, then the one it
+        got. A member's example count is fixed by its first join, as for an agent; an id joined as an agent, or by
+        another host, is refused. Raises ValueError on bad data (naming the member; nothing is registered),
+        AuthError on a wrong host token."""
+        ids, sizes, offline = parse_members(member_ids, num_examples, away, max_examples)
         host = self._hosts.get(host_id)
         if host is not None and host_token:
             self.authenticate_host(host_id, host_token)
         else:
             _check_member(host_id, 1, 1)
+        taken = self._plain.intersection(member_ids.split("\n")) if self._plain and len(ids) else ()
+        if taken:
+            raise ValueError(f"member {min(taken)!r} is registered already, not by host {host_id!r}")
+        index = self._host_index.get(host_id, len(self._host_ids))
+        table = self.members
+        known, old_sizes, owners, was_away = table.read(ids)
+        foreign = known & (owners != index) & (owners != GONE)
+        if foreign.any():
+            raise ValueError(f"member {ids[foreign][0].decode()!r} is registered already, not by host {host_id!r}")
+        if host is None or not host_token:
             self.admission.admit_join(host_id, peer, enrollment_token)
-            host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0)
+            if index == len(self._host_ids):
+                self._host_index[host_id] = index
+                self._host_ids.append(host_id)
+            host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0,
+                              index=index)
             self._hosts[host_id] = host
-        bad = next((m for m in members if not _sane(m[0], m[1], max_examples)), None)
-        if bad is not None:
-            _check_member(bad[0], bad[1], max_examples)  # raises, naming it
-        ids = [m[0] for m in members]
-        known = [self._agents.get(agent_id) for agent_id in ids]
-        taken = next((a for a, old in zip(ids, known) if old is not None and old.host != host_id), None)
-        if taken is not None:
-            raise ValueError(f"member {taken!r} is registered already, not by host {host_id!r}")
-        host.members += known.count(None)
-        counts = self.member_caps.fix_all(ids, [m[1] for m in members])
-        serial = peer.serial if peer else None  # revoking the host's certificate revokes them
-        records = [AgentRecord(agent_id, token, int(count), host=host_id, away=away, cert_serial=serial)
-                   for agent_id, token, count, (_, _, away) in zip(ids, session_tokens(len(ids)), counts, members)]
+        serial = peer.serial if peer else None  # revoking the host's certificate revokes its members
+        if host.cert_serial != serial:
+            host.cert_serial, self._live = serial, None
+        was_live = known & (owners == index) & ~was_away
+        host.members += int((known & (owners == GONE)).sum()) + int((~known).sum())
+        table.write(ids[known], np.minimum(old_sizes, sizes)[known], index, offline[known])
+        table.add(ids[~known], sizes[~known], index, offline[~known])
         host.last_seen = self._clock()
-        self._newcomers(records)
-        return host, records
+        if self._live is not None:
+            self._live.discard(ids[was_live & offline])
+            self._live.add(ids[~was_live & ~offline])
+        return host
 
     def _newcomers(self, records: list[AgentRecord]) -> None:
-        """Hold ``records``, and keep the live ids up to date: new live ids join them, a record replacing one held
-        already joins or leaves them as its availability changed (made again at the next read if its certificate
-        changed: its revocation may have)."""
+        """Hold ``records`` (agents, and sessions taken), and keep the live ids up to date: new live ids join them, a
+        record replacing one held already joins or leaves them as its availability changed (made again at the next
+        read if its certificate changed: its revocation may have)."""
         fresh, gone = [], []
         agents, plain = self._agents, self._plain
         for record in records:
@@ -232,21 +243,20 @@ class AgentRegistry:
             elif plain:
                 plain.discard(record.agent_id)
         if self._live is not None:
-            for agent_id in gone:
-                self._live.discard(agent_id)
-            self._live.add(fresh)
+            self._live.discard(id_array(gone))
+            self._live.add(id_array(sorted(fresh)))
 
     def set_away(self, host_id: str, away: list[str], back: list[str]) -> None:
         """Mark members of ``host_id`` offline (``away``) or online again (``back``); others' ids are ignored."""
+        index = self._host_index.get(host_id)
         for ids, flag in ((away, True), (back, False)):
-            for agent_id in ids:
-                record = self._agents.get(agent_id)
-                if record is not None and record.host == host_id and record.away != flag:
-                    record.away = flag
-                    if self._live is not None and flag:
-                        self._live.discard(agent_id)
-                    elif self._live is not None and self.is_live(record):
-                        self._live.add([agent_id])
+            if index is None or not ids:
+                continue
+            changed = np.unique(self.members.set_away(id_array(ids), index, flag))
+            if self._live is not None and flag:
+                self._live.discard(changed)
+            elif self._live is not None and host_id in self._hosts:
+                self._live.add(changed)
 
     def authenticate_host(self, host_id: str, token: str, peer: PeerIdentity | None = None) -> HostRecord:
         """The host's record if ``token`` is its session token and the admission policy still admits it over a
@@ -261,7 +271,7 @@ class AgentRegistry:
     def authenticate(self, agent_id: str, token: str, peer: PeerIdentity | None = None) -> AgentRecord:
         """The agent's record if ``token`` is its current session token and the admission policy still
         admits it over a connection proving ``peer`` (a population member: proving its host); marks it seen."""
-        record = self._agents.get(agent_id)
+        record = self.get(agent_id)
         self.admission.check_call(speaker(record) if record is not None else agent_id, peer)
         if record is None or record.left:
             raise AuthError(f"unknown agent {agent_id!r}: call Join first")
@@ -281,11 +291,17 @@ class AgentRegistry:
         return record
 
     def leave(self, agent_id: str) -> None:
-        """Mark an agent as gone; it is not sampled until it joins again (and leaves at the next :meth:`expire`)."""
+        """Mark an agent (or a member) as gone; it is not sampled until it joins again (an agent leaves the registry
+        at the next :meth:`expire`)."""
         if agent_id in self._agents:
             self._agents[agent_id].left = True
-            if self._live is not None:
-                self._live.discard(agent_id)
+        else:
+            row = self.members.row(agent_id)
+            if row is None:
+                return
+            self.members.set_away(id_array([agent_id]), row[1], True)
+        if self._live is not None:
+            self._live.discard(id_array([agent_id]))
 
     def is_live(self, record: AgentRecord) -> bool:
         """Whether the agent (a population member: its host) has called recently enough to be sampled."""
@@ -297,10 +313,11 @@ class AgentRegistry:
         return self._clock() - record.last_seen <= self.liveness_timeout
 
     def live_ids(self) -> LiveIds:
-        """Ids of live, not revoked agents, sorted (sampling is then deterministic for a seed). Made again (one pass
-        over the agents, those whose liveness expired leaving first: :meth:`expire`) only when the revocation list
-        changed or a liveness ran out; else as kept up to date by joins, leaves and availability. Whether a liveness
-        ran out is a pass over the hosts and the agents that joined by themselves, not over a host's members."""
+        """Ids of live, not revoked agents and members, sorted (sampling is then deterministic for a seed). Made
+        again (agents whose liveness expired leave first: :meth:`expire`; then one pass over the member arrays) only
+        when the revocation list changed or a liveness ran out; else as kept up to date by joins, leaves and
+        availability. Whether a liveness ran out is a pass over the hosts and the agents that joined by themselves,
+        not over a host's members."""
         revoked = self.admission.revoked_filter()
         key = id(self.admission.revocations.value)  # a new list is a new object
         if self._live is not None and self._live.key == key:
@@ -311,9 +328,15 @@ class AgentRegistry:
                 return self._live
         self.expire()
         now = self._clock()
-        live = [a for a in self._agents.values() if self.is_live(a) and not revoked(a.agent_id, a.cert_serial)]
-        self._live = LiveIds(sorted(a.agent_id for a in live), key, min(now + self.liveness_timeout,
-                                                                        self._live_until()))
+        agents = id_array(sorted(a.agent_id for a in self._agents.values()
+                                 if self.is_live(a) and not revoked(a.agent_id, a.cert_serial)))
+        hosts_live = np.zeros(len(self._host_ids) + 1, bool)  # the last: GONE's
+        for host in self._hosts.values():
+            hosts_live[host.index] = now - host.last_seen <= self.liveness_timeout \
+                and not (host.cert_serial is not None and revoked("", host.cert_serial))
+        members = self.members.live(hosts_live, id_array(sorted(self.admission.revocations.ids)))
+        self._live = LiveIds(insert_sorted(members, agents)[0], key,
+                             min(now + self.liveness_timeout, self._live_until()))
         return self._live
 
     def _live_until(self) -> float:
@@ -324,8 +347,20 @@ class AgentRegistry:
         return min(seen, default=self._clock()) + self.liveness_timeout
 
     def get(self, agent_id: str) -> AgentRecord | None:
-        """The record of ``agent_id`` or None."""
-        return self._agents.get(agent_id)
+        """The record of ``agent_id`` or None (a population member's is made now, from its row and its host's)."""
+        record = self._agents.get(agent_id)
+        if record is not None:
+            return record
+        row = self.members.row(agent_id)
+        host = self._hosts.get(self._host_ids[row[1]]) if row is not None and row[1] != GONE else None
+        if host is None:
+            return None
+        return AgentRecord(agent_id, member_token(host.token, agent_id), row[0], last_seen=host.last_seen,
+                           cert_serial=host.cert_serial, host=host.host_id, away=row[2])
+
+    def own_agents(self) -> list[AgentRecord]:
+        """The live agents that joined by themselves (not a host's members)."""
+        return [r for a in sorted(self._plain) if (r := self._agents.get(a)) is not None and self.is_live(r)]
 
     def host(self, host_id: str) -> HostRecord | None:
         """The record of simulation host ``host_id`` or None."""
@@ -337,23 +372,27 @@ class AgentRegistry:
         return len(self._hosts)
 
     def __len__(self) -> int:
-        return len(self._agents)
+        """Agents and members of the hosts held."""
+        return len(self._agents) + sum(h.members for h in self._hosts.values())
 
     def expire(self, idle_seconds: float | None = None) -> int:
         """Forget agents that left or have been silent longer than ``idle_seconds`` (default: the liveness timeout),
-        and hosts silent that long with their members; returns how many agents. Their example caps stay."""
+        and hosts silent that long with their members; returns how many agents and members. The example caps stay
+        (of members: up to ``max_known`` whose host left)."""
         idle = self.liveness_timeout if idle_seconds is None else idle_seconds
         now = self._clock()
-        for host_id in [h for h, r in self._hosts.items() if now - r.last_seen > idle]:
-            del self._hosts[host_id]
+        quiet = [h for h, r in self._hosts.items() if now - r.last_seen > idle]
+        members = sum(self._hosts.pop(h).members for h in quiet)
+        if quiet:
+            self.members.forget_hosts([self._host_index[h] for h in quiet], self.max_known)
         gone = [i for i, r in self._agents.items() if r.left
                 or (r.host is None and now - r.last_seen > idle) or (r.host is not None and r.host not in self._hosts)]
         for agent_id in gone:
             del self._agents[agent_id]
             self._plain.discard(agent_id)
-        if gone:
+        if gone or quiet:
             self._live = None
-        return len(gone)
+        return len(gone) + members
 
     def restore(self, caps) -> None:
         """Take the example caps of a checkpoint's :meth:`snapshot` (or, from an older checkpoint, its list of
@@ -377,22 +416,11 @@ class AgentRegistry:
         return self.caps.state()
 
 
-def session_tokens(count: int) -> list[str]:
-    """``count`` fresh session tokens like ``secrets.token_urlsafe(24)``'s, drawn at once (a host joins thousands)."""
-    text = base64.urlsafe_b64encode(secrets.token_bytes(24 * count)).decode()
-    return [text[32 * i:32 * i + 32] for i in range(count)]
-
 
 def speaker(record: AgentRecord) -> str:
     """Whose identity (under mutual TLS: whose certificate) speaks for ``record``: its host's, for a population
     member, else its own."""
     return record.host or record.agent_id
-
-
-def _sane(agent_id: str, num_examples: int, max_examples: int) -> bool:
-    """Whether :func:`_check_member` lets ``agent_id`` and ``num_examples`` pass."""
-    return bool(agent_id) and len(agent_id) <= MAX_AGENT_ID and agent_id.isprintable() \
-        and 1 <= num_examples <= max_examples
 
 
 def _check_member(agent_id: str, num_examples: int, max_examples: int) -> None:

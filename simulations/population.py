@@ -22,7 +22,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -254,11 +254,11 @@ class PopulationMembers:
         return np.random.default_rng([self.seed, int(self.pop.numbers[i]), round_id]).random() \
             < self.pop.drop_probability
 
-    def joining(self, start: int, stop: int) -> Iterable[tuple[str, int, bool]]:
-        """Members ``start``..``stop - 1`` as the coordinator is told of them at join: id, training examples (at
+    def joining(self, start: int, stop: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Members ``start``..``stop - 1`` as the coordinator is told of them at join: ids, training examples (at
         least 1), offline as it was last told (read from the arrays in one go: a host joins a million)."""
-        return zip([client_id(n) for n in self.pop.numbers[start:stop].tolist()],
-                   np.maximum(1, self.train_sizes[start:stop]).tolist(), self.offline[start:stop].tolist())
+        return ([client_id(n) for n in self.pop.numbers[start:stop].tolist()],
+                np.maximum(1, self.train_sizes[start:stop]), self.offline[start:stop])
 
     def availability_changes(self, clock_seconds: float | None) -> tuple[list[str], list[str]]:
         """Members that went offline and that came back since the last call, by the trace's clock: the

@@ -73,8 +73,8 @@ def test_cohorts_are_the_same_as_before_and_cost_the_cohort():
         registry = AgentRegistry(30.0, max_known=n + 10)
         h = None
         for start in range(0, n, 5000):
-            h, _ = registry.join_population("host-0", h.token if h else "",
-                                            [(client_id(i), 5, False) for i in range(start, min(n, start + 5000))])
+            h = _join(registry, "host-0", h.token if h else "",
+                      [(client_id(i), 5, False) for i in range(start, min(n, start + 5000))])
         sampler, digest = CohortSampler(0), hashlib.sha256()
         for _ in range(5):
             digest.update(",".join(sampler.sample(registry.live_ids(), 100)).encode())
@@ -88,9 +88,9 @@ def test_cohorts_are_the_same_as_before_and_cost_the_cohort():
 
 def test_live_ids_follow_joins_availability_and_leaves():
     registry = AgentRegistry(30.0)
-    h, _ = registry.join_population("h", "", [("m1", 3, False), ("m3", 3, False)])
+    h = _join(registry, "h", "", [("m1", 3, False), ("m3", 3, False)])
     assert list(registry.live_ids()) == ["m1", "m3"]
-    registry.join_population("h", h.token, [("m2", 3, False), ("m0", 3, True)])
+    _join(registry, "h", h.token, [("m2", 3, False), ("m0", 3, True)])
     assert list(registry.live_ids()) == ["m1", "m2", "m3"] and len(registry.live_ids()) == 3
     registry.set_away("h", ["m1"], ["m0"])
     assert list(registry.live_ids()) == ["m0", "m2", "m3"]
@@ -153,7 +153,7 @@ def test_live_ids_kept_up_to_date_match_the_live_agents_counted_anew():
 
     rng = random.Random(0)
     registry = AgentRegistry(30.0)
-    host, _ = registry.join_population("h", "", [(f"m{i:03d}", 2, False) for i in range(200)])
+    host = _join(registry, "h", "", [(f"m{i:03d}", 2, False) for i in range(200)])
     away: set[str] = set()
     for step in range(300):
         member = f"m{rng.randrange(260):03d}"
@@ -163,7 +163,7 @@ def test_live_ids_kept_up_to_date_match_the_live_agents_counted_anew():
         elif kind < 0.8:
             registry.set_away("h", [], [member])
         else:
-            registry.join_population("h", host.token, [(member, 2, False)])
+            _join(registry, "h", host.token, [(member, 2, False)])
         if step % 7 == 0:
             live = registry.live_ids()
             away = {a for a in (f"m{i:03d}" for i in range(260)) if registry.get(a) and registry.get(a).away}
@@ -179,7 +179,7 @@ def test_live_ids_outlast_the_liveness_timeout_while_everyone_calls_and_match_a_
 
     rng, now = random.Random(1), [0.0]
     registry = AgentRegistry(10.0, clock=lambda: now[0])
-    hosts = {h: registry.join_population(h, "", [(f"{h}-m{i}", 3, False) for i in range(40)])[0].token
+    hosts = {h: _join(registry, h, "", [(f"{h}-m{i}", 3, False) for i in range(40)]).token
              for h in ("h0", "h1")}
     registry.join("a0", 5, {})
     first = registry.live_ids()
@@ -198,8 +198,8 @@ def test_live_ids_outlast_the_liveness_timeout_while_everyone_calls_and_match_a_
             elif kind < 0.45:
                 registry.set_away(host, [f"{host}-m{rng.randrange(40)}"], [f"{host}-m{rng.randrange(40)}"])
             elif kind < 0.55:
-                hosts[host] = registry.join_population(host, hosts[host], [(f"{host}-m{rng.randrange(45)}", 3,
-                                                                            rng.random() < 0.3)])[0].token
+                hosts[host] = _join(registry, host, hosts[host], [(f"{host}-m{rng.randrange(45)}", 3,
+                                                                   rng.random() < 0.3)]).token
             elif kind < 0.7:
                 agent = f"a{rng.randrange(4)}"
                 record = registry.get(agent)
@@ -207,28 +207,52 @@ def test_live_ids_outlast_the_liveness_timeout_while_everyone_calls_and_match_a_
             elif kind < 0.75:
                 registry.leave(f"a{rng.randrange(4)}")
         except AuthError:  # its session lapsed and was forgotten: it joins again
-            hosts[host] = registry.join_population(host, "", [(f"{host}-m{i}", 3, False) for i in range(40)])[0].token
+            hosts[host] = _join(registry, host, "", [(f"{host}-m{i}", 3, False) for i in range(40)]).token
         if step % 3 == 0:
             live = registry.live_ids()
             everyone = [f"{h}-m{i}" for h in hosts for i in range(45)] + [f"a{i}" for i in range(4)]
             assert list(live) == sorted(a for a in everyone if registry.get(a) and registry.is_live(registry.get(a)))
 
 
-def test_a_host_joins_a_batch_of_members_as_it_would_one_by_one():
-    members = [(f"m{i % 7}", 10 - i % 4, i % 5 == 0) for i in range(20)]  # ids come again, counts go down and up
-    for max_known in (5, 100):  # example caps forgetting the oldest ids, or keeping all
-        batched, single = AgentRegistry(30.0, max_known=max_known), AgentRegistry(30.0, max_known=max_known)
-        h, records = batched.join_population("h", "", members)
-        token = single.join_population("h", "", [])[0].token
-        ones = [single.join_population("h", token, [m])[1][0] for m in members]
-        assert [(r.agent_id, r.num_examples, r.away) for r in records] == \
-            [(r.agent_id, r.num_examples, r.away) for r in ones]
-        assert batched.member_caps.state() == single.member_caps.state()
-        assert list(batched.live_ids()) == list(single.live_ids()) == ["m0", "m2", "m3", "m4", "m5", "m6"]
-    assert [r.num_examples for r in records[7:11]] == [7, 9, 8, 7]  # never above the first join of each
-    with pytest.raises(ValueError, match="'m\\\\n9'"):
-        batched.join_population("h", h.token, [("m8", 3, False), ("m\n9", 3, False)])
-    assert batched.get("m8") is None  # a bad member refuses the whole call: nothing of it is registered
+def test_a_members_example_count_is_fixed_by_its_first_join_and_a_bad_call_registers_nothing():
+    registry = AgentRegistry(30.0)
+    h = _join(registry, "h", "", [(f"m{i}", 10 - i, i % 5 == 0) for i in range(7)])
+    _join(registry, "h", h.token, [(f"m{i}", 5 + i, False) for i in range(3, 9)])  # counts up for some, down for others
+    assert [registry.get(f"m{i}").num_examples for i in range(9)] == [10, 9, 8, 7, 6, 5, 4, 12, 13]
+    assert list(registry.live_ids()) == [f"m{i}" for i in range(1, 9)] and len(registry) == 9
+    for rows, why in (([("m9", 3, False), ("m\t9", 3, False)], "printable characters, got 'm"),
+                      ([("m9", 3, False), ("m9", 2, False)], "'m9' appears twice"),
+                      ([("m9", 3, False), ("m10", 0, False)], "num_examples=0 of 'm10'")):
+        with pytest.raises(ValueError, match=why):
+            _join(registry, "h", h.token, rows)
+        assert registry.get("m9") is None and len(registry) == 9  # nothing of a refused call is registered
+    other = _join(registry, "g", "", [("g0", 1, False)])
+    with pytest.raises(ValueError, match="'m2' is registered already, not by host 'g'"):
+        _join(registry, "g", other.token, [("g1", 1, False), ("m2", 1, False)])
+    assert registry.get("g1") is None
+    with pytest.raises(ValueError, match="is a member of simulation host 'h'"):
+        registry.join("m3", 2, {})
+
+
+def test_a_million_members_cost_their_arrays_not_a_record_each():
+    import tracemalloc
+
+    registry = AgentRegistry(30.0, max_known=1_000_000)
+    ids = [client_id(i) for i in range(100_000)]
+    tracemalloc.start()
+    h = None
+    for start in range(0, len(ids), 10_000):
+        chunk = ids[start:start + 10_000]
+        h = registry.join_population("host-0", h.token if h else "", "\n".join(chunk), [5] * len(chunk), [])
+    live = registry.live_ids()
+    assert len(live) == 100_000 and live[0] == "client-0000"
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert registry.members.nbytes / len(ids) < 30  # ids (12 bytes), count, host, away
+    assert held / len(ids) < 60, f"{held / len(ids):.0f} bytes per member"  # the table and the live ids: no records
+    record = registry.get("client-12345")
+    assert (record.host, record.num_examples, record.away) == ("host-0", 5, False)
+    assert registry.authenticate("client-12345", record.token) is not None
 
 
 def test_a_clients_held_out_examples_are_its_first_and_a_host_tells_its_members_from_its_arrays():
@@ -242,6 +266,14 @@ def test_a_clients_held_out_examples_are_its_first_and_a_host_tells_its_members_
     hosted = PopulationMembers(PopulationSlice.of("h", np.array([1, 4, 5]), sizes, np.zeros(6, np.float32)), None,
                                lambda n, member: Partition(n, 6, member, val_fraction=0.1), seed=0)
     hosted.offline[1] = True
-    assert list(hosted.joining(0, 3)) == [("client-0001", 2, False), ("client-0004", 45, True),
-                                          ("client-0005", 5, False)]  # less the validation share
-    assert list(hosted.joining(1, 2)) == [("client-0004", 45, True)]
+    ids, sizes, away = hosted.joining(0, 3)
+    assert (ids, sizes.tolist(), away.tolist()) == (["client-0001", "client-0004", "client-0005"], [2, 45, 5],
+                                                    [False, True, False])  # less the validation share
+    ids, sizes, away = hosted.joining(1, 2)
+    assert (ids, sizes.tolist(), away.tolist()) == (["client-0004"], [45], [True])
+
+
+def _join(registry: AgentRegistry, host: str, token: str, rows: list[tuple[str, int, bool]]):
+    """Join ``rows`` (id, examples, away) as members of ``host``, as JoinPopulation carries them."""
+    return registry.join_population(host, token, "\n".join(r[0] for r in rows), [r[1] for r in rows],
+                                    [i for i, r in enumerate(rows) if r[2]])

@@ -8,7 +8,7 @@ import grpc
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import Admission, RevocationList, append_revocation
 from fedpar.security.certs import load_certificate
-from support.population_calls import join_members, refused
+from support.population_calls import join_members, member_auth, refused
 
 
 def test_a_hosts_certificate_speaks_for_its_members_and_no_other_certificate_does(pki, coordinator_factory,
@@ -23,7 +23,7 @@ def test_a_hosts_certificate_speaks_for_its_members_and_no_other_certificate_doe
     refused(lambda: join_members(other, "alice", ["m1", "m2"]), grpc.StatusCode.PERMISSION_DENIED,
             "proves agent 'bob'")
     reply = join_members(host, "alice", ["m1", "m2"])
-    m1 = pb.AgentAuth(agent_id="m1", token=reply.tokens[0])
+    m1 = member_auth(reply, "m1")
     # a member's calls go over its host's connection, with the member's own session
     assert host.Heartbeat(pb.HeartbeatRequest(auth=m1), timeout=10).current_round >= 0
     pulled = host.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="alice", token=reply.host_token),

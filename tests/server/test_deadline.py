@@ -20,7 +20,7 @@ from fedpar.server.populations import Populations
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import AgentSlot, RoundState
 from fedpar.server.virtual_clock import VirtualClock
-from support.population_calls import host_stub, join_members, refused
+from support.population_calls import host_stub, join_members, member_auth, refused
 
 SHAPE = (4,)
 
@@ -81,7 +81,7 @@ def test_a_coordinator_runs_on_the_clock_and_member_source_it_is_given(tmp_path)
                                 timeout=10).go
         assert list(go) == ["m0"]
         upload = pb.SmallUpload(header=pb.UploadHeader(
-            auth=pb.AgentAuth(agent_id="m0", token=joined.tokens[0]), round=1, task_id=tasks["m0"].task_id,
+            auth=member_auth(joined, "m0"), round=1, task_id=tasks["m0"].task_id,
             num_examples=10, steps=1, tensors=[pb.TensorSpec(name="t0", dtype="float32", shape=list(SHAPE))],
             total_bytes=16), data=np.full(SHAPE, 2.0, np.float32).tobytes())
         assert stub.UploadSmall(upload, timeout=10).accepted

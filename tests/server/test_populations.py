@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from support.population_calls import host_stub as _stub, join_members as _join, refused as _refused
+from support.population_calls import host_stub as _stub, join_members as _join, member_auth as _member, refused as _refused
 from support.scripted_agent import ScriptedAgent
 
 SHAPE = (8,)
@@ -23,8 +23,7 @@ def test_only_sampled_members_get_tasks_and_each_uploads_with_its_own_session(st
     stub = _stub(server)
     first = _join(stub, "host-a", ids[:2000])
     second = _join(stub, "host-a", ids[2000:], token=first.host_token)  # more members, same host session
-    assert second.host_token == first.host_token and len(first.tokens) + len(second.tokens) == 3000
-    tokens = dict(zip(ids, [*first.tokens, *second.tokens]))
+    assert second.host_token == first.host_token and len(server.coordinator.registry) == 3000
     host = pb.AgentAuth(agent_id="host-a", token=first.host_token)
     for round_id in (1, 2):
         got: list[pb.HostedTask] = []
@@ -34,7 +33,7 @@ def test_only_sampled_members_get_tasks_and_each_uploads_with_its_own_session(st
         assert len(got) == 5 and len({t.agent_id for t in got}) == 5
         assert all(t.task.round == round_id for t in got)
         for hosted in got:  # each sampled member uploads with its own session token
-            member = pb.AgentAuth(agent_id=hosted.agent_id, token=tokens[hosted.agent_id])
+            member = _member(first, hosted.agent_id)
             reply = stub.UploadSmall(pb.SmallUpload(
                 header=pb.UploadHeader(auth=member, round=hosted.task.round, task_id=hosted.task.task_id,
                                        num_examples=10, steps=1, tensors=[pb.TensorSpec(name="t0", dtype="float32",
@@ -78,7 +77,16 @@ def test_what_a_coordinator_refuses(start_coordinator):
         _refused(lambda: _join(stub, "h", [f"m{i}" for i in range(11)]), grpc.StatusCode.INVALID_ARGUMENT,
                  "at most 10 per call")
         _refused(lambda: _join(stub, "h", ["agent-1"]), grpc.StatusCode.INVALID_ARGUMENT, "registered already")
-        _refused(lambda: _join(stub, "h", ["ok", "bad\n"]), grpc.StatusCode.INVALID_ARGUMENT, "printable")
+        _refused(lambda: _join(stub, "h", ["ok", "bad\t"]), grpc.StatusCode.INVALID_ARGUMENT, "printable")
+        _refused(lambda: _join(stub, "h", ["ok", "ok"]), grpc.StatusCode.INVALID_ARGUMENT, "'ok' appears twice")
+        _refused(lambda: _join(stub, "h", ["ok", ""]), grpc.StatusCode.INVALID_ARGUMENT, "1..128 printable")
+        _refused(lambda: _join(stub, "h", ["ok", "m1"], away=[2]), grpc.StatusCode.INVALID_ARGUMENT,
+                 "outside the 2 member ids")
+        _refused(lambda: stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id="h"),
+                                                                      member_ids="a\nb", num_examples=[3]), timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT, "2 member ids but 1 example counts")
+        _refused(lambda: stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id="h")), timeout=10),
+                 grpc.StatusCode.INVALID_ARGUMENT, "must name its members in member_ids")
         _refused(lambda: _join(stub, "h", ["zero"], examples=0), grpc.StatusCode.INVALID_ARGUMENT,
                  "--max-examples-per-agent")
         assert len(server.coordinator.registry) == 1  # a refused call registers none of its members
@@ -89,7 +97,7 @@ def test_what_a_coordinator_refuses(start_coordinator):
         _refused(lambda: _join(stub, "h2", ["m1"]), grpc.StatusCode.INVALID_ARGUMENT, "not by host 'h2'")
         _refused(lambda: stub.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="h", token="x")),
                                             timeout=10), grpc.StatusCode.UNAUTHENTICATED, "bad session")
-        member = pb.AgentAuth(agent_id="m0", token=first.tokens[1])  # another member's token
+        member = pb.AgentAuth(agent_id="m0", token=_member(first, "m1").token)  # another member's token
         _refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(auth=member), timeout=10),
                  grpc.StatusCode.UNAUTHENTICATED, "bad session token")
     finally:
@@ -119,9 +127,7 @@ def test_a_big_cohort_of_one_host_comes_in_replies_of_bounded_size_with_one_copy
 def test_members_reported_away_are_not_live_until_they_are_back(start_coordinator):
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=50)
     stub = _stub(server)
-    members = [pb.PopulationMember(agent_id=f"p{i}", num_examples=5, away=i % 2 == 1) for i in range(6)]
-    reply = stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id="host-d"), members=members),
-                                timeout=10)
+    reply = _join(stub, "host-d", [f"p{i}" for i in range(6)], examples=5, away=[1, 3, 5])
     registry = server.coordinator.registry
     assert registry.live_ids() == ["p0", "p2", "p4"]
     host = pb.AgentAuth(agent_id="host-d", token=reply.host_token)
@@ -136,7 +142,7 @@ def test_a_host_sends_its_members_updates_in_one_call_each_checked_on_its_own(st
     stub = _stub(server)
     a = _join(stub, "host-a", ["a0", "a1", "a2", "a3"])
     b = _join(stub, "host-b", ["b0"])
-    tokens = dict(zip(["a0", "a1", "a2", "a3"], a.tokens))
+    tokens = {m: _member(a, m).token for m in ["a0", "a1", "a2", "a3"]}
     host = pb.AgentAuth(agent_id="host-a", token=a.host_token)
     tasks: dict[str, pb.TrainTask] = {}
     end = time.monotonic() + 20
@@ -155,7 +161,7 @@ def test_a_host_sends_its_members_updates_in_one_call_each_checked_on_its_own(st
             tensors=[pb.TensorSpec(name="t0", dtype="float32", shape=list(SHAPE))], total_bytes=32),
             data=np.full(SHAPE, value, np.float32).tobytes()[:nbytes])
 
-    batch = [small(mine[0], 2.0), small(mine[1], 4.0, token="forged"), small("b0", 8.0, token=b.tokens[0]),
+    batch = [small(mine[0], 2.0), small(mine[1], 4.0, token="forged"), small("b0", 8.0, token=_member(b, "b0").token),
              small(mine[1], 16.0, nbytes=16), small(mine[0], 2.0), pb.SmallUpload()]
     results = stub.UploadHostUpdates(pb.HostUploads(host=host, uploads=batch), timeout=10).results
     codes = [grpc.StatusCode.OK if r.accepted else next(c for c in grpc.StatusCode if c.value[0] == r.code)

@@ -55,7 +55,7 @@ def test_a_run_samples_only_the_members_of_simulation_hosts_that_declare_its_tas
     import numpy as np
 
     from fedpar.protocol import fedpar_pb2 as pb
-    from support.population_calls import host_stub
+    from support.population_calls import host_stub, join_members
 
     server = start_coordinator([np.zeros(4, np.float32)], accept_populations=True, clients_per_round=9,
                                min_available=3, rounds=1)
@@ -65,9 +65,7 @@ def test_a_run_samples_only_the_members_of_simulation_hosts_that_declare_its_tas
     stub = host_stub(server)
 
     def join(host: str, capabilities: dict, token: str = "") -> pb.JoinPopulationReply:
-        members = [pb.PopulationMember(agent_id=f"{host}-{i}", num_examples=10) for i in range(3)]
-        return stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=host, token=token),
-                                                            members=members, capabilities=capabilities), timeout=30)
+        return join_members(stub, host, [f"{host}-{i}" for i in range(3)], token, capabilities=capabilities)
 
     other = join("b", {"task": "cnn on digits"})
     join("c", {})  # says nothing: it may not have the task

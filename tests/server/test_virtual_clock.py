@@ -15,7 +15,7 @@ from fedpar.protocol.messages import PROTOCOL_VERSION
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.rounds import AgentSlot
 from fedpar.server.deadline import first_k_in_time as decide
-from support.population_calls import host_stub as _stub, join_members as _join, refused as _refused
+from support.population_calls import host_stub as _stub, join_members as _join, member_auth, refused as _refused
 
 SHAPE = (8,)
 
@@ -66,7 +66,7 @@ def test_only_the_first_k_in_simulated_time_train_and_the_clock_advances(start_c
                                checkpoint_dir=tmp_path / "ckpt")
     stub = _stub(server)
     joined = _join(stub, "host-a", ids)
-    tokens = dict(zip(ids, joined.tokens))
+    tokens = {m: member_auth(joined, m).token for m in ids}
     host = pb.AgentAuth(agent_id="host-a", token=joined.host_token)
     _refused(lambda: _join(stub, "host-b", ["v0"]), grpc.StatusCode.INVALID_ARGUMENT, "")  # a taken id, as ever
     plain_join = pb.JoinRequest(agent_id="plain", num_examples=5, protocol_version=PROTOCOL_VERSION)

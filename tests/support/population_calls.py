@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import CoordinatorStub, channel_options
+from fedpar.protocol.messages import CoordinatorStub, channel_options, member_token
 
 
 def host_stub(server) -> CoordinatorStub:
@@ -14,11 +14,18 @@ def host_stub(server) -> CoordinatorStub:
     return CoordinatorStub(grpc.insecure_channel(server.address, options=channel_options(64 << 20)))
 
 
-def join_members(stub, host: str, ids, token: str = "", examples: int = 10) -> pb.JoinPopulationReply:
-    """Register ``ids`` as members of ``host`` (``token``: the host's session after its first call)."""
-    members = [pb.PopulationMember(agent_id=i, num_examples=examples) for i in ids]
+def join_members(stub, host: str, ids, token: str = "", examples: int = 10, away=(), capabilities=None
+                 ) -> pb.JoinPopulationReply:
+    """Register ``ids`` as members of ``host`` (``token``: the host's session after its first call; ``away``: the
+    positions of those offline)."""
     return stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=host, token=token),
-                                                        members=members), timeout=30)
+                                                        member_ids="\n".join(ids), num_examples=[examples] * len(ids),
+                                                        away=away, capabilities=capabilities or {}), timeout=30)
+
+
+def member_auth(reply: pb.JoinPopulationReply, member: str) -> pb.AgentAuth:
+    """The session of ``member`` of the host that got ``reply``."""
+    return pb.AgentAuth(agent_id=member, token=member_token(reply.host_token, member))
 
 
 def refused(call, code, text) -> None:

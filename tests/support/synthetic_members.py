@@ -125,9 +125,10 @@ class SyntheticMembers:
         """Never."""
         return False
 
-    def joining(self, start: int, stop: int) -> list[tuple[str, int, bool]]:
+    def joining(self, start: int, stop: int) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Members ``start``..``stop - 1``: their ids, EXAMPLES each, none away."""
-        return [(self.member_id(i), EXAMPLES, False) for i in range(start, stop)]
+        return ([self.member_id(i) for i in range(start, stop)], np.full(stop - start, EXAMPLES, np.int64),
+                np.zeros(stop - start, bool))
 
     def availability_changes(self, clock_seconds: float | None) -> tuple[list[str], list[str]]:
         """None."""

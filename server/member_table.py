@@ -1,0 +1,183 @@
+"""Population members at the coordinator as arrays, not a record each: their ids (UTF-8 bytes, sorted: the order of
+the ids as strings), the examples each declared first (a later join may lower it, never raise it), the host that
+speaks for each and whether it is away. About 30 bytes a member; a member's record is made only when it is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_AGENT_ID = 128
+GONE = -1  # the host index of a member whose host left the registry: it stays as its example cap
+
+
+def id_array(ids: Sequence[str]) -> np.ndarray:
+    """``ids`` as a bytes array (UTF-8; an id is printable, so holds no NUL that the array would drop)."""
+    return np.array([i.encode() for i in ids], dtype=bytes) if len(ids) else np.zeros(0, "S1")
+
+
+def widest(*arrays: np.ndarray) -> np.dtype:
+    """The bytes dtype that holds every element of ``arrays`` (a narrower one would cut ids short)."""
+    return np.dtype(f"S{max(1, *(a.dtype.itemsize for a in arrays))}")
+
+
+def insert_sorted(into: np.ndarray, ids: np.ndarray, *columns: tuple[np.ndarray, np.ndarray]) -> list[np.ndarray]:
+    """``into`` with the sorted ``ids`` put in place (and each column's values at the same places)."""
+    dtype = widest(into, ids)
+    into, ids = into.astype(dtype, copy=False), ids.astype(dtype, copy=False)
+    at = np.searchsorted(into, ids)
+    return [np.insert(into, at, ids), *(np.insert(column, at, values) for column, values in columns)]
+
+
+def find(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The positions of ``ids`` in ``sorted_ids`` (-1: not there)."""
+    if not len(sorted_ids) or not len(ids):
+        return np.full(len(ids), -1, np.int64)
+    dtype = widest(sorted_ids, ids)
+    sorted_ids, ids = sorted_ids.astype(dtype, copy=False), ids.astype(dtype, copy=False)
+    at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+    return np.where(sorted_ids[at] == ids, at, -1)
+
+
+def parse_members(member_ids: str, num_examples: Sequence[int], away: Sequence[int],
+                  max_examples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The members of one JoinPopulation (ids separated by newlines, each one's examples, the positions of those
+    away) as arrays sorted by id: (ids, example counts, away). ValueError, naming the member, on a bad id, a count
+    outside 1..``max_examples``, an id twice, or arrays that do not match."""
+    ids = member_ids.split("\n") if member_ids else []
+    if len(num_examples) != len(ids):
+        raise ValueError(f"{len(ids)} member ids but {len(num_examples)} example counts; send one count per id")
+    if ids and not (member_ids.replace("\n", "").isprintable() and min(map(len, ids)) >= 1
+                    and max(map(len, ids)) <= MAX_AGENT_ID):
+        bad = next(i for i in ids if not (i and len(i) <= MAX_AGENT_ID and i.isprintable()))
+        raise ValueError(f"agent_id must be 1..{MAX_AGENT_ID} printable characters, got {bad[:40]!r}")
+    sizes = np.asarray(num_examples, np.int64).reshape(-1)
+    if len(sizes) and not (sizes.min() >= 1 and sizes.max() <= max_examples):
+        at = int(np.argmax((sizes < 1) | (sizes > max_examples)))
+        raise ValueError(f"num_examples={sizes[at]} of {ids[at][:40]!r} must be in 1..{max_examples} "
+                         "(--max-examples-per-agent)")
+    offline = np.zeros(len(ids), bool)
+    positions = np.asarray(away, np.int64).reshape(-1)
+    if len(positions) and not (positions.min() >= 0 and positions.max() < len(ids)):
+        raise ValueError(f"an away position is outside the {len(ids)} member ids of this call")
+    offline[positions] = True
+    raw = np.array(member_ids.encode().split(b"\n")) if ids else np.zeros(0, "S1")
+    order = np.argsort(raw, kind="stable")
+    raw, sizes, offline = raw[order], sizes[order], offline[order]
+    twice = np.flatnonzero(raw[1:] == raw[:-1])
+    if len(twice):
+        raise ValueError(f"member {raw[twice[0]].decode()[:40]!r} appears twice in one JoinPopulation")
+    return raw, sizes, offline
+
+
+MERGE_AT = 64  # sorted runs of recent joins kept aside before they are merged into the main one
+
+
+@dataclass
+class _Run:
+    """Members sorted by id, one row each."""
+
+    ids: np.ndarray  # bytes
+    sizes: np.ndarray  # int64: the examples it declared first
+    hosts: np.ndarray  # int32: its host's index, GONE once the host left
+    away: np.ndarray  # bool
+
+    def take(self, rows) -> _Run:
+        """The rows ``rows`` (a mask or positions) as a run."""
+        return _Run(self.ids[rows], self.sizes[rows], self.hosts[rows], self.away[rows])
+
+
+class MemberTable:
+    """Every population member the coordinator knows, in sorted runs of rows (ids, example counts, host indices,
+    availability); a join adds a run, and runs are merged into the main one (one pass, no sort) once they pile up,
+    so a population joined 10,000 members a call costs a few passes over it, not one a call."""
+
+    def __init__(self):
+        self._runs: list[_Run] = [_Run(np.zeros(0, "S1"), np.zeros(0, np.int64), np.zeros(0, np.int32),
+                                       np.zeros(0, bool))]
+
+    def __len__(self) -> int:
+        return sum(len(r.ids) for r in self._runs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the arrays hold."""
+        return sum(r.ids.nbytes + r.sizes.nbytes + r.hosts.nbytes + r.away.nbytes for r in self._runs)
+
+    def _each(self, ids: np.ndarray) -> Iterator[tuple[_Run, np.ndarray, np.ndarray]]:
+        """For each run holding some of ``ids``: the run, which of ``ids`` it holds (a mask) and their rows in it."""
+        for run in self._runs:
+            at = find(run.ids, ids)
+            hit = at >= 0
+            if hit.any():
+                yield run, hit, at[hit]
+
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For each of ``ids``: whether it is held, and its example count, host index and availability."""
+        found, sizes = np.zeros(len(ids), bool), np.zeros(len(ids), np.int64)
+        hosts, away = np.full(len(ids), GONE, np.int32), np.zeros(len(ids), bool)
+        for run, hit, rows in self._each(ids):
+            found[hit], sizes[hit], hosts[hit], away[hit] = True, run.sizes[rows], run.hosts[rows], run.away[rows]
+        return found, sizes, hosts, away
+
+    def write(self, ids: np.ndarray, sizes: np.ndarray, host: int, away: np.ndarray) -> None:
+        """Set the rows of ``ids`` (all held) to these example counts, host and availability."""
+        for run, hit, rows in self._each(ids):
+            run.sizes[rows], run.hosts[rows], run.away[rows] = sizes[hit], host, away[hit]
+
+    def row(self, member_id: str) -> tuple[int, int, bool] | None:
+        """(example count, host index, away) of ``member_id``, None if not held."""
+        found, sizes, hosts, away = self.read(id_array([member_id]))
+        return (int(sizes[0]), int(hosts[0]), bool(away[0])) if found[0] else None
+
+    def add(self, ids: np.ndarray, sizes: np.ndarray, host: int, away: np.ndarray) -> None:
+        """Hold ``ids`` (sorted, none held yet) as members of host index ``host``."""
+        if len(ids):
+            self._runs.append(_Run(ids, sizes, np.full(len(ids), host, np.int32), away))
+        recent = sum(len(r.ids) for r in self._runs[1:])
+        if len(self._runs) > MERGE_AT or recent > max(65_536, len(self._runs[0].ids) // 4):
+            self._merge()
+
+    def _merge(self) -> _Run:
+        """One run: the recent ones sorted together and put in place in the main one."""
+        if len(self._runs) > 1:
+            main, recent = self._runs[0], self._runs[1:]
+            ids = np.concatenate([r.ids for r in recent], dtype=widest(*(r.ids for r in recent)))
+            order = np.argsort(ids, kind="stable")
+            sizes, hosts, away = (np.concatenate([getattr(r, name) for r in recent])[order]
+                                  for name in ("sizes", "hosts", "away"))
+            merged = insert_sorted(main.ids, ids[order], (main.sizes, sizes), (main.hosts, hosts), (main.away, away))
+            self._runs = [_Run(*merged)]
+        return self._runs[0]
+
+    def set_away(self, ids: np.ndarray, host: int, flag: bool) -> np.ndarray:
+        """Mark those of ``ids`` that are members of host index ``host`` away (``flag``) or back; returns the ids
+        whose availability changed."""
+        changed = []
+        for run, hit, rows in self._each(ids):
+            mine = rows[(run.hosts[rows] == host) & (run.away[rows] != flag)]
+            run.away[mine] = flag
+            changed.append(run.ids[mine])
+        return np.concatenate(changed) if changed else np.zeros(0, "S1")
+
+    def live(self, hosts_live: np.ndarray, excluded: np.ndarray) -> np.ndarray:
+        """The sorted ids of the members not away whose host index is set in ``hosts_live`` (GONE: its last entry),
+        less ``excluded``."""
+        run = self._merge()
+        live = hosts_live[run.hosts] & ~run.away
+        out = find(run.ids, excluded)
+        live[out[out >= 0]] = False
+        return run.ids[live]
+
+    def forget_hosts(self, indices: list[int], keep_at_most: int) -> None:
+        """The hosts of ``indices`` left: their members stay as example caps, up to ``keep_at_most`` such members."""
+        gone = 0
+        for run in self._runs:
+            run.hosts[np.isin(run.hosts, indices)] = GONE
+            gone += int((run.hosts == GONE).sum())
+        if gone > keep_at_most:
+            run = self._merge()
+            self._runs = [run.take(run.hosts != GONE)]
