@@ -135,8 +135,7 @@ class Members:
             return live
         if not self._lacking_hosts:
             return [a for a in live if a not in self._lacking]
-        hosts = {a: r.host for a in live if (r := self.registry.get(a)) is not None}
-        return [a for a in live if a not in self._lacking and hosts.get(a) not in self._lacking_hosts]
+        return [a for a in self.registry.live_ids_without(self._lacking_hosts) if a not in self._lacking]
 
     def live_count(self) -> int:
         """How many members may be sampled now (no pass over them unless some lack the run's task)."""
@@ -194,9 +193,13 @@ class Members:
     def finish(self, tell: bool) -> None:
         """Rounds are over: wake every long-poll; ``tell``: each live one must hear that training is over."""
         if tell:
-            self._not_yet_told = {self.poller(a) for a in self.registry.live_ids()}
+            self._not_yet_told = self._live_pollers()
         for event in self._wakeups.values():
             event.set()
+
+    def _live_pollers(self) -> set[str]:
+        """The long-poll keys of the live agents."""
+        return {r.agent_id for r in self.registry.own_agents()}
 
     def told(self, key: str) -> None:
         """The long-poller ``key`` heard that training is over."""

@@ -141,6 +141,10 @@ class Populations(Members):
             out.weights = inline[1]
         return out
 
+    def _live_pollers(self) -> set[str]:
+        """The long-poll keys of the live agents and of the live hosts (which speak for their members)."""
+        return super()._live_pollers() | {HOST_WAKEUP + h for h in self.registry.live_hosts()}
+
     def _forget_gone(self) -> None:
         """As for agents, and the queues of hosts the registry no longer holds."""
         if len(self._wakeups) + len(self._host_tasks) <= 2 * (len(self.registry) + self.registry.host_count) + 64:

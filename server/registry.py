@@ -107,6 +107,10 @@ class LiveIds(Sequence):
     def __len__(self) -> int:
         return len(self._sorted) + sum(len(a) for a in self._added)
 
+    def array(self) -> np.ndarray:
+        """The ids as a sorted bytes array (UTF-8)."""
+        return self._merged()
+
     def __getitem__(self, index):
         ids = self._merged()
         if isinstance(index, slice):
@@ -357,6 +361,19 @@ class AgentRegistry:
             return None
         return AgentRecord(agent_id, member_token(host.token, agent_id), row[0], last_seen=host.last_seen,
                            cert_serial=host.cert_serial, host=host.host_id, away=row[2])
+
+    def live_ids_without(self, host_ids: set[str]) -> list[str]:
+        """The live ids less the members of the hosts ``host_ids`` (a pass over the live ids' arrays)."""
+        live = self.live_ids()
+        ids = live.array()
+        _, _, hosts, _ = self.members.read(ids)
+        out = np.isin(hosts, [self._host_index[h] for h in host_ids if h in self._host_index])
+        return [i.decode() for i in ids[~out].tolist()]
+
+    def live_hosts(self) -> list[str]:
+        """The simulation hosts whose liveness holds (their members may be sampled)."""
+        now = self._clock()
+        return sorted(h for h, r in self._hosts.items() if now - r.last_seen <= self.liveness_timeout)
 
     def own_agents(self) -> list[AgentRecord]:
         """The live agents that joined by themselves (not a host's members)."""
