@@ -74,6 +74,7 @@ def parse_members(member_ids: str, num_examples: Sequence[int], away: Sequence[i
 
 
 MERGE_AT = 64  # sorted runs of recent joins kept aside before they are merged into the main one
+LOOKUPS_BEFORE_MERGE = 256  # lookups of one member each since the last join that merge the runs
 
 
 @dataclass
@@ -98,6 +99,7 @@ class MemberTable:
     def __init__(self):
         self._runs: list[_Run] = [_Run(np.zeros(0, "S1"), np.zeros(0, np.int64), np.zeros(0, np.int32),
                                        np.zeros(0, bool))]
+        self._lookups = 0  # of one member since the last join: once they outnumber a join's, the runs are merged
 
     def __len__(self) -> int:
         return sum(len(r.ids) for r in self._runs)
@@ -129,12 +131,17 @@ class MemberTable:
             run.sizes[rows], run.hosts[rows], run.away[rows] = sizes[hit], host, away[hit]
 
     def row(self, member_id: str) -> tuple[int, int, bool] | None:
-        """(example count, host index, away) of ``member_id``, None if not held."""
+        """(example count, host index, away) of ``member_id``, None if not held (the runs are merged once the
+        rounds' lookups, a few per sampled member, outnumber the joins')."""
+        self._lookups += 1
+        if self._lookups > LOOKUPS_BEFORE_MERGE and len(self._runs) > 1:
+            self._merge()
         found, sizes, hosts, away = self.read(id_array([member_id]))
         return (int(sizes[0]), int(hosts[0]), bool(away[0])) if found[0] else None
 
     def add(self, ids: np.ndarray, sizes: np.ndarray, host: int, away: np.ndarray) -> None:
         """Hold ``ids`` (sorted, none held yet) as members of host index ``host``."""
+        self._lookups = 0
         if len(ids):
             self._runs.append(_Run(ids, sizes, np.full(len(ids), host, np.int32), away))
         recent = sum(len(r.ids) for r in self._runs[1:])

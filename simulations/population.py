@@ -2,8 +2,8 @@
 runtime (client/runtime.py) hosts them, and only the members sampled in a round get a model and their data, for
 that round.
 
-A population of N costs O(N) bytes here (a client's number, its number of examples, its speed) and O(N) small
-records in the coordinator, never an agent, a thread or a model copy each. :class:`PopulationMembers` is the
+A population of N costs O(N) bytes here (a client's number, its number of examples, its speed) and in the
+coordinator's arrays (server/member_table.py), never an agent, a thread, a record or a model copy each. :class:`PopulationMembers` is the
 member source the runtime is given: its members' ids and examples, a member's data for a seat (the task's
 ``client_data`` for its Partition, made then), its slow device, its drop-outs, its availability (traces) and its
 simulated finish time (virtual clock). Joining, pulling, training, the update transforms and the upload are the
