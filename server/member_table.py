@@ -133,6 +133,8 @@ class MemberTable:
     def row(self, member_id: str) -> tuple[int, int, bool] | None:
         """(example count, host index, away) of ``member_id``, None if not held (the runs are merged once the
         rounds' lookups, a few per sampled member, outnumber the joins')."""
+        if "\0" in member_id:  # a bytes array drops trailing NULs: "m\0" would find "m"
+            return None
         self._lookups += 1
         if self._lookups > LOOKUPS_BEFORE_MERGE and len(self._runs) > 1:
             self._merge()

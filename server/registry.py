@@ -256,7 +256,8 @@ class AgentRegistry:
         for ids, flag in ((away, True), (back, False)):
             if index is None or not ids:
                 continue
-            changed = np.unique(self.members.set_away(id_array(ids), index, flag))
+            named = id_array([i for i in ids if "\0" not in i])  # (a bytes array drops trailing NULs)
+            changed = np.unique(self.members.set_away(named, index, flag))
             if self._live is not None and flag:
                 self._live.discard(changed)
             elif self._live is not None and host_id in self._hosts:

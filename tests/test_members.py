@@ -253,6 +253,7 @@ def test_100000_members_cost_their_arrays_not_a_record_each():
     record = registry.get("client-12345")
     assert (record.host, record.num_examples, record.away) == ("host-0", 5, False)
     assert registry.authenticate("client-12345", record.token) is not None
+    assert registry.get("client-12345\0") is None  # not the member whose id it ends like
 
 
 def test_a_clients_held_out_examples_are_its_first_and_a_host_tells_its_members_from_its_arrays():
