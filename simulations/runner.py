@@ -50,7 +50,7 @@ log = logging.getLogger("fedpar.simulate")
 LABEL_PLOT_CLIENTS = 100  # clients shown in OUT/labels.png
 # What a run needs, for the one line that says so before it starts (measured: benchmarks/population_bench.py)
 PROCESS_BYTES = 320 << 20  # a coordinator or worker process, torch and gRPC loaded, before its members
-MEMBER_BYTES = 700  # each member's bookkeeping: the coordinator's records and its host's arrays
+MEMBER_BYTES = 300  # each member's bookkeeping: the coordinator's arrays and its host's (measured: 204-256)
 LABEL_SKEW_CLIENTS = 2_000  # clients the summary's label skew is measured on (the first ones: all, below that)
 
 
