@@ -201,7 +201,7 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     # service (--state): its launcher may have served gRPC already, which does not survive a fork.
     fork = args.state is None and fork_safe()
     try:
-        spawn(world, serve_rank, {**_plain_options(args), **(more or {})}, parent_stops=True,
+        spawn(world, serve_rank, {**plain_options(args), **(more or {})}, parent_stops=True,
               stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
               start_method="fork" if fork else "spawn",
               # and when it dies, every rank starts again where the agents find it: the same port
@@ -227,7 +227,7 @@ def _rank_failure(exc: BaseException) -> str:
     return said[0] if said else first_line(exc)
 
 
-def _plain_options(args: argparse.Namespace) -> dict:
+def plain_options(args: argparse.Namespace) -> dict:
     """The parsed options a spawned rank needs (values only: no handlers or modules)."""
     return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, Path, list, tuple, dict, type(None)))}
 

@@ -19,7 +19,8 @@ from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.renamed import add_retired
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import task_options
-from fedpar.cli.user_errors import check_output_folder, run_exit_code
+from fedpar.cli.log_level import setup_logging
+from fedpar.cli.user_errors import UserError, check_output_folder, describe, run_exit_code
 from fedpar.parallel.stopping import stop_on_signals
 from fedpar.settings import setting
 from fedpar.simulations.config import SimulationConfig
@@ -54,23 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         "clients get a model and data); drop it")
 
 
-def simulation_config(args: argparse.Namespace) -> SimulationConfig:
-    """The settings the options describe, settled (:meth:`SimulationConfig.settled`): one line on stderr for each
-    that asked for more clients than there are, saying what is used instead."""
+def simulation_config(args: argparse.Namespace, say: bool = True) -> SimulationConfig:
+    """The settings the options describe, settled (:meth:`SimulationConfig.settled`): with ``say``, one line on
+    stderr for each that asked for more clients than there are, saying what is used instead."""
     cfg, notes = from_args(SimulationConfig, args, task_options=task_options(args),
                            upload_compression=compression_from_args(args)).settled()
-    for note in notes:
+    for note in notes if say else ():
         print(f"fedpar simulate: {note}", file=sys.stderr)
     return cfg
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the simulation and print the summary."""
-    from fedpar.server.rounds import rank_columns
-    from fedpar.simulations.run_outputs import RunOutputs
-    from fedpar.server.ranks.group import RankMissing
-    from fedpar.simulations.runner import ProcessLost, run_simulation
-
+    """Run the simulation in a process of its own (:func:`launch`) and print the summary."""
     check_output_folder(args.out)
     server_app_drives = bool(args.flower_app) and args.strategy is None
     args.strategy = args.strategy or "fedavg"
@@ -83,6 +79,84 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if server_app_drives:
         return run_server_app(cfg)
+    return launch(args, cfg)
+
+
+def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
+    """Run the simulation in one child process, as `fedpar serve` runs its aggregator ranks (parallel/init.spawn):
+    this process outlives it. When the child (the coordinator, rank 0 of the aggregator ranks) dies by a signal
+    (``kill -9``, a crash), it is started again with a ``--checkpoint-dir`` (at most 3 times an hour) and resumes
+    after the last checkpointed round; without one, one line says what happened. The exit code."""
+    import torch
+
+    from fedpar.cli.serve import plain_options
+    from fedpar.parallel.init import fork_safe, spawn
+    from fedpar.parallel.stopping import exit_code, signal_name
+
+    options = {**plain_options(args), "coordinator_threads": torch.get_num_threads()}
+    try:
+        spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
+              start_method="fork" if fork_safe() else "spawn", rank_0_resumes=cfg.checkpoint_dir is not None)
+    except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
+        return exit_code(signal_name(exc))
+    except Exception as exc:  # the child died: by a signal, or with an exit code after saying why
+        if (getattr(exc, "exit_code", None) or 0) > 0:
+            return exc.exit_code
+        if getattr(exc, "signal_name", None) is None:  # it raised what fedpar cannot name: a bug, with its traceback
+            raise
+        print(f"fedpar simulate: the coordinator process was ended by {exc.signal_name} after round "
+              f"{_rounds_written(cfg.out)}; {_how_to_go_on(cfg)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+STOP_GRACE_SECONDS = 60.0  # the child's time, once signalled, to write what completed (summary, model, plots)
+
+
+def _how_to_go_on(cfg: SimulationConfig) -> str:
+    """What to do after the run stopped on a lost process."""
+    return ("run the same command again to resume after the last checkpointed round" if cfg.checkpoint_dir else
+            "simulate kept no checkpoint: run the same command again to start over, or give --checkpoint-dir DIR so "
+            "that the run resumes by itself after such a loss")
+
+
+def _rounds_written(out: str | None) -> int:
+    """The last round OUT/metrics.jsonl holds (0: none)."""
+    from pathlib import Path
+
+    metrics = Path(out) / "metrics.jsonl" if out else None
+    lines = metrics.read_text().splitlines() if metrics is not None and metrics.exists() else []
+    return json.loads(lines[-1])["round"] if lines else 0
+
+
+def simulate_here(options: dict) -> None:
+    """The simulation, in the child :func:`launch` starts: it ends the process with the exit code."""
+    import torch
+
+    from fedpar.parallel.init import exit_rank_process
+
+    torch.set_num_threads(options.pop("coordinator_threads"))  # the launch set one, as for ranks sharing cores
+    args = argparse.Namespace(**options)
+    if args.log_level:
+        setup_logging(args)
+    try:
+        code = simulate(args, simulation_config(args, say=False))  # the launcher said them
+    except (UserError, OSError) as exc:  # one line, as cli/main.py says it (--debug: the traceback)
+        if args.debug:
+            raise
+        print(f"fedpar simulate: {describe(exc)} (--debug shows the traceback)", file=sys.stderr)
+        code = exc.exit_code if isinstance(exc, UserError) else 1
+    if code:
+        exit_rank_process(code)
+
+
+def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
+    """Run the simulation here and print the summary; the exit code."""
+    from fedpar.server.rounds import rank_columns
+    from fedpar.simulations.run_outputs import RunOutputs
+    from fedpar.server.ranks.group import RankMissing
+    from fedpar.simulations.runner import ProcessLost, run_simulation
+
     columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else []) + \
         (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else []) + \
         (CLOCK_COLUMNS if cfg.virtual_clock else [])
@@ -107,8 +181,7 @@ def run(args: argparse.Namespace) -> int:
     except (ProcessLost, RankMissing) as exc:  # a worker or an aggregator rank died: named, with no traceback
         progress.close()
         print(f"fedpar simulate: {exc}; the run stopped after round {completed[-1] if completed else 0} (its rows are "
-              f"in {cfg.out}/metrics.jsonl); simulate keeps no checkpoint: run the same command again to start over",
-              file=sys.stderr)
+              f"in {cfg.out}/metrics.jsonl); {_how_to_go_on(cfg)}", file=sys.stderr)
         return 1
     finally:
         progress.close()

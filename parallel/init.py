@@ -134,7 +134,8 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     without it: aggregator ranks), and a fresh process is started in its slot (parallel/restarts.py: it asks rank 0
     to take it back); the launch ends when rank 0 does, and only rank 0's failure is re-raised. With
     ``rank_0_resumes`` (rank 0 keeps a checkpoint) rank 0's death by a signal (``kill -9``, a crash) starts every
-    rank again, as the same command would, within the same restart budget. ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds
+    rank again, as the same command would, within the same restart budget (`fedpar simulate` launches its coordinator
+    alone so: ``nproc`` 1). ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds
     on a loaded machine); only for a caller that has started no threads, gRPC or CUDA (see :func:`fork_safe`).
     """
     if nproc < 1:
@@ -153,7 +154,7 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
         ranks = context.processes
         with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
             try:
-                if not rank_0_decides:
+                if not (rank_0_decides or rank_0_resumes):
                     while not context.join(timeout=0.5):
                         pass
                 elif _follow_rank_0(context, lambda rank: _start_replacement(rank, nproc, port, fn, args, env),

@@ -134,6 +134,11 @@ def _read_pointer(root: Path) -> str | None:
                               "directory to start over") from None
 
 
+def has_checkpoint(root: Path | None) -> bool:
+    """Whether ``root`` names a latest checkpoint (a run there resumes from it)."""
+    return root is not None and (Path(root) / LATEST).exists()
+
+
 def load_checkpoint(root: Path) -> Checkpoint | None:
     """The latest checkpoint under ``root``, or None if there is none; raises CheckpointError if it is damaged."""
     root = Path(root)

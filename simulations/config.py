@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import Device, Precision
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Output, Seeded
-from fedpar.server.config import (AccuracyTarget, AggregatorRanks, RoundClock, RoundSampling, SecureAggregation,
-                                  StrategyChoice)
+from fedpar.server.config import (AccuracyTarget, AggregatorRanks, CoordinatorConfig, RoundClock, RoundSampling,
+                                  SecureAggregation, StrategyChoice)
 from fedpar.settings import flag_of, redefault, setting
 from fedpar.task import FlowerAppReference, TaskReference
 
@@ -54,6 +55,7 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
     """One simulated federation: data, model, rounds, and how heterogeneous the clients are."""
 
     clients_per_round: int | None = redefault(RoundSampling, "clients_per_round", None)  # None: all the clients
+    checkpoint_dir: Path | None = redefault(CoordinatorConfig, "checkpoint_dir", None)
     overselect: float = redefault(RoundSampling, "overselect", 1.0)  # K is all the clients by default
     workers: int = setting(2, check="count", group="simulation",
                            help="worker processes hosting the population (a few bytes per client; only the clients "

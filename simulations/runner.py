@@ -29,6 +29,7 @@ from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
+from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.agents import WorkerConfig, run_worker_process
@@ -135,7 +136,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     out = Path(cfg.out) if cfg.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
+            (out / "metrics.jsonl").unlink(missing_ok=True)
     # Start the worker processes first: their imports and data loading overlap the coordinator's set-up.
     workers = cfg.workers  # at most one per client (settled)
     ctx = mp.get_context("spawn")
@@ -224,7 +226,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         CoordinatorConfig, cfg, clients_per_round=k, upload_compression=cfg.upload_compression,
         min_available=min(cfg.clients, k) if cfg.trace else cfg.clients,  # with availability, never all at once
         heartbeat_seconds=2.0, liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
-        metrics_path=out / "metrics.jsonl" if out else None, accept_populations=True,
+        metrics_path=out / "metrics.jsonl" if out else None, checkpoint_dir=cfg.checkpoint_dir, accept_populations=True,
         # every seat of every host may be uploading at once (a staging slot holds one model copy)
         max_concurrent_uploads=max(CoordinatorConfig.max_concurrent_uploads, sum(seats)),
         max_queued_uploads=max(CoordinatorConfig.max_queued_uploads, sum(seats)),
@@ -344,7 +346,7 @@ class SimulationService(RunService):
                  "startup_seconds": None if first_start is None else first_start - self.started,
                  "label_skew": label_skew(*_member_labels(members, LABEL_SKEW_CLIENTS), splits.num_classes)
                  if splits else None,
-                 "config": asdict(cfg),
+                 "config": json_ready(asdict(cfg)),
                  "client_batching": self.batching,  # the route --client-batching (auto by default) took
                  **({"interrupted": True} if extra["interrupted"] else {})}
         if out is None:

@@ -1,6 +1,6 @@
-"""`kill -9` of rank 0 of a real `fedpar simulate --aggregator-ranks 2` (the simulate process itself): every other
-process (rank 1, the workers) leaves within seconds without a word. The loss of another rank is survived
-(tests/simulations/test_rank_loss.py)."""
+"""`kill -9` of a real `fedpar simulate --aggregator-ranks 2` (the launcher, whose child runs the simulation): the
+simulation stops as on SIGTERM, writing what completed, and every other process (rank 0, rank 1, the workers) leaves
+within seconds, with no traceback. The loss of rank 0 or another rank is survived (tests/simulations/test_rank_loss.py)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,13 @@ def _after_rounds(tmp: Path, proc: subprocess.Popen, rounds: int) -> None:
     raise AssertionError(f"no {rounds} rounds: {proc.poll()} {proc.stderr.read() if proc.poll() is not None else ''}")
 
 
-def test_kill_9_of_rank_0_takes_every_other_process_with_it_silently(tmp_path):
+def test_kill_9_of_simulate_takes_every_other_process_with_it(tmp_path):
     proc = _simulate(tmp_path)
     try:
         _after_rounds(tmp_path, proc, 2)
         others = children(proc.pid)
-        assert len(others) >= 3, others  # the resource tracker, the worker, rank 1
+        others += [p for child in others for p in children(child)]
+        assert len(others) >= 4, others  # rank 0 (the coordinator), its resource tracker, the worker, rank 1
         os.kill(proc.pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=30)
         end = time.monotonic() + 20
@@ -51,4 +52,5 @@ def test_kill_9_of_rank_0_takes_every_other_process_with_it_silently(tmp_path):
     left = [p for p in others if Path(f"/proc/{p}").exists()
             and (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")]
     assert not left, left
-    assert err == "", err  # what the orphans wrote to the same stderr before they left: nothing
+    assert "Traceback" not in err, err
+    assert "interrupted after" in err, err  # rank 0 stopped as on SIGTERM, and said what completed

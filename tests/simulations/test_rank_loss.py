@@ -85,3 +85,60 @@ def test_a_lost_rank_is_replaced_and_taken_back_and_a_hung_one_ended(tmp_path):
     assert (out / "global.safetensors").stat().st_size > 0
     assert not Path(f"/proc/{rank_2}").exists() or \
         Path(f"/proc/{rank_2}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # the hung rank was ended
+
+
+def _coordinator(launcher: int) -> int:
+    """The process `fedpar simulate` runs the simulation in: its child other than multiprocessing's resource
+    tracker."""
+    return next(p for p in children(launcher)
+                if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes())
+
+
+def _kill_coordinator(out: Path, *flags: str, rounds: int, after: int) -> tuple[subprocess.Popen, str]:
+    """`fedpar simulate` run until round ``after`` is in, then kill -9 of its coordinator process; it and its
+    stderr once it ended."""
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--clients", "4", "--workers", "1", "--rounds",
+           str(rounds), "--local-epochs", "1", "--seed", "3", "--slow-fraction", "1", "--slow-step-delay", "0.006",
+           "--out", str(out), "--quiet", *flags]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _until(out, proc, lambda rows: len(rows) >= after)
+        os.kill(_coordinator(proc.pid), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc, err
+
+
+def test_kill_9_of_simulates_coordinator_with_a_checkpoint_folder_resumes_by_itself(tmp_path):
+    """kill -9 of the coordinator (rank 0 of 2 aggregator ranks) of `fedpar simulate --checkpoint-dir`: the launcher
+    says so in one line, starts every rank again, and the run resumes after the last checkpointed round: every round
+    once, exit 0, no traceback."""
+    out, rounds = tmp_path / "out", 8
+    proc, err = _kill_coordinator(out, "--aggregator-ranks", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                  rounds=rounds, after=2)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert err.count("rank 0 died (signal SIGKILL); starting every rank again (restart 1 of at most 3 an hour): "
+                     "rank 0 resumes after the last checkpointed round") == 1, err
+    assert [r["round"] for r in _rows(out)] == list(range(1, rounds + 1))  # every round exactly once
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == rounds, summary
+    assert (out / "global.safetensors").stat().st_size > 0
+
+
+def test_kill_9_of_simulates_coordinator_without_a_checkpoint_folder_says_how_to_resume(tmp_path):
+    """Without --checkpoint-dir, kill -9 of simulate's coordinator ends the run with one line saying what happened
+    and how to resume, and a non-zero exit."""
+    out = tmp_path / "out"
+    proc, err = _kill_coordinator(out, rounds=40, after=1)
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    done = _rows(out)[-1]["round"]
+    assert lines[0] == (f"fedpar simulate: the coordinator process was ended by SIGKILL after round {done}; simulate "
+                        "kept no checkpoint: run the same command again to start over, or give --checkpoint-dir DIR "
+                        "so that the run resumes by itself after such a loss"), err
