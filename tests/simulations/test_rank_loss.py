@@ -1,12 +1,16 @@
-"""A real `fedpar simulate --aggregator-ranks 3` survives losing rank 1 (kill -9) and rank 2 (SIGSTOP, hung): rank 0
-goes on without each, starts a new process in its slot and takes it back when a round opens once it is ready. Every
-round is counted once, only the round open at each loss may fail, the run ends with exit 0 and a final model, and
-each loss and each return is one log line."""
+"""A real `fedpar simulate --aggregator-ranks 3` survives losing rank 1 and rank 2, one by kill -9 and the other by
+SIGSTOP (hung), at random rounds: rank 0 goes on without each, starts a new process in its slot and takes it back
+when a round opens once it is ready. Every round is counted once, only the round open at each loss may fail, the
+run ends with exit 0 and a final model, and each loss and each return is one log line. The coordinator's own loss
+(kill -9 of rank 0) is survived with a checkpoint folder, and said in one line without one."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -16,13 +20,14 @@ from pathlib import Path
 from support.processes import children
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS = 30  # paced to about 0.25 s each (--slow-step-delay): time for a replacement rank to start and come back
+ROUNDS = 50  # paced by --slow-step-delay: a replacement rank may come back before the last
+SEED = int(os.environ.get("FEDPAR_RANK_LOSS_SEED") or secrets.randbelow(10**6))  # printed: a failure replays
 
 
 def _simulate(out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--aggregator-ranks", "3", "--clients", "6",
            "--workers", "1", "--rounds", str(ROUNDS), "--local-epochs", "1", "--aggregator-timeout", "2",
-           "--deadline", "6", "--seed", "3", "--slow-fraction", "1", "--slow-step-delay", "0.006",
+           "--deadline", "6", "--seed", "3", "--slow-fraction", "1", "--slow-step-delay", "0.002",
            "--out", str(out), "--quiet"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -38,22 +43,31 @@ def _until(out: Path, proc: subprocess.Popen, done) -> None:
     while time.monotonic() < end and proc.poll() is None:
         if done(_rows(out)):
             return
-        time.sleep(0.05)
+        time.sleep(0.02)
     raise AssertionError(f"not reached: {proc.poll()} {proc.stderr.read() if proc.poll() is not None else ''}")
 
 
-def test_a_lost_rank_is_replaced_and_taken_back_and_a_hung_one_ended(tmp_path):
+def _losses() -> list[tuple[int, int, signal.Signals]]:
+    """(round, rank, signal): kill -9 of one of ranks 1 and 2 and SIGSTOP of the other, each once the drawn round is
+    in, in round order (seeded by SEED)."""
+    rng = random.Random(SEED)
+    signals = [signal.SIGKILL, signal.SIGSTOP]
+    rng.shuffle(signals)
+    return sorted(zip(rng.sample(range(2, ROUNDS - 15), 2), (1, 2), signals))
+
+
+def test_ranks_1_and_2_lost_at_random_rounds_cost_at_most_the_open_round_each(tmp_path):
+    losses = _losses()
+    print(f"seed {SEED} (FEDPAR_RANK_LOSS_SEED replays it): {[(r, k, s.name) for r, k, s in losses]}")
     out = tmp_path / "out"
     proc = _simulate(out)
     try:
         _until(out, proc, lambda rows: len(rows) >= 1)
-        # The multiprocessing resource tracker, the worker, then ranks 1 and 2 (started once the coordinator is built).
-        rank_1, rank_2 = children(proc.pid)[-2:]
-        _until(out, proc, lambda rows: len(rows) >= 2)
-        os.kill(rank_1, signal.SIGKILL)
-        # rank 1 lost, then its replacement back: the hung rank 2 is then the one rank 0 drops
-        _until(out, proc, lambda rows: any(r["ranks_live"] == 2 for r in rows) and rows[-1]["ranks_live"] == 3)
-        os.kill(rank_2, signal.SIGSTOP)
+        # The coordinator's children: the resource tracker, the worker, then ranks 1 and 2 (once it is built).
+        ranks = dict(zip((1, 2), children(_coordinator(proc.pid))[-2:]))
+        for round_id, rank, sig in losses:
+            _until(out, proc, lambda rows: len(rows) >= round_id)
+            os.kill(ranks[rank], sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -64,27 +78,24 @@ def test_a_lost_rank_is_replaced_and_taken_back_and_a_hung_one_ended(tmp_path):
     rows = _rows(out)
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))  # each round once: none lost, none twice
     failed = [r["round"] for r in rows if r["status"] != "ok"]
-    assert len(failed) <= 2, failed  # at most the round open at each loss
+    assert len(failed) <= len(losses), failed  # at most the round open at each loss
     lost = [line for line in err.splitlines() if " lost (died or hung); going on with " in line]
-    assert len(lost) == 2, err
-    assert "rank 1 lost" in lost[0] and "going on with 2 of 3 ranks (0, 2)" in lost[0], lost
-    assert "rank 2 lost" in lost[1] and "going on with 2 of 3 ranks (0, 1)" in lost[1], lost
-    assert "rank 1 taken back; going on with 3 of 3 ranks (0, 1, 2)" in err, err
-    assert err.count("aggregator ranks: starting a new process for rank") == 2, err
+    said = sorted(int(k) for line in lost for k in re.findall(r"rank (\d)", line.split(" lost ")[0]))
+    assert said == [1, 2], err  # each loss said once (both in one line when they fall in the same round)
+    for rank in (1, 2):
+        assert err.count(f"aggregator ranks: starting a new process for rank {rank} (restart 1 of") == 1, err
+        assert err.count(f"rank {rank} taken back; going on with") <= 1, err
     live = [r["ranks_live"] for r in rows]
-    back = live.index(3, live.index(2))  # the first round with rank 1's replacement
-    assert live[:2] == [3, 3] and set(live[2:back]) == {2}, live
+    assert live[0] == 3 and min(live) >= 1 and min(live[losses[-1][0]:]) < 3, live
     for r in rows:
-        # what each rank took adds up to what the round counted
+        # what each rank took adds up to what the round counted: an upload is counted once, on one rank
         assert sum(r[f"r{k}_uploads"] for k in range(3)) == r["reported"], r
         if r["status"] == "ok":
             assert r["reported"] >= 1, r
-    for r in rows[2:back]:
-        assert r["r1_uploads"] == 0, r  # a lost rank takes nothing
-    assert rows[back]["status"] == "ok" and rows[back]["r1_uploads"] > 0, rows[back]  # the replacement folds
     assert (out / "global.safetensors").stat().st_size > 0
-    assert not Path(f"/proc/{rank_2}").exists() or \
-        Path(f"/proc/{rank_2}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # the hung rank was ended
+    hung = next(ranks[k] for _, k, s in losses if s == signal.SIGSTOP)
+    assert not Path(f"/proc/{hung}").exists() or \
+        Path(f"/proc/{hung}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # the hung rank was ended
 
 
 def _coordinator(launcher: int) -> int:
