@@ -123,7 +123,7 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
 
 def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False,
           stop_grace: float = 1.0, rank_0_decides: bool = False, start_method: str = "spawn",
-          rank_0_resumes: bool = False) -> None:
+          rank_0_resumes: bool = False, restarts: RestartBudget | None = None) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
 
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
@@ -135,8 +135,9 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     to take it back); the launch ends when rank 0 does, and only rank 0's failure is re-raised. With
     ``rank_0_resumes`` (rank 0 keeps a checkpoint) rank 0's death by a signal (``kill -9``, a crash) starts every
     rank again, as the same command would, within the same restart budget (`fedpar simulate` launches its coordinator
-    alone so: ``nproc`` 1). ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds
-    on a loaded machine); only for a caller that has started no threads, gRPC or CUDA (see :func:`fork_safe`).
+    alone so: ``nproc`` 1). ``restarts``: that budget, shared by every slot (default: parallel/restarts.py's).
+    ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds on
+    a loaded machine); only for a caller that has started no threads, gRPC or CUDA (see :func:`fork_safe`).
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
@@ -144,7 +145,7 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
         mp.start_processes(_spawned_worker, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True,
                            start_method=start_method)
         return
-    budget = RestartBudget()
+    budget = restarts or RestartBudget()
     while True:
         port = free_port()
         env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else {}
@@ -157,8 +158,8 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                 if not (rank_0_decides or rank_0_resumes):
                     while not context.join(timeout=0.5):
                         pass
-                elif _follow_rank_0(context, lambda rank: _start_replacement(rank, nproc, port, fn, args, env),
-                                    budget if rank_0_resumes else None):
+                elif _follow_rank_0(context, lambda rank: _start_replacement(rank, nproc, port, fn, args, env), budget,
+                                    rank_0_resumes):
                     continue  # rank 0 died and resumes: every rank again
             except KeyboardInterrupt:
                 stop_ranks(ranks, stop_grace)
@@ -184,22 +185,20 @@ def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any],
     return process
 
 
-def _follow_rank_0(context, replace: Callable[[int], Any], rank_0_budget: RestartBudget | None,
+def _follow_rank_0(context, replace: Callable[[int], Any], budget: RestartBudget, rank_0_resumes: bool,
                    linger: float = 30.0) -> bool:
     """Wait for rank 0 to end, having ``replace`` start a fresh process for each other rank that dies meanwhile (a
-    failure: a rank rank 0 stopped leaves with 0) while the restart budget allows. True when rank 0 died by a signal
-    and ``rank_0_budget`` allows starting every rank again (the others are then stopped at once); else wait up to
-    ``linger`` seconds for the others (killed after that) and raise rank 0's failure as torch's launcher raises it,
-    whatever became of the others."""
+    failure: a rank rank 0 stopped leaves with 0) while ``budget`` allows. True when rank 0 died by a signal, may
+    resume (``rank_0_resumes``) and ``budget`` allows starting every rank again (the others are then stopped at
+    once); else wait up to ``linger`` seconds for the others (killed after that) and raise rank 0's failure as
+    torch's launcher raises it, whatever became of the others."""
     first, ranks = context.processes[0], context.processes  # the list stop_ranks and a second signal see
-    budget = RestartBudget()
     while first.is_alive():
         first.join(0.5)
         for rank in range(1, len(ranks)):
             if ranks[rank].exitcode not in (None, 0) and first.is_alive() and budget.allow(rank):
                 ranks[rank] = replace(rank)
-    if first.exitcode < 0 and rank_0_budget is not None and \
-            rank_0_budget.allow(0, f"signal {signal.Signals(-first.exitcode).name}"):
+    if first.exitcode < 0 and rank_0_resumes and budget.allow(0, f"signal {signal.Signals(-first.exitcode).name}"):
         if len(ranks) > 1:
             stop_ranks(ranks[1:], 0.0)
         return True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 log = logging.getLogger("fedpar.server")
 RESTARTS_PER_HOUR = 3  # replacements started for one rank slot in any hour
@@ -17,8 +18,8 @@ NAMESPACE_ENV = "FEDPAR_RANKS_NAMESPACE"  # the run's keys in the rendezvous sto
 class RestartBudget:
     """Each rank slot's restarts in the last hour, and the slots given up."""
 
-    def __init__(self, per_hour: int = RESTARTS_PER_HOUR):
-        self.per_hour = per_hour
+    def __init__(self, per_hour: int = RESTARTS_PER_HOUR, clock: Callable[[], float] = time.monotonic):
+        self.per_hour, self.clock = per_hour, clock
         self.started: dict[int, list[float]] = {}
         self.given_up: set[int] = set()
 
@@ -27,7 +28,7 @@ class RestartBudget:
         log line the first time either way."""
         if rank in self.given_up:
             return False
-        now = time.monotonic()
+        now = self.clock()
         recent = self.started[rank] = [t for t in self.started.get(rank, []) if now - t < 3600.0]
         if len(recent) >= self.per_hour:
             self.given_up.add(rank)
