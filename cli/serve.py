@@ -261,8 +261,8 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
                     code = 1
         elif plan is None:  # a service's: each run rank 0 announces, until a signal ends it
             from fedpar.cli.serve_ranks import follow_runs
-            follow_runs(args, group, lambda options: _serve_ingest(options, _plan(options, rank), group, advertised))
-            code = 0
+            code = follow_runs(args, group,
+                               lambda options: _serve_ingest(options, _plan(options, rank), group, advertised))
         else:  # a signal ends it: it holds nothing rank 0 does not
             code = _serve_ingest(args, plan, group, advertised)
     finally:
@@ -284,6 +284,7 @@ def _lead(args: argparse.Namespace, plan: ServePlan | None, group, advertised: s
 
 def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: str) -> int:
     """Aggregator rank > 0: serve the agents rank 0 deals here until rank 0 says the rounds are done."""
+    from fedpar.parallel.restarts import left_out_exit_code
     from fedpar.server.app import CoordinatorServer
     from fedpar.server.ranks.ingest import IngestRank
 
@@ -294,4 +295,4 @@ def _serve_ingest(args: argparse.Namespace, plan: ServePlan, group, advertised: 
     server = CoordinatorServer(ingest, host=args.host, port=port, credentials=plan.security.credentials,
                                data_tls=plan.security.data_tls)
     server.serve_to_end()
-    return 0
+    return left_out_exit_code() if ingest.left_out else 0  # a rank left out is replaced by its launcher

@@ -59,8 +59,9 @@ class ServiceRanks:
         self.group.store.set(f"{RUN_KEY}/{self.announced}", json.dumps(options))
 
 
-def follow_runs(args: argparse.Namespace, group: RankGroup, serve_run: Callable[[argparse.Namespace], None]) -> None:
-    """Ranks > 0: ``serve_run(options)`` for each run rank 0 announces, in order, until rank 0 is gone."""
+def follow_runs(args: argparse.Namespace, group: RankGroup, serve_run: Callable[[argparse.Namespace], int]) -> int:
+    """Ranks > 0: ``serve_run(options)`` for each run rank 0 announces, in order, until rank 0 is gone (0) or a run
+    left this rank out (what ``serve_run`` returned then)."""
     followed = 0
     while True:
         key = f"{RUN_KEY}/{followed + 1}"
@@ -69,8 +70,8 @@ def follow_runs(args: argparse.Namespace, group: RankGroup, serve_run: Callable[
         except RuntimeError as exc:  # DistStoreError: the wait ran out, or rank 0 (which holds the store) is gone
             if "timeout" in str(exc).lower():
                 continue
-            return
+            return 0
         followed += 1
-        serve_run(run_args(args, json.loads(group.store.get(key))))
-        if group.control is None:  # rank 0 declared this rank lost and went on without it: it leaves
-            return
+        code = serve_run(run_args(args, json.loads(group.store.get(key))))
+        if code or group.control is None:  # rank 0 declared this rank lost and went on without it: it leaves
+            return code

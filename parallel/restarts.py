@@ -6,6 +6,7 @@ checkpoint."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -13,6 +14,14 @@ log = logging.getLogger("fedpar.server")
 RESTARTS_PER_HOUR = 3  # replacements started for one rank slot in any hour
 REPLACEMENT_ENV = "FEDPAR_REPLACES_LOST_RANK"  # set ("1") in a replacement's environment by its launcher
 NAMESPACE_ENV = "FEDPAR_RANKS_NAMESPACE"  # the run's keys in the rendezvous store, given every rank by its launcher
+LEFT_OUT_EXIT = 75  # what a rank that rank 0 went on without exits with under fedpar's launcher (EX_TEMPFAIL)
+
+
+def left_out_exit_code() -> int:
+    """What a rank that rank 0 left out (it hung, woke and found the group gone on without it) exits with: under
+    fedpar's own launcher (parallel/init.spawn, which names the namespace) LEFT_OUT_EXIT, on which it starts a
+    replacement; under another launcher 0 (torchrun ends every rank when one fails)."""
+    return LEFT_OUT_EXIT if NAMESPACE_ENV in os.environ else 0
 
 
 class RestartBudget:

@@ -54,6 +54,7 @@ class IngestRank(IngestPlane):
         self.shapes = ShapesAndDtypes.of(self.weights)
         self.mode = RoundModes(config, self.names, self.weights, strategy, self._executor).run_mode
         self.finished = False
+        self.left_out = False  # rank 0 declared this rank lost and went on without it
         self.control: RankControlClient | None = None
         self._counted = 0  # uploads rank 0 counted for this rank in the open round
         self._reports: dict[str, pb.RankUpload] = {}  # this round's count messages, by agent
@@ -92,6 +93,7 @@ class IngestRank(IngestPlane):
                     await self._follow(message)
                 except RankLeftOut as exc:
                     log.warning("%s; this rank leaves", exc)
+                    self.left_out = True
                     return
                 except RankMissing as exc:
                     failure = str(exc)  # not the exception: its frames hold the failed group, which must close
@@ -104,6 +106,7 @@ class IngestRank(IngestPlane):
                     await self._collective(self.group.rejoin)
                 except RankLeftOut as left:
                     log.warning("%s; this rank leaves", left)
+                    self.left_out = True
                     return
                 except RankMissing:
                     # Leave a moment after rank 0 would: its diagnosis names the silent rank, and the launcher

@@ -373,7 +373,8 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
 
 def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_path):
     """SIGSTOP rank 1 mid-round: rank 0 declares it lost (no heartbeat), the round closes on rank 0's two uploads and
-    its model is exactly their weighted mean; rank 1, woken later, finds itself left out and leaves."""
+    its model is exactly their weighted mean; rank 1, woken later, finds itself left out and leaves, and the launcher
+    starts a new rank 1 (which, the rounds being over, finds no group to join and leaves in one line)."""
     layout = _layout()
     proc = _serve(tmp_path, 2, "--rounds", "2", "--clients-per-round", "4", "--aggregator-timeout", "4",
                   "--deadline", "60", "--metrics-port", "0")
@@ -399,6 +400,11 @@ def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_pa
         while time.monotonic() < end and "rank 1 lost" not in (tmp_path / "serve.log").read_text():
             time.sleep(0.1)
         os.kill(pid, signal.SIGCONT)  # it finds the group re-formed without it, and leaves
+        starting = "aggregator ranks: starting a new process for rank 1"
+        while time.monotonic() < end and starting not in (tmp_path / "serve.log").read_text():
+            time.sleep(0.1)  # the launcher starts a new process in its slot
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # the woken rank 1 left
         while time.monotonic() < end and len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) < 2:
             time.sleep(0.1)
         metrics = re.search(r"Prometheus metrics at (\S+)", (tmp_path / "serve.log").read_text()).group(1)
@@ -418,6 +424,8 @@ def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_pa
             "their 0 upload(s) of round 2 are not counted" in line]
     assert len(lost) == 1, log[-3000:]
     assert "aggregator rank 1 was declared lost" in log, log[-3000:]
+    assert log.count("aggregator ranks: starting a new process for rank 1 (restart 1 of at most 3 an hour)") == 1, \
+        log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     rows = _rows(tmp_path)
     assert [(r["round"], r["status"], r["reported"], r["ranks_live"]) for r in rows] == [(1, "ok", 4, 2),
