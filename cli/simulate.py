@@ -18,8 +18,8 @@ from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_o
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.renamed import add_retired
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
-from fedpar.cli.task_options import task_options
 from fedpar.cli.log_level import setup_logging
+from fedpar.cli.task_options import task_options
 from fedpar.cli.user_errors import UserError, check_output_folder, describe, run_exit_code
 from fedpar.parallel.stopping import stop_on_signals
 from fedpar.settings import setting
@@ -66,7 +66,8 @@ def simulation_config(args: argparse.Namespace, say: bool = True) -> SimulationC
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the simulation in a process of its own (:func:`launch`) and print the summary."""
+    """Run the simulation and print the summary: in a child process (:func:`launch`) when there are other aggregator
+    ranks or a checkpoint folder, else in this one."""
     check_output_folder(args.out)
     server_app_drives = bool(args.flower_app) and args.strategy is None
     args.strategy = args.strategy or "fedavg"
@@ -79,7 +80,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if server_app_drives:
         return run_server_app(cfg)
-    return launch(args, cfg)
+    try:
+        with_strategy(args, cfg)
+        launched = cfg.aggregator_ranks > 1 or cfg.checkpoint_dir is not None  # a lost rank 0 is said, or resumed
+        if launched:
+            from fedpar.simulations.runner import check_settings
+            check_settings(cfg)  # here, where its one line is said, before the child starts
+    except ValueError as exc:
+        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return 2
+    return launch(args, cfg) if launched else simulate(args, cfg)
+
+
+def with_strategy(args: argparse.Namespace, cfg: SimulationConfig) -> None:
+    """Give ``cfg`` the strategy and strategy options the options make (with privacy: its DP strategy); ValueError
+    for options it cannot take."""
+    cfg.strategy_options = strategy_options_from_args(args)
+    cfg.strategy, options = privacy_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
+                                             cfg.overselect, cfg.clients)
+    cfg.strategy_options.update(options)
 
 
 def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
@@ -140,7 +159,9 @@ def simulate_here(options: dict) -> None:
     if args.log_level:
         setup_logging(args)
     try:
-        code = simulate(args, simulation_config(args, say=False))  # the launcher said them
+        cfg = simulation_config(args, say=False)  # the launcher said its notes
+        with_strategy(args, cfg)
+        code = simulate(args, cfg)
     except (UserError, OSError) as exc:  # one line, as cli/main.py says it (--debug: the traceback)
         if args.debug:
             raise
@@ -164,10 +185,6 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     observers = Observers(args)
     progress = LiveBar(quiet=args.quiet, total=cfg.rounds)
     try:
-        cfg.strategy_options = strategy_options_from_args(args)
-        cfg.strategy, options = privacy_strategy(args, cfg.strategy, cfg.clients_per_round or cfg.clients,
-                                                 cfg.overselect, cfg.clients)
-        cfg.strategy_options.update(options)
         completed: list[int] = []  # the rounds that completed, to say where a lost process stopped the run
         callbacks = [progress.round_ended, table.row, *observers.round_callbacks(),
                      lambda row: completed.append(row["round"])]

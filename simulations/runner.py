@@ -93,6 +93,17 @@ def check_traces(cfg: SimulationConfig) -> None:
     traces_for(cfg.trace, cfg.clients, cfg.seed)
 
 
+def check_settings(cfg: SimulationConfig) -> None:
+    """ValueError, one line, for settings no simulation can run: checked before any process starts."""
+    check_device_layout(cfg.device)
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    check_seats(cfg)
+    check_traces(cfg)
+    check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
+    check_population_fits(cfg)
+
+
 def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
     """The device of each worker process: one GPU named by ``spec``, or workers dealt round-robin over
     the ``gpus`` visible GPUs (``cuda``/``auto`` on a GPU machine; default: this machine's), or the CPU."""
@@ -120,13 +131,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     for note in notes:
         log.warning(note)
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
-    check_device_layout(cfg.device)
-    if cfg.precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
-    check_seats(cfg)
-    check_traces(cfg)
-    check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
-    check_population_fits(cfg)
+    check_settings(cfg)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     flower_app = _flower_app(cfg)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts

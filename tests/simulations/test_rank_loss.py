@@ -115,13 +115,26 @@ def _kill_coordinator(out: Path, *flags: str, rounds: int, after: int) -> tuple[
                             stderr=subprocess.PIPE, text=True)
     try:
         _until(out, proc, lambda rows: len(rows) >= after)
-        os.kill(_coordinator(proc.pid), signal.SIGKILL)
+        coordinator = _coordinator(proc.pid)
+        tree = children(coordinator)  # its resource tracker, the worker, rank 1
+        os.kill(coordinator, signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    end = time.monotonic() + 20
+    while time.monotonic() < end and any(_running(p) for p in tree):
+        time.sleep(0.1)
+    assert not [p for p in tree if _running(p)], tree  # the killed coordinator's processes left with it
     return proc, err
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_kill_9_of_simulates_coordinator_with_a_checkpoint_folder_resumes_by_itself(tmp_path):
@@ -142,10 +155,10 @@ def test_kill_9_of_simulates_coordinator_with_a_checkpoint_folder_resumes_by_its
 
 
 def test_kill_9_of_simulates_coordinator_without_a_checkpoint_folder_says_how_to_resume(tmp_path):
-    """Without --checkpoint-dir, kill -9 of simulate's coordinator ends the run with one line saying what happened
-    and how to resume, and a non-zero exit."""
+    """Without --checkpoint-dir, kill -9 of simulate's coordinator (rank 0 of 2 aggregator ranks) ends the run with
+    one line saying what happened and how to resume, and a non-zero exit; rank 1 and the worker leave with it."""
     out = tmp_path / "out"
-    proc, err = _kill_coordinator(out, rounds=40, after=1)
+    proc, err = _kill_coordinator(out, "--aggregator-ranks", "2", rounds=40, after=1)
     assert proc.returncode == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
