@@ -82,6 +82,10 @@ def test_ranks_1_and_2_lost_at_random_rounds_cost_at_most_the_open_round_each(tm
     lost = [line for line in err.splitlines() if " lost (died or hung); going on with " in line]
     said = sorted(int(k) for line in lost for k in re.findall(r"rank (\d)", line.split(" lost ")[0]))
     assert said == [1, 2], err  # each loss said once (both in one line when they fall in the same round)
+    for line in lost:  # the round open at a loss counts nothing from the lost rank: its partial sum was dropped
+        if match := re.search(r"of round (\d+) are not counted", line):
+            for k in re.findall(r"rank (\d)", line.split(" lost ")[0]):
+                assert rows[int(match.group(1)) - 1][f"r{k}_uploads"] == 0, (line, rows[int(match.group(1)) - 1])
     for rank in (1, 2):
         assert err.count(f"aggregator ranks: starting a new process for rank {rank} (restart 1 of") == 1, err
         assert err.count(f"rank {rank} taken back; going on with") <= 1, err
