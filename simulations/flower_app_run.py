@@ -40,7 +40,8 @@ def flower_app_refusal(cfg: SimulationConfig) -> str | None:
                                                                "--upload-compression"),
              (cfg.client_batching, "--client-batching"), (cfg.trace is not None, "--trace"),
              (cfg.drop_probability > 0, "--drop-probability"), (cfg.clients_per_round not in (None, cfg.clients),
-                                                                "--clients-per-round")]
+                                                                "--clients-per-round"),
+             (cfg.checkpoint_dir is not None, "--checkpoint-dir")]
     named = [flag for on, flag in asked if on]
     if not named:
         return None

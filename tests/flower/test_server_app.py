@@ -72,6 +72,7 @@ def test_settings_a_server_app_run_cannot_honour_are_refused_in_one_line():
     line = flower_app_refusal(SimulationConfig(clients=3, secure_aggregation=True))
     assert "--secure-aggregation" in line and "--strategy" in line and "\n" not in line
     assert "--task" in flower_app_refusal(SimulationConfig(clients=3, task="own_task.py:make"))
+    assert "--checkpoint-dir" in flower_app_refusal(SimulationConfig(clients=3, checkpoint_dir="ckpt"))  # no resume
     assert flower_app_refusal(SimulationConfig(clients=3)) is None
 
 
