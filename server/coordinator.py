@@ -43,6 +43,7 @@ from fedpar.server.secure_round import SecureRound
 from fedpar.server.virtual_clock import VirtualClock
 
 log = logging.getLogger("fedpar.server")
+TRIM_SECONDS = 1.0  # the least time between two heap trims (rounds shorter than this share one)
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
 
@@ -150,6 +151,7 @@ class Coordinator(IngestPlane):
         self.keeps_members = False  # a service's next run takes the members: they never hear that training is over
         self.metrics = RoundMetricsLog(config.metrics_path, declared_columns(config), config.target_accuracy)
         self.started_at = time.monotonic()
+        self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
 
     # ----------------------------------------------------------------- life cycle
@@ -311,8 +313,11 @@ class Coordinator(IngestPlane):
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)
-        # a round's freed buffers leave the process (benchmarks/soak.py), beside the next round's opening
-        asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
+        # freed buffers leave the process (benchmarks/soak.py), beside the next round's opening; at most once per
+        # TRIM_SECONDS: a full collection and a trim cost the loop about a millisecond, a short round's tenth
+        if now - self._trimmed_at >= TRIM_SECONDS:
+            self._trimmed_at = now
+            asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
 
     async def _model_work(self, fn, *args):
         """``fn(*args)``, work of the round's that grows with the model: on the loop for a small model (a thread's

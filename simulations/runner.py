@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compatibility import check_composition
@@ -156,12 +157,18 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     for recv, _ in pipes:
         recv.close()  # the child's end
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
+    threads = torch.get_num_threads()
+    if device_kind(cfg.device) == "cpu":
+        # the workers train on the cores: the coordinator folds and evaluates on one thread, as torch's default of
+        # one per core spin-waits on the cores the workers need (benchmarks/population_bench.py --steady)
+        torch.set_num_threads(1)
     try:
         summary = _run(cfg, strategy, task, on_round, started, out, procs, [send for _, send in pipes], on_server,
                        on_progress, flower_app, on_stage or (lambda what: None), store)
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
+        torch.set_num_threads(threads)
         for _, send in pipes:
             if not send.closed:
                 try:

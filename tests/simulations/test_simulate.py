@@ -69,3 +69,21 @@ def test_heterogeneous_federation_overselects_and_leaves_slow_and_dropping_clien
     # Slow devices need ~0.5 s per step: they cannot be among the first K, and drops happen per agent.
     assert sum(r["late"] for r in rows) >= 3
     assert summary["final_test_accuracy"] > 0.3  # chance is 0.1: the fast clients still teach the model
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_folds_on_one_thread_while_cpu_workers_train_and_gives_threads_back(tmp_path):
+    from fedpar.simulations.runner import SimulationConfig, run_simulation
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []  # torch's threads where the coordinator finishes each round
+    try:
+        summary = run_simulation(SimulationConfig(clients=2, rounds=2, workers=1, device="cpu",
+                                                  out=str(tmp_path / "out")),
+                                 on_round=lambda row: seen.append(torch.get_num_threads()))
+        assert summary["failed_rounds"] == 0
+        assert seen == [1, 1]
+        assert torch.get_num_threads() == 2  # the caller's setting, back after the run
+    finally:
+        torch.set_num_threads(before)
