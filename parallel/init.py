@@ -158,8 +158,8 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                 if not (rank_0_decides or rank_0_resumes):
                     while not context.join(timeout=0.5):
                         pass
-                elif _follow_rank_0(context, lambda rank: _start_replacement(rank, nproc, port, fn, args, env), budget,
-                                    rank_0_resumes):
+                elif _follow_rank_0(context, lambda rank: _start_replacement(rank, nproc, port, fn, args, env,
+                                                                             start_method), budget, rank_0_resumes):
                     continue  # rank 0 died and resumes: every rank again
             except KeyboardInterrupt:
                 stop_ranks(ranks, stop_grace)
@@ -176,9 +176,10 @@ def fork_safe() -> bool:
 
 
 def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
-                       env: dict[str, str]):
-    """A fresh process in lost rank ``rank``'s slot, told it replaces it (it asks rank 0 to take it back)."""
-    process = mp.get_context("spawn").Process(target=_spawned_worker, name=f"fedpar-rank-{rank}",
+                       env: dict[str, str], start_method: str):
+    """A fresh process in lost rank ``rank``'s slot, told it replaces it (it asks rank 0 to take it back); started as
+    the launch started its ranks (forked: the launcher still runs one thread, it only watches its ranks)."""
+    process = mp.get_context(start_method).Process(target=_spawned_worker, name=f"fedpar-rank-{rank}",
                                               args=(rank, nproc, port, fn, args, True, {**env, REPLACEMENT_ENV: "1"}))
     with children_ignore_interrupts():
         process.start()
