@@ -102,9 +102,7 @@ without a rank that is lost."""
         before = list(self.group.members)
         await loop.run_in_executor(self._thread, self.group.leave)  # the ranks waiting in a collective wake up
         for _ in range(REFORM_TRIES):
-            await asyncio.sleep(LOST_AFTER_SECONDS)  # a lost rank's heartbeat is then overdue
-            now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
-            alive = [0] + [r for r in before[1:] if now - heard.get(r, float("-inf")) < LOST_AFTER_SECONDS]
+            alive = [0] + await self._heard_again(before[1:])
             try:
                 await loop.run_in_executor(self._thread, self.group.reform, alive)
             except RankMissing as exc:  # a rank was lost while the group formed: try again without it
@@ -114,6 +112,18 @@ without a rank that is lost."""
             self._last_sent = time.monotonic()
             return
         raise RankMissing(f"{failure}; {self.silent_ranks()}; the aggregator ranks could not form their group again")
+
+    async def _heard_again(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` whose heartbeat arrives again, once each is either heard from (alive) or silent for
+        LOST_AFTER_SECONDS (lost; a rank never heard from is counted silent from now): at most that long, less when
+        the lost ones were silent already (a hung rank, which the failed collective waited for)."""
+        start = time.monotonic()
+        while True:
+            now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
+            alive = [r for r in ranks if heard.get(r, start) > start]
+            if all(r in alive or now - heard.get(r, start) >= LOST_AFTER_SECONDS for r in ranks):
+                return alive
+            await asyncio.sleep(HEARTBEAT_SECONDS / 10)
 
     def _drop(self, lost: list[int], state: RoundState | None) -> None:
         """Go on without ``lost``: their calls are refused from now on and their uploads in ``state`` not counted."""
