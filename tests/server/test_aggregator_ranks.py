@@ -463,6 +463,8 @@ def test_two_ranks_run_what_needs_every_update_or_weight_and_give_the_one_rank_m
                 strategy.fold(update, EXAMPLES[agent.agent_id], agent.agent_id)
                 assert agent.send(task, update, EXAMPLES[agent.agent_id], names).accepted
             expected, _ = strategy.finish()
+        for agent in agents:  # told on their next poll: serve then exits without lingering
+            assert agent.shutdown_reason() == "training finished after round 2"
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
     finally:
         if proc.poll() is None:
