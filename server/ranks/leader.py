@@ -44,9 +44,10 @@ class RankLeader:
 without a rank that is lost."""
 
     def __init__(self, group: RankGroup, advertised_host: str = "", tls: TlsFiles | None = None,
-                 on_lost: Callable[[list[int]], None] | None = None):
+                 on_lost: Callable[[list[int]], None] | None = None, ended: Callable[[int], bool] | None = None):
         self.group = group
         self.on_lost = on_lost  # told the ranks declared lost (simulate's launcher ends their processes)
+        self.ended = ended  # whether a rank's process is known to have ended (simulate's launcher knows): lost at once
         self.lost: list[int] = []  # ranks declared lost, in order
         self._lock = asyncio.Lock()  # one step of collectives, or one re-forming, at a time
         self._broken: str | None = None  # why the group could not be formed again, if it could not
@@ -114,14 +115,16 @@ without a rank that is lost."""
         raise RankMissing(f"{failure}; {self.silent_ranks()}; the aggregator ranks could not form their group again")
 
     async def _heard_again(self, ranks: list[int]) -> list[int]:
-        """Those of ``ranks`` whose heartbeat arrives again, once each is either heard from (alive) or silent for
-        LOST_AFTER_SECONDS (lost; a rank never heard from is counted silent from now): at most that long, less when
-        the lost ones were silent already (a hung rank, which the failed collective waited for)."""
+        """Those of ``ranks`` whose heartbeat arrives again, once each is either heard from (alive), silent for
+        LOST_AFTER_SECONDS or its process known to have ended (lost; a rank never heard from is counted silent from
+        now): at most that long, less when the lost ones were silent already (a hung rank, which the failed collective
+        waited for) or are known dead."""
         start = time.monotonic()
         while True:
             now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
-            alive = [r for r in ranks if heard.get(r, start) > start]
-            if all(r in alive or now - heard.get(r, start) >= LOST_AFTER_SECONDS for r in ranks):
+            dead = [r for r in ranks if self.ended is not None and self.ended(r)]
+            alive = [r for r in ranks if heard.get(r, start) > start and r not in dead]
+            if all(r in alive or r in dead or now - heard.get(r, start) >= LOST_AFTER_SECONDS for r in ranks):
                 return alive
             await asyncio.sleep(HEARTBEAT_SECONDS / 10)
 

@@ -104,7 +104,8 @@ class IngestRanks:
                 p.start()
         _join(0, world, self.port, self.spec)
         self.leader = RankLeader(RankGroup(self.spec.config.aggregator_timeout_seconds, self.namespace),
-                                 tls=server_tls_files(spec.certs_dir) if spec.certs_dir else None, on_lost=self.end)
+                                 tls=server_tls_files(spec.certs_dir) if spec.certs_dir else None, on_lost=self.end,
+                                 ended=lambda rank: self.procs[rank - 1].exitcode is not None)
 
     def _process(self, rank: int, replacing: bool) -> mp.Process:
         return mp.get_context("spawn").Process(
