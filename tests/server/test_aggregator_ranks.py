@@ -372,8 +372,8 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
 
 
 def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_path):
-    """SIGSTOP rank 1 mid-round: rank 0 declares it lost (no heartbeat), the round closes on rank 0's two uploads and
-    its model is exactly their weighted mean; rank 1, woken later, finds itself left out and leaves, and the launcher
+    """SIGSTOP rank 1 mid-round: rank 0 declares it lost (no heartbeat), the round closes on rank 0's two uploads
+    (sent after the loss) and its model is exactly their weighted mean; rank 1, woken later, finds itself left out and leaves, and the launcher
     starts a new rank 1 (which, the rounds being over, finds no group to join and leaves in one line)."""
     layout = _layout()
     proc = _serve(tmp_path, 2, "--rounds", "2", "--clients-per-round", "4", "--aggregator-timeout", "4",
@@ -388,15 +388,9 @@ def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_pa
                               NAMES).accepted
         tasks = [agent.task(60) for agent in agents]
         model1 = agents[0].fetch(tasks[0], layout)
-        survivors = []
-        for agent, task in zip(agents, tasks):
-            if not task.ingest_port:  # rank 0's two agents are in; rank 1 stops before its two arrive
-                update = _update(agent.agent_id, 2, model1)
-                assert agent.send(task, update, EXAMPLES[agent.agent_id], NAMES).accepted
-                survivors.append((update, EXAMPLES[agent.agent_id]))
         pid = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", (tmp_path / "serve.log").read_text()).group(1))
-        os.kill(pid, signal.SIGSTOP)
-        end = time.monotonic() + 60  # a tick's barrier waits 4 s for rank 1, then its heartbeat is 3 s overdue
+        os.kill(pid, signal.SIGSTOP)  # before its two agents' uploads arrive
+        end = time.monotonic() + 60  # a tick's barrier waits 4 s for rank 1, whose heartbeat is then overdue
         while time.monotonic() < end and "rank 1 lost" not in (tmp_path / "serve.log").read_text():
             time.sleep(0.1)
         os.kill(pid, signal.SIGCONT)  # it finds the group re-formed without it, and leaves
@@ -405,6 +399,14 @@ def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_pa
             time.sleep(0.1)  # the launcher starts a new process in its slot
         assert not Path(f"/proc/{pid}").exists() or \
             Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # the woken rank 1 left
+        # Round 2, still open, closes on rank 0's two agents (sent only now: serve waits about 2 s for agents to
+        # hear that the rounds are over, and this test's agents hear it only after the lines above).
+        survivors = []
+        for agent, task in zip(agents, tasks):
+            if not task.ingest_port:
+                update = _update(agent.agent_id, 2, model1)
+                assert agent.send(task, update, EXAMPLES[agent.agent_id], NAMES).accepted
+                survivors.append((update, EXAMPLES[agent.agent_id]))
         while time.monotonic() < end and len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) < 2:
             time.sleep(0.1)
         metrics = re.search(r"Prometheus metrics at (\S+)", (tmp_path / "serve.log").read_text()).group(1)
