@@ -372,9 +372,9 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
 
 
 def test_a_hung_rank_is_dropped_and_the_round_closes_on_what_rank_0_holds(tmp_path):
-    """SIGSTOP rank 1 mid-round: rank 0 declares it lost (no heartbeat), the round closes on rank 0's two uploads
-    (sent after the loss) and its model is exactly their weighted mean; rank 1, woken later, finds itself left out and leaves, and the launcher
-    starts a new rank 1 (which, the rounds being over, finds no group to join and leaves in one line)."""
+    """SIGSTOP rank 1 mid-round: rank 0 declares it lost (no heartbeat); rank 1, woken, finds itself left out and
+    leaves, and the launcher starts a new rank 1 (which, the rounds being over, finds no group to join and leaves in
+    one line); the round closes on rank 0's two uploads and its model is exactly their weighted mean."""
     layout = _layout()
     proc = _serve(tmp_path, 2, "--rounds", "2", "--clients-per-round", "4", "--aggregator-timeout", "4",
                   "--deadline", "60", "--metrics-port", "0")
