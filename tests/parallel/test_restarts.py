@@ -58,7 +58,7 @@ def test_restarts_older_than_an_hour_no_longer_count(caplog):
 
 def _rank_1_dies(folder: str) -> None:
     """Rank 1 (and each replacement) notes its pid and dies at once; rank 0 leaves once the last rank 1 it expects
-    is gone and the launcher has had time to see it."""
+    is gone and the launcher has seen it (reaped it: it then weighs a restart at once, while rank 0 is alive)."""
     note = Path(folder, "rank1")
     if os.environ["RANK"] == "1":
         with note.open("a") as f:
@@ -67,7 +67,10 @@ def _rank_1_dies(folder: str) -> None:
     end = time.monotonic() + 60
     while time.monotonic() < end and len(note.read_text().splitlines() if note.exists() else []) < 2:
         time.sleep(0.05)
-    time.sleep(2.0)  # the launcher looks at its ranks twice a second
+    last = note.read_text().splitlines()[-1].split()[0]
+    while time.monotonic() < end and Path(f"/proc/{last}").exists():  # a zombie until the launcher reaps it
+        time.sleep(0.05)
+    time.sleep(0.5)
 
 
 def test_a_launch_leaves_a_slot_lost_once_its_restarts_are_spent(tmp_path, caplog):
