@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/restart_serve.py --ranks 1 --restarts 2
 
 The coordinator is soak.py's (digits, the MLP, 8 agents a round, deadline 0.5 s, a checkpoint every round); the
-agents are real agents in threads of one process (soak.agent_group) that re-join by themselves. The coordinator is
+agents are real agents in threads of one process (soak.agent_group) that re-join by themselves, waiting at
+most `--agent-max-backoff` between tries (an agent's default `--max-backoff`). The coordinator is
 killed with its ranks and started again with the same command, alternately with its ranks forked from the launcher
 (what serve does on a machine without a GPU) and spawned as fresh interpreters (what it does with a GPU, and did
 everywhere before: each rank imports torch again), so both are measured under the same load. Each restart is timed
@@ -26,6 +27,7 @@ from pathlib import Path
 from results import RESULTS, write_results  # benchmarks/, this script's folder
 from soak import MetricsTail, _kill_tree
 
+from fedpar.client.backoff import MAX_BACKOFF_SECONDS
 from fedpar.parallel.init import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,13 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=10, help="agents (threads of one process)")
     p.add_argument("--restarts", type=int, default=3, help="restarts of each kind (forked, spawned), alternating")
     p.add_argument("--gap", type=int, default=5, help="rounds between restarts")
+    p.add_argument("--agent-max-backoff", type=float, default=MAX_BACKOFF_SECONDS,
+                   help="the agents' longest wait between tries while the coordinator is down (default: an agent's "
+                   "default --max-backoff)")
     p.add_argument("--json", type=Path, default=RESULTS / "restart_serve.json", help="where the figures go")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="fedpar-restart-serve-"))
     coordinator = Coordinator(args, work)
     coordinator.start(spawned=False)
     server = f"127.0.0.1:{coordinator.port}"
-    call = f"from soak import agent_group; agent_group({server!r}, list(range({args.agents})), {args.agents}, 0, 0)"
+    call = (f"from soak import agent_group; agent_group({server!r}, list(range({args.agents})), {args.agents}, 0, 0, "
+            f"{args.agent_max_backoff!r})")
     agents = subprocess.Popen([sys.executable, "-c", call], cwd=ROOT, env=coordinator.env,
                               stdout=subprocess.DEVNULL, stderr=open(work / "agents.log", "a"))
     load_before = os.getloadavg()

@@ -258,10 +258,12 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 # ----------------------------------------------------------------------------- agents sharing a process
-def agent_group(server: str, slots: list[int], partitions: int, seed: int, leave_every: float) -> None:
+def agent_group(server: str, slots: list[int], partitions: int, seed: int, leave_every: float,
+                max_backoff: float = 1.0) -> None:
     """Run real agents (client/agent.py, digits MLP) for ``slots`` in threads of this process, until killed. Each
     leaves after a random time (mean ``leave_every`` seconds; 0: never) and joins again a few seconds later, half
-    of the time under a new id."""
+    of the time under a new id. Each waits at most ``max_backoff`` seconds between tries at a coordinator that is
+    down."""
     import threading
 
     import torch
@@ -282,7 +284,7 @@ def agent_group(server: str, slots: list[int], partitions: int, seed: int, leave
         train, val = local_split(splits.train, parts[slot], 0.1, 0)
         model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
         agent = Agent(AgentConfig(insecure=True, server=server, agent_id=agent_id, poll_seconds=2.0,
-                                  initial_backoff=0.1, max_backoff=1.0, give_up_after=3600.0),
+                                  initial_backoff=0.1, max_backoff=max_backoff, give_up_after=3600.0),
                       LocalTrainer(model, train, val, seed=slot))
         threading.Thread(target=quietly, args=(agent,), daemon=True).start()
         return agent
