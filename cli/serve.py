@@ -195,6 +195,8 @@ def _torchrun_rank(args: argparse.Namespace) -> None:
 
 def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None) -> int:
     """Serve in ``world`` local aggregator rank processes (``more``: options only they get); the exit code."""
+    from torch.multiprocessing import ProcessExitedException
+
     from fedpar.parallel.init import fork_safe, spawn
 
     # Forked ranks skip the interpreter's start and torch's import: most of a restart's time. Not under a run
@@ -209,7 +211,7 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
         return 0 if args.state is not None else exit_code(signal_name(exc))  # a service ends cleanly by signal
     except Exception as exc:  # a rank died or hung: the others were stopped with it
-        if getattr(exc, "error_index", None) == 0 and (getattr(exc, "exit_code", None) or 0) > 0:
+        if isinstance(exc, ProcessExitedException) and exc.error_index == 0 and exc.exit_code > 0:
             return exc.exit_code  # rank 0 ended by itself, and said why in its own line
         print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
               "resume after the last checkpointed round", file=sys.stderr)

@@ -107,6 +107,7 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     (``kill -9``, a crash), it is started again with a ``--checkpoint-dir`` (at most 3 times an hour) and resumes
     after the last checkpointed round; without one, one line says what happened. The exit code."""
     import torch
+    from torch.multiprocessing import ProcessExitedException
 
     from fedpar.cli.serve import plain_options
     from fedpar.parallel.init import fork_safe, spawn
@@ -118,11 +119,9 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
               start_method="fork" if fork_safe() else "spawn", rank_0_resumes=cfg.checkpoint_dir is not None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
         return exit_code(signal_name(exc))
-    except Exception as exc:  # the child died: by a signal, or with an exit code after saying why
-        if (getattr(exc, "exit_code", None) or 0) > 0:
+    except ProcessExitedException as exc:  # the child died: by a signal, or with an exit code after saying why
+        if exc.exit_code > 0:
             return exc.exit_code
-        if getattr(exc, "signal_name", None) is None:  # it raised what fedpar cannot name: a bug, with its traceback
-            raise
         print(f"fedpar simulate: the coordinator process was ended by {exc.signal_name} after round "
               f"{_rounds_written(cfg.out)}; {_how_to_go_on(cfg)}", file=sys.stderr)
         return 1
@@ -140,12 +139,14 @@ def _how_to_go_on(cfg: SimulationConfig) -> str:
 
 
 def _rounds_written(out: str | None) -> int:
-    """The last round OUT/metrics.jsonl holds (0: none)."""
+    """The last round OUT/metrics.jsonl holds (0: none), read from the file's end."""
     from pathlib import Path
 
+    from fedpar.protocol.run_logs import lines_backward
+
     metrics = Path(out) / "metrics.jsonl" if out else None
-    lines = metrics.read_text().splitlines() if metrics is not None and metrics.exists() else []
-    return json.loads(lines[-1])["round"] if lines else 0
+    lines = lines_backward(metrics) if metrics is not None and metrics.exists() else ()
+    return next((json.loads(line)["round"] for _, line in lines if line.strip()), 0)
 
 
 def simulate_here(options: dict) -> None:
