@@ -1,5 +1,6 @@
 """Giving a round's freed memory back to the operating system, for long-lived processes (the coordinator and its
-aggregator ranks call :func:`trim_heap` after every round), and a switch to find what still grows.
+aggregator ranks call :func:`trim_heap` after a round: the ranks after every one, the coordinator at most once a
+second), and a switch to find what still grows (both count rounds with :func:`count_round`).
 
 ``FEDPAR_HEAP_TRACE=FILE[:EVERY]`` in a server's environment (off by default; it slows rounds) starts tracemalloc
 when the startup heap is frozen and, every EVERY rounds (500), appends to FILE (``.rankN`` added on ranks other
@@ -158,8 +159,13 @@ def trim_heap() -> bool:
     """
     if _collect_each_round:
         gc.collect()
+    return bool(_libc.malloc_trim(0)) if _libc is not None else False
+
+
+def count_round() -> None:
+    """Count a finished round for the traces FEDPAR_HEAP_TRACE and FEDPAR_NATIVE_TRACE ask for (nothing without
+    them): called every round, since one trim may cover several (the coordinator trims at most once a second)."""
     if _trace is not None:
         _trace.round_done()
     if _native is not None:
         _native.round_done()
-    return bool(_libc.malloc_trim(0)) if _libc is not None else False

@@ -22,7 +22,7 @@ import numpy as np
 
 from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.strategy import accumulate_in
-from fedpar.protocol.heap import trim_heap
+from fedpar.protocol.heap import count_round, trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.tls import TlsFiles
 from fedpar.server.config import CoordinatorConfig
@@ -151,6 +151,7 @@ class IngestRank(IngestPlane):
         await self._collective(self.group.broadcast_arrays, weights)
         self.weights, self.round_id = weights, round_id
         await self._publish_payload(round_id + 1)
+        count_round()
         await self._in_thread(trim_heap)  # a round's freed buffers leave the process, as on rank 0
 
     async def _open(self, opened: pb.RankOpen) -> None:

@@ -63,12 +63,13 @@ print(frozen, alive() is None)
 def test_the_heap_trace_names_the_line_whose_allocations_grow_every_round(tmp_path):
     # FEDPAR_HEAP_TRACE: the first dump is the baseline, later ones say what grew since it (a list kept per round).
     script = """
-from fedpar.protocol.heap import freeze_startup_heap, trim_heap
+from fedpar.protocol.heap import count_round, freeze_startup_heap, trim_heap
 
 history = []
 freeze_startup_heap()
 for _ in range(30):
     history.append(bytearray(10_000))  # kept_every_round
+    count_round()
     trim_heap()
 """
     trace, program = tmp_path / "trace.txt", tmp_path / "server.py"  # a file: the trace quotes its lines
@@ -115,13 +116,14 @@ def test_the_native_trace_holds_only_what_its_window_of_rounds_allocated_and_kep
     # still allocated at round 15: the blocks kept every round in that window, and the last round's scratch.
     memray = pytest.importorskip("memray")
     script = """
-from fedpar.protocol.heap import freeze_startup_heap, trim_heap
+from fedpar.protocol.heap import count_round, freeze_startup_heap, trim_heap
 
 history = []
 freeze_startup_heap()
 for _ in range(20):
     history.append(bytearray(100_000))  # kept every round
     scratch = bytearray(300_000)  # freed by the next round
+    count_round()
     trim_heap()
 """
     record = tmp_path / "native.bin"
