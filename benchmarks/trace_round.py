@@ -5,14 +5,15 @@ Starts `fedpar serve` and one `fedpar client` (digits, one round, K = 1, every o
 processes, each under a profiler (``sys.setprofile`` on every thread) that notes the fedpar files whose functions
 are called:
 - the round: on the coordinator from the start of the round (``Coordinator._run_round``) to the end of the run
-  (``Members.finish``); on the agent from its task's arrival (``ClientRuntime._dispatch``) to the end of that task.
+  (``Members.finish``), leaving out what the main thread runs meanwhile (the command's own wait loop: the live
+  progress bar, the stop check; it polls from start to end, and the coordinator and its workers run on threads of
+  their own); on the agent from its task's arrival (``ClientRuntime._dispatch``) to the end of that task.
   Start-up, joining and shutting down are left out;
 - one upload: on the agent from the update's upload call (``PlainUpload.upload``) to its reply, on that thread;
   on the coordinator from the upload RPC (``UploadSmall`` / ``UploadUpdate``) to the end of its intake
   (``UploadIntake.settle``), leaving out what the round's own task (``Coordinator.run`` and the round it awaits)
-  runs meanwhile (closing the round) and what the main thread runs meanwhile (the command's own wait loop: the
-  progress bar, the stop file; the coordinator and its workers run on threads of their own), as the agent's window
-  keeps to the upload's thread.
+  runs meanwhile (closing the round) and, as in the round, what the main thread runs meanwhile, as the agent's
+  window keeps to the upload's thread.
 A file counts when any of its code runs in a window: a function of it is called, or a frame of it that was entered
 before the window goes on (it calls into C, or a callee returns to it). Only files of the rooms pyproject.toml maps
 to fedpar.* count (no third-party code, no tests or benchmarks); generated protobuf modules do not. Prints the
@@ -123,19 +124,25 @@ class Tracer:
 
     def _note(self, frame, rel: str, function: str) -> None:
         """``rel``'s code runs in ``frame`` now: count it in the windows that are open."""
-        if self.in_round:
+        if self.in_round and not self._commands_loop():
             self.round.add(rel)
             self.functions["round"].add(f"{rel}:{function}")
         if self.in_upload and self._in_upload_window(frame):
             self.upload.add(rel)
             self.functions["upload"].add(f"{rel}:{function}")
 
+    def _commands_loop(self) -> bool:
+        """Whether this is the coordinator's main thread: `fedpar serve`'s wait loop (the live progress bar, the
+        stop check), which polls twice a second from start to end whether or not a round or an upload runs, so
+        that it fell in a window or not by timing. The coordinator and its workers run on threads of their own."""
+        return self.side == "server" and threading.current_thread() is threading.main_thread()
+
     def _in_upload_window(self, frame) -> bool:
-        """On the agent: the upload's thread; on the coordinator: anything but the main thread (the command's wait
-        loop, which polls whether or not an upload runs) and the round's own task."""
+        """On the agent: the upload's thread; on the coordinator: anything but the command's wait loop and the
+        round's own task."""
         if self.side == "agent":
             return threading.get_ident() == self.upload_thread
-        if threading.current_thread() is threading.main_thread():
+        if self._commands_loop():
             return False
         not_upload = self.marks["not_upload"]  # the round's own task: its loop and the round it awaits
         while frame is not None:

@@ -33,6 +33,7 @@ class OneShotService(RunService):
 
     keeps_members = False  # the agents hear that training is over, and stop
     samples_by_task = False  # as before services: every agent that joins is sampled
+    records_rounds = False  # its store lives in memory and no one follows it: the rows are in --out's metrics.jsonl
 
     def __init__(self, args: argparse.Namespace, store: RunStore, plan: Callable):
         super().__init__(args, store, args.port, plan)

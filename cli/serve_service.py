@@ -162,6 +162,7 @@ class RunService:
     # What one form of the service does differently from the other (cli/serve_once.py overrides these).
     keeps_members = True  # the next run takes the agents: they never hear that training is over
     samples_by_task = True  # only agents that declared the run's task are sampled
+    records_rounds = True  # each round's row goes into the run store too, where 'fedpar run' followers read it
 
     def options_of(self, run) -> argparse.Namespace:
         """The options of ``run``: the service's, with its settings over them, writing in PATH.runs/ID."""
@@ -214,7 +215,8 @@ class RunService:
                                                                "checkpoint_dir": args.checkpoint_dir}), plan)
             record = lambda row: self.store.record_round(run.id, json_ready(row))  # noqa: E731
             server = plan.assembly.server(
-                plan.config, plan.strategy, on_round_end=[record, *self.round_callbacks(plan, ranks),
+                plan.config, plan.strategy, on_round_end=[*([record] if self.records_rounds else []),
+                                                          *self.round_callbacks(plan, ranks),
                                                           *([events.write] if events else [])],
                 admission=plan.security.admission, host=self.args.host, port=self.port,
                 credentials=plan.security.credentials, data_tls=plan.security.data_tls, ranks=ranks)
@@ -238,7 +240,8 @@ class RunService:
                 return self._end(run, "failed", f"{exc}; try another --port (0 picks a free one)", code=1)
             self.listening(server, plan)
             resumed = server.coordinator.metrics.last  # a kill between a round's checkpoint and its row here
-            if resumed is not None and server.coordinator.round_id > self.store.get(run.id).round:
+            if (self.records_rounds and resumed is not None
+                    and server.coordinator.round_id > self.store.get(run.id).round):
                 record(resumed)
             while not server.wait(0.5):
                 self.waiting(server)

@@ -119,6 +119,7 @@ class TaskTrainer:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.task = task
         self.device = torch.device(device)
+        self._wait = queue_waiter(self.device)  # what each run's Deadline calls before a clock read: per device
         self.precision = precision
         model = task.model() if model is None else model
         if not isinstance(model, torch.nn.Module):
@@ -192,7 +193,7 @@ class TaskTrainer:
         (``settings``: not read)."""
         start = time.monotonic()
         config = LocalConfig(epochs, batch_size, lr, round_id, self.seed, proximal_mu, max_steps, self.device)
-        deadline = Deadline(stop_at, queue_waiter(self.device), self._clock)
+        deadline = Deadline(stop_at, self._wait, self._clock)
         with self._taking_turn():
             trained = train_task(self.task, self.model, self.data, config, deadline, self.precision,
                                  self._pause if self.delay else None)

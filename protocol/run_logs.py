@@ -273,18 +273,22 @@ class AppendedCsv:
         self.rewrites = 0
 
     def append(self, row: dict) -> None:
-        """Add ``row`` (already in ``source``) as the table's last line."""
+        """Add ``row`` (already in ``source``) as the table's last line; the first row starts the table, header
+        first, written like any later line (a crash that tears it is repaired as theirs is: :meth:`settle`)."""
         if self.columns is None or not self.path.exists():
             self.columns = csv_columns([row, dict.fromkeys(self.declared)])
-            atomic_write_bytes(self.path, [csv_bytes([row], self.columns)])
+            self._write("wb", csv_bytes([row], self.columns))
         elif set(row) <= set(self.columns):
-            try:
-                with self.path.open("ab") as fh:
-                    fh.write(csv_bytes([row], self.columns, header=False))
-            except OSError as exc:  # a full disk says no file name when the write fails: name the one it was for
-                raise OSError(exc.errno, exc.strerror, exc.filename or str(self.path)) from exc
+            self._write("ab", csv_bytes([row], self.columns, header=False))
         else:
             self.rewrite(csv_columns([dict.fromkeys(self.columns), row]))
+
+    def _write(self, mode: str, data: bytes) -> None:
+        try:
+            with self.path.open(mode) as fh:
+                fh.write(data)
+        except OSError as exc:  # a full disk says no file name when the write fails: name the one it was for
+            raise OSError(exc.errno, exc.strerror, exc.filename or str(self.path)) from exc
 
     def rewrite(self, columns: list[str] | None = None) -> None:
         """Write the whole table anew from ``source`` (``columns``; default: the declared ones and every key of

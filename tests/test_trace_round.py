@@ -61,3 +61,18 @@ def test_the_coordinators_upload_window_leaves_out_the_main_threads_wait_loop():
     worker.start()
     worker.join()
     assert tracer.upload == {"server/uploads.py"}  # the coordinator's own threads count
+
+
+def test_the_coordinators_round_window_leaves_out_the_main_threads_wait_loop():
+    tracer = _tracer("server")
+    tracer.in_round = True
+    tracer(_frame_of("cli/serve_once.py"), "c_call", None)  # serve's wait loop polls the progress bar meanwhile
+    assert tracer.round == set()
+    worker = threading.Thread(target=lambda: tracer(_frame_of("cli/progress.py"), "c_call", None))
+    worker.start()  # the round's own row, printed on the coordinator's thread, counts
+    worker.join()
+    assert tracer.round == {"cli/progress.py"}
+    agent = _tracer("agent")  # an agent runs its round on its main thread
+    agent.in_round = True
+    agent(_frame_of("client/runtime.py"), "c_call", None)
+    assert agent.round == {"client/runtime.py"}
