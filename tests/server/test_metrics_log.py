@@ -111,7 +111,7 @@ def _rounds(path) -> list[int]:
 
 
 @pytest.mark.parametrize("damage", ["rounds after the checkpoint", "torn last line", "crash before its line",
-                                    "csv one row behind", "csv torn", "csv missing"])
+                                    "csv one row behind", "csv torn", "csv header torn", "csv missing"])
 def test_resume_keeps_exactly_the_rows_up_to_the_checkpointed_round_in_both_files(tmp_path, damage):
     rows = [_row(r) for r in range(1, 7)]
     last = 4  # the checkpointed round
@@ -128,6 +128,8 @@ def test_resume_keeps_exactly_the_rows_up_to_the_checkpointed_round_in_both_file
     if damage == "csv torn":
         with table.open("ab") as fh:
             fh.write(b"7,ok,3,")
+    if damage == "csv header torn":  # killed while the first row started the table (it is appended, not renamed)
+        table.write_bytes(table.read_bytes()[:7])
     if damage == "csv missing":
         table.unlink()
     summary = _logged(tmp_path / "summary-only", rows[:last]).summary.state()  # what the checkpoint holds
@@ -142,6 +144,15 @@ def test_resume_keeps_exactly_the_rows_up_to_the_checkpointed_round_in_both_file
     log.append(_row(5))  # and the run goes on from there
     assert _rounds(jsonl) == [1, 2, 3, 4, 5]
     assert [int(r["round"]) for r in csv.DictReader(table.open())] == [1, 2, 3, 4, 5]
+
+
+def test_a_runs_first_row_starts_metrics_csv_anew(tmp_path):
+    stale = _logged(tmp_path / "old", [_row(r) for r in range(1, 4)])  # an earlier run's files in the same folder
+    stale.path.unlink()
+    log = RoundMetricsLog(stale.path, DECLARED)
+    log.append(_row(1))
+    assert stale.csv_path.read_bytes() == _logged(tmp_path / "expected", [_row(1)]).csv_path.read_bytes()
+    assert [int(r["round"]) for r in csv.DictReader(stale.csv_path.open())] == [1]
 
 
 def _cut_after(path, round_id: int) -> None:
