@@ -36,8 +36,12 @@ def find(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """The positions of ``ids`` in ``sorted_ids`` (-1: not there)."""
     if not len(sorted_ids) or not len(ids):
         return np.full(len(ids), -1, np.int64)
-    dtype = widest(sorted_ids, ids)
-    sorted_ids, ids = sorted_ids.astype(dtype, copy=False), ids.astype(dtype, copy=False)
+    if ids.dtype.itemsize > sorted_ids.dtype.itemsize:  # widening the sorted array would copy it: longer ids are
+        at = np.full(len(ids), -1, np.int64)  # not there
+        fits = np.char.str_len(ids) <= sorted_ids.dtype.itemsize
+        at[fits] = find(sorted_ids, ids[fits].astype(sorted_ids.dtype))
+        return at
+    ids = ids.astype(sorted_ids.dtype, copy=False)
     at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
     return np.where(sorted_ids[at] == ids, at, -1)
 
@@ -172,14 +176,17 @@ class MemberTable:
             changed.append(run.ids[mine])
         return np.concatenate(changed) if changed else np.zeros(0, "S1")
 
-    def live(self, hosts_live: np.ndarray, excluded: np.ndarray) -> np.ndarray:
-        """The sorted ids of the members not away whose host index is set in ``hosts_live`` (GONE: its last entry),
-        less ``excluded``."""
+    def live(self, hosts_live: np.ndarray, excluded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted ids of the members whose host is held (the table's own array, unless some host left) and which
+        of them are live: not away, their host index set in ``hosts_live``, not in ``excluded``."""
         run = self._merge()
+        held = run.hosts != GONE
+        if not held.all():
+            run = run.take(held)
         live = hosts_live[run.hosts] & ~run.away
         out = find(run.ids, excluded)
         live[out[out >= 0]] = False
-        return run.ids[live]
+        return run.ids, live
 
     def forget_hosts(self, indices: list[int], keep_at_most: int) -> None:
         """The hosts of ``indices`` left: their members stay as example caps, up to ``keep_at_most`` such members."""

@@ -19,6 +19,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.live_ids import LiveIds
 from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord
 from fedpar.server.rounds import Refusal, RoundState
 
@@ -232,8 +233,10 @@ class CohortSampler:
         cohort costs O(cohort), not a pass over the population."""
         if size >= len(live_ids):
             return list(live_ids)
-        picked = self._rng.choice(len(live_ids), size=size, replace=False)
-        return [live_ids[int(i)] for i in sorted(picked)]
+        picked = np.sort(self._rng.choice(len(live_ids), size=size, replace=False))
+        if isinstance(live_ids, LiveIds):
+            return live_ids.take(picked)  # every position found at once: O(cohort log n)
+        return [live_ids[int(i)] for i in picked]
 
     def state(self) -> dict:
         """The RNG state as JSON-able data."""

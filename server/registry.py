@@ -17,7 +17,8 @@ import numpy as np
 
 from fedpar.protocol.messages import member_token
 from fedpar.security.admission import Admission, PeerIdentity
-from fedpar.server.member_table import GONE, MAX_AGENT_ID, MemberTable, find, id_array, insert_sorted, parse_members
+from fedpar.server.live_ids import LiveIds
+from fedpar.server.member_table import GONE, MAX_AGENT_ID, MemberTable, id_array, insert_sorted, parse_members
 
 
 class AuthError(Exception):
@@ -86,58 +87,6 @@ class ExampleCaps:
 
     def __len__(self) -> int:
         return len(self._caps)
-
-
-class LiveIds(Sequence):
-    """The sorted ids of the live agents and members (a bytes array), kept as they come and go rather than made again
-    each round: ids that came live since it was last read wait aside and are merged in when an id is looked up, so
-    counting them and sampling a cohort from them costs no pass over the population while it stays as it was."""
-
-    def __init__(self, ids: np.ndarray, key: object, valid_until: float):
-        self._sorted, self._added = ids, []
-        self.key, self.valid_until = key, valid_until  # what it was made from, and until when it holds
-
-    def _merged(self) -> np.ndarray:
-        if self._added:
-            added = np.concatenate(self._added) if len(self._added) > 1 else self._added[0]
-            self._sorted = insert_sorted(self._sorted, np.sort(added))[0]
-            self._added = []
-        return self._sorted
-
-    def __len__(self) -> int:
-        return len(self._sorted) + sum(len(a) for a in self._added)
-
-    def array(self) -> np.ndarray:
-        """The ids as a sorted bytes array (UTF-8)."""
-        return self._merged()
-
-    def __getitem__(self, index):
-        ids = self._merged()
-        if isinstance(index, slice):
-            return [i.decode() for i in ids[index].tolist()]
-        return ids[index].decode()
-
-    def __iter__(self):
-        return (i.decode() for i in self._merged().tolist())
-
-    def __eq__(self, other: object) -> bool:
-        return list(self) == list(other) if isinstance(other, (list, tuple, LiveIds)) else NotImplemented
-
-    __hash__ = None  # it changes
-
-    def __contains__(self, agent_id: object) -> bool:
-        return isinstance(agent_id, str) and find(self._merged(), id_array([agent_id]))[0] >= 0
-
-    def add(self, ids: np.ndarray) -> None:
-        """Take ``ids`` (bytes), live now and not held yet."""
-        if len(ids):
-            self._added.append(ids)
-
-    def discard(self, ids: np.ndarray) -> None:
-        """Drop those of ``ids`` (bytes) that are held."""
-        if len(ids):
-            at = find(self._merged(), ids)
-            self._sorted = np.delete(self._sorted, at[at >= 0])
 
 
 class AgentRegistry:
@@ -333,15 +282,16 @@ class AgentRegistry:
                 return self._live
         self.expire()
         now = self._clock()
-        agents = id_array(sorted(a.agent_id for a in self._agents.values()
-                                 if self.is_live(a) and not revoked(a.agent_id, a.cert_serial)))
+        agents = sorted(self._agents.values(), key=lambda a: a.agent_id)  # the live ones set, the others there to be
+        agents_live = np.array([self.is_live(a) and not revoked(a.agent_id, a.cert_serial) for a in agents], bool)
         hosts_live = np.zeros(len(self._host_ids) + 1, bool)  # the last: GONE's
         for host in self._hosts.values():
             hosts_live[host.index] = now - host.last_seen <= self.liveness_timeout \
                 and not (host.cert_serial is not None and revoked("", host.cert_serial))
-        members = self.members.live(hosts_live, id_array(sorted(self.admission.revocations.ids)))
-        self._live = LiveIds(insert_sorted(members, agents)[0], key,
-                             min(now + self.liveness_timeout, self._live_until()))
+        ids, live = self.members.live(hosts_live, id_array(sorted(self.admission.revocations.ids)))
+        if agents:
+            ids, live = insert_sorted(ids, id_array([a.agent_id for a in agents]), (live, agents_live))
+        self._live = LiveIds(ids, live, key, min(now + self.liveness_timeout, self._live_until()))
         return self._live
 
     def _live_until(self) -> float:
