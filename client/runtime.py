@@ -165,7 +165,8 @@ class ClientRuntime:
             for _ in workers:
                 self._tasks.put(None)
             for w in workers:
-                w.join(timeout=60)
+                if w.ident is not None:  # started: a refused join ends the run before the seats start
+                    w.join(timeout=60)
             self.close()
 
     def _join(self) -> None:

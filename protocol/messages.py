@@ -18,7 +18,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (ModelLayout, as_wire_array, decode_chunk_message, encode_data_message, iter_chunks,
                                    wire_bytes)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: JoinPopulation carries its members as arrays (member_ids, num_examples, away)
 SERVICE_NAME = "fedpar.v1.Coordinator"
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Room for the protobuf framing around one chunk's payload.

@@ -415,8 +415,9 @@ class CoordinatorService:
 def _check_protocol(version: int, who: str) -> None:
     """Refuse a peer speaking a protocol version this coordinator does not (0: unstated, taken as ours)."""
     if version not in (0, PROTOCOL_VERSION):
+        older = who if version < PROTOCOL_VERSION else "coordinator"
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {version} is not supported "
-                                                           f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the {who}")
+                                                           f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the {older}")
 
 
 async def _receive_stream(upload: Upload, request_iterator) -> None:

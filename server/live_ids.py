@@ -30,6 +30,11 @@ class RankedMask:
         self._tree[1:] = prefix[leaf] - prefix[leaf - (leaf & -leaf)]
         self.count = int(prefix[-1])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the mask and its index hold."""
+        return self._bytes.nbytes + self._tree.nbytes
+
     def mask(self) -> np.ndarray:
         """The mask as a bool array (a pass over it)."""
         return np.unpackbits(self._bytes, count=self.size, bitorder="little").view(bool)
@@ -97,6 +102,11 @@ class LiveIds(Sequence):
                 self._ids, mask = insert_sorted(self._ids, new, (self._live.mask(), np.ones(len(new), bool)))
                 self._live = RankedMask(mask)
         return self
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes the mask and its index hold (the ids are the member table's array, or a copy where hosts left)."""
+        return self._live.nbytes
 
     def __len__(self) -> int:
         return self._live.count + sum(len(a) for a in self._added)

@@ -20,7 +20,7 @@ from fedpar.aggregation import build_strategy
 from fedpar.client.transfer import upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout, encode_data_message, encode_varint
-from fedpar.protocol.messages import SERVICE_NAME, channel_options
+from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, channel_options
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
@@ -133,7 +133,8 @@ mangled = st.one_of(st.binary(max_size=300), wrong_types)
 def _valid_unary(fz: Fuzzer, name: str) -> bytes:
     auth = fz.auths[fz.agent()]
     if name == "Join":
-        return pb.JoinRequest(agent_id="fz", num_examples=5, capabilities={"k": "v"}, protocol_version=1)\
+        return pb.JoinRequest(agent_id="fz", num_examples=5, capabilities={"k": "v"},
+                              protocol_version=PROTOCOL_VERSION)\
             .SerializeToString()
     if name == "PullTask":
         return pb.PullTaskRequest(auth=auth, wait_seconds=0.0).SerializeToString()

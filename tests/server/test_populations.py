@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
@@ -174,3 +175,36 @@ def test_a_host_sends_its_members_updates_in_one_call_each_checked_on_its_own(st
     _refused(lambda: stub.UploadHostUpdates(pb.HostUploads(host=pb.AgentAuth(agent_id="host-a", token="x"),
                                                             uploads=[small(mine[2], 1.0)]), timeout=10),
              grpc.StatusCode.UNAUTHENTICATED, "")
+
+
+def test_a_host_or_agent_of_another_protocol_version_hears_it_in_one_line_and_a_newer_host_stops(start_coordinator,
+                                                                                                  monkeypatch):
+    from fedpar.client import links
+    from fedpar.datasets import load_dataset
+    from fedpar.protocol.messages import PROTOCOL_VERSION
+    from fedpar.simulations.agents import WorkerConfig, worker_task
+    from fedpar.simulations.population import PopulationSlice, host_population
+
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=5)
+    stub = _stub(server)
+    older = PROTOCOL_VERSION - 1  # 1: a host that sent one PopulationMember message per member
+    said = f"protocol version {older} is not supported (coordinator speaks {PROTOCOL_VERSION}); upgrade the"
+    _refused(lambda: stub.JoinPopulation(pb.JoinPopulationRequest(
+        host=pb.AgentAuth(agent_id="old-host"), protocol_version=older, member_ids="m0", num_examples=[3]),
+        timeout=10), grpc.StatusCode.FAILED_PRECONDITION, f"{said} host")
+    _refused(lambda: stub.Join(pb.JoinRequest(agent_id="old-agent", num_examples=3, protocol_version=older),
+                               timeout=10), grpc.StatusCode.FAILED_PRECONDITION, f"{said} agent")
+    assert len(server.coordinator.registry) == 0
+    monkeypatch.setattr(links, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)  # a host newer than this coordinator
+    splits = load_dataset("digits")
+    population = PopulationSlice.of("new-host", np.arange(4), np.full(4, 10), np.zeros(4))
+    worker = WorkerConfig(server=server.address, population=population, clients=4, device="cpu")
+    runtime = host_population(server.address, population, worker_task(worker, splits), worker.partition_of, 0,
+                              seats=1, poll_seconds=1.0)
+    started = time.monotonic()
+    with pytest.raises(links.FatalAgentError) as refusal:
+        runtime.run()  # refused at once, not waiting for tasks that never come
+    line = str(refusal.value)
+    assert time.monotonic() - started < 10 and "\n" not in line
+    assert line == (f"new-host: coordinator refused: FAILED_PRECONDITION: protocol version {PROTOCOL_VERSION + 1} "
+                    f"is not supported (coordinator speaks {PROTOCOL_VERSION}); upgrade the coordinator")
