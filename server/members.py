@@ -230,7 +230,7 @@ class CohortSampler:
     def sample(self, live_ids: Sequence[str], size: int) -> list[str]:
         """``size`` distinct ids from ``live_ids``, which are sorted (all of them if there are fewer). Draws ``size``
         positions (numpy's Floyd sampling when the cohort is small beside the population) and reads only those: a
-        cohort costs O(cohort), not a pass over the population."""
+        cohort costs O(cohort log n) from the registry's live ids, not a pass over the population."""
         if size >= len(live_ids):
             return list(live_ids)
         picked = np.sort(self._rng.choice(len(live_ids), size=size, replace=False))

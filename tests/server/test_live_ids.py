@@ -63,7 +63,7 @@ def test_live_ids_match_a_sorted_set_through_random_away_back_and_joins():
             assert expected[-1] in live and live[1:4] == expected[1:4]
         with pytest.raises(IndexError):
             live[len(expected)]
-        assert "m9999" not in live and (named[0] in live) == (named[0] in model)
+        assert "m9999" not in live and "m0000-wider-than-any" not in live and (named[0] in live) == (named[0] in model)
 
 
 def test_live_ids_from_nothing_take_joins_and_lose_them_all():
@@ -71,6 +71,8 @@ def test_live_ids_from_nothing_take_joins_and_lose_them_all():
     assert len(live) == 0 and list(live) == [] and live.take([]) == []
     live.add(id_array(["b", "a-longer-id"]))  # wider than the empty array's ids
     assert len(live) == 2 and list(live) == ["a-longer-id", "b"] and live[1] == "b"
+    live.discard(id_array(["b-wider-than-any-held"]))  # not held: nothing changes
+    assert list(live) == ["a-longer-id", "b"]
     live.discard(id_array(["a-longer-id", "b", "never-there"]))
     assert len(live) == 0 and list(live) == [] and "b" not in live
     live.add(id_array(["b"]))
