@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fedpar.server.live_ids import LiveIds, RankedMask
+from fedpar.server.members import CohortSampler
 from fedpar.server.member_table import id_array
 
 
@@ -63,6 +64,8 @@ def test_live_ids_match_a_sorted_set_through_random_away_back_and_joins():
             assert expected[-1] in live and live[1:4] == expected[1:4]
         with pytest.raises(IndexError):
             live[len(expected)]
+        if step % 50 == 0 and len(expected) > 10:  # the same cohort as drawn from the plain sorted list
+            assert CohortSampler(step).sample(live, 10) == CohortSampler(step).sample(expected, 10)
         assert "m9999" not in live and "m0000-wider-than-any" not in live and (named[0] in live) == (named[0] in model)
 
 
