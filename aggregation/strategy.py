@@ -21,11 +21,23 @@ FLOWER_PREFIX = "flower:"
 
 
 class FoldItem(NamedTuple):
-    """One client's update for :meth:`Strategy.fold_many`: its new full weights, weight and client id."""
+    """One client's update for :meth:`Strategy.fold_many`: its new full weights, weight and client id; or, with
+    ``members``, a pre-summed block (a population host's partial): their weighted mean and total weight."""
 
     update: Sequence[np.ndarray]
     num_examples: float
     client_id: str = ""
+    members: tuple[str, ...] = ()
+
+
+def _ids(item: FoldItem) -> tuple[str, ...]:
+    """The clients ``item`` counts for."""
+    return item.members or (item.client_id,)
+
+
+def _who_of(item: FoldItem) -> str:
+    """How refusals name ``item``."""
+    return f"pre-summed update of {len(item.members)} clients" if item.members else _who(item.client_id)
 
 
 def _who(client_id: str) -> str:
@@ -82,19 +94,25 @@ class Strategy(abc.ABC):
         self._reset_round(shapes)
 
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "", *,
-             known_finite: bool = False) -> None:
-        """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``.
+             known_finite: bool = False, members: tuple[str, ...] = ()) -> None:
+        """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``; with
+        ``members``, a pre-summed block: ``update`` is their weighted mean and ``num_examples`` their total weight
+        (linear strategies only: :meth:`_fold_block`).
 
         A ValueError means the update was refused and the round's state is unchanged. ``known_finite``: the
         caller already verified every value is finite (the coordinator does, as the bytes arrive), so the
         strategy skips its own NaN/Inf pass over the update.
         """
         self._check_open("fold")
-        self._claim(client_id)
+        item = FoldItem(update, num_examples, client_id, tuple(members))
+        self._claim_all(_ids(item))
         try:
-            self._fold(update, num_examples, _who(client_id), known_finite)
+            if item.members:
+                self._fold_block(update, num_examples, len(item.members), _who_of(item), known_finite)
+            else:
+                self._fold(update, num_examples, _who(client_id), known_finite)
         except Exception:
-            self._release(client_id)
+            self._release_all(_ids(item))
             raise
 
     def fold_many(self, items: Sequence[FoldItem], *, known_finite: bool = False) -> list[ValueError | None]:
@@ -105,7 +123,8 @@ class Strategy(abc.ABC):
         errors: list[ValueError | None] = []
         for item in items:
             try:
-                self.fold(item.update, item.num_examples, item.client_id, known_finite=known_finite)
+                self.fold(item.update, item.num_examples, item.client_id, known_finite=known_finite,
+                          members=item.members)
                 errors.append(None)
             except ValueError as exc:
                 errors.append(exc)
@@ -155,19 +174,23 @@ class Strategy(abc.ABC):
             raise RuntimeError(f"{call}() called with no open round; call begin_round(round_id, global_weights) "
                                "first")
 
-    def _claim(self, client_id: str) -> None:
-        """Note ``client_id``'s update for this round; a ValueError if it sent one already."""
+    def _claim_all(self, client_ids: Sequence[str]) -> None:
+        """Note these clients' update (one, or a pre-summed block) for this round; a ValueError, claiming none, if
+        any sent one already or is named twice."""
+        named = [c for c in client_ids if c]
         with self._lock:
-            if client_id and client_id in self._clients:
-                raise ValueError(f"client {client_id!r} already contributed to round {self.round_id}; "
+            seen = next((c for c in named if c in self._clients), None)
+            if seen is None and len(set(named)) != len(named):
+                seen = next(c for c in named if named.count(c) > 1)
+            if seen is not None:
+                raise ValueError(f"client {seen!r} already contributed to round {self.round_id}; "
                                  "each client may send one update per round")
-            if client_id:
-                self._clients.add(client_id)
+            self._clients.update(named)
 
-    def _release(self, client_id: str) -> None:
-        """Forget a claimed update that was then refused (the client may send another)."""
+    def _release_all(self, client_ids: Sequence[str]) -> None:
+        """Forget claimed updates that were then refused (the clients may send others)."""
         with self._lock:
-            self._clients.discard(client_id)
+            self._clients.difference_update(client_ids)
 
     def finish(self) -> tuple[list[np.ndarray], dict[str, float]]:
         """Close the round: the new global weights (input dtypes) and metrics. Raises NoUpdatesError if empty."""
@@ -215,6 +238,12 @@ class Strategy(abc.ABC):
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Validate and count one update (thread-safe); ``known_finite``: skip the NaN/Inf check."""
 
+    def _fold_block(self, mean: Sequence[np.ndarray], total_weight: float, count: int, who: str,
+                    known_finite: bool) -> None:
+        """Count a pre-summed block of ``count`` updates; only a linear strategy can (the others need each one)."""
+        raise ValueError(f"strategy {self.name!r} needs each client's own update (it is not linear), so a "
+                         "pre-summed update cannot be folded; send them one by one")
+
     @abc.abstractmethod
     def _num_folded(self) -> int:
         """Updates counted so far this round."""
@@ -249,6 +278,7 @@ class StreamingStrategy(Strategy):
         self._acc: WeightedSum | None = None
         self.max_share: float | None = None
         self._cap: ShareCap | None = None
+        self._in_blocks = 0  # updates counted in pre-summed blocks beyond one each (the running sum counts one)
 
     def cap_shares(self, share: float) -> None:
         """Cap each update's share of a round's total weight (aggregation/share_cap.py: the heaviest few updates
@@ -260,6 +290,7 @@ class StreamingStrategy(Strategy):
         """A fresh zeroed accumulator (np.zeros maps zero pages lazily, so this costs no extra pass)."""
         self._acc = weighted_sum(shapes, self.fold_config)
         self._cap = ShareCap(self.max_share) if self.max_share is not None else None
+        self._in_blocks = 0
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Add the update into the running sum (with a share cap: unless it is among the heaviest so far)."""
@@ -275,6 +306,17 @@ class StreamingStrategy(Strategy):
         if out is not None:
             self._acc.fold(out[0], out[1], check_finite=False, who=who)
 
+    def _fold_block(self, mean: Sequence[np.ndarray], total_weight: float, count: int, who: str,
+                    known_finite: bool) -> None:
+        """Add ``count`` updates' weighted mean with their total weight: their weighted sum, as one addition."""
+        assert self._acc is not None
+        if self._cap is not None:  # the cap may clip any one update's weight: it needs each update itself
+            raise ValueError(f"{who} refused: with --max-agent-share each update's weight may be capped, which needs "
+                             "the update itself; send them one by one")
+        self._acc.fold(mean, total_weight, check_finite=not known_finite, who=who)
+        with self._lock:
+            self._in_blocks += count - 1
+
     @property
     def group_size(self) -> int:
         """Updates added per pass over the running sum (one by one under a share cap, which holds some back)."""
@@ -289,21 +331,24 @@ class StreamingStrategy(Strategy):
         claimed = []
         for j, item in enumerate(items):
             try:
-                self._claim(item.client_id)
+                self._claim_all(_ids(item))
                 claimed.append(j)
             except ValueError as exc:
                 errors[j] = exc
         try:
-            refused = self._acc.fold_each([(items[j].update, items[j].num_examples, _who(items[j].client_id))
+            refused = self._acc.fold_each([(items[j].update, items[j].num_examples, _who_of(items[j]))
                                            for j in claimed], check_finite=not known_finite)
         except Exception:
             for j in claimed:
-                self._release(items[j].client_id)
+                self._release_all(_ids(items[j]))
             raise
         for j, error in zip(claimed, refused):
             if error is not None:
                 errors[j] = error
-                self._release(items[j].client_id)
+                self._release_all(_ids(items[j]))
+            elif items[j].members:
+                with self._lock:
+                    self._in_blocks += len(items[j].members) - 1
         return errors
 
     def partial_sum(self) -> WeightedSum | None:
@@ -327,7 +372,7 @@ class StreamingStrategy(Strategy):
     def _num_folded(self) -> int:
         """Updates in the running sum (and held back by the share cap)."""
         held = self._cap.held if self._cap is not None else 0
-        return (self._acc.count if self._acc is not None else 0) + held
+        return (self._acc.count if self._acc is not None else 0) + held + self._in_blocks
 
     def _drop_round(self) -> None:
         """Forget the accumulator: after finish its buffer is the returned model (mean is taken in place)."""

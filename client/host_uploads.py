@@ -7,11 +7,19 @@ A seat either waits for its update's own result (:meth:`HostUploads.send`: top-k
 its update counted) or hands the update over and goes on with its next client (:meth:`HostUploads.send_later`):
 then the update travels in the background, a busy coordinator's refusal is retried while its deadline allows, and
 any other refusal is logged. Uploads are never left out of the coordinator's checks either way.
+
+Background updates of a batch (plain weights, one round) go as one pre-summed partial where the coordinator takes
+one (client/host_partial.py: a linear strategy with no share cap; compressed, masked or DP-clipped updates and top-k's
+awaited ones go one by one): the host checks each as the coordinator would, leaves out and logs those that fail, and
+the coordinator checks and folds the partial as one. A coordinator that takes no partial in this run says so once
+(UNIMPLEMENTED) and the host sends its updates one by one from then on; any other refusal of a partial sends its
+members' updates one by one, each to its own verdict. FEDPAR_HOST_PARTIALS=0 turns partials off (comparisons).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,9 +29,11 @@ from typing import Callable
 
 import grpc
 
+from fedpar.client.host_partial import HostSum, summable
 from fedpar.client.transfer import UPLOAD_RETRYABLE
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import CoordinatorStub
+from fedpar.protocol.codec import TensorAssembler
+from fedpar.protocol.messages import CoordinatorStub, layout_from_pb
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
@@ -63,11 +73,16 @@ class HostUploads:
     are still making some (the last updates of a round go at once)."""
 
     def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
-                 max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True):
+                 max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True,
+                 registered: Callable[[str], tuple[int, int]] | None = None):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: queue.Queue = queue.Queue()
         self.refused_in_background = 0  # updates sent with send_later that did not count
+        # a member's registered examples and the round's local epochs (its weight's bound); None: no partials
+        self.registered = registered
+        self.partials = registered is not None and os.environ.get("FEDPAR_HOST_PARTIALS", "1") != "0"
+        self.partials_sent = 0  # partials the coordinator accepted
         self._thread = threading.Thread(target=self._run, name="fedpar-host-uploads", daemon=True)
         self._thread.start()
 
@@ -112,6 +127,75 @@ class HostUploads:
                 break
 
     def _send(self, batch: list[_Queued]) -> None:
+        """Send ``batch``: its background plain updates of one round as a partial where the coordinator takes one,
+        the rest (and any a partial could not carry) one by one."""
+        rest = self._send_partial(batch) if self.partials else batch
+        if rest:
+            self._send_each(rest)
+
+    def _send_partial(self, batch: list[_Queued]) -> list[_Queued]:
+        """Sum the batch's background plain updates of its first such update's round, metric names and tensors into
+        one partial and send it; the updates still to send one by one."""
+        first = next((q for q in batch if q.background and not q.message.header.encoding), None)
+        if first is None:
+            return batch
+        head = first.message.header
+        names = tuple(sorted(head.metrics))
+        group = [q for q in batch if q.background and not q.message.header.encoding
+                 and q.message.header.round == head.round and tuple(sorted(q.message.header.metrics)) == names
+                 and q.message.header.tensors == head.tensors]
+        if len(group) < 2:
+            return batch
+        try:
+            layout = layout_from_pb(head.tensors, self.max_bytes)
+        except ValueError as e:
+            return batch  # the coordinator says what is wrong with it
+        if not summable(layout):
+            return batch
+        partial = HostSum(layout, head.round, names)
+        summed = []
+        for q in group:
+            header = q.message.header
+            try:
+                staging = TensorAssembler(layout, self.max_bytes)
+                staging.write(0, q.message.data)
+                if not staging.complete:
+                    raise ValueError(f"the update carries {len(q.message.data)} bytes; its tensors need "
+                                     f"{layout.total_bytes}")
+                partial.add(header.auth.agent_id, header.task_id, staging.arrays, header.num_examples, header.steps,
+                            header.metrics, self.registered(header.auth.agent_id))
+                summed.append(q)
+            except (ValueError, KeyError) as exc:  # refused here as the coordinator would refuse it
+                self._settle(q, HostUploadRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                                  f"{exc}; the update was not applied"))
+        grouped = {id(q) for q in group}
+        rest = [q for q in batch if id(q) not in grouped]
+        if not summed:
+            return rest
+        try:
+            reply = self.stub.UploadHostUpdates(
+                pb.HostUploads(host=self.host, partial=partial.message()),
+                timeout=max(0.5, min(q.deadline for q in summed) - time.monotonic()))
+        except grpc.RpcError as err:
+            for q in summed:
+                self._settle(q, err)
+            return rest
+        result = reply.partial
+        if not reply.HasField("partial") or result.code == grpc.StatusCode.UNIMPLEMENTED.value[0]:
+            self.partials = False  # this run takes none: one by one from now on
+            log.info("%s: the coordinator takes no pre-summed updates (%s); sending each member's update",
+                     self.host.agent_id, result.message or "it does not know them")
+            return rest + summed
+        if result.code:  # e.g. a member's update counted meanwhile: each of the others to its own verdict
+            log.info("%s: a partial of %d updates was refused (%s); sending them one by one", self.host.agent_id,
+                     len(summed), result.message)
+            return rest + summed
+        self.partials_sent += 1
+        for q in summed:
+            q.done.set_result(pb.UploadReply(accepted=True, message=result.message))
+        return rest
+
+    def _send_each(self, batch: list[_Queued]) -> None:
         """One call for ``batch``; each update's result goes to its seat, or is retried or logged."""
         try:
             reply = self.stub.UploadHostUpdates(

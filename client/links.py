@@ -289,6 +289,10 @@ class AgentLink:
             return Pulled(shutdown=reply.shutdown_reason)
         return Pulled([(0, reply.task)] if kind == "task" else [])
 
+    def _registered(self, member: str) -> tuple[int, int]:
+        """A member's examples as told at join and the local epochs of its task: its update's weight bound."""
+        return max(1, self.members.train_size(self.members.index_of(member))), self.local_epochs
+
     def member_auth(self, i: int) -> pb.AgentAuth:
         """The agent's session."""
         return self.auth
@@ -330,6 +334,7 @@ class HostLink:
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
         self._in_flight, self._forget_queued = in_flight, forget_queued
         self.uploads: HostUploads | None = None
+        self.local_epochs = 1  # the latest task's: with a member's examples, the bound on its update's weight
 
     def join(self) -> None:
         """A new session for the host and every member, JOIN_CHUNK members per call; what was queued for the old
@@ -350,7 +355,7 @@ class HostLink:
         self._forget_queued()
         if self.uploads is None:  # the members' small updates, batched (a few ms' wait for seats still training)
             self.uploads = HostUploads(self.conn.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
-                                       more_coming=lambda: self._in_flight() > 0)
+                                       more_coming=lambda: self._in_flight() > 0, registered=self._registered)
 
     def pull(self) -> Pulled:
         """One PullHostTasks long-poll: the tasks to start now (under a virtual clock: those the coordinator let
@@ -368,6 +373,7 @@ class HostLink:
         pulled = Pulled()
         for hosted in reply.tasks:
             i = self.members.index_of(hosted.agent_id)
+            self.local_epochs = hosted.task.local_epochs
             if reply.weights:  # the round's small model, sent once for all of them
                 hosted.task.weights_header.CopyFrom(reply.weights_header)
                 hosted.task.weights = reply.weights
@@ -381,6 +387,10 @@ class HostLink:
                 pulled.tasks.append((i, hosted.task))
         pulled.tasks += [self._held.pop(member) for member in reply.go if member in self._held]
         return pulled
+
+    def _registered(self, member: str) -> tuple[int, int]:
+        """A member's examples as told at join and the local epochs of its task: its update's weight bound."""
+        return max(1, self.members.train_size(self.members.index_of(member))), self.local_epochs
 
     def member_auth(self, i: int) -> pb.AgentAuth:
         """Member ``i``'s session."""

@@ -218,10 +218,15 @@ class TensorAssembler:
 
     def first_non_finite(self) -> str | None:
         """Name of the first floating tensor holding NaN or Inf, or None."""
-        for meta, array in zip(self.layout.tensors, self.arrays):
-            if meta.dtype in FLOAT_DTYPES and array.size and not np.isfinite(array).all():
-                return meta.name
-        return None
+        return first_non_finite(self.layout, self.arrays)
+
+
+def first_non_finite(layout: ModelLayout, arrays: Sequence[np.ndarray]) -> str | None:
+    """Name of the first floating tensor of ``arrays`` (in ``layout``) holding NaN or Inf, or None."""
+    for meta, array in zip(layout.tensors, arrays):
+        if meta.dtype in FLOAT_DTYPES and array.size and not np.isfinite(array).all():
+            return meta.name
+    return None
 
 
 def wire_bytes(arrays: Sequence[np.ndarray]) -> bytes:

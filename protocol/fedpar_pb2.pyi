@@ -438,12 +438,38 @@ class PullHostTasksReply(_message.Message):
     def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., go: _Optional[_Iterable[str]] = ..., clock_seconds: _Optional[float] = ...) -> None: ...
 
 class HostUploads(_message.Message):
-    __slots__ = ("host", "uploads")
+    __slots__ = ("host", "uploads", "partial")
     HOST_FIELD_NUMBER: _ClassVar[int]
     UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     uploads: _containers.RepeatedCompositeFieldContainer[SmallUpload]
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., uploads: _Optional[_Iterable[_Union[SmallUpload, _Mapping]]] = ...) -> None: ...
+    partial: HostPartial
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., uploads: _Optional[_Iterable[_Union[SmallUpload, _Mapping]]] = ..., partial: _Optional[_Union[HostPartial, _Mapping]] = ...) -> None: ...
+
+class HostPartial(_message.Message):
+    __slots__ = ("round", "member_ids", "task_ids", "num_examples", "steps", "metric_names", "metric_values", "tensors", "total_bytes", "data")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_IDS_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    METRIC_NAMES_FIELD_NUMBER: _ClassVar[int]
+    METRIC_VALUES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    member_ids: str
+    task_ids: str
+    num_examples: _containers.RepeatedScalarFieldContainer[int]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    metric_names: _containers.RepeatedScalarFieldContainer[str]
+    metric_values: _containers.RepeatedScalarFieldContainer[float]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    total_bytes: int
+    data: bytes
+    def __init__(self, round: _Optional[int] = ..., member_ids: _Optional[str] = ..., task_ids: _Optional[str] = ..., num_examples: _Optional[_Iterable[int]] = ..., steps: _Optional[_Iterable[int]] = ..., metric_names: _Optional[_Iterable[str]] = ..., metric_values: _Optional[_Iterable[float]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class HostUploadResult(_message.Message):
     __slots__ = ("accepted", "message", "code")
@@ -456,10 +482,12 @@ class HostUploadResult(_message.Message):
     def __init__(self, accepted: bool = ..., message: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...
 
 class HostUploadResults(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "partial")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[HostUploadResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[HostUploadResult, _Mapping]]] = ...) -> None: ...
+    partial: HostUploadResult
+    def __init__(self, results: _Optional[_Iterable[_Union[HostUploadResult, _Mapping]]] = ..., partial: _Optional[_Union[HostUploadResult, _Mapping]] = ...) -> None: ...
 
 class RankBroadcast(_message.Message):
     __slots__ = ("start", "open", "close", "model", "stop", "tick")

@@ -28,6 +28,7 @@ from fedpar.server.limits import Limits, RpcLimit, StrangerBound, authenticated
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.ranks.group import RankMissing
 from fedpar.server.registry import AgentRecord, AuthError, HostRecord
+from fedpar.server.round_modes import take_host_partial
 from fedpar.server.rounds import Refusal
 from fedpar.server.secure_round import secagg_exchange
 from fedpar.server.uploads import Upload, UploadIntake
@@ -329,7 +330,7 @@ class CoordinatorService:
     async def UploadHostUpdates(self, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Several small updates of a simulation host's members: each is authenticated with its member's session
         and taken with every check UploadSmall makes, in order; one result each (a refusal is a result, not the
-        call's end)."""
+        call's end). A pre-summed partial of more members comes after them, with one result for all."""
         host = self._host(request.host, context)
         if len(request.uploads) > MAX_HOST_UPLOADS:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
@@ -348,6 +349,14 @@ class CoordinatorService:
                     results.results.add(accepted=reply.accepted, message=reply.message)
                 except Refusal as r:
                     results.results.add(message=r.message, code=r.code.value[0])
+            if request.HasField("partial"):
+                try:
+                    reply = await take_host_partial(self.coord, host.host_id, request.partial)
+                    results.partial.CopyFrom(pb.HostUploadResult(accepted=reply.accepted, message=reply.message))
+                except Refusal as r:
+                    if self.coord.current is not None and r.code != grpc.StatusCode.UNIMPLEMENTED:
+                        self.coord.current.note_refusal(r)
+                    results.partial.CopyFrom(pb.HostUploadResult(message=r.message, code=r.code.value[0]))
         return results
 
     def _host(self, auth: pb.AgentAuth, context) -> HostRecord:

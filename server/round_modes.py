@@ -34,7 +34,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, RunUpdate, UploadTicket
 from fedpar.server.secure_round import SecureRound, check_secure_setup, default_max_weight
-from fedpar.server.uploads import in_thread, update_runner
+from fedpar.server.uploads import CheckedPartial, check_partial, in_thread, update_runner
 
 log = logging.getLogger("fedpar.server")
 MAX_ENCODING_JSON = 1024
@@ -152,6 +152,33 @@ class PlainRound:
             log.exception("round %d: folding the update of %s failed", state.round_id, slot.agent_id)
             raise
 
+    async def accept_partial(self, partial: CheckedPartial) -> None:
+        """Count a host's checked pre-summed update for all its members and fold it as one block (the round may
+        close on it before the fold is done); a Refusal, counting none of them and folding nothing, if the
+        round closed meanwhile or the strategy refused it (its members may then send their updates one by one)."""
+        state, members = partial.state, tuple(slot.agent_id for slot in partial.slots)
+        if state.closed:
+            for slot in partial.slots:
+                slot.status = "pending"
+            state.check_open()
+        for slot, report in zip(partial.slots, partial.reports):
+            state.count_accepted(slot, report)
+        fold = asyncio.ensure_future(self.folds.fold(state, FoldItem(partial.arrays, partial.total_weight,
+                                                                     members=members)))
+        state.pending_folds.add(fold)
+        state.close_if_done()
+        try:
+            await fold
+        except ValueError as exc:
+            for slot, report in zip(partial.slots, partial.reports):
+                state.withdraw(report)
+                slot.status = "pending"
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the partial was not applied") from None
+        except Exception:
+            state.fold_failed = True
+            log.exception("round %d: folding a partial of %d members failed", state.round_id, len(members))
+            raise
+
     async def close(self, state: RoundState, global_weights: Sequence[np.ndarray]) -> None:
         """The round closed: wait for the folds still running (a refused or failed one is already recorded)."""
         if state.pending_folds:
@@ -208,6 +235,32 @@ class CompressedRound(PlainRound):
         except EncodedUpdateError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the update was not applied",
                           final=True) from None
+
+
+async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.UploadReply:
+    """A population host's pre-summed update, checked as a whole and folded as one block, where this run's round
+    can take it: a plain round of a linear strategy with no share cap (the cap may clip any one update's weight,
+    which needs the update itself), whose uploads no other rank counts first. Else UNIMPLEMENTED: the host sends
+    its members' updates one by one."""
+    mode, strategy = plane.mode, plane.strategy
+    state = plane.current
+    reason = ("no round is open" if mode is None or state is None
+              else "this round's updates are compressed or masked" if type(mode) is not PlainRound
+              else f"strategy {strategy.name!r} needs each update (it is not linear)" if not strategy.linear
+              else "--max-agent-share may cap any one update's weight" if strategy.max_share is not None
+              else "rank 0 counts this rank's updates one by one" if state.on_count is not None else "")
+    if reason:
+        raise Refusal(grpc.StatusCode.UNIMPLEMENTED, f"pre-summed updates are not taken here: {reason}; send each "
+                                                     "member's update")
+    checked = check_partial(plane, host_id, partial)
+    try:
+        await mode.accept_partial(checked)
+    except Refusal:
+        for slot in checked.slots:
+            if slot.status == "uploading":
+                slot.status = "pending"
+        raise
+    return pb.UploadReply(accepted=True, message=f"{len(checked.slots)} updates accepted for round {state.round_id}")
 
 
 class RoundModes:

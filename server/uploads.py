@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import time
 from collections import deque
 from concurrent.futures import Executor
 from contextlib import ExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, NoReturn
 
 import grpc
@@ -40,13 +40,13 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, ModelTooLarge, TensorAssembler
 from fedpar.protocol.messages import SMALL_UPDATE_BYTES, layout_from_pb, specs_match
+from fedpar.protocol.update_checks import check_report
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
-from fedpar.server.rounds import Refusal, UploadTicket
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
 
-MAX_CLIENT_METRICS = 64
 RATE_GRACE_SECONDS = 2.0  # with no one waiting, an upload's average rate counts from this long after its slot
 QUIET_SECONDS = 1.0  # with uploads waiting, a holder behind the minimum rate may fall silent this long at most
 WAITER_POLL_SECONDS = 0.05  # how often a waiting upload looks for a holder that fell behind
@@ -231,25 +231,95 @@ def open_ticket(plane, agent: AgentRecord, header: pb.UploadHeader) -> UploadTic
         raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
                       f"agent {agent.agent_id!r} already sent an update in round {state.round_id} "
                       f"({slot.status}); duplicates are refused")
-    max_examples = agent.num_examples * config.local_epochs  # Join made num_examples >= 1
-    if not 1 <= header.num_examples <= max_examples:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"num_examples={header.num_examples} must be in 1..{max_examples} "
-                      f"({agent.num_examples} registered examples x {config.local_epochs} epochs)")
-    if header.steps < 0:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "steps must be >= 0")
+    metrics = dict(header.metrics)
+    try:  # Join made num_examples >= 1
+        check_report(header.num_examples, agent.num_examples, config.local_epochs, header.steps, metrics)
+    except ValueError as exc:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     expected, described = mode.expected_layout(header)
     if not specs_match(header.tensors, expected):
         _refuse_tensors(header, config, expected, described)
     if header.total_bytes != expected.total_bytes:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                       f"total_bytes={header.total_bytes} but the tensors need {expected.total_bytes}")
-    metrics = dict(header.metrics)
-    if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
     slot.status, slot.upload_bytes = "uploading", expected.total_bytes
     return UploadTicket(state, slot, int(header.num_examples), metrics, expected, mode)
+
+
+@dataclass
+class CheckedPartial:
+    """A population host's pre-summed update that passed every check: its members' slots and (examples, metrics)
+    reports, their total weight and the finite weighted mean of their new weights."""
+
+    state: RoundState
+    slots: list[AgentSlot]
+    reports: list[tuple[int, dict[str, float]]]
+    total_weight: int
+    arrays: list[np.ndarray]
+
+
+def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartial:
+    """Check ``host_id``'s pre-summed update against the open round of ``plane`` (loop): each member its host's,
+    sampled this round with this task at this rank, not counted yet, its weight, steps and metrics as an upload's
+    (:func:`check_report`), the arrays' lengths matching, the data the model's layout and finite. A Refusal names
+    the first problem and leaves every slot as it was; on success the members' slots are marked uploading."""
+    state, config, rank, registry = plane.current, plane.config, plane.rank, plane.registry
+    if state is None or partial.round != state.round_id:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"partial for round {partial.round}, but the current round is {plane.current_round_id}; "
+                      "the update was not applied")
+    state.check_open()
+    ids = partial.member_ids.split("\n") if partial.member_ids else []
+    tasks = partial.task_ids.split("\n") if partial.task_ids else []
+    names, values = list(partial.metric_names), np.asarray(partial.metric_values, dtype=np.float64)
+    if not ids or not len(ids) == len(tasks) == len(partial.num_examples) == len(partial.steps) \
+            or values.size != len(ids) * len(names):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"a partial's member arrays must be as long as its {len(ids)} member ids (task ids "
+                      f"{len(tasks)}, num_examples {len(partial.num_examples)}, steps {len(partial.steps)}, "
+                      f"metric values {values.size} = members x {len(names)} names); the update was not applied")
+    if len(set(ids)) != len(ids):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                      "a partial names a member twice; each member's update counts once")
+    rows = values.reshape(len(ids), len(names))
+    slots, reports = [], []
+    for member, task_id, examples, steps, row in zip(ids, tasks, partial.num_examples, partial.steps, rows):
+        record = registry.get(member)
+        if record is None or record.left or record.host != host_id:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{member[:64]!r} is not a member of host {host_id!r}; the partial was not applied")
+        slot = state.slot_for(member, task_id)
+        if slot.rank != rank:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"member {member!r} uploads to aggregator rank {slot.rank} this round, not to rank {rank}; "
+                          "the partial was not applied")
+        if slot.status in ("uploading", "accepted", "rejected"):
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                          f"member {member!r} already sent an update in round {state.round_id} ({slot.status}); "
+                          "the partial was not applied")
+        metrics = dict(zip(names, row.tolist()))
+        try:
+            check_report(examples, record.num_examples, config.local_epochs, steps, metrics)
+        except ValueError as exc:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"member {member!r}: {exc}; the partial was not applied") from None
+        slots.append(slot)
+        reports.append((int(examples), metrics))
+    expected = plane.mode.layout
+    if not specs_match(partial.tensors, expected) or partial.total_bytes != expected.total_bytes \
+            or len(partial.data) != expected.total_bytes:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"a partial must carry the global model's tensors ({expected.total_bytes} bytes); "
+                      f"it carries {len(partial.data)} bytes, total_bytes={partial.total_bytes}")
+    staging = TensorAssembler(expected, max(expected.total_bytes, 1))
+    staging.write(0, partial.data)
+    bad = staging.first_non_finite()
+    if bad is not None:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"tensor {bad!r} of the partial contains NaN or Inf; the partial was not applied")
+    for slot in slots:  # a round's upload_bytes counts each member's update, as if it had come on its own
+        slot.status, slot.upload_bytes = "uploading", expected.total_bytes
+    return CheckedPartial(state, slots, reports, sum(n for n, _ in reports), staging.arrays)
 
 
 def _refuse_tensors(header: pb.UploadHeader, config: CoordinatorConfig, expected: ModelLayout,
