@@ -93,8 +93,8 @@ class Strategy(abc.ABC):
         self.round_id = int(round_id)
         self._reset_round(shapes)
 
-    def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "", *,
-             known_finite: bool = False, members: tuple[str, ...] = ()) -> None:
+    def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
+             members: Sequence[str] = (), *, known_finite: bool = False) -> None:
         """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``; with
         ``members``, a pre-summed block: ``update`` is their weighted mean and ``num_examples`` their total weight
         (linear strategies only: :meth:`_fold_block`).
@@ -123,8 +123,7 @@ class Strategy(abc.ABC):
         errors: list[ValueError | None] = []
         for item in items:
             try:
-                self.fold(item.update, item.num_examples, item.client_id, known_finite=known_finite,
-                          members=item.members)
+                self.fold(*item, known_finite=known_finite)
                 errors.append(None)
             except ValueError as exc:
                 errors.append(exc)
