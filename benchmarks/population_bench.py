@@ -37,6 +37,8 @@ split, train and upload; the coordinator folds and evaluates centrally), the sam
 (the floor's work: no federated evaluation) and the floor (fedavg_floor.py: the same cohorts, data, seeds and local
 SGD in one plain loop, one thread, with the central evaluation). It prints each one's steady round seconds (median of
 rounds 2..R) and the ratios to the floor, with the load average, and writes benchmarks/results/steady_round.json.
+``--partials`` runs the same cells with a host's updates pre-summed (the default for a linear strategy) and one by
+one (FEDPAR_HOST_PARTIALS=0), both against the floor in the same run: benchmarks/results/host_partials.json.
 """
 
 from __future__ import annotations
@@ -73,11 +75,12 @@ def tree_pss_mib(root: int) -> float:
     return total / 1024
 
 
-def run_simulate(args: list[str], out: Path) -> dict:
-    """One `fedpar simulate` run: its rows, the time to its first round's start, and its peak tree memory."""
+def run_simulate(args: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
+    """One `fedpar simulate` run (``env``: added to its environment): its rows, the time to its first round's start,
+    and its peak tree memory."""
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", *args, "--out", str(out), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     peak, first_row_at = 0.0, None
     metrics = out / "metrics.jsonl"
     while proc.poll() is None:
@@ -305,6 +308,53 @@ def steady_rounds(rounds: int, tmp: Path) -> dict:
     return {"rounds": rounds, "cells": cells, "load_average_after": load}
 
 
+def partial_rounds(rounds: int, repeats: int, tmp: Path) -> dict:
+    """The steady-round cells with a host's updates pre-summed (the default) and one by one (FEDPAR_HOST_PARTIALS=0),
+    against the plain loop, all in the same run; medians over ``repeats`` alternating runs."""
+    job = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--rounds", str(rounds)]
+    print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"{'cell':>11}{'partials s':>11}{'per-member s':>13}{'plain s':>9}{'partials x':>11}{'per-member x':>13}"
+          f"{'load':>16}")
+    cells = []
+    for clients, k in STEADY_CELLS:
+        shape = ["--clients", str(clients), "--clients-per-round", str(k)]
+        runs: dict[str, list[dict]] = {"partials": [], "per_member": []}
+        for r in range(repeats):
+            for how, flag in (("partials", "1"), ("per_member", "0")):
+                runs[how].append(run_simulate([*job, *shape], tmp / f"partials-{clients}-{k}-{how}-{r}",
+                                              env={"FEDPAR_HOST_PARTIALS": flag}))
+        floor = run_floor([*job, *shape])
+        load = Path("/proc/loadavg").read_text().split()[:3]
+        c = {"clients": clients, "per_round": k, "plain_round_seconds": floor["steady_round_seconds"],
+             "load_average": load, "failed_rounds": sum(x["failed_rounds"] for xs in runs.values() for x in xs)}
+        for how, xs in runs.items():
+            c[f"{how}_round_seconds"] = statistics.median(x["steady_round_seconds"] for x in xs)
+            c[f"{how}_vs_plain"] = c[f"{how}_round_seconds"] / c["plain_round_seconds"]
+            c[f"{how}_fold_groups"] = statistics.median(statistics.median(r["r0_fold_groups"] for r in x["rows"][1:])
+                                                        for x in xs)
+        c["partials_vs_per_member"] = c["partials_round_seconds"] / c["per_member_round_seconds"]
+        cells.append(c)
+        print(f"{f'{k} of {clients}':>11}{c['partials_round_seconds']:>11.3f}{c['per_member_round_seconds']:>13.3f}"
+              f"{c['plain_round_seconds']:>9.3f}{c['partials_vs_plain']:>11.2f}{c['per_member_vs_plain']:>13.2f}"
+              f"{' '.join(load):>16}" + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""), flush=True)
+    return {"rounds": rounds, "repeats": repeats, "cells": cells}
+
+
+def partial_ratios(result: dict) -> list[dict]:
+    """The partials cells' ratios for the results envelope."""
+    out = []
+    for c in result["cells"]:
+        cell = f"digits MLP, E1, {c['per_round']} of {c['clients']} clients (load {' '.join(c['load_average'])})"
+        out.append({"what": f"steady round of fedpar simulate, host partials, {cell}", "ratio": c["partials_vs_plain"],
+                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
+        out.append({"what": f"steady round of fedpar simulate, per-member uploads, {cell}",
+                    "ratio": c["per_member_vs_plain"],
+                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
+        out.append({"what": f"steady round of fedpar simulate, host partials, {cell}",
+                    "ratio": c["partials_vs_per_member"], "against": "per-member uploads, same run"})
+    return out
+
+
 BATCHING_CELLS = (("mlp", 100, 100), ("mlp", 10, 10), ("cnn", 10, 10))  # (model, population, sampled per round)
 
 
@@ -361,7 +411,9 @@ def main() -> int:
     p.add_argument("--batching", action="store_true",
                    help="steady rounds with --client-batching on against off: digits MLP 100 of 100 and 10 of 10, "
                         "digits CNN 10 of 10")
-    p.add_argument("--repeats", type=int, default=2, help="--batching: on/off pairs per cell")
+    p.add_argument("--partials", action="store_true",
+                   help="the steady-round cells with a host's updates pre-summed and one by one, vs a plain loop")
+    p.add_argument("--repeats", type=int, default=2, help="--batching: on/off pairs per cell; --partials: runs of each")
     a = p.parse_args()
     a.json = a.json if a.json or a.scale else Path("runs/population_bench.json")
     if a.batching:
@@ -371,6 +423,12 @@ def main() -> int:
                            f"{c['per_round']} of {c['clients']} clients (load {' '.join(c['load_average'])})",
                    "ratio": c["on_vs_off"], "against": "--client-batching off, same run"} for c in result["cells"]]
         path = write_results(HERE / "results" / "client_batching.json", ratios, result)
+        print(f"wrote {path}")
+        return 0 if not sum(c["failed_rounds"] for c in result["cells"]) else 1
+    if a.partials:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = partial_rounds(a.rounds or 11, a.repeats, Path(tmp))
+        path = write_results(HERE / "results" / "host_partials.json", partial_ratios(result), result)
         print(f"wrote {path}")
         return 0 if not sum(c["failed_rounds"] for c in result["cells"]) else 1
     if a.steady:

@@ -281,6 +281,10 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
     if len(set(ids)) != len(ids):
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                       "a partial names a member twice; each member's update counts once")
+    if state.accepted + len(ids) > state.target:  # first-K counts updates one by one: those past K are late
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"round {state.round_id} closes after {state.target - state.accepted} more updates, fewer than "
+                      f"the partial's {len(ids)}; send them one by one")
     rows = values.reshape(len(ids), len(names))
     slots, reports = [], []
     for member, task_id, examples, steps, row in zip(ids, tasks, partial.num_examples, partial.steps, rows):

@@ -147,3 +147,27 @@ def test_a_host_sums_its_checked_updates_into_one_partial_and_leaves_out_a_bad_o
     state = server.coordinator.current
     assert state.accepted == 3 and state.slots["a2"].status == "pending"
     assert server.coordinator.strategy.folded == 3
+
+
+def test_a_partial_past_the_rounds_first_k_goes_one_by_one_so_the_first_k_count(start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=2,
+                               overselect=1.5, min_available=3, rounds=1)
+    stub = host_stub(server)
+    a = join_members(stub, "host-a", ["a0", "a1", "a2"])
+    tasks = _round(server, stub, {"host-a": a}, 3)  # 3 sampled, the first 2 count
+    state = server.coordinator.current
+    past = _send(stub, "host-a", a, _partial(tasks, ["a0", "a1", "a2"], [1, 1, 1], [10, 10, 10]))
+    assert past.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and "one by one" in past.message
+    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a", token=a.host_token), max_bytes=1 << 20, linger=0.5,
+                          registered=lambda member: (10, 1))
+    try:
+        for m in sorted(tasks):
+            uploads.send_later(stub, pb.SmallUpload(header=pb.UploadHeader(
+                auth=member_auth(a, m), round=tasks[m].round, task_id=tasks[m].task_id, num_examples=10, steps=1,
+                tensors=SPEC, total_bytes=32), data=np.full(SHAPE, 1.0, np.float32).tobytes()), 10.0)
+    finally:
+        uploads.close()
+    assert uploads.partials and uploads.partials_sent == 0 and uploads.refused_in_background == 1  # the late one
+    assert server.wait(20)
+    row = next(server.coordinator.metrics.read_rows())
+    assert (row["status"], row["reported"]) == ("ok", 2) and state.accepted == 2
