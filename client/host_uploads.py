@@ -148,7 +148,7 @@ class HostUploads:
             return batch
         try:
             layout = layout_from_pb(head.tensors, self.max_bytes)
-        except ValueError as e:
+        except ValueError:
             return batch  # the coordinator says what is wrong with it
         if not summable(layout):
             return batch

@@ -153,14 +153,10 @@ class PlainRound:
             raise
 
     async def accept_partial(self, partial: CheckedPartial) -> None:
-        """Count a host's checked pre-summed update for all its members and fold it as one block (the round may
-        close on it before the fold is done); a Refusal, counting none of them and folding nothing, if the
-        round closed meanwhile or the strategy refused it (its members may then send their updates one by one)."""
+        """Count a host's pre-summed update, checked just now on the loop, for all its members and fold it as one
+        block (the round may close on it before the fold is done); a Refusal, counting none of them and folding
+        nothing, if the strategy refused it (its members may then send their updates one by one)."""
         state, members = partial.state, tuple(slot.agent_id for slot in partial.slots)
-        if state.closed:
-            for slot in partial.slots:
-                slot.status = "pending"
-            state.check_open()
         for slot, report in zip(partial.slots, partial.reports):
             state.count_accepted(slot, report)
         fold = asyncio.ensure_future(self.folds.fold(state, FoldItem(partial.arrays, partial.total_weight,
@@ -242,10 +238,11 @@ async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.
     can take it: a plain round of a linear strategy with no share cap (the cap may clip any one update's weight,
     which needs the update itself), whose uploads no other rank counts first. Else UNIMPLEMENTED: the host sends
     its members' updates one by one."""
-    mode, strategy = plane.mode, plane.strategy
-    state = plane.current
-    reason = ("no round is open" if mode is None or state is None
-              else "this round's updates are compressed or masked" if type(mode) is not PlainRound
+    mode, strategy, state = plane.mode, plane.strategy, plane.current
+    if mode is None or state is None:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"partial for round {partial.round}, but no round is "
+                                                           "open; the update was not applied")
+    reason = ("this round's updates are compressed or masked" if type(mode) is not PlainRound
               else f"strategy {strategy.name!r} needs each update (it is not linear)" if not strategy.linear
               else "--max-agent-share may cap any one update's weight" if strategy.max_share is not None
               else "rank 0 counts this rank's updates one by one" if state.on_count is not None else "")
@@ -253,13 +250,7 @@ async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.
         raise Refusal(grpc.StatusCode.UNIMPLEMENTED, f"pre-summed updates are not taken here: {reason}; send each "
                                                      "member's update")
     checked = check_partial(plane, host_id, partial)
-    try:
-        await mode.accept_partial(checked)
-    except Refusal:
-        for slot in checked.slots:
-            if slot.status == "uploading":
-                slot.status = "pending"
-        raise
+    await mode.accept_partial(checked)  # no await between the checks and the count: the round is still open
     return pb.UploadReply(accepted=True, message=f"{len(checked.slots)} updates accepted for round {state.round_id}")
 
 
