@@ -278,9 +278,9 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
                       f"a partial's member arrays must be as long as its {len(ids)} member ids (task ids "
                       f"{len(tasks)}, num_examples {len(partial.num_examples)}, steps {len(partial.steps)}, "
                       f"metric values {values.size} = members x {len(names)} names); the update was not applied")
-    if len(set(ids)) != len(ids):
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                      "a partial names a member twice; each member's update counts once")
+    if len(set(ids)) != len(ids) or len(set(names)) != len(names):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a partial names a member (or a metric) twice; each member's "
+                                                        "update counts once")
     if state.accepted + len(ids) > state.target:  # first-K counts updates one by one: those past K are late
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       f"round {state.round_id} closes after {state.target - state.accepted} more updates, fewer than "

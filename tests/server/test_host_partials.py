@@ -68,7 +68,9 @@ def test_a_partial_counts_its_members_once_and_folds_as_their_weighted_sum_a_bad
     bad = {  # each refused whole: one line naming the problem, nothing counted
         "not a member of host 'host-a'": _partial(tasks, ["a0", "b0"], [1, 1], [10, 10]),
         "not sampled": _partial(tasks, ["a0", "a1"], [1, 1], [10, 10], member_ids="a0\nidle"),
-        "names a member twice": _partial(tasks, ["a0", "a1"], [1, 1], [10, 10], member_ids="a0\na0"),
+        "a member (or a metric) twice": _partial(tasks, ["a0", "a1"], [1, 1], [10, 10], member_ids="a0\na0"),
+        "a metric) twice": _partial(tasks, ["a0", "a1"], [1, 1], [10, 10], metric_names=["x", "x"],
+                                    metric_values=[0.0] * 4),
         "num_examples=11 must be in 1..10": _partial(tasks, ["a0", "a1"], [1, 1], [10, 10], num_examples=[10, 11]),
         "contains NaN or Inf": _partial(tasks, ["a0", "a1"], [1, 1], [10, 10],
                                         data=np.full(SHAPE, np.nan, np.float32).tobytes()),
