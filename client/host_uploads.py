@@ -10,8 +10,9 @@ any other refusal is logged. Uploads are never left out of the coordinator's che
 
 Background updates of a batch (plain weights, one round) go as one pre-summed partial where the coordinator takes
 one (client/host_partial.py: a linear strategy with no share cap; compressed, masked or DP-clipped updates and top-k's
-awaited ones go one by one): the host checks each as the coordinator would, leaves out and logs those that fail, and
-the coordinator checks and folds the partial as one. A coordinator that takes no partial in this run says so once
+awaited ones go one by one): the host checks each as the coordinator would and sums those that pass; the coordinator
+checks and folds the partial as one. An update that fails a check goes on its own, so the coordinator refuses and
+counts it as it always does (a rejected update may close the round). A coordinator that takes no partial in this run says so once
 (UNIMPLEMENTED) and the host sends its updates one by one from then on; any other refusal of a partial sends its
 members' updates one by one, each to its own verdict. FEDPAR_HOST_PARTIALS=0 turns partials off (comparisons).
 """
@@ -165,10 +166,9 @@ class HostUploads:
                 partial.add(header.auth.agent_id, header.task_id, staging.arrays, header.num_examples, header.steps,
                             header.metrics, self.registered(header.auth.agent_id))
                 summed.append(q)
-            except (ValueError, KeyError) as exc:  # refused here as the coordinator would refuse it
-                self._settle(q, HostUploadRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                                                  f"{exc}; the update was not applied"))
-        grouped = {id(q) for q in group}
+            except (ValueError, KeyError) as exc:  # the coordinator refuses it on its own, and counts the refusal
+                log.info("%s: %s is sent on its own: %s", self.host.agent_id, header.auth.agent_id, exc)
+        grouped = {id(q) for q in summed}
         rest = [q for q in batch if id(q) not in grouped]
         if not summed:
             return rest
