@@ -1,5 +1,6 @@
 """The members a worker trains at once, as one stacked model: the one local loop (client/local_loop.py) run with
-each step computed for all of them by ``vmap(grad(functional_call))`` over a leading member axis.
+each step computed for all of them: the model's forward ``vmap``-ped over a leading member axis, one backward of the
+sum of their objectives.
 
 Training a round's small members one after another leaves an accelerator idle between kernel launches. Here the
 K members' copies of one model are stacked along a leading axis. Each member keeps what the loop gives it alone: its
@@ -20,10 +21,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 
-from fedpar.client.local_loop import (Lane, StepTally, TrainResult, apply_gradients, batch_schedule, objective,
-                                      run_loop)
+from fedpar.client.local_loop import (Lane, StepTally, TrainResult, apply_gradients, objective, run_loop,
+                                      shuffling_generator)
 from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
 from fedpar.task import StepClock, Task
@@ -50,11 +51,24 @@ class ClientBatchInput:
 
 
 @dataclass
+class StackedWeights:
+    """Every member's trained parameters of one stack, as it ended: ``params[name]`` is (members, *shape) on the CPU
+    (row k: member k; named as in model.named_parameters()) and ``examples`` (members,) int64 the examples each
+    trained on (a linear strategy's weights): a host's members' updates as tensors, for sums over the rows."""
+
+    params: dict[str, torch.Tensor]
+    examples: torch.Tensor
+
+
+@dataclass
 class ClientBatchOutput:
-    """One member's trained parameters (CPU tensors, named as in model.named_parameters()) and its TrainResult."""
+    """One member's trained parameters (CPU tensors, named as in model.named_parameters(): views of row ``row`` of
+    ``stack``) and its TrainResult."""
 
     weights: dict[str, torch.Tensor]
     result: TrainResult
+    stack: StackedWeights | None = None
+    row: int = 0
 
 
 def check_batchable(model: nn.Module) -> None:
@@ -100,36 +114,72 @@ def member_tensors(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def per_example_losses(loss: Callable, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``loss`` (a batch mean) of each example alone: the loss of one-example batches, computed for all at once."""
-    return vmap(lambda o, t: loss(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
+    """``loss`` (a batch mean) of each example alone, for (members, batch, ...) outputs and targets: the loss of
+    one-example batches, computed for all at once (the zoo's cross-entropy unreduced: a vmap of one-example batches
+    runs its decomposition, several times slower to differentiate on the CPU)."""
+    if loss is classification_loss:
+        return classification_loss(outputs.flatten(0, 1), targets.flatten(0, 1), reduction="none") \
+            .view(targets.shape[:2])
+    one = vmap(lambda o, t: loss(o.unsqueeze(0), t.unsqueeze(0)))
+    return vmap(one)(outputs, targets)
 
 
-# Batched steps (compiled or not) live as long as their model: a batcher that reuses one template model builds its
-# step once, not every round.
+def stacked_schedules(sizes: list[int], seeds: list[int], epochs: int, batch_size: int,
+                      round_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~fedpar.client.local_loop.batch_schedule` of every member at once, over their examples laid end to
+    end (member k's first is ``sum(sizes[:k])``): (members, longest schedule, batch_size) indices and the mask of
+    the real ones; a schedule's padding (and a shorter member's missing steps) point at the member's first
+    example. One ``randperm`` per member and epoch, drawn as its own loop draws them; the rest is tensor ops."""
+    sizes_t = torch.tensor(sizes, dtype=torch.long)
+    per_epoch = (sizes_t + batch_size - 1) // batch_size
+    width = per_epoch * batch_size  # a member's padded epoch
+    longest = int(per_epoch.max()) * epochs if sizes else 0
+    firsts = torch.cumsum(sizes_t, 0) - sizes_t
+    index = firsts.view(-1, 1).repeat(1, longest * batch_size)
+    mask = torch.zeros(len(sizes), longest * batch_size, dtype=torch.bool)
+    perms = []
+    for n, seed in zip(sizes, seeds):
+        gen = shuffling_generator(seed, round_id)
+        perms += [torch.randperm(n, generator=gen) for _ in range(epochs)]
+    if perms:
+        # the flat position of each real example: its member's row, its epoch's start, its place in the epoch
+        counts = sizes_t.repeat_interleave(epochs)
+        rows = torch.arange(len(sizes)).repeat_interleave(epochs).repeat_interleave(counts)
+        starts = (torch.arange(epochs).repeat(len(sizes)) * width.repeat_interleave(epochs))
+        within = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+        columns = starts.repeat_interleave(counts) + within
+        index[rows, columns] = torch.cat(perms) + firsts[rows]
+        mask[rows, columns] = True
+    return (index.view(len(sizes), longest, batch_size), mask.view(len(sizes), longest, batch_size))
+
+
+# Batched objectives (compiled or not) live as long as their model: a batcher that reuses one template model builds
+# its function once, not every round.
 _compiled: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def batched_gradient_fn(model: nn.Module, buffers: dict[str, torch.Tensor], proximal_mu: float = 0.0,
-                        compile_step: bool = False, loss: Callable = classification_loss) -> Callable:
-    """``f(params, anchor, x, y, mask, count) -> (grads, losses)`` over a leading member axis: each member's
-    gradient of its objective (client/local_loop.py) on its batch, the loss being the masked mean of ``loss`` per
-    example (FedProx's term when ``anchor`` is not empty)."""
+def batched_objective_fn(model: nn.Module, buffers: dict[str, torch.Tensor], proximal_mu: float = 0.0,
+                         compile_step: bool = False, loss: Callable = classification_loss) -> Callable:
+    """``f(params, anchor, x, y, mask, count) -> (total, losses)`` over a leading member axis: the sum of the
+    members' objectives (client/local_loop.py) on their batches, each loss the masked mean of ``loss`` per example
+    (FedProx's term when ``anchor`` is not empty), and those losses. The members are independent, so the gradient
+    of the sum by a member's row of ``params`` is that member's own gradient (one backward for the stack, by
+    autograd: cheaper per step than a vmap of per-member gradients)."""
     key = (proximal_mu, loss, compile_step, tuple((n, b.device) for n, b in buffers.items()))
     if key in _compiled.get(model, {}):
         return _compiled[model][key]
+    forward = vmap(lambda params, x: functional_call(model, (params, buffers) if buffers else params, (x,)))
 
-    def member_objective(params, anchor, x, y, mask, count):
-        tensors = (params, buffers) if buffers else params
-        per_example = per_example_losses(loss, functional_call(model, tensors, (x,)), y)
-        mean = (per_example * mask).sum() / count  # mean over the real examples: padding adds exact zeros
-        return objective(mean, [params[n] for n in anchor], anchor.values(), proximal_mu), mean
+    def stacked_objective(params, anchor, x, y, mask, count):
+        means = (per_example_losses(loss, forward(params, x), y) * mask).sum(dim=1) / count  # padding adds 0s
+        return objective(means.sum(), [params[n] for n in anchor], anchor.values(), proximal_mu), means
 
-    step = vmap(grad(member_objective, has_aux=True))
+    fn = stacked_objective
     if compile_step:
         # Static shapes (one graph per number of active members) replayed as CUDA graphs: the step is launch-bound.
-        step = torch.compile(step, dynamic=False, mode="reduce-overhead")
-    _compiled.setdefault(model, {})[key] = step
-    return step
+        fn = torch.compile(fn, dynamic=False, mode="reduce-overhead")
+    _compiled.setdefault(model, {})[key] = fn
+    return fn
 
 
 class ClientBatch:
@@ -174,31 +224,25 @@ class ClientBatch:
         self.stopped = [False] * len(clients)
         self.step_index = 0
         self._active = [k for k in range(len(clients)) if self.total_steps[k] > 0]
-        self._grad_fn = batched_gradient_fn(model, self._buffers, proximal_mu, compile_step, loss)
+        self._objective_fn = batched_objective_fn(model, self._buffers, proximal_mu, compile_step, loss)
         self._load_working(list(range(len(self._active))))
 
     def _schedules(self, epochs: int, batch_size: int, round_id: int):
         """Every member's batches as global example indices, padded to the longest schedule, on the device."""
-        plans, offset = [], 0
-        for c in self.clients:
-            index, mask = batch_schedule(len(c.y), c.seed, epochs, batch_size, round_id)
-            plans.append((index + offset, mask))
-            offset += len(c.y)
-        total = [min(len(index), c.max_steps) if c.max_steps is not None else len(index)
-                 for c, (index, _) in zip(self.clients, plans)]
+        sizes = [len(c.y) for c in self.clients]
+        index, mask = stacked_schedules(sizes, [c.seed for c in self.clients], epochs, batch_size, round_id)
+        total = [min(-(-n // batch_size) * epochs, c.max_steps) if c.max_steps is not None
+                 else -(-n // batch_size) * epochs for n, c in zip(sizes, self.clients)]
         longest = max(total, default=0)
-        index = torch.zeros(len(plans), longest, batch_size, dtype=torch.long)
-        mask = torch.zeros(len(plans), longest, batch_size, dtype=torch.bool)
-        for k, (i, m) in enumerate(plans):
-            index[k, :len(i)], mask[k, :len(m)] = i, m
-        return index.to(self.device), mask.to(self.device), total
+        return index[:, :longest].to(self.device), mask[:, :longest].to(self.device), total
 
     def _load_working(self, kept: list[int]) -> None:
         """Gather the active members' parameters, schedules and loss sums into the working stack; ``kept``: the
         rows of the previous stack they were (their optimizer state moves with them)."""
         rows = torch.tensor(self._active, dtype=torch.long, device=self.device)
         self._rows = rows
-        self._work = {name: p.index_select(0, rows) for name, p in self.params.items()}
+        trainable = set(self._trainable)
+        self._work = {name: p.index_select(0, rows).requires_grad_(name in trainable) for name, p in self.params.items()}
         self._work_anchor = {name: a.index_select(0, rows) for name, a in self._anchor.items()}
         self._work_index, self._work_mask = self._index.index_select(0, rows), self._mask.index_select(0, rows)
         self._work_counts = self._counts.index_select(0, rows)
@@ -224,8 +268,9 @@ class ClientBatch:
 
     def _store_working(self) -> None:
         """Write the working stack back into the per-member tensors."""
-        for name, p in self.params.items():
-            p.index_copy_(0, self._rows, self._work[name])
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.index_copy_(0, self._rows, self._work[name])
         self._loss_sums.index_copy_(0, self._rows, self._work_loss)
         for k in self._active:
             self.steps_done[k] = self.step_index
@@ -234,15 +279,17 @@ class ClientBatch:
         """Member ``k``'s parameters now (on the device; a copy)."""
         if k in self._active:
             row = self._active.index(k)
-            return {name: p[row].clone() for name, p in self._work.items()}
+            return {name: p[row].detach().clone() for name, p in self._work.items()}
         return {name: p[k].clone() for name, p in self.params.items()}
 
     def gradients(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The active members' gradients of their objectives on this step's batches, and their losses."""
         s = self.step_index
         index = self._work_index[:, s]
-        return self._grad_fn(self._work, self._work_anchor, self.x[index], self.y[index], self._work_mask[:, s],
-                             self._work_counts[:, s])
+        total, losses = self._objective_fn(self._work, self._work_anchor, self.x[index], self.y[index],
+                                           self._work_mask[:, s], self._work_counts[:, s])
+        grads = torch.autograd.grad(total, [self._work[name] for name in self._trainable])
+        return dict(zip(self._trainable, grads)), losses.detach()
 
     def active(self) -> list[int]:
         """The members still training."""
@@ -290,9 +337,10 @@ class ClientBatch:
         """Every member's trained parameters on the CPU and its TrainResult (``seconds``: the batch's wall time,
         plus each member's simulated step delays)."""
         tallies = self.tallies()
-        params = {name: p.detach().cpu() for name, p in self.params.items()}
-        return [ClientBatchOutput({name: p[k] for name, p in params.items()},
-                                  tally.result(seconds + tally.steps * c.step_delay))
+        stack = StackedWeights({name: p.detach().cpu() for name, p in self.params.items()},
+                               torch.tensor([tally.examples for tally in tallies], dtype=torch.long))
+        return [ClientBatchOutput({name: p[k] for name, p in stack.params.items()},
+                                  tally.result(seconds + tally.steps * c.step_delay), stack, k)
                 for k, (c, tally) in enumerate(zip(self.clients, tallies))]
 
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -110,7 +111,6 @@ class _Call:
     client: ClientBatchInput
     output: ClientBatchOutput | None = None
     error: BaseException | None = None
-    done: bool = False
 
 
 @dataclass
@@ -124,10 +124,13 @@ class _Round:
 
 @dataclass
 class _Batch:
-    """The calls gathered so far for one round and one set of training settings."""
+    """The calls gathered so far for one round and one set of training settings; the first call's thread decides
+    when it starts and runs it, the others wait for ``finished`` (so a call that arrives wakes one thread, not
+    every waiting seat)."""
 
     opened: float
     calls: list[_Call] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
 
 
 class ClientBatcher:
@@ -190,24 +193,19 @@ class ClientBatcher:
             if self._template is None:
                 self._template, self._task = copy.deepcopy(model), task
             batch = self._open.get(settings)
-            if batch is None:
+            leads = batch is None
+            if leads:
                 batch = self._open[settings] = _Batch(time.monotonic())
             batch.calls.append(call)
             self._not_waiting_for(agent, round_id)
-            while not call.done:
-                wait = self._wait(batch, round_id)
-                if self._open.get(settings) is batch and wait <= 0:
-                    del self._open[settings]  # later calls open a new batch
-                    self._cond.release()
-                    try:
-                        self._run(batch, settings)
-                    finally:
-                        self._cond.acquire()
-                    self._cond.notify_all()
-                elif self._open.get(settings) is batch:
-                    self._cond.wait(wait)
-                else:
-                    self._cond.wait(1.0)  # another agent runs this batch
+            while leads and (wait := self._wait(batch, round_id)) > 0:
+                self._cond.wait(wait)
+            if leads:
+                del self._open[settings]  # later calls open a new batch
+        if leads:
+            self._run(batch, settings)
+        else:
+            batch.finished.wait()
         if call.error is not None:
             raise call.error
         return call.output
@@ -247,13 +245,13 @@ class ClientBatcher:
                 call.error = exc
         with self._cond:
             self.batch_sizes.append(len(batch.calls))
-            for call in batch.calls:
-                call.done = True
+        batch.finished.set()
 
 
 class BatchedTrainer(TaskTrainer):
     """A TaskTrainer whose built-in loop runs stacked with its process's other seats (see :class:`ClientBatcher`);
-    evaluation and the weights' exchange are TaskTrainer's."""
+    evaluation and the weights' exchange are TaskTrainer's, except that the trained weights it hands out are its
+    row of the stack (numpy views, not copied back into the model first)."""
 
     def __init__(self, task: Task, data: ClientData, batcher: ClientBatcher, seed: int = 0,
                  seconds_per_step_delay: float = 0.0, compute_lock: threading.Lock | None = None,
@@ -264,6 +262,7 @@ class BatchedTrainer(TaskTrainer):
         super().__init__(task, data, seed, device, "fp32", seconds_per_step_delay, compute_lock)
         self.batcher = batcher
         batcher.add_agent()
+        self.trained: ClientBatchOutput | None = None  # the last run's row of its stack, until new weights come
 
     def warm_up(self) -> None:
         """TaskTrainer's warm-up, and the batcher's (once per process)."""
@@ -274,17 +273,47 @@ class BatchedTrainer(TaskTrainer):
         """Tell the batcher this agent holds a task of ``round_id`` until the block ends."""
         return self.batcher.holding(self, round_id)
 
+    def set_arrays(self, arrays: list[np.ndarray]) -> None:
+        """Load new weights into the model (the trained row is forgotten)."""
+        self.trained = None
+        super().set_arrays(arrays)
+
+    def get_arrays(self) -> list[np.ndarray]:
+        """The trained weights (views of this member's row of the stack, which nothing writes any more), else the
+        model's."""
+        if self.trained is None or self.device.type != "cpu":
+            self._load_trained()
+            return super().get_arrays()
+        rows = self.trained.weights  # a float buffer is not stacked: the model's own
+        return [rows[name].numpy() if name in rows else t.detach().numpy().copy() for name, t in self._weights.entries]
+
+    def evaluate(self):
+        """TaskTrainer's evaluation of the model as trained."""
+        self._load_trained()
+        return super().evaluate()
+
+    def evaluate_splits(self, splits):
+        """TaskTrainer's evaluation of the model as trained on each split."""
+        self._load_trained()
+        return super().evaluate_splits(splits)
+
+    def _load_trained(self) -> None:
+        """Copy the last run's row into the model, if it is not there yet."""
+        if self.trained is not None:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(self.trained.weights[name])
+            self.trained = None
+
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
               proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None,
               settings: TaskSettings | None = None) -> TrainResult:
         """The local loop of this member, run in the batch; a slow device then waits out its simulated delays."""
+        self._load_trained()
         start = {name: p.detach() for name, p in self.model.named_parameters()}
         client = ClientBatchInput(*member_tensors(self.data.train), self.seed, start, stop_at, self.delay, max_steps)
-        output = self.batcher.train(self, self.task, self.model, client, epochs, batch_size, lr, round_id,
-                                    proximal_mu)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(output.weights[name])
+        self.trained = self.batcher.train(self, self.task, self.model, client, epochs, batch_size, lr, round_id,
+                                          proximal_mu)
         if self.delay:  # the upload leaves when a slow device's would
-            time.sleep(output.result.steps * self.delay)
-        return output.result
+            time.sleep(self.trained.result.steps * self.delay)
+        return self.trained.result
