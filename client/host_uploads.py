@@ -38,6 +38,7 @@ from fedpar.protocol.messages import CoordinatorStub, layout_from_pb
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
+MORE_COMING_POLL = 0.002  # seconds between looks at whether the seats may still queue an update
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -111,9 +112,13 @@ class HostUploads:
             while len(batch) < self.max_updates:
                 try:  # a seat queues its update before it stops counting as more to come
                     wait = self.more_coming()
-                    item = self._queue.get(timeout=max(0.0, until - time.monotonic())) if wait \
-                        else self._queue.get_nowait()
+                    # in slices: the last seat stops counting without a word (measured: a stacked round's uploads
+                    # waited out the whole linger, 50 ms, after its seats had all queued theirs)
+                    item = self._queue.get(timeout=min(MORE_COMING_POLL, max(0.0, until - time.monotonic()))) \
+                        if wait else self._queue.get_nowait()
                 except queue.Empty:
+                    if wait and time.monotonic() < until:
+                        continue
                     break
                 if item is None:
                     stop = True

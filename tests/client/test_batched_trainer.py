@@ -189,3 +189,17 @@ def test_the_compiled_step_is_refused_off_cuda():
     model, data = _setup("mlp")
     with pytest.raises(ValueError, match="compile_step is for CUDA"):
         train_clients_batched(model, _inputs(data), 1, BATCH, LR, device="cpu", compile_step=True)
+
+
+def test_a_stacks_trained_members_come_out_as_one_tensor_per_weight_with_their_examples():
+    # What a host's pre-summed upload can fold in one tensor op: row k of each stacked weight is member k's trained
+    # weight (its output's weights are views of it) and examples[k] the examples it trained on.
+    model, data = _setup("mlp")
+    outputs = train_clients_batched(model, _inputs(data), EPOCHS, BATCH, LR, ROUND)
+    stack = outputs[0].stack
+    assert all(out.stack is stack and out.row == k for k, out in enumerate(outputs))
+    assert stack.examples.tolist() == [EPOCHS * n for n in SIZES]
+    for name, p in model.named_parameters():
+        assert stack.params[name].shape == (len(SIZES), *p.shape)
+        for k, out in enumerate(outputs):
+            assert out.weights[name].data_ptr() == stack.params[name][k].data_ptr()  # a view, not a copy
