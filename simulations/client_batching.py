@@ -39,7 +39,8 @@ from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Task, TaskError
 
 log = logging.getLogger("fedpar.simulate")
-AUTO_MIN_MEMBERS = 2  # a worker's clients of one round that auto batches: one alone gains nothing from a stack
+AUTO_MIN_MEMBERS = 2  # a worker's clients of a round that auto batches on a GPU: one alone gains nothing stacked
+AUTO_MIN_MEMBERS_CPU = 50  # ... and on the CPU (measured faster at 50, not at 20; see batching_pays)
 # What one worker's stack may hold: its members' stacked parameters, their working copy, gradients, optimizer state
 # and FedProx anchor (about 8 copies of the model per member).
 STACK_BYTES = 2 << 30
@@ -72,32 +73,38 @@ def batched_seats(seats: int, members: int, per_round: int, model_bytes: int) ->
     return max(seats, min(members, per_round, fit))
 
 
-def batching_pays(device: str) -> bool:
-    """Whether stacking members is expected faster than training them one by one on ``device``: on a GPU, where a
-    small member's step is launch-bound; not on the CPU, where `fedpar simulate` was measured no faster with each
-    worker's members of a round in one stack (population_bench.py --batching, four runs of two pairs: digits MLP
-    100 of 100 0.63-3.9x the one-by-one steady round; 10 of 10 0.66-1.55x; digits CNN 10 of 10 1.03-1.80x: a
-    vmapped convolution steps slower on the CPU than the members' own), although the MLP's local steps alone stack
-    faster (0.2-0.35x)."""
-    return torch.device(device).type != "cpu"
+def batching_pays(device: str, model: nn.Module, members_per_worker: float, every_member_sampled: bool) -> bool:
+    """Whether stacking a worker's members of a round is expected faster than training them one by one on
+    ``device``: on a GPU, where a small member's step is launch-bound, from :data:`AUTO_MIN_MEMBERS` members a
+    worker; on the CPU for a model without convolutions, from :data:`AUTO_MIN_MEMBERS_CPU` members a worker, each
+    of them sampled every round (so no seat's task is waited for: see :class:`ClientBatcher`).
+
+    Measured with population_bench.py --batching and the same cells alternated on/off (steady round, stacked over
+    one by one, 2 workers, 2026-11-25, load average 2-6): digits MLP 100 of 100 (50 a worker) 0.73-0.99x; 60 of
+    60 (30) 0.80-1.02x; 40 of 40 (20) 1.11x; 10 of 10 (5) 1.00-1.08x; 10 of 100 2.9x (the stack waits 50 ms for
+    the round's tasks to settle); digits CNN 10 of 10 1.40-1.48x (a vmapped convolution steps slower on the CPU than
+    the members' own). The stacked steps alone: 50 members of 13 examples 0.3-0.5x the one-by-one steps."""
+    if torch.device(device).type != "cpu":
+        return members_per_worker >= AUTO_MIN_MEMBERS
+    convolution = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return not convolution and every_member_sampled and members_per_worker >= AUTO_MIN_MEMBERS_CPU
 
 
 def client_batching_route(choice: bool | None, refusal: Callable[[], str | None], device: str,
-                          members_per_worker: float) -> bool:
+                          members_per_worker: float, model: nn.Module, every_member_sampled: bool) -> bool:
     """Whether a simulation's workers batch their members, for ``--client-batching`` ``choice`` (None: auto, True:
     on, False: off): on batches or raises ValueError(``refusal()``, when it says why not); auto batches when it
-    pays (:func:`batching_pays`), a worker trains at least two members of a round (``members_per_worker``; a
-    batching worker seats them all: :func:`batched_seats`) and nothing refuses, else trains one by one, saying why
-    at info level."""
+    pays (:func:`batching_pays`: ``model`` on ``device``, ``members_per_worker`` of a round, ``every_member_sampled``
+    each round; a batching worker seats them all: :func:`batched_seats`) and nothing refuses, else trains one by
+    one, saying why at info level."""
     if choice is not None:
         why_not = refusal() if choice else None
         if why_not is not None:
             raise ValueError(why_not)
         return choice
-    if not batching_pays(device):
-        why_not = f"stacking members on {device} was measured slower than training them one by one"
-    elif members_per_worker < AUTO_MIN_MEMBERS:
-        why_not = f"a worker trains {members_per_worker:g} client(s) of a round"
+    if not batching_pays(device, model, members_per_worker, every_member_sampled):
+        why_not = (f"stacking this model's {members_per_worker:g} members a worker on {device} was not measured "
+                   "faster than training them one by one")
     else:
         why_not = refusal()
     log.info("client batching (auto): %s", "on" if why_not is None else f"off, {why_not}")

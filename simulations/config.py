@@ -69,9 +69,10 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
         help="the clients one worker process trains in a round (a seat each) run the local loop together as one "
              "stacked model (torch.func), each with its own data, batches, steps and deadline; slow devices "
              "(--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and DP still apply to each "
-             "client's update. auto (the default): batch on a GPU where the model allows it and each worker "
-             "holds at least 2 clients of a round, else one by one (on the CPU simulate was measured slower "
-             "batched); on (a bare --client-batching): always, refusing in one line what cannot batch (dropout, "
+             "client's update. auto (the default): batch where the model allows it, on a GPU when each worker "
+             "holds at least 2 clients of a round, on the CPU for a model without convolutions when each worker "
+             "trains at least 50 clients of a round and every client is sampled (where it was measured faster), "
+             "else one by one; on (a bare --client-batching): always, refusing in one line what cannot batch (dropout, "
              "batch norm, --precision bf16, a task's own train hook or loader, a non-elementwise optimizer); off: "
              "one by one")
     upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # how agents compress uploads

@@ -225,7 +225,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     batching = flower_app is None and client_batching_route(  # a ClientApp trains itself (on: refused above)
         cfg.client_batching, lambda: batching_refusal_of(assembly.model, task, cfg.precision,
                                                          first_member() if first_member else None),
-        devices[0], k / len(pipes))
+        devices[0], k / len(pipes), assembly.model, k >= cfg.clients)
     slices = _population_slices(cfg, None if members is None else members.sizes, len(pipes))
     seats = [cfg.seats] * len(slices)
     if batching:  # a worker's members of a round train as one stack: a seat each

@@ -147,26 +147,33 @@ def _cnn(dropout: float = 0.0) -> torch.nn.Module:
                                torch.nn.Linear(72, 10))
 
 
-@pytest.mark.parametrize("choice, model, device, members, batched", [
-    (None, _cnn(), "cuda:0", 5, True),  # auto: allowed, several members a worker, a GPU: stacked
-    (None, _cnn(), "cpu", 5, False),  # on the CPU `fedpar simulate` was measured slower stacked
-    (None, _cnn(), "cuda:0", 1, False),  # one member of a round a worker: nothing to stack
-    (None, _cnn(0.5), "cuda:0", 5, False),  # dropout: one by one, without a word
-    (False, _cnn(), "cuda:0", 5, False),
-    (True, build_model_for_data("mlp", (1, 8, 8), 10), "cpu", 1, True),  # on: whatever auto would say
+def _mlp() -> torch.nn.Module:
+    return build_model_for_data("mlp", (1, 8, 8), 10)
+
+
+@pytest.mark.parametrize("choice, model, device, members, everyone, batched", [
+    (None, _cnn(), "cuda:0", 5, False, True),  # auto: allowed, several members a worker, a GPU: stacked
+    (None, _mlp(), "cpu", 50, True, True),  # the CPU: no convolution, 50 members a worker, all sampled: stacked
+    (None, _mlp(), "cpu", 20, True, False),  # ... fewer members a worker were not measured faster stacked
+    (None, _mlp(), "cpu", 50, False, False),  # ... nor members sampled from a larger population (the stack waits)
+    (None, _cnn(), "cpu", 50, True, False),  # a vmapped convolution steps slower on the CPU
+    (None, _cnn(), "cuda:0", 1, False, False),  # one member of a round a worker: nothing to stack
+    (None, _cnn(0.5), "cuda:0", 5, False, False),  # dropout: one by one, without a word
+    (False, _cnn(), "cuda:0", 5, True, False),
+    (True, _mlp(), "cpu", 1, False, True),  # on: whatever auto would say
 ])
 def test_auto_batches_where_it_is_allowed_and_pays_and_on_and_off_are_obeyed(choice, model, device, members,
-                                                                               batched):
+                                                                               everyone, batched):
     assert client_batching_route(choice, lambda: batching_refusal_of(model, None, "fp32", None), device,
-                                 members) is batched
+                                 members, model, everyone) is batched
 
 
 def test_batching_on_with_a_model_that_cannot_stack_is_its_refusal():
     model = _cnn(0.5)
     with pytest.raises(ValueError, match="^client batching needs a model without batch-norm statistics or dropout"):
-        client_batching_route(True, lambda: batching_refusal_of(model, None, "fp32", None), "cpu", 5)
+        client_batching_route(True, lambda: batching_refusal_of(model, None, "fp32", None), "cpu", 5, model, True)
     with pytest.raises(ValueError, match="^--client-batching trains in fp32"):
-        client_batching_route(True, lambda: batching_refusal_of(_cnn(), None, "bf16", None), "cpu", 5)
+        client_batching_route(True, lambda: batching_refusal_of(_cnn(), None, "bf16", None), "cpu", 5, _cnn(), True)
 
 
 def test_a_batching_worker_seats_every_member_it_may_train_in_a_round_as_far_as_the_stack_memory_allows():
