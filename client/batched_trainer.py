@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedpar.client.local_loop import (Lane, StepTally, TrainResult, apply_gradients, objective, run_loop,
-                                      shuffling_generator)
+                                      stacked_schedules)
 from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
 from fedpar.task import StepClock, Task
@@ -124,35 +124,6 @@ def per_example_losses(loss: Callable, outputs: torch.Tensor, targets: torch.Ten
     return vmap(one)(outputs, targets)
 
 
-def stacked_schedules(sizes: list[int], seeds: list[int], epochs: int, batch_size: int,
-                      round_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~fedpar.client.local_loop.batch_schedule` of every member at once, over their examples laid end to
-    end (member k's first is ``sum(sizes[:k])``): (members, longest schedule, batch_size) indices and the mask of
-    the real ones; a schedule's padding (and a shorter member's missing steps) point at the member's first
-    example. One ``randperm`` per member and epoch, drawn as its own loop draws them; the rest is tensor ops."""
-    sizes_t = torch.tensor(sizes, dtype=torch.long)
-    per_epoch = (sizes_t + batch_size - 1) // batch_size
-    width = per_epoch * batch_size  # a member's padded epoch
-    longest = int(per_epoch.max()) * epochs if sizes else 0
-    firsts = torch.cumsum(sizes_t, 0) - sizes_t
-    index = firsts.view(-1, 1).repeat(1, longest * batch_size)
-    mask = torch.zeros(len(sizes), longest * batch_size, dtype=torch.bool)
-    perms = []
-    for n, seed in zip(sizes, seeds):
-        gen = shuffling_generator(seed, round_id)
-        perms += [torch.randperm(n, generator=gen) for _ in range(epochs)]
-    if perms:
-        # the flat position of each real example: its member's row, its epoch's start, its place in the epoch
-        counts = sizes_t.repeat_interleave(epochs)
-        rows = torch.arange(len(sizes)).repeat_interleave(epochs).repeat_interleave(counts)
-        starts = (torch.arange(epochs).repeat(len(sizes)) * width.repeat_interleave(epochs))
-        within = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
-        columns = starts.repeat_interleave(counts) + within
-        index[rows, columns] = torch.cat(perms) + firsts[rows]
-        mask[rows, columns] = True
-    return (index.view(len(sizes), longest, batch_size), mask.view(len(sizes), longest, batch_size))
-
-
 # Batched objectives (compiled or not) live as long as their model: a batcher that reuses one template model builds
 # its function once, not every round.
 _compiled: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
@@ -242,7 +213,8 @@ class ClientBatch:
         rows = torch.tensor(self._active, dtype=torch.long, device=self.device)
         self._rows = rows
         trainable = set(self._trainable)
-        self._work = {name: p.index_select(0, rows).requires_grad_(name in trainable) for name, p in self.params.items()}
+        self._work = {name: p.index_select(0, rows).requires_grad_(name in trainable)
+                      for name, p in self.params.items()}
         self._work_anchor = {name: a.index_select(0, rows) for name, a in self._anchor.items()}
         self._work_index, self._work_mask = self._index.index_select(0, rows), self._mask.index_select(0, rows)
         self._work_counts = self._counts.index_select(0, rows)

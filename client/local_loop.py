@@ -97,10 +97,41 @@ def batch_schedule(n: int, seed: int, epochs: int, batch_size: int, round_id: in
     return index.reshape(epochs * per_epoch, batch_size), mask.reshape(epochs * per_epoch, batch_size)
 
 
+def stacked_schedules(sizes: list[int], seeds: list[int], epochs: int, batch_size: int,
+                      round_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`batch_schedule` of every stacked member at once, over their examples laid end to end (member k's
+    first is ``sum(sizes[:k])``): (members, longest schedule, batch_size) indices and the mask of the real ones; a
+    schedule's padding (and a shorter member's missing steps) point at the member's first example. One ``randperm``
+    per member and epoch, drawn as its own loop draws them; the rest is tensor ops (one member's batch_schedule stays
+    the short loop: this costs about 150 us for one member, against 17)."""
+    sizes_t = torch.tensor(sizes, dtype=torch.long)
+    per_epoch = (sizes_t + batch_size - 1) // batch_size
+    width = per_epoch * batch_size  # a member's padded epoch
+    longest = int(per_epoch.max()) * epochs if sizes else 0
+    firsts = torch.cumsum(sizes_t, 0) - sizes_t
+    index = firsts.view(-1, 1).repeat(1, longest * batch_size)
+    mask = torch.zeros(len(sizes), longest * batch_size, dtype=torch.bool)
+    perms = []
+    for n, seed in zip(sizes, seeds):
+        gen = shuffling_generator(seed, round_id)
+        perms += [torch.randperm(n, generator=gen) for _ in range(epochs)]
+    if perms:
+        # the flat position of each real example: its member's row, its epoch's start, its place in the epoch
+        counts = sizes_t.repeat_interleave(epochs)
+        rows = torch.arange(len(sizes)).repeat_interleave(epochs).repeat_interleave(counts)
+        starts = (torch.arange(epochs).repeat(len(sizes)) * width.repeat_interleave(epochs))
+        within = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+        columns = starts.repeat_interleave(counts) + within
+        index[rows, columns] = torch.cat(perms) + firsts[rows]
+        mask[rows, columns] = True
+    return (index.view(len(sizes), longest, batch_size), mask.view(len(sizes), longest, batch_size))
+
+
 def member_batches(dataset: Any, batch_size: int, epochs: int, seed: int, round_id: int,
                    loader: Callable | None = None) -> Iterator:
-    """The batches one member trains on, in order: in-memory data is cut by :func:`batch_schedule` (what the
-    stacked members are cut by); a task's ``loader``, or any other dataset, yields each epoch's batches itself."""
+    """The batches one member trains on, in order: in-memory data is cut by :func:`batch_schedule` (the stacked
+    members by :func:`stacked_schedules`, the same batches); a task's ``loader``, or any other dataset, yields each
+    epoch's batches itself."""
     tensors = in_memory(dataset) if loader is None else None
     if tensors is None:
         generator = shuffling_generator(seed, round_id)

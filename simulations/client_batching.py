@@ -82,8 +82,9 @@ def batching_pays(device: str, model: nn.Module, members_per_worker: float, ever
     Measured with population_bench.py --batching and the same cells alternated on/off (steady round, stacked over
     one by one, 2 workers, 2026-11-25, load average 2-6): digits MLP 100 of 100 (50 a worker) 0.48-1.48x, median
     0.79 of 15 pairs; 60 of 60 (30) 0.80-1.02x; 40 of 40 (20) 1.11x; 10 of 10 (5) 0.48-1.08x (4 pairs); 10 of
-    100 2.9x (the stack waits 50 ms for the round's tasks to settle); digits CNN 10 of 10 1.40-1.48x (a vmapped convolution steps slower on the CPU than
-    the members' own). The stacked steps alone: 50 members of 13 examples 0.3-0.5x the one-by-one steps."""
+    100 2.9x (the stack waits 50 ms for the round's tasks to settle); digits CNN 10 of 10 1.21-1.48x (a vmapped
+    convolution steps slower on the CPU than the members' own). The stacked steps alone: 50 members of 13 examples
+    0.3-0.5x the one-by-one steps."""
     if torch.device(device).type != "cpu":
         return members_per_worker >= AUTO_MIN_MEMBERS
     convolution = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())

@@ -16,7 +16,7 @@ from fedpar import ClientData, Partition, Task
 from fedpar.client.batched_trainer import (ClientBatch, ClientBatchInput, batching_refusal, check_batchable,
                                            train_clients_batched)
 from fedpar.client.task_trainer import TaskTrainer
-from fedpar.client.local_loop import shuffling_generator
+from fedpar.client.local_loop import batch_schedule, shuffling_generator, stacked_schedules
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import ArrayDataset, load_dataset
 from fedpar.models.for_data import build_model_for_data
@@ -203,3 +203,16 @@ def test_a_stacks_trained_members_come_out_as_one_tensor_per_weight_with_their_e
         assert stack.params[name].shape == (len(SIZES), *p.shape)
         for k, out in enumerate(outputs):
             assert out.weights[name].data_ptr() == stack.params[name][k].data_ptr()  # a view, not a copy
+
+
+def test_the_stacked_schedules_are_each_members_own_batches():
+    sizes, seeds = [23, 40, 7, 37, 16], [3, 4, 5, 6, 7]
+    index, mask = stacked_schedules(sizes, seeds, EPOCHS, BATCH, ROUND)
+    first = 0
+    for k, n in enumerate(sizes):
+        own, own_mask = batch_schedule(n, seeds[k], EPOCHS, BATCH, ROUND)
+        steps = len(own)
+        assert torch.equal(mask[k, :steps], own_mask) and not mask[k, steps:].any()
+        assert torch.equal(index[k, :steps][own_mask], own[own_mask] + first)
+        assert ((index[k][~mask[k]] >= first) & (index[k][~mask[k]] < first + n)).all()  # padding stays its own
+        first += n
