@@ -153,6 +153,7 @@ class Coordinator(IngestPlane):
         self.started_at = time.monotonic()
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
+        self._recording: asyncio.Future | None = None  # the last round's row, still being scored (see _finish_round)
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
@@ -197,6 +198,7 @@ class Coordinator(IngestPlane):
             while self.round_id < self.config.rounds:
                 await self.members.wait_for_live(self.config.min_available, self.config.wait_for_agents_seconds)
                 await self._run_round(self.round_id + 1)
+            await self._recorded()
             completed = True
         # Stopped early (a signal, a lost aggregator rank, a checkpoint or metrics file it could not write): the same
         # command resumes.
@@ -204,6 +206,11 @@ class Coordinator(IngestPlane):
             stopped_early = True
             raise
         finally:
+            if self._recording is not None:  # stopped early or failed: the last round's row is written all the same
+                try:
+                    await self._recorded()
+                except Exception as exc:  # the stop goes on; this error is the lesser news
+                    log.error("round %d's metrics row was not recorded: %s", self.round_id, exc)
             self._ready(False)
             if self.ranks is not None:
                 await self.ranks.stop(completed)
@@ -298,9 +305,21 @@ class Coordinator(IngestPlane):
         row.update(self.clock.finish_round())
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
+        await self._publish_payload(self.round_id + 1)  # the next round's tasks may go out from here
+        await self._recorded()  # the rows go out in order
+        recording = self._record_round(state, row, self.weights)
+        if self.evaluate_fn is not None and self.config.checkpoint_dir is None:
+            # nothing to checkpoint first: the next round's tasks go out while this round's model is scored (the
+            # workers would idle meanwhile; the score is this round's row's, written before the next row)
+            self._recording = asyncio.ensure_future(recording)
+        else:
+            await recording
+
+    async def _record_round(self, state: RoundState, row: dict, weights: list[np.ndarray]) -> None:
+        """The rest of the round's row (the central evaluation of ``weights``, the round's new model, and its
+        seconds), then its checkpoint (before the next round opens), the metrics line and the callbacks."""
         if self.evaluate_fn is not None:
-            row.update(await self._in_thread(self.evaluate_fn, self.weights))
-        await self._publish_payload(self.round_id + 1)
+            row.update(await self._in_thread(self.evaluate_fn, weights))
         now = time.monotonic()
         row["round_seconds"] = now - state.started
         row["wall_seconds"] = now - self.started_at
@@ -319,6 +338,12 @@ class Coordinator(IngestPlane):
         if now - self._trimmed_at >= TRIM_SECONDS:
             self._trimmed_at = now
             asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
+
+    async def _recorded(self) -> None:
+        """Until the last round's row is recorded (its error, e.g. a metrics file it could not write, raised here)."""
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            await recording
 
     async def _model_work(self, fn, *args):
         """``fn(*args)``, work of the round's that grows with the model: on the loop for a small model (a thread's
