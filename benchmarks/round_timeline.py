@@ -10,7 +10,8 @@ file per process. Nothing in fedpar changes; without this benchmark nothing is w
 
 Each event belongs to the round whose start (``Coordinator._run_round``) precedes it; for every hop it prints the
 median over rounds 2..R of the first and the last time it happened in the round, in milliseconds from the round's
-start, and the round's own ``round_seconds`` (what population_bench.py --steady reports) for scale.
+start (and for a hop noted on entry and exit the milliseconds spent in it, summed over the round's calls), and the
+cycle: from a round's start to the next one's.
 The results go to benchmarks/results/round_timeline.json (``--json``).
 """
 
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
 ENV = "FEDPAR_ROUND_TIMELINE"  # the folder each process writes its events to (set only by this benchmark)
 START = "server Coordinator._run_round"  # the event that starts a round
 
@@ -41,13 +44,15 @@ HOPS = {
     "fedpar.server.coordinator": [("Coordinator._run_round", "server", "in"),
                                   ("Coordinator._finish_round", "server", "in"),
                                   ("Coordinator._in_thread", "server", "both"),
+                                  ("Coordinator._model_work", "server", "both"),
                                   ("Coordinator._publish_payload", "server", "both")],
-    "fedpar.server.members": [("Members.wait_for_live", "server", "both")],
+    "fedpar.server.members": [("Members.wait_for_live", "server", "both"), ("Members.live_ids", "server", "both"),
+                              ("CohortSampler.sample", "server", "both")],
     "fedpar.server.populations": [("Populations.deal", "server", "in"),
                                   ("Populations._reply", "server", "out?")],
     "fedpar.server.app": [("CoordinatorService.UploadHostUpdates", "server", "both")],
     "fedpar.server.rounds": [("RoundState.close", "server", "in")],
-    "fedpar.server.round_modes": [("PlainRound.close", "server", "both")],
+    "fedpar.server.round_modes": [("PlainRound.close", "server", "both"), ("RoundModes.for_round", "server", "both")],
     "fedpar.protocol.run_logs": [("RoundMetricsLog.append", "server", "both")],
     "fedpar.client.links": [("HostLink.pull", "worker", "out?")],
     "fedpar.client.runtime": [("ClientRuntime._dispatch", "worker", "in"),
@@ -87,7 +92,8 @@ def _called(fn) -> str:
 
 def _wrap(fn, name: str, what: str, log: _Log):
     """``fn`` noting its entry and/or exit as ``name`` (an exit named by the function called, for _in_thread)."""
-    label = (lambda args: f"{name} {_called(args[1])}") if name.endswith("_in_thread") else (lambda args: name)
+    label = (lambda args: f"{name} {_called(args[1])}") if name.endswith(("_in_thread", "_model_work")) \
+        else (lambda args: name)
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def wrapped(*args, **kwargs):
@@ -187,8 +193,14 @@ def timeline(events: list[tuple[float, str, str]], skip: int = 1) -> dict[str, d
     return out
 
 
-def run(simulate_args: list[str], out: Path) -> tuple[dict, list[dict]]:
-    """One traced `fedpar simulate` run: its timeline and its metrics rows."""
+def cycle_ms(events: list[tuple[float, str, str]], skip: int = 1) -> float:
+    """The median time from one round's start to the next one's (rounds after the first ``skip``)."""
+    starts = [t for t, name, _ in events if name == START][skip:]
+    return statistics.median((b - a) * 1000 for a, b in zip(starts, starts[1:]))
+
+
+def run(simulate_args: list[str], out: Path) -> tuple[dict, float, list[dict]]:
+    """One traced `fedpar simulate` run: its timeline, its round-to-round cycle in ms and its metrics rows."""
     events = out / "events"
     events.mkdir(parents=True)
     (out / "sitecustomize.py").write_text("import round_timeline\nround_timeline.install()\n")
@@ -197,7 +209,8 @@ def run(simulate_args: list[str], out: Path) -> tuple[dict, list[dict]]:
     subprocess.run([sys.executable, "-m", "fedpar", "simulate", *simulate_args, "--out", str(out / "run"),
                     "--quiet"], env=env, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    return timeline(read_events(events)), rows
+    traced = read_events(events)
+    return timeline(traced), cycle_ms(traced), rows
 
 
 def main() -> int:
@@ -213,19 +226,18 @@ def main() -> int:
             "--clients", str(a.clients), "--clients-per-round", str(a.clients_per_round), *a.simulate]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     with tempfile.TemporaryDirectory() as tmp:
-        hops, rows = run(args, Path(tmp))
+        hops, cycle, rows = run(args, Path(tmp))
     round_ms = statistics.median(r["round_seconds"] for r in rows[1:]) * 1000
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"fedpar simulate {' '.join(args)}; load average {' '.join(load_before)} before, {' '.join(load)} after")
-    print(f"steady round_seconds (median of rounds 2..{len(rows)}): {round_ms:.1f} ms")
-    print(f"{'hop':<48}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}")
+    print(f"round start to the next round's start: {cycle:.1f} ms; a round's own round_seconds (its start to its "
+          f"metrics row, which may overlap the next round): {round_ms:.1f} ms (medians from round 2)")
+    print(f"{'hop':<56}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}")
     for name, h in hops.items():
         spent = f"{h['spent_ms']:>9.2f}" if "spent_ms" in h else ""
-        print(f"{name:<48}{h['first_ms']:>9.2f}{h['last_ms']:>9.2f}{h['count']:>7.0f}{spent}")
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"simulate_args": args, "round_seconds_ms": round_ms, "hops": hops,
-                                  "load_average_before": load_before, "load_average_after": load,
-                                  "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
+        print(f"{name:<56}{h['first_ms']:>9.2f}{h['last_ms']:>9.2f}{h['count']:>7.0f}{spent}")
+    write_results(a.json, [], {"simulate_args": args, "cycle_ms": cycle, "round_seconds_ms": round_ms, "hops": hops,
+                               "load_average_before": load_before, "load_average_after": load})
     print(f"wrote {a.json}")
     return 0
 
