@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from dataclasses import replace
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Coroutine, Protocol, Sequence
 
 import grpc
 import numpy as np
@@ -153,7 +153,8 @@ class Coordinator(IngestPlane):
         self.started_at = time.monotonic()
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
-        self._recording: asyncio.Future | None = None  # the last round's row, still being scored (see _finish_round)
+        self._to_record: Coroutine | None = None  # the last round's row, to be scored once the next tasks are out
+        self._recording: asyncio.Future | None = None  # ... being scored (see _finish_round)
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
@@ -206,7 +207,7 @@ class Coordinator(IngestPlane):
             stopped_early = True
             raise
         finally:
-            if self._recording is not None:  # stopped early or failed: the last round's row is written all the same
+            if self._recording is not None or self._to_record is not None:  # stopped or failed: the row goes out still
                 try:
                     await self._recorded()
                 except Exception as exc:  # the stop goes on; this error is the lesser news
@@ -245,6 +246,9 @@ class Coordinator(IngestPlane):
         log.info("round %d: sampled %d of %d live agents, target %d%s", round_id, len(cohort), len(live), target,
                  f" ({moved})" if moved else "")
         await self.clock.choose(state, self.members)
+        if self._to_record is not None:
+            self._recording = asyncio.ensure_future(self._once_out(state, self._to_record))
+            self._to_record = None
         if not await until_closed(state, state.closed_event):
             state.close(DEADLINE)
         for agent_id in slots:
@@ -310,8 +314,9 @@ class Coordinator(IngestPlane):
         recording = self._record_round(state, row, self.weights)
         if self.evaluate_fn is not None and self.config.checkpoint_dir is None:
             # nothing to checkpoint first: the next round's tasks go out while this round's model is scored (the
-            # workers would idle meanwhile; the score is this round's row's, written before the next row)
-            self._recording = asyncio.ensure_future(recording)
+            # agents would idle meanwhile; the score is this round's row's, written before the next row); the
+            # scoring starts once those tasks are out (_run_round), as it shares this process's CPU with them
+            self._to_record = recording
         else:
             await recording
 
@@ -339,9 +344,16 @@ class Coordinator(IngestPlane):
             self._trimmed_at = now
             asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
 
+    @staticmethod
+    async def _once_out(state: RoundState, recording) -> None:
+        """``recording`` once every task of ``state`` is handed out (or it closed)."""
+        await state.tasks_out.wait()
+        await recording
+
     async def _recorded(self) -> None:
         """Until the last round's row is recorded (its error, e.g. a metrics file it could not write, raised here)."""
-        recording, self._recording = self._recording, None
+        recording, self._recording = self._recording or self._to_record, None
+        self._to_record = None
         if recording is not None:
             await recording
 
@@ -389,7 +401,7 @@ class Coordinator(IngestPlane):
         slot = self._tasks.pop(agent.agent_id, None) or self._redeliverable(state, agent.agent_id, finished_task_id)
         if slot is None:
             return None
-        slot.dispatched = True
+        state.hand_out(slot)
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=seconds_left(state),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
                             learning_rate=self.config.learning_rate, extra_json=self._task_json,
