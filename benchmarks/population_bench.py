@@ -35,8 +35,11 @@ It writes benchmarks/results/population_scale.json (the load average beside each
 (each round: the coordinator samples, the clients download, score the model they received on their validation
 split, train and upload; the coordinator folds and evaluates centrally), the same with ``--client-eval-every 0``
 (the floor's work: no federated evaluation) and the floor (fedavg_floor.py: the same cohorts, data, seeds and local
-SGD in one plain loop, one thread, with the central evaluation). It prints each one's steady round seconds (median of
-rounds 2..R) and the ratios to the floor, with the load average, and writes benchmarks/results/steady_round.json.
+SGD in one plain loop, one thread, with the central evaluation). It prints each one's steady round seconds (for
+simulate the median of the seconds from one round's metrics row to the next, rounds 2..R: the coordinator opens a
+round while the last one's row is still being made, so a round's own round_seconds overlap the next; the floor's
+rounds run back to back) and the ratios to the floor, with the load average, and writes
+benchmarks/results/steady_round.json. benchmarks/round_timeline.py shows where a round of the 10-of-100 cell goes.
 ``--partials`` runs the same cells with a host's updates pre-summed (the default for a linear strategy) and one by
 one (FEDPAR_HOST_PARTIALS=0), both against the floor in the same run: benchmarks/results/host_partials.json.
 """
@@ -95,7 +98,15 @@ def run_simulate(args: list[str], out: Path, env: dict[str, str] | None = None) 
     startup = (first_row_at or 0.0) - rows[0]["round_seconds"]
     return {"rows": rows, "startup_seconds": startup, "peak_tree_mib": peak,
             "steady_round_seconds": statistics.median(r["round_seconds"] for r in rows[1:]),
+            "steady_period_seconds": steady_period(rows),
             "failed_rounds": sum(r["status"] != "ok" for r in rows), "wall_seconds": time.monotonic() - started}
+
+
+def steady_period(rows: list[dict]) -> float:
+    """Seconds from one round's metrics row to the next one's, median over rounds 2..R: what a round costs at steady
+    state, whatever of it overlaps the next round (a round's own ``round_seconds`` ends with its row, while the next
+    round's tasks may be out already)."""
+    return statistics.median(b["wall_seconds"] - a["wall_seconds"] for a, b in zip(rows[1:], rows[2:]))
 
 
 def run_floor(args: list[str]) -> dict:
@@ -291,8 +302,8 @@ def steady_rounds(rounds: int, tmp: Path) -> dict:
         default = run_simulate([*job, *shape], tmp / f"steady-{clients}-{k}")
         no_eval = run_simulate([*job, *shape, "--client-eval-every", "0"], tmp / f"steady-{clients}-{k}-no-eval")
         floor = run_floor([*job, *shape])
-        c = {"clients": clients, "per_round": k, "simulate_round_seconds": default["steady_round_seconds"],
-             "no_fed_eval_round_seconds": no_eval["steady_round_seconds"],
+        c = {"clients": clients, "per_round": k, "simulate_round_seconds": default["steady_period_seconds"],
+             "no_fed_eval_round_seconds": no_eval["steady_period_seconds"],
              "plain_round_seconds": floor["steady_round_seconds"],
              "client_batching": json.loads((tmp / f"steady-{clients}-{k}" / "summary.json").read_text())
              .get("client_batching"),
@@ -328,7 +339,7 @@ def partial_rounds(rounds: int, repeats: int, tmp: Path) -> dict:
         c = {"clients": clients, "per_round": k, "plain_round_seconds": floor["steady_round_seconds"],
              "load_average": load, "failed_rounds": sum(x["failed_rounds"] for xs in runs.values() for x in xs)}
         for how, xs in runs.items():
-            c[f"{how}_round_seconds"] = statistics.median(x["steady_round_seconds"] for x in xs)
+            c[f"{how}_round_seconds"] = statistics.median(x["steady_period_seconds"] for x in xs)
             c[f"{how}_vs_plain"] = c[f"{how}_round_seconds"] / c["plain_round_seconds"]
             c[f"{how}_fold_groups"] = statistics.median(statistics.median(r["r0_fold_groups"] for r in x["rows"][1:])
                                                         for x in xs)

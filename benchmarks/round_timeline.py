@@ -1,0 +1,246 @@
+"""The timeline of a steady round of `fedpar simulate` (issue 25's 10-of-100 cell: digits MLP, one local epoch): when
+each hop happens, on the coordinator and in the worker processes, from the round's start.
+
+One command: ``.venv/bin/python benchmarks/round_timeline.py`` (``--clients 100 --clients-per-round 10 --rounds 12``
+and any other `fedpar simulate` flags after ``--``). It runs `fedpar simulate --quiet` with this folder on
+PYTHONPATH and a ``sitecustomize`` that imports this module's :func:`install` in every process (the coordinator's
+and the spawned workers'): it wraps the functions of HOPS as their modules are imported, each noting
+``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process of the machine) on entry and/or exit into one
+file per process. Nothing in fedpar changes; without this benchmark nothing is wrapped.
+
+Each event belongs to the round whose start (``Coordinator._run_round``) precedes it; for every hop it prints the
+median over rounds 2..R of the first and the last time it happened in the round, in milliseconds from the round's
+start (and for a hop noted on entry and exit the milliseconds spent in it, summed over the round's calls), and the
+cycle: from a round's start to the next one's.
+The results go to benchmarks/results/round_timeline.json (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib.abc
+import importlib.util
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+ENV = "FEDPAR_ROUND_TIMELINE"  # the folder each process writes its events to (set only by this benchmark)
+START = "server Coordinator._run_round"  # the event that starts a round
+
+# module -> (qualified function, side, what to note: "in", "out" or "both"; "out?": on exit when it returned tasks)
+HOPS = {
+    "fedpar.server.coordinator": [("Coordinator._run_round", "server", "in"),
+                                  ("Coordinator._finish_round", "server", "in"),
+                                  ("Coordinator._in_thread", "server", "both"),
+                                  ("Coordinator._model_work", "server", "both"),
+                                  ("Coordinator._publish_payload", "server", "both")],
+    "fedpar.server.members": [("Members.wait_for_live", "server", "both"), ("Members.live_ids", "server", "both"),
+                              ("CohortSampler.sample", "server", "both")],
+    "fedpar.server.populations": [("Populations.deal", "server", "in"),
+                                  ("Populations._reply", "server", "out?")],
+    "fedpar.server.app": [("CoordinatorService.UploadHostUpdates", "server", "both")],
+    "fedpar.server.rounds": [("RoundState.close", "server", "in")],
+    "fedpar.server.round_modes": [("PlainRound.close", "server", "both"), ("RoundModes.for_round", "server", "both")],
+    "fedpar.protocol.run_logs": [("RoundMetricsLog.append", "server", "both")],
+    "fedpar.client.links": [("HostLink.pull", "worker", "out?")],
+    "fedpar.client.runtime": [("ClientRuntime._dispatch", "worker", "in"),
+                              ("ClientRuntime.run_task", "worker", "in"),
+                              ("ClientRuntime._round_weights", "worker", "out"),
+                              ("ClientRuntime._evaluation", "worker", "both")],
+    "fedpar.client.task_trainer": [("TaskTrainer.train", "worker", "both"),
+                                   ("TaskTrainer.set_arrays", "worker", "both"),
+                                   ("TaskTrainer.use_data", "worker", "both")],
+    "fedpar.client.transfer": [("task_weights", "worker", "both")],
+    "fedpar.simulations.population": [("PopulationMembers.member_data", "worker", "both")],
+    "fedpar.client.round_modes": [("PlainUpload.upload", "worker", "in")],
+    "fedpar.client.host_uploads": [("HostUploads._send", "worker", "both")],
+}
+
+
+# ----------------------------------------------------------------------------- in every process (sitecustomize)
+class _Log:
+    """This process's events, one line each: name, monotonic seconds."""
+
+    def __init__(self, folder: str):
+        self.file = open(Path(folder) / f"{os.getpid()}.events", "a", buffering=1)
+
+    def note(self, name: str) -> None:
+        self.file.write(f"{time.monotonic():.7f} {threading.get_ident()} {name}\n")
+
+
+def _returned_tasks(result) -> bool:
+    return bool(getattr(result, "tasks", None))
+
+
+def _called(fn) -> str:
+    """The name of the function ``fn`` runs (through a partial)."""
+    fn = getattr(fn, "func", fn)
+    return getattr(fn, "__qualname__", type(fn).__name__).rpartition(".")[2]
+
+
+def _wrap(fn, name: str, what: str, log: _Log):
+    """``fn`` noting its entry and/or exit as ``name`` (an exit named by the function called, for _in_thread)."""
+    label = (lambda args: f"{name} {_called(args[1])}") if name.endswith(("_in_thread", "_model_work")) \
+        else (lambda args: name)
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapped(*args, **kwargs):
+            if what in ("in", "both"):
+                log.note(f"{label(args)}{' in' if what == 'both' else ''}")
+            result = await fn(*args, **kwargs)
+            if what == "both" or what == "out" or (what == "out?" and _returned_tasks(result)):
+                log.note(f"{label(args)}{' out' if what == 'both' else ''}")
+            return result
+        return wrapped
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if what in ("in", "both"):
+            log.note(f"{label(args)}{' in' if what == 'both' else ''}")
+        result = fn(*args, **kwargs)
+        if what == "both" or what == "out" or (what == "out?" and _returned_tasks(result)):
+            log.note(f"{label(args)}{' out' if what == 'both' else ''}")
+        return result
+    return wrapped
+
+
+class _Patcher(importlib.abc.MetaPathFinder):
+    """Wraps HOPS' functions in each module of HOPS right after it is executed."""
+
+    def __init__(self, log: _Log):
+        self.log = log
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in HOPS:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        execute, log = spec.loader.exec_module, self.log
+
+        def exec_module(module):
+            execute(module)
+            for qualname, side, what in HOPS[fullname]:
+                owner_name, _, fn_name = qualname.rpartition(".")
+                owner = getattr(module, owner_name) if owner_name else module
+                setattr(owner, fn_name, _wrap(getattr(owner, fn_name), f"{side} {qualname}", what, log))
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """Wrap HOPS in this process when the benchmark asked (``FEDPAR_ROUND_TIMELINE`` names its folder)."""
+    folder = os.environ.get(ENV)
+    if folder:
+        sys.meta_path.insert(0, _Patcher(_Log(folder)))
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def read_events(folder: Path) -> list[tuple[float, str, str]]:
+    """Every process's events (time, name, process:thread), in time order."""
+    events = []
+    for path in folder.glob("*.events"):
+        for line in path.read_text().splitlines():
+            t, thread, name = line.split(" ", 2)
+            events.append((float(t), name, f"{path.stem}:{thread}"))
+    return sorted(events)
+
+
+def timeline(events: list[tuple[float, str, str]], skip: int = 1) -> dict[str, dict[str, float]]:
+    """Per hop: the median over rounds (the first ``skip`` left out; the last, cut short by the end, too) of its
+    first and last time in the round in ms from the round's start, how often it happened in a round, and for a
+    hop noted on entry and exit the ms spent in it per round (summed over its calls, each thread's paired)."""
+    starts = [t for t, name, _ in events if name == START]
+    per_round: list[dict[str, list[float]]] = [collections.defaultdict(list) for _ in starts]
+    spent: list[dict[str, float]] = [collections.defaultdict(float) for _ in starts]
+    entered: dict[tuple[str, str], float] = {}
+    r = -1
+    for t, name, thread in events:
+        while r + 1 < len(starts) and t >= starts[r + 1]:
+            r += 1
+        if name.endswith(" in"):
+            entered[(thread, name[:-3])] = t
+        elif name.endswith(" out") and (thread, name[:-4]) in entered and r >= 0:
+            spent[r][name[:-4]] += (t - entered.pop((thread, name[:-4]))) * 1000
+        if r >= 0:
+            per_round[r][name].append((t - starts[r]) * 1000)
+    rounds, spent = per_round[skip:-1], spent[skip:-1]
+    names = sorted({n for rd in rounds for n in rd}, key=lambda n: statistics.median(
+        rd[n][0] for rd in rounds if n in rd))
+    out = {n: {"first_ms": statistics.median(rd[n][0] for rd in rounds if n in rd),
+               "last_ms": statistics.median(rd[n][-1] for rd in rounds if n in rd),
+               "count": statistics.median(len(rd[n]) for rd in rounds if n in rd),
+               "rounds": sum(n in rd for rd in rounds)} for n in names}
+    for n in out:
+        if n.endswith(" out"):
+            out[n]["spent_ms"] = statistics.median(sp.get(n[:-4], 0.0) for sp in spent)
+    return out
+
+
+def cycle_ms(events: list[tuple[float, str, str]], skip: int = 1) -> float:
+    """The median time from one round's start to the next one's (rounds after the first ``skip``)."""
+    starts = [t for t, name, _ in events if name == START][skip:]
+    return statistics.median((b - a) * 1000 for a, b in zip(starts, starts[1:]))
+
+
+def run(simulate_args: list[str], out: Path) -> tuple[dict, float, list[dict]]:
+    """One traced `fedpar simulate` run: its timeline, its round-to-round cycle in ms and its metrics rows."""
+    events = out / "events"
+    events.mkdir(parents=True)
+    (out / "sitecustomize.py").write_text("import round_timeline\nround_timeline.install()\n")
+    env = {**os.environ, ENV: str(events),
+           "PYTHONPATH": os.pathsep.join([str(out), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "fedpar", "simulate", *simulate_args, "--out", str(out / "run"),
+                    "--quiet"], env=env, check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    traced = read_events(events)
+    return timeline(traced), cycle_ms(traced), rows
+
+
+def main() -> int:
+    """Run, print the table, write the JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--clients-per-round", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--json", type=Path, default=HERE / "results" / "round_timeline.json")
+    p.add_argument("simulate", nargs="*", help="more `fedpar simulate` flags (after --)")
+    a = p.parse_args()
+    args = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--rounds", str(a.rounds),
+            "--clients", str(a.clients), "--clients-per-round", str(a.clients_per_round), *a.simulate]
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    with tempfile.TemporaryDirectory() as tmp:
+        hops, cycle, rows = run(args, Path(tmp))
+    round_ms = statistics.median(r["round_seconds"] for r in rows[1:]) * 1000
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"fedpar simulate {' '.join(args)}; load average {' '.join(load_before)} before, {' '.join(load)} after")
+    print(f"round start to the next round's start: {cycle:.1f} ms; a round's own round_seconds (its start to its "
+          f"metrics row, which may overlap the next round): {round_ms:.1f} ms (medians from round 2)")
+    print(f"{'hop':<56}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}")
+    for name, h in hops.items():
+        spent = f"{h['spent_ms']:>9.2f}" if "spent_ms" in h else ""
+        print(f"{name:<56}{h['first_ms']:>9.2f}{h['last_ms']:>9.2f}{h['count']:>7.0f}{spent}")
+    write_results(a.json, [], {"simulate_args": args, "cycle_ms": cycle, "round_seconds_ms": round_ms, "hops": hops,
+                               "load_average_before": load_before, "load_average_after": load})
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
