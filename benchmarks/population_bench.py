@@ -36,10 +36,9 @@ It writes benchmarks/results/population_scale.json (the load average beside each
 split, train and upload; the coordinator folds and evaluates centrally), the same with ``--client-eval-every 0``
 (the floor's work: no federated evaluation) and the floor (fedavg_floor.py: the same cohorts, data, seeds and local
 SGD in one plain loop, one thread, with the central evaluation). It prints each one's steady round seconds (for
-simulate the median of the seconds from one round's metrics row to the next, rounds 2..R: the coordinator opens a
-round while the last one's row is still being made, so a round's own round_seconds overlap the next; the floor's
-rounds run back to back) and the ratios to the floor, with the load average, and writes
-benchmarks/results/steady_round.json. benchmarks/round_timeline.py shows where a round of the 10-of-100 cell goes.
+simulate the median of the seconds from one round's metrics row to the next, rounds 2..R, which counts the gap
+between rounds that a round's own round_seconds leaves out; the floor's rounds run back to back) and the ratios to
+the floor, with the load average, and writes benchmarks/results/steady_round.json. benchmarks/round_timeline.py shows where a round of the 10-of-100 cell goes.
 ``--partials`` runs the same cells with a host's updates pre-summed (the default for a linear strategy) and one by
 one (FEDPAR_HOST_PARTIALS=0), both against the floor in the same run: benchmarks/results/host_partials.json.
 """
@@ -104,8 +103,7 @@ def run_simulate(args: list[str], out: Path, env: dict[str, str] | None = None) 
 
 def steady_period(rows: list[dict]) -> float:
     """Seconds from one round's metrics row to the next one's, median over rounds 2..R: what a round costs at steady
-    state, whatever of it overlaps the next round (a round's own ``round_seconds`` ends with its row, while the next
-    round's tasks may be out already)."""
+    state, the gap between two rounds included (a round's own ``round_seconds`` leaves it out)."""
     return statistics.median(b["wall_seconds"] - a["wall_seconds"] for a, b in zip(rows[1:], rows[2:]))
 
 

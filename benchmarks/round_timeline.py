@@ -231,7 +231,7 @@ def main() -> int:
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"fedpar simulate {' '.join(args)}; load average {' '.join(load_before)} before, {' '.join(load)} after")
     print(f"round start to the next round's start: {cycle:.1f} ms; a round's own round_seconds (its start to its "
-          f"metrics row, which may overlap the next round): {round_ms:.1f} ms (medians from round 2)")
+          f"metrics row): {round_ms:.1f} ms (medians from round 2)")
     print(f"{'hop':<56}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}")
     for name, h in hops.items():
         spent = f"{h['spent_ms']:>9.2f}" if "spent_ms" in h else ""

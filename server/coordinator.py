@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from dataclasses import replace
-from typing import Callable, Coroutine, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import grpc
 import numpy as np
@@ -153,8 +153,6 @@ class Coordinator(IngestPlane):
         self.started_at = time.monotonic()
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
-        self._to_record: Coroutine | None = None  # the last round's row, to be scored once the next tasks are out
-        self._recording: asyncio.Future | None = None  # ... being scored (see _finish_round)
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
@@ -199,7 +197,6 @@ class Coordinator(IngestPlane):
             while self.round_id < self.config.rounds:
                 await self.members.wait_for_live(self.config.min_available, self.config.wait_for_agents_seconds)
                 await self._run_round(self.round_id + 1)
-            await self._recorded()
             completed = True
         # Stopped early (a signal, a lost aggregator rank, a checkpoint or metrics file it could not write): the same
         # command resumes.
@@ -207,11 +204,6 @@ class Coordinator(IngestPlane):
             stopped_early = True
             raise
         finally:
-            if self._recording is not None or self._to_record is not None:  # stopped or failed: the row goes out still
-                try:
-                    await self._recorded()
-                except Exception as exc:  # the stop goes on; this error is the lesser news
-                    log.error("round %d's metrics row was not recorded: %s", self.round_id, exc)
             self._ready(False)
             if self.ranks is not None:
                 await self.ranks.stop(completed)
@@ -246,9 +238,6 @@ class Coordinator(IngestPlane):
         log.info("round %d: sampled %d of %d live agents, target %d%s", round_id, len(cohort), len(live), target,
                  f" ({moved})" if moved else "")
         await self.clock.choose(state, self.members)
-        if self._to_record is not None:
-            self._recording = asyncio.ensure_future(self._once_out(state, self._to_record))
-            self._to_record = None
         if not await until_closed(state, state.closed_event):
             state.close(DEADLINE)
         for agent_id in slots:
@@ -309,22 +298,9 @@ class Coordinator(IngestPlane):
         row.update(self.clock.finish_round())
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
-        await self._publish_payload(self.round_id + 1)  # the next round's tasks may go out from here
-        await self._recorded()  # the rows go out in order
-        recording = self._record_round(state, row, self.weights)
-        if self.evaluate_fn is not None and self.config.checkpoint_dir is None:
-            # nothing to checkpoint first: the next round's tasks go out while this round's model is scored (the
-            # agents would idle meanwhile; the score is this round's row's, written before the next row); the
-            # scoring starts once those tasks are out (_run_round), as it shares this process's CPU with them
-            self._to_record = recording
-        else:
-            await recording
-
-    async def _record_round(self, state: RoundState, row: dict, weights: list[np.ndarray]) -> None:
-        """The rest of the round's row (the central evaluation of ``weights``, the round's new model, and its
-        seconds), then its checkpoint (before the next round opens), the metrics line and the callbacks."""
         if self.evaluate_fn is not None:
-            row.update(await self._in_thread(self.evaluate_fn, weights))
+            row.update(await self._in_thread(self.evaluate_fn, self.weights))
+        await self._publish_payload(self.round_id + 1)
         now = time.monotonic()
         row["round_seconds"] = now - state.started
         row["wall_seconds"] = now - self.started_at
@@ -343,19 +319,6 @@ class Coordinator(IngestPlane):
         if now - self._trimmed_at >= TRIM_SECONDS:
             self._trimmed_at = now
             asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
-
-    @staticmethod
-    async def _once_out(state: RoundState, recording) -> None:
-        """``recording`` once every task of ``state`` is handed out (or it closed)."""
-        await state.tasks_out.wait()
-        await recording
-
-    async def _recorded(self) -> None:
-        """Until the last round's row is recorded (its error, e.g. a metrics file it could not write, raised here)."""
-        recording, self._recording = self._recording or self._to_record, None
-        self._to_record = None
-        if recording is not None:
-            await recording
 
     async def _model_work(self, fn, *args):
         """``fn(*args)``, work of the round's that grows with the model: on the loop for a small model (a thread's
@@ -401,7 +364,7 @@ class Coordinator(IngestPlane):
         slot = self._tasks.pop(agent.agent_id, None) or self._redeliverable(state, agent.agent_id, finished_task_id)
         if slot is None:
             return None
-        state.hand_out(slot)
+        slot.dispatched = True
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=seconds_left(state),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
                             learning_rate=self.config.learning_rate, extra_json=self._task_json,

@@ -76,8 +76,6 @@ class RoundState:
     refused: dict[str, int] = field(default_factory=dict)  # upload refusals by gRPC status, e.g. resource_exhausted
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks_out: asyncio.Event = field(default_factory=asyncio.Event)  # every sampled agent's task handed out, or closed
-    handed_out: int = 0  # sampled agents whose task was handed out
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
     # asked before an update is counted; a Refusal leaves it uncounted (aggregator ranks: rank 0 counts it first)
     on_count: Callable[[UploadTicket], Awaitable[None]] | None = None
@@ -120,21 +118,12 @@ class RoundState:
         reason = refusal.code.name.lower()
         self.refused[reason] = self.refused.get(reason, 0) + 1
 
-    def hand_out(self, slot: AgentSlot) -> None:
-        """Note that ``slot``'s task is handed out (again, perhaps: a lost reply's)."""
-        if not slot.dispatched:
-            slot.dispatched = True
-            self.handed_out += 1
-            if self.handed_out == len(self.slots):
-                self.tasks_out.set()
-
     def close(self, reason: str) -> None:
         """Close the round: later uploads are refused."""
         if not self.closed:
             self.closed = True
             self.close_reason = reason
             self.closed_event.set()
-            self.tasks_out.set()
 
     def close_if_done(self) -> None:
         """Close if the deadline policy says so now (server/deadline.py: first K, or every sampled agent that may
