@@ -48,8 +48,8 @@ def _recording_fedavg():
         begin(round_id, weights)
 
     def record(items, **options):  # the coordinator folds through fold_many (server/round_modes.py FoldQueue)
-        for update, num_examples, client_id in items:
-            folds[strategy.round_id][client_id] = ([np.array(a) for a in update], num_examples)
+        for item in items:
+            folds[strategy.round_id][item.client_id] = ([np.array(a) for a in item.update], item.num_examples)
         return fold_many(items, **options)
 
     strategy.begin_round, strategy.fold_many = begin_round, record

@@ -28,8 +28,8 @@ class Recording(FlowerStrategy):
         super().__init__(*args, **kwargs)
         self.cohorts: dict[int, list] = {}
 
-    def fold(self, update, num_examples, client_id="", *, known_finite=False):
-        super().fold(update, num_examples, client_id, known_finite=known_finite)
+    def fold(self, update, num_examples, client_id="", members=(), *, known_finite=False):
+        super().fold(update, num_examples, client_id, members, known_finite=known_finite)
         with self._lock:
             self.cohorts.setdefault(self.round_id, []).append(([np.array(a) for a in update], num_examples))
 
