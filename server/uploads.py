@@ -39,8 +39,7 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, ModelTooLarge, TensorAssembler
-from fedpar.protocol.messages import SMALL_UPDATE_BYTES, layout_from_pb, specs_match
-from fedpar.protocol.update_checks import check_report
+from fedpar.protocol.messages import SMALL_UPDATE_BYTES, check_report, layout_from_pb, specs_match
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
