@@ -34,7 +34,7 @@ class Backoff:
 
     def __init__(self, first: float, cap: float, rng: Uniform):
         """Start at step ``first``; ``rng`` jitters the waits (each agent seeds its own)."""
-        self.first, self.cap, self.rng = first, cap, rng
+        self.cap, self.rng = cap, rng
         self.step = first
 
     def wait(self) -> float:
@@ -42,10 +42,6 @@ class Backoff:
         seconds = min(jittered(self.step, self.rng), self.cap)
         self.step = min(self.step * 2, self.cap)
         return seconds
-
-    def reset(self) -> None:
-        """Back to the first step (after a call that went through)."""
-        self.step = self.first
 
     def fits_before(self, deadline_at: float) -> bool:
         """Whether a wait of the current step still ends before ``deadline_at`` (a time.monotonic() value)."""

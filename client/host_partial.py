@@ -1,5 +1,5 @@
 """A population host's pre-summed update for linear strategies: its members' updates, each checked as the
-coordinator checks an upload (protocol/update_checks.py, protocol/codec.first_non_finite), added into one weighted
+coordinator checks an upload (protocol/messages.check_report, protocol/codec.first_non_finite), added into one weighted
 sum that the coordinator checks and folds as one (HostPartial in protocol/fedpar.proto).
 
 Members come one at a time (:meth:`HostSum.add`: a seat's update) or stacked (:meth:`HostSum.add_stacked`: a batched
@@ -15,8 +15,7 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout, first_non_finite, wire_bytes
-from fedpar.protocol.messages import layout_to_pb
-from fedpar.protocol.update_checks import check_report
+from fedpar.protocol.messages import check_report, layout_to_pb
 
 
 def summable(layout: ModelLayout) -> bool:

@@ -378,7 +378,7 @@ class ClientRuntime:
         the gRPC stream, retried while the coordinator says it is busy and the deadline allows; True if accepted.
         Top-k's error feedback must know whether the update counted; other small updates of a population may
         travel while its seat trains the next member."""
-        backoff = Backoff(0.1, 2.0, self._rng)
+        backoff: Backoff | None = None  # made at the first refusal to retry: most uploads go through at once
         while data_plane is not None and not upload.encoding:  # leaves for gRPC only if the connection broke
             try:
                 if self._via_data_plane("upload", dataplane.upload, data_plane, auth, task, self.layout,
@@ -388,11 +388,12 @@ class ClientRuntime:
                 return True
             except dataplane.DataPlaneRefused as err:
                 # RESOURCE_EXHAUSTED: busy (upload queue) or rate-limited; retry while the deadline allows.
+                backoff = backoff or Backoff(0.1, 2.0, self._rng)
                 if err.code != DATA_PLANE_BUSY or not backoff.fits_before(deadline_at):
                     self._note_refusal(auth.agent_id, "upload", err)
                     return False
                 time.sleep(backoff.wait())
-        backoff.reset()
+        backoff = None  # the gRPC stream's retries start again from the first step
         header = upload_header(auth, task, upload.layout, result.examples, result.steps, metrics,
                                upload.encoding, upload.encoding_json)
         single = small_upload(header, upload.layout, upload.arrays, self.link.max_chunk, self.link.small_below)
@@ -409,6 +410,7 @@ class ClientRuntime:
                 return True
             except grpc.RpcError as err:
                 # Busy coordinator or a broken connection: retry while the deadline allows.
+                backoff = backoff or Backoff(0.1, 2.0, self._rng)
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):
                     self._note_refusal(auth.agent_id, "upload", err)
                     return False

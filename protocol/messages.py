@@ -1,13 +1,16 @@
 """The hand-written half of the gRPC protocol: conversions between protobuf messages and codec objects (a round's
-global weights as the download's messages, serialized once: :class:`WeightPayload`), the gRPC channel options both
-ends use, and the agents' client stub (:class:`CoordinatorStub`, with the raw-chunk fast path on the two streaming
-calls)."""
+global weights as the download's messages, serialized once: :class:`WeightPayload`), what a well-formed upload header
+says (its tensors: :func:`specs_match`; its report: :func:`check_report`, checked by the coordinator's intake and by a
+population host before it sums its members' updates), the gRPC channel options both ends use, and the agents' client
+stub (:class:`CoordinatorStub`, with the raw-chunk fast path on the two streaming calls)."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import hmac
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -33,6 +36,7 @@ UPLOAD_ADMITTED = ("fedpar-upload", "admitted")
 # checks and folds it on its event loop (the hand-off to a thread would cost more: a 100-agent round of a
 # small model is 100 of these).
 SMALL_UPDATE_BYTES = 256 << 10
+MAX_CLIENT_METRICS = 64  # metrics in one update's report
 
 
 def member_token(host_token: str, member_id: str) -> str:
@@ -55,6 +59,20 @@ def specs_match(specs: Sequence[pb.TensorSpec], layout: ModelLayout) -> bool:
         return False
     return all(s.name == t.name and s.dtype == t.dtype and tuple(s.shape) == t.shape
                for s, t in zip(specs, layout.tensors))
+
+
+def check_report(num_examples: int, registered: int, local_epochs: int, steps: int,
+                 metrics: Mapping[str, float]) -> None:
+    """A ValueError saying what is wrong with an update's weight (``num_examples``: 1..``registered`` x
+    ``local_epochs``), ``steps`` or ``metrics`` (at most MAX_CLIENT_METRICS finite values, names <= 64 characters)."""
+    max_examples = registered * local_epochs
+    if not 1 <= num_examples <= max_examples:
+        raise ValueError(f"num_examples={num_examples} must be in 1..{max_examples} "
+                         f"({registered} registered examples x {local_epochs} epochs)")
+    if steps < 0:
+        raise ValueError("steps must be >= 0")
+    if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
+        raise ValueError(f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
 
 
 def layout_to_pb(layout: ModelLayout) -> list[pb.TensorSpec]:

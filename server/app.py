@@ -12,7 +12,7 @@ import inspect
 import logging
 import ssl
 import threading
-from typing import Awaitable, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -325,7 +325,7 @@ class CoordinatorService:
         """Receive one small update in a single message, with every check UploadUpdate makes."""
         if not request.HasField("header"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
-        return await self._upload(request.header, context, self._small_receiver(request))
+        return await self._upload(request.header, context, self.intake.small_receiver(request))
 
     async def UploadHostUpdates(self, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Several small updates of a simulation host's members: each is authenticated with its member's session
@@ -345,7 +345,7 @@ class CoordinatorService:
                     if member.host != host.host_id:
                         raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                                       f"{member.agent_id!r} is not a member of host {host.host_id!r}")
-                    reply = await self.intake.take(member, item.header, self._small_receiver(item))
+                    reply = await self.intake.take(member, item.header, self.intake.small_receiver(item))
                     results.results.add(accepted=reply.accepted, message=reply.message)
                 except Refusal as r:
                     results.results.add(message=r.message, code=r.code.value[0])
@@ -369,24 +369,6 @@ class CoordinatorService:
             raise Refusal(exc.code, exc.message) from None
         authenticated()
         return host
-
-    def _small_receiver(self, request: pb.SmallUpload) -> Callable[[Upload], Awaitable[None]]:
-        """What stages a SmallUpload's bytes once its header passed, after checking their size."""
-
-        async def receive(upload: Upload) -> None:
-            layout = upload.ticket.layout
-            if len(request.data) != layout.total_bytes:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"SmallUpload carries {len(request.data)} bytes but its tensors need "
-                              f"{layout.total_bytes}; the update was not applied", final=True)
-            if layout.total_bytes > self.coord.config.max_chunk_bytes:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"an update of {layout.total_bytes} bytes is larger than one chunk "
-                              f"({self.coord.config.max_chunk_bytes}); send it with UploadUpdate", final=True)
-            if request.data:
-                upload.write(0, request.data)
-
-        return receive
 
     async def _upload(self, header: pb.UploadHeader, context, receive) -> pb.UploadReply:
         """Authenticate the uploading agent and hand the upload to the intake."""

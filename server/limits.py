@@ -193,7 +193,6 @@ class Limits:
         self._attempts_round = 0  # the newest round in _attempts
         self._bytes: dict[str, TokenBucket] = {}
         self._bytes_kept = 0  # buckets after the last sweep of refilled ones
-        self._queued_uploads = 0
         self._rpcs = 0
         self._downloads: asyncio.Semaphore | None = None
 
@@ -228,22 +227,6 @@ class Limits:
             else:
                 del self._calls[agent_id]
 
-    @contextmanager
-    def upload_queue(self) -> Iterator[None]:
-        """Hold a place among the uploads that are staged or waiting to be; refuse when they are full.
-
-        Every waiting upload has up to one HTTP/2 window of data buffered in the transport, so bounding
-        the queue keeps that memory independent of how many agents upload at once.
-        """
-        if self._queued_uploads >= self.config.max_queued_uploads:
-            raise Refusal(EXHAUSTED, f"the coordinator is busy with {self._queued_uploads} uploads "
-                                     f"(--max-queued-uploads {self.config.max_queued_uploads}); retry in a moment")
-        self._queued_uploads += 1
-        try:
-            yield
-        finally:
-            self._queued_uploads -= 1
-
     @asynccontextmanager
     async def download_slot(self) -> AsyncIterator[None]:
         """Wait for one of the concurrent-download slots (each stream buffers about one chunk)."""
@@ -265,12 +248,6 @@ class Limits:
                                      f"(--max-upload-attempts {self.config.max_upload_attempts_per_round}); "
                                      "wait for the next task")
         self._attempts[agent_id] = (round_id, attempts + 1)
-
-    def count_chunk(self, chunks_so_far: int) -> None:
-        """Refuse one more upload chunk beyond the chunk-count limit."""
-        if chunks_so_far >= self.config.max_upload_chunks:
-            raise Refusal(EXHAUSTED, f"upload has more than {self.config.max_upload_chunks} chunks "
-                                     "(--max-upload-chunks); send larger chunks. The update was not applied")
 
     def count_bytes(self, agent_id: str, nbytes: int) -> None:
         """Charge ``nbytes`` of upload data to the agent's byte-rate bucket (if a rate is set)."""

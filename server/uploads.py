@@ -1,11 +1,13 @@
 """The upload intake: the one way an update enters a round, whichever transport carried it.
 
-An authenticated agent's upload passes, in this order: the limits (calls in flight, the upload queue,
-attempts per round) -> its ticket against the open round (:func:`open_ticket`: round, slot, duplicates, weight,
-layout) -> a staging slot (each staged upload holds one model copy) -> its bytes land in a staging buffer ->
-complete and finite -> the round's mode decodes, counts and folds it (:meth:`Upload.accept`) -> settled: a final
-refusal rejects the update, any other end leaves the agent free to try again. Per-update work runs on the loop for small updates, on a thread for large
-ones (:func:`per_update`). gRPC (server/app.py) runs all of it on the coordinator's event loop
+An authenticated agent's upload passes, in this order: the agent's calls in flight (server/limits.py) -> a place
+in the upload queue (:meth:`UploadIntake.upload_queue`) -> its ticket against the open round (:func:`open_ticket`:
+round, slot, duplicates, weight and report, layout) -> its attempts this round (server/limits.py) -> a staging slot
+(each staged upload holds one model copy) -> its bytes land in a staging buffer (:meth:`Upload.write`: the chunk
+count, the agent's byte rate, the pace; a SmallUpload's size: :meth:`UploadIntake.small_receiver`) -> complete and
+finite -> the round's mode decodes, counts and folds it (:meth:`Upload.accept`) -> settled: a final refusal rejects
+the update, any other end leaves the agent free to try again. Per-update work runs on the loop for small updates,
+on a thread for large ones (:func:`per_update`). gRPC (server/app.py) runs all of it on the coordinator's event loop
 through :meth:`UploadIntake.take`. The data plane (server/dataplane.py) moves bytes and scans them in its
 worker threads and runs :meth:`UploadIntake.open`, :meth:`Upload.accept` and :meth:`UploadIntake.settle`
 on the loop. Every state change happens on the loop.
@@ -30,17 +32,16 @@ import functools
 import time
 from collections import deque
 from concurrent.futures import Executor
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, NoReturn
+from typing import AsyncIterator, Awaitable, Callable, Iterator, NoReturn
 
 import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, ModelTooLarge, TensorAssembler
-from fedpar.protocol.messages import SMALL_UPDATE_BYTES, layout_from_pb, specs_match
-from fedpar.protocol.update_checks import check_report
+from fedpar.protocol.messages import SMALL_UPDATE_BYTES, check_report, layout_from_pb, specs_match
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
@@ -387,7 +388,10 @@ class Upload:
     def write(self, offset: int, data: bytes) -> None:
         """Stage one chunk: counted against the chunk limit, the agent's byte rate and the upload's pace; a bad
         chunk is final."""
-        self.intake.limits.count_chunk(self.staging.chunks)
+        max_chunks = self.intake.coord.config.max_upload_chunks
+        if self.staging.chunks >= max_chunks:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload has more than {max_chunks} chunks "
+                          "(--max-upload-chunks); send larger chunks. The update was not applied")
         try:
             self.staging.write(offset, data)
         except CodecError as exc:
@@ -427,7 +431,43 @@ class UploadIntake:
         self.coord = coordinator
         self.limits = limits
         self.max_chunk_bytes = coordinator.config.max_chunk_bytes
+        self.queued = 0  # uploads staged or waiting to be (:meth:`upload_queue`)
         self._staging: StagingSlots | None = None
+
+    @contextmanager
+    def upload_queue(self) -> Iterator[None]:
+        """Hold a place among the uploads that are staged or waiting to be; refuse when they are full.
+
+        Every waiting upload has up to one HTTP/2 window of data buffered in the transport, so bounding
+        the queue keeps that memory independent of how many agents upload at once.
+        """
+        max_queued = self.coord.config.max_queued_uploads
+        if self.queued >= max_queued:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is busy with {self.queued} uploads "
+                          f"(--max-queued-uploads {max_queued}); retry in a moment")
+        self.queued += 1
+        try:
+            yield
+        finally:
+            self.queued -= 1
+
+    def small_receiver(self, request: pb.SmallUpload) -> Callable[[Upload], Awaitable[None]]:
+        """What stages a SmallUpload's bytes once its header passed, after checking their size."""
+
+        async def receive(upload: Upload) -> None:
+            layout = upload.ticket.layout
+            if len(request.data) != layout.total_bytes:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"SmallUpload carries {len(request.data)} bytes but its tensors need "
+                              f"{layout.total_bytes}; the update was not applied", final=True)
+            if layout.total_bytes > self.max_chunk_bytes:
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"an update of {layout.total_bytes} bytes is larger than one chunk "
+                              f"({self.max_chunk_bytes}); send it with UploadUpdate", final=True)
+            if request.data:
+                upload.write(0, request.data)
+
+        return receive
 
     def open(self, agent: AgentRecord, header: pb.UploadHeader, issued: tuple[int, str] | None = None,
              prepaid: bool = False) -> Upload:
@@ -440,7 +480,7 @@ class UploadIntake:
         ticket = None
         try:
             held.enter_context(self.limits.agent_call(agent.agent_id))
-            held.enter_context(self.limits.upload_queue())
+            held.enter_context(self.upload_queue())
             if issued is not None and (header.round, header.task_id) != issued:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                               f"the upload header names round {header.round} task {header.task_id!r}, but the "

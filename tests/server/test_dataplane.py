@@ -408,8 +408,8 @@ def test_a_real_agent_retries_a_data_plane_upload_while_the_queue_is_full(start_
     runner.start()
     task = holder.task()
     layout = ModelLayout.of_arrays(names, init)
-    limits, refusals = server.data_plane.limits, []
-    queue = limits.upload_queue
+    intake, refusals = server.data_plane.intake, []
+    queue = intake.upload_queue
 
     @contextlib.contextmanager
     def counted_queue():
@@ -419,7 +419,7 @@ def test_a_real_agent_retries_a_data_plane_upload_while_the_queue_is_full(start_
         except Refusal as r:
             refusals.append(r.message)
             raise
-    limits.upload_queue = counted_queue
+    intake.upload_queue = counted_queue
     with _begin_upload(holder, task, layout) as held:
         gate.set()
         for _ in range(200):  # the agent is refused (the queue is full) and tries again

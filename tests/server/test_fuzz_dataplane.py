@@ -150,12 +150,12 @@ def _settled(fz) -> None:
     for _ in range(200):
         busy = [e for e in coord.tickets._live.values() if "busy" in e.ops.values()]
         free = not plane.busy
-        if free and not busy and plane.limits._queued_uploads == 0 and not plane.limits._calls:
+        if free and not busy and plane.intake.queued == 0 and not plane.limits._calls:
             break
         time.sleep(0.01)
     assert not plane.busy and not len(plane.strangers), "a data-plane connection was not released"
     assert not [e for e in coord.tickets._live.values() if "busy" in e.ops.values()], "a ticket stayed busy"
-    assert plane.limits._queued_uploads == 0 and not plane.limits._calls, "a limit was not released"
+    assert plane.intake.queued == 0 and not plane.limits._calls, "a limit was not released"
     assert fz.server.error is None and plane._thread.is_alive()
     state = coord.current
     assert state.round_id == 1 and not state.closed and state.accepted == 0

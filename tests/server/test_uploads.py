@@ -74,7 +74,7 @@ def _intake(coord: FakeCoordinator) -> UploadIntake:
 
 
 def _held(intake: UploadIntake) -> tuple[dict, int]:
-    return dict(intake.limits._calls), intake.limits._queued_uploads
+    return dict(intake.limits._calls), intake.queued
 
 
 def _send(values):
