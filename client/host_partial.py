@@ -54,6 +54,9 @@ class HostSum:
         if member in self.members:
             raise ValueError(f"member {member!r} is in this partial already; each update counts once")
         check_report(weight, registered[0], registered[1], steps, metrics)
+        shapes = [tuple(np.shape(a)) for a in arrays]
+        if shapes != [t.shape for t in self.layout.tensors]:
+            raise ValueError(f"member {member!r}'s tensors have shapes {shapes}, not the model's")
         bad = first_non_finite(self.layout, arrays)
         if bad is not None:
             raise ValueError(f"tensor {bad!r} contains NaN or Inf; update refused")

@@ -8,10 +8,12 @@ its update counted) or hands the update over and goes on with its next client (:
 then the update travels in the background, a busy coordinator's refusal is retried while its deadline allows, and
 any other refusal is logged. Uploads are never left out of the coordinator's checks either way.
 
-Background updates of a batch (plain weights, one round) go as one pre-summed partial where the coordinator takes
-one (client/host_partial.py: a linear strategy with no share cap; compressed, masked or DP-clipped updates and top-k's
-awaited ones go one by one): the host checks each as the coordinator would and sums those that pass; the coordinator
-checks and folds the partial as one. An update that fails a check goes on its own, so the coordinator refuses and
+Updates come as their arrays (client/transfer.SmallUpdate) and are encoded only to go on their own. Background
+updates of a batch (plain weights, one round) go as one pre-summed partial where the coordinator takes one
+(client/host_partial.py: a linear strategy with no share cap; compressed, masked or DP-clipped updates and top-k's
+awaited ones go one by one): the host checks each as the coordinator would and sums those that pass straight from
+their arrays (the rows of one stack of members trained together with one op over the stack); the coordinator checks
+and folds the partial as one. An update that fails a check goes on its own, so the coordinator refuses and
 counts it as it always does (a rejected update may close the round). A coordinator that takes no partial in this run says so once
 (UNIMPLEMENTED) and the host sends its updates one by one from then on; any other refusal of a partial sends its
 members' updates one by one, each to its own verdict. FEDPAR_HOST_PARTIALS=0 turns partials off (comparisons).
@@ -31,10 +33,9 @@ from typing import Callable
 import grpc
 
 from fedpar.client.host_partial import HostSum, summable
-from fedpar.client.transfer import UPLOAD_RETRYABLE
+from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import TensorAssembler
-from fedpar.protocol.messages import CoordinatorStub, layout_from_pb
+from fedpar.protocol.messages import CoordinatorStub
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
@@ -61,9 +62,9 @@ class HostUploadRefused(grpc.RpcError):
 
 @dataclass
 class _Queued:
-    """One update waiting for a batch: its message, when it stops being worth sending, who hears the result."""
+    """One update waiting for a batch: the update, when it stops being worth sending, who hears the result."""
 
-    message: pb.SmallUpload
+    update: SmallUpdate
     deadline: float  # time.monotonic()
     done: Future
     background: bool
@@ -88,16 +89,16 @@ class HostUploads:
         self._thread = threading.Thread(target=self._run, name="fedpar-host-uploads", daemon=True)
         self._thread.start()
 
-    def send(self, stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
-        """Send ``message`` in the next batch and wait for its own result (the runtime's small-upload call; ``stub``
+    def send(self, stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
+        """Send ``update`` in the next batch and wait for its own result (the runtime's small-upload call; ``stub``
         is the task's, unused: the host's channel carries the batch)."""
-        item = _Queued(message, time.monotonic() + timeout, Future(), background=False)
+        item = _Queued(update, time.monotonic() + timeout, Future(), background=False)
         self._queue.put(item)
         return item.done.result()
 
-    def send_later(self, stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
-        """Queue ``message`` for the next batch and return at once, so the seat goes on with its next client."""
-        self._queue.put(_Queued(message, time.monotonic() + timeout, Future(), background=True))
+    def send_later(self, stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
+        """Queue ``update`` for the next batch and return at once, so the seat goes on with its next client."""
+        self._queue.put(_Queued(update, time.monotonic() + timeout, Future(), background=True))
         return pb.UploadReply(accepted=True, message="queued")
 
     def close(self) -> None:
@@ -107,7 +108,7 @@ class HostUploads:
 
     def _run(self) -> None:
         while (first := self._queue.get()) is not None:
-            batch, size, stop = [first], first.message.ByteSize(), False
+            batch, size, stop = [first], first.update.size, False
             until = time.monotonic() + self.linger
             while len(batch) < self.max_updates:
                 try:  # a seat queues its update before it stops counting as more to come
@@ -123,11 +124,11 @@ class HostUploads:
                 if item is None:
                     stop = True
                     break
-                if size + item.message.ByteSize() > self.max_bytes:
+                if size + item.update.size > self.max_bytes:
                     self._queue.put(item)  # the next batch starts with it (order among seats does not matter)
                     break
                 batch.append(item)
-                size += item.message.ByteSize()
+                size += item.update.size
             self._send(batch)
             if stop:
                 break
@@ -140,39 +141,20 @@ class HostUploads:
             self._send_each(rest)
 
     def _send_partial(self, batch: list[_Queued]) -> list[_Queued]:
-        """Sum the batch's background plain updates of its first such update's round, metric names and tensors into
-        one partial and send it; the updates still to send one by one."""
-        first = next((q for q in batch if q.background and not q.message.header.encoding), None)
+        """Sum the batch's background plain updates of its first such update's round, metric names and layout into
+        one partial, straight from their arrays, and send it; the updates still to send one by one."""
+        first = next((q for q in batch if q.background and not q.update.header.encoding), None)
         if first is None:
             return batch
-        head = first.message.header
+        head = first.update.header
         names = tuple(sorted(head.metrics))
-        group = [q for q in batch if q.background and not q.message.header.encoding
-                 and q.message.header.round == head.round and tuple(sorted(q.message.header.metrics)) == names
-                 and q.message.header.tensors == head.tensors]
-        if len(group) < 2:
+        group = [q for q in batch if q.background and not q.update.header.encoding
+                 and q.update.header.round == head.round and tuple(sorted(q.update.header.metrics)) == names
+                 and q.update.layout.tensors == first.update.layout.tensors]
+        if len(group) < 2 or not summable(first.update.layout):
             return batch
-        try:
-            layout = layout_from_pb(head.tensors, self.max_bytes)
-        except ValueError:
-            return batch  # the coordinator says what is wrong with it
-        if not summable(layout):
-            return batch
-        partial = HostSum(layout, head.round, names)
-        summed = []
-        for q in group:
-            header = q.message.header
-            try:
-                staging = TensorAssembler(layout, self.max_bytes)
-                staging.write(0, q.message.data)
-                if not staging.complete:
-                    raise ValueError(f"the update carries {len(q.message.data)} bytes; its tensors need "
-                                     f"{layout.total_bytes}")
-                partial.add(header.auth.agent_id, header.task_id, staging.arrays, header.num_examples, header.steps,
-                            header.metrics, self.registered(header.auth.agent_id))
-                summed.append(q)
-            except (ValueError, KeyError) as exc:  # the coordinator refuses it on its own, and counts the refusal
-                log.info("%s: %s is sent on its own: %s", self.host.agent_id, header.auth.agent_id, exc)
+        partial = HostSum(first.update.layout, head.round, names)
+        summed = self._sum_into(partial, group)
         grouped = {id(q) for q in summed}
         rest = [q for q in batch if id(q) not in grouped]
         if not summed:
@@ -196,15 +178,54 @@ class HostUploads:
                      len(summed), result.message)
             return rest + summed
         self.partials_sent += 1
+        log.debug("%s: a partial of %d updates (%d of them rows of a stack) accepted", self.host.agent_id, len(summed),
+                  sum(q.update.rows is not None for q in summed))
         for q in summed:
             q.done.set_result(pb.UploadReply(accepted=True, message=result.message))
         return rest
+
+    def _sum_into(self, partial: HostSum, group: list[_Queued]) -> list[_Queued]:
+        """Add ``group``'s updates that pass the host's checks to ``partial``: the rows of one stack with one op over
+        it, the others one by one; those added (a failed one goes on its own, to the coordinator's verdict)."""
+        summed, stacks = [], {}
+        for q in group:
+            header = q.update.header
+            try:
+                registered = self.registered(header.auth.agent_id)
+            except (ValueError, KeyError) as exc:
+                log.info("%s: %s is sent on its own: %s", self.host.agent_id, header.auth.agent_id, exc)
+                continue
+            rows = q.update.rows
+            if rows is not None:
+                stacks.setdefault(id(rows.source), []).append((q, registered))
+                continue
+            try:
+                partial.add(header.auth.agent_id, header.task_id, q.update.arrays, header.num_examples, header.steps,
+                            header.metrics, registered)
+                summed.append(q)
+            except ValueError as exc:  # the coordinator refuses it on its own, and counts the refusal
+                log.info("%s: %s is sent on its own: %s", self.host.agent_id, header.auth.agent_id, exc)
+        for members in stacks.values():
+            stacked = members[0][0].update.rows.stacked
+            index = [q.update.rows.row for q, _ in members]
+            if index != list(range(len(stacked[0]))):  # not the whole stack, in order: its rows of it
+                stacked = [x[index] for x in stacked]
+            headers = [q.update.header for q, _ in members]
+            errors = partial.add_stacked([h.auth.agent_id for h in headers], [h.task_id for h in headers], stacked,
+                                         [h.num_examples for h in headers], [h.steps for h in headers],
+                                         [h.metrics for h in headers], [r for _, r in members])
+            for (q, _), exc in zip(members, errors):
+                if exc is None:
+                    summed.append(q)
+                else:
+                    log.info("%s: %s is sent on its own: %s", self.host.agent_id, q.update.header.auth.agent_id, exc)
+        return summed
 
     def _send_each(self, batch: list[_Queued]) -> None:
         """One call for ``batch``; each update's result goes to its seat, or is retried or logged."""
         try:
             reply = self.stub.UploadHostUpdates(
-                pb.HostUploads(host=self.host, uploads=[q.message for q in batch]),
+                pb.HostUploads(host=self.host, uploads=[q.update.message for q in batch]),
                 timeout=max(0.5, min(q.deadline for q in batch) - time.monotonic()))
             results = list(reply.results)
         except grpc.RpcError as err:

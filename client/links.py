@@ -32,7 +32,7 @@ import numpy as np
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform
 from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
 from fedpar.client.host_uploads import HostUploads
-from fedpar.client.transfer import ingest_address
+from fedpar.client.transfer import SmallUpdate, ingest_address
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.messages import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, CoordinatorStub,
                                      channel_options, member_token)
@@ -52,7 +52,7 @@ UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 
-SendSmall = Callable[[CoordinatorStub, pb.SmallUpload, float], pb.UploadReply]
+SendSmall = Callable[[CoordinatorStub, SmallUpdate, float], pb.UploadReply]
 
 
 class FatalAgentError(RuntimeError):
@@ -420,9 +420,9 @@ class HostLink:
                         self.host.agent_id, uploads.refused_in_background)
 
 
-def upload_small(stub: CoordinatorStub, message: pb.SmallUpload, timeout: float) -> pb.UploadReply:
+def upload_small(stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
     """Send one small update in one UploadSmall call."""
-    return stub.UploadSmall(message, timeout=timeout)
+    return stub.UploadSmall(update.message, timeout=timeout)
 
 
 class _Heartbeat:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +27,24 @@ from fedpar.task import StepClock
 from fedpar.tasks.data import default_batches, in_memory
 
 
+@dataclass(frozen=True, eq=False)
+class StackRow:
+    """A member's trained weights as row ``row`` of members' weights stacked together: ``stacked`` holds one
+    (members, *shape) array per tensor, in the trainer's array order; rows of one ``source`` (the stack) may be summed
+    with one op over it."""
+
+    source: object
+    stacked: tuple[Any, ...]  # numpy arrays
+    row: int
+
+    def holds(self, arrays: Sequence[Any]) -> bool:
+        """Whether ``arrays`` are this row's own memory (views of it, not copies or changed weights)."""
+        return len(arrays) == len(self.stacked) and all(
+            a.shape == x.shape[1:] and a.dtype == x.dtype and a.strides == x.strides[1:]
+            and a.__array_interface__["data"][0] == x[self.row].__array_interface__["data"][0]
+            for a, x in zip(arrays, self.stacked))
+
+
 @dataclass
 class TrainResult:
     """What one local training run did: the honest basis of the update's FedAvg weight."""
@@ -37,6 +55,7 @@ class TrainResult:
     stopped_early: bool
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)  # other named metrics (a task's own training)
+    rows: StackRow | None = None  # where the trained weights are one row of members' stacked weights, if they are
 
     def as_metrics(self) -> dict[str, float]:
         """What an agent reports of it: train_seconds, train_loss and train_NAME, where finite."""

@@ -34,7 +34,7 @@ from fedpar.client.round_modes import CompressedUpload, PlainUpload
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.trainer_protocol import UpdateRefused
-from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_upload, task_weights,
+from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_update, task_weights,
                                     upload_header, upload_messages, upload_update)
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
@@ -396,7 +396,9 @@ class ClientRuntime:
         backoff = None  # the gRPC stream's retries start again from the first step
         header = upload_header(auth, task, upload.layout, result.examples, result.steps, metrics,
                                upload.encoding, upload.encoding_json)
-        single = small_upload(header, upload.layout, upload.arrays, self.link.max_chunk, self.link.small_below)
+        # kept as arrays: a host sums plain ones into its partial without encoding them (the stack's row, as is)
+        single = small_update(header, upload.layout, upload.arrays, self.link.max_chunk, self.link.small_below,
+                              rows=None if upload.encoding else result.rows)
         stub = self.conn.ingest_stub(task)
         send_small = self.link.small_sender(topk) if not task.ingest_port else upload_small  # batches: this port
         while True:

@@ -43,7 +43,8 @@ class Trainer(Protocol):
         """Load the round's global weights."""
 
     def get_arrays(self) -> list[np.ndarray]:
-        """The weights after training (what is uploaded)."""
+        """The weights after training (what is uploaded; the runtime may hold them until its upload goes, so the
+        trainer must not write them afterwards: a copy, or memory nothing changes any more)."""
 
     def warm_up(self) -> None:
         """Pay lazy set-up (first passes, imports) before any deadline runs; the weights do not change."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -13,6 +13,9 @@ from fedpar.protocol.codec import (CodecError, ModelLayout, RawData, TensorAssem
                                    wire_bytes)
 from fedpar.protocol.messages import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CoordinatorStub,
                                      layout_from_pb, layout_to_pb)
+
+if TYPE_CHECKING:  # only named: the stacked rows come from a trainer
+    from fedpar.client.local_loop import StackRow
 
 # An upload refused with these may be sent again this round (busy coordinator, connection lost mid-stream).
 UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
@@ -121,17 +124,56 @@ def upload_header(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, n
                            encoding=encoding, encoding_json=encoding_json)
 
 
+class SmallUpdate:
+    """One update small enough for one SmallUpload message, kept as its arrays until it must go on its own: a host
+    sums plain ones into its partial straight from them (client/host_uploads.py), and encodes only the rest.
+    ``rows``: where the arrays are one row of members' stacked weights (client/local_loop.StackRow), kept only if
+    the arrays are that row's own."""
+
+    def __init__(self, header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[np.ndarray],
+                 rows: StackRow | None = None):
+        held = sum(np.asarray(a).nbytes for a in arrays)
+        if held != layout.total_bytes or len(arrays) != len(layout.tensors):
+            raise CodecError(f"update arrays hold {held} bytes; their layout needs {layout.total_bytes}")
+        self.header, self.layout, self.arrays = header, layout, list(arrays)
+        self.rows = rows if rows is not None and rows.holds(self.arrays) else None
+        data = 1 + _varint_bytes(layout.total_bytes) + layout.total_bytes if layout.total_bytes else 0
+        self.size = pb.SmallUpload(header=header).ByteSize() + data  # the message's, without encoding it
+        self._message: pb.SmallUpload | None = None
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the update was encoded to bytes (it went, or is going, on its own)."""
+        return self._message is not None
+
+    @property
+    def message(self) -> pb.SmallUpload:
+        """The update as one SmallUpload message (encoded on first use)."""
+        if self._message is None:
+            self._message = pb.SmallUpload(header=self.header, data=wire_bytes(self.arrays))
+        return self._message
+
+
+def _varint_bytes(n: int) -> int:
+    return max(1, -(-n.bit_length() // 7))
+
+
+def small_update(header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[np.ndarray], max_chunk_bytes: int,
+                 small_below: int = SMALL_UPDATE_BYTES, rows: StackRow | None = None) -> SmallUpdate | None:
+    """The update as a :class:`SmallUpdate` when it has fewer than ``small_below`` bytes and its message fits a
+    chunk, else None (it is then streamed)."""
+    if layout.total_bytes >= small_below or layout.total_bytes > max_chunk_bytes:
+        return None
+    update = SmallUpdate(header, layout, arrays, rows)
+    return update if update.size <= max_chunk_bytes + FRAMING_BYTES // 2 else None
+
+
 def small_upload(header: pb.UploadHeader, layout: ModelLayout, arrays: Sequence[np.ndarray],
                  max_chunk_bytes: int, small_below: int = SMALL_UPDATE_BYTES) -> pb.SmallUpload | None:
     """The update as one SmallUpload message when it has fewer than ``small_below`` bytes and fits a chunk, else
     None (it is then streamed)."""
-    if layout.total_bytes >= small_below or layout.total_bytes > max_chunk_bytes:
-        return None
-    data = wire_bytes(arrays)
-    if len(data) != layout.total_bytes:
-        raise CodecError(f"update arrays hold {len(data)} bytes; their layout needs {layout.total_bytes}")
-    message = pb.SmallUpload(header=header, data=data)
-    return message if message.ByteSize() <= max_chunk_bytes + FRAMING_BYTES // 2 else None
+    update = small_update(header, layout, arrays, max_chunk_bytes, small_below)
+    return update.message if update is not None else None
 
 
 def upload_messages(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout, arrays: Sequence[np.ndarray],

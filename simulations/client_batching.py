@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 
 from fedpar.client.batched_trainer import (ClientBatchInput, ClientBatchOutput, batching_refusal, check_batchable,
                                            member_tensors, train_clients_batched)
-from fedpar.client.local_loop import TrainResult
+from fedpar.client.local_loop import StackRow, TrainResult
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Task, TaskError
@@ -324,4 +324,11 @@ class BatchedTrainer(TaskTrainer):
                                           proximal_mu)
         if self.delay:  # the upload leaves when a slow device's would
             time.sleep(self.trained.result.steps * self.delay)
-        return self.trained.result
+        return replace(self.trained.result, rows=self._stack_row())
+
+    def _stack_row(self) -> StackRow | None:
+        """Where the weights get_arrays hands out are one row of the stack (on the CPU, every array stacked)."""
+        stack, names = self.trained.stack, [name for name, _ in self._weights.entries]
+        if stack is None or self.device.type != "cpu" or not all(name in stack.params for name in names):
+            return None
+        return StackRow(stack, tuple(stack.params[name].numpy() for name in names), self.trained.row)

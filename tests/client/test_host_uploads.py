@@ -7,8 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
-from fedpar.protocol import fedpar_pb2 as pb
+import numpy as np
+
 from fedpar.client.host_uploads import HostUploads
+from fedpar.client.transfer import SmallUpdate
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import ModelLayout
 
 
 class _RecordingStub:
@@ -22,8 +26,8 @@ class _RecordingStub:
         return pb.HostUploadResults(results=[pb.HostUploadResult(accepted=True) for _ in request.uploads])
 
 
-def _message(i: int) -> pb.SmallUpload:
-    return pb.SmallUpload(header=pb.UploadHeader(task_id=f"t{i}"), data=b"x" * 8)
+def _message(i: int) -> SmallUpdate:
+    return SmallUpdate(pb.UploadHeader(task_id=f"t{i}"), ModelLayout([("t", "uint8", (8,))]), [np.zeros(8, np.uint8)])
 
 
 def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_none_are():

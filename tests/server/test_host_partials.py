@@ -14,6 +14,8 @@ import pytest
 from fedpar.aggregation.registry import build_strategy
 from fedpar.client.host_partial import HostSum
 from fedpar.client.host_uploads import HostUploads
+from fedpar.client.local_loop import StackRow
+from fedpar.client.transfer import SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from support.population_calls import host_stub, join_members, member_auth
@@ -49,6 +51,14 @@ def _partial(tasks, members, values, weights, **fields) -> pb.HostPartial:
         else:
             setattr(message, name, value)
     return message
+
+
+def _update(host: pb.JoinPopulationReply, member: str, task: pb.TrainTask, array: np.ndarray, weight: int = 10,
+            rows: StackRow | None = None) -> SmallUpdate:
+    """A member's plain update as the runtime hands it to its host's uploads: its arrays, not yet encoded."""
+    return SmallUpdate(pb.UploadHeader(auth=member_auth(host, member), round=task.round, task_id=task.task_id,
+                                       num_examples=weight, steps=1, tensors=SPEC, total_bytes=32),
+                       LAYOUT, [array], rows)
 
 
 def _send(stub, host: str, reply, partial: pb.HostPartial) -> pb.HostUploadResult:
@@ -122,9 +132,7 @@ def test_a_round_that_takes_no_partial_says_so_and_the_host_sends_each_update(st
                           registered=lambda member: (10, 1))
     try:
         for i, m in enumerate(sorted(tasks)):
-            uploads.send_later(stub, pb.SmallUpload(header=pb.UploadHeader(
-                auth=member_auth(a, m), round=tasks[m].round, task_id=tasks[m].task_id, num_examples=10, steps=1,
-                tensors=SPEC, total_bytes=32), data=np.full(SHAPE, float(i), np.float32).tobytes()), 10.0)
+            uploads.send_later(stub, _update(a, m, tasks[m], np.full(SHAPE, float(i), np.float32)), 10.0)
     finally:
         uploads.close()
     assert server.wait(20)
@@ -143,14 +151,14 @@ def test_a_host_sums_its_checked_updates_into_one_partial_and_sends_a_bad_one_on
     uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a", token=a.host_token), max_bytes=1 << 20, linger=0.5,
                           registered=lambda member: (10, 1))
     values = {"a0": 1.0, "a1": 3.0, "a2": np.inf, "a3": 5.0}  # a2's is not finite: sent on its own, and refused
+    updates = {m: _update(a, m, tasks[m], np.full(SHAPE, values[m], np.float32)) for m in sorted(tasks)}
     try:
         for m in sorted(tasks):
-            uploads.send_later(stub, pb.SmallUpload(header=pb.UploadHeader(
-                auth=member_auth(a, m), round=tasks[m].round, task_id=tasks[m].task_id, num_examples=10, steps=1,
-                tensors=SPEC, total_bytes=32), data=np.full(SHAPE, values[m], np.float32).tobytes()), 10.0)
+            uploads.send_later(stub, updates[m], 10.0)
     finally:
         uploads.close()
     assert (uploads.partials_sent, uploads.refused_in_background) == (1, 1)
+    assert [m for m, u in updates.items() if u.encoded] == ["a2"]  # the summed ones went from their arrays
     assert server.wait(20)  # the rejected update closes the round with the other three, as one by one
     row = next(server.coordinator.metrics.read_rows())
     assert (row["status"], row["reported"], row["rejected"], row["num_updates"]) == ("ok", 3, 1, 3.0)
@@ -170,12 +178,41 @@ def test_a_partial_past_the_rounds_first_k_goes_one_by_one_so_the_first_k_count(
                           registered=lambda member: (10, 1))
     try:
         for m in sorted(tasks):
-            uploads.send_later(stub, pb.SmallUpload(header=pb.UploadHeader(
-                auth=member_auth(a, m), round=tasks[m].round, task_id=tasks[m].task_id, num_examples=10, steps=1,
-                tensors=SPEC, total_bytes=32), data=np.full(SHAPE, 1.0, np.float32).tobytes()), 10.0)
+            uploads.send_later(stub, _update(a, m, tasks[m], np.full(SHAPE, 1.0, np.float32)), 10.0)
     finally:
         uploads.close()
     assert uploads.partials and uploads.partials_sent == 0 and uploads.refused_in_background == 1  # the late one
     assert server.wait(20)
     row = next(server.coordinator.metrics.read_rows())
     assert (row["status"], row["reported"]) == ("ok", 2) and state.accepted == 2
+
+
+def test_a_host_sums_a_stacks_rows_straight_from_the_stack_and_encodes_only_the_one_that_goes_alone(
+        start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=4,
+                               overselect=1.0, min_available=4, rounds=1)
+    stub = host_stub(server)
+    a = join_members(stub, "host-a", ["a0", "a1", "a2", "a3"])
+    tasks = _round(server, stub, {"host-a": a}, 4)
+    stack = np.arange(4 * SHAPE[0], dtype=np.float32).reshape(4, *SHAPE)  # members trained together: row k is ak's
+    stack[2, 3] = np.nan  # a2's is not finite: it goes on its own, and is refused
+    weights = [10, 5, 7, 2]
+    updates = {m: _update(a, m, tasks[m], stack[k], weights[k], StackRow(stack, (stack,), k))
+               for k, m in enumerate(sorted(tasks))}
+    assert all(u.rows is not None for u in updates.values())  # the runtime's arrays are the stack's rows
+    assert _update(a, "a0", tasks["a0"], stack[0].copy(), 10, StackRow(stack, (stack,), 0)).rows is None  # a copy
+    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a", token=a.host_token), max_bytes=1 << 20, linger=0.5,
+                          registered=lambda member: (10, 1))
+    try:
+        for m in reversed(sorted(tasks)):  # not in the stack's order: its rows are picked out of it
+            uploads.send_later(stub, updates[m], 10.0)
+    finally:
+        uploads.close()
+    assert (uploads.partials_sent, uploads.refused_in_background) == (1, 1)
+    assert {m: u.encoded for m, u in updates.items()} == {"a0": False, "a1": False, "a2": True, "a3": False}
+    assert server.wait(20)
+    row = next(server.coordinator.metrics.read_rows())
+    assert (row["status"], row["reported"], row["rejected"], row["examples"]) == ("ok", 3, 1, 17)
+    kept = [0, 1, 3]
+    expected = sum(weights[k] * stack[k].astype(np.float64) for k in kept) / sum(weights[k] for k in kept)
+    np.testing.assert_allclose(server.coordinator.weights[0], expected.astype(np.float32), rtol=1e-6)
