@@ -206,9 +206,10 @@ class HostUploads:
             except ValueError as exc:  # the coordinator refuses it on its own, and counts the refusal
                 log.info("%s: %s is sent on its own: %s", self.host.agent_id, header.auth.agent_id, exc)
         for members in stacks.values():
+            members.sort(key=lambda member: member[0].update.rows.row)  # seats queue theirs as they finish
             stacked = members[0][0].update.rows.stacked
             index = [q.update.rows.row for q, _ in members]
-            if index != list(range(len(stacked[0]))):  # not the whole stack, in order: its rows of it
+            if index != list(range(len(stacked[0]))):  # not the whole stack: its rows of it
                 stacked = [x[index] for x in stacked]
             headers = [q.update.header for q, _ in members]
             errors = partial.add_stacked([h.auth.agent_id for h in headers], [h.task_id for h in headers], stacked,

@@ -194,7 +194,8 @@ def test_a_host_sums_a_stacks_rows_straight_from_the_stack_and_encodes_only_the_
     stub = host_stub(server)
     a = join_members(stub, "host-a", ["a0", "a1", "a2", "a3"])
     tasks = _round(server, stub, {"host-a": a}, 4)
-    stack = np.arange(4 * SHAPE[0], dtype=np.float32).reshape(4, *SHAPE)  # members trained together: row k is ak's
+    # members trained together: row k is ak's; row 4 is a member's whose update is not in this batch
+    stack = np.arange(5 * SHAPE[0], dtype=np.float32).reshape(5, *SHAPE)
     stack[2, 3] = np.nan  # a2's is not finite: it goes on its own, and is refused
     weights = [10, 5, 7, 2]
     updates = {m: _update(a, m, tasks[m], stack[k], weights[k], StackRow(stack, (stack,), k))
@@ -204,7 +205,7 @@ def test_a_host_sums_a_stacks_rows_straight_from_the_stack_and_encodes_only_the_
     uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a", token=a.host_token), max_bytes=1 << 20, linger=0.5,
                           registered=lambda member: (10, 1))
     try:
-        for m in reversed(sorted(tasks)):  # not in the stack's order: its rows are picked out of it
+        for m in reversed(sorted(tasks)):  # not in the stack's order
             uploads.send_later(stub, updates[m], 10.0)
     finally:
         uploads.close()
