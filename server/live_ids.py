@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedpar.server.member_table import find, id_array, insert_sorted, widest
+from fedpar.server.member_table import find, id_array, insert_sorted, sorted_unique, widest
 
 BLOCK = 64  # positions one Fenwick leaf counts: 8 bytes of the mask
 
@@ -93,7 +93,7 @@ class LiveIds(Sequence):
 
     def _merged(self) -> LiveIds:
         if self._added:
-            added = np.unique(np.concatenate(self._added, dtype=widest(*self._added)))
+            added = sorted_unique(np.concatenate(self._added, dtype=widest(*self._added)))
             self._added = []
             at = find(self._ids, added)
             self._live.assign(at[at >= 0], True)

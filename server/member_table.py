@@ -32,6 +32,15 @@ def insert_sorted(into: np.ndarray, ids: np.ndarray, *columns: tuple[np.ndarray,
     return [np.insert(into, at, ids), *(np.insert(column, at, values) for column, values in columns)]
 
 
+def sorted_unique(ids: np.ndarray) -> np.ndarray:
+    """The distinct ``ids``, sorted: a stable sort, which takes runs already in order (a host's members, joined in
+    chunks) in about one pass, where np.unique's sort does not (4.8 s against 0.08 s for 4 million ids)."""
+    ids = np.sort(ids, kind="stable")
+    keep = np.ones(len(ids), bool)
+    keep[1:] = ids[1:] != ids[:-1]
+    return ids[keep]
+
+
 def find(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """The positions of ``ids`` in ``sorted_ids`` (-1: not there)."""
     if not len(sorted_ids) or not len(ids):

@@ -96,3 +96,14 @@ def test_going_away_and_coming_back_copies_no_array_of_the_population():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(live) == n and peak < ids.nbytes // 20, f"{peak} bytes allocated against {ids.nbytes} held"
+
+
+def test_sorted_unique_is_np_unique_for_runs_in_order_shuffled_ids_and_nothing():
+    """sorted_unique (a stable sort, for a host's members joined in chunks) gives what np.unique gives."""
+    from fedpar.server.member_table import sorted_unique
+    rng = np.random.default_rng(3)
+    runs = np.array([f"h{h}-{i:05d}".encode() for h in (1, 0) for i in range(500)] + [b"h0-00007", b"h1-00499"])
+    shuffled = rng.permutation(runs)
+    for ids in (runs, shuffled, runs[:0], runs[:1]):
+        out = sorted_unique(ids)
+        assert out.dtype == ids.dtype and out.tolist() == np.unique(ids).tolist()
