@@ -354,14 +354,17 @@ def partial_ratios(result: dict) -> list[dict]:
     out = []
     for c in result["cells"]:
         cell = f"digits MLP, E1, {c['per_round']} of {c['clients']} clients (load {' '.join(c['load_average'])})"
-        out.append({"what": f"steady round of fedpar simulate, host partials, {cell}", "ratio": c["partials_vs_plain"],
-                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
-        out.append({"what": f"steady round of fedpar simulate, per-member uploads, {cell}",
-                    "ratio": c["per_member_vs_plain"],
-                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
+        out.append(vs_plain(f"steady round of fedpar simulate, host partials, {cell}", c["partials_vs_plain"]))
+        out.append(vs_plain(f"steady round of fedpar simulate, per-member uploads, {cell}", c["per_member_vs_plain"]))
         out.append({"what": f"steady round of fedpar simulate, host partials, {cell}",
                     "ratio": c["partials_vs_per_member"], "against": "per-member uploads, same run"})
     return out
+
+
+def vs_plain(what: str, ratio: float) -> dict:
+    """One ratio against the plain loop, for the results envelope."""
+    return {"what": what, "ratio": ratio,
+            "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"}
 
 
 BATCHING_CELLS = (("mlp", 100, 100), ("mlp", 10, 10), ("cnn", 10, 10))  # (model, population, sampled per round)
@@ -396,11 +399,8 @@ def steady_ratios(result: dict) -> list[dict]:
     out = []
     for c in result["cells"]:
         cell = f"digits MLP, E1, {c['per_round']} of {c['clients']} clients"
-        out.append({"what": f"steady round of fedpar simulate (default flags), {cell}", "ratio": c["vs_plain"],
-                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
-        out.append({"what": f"steady round of fedpar simulate --client-eval-every 0, {cell}",
-                    "ratio": c["no_fed_eval_vs_plain"],
-                    "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"})
+        out.append(vs_plain(f"steady round of fedpar simulate (default flags), {cell}", c["vs_plain"]))
+        out.append(vs_plain(f"steady round of fedpar simulate --client-eval-every 0, {cell}", c["no_fed_eval_vs_plain"]))
     return out
 
 

@@ -212,26 +212,41 @@ class StagingSlots:
         entry[1].set_result(None)
 
 
+def open_round(plane, round_id: int, what: str):
+    """The open round of ``plane`` if ``round_id`` is it, else a Refusal saying which round is current."""
+    state = plane.current
+    if state is None or round_id != state.round_id:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"{what} for round {round_id}, but the current round is {plane.current_round_id}; "
+                      "the update was not applied")
+    state.check_open()
+    return state
+
+
+def slot_to_fill(state, agent_id: str, task_id: str, rank: int, admit=None):
+    """``agent_id``'s slot in ``state`` for ``task_id`` if it uploads at ``rank``, passes ``admit`` (the round
+    mode's) and has sent nothing yet; else a Refusal (a slot sent to twice: ALREADY_EXISTS)."""
+    slot = state.slot_for(agent_id, task_id)
+    if slot.rank != rank:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"{agent_id!r} uploads to aggregator rank {slot.rank} this round (its task says where), not to "
+                      f"rank {rank}; the update was not applied")
+    if admit is not None:
+        admit(agent_id)
+    if slot.status in ("uploading", "accepted", "rejected"):
+        raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                      f"{agent_id!r} already sent an update in round {state.round_id} ({slot.status}); "
+                      "duplicates are refused")
+    return slot
+
+
 def open_ticket(plane, agent: AgentRecord, header: pb.UploadHeader) -> UploadTicket:
     """Validate ``agent``'s upload header against the open round of ``plane`` (an aggregator rank's IngestPlane,
     server/ranks/plane.py); its ticket, or a Refusal saying what is wrong (the slot is marked uploading only when
     every check passed)."""
-    state, mode, config, rank = plane.current, plane.mode, plane.config, plane.rank
-    if state is None or header.round != state.round_id:
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"upload for round {header.round}, but the current round is {plane.current_round_id}; "
-                      "the update was not applied")
-    state.check_open()
-    slot = state.slot_for(agent.agent_id, header.task_id)
-    if slot.rank != rank:
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"agent {agent.agent_id!r} uploads to aggregator rank {slot.rank} this round (its task says "
-                      f"where), not to rank {rank}; the update was not applied")
-    mode.admit(agent.agent_id)
-    if slot.status in ("uploading", "accepted", "rejected"):
-        raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
-                      f"agent {agent.agent_id!r} already sent an update in round {state.round_id} "
-                      f"({slot.status}); duplicates are refused")
+    mode, config = plane.mode, plane.config
+    state = open_round(plane, header.round, "upload")
+    slot = slot_to_fill(state, agent.agent_id, header.task_id, plane.rank, mode.admit)
     metrics = dict(header.metrics)
     try:  # Join made num_examples >= 1
         check_report(header.num_examples, agent.num_examples, config.local_epochs, header.steps, metrics)
@@ -264,12 +279,8 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
     sampled this round with this task at this rank, not counted yet, its weight, steps and metrics as an upload's
     (:func:`check_report`), the arrays' lengths matching, the data the model's layout and finite. A Refusal names
     the first problem and leaves every slot as it was; on success the members' slots are marked uploading."""
-    state, config, rank, registry = plane.current, plane.config, plane.rank, plane.registry
-    if state is None or partial.round != state.round_id:
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"partial for round {partial.round}, but the current round is {plane.current_round_id}; "
-                      "the update was not applied")
-    state.check_open()
+    config, registry = plane.config, plane.registry
+    state = open_round(plane, partial.round, "partial")
     ids = partial.member_ids.split("\n") if partial.member_ids else []
     tasks = partial.task_ids.split("\n") if partial.task_ids else []
     names, values = list(partial.metric_names), np.asarray(partial.metric_values, dtype=np.float64)
@@ -293,15 +304,7 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
         if record is None or record.left or record.host != host_id:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                           f"{member[:64]!r} is not a member of host {host_id!r}; the partial was not applied")
-        slot = state.slot_for(member, task_id)
-        if slot.rank != rank:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"member {member!r} uploads to aggregator rank {slot.rank} this round, not to rank {rank}; "
-                          "the partial was not applied")
-        if slot.status in ("uploading", "accepted", "rejected"):
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
-                          f"member {member!r} already sent an update in round {state.round_id} ({slot.status}); "
-                          "the partial was not applied")
+        slot = slot_to_fill(state, member, task_id, plane.rank)
         metrics = dict(zip(names, row.tolist()))
         try:
             check_report(examples, record.num_examples, config.local_epochs, steps, metrics)
