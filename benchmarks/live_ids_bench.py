@@ -1,5 +1,5 @@
 """The coordinator's live ids under an availability trace: 100 members going away and coming back, and a cohort of
-100 read, at 10^5, 10^6 and 10^7 members, with the ids as a bit mask and rank/select index (server/live_ids.py)
+100 read, at 10^5, 10^6 and 10^7 members, with the ids as a bit mask and rank/select index (server/member_table.py)
 against the copy-on-change sorted array it replaced (np.delete to drop, np.insert to add), timed in the same run.
 
 One command:  .venv/bin/python benchmarks/live_ids_bench.py   (writes benchmarks/results/live_ids_bench.json)
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedpar.server.live_ids import LiveIds
-from fedpar.server.member_table import find, insert_sorted
+from fedpar.server.member_table import LiveIds, find, insert_sorted
 from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
 
 CHANGED = 100  # members away and back per host call, and the cohort read

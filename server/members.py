@@ -19,7 +19,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.live_ids import LiveIds
+from fedpar.server.member_table import LiveIds
 from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord
 from fedpar.server.rounds import Refusal, RoundState
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from fedpar.protocol.messages import member_token
 from fedpar.security.admission import Admission, PeerIdentity
-from fedpar.server.live_ids import LiveIds
-from fedpar.server.member_table import GONE, MAX_AGENT_ID, MemberTable, id_array, insert_sorted, parse_members
+from fedpar.server.member_table import (GONE, MAX_AGENT_ID, LiveIds, MemberTable, id_array, insert_sorted,
+                                        parse_members)
 
 
 class AuthError(Exception):

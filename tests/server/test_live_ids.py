@@ -1,5 +1,5 @@
-"""The coordinator's live ids (server/live_ids.py): a mask with a rank/select index over sorted ids, checked against a
-plain sorted set through random away/back sequences, and going away or coming back without a copy of the ids."""
+"""The coordinator's live ids (server/member_table.py): a mask with a rank/select index over sorted ids, checked against
+a plain sorted set through random away/back sequences, and going away or coming back without a copy of the ids."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from fedpar.server.live_ids import LiveIds, RankedMask
+from fedpar.server.member_table import LiveIds, RankedMask, id_array
 from fedpar.server.members import CohortSampler
-from fedpar.server.member_table import id_array
 
 
 @pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4097])
