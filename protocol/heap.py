@@ -1,6 +1,6 @@
 """Giving a round's freed memory back to the operating system, for long-lived processes (the coordinator and its
 aggregator ranks call :func:`trim_heap` after a round: the ranks after every one, the coordinator at most once a
-second), and a switch to find what still grows (both count rounds with :func:`count_round`).
+second), and a switch to find what still grows (rounds are counted only when it is on: :func:`round_counters`).
 
 ``FEDPAR_HEAP_TRACE=FILE[:EVERY]`` in a server's environment (off by default; it slows rounds) starts tracemalloc
 when the startup heap is frozen and, every EVERY rounds (500), appends to FILE (``.rankN`` added on ranks other
@@ -23,6 +23,7 @@ import linecache
 import os
 import time
 import tracemalloc
+from typing import Callable
 
 _libc = None
 try:
@@ -74,7 +75,7 @@ class _HeapTrace:
     def _types() -> collections.Counter:
         return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
 
-    def round_done(self) -> None:
+    def round_done(self, row: dict | None = None) -> None:
         """Count a round; every ``every`` rounds, append the growth since the first dump to the file."""
         self.rounds += 1
         if self.rounds % self.every:
@@ -114,7 +115,7 @@ class _NativeTrace:
             raise SystemExit("FEDPAR_NATIVE_TRACE needs memray: pip install memray (or unset the variable)") from None
         self.tracker = memray.Tracker(self.path, native_traces=True)
 
-    def round_done(self) -> None:
+    def round_done(self, row: dict | None = None) -> None:
         """Count a round; start recording at round ``start``, stop (the file is then complete) at round ``stop``."""
         self.rounds += 1
         if self.rounds == self.start:
@@ -162,10 +163,15 @@ def trim_heap() -> bool:
     return bool(_libc.malloc_trim(0)) if _libc is not None else False
 
 
+def round_counters() -> list[Callable[[dict | None], None]]:
+    """What counts a finished round for the traces FEDPAR_HEAP_TRACE and FEDPAR_NATIVE_TRACE ask for (nothing
+    without them, so a round runs no code of theirs): a coordinator takes them among its round-end callbacks when it
+    is built, after :func:`freeze_startup_heap`. Every round is counted, since one trim may cover several (the
+    coordinator trims at most once a second)."""
+    return [trace.round_done for trace in (_trace, _native) if trace is not None]
+
+
 def count_round() -> None:
-    """Count a finished round for the traces FEDPAR_HEAP_TRACE and FEDPAR_NATIVE_TRACE ask for (nothing without
-    them): called every round, since one trim may cover several (the coordinator trims at most once a second)."""
-    if _trace is not None:
-        _trace.round_done()
-    if _native is not None:
-        _native.round_done()
+    """Count a finished round for those traces (an aggregator rank's round, which has no callbacks)."""
+    for count in round_counters():
+        count()

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation.strategy import accumulate_in
-from fedpar.protocol.heap import count_round, trim_heap
+from fedpar.protocol.heap import round_counters, trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
@@ -142,7 +142,7 @@ class Coordinator(IngestPlane):
         self.strategy = strategy
         accumulate_in(strategy, config.fold_dtype, ranks.group.fold_device if ranks is not None else None)
         self.evaluate_fn = evaluate_fn
-        self.on_round_end = list(on_round_end)
+        self.on_round_end = [*on_round_end, *round_counters()]  # the heap traces' only if one was asked for
         self.sampler = CohortSampler(config.seed)
         self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
         self.ranks = ranks  # the other aggregator ranks (server/ranks/), or None
@@ -315,7 +315,6 @@ class Coordinator(IngestPlane):
             callback(row)
         # freed buffers leave the process (benchmarks/soak.py), beside the next round's opening; at most once per
         # TRIM_SECONDS: a full collection and a trim cost the loop about a millisecond, a short round's tenth
-        count_round()  # a diagnostic trace's round count (nothing unless one was asked for)
         if now - self._trimmed_at >= TRIM_SECONDS:
             self._trimmed_at = now
             asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
