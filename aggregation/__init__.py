@@ -1,7 +1,6 @@
 """fedpar.aggregation: strategies and the math of federated aggregation (streaming, sharded), compression, DP."""
 
-from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
-from fedpar.aggregation.arrays import ShapesAndDtypes
+from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum
 from fedpar.aggregation.compression import Compressor, Encoded, decode, encode, encode_update
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.fedavg_strategies import FedAvg, FedAvgM

@@ -42,7 +42,7 @@ class Encoded:
 
 
 def _shapes_and_dtypes(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
-    """Shapes and dtype names (aggregation/arrays.ShapesAndDtypes as JSON), for decoding."""
+    """Shapes and dtype names (aggregation/accumulator.ShapesAndDtypes as JSON), for decoding."""
     return {"shapes": [list(a.shape) for a in arrays], "dtypes": [a.dtype.name for a in arrays]}
 
 

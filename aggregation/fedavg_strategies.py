@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpar.aggregation.accumulator import FoldConfig
-from fedpar.aggregation.arrays import cast_like
+from fedpar.aggregation.accumulator import FoldConfig, cast_like
 from fedpar.aggregation.strategy import StreamingStrategy
 
 

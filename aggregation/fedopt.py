@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpar.aggregation.accumulator import FoldConfig
-from fedpar.aggregation.arrays import cast_like
+from fedpar.aggregation.accumulator import FoldConfig, cast_like
 from fedpar.aggregation.strategy import StreamingStrategy
 
 

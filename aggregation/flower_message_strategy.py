@@ -42,7 +42,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as MessageBase
 
 from fedpar.aggregation import flower_strategy as legacy
-from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.accumulator import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.options import typed_options
 from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem
 from fedpar.models.references import load_reference

@@ -53,7 +53,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy as FlowerBase
 
-from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.accumulator import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.options import typed_options
 from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem, Strategy
 from fedpar.models.references import load_reference

@@ -58,9 +58,8 @@ from typing import Any
 import numpy as np
 
 from fedpar.aggregation.accountant import PrivacyAccountant
-from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
+from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum, all_finite, cast_like
 from fedpar.aggregation.clipping import CHUNK, AdaptiveClipping, clip_factor, delta_norm, effective_noise_multiplier
-from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol.task_settings import TaskSettings
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.accumulator import ShapesAndDtypes, all_finite, cast_like
 from fedpar.aggregation.strategy import FoldItem, Strategy
 
 _STORE_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes), so memory grows "

@@ -10,9 +10,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from fedpar.aggregation.accumulator import FoldConfig, WeightedSum, check_weight, weighted_sum
+from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum, check_weight, weighted_sum
 from fedpar.aggregation.errors import NoUpdatesError
-from fedpar.aggregation.arrays import ShapesAndDtypes
 from fedpar.aggregation.share_cap import ShareCap
 from fedpar.protocol.task_settings import TaskSettings
 

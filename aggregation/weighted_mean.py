@@ -9,8 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from fedpar.aggregation.accumulator import FoldConfig, WeightedSum
-from fedpar.aggregation.arrays import ShapesAndDtypes, all_finite
+from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum, all_finite
 
 
 def fedavg(results: Iterable[tuple[Sequence[np.ndarray], int]], config: FoldConfig | None = None) -> list[np.ndarray]:

@@ -59,7 +59,7 @@ class TensorMeta:
 class ModelLayout:
     """The ordered tensor headers of a model (or of an encoded update) and where each tensor's bytes sit in the stream.
 
-    Strategies see the same weights as an unnamed array list: aggregation/arrays.ShapesAndDtypes.
+    Strategies see the same weights as an unnamed array list: aggregation/accumulator.ShapesAndDtypes.
     """
 
     def __init__(self, specs: Iterable[tuple[str, str, Sequence[int]]], max_total_bytes: int | None = None):

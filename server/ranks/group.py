@@ -21,8 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fedpar.aggregation.accumulator import WeightedSum
-from fedpar.aggregation.arrays import ShapesAndDtypes
+from fedpar.aggregation.accumulator import ShapesAndDtypes, WeightedSum
 from fedpar.aggregation.strategy import FoldItem, Strategy
 from fedpar.aggregation.distributed import all_reduce_weighted_sum
 from fedpar.parallel.device import backend_for, resolve_device

@@ -20,7 +20,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from fedpar.aggregation.arrays import ShapesAndDtypes
+from fedpar.aggregation.accumulator import ShapesAndDtypes
 from fedpar.aggregation.strategy import accumulate_in
 from fedpar.protocol.heap import count_round, trim_heap
 from fedpar.protocol import fedpar_pb2 as pb

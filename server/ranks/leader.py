@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
-from fedpar.aggregation.arrays import ShapesAndDtypes
+from fedpar.aggregation.accumulator import ShapesAndDtypes
 from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import TICKET_BYTES

@@ -8,9 +8,7 @@ import pytest
 import torch
 
 from fedpar.aggregation import FedAvg, FoldConfig
-from fedpar.aggregation.accumulator import WeightedSum
-from fedpar.aggregation.arrays import ShapesAndDtypes
-from fedpar.aggregation.accumulator import DeviceWeightedSum
+from fedpar.aggregation.accumulator import DeviceWeightedSum, ShapesAndDtypes, WeightedSum
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -133,7 +133,7 @@ def test_weighted_sum_fold_rejects_nonfinite_without_touching_the_sum():
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_all_finite_finds_every_nan_and_inf_wherever_it_sits(dtype):
-    from fedpar.aggregation.arrays import all_finite
+    from fedpar.aggregation.accumulator import all_finite
 
     for n in (1, 2, 7, 16, 17, 33, 64, 129, 4097, 100_003):
         base = np.random.default_rng(n).standard_normal(n).astype(dtype)

@@ -321,8 +321,7 @@ def test_known_finite_folds_give_the_same_result(name):
 
 def test_blas_and_pool_finite_checks_agree():
     from fedpar.aggregation import FoldConfig
-    from fedpar.aggregation.accumulator import WeightedSum
-    from fedpar.aggregation.arrays import ShapesAndDtypes, checked_by_blas
+    from fedpar.aggregation.accumulator import ShapesAndDtypes, WeightedSum, checked_by_blas
 
     blas_model = [np.ones(3_000_000, np.float32), np.ones(5, np.float64)]
     pool_model = [np.ones(3_000_000, np.float32), np.ones(10, np.float16)]  # float16: numpy sums on the pool
