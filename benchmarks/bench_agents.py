@@ -21,8 +21,8 @@ from fedpar.client.runtime import data_plane_offered
 from fedpar.client.transfer import ingest_address, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.dataplane import OP_DOWNLOAD, Deadline, read_status, recv_exact_into
-from fedpar.protocol.codec import ModelLayout, RawData, encode_data_message, iter_chunks
-from fedpar.protocol.messages import CoordinatorStub, channel_options, layout_to_pb
+from fedpar.protocol.codec import (CoordinatorStub, ModelLayout, RawData, channel_options, encode_data_message,
+                                   iter_chunks, layout_to_pb)
 
 
 @dataclass

@@ -27,8 +27,7 @@ from fedpar.client.host_partial import HostSum  # noqa: E402
 from fedpar.client.transfer import SmallUpdate  # noqa: E402
 from fedpar.models.for_data import build_model_for_data  # noqa: E402
 from fedpar.protocol import fedpar_pb2 as pb  # noqa: E402
-from fedpar.protocol.codec import ModelLayout, TensorAssembler, wire_bytes  # noqa: E402
-from fedpar.protocol.messages import layout_to_pb  # noqa: E402
+from fedpar.protocol.codec import ModelLayout, TensorAssembler, layout_to_pb, wire_bytes  # noqa: E402
 
 MAX_BYTES = 4 << 20
 METRICS = {"train_loss": 0.5, "train_seconds": 0.01}

@@ -52,8 +52,7 @@ from fedpar.aggregation import build_strategy  # noqa: E402
 from fedpar.client import dataplane  # noqa: E402
 from fedpar.client.transfer import download_weights, upload_messages, upload_update  # noqa: E402
 from fedpar.protocol import fedpar_pb2 as pb  # noqa: E402
-from fedpar.protocol.codec import ModelLayout  # noqa: E402
-from fedpar.protocol.messages import CoordinatorStub, channel_options  # noqa: E402
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options  # noqa: E402
 from fedpar.server.app import CoordinatorServer  # noqa: E402
 from fedpar.server.config import CoordinatorConfig  # noqa: E402
 from fedpar.server.coordinator import Coordinator  # noqa: E402

@@ -42,8 +42,7 @@ from fedpar.aggregation import build_strategy
 from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.client.transfer import download_weights, upload_messages, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import CoordinatorStub, channel_options
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator

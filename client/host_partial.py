@@ -1,5 +1,5 @@
 """A population host's pre-summed update for linear strategies: its members' updates, each checked as the
-coordinator checks an upload (protocol/messages.check_report, protocol/codec.first_non_finite), added into one weighted
+coordinator checks an upload (protocol/codec.check_report and first_non_finite), added into one weighted
 sum that the coordinator checks and folds as one (HostPartial in protocol/fedpar.proto).
 
 Members come one at a time (:meth:`HostSum.add`: a seat's update) or stacked (:meth:`HostSum.add_stacked`: a batched
@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout, first_non_finite, wire_bytes
-from fedpar.protocol.messages import check_report, layout_to_pb
+from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout, check_report, first_non_finite, layout_to_pb, wire_bytes
 
 
 def summable(layout: ModelLayout) -> bool:

@@ -35,7 +35,7 @@ import grpc
 from fedpar.client.host_partial import HostSum, summable
 from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import CoordinatorStub
+from fedpar.protocol.codec import CoordinatorStub
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again

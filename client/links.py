@@ -34,8 +34,8 @@ from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SmallUpdate, ingest_address
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, CoordinatorStub,
-                                     channel_options, member_token)
+from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, CoordinatorStub,
+                                   channel_options, member_token)
 from fedpar.security.handshake import diagnose_handshake, tls_mismatch
 from fedpar.security.tls import TlsFiles
 

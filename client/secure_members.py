@@ -18,8 +18,7 @@ from concurrent.futures import Future
 from fedpar.client.round_modes import NoteRefusal, SecureUpload
 from fedpar.client.secure_upload import SecureSession
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import CoordinatorStub
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout
 
 
 

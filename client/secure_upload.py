@@ -14,8 +14,7 @@ import numpy as np
 
 from fedpar.client.transfer import upload_messages, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import CoordinatorStub
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout
 from fedpar.secagg import wire
 from fedpar.secagg.client_protocol import SecAggClient
 from fedpar.secagg.errors import SecAggAbort, SecAggError

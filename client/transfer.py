@@ -9,10 +9,9 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (CodecError, ModelLayout, RawData, TensorAssembler, encode_data_message, iter_chunks,
-                                   wire_bytes)
-from fedpar.protocol.messages import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CoordinatorStub,
-                                     layout_from_pb, layout_to_pb)
+from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError, CoordinatorStub,
+                                   ModelLayout, RawData, TensorAssembler, encode_data_message, iter_chunks,
+                                   layout_from_pb, layout_to_pb, wire_bytes)
 
 if TYPE_CHECKING:  # only named: the stacked rows come from a trainer
     from fedpar.client.local_loop import StackRow

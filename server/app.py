@@ -19,8 +19,8 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import RawData, decode_chunk_message
-from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, channel_options
+from fedpar.protocol.codec import (PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, RawData, channel_options,
+                                   decode_chunk_message)
 from fedpar.security.admission import AdmissionRefused, peer_identity
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
@@ -267,7 +267,7 @@ class CoordinatorService:
 
     async def JoinPopulation(self, request: pb.JoinPopulationRequest, context) -> pb.JoinPopulationReply:
         """Register (more of) a simulation host's virtual population (each member's session derives from the
-        host's: protocol/messages.py, member_token)."""
+        host's: protocol/codec.py, member_token)."""
         _check_protocol(request.protocol_version, "host")
         if not request.member_ids:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a JoinPopulation must name its members in member_ids "

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedpar.protocol.compressed_wire import CompressionConfig
-from fedpar.protocol.messages import DEFAULT_CHUNK_BYTES
+from fedpar.protocol.codec import DEFAULT_CHUNK_BYTES
 from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Seeded
 from fedpar.settings import redefault, setting

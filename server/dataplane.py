@@ -35,7 +35,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import FRAMING_BYTES
+from fedpar.protocol.codec import FRAMING_BYTES
 from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, TICKET_BYTES, DataPlaneError, Deadline,
                                        decode_preamble, encode_status, read_frame, recv_exact, recv_exact_into, refusal,
                                        send_all, send_views)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.protocol.messages import member_token
+from fedpar.protocol.codec import member_token
 from fedpar.security.admission import Admission, PeerIdentity
 from fedpar.server.member_table import (GONE, MAX_AGENT_ID, LiveIds, MemberTable, id_array, insert_sorted,
                                         parse_members)

@@ -40,8 +40,8 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelLayout, ModelTooLarge, TensorAssembler
-from fedpar.protocol.messages import SMALL_UPDATE_BYTES, check_report, layout_from_pb, specs_match
+from fedpar.protocol.codec import (SMALL_UPDATE_BYTES, CodecError, ModelLayout, ModelTooLarge, TensorAssembler,
+                                   check_report, layout_from_pb, specs_match)
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits

@@ -13,8 +13,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import WeightPayload, build_payload
+from fedpar.protocol.codec import ModelLayout, WeightPayload, build_payload
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.dataplane import TicketBook
 from fedpar.server.registry import AgentRecord, AgentRegistry

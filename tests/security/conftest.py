@@ -13,8 +13,7 @@ import pytest
 from fedpar.aggregation import build_strategy
 from fedpar.client.transfer import download_weights, upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import CoordinatorStub, channel_options
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options
 from fedpar.security.certs import CertPaths, ensure_certs
 from fedpar.security.tls import channel_credentials, client_tls_files, server_credentials, server_tls_files
 from fedpar.server.app import CoordinatorServer

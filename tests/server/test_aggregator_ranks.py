@@ -25,8 +25,7 @@ import pytest
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.parallel.init import free_port
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import CoordinatorStub, channel_options
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.tasks.reference import load_task

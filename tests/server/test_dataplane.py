@@ -21,10 +21,9 @@ from fedpar.client.transfer import upload_messages
 from fedpar.datasets.arrays import ArrayDataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.codec import ModelLayout, layout_to_pb
 from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, Deadline, encode_frame, encode_preamble,
                                        read_status, send_all)
-from fedpar.protocol.messages import layout_to_pb
 from fedpar.server.rounds import Refusal
 
 SHAPES = ((64, 32), (32,))

@@ -11,7 +11,7 @@ import numpy as np
 
 from fedpar.aggregation import build_strategy
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import PROTOCOL_VERSION
+from fedpar.protocol.codec import PROTOCOL_VERSION
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator

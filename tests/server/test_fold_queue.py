@@ -12,7 +12,7 @@ import numpy as np
 
 from fedpar.aggregation import FedAvg
 from fedpar.protocol.compressed_wire import CompressionConfig
-from fedpar.protocol.messages import SMALL_UPDATE_BYTES
+from fedpar.protocol.codec import SMALL_UPDATE_BYTES
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import STAT_NAMES, AgentSlot, Refusal, RoundState, UploadTicket, ingest_stats

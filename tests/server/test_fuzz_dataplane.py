@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 
 from fedpar.client import dataplane
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.codec import FRAMING_BYTES, ModelLayout, layout_to_pb
 from fedpar.protocol.dataplane import LENGTH, MAGIC, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, STATUS, VERSION
-from fedpar.protocol.messages import FRAMING_BYTES, layout_to_pb
 
 SHAPES = ((64, 32), (32,))
 NAMES = ["t0", "t1"]

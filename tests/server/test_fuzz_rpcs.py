@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from fedpar.aggregation import build_strategy
 from fedpar.client.transfer import upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout, encode_data_message, encode_varint
-from fedpar.protocol.messages import PROTOCOL_VERSION, SERVICE_NAME, channel_options
+from fedpar.protocol.codec import (PROTOCOL_VERSION, SERVICE_NAME, ModelLayout, channel_options, encode_data_message,
+                                   encode_varint)
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator

@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 from fedpar.client.secure_upload import MASKED_TENSOR, flat_update
 from fedpar.client.transfer import upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout, encode_varint
-from fedpar.protocol.messages import SERVICE_NAME
+from fedpar.protocol.codec import SERVICE_NAME, ModelLayout, encode_varint
 from fedpar.secagg import keys, wire
 from fedpar.secagg.client_protocol import SecAggClient
 from fedpar.secagg.messages import SHARE_CIPHERTEXT_BYTES

@@ -180,7 +180,7 @@ def test_health_is_not_serving_while_a_checkpoint_is_restored(tmp_path):
     """The port opens first with health NOT_SERVING (agents' calls: UNAVAILABLE, so they retry), then the real
     restore runs, then SERVING. The restore is held until the test has looked (it then runs as always)."""
     from fedpar.aggregation import build_strategy
-    from fedpar.protocol.messages import PROTOCOL_VERSION, CoordinatorStub
+    from fedpar.protocol.codec import PROTOCOL_VERSION, CoordinatorStub
     from fedpar.server.app import CoordinatorServer
     from fedpar.server.checkpoint import Checkpoint, save_checkpoint
     from fedpar.server.config import CoordinatorConfig

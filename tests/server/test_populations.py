@@ -181,7 +181,7 @@ def test_a_host_or_agent_of_another_protocol_version_hears_it_in_one_line_and_a_
                                                                                                   monkeypatch):
     from fedpar.client import links
     from fedpar.datasets import load_dataset
-    from fedpar.protocol.messages import PROTOCOL_VERSION
+    from fedpar.protocol.codec import PROTOCOL_VERSION
     from fedpar.simulations.agents import WorkerConfig, worker_task
     from fedpar.simulations.population import PopulationSlice, host_population
 

@@ -84,8 +84,7 @@ KILLED_AGENT = textwrap.dedent("""
     import sys, time
     import grpc, numpy as np
     from fedpar.protocol import fedpar_pb2 as pb
-    from fedpar.protocol.messages import CoordinatorStub
-    from fedpar.protocol.codec import ModelLayout
+    from fedpar.protocol.codec import CoordinatorStub, ModelLayout
     from fedpar.client.transfer import upload_messages
     stub = CoordinatorStub(grpc.insecure_channel(sys.argv[1]))
     token = stub.Join(pb.JoinRequest(agent_id="doomed", num_examples=100)).token

@@ -10,7 +10,7 @@ import time
 import grpc
 import numpy as np
 
-from fedpar.protocol.messages import SERVICE_NAME
+from fedpar.protocol.codec import SERVICE_NAME
 from support.abuse import idle_sockets, run_under_attack, silent_requests, silent_streams
 from support.attacks import AGENTS, BEFORE, DURING, TRAIN, check_honest_rounds, coordinator_server
 

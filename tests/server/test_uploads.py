@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import layout_to_pb
+from fedpar.protocol.codec import ModelLayout, layout_to_pb
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord

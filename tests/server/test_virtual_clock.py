@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import PROTOCOL_VERSION
+from fedpar.protocol.codec import PROTOCOL_VERSION
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.rounds import AgentSlot
 from fedpar.server.deadline import first_k_in_time as decide

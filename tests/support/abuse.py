@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import SERVICE_NAME, CoordinatorStub, channel_options
+from fedpar.protocol.codec import SERVICE_NAME, CoordinatorStub, channel_options
 
 REOPEN_PER_SECOND = 200  # how fast an attacker re-opens what was let go (it would burn its own CPU otherwise)
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.messages import CoordinatorStub, channel_options, member_token
+from fedpar.protocol.codec import CoordinatorStub, channel_options, member_token
 
 
 def host_stub(server) -> CoordinatorStub:

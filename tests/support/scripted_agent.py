@@ -9,8 +9,7 @@ import numpy as np
 
 from fedpar.client.transfer import download_weights, upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.messages import CoordinatorStub, channel_options
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options
 
 
 class ScriptedAgent:
