@@ -30,7 +30,6 @@ import grpc
 import numpy as np
 
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform
-from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SmallUpdate, ingest_address
 from fedpar.protocol import fedpar_pb2 as pb
@@ -38,6 +37,7 @@ from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_
                                    channel_options, member_token)
 from fedpar.security.handshake import diagnose_handshake, tls_mismatch
 from fedpar.security.tls import TlsFiles
+from fedpar.task import UPLOAD_MARGIN_SECONDS
 
 log = logging.getLogger("fedpar.client")
 T = TypeVar("T")

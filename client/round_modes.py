@@ -25,12 +25,12 @@ import numpy as np
 
 from fedpar.aggregation.clipping import clip_update
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
-from fedpar.client.deadline import upload_timeout
 from fedpar.client.local_loop import TrainResult
 from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.errors import SecAggAbort, SecAggError
+from fedpar.task import upload_timeout
 
 Send = Callable[[PreparedUpload, TrainResult, dict[str, float]], bool]  # the agent's transport: True if accepted
 NoteRefusal = Callable[[str, Exception], None]  # (what was refused, why)

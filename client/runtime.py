@@ -5,7 +5,7 @@ certificate; a simulation worker (`fedpar simulate`, `fedpar simulate-workers`) 
 of a population (simulations/population.py), whose sampled members take turns on a few *seats* (trainers that
 take on a member's data for one task). How it joins and pulls is its link's (client/links.py); the rest is written
 once here: the round's download (once per round, for every member that needs it), the deadline rule
-(client/deadline.py), local training, the update transforms (client DP, compression, SecAgg masking:
+(fedpar/task.py), local training, the update transforms (client DP, compression, SecAgg masking:
 client/round_modes.py) and the upload with its retries.
 """
 
@@ -25,7 +25,6 @@ import numpy as np
 
 from fedpar.client import dataplane
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
-from fedpar.client.deadline import stop_training_at, upload_timeout
 from fedpar.client.backoff import Backoff, jittered
 from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting,
                                  upload_small)
@@ -40,6 +39,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.task import stop_training_at, upload_timeout
 
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

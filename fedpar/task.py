@@ -4,7 +4,8 @@ A :class:`Task` is plain Python: a model factory, each client's data, and either
 built-in loop (your loss, optimizer and batches), and an evaluation returning named metrics. The command line
 loads one by reference (``--task package.module:factory`` or ``--task path/to/file.py:factory``), calling the
 factory with the ``--task-option KEY=VALUE`` pairs. The built-in models (mlp/cnn on digits, mnist and tables)
-are tasks too (``fedpar.tasks.zoo``).
+are tasks too (``fedpar.tasks.zoo``). A client's training stops by the :class:`Deadline` it is given, set by the client
+side's one deadline rule (:func:`stop_training_at`, :func:`upload_timeout`).
 
 This module imports neither torch nor anything else heavy: the command line reads it to build its parsers.
 """
@@ -132,6 +133,36 @@ class Deadline:
                 self.wait()
             self.taken += 1
             clock.measured(time.monotonic() - start)
+
+
+
+# The client side's one deadline rule: when a member must stop training and upload. A member expects its upload to
+# take UPLOAD_TO_DOWNLOAD times what the round's download took, and keeps UPLOAD_MARGIN_SECONDS more free before the
+# task's deadline (the training's Deadline is at stop_training_at); its upload call may run until the deadline plus
+# slack for the reply. The client runtime asks it on the real clock; a simulation's virtual clock
+# (simulations/population.py) on simulated seconds. The server's side is server/deadline.py.
+UPLOAD_TO_DOWNLOAD = 1.2  # a member expects its upload to take this many times its download
+UPLOAD_MARGIN_SECONDS = 0.25  # ... and keeps this much more free before the deadline
+
+
+def stop_training_at(deadline_at: float, download_seconds: float,
+                     margin_seconds: float = UPLOAD_MARGIN_SECONDS) -> float:
+    """The time (on the deadline's clock) by which training must end for the upload to arrive in time."""
+    return deadline_at - UPLOAD_TO_DOWNLOAD * download_seconds - margin_seconds
+
+
+def steps_in_time(steps: int, step_seconds: float, download_seconds: float, deadline_seconds: float) -> int:
+    """How many of ``steps`` local steps of ``step_seconds`` each fit between a download of ``download_seconds``
+    (started at 0) and the moment :func:`stop_training_at` says training must end, ``deadline_seconds`` after 0."""
+    if step_seconds <= 0:
+        return steps
+    room = stop_training_at(deadline_seconds, download_seconds) - download_seconds
+    return min(steps, int(max(0.0, room) // step_seconds))
+
+
+def upload_timeout(deadline_at: float) -> float:
+    """How long an upload call may take: until the round's deadline, plus slack for the reply (at least 5 s)."""
+    return max(5.0, deadline_at - time.monotonic() + 5.0)
 
 
 TrainHook = Callable[["nn.Module", ClientData, LocalConfig, Deadline], "tuple[int, dict[str, float]]"]

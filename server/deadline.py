@@ -9,7 +9,8 @@ A secure round closes at the first of K accepted masked inputs, every agent that
 the deadline; a secure round whose protocol fails closes at once (:func:`secure_closing_reason`).
 Under the virtual clock (server/virtual_clock.py) first K and the deadline act on simulated time
 (:func:`first_k_in_time`); real time then only guards the round (``--round-wall-timeout``).
-Everything else on the server asks this module; the agent's side is client/deadline.py.
+Everything else on the server asks this module; the agent's side is in fedpar/task.py (stop_training_at,
+upload_timeout, and the Deadline a task trains to).
 """
 
 from __future__ import annotations

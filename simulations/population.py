@@ -30,7 +30,6 @@ import torch
 
 from fedpar.client.backoff import MAX_BACKOFF_SECONDS
 from fedpar.client.links import AgentConfig
-from fedpar.client.deadline import steps_in_time
 from fedpar.client.runtime import ClientRuntime
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.datasets.clientdata import local_train_size
@@ -38,7 +37,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
-from fedpar.task import ClientData, Partition, Task
+from fedpar.task import ClientData, Partition, Task, steps_in_time
 from fedpar.tasks.data import in_memory
 from fedpar.simulations.traces import DAY_SECONDS, AvailabilityEvents, Traces, online, seconds_left_online
 
@@ -113,7 +112,7 @@ class PopulationSlice:
              dropped: bool) -> tuple[int, float]:
         """The local steps member ``i`` does of a task of ``steps`` on a model of ``model_bytes``, and the simulated
         seconds it needs (download, train, upload) from ``clock_seconds`` on; (0, -1) when it would not upload. It
-        stops training when the client side's deadline rule says (client/deadline.py), as a real agent does; so a
+        stops training when the client side's deadline rule says (fedpar/task.py), as a real agent does; so a
         slow uplink may still make it late. It does not upload when no step fits, when it drops out, or when its
         availability window closes before it is done."""
         step = float(self.step_seconds[i]) if self.step_seconds is not None \

@@ -1,4 +1,4 @@
-"""The client side's one deadline rule (client/deadline.py): when a member stops training so that its upload
+"""The client side's one deadline rule (fedpar/task.py): when a member stops training so that its upload
 arrives in time, on the real clock (the runtime) and on simulated seconds (the virtual clock) alike."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fedpar.client.deadline import UPLOAD_MARGIN_SECONDS, UPLOAD_TO_DOWNLOAD, stop_training_at, steps_in_time, \
-    upload_timeout
+from fedpar.task import UPLOAD_MARGIN_SECONDS, UPLOAD_TO_DOWNLOAD, steps_in_time, stop_training_at, upload_timeout
 from fedpar.simulations.population import PopulationSlice
 
 
