@@ -145,3 +145,32 @@ freeze_startup_heap()
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and out.stderr.strip() == ("FEDPAR_NATIVE_TRACE needs memray: pip install memray "
                                                           "(or unset the variable)")
+
+
+def test_a_coordinator_counts_its_rounds_for_the_heap_trace_only_when_one_is_on(tmp_path):
+    # The trace's counter is one of the coordinator's round-end callbacks, taken when it is built after
+    # freeze_startup_heap (which starts the trace FEDPAR_HEAP_TRACE asks for); before that it has none, and a round
+    # runs no code of the traces'.
+    script = """
+import numpy as np
+from fedpar.aggregation.registry import build_strategy
+from fedpar.protocol.heap import freeze_startup_heap
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.coordinator import Coordinator
+
+def coordinator():
+    return Coordinator(CoordinatorConfig(), ["w"], [np.zeros(4, np.float32)], build_strategy("fedavg"))
+
+untraced = coordinator()
+freeze_startup_heap()
+traced = coordinator()
+print(len(untraced.on_round_end), len(traced.on_round_end))
+for _ in range(3):
+    for callback in traced.on_round_end:  # as the end of each round calls them
+        callback({})
+"""
+    trace = tmp_path / "trace.txt"
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "FEDPAR_HEAP_TRACE": f"{trace}:1"},
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["0", "1"]
+    assert [d.split()[0] for d in trace.read_text().split("== round ")[1:]] == ["2", "3"]  # round 1: the baseline
