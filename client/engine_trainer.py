@@ -127,6 +127,9 @@ class EngineTrainer:
         """The span in which the agent holds a task of ``round_id`` (nothing to do)."""
         return contextlib.nullcontext()
 
+    def tasks_queued(self, round_id: int, count: int) -> None:
+        """Nothing: the engine agent is its one member."""
+
     def warm_up(self) -> None:
         """Nothing to do: every rank already ran one broadcast, zero-lr step and gather when constructed."""
 

@@ -157,8 +157,7 @@ class ClientRuntime:
                     self.shutdown_reason = pulled.shutdown
                     log.info("%s: coordinator says: %s", self.config.agent_id, pulled.shutdown)
                     break
-                for i, task in pulled.tasks:
-                    self._dispatch(i, task, inline)
+                self._queue([(i, task) for i, task in pulled.tasks if self._dispatch(i, task, inline)])
             return self.stats
         finally:
             self._forget_queued()  # training is over: tasks not started yet are moot
@@ -175,26 +174,34 @@ class ClientRuntime:
         with self._weights_lock:
             self._weights = (-1, None)
 
-    def _dispatch(self, i: int, task: pb.TrainTask, inline: bool) -> None:
-        """Run member ``i``'s task now (``inline``) or queue it for the next free seat; a member that vanishes this
-        round (drops out, or is offline) takes no part."""
+    def _dispatch(self, i: int, task: pb.TrainTask, inline: bool) -> bool:
+        """Run member ``i``'s task now (``inline``), or say it is to be queued for the next free seat (True); a
+        member that vanishes this round (drops out, or is offline) takes no part."""
         self._count("tasks")
         if self.members.vanishes(i, task.round):
             self._count("dropped")
             self.link.finished(task)
-            return
+            return False
         if self.layout is not None and _secure(task):  # a secure round's key exchange starts as the task arrives
             self.secure.arrived(self.link.member_auth(i), task, self.layout, self._chunk_bytes(),
                                 self._refusals_of(self.members.member_id(i)))
         if inline:
             self.run_task(self.seats[0], i, task)
-            return
+            return False
         with self._in_flight_lock:
             self._in_flight += 1
         if self._together:
             with self._evaluation_lock:
                 self._to_evaluate.setdefault(task.round, []).append(i)
-        self._tasks.put((i, task))
+        return True
+
+    def _queue(self, tasks: list[tuple[int, pb.TrainTask]]) -> None:
+        """Queue a pull's ``tasks`` for the seats, told first how many of each round come (stacked seats start
+        training when they all sit, not after a wait for more)."""
+        for round_id in sorted({task.round for _, task in tasks}):
+            self.seats[0].trainer.tasks_queued(round_id, sum(task.round == round_id for _, task in tasks))
+        for item in tasks:
+            self._tasks.put(item)
 
     def _seat(self, seat: Seat) -> None:
         """Run queued tasks on ``seat``, each as its member, for that task only."""
@@ -219,6 +226,7 @@ class ClientRuntime:
             if item is None:  # a seat's stop: keep it
                 self._tasks.put(None)
                 return
+            self.seats[0].trainer.tasks_queued(item[1].round, -1)
             with self._in_flight_lock:
                 self._in_flight -= 1
 

@@ -166,6 +166,9 @@ class TaskTrainer:
         several agents' training uses it to know whom to wait for)."""
         return contextlib.nullcontext()
 
+    def tasks_queued(self, round_id: int, count: int) -> None:
+        """Nothing: each seat trains on its own."""
+
     def warm_up(self) -> None:
         """One forward and backward pass (and a zero-step SGD update) on a small batch of the built-in loop's, so
         torch's lazy set-up is not billed to a deadline; the weights do not change."""

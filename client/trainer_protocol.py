@@ -52,6 +52,11 @@ class Trainer(Protocol):
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
         """The span in which the member holds a task of ``round_id`` (a stacked trainer waits for its holders)."""
 
+    def tasks_queued(self, round_id: int, count: int) -> None:
+        """``count`` of the runtime's tasks of ``round_id`` were queued for its seats (negative: dropped unstarted),
+        told to its first seat's trainer before any seat may take them; a seat takes one as it enters
+        :meth:`holding_task` (stacked trainers, which share what they count, wait for them)."""
+
     def evaluate(self, settings: TaskSettings | None = None) -> EvalResult | None:
         """Metrics of the current weights on the local validation split (None without one; ``settings``: the
         task's, passed when ``reads_task_settings``)."""
@@ -98,3 +103,6 @@ class HeldArrays:
         """Remember the task's round (the client's configs name it)."""
         self._round = int(round_id)
         return contextlib.nullcontext()
+
+    def tasks_queued(self, round_id: int, count: int) -> None:
+        """Nothing: each member trains on its own."""

@@ -4,14 +4,14 @@ once) instead of one after another. A batching worker has a seat for every membe
 (:func:`batched_seats`), so a round's members meet in one stack.
 
 The seats stay real agents (each member's download and upload go as its own); only their ``trainer.train`` calls
-meet here, and "agent" below means a seat. The rule: an agent announces a task when it receives it and withdraws when the task ends
-(``Agent`` wraps each task in ``trainer.holding_task``). A round's batch starts as soon as every agent of this
-process that holds a task of that round has called ``train`` (or withdrawn) and, unless every agent of the
-process got a task of that round, no new task of it has arrived for ``settle_seconds`` (a round's tasks reach
-a process over a few milliseconds, and a small model's agent can call ``train`` within one); or else
-``gather_seconds`` after the first call, so nobody waits for an agent that never calls. A call that arrives
-after its batch started trains in a later batch. Calls with different settings (epochs, batch size, learning
-rate, FedProx mu) form separate batches.
+meet here, and "agent" below means a seat. The rule: the runtime tells how many tasks of a round a pull queued for
+its seats before any seat may take one (``trainer.tasks_queued``); an agent takes one as it enters
+``trainer.holding_task`` and withdraws when the task ends. A round's batch starts as soon as every agent holding a
+task of that round has called ``train`` (or withdrawn) and no task of it waits for a seat that could still take it
+(none is queued, or every agent is in a ``train`` call); or else ``gather_seconds`` after the first call, so nobody
+waits for an agent that never calls. No window waits for more tasks: a pull's are counted before they are queued. A
+call that arrives after its batch started trains in a later batch. Calls with different settings (epochs, batch
+size, learning rate, FedProx mu) form separate batches.
 
 Whether a simulation batches at all is :func:`client_batching_route`'s answer to ``--client-batching auto|on|off``.
 """
@@ -125,9 +125,8 @@ class _Call:
 class _Round:
     """One round's tasks in this process."""
 
-    last_arrival: float
+    queued: int = 0  # queued by the runtime, not yet taken by a seat
     holding: set[int] = field(default_factory=set)  # agents holding a task of it that have not called train
-    arrived: set[int] = field(default_factory=set)  # every agent that got a task of it
 
 
 @dataclass
@@ -145,12 +144,12 @@ class ClientBatcher:
     """The meeting point of one worker process's agents: their train() calls for a round run as one batch."""
 
     def __init__(self, device: str = "cpu", compute_lock: threading.Lock | None = None, gather_seconds: float = 1.0,
-                 settle_seconds: float = 0.05, compile_step: bool = False):
-        self.device, self.compile_step = device, compile_step
-        self.gather_seconds, self.settle_seconds = gather_seconds, settle_seconds
+                 compile_step: bool = False):
+        self.device, self.compile_step, self.gather_seconds = device, compile_step, gather_seconds
         self._turn = compute_lock if compute_lock is not None else threading.Lock()
         self._cond = threading.Condition()
         self._agents = 0  # BatchedTrainers of this process
+        self._training = 0  # agents in a train() call (no seat for a queued task until it returns)
         self._rounds: dict[int, _Round] = {}
         self._open: dict[tuple, _Batch] = {}  # batches still gathering, by (round, epochs, batch size, lr, mu)
         self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
@@ -163,17 +162,30 @@ class ClientBatcher:
         with self._cond:
             self._agents += 1
 
-    @contextlib.contextmanager
-    def holding(self, agent: object, round_id: int):
-        """While inside, ``agent`` holds a task of ``round_id``: that round's batch waits for its train() call."""
+    def queued(self, round_id: int, count: int) -> None:
+        """``count`` tasks of ``round_id`` were queued for this process's agents (negative: dropped unstarted)."""
         with self._cond:
-            now = time.monotonic()
-            tasks = self._rounds.setdefault(round_id, _Round(now))
-            tasks.last_arrival = now
-            tasks.holding.add(id(agent))
-            tasks.arrived.add(id(agent))
+            tasks = self._round(round_id)
+            tasks.queued = max(0, tasks.queued + count)
+            self._cond.notify_all()
+
+    def _round(self, round_id: int) -> _Round:
+        """``round_id``'s tasks (hold the condition's lock); rounds long past are forgotten."""
+        tasks = self._rounds.get(round_id)
+        if tasks is None:
+            tasks = self._rounds[round_id] = _Round()
             for old in [r for r in self._rounds if r < round_id - 2]:
                 del self._rounds[old]
+        return tasks
+
+    @contextlib.contextmanager
+    def holding(self, agent: object, round_id: int):
+        """While inside, ``agent`` holds a task of ``round_id`` (one of those queued, if any): that round's batch
+        waits for its train() call."""
+        with self._cond:
+            tasks = self._round(round_id)
+            tasks.queued = max(0, tasks.queued - 1)
+            tasks.holding.add(id(agent))
         try:
             yield
         finally:
@@ -205,6 +217,7 @@ class ClientBatcher:
             if leads:
                 batch = self._open[settings] = _Batch(time.monotonic())
             batch.calls.append(call)
+            self._training += 1
             self._not_waiting_for(agent, round_id)
             while leads and (wait := self._wait(batch, round_id)) > 0:
                 self._cond.wait(wait)
@@ -214,6 +227,9 @@ class ClientBatcher:
             self._run(batch, settings)
         else:
             batch.finished.wait()
+        with self._cond:
+            self._training -= 1
+            self._cond.notify_all()  # a seat is free again: a batch waiting on queued tasks may start
         if call.error is not None:
             raise call.error
         return call.output
@@ -226,14 +242,10 @@ class ClientBatcher:
 
     def _wait(self, batch: _Batch, round_id: int) -> float:
         """Seconds until ``batch`` may start by the module's rule, if nothing else happens (<= 0: now)."""
-        start = batch.opened + self.gather_seconds
         tasks = self._rounds.get(round_id)
-        if tasks is None:  # trained without announcing a task
-            return 0.0
-        if not tasks.holding:
-            everyone = len(tasks.arrived) >= self._agents
-            start = min(start, -math.inf if everyone else tasks.last_arrival + self.settle_seconds)
-        return start - time.monotonic()
+        if tasks is None or not tasks.holding and (not tasks.queued or self._training >= self._agents):
+            return 0.0  # (None: trained without announcing a task)
+        return batch.opened + self.gather_seconds - time.monotonic()
 
     def _run(self, batch: _Batch, settings: tuple) -> None:
         """Train every call of ``batch`` together (in this process's compute turn) and hand out the results."""
@@ -280,6 +292,10 @@ class BatchedTrainer(TaskTrainer):
     def holding_task(self, round_id: int) -> contextlib.AbstractContextManager:
         """Tell the batcher this agent holds a task of ``round_id`` until the block ends."""
         return self.batcher.holding(self, round_id)
+
+    def tasks_queued(self, round_id: int, count: int) -> None:
+        """Tell the batcher that ``count`` tasks of ``round_id`` were queued for its agents."""
+        self.batcher.queued(round_id, count)
 
     def set_arrays(self, arrays: list[np.ndarray]) -> None:
         """Load new weights into the model (the trained row is forgotten)."""

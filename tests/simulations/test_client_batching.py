@@ -45,10 +45,12 @@ def _trainers(batcher: ClientBatcher, sizes, delays=None):
     return batched, alone
 
 
-def _agent(trainer, results, k, returned=None):
-    """What an Agent does around train(): hold the task, then train (``returned``: when train returned)."""
+def _agent(trainer, results, k, returned=None, takes=0.0):
+    """What a seat does with a task: take it (``takes`` seconds after the start), hold it, then train
+    (``returned``: when train returned)."""
+    time.sleep(takes)
     with trainer.holding_task(ROUND):
-        time.sleep(0.01 * k)  # tasks arrive a little apart
+        time.sleep(0.01 * k)  # the seats reach train() a little apart
         results[k] = trainer.train(EPOCHS, BATCH, LR, round_id=ROUND)
         if returned is not None:
             returned[k] = time.monotonic()
@@ -67,6 +69,7 @@ def test_agents_holding_tasks_of_a_round_train_in_one_batch_with_local_trainer_r
     batched, alone = _trainers(batcher, (40, 75, 33), delays=(0.0, 0.0, 0.02))
     results, returned = [None] * 3, [0.0] * 3
     batched[0].warm_up()  # torch.func's one-time set-up (seconds on a loaded machine) is not the batch's wait
+    batched[0].tasks_queued(ROUND, 3)
     started = time.monotonic()
     _run_threads([lambda k=k: _agent(batched[k], results, k, returned) for k in range(3)])
     assert time.monotonic() - started < 5.0  # nobody waited for the gather window
@@ -130,16 +133,33 @@ def test_an_agent_that_leaves_its_task_releases_the_batch_at_once():
     assert results[0] is not None and time.monotonic() - started < 2.0
 
 
-def test_a_task_that_arrives_just_after_another_agents_train_call_joins_its_batch():
-    # Three agents in the process, two of them sampled: the first trains at once, the second's task comes
-    # 20 ms later. The batch waits settle_seconds after the last task arrival (not for the unsampled third).
-    batcher = ClientBatcher(gather_seconds=10.0, settle_seconds=0.2)
+def test_a_queued_task_that_a_seat_takes_after_another_seats_train_call_joins_its_batch():
+    # Three agents in the process, two tasks of the round queued: the first is trained at once, the second is
+    # taken 0.3 s later. The batch waits for it (it was counted when queued), not for the third agent.
+    batcher = ClientBatcher(gather_seconds=10.0)
     batched, _ = _trainers(batcher, (20, 20, 20))
-    results = [None] * 3
+    batched[0].warm_up()
+    results = [None] * 2
+    batched[0].tasks_queued(ROUND, 2)  # what the runtime says before it queues a pull's tasks
     started = time.monotonic()
-    _run_threads([lambda: _agent(batched[0], results, 0), lambda: _agent(batched[1], results, 2)])  # 0 and 20 ms
-    assert batcher.batch_sizes == [2] and results[0].steps == results[2].steps == EPOCHS * 2
-    assert 0.2 <= time.monotonic() - started < 5.0
+    _run_threads([lambda: _agent(batched[0], results, 0), lambda: _agent(batched[1], results, 1, takes=0.3)])
+    assert batcher.batch_sizes == [2] and results[0].steps == results[1].steps == EPOCHS * 2
+    assert 0.3 <= time.monotonic() - started < 5.0  # no gather window waited out
+
+
+def test_queued_tasks_that_no_seat_is_free_to_take_do_not_hold_the_batch():
+    # Three tasks queued for two agents: both train at once; the third waits for a seat, not the batch for it.
+    batcher = ClientBatcher(gather_seconds=10.0)
+    batched, _ = _trainers(batcher, (20, 20))
+    batched[0].warm_up()
+    results = [None] * 2
+    batched[1].tasks_queued(ROUND, 3)
+    started = time.monotonic()
+    _run_threads([lambda k=k: _agent(batched[k], results, k) for k in range(2)])
+    assert batcher.batch_sizes == [2] and time.monotonic() - started < 5.0
+    batched[0].tasks_queued(ROUND, -1)  # dropped unstarted: a later batch of the round waits for none
+    _run_threads([lambda: _agent(batched[0], results, 0)])
+    assert batcher.batch_sizes == [2, 1] and time.monotonic() - started < 5.0
 
 
 def _cnn(dropout: float = 0.0) -> torch.nn.Module:

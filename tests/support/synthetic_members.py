@@ -69,6 +69,9 @@ class NoiseTrainer:
         """Nothing held."""
         return contextlib.nullcontext()
 
+    def tasks_queued(self, round_id: int, count: int) -> None:
+        """Nothing waits for them."""
+
     def evaluate(self) -> None:
         """No validation data."""
         return None
