@@ -367,31 +367,45 @@ def vs_plain(what: str, ratio: float) -> dict:
             "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"}
 
 
-BATCHING_CELLS = (("mlp", 100, 100), ("mlp", 10, 10), ("cnn", 10, 10))  # (model, population, sampled per round)
+# (model, population, sampled per round)
+BATCHING_CELLS = (("mlp", 10, 10), ("mlp", 100, 100), ("mlp", 100, 10), ("cnn", 10, 10))
 
 
-def batching_rounds(rounds: int, repeats: int, tmp: Path) -> dict:
-    """Issue 25's client-batching comparison: each cell's steady round (median of rounds 2..R) with
-    ``--client-batching on`` and ``off``, alternated ``repeats`` times in the same run, and on's ratio to off's."""
+def batching_rounds(rounds: int, repeats: int, tmp: Path, models: tuple[str, ...] = ("mlp", "cnn")) -> dict:
+    """Issue 25's client-batching comparison: each cell's steady round (default flags otherwise; the median of the
+    seconds from one metrics row to the next, rounds 2..R, as --steady measures it) with ``--client-batching on``
+    and ``off``, alternated ``repeats`` times in the same run (the first of a pair alternating too), each pair's
+    ratio on/off and the cell's median of them."""
     job = ["--dataset", "digits", "--local-epochs", "1", "--rounds", str(rounds)]
     print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}")
     print(f"{'cell':>18}{'on s':>8}{'off s':>8}{'on/off':>8}  load")
-    cells = []
-    for model, clients, k in BATCHING_CELLS:
+    pairs, cells = [], []
+    for model, clients, k in [c for c in BATCHING_CELLS if c[0] in models]:
+        ratios, loads = [], []
         for repeat in range(repeats):
             shape = ["--model", model, "--clients", str(clients), "--clients-per-round", str(k)]
-            on = run_simulate([*job, *shape, "--client-batching", "on"], tmp / f"on-{model}-{clients}-{repeat}")
-            off = run_simulate([*job, *shape, "--client-batching", "off"], tmp / f"off-{model}-{clients}-{repeat}")
+            runs = {}
+            for how in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+                runs[how] = run_simulate([*job, *shape, "--client-batching", how],
+                                         tmp / f"{how}-{model}-{clients}-{k}-{repeat}")
             load = Path("/proc/loadavg").read_text().split()[:3]
-            c = {"model": model, "clients": clients, "per_round": k, "on_round_seconds": on["steady_round_seconds"],
-                 "off_round_seconds": off["steady_round_seconds"], "load_average": load,
-                 "failed_rounds": on["failed_rounds"] + off["failed_rounds"]}
+            c = {"model": model, "clients": clients, "per_round": k,
+                 "on_round_seconds": runs["on"]["steady_period_seconds"],
+                 "off_round_seconds": runs["off"]["steady_period_seconds"], "load_average": load,
+                 "failed_rounds": runs["on"]["failed_rounds"] + runs["off"]["failed_rounds"]}
             c["on_vs_off"] = c["on_round_seconds"] / c["off_round_seconds"]
-            cells.append(c)
+            pairs.append(c)
+            ratios.append(c["on_vs_off"])
+            loads.append(float(load[0]))
             print(f"{f'{model} {k} of {clients}':>18}{c['on_round_seconds']:>8.3f}{c['off_round_seconds']:>8.3f}"
                   f"{c['on_vs_off']:>8.2f}  {' '.join(load)}" + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
                   flush=True)
-    return {"rounds": rounds, "cells": cells}
+        cells.append({"model": model, "clients": clients, "per_round": k, "pairs": len(ratios),
+                      "median_on_vs_off": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                      "load_1min": [min(loads), max(loads)]})
+        print(f"{f'{model} {k} of {clients}':>18}  median on/off {cells[-1]['median_on_vs_off']:.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)", flush=True)
+    return {"rounds": rounds, "repeats": repeats, "cells": cells, "pairs": pairs}
 
 
 def steady_ratios(result: dict) -> list[dict]:
@@ -418,8 +432,9 @@ def main() -> int:
     p.add_argument("--steady", action="store_true",
                    help="the steady-round cells: digits MLP, 10 of 10, 100 of 100, 10 of 100, vs a plain loop")
     p.add_argument("--batching", action="store_true",
-                   help="steady rounds with --client-batching on against off: digits MLP 100 of 100 and 10 of 10, "
-                        "digits CNN 10 of 10")
+                   help="steady rounds with --client-batching on against off: digits MLP 10 of 10, 100 of 100 and "
+                        "10 of 100, digits CNN 10 of 10")
+    p.add_argument("--models", default="mlp,cnn", help="--batching: the cells of these models only")
     p.add_argument("--partials", action="store_true",
                    help="the steady-round cells with a host's updates pre-summed and one by one, vs a plain loop")
     p.add_argument("--repeats", type=int, default=2, help="--batching: on/off pairs per cell; --partials: runs of each")
@@ -427,13 +442,15 @@ def main() -> int:
     a.json = a.json if a.json or a.scale else Path("runs/population_bench.json")
     if a.batching:
         with tempfile.TemporaryDirectory() as tmp:
-            result = batching_rounds(a.rounds or 8, a.repeats, Path(tmp))
+            result = batching_rounds(a.rounds or 8, a.repeats, Path(tmp), tuple(a.models.split(",")))
         ratios = [{"what": f"steady round of fedpar simulate --client-batching on, digits {c['model']}, E1, "
-                           f"{c['per_round']} of {c['clients']} clients (load {' '.join(c['load_average'])})",
-                   "ratio": c["on_vs_off"], "against": "--client-batching off, same run"} for c in result["cells"]]
+                           f"{c['per_round']} of {c['clients']} clients, median of {c['pairs']} pairs "
+                           f"({c['min']:.2f}-{c['max']:.2f}), load {c['load_1min'][0]:.1f}-{c['load_1min'][1]:.1f}",
+                   "ratio": c["median_on_vs_off"], "against": "--client-batching off, alternated in the same run"}
+                  for c in result["cells"]]
         path = write_results(HERE / "results" / "client_batching.json", ratios, result)
         print(f"wrote {path}")
-        return 0 if not sum(c["failed_rounds"] for c in result["cells"]) else 1
+        return 0 if not sum(c["failed_rounds"] for c in result["pairs"]) else 1
     if a.partials:
         with tempfile.TemporaryDirectory() as tmp:
             result = partial_rounds(a.rounds or 11, a.repeats, Path(tmp))

@@ -40,7 +40,7 @@ from fedpar.task import ClientData, Task, TaskError
 
 log = logging.getLogger("fedpar.simulate")
 AUTO_MIN_MEMBERS = 2  # a worker's clients of a round that auto batches on a GPU: one alone gains nothing stacked
-AUTO_MIN_MEMBERS_CPU = 50  # ... and on the CPU (measured faster at 50, not at 20; see batching_pays)
+AUTO_MIN_MEMBERS_CPU = 5  # ... and on the CPU (measured faster at 5 and at 50 when all are sampled: batching_pays)
 # What one worker's stack may hold: its members' stacked parameters, their working copy, gradients, optimizer state
 # and FedProx anchor (about 8 copies of the model per member).
 STACK_BYTES = 2 << 30
@@ -76,15 +76,15 @@ def batched_seats(seats: int, members: int, per_round: int, model_bytes: int) ->
 def batching_pays(device: str, model: nn.Module, members_per_worker: float, every_member_sampled: bool) -> bool:
     """Whether stacking a worker's members of a round is expected faster than training them one by one on
     ``device``: on a GPU, where a small member's step is launch-bound, from :data:`AUTO_MIN_MEMBERS` members a
-    worker; on the CPU for a model without convolutions, from :data:`AUTO_MIN_MEMBERS_CPU` members a worker, each
-    of them sampled every round (so no seat's task is waited for: see :class:`ClientBatcher`).
+    worker; on the CPU for a model without convolutions, from :data:`AUTO_MIN_MEMBERS_CPU` members a worker when
+    every member is sampled each round.
 
-    Measured with population_bench.py --batching and the same cells alternated on/off (steady round, stacked over
-    one by one, 2 workers, 2026-11-25, load average 2-6): digits MLP 100 of 100 (50 a worker) 0.48-1.48x, median
-    0.79 of 15 pairs; 60 of 60 (30) 0.80-1.02x; 40 of 40 (20) 1.11x; 10 of 10 (5) 0.48-1.08x (4 pairs); 10 of
-    100 2.9x (the stack waits 50 ms for the round's tasks to settle); digits CNN 10 of 10 1.21-1.48x (a vmapped
-    convolution steps slower on the CPU than the members' own). The stacked steps alone: 50 members of 13 examples
-    0.3-0.5x the one-by-one steps."""
+    Measured with population_bench.py --batching, on/off pairs alternated in the same run (steady period, stacked
+    over one by one, 2 workers, 2026-11-25, load average 9-16, after the stack stopped waiting 50 ms for a sampled
+    round's tasks): digits MLP 100 of 100 (50 a worker) median 0.68 of 6 pairs (0.59-1.30; earlier 0.79 of 15);
+    10 of 10 (5) 0.97 of 6 (0.77-1.73) and 0.43 of 3 (0.28-1.91), 0.90 over those 9 and the earlier 4 (0.48-1.08);
+    10 of 100 (5 sampled members of one step each) 1.02 of 6 (0.74-1.69) and 1.18 of 3: not faster; digits CNN
+    10 of 10 1.21-1.48x earlier (a vmapped convolution steps slower on the CPU than the members' own)."""
     if torch.device(device).type != "cpu":
         return members_per_worker >= AUTO_MIN_MEMBERS
     convolution = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())

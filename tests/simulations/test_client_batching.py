@@ -174,8 +174,9 @@ def _mlp() -> torch.nn.Module:
 @pytest.mark.parametrize("choice, model, device, members, everyone, batched", [
     (None, _cnn(), "cuda:0", 5, False, True),  # auto: allowed, several members a worker, a GPU: stacked
     (None, _mlp(), "cpu", 50, True, True),  # the CPU: no convolution, 50 members a worker, all sampled: stacked
-    (None, _mlp(), "cpu", 20, True, False),  # ... fewer members a worker were not measured faster stacked
-    (None, _mlp(), "cpu", 50, False, False),  # ... nor members sampled from a larger population (the stack waits)
+    (None, _mlp(), "cpu", 5, True, True),  # ... and 5 (10 of 10 on 2 workers)
+    (None, _mlp(), "cpu", 4, True, False),  # ... fewer members a worker were not measured
+    (None, _mlp(), "cpu", 5, False, False),  # ... nor members sampled from a larger population (10 of 100: not faster)
     (None, _cnn(), "cpu", 50, True, False),  # a vmapped convolution steps slower on the CPU
     (None, _cnn(), "cuda:0", 1, False, False),  # one member of a round a worker: nothing to stack
     (None, _cnn(0.5), "cuda:0", 5, False, False),  # dropout: one by one, without a word
