@@ -412,7 +412,9 @@ def steady_ratios(result: dict) -> list[dict]:
     """The steady-round cells' ratios for the results envelope."""
     out = []
     for c in result["cells"]:
-        cell = f"digits MLP, E1, {c['per_round']} of {c['clients']} clients"
+        # a loaded machine flatters simulate: its processes get more of the cores than the plain loop's one thread
+        cell = (f"digits MLP, E1, {c['per_round']} of {c['clients']} clients "
+                f"(load after {result['load_average_after'][0]})")
         out.append(vs_plain(f"steady round of fedpar simulate (default flags), {cell}", c["vs_plain"]))
         out.append(vs_plain(f"steady round of fedpar simulate --client-eval-every 0, {cell}", c["no_fed_eval_vs_plain"]))
     return out
