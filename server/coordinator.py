@@ -264,7 +264,10 @@ class Coordinator(IngestPlane):
         status = "ok"
         strategy_metrics: dict[str, float] = {}
         if state.accepted >= state.min_reports and not state.fold_failed:
-            new_weights, strategy_metrics = await self._in_thread(self.strategy.finish)
+            # a linear strategy's finish is a pass over its running sum (the model's size); the others' grows with
+            # the updates they hold: always on a worker thread
+            finish = self._model_work if self.strategy.linear else self._in_thread
+            new_weights, strategy_metrics = await finish(self.strategy.finish)
             new_weights = [np.ascontiguousarray(w) for w in new_weights]
             problem = ModelLayout.of_arrays(self.names, new_weights).mismatch(self.layout)
             if problem or not all(np.isfinite(w).all() for w in new_weights if w.dtype.kind == "f"):
@@ -298,9 +301,15 @@ class Coordinator(IngestPlane):
         row.update(self.clock.finish_round())
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
-        if self.evaluate_fn is not None:
-            row.update(await self._in_thread(self.evaluate_fn, self.weights))
-        await self._publish_payload(self.round_id + 1)
+        # the central evaluation runs on a worker thread while the loop builds the next round's payload (neither
+        # changes the weights)
+        evaluation = asyncio.get_running_loop().run_in_executor(self._executor, self.evaluate_fn, self.weights) \
+            if self.evaluate_fn is not None else None
+        try:
+            await self._publish_payload(self.round_id + 1)
+        finally:
+            if evaluation is not None:
+                row.update(await evaluation)
         now = time.monotonic()
         row["round_seconds"] = now - state.started
         row["wall_seconds"] = now - self.started_at

@@ -18,6 +18,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.dataplane import TicketBook
 from fedpar.server.registry import AgentRecord, AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState
+from fedpar.server.uploads import per_update
 
 
 class IngestPlane:
@@ -59,9 +60,10 @@ class IngestPlane:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _publish_payload(self, round_id: int) -> None:
-        self.payload = await self._in_thread(build_payload, round_id, self.layout, self.weights,
-                                             self.config.max_chunk_bytes, self.data_port is not None,
-                                             min(self.config.inline_weights_max_bytes, self.config.max_chunk_bytes))
+        self.payload = await per_update(self.layout.total_bytes, build_payload, round_id, self.layout, self.weights,
+                                        self.config.max_chunk_bytes, self.data_port is not None,
+                                        min(self.config.inline_weights_max_bytes, self.config.max_chunk_bytes),
+                                        executor=self._executor)
 
     @property
     def current_round_id(self) -> int:
