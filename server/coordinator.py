@@ -153,6 +153,7 @@ class Coordinator(IngestPlane):
         self.started_at = time.monotonic()
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
+        self._behind: asyncio.Future | None = None  # the last finished round's checkpoint and metrics line
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
@@ -197,6 +198,7 @@ class Coordinator(IngestPlane):
             while self.round_id < self.config.rounds:
                 await self.members.wait_for_live(self.config.min_available, self.config.wait_for_agents_seconds)
                 await self._run_round(self.round_id + 1)
+            await self._caught_up()
             completed = True
         # Stopped early (a signal, a lost aggregator rank, a checkpoint or metrics file it could not write): the same
         # command resumes.
@@ -204,6 +206,11 @@ class Coordinator(IngestPlane):
             stopped_early = True
             raise
         finally:
+            if self._behind is not None:  # stopped early: the last finished round is still written, if it can be
+                try:
+                    await self._caught_up()
+                except OSError as exc:
+                    log.warning("round %d was not written: %s", self.round_id, exc)
             self._ready(False)
             if self.ranks is not None:
                 await self.ranks.stop(completed)
@@ -261,6 +268,7 @@ class Coordinator(IngestPlane):
         return self.mode if isinstance(self.mode, SecureRound) else None
 
     async def _finish_round(self, state: RoundState, rank_columns: dict[str, float]) -> None:
+        await self._caught_up()
         status = "ok"
         strategy_metrics: dict[str, float] = {}
         if state.accepted >= state.min_reports and not state.fold_failed:
@@ -313,32 +321,48 @@ class Coordinator(IngestPlane):
         now = time.monotonic()
         row["round_seconds"] = now - state.started
         row["wall_seconds"] = now - self.started_at
-        if self.config.checkpoint_dir is not None:
-            # The registry and sampler belong to the loop: snapshot them here, write in a thread. The
-            # checkpoint precedes the metrics line; a crash between the two is repaired on resume.
+        if self.config.checkpoint_dir is None:
+            await self._round_written(row)
+        else:
+            # The checkpoint is written, then the metrics line, beside the next round (each round's in order, at
+            # most one round behind: the next round's close waits for them); what they need of the state the next
+            # round changes is taken here.
+            arrays, meta = await self._model_work(self.strategy.state_dict)
             loop_state = {"sampler": self.sampler.state(), "example_caps": self.registry.snapshot(),
-                          "metrics_summary": self.metrics.summary_with(row), **self.clock.state()}
-            await self._in_thread(self._checkpoint, row, loop_state)
-        self.metrics.append(row)
-        for callback in self.on_round_end:
-            callback(row)
+                          **self.clock.state(), "strategy": meta, "metrics_summary": self.metrics.summary_with(row),
+                          "metrics_row": clean_row(row)}
+            checkpoint = Checkpoint(state.round_id, self.names, self.weights, dict(arrays), loop_state)
+            self._behind = asyncio.ensure_future(self._round_written(row, checkpoint))
         # freed buffers leave the process (benchmarks/soak.py), beside the next round's opening; at most once per
         # TRIM_SECONDS: a full collection and a trim cost the loop about a millisecond, a short round's tenth
         if now - self._trimmed_at >= TRIM_SECONDS:
             self._trimmed_at = now
             asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
 
+    async def _round_written(self, row: dict, checkpoint: Checkpoint | None = None) -> None:
+        """A finished round's ``checkpoint`` (if any) written on a worker thread, then its metrics line and callbacks;
+        a crash between the two is repaired on resume."""
+        if checkpoint is not None:
+            await self._in_thread(self._checkpoint, checkpoint)
+        self.metrics.append(row)
+        for callback in self.on_round_end:
+            callback(row)
+
+    async def _caught_up(self) -> None:
+        """Wait until the last finished round's checkpoint and metrics line are written (raising what that raised: an
+        OSError for a file that could not be written); a cancel here leaves the writing going."""
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            await asyncio.shield(behind)
+
     async def _model_work(self, fn, *args):
         """``fn(*args)``, work of the round's that grows with the model: on the loop for a small model (a thread's
         round trip costs more than the work), else on a worker thread, as an update's own work is run."""
         return await per_update(self.layout.total_bytes, fn, *args, executor=self._executor)
 
-    def _checkpoint(self, row: dict, loop_state: dict) -> None:
-        arrays, meta = self.strategy.state_dict()
-        state = {**loop_state, "strategy": meta, "metrics_row": clean_row(row)}
-        json.dumps(state)  # fail here, loudly, if any strategy metadata is not JSON
-        save_checkpoint(self.config.checkpoint_dir,
-                        Checkpoint(self.round_id, self.names, self.weights, dict(arrays), state))
+    def _checkpoint(self, checkpoint: Checkpoint) -> None:
+        json.dumps(checkpoint.state)  # fail here, loudly, if any strategy metadata is not JSON
+        save_checkpoint(self.config.checkpoint_dir, checkpoint)
 
     # ----------------------------------------------------------------- agent calls
     def everyone_told_finished(self) -> bool:
