@@ -13,6 +13,10 @@ median over rounds 2..R of the first and the last time it happened in the round,
 start (and for a hop noted on entry and exit the milliseconds spent in it, summed over the round's calls), and the
 cycle: from a round's start to the next one's.
 The results go to benchmarks/results/round_timeline.json (``--json``).
+
+``--checkpoints`` runs the same job a second time with a checkpoint every round (``--checkpoint-dir``, as `fedpar
+serve` keeps one) and prints its cycle against the first run's, the same-run ratio (a checkpoint is written beside
+the next round, so it costs a round little while it is shorter than one).
 """
 
 from __future__ import annotations
@@ -220,24 +224,37 @@ def main() -> int:
     p.add_argument("--clients-per-round", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--json", type=Path, default=HERE / "results" / "round_timeline.json")
+    p.add_argument("--checkpoints", action="store_true",
+                   help="also run with a checkpoint every round and print its cycle against the run without")
     p.add_argument("simulate", nargs="*", help="more `fedpar simulate` flags (after --)")
     a = p.parse_args()
     args = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--rounds", str(a.rounds),
             "--clients", str(a.clients), "--clients-per-round", str(a.clients_per_round), *a.simulate]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
+    checkpointed = None
     with tempfile.TemporaryDirectory() as tmp:
-        hops, cycle, rows = run(args, Path(tmp))
+        hops, cycle, rows = run(args, Path(tmp) / "plain")
+        if a.checkpoints:
+            checkpointed = run([*args, "--checkpoint-dir", str(Path(tmp) / "ckpt")], Path(tmp) / "checkpointed")
     round_ms = statistics.median(r["round_seconds"] for r in rows[1:]) * 1000
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"fedpar simulate {' '.join(args)}; load average {' '.join(load_before)} before, {' '.join(load)} after")
     print(f"round start to the next round's start: {cycle:.1f} ms; a round's own round_seconds (its start to its "
           f"metrics row): {round_ms:.1f} ms (medians from round 2)")
+    ratios, extra = [], {}
+    if checkpointed is not None:
+        extra = {"checkpointed_cycle_ms": checkpointed[1], "checkpointed_hops": checkpointed[0]}
+        ratios.append({"what": "10-of-100 round cycle of fedpar simulate with a checkpoint every round",
+                       "ratio": checkpointed[1] / cycle, "against": "the same job without checkpoints, same run"})
+        spent = checkpointed[0].get("server Coordinator._in_thread _checkpoint out", {}).get("spent_ms")
+        print(f"with --checkpoint-dir: {checkpointed[1]:.1f} ms a cycle, {checkpointed[1] / cycle:.2f}x the cycle "
+              f"without" + (f"; writing a checkpoint takes {spent:.1f} ms" if spent is not None else ""))
     print(f"{'hop':<56}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}")
     for name, h in hops.items():
         spent = f"{h['spent_ms']:>9.2f}" if "spent_ms" in h else ""
         print(f"{name:<56}{h['first_ms']:>9.2f}{h['last_ms']:>9.2f}{h['count']:>7.0f}{spent}")
-    write_results(a.json, [], {"simulate_args": args, "cycle_ms": cycle, "round_seconds_ms": round_ms, "hops": hops,
-                               "load_average_before": load_before, "load_average_after": load})
+    write_results(a.json, ratios, {"simulate_args": args, "cycle_ms": cycle, "round_seconds_ms": round_ms, "hops": hops,
+                                   "load_average_before": load_before, "load_average_after": load, **extra})
     print(f"wrote {a.json}")
     return 0
 

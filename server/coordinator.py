@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import secrets
 import time
 from dataclasses import replace
@@ -44,6 +45,9 @@ from fedpar.server.virtual_clock import VirtualClock
 
 log = logging.getLogger("fedpar.server")
 TRIM_SECONDS = 1.0  # the least time between two heap trims (rounds shorter than this share one)
+# a central evaluation that took less runs on the loop the next round: on a busy machine waking a worker thread
+# for it costs about as much, and the loop has nothing else to do between two rounds
+LOOP_EVALUATION_SECONDS = 0.005
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
 
@@ -153,6 +157,7 @@ class Coordinator(IngestPlane):
         self.started_at = time.monotonic()
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
+        self._evaluation_seconds = math.inf  # how long the last central evaluation took (the first: on a thread)
         self._behind: asyncio.Future | None = None  # the last finished round's checkpoint and metrics line
 
     # ----------------------------------------------------------------- life cycle
@@ -227,7 +232,8 @@ class Coordinator(IngestPlane):
         slots = {a: AgentSlot(a, secrets.token_hex(8)) for a in cohort}
         if self.ranks is not None:
             self.ranks.deal(slots)
-        state = RoundState(round_id, target, self.config.min_reports, wall_seconds(self.config), slots)
+        state = RoundState(round_id, target, self.config.min_reports, wall_seconds(self.config), slots,
+                           counts_after=self._behind)
         self.clock.open_round(state)
         if self.data_port is not None:  # tickets exist only for the data plane
             self.tickets.expire_rounds_before(round_id)
@@ -309,35 +315,46 @@ class Coordinator(IngestPlane):
         row.update(self.clock.finish_round())
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
-        # the central evaluation runs on a worker thread while the loop builds the next round's payload (neither
-        # changes the weights)
-        evaluation = asyncio.get_running_loop().run_in_executor(self._executor, self.evaluate_fn, self.weights) \
-            if self.evaluate_fn is not None else None
-        try:
+        if self.evaluate_fn is not None and self._evaluation_seconds < LOOP_EVALUATION_SECONDS:
             await self._publish_payload(self.round_id + 1)
-        finally:
-            if evaluation is not None:
+            row.update(self._evaluate(self.weights))
+        elif self.evaluate_fn is not None:  # on a worker thread while the loop builds the next round's payload
+            evaluation = asyncio.get_running_loop().run_in_executor(self._executor, self._evaluate, self.weights)
+            try:
+                await self._publish_payload(self.round_id + 1)
+            finally:
                 row.update(await evaluation)
+        else:
+            await self._publish_payload(self.round_id + 1)
         now = time.monotonic()
         row["round_seconds"] = now - state.started
         row["wall_seconds"] = now - self.started_at
         if self.config.checkpoint_dir is None:
             await self._round_written(row)
         else:
-            # The checkpoint is written, then the metrics line, beside the next round (each round's in order, at
-            # most one round behind: the next round's close waits for them); what they need of the state the next
-            # round changes is taken here.
+            # What the checkpoint holds of the state the next round changes is taken now.
             arrays, meta = await self._model_work(self.strategy.state_dict)
             loop_state = {"sampler": self.sampler.state(), "example_caps": self.registry.snapshot(),
                           **self.clock.state(), "strategy": meta, "metrics_summary": self.metrics.summary_with(row),
                           "metrics_row": clean_row(row)}
             checkpoint = Checkpoint(state.round_id, self.names, self.weights, dict(arrays), loop_state)
-            self._behind = asyncio.ensure_future(self._round_written(row, checkpoint))
+            if self.ranks is not None:  # the other ranks count uploads without asking whether it is written
+                await self._round_written(row, checkpoint)
+            else:  # written while the next round's tasks go out and its members train; it counts no update before
+                self._behind = asyncio.ensure_future(self._round_written(row, checkpoint))
         # freed buffers leave the process (benchmarks/soak.py), beside the next round's opening; at most once per
         # TRIM_SECONDS: a full collection and a trim cost the loop about a millisecond, a short round's tenth
         if now - self._trimmed_at >= TRIM_SECONDS:
             self._trimmed_at = now
             asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
+
+    def _evaluate(self, weights: list[np.ndarray]) -> dict[str, float]:
+        """The central evaluation of ``weights``, noting how long it took (a short one runs on the loop next time)."""
+        started = time.perf_counter()
+        try:
+            return self.evaluate_fn(weights)
+        finally:
+            self._evaluation_seconds = time.perf_counter() - started
 
     async def _round_written(self, row: dict, checkpoint: Checkpoint | None = None) -> None:
         """A finished round's ``checkpoint`` (if any) written on a worker thread, then its metrics line and callbacks;

@@ -238,6 +238,8 @@ async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.
     can take it: a plain round of a linear strategy with no share cap (the cap may clip any one update's weight,
     which needs the update itself), whose uploads no other rank counts first. Else UNIMPLEMENTED: the host sends
     its members' updates one by one."""
+    if plane.current is not None:
+        await plane.current.ready_to_count()
     mode, strategy, state = plane.mode, plane.strategy, plane.current
     if mode is None or state is None:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"partial for round {partial.round}, but no round is "

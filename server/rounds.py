@@ -80,6 +80,9 @@ class RoundState:
     # asked before an update is counted; a Refusal leaves it uncounted (aggregator ranks: rank 0 counts it first)
     on_count: Callable[[UploadTicket], Awaitable[None]] | None = None
     answering: int | None = None  # sampled agents that may still answer (virtual clock: the chosen); None: all
+    # done before this round counts an update: the previous round's checkpoint and metrics line, written while this
+    # round's tasks go out and its members train (server/coordinator.py); None: nothing to wait for
+    counts_after: asyncio.Future | None = None
 
     @property
     def sampled(self) -> int:
@@ -139,6 +142,12 @@ class RoundState:
             slot.status = "late"
             self.late_refused += 1
             self.check_open()
+
+    async def ready_to_count(self) -> None:
+        """Wait until this round may count an update: :attr:`counts_after` is done (what it raised is the
+        coordinator's to report, not this upload's)."""
+        if self.counts_after is not None and not self.counts_after.done():
+            await asyncio.wait([self.counts_after])
 
     def count_accepted(self, slot: AgentSlot, report: tuple[int, dict[str, float]] | None = None) -> None:
         """Count ``slot``'s update as accepted, with its (examples, metrics) report if the round may see one."""

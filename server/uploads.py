@@ -419,6 +419,7 @@ class Upload:
         invalid or the round closed meanwhile); the reply to send on success."""
         ticket = self.ticket
         state, mode = ticket.state, ticket.mode
+        await state.ready_to_count()
         arrays = await mode.decoded(self.intake.coord.weights, arrays)  # refused here if the content is invalid
         state.refuse_if_closed(ticket.slot)
         if state.on_count is not None:
