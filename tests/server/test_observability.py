@@ -21,9 +21,12 @@ NAMES = ["t0", "t1"]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _weights(seed=0):
+def _weights(seed=0, rows=40):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s).astype(np.float32) for s in ((40, 30), (30,))]
+    return [rng.standard_normal(s).astype(np.float32) for s in ((rows, 30), (30,))]
+
+
+BIG_ROWS = 2400  # a model above SMALL_UPDATE_BYTES (256 KiB): its download is built on a worker thread
 
 
 def _health(address: str, service: str = "") -> int:
@@ -39,15 +42,15 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def test_health_is_not_serving_until_the_coordinator_is_ready_and_after_its_last_round(start_coordinator, agents):
-    # Hold every worker thread of the coordinator, as a slow start (building the first download) would: it
-    # listens, but cannot serve rounds yet.
+    # Hold every worker thread of the coordinator, as a slow start (building the first download of a model that is
+    # not small) would: it listens, but cannot serve rounds yet.
     from fedpar.server.app import CoordinatorServer
     from fedpar.server.coordinator import Coordinator
     from fedpar.server.config import CoordinatorConfig
     from fedpar.aggregation import build_strategy
 
     coordinator = Coordinator(CoordinatorConfig(rounds=1, min_available=1, clients_per_round=1, heartbeat_seconds=1.0),
-                              NAMES, _weights(), build_strategy("fedavg"))
+                              NAMES, _weights(rows=BIG_ROWS), build_strategy("fedavg"))
     release = threading.Event()
     held = [coordinator._executor.submit(release.wait) for _ in range(coordinator._executor._max_workers)]
     server = CoordinatorServer(coordinator)
@@ -65,7 +68,7 @@ def test_health_is_not_serving_until_the_coordinator_is_ready_and_after_its_last
         assert _health(server.address) == SERVING
         (bot,) = agents(server.address, ["a"])
         task = bot.task()
-        update = _weights(1)
+        update = _weights(1, rows=BIG_ROWS)
         assert bot.upload(task, update, 10, names=NAMES).accepted
         assert server.wait(30)
         # The last round is done; the server still answers (agents hear "shutdown") but no longer serves rounds.
