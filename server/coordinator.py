@@ -251,6 +251,11 @@ class Coordinator(IngestPlane):
         log.info("round %d: sampled %d of %d live agents, target %d%s", round_id, len(cohort), len(live), target,
                  f" ({moved})" if moved else "")
         await self.clock.choose(state, self.members)
+        if state.counts_after is not None and not state.counts_after.done():
+            # the deadline does not run while the round may not count updates (the last round is being written)
+            waiting = time.monotonic()
+            await asyncio.wait([state.counts_after])
+            state.deadline_seconds += time.monotonic() - waiting
         if not await until_closed(state, state.closed_event):
             state.close(DEADLINE)
         for agent_id in slots:

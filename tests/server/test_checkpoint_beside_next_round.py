@@ -13,6 +13,7 @@ from fedpar.protocol.codec import ModelLayout
 from fedpar.server.checkpoint import load_checkpoint
 
 NAMES = ["w"]
+DEADLINE = 1.0
 
 
 def test_the_next_round_goes_out_while_a_checkpoint_is_written_and_counts_no_update_before(start_coordinator,
@@ -31,7 +32,7 @@ def test_the_next_round_goes_out_while_a_checkpoint_is_written_and_counts_no_upd
     monkeypatch.setattr(coordinator_module, "save_checkpoint", slow_first_save)
     weights = [np.zeros(8, np.float32)]
     server = start_coordinator(weights, names=NAMES, rounds=3, clients_per_round=1, min_available=1,
-                               checkpoint_dir=ckpt)
+                               checkpoint_dir=ckpt, deadline_seconds=DEADLINE)
     at_each_row = []
     server.coordinator.on_round_end.append(lambda row: at_each_row.append((row["round"],
                                                                           load_checkpoint(ckpt).round_id)))
@@ -51,7 +52,7 @@ def test_the_next_round_goes_out_while_a_checkpoint_is_written_and_counts_no_upd
         replies = []
         uploading = threading.Thread(target=lambda: replies.append(upload()))
         uploading.start()
-        uploading.join(0.3)
+        uploading.join(DEADLINE + 0.3)  # the round's deadline does not run while it may not count the update
         assert uploading.is_alive() and server.coordinator.current.accepted == 0
         release.set()
         uploading.join(30)
@@ -59,7 +60,7 @@ def test_the_next_round_goes_out_while_a_checkpoint_is_written_and_counts_no_upd
     assert server.wait(30)
     assert at_each_row == [(1, 1), (2, 2), (3, 3)]  # each line after its own round's checkpoint, in order
     rows = list(server.coordinator.metrics.read_rows())
-    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(1, "ok", 1), (2, "ok", 1), (3, "ok", 1)]
     final = load_checkpoint(ckpt)
     assert final.round_id == 3 and final.state["metrics_row"]["round"] == 3
     assert np.array_equal(final.arrays[0], np.full(8, 6, np.float32))  # 0 + 1 + 2 + 3
