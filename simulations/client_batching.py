@@ -149,7 +149,7 @@ class ClientBatcher:
         self._turn = compute_lock if compute_lock is not None else threading.Lock()
         self._cond = threading.Condition()
         self._agents = 0  # BatchedTrainers of this process
-        self._training = 0  # agents in a train() call (no seat for a queued task until it returns)
+        self._training = 0  # agents in a train() call whose batch has not run yet (no seat for a queued task)
         self._rounds: dict[int, _Round] = {}
         self._open: dict[tuple, _Batch] = {}  # batches still gathering, by (round, epochs, batch size, lr, mu)
         self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
@@ -227,9 +227,6 @@ class ClientBatcher:
             self._run(batch, settings)
         else:
             batch.finished.wait()
-        with self._cond:
-            self._training -= 1
-            self._cond.notify_all()  # a seat is free again: a batch waiting on queued tasks may start
         if call.error is not None:
             raise call.error
         return call.output
@@ -265,6 +262,10 @@ class ClientBatcher:
                 call.error = exc
         with self._cond:
             self.batch_sizes.append(len(batch.calls))
+            # its seats are free again before any of them wakes: one that takes the round's next task must not
+            # count the others, still waking from this batch, as seats in its stack
+            self._training -= len(batch.calls)
+            self._cond.notify_all()  # a batch waiting on queued tasks may start
         batch.finished.set()
 
 
