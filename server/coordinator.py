@@ -245,9 +245,8 @@ class Coordinator(IngestPlane):
         if self.ranks is not None:
             await self.ranks.open_round(state, self.registry)
         self.current = state
-        for agent_id, slot in slots.items():
-            self._tasks[agent_id] = slot
-            self.members.deal(agent_id)
+        self._tasks.update(slots)
+        self.members.deal(list(slots))
         log.info("round %d: sampled %d of %d live agents, target %d%s", round_id, len(cohort), len(live), target,
                  f" ({moved})" if moved else "")
         await self.clock.choose(state, self.members)

@@ -81,9 +81,8 @@ class FlowerCoordinator(Coordinator):
             self._messages = {a: message for a, (_, message) in messages.items()}
             self._replies = {}
             self.current = state
-            for agent_id, slot in slots.items():
-                self._tasks[agent_id] = slot
-                self.members.deal(agent_id)
+            self._tasks.update(slots)
+            self.members.deal(list(slots))
             log.info("round %d: %d Flower %r messages (server round %d)", round_id, len(slots), message_type,
                      flower_round)
             if not await until_closed(state, state.closed_event):

@@ -150,15 +150,19 @@ class MemberTable:
             run.sizes[rows], run.hosts[rows], run.away[rows] = sizes[hit], host, away[hit]
 
     def row(self, member_id: str) -> tuple[int, int, bool] | None:
-        """(example count, host index, away) of ``member_id``, None if not held (the runs are merged once the
-        rounds' lookups, a few per sampled member, outnumber the joins')."""
-        if "\0" in member_id:  # a bytes array drops trailing NULs: "m\0" would find "m"
-            return None
-        self._lookups += 1
+        """(example count, host index, away) of ``member_id``, None if not held."""
+        return self.rows([member_id])[0]
+
+    def rows(self, member_ids: Sequence[str]) -> list[tuple[int, int, bool] | None]:
+        """(example count, host index, away) of each of ``member_ids``, None for one not held: one pass over the runs
+        for them all (the runs are merged once the rounds' lookups, a few per sampled member, outnumber the joins')."""
+        plain = [i if "\0" not in i else "" for i in member_ids]  # a bytes array drops trailing NULs: "m\0" would
+        self._lookups += len(plain)  # find "m" ("" is no member's id)
         if self._lookups > LOOKUPS_BEFORE_MERGE and len(self._runs) > 1:
             self._merge()
-        found, sizes, hosts, away = self.read(id_array([member_id]))
-        return (int(sizes[0]), int(hosts[0]), bool(away[0])) if found[0] else None
+        found, sizes, hosts, away = self.read(id_array(plain))
+        return [(size, host, off) if hit else None
+                for hit, size, host, off in zip(found.tolist(), sizes.tolist(), hosts.tolist(), away.tolist())]
 
     def add(self, ids: np.ndarray, sizes: np.ndarray, host: int, away: np.ndarray) -> None:
         """Hold ``ids`` (sorted, none held yet) as members of host index ``host``."""

@@ -161,9 +161,10 @@ class Members:
         """Whose long-poll hears of ``agent_id``'s tasks: the agent's own."""
         return agent_id
 
-    def deal(self, agent_id: str) -> None:
-        """A task is waiting for ``agent_id``: wake its long-poll."""
-        self._wake(self.poller(agent_id))
+    def deal(self, agent_ids: Sequence[str]) -> None:
+        """A task is waiting for each of ``agent_ids``: wake their long-polls."""
+        for agent_id in agent_ids:
+            self._wake(self.poller(agent_id))
 
     def let_go(self, agent_ids: Sequence[str]) -> None:
         """The clock let these members' held tasks go ahead (only simulation hosts hold tasks)."""

@@ -84,20 +84,20 @@ class Populations(Members):
         record = self.registry.get(agent_id)
         return HOST_WAKEUP + record.host if record is not None and record.host is not None else agent_id
 
-    def deal(self, agent_id: str) -> None:
-        """A task is waiting for ``agent_id``: queue it for its host, if it has one, and wake the long-poll."""
-        record = self.registry.get(agent_id)
-        if record is None or record.host is None:
-            super().deal(agent_id)
-            return
-        self._host_tasks.setdefault(record.host, set()).add(agent_id)
-        self._dealt[agent_id] = record
-        self._wake(HOST_WAKEUP + record.host)
+    def deal(self, agent_ids: Sequence[str]) -> None:
+        """A task is waiting for each of ``agent_ids``: queue it for its host, if it has one, and wake the long-poll
+        (the members' records are looked up together: one pass over the member table)."""
+        for agent_id, record in zip(agent_ids, self.registry.get_many(agent_ids)):
+            if record is None or record.host is None:
+                super().deal([agent_id])
+                continue
+            self._host_tasks.setdefault(record.host, set()).add(agent_id)
+            self._dealt[agent_id] = record
+            self._wake(HOST_WAKEUP + record.host)
 
     def let_go(self, agent_ids: Sequence[str]) -> None:
         """Tell the hosts of ``agent_ids`` that their held tasks may go ahead."""
-        for agent_id in agent_ids:
-            record = self.registry.get(agent_id)
+        for agent_id, record in zip(agent_ids, self.registry.get_many(agent_ids)):
             if record is not None and record.host is not None:
                 self._host_go.setdefault(record.host, set()).add(agent_id)
                 self._wake(HOST_WAKEUP + record.host)

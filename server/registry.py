@@ -303,10 +303,23 @@ class AgentRegistry:
 
     def get(self, agent_id: str) -> AgentRecord | None:
         """The record of ``agent_id`` or None (a population member's is made now, from its row and its host's)."""
-        record = self._agents.get(agent_id)
-        if record is not None:
-            return record
-        row = self.members.row(agent_id)
+        return self.get_many([agent_id])[0]
+
+    def get_many(self, agent_ids: Sequence[str]) -> list[AgentRecord | None]:
+        """The record of each of ``agent_ids`` (None for one not registered): the population members' rows read in
+        one pass over the member table, as a round's cohort is looked up, not one pass each."""
+        records = [self._agents.get(a) for a in agent_ids]
+        members = [a for a, r in zip(agent_ids, records) if r is None]
+        if not members:
+            return records
+        rows = iter(self.members.rows(members))
+        for at, record in enumerate(records):
+            if record is None:
+                records[at] = self._member_record(agent_ids[at], next(rows))
+        return records
+
+    def _member_record(self, agent_id: str, row: tuple[int, int, bool] | None) -> AgentRecord | None:
+        """A member's record from its row (and its host's record); None if it has none or its host left."""
         host = self._hosts.get(self._host_ids[row[1]]) if row is not None and row[1] != GONE else None
         if host is None:
             return None

@@ -279,7 +279,7 @@ class RoundModes:
         c = self.config
         if not c.secure_aggregation:
             return self.run_mode
-        registered = [r.num_examples for r in map(registry.get, cohort) if r]
+        registered = [r.num_examples for r in registry.get_many(cohort) if r]
         max_weight = c.secagg_max_weight or default_max_weight(registered, c.local_epochs, len(cohort))
         return SecureRound(round_id, cohort, weights, c.secagg_clip, max_weight, c.secagg_stage_seconds,
                            self.strategy, self.in_thread)

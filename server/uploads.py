@@ -299,8 +299,9 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
                       f"the partial's {len(ids)}; send them one by one")
     rows = values.reshape(len(ids), len(names))
     slots, reports = [], []
-    for member, task_id, examples, steps, row in zip(ids, tasks, partial.num_examples, partial.steps, rows):
-        record = registry.get(member)
+    records = registry.get_many(ids)
+    for member, record, task_id, examples, steps, row in zip(ids, records, tasks, partial.num_examples, partial.steps,
+                                                              rows):
         if record is None or record.left or record.host != host_id:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                           f"{member[:64]!r} is not a member of host {host_id!r}; the partial was not applied")
