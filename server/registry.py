@@ -7,6 +7,7 @@ count it declared first, stays in a compact map bounded by --max-agents (and, fo
 
 from __future__ import annotations
 
+import functools
 import hmac
 import secrets
 import time
@@ -19,6 +20,10 @@ from fedpar.protocol.codec import member_token
 from fedpar.security.admission import Admission, PeerIdentity
 from fedpar.server.member_table import (GONE, MAX_AGENT_ID, LiveIds, MemberTable, id_array, insert_sorted,
                                         parse_members)
+
+# A round looks each sampled member up a few times (its task dealt, its update checked): its session token, an HMAC,
+# is derived once for the recent ones. Bounded: a million members cost no token each.
+_member_token = functools.lru_cache(maxsize=4096)(member_token)
 
 
 class AuthError(Exception):
@@ -323,7 +328,7 @@ class AgentRegistry:
         host = self._hosts.get(self._host_ids[row[1]]) if row is not None and row[1] != GONE else None
         if host is None:
             return None
-        return AgentRecord(agent_id, member_token(host.token, agent_id), row[0], last_seen=host.last_seen,
+        return AgentRecord(agent_id, _member_token(host.token, agent_id), row[0], last_seen=host.last_seen,
                            cert_serial=host.cert_serial, host=host.host_id, away=row[2])
 
     def live_ids_without(self, host_ids: set[str]) -> list[str]:
