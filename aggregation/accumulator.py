@@ -23,6 +23,7 @@ where there is no GPU.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -57,7 +58,7 @@ class ShapesAndDtypes:
     @property
     def sizes(self) -> tuple[int, ...]:
         """Number of elements of each array."""
-        return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+        return tuple(math.prod(s) for s in self.shapes)
 
     @property
     def num_elements(self) -> int:
@@ -318,19 +319,20 @@ class WeightedSum:
         self.acc_dtypes = [accumulate_dtype_for(d, self.config.accumulate_dtype) for d in shapes.dtypes]
         self.buffers: dict[str, np.ndarray] = {}
         sizes = shapes.sizes
-        for dt in sorted({d.name for d in self.acc_dtypes}):
-            n = sum(s for s, d in zip(sizes, self.acc_dtypes) if d.name == dt)
+        names = [d.name for d in self.acc_dtypes]  # a dtype's name is worked out on each read: once here
+        for dt in sorted(set(names)):
+            n = sum(s for s, name in zip(sizes, names) if name == dt)
             self.buffers[dt] = np.zeros(n, dtype=dt)
         self.views: list[np.ndarray] = []
         used = {dt: 0 for dt in self.buffers}
-        for size, d in zip(sizes, self.acc_dtypes):
-            self.views.append(self.buffers[d.name][used[d.name]: used[d.name] + size])
-            used[d.name] += size
+        for size, name in zip(sizes, names):
+            self.views.append(self.buffers[name][used[name]: used[name] + size])
+            used[name] += size
         workers = self.config.workers()
         # torch with intra-op threads of its own splits each op itself: by default no pool of ours on top
         torch_kernel = self.config.backend == "torch"
         own_threads = torch_kernel and self.config.num_workers == 0 and torch_splits_ops()
-        parallel = workers > 1 and shapes.num_elements >= self.config.min_parallel_elements and not own_threads
+        parallel = workers > 1 and sum(sizes) >= self.config.min_parallel_elements and not own_threads
         self.shards: list[list[Segment]] = plan_shards(sizes, workers if parallel else 1)
         self._block = torch_block(self.config.block_elements, len(self.shards) > 1) if torch_kernel \
             else self.config.block_elements
