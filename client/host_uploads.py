@@ -21,9 +21,9 @@ members' updates one by one, each to its own verdict. FEDPAR_HOST_PARTIALS=0 tur
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -39,7 +39,6 @@ from fedpar.protocol.codec import CoordinatorStub
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
-MORE_COMING_POLL = 0.002  # seconds between looks at whether the seats may still queue an update
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -73,14 +72,16 @@ class _Queued:
 class HostUploads:
     """Batches a host's small updates into UploadHostUpdates calls of at most ``max_bytes`` each (one thread); a
     batch waits up to ``linger`` seconds for more updates after its first, while ``more_coming()`` says the seats
-    are still making some (the last updates of a round go at once)."""
+    are still making some (the last updates of a round go at once). The thread sleeps until an update is queued or
+    :meth:`nudge` says ``more_coming()`` may have changed: whoever changes it nudges (no polling)."""
 
     def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
                  max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True,
                  registered: Callable[[str], tuple[int, int]] | None = None):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: collections.deque = collections.deque()  # _Queued items; None: stop
+        self._changed = threading.Condition()  # guards _queue; notified on a put and on a nudge
         self.refused_in_background = 0  # updates sent with send_later that did not count
         # a member's registered examples and the round's local epochs (its weight's bound); None: no partials
         self.registered = registered
@@ -93,49 +94,71 @@ class HostUploads:
         """Send ``update`` in the next batch and wait for its own result (the runtime's small-upload call; ``stub``
         is the task's, unused: the host's channel carries the batch)."""
         item = _Queued(update, time.monotonic() + timeout, Future(), background=False)
-        self._queue.put(item)
+        self._put(item)
         return item.done.result()
 
     def send_later(self, stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
         """Queue ``update`` for the next batch and return at once, so the seat goes on with its next client."""
-        self._queue.put(_Queued(update, time.monotonic() + timeout, Future(), background=True))
+        self._put(_Queued(update, time.monotonic() + timeout, Future(), background=True))
         return pb.UploadReply(accepted=True, message="queued")
 
     def close(self) -> None:
         """Stop after the batches already queued."""
-        self._queue.put(None)
+        self._put(None)
         self._thread.join(timeout=30)
 
+    def nudge(self) -> None:
+        """``more_coming()`` may have changed (a seat is done with a task): a batch waiting for more looks again."""
+        with self._changed:
+            self._changed.notify()
+
+    def _put(self, item: _Queued | None) -> None:
+        with self._changed:
+            self._queue.append(item)
+            self._changed.notify()
+
     def _run(self) -> None:
-        while (first := self._queue.get()) is not None:
-            batch, size, stop = [first], first.update.size, False
-            until = time.monotonic() + self.linger
-            while len(batch) < self.max_updates:
-                try:  # a seat queues its update before it stops counting as more to come
-                    wait = self.more_coming()
-                    # in slices: the last seat stops counting without a word (measured: a stacked round's uploads
-                    # waited out the whole linger, 50 ms, after its seats had all queued theirs)
-                    item = self._queue.get(timeout=min(MORE_COMING_POLL, max(0.0, until - time.monotonic()))) \
-                        if wait else self._queue.get_nowait()
-                except queue.Empty:
-                    if wait and time.monotonic() < until:
-                        continue
-                    break
-                if item is None:
-                    stop = True
-                    break
-                if size + item.update.size > self.max_bytes:
-                    self._queue.put(item)  # the next batch starts with it (order among seats does not matter)
-                    break
-                batch.append(item)
-                size += item.update.size
+        while (batch := self._next_batch()) is not None:
             self._send(batch)
-            if stop:
+            if batch[-1] is None:
                 break
 
-    def _send(self, batch: list[_Queued]) -> None:
+    def _next_batch(self) -> list[_Queued | None] | None:
+        """The next batch to send: its first update, and those queued within the linger while more are coming, up
+        to ``max_bytes`` (ending with None when close() came meanwhile); None: closed, nothing left."""
+        with self._changed:
+            while not self._queue:
+                self._changed.wait()
+            first = self._queue.popleft()
+            if first is None:
+                return None
+            batch, size = [first], first.update.size
+            until = time.monotonic() + self.linger
+            while len(batch) < self.max_updates:
+                if not self._queue:
+                    # checked under the lock that nudge() takes: a seat that stops counting after this look
+                    # wakes the wait below
+                    left = until - time.monotonic()
+                    if left <= 0 or not self.more_coming():
+                        break
+                    self._changed.wait(left)
+                    continue
+                item = self._queue.popleft()
+                if item is not None and size + item.update.size > self.max_bytes:
+                    self._queue.appendleft(item)  # the next batch starts with it (order among seats does not matter)
+                    break
+                batch.append(item)
+                if item is None:
+                    break
+                size += item.update.size
+            return batch
+
+    def _send(self, batch: list[_Queued | None]) -> None:
         """Send ``batch``: its background plain updates of one round as a partial where the coordinator takes one,
         the rest (and any a partial could not carry) one by one."""
+        batch = [q for q in batch if q is not None]
+        if not batch:
+            return
         rest = self._send_partial(batch) if self.partials else batch
         if rest:
             self._send_each(rest)
@@ -247,7 +270,7 @@ class HostUploads:
         if not q.background:
             q.done.set_exception(err)
         elif err.code() in UPLOAD_RETRYABLE and time.monotonic() + RETRY_PAUSE < q.deadline:
-            threading.Timer(RETRY_PAUSE, self._queue.put, (q,)).start()
+            threading.Timer(RETRY_PAUSE, self._put, (q,)).start()
         else:
             self.refused_in_background += 1
             log.info("an update sent in the background was refused: %s: %s", err.code().name, err.details())

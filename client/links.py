@@ -313,18 +313,19 @@ class AgentLink:
         """Stop the heartbeat thread."""
         self._heartbeat.close()
 
+    def tasks_in_flight(self, change: int) -> None:
+        """Nothing: the agent's one member trains between its pulls, no task waits for a seat."""
+
     def _send_heartbeat(self) -> None:
         self.conn.stub.Heartbeat(pb.HeartbeatRequest(auth=self.auth), timeout=self._heartbeat_seconds)
 
 
 class HostLink:
     """The runtime speaks for ``members`` under ``config.agent_id`` (the host's id): JoinPopulation,
-    PullHostTasks, small updates batched into UploadHostUpdates. ``in_flight()``: members' tasks queued or
-    training, whose updates may still join a batch; ``forget_queued()``: drop the tasks no seat started (their
-    sessions are gone)."""
+    PullHostTasks, small updates batched into UploadHostUpdates. ``forget_queued()``: drop the tasks no seat started
+    (their sessions are gone)."""
 
-    def __init__(self, conn: Connection, config: AgentConfig, members: Population, in_flight: Callable[[], int],
-                 forget_queued: Callable[[], None]):
+    def __init__(self, conn: Connection, config: AgentConfig, members: Population, forget_queued: Callable[[], None]):
         self.conn, self.config, self.members = conn, config, members
         self.host = pb.AgentAuth(agent_id=config.agent_id)
         self.max_chunk = 0
@@ -332,7 +333,9 @@ class HostLink:
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
-        self._in_flight, self._forget_queued = in_flight, forget_queued
+        self._forget_queued = forget_queued
+        self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
+        self._in_flight_lock = threading.Lock()
         self.uploads: HostUploads | None = None
         self.local_epochs = 1  # the latest task's: with a member's examples, the bound on its update's weight
 
@@ -355,7 +358,15 @@ class HostLink:
         self._forget_queued()
         if self.uploads is None:  # the members' small updates, batched (a few ms' wait for seats still training)
             self.uploads = HostUploads(self.conn.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
-                                       more_coming=lambda: self._in_flight() > 0, registered=self._registered)
+                                       more_coming=lambda: self._in_flight > 0, registered=self._registered)
+
+    def tasks_in_flight(self, change: int) -> None:
+        """``change`` members' tasks queued for the seats (> 0), or done with or forgotten (< 0; each one's update, if
+        any, queued by then): a batch waits for more updates only while some are in flight."""
+        with self._in_flight_lock:
+            self._in_flight += change
+        if change < 0 and self.uploads is not None:
+            self.uploads.nudge()
 
     def pull(self) -> Pulled:
         """One PullHostTasks long-poll: the tasks to start now (under a virtual clock: those the coordinator let

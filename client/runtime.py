@@ -106,8 +106,6 @@ class ClientRuntime:
         self.seats = [Seat(t, UpdateCompressor(self.layout, seed=zlib.crc32(
             f"{config.seed}:{config.agent_id}{f':{s}' if s else ''}".encode()))) for s, t in enumerate(trainers)]
         self._tasks: queue.Queue = queue.Queue()  # members' tasks for the seats (a population's)
-        self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
-        self._in_flight_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
         self._weights_lock = threading.Lock()
@@ -121,7 +119,7 @@ class ClientRuntime:
             if members.population and self.layout is not None else None
         self.secure = SecureMembers(self.conn.stub, config.poll_seconds)  # members' SecAgg+ client sides
         if members.population:
-            self.link = HostLink(self.conn, config, members, lambda: self._in_flight, self._forget_queued)
+            self.link = HostLink(self.conn, config, members, self._forget_queued)
         else:
             self.link = AgentLink(self.conn, config, trainers[0])
         self._calls = Reconnecting(config.agent_id, config.server, self._join, config.initial_backoff,
@@ -188,8 +186,7 @@ class ClientRuntime:
         if inline:
             self.run_task(self.seats[0], i, task)
             return False
-        with self._in_flight_lock:
-            self._in_flight += 1
+        self.link.tasks_in_flight(1)
         if self._together:
             with self._evaluation_lock:
                 self._to_evaluate.setdefault(task.round, []).append(i)
@@ -213,8 +210,7 @@ class ClientRuntime:
             except Exception:  # one member's failure must not stop the seat
                 log.exception("%s: task of %s failed", self.config.agent_id, self.members.member_id(i))
             finally:  # its update, if any, is queued by now
-                with self._in_flight_lock:
-                    self._in_flight -= 1
+                self.link.tasks_in_flight(-1)
 
     def _forget_queued(self) -> None:
         """Forget the members' tasks no seat has started (training is over, or their sessions are gone)."""
@@ -227,8 +223,7 @@ class ClientRuntime:
                 self._tasks.put(None)
                 return
             self.seats[0].trainer.tasks_queued(item[1].round, -1)
-            with self._in_flight_lock:
-                self._in_flight -= 1
+            self.link.tasks_in_flight(-1)
 
     # ------------------------------------------------------------------ one task
     def run_task(self, seat: Seat, i: int, task: pb.TrainTask) -> bool:
