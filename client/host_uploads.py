@@ -81,7 +81,9 @@ class HostUploads:
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: collections.deque = collections.deque()  # _Queued items; None: stop
-        self._changed = threading.Condition()  # guards _queue; notified on a put and on a nudge
+        self._changed = threading.Condition()  # guards _queue, _queued_bytes and _idle
+        self._queued_bytes = 0  # of the updates in _queue
+        self._idle = False  # the thread waits for a batch's first update
         self.refused_in_background = 0  # updates sent with send_later that did not count
         # a member's registered examples and the round's local epochs (its weight's bound); None: no partials
         self.registered = registered
@@ -108,14 +110,22 @@ class HostUploads:
         self._thread.join(timeout=30)
 
     def nudge(self) -> None:
-        """``more_coming()`` may have changed (a seat is done with a task): a batch waiting for more looks again."""
+        """``more_coming()`` may have turned False (the seats are done with their tasks): a lingering batch goes."""
         with self._changed:
             self._changed.notify()
 
     def _put(self, item: _Queued | None) -> None:
         with self._changed:
             self._queue.append(item)
-            self._changed.notify()
+            if item is not None:
+                self._queued_bytes += item.update.size
+            # a lingering batch is not woken for each update (a wake-up per update cost the seats more CPU than the
+            # batch's own work): only when a batch can start, must end (close, full) or the seats are done (nudge)
+            if self._idle or item is None or self._full():
+                self._changed.notify()
+
+    def _full(self) -> bool:
+        return len(self._queue) >= self.max_updates or self._queued_bytes >= self.max_bytes
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
@@ -124,34 +134,34 @@ class HostUploads:
                 break
 
     def _next_batch(self) -> list[_Queued | None] | None:
-        """The next batch to send: its first update, and those queued within the linger while more are coming, up
-        to ``max_bytes`` (ending with None when close() came meanwhile); None: closed, nothing left."""
+        """The next batch to send: the updates queued when its first came and within the linger after it while
+        more are coming, up to ``max_updates`` and ``max_bytes`` (ending with None when close() came meanwhile);
+        None: closed, nothing left."""
         with self._changed:
+            self._idle = True
             while not self._queue:
                 self._changed.wait()
-            first = self._queue.popleft()
-            if first is None:
-                return None
-            batch, size = [first], first.update.size
+            self._idle = False
             until = time.monotonic() + self.linger
-            while len(batch) < self.max_updates:
-                if not self._queue:
-                    # checked under the lock that nudge() takes: a seat that stops counting after this look
-                    # wakes the wait below
-                    left = until - time.monotonic()
-                    if left <= 0 or not self.more_coming():
-                        break
-                    self._changed.wait(left)
-                    continue
-                item = self._queue.popleft()
-                if item is not None and size + item.update.size > self.max_bytes:
-                    self._queue.appendleft(item)  # the next batch starts with it (order among seats does not matter)
+            # more_coming() is read under the lock nudge() takes: a seat that stops counting after this look wakes
+            # the wait
+            while self._queue[-1] is not None and not self._full() and self.more_coming():
+                left = until - time.monotonic()
+                if left <= 0:
                     break
+                self._changed.wait(left)
+            batch, size = [], 0
+            while self._queue and len(batch) < self.max_updates:
+                item = self._queue[0]
+                if item is not None and batch and size + item.update.size > self.max_bytes:
+                    break  # the next batch starts with it (order among seats does not matter)
+                self._queue.popleft()
                 batch.append(item)
                 if item is None:
                     break
                 size += item.update.size
-            return batch
+                self._queued_bytes -= item.update.size
+            return batch if batch != [None] else None
 
     def _send(self, batch: list[_Queued | None]) -> None:
         """Send ``batch``: its background plain updates of one round as a partial where the coordinator takes one,

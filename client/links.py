@@ -365,7 +365,8 @@ class HostLink:
         any, queued by then): a batch waits for more updates only while some are in flight."""
         with self._in_flight_lock:
             self._in_flight += change
-        if change < 0 and self.uploads is not None:
+            done = self._in_flight == 0
+        if done and change < 0 and self.uploads is not None:  # a lingering batch goes now
             self.uploads.nudge()
 
     def pull(self) -> Pulled:
