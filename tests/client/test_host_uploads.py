@@ -51,3 +51,29 @@ def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_n
         assert [n for _, n in stub.batches] == [2, 1] and stub.batches[1][0] - start < 0.3
     finally:
         uploads.close()
+
+
+def test_a_lingering_batch_goes_when_its_seats_are_done_or_it_is_full_not_at_the_lingers_end():
+    more = threading.Event()
+    more.set()
+    stub = _RecordingStub()
+    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20, linger=30.0, max_updates=3,
+                          more_coming=more.is_set)
+    try:
+        uploads.send_later(None, _message(0), 60.0)
+        uploads.send_later(None, _message(1), 60.0)
+        time.sleep(0.1)
+        assert not stub.batches  # seats still training: the batch lingers (nothing polls for the change)
+        start = time.monotonic()
+        more.clear()
+        uploads.nudge()  # the host's last seat is done with its task
+        assert stub.sent.wait(5) and time.monotonic() - start < 5
+        more.set()
+        stub.sent.clear()
+        for i in range(2, 5):  # the third fills the batch: it goes at once, seats still training
+            uploads.send_later(None, _message(i), 60.0)
+        assert stub.sent.wait(5) and time.monotonic() - start < 10
+        assert [n for _, n in stub.batches] == [2, 3]
+    finally:
+        more.clear()
+        uploads.close()
