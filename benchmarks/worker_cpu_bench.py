@@ -27,6 +27,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+
 HERE = Path(__file__).resolve().parent
 TICK = os.sysconf("SC_CLK_TCK")
 CELL = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--clients", "100",
@@ -156,9 +158,12 @@ def main() -> int:
     for g, v in summary["threads_ms"].items():
         print(f"  {g:<24} baseline {v['baseline']:7.3f}  this {v['this']:7.3f} ms/round (both workers)")
     print(f"load {load_before} -> {load_after}")
-    args.json.write_text(json.dumps({"simulate_args": simulate_args, "window_rounds": window, "pairs": args.pairs,
-                                     "load_before": load_before, "load_after": load_after, "summary": summary,
-                                     "runs": results}, indent=1) + "\n")
+    ratios = [{"what": f"{key} of the workers (this checkout)", "ratio": summary[key]["ratio"],
+               "against": f"the same cell from {args.baseline} in alternated runs"}
+              for key in ("worker_cpu_ms", "period_ms")]
+    write_results(args.json, ratios, {"simulate_args": simulate_args, "window_rounds": window, "pairs": args.pairs,
+                                      "load_before": load_before, "load_after": load_after, "summary": summary,
+                                      "runs": results})
     return 0
 
 
