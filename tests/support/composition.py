@@ -11,8 +11,7 @@ from pathlib import Path
 from fedpar.aggregation.compatibility import composition_features, refusal
 from fedpar.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "explanation" / "composition.md"
+ROOT = Path(__file__).resolve().parents[2]
 TASK = ["--task", "examples/own_task.py:task", "--task-option", f"csv={ROOT / 'examples' / 'table.csv'}"]
 CLIENTS = 4
 # Each factor's levels, the first being "off"; a level is the flags it adds.
