@@ -28,10 +28,11 @@ simulate: $(VENV)/.installed
 	$(VENV)/bin/fedpar simulate --clients 10 --rounds 10 --dataset digits --partition iid --out runs/digits
 
 # Two pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): most
-# tests wait on real processes and sockets, so on 2 cores two workers take the suite from ~13 to ~9 minutes.
+# tests wait on real processes and sockets, so on 2 cores two workers take the suite from ~13 to ~9 minutes. The
+# files go out in collection order, which tests/conftest.py makes longest first (not xdist's most-tests-first).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The documentation site in site/ (mkdocs.yml; the CLI reference and the benchmarks page are generated as it builds).
 docs: $(VENV)/.installed

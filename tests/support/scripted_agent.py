@@ -20,8 +20,21 @@ class ScriptedAgent:
         self.stub = CoordinatorStub(self.channel)
         self.agent_id = agent_id
         self.max_chunk = max_chunk
-        reply = self.stub.Join(pb.JoinRequest(agent_id=agent_id, num_examples=num_examples), timeout=10)
+        reply = self._join(pb.JoinRequest(agent_id=agent_id, num_examples=num_examples), timeout=60.0)
         self.auth = pb.AgentAuth(agent_id=agent_id, token=reply.token)
+
+    def _join(self, request: pb.JoinRequest, timeout: float) -> pb.JoinReply:
+        """Join, asking again while the coordinator says it is still restoring its checkpoint (UNAVAILABLE: it
+        refuses every call then, and a loaded machine can make that last longer than one call's deadline)."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                return self.stub.Join(request, timeout=10)
+            except grpc.RpcError as err:
+                restoring = err.code() == grpc.StatusCode.UNAVAILABLE and "restoring" in (err.details() or "")
+                if not restoring or time.monotonic() > end:
+                    raise
+                time.sleep(0.1)
 
     def task(self, timeout: float = 20.0) -> pb.TrainTask:
         """Long-poll until a task arrives."""
