@@ -32,10 +32,6 @@ class Populations(Members):
         super().__init__(config, registry)
         self.hosts_only = hosts_only
         self._host_tasks: dict[str, set[str]] = {}  # per host: its members dealt a task not yet sent
-        # the records of those members as looked up when their task was dealt (the reply sends them without another
-        # lookup: a member's record is made from the member table's arrays, tens of microseconds); a host that
-        # joins again drops its own
-        self._dealt: dict[str, AgentRecord] = {}
         self._host_declared: dict[str, str | None] = {}  # per host: the task it declared when it joined
         self._host_go: dict[str, set[str]] = {}  # per host: its members the clock let go, not yet told
 
@@ -68,7 +64,6 @@ class Populations(Members):
         except AdmissionRefused as exc:
             raise Refusal(exc.code, exc.message) from None
         self._host_tasks.setdefault(host_id, set())
-        self._dealt = {a: r for a, r in self._dealt.items() if r.host != host_id}
         self._host_declared[host_id] = capabilities.get("task")
         self._check_host_task(host_id, capabilities.get("task"))
         self._joined()
@@ -92,7 +87,6 @@ class Populations(Members):
                 super().deal([agent_id])
                 continue
             self._host_tasks.setdefault(record.host, set()).add(agent_id)
-            self._dealt[agent_id] = record
             self._wake(HOST_WAKEUP + record.host)
 
     def let_go(self, agent_ids: Sequence[str]) -> None:
@@ -136,8 +130,8 @@ class Populations(Members):
         out = pb.PullHostTasksReply()
         out.go.extend(sorted(self._host_go.pop(host_id, ())))
         desk.clock.stamp_reply(out)
-        for agent_id in pending[:MAX_HOSTED_TASKS]:
-            record = self._dealt.pop(agent_id, None) or self.registry.get(agent_id)
+        sent = pending[:MAX_HOSTED_TASKS]
+        for agent_id, record in zip(sent, self.registry.get_many(sent)):  # their records in one pass
             reply = desk.task_for(record, with_weights=False) if record is not None and record.host == host_id \
                 else None
             if reply is None or reply.WhichOneof("kind") != "task":
@@ -160,7 +154,6 @@ class Populations(Members):
         self._wakeups = {k: e for k, e in self._wakeups.items() if self._known(k)}
         self._host_tasks = {h: q for h, q in self._host_tasks.items() if self.registry.host(h) is not None}
         self._host_go = {h: q for h, q in self._host_go.items() if self.registry.host(h) is not None}
-        self._dealt = {a: r for a, r in self._dealt.items() if self.registry.host(r.host) is not None}
 
     def _known(self, key: str) -> bool:
         if key.startswith(HOST_WAKEUP):
