@@ -18,6 +18,7 @@ Whether a simulation batches at all is :func:`client_batching_route`'s answer to
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import logging
@@ -39,6 +40,7 @@ from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Task, TaskError
 
 log = logging.getLogger("fedpar.simulate")
+BATCH_SIZES_KEPT = 1024  # batches whose sizes a batcher remembers
 AUTO_MIN_MEMBERS = 2  # a worker's clients of a round that auto batches on a GPU: one alone gains nothing stacked
 AUTO_MIN_MEMBERS_CPU = 5  # ... and on the CPU (measured faster at 5 and at 50 when all are sampled: batching_pays)
 # What one worker's stack may hold: its members' stacked parameters, their working copy, gradients, optimizer state
@@ -155,7 +157,8 @@ class ClientBatcher:
         self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
         self._task: Task | None = None  # its loss and optimizer (every agent of a process trains one task)
         self._warm = False
-        self.batch_sizes: list[int] = []  # clients per batch run, in order (for tests and diagnostics)
+        # clients per batch run, in order, the last BATCH_SIZES_KEPT (for tests and diagnostics; a run lasts months)
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=BATCH_SIZES_KEPT)
 
     def add_agent(self) -> None:
         """Count one more agent training through this batcher."""

@@ -86,7 +86,7 @@ def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns
         server.stop()
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", per_round)] * rounds
     assert rows[-1]["test_accuracy"] > max(0.5, rows[0]["test_accuracy"])  # the model learns
-    batches = host.seats[0].trainer.batcher.batch_sizes  # one batcher for the host's seats
+    batches = list(host.seats[0].trainer.batcher.batch_sizes)  # one batcher for the host's seats
     # the runtime says how many tasks it queued: a stack starts once every seat is in it, or no task is left
     assert batches == [8, 4] * rounds, batches
 

@@ -73,7 +73,7 @@ def test_agents_holding_tasks_of_a_round_train_in_one_batch_with_local_trainer_r
     started = time.monotonic()
     _run_threads([lambda k=k: _agent(batched[k], results, k, returned) for k in range(3)])
     assert time.monotonic() - started < 5.0  # nobody waited for the gather window
-    assert batcher.batch_sizes == [3]
+    assert list(batcher.batch_sizes) == [3]
     for k in range(3):
         want = alone[k].train(EPOCHS, BATCH, LR, round_id=ROUND)
         got = results[k]
@@ -105,7 +105,7 @@ def test_an_agent_that_holds_a_task_but_never_trains_delays_the_batch_by_the_gat
     waited = time.monotonic() - started
     never.set()
     holder.join()
-    assert batcher.batch_sizes == [2] and all(r.steps == EPOCHS * 2 for r in results)
+    assert list(batcher.batch_sizes) == [2] and all(r.steps == EPOCHS * 2 for r in results)
     assert 0.5 <= waited < 2.5
 
 
@@ -143,7 +143,7 @@ def test_a_queued_task_that_a_seat_takes_after_another_seats_train_call_joins_it
     batched[0].tasks_queued(ROUND, 2)  # what the runtime says before it queues a pull's tasks
     started = time.monotonic()
     _run_threads([lambda: _agent(batched[0], results, 0), lambda: _agent(batched[1], results, 1, takes=0.3)])
-    assert batcher.batch_sizes == [2] and results[0].steps == results[1].steps == EPOCHS * 2
+    assert list(batcher.batch_sizes) == [2] and results[0].steps == results[1].steps == EPOCHS * 2
     assert 0.3 <= time.monotonic() - started < 5.0  # no gather window waited out
 
 
@@ -156,10 +156,10 @@ def test_queued_tasks_that_no_seat_is_free_to_take_do_not_hold_the_batch():
     batched[1].tasks_queued(ROUND, 3)
     started = time.monotonic()
     _run_threads([lambda k=k: _agent(batched[k], results, k) for k in range(2)])
-    assert batcher.batch_sizes == [2] and time.monotonic() - started < 5.0
+    assert list(batcher.batch_sizes) == [2] and time.monotonic() - started < 5.0
     batched[0].tasks_queued(ROUND, -1)  # dropped unstarted: a later batch of the round waits for none
     _run_threads([lambda: _agent(batched[0], results, 0)])
-    assert batcher.batch_sizes == [2, 1] and time.monotonic() - started < 5.0
+    assert list(batcher.batch_sizes) == [2, 1] and time.monotonic() - started < 5.0
 
 
 def _cnn(dropout: float = 0.0) -> torch.nn.Module:
