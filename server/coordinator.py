@@ -347,8 +347,9 @@ class Coordinator(IngestPlane):
             else:  # written while the next round's tasks go out and its members train; it counts no update before
                 self._behind = asyncio.ensure_future(self._round_written(row, checkpoint))
         # freed buffers leave the process (benchmarks/soak.py), beside the next round's opening; at most once per
-        # TRIM_SECONDS: a full collection and a trim cost the loop about a millisecond, a short round's tenth
-        if now - self._trimmed_at >= TRIM_SECONDS:
+        # TRIM_SECONDS: a full collection and a trim cost the loop about a millisecond, a short round's tenth. The
+        # last round has no next one to go beside: the run's end frees what it frees.
+        if now - self._trimmed_at >= TRIM_SECONDS and state.round_id < self.config.rounds:
             self._trimmed_at = now
             asyncio.get_running_loop().run_in_executor(self._executor, trim_heap)
 
