@@ -31,7 +31,7 @@ import numpy as np
 
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform
 from fedpar.client.host_uploads import HostUploads
-from fedpar.client.transfer import SmallUpdate, ingest_address
+from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, CoordinatorStub,
                                    channel_options, member_token)
@@ -51,8 +51,6 @@ UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
 # RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
-
-SendSmall = Callable[[CoordinatorStub, SmallUpdate, float], pb.UploadReply]
 
 
 class FatalAgentError(RuntimeError):
@@ -430,11 +428,6 @@ class HostLink:
         if uploads.refused_in_background:
             log.warning("%s: %d updates sent in the background were refused (--log-level info says why)",
                         self.host.agent_id, uploads.refused_in_background)
-
-
-def upload_small(stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
-    """Send one small update in one UploadSmall call."""
-    return stub.UploadSmall(update.message, timeout=timeout)
 
 
 class _Heartbeat:

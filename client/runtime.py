@@ -6,7 +6,8 @@ of a population (simulations/population.py), whose sampled members take turns on
 take on a member's data for one task). How it joins and pulls is its link's (client/links.py); the rest is written
 once here: the round's download (once per round, for every member that needs it), the deadline rule
 (fedpar/task.py), local training, the update transforms (client DP, compression, SecAgg masking:
-client/round_modes.py) and the upload with its retries.
+client/round_modes.py) and the upload (over the data plane here; over gRPC, with its retries: client/transfer.py
+UpdateSender, made here for each task).
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ import numpy as np
 from fedpar.client import dataplane
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.backoff import Backoff, jittered
-from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting,
-                                 upload_small)
+from fedpar.client.links import RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting
 from fedpar.client.member_state import ResidualStore
-from fedpar.client.round_modes import CompressedUpload, PlainUpload
+from fedpar.client.round_modes import CompressedUpload, PlainUpload, Send
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.trainer_protocol import UpdateRefused
-from fedpar.client.transfer import (UPLOAD_RETRYABLE, download_weights, ingest_address, small_update, task_weights,
-                                    upload_header, upload_messages, upload_update)
+from fedpar.client.transfer import UpdateSender, download_weights, ingest_address, task_weights, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.dataplane import TICKET_BYTES
@@ -365,24 +364,29 @@ class ClientRuntime:
 
     def _round_mode(self, seat: Seat, auth: pb.AgentAuth, task: pb.TrainTask, settings: TaskSettings,
                     deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> PlainUpload:
-        """How this task's update is made and sent, as its settings say (client/round_modes.py); a secure round's
-        mode was made as its task arrived (client/secure_members.py)."""
+        """How this task's update is made and sent, as its settings say (client/round_modes.py; the sender:
+        client/transfer.py, behind the data plane when the task offers it); a secure round's mode was made as its
+        task arrived (client/secure_members.py)."""
         note = self._refusals_of(auth.agent_id)
-        send = functools.partial(self._upload, auth, task, deadline_at=deadline_at, data_plane=data_plane,
-                                 topk=settings.compression == "topk")
+        # Top-k's error feedback must know whether the update counted; other small updates of a population may
+        # travel while its seat trains the next member. An aggregator rank's port takes no host batches.
+        send_small = self.link.small_sender(settings.compression == "topk") if not task.ingest_port else upload_small
+        sender = UpdateSender(auth, task, self.conn.ingest_stub(task), send_small, deadline_at, self._chunk_bytes(),
+                              self.link.max_chunk, self.link.small_below, self._rng, note)
+        send = sender.send if data_plane is None else \
+            functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":
             return CompressedUpload(settings, self.layout, send, note, seat.compression)
         return PlainUpload(settings, self.layout, send, note)
 
-    def _upload(self, auth: pb.AgentAuth, task: pb.TrainTask, upload: PreparedUpload, result,
-                metrics: dict[str, float], *, deadline_at: float, data_plane: dataplane.DataPlaneTarget | None,
-                topk: bool) -> bool:
-        """Send the prepared update: over the data plane (plain weights only; compressed updates are small) or
-        the gRPC stream, retried while the coordinator says it is busy and the deadline allows; True if accepted.
-        Top-k's error feedback must know whether the update counted; other small updates of a population may
-        travel while its seat trains the next member."""
+    def _upload_via_data_plane(self, auth: pb.AgentAuth, task: pb.TrainTask, data_plane: dataplane.DataPlaneTarget,
+                               deadline_at: float, grpc_send: Send, upload: PreparedUpload, result,
+                               metrics: dict[str, float]) -> bool:
+        """Send the prepared update over the data plane (plain weights only; compressed updates are small), retried
+        while the coordinator says it is busy and the deadline allows; True if accepted. ``grpc_send`` (the gRPC
+        stream) takes it when the connection broke, or for an encoded update."""
         backoff: Backoff | None = None  # made at the first refusal to retry: most uploads go through at once
-        while data_plane is not None and not upload.encoding:  # leaves for gRPC only if the connection broke
+        while not upload.encoding:  # leaves for gRPC only if the connection broke
             try:
                 if self._via_data_plane("upload", dataplane.upload, data_plane, auth, task, self.layout,
                                         upload.arrays, result.examples, result.steps, metrics,
@@ -396,30 +400,7 @@ class ClientRuntime:
                     self._note_refusal(auth.agent_id, "upload", err)
                     return False
                 time.sleep(backoff.wait())
-        backoff = None  # the gRPC stream's retries start again from the first step
-        header = upload_header(auth, task, upload.layout, result.examples, result.steps, metrics,
-                               upload.encoding, upload.encoding_json)
-        # kept as arrays: a host sums plain ones into its partial without encoding them (the stack's row, as is)
-        single = small_update(header, upload.layout, upload.arrays, self.link.max_chunk, self.link.small_below,
-                              rows=None if upload.encoding else result.rows)
-        stub = self.conn.ingest_stub(task)
-        send_small = self.link.small_sender(topk) if not task.ingest_port else upload_small  # batches: this port
-        while True:
-            messages = upload_messages(auth, task, upload.layout, upload.arrays, result.examples, result.steps,
-                                       metrics, self._chunk_bytes(), upload.encoding, upload.encoding_json)
-            try:
-                if single is not None:  # one unary call: no stream to set up for a small update
-                    send_small(stub, single, upload_timeout(deadline_at))
-                else:
-                    upload_update(stub, messages, timeout=upload_timeout(deadline_at))
-                return True
-            except grpc.RpcError as err:
-                # Busy coordinator or a broken connection: retry while the deadline allows.
-                backoff = backoff or Backoff(0.1, 2.0, self._rng)
-                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):
-                    self._note_refusal(auth.agent_id, "upload", err)
-                    return False
-                time.sleep(backoff.wait())
+        return grpc_send(upload, result, metrics)
 
     def _chunk_bytes(self) -> int:
         return min(self.link.max_chunk or self.config.chunk_bytes, self.config.chunk_bytes)

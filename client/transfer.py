@@ -1,20 +1,26 @@
-"""Moving weights over the wire from the agent's side: chunked download and upload."""
+"""Moving weights over the wire from the agent's side: chunked download and upload, and how one task's update goes
+up over gRPC (:class:`UpdateSender`: one call when small, else a stream; retried while the deadline allows)."""
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterator, Sequence
+import time
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
+from fedpar.client.backoff import Backoff, Uniform
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError, CoordinatorStub,
                                    ModelLayout, RawData, TensorAssembler, encode_data_message, iter_chunks,
                                    layout_from_pb, layout_to_pb, wire_bytes)
 
-if TYPE_CHECKING:  # only named: the stacked rows come from a trainer
-    from fedpar.client.local_loop import StackRow
+from fedpar.task import upload_timeout
+
+if TYPE_CHECKING:  # only named: the stacked rows and results come from a trainer, the prepared update from a mode
+    from fedpar.client.compressed import PreparedUpload
+    from fedpar.client.local_loop import StackRow, TrainResult
 
 # An upload refused with these may be sent again this round (busy coordinator, connection lost mid-stream).
 UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
@@ -203,6 +209,56 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
     call = stub.UploadUpdate.future(gate, timeout=timeout)
     gate.attach(call)
     return call.result()
+
+
+def upload_small(stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
+    """Send one small update in one UploadSmall call."""
+    return stub.UploadSmall(update.message, timeout=timeout)
+
+
+SendSmall = Callable[[CoordinatorStub, SmallUpdate, float], pb.UploadReply]  # upload_small, or a host's batch
+
+
+class UpdateSender:
+    """How one task's update goes up over gRPC, fixed when the task's round mode is made (client/runtime.py): with
+    ``auth``, to ``stub`` (the task's aggregator rank's, or the coordinator's); small ones in one message through
+    ``send_small`` (:func:`upload_small`, or a host's batch: client/host_uploads.py), the rest as an UploadUpdate
+    stream of ``chunk_bytes`` chunks; retried with jittered backoff (``rng``) while the coordinator is busy or
+    unreachable and the task's deadline allows. ``note_refusal(what, err)``: how a refusal is noted."""
+
+    def __init__(self, auth: pb.AgentAuth, task: pb.TrainTask, stub: CoordinatorStub, send_small: SendSmall,
+                 deadline_at: float, chunk_bytes: int, max_chunk: int, small_below: int, rng: Uniform,
+                 note_refusal: Callable[[str, Exception], None]):
+        self.auth, self.task, self.stub, self.send_small = auth, task, stub, send_small
+        self.deadline_at, self.chunk_bytes = deadline_at, chunk_bytes
+        self.max_chunk, self.small_below = max_chunk, small_below  # what fits one SmallUpload (the coordinator's)
+        self.rng, self.note_refusal = rng, note_refusal
+
+    def send(self, upload: PreparedUpload, result: TrainResult, metrics: dict[str, float]) -> bool:
+        """Send the prepared update; True if accepted (a refusal is noted)."""
+        header = upload_header(self.auth, self.task, upload.layout, result.examples, result.steps, metrics,
+                               upload.encoding, upload.encoding_json)
+        # kept as arrays: a host sums plain ones into its partial without encoding them (the stack's row, as is)
+        single = small_update(header, upload.layout, upload.arrays, self.max_chunk, self.small_below,
+                              rows=None if upload.encoding else result.rows)
+        backoff: Backoff | None = None  # made at the first refusal to retry: most uploads go through at once
+        while True:
+            try:
+                if single is not None:  # one unary call: no stream to set up for a small update
+                    self.send_small(self.stub, single, upload_timeout(self.deadline_at))
+                else:
+                    messages = upload_messages(self.auth, self.task, upload.layout, upload.arrays, result.examples,
+                                               result.steps, metrics, self.chunk_bytes, upload.encoding,
+                                               upload.encoding_json)
+                    upload_update(self.stub, messages, timeout=upload_timeout(self.deadline_at))
+                return True
+            except grpc.RpcError as err:
+                # Busy coordinator or a broken connection: retry while the deadline allows.
+                backoff = backoff or Backoff(0.1, 2.0, self.rng)
+                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at):
+                    self.note_refusal("upload", err)
+                    return False
+                time.sleep(backoff.wait())
 
 
 def waits_for_admission(first: pb.UploadChunk | bytes) -> bool:

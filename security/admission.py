@@ -227,6 +227,10 @@ class Admission:
         self.token_hashes = token_hashes  # None: no tokens; agents without certificates are admitted
         self.revocations = revocations or RevocationList(None)
         self.require_certificate = require_certificate
+        # Whether check_call can refuse a call that proves no certificate: one is required, or agents can be revoked
+        # (a revocation file, even one not written yet). If not (a plaintext coordinator with no revocation list),
+        # such calls are not checked at all (server/registry.py).
+        self.checks_uncertified_calls = require_certificate or self.revocations.path is not None
 
     def admit_join(self, agent_id: str, peer: PeerIdentity | None, enrollment_token: str = "") -> None:
         """Raise AdmissionRefused unless ``agent_id`` may join over a connection proving ``peer``."""

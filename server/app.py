@@ -21,10 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, RawData, channel_options,
                                    decode_chunk_message)
-from fedpar.security.admission import AdmissionRefused, peer_identity
+from fedpar.security.admission import AdmissionRefused
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
-from fedpar.server.limits import Limits, RpcLimit, StrangerBound, authenticated
+from fedpar.server.limits import Limits, RpcLimit, StrangerBound, authenticated, call_identity
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.ranks.group import RankMissing
 from fedpar.server.registry import AgentRecord, AuthError, HostRecord
@@ -174,7 +174,8 @@ class CoordinatorServer:
         self.strangers = strangers
         server = grpc.aio.server(options=server_options(config.max_chunk_bytes),
                                  interceptors=[RpcLimit(service.limits, self.coordinator.registry.admission,
-                                                        strangers, restoring=lambda: self.restoring)])
+                                                        strangers, restoring=lambda: self.restoring,
+                                                        tls=self.credentials is not None)])
         server.add_generic_rpc_handlers((generic_handler(service),))
         self.health = health.aio.HealthServicer()
         await self._set_health(False)  # until the coordinator serves rounds
@@ -247,7 +248,7 @@ class CoordinatorService:
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
-            record = self.coord.registry.authenticate(auth.agent_id, auth.token, peer_identity(context))
+            record = self.coord.registry.authenticate(auth.agent_id, auth.token, call_identity(context))
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         except AdmissionRefused as exc:
@@ -260,7 +261,7 @@ class CoordinatorService:
         _check_protocol(request.protocol_version, "agent")
         self.limits.admit_join(request.agent_id, self.coord.registry)
         record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
-                                         peer_identity(context), request.enrollment_token)
+                                         call_identity(context), request.enrollment_token)
         log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
         return pb.JoinReply(token=record.token, heartbeat_seconds=self.coord.config.heartbeat_seconds,
                             max_chunk_bytes=self.coord.config.max_chunk_bytes)
@@ -275,7 +276,7 @@ class CoordinatorService:
         self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.num_examples))
         host = self.coord.members.join_population(
             request.host.agent_id, request.host.token, request.member_ids, request.num_examples, request.away,
-            peer_identity(context), request.enrollment_token, dict(request.capabilities))
+            call_identity(context), request.enrollment_token, dict(request.capabilities))
         authenticated()
         return pb.JoinPopulationReply(host_token=host.token,
                                       heartbeat_seconds=self.coord.config.heartbeat_seconds,
@@ -362,7 +363,7 @@ class CoordinatorService:
     def _host(self, auth: pb.AgentAuth, context) -> HostRecord:
         """The simulation host whose session ``auth`` is (over a connection its admission allows), or a Refusal."""
         try:
-            host = self.coord.registry.authenticate_host(auth.agent_id, auth.token, peer_identity(context))
+            host = self.coord.registry.authenticate_host(auth.agent_id, auth.token, call_identity(context))
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         except AdmissionRefused as exc:

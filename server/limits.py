@@ -291,9 +291,10 @@ class Limits:
 class CallBudget:
     """Which budget one call holds: the strangers' (until it authenticates) or the honest one."""
 
-    def __init__(self, limits: Limits, peer: str):
+    def __init__(self, limits: Limits, peer: str, identity: PeerIdentity | None = None):
         self.limits = limits
         self.peer = peer  # whom its strangers' bound is kept for
+        self.identity = identity  # what its client certificate proves (None: none), read once for the whole call
         self.stranger: Stranger | None = None
         self.counted = False  # holds a --max-concurrent-rpcs place
 
@@ -333,6 +334,13 @@ def authenticated() -> None:
         budget.authenticate()
 
 
+def call_identity(context) -> PeerIdentity | None:
+    """What the running call's client certificate proves (None: none), as its budget read it at the call's start;
+    read from ``context`` if the call is not counted."""
+    budget = _CALL.get()
+    return budget.identity if budget is not None else peer_identity(context)
+
+
 def peer_key(context, identity: PeerIdentity | None) -> str:
     """Whom a call's strangers' bound is kept for: its certificate's name, else its address without the port."""
     if identity is not None:
@@ -345,14 +353,16 @@ def peer_key(context, identity: PeerIdentity | None) -> str:
 
 
 class RpcLimit(grpc.aio.ServerInterceptor):
-    """Wraps every method handler in the revocation check and the budget it is counted in."""
+    """Wraps every method handler in the revocation check and the budget it is counted in. ``tls``: whether the
+    server's port is a TLS one (a plaintext port's calls prove no certificate: none is looked for)."""
 
     def __init__(self, limits: Limits, admission: Admission, strangers: StrangerBound,
-                 restoring: Callable[[], bool] = lambda: False):
+                 restoring: Callable[[], bool] = lambda: False, tls: bool = True):
         self.limits = limits
         self.admission = admission
         self.strangers = strangers
         self.restoring = restoring  # while true, every call but health checks is refused (UNAVAILABLE: retry)
+        self.tls = tls
 
     async def intercept_service(self, continuation, handler_call_details):
         """The method's handler, checked and counted (health checks: as strangers' calls, never authenticated)."""
@@ -367,13 +377,13 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         if not health_check and self.restoring():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is restoring its checkpoint; "
                                                              "try again in a moment")
-        identity = peer_identity(context)
+        identity = peer_identity(context) if self.tls else None
         if identity is not None:
             try:
                 self.admission.check_peer(identity)
             except AdmissionRefused as exc:
                 await context.abort(exc.code, exc.message)
-        budget = CallBudget(self.limits, peer_key(context, identity))
+        budget = CallBudget(self.limits, peer_key(context, identity), identity)
         if stranger:
             self._admit(budget)
         _CALL.set(budget)

@@ -220,7 +220,7 @@ class AgentRegistry:
     def authenticate_host(self, host_id: str, token: str, peer: PeerIdentity | None = None) -> HostRecord:
         """The host's record if ``token`` is its session token and the admission policy still admits it over a
         connection proving ``peer``; marks it (and so its members) seen."""
-        self.admission.check_call(host_id, peer)
+        self._check_call(host_id, peer)
         host = self._hosts.get(host_id)
         if host is None or not hmac.compare_digest(host.token.encode(), token.encode()):
             raise AuthError(f"unknown host {host_id!r} or bad session token: call JoinPopulation again")
@@ -231,13 +231,20 @@ class AgentRegistry:
         """The agent's record if ``token`` is its current session token and the admission policy still
         admits it over a connection proving ``peer`` (a population member: proving its host); marks it seen."""
         record = self.get(agent_id)
-        self.admission.check_call(speaker(record) if record is not None else agent_id, peer)
+        self._check_call(speaker(record) if record is not None else agent_id, peer)
         if record is None or record.left:
             raise AuthError(f"unknown agent {agent_id!r}: call Join first")
         if not hmac.compare_digest(record.token.encode(), token.encode()):
             raise AuthError(f"bad session token for agent {agent_id!r}: call Join again")
         record.last_seen = self._clock()
         return record
+
+    def _check_call(self, who: str, peer: PeerIdentity | None) -> None:
+        """The admission policy's check of a call by ``who`` over a connection proving ``peer`` (AdmissionRefused);
+        none when the call proves no certificate and the policy could not refuse it
+        (Admission.checks_uncertified_calls)."""
+        if peer is not None or self.admission.checks_uncertified_calls:
+            self.admission.check_call(who, peer)
 
     def admit_session(self, agent_id: str, token: str, num_examples: int, cert_serial: int | None,
                       host: str | None = None) -> AgentRecord:

@@ -122,6 +122,26 @@ def test_revocation_list_is_reread_when_its_file_changes(tmp_path):
     admission.check_call("alice", None)  # file gone: nothing revoked any more
 
 
+def test_a_call_without_a_certificate_is_checked_where_the_policy_could_refuse_it(tmp_path):
+    from fedpar.server.registry import AgentRegistry
+    assert not Admission().checks_uncertified_calls  # plaintext, no revocation list: nothing to check per call
+    assert Admission(require_certificate=True).checks_uncertified_calls
+    path = tmp_path / "revoked.txt"
+    admission = Admission(revocations=RevocationList(path))  # no file yet: an operator may still revoke
+    assert admission.checks_uncertified_calls
+    registry = AgentRegistry(60.0, admission=admission)
+    record = registry.join("alice", 10, {})
+    assert registry.authenticate("alice", record.token) is record
+    path.write_text("alice\n")
+    with pytest.raises(AdmissionRefused, match="revoked"):
+        registry.authenticate("alice", record.token)
+    open_registry = AgentRegistry(60.0)  # nothing to check: the session token alone admits the call
+    bob = open_registry.join("bob", 10, {})
+    assert open_registry.authenticate("bob", bob.token) is bob
+    with pytest.raises(AdmissionRefused, match="certificate proves agent 'eve'"):  # a certificate is always checked
+        open_registry.authenticate("bob", bob.token, PeerIdentity("eve"))
+
+
 def test_token_file_is_validated_at_start_and_a_bad_edit_later_keeps_the_old_tokens(tmp_path):
     digest = hash_token("s3cret")
     assert parse_token_hashes(f"# comment\nalice sha256:{digest.upper()}\n") == {"alice": digest}
