@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,7 +36,7 @@ def weight_specs(model: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def get_weights(model: nn.Module) -> list[np.ndarray]:
     """Copies of the floating-point state_dict entries as contiguous numpy arrays, in state_dict order."""
-    return _copies(_float_entries(model))
+    return ModelWeights(model).get()
 
 
 def set_weights(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
@@ -43,46 +44,46 @@ def set_weights(model: nn.Module, arrays: Sequence[np.ndarray]) -> None:
 
     Everything is validated before anything is written, so a bad list leaves the model unchanged.
     """
-    _assign(_float_entries(model), arrays)
+    ModelWeights(model).set(arrays)
 
 
 class ModelWeights:
     """:func:`get_weights` and :func:`set_weights` for one model whose tensors stay in place (fedpar's own training
-    updates them in place): its entries are listed once, not by a state_dict walk of the module tree per call."""
+    updates them in place): its entries are listed once, not by a state_dict walk of the module tree per call, and
+    a CPU tensor's memory is read and written as a numpy array (no torch call per entry)."""
 
     def __init__(self, model: nn.Module):
         self.entries = _float_entries(model)
 
+    @functools.cached_property
+    def _plan(self) -> list[tuple[np.dtype, tuple[int, ...], np.ndarray | None]]:
+        """Per entry: its numpy dtype (checked at the first get or set: a clear error if numpy cannot hold it), its
+        shape, and on the CPU its tensor's own memory as a numpy array (None on other devices)."""
+        return [(_numpy_dtype(name, t), tuple(t.shape), t.detach().numpy() if t.device.type == "cpu" else None)
+                for name, t in self.entries]
+
     def get(self) -> list[np.ndarray]:
         """Copies of the model's floating-point state, as :func:`get_weights`."""
-        return _copies(self.entries)
+        return [np.ascontiguousarray(t.detach().cpu().numpy()) if view is None else view.copy()  # copy(): C order
+                for (_, t), (_, _, view) in zip(self.entries, self._plan)]
 
     def set(self, arrays: Sequence[np.ndarray]) -> None:
         """Copy ``arrays`` into the model, as :func:`set_weights`."""
-        _assign(self.entries, arrays)
-
-
-def _copies(entries: list[tuple[str, torch.Tensor]]) -> list[np.ndarray]:
-    arrays = []
-    for name, t in entries:
-        _numpy_dtype(name, t)
-        arrays.append(np.ascontiguousarray(t.detach().cpu().numpy()).copy())
-    return arrays
-
-
-def _assign(entries: list[tuple[str, torch.Tensor]], arrays: Sequence[np.ndarray]) -> None:
-    if len(arrays) != len(entries):
-        raise ValueError(f"expected {len(entries)} weight arrays for this model but got {len(arrays)}; "
-                         "the weights were made for a different model architecture")
-    for i, ((name, t), a) in enumerate(zip(entries, arrays)):
-        if not isinstance(a, np.ndarray):
-            raise ValueError(f"weight {i} ({name!r}) must be a numpy array, got {type(a).__name__}")
-        expected = _numpy_dtype(name, t)
-        if a.dtype != expected:
-            raise ValueError(f"weight {i} ({name!r}) has dtype {a.dtype}, expected {expected}")
-        if tuple(a.shape) != tuple(t.shape):
-            raise ValueError(f"weight {i} ({name!r}) has shape {tuple(a.shape)}, expected {tuple(t.shape)}")
-    with torch.no_grad():
-        for (_, t), a in zip(entries, arrays):
-            # np.require copies read-only (e.g. np.frombuffer) or strided arrays, which torch.from_numpy rejects.
-            t.copy_(torch.from_numpy(np.require(a, requirements=["C", "W"])))
+        plan = self._plan
+        if len(arrays) != len(plan):
+            raise ValueError(f"expected {len(plan)} weight arrays for this model but got {len(arrays)}; "
+                             "the weights were made for a different model architecture")
+        for i, ((name, _), (dtype, shape, _), a) in enumerate(zip(self.entries, plan, arrays)):
+            if not isinstance(a, np.ndarray):
+                raise ValueError(f"weight {i} ({name!r}) must be a numpy array, got {type(a).__name__}")
+            if a.dtype != dtype:
+                raise ValueError(f"weight {i} ({name!r}) has dtype {a.dtype}, expected {dtype}")
+            if a.shape != shape:
+                raise ValueError(f"weight {i} ({name!r}) has shape {a.shape}, expected {shape}")
+        with torch.no_grad():
+            for (_, t), (_, _, view), a in zip(self.entries, plan, arrays):
+                if view is not None:
+                    np.copyto(view, a)  # read-only or strided sources too, with no intermediate copy
+                else:
+                    # np.require copies read-only (e.g. np.frombuffer) or strided arrays, which torch.from_numpy rejects.
+                    t.copy_(torch.from_numpy(np.require(a, requirements=["C", "W"])))

@@ -32,7 +32,12 @@ def in_memory(dataset: Any) -> tuple[torch.Tensor, ...] | None:
 def on_device(dataset: Any, device: torch.device | str) -> Any:
     """``dataset`` with its tensors on ``device`` when it is in memory (kept there for the trainer's life)."""
     tensors = in_memory(dataset)
-    return dataset if tensors is None else TensorDataset(*(t.to(device) for t in tensors))
+    if tensors is None:
+        return dataset
+    device = torch.device(device)
+    if all(t.device == device for t in tensors):  # no torch call per tensor (each gives up the interpreter lock)
+        return dataset if type(dataset) is TensorDataset else TensorDataset(*tensors)
+    return TensorDataset(*(t.to(device) for t in tensors))
 
 
 def labels_of(dataset: Any) -> np.ndarray | None:

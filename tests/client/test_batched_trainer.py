@@ -16,7 +16,7 @@ from fedpar import ClientData, Partition, Task
 from fedpar.client.batched_trainer import (ClientBatch, ClientBatchInput, batching_refusal, check_batchable,
                                            train_clients_batched)
 from fedpar.client.task_trainer import TaskTrainer
-from fedpar.client.local_loop import batch_schedule, shuffling_generator, stacked_schedules
+from fedpar.client.local_loop import shuffling_generator, stacked_schedules
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import ArrayDataset, load_dataset
 from fedpar.models.for_data import build_model_for_data
@@ -54,7 +54,7 @@ def _inputs(data: list[ArrayDataset]) -> list[ClientBatchInput]:
 
 
 def _local_batches(n: int, seed: int) -> list[torch.Tensor]:
-    """The index batches LocalTrainer.train draws (written out again here, independently of batch_schedule)."""
+    """The index batches LocalTrainer.train draws (written out again here, independently of member_batches)."""
     gen = shuffling_generator(seed, ROUND)
     batches = []
     for _ in range(EPOCHS):
@@ -210,9 +210,11 @@ def test_the_stacked_schedules_are_each_members_own_batches():
     index, mask = stacked_schedules(sizes, seeds, EPOCHS, BATCH, ROUND)
     first = 0
     for k, n in enumerate(sizes):
-        own, own_mask = batch_schedule(n, seeds[k], EPOCHS, BATCH, ROUND)
+        own = _local_batches(n, seeds[k])
         steps = len(own)
-        assert torch.equal(mask[k, :steps], own_mask) and not mask[k, steps:].any()
-        assert torch.equal(index[k, :steps][own_mask], own[own_mask] + first)
+        for step, batch in enumerate(own):  # its real examples first, then the padding
+            assert mask[k, step].tolist() == [True] * len(batch) + [False] * (BATCH - len(batch))
+            assert torch.equal(index[k, step, :len(batch)], batch + first)
+        assert not mask[k, steps:].any()
         assert ((index[k][~mask[k]] >= first) & (index[k][~mask[k]] < first + n)).all()  # padding stays its own
         first += n
