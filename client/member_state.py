@@ -41,12 +41,12 @@ class ResidualStore:
 
     def save(self, client: str, residual: list[np.ndarray] | None) -> None:
         """Keep ``client``'s residual (None: forget it)."""
-        path = self._path(client)
-        if residual is None:
+        if residual is None:  # a plain round's: nothing to keep, and most clients have no file to remove
             if client in self._kept:
-                path.unlink(missing_ok=True)
+                self._path(client).unlink(missing_ok=True)
                 self._kept.discard(client)
             return
+        path = self._path(client)
         flat = np.concatenate([np.asarray(r, np.float32).ravel() for r in residual])
         tmp = path.with_suffix(".tmp.npy")
         np.save(tmp, flat, allow_pickle=False)

@@ -262,7 +262,7 @@ class ClientRuntime:
             return False
         if weights is True:
             return True
-        if self.residuals is not None:  # the member's own error feedback, from its earlier rounds
+        if self.residuals is not None and settings.compression != "none":  # its error feedback, from earlier rounds
             seat.compression.give_residual(settings, self.residuals.load(member))
         seat.trainer.set_arrays(weights)
         metrics: dict[str, float] = {}
