@@ -86,29 +86,41 @@ def builtin_evaluation_of_splits(task: Task, model: nn.Module, splits: Sequence[
     device = next(model.parameters()).device
     inputs = torch.cat([t[0] for t in tensors]).to(device)
     targets = torch.cat([t[1] for t in tensors]).to(device)
-    bounds = np.cumsum([0] + [len(t[0]) for t in tensors]).tolist()
-    loss_sums = [torch.zeros((), dtype=torch.float64, device=device) for _ in splits]
-    correct = [torch.zeros((), dtype=torch.int64, device=device) for _ in splits]
+    sizes = [len(t[0]) for t in tensors]
+    bounds = np.cumsum([0] + sizes).tolist()
+    owner = torch.from_numpy(np.repeat(np.arange(len(splits)), sizes)).to(device)  # each example's split
+    # each split's share of each batch: its mean loss and its examples, summed per split at the end in this order
+    losses, counts, owners = [], [], []
+    correct = torch.zeros(len(splits), dtype=torch.int64, device=device)
     classified = [True] * len(splits)
     for begin in range(0, len(inputs), batch_size):
         end = min(begin + batch_size, len(inputs))
         with autocast(device, precision):
             outputs = model(inputs[begin:end])
+        scores = _class_scores(outputs, targets[begin:end])
+        if scores:  # every split's hits in this batch at once
+            correct.index_add_(0, owner[begin:end], (outputs.argmax(dim=1) == targets[begin:end]).long())
         for k in range(len(splits)):  # each split's share of this batch, as builtin_evaluation sums it
             lo, hi = max(bounds[k], begin), min(bounds[k + 1], end)
             if lo >= hi:
                 continue
             out, tgt = outputs[lo - begin:hi - begin], targets[lo:hi]
-            loss_sums[k] += task.loss(out, tgt).double() * (hi - lo)
-            classified[k] = classified[k] and _class_scores(out, tgt)
-            if classified[k]:
+            losses.append(task.loss(out, tgt))
+            counts.append(hi - lo)
+            owners.append(k)
+            classified[k] = classified[k] and (scores or _class_scores(out, tgt))
+            if classified[k] and not scores:
                 correct[k] += (out.argmax(dim=1) == tgt).sum()
-    losses = torch.stack(loss_sums).tolist()  # one device sync, at the end
-    hits = torch.stack(correct).tolist()
+    # one device sync, at the end; each share's loss times its examples in float64, as builtin_evaluation sums it
+    shares = [loss * n for loss, n in zip(torch.stack(losses).tolist() if losses else [], counts)]
+    loss_sums = [0.0] * len(splits)
+    for k, share in zip(owners, shares):
+        loss_sums[k] += share
+    hits = correct.tolist()
     results = []
     for k in range(len(splits)):
         examples = bounds[k + 1] - bounds[k]
-        metrics = {"loss": losses[k] / examples} if examples else {}
+        metrics = {"loss": loss_sums[k] / examples} if examples else {}
         if examples and classified[k]:
             metrics["accuracy"] = hits[k] / examples
         results.append(metrics)
