@@ -320,6 +320,9 @@ class ClientRuntime:
         task (small models come inside it), else over the data plane or the gRPC stream by the first member to need
         it, with its session. None: not read, pull the task again (the coordinator hands it out until a download
         completes); True: refused, done with the task (noted)."""
+        held = self._weights  # one tuple, replaced whole: read without the lock once the round's model is here
+        if held[0] == task.round:
+            return held[1]
         with self._weights_lock:
             if self._weights[0] == task.round:
                 return self._weights[1]

@@ -83,7 +83,8 @@ def default_batches(dataset: Any, batch_size: int, generator: torch.Generator | 
         return
     n = len(tensors[0])
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    order = order.to(tensors[0].device)  # drawn on the CPU: the same order on any device
+    if tensors[0].device.type != "cpu":
+        order = order.to(tensors[0].device)  # drawn on the CPU: the same order on any device
     for begin in range(0, n, batch_size):
         idx = order[begin:begin + batch_size]
         yield tuple(t[idx] for t in tensors)
@@ -102,7 +103,7 @@ def batch_at(dataset: Any, indices: list[int], loader: Any = None) -> Any:
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` (a tensor, or tuples, lists and dicts of them) on ``device``."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):
