@@ -229,3 +229,35 @@ def test_set_weights_rejects_mismatches_and_leaves_the_model_unchanged():
     with pytest.raises(ValueError, match=r"weight 1 \('net.0.bias'\) has dtype float64, expected float32"):
         set_weights(model, bad_dtype)
     assert all(np.array_equal(x, y) for x, y in zip(get_weights(model), good))
+
+
+def test_model_weights_kept_for_one_model_copy_in_and_out_and_refuse_what_does_not_fit():
+    from fedpar.models.weights import ModelWeights
+
+    model = MLP(in_features=4, hidden=(3,), num_classes=2)
+    weights = ModelWeights(model)
+    first = weights.get()
+    with torch.no_grad():
+        model.net[0].weight.add_(1.0)  # trained in place: the copies taken before stay as they were
+    assert np.array_equal(first[0] + 1.0, weights.get()[0]) and np.array_equal(first[1], weights.get()[1])
+    readonly = [np.frombuffer((w * 2).tobytes(), dtype=w.dtype).reshape(w.shape) for w in first]
+    strided = [np.asfortranarray(w * 3) for w in first]
+    for arrays, factor in ((readonly, 2), (strided, 3)):
+        weights.set(arrays)
+        assert all(np.array_equal(x, w * factor) for x, w in zip(weights.get(), first))
+        assert torch.equal(model.net[2].bias, torch.from_numpy(first[3] * factor))
+    out = weights.get()
+    out[0][...] = 7.0  # a copy: the model must not change
+    assert model.net[0].weight.abs().max() < 7.0
+    bad = [w.copy() for w in first]
+    bad[2] = np.zeros((3, 2), np.float32)
+    with pytest.raises(ValueError, match=r"weight 2 \('net.2.weight'\) has shape \(3, 2\), expected \(2, 3\)"):
+        weights.set(bad)
+    bad[2] = first[2].astype(np.float64)
+    with pytest.raises(ValueError, match=r"weight 2 \('net.2.weight'\) has dtype float64, expected float32"):
+        weights.set(bad)
+    with pytest.raises(ValueError, match="must be a numpy array, got list"):
+        weights.set([*first[:3], first[3].tolist()])
+    assert all(np.array_equal(x, w * 3) for x, w in zip(weights.get(), first))  # the refused lists changed nothing
+    with pytest.raises(ValueError, match="numpy cannot hold"):
+        ModelWeights(MLP(in_features=4, hidden=(3,), num_classes=2).to(torch.bfloat16)).get()
