@@ -72,20 +72,22 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
     """The one local loop (client/local_loop.py) on ``model``: epochs of ``task.loss`` over the task's batches,
     stepped by its optimizer (or plain SGD), in time."""
     device = torch.device(config.device)
+    on_cpu = device.type == "cpu"
     if not model.training:  # fedpar switches modes on the root only; a walk of the module tree costs ~25 us
         model.train()
     params = trainable(model)
     optimizer = task.optimizer(params, config.learning_rate) if task.optimizer is not None else None
     anchor = [p.detach().clone() for p in model.parameters()] if config.proximal_mu > 0 else None
 
-    def step(batch) -> tuple[int, torch.Tensor]:
+    def step(batch) -> tuple[int, float | torch.Tensor]:
         inputs, targets = inputs_and_targets(to_device(batch, device))
         with autocast(device, precision):
             loss = task.loss(model(inputs), targets)
         update(params, objective(loss, model.parameters(), anchor, config.proximal_mu), config.learning_rate,
                optimizer)
         n = batch_examples(targets)
-        return n, loss.detach().double() * n
+        # the same float64 product either way; on the CPU read at once (nothing to wait for), saving three torch calls
+        return n, loss.item() * n if on_cpu else loss.detach().double() * n
 
     batches = itertools.islice(member_batches(data.train, config.batch_size, config.epochs, config.seed,
                                               config.round, task.loader), config.max_steps)
