@@ -33,3 +33,18 @@ def test_stacked_members_sum_as_one_by_one_and_a_bad_member_is_left_out():
     np.testing.assert_allclose(np.frombuffer(a.data, np.float32), np.frombuffer(b.data, np.float32), rtol=1e-6)
     mean_w = sum(weights[j] * stacked[0][j] for j in (0, 1, 3)) / 23
     np.testing.assert_allclose(np.frombuffer(a.data, np.float32)[:6].reshape(3, 2), mean_w, rtol=1e-5)
+
+
+def test_a_member_left_out_for_its_report_or_twice_in_a_stack_adds_nothing_not_even_its_nan():
+    rng = np.random.default_rng(1)
+    stacked = [rng.normal(size=(3, 3, 2)).astype(np.float32), rng.normal(size=(3, 2)).astype(np.float32)]
+    stacked[0][1] = np.inf  # m1 also claims too many examples: refused for that, and its Inf must not reach the sum
+    partial = HostSum(LAYOUT, 3, [])
+    errors = partial.add_stacked(["m0", "m1", "m0"], ["t0", "t1", "t2"], stacked, [4, 99, 6], [1] * 3, [{}] * 3,
+                                 [(20, 1)] * 3)
+    assert "num_examples=99 must be in 1..20" in str(errors[1]) and "'m0' is in this partial already" in str(errors[2])
+    assert errors[0] is None and partial.members == ["m0"]
+    np.testing.assert_allclose(np.frombuffer(partial.message().data, np.float32)[:6].reshape(3, 2), stacked[0][0])
+    with pytest.raises(ValueError, match=r"tensors have shapes \[\(2, 3\), \(2,\)\], not the model's"):
+        partial.add("m3", "t3", [np.zeros((2, 3), np.float32), np.zeros(2, np.float32)], 1, 1, {}, (20, 1))
+    assert partial.members == ["m0"]
