@@ -2,15 +2,13 @@
 coordinator checks an upload (protocol/codec.check_report and first_non_finite), added into one weighted
 sum that the coordinator checks and folds as one (HostPartial in protocol/fedpar.proto).
 
-Members come stacked (:meth:`HostSum.add_stacked`: a batched trainer's parameters with a leading member axis, or the
-seats' updates stacked by their host), summed with one matrix product per tensor, or one at a time (:meth:`HostSum.add`,
-a stack of one). The sum is kept in float64 and sent as the weighted mean in the model's dtypes (the coordinator folds
-it with the total weight).
+Members come one at a time (:meth:`HostSum.add`: a seat's update) or stacked (:meth:`HostSum.add_stacked`: a batched
+trainer's parameters with a leading member axis, summed with one tensordot per tensor). The sum is kept in float64
+and sent as the weighted mean in the model's dtypes (the coordinator folds it with the total weight).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -46,39 +44,34 @@ class HostSum:
     def __len__(self) -> int:
         return len(self.members)
 
-    def _check(self, member: str, shapes: Sequence[tuple[int, ...]], weight: int, steps: int,
+    def _admit(self, member: str, task_id: str, arrays: Sequence[np.ndarray], weight: int, steps: int,
                metrics: Mapping[str, float], registered: tuple[int, int]) -> None:
-        """Check one member's update as the coordinator would, all but its values' finiteness (a ValueError)."""
+        """Check one member's update as the coordinator would; note it (its arrays still to be added)."""
         if tuple(sorted(metrics)) != tuple(sorted(self.metric_names)):
             raise ValueError(f"member {member!r} reports metrics {sorted(metrics)}, not the partial's "
                              f"{sorted(self.metric_names)}")
         if member in self.members:
             raise ValueError(f"member {member!r} is in this partial already; each update counts once")
         check_report(weight, registered[0], registered[1], steps, metrics)
-        if list(shapes) != [t.shape for t in self.layout.tensors]:
-            raise ValueError(f"member {member!r}'s tensors have shapes {list(shapes)}, not the model's")
-
-    def _note(self, member: str, task_id: str, weight: int, steps: int, metrics: Mapping[str, float]) -> None:
-        """Count one member in (its arrays added by the caller)."""
+        shapes = [tuple(np.shape(a)) for a in arrays]
+        if shapes != [t.shape for t in self.layout.tensors]:
+            raise ValueError(f"member {member!r}'s tensors have shapes {shapes}, not the model's")
+        bad = first_non_finite(self.layout, arrays)
+        if bad is not None:
+            raise ValueError(f"tensor {bad!r} contains NaN or Inf; update refused")
         self.members.append(member)
         self.task_ids.append(task_id)
         self.weights.append(int(weight))
         self.steps.append(int(steps))
         self.metric_values += [float(metrics[n]) for n in self.metric_names]
 
-    def _non_finite(self, arrays: Sequence[np.ndarray]) -> ValueError | None:
-        """The refusal of one member's arrays holding NaN or Inf, or None."""
-        bad = first_non_finite(self.layout, arrays)
-        return None if bad is None else ValueError(f"tensor {bad!r} contains NaN or Inf; update refused")
-
     def add(self, member: str, task_id: str, arrays: Sequence[np.ndarray], weight: int, steps: int,
             metrics: Mapping[str, float], registered: tuple[int, int]) -> None:
         """Check member's update (its new weights, in the layout's order) and add it with ``weight``; a ValueError
         (nothing added) if it fails a check."""
-        error = self.add_stacked([member], [task_id], [np.asarray(a)[None] for a in arrays], [weight], [steps],
-                                 [metrics], [registered])[0]
-        if error is not None:
-            raise error
+        self._admit(member, task_id, arrays, weight, steps, metrics, registered)
+        for total, array in zip(self.sums, arrays):
+            total += np.asarray(array, np.float64) * weight
 
     def add_stacked(self, members: Sequence[str], task_ids: Sequence[str], stacked: Sequence[np.ndarray],
                     weights: Sequence[int], steps: Sequence[int], metrics: Sequence[Mapping[str, float]],
@@ -86,37 +79,21 @@ class HostSum:
         """Add members' updates stacked on a leading member axis (one array per tensor of the layout, shape
         ``(len(members), *tensor shape)``), each weighted by its ``weights`` entry; per member, None (added) or the
         ValueError that left it out."""
-        count = len(members)
-        stacked = [np.asarray(x) for x in stacked]
-        shapes = [x.shape[1:] for x in stacked]
-        errors: list[ValueError | None] = [None] * count
-        taken = np.zeros(count, np.float64)
-        seen = set()
+        errors: list[ValueError | None] = []
+        taken = np.zeros(len(members), np.float64)
         for j, member in enumerate(members):
             try:
-                if member in seen:
-                    raise ValueError(f"member {member!r} is in this partial already; each update counts once")
-                self._check(member, shapes, weights[j], steps[j], metrics[j], registered[j])
-                seen.add(member)
+                self._admit(member, task_ids[j], [x[j] for x in stacked], weights[j], steps[j], metrics[j],
+                            registered[j])
                 taken[j] = weights[j]
+                errors.append(None)
             except ValueError as exc:
-                errors[j] = exc
-        if not taken.any():  # nothing to add (and the arrays may not even have the model's shapes)
-            return errors
-        flat = [x.reshape(count, math.prod(x.shape[1:])).astype(np.float64, copy=False) for x in stacked]
-        parts = [taken @ x for x in flat]
-        # with positive weights the sum is finite exactly when every member taken is (a float64 sum of finite
-        # float16/32 values cannot overflow): the members' own scans run only when it is not, to find which to leave out
-        if not all(np.isfinite(p).all() for p in parts):
-            for j in np.flatnonzero(taken):
-                errors[j] = self._non_finite([x[j] for x in stacked])
-                taken[j] = weights[j] if errors[j] is None else 0
-            keep = taken > 0
-            parts = [taken[keep] @ x[keep] for x in flat]  # a left-out member's NaN must not reach the sum
-        for j in np.flatnonzero(taken):
-            self._note(members[j], task_ids[j], weights[j], steps[j], metrics[j])
-        for total, part in zip(self.sums, parts):
-            total += part.reshape(total.shape)
+                errors.append(exc)
+        for total, x in zip(self.sums, stacked):  # a left-out member weighs 0 (it is finite-checked only if taken)
+            x = np.asarray(x)
+            if not np.all(taken > 0):
+                x = np.where(taken.reshape((-1,) + (1,) * (x.ndim - 1)) > 0, x, 0)
+            total += np.tensordot(taken, x.astype(np.float64, copy=False), axes=1)
         return errors
 
     def message(self) -> pb.HostPartial:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import grpc
-import numpy as np
 
 from fedpar.client.host_partial import HostSum, summable
 from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate
@@ -219,10 +218,9 @@ class HostUploads:
         return rest
 
     def _sum_into(self, partial: HostSum, group: list[_Queued]) -> list[_Queued]:
-        """Add ``group``'s updates that pass the host's checks to ``partial`` with one op per tensor: the rows of one
-        stack straight from it, the seats' own updates stacked first (one copy of each, cheaper than an op per member
-        and tensor); those added (a failed one goes on its own, to the coordinator's verdict)."""
-        stacks, singles = {}, []
+        """Add ``group``'s updates that pass the host's checks to ``partial``: the rows of one stack with one op over
+        it, the others one by one; those added (a failed one goes on its own, to the coordinator's verdict)."""
+        summed, stacks = [], {}
         for q in group:
             header = q.update.header
             try:
@@ -233,22 +231,19 @@ class HostUploads:
             rows = q.update.rows
             if rows is not None:
                 stacks.setdefault(id(rows.source), []).append((q, registered))
-            else:
-                singles.append((q, registered))
-        shapes = [t.shape for t in partial.layout.tensors]
-        alike = [m for m in singles if [np.shape(a) for a in m[0].update.arrays] == shapes]
-        groups = [([m], [np.asarray(a)[None] for a in m[0].update.arrays]) for m in singles if m not in alike]
-        if alike:  # a bad shape would not stack: those go alone above, to be refused by the host's checks
-            groups.append((alike, [np.stack([m[0].update.arrays[t] for m in alike]) for t in range(len(shapes))]))
+                continue
+            try:
+                partial.add(header.auth.agent_id, header.task_id, q.update.arrays, header.num_examples, header.steps,
+                            header.metrics, registered)
+                summed.append(q)
+            except ValueError as exc:  # the coordinator refuses it on its own, and counts the refusal
+                log.info("%s: %s is sent on its own: %s", self.host.agent_id, header.auth.agent_id, exc)
         for members in stacks.values():
             members.sort(key=lambda member: member[0].update.rows.row)  # seats queue theirs as they finish
             stacked = members[0][0].update.rows.stacked
             index = [q.update.rows.row for q, _ in members]
             if index != list(range(len(stacked[0]))):  # not the whole stack: its rows of it
                 stacked = [x[index] for x in stacked]
-            groups.append((members, stacked))
-        summed = []
-        for members, stacked in groups:
             headers = [q.update.header for q, _ in members]
             errors = partial.add_stacked([h.auth.agent_id for h in headers], [h.task_id for h in headers], stacked,
                                          [h.num_examples for h in headers], [h.steps for h in headers],
@@ -256,7 +251,7 @@ class HostUploads:
             for (q, _), exc in zip(members, errors):
                 if exc is None:
                     summed.append(q)
-                else:  # the coordinator refuses it on its own, and counts the refusal
+                else:
                     log.info("%s: %s is sent on its own: %s", self.host.agent_id, q.update.header.auth.agent_id, exc)
         return summed
 
