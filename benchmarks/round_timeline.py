@@ -54,9 +54,12 @@ HOPS = {
                               ("CohortSampler.sample", "server", "both")],
     "fedpar.server.populations": [("Populations.deal", "server", "in"),
                                   ("Populations._reply", "server", "out?")],
-    "fedpar.server.app": [("CoordinatorService.UploadHostUpdates", "server", "both")],
+    "fedpar.server.app": [("CoordinatorService.UploadHostUpdates", "server", "both"),
+                          ("CoordinatorService.PullHostTasks", "server", "in")],
     "fedpar.server.rounds": [("RoundState.close", "server", "in")],
-    "fedpar.server.round_modes": [("PlainRound.close", "server", "both"), ("RoundModes.for_round", "server", "both")],
+    "fedpar.server.round_modes": [("PlainRound.close", "server", "both"), ("RoundModes.for_round", "server", "both"),
+                                  ("take_host_partial", "server", "both")],
+    "fedpar.server.uploads": [("check_partial", "server", "both")],
     "fedpar.protocol.run_logs": [("RoundMetricsLog.append", "server", "both")],
     "fedpar.client.links": [("HostLink.pull", "worker", "out?")],
     "fedpar.client.runtime": [("ClientRuntime._dispatch", "worker", "in"),
@@ -69,7 +72,10 @@ HOPS = {
     "fedpar.client.transfer": [("task_weights", "worker", "both")],
     "fedpar.simulations.population": [("PopulationMembers.member_data", "worker", "both")],
     "fedpar.client.round_modes": [("PlainUpload.upload", "worker", "in")],
-    "fedpar.client.host_uploads": [("HostUploads._send", "worker", "both")],
+    "fedpar.client.host_uploads": [("HostUploads._send", "worker", "both"), ("HostUploads.nudge", "worker", "in"),
+                                   ("HostUploads._sum_into", "worker", "both")],
+    "fedpar.client.host_partial": [("HostSum.message", "worker", "both")],
+    "fedpar.server.limits": [("RpcLimit._request", "server", "both")],
 }
 
 
