@@ -1,7 +1,9 @@
 """A client runtime hosting a population (client/links.HostLink) sends its members' small updates together: one
-UploadHostUpdates call carries whatever updates are waiting when the call can go, each with its member's session
-and checked by the coordinator as UploadSmall would be. While one call is in flight the next updates queue up, so
-batches grow with the load by themselves.
+UploadHostUpdates batch carries whatever updates are waiting when it can go, each with its member's session and
+checked by the coordinator as UploadSmall would be. While one batch is in flight the next updates queue up, so
+batches grow with the load by themselves. The runtime's batches go on one HostUploadStream, opened at the first and
+again after a failure (a call's set-up is most of a small batch's cost in gRPC: benchmarks/grpc_call_cost.py); a
+coordinator without it answers UNIMPLEMENTED once and gets one call per batch.
 
 A seat either waits for its update's own result (:meth:`HostUploads.send`: top-k error feedback must know whether
 its update counted) or hands the update over and goes on with its next client (:meth:`HostUploads.send_later`):
@@ -24,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -77,8 +80,10 @@ class HostUploads:
 
     def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
                  max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True,
-                 registered: Callable[[str], tuple[int, int]] | None = None):
+                 registered: Callable[[str], tuple[int, int]] | None = None, stream: bool = False):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
+        # ``stream``: the batches go on one HostUploadStream (no call set-up each) while the coordinator takes one
+        self.stream, self._stream = stream, None
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: collections.deque = collections.deque()  # _Queued items; None: stop
         self._changed = threading.Condition()  # guards _queue, _queued_bytes and _idle
@@ -132,6 +137,8 @@ class HostUploads:
             self._send(batch)
             if batch[-1] is None:
                 break
+        if self._stream is not None:
+            self._stream.close()
 
     def _next_batch(self) -> list[_Queued | None] | None:
         """The next batch to send: the updates queued when its first came and within the linger after it while
@@ -193,9 +200,8 @@ class HostUploads:
         if not summed:
             return rest
         try:
-            reply = self.stub.UploadHostUpdates(
-                pb.HostUploads(host=self.host, partial=partial.message()),
-                timeout=max(0.5, min(q.deadline for q in summed) - time.monotonic()))
+            reply = self._call(pb.HostUploads(host=self.host, partial=partial.message()),
+                               max(0.5, min(q.deadline for q in summed) - time.monotonic()))
         except grpc.RpcError as err:
             for q in summed:
                 self._settle(q, err)
@@ -258,9 +264,8 @@ class HostUploads:
     def _send_each(self, batch: list[_Queued]) -> None:
         """One call for ``batch``; each update's result goes to its seat, or is retried or logged."""
         try:
-            reply = self.stub.UploadHostUpdates(
-                pb.HostUploads(host=self.host, uploads=[q.update.message for q in batch]),
-                timeout=max(0.5, min(q.deadline for q in batch) - time.monotonic()))
+            reply = self._call(pb.HostUploads(host=self.host, uploads=[q.update.message for q in batch]),
+                               max(0.5, min(q.deadline for q in batch) - time.monotonic()))
             results = list(reply.results)
         except grpc.RpcError as err:
             for q in batch:
@@ -274,6 +279,24 @@ class HostUploads:
             else:
                 q.done.set_result(pb.UploadReply(accepted=result.accepted, message=result.message))
 
+    def _call(self, request: pb.HostUploads, timeout: float) -> pb.HostUploadResults:
+        """One UploadHostUpdates: on the host's stream (opened again after a failure) while the coordinator takes
+        one, else as a call of its own."""
+        if not self.stream:
+            return self.stub.UploadHostUpdates(request, timeout=timeout)
+        if self._stream is None:
+            self._stream = _HostStream(self.stub)
+        try:
+            return self._stream.send(request, timeout)
+        except grpc.RpcError as err:
+            self._stream.close()
+            self._stream = None
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self.stream = False  # nothing was taken: this coordinator's calls one by one from now on
+            log.info("%s: the coordinator takes no upload stream; one call per batch", self.host.agent_id)
+            return self.stub.UploadHostUpdates(request, timeout=timeout)
+
     def _settle(self, q: _Queued, err: grpc.RpcError) -> None:
         """A refused update: its seat hears it; a background one is tried again while the coordinator is busy and
         its deadline allows, else logged."""
@@ -284,3 +307,35 @@ class HostUploads:
         else:
             self.refused_in_background += 1
             log.info("an update sent in the background was refused: %s: %s", err.code().name, err.details())
+
+
+class _HostStream:
+    """A host's HostUploadStream: one HostUploads at a time, its results awaited (the stream is cancelled when they
+    do not come in time: the next batch opens a new one)."""
+
+    def __init__(self, stub: CoordinatorStub):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies = stub.HostUploadStream(iter(self._requests.get, None))
+
+    def send(self, request: pb.HostUploads, timeout: float) -> pb.HostUploadResults:
+        """``request``'s results; a DEADLINE_EXCEEDED refusal if they take more than ``timeout`` seconds."""
+        self._requests.put(request)
+        late = threading.Event()
+        timer = threading.Timer(timeout, lambda: (late.set(), self._replies.cancel()))
+        timer.start()
+        try:
+            return next(self._replies)
+        except grpc.RpcError as err:
+            if late.is_set():
+                raise HostUploadRefused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"no results within {timeout:.1f} s on the upload stream") from None
+            raise
+        except StopIteration:
+            raise HostUploadRefused(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the upload stream") from None
+        finally:
+            timer.cancel()
+
+    def close(self) -> None:
+        """End the stream."""
+        self._requests.put(None)
+        self._replies.cancel()

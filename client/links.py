@@ -356,7 +356,8 @@ class HostLink:
         self._forget_queued()
         if self.uploads is None:  # the members' small updates, batched (a few ms' wait for seats still training)
             self.uploads = HostUploads(self.conn.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
-                                       more_coming=lambda: self._in_flight > 0, registered=self._registered)
+                                       more_coming=lambda: self._in_flight > 0, registered=self._registered,
+                                       stream=True)
 
     def tasks_in_flight(self, change: int) -> None:
         """``change`` members' tasks queued for the seats (> 0), or done with or forgotten (< 0; each one's update, if

@@ -89,6 +89,11 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.HostUploads.SerializeToString,
                 response_deserializer=fedpar__pb2.HostUploadResults.FromString,
                 _registered_method=True)
+        self.HostUploadStream = channel.stream_stream(
+                '/fedpar.v1.Coordinator/HostUploadStream',
+                request_serializer=fedpar__pb2.HostUploads.SerializeToString,
+                response_deserializer=fedpar__pb2.HostUploadResults.FromString,
+                _registered_method=True)
         self.ReplyMessage = channel.unary_unary(
                 '/fedpar.v1.Coordinator/ReplyMessage',
                 request_serializer=fedpar__pb2.MessageReply.SerializeToString,
@@ -180,6 +185,15 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HostUploadStream(self, request_iterator, context):
+        """The same on one long-lived stream per host: each HostUploads is taken as UploadHostUpdates takes it (its host
+        authenticated again, every check) and answered in order, without a call's set-up each time. The stream counts as
+        one of the host's calls for its life; a refusal of the host or a malformed message ends it with its status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReplyMessage(self, request, context):
         """Flower App runs (--flower-app): a member's reply to the Flower Message its task carried
         (TrainTask.flower_message), a serialized flwr.proto.message_pb2.Message (Flower's own serde, no pickle).
@@ -243,6 +257,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'UploadHostUpdates': grpc.unary_unary_rpc_method_handler(
                     servicer.UploadHostUpdates,
+                    request_deserializer=fedpar__pb2.HostUploads.FromString,
+                    response_serializer=fedpar__pb2.HostUploadResults.SerializeToString,
+            ),
+            'HostUploadStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HostUploadStream,
                     request_deserializer=fedpar__pb2.HostUploads.FromString,
                     response_serializer=fedpar__pb2.HostUploadResults.SerializeToString,
             ),
@@ -547,6 +566,33 @@ class Coordinator(object):
             request,
             target,
             '/fedpar.v1.Coordinator/UploadHostUpdates',
+            fedpar__pb2.HostUploads.SerializeToString,
+            fedpar__pb2.HostUploadResults.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostUploadStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fedpar.v1.Coordinator/HostUploadStream',
             fedpar__pb2.HostUploads.SerializeToString,
             fedpar__pb2.HostUploadResults.FromString,
             options,

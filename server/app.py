@@ -333,31 +333,58 @@ class CoordinatorService:
         and taken with every check UploadSmall makes, in order; one result each (a refusal is a result, not the
         call's end). A pre-summed partial of more members comes after them, with one result for all."""
         host = self._host(request.host, context)
+        with self.limits.agent_call(HOST_CALLS + host.host_id):
+            return await self._host_uploads(host, request, context)
+
+    async def HostUploadStream(self, request_iterator, context):
+        """UploadHostUpdates on one stream: the first message within --upload-header-seconds (a stranger's stream
+        until then), every message taken as that call takes it, answered in order."""
+        seconds = self.coord.config.upload_header_seconds
+        request = await _next_message(request_iterator, seconds, lambda: Refusal(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"no HostUploads within {seconds:g} s of opening the stream (--upload-header-seconds)"))
+        if request is None:
+            return
+        host = self._host(request.host, context)
+        with self.limits.agent_call(HOST_CALLS + host.host_id):  # the stream is one of the host's calls
+            while request is not None:
+                if self._host(request.host, context).host_id != host.host_id:
+                    raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"this stream is host {host.host_id!r}'s, not {request.host.agent_id[:64]!r}'s")
+                yield await self._host_uploads(host, request, context)
+                try:
+                    request = await request_iterator.__anext__()
+                except StopAsyncIteration:
+                    return
+                if isinstance(request, Malformed):
+                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{request.reason}; the update was not applied")
+
+    async def _host_uploads(self, host: HostRecord, request: pb.HostUploads, context) -> pb.HostUploadResults:
+        """Take ``host``'s (authenticated) HostUploads: its updates one by one, then its partial."""
         if len(request.uploads) > MAX_HOST_UPLOADS:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
                                                             f"at most {MAX_HOST_UPLOADS}")
         results = pb.HostUploadResults()
-        with self.limits.agent_call(HOST_CALLS + host.host_id):
-            for item in request.uploads:
-                try:
-                    if not item.HasField("header"):
-                        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
-                    member = self._auth(item.header.auth, context)
-                    if member.host != host.host_id:
-                        raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                                      f"{member.agent_id!r} is not a member of host {host.host_id!r}")
-                    reply = await self.intake.take(member, item.header, self.intake.small_receiver(item))
-                    results.results.add(accepted=reply.accepted, message=reply.message)
-                except Refusal as r:
-                    results.results.add(message=r.message, code=r.code.value[0])
-            if request.HasField("partial"):
-                try:
-                    reply = await take_host_partial(self.coord, host.host_id, request.partial)
-                    results.partial.CopyFrom(pb.HostUploadResult(accepted=reply.accepted, message=reply.message))
-                except Refusal as r:
-                    if self.coord.current is not None and r.code != grpc.StatusCode.UNIMPLEMENTED:
-                        self.coord.current.note_refusal(r)
-                    results.partial.CopyFrom(pb.HostUploadResult(message=r.message, code=r.code.value[0]))
+        for item in request.uploads:
+            try:
+                if not item.HasField("header"):
+                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
+                member = self._auth(item.header.auth, context)
+                if member.host != host.host_id:
+                    raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"{member.agent_id!r} is not a member of host {host.host_id!r}")
+                reply = await self.intake.take(member, item.header, self.intake.small_receiver(item))
+                results.results.add(accepted=reply.accepted, message=reply.message)
+            except Refusal as r:
+                results.results.add(message=r.message, code=r.code.value[0])
+        if request.HasField("partial"):
+            try:
+                reply = await take_host_partial(self.coord, host.host_id, request.partial)
+                results.partial.CopyFrom(pb.HostUploadResult(accepted=reply.accepted, message=reply.message))
+            except Refusal as r:
+                if self.coord.current is not None and r.code != grpc.StatusCode.UNIMPLEMENTED:
+                    self.coord.current.note_refusal(r)
+                results.partial.CopyFrom(pb.HostUploadResult(message=r.message, code=r.code.value[0]))
         return results
 
     def _host(self, auth: pb.AgentAuth, context) -> HostRecord:
@@ -530,6 +557,9 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
             response_serializer=pb.UploadReply.SerializeToString),
         "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
         "UploadHostUpdates": unary(service.UploadHostUpdates, pb.HostUploads, pb.HostUploadResults),
+        "HostUploadStream": grpc.stream_stream_rpc_method_handler(
+            answering_refusals(service.HostUploadStream), request_deserializer=parser(pb.HostUploads),
+            response_serializer=pb.HostUploadResults.SerializeToString),
         "ReplyMessage": unary(service.ReplyMessage, pb.MessageReply, pb.UploadReply),
         "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatReply),
         "Leave": unary(service.Leave, pb.LeaveRequest, pb.LeaveReply),

@@ -142,14 +142,15 @@ def test_a_round_that_takes_no_partial_says_so_and_the_host_sends_each_update(st
     np.testing.assert_allclose(server.coordinator.weights[0], np.full(SHAPE, 1.0, np.float32), atol=1e-4)
 
 
-def test_a_host_sums_its_checked_updates_into_one_partial_and_sends_a_bad_one_on_its_own(start_coordinator):
+@pytest.mark.parametrize("stream", [False, True], ids=["calls", "stream"])
+def test_a_host_sums_its_checked_updates_into_one_partial_and_sends_a_bad_one_on_its_own(start_coordinator, stream):
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=4,
                                overselect=1.0, min_available=4, rounds=1)
     stub = host_stub(server)
     a = join_members(stub, "host-a", ["a0", "a1", "a2", "a3"])
     tasks = _round(server, stub, {"host-a": a}, 4)
     uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a", token=a.host_token), max_bytes=1 << 20, linger=0.5,
-                          registered=lambda member: (10, 1))
+                          registered=lambda member: (10, 1), stream=stream)
     values = {"a0": 1.0, "a1": 3.0, "a2": np.inf, "a3": 5.0}  # a2's is not finite: sent on its own, and refused
     updates = {m: _update(a, m, tasks[m], np.full(SHAPE, values[m], np.float32)) for m in sorted(tasks)}
     try:
