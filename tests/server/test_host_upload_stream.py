@@ -137,3 +137,13 @@ def test_a_coordinator_without_the_stream_says_unimplemented_once_and_gets_one_c
         assert calls == [1, 1]
     finally:
         server.stop(0)
+
+
+def test_a_stream_that_sends_nothing_is_a_strangers_and_is_let_go_at_the_header_deadline(start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, upload_header_seconds=0.5)
+    requests, replies = _stream(grpc.insecure_channel(server.address))
+    with pytest.raises(grpc.RpcError) as err:
+        next(replies)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no HostUploads within 0.5 s of opening the stream" in err.value.details()
+    requests.put(None)
