@@ -54,7 +54,7 @@ HOPS = {
                               ("CohortSampler.sample", "server", "both")],
     "fedpar.server.populations": [("Populations.deal", "server", "in"),
                                   ("Populations._reply", "server", "out?")],
-    "fedpar.server.app": [("CoordinatorService.UploadHostUpdates", "server", "both"),
+    "fedpar.server.app": [("CoordinatorService._host_uploads", "server", "both"),
                           ("CoordinatorService.PullHostTasks", "server", "in")],
     "fedpar.server.rounds": [("RoundState.close", "server", "in")],
     "fedpar.server.round_modes": [("PlainRound.close", "server", "both"), ("RoundModes.for_round", "server", "both"),
