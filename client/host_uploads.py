@@ -42,6 +42,7 @@ from fedpar.protocol.codec import CoordinatorStub
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
+WATCH_SECONDS = 0.25  # how often a host's upload stream looks whether the results it awaits are late
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -310,32 +311,43 @@ class HostUploads:
 
 
 class _HostStream:
-    """A host's HostUploadStream: one HostUploads at a time, its results awaited (the stream is cancelled when they
-    do not come in time: the next batch opens a new one)."""
+    """A host's HostUploadStream: one HostUploads at a time, its results awaited; a watch thread cancels the stream
+    when they are late (checked every WATCH_SECONDS, so no timer per batch: the next batch opens a new stream)."""
 
     def __init__(self, stub: CoordinatorStub):
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies = stub.HostUploadStream(iter(self._requests.get, None))
+        self._due: float | None = None  # time.monotonic() the awaited results are due by; None: none awaited
+        self._late = False
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="fedpar-host-stream-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_SECONDS):
+            due = self._due
+            if due is not None and time.monotonic() > due:
+                self._late = True
+                self._replies.cancel()
 
     def send(self, request: pb.HostUploads, timeout: float) -> pb.HostUploadResults:
-        """``request``'s results; a DEADLINE_EXCEEDED refusal if they take more than ``timeout`` seconds."""
+        """``request``'s results; a DEADLINE_EXCEEDED refusal if they take more than ``timeout`` seconds (give or
+        take WATCH_SECONDS)."""
+        self._due = time.monotonic() + timeout
         self._requests.put(request)
-        late = threading.Event()
-        timer = threading.Timer(timeout, lambda: (late.set(), self._replies.cancel()))
-        timer.start()
         try:
             return next(self._replies)
         except grpc.RpcError as err:
-            if late.is_set():
+            if self._late:
                 raise HostUploadRefused(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"no results within {timeout:.1f} s on the upload stream") from None
             raise
         except StopIteration:
             raise HostUploadRefused(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the upload stream") from None
         finally:
-            timer.cancel()
+            self._due = None
 
     def close(self) -> None:
-        """End the stream."""
+        """End the stream and its watch."""
+        self._closed.set()
         self._requests.put(None)
         self._replies.cancel()

@@ -147,3 +147,41 @@ def test_a_stream_that_sends_nothing_is_a_strangers_and_is_let_go_at_the_header_
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "no HostUploads within 0.5 s of opening the stream" in err.value.details()
     requests.put(None)
+
+
+def test_results_that_do_not_come_in_time_end_the_stream_with_deadline_exceeded_and_the_next_batch_opens_another():
+    """A coordinator that takes a batch and never answers (a gRPC server standing in for a stuck one)."""
+    import threading
+    from concurrent import futures
+
+    from fedpar.client.host_uploads import HostUploadRefused, _HostStream
+    from fedpar.protocol.codec import CoordinatorStub
+
+    opened, release = [], threading.Event()
+
+    def stuck(request_iterator, context):
+        opened.append(next(request_iterator))
+        release.wait(10)
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "HostUploadStream": grpc.stream_stream_rpc_method_handler(
+            stuck, pb.HostUploads.FromString, pb.HostUploadResults.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        stub = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        for _ in range(2):
+            stream = _HostStream(stub)
+            start = time.monotonic()
+            with pytest.raises(HostUploadRefused) as err:
+                stream.send(pb.HostUploads(host=pb.AgentAuth(agent_id="host-a")), 0.3)
+            stream.close()
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "no results within 0.3 s" in err.value.details()
+            assert 0.3 <= time.monotonic() - start < 3
+        assert len(opened) == 2
+    finally:
+        release.set()
+        server.stop(0)
