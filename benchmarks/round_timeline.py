@@ -12,6 +12,10 @@ Each event belongs to the round whose start (``Coordinator._run_round``) precede
 median over rounds 2..R of the first and the last time it happened in the round, in milliseconds from the round's
 start (and for a hop noted on entry and exit the milliseconds spent in it, summed over the round's calls), and the
 cycle: from a round's start to the next one's.
+It also pairs each host's partial upload with its own hops: from its message being ready to the coordinator's checks
+(the transport), the checks and fold, and back to the host. ``--baseline PYTHON`` (another checkout's venv python;
+a hop its code lacks is not noted) alternates ``--pairs`` runs of that checkout's code with this one's and prints
+those three per checkout and their ratios.
 The results go to benchmarks/results/round_timeline.json (``--json``).
 
 ``--checkpoints`` runs the same job a second time with a checkpoint every round (``--checkpoint-dir``, as `fedpar
@@ -22,6 +26,7 @@ the next round, so it costs a round little while it is shorter than one).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import functools
 import importlib.abc
@@ -210,18 +215,46 @@ def cycle_ms(events: list[tuple[float, str, str]], skip: int = 1) -> float:
     return statistics.median((b - a) * 1000 for a, b in zip(starts, starts[1:]))
 
 
-def run(simulate_args: list[str], out: Path) -> tuple[dict, float, list[dict]]:
-    """One traced `fedpar simulate` run: its timeline, its round-to-round cycle in ms and its metrics rows."""
+def upload_trip(events: list[tuple[float, str, str]], skip: int = 1) -> dict[str, float]:
+    """A host's partial upload, each paired with its own hops (rounds after the first ``skip``): median ms from the
+    partial's message being ready on the host to the coordinator starting its checks (the transport), the checks and
+    the fold, and from the handler's end to the host holding the results."""
+    start = [t for t, name, _ in events if name == START][skip] if skip < sum(n == START for _, n, _ in events) else 0
+    times = collections.defaultdict(list)
+    for t, name, thread in events:
+        times[name].append(t)
+        times[f"{name} @{thread}"].append(t)
+
+    def after(name: str, t: float) -> float | None:
+        at = bisect.bisect_left(times[name], t)
+        return times[name][at] if at < len(times[name]) else None
+    trips = collections.defaultdict(list)
+    for t, name, thread in events:
+        if name != "worker HostSum.message out" or t < start:
+            continue
+        checks = after("server take_host_partial in", t)
+        checked = checks and after("server take_host_partial out", checks)
+        back = after(f"worker HostUploads._send out @{thread}", t)
+        if checks and checked and back and checked <= back:
+            trips["to the coordinator's checks"].append((checks - t) * 1000)
+            trips["checks and fold"].append((checked - checks) * 1000)
+            trips["back to the host"].append((back - checked) * 1000)
+    return {k: statistics.median(v) for k, v in trips.items()} | {"uploads": len(trips["checks and fold"])}
+
+
+def run(simulate_args: list[str], out: Path, python: str = sys.executable) -> tuple[dict, float, list[dict], dict]:
+    """One traced `fedpar simulate` run (``python``: a venv's, whose checkout's code runs): its timeline, its
+    round-to-round cycle in ms, its metrics rows and its hosts' upload trip."""
     events = out / "events"
     events.mkdir(parents=True)
     (out / "sitecustomize.py").write_text("import round_timeline\nround_timeline.install()\n")
     env = {**os.environ, ENV: str(events),
            "PYTHONPATH": os.pathsep.join([str(out), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-m", "fedpar", "simulate", *simulate_args, "--out", str(out / "run"),
+    subprocess.run([python, "-m", "fedpar", "simulate", *simulate_args, "--out", str(out / "run"),
                     "--quiet"], env=env, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     traced = read_events(events)
-    return timeline(traced), cycle_ms(traced), rows
+    return timeline(traced), cycle_ms(traced), rows, upload_trip(traced)
 
 
 def main() -> int:
@@ -233,14 +266,21 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=HERE / "results" / "round_timeline.json")
     p.add_argument("--checkpoints", action="store_true",
                    help="also run with a checkpoint every round and print its cycle against the run without")
+    p.add_argument("--baseline", help="another checkout's venv python: alternate its runs with this one's and print "
+                                      "the hosts' upload trip of each (the timeline is this checkout's last run)")
+    p.add_argument("--pairs", type=int, default=3, help="alternated runs of each with --baseline")
     p.add_argument("simulate", nargs="*", help="more `fedpar simulate` flags (after --)")
     a = p.parse_args()
     args = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--rounds", str(a.rounds),
             "--clients", str(a.clients), "--clients-per-round", str(a.clients_per_round), *a.simulate]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     checkpointed = None
+    trips: dict[str, list[dict]] = {"baseline": [], "this": []}
     with tempfile.TemporaryDirectory() as tmp:
-        hops, cycle, rows = run(args, Path(tmp) / "plain")
+        for pair in range(a.pairs if a.baseline else 0):
+            trips["baseline"].append(run(args, Path(tmp) / f"baseline{pair}", a.baseline)[3])
+            trips["this"].append(run(args, Path(tmp) / f"this{pair}")[3])
+        hops, cycle, rows, trip = run(args, Path(tmp) / "plain")
         if a.checkpoints:
             checkpointed = run([*args, "--checkpoint-dir", str(Path(tmp) / "ckpt")], Path(tmp) / "checkpointed")
     round_ms = statistics.median(r["round_seconds"] for r in rows[1:]) * 1000
@@ -256,11 +296,22 @@ def main() -> int:
         spent = checkpointed[0].get("server Coordinator._in_thread _checkpoint out", {}).get("spent_ms")
         print(f"with --checkpoint-dir: {checkpointed[1]:.1f} ms a cycle, {checkpointed[1] / cycle:.2f}x the cycle "
               f"without" + (f"; writing a checkpoint takes {spent:.1f} ms" if spent is not None else ""))
+    print("a host's partial upload (medians over its uploads, ms): " + "; ".join(
+        f"{k} {v:.2f}" for k, v in trip.items() if k != "uploads"))
+    if a.baseline:
+        print(f"alternated with {a.baseline}, {a.pairs} runs each (median of the runs' medians, ms):")
+        for key in [k for k in trip if k != "uploads"]:
+            base, this = (statistics.median(t[key] for t in trips[w]) for w in ("baseline", "this"))
+            print(f"  {key:<30} baseline {base:6.2f}  this {this:6.2f}  {this / base:.2f}x")
+            ratios.append({"what": f"a host's partial upload, {key}", "ratio": this / base,
+                           "against": f"{a.baseline}'s code, alternated runs, same machine"})
+        extra["upload_trips"] = trips
     print(f"{'hop':<56}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}")
     for name, h in hops.items():
         spent = f"{h['spent_ms']:>9.2f}" if "spent_ms" in h else ""
         print(f"{name:<56}{h['first_ms']:>9.2f}{h['last_ms']:>9.2f}{h['count']:>7.0f}{spent}")
     write_results(a.json, ratios, {"simulate_args": args, "cycle_ms": cycle, "round_seconds_ms": round_ms, "hops": hops,
+                                   "upload_trip": trip,
                                    "load_average_before": load_before, "load_average_after": load, **extra})
     print(f"wrote {a.json}")
     return 0
