@@ -204,3 +204,48 @@ def test_a_batching_worker_seats_every_member_it_may_train_in_a_round_as_far_as_
     assert batched_seats(4, 2, 100, small) == 4  # never fewer than --seats
     assert batched_seats(4, 50, 100, STACK_BYTES // 8 // 10) == 10  # 10 members' copies fill the stack's memory
     assert batched_seats(4, 50, 100, STACK_BYTES) == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_member_whose_data_fails_to_load_leaves_its_rounds_stack_at_once():
+    # A real coordinator and a batching host of 4 members, all sampled, a round closing at 3 reports. Member 3's
+    # data never loads: its task fails as its seat takes it, and the other three's stack starts without waiting out
+    # the gather window (made 10 s here: a round that waited for the failed member would take longer).
+    import dataclasses
+
+    from fedpar.aggregation import build_strategy
+    from fedpar.datasets.members import member_source
+    from fedpar.server.assembly import CoordinatorAssembly
+    from fedpar.server.config import CoordinatorConfig
+    from fedpar.simulations.agents import WorkerConfig, worker_task
+    from fedpar.simulations.population import PopulationSlice, host_population
+
+    clients, rounds = 4, 2
+    splits = load_dataset("digits")
+    rows: list[dict] = []
+    server = CoordinatorAssembly.for_data("mlp", splits, 0, "cpu").server(
+        CoordinatorConfig(rounds=rounds, clients_per_round=3, min_available=clients, accept_populations=True,
+                          overselect=1.34, local_epochs=1, deadline_seconds=60.0, heartbeat_seconds=1.0,
+                          client_eval_every=0),  # scoring the round's members together would read member 3's
+        build_strategy("fedavg"), on_round_end=[rows.append])
+    server.start()
+    try:
+        population = PopulationSlice.of("host-0", np.arange(clients),
+                                        member_source(splits, "iid", clients, 0).sizes, np.zeros(clients))
+        worker = WorkerConfig(server=server.address, population=population, clients=clients, device="cpu")
+        task = worker_task(worker, splits)
+
+        def client_data(partition):
+            if partition.index == 3:
+                raise OSError("member 3's data is unreadable")
+            return task.client_data(partition)
+
+        host = host_population(server.address, population, dataclasses.replace(task, client_data=client_data),
+                               worker.partition_of, 0, seats=clients, poll_seconds=1.0, client_batching=True)
+        host.seats[0].trainer.batcher.gather_seconds = 10.0
+        host.run()  # until the coordinator says training is over
+    finally:
+        server.stop()
+    assert [(r["status"], r["reported"]) for r in rows] == [("ok", 3)] * rounds
+    assert all(r["round_seconds"] < 5.0 for r in rows), [r["round_seconds"] for r in rows]
+    assert list(host.seats[0].trainer.batcher.batch_sizes) == [3] * rounds
