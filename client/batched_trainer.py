@@ -196,6 +196,7 @@ class ClientBatch:
         self.step_index = 0
         self._active = [k for k in range(len(clients)) if self.total_steps[k] > 0]
         self._objective_fn = batched_objective_fn(model, self._buffers, proximal_mu, compile_step, loss)
+        self._orders: dict[str, tuple[int, ...]] = {}  # each parameter's gradient's dimensions, outermost first
         self._load_working(list(range(len(self._active))))
 
     def _schedules(self, epochs: int, batch_size: int, round_id: int):
@@ -213,8 +214,8 @@ class ClientBatch:
         rows = torch.tensor(self._active, dtype=torch.long, device=self.device)
         self._rows = rows
         trainable = set(self._trainable)
-        self._work = {name: p.index_select(0, rows).requires_grad_(name in trainable)
-                      for name, p in self.params.items()}
+        self._work = {name: _laid_out(p.index_select(0, rows), self._orders.get(name))
+                      .requires_grad_(name in trainable) for name, p in self.params.items()}
         self._work_anchor = {name: a.index_select(0, rows) for name, a in self._anchor.items()}
         self._work_index, self._work_mask = self._index.index_select(0, rows), self._mask.index_select(0, rows)
         self._work_counts = self._counts.index_select(0, rows)
@@ -260,8 +261,21 @@ class ClientBatch:
         index = self._work_index[:, s]
         total, losses = self._objective_fn(self._work, self._work_anchor, self.x[index], self.y[index],
                                            self._work_mask[:, s], self._work_counts[:, s])
-        grads = torch.autograd.grad(total, [self._work[name] for name in self._trainable])
-        return dict(zip(self._trainable, grads)), losses.detach()
+        grads = dict(zip(self._trainable, torch.autograd.grad(total, [self._work[name] for name in self._trainable])))
+        if not self._orders:
+            self._lay_out_as(grads)
+        return grads, losses.detach()
+
+    def _lay_out_as(self, grads: dict[str, torch.Tensor]) -> None:
+        """Lay the working stack out as its gradients are (before the first update, once): a vmapped linear
+        layer's weight gradient comes transposed, and an update reading it across a contiguous stack of large
+        weights ran 14x slower on the CPU (31 ms a step for the MNIST CNN's 5 x 1.6M-weight layer, against 2.2)."""
+        self._orders = {name: _dimension_order(g) for name, g in grads.items()}
+        if any(_dimension_order(self._work[name]) != order for name, order in self._orders.items()):
+            kept = list(range(len(self._active)))
+            self._store_working()
+            self._optimizer = None  # no step taken yet: nothing of its state to keep
+            self._load_working(kept)
 
     def active(self) -> list[int]:
         """The members still training."""
@@ -314,6 +328,18 @@ class ClientBatch:
         return [ClientBatchOutput({name: p[k] for name, p in stack.params.items()},
                                   tally.result(seconds + tally.steps * c.step_delay), stack, k)
                 for k, (c, tally) in enumerate(zip(self.clients, tallies))]
+
+
+def _dimension_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from the outermost in memory to the innermost."""
+    return tuple(sorted(range(t.ndim), key=lambda d: (-t.stride(d), d)))
+
+
+def _laid_out(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """``t`` (contiguous) with its dimensions laid out in memory in ``order`` (None: as it is)."""
+    if order is None or order == tuple(range(t.ndim)):
+        return t
+    return t.permute(order).contiguous().permute([order.index(d) for d in range(t.ndim)])
 
 
 def train_clients_batched(model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int,
