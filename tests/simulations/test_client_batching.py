@@ -14,7 +14,7 @@ from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
 from fedpar.models.for_data import build_model_for_data
 from fedpar.simulations.client_batching import (STACK_BYTES, BatchedTrainer, ClientBatcher, batched_seats,
-                                              batching_refusal_of, client_batching_route)
+                                              batching_pays, batching_refusal_of, client_batching_route)
 from fedpar.task import ClientData
 from fedpar.tasks.zoo import classifier_module
 
@@ -187,6 +187,22 @@ def test_auto_batches_where_it_is_allowed_and_pays_and_on_and_off_are_obeyed(cho
                                                                                everyone, batched):
     assert client_batching_route(choice, lambda: batching_refusal_of(model, None, "fp32", None), device,
                                  members, model, everyone) is batched
+
+
+@pytest.mark.parametrize("model, image, members, everyone, stacked", [
+    ("cnn", 28, 5, False, False),  # the FedAvg paper's MNIST round, 10 of 100 on 2 workers: 1.12x in CPU time
+    ("cnn", 28, 5, True, False),  # ... not for want of sampling: the stack itself is slower
+    ("cnn", 8, 5, True, False),  # digits CNN 10 of 10: 1.01x
+    ("cnn", 8, 50, True, False),  # ... 100 of 100: 1.09x
+    ("mlp", 28, 5, True, True),  # MNIST MLP 10 of 10: 0.95x
+    ("mlp", 28, 50, True, True),  # ... 100 of 100: 0.79x
+    ("mlp", 8, 50, True, True),  # digits MLP 100 of 100: 0.53x
+])
+def test_auto_on_the_cpu_stacks_the_shapes_measured_faster_stacked_and_no_others(model, image, members, everyone,
+                                                                                   stacked):
+    # benchmarks/stacked_cpu_bench.py's cells (batching_pays says which measurement each decision rests on)
+    net = build_model_for_data(model, (1, image, image), 10)
+    assert batching_pays("cpu", net, members, everyone) is stacked
 
 
 def test_batching_on_with_a_model_that_cannot_stack_is_its_refusal():
