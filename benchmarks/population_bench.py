@@ -408,7 +408,8 @@ def batching_rounds(rounds: int, repeats: int, tmp: Path, models: tuple[str, ...
             ratios.append(c["on_vs_off"])
             loads.append(float(load[0]))
             print(f"{f'{model} {k} of {clients}':>18}{c['on_round_seconds']:>8.3f}{c['off_round_seconds']:>8.3f}"
-                  f"{c['on_vs_off']:>8.2f}  {' '.join(load)}  whole-run CPU on/off {c['cpu_on_vs_off']:.2f}" + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
+                  f"{c['on_vs_off']:>8.2f}  {' '.join(load)}  whole-run CPU on/off {c['cpu_on_vs_off']:.2f}"
+                  + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
                   flush=True)
         cells.append({"model": model, "clients": clients, "per_round": k, "pairs": len(ratios),
                       "median_on_vs_off": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
@@ -465,7 +466,8 @@ def main() -> int:
                                 f"({c['min']:.2f}-{c['max']:.2f})",
                         "ratio": c["median_on_vs_off"], "against": "--client-batching off, alternated in the same run"},
                        {"what": f"CPU seconds of the whole fedpar simulate process tree, --client-batching on, {cell}",
-                        "ratio": c["median_cpu_on_vs_off"], "against": "--client-batching off, alternated in the same run"}]
+                        "ratio": c["median_cpu_on_vs_off"],
+                        "against": "--client-batching off, alternated in the same run"}]
         # the MLP cells' file, or the convolutional cells' beside it
         name = "client_batching.json" if "mlp" in a.models.split(",") else "client_batching_cnn.json"
         path = write_results(HERE / "results" / name, ratios, result)

@@ -11,7 +11,8 @@ way, alternated:
   (5 members a worker; ``--mnist-epochs``, default 1: the steps are alike from epoch to epoch, E5 is five times
   as many), and 5 and 50 members of 6 examples (10,000 clients, 100 a round, E5 B16);
 - MNIST MLP, E1 B16: 10 of 10 (5 members of 5,400 examples) and 100 of 100 (50 of 540).
-``--models`` picks the cells (mlp, cnn, mnist-cnn, mnist-mlp). Writes benchmarks/results/stacked_cpu_bench.json (``--json``).
+``--models`` picks the cells (mlp, cnn, mnist-cnn, mnist-mlp). Writes benchmarks/results/stacked_cpu_bench.json
+(``--json``: elsewhere).
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def main() -> int:
             print(f"{name:>10}{cell:>26}{k:>8}{size:>6}{epochs:>3}{batch:>4}{c['stacked_ms']:>10.1f}"
                   f"{c['one_by_one_ms']:>11.1f}{c['stacked_vs_one_by_one']:>7.2f}  load {' '.join(c['load_average'])}",
                   flush=True)
-            ratios.append({"what": f"{k} {dataset} {arch.upper()} members of {size} examples trained stacked, E{epochs} "
-                                   f"B{batch}, thread CPU time ({cell} on 2 workers; load {' '.join(c['load_average'])})",
+            load = " ".join(c["load_average"])
+            ratios.append({"what": f"{k} {dataset} {arch.upper()} members of {size} examples trained stacked, "
+                                   f"E{epochs} B{batch}, thread CPU time ({cell} on 2 workers; load {load})",
                            "ratio": c["stacked_vs_one_by_one"], "against": "the same members one by one, same run"})
     path = write_results(a.json, ratios, {"repeats": a.repeats, "cells": cells})
     print(f"wrote {path}")

@@ -83,13 +83,13 @@ def batching_pays(device: str, model: nn.Module, members_per_worker: float, ever
 
     The CPU rule rests on two measurements, stacked over one by one in the same run (2026-11-25, 2 loaded cores):
     - the training alone in thread CPU time, one torch thread as a worker runs it (benchmarks/stacked_cpu_bench.py,
-      results/stacked_cpu_bench.json, two runs, load 3-7): models without convolutions stack faster where auto
-      stacks them (digits MLP 5 members of 130 examples 0.75-0.77, 50 of 13 0.51-0.53; MNIST MLP 5 of 5,400
-      0.78-0.95, 50 of 540 0.79-0.83); a convolutional one at no size: the digits CNN (E5 B16) 5 of 13 1.24-1.31,
-      5 of 130 1.01-1.07, 50 of 13 1.09-1.21; the MNIST CNN of the FedAvg paper's round (5 of 600 a worker, B10)
-      1.10-1.12, 5 and 50 members of 6 examples 2.8 and 3.7-3.9 (a stack of its 1.6M-weight layer no longer fits
-      the cache). A vmapped convolution does the members' own arithmetic, and on the CPU there is no launch cost
-      for stacking to save;
+      results/stacked_cpu_bench.json and 2-3 runs beside it, load 2-7): models without convolutions stack faster
+      where auto stacks them (digits MLP 5 members of 130 examples 0.75-0.80, 50 of 13 0.37-0.53; MNIST MLP 5 of
+      5,400 0.78-0.95, 50 of 540 0.75-0.87); a convolutional one at no size: the digits CNN (E5 B16) 5 of 13
+      1.15-1.39, 5 of 130 0.96-1.07, 50 of 13 1.09-1.38; the MNIST CNN of the FedAvg paper's round (5 of 600 a
+      worker, B10) 1.09-1.12, 5 and 50 members of 6 examples 2.5-2.8 and 3.7-3.9 (a stack of its 1.6M-weight
+      layer no longer fits the cache). A vmapped convolution does the members' own arithmetic, and on the CPU
+      there is no launch cost for stacking to save;
     - whole rounds of `fedpar simulate`, wall-clock pairs alternated (population_bench.py --batching,
       results/client_batching.json, load 9-16): digits MLP 100 of 100 0.68 of 6 pairs, 10 of 10 0.90 over 13, 10 of
       100 (5 sampled members of one step each) 1.02 and 1.18: not faster, hence every member sampled; the digits
