@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -367,41 +368,52 @@ def vs_plain(what: str, ratio: float) -> dict:
             "against": "the same rounds in one plain PyTorch loop (fedavg_floor.py), same run"}
 
 
-# (model, population, sampled per round)
-BATCHING_CELLS = (("mlp", 10, 10), ("mlp", 100, 100), ("mlp", 100, 10), ("cnn", 10, 10))
+# (model, population, sampled per round); mnist-cnn: the FedAvg paper's round (MNIST, its CNN, B10, E1 of its 5)
+BATCHING_CELLS = (("mlp", 10, 10), ("mlp", 100, 100), ("mlp", 100, 10), ("cnn", 10, 10), ("cnn", 100, 100),
+                  ("cnn", 100, 10), ("mnist-cnn", 100, 10))
 
 
-def batching_rounds(rounds: int, repeats: int, tmp: Path, models: tuple[str, ...] = ("mlp", "cnn")) -> dict:
+def batching_rounds(rounds: int, repeats: int, tmp: Path, models: tuple[str, ...] = ("mlp", "cnn"),
+                    mnist_dir: str = "") -> dict:
     """Issue 25's client-batching comparison: each cell's steady round (default flags otherwise; the median of the
     seconds from one metrics row to the next, rounds 2..R, as --steady measures it) with ``--client-batching on``
     and ``off``, alternated ``repeats`` times in the same run (the first of a pair alternating too), each pair's
     ratio on/off and the cell's median of them."""
-    job = ["--dataset", "digits", "--local-epochs", "1", "--rounds", str(rounds)]
     print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}")
     print(f"{'cell':>18}{'on s':>8}{'off s':>8}{'on/off':>8}  load")
     pairs, cells = [], []
     for model, clients, k in [c for c in BATCHING_CELLS if c[0] in models]:
         ratios, loads = [], []
+        job = ["--dataset", "digits", "--local-epochs", "1", "--rounds", str(rounds)]
+        if model == "mnist-cnn":  # seconds a round: 4 rounds
+            job = ["--dataset", "mnist", "--data-dir", mnist_dir, "--local-epochs", "1", "--batch-size", "10",
+                   "--rounds", str(min(rounds, 4))]
         for repeat in range(repeats):
-            shape = ["--model", model, "--clients", str(clients), "--clients-per-round", str(k)]
-            runs = {}
+            shape = ["--model", model.removeprefix("mnist-"), "--clients", str(clients), "--clients-per-round", str(k)]
+            runs, cpu = {}, {}
             for how in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 runs[how] = run_simulate([*job, *shape, "--client-batching", how],
                                          tmp / f"{how}-{model}-{clients}-{k}-{repeat}")
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the whole process tree, start-up included
+                cpu[how] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
             load = Path("/proc/loadavg").read_text().split()[:3]
             c = {"model": model, "clients": clients, "per_round": k,
                  "on_round_seconds": runs["on"]["steady_period_seconds"],
                  "off_round_seconds": runs["off"]["steady_period_seconds"], "load_average": load,
+                 "on_cpu_seconds": cpu["on"], "off_cpu_seconds": cpu["off"], "cpu_on_vs_off": cpu["on"] / cpu["off"],
                  "failed_rounds": runs["on"]["failed_rounds"] + runs["off"]["failed_rounds"]}
             c["on_vs_off"] = c["on_round_seconds"] / c["off_round_seconds"]
             pairs.append(c)
             ratios.append(c["on_vs_off"])
             loads.append(float(load[0]))
             print(f"{f'{model} {k} of {clients}':>18}{c['on_round_seconds']:>8.3f}{c['off_round_seconds']:>8.3f}"
-                  f"{c['on_vs_off']:>8.2f}  {' '.join(load)}" + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
+                  f"{c['on_vs_off']:>8.2f}  {' '.join(load)}  whole-run CPU on/off {c['cpu_on_vs_off']:.2f}"
+                  + ("  (SOME ROUNDS FAILED)" if c["failed_rounds"] else ""),
                   flush=True)
         cells.append({"model": model, "clients": clients, "per_round": k, "pairs": len(ratios),
                       "median_on_vs_off": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                      "median_cpu_on_vs_off": statistics.median(p["cpu_on_vs_off"] for p in pairs[-len(ratios):]),
                       "load_1min": [min(loads), max(loads)]})
         print(f"{f'{model} {k} of {clients}':>18}  median on/off {cells[-1]['median_on_vs_off']:.2f} "
               f"({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)", flush=True)
@@ -434,9 +446,10 @@ def main() -> int:
     p.add_argument("--steady", action="store_true",
                    help="the steady-round cells: digits MLP, 10 of 10, 100 of 100, 10 of 100, vs a plain loop")
     p.add_argument("--batching", action="store_true",
-                   help="steady rounds with --client-batching on against off: digits MLP 10 of 10, 100 of 100 and "
-                        "10 of 100, digits CNN 10 of 10")
-    p.add_argument("--models", default="mlp,cnn", help="--batching: the cells of these models only")
+                   help="steady rounds with --client-batching on against off: digits MLP and CNN 10 of 10, 100 of "
+                        "100 and 10 of 100, and the FedAvg paper's MNIST CNN round (10 of 100, B10, E1)")
+    p.add_argument("--models", default="mlp,cnn", help="--batching: the cells of these models only (mlp, cnn, "
+                   "mnist-cnn)")
     p.add_argument("--partials", action="store_true",
                    help="the steady-round cells with a host's updates pre-summed and one by one, vs a plain loop")
     p.add_argument("--repeats", type=int, default=2, help="--batching: on/off pairs per cell; --partials: runs of each")
@@ -444,13 +457,20 @@ def main() -> int:
     a.json = a.json if a.json or a.scale else Path("runs/population_bench.json")
     if a.batching:
         with tempfile.TemporaryDirectory() as tmp:
-            result = batching_rounds(a.rounds or 8, a.repeats, Path(tmp), tuple(a.models.split(",")))
-        ratios = [{"what": f"steady round of fedpar simulate --client-batching on, digits {c['model']}, E1, "
-                           f"{c['per_round']} of {c['clients']} clients, median of {c['pairs']} pairs "
-                           f"({c['min']:.2f}-{c['max']:.2f}), load {c['load_1min'][0]:.1f}-{c['load_1min'][1]:.1f}",
-                   "ratio": c["median_on_vs_off"], "against": "--client-batching off, alternated in the same run"}
-                  for c in result["cells"]]
-        path = write_results(HERE / "results" / "client_batching.json", ratios, result)
+            result = batching_rounds(a.rounds or 8, a.repeats, Path(tmp), tuple(a.models.split(",")), a.mnist_dir)
+        ratios = []
+        for c in result["cells"]:
+            cell = (f"{c['model']} (digits unless mnist-), E1, {c['per_round']} of {c['clients']} clients, median of "
+                    f"{c['pairs']} pairs, load {c['load_1min'][0]:.1f}-{c['load_1min'][1]:.1f}")
+            ratios += [{"what": f"steady round of fedpar simulate --client-batching on, {cell} "
+                                f"({c['min']:.2f}-{c['max']:.2f})",
+                        "ratio": c["median_on_vs_off"], "against": "--client-batching off, alternated in the same run"},
+                       {"what": f"CPU seconds of the whole fedpar simulate process tree, --client-batching on, {cell}",
+                        "ratio": c["median_cpu_on_vs_off"],
+                        "against": "--client-batching off, alternated in the same run"}]
+        # the MLP cells' file, or the convolutional cells' beside it
+        name = "client_batching.json" if "mlp" in a.models.split(",") else "client_batching_cnn.json"
+        path = write_results(HERE / "results" / name, ratios, result)
         print(f"wrote {path}")
         return 0 if not sum(c["failed_rounds"] for c in result["pairs"]) else 1
     if a.partials:

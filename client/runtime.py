@@ -229,16 +229,17 @@ class ClientRuntime:
         """Member ``i``'s ``task`` on ``seat``: its data, its session, its residual; True when done with (False: the
         task should be pulled again, its weights never came)."""
         member = self.members.member_id(i)
-        self.members.assign(seat.trainer, i, task)
-        if task.flower_message:  # a Flower App run's round: the member answers the Message its task carries
-            finished = self._reply(i, member, self.link.member_auth(i), task)
-        elif self.layout is None:  # members that only answer Messages get a round of fedpar's own
-            self._note_refusal(member, "task", ValueError(
-                "this coordinator runs fedpar's strategies, which need the app's initial arrays: name them in its "
-                "pyproject.toml ([tool.fedpar] model = 'module:factory'), or serve the app with --flower-app"))
-            finished = True
-        else:
-            with seat.trainer.holding_task(task.round):
+        # held from the start: a member whose data fails to load leaves its round's stack at once
+        with seat.trainer.holding_task(task.round):
+            self.members.assign(seat.trainer, i, task)
+            if task.flower_message:  # a Flower App run's round: the member answers the Message its task carries
+                finished = self._reply(i, member, self.link.member_auth(i), task)
+            elif self.layout is None:  # members that only answer Messages get a round of fedpar's own
+                self._note_refusal(member, "task", ValueError(
+                    "this coordinator runs fedpar's strategies, which need the app's initial arrays: name them in "
+                    "its pyproject.toml ([tool.fedpar] model = 'module:factory'), or serve the app with --flower-app"))
+                finished = True
+            else:
                 finished = self._train_and_upload(seat, i, member, self.link.member_auth(i), task)
         if finished:
             self.link.finished(task)

@@ -81,12 +81,20 @@ def batching_pays(device: str, model: nn.Module, members_per_worker: float, ever
     worker; on the CPU for a model without convolutions, from :data:`AUTO_MIN_MEMBERS_CPU` members a worker when
     every member is sampled each round.
 
-    Measured with population_bench.py --batching, on/off pairs alternated in the same run (steady period, stacked
-    over one by one, 2 workers, 2026-11-25, load average 9-16, after the stack stopped waiting 50 ms for a sampled
-    round's tasks): digits MLP 100 of 100 (50 a worker) median 0.68 of 6 pairs (0.59-1.30; earlier 0.79 of 15);
-    10 of 10 (5) 0.97 of 6 (0.77-1.73) and 0.43 of 3 (0.28-1.91), 0.90 over those 9 and the earlier 4 (0.48-1.08);
-    10 of 100 (5 sampled members of one step each) 1.02 of 6 (0.74-1.69) and 1.18 of 3: not faster; digits CNN
-    10 of 10 1.21-1.48x earlier (a vmapped convolution steps slower on the CPU than the members' own)."""
+    The CPU rule rests on two measurements, stacked over one by one in the same run (2026-11-25, 2 loaded cores):
+    - the training alone in thread CPU time, one torch thread as a worker runs it (benchmarks/stacked_cpu_bench.py,
+      results/stacked_cpu_bench.json and 2-3 runs beside it, load 2-7): models without convolutions stack faster
+      where auto stacks them (digits MLP 5 members of 130 examples 0.75-0.80, 50 of 13 0.37-0.53; MNIST MLP 5 of
+      5,400 0.78-0.95, 50 of 540 0.75-0.87); a convolutional one at no size: the digits CNN (E5 B16) 5 of 13
+      1.15-1.39, 5 of 130 0.96-1.07, 50 of 13 1.09-1.38; the MNIST CNN of the FedAvg paper's round (5 of 600 a
+      worker, B10) 1.09-1.12, 5 and 50 members of 6 examples 2.5-2.8 and 3.7-3.9 (a stack of its 1.6M-weight
+      layer no longer fits the cache). A vmapped convolution does the members' own arithmetic, and on the CPU
+      there is no launch cost for stacking to save;
+    - whole rounds of `fedpar simulate`, wall-clock pairs alternated (population_bench.py --batching,
+      results/client_batching.json, load 9-16): digits MLP 100 of 100 0.68 of 6 pairs, 10 of 10 0.90 over 13, 10 of
+      100 (5 sampled members of one step each) 1.02 and 1.18: not faster, hence every member sampled; the digits
+      CNN 10 of 10 1.06, 100 of 100 1.70, 10 of 100 1.29 (3 pairs each, load 3-6), the FedAvg paper's round 0.94
+      (0.32-1.42) with the whole run's CPU 1.11-1.15 (results/client_batching_cnn.json)."""
     if torch.device(device).type != "cpu":
         return members_per_worker >= AUTO_MIN_MEMBERS
     convolution = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
