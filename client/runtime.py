@@ -362,7 +362,15 @@ class ClientRuntime:
                 group, rest = [i, *queued[:EVALUATED_TOGETHER - 1]], queued[EVALUATED_TOGETHER - 1:]
                 if rest:
                     self._to_evaluate[round_id] = rest
-                results = trainer.evaluate_splits([self.members.validation(j) for j in group])
+                splits = []
+                for j in list(group):
+                    try:
+                        splits.append(self.members.validation(j))
+                    except Exception:
+                        if j == i:
+                            raise
+                        group.remove(j)  # a neighbour's data that does not load fails its own task, on its own turn
+                results = trainer.evaluate_splits(splits)
                 self._evaluations.update(((round_id, j), result) for j, result in zip(group, results))
             return self._evaluations.pop((round_id, i))
 

@@ -226,7 +226,8 @@ def test_a_batching_worker_seats_every_member_it_may_train_in_a_round_as_far_as_
 def test_a_member_whose_data_fails_to_load_leaves_its_rounds_stack_at_once():
     # A real coordinator and a batching host of 4 members, all sampled, a round closing at 3 reports. Member 3's
     # data never loads: its task fails as its seat takes it, and the other three's stack starts without waiting out
-    # the gather window (made 10 s here: a round that waited for the failed member would take longer).
+    # the gather window (made 10 s here: a round that waited for the failed member would take longer). The others
+    # score the model they receive together, which must not fail on member 3's data.
     import dataclasses
 
     from fedpar.aggregation import build_strategy
@@ -242,7 +243,7 @@ def test_a_member_whose_data_fails_to_load_leaves_its_rounds_stack_at_once():
     server = CoordinatorAssembly.for_data("mlp", splits, 0, "cpu").server(
         CoordinatorConfig(rounds=rounds, clients_per_round=3, min_available=clients, accept_populations=True,
                           overselect=1.34, local_epochs=1, deadline_seconds=60.0, heartbeat_seconds=1.0,
-                          client_eval_every=0),  # scoring the round's members together would read member 3's
+                          client_eval_every=1),  # the members scored together: member 3's data fails only its own
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
     try:
