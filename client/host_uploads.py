@@ -90,6 +90,7 @@ class HostUploads:
         self._changed = threading.Condition()  # guards _queue, _queued_bytes and _idle
         self._queued_bytes = 0  # of the updates in _queue
         self._idle = False  # the thread waits for a batch's first update
+        self._closed = False  # close() was called: what comes after is refused, no thread would send it
         self.refused_in_background = 0  # updates sent with send_later that did not count
         # a member's registered examples and the round's local epochs (its weight's bound); None: no partials
         self.registered = registered
@@ -122,6 +123,12 @@ class HostUploads:
 
     def _put(self, item: _Queued | None) -> None:
         with self._changed:
+            if self._closed:  # a seat that outlived the run: its update has no batch to go in
+                if item is not None:
+                    item.done.set_exception(HostUploadRefused(grpc.StatusCode.UNAVAILABLE,
+                                                              "the host's uploads are closed: training is over"))
+                return
+            self._closed = item is None
             self._queue.append(item)
             if item is not None:
                 self._queued_bytes += item.update.size

@@ -77,3 +77,22 @@ def test_a_lingering_batch_goes_when_its_seats_are_done_or_it_is_full_not_at_the
     finally:
         more.clear()
         uploads.close()
+
+
+def test_an_update_sent_after_the_host_closed_its_uploads_is_refused_at_once_not_left_waiting():
+    stub = _RecordingStub()
+    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20)
+    uploads.close()
+    done = []
+    seat = threading.Thread(target=lambda: done.append(_refusal(uploads)), daemon=True)
+    seat.start()
+    seat.join(5)
+    assert done == ["UNAVAILABLE: the host's uploads are closed: training is over"] and stub.batches == []
+
+
+def _refusal(uploads: HostUploads) -> str:
+    try:
+        uploads.send(None, _message(0), 10.0)
+    except Exception as exc:  # noqa: BLE001 (what the seat would hear)
+        return f"{exc.code().name}: {exc.details()}"
+    return "accepted"
