@@ -1,9 +1,8 @@
 """A client runtime hosting a population (client/links.HostLink) sends its members' small updates together: one
-UploadHostUpdates batch carries whatever updates are waiting when it can go, each with its member's session and
+batch (a HostUploads message) carries whatever updates are waiting when it can go, each with its member's session and
 checked by the coordinator as UploadSmall would be. While one batch is in flight the next updates queue up, so
-batches grow with the load by themselves. The runtime's batches go on one HostUploadStream, opened at the first and
-again after a failure (a call's set-up is most of a small batch's cost in gRPC: benchmarks/grpc_call_cost.py); a
-coordinator without it answers UNIMPLEMENTED once and gets one call per batch.
+batches grow with the load by themselves. The runtime's batches all go on its one HostUploadStream, opened at the first
+and again after a failure (a call's set-up is most of a small batch's cost in gRPC: benchmarks/grpc_call_cost.py).
 
 A seat either waits for its update's own result (:meth:`HostUploads.send`: top-k error feedback must know whether
 its update counted) or hands the update over and goes on with its next client (:meth:`HostUploads.send_later`):
@@ -74,17 +73,17 @@ class _Queued:
 
 
 class HostUploads:
-    """Batches a host's small updates into UploadHostUpdates calls of at most ``max_bytes`` each (one thread); a
+    """Batches a host's small updates into HostUploads messages of at most ``max_bytes`` each on the host's one
+    HostUploadStream (one thread); a
     batch waits up to ``linger`` seconds for more updates after its first, while ``more_coming()`` says the seats
     are still making some (the last updates of a round go at once). The thread sleeps until an update is queued or
     :meth:`nudge` says ``more_coming()`` may have changed: whoever changes it nudges (no polling)."""
 
     def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
                  max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True,
-                 registered: Callable[[str], tuple[int, int]] | None = None, stream: bool = False):
+                 registered: Callable[[str], tuple[int, int]] | None = None):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
-        # ``stream``: the batches go on one HostUploadStream (no call set-up each) while the coordinator takes one
-        self.stream, self._stream = stream, None
+        self._stream: _HostStream | None = None  # the host's HostUploadStream, opened at the first batch
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: collections.deque = collections.deque()  # _Queued items; None: stop
         self._changed = threading.Condition()  # guards _queue, _queued_bytes and _idle
@@ -288,22 +287,15 @@ class HostUploads:
                 q.done.set_result(pb.UploadReply(accepted=result.accepted, message=result.message))
 
     def _call(self, request: pb.HostUploads, timeout: float) -> pb.HostUploadResults:
-        """One UploadHostUpdates: on the host's stream (opened again after a failure) while the coordinator takes
-        one, else as a call of its own."""
-        if not self.stream:
-            return self.stub.UploadHostUpdates(request, timeout=timeout)
+        """One batch's results, on the host's stream (opened again after a failure)."""
         if self._stream is None:
             self._stream = _HostStream(self.stub)
         try:
             return self._stream.send(request, timeout)
-        except grpc.RpcError as err:
+        except grpc.RpcError:
             self._stream.close()
             self._stream = None
-            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            self.stream = False  # nothing was taken: this coordinator's calls one by one from now on
-            log.info("%s: the coordinator takes no upload stream; one call per batch", self.host.agent_id)
-            return self.stub.UploadHostUpdates(request, timeout=timeout)
+            raise
 
     def _settle(self, q: _Queued, err: grpc.RpcError) -> None:
         """A refused update: its seat hears it; a background one is tried again while the coordinator is busy and

@@ -6,9 +6,9 @@ AgentLink: the runtime's one member is the runtime itself (a deployed agent, und
 PullTask long-polls, heartbeats while it trains, small updates in one UploadSmall call. HostLink: the runtime speaks
 for a population of members (a simulation worker): JoinPopulation gives every member its own session,
 PullHostTasks long-polls for the tasks of whichever members the coordinator sampled (and, under a virtual clock,
-carries their finish estimates and the coordinator's go), and small updates ride together in UploadHostUpdates
-calls. Everything after the pull (download, deadline, training, update transforms, upload) is the runtime's, the
-same either way.
+carries their finish estimates and the coordinator's go), and small updates ride together on one
+HostUploadStream. Everything after the pull (download, deadline, training, update transforms, upload) is the
+runtime's, the same either way.
 
 Calls that outlive the coordinator (:class:`Reconnecting`) back off while it is unreachable, with jittered
 exponential backoff (client/backoff.py, also the runtime's upload retries), and join again when it no longer knows
@@ -320,7 +320,7 @@ class AgentLink:
 
 class HostLink:
     """The runtime speaks for ``members`` under ``config.agent_id`` (the host's id): JoinPopulation,
-    PullHostTasks, small updates batched into UploadHostUpdates. ``forget_queued()``: drop the tasks no seat started
+    PullHostTasks, small updates batched on one HostUploadStream. ``forget_queued()``: drop the tasks no seat started
     (their sessions are gone)."""
 
     def __init__(self, conn: Connection, config: AgentConfig, members: Population, forget_queued: Callable[[], None]):
@@ -356,8 +356,7 @@ class HostLink:
         self._forget_queued()
         if self.uploads is None:  # the members' small updates, batched (a few ms' wait for seats still training)
             self.uploads = HostUploads(self.conn.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
-                                       more_coming=lambda: self._in_flight > 0, registered=self._registered,
-                                       stream=True)
+                                       more_coming=lambda: self._in_flight > 0, registered=self._registered)
 
     def tasks_in_flight(self, change: int) -> None:
         """``change`` members' tasks queued for the seats (> 0), or done with or forgotten (< 0; each one's update, if

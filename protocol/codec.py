@@ -472,8 +472,6 @@ class CoordinatorStub:
                                                   response_deserializer=pb.JoinPopulationReply.FromString)
         self.PullHostTasks = channel.unary_unary(method("PullHostTasks"), request_serializer=_serialize,
                                                  response_deserializer=pb.PullHostTasksReply.FromString)
-        self.UploadHostUpdates = channel.unary_unary(method("UploadHostUpdates"), request_serializer=_serialize,
-                                                     response_deserializer=pb.HostUploadResults.FromString)
         self.HostUploadStream = channel.stream_stream(method("HostUploadStream"), request_serializer=_serialize,
                                                       response_deserializer=pb.HostUploadResults.FromString)
         self.SecAggExchange = channel.unary_unary(method("SecAggExchange"), request_serializer=_serialize,

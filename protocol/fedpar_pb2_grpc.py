@@ -84,11 +84,6 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.PullHostTasksRequest.SerializeToString,
                 response_deserializer=fedpar__pb2.PullHostTasksReply.FromString,
                 _registered_method=True)
-        self.UploadHostUpdates = channel.unary_unary(
-                '/fedpar.v1.Coordinator/UploadHostUpdates',
-                request_serializer=fedpar__pb2.HostUploads.SerializeToString,
-                response_deserializer=fedpar__pb2.HostUploadResults.FromString,
-                _registered_method=True)
         self.HostUploadStream = channel.stream_stream(
                 '/fedpar.v1.Coordinator/HostUploadStream',
                 request_serializer=fedpar__pb2.HostUploads.SerializeToString,
@@ -177,18 +172,12 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def UploadHostUpdates(self, request, context):
-        """Several small updates of one host's members in one call, each with its member's session and every check
-        UploadSmall makes; one result per update, in order (one call instead of one per member).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def HostUploadStream(self, request_iterator, context):
-        """The same on one long-lived stream per host: each HostUploads is taken as UploadHostUpdates takes it (its host
-        authenticated again, every check) and answered in order, without a call's set-up each time. The stream counts as
-        one of the host's calls for its life; a refusal of the host or a malformed message ends it with its status.
+        """A host's members' small updates on one long-lived stream per host: each HostUploads (its host authenticated
+        again) carries several updates, each with its member's session and every check UploadSmall makes, and is
+        answered in order with one result per update (one message instead of a call per member, and no call's set-up
+        per batch). The stream counts as one of the host's calls for its life; a refusal of the host or a malformed
+        message ends it with its status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -254,11 +243,6 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.PullHostTasks,
                     request_deserializer=fedpar__pb2.PullHostTasksRequest.FromString,
                     response_serializer=fedpar__pb2.PullHostTasksReply.SerializeToString,
-            ),
-            'UploadHostUpdates': grpc.unary_unary_rpc_method_handler(
-                    servicer.UploadHostUpdates,
-                    request_deserializer=fedpar__pb2.HostUploads.FromString,
-                    response_serializer=fedpar__pb2.HostUploadResults.SerializeToString,
             ),
             'HostUploadStream': grpc.stream_stream_rpc_method_handler(
                     servicer.HostUploadStream,
@@ -541,33 +525,6 @@ class Coordinator(object):
             '/fedpar.v1.Coordinator/PullHostTasks',
             fedpar__pb2.PullHostTasksRequest.SerializeToString,
             fedpar__pb2.PullHostTasksReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UploadHostUpdates(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/fedpar.v1.Coordinator/UploadHostUpdates',
-            fedpar__pb2.HostUploads.SerializeToString,
-            fedpar__pb2.HostUploadResults.FromString,
             options,
             channel_credentials,
             insecure,

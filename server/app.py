@@ -34,7 +34,7 @@ from fedpar.server.secure_round import secagg_exchange
 from fedpar.server.uploads import Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server")
-MAX_HOST_UPLOADS = 512  # updates in one UploadHostUpdates call (each at most one chunk: far below the message limit)
+MAX_HOST_UPLOADS = 512  # updates in one HostUploads message (each at most one chunk: far below the message limit)
 
 
 def server_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
@@ -328,17 +328,12 @@ class CoordinatorService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SmallUpload must carry its UploadHeader")
         return await self._upload(request.header, context, self.intake.small_receiver(request))
 
-    async def UploadHostUpdates(self, request: pb.HostUploads, context) -> pb.HostUploadResults:
-        """Several small updates of a simulation host's members: each is authenticated with its member's session
-        and taken with every check UploadSmall makes, in order; one result each (a refusal is a result, not the
-        call's end). A pre-summed partial of more members comes after them, with one result for all."""
-        host = self._host(request.host, context)
-        with self.limits.agent_call(HOST_CALLS + host.host_id):
-            return await self._host_uploads(host, request, context)
-
     async def HostUploadStream(self, request_iterator, context):
-        """UploadHostUpdates on one stream: the first message within --upload-header-seconds (a stranger's stream
-        until then), every message taken as that call takes it, answered in order."""
+        """A simulation host's small updates, on one stream for the host's life: the first message within
+        --upload-header-seconds (a stranger's stream until then), then each message (HostUploads) taken in order with
+        its host authenticated again and one result per update: each authenticated with its member's session and
+        taken with every check UploadSmall makes (a refusal is a result, not the stream's end), then a pre-summed
+        partial of more members, with one result for all."""
         seconds = self.coord.config.upload_header_seconds
         request = await _next_message(request_iterator, seconds, lambda: Refusal(
             grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -362,7 +357,7 @@ class CoordinatorService:
     async def _host_uploads(self, host: HostRecord, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Take ``host``'s (authenticated) HostUploads: its updates one by one, then its partial."""
         if len(request.uploads) > MAX_HOST_UPLOADS:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one call; send "
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one message; send "
                                                             f"at most {MAX_HOST_UPLOADS}")
         results = pb.HostUploadResults()
         for item in request.uploads:
@@ -556,7 +551,6 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
             request_deserializer=parser(pb.UploadChunk, lambda raw: decode_chunk_message(raw, pb.UploadChunk)),
             response_serializer=pb.UploadReply.SerializeToString),
         "UploadSmall": unary(service.UploadSmall, pb.SmallUpload, pb.UploadReply),
-        "UploadHostUpdates": unary(service.UploadHostUpdates, pb.HostUploads, pb.HostUploadResults),
         "HostUploadStream": grpc.stream_stream_rpc_method_handler(
             answering_refusals(service.HostUploadStream), request_deserializer=parser(pb.HostUploads),
             response_serializer=pb.HostUploadResults.SerializeToString),
