@@ -1,6 +1,6 @@
 """A host's upload batches: updates queued while seats are still training wait (up to the linger) to go together;
-once no seat is making one, what is queued goes at once. The stub here only records the calls (the batches' real
-gRPC path is tested in tests/server/test_populations.py and by every virtual-client simulation)."""
+once no seat is making one, what is queued goes at once, all on the host's one stream. The stub here only records
+the batches (their real gRPC path is tested in tests/server/test_host_upload_stream.py and by every simulation)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,33 @@ from fedpar.protocol.codec import ModelLayout
 
 
 class _RecordingStub:
+    """Stands in for the coordinator's HostUploadStream: records each batch as it arrives on the stream."""
+
     def __init__(self):
         self.batches: list[tuple[float, int]] = []
+        self.streams = 0
         self.sent = threading.Event()
 
-    def UploadHostUpdates(self, request, timeout):  # noqa: N802 (gRPC's method name)
-        self.batches.append((time.monotonic(), len(request.uploads)))
-        self.sent.set()
+    def HostUploadStream(self, requests):  # noqa: N802 (gRPC's method name)
+        self.streams += 1
+        return _Replies(self, requests)
+
+
+class _Replies:
+    def __init__(self, stub: _RecordingStub, requests):
+        self.stub, self.requests = stub, requests
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> pb.HostUploadResults:
+        request = next(self.requests)
+        self.stub.batches.append((time.monotonic(), len(request.uploads)))
+        self.stub.sent.set()
         return pb.HostUploadResults(results=[pb.HostUploadResult(accepted=True) for _ in request.uploads])
+
+    def cancel(self) -> None:
+        """Nothing to end."""
 
 
 def _message(i: int) -> SmallUpdate:
@@ -40,7 +59,7 @@ def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_n
         start = time.monotonic()
         uploads.send_later(None, _message(0), 10.0)
         time.sleep(0.05)
-        uploads.send_later(None, _message(1), 10.0)  # within the linger: the same call
+        uploads.send_later(None, _message(1), 10.0)  # within the linger: the same batch
         assert stub.sent.wait(5)
         assert [n for _, n in stub.batches] == [2] and stub.batches[0][0] - start >= 0.45
         more.clear()  # no seat is training: the round's last update does not wait
@@ -49,6 +68,7 @@ def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_n
         uploads.send_later(None, _message(2), 10.0)
         assert stub.sent.wait(5)
         assert [n for _, n in stub.batches] == [2, 1] and stub.batches[1][0] - start < 0.3
+        assert stub.streams == 1
     finally:
         uploads.close()
 
@@ -73,7 +93,7 @@ def test_a_lingering_batch_goes_when_its_seats_are_done_or_it_is_full_not_at_the
         for i in range(2, 5):  # the third fills the batch: it goes at once, seats still training
             uploads.send_later(None, _message(i), 60.0)
         assert stub.sent.wait(5) and time.monotonic() - start < 10
-        assert [n for _, n in stub.batches] == [2, 3]
+        assert [n for _, n in stub.batches] == [2, 3] and stub.streams == 1
     finally:
         more.clear()
         uploads.close()
@@ -88,6 +108,7 @@ def test_an_update_sent_after_the_host_closed_its_uploads_is_refused_at_once_not
     seat.start()
     seat.join(5)
     assert done == ["UNAVAILABLE: the host's uploads are closed: training is over"] and stub.batches == []
+    assert stub.streams == 0
 
 
 def _refusal(uploads: HostUploads) -> str:

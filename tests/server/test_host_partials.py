@@ -18,7 +18,7 @@ from fedpar.client.local_loop import StackRow
 from fedpar.client.transfer import SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-from support.population_calls import host_stub, join_members, member_auth
+from support.population_calls import host_stub, join_members, member_auth, upload_batch
 
 SHAPE = (8,)
 LAYOUT = ModelLayout([("t0", "float32", SHAPE)])
@@ -62,8 +62,8 @@ def _update(host: pb.JoinPopulationReply, member: str, task: pb.TrainTask, array
 
 
 def _send(stub, host: str, reply, partial: pb.HostPartial) -> pb.HostUploadResult:
-    return stub.UploadHostUpdates(pb.HostUploads(host=pb.AgentAuth(agent_id=host, token=reply.host_token),
-                                                 partial=partial), timeout=10).partial
+    return upload_batch(stub, pb.HostUploads(host=pb.AgentAuth(agent_id=host, token=reply.host_token),
+                                             partial=partial)).partial
 
 
 def test_a_partial_counts_its_members_once_and_folds_as_their_weighted_sum_a_bad_one_is_refused_whole(
@@ -142,15 +142,14 @@ def test_a_round_that_takes_no_partial_says_so_and_the_host_sends_each_update(st
     np.testing.assert_allclose(server.coordinator.weights[0], np.full(SHAPE, 1.0, np.float32), atol=1e-4)
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["calls", "stream"])
-def test_a_host_sums_its_checked_updates_into_one_partial_and_sends_a_bad_one_on_its_own(start_coordinator, stream):
+def test_a_host_sums_its_checked_updates_into_one_partial_and_sends_a_bad_one_on_its_own(start_coordinator):
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=4,
                                overselect=1.0, min_available=4, rounds=1)
     stub = host_stub(server)
     a = join_members(stub, "host-a", ["a0", "a1", "a2", "a3"])
     tasks = _round(server, stub, {"host-a": a}, 4)
     uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a", token=a.host_token), max_bytes=1 << 20, linger=0.5,
-                          registered=lambda member: (10, 1), stream=stream)
+                          registered=lambda member: (10, 1))
     values = {"a0": 1.0, "a1": 3.0, "a2": np.inf, "a3": 5.0}  # a2's is not finite: sent on its own, and refused
     updates = {m: _update(a, m, tasks[m], np.full(SHAPE, values[m], np.float32)) for m in sorted(tasks)}
     try:

@@ -1,4 +1,4 @@
-"""A host's batches on one HostUploadStream: each message is taken as an UploadHostUpdates call takes it (a valid
+"""A host's batches on its one HostUploadStream: each message is taken with every check (a valid
 partial is folded, a bad one refused with its reason and nothing of it counted), and a message the coordinator cannot
 take (bytes that do not parse, over the size limit, another host's, a stale session) ends the stream with a clear
 status, touching nothing. Real coordinator, real gRPC over loopback."""
@@ -15,7 +15,7 @@ import pytest
 from fedpar.client.host_partial import HostSum
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import SERVICE_NAME, ModelLayout
-from support.population_calls import host_stub, join_members
+from support.population_calls import host_stub, join_members, upload_batch
 
 SHAPE = (8,)
 LAYOUT = ModelLayout([("t0", "float32", SHAPE)])
@@ -99,42 +99,45 @@ def test_a_message_the_coordinator_cannot_take_ends_the_stream_with_its_status_a
         next(replies)
     assert err.value.code() == code and text in (err.value.details() or ""), err.value.details()
     assert server.coordinator.current.accepted == 0 and server.coordinator.strategy.folded == 0
-    # the coordinator goes on: the same partial as a call of its own is taken
-    results = stub.UploadHostUpdates(pb.HostUploads(host=host, partial=_partial(tasks, ["a0"], 1.0)), timeout=10)
+    # the coordinator goes on: the same partial on the host's next stream is taken
+    results = upload_batch(stub, pb.HostUploads(host=host, partial=_partial(tasks, ["a0"], 1.0)))
     assert results.partial.accepted, results.partial.message
 
 
-def test_a_coordinator_without_the_stream_says_unimplemented_once_and_gets_one_call_per_batch():
-    """An older coordinator (here a gRPC server that serves only UploadHostUpdates) never sees the stream again."""
+def test_a_coordinator_without_the_stream_refuses_the_hosts_updates_and_no_other_call_is_tried():
+    """The stream is the host's one upload path: a gRPC server that serves no HostUploadStream (here one that serves
+    nothing of fedpar's) refuses an awaited update to its seat with UNIMPLEMENTED, and a background one is counted
+    as refused; nothing falls back to another call."""
     from concurrent import futures
 
     from fedpar.client.host_uploads import HostUploads
     from fedpar.client.transfer import SmallUpdate
     from fedpar.protocol.codec import CoordinatorStub
 
-    calls = []
+    methods = []
 
-    def upload_host_updates(request, context):
-        calls.append(len(request.uploads))
-        return pb.HostUploadResults(results=[pb.HostUploadResult(accepted=True) for _ in request.uploads])
+    class Recording(grpc.GenericRpcHandler):
+        def service(self, handler_call_details):
+            methods.append(handler_call_details.method)
+            return None  # UNIMPLEMENTED
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "UploadHostUpdates": grpc.unary_unary_rpc_method_handler(
-            upload_host_updates, pb.HostUploads.FromString, pb.HostUploadResults.SerializeToString)}),))
+    server.add_generic_rpc_handlers((Recording(),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         stub = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a"), max_bytes=1 << 20, stream=True)
+        uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a"), max_bytes=1 << 20)
         update = SmallUpdate(pb.UploadHeader(task_id="t"), ModelLayout([("t", "uint8", (8,))]), [np.zeros(8, np.uint8)])
         try:
-            assert uploads.send(stub, update, 10.0).accepted
-            assert not uploads.stream
-            assert uploads.send(stub, update, 10.0).accepted
+            with pytest.raises(grpc.RpcError) as err:
+                uploads.send(stub, update, 10.0)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            uploads.send_later(stub, update, 10.0)
         finally:
             uploads.close()
-        assert calls == [1, 1]
+        assert uploads.refused_in_background == 1
+        assert methods == [f"/{SERVICE_NAME}/HostUploadStream"] * 2  # a new stream per batch after a failure
     finally:
         server.stop(0)
 

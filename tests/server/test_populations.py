@@ -11,7 +11,8 @@ import pytest
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from support.population_calls import host_stub as _stub, join_members as _join, member_auth as _member, refused as _refused
+from support.population_calls import (host_stub as _stub, join_members as _join, member_auth as _member,
+                                     refused as _refused, upload_batch)
 from support.scripted_agent import ScriptedAgent
 
 SHAPE = (8,)
@@ -137,7 +138,7 @@ def test_members_reported_away_are_not_live_until_they_are_back(start_coordinato
     assert registry.live_ids() == ["p1", "p2", "p4"]
 
 
-def test_a_host_sends_its_members_updates_in_one_call_each_checked_on_its_own(start_coordinator):
+def test_a_host_sends_its_members_updates_in_one_message_each_checked_on_its_own(start_coordinator):
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=4,
                                min_available=5, rounds=1)
     stub = _stub(server)
@@ -164,7 +165,7 @@ def test_a_host_sends_its_members_updates_in_one_call_each_checked_on_its_own(st
 
     batch = [small(mine[0], 2.0), small(mine[1], 4.0, token="forged"), small("b0", 8.0, token=_member(b, "b0").token),
              small(mine[1], 16.0, nbytes=16), small(mine[0], 2.0), pb.SmallUpload()]
-    results = stub.UploadHostUpdates(pb.HostUploads(host=host, uploads=batch), timeout=10).results
+    results = upload_batch(stub, pb.HostUploads(host=host, uploads=batch)).results
     codes = [grpc.StatusCode.OK if r.accepted else next(c for c in grpc.StatusCode if c.value[0] == r.code)
              for r in results]
     assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -172,8 +173,8 @@ def test_a_host_sends_its_members_updates_in_one_call_each_checked_on_its_own(st
                      grpc.StatusCode.INVALID_ARGUMENT], [r.message for r in results]
     assert "not a member of host 'host-a'" in results[2].message and "UploadHeader" in results[5].message
     assert server.coordinator.current.accepted == 1  # only the good update counts so far
-    _refused(lambda: stub.UploadHostUpdates(pb.HostUploads(host=pb.AgentAuth(agent_id="host-a", token="x"),
-                                                            uploads=[small(mine[2], 1.0)]), timeout=10),
+    _refused(lambda: upload_batch(stub, pb.HostUploads(host=pb.AgentAuth(agent_id="host-a", token="x"),
+                                                       uploads=[small(mine[2], 1.0)])),
              grpc.StatusCode.UNAUTHENTICATED, "")
 
 

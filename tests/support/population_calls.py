@@ -33,3 +33,12 @@ def refused(call, code, text) -> None:
     with pytest.raises(grpc.RpcError) as err:
         call()
     assert err.value.code() == code and text in err.value.details(), err.value.details()
+
+
+def upload_batch(stub, request: pb.HostUploads, timeout: float = 10) -> pb.HostUploadResults:
+    """``request`` as the one message of a host's HostUploadStream: its results, or the stream's refusal raised."""
+    replies = stub.HostUploadStream(iter([request]), timeout=timeout)
+    try:
+        return next(replies)
+    finally:
+        replies.cancel()
