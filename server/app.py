@@ -245,6 +245,7 @@ class CoordinatorService:
         self.coord = coordinator
         self.limits = Limits(coordinator.config, coordinator.layout.total_bytes)
         self.intake = UploadIntake(coordinator, self.limits)
+        self._host_streams: set[str] = set()  # hosts with a HostUploadStream open (one each)
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
@@ -341,18 +342,26 @@ class CoordinatorService:
         if request is None:
             return
         host = self._host(request.host, context)
+        if host.host_id in self._host_streams:  # else a host could hold --max-calls-per-agent idle streams
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"host {host.host_id!r} already has an upload stream "
+                                                              "open; send on it (one per host), or end it first")
         with self.limits.agent_call(HOST_CALLS + host.host_id):  # the stream is one of the host's calls
-            while request is not None:
-                if self._host(request.host, context).host_id != host.host_id:
-                    raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                                  f"this stream is host {host.host_id!r}'s, not {request.host.agent_id[:64]!r}'s")
-                yield await self._host_uploads(host, request, context)
-                try:
-                    request = await request_iterator.__anext__()
-                except StopAsyncIteration:
-                    return
-                if isinstance(request, Malformed):
-                    raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{request.reason}; the update was not applied")
+            self._host_streams.add(host.host_id)
+            try:
+                while request is not None:
+                    if self._host(request.host, context).host_id != host.host_id:
+                        raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this stream is host {host.host_id!r}'s, "
+                                                                         f"not {request.host.agent_id[:64]!r}'s")
+                    yield await self._host_uploads(host, request, context)
+                    try:
+                        request = await request_iterator.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    if isinstance(request, Malformed):
+                        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"{request.reason}; the update was not applied")
+            finally:
+                self._host_streams.discard(host.host_id)
 
     async def _host_uploads(self, host: HostRecord, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Take ``host``'s (authenticated) HostUploads: its updates one by one, then its partial."""

@@ -188,3 +188,31 @@ def test_results_that_do_not_come_in_time_end_the_stream_with_deadline_exceeded_
     finally:
         release.set()
         server.stop(0)
+
+
+def test_a_host_has_one_upload_stream_open_a_second_is_refused_until_the_first_ends(one_round):
+    """Each open stream holds one of the coordinator's --max-concurrent-rpcs places for its life: a host gets one,
+    not one per --max-calls-per-agent."""
+    server, stub, a, b, tasks = one_round
+    channel = grpc.insecure_channel(server.address)
+    host = pb.AgentAuth(agent_id="host-a", token=a.host_token)
+    first, first_replies = _stream(channel)
+    first.put(pb.HostUploads(host=host).SerializeToString())
+    assert pb.HostUploadResults.FromString(next(first_replies)) == pb.HostUploadResults()
+    second, second_replies = _stream(channel)
+    second.put(pb.HostUploads(host=host, partial=_partial(tasks, ["a0"], 1.0)).SerializeToString())
+    with pytest.raises(grpc.RpcError) as err:
+        next(second_replies)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "host 'host-a' already has an upload stream open" in err.value.details()
+    assert server.coordinator.current.accepted == 0  # the refused stream's partial touched nothing
+    other, other_replies = _stream(channel)  # another host's stream is its own
+    other.put(pb.HostUploads(host=pb.AgentAuth(agent_id="host-b", token=b.host_token)).SerializeToString())
+    assert pb.HostUploadResults.FromString(next(other_replies)) == pb.HostUploadResults()
+    first.put(pb.HostUploads(host=host, partial=_partial(tasks, ["a0"], 1.0)).SerializeToString())
+    assert pb.HostUploadResults.FromString(next(first_replies)).partial.accepted  # the open one goes on
+    first.put(None)
+    assert list(first_replies) == []  # ended: the host may open its next one
+    results = upload_batch(stub, pb.HostUploads(host=host, partial=_partial(tasks, ["a1"], 1.0)))
+    assert results.partial.accepted, results.partial.message
+    other.put(None)
