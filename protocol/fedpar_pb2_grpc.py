@@ -176,8 +176,8 @@ class CoordinatorServicer(object):
         """A host's members' small updates on one long-lived stream per host: each HostUploads (its host authenticated
         again) carries several updates, each with its member's session and every check UploadSmall makes, and is
         answered in order with one result per update (one message instead of a call per member, and no call's set-up
-        per batch). The stream counts as one of the host's calls for its life; a refusal of the host or a malformed
-        message ends it with its status.
+        per batch). The stream counts as one of the host's calls for its life, and a host has one open at a time (a
+        second is refused RESOURCE_EXHAUSTED); a refusal of the host or a malformed message ends it with its status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
