@@ -36,9 +36,9 @@ def refused(call, code, text) -> None:
 
 
 def upload_batch(stub, request: pb.HostUploads, timeout: float = 10) -> pb.HostUploadResults:
-    """``request`` as the one message of a host's HostUploadStream: its results, or the stream's refusal raised."""
+    """``request`` as the one message of a host's HostUploadStream: its results, or the stream's refusal raised. The
+    stream is read to its end, so the host's next stream finds it closed (a host has one open at a time)."""
     replies = stub.HostUploadStream(iter([request]), timeout=timeout)
-    try:
-        return next(replies)
-    finally:
-        replies.cancel()
+    results = next(replies)
+    assert list(replies) == []
+    return results
