@@ -330,9 +330,29 @@ class AgentRegistry:
                 records[at] = self._member_record(agent_ids[at], next(rows))
         return records
 
+    def member_hosts(self, agent_ids: Sequence[str]) -> list[tuple[str | None, int]]:
+        """Each of ``agent_ids``' host and registered examples ((None, 0): no live member of a host), looked up as
+        :meth:`get_many` looks them up but building no record (no session token derived)."""
+        records = [self._agents.get(a) for a in agent_ids]
+        members = [a for a, r in zip(agent_ids, records) if r is None]
+        rows = iter(self.members.rows(members) if members else ())
+        found = []
+        for record in records:
+            if record is not None:
+                found.append((None, 0) if record.left else (record.host, record.num_examples))
+                continue
+            row = next(rows)
+            host = self._row_host(row)
+            found.append((None, 0) if host is None else (host.host_id, row[0]))
+        return found
+
+    def _row_host(self, row: tuple[int, int, bool] | None) -> HostRecord | None:
+        """The host of a member's row; None if it has no row or its host left."""
+        return self._hosts.get(self._host_ids[row[1]]) if row is not None and row[1] != GONE else None
+
     def _member_record(self, agent_id: str, row: tuple[int, int, bool] | None) -> AgentRecord | None:
         """A member's record from its row (and its host's record); None if it has none or its host left."""
-        host = self._hosts.get(self._host_ids[row[1]]) if row is not None and row[1] != GONE else None
+        host = self._row_host(row)
         if host is None:
             return None
         return AgentRecord(agent_id, _member_token(host.token, agent_id), row[0], last_seen=host.last_seen,

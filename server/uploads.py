@@ -299,16 +299,17 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
                       f"the partial's {len(ids)}; send them one by one")
     rows = values.reshape(len(ids), len(names))
     slots, reports = [], []
-    records = registry.get_many(ids)
-    for member, record, task_id, examples, steps, row in zip(ids, records, tasks, partial.num_examples, partial.steps,
-                                                              rows):
-        if record is None or record.left or record.host != host_id:
+    hosts = registry.member_hosts(ids)
+    for member, (member_host, registered), task_id, examples, steps, row in zip(ids, hosts, tasks,
+                                                                                 partial.num_examples, partial.steps,
+                                                                                 rows):
+        if member_host != host_id:
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                           f"{member[:64]!r} is not a member of host {host_id!r}; the partial was not applied")
         slot = slot_to_fill(state, member, task_id, plane.rank)
         metrics = dict(zip(names, row.tolist()))
         try:
-            check_report(examples, record.num_examples, config.local_epochs, steps, metrics)
+            check_report(examples, registered, config.local_epochs, steps, metrics)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"member {member!r}: {exc}; the partial was not applied") from None
