@@ -2,7 +2,8 @@
 local epoch), this checkout's code against a baseline checkout's, alternated in pairs on the same machine.
 
 One command: ``.venv/bin/python benchmarks/worker_cpu_bench.py --baseline /work/main`` (``--pairs 3``; any other
-`fedpar simulate` flags after ``--``). Each run is `fedpar simulate --quiet` started with its checkout's own venv
+`fedpar simulate` flags after ``--``; ``--this-flags "--seats 1"``: flags for this checkout's runs only, e.g. to
+compare a setting with ``--baseline .``). Each run is `fedpar simulate --quiet` started with its checkout's own venv
 from its root; while it runs, the benchmark reads utime+stime of the worker processes (the simulate process's
 children) from /proc/PID/stat and of each of their threads from /proc/PID/task/*/stat, once the metrics file holds
 ``--skip`` rows and again ``--window`` rows later, and divides by the rounds in between. Threads are grouped by the
@@ -131,6 +132,7 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--skip", type=int, default=8, help="metrics rows before the window starts")
+    p.add_argument("--this-flags", default="", help="simulate flags for this checkout's runs only (one string)")
     p.add_argument("--json", type=Path, default=HERE / "results" / "worker_cpu_bench.json")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
@@ -140,7 +142,7 @@ def main() -> int:
     results: dict[str, list[dict]] = {"baseline": [], "this": []}
     for pair in range(args.pairs):
         for name, root in (("baseline", args.baseline.resolve()), ("this", HERE.parent)):
-            r = run(root, simulate_args, args.skip, window)
+            r = run(root, simulate_args + (args.this_flags.split() if name == "this" else []), args.skip, window)
             results[name].append(r)
             print(f"pair {pair} {name:<8} worker CPU {r['worker_cpu_ms']:6.2f} ms/round  period "
                   f"{r['period_ms']:6.1f} ms  load {Path('/proc/loadavg').read_text().split()[0]}  "
@@ -161,7 +163,7 @@ def main() -> int:
     ratios = [{"what": f"{key} of the workers (this checkout)", "ratio": summary[key]["ratio"],
                "against": f"the same cell from {args.baseline} in alternated runs"}
               for key in ("worker_cpu_ms", "period_ms")]
-    write_results(args.json, ratios, {"simulate_args": simulate_args, "window_rounds": window, "pairs": args.pairs,
+    write_results(args.json, ratios, {"simulate_args": simulate_args, "this_flags": args.this_flags, "window_rounds": window, "pairs": args.pairs,
                                       "load_before": load_before, "load_after": load_after, "summary": summary,
                                       "runs": results})
     return 0
