@@ -310,7 +310,7 @@ def decode_chunk_message(raw: bytes, message_type: type[Message]) -> RawData | M
     return message_type.FromString(raw)
 
 
-PROTOCOL_VERSION = 2  # 2: JoinPopulation carries its members as arrays (member_ids, num_examples, away)
+PROTOCOL_VERSION = 3  # 2: JoinPopulation carries its members as arrays; 3: a host's updates go on its HostUploadStream
 SERVICE_NAME = "fedpar.v1.Coordinator"
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Room for the protobuf framing around one chunk's payload.
