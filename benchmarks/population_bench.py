@@ -78,11 +78,11 @@ def tree_pss_mib(root: int) -> float:
     return total / 1024
 
 
-def run_simulate(args: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
-    """One `fedpar simulate` run (``env``: added to its environment): its rows, the time to its first round's start,
-    and its peak tree memory."""
+def run_simulate(args: list[str], out: Path, env: dict[str, str] | None = None, python: str = sys.executable) -> dict:
+    """One `fedpar simulate` run (``env``: added to its environment; ``python``: of the venv whose fedpar runs): its
+    rows, the time to its first round's start, and its peak tree memory."""
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", *args, "--out", str(out), "--quiet"],
+    proc = subprocess.Popen([python, "-m", "fedpar", "simulate", *args, "--out", str(out), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     peak, first_row_at = 0.0, None
     metrics = out / "metrics.jsonl"

@@ -46,7 +46,7 @@ from fedpar.server.virtual_clock import VirtualClock
 log = logging.getLogger("fedpar.server")
 TRIM_SECONDS = 1.0  # the least time between two heap trims (rounds shorter than this share one)
 # a central evaluation that took less runs on the loop the next round: on a busy machine waking a worker thread
-# for it costs about as much, and the loop has nothing else to do between two rounds
+# for it costs about as much (after the next round's tasks went out)
 LOOP_EVALUATION_SECONDS = 0.005
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]
@@ -158,7 +158,7 @@ class Coordinator(IngestPlane):
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
         self._evaluation_seconds = math.inf  # how long the last central evaluation took (the first: on a thread)
-        self._behind: asyncio.Future | None = None  # the last finished round's checkpoint and metrics line
+        self._behind: asyncio.Future | None = None  # the last finished round's evaluation, checkpoint and metrics line
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
@@ -319,33 +319,21 @@ class Coordinator(IngestPlane):
         row.update(self.clock.finish_round())
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
-        if self.evaluate_fn is not None and self._evaluation_seconds < LOOP_EVALUATION_SECONDS:
-            await self._publish_payload(self.round_id + 1)
-            row.update(self._evaluate(self.weights))
-        elif self.evaluate_fn is not None:  # on a worker thread while the loop builds the next round's payload
-            evaluation = asyncio.get_running_loop().run_in_executor(self._executor, self._evaluate, self.weights)
-            try:
-                await self._publish_payload(self.round_id + 1)
-            finally:
-                row.update(await evaluation)
-        else:
-            await self._publish_payload(self.round_id + 1)
+        await self._publish_payload(self.round_id + 1)
         now = time.monotonic()
-        row["round_seconds"] = now - state.started
+        row["round_seconds"] = now - state.started  # to the new model, ready for the next round's tasks
         row["wall_seconds"] = now - self.started_at
-        if self.config.checkpoint_dir is None:
-            await self._round_written(row)
-        else:
-            # What the checkpoint holds of the state the next round changes is taken now.
+        # What the checkpoint holds of the state the next round changes is taken now; the rest waits for the row.
+        taken = None
+        if self.config.checkpoint_dir is not None:
             arrays, meta = await self._model_work(self.strategy.state_dict)
-            loop_state = {"sampler": self.sampler.state(), "example_caps": self.registry.snapshot(),
-                          **self.clock.state(), "strategy": meta, "metrics_summary": self.metrics.summary_with(row),
-                          "metrics_row": clean_row(row)}
-            checkpoint = Checkpoint(state.round_id, self.names, self.weights, dict(arrays), loop_state)
-            if self.ranks is not None:  # the other ranks count uploads without asking whether it is written
-                await self._round_written(row, checkpoint)
-            else:  # written while the next round's tasks go out and its members train; it counts no update before
-                self._behind = asyncio.ensure_future(self._round_written(row, checkpoint))
+            taken = (dict(arrays), {"sampler": self.sampler.state(), "example_caps": self.registry.snapshot(),
+                                    **self.clock.state(), "strategy": meta})
+        written = self._round_written(state.round_id, row, self.weights, taken)
+        if self.ranks is not None:  # the other ranks count uploads without asking whether it is written
+            await written
+        else:  # evaluated and written while the next round's tasks go out and its members train; it counts no update
+            self._behind = asyncio.ensure_future(written)  # before
         # freed buffers leave the process (benchmarks/soak.py), beside the next round's opening; at most once per
         # TRIM_SECONDS: a full collection and a trim cost the loop about a millisecond, a short round's tenth. The
         # last round has no next one to go beside: the run's end frees what it frees.
@@ -361,11 +349,20 @@ class Coordinator(IngestPlane):
         finally:
             self._evaluation_seconds = time.perf_counter() - started
 
-    async def _round_written(self, row: dict, checkpoint: Checkpoint | None = None) -> None:
-        """A finished round's ``checkpoint`` (if any) written on a worker thread, then its metrics line and callbacks;
-        a crash between the two is repaired on resume."""
-        if checkpoint is not None:
-            await self._in_thread(self._checkpoint, checkpoint)
+    async def _round_written(self, round_id: int, row: dict, weights: list[np.ndarray],
+                             taken: tuple[dict, dict] | None) -> None:
+        """A finished round's central evaluation of its ``weights`` (after the next round's tasks went out) and, with
+        the state ``taken`` for it, its checkpoint on a worker thread, then its metrics line and callbacks; a crash
+        between the checkpoint and the line is repaired on resume."""
+        if self.evaluate_fn is not None and self._evaluation_seconds < LOOP_EVALUATION_SECONDS:
+            await asyncio.sleep(0)  # the next round's tasks, dealt meanwhile, go out first
+            row.update(self._evaluate(weights))
+        elif self.evaluate_fn is not None:
+            row.update(await self._in_thread(self._evaluate, weights))
+        if taken is not None:
+            arrays, loop_state = taken
+            loop_state.update(metrics_summary=self.metrics.summary_with(row), metrics_row=clean_row(row))
+            await self._in_thread(self._checkpoint, Checkpoint(round_id, self.names, weights, arrays, loop_state))
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)

@@ -1,6 +1,7 @@
-"""A round's checkpoint is written beside the next round, never more than one round behind: the next round's tasks go
-out while it is being written, and that round counts no update before it is written; each metrics line follows its
-round's checkpoint, and the run ends with every round's line and the last round's checkpoint."""
+"""A round's central evaluation and checkpoint are done beside the next round, never more than one round behind: the
+next round's tasks go out while they run, and that round counts no update before they are done; each metrics line
+follows its round's evaluation and checkpoint, and the run ends with every round's line and the last round's
+checkpoint."""
 
 from __future__ import annotations
 
@@ -64,3 +65,42 @@ def test_the_next_round_goes_out_while_a_checkpoint_is_written_and_counts_no_upd
     final = load_checkpoint(ckpt)
     assert final.round_id == 3 and final.state["metrics_row"]["round"] == 3
     assert np.array_equal(final.arrays[0], np.full(8, 6, np.float32))  # 0 + 1 + 2 + 3
+
+
+def test_the_next_round_goes_out_while_the_last_one_is_evaluated_and_its_line_carries_that_models_score(
+        start_coordinator, agents):
+    release, evaluating = threading.Event(), threading.Event()
+    scored = []
+
+    def slow_first_evaluation(weights):  # round 1's model is slow to score (a large test set)
+        scored.append(float(weights[0][0]))
+        if len(scored) == 1:
+            evaluating.set()
+            assert release.wait(30)
+        return {"test_accuracy": float(weights[0][0]) / 10}
+
+    weights = [np.zeros(8, np.float32)]
+    server = start_coordinator(weights, names=NAMES, rounds=2, clients_per_round=1, min_available=1,
+                               deadline_seconds=DEADLINE, evaluate_fn=slow_first_evaluation)
+    (agent,) = agents(server.address, ["a"])
+    layout = ModelLayout.of_arrays(NAMES, weights)
+    task = agent.task()
+    start = agent.download(task, layout)
+    assert agent.upload(task, [w + 1 for w in start], 10, names=NAMES).accepted
+    task = agent.task()  # round 2's task goes out while round 1's model is being scored
+    assert task.round == 2 and evaluating.is_set() and not release.is_set()
+    assert list(server.coordinator.metrics.read_rows()) == []
+    start = agent.download(task, layout)
+    replies = []
+    uploading = threading.Thread(target=lambda: replies.append(agent.upload(task, [w + 2 for w in start], 10,
+                                                                            names=NAMES)))
+    uploading.start()
+    uploading.join(DEADLINE + 0.3)  # counted only once round 1 is scored and written; its deadline waits meanwhile
+    assert uploading.is_alive() and server.coordinator.current.accepted == 0
+    release.set()
+    uploading.join(30)
+    assert replies[0].accepted
+    assert server.wait(30)
+    assert scored == [1.0, 3.0]
+    rows = list(server.coordinator.metrics.read_rows())
+    assert [(r["round"], r["status"], r["test_accuracy"]) for r in rows] == [(1, "ok", 0.1), (2, "ok", 0.3)]
