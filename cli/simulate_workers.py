@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         shutdown_distributed()
-    print(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {stats.tasks} tasks run, "
-          f"{stats.accepted} updates sent")
+    # one write, newline included: local ranks share their node's stdout, and an unbuffered print writes the
+    # newline on its own (PYTHONUNBUFFERED), so two ranks' lines could run together
+    sys.stdout.write(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {stats.tasks} tasks run, "
+                     f"{stats.accepted} updates sent\n")
     return 0

@@ -355,7 +355,7 @@ class Coordinator(IngestPlane):
         the state ``taken`` for it, its checkpoint on a worker thread, then its metrics line and callbacks; a crash
         between the checkpoint and the line is repaired on resume."""
         if self.evaluate_fn is not None and self._evaluation_seconds < LOOP_EVALUATION_SECONDS:
-            await asyncio.sleep(0)  # the next round's tasks, dealt meanwhile, go out first
+            await asyncio.sleep(0)  # the long-polls woken by the next round's deal reply first (each wakes in one turn)
             row.update(self._evaluate(weights))
         elif self.evaluate_fn is not None:
             row.update(await self._in_thread(self._evaluate, weights))

@@ -181,8 +181,9 @@ class Members:
         event = self._wakeups.setdefault(key, asyncio.Event())
         event.clear()
         try:
-            await asyncio.wait_for(event.wait(), timeout=remaining)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(remaining):  # the poll's own task waits: woken in one turn of the loop
+                await event.wait()
+        except TimeoutError:
             pass
         return True
 
