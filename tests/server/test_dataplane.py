@@ -25,6 +25,7 @@ from fedpar.protocol.codec import ModelLayout, layout_to_pb
 from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, Deadline, encode_frame, encode_preamble,
                                        read_status, send_all)
 from fedpar.server.rounds import Refusal
+from support.gated_trainer import GatedTrainer
 
 SHAPES = ((64, 32), (32,))
 NAMES = ["t0", "t1"]
@@ -376,19 +377,6 @@ def test_data_plane_uploads_hold_places_in_the_upload_queue(start_coordinator, a
         np.testing.assert_allclose(got, (10 * x + 30 * y) / 40, rtol=1e-6, atol=1e-7)
 
 
-class _GatedTrainer(LocalTrainer):
-    """Trains only once the test says so."""
-
-    def __init__(self, *args, gate: threading.Event, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = gate
-
-    def train(self, *args, **kwargs):
-        """Wait for the gate, then train."""
-        assert self.gate.wait(20)
-        return super().train(*args, **kwargs)
-
-
 def test_a_real_agent_retries_a_data_plane_upload_while_the_queue_is_full(start_coordinator, agents):
     torch.manual_seed(0)
     model = nn.Linear(16, 4)
@@ -399,7 +387,7 @@ def test_a_real_agent_retries_a_data_plane_upload_while_the_queue_is_full(start_
     (holder,) = agents(server.address, ["holder"])
     rng = np.random.default_rng(1)
     gate = threading.Event()
-    trainer = _GatedTrainer(model, ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32),
+    trainer = GatedTrainer(model, ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32),
                                                 rng.integers(0, 4, 32)), gate=gate)
     agent = Agent(AgentConfig(insecure=True,
                               server=server.address, agent_id="eager", poll_seconds=1.0, give_up_after=20.0), trainer)

@@ -11,24 +11,11 @@ import torch
 from torch import nn
 
 from fedpar.client.agent import Agent, AgentConfig
-from fedpar.client.trainer import LocalTrainer
 from fedpar.client.transfer import upload_messages
 from fedpar.datasets.arrays import ArrayDataset
 from fedpar.models import weight_specs
 from fedpar.protocol.codec import ModelLayout
-
-
-class _GatedTrainer(LocalTrainer):
-    """Trains only once the test says so."""
-
-    def __init__(self, *args, gate: threading.Event, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = gate
-
-    def train(self, *args, **kwargs):
-        """Wait for the gate, then train."""
-        assert self.gate.wait(20)
-        return super().train(*args, **kwargs)
+from support.gated_trainer import GatedTrainer
 
 
 def test_a_real_agent_retries_a_small_grpc_upload_while_the_upload_queue_is_full(start_coordinator, agents):
@@ -42,7 +29,7 @@ def test_a_real_agent_retries_a_small_grpc_upload_while_the_upload_queue_is_full
     (holder,) = agents(server.address, ["holder"])
     rng = np.random.default_rng(1)
     gate = threading.Event()
-    trainer = _GatedTrainer(model, ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32),
+    trainer = GatedTrainer(model, ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32),
                                                 rng.integers(0, 4, 32)), gate=gate)
     agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="eager", poll_seconds=1.0,
                               give_up_after=20.0), trainer)

@@ -63,36 +63,20 @@ def test_impossible_batching_settings_are_one_line_errors(tmp_path, capsys, flag
 
 @pytest.mark.timeout(300)
 def test_a_hosts_seats_train_its_sampled_members_in_batches_and_the_model_learns():
-    import numpy as np
     import torch
 
-    from fedpar.aggregation import build_strategy
-    from fedpar.datasets import load_dataset
-    from fedpar.datasets.members import member_source
-    from fedpar.server.assembly import CoordinatorAssembly
-    from fedpar.server.config import CoordinatorConfig
-    from fedpar.simulations.agents import WorkerConfig, worker_task
-    from fedpar.simulations.population import PopulationSlice, host_population
+    from fedpar.simulations.population import host_population
+    from support.population_host import digits_population
 
     # 12 of 24 members a round on 8 seats: two waves of members per round, each wave one batched model
     torch.set_num_threads(1)
     clients, per_round, rounds = 24, 12, 3
-    splits = load_dataset("digits")
     rows: list[dict] = []
-    server = CoordinatorAssembly.for_data("mlp", splits, 0, "cpu").server(
-        CoordinatorConfig(rounds=rounds, clients_per_round=per_round, min_available=clients, accept_populations=True,
-                          overselect=1.0, local_epochs=3, deadline_seconds=60.0, heartbeat_seconds=1.0),
-        build_strategy("fedavg"), on_round_end=[rows.append])
-    server.start()
-    try:
-        population = PopulationSlice.of("host-0", np.arange(clients),
-                                        member_source(splits, "iid", clients, 0).sizes, np.zeros(clients))
-        worker = WorkerConfig(server=server.address, population=population, clients=clients, device="cpu")
-        host = host_population(server.address, population, worker_task(worker, splits), worker.partition_of, 0,
-                               seats=8, poll_seconds=1.0, client_batching=True)
+    with digits_population(clients, rows, rounds=rounds, clients_per_round=per_round, overselect=1.0,
+                           local_epochs=3) as (worker, task):
+        host = host_population(worker.server, worker.population, task, worker.partition_of, 0, seats=8,
+                               poll_seconds=1.0, client_batching=True)
         host.run()  # until the coordinator says training is over
-    finally:
-        server.stop()
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", per_round)] * rounds
     assert rows[-1]["test_accuracy"] > max(0.5, rows[0]["test_accuracy"])  # the model learns
     batches = list(host.seats[0].trainer.batcher.batch_sizes)  # one batcher for the host's seats

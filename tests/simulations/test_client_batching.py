@@ -230,39 +230,24 @@ def test_a_member_whose_data_fails_to_load_leaves_its_rounds_stack_at_once():
     # score the model they receive together, which must not fail on member 3's data.
     import dataclasses
 
-    from fedpar.aggregation import build_strategy
-    from fedpar.datasets.members import member_source
-    from fedpar.server.assembly import CoordinatorAssembly
-    from fedpar.server.config import CoordinatorConfig
-    from fedpar.simulations.agents import WorkerConfig, worker_task
-    from fedpar.simulations.population import PopulationSlice, host_population
+    from fedpar.simulations.population import host_population
+    from support.population_host import digits_population
 
     clients, rounds = 4, 2
-    splits = load_dataset("digits")
     rows: list[dict] = []
-    server = CoordinatorAssembly.for_data("mlp", splits, 0, "cpu").server(
-        CoordinatorConfig(rounds=rounds, clients_per_round=3, min_available=clients, accept_populations=True,
-                          overselect=1.34, local_epochs=1, deadline_seconds=60.0, heartbeat_seconds=1.0,
-                          client_eval_every=1),  # the members scored together: member 3's data fails only its own
-        build_strategy("fedavg"), on_round_end=[rows.append])
-    server.start()
-    try:
-        population = PopulationSlice.of("host-0", np.arange(clients),
-                                        member_source(splits, "iid", clients, 0).sizes, np.zeros(clients))
-        worker = WorkerConfig(server=server.address, population=population, clients=clients, device="cpu")
-        task = worker_task(worker, splits)
+    # the members scored together (client_eval_every=1): member 3's data fails only its own task
+    with digits_population(clients, rows, rounds=rounds, clients_per_round=3, overselect=1.34, local_epochs=1,
+                           client_eval_every=1) as (worker, task):
 
         def client_data(partition):
             if partition.index == 3:
                 raise OSError("member 3's data is unreadable")
             return task.client_data(partition)
 
-        host = host_population(server.address, population, dataclasses.replace(task, client_data=client_data),
+        host = host_population(worker.server, worker.population, dataclasses.replace(task, client_data=client_data),
                                worker.partition_of, 0, seats=clients, poll_seconds=1.0, client_batching=True)
         host.seats[0].trainer.batcher.gather_seconds = 10.0
         host.run()  # until the coordinator says training is over
-    finally:
-        server.stop()
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", 3)] * rounds
     assert all(r["round_seconds"] < 5.0 for r in rows), [r["round_seconds"] for r in rows]
     assert list(host.seats[0].trainer.batcher.batch_sizes) == [3] * rounds
