@@ -7,13 +7,19 @@ is refused at parse time with the option's name and the range it takes.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import sys
 from typing import Callable
 
 
 class FedparParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line naming the command, the problem and where help is."""
+    """An ArgumentParser whose errors are one line naming the command, the problem and where help is. It takes no
+    abbreviated option (``--insecur`` would start a plaintext coordinator, and a new option could change what an
+    abbreviation means); a mistyped one is named with the option it looks like."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def format_help(self) -> str:
         """The help text; an option's ``help_factory`` (help that needs heavy imports) is called only now."""
@@ -27,6 +33,14 @@ class FedparParser(argparse.ArgumentParser):
         """Print ``prog: error: message`` and exit 2 (argparse would print the whole usage first)."""
         print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(2)
+
+    def unrecognized(self, extra: list[str]):
+        """:meth:`error` for arguments this command does not take, naming the option each one looks like."""
+        options = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        meant = [close[0] for arg in extra if arg.startswith("--")
+                 if (close := difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.75))]
+        self.error(f"unrecognized arguments: {' '.join(extra)}"
+                   + (f" (did you mean {', '.join(dict.fromkeys(meant))}?)" if meant else ""))
 
 
 def _number(kind: type, text: str):

@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         apply_config_defaults(subparser, argv[1:], argv[0])
-        args = parser.parse_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
+        args, extra = parser.parse_known_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
+        if extra:  # said by the subcommand, which knows its options: its own --help
+            subparser.unrecognized(extra)
         if args.log_level:
             setup_logging(args)
         return int(args._module.run(args) or 0)

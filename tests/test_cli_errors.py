@@ -51,6 +51,12 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
         (["simulate", "--drop-probability", "1.5"], 2, "argument --drop-probability: 1.5 is out of range"),
         (["simulate", "--clients", "0"], 2, "argument --clients: 0 is out of range: a count must be at least 1"),
         (["train", "--lr", "-1"], 2, "argument --lr: -1 is out of range: it must be greater than 0"),
+        (["simulate", "--client-per-round", "5"], 2, "fedpar simulate: error: unrecognized arguments: "
+         "--client-per-round 5 (did you mean --clients-per-round?); see 'fedpar simulate --help'"),
+        (["serve", "--insecur"], 2, "fedpar serve: error: unrecognized arguments: --insecur (did you mean "
+                                    "--insecure?); see 'fedpar serve --help'"),
+        (["train", "--rounds", "1"], 2, "fedpar train: error: unrecognized arguments: --rounds 1; see "
+                                        "'fedpar train --help'"),
         (["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "a-file")], 2,
          f"--out {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a folder"),
         (["simulate", "--out", str(tmp_path / "a-file" / "run")], 2, "is a file, not a folder"),
