@@ -49,7 +49,8 @@ def test_the_next_round_goes_out_while_a_checkpoint_is_written_and_counts_no_upd
             continue
         # round 2's task went out and its update came in while round 1's checkpoint is still being written; the
         # update is counted only once it is written
-        assert writing.is_set() and not (ckpt / "LATEST").exists() and at_each_row == []
+        assert writing.wait(10)  # begun beside round 2's opening, perhaps just after its task went out
+        assert not (ckpt / "LATEST").exists() and at_each_row == []
         replies = []
         uploading = threading.Thread(target=lambda: replies.append(upload()))
         uploading.start()
@@ -88,7 +89,7 @@ def test_the_next_round_goes_out_while_the_last_one_is_evaluated_and_its_line_ca
     start = agent.download(task, layout)
     assert agent.upload(task, [w + 1 for w in start], 10, names=NAMES).accepted
     task = agent.task()  # round 2's task goes out while round 1's model is being scored
-    assert task.round == 2 and evaluating.is_set() and not release.is_set()
+    assert task.round == 2 and evaluating.wait(10) and not release.is_set()
     assert list(server.coordinator.metrics.read_rows()) == []
     start = agent.download(task, layout)
     replies = []
