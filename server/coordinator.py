@@ -45,8 +45,8 @@ from fedpar.server.virtual_clock import VirtualClock
 
 log = logging.getLogger("fedpar.server")
 TRIM_SECONDS = 1.0  # the least time between two heap trims (rounds shorter than this share one)
-# a central evaluation that took less runs on the loop the next round: on a busy machine waking a worker thread
-# for it costs about as much (after the next round's tasks went out)
+# a central evaluation that took less runs on the loop the next round, once that round's tasks went out: on a busy
+# machine waking a worker thread for it costs about as much
 LOOP_EVALUATION_SECONDS = 0.005
 EvaluateFn = Callable[[list[np.ndarray]], dict[str, float]]
 RoundCallback = Callable[[dict], None]

@@ -96,13 +96,20 @@ def secure_closing_reason(accepted: int, target: int, all_keyed_uploaded: bool) 
     return ""
 
 
-async def until_closed(state: Timed, closed: asyncio.Event) -> bool:
-    """Wait until ``closed`` is set or the round's deadline passes; False if the deadline passed first."""
+async def set_within(event: asyncio.Event, seconds: float) -> bool:
+    """Wait until ``event`` is set or ``seconds`` pass; False if the time passed first. The caller's own task waits
+    (no second task, as asyncio.wait_for would make), so a set event wakes it in one turn of the loop."""
     try:
-        await asyncio.wait_for(closed.wait(), timeout=seconds_left(state))
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
         return False
     return True
+
+
+async def until_closed(state: Timed, closed: asyncio.Event) -> bool:
+    """Wait until ``closed`` is set or the round's deadline passes; False if the deadline passed first."""
+    return await set_within(closed, seconds_left(state))
 
 
 @dataclass

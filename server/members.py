@@ -19,6 +19,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.deadline import set_within
 from fedpar.server.member_table import LiveIds
 from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord
 from fedpar.server.rounds import Refusal, RoundState
@@ -151,10 +152,7 @@ class Members:
                 raise TimeoutError(f"only {self.live_count()} live agents after {wait_seconds}s; need "
                                    f"min_available={count}")
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
+            await set_within(self._changed, 0.5)
 
     # ----------------------------------------------------------------- tasks
     def poller(self, agent_id: str) -> str:
@@ -180,11 +178,7 @@ class Members:
             return False
         event = self._wakeups.setdefault(key, asyncio.Event())
         event.clear()
-        try:
-            async with asyncio.timeout(remaining):  # the poll's own task waits: woken in one turn of the loop
-                await event.wait()
-        except TimeoutError:
-            pass
+        await set_within(event, remaining)  # woken in one turn of the loop: its reply goes out at once
         return True
 
     @property

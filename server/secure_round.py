@@ -36,7 +36,7 @@ from fedpar.secagg.messages import MaskedInput
 from fedpar.secagg.params import RoundParams
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.server_protocol import SecAggResult, SecAggServer
-from fedpar.server.deadline import SECURE_FAILED, secure_closing_reason
+from fedpar.server.deadline import SECURE_FAILED, secure_closing_reason, set_within
 from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket
 
 log = logging.getLogger("fedpar.server")
@@ -108,9 +108,7 @@ class SecureRound:
             if remaining <= 0:
                 return
             event = self._changed
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
+            if not await set_within(event, remaining):
                 return
 
     def _fail(self, reason: str, state: RoundState | None = None) -> None:

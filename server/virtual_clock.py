@@ -21,7 +21,7 @@ import math
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.server.deadline import DEADLINE, Decision, first_k_in_time
+from fedpar.server.deadline import DEADLINE, Decision, first_k_in_time, set_within
 from fedpar.server.rounds import Refusal, RoundState
 
 log = logging.getLogger("fedpar.server")
@@ -67,10 +67,7 @@ class VirtualClock:
     async def choose(self, state: RoundState, members) -> None:
         """Wait for the sampled members' finish times (half the wall guard at most: the rest then never finish),
         then let the first K within the deadline go (``members.let_go``) and count only them as still to answer."""
-        try:
-            await asyncio.wait_for(self._all_in.wait(), timeout=self.wall_seconds / 2)
-        except asyncio.TimeoutError:
-            pass
+        await set_within(self._all_in, self.wall_seconds / 2)
         decision = first_k_in_time(self._finishes, state.slots, state.target, self.deadline_seconds)
         for slot in decision.chosen:
             slot.go = True
