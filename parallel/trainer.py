@@ -16,6 +16,7 @@ from fedpar.models.losses import classification_loss, language_model_loss
 from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fedpar.parallel.config import ParallelLayout, TrainConfig
 from fedpar.parallel.ddp import is_ddp
+from fedpar.parallel.device import synchronize
 from fedpar.parallel.fsdp import is_fsdp
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.mesh import build_mesh
@@ -111,19 +112,23 @@ class Trainer:
 
     def _to_device(self, indices: list[int], inputs: torch.Tensor, targets: torch.Tensor):
         idx = torch.tensor(indices)
-        return inputs[idx].to(self.info.device), targets[idx].to(self.info.device)
+        x, y = inputs[idx], targets[idx]
+        if self.info.device.type == "cuda":  # pinned, so the copy runs beside the GPU's queued work
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.info.device, non_blocking=True), y.to(self.info.device, non_blocking=True)
 
     # -------------------------------------------------------------------------------------- one step
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward, backward (accumulated), clip and optimizer step on this rank's batch; returns its loss."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward, backward (accumulated), clip and optimizer step on this rank's batch; returns its loss as a
+        0-d tensor on the device (reading it waits for the step: the loop reads it once per log interval)."""
         pipeline = self.model.pipeline
         if pipeline is not None:
             losses: list[torch.Tensor] = []
             pipeline.step(x, y, losses=losses, return_outputs=False)
-            loss = float(torch.stack(losses).detach().mean()) if losses else 0.0
+            loss = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=self.info.device)
         else:
             model, accum = self.model.parts[0], self.config.grad_accum
-            loss = 0.0
+            loss = torch.zeros((), device=self.info.device)
             for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
                 last = i == accum - 1
                 if is_fsdp(model):
@@ -133,7 +138,7 @@ class Trainer:
                     with self._autocast():
                         micro_loss = self.loss_fn(model(xm), ym) / accum
                     micro_loss.backward()
-                loss += float(micro_loss.detach())
+                loss += micro_loss.detach().float()
         replicate_partial_grads(self.model.parameters())
         if self.config.grad_clip > 0:
             clip_gradients(self.model.parameters(), self.config.grad_clip, self.pp_group)
@@ -229,15 +234,15 @@ class Trainer:
                   f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
                   f"{total} steps of {global_batch} examples, lr {base_lr:g}, {self.precision}")
         first_step, steps_start = c["step"], time.perf_counter()  # the pace of this process's steps: the time left
+        # No wait for the GPU inside a log interval: the losses add up on it, and the interval's time counts once
+        # its loss is read (evaluations and checkpoints are taken off its clock).
+        interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
         while c["step"] < total:
             self.sampler.set_epoch(c["epoch"], start_batch=c["batch_in_epoch"])
-            interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
             for indices in self.sampler:
                 x, y = self._to_device(indices, self.data.train_inputs, self.data.train_targets)
                 set_learning_rate(self.optimizers, base_lr * warmup_factor(c["step"], cfg.warmup_steps))
-                t0 = time.perf_counter()
                 interval_loss += self.train_step(x, y)
-                train_seconds += time.perf_counter() - t0
                 c["step"] += 1
                 c["batch_in_epoch"] += 1
                 c["samples"] += global_batch
@@ -246,9 +251,11 @@ class Trainer:
                 if self.progress is not None and self.info.is_main:
                     self.progress.step(c["step"], total, f"loss {last_loss:.4f}")
                 if c["step"] % cfg.log_every == 0 or c["step"] == total:
-                    loss_sum, reporters = self._sum_over_reporters([interval_loss / interval_steps, 1.0])
+                    loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / interval_steps, 1.0])
                     last_loss = loss_sum / reporters
-                    rate = interval_steps * global_batch / max(time.perf_counter() - interval_start, 1e-9)
+                    elapsed = max(time.perf_counter() - interval_start, 1e-9)
+                    train_seconds += elapsed
+                    rate = interval_steps * global_batch / elapsed
                     log.write({"kind": "train", "step": c["step"], "epoch": c["epoch"], "loss": last_loss,
                                "lr": self.optimizers[0].param_groups[0]["lr"], "samples_per_second": rate})
                     left = (time.perf_counter() - steps_start) / (c["step"] - first_step) * (total - c["step"])
@@ -256,7 +263,7 @@ class Trainer:
                               f"{rate:.0f} samples/s, about {left:.0f} s left")
                     interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
                 if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every == 0:
-                    self.save()
+                    interval_start += self._off_the_clock(self.save)[1]
                 if stop_after_steps is not None and c["step"] >= stop_after_steps:
                     if self.progress is not None:
                         self.progress.close()
@@ -264,7 +271,8 @@ class Trainer:
                 if c["step"] >= total:
                     break
             if c["batch_in_epoch"] >= len(self.sampler):
-                evals = self.evaluate()
+                evals, seconds = self._off_the_clock(self.evaluate)
+                interval_start += seconds
                 last_eval_step = c["step"]
                 log.write({"kind": "eval", "step": c["step"], "epoch": c["epoch"], **evals})
                 self._log(f"epoch {c['epoch']} done: " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()))
@@ -278,6 +286,12 @@ class Trainer:
         if self.progress is not None:
             self.progress.close()
         return self._finish(log, evals, last_loss, wall_start, train_seconds, run_samples, resumed_from)
+
+    def _off_the_clock(self, work: Callable[[], Any]) -> tuple[Any, float]:
+        """``work()``'s result and its seconds, once the training steps queued before it are done."""
+        synchronize(self.info.device)
+        start = time.perf_counter()
+        return work(), time.perf_counter() - start
 
     def _finish(self, log: StepMetricsLog, evals: dict[str, float], last_loss: float, wall_start: float,
                 train_seconds: float, run_samples: int, resumed_from: int) -> dict[str, Any]:

@@ -530,7 +530,7 @@ def check_fsdp_grad_accumulation_equals_dense_batch():
     trainer.model.parts[0].register_forward_pre_hook(lambda m, args: forward_rows.append(len(args[0])))
     batches = [_classification_batch(16, seed=10 + s) for s in range(STEPS)]
     ref, ref_losses, _ = _dense_sgd_steps(batches)
-    losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
+    losses = _mean_over_ranks([float(trainer.train_step(*_local_half(x, y))) for x, y in batches])
     model = trainer.model.parts[0]
     return {"max_param_diff": max_abs_diff(_params(ref), _params(model)),
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -547,7 +547,7 @@ def check_fsdp_bf16_mixed_precision_trains_close_to_fp32_dense():
         lambda opt, args, kwargs: grad_dtypes.update(str(p.grad.dtype) for p in model.parameters()))
     batches = [_classification_batch(16, seed=20)] * STEPS  # one batch again and again: the loss must fall
     ref, ref_losses, _ = _dense_sgd_steps(batches)
-    losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
+    losses = _mean_over_ranks([float(trainer.train_step(*_local_half(x, y))) for x, y in batches])
     return {"precision": trainer.precision, "forward_weight_dtypes": sorted(forward_dtypes),
             "grad_dtypes": sorted(grad_dtypes),
             "master_param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -566,7 +566,7 @@ def check_trainer_interleaved_1f1b_gpt_matches_dense():
                   momentum=0.9, warmup_steps=0, grad_clip=TRAINER_PP_CLIP, batch_size=8, max_steps=2)
     batches = [_token_batch(8, seed=30 + s) for s in range(2)]
     trainer = Trainer(cfg, _gpt, TrainData(*batches[0], *batches[0], LANGUAGE_MODEL), init_distributed())
-    losses = torch.tensor([trainer.train_step(x, y) for x, y in batches], dtype=torch.float64)
+    losses = torch.tensor([float(trainer.train_step(x, y)) for x, y in batches], dtype=torch.float64)
     losses *= trainer.reports_loss  # only the last stage's rank has the loss; the sum gives it to both ranks
     dist.all_reduce(losses)
     ref, ref_losses, ref_norms = _dense_sgd_steps(batches, _gpt, lm_loss, TRAINER_PP_CLIP)
@@ -630,7 +630,7 @@ def check_fused_adamw_on_tp_and_fsdp_matches_dense():
     for layout, kw in (("tp", dict(dp=1, tp=2)), ("fsdp", dict(dp=1, fsdp=2))):
         trainer = _steps_trainer("mlp", TinyMLP, _synthetic(16, 8), **kw)
         # TP: every rank sees the whole batch; FSDP: each rank its half.
-        steps = [trainer.train_step(x, y) if layout == "tp" else trainer.train_step(*_local_half(x, y))
+        steps = [float(trainer.train_step(x, y) if layout == "tp" else trainer.train_step(*_local_half(x, y)))
                  for x, y in batches]
         losses = steps if layout == "tp" else _mean_over_ranks(steps)
         opt = trainer.optimizers[0]
@@ -657,7 +657,7 @@ def check_compiled_gpt_fsdp_matches_eager():
     for compiled in (False, True):
         graphs = counters["stats"]["unique_graphs"]
         trainer = _steps_trainer("gpt", gpt, data, dp=1, fsdp=2, compile=compiled, optimizer="sgd", lr=0.1)
-        losses = _mean_over_ranks([trainer.train_step(*_local_half(x, y)) for x, y in batches])
+        losses = _mean_over_ranks([float(trainer.train_step(*_local_half(x, y))) for x, y in batches])
         runs[compiled] = (losses, _params(trainer.model.parts[0]), counters["stats"]["unique_graphs"] - graphs)
     return {"max_loss_diff": max(abs(a - b) for a, b in zip(runs[False][0], runs[True][0])),
             "max_param_diff": max_abs_diff(runs[False][1], runs[True][1]),
