@@ -95,7 +95,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     from fedpar.aggregation import build_strategy
     from fedpar.aggregation.compatibility import check_composition
     from fedpar.datasets import load_dataset
-    from fedpar.parallel.device import check_device_layout, resolve_device
+    from fedpar.parallel.device import resolve_device
     from fedpar.server.assembly import CoordinatorAssembly
     from fedpar.server.secure_round import check_secure_setup
     from fedpar.simulations.synthetic_coordinator import synthetic_model
@@ -106,7 +106,6 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
         config.checkpoint_dir = None
         config.data_port = config.data_port + rank if config.data_port else 0
     security = server_security(args)  # first: a missing certificate should not wait for data loading
-    check_device_layout(args.device)
     config.upload_compression = compression_from_args(args)
     config.validate()
     strategy_options = strategy_options_from_args(args)
@@ -139,12 +138,24 @@ def _world(args: argparse.Namespace) -> int:
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else args.aggregator_ranks
 
 
+def _check_rank_devices(args: argparse.Namespace) -> None:
+    """ConfigurationError unless each aggregator rank on this machine gets a device: NCCL takes a GPU per rank."""
+    from fedpar.parallel.device import check_device_layout
+
+    check_device_layout(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", _world(args))))
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until every round is done (in ``--aggregator-ranks`` local processes when more than one)."""
     from fedpar.parallel.device import flush_denormals
 
     setup_logging(args)
     flush_denormals()
+    try:
+        _check_rank_devices(args)
+    except ValueError as exc:
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        return 2
     if args.state is not None:
         return _serve_runs(args)
     check_output_folder(args.out)

@@ -97,6 +97,22 @@ def test_train_with_more_ranks_than_gpus_stops_before_any_rank_starts(tmp_path, 
     assert not (tmp_path / "run").exists()  # no rank ran
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has a GPU for each of 2 ranks")
+def test_serve_with_more_aggregator_ranks_than_gpus_stops_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    code, err = _fedpar(capsys, "serve", "--insecure", "--port", "0", "--device", "cuda", "--aggregator-ranks", "2",
+                        "--out", str(tmp_path / "run"))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedpar serve: ") and "--device cpu" in lines[0], err
+    if torch.cuda.is_available():  # auto takes the GPU, and so needs one per rank too
+        code, err = _fedpar(capsys, "serve", "--insecure", "--port", "0", "--aggregator-ranks", "2",
+                            "--out", str(tmp_path / "run"))
+        assert code == 2 and "2 local ranks need 2 GPUs" in err, err
+    assert not (tmp_path / "run").exists()  # no rank ran
+
+
 @pytest.mark.parametrize("command", ["client", "serve", "simulate"])
 def test_every_role_refuses_a_bad_device_in_one_line(command, tmp_path, capsys):
     extra = {"client": ["--agent-id", "a", "--insecure"], "serve": ["--insecure", "--out", str(tmp_path)],

@@ -29,6 +29,7 @@ from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.tasks.reference import load_task
+from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
 from support.own_task import EXAMPLE, write_table
 from support.processes import children
@@ -53,7 +54,7 @@ QUICK_TRAINING = ["--local-epochs", "1", "--batch-size", "32", "--lr", "0.05"]  
 def _serve(tmp: Path, ranks: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--insecure", "--port", "0", "--port-file",
            str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--no-central-eval",
-           "--aggregator-ranks", str(ranks), "--inline-weights-bytes", "0", "--overselect", "1.0",
+           "--aggregator-ranks", str(ranks), *RANKS_ON_CPU, "--inline-weights-bytes", "0", "--overselect", "1.0",
            "--min-available", "4", "--heartbeat", "1", "--liveness-timeout", "30", "--aggregator-timeout", "30",
            *QUICK_TRAINING, *flags]
     tmp.mkdir(parents=True, exist_ok=True)
@@ -339,7 +340,7 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
     serve = ["-m", "fedpar", "serve", "--insecure", "--port", str(port), "--port-file", str(tmp_path / "port"),
              "--out", str(tmp_path / "out"), "--no-central-eval", "--inline-weights-bytes", "0", "--overselect", "1.0",
              "--min-available", "4", "--rounds", "1", "--clients-per-round", "4", "--aggregator-timeout", "30",
-             *QUICK_TRAINING]
+             *RANKS_ON_CPU, *QUICK_TRAINING]  # two "machines" here share one GPU, if any
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = []
     for node in (0, 1):

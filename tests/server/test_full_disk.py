@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from fedpar.server.checkpoint import load_checkpoint
+from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def _without_root_overrides() -> None:
 
 def _serve(tmp: Path, port: int, ranks: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--port", str(port), "--port-file", str(tmp / "port"),
-           "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--aggregator-ranks", str(ranks), *FLAGS]
+           "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--aggregator-ranks", str(ranks), *RANKS_ON_CPU, *FLAGS]
     # Pipes, not files: a file-size limit on the process would cut its own log short too.
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=_without_root_overrides)

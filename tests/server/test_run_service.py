@@ -24,6 +24,7 @@ from fedpar.protocol.fedpar_pb2_grpc import CoordinatorStub
 from fedpar.security.certs import ensure_certs
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
+from support.devices import RANKS_ON_CPU
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = 'local_epochs = 1\nbatch_size = 32\nclients_per_round = 2\nmin_reports = 2\n'
@@ -127,7 +128,7 @@ def federation(tmp_path_factory):
     """One service on two aggregator ranks for the module's tests (its one-rank form: the kill -9 and task tests)."""
     tmp = tmp_path_factory.mktemp("service")
     fed = Federation(tmp, ((), ()), 2, "--metrics-port", "0", "--tensorboard", str(tmp / "tb"),
-                     "--aggregator-ranks", "2")
+                     "--aggregator-ranks", "2", *RANKS_ON_CPU)
     yield fed
     fed.close()
     assert fed.service.returncode == 0, (tmp / "serve.log").read_text()[-3000:]  # SIGTERM stops every rank cleanly

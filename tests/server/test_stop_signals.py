@@ -18,6 +18,7 @@ import torch
 
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.final_model import load_final_model
+from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def _serve(tmp: Path, ranks: int) -> subprocess.Popen:
     return _start(tmp, ["serve", "--insecure", "--port", "0", "--port-file", str(tmp / "port"), "--checkpoint-dir",
                         str(tmp / "ckpt"), "--out", str(tmp / "out"), "--no-central-eval", "--aggregator-ranks",
                         str(ranks), "--min-available", "2", "--clients-per-round", "2", "--overselect", "1.0",
-                        "--heartbeat", "1", "--aggregator-timeout", "30", *QUICK])
+                        "--heartbeat", "1", "--aggregator-timeout", "30", *RANKS_ON_CPU, *QUICK])
 
 
 def _simulate(tmp: Path, ranks: int) -> subprocess.Popen:
