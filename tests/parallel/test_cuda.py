@@ -112,7 +112,7 @@ def test_bf16_autocast_agent_learns_and_keeps_fp32_weights_and_deadline():
     trainer = LocalTrainer(build_model_for_data("cnn", splits.input_shape, splits.num_classes), train, val,
                            device="cuda", precision="bf16")
     before = trainer.evaluate()
-    trainer.train(3, 16, 0.1)
+    trainer.train(8, 16, 0.1)  # fp32 on the CPU reaches 0.69 from this start, bf16 autocast there 0.72 (3 epochs: 0.36)
     assert trainer.evaluate().accuracy > max(before.accuracy, 0.5)
     assert all(a.dtype == np.float32 for a in get_weights(trainer.model))
     start = time.monotonic()

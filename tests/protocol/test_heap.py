@@ -102,13 +102,15 @@ if {server}:
     freeze_startup_heap()
 libc.free(libc.malloc(4 << 20))
 before = libc.mallinfo().hblks
-blocks = [libc.malloc(256 << 10) for _ in range(20)]
+blocks = [libc.malloc(256 << 10) for _ in range(200)]
 print(libc.mallinfo().hblks - before)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
                          check=True)
-    assert int(out.stdout) == (20 if server else 0)
+    # A few may fit in free space the interpreter's start left in the heap (4 of 20 on the GPU box's Python 3.12)
+    mapped = int(out.stdout)
+    assert mapped >= 180 if server else mapped == 0
 
 
 def test_the_native_trace_holds_only_what_its_window_of_rounds_allocated_and_kept(tmp_path):

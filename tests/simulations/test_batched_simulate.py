@@ -46,7 +46,7 @@ def test_batched_clients_still_mask_their_updates_for_secure_aggregation(tmp_pat
 def test_a_convolutional_model_trains_one_by_one_on_the_cpu_by_default_and_the_summary_says_so(tmp_path):
     # stacked, the CNN was measured slower on the CPU at every size (batching_pays)
     rows = _simulate(tmp_path, "--model", "cnn", "--clients", "4", "--rounds", "1", "--workers", "1",
-                     "--local-epochs", "1")
+                     "--local-epochs", "1", "--device", "cpu")
     assert rows[0]["status"] == "ok"
     assert json.loads((tmp_path / "summary.json").read_text())["client_batching"] is False
 

@@ -19,7 +19,7 @@ def test_two_fsdp_ranks_take_the_full_batch_steps_one_process_takes(tmp_path, ca
     common = ["train", "--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=8", "--epochs", "3",
               "--lr", "0.05", "--batch-size", "240", "--no-plot"]
     assert main([*common, "--out", str(tmp_path / "one")]) == 0
-    assert main([*common, "--nproc", "2", "--fsdp", "2", "--out", str(tmp_path / "two")]) == 0
+    assert main([*common, "--nproc", "2", "--fsdp", "2", "--device", "cpu", "--out", str(tmp_path / "two")]) == 0
     one, two = load_file(tmp_path / "one" / "global.safetensors"), load_file(tmp_path / "two" / "global.safetensors")
     assert one.keys() == two.keys()
     for name in one:
@@ -38,7 +38,8 @@ def test_a_task_with_its_own_train_hook_is_refused_on_ranks_in_one_line(tmp_path
                     "    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))\n"
                     "    return Task(model=lambda: nn.Linear(2, 2), client_data=lambda p: ClientData(data),\n"
                     "                train=lambda *a: (0, {}), loss=nn.functional.cross_entropy)\n")
-    assert main(["train", "--task", f"{hook}:task", "--nproc", "2", "--out", str(tmp_path / "out")]) == 2
+    assert main(["train", "--task", f"{hook}:task", "--nproc", "2", "--device", "cpu",
+                 "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip().endswith("has its own train hook, which trains in one process; drop "
                                                     "--nproc and the engine options (--fsdp, --dp-replicate, --tp; "
                                                     "and torchrun)")
