@@ -1,6 +1,6 @@
 """GPU benchmark: MFU of `fedpar train` on one GPU against a bare PyTorch loop, then the FedAvg-paper round.
 
-    .venv/bin/python benchmarks/gpu_bench.py [--quick] [--peak-tflops 989] [--json benchmarks/results/gpu_bench.json]
+    .venv/bin/python benchmarks/gpu_bench.py [--quick] [--large] [--peak-tflops 989] [--json benchmarks/results/gpu_bench.json]
 
 1. MFU. fedpar's Trainer (what `fedpar train --model gpt` runs; here in-process on random tokens) trains a GPT of
    12 layers x d_model 768 (12 heads) at block 1024, batch 16, AdamW, with and without --compile. Next to it,
@@ -73,6 +73,8 @@ class Shape:
 
 
 GPU_SHAPE = Shape(n_layer=12, d_model=768, n_head=12, block=1024, batch=16)
+# --large: a 1.2B-parameter GPT (the size the engine's FSDP/TP are for), whose matmuls keep an H100 busier.
+LARGE_GPU_SHAPE = Shape(n_layer=24, d_model=2048, n_head=16, block=1024, batch=8)
 CPU_SHAPE = Shape(n_layer=2, d_model=64, n_head=4, block=64, batch=8)
 
 
@@ -282,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the GPU's peak bf16 TFLOP/s for MFU (default: 989 on H100/H200, from the device name)")
     p.add_argument("--only", choices=["mfu", "fedavg"], help="run one section")
+    p.add_argument("--large", action="store_true",
+                   help="MFU of a GPT 24 x 2048 (1.2B parameters, batch 8) instead of 12 x 768 (GPU only)")
     p.add_argument("--json", type=Path, default=Path("benchmarks/results/gpu_bench.json"),
                    help="where to write the ratios and raw figures")
     p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (one process)")
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         # One intra-op thread: on a shared 2-core box, two OpenMP threads per process stalled 10-100x.
         torch.set_num_threads(1)
     if a.only in (None, "mfu"):
-        shape = GPU_SHAPE if dev == "cuda" else CPU_SHAPE
+        shape = (LARGE_GPU_SHAPE if a.large else GPU_SHAPE) if dev == "cuda" else CPU_SHAPE
         modes = [False] if dev == "cpu" and a.quick else [False, True]
         if dev == "cpu":
             print(f"(CPU: GPT {shape.n_layer} x {shape.d_model} in fp32, 1 thread, instead of 12 x 768 in bf16; MFU n/a"
