@@ -232,12 +232,17 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
 
 def _rank_failure(exc: BaseException) -> str:
     """What went wrong in a spawned rank: its RankMissing or RankMessageError line when it raised one, else the
-    launcher's first line."""
+    exception its traceback ends on, else the launcher's first line."""
     from fedpar.server.ranks.group import first_line
 
-    said = [line.split(f"{name}: ", 1)[1] for line in str(exc).splitlines()
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line.split(f"{name}: ", 1)[1] for line in lines
             for name in ("RankMissing", "RankMessageError") if f"{name}: " in line]
-    return said[0] if said else first_line(exc)
+    if said:
+        return said[0]
+    if lines and lines[0].startswith("-- Process"):  # a rank's traceback: the launcher's header, then the frames
+        return f"rank {getattr(exc, 'error_index', '?')}: {lines[-1][:300]}"  # the exception it ended on
+    return first_line(exc)
 
 
 def plain_options(args: argparse.Namespace) -> dict:

@@ -208,3 +208,16 @@ def test_the_ranks_leave_when_their_launcher_is_killed(tmp_path, agents):
     assert code == -signal.SIGKILL
     assert seconds < STOP_SECONDS, seconds  # rank 0 stopped as on SIGTERM (the kernel's word that its parent died)
     assert load_checkpoint(tmp_path / "ckpt").round_id >= 2
+
+
+def test_a_rank_that_raised_is_named_with_the_exception_it_ended_on():
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    from fedpar.cli.serve import _rank_failure
+
+    trace = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
+             '  File "x.py", line 1, in f\n    g()\nRuntimeError: CUDA error: invalid device ordinal\n')
+    said = _rank_failure(ProcessRaisedException(trace, 1, 42))
+    assert said == "rank 1: RuntimeError: CUDA error: invalid device ordinal"
+    missing = trace.replace("RuntimeError: CUDA error: invalid device ordinal", "RankMissing: rank 0 is gone")
+    assert _rank_failure(ProcessRaisedException(missing, 1, 42)) == "rank 0 is gone"
