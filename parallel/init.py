@@ -141,14 +141,19 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
-    if not parent_stops:
-        mp.start_processes(_spawned_worker, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True,
-                           start_method=start_method)
+    # A launch whose ranks all start and end together meets at a store this launcher holds, as torchrun's agent
+    # does: it binds a free port itself, so nothing can take the port between its choice and rank 0's bind
+    # (EADDRINUSE, seen on a busy 16-core box). Where rank 0 outlives lost ranks or starts again, it holds the store
+    # (a replacement rank meets it there); a forked rank would inherit the store's thread-less server.
+    held = None if rank_0_decides or rank_0_resumes or start_method != "spawn" else _launcher_store()
+    if not parent_stops:  # `held` serves until this function returns
+        mp.start_processes(_spawned_worker, args=(nproc, _port_of(held), fn, args, False, _store_env(held)),
+                           nprocs=nproc, join=True, start_method=start_method)
         return
     budget = restarts or RestartBudget()
     while True:
-        port = free_port()
-        env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else {}
+        port = _port_of(held)
+        env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else _store_env(held)
         with children_ignore_interrupts():
             context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env), nprocs=nproc,
                                          join=False, start_method=start_method)
@@ -165,6 +170,21 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                 stop_ranks(ranks, stop_grace)
                 raise
         return
+
+
+def _launcher_store() -> dist.TCPStore:
+    """A rendezvous store on a port of its own choosing on 127.0.0.1, served by this process for its ranks."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _port_of(store: dist.TCPStore | None) -> int:
+    """The port the ranks meet at: ``store``'s, else one that rank 0 binds (free a moment ago)."""
+    return store.port if store is not None else free_port()
+
+
+def _store_env(store: dist.TCPStore | None) -> dict[str, str]:
+    """What tells torch.distributed's env:// rendezvous in every rank to meet at the launcher's ``store``."""
+    return {"TORCHELASTIC_USE_AGENT_STORE": str(True)} if store is not None else {}
 
 
 def fork_safe() -> bool:
