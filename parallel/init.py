@@ -47,6 +47,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _joined: DistInfo | None = None  # what init_distributed set up in this process
+# Set ("1") by spawn() for ranks whose launcher holds their rendezvous store; torch's own TORCHELASTIC_USE_AGENT_STORE
+# would be inherited by every group and process after them (a simulation's gloo ranks then found no store).
+LAUNCHER_STORE_ENV = "FEDPAR_LAUNCHER_STORE"
 
 
 def init_distributed(timeout_seconds: float = 300.0, device: str = "auto") -> DistInfo:
@@ -73,7 +76,13 @@ def init_distributed(timeout_seconds: float = 300.0, device: str = "auto") -> Di
                                    "or 'fedpar train --nproc N', or unset WORLD_SIZE for one process")
             # device_id binds NCCL's communicator to this rank's GPU at once (no guessing from the current device).
             extra = {"device_id": torch_device} if backend == "nccl" else {}
-            dist.init_process_group(backend, timeout=timeout, **extra)
+            if os.environ.pop(LAUNCHER_STORE_ENV, None) == "1":  # read once: no later group or child inherits it
+                rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                      is_master=False, timeout=timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
+            else:
+                dist.init_process_group(backend, timeout=timeout, **extra)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     _joined = DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), dist.get_backend(), torch_device)
@@ -112,6 +121,7 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
                     parent_stops: bool = False, env: dict[str, str] | None = None) -> None:
     if parent_stops:  # SIGINT is ignored (inherited from birth); still leave when the launcher dies
         die_with_parent(signal.SIGTERM)
+    os.environ.pop(LAUNCHER_STORE_ENV, None)  # a launcher's own launcher's store is not this launch's
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
     # Several ranks share few cores: one intra-op thread each avoids oversubscription (torchrun does the same).
@@ -183,8 +193,8 @@ def _port_of(store: dist.TCPStore | None) -> int:
 
 
 def _store_env(store: dist.TCPStore | None) -> dict[str, str]:
-    """What tells torch.distributed's env:// rendezvous in every rank to meet at the launcher's ``store``."""
-    return {"TORCHELASTIC_USE_AGENT_STORE": str(True)} if store is not None else {}
+    """What tells :func:`init_distributed` in every rank to meet at the launcher's ``store`` (rank 0 binds none)."""
+    return {LAUNCHER_STORE_ENV: "1"} if store is not None else {}
 
 
 def fork_safe() -> bool:
