@@ -42,7 +42,7 @@ proto: $(VENV)/.installed
 	$(PY) -m fedpar.protocol.generate
 
 # On a machine with a CUDA GPU (README, "Checking on a GPU box"): the whole suite, CUDA tests included, then
-# benchmarks/gpu_bench.py; logs and the benchmark's JSON go to GPU_CHECK_OUT. GPU_PY is a python that has fedpar
+# benchmarks/gpu_bench.py, and its MFU of a 1.2B GPT (--large: the size where the MFU target applies); logs and the benchmark's JSON go to GPU_CHECK_OUT. GPU_PY is a python that has fedpar
 # installed over the GPU build of torch (the default, .venv's, is the CPU wheel unless made with TORCH=torch).
 GPU_PY ?= $(PY)
 GPU_CHECK_OUT ?= runs/gpu-check
@@ -52,3 +52,4 @@ gpu-check:
 	mkdir -p $(GPU_CHECK_OUT)
 	bash -o pipefail -c '$(GPU_PY) -m pytest -q -rs -p no:cacheprovider $(GPU_CHECK_PYTEST_ARGS) tests 2>&1 | tee $(GPU_CHECK_OUT)/tests.log'
 	bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --json $(GPU_CHECK_OUT)/gpu_bench.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench.log'
+	bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --only mfu --large --warmup 5 --steps 20 --json $(GPU_CHECK_OUT)/gpu_bench_large.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench_large.log'
