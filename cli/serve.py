@@ -233,6 +233,8 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
 def _rank_failure(exc: BaseException) -> str:
     """What went wrong in a spawned rank: its RankMissing or RankMessageError line when it raised one, else the
     exception its traceback ends on, else the launcher's first line."""
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
     from fedpar.server.ranks.group import first_line
 
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -240,8 +242,8 @@ def _rank_failure(exc: BaseException) -> str:
             for name in ("RankMissing", "RankMessageError") if f"{name}: " in line]
     if said:
         return said[0]
-    if lines and lines[0].startswith("-- Process"):  # a rank's traceback: the launcher's header, then the frames
-        return f"rank {getattr(exc, 'error_index', '?')}: {lines[-1][:300]}"  # the exception it ended on
+    if isinstance(exc, ProcessRaisedException) and lines:  # the launcher's header, the rank's frames, its exception
+        return f"rank {exc.error_index}: {lines[-1][:300]}"
     return first_line(exc)
 
 
