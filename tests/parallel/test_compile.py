@@ -42,7 +42,7 @@ def test_compiled_gpt_trains_like_eager_on_one_rank(tmp_path: Path, monkeypatch)
     assert sorted(compiled) == [1, 2, 3, 4]
     # On a GPU `train` runs in bf16 (8 bits of mantissa), and Inductor's fused kernels round at other points than
     # eager's: the losses agree to about 1e-3 there (measured on an H100: 1.2e-3 at most), to 1e-5 in fp32 on the CPU.
-    assert compiled == pytest.approx(eager, rel=1e-2 if torch.cuda.is_available() else 1e-4)
+    assert compiled == pytest.approx(eager, rel=5e-3 if torch.cuda.is_available() else 1e-4)
     assert compiled[4] < compiled[1]
 
 

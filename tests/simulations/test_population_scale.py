@@ -14,9 +14,10 @@ import pytest
 # The bound is the population's: on a GPU machine each of the 3 processes would also hold a CUDA context (3.1 GiB of
 # resident memory in all, measured on the H200 box), so the run stays on the CPU there.
 POPULATION_ON_CPU = ("--device", "cpu")
-# The issue's bound for 10,000 MNIST clients is 1.5 GiB resident (one agent per client took 8.3 GiB); 0.6 GiB of that
-# was the libraries' mapped files here, which _tree_rss leaves out (a CUDA build of torch maps more): 1 GiB allocated.
-LIMIT_BYTES = 1 << 30
+# The issue's bound for 10,000 MNIST clients is 1.5 GiB resident (one agent per client took 8.3 GiB, this route 1.1 GiB):
+# of that 1.1, 0.6 GiB was the libraries' mapped files, which _tree_rss leaves out (a CUDA build of torch maps more).
+# The same headroom over the 520 MiB allocated: 768 MiB.
+LIMIT_BYTES = 3 << 28
 
 
 def _tree_rss(root: int) -> int:
