@@ -76,7 +76,8 @@ class HostUploads:
     """Batches a host's small updates into HostUploads messages of at most ``max_bytes`` each on the host's one
     HostUploadStream (one thread); a
     batch waits up to ``linger`` seconds for more updates after its first, while ``more_coming()`` says the seats
-    are still making some (the last updates of a round go at once). The thread sleeps until an update is queued or
+    are still making some (the last updates of a round go at once, and so does a batch holding an update whose seat
+    waits for its result). The thread sleeps until an update is queued or
     :meth:`nudge` says ``more_coming()`` may have changed: whoever changes it nudges (no polling)."""
 
     def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
@@ -86,8 +87,9 @@ class HostUploads:
         self._stream: _HostStream | None = None  # the host's HostUploadStream, opened at the first batch
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: collections.deque = collections.deque()  # _Queued items; None: stop
-        self._changed = threading.Condition()  # guards _queue, _queued_bytes and _idle
+        self._changed = threading.Condition()  # guards _queue, _queued_bytes, _awaited and _idle
         self._queued_bytes = 0  # of the updates in _queue
+        self._awaited = 0  # updates in _queue whose seat waits for their result (send): their batch does not linger
         self._idle = False  # the thread waits for a batch's first update
         self._closed = False  # close() was called: what comes after is refused, no thread would send it
         self.refused_in_background = 0  # updates sent with send_later that did not count
@@ -131,9 +133,11 @@ class HostUploads:
             self._queue.append(item)
             if item is not None:
                 self._queued_bytes += item.update.size
-            # a lingering batch is not woken for each update (a wake-up per update cost the seats more CPU than the
-            # batch's own work): only when a batch can start, must end (close, full) or the seats are done (nudge)
-            if self._idle or item is None or self._full():
+                self._awaited += not item.background
+            # a lingering batch is not woken for each background update (a wake-up per update cost the seats more CPU
+            # than the batch's own work): only when a batch can start, must end (close, full, an awaited update) or
+            # the seats are done (nudge)
+            if self._idle or item is None or self._full() or not item.background:
                 self._changed.notify()
 
     def _full(self) -> bool:
@@ -158,8 +162,9 @@ class HostUploads:
             self._idle = False
             until = time.monotonic() + self.linger
             # more_coming() is read under the lock nudge() takes: a seat that stops counting after this look wakes
-            # the wait
-            while self._queue[-1] is not None and not self._full() and self.more_coming():
+            # the wait. A batch holding an awaited update goes at once: its seat waits for its result, so lingering
+            # for the other seats' updates would stall it (and, all seats awaiting, every seat) for the whole linger.
+            while self._queue[-1] is not None and not self._awaited and not self._full() and self.more_coming():
                 left = until - time.monotonic()
                 if left <= 0:
                     break
@@ -175,6 +180,7 @@ class HostUploads:
                     break
                 size += item.update.size
                 self._queued_bytes -= item.update.size
+                self._awaited -= not item.background
             return batch if batch != [None] else None
 
     def _send(self, batch: list[_Queued | None]) -> None:

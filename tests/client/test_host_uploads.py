@@ -1,5 +1,6 @@
 """A host's upload batches: updates queued while seats are still training wait (up to the linger) to go together;
-once no seat is making one, what is queued goes at once, all on the host's one stream. The stub here only records
+once no seat is making one, or a seat waits for its own update's result, what is queued goes at once, all on the
+host's one stream. The stub here only records
 the batches (their real gRPC path is tested in tests/server/test_host_upload_stream.py and by every simulation)."""
 
 from __future__ import annotations
@@ -94,6 +95,31 @@ def test_a_lingering_batch_goes_when_its_seats_are_done_or_it_is_full_not_at_the
             uploads.send_later(None, _message(i), 60.0)
         assert stub.sent.wait(5) and time.monotonic() - start < 10
         assert [n for _, n in stub.batches] == [2, 3] and stub.streams == 1
+    finally:
+        more.clear()
+        uploads.close()
+
+
+def test_an_awaited_update_goes_at_once_with_what_lingers_though_seats_are_still_training():
+    """Top-k's seats wait for their own update's result: a batch holding one must not linger for the other seats'
+    updates (with every seat waiting, none would come, and each wave of a round stalled for the whole linger)."""
+    more = threading.Event()
+    more.set()
+    stub = _RecordingStub()
+    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20, linger=30.0,
+                          more_coming=more.is_set)
+    try:
+        uploads.send_later(None, _message(0), 60.0)
+        time.sleep(0.1)
+        assert not stub.batches  # a background update lingers for the seats still training
+        start = time.monotonic()
+        reply = uploads.send(None, _message(1), 60.0)  # an awaited one wakes the batch: both go, now
+        assert reply.accepted and time.monotonic() - start < 5
+        assert [n for _, n in stub.batches] == [2]
+        stub.sent.clear()
+        start = time.monotonic()
+        assert uploads.send(None, _message(2), 60.0).accepted and time.monotonic() - start < 5  # alone, at once
+        assert [n for _, n in stub.batches] == [2, 1] and stub.streams == 1
     finally:
         more.clear()
         uploads.close()
