@@ -37,6 +37,7 @@ REFORM_KEY = "fedpar/ranks/reformed"  # + /N: the ranks of the group's N-th re-f
 JOIN_KEY = "fedpar/ranks/joining"  # + /R: a replacement for lost rank R asks to be taken back ("NONCE PORT PORT HOST")
 ADMIT_KEY = "fedpar/ranks/admitted"  # + /R/NONCE: the re-forming (its N) that took that replacement back
 STOPPED_KEY = "fedpar/ranks/stopped"  # set by rank 0 once the rounds are done: a replacement still waiting leaves
+BROADCAST_BUCKET_BYTES = 4 << 20  # a model's small tensors go to the other ranks together, this much at a time
 CLIENT_ID_BYTES = 512  # a handed-on update's client id, UTF-8 (agent ids are at most 128 characters)
 
 
@@ -317,15 +318,42 @@ class RankGroup:
         self._collective("all-reduce", all_reduce_weighted_sum, acc, group=None)
 
     def broadcast_arrays(self, arrays: Sequence[np.ndarray]) -> None:
-        """Rank 0's ``arrays`` into every rank's arrays of the same shapes (in place)."""
+        """Rank 0's ``arrays`` into every rank's arrays of the same shapes and dtypes (in place; C-contiguous on
+        ranks > 0): the small ones end to end in buckets of up to BROADCAST_BUCKET_BYTES (one collective each, not one
+        per tensor), a larger one alone. Every rank cuts the same buckets: they follow from the shapes alone."""
+        bucket: list[np.ndarray] = []
+        filled = 0
         for a in arrays:
-            t = torch.from_numpy(np.ascontiguousarray(a))
-            if self.nccl:
-                dev = t.cuda()
-                self._collective("broadcast", dist.broadcast, dev, src=0)
-                t.copy_(dev.cpu())
-            else:
-                self._collective("broadcast", dist.broadcast, t, src=0)
+            if self.rank and not a.flags.c_contiguous:  # a strided array's reshape would be a copy, filled in vain
+                raise ValueError("broadcast_arrays fills C-contiguous arrays in place")
+            if a.nbytes >= BROADCAST_BUCKET_BYTES:
+                self._broadcast_bytes_of([a])
+                continue
+            if filled + a.nbytes > BROADCAST_BUCKET_BYTES:
+                self._broadcast_bytes_of(bucket)
+                bucket, filled = [], 0
+            bucket.append(a)
+            filled += a.nbytes
+        if bucket:
+            self._broadcast_bytes_of(bucket)
+
+    def _broadcast_bytes_of(self, arrays: list[np.ndarray]) -> None:
+        """One broadcast of ``arrays``' bytes from rank 0 (one array: in place; several: through one buffer)."""
+        views = [a.reshape(-1).view(np.uint8) for a in arrays]
+        flat = views[0] if len(views) == 1 else \
+            np.concatenate(views) if self.rank == 0 else np.empty(sum(v.size for v in views), np.uint8)
+        t = torch.from_numpy(flat)
+        if self.nccl:
+            dev = t.cuda()
+            self._collective("broadcast", dist.broadcast, dev, src=0)
+            t.copy_(dev.cpu())
+        else:
+            self._collective("broadcast", dist.broadcast, t, src=0)
+        if len(views) > 1 and self.rank != 0:
+            offset = 0
+            for v in views:
+                v[:] = flat[offset:offset + v.size]
+                offset += v.size
 
     def _collective(self, what: str, fn, *args, **kwargs):
         try:

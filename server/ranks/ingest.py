@@ -57,6 +57,7 @@ class IngestRank(IngestPlane):
         self.left_out = False  # rank 0 declared this rank lost and went on without it
         self.control: RankControlClient | None = None
         self._counted = 0  # uploads rank 0 counted for this rank in the open round
+        self._counted_more = asyncio.Event()  # set as _counted grows: a close waiting for counts wakes on it
         self._reports: dict[str, pb.RankUpload] = {}  # this round's count messages, by agent
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
 
@@ -191,10 +192,13 @@ class IngestRank(IngestPlane):
         state = self.current
         state.close("closed by rank 0")
         expected = closed.expected[self.rank]
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.config.aggregator_timeout_seconds / 2
-        while self._counted < expected and loop.time() < give_up:  # a count's reply may still be on its way
-            await asyncio.sleep(0.005)
+        try:  # a count's reply may still be on its way: wait for it (each wakes this wait), not for a poll's tick
+            async with asyncio.timeout(self.config.aggregator_timeout_seconds / 2):
+                while self._counted < expected:
+                    self._counted_more.clear()
+                    await self._counted_more.wait()
+        except TimeoutError:
+            pass
         if state.pending_folds:
             await asyncio.gather(*state.pending_folds, return_exceptions=True)
         stats = ingest_stats(state, self.rank) + [float(self.strategy.folded)]
@@ -227,6 +231,7 @@ class IngestRank(IngestPlane):
         self._reports[slot.agent_id] = upload
         await self.control.call("Count", upload)
         self._counted += 1
+        self._counted_more.set()
 
     # Agents join and pull their tasks at rank 0.
     def join(self, agent_id: str, *args, **kwargs) -> AgentRecord:

@@ -1,0 +1,16 @@
+"""The aggregator ranks' group on 2 real gloo ranks: every check in one spawned process group
+(tests/server/checks_rank_group.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.spawn_checks import run_checks
+
+CHECKS = Path(__file__).with_name("checks_rank_group.py")
+
+
+def test_a_models_tensors_reach_every_rank_bit_for_bit_in_buckets(tmp_path):
+    results = run_checks(2, CHECKS, ["check_broadcast_arrays_in_buckets"], tmp_path)
+    assert [r["check_broadcast_arrays_in_buckets"]["same"] for r in results] == [1.0, 1.0], results
+    assert results[1]["check_broadcast_arrays_in_buckets"]["refused"] == 1.0, results
