@@ -22,7 +22,7 @@ from fedpar.cli.log_level import setup_logging
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import Device, Precision
 from fedpar.sections import Seeded
-from fedpar.simulations.config import Population
+from fedpar.simulations.config import WAITING_SEATS, Population
 
 LOG_LEVEL = "warning"
 
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
         def partition_of(number: int, member: str) -> Partition:
             return Partition(number, args.clients, member, args.partition, args.seed, args.val_fraction)
 
-        stats = host_population(args.server, population, task, partition_of, args.seed, args.seats, device=device,
-                                precision=args.precision, day_seconds=args.trace_day_seconds,
+        stats = host_population(args.server, population, task, partition_of, args.seed, args.seats or WAITING_SEATS,
+                                device=device, precision=args.precision, day_seconds=args.trace_day_seconds,
                                 max_backoff=args.max_backoff, give_up_after=args.give_up_after,
                                 task_name=task_label(argparse.Namespace(task=None, model=args.model,
                                                                         dataset=args.dataset))).run()

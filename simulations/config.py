@@ -17,6 +17,9 @@ from fedpar.settings import flag_of, redefault, setting
 from fedpar.task import FlowerAppReference, TaskReference
 
 
+WAITING_SEATS = 4  # a worker's seats where members wait (measured best of 2/4/8 here); none waits: 1
+
+
 @dataclass
 class Population:
     """A simulated population: its size, and how heterogeneous its clients are (`simulate`, `simulate-workers`)."""
@@ -43,8 +46,13 @@ class Population:
     trace_day_seconds: float = setting(86_400.0, check="positive", group="simulation",
                                        help="real seconds one day of the trace lasts (e.g. 60: availability cycles "
                                             "every minute)")
-    seats: int = setting(4, check="count", group="simulation",  # measured best of 2/4/8 here
-                         help="sampled clients training at once in one worker process")
+    seats: int | None = setting(
+        None, check="count", group="simulation",
+        help="sampled clients training at once in one worker process; when not given, 1 where no seat would wait "
+             "(each member's update is small and goes up in the background, and no slow device sleeps on the real "
+             f"clock), else {WAITING_SEATS}, so that a member's upload, its top-k verdict, a secure round's masked upload or a "
+             "slow device's sleep overlaps the next member's training (simulate-workers, which learns a round's "
+             f"settings only from its tasks: {WAITING_SEATS})")
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.

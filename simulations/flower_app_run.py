@@ -22,7 +22,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.flower_rounds import FlowerCoordinator
 from fedpar.settings import composed
 from fedpar.simulations.client_app_population import ClientAppPopulation
-from fedpar.simulations.config import SimulationConfig
+from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.simulations.population import PopulationSlice, host_population
 from fedpar.simulations.run_outputs import write_run_outputs
 from fedpar.task import Partition
@@ -85,8 +85,9 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
             for w, host in enumerate(hosts):
                 numbers = list(range(w, cfg.clients, workers))
                 procs.append(ctx.Process(target=host_flower_members, name=f"fedpar-worker-{w}", daemon=True, args=(
-                    server.address, str(app.directory), run_config, host, numbers, cfg.clients, cfg.seats, cfg.seed,
-                    certs.name if certs else None, logging.getLogger("fedpar").getEffectiveLevel())))
+                    server.address, str(app.directory), run_config, host, numbers, cfg.clients,
+                    cfg.seats or WAITING_SEATS, cfg.seed, certs.name if certs else None,
+                    logging.getLogger("fedpar").getEffectiveLevel())))
                 procs[-1].start()
         while not server.wait(0.5):
             dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
