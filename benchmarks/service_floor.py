@@ -6,8 +6,8 @@ One command: ``.venv/bin/python benchmarks/service_floor.py`` (``--pairs 5``, ``
 
 Each pair runs, alternated (which goes first too):
 - `fedpar simulate` with default flags (the zoo's digits MLP: sample, deliver, train, evaluate, upload, fold);
-- the same with ``--task benchmarks/service_floor.py:untrained`` and ``--client-eval-every 0``: the same model, data,
-  cohorts and service, whose members train no step and score nothing (their train hook returns at once with their
+- the same with ``--task benchmarks/service_floor.py:untrained``, ``--client-eval-every 0`` and ``--seats 1`` (the
+  default route's seats here): the same model, data, cohorts and service, whose members train no step and score nothing (their train hook returns at once with their
   example count), so every millisecond left is the service's: sampling, the tasks' delivery, the members' data and
   weights, the uploads, their checks and fold, the central evaluation and the metrics row;
 then the plain loop once (the same cohorts trained and evaluated in one process, no service). Each simulate figure is
@@ -56,7 +56,10 @@ def main() -> int:
     job = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--clients", str(a.clients),
            "--clients-per-round", str(a.clients_per_round), "--rounds", str(a.rounds)]
     ways = {"default": job,
-            "untrained": [*job, "--task", f"{Path(__file__).resolve()}:untrained", "--client-eval-every", "0"]}
+            # --seats 1: the default route's seats here (a --task gets 4 for its own data loading, which this one
+            # does not do: its data is the built-in digits)
+            "untrained": [*job, "--task", f"{Path(__file__).resolve()}:untrained", "--client-eval-every", "0",
+                          "--seats", "1"]}
     print(f"load average before: {os.getloadavg()[0]:.2f}; {a.clients_per_round} of {a.clients}, {a.pairs} pairs")
     periods: dict[str, list[float]] = {name: [] for name in ways}
     with tempfile.TemporaryDirectory() as tmp:

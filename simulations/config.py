@@ -49,9 +49,10 @@ class Population:
     seats: int | None = setting(
         None, check="count", group="simulation",
         help="sampled clients training at once in one worker process; when not given, 1 where no seat would wait "
-             "(each member's update is small and goes up in the background, and no slow device sleeps on the real "
-             f"clock), else {WAITING_SEATS}, so that a member's upload, its top-k verdict, a secure round's masked upload or a "
-             "slow device's sleep overlaps the next member's training (simulate-workers, which learns a round's "
+             "(the built-in data, each member's update small and sent in the background, no slow device sleeping on "
+             f"the real clock), else {WAITING_SEATS}, so that a member's upload, its top-k verdict, a secure round's "
+             "masked upload, a --task's data loading or a slow device's sleep overlaps the next member's training "
+             "(simulate-workers, which learns a round's "
              f"settings only from its tasks: {WAITING_SEATS})")
 
 

@@ -82,13 +82,14 @@ def check_seats(cfg: SimulationConfig) -> None:
 
 def seats_of(cfg: SimulationConfig, slices: list[PopulationSlice], model_bytes: int) -> int:
     """A worker's seats: --seats, else 1 where no seat would wait, else WAITING_SEATS. A seat waits for a member's
-    update that goes up on its own (larger than a chunk, a secure round's masked vector), for a top-k verdict, and
-    while a slow device sleeps (the real clock); where none does, more seats only wake more threads to share one
-    core's turn (the 10-of-100 digits round 0.90x with one seat against four, 8 alternated runs)."""
+    update that goes up on its own (larger than a chunk, a secure round's masked vector), for a top-k verdict, while
+    a slow device sleeps (the real clock), and may wait for a user's task to read a member's data (--task); where none
+    does, more seats only wake more threads to share one core's turn (the 10-of-100 digits round 0.90x with one seat
+    against four, 8 alternated runs)."""
     if cfg.seats is not None:
         return cfg.seats
     sleeps = not cfg.virtual_clock and any(s.step_delays.any() for s in slices)
-    waits = sleeps or cfg.secure_aggregation or cfg.upload_compression.method == "topk" \
+    waits = sleeps or cfg.secure_aggregation or cfg.upload_compression.method == "topk" or cfg.task is not None \
         or model_bytes > CoordinatorConfig.max_chunk_bytes
     return WAITING_SEATS if waits else 1
 

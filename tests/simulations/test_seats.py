@@ -1,5 +1,5 @@
-"""A worker's seats when --seats is not given: one where no seat would ever wait (its members' updates are small and
-go up in the background, no slow device sleeps), four where one would (so that the wait overlaps the next member's
+"""A worker's seats when --seats is not given: one where no seat would ever wait (the built-in data, its members'
+updates small and sent in the background, no slow device sleeping), four where one would (so that the wait overlaps the next member's
 training), and --seats as given."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def _slices(delays: list[float]) -> list[PopulationSlice]:
     ("top-k awaits its verdict", {"upload_compression": CompressionConfig("topk", 0.1)}, [0.0, 0.0], SMALL),
     ("a secure round's masked upload goes on its own", {"secure_aggregation": True}, [0.0, 0.0], SMALL),
     ("an update larger than a chunk goes on its own", {}, [0.0, 0.0], CoordinatorConfig.max_chunk_bytes + 1),
+    ("a user's task may read its members' data from disk", {"task": "examples/own_task.py:task"}, [0.0], SMALL),
 ])
 def test_a_worker_whose_seats_would_wait_gets_several(why, settings, delays, model_bytes):
     assert seats_of(SimulationConfig(**settings), _slices(delays), model_bytes) == WAITING_SEATS, why
