@@ -50,12 +50,17 @@ def _message(i: int) -> SmallUpdate:
     return SmallUpdate(pb.UploadHeader(task_id=f"t{i}"), ModelLayout([("t", "uint8", (8,))]), [np.zeros(8, np.uint8)])
 
 
-def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_none_are():
+def _seats_training(linger: float, **kwargs) -> tuple[threading.Event, _RecordingStub, HostUploads]:
+    """A host's uploads while its seats are still training (clear the event: they are done), on a recording stub."""
     more = threading.Event()
     more.set()
     stub = _RecordingStub()
-    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20, linger=0.5,
-                          more_coming=more.is_set)
+    return more, stub, HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20, linger=linger,
+                                   more_coming=more.is_set, **kwargs)
+
+
+def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_none_are():
+    more, stub, uploads = _seats_training(0.5)
     try:
         start = time.monotonic()
         uploads.send_later(None, _message(0), 10.0)
@@ -75,11 +80,7 @@ def test_updates_wait_for_each_other_while_more_are_coming_and_go_at_once_when_n
 
 
 def test_a_lingering_batch_goes_when_its_seats_are_done_or_it_is_full_not_at_the_lingers_end():
-    more = threading.Event()
-    more.set()
-    stub = _RecordingStub()
-    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20, linger=30.0, max_updates=3,
-                          more_coming=more.is_set)
+    more, stub, uploads = _seats_training(30.0, max_updates=3)
     try:
         uploads.send_later(None, _message(0), 60.0)
         uploads.send_later(None, _message(1), 60.0)
@@ -103,11 +104,7 @@ def test_a_lingering_batch_goes_when_its_seats_are_done_or_it_is_full_not_at_the
 def test_an_awaited_update_goes_at_once_with_what_lingers_though_seats_are_still_training():
     """Top-k's seats wait for their own update's result: a batch holding one must not linger for the other seats'
     updates (with every seat waiting, none would come, and each wave of a round stalled for the whole linger)."""
-    more = threading.Event()
-    more.set()
-    stub = _RecordingStub()
-    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host"), max_bytes=1 << 20, linger=30.0,
-                          more_coming=more.is_set)
+    more, stub, uploads = _seats_training(30.0)
     try:
         uploads.send_later(None, _message(0), 60.0)
         time.sleep(0.1)
