@@ -52,8 +52,7 @@ class Population:
              "(the built-in data, each member's update small and sent in the background, no slow device sleeping on "
              f"the real clock), else {WAITING_SEATS}, so that a member's upload, its top-k verdict, a secure round's "
              "masked upload, a --task's data loading or a slow device's sleep overlaps the next member's training "
-             "(simulate-workers, which learns a round's "
-             f"settings only from its tasks: {WAITING_SEATS})")
+             f"(simulate-workers, which learns a round's settings only from its tasks: {WAITING_SEATS})")
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.

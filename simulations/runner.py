@@ -80,17 +80,17 @@ def check_seats(cfg: SimulationConfig) -> None:
         raise ValueError("--seats must be >= 1")
 
 
-def seats_of(cfg: SimulationConfig, slices: list[PopulationSlice], model_bytes: int) -> int:
+def seats_of(cfg: SimulationConfig, slices: list[PopulationSlice], model_bytes: int, replies: bool = False) -> int:
     """A worker's seats: --seats, else 1 where no seat would wait, else WAITING_SEATS. A seat waits for a member's
-    update that goes up on its own (larger than a chunk, a secure round's masked vector), for a top-k verdict, while
-    a slow device sleeps (the real clock), and may wait for a user's task to read a member's data (--task); where none
-    does, more seats only wake more threads to share one core's turn (the 10-of-100 digits round 0.90x with one seat
-    against four, 8 alternated runs)."""
+    update that goes up on its own (larger than a chunk, a secure round's masked vector, a Flower App member's reply:
+    ``replies``), for a top-k verdict, while a slow device sleeps (the real clock), and may wait for a user's task to
+    read a member's data (--task); where none does, more seats only wake more threads to share one core's turn (the
+    10-of-100 digits round 0.90x with one seat against four, 8 alternated runs)."""
     if cfg.seats is not None:
         return cfg.seats
     sleeps = not cfg.virtual_clock and any(s.step_delays.any() for s in slices)
-    waits = sleeps or cfg.secure_aggregation or cfg.upload_compression.method == "topk" or cfg.task is not None \
-        or model_bytes > CoordinatorConfig.max_chunk_bytes
+    waits = sleeps or replies or cfg.secure_aggregation or cfg.upload_compression.method == "topk" \
+        or cfg.task is not None or model_bytes > CoordinatorConfig.max_chunk_bytes
     return WAITING_SEATS if waits else 1
 
 
@@ -242,7 +242,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         devices[0], k / len(pipes), assembly.model, k >= cfg.clients)
     slices = _population_slices(cfg, None if members is None else members.sizes, len(pipes))
     model_bytes = sum(t.numel() * t.element_size() for t in assembly.model.state_dict().values())
-    seats = [WAITING_SEATS if flower_app is not None else seats_of(cfg, slices, model_bytes)] * len(slices)
+    seats = [seats_of(cfg, slices, model_bytes, replies=flower_app is not None)] * len(slices)
     if batching:  # a worker's members of a round train as one stack: a seat each
         seats = [batched_seats(seats[0], len(s), k, model_bytes) for s in slices]
     log.info("seats per worker process: %s%s", ", ".join(map(str, seats)), "" if cfg.seats is None else " (--seats)")

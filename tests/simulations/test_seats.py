@@ -31,6 +31,11 @@ def test_a_worker_whose_seats_would_wait_gets_several(why, settings, delays, mod
     assert seats_of(SimulationConfig(**settings), _slices(delays), model_bytes) == WAITING_SEATS, why
 
 
+def test_a_flower_apps_members_reply_with_a_call_each_so_their_worker_gets_several_seats_unless_told():
+    assert seats_of(SimulationConfig(), _slices([0.0]), SMALL, replies=True) == WAITING_SEATS
+    assert seats_of(SimulationConfig(seats=2), _slices([0.0]), SMALL, replies=True) == 2
+
+
 def test_a_worker_whose_seats_never_wait_gets_one_and_given_seats_are_kept():
     assert seats_of(SimulationConfig(), _slices([0.0, 0.0]), SMALL) == 1
     assert seats_of(SimulationConfig(upload_compression=CompressionConfig("int8")), _slices([0.0]), SMALL) == 1
