@@ -241,7 +241,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
                                                          first_member() if first_member else None),
         devices[0], k / len(pipes), assembly.model, k >= cfg.clients)
     slices = _population_slices(cfg, None if members is None else members.sizes, len(pipes))
-    model_bytes = sum(t.numel() * t.element_size() for t in assembly.model.state_dict().values())
+    model_bytes = sum(w.nbytes for w in assembly.weights)  # an update's size (a Flower App has no torch model here)
     seats = [seats_of(cfg, slices, model_bytes, replies=flower_app is not None)] * len(slices)
     if batching:  # a worker's members of a round train as one stack: a seat each
         seats = [batched_seats(seats[0], len(s), k, model_bytes) for s in slices]
