@@ -243,10 +243,14 @@ class ClientBatcher:
         return call.output
 
     def _not_waiting_for(self, agent: object, round_id: int) -> None:
-        """``agent`` has called train or left its task of ``round_id`` (hold the condition's lock)."""
-        if round_id in self._rounds:
-            self._rounds[round_id].holding.discard(id(agent))
-        self._cond.notify_all()
+        """``agent`` has called train or left its task of ``round_id`` (hold the condition's lock). A waiting batch is
+        woken only when this may let it start (:meth:`_wait`: nobody holds a task of its round any more, or every
+        seat is in a train call), not at each of a stack's calls, which would wake its leader once per member."""
+        tasks = self._rounds.get(round_id)
+        if tasks is not None:
+            tasks.holding.discard(id(agent))
+        if tasks is None or not tasks.holding or self._training >= self._agents:
+            self._cond.notify_all()
 
     def _wait(self, batch: _Batch, round_id: int) -> float:
         """Seconds until ``batch`` may start by the module's rule, if nothing else happens (<= 0: now)."""
