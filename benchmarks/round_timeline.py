@@ -60,7 +60,7 @@ HOPS = {
     "fedpar.server.populations": [("Populations.deal", "server", "in"),
                                   ("Populations._reply", "server", "out?")],
     "fedpar.server.app": [("CoordinatorService._host_uploads", "server", "both"),
-                          ("CoordinatorService.PullHostTasks", "server", "in")],
+                          ("CoordinatorService._host_tasks", "server", "in")],
     "fedpar.server.rounds": [("RoundState.close", "server", "in")],
     "fedpar.server.round_modes": [("PlainRound.close", "server", "both"), ("RoundModes.for_round", "server", "both"),
                                   ("take_host_partial", "server", "both")],

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -35,31 +34,14 @@ from typing import Callable
 import grpc
 
 from fedpar.client.host_partial import HostSum, summable
+from fedpar.client.host_stream import CallRefused, KeptStream
 from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
-WATCH_SECONDS = 0.25  # how often a host's upload stream looks whether the results it awaits are late
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class HostUploadRefused(grpc.RpcError):
-    """One update of a batch refused, as UploadSmall would have ended (the agent reads ``code()`` and
-    ``details()`` as from any call)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        """The status the coordinator refused the update with."""
-        return self._code
-
-    def details(self) -> str:
-        """The coordinator's reason."""
-        return self._details
 
 
 @dataclass
@@ -84,7 +66,7 @@ class HostUploads:
                  max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True,
                  registered: Callable[[str], tuple[int, int]] | None = None):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
-        self._stream: _HostStream | None = None  # the host's HostUploadStream, opened at the first batch
+        self._stream = KeptStream(stub.HostUploadStream, "upload stream")  # opened at the first batch
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: collections.deque = collections.deque()  # _Queued items; None: stop
         self._changed = threading.Condition()  # guards _queue, _queued_bytes, _awaited and _idle
@@ -126,7 +108,7 @@ class HostUploads:
         with self._changed:
             if self._closed:  # a seat that outlived the run: its update has no batch to go in
                 if item is not None:
-                    item.done.set_exception(HostUploadRefused(grpc.StatusCode.UNAVAILABLE,
+                    item.done.set_exception(CallRefused(grpc.StatusCode.UNAVAILABLE,
                                                               "the host's uploads are closed: training is over"))
                 return
             self._closed = item is None
@@ -148,8 +130,7 @@ class HostUploads:
             self._send(batch)
             if batch[-1] is None:
                 break
-        if self._stream is not None:
-            self._stream.close()
+        self._stream.close()
 
     def _next_batch(self) -> list[_Queued | None] | None:
         """The next batch to send: the updates queued when its first came and within the linger after it while
@@ -288,20 +269,13 @@ class HostUploads:
                                         message="the coordinator sent no result for it")] * (len(batch) - len(results))
         for q, result in zip(batch, results):
             if result.code:
-                self._settle(q, HostUploadRefused(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message))
+                self._settle(q, CallRefused(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message))
             else:
                 q.done.set_result(pb.UploadReply(accepted=result.accepted, message=result.message))
 
     def _call(self, request: pb.HostUploads, timeout: float) -> pb.HostUploadResults:
         """One batch's results, on the host's stream (opened again after a failure)."""
-        if self._stream is None:
-            self._stream = _HostStream(self.stub)
-        try:
-            return self._stream.send(request, timeout)
-        except grpc.RpcError:
-            self._stream.close()
-            self._stream = None
-            raise
+        return self._stream.send(request, timeout)
 
     def _settle(self, q: _Queued, err: grpc.RpcError) -> None:
         """A refused update: its seat hears it; a background one is tried again while the coordinator is busy and
@@ -313,46 +287,3 @@ class HostUploads:
         else:
             self.refused_in_background += 1
             log.info("an update sent in the background was refused: %s: %s", err.code().name, err.details())
-
-
-class _HostStream:
-    """A host's HostUploadStream: one HostUploads at a time, its results awaited; a watch thread cancels the stream
-    when they are late (checked every WATCH_SECONDS, so no timer per batch: the next batch opens a new stream)."""
-
-    def __init__(self, stub: CoordinatorStub):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._replies = stub.HostUploadStream(iter(self._requests.get, None))
-        self._due: float | None = None  # time.monotonic() the awaited results are due by; None: none awaited
-        self._late = False
-        self._closed = threading.Event()
-        threading.Thread(target=self._watch, name="fedpar-host-stream-watch", daemon=True).start()
-
-    def _watch(self) -> None:
-        while not self._closed.wait(WATCH_SECONDS):
-            due = self._due
-            if due is not None and time.monotonic() > due:
-                self._late = True
-                self._replies.cancel()
-
-    def send(self, request: pb.HostUploads, timeout: float) -> pb.HostUploadResults:
-        """``request``'s results; a DEADLINE_EXCEEDED refusal if they take more than ``timeout`` seconds (give or
-        take WATCH_SECONDS)."""
-        self._due = time.monotonic() + timeout
-        self._requests.put(request)
-        try:
-            return next(self._replies)
-        except grpc.RpcError as err:
-            if self._late:
-                raise HostUploadRefused(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"no results within {timeout:.1f} s on the upload stream") from None
-            raise
-        except StopIteration:
-            raise HostUploadRefused(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the upload stream") from None
-        finally:
-            self._due = None
-
-    def close(self) -> None:
-        """End the stream and its watch."""
-        self._closed.set()
-        self._requests.put(None)
-        self._replies.cancel()

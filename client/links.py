@@ -5,8 +5,8 @@ rank a task names), and the two ways in that the coordinator's protocol has.
 AgentLink: the runtime's one member is the runtime itself (a deployed agent, under its own certificate): Join,
 PullTask long-polls, heartbeats while it trains, small updates in one UploadSmall call. HostLink: the runtime speaks
 for a population of members (a simulation worker): JoinPopulation gives every member its own session,
-PullHostTasks long-polls for the tasks of whichever members the coordinator sampled (and, under a virtual clock,
-carries their finish estimates and the coordinator's go), and small updates ride together on one
+its long-polls for the tasks of whichever members the coordinator sampled (carrying, under a virtual clock, their
+finish estimates and the coordinator's go) go on one HostTaskStream, and small updates ride together on one
 HostUploadStream. Everything after the pull (download, deadline, training, update transforms, upload) is the
 runtime's, the same either way.
 
@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 
 from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform
+from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
@@ -320,7 +321,7 @@ class AgentLink:
 
 class HostLink:
     """The runtime speaks for ``members`` under ``config.agent_id`` (the host's id): JoinPopulation,
-    PullHostTasks, small updates batched on one HostUploadStream. ``forget_queued()``: drop the tasks no seat started
+    HostTaskStream, small updates batched on one HostUploadStream. ``forget_queued()``: drop the tasks no seat started
     (their sessions are gone)."""
 
     def __init__(self, conn: Connection, config: AgentConfig, members: Population, forget_queued: Callable[[], None]):
@@ -335,6 +336,7 @@ class HostLink:
         self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
         self._in_flight_lock = threading.Lock()
         self.uploads: HostUploads | None = None
+        self._tasks = KeptStream(self.conn.stub.HostTaskStream, "task stream")  # the long-polls, opened at the first
         self.local_epochs = 1  # the latest task's: with a member's examples, the bound on its update's weight
 
     def join(self) -> None:
@@ -368,10 +370,10 @@ class HostLink:
             self.uploads.nudge()
 
     def pull(self) -> Pulled:
-        """One PullHostTasks long-poll: the tasks to start now (under a virtual clock: those the coordinator let
+        """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the coordinator let
         go; the others wait, their simulated finish times reported on the next call)."""
         away, back = self.members.availability_changes(self.clock_seconds)
-        reply = self.conn.stub.PullHostTasks(pb.PullHostTasksRequest(
+        reply = self._tasks.send(pb.PullHostTasksRequest(
             host=self.host, wait_seconds=self.config.poll_seconds, away=away, back=back,
             finish_estimates=self._estimates), timeout=self.config.poll_seconds + 30)
         self._estimates = []
@@ -420,7 +422,8 @@ class HostLink:
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        """Send the batches queued, then stop."""
+        """End the task stream, send the batches queued, then stop."""
+        self._tasks.close()
         uploads, self.uploads = self.uploads, None
         if uploads is None:
             return

@@ -470,8 +470,8 @@ class CoordinatorStub:
                                          response_deserializer=pb.LeaveReply.FromString)
         self.JoinPopulation = channel.unary_unary(method("JoinPopulation"), request_serializer=_serialize,
                                                   response_deserializer=pb.JoinPopulationReply.FromString)
-        self.PullHostTasks = channel.unary_unary(method("PullHostTasks"), request_serializer=_serialize,
-                                                 response_deserializer=pb.PullHostTasksReply.FromString)
+        self.HostTaskStream = channel.stream_stream(method("HostTaskStream"), request_serializer=_serialize,
+                                                    response_deserializer=pb.PullHostTasksReply.FromString)
         self.HostUploadStream = channel.stream_stream(method("HostUploadStream"), request_serializer=_serialize,
                                                       response_deserializer=pb.HostUploadResults.FromString)
         self.SecAggExchange = channel.unary_unary(method("SecAggExchange"), request_serializer=_serialize,

@@ -79,8 +79,8 @@ class CoordinatorStub(object):
                 request_serializer=fedpar__pb2.JoinPopulationRequest.SerializeToString,
                 response_deserializer=fedpar__pb2.JoinPopulationReply.FromString,
                 _registered_method=True)
-        self.PullHostTasks = channel.unary_unary(
-                '/fedpar.v1.Coordinator/PullHostTasks',
+        self.HostTaskStream = channel.stream_stream(
+                '/fedpar.v1.Coordinator/HostTaskStream',
                 request_serializer=fedpar__pb2.PullHostTasksRequest.SerializeToString,
                 response_deserializer=fedpar__pb2.PullHostTasksReply.FromString,
                 _registered_method=True)
@@ -166,8 +166,13 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PullHostTasks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def HostTaskStream(self, request_iterator, context):
+        """A host's long-polls for its members' tasks, on one long-lived stream per host: each PullHostTasksRequest (its
+        host authenticated again) is answered in order by one PullHostTasksReply once tasks come or its wait_seconds
+        pass (a message on an open stream costs the coordinator about half a unary call: benchmarks/grpc_call_cost.py).
+        As HostUploadStream: one of the host's calls for its life, one open per host at a time, and a refusal of the
+        host or a malformed message ends it with its status.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -239,8 +244,8 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=fedpar__pb2.JoinPopulationRequest.FromString,
                     response_serializer=fedpar__pb2.JoinPopulationReply.SerializeToString,
             ),
-            'PullHostTasks': grpc.unary_unary_rpc_method_handler(
-                    servicer.PullHostTasks,
+            'HostTaskStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HostTaskStream,
                     request_deserializer=fedpar__pb2.PullHostTasksRequest.FromString,
                     response_serializer=fedpar__pb2.PullHostTasksReply.SerializeToString,
             ),
@@ -509,7 +514,7 @@ class Coordinator(object):
             _registered_method=True)
 
     @staticmethod
-    def PullHostTasks(request,
+    def HostTaskStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -519,10 +524,10 @@ class Coordinator(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/fedpar.v1.Coordinator/PullHostTasks',
+            '/fedpar.v1.Coordinator/HostTaskStream',
             fedpar__pb2.PullHostTasksRequest.SerializeToString,
             fedpar__pb2.PullHostTasksReply.FromString,
             options,

@@ -245,7 +245,7 @@ class CoordinatorService:
         self.coord = coordinator
         self.limits = Limits(coordinator.config, coordinator.layout.total_bytes)
         self.intake = UploadIntake(coordinator, self.limits)
-        self._host_streams: set[str] = set()  # hosts with a HostUploadStream open (one each)
+        self._host_streams: set[tuple[str, str]] = set()  # (kind, host) of each host stream open (one a kind)
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
@@ -283,12 +283,18 @@ class CoordinatorService:
                                       heartbeat_seconds=self.coord.config.heartbeat_seconds,
                                       max_chunk_bytes=self.coord.config.max_chunk_bytes)
 
-    async def PullHostTasks(self, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
-        """Long-poll for the tasks of a simulation host's sampled members."""
-        host = self._host(request.host, context)
-        with self.limits.agent_call(HOST_CALLS + host.host_id):
-            return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away,
-                                                            request.back, request.finish_estimates, self.coord)
+    async def HostTaskStream(self, request_iterator, context):
+        """A simulation host's long-polls for its sampled members' tasks, on one stream for the host's life (see
+        :meth:`_host_stream`): each request answered by the tasks dealt to it, or none once its wait is over."""
+        async for reply in self._host_stream(request_iterator, context, "a task stream", "PullHostTasksRequest",
+                                             self._host_tasks):
+            yield reply
+
+    async def _host_tasks(self, host: HostRecord, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
+        """One long-poll of ``host`` (authenticated): the tasks of its sampled members, its availability changes and
+        finish estimates noted."""
+        return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away, request.back,
+                                                        request.finish_estimates, self.coord)
 
     async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
         """Long-poll for a task."""
@@ -330,38 +336,47 @@ class CoordinatorService:
         return await self._upload(request.header, context, self.intake.small_receiver(request))
 
     async def HostUploadStream(self, request_iterator, context):
-        """A simulation host's small updates, on one stream for the host's life: the first message within
-        --upload-header-seconds (a stranger's stream until then), then each message (HostUploads) taken in order with
-        its host authenticated again and one result per update: each authenticated with its member's session and
-        taken with every check UploadSmall makes (a refusal is a result, not the stream's end), then a pre-summed
-        partial of more members, with one result for all."""
+        """A simulation host's small updates, on one stream for the host's life (see :meth:`_host_stream`): each
+        message (HostUploads) with one result per update: each authenticated with its member's session and taken with
+        every check UploadSmall makes (a refusal is a result, not the stream's end), then a pre-summed partial of more
+        members, with one result for all."""
+        async for results in self._host_stream(request_iterator, context, "an upload stream", "HostUploads",
+                                               self._host_uploads):
+            yield results
+
+    async def _host_stream(self, request_iterator, context, stream: str, what: str, answer):
+        """The replies of a host's long-lived ``stream`` of ``what`` messages: its first message within --upload-header-seconds (a stranger's
+        stream until then), then each message taken in order, its host authenticated again, and answered by
+        ``await answer(host, message, context)``. A host has one stream of each kind open at a time (else it could
+        hold --max-calls-per-agent idle ones), and the stream counts as one of its calls."""
         seconds = self.coord.config.upload_header_seconds
         request = await _next_message(request_iterator, seconds, lambda: Refusal(
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"no HostUploads within {seconds:g} s of opening the stream (--upload-header-seconds)"))
+            f"no {what} within {seconds:g} s of opening the stream (--upload-header-seconds)"))
         if request is None:
             return
         host = self._host(request.host, context)
-        if host.host_id in self._host_streams:  # else a host could hold --max-calls-per-agent idle streams
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"host {host.host_id!r} already has an upload stream "
-                                                              "open; send on it (one per host), or end it first")
-        with self.limits.agent_call(HOST_CALLS + host.host_id):  # the stream is one of the host's calls
-            self._host_streams.add(host.host_id)
+        key = (what, host.host_id)
+        if key in self._host_streams:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"host {host.host_id!r} already has {stream} open; "
+                                                              "send on it (one per host), or end it first")
+        with self.limits.agent_call(HOST_CALLS + host.host_id):
+            self._host_streams.add(key)
             try:
                 while request is not None:
                     if self._host(request.host, context).host_id != host.host_id:
                         raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this stream is host {host.host_id!r}'s, "
                                                                          f"not {request.host.agent_id[:64]!r}'s")
-                    yield await self._host_uploads(host, request, context)
+                    yield await answer(host, request, context)
                     try:
                         request = await request_iterator.__anext__()
                     except StopAsyncIteration:
                         return
                     if isinstance(request, Malformed):
                         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"{request.reason}; the update was not applied")
+                                      f"{request.reason}; the message was not taken")
             finally:
-                self._host_streams.discard(host.host_id)
+                self._host_streams.discard(key)
 
     async def _host_uploads(self, host: HostRecord, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Take ``host``'s (authenticated) HostUploads: its updates one by one, then its partial."""
@@ -551,7 +566,9 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
         "Join": unary(service.Join, pb.JoinRequest, pb.JoinReply),
         "PullTask": unary(service.PullTask, pb.PullTaskRequest, pb.PullTaskReply),
         "JoinPopulation": unary(service.JoinPopulation, pb.JoinPopulationRequest, pb.JoinPopulationReply),
-        "PullHostTasks": unary(service.PullHostTasks, pb.PullHostTasksRequest, pb.PullHostTasksReply),
+        "HostTaskStream": grpc.stream_stream_rpc_method_handler(
+            answering_refusals(service.HostTaskStream), request_deserializer=parser(pb.PullHostTasksRequest),
+            response_serializer=pb.PullHostTasksReply.SerializeToString),
         "DownloadWeights": grpc.unary_stream_rpc_method_handler(
             answering_refusals(service.DownloadWeights), request_deserializer=parser(pb.DownloadRequest),
             response_serializer=identity),

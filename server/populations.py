@@ -1,7 +1,7 @@
 """The member source of simulated federations (``--accept-populations``): simulation hosts, each speaking for a slice
 of a virtual population, beside agents that joined by themselves (none under the virtual clock).
 
-A host joins its members (JoinPopulation), long-polls for all of their tasks at once (PullHostTasks), reports which
+A host joins its members (JoinPopulation), long-polls for all of their tasks at once (on its HostTaskStream), reports which
 went offline or came back, and, under the virtual clock, each sampled member's simulated finish time; its members
 upload with their own sessions. The coordinator deals tasks and lets held ones go through :class:`Populations`
 alone (server/members.py says how).
@@ -22,7 +22,7 @@ from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRe
 from fedpar.server.rounds import Refusal
 
 HOST_WAKEUP = "\0host:"  # long-poll key prefix of a simulation host (agent ids are printable, so never clash)
-MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasks reply (a reply stays far below the message size limit)
+MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasksReply (a reply stays far below the message size limit)
 
 
 class Populations(Members):

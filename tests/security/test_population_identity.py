@@ -8,7 +8,7 @@ import grpc
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import Admission, RevocationList, append_revocation
 from fedpar.security.certs import load_certificate
-from support.population_calls import join_members, member_auth, refused
+from support.population_calls import pull_tasks, join_members, member_auth, refused
 
 
 def test_a_hosts_certificate_speaks_for_its_members_and_no_other_certificate_does(pki, coordinator_factory,
@@ -26,13 +26,13 @@ def test_a_hosts_certificate_speaks_for_its_members_and_no_other_certificate_doe
     m1 = member_auth(reply, "m1")
     # a member's calls go over its host's connection, with the member's own session
     assert host.Heartbeat(pb.HeartbeatRequest(auth=m1), timeout=10).current_round >= 0
-    pulled = host.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="alice", token=reply.host_token),
+    pulled = pull_tasks(host, pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="alice", token=reply.host_token),
                                                         wait_seconds=5), timeout=15)
     assert sorted(t.agent_id for t in pulled.tasks) == ["m1", "m2"]  # both sampled, as the host's members
     # ... and not over another certificate's, even with the right tokens
     refused(lambda: other.Heartbeat(pb.HeartbeatRequest(auth=m1), timeout=10), grpc.StatusCode.PERMISSION_DENIED,
             "proves agent 'bob', but the request names agent 'alice'")
-    refused(lambda: other.PullHostTasks(pb.PullHostTasksRequest(
+    refused(lambda: pull_tasks(other, pb.PullHostTasksRequest(
         host=pb.AgentAuth(agent_id="alice", token=reply.host_token), wait_seconds=0), timeout=10),
         grpc.StatusCode.PERMISSION_DENIED, "proves agent 'bob'")
     # revoking the host's certificate revokes its members' calls with it

@@ -20,7 +20,7 @@ from fedpar.server.populations import Populations
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import AgentSlot, RoundState
 from fedpar.server.virtual_clock import VirtualClock
-from support.population_calls import host_stub, join_members, member_auth, refused
+from support.population_calls import pull_tasks, host_stub, join_members, member_auth, refused
 
 SHAPE = (4,)
 
@@ -72,12 +72,12 @@ def test_a_coordinator_runs_on_the_clock_and_member_source_it_is_given(tmp_path)
         tasks: dict[str, pb.TrainTask] = {}
         end = time.monotonic() + 20
         while len(tasks) < 2 and time.monotonic() < end:
-            reply = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10)
+            reply = pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10)
             tasks.update({t.agent_id: t.task for t in reply.tasks})
         assert all(t.virtual_clock and t.clock_deadline_seconds == 5.0 for t in tasks.values()), tasks
         estimates = [pb.FinishEstimate(agent_id=a, task_id=tasks[a].task_id, seconds=s)
                      for a, s in (("m0", 2.0), ("m1", 9.0))]  # m1 would finish after the simulated deadline
-        go = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=5.0, finish_estimates=estimates),
+        go = pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=5.0, finish_estimates=estimates),
                                 timeout=10).go
         assert list(go) == ["m0"]
         upload = pb.SmallUpload(header=pb.UploadHeader(

@@ -18,7 +18,7 @@ from fedpar.client.local_loop import StackRow
 from fedpar.client.transfer import SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-from support.population_calls import host_stub, join_members, member_auth, upload_batch
+from support.population_calls import pull_tasks, host_stub, join_members, member_auth, upload_batch
 
 SHAPE = (8,)
 LAYOUT = ModelLayout([("t0", "float32", SHAPE)])
@@ -31,7 +31,7 @@ def _round(server, stub, hosts: dict[str, pb.JoinPopulationReply], want: int) ->
     end = time.monotonic() + 20
     while len(tasks) < want and time.monotonic() < end:
         for host, reply in hosts.items():
-            tasks.update({t.agent_id: t.task for t in stub.PullHostTasks(pb.PullHostTasksRequest(
+            tasks.update({t.agent_id: t.task for t in pull_tasks(stub, pb.PullHostTasksRequest(
                 host=pb.AgentAuth(agent_id=host, token=reply.host_token), wait_seconds=0.2), timeout=10).tasks})
     assert len(tasks) == want, tasks.keys()
     return tasks

@@ -12,7 +12,7 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from support.population_calls import (host_stub as _stub, join_members as _join, member_auth as _member,
-                                     refused as _refused, upload_batch)
+                                     pull_tasks, refused as _refused, upload_batch)
 from support.scripted_agent import ScriptedAgent
 
 SHAPE = (8,)
@@ -31,7 +31,7 @@ def test_only_sampled_members_get_tasks_and_each_uploads_with_its_own_session(st
         got: list[pb.HostedTask] = []
         end = time.monotonic() + 20
         while len(got) < 5 and time.monotonic() < end:
-            got += stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10).tasks
+            got += pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10).tasks
         assert len(got) == 5 and len({t.agent_id for t in got}) == 5
         assert all(t.task.round == round_id for t in got)
         for hosted in got:  # each sampled member uploads with its own session token
@@ -47,7 +47,7 @@ def test_only_sampled_members_get_tasks_and_each_uploads_with_its_own_session(st
     rows = list(server.coordinator.metrics.read_rows())
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["reported"] == 5 for r in rows)
     np.testing.assert_array_equal(server.coordinator.weights[0], np.full(SHAPE, 2.0, np.float32))
-    reply = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10)
+    reply = pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=1.0), timeout=10)
     assert "training finished" in reply.shutdown_reason
     assert server.coordinator.registry.snapshot() == {}  # the host joins its members again after a restart
 
@@ -61,7 +61,7 @@ def test_members_are_live_while_their_host_calls_and_leave_the_registry_with_it(
     assert len(registry.live_ids()) == 3
     time.sleep(1.3)
     assert registry.live_ids() == [] and len(registry) == 0 and registry.host("host-b") is None  # it went quiet
-    _refused(lambda: stub.PullHostTasks(pb.PullHostTasksRequest(
+    _refused(lambda: pull_tasks(stub, pb.PullHostTasksRequest(
         host=pb.AgentAuth(agent_id="host-b", token=reply.host_token), wait_seconds=0.0), timeout=10),
         grpc.StatusCode.UNAUTHENTICATED, "call JoinPopulation again")
     _join(stub, "host-b", [f"m{i}" for i in range(3)], examples=99)  # back: its members' counts stay as first joined
@@ -97,7 +97,7 @@ def test_what_a_coordinator_refuses(start_coordinator):
         _refused(lambda: _join(stub, "h2", [f"n{i}" for i in range(10)]), grpc.StatusCode.RESOURCE_EXHAUSTED,
                  "--max-agents 20")
         _refused(lambda: _join(stub, "h2", ["m1"]), grpc.StatusCode.INVALID_ARGUMENT, "not by host 'h2'")
-        _refused(lambda: stub.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="h", token="x")),
+        _refused(lambda: pull_tasks(stub, pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="h", token="x")),
                                             timeout=10), grpc.StatusCode.UNAUTHENTICATED, "bad session")
         member = pb.AgentAuth(agent_id="m0", token=_member(first, "m1").token)  # another member's token
         _refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(auth=member), timeout=10),
@@ -115,8 +115,8 @@ def test_a_big_cohort_of_one_host_comes_in_replies_of_bounded_size_with_one_copy
     stub = _stub(server)
     reply = _join(stub, "host-c", ids)
     host = pb.AgentAuth(agent_id="host-c", token=reply.host_token)
-    first = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=5.0), timeout=10)
-    second = stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=5.0), timeout=10)
+    first = pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=5.0), timeout=10)
+    second = pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=5.0), timeout=10)
     assert (len(first.tasks), len(second.tasks)) == (MAX_HOSTED_TASKS, 600 - MAX_HOSTED_TASKS)
     assert first.ByteSize() < 2 * weights.nbytes + 200 * MAX_HOSTED_TASKS  # the weights once, not 512 times
     assert np.frombuffer(first.weights, np.float32).tolist() == weights.tolist()
@@ -133,7 +133,7 @@ def test_members_reported_away_are_not_live_until_they_are_back(start_coordinato
     registry = server.coordinator.registry
     assert registry.live_ids() == ["p0", "p2", "p4"]
     host = pb.AgentAuth(agent_id="host-d", token=reply.host_token)
-    stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=0.0, away=["p0", "not-mine"], back=["p1"]),
+    pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=0.0, away=["p0", "not-mine"], back=["p1"]),
                        timeout=10)
     assert registry.live_ids() == ["p1", "p2", "p4"]
 
@@ -150,7 +150,7 @@ def test_a_host_sends_its_members_updates_in_one_message_each_checked_on_its_own
     end = time.monotonic() + 20
     while len(tasks) < 4 and time.monotonic() < end:  # four of the five are sampled; b0 may be one of them
         for auth in (host, pb.AgentAuth(agent_id="host-b", token=b.host_token)):
-            tasks.update({t.agent_id: t.task for t in stub.PullHostTasks(
+            tasks.update({t.agent_id: t.task for t in pull_tasks(stub, 
                 pb.PullHostTasksRequest(host=auth, wait_seconds=0.2), timeout=10).tasks})
     mine = sorted(m for m in tasks if m.startswith("a"))
     assert len(mine) >= 3
@@ -209,3 +209,44 @@ def test_a_host_or_agent_of_another_protocol_version_hears_it_in_one_line_and_a_
     assert time.monotonic() - started < 10 and "\n" not in line
     assert line == (f"new-host: coordinator refused: FAILED_PRECONDITION: protocol version {PROTOCOL_VERSION + 1} "
                     f"is not supported (coordinator speaks {PROTOCOL_VERSION}); upgrade the coordinator")
+
+
+def test_a_host_long_polls_on_one_task_stream_a_second_is_refused_and_another_host_cannot_speak_on_it(
+        start_coordinator):
+    """Each long-poll of the host's stream answered in order; a second stream of the same host is refused while the
+    first is open (it holds one of the coordinator's places for its life), and a message of another host ends it."""
+    import queue
+
+    from fedpar.protocol.codec import SERVICE_NAME
+
+    server = start_coordinator([np.zeros(4, np.float32)], accept_populations=True, clients_per_round=2,
+                               min_available=4, rounds=1)
+    stub = _stub(server)
+    a = _join(stub, "host-a", ["a0", "a1"])
+    b = _join(stub, "host-b", ["b0", "b1"])
+    channel = grpc.insecure_channel(server.address)
+
+    def stream():
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        replies = channel.stream_stream(f"/{SERVICE_NAME}/HostTaskStream")(iter(requests.get, None), timeout=20)
+        return requests, replies
+
+    host = pb.AgentAuth(agent_id="host-a", token=a.host_token)
+    first, first_replies = stream()
+    tasks = []
+    for _ in range(3):  # the round opens once the four members are live: its tasks come on a later long-poll
+        first.put(pb.PullHostTasksRequest(host=host, wait_seconds=1.0).SerializeToString())
+        tasks += pb.PullHostTasksReply.FromString(next(first_replies)).tasks
+    second, second_replies = stream()
+    second.put(pb.PullHostTasksRequest(host=host).SerializeToString())
+    with pytest.raises(grpc.RpcError) as err:
+        next(second_replies)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "host 'host-a' already has a task stream open" in err.value.details()
+    first.put(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="host-b", token=b.host_token)).SerializeToString())
+    with pytest.raises(grpc.RpcError) as err:
+        next(first_replies)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "host 'host-a''s" in err.value.details()
+    assert {t.agent_id for t in tasks} <= {"a0", "a1"}
+    again = pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=0.0))  # the first ended: a new one opens
+    assert not again.shutdown_reason

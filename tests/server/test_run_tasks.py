@@ -55,7 +55,7 @@ def test_a_run_samples_only_the_members_of_simulation_hosts_that_declare_its_tas
     import numpy as np
 
     from fedpar.protocol import fedpar_pb2 as pb
-    from support.population_calls import host_stub, join_members
+    from support.population_calls import host_stub, join_members, pull_tasks
 
     server = start_coordinator([np.zeros(4, np.float32)], accept_populations=True, clients_per_round=9,
                                min_available=3, rounds=1)
@@ -72,12 +72,12 @@ def test_a_run_samples_only_the_members_of_simulation_hosts_that_declare_its_tas
     mine = join("a", {"task": "mlp on digits"})
     got = []
     for _ in range(20):
-        got += stub.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="a", token=mine.host_token),
+        got += pull_tasks(stub, pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="a", token=mine.host_token),
                                                           wait_seconds=0.5), timeout=10).tasks
         if len(got) == 3:
             break
     assert sorted(t.agent_id for t in got) == ["a-0", "a-1", "a-2"]  # the whole cohort: the other hosts' are out
-    assert not stub.PullHostTasks(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="b", token=other.host_token),
+    assert not pull_tasks(stub, pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="b", token=other.host_token),
                                                           wait_seconds=0.2), timeout=10).tasks
     assert said == [("b", "simulation host b is skipped: it has task 'cnn on digits', this run needs 'mlp on digits'"),
                     ("c", "simulation host c is skipped: it did not say which task it has (an older fedpar?), this "

@@ -15,7 +15,7 @@ from fedpar.protocol.codec import PROTOCOL_VERSION
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.rounds import AgentSlot
 from fedpar.server.deadline import first_k_in_time as decide
-from support.population_calls import host_stub as _stub, join_members as _join, member_auth, refused as _refused
+from support.population_calls import pull_tasks, host_stub as _stub, join_members as _join, member_auth, refused as _refused
 
 SHAPE = (8,)
 
@@ -47,7 +47,7 @@ def _upload(stub, member: pb.AgentAuth, task: pb.TrainTask, value: float):
 
 
 def _pull(stub, host, **kw) -> pb.PullHostTasksReply:
-    return stub.PullHostTasks(pb.PullHostTasksRequest(host=host, wait_seconds=1.0, **kw), timeout=10)
+    return pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=1.0, **kw), timeout=10)
 
 
 def _tasks(stub, host, n: int) -> dict[str, pb.TrainTask]:

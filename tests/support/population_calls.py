@@ -42,3 +42,12 @@ def upload_batch(stub, request: pb.HostUploads, timeout: float = 10) -> pb.HostU
     results = next(replies)
     assert list(replies) == []
     return results
+
+
+def pull_tasks(stub, request: pb.PullHostTasksRequest, timeout: float = 10) -> pb.PullHostTasksReply:
+    """``request`` as the one long-poll of a host's HostTaskStream: its reply, or the stream's refusal raised (read
+    to its end, as :func:`upload_batch` reads its stream)."""
+    replies = stub.HostTaskStream(iter([request]), timeout=timeout)
+    reply = next(replies)
+    assert list(replies) == []
+    return reply
