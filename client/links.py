@@ -370,8 +370,8 @@ class HostLink:
             self.uploads.nudge()
 
     def pull(self) -> Pulled:
-        """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the coordinator let
-        go; the others wait, their simulated finish times reported on the next call)."""
+        """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the
+        coordinator let go; the others wait, their simulated finish times reported on the next call)."""
         away, back = self.members.availability_changes(self.clock_seconds)
         reply = self._tasks.send(pb.PullHostTasksRequest(
             host=self.host, wait_seconds=self.config.poll_seconds, away=away, back=back,

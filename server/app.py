@@ -345,10 +345,11 @@ class CoordinatorService:
             yield results
 
     async def _host_stream(self, request_iterator, context, stream: str, what: str, answer):
-        """The replies of a host's long-lived ``stream`` of ``what`` messages: its first message within --upload-header-seconds (a stranger's
-        stream until then), then each message taken in order, its host authenticated again, and answered by
-        ``await answer(host, message, context)``. A host has one stream of each kind open at a time (else it could
-        hold --max-calls-per-agent idle ones), and the stream counts as one of its calls."""
+        """The replies of a host's long-lived ``stream`` of ``what`` messages: its first message within
+        --upload-header-seconds (a stranger's stream until then), then each message taken in order, its host
+        authenticated again, and answered by ``await answer(host, message, context)``. A host has one stream of each
+        kind open at a time (else it could hold --max-calls-per-agent idle ones), and the stream counts as one of its
+        calls."""
         seconds = self.coord.config.upload_header_seconds
         request = await _next_message(request_iterator, seconds, lambda: Refusal(
             grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -1,8 +1,8 @@
 """The member source of simulated federations (``--accept-populations``): simulation hosts, each speaking for a slice
 of a virtual population, beside agents that joined by themselves (none under the virtual clock).
 
-A host joins its members (JoinPopulation), long-polls for all of their tasks at once (on its HostTaskStream), reports which
-went offline or came back, and, under the virtual clock, each sampled member's simulated finish time; its members
+A host joins its members (JoinPopulation), long-polls for all of their tasks at once (on its HostTaskStream), reports
+which went offline or came back, and, under the virtual clock, each sampled member's simulated finish time; its members
 upload with their own sessions. The coordinator deals tasks and lets held ones go through :class:`Populations`
 alone (server/members.py says how).
 """

@@ -8,7 +8,7 @@ import grpc
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import Admission, RevocationList, append_revocation
 from fedpar.security.certs import load_certificate
-from support.population_calls import pull_tasks, join_members, member_auth, refused
+from support.population_calls import join_members, member_auth, pull_tasks, refused
 
 
 def test_a_hosts_certificate_speaks_for_its_members_and_no_other_certificate_does(pki, coordinator_factory,

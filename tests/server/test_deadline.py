@@ -20,7 +20,7 @@ from fedpar.server.populations import Populations
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import AgentSlot, RoundState
 from fedpar.server.virtual_clock import VirtualClock
-from support.population_calls import pull_tasks, host_stub, join_members, member_auth, refused
+from support.population_calls import host_stub, join_members, member_auth, pull_tasks, refused
 
 SHAPE = (4,)
 

@@ -18,7 +18,7 @@ from fedpar.client.local_loop import StackRow
 from fedpar.client.transfer import SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
-from support.population_calls import pull_tasks, host_stub, join_members, member_auth, upload_batch
+from support.population_calls import host_stub, join_members, member_auth, pull_tasks, upload_batch
 
 SHAPE = (8,)
 LAYOUT = ModelLayout([("t0", "float32", SHAPE)])

@@ -15,7 +15,7 @@ import pytest
 from fedpar.client.host_partial import HostSum
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import SERVICE_NAME, ModelLayout
-from support.population_calls import pull_tasks, host_stub, join_members, upload_batch
+from support.population_calls import host_stub, join_members, pull_tasks, upload_batch
 
 SHAPE = (8,)
 LAYOUT = ModelLayout([("t0", "float32", SHAPE)])

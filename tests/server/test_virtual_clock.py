@@ -15,7 +15,8 @@ from fedpar.protocol.codec import PROTOCOL_VERSION
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.rounds import AgentSlot
 from fedpar.server.deadline import first_k_in_time as decide
-from support.population_calls import pull_tasks, host_stub as _stub, join_members as _join, member_auth, refused as _refused
+from support.population_calls import (host_stub as _stub, join_members as _join, member_auth, pull_tasks,
+                                     refused as _refused)
 
 SHAPE = (8,)
 
