@@ -299,6 +299,9 @@ class BatchedTrainer(TaskTrainer):
         self.batcher = batcher
         batcher.add_agent()
         self.trained: ClientBatchOutput | None = None  # the last run's row of its stack, until new weights come
+        # its parameters, listed once (not by a walk of the module tree per member and round): the stacked loop and
+        # set_arrays update them in place
+        self._params = list(self.model.named_parameters())
 
     def warm_up(self) -> None:
         """TaskTrainer's warm-up, and the batcher's (once per process)."""
@@ -341,7 +344,7 @@ class BatchedTrainer(TaskTrainer):
         """Copy the last run's row into the model, if it is not there yet."""
         if self.trained is not None:
             with torch.no_grad():
-                for name, p in self.model.named_parameters():
+                for name, p in self._params:
                     p.copy_(self.trained.weights[name])
             self.trained = None
 
@@ -350,7 +353,7 @@ class BatchedTrainer(TaskTrainer):
               settings: TaskSettings | None = None) -> TrainResult:
         """The local loop of this member, run in the batch; a slow device then waits out its simulated delays."""
         self._load_trained()
-        start = {name: p.detach() for name, p in self.model.named_parameters()}
+        start = {name: p.detach() for name, p in self._params}
         client = ClientBatchInput(*member_tensors(self.data.train), self.seed, start, stop_at, self.delay, max_steps)
         self.trained = self.batcher.train(self, self.task, self.model, client, epochs, batch_size, lr, round_id,
                                           proximal_mu)
