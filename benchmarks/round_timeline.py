@@ -5,13 +5,14 @@ One command: ``.venv/bin/python benchmarks/round_timeline.py`` (``--clients 100 
 and any other `fedpar simulate` flags after ``--``). It runs `fedpar simulate --quiet` with this folder on
 PYTHONPATH and a ``sitecustomize`` that imports this module's :func:`install` in every process (the coordinator's
 and the spawned workers'): it wraps the functions of HOPS as their modules are imported, each noting
-``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process of the machine) on entry and/or exit into one
-file per process. Nothing in fedpar changes; without this benchmark nothing is wrapped.
+``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every process of the machine) and its thread's CPU time
+(``time.thread_time()``) on entry and/or exit into one file per process. Nothing in fedpar changes; without this benchmark nothing is wrapped.
 
 Each event belongs to the round whose start (``Coordinator._run_round``) precedes it; for every hop it prints the
 median over rounds 2..R of the first and the last time it happened in the round, in milliseconds from the round's
-start (and for a hop noted on entry and exit the milliseconds spent in it, summed over the round's calls), and the
-cycle: from a round's start to the next one's.
+start (and for a hop noted on entry and exit the milliseconds spent in it and the CPU milliseconds its thread used
+meanwhile, each summed over the round's calls: the difference is waiting, for a core or the interpreter lock), and
+the cycle: from a round's start to the next one's.
 It also pairs each host's partial upload with its own hops: from its message being ready to the coordinator's checks
 (the transport), the checks and fold, and back to the host. ``--baseline PYTHON`` (another checkout's venv python;
 a hop its code lacks is not noted) alternates ``--pairs`` runs of that checkout's code with this one's and prints
@@ -86,13 +87,13 @@ HOPS = {
 
 # ----------------------------------------------------------------------------- in every process (sitecustomize)
 class _Log:
-    """This process's events, one line each: name, monotonic seconds."""
+    """This process's events, one line each: monotonic seconds, the thread's CPU seconds, the thread, the name."""
 
     def __init__(self, folder: str):
         self.file = open(Path(folder) / f"{os.getpid()}.events", "a", buffering=1)
 
     def note(self, name: str) -> None:
-        self.file.write(f"{time.monotonic():.7f} {threading.get_ident()} {name}\n")
+        self.file.write(f"{time.monotonic():.7f} {time.thread_time():.7f} {threading.get_ident()} {name}\n")
 
 
 def _returned_tasks(result) -> bool:
@@ -168,35 +169,40 @@ def install() -> None:
 
 
 # ----------------------------------------------------------------------------- the benchmark
-def read_events(folder: Path) -> list[tuple[float, str, str]]:
-    """Every process's events (time, name, process:thread), in time order."""
+def read_events(folder: Path) -> list[tuple[float, str, str, float]]:
+    """Every process's events (time, name, process:thread, the thread's CPU seconds), in time order."""
     events = []
     for path in folder.glob("*.events"):
         for line in path.read_text().splitlines():
-            t, thread, name = line.split(" ", 2)
-            events.append((float(t), name, f"{path.stem}:{thread}"))
+            t, cpu, thread, name = line.split(" ", 3)
+            events.append((float(t), name, f"{path.stem}:{thread}", float(cpu)))
     return sorted(events)
 
 
-def timeline(events: list[tuple[float, str, str]], skip: int = 1) -> dict[str, dict[str, float]]:
+def timeline(events: list[tuple[float, str, str, float]], skip: int = 1) -> dict[str, dict[str, float]]:
     """Per hop: the median over rounds (the first ``skip`` left out; the last, cut short by the end, too) of its
     first and last time in the round in ms from the round's start, how often it happened in a round, and for a
-    hop noted on entry and exit the ms spent in it per round (summed over its calls, each thread's paired)."""
-    starts = [t for t, name, _ in events if name == START]
+    hop noted on entry and exit the ms spent in it per round and the CPU ms its thread used meanwhile (each summed
+    over its calls, each thread's paired: under load a hop's time is more than its CPU, the rest waiting for a
+    core or the interpreter lock)."""
+    starts = [t for t, name, _, _ in events if name == START]
     per_round: list[dict[str, list[float]]] = [collections.defaultdict(list) for _ in starts]
     spent: list[dict[str, float]] = [collections.defaultdict(float) for _ in starts]
-    entered: dict[tuple[str, str], float] = {}
+    used: list[dict[str, float]] = [collections.defaultdict(float) for _ in starts]
+    entered: dict[tuple[str, str], tuple[float, float]] = {}
     r = -1
-    for t, name, thread in events:
+    for t, name, thread, cpu in events:
         while r + 1 < len(starts) and t >= starts[r + 1]:
             r += 1
         if name.endswith(" in"):
-            entered[(thread, name[:-3])] = t
+            entered[(thread, name[:-3])] = (t, cpu)
         elif name.endswith(" out") and (thread, name[:-4]) in entered and r >= 0:
-            spent[r][name[:-4]] += (t - entered.pop((thread, name[:-4]))) * 1000
+            t0, cpu0 = entered.pop((thread, name[:-4]))
+            spent[r][name[:-4]] += (t - t0) * 1000
+            used[r][name[:-4]] += (cpu - cpu0) * 1000
         if r >= 0:
             per_round[r][name].append((t - starts[r]) * 1000)
-    rounds, spent = per_round[skip:-1], spent[skip:-1]
+    rounds, spent, used = per_round[skip:-1], spent[skip:-1], used[skip:-1]
     names = sorted({n for rd in rounds for n in rd}, key=lambda n: statistics.median(
         rd[n][0] for rd in rounds if n in rd))
     out = {n: {"first_ms": statistics.median(rd[n][0] for rd in rounds if n in rd),
@@ -206,22 +212,24 @@ def timeline(events: list[tuple[float, str, str]], skip: int = 1) -> dict[str, d
     for n in out:
         if n.endswith(" out"):
             out[n]["spent_ms"] = statistics.median(sp.get(n[:-4], 0.0) for sp in spent)
+            out[n]["cpu_ms"] = statistics.median(u.get(n[:-4], 0.0) for u in used)
     return out
 
 
-def cycle_ms(events: list[tuple[float, str, str]], skip: int = 1) -> float:
+def cycle_ms(events: list[tuple[float, str, str, float]], skip: int = 1) -> float:
     """The median time from one round's start to the next one's (rounds after the first ``skip``)."""
-    starts = [t for t, name, _ in events if name == START][skip:]
+    starts = [t for t, name, _, _ in events if name == START][skip:]
     return statistics.median((b - a) * 1000 for a, b in zip(starts, starts[1:]))
 
 
-def upload_trip(events: list[tuple[float, str, str]], skip: int = 1) -> dict[str, float]:
+def upload_trip(events: list[tuple[float, str, str, float]], skip: int = 1) -> dict[str, float]:
     """A host's partial upload, each paired with its own hops (rounds after the first ``skip``): median ms from the
     partial's message being ready on the host to the coordinator starting its checks (the transport), the checks and
     the fold, and from the handler's end to the host holding the results."""
-    start = [t for t, name, _ in events if name == START][skip] if skip < sum(n == START for _, n, _ in events) else 0
+    start = [t for t, name, _, _ in events if name == START][skip] \
+        if skip < sum(n == START for _, n, _, _ in events) else 0
     times = collections.defaultdict(list)
-    for t, name, thread in events:
+    for t, name, thread, _ in events:
         times[name].append(t)
         times[f"{name} @{thread}"].append(t)
 
@@ -229,7 +237,7 @@ def upload_trip(events: list[tuple[float, str, str]], skip: int = 1) -> dict[str
         at = bisect.bisect_left(times[name], t)
         return times[name][at] if at < len(times[name]) else None
     trips = collections.defaultdict(list)
-    for t, name, thread in events:
+    for t, name, thread, _ in events:
         if name != "worker HostSum.message out" or t < start:
             continue
         checks = after("server take_host_partial in", t)
@@ -306,9 +314,9 @@ def main() -> int:
             ratios.append({"what": f"a host's partial upload, {key}", "ratio": this / base,
                            "against": f"{a.baseline}'s code, alternated runs, same machine"})
         extra["upload_trips"] = trips
-    print(f"{'hop':<56}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}")
+    print(f"{'hop':<56}{'first ms':>9}{'last ms':>9}{'times':>7}{'spent ms':>9}{'CPU ms':>8}")
     for name, h in hops.items():
-        spent = f"{h['spent_ms']:>9.2f}" if "spent_ms" in h else ""
+        spent = f"{h['spent_ms']:>9.2f}{h['cpu_ms']:>8.2f}" if "spent_ms" in h else ""
         print(f"{name:<56}{h['first_ms']:>9.2f}{h['last_ms']:>9.2f}{h['count']:>7.0f}{spent}")
     write_results(a.json, ratios, {"simulate_args": args, "cycle_ms": cycle, "round_seconds_ms": round_ms, "hops": hops,
                                    "upload_trip": trip,
