@@ -69,6 +69,17 @@ class ModelWeights:
 
     def set(self, arrays: Sequence[np.ndarray]) -> None:
         """Copy ``arrays`` into the model, as :func:`set_weights`."""
+        self.check(arrays)
+        with torch.no_grad():
+            for (_, t), (_, _, view), a in zip(self.entries, self._plan, arrays):
+                if view is not None:
+                    np.copyto(view, a)  # read-only or strided sources too, with no intermediate copy
+                else:
+                    # np.require copies read-only (e.g. np.frombuffer) or strided arrays, which torch.from_numpy rejects.
+                    t.copy_(torch.from_numpy(np.require(a, requirements=["C", "W"])))
+
+    def check(self, arrays: Sequence[np.ndarray]) -> None:
+        """ValueError, saying which, unless ``arrays`` are numpy arrays of the model's entries' dtypes and shapes."""
         plan = self._plan
         if len(arrays) != len(plan):
             raise ValueError(f"expected {len(plan)} weight arrays for this model but got {len(arrays)}; "
@@ -80,10 +91,3 @@ class ModelWeights:
                 raise ValueError(f"weight {i} ({name!r}) has dtype {a.dtype}, expected {dtype}")
             if a.shape != shape:
                 raise ValueError(f"weight {i} ({name!r}) has shape {a.shape}, expected {shape}")
-        with torch.no_grad():
-            for (_, t), (_, _, view), a in zip(self.entries, plan, arrays):
-                if view is not None:
-                    np.copyto(view, a)  # read-only or strided sources too, with no intermediate copy
-                else:
-                    # np.require copies read-only (e.g. np.frombuffer) or strided arrays, which torch.from_numpy rejects.
-                    t.copy_(torch.from_numpy(np.require(a, requirements=["C", "W"])))

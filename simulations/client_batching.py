@@ -163,6 +163,7 @@ class ClientBatcher:
         self._rounds: dict[int, _Round] = {}
         self._open: dict[tuple, _Batch] = {}  # batches still gathering, by (round, epochs, batch size, lr, mu)
         self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
+        self._start: tuple[list[np.ndarray], dict[str, torch.Tensor]] | None = None  # (global weights, as tensors)
         self._task: Task | None = None  # its loss and optimizer (every agent of a process trains one task)
         self._warm = False
         # clients per batch run, in order, the last BATCH_SIZES_KEPT (for tests and diagnostics; a run lasts months)
@@ -202,6 +203,14 @@ class ClientBatcher:
         finally:
             with self._cond:
                 self._not_waiting_for(agent, round_id)
+
+    def start_of(self, arrays: list[np.ndarray], names: list[str]) -> dict[str, torch.Tensor]:
+        """The weights ``arrays`` (named ``names``) as the tensors a stack's members start from: made once per global
+        model for every seat of the process (a stack copies them into its rows; nothing writes them)."""
+        with self._cond:
+            if self._start is None or self._start[0] is not arrays:
+                self._start = (arrays, {name: torch.tensor(a) for name, a in zip(names, arrays)})
+            return self._start[1]
 
     def warm_up(self, task: Task, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         """One zero-learning-rate batched step, once per process, so torch.func's set-up (it imports
@@ -302,6 +311,11 @@ class BatchedTrainer(TaskTrainer):
         # its parameters, listed once (not by a walk of the module tree per member and round): the stacked loop and
         # set_arrays update them in place
         self._params = list(self.model.named_parameters())
+        # On the CPU, where every weight is a parameter (so the stack holds them all), the round's global weights are
+        # copied into the model only when it is read: the stack starts from them as the batcher keeps them, once for
+        # every seat (a copy per member and round was a tenth of a stacked member's own CPU)
+        self._lazy = self.device.type == "cpu" and [n for n, _ in self._weights.entries] == [n for n, _ in self._params]
+        self._global: list[np.ndarray] | None = None  # set, not yet copied into the model
 
     def warm_up(self) -> None:
         """TaskTrainer's warm-up, and the batcher's (once per process)."""
@@ -317,9 +331,14 @@ class BatchedTrainer(TaskTrainer):
         self.batcher.queued(round_id, count)
 
     def set_arrays(self, arrays: list[np.ndarray]) -> None:
-        """Load new weights into the model (the trained row is forgotten)."""
+        """Take the round's global weights (the trained row is forgotten): checked now, copied into the model now or,
+        where the stack holds every weight, when the model is read (:meth:`_load_trained`)."""
         self.trained = None
-        super().set_arrays(arrays)
+        if not self._lazy:
+            super().set_arrays(arrays)
+            return
+        self._weights.check(arrays)
+        self._global = arrays
 
     def get_arrays(self) -> list[np.ndarray]:
         """The trained weights (views of this member's row of the stack, which nothing writes any more), else the
@@ -341,19 +360,26 @@ class BatchedTrainer(TaskTrainer):
         return super().evaluate_splits(splits)
 
     def _load_trained(self) -> None:
-        """Copy the last run's row into the model, if it is not there yet."""
+        """Copy the last run's row into the model, if it is not there yet, else the global weights set and not yet
+        copied."""
         if self.trained is not None:
             with torch.no_grad():
                 for name, p in self._params:
                     p.copy_(self.trained.weights[name])
-            self.trained = None
+            self.trained, self._global = None, None
+        elif self._global is not None:
+            arrays, self._global = self._global, None
+            super().set_arrays(arrays)
 
     def train(self, epochs: int, batch_size: int, lr: float, stop_at: float = math.inf,
               proximal_mu: float = 0.0, round_id: int = 0, max_steps: int | None = None,
               settings: TaskSettings | None = None) -> TrainResult:
         """The local loop of this member, run in the batch; a slow device then waits out its simulated delays."""
-        self._load_trained()
-        start = {name: p.detach() for name, p in self._params}
+        if self._global is not None and self.trained is None:
+            start = self.batcher.start_of(self._global, [name for name, _ in self._weights.entries])
+        else:
+            self._load_trained()
+            start = {name: p.detach() for name, p in self._params}
         client = ClientBatchInput(*member_tensors(self.data.train), self.seed, start, stop_at, self.delay, max_steps)
         self.trained = self.batcher.train(self, self.task, self.model, client, epochs, batch_size, lr, round_id,
                                           proximal_mu)

@@ -87,6 +87,34 @@ def test_agents_holding_tasks_of_a_round_train_in_one_batch_with_local_trainer_r
     assert returned[2] - max(returned[:2]) >= 0.9 * results[2].steps * 0.02
 
 
+def test_seats_given_the_round_s_global_weights_train_from_them_and_read_them_before_training():
+    """set_arrays checks the weights at once, the stack starts from them (the model gets them only when read) and
+    an evaluation before training scores them: as a LocalTrainer given the same weights."""
+    batcher = ClientBatcher(gather_seconds=10.0)
+    batched, alone = _trainers(batcher, (40, 75))
+    rng = np.random.default_rng(3)
+    global_weights = [rng.normal(0, 0.1, a.shape).astype(np.float32) for a in alone[0].get_arrays()]
+    for b in global_weights:
+        b.flags.writeable = False  # as decoded from the wire
+    with pytest.raises(ValueError, match="has shape"):
+        batched[0].set_arrays([w[:1] for w in global_weights])
+    for trainer in (*batched, *alone):
+        trainer.set_arrays(global_weights)
+    split = batched[1].data.train
+    scored = batched[1].evaluate_splits([split])[0]
+    assert scored.loss == pytest.approx(alone[1].evaluate_splits([split])[0].loss, rel=1e-6)
+    batched[0].warm_up()
+    batched[0].tasks_queued(ROUND, 2)
+    results = [None] * 2
+    _run_threads([lambda k=k: _agent(batched[k], results, k) for k in range(2)])
+    assert list(batcher.batch_sizes) == [2]
+    for k in range(2):
+        assert results[k].loss == pytest.approx(alone[k].train(EPOCHS, BATCH, LR, round_id=ROUND).loss, rel=1e-6)
+        for p, q in zip(batched[k].get_arrays(), alone[k].get_arrays()):
+            assert abs(p - q).max() <= 2e-6 * abs(q).max()
+    assert all(not w.flags.writeable for w in global_weights)  # nothing wrote into the round's weights
+
+
 def test_an_agent_that_holds_a_task_but_never_trains_delays_the_batch_by_the_gather_window_at_most():
     batcher = ClientBatcher(gather_seconds=0.5)
     batched, _ = _trainers(batcher, (20, 20))
