@@ -310,7 +310,8 @@ def decode_chunk_message(raw: bytes, message_type: type[Message]) -> RawData | M
     return message_type.FromString(raw)
 
 
-PROTOCOL_VERSION = 3  # 2: JoinPopulation carries its members as arrays; 3: a host's updates go on its HostUploadStream
+PROTOCOL_VERSION = 4  # 2: JoinPopulation carries its members as arrays; 3: a host's updates go on its HostUploadStream;
+# 4: its long-polls go on its HostTaskStream
 SERVICE_NAME = "fedpar.v1.Coordinator"
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Room for the protobuf framing around one chunk's payload.

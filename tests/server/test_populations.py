@@ -250,3 +250,36 @@ def test_a_host_long_polls_on_one_task_stream_a_second_is_refused_and_another_ho
     assert {t.agent_id for t in tasks} <= {"a0", "a1"}
     again = pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=0.0))  # the first ended: a new one opens
     assert not again.shutdown_reason
+
+
+@pytest.mark.parametrize("case", ["garbage", "stale session", "a stranger's first message"])
+def test_a_task_stream_message_the_coordinator_cannot_take_ends_the_stream_with_its_status(start_coordinator, case):
+    """A malformed long-poll, one with a session the coordinator does not know, or a first message that names no
+    host it knows: the stream ends with the reason, and the host's next stream is served."""
+    import queue
+
+    from fedpar.protocol.codec import SERVICE_NAME
+
+    server = start_coordinator([np.zeros(4, np.float32)], accept_populations=True, clients_per_round=2,
+                               min_available=4, rounds=1)
+    stub = _stub(server)
+    a = _join(stub, "host-a", ["a0", "a1"])
+    host = pb.AgentAuth(agent_id="host-a", token=a.host_token)
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    replies = grpc.insecure_channel(server.address).stream_stream(f"/{SERVICE_NAME}/HostTaskStream")(
+        iter(requests.get, None), timeout=20)
+    if case != "a stranger's first message":
+        requests.put(pb.PullHostTasksRequest(host=host).SerializeToString())
+        assert not pb.PullHostTasksReply.FromString(next(replies)).shutdown_reason
+    message, code, text = {
+        "garbage": (b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "not a valid fedpar.v1.PullHostTasksRequest"),
+        "stale session": (pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="host-a", token="stale")),
+                          grpc.StatusCode.UNAUTHENTICATED, ""),
+        "a stranger's first message": (pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="host-z", token="x")),
+                                       grpc.StatusCode.UNAUTHENTICATED, ""),
+    }[case]
+    requests.put(message if isinstance(message, bytes) else message.SerializeToString())
+    with pytest.raises(grpc.RpcError) as err:
+        next(replies)
+    assert err.value.code() == code and text in (err.value.details() or ""), err.value.details()
+    assert not pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=0.0)).shutdown_reason
