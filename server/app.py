@@ -245,7 +245,7 @@ class CoordinatorService:
         self.coord = coordinator
         self.limits = Limits(coordinator.config, coordinator.layout.total_bytes)
         self.intake = UploadIntake(coordinator, self.limits)
-        self._host_streams: set[tuple[str, str]] = set()  # (kind, host) of each host stream open (one of each kind a host)
+        self._host_streams: set[tuple[str, str]] = set()  # (kind, host): the host streams open
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
