@@ -516,14 +516,16 @@ class RankStart(_message.Message):
     def __init__(self, round: _Optional[int] = ..., control: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class RankOpen(_message.Message):
-    __slots__ = ("round", "deadline_seconds", "agents")
+    __slots__ = ("round", "deadline_seconds", "agents", "round_values")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_VALUES_FIELD_NUMBER: _ClassVar[int]
     round: int
     deadline_seconds: float
     agents: _containers.RepeatedCompositeFieldContainer[RankAgent]
-    def __init__(self, round: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[RankAgent, _Mapping]]] = ...) -> None: ...
+    round_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, round: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[RankAgent, _Mapping]]] = ..., round_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RankAgent(_message.Message):
     __slots__ = ("rank", "agent_id", "task_id", "token", "num_examples", "cert_serial", "ticket", "host")

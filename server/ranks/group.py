@@ -38,6 +38,9 @@ JOIN_KEY = "fedpar/ranks/joining"  # + /R: a replacement for lost rank R asks to
 ADMIT_KEY = "fedpar/ranks/admitted"  # + /R/NONCE: the re-forming (its N) that took that replacement back
 STOPPED_KEY = "fedpar/ranks/stopped"  # set by rank 0 once the rounds are done: a replacement still waiting leaves
 BROADCAST_BUCKET_BYTES = 4 << 20  # a model's small tensors go to the other ranks together, this much at a time
+# A control message's first bytes go with its length in one broadcast, the rest (a round of hundreds of agents on
+# other ranks) in a second: a round's three messages cost three broadcasts, not six (each a loopback round trip)
+MESSAGE_HEAD_BYTES = 16 << 10
 CLIENT_ID_BYTES = 512  # a handed-on update's client id, UTF-8 (agent ids are at most 128 characters)
 
 
@@ -223,12 +226,22 @@ class RankGroup:
         return decode(pb.RankBroadcast, self._broadcast_bytes(None), "rank 0")
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-        self._collective("broadcast", dist.broadcast, size, src=0, group=self.control)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
-        if int(size):
-            self._collective("broadcast", dist.broadcast, buf, src=0, group=self.control)
-        return buf.numpy().tobytes()
+        """Rank 0's ``data`` on every rank (the others pass None): its length and first MESSAGE_HEAD_BYTES in one
+        broadcast (a round's control messages fit), the rest, if any, in a second."""
+        head = torch.zeros(8 + MESSAGE_HEAD_BYTES, dtype=torch.uint8)
+        if data is not None:
+            head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            if data:
+                head[8:8 + min(len(data), MESSAGE_HEAD_BYTES)] = torch.frombuffer(
+                    bytearray(data[:MESSAGE_HEAD_BYTES]), dtype=torch.uint8)
+        self._collective("broadcast", dist.broadcast, head, src=0, group=self.control)
+        size = int.from_bytes(head[:8].numpy().tobytes(), "little")
+        if size <= MESSAGE_HEAD_BYTES:
+            return head[8:8 + size].numpy().tobytes()
+        rest = torch.frombuffer(bytearray(data[MESSAGE_HEAD_BYTES:]), dtype=torch.uint8) if data is not None \
+            else torch.empty(size - MESSAGE_HEAD_BYTES, dtype=torch.uint8)
+        self._collective("broadcast", dist.broadcast, rest, src=0, group=self.control)
+        return head[8:].numpy().tobytes() + rest.numpy().tobytes()
 
     def all_present(self, where: str) -> None:
         """Return once every rank reached this point; RankMissing naming the ranks that did not, within the timeout."""
@@ -256,20 +269,11 @@ class RankGroup:
         self._collective("all-gather", dist.all_gather, out, mine, group=self.control)
         return {r: t.tolist() for r, t in zip(self.members, out)}
 
-    def broadcast_floats(self, values: Sequence[float] | None) -> list[float]:
-        """Rank 0's ``values`` on every rank (the others pass None)."""
-        size = torch.tensor([len(values) if values is not None else 0], dtype=torch.int64)
-        self._collective("broadcast", dist.broadcast, size, src=0, group=self.control)
-        out = torch.tensor(list(values), dtype=torch.float64) if values is not None else \
-            torch.empty(int(size), dtype=torch.float64)
-        if int(size):
-            self._collective("broadcast", dist.broadcast, out, src=0, group=self.control)
-        return out.tolist()
-
-    def gather_updates(self, items: Sequence[FoldItem], shapes: ShapesAndDtypes) -> list[FoldItem]:
+    def gather_updates(self, items: Sequence[FoldItem], shapes: ShapesAndDtypes,
+                       counts: dict[int, int]) -> list[FoldItem]:
         """Rank 0: every other rank's ``items`` (whole updates of the model ``shapes`` describes, their weights and
-        client ids), in rank order; the other ranks send theirs and get []. Memory at rank 0: the updates sent."""
-        counts = {r: int(c[0]) for r, c in self.gather_floats([len(items)]).items()}
+        client ids; ``counts``: how many each rank sends), in rank order; the other ranks send theirs and get [].
+        Memory at rank 0: the updates sent."""
         if self.rank:
             for item in items:
                 for a in shapes.check(item.update, "a handed-on update"):
@@ -298,20 +302,22 @@ class RankGroup:
                 out.append(FoldItem(update, float(weight[0]), client_id))
         return out
 
-    def combine(self, strategy: Strategy, shapes: ShapesAndDtypes) -> None:
-        """Every rank at a round's close (the same calls everywhere): add up the partial sums, give rank 0 the other
-        ranks' counts and the updates they hand on (``shapes``: the model's), and have rank 0's strategy take them."""
+    def combine(self, strategy: Strategy, shapes: ShapesAndDtypes, stats: Sequence[float]) -> dict[int, list[float]]:
+        """Every rank at a round's close (the same calls everywhere): every rank's ``stats`` (the same length
+        everywhere) gathered with its strategy's counts and how many updates it hands on, in one all-gather; the
+        partial sums added up; rank 0's strategy given the other ranks' counts and the updates they hand on
+        (``shapes``: the model's). Returns each rank's ``stats``."""
+        counts, items = strategy.partial_counts(), strategy.handoff() if self.rank else []
+        rows = self.gather_floats([*stats, *counts, float(len(items))])
         partial = strategy.partial_sum()
         if partial is not None:
             self.sum_partials(partial)
-        counts = strategy.partial_counts()
-        if counts:
-            others = [v for r, v in self.gather_floats(counts).items() if r]
-            if self.rank == 0:
-                strategy.merge_counts(others)
-        handed = self.gather_updates(strategy.handoff() if self.rank else [], shapes)
+        if counts and self.rank == 0:
+            strategy.merge_counts([v[len(stats):len(stats) + len(counts)] for r, v in rows.items() if r])
+        handed = self.gather_updates(items, shapes, {r: int(v[-1]) for r, v in rows.items()})
         if self.rank == 0:
             strategy.take_handoff(handed)
+        return {r: v[:len(stats)] for r, v in rows.items()}
 
     def sum_partials(self, acc: WeightedSum) -> None:
         """Add up every rank's partial weighted sum in place (each rank then holds the round's total)."""

@@ -170,7 +170,7 @@ class IngestRank(IngestPlane):
             slots[agent.agent_id] = AgentSlot(agent.agent_id, agent.task_id, rank=self.rank)
             if agent.ticket:
                 self.tickets.admit(agent.ticket, agent.agent_id, round_id, agent.task_id, speaker(record))
-        self.strategy.set_round_values(await self._collective(self.group.broadcast_floats, None))
+        self.strategy.set_round_values(list(opened.round_values))
         await self._in_thread(self.strategy.begin_round, round_id, self.weights)
         self._counted = 0
         self._reports = {}
@@ -205,8 +205,7 @@ class IngestRank(IngestPlane):
 
         def work():
             self.group.all_present("the round's close")
-            self.group.gather_floats(stats)
-            self.group.combine(self.strategy, self.shapes)
+            self.group.combine(self.strategy, self.shapes, stats)
         await self._collective(work)
 
     def download_completed(self, agent_id: str, round_id: int, task_id: str) -> None:

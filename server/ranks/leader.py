@@ -260,11 +260,11 @@ without a rank that is lost."""
                                            token=record.token, num_examples=record.num_examples,
                                            cert_serial=serial_bytes(record.cert_serial),
                                            ticket=slot.data_ticket or b"", host=record.host or ""))
-        opened = pb.RankOpen(round=state.round_id, deadline_seconds=state.deadline_seconds, agents=agents)
 
         def work():
-            self.group.send(pb.RankBroadcast(open=opened))
-            self.group.broadcast_floats(self.strategy.round_values())
+            self.group.send(pb.RankBroadcast(open=pb.RankOpen(
+                round=state.round_id, deadline_seconds=state.deadline_seconds, agents=agents,
+                round_values=self.strategy.round_values())))
             self.group.all_present("the round's opening")  # every rank holds the round before any task leaves
         return work
 
@@ -281,9 +281,8 @@ without a rank that is lost."""
                 self.group.send(pb.RankBroadcast(close=pb.RankClose(round=state.round_id, expected=expected)))
                 self.group.all_present("the round's close")
                 adding.append(True)
-                stats = self.group.gather_floats(ingest_stats(state, 0) + [float(strategy.folded)])
                 started = time.perf_counter()
-                self.group.combine(strategy, self.shapes)
+                stats = self.group.combine(strategy, self.shapes, ingest_stats(state, 0) + [float(strategy.folded)])
                 return stats, time.perf_counter() - started
             try:
                 stats, reduce_seconds = await self._collective(work, state=state)

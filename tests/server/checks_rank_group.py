@@ -33,3 +33,34 @@ def check_broadcast_arrays_in_buckets() -> dict:
             refused = str(exc)
     return {"same": float(same), "refused": float(refused == "broadcast_arrays fills C-contiguous arrays in place")
             if dist.get_rank() == 1 else 1.0}
+
+
+def check_control_messages_of_any_size() -> dict:
+    """Rank 0's control messages reach rank 1 whole: a short one in one broadcast with its length, one longer than
+    MESSAGE_HEAD_BYTES in two, and one at exactly that length; in order."""
+    from fedpar.protocol import fedpar_pb2 as pb
+
+    group = rank_group.RankGroup(30.0, "fedpar/ranks/check-messages")
+    def agent(agent_id: str) -> pb.RankAgent:
+        return pb.RankAgent(rank=1, agent_id=agent_id, task_id="t", token="x" * 40, num_examples=3, cert_serial=b"",
+                            ticket=b"", host="")
+
+    many = [agent(f"client-{k:05d}") for k in range(300)]  # about 21 KB: a long RankOpen
+    sent = [pb.RankBroadcast(stop=pb.RankStop()),
+            pb.RankBroadcast(open=pb.RankOpen(round=7, deadline_seconds=2.5, agents=many, round_values=[0.5, 1.5])),
+            pb.RankBroadcast(model=pb.RankModel(round=7, changed=True))]
+    exact = pb.RankBroadcast(open=pb.RankOpen(round=1, deadline_seconds=1.0, agents=[agent("")]))
+    while len(exact.SerializeToString()) < rank_group.MESSAGE_HEAD_BYTES:  # grow it to the head's length exactly
+        exact.open.agents[0].agent_id += "a" * max(1, (rank_group.MESSAGE_HEAD_BYTES - len(exact.SerializeToString()))
+                                                   // 2)
+    sent.append(exact)
+    same = True
+    for message in sent:
+        if dist.get_rank() == 0:
+            group.send(message)
+        else:
+            same = same and group.receive() == message
+    long_enough = len(sent[1].SerializeToString()) > rank_group.MESSAGE_HEAD_BYTES
+    exactly = len(exact.SerializeToString()) == rank_group.MESSAGE_HEAD_BYTES
+    return {"same": float(same), "long": float(long_enough and exactly),
+            "sizes": [float(len(m.SerializeToString())) for m in sent]}

@@ -14,3 +14,9 @@ def test_a_models_tensors_reach_every_rank_bit_for_bit_in_buckets(tmp_path):
     results = run_checks(2, CHECKS, ["check_broadcast_arrays_in_buckets"], tmp_path)
     assert [r["check_broadcast_arrays_in_buckets"]["same"] for r in results] == [1.0, 1.0], results
     assert results[1]["check_broadcast_arrays_in_buckets"]["refused"] == 1.0, results
+
+
+def test_control_messages_of_any_length_reach_every_rank_whole(tmp_path):
+    results = run_checks(2, CHECKS, ["check_control_messages_of_any_size"], tmp_path)
+    assert [r["check_control_messages_of_any_size"]["same"] for r in results] == [1.0, 1.0], results
+    assert results[0]["check_control_messages_of_any_size"]["long"] == 1.0, results
