@@ -354,13 +354,17 @@ class StreamingStrategy(Strategy):
         return self._acc
 
     def partial_counts(self) -> list[float]:
-        """Under a share cap: the total, largest weight and count of the updates folded at once."""
-        return list(self._cap.rest) if self._cap is not None else []
+        """The updates counted in pre-summed blocks beyond one each (the all-reduced running sum counts a block
+        once), and under a share cap the total, largest weight and count of the updates folded at once."""
+        return [float(self._in_blocks), *(self._cap.rest if self._cap is not None else ())]
 
     def merge_counts(self, others: Sequence[Sequence[float]]) -> None:
-        """Under a share cap: the other ranks' updates folded at once join the cap's count."""
-        if self._cap is not None:
-            for total, largest, count in others:
+        """The other ranks' updates in pre-summed blocks count here too; under a share cap, their updates folded at
+        once join the cap's count."""
+        for in_blocks, *rest in others:
+            self._in_blocks += int(in_blocks)
+            if self._cap is not None:
+                total, largest, count = rest
                 self._cap.merge_rest(total, largest, int(count))
 
     def handoff(self) -> list[FoldItem]:

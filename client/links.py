@@ -300,7 +300,7 @@ class AgentLink:
         """Done with ``task``: said on the next pull, so it is not handed out again."""
         self._finished_task_id = task.task_id
 
-    def small_sender(self, topk: bool) -> SendSmall:
+    def small_sender(self, topk: bool, stub: CoordinatorStub) -> SendSmall:
         """How a small update goes: one UploadSmall call."""
         return upload_small
 
@@ -321,8 +321,8 @@ class AgentLink:
 
 class HostLink:
     """The runtime speaks for ``members`` under ``config.agent_id`` (the host's id): JoinPopulation,
-    HostTaskStream, small updates batched on one HostUploadStream. ``forget_queued()``: drop the tasks no seat started
-    (their sessions are gone)."""
+    HostTaskStream, small updates batched on one HostUploadStream to each aggregator rank they go to.
+    ``forget_queued()``: drop the tasks no seat started (their sessions are gone)."""
 
     def __init__(self, conn: Connection, config: AgentConfig, members: Population, forget_queued: Callable[[], None]):
         self.conn, self.config, self.members = conn, config, members
@@ -335,7 +335,9 @@ class HostLink:
         self._forget_queued = forget_queued
         self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
         self._in_flight_lock = threading.Lock()
-        self.uploads: HostUploads | None = None
+        self.uploads: dict[CoordinatorStub, HostUploads] = {}  # the members' small updates, by the rank they go to
+        self._uploads_lock = threading.Lock()  # seats add a rank's the first time they upload there
+        self._closed = False
         self._tasks = KeptStream(self.conn.stub.HostTaskStream, "task stream")  # the long-polls, opened at the first
         self.local_epochs = 1  # the latest task's: with a member's examples, the bound on its update's weight
 
@@ -356,9 +358,6 @@ class HostLink:
         self._held.clear()
         self._estimates = []
         self._forget_queued()
-        if self.uploads is None:  # the members' small updates, batched (a few ms' wait for seats still training)
-            self.uploads = HostUploads(self.conn.stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
-                                       more_coming=lambda: self._in_flight > 0, registered=self._registered)
 
     def tasks_in_flight(self, change: int) -> None:
         """``change`` members' tasks queued for the seats (> 0), or done with or forgotten (< 0; each one's update, if
@@ -366,8 +365,9 @@ class HostLink:
         with self._in_flight_lock:
             self._in_flight += change
             done = self._in_flight == 0
-        if done and change < 0 and self.uploads is not None:  # a lingering batch goes now
-            self.uploads.nudge()
+        if done and change < 0:  # a lingering batch goes now
+            for uploads in list(self.uploads.values()):
+                uploads.nudge()
 
     def pull(self) -> Pulled:
         """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the
@@ -412,10 +412,24 @@ class HostLink:
     def finished(self, task: pb.TrainTask) -> None:
         """Nothing to tell: the coordinator counts a member's task done when its update arrives."""
 
-    def small_sender(self, topk: bool) -> SendSmall:
-        """How a small update goes: in the host's next batch; waiting for its own result when top-k's error
-        feedback must know whether it counted, else in the background while the seat trains its next member."""
-        return self.uploads.send if topk else self.uploads.send_later
+    def small_sender(self, topk: bool, stub: CoordinatorStub) -> SendSmall:
+        """How a small update goes: in the host's next batch to ``stub`` (the coordinator, or the aggregator rank the
+        task names); waiting for its own result when top-k's error feedback must know whether it counted, else in the
+        background while the seat trains its next member."""
+        uploads = self._uploads_to(stub)
+        return uploads.send if topk else uploads.send_later
+
+    def _uploads_to(self, stub: CoordinatorStub) -> HostUploads:
+        """The batches to ``stub`` (a few ms' wait for seats still training), started at its first update."""
+        with self._uploads_lock:
+            uploads = self.uploads.get(stub)
+            if uploads is None:
+                uploads = self.uploads[stub] = HostUploads(stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
+                                                           more_coming=lambda: self._in_flight > 0,
+                                                           registered=self._registered)
+                if self._closed:  # a seat that outlived the run: its update is refused, as closed batches refuse
+                    uploads.close()
+            return uploads
 
     def while_training(self) -> contextlib.AbstractContextManager:
         """No heartbeats: the host's pulls say its members are alive."""
@@ -424,13 +438,15 @@ class HostLink:
     def close(self) -> None:
         """End the task stream, send the batches queued, then stop."""
         self._tasks.close()
-        uploads, self.uploads = self.uploads, None
-        if uploads is None:
-            return
-        uploads.close()
-        if uploads.refused_in_background:
+        with self._uploads_lock:
+            self._closed = True
+            batches = list(self.uploads.values())
+        for uploads in batches:
+            uploads.close()
+        refused = sum(uploads.refused_in_background for uploads in batches)
+        if refused:
             log.warning("%s: %d updates sent in the background were refused (--log-level info says why)",
-                        self.host.agent_id, uploads.refused_in_background)
+                        self.host.agent_id, refused)
 
 
 class _Heartbeat:

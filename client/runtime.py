@@ -33,7 +33,7 @@ from fedpar.client.round_modes import CompressedUpload, PlainUpload, Send
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.trainer_protocol import UpdateRefused
-from fedpar.client.transfer import UpdateSender, download_weights, ingest_address, task_weights, upload_small
+from fedpar.client.transfer import UpdateSender, download_weights, ingest_address, task_weights
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.dataplane import TICKET_BYTES
@@ -381,10 +381,11 @@ class ClientRuntime:
         task arrived (client/secure_members.py)."""
         note = self._refusals_of(auth.agent_id)
         # Top-k's error feedback must know whether the update counted; other small updates of a population may
-        # travel while its seat trains the next member. An aggregator rank's port takes no host batches.
-        send_small = self.link.small_sender(settings.compression == "topk") if not task.ingest_port else upload_small
-        sender = UpdateSender(auth, task, self.conn.ingest_stub(task), send_small, deadline_at, self._chunk_bytes(),
-                              self.link.max_chunk, self.link.small_below, self._rng, note)
+        # travel while its seat trains the next member.
+        stub = self.conn.ingest_stub(task)
+        sender = UpdateSender(auth, task, stub, self.link.small_sender(settings.compression == "topk", stub),
+                              deadline_at, self._chunk_bytes(), self.link.max_chunk, self.link.small_below, self._rng,
+                              note)
         send = sender.send if data_plane is None else \
             functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":

@@ -516,16 +516,28 @@ class RankStart(_message.Message):
     def __init__(self, round: _Optional[int] = ..., control: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class RankOpen(_message.Message):
-    __slots__ = ("round", "deadline_seconds", "agents", "round_values")
+    __slots__ = ("round", "deadline_seconds", "agents", "round_values", "hosts")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_VALUES_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     deadline_seconds: float
     agents: _containers.RepeatedCompositeFieldContainer[RankAgent]
     round_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, round: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[RankAgent, _Mapping]]] = ..., round_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    hosts: _containers.RepeatedCompositeFieldContainer[RankHost]
+    def __init__(self, round: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[RankAgent, _Mapping]]] = ..., round_values: _Optional[_Iterable[float]] = ..., hosts: _Optional[_Iterable[_Union[RankHost, _Mapping]]] = ...) -> None: ...
+
+class RankHost(_message.Message):
+    __slots__ = ("host_id", "token", "cert_serial")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CERT_SERIAL_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    token: str
+    cert_serial: bytes
+    def __init__(self, host_id: _Optional[str] = ..., token: _Optional[str] = ..., cert_serial: _Optional[bytes] = ...) -> None: ...
 
 class RankAgent(_message.Message):
     __slots__ = ("rank", "agent_id", "task_id", "token", "num_examples", "cert_serial", "ticket", "host")
@@ -593,6 +605,14 @@ class RankUpload(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     upload_bytes: int
     def __init__(self, round: _Optional[int] = ..., agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., upload_bytes: _Optional[int] = ...) -> None: ...
+
+class RankUploads(_message.Message):
+    __slots__ = ("uploads", "count")
+    UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    uploads: _containers.RepeatedCompositeFieldContainer[RankUpload]
+    count: int
+    def __init__(self, uploads: _Optional[_Iterable[_Union[RankUpload, _Mapping]]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RankRejection(_message.Message):
     __slots__ = ("round", "agent_id", "task_id", "counted", "reason")

@@ -609,7 +609,7 @@ class RankControlStub(object):
         """
         self.Count = channel.unary_unary(
                 '/fedpar.v1.RankControl/Count',
-                request_serializer=fedpar__pb2.RankUpload.SerializeToString,
+                request_serializer=fedpar__pb2.RankUploads.SerializeToString,
                 response_deserializer=fedpar__pb2.RankAck.FromString,
                 _registered_method=True)
         self.Reject = channel.unary_unary(
@@ -636,7 +636,8 @@ class RankControlServicer(object):
     """
 
     def Count(self, request, context):
-        """A complete, checked upload: count it, or refuse it.
+        """Complete, checked uploads (one agent's, or the members of a host's pre-summed partial): count them all, or
+        refuse them all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -668,7 +669,7 @@ def add_RankControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Count': grpc.unary_unary_rpc_method_handler(
                     servicer.Count,
-                    request_deserializer=fedpar__pb2.RankUpload.FromString,
+                    request_deserializer=fedpar__pb2.RankUploads.FromString,
                     response_serializer=fedpar__pb2.RankAck.SerializeToString,
             ),
             'Reject': grpc.unary_unary_rpc_method_handler(
@@ -715,7 +716,7 @@ class RankControl(object):
             request,
             target,
             '/fedpar.v1.RankControl/Count',
-            fedpar__pb2.RankUpload.SerializeToString,
+            fedpar__pb2.RankUploads.SerializeToString,
             fedpar__pb2.RankAck.FromString,
             options,
             channel_credentials,

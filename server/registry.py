@@ -256,6 +256,18 @@ class AgentRegistry:
         self._newcomers([record])
         return record
 
+    def admit_host_session(self, host_id: str, token: str, cert_serial: int | None) -> HostRecord:
+        """Take a simulation host's session that another registry issued (an aggregator rank takes rank 0's for the
+        hosts of the members dealt to it), as :meth:`admit_session` takes an agent's; its members come as sessions."""
+        host = self._hosts.get(host_id)
+        if host is None or host.token != token or host.cert_serial != cert_serial:
+            index = self._host_index.setdefault(host_id, len(self._host_ids))
+            if index == len(self._host_ids):
+                self._host_ids.append(host_id)
+            host = self._hosts[host_id] = HostRecord(host_id, token, index=index, cert_serial=cert_serial)
+        host.last_seen = self._clock()
+        return host
+
     def leave(self, agent_id: str) -> None:
         """Mark an agent (or a member) as gone; it is not sampled until it joins again (an agent leaves the registry
         at the next :meth:`expire`)."""

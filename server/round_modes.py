@@ -236,8 +236,9 @@ class CompressedRound(PlainRound):
 async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.UploadReply:
     """A population host's pre-summed update, checked as a whole and folded as one block, where this run's round
     can take it: a plain round of a linear strategy with no share cap (the cap may clip any one update's weight,
-    which needs the update itself), whose uploads no other rank counts first. Else UNIMPLEMENTED: the host sends
-    its members' updates one by one."""
+    which needs the update itself). Else UNIMPLEMENTED: the host sends its members' updates one by one. On an
+    aggregator rank other than 0, rank 0 counts the partial's members first (all or none: a refusal there leaves
+    them to send their updates one by one)."""
     if plane.current is not None:
         await plane.current.ready_to_count()
     mode, strategy, state = plane.mode, plane.strategy, plane.current
@@ -246,13 +247,25 @@ async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.
                                                            "open; the update was not applied")
     reason = ("this round's updates are compressed or masked" if type(mode) is not PlainRound
               else f"strategy {strategy.name!r} needs each update (it is not linear)" if not strategy.linear
-              else "--max-agent-share may cap any one update's weight" if strategy.max_share is not None
-              else "rank 0 counts this rank's updates one by one" if state.on_count is not None else "")
+              else "--max-agent-share may cap any one update's weight" if strategy.max_share is not None else "")
     if reason:
         raise Refusal(grpc.StatusCode.UNIMPLEMENTED, f"pre-summed updates are not taken here: {reason}; send each "
                                                      "member's update")
     checked = check_partial(plane, host_id, partial)
-    await mode.accept_partial(checked)  # no await between the checks and the count: the round is still open
+    if state.on_count is not None:  # another aggregator rank: rank 0 counts the members first, all or none
+        try:
+            await state.on_count(state, checked.slots, checked.reports)
+        except Refusal:
+            for slot in checked.slots:
+                slot.status = "pending" if slot.status == "uploading" else slot.status
+            raise
+    try:
+        await mode.accept_partial(checked)  # no await between the checks (or rank 0's count) and the count here
+    except Refusal as refused:
+        if state.on_count is not None:  # rank 0 counted them: rejected here, they are taken back there
+            for slot in checked.slots:
+                state.reject(slot, refused.message)
+        raise
     return pb.UploadReply(accepted=True, message=f"{len(checked.slots)} updates accepted for round {state.round_id}")
 
 

@@ -77,8 +77,10 @@ class RoundState:
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
-    # asked before an update is counted; a Refusal leaves it uncounted (aggregator ranks: rank 0 counts it first)
-    on_count: Callable[[UploadTicket], Awaitable[None]] | None = None
+    # asked before updates are counted: (state, their slots, their (examples, metrics) reports); a Refusal leaves
+    # them all uncounted (aggregator ranks: rank 0 counts them first, all or none)
+    on_count: Callable[[RoundState, list[AgentSlot], list[tuple[int, dict[str, float]]]], Awaitable[None]] | None \
+        = None
     answering: int | None = None  # sampled agents that may still answer (virtual clock: the chosen); None: all
     # done before this round counts an update: the previous round's checkpoint and metrics line, written while this
     # round's tasks go out and its members train (server/coordinator.py); None: nothing to wait for
@@ -136,11 +138,13 @@ class RoundState:
         if reason:
             self.close(reason)
 
-    def refuse_if_closed(self, slot: AgentSlot) -> None:
-        """A Refusal for ``slot``'s complete update if the round has closed since it began (counted as late)."""
+    def refuse_if_closed(self, *slots: AgentSlot) -> None:
+        """A Refusal for the complete updates of ``slots`` if the round has closed since they began (each counted
+        as late)."""
         if self.closed:
-            slot.status = "late"
-            self.late_refused += 1
+            for slot in slots:
+                slot.status = "late"
+            self.late_refused += len(slots)
             self.check_open()
 
     async def ready_to_count(self) -> None:

@@ -425,7 +425,7 @@ class Upload:
         arrays = await mode.decoded(self.intake.coord.weights, arrays)  # refused here if the content is invalid
         state.refuse_if_closed(ticket.slot)
         if state.on_count is not None:
-            await state.on_count(ticket)
+            await state.on_count(state, [ticket.slot], [(ticket.num_examples, ticket.metrics)])
         await mode.accept(state, ticket, arrays)
         return pb.UploadReply(accepted=True, message=f"update accepted for round {self.round_id}")
 

@@ -40,19 +40,32 @@ class RankCalls:
                           f"agent {slot.agent_id!r} was dealt to aggregator rank {slot.rank}, not {rank}")
         return state, slot
 
-    def count(self, rank: int, upload: pb.RankUpload) -> None:
-        """A complete, checked upload at ``rank``: count it (first K, deadline, duplicates) or refuse it."""
-        state, slot = self._slot(rank, upload.round, upload.agent_id, upload.task_id)
-        if slot.status in ("accepted", "rejected", "late"):
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
-                          f"agent {slot.agent_id!r} already sent an update in round {state.round_id} "
-                          f"({slot.status}); duplicates are refused")
-        state.refuse_if_closed(slot)
-        slot.upload_bytes = upload.upload_bytes
+    def count(self, rank: int, uploads: pb.RankUploads) -> None:
+        """Complete, checked uploads at ``rank`` (one agent's, or the members of a host's pre-summed partial): count
+        them all (first K, deadline, duplicates) or refuse them all, counting none."""
+        if uploads.count != len(uploads.uploads) or not uploads.uploads:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"a Count of {len(uploads.uploads)} uploads said it "
+                                                            f"holds {uploads.count}; none was applied")
+        if len({u.agent_id for u in uploads.uploads}) != len(uploads.uploads):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a Count names an agent twice; none was applied")
+        slots = [self._slot(rank, u.round, u.agent_id, u.task_id) for u in uploads.uploads]
+        state = slots[0][0]
+        for _, slot in slots:
+            if slot.status in ("accepted", "rejected", "late"):
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS,
+                              f"agent {slot.agent_id!r} already sent an update in round {state.round_id} "
+                              f"({slot.status}); duplicates are refused")
+        state.refuse_if_closed(*(slot for _, slot in slots))
+        if state.accepted + len(slots) > state.target:  # first K counts updates one by one: those past K are late
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"round {state.round_id} closes after {state.target - state.accepted} more updates, fewer "
+                          f"than the {len(slots)} to count; send them one by one")
         if self._counted_round != state.round_id:
             self._counted, self._counted_round = {}, state.round_id
-        self._counted[slot.agent_id] = report(upload)
-        state.count_accepted(slot, report(upload))
+        for upload, (_, slot) in zip(uploads.uploads, slots):
+            slot.upload_bytes = upload.upload_bytes
+            self._counted[slot.agent_id] = report(upload)
+            state.count_accepted(slot, report(upload))
         state.close_if_done()
 
     def reject(self, rank: int, rejection: pb.RankRejection) -> None:

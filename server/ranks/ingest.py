@@ -32,7 +32,7 @@ from fedpar.server.ranks.messages import RankMessageError, serial_number
 from fedpar.server.ranks.plane import IngestPlane
 from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket, ingest_stats
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, ingest_stats
 
 log = logging.getLogger("fedpar.server")
 LEAVE_AFTER_RANK0_SECONDS = 2.0
@@ -162,6 +162,8 @@ class IngestRank(IngestPlane):
         self.tickets.expire_rounds_before(round_id)
         # sessions of agents dealt here in earlier rounds: kept while a late upload may still come, then forgotten
         self.registry.expire(self.config.deadline_seconds + self.config.liveness_timeout_seconds)
+        for host in opened.hosts:  # their members' updates come here in batches and partials
+            self.registry.admit_host_session(host.host_id, host.token, serial_number(host.cert_serial))
         for agent in opened.agents:
             if agent.rank != self.rank:
                 continue
@@ -220,16 +222,16 @@ class IngestRank(IngestPlane):
         except Refusal as r:
             log.info("rank %d: rank 0 did not take %s: %s", self.rank, name, r.message)
 
-    async def _count(self, ticket: UploadTicket) -> None:
-        """Have rank 0 count a complete, checked update before it is counted and folded here (a Refusal if rank 0
-        refuses it)."""
-        slot = ticket.slot
-        upload = pb.RankUpload(round=ticket.state.round_id, agent_id=slot.agent_id, task_id=slot.task_id,
-                               num_examples=ticket.num_examples, metrics=ticket.metrics,
-                               upload_bytes=slot.upload_bytes)
-        self._reports[slot.agent_id] = upload
-        await self.control.call("Count", upload)
-        self._counted += 1
+    async def _count(self, state: RoundState, slots: list[AgentSlot], reports: list[tuple[int, dict[str, float]]]
+                     ) -> None:
+        """Have rank 0 count complete, checked updates (one agent's, or the members of a host's partial) before they
+        are counted and folded here: all of them, or a Refusal if rank 0 refuses them (then none is)."""
+        uploads = [pb.RankUpload(round=state.round_id, agent_id=slot.agent_id, task_id=slot.task_id,
+                                 num_examples=examples, metrics=metrics, upload_bytes=slot.upload_bytes)
+                   for slot, (examples, metrics) in zip(slots, reports)]
+        await self.control.call("Count", pb.RankUploads(uploads=uploads, count=len(uploads)))
+        self._reports.update((u.agent_id, u) for u in uploads)
+        self._counted += len(uploads)
         self._counted_more.set()
 
     # Agents join and pull their tasks at rank 0.

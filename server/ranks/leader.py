@@ -252,19 +252,24 @@ without a rank that is lost."""
 
     def _open_work(self, state: RoundState, registry):
         """The collectives that open ``state``'s round on every rank."""
-        agents = []
-        for slot in state.slots.values():
-            record = registry.get(slot.agent_id)
-            if slot.rank and record is not None:
-                agents.append(pb.RankAgent(rank=slot.rank, agent_id=slot.agent_id, task_id=slot.task_id,
-                                           token=record.token, num_examples=record.num_examples,
-                                           cert_serial=serial_bytes(record.cert_serial),
-                                           ticket=slot.data_ticket or b"", host=record.host or ""))
+        agents, hosts = [], {}
+        dealt = [slot for slot in state.slots.values() if slot.rank]
+        for slot, record in zip(dealt, registry.get_many([slot.agent_id for slot in dealt])):
+            if record is None:
+                continue
+            agents.append(pb.RankAgent(rank=slot.rank, agent_id=slot.agent_id, task_id=slot.task_id,
+                                       token=record.token, num_examples=record.num_examples,
+                                       cert_serial=serial_bytes(record.cert_serial),
+                                       ticket=slot.data_ticket or b"", host=record.host or ""))
+            host = registry.host(record.host) if record.host and record.host not in hosts else None
+            if host is not None:
+                hosts[host.host_id] = pb.RankHost(host_id=host.host_id, token=host.token,
+                                                  cert_serial=serial_bytes(host.cert_serial))
 
         def work():
             self.group.send(pb.RankBroadcast(open=pb.RankOpen(
                 round=state.round_id, deadline_seconds=state.deadline_seconds, agents=agents,
-                round_values=self.strategy.round_values())))
+                round_values=self.strategy.round_values(), hosts=list(hosts.values()))))
             self.group.all_present("the round's opening")  # every rank holds the round before any task leaves
         return work
 

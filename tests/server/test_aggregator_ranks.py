@@ -29,9 +29,13 @@ from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.tasks.reference import load_task
+from fedpar.client.host_partial import HostSum
+from fedpar.client.transfer import download_weights
+from fedpar.protocol import fedpar_pb2 as pb
 from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
 from support.own_task import EXAMPLE, write_table
+from support.population_calls import join_members, member_auth, pull_tasks, refused, upload_batch
 from support.processes import children
 from support.scripted_agent import ScriptedAgent
 
@@ -498,6 +502,57 @@ def test_a_runtimes_members_follow_their_tasks_to_both_ranks(tmp_path):
     stats = json.loads(members.stdout.strip().splitlines()[-1])
     assert stats["finished"] == 4 and stats["refused"] == 0, stats
     assert all((r["status"], r["r0_uploads"], r["r1_uploads"]) == ("ok", 2, 2) for r in _rows(tmp_path))
+
+
+def test_a_hosts_partial_at_rank_1_is_counted_at_rank_0_and_the_round_is_the_one_rank_mean(tmp_path):
+    layout = _layout()
+    proc = _serve(tmp_path, 2, "--rounds", "1", "--clients-per-round", "4", "--accept-populations",
+                  "--fold-dtype", "float64")
+    try:
+        port = _port(tmp_path, proc)
+        stub = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options(64 << 20)))
+        host = join_members(stub, "host-a", IDS, examples=100)
+        auth = pb.AgentAuth(agent_id="host-a", token=host.host_token)
+        tasks: dict[str, pb.TrainTask] = {}
+        end = time.monotonic() + 60
+        while len(tasks) < 4 and time.monotonic() < end:
+            tasks.update({t.agent_id: t.task for t in pull_tasks(stub, pb.PullHostTasksRequest(
+                host=auth, wait_seconds=0.5), timeout=10).tasks})
+        assert len(tasks) == 4, tasks.keys()
+        rank1 = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{tasks['a1'].ingest_port}",
+                                                      options=channel_options(64 << 20)))
+        assert sorted(m for m, t in tasks.items() if t.ingest_port) == ["a1", "a3"]
+        start = download_weights(rank1, member_auth(host, "a1"), tasks["a1"], layout, host.max_chunk_bytes)
+        news = {m: _update(m, 1, start) for m in IDS}
+        weights = {"a0": 50, "a1": 100, "a2": 80, "a3": 20}
+
+        def partial(members, **fields) -> pb.HostUploads:
+            summed = HostSum(layout, 1, ["train_loss"])
+            for m in members:
+                summed.add(m, tasks[m].task_id, news[m], weights[m], 4, {"train_loss": 0.5}, (100, 1))
+            return pb.HostUploads(host=pb.AgentAuth(agent_id="host-a", token=fields.get("token", host.host_token)),
+                                  partial=summed.message())
+
+        refused(lambda: upload_batch(rank1, partial(["a1", "a3"], token="guess")), grpc.StatusCode.UNAUTHENTICATED,
+                "bad session token")
+        misdirected = upload_batch(rank1, partial(["a0", "a1"])).partial  # a0 was dealt to rank 0: no session here
+        assert not misdirected.accepted and "'a0' is not a member of host" in misdirected.message, misdirected
+        taken = upload_batch(rank1, partial(["a1", "a3"])).partial
+        assert taken.accepted and "2 updates accepted" in taken.message, taken
+        again = upload_batch(rank1, partial(["a1", "a3"])).partial  # rank 1's share is in: its round is closed
+        assert not again.accepted and "round 1 is closed" in again.message, again
+        assert upload_batch(stub, partial(["a0", "a2"])).partial.accepted
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [row] = _rows(tmp_path)
+    assert (row["status"], row["num_updates"], row["r0_uploads"], row["r1_uploads"], row["r1_fold_groups"]) == \
+        ("ok", 4.0, 2, 2, 1), row
+    total = sum(weights.values())
+    for i, got in enumerate(load_checkpoint(tmp_path / "ckpt").arrays):
+        want = sum(weights[m] * news[m][i].astype(np.float64) for m in IDS) / total
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 def test_rank_0_cannot_form_the_group_again_once_the_rendezvous_store_is_gone_and_says_so(tmp_path):

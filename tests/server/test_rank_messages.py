@@ -19,20 +19,22 @@ from fedpar.server.rounds import Refusal
 
 UPLOAD = pb.RankUpload(round=3, agent_id="agent-7", task_id="t-3-7", num_examples=120,
                        metrics={"loss": 0.25, "accuracy": 0.875}, upload_bytes=4096)
+COUNT = pb.RankUploads(uploads=[UPLOAD], count=1)
 AGENT = pb.RankAgent(rank=1, agent_id="agent-7", task_id="t-3-7", token="tok", num_examples=120,
                      cert_serial=serial_bytes(2 ** 159 + 11), ticket=b"\x01" * 16, host="host-0")
 BROADCASTS = {
     "start": pb.RankBroadcast(start=pb.RankStart(round=0, control="127.0.0.1:5000", secret="s3cret")),
     "open": pb.RankBroadcast(open=pb.RankOpen(round=3, deadline_seconds=30.0, agents=[
         AGENT, pb.RankAgent(rank=2, agent_id="agent-8", task_id="t-3-8", token="t8", num_examples=0,
-                            cert_serial=b"", ticket=b"", host="")])),
+                            cert_serial=b"", ticket=b"", host="")],
+        hosts=[pb.RankHost(host_id="host-0", token="host-tok", cert_serial=serial_bytes(2 ** 64))])),
     "close": pb.RankBroadcast(close=pb.RankClose(round=3, expected=[4, 2, 0])),
     "model": pb.RankBroadcast(model=pb.RankModel(round=3, changed=False)),
     "stop": pb.RankBroadcast(stop=pb.RankStop()),
     "tick": pb.RankBroadcast(tick=pb.RankTick()),
 }
 CALLS = {
-    "Count": UPLOAD,
+    "Count": COUNT,
     "Reject": pb.RankRejection(round=3, agent_id="agent-7", task_id="t-3-7", counted=UPLOAD, reason="NaN in fc.w"),
     "Downloaded": pb.RankDownload(round=3, agent_id="agent-7", task_id="t-3-7"),
     "Alive": pb.RankAlive(),
@@ -126,15 +128,15 @@ def test_a_field_this_version_does_not_know_is_refused_naming_its_number():
 
 
 class Recorded:
-    """Rank 0's answers for the test: it keeps what each call brought; a Count of agent "late" is refused."""
+    """Rank 0's answers for the test: it keeps what each call brought; a Count naming agent "late" is refused."""
 
     def __init__(self):
         self.calls: list[tuple[str, int, object]] = []
 
-    def count(self, rank, upload):
-        if upload.agent_id == "late":
+    def count(self, rank, uploads):
+        if any(upload.agent_id == "late" for upload in uploads.uploads):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "round 3 is closed")
-        self.calls.append(("count", rank, upload))
+        self.calls.append(("count", rank, uploads))
 
     def reject(self, rank, rejection):
         self.calls.append(("reject", rank, rejection))
@@ -165,8 +167,8 @@ def test_rank_0s_service_takes_typed_calls_and_refuses_malformed_ones_naming_the
             late.CopyFrom(UPLOAD)
             late.agent_id = "late"
             with pytest.raises(Refusal, match="round 3 is closed"):
-                await client.call("Count", late)
-            with pytest.raises(TypeError, match="RankControl.Count takes a RankUpload, not RankDownload"):
+                await client.call("Count", pb.RankUploads(uploads=[UPLOAD, late], count=2))
+            with pytest.raises(TypeError, match="RankControl.Count takes a RankUploads, not RankDownload"):
                 await client.call("Count", CALLS["Downloaded"])
 
             async with grpc.aio.insecure_channel(target) as channel:
@@ -175,17 +177,19 @@ def test_rank_0s_service_takes_typed_calls_and_refuses_malformed_ones_naming_the
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await rpc(data, metadata=((SECRET_HEADER, secret), (RANK_HEADER, rank)), timeout=10)
                     return err.value
-                cut = UPLOAD.SerializeToString()[:-2]
+                cut = COUNT.SerializeToString()[:-3]  # into the upload: its count (the last field) is gone too
                 err = await raw(cut)
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert err.details().startswith(f"aggregator rank 2 sent {len(cut)} bytes that are not a RankUpload")
-                err = await raw(b"\x12\x03abc")
+                assert err.details().startswith(f"aggregator rank 2 sent {len(cut)} bytes that are not a RankUploads")
+                err = await raw(COUNT.SerializeToString()[:-2])  # cut at the upload's end: no count
+                assert err.details() == "aggregator rank 2 sent a RankUploads without its count"
+                err = await raw(pb.RankUploads(uploads=[pb.RankUpload(agent_id="abc")], count=1).SerializeToString())
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert err.details() == "aggregator rank 2 sent a RankUpload without its round"
-                err = await raw(UPLOAD.SerializeToString(), rank="3")
+                assert err.details() == "aggregator rank 2 sent a RankUploads without its uploads[0].round"
+                err = await raw(COUNT.SerializeToString(), rank="3")
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert err.details() == "a RankControl call named '3' as its aggregator rank, not one of 1..2"
-                err = await raw(UPLOAD.SerializeToString(), secret="guess")
+                err = await raw(COUNT.SerializeToString(), secret="guess")
                 assert err.code() == grpc.StatusCode.PERMISSION_DENIED
             assert len(recorded.calls) == 4  # nothing malformed reached rank 0's round
         finally:
