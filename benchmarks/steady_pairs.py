@@ -9,8 +9,8 @@ For each cell it runs ``--pairs`` pairs, this checkout's `fedpar simulate` then 
 default ones otherwise), each its steady round: the median of the seconds from one metrics row to the next, rounds
 2..R, as ``population_bench.py --steady`` measures it; then the plain loop once. It prints each pair, the median of
 the pairs' ratios (this checkout over the baseline: below 1 is faster) and both medians over the plain loop's round,
-with the load average. The cells: issue 25's three (digits MLP, one local epoch: 10 of 10, 100 of 100, 10 of 100),
-and with ``--mnist-cnn`` the FedAvg paper's MNIST CNN round (10 of 100 clients, one local epoch, B10), whose central
+with the load average. The cells: issue 25's three (digits MLP, one local epoch: 10 of 10, 100 of 100, 10 of 100);
+with ``--cells "10 of 100 on 2 ranks"`` the 10-of-100 round on two aggregator ranks; and with ``--mnist-cnn`` the FedAvg paper's MNIST CNN round (10 of 100 clients, one local epoch, B10), whose central
 evaluation scores 10,000 test images. Results: benchmarks/results/steady_pairs.json (``--json``).
 """
 
@@ -31,7 +31,9 @@ from results import write_results  # noqa: E402
 DIGITS = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1"]
 CELLS = {"10 of 10": [*DIGITS, "--clients", "10", "--clients-per-round", "10"],
          "100 of 100": [*DIGITS, "--clients", "100", "--clients-per-round", "100"],
-         "10 of 100": [*DIGITS, "--clients", "100", "--clients-per-round", "10"]}
+         "10 of 100": [*DIGITS, "--clients", "100", "--clients-per-round", "10"],
+         "10 of 100 on 2 ranks": [*DIGITS, "--clients", "100", "--clients-per-round", "10", "--aggregator-ranks", "2"]}
+ISSUE_25 = ["10 of 10", "100 of 100", "10 of 100"]  # the cells run by default
 
 
 def mnist_cnn(mnist_dir: str) -> list[str]:
@@ -89,7 +91,7 @@ def main() -> int:
     p.add_argument("--label", help="what the baseline is, for the JSON (default: its checkout's folder)")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=31, help="rounds per run of the digits cells")
-    p.add_argument("--cells", default=",".join(CELLS), help=f"digits cells to run, of: {', '.join(CELLS)} "
+    p.add_argument("--cells", default=",".join(ISSUE_25), help=f"digits cells to run, of: {', '.join(CELLS)} "
                    "(none: '')")
     p.add_argument("--mnist-cnn", action="store_true", help="also the FedAvg paper's MNIST CNN round (6 rounds)")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))

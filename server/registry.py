@@ -410,8 +410,9 @@ class AgentRegistry:
         members = sum(self._hosts.pop(h).members for h in quiet)
         if quiet:
             self.members.forget_hosts([self._host_index[h] for h in quiet], self.max_known)
-        gone = [i for i, r in self._agents.items() if r.left
-                or (r.host is None and now - r.last_seen > idle) or (r.host is not None and r.host not in self._hosts)]
+        # a session taken from another registry (an aggregator rank's members) goes idle by itself, its host live or not
+        gone = [i for i, r in self._agents.items() if r.left or now - r.last_seen > idle
+                or (r.host is not None and r.host not in self._hosts)]
         for agent_id in gone:
             del self._agents[agent_id]
             self._plain.discard(agent_id)

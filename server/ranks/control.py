@@ -1,5 +1,5 @@
-"""The calls aggregator ranks make to rank 0 during a round: fedpar.proto's RankControl service ("count this
-upload", "this one was refused after all", "this agent has its weights", "I am alive"). Rank 0 alone decides which
+"""The calls aggregator ranks make to rank 0 during a round: fedpar.proto's RankControl service ("count these
+uploads", "this one was refused after all", "this agent has its weights", "I am alive"). Rank 0 alone decides which
 uploads count (first K, deadline, duplicates); its answers are server/ranks/calls.py.
 
 The service runs on rank 0, apart from the agents' port and bound where the process group's rendezvous is. Its

@@ -12,6 +12,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.limits import Limits
+from fedpar.server.registry import AgentRegistry
 from support.scripted_agent import ScriptedAgent
 
 CHURNED = 200
@@ -115,3 +116,20 @@ def test_per_agent_limits_forget_agents_that_are_done():
     for i in range(500):
         limits.count_bytes(f"b{i}", 100)
     assert len(limits._bytes) <= 500 and not any(agent.startswith("a") for agent in limits._bytes)
+
+
+def test_an_aggregator_ranks_taken_sessions_go_idle_by_themselves_while_their_host_stays():
+    now = [0.0]
+    registry = AgentRegistry(float("inf"), clock=lambda: now[0])
+    for round_id in range(1, 51):  # each round rank 0 deals this rank 10 other members of one live host
+        registry.expire(5.0)
+        registry.admit_host_session("host-0", "tok", None)
+        for i in range(10):
+            registry.admit_session(f"m{round_id}-{i}", f"t{i}", 10, None, "host-0")
+        now[0] += 1.0
+    assert len(registry) <= 60, len(registry)  # the last 5-6 rounds' members, not all 500
+    assert registry.authenticate_host("host-0", "tok").host_id == "host-0"
+    assert registry.authenticate("m50-3", "t3").host == "host-0"
+    now[0] += 10.0
+    registry.expire(5.0)
+    assert len(registry) == 0 and registry.host("host-0") is None
