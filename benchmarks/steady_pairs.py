@@ -48,6 +48,14 @@ def load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
+def floor_args(job: list[str]) -> list[str]:
+    """``job``'s flags for the plain loop: the same training, without the service's own (aggregator ranks)."""
+    if "--aggregator-ranks" not in job:
+        return job
+    at = job.index("--aggregator-ranks")
+    return job[:at] + job[at + 2:]
+
+
 def one_cell(name: str, args: list[str], rounds: int, pairs: int, baseline: str, tmp: Path) -> dict:
     """``pairs`` alternated runs of this checkout and ``baseline`` on ``args``, and the plain loop once."""
     job = [*args, "--rounds", str(rounds)]
@@ -58,7 +66,7 @@ def one_cell(name: str, args: list[str], rounds: int, pairs: int, baseline: str,
         runs.append({"this": this, "baseline": other, "ratio": this / other, "load": load()})
         print(f"{name:>11}  pair {n + 1}: {this * 1e3:8.1f} ms against {other * 1e3:8.1f} ms  "
               f"({this / other:.2f}, load {runs[-1]['load']:.1f})", flush=True)
-    plain = run_floor(job)["steady_round_seconds"]
+    plain = run_floor(floor_args(job))["steady_round_seconds"]
     this = statistics.median(r["this"] for r in runs)
     other = statistics.median(r["baseline"] for r in runs)
     return {"cell": name, "args": job, "pairs": runs, "plain_round_seconds": plain,

@@ -366,7 +366,9 @@ class HostLink:
             self._in_flight += change
             done = self._in_flight == 0
         if done and change < 0:  # a lingering batch goes now
-            for uploads in list(self.uploads.values()):
+            with self._uploads_lock:
+                batches = list(self.uploads.values())
+            for uploads in batches:
                 uploads.nudge()
 
     def pull(self) -> Pulled:
