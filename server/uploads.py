@@ -303,9 +303,11 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
     for member, (member_host, registered), task_id, examples, steps, row in zip(ids, hosts, tasks,
                                                                                  partial.num_examples, partial.steps,
                                                                                  rows):
-        if member_host != host_id:
+        if member_host != host_id:  # (another rank than 0 holds sessions of the members dealt to it only)
+            where = f"dealt to aggregator rank {plane.rank}" if member_host is None and plane.rank \
+                else f"a member of host {host_id!r}"
             raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{member[:64]!r} is not a member of host {host_id!r}; the partial was not applied")
+                          f"{member[:64]!r} is not {where}; the partial was not applied")
         slot = slot_to_fill(state, member, task_id, plane.rank)
         metrics = dict(zip(names, row.tolist()))
         try:

@@ -536,7 +536,7 @@ def test_a_hosts_partial_at_rank_1_is_counted_at_rank_0_and_the_round_is_the_one
         refused(lambda: upload_batch(rank1, partial(["a1", "a3"], token="guess")), grpc.StatusCode.UNAUTHENTICATED,
                 "bad session token")
         misdirected = upload_batch(rank1, partial(["a0", "a1"])).partial  # a0 was dealt to rank 0: no session here
-        assert not misdirected.accepted and "'a0' is not a member of host" in misdirected.message, misdirected
+        assert not misdirected.accepted and "'a0' is not dealt to aggregator rank 1" in misdirected.message, misdirected
         taken = upload_batch(rank1, partial(["a1", "a3"])).partial
         assert taken.accepted and "2 updates accepted" in taken.message, taken
         again = upload_batch(rank1, partial(["a1", "a3"])).partial  # rank 1's share is in: its round is closed
