@@ -255,9 +255,9 @@ async def take_host_partial(plane, host_id: str, partial: pb.HostPartial) -> pb.
     if state.on_count is not None:  # another aggregator rank: rank 0 counts the members first, all or none
         try:
             await state.on_count(state, checked.slots, checked.reports)
-        except Refusal:
+        except Refusal:  # the members may send their updates one by one
             for slot in checked.slots:
-                slot.status = "pending" if slot.status == "uploading" else slot.status
+                slot.status = "pending"
             raise
     try:
         await mode.accept_partial(checked)  # no await between the checks (or rank 0's count) and the count here

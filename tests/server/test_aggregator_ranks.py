@@ -25,7 +25,7 @@ import pytest
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.parallel.init import free_port
-from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options
+from fedpar.protocol.codec import CoordinatorStub, ModelLayout, channel_options, layout_to_pb
 from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.tasks.reference import load_task
@@ -553,6 +553,59 @@ def test_a_hosts_partial_at_rank_1_is_counted_at_rank_0_and_the_round_is_the_one
     for i, got in enumerate(load_checkpoint(tmp_path / "ckpt").arrays):
         want = sum(weights[m] * news[m][i].astype(np.float64) for m in IDS) / total
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_partial_at_rank_1_that_would_pass_k_is_refused_whole_and_its_members_go_one_by_one(tmp_path):
+    layout = _layout()
+    members = [f"a{i}" for i in range(6)]  # K = 4 of 6 sampled: 3 dealt to each rank
+    proc = _serve(tmp_path, 2, "--rounds", "1", "--clients-per-round", "4", "--overselect", "1.5",
+                  "--min-available", "6", "--accept-populations", "--fold-dtype", "float64")
+    try:
+        stub = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{_port(tmp_path, proc)}",
+                                                     options=channel_options(64 << 20)))
+        host = join_members(stub, "host-a", members, examples=100)
+        auth = pb.AgentAuth(agent_id="host-a", token=host.host_token)
+        tasks: dict[str, pb.TrainTask] = {}
+        end = time.monotonic() + 60
+        while len(tasks) < 6 and time.monotonic() < end:
+            tasks.update({t.agent_id: t.task for t in pull_tasks(stub, pb.PullHostTasksRequest(
+                host=auth, wait_seconds=0.5), timeout=10).tasks})
+        at_rank1 = sorted(m for m, t in tasks.items() if t.ingest_port)
+        at_rank0 = sorted(m for m in tasks if m not in at_rank1)
+        assert len(tasks) == 6 and len(at_rank1) == 3, tasks.keys()
+        rank1 = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{tasks[at_rank1[0]].ingest_port}",
+                                                      options=channel_options(64 << 20)))
+        start = download_weights(stub, member_auth(host, at_rank0[0]), tasks[at_rank0[0]], layout,
+                                 host.max_chunk_bytes)
+        news = {m: _update(m, 1, start) for m in members}
+
+        def partial(names) -> pb.HostUploads:
+            summed = HostSum(layout, 1, ["train_loss"])
+            for m in names:
+                summed.add(m, tasks[m].task_id, news[m], 100, 4, {"train_loss": 0.5}, (100, 1))
+            return pb.HostUploads(host=auth, partial=summed.message())
+
+        assert upload_batch(stub, partial(at_rank0)).partial.accepted  # 3 of K = 4
+        past_k = upload_batch(rank1, partial(at_rank1)).partial
+        assert not past_k.accepted and "closes after 1 more updates, fewer than the 3 to count; send them one by " \
+                                       "one" in past_k.message, past_k
+        one = at_rank1[1]
+        header = pb.UploadHeader(auth=member_auth(host, one), round=1, task_id=tasks[one].task_id, num_examples=100,
+                                 steps=4, tensors=layout_to_pb(layout), total_bytes=layout.total_bytes,
+                                 metrics={"train_loss": 0.5})
+        data = b"".join(np.ascontiguousarray(a).tobytes() for a in news[one])
+        [result] = upload_batch(rank1, pb.HostUploads(host=auth, uploads=[pb.SmallUpload(header=header, data=data)])
+                                ).results
+        assert result.accepted, result  # its slot was left to upload again, and it closes the round at K
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [row] = _rows(tmp_path)
+    assert (row["status"], row["num_updates"], row["r0_uploads"], row["r1_uploads"]) == ("ok", 4.0, 3, 1), row
+    counted = [*at_rank0, one]
+    for i, got in enumerate(load_checkpoint(tmp_path / "ckpt").arrays):
+        np.testing.assert_allclose(got, sum(news[m][i].astype(np.float64) for m in counted) / 4, rtol=0, atol=1e-6)
 
 
 def test_rank_0_cannot_form_the_group_again_once_the_rendezvous_store_is_gone_and_says_so(tmp_path):
