@@ -15,7 +15,7 @@ from fedpar.cli.config import ConfigError, apply_config_defaults
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe
-from fedpar.parallel.stopping import exit_code, signal_name
+from fedpar.parallel.stopping import dump_stacks_on_signal, exit_code, signal_name
 
 # Commands whose process has nothing left to do once run() returns (every output written and closed, worker
 # processes gone): skip the interpreter's teardown of gRPC and torch, about 0.4 s of a simulation's wall time.
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # A process started in the background by a shell script inherits SIGINT ignored, and Python then keeps it
     # so: Ctrl-C (or kill -INT) must stop a coordinator or a simulation however it was started.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    dump_stacks_on_signal()  # kill -USR1: where a run that seems stuck waits
     if not argv or argv[0] not in _available():
         parser = build_parser(only="")
         parser.print_help() if not argv else parser.parse_args(argv)

@@ -18,7 +18,8 @@ import secrets
 
 from fedpar.parallel.device import backend_for, resolve_device
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
-from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, stop_on_signals
+from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, dump_stacks_on_signal, \
+    stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -121,6 +122,7 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
                     parent_stops: bool = False, env: dict[str, str] | None = None) -> None:
     if parent_stops:  # SIGINT is ignored (inherited from birth); still leave when the launcher dies
         die_with_parent(signal.SIGTERM)
+    dump_stacks_on_signal()
     os.environ.pop(LAUNCHER_STORE_ENV, None)  # a launcher's own launcher's store is not this launch's
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))

@@ -13,6 +13,7 @@ which stops its ranks in order and kills them if they take too long (parallel/in
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing
 import os
 import signal
@@ -97,6 +98,15 @@ def children_ignore_interrupts() -> Iterator[None]:
     finally:
         if in_main:
             signal.signal(signal.SIGINT, previous)
+
+
+def dump_stacks_on_signal() -> None:
+    """``kill -USR1 PID`` prints the stack of every thread of this process on stderr and the process goes on: where a
+    run that seems stuck waits (where there is no SIGUSR1, nothing)."""
+    stderr = sys.__stderr__  # the process's own (sys.stderr may be a capture without a file descriptor)
+    if hasattr(signal, "SIGUSR1") and stderr is not None:
+        with contextlib.suppress(OSError, ValueError):  # a closed or fd-less stderr: nothing to print on
+            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
 
 
 def die_with_parent(signum: int = signal.SIGTERM) -> None:

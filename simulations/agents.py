@@ -20,7 +20,7 @@ from fedpar.security.tls import client_tls_files
 from fedpar.simulations.population import PopulationSlice, host_population
 from fedpar.parallel.config import Device, Precision
 from fedpar.parallel.device import flush_denormals
-from fedpar.parallel.stopping import die_with_parent
+from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal
 from fedpar.sections import Seeded
 from fedpar.simulations.config import Population
 from fedpar.task import FlowerAppReference, Partition, Task, TaskReference
@@ -85,6 +85,7 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> 
     worker), which every simulation would wait for; its host has closed its channels, so skip it.
     """
     die_with_parent()  # a simulation killed outright takes its workers with it
+    dump_stacks_on_signal()
     try:
         splits, problem = (load_dataset(dataset, data_dir) if dataset else None), None  # a task loads its own
     except (ValueError, OSError) as exc:  # the coordinator loads the same data and says what is wrong, once

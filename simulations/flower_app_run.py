@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.aggregation import build_strategy
-from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
+from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, dump_stacks_on_signal
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.tls import client_tls_files, server_credentials, server_tls_files
@@ -119,6 +119,7 @@ def host_flower_members(server: str, directory: str, run_config: str | None, hos
     """Worker process: host clients ``numbers`` of ``clients`` (partition id = client number) of the Flower App in
     ``directory`` until the coordinator says the run is over."""
     die_with_parent()
+    dump_stacks_on_signal()
     logging.basicConfig(level=min(log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("fedpar").setLevel(log_level)
     app = load_flower_app(directory, run_config)

@@ -18,7 +18,7 @@ from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.restarts import RestartBudget
 from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
-from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent
+from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, dump_stacks_on_signal
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
@@ -67,6 +67,7 @@ def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRan
     """A spawned process: join the group (or, ``replacing`` a lost rank, ask rank 0 to take it back), then serve as
     aggregator rank ``rank`` until rank 0 stops (or dies)."""
     die_with_parent()
+    dump_stacks_on_signal()
     torch.set_num_threads(1)
     timeout = spec.config.aggregator_timeout_seconds
     if replacing:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from support.processes import children
+from support.processes import children, dump_stacks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,3 +54,22 @@ def test_kill_9_of_simulate_takes_every_other_process_with_it(tmp_path):
     assert not left, left
     assert "Traceback" not in err, err
     assert "interrupted after" in err, err  # rank 0 stopped as on SIGTERM, and said what completed
+
+
+def test_kill_usr1_prints_the_stacks_of_every_process_and_the_run_goes_on(tmp_path):
+    proc = _simulate(tmp_path)
+    try:
+        _after_rounds(tmp_path, proc, 2)
+        asked = dump_stacks(proc.pid)
+        assert len(asked) >= 4, asked  # the launcher, rank 0 (the coordinator), rank 1, the worker
+        done = len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
+        _after_rounds(tmp_path, proc, done + 2)  # nothing stopped
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert err.count("(most recent call first)") >= len(asked), err[-3000:]  # each process: a stack per thread
+    assert "_rank_main" in err and "run_worker_process" in err, err[-3000:]  # rank 1's and the worker's own
+    assert "Traceback" not in err, err

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from fedpar.aggregation.compatibility import composition_features, refusal
 from fedpar.cli.main import main
+from support.processes import stacks_if_slow
 
 ROOT = Path(__file__).resolve().parents[2]
+SLOW_SECONDS = 240  # a case takes seconds; pytest's timeout (pyproject.toml) is 300
 TASK = ["--task", "examples/own_task.py:task", "--task-option", f"csv={ROOT / 'examples' / 'table.csv'}"]
 CLIENTS = 4
 # Each factor's levels, the first being "off"; a level is the flags it adds.
@@ -109,7 +111,8 @@ def flags(case: dict[str, str], tmp: Path) -> list[str]:
 
 def runs_and_learns(case: dict[str, str], tmp: Path) -> None:
     """Run the case by the command line in this process; both rounds are ok and it learned beyond chance."""
-    assert main(flags(case, tmp)) == 0
+    with stacks_if_slow(SLOW_SECONDS):  # before the suite's timeout: where a stuck case's processes wait
+        assert main(flags(case, tmp)) == 0
     rows = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
     chance = 1 / 3 if case["task"] == "on" else 1 / 10  # wine's 3 classes, digits' 10
