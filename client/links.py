@@ -156,6 +156,9 @@ class Connection:
         self.channel = self._open(config.server)
         self.stub = CoordinatorStub(self.channel)
         self._ingest: dict[str, tuple[grpc.Channel, CoordinatorStub]] = {}  # aggregator ranks' channels by address
+        # seats ask at once: one channel per rank (a host's second stub to a rank would open a second upload stream,
+        # which the rank refuses)
+        self._ingest_lock = threading.Lock()
 
     def _open(self, address: str) -> grpc.Channel:
         options = channel_options(64 << 20)
@@ -170,10 +173,11 @@ class Connection:
         address = ingest_address(self.config.server, task)
         if address == self.config.server:
             return self.stub
-        if address not in self._ingest:
-            channel = self._open(address)
-            self._ingest[address] = (channel, CoordinatorStub(channel))
-        return self._ingest[address][1]
+        with self._ingest_lock:
+            if address not in self._ingest:
+                channel = self._open(address)
+                self._ingest[address] = (channel, CoordinatorStub(channel))
+            return self._ingest[address][1]
 
     def check_tls(self) -> str | None:
         """What TLS has to do with an unreachable coordinator (gRPC says only UNAVAILABLE): a TLS setting that
@@ -190,7 +194,9 @@ class Connection:
     def close(self) -> None:
         """Close every channel."""
         self.channel.close()
-        for channel, _ in self._ingest.values():
+        with self._ingest_lock:
+            channels = [channel for channel, _ in self._ingest.values()]
+        for channel in channels:
             channel.close()
 
 
