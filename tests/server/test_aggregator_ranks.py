@@ -504,34 +504,49 @@ def test_a_runtimes_members_follow_their_tasks_to_both_ranks(tmp_path):
     assert all((r["status"], r["r0_uploads"], r["r1_uploads"]) == ("ok", 2, 2) for r in _rows(tmp_path))
 
 
+def _host_round(port: int, members: list[str]) -> tuple[pb.JoinPopulationReply, dict[str, pb.TrainTask],
+                                                         CoordinatorStub, CoordinatorStub]:
+    """Join ``members`` as host-a's population and pull the round's task of each: the host's session, the tasks by
+    member, and stubs on rank 0 and rank 1 (the port the tasks dealt there name)."""
+    stub = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options(64 << 20)))
+    host = join_members(stub, "host-a", members, examples=100)
+    auth = pb.AgentAuth(agent_id="host-a", token=host.host_token)
+    tasks: dict[str, pb.TrainTask] = {}
+    end = time.monotonic() + 60
+    while len(tasks) < len(members) and time.monotonic() < end:
+        tasks.update({t.agent_id: t.task for t in pull_tasks(stub, pb.PullHostTasksRequest(
+            host=auth, wait_seconds=0.5), timeout=10).tasks})
+    assert len(tasks) == len(members), tasks.keys()
+    rank1_port = next(t.ingest_port for t in tasks.values() if t.ingest_port)
+    rank1 = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{rank1_port}", options=channel_options(64 << 20)))
+    return host, tasks, stub, rank1
+
+
+def _partial(layout: ModelLayout, host: pb.JoinPopulationReply, tasks: dict[str, pb.TrainTask],
+             updates: dict[str, list[np.ndarray]], weights: dict[str, int], members: list[str],
+             token: str | None = None) -> pb.HostUploads:
+    """host-a's HostUploads carrying one partial of ``members``' updates, each of its weight (``token``: another
+    session than the host's)."""
+    summed = HostSum(layout, 1, ["train_loss"])
+    for m in members:
+        summed.add(m, tasks[m].task_id, updates[m], weights[m], 4, {"train_loss": 0.5}, (100, 1))
+    return pb.HostUploads(host=pb.AgentAuth(agent_id="host-a", token=host.host_token if token is None else token),
+                          partial=summed.message())
+
+
 def test_a_hosts_partial_at_rank_1_is_counted_at_rank_0_and_the_round_is_the_one_rank_mean(tmp_path):
     layout = _layout()
     proc = _serve(tmp_path, 2, "--rounds", "1", "--clients-per-round", "4", "--accept-populations",
                   "--fold-dtype", "float64")
     try:
-        port = _port(tmp_path, proc)
-        stub = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options(64 << 20)))
-        host = join_members(stub, "host-a", IDS, examples=100)
-        auth = pb.AgentAuth(agent_id="host-a", token=host.host_token)
-        tasks: dict[str, pb.TrainTask] = {}
-        end = time.monotonic() + 60
-        while len(tasks) < 4 and time.monotonic() < end:
-            tasks.update({t.agent_id: t.task for t in pull_tasks(stub, pb.PullHostTasksRequest(
-                host=auth, wait_seconds=0.5), timeout=10).tasks})
-        assert len(tasks) == 4, tasks.keys()
-        rank1 = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{tasks['a1'].ingest_port}",
-                                                      options=channel_options(64 << 20)))
+        host, tasks, stub, rank1 = _host_round(_port(tmp_path, proc), IDS)
         assert sorted(m for m, t in tasks.items() if t.ingest_port) == ["a1", "a3"]
         start = download_weights(rank1, member_auth(host, "a1"), tasks["a1"], layout, host.max_chunk_bytes)
         news = {m: _update(m, 1, start) for m in IDS}
         weights = {"a0": 50, "a1": 100, "a2": 80, "a3": 20}
 
-        def partial(members, **fields) -> pb.HostUploads:
-            summed = HostSum(layout, 1, ["train_loss"])
-            for m in members:
-                summed.add(m, tasks[m].task_id, news[m], weights[m], 4, {"train_loss": 0.5}, (100, 1))
-            return pb.HostUploads(host=pb.AgentAuth(agent_id="host-a", token=fields.get("token", host.host_token)),
-                                  partial=summed.message())
+        def partial(members, token=None) -> pb.HostUploads:
+            return _partial(layout, host, tasks, news, weights, members, token)
 
         refused(lambda: upload_batch(rank1, partial(["a1", "a3"], token="guess")), grpc.StatusCode.UNAUTHENTICATED,
                 "bad session token")
@@ -561,32 +576,17 @@ def test_a_partial_at_rank_1_that_would_pass_k_is_refused_whole_and_its_members_
     proc = _serve(tmp_path, 2, "--rounds", "1", "--clients-per-round", "4", "--overselect", "1.5",
                   "--min-available", "6", "--accept-populations", "--fold-dtype", "float64")
     try:
-        stub = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{_port(tmp_path, proc)}",
-                                                     options=channel_options(64 << 20)))
-        host = join_members(stub, "host-a", members, examples=100)
-        auth = pb.AgentAuth(agent_id="host-a", token=host.host_token)
-        tasks: dict[str, pb.TrainTask] = {}
-        end = time.monotonic() + 60
-        while len(tasks) < 6 and time.monotonic() < end:
-            tasks.update({t.agent_id: t.task for t in pull_tasks(stub, pb.PullHostTasksRequest(
-                host=auth, wait_seconds=0.5), timeout=10).tasks})
+        host, tasks, stub, rank1 = _host_round(_port(tmp_path, proc), members)
         at_rank1 = sorted(m for m, t in tasks.items() if t.ingest_port)
         at_rank0 = sorted(m for m in tasks if m not in at_rank1)
-        assert len(tasks) == 6 and len(at_rank1) == 3, tasks.keys()
-        rank1 = CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{tasks[at_rank1[0]].ingest_port}",
-                                                      options=channel_options(64 << 20)))
+        assert len(at_rank1) == 3, at_rank1
         start = download_weights(stub, member_auth(host, at_rank0[0]), tasks[at_rank0[0]], layout,
                                  host.max_chunk_bytes)
         news = {m: _update(m, 1, start) for m in members}
+        weights = dict.fromkeys(members, 100)
 
-        def partial(names) -> pb.HostUploads:
-            summed = HostSum(layout, 1, ["train_loss"])
-            for m in names:
-                summed.add(m, tasks[m].task_id, news[m], 100, 4, {"train_loss": 0.5}, (100, 1))
-            return pb.HostUploads(host=auth, partial=summed.message())
-
-        assert upload_batch(stub, partial(at_rank0)).partial.accepted  # 3 of K = 4
-        past_k = upload_batch(rank1, partial(at_rank1)).partial
+        assert upload_batch(stub, _partial(layout, host, tasks, news, weights, at_rank0)).partial.accepted  # 3 of 4
+        past_k = upload_batch(rank1, _partial(layout, host, tasks, news, weights, at_rank1)).partial
         assert not past_k.accepted and "closes after 1 more updates, fewer than the 3 to count; send them one by " \
                                        "one" in past_k.message, past_k
         one = at_rank1[1]
@@ -594,6 +594,7 @@ def test_a_partial_at_rank_1_that_would_pass_k_is_refused_whole_and_its_members_
                                  steps=4, tensors=layout_to_pb(layout), total_bytes=layout.total_bytes,
                                  metrics={"train_loss": 0.5})
         data = b"".join(np.ascontiguousarray(a).tobytes() for a in news[one])
+        auth = pb.AgentAuth(agent_id="host-a", token=host.host_token)
         [result] = upload_batch(rank1, pb.HostUploads(host=auth, uploads=[pb.SmallUpload(header=header, data=data)])
                                 ).results
         assert result.accepted, result  # its slot was left to upload again, and it closes the round at K
