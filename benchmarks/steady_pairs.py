@@ -105,7 +105,7 @@ def main() -> int:
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))
     p.add_argument("--json", type=Path, default=HERE / "results" / "steady_pairs.json")
     a = p.parse_args()
-    label = a.label or f"the checkout at {Path(a.baseline).resolve().parents[2]}"
+    label = a.label or f"the checkout at {Path(a.baseline).absolute().parents[2]}"
     print(f"load average before: {os.getloadavg()[0]:.2f}; this checkout against {label}")
     cells = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,8 +11,8 @@ One round, as rank 0 sees it (leader.py; the other ranks' side is ingest.py):
            until every rank holds them before any task is handed out
     round: another rank asks rank 0 to count each complete, checked upload, or a host's pre-summed partial's
            members all at once (control.py, answered by calls.py)
-    close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; check that
-           every rank is there (a missing one is named); all-reduce the partial sums, and hand rank 0 what its
+    close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; gather
+           every rank's counts (which fails, changing nothing, if a rank is missing); all-reduce the partial sums, and hand rank 0 what its
            strategy needs beyond them (group.py: a robust rule's or a Flower strategy's updates, those a share cap
            held back, DP's count of unclipped updates)
     end:   rank 0's strategy finishes once (DP: the noise is added and accounted once); the new model is broadcast

@@ -15,7 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -213,17 +213,19 @@ class RankGroup:
 
     # --------------------------------------------------------------- control messages
     def send(self, message: pb.RankBroadcast) -> None:
-        """Rank 0: broadcast ``message`` to every rank, once every rank is there to take it (else RankMissing
-        naming those that are not)."""
+        """Rank 0: broadcast ``message`` to every rank (RankMissing if one is gone). A tick then waits for every rank
+        (RankMissing naming those that are not there): it is how rank 0 finds a hung rank while it waits."""
         assert self.rank == 0
-        data = encode(message)
-        self.all_present(f"rank 0's {message.WhichOneof('kind')!r} message")
-        self._broadcast_bytes(data)
+        self._broadcast_bytes(encode(message))
+        if message.HasField("tick"):
+            self.all_present("rank 0's tick")
 
     def receive(self) -> pb.RankBroadcast:
         """Ranks > 0: the next message rank 0 sent (RankMessageError if it is not a whole RankBroadcast)."""
-        self.all_present("rank 0's next message")
-        return decode(pb.RankBroadcast, self._broadcast_bytes(None), "rank 0")
+        message = decode(pb.RankBroadcast, self._broadcast_bytes(None), "rank 0")
+        if message.HasField("tick"):
+            self.all_present("rank 0's tick")
+        return message
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's ``data`` on every rank (the others pass None): its length and first MESSAGE_HEAD_BYTES in one
@@ -302,13 +304,16 @@ class RankGroup:
                 out.append(FoldItem(update, float(weight[0]), client_id))
         return out
 
-    def combine(self, strategy: Strategy, shapes: ShapesAndDtypes, stats: Sequence[float]) -> dict[int, list[float]]:
+    def combine(self, strategy: Strategy, shapes: ShapesAndDtypes, stats: Sequence[float],
+                gathered: Callable[[], None] = lambda: None) -> dict[int, list[float]]:
         """Every rank at a round's close (the same calls everywhere): every rank's ``stats`` (the same length
-        everywhere) gathered with its strategy's counts and how many updates it hands on, in one all-gather; the
-        partial sums added up; rank 0's strategy given the other ranks' counts and the updates they hand on
-        (``shapes``: the model's). Returns each rank's ``stats``."""
+        everywhere) gathered with its strategy's counts and how many updates it hands on, in one all-gather, which
+        fails, changing nothing, if a rank is gone (``gathered`` is called once it went through: every rank is there
+        and the sums start to move); the partial sums added up; rank 0's strategy given the other ranks' counts and
+        the updates they hand on (``shapes``: the model's). Returns each rank's ``stats``."""
         counts, items = strategy.partial_counts(), strategy.handoff() if self.rank else []
         rows = self.gather_floats([*stats, *counts, float(len(items))])
+        gathered()
         partial = strategy.partial_sum()
         if partial is not None:
             self.sum_partials(partial)

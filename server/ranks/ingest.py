@@ -205,10 +205,7 @@ class IngestRank(IngestPlane):
             await asyncio.gather(*state.pending_folds, return_exceptions=True)
         stats = ingest_stats(state, self.rank) + [float(self.strategy.folded)]
 
-        def work():
-            self.group.all_present("the round's close")
-            self.group.combine(self.strategy, self.shapes, stats)
-        await self._collective(work)
+        await self._collective(self.group.combine, self.strategy, self.shapes, stats)
 
     def download_completed(self, agent_id: str, round_id: int, task_id: str) -> None:
         """Tell rank 0 the agent has its weights (so its task is not handed out again)."""

@@ -284,10 +284,9 @@ without a rank that is lost."""
 
             def work():
                 self.group.send(pb.RankBroadcast(close=pb.RankClose(round=state.round_id, expected=expected)))
-                self.group.all_present("the round's close")
-                adding.append(True)
                 started = time.perf_counter()
-                stats = self.group.combine(strategy, self.shapes, ingest_stats(state, 0) + [float(strategy.folded)])
+                stats = self.group.combine(strategy, self.shapes, ingest_stats(state, 0) + [float(strategy.folded)],
+                                           gathered=lambda: adding.append(True))
                 return stats, time.perf_counter() - started
             try:
                 stats, reduce_seconds = await self._collective(work, state=state)
