@@ -80,6 +80,14 @@ class ShapesAndDtypes:
             out.append(a)
         return out
 
+    def check_update(self, arrays: Sequence[np.ndarray], who: str = "update",
+                     known_finite: bool = False) -> list[np.ndarray]:
+        """:meth:`check`'s arrays, after also checking (unless ``known_finite``) that they hold no NaN or Inf."""
+        out = self.check(arrays, who)
+        if not known_finite and not all(all_finite(a) for a in out):
+            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        return out
+
 
 def accumulate_dtype_for(dtype: np.dtype, accumulate: str) -> np.dtype:
     """The dtype used to accumulate arrays of ``dtype`` under the ``accumulate`` policy."""
@@ -294,6 +302,13 @@ def check_weight(weight: float) -> float:
     if not np.isfinite(w) or w < 0:
         raise ValueError(f"num_examples (the update weight) must be a finite number >= 0, got {weight!r}")
     return w
+
+
+def check_example_count(num_examples: int, who: str) -> int:
+    """``num_examples`` after checking it is a whole number >= 0 (a Flower strategy's replies carry it as such)."""
+    if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
+        raise ValueError(f"{who}: num_examples must be a whole number >= 0, got {num_examples!r}")
+    return int(num_examples)
 
 
 def check_averageable(count: int, total_weight: float) -> None:

@@ -42,7 +42,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as MessageBase
 
 from fedpar.aggregation import flower_strategy as legacy
-from fedpar.aggregation.accumulator import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_example_count
 from fedpar.aggregation.options import typed_options
 from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem
 from fedpar.models.references import load_reference
@@ -193,14 +193,11 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """The checked update as a reply Message (one model copy, kept until the close)."""
         assert self._shapes is not None
-        arrays = self._shapes.check(update, who)
-        if not known_finite and not all(all_finite(a) for a in arrays):
-            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
-        if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
-            raise ValueError(f"{who}: num_examples must be a whole number >= 0, got {num_examples!r}")
+        arrays = self._shapes.check_update(update, who, known_finite)
+        num_examples = check_example_count(num_examples, who)
         client = getattr(self._who, "client_id", "") or str(len(self._results))
         weight_key = getattr(self._flower, "weighted_by_key", "num-examples") if self._flower else "num-examples"
-        content = RecordDict({"arrays": self._record(arrays), "metrics": MetricRecord({weight_key: int(num_examples)})})
+        content = RecordDict({"arrays": self._record(arrays), "metrics": MetricRecord({weight_key: num_examples})})
         with self._lock:
             self._results.append((client, Message(content=content, metadata=_reply_metadata(client, self.round_id))))
 

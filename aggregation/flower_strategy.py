@@ -53,7 +53,7 @@ from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy as FlowerBase
 
-from fedpar.aggregation.accumulator import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_example_count
 from fedpar.aggregation.options import typed_options
 from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem, Strategy
 from fedpar.models.references import load_reference
@@ -185,12 +185,9 @@ class FlowerStrategy(Strategy):
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Serialize the checked update into a FitRes (one model copy, kept until the close)."""
         assert self._shapes is not None
-        arrays = self._shapes.check(update, who)
-        if not known_finite and not all(all_finite(a) for a in arrays):
-            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
-        if isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer)) or num_examples < 0:
-            raise ValueError(f"{who}: num_examples must be a whole number >= 0, got {num_examples!r}")
-        fit = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), int(num_examples), {})
+        arrays = self._shapes.check_update(update, who, known_finite)
+        num_examples = check_example_count(num_examples, who)
+        fit = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), num_examples, {})
         proxy = _AgentProxy(getattr(self._who, "client_id", "") or str(len(self._results)))
         with self._lock:
             self._results.append((proxy, fit))

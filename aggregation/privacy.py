@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from fedpar.aggregation.accountant import PrivacyAccountant
-from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum, all_finite, cast_like
+from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum, cast_like
 from fedpar.aggregation.clipping import CHUNK, AdaptiveClipping, clip_factor, delta_norm, effective_noise_multiplier
 from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol.task_settings import TaskSettings
@@ -155,9 +155,7 @@ class DPStrategy(Strategy):
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Clip ``update``'s delta to ``C`` and add it with weight 1 (``num_examples`` is ignored on purpose)."""
         assert self._acc is not None and self._shapes is not None and self._global is not None
-        arrays = self._shapes.check(update, who)
-        if not known_finite and not all(all_finite(np.ravel(a)) for a in arrays):
-            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        arrays = self._shapes.check_update(update, who, known_finite)
         norm = delta_norm(arrays, self._global)
         c = self.clip_norm
         if self.mode == "client" and self.local_noise_multiplier == 0:

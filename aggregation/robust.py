@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from fedpar.aggregation.accumulator import ShapesAndDtypes, all_finite, cast_like
+from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_weight
 from fedpar.aggregation.strategy import FoldItem, Strategy
 
 _STORE_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes), so memory grows "
@@ -50,9 +50,7 @@ class UpdateStore:
 
     def add(self, update: Sequence[np.ndarray], weight: float, who: str) -> None:
         """Copy ``update`` in after checking shapes and finiteness."""
-        arrays = self.shapes.check(update, who)
-        if not all(all_finite(a) for a in arrays):
-            raise ValueError(f"{who} contains NaN or Inf values; it was not counted")
+        arrays = self.shapes.check_update(update, who)
         copy = [np.array(a, copy=True).ravel() for a in arrays]
         with self._lock:
             self.updates.append(copy)
@@ -106,11 +104,8 @@ class BufferedStrategy(Strategy):
 
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Keep one copy of the update (checked for NaN/Inf as it is copied, whatever ``known_finite`` says)."""
-        w = float(num_examples)
-        if not np.isfinite(w) or w < 0:
-            raise ValueError(f"num_examples must be a finite number >= 0, got {num_examples!r}")
         assert self._store is not None
-        self._store.add(update, w, who)
+        self._store.add(update, check_weight(num_examples), who)
 
     def handoff(self) -> list[FoldItem]:
         """Every stored update: rank 0 needs them all (server/ranks/)."""
