@@ -253,15 +253,24 @@ class RankGroup:
             raise RankMissing(f"aggregator rank(s) missing at {where}: {first_line(exc)}") from None
 
     def exchange_endpoints(self, mine: RankEndpoint) -> list[RankEndpoint]:
-        """Every rank's endpoint, by rank (each rank passes its own)."""
+        """Every rank's endpoint, by rank (each rank passes its own): the group's first collective, which may wait
+        for the start-up's timeout; every later one fails after the configured one."""
         host = mine.host.encode()[:HOST_BYTES]
         row = torch.zeros(HOST_BYTES + 3, dtype=torch.int64)
         row[0], row[1], row[2] = len(host), mine.grpc_port, mine.data_port
         row[3:3 + len(host)] = torch.tensor(list(host), dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in self.members]
         self._collective("all-gather", dist.all_gather, rows, row, group=self.control)
+        self._time_out_as_configured()
         return [RankEndpoint(r, bytes(t[3:3 + int(t[0])].tolist()).decode(), int(t[1]), int(t[2]))
                 for r, t in zip(self.members, rows)]
+
+    def _time_out_as_configured(self) -> None:
+        """From now on every collective of the group fails after the configured timeout: the group was joined with
+        the start-up's longer one (ranks import torch and load their data before their first collective), which a
+        rank that hangs later would otherwise hold every other rank in a collective for."""
+        for group in {self.control, dist.group.WORLD}:
+            dist.distributed_c10d._set_pg_timeout(self.timeout, group)
 
     # --------------------------------------------------------------- data
     def gather_floats(self, values: Sequence[float]) -> dict[int, list[float]]:

@@ -64,3 +64,32 @@ def check_control_messages_of_any_size() -> dict:
     exactly = len(exact.SerializeToString()) == rank_group.MESSAGE_HEAD_BYTES
     return {"same": float(same), "long": float(long_enough and exactly),
             "sizes": [float(len(m.SerializeToString())) for m in sent]}
+
+
+def check_a_hung_rank_costs_the_configured_timeout_not_the_start_ups() -> dict:
+    """Joined with the start-up's long timeout (60 s here, as `simulate`'s ranks join), the group's collectives after
+    its first (the endpoints' exchange) fail after the configured 2 s: rank 1 stays out of an all-gather until rank 0
+    gave up on it; then rank 0 forms the group again with it, and a collective goes through."""
+    import time
+    from datetime import timedelta
+
+    group = rank_group.RankGroup(2.0, "fedpar/ranks/check-timeout")
+    me = rank_group.RankEndpoint(group.rank, "", 1000 + group.rank, 0)
+    group.exchange_endpoints(me)
+    gave_up = "check/rank-0-gave-up"
+    if group.rank == 0:
+        started = time.monotonic()
+        try:
+            group.gather_floats([1.0])
+            missing = ""
+        except rank_group.RankMissing as exc:
+            missing = str(exc)
+        waited = time.monotonic() - started
+        group.store.set(gave_up, b"1")
+        group.reform([0, 1])
+    else:
+        group.store.wait([gave_up], timedelta(seconds=120))
+        group.rejoin()
+        waited, missing = 0.0, "all-gather"
+    rows = group.gather_floats([float(group.rank)])
+    return {"waited": waited, "missing": float("all-gather" in missing), "after": rows[1][0] if group.rank == 0 else 1.0}

@@ -20,3 +20,10 @@ def test_control_messages_of_any_length_reach_every_rank_whole(tmp_path):
     results = run_checks(2, CHECKS, ["check_control_messages_of_any_size"], tmp_path)
     assert [r["check_control_messages_of_any_size"]["same"] for r in results] == [1.0, 1.0], results
     assert results[0]["check_control_messages_of_any_size"]["long"] == 1.0, results
+
+
+def test_a_rank_that_hangs_after_the_start_costs_the_configured_timeout_not_the_start_ups(tmp_path):
+    results = run_checks(2, CHECKS, ["check_a_hung_rank_costs_the_configured_timeout_not_the_start_ups"], tmp_path)
+    rank0 = results[0]["check_a_hung_rank_costs_the_configured_timeout_not_the_start_ups"]
+    assert rank0["missing"] == 1.0 and rank0["after"] == 1.0, results
+    assert 1.5 <= rank0["waited"] < 20, results  # 2 s configured; the group was joined with 60 s
