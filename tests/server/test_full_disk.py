@@ -9,7 +9,6 @@ would with ENOSPC, for this process only). Real agents (client.agent.Agent on di
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -31,21 +30,28 @@ FLAGS = ["--insecure", "--rounds", str(ROUNDS), "--min-available", "2", "--clien
          "--local-epochs", "1", "--batch-size", "32", "--no-central-eval"]
 
 
-def _without_root_overrides() -> None:
-    """In the child, before exec: drop the capabilities that let root write into a read-only folder."""
-    if os.geteuid() == 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+# Run as `python -c DROP_ROOT_OVERRIDES SERVE...`: drop the capabilities that let root write into a read-only folder,
+# then become the serve command. In a fresh interpreter, not in a preexec_fn: the forked child of this process (whose
+# agents' gRPC threads run) would run gRPC's fork handlers before exec, which sometimes abort it ("epoll_wait error:
+# Bad file descriptor", exit -6: the serve never started).
+DROP_ROOT_OVERRIDES = """
+import ctypes, os, sys
+if os.geteuid() == 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+os.execv(sys.argv[1], sys.argv[1:])
+"""
 
 
 def _serve(tmp: Path, port: int, ranks: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--port", str(port), "--port-file", str(tmp / "port"),
-           "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--aggregator-ranks", str(ranks), *RANKS_ON_CPU, *FLAGS]
+    cmd = [sys.executable, "-c", DROP_ROOT_OVERRIDES, sys.executable, "-m", "fedpar.cli.main", "serve", "--port",
+           str(port), "--port-file", str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out",
+           str(tmp / "out"), "--aggregator-ranks", str(ranks), *RANKS_ON_CPU, *FLAGS]
     # Pipes, not files: a file-size limit on the process would cut its own log short too.
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_without_root_overrides)
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _latest(ckpt: Path) -> str:
