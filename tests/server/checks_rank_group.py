@@ -92,4 +92,5 @@ def check_a_hung_rank_costs_the_configured_timeout_not_the_start_ups() -> dict:
         group.rejoin()
         waited, missing = 0.0, "all-gather"
     rows = group.gather_floats([float(group.rank)])
-    return {"waited": waited, "missing": float("all-gather" in missing), "after": rows[1][0] if group.rank == 0 else 1.0}
+    return {"waited": waited, "missing": float("all-gather" in missing),
+            "after": rows[1][0] if group.rank == 0 else 1.0}
