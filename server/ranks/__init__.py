@@ -13,8 +13,8 @@ One round, as rank 0 sees it (leader.py; the other ranks' side is ingest.py):
            members all at once (control.py, answered by calls.py)
     close: tell the ranks how many uploads rank 0 counted for each; every rank waits for those folds; gather
            every rank's counts (which fails, changing nothing, if a rank is missing); all-reduce the partial sums,
-           and hand rank 0 what its strategy needs beyond them (group.py: a robust rule's or a Flower strategy's updates, those a share cap
-           held back, DP's count of unclipped updates)
+           and hand rank 0 what its strategy needs beyond them (group.py: a robust rule's or a Flower strategy's
+           updates, those a share cap held back, DP's count of unclipped updates)
     end:   rank 0's strategy finishes once (DP: the noise is added and accounted once); the new model is broadcast
            to every rank (or "unchanged")
 
