@@ -53,7 +53,9 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
         try:
             return DPStrategy(inner, **dp)
         except TypeError as e:
-            raise ValueError(f"bad DP options for strategy {name!r}: {e}") from None
+            raise ValueError(f"bad DP options for strategy {name!r}: {e}; on the command line, give --strategy "
+                             f"{key[len(DP_PREFIX):]} with --privacy central (or client) and its --privacy-* settings "
+                             "instead") from None
     cls = strategy_class(name)
     try:
         options = typed_options(key, cls, kwargs, from_text=False)

@@ -2,8 +2,9 @@
 
 Inside :func:`stop_on_signals` the first of them raises :class:`StopRequested` in the main thread. It is a
 KeyboardInterrupt, so whatever stops a run cleanly on Ctrl-C (ending the rounds, writing the summary, the model and
-the last checkpoint) does the same for SIGTERM; the process then exits 128 + the signal's number (130, 143). A
-second signal ends the process at once: what it was writing is lost, never torn, since every output is replaced
+the last checkpoint) does the same for SIGTERM; the process then exits 128 + the signal's number (130, 143). The
+same signal again within :data:`REPEAT_SECONDS` is the same request (``timeout -s INT`` and ``kill -INT -PGID``
+reach a process once by its id and once by its group). A later second signal ends the process at once: what it was writing is lost, never torn, since every output is replaced
 atomically (protocol/atomicfile.py) and a checkpoint is published only once complete (server/checkpoint.py).
 
 A process with a launcher (a rank of `fedpar serve --aggregator-ranks N`) leaves second signals to the launcher,
@@ -19,10 +20,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_SECONDS = 1.0  # a person who means "now" presses Ctrl-C again later than a signal delivered twice arrives
 
 
 class StopRequested(KeyboardInterrupt):
@@ -47,6 +50,7 @@ class Received:
     """The first stop signal :func:`stop_on_signals` took, by name (None: none yet)."""
 
     signal: str | None = None
+    at: float = 0.0  # when it came (time.monotonic)
 
     def exit_code(self) -> int:
         """What the process exits with for it (130 when none came: a KeyboardInterrupt raised otherwise)."""
@@ -56,7 +60,7 @@ class Received:
 @contextlib.contextmanager
 def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | None = None) -> Iterator[Received]:
     """Inside the block the first SIGINT or SIGTERM raises StopRequested in the main thread (and is noted in the
-    Received it yields); a later one calls ``on_second()`` and ends the process at once with 128 + its number, or,
+    Received it yields); the same one within REPEAT_SECONDS is ignored; a later one calls ``on_second()`` and ends the process at once with 128 + its number, or,
     without ``second_exits``, is ignored (a rank whose launcher escalates). A SIGINT ignored from birth (a rank of a
     launcher that stops it) stays ignored. Off the main thread (where Python cannot take signals) the block runs
     as it is."""
@@ -67,8 +71,10 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
 
     def handle(signum: int, frame) -> None:
         if received.signal is None:
-            received.signal = signal.Signals(signum).name
+            received.signal, received.at = signal.Signals(signum).name, time.monotonic()
             raise StopRequested(signum)
+        if signal.Signals(signum).name == received.signal and time.monotonic() - received.at < REPEAT_SECONDS:
+            return  # the first one, delivered again
         if second_exits:
             if on_second is not None:
                 on_second()

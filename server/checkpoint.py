@@ -125,6 +125,9 @@ def _prune(root: Path, keep_from: int) -> None:
 
 def _read_pointer(root: Path) -> str | None:
     pointer = root / LATEST
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"the checkpoint directory {root} is a file; give a folder (a new one starts the run "
+                              "over)")
     try:
         return pointer.read_bytes().decode("ascii").strip()
     except FileNotFoundError:

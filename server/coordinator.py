@@ -176,6 +176,12 @@ class Coordinator(IngestPlane):
         if problem:
             raise ValueError(f"checkpoint in {self.config.checkpoint_dir} does not fit this model: {problem}; "
                              "point --checkpoint-dir elsewhere or use the model it was made with")
+        saved_by = ckpt.state.get("strategy", {}).get("strategy") if isinstance(ckpt.state.get("strategy"), dict) \
+            else None
+        if saved_by is not None and saved_by != self.strategy.name:
+            raise ValueError(f"checkpoint in {self.config.checkpoint_dir} was made with strategy {saved_by!r}, not "
+                             f"{self.strategy.name!r}; resume with the --strategy (and --privacy) it was made with, or point "
+                             "--checkpoint-dir elsewhere")
         self.weights = ckpt.arrays
         self.round_id = ckpt.round_id
         with ckpt.restoring("sampler"):

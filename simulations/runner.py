@@ -286,7 +286,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         end = service.execute(run, ServePlan(coord_cfg, security, assembly, strategy),
                               ranks.leader if ranks else None)
         stopped_by = end.stopped_by
-        if stopped_by is None:
+        if stopped_by is None and end.outputs is not None:  # else no worker got its slice: the caller stops them
             for p in procs:
                 p.join(timeout=30)
     finally:

@@ -125,6 +125,32 @@ def test_a_simulation_whose_every_round_failed_exits_non_zero_and_a_wrong_data_d
     assert len(err.strip().splitlines()) == 1, err  # the agent workers stay quiet about it
 
 
+def test_settings_the_coordinator_refuses_are_said_before_the_workers_would_have_started(tmp_path):
+    # the workers start first (their imports overlap the coordinator's set-up); a refusal must not wait on them
+    # (it waited 30 s a worker: 61 s for these, each the same line)
+    (tmp_path / "a-file").write_text("")
+    made = _finish(_start(["simulate", "--clients", "2", "--rounds", "1", "--workers", "1", "--checkpoint-dir",
+                           str(tmp_path / "ckpt"), "--quiet"], tmp_path))
+    assert made[0] == 0, made
+    cases = [  # (args, the line)
+        (["--clients", "20", "--clients-per-round", "5", "--min-reports", "10"],
+         "min_reports (10) cannot exceed clients_per_round (5)"),
+        (["--clients", "20", "--clients-per-round", "1", "--secure-aggregation"],
+         "secure aggregation hides each update in a sum of several"),
+        (["--clients", "2", "--checkpoint-dir", str(tmp_path / "a-file")],
+         f"the checkpoint directory {tmp_path / 'a-file'} is a file; give a folder"),
+        (["--clients", "2", "--strategy", "fedadam", "--checkpoint-dir", str(tmp_path / "ckpt")],
+         f"checkpoint in {tmp_path / 'ckpt'} was made with strategy 'fedavg', not 'fedadam'; resume with the "
+         "--strategy (and --privacy) it was made with"),
+    ]
+    for args, line in cases:
+        started = time.monotonic()
+        rc, _, err = _finish(_start(["simulate", "--rounds", "2", "--quiet", *args], tmp_path))
+        assert rc == 2, (args, err)
+        _one_line(err, line)
+        assert time.monotonic() - started < 25, (args, time.monotonic() - started)
+
+
 def _wait_for(proc: subprocess.Popen, path: Path, timeout: float = 60) -> None:
     end = time.monotonic() + timeout
     while not path.exists():

@@ -175,6 +175,24 @@ def test_a_second_signal_ends_a_stopping_serve_at_once_and_the_checkpoint_still_
     assert load_checkpoint(tmp_path / "ckpt").round_id >= 2  # LATEST names a complete checkpoint, whenever it died
 
 
+def test_the_same_signal_twice_at_once_is_one_request_to_stop_cleanly(tmp_path):
+    # `timeout -s INT` and `kill -INT -PGID` reach the main PID twice (by its id and by its group) within
+    # milliseconds: that is not the "now" of a second Ctrl-C, and the summary and model must still be written
+    proc = _simulate(tmp_path, 1)
+    try:
+        tree = _running(tmp_path, proc, ranks=1)
+        code, seconds = _stop(tmp_path, proc, tree, signal.SIGINT, signal.SIGINT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "run.log").read_text()
+    assert code == 130, log[-3000:]
+    assert seconds < STOP_SECONDS, seconds
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["interrupted"] and "Traceback" not in log, log[-3000:]
+    assert json.loads((tmp_path / "out" / "global.json").read_text())["round"] >= summary["rounds"]
+
+
 @pytest.mark.parametrize("command, ranks", [("serve", 1), ("simulate", 1), ("simulate", 2)])
 def test_sigterm_stops_serve_and_simulate_with_exit_143_and_a_summary(tmp_path, agents, command, ranks):
     proc = _serve(tmp_path, ranks) if command == "serve" else _simulate(tmp_path, ranks)
