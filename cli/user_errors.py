@@ -32,6 +32,7 @@ def describe(exc: BaseException) -> str:
             errno.EDQUOT: "free some of your disk quota, or pick a folder on another disk",
             errno.EFBIG: "it is larger than this process may write (ulimit -f) or the disk allows; pick another disk",
             errno.EADDRINUSE: "another process uses that port: stop it or pick another port",
+            errno.EINVAL: "pick another path",
         }.get(exc.errno, "check the path and the permissions")
         notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))  # e.g. what was written all the same
         return f"{exc.strerror or exc}{_where(exc.filename)}; {advice}{notes}"

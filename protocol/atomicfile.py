@@ -6,8 +6,10 @@ Readers, and a crash at any moment, see either the old file or the new one, neve
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Sequence
@@ -17,12 +19,18 @@ from typing import Sequence
 def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
     """A new empty temporary file beside ``path`` for the block to write (by name); it then replaces ``path``.
 
-    The temporary file (``.NAME.tmp-*``) is created exclusively. With ``mode`` (e.g. 0o600 for keys) it is
+    A link at ``path`` stays: what it points at is replaced. A device, a pipe or a socket there is refused
+    (OSError EINVAL): a rename would replace it with a plain file. The temporary file (``.NAME.tmp-*``) is created
+    exclusively. With ``mode`` (e.g. 0o600 for keys) it is
     created readable by the owner only and given ``mode`` before any byte is written, whatever the umask;
     without, it gets the umask's default. When the block ends it is fsynced, renamed over ``path`` and the
     directory fsynced; when the block raises it is removed.
     """
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode) and not path.is_dir():
+        raise OSError(errno.EINVAL, "a device, a pipe or a socket is there, not a file to replace", str(path))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else 0o600)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -75,3 +77,16 @@ def test_export_errors_are_one_line_and_a_non_zero_exit(tmp_path, capsys):
     assert not (tmp_path / "m.pt").exists()
     with pytest.raises(SystemExit):  # --to is required
         main(["export", str(tmp_path / "run")])
+
+
+def test_export_writes_through_a_link_and_refuses_a_pipe_it_would_replace(tmp_path, capsys):
+    _kept_model(tmp_path / "run")
+    (tmp_path / "link.pt").symlink_to(tmp_path / "real.pt")
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "link.pt")]) == 0
+    assert (tmp_path / "link.pt").is_symlink() and len(torch.load(tmp_path / "real.pt", weights_only=True)) == 8
+    os.mkfifo(tmp_path / "pipe")
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "pipe")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a device, a pipe or a socket is there, not a file to replace: pipe in folder" \
+        in err, err
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)  # still the pipe
