@@ -17,7 +17,7 @@ class Connection:
     """Which coordinator a client process dials, and how it waits for one it cannot reach (client/links.py:
     agents' and simulation hosts')."""
 
-    server: str = setting("127.0.0.1:50051", group="connection", metavar="HOST:PORT",
+    server: str = setting("127.0.0.1:50051", check="address", group="connection", metavar="HOST:PORT",
                           help="the coordinator's address")
     max_backoff: float = setting(MAX_BACKOFF_SECONDS, check="positive", group="connection",
                                  help="longest wait between reconnection attempts")

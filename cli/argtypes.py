@@ -101,6 +101,23 @@ def fraction(text: str) -> float:
 fraction.kind = float
 
 
+def address(text: str) -> str:
+    """An argparse type: a coordinator's HOST:PORT (``[::1]:PORT`` for IPv6; a gRPC target with a scheme, e.g.
+    ``dns:///host:port`` or ``unix:PATH``, as it is)."""
+    text = text.strip()
+    if "://" in text or text.startswith(("unix:", "unix-abstract:")):
+        return text
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or host.startswith("[") != host.endswith("]"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: the port must be a number in 1..65535 (e.g. 127.0.0.1:50051)")
+    return text
+
+
+address.kind = str
+
+
 def id_list(text: str) -> list[str]:
     """An argparse type: comma-separated ids (``alice,bob``), each stripped, empty ones dropped."""
     return [part.strip() for part in text.split(",") if part.strip()]

@@ -25,7 +25,7 @@ ACTIONS = ("submit", "ls", "logs", "stop", "get")
 class RunCommand:
     """How ``fedpar run`` reaches the service, and the options of its actions."""
 
-    control: str = setting("127.0.0.1:50052", group="connection", metavar="HOST:PORT",
+    control: str = setting("127.0.0.1:50052", check="address", group="connection", metavar="HOST:PORT",
                            help="the service's control API (fedpar serve --state ... --control-port)")
     operator: str | None = setting(None, group="tls", metavar="NAME",
                                    help="whose certificate of --certs to present: DIR/operators/NAME.pem and .key "

@@ -64,6 +64,10 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
          f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --port"),
         (["serve", "--insecure", "--port", "0", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"),
           "--out", str(tmp_path / "s")], 2, f"MNIST folder {tmp_path / 'nowhere'} does not exist"),
+        (["client", "--insecure", "--agent-id", "a", "--server", "127.0.0.1:abc"], 2,
+         "argument --server: '127.0.0.1:abc': the port must be a number in 1..65535"),
+        (["client", "--insecure", "--agent-id", "a", "--server", "localhost"], 2,
+         "argument --server: 'localhost' is not HOST:PORT (e.g. 127.0.0.1:50051)"),
         (["certs", "--out", str(certs), "--revoke", "bbo"], 2,
          "--revoke bbo: no certificate or enrollment token for agent 'bbo'"),
     ]
