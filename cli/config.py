@@ -58,8 +58,12 @@ def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str
             doc = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder; give a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
     own = section in doc
     table = doc[section] if own else doc
     if not isinstance(table, dict):

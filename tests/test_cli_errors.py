@@ -310,3 +310,16 @@ for write in (lambda: save_tensors(out / "global.safetensors", ["w"], [np.zeros(
         assert line == (f"{errno.EFBIG} File too large: {name} in folder {folder}; it is larger than this process "
                         "may write (ulimit -f) or the disk allows; pick another disk"), line
     assert [p.name for p in folder.iterdir()] == ["metrics.jsonl"]  # its torn line is cut off on resume
+
+
+def test_a_config_file_that_cannot_be_read_as_toml_is_one_line(tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    (tmp_path / "latin1.toml").write_bytes(b"\xff\xfe rounds = 3")
+    cases = [(tmp_path / "latin1.toml", "is not valid TOML: 'utf-8' codec can't decode byte 0xff"),
+             (tmp_path, f"config file {tmp_path} is a folder; give a TOML file"),
+             (tmp_path / "nowhere.toml", "does not exist")]
+    for path, line in cases:
+        assert main(["simulate", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and line in err and "Traceback" not in err, err
