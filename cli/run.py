@@ -57,6 +57,10 @@ def _stub(args: argparse.Namespace):
     if not args.certs or not args.operator:
         raise ValueError("the control API needs mutual TLS: give --certs DIR and --operator NAME")
     paths = CertPaths(Path(args.certs))
+    if not paths.operator_cert(args.operator).exists():
+        raise ValueError(f"{args.certs} holds no certificate of operator {args.operator!r} "
+                         f"({paths.operator_cert(args.operator)}): make one with 'fedpar certs --out {args.certs} "
+                         f"--operators {args.operator}' (the CA that signed the service's certificate must sign it)")
     files = TlsFiles(paths.operator_cert(args.operator), paths.operator_key(args.operator), paths.ca_cert)
     channel = grpc.secure_channel(args.control, channel_credentials(files))
     return pb_grpc.RunControlStub(channel)

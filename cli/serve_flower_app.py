@@ -21,7 +21,7 @@ def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> s
     """One line naming the settings a ServerApp-driven coordinator cannot honour, and what to do; None if none."""
     asked = [(config.secure_aggregation, "--secure-aggregation"), (config.virtual_clock, "--clock virtual"),
              (getattr(args, "aggregator_ranks", 1) > 1, "--aggregator-ranks"),
-             (config.upload_compression.method != "none", "--upload-compression"),
+             (config.upload_compression.method != "none", "--compression"),
              (args.state is not None, "--state"), (config.checkpoint_dir is not None, "--checkpoint-dir")]
     named = [flag for on, flag in asked if on]
     if not named:

@@ -37,7 +37,7 @@ def flower_app_refusal(cfg: SimulationConfig) -> str | None:
     every one can be."""
     asked = [(cfg.task is not None, "--task"), (cfg.secure_aggregation, "--secure-aggregation"), (cfg.virtual_clock, "--clock virtual"),
              (cfg.aggregator_ranks > 1, "--aggregator-ranks"), (cfg.upload_compression.method != "none",
-                                                               "--upload-compression"),
+                                                               "--compression"),
              (cfg.client_batching, "--client-batching"), (cfg.trace is not None, "--trace"),
              (cfg.drop_probability > 0, "--drop-probability"), (cfg.clients_per_round not in (None, cfg.clients),
                                                                 "--clients-per-round"),

@@ -323,3 +323,14 @@ def test_a_config_file_that_cannot_be_read_as_toml_is_one_line(tmp_path, capsys)
         assert main(["simulate", "--config", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and line in err and "Traceback" not in err, err
+
+
+def test_fedpar_run_with_an_operator_that_has_no_certificate_says_how_to_make_one(tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    assert main(["certs", "--out", str(tmp_path / "certs"), "--agents", "a"]) == 0
+    capsys.readouterr()
+    assert main(["run", "ls", "--certs", str(tmp_path / "certs"), "--operator", "alice"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"holds no certificate of operator 'alice' ({tmp_path}/certs/operators/alice.pem): " \
+        f"make one with 'fedpar certs --out {tmp_path}/certs --operators alice'" in err, err
