@@ -20,6 +20,7 @@ Multi-Krum's final average), as in the original papers and Flower.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -27,6 +28,8 @@ import numpy as np
 
 from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_weight
 from fedpar.aggregation.strategy import FoldItem, Strategy
+
+log = logging.getLogger(__name__)
 
 _STORE_MEMORY = ("holds one copy of every update of the round (K models in the model dtypes), so memory grows "
                  "linearly with the cohort size; at finish, at most 3 K x chunk float64 scratch blocks (~32 MiB each)")
@@ -175,6 +178,7 @@ class Krum(BufferedStrategy):
             raise ValueError("num_malicious must be >= 0 and num_selected >= 1")
         self.num_malicious = int(num_malicious)
         self.num_selected = int(num_selected)
+        self._said_too_few = False
 
     def scores(self) -> np.ndarray:
         """Krum score of every stored update: sum of squared distances to its n - f - 2 closest others."""
@@ -192,6 +196,11 @@ class Krum(BufferedStrategy):
         """Select by score and average the selection."""
         assert self._store is not None
         store = self._store
+        if len(store) <= 2 * self.num_malicious + 2 and not self._said_too_few:
+            self._said_too_few = True  # once a run: every round of a fixed cohort size would say it again
+            log.warning("%s: %d updates in round %d, but its guarantee against f=%d Byzantine updates needs more "
+                        "than 2f+2=%d; lower f (--strategy-option f=...) or raise --clients-per-round", self.name,
+                        len(store), self.round_id, self.num_malicious, 2 * self.num_malicious + 2)
         chosen = np.argsort(self.scores(), kind="stable")[: min(self.num_selected, len(store))]
         w = np.array([store.weights[j] for j in chosen])
         w = w / w.sum() if w.sum() > 0 else np.full(len(chosen), 1.0 / len(chosen))

@@ -191,6 +191,18 @@ def test_krum_and_multikrum_match_brute_force_and_reject_outliers():
     assert_models_close(got, want)
 
 
+def test_krum_with_too_few_updates_for_its_f_says_so_once(caplog):
+    rng = np.random.default_rng(4)
+    g = model(rng)
+    strategy = Krum(num_malicious=10)
+    with caplog.at_level("WARNING", logger="fedpar.aggregation.robust"):
+        run_round(strategy, 1, g, cohort(rng, 5, g, spread=0.2))
+        run_round(strategy, 2, g, cohort(rng, 5, g, spread=0.2))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["krum: 5 updates in round 1, but its guarantee against f=10 Byzantine updates needs more than "
+                    "2f+2=22; lower f (--strategy-option f=...) or raise --clients-per-round"], said
+
+
 def test_robust_store_keeps_a_copy_and_streaming_keeps_no_reference():
     rng = np.random.default_rng(5)
     g = model(rng)
