@@ -3,6 +3,7 @@ up over gRPC (:class:`UpdateSender`: one call when small, else a stream; retried
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
@@ -17,6 +18,8 @@ from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADM
                                    layout_from_pb, layout_to_pb, wire_bytes)
 
 from fedpar.task import upload_timeout
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # only named: the stacked rows and results come from a trainer, the prepared update from a mode
     from fedpar.client.compressed import PreparedUpload
@@ -242,6 +245,7 @@ class UpdateSender:
         single = small_update(header, upload.layout, upload.arrays, self.max_chunk, self.small_below,
                               rows=None if upload.encoding else result.rows)
         backoff: Backoff | None = None  # made at the first refusal to retry: most uploads go through at once
+        said_unreachable = False
         while True:
             try:
                 if single is not None:  # one unary call: no stream to set up for a small update
@@ -258,6 +262,10 @@ class UpdateSender:
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at):
                     self.note_refusal("upload", err)
                     return False
+                if err.code() == grpc.StatusCode.UNAVAILABLE and not said_unreachable:
+                    said_unreachable = True  # once an upload: the retries go on quietly until the deadline
+                    log.info("%s: coordinator unreachable while uploading (%s); retrying until the round's deadline, "
+                             "%.0fs from now", self.auth.agent_id, err.details(), self.deadline_at - time.monotonic())
                 time.sleep(backoff.wait())
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fedpar.client.agent import Agent, AgentConfig
+from fedpar.client.links import FatalAgentError
 from fedpar.client.transfer import upload_messages
 from fedpar.datasets.arrays import ArrayDataset
 from fedpar.models import weight_specs
@@ -67,3 +68,43 @@ def test_a_real_agent_retries_a_small_grpc_upload_while_the_upload_queue_is_full
     assert not runner.is_alive() and server.wait(10)
     assert (agent.stats.accepted, agent.stats.refused) == (1, 0), agent.stats.refusals
     assert state.accepted == 2 and state.slots["eager"].status == "accepted"
+
+
+def test_an_agent_says_once_that_its_coordinator_went_away_during_the_upload(start_coordinator, caplog):
+    # a coordinator stopped by Ctrl-C leaves its agents retrying their uploads until the round's deadline: they say so
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    init = [w.detach().numpy().copy() for w in model.parameters()]
+    names = [n for n, _, _ in weight_specs(model)]
+    server = start_coordinator(init, names=names, clients_per_round=1, min_available=1, deadline_seconds=4.0)
+    rng = np.random.default_rng(1)
+    gate, training = threading.Event(), threading.Event()
+
+    class Held(GatedTrainer):
+        def train(self, *args, **kwargs):
+            training.set()
+            return super().train(*args, **kwargs)
+
+    trainer = Held(model, ArrayDataset(rng.standard_normal((32, 16)).astype(np.float32), rng.integers(0, 4, 32)),
+                   gate=gate)
+    agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="a", poll_seconds=1.0,
+                              give_up_after=2.0), trainer)
+    ended = []
+
+    def run():
+        try:
+            agent.run()
+        except FatalAgentError as exc:  # after the deadline it finds no coordinator for give_up_after: it gives up
+            ended.append(str(exc))
+
+    with caplog.at_level("INFO", logger="fedpar.client.transfer"):
+        runner = threading.Thread(target=run)
+        runner.start()
+        assert training.wait(30)
+        server.stop(grace=0)
+        gate.set()
+        runner.join(60)
+    assert not runner.is_alive() and ended and "unreachable for 2.0s" in ended[0], ended
+    said = [r.getMessage() for r in caplog.records if "coordinator unreachable while uploading" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("a: coordinator unreachable while uploading (") and \
+        "retrying until the round's deadline" in said[0], said
