@@ -118,4 +118,4 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
         print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
     print(end.outputs.wrote_line(Path(args.out)))
     return run_exit_code("fedpar serve", end.outputs.summary,
-                         signal_name(end.stopped_by) if end.stopped_by is not None else None)
+                         signal_name(end.stopped_by) if end.stopped_by is not None else None, args.task)

@@ -208,7 +208,7 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     written = RunOutputs(summary, summary.pop("written"))
     print(json.dumps(summary, indent=2))
     print(written.wrote_line(cfg.out))
-    return run_exit_code("fedpar simulate", summary, stop.signal)
+    return run_exit_code("fedpar simulate", summary, stop.signal, cfg.task)
 
 
 

@@ -84,15 +84,22 @@ def check_port_free(host: str, port: int, option: str = "--port") -> None:
                             exit_code=1) from None
 
 
-def run_exit_code(command: str, summary: dict, signal_name: str | None = None) -> int:
+def run_exit_code(command: str, summary: dict, signal_name: str | None = None, task: str | None = None) -> int:
     """128 + the number of the signal that stopped an interrupted run (130 for SIGINT, the default; 143 for
-    SIGTERM), 1 (with one line saying so) when every round failed, else 0."""
+    SIGTERM), 1 (with one line saying so: the members' own failure when their code failed the last round's tasks,
+    naming ``task``, the --task reference) when every round failed, else 0."""
     if summary.get("interrupted"):
         print(f"{command}: interrupted after {summary['rounds']} completed rounds", file=sys.stderr)
         return exit_code(signal_name or "SIGINT")
     if summary["rounds"] and summary["failed_rounds"] == summary["rounds"]:
-        print(f"{command}: every round failed ({summary['rounds']} of {summary['rounds']}): too few updates arrived "
-              "(see close_reason in metrics.jsonl); check --min-reports, --deadline and the agents' logs",
-              file=sys.stderr)
+        failed = f"{command}: every round failed ({summary['rounds']} of {summary['rounds']})"
+        error = summary.get("training_error")
+        if error and task:
+            print(f"{failed}: the task's {error}: fix the task ({task})", file=sys.stderr)
+        elif error:
+            print(f"{failed}: the members' {error}", file=sys.stderr)
+        else:
+            print(f"{failed}: too few updates arrived (see close_reason in metrics.jsonl); check --min-reports, "
+                  "--deadline and the agents' logs", file=sys.stderr)
         return 1
     return 0

@@ -65,6 +65,7 @@ class EngineTrainer:
     framework = "torch"
     reads_task_settings = False
     evaluates_together = True
+    survives_failed_training = False  # the other ranks raised too, or wait in a collective rank 0 left
 
     def __init__(self, task: Task, data: ClientData, info: DistInfo, parallel: ParallelConfig, seed: int = 0,
                  shuffle: bool = True, idle_timeout_seconds: float = 7 * 86400.0, warm_up: bool = True):

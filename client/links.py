@@ -270,6 +270,7 @@ class AgentLink:
         self.small_below = SMALL_UPDATE_BYTES  # updates of fewer bytes go whole, without waiting for admission
         self._heartbeat_seconds = 5.0
         self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
+        self._failure = ""  # why the agent's own code failed that task, told with it
         self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
 
     def join(self) -> None:
@@ -287,7 +288,8 @@ class AgentLink:
     def pull(self) -> Pulled:
         """One PullTask long-poll."""
         reply = self.conn.stub.PullTask(pb.PullTaskRequest(auth=self.auth, wait_seconds=self.config.poll_seconds,
-                                                           finished_task_id=self._finished_task_id),
+                                                           finished_task_id=self._finished_task_id,
+                                                           failure=self._failure),
                                         timeout=self.config.poll_seconds + 30)
         kind = reply.WhichOneof("kind")
         if kind == "shutdown_reason":
@@ -304,7 +306,13 @@ class AgentLink:
 
     def finished(self, task: pb.TrainTask) -> None:
         """Done with ``task``: said on the next pull, so it is not handed out again."""
+        if task.task_id != self._finished_task_id:
+            self._failure = ""
         self._finished_task_id = task.task_id
+
+    def failed(self, i: int, task: pb.TrainTask, reason: str) -> None:
+        """The agent's own code failed ``task`` (``reason``: one line): said with it on the next pull."""
+        self._finished_task_id, self._failure = task.task_id, reason
 
     def small_sender(self, topk: bool, stub: CoordinatorStub) -> SendSmall:
         """How a small update goes: one UploadSmall call."""
@@ -338,6 +346,8 @@ class HostLink:
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
+        self._failures: list[pb.TaskFailure] = []  # members' tasks their own code failed, for the next call
+        self._failures_lock = threading.Lock()  # the seats add them, the pulls take them
         self._forget_queued = forget_queued
         self._in_flight = 0  # members' tasks queued or training: their updates may still join the next batch
         self._in_flight_lock = threading.Lock()
@@ -381,10 +391,14 @@ class HostLink:
         """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the
         coordinator let go; the others wait, their simulated finish times reported on the next call)."""
         away, back = self.members.availability_changes(self.clock_seconds)
+        with self._failures_lock:
+            failures = list(self._failures)
         reply = self._tasks.send(pb.PullHostTasksRequest(
             host=self.host, wait_seconds=self.config.poll_seconds, away=away, back=back,
-            finish_estimates=self._estimates), timeout=self.config.poll_seconds + 30)
+            finish_estimates=self._estimates, failures=failures), timeout=self.config.poll_seconds + 30)
         self._estimates = []
+        with self._failures_lock:  # told (seats only add at the end)
+            del self._failures[:len(failures)]
         if reply.shutdown_reason:
             return Pulled(shutdown=reply.shutdown_reason)
         if reply.tasks and self._held:  # tasks held from an older round are moot once a newer one opens
@@ -419,6 +433,12 @@ class HostLink:
 
     def finished(self, task: pb.TrainTask) -> None:
         """Nothing to tell: the coordinator counts a member's task done when its update arrives."""
+
+    def failed(self, i: int, task: pb.TrainTask, reason: str) -> None:
+        """Member ``i``'s own code failed ``task`` (``reason``: one line): said on the host's next pull."""
+        with self._failures_lock:
+            self._failures.append(pb.TaskFailure(agent_id=self.members.member_id(i), task_id=task.task_id,
+                                                 reason=reason))
 
     def small_sender(self, topk: bool, stub: CoordinatorStub) -> SendSmall:
         """How a small update goes: in the host's next batch to ``stub`` (the coordinator, or the aggregator rank the

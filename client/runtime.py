@@ -38,11 +38,12 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.task import stop_training_at, upload_timeout
+from fedpar.task import raised, stop_training_at, upload_timeout
 
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 EVALUATED_TOGETHER = 128  # members whose validation splits one pass scores at most (bounds the data held at once)
+MAX_REASON_CHARS = 500  # of the line a member's failed task is told to the coordinator with
 
 
 @dataclass
@@ -144,7 +145,7 @@ class ClientRuntime:
                                                       name=f"fedpar-seat{s}") for s, seat in enumerate(self.seats)]
         try:
             if self.seats:  # torch's lazy set-up (client batching's torch.func too) before joining, not in round 1
-                self.seats[0].trainer.warm_up()
+                self._warm_up(self.seats[0])
             self._calls.join()
             for w in workers:
                 w.start()
@@ -201,7 +202,7 @@ class ClientRuntime:
 
     def _seat(self, seat: Seat) -> None:
         """Run queued tasks on ``seat``, each as its member, for that task only."""
-        seat.trainer.warm_up()
+        self._warm_up(seat)
         while (item := self._tasks.get()) is not None:
             i, task = item
             try:
@@ -210,6 +211,16 @@ class ClientRuntime:
                 log.exception("%s: task of %s failed", self.config.agent_id, self.members.member_id(i))
             finally:  # its update, if any, is queued by now
                 self.link.tasks_in_flight(-1)
+
+    def _warm_up(self, seat: Seat) -> None:
+        """``seat``'s trainer's warm-up; one that raises (the task's loss, say) is left for the training to report,
+        member by member, as its task fails."""
+        try:
+            seat.trainer.warm_up()
+        except Exception:
+            if not seat.trainer.survives_failed_training:
+                raise
+            log.debug("%s: warm-up failed; the training will say why", self.config.agent_id, exc_info=True)
 
     def _forget_queued(self) -> None:
         """Forget the members' tasks no seat has started (training is over, or their sessions are gone)."""
@@ -231,16 +242,21 @@ class ClientRuntime:
         member = self.members.member_id(i)
         # held from the start: a member whose data fails to load leaves its round's stack at once
         with seat.trainer.holding_task(task.round):
-            self.members.assign(seat.trainer, i, task)
-            if task.flower_message:  # a Flower App run's round: the member answers the Message its task carries
-                finished = self._reply(i, member, self.link.member_auth(i), task)
-            elif self.layout is None:  # members that only answer Messages get a round of fedpar's own
-                self._note_refusal(member, "task", ValueError(
-                    "this coordinator runs fedpar's strategies, which need the app's initial arrays: name them in "
-                    "its pyproject.toml ([tool.fedpar] model = 'module:factory'), or serve the app with --flower-app"))
-                finished = True
+            try:
+                self.members.assign(seat.trainer, i, task)
+            except Exception as err:  # the member's data (the task's client_data, say)
+                finished = self._failed(seat, i, task, "data", err)
             else:
-                finished = self._train_and_upload(seat, i, member, self.link.member_auth(i), task)
+                if task.flower_message:  # a Flower App run's round: the member answers the Message its task carries
+                    finished = self._reply(i, member, self.link.member_auth(i), task)
+                elif self.layout is None:  # members that only answer Messages get a round of fedpar's own
+                    self._note_refusal(member, "task", ValueError(
+                        "this coordinator runs fedpar's strategies, which need the app's initial arrays: name them "
+                        "in its pyproject.toml ([tool.fedpar] model = 'module:factory'), or serve the app with "
+                        "--flower-app"))
+                    finished = True
+                else:
+                    finished = self._train_and_upload(seat, i, member, self.link.member_auth(i), task)
         if finished:
             self.link.finished(task)
         return finished
@@ -267,7 +283,10 @@ class ClientRuntime:
             seat.compression.give_residual(settings, self.residuals.load(member))
         seat.trainer.set_arrays(weights)
         metrics: dict[str, float] = {}
-        evaluation = self._evaluation(seat, i, task.round, settings) if settings.evaluate else None
+        try:
+            evaluation = self._evaluation(seat, i, task.round, settings) if settings.evaluate else None
+        except Exception as err:  # the task's evaluation, say
+            return self._failed(seat, i, task, "evaluation", err)
         if evaluation is not None:
             metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
         stop_at = stop_training_at(deadline_at, time.monotonic() - received, self.config.upload_margin_seconds)
@@ -280,7 +299,10 @@ class ClientRuntime:
                                             proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)
             except UpdateRefused as err:  # e.g. a Flower ClientApp's reply that cannot be an update
                 self._note_refusal(member, f"round {task.round} train", err, logging.WARNING)  # the user's code
+                self.link.failed(i, task, f"training made no update: {err}")
                 return True
+            except Exception as err:  # the task's code, say (its training step raised)
+                return self._failed(seat, i, task, "training", err)
         if result.examples == 0:
             log.warning("%s: no time left to train in round %d; skipping the upload", member, task.round)
             return True
@@ -290,6 +312,22 @@ class ClientRuntime:
             mode.close()
         if self.residuals is not None:
             self.residuals.save(member, seat.compression.take_residual())
+        return True
+
+    def _failed(self, seat: Seat, i: int, task: pb.TrainTask, stage: str, err: Exception) -> bool:
+        """Member ``i``'s own code raised ``err`` in its ``stage`` of ``task`` (data, evaluation, training): noted
+        in one line (its traceback in the debug log) and told to the coordinator at once, so that the round does not
+        wait out its deadline for the update that will not come; True (done with the task). On a trainer that a
+        failure leaves unfit for the next task (an engine's ranks stop together) ``err`` is raised on."""
+        if not seat.trainer.survives_failed_training:
+            raise err
+        member = self.members.member_id(i)
+        reason = f"{stage} raised {raised(err)}"[:MAX_REASON_CHARS]
+        log.debug("%s: round %d %s", member, task.round, reason, exc_info=err)
+        # a deployed agent's log is its operator's only view; a population's members are said by the coordinator
+        self._note_refusal(member, f"round {task.round} task", reason,
+                           logging.INFO if self.members.population else logging.WARNING)
+        self.link.failed(i, task, reason)
         return True
 
     def _reply(self, i: int, member: str, auth: pb.AgentAuth, task: pb.TrainTask) -> bool:
@@ -443,7 +481,7 @@ class ClientRuntime:
         """How member ``member``'s refusals are noted (for the round modes)."""
         return functools.partial(self._note_refusal, member)
 
-    def _note_refusal(self, member: str, what: str, err: Exception, level: int = logging.INFO) -> None:
+    def _note_refusal(self, member: str, what: str, err: Exception | str, level: int = logging.INFO) -> None:
         detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
         if isinstance(err, dataplane.DataPlaneRefused):
             detail = dataplane.refusal_text(err)

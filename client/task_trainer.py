@@ -113,6 +113,7 @@ class TaskTrainer:
     framework = "torch"
     reads_task_settings = False
     evaluates_together = True
+    survives_failed_training = True
 
     def __init__(self, task: Task, data: ClientData, seed: int = 0, device: torch.device | str = "cpu",
                  precision: str = "fp32", seconds_per_step_delay: float = 0.0,

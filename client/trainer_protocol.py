@@ -31,6 +31,9 @@ class Trainer(Protocol):
     reads_task_settings: ClassVar[bool]  # train() takes the task's settings (``settings=``), e.g. a Flower fit config
     # evaluate_splits scores other members' validation splits (a host's members of a round, in one pass)
     evaluates_together: ClassVar[bool]
+    # a train() (or evaluate) that raised leaves it fit for the next task: the runtime tells the coordinator that the
+    # member's task failed and goes on (False: the error ends the runtime, as an engine's ranks stop together)
+    survives_failed_training: ClassVar[bool]
 
     @property
     def num_examples(self) -> int:
@@ -77,6 +80,7 @@ class HeldArrays:
     client or ClientApp): it holds the round's global arrays, the trained ones and the task's round."""
 
     evaluates_together = False  # the client evaluates its own data only
+    survives_failed_training = True
     _global: list[np.ndarray] | None = None
     _trained: list[np.ndarray] | None = None
     _round = 0

@@ -29,6 +29,12 @@ class TaskError(ValueError):
     """A task that cannot be run as it is, with the line that says what to change."""
 
 
+def raised(exc: BaseException) -> str:
+    """What the task's own code raised, in one line: 'TypeError: the first line of its message'."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 @dataclass(frozen=True)
 class Partition:
     """Which share of the data a client holds: share ``index`` of ``count``, and how the shares are drawn.
@@ -184,7 +190,8 @@ class Task:
       weighs the update), or the built-in loop: ``loss(model(inputs), targets)`` over the batches of
       ``loader(dataset, batch_size, generator)`` (default: shuffled batches of (inputs, targets)), stepped by
       ``optimizer(parameters, lr)`` (default: plain SGD at the round's learning rate), epoch after epoch until the
-      deadline.
+      deadline. The loop calls the optimizer's ``step()`` once per batch, without a closure: an optimizer whose
+      step needs one (``torch.optim.LBFGS``) is refused when the task loads; step it in your own ``train``.
     - ``evaluate(model, dataset) -> {name: value}``: named metrics (the built-in one: the mean ``loss``, and
       ``accuracy`` when the model outputs class scores for integer labels). Central evaluation reports them as
       ``test_NAME``, agents on their validation sets as ``federated_eval_NAME``.
@@ -226,8 +233,37 @@ class Task:
         if self.evaluate is None and self.loss is None:
             problems.append("it needs an evaluate(model, dataset) returning named metrics, or a loss the built-in "
                             "evaluation can average")
+        if self.train is None and callable(self.optimizer):
+            problems += self._optimizer_problems()
         if problems:
             raise TaskError(f"task {self.name!r}: " + "; ".join(problems))
+
+    def _optimizer_problems(self) -> list[str]:
+        """Why the built-in loop cannot step what ``optimizer`` makes (it calls ``step()`` once per batch, with no
+        closure), made for one stand-in parameter; none when the factory needs the model's own parameters (its
+        training then says what is wrong)."""
+        import inspect
+
+        import torch
+
+        try:
+            optimizer = self.optimizer([torch.zeros(1, requires_grad=True)], 0.1)
+        except Exception:
+            return []
+        step = getattr(optimizer, "step", None)
+        if not callable(step):
+            return [f"optimizer(parameters, lr) must return a torch optimizer (one with step()), got a "
+                    f"{type(optimizer).__name__}"]
+        try:
+            closure = inspect.signature(step).parameters.get("closure")
+        except (TypeError, ValueError):  # a step whose signature cannot be read: stepping it says what is wrong
+            return []
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            return [f"its optimizer is a {type(optimizer).__name__}, whose step() needs a closure that evaluates the "
+                    "loss again; the built-in loop steps the optimizer once per batch without one: use another "
+                    "optimizer (SGD, Adam, AdamW, ...), or step this one with a closure in your own train(model, "
+                    "data, config, deadline) hook"]
+        return []
 
 
 @dataclass

@@ -60,14 +60,16 @@ class JoinReply(_message.Message):
     def __init__(self, token: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullTaskRequest(_message.Message):
-    __slots__ = ("auth", "wait_seconds", "finished_task_id")
+    __slots__ = ("auth", "wait_seconds", "finished_task_id", "failure")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     auth: AgentAuth
     wait_seconds: float
     finished_task_id: str
-    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., finished_task_id: _Optional[str] = ...) -> None: ...
+    failure: str
+    def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., finished_task_id: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class TrainTask(_message.Message):
     __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host", "virtual_clock", "clock_seconds", "max_steps", "clock_deadline_seconds", "flower_message")
@@ -390,18 +392,20 @@ class JoinPopulationReply(_message.Message):
     def __init__(self, host_token: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullHostTasksRequest(_message.Message):
-    __slots__ = ("host", "wait_seconds", "away", "back", "finish_estimates")
+    __slots__ = ("host", "wait_seconds", "away", "back", "finish_estimates", "failures")
     HOST_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AWAY_FIELD_NUMBER: _ClassVar[int]
     BACK_FIELD_NUMBER: _ClassVar[int]
     FINISH_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     wait_seconds: float
     away: _containers.RepeatedScalarFieldContainer[str]
     back: _containers.RepeatedScalarFieldContainer[str]
     finish_estimates: _containers.RepeatedCompositeFieldContainer[FinishEstimate]
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., away: _Optional[_Iterable[str]] = ..., back: _Optional[_Iterable[str]] = ..., finish_estimates: _Optional[_Iterable[_Union[FinishEstimate, _Mapping]]] = ...) -> None: ...
+    failures: _containers.RepeatedCompositeFieldContainer[TaskFailure]
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., away: _Optional[_Iterable[str]] = ..., back: _Optional[_Iterable[str]] = ..., finish_estimates: _Optional[_Iterable[_Union[FinishEstimate, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[TaskFailure, _Mapping]]] = ...) -> None: ...
 
 class FinishEstimate(_message.Message):
     __slots__ = ("agent_id", "task_id", "seconds")
@@ -412,6 +416,16 @@ class FinishEstimate(_message.Message):
     task_id: str
     seconds: float
     def __init__(self, agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class TaskFailure(_message.Message):
+    __slots__ = ("agent_id", "task_id", "reason")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    task_id: str
+    reason: str
+    def __init__(self, agent_id: _Optional[str] = ..., task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class HostedTask(_message.Message):
     __slots__ = ("agent_id", "task")

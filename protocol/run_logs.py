@@ -21,7 +21,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 from fedpar.protocol.atomicfile import atomic_path, atomic_write_bytes
 
 TAIL_ROWS = 64  # rows metrics.csv may lack after a crash before its lines are copied from the end of metrics.jsonl
-_LAST_KEYS = ("test_accuracy", "dp_epsilon", "sim_seconds")  # what the summary reads from the last row
+# what the summary reads from the last row (training_error: why its members' own code failed their tasks)
+_LAST_KEYS = ("test_accuracy", "dp_epsilon", "sim_seconds", "training_error")
 TENSORBOARD_HINT = "--tensorboard needs the tensorboard package: pip install 'fedpar[tensorboard]'"
 
 
@@ -159,7 +160,8 @@ class RoundMetricsLog:
 @dataclass
 class RunningSummary:
     """Accuracy, rounds and failed rounds, mean round seconds and upload bytes, the privacy budget spent, simulated
-    seconds under a virtual clock, and the time to ``target_accuracy`` if given, from the rows taken so far."""
+    seconds under a virtual clock, why the last round's members' own code failed their tasks, and the time to
+    ``target_accuracy`` if given, from the rows taken so far."""
 
     target_accuracy: float | None = None
     rounds: int = 0
@@ -197,6 +199,8 @@ class RunningSummary:
             out["final_dp_epsilon"] = self.last["dp_epsilon"]
         if "sim_seconds" in self.last:
             out["sim_seconds"] = self.last["sim_seconds"]
+        if "training_error" in self.last:
+            out["training_error"] = self.last["training_error"]
         if self.target_accuracy is not None:
             hit = self.hit
             out.update(target_accuracy=self.target_accuracy, rounds_to_target=hit["round"] if hit else None,

@@ -291,16 +291,17 @@ class CoordinatorService:
             yield reply
 
     async def _host_tasks(self, host: HostRecord, request: pb.PullHostTasksRequest, context) -> pb.PullHostTasksReply:
-        """One long-poll of ``host`` (authenticated): the tasks of its sampled members, its availability changes and
-        finish estimates noted."""
+        """One long-poll of ``host`` (authenticated): the tasks of its sampled members, its availability changes,
+        finish estimates and failed tasks noted."""
         return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away, request.back,
-                                                        request.finish_estimates, self.coord)
+                                                        request.finish_estimates, self.coord, request.failures)
 
     async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
         """Long-poll for a task."""
         agent = self._auth(request.auth, context)
         with self.limits.agent_call(agent.agent_id):
-            return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id)
+            return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id,
+                                              request.failure)
 
     async def DownloadWeights(self, request: pb.DownloadRequest, context):
         """Stream the pre-serialized global weights of the agent's current round."""

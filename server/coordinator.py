@@ -45,6 +45,7 @@ from fedpar.server.virtual_clock import VirtualClock
 
 log = logging.getLogger("fedpar.server")
 TRIM_SECONDS = 1.0  # the least time between two heap trims (rounds shorter than this share one)
+MAX_FAILURE_CHARS = 500  # of an agent's reason for a failed task, as the round's row keeps it
 # a central evaluation that took less runs on the loop the next round, once that round's tasks went out: on a busy
 # machine waking a worker thread for it costs about as much
 LOOP_EVALUATION_SECONDS = 0.005
@@ -303,13 +304,20 @@ class Coordinator(IngestPlane):
         else:
             status = "failed"
             await self._model_work(self.strategy.abort_round)
-            log.warning("round %d failed: %d accepted updates < min_reports=%d; global model unchanged",
-                        state.round_id, state.accepted, state.min_reports)
+            failures = f" ({state.training_failures} of {state.sampled} sampled agents failed their task)" \
+                if state.training_failures else ""
+            log.warning("round %d failed: %d accepted updates < min_reports=%d%s; global model unchanged",
+                        state.round_id, state.accepted, state.min_reports, failures)
+        if status == "ok" and state.training_failures:  # (a failed run's last line names the error, once)
+            log.warning("round %d: %d of %d sampled agents failed their task: %s", state.round_id,
+                        state.training_failures, state.sampled, state.training_error)
         self.round_id = state.round_id
         row = {"round": state.round_id, "status": status, "sampled": state.sampled,
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
                "examples": state.examples, "close_reason": state.close_reason,
                "cohort_digest": cohort_digest(state.slots)}
+        if state.training_error:
+            row["training_error"] = state.training_error
         row.update(_weighted_client_metrics(state.metrics))
         evaluated = [m for _, m in state.metrics if m.get("eval_examples", 0) > 0]
         strategy_eval = await self._model_work(self.strategy.aggregate_evaluation, evaluated) if evaluated else None
@@ -395,9 +403,12 @@ class Coordinator(IngestPlane):
         return self.finished and self.members.everyone_told()
 
     async def next_task(self, agent: AgentRecord, wait_seconds: float,
-                        finished_task_id: str = "") -> pb.PullTaskReply:
+                        finished_task_id: str = "", failure: str = "") -> pb.PullTaskReply:
         """A task for ``agent`` if it has one, waiting up to ``wait_seconds`` for one to appear
-        (``finished_task_id``: the task the agent says it is done with, never handed out again)."""
+        (``finished_task_id``: the task the agent says it is done with, never handed out again; ``failure``: why
+        its own code failed that task, see :meth:`task_failed`)."""
+        if failure:
+            self.task_failed(agent.agent_id, finished_task_id, failure)
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
             reply = self.task_for(agent, finished_task_id)
@@ -406,6 +417,15 @@ class Coordinator(IngestPlane):
             if not await self.members.wait(agent.agent_id, deadline):
                 return pb.PullTaskReply(wait_seconds=0.0)
             agent.last_seen = time.monotonic()
+
+    def task_failed(self, agent_id: str, task_id: str, reason: str) -> None:
+        """``agent_id``'s own code failed its task ``task_id`` of the open round (its training raised: ``reason``,
+        one line): it answered with no update, so the round need not wait out its deadline for it. A task of
+        another round, or one that sent an update already, is left as it is."""
+        state = self.current
+        slot = state.slots.get(agent_id) if state is not None and not state.closed else None
+        if slot is not None and slot.task_id == task_id and slot.status == "pending":
+            state.training_failed(slot, " ".join(reason.split())[:MAX_FAILURE_CHARS])
 
     def task_for(self, agent: AgentRecord, finished_task_id: str = "",
                  with_weights: bool = True) -> pb.PullTaskReply | None:

@@ -42,6 +42,9 @@ class TaskDesk(Protocol):
     def inline_weights(self) -> tuple[bytes, bytes] | None:
         """The current round's small model (serialized ModelHeader, tensor bytes), None if it is not sent inline."""
 
+    def task_failed(self, agent_id: str, task_id: str, reason: str) -> None:
+        """A member's own code failed its task (``reason``: one line): it answered with no update."""
+
 
 class Members:
     """Agents that joined by themselves: the registry's agents, the wake-up of each one's long-poll, and who has
@@ -116,7 +119,7 @@ class Members:
 
     async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str],
                               back: Sequence[str], finish_estimates: Sequence[pb.FinishEstimate],
-                              desk: TaskDesk) -> pb.PullHostTasksReply:
+                              desk: TaskDesk, failures: Sequence[pb.TaskFailure] = ()) -> pb.PullHostTasksReply:
         """A Refusal: there are no simulation hosts here."""
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")

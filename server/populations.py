@@ -98,19 +98,20 @@ class Populations(Members):
 
     async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str],
                               back: Sequence[str], finish_estimates: Sequence[pb.FinishEstimate],
-                              desk: TaskDesk) -> pb.PullHostTasksReply:
+                              desk: TaskDesk, failures: Sequence[pb.TaskFailure] = ()) -> pb.PullHostTasksReply:
         """The tasks of ``host``'s members sampled since its last call (and those the clock let go), waiting up to
         ``wait_seconds`` for some; ``away`` / ``back``: its members that went offline or came back (not sampled
-        while away); ``finish_estimates``: its members' simulated finish times for their held tasks."""
+        while away); ``finish_estimates``: its members' simulated finish times for their held tasks;
+        ``failures``: its members whose own code failed their task."""
         if away or back:
             self.registry.set_away(host.host_id, list(away), list(back))
             self._changed.set()
         for estimate in finish_estimates:
-            record = self.registry.get(estimate.agent_id)
-            if record is None or record.host != host.host_id:
-                raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                              f"{estimate.agent_id[:128]!r} is not a member of host {host.host_id!r}")
+            self._check_member(host, estimate.agent_id)
             desk.clock.record(desk.current, estimate.agent_id, estimate.task_id, estimate.seconds)
+        for failure in failures:
+            self._check_member(host, failure.agent_id)
+            desk.task_failed(failure.agent_id, failure.task_id, failure.reason)
         key = HOST_WAKEUP + host.host_id
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
@@ -121,6 +122,13 @@ class Populations(Members):
             if out.tasks or out.go or not await self.wait(key, deadline):
                 return out
             host.last_seen = time.monotonic()
+
+    def _check_member(self, host: HostRecord, agent_id: str) -> None:
+        """A Refusal unless ``agent_id`` is a member of ``host``."""
+        record = self.registry.get(agent_id)
+        if record is None or record.host != host.host_id:
+            raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"{agent_id[:128]!r} is not a member of host "
+                                                             f"{host.host_id!r}")
 
     def _reply(self, host_id: str, desk: TaskDesk) -> pb.PullHostTasksReply:
         """The tasks (at most MAX_HOSTED_TASKS; the next call takes the rest) and go-aheads waiting for ``host_id``,

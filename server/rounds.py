@@ -74,6 +74,8 @@ class RoundState:
     fold_group_max: int = 0  # the most updates one of them took
     download_bytes: int = 0  # model bytes sent to agents this round (inline in tasks, or completed downloads)
     refused: dict[str, int] = field(default_factory=dict)  # upload refusals by gRPC status, e.g. resource_exhausted
+    training_failures: int = 0  # sampled agents whose own code failed their task (rejected, with no update)
+    training_error: str = ""  # the first one's reason, e.g. "training raised TypeError: ..."
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
@@ -167,14 +169,21 @@ class RoundState:
         self.examples -= report[0]
         self.metrics.remove(report)
 
-    def reject(self, slot: AgentSlot, message: str) -> None:
+    def reject(self, slot: AgentSlot, message: str, level: int = logging.WARNING) -> None:
         """Record a refused update (bad content); it never touches the model."""
         slot.status = "rejected"
         self.rejected += 1
-        log.warning("round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
+        log.log(level, "round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
         if self.on_reject is not None:
             self.on_reject(slot, message)
         self.close_if_done()
+
+    def training_failed(self, slot: AgentSlot, reason: str) -> None:
+        """Record a sampled agent whose own code failed its task (``reason``: one line): it answered with no update,
+        rejected as a refused update is, and said once in the round's log line rather than once per agent."""
+        self.training_failures += 1
+        self.training_error = self.training_error or reason
+        self.reject(slot, f"its {reason}", logging.INFO)
 
     def late(self) -> int:
         """Sampled agents whose update had not been accepted or rejected when the round closed."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from fedpar.models.references import load_reference
 from fedpar.settings import SIMPLE_TYPES, coerce_value
-from fedpar.task import Task, TaskError
+from fedpar.task import Task, TaskError, raised
 
 
 def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
@@ -36,7 +36,12 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
         task = target
     elif callable(target):
         arguments, options = factory_arguments(ref, target, options)
-        task = target(**arguments)
+        try:
+            task = target(**arguments)
+        except TaskError:
+            raise
+        except Exception as exc:  # the task's own code: one line, as a file that fails to run is said
+            raise TaskError(f"--task {ref}: the factory raised {raised(exc)}") from exc
     else:
         raise TaskError(f"--task {ref} is a {type(target).__name__}; it must name a function returning a fedpar.Task")
     if not isinstance(task, Task):

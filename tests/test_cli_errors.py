@@ -82,6 +82,22 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
     assert not (certs / "revoked.txt").exists()  # nothing was revoked
 
 
+def test_a_task_factory_that_raises_is_one_line_naming_it_and_its_error_on_every_command(tmp_path):
+    # it was a traceback, where the same file's failing import was one line already
+    (tmp_path / "raise_task.py").write_text("def task():\n    raise RuntimeError('boom')\n")
+    ref = f"{tmp_path / 'raise_task.py'}:task"
+    commands = [["simulate", "--clients", "20", "--rounds", "2", "--out", str(tmp_path / "sim")],
+                ["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "served")],
+                ["client", "--insecure", "--agent-id", "a", "--server", "127.0.0.1:1"],
+                ["train", "--out", str(tmp_path / "trained")]]
+    procs = [_start([*args, "--task", ref], tmp_path) for args in commands]  # side by side
+    for args, (rc, out, err) in zip(commands, [_finish(p) for p in procs]):
+        assert rc == 2, (args, err)
+        assert "Traceback" not in out, out
+        line = _one_line(err, "boom")
+        assert line == f"fedpar {args[0]}: --task {ref}: the factory raised RuntimeError: boom", line
+
+
 def test_debug_shows_the_traceback(tmp_path):
     (tmp_path / "a-file").write_text("")
     rc, _, err = _finish(_start(["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "a-file" / "run"),

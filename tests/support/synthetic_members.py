@@ -39,6 +39,7 @@ class NoiseTrainer:
     framework = "torch"
     reads_task_settings = False
     evaluates_together = False
+    survives_failed_training = True
     num_examples = EXAMPLES
 
     def __init__(self, names: list[str], arrays: list[np.ndarray]):

@@ -1,0 +1,150 @@
+"""A task whose own code raises as its members train: each member tells the coordinator at once (the runtime's one
+failure report), so a round does not wait out its deadline for updates that will not come, and a run that fails
+because of it ends with one line naming the task's error, with no traceback; an optimizer the built-in loop cannot
+step (LBFGS, whose step needs a closure) is refused when the task loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedpar.cli.main import main
+from support.own_task import write_table
+
+FEDPAR = [sys.executable, "-m", "fedpar"]
+DEADLINE = 60
+
+TASKS = '''
+import torch
+from torch import nn
+from fedpar import Task
+from fedpar.datasets.tables import load_csv_table
+from fedpar.tasks import share_of
+
+TABLE = load_csv_table({csv!r})
+
+
+class Broken(torch.optim.SGD):
+    def step(self, closure=None):
+        raise TypeError("Broken.step() cannot step\\nits second line")
+
+
+def bad_loss(outputs, targets):
+    raise ValueError("this loss is broken")
+
+
+def _task(**hooks):
+    features, classes = TABLE.input_shape[0], TABLE.num_classes
+    hooks.setdefault("loss", nn.functional.cross_entropy)
+    return Task(model=lambda: nn.Sequential(nn.Linear(features, 8), nn.ReLU(), nn.Linear(8, classes)),
+                client_data=lambda partition: share_of(TABLE.train, partition), test_data=lambda: TABLE.test,
+                **hooks)
+
+
+def step_raises():
+    return _task(optimizer=lambda params, lr: Broken(params, lr))
+
+
+def loss_raises():
+    return _task(loss=bad_loss, evaluate=lambda model, dataset: {{"accuracy": 0.5}})
+
+
+def lbfgs():
+    return _task(optimizer=lambda params, lr: torch.optim.LBFGS(params, lr))
+'''
+
+
+@pytest.fixture
+def tasks(tmp_path: Path) -> Path:
+    path = tmp_path / "broken_tasks.py"
+    path.write_text(TASKS.format(csv=str(write_table(tmp_path / "table.csv"))))
+    return path
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 240) -> tuple[int, str, str, float]:
+    started = time.monotonic()
+    out = subprocess.run([*FEDPAR, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out.returncode, out.stdout, out.stderr, time.monotonic() - started
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_simulated_task_whose_training_step_raises_fails_its_rounds_at_once_and_says_so_in_one_line(tasks):
+    # 15 members' tracebacks and 60 s a round (185 s for 3 rounds) before: now no round waits for the deadline
+    ref = f"{tasks}:step_raises"
+    out = tasks.parent / "run"
+    rc, stdout, stderr, seconds = _run(["simulate", "--task", ref, "--clients", "20", "--clients-per-round", "5",
+                                        "--rounds", "2", "--deadline", str(DEADLINE), "--out", str(out)], tasks.parent)
+    assert rc == 1, stderr
+    assert "Traceback" not in stdout + stderr, stderr
+    line = (f"fedpar simulate: every round failed (2 of 2): the task's training raised TypeError: Broken.step() cannot "
+            f"step: fix the task ({ref})")
+    assert stderr.strip().splitlines()[-1] == line
+    assert sum("Broken.step()" in text for text in stderr.splitlines()) == 1, stderr  # named once, at the end
+    rows = _rows(out)
+    assert [(r["status"], r["rejected"], r["close_reason"]) for r in rows] == \
+        [("failed", 5, "every sampled agent answered")] * 2
+    assert all(r["training_error"] == "training raised TypeError: Broken.step() cannot step" for r in rows)
+    assert sum(r["round_seconds"] for r in rows) < 20, rows  # not 2 x the deadline
+    assert seconds < DEADLINE, seconds
+    assert json.loads((out / "summary.json").read_text())["training_error"] == rows[-1]["training_error"]
+
+
+def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serving(tasks):
+    # the loss raises: the agent's warm-up leaves it to the training, which each round tells the coordinator of
+    ref = f"{tasks}:loss_raises"
+    out = tasks.parent / "served"
+    started = time.monotonic()
+    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--task", ref, "--min-available", "1",
+                              "--clients-per-round", "1", "--rounds", "2", "--deadline", str(DEADLINE),
+                              "--out", str(out)], cwd=tasks.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        for line in serve.stdout:
+            lines.append(line)
+            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                break
+        assert match, "".join(lines)
+        rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{match.group(1)}", "--task",
+                                      ref, "--agent-id", "alice", "--threads", "1", "--give-up-after", "30"],
+                                     tasks.parent, timeout=120)
+        served = "".join(lines) + serve.communicate(timeout=60)[0]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert rc == 0, stdout + stderr
+    assert "Traceback" not in stdout + stderr, stderr
+    for round_id in (1, 2):  # the agent's own log: one line a round
+        assert f"alice: round {round_id} task refused: training raised ValueError: this loss is broken" in stderr
+    assert "2 tasks, 0 updates accepted, 2 refused" in stdout
+    assert serve.returncode == 1 and "Traceback" not in served, served
+    assert served.strip().splitlines()[-1] == (f"fedpar serve: every round failed (2 of 2): the task's training "
+                                               f"raised ValueError: this loss is broken: fix the task ({ref})")
+    assert sum(r["round_seconds"] for r in _rows(out)) < 20
+    assert time.monotonic() - started < DEADLINE
+
+
+@pytest.mark.parametrize("command", [["simulate", "--clients", "2", "--out", "out"],
+                                     ["serve", "--insecure", "--port", "0", "--out", "out"],
+                                     ["client", "--insecure", "--server", "127.0.0.1:1", "--agent-id", "a"],
+                                     ["train", "--out", "out"]], ids=lambda c: c[0])
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_the_task_loads(command, tasks, capsys, monkeypatch):
+    monkeypatch.chdir(tasks.parent)
+    assert main([*command, "--task", f"{tasks}:lbfgs"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (f"fedpar {command[0]}: task '{tasks}:lbfgs': its optimizer is a LBFGS, whose step() needs a "
+                         "closure that evaluates the loss again; the built-in loop steps the optimizer once per batch "
+                         "without one: use another optimizer (SGD, Adam, AdamW, ...), or step this one with a "
+                         "closure in your own train(model, data, config, deadline) hook")
+    assert all("Traceback" not in line for line in lines)
