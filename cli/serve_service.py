@@ -1,9 +1,10 @@
 """The long-lived form of ``fedpar serve`` (``--state PATH``): a federation that outlives its runs.
 
 Runs are submitted on the control port (``fedpar run submit``), kept in a SQLite run store and executed one at a
-time, each by a coordinator of its own on the agents' port; agents stay up across runs (a run that ends keeps
-them, they join the next run's coordinator by themselves). A run left running when the service ended (a signal,
-a crash, kill -9) resumes from its last checkpoint at the next start.
+time, each by a coordinator of its own. The agents' port is bound once for the service's life (server/agent_port.py):
+an idle coordinator answers there between runs and each run's is stacked on it, sharing its agents, so agents stay
+joined, with the sessions they have, from run to run (the port never closes, health stays SERVING). A run left
+running when the service ended (a signal, a crash, kill -9) resumes from its last checkpoint at the next start.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -47,12 +46,6 @@ class ServiceOptions:
                                              help="with --state: once listening, write the control port to this file")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _lock(path: Path):
     """An exclusive lock beside the state file: one service per state file (UserError if another holds it)."""
     handle = open(f"{path}.lock", "a")
@@ -84,8 +77,7 @@ class RunService:
         self.rank_group = rank_group  # the ServiceRanks of the other aggregator ranks (cli/serve_ranks.py), or None
         self.runs_dir = Path(f"{args.state}.runs")
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))  # one endpoint
-        self.agents_server = None  # the coordinator on the agents' port now (idle or a run's), None between them
-        self.known_tasks: dict[str, str | None] = {}  # agent id -> its task, as the latest coordinator knew them
+        self.idle = None  # the idle coordinator's server, beneath every run on the agents' port (open_agents_port)
 
     def validate(self, settings: dict) -> tuple[dict, str]:
         """A submitted run's settings, checked as serve's options and by building its coordinator's parts, and a
@@ -107,57 +99,55 @@ class RunService:
         return checked, ""
 
     def _agents_now(self) -> dict[str, str | None]:
-        """The task each agent connected now declared, as the coordinator on the agents' port knows them (between
-        two coordinators: as the last one knew them)."""
-        server = self.agents_server
-        if server is not None:
-            try:
-                self.known_tasks = server.on_loop(server.coordinator.members.declared_tasks, timeout=5.0)
-            except (RuntimeError, TimeoutError):
-                pass
-        return self.known_tasks
-
-    def _let_go(self, server) -> None:
-        """Stop ``server``, the coordinator on the agents' port, remembering which agents it had."""
-        self._agents_now()
-        self.agents_server = None
-        server.stop(grace=0.2)
-
-    def serve_forever(self) -> None:
-        """Run queued runs until a signal (KeyboardInterrupt) ends the service; between runs an idle coordinator
-        keeps the agents' port (agents stay joined, health SERVING)."""
-        idle = None
+        """The task each agent connected now declared ({} while the agents' port is not open)."""
+        if self.idle is None:
+            return {}
         try:
-            while True:
-                run = self.store.next_queued()
-                if run is None:
-                    if idle is None:
-                        idle = self.agents_server = self._idle()
-                    time.sleep(IDLE_POLL_SECONDS)
-                    continue
-                if idle is not None:
-                    self._let_go(idle)
-                    idle = None
-                end = self.execute(run)
-                if end.stopped_by is not None:
-                    raise end.stopped_by
-        finally:
-            if idle is not None:
-                self._let_go(idle)
+            return self.idle.on_loop(self.idle.coordinator.members.declared_tasks, timeout=5.0)
+        except (RuntimeError, TimeoutError):
+            return {}
 
-    def _idle(self):
-        """A started idle coordinator on the agents' port."""
+    def open_agents_port(self) -> int:
+        """Bind the agents' port for the service's life, the idle coordinator answering there; returns the port
+        (BindError when it cannot be bound)."""
         from fedpar.cli.declared import from_args
         from fedpar.cli.tlsopts import server_security
+        from fedpar.server.agent_port import AgentPort
         from fedpar.server.config import CoordinatorConfig
         from fedpar.server.idle_coordinator import idle_server
 
         security = server_security(self.args)
-        config = from_args(CoordinatorConfig, self.args, checkpoint_dir=None)
-        server = idle_server(config, security.admission, self.args.host, self.port, security.credentials,
-                             security.data_tls)
-        server.start()
-        return server
+        agents = AgentPort(from_args(CoordinatorConfig, self.args, checkpoint_dir=None), security.admission,
+                           self.args.host, self.port, security.credentials)
+        self.port = agents.open()
+        self.idle = idle_server(agents)
+        self.idle.start()
+        return self.port
+
+    def close_agents_port(self) -> None:
+        """Stop the idle coordinator and close the agents' port."""
+        if self.idle is not None:
+            self.idle.stop(grace=0.2)
+            self.idle.agent_port.close(grace=0.2)
+
+    def serve_forever(self) -> None:
+        """Run queued runs until a signal (KeyboardInterrupt) ends the service; the agents' port stays open, with
+        the idle coordinator answering between runs (agents stay joined, health SERVING)."""
+        while True:
+            run = self.store.next_queued()
+            if run is None:
+                time.sleep(IDLE_POLL_SECONDS)
+                continue
+            end = self.execute(run)
+            if end.stopped_by is not None:
+                raise end.stopped_by
+
+    def _on_agents_port(self) -> dict:
+        """Where a run's coordinator serves: on the agents' port with the idle coordinator's agents, or (no port
+        opened: the one-shot form, a simulation) on a port of its own."""
+        if self.idle is None:
+            return {}
+        return {"agent_port": self.idle.agent_port, "members": self.idle.coordinator.members}
 
     # What one form of the service does differently from the other (cli/serve_once.py overrides these).
     keeps_members = True  # the next run takes the agents: they never hear that training is over
@@ -182,8 +172,7 @@ class RunService:
         self.observers.attach_run(server, run.id)
 
     def listening(self, server, plan) -> None:
-        """``server`` started: remember it as the one on the agents' port."""
-        self.agents_server = server
+        """``server`` started (the one-shot form says where agents dial)."""
 
     def waiting(self, server) -> None:
         """Twice a second while ``server``'s rounds run."""
@@ -219,14 +208,15 @@ class RunService:
                                                           *self.round_callbacks(plan, ranks),
                                                           *([events.write] if events else [])],
                 admission=plan.security.admission, host=self.args.host, port=self.port,
-                credentials=plan.security.credentials, data_tls=plan.security.data_tls, ranks=ranks)
+                credentials=plan.security.credentials, data_tls=plan.security.data_tls, ranks=ranks,
+                **self._on_agents_port())
         except (ValueError, UserError, OSError) as exc:
             if events is not None:
                 events.close()
             return self._end(run, "failed", f"cannot start: {exc}", said=str(exc), code=2)
         server.coordinator.keeps_members = self.keeps_members
         if self.samples_by_task:
-            server.coordinator.members.require_task(task, lambda agent, why: self._say(run, why), self.known_tasks)
+            server.coordinator.sample_only(task, lambda agent, why: self._say(run, why))
         started, status, reason, stopped_by = time.monotonic(), "failed", "", None
         try:
             self.watch(server, run)
@@ -256,9 +246,7 @@ class RunService:
         except Exception as exc:  # a round's error ends this run (the one-shot form re-raises it)
             reason = self.round_error(exc, plan.config)
         finally:
-            self._agents_now()
-            self.agents_server = None
-            server.stop(grace=0.5)
+            server.stop(grace=0.5)  # on the service's port: the idle coordinator answers the agents again
             if events is not None:
                 events.close()
         outputs = self.outputs(out, server, plan, run, args,
@@ -311,6 +299,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     ``rank_group``: rank 0's ServiceRanks (cli/serve_ranks.py)."""
     from fedpar.cli.tlsopts import server_security
     from fedpar.security.tls import server_credentials, server_tls_files
+    from fedpar.server.agent_port import BindError
     from fedpar.server.run_control import RunControlServer
 
     state = Path(args.state)
@@ -340,8 +329,12 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
         store.log(run_id, line)
         print(line, flush=True)
-    port = args.port or _free_port(args.host)
-    service = RunService(args, store, port, plan, rank_group)
+    service = RunService(args, store, args.port, plan, rank_group)
+    try:
+        port = service.open_agents_port()
+    except BindError as exc:
+        print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
+        return 1
     control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
     if args.port_file:  # first: a script that sees the control port file finds both
         atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
@@ -362,6 +355,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         return 1
     finally:
         control.stop()
+        service.close_agents_port()
         service.observers.close()
         store.close()
         if lock is not None:

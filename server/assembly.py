@@ -16,9 +16,11 @@ from fedpar.datasets import DatasetSplits
 from fedpar.models import get_weights, weight_specs
 from fedpar.security.admission import Admission
 from fedpar.server.ranks.leader import RankLeader
+from fedpar.server.agent_port import AgentPort
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
+from fedpar.server.members import Members
 from fedpar.task import Task
 from fedpar.tasks.evaluation import TaskEvaluator
 from fedpar.tasks.flower_app import FlowerApp
@@ -68,9 +70,12 @@ class CoordinatorAssembly:
     def server(self, config: CoordinatorConfig, strategy: Strategy, *, on_round_end: Sequence[RoundCallback] = (),
                admission: Admission | None = None, host: str = "127.0.0.1", port: int = 0,
                credentials: grpc.ServerCredentials | None = None,
-               data_tls: ssl.SSLContext | None = None, ranks: RankLeader | None = None) -> CoordinatorServer:
+               data_tls: ssl.SSLContext | None = None, ranks: RankLeader | None = None,
+               agent_port: AgentPort | None = None, members: Members | None = None) -> CoordinatorServer:
         """A Coordinator of this model and ``strategy`` behind a CoordinatorServer that is not started yet
-        (ValueError when the Coordinator cannot be built, e.g. from a checkpoint of another model)."""
+        (ValueError when the Coordinator cannot be built, e.g. from a checkpoint of another model); on a port of its
+        own, or on ``agent_port`` (a service's) with the agents of ``members`` (those of the coordinators there)."""
         coordinator = Coordinator(config, self.names, self.weights, strategy, evaluate_fn=self.evaluate,
-                                  on_round_end=on_round_end, admission=admission, ranks=ranks)
-        return CoordinatorServer(coordinator, host=host, port=port, credentials=credentials, data_tls=data_tls)
+                                  on_round_end=on_round_end, admission=admission, ranks=ranks, members=members)
+        return CoordinatorServer(coordinator, host=host, port=port, credentials=credentials, data_tls=data_tls,
+                                 agent_port=agent_port)

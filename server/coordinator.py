@@ -36,7 +36,7 @@ from fedpar.server.ranks.leader import RankLeader
 from fedpar.server.ranks.plane import IngestPlane
 from fedpar.server.members import CohortSampler, Members
 from fedpar.server.populations import member_source
-from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
+from fedpar.server.registry import AgentRecord, AgentRegistry, checked_caps, speaker
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import STAT_NAMES, UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, ingest_stats
 from fedpar.server.uploads import per_update
@@ -160,14 +160,36 @@ class Coordinator(IngestPlane):
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
         self._evaluation_seconds = math.inf  # how long the last central evaluation took (the first: on a thread)
         self._behind: asyncio.Future | None = None  # the last finished round's evaluation, checkpoint and metrics line
+        self._example_caps: dict[str, int] = {}  # the checkpoint's, taken with the agents' calls (taking_calls)
+        self._needs_task: tuple[str, Callable[[str, str], None]] | None = None  # see sample_only
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
         """Resume from the latest checkpoint in ``config.checkpoint_dir``, if any (CheckpointError/ValueError when
-        it is damaged or of another model). The server calls it once its port answers health checks (NOT_SERVING
-        meanwhile) and before any agent's call is served."""
+        it is damaged or of another model). The server calls it on a worker thread before the agents' calls come
+        here (its port answers health checks, NOT_SERVING, or the coordinator beneath answers them), so it leaves
+        the registry, which the port's coordinators may share, to :meth:`taking_calls`."""
         if self.config.checkpoint_dir is not None:
             self._resume(load_checkpoint(self.config.checkpoint_dir))
+
+    def sample_only(self, task: str, on_lacking: Callable[[str, str], None]) -> None:
+        """Sample only the members that declared ``task`` (a service's run), from when the agents' calls come here;
+        ``on_lacking(agent_id, why)`` names each other one once (Members.require_task)."""
+        self._needs_task = (task, on_lacking)
+
+    def taking_calls(self) -> None:
+        """The agents' calls come here from now on (on the loop): the run's example caps start, from the
+        checkpoint's when it resumed (a service's agents stay joined across runs, their caps do not), and so does
+        the task it samples by (:meth:`sample_only`)."""
+        super().taking_calls()
+        self.registry.restore(self._example_caps)
+        if self._needs_task is not None:
+            self.members.require_task(*self._needs_task)
+
+    def hand_over(self) -> None:
+        """Another coordinator takes the agents' calls: this one's long-polls end at once."""
+        super().hand_over()
+        self.members.wake_all()
 
     def _resume(self, ckpt: Checkpoint | None) -> None:
         if ckpt is None:
@@ -191,7 +213,7 @@ class Coordinator(IngestPlane):
             self.strategy.load_state_dict(ckpt.strategy_arrays, ckpt.state.get("strategy", {}))
         caps = "example_caps" if "example_caps" in ckpt.state else "agents"  # older checkpoints: a list of agents
         with ckpt.restoring(caps):
-            self.registry.restore(ckpt.state.get(caps, {}))
+            self._example_caps = checked_caps(ckpt.state.get(caps, {}))
         with ckpt.restoring("metrics_summary"):
             self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"))
         with ckpt.restoring("clock"):
@@ -414,7 +436,7 @@ class Coordinator(IngestPlane):
             reply = self.task_for(agent, finished_task_id)
             if reply is not None:
                 return reply
-            if not await self.members.wait(agent.agent_id, deadline):
+            if self.handed_over or not await self.members.wait(agent.agent_id, deadline):
                 return pb.PullTaskReply(wait_seconds=0.0)
             agent.last_seen = time.monotonic()
 

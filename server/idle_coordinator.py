@@ -1,15 +1,17 @@
-"""The coordinator of a service between its runs: agents join and long-poll (so they do not back off while no run
-is queued), health says SERVING, and no round ever runs."""
+"""The coordinator of a service between its runs, and beneath each of them on the agents' port: agents join and
+long-poll (so they do not back off while no run is queued), health says SERVING, and no round ever runs. Each run's
+coordinator shares its member source, so the agents that joined it are the run's, with the sessions they have."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 
 from fedpar.aggregation import build_strategy
+from fedpar.server.agent_port import AgentPort
 from fedpar.server.app import CoordinatorServer
-from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
 
 
@@ -26,10 +28,16 @@ class IdleCoordinator(Coordinator):
             self._ready(False)
             self.members.finish(tell=False)
 
+    def taking_calls(self) -> None:
+        """Between runs no task is required: an agent that joins now is named in no run's log."""
+        super().taking_calls()
+        self.members.require_task(None)
 
-def idle_server(config: CoordinatorConfig, admission, host: str, port: int, credentials, data_tls
-                ) -> CoordinatorServer:
-    """A server of an :class:`IdleCoordinator` with ``config``'s limits on ``host:port`` (not started)."""
+
+def idle_server(agent_port: AgentPort) -> CoordinatorServer:
+    """A server of an :class:`IdleCoordinator` on ``agent_port``, held to its limits and admission (not started;
+    no data plane: it moves no model)."""
+    config = replace(agent_port.config, checkpoint_dir=None, data_plane=False)
     coordinator = IdleCoordinator(config, ["idle"], [np.zeros(1, np.float32)], build_strategy("fedavg"),
-                                  admission=admission)
-    return CoordinatorServer(coordinator, host=host, port=port, credentials=credentials, data_tls=data_tls)
+                                  admission=agent_port.admission)
+    return CoordinatorServer(coordinator, agent_port=agent_port)

@@ -282,6 +282,11 @@ class Limits:
         """A call counted by :meth:`enter_rpc` ended."""
         self._rpcs -= 1
 
+    @property
+    def in_flight(self) -> int:
+        """Calls counted by :meth:`enter_rpc` that have not ended."""
+        return self._rpcs
+
     def forget(self, agent_id: str) -> None:
         """Drop what is kept about an agent that left."""
         self._attempts.pop(agent_id, None)

@@ -31,6 +31,7 @@ class TaskDesk(Protocol):
     """What a member source asks the coordinator: the task a member is due, and the run's progress."""
 
     finished: bool
+    handed_over: bool  # another coordinator takes the agents' calls now: a long-poll here ends at once
     round_id: int
     current: RoundState | None
     clock: object  # its RoundClock (server/coordinator.py)
@@ -78,14 +79,20 @@ class Members:
         self._joined()
         return record
 
-    def require_task(self, task: str, on_lacking: Callable[[str, str], None],
-                     known: dict[str, str | None] | None = None) -> None:
-        """Sample only agents that declare ``task``; ``on_lacking(agent_id, why)`` names each other one once: those
-        of ``known`` (agent id -> the task it declared to an earlier coordinator) now, the others as they join.
-        Called before the coordinator serves."""
+    def require_task(self, task: str | None, on_lacking: Callable[[str, str], None] = lambda agent_id, why: None
+                     ) -> None:
+        """Sample only agents that declare ``task`` (None: every agent); ``on_lacking(agent_id, why)`` names each
+        other one once: those joined already now (a service's agents stay joined from run to run), the others as
+        they join. Called before the coordinator serves, or on its loop."""
         self.needs_task, self._on_lacking = task, on_lacking
-        for agent_id, declared in sorted((known or {}).items()):
-            self._check_task(agent_id, declared)
+        self._lacking.clear()
+        self._lacking_hosts.clear()
+        self._check_joined()
+
+    def _check_joined(self) -> None:
+        """:meth:`_check_task` for each live agent, by the task it declared at Join."""
+        for record in self.registry.own_agents():
+            self._check_task(record.agent_id, (record.capabilities or {}).get("task"))
 
     def _check_task(self, agent_id: str, task: str | None, who: str = "agent") -> None:
         """Keep ``agent_id`` out of the cohorts unless it declared the task this coordinator's run needs (``who``: what
@@ -194,6 +201,10 @@ class Members:
         """Rounds are over: wake every long-poll; ``tell``: each live one must hear that training is over."""
         if tell:
             self._not_yet_told = self._live_pollers()
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        """Wake every long-poll (each looks again whether it has something to answer)."""
         for event in self._wakeups.values():
             event.set()
 

@@ -69,6 +69,13 @@ class Populations(Members):
         self._joined()
         return host
 
+    def _check_joined(self) -> None:
+        """As for agents, and for each simulation host still known, by the task it declared at JoinPopulation."""
+        super()._check_joined()
+        for host_id, task in sorted(self._host_declared.items()):
+            if self.registry.host(host_id) is not None:
+                self._check_host_task(host_id, task)
+
     def declared_tasks(self) -> dict[str, str | None]:
         """The task each live agent, and each simulation host still known, declared when it joined."""
         hosts = {h: task for h, task in self._host_declared.items() if self.registry.host(h) is not None}
@@ -119,7 +126,7 @@ class Populations(Members):
                 self.told(key)
                 return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {desk.round_id}")
             out = self._reply(host.host_id, desk)
-            if out.tasks or out.go or not await self.wait(key, deadline):
+            if out.tasks or out.go or desk.handed_over or not await self.wait(key, deadline):
                 return out
             host.last_seen = time.monotonic()
 

@@ -421,26 +421,38 @@ class AgentRegistry:
         return len(gone) + members
 
     def restore(self, caps) -> None:
-        """Take the example caps of a checkpoint's :meth:`snapshot` (or, from an older checkpoint, its list of
-        agents); ValueError when an entry is not one. Sessions are never checkpointed: agents join again."""
-        if isinstance(caps, list):  # {"agent_id", "num_examples", ...} per agent
-            try:
-                caps = {entry["agent_id"]: entry["num_examples"] for entry in caps}
-            except (KeyError, TypeError):
-                raise ValueError(f"bad agent entry in checkpoint: {caps!r:.200}") from None
-        if not isinstance(caps, dict):
-            raise ValueError(f"example caps must be an object of id: count, not {type(caps).__name__}")
-        for agent_id, count in caps.items():
-            if not isinstance(count, int) or isinstance(count, bool) or count < 1 or not agent_id \
-                    or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
-                raise ValueError(f"bad example cap in checkpoint: {agent_id[:40]!r}: {count!r:.40}")
+        """Make the example caps of a checkpoint's :meth:`snapshot` (or, from an older checkpoint, its list of
+        agents; {}: none) the run's, in place of those held (a run's caps are its own); an agent joined already (a
+        service's stay joined from run to run) is held to its cap there, as if it joined after the restore.
+        ValueError when an entry is not one. Sessions are never checkpointed: after a restart agents join again."""
+        self.caps = ExampleCaps(self.max_known)
+        for agent_id, count in checked_caps(caps).items():
             self.caps.fix(agent_id, count)
+        for record in self._agents.values():
+            record.num_examples = self.caps.capped(record.agent_id, record.num_examples)
 
     def snapshot(self) -> dict[str, int]:
         """JSON-able view for checkpoints: the agents' example caps (no sessions: agents re-join after a restart;
         hosts join their members again)."""
         return self.caps.state()
 
+
+
+def checked_caps(caps) -> dict[str, int]:
+    """The example caps of a checkpoint's :meth:`AgentRegistry.snapshot` (or, from an older checkpoint, its list of
+    agents); ValueError when an entry is not one."""
+    if isinstance(caps, list):  # {"agent_id", "num_examples", ...} per agent
+        try:
+            caps = {entry["agent_id"]: entry["num_examples"] for entry in caps}
+        except (KeyError, TypeError):
+            raise ValueError(f"bad agent entry in checkpoint: {caps!r:.200}") from None
+    if not isinstance(caps, dict):
+        raise ValueError(f"example caps must be an object of id: count, not {type(caps).__name__}")
+    for agent_id, count in caps.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1 or not agent_id \
+                or len(agent_id) > MAX_AGENT_ID or not agent_id.isprintable():
+            raise ValueError(f"bad example cap in checkpoint: {agent_id[:40]!r}: {count!r:.40}")
+    return caps
 
 
 def speaker(record: AgentRecord) -> str:

@@ -41,6 +41,7 @@ class IngestPlane:
         self.data_port: int | None = None  # set when the data plane listens (server/dataplane.py)
         self.grpc_port: int | None = None  # set when gRPC listens (server/app.py)
         self.on_ready: Callable[[bool], None] | None = None  # told when it starts and stops serving rounds (health)
+        self.handed_over = False  # another coordinator on the agents' port takes their calls now (a service's)
         self._executor = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                             thread_name_prefix="fedpar-coord")
 
@@ -51,6 +52,15 @@ class IngestPlane:
 
     def restore(self) -> None:
         """Resume saved state before serving (nothing here: only the coordinator checkpoints)."""
+
+    def taking_calls(self) -> None:
+        """The agents' calls come here from now on (on the loop, once restored)."""
+        self.handed_over = False
+
+    def hand_over(self) -> None:
+        """Another coordinator on the agents' port takes their calls from now on (on the loop): long-polls here end
+        at once, so that the agents' next ones reach it."""
+        self.handed_over = True
 
     def close(self) -> None:
         """Release the worker threads."""

@@ -41,6 +41,7 @@ def _coordinator(root: Path) -> Coordinator:
     names, arrays = _digits_mlp()
     coordinator = Coordinator(CoordinatorConfig(checkpoint_dir=root), names, arrays, build_strategy("fedavg"))
     coordinator.restore()  # what the server does once its port answers health checks
+    coordinator.taking_calls()  # ... and as the agents' calls come to it: the run's example caps start
     return coordinator
 
 

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -181,7 +182,7 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
 
     assert all(agent.poll() is None for agent in fed.agents)  # never restarted: the same two processes
     joins = (fed.tmp / "serve.log").read_text().count("agent a1 joined")
-    assert joins >= 3  # it joined each run's coordinator by itself
+    assert joins == 1  # once: its session holds for every run (the agents' port never closed)
     url = re.search(r"Prometheus metrics at (http://\S+)", (fed.tmp / "serve.log").read_text()).group(1)
     exposition = urllib.request.urlopen(url, timeout=10).read().decode()  # one endpoint; a series per run
     for run_id, rounds in ((first, 2), (third, 2), (long, runs[long].round)):
@@ -372,3 +373,64 @@ def test_the_one_shot_form_runs_its_flags_as_one_run_and_leaves_what_it_always_l
     assert load_checkpoint(ckpt).round_id == 2 and (out / "global.safetensors").is_file()
     assert list(tb.glob("events.out.tfevents.*")) and not list(tb.glob("run-*"))  # its own folder, not a run's
     assert "run 1" not in log  # the run store's lines are the service's, not this form's
+
+
+class HealthProbe:
+    """grpc.health.v1 on the agents' port asked every 20 ms from a thread, over one channel: each answer's name
+    (SERVING, NOT_SERVING, or the call's status code: UNAVAILABLE when nothing listens)."""
+
+    def __init__(self, fed: Federation):
+        files = TlsFiles(fed.certs / "a1.pem", fed.certs / "a1.key", fed.certs / "ca.pem")
+        self.channel = grpc.secure_channel(f"127.0.0.1:{fed.port}", channel_credentials(files))
+        self.answers: list[str] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._ask, daemon=True)
+        self._thread.start()
+
+    def _ask(self) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        while not self._done.is_set():
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                self.answers.append(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+            except grpc.RpcError as err:
+                self.answers.append(err.code().name)
+            time.sleep(0.02)
+
+    def close(self) -> list[str]:
+        self._done.set()
+        self._thread.join(10)
+        self.channel.close()
+        return self.answers
+
+
+def test_the_agents_port_stays_serving_and_the_agents_stay_joined_across_runs(tmp_path):
+    """idle -> run -> run -> idle: one gRPC server on the agents' port throughout, one registry of agents."""
+    fed = Federation(tmp_path, ((), ()), 2)
+    probe = None
+    try:
+        store = RunStore(fed.state)
+        log = fed.tmp / "serve.log"
+        _wait_for(lambda: log.read_text().count(" joined with ") >= 2, 120, "the agents did not join")
+        probe = HealthProbe(fed)
+        time.sleep(1.0)  # idle
+        first = fed.submit_rpc("first", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
+        second = fed.submit_rpc("second", f'rounds = 2\nstrategy = "fedadam"\n{QUICK}')
+        _wait_for(lambda: store.get(second).status in ("finished", "failed", "stopped"), 240,
+                  "the second run did not end")
+        time.sleep(2.0)  # idle again
+        answers = probe.close()
+        assert [store.get(run).status for run in (first, second)] == ["finished", "finished"], \
+            [store.get(run).reason for run in (first, second)]
+        assert [r["reported"] for run in (first, second) for r in store.round_metrics(run)] == [2, 2, 2, 2]
+        assert len(answers) > 50 and set(answers) == {"SERVING"}, \
+            {answer: answers.count(answer) for answer in set(answers)}
+        assert log.read_text().count("agent a1 joined") == log.read_text().count("agent a2 joined") == 1
+        for agent in ("a1", "a2"):  # never dropped: no retry, no new session
+            said = (fed.tmp / f"{agent}.log").read_text()
+            assert "unreachable" not in said and "joining again" not in said, said[-2000:]
+        assert all(agent.poll() is None for agent in fed.agents)
+    finally:
+        if probe is not None:
+            probe.close()
+        fed.close()

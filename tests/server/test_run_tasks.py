@@ -13,21 +13,25 @@ from fedpar.server.registry import AgentRegistry
 
 def test_only_agents_declaring_the_runs_task_are_sampled_and_the_others_named_once():
     members = Members(CoordinatorConfig(), AgentRegistry(liveness_timeout=60.0))
+    members.join("a0", 10, {"framework": "torch", "task": "cnn on digits"})  # joined before the run (the last one's)
     said = []
-    members.require_task("mlp on digits", lambda agent, why: said.append((agent, why)),
-                         known={"gone": "cnn on digits", "a1": "mlp on digits"})  # as the last coordinator knew them
+    members.require_task("mlp on digits", lambda agent, why: said.append((agent, why)))
     members.join("a1", 10, {"framework": "torch", "task": "mlp on digits"})
     members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"})
     members.join("a3", 10, {"framework": "torch"})  # says nothing: it may not have the task
     members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"})  # a re-join is not named again
     assert members.live_ids() == ["a1"]
-    assert [agent for agent, _ in said] == ["gone", "a2", "a3"]
+    assert [agent for agent, _ in said] == ["a0", "a2", "a3"]
     assert said[1][1] == "agent a2 is skipped: it has task 'cnn on digits', this run needs 'mlp on digits'"
     assert "did not say which task it has" in said[2][1]
-    assert members.declared_tasks() == {"a1": "mlp on digits", "a2": "cnn on digits", "a3": None}
+    assert members.declared_tasks() == {"a0": "cnn on digits", "a1": "mlp on digits", "a2": "cnn on digits",
+                                        "a3": None}
 
     members.join("a2", 10, {"framework": "torch", "task": "mlp on digits"})  # restarted with the task
     assert members.live_ids() == ["a1", "a2"]
+    said.clear()  # the next run: the agents that stay joined are checked against its task, each named once
+    members.require_task("cnn on digits", lambda agent, why: said.append((agent, why)))
+    assert members.live_ids() == ["a0"] and [agent for agent, _ in said] == ["a1", "a2", "a3"]
 
 
 def test_without_a_required_task_every_agent_is_sampled():
