@@ -28,7 +28,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
 from fedpar.security.admission import Admission
-from fedpar.server.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpar.server.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import DEADLINE, cohort_size, round_target, seconds_left, until_closed, wall_seconds
 from fedpar.server.ranks.group import RankMissing
@@ -199,12 +199,12 @@ class Coordinator(IngestPlane):
         if problem:
             raise ValueError(f"checkpoint in {self.config.checkpoint_dir} does not fit this model: {problem}; "
                              "point --checkpoint-dir elsewhere or use the model it was made with")
-        saved_by = ckpt.state.get("strategy", {}).get("strategy") if isinstance(ckpt.state.get("strategy"), dict) \
-            else None
-        if saved_by is not None and saved_by != self.strategy.name:
-            raise ValueError(f"checkpoint in {self.config.checkpoint_dir} was made with strategy {saved_by!r}, not "
-                             f"{self.strategy.name!r}; resume with the --strategy (and --privacy) it was made with, or point "
-                             "--checkpoint-dir elsewhere")
+        saved = ckpt.state.get("strategy")
+        saved_by = saved.get("strategy") if isinstance(saved, dict) else None
+        if saved_by is not None and saved_by != self.strategy.name:  # not damaged: made by another command line
+            raise CheckpointError(f"checkpoint in {self.config.checkpoint_dir} was made with strategy {saved_by!r}, "
+                                  f"not {self.strategy.name!r}; resume with the --strategy (and --privacy) it was "
+                                  "made with, or point --checkpoint-dir elsewhere")
         self.weights = ckpt.arrays
         self.round_id = ckpt.round_id
         with ckpt.restoring("sampler"):

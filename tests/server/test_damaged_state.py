@@ -75,7 +75,6 @@ BAD_ENTRIES = {
     "sampler_not_an_object": {"sampler": [1, 2]},
     "strategy_not_an_object": {"strategy": 7},
     "strategy_round_not_a_number": {"strategy": {"strategy": "fedavg", "round": "soon"}},
-    "strategy_of_another_kind": {"strategy": {"strategy": "krum"}},
     "agents_not_a_list": {"agents": {"a": 1}},
     "agent_entry_garbage": {"agents": [["a", 7]]},
     "metrics_row_not_an_object": {"metrics_row": "ok"},
@@ -96,6 +95,14 @@ def test_each_malformed_state_entry_is_refused_naming_the_file(tmp_path, name):
     assert str(directory / "state.json") in message and "damaged checkpoint" in message
     entry = next(iter(BAD_ENTRIES[name]))
     assert repr(entry) in message
+
+
+def test_a_checkpoint_of_another_strategy_is_said_so_not_called_damaged(tmp_path):
+    _save(tmp_path, strategy={"strategy": "krum"})
+    with pytest.raises(CheckpointError) as err:
+        _coordinator(tmp_path)
+    assert "was made with strategy 'krum', not 'fedavg'; resume with the --strategy (and --privacy) it was made " \
+        "with" in str(err.value) and "damaged" not in str(err.value)
 
 
 def test_a_round_directory_that_links_outside_is_refused(tmp_path):
