@@ -21,7 +21,7 @@ from typing import Callable
 from fedpar.cli.observability import Observers, tensorboard_writer
 from fedpar.cli.run_settings import run_args, run_settings
 from fedpar.cli.task_options import task_label
-from fedpar.cli.user_errors import UserError
+from fedpar.cli.user_errors import UserError, check_port_free
 from fedpar.parallel.stopping import signal_name, stop_on_signals
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.run_store import RunStore, StoreError
@@ -311,6 +311,16 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
     try:
+        if args.port and args.port == args.control_port:
+            raise UserError(f"--port and --control-port are both {args.port}: the agents' port and the control API "
+                            "need one each")
+        if args.insecure and not (args.certs or args.tls_ca):
+            raise UserError("the control port of 'fedpar serve --state' needs mutual TLS even with --insecure (its "
+                            "certificates say who may submit and stop runs): make them with 'fedpar certs --out certs "
+                            "--agents ID1,ID2 --operators NAME' and pass '--certs certs'")
+        if launch_ranks is None:  # said before gRPC tries them (its own log line says it too, unasked)
+            check_port_free(args.host, args.port)
+            check_port_free(args.host, args.control_port, "--control-port")
         server_security(args)
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
         if files.ca is None:
@@ -318,7 +328,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         credentials = server_credentials(files)
     except (ValueError, UserError) as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code if isinstance(exc, UserError) else 2
     if launch_ranks is not None:
         store.close()
         try:
@@ -335,7 +345,12 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     except BindError as exc:
         print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
         return 1
-    control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
+    try:
+        control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
+    except OSError as exc:  # taken since the check above
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        service.close_agents_port()
+        return 1
     if args.port_file:  # first: a script that sees the control port file finds both
         atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
     if args.control_port_file:

@@ -350,3 +350,32 @@ def test_fedpar_run_with_an_operator_that_has_no_certificate_says_how_to_make_on
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"holds no certificate of operator 'alice' ({tmp_path}/certs/operators/alice.pem): " \
         f"make one with 'fedpar certs --out {tmp_path}/certs --operators alice'" in err, err
+
+
+def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_before_anything_binds(tmp_path):
+    certs = tmp_path / "certs"
+    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "a", "--operators", "op"], check=True,
+                   capture_output=True)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    busy = holder.getsockname()[1]
+    state = ["serve", "--state", str(tmp_path / "state.db")]
+    cases = [  # (args, exit code, the line)
+        ([*state, "--certs", str(certs), "--port", "0", "--control-port", str(busy)], 1,
+         f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --control-port"),
+        ([*state, "--certs", str(certs), "--port", str(busy)], 1,
+         f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --port"),
+        ([*state, "--certs", str(certs), "--port", "50999", "--control-port", "50999"], 2,
+         "--port and --control-port are both 50999: the agents' port and the control API need one each"),
+        ([*state, "--insecure", "--port", "0", "--control-port", "0"], 2,
+         "the control port of 'fedpar serve --state' needs mutual TLS even with --insecure"),
+    ]
+    try:
+        for args, code, line in cases:
+            rc, _, err = _finish(_start(args, tmp_path))
+            assert rc == code, (args, err)
+            _one_line(err, line)
+            assert "add_port.cc" not in err and "Task was destroyed" not in err, err
+    finally:
+        holder.close()
