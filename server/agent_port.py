@@ -64,17 +64,6 @@ class Stacked:
     ready: bool = False  # serving rounds (or idling for the next run): health says SERVING while one is
 
 
-class _ToAnswering(grpc.GenericRpcHandler):
-    """fedpar's methods, as the coordinator answering now serves them (a call keeps the one it started with)."""
-
-    def __init__(self, port: AgentPort):
-        self.port = port
-
-    def service(self, handler_call_details):
-        answering = self.port.answering
-        return answering.handler.service(handler_call_details) if answering is not None else None
-
-
 class AgentPort:
     """``host:port`` (0 picks a free one) for the coordinators stacked on it, served from a background thread;
     ``config`` and ``admission``: the limits and the admission policy every call there is held to."""
@@ -92,8 +81,7 @@ class AgentPort:
         self.health: health.aio.HealthServicer | None = None
         self._stack: list[Stacked] = []
         # its limits are the answering coordinator's (``_choose``); these stand in until the first is pushed
-        self._limit = RpcLimit(Limits(config, 0), self.admission, self.strangers, tls=credentials is not None,
-                               restoring=lambda: self.answering is None or self.answering.restoring)
+        self._limit = RpcLimit(Limits(config, 0), self.admission, self.strangers, tls=credentials is not None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
         self._started = False  # the server answers calls: from the first push
@@ -185,7 +173,8 @@ class AgentPort:
             return
         answering = next((e for e in reversed(self._stack) if not e.restoring), self._stack[-1])
         before, self.answering = self.answering, answering
-        self._limit.limits = answering.limits
+        self._limit.limits, self._limit.answering, self._limit.restoring = (answering.limits, answering.handler,
+                                                                            answering.restoring)
         if before is not None and before is not answering and before.taking:
             before.taking = False
             before.coordinator.hand_over()
@@ -218,7 +207,6 @@ class AgentPort:
         self._closing = asyncio.Event()
         server = self._server = grpc.aio.server(options=server_options(self.config.max_chunk_bytes),
                                                 interceptors=[self._limit])
-        server.add_generic_rpc_handlers((_ToAnswering(self),))
         self.health = health.aio.HealthServicer()
         await self._set_health(False)  # until a coordinator serves
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

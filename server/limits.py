@@ -358,20 +358,24 @@ def peer_key(context, identity: PeerIdentity | None) -> str:
 
 
 class RpcLimit(grpc.aio.ServerInterceptor):
-    """Wraps every method handler in the revocation check and the budget it is counted in. ``tls``: whether the
-    server's port is a TLS one (a plaintext port's calls prove no certificate: none is looked for)."""
+    """Routes every call to the answering coordinator's methods (``answering``) and wraps each method handler in
+    the revocation check and the budget it is counted in. ``tls``: whether the server's port is a TLS one (a
+    plaintext port's calls prove no certificate: none is looked for). A port that changes coordinators
+    (server/agent_port.py) sets ``answering``, ``limits`` and ``restoring`` as it does."""
 
-    def __init__(self, limits: Limits, admission: Admission, strangers: StrangerBound,
-                 restoring: Callable[[], bool] = lambda: False, tls: bool = True):
+    def __init__(self, limits: Limits, admission: Admission, strangers: StrangerBound, tls: bool = True):
         self.limits = limits
         self.admission = admission
         self.strangers = strangers
-        self.restoring = restoring  # while true, every call but health checks is refused (UNAVAILABLE: retry)
+        self.answering: grpc.GenericRpcHandler | None = None  # fedpar's methods, as the answering coordinator's
+        self.restoring = True  # while true, every call but health checks is refused (UNAVAILABLE: retry)
         self.tls = tls
 
     async def intercept_service(self, continuation, handler_call_details):
         """The method's handler, checked and counted (health checks: as strangers' calls, never authenticated)."""
-        handler = await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)  # the health service's, registered on the server
+        if handler is None and self.answering is not None:
+            handler = self.answering.service(handler_call_details)
         if handler is None:
             return None
         return self.counted(handler, stranger_only=handler_call_details.method.startswith(HEALTH_METHODS))
@@ -379,7 +383,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
     async def _enter(self, context, stranger: bool, health_check: bool = False) -> CallBudget:
         """The call's budget, a stranger's from the start if ``stranger``; or an abort: a revoked certificate, or
         any call but a health check while the coordinator restores its checkpoint."""
-        if not health_check and self.restoring():
+        if not health_check and self.restoring:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is restoring its checkpoint; "
                                                              "try again in a moment")
         identity = peer_identity(context) if self.tls else None
