@@ -20,6 +20,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.idle_coordinator import idle_server
 from fedpar.server.members import CohortSampler
+from support.held_restore import held_restore
 from support.scripted_agent import ScriptedAgent
 
 QUICK = dict(overselect=1.0, deadline_seconds=30.0, liveness_timeout_seconds=60.0, min_available=1,
@@ -102,13 +103,7 @@ def test_while_a_run_restores_its_checkpoint_the_idle_coordinator_answers(tmp_pa
     save_checkpoint(tmp_path, Checkpoint(1, ["t0"], [np.full(4, 7, np.float32)], {},
                                          {"sampler": CohortSampler(0).state(), "example_caps": {"a": 50},
                                           "strategy": build_strategy("fedavg").state_dict()[1]}))
-    release, restoring = threading.Event(), threading.Event()
-
-    class HeldRestore(Coordinator):
-        def restore(self):
-            restoring.set()
-            assert release.wait(30)
-            super().restore()
+    HeldRestore, release, restoring = held_restore()
 
     service = Service()
     run = service.run(HeldRestore, rounds=2, checkpoint_dir=tmp_path)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.server.prometheus_metrics import PrometheusExporter
+from support.held_restore import held_restore
 
 NAMES = ["t0", "t1"]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -187,19 +188,12 @@ def test_health_is_not_serving_while_a_checkpoint_is_restored(tmp_path):
     from fedpar.server.app import CoordinatorServer
     from fedpar.server.checkpoint import Checkpoint, save_checkpoint
     from fedpar.server.config import CoordinatorConfig
-    from fedpar.server.coordinator import Coordinator
     from fedpar.server.members import CohortSampler
 
     saved = _weights(7)
     save_checkpoint(tmp_path, Checkpoint(1, NAMES, saved, {}, {"sampler": CohortSampler(0).state(),
                                                                "strategy": build_strategy("fedavg").state_dict()[1]}))
-    release, restoring = threading.Event(), threading.Event()
-
-    class HeldRestore(Coordinator):
-        def restore(self):
-            restoring.set()
-            assert release.wait(30)
-            super().restore()
+    HeldRestore, release, restoring = held_restore()
 
     coordinator = HeldRestore(CoordinatorConfig(rounds=2, min_available=1, checkpoint_dir=tmp_path), NAMES,
                               _weights(), build_strategy("fedavg"))

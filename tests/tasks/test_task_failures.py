@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from fedpar.cli.main import main
 from support.own_task import write_table
+from support.processes import port_from
 
 FEDPAR = [sys.executable, "-m", "fedpar"]
 DEADLINE = 60
@@ -111,12 +111,8 @@ def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serv
                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         lines = []
-        for line in serve.stdout:
-            lines.append(line)
-            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-                break
-        assert match, "".join(lines)
-        rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{match.group(1)}", "--task",
+        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
+        rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task",
                                       ref, "--agent-id", "alice", "--threads", "1", "--give-up-after", "30"],
                                      tasks.parent, timeout=120)
         served = "".join(lines) + serve.communicate(timeout=60)[0]
