@@ -177,7 +177,7 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     from fedpar.server.rounds import rank_columns
     from fedpar.simulations.run_outputs import RunOutputs
     from fedpar.server.ranks.group import RankMissing
-    from fedpar.simulations.runner import ProcessLost, run_simulation
+    from fedpar.simulations.runner import ProcessLost, TaskStopped, run_simulation
 
     columns = COLUMNS + (PRIVACY_COLUMNS if privacy_on(args) else []) + \
         (rank_columns(cfg.aggregator_ranks) if cfg.aggregator_ranks > 1 else []) + \
@@ -195,6 +195,8 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
                                      on_stage=progress.preparing)
     except ValueError as exc:
         print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return 2
+    except TaskStopped:  # the worker said what failed, in one line
         return 2
     except (ProcessLost, RankMissing) as exc:  # a worker or an aggregator rank died: named, with no traceback
         progress.close()

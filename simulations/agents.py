@@ -23,7 +23,7 @@ from fedpar.parallel.device import flush_denormals
 from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal
 from fedpar.sections import Seeded
 from fedpar.simulations.config import Population
-from fedpar.task import FlowerAppReference, Partition, Task, TaskReference
+from fedpar.task import FlowerAppReference, Partition, Task, TaskError, TaskReference
 from fedpar.tasks.flower_app import load_flower_app
 from fedpar.tasks.reference import load_task
 from fedpar.tasks.zoo import classifier_for
@@ -55,6 +55,9 @@ def worker_task(cfg: WorkerConfig, splits=None) -> Task:
     if splits is None:
         splits = load_dataset(cfg.dataset, cfg.data_dir)
     return classifier_for(cfg.model, splits, cfg.dataset, cfg.examples_per_client)
+
+
+TASK_FAILED_EXIT = 3  # a worker stopped by its task's own code, having said so in one line
 
 
 def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
@@ -97,7 +100,11 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> 
     if cfg is not None:
         if problem is not None:
             raise problem
-        run_worker(cfg, splits)
+        try:
+            run_worker(cfg, splits)
+        except TaskError as exc:  # e.g. client_data raised as the host counted its members' examples
+            print(f"fedpar simulate: {exc}: fix the task ({cfg.task})", file=sys.stderr, flush=True)
+            os._exit(TASK_FAILED_EXIT)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -33,7 +33,7 @@ from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
-from fedpar.simulations.agents import WorkerConfig, run_worker_process
+from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig, run_worker_process
 from fedpar.simulations.client_batching import batched_seats, batching_refusal_of, client_batching_route
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
@@ -58,6 +58,10 @@ LABEL_SKEW_CLIENTS = 2_000  # clients the summary's label skew is measured on (t
 
 class ProcessLost(RuntimeError):
     """A process of the simulation (a worker, an aggregator rank) died; the message names it."""
+
+
+class TaskStopped(ProcessLost):
+    """A worker process stopped because the task's own code failed, having said what failed in one line."""
 
 
 def _step_delays(cfg: SimulationConfig, traces: Traces | None = None) -> np.ndarray:
@@ -347,6 +351,8 @@ class SimulationService(RunService):
         if self.on_progress is not None:
             self.on_progress(server.coordinator)
         dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+        if dead and dead[0].exitcode == TASK_FAILED_EXIT:
+            raise TaskStopped(f"worker process {dead[0].name} stopped: the task's own code failed")
         if dead:
             raise ProcessLost(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
 

@@ -58,6 +58,18 @@ def loss_raises():
 
 def lbfgs():
     return _task(optimizer=lambda params, lr: torch.optim.LBFGS(params, lr))
+
+
+def _no_client_3(partition):
+    if partition.index == 3:
+        raise KeyError("no rows for client 3")
+    return share_of(TABLE.train, partition)
+
+
+def data_raises():
+    features, classes = TABLE.input_shape[0], TABLE.num_classes
+    return Task(model=lambda: nn.Sequential(nn.Linear(features, 8), nn.ReLU(), nn.Linear(8, classes)),
+                client_data=_no_client_3, test_data=lambda: TABLE.test, loss=nn.functional.cross_entropy)
 '''
 
 
@@ -144,3 +156,14 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_the_task_loads(
                          "without one: use another optimizer (SGD, Adam, AdamW, ...), or step this one with a "
                          "closure in your own train(model, data, config, deadline) hook")
     assert all("Traceback" not in line for line in lines)
+
+
+def test_a_task_whose_client_data_raises_as_a_worker_starts_is_one_line_naming_the_client(tasks):
+    # a worker counts its members' examples as it starts: the task's own error, not "worker process died"
+    ref = f"{tasks}:data_raises"
+    rc, stdout, stderr, _ = _run(["simulate", "--task", ref, "--clients", "6", "--rounds", "2", "--quiet"],
+                                 tasks.parent)
+    assert rc == 2, stderr
+    assert "Traceback" not in stderr and "died" not in stderr, stderr
+    assert stderr.strip().splitlines() == [f"fedpar simulate: the task's client_data raised KeyError: 'no rows for "
+                                           f"client 3' for client-0003: fix the task ({ref})"], stderr
