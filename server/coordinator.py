@@ -447,7 +447,9 @@ class Coordinator(IngestPlane):
         state = self.current
         slot = state.slots.get(agent_id) if state is not None and not state.closed else None
         if slot is not None and slot.task_id == task_id and slot.status == "pending":
-            state.training_failed(slot, " ".join(reason.split())[:MAX_FAILURE_CHARS])
+            # an agent's words reach logs and terminals: one line, printable characters only
+            line = "".join(c if c.isprintable() else "?" for c in " ".join(reason.split())[:MAX_FAILURE_CHARS])
+            state.training_failed(slot, line)
 
     def task_for(self, agent: AgentRecord, finished_task_id: str = "",
                  with_weights: bool = True) -> pb.PullTaskReply | None:

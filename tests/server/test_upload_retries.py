@@ -15,6 +15,7 @@ from fedpar.client.links import FatalAgentError
 from fedpar.client.transfer import upload_messages
 from fedpar.datasets.arrays import ArrayDataset
 from fedpar.models import weight_specs
+from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from support.gated_trainer import GatedTrainer
 
@@ -108,3 +109,21 @@ def test_an_agent_says_once_that_its_coordinator_went_away_during_the_upload(sta
     said = [r.getMessage() for r in caplog.records if "coordinator unreachable while uploading" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("a: coordinator unreachable while uploading (") and \
         "retrying until the round's deadline" in said[0], said
+
+
+def test_a_reported_task_failure_closes_the_agents_slot_and_is_kept_as_one_printable_line(start_coordinator, agents):
+    init = [np.zeros(4, np.float32)]
+    server = start_coordinator(init, clients_per_round=1, min_available=1, deadline_seconds=30.0)
+    (agent,) = agents(server.address, ["a"])
+    task = agent.task()
+    agent.stub.PullTask(pb.PullTaskRequest(auth=agent.auth, wait_seconds=0.1, finished_task_id=task.task_id,
+                                           failure="training raised \x1b[31mValueError\x1b[0m:\nbroken " + "x" * 900),
+                        timeout=10)
+    state = server.coordinator.current
+    for _ in range(200):
+        if state.training_failures:
+            break
+        time.sleep(0.02)
+    assert state.training_failures == 1 and state.slots["a"].status == "rejected"
+    assert state.training_error.startswith("training raised ?[31mValueError?[0m: broken xxx")
+    assert state.training_error.isprintable() and len(state.training_error) < 600
