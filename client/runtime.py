@@ -113,6 +113,7 @@ class ClientRuntime:
         self._together = members.population and bool(trainers) and trainers[0].evaluates_together
         self._to_evaluate: dict[int, list[int]] = {}  # per round: members queued, not yet evaluated
         self._evaluations: dict[tuple[int, int], object] = {}  # (round, member): its EvalResult (or None)
+        self._newest_round: int | None = None  # the round of the newest task received (another's uploads are moot)
         self._evaluation_lock = threading.Lock()
         # members that outnumber the seats keep their top-k residuals on disk between their rounds
         self.residuals = ResidualStore([tuple(t.shape) for t in self.layout.tensors]) \
@@ -176,6 +177,7 @@ class ClientRuntime:
         """Run member ``i``'s task now (``inline``), or say it is to be queued for the next free seat (True); a
         member that vanishes this round (drops out, or is offline) takes no part."""
         self._count("tasks")
+        self._newest_round = task.round
         if self.members.vanishes(i, task.round):
             self._count("dropped")
             self.link.finished(task)
@@ -423,7 +425,7 @@ class ClientRuntime:
         stub = self.conn.ingest_stub(task)
         sender = UpdateSender(auth, task, stub, self.link.small_sender(settings.compression == "topk", stub),
                               deadline_at, self._chunk_bytes(), self.link.max_chunk, self.link.small_below, self._rng,
-                              note)
+                              note, superseded=lambda: self._newest_round != task.round)
         send = sender.send if data_plane is None else \
             functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":

@@ -227,12 +227,14 @@ class UpdateSender:
     ``auth``, to ``stub`` (the task's aggregator rank's, or the coordinator's); small ones in one message through
     ``send_small`` (:func:`upload_small`, or a host's batch: client/host_uploads.py), the rest as an UploadUpdate
     stream of ``chunk_bytes`` chunks; retried with jittered backoff (``rng``) while the coordinator is busy or
-    unreachable and the task's deadline allows. ``note_refusal(what, err)``: how a refusal is noted."""
+    unreachable and the task's deadline allows, unless ``superseded()`` (a task of another round came).
+    ``note_refusal(what, err)``: how a refusal is noted."""
 
     def __init__(self, auth: pb.AgentAuth, task: pb.TrainTask, stub: CoordinatorStub, send_small: SendSmall,
                  deadline_at: float, chunk_bytes: int, max_chunk: int, small_below: int, rng: Uniform,
-                 note_refusal: Callable[[str, Exception], None]):
+                 note_refusal: Callable[[str, Exception], None], superseded: Callable[[], bool] = lambda: False):
         self.auth, self.task, self.stub, self.send_small = auth, task, stub, send_small
+        self.superseded = superseded  # a task of another round came: this one's round (or run) is over
         self.deadline_at, self.chunk_bytes = deadline_at, chunk_bytes
         self.max_chunk, self.small_below = max_chunk, small_below  # what fits one SmallUpload (the coordinator's)
         self.rng, self.note_refusal = rng, note_refusal
@@ -259,7 +261,7 @@ class UpdateSender:
             except grpc.RpcError as err:
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 backoff = backoff or Backoff(0.1, 2.0, self.rng)
-                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at):
+                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at) or self.superseded():
                     self.note_refusal("upload", err)
                     return False
                 if err.code() == grpc.StatusCode.UNAVAILABLE and not said_unreachable:
