@@ -196,7 +196,7 @@ def run_over_ranks(n: int, ranks: int, tmp: Path) -> dict:
             time.sleep(0.2)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m",
-             "fedpar", "simulate-workers", "--server", f"127.0.0.1:{int((tmp / f'port-{n}').read_text())}", "--clients",
+             "fedpar", "simulate-workers", "--insecure", "--server", f"127.0.0.1:{int((tmp / f'port-{n}').read_text())}", "--clients",
              str(n), "--dataset", "synthetic:1:1"],
             stdout=workers_log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
         while serve.poll() is None:

@@ -411,7 +411,7 @@ class Soak:
 
     def start_host(self) -> None:
         """Start one `fedpar simulate-workers` hosting the members."""
-        cmd = [sys.executable, "-m", "fedpar", "simulate-workers", "--server", self.server,
+        cmd = [sys.executable, "-m", "fedpar", "simulate-workers", "--server", self.server, "--insecure",
                "--clients", str(self.args.members), "--seats", "4"]
         self.host = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self._log("host"), stderr=subprocess.STDOUT)
 

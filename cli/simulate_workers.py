@@ -7,7 +7,9 @@ Every process joins torch.distributed's group (rendezvous and rank numbering are
 data and partition from the seed, and hosts clients rank, rank + world, ...: a client runtime
 (client/runtime.py) given simulations/population.py's members. The
 coordinator samples, times and folds; it must be started with --min-available N to wait for the whole population.
-The hosts dial it in plaintext (members have no certificates of their own): loopback or a private network only.
+Each host dials it over mutual TLS under its own certificate (``--certs DIR``: DIR/host-RANK-of-WORLD.pem, made by
+``fedpar certs --agents host-0-of-2,host-1-of-2``; its members ride on the host's connection), or in plaintext with
+``--insecure``, as ``fedpar client`` does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from fedpar.cli.agent_setup import Connection
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.log_level import setup_logging
+from fedpar.cli.tlsopts import AgentTlsOptions, TlsFileOptions, client_security
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import Device, Precision
 from fedpar.sections import Seeded
@@ -30,9 +33,11 @@ LOG_LEVEL = "warning"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fedpar simulate-workers``, generated from the sections it shares with ``fedpar simulate`` (the
     population, its data and device) and ``fedpar client`` (the connection)."""
-    for key in ("connection", "data", "simulation"):
+    for key in ("connection", "tls", "data", "simulation"):
         section(p, key)
     add_declared(p, Connection)
+    add_declared(p, TlsFileOptions)
+    add_declared(p, AgentTlsOptions)
     add_declared(p, Population, required=("clients",))
     add_declared(p, DataSource)
     add_declared(p, DataFiles)
@@ -75,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
         traces = traces_for(args.trace, args.clients, args.seed)
         delays = step_delays(args.clients, args.slow_fraction, args.slow_step_delay, args.seed, traces)
         mine = np.arange(info.rank, args.clients, info.world_size)
-        population = PopulationSlice.of(f"host-{info.rank}-of-{info.world_size}", mine, members.sizes, delays,
-                                        args.drop_probability, traces)
+        host_id = f"host-{info.rank}-of-{info.world_size}"
+        security = host_security(args, host_id, info.world_size)
+        population = PopulationSlice.of(host_id, mine, members.sizes, delays, args.drop_probability, traces)
         task = classifier_for(args.model, splits, dataset, args.examples_per_client)
 
         def partition_of(number: int, member: str) -> Partition:
@@ -85,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         stats = host_population(args.server, population, task, partition_of, args.seed, args.seats or WAITING_SEATS,
                                 device=device, precision=args.precision, day_seconds=args.trace_day_seconds,
                                 max_backoff=args.max_backoff, give_up_after=args.give_up_after,
-                                task_name=task_label(argparse.Namespace(task=None, model=args.model,
+                                tls=security.files, tls_server_name=security.server_name,
+                                enrollment_token=security.enrollment_token, task_name=task_label(argparse.Namespace(task=None, model=args.model,
                                                                         dataset=args.dataset))).run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
@@ -100,3 +107,26 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {stats.tasks} tasks run, "
                      f"{stats.accepted} updates sent\n")
     return 0
+
+
+def host_security(args: argparse.Namespace, host_id: str, world_size: int):
+    """The host's TLS set-up (client_security with the host's id); a TlsSetupError that names the certificates a
+    launch of ``world_size`` hosts needs when one is missing."""
+    from fedpar.security.tls import TlsSetupError
+
+    try:
+        return client_security(args, host_id=host_id)
+    except TlsSetupError as exc:
+        said = str(exc)
+        if said.startswith("TLS is required"):
+            said = "TLS is required"
+        elif "does not exist" in said:
+            said = said.split(";")[0]
+        else:
+            raise
+        hosts = ",".join(f"host-{rank}-of-{world_size}" for rank in range(min(world_size, 4)))
+        more = ",..." if world_size > 4 else ""
+        folder = args.certs or "certs"
+        raise TlsSetupError(f"{said}; each host needs its own certificate: make them with 'fedpar certs --out "
+                            f"{folder} --agents {hosts}{more}' and pass '--certs {folder}', or pass '--insecure' for "
+                            f"plaintext (only on a network you trust)") from None

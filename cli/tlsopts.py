@@ -144,8 +144,9 @@ class ClientSecurity:
     files: TlsFiles | None = None  # the PEM files of the credentials (to diagnose a failing handshake)
 
 
-def client_security(args: argparse.Namespace) -> ClientSecurity:
-    """Build the agent's TLS credentials; TlsSetupError says what is missing or inconsistent."""
+def client_security(args: argparse.Namespace, host_id: str | None = None) -> ClientSecurity:
+    """Build the agent's TLS credentials (``host_id``: a simulation host's, whose certificate bears its host id);
+    TlsSetupError says what is missing or inconsistent."""
     _check_mode(args)
     token = ""
     if args.enrollment_token_file:
@@ -157,14 +158,16 @@ def client_security(args: argparse.Namespace) -> ClientSecurity:
     if args.insecure:
         log.warning(PLAINTEXT_WARNING)
         return ClientSecurity(None, None, token)
+    identity = host_id or args.agent_id
     try:
-        files = client_tls_files(args.agent_id, args.certs, args.tls_cert, args.tls_key, args.tls_ca)
+        files = client_tls_files(identity, args.certs, args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as exc:  # an agent id that cannot name certificate files
         raise TlsSetupError(str(exc)) from None
     credentials = channel_credentials(files)
     if files.cert is not None:
         cn = certificate_common_name(files.cert)
-        if cn != args.agent_id:
-            raise TlsSetupError(f"{files.cert} is the certificate of agent {cn!r}, not of --agent-id "
-                                f"{args.agent_id!r}; the coordinator would refuse it")
+        if cn != identity:
+            whose = f"simulation host {identity!r}" if host_id else f"--agent-id {identity!r}"
+            raise TlsSetupError(f"{files.cert} is the certificate of agent {cn!r}, not of {whose}; the coordinator "
+                                f"would refuse it")
     return ClientSecurity(credentials, args.tls_server_name, token, client_ssl_context(files), files)

@@ -31,6 +31,11 @@ class CallRefused(grpc.RpcError):
         return self._details
 
 
+class StreamEnded(CallRefused):
+    """The coordinator ended the stream without an answer to the message sent (a service's coordinator does when the
+    next one takes the calls): the message was not taken, and a new stream reaches the coordinator that answers now."""
+
+
 class HostStream:
     """One stream opened by ``open(requests)`` (a stream-stream method of the stub), named ``what`` in its errors: a
     message at a time, its reply awaited; a watch thread cancels the stream when a reply is late (checked every
@@ -65,7 +70,7 @@ class HostStream:
                                   f"no reply within {timeout:.1f} s on the {self.what}") from None
             raise
         except StopIteration:
-            raise CallRefused(grpc.StatusCode.UNAVAILABLE, f"the coordinator ended the {self.what}") from None
+            raise StreamEnded(grpc.StatusCode.UNAVAILABLE, f"the coordinator ended the {self.what}") from None
         finally:
             self._due = None
 
@@ -85,14 +90,20 @@ class KeptStream:
         self._stream: HostStream | None = None
         self._lock = threading.Lock()  # close() may come from another thread than send()
 
-    def send(self, request, timeout: float):
-        """``request``'s reply on the kept stream (see HostStream.send)."""
+    def send(self, request, timeout: float, again: bool = True):
+        """``request``'s reply on the kept stream (see HostStream.send); sent ``again`` on a new stream, once, when
+        the coordinator ended the stream without taking it."""
         with self._lock:
             if self._stream is None:
                 self._stream = HostStream(self._open, self.what)
             stream = self._stream
         try:
             return stream.send(request, timeout)
+        except StreamEnded:
+            self._drop(stream)
+            if again:
+                return self.send(request, timeout, again=False)
+            raise
         except grpc.RpcError:
             self._drop(stream)
             raise

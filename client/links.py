@@ -364,6 +364,7 @@ class HostLink:
         for start in range(0, len(self.members), JOIN_CHUNK):
             ids, sizes, away = self.members.joining(start, min(start + JOIN_CHUNK, len(self.members)))
             request = pb.JoinPopulationRequest(host=self.host, protocol_version=PROTOCOL_VERSION,
+                                               enrollment_token=self.config.enrollment_token,
                                                capabilities={"task": self.config.task} if self.config.task else {},
                                                member_ids="\n".join(ids), num_examples=sizes,
                                                away=np.flatnonzero(away))

@@ -312,6 +312,8 @@ class CoordinatorService:
             self._host_streams.add(key)
             try:
                 while request is not None:
+                    if self.coord.handed_over:  # a service's next coordinator answers now: the host opens a new
+                        return                  # stream, which reaches it, and sends this message again
                     if self._host(request.host, context).host_id != host.host_id:
                         raise Refusal(grpc.StatusCode.PERMISSION_DENIED, f"this stream is host {host.host_id!r}'s, "
                                                                          f"not {request.host.agent_id[:64]!r}'s")

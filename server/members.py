@@ -31,6 +31,7 @@ class TaskDesk(Protocol):
     """What a member source asks the coordinator: the task a member is due, and the run's progress."""
 
     finished: bool
+    keeps_members: bool  # a service's next run takes the members: they never hear that training is over
     handed_over: bool  # another coordinator takes the agents' calls now: a long-poll here ends at once
     round_id: int
     current: RoundState | None

@@ -122,7 +122,7 @@ class Populations(Members):
         key = HOST_WAKEUP + host.host_id
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
-            if desk.finished:
+            if desk.finished and not desk.keeps_members:
                 self.told(key)
                 return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {desk.round_id}")
             out = self._reply(host.host_id, desk)

@@ -292,9 +292,11 @@ def host_population(server: str, population: PopulationSlice, task: Task | None,
                     poll_seconds: float = 2.0, device: str = "cpu", precision: str = "fp32",
                     day_seconds: float = DAY_SECONDS, max_backoff: float = MAX_BACKOFF_SECONDS, give_up_after: float | None = None,
                     tls: TlsFiles | None = None, client_batching: bool = False,
-                    members: PopulationMembers | None = None, task_name: str = "") -> ClientRuntime:
+                    members: PopulationMembers | None = None, task_name: str = "", tls_server_name: str | None = None,
+                    enrollment_token: str = "") -> ClientRuntime:
     """A client runtime hosting ``population`` on ``seats`` seats against ``server``, as its host id (under mutual
-    TLS: the host's certificate ``tls``). Like an agent it outlives its coordinator: it backs off while the
+    TLS: the host's certificate ``tls``, checking the coordinator's for ``tls_server_name`` when given; a coordinator
+    that admits by token: ``enrollment_token``). Like an agent it outlives its coordinator: it backs off while the
     coordinator is unreachable (up to ``max_backoff`` seconds between tries; ``give_up_after`` seconds unreachable
     end it, None: never) and registers its members again when a restarted coordinator no longer knows its
     session. ``members``: the member source when it is not the task's (a Flower App's, with task None);
@@ -302,6 +304,7 @@ def host_population(server: str, population: PopulationSlice, task: Task | None,
     credentials = channel_credentials(tls) if tls is not None else None
     config = AgentConfig(server=server, agent_id=population.host_id, poll_seconds=poll_seconds, max_backoff=max_backoff,
                          give_up_after=give_up_after, credentials=credentials, insecure=credentials is None,
+                         tls_server_name=tls_server_name, enrollment_token=enrollment_token,
                          data_tls=client_ssl_context(tls) if tls is not None else None, tls_files=tls,
                          seed=zlib.crc32(f"{seed}:{population.host_id}".encode()), task=task_name)
     if members is None:

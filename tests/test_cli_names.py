@@ -167,7 +167,7 @@ def test_log_level_debug_turns_on_grpc_debug_unless_the_user_chose(monkeypatch):
                   "observability"]),
     ("client", ["connection", "data and model", "device", "TLS and identity", "large-model agent"]),
     ("train", ["data and model", "device", "optimisation", "outputs", "observability", "parallelism"]),
-    ("simulate-workers", ["connection", "data and model", "simulated clients", "device"]),
+    ("simulate-workers", ["connection", "TLS and identity", "data and model", "simulated clients", "device"]),
     ("certs", ["outputs", "certificates", "revocation and tokens"]),
 ])
 def test_help_is_grouped_into_short_sections(command, sections):

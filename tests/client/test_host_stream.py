@@ -1,5 +1,6 @@
 """A host's kept streams (client/host_stream.py): a reply that does not come in time ends the stream with
-DEADLINE_EXCEEDED, and the next message opens another; a stream the coordinator ends is UNAVAILABLE."""
+DEADLINE_EXCEEDED, and the next message opens another; a message on a stream the coordinator ends goes again on a new
+one, once."""
 
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def test_a_reply_that_does_not_come_in_time_ends_the_stream_and_the_next_message
         server.stop(0)
 
 
-def test_replies_come_in_order_on_one_stream_and_its_end_is_unavailable():
-    """Each message its own reply, all on the stream opened at the first; the coordinator ending the stream is a
-    refusal to retry (UNAVAILABLE), and the next message opens another."""
+def test_replies_come_in_order_on_one_stream_and_a_message_the_coordinator_ended_it_on_goes_on_a_new_one():
+    """Each message its own reply, all on the stream opened at the first; a message the coordinator ended the stream
+    on without answering (a service's coordinator does when the next one takes the calls) is sent again, once, on
+    a new stream; a coordinator that ends that one too is a refusal to retry (UNAVAILABLE)."""
     streams = []
 
     def answer_two(request_iterator, context):
@@ -71,12 +73,26 @@ def test_replies_come_in_order_on_one_stream_and_its_end_is_unavailable():
     stream = KeptStream(stub.HostTaskStream, "task stream")
     try:
         ask = lambda who: stream.send(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id=who)), 5)  # noqa: E731
-        assert [ask("a").shutdown_reason, ask("b").shutdown_reason] == ["a 0", "b 1"]
+        assert [ask(who).shutdown_reason for who in "abcde"] == ["a 0", "b 1", "c 0", "d 1", "e 0"]
+        assert len(streams) == 3
+    finally:
+        stream.close()
+        server.stop(0)
+
+    def answer_none(request_iterator, context):
+        streams.append(0)
+        next(request_iterator)
+        return iter(())
+
+    streams.clear()
+    server, stub = _serve("HostTaskStream", answer_none)
+    stream = KeptStream(stub.HostTaskStream, "task stream")
+    try:
         with pytest.raises(CallRefused) as err:
-            ask("c")
+            stream.send(pb.PullHostTasksRequest(host=pb.AgentAuth(agent_id="a")), 5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "the coordinator ended the task stream" in err.value.details()
-        assert ask("d").shutdown_reason == "d 0" and len(streams) == 2
+        assert len(streams) == 2
     finally:
         stream.close()
         server.stop(0)

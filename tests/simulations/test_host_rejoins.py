@@ -66,8 +66,8 @@ def test_a_population_host_and_agents_outlive_two_coordinator_restarts(tmp_path)
     restarts = []  # the last round checkpointed before each kill
     try:
         address = f"127.0.0.1:{port}"
-        clients.append(_start(tmp_path, "host", ["simulate-workers", "--server", address, "--clients",
-                                                 str(MEMBERS), "--seats", "2", *RETRY]))
+        clients.append(_start(tmp_path, "host", ["simulate-workers", "--server", address, "--insecure",
+                                                 "--clients", str(MEMBERS), "--seats", "2", *RETRY]))
         clients += [_start(tmp_path, f"agent{a}", ["client", "--server", address, "--agent-id", f"agent-{a}",
                                                    "--insecure", "--num-partitions", str(AGENTS), "--partition-index",
                                                    str(a), "--poll", "2", *RETRY]) for a in range(AGENTS)]

@@ -36,7 +36,7 @@ def test_torchrun_two_nodes_and_two_local_ranks_host_one_population_against_one_
         for node in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(2 - node),
                    "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master),
-                   "-m", "fedpar", "simulate-workers", "--server", server, "--clients", str(CLIENTS),
+                   "-m", "fedpar", "simulate-workers", "--server", server, "--insecure", "--clients", str(CLIENTS),
                    "--val-fraction", "0", "--seats", "2", "--trace", "fedscale"]
             nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / f"node{node}.log", "w"),
                                           stderr=subprocess.STDOUT))

@@ -1,0 +1,95 @@
+"""A simulation host (`fedpar simulate-workers` under torchrun) in a long-lived service (`fedpar serve --state
+--accept-populations`): it dials under its own certificate from the service's CA, and its members take part in one run
+after another without the host leaving (a host was told "training finished" at the end of the first run, and its
+kept streams stayed bound to the coordinator of the moment: the next run's tasks never reached it). Real processes
+on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedpar.security.certs import ensure_certs
+from fedpar.server.run_store import RunStore
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+MEMBERS = 20
+RUN = 'rounds = 2\nclients_per_round = 4\nmin_reports = 4\nlocal_epochs = 1\nbatch_size = 32\n'
+
+
+def _fedpar(tmp: Path, name: str, *args: str, torchrun: bool = False) -> subprocess.Popen:
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "fedpar"] if torchrun \
+        else ["-m", "fedpar"]
+    return subprocess.Popen([sys.executable, *launcher, *args], cwd=ROOT, env=ENV, stdout=open(tmp / f"{name}.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, what
+        time.sleep(0.1)
+
+
+def test_a_simulation_host_under_mutual_tls_stays_joined_for_one_run_after_another(tmp_path):
+    certs = tmp_path / "certs"
+    ensure_certs(certs, ["host-0-of-1"], ["127.0.0.1"], operators=["op"])
+    serve = _fedpar(tmp_path, "serve", "serve", "--state", str(tmp_path / "state.db"), "--certs", str(certs),
+                    "--accept-populations", "--min-available", str(MEMBERS), "--port", "0", "--port-file",
+                    str(tmp_path / "port"), "--control-port", "0", "--control-port-file", str(tmp_path / "cport"),
+                    "--heartbeat", "1")
+    host = None
+    try:
+        _wait_for(lambda: (tmp_path / "cport").exists() or serve.poll() is not None, 60, "serve did not start")
+        assert serve.poll() is None, (tmp_path / "serve.log").read_text()
+        port, control = (int((tmp_path / name).read_text()) for name in ("port", "cport"))
+        host = _fedpar(tmp_path, "host", "simulate-workers", "--server", f"127.0.0.1:{port}", "--certs", str(certs),
+                       "--clients", str(MEMBERS), "--dataset", "digits", "--seats", "2", "--max-backoff", "0.5",
+                       torchrun=True)
+        store = RunStore(tmp_path / "state.db")
+        (tmp_path / "run.toml").write_text(RUN)
+        runs = []
+        for _ in range(2):  # submitted one after the other: the second starts after the first has ended
+            done = subprocess.run([sys.executable, "-m", "fedpar", "run", "submit", str(tmp_path / "run.toml"),
+                                   "--control", f"127.0.0.1:{control}", "--certs", str(certs), "--operator", "op"],
+                                  cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            runs.append(int(done.stdout.strip()))
+            _wait_for(lambda: store.get(runs[-1]).status in ("finished", "failed", "stopped"), 120,
+                      f"run {runs[-1]} did not end: " + (tmp_path / "serve.log").read_text()[-2000:])
+        for run_id in runs:
+            assert store.get(run_id).status == "finished", store.get(run_id).reason
+            rows = store.round_metrics(run_id)
+            assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(1, "ok", 4), (2, "ok", 4)], rows
+            assert all(r["round_seconds"] < 20 for r in rows), rows  # no round waited out a deadline
+        log = (tmp_path / "host.log").read_text()  # before the host is stopped (torchrun prints its own traceback)
+        assert host.poll() is None, log  # still joined, for the next run
+        assert "Traceback" not in log and "training finished" not in log, log
+    finally:
+        for process in (serve, host):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in (serve, host):
+            if process is not None:
+                try:
+                    process.wait(20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def test_a_host_without_its_certificate_is_told_which_to_make_in_one_line(tmp_path):
+    certs = tmp_path / "certs"
+    ensure_certs(certs, ["host-0-of-2"], ["127.0.0.1"])  # another host's: this one runs alone (host-0-of-1)
+    for tls, said in ((["--certs", str(certs)], f"certificate {certs / 'host-0-of-1.pem'} does not exist"),
+                      ([], "TLS is required")):
+        done = subprocess.run([sys.executable, "-m", "fedpar", "simulate-workers", "--server", "127.0.0.1:1", *tls,
+                               "--clients", "4", "--dataset", "digits"], cwd=ROOT, env=ENV, capture_output=True,
+                              text=True, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert said in lines[0] and "fedpar certs --out" in lines[0] and "--agents host-0-of-1'" in lines[0], lines
