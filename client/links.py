@@ -394,14 +394,17 @@ class HostLink:
         away, back = self.members.availability_changes(self.clock_seconds)
         with self._failures_lock:
             failures = list(self._failures)
+        at = -1.0 if self.clock_seconds is None else self.clock_seconds
         reply = self._tasks.send(pb.PullHostTasksRequest(
-            host=self.host, wait_seconds=self.config.poll_seconds, away=away, back=back,
+            host=self.host, wait_seconds=self.config.poll_seconds, away=away, back=back, availability_at=at,
             finish_estimates=self._estimates, failures=failures), timeout=self.config.poll_seconds + 30)
         self._estimates = []
         with self._failures_lock:  # told (seats only add at the end)
             del self._failures[:len(failures)]
         if reply.shutdown_reason:
             return Pulled(shutdown=reply.shutdown_reason)
+        if reply.virtual_clock:  # availability follows the simulated time, which also moves between rounds
+            self.clock_seconds = reply.clock_seconds
         if reply.tasks and self._held:  # tasks held from an older round are moot once a newer one opens
             newest = max(hosted.task.round for hosted in reply.tasks)
             self._held = {m: held for m, held in self._held.items() if held[1].round >= newest}

@@ -392,20 +392,22 @@ class JoinPopulationReply(_message.Message):
     def __init__(self, host_token: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullHostTasksRequest(_message.Message):
-    __slots__ = ("host", "wait_seconds", "away", "back", "finish_estimates", "failures")
+    __slots__ = ("host", "wait_seconds", "away", "back", "finish_estimates", "failures", "availability_at")
     HOST_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AWAY_FIELD_NUMBER: _ClassVar[int]
     BACK_FIELD_NUMBER: _ClassVar[int]
     FINISH_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    AVAILABILITY_AT_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     wait_seconds: float
     away: _containers.RepeatedScalarFieldContainer[str]
     back: _containers.RepeatedScalarFieldContainer[str]
     finish_estimates: _containers.RepeatedCompositeFieldContainer[FinishEstimate]
     failures: _containers.RepeatedCompositeFieldContainer[TaskFailure]
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., away: _Optional[_Iterable[str]] = ..., back: _Optional[_Iterable[str]] = ..., finish_estimates: _Optional[_Iterable[_Union[FinishEstimate, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[TaskFailure, _Mapping]]] = ...) -> None: ...
+    availability_at: float
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., away: _Optional[_Iterable[str]] = ..., back: _Optional[_Iterable[str]] = ..., finish_estimates: _Optional[_Iterable[_Union[FinishEstimate, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[TaskFailure, _Mapping]]] = ..., availability_at: _Optional[float] = ...) -> None: ...
 
 class FinishEstimate(_message.Message):
     __slots__ = ("agent_id", "task_id", "seconds")
@@ -436,20 +438,22 @@ class HostedTask(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., task: _Optional[_Union[TrainTask, _Mapping]] = ...) -> None: ...
 
 class PullHostTasksReply(_message.Message):
-    __slots__ = ("tasks", "shutdown_reason", "weights_header", "weights", "go", "clock_seconds")
+    __slots__ = ("tasks", "shutdown_reason", "weights_header", "weights", "go", "clock_seconds", "virtual_clock")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HEADER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     GO_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_CLOCK_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[HostedTask]
     shutdown_reason: str
     weights_header: ModelHeader
     weights: bytes
     go: _containers.RepeatedScalarFieldContainer[str]
     clock_seconds: float
-    def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., go: _Optional[_Iterable[str]] = ..., clock_seconds: _Optional[float] = ...) -> None: ...
+    virtual_clock: bool
+    def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., go: _Optional[_Iterable[str]] = ..., clock_seconds: _Optional[float] = ..., virtual_clock: bool = ...) -> None: ...
 
 class HostUploads(_message.Message):
     __slots__ = ("host", "uploads", "partial")

@@ -240,7 +240,8 @@ class CoordinatorService:
         """One long-poll of ``host`` (authenticated): the tasks of its sampled members, its availability changes,
         finish estimates and failed tasks noted."""
         return await self.coord.members.next_host_tasks(host, request.wait_seconds, request.away, request.back,
-                                                        request.finish_estimates, self.coord, request.failures)
+                                                        request.finish_estimates, self.coord, request.failures,
+                                                        request.availability_at)
 
     async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
         """Long-poll for a task."""

@@ -63,6 +63,8 @@ class LetGo(Protocol):
 class RoundClock(Protocol):
     """What a round asks of its clock (every method runs on the coordinator's event loop)."""
 
+    idle_steps: int  # times it moved on between rounds, while too few members were online
+
     def open_round(self, state: RoundState) -> None:
         """The round's tasks are about to go out."""
 
@@ -78,6 +80,9 @@ class RoundClock(Protocol):
     def stamp_reply(self, reply: pb.PullHostTasksReply) -> None:
         """Add the clock's fields to a simulation host's reply."""
 
+    async def wait_for_live(self, members: Members, count: int, wait_seconds: float | None) -> None:
+        """Until ``count`` members are online (TimeoutError after ``wait_seconds``; None: no limit)."""
+
     def finish_round(self) -> dict:
         """The round ended: the clock's columns of its metrics row."""
 
@@ -90,6 +95,8 @@ class RoundClock(Protocol):
 
 class WallClock:
     """Real time: every sampled agent trains; the straggler deadline is in real seconds (server/deadline.py)."""
+
+    idle_steps = 0  # real time moves by itself
 
     def open_round(self, state: RoundState) -> None:
         """Nothing is held in real time."""
@@ -107,6 +114,10 @@ class WallClock:
 
     def stamp_reply(self, reply: pb.PullHostTasksReply) -> None:
         """Nothing to add in real time."""
+
+    async def wait_for_live(self, members: Members, count: int, wait_seconds: float | None) -> None:
+        """Until ``count`` members are live, as they join or come back."""
+        await members.wait_for_live(count, wait_seconds)
 
     def finish_round(self) -> dict:
         """No columns in real time."""
@@ -230,7 +241,8 @@ class Coordinator(IngestPlane):
         self._ready(True)
         try:
             while self.round_id < self.config.rounds:
-                await self.members.wait_for_live(self.config.min_available, self.config.wait_for_agents_seconds)
+                await self.clock.wait_for_live(self.members, self.config.min_available,
+                                               self.config.wait_for_agents_seconds)
                 await self._run_round(self.round_id + 1)
             await self._caught_up()
             completed = True

@@ -127,7 +127,8 @@ class Members:
 
     async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str],
                               back: Sequence[str], finish_estimates: Sequence[pb.FinishEstimate],
-                              desk: TaskDesk, failures: Sequence[pb.TaskFailure] = ()) -> pb.PullHostTasksReply:
+                              desk: TaskDesk, failures: Sequence[pb.TaskFailure] = (),
+                              availability_at: float = -1.0) -> pb.PullHostTasksReply:
         """A Refusal: there are no simulation hosts here."""
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")
@@ -153,6 +154,16 @@ class Members:
     def live_count(self) -> int:
         """How many members may be sampled now (no pass over them unless some lack the run's task)."""
         return len(self.live_ids()) if self._lacking else len(self.registry.live_ids())
+
+    async def changed(self, wait_seconds: float) -> None:
+        """Until a member joins, leaves, goes away or comes back, or a host calls (at most ``wait_seconds``)."""
+        self._changed.clear()
+        await set_within(self._changed, wait_seconds)
+
+    def hosts_heard(self, seconds: float) -> bool:
+        """Whether every live simulation host has told who of its members is online at simulated time ``seconds``
+        (agents that joined by themselves have no availability trace)."""
+        return True
 
     async def wait_for_live(self, count: int, wait_seconds: float | None) -> None:
         """Until ``count`` members are live (woken as they join or come back; each half second a liveness may have run

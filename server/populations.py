@@ -34,6 +34,7 @@ class Populations(Members):
         self._host_tasks: dict[str, set[str]] = {}  # per host: its members dealt a task not yet sent
         self._host_declared: dict[str, str | None] = {}  # per host: the task it declared when it joined
         self._host_go: dict[str, set[str]] = {}  # per host: its members the clock let go, not yet told
+        self._heard_at: dict[str, float] = {}  # per host: the simulated time its last call's availability was as of
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
@@ -105,14 +106,17 @@ class Populations(Members):
 
     async def next_host_tasks(self, host: HostRecord, wait_seconds: float, away: Sequence[str],
                               back: Sequence[str], finish_estimates: Sequence[pb.FinishEstimate],
-                              desk: TaskDesk, failures: Sequence[pb.TaskFailure] = ()) -> pb.PullHostTasksReply:
+                              desk: TaskDesk, failures: Sequence[pb.TaskFailure] = (),
+                              availability_at: float = -1.0) -> pb.PullHostTasksReply:
         """The tasks of ``host``'s members sampled since its last call (and those the clock let go), waiting up to
         ``wait_seconds`` for some; ``away`` / ``back``: its members that went offline or came back (not sampled
         while away); ``finish_estimates``: its members' simulated finish times for their held tasks;
-        ``failures``: its members whose own code failed their task."""
+        ``failures``: its members whose own code failed their task; ``availability_at``: the simulated time
+        ``away`` and ``back`` are as of (server/virtual_clock.py waits for every host's at its time)."""
         if away or back:
             self.registry.set_away(host.host_id, list(away), list(back))
-            self._changed.set()
+        self._heard_at[host.host_id] = availability_at
+        self._changed.set()  # the virtual clock waits for every host to have told where it stands
         for estimate in finish_estimates:
             self._check_member(host, estimate.agent_id)
             desk.clock.record(desk.current, estimate.agent_id, estimate.task_id, estimate.seconds)
@@ -120,15 +124,21 @@ class Populations(Members):
             self._check_member(host, failure.agent_id)
             desk.task_failed(failure.agent_id, failure.task_id, failure.reason)
         key = HOST_WAKEUP + host.host_id
+        steps = desk.clock.idle_steps  # the clock moving on between rounds ends the wait: the host hears the time
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
             if desk.finished and not desk.keeps_members:
                 self.told(key)
                 return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {desk.round_id}")
             out = self._reply(host.host_id, desk)
-            if out.tasks or out.go or desk.handed_over or not await self.wait(key, deadline):
+            if out.tasks or out.go or desk.handed_over or desk.clock.idle_steps != steps \
+                    or not await self.wait(key, deadline):
                 return out
             host.last_seen = time.monotonic()
+
+    def hosts_heard(self, seconds: float) -> bool:
+        """Whether every live simulation host has told who of its members is online at simulated time ``seconds``."""
+        return all(self._heard_at.get(h, -1.0) >= seconds for h in self.registry.live_hosts())
 
     def _check_member(self, host: HostRecord, agent_id: str) -> None:
         """A Refusal unless ``agent_id`` is a member of ``host``."""

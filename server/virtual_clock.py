@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 
 import grpc
 
@@ -25,6 +26,8 @@ from fedpar.server.deadline import DEADLINE, Decision, first_k_in_time, set_with
 from fedpar.server.rounds import Refusal, RoundState
 
 log = logging.getLogger("fedpar.server")
+IDLE_LIMIT_SECONDS = 86_400.0  # a trace's day: availability repeats daily, so no later time brings more online
+IDLE_STEP_SECONDS = 60.0  # the least the clock moves while too few are online (a day in at most 1,440 steps)
 
 
 class VirtualClock:
@@ -34,6 +37,7 @@ class VirtualClock:
         self.deadline_seconds = deadline_seconds  # the straggler deadline, in simulated seconds
         self.wall_seconds = wall_seconds  # real seconds a round may last (its estimates may take half)
         self.seconds = seconds  # simulated time at the start of the current (or next) round
+        self.idle_steps = 0  # times the clock moved on while too few were online (a host's long-poll then answers)
         self._finishes: dict[str, float] = {}
         self._all_in: asyncio.Event | None = None
         self._round_id = 0
@@ -88,7 +92,31 @@ class VirtualClock:
 
     def stamp_reply(self, reply: pb.PullHostTasksReply) -> None:
         """The clock's time, for a simulation host."""
-        reply.clock_seconds = self.seconds
+        reply.clock_seconds, reply.virtual_clock = self.seconds, True
+
+    async def wait_for_live(self, members, count: int, wait_seconds: float | None) -> None:
+        """Until ``count`` members are online. While that many have joined but fewer are online (a night of their
+        availability traces), simulated time moves on a deadline (at least IDLE_STEP_SECONDS) at a time, as if a
+        round that could not start had lasted one, once every host has told who is online at the time before. TimeoutError when a whole
+        simulated day passes so, or after ``wait_seconds`` real seconds (None: no limit) with too few joined."""
+        started, idle_from, most = time.monotonic(), self.seconds, 0
+        while (live := members.live_count()) < count:
+            most = max(most, live)
+            if len(members.registry) >= count and members.hosts_heard(self.seconds):
+                if self.seconds - idle_from >= IDLE_LIMIT_SECONDS:
+                    raise TimeoutError(
+                        f"at most {most} of the {len(members.registry)} clients were online at once over a simulated "
+                        f"day of their availability traces (virtual clock, from {idle_from:,.0f} s); a round needs "
+                        f"{count} (min_available): sample fewer clients a round, or give a trace with more online")
+                self.seconds += max(self.deadline_seconds, IDLE_STEP_SECONDS)
+                self.idle_steps += 1
+                members.wake_all()  # the hosts' long-polls answer with the new time
+            elif wait_seconds is not None and time.monotonic() - started > wait_seconds:
+                raise TimeoutError(f"only {live} live agents after {wait_seconds}s; need min_available={count}")
+            await members.changed(0.5)
+        if self.seconds > idle_from:
+            log.info("virtual clock: %d clients online at %.0f simulated seconds, after %.0f with too few",
+                     members.live_count(), self.seconds, self.seconds - idle_from)
 
     def finish_round(self) -> dict:
         """Advance the clock by the round just finished; its metrics columns (simulated seconds of the round and

@@ -65,3 +65,42 @@ def test_a_trace_and_the_virtual_clock_need_no_other_flag(tmp_path, capfd):
     assert "coordinator unreachable" not in capfd.readouterr().err
     got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in got] == ["ok", "ok"] and 0 < got[0]["sim_seconds"] < got[1]["sim_seconds"]
+
+
+def _trace(path, opens_at: list[float], lasts: list[float]) -> str:
+    """A CSV trace of len(opens_at) clients online daily from ``opens_at`` for ``lasts`` seconds."""
+    rows = ["client,seconds_per_step,download_mbps,upload_mbps,available_from,available_for"]
+    rows += [f"{i},0.01,10,5,{a},{b}" for i, (a, b) in enumerate(zip(opens_at, lasts))]
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def test_under_the_virtual_clock_simulated_time_moves_on_while_too_few_clients_are_online(tmp_path, capfd):
+    """Three of four clients come online an hour into the day: the clock goes there (it used to wait on the real
+    clock for the hosts' availability to change, which only simulated time could change, until the 300 s limit)."""
+    from fedpar.cli.main import main
+
+    trace = _trace(tmp_path / "late.csv", [3600, 3600, 0, 3600], [7200] * 4)
+    out = tmp_path / "run"
+    assert main(["simulate", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--trace", trace,
+                 "--clock", "virtual", "--quiet", "--out", str(out)]) == 0
+    got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["reported"]) for r in got] == [("ok", 4), ("ok", 4)]
+    assert 3600 <= got[0]["sim_seconds"] < 3600 + 60 + 30  # the first step of the clock past the opening, and a round
+    assert got[0]["round_seconds"] < 30
+
+
+def test_a_trace_that_never_has_enough_clients_online_is_one_line_after_a_simulated_day(tmp_path, capfd):
+    import time
+
+    from fedpar.cli.main import main
+
+    trace = _trace(tmp_path / "never.csv", [3600, 3600, 0, 3600], [0, 0, 7200, 0])
+    started = time.monotonic()
+    assert main(["simulate", "--clients", "4", "--rounds", "2", "--trace", trace, "--clock", "virtual",
+                 "--deadline", "1", "--quiet", "--out", str(tmp_path / "run")]) != 0
+    assert time.monotonic() - started < 120  # a simulated day of 1-minute steps, not the 300 s wait for agents
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("fedpar simulate: at most 1 of the 4 clients were online at once over a simulated "
+                                "day"), err
