@@ -28,7 +28,7 @@ from fedpar.cli.renamed import add_alias, add_replicas_renamed
 from fedpar.cli.task_options import load_task_from_args, task_options
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, TrainConfig
 from fedpar.settings import setting
-from fedpar.task import TaskReference
+from fedpar.task import TaskError, TaskReference
 
 
 LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
@@ -128,9 +128,10 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
-    from fedpar.cli.train_task import check_data_parallel, train_centrally, train_task_rank, write_task_model
+    from fedpar.cli.train_task import (RankFailed, check_data_parallel, spawn_task_ranks, train_centrally,
+                                       train_task_rank, write_task_model)
     from fedpar.parallel.device import check_device_layout, resolve_device
-    from fedpar.parallel.init import exit_rank_process, spawn
+    from fedpar.parallel.init import exit_rank_process
 
     under_launcher = "WORLD_SIZE" in os.environ
     try:
@@ -138,20 +139,29 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
         task = load_task_from_args(args)  # a task's mistakes, before any rank starts
         check_data_parallel(task, cfg)
+    except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
+        print(f"fedpar train: {exc}", file=sys.stderr)
+        return 2
+    try:
         if world > 1:  # the ranks get the layout resolved here, as it is
             rank_args = (cfg, args.task, task_options(args), args.dist_timeout)
             if under_launcher:
                 train_task_rank(*rank_args)
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
-            spawn(world, train_task_rank, *rank_args, parent_stops=True)
+            spawn_task_ranks(world, rank_args, quiet=not args.debug)
             summary = json.loads((Path(cfg.out) / "summary.json").read_text())
             evals = {k: v for k, v in summary.items() if k.startswith(("test_", "val_"))}
         else:
             model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
             evals = write_task_model(task, cfg, model, summary)
-    except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
-        print(f"fedpar train: {exc}", file=sys.stderr)
-        return 2
+    except RankFailed as exc:  # a rank's own failure, not the task's: its last line (--debug: its traceback)
+        print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+    except TaskError as exc:  # the task's own code, on any rank: one line (--debug: the traceback)
+        if args.debug:
+            raise
+        print(f"fedpar train: {str(exc).rstrip('.')}: fix the task ({args.task})", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)  # TaskFailed: it failed as it trained (1), else it was refused (2)
     print(json.dumps({k: summary[k] for k in ("task", "ranks", "steps", "epochs", *evals)}, indent=2))
     print(f"wrote {cfg.out}/metrics.jsonl, metrics.csv, summary.json, global.safetensors, global.json"
           f"{' and loss_curve.png' if cfg.plot else ''}")

@@ -15,8 +15,10 @@ gathers the whole model, evaluates it, logs and writes.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Callable
 
 import torch
@@ -27,11 +29,59 @@ from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.device import queue_waiter
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
-from fedpar.task import Deadline, LocalConfig, Partition, Task, TaskError
+from fedpar.task import (ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
+                         checked_client_data, raised)
 from fedpar.tasks.data import on_device
 from fedpar.tasks.evaluation import evaluate_task, finite
 
 EpochRun = Callable[[int, "int | None"], Trained]  # (epoch, steps left or None) -> what that epoch trained
+
+
+class task_code:
+    """Around a call into the task's own code as it trains (``stage``: which of it): whatever it raises becomes one
+    TaskFailed line, 'the task's STAGE raised TYPE: MESSAGE', chained to the original (--debug shows its
+    traceback); a TaskError (e.g. what a train hook returned) is said as it is."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if not isinstance(exc, Exception) or isinstance(exc, TaskFailed):
+            return False
+        if isinstance(exc, TaskError):
+            raise TaskFailed(str(exc)) from exc
+        raise TaskFailed(f"the task's {self.stage} raised {raised(exc)}") from exc
+
+
+def _client_data(task: Task, seed: int) -> ClientData:
+    """All of the task's training data (the client data of ``Partition(0, 1)``); TaskError unless it can train."""
+    from fedpar.client.engine_trainer import check_training_data
+
+    try:
+        data = checked_client_data(task.client_data(Partition(0, 1, "central", "iid", seed, 0.0)))
+    except TaskError:
+        raise
+    except Exception as exc:  # the task's own code
+        raise TaskError(f"the task's client_data raised {raised(exc)}") from exc
+    check_training_data(task, data)
+    return data
+
+
+def _diagnosed(task: Task, failure: TaskFailed) -> TaskError:
+    """``failure`` of the engine's set-up, or what is wrong with the task's model when that is why (Task.built_model
+    on the meta device: nothing allocated; only after a failure, so a factory that cannot build there is never
+    refused)."""
+    try:
+        with torch.device("meta"):
+            task.built_model()
+    except TaskError as problem:
+        return problem
+    except Exception:
+        pass
+    return failure
 
 
 def train_centrally(task: Task, cfg: TrainConfig, device: torch.device,
@@ -41,18 +91,23 @@ def train_centrally(task: Task, cfg: TrainConfig, device: torch.device,
     and the summary written to ``cfg.out``/summary.json on rank 0, (None, {}) on the others."""
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    data = task.client_data(Partition(0, 1, "central", "iid", cfg.seed, 0.0))
+    data = _client_data(task, cfg.seed)
     world = info.world_size if info is not None else 1
     if world > 1:
         from fedpar.client.engine_trainer import EngineTrainer
 
-        engine = EngineTrainer(task, data, info, cfg.parallel, seed=cfg.seed)
+        try:
+            with task_code("model() or its first training step"):  # the engine builds, shards and warms it up
+                engine = EngineTrainer(task, data, info, cfg.parallel, seed=cfg.seed)
+        except TaskFailed as failure:
+            raise _diagnosed(task, failure) from failure.__cause__
         if not info.is_main:
-            engine.follow()
+            with task_code("training"):
+                engine.follow()
             return None, {}
         model, run = engine.model, _engine_epochs(engine, cfg)
     else:
-        engine, model = None, task.model().to(device)
+        engine, model = None, task.built_model().to(device)
         data.train, data.val = on_device(data.train, device), on_device(data.val, device) if data.val else None
         run = _local_epochs(task, model, data, cfg, device)
     try:
@@ -87,7 +142,8 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     eval_device = next(model.parameters()).device
-    test = task.test_data() if task.test_data is not None else None
+    with task_code("test_data()"):
+        test = task.test_data() if task.test_data is not None else None
     scored, prefix = (on_device(test, eval_device), "test_") if test is not None else (val, "val_")
     log = StepMetricsLog(out, True, 0, cfg.tensorboard)
     bar = StepBar("step" if cfg.max_steps else "epoch")
@@ -97,14 +153,16 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
     train_seconds = 0.0
     while epoch < cfg.epochs if not cfg.max_steps else steps < cfg.max_steps:
         begin = time.perf_counter()
-        trained = run(epoch, cfg.max_steps - steps if cfg.max_steps else None)
+        with task_code("training"):
+            trained = run(epoch, cfg.max_steps - steps if cfg.max_steps else None)
         train_seconds += time.perf_counter() - begin
         steps, examples, epoch = steps + trained.steps, examples + trained.examples, epoch + 1
         train_metrics = finite(trained.metrics)
         log.write({"kind": "train", "step": steps, "epoch": epoch - 1, **train_metrics,
                    "samples_per_second": trained.examples / max(time.perf_counter() - begin, 1e-9)})
         if scored is not None:
-            evals = {prefix + k: v for k, v in finite(evaluate_task(task, model, scored)).items()}
+            with task_code("evaluation"):
+                evals = {prefix + k: v for k, v in finite(evaluate_task(task, model, scored)).items()}
             log.write({"kind": "eval", "step": steps, "epoch": epoch - 1, **evals})
         left = time_left(epoch, cfg.epochs, time.perf_counter() - started) if not cfg.max_steps else \
             time_left(steps, cfg.max_steps, time.perf_counter() - started)
@@ -147,6 +205,43 @@ def train_task_rank(config: TrainConfig, task_ref: str, task_options: dict[str, 
         torch.distributed.barrier()  # leave together: rank 0 hosts the rendezvous store
     finally:
         shutdown_distributed()
+
+
+class RankFailed(Exception):
+    """A spawned rank failed by something other than the task's own code, with the line that ended it."""
+
+
+def spawn_task_ranks(world: int, rank_args: tuple, quiet: bool = True) -> None:
+    """:func:`train_task_rank` on ``world`` spawned ranks. A rank's TaskError (or TaskFailed) is raised here as it
+    was (its one line), any other failure as RankFailed; unless ``quiet`` is False (--debug): then torch's own exception, with the
+    rank's traceback, and torch's note that it stops the others."""
+    from torch.multiprocessing import ProcessExitedException
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    from fedpar.parallel.init import spawn
+
+    launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
+    level = launcher_log.level
+    if quiet:
+        launcher_log.setLevel(logging.ERROR)
+    try:
+        spawn(world, train_task_rank, *rank_args, parent_stops=True)
+    except ProcessRaisedException as exc:
+        if not quiet:
+            raise
+        # torch hands over the rank's traceback as text: the task's failure is its last line
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        for kind in (TaskFailed, TaskError):
+            said = f"{kind.__module__}.{kind.__qualname__}: "
+            if lines and lines[-1].startswith(said):
+                raise kind(lines[-1][len(said):]) from None
+        raise RankFailed(f"rank {exc.error_index} failed: {lines[-1] if lines else exc}") from None
+    except ProcessExitedException as exc:
+        if not quiet:
+            raise
+        raise RankFailed(f"rank {exc.error_index} ended with exit code {exc.exit_code}") from None
+    finally:
+        launcher_log.setLevel(level)
 
 
 def write_task_model(task: Task, cfg: TrainConfig, model: torch.nn.Module, summary: dict[str, Any]) -> dict:

@@ -54,6 +54,12 @@ def check_engine_task(task: Task, config: ParallelConfig, world_size: int) -> No
                         "apply to it; drop --tp, or give the task a tp_plan")
 
 
+def check_training_data(task: Task, data: ClientData) -> None:
+    """TaskError, in one line, when ``task``'s client data holds no training examples."""
+    if data.train is None or not len(data.train):
+        raise TaskError(f"task {task.name!r}: client_data gave no training examples")
+
+
 class EngineTrainer:
     """A :class:`~fedpar.client.trainer_protocol.Trainer` over a sharded model (rank 0's whole copy is what the
     runtime exchanges).
@@ -74,8 +80,7 @@ class EngineTrainer:
         copy starts from the weights ``seed`` draws."""
         config = layout_for(parallel, info.world_size, info.device.type)
         check_engine_task(task, config, info.world_size)
-        if data.train is None or not len(data.train):
-            raise TaskError(f"task {task.name!r}: client_data gave no training examples")
+        check_training_data(task, data)
         self.task, self.info, self.seed, self.shuffle = task, info, seed, shuffle
         self.mesh = build_mesh(config, info.device.type)
         self._dp_size, self._dp_rank = config.data_parallel_size, self.mesh.data_parallel_rank

@@ -1,0 +1,83 @@
+"""`fedpar train` told the user's mistakes in one line: a task's own code failing as it trains (in one process and on
+two real gloo ranks), an empty training set."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedpar.cli.main import main
+
+TASKS = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from fedpar import Task, ClientData
+from fedpar.tasks import share_of
+
+g = torch.Generator().manual_seed(0)
+X = torch.randn(80, 10, generator=g)
+Y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()   # 3 classes
+TRAIN, TEST = TensorDataset(X[:64], Y[:64]), TensorDataset(X[64:], Y[64:])
+
+def _task(model, data=lambda p: share_of(TRAIN, p), **more):
+    return Task(model=model, client_data=data, test_data=lambda: TEST, loss=nn.functional.cross_entropy, **more)
+
+def wrong_out():
+    return _task(lambda: nn.Linear(10, 2))
+
+def data_not_clientdata():
+    return _task(lambda: nn.Linear(10, 3), data=lambda p: TRAIN)
+
+def no_params_model():
+    return _task(lambda: nn.ReLU())
+
+def loss_none_reduction():
+    return Task(model=lambda: nn.Linear(10, 3), client_data=lambda p: share_of(TRAIN, p), test_data=lambda: TEST,
+                loss=lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"))
+
+def empty_data():
+    empty = TensorDataset(torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
+    return _task(lambda: nn.Linear(10, 3), data=lambda p: ClientData(empty))
+'''
+
+
+@pytest.fixture
+def tasks(tmp_path):
+    path = tmp_path / "tasks.py"
+    path.write_text(TASKS)
+    return str(path)
+
+
+def _said(argv: list[str], capsys) -> tuple[int, list[str]]:
+    code = main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("factory, code, line", [
+    ("wrong_out", 1, "the task's training raised IndexError: Target 2 is out of bounds"),
+    ("loss_none_reduction", 1, "the task's training raised RuntimeError: grad can be implicitly created only for "
+                               "scalar outputs"),
+    ("data_not_clientdata", 2, "client_data must return fedpar.ClientData(train, val), got TensorDataset"),
+    ("no_params_model", 2, "model() has no floating-point parameters"),
+    ("empty_data", 2, "client_data gave no training examples"),
+])
+def test_the_task_s_own_failure_is_one_line_naming_it(factory, code, line, tasks, tmp_path, capsys):
+    ref = f"{tasks}:{factory}"
+    got, lines = _said(["train", "--task", ref, "--epochs", "1", "--no-plot", "--out", str(tmp_path / "out")],
+                       capsys)
+    assert (got, len(lines)) == (code, 1), lines
+    assert lines[0].startswith("fedpar train: ") and line in lines[0], lines
+    assert lines[0].endswith(f": fix the task ({ref})"), lines
+    assert not (tmp_path / "out" / "global.safetensors").exists()
+
+
+def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceback(tasks, tmp_path, capsys):
+    ref = f"{tasks}:wrong_out"
+    argv = ["train", "--task", ref, "--epochs", "1", "--no-plot", "--nproc", "2", "--device", "cpu",
+            "--out", str(tmp_path / "out")]
+    code, lines = _said(argv, capsys)
+    assert (code, len(lines)) == (1, 1), lines  # nothing else: no rank's traceback, no launcher's warning
+    assert lines[0].startswith("fedpar train: the task's ") and "raised IndexError: Target 2 is out of bounds" in \
+        lines[0] and lines[0].endswith(f": fix the task ({ref})"), lines
+    with pytest.raises(Exception, match="IndexError"):  # --debug: the ranks' tracebacks
+        main([*argv, "--debug"])
