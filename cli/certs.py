@@ -1,6 +1,6 @@
 """Make the TLS material of a federation in one folder: a CA, the coordinator's certificate and one client
 certificate per agent (subject CN = agent id). Run it again with more --agents to add agents to the same CA,
-with --revoke to revoke agents, or with --mint-token for agents that enroll by token instead of a
+with --revoke to revoke agents or operators, or with --mint-token for agents that enroll by token instead of a
 certificate. Example: 'fedpar certs --out certs --agents alice,bob', then 'fedpar serve --certs certs ...' and
 'fedpar client --certs certs --agent-id alice ...'. Private keys (*.key) and tokens (*.token) are written
 readable by their owner only; give each agent only ca.pem and its own ID.pem and ID.key (or ID.token).
@@ -46,8 +46,9 @@ class CertsOptions(Output):
     force: bool = setting(False, group="certificates", help="re-issue certificates of agents that already have one")
     revoke: list[str] = setting(default_factory=list, append=True, check="id_list", group="revocation",
                                 metavar="ID[,ID...]",
-                                help="append these agent ids to OUT/revoked.txt; a coordinator watching it refuses "
-                                     "them")
+                                help="append these agent ids or operator names to OUT/revoked.txt; a coordinator "
+                                     "watching it refuses them (agents on its agents' port, operators on its control "
+                                     "port)")
     revoke_cert: list[Path] = setting(default_factory=list, append=True, group="revocation", metavar="PEM",
                                       help="append this certificate's serial number to OUT/revoked.txt (revokes that "
                                            "certificate only, so the agent may get a new one)")
@@ -71,14 +72,23 @@ def known_agents(paths: CertPaths) -> set[str]:
     return certs | tokens
 
 
-def check_known_agent(paths: CertPaths, agent_id: str) -> None:
-    """ValueError unless ``agent_id`` has a certificate or token here: a typo must not leave the real agent trusted."""
-    known = known_agents(paths)
-    if agent_id not in known:
-        listed = ", ".join(sorted(known)) or "none"
-        raise ValueError(f"--revoke {agent_id}: no certificate or enrollment token for agent {agent_id!r} in "
-                         f"{paths.root} (agents there: {listed}); check the id, or use --revoke-cert PEM for a "
-                         "certificate kept elsewhere")
+def known_operators(paths: CertPaths) -> set[str]:
+    """Operator names with a certificate in ``paths`` (operators/NAME.pem)."""
+    return {p.stem for p in (paths.root / "operators").glob("*.pem")}
+
+
+def check_known_agent(paths: CertPaths, agent_id: str) -> str:
+    """What ``agent_id`` names here, "agent" or "operator" (both: "agent and operator"); ValueError if neither has
+    a certificate or token here: a typo must not leave the real agent or operator trusted."""
+    kinds = [kind for kind, known in (("agent", known_agents(paths)), ("operator", known_operators(paths)))
+             if agent_id in known]
+    if not kinds:
+        agents = ", ".join(sorted(known_agents(paths))) or "none"
+        operators = ", ".join(sorted(known_operators(paths))) or "none"
+        raise ValueError(f"--revoke {agent_id}: no certificate or enrollment token for agent {agent_id!r} "
+                         f"and no operator of that name in {paths.root} (agents there: {agents}; operators: {operators}); check the "
+                         "name, or use --revoke-cert PEM for a certificate kept elsewhere")
+    return " and ".join(kinds)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,11 +106,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}")
             for path in report.skipped:
                 print(f"kept {path} (exists; --force re-issues it)")
-        for agent_id in args.revoke:
-            check_known_agent(paths, agent_id)
+        kinds = {agent_id: check_known_agent(paths, agent_id) for agent_id in args.revoke}
         for agent_id in args.revoke:
             append_revocation(paths.revoked, agent_id=agent_id)
-            print(f"revoked agent {agent_id} in {paths.revoked}")
+            print(f"revoked {kinds[agent_id]} {agent_id} in {paths.revoked}")
         for pem in args.revoke_cert:
             serial = load_certificate(pem).serial_number
             append_revocation(paths.revoked, serial=serial)

@@ -321,7 +321,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         if launch_ranks is None:  # said before gRPC tries them (its own log line says it too, unasked)
             check_port_free(args.host, args.port)
             check_port_free(args.host, args.control_port, "--control-port")
-        server_security(args)
+        revocations = server_security(args).admission.revocations  # the control API's too: operators are revoked
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
         if files.ca is None:
             raise UserError("the control port needs mutual TLS: give --certs DIR (or --tls-ca)")
@@ -346,7 +346,8 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
         return 1
     try:
-        control = RunControlServer(store, service.validate, args.host, args.control_port, credentials)
+        control = RunControlServer(store, service.validate, args.host, args.control_port, credentials,
+                                   revocations)
     except OSError as exc:  # taken since the check above
         print(f"fedpar serve: {exc}", file=sys.stderr)
         service.close_agents_port()

@@ -14,7 +14,8 @@ import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
-from fedpar.security.certs import OPERATOR_ROLE, certificate_role
+from fedpar.security.admission import RevocationList, peer_identity
+from fedpar.security.certs import OPERATOR_ROLE
 from fedpar.server.run_store import ENDED, RunStore, StoreError, UnknownRun
 
 log = logging.getLogger("fedpar.server")
@@ -33,29 +34,34 @@ class _Refused(Exception):
         self.code, self.message = code, message
 
 
-def operator_of(context: grpc.ServicerContext) -> str:
+def operator_of(context: grpc.ServicerContext, revocations: RevocationList | None = None) -> str:
     """The operator behind a call: its certificate's common name; _Refused unless the certificate has the
-    operator role."""
-    auth = context.auth_context()
-    pem = (auth.get("x509_pem_cert") or [b""])[0]
-    name = (auth.get("x509_common_name") or [b"?"])[0].decode(errors="replace")
-    if not pem:
+    operator role and neither the name nor the certificate's serial is on ``revocations`` (re-read when changed)."""
+    peer = peer_identity(context)
+    if peer is None:
         raise _Refused(grpc.StatusCode.UNAUTHENTICATED, "the control API needs a client certificate")
-    if certificate_role(pem) != OPERATOR_ROLE:
-        raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
-                       f"certificate {name!r} has no operator role; issue one with 'fedpar certs --operators NAME'")
-    return name
+    if peer.role != OPERATOR_ROLE:
+        raise _Refused(grpc.StatusCode.PERMISSION_DENIED, f"certificate {peer.common_name!r} has no operator role; "
+                                                          "issue one with 'fedpar certs --operators NAME'")
+    if revocations is not None:
+        revocations.refresh()
+        if revocations.is_revoked(peer.common_name, peer.serial):
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                           f"the certificate of operator {peer.common_name!r} was revoked; ask the service's "
+                           "operator for a new one ('fedpar certs --operators NAME')")
+    return peer.common_name
 
 
 class RunControl(pb_grpc.RunControlServicer):
-    """The RunControl calls on top of a :class:`RunStore`; ``validate`` checks a submitted run's settings."""
+    """The RunControl calls on top of a :class:`RunStore`; ``validate`` checks a submitted run's settings;
+    ``revocations``: the revocation list operators' certificates are checked against at every call."""
 
-    def __init__(self, store: RunStore, validate: Validate):
-        self.store, self.validate = store, validate
+    def __init__(self, store: RunStore, validate: Validate, revocations: RevocationList | None = None):
+        self.store, self.validate, self.revocations = store, validate, revocations
 
     def _guard(self, context, action: str, fn):
         try:
-            who = operator_of(context)
+            who = operator_of(context, self.revocations)
         except _Refused as r:
             peer = (context.auth_context().get("x509_common_name") or [b"(no certificate)"])[0].decode()
             self.store.audit(peer, f"refused {action}", detail=r.message)
@@ -133,13 +139,14 @@ class RunControl(pb_grpc.RunControlServicer):
 
 
 class RunControlServer:
-    """The control API served on ``host:port`` (0 picks a free one) with ``credentials`` (mutual TLS)."""
+    """The control API served on ``host:port`` (0 picks a free one) with ``credentials`` (mutual TLS), refusing
+    the certificates on ``revocations``."""
 
     def __init__(self, store: RunStore, validate: Validate, host: str, port: int,
-                 credentials: grpc.ServerCredentials):
+                 credentials: grpc.ServerCredentials, revocations: RevocationList | None = None):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fedpar-control"),
                                    options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_RunControlServicer_to_server(RunControl(store, validate), self._server)
+        pb_grpc.add_RunControlServicer_to_server(RunControl(store, validate, revocations), self._server)
         try:
             self.port = self._server.add_secure_port(f"{host}:{port}", credentials)
         except RuntimeError:

@@ -54,7 +54,7 @@ class Federation:
                  *service_options: str):
         self.tmp = tmp
         self.certs = tmp / "certs"
-        ensure_certs(self.certs, ["a1", "a2"], ["127.0.0.1"], operators=["op"])
+        ensure_certs(self.certs, ["a1", "a2"], ["127.0.0.1"], operators=["op", "op2"])
         self.state = tmp / "state.db"
         self.service = _fedpar("serve", "--state", str(self.state), "--certs", str(self.certs), "--port", "0",
                                "--control-port", "0", "--port-file", str(tmp / "port"), "--control-port-file",
@@ -222,6 +222,22 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
     _one_line_error(second, "is in use by another fedpar serve")
     assert len(store.runs()) == before and fed.service.poll() is None
     assert ("a1", "refused ls") in [(a["who"], a["action"]) for a in store.audit_rows()]
+
+
+def test_a_revoked_operator_is_refused_on_the_control_port(federation):
+    """`fedpar certs --revoke NAME` finds operators too, and the service re-reads revoked.txt at each call."""
+    fed = federation
+    assert fed.run("ls", operator="op2").returncode == 0  # before: an operator like any other
+    revoke = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "certs", "--out", str(fed.certs), "--revoke",
+                             "op2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert revoke.returncode == 0 and "revoked operator op2" in revoke.stdout, revoke.stderr
+    good = fed.tmp / "good.toml"
+    good.write_text(f"rounds = 1\n{QUICK}")
+    for action in (["ls"], ["submit", str(good)], ["stop", "1"]):
+        _one_line_error(fed.run(*action, operator="op2"), "operator 'op2' was revoked")
+    assert fed.run("ls").returncode == 0  # the others are not
+    refused = [a["action"] for a in RunStore(fed.state).audit_rows() if a["who"] == "op2"]
+    assert refused[-3:] == ["refused ls", "refused submit", "refused stop"], refused
 
 
 def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
