@@ -80,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Validate (layout, precision, model shape against the degrees), then train here or in ``--nproc`` ranks."""
+    from fedpar.parallel.checkpoint import check_resume
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.init import exit_rank_process, spawn
     from fedpar.parallel.preflight import preflight
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
         cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
         preflight(cfg)
+        check_resume(cfg)  # a checkpoint of another layout or model: said here, not by every rank
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from torch import nn
 
 from fedpar.datasets.arrays import CLASSIFICATION, TrainData
 from fedpar.models.losses import classification_loss, language_model_loss
-from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, run_record, save_checkpoint
 from fedpar.parallel.config import ParallelLayout, TrainConfig
 from fedpar.parallel.ddp import is_ddp
 from fedpar.parallel.device import synchronize
@@ -194,7 +194,8 @@ class Trainer:
 
     def save(self) -> Path:
         """Collectively checkpoint model, optimizer, counters and RNG."""
-        return save_checkpoint(self._checkpoint_dir(), self.model.parts, self.optimizers, dict(self.counters))
+        return save_checkpoint(self._checkpoint_dir(), self.model.parts, self.optimizers, dict(self.counters),
+                               record=run_record(self.config))
 
     def maybe_resume(self) -> int:
         """Load the latest checkpoint of this run directory if there is one; returns the step resumed from."""

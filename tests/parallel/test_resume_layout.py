@@ -1,0 +1,54 @@
+"""`fedpar train` resumes a checkpoint only with the layout and model it was written with: another one is refused in
+one line before any rank starts; a checkpoint of older code (no record) still resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedpar.cli.main import main
+
+
+def _train(out: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "mlp", "--dataset", "digits", "--device", "cpu", "--batch-size", "64",
+            "--checkpoint-every", "2", "--no-plot", "--out", str(out), *extra]
+
+
+@pytest.fixture
+def checkpointed(tmp_path, monkeypatch, capsys) -> Path:
+    """A one-rank run of 2 steps, checkpointed after them."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    assert main(_train(out, "--max-steps", "2")) == 0
+    capsys.readouterr()
+    return out
+
+
+@pytest.mark.parametrize("extra, difference", [
+    (["--nproc", "2", "--dp-replicate", "2"], "world size 1, not 2; --dp-replicate 1, not 2"),
+    (["--nproc", "2", "--dp-replicate", "1", "--fsdp", "2"], "world size 1, not 2; --fsdp 1, not 2"),
+    (["--model-arg", "hidden=[32]"], "--model-arg none, not hidden=[32]"),
+])
+def test_a_resume_with_another_layout_or_model_is_refused_in_one_line(checkpointed, capsys, extra, difference):
+    code = main(_train(checkpointed, "--max-steps", "4", *extra))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert (code, len(lines)) == (2, 1), lines
+    assert lines[0].startswith(f"fedpar train: cannot resume from {checkpointed / 'checkpoints' / 'step-00000002'}: "
+                               f"it was written with {difference};"), lines
+    assert lines[0].endswith(f"pass --no-resume to start afresh in {checkpointed} (or another --out)"), lines
+    assert json.loads((checkpointed / "summary.json").read_text())["steps"] == 2  # nothing ran
+
+
+def test_the_same_settings_resume_and_no_resume_starts_afresh(checkpointed, capsys):
+    assert main(_train(checkpointed, "--max-steps", "4")) == 0
+    assert json.loads((checkpointed / "summary.json").read_text())["resumed_from_step"] == 2
+    assert main(_train(checkpointed, "--max-steps", "2", "--model-arg", "hidden=[32]", "--no-resume")) == 0
+    assert json.loads((checkpointed / "summary.json").read_text())["resumed_from_step"] == 0
+
+
+def test_a_checkpoint_of_older_code_without_its_record_still_resumes(checkpointed, capsys):
+    (checkpointed / "checkpoints" / "step-00000002" / "run.json").unlink()
+    assert main(_train(checkpointed, "--max-steps", "4")) == 0
+    assert json.loads((checkpointed / "summary.json").read_text())["resumed_from_step"] == 2
