@@ -296,7 +296,7 @@ class Coordinator(IngestPlane):
             waiting = time.monotonic()
             await asyncio.wait([state.counts_after])
             state.deadline_seconds += time.monotonic() - waiting
-        if not await until_closed(state, state.closed_event):
+        if not await until_closed(state, state.closed_event, lambda: state.lose(self._silent(state))):
             state.close(DEADLINE)
         for agent_id in slots:
             if self._tasks.get(agent_id) is slots[agent_id]:
@@ -312,6 +312,14 @@ class Coordinator(IngestPlane):
                 state.fold_failed = True
                 log.error("%s; the round fails and the model stays", exc)
         await self._finish_round(state, rank_columns)
+
+    def _silent(self, state: RoundState) -> list[str]:
+        """The round's sampled agents yet to answer that the registry let go (their liveness ran out, or they left)."""
+        pending = [a for a, slot in state.slots.items() if slot.status == "pending"]
+        if not pending or self.secure is not None:  # a secure round's dropouts are its protocol's (it unmasks them)
+            return []
+        self.registry.expire()
+        return [a for a, record in zip(pending, self.registry.get_many(pending)) if record is None or record.left]
 
     @property
     def secure(self) -> SecureRound | None:

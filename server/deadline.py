@@ -2,7 +2,8 @@
 
 A round of M sampled agents (M = ceil(K * overselect)) closes at the first of:
 - K accepted updates ("target reached": first K of M);
-- every sampled agent that may still answer has an accepted or rejected update ("every sampled agent answered");
+- every sampled agent that may still answer has an accepted or rejected update ("every sampled agent answered"); an
+  agent whose liveness ran out (no heartbeat for --liveness-timeout seconds: it died) no longer may;
 - the straggler deadline, ``--deadline`` seconds after the tasks went out ("deadline"); a task carries the real
   seconds left until then, and an upload not complete by then is refused.
 A secure round closes at the first of K accepted masked inputs, every agent that shared keys having uploaded, or
@@ -19,7 +20,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from fedpar.server.config import CoordinatorConfig
 
@@ -28,6 +29,7 @@ ALL_ANSWERED = "every sampled agent answered"
 DEADLINE = "deadline"
 ALL_KEYED_UPLOADED = "every agent that shared keys uploaded"
 SECURE_FAILED = "secure aggregation failed"
+LOST_CHECK_SECONDS = 1.0  # how often an open round looks for sampled agents that went silent
 
 
 class Timed(Protocol):
@@ -107,9 +109,15 @@ async def set_within(event: asyncio.Event, seconds: float) -> bool:
     return True
 
 
-async def until_closed(state: Timed, closed: asyncio.Event) -> bool:
-    """Wait until ``closed`` is set or the round's deadline passes; False if the deadline passed first."""
-    return await set_within(closed, seconds_left(state))
+async def until_closed(state: Timed, closed: asyncio.Event, look_for_lost: Callable[[], None] = lambda: None) -> bool:
+    """Wait until ``closed`` is set or the round's deadline passes; False if the deadline passed first. Every
+    LOST_CHECK_SECONDS ``look_for_lost()`` runs: a sampled agent whose liveness ran out before it answered never will,
+    so it is counted as answered with nothing (which may close the round: every other one answered)."""
+    while (left := seconds_left(state)) > 0:
+        if await set_within(closed, min(left, LOST_CHECK_SECONDS)):
+            return True
+        look_for_lost()
+    return closed.is_set()
 
 
 @dataclass

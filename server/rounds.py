@@ -45,7 +45,7 @@ class AgentSlot:
     dispatched: bool = False
     downloaded: bool = False  # a download of the round's weights completed; the task is not handed out again
     data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out
-    status: str = "pending"  # pending | uploading | accepted | rejected | late | lost (its aggregator rank was)
+    status: str = "pending"  # pending | uploading | accepted | rejected | late | lost (it or its aggregator rank went silent)
     upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
     message: bytes = b""  # a Flower App run's Message for it (server/flower_rounds.py): its task carries no weights
     go: bool = True  # under the virtual clock, False until it is among the first K to finish (server/virtual_clock.py)
@@ -176,6 +176,20 @@ class RoundState:
         log.log(level, "round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
         if self.on_reject is not None:
             self.on_reject(slot, message)
+        self.close_if_done()
+
+    def lose(self, agent_ids: Sequence[str]) -> None:
+        """``agent_ids``, sampled, went silent before they answered (their liveness ran out): none of them will answer,
+        so the round need not wait out its deadline for them (each counts as late)."""
+        lost = [slot for agent_id in agent_ids if (slot := self.slots.get(agent_id)) is not None
+                and slot.status == "pending" and (self.answering is None or slot.go)]
+        if not lost or self.closed:
+            return
+        for slot in lost:
+            slot.status = "lost"
+        self.answering = (len(self.slots) if self.answering is None else self.answering) - len(lost)
+        log.info("round %d: %d sampled agent(s) went silent before answering (%s)", self.round_id, len(lost),
+                 ", ".join(slot.agent_id for slot in lost[:5]) + (", ..." if len(lost) > 5 else ""))
         self.close_if_done()
 
     def training_failed(self, slot: AgentSlot, reason: str) -> None:

@@ -225,3 +225,21 @@ def test_an_agent_that_stopped_answering_is_not_sampled(start_coordinator, agent
     assert (row["status"], row["sampled"], row["reported"]) == ("ok", 2, 2)
     assert row["cohort_digest"] == cohort_digest(["a", "b"])
     assert server.coordinator.registry.live_ids() == ["a", "b"]
+
+
+def test_a_sampled_agent_that_goes_silent_does_not_hold_the_round_to_its_deadline(start_coordinator, agents):
+    """One of two sampled agents takes its task and dies (no heartbeat, no upload): once its liveness runs out the
+    round closes with the other's update, long before the 60 s deadline (it waited all of it)."""
+    init = _weights()
+    server = start_coordinator(init, clients_per_round=2, min_available=2, min_reports=1, deadline_seconds=60.0,
+                               liveness_timeout_seconds=1.5, heartbeat_seconds=0.5)
+    alive, dead = agents(server.address, ["alive", "dead"])
+    dead.task()  # and never calls again
+    started = time.monotonic()
+    assert alive.upload(alive.task(), _weights(3), 30).accepted
+    assert server.wait(20)
+    row = server.coordinator.metrics.last
+    assert (row["status"], row["sampled"], row["reported"], row["late"]) == ("ok", 2, 1, 1), row
+    assert row["close_reason"] == "every sampled agent answered"
+    assert time.monotonic() - started < 10
+    np.testing.assert_allclose(server.coordinator.weights[0], _weights(3)[0], rtol=1e-6)
