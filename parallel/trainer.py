@@ -13,7 +13,8 @@ from torch import nn
 
 from fedpar.datasets.arrays import CLASSIFICATION, TrainData
 from fedpar.models.losses import classification_loss, language_model_loss
-from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, run_record, save_checkpoint
+from fedpar.parallel.checkpoint import (gather_full_state_dict, latest_checkpoint, load_checkpoint, run_record,
+                                       save_checkpoint)
 from fedpar.parallel.config import ParallelLayout, TrainConfig
 from fedpar.parallel.ddp import is_ddp
 from fedpar.parallel.device import synchronize
@@ -319,11 +320,33 @@ class Trainer:
             "config": self.config.to_dict(),
         }
         log.close()
+        written = self._write_final_model(evals)
         if self.info.is_main:
             write_json_atomic(self.out / "summary.json", summary)
             if self.config.plot:
                 plot_loss_curve(log.records(), self.out / "loss_curve.png",
                                 f"{self.config.model} on {self.config.dataset}, world {self.info.world_size}")
-            self._log(f"wrote summary.json, metrics.jsonl, metrics.csv{' and loss_curve.png' if self.config.plot else ''} "
-                      f"in {self.out}")
+            self._log(f"wrote summary.json, metrics.jsonl, metrics.csv{', ' + written if written else ''}"
+                      f"{' and loss_curve.png' if self.config.plot else ''} in {self.out}")
         return summary
+
+    def _write_final_model(self, evals: dict[str, float]) -> str:
+        """Collectively gather the whole model to rank 0, which writes it as OUT/global.safetensors and global.json
+        (server/final_model.py, as ``train --task`` and federated runs keep theirs; ``round``: the epochs
+        completed); what was written, for the last line. Pipeline stages live on other ranks: not gathered."""
+        if len(self.model.parts) != 1 or self.config.parallel.pp > 1:
+            self._log("global.safetensors is not written for a pipeline (--pp > 1) run: its stages stay in "
+                      "OUT/checkpoints")
+            return ""
+        full = gather_full_state_dict(self.model.parts[0])
+        if not self.info.is_main:
+            return ""
+        from fedpar.server.final_model import INFO, TENSORS, write_final_model
+
+        floats = [(name, t) for name, t in full.items() if torch.is_floating_point(t)]
+        epochs = self.counters["epoch"]
+        write_final_model(self.out, [name for name, _ in floats], [t.float().numpy() for _, t in floats],
+                          max(epochs, 1), {"model": self.config.model, "dataset": self.config.dataset,
+                                           "model_kwargs": self.config.model_kwargs},
+                          {"round": epochs, "step": self.counters["step"], **evals})
+        return f"{TENSORS}, {INFO}"

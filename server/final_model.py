@@ -66,9 +66,18 @@ def load_final_model(source: Path) -> tuple[list[str], list[np.ndarray]]:
             ckpt = load_checkpoint(source)
             return ckpt.names, ckpt.arrays
         else:
-            raise ValueError(f"{source} holds neither {TENSORS} (a run's --out folder) nor {LATEST} (a "
-                             "coordinator checkpoint directory)")
+            raise ValueError(_not_a_model_folder(source))
     names, arrays, _ = load_tensors(source)
     if not names:
         raise ValueError(f"{source} holds no tensors")
     return names, arrays
+
+
+def _not_a_model_folder(source: Path) -> str:
+    """Why folder ``source`` holds no model export reads, and what to give instead."""
+    from fedpar.parallel.checkpoint import LATEST as TRAIN_LATEST
+
+    if (source / TRAIN_LATEST).is_file():  # `fedpar train`'s DCP checkpoints: shards, not one model
+        return (f"{source} is a `fedpar train` checkpoint directory (sharded DCP checkpoints, not one model); export the "
+                f"run's --out folder, {source.parent}, whose {TENSORS} the run wrote as it ended")
+    return f"{source} holds neither {TENSORS} (a run's --out folder) nor {LATEST} (a coordinator checkpoint directory)"
