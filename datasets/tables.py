@@ -50,8 +50,19 @@ def owner_numbers(ids: np.ndarray) -> np.ndarray:
     return numbers.astype(np.int64)
 
 
+def _table_file(path: str | Path, kind: str, what: str) -> Path:
+    """``path`` of ``--dataset KIND:PATH``; FileNotFoundError naming the option and what to pass when it is no file."""
+    path = Path(path)
+    if not path.is_file():
+        state = "is a folder" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"--dataset {kind}:{path}: {path} {state}; pass the path of {what}, e.g. "
+                                f"--dataset {kind}:data/table.{kind}")
+    return path
+
+
 def load_npz_table(path: str | Path) -> DatasetSplits:
     """A federation from an .npz with x, y and optionally client."""
+    path = _table_file(path, "npz", "an .npz file holding the arrays x, y and optionally client")
     with np.load(path, allow_pickle=False) as f:
         missing = {"x", "y"} - set(f.files)
         if missing:
@@ -63,6 +74,7 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
 
 def load_csv_table(path: str | Path) -> DatasetSplits:
     """A federation from a CSV with a label column, optionally a client column, and numeric features."""
+    path = _table_file(path, "csv", "a CSV file with a header row, a 'label' column and numeric features")
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)

@@ -50,6 +50,11 @@ def load_text(path: str | Path, block_size: int, val_fraction: float = 0.1) -> C
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(path.glob("*.txt"))
+        example = inside[0] if inside else path / "input.txt"
+        raise FileNotFoundError(f"text corpus {path} is a folder; pass the text file inside it, e.g. "
+                                f"--data-path {example}")
     if not path.is_file():
         raise FileNotFoundError(f"text corpus {path} does not exist; pass the path of a UTF-8 text file")
     try:

@@ -54,6 +54,9 @@ class Launch:
                                   help="seconds a collective of the ranks may wait before they give up")
 
 
+DEFAULT_DP = -1  # --dp-replicate's default: whatever the other degrees leave
+
+
 def interleaved_microbatches_fit(microbatches: int, pp: int) -> bool:
     """torch's ScheduleInterleaved1F1B rule: microbatches divisible by its rounds, max(1, microbatches // pp)."""
     return microbatches % max(1, microbatches // pp) == 0
@@ -68,7 +71,7 @@ class ParallelConfig:
     into pipeline stages. One degree may be -1: it is then inferred from the world size.
     """
 
-    dp: int = setting(-1, flag="dp-replicate", key="dp_replicate", group="parallel",
+    dp: int = setting(DEFAULT_DP, flag="dp-replicate", key="dp_replicate", group="parallel",
                       help="DDP replicas (or HSDP's replicate dim with --fsdp; -1: whatever the other degrees leave)")
     fsdp: int = setting(1, group="parallel", help="FSDP2 shards of the model")
     tp: int = setting(1, group="parallel", help="tensor-parallel degree (mlp, gpt)")
@@ -94,6 +97,15 @@ class ParallelConfig:
         if bad:
             raise ConfigurationError(f"parallel degrees must be positive (or -1 to infer one): got {', '.join(bad)}")
         if len(inferred) > 1:
+            given, dp = [flag_of(ParallelConfig, k) for k in inferred if k != "dp"], flag_of(ParallelConfig, "dp")
+            if "dp" in inferred and self.dp == DEFAULT_DP:  # -1 by default: the user may not have set it at all
+                if len(given) == 1:
+                    raise ConfigurationError(
+                        f"only one degree may be -1 (inferred), but {given[0]} -1 leaves {dp} to infer too: {dp} is "
+                        f"-1 by default; set it (e.g. {dp} 1), or give {given[0]} a number")
+                raise ConfigurationError(
+                    f"only one degree may be -1 (inferred), got {' '.join(f'{g} -1' for g in given)} and {dp} (-1 "
+                    f"by default); set {dp} (e.g. {dp} 1) and all but one of {', '.join(given)} to a number")
             raise ConfigurationError(
                 f"only one degree may be -1 (inferred), got {', '.join(flag_of(ParallelConfig, k) for k in inferred)}; "
                 "set the others")

@@ -81,3 +81,29 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
         lines[0] and lines[0].endswith(f": fix the task ({ref})"), lines
     with pytest.raises(Exception, match="IndexError"):  # --debug: the ranks' tracebacks
         main([*argv, "--debug"])
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--model", "gpt", "--dataset", "text", "--data-path", "{tmp}/corpus"],
+     "fedpar train: text corpus {tmp}/corpus is a folder; pass the text file inside it, e.g. --data-path "
+     "{tmp}/corpus/input.txt"),
+    (["--model", "mlp", "--dataset", "csv:{tmp}/none.csv"],
+     "fedpar train: --dataset csv:{tmp}/none.csv: {tmp}/none.csv does not exist; pass the path of a CSV file with a "
+     "header row, a 'label' column and numeric features, e.g. --dataset csv:data/table.csv"),
+    (["--model", "mlp", "--dataset", "npz:{tmp}/corpus"],
+     "fedpar train: --dataset npz:{tmp}/corpus: {tmp}/corpus is a folder; pass the path of an .npz file"),
+    (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--fsdp", "-1", "--tp", "-1"],
+     "fedpar train: only one degree may be -1 (inferred), got --fsdp -1 --tp -1 and --dp-replicate (-1 by default); "
+     "set --dp-replicate (e.g. --dp-replicate 1) and all but one of --fsdp, --tp to a number"),
+    (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--fsdp", "-1"],
+     "fedpar train: only one degree may be -1 (inferred), but --fsdp -1 leaves --dp-replicate to infer too: "
+     "--dp-replicate is -1 by default; set it (e.g. --dp-replicate 1), or give --fsdp a number"),
+])
+def test_a_data_or_layout_mistake_names_the_option_and_what_to_pass(extra, line, tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "input.txt").write_text("to be or not to be " * 20)
+    argv = ["train", *[arg.replace("{tmp}", str(tmp_path)) for arg in extra], "--device", "cpu",
+            "--out", str(tmp_path / "out")]
+    code, lines = _said(argv, capsys)
+    assert (code, len(lines)) == (2, 1), lines
+    assert lines[0].startswith(line.replace("{tmp}", str(tmp_path))), lines
