@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from fedpar.cli.declared import add_declared, from_args
@@ -82,6 +82,11 @@ def privacy_strategy(args: argparse.Namespace, strategy: str, clients_per_round:
     """The strategy name and DP options for the parsed flags (unchanged name and no options when privacy is off)."""
     o = from_args(PrivacyOptions, args, privacy_population=population)
     if o.privacy == "off":
+        unused = [f.name for f in fields(PrivacyOptions)
+                  if f.name not in ("privacy", "privacy_population") and getattr(o, f.name) != f.default]
+        if unused:  # a user who set a noise level believes the run is private: it would not be
+            raise ValueError(f"--{unused[0].replace('_', '-')} applies only with --privacy central or --privacy "
+                             "client; add one of them (or drop the option)")
         return strategy, {}
     if population is None:
         raise ValueError("--privacy needs --privacy-population: the number of agents that may be sampled")

@@ -32,3 +32,12 @@ def test_bad_settings_are_refused_with_a_clear_message(capsys):
     with pytest.raises(SystemExit, match="2"):
         main(["simulate", "--compression", "int8", "--int8-block", "0", "--quiet"])
     assert "--int8-block: 0 is out of range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("knob, method", [(["--topk-ratio", "0.5"], "topk"), (["--int8-block", "64"], "int8")])
+def test_a_knob_of_a_compression_not_chosen_is_one_line_and_no_run(knob, method, capsys):
+    """A user who sets --topk-ratio believes top-k runs: without --compression topk it would not (it was ignored)."""
+    assert main(["simulate", *knob, "--rounds", "1", "--quiet"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"fedpar simulate: {knob[0]} applies only with --compression {method}; add it (or drop the "
+                     "option)"]

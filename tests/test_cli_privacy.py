@@ -31,3 +31,15 @@ def test_dp_off_changes_nothing_and_serve_needs_the_population():
     args = _args(["serve", "--privacy", "central"])
     with pytest.raises(ValueError, match="--privacy-population"):
         privacy_strategy(args, "fedavg", 10, 1.3, args.privacy_population)
+
+
+@pytest.mark.parametrize("command", ["simulate", "serve"])
+def test_a_privacy_setting_without_privacy_is_one_line_and_no_run(command, capsys):
+    """A user who sets a noise level believes the run is private: without --privacy it would not be."""
+    from fedpar.cli.main import main
+
+    extra = ["--insecure", "--port", "0"] if command == "serve" else ["--quiet"]
+    assert main([command, "--privacy-noise", "0.3", "--rounds", "1", *extra]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"fedpar {command}: --privacy-noise applies only with --privacy central or --privacy client; "
+                     "add one of them (or drop the option)"]
