@@ -232,9 +232,16 @@ class Trainer:
         base_lr = cfg.scaled_lr()
         train_seconds, run_samples, last_eval_step = 0.0, 0, -1
         last_loss, evals = float("nan"), {}
-        self._log(f"training {cfg.model} on {cfg.dataset}: world {self.info.world_size} "
-                  f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
-                  f"{total} steps of {global_batch} examples, lr {base_lr:g}, {self.precision}")
+        finished = bool(resumed_from) and c["step"] >= total  # a finished run resumed, or a lower --max-steps
+        if finished:
+            self._log(f"the checkpoint is at step {c['step']}, already at or after the run's last step {total}: "
+                      f"nothing to train (raise {'--max-steps' if cfg.max_steps > 0 else '--epochs'} to train on, or "
+                      "pass --no-resume to start afresh)")
+        else:
+            self._log(f"training {cfg.model} on {cfg.dataset}: world {self.info.world_size} "
+                      f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
+                      f"{total - c['step']} steps of {global_batch} examples to step {total}, lr {base_lr:g}, "
+                      f"{self.precision}")
         first_step, steps_start = c["step"], time.perf_counter()  # the pace of this process's steps: the time left
         # No wait for the GPU inside a log interval: the losses add up on it, and the interval's time counts once
         # its loss is read (evaluations and checkpoints are taken off its clock).
@@ -281,9 +288,10 @@ class Trainer:
                 c["epoch"] += 1
                 c["batch_in_epoch"] = 0
         if last_eval_step != c["step"]:
-            evals = self.evaluate()
-            log.write({"kind": "eval", "step": c["step"], "epoch": c["epoch"], **evals})
-        if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every:
+            evals = self.evaluate()  # for the summary; the row only once per step (a resumed run may have it)
+            if not any(r.get("kind") == "eval" and r.get("step") == c["step"] for r in log.records()):
+                log.write({"kind": "eval", "step": c["step"], "epoch": c["epoch"], **evals})
+        if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every and not finished:
             self.save()
         if self.progress is not None:
             self.progress.close()

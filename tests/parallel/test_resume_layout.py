@@ -52,3 +52,15 @@ def test_a_checkpoint_of_older_code_without_its_record_still_resumes(checkpointe
     (checkpointed / "checkpoints" / "step-00000002" / "run.json").unlink()
     assert main(_train(checkpointed, "--max-steps", "4")) == 0
     assert json.loads((checkpointed / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+@pytest.mark.parametrize("max_steps", ["2", "1"])
+def test_resuming_a_finished_run_says_so_and_logs_no_second_final_eval(checkpointed, capsys, max_steps):
+    before = (checkpointed / "metrics.jsonl").read_text()
+    assert main(_train(checkpointed, "--max-steps", max_steps)) == 0
+    said = capsys.readouterr().out
+    assert (f"the checkpoint is at step 2, already at or after the run's last step {max_steps}: nothing to train "
+            "(raise --max-steps to train on, or pass --no-resume to start afresh)") in said
+    assert "steps of 64 examples" not in said
+    assert (checkpointed / "metrics.jsonl").read_text() == before  # the final eval row is there once
+    assert json.loads((checkpointed / "summary.json").read_text())["steps"] == 2
