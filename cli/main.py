@@ -16,6 +16,7 @@ from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, set
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe
 from fedpar.parallel.stopping import dump_stacks_on_signal, exit_code, signal_name
+from fedpar.task import TaskError
 
 # Commands whose process has nothing left to do once run() returns (every output written and closed, worker
 # processes gone): skip the interpreter's teardown of gRPC and torch, about 0.4 s of a simulation's wall time.
@@ -95,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it (parallel/stopping.py)
         print(f"fedpar {argv[0]}: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
-    except (UserError, OSError) as exc:  # a mistake in the set-up, said in one line (--debug: the traceback)
+    except (UserError, TaskError, OSError) as exc:  # a set-up or task mistake: one line (--debug: the traceback)
         if args is not None and args.debug:
             raise
         print(f"fedpar {argv[0]}: {describe(exc)} (--debug shows the traceback)", file=sys.stderr)
-        return exc.exit_code if isinstance(exc, UserError) else 1
+        return getattr(exc, "exit_code", 1)
 
 
 if __name__ == "__main__":

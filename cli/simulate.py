@@ -193,9 +193,9 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
             summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
                                      on_server=observers.attach, on_progress=progress.follow,
                                      on_stage=progress.preparing)
-    except ValueError as exc:
+    except ValueError as exc:  # a task's mistake (TaskFailed: its code raised as the run went on, exit 1), a setting
         print(f"fedpar simulate: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except TaskStopped:  # the worker said what failed, in one line
         return 2
     except (ProcessLost, RankMissing) as exc:  # a worker or an aggregator rank died: named, with no traceback

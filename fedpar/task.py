@@ -13,6 +13,7 @@ This module imports neither torch nor anything else heavy: the command line read
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,15 @@ if TYPE_CHECKING:
 
 class TaskError(ValueError):
     """A task that cannot be run as it is, with the line that says what to change."""
+
+    exit_code = 2  # refused before anything ran
+
+
+class TaskFailed(TaskError):
+    """The task's own code raised while the run went on (e.g. its central evaluation): the run stops, its one line
+    says so."""
+
+    exit_code = 1  # as a run whose every round failed
 
 
 def raised(exc: BaseException) -> str:
@@ -171,6 +181,13 @@ def upload_timeout(deadline_at: float) -> float:
     return max(5.0, deadline_at - time.monotonic() + 5.0)
 
 
+def checked_client_data(data: Any) -> ClientData:
+    """``data``, what a task's ``client_data`` returned; TaskError unless it is a ClientData."""
+    if not isinstance(data, ClientData):
+        raise TaskError(f"client_data must return fedpar.ClientData(train, val), got {type(data).__name__}")
+    return data
+
+
 TrainHook = Callable[["nn.Module", ClientData, LocalConfig, Deadline], "tuple[int, dict[str, float]]"]
 EvaluateHook = Callable[["nn.Module", Any], "dict[str, float]"]
 
@@ -223,6 +240,8 @@ class Task:
         for name in ("model", "client_data"):
             if not callable(getattr(self, name)):
                 problems.append(f"{name} must be a function (got {type(getattr(self, name)).__name__})")
+        if _is_module(self.model):  # callable, but one shared model where a fresh one is needed each call
+            problems.append(f"{MODEL_FACTORY}, got the module {type(self.model).__name__} itself")
         for name in ("test_data", "train", "loss", "optimizer", "loader", "evaluate", "tp_plan"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -237,6 +256,22 @@ class Task:
             problems += self._optimizer_problems()
         if problems:
             raise TaskError(f"task {self.name!r}: " + "; ".join(problems))
+
+    def built_model(self) -> nn.Module:
+        """``model()``, checked: TaskError unless it is an nn.Module with floating-point parameters."""
+        import torch
+        from torch import nn
+
+        try:
+            model = self.model()
+        except Exception as exc:  # the task's own code: one line
+            raise TaskError(f"task {self.name!r}: model() raised {raised(exc)}") from exc
+        if not isinstance(model, nn.Module):
+            raise TaskError(f"task {self.name!r}: {MODEL_FACTORY}; model() returned a {type(model).__name__}")
+        if not any(torch.is_floating_point(p) for p in model.parameters()):
+            raise TaskError(f"task {self.name!r}: model() has no floating-point parameters: nothing to train or "
+                            "average")
+        return model
 
     def _optimizer_problems(self) -> list[str]:
         """Why the built-in loop cannot step what ``optimizer`` makes (it calls ``step()`` once per batch, with no
@@ -264,6 +299,15 @@ class Task:
                     "optimizer (SGD, Adam, AdamW, ...), or step this one with a closure in your own train(model, "
                     "data, config, deadline) hook"]
         return []
+
+
+MODEL_FACTORY = "model must be a function returning an nn.Module (write model=lambda: ...)"
+
+
+def _is_module(value: Any) -> bool:
+    """Whether ``value`` is a torch module (torch is not imported for it: a module's class is torch's already)."""
+    nn = sys.modules.get("torch.nn")
+    return nn is not None and isinstance(value, nn.Module)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from fedpar.server.round_modes import take_host_partial
 from fedpar.server.rounds import Refusal
 from fedpar.server.secure_round import secagg_exchange
 from fedpar.server.uploads import Upload, UploadIntake
+from fedpar.task import TaskError
 
 log = logging.getLogger("fedpar.server")
 MAX_HOST_UPLOADS = 512  # updates in one HostUploads message (each at most one chunk: far below the message limit)
@@ -157,7 +158,9 @@ class CoordinatorServer:
             self.error = exc
             # Said in one line by the caller: a port, a checkpoint, a file that cannot be written (a full disk), or
             # a lost aggregator rank.
-            if not isinstance(exc, (RestoreError, RankMissing, asyncio.CancelledError)) \
+            if isinstance(exc, TaskError):  # the task's mistake, said in one line by the command
+                log.debug("coordinator stopped: %s", exc, exc_info=True)
+            elif not isinstance(exc, (RestoreError, RankMissing, asyncio.CancelledError)) \
                     and not (isinstance(exc, OSError) and exc.errno):
                 log.exception("coordinator stopped with an error")
         finally:

@@ -21,7 +21,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
 from fedpar.server.members import Members
-from fedpar.task import Task
+from fedpar.task import Task, TaskError, raised
 from fedpar.tasks.evaluation import TaskEvaluator
 from fedpar.tasks.flower_app import FlowerApp
 from fedpar.tasks.zoo import classifier_for
@@ -49,13 +49,18 @@ class CoordinatorAssembly:
     @classmethod
     def for_task(cls, task: Task, seed: int, eval_device: torch.device | str | None) -> CoordinatorAssembly:
         """``task``'s model with weights drawn from ``seed``, evaluated after every round with the task's evaluation
-        on its test data on ``eval_device`` (None, or a task without test data: not evaluated)."""
+        on its test data on ``eval_device`` (None, or a task without test data: not evaluated); TaskError when its model
+        or its evaluation cannot be used."""
         torch.manual_seed(seed)
-        first = task.model()
+        first = task.built_model()
         evaluate = None
-        test_data = task.test_data() if eval_device is not None and task.test_data is not None else None
+        try:
+            test_data = task.test_data() if eval_device is not None and task.test_data is not None else None
+        except Exception as exc:  # the task's own code: one line
+            raise TaskError(f"the task's test_data raised {raised(exc)}: fix the task ({task.name})") from exc
         if test_data is not None:
             evaluate = TaskEvaluator(task, test_data, device=eval_device)
+            evaluate.check()  # its mistakes now, not after the first round
         return cls([name for name, _, _ in weight_specs(first)], get_weights(first), evaluate, first,
                    dict(task.description))
 

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from fedpar.models.weights import ModelWeights, set_weights
-from fedpar.task import Task, TaskError
-from fedpar.tasks.data import batch_examples, default_batches, in_memory, inputs_and_targets, on_device, to_device
+from fedpar.task import Task, TaskError, TaskFailed, raised
+from fedpar.tasks.data import (batch_examples, default_batches, in_memory, inputs_and_targets, on_device, subset,
+                               to_device)
 
 
 @dataclass
@@ -199,6 +200,9 @@ def finite(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
+CHECK_EXAMPLES = 64  # of the test set, that the built-in evaluation is tried on as a task loads
+
+
 class TaskEvaluator:
     """Scores weights with the task's evaluation on its test set, both kept on ``device``; metrics are named
     ``test_NAME`` (``test_loss``, ``test_accuracy`` for the built-in classifiers)."""
@@ -213,10 +217,33 @@ class TaskEvaluator:
         # round took 5% of the coordinator loop's time in a small model's round); an evaluate hook may replace them.
         self._weights = ModelWeights(self.model) if task.evaluate is None else None
 
+    def check(self) -> None:
+        """TaskError, one line, unless the task's evaluation runs on the model as ``model()`` made it: said as the
+        task loads, not after a first round (the built-in evaluation is tried on one batch's worth of examples)."""
+        data = self.data
+        if self.task.evaluate is None and hasattr(data, "__len__") and len(data) > CHECK_EXAMPLES:
+            data = subset(data, np.arange(CHECK_EXAMPLES))
+        try:
+            evaluate_task(self.task, self.model, data)
+        except TaskError:
+            raise
+        except Exception as exc:  # the task's own code
+            raise TaskError(self._failure(exc)) from exc
+
     def __call__(self, weights: Sequence[np.ndarray]) -> dict[str, float]:
-        """The named metrics of the model with ``weights``, each as ``test_NAME``."""
+        """The named metrics of the model with ``weights``, each as ``test_NAME``; TaskFailed when the task's
+        evaluation raises."""
         if self._weights is not None:
             self._weights.set(weights)
         else:
             set_weights(self.model, weights)
-        return {f"test_{k}": v for k, v in finite(evaluate_task(self.task, self.model, self.data)).items()}
+        try:
+            metrics = evaluate_task(self.task, self.model, self.data)
+        except TaskError as exc:
+            raise TaskFailed(str(exc)) from exc
+        except Exception as exc:  # the task's own code: the run stops with one line
+            raise TaskFailed(self._failure(exc)) from exc
+        return {f"test_{k}": v for k, v in finite(metrics).items()}
+
+    def _failure(self, exc: Exception) -> str:
+        return f"the task's evaluation raised {raised(exc)}: fix the task ({self.task.name})"
