@@ -80,9 +80,10 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
                            tls=tls, client_batching=cfg.client_batching, task_name=task_label(cfg)).run()
 
 
-def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> None:
+def run_worker_process(conn: Connection, dataset: str, data_dir: str | None, say: Connection | None = None) -> None:
     """Process target: load the data while the coordinator starts, then host the slice of the WorkerConfig that
-    arrives on ``conn`` (None: the simulation was called off), and exit at once when it is done.
+    arrives on ``conn`` (None: the simulation was called off), and exit at once when it is done. ``say``: the
+    workers' one turn to say that the task failed (:func:`one_turn`): the others fail alike, silently.
 
     A normal interpreter shutdown of a process that used gRPC and torch takes seconds here (measured: 4 s per
     worker), which every simulation would wait for; its host has closed its channels, so skip it.
@@ -103,8 +104,24 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None) -> 
         try:
             run_worker(cfg, splits)
         except TaskError as exc:  # e.g. client_data raised as the host counted its members' examples
-            print(f"fedpar simulate: {exc}: fix the task ({cfg.task})", file=sys.stderr, flush=True)
+            if _takes_turn(say):
+                print(f"fedpar simulate: {exc}: fix the task ({cfg.task})", file=sys.stderr, flush=True)
             os._exit(TASK_FAILED_EXIT)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+
+def one_turn(ctx) -> Connection:
+    """What the worker processes (started from ``ctx``) share to let one of them, the first to ask, speak: a pipe
+    holding one byte, its writing end closed (no lock: a byte read from a pipe is one reader's)."""
+    turn, give = ctx.Pipe(duplex=False)
+    os.write(give.fileno(), b".")
+    give.close()
+    return turn
+
+
+def _takes_turn(turn: Connection | None) -> bool:
+    """Whether this worker got the turn (:func:`one_turn`); True without one."""
+    return turn is None or os.read(turn.fileno(), 1) == b"."

@@ -37,7 +37,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
-from fedpar.task import ClientData, Partition, Task, TaskError, raised, steps_in_time
+from fedpar.task import ClientData, Partition, Task, TaskError, checked_client_data, raised, steps_in_time
 from fedpar.tasks.data import in_memory
 from fedpar.simulations.traces import DAY_SECONDS, AvailabilityEvents, Traces, online, seconds_left_online
 
@@ -196,7 +196,7 @@ class PopulationMembers:
             data = self.task.client_data(self.partition_of(number, client_id(number)))
         except Exception as exc:  # the task's own code: said as such, wherever it is asked for (start-up, a round)
             raise TaskError(f"the task's client_data raised {raised(exc)} for {client_id(number)}") from exc
-        size = _data_bytes(data)
+        size = _data_bytes(checked_client_data(data))
         if size is not None and size <= MEMBER_DATA_CACHE_BYTES:
             with self._data_lock:
                 if i not in self._data:

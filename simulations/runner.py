@@ -33,7 +33,7 @@ from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
-from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig, run_worker_process
+from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig, one_turn, run_worker_process
 from fedpar.simulations.client_batching import batched_seats, batching_refusal_of, client_batching_route
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
@@ -167,13 +167,15 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
     preload = None if cfg.task or flower_app else cfg.dataset  # a task's worker loads the task instead
-    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-worker-{w}", args=(recv, preload, cfg.data_dir),
-                         daemon=True) for w, (recv, _) in enumerate(pipes)]
+    say = one_turn(ctx)  # a task that fails every worker alike is said once
+    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-worker-{w}",
+                         args=(recv, preload, cfg.data_dir, say), daemon=True) for w, (recv, _) in enumerate(pipes)]
     with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
         for p in procs:
             p.start()
     for recv, _ in pipes:
         recv.close()  # the child's end
+    say.close()
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     threads = torch.get_num_threads()
     if device_kind(cfg.device) == "cpu":

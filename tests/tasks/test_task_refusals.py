@@ -168,3 +168,14 @@ def test_a_model_that_cannot_be_federated_is_refused_as_the_task_loads(factory, 
     line = _one_line(["simulate", "--task", ref, "--clients", "2", "--workers", "1", "--out", str(tmp_path / "o")],
                      capsys)
     assert line == f"fedpar simulate: task '{ref}': {problem}"
+
+
+@pytest.mark.parametrize("factory, kind", [("data_not_clientdata", "TensorDataset"), ("data_tuple", "tuple")])
+def test_client_data_of_the_wrong_kind_is_one_line_from_all_the_workers(factory, kind, tasks):
+    # each worker printed its traceback, then 'worker process died ... give --checkpoint-dir'
+    ref = f"{tasks}:{factory}"
+    run = _run(["simulate", "--task", ref, "--clients", "4", "--workers", "2", "--rounds", "2", "--quiet"],
+               tasks.parent)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [f"fedpar simulate: client_data must return fedpar.ClientData(train, "
+                                               f"val), got {kind}: fix the task ({ref})"], run.stderr
