@@ -18,7 +18,7 @@ from typing import Any
 def split_reference(ref: str) -> tuple[str, str]:
     """``(module or file, attribute)`` of ``ref``; ValueError unless it reads ``MODULE:NAME`` or ``FILE.py:NAME``."""
     where, sep, name = ref.strip().rpartition(":")
-    if not sep or not where or not name.isidentifier():
+    if not sep or not where or ":" in where or not name.isidentifier():  # one colon: a module's name has none
         raise ValueError(f"{ref!r} is not a reference: write package.module:name or path/to/file.py:name")
     return where, name
 

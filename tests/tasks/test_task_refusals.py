@@ -179,3 +179,10 @@ def test_client_data_of_the_wrong_kind_is_one_line_from_all_the_workers(factory,
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines() == [f"fedpar simulate: client_data must return fedpar.ClientData(train, "
                                                f"val), got {kind}: fix the task ({ref})"], run.stderr
+
+
+def test_a_reference_of_two_colons_says_how_a_reference_is_written(tasks, tmp_path, capsys):
+    ref = f"{tasks}:good:x"  # was: No module named '.../refused_tasks'
+    line = _one_line(["simulate", "--task", ref, "--out", str(tmp_path / "o")], capsys)
+    assert line == (f"fedpar simulate: --task: {ref!r} is not a reference: write package.module:name or "
+                    "path/to/file.py:name")
