@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpar.models.references import load_reference
+from fedpar.models.references import load_reference, split_reference
 from fedpar.settings import SIMPLE_TYPES, coerce_value
 from fedpar.task import Task, TaskError, raised
 
@@ -49,9 +49,15 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
     if task.name == "task":
         task = dataclasses.replace(task, name=ref)
     if not task.description:
-        task.description = {"task": ref, "task_options": {k: _recorded(v) for k, v in options.items()}}
+        task.description = {"task": _from_anywhere(ref), "task_options": {k: _recorded(v) for k, v in options.items()}}
     task.check()
     return task
+
+
+def _from_anywhere(ref: str) -> str:
+    """``ref`` as global.json keeps it: a file's path made absolute (it is loaded again from other folders)."""
+    where, name = split_reference(ref)
+    return f"{Path(where).expanduser().resolve()}:{name}" if where.endswith(".py") else ref
 
 
 def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -4,6 +4,7 @@ and global.json keeps a file's by its absolute path."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedpar.cli.main import main
+from fedpar.tasks.reference import load_task
 from support.processes import port_from
 
 FEDPAR = [sys.executable, "-m", "fedpar"]
@@ -186,3 +188,15 @@ def test_a_reference_of_two_colons_says_how_a_reference_is_written(tasks, tmp_pa
     line = _one_line(["simulate", "--task", ref, "--out", str(tmp_path / "o")], capsys)
     assert line == (f"fedpar simulate: --task: {ref!r} is not a reference: write package.module:name or "
                     "path/to/file.py:name")
+
+
+def test_global_json_names_a_task_file_by_its_absolute_path_so_it_loads_from_anywhere(tasks, tmp_path, monkeypatch):
+    run = _run(["simulate", "--task", f"{tasks.name}:good", "--clients", "2", "--workers", "1", "--rounds", "1",
+                "--quiet", "--out", "out"], tasks.parent)
+    assert run.returncode == 0, run.stderr
+    model = json.loads((tasks.parent / "out" / "global.json").read_text())["model"]
+    assert model == {"task": f"{tasks}:good", "task_options": {}}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_task(model["task"], model["task_options"]).model().out_features == 3
