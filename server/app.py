@@ -25,6 +25,7 @@ from fedpar.server.agent_port import AgentPort, BindError
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
 from fedpar.server.limits import Limits, StrangerBound, authenticated, call_identity
+from fedpar.server.members import TooFewMembers
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.ranks.group import RankMissing
 from fedpar.server.registry import AgentRecord, AuthError, HostRecord
@@ -158,7 +159,7 @@ class CoordinatorServer:
             self.error = exc
             # Said in one line by the caller: a port, a checkpoint, a file that cannot be written (a full disk), or
             # a lost aggregator rank.
-            if isinstance(exc, TaskError):  # the task's mistake, said in one line by the command
+            if isinstance(exc, (TaskError, TooFewMembers)):  # said in one line by the command
                 log.debug("coordinator stopped: %s", exc, exc_info=True)
             elif not isinstance(exc, (RestoreError, RankMissing, asyncio.CancelledError)) \
                     and not (isinstance(exc, OSError) and exc.errno):

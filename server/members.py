@@ -27,6 +27,10 @@ from fedpar.server.rounds import Refusal, RoundState
 log = logging.getLogger("fedpar.server")
 
 
+class TooFewMembers(TimeoutError):
+    """Too few members to start a round came (or were online) in the time allowed: said in one line."""
+
+
 class TaskDesk(Protocol):
     """What a member source asks the coordinator: the task a member is due, and the run's progress."""
 
@@ -171,8 +175,8 @@ class Members:
         deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
         while self.live_count() < count:
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"only {self.live_count()} live agents after {wait_seconds}s; need "
-                                   f"min_available={count}")
+                raise TooFewMembers(f"only {self.live_count()} live agents after {wait_seconds}s; need "
+                                    f"min_available={count}")
             self._changed.clear()
             await set_within(self._changed, 0.5)
 

@@ -23,6 +23,7 @@ import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.server.deadline import DEADLINE, Decision, first_k_in_time, set_within
+from fedpar.server.members import TooFewMembers
 from fedpar.server.rounds import Refusal, RoundState
 
 log = logging.getLogger("fedpar.server")
@@ -97,14 +98,15 @@ class VirtualClock:
     async def wait_for_live(self, members, count: int, wait_seconds: float | None) -> None:
         """Until ``count`` members are online. While that many have joined but fewer are online (a night of their
         availability traces), simulated time moves on a deadline (at least IDLE_STEP_SECONDS) at a time, as if a
-        round that could not start had lasted one, once every host has told who is online at the time before. TimeoutError when a whole
-        simulated day passes so, or after ``wait_seconds`` real seconds (None: no limit) with too few joined."""
+        round that could not start had lasted one, once every host has told who is online at the time before.
+        TooFewMembers when a whole simulated day passes so, or after ``wait_seconds`` real seconds (None: no limit)
+        with too few joined."""
         started, idle_from, most = time.monotonic(), self.seconds, 0
         while (live := members.live_count()) < count:
             most = max(most, live)
             if len(members.registry) >= count and members.hosts_heard(self.seconds):
                 if self.seconds - idle_from >= IDLE_LIMIT_SECONDS:
-                    raise TimeoutError(
+                    raise TooFewMembers(
                         f"at most {most} of the {len(members.registry)} clients were online at once over a simulated "
                         f"day of their availability traces (virtual clock, from {idle_from:,.0f} s); a round needs "
                         f"{count} (min_available): sample fewer clients a round, or give a trace with more online")
@@ -112,7 +114,7 @@ class VirtualClock:
                 self.idle_steps += 1
                 members.wake_all()  # the hosts' long-polls answer with the new time
             elif wait_seconds is not None and time.monotonic() - started > wait_seconds:
-                raise TimeoutError(f"only {live} live agents after {wait_seconds}s; need min_available={count}")
+                raise TooFewMembers(f"only {live} live agents after {wait_seconds}s; need min_available={count}")
             await members.changed(0.5)
         if self.seconds > idle_from:
             log.info("virtual clock: %d clients online at %.0f simulated seconds, after %.0f with too few",
