@@ -56,6 +56,13 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
     return run_settings(load_toml_section(path, TABLE, dict_options), str(path))
 
 
+def effective_settings(options: argparse.Namespace) -> dict[str, Any]:
+    """Every run setting of ``options`` (a run's: the service's flags with its file over them), paths as text: what
+    a run is fixed to when it is submitted, whatever flags the service is restarted with later."""
+    values = {key: getattr(options, key) for key in sorted(RUN_KEYS) if hasattr(options, key)}
+    return {key: str(value) if isinstance(value, Path) else value for key, value in values.items()}
+
+
 def run_args(service: argparse.Namespace, settings: dict[str, Any]) -> argparse.Namespace:
     """The options of one run: the service's, with the run's settings over them."""
     return argparse.Namespace(**{**vars(service), **settings})

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from fedpar.cli.observability import Observers, tensorboard_writer
-from fedpar.cli.run_settings import run_args, run_settings
+from fedpar.cli.run_settings import RUN_KEYS, effective_settings, run_args, run_settings
 from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import UserError, check_port_free
 from fedpar.parallel.stopping import signal_name, stop_on_signals
@@ -81,22 +81,24 @@ class RunService:
 
     def validate(self, settings: dict) -> tuple[dict, str]:
         """A submitted run's settings, checked as serve's options and by building its coordinator's parts, and a
-        warning when no agent with its task is connected; ValueError when agents are, and none has its task."""
+        warning when no agent with its task is connected; ValueError when agents are, and none has its task. The
+        settings returned are all of them, the service's flags for those the run file leaves out: a run keeps them
+        whatever flags the service is restarted with."""
         checked = run_settings(settings, "run settings")
         args = run_args(self.args, {**checked, "out": str(self.runs_dir / "check")})
         try:
             self.plan(args)
         except UserError as exc:
             raise ValueError(str(exc)) from None
-        task = task_label(args)
+        task, fixed = task_label(args), json_ready(effective_settings(args))
         declared = self._agents_now()
         if not declared:
-            return checked, f"no agent is connected now; the run waits for agents with task {task!r}"
+            return fixed, f"no agent is connected now; the run waits for agents with task {task!r}"
         if task not in declared.values():
             has = "; ".join(f"{agent}: {declared[agent] or 'did not say'}" for agent in sorted(declared))
             raise ValueError(f"no connected agent has task {task!r} (they have: {has}); start agents with it, or "
                              "submit a task they have")
-        return checked, ""
+        return fixed, ""
 
     def _agents_now(self) -> dict[str, str | None]:
         """The task each agent connected now declared ({} while the agents' port is not open)."""
@@ -154,8 +156,17 @@ class RunService:
     samples_by_task = True  # only agents that declared the run's task are sampled
     records_rounds = True  # each round's row goes into the run store too, where 'fedpar run' followers read it
 
+    def settle(self, run):
+        """``run`` with all its settings stored: one submitted with its file's keys only (before services stored
+        them all) takes the service's flags for the others once, at its next start, and keeps them."""
+        if RUN_KEYS <= run.settings.keys():
+            return run
+        self.store.fix_settings(run.id, json_ready(effective_settings(run_args(self.args, run.settings))))
+        return self.store.get(run.id)
+
     def options_of(self, run) -> argparse.Namespace:
-        """The options of ``run``: the service's, with its settings over them, writing in PATH.runs/ID."""
+        """The options of ``run``: its settings (all of them: see :meth:`settle`) over the service's, writing in
+        PATH.runs/ID."""
         out = self.runs_dir / str(run.id)
         return run_args(self.args, {**run.settings, "out": str(out), "checkpoint_dir": out / "checkpoints"})
 
@@ -187,6 +198,7 @@ class RunService:
         RankLeader of the other aggregator ranks); a signal leaves it running (``stopped_by``), to resume."""
         from fedpar.server.app import RestoreError
 
+        run = self.settle(run)
         args = self.options_of(run)
         out = Path(args.out) if args.out else None  # None: a run that leaves no files (a simulation without --out)
         task = task_label(args)

@@ -211,6 +211,11 @@ class RunStore:
         rows = self._read(f"SELECT {_COLUMNS} FROM runs WHERE status = 'queued' ORDER BY id LIMIT 1")
         return _run(rows[0]) if rows else None
 
+    def fix_settings(self, run_id: int, settings: dict) -> None:
+        """Replace the settings of ``run_id`` (JSON-ready): a run submitted with only its file's keys gets all."""
+        self._run_write(lambda db: db.execute("UPDATE runs SET settings = ? WHERE id = ?",
+                                              (json.dumps(settings, sort_keys=True), run_id)))
+
     def start(self, run_id: int, out_dir: str) -> None:
         """Mark ``run_id`` running, writing into ``out_dir``."""
         self._run_write(lambda db: db.execute(

@@ -251,6 +251,9 @@ def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
 
 
 KILL_SEED = int(os.environ.get("FEDPAR_KILL_SEED", "27"))
+# Flags the service is restarted with that differ from the first start's defaults: the runs keep the settings they
+# were submitted with (a resume under another model's flags would fail, and later rounds would train differently).
+RESTARTED_WITH = ("--model", "cnn", "--strategy", "fedprox", "--local-epochs", "1", "--lr", "0.5")
 
 
 def _rounds_intact(store: RunStore, when: str) -> None:
@@ -287,7 +290,7 @@ def test_kill_9_at_seeded_random_moments_across_runs_loses_no_round_and_resumes(
             _rounds_intact(store, f"after kill {len(history)} (seed {KILL_SEED}): {history}")
             fed.service = _fedpar("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port",
                                   str(fed.port), "--control-port", fed.control.rsplit(":", 1)[1], "--min-available",
-                                  "2", "--heartbeat", "1", log=fed.tmp / "serve.log")
+                                  "2", "--heartbeat", "1", *RESTARTED_WITH, log=fed.tmp / "serve.log")
         last = max(planned)
         _wait_for(lambda: store.get(last).status in ("finished", "failed", "stopped"), 240,
                   f"the runs did not end after the restarts (seed {KILL_SEED}, kills {kills}: {history})")
@@ -296,6 +299,8 @@ def test_kill_9_at_seeded_random_moments_across_runs_loses_no_round_and_resumes(
         for run_id, rounds in planned.items():
             run = store.get(run_id)
             assert (run.status, run.round) == ("finished", rounds), (KILL_SEED, history, run.reason)
+            assert (run.settings["model"], run.settings["local_epochs"], run.settings["learning_rate"]) == \
+                ("mlp", 4, 0.1), run.settings
             names, arrays = load_final_model(Path(run.model_path))  # the model of its last round, as checkpointed
             checkpoint = load_checkpoint(Path(run.out_dir) / "checkpoints")
             assert checkpoint.round_id == rounds and names == checkpoint.names
