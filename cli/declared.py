@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -144,3 +145,16 @@ def declared_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     """An instance of dataclass ``cls`` from the declared options in ``args``, then ``overrides``."""
     return cls(**{**declared_values(cls, args), **overrides})
+
+
+def said_with_flags(message: str, args: argparse.Namespace, *configs: type) -> str:
+    """``message`` (a config's ValueError) with each setting of ``configs`` that is an option of this command
+    (``args`` holds it) named as its flag (``--min-reports``) rather than as its field (``min_reports``): as the user
+    gave it. Only names with an underscore, never plain words."""
+    for cls in configs:
+        for f in declared_fields(cls):
+            dest = setting_key(f)
+            if "_" in f.name and f.name in message and hasattr(args, dest):
+                flag = "--" + (f.metadata[FLAG] or dest.replace("_", "-"))
+                message = re.sub(rf"(?<![\w-]){f.name}(?!\w)", flag, message)
+    return message

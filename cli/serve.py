@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
-from fedpar.cli.declared import add_declared, from_args, section
+from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.observability import add_observability_arguments
 from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = _plan(args)
     except ValueError as exc:
-        print(f"fedpar serve: {exc}", file=sys.stderr)
+        print(f"fedpar serve: {said_with_flags(str(exc), args, CoordinatorConfig)}", file=sys.stderr)
         return 2
     world = _world(args)
     if world > 1 and "WORLD_SIZE" not in os.environ:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
-from fedpar.cli.declared import add_declared, from_args, section
+from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             flower_app_clients(args)
         cfg = simulation_config(args)
     except ValueError as exc:  # settings no simulation can run, e.g. a compression knob out of its range
-        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
     if server_app_drives:
         return run_server_app(cfg)
@@ -87,9 +87,18 @@ def run(args: argparse.Namespace) -> int:
             from fedpar.simulations.runner import check_settings
             check_settings(cfg)  # here, where its one line is said, before the child starts
     except ValueError as exc:
-        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
     return launch(args, cfg) if launched else simulate(args, cfg)
+
+
+def setting_error(exc: ValueError, args: argparse.Namespace) -> str:
+    """The line for a ValueError: a setting named as this command's flag (a task's own words left as they are)."""
+    from fedpar.server.config import CoordinatorConfig
+    from fedpar.task import TaskError
+
+    return str(exc) if isinstance(exc, TaskError) else said_with_flags(str(exc), args, SimulationConfig,
+                                                                        CoordinatorConfig)
 
 
 def with_strategy(args: argparse.Namespace, cfg: SimulationConfig) -> None:
@@ -194,7 +203,7 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
                                      on_server=observers.attach, on_progress=progress.follow,
                                      on_stage=progress.preparing)
     except ValueError as exc:  # a task's mistake (TaskFailed: its code raised as the run went on, exit 1), a setting
-        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
     except TaskStopped:  # the worker said what failed, in one line
         return 2

@@ -154,7 +154,7 @@ def test_settings_the_coordinator_refuses_are_said_before_the_workers_would_have
     assert made[0] == 0, made
     cases = [  # (args, the line)
         (["--clients", "20", "--clients-per-round", "5", "--min-reports", "10"],
-         "min_reports (10) cannot exceed clients_per_round (5)"),
+         "--min-reports (10) cannot exceed --clients-per-round (5)"),  # as given: flags, not the fields
         (["--clients", "20", "--clients-per-round", "1", "--secure-aggregation"],
          "secure aggregation hides each update in a sum of several"),
         (["--clients", "2", "--checkpoint-dir", str(tmp_path / "a-file")],
