@@ -40,6 +40,15 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, unless the help says what its default means ("default: never")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser: every available subcommand in full, or only ``only`` in full (the others are listed
     by name and help, so `fedpar --help` imports no subcommand's module)."""
@@ -52,7 +61,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         mod = importlib.import_module(f"fedpar.cli.{module}")
         p = sub.add_parser(name, help=help_text, description=mod.__doc__,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=DefaultsHelpFormatter)
         p.add_argument("--config", metavar="FILE",
                        help=f"TOML file whose [{name}] table (or top level) sets defaults; flags override it")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its one line")
