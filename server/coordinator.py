@@ -229,8 +229,12 @@ class Coordinator(IngestPlane):
             self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"))
         with ckpt.restoring("clock"):
             self.clock.restore(ckpt.state)
-        log.info("resumed from checkpoint after round %d; the next round starts once %d agents have re-joined",
-                 self.round_id, self.config.min_available)
+        if self.round_id >= self.config.rounds:
+            log.info("resumed from checkpoint after round %d: every one of the %d rounds is done already (give more "
+                     "rounds to train on)", self.round_id, self.config.rounds)
+        else:
+            log.info("resumed from checkpoint after round %d; the next round starts once %d agents have re-joined",
+                     self.round_id, self.config.min_available)
 
     async def run(self) -> None:
         """Run rounds until ``config.rounds`` have completed, then tell agents to shut down."""
