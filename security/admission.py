@@ -179,7 +179,10 @@ class WatchedFile:
             except (OSError, UnicodeDecodeError, ValueError) as exc:
                 return self._failed(f"cannot use {self.path}: {exc}", strict)
             self._signature = signature
-        log.info("read %s", self.path)
+        if signature is None:
+            log.info("%s does not exist (yet): nothing in it applies", self.path)
+        else:
+            log.info("read %s", self.path)
         return self.value
 
     def _failed(self, message: str, strict: bool) -> T:
