@@ -112,7 +112,6 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None, say
     os._exit(0)
 
 
-
 def one_turn(ctx) -> Connection:
     """What the worker processes (started from ``ctx``) share to let one of them, the first to ask, speak: a pipe
     holding one byte, its writing end closed (no lock: a byte read from a pipe is one reader's)."""
