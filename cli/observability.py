@@ -72,29 +72,34 @@ class Observers:
             return
         from fedpar.server.prometheus_metrics import PrometheusExporter
 
-        self.exporter = PrometheusExporter(server, privacy=privacy_on(self.args))
+        self._serve_exporter(PrometheusExporter(server, privacy=privacy_on(self.args)))
         server.coordinator.on_round_end.append(self.exporter.observe)
-        self._serve_exporter()
 
-    def attach_run(self, server, run_id) -> None:
-        """:meth:`attach` for run ``run_id`` of a service: one endpoint for all its runs, whose round figures
-        carry a ``run`` label."""
+    def attach_service(self, idle_server) -> None:
+        """A service's one endpoint, served from its start (``idle_server``: its idle coordinator's server, whose
+        agents it counts until a run's follows) when --metrics-port is set; UserError if it cannot be bound."""
         if self.args.metrics_port is None:
             return
         from fedpar.server.prometheus_metrics import PrometheusExporter
 
+        self._serve_exporter(PrometheusExporter(idle_server, privacy=True, runs=True))
+
+    def attach_run(self, server, run_id) -> None:
+        """Have the service's endpoint (:meth:`attach_service`) follow run ``run_id``, served by ``server``: its
+        round figures carry a ``run`` label."""
         if self.exporter is None:
-            self.exporter = PrometheusExporter(server, privacy=True, runs=True)
-            self._serve_exporter()
+            return
         self.exporter.follow(server, run_id)
         server.coordinator.on_round_end.append(self.exporter.observe)
 
-    def _serve_exporter(self) -> None:
+    def _serve_exporter(self, exporter) -> None:
+        """Serve ``exporter`` and keep it (only once it is served: a port it could not bind leaves none)."""
         try:
-            bound = self.exporter.serve(self.args.metrics_host, self.args.metrics_port)
+            bound = exporter.serve(self.args.metrics_host, self.args.metrics_port)
         except OSError as exc:
             raise UserError(f"cannot serve metrics on {self.args.metrics_host}:{self.args.metrics_port}: "
-                            f"{exc.strerror}; pick another --metrics-port (0 picks a free one)", 1) from None
+                            f"{exc.strerror}; pick another --metrics-port (0 picks a free one)") from None
+        self.exporter = exporter
         print(f"Prometheus metrics at http://{self.args.metrics_host}:{bound}/metrics", file=sys.stderr, flush=True)
 
     def close(self) -> None:

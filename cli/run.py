@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -142,7 +143,12 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     try:
-        return _do(args, _stub(args))
+        code = _do(args, _stub(args))
+        sys.stdout.flush()  # here, where a reader that left is handled
+        return code
+    except BrokenPipeError:  # 'fedpar run ls | head -1': the reader left; say nothing, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 141  # 128 + SIGPIPE, what the shell reports for a tool that a closed pipe ended
     except (ValueError, ConfigError) as exc:
         print(f"fedpar run: {exc}", file=sys.stderr)
         return 2

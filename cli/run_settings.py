@@ -53,7 +53,29 @@ def run_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
 def read_run_file(path: str | Path) -> dict[str, Any]:
     """The checked settings of run file ``path`` (its [run] table or its top level); ConfigError when unusable."""
     dict_options = {setting_key(f) for cls in RUN_SECTIONS for f in declared_fields(cls) if f.default_factory is dict}
-    return run_settings(load_toml_section(path, TABLE, dict_options), str(path))
+    values = load_toml_section(path, TABLE, dict_options)  # first: a missing or invalid file is said as such
+    _check_tables(path, dict_options)
+    return run_settings(values, str(path))
+
+
+def _check_tables(path: str | Path, dict_options: set[str]) -> None:
+    """ConfigError for a table a run file may not have (e.g. [serve], whose keys would go unread), or for settings
+    both at its top level and in [run]."""
+    import tomllib
+
+    with open(path, "rb") as fh:
+        doc = tomllib.load(fh)
+    others = ", ".join(f"[{name}]" for name in sorted(dict_options))
+    if isinstance(doc.get(TABLE), dict):
+        beside = sorted(key for key in doc if key != TABLE)
+        if beside:
+            raise ConfigError(f"{path}: {', '.join(beside)} outside [{TABLE}] would be ignored; put every setting in "
+                              f"[{TABLE}] (its only tables: {others})")
+        doc = doc[TABLE]
+    tables = sorted(key for key, value in doc.items() if isinstance(value, dict) and key not in dict_options)
+    if tables:
+        raise ConfigError(f"{path}: unknown table(s) {', '.join(f'[{t}]' for t in tables)}; a run file's settings sit "
+                          f"at its top level or in [{TABLE}], and its only other tables are {others}")
 
 
 def effective_settings(options: argparse.Namespace) -> dict[str, Any]:

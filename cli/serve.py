@@ -1,4 +1,5 @@
-"""Run the coordinator: agents dial in, rounds run, the global model is checkpointed every round.
+"""Run the coordinator: agents dial in, rounds run; with --checkpoint-dir (or --state: each run's, in PATH.runs/ID)
+the global model is checkpointed every round.
 
 Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end (also after Ctrl-C) the global model,
 OUT/global.safetensors with OUT/global.json, then OUT/summary.json, accuracy.png and loss.png as `fedpar simulate`
@@ -24,7 +25,7 @@ from fedpar.cli.serve_service import ServiceOptions
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
-from fedpar.cli.user_errors import check_output_folder, check_port_free, describe
+from fedpar.cli.user_errors import check_output_folder, check_port_free, check_rank_ports, describe
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.config import Device
 from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
@@ -162,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_port_free(args.host, args.port)
         check_port_free(args.host, args.data_port, "--data-port")
+        check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", exit_code=2)
+        check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
+            (args.data_port, "--data-port"), (args.metrics_port, "--metrics-port")) if p})
     if args.run_config and not args.flower_app:
         print("fedpar serve: --run-config needs --flower-app", file=sys.stderr)
         return 2
@@ -224,8 +228,9 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     except Exception as exc:  # a rank died or hung: the others were stopped with it
         if isinstance(exc, ProcessExitedException) and exc.error_index == 0 and exc.exit_code > 0:
             return exc.exit_code  # rank 0 ended by itself, and said why in its own line
-        print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}; run the same command again to "
-              "resume after the last checkpointed round", file=sys.stderr)
+        resume = ("; run the same command again to resume after the last checkpointed round"
+                  if args.checkpoint_dir is not None or args.state is not None else "")  # else nothing to resume
+        print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}{resume}", file=sys.stderr)
         return 1
     return 0
 

@@ -21,13 +21,15 @@ from typing import Callable
 from fedpar.cli.observability import Observers, tensorboard_writer
 from fedpar.cli.run_settings import RUN_KEYS, effective_settings, run_args, run_settings
 from fedpar.cli.task_options import task_label
-from fedpar.cli.user_errors import UserError, check_port_free
+from fedpar.cli.user_errors import UserError, check_port_free, check_rank_ports, describe, every_round_failed
 from fedpar.parallel.stopping import signal_name, stop_on_signals
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.run_store import RunStore, StoreError
 from fedpar.settings import setting
 
 IDLE_POLL_SECONDS = 0.5
+WAIT_SAID_AFTER_SECONDS = 3.0  # a run waiting for agents says so after this long (agents re-join in about that)
+WAIT_SAID_EVERY_SECONDS = 60.0  # and again in its log while it still waits
 
 
 @dataclass
@@ -47,14 +49,27 @@ class ServiceOptions:
 
 
 def _lock(path: Path):
-    """An exclusive lock beside the state file: one service per state file (UserError if another holds it)."""
-    handle = open(f"{path}.lock", "a")
+    """An exclusive lock beside the state file: one service per state file, however a path names it (a symlink, a
+    relative path: the resolved one is locked); UserError if another holds it."""
+    handle = open(f"{path.resolve()}.lock", "a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
         raise UserError(f"state file {path} is in use by another fedpar serve; stop it or give another --state", 1)
     return handle
+
+
+def _check_one_shot_outputs(args: argparse.Namespace) -> None:
+    """UserError for --out or --checkpoint-dir with --state: a service's runs write where it keeps them."""
+    from fedpar.cli.run_settings import serve_parser
+
+    given = [option for option, ignored in (("--out", args.out != serve_parser().get_default("out")),
+                                            ("--checkpoint-dir", args.checkpoint_dir is not None)) if ignored]
+    if given:
+        raise UserError(f"{' and '.join(given)} are not used with --state: each run writes its outputs and "
+                        f"checkpoints to {args.state}.runs/ID/ (fetch them with 'fedpar run get ID --out DIR'); "
+                        f"drop {' and '.join(given)}")
 
 
 @dataclass
@@ -78,6 +93,8 @@ class RunService:
         self.runs_dir = Path(f"{args.state}.runs")
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))  # one endpoint
         self.idle = None  # the idle coordinator's server, beneath every run on the agents' port (open_agents_port)
+        self._current = None  # (the run executing, its task)
+        self._wait: list | None = None  # while it waits for agents: [since, last said (monotonic), the line]
 
     def validate(self, settings: dict) -> tuple[dict, str]:
         """A submitted run's settings, checked as serve's options and by building its coordinator's parts, and a
@@ -90,6 +107,8 @@ class RunService:
             self.plan(args)
         except UserError as exc:
             raise ValueError(str(exc)) from None
+        except OSError as exc:  # e.g. a dataset file that is not there: the service's machine's, not the operator's
+            raise ValueError(f"{describe(exc)} (on the service's machine)") from None
         task, fixed = task_label(args), json_ready(effective_settings(args))
         declared = self._agents_now()
         if not declared:
@@ -186,7 +205,31 @@ class RunService:
         """``server`` started (the one-shot form says where agents dial)."""
 
     def waiting(self, server) -> None:
-        """Twice a second while ``server``'s rounds run."""
+        """Twice a second while ``server``'s rounds run: while fewer than --min-available agents with the run's task
+        are connected, the run's log says so (the service's stderr too, once a wait), again when who is connected
+        changes, and every minute."""
+        members, need = server.coordinator.members, server.coordinator.config.min_available
+        try:
+            with_task, connected = server.on_loop(lambda: (members.live_ids(), members.registry.live_ids()),
+                                                  timeout=2.0)
+        except (RuntimeError, TimeoutError):
+            return
+        now = time.monotonic()
+        if len(with_task) >= need:
+            self._wait = None
+            return
+        if self._wait is None:
+            self._wait = [now, None, ""]  # [waiting since, last said, what]
+        since, said, what = self._wait
+        run, task = self._current
+        line = (f"run {run.id} waits for {need} agents with task {task!r}: {len(with_task)} connected with it now "
+                f"({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
+        if now - since < WAIT_SAID_AFTER_SECONDS or (line == what and now - said < WAIT_SAID_EVERY_SECONDS):
+            return
+        self.store.log(run.id, line)
+        if said is None:
+            print(f"fedpar service: {line}", file=sys.stderr, flush=True)
+        self._wait[1:] = [now, line]
 
     def round_error(self, exc: Exception, config) -> str:
         """Why a run ended by ``exc`` (a round's error) failed: the service goes on with the next run (called in
@@ -227,6 +270,7 @@ class RunService:
                 events.close()
             return self._end(run, "failed", f"cannot start: {exc}", said=str(exc), code=2)
         server.coordinator.keeps_members = self.keeps_members
+        self._current, self._wait = (run, task), None
         if self.samples_by_task:
             server.coordinator.sample_only(task, lambda agent, why: self._say(run, why))
         started, status, reason, stopped_by = time.monotonic(), "failed", "", None
@@ -265,6 +309,9 @@ class RunService:
                                {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"})
         if status is None:
             return RunEnd(None, "", outputs=outputs, stopped_by=stopped_by)
+        if status == "finished":  # as the one-shot form's exit code: a run none of whose rounds succeeded failed
+            failed = every_round_failed(outputs.summary, args.task, "min_reports, deadline_seconds")
+            status, reason = ("failed", failed) if failed else (status, reason)
         model = out / "global.safetensors" if out is not None else None
         return self._end(run, status, reason or outputs.summary.get("stopped_because", ""),
                          str(model) if model is not None and model.is_file() else "", outputs=outputs)
@@ -323,6 +370,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
     try:
+        _check_one_shot_outputs(args)
         if args.port and args.port == args.control_port:
             raise UserError(f"--port and --control-port are both {args.port}: the agents' port and the control API "
                             "need one each")
@@ -333,6 +381,11 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         if launch_ranks is None:  # said before gRPC tries them (its own log line says it too, unasked)
             check_port_free(args.host, args.port)
             check_port_free(args.host, args.control_port, "--control-port")
+            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", exit_code=2)
+        else:  # before any rank starts: a rank that cannot bind its port would be restarted in vain
+            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", exit_code=2)
+            check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
+                (args.control_port, "--control-port"), (args.metrics_port, "--metrics-port")) if p})
         revocations = server_security(args).admission.revocations  # the control API's too: operators are revoked
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
         if files.ca is None:
@@ -357,6 +410,12 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     except BindError as exc:
         print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
         return 1
+    try:
+        service.observers.attach_service(service.idle)  # from the start: an idle service is no missing target
+    except UserError as exc:  # taken since the check above
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        service.close_agents_port()
+        return exc.exit_code
     try:
         control = RunControlServer(store, service.validate, args.host, args.control_port, credentials,
                                    revocations)

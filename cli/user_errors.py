@@ -61,8 +61,8 @@ def check_output_folder(path, option: str = "--out") -> None:
             return
 
 
-def check_port_free(host: str, port: int, option: str = "--port") -> None:
-    """UserError if another process listens on ``host:port`` (port 0 always passes)."""
+def check_port_free(host: str, port: int | None, option: str = "--port", exit_code: int = 1) -> None:
+    """UserError (``exit_code``) if another process listens on ``host:port`` (port 0 or None always passes)."""
     import socket
 
     if not port:
@@ -79,9 +79,27 @@ def check_port_free(host: str, port: int, option: str = "--port") -> None:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise UserError(f"port {port} on {host} is in use by another process; stop it or pick another "
-                                f"{option} (0 picks a free one)", exit_code=1) from None
+                                f"{option} (0 picks a free one)", exit_code) from None
             raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host and {option}",
-                            exit_code=1) from None
+                            exit_code) from None
+
+
+def check_rank_ports(host: str, port: int, ranks: int, others: dict[int, str]) -> None:
+    """UserError (exit 2) unless the ports aggregator ranks 1..``ranks``-1 listen on, ``port`` + rank, are free and
+    none of them is one of ``others`` (port -> the option that names it); port 0: each rank picks a free one."""
+    if not port or ranks <= 1:
+        return
+    needed = range(port + 1, port + ranks)
+    span = (f"--aggregator-ranks {ranks} needs ports {port}..{port + ranks - 1} (rank r listens on --port + r)")
+    for other, option in sorted(others.items()):
+        if other in needed:
+            raise UserError(f"{span}, but {other} is {option}; pick a --port or {option} outside that range")
+    for rank_port in needed:
+        try:
+            check_port_free(host, rank_port)
+        except UserError:
+            raise UserError(f"{span}, but {rank_port} is in use by another process; stop it or pick another --port "
+                            "(0 lets each rank pick a free one)") from None
 
 
 def run_exit_code(command: str, summary: dict, signal_name: str | None = None, task: str | None = None) -> int:
@@ -91,15 +109,25 @@ def run_exit_code(command: str, summary: dict, signal_name: str | None = None, t
     if summary.get("interrupted"):
         print(f"{command}: interrupted after {summary['rounds']} completed rounds", file=sys.stderr)
         return exit_code(signal_name or "SIGINT")
-    if summary["rounds"] and summary["failed_rounds"] == summary["rounds"]:
-        failed = f"{command}: every round failed ({summary['rounds']} of {summary['rounds']})"
-        error = summary.get("training_error")
-        if error and task:
-            print(f"{failed}: the task's {error}: fix the task ({task})", file=sys.stderr)
-        elif error:
-            print(f"{failed}: the members' {error}", file=sys.stderr)
-        else:
-            print(f"{failed}: too few updates arrived (see close_reason in metrics.jsonl); check --min-reports, "
-                  "--deadline and the agents' logs", file=sys.stderr)
+    failed = every_round_failed(summary, task)
+    if failed:
+        print(f"{command}: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def every_round_failed(summary: dict, task: str | None = None,
+                       options: str = "--min-reports, --deadline") -> str:
+    """Why a run whose every round failed failed (the members' own failure when their code failed the last round's
+    tasks, naming ``task``, the --task reference; else too few updates, and ``options`` to check), or "" when a
+    round succeeded or none ran."""
+    if not summary["rounds"] or summary["failed_rounds"] != summary["rounds"]:
+        return ""
+    failed = f"every round failed ({summary['rounds']} of {summary['rounds']})"
+    error = summary.get("training_error")
+    if error and task:
+        return f"{failed}: the task's {error}: fix the task ({task})"
+    if error:
+        return f"{failed}: the members' {error}"
+    return (f"{failed}: too few updates arrived (see close_reason in metrics.jsonl); check {options} and the agents' "
+            "logs")

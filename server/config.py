@@ -20,7 +20,7 @@ DATA_PLANE_MIN_BYTES = 8 << 20
 class RoundSampling:
     """How many rounds run, how many updates close one, how many agents it samples, and its deadline."""
 
-    rounds: int = setting(10, check="non_negative_int", group="rounds", help="rounds to run (0: none)")
+    rounds: int = setting(10, check="count", group="rounds", help="rounds to run")
     clients_per_round: int | None = setting(
         10, check="count", group="rounds",
         help="K: the accepted updates that close a round, early, before its deadline (simulate: all its clients by "

@@ -76,6 +76,10 @@ class RunControl(pb_grpc.RunControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except StoreError as exc:
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug here: one line each side, not gRPC's traceback
+            log.error("control call %s by %s failed: %s: %s", action, who, type(exc).__name__, exc)
+            self.store.audit(who, f"failed {action}", detail=f"{type(exc).__name__}: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL, f"the service failed to {action}: {type(exc).__name__}: {exc}")
 
     def Submit(self, request: pb.RunSubmit, context) -> pb.RunRef:
         """Check and queue a run."""

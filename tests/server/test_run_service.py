@@ -142,6 +142,14 @@ def _one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
         assert word in lines[0], lines[0]
 
 
+def test_the_metrics_endpoint_answers_from_the_start_while_no_run_ever_ran(federation):
+    fed = federation
+    assert RunStore(fed.state).runs() == []  # the module's first test: the service is idle
+    _wait_for(lambda: "Prometheus metrics at" in (fed.tmp / "serve.log").read_text(), 30, "no metrics endpoint")
+    url = re.search(r"Prometheus metrics at (http://\S+)", (fed.tmp / "serve.log").read_text()).group(1)
+    assert "fedpar_agents" in urllib.request.urlopen(url, timeout=10).read().decode()
+
+
 def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federation):
     fed = federation
     store = RunStore(fed.state)  # a reader beside the service (WAL)
@@ -220,8 +228,39 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
                              str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=60)  # the state file is the first one's
     _one_line_error(second, "is in use by another fedpar serve")
+    link = fed.tmp / "link.db"  # the same state file by another name
+    link.symlink_to(fed.state)
+    second = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(link), "--certs",
+                             str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=60)
+    _one_line_error(second, "is in use by another fedpar serve")
+    tracebacks = (fed.tmp / "serve.log").read_text().count("Traceback")
+    for text, words in (('[serve]\nrounds = 1\n', ("unknown table(s) [serve]", "[run]")),
+                        ('[run]\nrounds = 2\n[serve]\nrounds = 3\n', ("serve outside [run] would be ignored",)),
+                        ("rounds = 0\n", ("rounds: 0 is out of range: a count must be at least 1",)),
+                        ('dataset = "csv:/nope.csv"\n', ("/nope.csv does not exist",
+                                                        "on the service's machine"))):
+        bad.write_text(text)
+        _one_line_error(fed.run("submit", str(bad)), *words)
+    assert (fed.tmp / "serve.log").read_text().count("Traceback") == tracebacks  # the service said none either
+    piped = subprocess.run(["bash", "-c", f"{sys.executable} -m fedpar.cli.main run ls --control {fed.control} "
+                            f"--certs {fed.certs} --operator op | true; exit ${{PIPESTATUS[0]}}"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 141 and piped.stderr == "", piped  # as Unix tools end when their reader left
     assert len(store.runs()) == before and fed.service.poll() is None
     assert ("a1", "refused ls") in [(a["who"], a["action"]) for a in store.audit_rows()]
+
+
+def test_a_run_whose_every_round_failed_is_failed_and_says_why(federation):
+    fed = federation
+    store = RunStore(fed.state)
+    run_id = fed.submit("short", "rounds = 1\nmin_reports = 5\ndeadline_seconds = 2\nlocal_epochs = 1\n"
+                                 "batch_size = 32\n")
+    _wait_for(lambda: store.get(run_id).status in ("finished", "failed", "stopped"), 120, "the run did not end")
+    run = store.get(run_id)
+    assert run.status == "failed" and run.reason.startswith("every round failed (1 of 1): too few updates arrived"), \
+        (run.status, run.reason)
+    assert "check min_reports, deadline_seconds" in run.reason
 
 
 def test_a_revoked_operator_is_refused_on_the_control_port(federation):
@@ -454,4 +493,22 @@ def test_the_agents_port_stays_serving_and_the_agents_stay_joined_across_runs(tm
     finally:
         if probe is not None:
             probe.close()
+        fed.close()
+
+
+def test_a_run_waiting_for_agents_says_for_how_many_and_who_is_there(tmp_path):
+    fed = Federation(tmp_path, ((),), 2)  # one agent, and runs need 2
+    try:
+        store = RunStore(fed.state)
+        _wait_for(lambda: " joined with " in (fed.tmp / "serve.log").read_text(), 120, "the agent did not join")
+        run_id = fed.submit_rpc("waits", f"rounds = 1\n{QUICK}")
+        said = f"run {run_id} waits for 2 agents with task 'mlp on digits': 1 connected with it now (a1), 1 connected"
+        _wait_for(lambda: any(said in entry for kind, _, entry in store.timeline(run_id) if kind == "line"), 90,
+                  f"the run never said it waits: {store.timeline(run_id)}")
+        logs = fed.run("logs", str(run_id))
+        assert logs.returncode == 0 and said in logs.stdout, logs
+        assert fed.run("stop", str(run_id)).returncode == 0
+        _wait_for(lambda: store.get(run_id).status == "stopped", 60, "the run did not stop")
+        assert (fed.tmp / "serve.log").read_text().count(f"fedpar service: {said}") == 1  # once on the service's
+    finally:
         fed.close()

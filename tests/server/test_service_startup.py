@@ -1,0 +1,70 @@
+"""`fedpar serve` refusing at start-up, before it binds anything or starts a rank: ports the aggregator ranks, the
+control API or the metrics endpoint cannot have, --out and --checkpoint-dir with --state, no rounds. Each case is a
+real `fedpar serve` process that must end with one line, exit 2 and no traceback; they run side by side."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from fedpar.security.certs import ensure_certs
+from support.devices import RANKS_ON_CPU
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _free_pair() -> int:
+    """A port P such that P and P + 1 are free now."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as next_one:
+                try:
+                    next_one.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+
+
+def test_ports_and_options_serve_cannot_use_are_one_line_and_exit_2(tmp_path):
+    certs = tmp_path / "certs"
+    ensure_certs(certs, ["a1"], ["127.0.0.1"], operators=["op"])
+    one_shot = _free_pair()
+    holder = socket.socket()  # a port another process listens on: rank 1's of the one-shot case
+    holder.bind(("127.0.0.1", one_shot + 1))
+    holder.listen()
+    busy, ranks_on_control = one_shot + 1, _free_pair()
+    service = ["serve", "--certs", str(certs)]
+    cases = [  # (args, words of the one line)
+        ([*service, "--state", str(tmp_path / "rk.db"), "--port", str(ranks_on_control), "--control-port",
+          str(ranks_on_control + 1), "--aggregator-ranks", "2", *RANKS_ON_CPU],
+         (f"--aggregator-ranks 2 needs ports {ranks_on_control}..{ranks_on_control + 1}",
+          f"{ranks_on_control + 1} is --control-port")),
+        (["serve", "--insecure", "--port", str(one_shot), "--aggregator-ranks", "2", "--rounds", "1",
+          "--out", str(tmp_path / "out"), *RANKS_ON_CPU],
+         (f"--aggregator-ranks 2 needs ports {one_shot}..{busy}", f"{busy} is in use by another process")),
+        ([*service, "--state", str(tmp_path / "m.db"), "--port", "0", "--control-port", "0", "--metrics-port",
+          str(busy)], (f"port {busy} on 127.0.0.1 is in use", "--metrics-port")),
+        ([*service, "--state", str(tmp_path / "c.db"), "--port", "0", "--control-port", "0", "--checkpoint-dir",
+          str(tmp_path / "ck"), "--out", str(tmp_path / "o")],
+         ("--out and --checkpoint-dir are not used with --state", f"{tmp_path / 'c.db'}.runs/ID/")),
+        (["serve", "--insecure", "--port", "0", "--rounds", "0"], ("--rounds: 0 is out of range",)),
+    ]
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "fedpar.cli.main", *args], cwd=ROOT, env=ENV,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in cases]
+        results = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        holder.close()
+    for (args, words), proc, (_, err) in zip(cases, procs, results):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (args, proc.returncode, err)
+        assert all(word in lines[0] for word in words), (words, lines[0])
+        assert "run the same command again" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()
