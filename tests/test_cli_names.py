@@ -77,7 +77,7 @@ def test_serve_client_and_simulate_share_the_defaults_of_the_same_knob():
 
 @pytest.mark.parametrize("toml, expected", [
     ('[serve]\nrounds = "ten"\n', "config.toml: rounds: expected an integer, got 'ten'"),
-    ("rounds = -1\n", "config.toml: rounds: -1 is out of range: a non-negative integer must be at least 0"),
+    ("rounds = -1\n", "config.toml: rounds: -1 is out of range: a count must be at least 1"),
     ("[serve]\nlr = 0.1\n", "unknown option(s) for 'serve': lr"),  # TOML keys are the settings' names
     ('[serve]\nlearning_rate = "fast"\n', "config.toml: learning_rate: expected a number, got 'fast'"),
     ("[serve]\nsecure_aggregation = 1\n", "config.toml: secure_aggregation: expected true or false, got 1"),
