@@ -30,7 +30,7 @@ from fedpar.parallel.device import queue_waiter
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
 from fedpar.task import (ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
-                         checked_client_data, raised)
+                         check_training_data, checked_client_data, raised)
 from fedpar.tasks.data import on_device
 from fedpar.tasks.evaluation import evaluate_task, finite
 
@@ -58,7 +58,6 @@ class task_code:
 
 def _client_data(task: Task, seed: int) -> ClientData:
     """All of the task's training data (the client data of ``Partition(0, 1)``); TaskError unless it can train."""
-    from fedpar.client.engine_trainer import check_training_data
 
     try:
         data = checked_client_data(task.client_data(Partition(0, 1, "central", "iid", seed, 0.0)))
@@ -66,7 +65,7 @@ def _client_data(task: Task, seed: int) -> ClientData:
         raise
     except Exception as exc:  # the task's own code
         raise TaskError(f"the task's client_data raised {raised(exc)}") from exc
-    check_training_data(task, data)
+    check_training_data(task.name, data)
     return data
 
 

@@ -34,7 +34,7 @@ from fedpar.parallel.mesh import build_mesh
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.sampler import DistributedBatchSampler
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.task import ClientData, StepClock, Task, TaskError
+from fedpar.task import ClientData, StepClock, Task, TaskError, check_training_data
 from fedpar.tasks.data import batch_at, batch_examples, inputs_and_targets, on_device, to_device
 from fedpar.tasks.evaluation import EvalResult, task_eval_result, task_eval_results
 
@@ -52,12 +52,6 @@ def check_engine_task(task: Task, config: ParallelConfig, world_size: int) -> No
     if config.tp > 1 and task.tp_plan is None:
         raise TaskError(f"task {task.name!r} declares no tensor-parallel plan (Task.tp_plan), so --tp does not "
                         "apply to it; drop --tp, or give the task a tp_plan")
-
-
-def check_training_data(task: Task, data: ClientData) -> None:
-    """TaskError, in one line, when ``task``'s client data holds no training examples."""
-    if data.train is None or not len(data.train):
-        raise TaskError(f"task {task.name!r}: client_data gave no training examples")
 
 
 class EngineTrainer:
@@ -80,7 +74,7 @@ class EngineTrainer:
         copy starts from the weights ``seed`` draws."""
         config = layout_for(parallel, info.world_size, info.device.type)
         check_engine_task(task, config, info.world_size)
-        check_training_data(task, data)
+        check_training_data(task.name, data)
         self.task, self.info, self.seed, self.shuffle = task, info, seed, shuffle
         self.mesh = build_mesh(config, info.device.type)
         self._dp_size, self._dp_rank = config.data_parallel_size, self.mesh.data_parallel_rank

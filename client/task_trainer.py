@@ -31,7 +31,7 @@ from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight
 from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.task import ClientData, Deadline, LocalConfig, StepClock, Task, TaskError
+from fedpar.task import ClientData, Deadline, LocalConfig, StepClock, Task, TaskError, check_training_data
 from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, on_device, to_device
 from fedpar.tasks.evaluation import (EvalResult, autocast, finite, named_metrics, task_eval_result,
                                      task_eval_results)
@@ -136,8 +136,7 @@ class TaskTrainer:
     def use_data(self, data: ClientData, seed: int, seconds_per_step_delay: float = 0.0) -> None:
         """Train from now on as another client: its data (kept on the device), its shuffling seed, its device speed
         (a simulation host's seat takes on each sampled virtual client in turn)."""
-        if data.train is None or not len(data.train):
-            raise TaskError(f"task {self.task.name!r}: client_data gave no training examples")
+        check_training_data(self.task.name, data)
         self.data = ClientData(on_device(data.train, self.device),
                                on_device(data.val, self.device) if data.val is not None and len(data.val) else None)
         self.seed = seed

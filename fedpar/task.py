@@ -188,6 +188,12 @@ def checked_client_data(data: Any) -> ClientData:
     return data
 
 
+def check_training_data(task_name: str, data: ClientData) -> None:
+    """TaskError, in one line, when a task's client data holds no training examples."""
+    if data.train is None or not len(data.train):
+        raise TaskError(f"task {task_name!r}: client_data gave no training examples")
+
+
 TrainHook = Callable[["nn.Module", ClientData, LocalConfig, Deadline], "tuple[int, dict[str, float]]"]
 EvaluateHook = Callable[["nn.Module", Any], "dict[str, float]"]
 
