@@ -19,7 +19,7 @@ from typing import Callable
 from fedpar.cli.observability import Observers
 from fedpar.cli.privacy import PRIVACY_COLUMNS, privacy_on
 from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
-from fedpar.cli.run_settings import RUN_KEYS
+from fedpar.cli.run_settings import effective_settings
 from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
@@ -102,7 +102,7 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
     threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     store = RunStore(":memory:")
     service = OneShotService(args, store, lambda options: plan)
-    run = store.get(store.submit("serve", json_ready({k: getattr(args, k) for k in sorted(RUN_KEYS)})))
+    run = store.get(store.submit("serve", json_ready(effective_settings(args))))
     try:
         end = service.execute(run, plan, ranks)
     finally:
