@@ -98,6 +98,9 @@ def _do(args: argparse.Namespace, stub) -> int:
             print(f"fedpar run: warning: {reply.warning}", file=sys.stderr)
         print(reply.run_id)
     elif action == "ls":
+        if words:
+            raise ValueError(f"'fedpar run ls' takes no argument (got {' '.join(words)!r}); 'fedpar run logs ID' "
+                             "shows one run")
         runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
         print(f"{'ID':>4}  {'NAME':<16} {'STATUS':<9} {'ROUND':>5}  LAST METRICS")
         for run in runs:

@@ -233,7 +233,10 @@ class RunService:
 
     def round_error(self, exc: Exception, config) -> str:
         """Why a run ended by ``exc`` (a round's error) failed: the service goes on with the next run (called in
-        its ``except`` clause: raising there ends the service)."""
+        its ``except`` clause: raising there ends the service). A mistake a user can fix (a setting, a task, a file,
+        too few agents) is its one line; anything else keeps its kind, for whoever reads the log."""
+        if isinstance(exc, (UserError, ValueError, OSError)):
+            return describe(exc)
         return f"{type(exc).__name__}: {exc}"
 
     def execute(self, run, plan=None, ranks=None) -> RunEnd:

@@ -224,6 +224,7 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
     good.write_text(f"rounds = 1\n{QUICK}")
     _one_line_error(fed.run("submit", str(good), operator="intruder"), "has no operator role")
     _one_line_error(fed.run("ls", operator="intruder"), "has no operator role")
+    _one_line_error(fed.run("ls", "1"), "'fedpar run ls' takes no argument")
     second = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(fed.state), "--certs",
                              str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=60)  # the state file is the first one's

@@ -68,3 +68,17 @@ def test_ports_and_options_serve_cannot_use_are_one_line_and_exit_2(tmp_path):
         assert all(word in lines[0] for word in words), (words, lines[0])
         assert "run the same command again" not in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_failed_runs_reason_is_the_line_a_user_reads_and_a_bug_keeps_its_kind():
+    from fedpar.cli.serve_service import RunService
+    from fedpar.server.members import TooFewMembers
+    from fedpar.task import TaskFailed
+
+    said = [RunService.round_error(None, exc, None) for exc in (
+        TooFewMembers("only 1 live agents after 300.0s; need min_available=2"),
+        TaskFailed("the task's evaluation raised IndexError: Target 2 is out of bounds.: fix the task (t.py:task)"),
+        RuntimeError("internal state went wrong"))]
+    assert said == ["only 1 live agents after 300.0s; need min_available=2",
+                    "the task's evaluation raised IndexError: Target 2 is out of bounds.: fix the task (t.py:task)",
+                    "RuntimeError: internal state went wrong"]  # was 'TooFewMembers: ...', 'TaskFailed: ...'
