@@ -247,7 +247,7 @@ def write_task_model(task: Task, cfg: TrainConfig, model: torch.nn.Module, summa
     """OUT/global.safetensors and global.json of the trained model (``round``: the epochs trained), in the layout
     a federated run of the task keeps; returns the evaluation metrics of the summary."""
     from fedpar.models.weights import get_weights, weight_specs
-    from fedpar.server.final_model import write_final_model
+    from fedpar.protocol.model_file import write_final_model
 
     evals = {k: v for k, v in summary.items() if k.startswith(("test_", "val_"))}
     write_final_model(Path(cfg.out), [name for name, _, _ in weight_specs(model)], get_weights(model),

@@ -349,7 +349,7 @@ class Trainer:
         full = gather_full_state_dict(self.model.parts[0])
         if not self.info.is_main:
             return ""
-        from fedpar.server.final_model import INFO, TENSORS, write_final_model
+        from fedpar.protocol.model_file import INFO, TENSORS, write_final_model
 
         floats = [(name, t) for name, t in full.items() if torch.is_floating_point(t)]
         epochs = self.counters["epoch"]

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.server.final_model import INFO, TENSORS, write_coordinator_model
+from fedpar.protocol.model_file import INFO, TENSORS
+from fedpar.server.final_model import write_coordinator_model
 
 SUMMARY = "summary.json"
 

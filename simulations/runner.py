@@ -324,6 +324,10 @@ class SimulationService(RunService):
                                                                                 on_progress)
         self.members, self.splits, self.batching = members, splits, batching
 
+    def settle(self, run):
+        """``run`` as it is: its settings are the simulation's, all of them, from the start."""
+        return run
+
     def options_of(self, run) -> argparse.Namespace:
         """The simulation's settings."""
         return self.args

@@ -13,7 +13,7 @@ import torch
 from fedpar.cli.main import main
 from fedpar.models import get_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
-from fedpar.server.final_model import write_final_model
+from fedpar.protocol.model_file import write_final_model
 
 DESCRIPTION = {"model": "cnn", "dataset": "digits", "input_shape": [1, 8, 8], "num_classes": 10}
 
