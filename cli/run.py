@@ -58,6 +58,9 @@ def _stub(args: argparse.Namespace):
     if not args.certs or not args.operator:
         raise ValueError("the control API needs mutual TLS: give --certs DIR and --operator NAME")
     paths = CertPaths(Path(args.certs))
+    if not paths.ca_cert.exists():
+        raise ValueError(f"{args.certs} holds no CA certificate ({paths.ca_cert}): give --certs the folder "
+                         "'fedpar certs' made for the service and its operators")
     if not paths.operator_cert(args.operator).exists():
         raise ValueError(f"{args.certs} holds no certificate of operator {args.operator!r} "
                          f"({paths.operator_cert(args.operator)}): make one with 'fedpar certs --out {args.certs} "
@@ -156,8 +159,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar run: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as err:
-        code = err.code()
-        where = f" at {args.control}; is 'fedpar serve --state' running there?" \
-            if code == grpc.StatusCode.UNAVAILABLE else ""
-        print(f"fedpar run: {err.details()}{where}", file=sys.stderr)
-        return 1 if code == grpc.StatusCode.UNAVAILABLE else 2
+        print(f"fedpar run: {_refusal_line(err, args.control)}", file=sys.stderr)
+        return 1 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) else 2
+
+
+def _refusal_line(err, control: str) -> str:
+    """What a failed control call means for the operator: the service's own refusal as it said it, else what the
+    transport's words point to (the wrong port, another CA, a service that went away)."""
+    import grpc
+
+    code, details = err.code(), err.details() or ""
+    said = details.lower()
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
+                "--control-port")
+    if code == grpc.StatusCode.UNAVAILABLE and any(w in said for w in ("ssl", "handshake", "certificate", "tls")):
+        return (f"the TLS handshake with {control} failed ({details[:160]}): --certs must hold the CA that signed the "
+                "service's certificate, and the operator's certificate must come from that CA")
+    if code == grpc.StatusCode.CANCELLED or (code == grpc.StatusCode.UNAVAILABLE and "cancel" in said):
+        return f"the service at {control} went away (it stopped, or the connection broke)"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"{details} at {control}; is 'fedpar serve --state' running there?"
+    return details

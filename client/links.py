@@ -98,6 +98,9 @@ class Reconnecting:
                     self.on_rejoin()
                     self.join()
                     continue
+                if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but not a coordinator's agents' port
+                    raise FatalAgentError(f"{self.who}: {self.server} answers, but not as a coordinator (is it a "
+                                          "service's control port?): give --server the coordinator's --port") from None
                 if code not in RETRYABLE:
                     raise FatalAgentError(f"{self.who}: coordinator refused: {code.name}: {err.details()}") from None
                 mismatch = self.diagnose() if code == grpc.StatusCode.UNAVAILABLE else None

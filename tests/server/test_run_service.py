@@ -225,6 +225,15 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
     _one_line_error(fed.run("submit", str(good), operator="intruder"), "has no operator role")
     _one_line_error(fed.run("ls", operator="intruder"), "has no operator role")
     _one_line_error(fed.run("ls", "1"), "'fedpar run ls' takes no argument")
+    wrong_port = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "run", "ls", "--control",
+                                 f"127.0.0.1:{fed.port}", "--certs", str(fed.certs), "--operator", "op"], cwd=ROOT,
+                                env=ENV, capture_output=True, text=True, timeout=60)  # the agents' port
+    _one_line_error(wrong_port, "has no control API (is it the agents' port?)")
+    agent = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "client", "--server", fed.control, "--certs",
+                            str(fed.certs), "--agent-id", "a1", "--give-up-after", "20"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=120)  # an agent given the control port
+    assert agent.returncode != 0 and "not as a coordinator (is it a service's control port?)" in agent.stderr, \
+        agent.stderr[-2000:]
     second = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(fed.state), "--certs",
                              str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=60)  # the state file is the first one's
