@@ -110,6 +110,8 @@ def stacked_schedules(sizes: list[int], seeds: list[int], epochs: int, batch_siz
     the real ones; the last batch of an epoch is padded at its end, and a schedule's padding (and a shorter member's
     missing steps) point at the member's first example. One ``randperm`` per member and epoch, drawn as its own loop
     draws them; the rest is tensor ops."""
+    if sizes:  # a batch above every member's size is each member's whole epoch: pad to the largest, not to it
+        batch_size = max(1, min(batch_size, max(sizes)))
     sizes_t = torch.tensor(sizes, dtype=torch.long)
     per_epoch = (sizes_t + batch_size - 1) // batch_size
     width = per_epoch * batch_size  # a member's padded epoch

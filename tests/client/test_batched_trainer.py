@@ -205,6 +205,15 @@ def test_a_stacks_trained_members_come_out_as_one_tensor_per_weight_with_their_e
             assert out.weights[name].data_ptr() == stack.params[name][k].data_ptr()  # a view, not a copy
 
 
+def test_a_batch_above_every_members_size_is_each_members_whole_epoch_padded_to_the_largest():
+    """--batch-size 1000000 padded every member's epoch to a million slots: 19 GiB and 50x slower (QA)."""
+    sizes, seeds = [23, 40, 7], [3, 4, 5]
+    huge = stacked_schedules(sizes, seeds, EPOCHS, 1_000_000, ROUND)
+    assert huge[0].shape == (3, EPOCHS, 40)  # each epoch one batch, as wide as the largest member
+    same = stacked_schedules(sizes, seeds, EPOCHS, 40, ROUND)
+    assert torch.equal(huge[0], same[0]) and torch.equal(huge[1], same[1])
+
+
 def test_the_stacked_schedules_are_each_members_own_batches():
     sizes, seeds = [23, 40, 7, 37, 16], [3, 4, 5, 6, 7]
     index, mask = stacked_schedules(sizes, seeds, EPOCHS, BATCH, ROUND)
