@@ -114,6 +114,7 @@ class ClientRuntime:
         self._to_evaluate: dict[int, list[int]] = {}  # per round: members queued, not yet evaluated
         self._evaluations: dict[tuple[int, int], object] = {}  # (round, member): its EvalResult (or None)
         self._newest_round: int | None = None  # the round of the newest task received (another's uploads are moot)
+        self._no_time_said: int | None = None  # the last round a population's members without time to train were said
         self._evaluation_lock = threading.Lock()
         # members that outnumber the seats keep their top-k residuals on disk between their rounds
         self.residuals = ResidualStore([tuple(t.shape) for t in self.layout.tensors]) \
@@ -306,7 +307,7 @@ class ClientRuntime:
             except Exception as err:  # the task's code, say (its training step raised)
                 return self._failed(seat, i, task, "training", err)
         if result.examples == 0:
-            log.warning("%s: no time left to train in round %d; skipping the upload", member, task.round)
+            self._no_time_to_train(member, task.round)
             return True
         metrics.update(result.as_metrics())  # a NaN loss (e.g. a Flower client's fit that reports none) is left out
         if mode.upload(seat.trainer.get_arrays(), weights, result, metrics):
@@ -315,6 +316,19 @@ class ClientRuntime:
         if self.residuals is not None:
             self.residuals.save(member, seat.compression.take_residual())
         return True
+
+    def _no_time_to_train(self, member: str, round_id: int) -> None:
+        """``member`` skips its upload of ``round_id``: no time was left to train. An agent says so each time; a
+        population's host once a round (thousands of its members may, when the deadline is short for a cohort)."""
+        if not self.members.population:
+            log.warning("%s: no time left to train in round %d; skipping the upload", member, round_id)
+            return
+        log.info("%s: no time left to train in round %d; skipping the upload", member, round_id)
+        with self._stats_lock:
+            said, self._no_time_said = self._no_time_said, round_id
+        if said != round_id:
+            log.warning("%s: members had no time left to train in round %d, so they skip their uploads (the deadline "
+                        "is short for them; --log-level info names each)", self.config.agent_id, round_id)
 
     def _failed(self, seat: Seat, i: int, task: pb.TrainTask, stage: str, err: Exception) -> bool:
         """Member ``i``'s own code raised ``err`` in its ``stage`` of ``task`` (data, evaluation, training): noted

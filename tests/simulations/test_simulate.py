@@ -87,3 +87,18 @@ def test_coordinator_folds_on_one_thread_while_cpu_workers_train_and_gives_threa
         assert torch.get_num_threads() == 2  # the caller's setting, back after the run
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("batching", ["on", "off"])
+def test_members_without_time_to_train_are_said_once_a_round_per_host_and_no_train_hook_is_blamed(tmp_path, batching):
+    """A deadline too short for every member: each host says it once a round (it said one line per member: 4,073
+    lines for 100,000 clients), and fedpar's own loop is not told to 'loop over deadline.steps' (that is for a task's
+    train hook)."""
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--rounds", "2",
+                           "--deadline", "1", "--slow-fraction", "1", "--slow-step-delay", "2", "--client-batching",
+                           batching, "--quiet", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 1 and "every round failed (2 of 2)" in done.stderr, done.stderr[-2000:]
+    assert "deadline.steps" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "no time left to train" in line]
+    assert len(said) <= 2 * 2, said  # at most once per host (2 workers) and round
