@@ -51,8 +51,10 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed
     if not alpha > 0:
         raise ValueError(f"dirichlet alpha must be positive, got {alpha}")
     if min_size < 0 or min_size * num_clients > len(labels):
-        raise ValueError(f"min_size={min_size} per client is impossible with {num_clients} clients and "
-                         f"{len(labels)} examples; lower min_size or use fewer clients")
+        fits = len(labels) // num_clients // 2
+        raise ValueError(f"at least {min_size} examples per client is impossible with {num_clients} clients and "
+                         f"{len(labels)} examples; give a lower minimum (dirichlet:{alpha:g}:MIN, e.g. "
+                         f"dirichlet:{alpha:g}:{fits}) or use fewer clients")
     rng = np.random.default_rng(seed)
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     smallest = 0
@@ -69,9 +71,10 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed
         if smallest >= min_size:
             return parts
     raise ValueError(f"dirichlet partition: after {max_attempts} draws some client still had fewer than "
-                     f"{min_size} examples (last draw's smallest: {smallest}) with alpha={alpha}, "
-                     f"{num_clients} clients and {len(labels)} examples; raise alpha, lower min_size "
-                     "or use fewer clients")
+                     f"{min_size} examples (last draw's smallest: {smallest}) with alpha={alpha:g}, "
+                     f"{num_clients} clients and {len(labels)} examples; raise alpha, "
+                     + (f"give a lower minimum (e.g. dirichlet:{alpha:g}:{smallest}) " if smallest else "")
+                     + "or use fewer clients")
 
 
 def partition_shards(labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int) -> list[np.ndarray]:
@@ -130,7 +133,7 @@ class PartitionSpec:
     def __str__(self) -> str:
         """The spec string this was parsed from (canonical form)."""
         if self.kind == "dirichlet":
-            return f"dirichlet:{self.alpha:g}"
+            return f"dirichlet:{self.alpha:g}" + ("" if self.min_size == DEFAULT_MIN_SIZE else f":{self.min_size}")
         if self.kind == "shards":
             return f"shards:{self.shards_per_client}"
         if self.kind == "quantity":
@@ -139,24 +142,28 @@ class PartitionSpec:
 
 
 PARTITION_HELP = ("one of: auto (natural where the examples have owners: synthetic, a table with a client column; "
-                  "else iid), iid, dirichlet:ALPHA (e.g. dirichlet:0.5), shards:K (e.g. shards:2), quantity:SIGMA "
+                  "else iid), iid, dirichlet:ALPHA[:MIN] (e.g. dirichlet:0.5; MIN: fewest examples a client gets, "
+                  "default 10), shards:K (e.g. shards:2), quantity:SIGMA "
                   "(e.g. quantity:1), natural (data with owners)")
 
 
 def parse_partition(spec: str) -> PartitionSpec:
-    """Parse "iid", "dirichlet:ALPHA" (ALPHA > 0), "shards:K" (integer K >= 1) or "quantity:SIGMA" (>= 0); "auto"
+    """Parse "iid", "dirichlet:ALPHA[:MIN]" (ALPHA > 0, MIN >= 0 examples a client), "shards:K" (integer K >= 1) or "quantity:SIGMA" (>= 0); "auto"
     is iid here (data whose examples have owners resolves it to natural first: clientdata.resolve_partition)."""
     kind, sep, arg = spec.strip().lower().partition(":")
     if kind in ("iid", AUTO) and not sep:
         return PartitionSpec("iid")
     if kind == "dirichlet" and arg:
+        arg, _, least = arg.partition(":")
         try:
             alpha = float(arg)
         except ValueError:
             raise ValueError(f"bad partition {spec!r}: alpha {arg!r} is not a number; {PARTITION_HELP}") from None
         if not (alpha > 0 and np.isfinite(alpha)):
             raise ValueError(f"bad partition {spec!r}: alpha must be a positive number; {PARTITION_HELP}")
-        return PartitionSpec("dirichlet", alpha=alpha)
+        if least and not least.isdigit():
+            raise ValueError(f"bad partition {spec!r}: MIN must be a whole number >= 0; {PARTITION_HELP}")
+        return PartitionSpec("dirichlet", alpha=alpha, min_size=int(least) if least else DEFAULT_MIN_SIZE)
     if kind == "quantity" and arg:
         try:
             sigma = float(arg)

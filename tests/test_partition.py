@@ -64,7 +64,9 @@ def test_small_alpha_is_more_skewed_than_large_alpha():
 def test_dirichlet_gives_a_clear_error_when_min_size_cannot_be_met():
     with pytest.raises(ValueError, match="after 5 draws some client still had fewer than 90 examples"):
         partition_dirichlet(BALANCED, 10, alpha=0.05, seed=0, min_size=90, max_attempts=5)
-    with pytest.raises(ValueError, match="min_size=200 per client is impossible"):
+    # the way out is said as the user can take it: a lower minimum in the spec (there is no min_size flag)
+    with pytest.raises(ValueError, match=r"at least 200 examples per client is impossible with 10 clients and 1000 "
+                                         r"examples; give a lower minimum \(dirichlet:1:MIN, e.g. dirichlet:1:50\)"):
         partition_dirichlet(BALANCED, 10, alpha=1.0, seed=0, min_size=200)
     with pytest.raises(ValueError, match="alpha must be positive"):
         partition_dirichlet(BALANCED, 10, alpha=0.0, seed=0)
@@ -89,9 +91,12 @@ def test_parse_partition_specs():
     assert parse_partition(" Dirichlet:0.5 ") == PartitionSpec("dirichlet", alpha=0.5)
     assert parse_partition("shards:2") == PartitionSpec("shards", shards_per_client=2)
     assert str(parse_partition("dirichlet:0.50")) == "dirichlet:0.5"
+    assert parse_partition("dirichlet:0.5:2") == PartitionSpec("dirichlet", alpha=0.5, min_size=2)
+    assert str(parse_partition("dirichlet:0.5:2")) == "dirichlet:0.5:2"
+    assert min(map(len, parse_partition("dirichlet:0.05:1")(BALANCED, 10, 0))) >= 1
     parts = parse_partition("shards:1")(BALANCED, 10, 0)
     assert (label_counts(BALANCED, parts) > 0).sum(axis=1).tolist() == [1] * 10
-    for bad in ["", "iid:3", "dirichlet", "dirichlet:", "dirichlet:abc", "dirichlet:-1", "dirichlet:nan",
+    for bad in ["", "iid:3", "dirichlet", "dirichlet:", "dirichlet:abc", "dirichlet:-1", "dirichlet:nan", "dirichlet:0.5:x", "dirichlet:0.5:-1",
                 "shards:0", "shards:1.5", "pathological", "shards"]:
         with pytest.raises(ValueError, match="expected|; one of"):
             parse_partition(bad)
