@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         launched = cfg.aggregator_ranks > 1 or cfg.checkpoint_dir is not None  # a lost rank 0 is said, or resumed
         if launched:
             from fedpar.simulations.runner import check_settings
-            check_settings(cfg)  # here, where its one line is said, before the child starts
+            for line in check_settings(cfg):  # here, before the child starts: a refusal, or what a resume changes
+                print(f"fedpar simulate: {line}", file=sys.stderr)
     except ValueError as exc:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2

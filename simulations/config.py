@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from fedpar.datasets.registry import full_dataset_name
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import Device, Precision
 from fedpar.protocol.compressed_wire import CompressionConfig
@@ -109,3 +110,26 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
                          f"{self.clients} (--overselect {overselect:.4g})")
             changes["overselect"] = overselect
         return replace(self, **changes), notes
+
+    def resume_record(self) -> tuple[dict, dict]:
+        """What a ``--checkpoint-dir`` keeps of these settings, by flag: (defining, noted). A resume that differs in a
+        defining one is refused: they say which federation is simulated (its clients, the data each holds, the
+        model, the task), so rounds before and after the checkpoint would belong to two federations in one
+        metrics.jsonl. A noted one only changes how the remaining rounds train (sampling, local training, the
+        devices' behaviour, the strategy's options, compression); changing them between rounds is a schedule a user
+        may mean, as lowering --lr late, so it is said in one line and resumed. How the run is hosted here (workers,
+        seats, device, ranks, TLS, folders) and --rounds are kept by neither."""
+        defining = {"dataset": full_dataset_name(self.dataset, self.clients), "model": self.model,
+                    "clients": self.clients, "examples_per_client": self.examples_per_client,
+                    "partition": self.partition, "val_fraction": self.val_fraction, "seed": self.seed,
+                    "task": self.task, "task_options": self.task_options, "flower_app": self.flower_app,
+                    "run_config": self.run_config}
+        noted = {name: getattr(self, name) for name in (
+            "overselect", "min_reports", "deadline_seconds", "local_epochs", "batch_size",
+            "learning_rate", "client_eval_every", "strategy_options", "slow_fraction", "slow_step_delay",
+            "drop_probability", "trace", "trace_day_seconds", "secure_aggregation", "secagg_clip",
+            "secagg_max_weight", "precision", "virtual_clock")}
+        noted["clients_per_round"] = self.clients_per_round or self.clients  # None: all of them
+        noted["upload_compression"] = asdict(self.upload_compression)
+        return ({flag_of(SimulationConfig, k): v for k, v in defining.items()},
+                {flag_of(SimulationConfig, k): v for k, v in noted.items()})

@@ -30,7 +30,7 @@ from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
-from fedpar.server.checkpoint import has_checkpoint
+from fedpar.server.checkpoint import check_run_record, has_checkpoint, latest_round, record_run
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig, one_turn, run_worker_process
@@ -112,8 +112,9 @@ def check_traces(cfg: SimulationConfig) -> None:
     traces_for(cfg.trace, cfg.clients, cfg.seed)
 
 
-def check_settings(cfg: SimulationConfig) -> None:
-    """ValueError, one line, for settings no simulation can run: checked before any process starts."""
+def check_settings(cfg: SimulationConfig) -> list[str]:
+    """ValueError, one line, for settings no simulation can run: checked before any process starts; else the lines
+    to say of a resume (:func:`check_resume`)."""
     check_device_layout(cfg.device)
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
@@ -121,6 +122,22 @@ def check_settings(cfg: SimulationConfig) -> None:
     check_traces(cfg)
     check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
     check_population_fits(cfg)
+    return check_resume(cfg)
+
+
+def check_resume(cfg: SimulationConfig) -> list[str]:
+    """CheckpointError (a ValueError) when ``cfg`` would resume a checkpoint made for another federation
+    (:meth:`SimulationConfig.resume_record`); else one line for each setting the rounds after the checkpoint train
+    with otherwise, and one when the checkpoint has every round done already."""
+    if cfg.checkpoint_dir is None:
+        return []
+    lines = check_run_record(cfg.checkpoint_dir, *cfg.resume_record())
+    done = latest_round(cfg.checkpoint_dir)
+    if done is not None and done >= cfg.rounds:
+        lines.append(f"the checkpoint in {cfg.checkpoint_dir} has every round done already (round {done}, --rounds "
+                     f"{cfg.rounds}): nothing to train; give --rounds above {done} to train on, or another "
+                     "--checkpoint-dir to start afresh")
+    return lines
 
 
 def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
@@ -150,7 +167,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     for note in notes:
         log.warning(note)
     cfg = replace(cfg, dataset=full_dataset_name(cfg.dataset, cfg.clients))  # every process builds the same data
-    check_settings(cfg)
+    for line in check_settings(cfg):  # `fedpar simulate` has said them on stderr
+        log.info(line)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
     flower_app = _flower_app(cfg)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
@@ -162,6 +180,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         out.mkdir(parents=True, exist_ok=True)
         if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
             (out / "metrics.jsonl").unlink(missing_ok=True)
+    if cfg.checkpoint_dir is not None:  # checked above: the checkpoints made from here on are made with these
+        record_run(cfg.checkpoint_dir, *cfg.resume_record())
     # Start the worker processes first: their imports and data loading overlap the coordinator's set-up.
     workers = cfg.workers  # at most one per client (settled)
     ctx = mp.get_context("spawn")

@@ -1,0 +1,107 @@
+"""A real `fedpar simulate --checkpoint-dir` resumed with settings that make another federation (clients, partition,
+seed, examples per client, validation share, dataset) is refused in one line before any worker starts, naming each
+difference; one that only trains on otherwise (--lr) is said in one line and resumed; a checkpoint with every round
+done says so; a checkpoint of older code, which kept no record of its settings, resumes as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["--dataset", "digits", "--clients-per-round", "2", "--local-epochs", "1", "--seed", "7", "--workers", "1",
+          "--seats", "1", "--quiet"]
+
+
+def _simulate(*extra: str, out: Path, ckpt: Path, clients: int = 4, rounds: int = 2) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", *COMMON, "--clients", str(clients), "--rounds",
+           str(rounds), *extra, "--out", str(out), "--checkpoint-dir", str(ckpt)]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=180)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, done.stderr
+
+
+def _rounds(out: Path) -> list[int]:
+    return [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """A run of 2 rounds on 4 clients, with its checkpoints and its outputs."""
+    base = tmp_path_factory.mktemp("made")
+    code, err = _simulate(out=base / "out", ckpt=base / "ckpt")
+    assert code == 0, err
+    return base
+
+
+@pytest.fixture
+def run(made, tmp_path) -> Path:
+    """A copy of the run, to resume."""
+    shutil.copytree(made, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("extra, clients, difference", [
+    ((), 6, "--clients 4, not 6"),
+    (("--partition", "dirichlet:0.5"), 4, "--partition auto, not dirichlet:0.5"),
+    (("--seed", "8"), 4, "--seed 7, not 8"),
+    (("--examples-per-client", "20"), 4, "--examples-per-client (not given), not 20"),
+    (("--val-fraction", "0.2"), 4, "--val-fraction 0.1, not 0.2"),
+    (("--dataset", "synthetic"), 4, "--dataset digits, not synthetic"),
+])
+def test_a_resume_of_another_federation_is_refused_in_one_line_before_any_worker_starts(run, extra, clients,
+                                                                                         difference):
+    before = (run / "ckpt" / "LATEST").read_text()
+    code, err = _simulate(*extra, out=run / "out", ckpt=run / "ckpt", clients=clients, rounds=4)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert difference in err and f"cannot resume from the checkpoint in {run / 'ckpt'}" in err, err
+    assert "--checkpoint-dir to start afresh" in err, err
+    assert (run / "ckpt" / "LATEST").read_text() == before
+    assert _rounds(run / "out") == [1, 2]  # no round of another federation joined them
+
+
+def test_every_difference_is_named_at_once(run):
+    code, err = _simulate("--seed", "9", out=run / "out", ckpt=run / "ckpt", clients=5, rounds=4)
+    assert code == 2 and "--clients 4, not 5; --seed 7, not 9;" in err, err
+
+
+def test_a_checkpoint_with_every_round_done_says_so(run):
+    for rounds in (2, 1):
+        code, err = _simulate(out=run / "out", ckpt=run / "ckpt", rounds=rounds)
+        assert code == 0, err
+        line = [line for line in err.splitlines() if "every round done already" in line]
+        assert len(line) == 1 and f"(round 2, --rounds {rounds}): nothing to train" in line[0], err
+    assert _rounds(run / "out") == [1, 2]
+
+
+def test_the_same_federation_resumes_and_another_lr_is_said_once(run):
+    code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=3)
+    assert code == 0, err
+    assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with --lr 0.05; its "
+                                "rounds so far ran with --lr 0.1"], err
+    assert _rounds(run / "out") == [1, 2, 3]
+    code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=4)
+    assert code == 0 and err == "", err  # the record now says what round 3 ran with
+    assert _rounds(run / "out") == [1, 2, 3, 4]
+
+
+def test_a_fresh_checkpoint_folder_records_the_new_federation(run):
+    code, err = _simulate(out=run / "other", ckpt=run / "fresh", clients=6, rounds=1)
+    assert code == 0, err
+    assert json.loads((run / "fresh" / "run.json").read_text())["defining"]["--clients"] == 6
+
+
+def test_a_checkpoint_of_older_code_without_its_record_still_resumes(run):
+    (run / "ckpt" / "run.json").unlink()
+    code, err = _simulate(out=run / "out", ckpt=run / "ckpt", clients=5, rounds=3)
+    assert code == 0, err
+    assert _rounds(run / "out") == [1, 2, 3]
+    assert not (run / "ckpt" / "run.json").exists()  # what it was made with is still not known
