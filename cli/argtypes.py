@@ -101,6 +101,17 @@ def fraction(text: str) -> float:
 fraction.kind = float
 
 
+def held_out(text: str) -> float:
+    """An argparse type: a share held out in [0, 1) (--val-fraction: the rest must train)."""
+    value = _number(float, text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in [0, 1) (some examples must train)")
+    return value
+
+
+held_out.kind = float
+
+
 def address(text: str) -> str:
     """An argparse type: a coordinator's HOST:PORT (``[::1]:PORT`` for IPv6; a gRPC target with a scheme, e.g.
     ``dns:///host:port`` or ``unix:PATH``, as it is)."""

@@ -36,5 +36,5 @@ class Partitioning:
 
     partition: str = setting("auto", group="data", help="how the training set is split over the clients, "
                                                         + PARTITION_HELP)
-    val_fraction: float = setting(0.1, check="probability", group="data",
+    val_fraction: float = setting(0.1, check="held_out", group="data",
                                   help="share of each client's data kept for federated evaluation")

@@ -51,6 +51,10 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
         (["simulate", "--drop-probability", "1.5"], 2, "argument --drop-probability: 1.5 is out of range"),
         (["simulate", "--clients", "0"], 2, "argument --clients: 0 is out of range: a count must be at least 1"),
         (["train", "--lr", "-1"], 2, "argument --lr: -1 is out of range: it must be greater than 0"),
+        # these two reached the run: 'the task's client_data raised ... fix the task (None)', numpy's words
+        (["simulate", "--val-fraction", "1"], 2, "argument --val-fraction: 1 is out of range: it must be in [0, 1)"),
+        (["simulate", "--seed", "-5"], 2, "argument --seed: -5 is out of range: a non-negative integer must be at "
+                                          "least 0"),
         (["simulate", "--client-per-round", "5"], 2, "fedpar simulate: error: unrecognized arguments: "
          "--client-per-round 5 (did you mean --clients-per-round?); see 'fedpar simulate --help'"),
         (["serve", "--insecur"], 2, "fedpar serve: error: unrecognized arguments: --insecur (did you mean "
