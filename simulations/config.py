@@ -97,8 +97,9 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
                          f"{clients}; using {self.clients}")
             changes["clients_per_round"] = self.clients
         if self.workers > self.clients:
-            notes.append(f"{flag_of(SimulationConfig, 'workers')} {self.workers} is above {clients}; using "
-                         f"{self.clients} (a worker process hosts at least one client)")
+            if self.workers != SimulationConfig.workers:  # the default is lowered unsaid: nobody asked for it
+                notes.append(f"{flag_of(SimulationConfig, 'workers')} {self.workers} is above {clients}; using "
+                             f"{self.clients} (a worker process hosts at least one client)")
             changes["workers"] = self.clients
         k = changes.get("clients_per_round", self.clients_per_round) or self.clients
         if math.ceil(k * self.overselect) > self.clients:

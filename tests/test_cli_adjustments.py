@@ -63,3 +63,8 @@ def test_a_round_with_fewer_agents_sampled_than_k_says_so_in_its_log_line():
     assert round_target(CoordinatorConfig(fraction=0.1, min_reports=3), live=10, sampled=4) == \
         (3, "--fraction 0.1 of 10 live agents is 1, below --min-reports 3; using 3")
     assert round_target(CoordinatorConfig(fraction=0.5), live=10, sampled=7) == (5, "")
+
+
+def test_the_default_worker_processes_are_lowered_to_one_client_unsaid(capsys):
+    cfg, lines = _settle(capsys, "--clients", "1")  # it said '--workers 2 is above --clients 1', a flag not given
+    assert lines == [] and cfg.workers == 1
