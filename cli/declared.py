@@ -156,5 +156,6 @@ def said_with_flags(message: str, args: argparse.Namespace, *configs: type) -> s
             dest = setting_key(f)
             if "_" in f.name and f.name in message and hasattr(args, dest):
                 flag = "--" + (f.metadata[FLAG] or dest.replace("_", "-"))
-                message = re.sub(rf"(?<![\w-]){f.name}(?!\w)", flag, message)
+                # a name on its own, not part of a path or a longer word ('examples/flower_app/...' stays)
+                message = re.sub(rf"(?<![\w/.-]){f.name}(?![\w/-]|\.\w)", flag, message)
     return message

@@ -10,6 +10,7 @@ import pytest
 from fedpar.cli.main import build_parser
 from fedpar.cli.simulate import simulation_config
 from fedpar.server.config import CoordinatorConfig
+from fedpar.simulations.config import SimulationConfig
 from fedpar.server.deadline import round_target
 
 
@@ -68,3 +69,16 @@ def test_a_round_with_fewer_agents_sampled_than_k_says_so_in_its_log_line():
 def test_the_default_worker_processes_are_lowered_to_one_client_unsaid(capsys):
     cfg, lines = _settle(capsys, "--clients", "1")  # it said '--workers 2 is above --clients 1', a flag not given
     assert lines == [] and cfg.workers == 1
+
+
+def test_a_refusal_names_settings_by_their_flags_and_leaves_paths_as_they_are():
+    """A path holding a setting's name (the shipped examples/flower_app) was printed as examples/--flower-app."""
+    import argparse
+
+    from fedpar.cli.declared import said_with_flags
+
+    args = argparse.Namespace(flower_app="x", min_reports=1, clients_per_round=2)
+    said = said_with_flags("min_reports (10) cannot exceed clients_per_round (5); see examples/flower_app/pyproject"
+                           ".toml, flower_app.py and flower_app.", args, SimulationConfig, CoordinatorConfig)
+    assert said == ("--min-reports (10) cannot exceed --clients-per-round (5); see examples/flower_app/pyproject.toml, "
+                    "flower_app.py and --flower-app.")
