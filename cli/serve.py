@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
-    if args.state is not None:
+    if args.state is not None and not args.flower_app:  # a ServerApp's run refuses --state below, in one line
         return _serve_runs(args)
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from fedpar.cli.declared import from_args
+from fedpar.cli.privacy import privacy_on
 from fedpar.cli.tlsopts import server_security
 from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
@@ -22,12 +23,14 @@ def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> s
     asked = [(config.secure_aggregation, "--secure-aggregation"), (config.virtual_clock, "--clock virtual"),
              (getattr(args, "aggregator_ranks", 1) > 1, "--aggregator-ranks"),
              (config.upload_compression.method != "none", "--compression"),
-             (args.state is not None, "--state"), (config.checkpoint_dir is not None, "--checkpoint-dir")]
+             (args.state is not None, "--state"), (config.checkpoint_dir is not None, "--checkpoint-dir"),
+             (privacy_on(args), "--privacy"), (config.max_agent_share is not None, "--max-agent-share")]
     named = [flag for on, flag in asked if on]
     if not named:
         return None
+    resumable = " (a ServerApp run is not resumable)" if args.state is not None or config.checkpoint_dir else ""
     return (f"{', '.join(named)}: with --flower-app the app's ServerApp decides rounds, sampling and aggregation, so "
-            "fedpar cannot apply it; drop it (a ServerApp run is not resumable)")
+            f"fedpar cannot apply it; drop it{resumable}")
 
 
 def serve_flower_app(args: argparse.Namespace) -> int:

@@ -79,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
     if server_app_drives:
+        if privacy_on(args):  # the ServerApp aggregates as it likes: a user who asked for DP must not get none
+            print("fedpar simulate: --privacy: the Flower App's ServerApp decides aggregation, so fedpar cannot make "
+                  "it private; add --strategy NAME to let fedpar drive the app's ClientApp (with DP), or drop "
+                  "--privacy", file=sys.stderr)
+            return 2
         return run_server_app(cfg)
     try:
         with_strategy(args, cfg)

@@ -76,6 +76,19 @@ def test_settings_a_server_app_run_cannot_honour_are_refused_in_one_line():
     assert flower_app_refusal(SimulationConfig(clients=3)) is None
 
 
+
+@pytest.mark.parametrize("command, extra", [(["simulate", "--clients", "2"], ["--privacy", "central"]),
+                                            (["serve", "--insecure", "--port", "0"], ["--privacy", "central"]),
+                                            (["serve", "--insecure", "--port", "0"], ["--max-agent-share", "0.5"])])
+def test_privacy_and_share_caps_a_server_app_cannot_apply_are_refused_not_dropped(command, extra, capsys):
+    """They were ignored: a user who asked for DP got Flower's plain FedAvg, exit 0 (QA)."""
+    from fedpar.cli.main import main
+
+    assert main([*command, "--flower-app", str(APP), *extra]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "WARNING" not in line]
+    assert len(lines) == 1 and extra[0] in lines[0] and "ServerApp" in lines[0], lines
+
+
 def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_path):
     cfg = SimulationConfig(clients=1, workers=1, seats=1, out=str(tmp_path / "out"))  # the app's FedAvg wants 2
     with pytest.raises(RuntimeError, match=r"waited 5 s for more than the 1 nodes it has .*start more clients"):
