@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
                         "a coordinator checkpoint directory")
     if args.to.is_dir():
         raise UserError(f"--to {args.to} is a folder; name the file to write, e.g. {args.to / 'model.pt'}")
+    if _reads(args.source.resolve(), args.to.resolve()):  # the model read would be overwritten by its export
+        raise UserError(f"--to {args.to} is a file of what is exported ({args.source}): writing it would replace "
+                        f"the model itself; write the export elsewhere, e.g. --to "
+                        f"{args.source.resolve().parent / 'model.pt'}")
     try:
         names, arrays = load_final_model(args.source)
     except ValueError as exc:  # CodecError, CheckpointError: the message names the file
@@ -54,3 +58,17 @@ def run(args: argparse.Namespace) -> int:
     params = sum(a.size for a in arrays)
     print(f"wrote {args.to}: {len(names)} tensors, {params:,} parameters, from {args.source}")
     return 0
+
+
+def _reads(source: Path, to: Path) -> bool:
+    """Whether ``to`` is a file the export of ``source`` reads: the file itself, a run folder's model files, or a
+    checkpoint directory's (its LATEST and round folders)."""
+    from fedpar.protocol.model_file import INFO, TENSORS
+    from fedpar.server.checkpoint import LATEST
+
+    if to == source:
+        return True
+    if not source.is_dir() or source not in to.parents:
+        return False
+    first = to.relative_to(source).parts[0]
+    return first in (TENSORS, INFO, LATEST) or first.startswith("round-")

@@ -68,13 +68,19 @@ def test_export_errors_are_one_line_and_a_non_zero_exit(tmp_path, capsys):
              ([str(tmp_path / "notes.txt")], f"{tmp_path / 'notes.txt'} is not a fedpar model: "
                                              f"{tmp_path / 'notes.txt'}: not a safetensors file"),
              ([str(tmp_path)], f"{tmp_path} is not a fedpar model: {tmp_path} holds neither global.safetensors"),
-             ([str(tmp_path / "run"), "--to", str(tmp_path)], f"--to {tmp_path} is a folder")]
+             ([str(tmp_path / "run"), "--to", str(tmp_path)], f"--to {tmp_path} is a folder"),
+             # it replaced the run's own model with a torch file (QA)
+             ([str(tmp_path / "run"), "--to", str(tmp_path / "run" / "global.safetensors")], "is a file of what is "
+                                                                                            "exported"),
+             ([str(tmp_path / "run" / "global.safetensors"), "--to", str(tmp_path / "run" / "global.safetensors")],
+              "is a file of what is exported")]
     for args, line in cases:
         to = [] if "--to" in args else ["--to", str(tmp_path / "m.pt")]
         assert main(["export", *args, *to]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and line in err, err
     assert not (tmp_path / "m.pt").exists()
+    assert main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "m.pt")]) == 0  # the model is still there
     with pytest.raises(SystemExit):  # --to is required
         main(["export", str(tmp_path / "run")])
 
