@@ -81,7 +81,7 @@ def run_engine(args: argparse.Namespace) -> int:
     # terminate the other ranks while they are still leaving the group.
     code = torch.multiprocessing.get_context("spawn").Value("i", 0)
     try:
-        spawn(world, _spawned, options, layout, code)
+        spawn(world, _spawned, options, layout, code, parent_stops=True)  # Ctrl-C here stops the ranks too
     except Exception as exc:  # a rank failed; its traceback was printed by that process
         print(f"fedpar client: a rank of agent {args.agent_id} failed: {exc}", file=sys.stderr)
         return 1

@@ -133,3 +133,37 @@ def test_engine_agent_and_plain_agent_run_fedavg_rounds(tmp_path, backend):
         assert reported == examples == EPOCHS * len(engine_data.train)
         assert max(float(np.abs(a - b).max()) for a, b in zip(update, reference)) < tolerance
     assert time.monotonic() - start < 60
+
+
+def test_ctrl_c_to_a_large_model_agent_stops_its_ranks_at_once(tmp_path):
+    """SIGINT to the agent's process (what kill -INT, timeout -s INT or a supervisor sends): it printed
+    'interrupted' but its ranks trained on until the run ended, minutes later (QA)."""
+    import signal
+
+    config = CoordinatorConfig(rounds=100, clients_per_round=1, min_available=1, overselect=1.0, local_epochs=5,
+                               heartbeat_seconds=1.0, liveness_timeout_seconds=20.0, metrics_path=tmp_path / "m.jsonl")
+    from fedpar.models.for_data import build_model_for_data
+
+    model = build_model_for_data("mlp", (1, 8, 8), 10)  # the agent's model: the zoo's MLP on digits
+    names = [name for name, _, _ in weight_specs(model)]
+    server = CoordinatorServer(Coordinator(config, names, get_weights(model), build_strategy("fedavg")))
+    server.start()
+    agent = subprocess.Popen([sys.executable, "-m", "fedpar.cli.main", "client", "--nproc", "2", "--fsdp", "2",
+                              "--device", "cpu", "--server", server.address, "--agent-id", "big", "--insecure",
+                              "--model", "mlp", "--poll", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        end = time.monotonic() + 90
+        while not list(server.coordinator.metrics.read_rows()):  # the ranks trained a round: they are busy
+            assert agent.poll() is None and time.monotonic() < end, agent.communicate()[0][-3000:]
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        code = agent.wait(20)
+        assert code == 130 and time.monotonic() - started < 10, code
+        output = agent.communicate()[0]
+        assert "interrupted" in output and "Traceback" not in output, output[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        server.stop()
