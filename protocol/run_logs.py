@@ -174,15 +174,16 @@ class RunningSummary:
 
     def add(self, row: dict) -> None:
         """Take the next round's (cleaned) metrics row."""
-        accuracy = row.get("test_accuracy") or 0.0
+        accuracy = row.get("test_accuracy")  # None: nothing was evaluated (a Flower App's ServerApp, no test set)
         self.rounds += 1
         self.failed_rounds += row.get("status") != "ok"
         self.round_seconds_sum = self.round_seconds_sum + (row.get("round_seconds") or 0)  # a row without: 0
         self.upload_bytes_sum = self.upload_bytes_sum + (row.get("upload_bytes") or 0)
-        if self.best_test_accuracy is None or accuracy > self.best_test_accuracy:
+        if accuracy is not None and (self.best_test_accuracy is None or accuracy > self.best_test_accuracy):
             self.best_test_accuracy = accuracy
         self.last = {k: row[k] for k in _LAST_KEYS if k in row}
-        if self.hit is None and self.target_accuracy is not None and accuracy >= self.target_accuracy:
+        if self.hit is None and self.target_accuracy is not None and accuracy is not None \
+                and accuracy >= self.target_accuracy:
             self.hit = {"round": row.get("round"), "wall_seconds": row.get("wall_seconds"),
                         "sim_seconds": row.get("sim_seconds")}
 

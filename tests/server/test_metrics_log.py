@@ -28,7 +28,9 @@ def reference_summary(rows: list[dict], target_accuracy: float | None = None) ->
     """summarize_rounds as it was before the running summary (every row in memory): the oracle."""
     summary = {
         "final_test_accuracy": rows[-1].get("test_accuracy") if rows else None,
-        "best_test_accuracy": max((r.get("test_accuracy") or 0.0 for r in rows), default=None),
+        # rows with no accuracy are not a 0.0 one: a run that evaluated nothing has no best (a Flower ServerApp's)
+        "best_test_accuracy": max((r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None),
+                                  default=None),
         "rounds": len(rows),
         "failed_rounds": sum(r["status"] != "ok" for r in rows),
         "mean_round_seconds": _added_in_order(r["round_seconds"] for r in rows) / len(rows) if rows else None,
@@ -39,7 +41,8 @@ def reference_summary(rows: list[dict], target_accuracy: float | None = None) ->
     if rows and "sim_seconds" in rows[-1]:
         summary["sim_seconds"] = rows[-1]["sim_seconds"]
     if target_accuracy is not None:
-        hit = next((r for r in rows if (r.get("test_accuracy") or 0.0) >= target_accuracy), None)
+        hit = next((r for r in rows if r.get("test_accuracy") is not None and r["test_accuracy"] >= target_accuracy),
+                   None)
         summary.update({"target_accuracy": target_accuracy, "rounds_to_target": hit["round"] if hit else None,
                         "wall_seconds_to_target": hit["wall_seconds"] if hit else None})
         if rows and "sim_seconds" in rows[-1]:
