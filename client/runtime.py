@@ -310,7 +310,11 @@ class ClientRuntime:
             self._no_time_to_train(member, task.round)
             return True
         metrics.update(result.as_metrics())  # a NaN loss (e.g. a Flower client's fit that reports none) is left out
-        if mode.upload(seat.trainer.get_arrays(), weights, result, metrics):
+        # heartbeats go on while the update goes up: a long upload (to another aggregator rank, say) must not let the
+        # agent's liveness run out, which would count it as gone (server/deadline.py)
+        with self.link.while_training():
+            uploaded = mode.upload(seat.trainer.get_arrays(), weights, result, metrics)
+        if uploaded:
             self._count("accepted")
             mode.close()
         if self.residuals is not None:
