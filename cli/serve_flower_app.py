@@ -79,7 +79,11 @@ def serve_flower_app(args: argparse.Namespace) -> int:
     finally:
         server.stop(grace=0.5 if stopped_by is not None else 1.0)
     if server.error is not None:
-        print(f"fedpar serve: the ServerApp failed: {type(server.error).__name__}: {server.error}", file=sys.stderr)
+        from fedpar.task import TaskFailed
+
+        said = str(server.error) if isinstance(server.error, TaskFailed) else \
+            f"the ServerApp failed: {type(server.error).__name__}: {server.error}"
+        print(f"fedpar serve: {said}", file=sys.stderr)
         return 1
     outputs = write_run_outputs(Path(args.out), coordinator, {"flower_app": str(app.directory)},
                                 {"wall_seconds": time.monotonic() - started, "interrupted": stopped_by is not None,

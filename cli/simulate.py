@@ -254,9 +254,9 @@ def run_server_app(cfg: SimulationConfig) -> int:
         app = load_flower_app(cfg.flower_app, cfg.run_config)
         with stop_on_signals() as stop:
             summary = run_flower_app(cfg, app, cfg.run_config)
-    except (ValueError, RuntimeError) as exc:  # a setting it cannot honour, an app that cannot load, a lost worker
-        print(f"fedpar simulate: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
+    except (ValueError, RuntimeError) as exc:  # a setting it cannot honour, an app that cannot load, a lost worker,
+        print(f"fedpar simulate: {exc}", file=sys.stderr)  # the ServerApp's failure (TaskFailed: exit 1)
+        return getattr(exc, "exit_code", 2 if isinstance(exc, ValueError) else 1)
     summary.pop("config", None)
     written = RunOutputs(summary, summary.pop("written"))
     print(json.dumps(summary, indent=2))

@@ -28,14 +28,19 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedpar.protocol.flower_nodes import SERVER_NODE_ID
 from fedpar.protocol.flower_wire import encode_message
 from fedpar.server.flower_rounds import FlowerCoordinator, agents_by_node, error_reply
+from fedpar.task import TaskFailed, raised
 
 FLOWER_RUN_ID = 1  # the run's id in Flower's metadata (one run per coordinator)
 log = logging.getLogger("fedpar.server")
 _capture_lock = threading.Lock()
 
 
-class NodesWillNotCome(RuntimeError):
-    """The ServerApp waits for more nodes than the run will have."""
+class NodesWillNotCome(TaskFailed):
+    """The ServerApp waits for more nodes than the run will have (said in one line, as a task's failure is)."""
+
+
+class ServerAppFailed(TaskFailed):
+    """The Flower App's ServerApp raised: the run stops, its one line names what the app raised."""
 
 
 class CoordinatorGrid(Grid):
@@ -195,7 +200,12 @@ def server_app_main(server_app: ServerApp, run_config: dict, patience: float = 3
         context = Context(run_id=FLOWER_RUN_ID, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(),
                           run_config=dict(run_config))
         with strategy_results() as results:
-            server_app(grid=grid, context=context)
+            try:
+                server_app(grid=grid, context=context)
+            except NodesWillNotCome:
+                raise
+            except Exception as exc:  # the app's own code (or Flower's strategy in it): its words, in one line
+                raise ServerAppFailed(f"the ServerApp failed: {raised(exc)}: fix the app") from exc
         arrays = results[-1].arrays if results and len(results[-1].arrays) else grid.last_arrays
         final = None
         if arrays is not None and len(arrays):

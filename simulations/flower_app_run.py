@@ -25,7 +25,7 @@ from fedpar.simulations.client_app_population import ClientAppPopulation
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.simulations.population import PopulationSlice, host_population
 from fedpar.simulations.run_outputs import write_run_outputs
-from fedpar.task import Partition
+from fedpar.task import Partition, TaskFailed
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 
 log = logging.getLogger("fedpar.simulate")
@@ -70,7 +70,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, accept_populations=True,
         metrics_path=out / "metrics.jsonl" if out else None, max_agents=max(CoordinatorConfig.max_agents,
                                                                             cfg.clients + 64))
-    from fedpar.server.flower_grid import NodesWillNotCome, server_app_main
+    from fedpar.server.flower_grid import server_app_main
 
     coordinator = FlowerCoordinator(coord_cfg, build_strategy("fedavg"),
                                     server_app_main(app.server_app, app.run_config, NODE_PATIENCE_SECONDS),
@@ -94,7 +94,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
             if dead:
                 raise RuntimeError(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
         if server.error is not None:
-            raise RuntimeError(f"{server.error}" if isinstance(server.error, NodesWillNotCome) else
+            raise RuntimeError(f"{server.error}" if isinstance(server.error, TaskFailed) else
                                f"the ServerApp failed: {type(server.error).__name__}: {server.error}")
         for p in procs:
             p.join(timeout=30)

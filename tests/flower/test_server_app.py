@@ -91,8 +91,27 @@ def test_privacy_and_share_caps_a_server_app_cannot_apply_are_refused_not_droppe
 
 def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_path):
     cfg = SimulationConfig(clients=1, workers=1, seats=1, out=str(tmp_path / "out"))  # the app's FedAvg wants 2
-    with pytest.raises(RuntimeError, match=r"waited 5 s for more than the 1 nodes it has .*start more clients"):
+    from fedpar.task import TaskFailed
+
+    with pytest.raises(TaskFailed, match=r"waited 5 s for more than the 1 nodes it has .*start more clients"):
         run_flower_app(cfg, load_flower_app(APP))
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--clients", "1"], "fedpar simulate: the ServerApp waited 5 s for more than the 1 nodes it has"),
+    (["--clients", "2", "--run-config", 'num-server-rounds="two"'],
+     "fedpar simulate: the ServerApp failed: ValueError: invalid literal for int() with base 10: 'two': fix the app")])
+def test_a_server_app_that_fails_is_one_line_with_no_coordinator_traceback(tmp_path, options, said):
+    """They printed 'coordinator stopped with an error' and a traceback first; an exception of Flower's own kind
+    (not a ValueError or RuntimeError) escaped as two tracebacks (QA)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--workers", "1",
+                           *options, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith(said) and "stopped with an error" not in done.stderr, done.stderr[-3000:]
 
 
 def test_the_docs_command_runs_the_example_app_on_fedpar(tmp_path, capsys):
