@@ -28,7 +28,7 @@ from fedpar.cli.tlsopts import add_tls_arguments, server_security
 from fedpar.cli.user_errors import check_output_folder, check_port_free, check_rank_ports, describe
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.config import Device
-from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
+from fedpar.parallel.stopping import StopRequested, exit_code, signal_name, stop_on_signals
 from fedpar.protocol.heap import freeze_startup_heap
 from fedpar.sections import Output
 from fedpar.server.config import CoordinatorConfig
@@ -290,6 +290,10 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
                                lambda options: _serve_ingest(options, _plan(options, rank), group, advertised))
         else:  # a signal ends it: it holds nothing rank 0 does not
             code = _serve_ingest(args, plan, group, advertised)
+    except StopRequested:
+        if rank == 0:
+            raise
+        code = 0  # the launcher stops a rank > 0 (rank 0 went, or the service ends): it holds nothing to write
     finally:
         shutdown_distributed()
     if code:
