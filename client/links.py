@@ -272,6 +272,7 @@ class AgentLink:
         self.max_chunk = max(config.chunk_bytes, DEFAULT_CHUNK_BYTES)
         self.small_below = SMALL_UPDATE_BYTES  # updates of fewer bytes go whole, without waiting for admission
         self._heartbeat_seconds = 5.0
+        self._heard: tuple[float, int] | None = None  # (time.monotonic(), round) of the last heartbeat reply
         self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
         self._failure = ""  # why the agent's own code failed that task, told with it
         self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
@@ -333,13 +334,24 @@ class AgentLink:
         """Nothing: the agent's one member trains between its pulls, no task waits for a seat."""
 
     def _send_heartbeat(self) -> None:
-        self.conn.stub.Heartbeat(pb.HeartbeatRequest(auth=self.auth), timeout=self._heartbeat_seconds)
+        reply = self.conn.stub.Heartbeat(pb.HeartbeatRequest(auth=self.auth), timeout=self._heartbeat_seconds)
+        self._heard = (time.monotonic(), reply.current_round)
+
+    def round_heard_since(self, since: float) -> int | None:
+        """The coordinator's current round as a heartbeat reply said it after ``since`` (time.monotonic()); None
+        when none came since."""
+        heard = self._heard
+        return heard[1] if heard is not None and heard[0] > since else None
 
 
 class HostLink:
     """The runtime speaks for ``members`` under ``config.agent_id`` (the host's id): JoinPopulation,
     HostTaskStream, small updates batched on one HostUploadStream to each aggregator rank they go to.
     ``forget_queued()``: drop the tasks no seat started (their sessions are gone)."""
+
+    def round_heard_since(self, since: float) -> int | None:
+        """None: a host sends no heartbeats (its task stream tells it of new rounds)."""
+        return None
 
     def __init__(self, conn: Connection, config: AgentConfig, members: Population, forget_queued: Callable[[], None]):
         self.conn, self.config, self.members = conn, config, members

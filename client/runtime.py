@@ -321,6 +321,13 @@ class ClientRuntime:
             self.residuals.save(member, seat.compression.take_residual())
         return True
 
+    def _over(self, round_id: int, since: float) -> bool:
+        """Whether round ``round_id`` is over for this runtime: a task of another round came, or (an agent) a
+        heartbeat reply since ``since`` names another round (a run of a service ended while this agent retried an
+        upload to an aggregator rank that went with it: its next task waits behind the upload)."""
+        heard = self.link.round_heard_since(since)
+        return self._newest_round != round_id or (heard is not None and heard != round_id)
+
     def _no_time_to_train(self, member: str, round_id: int) -> None:
         """``member`` skips its upload of ``round_id``: no time was left to train. An agent says so each time; a
         population's host once a round (thousands of its members may, when the deadline is short for a cohort)."""
@@ -438,12 +445,13 @@ class ClientRuntime:
         client/transfer.py, behind the data plane when the task offers it); a secure round's mode was made as its
         task arrived (client/secure_members.py)."""
         note = self._refusals_of(auth.agent_id)
+        started = time.monotonic()  # heartbeat replies heard after this speak of this task's round or a later one
         # Top-k's error feedback must know whether the update counted; other small updates of a population may
         # travel while its seat trains the next member.
         stub = self.conn.ingest_stub(task)
         sender = UpdateSender(auth, task, stub, self.link.small_sender(settings.compression == "topk", stub),
                               deadline_at, self._chunk_bytes(), self.link.max_chunk, self.link.small_below, self._rng,
-                              note, superseded=lambda: self._newest_round != task.round)
+                              note, superseded=lambda: self._over(task.round, started))
         send = sender.send if data_plane is None else \
             functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":
