@@ -179,6 +179,7 @@ class Populations(Members):
         self._wakeups = {k: e for k, e in self._wakeups.items() if self._known(k)}
         self._host_tasks = {h: q for h, q in self._host_tasks.items() if self.registry.host(h) is not None}
         self._host_go = {h: q for h, q in self._host_go.items() if self.registry.host(h) is not None}
+        self._heard_at = {h: t for h, t in self._heard_at.items() if self.registry.host(h) is not None}
 
     def _known(self, key: str) -> bool:
         if key.startswith(HOST_WAKEUP):
