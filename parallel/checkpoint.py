@@ -26,12 +26,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fedpar.parallel.config import ConfigurationError, TrainConfig
+from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.safe_dcp import UnsafeCheckpointError, safe_load
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
 
 LATEST = "latest"
-RUN_RECORD = "run.json"  # beside DCP's files in each step folder: the layout and model it was written with
 _STEP_NAME = re.compile(r"step-\d{8}")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -67,7 +67,7 @@ def step_dir(directory: str | Path, step: int) -> Path:
 def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                     counters: dict[str, int], keep: int = 2, record: dict | None = None) -> Path:
     """Collectively save model, optimizer, integer ``counters`` (must include ``step``) and every rank's RNG;
-    rank 0 keeps ``record`` (what a resume must match: :func:`run_record`) beside them as JSON.
+    rank 0 keeps ``record`` (what a resume must match: :func:`run_record`) beside them, as run.json.
 
     Call on all ranks. The checkpoint becomes visible (``latest``) only after every rank has written it.
     """
@@ -77,7 +77,7 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
     dist.barrier()
     if dist.get_rank() == 0:
         if record is not None:
-            atomic_write_bytes(target / RUN_RECORD, [(json.dumps(record, indent=2) + "\n").encode()])
+            record_settings(target / RUN_RECORD, record)
         atomic_write_bytes(directory / LATEST, [(target.name + "\n").encode()])
         for old in sorted(directory.glob("step-*"))[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
@@ -99,29 +99,23 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def run_record(config: TrainConfig) -> dict:
-    """What a resume of ``config`` (its layout resolved) must match: the world size, the parallel degrees and the
-    model's settings, by the option that sets each."""
+    """What a resume of ``config`` (its layout resolved) must match, by the option that sets each: the world size,
+    the parallel degrees and the model's settings."""
     p = config.parallel
-    return {"world size": getattr(p, "world_size", None), "--dp-replicate": p.dp, "--fsdp": p.fsdp, "--tp": p.tp,
+    return {"--nproc": getattr(p, "world_size", None), "--dp-replicate": p.dp, "--fsdp": p.fsdp, "--tp": p.tp,
             "--pp": p.pp, "--stages-per-rank": p.stages_per_rank, "--model": config.model,
             "--model-arg": " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(config.model_kwargs.items())) or "none",
             "--block-size": config.block_size}
 
 
 def check_resume(config: TrainConfig) -> None:
-    """ConfigurationError, before any rank starts, when ``config`` would resume (``--resume``, the default) from a
-    checkpoint written with another layout or model: what differs, and what to do. A checkpoint of older code keeps
-    no record of them: it is resumed as before."""
-    directory = Path(config.out) / "checkpoints"
-    latest = latest_checkpoint(directory) if config.resume else None
-    if latest is None or not (latest / RUN_RECORD).is_file():
-        return
-    saved, now = json.loads((latest / RUN_RECORD).read_text()), run_record(config)
-    differences = [f"{key} {saved.get(key)}, not {value}" for key, value in now.items() if saved.get(key) != value]
-    if differences:
-        raise ConfigurationError(
-            f"cannot resume from {latest}: it was written with {'; '.join(differences)}; run with those settings "
-            f"to resume it, or pass --no-resume to start afresh in {config.out} (or another --out)")
+    """RunRecordError (a ValueError), one line before any rank starts, when ``config`` would resume (``--resume``,
+    the default) from a checkpoint written with another layout or model: what differs, and what to do. A checkpoint
+    of older code keeps no record of them: it is resumed as before."""
+    latest = latest_checkpoint(Path(config.out) / "checkpoints") if config.resume else None
+    if latest is not None:
+        check_settings(latest / RUN_RECORD, run_record(config), source=str(latest),
+                       afresh=f"pass --no-resume to start afresh in {config.out} (or another --out)")
 
 
 def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],

@@ -29,7 +29,6 @@ from fedpar.protocol.atomicfile import atomic_write_bytes, fsync_directory
 from fedpar.protocol.tensorfile import load_tensors, save_tensors
 
 LATEST = "LATEST"
-RUN_RECORD = "run.json"  # beside LATEST: the settings the checkpoints were made with (see check_run_record)
 KEEP = 2
 FILES = ("global.safetensors", "strategy.safetensors", "state.json")
 _NAME = re.compile(r"round-(\d{6,})")
@@ -143,54 +142,6 @@ def latest_round(root: Path | None) -> int | None:
     name = _read_pointer(Path(root)) if root is not None else None
     match = _NAME.fullmatch(name) if name else None
     return int(match.group(1)) if match else None
-
-
-def record_run(root: Path, defining: dict, noted: dict) -> None:
-    """Keep the settings a run makes or resumes the checkpoints under ``root`` with (by option; see
-    :func:`check_run_record`) beside them; a checkpoint of older code, which kept none, is left without."""
-    root = Path(root)
-    if latest_round(root) is not None and not (root / RUN_RECORD).is_file():
-        return  # what it was made with is not known: recording these would vouch for them
-    root.mkdir(parents=True, exist_ok=True)
-    record = {"defining": _as_kept(defining), "noted": _as_kept(noted)}
-    atomic_write_bytes(root / RUN_RECORD, [json.dumps(record, indent=1, sort_keys=True).encode()])
-
-
-def check_run_record(root: Path, defining: dict, noted: dict) -> list[str]:
-    """CheckpointError when the latest checkpoint under ``root`` was made with ``defining`` settings other than
-    these (each difference named, and what to do); else one line for each ``noted`` setting that differs from the
-    one the checkpoint's rounds ran with. No checkpoint, or one of older code that kept no record: nothing to say."""
-    root = Path(root)
-    if latest_round(root) is None or not (root / RUN_RECORD).is_file():
-        return []
-    try:
-        saved = json.loads((root / RUN_RECORD).read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"damaged checkpoint record: {root / RUN_RECORD} ({exc}); delete it to resume without "
-                              "checking the settings, or point --checkpoint-dir elsewhere to start afresh") from None
-    defining, noted = _as_kept(defining), _as_kept(noted)  # compared as they read back (a tuple as a list)
-    saved = saved if isinstance(saved, dict) else {}
-    was = saved.get("defining") if isinstance(saved.get("defining"), dict) else {}
-    differences = [f"{key} {_said(was[key])}, not {_said(value)}" for key, value in defining.items()
-                   if key in was and was[key] != value]
-    if differences:
-        raise CheckpointError(f"cannot resume from the checkpoint in {root}: it was made with "
-                              f"{'; '.join(differences)}; run with those settings to resume it, or give another "
-                              "--checkpoint-dir to start afresh")
-    ran = saved.get("noted") if isinstance(saved.get("noted"), dict) else {}
-    return [f"resuming the checkpoint in {root} with {key} {_said(value)}; its rounds so far ran with {key} "
-            f"{_said(ran[key])}"
-            for key, value in noted.items() if key in ran and ran[key] != value]
-
-
-def _as_kept(settings: dict) -> dict:
-    """``settings`` as the record keeps them (JSON: a tuple reads back as a list, a path as a string)."""
-    return json.loads(json.dumps(settings, default=str))
-
-
-def _said(value) -> str:
-    """A recorded setting as a user gives it (None: not given)."""
-    return "(not given)" if value is None else value if isinstance(value, str) else json.dumps(value)
 
 
 def has_checkpoint(root: Path | None) -> bool:

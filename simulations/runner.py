@@ -4,6 +4,7 @@ loopback gRPC (simulations/population.py: only the clients sampled in a round ge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import logging
@@ -30,7 +31,7 @@ from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
-from fedpar.server.checkpoint import check_run_record, has_checkpoint, latest_round, record_run
+from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig, one_turn, run_worker_process
@@ -38,6 +39,7 @@ from fedpar.simulations.client_batching import batched_seats, batching_refusal_o
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
+from fedpar.simulations.resume import check_resume, earlier_seconds, keep_run_record
 from fedpar.simulations.run_outputs import RunOutputs, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
@@ -125,21 +127,6 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
     return check_resume(cfg)
 
 
-def check_resume(cfg: SimulationConfig) -> list[str]:
-    """CheckpointError (a ValueError) when ``cfg`` would resume a checkpoint made for another federation
-    (:meth:`SimulationConfig.resume_record`); else one line for each setting the rounds after the checkpoint train
-    with otherwise, and one when the checkpoint has every round done already."""
-    if cfg.checkpoint_dir is None:
-        return []
-    lines = check_run_record(cfg.checkpoint_dir, *cfg.resume_record())
-    done = latest_round(cfg.checkpoint_dir)
-    if done is not None and done >= cfg.rounds:
-        lines.append(f"the checkpoint in {cfg.checkpoint_dir} has every round done already (round {done}, --rounds "
-                     f"{cfg.rounds}): nothing to train; give --rounds above {done} to train on, or another "
-                     "--checkpoint-dir to start afresh")
-    return lines
-
-
 def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
     """The device of each worker process: one GPU named by ``spec``, or workers dealt round-robin over
     the ``gpus`` visible GPUs (``cuda``/``auto`` on a GPU machine; default: this machine's), or the CPU."""
@@ -180,8 +167,9 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         out.mkdir(parents=True, exist_ok=True)
         if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
             (out / "metrics.jsonl").unlink(missing_ok=True)
+    earlier = earlier_seconds(cfg) if cfg.checkpoint_dir is not None else 0.0
     if cfg.checkpoint_dir is not None:  # checked above: the checkpoints made from here on are made with these
-        record_run(cfg.checkpoint_dir, *cfg.resume_record())
+        keep_run_record(cfg, earlier)
     # Start the worker processes first: their imports and data loading overlap the coordinator's set-up.
     workers = cfg.workers  # at most one per client (settled)
     ctx = mp.get_context("spawn")
@@ -204,11 +192,14 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         torch.set_num_threads(1)
     try:
         summary = _run(cfg, strategy, task, on_round, started, out, procs, [send for _, send in pipes], on_server,
-                       on_progress, flower_app, on_stage or (lambda what: None), store)
+                       on_progress, flower_app, on_stage or (lambda what: None), store, earlier)
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
         torch.set_num_threads(threads)
+        if cfg.checkpoint_dir is not None:  # however it ended: a resume counts this process's seconds too
+            with contextlib.suppress(OSError):  # a full disk: what stopped the run is what to say
+                keep_run_record(cfg, earlier + time.monotonic() - started)
         for _, send in pipes:
             if not send.closed:
                 try:
@@ -241,7 +232,8 @@ def _flower_app(cfg: SimulationConfig) -> FlowerApp | None:
 
 def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: Path | None, procs, pipes,
          on_server=None, on_progress=None, flower_app: FlowerApp | None = None,
-         on_stage: Callable[[str], None] = lambda what: None, store: RunStore | None = None) -> dict:
+         on_stage: Callable[[str], None] = lambda what: None, store: RunStore | None = None,
+         earlier: float = 0.0) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     from fedpar.cli.serve import ServePlan  # serve's command module: not loaded by every spawned worker
     from fedpar.cli.tlsopts import ServerSecurity
@@ -305,7 +297,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     store = RunStore(":memory:") if own_store else store
     service = SimulationService(cfg, store, started, procs, pipes, worker_configs, on_round=on_round,
                                 on_server=on_server, on_progress=on_progress, members=members, splits=splits,
-                                batching=batching)
+                                batching=batching, earlier=earlier)
     run = store.get(store.submit("simulate", json_ready(asdict(cfg))))
     stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
     try:
@@ -336,13 +328,14 @@ class SimulationService(RunService):
 
     def __init__(self, cfg: SimulationConfig, store: RunStore, started: float, procs, pipes,
                  worker_configs: Callable[[str], list], *, on_round, on_server, on_progress, members, splits,
-                 batching: bool):
+                 batching: bool, earlier: float = 0.0):
         settings = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
         super().__init__(argparse.Namespace(**settings, state=None, host="127.0.0.1"), store, 0, lambda args: None)
         self.cfg, self.started, self.procs, self.pipes = cfg, started, procs, pipes
         self.worker_configs, self.on_round, self.on_server, self.on_progress = (worker_configs, on_round, on_server,
                                                                                 on_progress)
         self.members, self.splits, self.batching = members, splits, batching
+        self.earlier = earlier  # what the processes before this one ran of the run it resumes
 
     def settle(self, run):
         """``run`` as it is: its settings are the simulation's, all of them, from the start."""
@@ -401,7 +394,8 @@ class SimulationService(RunService):
             log.warning("interrupted: stopping after %d completed rounds", coordinator.metrics.summary.rounds)
         first = coordinator.metrics.first
         first_start = coordinator.started_at + first["wall_seconds"] - first["round_seconds"] if first else None
-        extra = {"wall_seconds": time.monotonic() - self.started,
+        extra = {"wall_seconds": self.earlier + time.monotonic() - self.started,  # a resumed run's, all of it
+                 "earlier_processes_seconds": self.earlier,
                  "startup_seconds": None if first_start is None else first_start - self.started,
                  "label_skew": label_skew(*_member_labels(members, LABEL_SKEW_CLIENTS), splits.num_classes)
                  if splits else None,

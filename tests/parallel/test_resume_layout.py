@@ -27,8 +27,8 @@ def checkpointed(tmp_path, monkeypatch, capsys) -> Path:
 
 
 @pytest.mark.parametrize("extra, difference", [
-    (["--nproc", "2", "--dp-replicate", "2"], "world size 1, not 2; --dp-replicate 1, not 2"),
-    (["--nproc", "2", "--dp-replicate", "1", "--fsdp", "2"], "world size 1, not 2; --fsdp 1, not 2"),
+    (["--nproc", "2", "--dp-replicate", "2"], "--nproc 1, not 2; --dp-replicate 1, not 2"),
+    (["--nproc", "2", "--dp-replicate", "1", "--fsdp", "2"], "--nproc 1, not 2; --fsdp 1, not 2"),
     (["--model-arg", "hidden=[32]"], "--model-arg none, not hidden=[32]"),
 ])
 def test_a_resume_with_another_layout_or_model_is_refused_in_one_line(checkpointed, capsys, extra, difference):
@@ -36,7 +36,7 @@ def test_a_resume_with_another_layout_or_model_is_refused_in_one_line(checkpoint
     lines = capsys.readouterr().err.strip().splitlines()
     assert (code, len(lines)) == (2, 1), lines
     assert lines[0].startswith(f"fedpar train: cannot resume from {checkpointed / 'checkpoints' / 'step-00000002'}: "
-                               f"it was written with {difference};"), lines
+                               f"it was made with {difference};"), lines
     assert lines[0].endswith(f"pass --no-resume to start afresh in {checkpointed} (or another --out)"), lines
     assert json.loads((checkpointed / "summary.json").read_text())["steps"] == 2  # nothing ran
 

@@ -32,6 +32,10 @@ def _rounds(out: Path) -> list[int]:
     return [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
     """A run of 2 rounds on 4 clients, with its checkpoints and its outputs."""
@@ -82,15 +86,20 @@ def test_a_checkpoint_with_every_round_done_says_so(run):
     assert _rounds(run / "out") == [1, 2]
 
 
-def test_the_same_federation_resumes_and_another_lr_is_said_once(run):
+def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run):
     code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=3)
     assert code == 0, err
     assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with --lr 0.05; its "
-                                "rounds so far ran with --lr 0.1"], err
+                                "run so far went with --lr 0.1"], err
     assert _rounds(run / "out") == [1, 2, 3]
+    first, resumed = _summary(made / "out"), _summary(run / "out")
+    # the whole run's seconds: the first process's (kept in the record) and this one's
+    assert resumed["earlier_processes_seconds"] >= first["wall_seconds"] > 0
+    assert resumed["wall_seconds"] > resumed["earlier_processes_seconds"]
     code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=4)
     assert code == 0 and err == "", err  # the record now says what round 3 ran with
     assert _rounds(run / "out") == [1, 2, 3, 4]
+    assert _summary(run / "out")["earlier_processes_seconds"] >= resumed["wall_seconds"]
 
 
 def test_a_fresh_checkpoint_folder_records_the_new_federation(run):

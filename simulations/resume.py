@@ -1,0 +1,45 @@
+"""What a `fedpar simulate --checkpoint-dir` keeps of its run beside the checkpoints (DIR/run.json, written by
+protocol/run_record.py): the settings it is made with, checked on a resume, and the seconds its processes ran."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings, recorded_seconds
+from fedpar.server.checkpoint import has_checkpoint, latest_round
+from fedpar.simulations.config import SimulationConfig
+
+AFRESH = "give another --checkpoint-dir to start afresh"
+
+
+def check_resume(cfg: SimulationConfig) -> list[str]:
+    """RunRecordError (a ValueError) when ``cfg`` would resume a checkpoint made for another federation
+    (:meth:`SimulationConfig.resume_record`); else one line for each setting the rounds after the checkpoint train
+    with otherwise, and one when the checkpoint has every round done already."""
+    done = latest_round(cfg.checkpoint_dir)
+    if done is None:
+        return []
+    lines = check_settings(Path(cfg.checkpoint_dir) / RUN_RECORD, *cfg.resume_record(),
+                           source=f"the checkpoint in {cfg.checkpoint_dir}", afresh=AFRESH)
+    if done >= cfg.rounds:
+        lines.append(f"the checkpoint in {cfg.checkpoint_dir} has every round done already (round {done}, --rounds "
+                     f"{cfg.rounds}): nothing to train; give --rounds above {done} to train on, or another "
+                     "--checkpoint-dir to start afresh")
+    return lines
+
+
+def earlier_seconds(cfg: SimulationConfig) -> float:
+    """The seconds the processes before this one ran the run this one resumes (0: it starts afresh)."""
+    if not has_checkpoint(cfg.checkpoint_dir):
+        return 0.0
+    return recorded_seconds(Path(cfg.checkpoint_dir) / RUN_RECORD)
+
+
+def keep_run_record(cfg: SimulationConfig, seconds: float) -> None:
+    """Record the settings the checkpoints from here on are made with, and the run's ``seconds`` so far (checked
+    already: :func:`check_resume`). A checkpoint of older code, which kept no record, is left without one: what it
+    was made with is not known, and recording these would vouch for them."""
+    root = Path(cfg.checkpoint_dir)
+    if latest_round(root) is not None and not (root / RUN_RECORD).is_file():
+        return
+    record_settings(root / RUN_RECORD, *cfg.resume_record(), seconds=seconds)
