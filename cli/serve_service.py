@@ -384,9 +384,9 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         if launch_ranks is None:  # said before gRPC tries them (its own log line says it too, unasked)
             check_port_free(args.host, args.port)
             check_port_free(args.host, args.control_port, "--control-port")
-            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", exit_code=2)
+            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
         else:  # before any rank starts: a rank that cannot bind its port would be restarted in vain
-            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", exit_code=2)
+            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
             check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
                 (args.control_port, "--control-port"), (args.metrics_port, "--metrics-port")) if p})
         revocations = server_security(args).admission.revocations  # the control API's too: operators are revoked
@@ -412,7 +412,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         port = service.open_agents_port()
     except BindError as exc:
         print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
-        return 1
+        return 2  # taken since the check above: a port in use, as check_port_free says it
     try:
         service.observers.attach_service(service.idle)  # from the start: an idle service is no missing target
     except UserError as exc:  # taken since the check above
@@ -425,7 +425,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     except OSError as exc:  # taken since the check above
         print(f"fedpar serve: {exc}", file=sys.stderr)
         service.close_agents_port()
-        return 1
+        return 2
     if args.port_file:  # first: a script that sees the control port file finds both
         atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
     if args.control_port_file:

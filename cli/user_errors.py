@@ -61,8 +61,9 @@ def check_output_folder(path, option: str = "--out") -> None:
             return
 
 
-def check_port_free(host: str, port: int | None, option: str = "--port", exit_code: int = 1) -> None:
-    """UserError (``exit_code``) if another process listens on ``host:port`` (port 0 or None always passes)."""
+def check_port_free(host: str, port: int | None, option: str = "--port", exit_code: int = 2) -> None:
+    """UserError (``exit_code``: 2, as every other port mistake) if another process listens on ``host:port`` (port 0
+    or None always passes)."""
     import socket
 
     if not port:

@@ -64,7 +64,7 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
         (["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "a-file")], 2,
          f"--out {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a folder"),
         (["simulate", "--out", str(tmp_path / "a-file" / "run")], 2, "is a file, not a folder"),
-        (["serve", "--insecure", "--port", str(busy), "--out", str(tmp_path / "s")], 1,
+        (["serve", "--insecure", "--port", str(busy), "--out", str(tmp_path / "s")], 2,
          f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --port"),
         (["serve", "--insecure", "--port", "0", "--dataset", "mnist", "--data-dir", str(tmp_path / "nowhere"),
           "--out", str(tmp_path / "s")], 2, f"MNIST folder {tmp_path / 'nowhere'} does not exist"),
@@ -366,9 +366,9 @@ def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_be
     busy = holder.getsockname()[1]
     state = ["serve", "--state", str(tmp_path / "state.db")]
     cases = [  # (args, exit code, the line)
-        ([*state, "--certs", str(certs), "--port", "0", "--control-port", str(busy)], 1,
+        ([*state, "--certs", str(certs), "--port", "0", "--control-port", str(busy)], 2,
          f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --control-port"),
-        ([*state, "--certs", str(certs), "--port", str(busy)], 1,
+        ([*state, "--certs", str(certs), "--port", str(busy)], 2,
          f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --port"),
         ([*state, "--certs", str(certs), "--port", "50999", "--control-port", "50999"], 2,
          "--port and --control-port are both 50999: the agents' port and the control API need one each"),
