@@ -8,7 +8,7 @@ import logging
 import sys
 import threading
 import time
-from typing import TextIO
+from typing import Callable, TextIO
 
 COLUMNS = [("round", "{:>5}"), ("status", "{:>6}"), ("sampled", "{:>7}"), ("reported", "{:>8}"),
            ("late", "{:>4}"), ("train_loss", "{:>10.4f}"), ("test_accuracy", "{:>13.4f}"),
@@ -28,18 +28,28 @@ def time_left(done: int, total: int, seconds: float) -> str:
 
 
 class RoundPace:
-    """The rounds done in this process and how long they took, for the time left to ``total`` rounds."""
+    """The rounds done in this process and when they ended, for the time left to ``total`` rounds."""
 
-    def __init__(self, total: int):
-        self.total, self.started, self.done, self.last_round = total, time.monotonic(), 0, 0
+    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic):
+        self.total, self.clock, self.done, self.last_round = total, clock, 0, 0
+        self.first_end: float | None = None  # when the first round this process saw ended
 
     def note(self, round_id: int) -> None:
         """Round ``round_id`` has ended."""
+        if self.first_end is None:
+            self.first_end = self.clock()
         self.done, self.last_round = self.done + 1, round_id
 
     def left(self) -> str:
-        """The time left at the pace of the rounds done here (a resumed run counts only its own)."""
-        return time_left(self.done, self.done + max(0, self.total - self.last_round), time.monotonic() - self.started)
+        """The time left at the pace of the rounds since the first one ended here (the first one's time holds the
+        start-up: loading the data, the clients joining, a resume's restore); "" until two rounds ended, as there is no
+        pace to go by (a resumed run counts only its own rounds)."""
+        to_go = max(0, self.total - self.last_round)
+        if self.done and not to_go:
+            return "0s"
+        if self.done < 2:
+            return ""
+        return time_left(self.done - 1, self.done - 1 + to_go, self.clock() - self.first_end)
 
 
 class RoundTable:
@@ -124,9 +134,12 @@ class LiveBar:
         """Show round ``round_id``'s ``accepted`` uploads of ``target`` (K), the seconds left to its deadline, the
         last test accuracy and the time left to the last round."""
         total = f"/{self.pace.total}" if self.pace.total else ""
-        accuracy = "" if self.accuracy is None else f"acc {self.accuracy:.4f}, "
+        left = self.pace.left()
+        note = [f"deadline in {max(0.0, seconds_left):.0f} s"]
+        note += [f"acc {self.accuracy:.4f}"] if self.accuracy is not None else []
+        note += [f"{left} left"] if left else []  # none before two rounds ended: no pace to go by
         self._show(("round", round_id), f"round {round_id}{total}: uploads accepted", accepted, target,
-                   f"deadline in {max(0.0, seconds_left):.0f} s, {accuracy}{self.pace.left()} left")
+                   ", ".join(note))
 
     def round_ended(self, metrics: dict) -> None:
         """Note a round's end (its test accuracy, the pace) and take the bar down before its table line."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable, StepBar, time_left
+from fedpar.cli.progress import COLUMNS, LiveBar, RoundPace, RoundTable, StepBar, time_left
 
 
 class _Terminal(io.StringIO):
@@ -31,8 +31,25 @@ def test_the_tables_plain_lines_end_with_the_time_left():
     header, *rows = out.getvalue().splitlines()
     assert header.split()[-1] == "left" and header.split()[:2] == ["round", "status"]
     assert [row.split()[0] for row in rows] == ["1/3", "2/3", "3/3"]
-    assert all(row.split()[-1].endswith("s") for row in rows) and rows[-1].split()[-1] == "0s"
+    assert rows[0].endswith(" " * len("left"))  # one round ended: no pace to go by yet
+    assert all(row.split()[-1].endswith("s") for row in rows[1:]) and rows[-1].split()[-1] == "0s"
     assert rows[-1].split()[len(COLUMNS) - 3] == "0.8000"  # test_accuracy, as the row gave it
+
+
+def test_the_time_left_goes_by_the_rounds_after_the_first_not_the_start_up():
+    now = [0.0]
+    pace = RoundPace(10, clock=lambda: now[0])
+    said = []
+    for end in (30.0, 31.0, 32.0, 33.0):  # 30 s of start-up (data, clients joining), then 1 s rounds
+        now[0] = end
+        pace.note(len(said) + 1)
+        said.append(pace.left())
+    assert said == ["", "8s", "7s", "6s"]  # it said 4m30s after round 1 (30 s a round) and 2m04s after round 2
+    now[0] = 33.5
+    assert pace.left() == "7s"  # mid-round: the 3.5 s since round 1 ended, over 3 rounds, times 6 to go
+    finished = RoundPace(1, clock=lambda: now[0])
+    finished.note(1)
+    assert finished.left() == "0s"
 
 
 def test_a_quiet_table_prints_nothing():
@@ -48,11 +65,13 @@ def test_the_bar_shows_the_round_of_all_the_last_accuracy_and_the_time_left_on_a
         bar.round(1, 0, 4, 30.0)
         bar.round_ended({"round": 1, "status": "ok", "test_accuracy": 0.9123})
         bar.round(2, 3, 4, 12.0)
+        bar.round_ended({"round": 2, "status": "ok", "test_accuracy": 0.9123})
+        bar.round(3, 1, 4, 5.0)
         bar.close()
     shown = terminal.getvalue()
-    assert "round 1/5: uploads accepted" in shown and "? left" in shown  # no round done yet: no pace
+    assert "round 1/5: uploads accepted" in shown and "left" not in shown.split("round 2/5")[0]  # no pace yet
     assert "round 2/5: uploads accepted" in shown and "3/4" in shown and "deadline in 12 s" in shown
-    assert "acc 0.9123" in shown and "s left" in shown
+    assert "acc 0.9123" in shown and "s left" in shown.split("round 3/5")[1]  # two rounds ended: a pace
     assert pipe.getvalue() == ""  # not a terminal: the table's lines are the progress
 
 
