@@ -24,7 +24,7 @@ from fedpar.settings import composed
 from fedpar.simulations.client_app_population import ClientAppPopulation
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.simulations.population import PopulationSlice, host_population
-from fedpar.simulations.run_outputs import write_run_outputs
+from fedpar.simulations.run_outputs import start_fresh, write_run_outputs
 from fedpar.task import Partition, TaskFailed
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 
@@ -61,7 +61,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
     out = Path(cfg.out) if cfg.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        start_fresh(out)  # a Flower App run does not resume
     workers = max(1, min(cfg.workers, cfg.clients))
     hosts = [f"host-{w}" for w in range(workers)]
     certs = temporary_cert_dir(hosts) if cfg.tls else None

@@ -14,6 +14,8 @@ from fedpar.protocol.model_file import INFO, TENSORS
 from fedpar.server.final_model import write_coordinator_model
 
 SUMMARY = "summary.json"
+# Every file a run may leave in its --out folder (the round plots: simulations/plots.py; labels.png: the runner's)
+RUN_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "accuracy.png", "loss.png", "labels.png")
 
 
 @dataclass
@@ -29,6 +31,14 @@ class RunOutputs:
         if not names:
             return f"wrote nothing to {out}"
         return f"wrote {out}/{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else f"wrote {out}/{names[0]}"
+
+
+def start_fresh(out: Path) -> None:
+    """Remove the files an earlier run left in ``out``, for a run that does not resume it: a run that stops before
+    its first round (or writes fewer files) would otherwise leave its summary beside the other run's rows, model and
+    plots, where a finished run replaces them all."""
+    for name in RUN_FILES:
+        (Path(out) / name).unlink(missing_ok=True)
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,

@@ -40,7 +40,7 @@ from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.resume import check_resume, earlier_seconds, keep_run_record
-from fedpar.simulations.run_outputs import RunOutputs, write_run_outputs
+from fedpar.simulations.run_outputs import RunOutputs, start_fresh, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.settings import composed
 from fedpar.task import Partition
@@ -166,7 +166,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     if out:
         out.mkdir(parents=True, exist_ok=True)
         if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
-            (out / "metrics.jsonl").unlink(missing_ok=True)
+            start_fresh(out)
     earlier = earlier_seconds(cfg) if cfg.checkpoint_dir is not None else 0.0
     if cfg.checkpoint_dir is not None:  # checked above: the checkpoints made from here on are made with these
         keep_run_record(cfg, earlier)

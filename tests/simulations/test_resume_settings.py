@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,26 @@ def test_a_fresh_checkpoint_folder_records_the_new_federation(run):
     code, err = _simulate(out=run / "other", ckpt=run / "fresh", clients=6, rounds=1)
     assert code == 0, err
     assert json.loads((run / "fresh" / "run.json").read_text())["defining"]["--clients"] == 6
+
+
+def test_a_fresh_run_into_an_earlier_runs_out_that_stops_before_round_1_leaves_none_of_the_earlier_outputs(run):
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", *[a for a in COMMON if a != "--quiet"], "--clients",
+           "6", "--rounds", "2", "--out", str(run / "out")]  # no checkpoint: a fresh run
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the data loads once the run has started its outputs: before any worker joins
+            if line.startswith("loading digits"):
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err, err
+    # the 4-client run's rows, model, plots and summary stayed beside this one's (a finished run replaces them all)
+    left = sorted(p.name for p in (run / "out").iterdir())
+    assert left in ([], ["summary.json"]), left  # this run's summary, when it was written before the interrupt
+    assert not left or _summary(run / "out")["rounds"] == 0
 
 
 def test_a_checkpoint_of_older_code_without_its_record_still_resumes(run):
