@@ -4,11 +4,11 @@ One process by default; --nproc N spawns N local ranks (gloo on CPU, NCCL on GPU
 (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set) every launched process is one rank, e.g.
 `torchrun --nnodes 2 --nproc-per-node 8 ... -m fedpar train --model gpt --dataset text --fsdp 8 --tp 2 ...`.
 Writes OUT/metrics.jsonl, OUT/summary.json, OUT/loss_curve.png, the final model (OUT/global.safetensors and
-global.json, as `train --task` and federated runs keep it; not for --pp) and (with --checkpoint-every) resumable
-DCP checkpoints in OUT/checkpoints. --config FILE reads a [train] table and its nested tables: [train.parallel]
-holds the parallel options (tp = 2 as --tp 2) and [train.model_kwargs] the model's keywords; flags override.
-Layout errors (degrees, pipeline stages vs blocks, heads vs --tp, bf16 with nothing to apply it) stop the
-launcher before any rank starts.
+global.json, as `train --task` and federated runs keep it; a pipeline's stages gathered too) and (with
+--checkpoint-every) resumable DCP checkpoints in OUT/checkpoints. --config FILE reads a [train] table and its
+nested tables: [train.parallel] holds the parallel options (tp = 2 as --tp 2) and [train.model_kwargs] the model's
+keywords; flags override. Layout errors (degrees, pipeline stages vs blocks, heads vs --tp, bf16 with nothing to
+apply it) stop the launcher before any rank starts.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ restriction; checkpoints are read through ``safe_dcp`` instead, which allows onl
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -142,6 +143,49 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     For a sharded (FSDP/TP/DDP) model whose parameters all live on this process group; call on all ranks.
     """
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def gather_pipeline_state_dict(parts: list[nn.Module], pp_group: dist.ProcessGroup, stage_leader: bool,
+                               device: torch.device) -> dict[str, torch.Tensor]:
+    """Rank 0 receives the whole model of a pipeline as plain CPU float32 tensors, by the unwrapped model's names;
+    the other ranks get ``{}``. Call on all ranks.
+
+    Each rank gathers its stages whole over their data- and tensor-parallel ranks; the stage leaders (data- and
+    tensor-parallel coordinates 0: ``pp_group`` is then the pipeline group of rank 0) send theirs to rank 0, each as
+    a JSON list of names and shapes, then one flat tensor (sends of tensors: no pickle). Only floating tensors are
+    kept, as the final model keeps them.
+    """
+    # Not cpu_offload: with it only global rank 0 would receive, and a later stage's ranks hold none of its names.
+    options = StateDictOptions(full_state_dict=True)
+    mine = {k: v.detach() for part in parts for k, v in get_model_state_dict(part, options=options).items()
+            if torch.is_floating_point(v)}
+    if not stage_leader:
+        return {}
+    pp_rank, pp = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    if pp_rank > 0:
+        header = torch.tensor(list(json.dumps([[k, list(v.shape)] for k, v in mine.items()]).encode()),
+                              dtype=torch.uint8, device=device)
+        flat = torch.cat([v.to(device, torch.float32).reshape(-1) for v in mine.values()]) if mine else \
+            torch.zeros(0, device=device)
+        dst = dist.get_global_rank(pp_group, 0)
+        for tensor in (torch.tensor([header.numel(), flat.numel()], dtype=torch.int64, device=device), header, flat):
+            dist.send(tensor, dst=dst, group=pp_group)
+        return {}
+    whole = {k: v.to("cpu", torch.float32) for k, v in mine.items()}
+    for r in range(1, pp):
+        src = dist.get_global_rank(pp_group, r)
+        sizes = torch.zeros(2, dtype=torch.int64, device=device)
+        dist.recv(sizes, src=src, group=pp_group)
+        header = torch.zeros(int(sizes[0]), dtype=torch.uint8, device=device)
+        flat = torch.zeros(int(sizes[1]), dtype=torch.float32, device=device)
+        dist.recv(header, src=src, group=pp_group)
+        dist.recv(flat, src=src, group=pp_group)
+        offset, flat = 0, flat.cpu()
+        for name, shape in json.loads(bytes(header.cpu().tolist()).decode()):
+            count = math.prod(shape)
+            whole[name] = flat[offset:offset + count].reshape(shape).clone()
+            offset += count
+    return whole
 
 
 def load_full_state_dict_from_rank0(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

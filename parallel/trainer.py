@@ -13,8 +13,8 @@ from torch import nn
 
 from fedpar.datasets.arrays import CLASSIFICATION, TrainData
 from fedpar.models.losses import classification_loss, language_model_loss
-from fedpar.parallel.checkpoint import (gather_full_state_dict, latest_checkpoint, load_checkpoint, run_record,
-                                       save_checkpoint)
+from fedpar.parallel.checkpoint import (gather_full_state_dict, gather_pipeline_state_dict, latest_checkpoint,
+                                       load_checkpoint, run_record, save_checkpoint)
 from fedpar.parallel.config import ParallelLayout, TrainConfig
 from fedpar.parallel.ddp import is_ddp
 from fedpar.parallel.device import synchronize
@@ -339,14 +339,14 @@ class Trainer:
         return summary
 
     def _write_final_model(self, evals: dict[str, float]) -> str:
-        """Collectively gather the whole model to rank 0, which writes it as OUT/global.safetensors and global.json
-        (server/final_model.py, as ``train --task`` and federated runs keep theirs; ``round``: the epochs
-        completed); what was written, for the last line. Pipeline stages live on other ranks: not gathered."""
-        if len(self.model.parts) != 1 or self.config.parallel.pp > 1:
-            self._log("global.safetensors is not written for a pipeline (--pp > 1) run: its stages stay in "
-                      "OUT/checkpoints")
-            return ""
-        full = gather_full_state_dict(self.model.parts[0])
+        """Collectively gather the whole model to rank 0 (a pipeline's stages too), which writes it as
+        OUT/global.safetensors and global.json (protocol/model_file.py, as ``train --task`` and federated runs keep
+        theirs; ``round``: the epochs completed); what was written, for the last line."""
+        if self.config.parallel.pp > 1:
+            leader = all(self.mesh.coord(dim) == 0 for dim in ("dp", "fsdp", "tp"))
+            full = gather_pipeline_state_dict(self.model.parts, self.pp_group, leader, self.info.device)
+        else:
+            full = gather_full_state_dict(self.model.parts[0])
         if not self.info.is_main:
             return ""
         from fedpar.protocol.model_file import INFO, TENSORS, write_final_model

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fedpar.models import build_model
+from fedpar.parallel.checkpoint import gather_pipeline_state_dict
 from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.mesh import build_mesh
@@ -53,7 +54,9 @@ def _parallel_gpt(pc: ParallelConfig, activation_checkpointing: bool = False):
     return model, mesh, (x, y), (x[lo:lo + share], y[lo:lo + share])
 
 
-def _composed(pc: ParallelConfig, activation_checkpointing: bool = False):
+def _composed(pc: ParallelConfig, activation_checkpointing: bool = False, more=None):
+    """Train ``pc``'s parallel GPT and the dense one alike; ``more(model, mesh, dense parameters)``: further
+    results."""
     model, mesh, (x, y), (xs, ys) = _parallel_gpt(pc, activation_checkpointing)
     opts = [torch.optim.SGD(p.parameters(), lr=0.1) for p in model.parts]
     losses = []
@@ -84,7 +87,7 @@ def _composed(pc: ParallelConfig, activation_checkpointing: bool = False):
             "max_param_diff": max_abs_diff(params, ref_params), "n_params_checked": len(params),
             "block_type": type(first_block).__name__, "placements": placements,
             "local_share": sum(local_numel(p) for part in model.parts for p in part.parameters())
-            / sum(p.numel() for p in ref.parameters())}
+            / sum(p.numel() for p in ref.parameters()), **(more(model, mesh, ref_params) if more else {})}
 
 
 def check_fsdp_x_tp_2x2_matches_dense():
@@ -93,8 +96,16 @@ def check_fsdp_x_tp_2x2_matches_dense():
 
 
 def check_pp_x_fsdp_2x2_matches_dense():
-    """Two 1F1B pipeline stages, each sharded by FSDP2 over 2 ranks."""
-    return _composed(ParallelConfig(dp=1, fsdp=2, pp=2, pp_schedule="1f1b", microbatches=2))
+    """Two 1F1B pipeline stages, each sharded by FSDP2 over 2 ranks; the whole model gathered to rank 0 (the final
+    model of `fedpar train --pp`) is the dense one's."""
+    def gathered(model, mesh, ref_params):
+        leader = mesh.coord("fsdp") == 0
+        whole = gather_pipeline_state_dict(model.parts, mesh["pp"].get_group(), leader, torch.device("cpu"))
+        if dist.get_rank() != 0:
+            return {"gathered": len(whole)}
+        return {"gathered": len(whole), "gathered_diff": max_abs_diff(ref_params, whole)}
+
+    return _composed(ParallelConfig(dp=1, fsdp=2, pp=2, pp_schedule="1f1b", microbatches=2), more=gathered)
 
 
 def check_hsdp_with_activation_checkpointing_matches_dense():

@@ -159,6 +159,7 @@ def test_gpt_with_pipeline_parallel_resumes_from_its_multi_part_checkpoint(resul
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(r["checkpoint_files"])  # one part per stage
     assert rs[0]["loss_steps_b"] == list(range(1, 8)) and rs[0]["max_loss_diff"] == 0.0
     assert rs[0]["file_val_loss"] == rs[0]["val_loss_b"]
+    assert rs[0]["final_model_diff"] == 0.0  # --pp writes global.safetensors, every stage's tensors in it
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp_gpt", "tp_mlp", "pp"])

@@ -52,6 +52,7 @@ def test_pipeline_x_fsdp_on_2x2_mesh_matches_dense(results):
     for r in rs:
         assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
         assert r["local_share"] < 0.3
+    assert rs[0]["gathered_diff"] < TOL and [r["gathered"] for r in rs[1:]] == [0, 0, 0]  # the whole model: rank 0
 
 
 def test_hsdp_with_activation_checkpointing_matches_dense(results):
