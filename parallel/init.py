@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import secrets
 
 from fedpar.parallel.device import backend_for, resolve_device
+from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
 from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, dump_stacks_on_signal, \
     stop_on_signals
@@ -51,6 +52,7 @@ _joined: DistInfo | None = None  # what init_distributed set up in this process
 # Set ("1") by spawn() for ranks whose launcher holds their rendezvous store; torch's own TORCHELASTIC_USE_AGENT_STORE
 # would be inherited by every group and process after them (a simulation's gloo ranks then found no store).
 LAUNCHER_STORE_ENV = "FEDPAR_LAUNCHER_STORE"
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun: its agent serves the rendezvous store
 
 
 def init_distributed(timeout_seconds: float = 300.0, device: str = "auto") -> DistInfo:
@@ -77,13 +79,15 @@ def init_distributed(timeout_seconds: float = 300.0, device: str = "auto") -> Di
                                    "or 'fedpar train --nproc N', or unset WORLD_SIZE for one process")
             # device_id binds NCCL's communicator to this rank's GPU at once (no guessing from the current device).
             extra = {"device_id": torch_device} if backend == "nccl" else {}
-            if os.environ.pop(LAUNCHER_STORE_ENV, None) == "1":  # read once: no later group or child inherits it
-                rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                      is_master=False, timeout=timeout)
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
-            else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            gloo_on_loopback(host)
+            launcher_holds = os.environ.pop(LAUNCHER_STORE_ENV, None) == "1"  # read once: no later child inherits it
+            if not launcher_holds and os.environ.get(AGENT_STORE_ENV) == "True":  # torchrun's agent serves the store
                 dist.init_process_group(backend, timeout=timeout, **extra)
+            else:
+                store = _store(host, port, world, rank == 0 and not launcher_holds, timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     _joined = DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), dist.get_backend(), torch_device)
@@ -93,8 +97,22 @@ def init_distributed(timeout_seconds: float = 300.0, device: str = "auto") -> Di
 def join_gloo_group(rank: int, world_size: int, port: int, timeout_seconds: float, host: str = "127.0.0.1") -> None:
     """Join a gloo group of ``world_size`` processes whose rank 0 listens on ``host:port`` (processes started by
     their own launcher, e.g. `fedpar simulate`'s aggregator ranks, not torchrun)."""
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_seconds))
+    timeout = timedelta(seconds=timeout_seconds)
+    gloo_on_loopback(host)
+    store = _store(host, port, world_size, rank == 0, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _store(host: str, port: int, world_size: int, serve: bool, timeout: timedelta) -> dist.TCPStore:
+    """The group's rendezvous store on ``host:port``: served here, on that address alone, when ``serve`` (rank 0),
+    else reached there; RuntimeError in one line if it cannot listen there."""
+    if not serve:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    try:
+        return bound_store(host, port, timeout, world_size)
+    except OSError as exc:
+        raise RuntimeError(f"rank 0 cannot listen for the other ranks on {host}:{port} (MASTER_ADDR, MASTER_PORT): "
+                           f"{exc.strerror or exc}") from None
 
 
 def shutdown_distributed() -> None:
@@ -186,7 +204,7 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
 
 def _launcher_store() -> dist.TCPStore:
     """A rendezvous store on a port of its own choosing on 127.0.0.1, served by this process for its ranks."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return bound_store("127.0.0.1", 0, timedelta(seconds=300))
 
 
 def _port_of(store: dist.TCPStore | None) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import signal
@@ -91,3 +92,36 @@ def dump_stacks_below(pid: int) -> None:
     """:func:`dump_stacks` of the processes below ``pid`` only."""
     for child in children(pid):
         dump_stacks(child)
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket listening in ``pid`` and the processes below it (from /proc: the
+    sockets of their file descriptors, looked up in /proc/net/tcp and tcp6)."""
+    inodes = set()
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # the kernel writes the address as 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
+
+
+def not_on_loopback(addresses: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    """Those of ``addresses`` other than 127.0.0.1 (as IPv4 or as IPv4-mapped IPv6) and ::1."""
+    def loopback(address: str) -> bool:
+        ip = ipaddress.ip_address(address)
+        return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+    return {a for a in addresses if not loopback(a[0])}
