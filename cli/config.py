@@ -127,13 +127,14 @@ def typed_value(action: argparse.Action, value: Any) -> Any:
         raise ValueError(str(exc)) from None
 
 
-def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], section: str) -> None:
-    """If ``--config FILE`` is among ``argv``, make the file's values the parser's defaults."""
+def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], section: str) -> frozenset[str]:
+    """If ``--config FILE`` is among ``argv``, make the file's values the parser's defaults; returns the settings
+    (dests) the file set."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     if not known.config:
-        return
+        return frozenset()
     # Options without a flag (set with parser.set_defaults) can be set from the file too.
     dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}
     dict_options = {k for k in dests if isinstance(parser.get_default(k), dict)}
@@ -160,3 +161,23 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
             except ValueError as exc:
                 raise ConfigError(f"{known.config}: {names[key]}: {exc}") from None
     parser.set_defaults(**values)
+    return frozenset(values)
+
+
+def given_settings(parser: argparse.ArgumentParser, argv: list[str], from_file: frozenset[str]) -> frozenset[str]:
+    """The settings (dests) the user chose: the options typed in ``argv`` and those a --config file set
+    (``from_file``), as opposed to the ones left at their defaults."""
+    typed = set()
+    for token in argv:
+        if token == "--":
+            break
+        action = parser._option_string_actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if action is not None:
+            typed.add(action.dest)
+    return frozenset(typed) | from_file
+
+
+def chose(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the user set ``dest`` (typed or in a --config file) for this command, rather than left its default
+    (``args`` parsed by fedpar.cli.main; a namespace built another way chose nothing)."""
+    return dest in getattr(args, "_given", frozenset())

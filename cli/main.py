@@ -11,7 +11,7 @@ import signal
 import sys
 
 from fedpar.cli.argtypes import FedparParser
-from fedpar.cli.config import ConfigError, apply_config_defaults
+from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     subparser = subcommand_parser(parser, argv[0])
     args = None
     try:
-        apply_config_defaults(subparser, argv[1:], argv[0])
+        from_file = apply_config_defaults(subparser, argv[1:], argv[0])
         args, extra = parser.parse_known_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
+        args._given = given_settings(subparser, argv[1:], from_file)
         if extra:  # said by the subcommand, which knows its options: its own --help
             subparser.unrecognized(extra)
         if args.log_level:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
+from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.observability import add_observability_arguments
@@ -112,7 +113,10 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     strategy_options = strategy_options_from_args(args)
     task = load_task_from_args(args)
     eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
-    if task is not None:
+    if args.flower_app:  # --strategy with --flower-app: fedpar drives the app's ClientApps from its model
+        from fedpar.tasks.flower_app import load_flower_app
+        assembly = CoordinatorAssembly.for_flower_app(load_flower_app(args.flower_app, args.run_config), args.seed)
+    elif task is not None:
         assembly = CoordinatorAssembly.for_task(task, args.seed, eval_device)
     elif args.model == "synthetic":
         assembly = CoordinatorAssembly(*synthetic_model(args.params, args.seed),
@@ -157,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
-    if args.state is not None and not args.flower_app:  # a ServerApp's run refuses --state below, in one line
+    server_app_drives = bool(args.flower_app) and not chose(args, "strategy")  # else fedpar's strategy drives
+    if args.state is not None and not server_app_drives:  # a ServerApp's run refuses --state below, in one line
         return _serve_runs(args)
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
@@ -169,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if args.run_config and not args.flower_app:
         print("fedpar serve: --run-config needs --flower-app", file=sys.stderr)
         return 2
-    if args.flower_app:  # the app's ServerApp drives the rounds
+    if server_app_drives:  # the app's ServerApp drives the rounds
         from fedpar.cli.serve_flower_app import serve_flower_app
         with stop_on_signals():
             return serve_flower_app(args)

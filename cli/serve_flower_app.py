@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from fedpar.cli.config import chose
 from fedpar.cli.declared import from_args
 from fedpar.cli.privacy import privacy_on
 from fedpar.cli.tlsopts import server_security
@@ -16,6 +17,7 @@ from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.server.config import CoordinatorConfig
+from fedpar.tasks.flower_app import ROUNDS_HINT
 
 
 def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> str | None:
@@ -24,13 +26,15 @@ def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> s
              (getattr(args, "aggregator_ranks", 1) > 1, "--aggregator-ranks"),
              (config.upload_compression.method != "none", "--compression"),
              (args.state is not None, "--state"), (config.checkpoint_dir is not None, "--checkpoint-dir"),
-             (privacy_on(args), "--privacy"), (config.max_agent_share is not None, "--max-agent-share")]
+             (privacy_on(args), "--privacy"), (config.max_agent_share is not None, "--max-agent-share"),
+             (chose(args, "rounds"), "--rounds")]
     named = [flag for on, flag in asked if on]
     if not named:
         return None
     resumable = " (a ServerApp run is not resumable)" if args.state is not None or config.checkpoint_dir else ""
     return (f"{', '.join(named)}: with --flower-app the app's ServerApp decides rounds, sampling and aggregation, so "
-            f"fedpar cannot apply it; drop it{resumable}")
+            f"fedpar cannot apply it; drop it{resumable}{', or ' + ROUNDS_HINT if chose(args, 'rounds') else ''}, or add "
+            "--strategy NAME to let fedpar drive the app's ClientApps")
 
 
 def serve_flower_app(args: argparse.Namespace) -> int:

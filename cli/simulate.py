@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
+from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.observability import Observers, add_observability_arguments
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
@@ -79,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
     if server_app_drives:
+        if chose(args, "rounds"):  # the ServerApp counts its own rounds: --rounds would be ignored
+            from fedpar.tasks.flower_app import ROUNDS_HINT
+            print(f"fedpar simulate: --rounds: the Flower App's ServerApp decides its rounds, so fedpar cannot apply "
+                  f"it; drop it, or {ROUNDS_HINT}, or add --strategy NAME to let fedpar drive the app's ClientApps",
+                  file=sys.stderr)
+            return 2
         if privacy_on(args):  # the ServerApp aggregates as it likes: a user who asked for DP must not get none
             print("fedpar simulate: --privacy: the Flower App's ServerApp decides aggregation, so fedpar cannot make "
                   "it private; add --strategy NAME to let fedpar drive the app's ClientApp (with DP), or drop "

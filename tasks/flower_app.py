@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 
+ROUNDS_HINT = "set the app's rounds with --run-config num-server-rounds=N"  # the key `flwr new`'s apps read
 UNKNOWN_TRAIN_EXAMPLES = 100_000  # a member's declared training-set size when [tool.fedpar] has no train-examples
 
 

@@ -58,3 +58,45 @@ def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
     saved = dict(np.load(final))  # what the ServerApp itself saved from its Result
     for name, array in zip(names, arrays):
         np.testing.assert_array_equal(array, saved[name])
+
+
+def test_served_app_under_fedpars_strategy_trains_two_deployed_client_apps(tmp_path):
+    """`fedpar serve --flower-app DIR --strategy fedavg`: fedpar's rounds (not the ServerApp's) from the app's
+    [tool.fedpar] model, answered by two `fedpar client --flower-app DIR` agents running the app's ClientApp."""
+    example = ROOT / "examples" / "flower_app"
+    serve = subprocess.Popen([*FEDPAR, "serve", "--port", "0", "--insecure", "--min-available", "2",
+                              "--flower-app", str(example), "--strategy", "fedavg", "--rounds", "2",
+                              "--out", str(tmp_path / "run")],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    clients, lines = [], []
+    try:
+        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
+        clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--insecure",
+                                     "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
+                                     "--flower-app", str(example), "--threads", "1", "--give-up-after", "60"],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                   for i, agent_id in enumerate(["alice", "bob"])]
+        outputs = [c.communicate(timeout=120)[0] for c in clients]
+        serve_out = "".join(lines) + serve.communicate(timeout=60)[0]
+    finally:
+        for proc in [serve, *clients]:
+            if proc.poll() is None:
+                proc.kill()
+    assert serve.returncode == 0, serve_out
+    assert all(client.returncode == 0 for client in clients), outputs
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(1, "ok", 2), (2, "ok", 2)]
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]  # the ClientApps trained fedpar's global model
+    model = json.loads((tmp_path / "run" / "global.json").read_text())["model"]
+    assert model["flower_app"] == str(example)
+
+
+@pytest.mark.parametrize("command", [["serve", "--insecure", "--port", "0"], ["simulate"]])
+def test_rounds_for_a_server_app_that_counts_its_own_is_refused_in_one_line(command, tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    code = main([*command, "--flower-app", str(APP), "--rounds", "3", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--rounds" in err[0] and "--run-config num-server-rounds=N" in err[0] and "--strategy NAME" in err[0]
+    assert not (tmp_path / "run").exists()
