@@ -94,8 +94,9 @@ class FlowerCoordinator(Coordinator):
             self.round_id = round_id
             now = time.monotonic()
             self.metrics.append({
-                "round": round_id, "status": "ok" if replies or not slots else "failed", "sampled": len(slots),
-                "reported": state.accepted, "rejected": state.rejected, "late": state.late(), "examples": 0,
+                "round": round_id, "status": exchange_status(replies.values(), len(slots)), "sampled": len(slots),
+                "reported": state.accepted, "error_replies": sum(r.has_error() for r in replies.values()),
+                "rejected": state.rejected, "late": state.late(), "examples": 0,
                 "close_reason": state.close_reason, "cohort_digest": cohort_digest(slots),
                 "flower_round": flower_round, "message_type": message_type, "upload_bytes": state.upload_bytes,
                 "download_bytes": sum(len(s.message) for s in slots.values() if s.dispatched),
@@ -136,6 +137,12 @@ class FlowerCoordinator(Coordinator):
         slot.upload_bytes = len(request.message)
         state.count_accepted(slot)
         state.close_if_done()
+
+
+def exchange_status(replies, sent: int) -> str:
+    """A Flower round's status: "ok" when some node answered with content (or nothing was sent), "failed" when every
+    reply is an error (the ClientApps raised, or fedpar refused what they sent) or none came."""
+    return "ok" if sent == 0 or any(not reply.has_error() for reply in replies) else "failed"
 
 
 def error_reply(message, reason: str):

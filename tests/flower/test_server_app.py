@@ -62,6 +62,7 @@ def test_a_failing_client_app_is_that_nodes_error_reply_and_the_run_goes_on(tmp_
     summary = run_flower_app(cfg, load_flower_app(APP, overrides), overrides)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reported"] for r in rows if r["message_type"] == "train"] == [3, 3]  # error replies are replies
+    assert [(r["status"], r["error_replies"]) for r in rows if r["message_type"] == "train"] == [("ok", 1)] * 2
     assert summary["rounds"] == 4
     # FedAvg aggregated the two good replies: partitions 0 and 2 alone
     names, arrays = load_final_model(tmp_path / "out")
@@ -127,3 +128,17 @@ def test_the_docs_command_runs_the_example_app_on_fedpar(tmp_path, capsys):
     assert set(evaluated) == {"0", "1"} and 0.0 <= evaluated["1"]["accuracy"] <= 1.0
     names, arrays = load_final_model(tmp_path / "out")
     assert names[0] == "fc1.weight" and arrays[0].shape == (32, 64)
+
+
+def test_a_flower_round_whose_every_reply_is_an_error_failed():
+    """It was counted ok when every ClientApp raised (QA round 2)."""
+    from flwr.app import Message, RecordDict
+    from flwr.app import Error
+
+    from fedpar.server.flower_rounds import exchange_status
+
+    sent = Message(RecordDict(), dst_node_id=1, message_type="train")
+    failed = Message(Error(code=0, reason="boom"), reply_to=sent)
+    answered = Message(RecordDict(), reply_to=sent)
+    assert exchange_status([failed, failed], 2) == "failed" and exchange_status([], 2) == "failed"
+    assert exchange_status([failed, answered], 2) == "ok" and exchange_status([], 0) == "ok"
