@@ -20,9 +20,10 @@ One round, as rank 0 sees it (leader.py; the other ranks' side is ingest.py):
 
 Every control message is a protobuf message of fedpar.proto (RankBroadcast from rank 0, RankControl's calls to it),
 read and written by one codec (messages.py). local.py starts ranks 1..N-1 as processes of this machine for
-``simulate``. A rank other than 0 that dies or hangs fails a collective: rank 0 then forms the group again over the
-ranks whose heartbeats still arrive (group.py RankGroup.reform, leader.py), drops the lost rank's share of the open
-round and goes on; the others rejoin (ingest.py). A fresh process started in a lost rank's slot (by local.py, or by
+``simulate``. A rank other than 0 that dies or hangs is lost once its heartbeats stop for 3 s (or its process ends,
+or a collective fails): rank 0 gives up the step it was in (steps.py), forms the group again over the ranks whose
+heartbeats still arrive (group.py RankGroup.reform, leader.py), drops the lost rank's share of the open round and
+goes on; the others rejoin (ingest.py). A fresh process started in a lost rank's slot (by local.py, or by
 `serve`'s launcher: parallel/init.py) asks in the rendezvous store to be taken back, and rank 0 forms the group again
 with it when the next round opens. Rank 0's death is the coordinator's: the same command resumes after the last
 checkpointed round.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -98,6 +99,25 @@ class RankGroup:
         self.store = store
         # where this rank keeps its partial sum: its GPU under NCCL (uploads go there from pinned staging), else host
         self.fold_device = f"cuda:{torch.cuda.current_device()}" if self.nccl else "host"
+        self._owner: int | None = None  # the thread whose collectives run (None: any, until one claims the group)
+
+    def claim(self, thread_id: int | None) -> None:
+        """Thread ``thread_id`` alone makes this group's collectives from now on: one a step was given up in (it
+        waited for a lost rank) fails its next collective at once, instead of running it on the group formed again
+        without that rank."""
+        self._owner = thread_id
+
+    def _check_owner(self, what: str) -> None:
+        if self._owner is not None and threading.get_ident() != self._owner:
+            raise RankMissing(f"{what} on aggregator rank {self.rank}: its step was given up (a rank was lost)")
+
+    def reformed(self) -> bool:
+        """Whether rank 0 formed the group again since this rank joined it (a step waiting for a lost rank then
+        waits in vain)."""
+        try:
+            return self.store.check([f"{REFORM_KEY}/{self.generation + 1}"])
+        except RuntimeError:  # the store is gone: the step in progress fails by itself
+            return False
 
     @property
     def replacing(self) -> bool:
@@ -199,6 +219,7 @@ class RankGroup:
             dist.destroy_process_group()
 
     def _join(self, members: Sequence[int]) -> None:
+        self._check_owner("forming the group")
         store = dist.PrefixStore(f"{REFORM_KEY}/{self.generation}/group", self.store)
         try:
             dist.init_process_group(self.backend, store=store, rank=members.index(self.rank),
@@ -247,6 +268,7 @@ class RankGroup:
 
     def all_present(self, where: str) -> None:
         """Return once every rank reached this point; RankMissing naming the ranks that did not, within the timeout."""
+        self._check_owner(where)
         try:
             dist.monitored_barrier(group=self.control, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as exc:
@@ -376,6 +398,7 @@ class RankGroup:
                 offset += v.size
 
     def _collective(self, what: str, fn, *args, **kwargs):
+        self._check_owner(what)
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:  # a peer died (connection closed) or the timeout passed

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import grpc
@@ -29,8 +28,10 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.ranks.control import HEARTBEAT_SECONDS, RankControlClient
 from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankLeftOut, RankMissing
 from fedpar.server.ranks.messages import RankMessageError, serial_number
+from fedpar.server.ranks.gate import RankRegistry
 from fedpar.server.ranks.plane import IngestPlane
-from fedpar.server.registry import AgentRecord, AgentRegistry, speaker
+from fedpar.server.ranks.steps import CollectiveThread
+from fedpar.server.registry import AgentRecord, speaker
 from fedpar.server.round_modes import RoundModes
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, ingest_stats
 
@@ -44,7 +45,10 @@ class IngestRank(IngestPlane):
     def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray], strategy,
                  group: RankGroup, admission=None, advertised_host: str = "", control_tls: TlsFiles | None = None):
         config.validate()
-        super().__init__(config, names, weights, AgentRegistry(float("inf"), admission=admission))
+        sessions = RankRegistry(float("inf"), admission=admission)
+        sessions.rank, sessions.admitting = group.rank, not group.replacing  # a replacement: once taken back
+        super().__init__(config, names, weights, sessions)
+        self.sessions = sessions
         self.rank = group.rank
         self.group = group
         self.strategy = strategy
@@ -59,13 +63,24 @@ class IngestRank(IngestPlane):
         self._counted = 0  # uploads rank 0 counted for this rank in the open round
         self._counted_more = asyncio.Event()  # set as _counted grows: a close waiting for counts wakes on it
         self._reports: dict[str, pb.RankUpload] = {}  # this round's count messages, by agent
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
+        self._steps = CollectiveThread(group)  # collectives, in order
 
     async def _receive(self) -> pb.RankBroadcast:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self.group.receive)
+        return await self._collective(self.group.receive)
 
     async def _collective(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        """``fn(*args)`` on the collective thread; given up (RankMissing) once rank 0 formed the group again
+        meanwhile: the step waited for a lost rank other than rank 0, which rank 0's leaving does not wake."""
+        return await self._steps.run(fn, *args, lost=self._reformed)
+
+    async def _forming(self, fn, *args):
+        """``fn(*args)``, a step that joins the group, on the collective thread (it fails by itself)."""
+        return await self._steps.run(fn, *args)
+
+    async def _reformed(self) -> str | None:
+        if await asyncio.to_thread(self.group.reformed):
+            return f"aggregator rank {self.rank}: rank 0 formed the group again without a lost rank"
+        return None
 
     async def run(self) -> None:
         """Follow rank 0's messages (start, open, close, model, stop) until every round is done."""
@@ -74,12 +89,12 @@ class IngestRank(IngestPlane):
         try:
             if self.group.replacing:  # rank 0 takes it back when the next round opens
                 try:
-                    await self._collective(self.group.ask_to_join, me)
+                    await self._forming(self.group.ask_to_join, me)
                 except RankMissing as exc:
                     log.info("%s; this rank leaves", exc)
                     return
             else:
-                await self._collective(self.group.exchange_endpoints, me)
+                await self._forming(self.group.exchange_endpoints, me)
             log.info("aggregator rank %d (pid %d) serving on port %d, data plane on %s", self.rank, os.getpid(),
                      me.grpc_port, me.data_port or "none")
             while True:
@@ -104,7 +119,7 @@ class IngestRank(IngestPlane):
                     continue
                 try:  # another rank was lost: rank 0 forms the group again, then its next message comes
                     log.info("rank %d: %s; waiting for rank 0 to form the group again", self.rank, failure)
-                    await self._collective(self.group.rejoin)
+                    await self._forming(self.group.rejoin)
                 except RankLeftOut as left:
                     log.warning("%s; this rank leaves", left)
                     self.left_out = True
@@ -119,6 +134,7 @@ class IngestRank(IngestPlane):
             self._ready(False)
             if heartbeat is not None:
                 heartbeat.cancel()
+            self._steps.close()
             if self.control is not None:
                 await self.control.close()
 
@@ -129,6 +145,7 @@ class IngestRank(IngestPlane):
         if kind == "start":
             await self._new_model(message.start.round)
             self._ready(True)
+            self.sessions.admitting = True  # a replacement is in the group, with the model: agents may call
         elif kind == "open":
             await self._open(message.open)
         elif kind == "close":
@@ -142,9 +159,11 @@ class IngestRank(IngestPlane):
 
     async def _heartbeat(self) -> None:
         """Tell rank 0 this rank is alive, so a failed collective can name the ranks that are not."""
+        loop = asyncio.get_running_loop()
         while True:
+            sent = loop.time()
             await self._tell("Alive", pb.RankAlive())
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            await asyncio.sleep(max(0.0, sent + HEARTBEAT_SECONDS - loop.time()))  # one a second, however slow a reply
 
     async def _new_model(self, round_id: int) -> None:
         """Receive rank 0's model in place and serve it for the next round."""

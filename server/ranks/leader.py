@@ -1,9 +1,10 @@
 """Rank 0's side of the aggregator ranks (the package's docstring tells one round): :class:`RankLeader` deals
 agents to ranks, sends every rank the round's steps (RankBroadcast messages) and combines the ranks' partial sums
-at each round's close. When a rank dies or hangs, the first collective that fails makes rank 0 form the group again
-over the ranks whose heartbeats still arrive; the lost ranks' share of the open round is dropped and the coordinator
-goes on with the others. A replacement for a lost rank (a fresh process in its slot, which asks in the rendezvous
-store) is taken back when the next round opens: the group is formed again with it, and it gets the model."""
+at each round's close. When a rank dies or hangs (its heartbeats stop for LOST_AFTER_SECONDS, its process ends, or a
+collective fails), rank 0 forms the group again over the ranks whose heartbeats still arrive; the lost ranks' share
+of the open round is dropped and the coordinator goes on with the others. A replacement for a lost rank (a fresh
+process in its slot, which asks in the rendezvous store) is taken back when the next round opens: the group is
+formed again with it, and it gets the model."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import logging
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import grpc
@@ -27,10 +27,12 @@ from fedpar.security.tls import TlsFiles
 from fedpar.server.ranks.control import HEARTBEAT_SECONDS, add_control_port, control_handler, new_secret
 from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
 from fedpar.server.ranks.messages import serial_bytes
+from fedpar.server.ranks.steps import POLL_SECONDS, CollectiveThread
 from fedpar.server.rounds import STAT_NAMES, AgentSlot, RoundState, ingest_stats
 
 log = logging.getLogger("fedpar.server")
 LOST_AFTER_SECONDS = 3 * HEARTBEAT_SECONDS  # a rank whose heartbeat stopped this long is lost
+STALL_SECONDS = 1.0  # rank 0's own loop stood still this long: the heartbeats it did not take yet are not late
 REFORM_TRIES = 3  # attempts to form the group again (a rank may be lost while it forms)
 
 
@@ -56,12 +58,14 @@ without a rank that is lost."""
         self.endpoints: list[RankEndpoint] = []
         self.secret = new_secret()
         self._control: grpc.aio.Server | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fedpar-ranks")  # collectives, in order
+        self._steps = CollectiveThread(group)  # collectives, in order
         self._last_sent = time.monotonic()
         self.calls: RankCalls | None = None  # rank 0's answers to the other ranks' calls, once started
         self.coordinator = None  # whose model a replacement rank is given, once started
         self._control_target = ""  # where the other ranks call rank 0's control service, once started
         self._ticker: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._watching_since = self._last_check = time.monotonic()  # heartbeats count as late from then on
         self.secure = False  # whether rounds are masked (every upload then goes to rank 0), once started
         self.strategy: Strategy | None = None  # rank 0's, once started
         self.shapes: ShapesAndDtypes | None = None  # of the model, once started
@@ -76,16 +80,18 @@ without a rank that is lost."""
         """The ranks in the group now (rank 0 first)."""
         return self.group.members
 
-    async def _collective(self, fn, *args, state: RoundState | None = None):
+    async def _collective(self, fn, *args, state: RoundState | None = None, watched: bool = True):
         """Run ``fn(*args)`` (one or more collectives) on the collective thread, one step at a time. When one fails,
-        the group is formed again over the ranks still alive, the lost ones' uploads in ``state`` (the open round)
-        are no longer counted, and RanksChanged says the step did not complete; RankMissing if the group cannot be
-        formed again."""
+        or a rank it waits for is lost meanwhile (its heartbeat stopped, or its process ended: the step is given
+        up), the group is formed again over the ranks still alive, the lost ones' uploads in ``state`` (the open
+        round) are no longer counted, and RanksChanged says the step did not complete; RankMissing if the group
+        cannot be formed again. A step not ``watched`` (one that forms the group, or the start's, before the
+        heartbeats start) is not given up: it fails by itself."""
         async with self._lock:
             if self._broken is not None:  # the group could not be formed again: every step fails the same way
                 raise RankMissing(self._broken)
             try:
-                return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+                return await self._steps.run(fn, *args, lost=self._lost_now if watched else None)
             except RankMissing as exc:
                 failure = str(exc)  # not the exception: its frames hold the failed group, which must close
             finally:
@@ -99,13 +105,12 @@ without a rank that is lost."""
 
     async def _survive(self, failure: str, state: RoundState | None) -> None:
         """Form the group again over rank 0 and the ranks whose heartbeats still arrive; drop the others."""
-        loop = asyncio.get_running_loop()
         before = list(self.group.members)
-        await loop.run_in_executor(self._thread, self.group.leave)  # the ranks waiting in a collective wake up
+        await self._steps.run(self.group.leave)  # the ranks waiting in a collective wake up
         for _ in range(REFORM_TRIES):
             alive = [0] + await self._heard_again(before[1:])
             try:
-                await loop.run_in_executor(self._thread, self.group.reform, alive)
+                await self._steps.run(self.group.reform, alive)
             except RankMissing as exc:  # a rank was lost while the group formed: try again without it
                 failure = str(exc)
                 continue
@@ -150,6 +155,49 @@ without a rank that is lost."""
         return "no heartbeat from " + ", ".join(
             f"rank {r} for {now - heard[r]:.1f} s" if r in heard else f"rank {r} ever" for r in silent)
 
+    def _silence(self) -> str | None:
+        """Why a rank in the group is lost now (its process ended, or its heartbeat stopped LOST_AFTER_SECONDS
+        ago), or None."""
+        now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
+        for rank in self.live[1:]:
+            if self.ended is not None and self.ended(rank):
+                return f"aggregator rank {rank}'s process ended"
+            last = max(heard.get(rank, 0.0), self._watching_since)
+            if now - last > LOST_AFTER_SECONDS:
+                return f"no heartbeat from aggregator rank {rank} for {now - last:.1f} s"
+        return None
+
+    async def _lost_now(self) -> str | None:
+        """:meth:`_silence`, unless rank 0's own loop just stood still (it took no heartbeat meanwhile: they may be
+        waiting to be taken, not late)."""
+        now = time.monotonic()
+        if now - self._last_check > STALL_SECONDS:
+            self._watching_since = now
+        self._last_check = now
+        return self._silence()
+
+    async def _watch(self) -> None:
+        """Find a lost rank within LOST_AFTER_SECONDS, not at the next collective: between steps, form the group
+        again without it at once (a step in progress gives itself up: :meth:`_collective`)."""
+        while True:
+            await asyncio.sleep(POLL_SECONDS)
+            if await self._lost_now() is None or self._lock.locked():
+                continue
+            state = self.calls.coordinator.current
+            try:
+                await self._collective(self._fail_if_lost,
+                                       state=state if state is not None and not state.closed else None)
+            except RanksChanged:
+                pass
+            except RankMissing:  # the coordinator's next step fails the same way and says why
+                return
+
+    def _fail_if_lost(self) -> None:
+        """A step that fails (RankMissing) if a rank is lost still, now that it holds the group."""
+        reason = self._silence()
+        if reason is not None:
+            raise RankMissing(reason)
+
     async def _tick(self) -> None:
         """While rank 0 waits (for agents, for a round), keep the other ranks' receive within its timeout."""
         period = self.group.timeout.total_seconds() / 4
@@ -183,9 +231,11 @@ without a rank that is lost."""
         def work():
             self.endpoints = self.group.exchange_endpoints(me)
             self._send_start()
-        await self._collective(work)
+        await self._collective(work, watched=False)
         log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints))
         self._ticker = asyncio.ensure_future(self._tick())
+        self._watching_since = time.monotonic()  # the ranks' heartbeats start with the start message
+        self._watcher = asyncio.ensure_future(self._watch())
 
     def _send_start(self) -> None:
         """Every rank: where rank 0's control service is and its secret, and the model to serve (rank 0's now)."""
@@ -196,8 +246,7 @@ without a rank that is lost."""
     async def _take_back(self) -> bool:
         """Form the group again with the replacement ranks that asked to be taken back, and give them the model;
         whether any were (RanksChanged if a rank was lost meanwhile: they are then left out again)."""
-        loop = asyncio.get_running_loop()
-        asking = await loop.run_in_executor(self._thread, self.group.asking_to_join)
+        asking = await self._steps.run(self.group.asking_to_join)
         if not asking:
             return False
         members = sorted(set(self.live) | set(asking))
@@ -209,7 +258,7 @@ without a rank that is lost."""
             self.endpoints[rank] = endpoint
         self.calls.take_back(list(asking))
         try:
-            await self._collective(work)
+            await self._collective(work, watched=False)
         except RanksChanged:
             self.calls.lost.update(r for r in asking if r not in self.live)
             raise
@@ -321,8 +370,9 @@ without a rank that is lost."""
 
     async def stop(self, finished: bool) -> None:
         """Stop ticking; when every round is ``finished``, the other ranks stop serving too."""
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for task in (self._ticker, self._watcher):
+            if task is not None:
+                task.cancel()
         while finished:
             try:
                 await self._collective(self.group.send, pb.RankBroadcast(stop=pb.RankStop()))
@@ -331,9 +381,9 @@ without a rank that is lost."""
                 pass
         if finished and self._broken is None:  # a replacement still asking to be taken back leaves
             try:
-                await asyncio.get_running_loop().run_in_executor(self._thread, self.group.stopped)
+                await self._steps.run(self.group.stopped)
             except RankMissing as exc:  # the store is gone: so is anything that waited in it
                 log.info("aggregator ranks: %s", exc)
         if self._control is not None:
             await self._control.stop(0.5)
-        self._thread.shutdown(wait=False)
+        self._steps.close()

@@ -14,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,12 +22,13 @@ from support.processes import children
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 50  # paced by --slow-step-delay: a replacement rank may come back before the last
+LOST_WITHIN = 8.0  # seconds from a rank's kill -9 or SIGSTOP to rank 0's line (3 s of silence, on a loaded box)
 SEED = int(os.environ.get("FEDPAR_RANK_LOSS_SEED") or secrets.randbelow(10**6))  # printed: a failure replays
 
 
 def _simulate(out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--aggregator-ranks", "3", "--clients", "6",
-           "--workers", "1", "--rounds", str(ROUNDS), "--local-epochs", "1", "--aggregator-timeout", "2",
+           "--workers", "1", "--rounds", str(ROUNDS), "--local-epochs", "1", "--aggregator-timeout", "30",
            "--deadline", "6", "--seed", "3", "--slow-fraction", "1", "--slow-step-delay", "0.002",
            "--out", str(out), "--quiet"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
@@ -61,6 +63,10 @@ def test_ranks_1_and_2_lost_at_random_rounds_cost_at_most_the_open_round_each(tm
     print(f"seed {SEED} (FEDPAR_RANK_LOSS_SEED replays it): {[(r, k, s.name) for r, k, s in losses]}")
     out = tmp_path / "out"
     proc = _simulate(out)
+    lines_at: list[tuple[float, str]] = []  # stderr's lines, each with when it came
+    reader = threading.Thread(target=lambda: lines_at.extend((time.monotonic(), line) for line in proc.stderr))
+    reader.start()
+    signalled = {}
     try:
         _until(out, proc, lambda rows: len(rows) >= 1)
         # The coordinator's children: the resource tracker, the worker, then ranks 1 and 2 (once it is built).
@@ -68,11 +74,14 @@ def test_ranks_1_and_2_lost_at_random_rounds_cost_at_most_the_open_round_each(tm
         for round_id, rank, sig in losses:
             _until(out, proc, lambda rows: len(rows) >= round_id)
             os.kill(ranks[rank], sig)
-        _, err = proc.communicate(timeout=120)
+            signalled[rank] = time.monotonic()
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        reader.join(10)
+    err = "".join(line for _, line in lines_at)
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
     rows = _rows(out)
@@ -82,6 +91,10 @@ def test_ranks_1_and_2_lost_at_random_rounds_cost_at_most_the_open_round_each(tm
     lost = [line for line in err.splitlines() if " lost (died or hung); going on with " in line]
     said = sorted(int(k) for line in lost for k in re.findall(r"rank (\d)", line.split(" lost ")[0]))
     assert said == [1, 2], err  # each loss said once (both in one line when they fall in the same round)
+    for rank, at in signalled.items():  # within seconds (heartbeats, the process's end), not a collective's timeout
+        when = next(t for t, line in lines_at if f"rank {rank}" in line.split(" lost ")[0] and " lost (died" in line)
+        print(f"rank {rank} lost after {when - at:.2f} s")
+        assert when - at < LOST_WITHIN, (rank, when - at, err)
     for line in lost:  # the round open at a loss counts nothing from the lost rank: its partial sum was dropped
         if match := re.search(r"of round (\d+) are not counted", line):
             for k in re.findall(r"rank (\d)", line.split(" lost ")[0]):
