@@ -24,7 +24,9 @@ from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.run_store import RunStore
+from fedpar.simulations.run_outputs import start_fresh
 
 
 class OneShotService(RunService):
@@ -100,6 +102,8 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
     aggregator ranks), print its summary and return the command's exit code."""
     # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
     threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
+    if not has_checkpoint(plan.config.checkpoint_dir):  # else the run resumes, and its rows go on
+        start_fresh(Path(args.out))
     store = RunStore(":memory:")
     service = OneShotService(args, store, lambda options: plan)
     run = store.get(store.submit("serve", json_ready(effective_settings(args))))

@@ -239,3 +239,18 @@ def test_a_rank_that_raised_is_named_with_the_exception_it_ended_on():
     assert said == "rank 1: RuntimeError: CUDA error: invalid device ordinal"
     missing = trace.replace("RuntimeError: CUDA error: invalid device ordinal", "RankMissing: rank 0 is gone")
     assert _rank_failure(ProcessRaisedException(missing, 1, 42)) == "rank 0 is gone"
+
+
+def test_a_serve_into_an_earlier_runs_out_stopped_before_round_1_leaves_none_of_its_outputs(tmp_path):
+    """Its metrics rows were appended to the earlier run's (as simulate's were: simulations/run_outputs.py)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "accuracy.png"):
+        (out / name).write_text("of an earlier run\n")
+    proc = _start(tmp_path, ["serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
+                             str(out), "--no-central-eval", "--min-available", "2"])
+    _port(tmp_path, proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130, (tmp_path / "run.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"], (tmp_path / "run.log").read_text()
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 0
