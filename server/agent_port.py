@@ -146,7 +146,12 @@ class AgentPort:
             self._started = True
             await self._server.start()
             if self.on_listening is not None:
-                self.on_listening(self.port)
+                try:  # e.g. a --port-file that cannot be written: the caller ends with it
+                    self.on_listening(self.port)
+                except BaseException:
+                    self._stack.remove(entry)
+                    self._choose()
+                    raise
         return entry
 
     def restored(self, entry: Stacked) -> None:

@@ -144,7 +144,13 @@ class CoordinatorServer:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         service = CoordinatorService(self.coordinator)
-        stacked = await self.agent_port.push(self.coordinator, generic_handler(service), service.limits)
+        try:
+            stacked = await self.agent_port.push(self.coordinator, generic_handler(service), service.limits)
+        except BaseException as exc:  # start() re-raises it: it waited for _ready forever (a --port-file not written)
+            self.error = exc
+            self._ready.set()
+            self._finished.set()
+            raise
         try:
             try:  # the coordinator beneath answers meanwhile; with none, health checks do (NOT_SERVING)
                 await asyncio.to_thread(self.coordinator.restore)

@@ -127,3 +127,31 @@ def test_while_a_run_restores_its_checkpoint_the_idle_coordinator_answers(tmp_pa
             agent.close()
         run.stop(grace=0.5)
         service.close()
+
+
+def test_a_listening_callback_that_raises_ends_start_instead_of_hanging():
+    # `fedpar serve --port-file DIR` waited forever: the port file's write failed on the port's loop, and start()
+    # waited for a coordinator that never got to say it was ready
+    coordinator = Coordinator(CoordinatorConfig(**QUICK, rounds=1), ["t0"], [np.zeros(4, np.float32)],
+                              build_strategy("fedavg"))
+    server = CoordinatorServer(coordinator)
+
+    def cannot_write(port: int) -> None:
+        raise IsADirectoryError(21, "Is a directory", "run/port")
+
+    server.on_listening = cannot_write
+    started = time.monotonic()
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            server.start()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    starting.join(10)
+    assert not starting.is_alive(), "start() hangs"
+    assert isinstance(outcome[0], IsADirectoryError) and time.monotonic() - started < 10
+    server.stop(grace=0.2)
