@@ -20,21 +20,17 @@ APP = Path(__file__).parent / "tiny_app"
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
 
 
-def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
-    certs = tmp_path / "certs"
-    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "alice,bob"], check=True, cwd=ROOT,
-                   capture_output=True, timeout=60)
-    final = tmp_path / "final.npz"
-    serve = subprocess.Popen([*FEDPAR, "serve", "--port", "0", "--certs", str(certs), "--min-available", "2",
-                              "--flower-app", str(APP), "--run-config", f'final-path="{final}"',
-                              "--out", str(tmp_path / "run")],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _serve_and_two_agents(app: Path, serve_args: list[str], listening: str, client_args: list[str]):
+    """`fedpar serve --flower-app APP` and two `fedpar client --flower-app APP` agents (alice, bob) until they end:
+    (serve, its output, the clients, their outputs)."""
+    serve = subprocess.Popen([*FEDPAR, "serve", "--port", "0", "--min-available", "2", "--flower-app", str(app),
+                              *serve_args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     clients, lines = [], []
     try:
-        port = port_from(serve, lines, "(mutual TLS) for Flower App")
-        clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--certs", str(certs),
+        port = port_from(serve, lines, listening)
+        clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", *client_args,
                                      "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
-                                     "--flower-app", str(APP), "--threads", "1", "--give-up-after", "60"],
+                                     "--flower-app", str(app), "--threads", "1", "--give-up-after", "60"],
                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                    for i, agent_id in enumerate(["alice", "bob"])]
         outputs = [c.communicate(timeout=120)[0] for c in clients]
@@ -43,6 +39,17 @@ def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
         for proc in [serve, *clients]:
             if proc.poll() is None:
                 proc.kill()
+    return serve, serve_out, clients, outputs
+
+
+def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
+    certs = tmp_path / "certs"
+    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "alice,bob"], check=True, cwd=ROOT,
+                   capture_output=True, timeout=60)
+    final = tmp_path / "final.npz"
+    serve, serve_out, clients, outputs = _serve_and_two_agents(
+        APP, ["--certs", str(certs), "--run-config", f'final-path="{final}"', "--out", str(tmp_path / "run")],
+        "(mutual TLS) for Flower App", ["--certs", str(certs)])
     assert serve.returncode == 0, serve_out
     for client, out in zip(clients, outputs):
         # 2 server rounds, each a train and an evaluate message: 4 replies, none refused
@@ -64,24 +71,9 @@ def test_served_app_under_fedpars_strategy_trains_two_deployed_client_apps(tmp_p
     """`fedpar serve --flower-app DIR --strategy fedavg`: fedpar's rounds (not the ServerApp's) from the app's
     [tool.fedpar] model, answered by two `fedpar client --flower-app DIR` agents running the app's ClientApp."""
     example = ROOT / "examples" / "flower_app"
-    serve = subprocess.Popen([*FEDPAR, "serve", "--port", "0", "--insecure", "--min-available", "2",
-                              "--flower-app", str(example), "--strategy", "fedavg", "--rounds", "2",
-                              "--out", str(tmp_path / "run")],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    clients, lines = [], []
-    try:
-        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
-        clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--insecure",
-                                     "--agent-id", agent_id, "--num-partitions", "2", "--partition-index", str(i),
-                                     "--flower-app", str(example), "--threads", "1", "--give-up-after", "60"],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                   for i, agent_id in enumerate(["alice", "bob"])]
-        outputs = [c.communicate(timeout=120)[0] for c in clients]
-        serve_out = "".join(lines) + serve.communicate(timeout=60)[0]
-    finally:
-        for proc in [serve, *clients]:
-            if proc.poll() is None:
-                proc.kill()
+    serve, serve_out, clients, outputs = _serve_and_two_agents(
+        example, ["--insecure", "--strategy", "fedavg", "--rounds", "2", "--out", str(tmp_path / "run")],
+        "(PLAINTEXT (--insecure))", ["--insecure"])
     assert serve.returncode == 0, serve_out
     assert all(client.returncode == 0 for client in clients), outputs
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
