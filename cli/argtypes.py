@@ -10,6 +10,7 @@ import argparse
 import difflib
 import math
 import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -127,6 +128,58 @@ def address(text: str) -> str:
 
 
 address.kind = str
+
+
+def path(text: str) -> Path:
+    """An argparse type: a path, not empty (an empty one would be the current folder: a slip, never meant)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give a file's or a folder's path")
+    return Path(text)
+
+
+path.kind = Path
+
+
+def folder(text: str) -> str:
+    """An argparse type: the path of a folder a command writes into (--out), not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give a folder, e.g. runs/first (created if missing)")
+    return text
+
+
+folder.kind = str
+
+
+def host(text: str) -> str:
+    """An argparse type: an address to listen on, a host name or an IP address (not empty: gRPC refuses ':PORT')."""
+    text = text.strip()
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host name or an IP address (e.g. 127.0.0.1, or 0.0.0.0 "
+                                         "for every interface)")
+    return text
+
+
+host.kind = str
+
+
+def file_to_write(text: str):
+    """An argparse type: the path of a file this command writes (--port-file): not empty, not a folder, in a
+    folder that exists (a port file that cannot be written would be said only once the port is open)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give the path of a file to write, e.g. run/port")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file to write, e.g. "
+                                         f"{path / 'port'}")
+    folder = path.parent
+    if not folder.is_dir():
+        state = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text}: its folder {folder} {state}; create the folder or pick another "
+                                         "path")
+    return path
+
+
+file_to_write.kind = Path
 
 
 def id_list(text: str) -> list[str]:

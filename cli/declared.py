@@ -99,7 +99,7 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
             kw["action"] = "extend" if getattr(convert, "splits", False) else "append"
             item = (typing.get_args(kind) or (str,))[0]
             if convert or item in (int, float, Path):
-                kw["type"] = convert or item
+                kw["type"] = convert or (argtypes.path if item is Path else item)
         elif kind is bool and not isinstance(choices, dict):
             kw["action"] = argparse.BooleanOptionalAction if (default or meta[NEGATABLE]) else "store_true"
         elif isinstance(choices, dict):
@@ -110,7 +110,9 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
             kw["choices"] = tuple(choices)
         elif convert:
             kw["type"] = convert
-        elif kind in (int, float, Path):
+        elif kind is Path:
+            kw["type"] = argtypes.path  # not empty: Path('') is the current folder
+        elif kind in (int, float):
             kw["type"] = kind
         if meta[METAVAR]:
             kw["metavar"] = meta[METAVAR]

@@ -21,7 +21,7 @@ class Observability:
         None, check="port", group="observability",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port): rounds, agents, uploads, "
              "refusals, bytes, round and fold seconds, DP epsilon")
-    metrics_host: str = setting("127.0.0.1", group="observability",
+    metrics_host: str = setting("127.0.0.1", check="host", group="observability",
                                 help="address of the Prometheus endpoint (0.0.0.0 for every interface: it has no "
                                      "authentication)")
     tensorboard: str | None = setting(None, group="observability", metavar="DIR",

@@ -49,10 +49,10 @@ class ServeOptions(Output):
     """What only ``fedpar serve`` sets: where it listens and writes, and the model it serves without data."""
 
     out: str = redefault(Output, "out", "runs/serve")
-    host: str = setting("127.0.0.1", group="coordinator",
+    host: str = setting("127.0.0.1", check="host", group="coordinator",
                         help="address to listen on (0.0.0.0 for every interface)")
     port: int = setting(50051, check="port", group="coordinator", help="port to listen on (0 picks a free one)")
-    port_file: Path | None = setting(None, group="coordinator",
+    port_file: Path | None = setting(None, check="file_to_write", group="coordinator",
                                      help="once listening, write the bound port to this file (handy with --port 0)")
     params: int = setting(1_000_000, check="count", group="data",
                           help="with --model synthetic: a model of about this many float32 parameters and no data or "

@@ -44,7 +44,7 @@ class ServiceOptions:
     control_port: int = setting(50052, check="port", group="coordinator",
                                 help="with --state: port of the control API (mutual TLS with --certs; only "
                                      "certificates from 'fedpar certs --operators NAME' are answered)")
-    control_port_file: Path | None = setting(None, group="coordinator",
+    control_port_file: Path | None = setting(None, check="file_to_write", group="coordinator",
                                              help="with --state: once listening, write the control port to this file")
 
 
@@ -271,7 +271,7 @@ class RunService:
         except (ValueError, UserError, OSError) as exc:
             if events is not None:
                 events.close()
-            return self._end(run, "failed", f"cannot start: {exc}", said=str(exc), code=2)
+            return self._end(run, "failed", f"cannot start: {describe(exc)}", said=describe(exc), code=2)
         server.coordinator.keeps_members = self.keeps_members
         self._current, self._wait = (run, task), None
         if self.samples_by_task:

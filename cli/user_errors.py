@@ -62,11 +62,12 @@ def check_output_folder(path, option: str = "--out") -> None:
 
 
 def check_port_free(host: str, port: int | None, option: str = "--port", exit_code: int = 2) -> None:
-    """UserError (``exit_code``: 2, as every other port mistake) if another process listens on ``host:port`` (port 0
-    or None always passes)."""
+    """UserError (``exit_code``: 2, as every other port mistake) if another process listens on ``host:port``, or if
+    ``host`` is no address of this machine (port 0 too: gRPC would say so only in a log line of its own); port None
+    always passes."""
     import socket
 
-    if not port:
+    if port is None:
         return
     try:
         infos = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)
@@ -81,6 +82,9 @@ def check_port_free(host: str, port: int | None, option: str = "--port", exit_co
             if exc.errno == errno.EADDRINUSE:
                 raise UserError(f"port {port} on {host} is in use by another process; stop it or pick another "
                                 f"{option} (0 picks a free one)", exit_code) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise UserError(f"cannot listen on {host}: it is not an address of this machine; check --host "
+                                "(0.0.0.0 listens on every interface)", exit_code) from None
             raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host and {option}",
                             exit_code) from None
 

@@ -22,7 +22,7 @@ class Seeded:
 class Output:
     """The folder a command writes into."""
 
-    out: str | None = setting(None, group="outputs", metavar="DIR",
+    out: str | None = setting(None, check="folder", group="outputs", metavar="DIR",
                               help="folder this command writes into, created if missing: a run's metrics, summary, "
                                    "plots and final model (train: also its checkpoints, and with --pp its model only "
                                    "there); certs: the CA, "

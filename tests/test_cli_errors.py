@@ -86,6 +86,60 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
     assert not (certs / "revoked.txt").exists()  # nothing was revoked
 
 
+def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
+    """The exit code and stderr lines of ``fedpar ARGV`` run in this process (a parse error: argparse's SystemExit)."""
+    from fedpar.cli.main import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv, code, line", [
+    # a hang: the port file was written once the port was open, on the port's event loop, and its error was lost
+    (["serve", "--port-file", "{tmp}"], 2, "fedpar serve: error: argument --port-file: {tmp} is a folder; give the "
+                                           "path of a file to write, e.g. {tmp}/port"),
+    (["serve", "--port-file", "{tmp}/nowhere/port"], 2, "argument --port-file: {tmp}/nowhere/port: its folder "
+                                                         "{tmp}/nowhere does not exist; create the folder"),
+    (["serve", "--state", "{tmp}/state.db", "--control-port-file", "{tmp}/a-file/port"], 2,
+     "argument --control-port-file: {tmp}/a-file/port: its folder {tmp}/a-file is a file, not a folder"),
+    (["serve", "--port-file", ""], 2, "argument --port-file: an empty path: give the path of a file to write"),
+    # an empty host reached gRPC (its own 'E... add_port.cc' log line, then 'the port is in use'); a host that is not
+    # this machine's said 'the port is in use' too, with --port 0
+    (["serve", "--host", ""], 2, "argument --host: '' is not a host name or an IP address (e.g. 127.0.0.1, or "
+                                 "0.0.0.0 for every interface)"),
+    (["simulate", "--metrics-host", " "], 2, "argument --metrics-host: '' is not a host name or an IP address"),
+    (["serve", "--insecure", "--port", "0", "--host", "192.0.2.1", "--out", "{tmp}/s"], 2,
+     "fedpar serve: cannot listen on 192.0.2.1: it is not an address of this machine; check --host"),
+    # --out '': serve listened, then ended in a TypeError traceback writing its outputs to None
+    (["serve", "--out", ""], 2, "argument --out: an empty path: give a folder, e.g. runs/first"),
+    (["certs", "--out", "", "--agents", "a"], 2, "argument --out: an empty path"),
+    (["simulate", "--checkpoint-dir", ""], 2, "argument --checkpoint-dir: an empty path: give a file's or a "
+                                              "folder's path"),
+    (["serve", "--enrollment-tokens", ""], 2, "argument --enrollment-tokens: an empty path"),
+])
+def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv, code, line, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    got, lines = _said_in_process(argv, capsys)
+    assert (got, len(lines)) == (code, 1), lines
+    assert line.replace("{tmp}", str(tmp_path)) in lines[0], lines
+    assert "Traceback" not in lines[0]
+    assert not (tmp_path / "s").exists() and not (tmp_path / "nowhere").exists()
+
+
+def test_a_tensorboard_folder_that_is_a_file_is_named_with_what_to_do(tmp_path, capsys):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'fedpar[tensorboard]')")
+    (tmp_path / "a-file").write_text("")
+    code, lines = _said_in_process(["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "s"),
+                                    "--tensorboard", str(tmp_path / "a-file")], capsys)
+    assert code == 2 and not [line for line in lines if "Traceback" in line], lines
+    # it was "fedpar serve: [Errno 17] File exists: '.../a-file'"
+    assert lines[-1] == f"fedpar serve: File exists: a-file in folder {tmp_path}; remove it or pick another path", lines
+
+
 def test_a_task_factory_that_raises_is_one_line_naming_it_and_its_error_on_every_command(tmp_path):
     # it was a traceback, where the same file's failing import was one line already
     (tmp_path / "raise_task.py").write_text("def task():\n    raise RuntimeError('boom')\n")
