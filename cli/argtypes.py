@@ -75,6 +75,8 @@ def ranged(kind: type, low=None, high=None, what: str = "") -> Callable[[str], i
 port = ranged(int, 0, 65535, "a TCP port (0 picks a free one)")
 count = ranged(int, 1, None, "a count")  # rounds, clients, workers, ranks, ...
 non_negative_int = ranged(int, 0, None, "a non-negative integer")
+secagg_weight = ranged(int, 1, (1 << 30) - 1, "an agent's weight (two of them must fit a 31-bit sum)")
+task_count = ranged(int, 1, 2**32 - 1, "a count each task carries (32 bits)")  # --local-epochs, --batch-size
 probability = ranged(float, 0.0, 1.0, "a probability or fraction")
 non_negative = ranged(float, 0.0, None, "a non-negative number")
 at_least_one = ranged(float, 1.0, None, "a factor")  # --overselect
@@ -111,6 +113,17 @@ def held_out(text: str) -> float:
 
 
 held_out.kind = float
+
+
+def below_one(text: str) -> float:
+    """An argparse type: a factor in [0, 1) (--momentum: at 1 or above the steps never decay and training diverges)."""
+    value = _number(float, text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in [0, 1)")
+    return value
+
+
+below_one.kind = float
 
 
 def address(text: str) -> str:

@@ -257,7 +257,7 @@ class TrainConfig(Output, Seeded, Device, DataSource):
     optimizer_impl: str = setting("auto", choices=OPTIMIZER_IMPLS, group="optimisation",
                                   help="torch optimizer kernels; auto: fused AdamW (CPU and GPU), torch's default "
                                        "for SGD")
-    momentum: float = setting(0.9, check="non_negative", group="optimisation", help="SGD momentum")
+    momentum: float = setting(0.9, check="below_one", group="optimisation", help="SGD momentum")
     weight_decay: float = setting(0.0, check="non_negative", group="optimisation", help="weight decay")
     grad_accum: int = setting(1, check="count", group="optimisation", help="microbatches accumulated per step")
     grad_clip: float = setting(0.0, check="non_negative", group="optimisation",

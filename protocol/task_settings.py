@@ -27,8 +27,8 @@ MAX_JSON_CHARS = 64 << 10
 class LocalTraining:
     """What an agent does with a task: E local epochs of SGD over batches of B at learning rate lr."""
 
-    local_epochs: int = setting(5, check="count", group="training", help="local epochs per task (E)")
-    batch_size: int = setting(16, check="count", group="training", help="local batch size (B)")
+    local_epochs: int = setting(5, check="task_count", group="training", help="local epochs per task (E)")
+    batch_size: int = setting(16, check="task_count", group="training", help="local batch size (B)")
     learning_rate: float = setting(0.1, check="positive", flag="lr", group="training",
                                    help="local SGD learning rate")
     client_eval_every: int = setting(

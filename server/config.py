@@ -25,7 +25,7 @@ class RoundSampling:
         10, check="count", group="rounds",
         help="K: the accepted updates that close a round, early, before its deadline (simulate: all its clients by "
              "default)")
-    min_reports: int = setting(1, check="non_negative_int", group="rounds",
+    min_reports: int = setting(1, check="count", group="rounds",
                                help="a round with fewer accepted updates than this fails; the model stays as it was")
     overselect: float = setting(1.3, check="at_least_one", group="rounds",  # FedScale's over-commitment
                                 help="sample ceil(K x overselect) agents so that stragglers do not hold a round up; "
@@ -73,7 +73,7 @@ class SecureAggregation:
                                  help="with --secure-aggregation: clip each coordinate of an update (local - global) "
                                       "to +-this")
     secagg_max_weight: int | None = setting(
-        None, check="count", group="secagg",
+        None, check="secagg_weight", group="secagg",
         help="with --secure-aggregation: cap on an agent's weight (default: largest registered examples x local "
              "epochs in the cohort)")
     secagg_stage_seconds: float = setting(30.0, check="positive", group="secagg",
@@ -217,6 +217,17 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
                                             "their host calls")
     max_population_join: int = 10_000  # members in one JoinPopulation call
 
+    def _secagg_sum_fits(self) -> tuple[bool, str]:
+        """Whether the sum of the sampled agents' weights (at most secagg_max_weight each) fits secure aggregation's
+        31-bit field (secagg/field.py): every round failed on it, said only in metrics.jsonl."""
+        if not self.secure_aggregation or self.secagg_max_weight is None or self.fraction is not None:
+            return True, ""
+        sampled = max(2, math.ceil(self.clients_per_round * self.overselect))
+        fits = (1 << 31) - 1
+        return (sampled * self.secagg_max_weight <= fits,
+                f"secagg_max_weight ({self.secagg_max_weight}) x the {sampled} agents sampled per round must fit "
+                f"secure aggregation's 31-bit sum: give secagg_max_weight {fits // sampled} or less")
+
     def validate(self) -> None:
         """Raise ValueError naming the setting to change when settings are inconsistent."""
         checks = [
@@ -265,6 +276,7 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
              "liveness_timeout_seconds must exceed heartbeat_seconds"),
             (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),
             (self.secagg_max_weight is None or self.secagg_max_weight >= 1, "secagg_max_weight must be >= 1"),
+            self._secagg_sum_fits(),
             (self.secagg_stage_seconds > 0, "secagg_stage_seconds must be > 0"),
             (self.data_plane in (None, True, False), "data_plane must be on, off or auto"),
             (0 <= self.data_port <= 65535, "data_port must be in 0..65535"),

@@ -119,6 +119,21 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     (["simulate", "--checkpoint-dir", ""], 2, "argument --checkpoint-dir: an empty path: give a file's or a "
                                               "folder's path"),
     (["serve", "--enrollment-tokens", ""], 2, "argument --enrollment-tokens: an empty path"),
+    # the coordinator's protobuf refused it in every task: each agent worker died with a traceback
+    (["simulate", "--batch-size", str(2**32)], 2, "argument --batch-size: 4294967296 is out of range: a count each "
+                                                  "task carries (32 bits) must be in 1..4294967295"),
+    (["serve", "--local-epochs", str(10**12)], 2, "argument --local-epochs: 1000000000000 is out of range"),
+    # declared >= 0 but refused after the data loaded ('--min-reports must be >= 1')
+    (["simulate", "--min-reports", "0"], 2, "argument --min-reports: 0 is out of range: a count must be at least 1"),
+    # every round failed, 'too few updates arrived (... check --min-reports, --deadline)': the reason was only in
+    # metrics.jsonl (secagg_failure)
+    (["serve", "--insecure", "--port", "0", "--out", "{tmp}/s", "--secure-aggregation", "--clients-per-round", "4",
+      "--secagg-max-weight", "1000000000"], 2,
+     "fedpar serve: --secagg-max-weight (1000000000) x the 6 agents sampled per round must fit secure aggregation's "
+     "31-bit sum: give --secagg-max-weight 357913941 or less"),
+    (["simulate", "--secagg-max-weight", str(2**30)], 2, "argument --secagg-max-weight: 1073741824 is out of range"),
+    # trained to NaN (momentum 1e30) or never decayed (1)
+    (["train", "--momentum", "1"], 2, "argument --momentum: 1 is out of range: it must be in [0, 1)"),
 ])
 def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv, code, line, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
