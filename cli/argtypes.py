@@ -76,6 +76,7 @@ port = ranged(int, 0, 65535, "a TCP port (0 picks a free one)")
 count = ranged(int, 1, None, "a count")  # rounds, clients, workers, ranks, ...
 non_negative_int = ranged(int, 0, None, "a non-negative integer")
 secagg_weight = ranged(int, 1, (1 << 30) - 1, "an agent's weight (two of them must fit a 31-bit sum)")
+int8_block = ranged(int, 1, 1 << 20, "values per int8 block")  # each tensor is padded to whole blocks
 task_count = ranged(int, 1, 2**32 - 1, "a count each task carries (32 bits)")  # --local-epochs, --batch-size
 probability = ranged(float, 0.0, 1.0, "a probability or fraction")
 non_negative = ranged(float, 0.0, None, "a non-negative number")

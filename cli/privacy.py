@@ -26,7 +26,7 @@ class PrivacyOptions:
         "client: agents clip their own update before uploading (the coordinator verifies the bound, refuses "
         "violators, and adds the noise). Updates are weighted uniformly, not by example count, so one client's "
         "influence stays bounded"))
-    privacy_noise: float = setting(1.0, check="non_negative", group="privacy",
+    privacy_noise: float = setting(1.0, check="positive", group="privacy",
                                    help="noise multiplier z: the noise on the sum of clipped deltas has std z x clip "
                                         "norm")
     privacy_clip: float = setting(1.0, check="positive", group="privacy",

@@ -50,7 +50,7 @@ class CompressionConfig:
     topk_ratio: float = setting(0.01, check="fraction", group="transfer",
                                 help="with --compression topk: share of each tensor's entries sent, in (0, 1]; 0.01 "
                                      "sends 1/50 of the float32 bytes")
-    int8_block: int = setting(256, check="count", group="transfer",
+    int8_block: int = setting(256, check="int8_block", group="transfer",
                               help="with --compression int8: values sharing one float32 scale (smaller: more "
                                    "accurate, 4 more bytes per block)")
     seed: int | None = None  # seed of the stochastic rounding (None: fresh entropy)

@@ -134,6 +134,12 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     (["simulate", "--secagg-max-weight", str(2**30)], 2, "argument --secagg-max-weight: 1073741824 is out of range"),
     # trained to NaN (momentum 1e30) or never decayed (1)
     (["train", "--momentum", "1"], 2, "argument --momentum: 1 is out of range: it must be in [0, 1)"),
+    # each agent's task failed with a MemoryError traceback padding to a block, and the round waited its deadline
+    (["simulate", "--compression", "int8", "--int8-block", str(10**12)], 2,
+     "argument --int8-block: 1000000000000 is out of range: values per int8 block must be in 1..1048576"),
+    # declared >= 0; refused once the data loaded: 'dp noise multiplier must be a finite number > 0, got 0.0'
+    (["simulate", "--privacy", "central", "--privacy-noise", "0"], 2,
+     "argument --privacy-noise: 0 is out of range: it must be greater than 0"),
 ])
 def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv, code, line, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
