@@ -15,18 +15,34 @@ from pathlib import Path
 
 import pytest
 
+from fedpar.cli.main import main
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--dataset", "digits", "--clients-per-round", "2", "--local-epochs", "1", "--seed", "7", "--workers", "1",
           "--seats", "1", "--quiet"]
 
 
+def _argv(*extra: str, out: Path, ckpt: Path, clients: int, rounds: int) -> list[str]:
+    return ["simulate", *COMMON, "--clients", str(clients), "--rounds", str(rounds), *extra, "--out", str(out),
+            "--checkpoint-dir", str(ckpt)]
+
+
 def _simulate(*extra: str, out: Path, ckpt: Path, clients: int = 4, rounds: int = 2) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", *COMMON, "--clients", str(clients), "--rounds",
-           str(rounds), *extra, "--out", str(out), "--checkpoint-dir", str(ckpt)]
+    cmd = [sys.executable, "-m", "fedpar.cli.main", *_argv(*extra, out=out, ckpt=ckpt, clients=clients, rounds=rounds)]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=180)
     assert "Traceback" not in done.stderr, done.stderr
     return done.returncode, done.stderr
+
+
+def _refused(*extra: str, out: Path, ckpt: Path, clients: int, rounds: int, capsys) -> tuple[int, str]:
+    """The command in this process: a refusal comes before the child process (and any worker) would start, so the
+    command's code and stderr are the same as a process's, without the process's seconds of imports."""
+    capsys.readouterr()
+    code = main(_argv(*extra, out=out, ckpt=ckpt, clients=clients, rounds=rounds))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err
 
 
 def _rounds(out: Path) -> list[int]:
@@ -62,9 +78,9 @@ def run(made, tmp_path) -> Path:
     (("--dataset", "synthetic"), 4, "--dataset digits, not synthetic"),
 ])
 def test_a_resume_of_another_federation_is_refused_in_one_line_before_any_worker_starts(run, extra, clients,
-                                                                                         difference):
+                                                                                         difference, capsys):
     before = (run / "ckpt" / "LATEST").read_text()
-    code, err = _simulate(*extra, out=run / "out", ckpt=run / "ckpt", clients=clients, rounds=4)
+    code, err = _refused(*extra, out=run / "out", ckpt=run / "ckpt", clients=clients, rounds=4, capsys=capsys)
     assert code == 2, err
     assert len(err.splitlines()) == 1, err
     assert difference in err and f"cannot resume from the checkpoint in {run / 'ckpt'}" in err, err
@@ -73,8 +89,8 @@ def test_a_resume_of_another_federation_is_refused_in_one_line_before_any_worker
     assert _rounds(run / "out") == [1, 2]  # no round of another federation joined them
 
 
-def test_every_difference_is_named_at_once(run):
-    code, err = _simulate("--seed", "9", out=run / "out", ckpt=run / "ckpt", clients=5, rounds=4)
+def test_every_difference_is_named_at_once(run, capsys):
+    code, err = _refused("--seed", "9", out=run / "out", ckpt=run / "ckpt", clients=5, rounds=4, capsys=capsys)
     assert code == 2 and "--clients 4, not 5; --seed 7, not 9;" in err, err
 
 
