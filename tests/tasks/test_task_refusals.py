@@ -144,12 +144,13 @@ def test_a_served_central_evaluation_that_fails_in_a_round_stops_the_coordinator
         lines = []
         port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
         client = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task", ref, "--agent-id", "alice",
-                       "--threads", "1", "--give-up-after", "5"], tasks.parent, timeout=120)
+                       "--threads", "1", "--give-up-after", "1"], tasks.parent, timeout=120)
         served = "".join(lines) + serve.communicate(timeout=60)[0]
     finally:
         if serve.poll() is None:
             serve.kill()
-    # the agent trained round 1 (it may not hear that training is over: the coordinator stops at once)
+    # the agent trained round 1 (it may not hear that training is over: the coordinator stops at once, and the agent
+    # then gives up after --give-up-after 1 s of backing off, not 5 s and its longer backoffs)
     assert "round 1 task refused" not in client.stderr, client.stderr
     assert serve.returncode == 1, served
     assert "Traceback" not in served and "stopped with an error" not in served, served
