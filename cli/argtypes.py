@@ -116,6 +116,17 @@ def held_out(text: str) -> float:
 held_out.kind = float
 
 
+def open_unit(text: str) -> float:
+    """An argparse type: a number strictly between 0 and 1 (--privacy-delta, --privacy-adaptive-quantile)."""
+    value = _number(float, text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in (0, 1)")
+    return value
+
+
+open_unit.kind = float
+
+
 def below_one(text: str) -> float:
     """An argparse type: a factor in [0, 1) (--momentum: at 1 or above the steps never decay and training diverges)."""
     value = _number(float, text)

@@ -33,7 +33,7 @@ class PrivacyOptions:
                                   help="L2 clip norm C of each update's change to the global model (initial C if "
                                        "adaptive)")
     privacy_adaptive_quantile: float | None = setting(
-        None, check="probability", group="privacy",
+        None, check="open_unit", group="privacy",
         help="turn on adaptive clipping: move C each round toward this quantile of the update norms (e.g. 0.5), "
              "using a noisy count of unclipped updates")
     privacy_clip_lr: float = setting(0.2, check="positive", group="privacy",
@@ -42,7 +42,7 @@ class PrivacyOptions:
         None, check="positive", group="privacy",
         help="adaptive clipping: std of the noise on the unclipped count (default clients-per-round/20; must exceed "
              "--privacy-noise / 2)")
-    privacy_delta: float = setting(1e-5, check="probability", group="privacy",
+    privacy_delta: float = setting(1e-5, check="open_unit", group="privacy",
                                    help="delta at which epsilon is reported each round; pick it below 1 / population")
     privacy_local_noise: float = setting(
         0.0, check="non_negative", group="privacy",

@@ -140,6 +140,10 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     # declared >= 0; refused once the data loaded: 'dp noise multiplier must be a finite number > 0, got 0.0'
     (["simulate", "--privacy", "central", "--privacy-noise", "0"], 2,
      "argument --privacy-noise: 0 is out of range: it must be greater than 0"),
+    (["simulate", "--privacy", "central", "--privacy-delta", "0"], 2,
+     "argument --privacy-delta: 0 is out of range: it must be in (0, 1)"),  # 'dp delta must be in (0, 1), got 0.0'
+    (["serve", "--privacy-adaptive-quantile", "1"], 2,
+     "argument --privacy-adaptive-quantile: 1 is out of range: it must be in (0, 1)"),
 ])
 def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv, code, line, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
