@@ -155,6 +155,9 @@ def client_security(args: argparse.Namespace, host_id: str | None = None) -> Cli
         except OSError as exc:
             raise TlsSetupError(f"cannot read --enrollment-token-file {args.enrollment_token_file}: "
                                 f"{exc.strerror}") from None
+        except UnicodeDecodeError:  # said "'utf-8' codec can't decode byte 0xcf ...", naming no file
+            raise TlsSetupError(f"--enrollment-token-file {args.enrollment_token_file} is not a text file; give the "
+                                "token file 'fedpar certs --mint-token ID' wrote") from None
     if args.insecure:
         log.warning(PLAINTEXT_WARNING)
         return ClientSecurity(None, None, token)

@@ -176,7 +176,11 @@ class WatchedFile:
             try:
                 text = self.path.read_text(encoding="utf-8") if signature is not None else ""
                 self.value = self._parse(text, str(self.path))
-            except (OSError, UnicodeDecodeError, ValueError) as exc:
+            except OSError as exc:  # its strerror: not "[Errno 21] Is a directory: 'PATH'"
+                return self._failed(f"cannot use {self.path}: {exc.strerror or exc}", strict)
+            except UnicodeDecodeError:
+                return self._failed(f"cannot use {self.path}: it is not a text file", strict)
+            except ValueError as exc:
                 return self._failed(f"cannot use {self.path}: {exc}", strict)
             self._signature = signature
         if signature is None:

@@ -123,7 +123,11 @@ def load_traces(path: str | Path, clients: int) -> Traces:
                 rows = list(csv.DictReader(f))
         else:
             rows = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # its strerror: not "[Errno 21] Is a directory: 'PATH'"
+        raise ValueError(f"cannot read the traces in {path}: {exc.strerror or exc}; give a CSV or JSON file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read the traces in {path}: it is not a text file; give a CSV or JSON file") from None
+    except ValueError as exc:
         raise ValueError(f"cannot read the traces in {path}: {exc}") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path}: traces must be a CSV with a header row or a JSON list of objects")

@@ -144,9 +144,21 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
      "argument --privacy-delta: 0 is out of range: it must be in (0, 1)"),  # 'dp delta must be in (0, 1), got 0.0'
     (["serve", "--privacy-adaptive-quantile", "1"], 2,
      "argument --privacy-adaptive-quantile: 1 is out of range: it must be in (0, 1)"),
+    # a file that is not text, or a folder: "'utf-8' codec can't decode byte 0xcf ..." naming no file, and
+    # "[Errno 21] Is a directory: '...'"
+    (["client", "--insecure", "--agent-id", "a", "--server", "127.0.0.1:1", "--enrollment-token-file",
+      "{tmp}/binary"], 2, "fedpar client: --enrollment-token-file {tmp}/binary is not a text file; give the token "
+                          "file 'fedpar certs --mint-token ID' wrote"),
+    (["simulate-workers", "--insecure", "--server", "127.0.0.1:1", "--clients", "4", "--trace", "{tmp}"], 2,
+     "fedpar simulate-workers: cannot read the traces in {tmp}: Is a directory; give a CSV or JSON file"),
+    (["simulate-workers", "--insecure", "--server", "127.0.0.1:1", "--clients", "4", "--trace", "{tmp}/binary"], 2,
+     "fedpar simulate-workers: cannot read the traces in {tmp}/binary: it is not a text file"),
+    (["serve", "--insecure", "--port", "0", "--out", "{tmp}/s", "--enrollment-tokens", "{tmp}"], 2,
+     "fedpar serve: cannot use {tmp}: Is a directory"),
 ])
 def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv, code, line, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "binary").write_bytes(b"\xcf\xff\x00")
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
     got, lines = _said_in_process(argv, capsys)
     assert (got, len(lines)) == (code, 1), lines
