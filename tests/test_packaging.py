@@ -75,7 +75,9 @@ def installed(tmp_path_factory) -> SimpleNamespace:
           "-w", str(base / "dist")], timeout=120)
     wheel = next((base / "dist").glob("fedpar-*.whl"))
     venv = base / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], timeout=120)
+    # --without-pip: ensurepip would install pip into it first (seconds); this pip installs into the venv's own
+    # interpreter instead (pip --python), as its pip would
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
                                                              "VIRTUAL_ENV", "PYTHONSAFEPATH")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # as `source venv/bin/activate` sets it
@@ -83,8 +85,8 @@ def installed(tmp_path_factory) -> SimpleNamespace:
     torch = f"torch=={version('torch').split('+')[0]}"  # this machine's build (pip's find-links hold the wheel)
     # --no-compile: pip would byte-compile all of torch (about half the install's time); Python compiles what
     # the commands below import, once.
-    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", *quiet, "--no-compile", torch,
-                              str(wheel)], env=env, capture_output=True, text=True, timeout=600)
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", *quiet,
+                              "--no-compile", torch, str(wheel)], env=env, capture_output=True, text=True, timeout=600)
     if install.returncode and f"No matching distribution found for {torch}" in install.stderr:
         pytest.skip(f"no package index reachable here offers {torch}: {install.stderr.strip().splitlines()[-1]}")
     assert install.returncode == 0, install.stderr[-3000:]
