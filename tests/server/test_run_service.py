@@ -81,10 +81,16 @@ class Federation:
                                "--certs", str(self.certs), "--operator", operator], cwd=ROOT, env=ENV,
                               capture_output=True, text=True, timeout=120)
 
-    def submit(self, name: str, text: str) -> int:
+    def run_here(self, *args: str, operator: str = "op") -> subprocess.CompletedProcess:
+        """`fedpar run ARGS` as :meth:`run` gives it, from this process: the same main, exit code and output, without
+        a process's start-up (the control port and the service are as real)."""
+        return _main_here("run", *args, "--control", self.control, "--certs", str(self.certs), "--operator", operator)
+
+    def submit(self, name: str, text: str, here: bool = False) -> int:
+        """`fedpar run submit` of ``text`` as run NAME: its id; ``here``: from this process (:meth:`run_here`)."""
         path = self.tmp / f"{name}.toml"
         path.write_text(text)
-        done = self.run("submit", str(path))
+        done = (self.run_here if here else self.run)("submit", str(path))
         assert done.returncode == 0, done.stderr
         return int(done.stdout.strip())
 
@@ -133,6 +139,23 @@ def federation(tmp_path_factory):
     yield fed
     fed.close()
     assert fed.service.returncode == 0, (tmp / "serve.log").read_text()[-3000:]  # SIGTERM stops every rank cleanly
+
+
+def _main_here(*argv: str) -> subprocess.CompletedProcess:
+    """`fedpar ARGV` run by its main in this process: its exit code (a usage error's SystemExit too) and what it
+    printed, as a finished process's."""
+    import contextlib
+    import io
+
+    from fedpar.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
 
 
 def _one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
@@ -210,42 +233,40 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
     store = RunStore(fed.state)
     before = len(store.runs())
     for action in (["stop"], ["logs"], ["get", "--out", str(fed.tmp / "nothing")]):
-        _one_line_error(fed.run(action[0], "9999", *action[1:]), "no run with id 9999")
+        _one_line_error(fed.run_here(action[0], "9999", *action[1:]), "no run with id 9999")
     assert not (fed.tmp / "nothing").exists()
     unknown = fed.tmp / "unknown.toml"
     unknown.write_text('rounds = 2\nstrategi = "fedavg"\n')
-    _one_line_error(fed.run("submit", str(unknown)), "unknown run setting(s) strategi")
+    _one_line_error(fed.run_here("submit", str(unknown)), "unknown run setting(s) strategi")
     bad = fed.tmp / "bad.toml"
     bad.write_text("rounds = -1\n")
-    _one_line_error(fed.run("submit", str(bad)), "rounds")
+    _one_line_error(fed.run_here("submit", str(bad)), "rounds")
     bad.write_text('strategy = "nope"\n')  # checked by the service, as serve checks its flags
-    _one_line_error(fed.run("submit", str(bad)), "unknown strategy 'nope'")
+    _one_line_error(fed.run_here("submit", str(bad)), "unknown strategy 'nope'")
     operators = fed.certs / "operators"  # an agent's certificate presented as an operator's
     (operators / "intruder.pem").write_bytes((fed.certs / "a1.pem").read_bytes())
     (operators / "intruder.key").write_bytes((fed.certs / "a1.key").read_bytes())
     good = fed.tmp / "good.toml"
     good.write_text(f"rounds = 1\n{QUICK}")
-    _one_line_error(fed.run("submit", str(good), operator="intruder"), "has no operator role")
-    _one_line_error(fed.run("ls", operator="intruder"), "has no operator role")
-    _one_line_error(fed.run("ls", "1"), "'fedpar run ls' takes no argument")
-    wrong_port = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "run", "ls", "--control",
-                                 f"127.0.0.1:{fed.port}", "--certs", str(fed.certs), "--operator", "op"], cwd=ROOT,
-                                env=ENV, capture_output=True, text=True, timeout=60)  # the agents' port
+    _one_line_error(fed.run_here("submit", str(good), operator="intruder"), "has no operator role")
+    _one_line_error(fed.run_here("ls", operator="intruder"), "has no operator role")
+    _one_line_error(fed.run_here("ls", "1"), "'fedpar run ls' takes no argument")
+    wrong_port = _main_here("run", "ls", "--control", f"127.0.0.1:{fed.port}", "--certs", str(fed.certs),
+                            "--operator", "op")  # the agents' port
     _one_line_error(wrong_port, "has no control API (is it the agents' port?)")
     agent = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "client", "--server", fed.control, "--certs",
                             str(fed.certs), "--agent-id", "a1", "--give-up-after", "20"], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=120)  # an agent given the control port
     assert agent.returncode != 0 and "not as a coordinator (is it a service's control port?)" in agent.stderr, \
         agent.stderr[-2000:]
-    second = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(fed.state), "--certs",
-                             str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=60)  # the state file is the first one's
+    # the state file is the first one's (its lock is the service process's: this process cannot take it either)
+    second = _main_here("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port", "0", "--control-port",
+                        "0")
     _one_line_error(second, "is in use by another fedpar serve")
     link = fed.tmp / "link.db"  # the same state file by another name
     link.symlink_to(fed.state)
-    second = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(link), "--certs",
-                             str(fed.certs), "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=60)
+    second = _main_here("serve", "--state", str(link), "--certs", str(fed.certs), "--port", "0", "--control-port",
+                        "0")
     _one_line_error(second, "is in use by another fedpar serve")
     tracebacks = (fed.tmp / "serve.log").read_text().count("Traceback")
     for text, words in (('[serve]\nrounds = 1\n', ("unknown table(s) [serve]", "[run]")),
@@ -254,7 +275,7 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
                         ('dataset = "csv:/nope.csv"\n', ("/nope.csv does not exist",
                                                         "on the service's machine"))):
         bad.write_text(text)
-        _one_line_error(fed.run("submit", str(bad)), *words)
+        _one_line_error(fed.run_here("submit", str(bad)), *words)
     assert (fed.tmp / "serve.log").read_text().count("Traceback") == tracebacks  # the service said none either
     piped = subprocess.run(["bash", "-c", f"{sys.executable} -m fedpar.cli.main run ls --control {fed.control} "
                             f"--certs {fed.certs} --operator op | true; exit ${{PIPESTATUS[0]}}"], cwd=ROOT, env=ENV,
@@ -268,7 +289,7 @@ def test_a_run_whose_every_round_failed_is_failed_and_says_why(federation):
     fed = federation
     store = RunStore(fed.state)
     run_id = fed.submit("short", "rounds = 1\nmin_reports = 5\ndeadline_seconds = 2\nlocal_epochs = 1\n"
-                                 "batch_size = 32\n")
+                                 "batch_size = 32\n", here=True)
     _wait_for(lambda: store.get(run_id).status in ("finished", "failed", "stopped"), 120, "the run did not end")
     run = store.get(run_id)
     assert run.status == "failed" and run.reason.startswith("every round failed (1 of 1): too few updates arrived"), \
@@ -279,15 +300,15 @@ def test_a_run_whose_every_round_failed_is_failed_and_says_why(federation):
 def test_a_revoked_operator_is_refused_on_the_control_port(federation):
     """`fedpar certs --revoke NAME` finds operators too, and the service re-reads revoked.txt at each call."""
     fed = federation
-    assert fed.run("ls", operator="op2").returncode == 0  # before: an operator like any other
+    assert fed.run_here("ls", operator="op2").returncode == 0  # before: an operator like any other
     revoke = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "certs", "--out", str(fed.certs), "--revoke",
                              "op2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     assert revoke.returncode == 0 and "revoked operator op2" in revoke.stdout, revoke.stderr
     good = fed.tmp / "good.toml"
     good.write_text(f"rounds = 1\n{QUICK}")
     for action in (["ls"], ["submit", str(good)], ["stop", "1"]):
-        _one_line_error(fed.run(*action, operator="op2"), "operator 'op2' was revoked")
-    assert fed.run("ls").returncode == 0  # the others are not
+        _one_line_error(fed.run_here(*action, operator="op2"), "operator 'op2' was revoked")
+    assert fed.run_here("ls").returncode == 0  # the others are not
     refused = [a["action"] for a in RunStore(fed.state).audit_rows() if a["who"] == "op2"]
     assert refused[-3:] == ["refused ls", "refused submit", "refused stop"], refused
 
@@ -295,9 +316,7 @@ def test_a_revoked_operator_is_refused_on_the_control_port(federation):
 def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
     state = tmp_path / "state.db"
     state.write_bytes(b"not a database\n" * 64)
-    done = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "serve", "--state", str(state), "--insecure",
-                           "--port", "0", "--control-port", "0"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=60)
+    done = _main_here("serve", "--state", str(state), "--insecure", "--port", "0", "--control-port", "0")
     _one_line_error(done, "is not a fedpar state database or is damaged")
     assert state.read_bytes() == b"not a database\n" * 64
 
@@ -377,13 +396,13 @@ def test_each_run_samples_only_the_agents_that_have_its_task(tmp_path):
         # agents are connected and none has this task: refused, nothing queued
         cnn = fed.tmp / "cnn.toml"
         cnn.write_text('model = "cnn"\nrounds = 1\n')
-        _one_line_error(fed.run("submit", str(cnn)), "no connected agent has task 'cnn on digits'", "a2: ")
+        _one_line_error(fed.run_here("submit", str(cnn)), "no connected agent has task 'cnn on digits'", "a2: ")
         assert store.runs() == []
 
         both = 'rounds = 2\nclients_per_round = 2\nmin_reports = 1\nlocal_epochs = 1\nbatch_size = 32\n'
-        builtin = fed.submit("builtin", both)
+        builtin = fed.submit("builtin", both, here=True)
         reference = fed.submit("reference", f'task = "fedpar.tasks.zoo:classifier"\n{both}'
-                                            '[task_options]\nmodel = "mlp"\ndataset = "digits"\n')
+                                            '[task_options]\nmodel = "mlp"\ndataset = "digits"\n', here=True)
         _wait_for(lambda: store.get(reference).status in ("finished", "failed", "stopped"), 240,
                   "the second run did not end")
         for run_id, skipped, needed in ((builtin, "a2", "mlp on digits"),
@@ -396,7 +415,7 @@ def test_each_run_samples_only_the_agents_that_have_its_task(tmp_path):
             skips = [line for line in lines if "is skipped" in line]
             assert len(skips) == 1 and skips[0].startswith(f"agent {skipped} is skipped: it has task ") \
                 and skips[0].endswith(f"this run needs {needed!r}"), lines
-            logs = fed.run("logs", str(run_id))  # the operator sees the reason beside the rounds
+            logs = fed.run_here("logs", str(run_id))  # the operator sees the reason beside the rounds
             assert logs.returncode == 0 and skips[0] in logs.stdout and logs.stdout.count("round=") == 2, logs
         assert all(agent.poll() is None for agent in fed.agents)
 
@@ -518,9 +537,9 @@ def test_a_run_waiting_for_agents_says_for_how_many_and_who_is_there(tmp_path):
         said = f"run {run_id} waits for 2 agents with task 'mlp on digits': 1 connected with it now (a1), 1 connected"
         _wait_for(lambda: any(said in entry for kind, _, entry in store.timeline(run_id) if kind == "line"), 90,
                   f"the run never said it waits: {store.timeline(run_id)}")
-        logs = fed.run("logs", str(run_id))
+        logs = fed.run_here("logs", str(run_id))
         assert logs.returncode == 0 and said in logs.stdout, logs
-        assert fed.run("stop", str(run_id)).returncode == 0
+        assert fed.run_here("stop", str(run_id)).returncode == 0
         _wait_for(lambda: store.get(run_id).status == "stopped", 60, "the run did not stop")
         assert (fed.tmp / "serve.log").read_text().count(f"fedpar service: {said}") == 1  # once on the service's
     finally:
