@@ -22,9 +22,13 @@ def preflight(config: TrainConfig) -> None:
     pc = config.parallel
     if config.compile:
         check_compile_layout(config.model, pc)
-    _, implied = load_train_data(config.dataset, config.data_path, config.block_size, config.seed)
+    data, implied = load_train_data(config.dataset, config.data_path, config.block_size, config.seed)
     kwargs = model_kwargs_for(config.model, implied, config.model_kwargs)
     with torch.device("meta"):
         model = build_model(config.model, **kwargs)
     if pc.tp > 1 or pc.pp > 1:
         check_model_layout(model, config.model, pc)
+    examples = len(data.train_inputs)
+    if config.batch_size > examples:  # each step would repeat the set to fill its batch (10^12: a MemoryError)
+        raise ValueError(f"--batch-size {config.batch_size} is more than the {examples} training examples of "
+                         f"--dataset {config.dataset}; give --batch-size {examples} or less")

@@ -95,6 +95,10 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
     (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--fsdp", "-1", "--tp", "-1"],
      "fedpar train: only one degree may be -1 (inferred), got --fsdp -1 --tp -1 and --dp-replicate (-1 by default); "
      "set --dp-replicate (e.g. --dp-replicate 1) and all but one of --fsdp, --tp to a number"),
+    # a traceback: the sampler repeated the 1437 examples to fill one batch of 10^12 (a MemoryError)
+    (["--model", "mlp", "--dataset", "digits", "--batch-size", str(10**12)],
+     "fedpar train: --batch-size 1000000000000 is more than the 1437 training examples of --dataset digits; give "
+     "--batch-size 1437 or less"),
     (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--fsdp", "-1"],
      "fedpar train: only one degree may be -1 (inferred), but --fsdp -1 leaves --dp-replicate to infer too: "
      "--dp-replicate is -1 by default; set it (e.g. --dp-replicate 1), or give --fsdp a number"),
