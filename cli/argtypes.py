@@ -155,6 +155,16 @@ def address(text: str) -> str:
 address.kind = str
 
 
+def text(value: str) -> str:
+    """An argparse type: a word that is not empty (``--task "$TASK"`` with TASK unset ran without a task, silently)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty value: give one, or leave the option out")
+    return value
+
+
+text.kind = str
+
+
 def path(text: str) -> Path:
     """An argparse type: a path, not empty (an empty one would be the current folder: a slip, never meant)."""
     if not text.strip():

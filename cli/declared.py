@@ -114,6 +114,8 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
             kw["type"] = argtypes.path  # not empty: Path('') is the current folder
         elif kind in (int, float):
             kw["type"] = kind
+        elif kind is str and default != "":  # not empty when given (argparse converts a str default too)
+            kw["type"] = argtypes.text
         if meta[METAVAR]:
             kw["metavar"] = meta[METAVAR]
         if f.name in needed:

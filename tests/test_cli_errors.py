@@ -119,6 +119,13 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     (["simulate", "--checkpoint-dir", ""], 2, "argument --checkpoint-dir: an empty path: give a file's or a "
                                               "folder's path"),
     (["serve", "--enrollment-tokens", ""], 2, "argument --enrollment-tokens: an empty path"),
+    # an empty word ran as if the option were not given: without the task, the app, the strategy, the trace asked for
+    # (--task "$TASK" with TASK unset); simulate said "--task: '' is not a reference: ... fix the task ()"
+    (["train", "--task", ""], 2, "fedpar train: error: argument --task: an empty value: give one, or leave the "
+                                 "option out"),
+    (["simulate", "--strategy", ""], 2, "argument --strategy: an empty value"),
+    (["serve", "--flower-app", ""], 2, "argument --flower-app: an empty value"),
+    (["client", "--agent-id", "", "--insecure"], 2, "argument --agent-id: an empty value"),
     # the coordinator's protobuf refused it in every task: each agent worker died with a traceback
     (["simulate", "--batch-size", str(2**32)], 2, "argument --batch-size: 4294967296 is out of range: a count each "
                                                   "task carries (32 bits) must be in 1..4294967295"),
