@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         def partition_of(number: int, member: str) -> Partition:
             return Partition(number, args.clients, member, args.partition, args.seed, args.val_fraction)
 
-        stats = host_population(args.server, population, task, partition_of, args.seed, args.seats or WAITING_SEATS,
+        seats = min(args.seats or WAITING_SEATS, max(1, len(mine)))  # more would wait idle (10^12 hung the host)
+        stats = host_population(args.server, population, task, partition_of, args.seed, seats,
                                 device=device, precision=args.precision, day_seconds=args.trace_day_seconds,
                                 max_backoff=args.max_backoff, give_up_after=args.give_up_after,
                                 tls=security.files, tls_server_name=security.server_name,

@@ -96,6 +96,10 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
             notes.append(f"{flag_of(SimulationConfig, 'clients_per_round')} {self.clients_per_round} is above "
                          f"{clients}; using {self.clients}")
             changes["clients_per_round"] = self.clients
+        if self.seats is not None and self.seats > self.clients:  # a seat trains one client at a time
+            notes.append(f"{flag_of(SimulationConfig, 'seats')} {self.seats} is above {clients}; using {self.clients} "
+                         "(a seat trains one sampled client at a time)")
+            changes["seats"] = self.clients
         if self.workers > self.clients:
             if self.workers != SimulationConfig.workers:  # the default is lowered unsaid: nobody asked for it
                 notes.append(f"{flag_of(SimulationConfig, 'workers')} {self.workers} is above {clients}; using "

@@ -34,6 +34,14 @@ def test_more_worker_processes_than_clients_is_said_and_lowered(capsys):
     assert cfg.workers == 2
 
 
+def test_more_seats_than_clients_is_said_and_lowered(capsys):
+    # --seats 10^12 hung each worker process making its seats; no round ran
+    cfg, lines = _settle(capsys, "--clients", "4", "--seats", str(10**12))
+    assert lines == ["fedpar simulate: --seats 1000000000000 is above --clients 4; using 4 (a seat trains one sampled "
+                     "client at a time)"]
+    assert cfg.seats == 4
+
+
 @pytest.mark.parametrize("options, line, k", [
     (["--clients", "10", "--overselect", "1.3"],
      "--overselect 1.3 would sample 13 clients per round, more than --clients 10; sampling all 10 (--overselect 1)", 10),
