@@ -77,6 +77,7 @@ count = ranged(int, 1, None, "a count")  # rounds, clients, workers, ranks, ...
 non_negative_int = ranged(int, 0, None, "a non-negative integer")
 secagg_weight = ranged(int, 1, (1 << 30) - 1, "an agent's weight (two of them must fit a 31-bit sum)")
 int8_block = ranged(int, 1, 1 << 20, "values per int8 block")  # each tensor is padded to whole blocks
+step_delay = ranged(float, 0.0, 86_400.0, "seconds a step waits")  # sleep() overflows at 1e30
 task_count = ranged(int, 1, 2**32 - 1, "a count each task carries (32 bits)")  # --local-epochs, --batch-size
 probability = ranged(float, 0.0, 1.0, "a probability or fraction")
 non_negative = ranged(float, 0.0, None, "a non-negative number")

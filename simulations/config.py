@@ -35,7 +35,7 @@ class Population:
              "same size)")
     slow_fraction: float = setting(0.0, check="probability", group="simulation",
                                    help="share of clients that are slow devices")
-    slow_step_delay: float = setting(0.05, check="non_negative", group="simulation",
+    slow_step_delay: float = setting(0.05, check="step_delay", group="simulation",
                                      help="extra seconds per local step on a slow client")
     drop_probability: float = setting(0.0, check="probability", group="simulation",
                                       help="chance per client per round of vanishing before it uploads")

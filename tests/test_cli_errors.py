@@ -142,6 +142,9 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     # trained to NaN (momentum 1e30) or never decayed (1)
     (["train", "--momentum", "1"], 2, "argument --momentum: 1 is out of range: it must be in [0, 1)"),
     # each agent's task failed with a MemoryError traceback padding to a block, and the round waited its deadline
+    # the slow clients' tasks failed: 'training raised OverflowError: timestamp out of range for platform time_t'
+    (["simulate", "--slow-fraction", "0.5", "--slow-step-delay", "1e30"], 2,
+     "argument --slow-step-delay: 1e30 is out of range: seconds a step waits must be in 0.0..86400.0"),
     (["simulate", "--compression", "int8", "--int8-block", str(10**12)], 2,
      "argument --int8-block: 1000000000000 is out of range: values per int8 block must be in 1..1048576"),
     # declared >= 0; refused once the data loaded: 'dp noise multiplier must be a finite number > 0, got 0.0'
