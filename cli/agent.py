@@ -28,7 +28,7 @@ class AgentOptions:
     """What only ``fedpar client`` sets: who the agent is, its share of the data, and how it trains."""
 
     agent_id: str | None = setting(None, group="connection", help="this agent's unique name")
-    poll_seconds: float = setting(5.0, check="positive", flag="poll", group="connection",
+    poll_seconds: float = setting(5.0, check="seconds", flag="poll", group="connection",
                                   help="long-poll seconds per request")
     no_data_plane: bool = setting(False, group="connection",
                                   help="always move weights over the gRPC streams, even when the coordinator offers "

@@ -19,9 +19,9 @@ class Connection:
 
     server: str = setting("127.0.0.1:50051", check="address", group="connection", metavar="HOST:PORT",
                           help="the coordinator's address")
-    max_backoff: float = setting(MAX_BACKOFF_SECONDS, check="positive", group="connection",
+    max_backoff: float = setting(MAX_BACKOFF_SECONDS, check="seconds", group="connection",
                                  help="longest wait between reconnection attempts")
-    give_up_after: float | None = setting(None, check="positive", group="connection",
+    give_up_after: float | None = setting(None, check="seconds", group="connection",
                                           help="exit after this many seconds without reaching the coordinator "
                                                "(default: never)")
 

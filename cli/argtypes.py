@@ -95,6 +95,22 @@ def positive(text: str) -> float:
 positive.kind = float
 
 
+MAX_SECONDS = 1e9  # about 31 years: above it a timeout overflows threading's waits and datetime.timedelta
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration or timeout in seconds, in (0, 1e9] (--deadline 1e30 passed; a gloo timeout of
+    1e30 ended in an OverflowError traceback)."""
+    value = _number(float, text)
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: seconds must be greater than 0 and at most "
+                                         f"{MAX_SECONDS:.0e}")
+    return value
+
+
+seconds.kind = float
+
+
 def fraction(text: str) -> float:
     """An argparse type: a share in (0, 1] (--fraction, --topk-ratio)."""
     value = _number(float, text)

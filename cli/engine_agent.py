@@ -24,7 +24,7 @@ from fedpar.settings import setting
 class EngineOptions:
     """What only a large-model agent sets."""
 
-    idle_timeout: float = setting(7 * 86400.0, check="positive", group="engine",
+    idle_timeout: float = setting(7 * 86400.0, check="seconds", group="engine",
                                   help="seconds ranks other than 0 wait for the next task before giving up")
 
 

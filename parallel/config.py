@@ -50,7 +50,7 @@ class Launch:
     nproc: int = setting(1, check="count", group="parallel",
                          help="local ranks to spawn, one process each (ignored under torchrun, which launches the "
                               "ranks and sets the world size); an agent's rank 0 talks to the coordinator")
-    dist_timeout: float = setting(300.0, check="positive", group="parallel",
+    dist_timeout: float = setting(300.0, check="seconds", group="parallel",
                                   help="seconds a collective of the ranks may wait before they give up")
 
 

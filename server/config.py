@@ -31,7 +31,7 @@ class RoundSampling:
                                 help="sample ceil(K x overselect) agents so that stragglers do not hold a round up; "
                                      "the first K updates count (simulate: 1 by default, as its K is all its "
                                      "clients)")
-    deadline_seconds: float = setting(60.0, check="positive", flag="deadline", group="rounds",
+    deadline_seconds: float = setting(60.0, check="seconds", flag="deadline", group="rounds",
                                       help="straggler deadline in seconds, from task dispatch; later updates are "
                                            "refused")
 
@@ -56,7 +56,7 @@ class AggregatorRanks:
              "(serve: rank r listens on --port + r, or a free port with --port 0; under torchrun every launched "
              "process is one rank and this is ignored)")
     aggregator_timeout_seconds: float = setting(
-        120.0, check="positive", flag="aggregator-timeout", group="coordinator",
+        120.0, check="seconds", flag="aggregator-timeout", group="coordinator",
         help="longest wait for another aggregator rank in a collective; a rank that misses it (or dies) is dropped "
              "and the coordinator goes on with the others, which lose only its share of the open round")
 
@@ -76,7 +76,7 @@ class SecureAggregation:
         None, check="secagg_weight", group="secagg",
         help="with --secure-aggregation: cap on an agent's weight (default: largest registered examples x local "
              "epochs in the cohort)")
-    secagg_stage_seconds: float = setting(30.0, check="positive", group="secagg",
+    secagg_stage_seconds: float = setting(30.0, check="seconds", group="secagg",
                                           help="with --secure-aggregation: longest wait for each key-exchange stage "
                                                "and for unmasking")
 
@@ -91,7 +91,7 @@ class RoundClock:
              "trace and its work and only the first K in time train, so rounds run as fast as the machine allows "
              "and the table shows simulated seconds (needs simulation hosts: serve --accept-populations; every "
              "simulate has them)")
-    round_wall_seconds: float = setting(600.0, check="positive", flag="round-wall-timeout", group="coordinator",
+    round_wall_seconds: float = setting(600.0, check="seconds", flag="round-wall-timeout", group="coordinator",
                                         help="with --clock virtual: the longest real time a round may take")
 
 
@@ -115,9 +115,9 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
     fraction: float | None = setting(None, check="fraction", group="rounds",
                                      help="alternative to --clients-per-round: K = fraction x live agents")
     min_available: int = setting(2, check="count", group="rounds", help="live agents needed before a round starts")
-    heartbeat_seconds: float = setting(5.0, check="positive", flag="heartbeat", group="coordinator",
+    heartbeat_seconds: float = setting(5.0, check="seconds", flag="heartbeat", group="coordinator",
                                        help="seconds between agent heartbeats")
-    liveness_timeout_seconds: float = setting(20.0, check="positive", flag="liveness-timeout", group="coordinator",
+    liveness_timeout_seconds: float = setting(20.0, check="seconds", flag="liveness-timeout", group="coordinator",
                                               help="an agent silent this long is not sampled")
     max_chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, check="count", group="transfer",
                                    help="largest tensor chunk accepted")
@@ -144,10 +144,10 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
         help="per-agent upload rate in bytes/s after a burst of two models; unset: unlimited")
     max_agents: int = setting(100_000, check="count", group="limits",
                               help="registered agents; a Join from a new agent beyond this is refused")
-    upload_header_seconds: float = setting(2.0, check="positive", group="limits",
+    upload_header_seconds: float = setting(2.0, check="seconds", group="limits",
                                            help="a call must send its request (an upload stream: its header) within "
                                                 "this time; nothing is authenticated before")
-    upload_idle_seconds: float = setting(10.0, check="positive", group="limits",
+    upload_idle_seconds: float = setting(10.0, check="seconds", group="limits",
                                          help="a staged upload silent this long loses its staging slot (the agent "
                                               "may send it again)")
     upload_min_bytes_per_second: float = setting(
@@ -197,7 +197,7 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
                                   "task)")
     data_plane_downloads: int = 8  # data-plane downloads served at once (uploads: max_concurrent_uploads)
     dataplane_handshake_seconds: float = setting(
-        2.0, check="positive", group="limits",
+        2.0, check="seconds", group="limits",
         help="a data-plane connection must finish its TLS handshake and send its ticket (and upload header) within "
              "this time; until then it holds no transfer thread")
     max_dataplane_handshakes: int = setting(256, check="count", group="limits",

@@ -44,7 +44,7 @@ class Population:
         help="system traces, 'fedscale' (generated from --seed: long-tailed speeds, diurnal availability) or a "
              "CSV/JSON file (columns in simulations/traces.py); a client's speed slows its steps and its availability "
              "decides when it can be sampled")
-    trace_day_seconds: float = setting(86_400.0, check="positive", group="simulation",
+    trace_day_seconds: float = setting(86_400.0, check="seconds", group="simulation",
                                        help="real seconds one day of the trace lasts (e.g. 60: availability cycles "
                                             "every minute)")
     seats: int | None = setting(

@@ -142,6 +142,11 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     # trained to NaN (momentum 1e30) or never decayed (1)
     (["train", "--momentum", "1"], 2, "argument --momentum: 1 is out of range: it must be in [0, 1)"),
     # each agent's task failed with a MemoryError traceback padding to a block, and the round waited its deadline
+    # an OverflowError traceback from datetime.timedelta, making the aggregator ranks' gloo group
+    (["simulate", "--aggregator-ranks", "2", "--aggregator-timeout", "1e30"], 2,
+     "argument --aggregator-timeout: 1e30 is out of range: seconds must be greater than 0 and at most 1e+09"),
+    (["train", "--dist-timeout", "1e10"], 2, "argument --dist-timeout: 1e10 is out of range"),
+    (["client", "--agent-id", "a", "--give-up-after", "1e30"], 2, "argument --give-up-after: 1e30 is out of range"),
     # the slow clients' tasks failed: 'training raised OverflowError: timestamp out of range for platform time_t'
     (["simulate", "--slow-fraction", "0.5", "--slow-step-delay", "1e30"], 2,
      "argument --slow-step-delay: 1e30 is out of range: seconds a step waits must be in 0.0..86400.0"),
