@@ -47,7 +47,7 @@ class AgentOptions:
                                    help="which share is this agent's (0-based)")
     partition_seed: int = setting(0, check="non_negative_int", group="data",
                                   help="seed of the split (same on every agent)")
-    threads: int | None = setting(None, check="count", group="device", help="torch threads for local training")
+    threads: int | None = setting(None, check="threads", group="device", help="torch threads for local training")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

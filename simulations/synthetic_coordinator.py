@@ -34,7 +34,12 @@ def memory_kib() -> dict[str, int]:
 
 
 def synthetic_model(params: int, seed: int = 0) -> tuple[list[str], list[np.ndarray]]:
-    """About ``params`` float32 parameters as a square-ish weight matrix plus a bias vector."""
+    """About ``params`` float32 parameters as a square-ish weight matrix plus a bias vector; ValueError when this
+    machine's memory cannot hold them (serve --params 10^12 was a MemoryError traceback)."""
+    from fedpar.datasets.memory import check_fits
+
+    # drawn as float64 (8 bytes a parameter), then kept as float32 (4)
+    check_fits(12 * params, f"--params {params:,} (a synthetic model)", "give a smaller --params")
     width = max(1, int(np.sqrt(params)))
     rows = max(1, (params - width) // width)
     rng = np.random.default_rng(seed)

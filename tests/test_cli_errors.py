@@ -147,6 +147,11 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
      "argument --aggregator-timeout: 1e30 is out of range: seconds must be greater than 0 and at most 1e+09"),
     (["train", "--dist-timeout", "1e10"], 2, "argument --dist-timeout: 1e10 is out of range"),
     (["client", "--agent-id", "a", "--give-up-after", "1e30"], 2, "argument --give-up-after: 1e30 is out of range"),
+    (["serve", "--insecure", "--port", "0", "--out", "{tmp}/s", "--model", "synthetic", "--params", str(10**12)], 2,
+     "fedpar serve: --params 1,000,000,000,000 (a synthetic model) needs about 11175.9 GiB of memory and this "
+     "machine has"),  # a MemoryError traceback
+    (["client", "--agent-id", "a", "--threads", str(10**12)], 2,  # 'ValueError: Overflow when unpacking long'
+     "argument --threads: 1000000000000 is out of range: torch threads must be in 1..1024"),
     # the slow clients' tasks failed: 'training raised OverflowError: timestamp out of range for platform time_t'
     (["simulate", "--slow-fraction", "0.5", "--slow-step-delay", "1e30"], 2,
      "argument --slow-step-delay: 1e30 is out of range: seconds a step waits must be in 0.0..86400.0"),
