@@ -41,7 +41,7 @@ class CertsOptions(Output):
         None, append=True, group="certificates", metavar="NAME",
         help="DNS name or IP address agents dial the coordinator by (repeat for several); given, it re-issues "
              "server.pem. Default for a new folder: " + ", ".join(DEFAULT_SERVER_NAMES))
-    days: int = setting(DEFAULT_DAYS, check="count", group="certificates",
+    days: int = setting(DEFAULT_DAYS, check="cert_days", group="certificates",
                         help="validity of new server and agent certificates")
     force: bool = setting(False, group="certificates", help="re-issue certificates of agents that already have one")
     revoke: list[str] = setting(default_factory=list, append=True, check="id_list", group="revocation",

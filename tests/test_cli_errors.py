@@ -152,6 +152,9 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
      "machine has"),  # a MemoryError traceback
     (["client", "--agent-id", "a", "--threads", str(10**12)], 2,  # 'ValueError: Overflow when unpacking long'
      "argument --threads: 1000000000000 is out of range: torch threads must be in 1..1024"),
+    # 'OverflowError: date value out of range' (3000000) or 'Python int too large to convert to C int' (10^12)
+    (["certs", "--out", "{tmp}/c", "--days", "3000000"], 2,
+     "argument --days: 3000000 is out of range: days a certificate is valid (100 years at most) must be in 1..36500"),
     # the slow clients' tasks failed: 'training raised OverflowError: timestamp out of range for platform time_t'
     (["simulate", "--slow-fraction", "0.5", "--slow-step-delay", "1e30"], 2,
      "argument --slow-step-delay: 1e30 is out of range: seconds a step waits must be in 0.0..86400.0"),
