@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
-            spawn(world, spawned_train_process, cfg, args.dist_timeout, StepBar(), parent_stops=True)
+            _spawn_ranks(spawn, world, spawned_train_process, cfg, args)
         else:
             train_process(cfg, args.dist_timeout, StepBar())
             if under_launcher:
@@ -125,6 +125,32 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return exit_code(signal_name(exc))
     return 0
+
+
+def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
+    """``spawn`` the ``world`` ranks of ``fn``; a rank's TrainingDiverged (every rank's: the loss is summed over them)
+    is raised here as it was, its one line, instead of torch's exception holding the rank's traceback (--debug: as
+    torch raised it)."""
+    import logging
+
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    from fedpar.parallel.trainer import TrainingDiverged
+
+    launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
+    level = launcher_log.level
+    if not args.debug:
+        launcher_log.setLevel(logging.ERROR)
+    try:
+        spawn(world, fn, cfg, args.dist_timeout, StepBar(), parent_stops=True)
+    except ProcessRaisedException as exc:
+        said = f"{TrainingDiverged.__module__}.{TrainingDiverged.__qualname__}: "
+        last = ([line for line in str(exc).splitlines() if line.strip()] or [""])[-1]
+        if args.debug or not last.startswith(said):
+            raise
+        raise TrainingDiverged(last[len(said):]) from None
+    finally:
+        launcher_log.setLevel(level)
 
 
 def _train_task(args: argparse.Namespace, world: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -40,8 +41,14 @@ from fedpar.parallel.optim import (
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.precision import uses_autocast
 from fedpar.parallel.sampler import DistributedBatchSampler
+from fedpar.task import TaskFailed
 
 COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
+
+
+class TrainingDiverged(TaskFailed):
+    """The training loss became NaN or infinite: every rank stops (exit 1) with the line saying what to change (it
+    trained on and wrote a NaN model and summary, exit 0)."""
 
 
 class StepProgress(Protocol):
@@ -262,6 +269,11 @@ class Trainer:
                 if c["step"] % cfg.log_every == 0 or c["step"] == total:
                     loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / interval_steps, 1.0])
                     last_loss = loss_sum / reporters
+                    if not math.isfinite(last_loss):  # the same on every rank: summed over them
+                        raise TrainingDiverged(
+                            f"the training loss is {last_loss} at step {c['step']} (lr "
+                            f"{self.optimizers[0].param_groups[0]['lr']:g}): training diverged; lower --lr, or set "
+                            "--grad-clip")
                     elapsed = max(time.perf_counter() - interval_start, 1e-9)
                     train_seconds += elapsed
                     rate = interval_steps * global_batch / elapsed

@@ -111,3 +111,14 @@ def test_a_data_or_layout_mistake_names_the_option_and_what_to_pass(extra, line,
     code, lines = _said(argv, capsys)
     assert (code, len(lines)) == (2, 1), lines
     assert lines[0].startswith(line.replace("{tmp}", str(tmp_path))), lines
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_loss_that_diverges_stops_training_in_one_line(nproc, tmp_path, capsys):
+    # --lr 1e30 trained on to a NaN model, summary and exit 0 (two ranks: then a traceback of each, had it raised)
+    code, lines = _said(["train", "--model", "mlp", "--dataset", "digits", "--lr", "1e30", "--max-steps", "2",
+                         "--nproc", str(nproc), "--device", "cpu", "--no-plot", "--out", str(tmp_path / "out")], capsys)
+    assert (code, len(lines)) == (1, 1), lines
+    assert lines[0] == ("fedpar train: the training loss is nan at step 2 (lr 1e+30): training diverged; lower --lr, "
+                        "or set --grad-clip (--debug shows the traceback)"), lines
+    assert not (tmp_path / "out" / "global.safetensors").exists()
