@@ -101,6 +101,9 @@ def _check_mode(args: argparse.Namespace) -> None:
         raise TlsSetupError("--insecure cannot be combined with --certs/--tls-*; choose one")
     if not args.insecure and not _wants_tls(args):
         raise TlsSetupError(f"TLS is required: {HOW_TO_FIX}")
+    certs = getattr(args, "certs", None)
+    if certs is not None and certs.exists() and not certs.is_dir():  # said 'cannot stat FILE/revoked.txt: ...'
+        raise TlsSetupError(f"--certs {certs} is a file; give the folder 'fedpar certs --out DIR' made")
 
 
 def server_security(args: argparse.Namespace) -> ServerSecurity:

@@ -178,6 +178,9 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
      "fedpar simulate-workers: cannot read the traces in {tmp}/binary: it is not a text file"),
     (["serve", "--insecure", "--port", "0", "--out", "{tmp}/s", "--enrollment-tokens", "{tmp}"], 2,
      "fedpar serve: cannot use {tmp}: Is a directory"),
+    (["serve", "--port", "0", "--out", "{tmp}/s", "--certs", "{tmp}/a-file"], 2,  # 'cannot stat .../revoked.txt'
+     "fedpar serve: --certs {tmp}/a-file is a file; give the folder 'fedpar certs --out DIR' made"),
+    (["client", "--agent-id", "a", "--certs", "{tmp}/a-file"], 2, "fedpar client: --certs {tmp}/a-file is a file"),
 ])
 def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv, code, line, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
