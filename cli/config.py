@@ -97,7 +97,10 @@ def typed_value(action: argparse.Action, value: Any) -> Any:
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(item, str) for item in items):
             raise ValueError(f"expected a string or a list of strings, got {value!r}")
-        converted = [action.type(item) if action.type else item for item in items]
+        try:  # an item's range or form (cli/argtypes.py): was a traceback
+            converted = [action.type(item) if action.type else item for item in items]
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
         if isinstance(action, argparse._ExtendAction):
             converted = [part for item in converted for part in (item if isinstance(item, list) else [item])]
         return converted

@@ -456,8 +456,10 @@ def test_a_config_file_that_cannot_be_read_as_toml_is_one_line(tmp_path, capsys)
     cases = [(tmp_path / "latin1.toml", "is not valid TOML: 'utf-8' codec can't decode byte 0xff"),
              (tmp_path, f"config file {tmp_path} is a folder; give a TOML file"),
              (tmp_path / "nowhere.toml", "does not exist")]
+    (tmp_path / "revoke.toml").write_text('[certs]\nrevoke_cert = [""]\n')  # an ArgumentTypeError traceback
+    cases.append((tmp_path / "revoke.toml", "revoke.toml: revoke_cert: an empty path: give a file's or a folder's path"))
     for path, line in cases:
-        assert main(["simulate", "--config", str(path)]) == 2
+        assert main(["certs" if path.name == "revoke.toml" else "simulate", "--config", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and line in err and "Traceback" not in err, err
 
