@@ -45,7 +45,7 @@ class AgentOptions:
     num_partitions: int = setting(1, check="count", group="data", help="how many shares the training set is cut into")
     partition_index: int = setting(0, check="non_negative_int", group="data",
                                    help="which share is this agent's (0-based)")
-    partition_seed: int = setting(0, check="non_negative_int", group="data",
+    partition_seed: int = setting(0, check="seed", group="data",
                                   help="seed of the split (same on every agent)")
     threads: int | None = setting(None, check="threads", group="device", help="torch threads for local training")
 

@@ -12,7 +12,7 @@ from fedpar.settings import setting
 class Seeded:
     """The seed of a command's randomness."""
 
-    seed: int = setting(0, check="non_negative_int", group="data",
+    seed: int = setting(0, check="seed", group="data",
                         help="seed of this command's randomness: initial weights, sampling, the data split and "
                              "shuffling, whichever it does (processes that must agree, such as the hosts of one "
                              "population, take the same)")
