@@ -81,6 +81,9 @@ step_delay = ranged(float, 0.0, 86_400.0, "seconds a step waits")  # sleep() ove
 threads = ranged(int, 1, 1024, "torch threads")  # 100000 crashed torch's first matmul; 10^12 overflowed
 cert_days = ranged(int, 1, 36_500, "days a certificate is valid (100 years at most)")  # X.509 ends at year 9999
 seed = ranged(int, 0, 2**32 - 1, "a seed")  # torch.manual_seed overflowed at 10^20 (seeds derived from it add on)
+# processes one command starts on this machine (--nproc, --workers, --aggregator-ranks): 10^12 would fork until
+# the machine runs out
+local_processes = ranged(int, 1, 1024, "processes started on this machine")
 task_count = ranged(int, 1, 2**32 - 1, "a count each task carries (32 bits)")  # --local-epochs, --batch-size
 probability = ranged(float, 0.0, 1.0, "a probability or fraction")
 non_negative = ranged(float, 0.0, None, "a non-negative number")

@@ -47,7 +47,7 @@ class Precision:
 class Launch:
     """How many local ranks a command spawns, and how long their collectives may wait."""
 
-    nproc: int = setting(1, check="count", group="parallel",
+    nproc: int = setting(1, check="local_processes", group="parallel",
                          help="local ranks to spawn, one process each (ignored under torchrun, which launches the "
                               "ranks and sets the world size); an agent's rank 0 talks to the coordinator")
     dist_timeout: float = setting(300.0, check="seconds", group="parallel",

@@ -50,7 +50,7 @@ class AggregatorRanks:
     """Coordinator processes that split each round's ingest and fold (server/aggregator_ranks.py)."""
 
     aggregator_ranks: int = setting(
-        1, check="count", group="coordinator",
+        1, check="local_processes", group="coordinator",
         help="coordinator processes that share each round's downloads, uploads and fold, joined by an all-reduce; "
              "agents are told which rank to use and the round table shows each rank's uploads and fold seconds "
              "(serve: rank r listens on --port + r, or a free port with --port 0; under torchrun every launched "

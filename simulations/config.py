@@ -66,7 +66,7 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
     clients_per_round: int | None = redefault(RoundSampling, "clients_per_round", None)  # None: all the clients
     checkpoint_dir: Path | None = redefault(CoordinatorConfig, "checkpoint_dir", None)
     overselect: float = redefault(RoundSampling, "overselect", 1.0)  # K is all the clients by default
-    workers: int = setting(2, check="count", group="simulation",
+    workers: int = setting(2, check="local_processes", group="simulation",
                            help="worker processes hosting the population (a few bytes per client; only the clients "
                                 "sampled in a round get a model and their data)")
     tls: bool = setting(False, group="simulation",

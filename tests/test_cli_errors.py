@@ -157,6 +157,11 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     # train: a rank-0 traceback, 'ValueError: Overflow when unpacking long long' (simulate: that line alone)
     (["train", "--seed", str(10**20)], 2,
      "argument --seed: 100000000000000000000 is out of range: a seed must be in 0..4294967295"),
+    # each would start that many processes on this machine, until it ran out
+    (["serve", "--aggregator-ranks", str(10**12)], 2, "argument --aggregator-ranks: 1000000000000 is out of range: "
+                                                      "processes started on this machine must be in 1..1024"),
+    (["client", "--agent-id", "a", "--nproc", "100000"], 2, "argument --nproc: 100000 is out of range"),
+    (["simulate", "--workers", "5000"], 2, "argument --workers: 5000 is out of range"),
     # the slow clients' tasks failed: 'training raised OverflowError: timestamp out of range for platform time_t'
     (["simulate", "--slow-fraction", "0.5", "--slow-step-delay", "1e30"], 2,
      "argument --slow-step-delay: 1e30 is out of range: seconds a step waits must be in 0.0..86400.0"),
