@@ -23,8 +23,8 @@ class RoundSampling:
     rounds: int = setting(10, check="count", group="rounds", help="rounds to run")
     clients_per_round: int | None = setting(
         10, check="count", group="rounds",
-        help="K: the accepted updates that close a round, early, before its deadline (simulate: all its clients by "
-             "default)")
+        help="K: the accepted updates that close a round, early, before its deadline (simulate: all its clients, up "
+             "to 100, by default)")
     min_reports: int = setting(1, check="count", group="rounds",
                                help="a round with fewer accepted updates than this fails; the model stays as it was")
     overselect: float = setting(1.3, check="at_least_one", group="rounds",  # FedScale's over-commitment

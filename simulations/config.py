@@ -18,6 +18,9 @@ from fedpar.settings import flag_of, redefault, setting
 from fedpar.task import FlowerAppReference, TaskReference
 
 
+# Clients a round samples when --clients-per-round is not given and there are more: a population of 10^5 would
+# otherwise train every client each round (6.3 GiB at 10^5); the issue's population runs sample 100.
+DEFAULT_COHORT = 100
 WAITING_SEATS = 4  # a worker's seats where members wait (measured best of 2/4/8 here); none waits: 1
 
 
@@ -63,7 +66,7 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
                        LocalTraining, RoundSampling):
     """One simulated federation: data, model, rounds, and how heterogeneous the clients are."""
 
-    clients_per_round: int | None = redefault(RoundSampling, "clients_per_round", None)  # None: all the clients
+    clients_per_round: int | None = redefault(RoundSampling, "clients_per_round", None)  # None: all, to DEFAULT_COHORT
     checkpoint_dir: Path | None = redefault(CoordinatorConfig, "checkpoint_dir", None)
     overselect: float = redefault(RoundSampling, "overselect", 1.0)  # K is all the clients by default
     workers: int = setting(2, check="local_processes", group="simulation",
@@ -92,6 +95,10 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
         settle to themselves, with no lines."""
         clients = f"{flag_of(SimulationConfig, 'clients')} {self.clients}"
         notes, changes = [], {}
+        if self.clients_per_round is None and self.clients > DEFAULT_COHORT and not self.flower_app:
+            notes.append(f"sampling {DEFAULT_COHORT} of the {self.clients} clients each round (all of them, up to "
+                         f"{DEFAULT_COHORT}, unless {flag_of(SimulationConfig, 'clients_per_round')} says how many)")
+            changes["clients_per_round"] = DEFAULT_COHORT
         if self.clients_per_round is not None and self.clients_per_round > self.clients:
             notes.append(f"{flag_of(SimulationConfig, 'clients_per_round')} {self.clients_per_round} is above "
                          f"{clients}; using {self.clients}")

@@ -90,3 +90,14 @@ def test_a_refusal_names_settings_by_their_flags_and_leaves_paths_as_they_are():
                            ".toml, flower_app.py and flower_app.", args, SimulationConfig, CoordinatorConfig)
     assert said == ("--min-reports (10) cannot exceed --clients-per-round (5); see examples/flower_app/pyproject.toml, "
                     "flower_app.py and --flower-app.")
+
+
+def test_a_population_above_the_default_cohort_samples_100_a_round_and_says_so(capsys):
+    """--clients 100000 alone trained every client each round (6.3 GiB); a population samples a cohort."""
+    cfg, lines = _settle(capsys, "--clients", "100000")
+    assert lines == ["fedpar simulate: sampling 100 of the 100000 clients each round (all of them, up to 100, unless "
+                     "--clients-per-round says how many)"]
+    assert cfg.clients_per_round == 100 and cfg.settled() == (cfg, [])
+    for options in (["--clients", "100"], ["--clients", "1000", "--clients-per-round", "1000"]):
+        cfg, lines = _settle(capsys, *options)
+        assert lines == [] and cfg.clients_per_round in (None, 1000)  # all of them, as asked or within the default
