@@ -10,21 +10,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
+from fedpar.aggregation.catalog import strategy_classes
 from fedpar.aggregation.strategy import FLOWER_PREFIX
 
-# fedpar's rules that need every update of a round (robust.py)
-ROBUST = tuple(cls.name for cls in (Median, TrimmedMean, Krum, MultiKrum))
 DP_PREFIX = "dp-"
-# What each feature of the table is called in its lines and in the docs (a strategy's feature names it instead).
+# What each feature of the table is called in its lines and in the docs (a strategy's feature names it instead;
+# "robust" is followed by the names robust_strategies() gives).
 FEATURES = {
     "secure_aggregation": "--secure-aggregation",
     "privacy": "--privacy",
     "compression": "--compression",
     "max_agent_share": "--max-agent-share",
-    "robust": f"a robust strategy ({', '.join(ROBUST)})",
+    "robust": "a robust strategy",
     "flower": "a Flower strategy (flower:...)",
 }
+
+
+def robust_strategies() -> tuple[str, ...]:
+    """The registered strategies that are not linear (a median, Krum, ...): their rule needs every update of a round
+    itself, so it cannot run on a sum (secure aggregation) or a noisy sum (DP)."""
+    return tuple(name for name, cls in strategy_classes().items() if not cls.linear)
+
+
+def feature_name(feature: str) -> str:
+    """How the table's lines and docs/explanation/composition.md name ``feature``."""
+    if feature == "robust":
+        return f"{FEATURES[feature]} ({', '.join(robust_strategies())})"
+    return FEATURES[feature]
 
 
 @dataclass(frozen=True)
@@ -36,9 +48,9 @@ class Clash:
     reason: str
 
     def line(self, named: Mapping[str, str] | None = None) -> str:
-        """The one-line refusal, each feature as ``named`` calls it (else as FEATURES does)."""
+        """The one-line refusal, each feature as ``named`` calls it (else as :func:`feature_name` does)."""
         named = named or {}
-        a, b = (named.get(f, FEATURES[f]) for f in (self.first, self.second))
+        a, b = (named[f] if f in named else feature_name(f) for f in (self.first, self.second))
         return f"{a} cannot run with {b}: {self.reason}"
 
 
@@ -77,7 +89,7 @@ def strategy_features(strategy: str) -> dict[str, str]:
         name = name[len(DP_PREFIX):]
     if name.lower().startswith(FLOWER_PREFIX):
         out["flower"] = f"--strategy {name}"
-    elif name.lower().replace("-", "_") in ROBUST:
+    elif name and name.lower().replace("-", "_") in robust_strategies():
         out["robust"] = f"--strategy {name}"
     return out
 
@@ -122,5 +134,5 @@ def check_composition(strategy: str, secure_aggregation: bool = False, compressi
 def markdown_table(clashes: Iterable[Clash] = CLASHES) -> str:
     """The table as docs/explanation/composition.md shows it."""
     rows = ["| Feature | Cannot run with | Why |", "| --- | --- | --- |"]
-    rows += [f"| {FEATURES[c.first]} | {FEATURES[c.second]} | {c.reason} |" for c in clashes]
+    rows += [f"| {feature_name(c.first)} | {feature_name(c.second)} | {c.reason} |" for c in clashes]
     return "\n".join(rows)

@@ -10,15 +10,18 @@ from typing import Any
 import numpy as np
 
 from fedpar.aggregation.accumulator import FoldConfig, cast_like
+from fedpar.aggregation.catalog import register_strategy
 from fedpar.aggregation.strategy import StreamingStrategy
 
 
+@register_strategy
 class FedAvg(StreamingStrategy):
     """New global = weighted mean of the clients' weights, weights = num_examples."""
 
     name = "fedavg"
 
 
+@register_strategy
 class FedAvgM(StreamingStrategy):
     """Server momentum on the pseudo-gradient ``g = global - average``: ``v = beta*v + g``, ``x -= lr*v``."""
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from fedpar.aggregation.accumulator import FoldConfig, cast_like
+from fedpar.aggregation.catalog import register_strategy
 from fedpar.aggregation.strategy import StreamingStrategy
 
 
@@ -80,6 +81,7 @@ class FedOpt(StreamingStrategy):
         self.v = [np.array(arrays[f"v.{i}"]) for i in range(n)] or None
 
 
+@register_strategy
 class FedAdam(FedOpt):
     """FedOpt with Adam's second moment: ``v = b2*v + (1-b2)*Delta^2``."""
 
@@ -90,6 +92,7 @@ class FedAdam(FedOpt):
         return self.beta_2 * v + (1 - self.beta_2) * delta_sq
 
 
+@register_strategy
 class FedYogi(FedOpt):
     """FedOpt with Yogi's second moment: ``v = v - (1-b2)*Delta^2*sign(v - Delta^2)``."""
 
@@ -105,6 +108,7 @@ class FedYogi(FedOpt):
         return v - (1 - self.beta_2) * delta_sq * np.sign(v - delta_sq)
 
 
+@register_strategy
 class FedAdagrad(FedOpt):
     """FedOpt with Adagrad's second moment: ``v = v + Delta^2``."""
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from fedpar.aggregation.accumulator import FoldConfig
+from fedpar.aggregation.catalog import register_strategy
 from fedpar.aggregation.strategy import StreamingStrategy
 from fedpar.protocol.task_settings import TaskSettings
 
@@ -39,6 +40,7 @@ def add_proximal_gradient(model_params: Iterable[torch.Tensor], global_params: I
             w.grad.add_(w.detach() - g, alpha=mu)
 
 
+@register_strategy
 class FedProx(StreamingStrategy):
     """FedAvg aggregation; ``proximal_mu`` is sent to clients, whose trainer adds :func:`proximal_term` (or, on
     sharded parameters, its gradient)."""

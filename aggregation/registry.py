@@ -1,23 +1,15 @@
-"""Strategies by name."""
+"""Strategies by name: the registered ones (aggregation/catalog.py), ``dp-NAME`` and ``flower:REF``."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
+from fedpar.aggregation.catalog import strategy_classes
 from fedpar.aggregation.compatibility import check_composition
-from fedpar.aggregation.fedavg_strategies import FedAvg, FedAvgM
-from fedpar.aggregation.fedopt import FedAdagrad, FedAdam, FedYogi
-from fedpar.aggregation.fedprox import FedProx
 from fedpar.aggregation.options import option_specs, typed_options
 from fedpar.aggregation.privacy import DPStrategy
-from fedpar.aggregation.robust import Krum, Median, MultiKrum, TrimmedMean
 from fedpar.aggregation.strategy import FLOWER_PREFIX, Strategy
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi, FedAdagrad, Median, TrimmedMean, Krum, MultiKrum)
-}
 
 
 DP_PREFIX = "dp_"
@@ -26,13 +18,13 @@ DP_OPTIONS = frozenset(inspect.signature(DPStrategy).parameters) - {"inner", "fo
 
 def strategy_names() -> list[str]:
     """Names accepted by :func:`build_strategy` (each also as ``dp-NAME``: the same under DP-FedAvg)."""
-    return list(STRATEGIES)
+    return list(strategy_classes())
 
 
 def linear_strategy_names() -> list[str]:
     """The strategies whose new model depends on the updates only through their weighted mean (``linear``): those
     secure aggregation and aggregator ranks can run."""
-    return [name for name, cls in STRATEGIES.items() if cls.linear]
+    return [name for name, cls in strategy_classes().items() if cls.linear]
 
 
 def build_strategy(name: str, **kwargs: Any) -> Strategy:
@@ -74,10 +66,11 @@ def strategy_class(name: str) -> type:
         return _flower_module().flower_class(name)
     key = name.strip().lower().replace("-", "_")
     key = key[len(DP_PREFIX):] if key.startswith(DP_PREFIX) else key
-    if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}, "
+    classes = strategy_classes()
+    if key not in classes:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(classes)}, "
                          f"or flower:package.module:Class for a Flower strategy")
-    return STRATEGIES[key]
+    return classes[key]
 
 
 def parse_strategy_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +101,7 @@ def _flower_module():
 def strategy_options_help() -> str:
     """Every strategy's settable options, strategies with the same option names grouped."""
     groups: dict[str, list[str]] = {}
-    for key, cls in STRATEGIES.items():
+    for key, cls in strategy_classes().items():
         specs = option_specs(cls)
         if specs:
             names = ", ".join(f"{s.name} ({'/'.join(s.aliases)})" if s.aliases else s.name for s in specs.values())

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_weight
+from fedpar.aggregation.catalog import register_strategy
 from fedpar.aggregation.strategy import FoldItem, Strategy
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class BufferedStrategy(Strategy):
         self._store = None
 
 
+@register_strategy
 class Median(BufferedStrategy):
     """Coordinate-wise median of the clients' weights (Yin et al. 2018)."""
 
@@ -138,6 +140,7 @@ class Median(BufferedStrategy):
         return self._store.combine_columns(lambda b: np.median(b, axis=0)), {}
 
 
+@register_strategy
 class TrimmedMean(BufferedStrategy):
     """Coordinate-wise mean after dropping the ``beta`` fraction of largest and of smallest values (Yin et al. 2018)."""
 
@@ -165,6 +168,7 @@ class TrimmedMean(BufferedStrategy):
         return self._store.combine_columns(trimmed), {"trimmed_per_side": float(cut)}
 
 
+@register_strategy
 class Krum(BufferedStrategy):
     """Krum (Blanchard et al. 2017): the update closest to its ``n - f - 2`` nearest neighbours; Multi-Krum averages the best ``m``."""
 
@@ -213,6 +217,7 @@ class Krum(BufferedStrategy):
         return out, {"selected": float(len(chosen)), "first_selected_index": float(chosen[0])}
 
 
+@register_strategy
 class MultiKrum(Krum):
     """Multi-Krum (El Mhamdi et al. 2018): weighted mean of the ``m`` best-scoring updates (default m = n - f at finish)."""
 

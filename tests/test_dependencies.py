@@ -20,7 +20,8 @@ ALLOWED = {
     "server": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # aggregator ranks join a gloo group
     "client": BASE | {"secagg", "aggregation", "parallel", "tasks"},  # large-model agents train on the engine
 }
-PACKAGE_ROOT = {"settings", "sections", "task"}  # fedpar/settings.py, sections.py, task.py (the public Task): every room
+PACKAGE_ROOT = {"settings", "sections", "task", "discovery"}  # fedpar/settings.py, sections.py, task.py (the public
+# Task), discovery.py (finding the strategies and datasets of a package): every room
 
 
 def _imported_rooms(folder: Path) -> dict[str, str]:

@@ -169,3 +169,20 @@ def test_the_cli_reference_pages_hold_every_option_of_every_subcommand_in_its_he
                 flag = action.option_strings[0] if action.option_strings else action.dest
                 section = page.split(f"## {group.title}\n", 1)[1].split("\n## ", 1)[0]
                 assert f"`{flag}`" in section, (name, group.title, flag)
+
+
+def test_the_pages_list_the_strategies_the_registry_has():
+    """The lists of strategies in the prose are generated (docs/hooks/strategy_lists.py): a page that names the
+    linear strategies asks for the list, and the list is the registry's."""
+    import importlib.util
+
+    from fedpar.aggregation.registry import linear_strategy_names
+
+    spec = importlib.util.spec_from_file_location("strategy_lists", DOCS / "hooks" / "strategy_lists.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    for page in ("how-to/secure-aggregation.md", "how-to/aggregator-ranks.md", "explanation/composition.md"):
+        assert "<!-- linear strategies -->" in (DOCS / page).read_text(), f"{page}: list the linear strategies with " \
+            "<!-- linear strategies --> (docs/hooks/strategy_lists.py fills it in), not by hand"
+    page = hook.on_page_markdown("sums: <!-- linear strategies -->.", None, None, None)
+    assert page == f"sums: {', '.join(linear_strategy_names())}."

@@ -6,13 +6,11 @@ import numpy as np
 import pytest
 
 from fedpar.aggregation import Strategy, build_strategy
-from fedpar.aggregation.registry import STRATEGIES, linear_strategy_names
+from fedpar.aggregation.catalog import strategy_classes
+from fedpar.aggregation.registry import linear_strategy_names, strategy_names
 from fedpar.server.secure_round import check_secure_setup
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]
-# The strategies fedpar documents as linear (docs/how-to/secure-aggregation.md): the weighted mean, or a server optimizer
-# acting on it.
-LINEAR = {"fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"}
 # Multi-Krum with no malicious clients keeps every update, its weighted mean; with some it drops the outliers.
 OPTIONS = {"multikrum": {"num_malicious": 2}}
 DP = dict(noise_multiplier=1.0, clip_norm=1.0, population=10, clients_per_round=2, seed=0)
@@ -20,11 +18,12 @@ DP = dict(noise_multiplier=1.0, clip_norm=1.0, population=10, clients_per_round=
 
 def test_every_registered_strategy_declares_whether_it_is_linear():
     assert "linear" not in vars(Strategy)  # the base assumes nothing: a class that does not say fails loudly
-    for name, cls in STRATEGIES.items():
+    for name, cls in strategy_classes().items():
         assert isinstance(cls.linear, bool), name
     assert build_strategy("dp-fedavg", **DP).linear is False  # clipping acts on each update
-    assert {name for name, cls in STRATEGIES.items() if cls.linear} == LINEAR
-    assert linear_strategy_names() == [name for name in STRATEGIES if name in LINEAR]
+    # the weighted mean, or a server optimizer acting on it (the docs list linear_strategy_names() where they say so)
+    assert {"fedavg", "fedavgm", "fedprox", "fedadam"} <= set(linear_strategy_names())
+    assert linear_strategy_names() == [name for name in strategy_names() if strategy_classes()[name].linear]
 
 
 def _rounds(strategy, rounds):
@@ -40,7 +39,7 @@ def _rounds(strategy, rounds):
     return out
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", strategy_names())
 def test_a_linear_strategy_gives_the_same_model_from_the_weighted_mean_alone(name):
     """What secure aggregation and aggregator ranks rely on: folding the weighted mean as one update of weight
     sum(w) gives the model that folding each update gives, round after round (server state included)."""
@@ -58,7 +57,7 @@ def test_a_linear_strategy_gives_the_same_model_from_the_weighted_mean_alone(nam
         same = all(np.allclose(a, b, rtol=1e-9, atol=1e-12) for x, y in zip(each, once) for a, b in zip(x, y))
     except ValueError:  # a rule that cannot choose among one update
         same = False
-    assert same == STRATEGIES[name].linear
+    assert same == strategy_classes()[name].linear
 
 
 def test_secure_aggregation_takes_exactly_the_linear_strategies_and_refuses_the_rest_in_the_tables_line():
@@ -66,11 +65,22 @@ def test_secure_aggregation_takes_exactly_the_linear_strategies_and_refuses_the_
 
     names, weights = ["w"], [np.zeros(3, np.float32)]
     secure = {"secure_aggregation": "--secure-aggregation"}
-    for name in [*STRATEGIES, "dp-fedavg"]:
+    for name in [*strategy_names(), "dp-fedavg"]:
         strategy = build_strategy(name, **(DP if name.startswith("dp-") else {}))
-        if name in LINEAR:
+        if name in linear_strategy_names():
             check_secure_setup(names, weights, strategy)
         else:
             with pytest.raises(ValueError) as refused:
                 check_secure_setup(names, weights, strategy)
             assert str(refused.value) == refusal({**strategy_features(name), **secure})
+
+
+def test_differential_privacy_refuses_every_registered_strategy_that_is_not_linear():
+    """Each update is clipped and noised into a sum: a rule that needs the updates themselves cannot run on it."""
+    from fedpar.aggregation.compatibility import check_composition, robust_strategies
+
+    assert set(robust_strategies()) == set(strategy_names()) - set(linear_strategy_names())
+    for name in robust_strategies():
+        for refused in (lambda: check_composition(name, privacy="central"), lambda: build_strategy(f"dp-{name}", **DP)):
+            with pytest.raises(ValueError, match=f"^--privacy cannot run with --strategy {name}: "):
+                refused()
