@@ -96,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
     paths = CertPaths(Path(args.out))
     housekeeping = args.revoke or args.revoke_cert or args.mint_token
     try:
-        for agent_id in [*args.agents, *args.operators, *args.revoke, *args.mint_token]:
+        for agent_id in [*args.agents, *args.revoke, *args.mint_token]:
             check_agent_id(agent_id)
+        for name in args.operators:
+            check_agent_id(name, "operator name")
         if args.agents or args.operators or args.server_name or args.force or not housekeeping:
             report = ensure_certs(args.out, args.agents, args.server_name, args.days, args.force, args.operators)
             if report.created_ca:
@@ -111,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
             append_revocation(paths.revoked, agent_id=agent_id)
             print(f"revoked {kinds[agent_id]} {agent_id} in {paths.revoked}")
         for pem in args.revoke_cert:
-            serial = load_certificate(pem).serial_number
+            try:
+                serial = load_certificate(pem).serial_number
+            except ValueError:  # cryptography's 'Unable to load PEM file. See https://... MalformedFraming'
+                raise ValueError(f"--revoke-cert {pem} is not a PEM certificate; give the .pem file of the "
+                                 "certificate to revoke") from None
             append_revocation(paths.revoked, serial=serial)
             print(f"revoked certificate {pem} (serial {serial:x}) in {paths.revoked}")
         for agent_id in args.mint_token:

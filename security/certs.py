@@ -32,10 +32,11 @@ RESERVED_NAMES = {"ca", "server"}
 PrivateKey = ec.EllipticCurvePrivateKey
 
 
-def check_agent_id(agent_id: str) -> str:
-    """``agent_id`` if it can name a certificate and its files, else ValueError saying what is allowed."""
+def check_agent_id(agent_id: str, what: str = "agent id") -> str:
+    """``agent_id`` if it can name a certificate and its files, else ValueError saying what is allowed (``what``:
+    what the name is, e.g. "operator name")."""
     if not AGENT_ID_RE.fullmatch(agent_id or "") or agent_id in RESERVED_NAMES:
-        raise ValueError(f"agent id {agent_id!r} cannot be used in a certificate: use 1-64 characters from "
+        raise ValueError(f"{what} {agent_id!r} cannot be used in a certificate: use 1-64 characters from "
                          "A-Z a-z 0-9 . _ - starting with a letter or digit (and not 'ca' or 'server')")
     return agent_id
 
@@ -72,11 +73,11 @@ class CertPaths:
 
     def operator_cert(self, name: str) -> Path:
         """Client certificate of operator ``name`` (the control API's users)."""
-        return self.root / "operators" / f"{check_agent_id(name)}.pem"
+        return self.root / "operators" / f"{check_agent_id(name, 'operator name')}.pem"
 
     def operator_key(self, name: str) -> Path:
         """Private key of operator ``name``."""
-        return self.root / "operators" / f"{check_agent_id(name)}.key"
+        return self.root / "operators" / f"{check_agent_id(name, 'operator name')}.key"
 
     def agent_cert(self, agent_id: str) -> Path:
         """Client certificate of ``agent_id``."""
@@ -169,7 +170,8 @@ def issue_agent_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, agent_id: st
 def issue_operator_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, name: str,
                         days: int = DEFAULT_DAYS) -> tuple[PrivateKey, x509.Certificate]:
     """A client certificate with the operator role (subject OU): the control API answers only these."""
-    return _leaf(ca_key, ca_cert, check_agent_id(name), ExtendedKeyUsageOID.CLIENT_AUTH, days, role=OPERATOR_ROLE)
+    return _leaf(ca_key, ca_cert, check_agent_id(name, "operator name"), ExtendedKeyUsageOID.CLIENT_AUTH, days,
+                 role=OPERATOR_ROLE)
 
 
 def certificate_role(pem: bytes) -> str:

@@ -162,6 +162,13 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
                                                       "processes started on this machine must be in 1..1024"),
     (["client", "--agent-id", "a", "--nproc", "100000"], 2, "argument --nproc: 100000 is out of range"),
     (["simulate", "--workers", "5000"], 2, "argument --workers: 5000 is out of range"),
+    # cryptography's own words ('Unable to load PEM file. See https://cryptography.io/... MalformedFraming'), and an
+    # operator's name called an 'agent id'
+    (["certs", "--out", "{tmp}/c", "--revoke-cert", "{tmp}/a-file"], 2,
+     "fedpar certs: --revoke-cert {tmp}/a-file is not a PEM certificate; give the .pem file of the certificate to "
+     "revoke"),
+    (["certs", "--out", "{tmp}/c", "--operators", "a b"], 2, "fedpar certs: operator name 'a b' cannot be used in a "
+                                                              "certificate"),
     # the slow clients' tasks failed: 'training raised OverflowError: timestamp out of range for platform time_t'
     (["simulate", "--slow-fraction", "0.5", "--slow-step-delay", "1e30"], 2,
      "argument --slow-step-delay: 1e30 is out of range: seconds a step waits must be in 0.0..86400.0"),
