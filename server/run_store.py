@@ -9,6 +9,7 @@ brings an older file up to date on open.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -332,4 +333,6 @@ def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
     if "not a database" in text or "malformed" in text or "corrupt" in text:
         return (f"state file {path} is not a fedpar state database or is damaged ({text}); move it aside and start "
                 "again, or give another --state")
+    if "unable to open" in text and os.path.isdir(path):  # sqlite says only 'unable to open database file'
+        return f"state file {path} is a folder; give --state the path of a file (e.g. {os.path.join(path, 'state.db')})"
     return f"state file {path}: {text}"

@@ -162,6 +162,9 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
                                                       "processes started on this machine must be in 1..1024"),
     (["client", "--agent-id", "a", "--nproc", "100000"], 2, "argument --nproc: 100000 is out of range"),
     (["simulate", "--workers", "5000"], 2, "argument --workers: 5000 is out of range"),
+    # sqlite's 'unable to open database file'
+    (["serve", "--insecure", "--port", "0", "--state", "{tmp}"], 2,
+     "fedpar serve: state file {tmp} is a folder; give --state the path of a file (e.g. {tmp}/state.db)"),
     # cryptography's own words ('Unable to load PEM file. See https://cryptography.io/... MalformedFraming'), and an
     # operator's name called an 'agent id'
     (["certs", "--out", "{tmp}/c", "--revoke-cert", "{tmp}/a-file"], 2,
