@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the dataset modules import this one to declare
+    import torch  # their names, which the command line reads without torch
 
 
 @dataclass
@@ -39,6 +41,8 @@ class ArrayDataset:
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) as torch tensors sharing memory with the arrays (float32, int64)."""
+        import torch
+
         return torch.from_numpy(self.x), torch.from_numpy(self.y)
 
     def whole(self) -> ArrayDataset:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
+from fedpar.datasets.catalog import register_dataset
 
 
 def _read_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -54,3 +55,9 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> DatasetSplits:
     train, test = stratified_split(y, test_fraction, seed)
     return DatasetSplits(ArrayDataset(x[train], y[train]), ArrayDataset(x[test], y[test]),
                          num_classes=10, input_shape=(1, 8, 8))
+
+
+@register_dataset("digits", help="8x8 images bundled with scikit-learn")
+def digits_dataset(name: str, test_fraction: float = 0.2, seed: int = 0) -> DatasetSplits:
+    """``--dataset digits`` (bundled with scikit-learn: no folder)."""
+    return load_digits(test_fraction, seed)

@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from fedpar.datasets.arrays import ByteImages, DatasetSplits
+from fedpar.datasets.catalog import register_dataset
 from fedpar.datasets.idx import read_idx
 
 MNIST_MEAN = 0.1307
@@ -144,3 +145,10 @@ def load_mnist(data_dir: str | Path) -> DatasetSplits:
     if train.shape != test.shape:
         raise ValueError(f"train images {train.shape} and test images {test.shape} differ in shape")
     return DatasetSplits(train, test, num_classes=10, input_shape=tuple(int(d) for d in train.shape))
+
+
+@register_dataset("mnist", help="a local folder: --data-dir, train's --data-path",
+                  folder=f"{EXPECTED_FILES}; {WHERE_TO_GET}")
+def mnist_dataset(name: str, data_dir: str | Path) -> DatasetSplits:
+    """``--dataset mnist``: the folder ``data_dir``."""
+    return load_mnist(data_dir)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits, LazyDataset
+from fedpar.datasets.catalog import register_dataset
 from fedpar.datasets.memory import check_fits
 from fedpar.datasets.tables import TEST_SHARE
 
@@ -173,3 +174,15 @@ def load_synthetic(spec: SyntheticSpec) -> DatasetSplits:
     return DatasetSplits(LazyDataset(members.pooled, int(members.sizes.sum())),
                          LazyDataset(members.test_sample, int(members.held[members.test_members()].sum())), CLASSES,
                          (DIM,), members=members)
+
+
+def synthetic_name(name: str, clients: int) -> str:
+    """``name`` with the client count of a federation of ``clients`` filled in when it names none."""
+    return SyntheticSpec.parse(name.lower(), clients).name
+
+
+@register_dataset("synthetic", usage="synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]", full_name=synthetic_name,
+                  help="FedProx's generated federation (synthetic:iid: its IID one)")
+def synthetic_dataset(name: str, clients: int | None = None) -> DatasetSplits:
+    """``--dataset synthetic[:...]``; ``clients`` when the name does not say how many."""
+    return load_synthetic(SyntheticSpec.parse(name.lower(), clients))

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
+from fedpar.datasets.catalog import register_dataset
 
 TEST_SHARE = 5  # one example in TEST_SHARE of each client's goes to the test set
 
@@ -101,3 +102,15 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
     if not np.isfinite(x).all():
         raise ValueError(f"{path}: features hold NaN or Inf")
     return owned_splits(x, y, owners)
+
+
+@register_dataset("npz", usage="npz:PATH", help="a table of features and labels")
+def npz_dataset(name: str) -> DatasetSplits:
+    """``--dataset npz:PATH``."""
+    return load_npz_table(name.split(":", 1)[1])
+
+
+@register_dataset("csv", usage="csv:PATH", help="a table of features and labels")
+def csv_dataset(name: str) -> DatasetSplits:
+    """``--dataset csv:PATH``."""
+    return load_csv_table(name.split(":", 1)[1])

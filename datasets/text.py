@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+from fedpar.datasets.arrays import LANGUAGE_MODEL, TrainData
+from fedpar.datasets.catalog import register_dataset
+
+if TYPE_CHECKING:  # imported by text_windows: the registry reads this module's entry without torch
+    import torch
 
 
 @dataclass
@@ -76,5 +82,29 @@ def text_windows(tokens: np.ndarray, block_size: int) -> tuple[torch.Tensor, tor
     if n < 1:
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than block_size+1={block_size + 1}; "
                          "use a longer text or a smaller --block-size")
+    import torch
+
     t = torch.from_numpy(np.ascontiguousarray(tokens[: n * block_size + 1]))
     return t[:-1].view(n, block_size).clone(), t[1:].view(n, block_size).clone()
+
+
+def text_train_data(name: str, data_path: str | Path | None, block_size: int, seed: int
+                    ) -> tuple[TrainData, dict[str, Any]]:
+    """The corpus at ``data_path`` as ``block_size``-character windows (the first 90% training), and the
+    ``vocab_size`` and ``block_size`` it gives the model."""
+    if not data_path:
+        raise ValueError("--dataset text needs --data-path FILE (any UTF-8 text, e.g. "
+                         "../shared/data/tinyshakespeare/input.txt)")
+    corpus = load_text(data_path, block_size)
+    x, y = text_windows(corpus.train, block_size)
+    vx, vy = text_windows(corpus.val, block_size)
+    return TrainData(x, y, vx, vy, LANGUAGE_MODEL), {"vocab_size": corpus.vocab_size, "block_size": block_size}
+
+
+@register_dataset("text", help="a character corpus for language models: train --model gpt --data-path FILE",
+                  train=text_train_data)
+def text_dataset(name: str) -> None:
+    """``--dataset text`` where a classification set is read: refused, saying where it trains."""
+    raise ValueError("text is a character corpus for language models, not a classification set: train the gpt "
+                     "on it with fedpar train --model gpt --dataset text --data-path FILE, or federated with "
+                     "--task fedpar.tasks.zoo:language_model --task-option data_path=FILE")

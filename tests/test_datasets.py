@@ -262,3 +262,32 @@ def test_synthetic_clients_differ_as_alpha_and_beta_say():
     assert means[1] > 1.5 * means[0]  # beta spreads the clients' inputs apart
     with pytest.raises(ValueError, match="CLIENTS"):
         load_dataset("synthetic:1:1")
+
+
+def test_the_registry_finds_every_dataset_module_by_its_declaration(tmp_path):
+    """Each dataset module declares its entries (@register_dataset): the registry lists them in module order, finds
+    each by the names its usage allows, and gives a loader only the options it takes."""
+    from fedpar.datasets.catalog import dataset_entries
+    from fedpar.datasets.registry import dataset_entry, full_dataset_name
+
+    entries = dataset_entries()
+    names = [e.name for e in entries]
+    assert [n for n in names if n in ("digits", "mnist", "synthetic", "npz", "csv", "text")] == [
+        "digits", "mnist", "synthetic", "npz", "csv", "text"]  # a new one goes anywhere among them
+    assert list(DATASETS) == [e.usage for e in entries]
+    assert dataset_entry("Digits").name == "digits" and dataset_entry("synthetic:iid:3").name == "synthetic"
+    assert dataset_entry("npz:/x/T.npz").name == "npz"
+    for wrong in ("digits:x", "npz", "synthetic0.5", "texts"):
+        with pytest.raises(ValueError, match="unknown dataset"):
+            dataset_entry(wrong)
+    assert full_dataset_name("synthetic", 7) == "synthetic:0.5:0.5:7:10" and full_dataset_name("digits", 7) == "digits"
+    assert full_dataset_name("cifar", 7) == "cifar"  # refused where it is loaded, with the valid names
+    _write_idx_folder(tmp_path)
+    with pytest.raises(ValueError, match="^dataset mnist takes no option seed$"):
+        load_dataset("mnist", tmp_path, seed=1)
+    assert len(load_dataset("digits", data_dir=tmp_path).train) == 1437  # a bundled set ignores the folder
+    # train hands --seed to every loader that takes one (digits' split), none to the rest
+    assert dataset_entry("digits").takes("seed") and not dataset_entry("mnist").takes("seed")
+    a, _ = load_train_data("digits", "", 8, seed=1)
+    b, _ = load_train_data("digits", "", 8, seed=2)
+    assert not a.train_targets.equal(b.train_targets)
