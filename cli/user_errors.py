@@ -134,5 +134,9 @@ def every_round_failed(summary: dict, task: str | None = None,
         return f"{failed}: the task's {error}: fix the task ({task})"
     if error:
         return f"{failed}: the members' {error}"
+    refused = summary.get("refused_because")
+    if refused:  # it said 'too few updates arrived ... check --min-reports, --deadline' of updates all refused
+        hint = "; lower --lr (training diverged)" if "NaN or Inf" in refused else ""
+        return f"{failed}: the coordinator refused every update, e.g. {refused}{hint}"
     return (f"{failed}: too few updates arrived (see close_reason in metrics.jsonl); check {options} and the agents' "
             "logs")

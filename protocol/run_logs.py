@@ -22,7 +22,7 @@ from fedpar.protocol.atomicfile import atomic_path, atomic_write_bytes
 
 TAIL_ROWS = 64  # rows metrics.csv may lack after a crash before its lines are copied from the end of metrics.jsonl
 # what the summary reads from the last row (training_error: why its members' own code failed their tasks)
-_LAST_KEYS = ("test_accuracy", "dp_epsilon", "sim_seconds", "training_error")
+_LAST_KEYS = ("test_accuracy", "dp_epsilon", "sim_seconds", "training_error", "refused_because")
 TENSORBOARD_HINT = "--tensorboard needs the tensorboard package: pip install 'fedpar[tensorboard]'"
 
 
@@ -202,6 +202,8 @@ class RunningSummary:
             out["sim_seconds"] = self.last["sim_seconds"]
         if "training_error" in self.last:
             out["training_error"] = self.last["training_error"]
+        if "refused_because" in self.last:  # the last round's every update was refused, e.g. for NaN
+            out["refused_because"] = self.last["refused_because"]
         if self.target_accuracy is not None:
             hit = self.hit
             out.update(target_accuracy=self.target_accuracy, rounds_to_target=hit["round"] if hit else None,

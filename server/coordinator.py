@@ -364,6 +364,8 @@ class Coordinator(IngestPlane):
                "cohort_digest": cohort_digest(state.slots)}
         if state.training_error:
             row["training_error"] = state.training_error
+        elif status != "ok" and state.refusal and not state.accepted:  # why a run whose every update was refused
+            row["refused_because"] = state.refusal                       # failed (cli/user_errors.py)
         row.update(_weighted_client_metrics(state.metrics))
         evaluated = [m for _, m in state.metrics if m.get("eval_examples", 0) > 0]
         strategy_eval = await self._model_work(self.strategy.aggregate_evaluation, evaluated) if evaluated else None

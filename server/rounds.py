@@ -76,6 +76,7 @@ class RoundState:
     refused: dict[str, int] = field(default_factory=dict)  # upload refusals by gRPC status, e.g. resource_exhausted
     training_failures: int = 0  # sampled agents whose own code failed their task (rejected, with no update)
     training_error: str = ""  # the first one's reason, e.g. "training raised TypeError: ..."
+    refusal: str = ""  # the first refused update's reason, e.g. "tensor 'w' contains NaN or Inf; update refused"
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
@@ -173,6 +174,7 @@ class RoundState:
         """Record a refused update (bad content); it never touches the model."""
         slot.status = "rejected"
         self.rejected += 1
+        self.refusal = self.refusal or message
         log.log(level, "round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
         if self.on_reject is not None:
             self.on_reject(slot, message)

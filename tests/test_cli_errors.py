@@ -419,6 +419,22 @@ def test_an_output_that_cannot_be_written_is_named_in_one_line_and_the_model_is_
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left behind
 
 
+def test_a_run_whose_every_update_was_refused_says_why_not_to_check_the_deadline():
+    # simulate --lr 1e30: every update held NaN and was refused, and the last line said 'too few updates arrived
+    # (see close_reason in metrics.jsonl); check --min-reports, --deadline and the agents' logs'
+    from fedpar.cli.user_errors import every_round_failed
+    from fedpar.protocol.run_logs import RunningSummary
+
+    running = RunningSummary()
+    running.add({"round": 1, "status": "failed", "reported": 0, "rejected": 4, "test_accuracy": 0.1,
+                 "refused_because": "tensor 'w' contains NaN or Inf; update refused"})
+    assert every_round_failed(running.result()) == ("every round failed (1 of 1): the coordinator refused every "
+                                                    "update, e.g. tensor 'w' contains NaN or Inf; update refused; "
+                                                    "lower --lr (training diverged)")
+    running.add({"round": 2, "status": "failed", "reported": 0, "rejected": 0})  # none came: the old advice
+    assert "too few updates arrived" in every_round_failed(running.result())
+
+
 def test_a_full_disk_is_named_with_the_file_and_its_folder(tmp_path):
     from fedpar.cli.user_errors import describe
 
