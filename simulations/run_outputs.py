@@ -38,7 +38,9 @@ def start_fresh(out: Path) -> None:
     its first round (or writes fewer files) would otherwise leave its summary beside the other run's rows, model and
     plots, where a finished run replaces them all."""
     for name in RUN_FILES:
-        (Path(out) / name).unlink(missing_ok=True)
+        path = Path(out) / name
+        if not path.is_dir():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
+            path.unlink(missing_ok=True)
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,
