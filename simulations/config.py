@@ -18,6 +18,15 @@ from fedpar.settings import flag_of, redefault, setting
 from fedpar.task import FlowerAppReference, TaskReference
 
 
+# The settings a --checkpoint-dir's run record keeps neither as defining nor as noted (resume_record), and why: how
+# the run is hosted here; --rounds (a resume may run more); the strategy (the checkpoint itself refuses another:
+# server/coordinator.py); the time limits of a round and a secure stage (guards, not training); the target accuracy
+# (the summary counts its time to target again from the rows when it changed). A new setting goes in resume_record
+# or here (tests/simulations/test_resume_settings.py checks that each is in one).
+NOT_RESUME_RECORDED = frozenset({
+    "workers", "seats", "device", "tls", "client_batching", "aggregator_ranks", "aggregator_timeout_seconds",
+    "data_dir", "out", "checkpoint_dir", "rounds", "strategy", "round_wall_seconds", "secagg_stage_seconds",
+    "target_accuracy"})
 # Clients a round samples when --clients-per-round is not given and there are more: a population of 10^5 would
 # otherwise train every client each round (6.3 GiB at 10^5); the issue's population runs sample 100.
 DEFAULT_COHORT = 100
@@ -130,7 +139,7 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
         metrics.jsonl. A noted one only changes how the remaining rounds train (sampling, local training, the
         devices' behaviour, the strategy's options, compression); changing them between rounds is a schedule a user
         may mean, as lowering --lr late, so it is said in one line and resumed. How the run is hosted here (workers,
-        seats, device, ranks, TLS, folders) and --rounds are kept by neither."""
+        seats, device, ranks, TLS, folders) and --rounds are kept by neither: :data:`NOT_RESUME_RECORDED`."""
         defining = {"dataset": full_dataset_name(self.dataset, self.clients), "model": self.model,
                     "clients": self.clients, "examples_per_client": self.examples_per_client,
                     "partition": self.partition, "val_fraction": self.val_fraction, "seed": self.seed,

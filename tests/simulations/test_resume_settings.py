@@ -151,3 +151,17 @@ def test_a_checkpoint_of_older_code_without_its_record_still_resumes(run):
     assert code == 0, err
     assert _rounds(run / "out") == [1, 2, 3]
     assert not (run / "ckpt" / "run.json").exists()  # what it was made with is still not known
+
+
+def test_every_simulate_setting_is_recorded_for_a_resume_or_left_out_on_purpose():
+    """A new setting must say whether a resume that changes it is refused, said, or neither (the guide's recipe)."""
+    from dataclasses import fields
+
+    from fedpar.simulations.config import NOT_RESUME_RECORDED, SimulationConfig, flag_of
+
+    defining, noted = SimulationConfig().resume_record()
+    recorded = {name for name in (f.name for f in fields(SimulationConfig))
+                if flag_of(SimulationConfig, name) in defining or flag_of(SimulationConfig, name) in noted}
+    unsaid = {f.name for f in fields(SimulationConfig)} - recorded - NOT_RESUME_RECORDED
+    assert not unsaid, f"add each to SimulationConfig.resume_record or to NOT_RESUME_RECORDED: {sorted(unsaid)}"
+    assert not recorded & NOT_RESUME_RECORDED
