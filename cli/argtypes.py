@@ -54,18 +54,30 @@ def _number(kind: type, text: str):
     return value
 
 
-def ranged(kind: type, low=None, high=None, what: str = "") -> Callable[[str], int | float]:
-    """An argparse type: ``kind(text)`` within [low, high] (None: unbounded), else an error naming the range."""
+def _shown(value) -> str:
+    """A bound as a range message says it: 0 and 1e+09 for floats, every digit for integers."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def ranged(kind: type, low=None, high=None, what: str = "", *, open_low: bool = False, open_high: bool = False,
+           why: str = "") -> Callable[[str], int | float]:
+    """An argparse type: ``kind(text)`` within [low, high] (None: unbounded; ``open_low``/``open_high``: that bound
+    itself refused), else an error naming the range (and ``why``, after it)."""
     def parse(text: str):
         value = _number(kind, text)
-        if (low is not None and value < low) or (high is not None and value > high):
-            if high is None:
-                bound = f"at least {low}"
+        below = low is not None and (value <= low if open_low else value < low)
+        above = high is not None and (value >= high if open_high else value > high)
+        if below or above:
+            if low is not None and high is not None and (open_low or open_high):
+                bound = f"in {'(' if open_low else '['}{_shown(low)}, {_shown(high)}{')' if open_high else ']'}"
+            elif high is None:
+                bound = f"{'greater than' if open_low else 'at least'} {_shown(low)}"
             elif low is None:
-                bound = f"at most {high}"
+                bound = f"{'below' if open_high else 'at most'} {_shown(high)}"
             else:
-                bound = f"in {low}..{high}"
-            raise argparse.ArgumentTypeError(f"{text} is out of range: {what or 'it'} must be {bound}")
+                bound = f"in {_shown(low)}..{_shown(high)}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what or 'it'} must be {bound}"
+                                             + (f" {why}" if why else ""))
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     parse.kind = kind  # what a TOML value must be (cli/config.py)
@@ -88,77 +100,13 @@ task_count = ranged(int, 1, 2**32 - 1, "a count each task carries (32 bits)")  #
 probability = ranged(float, 0.0, 1.0, "a probability or fraction")
 non_negative = ranged(float, 0.0, None, "a non-negative number")
 at_least_one = ranged(float, 1.0, None, "a factor")  # --overselect
-
-
-def positive(text: str) -> float:
-    """An argparse type: a number greater than 0 (seconds, rates, learning rates, clip norms)."""
-    value = _number(float, text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be greater than 0")
-    return value
-
-
-positive.kind = float
-
-
+positive = ranged(float, 0.0, None, open_low=True)  # seconds, rates, learning rates, clip norms
 MAX_SECONDS = 1e9  # about 31 years: above it a timeout overflows threading's waits and datetime.timedelta
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a duration or timeout in seconds, in (0, 1e9] (--deadline 1e30 passed; a gloo timeout of
-    1e30 ended in an OverflowError traceback)."""
-    value = _number(float, text)
-    if not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: seconds must be greater than 0 and at most "
-                                         f"{MAX_SECONDS:.0e}")
-    return value
-
-
-seconds.kind = float
-
-
-def fraction(text: str) -> float:
-    """An argparse type: a share in (0, 1] (--fraction, --topk-ratio)."""
-    value = _number(float, text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in (0, 1]")
-    return value
-
-
-fraction.kind = float
-
-
-def held_out(text: str) -> float:
-    """An argparse type: a share held out in [0, 1) (--val-fraction: the rest must train)."""
-    value = _number(float, text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in [0, 1) (some examples must train)")
-    return value
-
-
-held_out.kind = float
-
-
-def open_unit(text: str) -> float:
-    """An argparse type: a number strictly between 0 and 1 (--privacy-delta, --privacy-adaptive-quantile)."""
-    value = _number(float, text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in (0, 1)")
-    return value
-
-
-open_unit.kind = float
-
-
-def below_one(text: str) -> float:
-    """An argparse type: a factor in [0, 1) (--momentum: at 1 or above the steps never decay and training diverges)."""
-    value = _number(float, text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: it must be in [0, 1)")
-    return value
-
-
-below_one.kind = float
+seconds = ranged(float, 0.0, MAX_SECONDS, "seconds", open_low=True)  # --deadline, every timeout
+fraction = ranged(float, 0.0, 1.0, open_low=True)  # a share: --fraction, --topk-ratio
+held_out = ranged(float, 0.0, 1.0, open_high=True, why="(some examples must train)")  # --val-fraction
+open_unit = ranged(float, 0.0, 1.0, open_low=True, open_high=True)  # --privacy-delta, its adaptive quantile
+below_one = ranged(float, 0.0, 1.0, open_high=True)  # --momentum: from 1 up the steps never decay and training diverges
 
 
 def address(text: str) -> str:
@@ -178,34 +126,21 @@ def address(text: str) -> str:
 address.kind = str
 
 
-def text(value: str) -> str:
-    """An argparse type: a word that is not empty (``--task "$TASK"`` with TASK unset ran without a task, silently)."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("an empty value: give one, or leave the option out")
-    return value
+def not_empty(kind: type, message: str) -> Callable[[str], object]:
+    """An argparse type: ``kind(text)`` of a text that is not empty or blank, else ``message``."""
+    def parse(value: str):
+        if not value.strip():
+            raise argparse.ArgumentTypeError(message)
+        return kind(value)
+    parse.__name__ = kind.__name__
+    parse.kind = kind
+    return parse
 
 
-text.kind = str
-
-
-def path(text: str) -> Path:
-    """An argparse type: a path, not empty (an empty one would be the current folder: a slip, never meant)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path: give a file's or a folder's path")
-    return Path(text)
-
-
-path.kind = Path
-
-
-def folder(text: str) -> str:
-    """An argparse type: the path of a folder a command writes into (--out), not empty."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path: give a folder, e.g. runs/first (created if missing)")
-    return text
-
-
-folder.kind = str
+# --task "$TASK" with TASK unset ran without a task, silently
+text = not_empty(str, "an empty value: give one, or leave the option out")
+path = not_empty(Path, "an empty path: give a file's or a folder's path")  # Path('') is the current folder
+folder = not_empty(str, "an empty path: give a folder, e.g. runs/first (created if missing)")  # --out
 
 
 def host(text: str) -> str:
