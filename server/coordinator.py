@@ -352,8 +352,11 @@ class Coordinator(IngestPlane):
             await self._model_work(self.strategy.abort_round)
             failures = f" ({state.training_failures} of {state.sampled} sampled agents failed their task)" \
                 if state.training_failures else ""
-            log.warning("round %d failed: %d accepted updates < min_reports=%d%s; global model unchanged",
+            log.warning("round %d failed: %d accepted updates < --min-reports %d%s; global model unchanged",
                         state.round_id, state.accepted, state.min_reports, failures)
+        if state.rejected > 1:  # each one after the round's first was logged at debug level (RoundState.reject)
+            log.warning("round %d: %d updates refused in all (the first: %s)", state.round_id, state.rejected,
+                        state.refusal)
         if status == "ok" and state.training_failures:  # (a failed run's last line names the error, once)
             log.warning("round %d: %d of %d sampled agents failed their task: %s", state.round_id,
                         state.training_failures, state.sampled, state.training_error)

@@ -175,7 +175,9 @@ class RoundState:
         slot.status = "rejected"
         self.rejected += 1
         self.refusal = self.refusal or message
-        log.log(level, "round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
+        # the first of a round is said; the others (a diverged run refuses every client's) are counted at its end
+        log.log(level if self.rejected == 1 else logging.DEBUG, "round %d: rejected update from %s: %s",
+                self.round_id, slot.agent_id, message)
         if self.on_reject is not None:
             self.on_reject(slot, message)
         self.close_if_done()

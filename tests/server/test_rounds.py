@@ -243,3 +243,18 @@ def test_a_sampled_agent_that_goes_silent_does_not_hold_the_round_to_its_deadlin
     assert row["close_reason"] == "every sampled agent answered"
     assert time.monotonic() - started < 10
     np.testing.assert_allclose(server.coordinator.weights[0], _weights(3)[0], rtol=1e-6)
+
+
+def test_a_rounds_first_refused_update_is_said_and_the_others_are_counted_quietly(caplog):
+    """A diverged run refuses every client's update: it printed one warning per client per round (QA round 3)."""
+    import logging
+
+    from fedpar.server.rounds import AgentSlot, RoundState
+
+    state = RoundState(1, 3, 1, 30.0, {a: AgentSlot(a, "t") for a in "abc"})
+    with caplog.at_level(logging.DEBUG, logger="fedpar.server"):
+        for agent_id in "abc":
+            state.reject(state.slots[agent_id], f"tensor 'w' of {agent_id} contains NaN or Inf; update refused")
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "rejected update" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert state.rejected == 3 and state.refusal == "tensor 'w' of a contains NaN or Inf; update refused"
