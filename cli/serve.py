@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_port_free(args.host, args.port)
         check_port_free(args.host, args.data_port, "--data-port")
-        check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", exit_code=2)
+        check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
         check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
             (args.data_port, "--data-port"), (args.metrics_port, "--metrics-port")) if p})
     if args.run_config and not args.flower_app:
