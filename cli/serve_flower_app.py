@@ -12,7 +12,7 @@ from pathlib import Path
 from fedpar.cli.config import chose
 from fedpar.cli.declared import from_args
 from fedpar.cli.privacy import privacy_on
-from fedpar.cli.serve_service import linger
+from fedpar.cli.serve_service import until_told
 from fedpar.cli.tlsopts import server_security
 from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
@@ -76,7 +76,7 @@ def serve_flower_app(args: argparse.Namespace) -> int:
               f"--server {args.host}:{server.port} {security.client_hint} --flower-app DIR --agent-id ID "
               "--partition-index I --num-partitions N)", flush=True)
         server.wait()
-        linger(coordinator)
+        until_told(coordinator)
     except KeyboardInterrupt as exc:
         stopped_by = exc
     finally:

@@ -299,7 +299,7 @@ class RunService:
                     break
             else:
                 status = "finished"
-                linger(server.coordinator)
+                self.linger(server)
         except KeyboardInterrupt as exc:  # the service is stopping: the run resumes at its next start
             status, stopped_by = None, exc
         except Exception as exc:  # a round's error ends this run (the one-shot form re-raises it)
@@ -335,6 +335,11 @@ class RunService:
         self._say(run, f"run {run.id} ({run.name}) {status}" + (f": {reason}" if reason else ""))
         self.store.end(run.id, status, reason, model)  # after its last line: a follower that sees it ended has all
         return RunEnd(status, said or reason, code, outputs)
+
+    def linger(self, server) -> None:
+        """After the last round, before the coordinator stops: let the agents hear that training is over
+        (:func:`until_told`; a simulation waits for its worker processes instead)."""
+        until_told(server.coordinator)
 
     def _say(self, run, line: str) -> None:
         """``line`` in the run's log ('fedpar run logs') and on the service's output."""
@@ -447,7 +452,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     return 0
 
 
-def linger(coordinator) -> None:
+def until_told(coordinator) -> None:
     """After the last round, before ``coordinator`` stops: let its agents hear "shutdown" on their next call. A live
     agent calls at least once a heartbeat (its long-poll returns by then); one that misses it would retry a
     coordinator that is gone, until its --give-up-after (2 s was too short on a busy machine)."""

@@ -354,8 +354,8 @@ class Coordinator(IngestPlane):
                 if state.training_failures else ""
             log.warning("round %d failed: %d accepted updates < --min-reports %d%s; global model unchanged",
                         state.round_id, state.accepted, state.min_reports, failures)
-        if state.rejected > 1:  # each one after the round's first was logged at debug level (RoundState.reject)
-            log.warning("round %d: %d updates refused in all (the first: %s)", state.round_id, state.rejected,
+        if state.refused_updates > 1:  # each one after the round's first was logged at debug level (RoundState.reject)
+            log.warning("round %d: %d updates refused in all (the first: %s)", state.round_id, state.refused_updates,
                         state.refusal)
         if status == "ok" and state.training_failures:  # (a failed run's last line names the error, once)
             log.warning("round %d: %d of %d sampled agents failed their task: %s", state.round_id,

@@ -76,6 +76,7 @@ class RoundState:
     refused: dict[str, int] = field(default_factory=dict)  # upload refusals by gRPC status, e.g. resource_exhausted
     training_failures: int = 0  # sampled agents whose own code failed their task (rejected, with no update)
     training_error: str = ""  # the first one's reason, e.g. "training raised TypeError: ..."
+    refused_updates: int = 0  # updates refused for what they held (rejected, but for training failures)
     refusal: str = ""  # the first refused update's reason, e.g. "tensor 'w' contains NaN or Inf; update refused"
     fold_failed: bool = False
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -170,14 +171,18 @@ class RoundState:
         self.examples -= report[0]
         self.metrics.remove(report)
 
-    def reject(self, slot: AgentSlot, message: str, level: int = logging.WARNING) -> None:
-        """Record a refused update (bad content); it never touches the model."""
+    def reject(self, slot: AgentSlot, message: str) -> None:
+        """Record a refused update (bad content); it never touches the model. The round's first is said; the others
+        (a diverged run refuses every client's) at debug level, counted in one line when the round ends."""
+        self.refused_updates += 1
+        self.refusal = self.refusal or message
+        log.log(logging.WARNING if self.refused_updates == 1 else logging.DEBUG,
+                "round %d: rejected update from %s: %s", self.round_id, slot.agent_id, message)
+        self._answered_without_update(slot, message)
+
+    def _answered_without_update(self, slot: AgentSlot, message: str) -> None:
         slot.status = "rejected"
         self.rejected += 1
-        self.refusal = self.refusal or message
-        # the first of a round is said; the others (a diverged run refuses every client's) are counted at its end
-        log.log(level if self.rejected == 1 else logging.DEBUG, "round %d: rejected update from %s: %s",
-                self.round_id, slot.agent_id, message)
         if self.on_reject is not None:
             self.on_reject(slot, message)
         self.close_if_done()
@@ -201,7 +206,8 @@ class RoundState:
         rejected as a refused update is, and said once in the round's log line rather than once per agent."""
         self.training_failures += 1
         self.training_error = self.training_error or reason
-        self.reject(slot, f"its {reason}", logging.INFO)
+        log.info("round %d: %s answered with no update: its %s", self.round_id, slot.agent_id, reason)
+        self._answered_without_update(slot, f"its {reason}")
 
     def late(self) -> int:
         """Sampled agents whose update had not been accepted or rejected when the round closed."""
