@@ -64,8 +64,8 @@ def check_settings(path: Path, defining: dict, noted: dict | None = None, *, sou
 def recorded_seconds(path: Path) -> float:
     """The seconds the processes before this one ran, as the record at ``path`` keeps them (0: none kept)."""
     try:
-        seconds = json.loads(Path(path).read_bytes()).get("seconds", 0.0)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        seconds = (read_record(path, afresh="") or {}).get("seconds", 0.0)
+    except RunRecordError:  # a damaged record is said where the resume is checked
         return 0.0
     return float(seconds) if isinstance(seconds, (int, float)) and seconds >= 0 else 0.0
 
