@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from fedpar.secagg.field import MAX_CLIP
+
 
 class FedparParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line naming the command, the problem and where help is. It takes no
@@ -106,6 +108,9 @@ seconds = ranged(float, 0.0, MAX_SECONDS, "seconds", open_low=True)  # --deadlin
 fraction = ranged(float, 0.0, 1.0, open_low=True)  # a share: --fraction, --topk-ratio
 held_out = ranged(float, 0.0, 1.0, open_high=True, why="(some examples must train)")  # --val-fraction
 open_unit = ranged(float, 0.0, 1.0, open_low=True, open_high=True)  # --privacy-delta, its adaptive quantile
+secagg_clip = ranged(float, 0.0, MAX_CLIP, "a coordinate's clip", open_low=True,
+                     why="(a coordinate of an update past that means training diverged, and the secure sum's grid "
+                         "step grows with the clip: the metrics' secagg_error_bound shows its error)")
 below_one = ranged(float, 0.0, 1.0, open_high=True)  # --momentum: from 1 up the steps never decay and training diverges
 
 

@@ -24,6 +24,9 @@ from fedpar.secagg.errors import SecAggAbort, SecAggError
 DTYPE = np.dtype("<u4")  # masked vectors: little-endian uint32, arithmetic wraps mod 2^32
 INT31_MAX = (1 << 31) - 1
 BLOCK = 1 << 16  # quantize in cache-sized blocks: no model-sized float64 temporaries
+# The grid step is W*c/(2^31/N): at c = 1e30 one step dwarfs any model, and a coordinate of an update past 1e4 means
+# training diverged, so a larger clip only coarsens the sum.
+MAX_CLIP = 1e4
 
 
 def add_into(acc: np.ndarray, other: np.ndarray) -> None:
@@ -40,8 +43,8 @@ class Quantizer:
     max_clients: int  # N: most clients whose values are summed
 
     def __post_init__(self):
-        if not (np.isfinite(self.clip) and self.clip > 0):
-            raise SecAggError(f"clip must be a positive finite number, got {self.clip}")
+        if not 0 < self.clip <= MAX_CLIP:
+            raise SecAggError(f"clip must be in (0, {MAX_CLIP:g}], got {self.clip}")
         if self.max_weight < 1 or self.max_clients < 1:
             raise SecAggError("max_weight and max_clients must be >= 1")
         if self.max_clients * self.max_weight > INT31_MAX or INT31_MAX // self.max_clients < 2:

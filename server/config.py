@@ -9,6 +9,7 @@ from pathlib import Path
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.protocol.codec import DEFAULT_CHUNK_BYTES
 from fedpar.protocol.task_settings import LocalTraining
+from fedpar.secagg.field import MAX_CLIP
 from fedpar.sections import Seeded
 from fedpar.settings import redefault, setting
 
@@ -69,7 +70,7 @@ class SecureAggregation:
                                        help="SecAgg+ masking: the coordinator learns only the weighted mean of the "
                                             "agents' updates (needs a linear strategy, one that uses only their "
                                             "weighted mean, such as fedavg: a refusal lists them)")
-    secagg_clip: float = setting(1.0, check="positive", group="secagg",
+    secagg_clip: float = setting(1.0, check="secagg_clip", group="secagg",
                                  help="with --secure-aggregation: clip each coordinate of an update (local - global) "
                                       "to +-this")
     secagg_max_weight: int | None = setting(
@@ -274,7 +275,7 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
              "population members do not)"),
             (self.liveness_timeout_seconds > self.heartbeat_seconds,
              "liveness_timeout_seconds must exceed heartbeat_seconds"),
-            (math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg_clip must be > 0"),
+            (0 < self.secagg_clip <= MAX_CLIP, f"secagg_clip must be in (0, {MAX_CLIP:g}]"),
             (self.secagg_max_weight is None or self.secagg_max_weight >= 1, "secagg_max_weight must be >= 1"),
             self._secagg_sum_fits(),
             (self.secagg_stage_seconds > 0, "secagg_stage_seconds must be > 0"),

@@ -138,6 +138,9 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
      "fedpar serve: --secagg-max-weight (1000000000) x the 6 agents sampled per round must fit secure aggregation's "
      "31-bit sum: give --secagg-max-weight 357913941 or less"),
     (["simulate", "--secagg-max-weight", str(2**30)], 2, "argument --secagg-max-weight: 1073741824 is out of range"),
+    # trained with a grid step of about 1e30 x agents / 2^31 per coordinate: noise that wiped out the model, exit 0
+    (["simulate", "--secure-aggregation", "--secagg-clip", "1e30"], 2,
+     "argument --secagg-clip: 1e30 is out of range: a coordinate's clip must be in (0, 10000]"),
     # trained to NaN (momentum 1e30) or never decayed (1)
     (["train", "--momentum", "1"], 2, "argument --momentum: 1 is out of range: it must be in [0, 1)"),
     # each agent's task failed with a MemoryError traceback padding to a block, and the round waited its deadline
