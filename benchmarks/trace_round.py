@@ -48,7 +48,7 @@ MARKS = {
                           ("server/dataplane.py", "_upload")},
                "upload_end": ("server/uploads.py", "settle"),
                "not_upload": {("server/coordinator.py", "_run_round"), ("server/coordinator.py", "run")}},
-    "agent": {"round": ("client/runtime.py", "_dispatch"), "upload": {("client/round_modes.py", "upload")}},
+    "agent": {"round": ("client/runtime.py", "_dispatch"), "upload": {("client/transfer.py", "upload")}},
 }
 
 

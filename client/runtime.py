@@ -5,9 +5,9 @@ certificate; a simulation worker (`fedpar simulate`, `fedpar simulate-workers`) 
 of a population (simulations/population.py), whose sampled members take turns on a few *seats* (trainers that
 take on a member's data for one task). How it joins and pulls is its link's (client/links.py); the rest is written
 once here: the round's download (once per round, for every member that needs it), the deadline rule
-(fedpar/task.py), local training, the update transforms (client DP, compression, SecAgg masking:
-client/round_modes.py) and the upload (over the data plane here; over gRPC, with its retries: client/transfer.py
-UpdateSender, made here for each task).
+(fedpar/task.py), local training, the update transforms (client DP and compression: client/transfer.py's round
+modes; SecAgg masking: client/secure_upload.py's) and the upload (over the data plane here; over gRPC, with its
+retries: client/transfer.py UpdateSender, made here for each task).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.backoff import Backoff, jittered
 from fedpar.client.links import RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting
 from fedpar.client.member_state import ResidualStore
-from fedpar.client.round_modes import CompressedUpload, PlainUpload, Send
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.trainer_protocol import UpdateRefused
-from fedpar.client.transfer import UpdateSender, download_weights, ingest_address, task_weights
+from fedpar.client.transfer import (CompressedUpload, PlainUpload, Send, UpdateSender, download_weights, ingest_address,
+                                    task_weights)
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.dataplane import TICKET_BYTES
@@ -441,8 +441,8 @@ class ClientRuntime:
 
     def _round_mode(self, seat: Seat, auth: pb.AgentAuth, task: pb.TrainTask, settings: TaskSettings,
                     deadline_at: float, data_plane: dataplane.DataPlaneTarget | None) -> PlainUpload:
-        """How this task's update is made and sent, as its settings say (client/round_modes.py; the sender:
-        client/transfer.py, behind the data plane when the task offers it); a secure round's mode was made as its
+        """How this task's update is made and sent, as its settings say (client/transfer.py's round modes and
+        its sender, behind the data plane when the task offers it); a secure round's mode was made as its
         task arrived (client/secure_members.py)."""
         note = self._refusals_of(auth.agent_id)
         started = time.monotonic()  # heartbeat replies heard after this speak of this task's round or a later one

@@ -5,7 +5,7 @@ until the coordinator has closed the masking stage, i.e. for the whole cohort's 
 few members at once (its seats), so a seat cannot hold a member through those waits: each member's key exchange
 starts when its task reaches the runtime, and its unmasking runs after its masked upload, each in a thread of that
 member's own (one per member sampled in a secure round, never one per client). The seat that trains the member
-uses the same session (client/round_modes.SecureUpload) for the masked upload in between. A runtime hosting one
+uses the same session (client/secure_upload.SecureUpload) for the masked upload in between. A runtime hosting one
 member (a deployed agent) does the same: its key exchange overlaps its download and training.
 """
 
@@ -15,7 +15,8 @@ import threading
 import time
 from concurrent.futures import Future
 
-from fedpar.client.round_modes import NoteRefusal, SecureUpload
+from fedpar.client.secure_upload import SecureUpload
+from fedpar.client.transfer import NoteRefusal
 from fedpar.client.secure_upload import SecureSession
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub, ModelLayout

@@ -1,4 +1,5 @@
-"""The agent's side of a secure-aggregation round: SecAgg+ stages over SecAggExchange, masked upload.
+"""The agent's side of a secure-aggregation round: SecAgg+ stages over SecAggExchange, masked upload, and the round
+mode that runs them for a task (:class:`SecureUpload`, beside client/transfer.py's plain and compressed modes).
 
 Use: ``begin`` as soon as the task arrives (key exchange overlaps other agents' training), then, after
 local training, ``upload_masked`` with the update local - global, then ``unmask``. A refusal surfaces as
@@ -8,17 +9,22 @@ grpc.RpcError (with the coordinator's status and reason), SecAggError or SecAggA
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+import grpc
 import numpy as np
 
-from fedpar.client.transfer import upload_messages, upload_update
+from fedpar.client.transfer import NoteRefusal, upload_messages, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub, ModelLayout
 from fedpar.secagg import wire
 from fedpar.secagg.client_protocol import SecAggClient
 from fedpar.secagg.errors import SecAggAbort, SecAggError
 from fedpar.secagg.params import RoundParams
+from fedpar.task import upload_timeout
+
+if TYPE_CHECKING:  # only named: the result comes from a trainer
+    from fedpar.client.local_loop import TrainResult
 
 MASKED_TENSOR = "secagg.masked"
 
@@ -110,4 +116,43 @@ class SecureSession:
                                        unmask_shares=wire.unmask_shares_to_pb(shares)), "done")
 
 
+class SecureUpload:
+    """Secure rounds: keys exchanged while training, then a masked vector, then the shares that unmask the sum."""
 
+    REFUSALS = (grpc.RpcError, SecAggError, SecAggAbort)
+
+    def __init__(self, session: SecureSession, layout: ModelLayout, chunk_bytes: int, deadline_at: float,
+                 note_refusal: NoteRefusal):
+        self.session = session
+        self.vector_length = sum(t.numel for t in layout.tensors)
+        self.chunk_bytes = chunk_bytes
+        self.deadline_at = deadline_at
+        self.note_refusal = note_refusal
+
+    def begin(self) -> bool:
+        """The key exchange, first, so that it overlaps training rather than following it."""
+        try:
+            self.session.begin(self.vector_length)
+        except self.REFUSALS as err:
+            self.note_refusal("secure aggregation", err)
+            return False
+        return True
+
+    def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
+               metrics: dict[str, float]) -> bool:
+        """Mask and send local - global, weighted by the examples seen."""
+        try:
+            # No metrics in the clear: the coordinator of a secure round learns only the weighted sum.
+            self.session.upload_masked(flat_update(trained, global_weights), result.examples, {}, self.chunk_bytes,
+                                       timeout=upload_timeout(self.deadline_at))
+        except self.REFUSALS as err:
+            self.note_refusal("secure aggregation", err)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Wait for the round to close, then send the shares that remove the survivors' masks from the sum."""
+        try:
+            self.session.unmask()
+        except self.REFUSALS as err:
+            self.note_refusal("secure aggregation", err)

@@ -1,28 +1,45 @@
-"""Moving weights over the wire from the agent's side: chunked download and upload, and how one task's update goes
-up over gRPC (:class:`UpdateSender`: one call when small, else a stream; retried while the deadline allows)."""
+"""Moving weights over the wire from the agent's side: the chunked download, and how one task's update is made and
+goes up.
+
+The update's round mode says what is sent (the agent asks it for every task, client/runtime.py): ``upload(trained,
+global_weights, result, metrics)`` makes the update and sends it (True if accepted), ``begin()`` runs when the task
+arrives and ``close()`` after an accepted upload. :class:`PlainUpload` sends the new weights and
+:class:`CompressedUpload` their delta encoded as the task asks, both after client-side DP when the task asks for it;
+the secure round's mode is client/secure_upload.py's (a masked vector inside the SecAgg+ stages).
+:class:`UpdateSender` sends what a mode made over gRPC: one call when small, else a stream; retried while the
+deadline allows.
+
+Client-side differential privacy (:func:`privatize_update`) clips this agent's update (and optionally adds local
+noise) before upload. The coordinator asks for it through the task's settings: ``dp_clip_norm`` (whole-model L2
+bound ``C`` on ``new - global``) and ``dp_local_noise`` (local noise multiplier ``s``: each coordinate of the
+clipped update gets ``N(0, (s C)^2)``, i.e. local DP, with fresh OS entropy). The central noise is added by the
+coordinator, which also checks that the update really is within ``C``.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
+from fedpar.aggregation.clipping import clip_update
 from fedpar.client.backoff import Backoff, Uniform
+from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError, CoordinatorStub,
                                    ModelLayout, RawData, TensorAssembler, encode_data_message, iter_chunks,
                                    layout_from_pb, layout_to_pb, wire_bytes)
-
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import upload_timeout
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # only named: the stacked rows and results come from a trainer, the prepared update from a mode
-    from fedpar.client.compressed import PreparedUpload
+if TYPE_CHECKING:  # only named: the stacked rows and results come from a trainer
     from fedpar.client.local_loop import StackRow, TrainResult
 
 # An upload refused with these may be sent again this round (busy coordinator, connection lost mid-stream).
@@ -308,3 +325,88 @@ class _AdmissionGate:
                 raise StopIteration  # refused: the call ends with the coordinator's status
             self._admitted = True
         return next(self._messages)
+
+
+Send = Callable[[PreparedUpload, "TrainResult", dict[str, float]], bool]  # the agent's transport: True if accepted
+NoteRefusal = Callable[[str, Exception], None]  # (what was refused, why)
+
+
+def dp_settings(settings: TaskSettings | Mapping) -> tuple[float, float] | None:
+    """``(clip_norm, local_noise_multiplier)`` requested by the task, or None when it asks for no clipping."""
+    settings = TaskSettings.of(settings)
+    if settings.dp_clip_norm is None:
+        return None
+    return settings.dp_clip_norm, settings.dp_local_noise or 0.0
+
+
+def privatize_update(new_weights: Sequence[np.ndarray], global_weights: Sequence[np.ndarray],
+                     dp: tuple[float, float] | None, rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """The weights to upload: ``new_weights`` with its delta from ``global_weights`` clipped (and noised) as ``dp``
+    (:func:`dp_settings`) says."""
+    if dp is None:
+        return list(new_weights)
+    clip, local_noise = dp
+    clipped, _ = clip_update(new_weights, global_weights, clip)
+    if local_noise > 0:
+        rng = rng or np.random.default_rng()
+        std = local_noise * clip
+        clipped = [(w + std * rng.standard_normal(w.shape)).astype(w.dtype) for w in clipped]
+    return clipped
+
+
+class PlainUpload:
+    """Plain rounds: the new weights go up in the clear (clipped, maybe noised, if the task asks for client DP)."""
+
+    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, note_refusal: NoteRefusal):
+        self.settings = settings
+        self.dp = dp_settings(settings)  # client-side DP: (clip norm, local noise), or None
+        self.layout = layout
+        self.send = send
+        self.note_refusal = note_refusal
+
+    def begin(self) -> bool:
+        """Nothing to do before training."""
+        return True
+
+    def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
+               metrics: dict[str, float]) -> bool:
+        """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport."""
+        try:
+            prepared = self.prepare(privatize_update(trained, global_weights, self.dp), global_weights)
+        except ValueError as err:
+            self.note_refusal("preparing the update", err)
+            return False
+        if self.send(prepared, result, metrics):
+            return True
+        self.refused()
+        return False
+
+    def prepare(self, update: list[np.ndarray], global_weights: list[np.ndarray]) -> PreparedUpload:
+        """The tensors to send: the (privatized) new weights themselves."""
+        return PreparedUpload(self.layout, list(update))
+
+    def refused(self) -> None:
+        """The prepared update was sent but not taken: nothing to undo for plain weights."""
+
+    def close(self) -> None:
+        """Nothing more: the coordinator folds the update by itself."""
+
+
+class CompressedUpload(PlainUpload):
+    """Compressed rounds: the delta from the global model, encoded as the task asks, with error feedback."""
+
+    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, note_refusal: NoteRefusal,
+                 compressor: UpdateCompressor):
+        super().__init__(settings, layout, send, note_refusal)
+        self.compressor = compressor
+
+    def prepare(self, update: list[np.ndarray], global_weights: list[np.ndarray]) -> PreparedUpload:
+        """The encoded delta (ValueError if it cannot be encoded)."""
+        dp = self.dp
+        # Without local noise the coordinator verifies the clip norm: compression must stay within it.
+        return self.compressor.prepare(self.settings, update, global_weights,
+                                       max_norm=dp[0] if dp is not None and dp[1] == 0 else None)
+
+    def refused(self) -> None:
+        """The update was not taken: it does not count toward the error-feedback residual."""
+        self.compressor.refused()

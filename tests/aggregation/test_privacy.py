@@ -11,7 +11,7 @@ from opacus.accountants import RDPAccountant
 
 from fedpar.aggregation import DPStrategy, FedAvg, FedAvgM, build_strategy
 from fedpar.aggregation.clipping import clip_update, delta_norm, effective_noise_multiplier
-from fedpar.client.round_modes import dp_settings, privatize_update
+from fedpar.client.transfer import dp_settings, privatize_update
 
 
 def _dp(**kw) -> DPStrategy:

@@ -6,7 +6,7 @@ import numpy as np
 
 from fedpar.client.compressed import UpdateCompressor
 from fedpar.client.local_loop import TrainResult
-from fedpar.client.round_modes import CompressedUpload, PlainUpload
+from fedpar.client.transfer import CompressedUpload, PlainUpload
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
 

@@ -14,7 +14,7 @@ from fedpar.aggregation import build_strategy
 from fedpar.aggregation.clipping import delta_norm
 from fedpar.cli.privacy import privacy_strategy
 from fedpar.cli.main import build_parser
-from fedpar.client.round_modes import dp_settings, privatize_update
+from fedpar.client.transfer import dp_settings, privatize_update
 from fedpar.datasets import load_dataset
 from fedpar.models import get_weights, weight_specs
 from fedpar.models.for_data import build_model_for_data
@@ -159,7 +159,7 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
         uploads.append((agent, round_id, [g.copy() for g in glob], [w.copy() for w in new], [o.copy() for o in out]))
         return out
 
-    monkeypatch.setattr("fedpar.client.round_modes.privatize_update", seeded_privatize)
+    monkeypatch.setattr("fedpar.client.transfer.privatize_update", seeded_privatize)
     splits = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
