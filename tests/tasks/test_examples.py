@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import runpy
 import shlex
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.numpy import load_file
 
@@ -35,26 +35,27 @@ def _tutorial_commands(subcommand: str) -> list[list[str]]:
     return [shlex.split(line)[1:] for line in lines]
 
 
-def _fedpar(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    out = subprocess.run([*FEDPAR, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0 and "Traceback" not in out.stderr, (args, out.stdout[-2000:], out.stderr[-3000:])
-    return out
+def _fedpar(args: list[str], capsys) -> None:
+    """`fedpar ARGS` as the `fedpar` command runs it (its main), in this process, from the current directory."""
+    code = main(args)
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, (args, out[-2000:], err[-3000:])
 
 
-def test_the_tutorials_own_task_commands_run_as_written_from_the_repository_root(tmp_path):
+def test_the_tutorials_own_task_commands_run_as_written_from_the_repository_root(tmp_path, capsys, monkeypatch):
     """The own-task tutorial's simulate and train lines of examples/own_task.py, on the examples/table.csv that ships, learn:
     the federation and its centralized baseline both classify the held-out wines."""
     (simulate,), (train,) = _tutorial_commands("simulate"), _tutorial_commands("train")
     assert "csv=examples/table.csv" in simulate and "csv=examples/table.csv" in train
     fl, central = tmp_path / "fl", tmp_path / "central"
-    _fedpar([*simulate, "--out", str(fl)], ROOT)
+    monkeypatch.chdir(ROOT)  # the tutorial's relative paths, as from the repository root
+    _fedpar([*simulate, "--out", str(fl)], capsys)
     rows = [json.loads(line) for line in (fl / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok"] * 5 and all(r["reported"] == 4 for r in rows)
     assert rows[-1]["test_accuracy"] > 0.8 and rows[-1]["test_loss"] < 0.5  # 3 cultivars: chance is 0.4
     assert "federated_eval_accuracy" in rows[-1]  # the agents' validation shares, scored by the task
 
-    _fedpar([*train, "--out", str(central)], ROOT)
+    _fedpar([*train, "--out", str(central)], capsys)
     summary = json.loads((central / "summary.json").read_text())
     assert summary["epochs"] == 5 and summary["test_accuracy"] > 0.8
     records = [json.loads(line) for line in (central / "metrics.jsonl").read_text().splitlines()]
@@ -108,14 +109,14 @@ def test_a_bool_option_stays_a_bool_and_a_path_its_text():
     assert again == description
 
 
-def _serve_with_one_agent(task: list[str], rounds: int, out: Path, checkpoints: Path) -> str:
-    """`fedpar serve` of ``task`` for ``rounds`` rounds (resuming from ``checkpoints``) and one `fedpar client` of it;
-    returns the client's output."""
+def _serve_with_one_agent(task: list[str], rounds: int, out: Path, checkpoints: Path, capsys) -> str:
+    """`fedpar serve` of ``task`` for ``rounds`` rounds (resuming from ``checkpoints``) and one `fedpar client` of it
+    (the client's main, in this process); returns the client's output."""
     serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", *task, "--min-available", "1",
                               "--clients-per-round", "1", "--rounds", str(rounds), "--local-epochs", "1",
                               "--lr", "0.01", "--checkpoint-dir", str(checkpoints), "--out", str(out)],
                              cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client = None
+    threads = torch.get_num_threads()
     try:
         lines = []
         for line in serve.stdout:
@@ -123,27 +124,30 @@ def _serve_with_one_agent(task: list[str], rounds: int, out: Path, checkpoints: 
             if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
                 break
         assert match, "".join(lines)
-        client = subprocess.run([*FEDPAR, "client", "--insecure", "--server", f"127.0.0.1:{match.group(1)}", *task,
-                                 "--agent-id", "alice", "--threads", "1", "--give-up-after", "30"],
-                                cwd=out.parent, capture_output=True, text=True, timeout=120)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(out.parent)
+            code = main(["client", "--insecure", "--server", f"127.0.0.1:{match.group(1)}", *task,
+                         "--agent-id", "alice", "--threads", "1", "--give-up-after", "30"])
+        client_out, client_err = capsys.readouterr()
         serve_out = serve.communicate(timeout=60)[0]
     finally:
+        torch.set_num_threads(threads)  # --threads 1 set this process's torch threads
         if serve.poll() is None:
             serve.kill()
-    assert client.returncode == 0, client.stdout + client.stderr
+    assert code == 0, client_out + client_err
     assert serve.returncode == 0, serve_out
-    return client.stdout
+    return client_out
 
 
-def test_own_task_served_to_a_client_agent_and_resumed_keeps_its_typed_options(tmp_path):
+def test_own_task_served_to_a_client_agent_and_resumed_keeps_its_typed_options(tmp_path, capsys):
     csv = write_table(tmp_path / "table.csv")
     task = ["--task", EXAMPLE, "--task-option", f"csv={csv}", "--task-option", "hidden=8"]
     out, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
-    assert "2 updates accepted, 0 refused" in _serve_with_one_agent(task, 2, out, checkpoints)
+    assert "2 updates accepted, 0 refused" in _serve_with_one_agent(task, 2, out, checkpoints, capsys)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "ok"] and "test_accuracy" in rows[-1]
     # Restarted with one more round: it resumes from round 2, and its global.json keeps the options typed.
-    assert "1 updates accepted, 0 refused" in _serve_with_one_agent(task, 3, out, checkpoints)
+    assert "1 updates accepted, 0 refused" in _serve_with_one_agent(task, 3, out, checkpoints, capsys)
     info = json.loads((out / "global.json").read_text())
     assert info["round"] == 3 and info["model"] == {"task": EXAMPLE, "task_options": {"csv": str(csv), "hidden": 8}}
 
