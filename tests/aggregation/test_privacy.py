@@ -116,6 +116,20 @@ def test_epsilon_equals_opacus_rdp_accountant_and_grows_every_round():
     assert all(b > a > 0 for a, b in zip(eps, eps[1:]))
 
 
+def test_epsilon_at_the_edge_of_the_orders_is_opacus_bound_without_its_warning(recwarn):
+    # --privacy-noise 1e30 printed opacus's two-line UserWarning (optimal order is the largest alpha) under the table
+    s = _dp(noise_multiplier=1e30, population=1000, clients_per_round=10, sampled_per_round=10, delta=1e-6)
+    s.begin_round(1, _model(np.zeros(6)))
+    s.fold(_model(np.ones(6)), 1, "a")
+    _, metrics = s.finish()
+    reference = RDPAccountant()
+    reference.step(noise_multiplier=1e30, sample_rate=10 / 1000)
+    with pytest.warns(UserWarning, match="Optimal order is the largest alpha"):  # opacus's own call still warns
+        expected = reference.get_epsilon(delta=1e-6)
+    assert metrics["dp_epsilon"] == pytest.approx(expected, rel=1e-12)
+    assert not [w for w in recwarn.list if "Optimal order" in str(w.message)]
+
+
 def test_aborted_round_costs_no_privacy():
     s = _dp()
     s.begin_round(1, _model(np.zeros(5)))
