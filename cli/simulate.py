@@ -208,9 +208,7 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     observers = Observers(args)
     progress = LiveBar(quiet=args.quiet, total=cfg.rounds)
     try:
-        completed: list[int] = []  # the rounds that completed, to say where a lost process stopped the run
-        callbacks = [progress.round_ended, table.row, *observers.round_callbacks(),
-                     lambda row: completed.append(row["round"])]
+        callbacks = [progress.round_ended, table.row, *observers.round_callbacks()]
         with stop_on_signals() as stop:  # SIGINT or SIGTERM: what completed is written (a second: exit now)
             summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
                                      on_server=observers.attach, on_progress=progress.follow,
@@ -222,7 +220,7 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
         return 2
     except (ProcessLost, RankMissing) as exc:  # a worker or an aggregator rank died: named, with no traceback
         progress.close()
-        print(f"fedpar simulate: {exc}; the run stopped after round {completed[-1] if completed else 0} (its rows are "
+        print(f"fedpar simulate: {exc}; the run stopped after round {table.pace.last_round} (its rows are "
               f"in {cfg.out}/metrics.jsonl); {_how_to_go_on(cfg)}", file=sys.stderr)
         return 1
     finally:
