@@ -2,25 +2,35 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.numpy import load_file
 
+from fedpar.cli.main import main
 from fedpar.datasets import load_dataset
 from fedpar.models import weight_specs
 from fedpar.models.for_data import build_model_for_data
 from fedpar.protocol.codec import ModelLayout
 from support.classifier_score import evaluate_classifier
+from support.in_process import logging_as_a_fresh_process
+
+
+def _simulate(args: list[str], capfd) -> subprocess.CompletedProcess:
+    """`fedpar simulate ARGS` by its main in this process (the simulation runs in its child, the clients in worker
+    processes): its exit code, and what it and its processes wrote to stdout and stderr, its log included."""
+    capfd.readouterr()
+    with logging_as_a_fresh_process():
+        code = main(["simulate", *args])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["fedpar", "simulate", *args], code, out, err)
 
 
 @pytest.mark.timeout(900)
-def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path):
+def test_simulate_ten_clients_reaches_90_percent_on_digits(tmp_path, capfd):
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "10", "--rounds", "10",
-                             "--dataset", "digits", "--partition", "iid", "--out", str(out)],
-                            capture_output=True, text=True, timeout=850)
+    result = _simulate(["--clients", "10", "--rounds", "10", "--dataset", "digits", "--partition", "iid",
+                        "--out", str(out)], capfd)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "test_accuracy" in result.stdout  # the per-round table
     assert f"wrote {out}/metrics.jsonl, metrics.csv, global.safetensors, global.json, summary.json, accuracy.png, " \
@@ -90,14 +100,14 @@ def test_coordinator_folds_on_one_thread_while_cpu_workers_train_and_gives_threa
 
 
 @pytest.mark.parametrize("batching", ["on", "off"])
-def test_members_without_time_to_train_are_said_once_a_round_per_host_and_no_train_hook_is_blamed(tmp_path, batching):
+def test_members_without_time_to_train_are_said_once_a_round_per_host_and_no_train_hook_is_blamed(tmp_path, batching,
+                                                                                                  capfd):
     """A deadline too short for every member: each host says it once a round (it said one line per member: 4,073
     lines for 100,000 clients), and fedpar's own loop is not told to 'loop over deadline.steps' (that is for a task's
     train hook)."""
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--rounds", "2",
-                           "--deadline", "1", "--slow-fraction", "1", "--slow-step-delay", "2", "--client-batching",
-                           batching, "--quiet", "--out", str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=180)
+    done = _simulate(["--clients", "20", "--rounds", "2", "--deadline", "1", "--slow-fraction", "1",
+                      "--slow-step-delay", "2", "--client-batching", batching, "--quiet", "--out", str(tmp_path / "run")],
+                     capfd)
     assert done.returncode == 1 and "every round failed (2 of 2)" in done.stderr, done.stderr[-2000:]
     assert "deadline.steps" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if "no time left to train" in line]
