@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +31,6 @@ pytestmark = pytest.mark.timeout(900)
 GLOO = ("--device", "cpu")
 
 
-def _fedpar(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "fedpar", "train", *GLOO, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
 # One FSDP run of 3 epochs on 2 ranks, checkpointed every 20 steps: the summary test reads it, and the SIGKILL test
 # compares a killed and resumed run with it (ceil(1437 / 32) = 45 batches per epoch).
 FSDP_STEPS = 3 * 45
@@ -47,9 +44,28 @@ def _fsdp_args(out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The uninterrupted run: its folder and its process."""
+    """The uninterrupted run: its folder, and its exit code and output (`fedpar train`'s main, run in this process,
+    launches the two ranks; the launcher prints the summary)."""
+    from fedpar.cli.main import main
+
     out = tmp_path_factory.mktemp("fsdp") / "straight"
-    return out, _fedpar(*_fsdp_args(out))
+    argv = ["train", *GLOO, *_fsdp_args(out)]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    # The ranks are spawned processes that write to file descriptor 1 (rank 0's epoch lines): send it to a file too.
+    with tempfile.TemporaryFile("w+") as ranks_out, pytest.MonkeyPatch.context() as mp, \
+            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            mp.delenv(name, raising=False)
+        fd1 = os.dup(1)
+        os.dup2(ranks_out.fileno(), 1)
+        try:
+            code = main(argv)
+        finally:
+            os.dup2(fd1, 1)
+            os.close(fd1)
+        ranks_out.seek(0)
+        printed = stdout.getvalue() + ranks_out.read()
+    return out, subprocess.CompletedProcess(argv, code, printed, stderr.getvalue())
 
 
 def test_train_two_ranks_fsdp_writes_metrics_summary_and_plot(fsdp_run):
@@ -153,7 +169,10 @@ def test_toml_config_with_command_line_overrides(tmp_path: Path):
         train_config_from_dict(load_toml_section(path, "train"))
 
 
-def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, fsdp_run):
+def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, fsdp_run, capsys,
+                                                                                  monkeypatch):
+    from fedpar.cli.main import main
+
     straight, proc = fsdp_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     crashed = tmp_path / "crashed"
@@ -176,8 +195,10 @@ def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
     assert not (crashed / "summary.json").exists()
-    resumed = _fedpar(*_fsdp_args(crashed, "--no-plot"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The same command again, resumed by `fedpar train`'s main in this process (it spawns the two ranks itself).
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["train", *GLOO, *_fsdp_args(crashed, "--no-plot")]) == 0, capsys.readouterr().err[-3000:]
     a = json.loads((straight / "summary.json").read_text())
     b = json.loads((crashed / "summary.json").read_text())
     assert b["resumed_from_step"] in range(20, FSDP_STEPS, 20) and b["steps"] == a["steps"] == FSDP_STEPS
