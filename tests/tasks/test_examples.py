@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 from fedpar.cli.main import main
 from fedpar.tasks.reference import load_task
+from support.in_process import logging_as_a_fresh_process
 from support.own_task import EXAMPLE, write_table
 
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
@@ -35,31 +36,29 @@ def _tutorial_commands(subcommand: str) -> list[list[str]]:
     return [shlex.split(line)[1:] for line in lines]
 
 
-def _fedpar(args: list[str], capfd, caplog) -> None:
+def _fedpar(args: list[str], capfd) -> None:
     """`fedpar ARGS` as the `fedpar` command runs it (its main), in this process, from the current directory; its
-    output and its processes' (file descriptors 1 and 2), and what it logged here, hold no traceback."""
-    caplog.clear()
-    code = main(args)
+    output and its processes' (file descriptors 1 and 2, its log included) hold no traceback."""
+    with logging_as_a_fresh_process():
+        code = main(args)
     out, err = capfd.readouterr()
-    err += caplog.text
     assert code == 0 and "Traceback" not in err, (args, out[-2000:], err[-3000:])
 
 
-def test_the_tutorials_own_task_commands_run_as_written_from_the_repository_root(tmp_path, capfd, caplog,
-                                                                                 monkeypatch):
+def test_the_tutorials_own_task_commands_run_as_written_from_the_repository_root(tmp_path, capfd, monkeypatch):
     """The own-task tutorial's simulate and train lines of examples/own_task.py, on the examples/table.csv that ships, learn:
     the federation and its centralized baseline both classify the held-out wines."""
     (simulate,), (train,) = _tutorial_commands("simulate"), _tutorial_commands("train")
     assert "csv=examples/table.csv" in simulate and "csv=examples/table.csv" in train
     fl, central = tmp_path / "fl", tmp_path / "central"
     monkeypatch.chdir(ROOT)  # the tutorial's relative paths, as from the repository root
-    _fedpar([*simulate, "--out", str(fl)], capfd, caplog)
+    _fedpar([*simulate, "--out", str(fl)], capfd)
     rows = [json.loads(line) for line in (fl / "metrics.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok"] * 5 and all(r["reported"] == 4 for r in rows)
     assert rows[-1]["test_accuracy"] > 0.8 and rows[-1]["test_loss"] < 0.5  # 3 cultivars: chance is 0.4
     assert "federated_eval_accuracy" in rows[-1]  # the agents' validation shares, scored by the task
 
-    _fedpar([*train, "--out", str(central)], capfd, caplog)
+    _fedpar([*train, "--out", str(central)], capfd)
     summary = json.loads((central / "summary.json").read_text())
     assert summary["epochs"] == 5 and summary["test_accuracy"] > 0.8
     records = [json.loads(line) for line in (central / "metrics.jsonl").read_text().splitlines()]
