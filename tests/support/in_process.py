@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 
 @contextlib.contextmanager
@@ -21,3 +25,24 @@ def logging_as_a_fresh_process() -> Iterator[None]:
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
+    """`fedpar ARGV` by its main in this process, from ``cwd``: its exit code, and what it and the processes it
+    started wrote to stdout and stderr (file descriptors 1 and 2, captured by ``capfd``, its log included), as a
+    subprocess's would be. The torch threads a command sets for itself (client --threads) are put back after."""
+    import torch
+
+    from fedpar.cli.main import main
+
+    capfd.readouterr()
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp, logging_as_a_fresh_process():
+        if cwd is not None:
+            mp.chdir(cwd)
+        try:
+            code = main(list(argv))
+        finally:
+            torch.set_num_threads(threads)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["fedpar", *argv], code, out, err)

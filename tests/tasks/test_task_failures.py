@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedpar.cli.main import main
+from support.in_process import run_main
 from support.own_task import write_table
 from support.processes import port_from
 
@@ -80,10 +81,11 @@ def tasks(tmp_path: Path) -> Path:
     return path
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 240) -> tuple[int, str, str, float]:
+def _run(args: list[str], cwd: Path, capfd) -> tuple[int, str, str, float]:
+    """`fedpar ARGS` from ``cwd``, by its main in this process: its exit code, every process's stdout and stderr, and
+    its seconds."""
     started = time.monotonic()
-    out = subprocess.run([*FEDPAR, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_main(args, capfd, cwd)
     return out.returncode, out.stdout, out.stderr, time.monotonic() - started
 
 
@@ -91,12 +93,13 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_simulated_task_whose_training_step_raises_fails_its_rounds_at_once_and_says_so_in_one_line(tasks):
+def test_a_simulated_task_whose_training_step_raises_fails_its_rounds_at_once_and_says_so_in_one_line(tasks, capfd):
     # 15 members' tracebacks and 60 s a round (185 s for 3 rounds) before: now no round waits for the deadline
     ref = f"{tasks}:step_raises"
     out = tasks.parent / "run"
     rc, stdout, stderr, seconds = _run(["simulate", "--task", ref, "--clients", "20", "--clients-per-round", "5",
-                                        "--rounds", "2", "--deadline", str(DEADLINE), "--out", str(out)], tasks.parent)
+                                        "--rounds", "2", "--deadline", str(DEADLINE), "--out", str(out)], tasks.parent,
+                                       capfd)
     assert rc == 1, stderr
     assert "Traceback" not in stdout + stderr, stderr
     line = (f"fedpar simulate: every round failed (2 of 2): the task's training raised TypeError: Broken.step() cannot "
@@ -112,7 +115,7 @@ def test_a_simulated_task_whose_training_step_raises_fails_its_rounds_at_once_an
     assert json.loads((out / "summary.json").read_text())["training_error"] == rows[-1]["training_error"]
 
 
-def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serving(tasks):
+def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serving(tasks, capfd):
     # the loss raises: the agent's warm-up leaves it to the training, which each round tells the coordinator of
     ref = f"{tasks}:loss_raises"
     out = tasks.parent / "served"
@@ -126,7 +129,7 @@ def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serv
         port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
         rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task",
                                       ref, "--agent-id", "alice", "--threads", "1", "--give-up-after", "30"],
-                                     tasks.parent, timeout=120)
+                                     tasks.parent, capfd)
         served = "".join(lines) + serve.communicate(timeout=60)[0]
     finally:
         if serve.poll() is None:
@@ -158,11 +161,11 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_the_task_loads(
     assert all("Traceback" not in line for line in lines)
 
 
-def test_a_task_whose_client_data_raises_as_a_worker_starts_is_one_line_naming_the_client(tasks):
+def test_a_task_whose_client_data_raises_as_a_worker_starts_is_one_line_naming_the_client(tasks, capfd):
     # a worker counts its members' examples as it starts: the task's own error, not "worker process died"
     ref = f"{tasks}:data_raises"
     rc, stdout, stderr, _ = _run(["simulate", "--task", ref, "--clients", "6", "--rounds", "2", "--quiet"],
-                                 tasks.parent)
+                                 tasks.parent, capfd)
     assert rc == 2, stderr
     assert "Traceback" not in stderr and "died" not in stderr, stderr
     assert stderr.strip().splitlines() == [f"fedpar simulate: the task's client_data raised KeyError: 'no rows for "

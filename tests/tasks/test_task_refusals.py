@@ -14,6 +14,7 @@ import pytest
 
 from fedpar.cli.main import main
 from fedpar.tasks.reference import load_task
+from support.in_process import run_main
 from support.processes import port_from
 
 FEDPAR = [sys.executable, "-m", "fedpar"]
@@ -97,9 +98,9 @@ def tasks(tmp_path: Path) -> Path:
     return path
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([*FEDPAR, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _run(args: list[str], cwd: Path, capfd) -> subprocess.CompletedProcess:
+    """`fedpar ARGS` from ``cwd``, by its main in this process: its exit code and every process's stdout and stderr."""
+    return run_main(args, capfd, cwd)
 
 
 def _one_line(argv: list[str], capsys, code: int = 2) -> str:
@@ -124,17 +125,17 @@ def test_a_central_evaluation_that_cannot_run_is_refused_as_the_task_loads(comma
                                 "({ref})"),
     ("evaluation_returns_a_float_later", "task '{ref}': evaluate must return a dict of named metrics, got float"),
 ])
-def test_a_central_evaluation_that_fails_in_a_round_stops_the_simulation_in_one_line(factory, line, tasks):
+def test_a_central_evaluation_that_fails_in_a_round_stops_the_simulation_in_one_line(factory, line, tasks, capfd):
     # the coordinator logged 'coordinator stopped with an error' and the traceback before the command's own line
     ref = f"{tasks}:{factory}"
     run = _run(["simulate", "--task", ref, "--clients", "2", "--workers", "1", "--rounds", "3", "--quiet",
-                "--out", str(tasks.parent / "out")], tasks.parent)
+                "--out", str(tasks.parent / "out")], tasks.parent, capfd)
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr and "stopped with an error" not in run.stderr, run.stderr
     assert run.stderr.strip().splitlines() == [f"fedpar simulate: {line.format(ref=ref)}"]
 
 
-def test_a_served_central_evaluation_that_fails_in_a_round_stops_the_coordinator_in_one_line(tasks):
+def test_a_served_central_evaluation_that_fails_in_a_round_stops_the_coordinator_in_one_line(tasks, capfd):
     ref = f"{tasks}:evaluation_raises_later"
     serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--task", ref, "--min-available", "1",
                               "--clients-per-round", "1", "--rounds", "3", "--out", str(tasks.parent / "served")],
@@ -144,7 +145,7 @@ def test_a_served_central_evaluation_that_fails_in_a_round_stops_the_coordinator
         lines = []
         port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
         client = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task", ref, "--agent-id", "alice",
-                       "--threads", "1", "--give-up-after", "1"], tasks.parent, timeout=120)
+                       "--threads", "1", "--give-up-after", "1"], tasks.parent, capfd)
         served = "".join(lines) + serve.communicate(timeout=60)[0]
     finally:
         if serve.poll() is None:
@@ -174,11 +175,11 @@ def test_a_model_that_cannot_be_federated_is_refused_as_the_task_loads(factory, 
 
 
 @pytest.mark.parametrize("factory, kind", [("data_not_clientdata", "TensorDataset"), ("data_tuple", "tuple")])
-def test_client_data_of_the_wrong_kind_is_one_line_from_all_the_workers(factory, kind, tasks):
+def test_client_data_of_the_wrong_kind_is_one_line_from_all_the_workers(factory, kind, tasks, capfd):
     # each worker printed its traceback, then 'worker process died ... give --checkpoint-dir'
     ref = f"{tasks}:{factory}"
     run = _run(["simulate", "--task", ref, "--clients", "4", "--workers", "2", "--rounds", "2", "--quiet"],
-               tasks.parent)
+               tasks.parent, capfd)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines() == [f"fedpar simulate: client_data must return fedpar.ClientData(train, "
                                                f"val), got {kind}: fix the task ({ref})"], run.stderr
@@ -191,9 +192,10 @@ def test_a_reference_of_two_colons_says_how_a_reference_is_written(tasks, tmp_pa
                     "path/to/file.py:name")
 
 
-def test_global_json_names_a_task_file_by_its_absolute_path_so_it_loads_from_anywhere(tasks, tmp_path, monkeypatch):
+def test_global_json_names_a_task_file_by_its_absolute_path_so_it_loads_from_anywhere(tasks, tmp_path, monkeypatch,
+                                                                                       capfd):
     run = _run(["simulate", "--task", f"{tasks.name}:good", "--clients", "2", "--workers", "1", "--rounds", "1",
-                "--quiet", "--out", "out"], tasks.parent)
+                "--quiet", "--out", "out"], tasks.parent, capfd)
     assert run.returncode == 0, run.stderr
     model = json.loads((tasks.parent / "out" / "global.json").read_text())["model"]
     assert model == {"task": f"{tasks}:good", "task_options": {}}
