@@ -13,6 +13,7 @@ import pytest
 from fedpar.cli.log_level import set_grpc_verbosity
 from fedpar.cli.main import build_parser, main, subcommand_parser
 from fedpar.cli.subcommands import SUBCOMMANDS
+from support.in_process import run_main
 
 
 def _refused(argv: list[str], capsys) -> str:
@@ -138,10 +139,10 @@ def test_every_subcommand_takes_log_level(caplog):
         fedpar_log.setLevel(logging.NOTSET)
 
 
-def test_simulate_log_level_reaches_its_worker_processes(tmp_path):
-    loud = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "2", "--rounds", "1", "--workers",
-                           "1", "--local-epochs", "1", "--out", str(tmp_path / "run"), "--quiet", "--log-level",
-                           "info"], capture_output=True, text=True, timeout=120)
+def test_simulate_log_level_reaches_its_worker_processes(tmp_path, capfd):
+    # fedpar simulate's main in this process; capfd holds its processes' stderr, as a subprocess's
+    loud = run_main(["simulate", "--clients", "2", "--rounds", "1", "--workers", "1", "--local-epochs", "1", "--out",
+                     str(tmp_path / "run"), "--quiet", "--log-level", "info"], capfd)
     assert loud.returncode == 0, loud.stderr[-2000:]
     assert "fedpar.client host-0: coordinator says" in loud.stderr  # its host's line, from the worker process
 

@@ -2,25 +2,25 @@
 its update, and the federation learns."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from support.in_process import run_main
 
-def _simulate(out, *extra, clients=4):
-    result = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", str(clients), "--rounds", "2",
-                             "--workers", "1", "--quiet", "--out", str(out), *extra],
-                            capture_output=True, text=True, timeout=400)
+
+def _simulate(capfd, out, *extra, clients=4):
+    """`fedpar simulate` by its main in this process; the rounds' metrics."""
+    result = run_main(["simulate", "--clients", str(clients), "--rounds", "2", "--workers", "1", "--quiet", "--out",
+                       str(out), *extra], capfd)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(600)
-def test_secure_simulation_learns_like_fedavg(tmp_path):
+def test_secure_simulation_learns_like_fedavg(tmp_path, capfd):
     # Exact equality with plain FedAvg is checked over gRPC in tests/server/test_secure_rounds.py;
     # here the real Agent/trainer path runs masked end to end (plain FedAvg reaches 0.92 in this setting).
-    rows = _simulate(tmp_path / "secure", "--secure-aggregation")
+    rows = _simulate(capfd, tmp_path / "secure", "--secure-aggregation")
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert all(r["secagg_survivors"] == 4 and r["secagg_error_bound"] < 1e-6 for r in rows)
     assert all(r["close_reason"] == "every agent that shared keys uploaded" for r in rows)
@@ -29,11 +29,11 @@ def test_secure_simulation_learns_like_fedavg(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_host_runs_the_secure_client_side_of_more_members_than_it_has_seats(tmp_path):
+def test_a_host_runs_the_secure_client_side_of_more_members_than_it_has_seats(tmp_path, capfd):
     # 10 members on 2 seats: all 10 must advertise and share keys while the key stages are open, and unmask only
     # once all 10 have uploaded, while the seats train them two at a time (a seat holding a member through those
     # waits would stall the round until its deadline)
-    rows = _simulate(tmp_path / "seats", "--seats", "2", "--secure-aggregation", clients=10)
+    rows = _simulate(capfd, tmp_path / "seats", "--seats", "2", "--secure-aggregation", clients=10)
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert all(r["secagg_survivors"] == 10 and r["close_reason"] == "every agent that shared keys uploaded"
                for r in rows)

@@ -15,16 +15,17 @@ import pytest
 def logging_as_a_fresh_process() -> Iterator[None]:
     """The root logger without pytest's handlers while a command's main runs here: its setup_logging
     (logging.basicConfig) then logs to sys.stderr as it would in a process of its own, and so does a process it forks
-    (which inherits the handler), so that capfd holds what the process's stderr would have; pytest's handlers and the
-    root's level are put back after."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    (which inherits the handler), so that capfd holds what the process's stderr would have; pytest's handlers, the
+    root's level and the level --log-level gives the fedpar logger are put back after."""
+    root, fedpar = logging.getLogger(), logging.getLogger("fedpar")
+    handlers, level, fedpar_level = root.handlers[:], root.level, fedpar.level
     root.handlers.clear()
     try:
         yield
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        fedpar.setLevel(fedpar_level)
 
 
 def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
