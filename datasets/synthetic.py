@@ -57,7 +57,7 @@ class SyntheticSpec:
         iid = len(parts) > 1 and parts[1] == "iid"
         if iid:
             parts[1:2] = ["0", "0"]  # Synthetic-IID: alpha and beta play no part
-        if parts[0] != "synthetic" or len(parts) > 5:
+        if parts[0] != "synthetic" or len(parts) == 2 or len(parts) > 5:  # ALPHA comes with BETA, or neither
             raise ValueError(f"bad synthetic dataset name {name!r}; use synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]] "
                              "or synthetic:iid[:CLIENTS[:SAMPLES]]")
         try:

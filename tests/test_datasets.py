@@ -262,6 +262,9 @@ def test_synthetic_clients_differ_as_alpha_and_beta_say():
     assert means[1] > 1.5 * means[0]  # beta spreads the clients' inputs apart
     with pytest.raises(ValueError, match="CLIENTS"):
         load_dataset("synthetic:1:1")
+    for lone in ("synthetic:x", "synthetic:0.5"):  # ALPHA without BETA was read as the defaults, 0.5:0.5
+        with pytest.raises(ValueError, match="bad synthetic dataset name"):
+            load_dataset(lone, clients=10)
 
 
 def test_the_registry_finds_every_dataset_module_by_its_declaration(tmp_path):
