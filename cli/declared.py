@@ -13,7 +13,7 @@ from typing import Any
 
 from fedpar.cli import argtypes
 from fedpar.settings import (APPEND, CHECK, CHOICES, FLAG, GROUP, HELP, METAVAR, NEGATABLE, declared_fields,
-                             setting_key, setting_site)
+                             setting_key, setting_site, word_for)
 
 # Section key -> (title, description). A subcommand's --help shows its sections in the order it first uses them.
 SECTIONS: dict[str, tuple[str, str | None]] = {
@@ -58,11 +58,6 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
-def _word_for(choices: dict, value: Any) -> Any:
-    """The command-line word of ``choices`` whose value is ``value`` (``value`` itself when there is none)."""
-    return next((word for word, v in choices.items() if v is value or v == value and type(v) is type(value)), value)
-
-
 def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Iterable[str] | None = None,
                  skip: typing.Iterable[str] = (), defaults: dict[str, Any] | None = None,
                  required: typing.Iterable[str] = (), group: str | None = None) -> dict[str, argparse.Action]:
@@ -103,7 +98,7 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
         elif kind is bool and not isinstance(choices, dict):
             kw["action"] = argparse.BooleanOptionalAction if (default or meta[NEGATABLE]) else "store_true"
         elif isinstance(choices, dict):
-            kw.update(choices=tuple(choices), default=_word_for(choices, default))
+            kw.update(choices=tuple(choices), default=word_for(choices, default))
             if "on" in choices:  # an auto|on|off setting: the bare flag says on
                 kw.update(nargs="?", const="on")
         elif choices is not None:

@@ -80,6 +80,18 @@ def flag_of(cls: type, name: str) -> str:
     return "--" + (f.metadata.get(FLAG) or setting_key(f).replace("_", "-"))
 
 
+def word_for(choices: dict, value: Any) -> Any:
+    """The command-line word of ``choices`` whose value is ``value`` (``value`` itself when there is none)."""
+    return next((word for word, v in choices.items() if v is value or v == value and type(v) is type(value)), value)
+
+
+def as_given(cls: type, name: str, value: Any) -> Any:
+    """``value`` of field ``name`` of ``cls`` as its flag is given it: a choice's word (``--clock virtual``, not
+    True), else ``value``."""
+    choices = next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get(CHOICES)
+    return word_for(choices, value) if isinstance(choices, dict) else value
+
+
 SIMPLE_TYPES = (bool, int, float, str)  # what an option given as text (command line, TOML) can be
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 

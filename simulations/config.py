@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fedpar.datasets.registry import full_dataset_name
@@ -14,7 +14,7 @@ from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Output, Seeded
 from fedpar.server.config import (AccuracyTarget, AggregatorRanks, CoordinatorConfig, RoundClock, RoundSampling,
                                   SecureAggregation, StrategyChoice)
-from fedpar.settings import flag_of, redefault, setting
+from fedpar.settings import as_given, flag_of, redefault, setting
 from fedpar.task import FlowerAppReference, TaskReference
 
 
@@ -151,6 +151,9 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
             "drop_probability", "trace", "trace_day_seconds", "secure_aggregation", "secagg_clip",
             "secagg_max_weight", "precision", "virtual_clock")}
         noted["clients_per_round"] = self.clients_per_round or self.clients  # None: all of them
-        noted["upload_compression"] = asdict(self.upload_compression)
+        # by the flags that set them, as given, so that a resume's line names what the user typed
+        compression = {flag_of(CompressionConfig, k): getattr(self.upload_compression, k)
+                       for k in ("method", "topk_ratio", "int8_block")}
         return ({flag_of(SimulationConfig, k): v for k, v in defining.items()},
-                {flag_of(SimulationConfig, k): v for k, v in noted.items()})
+                {**{flag_of(SimulationConfig, k): as_given(SimulationConfig, k, v) for k, v in noted.items()},
+                 **compression})

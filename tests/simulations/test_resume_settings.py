@@ -121,6 +121,15 @@ def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run):
     assert _summary(run / "out")["earlier_processes_seconds"] >= resumed["wall_seconds"]
 
 
+def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(run):
+    """It said "--clock true; ... --clock false" and "--upload-compression {...}", neither of them a flag's value."""
+    code, err = _simulate("--clock", "virtual", "--compression", "int8", out=run / "out", ckpt=run / "ckpt", rounds=3)
+    assert code == 0, err
+    said = f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with"
+    assert err.splitlines() == [f"{said} --clock virtual; its run so far went with --clock real",
+                                f"{said} --compression int8; its run so far went with --compression none"], err
+
+
 def test_a_fresh_checkpoint_folder_records_the_new_federation(run):
     code, err = _simulate(out=run / "other", ckpt=run / "fresh", clients=6, rounds=1)
     assert code == 0, err
@@ -164,6 +173,7 @@ def test_every_simulate_setting_is_recorded_for_a_resume_or_left_out_on_purpose(
     defining, noted = SimulationConfig().resume_record()
     recorded = {name for name in (f.name for f in fields(SimulationConfig))
                 if flag_of(SimulationConfig, name) in defining or flag_of(SimulationConfig, name) in noted}
+    recorded |= {"upload_compression"} if "--compression" in noted else set()  # kept by its own flags
     unsaid = {f.name for f in fields(SimulationConfig)} - recorded - NOT_RESUME_RECORDED
     assert not unsaid, f"add each to SimulationConfig.resume_record or to NOT_RESUME_RECORDED: {sorted(unsaid)}"
     assert not recorded & NOT_RESUME_RECORDED
