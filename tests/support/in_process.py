@@ -15,11 +15,14 @@ import pytest
 def logging_as_a_fresh_process() -> Iterator[None]:
     """The root logger without pytest's handlers while a command's main runs here: its setup_logging
     (logging.basicConfig) then logs to sys.stderr as it would in a process of its own, and so does a process it forks
-    (which inherits the handler), so that capfd holds what the process's stderr would have; pytest's handlers, the
-    root's level and the level --log-level gives the fedpar logger are put back after."""
+    (which inherits the handler), so that capfd holds what the process's stderr would have. The levels start as a
+    fresh process's (root WARNING, the fedpar logger unset: an earlier in-process command may have set it); pytest's
+    handlers, the root's level and the fedpar logger's are put back after."""
     root, fedpar = logging.getLogger(), logging.getLogger("fedpar")
     handlers, level, fedpar_level = root.handlers[:], root.level, fedpar.level
     root.handlers.clear()
+    root.setLevel(logging.WARNING)
+    fedpar.setLevel(logging.NOTSET)
     try:
         yield
     finally:
