@@ -142,6 +142,8 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}
     dict_options = {k for k in dests if isinstance(parser.get_default(k), dict)}
     values, names = _load(known.config, section, dict_options)
+    if not values:  # a file of other commands' tables only would be ignored in silence
+        _refuse_if_for_others(known.config, section)
     aliases = {a.old_key: a for a in parser._actions if isinstance(a, AliasOption)}
     for old in [key for key in values if key in aliases]:  # an option's old name still works, with a note
         alias = aliases[old]
@@ -165,6 +167,16 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
                 raise ConfigError(f"{known.config}: {names[key]}: {exc}") from None
     parser.set_defaults(**values)
     return frozenset(values)
+
+
+def _refuse_if_for_others(path: str, section: str) -> None:
+    """ConfigError when the file at ``path`` holds tables of other subcommands only, none of ``section``'s."""
+    with open(path, "rb") as fh:
+        doc = tomllib.load(fh)
+    others = [key for key in doc if key in SUBCOMMANDS]
+    if others and section not in doc:
+        raise ConfigError(f"config file {path} has nothing for '{section}': no [{section}] table and no option at its "
+                          f"top level, only {', '.join(f'[{key}]' for key in others)}; add a [{section}] table")
 
 
 def given_settings(parser: argparse.ArgumentParser, argv: list[str], from_file: frozenset[str]) -> frozenset[str]:

@@ -494,6 +494,9 @@ def test_a_config_file_that_cannot_be_read_as_toml_is_one_line(tmp_path, capsys)
              (tmp_path / "nowhere.toml", "does not exist")]
     (tmp_path / "revoke.toml").write_text('[certs]\nrevoke_cert = [""]\n')  # an ArgumentTypeError traceback
     cases.append((tmp_path / "revoke.toml", "revoke.toml: revoke_cert: an empty path: give a file's or a folder's path"))
+    (tmp_path / "serve.toml").write_text('[serve]\nrounds = 1\n')  # simulate ran its default rounds, saying nothing
+    cases.append((tmp_path / "serve.toml", "has nothing for 'simulate': no [simulate] table and no option at its top "
+                                           "level, only [serve]; add a [simulate] table"))
     for path, line in cases:
         assert main(["certs" if path.name == "revoke.toml" else "simulate", "--config", str(path)]) == 2
         err = capsys.readouterr().err
