@@ -92,7 +92,7 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
              "(--slow-fraction) and FedProx keep their meaning, and SecAgg, compression and DP still apply to each "
              "client's update. auto (the default): batch where the model allows it, on a GPU when each worker "
              "holds at least 2 clients of a round, on the CPU for a model without convolutions when each worker "
-             "trains at least 50 clients of a round and every client is sampled (where it was measured faster), "
+             "trains at least 5 clients of a round and every client is sampled (where it was measured faster), "
              "else one by one; on (a bare --client-batching): always, refusing in one line what cannot batch (dropout, "
              "batch norm, --precision bf16, a task's own train hook or loader, a non-elementwise optimizer); off: "
              "one by one")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -231,6 +232,17 @@ def test_auto_on_the_cpu_stacks_the_shapes_measured_faster_stacked_and_no_others
     # benchmarks/stacked_cpu_bench.py's cells (batching_pays says which measurement each decision rests on)
     net = build_model_for_data(model, (1, image, image), 10)
     assert batching_pays("cpu", net, members, everyone) is stacked
+
+
+def test_the_help_of_client_batching_states_autos_thresholds():
+    """It said 50 members a worker on the CPU where auto stacks from 5."""
+    from fedpar.simulations.client_batching import AUTO_MIN_MEMBERS, AUTO_MIN_MEMBERS_CPU
+    from fedpar.simulations.config import SimulationConfig
+
+    field = next(f for f in fields(SimulationConfig) if f.name == "client_batching")
+    help_text = " ".join(field.metadata["help"].split())
+    assert f"on a GPU when each worker holds at least {AUTO_MIN_MEMBERS} clients" in help_text
+    assert f"when each worker trains at least {AUTO_MIN_MEMBERS_CPU} clients of a round" in help_text
 
 
 def test_batching_on_with_a_model_that_cannot_stack_is_its_refusal():
