@@ -84,6 +84,8 @@ def privacy_strategy(args: argparse.Namespace, strategy: str, clients_per_round:
     if o.privacy == "off":
         unused = [f.name for f in fields(PrivacyOptions)
                   if f.name not in ("privacy", "privacy_population") and getattr(o, f.name) != f.default]
+        if getattr(args, "privacy_population", None) is not None:  # serve's flag (simulate's population: --clients)
+            unused.append("privacy_population")
         if unused:  # a user who set a noise level believes the run is private: it would not be
             raise ValueError(f"--{unused[0].replace('_', '-')} applies only with --privacy central or --privacy "
                              "client; add one of them (or drop the option)")

@@ -43,3 +43,13 @@ def test_a_privacy_setting_without_privacy_is_one_line_and_no_run(command, capsy
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == [f"fedpar {command}: --privacy-noise applies only with --privacy central or --privacy client; "
                      "add one of them (or drop the option)"]
+
+
+def test_serve_refuses_a_privacy_population_without_privacy(capsys):
+    """It was accepted and the run was not private, without a word."""
+    from fedpar.cli.main import main
+
+    assert main(["serve", "--privacy-population", "10", "--rounds", "1", "--insecure", "--port", "0"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["fedpar serve: --privacy-population applies only with --privacy central or --privacy client; "
+                     "add one of them (or drop the option)"]
