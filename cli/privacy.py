@@ -90,6 +90,9 @@ def privacy_strategy(args: argparse.Namespace, strategy: str, clients_per_round:
             raise ValueError(f"--{unused[0].replace('_', '-')} applies only with --privacy central or --privacy "
                              "client; add one of them (or drop the option)")
         return strategy, {}
+    if o.privacy_local_noise > 0 and o.privacy != "client":  # the agents add it, before they upload
+        raise ValueError(f"--privacy-local-noise applies only with --privacy client, not {o.privacy}: the agents add "
+                         "it to their own update; use --privacy client (or drop the option)")
     if population is None:
         raise ValueError("--privacy needs --privacy-population: the number of agents that may be sampled")
     sampled = min(population, math.ceil(clients_per_round * overselect))

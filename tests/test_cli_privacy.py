@@ -53,3 +53,13 @@ def test_serve_refuses_a_privacy_population_without_privacy(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == ["fedpar serve: --privacy-population applies only with --privacy central or --privacy client; "
                      "add one of them (or drop the option)"]
+
+
+def test_local_noise_with_central_privacy_names_the_flags(capsys):
+    """It said "use it with mode 'client'", a word of the Python API, not a flag."""
+    from fedpar.cli.main import main
+
+    assert main(["simulate", "--privacy", "central", "--privacy-local-noise", "0.1", "--rounds", "1", "--quiet"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["fedpar simulate: --privacy-local-noise applies only with --privacy client, not central: the "
+                     "agents add it to their own update; use --privacy client (or drop the option)"]
