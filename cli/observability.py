@@ -9,7 +9,7 @@ from typing import Callable
 
 from fedpar.cli.declared import add_declared
 from fedpar.cli.privacy import privacy_on
-from fedpar.cli.user_errors import UserError
+from fedpar.cli.user_errors import UserError, check_port_free
 from fedpar.settings import setting
 
 
@@ -32,6 +32,14 @@ class Observability:
 def add_observability_arguments(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
     """Add --metrics-port, --metrics-host and --tensorboard (``only``: those of them)."""
     add_declared(p, Observability, only=only)
+
+
+def check_metrics_endpoint(args: argparse.Namespace) -> None:
+    """UserError, naming the flag to change, for a --metrics-host without --metrics-port (no endpoint would be
+    served), a host that is not this machine's, or a port another process holds."""
+    if args.metrics_port is None and args.metrics_host != Observability.metrics_host:
+        raise UserError("--metrics-host applies only with --metrics-port; add it (or drop the option)")
+    check_port_free(args.metrics_host, args.metrics_port, "--metrics-port", host_option="--metrics-host")
 
 
 def require_tensorboard() -> None:

@@ -19,7 +19,7 @@ from fedpar.cli.compression_options import add_compression_arguments, compressio
 from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.observability import add_observability_arguments
+from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint
 from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.serve_once import serve_once
 from fedpar.cli.serve_service import ServiceOptions
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_port_free(args.host, args.port)
         check_port_free(args.host, args.data_port, "--data-port")
-        check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
+        check_metrics_endpoint(args)
         check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
             (args.data_port, "--data-port"), (args.metrics_port, "--metrics-port")) if p})
     if args.run_config and not args.flower_app:

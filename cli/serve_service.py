@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fedpar.cli.observability import Observers, tensorboard_writer
+from fedpar.cli.observability import Observers, check_metrics_endpoint, tensorboard_writer
 from fedpar.cli.run_settings import RUN_KEYS, effective_settings, run_args, run_settings
 from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import UserError, check_port_free, check_rank_ports, describe, every_round_failed
@@ -383,9 +383,9 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         if launch_ranks is None:  # said before gRPC tries them (its own log line says it too, unasked)
             check_port_free(args.host, args.port)
             check_port_free(args.host, args.control_port, "--control-port")
-            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
+            check_metrics_endpoint(args)
         else:  # before any rank starts: a rank that cannot bind its port would be restarted in vain
-            check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
+            check_metrics_endpoint(args)
             check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
                 (args.control_port, "--control-port"), (args.metrics_port, "--metrics-port")) if p})
         revocations = server_security(args).admission.revocations  # the control API's too: operators are revoked

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
-from fedpar.cli.observability import Observers, add_observability_arguments
+from fedpar.cli.observability import Observers, add_observability_arguments, check_metrics_endpoint
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.renamed import add_retired
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary: in a child process (:func:`launch`) when there are other aggregator
     ranks or a checkpoint folder, else in this one."""
     check_output_folder(args.out)
+    check_metrics_endpoint(args)
     server_app_drives = bool(args.flower_app) and args.strategy is None
     args.strategy = args.strategy or "fedavg"
     try:

@@ -61,10 +61,11 @@ def check_output_folder(path, option: str = "--out") -> None:
             return
 
 
-def check_port_free(host: str, port: int | None, option: str = "--port", exit_code: int = 2) -> None:
+def check_port_free(host: str, port: int | None, option: str = "--port", exit_code: int = 2,
+                    host_option: str = "--host") -> None:
     """UserError (``exit_code``: 2, as every other port mistake) if another process listens on ``host:port``, or if
     ``host`` is no address of this machine (port 0 too: gRPC would say so only in a log line of its own); port None
-    always passes."""
+    always passes. ``option`` and ``host_option`` are the flags the line names."""
     import socket
 
     if port is None:
@@ -72,7 +73,7 @@ def check_port_free(host: str, port: int | None, option: str = "--port", exit_co
     try:
         infos = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host") from None
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check {host_option}", exit_code) from None
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
@@ -83,9 +84,9 @@ def check_port_free(host: str, port: int | None, option: str = "--port", exit_co
                 raise UserError(f"port {port} on {host} is in use by another process; stop it or pick another "
                                 f"{option} (0 picks a free one)", exit_code) from None
             if exc.errno == errno.EADDRNOTAVAIL:
-                raise UserError(f"cannot listen on {host}: it is not an address of this machine; check --host "
+                raise UserError(f"cannot listen on {host}: it is not an address of this machine; check {host_option} "
                                 "(0.0.0.0 listens on every interface)", exit_code) from None
-            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check --host and {option}",
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; check {host_option} and {option}",
                             exit_code) from None
 
 

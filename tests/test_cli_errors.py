@@ -110,6 +110,15 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
     (["serve", "--host", ""], 2, "argument --host: '' is not a host name or an IP address (e.g. 127.0.0.1, or "
                                  "0.0.0.0 for every interface)"),
     (["simulate", "--metrics-host", " "], 2, "argument --metrics-host: '' is not a host name or an IP address"),
+    # said 'pick another --metrics-port' (simulate) and 'check --host' (serve); without --metrics-port: ignored
+    (["simulate", "--metrics-port", "0", "--metrics-host", "192.0.2.1", "--clients", "2", "--out", "{tmp}/s"], 2,
+     "fedpar simulate: cannot listen on 192.0.2.1: it is not an address of this machine; check --metrics-host"),
+    (["serve", "--insecure", "--port", "0", "--metrics-port", "0", "--metrics-host", "192.0.2.1", "--out", "{tmp}/s"],
+     2, "fedpar serve: cannot listen on 192.0.2.1: it is not an address of this machine; check --metrics-host"),
+    (["simulate", "--metrics-host", "0.0.0.0", "--clients", "2", "--out", "{tmp}/s"], 2,
+     "fedpar simulate: --metrics-host applies only with --metrics-port; add it (or drop the option)"),
+    (["serve", "--insecure", "--port", "0", "--metrics-host", "0.0.0.0", "--out", "{tmp}/s"], 2,
+     "fedpar serve: --metrics-host applies only with --metrics-port; add it (or drop the option)"),
     (["serve", "--insecure", "--port", "0", "--host", "192.0.2.1", "--out", "{tmp}/s"], 2,
      "fedpar serve: cannot listen on 192.0.2.1: it is not an address of this machine; check --host"),
     # --out '': serve listened, then ended in a TypeError traceback writing its outputs to None
