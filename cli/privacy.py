@@ -9,7 +9,7 @@ from typing import Any
 
 from fedpar.cli.declared import add_declared, from_args
 from fedpar.cli.renamed import add_renamed
-from fedpar.settings import setting
+from fedpar.settings import flag_of, setting
 
 # Extra per-round table columns when differential privacy is on.
 PRIVACY_COLUMNS = [("dp_epsilon", "{:>10.3f}"), ("dp_clip_norm", "{:>12.4f}")]
@@ -55,6 +55,14 @@ class PrivacyOptions:
              "sampled per round / population used by the privacy accountant)")
 
 
+# The DP strategy's options that --privacy's flags set (privacy_strategy), each to its PrivacyOptions field; the
+# others it is given come from --clients, --clients-per-round and --overselect.
+DP_OPTION_FIELDS = {"noise_multiplier": "privacy_noise", "clip_norm": "privacy_clip", "delta": "privacy_delta",
+                    "mode": "privacy", "target_quantile": "privacy_adaptive_quantile",
+                    "clip_learning_rate": "privacy_clip_lr", "count_noise": "privacy_count_noise",
+                    "local_noise_multiplier": "privacy_local_noise"}
+DP_DERIVED_OPTIONS = ("population", "clients_per_round", "sampled_per_round")
+
 _OLD_SUFFIXES = ("noise", "clip", "adaptive-quantile", "clip-lr", "count-noise", "delta", "local-noise", "population")
 
 
@@ -96,8 +104,14 @@ def privacy_strategy(args: argparse.Namespace, strategy: str, clients_per_round:
     if population is None:
         raise ValueError("--privacy needs --privacy-population: the number of agents that may be sampled")
     sampled = min(population, math.ceil(clients_per_round * overselect))
-    options = dict(noise_multiplier=o.privacy_noise, clip_norm=o.privacy_clip, population=population,
-                   clients_per_round=clients_per_round, sampled_per_round=sampled, delta=o.privacy_delta,
-                   mode=o.privacy, target_quantile=o.privacy_adaptive_quantile, clip_learning_rate=o.privacy_clip_lr,
-                   count_noise=o.privacy_count_noise, local_noise_multiplier=o.privacy_local_noise)
+    options = {option: getattr(o, name) for option, name in DP_OPTION_FIELDS.items()}
+    options.update(population=population, clients_per_round=clients_per_round, sampled_per_round=sampled)
     return f"dp-{strategy}", options
+
+
+def split_privacy_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A DP strategy's ``options`` (the user's strategy options joined by :func:`privacy_strategy`'s) as the user
+    gave them: (the --strategy-option ones, the --privacy ones by flag); the derived ones are left out."""
+    own = {k: v for k, v in options.items() if k not in DP_OPTION_FIELDS and k not in DP_DERIVED_OPTIONS}
+    flags = {flag_of(PrivacyOptions, DP_OPTION_FIELDS[k]): v for k, v in options.items() if k in DP_OPTION_FIELDS}
+    return own, flags

@@ -151,9 +151,13 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
             "drop_probability", "trace", "trace_day_seconds", "secure_aggregation", "secagg_clip",
             "secagg_max_weight", "precision", "virtual_clock")}
         noted["clients_per_round"] = self.clients_per_round or self.clients  # None: all of them
+        privacy = {}
+        if self.strategy.startswith("dp-"):  # --privacy's options joined --strategy-option's: said by their flags
+            from fedpar.cli.privacy import split_privacy_options
+            noted["strategy_options"], privacy = split_privacy_options(self.strategy_options)
         # by the flags that set them, as given, so that a resume's line names what the user typed
         compression = {flag_of(CompressionConfig, k): getattr(self.upload_compression, k)
                        for k in ("method", "topk_ratio", "int8_block")}
         return ({flag_of(SimulationConfig, k): v for k, v in defining.items()},
                 {**{flag_of(SimulationConfig, k): as_given(SimulationConfig, k, v) for k, v in noted.items()},
-                 **compression})
+                 **compression, **privacy})

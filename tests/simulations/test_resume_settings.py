@@ -130,6 +130,17 @@ def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(ru
                                 f"{said} --compression int8; its run so far went with --compression none"], err
 
 
+def test_a_resume_of_a_private_run_names_the_privacy_flag_it_changes(tmp_path):
+    """It said '--strategy-option {"noise_multiplier": 0.5, "clip_norm": 1.0, ...}', a flag the user never gave."""
+    private = ("--privacy", "central", "--privacy-noise", "0.3")
+    code, err = _simulate(*private, out=tmp_path / "out", ckpt=tmp_path / "ckpt", rounds=1)
+    assert code == 0, err
+    code, err = _simulate(*private[:3], "0.5", out=tmp_path / "out", ckpt=tmp_path / "ckpt", rounds=2)
+    assert code == 0, err
+    assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {tmp_path / 'ckpt'} with --privacy-noise "
+                                "0.5; its run so far went with --privacy-noise 0.3"], err
+
+
 def test_a_fresh_checkpoint_folder_records_the_new_federation(run):
     code, err = _simulate(out=run / "other", ckpt=run / "fresh", clients=6, rounds=1)
     assert code == 0, err
