@@ -93,17 +93,28 @@ def run(args: argparse.Namespace) -> int:
                   "--privacy", file=sys.stderr)
             return 2
         return run_server_app(cfg)
+    launched = cfg.aggregator_ranks > 1 or cfg.checkpoint_dir is not None  # a lost rank 0 is said, or resumed
+    if launched:
+        return launch_checked(args, cfg)
+    from fedpar.simulations.worker_processes import start_workers
+
+    # Before this process imports torch (the strategy's module does, in a second): the workers' imports and data
+    # loading overlap it and the coordinator's set-up.
+    return simulate(args, cfg, start_workers(cfg))
+
+
+def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
+    """:func:`launch`, once the strategy and every setting are checked here (a refusal, or what a resume changes,
+    is said before the child starts)."""
     try:
         with_strategy(args, cfg)
-        launched = cfg.aggregator_ranks > 1 or cfg.checkpoint_dir is not None  # a lost rank 0 is said, or resumed
-        if launched:
-            from fedpar.simulations.runner import check_settings
-            for line in check_settings(cfg):  # here, before the child starts: a refusal, or what a resume changes
-                print(f"fedpar simulate: {line}", file=sys.stderr)
+        from fedpar.simulations.runner import check_settings
+        for line in check_settings(cfg):
+            print(f"fedpar simulate: {line}", file=sys.stderr)
     except ValueError as exc:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
-    return launch(args, cfg) if launched else simulate(args, cfg)
+    return launch(args, cfg)
 
 
 def setting_error(exc: ValueError, args: argparse.Namespace) -> str:
@@ -184,7 +195,6 @@ def simulate_here(options: dict) -> None:
         setup_logging(args)
     try:
         cfg = simulation_config(args, say=False)  # the launcher said its notes
-        with_strategy(args, cfg)
         code = simulate(args, cfg)
     except (UserError, OSError) as exc:  # one line, as cli/main.py says it (--debug: the traceback)
         if args.debug:
@@ -195,8 +205,18 @@ def simulate_here(options: dict) -> None:
         exit_rank_process(code)
 
 
-def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
-    """Run the simulation here and print the summary; the exit code."""
+def simulate(args: argparse.Namespace, cfg: SimulationConfig, workers=None) -> int:
+    """Run the simulation of ``cfg`` (its strategy not yet made: :func:`with_strategy`) here and print the summary;
+    the exit code. ``workers``: its worker processes, started already (simulations/worker_processes.py); else the
+    run starts them."""
+    try:
+        return _simulate(args, cfg, workers)
+    finally:
+        if workers is not None:
+            workers.close(wait=False)  # the run closed them, unless it stopped before it took them
+
+
+def _simulate(args: argparse.Namespace, cfg: SimulationConfig, workers) -> int:
     from fedpar.server.rounds import rank_columns
     from fedpar.simulations.run_outputs import RunOutputs
     from fedpar.server.ranks.group import RankMissing
@@ -209,11 +229,12 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     observers = Observers(args)
     progress = LiveBar(quiet=args.quiet, total=cfg.rounds)
     try:
+        with_strategy(args, cfg)
         callbacks = [progress.round_ended, table.row, *observers.round_callbacks()]
         with stop_on_signals() as stop:  # SIGINT or SIGTERM: what completed is written (a second: exit now)
             summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
                                      on_server=observers.attach, on_progress=progress.follow,
-                                     on_stage=progress.preparing)
+                                     on_stage=progress.preparing, workers=workers)
     except ValueError as exc:  # a task's mistake (TaskFailed: its code raised as the run went on, exit 1), a setting
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)

@@ -83,7 +83,7 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
 def run_worker_process(conn: Connection, dataset: str, data_dir: str | None, say: Connection | None = None) -> None:
     """Process target: load the data while the coordinator starts, then host the slice of the WorkerConfig that
     arrives on ``conn`` (None: the simulation was called off), and exit at once when it is done. ``say``: the
-    workers' one turn to say that the task failed (:func:`one_turn`): the others fail alike, silently.
+    workers' one turn to say that the task failed (simulations/worker_processes.py one_turn): the others fail alike, silently.
 
     A normal interpreter shutdown of a process that used gRPC and torch takes seconds here (measured: 4 s per
     worker), which every simulation would wait for; its host has closed its channels, so skip it.
@@ -112,15 +112,6 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None, say
     os._exit(0)
 
 
-def one_turn(ctx) -> Connection:
-    """What the worker processes (started from ``ctx``) share to let one of them, the first to ask, speak: a pipe
-    holding one byte, its writing end closed (no lock: a byte read from a pipe is one reader's)."""
-    turn, give = ctx.Pipe(duplex=False)
-    os.write(give.fileno(), b".")
-    give.close()
-    return turn
-
-
 def _takes_turn(turn: Connection | None) -> bool:
-    """Whether this worker got the turn (:func:`one_turn`); True without one."""
+    """Whether this worker got the turn (worker_processes.one_turn); True without one."""
     return turn is None or os.read(turn.fileno(), 1) == b"."

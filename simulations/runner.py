@@ -8,7 +8,6 @@ import contextlib
 import functools
 import importlib
 import logging
-import multiprocessing as mp
 import threading
 import time
 from dataclasses import asdict, fields, replace
@@ -25,7 +24,6 @@ from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
 from fedpar.parallel.device import check_device_layout, device_kind, parse_device, resolve_device, visible_gpus
-from fedpar.parallel.stopping import children_ignore_interrupts
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
@@ -34,7 +32,7 @@ from fedpar.server.assembly import CoordinatorAssembly
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
-from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig, one_turn, run_worker_process
+from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig
 from fedpar.simulations.client_batching import batched_seats, batching_refusal_of, client_batching_route
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
@@ -42,6 +40,7 @@ from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.resume import check_resume, earlier_seconds, keep_run_record
 from fedpar.simulations.run_outputs import RunOutputs, start_fresh, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
+from fedpar.simulations.worker_processes import WorkerProcesses, start_workers
 from fedpar.settings import composed
 from fedpar.task import Partition
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
@@ -141,15 +140,17 @@ def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str
 def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | None = None,
                    on_server: Callable[[object], None] | None = None,
                    on_progress: Callable[[object], None] | None = None,
-                   on_stage: Callable[[str], None] | None = None, store: RunStore | None = None) -> dict:
+                   on_stage: Callable[[str], None] | None = None, store: RunStore | None = None,
+                   workers: WorkerProcesses | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
     the final model (global.safetensors, global.json), summary.json, accuracy.png and loss.png under ``cfg.out``
     (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the files written.
     ``on_server(server)`` sees the coordinator before it starts; ``on_progress(coordinator)`` is called twice a
     second while it runs (clients joined, the open round); ``on_stage(what)`` as each set-up step starts (loading the
     data, indexing the clients' shares). The run is kept in ``store`` (default: one in memory), as a service keeps its
-    runs, and driven by the same code (:meth:`RunService.execute`)."""
-    started = time.monotonic()
+    runs, and driven by the same code (:meth:`RunService.execute`). ``workers``: the worker processes, started
+    already (:func:`start_workers`; `fedpar simulate` starts them before it imports torch); they are ended here."""
+    started = workers.started if workers else time.monotonic()  # the run's set-up began with its workers
     cfg, notes = cfg.settled()  # `fedpar simulate` has settled them already, and said so
     for note in notes:
         log.warning(note)
@@ -170,20 +171,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     earlier = earlier_seconds(cfg) if cfg.checkpoint_dir is not None else 0.0
     if cfg.checkpoint_dir is not None:  # checked above: the checkpoints made from here on are made with these
         keep_run_record(cfg, earlier)
-    # Start the worker processes first: their imports and data loading overlap the coordinator's set-up.
-    workers = cfg.workers  # at most one per client (settled)
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
-    preload = None if cfg.task or flower_app else cfg.dataset  # a task's worker loads the task instead
-    say = one_turn(ctx)  # a task that fails every worker alike is said once
-    procs = [ctx.Process(target=run_worker_process, name=f"fedpar-worker-{w}",
-                         args=(recv, preload, cfg.data_dir, say), daemon=True) for w, (recv, _) in enumerate(pipes)]
-    with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
-        for p in procs:
-            p.start()
-    for recv, _ in pipes:
-        recv.close()  # the child's end
-    say.close()
+    # The worker processes start as early as they can: their imports and data loading overlap the coordinator's.
+    workers = workers or start_workers(cfg)
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     threads = torch.get_num_threads()
     if device_kind(cfg.device) == "cpu":
@@ -191,7 +180,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         # one per core spin-waits on the cores the workers need (benchmarks/population_bench.py --steady)
         torch.set_num_threads(1)
     try:
-        summary = _run(cfg, strategy, task, on_round, started, out, procs, [send for _, send in pipes], on_server,
+        summary = _run(cfg, strategy, task, on_round, started, out, workers.procs, workers.sends, on_server,
                        on_progress, flower_app, on_stage or (lambda what: None), store, earlier)
         interrupted = summary.get("interrupted", False)
         return summary
@@ -200,17 +189,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         if cfg.checkpoint_dir is not None:  # however it ended: a resume counts this process's seconds too
             with contextlib.suppress(OSError):  # a full disk: what stopped the run is what to say
                 keep_run_record(cfg, earlier + time.monotonic() - started)
-        for _, send in pipes:
-            if not send.closed:
-                try:
-                    send.send(None)  # called off before this worker got its slice
-                except OSError:
-                    pass  # that worker is gone already
-        for p in procs:
-            if not interrupted:
-                p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+        workers.close(wait=not interrupted)
 
 
 def _flower_app(cfg: SimulationConfig) -> FlowerApp | None:

@@ -1,0 +1,81 @@
+"""The simulation's worker processes, started as early as a run knows how many it needs: each imports torch and
+fedpar's client side and loads the data while the coordinator's process does the same, then waits on its pipe for
+the WorkerConfig of its slice of the population (simulations/agents.py).
+
+This module imports nothing heavy, so that `fedpar simulate` can start them before it imports torch itself: on two
+cores the workers' start-up then overlaps the coordinator's instead of following it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import Connection
+
+from fedpar.datasets.registry import full_dataset_name
+from fedpar.parallel.stopping import children_ignore_interrupts
+from fedpar.simulations.config import SimulationConfig
+
+
+class WorkerProcesses:
+    """``count`` worker processes, started now, each loading ``preload`` (a dataset name; None: a task or Flower App
+    loads its own) from ``data_dir`` until its slice arrives on its pipe (:attr:`sends`)."""
+
+    def __init__(self, count: int, preload: str | None, data_dir: str | None):
+        self.started = time.monotonic()
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
+        say = one_turn(ctx)  # a task that fails every worker alike is said once
+        self.procs = [ctx.Process(target=run_worker_entry, name=f"fedpar-worker-{w}",
+                                  args=(recv, preload, data_dir, say), daemon=True)
+                      for w, (recv, _) in enumerate(pipes)]
+        with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
+            for p in self.procs:
+                p.start()
+        for recv, _ in pipes:
+            recv.close()  # the child's end
+        say.close()
+        self.sends: list[Connection] = [send for _, send in pipes]
+        self.closed = False
+
+    def close(self, wait: bool) -> None:
+        """Call off the workers that got no slice and end them all: with ``wait``, each is given 5 s to finish by
+        itself first (a run that ended normally); else they are terminated at once. Closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        for send in self.sends:
+            if not send.closed:
+                try:
+                    send.send(None)  # called off before this worker got its slice
+                except OSError:
+                    pass  # that worker is gone already
+        for p in self.procs:
+            if wait:
+                p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+
+
+def start_workers(cfg: SimulationConfig) -> WorkerProcesses:
+    """The worker processes ``cfg`` (settled) runs on, started: each preloads the run's dataset unless a task or a
+    Flower App loads its own."""
+    preload = None if cfg.task or cfg.flower_app else full_dataset_name(cfg.dataset, cfg.clients)
+    return WorkerProcesses(cfg.workers, preload, cfg.data_dir)
+
+
+def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None, say: Connection) -> None:
+    """Process target: simulations/agents.py's worker (imported here, in the child: the parent need not)."""
+    from fedpar.simulations.agents import run_worker_process
+
+    run_worker_process(conn, dataset, data_dir, say)
+
+
+def one_turn(ctx) -> Connection:
+    """What the worker processes (started from ``ctx``) share to let one of them, the first to ask, speak: a pipe
+    holding one byte, its writing end closed (no lock: a byte read from a pipe is one reader's)."""
+    turn, give = ctx.Pipe(duplex=False)
+    os.write(give.fileno(), b".")
+    give.close()
+    return turn
