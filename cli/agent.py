@@ -156,7 +156,10 @@ def run(args: argparse.Namespace) -> int:
     except (FlowerClientError, ValueError) as exc:  # a Flower fit's arrays that do not fit; a task hook's (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: what it did so far, as serve and simulate say theirs
+        stats = agent.stats
+        print(f"fedpar client: interrupted after {stats.tasks} tasks, {stats.accepted} updates accepted, "
+              f"{stats.refused} refused", file=sys.stderr)
         return 130
     print(f"agent {args.agent_id}: {stats.tasks} tasks, {stats.accepted} updates accepted, "
           f"{stats.refused} refused", flush=True)

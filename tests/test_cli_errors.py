@@ -377,6 +377,19 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
     assert len(events.Scalars("test_accuracy")) >= 1
 
 
+def test_ctrl_c_stops_a_client_agent_with_exit_130_and_one_line_of_what_it_did(tmp_path):
+    """It exited 130 without a word."""
+    agent = _start(["client", "--insecure", "--server", "127.0.0.1:1", "--agent-id", "a"], tmp_path)
+    seen = []
+    while not any("coordinator unreachable" in line for line in seen):  # its run is retrying the coordinator
+        seen.append(agent.stderr.readline())
+        assert seen[-1], "".join(seen)
+    agent.send_signal(signal.SIGINT)
+    rc, _, err = _finish(agent, timeout=30)
+    assert rc == 130, err
+    _one_line(err, "fedpar client: interrupted after 0 tasks, 0 updates accepted, 0 refused")
+
+
 def _wrote(out: str, folder: Path) -> list[str]:
     """The files the one "wrote FOLDER/a, b and c" line of ``out`` names, each checked to be in ``folder``."""
     lines = [line for line in out.splitlines() if line.startswith("wrote ")]
