@@ -64,6 +64,10 @@ def diagnose_handshake(address: str, files: TlsFiles, server_name: str | None = 
     if verdict is None:
         return None
     where = f"TLS handshake with the coordinator at {address} failed"
+    if verdict is _REFUSED_OURS and files.cert is None:
+        return (f"{where}: the coordinator requires a client certificate (mutual TLS) and this agent has none; "
+                "pass --certs DIR holding this agent's ID.pem/ID.key (or --tls-cert/--tls-key), or have its operator "
+                "admit agents by token ('fedpar serve --enrollment-tokens FILE', server-only TLS)")
     if verdict is _REFUSED_OURS:
         return f"{where}: the coordinator refused this agent's certificate {files.cert}: {_why_refused(files)}"
     if isinstance(verdict, ssl.SSLCertVerificationError):

@@ -1,7 +1,8 @@
 """A TLS handshake that fails is fatal for `fedpar client`, with the real cause in one line (issue 17): the
 coordinator's certificate signed by another CA, issued for another name, or our certificate refused (foreign CA,
-expired); a revoked agent is refused by name. Each is a real `fedpar client` against a real coordinator. A TLS
-setting that differs from the coordinator's (--insecure on one side only) is retried, its flag named (issue 31)."""
+expired, or none at all: an agent made for enrollment tokens); a revoked agent is refused by name. Each is a real
+`fedpar client` against a real coordinator. A TLS setting that differs from the coordinator's (--insecure on one
+side only) is retried, its flag named (issue 31)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ def test_each_handshake_failure_ends_the_client_with_its_cause_in_one_line(tls_w
                                 "it expired on"),
         "revoked": (["--certs", str(w.ours), "--agent-id", "bob"],
                     "coordinator refused: PERMISSION_DENIED: agent 'bob' was revoked"),
+        "no certificate": (["--tls-ca", str(w.ours / "ca.pem"), "--agent-id", "dave"],
+                           "the coordinator requires a client certificate (mutual TLS) and this agent has none"),
     }
     # One real `fedpar` process (its exit included); the others run `fedpar client` in this process, one by one.
     first, *rest = cases
