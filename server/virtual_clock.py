@@ -109,7 +109,8 @@ class VirtualClock:
                     raise TooFewMembers(
                         f"at most {most} of the {len(members.registry)} clients were online at once over a simulated "
                         f"day of their availability traces (virtual clock, from {idle_from:,.0f} s); a round needs "
-                        f"{count} (min_available): sample fewer clients a round, or give a trace with more online")
+                        f"{count} (simulate: --clients-per-round; serve: --min-available): sample fewer clients a "
+                        "round, or give a trace with more online")
                 self.seconds += max(self.deadline_seconds, IDLE_STEP_SECONDS)
                 self.idle_steps += 1
                 members.wake_all()  # the hosts' long-polls answer with the new time

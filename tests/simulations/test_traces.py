@@ -104,4 +104,5 @@ def test_a_trace_that_never_has_enough_clients_online_is_one_line_after_a_simula
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith("fedpar simulate: at most 1 of the 4 clients were online at once over a simulated "
                                 "day"), err
+    assert "a round needs 4 (simulate: --clients-per-round; serve: --min-available)" in lines[-1], err  # was a field
     assert "Traceback" not in err and "stopped with an error" not in err, err
