@@ -284,8 +284,8 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
             (self.data_plane_downloads >= 1, "data_plane_downloads must be >= 1"),
             (not self.secure_aggregation or (self.min_available >= 2 and (self.fraction is not None
                                                                        or self.clients_per_round >= 2)),
-             "secure aggregation hides each update in a sum of several: it needs min_available >= 2 and "
-             "clients_per_round >= 2"),
+             "secure aggregation hides each update in a sum of several: it needs min_available >= 2 (simulate: "
+             "--clients) and clients_per_round >= 2"),
         ]
         # imported here: building the CLI's parsers reads this module and must not import torch (aggregation does)
         from fedpar.aggregation.compatibility import composition_features, refusal

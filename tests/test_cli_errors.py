@@ -307,6 +307,8 @@ def test_settings_the_coordinator_refuses_are_said_before_the_workers_would_have
          "--min-reports (10) cannot exceed --clients-per-round (5)"),  # as given: flags, not the fields
         (["--clients", "20", "--clients-per-round", "1", "--secure-aggregation"],
          "secure aggregation hides each update in a sum of several"),
+        (["--clients", "1", "--secure-aggregation"],  # it named min_available, a field simulate has no flag for
+         "it needs min_available >= 2 (simulate: --clients) and --clients-per-round >= 2"),
         (["--clients", "2", "--checkpoint-dir", str(tmp_path / "a-file")],
          f"the checkpoint directory {tmp_path / 'a-file'} is a file; give a folder"),
         (["--clients", "2", "--strategy", "fedadam", "--checkpoint-dir", str(tmp_path / "ckpt")],
