@@ -97,6 +97,8 @@ def check_rank_ports(host: str, port: int, ranks: int, others: dict[int, str]) -
         return
     needed = range(port + 1, port + ranks)
     span = (f"--aggregator-ranks {ranks} needs ports {port}..{port + ranks - 1} (rank r listens on --port + r)")
+    if port + ranks - 1 > 65535:  # getaddrinfo wraps 65536 to 0, so such a rank would take a free port in silence
+        raise UserError(f"{span}, but ports end at 65535; pick a --port of at most {65536 - ranks}")
     for other, option in sorted(others.items()):
         if other in needed:
             raise UserError(f"{span}, but {other} is {option}; pick a --port or {option} outside that range")

@@ -49,6 +49,8 @@ def test_ports_and_options_serve_cannot_use_are_one_line_and_exit_2(tmp_path):
         (["serve", "--insecure", "--port", str(one_shot), "--aggregator-ranks", "2", "--rounds", "1",
           "--out", str(tmp_path / "out"), *RANKS_ON_CPU],
          (f"--aggregator-ranks 2 needs ports {one_shot}..{busy}", f"{busy} is in use by another process")),
+        (["serve", "--insecure", "--port", "65535", "--aggregator-ranks", "2", "--rounds", "1", *RANKS_ON_CPU],
+         ("--aggregator-ranks 2 needs ports 65535..65536", "ports end at 65535; pick a --port of at most 65534")),
         ([*service, "--state", str(tmp_path / "m.db"), "--port", "0", "--control-port", "0", "--metrics-port",
           str(busy)], (f"port {busy} on 127.0.0.1 is in use", "--metrics-port")),
         ([*service, "--state", str(tmp_path / "c.db"), "--port", "0", "--control-port", "0", "--checkpoint-dir",
