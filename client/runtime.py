@@ -277,7 +277,7 @@ class ClientRuntime:
             self._round_mode(seat, auth, task, settings, deadline_at, data_plane)
         if not mode.begin():
             return True
-        weights = self._round_weights(member, auth, task, data_plane)
+        weights = self._round_weights(i, member, auth, task, data_plane)
         if weights is None:
             return False
         if weights is True:
@@ -380,12 +380,13 @@ class ClientRuntime:
                     return True
                 time.sleep(backoff.wait())
 
-    def _round_weights(self, member: str, auth: pb.AgentAuth, task: pb.TrainTask,
+    def _round_weights(self, i: int, member: str, auth: pb.AgentAuth, task: pb.TrainTask,
                        data_plane: dataplane.DataPlaneTarget | None) -> list[np.ndarray] | bool | None:
         """The global model of ``task``'s round, read once per round for all the runtime's members: decoded from the
         task (small models come inside it), else over the data plane or the gRPC stream by the first member to need
-        it, with its session. None: not read, pull the task again (the coordinator hands it out until a download
-        completes); True: refused, done with the task (noted)."""
+        it, with member ``i``'s session. None: not read, pull the task again (the coordinator hands it out until a
+        download completes); True: refused, done with the task (noted; a model unlike this agent's is told to the
+        coordinator as the member's failure)."""
         held = self._weights  # one tuple, replaced whole: read without the lock once the round's model is here
         if held[0] == task.round:
             return held[1]
@@ -402,6 +403,8 @@ class ClientRuntime:
                                                self.link.max_chunk, timeout=max(1.0, task.deadline_seconds))
             except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
                 self._note_refusal(member, "download", err)
+                if isinstance(err, CodecError):  # another task or its options: no update will come, whatever the wait
+                    self.link.failed(i, task, f"download refused: {err}"[:MAX_REASON_CHARS])
                 if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
                     time.sleep(jittered(self.config.initial_backoff, self._rng))  # then pull again
                     return None

@@ -61,6 +61,13 @@ def lbfgs():
     return _task(optimizer=lambda params, lr: torch.optim.LBFGS(params, lr))
 
 
+def sized(hidden: int = 8):
+    features, classes = TABLE.input_shape[0], TABLE.num_classes
+    return Task(model=lambda: nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes)),
+                client_data=lambda partition: share_of(TABLE.train, partition), test_data=lambda: TABLE.test,
+                loss=nn.functional.cross_entropy)
+
+
 def _no_client_3(partition):
     if partition.index == 3:
         raise KeyError("no rows for client 3")
@@ -144,6 +151,35 @@ def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serv
                                                f"raised ValueError: this loss is broken: fix the task ({ref})")
     assert sum(r["round_seconds"] for r in _rows(out)) < 20
     assert time.monotonic() - started < DEADLINE
+
+
+def test_an_agent_whose_task_options_make_another_model_tells_the_coordinator_each_round(tasks, capfd):
+    # the same reference with another --task-option: the coordinator's model does not load into the agent's; the
+    # rounds waited out their deadline and the run ended 'too few updates arrived', the cause in the agent's log only
+    ref = f"{tasks}:sized"
+    out = tasks.parent / "other-options"
+    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--task", ref, "--min-available", "1",
+                              "--clients-per-round", "1", "--rounds", "2", "--deadline", str(DEADLINE),
+                              "--out", str(out)], cwd=tasks.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
+        rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task", ref,
+                                      "--task-option", "hidden=16", "--agent-id", "alice", "--threads", "1",
+                                      "--give-up-after", "30"], tasks.parent, capfd)
+        served = "".join(lines) + serve.communicate(timeout=3 * DEADLINE)[0]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    mismatch = ("download refused: the coordinator's model does not match this agent's: tensor '0.weight': expected "
+                "float32[16, 4], got '0.weight' float32[8, 4]")
+    assert rc == 0 and "Traceback" not in stdout + stderr, stderr
+    assert serve.returncode == 1 and "Traceback" not in served, served
+    assert served.strip().splitlines()[-1] == (f"fedpar serve: every round failed (2 of 2): the task's {mismatch}: "
+                                               f"fix the task ({ref})")
+    assert [(r["status"], r["close_reason"], r["training_error"]) for r in _rows(out)] == \
+        [("failed", "every sampled agent answered", mismatch)] * 2
 
 
 @pytest.mark.parametrize("command", [["simulate", "--clients", "2", "--out", "out"],
