@@ -134,8 +134,13 @@ class RunControl(pb_grpc.RunControlServicer):
             run = self.store.get(request.run_id)
             if run.status not in ENDED:
                 raise ValueError(f"run {run.id} is {run.status}; its model is downloadable once it ends")
+            # a run that never started has no folder: Path("") would be the service's working directory
+            found = [p for p in (Path(run.out_dir) / name for name in RUN_FILES) if p.is_file()] if run.out_dir else []
+            if not found:
+                raise ValueError(f"run {run.id} is {run.status} with no model or metrics to get"
+                                 + (f" ({run.reason})" if run.reason else ""))
             self.store.audit(who, "get", run.id)
-            return [p for p in (Path(run.out_dir) / name for name in RUN_FILES) if p.is_file()]
+            return found
         for path in self._guard(context, "get", files):
             with path.open("rb") as fh:
                 while chunk := fh.read(FILE_CHUNK_BYTES):

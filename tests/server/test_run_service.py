@@ -179,6 +179,8 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
     first = fed.submit("plain", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
     long = fed.submit("long", f'rounds = 200\nstrategy = "fedprox"\n{QUICK}[strategy_options]\nmu = 0.01\n')
     third = fed.submit("momentum", f'rounds = 2\nstrategy = "fedavgm"\n{QUICK}')
+    never = fed.submit("never", f"rounds = 1\n{QUICK}")  # queued behind the others, stopped before it starts
+    assert "was queued: stopped" in fed.run("stop", str(never)).stdout
     _wait_for(lambda: store.get(long).round >= 1, 240, "the long run never completed a round")
     stopped = fed.run("stop", str(long))
     assert stopped.returncode == 0 and "stops at its next check" in stopped.stdout, stopped.stderr
@@ -213,6 +215,10 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
     assert got.returncode == 0, got.stderr
     assert (fed.tmp / "got" / "global.safetensors").read_bytes() == Path(runs[first].model_path).read_bytes()
     assert (fed.tmp / "got" / "metrics.jsonl").is_file()
+    # it has no folder: it wrote 'wrote DIR/nothing' and exit 0, or the files in the service's working directory
+    _one_line_error(fed.run("get", str(never), "--out", str(fed.tmp / "never")),
+                    f"run {never} is stopped with no model or metrics to get (stopped by op before it started)")
+    assert not (fed.tmp / "never").exists()
 
     assert all(agent.poll() is None for agent in fed.agents)  # never restarted: the same two processes
     joins = (fed.tmp / "serve.log").read_text().count("agent a1 joined")
@@ -222,7 +228,7 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
     for run_id, rounds in ((first, 2), (third, 2), (long, runs[long].round)):
         assert f'fedpar_rounds_total{{run="{run_id}",status="ok"}} {float(rounds)}' in exposition, exposition
     actions = [(a["who"], a["action"]) for a in store.audit_rows()]
-    assert actions.count(("op", "submit")) == 3 and ("op", "stop") in actions and ("op", "get") in actions
+    assert actions.count(("op", "submit")) == 4 and ("op", "stop") in actions and ("op", "get") in actions
     for run_id in (first, long, third):  # a TensorBoard folder per run, each with its own rounds
         assert list((fed.tmp / "tb" / f"run-{run_id}").glob("events.out.tfevents.*")), run_id
     assert sorted(p.name for p in (fed.tmp / "tb").iterdir()) == sorted(f"run-{i}" for i in (first, long, third))
