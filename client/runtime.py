@@ -277,6 +277,9 @@ class ClientRuntime:
             self._round_mode(seat, auth, task, settings, deadline_at, data_plane)
         if not mode.begin():
             return True
+        # The upload is budgeted from what came after begin(): a secure round's key exchange waits there for the
+        # cohort (up to --secagg-stage-seconds when a member drops), which says nothing of how long an upload takes.
+        fetching = time.monotonic()
         weights = self._round_weights(i, member, auth, task, data_plane)
         if weights is None:
             return False
@@ -292,7 +295,7 @@ class ClientRuntime:
             return self._failed(seat, i, task, "evaluation", err)
         if evaluation is not None:
             metrics.update(evaluation.as_metrics())  # what was measured, and finite (a Flower client's may lack some)
-        stop_at = stop_training_at(deadline_at, time.monotonic() - received, self.config.upload_margin_seconds)
+        stop_at = stop_training_at(deadline_at, time.monotonic() - fetching, self.config.upload_margin_seconds)
         with self.link.while_training():
             extra = {"max_steps": task.max_steps} if task.max_steps else {}  # the virtual clock's cap (a TaskTrainer's)
             if seat.trainer.reads_task_settings:  # e.g. a Flower client's fit config

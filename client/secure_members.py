@@ -6,7 +6,8 @@ few members at once (its seats), so a seat cannot hold a member through those wa
 starts when its task reaches the runtime, and its unmasking runs after its masked upload, each in a thread of that
 member's own (one per member sampled in a secure round, never one per client). The seat that trains the member
 uses the same session (client/secure_upload.SecureUpload) for the masked upload in between. A runtime hosting one
-member (a deployed agent) does the same: its key exchange overlaps its download and training.
+member (a deployed agent) does the same: its key exchange overlaps its download and training, and its masked
+upload waits for the exchange to end.
 """
 
 from __future__ import annotations
@@ -24,16 +25,22 @@ from fedpar.protocol.codec import CoordinatorStub, ModelLayout
 
 
 class HostedSecureUpload(SecureUpload):
-    """A member's SecureUpload whose key exchange runs from the task's arrival on (:meth:`begin` waits for it)
-    and whose unmasking (:meth:`close`) runs in the background."""
+    """A member's SecureUpload whose key exchange runs from the task's arrival on, beside its download and training
+    (:meth:`upload` waits for it), and whose unmasking (:meth:`close`) runs in the background."""
 
     def start_keys(self) -> None:
         """Start stages 0-2 in a thread of their own."""
         self._keys = _in_thread(super().begin, f"secagg-keys-{self.session.auth.agent_id}")
 
     def begin(self) -> bool:
-        """The key exchange's outcome (False: refused, noted already)."""
-        return self._keys.result()
+        """False if the key exchange was refused already (noted): then the member does not train; else True at once,
+        as the exchange waits for the whole cohort (up to --secagg-stage-seconds when one drops) and training need
+        not."""
+        return not self._keys.done() or self._keys.result()
+
+    def upload(self, trained, global_weights, result, metrics) -> bool:
+        """The masked upload, once the key exchange is done (False if it was refused: noted already)."""
+        return self._keys.result() and super().upload(trained, global_weights, result, metrics)
 
     def close(self) -> None:
         """Unmask in a thread of its own: it waits for the rest of the cohort's uploads."""

@@ -130,7 +130,8 @@ class SecureUpload:
         self.note_refusal = note_refusal
 
     def begin(self) -> bool:
-        """The key exchange, first, so that it overlaps training rather than following it."""
+        """The key exchange (stages 0-2), here and now: client/secure_members.py runs it in a thread of its own from
+        the task's arrival, so that it overlaps the download and training."""
         try:
             self.session.begin(self.vector_length)
         except self.REFUSALS as err:
