@@ -213,8 +213,17 @@ class CoordinatorService:
         authenticated()  # an upload stream leaves the strangers' bounds for --max-concurrent-rpcs
         return record
 
+    def _at_rank_0(self) -> None:
+        """Refusal unless this is rank 0's port: agents and hosts join the coordinator, not another aggregator rank
+        (whose plane keeps no members)."""
+        if self.coord.rank:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this port is aggregator rank {self.coord.rank}'s, which takes only the downloads and uploads "
+                          "rank 0 deals to it; give --server the coordinator's --port (rank 0's)")
+
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         """Register an agent."""
+        self._at_rank_0()
         _check_protocol(request.protocol_version, "agent")
         self.limits.admit_join(request.agent_id, self.coord.registry)
         record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
@@ -226,6 +235,7 @@ class CoordinatorService:
     async def JoinPopulation(self, request: pb.JoinPopulationRequest, context) -> pb.JoinPopulationReply:
         """Register (more of) a simulation host's virtual population (each member's session derives from the
         host's: protocol/codec.py, member_token)."""
+        self._at_rank_0()
         _check_protocol(request.protocol_version, "host")
         if not request.member_ids:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a JoinPopulation must name its members in member_ids "

@@ -177,6 +177,10 @@ def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_pa
         agents = {a: RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS}
         tasks = {a: agent.task(60) for a, agent in agents.items()}
         assert [bool(tasks[a].ingest_port) for a in IDS] == [False, True, False, True]
+        with pytest.raises(grpc.RpcError) as err:  # an agent given rank 1's port: AttributeError in its log before
+            RankedAgent(f"127.0.0.1:{tasks['a1'].ingest_port}", "stray", 10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and \
+            "this port is aggregator rank 1's" in err.value.details(), err.value.details()
         start = agents["a0"].fetch(tasks["a0"], layout)
         updates = {a: _update(a, 1, start) for a in IDS}
 
@@ -210,6 +214,7 @@ def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_pa
         for agent in agents.values():
             assert agent.shutdown_reason() == "training finished after round 3"
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+        assert "Traceback" not in (tmp_path / "serve.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
