@@ -67,7 +67,8 @@ def _check_one_shot_outputs(args: argparse.Namespace) -> None:
     given = [option for option, ignored in (("--out", args.out != serve_parser().get_default("out")),
                                             ("--checkpoint-dir", args.checkpoint_dir is not None)) if ignored]
     if given:
-        raise UserError(f"{' and '.join(given)} are not used with --state: each run writes its outputs and "
+        raise UserError(f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} not used with --state: each run "
+                        "writes its outputs and "
                         f"checkpoints to {args.state}.runs/ID/ (fetch them with 'fedpar run get ID --out DIR'); "
                         f"drop {' and '.join(given)}")
 

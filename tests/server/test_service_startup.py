@@ -56,6 +56,8 @@ def test_ports_and_options_serve_cannot_use_are_one_line_and_exit_2(tmp_path):
         ([*service, "--state", str(tmp_path / "c.db"), "--port", "0", "--control-port", "0", "--checkpoint-dir",
           str(tmp_path / "ck"), "--out", str(tmp_path / "o")],
          ("--out and --checkpoint-dir are not used with --state", f"{tmp_path / 'c.db'}.runs/ID/")),
+        ([*service, "--state", str(tmp_path / "o.db"), "--port", "0", "--control-port", "0", "--out",
+          str(tmp_path / "o")], ("fedpar serve: --out is not used with --state", "drop --out")),
         (["serve", "--insecure", "--port", "0", "--rounds", "0"], ("--rounds: 0 is out of range",)),
     ]
     try:
