@@ -309,8 +309,10 @@ class RunService:
             server.stop(grace=0.5)  # on the service's port: the idle coordinator answers the agents again
             if events is not None:
                 events.close()
+        earlier = server.coordinator.earlier_seconds  # a resumed run's time in the processes before this one
         outputs = self.outputs(out, server, plan, run, args,
-                               {"wall_seconds": time.monotonic() - started, "interrupted": status != "finished"})
+                               {"wall_seconds": earlier + time.monotonic() - started,
+                                "earlier_processes_seconds": earlier, "interrupted": status != "finished"})
         if status is None:
             return RunEnd(None, "", outputs=outputs, stopped_by=stopped_by)
         if status == "finished":  # as the one-shot form's exit code: a run none of whose rounds succeeded failed

@@ -167,6 +167,7 @@ class Coordinator(IngestPlane):
         self.keeps_members = False  # a service's next run takes the members: they never hear that training is over
         self.metrics = RoundMetricsLog(config.metrics_path, declared_columns(config), config.target_accuracy)
         self.started_at = time.monotonic()
+        self.earlier_seconds = 0.0  # a resumed run's wall seconds up to its checkpointed round, in earlier processes
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
         self._evaluation_seconds = math.inf  # how long the last central evaluation took (the first: on a thread)
@@ -227,6 +228,10 @@ class Coordinator(IngestPlane):
             self._example_caps = checked_caps(ckpt.state.get(caps, {}))
         with ckpt.restoring("metrics_summary"):
             self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"))
+        earlier = (self.metrics.last or {}).get("wall_seconds")
+        if isinstance(earlier, (int, float)) and 0 <= earlier < math.inf:  # rows go on counting the whole run's time
+            self.earlier_seconds = float(earlier)
+            self.started_at -= self.earlier_seconds
         with ckpt.restoring("clock"):
             self.clock.restore(ckpt.state)
         if self.round_id >= self.config.rounds:

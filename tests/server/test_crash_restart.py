@@ -182,6 +182,12 @@ def test_kill_9_mid_round_then_restart_resumes_and_finishes(tmp_path):
     assert final == f"round-{ROUNDS:06d}"
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["LATEST", f"round-{ROUNDS - 1:06d}", final]
     _check_kept_model(tmp_path, rows[-1])
+    # The rows and the summary count the whole run's time: the restarted process went on from the checkpointed
+    # round's wall_seconds (they started from 0 again, and summary.json held the last process's seconds only).
+    assert all(b["wall_seconds"] > a["wall_seconds"] for a, b in zip(rows, rows[1:])), rows
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["earlier_processes_seconds"] == rows[KILL_ROUND - 2]["wall_seconds"]
+    assert summary["wall_seconds"] > rows[-1]["wall_seconds"]
 
 
 def _check_kept_model(tmp_path: Path, last_row: dict) -> None:
