@@ -127,20 +127,7 @@ def test_a_deployed_agent_whose_task_raises_tells_the_coordinator_and_keeps_serv
     ref = f"{tasks}:loss_raises"
     out = tasks.parent / "served"
     started = time.monotonic()
-    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--task", ref, "--min-available", "1",
-                              "--clients-per-round", "1", "--rounds", "2", "--deadline", str(DEADLINE),
-                              "--out", str(out)], cwd=tasks.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        lines = []
-        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
-        rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task",
-                                      ref, "--agent-id", "alice", "--threads", "1", "--give-up-after", "30"],
-                                     tasks.parent, capfd)
-        served = "".join(lines) + serve.communicate(timeout=60)[0]
-    finally:
-        if serve.poll() is None:
-            serve.kill()
+    rc, stdout, stderr, served, serve = _serve_one_agent(tasks, capfd, ref, out, [], timeout=60)
     assert rc == 0, stdout + stderr
     assert "Traceback" not in stdout + stderr, stderr
     for round_id in (1, 2):  # the agent's own log: one line a round
@@ -158,20 +145,8 @@ def test_an_agent_whose_task_options_make_another_model_tells_the_coordinator_ea
     # rounds waited out their deadline and the run ended 'too few updates arrived', the cause in the agent's log only
     ref = f"{tasks}:sized"
     out = tasks.parent / "other-options"
-    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--task", ref, "--min-available", "1",
-                              "--clients-per-round", "1", "--rounds", "2", "--deadline", str(DEADLINE),
-                              "--out", str(out)], cwd=tasks.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        lines = []
-        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
-        rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task", ref,
-                                      "--task-option", "hidden=16", "--agent-id", "alice", "--threads", "1",
-                                      "--give-up-after", "30"], tasks.parent, capfd)
-        served = "".join(lines) + serve.communicate(timeout=3 * DEADLINE)[0]
-    finally:
-        if serve.poll() is None:
-            serve.kill()
+    rc, stdout, stderr, served, serve = _serve_one_agent(tasks, capfd, ref, out, ["--task-option", "hidden=16"],
+                                                         timeout=3 * DEADLINE)
     mismatch = ("download refused: the coordinator's model does not match this agent's: tensor '0.weight': expected "
                 "float32[16, 4], got '0.weight' float32[8, 4]")
     assert rc == 0 and "Traceback" not in stdout + stderr, stderr
@@ -180,6 +155,27 @@ def test_an_agent_whose_task_options_make_another_model_tells_the_coordinator_ea
                                                f"fix the task ({ref})")
     assert [(r["status"], r["close_reason"], r["training_error"]) for r in _rows(out)] == \
         [("failed", "every sampled agent answered", mismatch)] * 2
+
+
+def _serve_one_agent(tasks, capfd, ref: str, out, agent_options: list[str], timeout: float):
+    """`fedpar serve` of task ``ref`` for 2 rounds of one agent (its own process), and agent alice with
+    ``agent_options`` (its main in this process): the agent's exit code, stdout and stderr, what serve printed, and
+    serve's process (ended)."""
+    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--task", ref, "--min-available", "1",
+                              "--clients-per-round", "1", "--rounds", "2", "--deadline", str(DEADLINE),
+                              "--out", str(out)], cwd=tasks.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
+        rc, stdout, stderr, _ = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task", ref,
+                                      *agent_options, "--agent-id", "alice", "--threads", "1", "--give-up-after",
+                                      "30"], tasks.parent, capfd)
+        served = "".join(lines) + serve.communicate(timeout=timeout)[0]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    return rc, stdout, stderr, served, serve
 
 
 @pytest.mark.parametrize("command", [["simulate", "--clients", "2", "--out", "out"],
