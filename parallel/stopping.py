@@ -108,11 +108,20 @@ def children_ignore_interrupts() -> Iterator[None]:
 
 def dump_stacks_on_signal() -> None:
     """``kill -USR1 PID`` prints the stack of every thread of this process on stderr and the process goes on: where a
-    run that seems stuck waits (where there is no SIGUSR1, nothing)."""
+    run that seems stuck waits (where there is no SIGUSR1, or off the main thread, nothing)."""
     stderr = sys.__stderr__  # the process's own (sys.stderr may be a capture without a file descriptor)
-    if hasattr(signal, "SIGUSR1") and stderr is not None:
-        with contextlib.suppress(OSError, ValueError):  # a closed or fd-less stderr: nothing to print on
-            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+    if not hasattr(signal, "SIGUSR1") or stderr is None:
+        return
+
+    def dump(signum, frame) -> None:
+        # On the main thread, holding the interpreter lock: faulthandler's own handler walked the threads from the
+        # signal itself, while a gRPC stream's thread could be ending, and a worker died of it (SIGSEGV) in CI.
+        with contextlib.suppress(OSError, ValueError):  # a closed stderr: nothing to print on
+            faulthandler.dump_traceback(file=stderr, all_threads=True)
+
+    with contextlib.suppress(ValueError):  # not the main thread: signal handlers are the main thread's
+        signal.signal(signal.SIGUSR1, dump)
+        signal.siginterrupt(signal.SIGUSR1, False)  # a wait in gRPC's or gloo's threads restarts, as it did before
 
 
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
