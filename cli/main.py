@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import logging
-import os
 import signal
 import sys
 
@@ -17,11 +15,6 @@ from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe
 from fedpar.parallel.stopping import dump_stacks_on_signal, exit_code, signal_name
 from fedpar.task import TaskError
-
-# Commands whose process has nothing left to do once run() returns (every output written and closed, worker
-# processes gone): skip the interpreter's teardown of gRPC and torch, about 0.4 s of a simulation's wall time.
-FAST_EXIT = {"simulate", "train"}
-
 
 def _available() -> dict[str, tuple[str, str]]:
     out = {}
@@ -79,19 +72,17 @@ def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.Ar
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # A process started in the background by a shell script inherits SIGINT ignored, and Python then keeps it
-    # so: Ctrl-C (or kill -INT) must stop a coordinator or a simulation however it was started.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as cli/entry.py does, for main() called directly
     dump_stacks_on_signal()  # kill -USR1: where a run that seems stuck waits
     if not argv or argv[0] not in _available():
         parser = build_parser(only="")
         parser.print_help() if not argv else parser.parse_args(argv)
         return 2
-    set_grpc_verbosity(argv[1:])
-    parser = build_parser(only=argv[0])
-    subparser = subcommand_parser(parser, argv[0])
     args = None
     try:
+        set_grpc_verbosity(argv[1:])
+        parser = build_parser(only=argv[0])
+        subparser = subcommand_parser(parser, argv[0])
         from_file = apply_config_defaults(subparser, argv[1:], argv[0])
         args, extra = parser.parse_known_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
         args._given = given_settings(subparser, argv[1:], from_file)
@@ -115,14 +106,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def entry() -> None:
-    """The ``fedpar`` console script: :func:`main`, then exit (at once for :data:`FAST_EXIT` commands)."""
-    code = main()
-    if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)

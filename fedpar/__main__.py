@@ -1,6 +1,6 @@
 """Entry point for ``python -m fedpar`` (used by torchrun: ``torchrun ... -m fedpar train``)."""
 
-from fedpar.cli.main import entry
+from fedpar.cli.entry import entry
 
 if __name__ == "__main__":
     entry()

@@ -1,0 +1,36 @@
+"""The console script (cli/entry.py): a Ctrl-C while the command's modules load ends it with one line and 130."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# SIGINT arrives exactly while MODULE is imported, as a user's Ctrl-C in the first half second of a command does
+INTERRUPTED_IMPORT = textwrap.dedent("""
+    import importlib.abc, os, signal, sys
+
+    MODULE = sys.argv[1]
+
+    class InterruptOn(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == MODULE:
+                os.kill(os.getpid(), signal.SIGINT)
+            return None
+
+    sys.meta_path.insert(0, InterruptOn())
+    sys.argv = ["fedpar", "simulate", "--clients", "2", "--rounds", "1"]
+    from fedpar.cli.entry import entry
+    entry()
+""")
+
+
+@pytest.mark.parametrize("module", ["fedpar.cli.main", "fedpar.cli.simulate"])
+def test_ctrl_c_while_the_command_loads_is_one_line_and_130(module, tmp_path):
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, module], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip() == "fedpar simulate: interrupted"
