@@ -20,7 +20,7 @@ from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.renamed import add_retired
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.task_options import task_options
+from fedpar.cli.task_options import check_nothing_replaced, task_options
 from fedpar.cli.user_errors import UserError, check_output_folder, describe, run_exit_code
 from fedpar.parallel.stopping import stop_on_signals
 from fedpar.settings import setting
@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def simulation_config(args: argparse.Namespace, say: bool = True) -> SimulationConfig:
     """The settings the options describe, settled (:meth:`SimulationConfig.settled`): with ``say``, one line on
     stderr for each that asked for more clients than there are, saying what is used instead."""
+    check_nothing_replaced(args)
     cfg, notes = from_args(SimulationConfig, args, task_options=task_options(args),
                            upload_compression=compression_from_args(args)).settled()
     for note in notes if say else ():

@@ -9,11 +9,29 @@ from pathlib import PurePath
 from typing import Any
 
 from fedpar.cli.argtypes import as_mapping
+from fedpar.cli.config import chose
+
+# the zoo's settings that a task (or a Flower App) replaces with its own model and data: given beside it, each would
+# be ignored
+REPLACED_BY_TASK = ("dataset", "model", "data_dir", "data_path", "model_arg")
 
 
 def task_options(args: argparse.Namespace) -> dict[str, Any]:
     """The --task-option pairs (or the config file's table) as a dict."""
     return as_mapping(getattr(args, "task_options", None), "task_options")
+
+
+def check_nothing_replaced(args: argparse.Namespace) -> None:
+    """TaskError (a ValueError) naming the zoo's flags the user gave beside --task or --flower-app, which bring
+    their own model and data."""
+    from fedpar.task import TaskError
+
+    by = "--task" if getattr(args, "task", None) else "--flower-app" if getattr(args, "flower_app", None) else None
+    given = [f"--{dest.replace('_', '-')}" for dest in REPLACED_BY_TASK if by and chose(args, dest)]
+    if given:
+        own = "--task-option KEY=VALUE" if by == "--task" else "--run-config 'KEY=VALUE ...'"
+        raise TaskError(f"{by} brings its own model and data, so {' and '.join(given)} would be ignored: drop "
+                        f"{'it' if len(given) == 1 else 'them'} (its own settings are {own})")
 
 
 def load_task_from_args(args: argparse.Namespace):
@@ -22,6 +40,7 @@ def load_task_from_args(args: argparse.Namespace):
     from fedpar.task import TaskError
     from fedpar.tasks.reference import load_task
 
+    check_nothing_replaced(args)
     if not args.task:
         if task_options(args):
             raise TaskError("--task-option needs --task")

@@ -34,6 +34,9 @@ from fedpar.task import (ClientData, Deadline, LocalConfig, Partition, Task, Tas
 from fedpar.tasks.data import on_device
 from fedpar.tasks.evaluation import evaluate_task, finite
 
+# TrainConfig's choices of the zoo's model and data, which a task replaces: a task run's summary leaves them out
+ZOO_CHOICES = ("dataset", "model", "data_path", "model_kwargs", "block_size")
+
 EpochRun = Callable[[int, "int | None"], Trained]  # (epoch, steps left or None) -> what that epoch trained
 
 
@@ -177,7 +180,8 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
         plot_loss_curve(log.records(), out / "loss_curve.png", f"{task.name}, centralized")
     return {"task": task.name, "model": task.description, "steps": steps, "examples": examples, "epochs": epoch,
             **evals, **{f"final_train_{k}": v for k, v in train_metrics.items()},
-            "wall_seconds": time.perf_counter() - started, "train_seconds": train_seconds, "config": cfg.to_dict()}
+            "wall_seconds": time.perf_counter() - started, "train_seconds": train_seconds,
+            "config": {k: v for k, v in cfg.to_dict().items() if k not in ZOO_CHOICES}}
 
 
 def check_data_parallel(task: Task, cfg: TrainConfig) -> None:

@@ -61,6 +61,7 @@ def test_the_tutorials_own_task_commands_run_as_written_from_the_repository_root
     _fedpar([*train, "--out", str(central)], capfd)
     summary = json.loads((central / "summary.json").read_text())
     assert summary["epochs"] == 5 and summary["test_accuracy"] > 0.8
+    assert not {"dataset", "model", "data_path"} & summary["config"].keys()  # the task's, not the zoo's defaults
     records = [json.loads(line) for line in (central / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["train", "eval"] * 5
     # One definition: the baseline's model has the federated model's layout, name by name.

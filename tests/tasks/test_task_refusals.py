@@ -203,3 +203,20 @@ def test_global_json_names_a_task_file_by_its_absolute_path_so_it_loads_from_any
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert load_task(model["task"], model["task_options"]).model().out_features == 3
+
+
+@pytest.mark.parametrize("command, zoo, named", [
+    (["simulate", "--clients", "2", "--out", "o"], ["--model", "cnn", "--data-dir", "x"],
+     "--model and --data-dir would be ignored: drop them"),
+    (["serve", "--insecure", "--port", "0", "--out", "o"], ["--dataset", "mnist"],
+     "--dataset would be ignored: drop it"),
+    (["client", "--insecure", "--agent-id", "a"], ["--dataset", "mnist"], "--dataset would be ignored: drop it"),
+    (["train", "--max-steps", "1", "--out", "o"], ["--data-path", "x.txt"], "--data-path would be ignored: drop it"),
+], ids=lambda c: c[0] if isinstance(c, list) and c[0] in ("simulate", "serve", "client", "train") else "")
+def test_the_zoo_s_flags_beside_a_task_are_refused_not_ignored(command, zoo, named, tasks, tmp_path, monkeypatch,
+                                                                 capsys):
+    # they were ignored: `simulate --task X --model cnn` trained the task's model and said nothing
+    monkeypatch.chdir(tmp_path)
+    line = _one_line([*command, "--task", f"{tasks}:good", *zoo], capsys)
+    assert line == (f"fedpar {command[0]}: --task brings its own model and data, so {named} (its own settings are "
+                    "--task-option KEY=VALUE)")
