@@ -103,14 +103,19 @@ class RoundMetricsLog:
             raise ValueError("this coordinator writes no metrics.jsonl (no metrics_path): its rows are not kept")
         return read_rows(self.path) if self.path.exists() else iter(())
 
-    def resume(self, last_round: int, last_row: dict | None, summary: dict | None) -> None:
+    def resume(self, last_round: int, last_row: dict | None, summary: dict | None,
+               earlier: str | None = None) -> bool:
         """Continue after the checkpoint of ``last_round``, whose row and running summary it holds (a checkpoint from
         before summaries were kept: None, and the summary is counted once from the file, streaming).
 
         The files end up holding exactly one row per round up to ``last_round``: rows of a round that was in flight
         at a crash (and will run again) and a torn last line are cut off in place, reading from the end, and the
-        checkpointed round's row is appended if the crash came before its line.
+        checkpointed round's row is appended if the crash came before its line. ``earlier``: the metrics.jsonl the
+        run wrote before (:attr:`path` as the checkpoint recorded it); resumed into another folder whose file holds
+        no rows yet, this one starts with that file's rows up to ``last_round``. False when it should have and the
+        file is gone (this one's rows then start at the checkpointed round).
         """
+        found = self._take_earlier_rows(Path(earlier), last_round) if self.path and earlier else True
         kept = self._settle_jsonl(last_round) if self.path else None
         if last_row is not None and (kept is None or kept["round"] < last_round):
             kept = clean_row(last_row)
@@ -128,6 +133,20 @@ class RoundMetricsLog:
                 self.summary.add(row)
         if self.path:
             self._csv.settle(last_round, self._rows_after)
+        return found
+
+    def _take_earlier_rows(self, earlier: Path, last_round: int) -> bool:
+        """Copy ``earlier``'s rows up to ``last_round`` into this log when it is another file and this one holds
+        none (streaming); False when they were to be taken and ``earlier`` is gone."""
+        if earlier.resolve() == self.path.resolve() or (self.path.exists() and self.path.stat().st_size):
+            return True
+        if not earlier.is_file():
+            return False
+        with self.path.open("w") as fh:
+            for row in read_rows(earlier):
+                if row["round"] <= last_round:
+                    fh.write(json.dumps(row) + "\n")
+        return True
 
     def _settle_jsonl(self, last_round: int) -> dict | None:
         """Cut metrics.jsonl after its last complete row of a round <= ``last_round``; that row (None: none)."""

@@ -227,7 +227,11 @@ class Coordinator(IngestPlane):
         with ckpt.restoring(caps):
             self._example_caps = checked_caps(ckpt.state.get(caps, {}))
         with ckpt.restoring("metrics_summary"):
-            self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"))
+            earlier = ckpt.state.get("metrics_path")
+            if not self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"),
+                                       earlier):
+                log.warning("the rows of the rounds before round %d were written to %s, which is gone: %s starts at "
+                         "round %d", self.round_id, earlier, self.metrics.path, self.round_id)
         earlier = (self.metrics.last or {}).get("wall_seconds")
         if isinstance(earlier, (int, float)) and 0 <= earlier < math.inf:  # rows go on counting the whole run's time
             self.earlier_seconds = float(earlier)
@@ -431,7 +435,8 @@ class Coordinator(IngestPlane):
             row.update(await self._in_thread(self._evaluate, weights))
         if taken is not None:
             arrays, loop_state = taken
-            loop_state.update(metrics_summary=self.metrics.summary_with(row), metrics_row=clean_row(row))
+            loop_state.update(metrics_summary=self.metrics.summary_with(row), metrics_row=clean_row(row),
+                              metrics_path=str(self.metrics.path.resolve()) if self.metrics.path else None)
             await self._in_thread(self._checkpoint, Checkpoint(round_id, self.names, weights, arrays, loop_state))
         self.metrics.append(row)
         for callback in self.on_round_end:

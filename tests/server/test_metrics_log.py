@@ -157,6 +157,27 @@ def test_resume_keeps_exactly_the_rows_up_to_the_checkpointed_round_in_both_file
     assert [int(r["round"]) for r in csv.DictReader(table.open())] == [1, 2, 3, 4, 5]
 
 
+def test_a_resume_into_another_folder_starts_with_the_runs_earlier_rows(tmp_path):
+    # it held only the rows from the checkpointed round on: the plots and tables of the new folder began there
+    rows = [_row(r) for r in range(1, 7)]
+    first = _logged(tmp_path / "first", rows)  # a crash after round 6; the checkpoint is round 4's
+    summary = _logged(tmp_path / "summary-only", rows[:4]).summary.state()
+    log = RoundMetricsLog(tmp_path / "second" / "metrics.jsonl", DECLARED)
+    assert log.resume(4, rows[3], summary, earlier=str(first.path))
+    assert _rounds(log.path) == [1, 2, 3, 4] and _rounds(first.path) == [1, 2, 3, 4, 5, 6]  # the first is left as is
+    assert [int(r["round"]) for r in csv.DictReader(log.csv_path.open())] == [1, 2, 3, 4]
+    log.append(_row(5))
+    assert _rounds(log.path) == [1, 2, 3, 4, 5]
+
+
+def test_a_resume_whose_earlier_rows_are_gone_says_so_and_starts_at_the_checkpoint(tmp_path):
+    rows = [_row(r) for r in range(1, 5)]
+    summary = _logged(tmp_path / "summary-only", rows).summary.state()
+    log = RoundMetricsLog(tmp_path / "second" / "metrics.jsonl", DECLARED)
+    assert not log.resume(4, rows[3], summary, earlier=str(tmp_path / "deleted" / "metrics.jsonl"))
+    assert _rounds(log.path) == [4] and log.summary.result() == reference_summary(rows)
+
+
 def test_a_runs_first_row_starts_metrics_csv_anew(tmp_path):
     stale = _logged(tmp_path / "old", [_row(r) for r in range(1, 4)])  # an earlier run's files in the same folder
     stale.path.unlink()

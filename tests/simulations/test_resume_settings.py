@@ -106,19 +106,20 @@ def test_a_checkpoint_with_every_round_done_says_so(run, capfd):
 
 
 def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run):
-    code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=3)
+    # into another --out folder: it starts with the run's earlier rows (it held only those from round 3 on)
+    code, err = _simulate("--lr", "0.05", out=run / "moved", ckpt=run / "ckpt", rounds=3)
     assert code == 0, err
     assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with --lr 0.05; its "
                                 "run so far went with --lr 0.1"], err
-    assert _rounds(run / "out") == [1, 2, 3]
-    first, resumed = _summary(made / "out"), _summary(run / "out")
+    assert _rounds(run / "moved") == [1, 2, 3]
+    first, resumed = _summary(made / "out"), _summary(run / "moved")
     # the whole run's seconds: the first process's (kept in the record) and this one's
     assert resumed["earlier_processes_seconds"] >= first["wall_seconds"] > 0
     assert resumed["wall_seconds"] > resumed["earlier_processes_seconds"]
-    code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=4)
+    code, err = _simulate("--lr", "0.05", out=run / "moved", ckpt=run / "ckpt", rounds=4)
     assert code == 0 and err == "", err  # the record now says what round 3 ran with
-    assert _rounds(run / "out") == [1, 2, 3, 4]
-    assert _summary(run / "out")["earlier_processes_seconds"] >= resumed["wall_seconds"]
+    assert _rounds(run / "moved") == [1, 2, 3, 4]
+    assert _summary(run / "moved")["earlier_processes_seconds"] >= resumed["wall_seconds"]
 
 
 def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(run):
