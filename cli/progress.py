@@ -101,10 +101,11 @@ class LiveBar:
         self._lock = threading.Lock()  # updated by the caller's loop, closed by the round callbacks' thread
 
     def follow(self, coordinator) -> None:
-        """Show where ``coordinator`` (a server.coordinator.Coordinator) is: joining, or the open round."""
+        """Show where ``coordinator`` (a server.coordinator.Coordinator, its loop in another thread) is: the clients
+        available (joined and online) of those a round needs, or the open round."""
         state = coordinator.current
-        if state is None:
-            self.joining(len(coordinator.registry), coordinator.config.min_available)
+        if state is None:  # the count its loop last saw: the registry itself is that loop's alone
+            self.joining(coordinator.members.live_seen, coordinator.config.min_available)
         elif not state.closed:
             from fedpar.server.deadline import seconds_left
             self.round(state.round_id, state.accepted, state.target, seconds_left(state))

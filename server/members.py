@@ -52,6 +52,13 @@ class TaskDesk(Protocol):
         """A member's own code failed its task (``reason``: one line): it answered with no update."""
 
 
+def _none_online(joined: int, wait_seconds: float) -> str:
+    """The line for a wait that ended with every member joined and none online by its availability trace."""
+    return (f"none of the {joined:,} clients that joined came online in {wait_seconds:.0f} s: their availability "
+            "traces keep them offline (on the real clock a trace day lasts --trace-day-seconds real seconds); give a "
+            "shorter --trace-day-seconds, or --clock virtual to move on through the traces' night")
+
+
 class Members:
     """Agents that joined by themselves: the registry's agents, the wake-up of each one's long-poll, and who has
     heard that training is over."""
@@ -66,6 +73,7 @@ class Members:
         self._on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
         self._lacking: set[str] = set()  # agents (and simulation hosts) that do not declare ``needs_task``
         self._lacking_hosts: set[str] = set()  # simulation hosts that do not: none of their members is sampled
+        self.live_seen = 0  # the members live when the coordinator last waited for them (read from other threads)
 
     # ----------------------------------------------------------------- joining and leaving
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
@@ -170,15 +178,25 @@ class Members:
         return True
 
     async def wait_for_live(self, count: int, wait_seconds: float | None) -> None:
-        """Until ``count`` members are live (woken as they join or come back; each half second a liveness may have run
-        out); TimeoutError after ``wait_seconds`` (None: no limit)."""
+        """Until ``count`` members are live, or have joined with at least one live: the members a host reported offline
+        by their availability traces are not waited for (a round samples the live ones). Woken as members join or
+        come back; each half second a liveness may have run out. TimeoutError after ``wait_seconds`` (None: no
+        limit)."""
         deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
-        while self.live_count() < count:
+        while (live := self.note_live()) < count:
+            away = self.registry.away_count()
+            if live and live + away >= count:
+                return
             if deadline is not None and time.monotonic() > deadline:
-                raise TooFewMembers(f"only {self.live_count()} live agents after {wait_seconds}s; need "
-                                    f"min_available={count}")
+                raise TooFewMembers(_none_online(away, wait_seconds) if away >= count else
+                                    f"only {live} live agents after {wait_seconds}s; need min_available={count}")
             self._changed.clear()
             await set_within(self._changed, 0.5)
+
+    def note_live(self) -> int:
+        """:meth:`live_count`, kept in ``live_seen`` for other threads (a progress bar) to read."""
+        self.live_seen = self.live_count()
+        return self.live_seen
 
     # ----------------------------------------------------------------- tasks
     def poller(self, agent_id: str) -> str:

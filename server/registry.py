@@ -55,6 +55,7 @@ class HostRecord:
     last_seen: float = 0.0
     members: int = 0  # its members held
     index: int = 0  # in the member table's host column
+    away: int = 0  # of its members, those it reported offline (availability trace)
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS): its members' too
 
 
@@ -166,13 +167,14 @@ class AgentRegistry:
                 self._host_index[host_id] = index
                 self._host_ids.append(host_id)
             host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0,
-                              index=index)
+                              index=index, away=host.away if host else 0)
             self._hosts[host_id] = host
         serial = peer.serial if peer else None  # revoking the host's certificate revokes its members
         if host.cert_serial != serial:
             host.cert_serial, self._live = serial, None
         was_live = known & (owners == index) & ~was_away
         host.members += int((known & (owners == GONE)).sum()) + int((~known).sum())
+        host.away += int(offline.sum()) - int((known & (owners == index) & was_away).sum())  # this call's now say
         table.write(ids[known], np.minimum(old_sizes, sizes)[known], index, offline[known])
         table.add(ids[~known], sizes[~known], index, offline[~known])
         host.last_seen = self._clock()
@@ -212,10 +214,22 @@ class AgentRegistry:
                 continue
             named = id_array([i for i in ids if "\0" not in i])  # (a bytes array drops trailing NULs)
             changed = np.unique(self.members.set_away(named, index, flag))
+            self._count_away(host_id, len(changed) if flag else -len(changed))
             if self._live is not None and flag:
                 self._live.discard(changed)
             elif self._live is not None and host_id in self._hosts:
                 self._live.add(changed)
+
+    def _count_away(self, host_id: str, change: int) -> None:
+        """Add ``change`` to the members ``host_id`` holds away."""
+        host = self._hosts.get(host_id)
+        if host is not None:
+            host.away += change
+
+    def away_count(self) -> int:
+        """Members of the live simulation hosts that their host reported offline (one pass over the hosts)."""
+        now = self._clock()
+        return sum(r.away for r in self._hosts.values() if now - r.last_seen <= self.liveness_timeout)
 
     def authenticate_host(self, host_id: str, token: str, peer: PeerIdentity | None = None) -> HostRecord:
         """The host's record if ``token`` is its session token and the admission policy still admits it over a
@@ -277,7 +291,8 @@ class AgentRegistry:
             row = self.members.row(agent_id)
             if row is None:
                 return
-            self.members.set_away(id_array([agent_id]), row[1], True)
+            if len(self.members.set_away(id_array([agent_id]), row[1], True)) and row[1] != GONE:
+                self._count_away(self._host_ids[row[1]], 1)
         if self._live is not None:
             self._live.discard(id_array([agent_id]))
 

@@ -102,7 +102,7 @@ class VirtualClock:
         TooFewMembers when a whole simulated day passes so, or after ``wait_seconds`` real seconds (None: no limit)
         with too few joined."""
         started, idle_from, most = time.monotonic(), self.seconds, 0
-        while (live := members.live_count()) < count:
+        while (live := members.note_live()) < count:
             most = max(most, live)
             if len(members.registry) >= count and members.hosts_heard(self.seconds):
                 if self.seconds - idle_from >= IDLE_LIMIT_SECONDS:

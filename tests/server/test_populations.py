@@ -138,6 +138,55 @@ def test_members_reported_away_are_not_live_until_they_are_back(start_coordinato
     assert registry.live_ids() == ["p1", "p2", "p4"]
 
 
+def _until(check, seconds: float = 10.0) -> None:
+    """Wait until ``check()`` holds (assert it does within ``seconds``)."""
+    end = time.monotonic() + seconds
+    while not check() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert check()
+
+
+def test_members_away_by_their_trace_are_not_waited_for_and_the_progress_bar_counts_the_live_ones(start_coordinator):
+    """A round needing 6 starts once 6 have joined, 3 of them online: the 3 offline by their trace are not waited for
+    (it waited up to its --min-available limit), and the bar, following from another thread, shows the live ones (it
+    showed the registry's size: members offline as joined)."""
+    import io
+
+    from fedpar.cli.progress import LiveBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=6,
+                               clients_per_round=6)
+    stub = _stub(server)
+    _join(stub, "host-e", ["q0", "q1", "q2"], away=[1])
+    _until(lambda: server.coordinator.members.live_seen == 2)
+    terminal = Terminal()
+    bar = LiveBar(stream=terminal)
+    bar.follow(server.coordinator)
+    bar.close()
+    assert "clients joining" in terminal.getvalue() and "2/6" in terminal.getvalue(), terminal.getvalue()
+    assert server.coordinator.current is None  # 3 of the 6 have not joined yet
+    _join(stub, "host-f", ["q3", "q4", "q5"], away=[0, 2])
+    _until(lambda: server.coordinator.current is not None)
+    assert server.coordinator.current.sampled == 3  # q0, q2 and q4: the live ones
+
+
+def test_a_wait_with_every_member_offline_by_its_trace_ends_in_a_line_naming_the_trace_flags(start_coordinator):
+    from fedpar.server.members import TooFewMembers
+
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=2,
+                               wait_for_agents_seconds=1.0)
+    _join(_stub(server), "host-g", ["r0", "r1"], away=[0, 1])
+    with pytest.raises(TooFewMembers) as err:
+        server.wait(20)
+    assert str(err.value).startswith("none of the 2 clients that joined came online in 1 s: their availability "
+                                      "traces keep them offline"), err.value  # was 'need min_available=2'
+    assert "--trace-day-seconds" in str(err.value) and "--clock virtual" in str(err.value)
+
+
 def test_a_host_sends_its_members_updates_in_one_message_each_checked_on_its_own(start_coordinator):
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=4,
                                min_available=5, rounds=1)

@@ -90,6 +90,23 @@ def test_under_the_virtual_clock_simulated_time_moves_on_while_too_few_clients_a
     assert got[0]["round_seconds"] < 30
 
 
+def test_on_the_real_clock_a_round_samples_the_clients_online_and_waits_for_none_offline(tmp_path, capfd):
+    """Three of four clients come online an hour into the trace's (real) day: the rounds train the one online at once
+    (they waited 300 s for the others, then stopped)."""
+    import time
+
+    from support.in_process import run_main
+
+    trace = _trace(tmp_path / "late.csv", [3600, 3600, 0, 3600], [7200] * 4)
+    out = tmp_path / "run"
+    started = time.monotonic()
+    done = run_main(["simulate", "--clients", "4", "--rounds", "2", "--local-epochs", "1", "--trace", trace,
+                     "--quiet", "--out", str(out)], capfd)
+    assert done.returncode == 0 and time.monotonic() - started < 60, done.stderr
+    got = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["sampled"], r["reported"]) for r in got] == [("ok", 1, 1)] * 2
+
+
 def test_a_trace_that_never_has_enough_clients_online_is_one_line_after_a_simulated_day(tmp_path, capfd):
     import time
 
