@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from support.in_process import run_main
+
 FEDPAR = [sys.executable, "-m", "fedpar"]
+
+
+def astuple_of(done: subprocess.CompletedProcess) -> tuple[int, str, str]:
+    """A command's exit code, stdout and stderr, as :func:`_finish` gives a process's."""
+    return done.returncode, done.stdout, done.stderr
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -232,7 +239,7 @@ def test_a_tensorboard_folder_that_is_a_file_is_named_with_what_to_do(tmp_path, 
     assert lines[-1] == f"fedpar serve: File exists: a-file in folder {tmp_path}; remove it or pick another path", lines
 
 
-def test_a_task_factory_that_raises_is_one_line_naming_it_and_its_error_on_every_command(tmp_path):
+def test_a_task_factory_that_raises_is_one_line_naming_it_and_its_error_on_every_command(tmp_path, capfd):
     # it was a traceback, where the same file's failing import was one line already
     (tmp_path / "raise_task.py").write_text("def task():\n    raise RuntimeError('boom')\n")
     ref = f"{tmp_path / 'raise_task.py'}:task"
@@ -240,8 +247,8 @@ def test_a_task_factory_that_raises_is_one_line_naming_it_and_its_error_on_every
                 ["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "served")],
                 ["client", "--insecure", "--agent-id", "a", "--server", "127.0.0.1:1"],
                 ["train", "--out", str(tmp_path / "trained")]]
-    procs = [_start([*args, "--task", ref], tmp_path) for args in commands]  # side by side
-    for args, (rc, out, err) in zip(commands, [_finish(p) for p in procs]):
+    for args in commands:  # each command's main in this process: the refusal comes before anything starts
+        rc, out, err = astuple_of(run_main([*args, "--task", ref], capfd, tmp_path))
         assert rc == 2, (args, err)
         assert "Traceback" not in out, out
         line = _one_line(err, "boom")
@@ -280,28 +287,28 @@ def test_a_missing_mnist_is_one_line_saying_which_files_and_where_to_get_them(tm
         assert "https://ossci-datasets.s3.amazonaws.com/mnist/" in _one_line(err, line), err
 
 
-def test_a_simulation_whose_every_round_failed_exits_non_zero_and_a_wrong_data_dir_is_one_line(tmp_path):
-    failing = _start(["simulate", "--clients", "2", "--rounds", "1", "--drop-probability", "1", "--deadline", "1",
-                      "--workers", "1", "--out", str(tmp_path / "failed"), "--quiet"], tmp_path)
-    no_data = _start(["simulate", "--clients", "2", "--rounds", "1", "--dataset", "mnist", "--data-dir",
-                      str(tmp_path / "nowhere"), "--out", str(tmp_path / "nodata")], tmp_path)
-    rc, _, err = _finish(failing)
+def test_a_simulation_whose_every_round_failed_exits_non_zero_and_a_wrong_data_dir_is_one_line(tmp_path, capfd):
+    rc, _, err = astuple_of(run_main(["simulate", "--clients", "2", "--rounds", "1", "--drop-probability", "1",
+                                      "--deadline", "1", "--workers", "1", "--out", str(tmp_path / "failed"),
+                                      "--quiet"], capfd, tmp_path))
     assert rc == 1
     _one_line(err, "fedpar simulate: every round failed (1 of 1)")
     assert json.loads((tmp_path / "failed" / "summary.json").read_text())["failed_rounds"] == 1
-    rc, _, err = _finish(no_data)
+    rc, _, err = astuple_of(run_main(["simulate", "--clients", "2", "--rounds", "1", "--dataset", "mnist",
+                                      "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "nodata")],
+                                     capfd, tmp_path))
     assert rc == 2
     _one_line(err, f"fedpar simulate: MNIST folder {tmp_path / 'nowhere'} does not exist")
     assert len(err.strip().splitlines()) == 1, err  # the agent workers stay quiet about it
 
 
-def test_settings_the_coordinator_refuses_are_said_before_the_workers_would_have_started(tmp_path):
+def test_settings_the_coordinator_refuses_are_said_before_the_workers_would_have_started(tmp_path, capfd):
     # the workers start first (their imports overlap the coordinator's set-up); a refusal must not wait on them
     # (it waited 30 s a worker: 61 s for these, each the same line)
     (tmp_path / "a-file").write_text("")
-    made = _finish(_start(["simulate", "--clients", "2", "--rounds", "1", "--workers", "1", "--checkpoint-dir",
-                           str(tmp_path / "ckpt"), "--quiet"], tmp_path))
-    assert made[0] == 0, made
+    made = run_main(["simulate", "--clients", "2", "--rounds", "1", "--workers", "1", "--checkpoint-dir",
+                     str(tmp_path / "ckpt"), "--quiet"], capfd, tmp_path)
+    assert made.returncode == 0, made.stderr
     cases = [  # (args, the line)
         (["--clients", "20", "--clients-per-round", "5", "--min-reports", "10"],
          "--min-reports (10) cannot exceed --clients-per-round (5)"),  # as given: flags, not the fields
@@ -315,9 +322,9 @@ def test_settings_the_coordinator_refuses_are_said_before_the_workers_would_have
          f"checkpoint in {tmp_path / 'ckpt'} was made with strategy 'fedavg', not 'fedadam'; resume with the "
          "--strategy (and --privacy) it was made with"),
     ]
-    for args, line in cases:
+    for args, line in cases:  # each command's main in this process (its workers are processes all the same)
         started = time.monotonic()
-        rc, _, err = _finish(_start(["simulate", "--rounds", "2", "--quiet", *args], tmp_path))
+        rc, _, err = astuple_of(run_main(["simulate", "--rounds", "2", "--quiet", *args], capfd, tmp_path))
         assert rc == 2, (args, err)
         _one_line(err, line)
         assert time.monotonic() - started < 25, (args, time.monotonic() - started)
@@ -538,10 +545,10 @@ def test_fedpar_run_with_an_operator_that_has_no_certificate_says_how_to_make_on
         f"make one with 'fedpar certs --out {tmp_path}/certs --operators alice'" in err, err
 
 
-def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_before_anything_binds(tmp_path):
+def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_before_anything_binds(tmp_path,
+                                                                                                     capfd):
     certs = tmp_path / "certs"
-    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "a", "--operators", "op"], check=True,
-                   capture_output=True)
+    assert run_main(["certs", "--out", str(certs), "--agents", "a", "--operators", "op"], capfd).returncode == 0
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
@@ -558,8 +565,8 @@ def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_be
          "the control port of 'fedpar serve --state' needs mutual TLS even with --insecure"),
     ]
     try:
-        for args, code, line in cases:
-            rc, _, err = _finish(_start(args, tmp_path))
+        for args, code, line in cases:  # each command's main in this process
+            rc, _, err = astuple_of(run_main(args, capfd, tmp_path))
             assert rc == code, (args, err)
             _one_line(err, line)
             assert "add_port.cc" not in err and "Task was destroyed" not in err, err
