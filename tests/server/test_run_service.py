@@ -177,12 +177,13 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
     fed = federation
     store = RunStore(fed.state)  # a reader beside the service (WAL)
     first = fed.submit("plain", f'rounds = 2\nstrategy = "fedavg"\n{QUICK}')
-    long = fed.submit("long", f'rounds = 200\nstrategy = "fedprox"\n{QUICK}[strategy_options]\nmu = 0.01\n')
-    third = fed.submit("momentum", f'rounds = 2\nstrategy = "fedavgm"\n{QUICK}')
-    never = fed.submit("never", f"rounds = 1\n{QUICK}")  # queued behind the others, stopped before it starts
-    assert "was queued: stopped" in fed.run("stop", str(never)).stdout
+    # the first submit and the listing below as processes (the real command); the other calls from this process
+    long = fed.submit("long", f'rounds = 200\nstrategy = "fedprox"\n{QUICK}[strategy_options]\nmu = 0.01\n', here=True)
+    third = fed.submit("momentum", f'rounds = 2\nstrategy = "fedavgm"\n{QUICK}', here=True)
+    never = fed.submit("never", f"rounds = 1\n{QUICK}", here=True)  # queued behind the others, stopped before it starts
+    assert "was queued: stopped" in fed.run_here("stop", str(never)).stdout
     _wait_for(lambda: store.get(long).round >= 1, 240, "the long run never completed a round")
-    stopped = fed.run("stop", str(long))
+    stopped = fed.run_here("stop", str(long))
     assert stopped.returncode == 0 and "stops at its next check" in stopped.stdout, stopped.stderr
     _wait_for(lambda: store.get(third).status in ("finished", "failed"), 240, "the third run did not end")
     _wait_for(fed.serving, 30, "health is not SERVING between runs")  # the idle coordinator's
@@ -209,14 +210,14 @@ def test_three_runs_one_stopped_while_the_agents_stay_up_on_both_ranks(federatio
     listing = fed.run("ls")
     assert listing.returncode == 0 and "stopped" in listing.stdout and "finished" in listing.stdout
 
-    logs = fed.run("logs", str(first), "-f")
+    logs = fed.run_here("logs", str(first), "-f")
     assert logs.returncode == 0 and logs.stdout.count("round=") == 2 and "is finished" in logs.stdout
-    got = fed.run("get", str(first), "--out", str(fed.tmp / "got"))
+    got = fed.run_here("get", str(first), "--out", str(fed.tmp / "got"))
     assert got.returncode == 0, got.stderr
     assert (fed.tmp / "got" / "global.safetensors").read_bytes() == Path(runs[first].model_path).read_bytes()
     assert (fed.tmp / "got" / "metrics.jsonl").is_file()
     # it has no folder: it wrote 'wrote DIR/nothing' and exit 0, or the files in the service's working directory
-    _one_line_error(fed.run("get", str(never), "--out", str(fed.tmp / "never")),
+    _one_line_error(fed.run_here("get", str(never), "--out", str(fed.tmp / "never")),
                     f"run {never} is stopped with no model or metrics to get (stopped by op before it started)")
     assert not (fed.tmp / "never").exists()
 
