@@ -52,11 +52,14 @@ class TaskDesk(Protocol):
         """A member's own code failed its task (``reason``: one line): it answered with no update."""
 
 
-def _none_online(joined: int, wait_seconds: float) -> str:
-    """The line for a wait that ended with every member joined and none online by its availability trace."""
-    return (f"none of the {joined:,} clients that joined came online in {wait_seconds:.0f} s: their availability "
-            "traces keep them offline (on the real clock a trace day lasts --trace-day-seconds real seconds); give a "
-            "shorter --trace-day-seconds, or --clock virtual to move on through the traces' night")
+def _too_few_online(live: int, joined: int, least: int, wait_seconds: float) -> str:
+    """The line for a wait that ended with enough members joined but fewer than ``least`` of them online by their
+    availability traces."""
+    secure = " (a secure round needs 2)" if least > 1 else ""
+    return (f"{live} of the {joined:,} clients that joined came online in {wait_seconds:.0f} s{secure}: their "
+            "availability traces keep the others offline (on the real clock a trace day lasts --trace-day-seconds "
+            "real seconds); give a shorter --trace-day-seconds, or --clock virtual to move on through the traces' "
+            "night")
 
 
 class Members:
@@ -183,12 +186,13 @@ class Members:
         come back; each half second a liveness may have run out. TimeoutError after ``wait_seconds`` (None: no
         limit)."""
         deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
+        least = 2 if self.config.secure_aggregation else 1  # a secure round's sum hides an update among others
         while (live := self.note_live()) < count:
-            away = self.registry.away_count()
-            if live and live + away >= count:
+            joined = live + self.registry.away_count()
+            if live >= least and joined >= count:
                 return
             if deadline is not None and time.monotonic() > deadline:
-                raise TooFewMembers(_none_online(away, wait_seconds) if away >= count else
+                raise TooFewMembers(_too_few_online(live, joined, least, wait_seconds) if joined >= count else
                                     f"only {live} live agents after {wait_seconds}s; need min_available={count}")
             self._changed.clear()
             await set_within(self._changed, 0.5)

@@ -182,9 +182,21 @@ def test_a_wait_with_every_member_offline_by_its_trace_ends_in_a_line_naming_the
     _join(_stub(server), "host-g", ["r0", "r1"], away=[0, 1])
     with pytest.raises(TooFewMembers) as err:
         server.wait(20)
-    assert str(err.value).startswith("none of the 2 clients that joined came online in 1 s: their availability "
-                                      "traces keep them offline"), err.value  # was 'need min_available=2'
+    assert str(err.value).startswith("0 of the 2 clients that joined came online in 1 s: their availability "
+                                      "traces keep the others offline"), err.value  # was 'need min_available=2'
     assert "--trace-day-seconds" in str(err.value) and "--clock virtual" in str(err.value)
+
+
+def test_a_secure_round_waits_for_two_members_online_however_many_are_offline_by_their_trace(start_coordinator):
+    """Masking cannot hide a lone update: with one member online of the three joined, no secure round starts."""
+    from fedpar.server.members import TooFewMembers
+
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=3,
+                               clients_per_round=3, secure_aggregation=True, wait_for_agents_seconds=1.0)
+    _join(_stub(server), "host-h", ["s0", "s1", "s2"], away=[0, 1])
+    with pytest.raises(TooFewMembers, match=r"^1 of the 3 clients that joined came online in 1 s \(a secure round "
+                                            r"needs 2\)"):
+        server.wait(20)
 
 
 def test_a_host_sends_its_members_updates_in_one_message_each_checked_on_its_own(start_coordinator):
