@@ -90,10 +90,12 @@ class ModelLayout:
             if name in names:
                 raise CodecError(f"tensor {name!r} appears twice")
             if dtype not in WIRE_DTYPES:
-                raise CodecError(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+                raise CodecError(f"tensor {name!r}: dtype {dtype[:32]!r} is not one of {', '.join(WIRE_DTYPES)}")
             shape = tuple(int(d) for d in shape)
-            if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-                raise CodecError(f"tensor {name!r}: shape {shape} must have at most {MAX_DIMS} non-negative dims")
+            if len(shape) > MAX_DIMS:
+                raise CodecError(f"tensor {name!r}: shape has {len(shape)} dims, at most {MAX_DIMS} allowed")
+            if any(d < 0 for d in shape):
+                raise CodecError(f"tensor {name!r}: shape {shape} must have non-negative dims")
             numel = 1
             for d in shape:
                 numel *= d

@@ -237,7 +237,7 @@ class AgentRegistry:
         self._check_call(host_id, peer)
         host = self._hosts.get(host_id)
         if host is None or not hmac.compare_digest(host.token.encode(), token.encode()):
-            raise AuthError(f"unknown host {host_id!r} or bad session token: call JoinPopulation again")
+            raise AuthError(f"unknown host {host_id[:64]!r} or bad session token: call JoinPopulation again")
         host.last_seen = self._clock()
         return host
 
@@ -247,7 +247,7 @@ class AgentRegistry:
         record = self.get(agent_id)
         self._check_call(speaker(record) if record is not None else agent_id, peer)
         if record is None or record.left:
-            raise AuthError(f"unknown agent {agent_id!r}: call Join first")
+            raise AuthError(f"unknown agent {agent_id[:64]!r}: call Join first")
         if not hmac.compare_digest(record.token.encode(), token.encode()):
             raise AuthError(f"bad session token for agent {agent_id!r}: call Join again")
         record.last_seen = self._clock()

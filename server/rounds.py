@@ -25,14 +25,28 @@ UPLOAD_REFUSALS = ("aborted", "already_exists", "deadline_exceeded", "failed_pre
                    "permission_denied", "resource_exhausted", "unauthenticated", "unavailable")
 
 
+# A status message travels percent-encoded in a trailer that peers drop past 16 KiB (then the agent hears "metadata
+# size exceeds hard limit", not why it was refused): at most 12 bytes a character, so 1,024 characters always fit.
+MAX_REFUSAL_CHARS = 1024
+
+
 class Refusal(Exception):
     """A request the coordinator refuses, with the gRPC status to send and a message for the agent."""
 
     def __init__(self, code: grpc.StatusCode, message: str, final: bool = False):
+        message = fitting(message)
         super().__init__(message)
         self.code = code
         self.message = message
         self.final = final  # the update itself is bad: the agent may not retry this round
+
+
+def fitting(message: str) -> str:
+    """``message`` cut in the middle to MAX_REFUSAL_CHARS, keeping its start (what) and end (what to do)."""
+    if len(message) <= MAX_REFUSAL_CHARS:
+        return message
+    half = (MAX_REFUSAL_CHARS - 5) // 2
+    return f"{message[:half]} ... {message[-half:]}"
 
 
 @dataclass
@@ -109,7 +123,7 @@ class RoundState:
                           f"agent {agent_id!r} was not sampled in round {self.round_id}")
         if task_id != slot.task_id:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"task {task_id!r} is not the current task of {agent_id!r} in round {self.round_id}")
+                          f"task {task_id[:64]!r} is not the current task of {agent_id!r} in round {self.round_id}")
         if not (slot.go or held_ok):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           f"agent {agent_id!r} is not among the first to finish round {self.round_id} in simulated "

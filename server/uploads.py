@@ -491,7 +491,7 @@ class UploadIntake:
             held.enter_context(self.upload_queue())
             if issued is not None and (header.round, header.task_id) != issued:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"the upload header names round {header.round} task {header.task_id!r}, but the "
+                              f"the upload header names round {header.round} task {header.task_id[:64]!r}, but the "
                               f"ticket is for round {issued[0]} task {issued[1]!r}")
             ticket = open_ticket(self.coord, agent, header)
             self.limits.start_upload(agent.agent_id, ticket.state.round_id)  # counted in the round the header opened

@@ -9,6 +9,7 @@ import pytest
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.client.transfer import upload_messages
+from fedpar.server.rounds import MAX_REFUSAL_CHARS, Refusal
 
 SHAPES = ((6, 4), (4,))
 
@@ -127,3 +128,37 @@ def test_calls_from_unknown_agents_and_bad_joins_are_refused(start_coordinator, 
              "num_examples")
     _refused(lambda: bot.stub.DownloadWeights(pb.DownloadRequest(auth=bot.auth, round=7, task_id="x")).next(),
              grpc.StatusCode.FAILED_PRECONDITION, "not the current round")
+
+
+def test_a_refusal_quoting_a_huge_field_still_says_why(start_coordinator, agents):
+    """A status message echoing a 40 KB id, task id, dtype or shape would pass gRPC's 16 KiB trailer limit: the agent
+    would hear 'metadata size exceeds hard limit', not why. The echo is cut, and every refusal fits."""
+    init = _arrays()
+    server = start_coordinator(init, clients_per_round=1, min_available=1)
+    (bot,) = agents(server.address, ["a"])
+    task = bot.task()
+    huge = "x" * 40_000
+    stranger = pb.AgentAuth(agent_id=huge, token="t")
+    _refused(lambda: bot.stub.Heartbeat(pb.HeartbeatRequest(auth=stranger)), grpc.StatusCode.UNAUTHENTICATED,
+             "call Join first")
+    _refused(lambda: bot.stub.DownloadWeights(pb.DownloadRequest(auth=bot.auth, round=1, task_id=huge)).next(),
+             grpc.StatusCode.FAILED_PRECONDITION, "is not the current task of 'a'")
+    _refused(lambda: next(bot.stub.HostTaskStream(iter([pb.PullHostTasksRequest(host=stranger)]))),
+             grpc.StatusCode.UNAUTHENTICATED, "call JoinPopulation again")
+    header = pb.UploadHeader(auth=bot.auth, round=1, task_id=task.task_id, num_examples=10, total_bytes=112)
+    for tensors, why in (([pb.TensorSpec(name="t0", dtype=huge, shape=[6, 4])], "is not one of float16"),
+                         ([pb.TensorSpec(name="t0", dtype="float32", shape=[1] * 6000)], "6000 dims, at most 8")):
+        del header.tensors[:]
+        header.tensors.extend(tensors)
+        _refused(lambda: bot.stub.UploadSmall(pb.SmallUpload(header=header)), grpc.StatusCode.INVALID_ARGUMENT, why)
+    header.task_id = huge
+    _refused(lambda: bot.stub.UploadSmall(pb.SmallUpload(header=header)), grpc.StatusCode.FAILED_PRECONDITION,
+             "is not the current task of 'a'")
+    assert bot.upload(task, _arrays(seed=1), 10).accepted  # none of it cost the agent its update
+
+
+def test_every_refusal_message_fits_a_grpc_status():
+    long = Refusal(grpc.StatusCode.INVALID_ARGUMENT, "what: " + "\u00e9" * 100_000 + " :what to do")
+    assert len(long.message) <= MAX_REFUSAL_CHARS
+    assert long.message.startswith("what: ") and long.message.endswith(" :what to do")
+    assert len(long.message.encode()) * 3 < 16 << 10  # percent-encoded, every byte at most 3
