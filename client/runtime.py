@@ -32,8 +32,8 @@ from fedpar.client.member_state import ResidualStore
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.trainer_protocol import UpdateRefused
-from fedpar.client.transfer import (CompressedUpload, PlainUpload, Send, UpdateSender, download_weights, ingest_address,
-                                    task_weights)
+from fedpar.client.transfer import (UPLOAD_RETRYABLE, CompressedUpload, PlainUpload, Send, UpdateSender,
+                                    download_weights, ingest_address, task_weights)
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.dataplane import TICKET_BYTES

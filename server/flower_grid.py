@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-import numpy as np
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result, Strategy
@@ -27,7 +26,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedpar.protocol.flower_nodes import SERVER_NODE_ID
 from fedpar.protocol.flower_wire import encode_message
-from fedpar.server.flower_rounds import FlowerCoordinator, agents_by_node, error_reply
+from fedpar.server.flower_rounds import FlowerCoordinator, agents_by_node, error_reply, sent_model
 from fedpar.task import TaskFailed, raised
 
 FLOWER_RUN_ID = 1  # the run's id in Flower's metadata (one run per coordinator)
@@ -52,7 +51,6 @@ class CoordinatorGrid(Grid):
         self._run = Run.create_empty(FLOWER_RUN_ID)
         self._rounds: list[tuple[set[str], Future]] = []  # pushed rounds: their message ids, their replies
         self._lock = threading.Lock()
-        self.last_arrays = None  # the ArrayRecord of the last message sent that carried one (the global model)
 
     # ----------------------------------------------------------------- run
     def set_run(self, run: Run) -> None:
@@ -145,7 +143,7 @@ class CoordinatorGrid(Grid):
                 refused.append(error_reply(message, f"node {meta.dst_node_id} {why}"))
                 continue
             if message.has_content() and len(message.content.array_records) == 1:
-                self.last_arrays = next(iter(message.content.array_records.values()))
+                self.coordinator.sent_arrays = next(iter(message.content.array_records.values()))
             data = encode_message(message)
             limit = self.coordinator.config.max_chunk_bytes
             if len(data) > limit:  # a task travels as one gRPC message
@@ -180,8 +178,11 @@ def server_round(message: Message) -> int:
 
 
 def _settle(done: Future, exchange: Future, refused: list[Message]) -> None:
-    """The round's replies (and the error replies made before it) once it closed."""
-    if exchange.exception() is not None:
+    """The round's replies (and the error replies made before it) once it closed; cancelled with it (the coordinator
+    stopped), which ends a ServerApp waiting for them."""
+    if exchange.cancelled():
+        done.cancel()
+    elif exchange.exception() is not None:
         done.set_exception(exchange.exception())
     else:
         done.set_result(refused + list(exchange.result().values()))
@@ -206,10 +207,8 @@ def server_app_main(server_app: ServerApp, run_config: dict, patience: float = 3
                 raise
             except Exception as exc:  # the app's own code (or Flower's strategy in it): its words, in one line
                 raise ServerAppFailed(f"the ServerApp failed: {raised(exc)}: fix the app") from exc
-        arrays = results[-1].arrays if results and len(results[-1].arrays) else grid.last_arrays
-        final = None
-        if arrays is not None and len(arrays):
-            final = (list(arrays.keys()), [np.ascontiguousarray(a) for a in arrays.to_numpy_ndarrays()])
+        arrays = results[-1].arrays if results and len(results[-1].arrays) else coordinator.sent_arrays
+        final = sent_model(arrays) if arrays is not None and len(arrays) else None
         return final, result_summary(results[-1]) if results else {}
 
     return main

@@ -41,6 +41,7 @@ class FlowerCoordinator(Coordinator):
         self.app_main = app_main
         self.loop: asyncio.AbstractEventLoop | None = None
         self.flower_summary: dict = {}  # what the ServerApp's Result held (summary.json's "flower")
+        self.sent_arrays = None  # the ArrayRecord the last message that carried one sent out: the global model
         self._replies: dict[str, object] = {}  # the open round's reply Messages by agent id
         self._messages: dict[str, object] = {}  # the open round's Messages by agent id (what a reply must answer)
         self._one_round = asyncio.Lock()
@@ -57,11 +58,18 @@ class FlowerCoordinator(Coordinator):
                 self.names, self.weights = final
         except asyncio.CancelledError:
             stopped_early = True
+            self._keep_sent_arrays()
             raise
         finally:
             self._ready(False)
             self.finished = not stopped_early
             self.members.finish(tell=not stopped_early)
+
+    def _keep_sent_arrays(self) -> None:
+        """A run stopped before the ServerApp returned keeps the global model its messages last carried (the
+        stand-in is no model)."""
+        if self.sent_arrays is not None and len(self.sent_arrays):
+            self.names, self.weights = sent_model(self.sent_arrays)
 
     def node_agents(self) -> list[str]:
         """The live members (the Grid's nodes), on the loop."""
@@ -143,6 +151,11 @@ def exchange_status(replies, sent: int) -> str:
     """A Flower round's status: "ok" when some node answered with content (or nothing was sent), "failed" when every
     reply is an error (the ClientApps raised, or fedpar refused what they sent) or none came."""
     return "ok" if sent == 0 or any(not reply.has_error() for reply in replies) else "failed"
+
+
+def sent_model(arrays) -> tuple[list[str], list[np.ndarray]]:
+    """The (names, arrays) of a Flower ArrayRecord."""
+    return list(arrays.keys()), [np.ascontiguousarray(a) for a in arrays.to_numpy_ndarrays()]
 
 
 def error_reply(message, reason: str):

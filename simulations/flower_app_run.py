@@ -79,6 +79,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
                                if certs else None)
     ctx = mp.get_context("spawn")
     procs = []
+    interrupted = False
     try:
         server.start()
         with children_ignore_interrupts():
@@ -98,15 +99,18 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
                                f"the ServerApp failed: {type(server.error).__name__}: {server.error}")
         for p in procs:
             p.join(timeout=30)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (parallel/stopping.py): what completed is still written
+        interrupted = True
+        log.warning("interrupted: stopping after %d completed rounds", coordinator.metrics.summary.rounds)
     finally:
-        server.stop()
+        server.stop(grace=0.5 if interrupted else 1.0)
         for p in procs:
             if p.is_alive():
                 p.terminate()
         if certs is not None:
             certs.cleanup()
     extra = {"wall_seconds": time.monotonic() - started, "flower": coordinator.flower_summary,
-             "config": asdict(cfg)}
+             "config": asdict(cfg), **({"interrupted": True} if interrupted else {})}
     if not out:
         return {**coordinator.metrics.summary.result(), **extra, "written": []}
     outputs = write_run_outputs(out, coordinator, {"flower_app": str(app.directory)}, extra,

@@ -142,3 +142,44 @@ def test_a_flower_round_whose_every_reply_is_an_error_failed():
     answered = Message(RecordDict(), reply_to=sent)
     assert exchange_status([failed, failed], 2) == "failed" and exchange_status([], 2) == "failed"
     assert exchange_status([failed, answered], 2) == "ok" and exchange_status([], 0) == "ok"
+
+
+def test_a_client_app_slower_than_the_deadline_is_no_reply_not_a_traceback(tmp_path, capfd):
+    """A member whose reply came after its round closed died of a NameError in client/runtime.py (a traceback per
+    member; a deployed agent exited 1) (QA)."""
+    from support.in_process import run_main
+
+    done = run_main(["simulate", "--flower-app", str(APP), "--run-config", "num-server-rounds=1 train-seconds=1.5",
+                     "--deadline", "1", "--clients", "2", "--workers", "1", "--out", str(tmp_path / "out")], capfd)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["message_type"], r["reported"]) for r in rows] == [("train", 0), ("evaluate", 2)]
+
+
+def test_ctrl_c_stops_a_server_app_simulation_writing_what_completed(tmp_path):
+    """It wrote neither summary.json nor the model, and printed a traceback of the Grid's (QA)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--workers", "1",
+                             "--clients", "2", "--run-config", "num-server-rounds=100000", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end and proc.poll() is None and \
+                len((out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []) < 4:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("fedpar simulate: interrupted after")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["rounds"] >= 4
+    names, arrays = load_final_model(out)  # the global model the last round's messages carried, not a stand-in
+    assert sorted(names) == ["b", "w"]

@@ -92,3 +92,38 @@ def test_rounds_for_a_server_app_that_counts_its_own_is_refused_in_one_line(comm
     assert code == 2 and len(err) == 1, err
     assert "--rounds" in err[0] and "--run-config num-server-rounds=N" in err[0] and "--strategy NAME" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_stops_a_served_server_app_at_once_keeping_its_global_model(tmp_path):
+    """serve wrote 'interrupted' and then hung (the ServerApp's thread waited for a round that was cancelled), and
+    its global.safetensors held a one-element stand-in, not the app's arrays (QA)."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--min-available", "2", "--flower-app",
+                              str(APP), "--run-config", "num-server-rounds=100000", "--out", str(out)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    clients, lines = [], []
+    try:
+        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
+        clients = [subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--insecure", "--agent-id",
+                                     agent_id, "--num-partitions", "2", "--partition-index", str(i), "--flower-app",
+                                     str(APP), "--threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL) for i, agent_id in enumerate(["alice", "bob"])]
+        end = time.monotonic() + 60
+        while time.monotonic() < end and serve.poll() is None and \
+                len((out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []) < 4:
+            time.sleep(0.1)
+        serve.send_signal(signal.SIGINT)
+        serve_out = "".join(lines) + serve.communicate(timeout=10)[0]
+    finally:
+        for proc in [serve, *clients]:
+            if proc.poll() is None:
+                proc.kill()
+    assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
+    assert json.loads((out / "summary.json").read_text())["interrupted"] is True
+    from fedpar.server.final_model import load_final_model
+
+    names, _ = load_final_model(out)
+    assert sorted(names) == ["b", "w"]

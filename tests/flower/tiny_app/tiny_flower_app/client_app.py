@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -18,6 +20,7 @@ def train(msg: Message, context: Context) -> Message:
     partition_id = int(context.node_config["partition-id"])
     if context.run_config.get("fail-partition", -1) == partition_id:
         raise RuntimeError("this partition fails on purpose")
+    time.sleep(float(context.run_config.get("train-seconds", 0.0)))
     new, loss, examples = train_fn(dict(zip(names, arrays)), partition_id, float(msg.content["config"]["lr"]),
                                    int(context.run_config["local-steps"]))
     history = context.state.get("history", MetricRecord({"rounds": 0}))
