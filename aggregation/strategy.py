@@ -139,6 +139,15 @@ class Strategy(abc.ABC):
         """Updates this copy of the strategy took this round (held back or handed on ones included)."""
         return self._num_folded()
 
+    def check_ranks(self, ranks: int) -> None:
+        """ValueError, one line, when a round split over ``ranks`` aggregator ranks would lose the other ranks'
+        updates: this strategy keeps no :meth:`partial_sum` and hands none on to rank 0 (:meth:`handoff`)."""
+        cls = type(self)
+        if ranks > 1 and cls.partial_sum is Strategy.partial_sum and cls.handoff is Strategy.handoff:
+            raise ValueError(f"--aggregator-ranks {ranks} cannot run with --strategy {self.name}: it keeps no partial "
+                             "sum (partial_sum) and hands no updates to rank 0 (handoff), so the other ranks' updates "
+                             "would be lost; use one aggregator rank")
+
     def partial_sum(self) -> WeightedSum | None:
         """The running sum that aggregator ranks add up at a round's close (None: this strategy keeps none)."""
         return None

@@ -131,6 +131,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
                                      args.privacy_population)
     check_composition(name, config.secure_aggregation, config.upload_compression.method, config.max_agent_share)
     strategy = build_strategy(name, **strategy_options, **options)
+    strategy.check_ranks(_world(args))
     if config.secure_aggregation:
         check_secure_setup(assembly.names, assembly.weights, strategy)
     if config.max_agent_share is not None:  # before any checkpoint is read: say what is wrong, not "resume"

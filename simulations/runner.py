@@ -158,6 +158,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     for line in check_settings(cfg):  # `fedpar simulate` has said them on stderr
         log.info(line)
     strategy = build_strategy(cfg.strategy, **cfg.strategy_options)
+    strategy.check_ranks(cfg.aggregator_ranks)
     flower_app = _flower_app(cfg)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
     if cfg.out:

@@ -10,6 +10,7 @@ import torch
 from fedpar.aggregation import (FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Krum, Median, MultiKrum,
                                 NoUpdatesError, TrimmedMean, build_strategy, proximal_term, strategy_names)
 from fedpar.aggregation.fedprox import add_proximal_gradient
+from fedpar.aggregation.strategy import Strategy
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]
 
@@ -379,3 +380,38 @@ def test_flower_strategies_run_by_the_adapter_match_fedpars_own(ours, flower, op
         assert their_metrics["num_examples"] == metrics["num_examples"]
         assert their_metrics["num_updates"] == metrics["num_updates"] == 5
         g = new
+
+
+class _KeepsTheFirst(Strategy):
+    """A strategy of the kind docs/contributing.md describes (a Strategy subclass with the five hooks), non-linear."""
+
+    name, linear = "keeps_the_first", False
+
+    def _reset_round(self, shapes):
+        self._first, self._count = None, 0
+
+    def _fold(self, update, num_examples, who, known_finite):
+        self._first, self._count = self._first or list(update), self._count + 1
+
+    def _num_folded(self):
+        return self._count
+
+    def _finish(self, global_weights):
+        return self._first, {}
+
+    def _drop_round(self):
+        self._first = None
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_every_strategy_folds_a_round_split_over_aggregator_ranks(name):
+    build_strategy(name).check_ranks(2)  # a partial sum, or its updates handed to rank 0
+
+
+def test_a_strategy_that_would_lose_another_ranks_updates_is_refused_on_aggregator_ranks_in_one_line():
+    """It kept neither a partial sum nor a handoff: rank 1's updates were dropped in silence (4 reported, 2 folded)."""
+    strategy = _KeepsTheFirst()
+    strategy.check_ranks(1)
+    with pytest.raises(ValueError, match=r"^--aggregator-ranks 2 cannot run with --strategy keeps_the_first: it keeps "
+                                         r"no partial sum \(partial_sum\) and hands no updates to rank 0 \(handoff\)"):
+        strategy.check_ranks(2)
