@@ -200,7 +200,7 @@ def server_app_main(server_app: ServerApp, run_config: dict, patience: float = 3
         TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, FLOWER_RUN_ID, SERVER_NODE_ID
         context = Context(run_id=FLOWER_RUN_ID, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(),
                           run_config=dict(run_config))
-        with strategy_results() as results:
+        with strategy_results() as results, _flower_lines_once():
             try:
                 server_app(grid=grid, context=context)
             except NodesWillNotCome:
@@ -212,6 +212,18 @@ def server_app_main(server_app: ServerApp, run_config: dict, patience: float = 3
         return final, result_summary(results[-1]) if results else {}
 
     return main
+
+
+@contextlib.contextmanager
+def _flower_lines_once():
+    """Flower's log lines (its strategy's rounds) printed once, by Flower's own handler, for the span: they went on
+    to the root logger too, whose handler a fedpar command sets up, and showed twice."""
+    flower_log = logging.getLogger("flwr")
+    propagate, flower_log.propagate = flower_log.propagate, False
+    try:
+        yield
+    finally:
+        flower_log.propagate = propagate
 
 
 @contextlib.contextmanager

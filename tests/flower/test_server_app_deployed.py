@@ -122,6 +122,7 @@ def test_ctrl_c_stops_a_served_server_app_at_once_keeping_its_global_model(tmp_p
             if proc.poll() is None:
                 proc.kill()
     assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
+    assert serve_out.count("Starting FedAvg strategy") == 1, serve_out[:3000]  # Flower's lines showed twice
     assert json.loads((out / "summary.json").read_text())["interrupted"] is True
     from fedpar.server.final_model import load_final_model
 
