@@ -329,6 +329,9 @@ UPLOAD_ADMITTED = ("fedpar-upload", "admitted")
 # small model is 100 of these).
 SMALL_UPDATE_BYTES = 256 << 10
 MAX_CLIENT_METRICS = 64  # metrics in one update's report
+# A metric's largest magnitude: the round's example-weighted means (weights up to eval_examples, itself a metric)
+# then stay finite, where one agent's 1e308 made every agent's train_loss of the round inf or NaN.
+MAX_METRIC_MAGNITUDE = 1e100
 
 
 def member_token(host_token: str, member_id: str) -> str:
@@ -356,15 +359,25 @@ def specs_match(specs: Sequence[pb.TensorSpec], layout: ModelLayout) -> bool:
 def check_report(num_examples: int, registered: int, local_epochs: int, steps: int,
                  metrics: Mapping[str, float]) -> None:
     """A ValueError saying what is wrong with an update's weight (``num_examples``: 1..``registered`` x
-    ``local_epochs``), ``steps`` or ``metrics`` (at most MAX_CLIENT_METRICS finite values, names <= 64 characters)."""
+    ``local_epochs``), ``steps`` or ``metrics`` (at most MAX_CLIENT_METRICS values within MAX_METRIC_MAGNITUDE, names
+    of 1..64 printable characters)."""
     max_examples = registered * local_epochs
     if not 1 <= num_examples <= max_examples:
         raise ValueError(f"num_examples={num_examples} must be in 1..{max_examples} "
                          f"({registered} registered examples x {local_epochs} epochs)")
     if steps < 0:
         raise ValueError("steps must be >= 0")
-    if len(metrics) > MAX_CLIENT_METRICS or not all(math.isfinite(v) and len(k) <= 64 for k, v in metrics.items()):
-        raise ValueError(f"metrics: at most {MAX_CLIENT_METRICS} finite values with names <= 64 characters")
+    if len(metrics) > MAX_CLIENT_METRICS:
+        raise ValueError(f"{len(metrics)} metrics reported, at most {MAX_CLIENT_METRICS}")
+    bad = next((k for k, v in metrics.items() if not _metric_ok(k, v)), None)
+    if bad is not None:
+        raise ValueError(f"metric {bad[:64]!r} = {metrics[bad]!r}: a metric must be named by 1..64 printable "
+                         f"characters and be a number within +-{MAX_METRIC_MAGNITUDE:g}")
+
+
+def _metric_ok(name: str, value: float) -> bool:
+    """Whether one reported metric is a sane name (it becomes a metrics column) and a bounded number."""
+    return 1 <= len(name) <= 64 and name.isprintable() and abs(value) <= MAX_METRIC_MAGNITUDE  # NaN fails too
 
 
 def layout_to_pb(layout: ModelLayout) -> list[pb.TensorSpec]:

@@ -162,3 +162,30 @@ def test_every_refusal_message_fits_a_grpc_status():
     assert len(long.message) <= MAX_REFUSAL_CHARS
     assert long.message.startswith("what: ") and long.message.endswith(" :what to do")
     assert len(long.message.encode()) * 3 < 16 << 10  # percent-encoded, every byte at most 3
+
+
+def test_a_reported_metric_that_is_huge_or_not_a_printable_name_is_refused_and_the_rounds_means_stay_finite(
+        start_coordinator, agents):
+    """One agent's train_loss of 1e300 (finite, so it passed) made the round's example-weighted train_loss inf (null
+    in metrics.jsonl), and a metric named with control characters became a metrics column: both are refused, the
+    metric named."""
+    init = _arrays()
+    server = start_coordinator(init, clients_per_round=3, min_available=3)
+    bots = agents(server.address, ["rogue", "h1", "h2"])
+    tasks = {b.agent_id: b.task() for b in bots}
+    layout = ModelLayout.of_arrays(["t0", "t1"], init)
+
+    def upload(bot, metrics, examples=100):
+        messages = upload_messages(bot.auth, tasks[bot.agent_id], layout, _arrays(seed=1), examples, 1, metrics, 1024)
+        return bot.upload(tasks[bot.agent_id], None, 0, messages=list(messages))
+    rogue, h1, h2 = bots
+    for metrics, named in (({"train_loss": 1e300}, "'train_loss' = 1e+300"),
+                           ({"eval_examples": 1e200, "eval_loss": 1.0}, "'eval_examples'"),
+                           ({"train_\x1b[2J\nloss": 1.0}, "printable")):
+        _refused(lambda: upload(rogue, metrics), grpc.StatusCode.INVALID_ARGUMENT, named)
+    assert upload(rogue, {"train_loss": 0.1}).accepted  # a refused report is not final: it may report again
+    assert upload(h1, {"train_loss": 0.5}).accepted and upload(h2, {"train_loss": 0.9}).accepted
+    assert server.wait(30)
+    row = server.coordinator.metrics.last
+    assert row["status"] == "ok" and row["train_loss"] == pytest.approx(0.5)
+    assert not any("\x1b" in k for k in row)
