@@ -25,7 +25,6 @@ import base64
 import bisect
 import hashlib
 import hmac
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple, Sequence
