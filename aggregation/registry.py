@@ -42,12 +42,14 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
         if "fold_config" in kwargs:
             dp["fold_config"] = kwargs["fold_config"]
         inner = build_strategy(key[len(DP_PREFIX):], **kwargs)
-        try:
-            return DPStrategy(inner, **dp)
-        except TypeError as e:
-            raise ValueError(f"bad DP options for strategy {name!r}: {e}; on the command line, give --strategy "
-                             f"{key[len(DP_PREFIX):]} with --privacy central (or client) and its --privacy-* settings "
-                             "instead") from None
+        missing = [p.name for p in inspect.signature(DPStrategy).parameters.values()
+                   if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "inner"
+                   and p.name not in dp]
+        if missing:  # Python's own words would name the wrapper's parameters, which no flag has
+            raise ValueError(f"strategy {name!r} is the DP wrapper, built with {len(missing)} DP option(s) it was "
+                             f"not given; give --strategy {key[len(DP_PREFIX):]} with --privacy central (or client) "
+                             "and its --privacy-* settings, which set them")
+        return DPStrategy(inner, **dp)
     cls = strategy_class(name)
     try:
         options = typed_options(key, cls, kwargs, from_text=False)

@@ -63,3 +63,14 @@ def test_local_noise_with_central_privacy_names_the_flags(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == ["fedpar simulate: --privacy-local-noise applies only with --privacy client, not central: the "
                      "agents add it to their own update; use --privacy client (or drop the option)"]
+
+
+def test_a_dp_strategy_named_on_the_command_line_says_which_flags_build_it(capsys):
+    """It quoted Python's TypeError, naming the wrapper's parameters (one rewritten as the flag --clients-per-round)."""
+    from fedpar.cli.main import main
+
+    assert main(["serve", "--strategy", "dp-fedavg", "--rounds", "1", "--insecure", "--port", "0"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["fedpar serve: strategy 'dp-fedavg' is the DP wrapper, built with 4 DP option(s) it was not "
+                     "given; give --strategy fedavg with --privacy central (or client) and its --privacy-* settings, "
+                     "which set them"]
