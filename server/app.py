@@ -24,7 +24,7 @@ from fedpar.security.admission import AdmissionRefused
 from fedpar.server.agent_port import AgentPort, BindError
 from fedpar.server.coordinator import Coordinator
 from fedpar.server.dataplane import start_data_plane
-from fedpar.server.limits import Limits, StrangerBound, authenticated, call_identity
+from fedpar.server.limits import Limits, StrangerBound, authenticated, call_identity, retrieved
 from fedpar.server.members import TooFewMembers
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.ranks.group import RankMissing
@@ -468,6 +468,9 @@ async def _next_message(request_iterator, timeout: float, on_timeout: Callable[[
             message = await asyncio.wait_for(request_iterator.__anext__(), timeout)
         else:
             coming = asyncio.ensure_future(request_iterator.__anext__())
+            # if this call is cancelled (the agent went away), the read ends unread with the stream's end, and asyncio
+            # would log that with a traceback
+            coming.add_done_callback(retrieved)
             await asyncio.wait((coming, interrupted), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not coming.done():
                 coming.cancel()

@@ -412,7 +412,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         disturbed other calls' reads under a flood): a call let go or out of time is aborted, which ends it."""
         seconds = self.limits.config.upload_header_seconds
         coming = asyncio.ensure_future(request_iterator.__anext__())
-        coming.add_done_callback(_retrieved)  # it ends with an error once the call is aborted
+        coming.add_done_callback(retrieved)  # it ends with an error once the call is aborted
         await asyncio.wait((coming,), timeout=min(seconds, REQUEST_GRACE_SECONDS))
         if not coming.done() and budget.stranger is None:  # late: a stranger's call until its request comes
             let_go = asyncio.get_running_loop().create_future()
@@ -488,7 +488,7 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(unary, **serde)
 
 
-def _retrieved(future: asyncio.Future) -> None:
+def retrieved(future: asyncio.Future) -> None:
     """Mark a finished future's outcome as seen (asyncio would log an unretrieved exception)."""
     if not future.cancelled():
         future.exception()

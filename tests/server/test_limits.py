@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -149,6 +150,30 @@ def test_a_stalled_upload_is_cut_off_at_the_round_deadline(start_coordinator, ag
     assert "not applied" in err.value.details()
     assert time.monotonic() - start < 6
     assert server.wait(10) and _unchanged(server, init)
+
+
+def test_an_upload_abandoned_midway_frees_its_slot_and_logs_no_traceback(start_coordinator, agents, caplog):
+    """An agent that cancels its upload after some chunks left the coordinator's read of its next chunk unread: asyncio
+    logged 'Task exception was never retrieved' with a traceback, once per abandoned stream."""
+    init = _arrays()
+    server = start_coordinator(init, min_available=1, clients_per_round=1, max_concurrent_uploads=1,
+                               max_upload_attempts_per_round=10)
+    (bot,) = agents(server.address, ["quitter"])
+    task = bot.task()
+    layout = ModelLayout.of_arrays(NAMES, init)
+    for _ in range(3):
+        held, release = _hold_open(server, bot, upload_messages(bot.auth, task, layout, _arrays(3), 10, 1, {}, 32))
+        held.cancel()
+        release.set()
+        for _ in range(100):  # the slot is free once the coordinator settled the abandoned upload
+            if server.coordinator.current.slots["quitter"].status == "pending":
+                break
+            time.sleep(0.05)
+    server.on_loop(gc.collect, timeout=10)  # an unread task's error is logged when it is collected
+    assert bot.upload(task, _arrays(4), 10, NAMES).accepted  # the one staging slot was given back each time
+    assert server.wait(10)
+    unread = [r for r in caplog.records if "never retrieved" in r.getMessage() or r.exc_info]
+    assert not unread, [r.getMessage() for r in unread]
 
 
 def test_concurrent_rpcs_are_bounded_server_wide(start_coordinator, agents):
