@@ -16,6 +16,11 @@ from fedpar.cli.user_errors import UserError, describe
 from fedpar.parallel.stopping import dump_stacks_on_signal, exit_code, signal_name
 from fedpar.task import TaskError
 
+DESCRIPTION = ("federated learning, and its centralized baseline, on one torch.distributed engine. A first run: "
+               "fedpar simulate --clients 10 --rounds 10 --dataset digits; 'fedpar COMMAND --help' for a command's "
+               "options")
+
+
 def _available() -> dict[str, tuple[str, str]]:
     out = {}
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -45,7 +50,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser: every available subcommand in full, or only ``only`` in full (the others are listed
     by name and help, so `fedpar --help` imports no subcommand's module)."""
-    parser = FedparParser(prog="fedpar", description=__doc__)
+    parser = FedparParser(prog="fedpar", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"fedpar {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _available().items():
