@@ -217,6 +217,9 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
                                             "populations: members without certificates of their own, live while "
                                             "their host calls")
     max_population_join: int = 10_000  # members in one JoinPopulation call
+    # simulate on the real clock with availability traces: min_available counts the members that joined, those
+    # offline by their trace too, once one is live (a round samples the live ones); elsewhere it counts live ones
+    joined_count_as_available: bool = False
 
     def _secagg_sum_fits(self) -> tuple[bool, str]:
         """Whether the sum of the sampled agents' weights (at most secagg_max_weight each) fits secure aggregation's

@@ -181,14 +181,14 @@ class Members:
         return True
 
     async def wait_for_live(self, count: int, wait_seconds: float | None) -> None:
-        """Until ``count`` members are live, or have joined with at least one live: the members a host reported offline
-        by their availability traces are not waited for (a round samples the live ones). Woken as members join or
-        come back; each half second a liveness may have run out. TimeoutError after ``wait_seconds`` (None: no
-        limit)."""
+        """Until ``count`` members are live, or (``joined_count_as_available``: simulate's real clock with traces)
+        have joined with at least one live: then the members a host reported offline by their availability traces are
+        not waited for (a round samples the live ones). Woken as members join or come back; each half second a
+        liveness may have run out. TimeoutError after ``wait_seconds`` (None: no limit)."""
         deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
         least = 2 if self.config.secure_aggregation else 1  # a secure round's sum hides an update among others
         while (live := self.note_live()) < count:
-            joined = live + self.registry.away_count()
+            joined = live + self.registry.away_count() if self.config.joined_count_as_available else live
             if live >= least and joined >= count:
                 return
             if deadline is not None and time.monotonic() > deadline:

@@ -252,6 +252,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         # The virtual clock waits for K online (moving on through the traces' night); the real clock waits for every
         # client to join, and a round then samples those online (server/members.py: the offline are not waited for).
         min_available=min(cfg.clients, k) if cfg.trace and cfg.virtual_clock else cfg.clients,
+        joined_count_as_available=bool(cfg.trace) and not cfg.virtual_clock,
         heartbeat_seconds=2.0, liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0,
         metrics_path=out / "metrics.jsonl" if out else None, checkpoint_dir=cfg.checkpoint_dir, accept_populations=True,
         # every seat of every host may be uploading at once (a staging slot holds one model copy)

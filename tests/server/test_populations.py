@@ -159,7 +159,7 @@ def test_members_away_by_their_trace_are_not_waited_for_and_the_progress_bar_cou
             return True
 
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=6,
-                               clients_per_round=6)
+                               clients_per_round=6, joined_count_as_available=True)  # as simulate's real clock
     stub = _stub(server)
     _join(stub, "host-e", ["q0", "q1", "q2"], away=[1])
     _until(lambda: server.coordinator.members.live_seen == 2)
@@ -178,7 +178,7 @@ def test_a_wait_with_every_member_offline_by_its_trace_ends_in_a_line_naming_the
     from fedpar.server.members import TooFewMembers
 
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=2,
-                               wait_for_agents_seconds=1.0)
+                               wait_for_agents_seconds=1.0, joined_count_as_available=True)
     _join(_stub(server), "host-g", ["r0", "r1"], away=[0, 1])
     with pytest.raises(TooFewMembers) as err:
         server.wait(20)
@@ -192,7 +192,8 @@ def test_a_secure_round_waits_for_two_members_online_however_many_are_offline_by
     from fedpar.server.members import TooFewMembers
 
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=3,
-                               clients_per_round=3, secure_aggregation=True, wait_for_agents_seconds=1.0)
+                               clients_per_round=3, secure_aggregation=True, wait_for_agents_seconds=1.0,
+                               joined_count_as_available=True)
     _join(_stub(server), "host-h", ["s0", "s1", "s2"], away=[0, 1])
     with pytest.raises(TooFewMembers, match=r"^1 of the 3 clients that joined came online in 1 s \(a secure round "
                                             r"needs 2\)"):
