@@ -46,6 +46,9 @@ from fedpar.server.virtual_clock import VirtualClock
 log = logging.getLogger("fedpar.server")
 TRIM_SECONDS = 1.0  # the least time between two heap trims (rounds shorter than this share one)
 MAX_FAILURE_CHARS = 500  # of an agent's reason for a failed task, as the round's row keeps it
+# distinct names of agents' reported metrics a run's rows take as columns: an agent naming new ones every round would
+# otherwise widen metrics.csv (and so rewrite it whole) every round of the run
+MAX_CLIENT_METRICS = 64
 # a central evaluation that took less runs on the loop the next round, once that round's tasks went out: on a busy
 # machine waking a worker thread for it costs about as much
 LOOP_EVALUATION_SECONDS = 0.005
@@ -168,6 +171,8 @@ class Coordinator(IngestPlane):
         self.metrics = RoundMetricsLog(config.metrics_path, declared_columns(config), config.target_accuracy)
         self.started_at = time.monotonic()
         self.earlier_seconds = 0.0  # a resumed run's wall seconds up to its checkpointed round, in earlier processes
+        self.client_metric_names: set[str] = set()  # the reported metrics the rows take (MAX_CLIENT_METRICS)
+        self.client_metrics_full = False  # said that a reported metric was left out
         self._trimmed_at = -TRIM_SECONDS  # the first round's end trims
         self._tasks: dict[str, AgentSlot] = {}  # undelivered task per agent
         self._evaluation_seconds = math.inf  # how long the last central evaluation took (the first: on a thread)
@@ -378,7 +383,7 @@ class Coordinator(IngestPlane):
             row["training_error"] = state.training_error
         elif status != "ok" and state.refusal and not state.accepted:  # why a run whose every update was refused
             row["refused_because"] = state.refusal                       # failed (cli/user_errors.py)
-        row.update(_weighted_client_metrics(state.metrics))
+        row.update(self._client_metrics(state.metrics))
         evaluated = [m for _, m in state.metrics if m.get("eval_examples", 0) > 0]
         strategy_eval = await self._model_work(self.strategy.aggregate_evaluation, evaluated) if evaluated else None
         if strategy_eval is not None:  # the strategy's, in place of the weighted means
@@ -441,6 +446,20 @@ class Coordinator(IngestPlane):
         self.metrics.append(row)
         for callback in self.on_round_end:
             callback(row)
+
+    def _client_metrics(self, reports: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+        """The round's weighted means of the agents' reported metrics, of the first MAX_CLIENT_METRICS names the run's
+        rows took (a name beyond them is left out, said once)."""
+        means = _weighted_client_metrics(reports)
+        names = self.client_metric_names
+        fresh = [k for k in means if k not in names]
+        room = MAX_CLIENT_METRICS - len(names)
+        if len(fresh) > room and not self.client_metrics_full:
+            self.client_metrics_full = True
+            log.warning("agents reported more than %d distinct metrics in this run; the rows leave out %s and any "
+                        "later new one", MAX_CLIENT_METRICS, ", ".join(fresh[room:room + 3]))
+        names.update(fresh[:room])
+        return {k: v for k, v in means.items() if k in names}
 
     async def _caught_up(self) -> None:
         """Wait until the last finished round's checkpoint and metrics line are written (raising what that raised: an

@@ -189,3 +189,29 @@ def test_a_reported_metric_that_is_huge_or_not_a_printable_name_is_refused_and_t
     row = server.coordinator.metrics.last
     assert row["status"] == "ok" and row["train_loss"] == pytest.approx(0.5)
     assert not any("\x1b" in k for k in row)
+
+
+def test_an_agent_naming_new_metrics_every_round_widens_the_rows_only_up_to_the_cap(start_coordinator, agents,
+                                                                                    monkeypatch):
+    """Each new metric name became a column, and metrics.csv was rewritten whole for it: one agent naming new ones
+    every round rewrote it every round, for the whole run. The rows take the run's first MAX_CLIENT_METRICS names."""
+    from fedpar.server import coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "MAX_CLIENT_METRICS", 3)
+    init = _arrays()
+    server = start_coordinator(init, clients_per_round=2, min_available=2, rounds=3)
+    bots = agents(server.address, ["rogue", "h1"])
+    layout = ModelLayout.of_arrays(["t0", "t1"], init)
+    for r in range(3):
+        for bot in bots:
+            task = bot.task()
+            metrics = {"train_loss": 0.5, f"train_new{r}a": 1.0, f"train_new{r}b": 1.0} if bot.agent_id == "rogue" \
+                else {"train_loss": 0.5}
+            messages = upload_messages(bot.auth, task, layout, _arrays(seed=1), 100, 1, metrics, 1024)
+            assert bot.upload(task, None, 0, messages=list(messages)).accepted
+    assert server.wait(30)
+    rows = list(server.coordinator.metrics.read_rows())
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    taken = {k for row in rows for k in row if k.startswith("train_")}
+    assert taken == {"train_loss", "train_new0a", "train_new0b"}  # the first three names; later ones left out
+    assert server.coordinator.metrics.csv_path.read_text().splitlines()[0].count("train_") == 3
