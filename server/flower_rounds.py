@@ -7,8 +7,10 @@ Flower's ``send_and_receive`` with a timeout; a reply that cannot be taken becom
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -53,7 +55,7 @@ class FlowerCoordinator(Coordinator):
         stopped_early = False
         try:
             await self.members.wait_for_live(self.config.min_available, self.config.wait_for_agents_seconds)
-            final, self.flower_summary = await asyncio.get_running_loop().run_in_executor(None, self.app_main, self)
+            final, self.flower_summary = await on_daemon_thread(self.app_main, self)
             if final is not None:
                 self.names, self.weights = final
         except asyncio.CancelledError:
@@ -151,6 +153,33 @@ def exchange_status(replies, sent: int) -> str:
     """A Flower round's status: "ok" when some node answered with content (or nothing was sent), "failed" when every
     reply is an error (the ClientApps raised, or fedpar refused what they sent) or none came."""
     return "ok" if sent == 0 or any(not reply.has_error() for reply in replies) else "failed"
+
+
+async def on_daemon_thread(fn: Callable, *args):
+    """``fn(*args)`` on a daemon thread of its own: a ServerApp still waiting when the run stops (on a round the stop
+    cancelled, in its own sleep) cannot be interrupted, and must not keep the coordinator's loop from closing nor the
+    process from exiting, as a thread of the loop's executor would (it waited for it for ever)."""
+    loop = asyncio.get_running_loop()
+    result = loop.create_future()
+
+    def settle(value, error) -> None:
+        if result.done():  # cancelled: the run stopped
+            return
+        if error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as exc:  # handed to the loop, which raises it in run()
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the run stopped, nobody waits for it
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name="fedpar-serverapp", daemon=True).start()
+    return await result
 
 
 def sent_model(arrays) -> tuple[list[str], list[np.ndarray]]:

@@ -128,3 +128,29 @@ def test_ctrl_c_stops_a_served_server_app_at_once_keeping_its_global_model(tmp_p
 
     names, _ = load_final_model(out)
     assert sorted(names) == ["b", "w"]
+
+
+def test_ctrl_c_stops_serve_while_the_server_apps_strategy_waits_for_more_nodes(tmp_path):
+    """The app's FedAvg waits for 2 nodes, 1 agent came: Ctrl-C printed 'interrupted' and serve hung for ever, the
+    coordinator's loop waiting to close for the ServerApp's thread, asleep in Flower's own wait (QA)."""
+    import signal
+
+    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--min-available", "1", "--flower-app",
+                              str(APP), "--out", str(tmp_path / "run")],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent, lines = None, []
+    try:
+        port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
+        agent = subprocess.Popen([*FEDPAR, "client", "--server", f"127.0.0.1:{port}", "--insecure", "--agent-id",
+                                  "alice", "--num-partitions", "2", "--partition-index", "0", "--flower-app", str(APP),
+                                  "--threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while "agent alice joined" not in lines[-1] and serve.poll() is None:
+            lines.append(serve.stdout.readline())
+        serve.send_signal(signal.SIGINT)
+        serve_out = "".join(lines) + serve.communicate(timeout=10)[0]
+    finally:
+        for proc in [serve, agent]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
+    assert serve_out.strip().splitlines()[-1] == "fedpar serve: interrupted after 0 completed rounds"
