@@ -225,6 +225,8 @@ class MultiKrum(Krum):
 
     def __init__(self, num_malicious: int = 0, num_selected: int = 0) -> None:
         """``num_selected`` 0 means n - f."""
+        if num_selected < 0:  # max(1, ...) below would make it Krum's 1 in silence
+            raise ValueError(f"num_selected must be >= 0 (0: n - f), got {num_selected}")
         super().__init__(num_malicious, max(1, num_selected))
         self._auto = num_selected == 0
 

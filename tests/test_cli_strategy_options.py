@@ -78,6 +78,12 @@ def test_serve_refuses_a_bad_option_name_listing_the_valid_ones(capsys, tmp_path
     assert "--strategy-option expects KEY=VALUE, got 'mu'" in capsys.readouterr().err
 
 
+def test_a_negative_multikrum_selection_is_refused_not_krum():
+    """num_selected=-3 ran Krum (one update selected) in silence (QA)."""
+    with pytest.raises(ValueError, match=r"num_selected must be >= 0 \(0: n - f\), got -3"):
+        _build(["simulate", "--strategy", "multikrum", "--strategy-option", "m=-3"])
+
+
 def test_krum_counts_must_be_integers():
     with pytest.raises(ValueError, match="'num_malicious' of strategy 'krum' must be an integer, got '1.5'"):
         _build(["serve", "--strategy", "krum", "--strategy-option", "f=1.5"])
