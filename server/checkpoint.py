@@ -185,7 +185,8 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
               "metrics_row": (dict, type(None)), "metrics_summary": (dict,), "metrics_path": (str, type(None))}
     for entry, types in shapes.items():
         if (entry in state and not isinstance(state[entry], types)) or (entry == "sampler" and entry not in state):
-            kinds = " or ".join({dict: "an object", list: "a list", str: "a string", type(None): "null"}[t] for t in types)
+            kinds = " or ".join({dict: "an object", list: "a list", str: "a string", type(None): "null"}[t]
+                                for t in types)
             raise CheckpointError(f"damaged checkpoint: {directory / 'state.json'}: {entry!r} must be {kinds}"
                                   f"{_older_hint(root, round_id)}")
     state.pop("round")

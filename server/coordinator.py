@@ -236,7 +236,7 @@ class Coordinator(IngestPlane):
             if not self.metrics.resume(self.round_id, ckpt.state.get("metrics_row"), ckpt.state.get("metrics_summary"),
                                        earlier):
                 log.warning("the rows of the rounds before round %d were written to %s, which is gone: %s starts at "
-                         "round %d", self.round_id, earlier, self.metrics.path, self.round_id)
+                            "round %d", self.round_id, earlier, self.metrics.path, self.round_id)
         earlier = (self.metrics.last or {}).get("wall_seconds")
         if isinstance(earlier, (int, float)) and 0 <= earlier < math.inf:  # rows go on counting the whole run's time
             self.earlier_seconds = float(earlier)
