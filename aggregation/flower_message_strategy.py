@@ -88,7 +88,7 @@ def flower_options(name: str, cls: type, raw: dict[str, Any], from_text: bool) -
     """``raw`` as typed constructor options of ``cls``; the options of the strategy's own node sampling refused."""
     if not is_message_api(cls):
         return legacy.flower_options(name, cls, raw, from_text)
-    options = typed_options(name, cls, raw, from_text=from_text)
+    options = typed_options(name, cls, raw, from_text=from_text, refused=SAMPLING_OPTIONS)
     for key in options:
         if key in SAMPLING_OPTIONS:
             raise ValueError(f"option {key!r} of {name} sizes the strategy's own node sample, which fedpar's sampler "

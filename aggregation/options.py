@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,14 +50,16 @@ def option_specs(cls: type) -> dict[str, OptionSpec]:
     return specs
 
 
-def describe_options(cls: type, aliases: bool = True) -> str:
-    """Human-readable list of ``cls``'s options, for help texts and error messages."""
-    specs = option_specs(cls)
-    return "; ".join(s.describe(aliases) for s in specs.values()) if specs else "none"
+def describe_options(cls: type, aliases: bool = True, leaving_out: Collection[str] = ()) -> str:
+    """Human-readable list of ``cls``'s options (but ``leaving_out``), for help texts and error messages."""
+    specs = [s for name, s in option_specs(cls).items() if name not in leaving_out]
+    return "; ".join(s.describe(aliases) for s in specs) if specs else "none"
 
 
-def typed_options(strategy: str, cls: type, raw: Mapping[str, Any], from_text: bool = True) -> dict[str, Any]:
-    """``raw`` (keys maybe hyphenated) as typed constructor arguments of ``cls``; ValueError naming the valid ones.
+def typed_options(strategy: str, cls: type, raw: Mapping[str, Any], from_text: bool = True,
+                  refused: Collection[str] = ()) -> dict[str, Any]:
+    """``raw`` (keys maybe hyphenated) as typed constructor arguments of ``cls``; ValueError naming the valid ones
+    (not those the caller ``refused``).
 
     ``from_text`` (command line, TOML): short aliases such as ``mu`` are accepted and only bool/int/float/str
     options can be set. Otherwise (Python callers) other constructor arguments (``fold_config``) pass through.
@@ -78,7 +80,7 @@ def typed_options(strategy: str, cls: type, raw: Mapping[str, Any], from_text: b
         else:
             hint = _alias_target(ALIASES.get(name, ()), cls)
             hint = f" (did you mean {hint!r}?)" if hint else ""
-            valid = f"valid options: {describe_options(cls, from_text)}" if specs else "it takes no options"
+            valid = f"valid options: {describe_options(cls, from_text, refused)}" if specs else "it takes no options"
             raise ValueError(f"unknown option {key!r} for strategy {strategy!r}{hint}; {valid}")
     return out
 

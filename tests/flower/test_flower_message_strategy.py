@@ -96,6 +96,10 @@ def test_configure_trains_config_reaches_the_members_and_proximal_mu_is_fedpars_
 def test_the_strategys_own_node_sampling_and_unknown_names_are_refused_in_one_line(capsys):
     with pytest.raises(ValueError, match="sizes the strategy's own node sample.*--clients-per-round"):
         parse_strategy_options("flower:FedAvg", {"fraction_train": "0.5"})
+    with pytest.raises(ValueError, match="unknown option 'fraction_trian'") as unknown:  # a typo lists what is valid:
+        parse_strategy_options("flower:FedAvg", {"fraction_trian": "0.5"})  # not the options refused above
+    assert "weighted_by_key" in str(unknown.value) and "fraction_train" not in str(unknown.value), unknown.value
+    assert "min_train_nodes" not in str(unknown.value)
     with pytest.raises(ValueError, match="flower:Nope is not a strategy of flwr.serverapp.strategy; choose one of "
                                          "Bulyan, .*FedAdam, FedAvg"):
         build_strategy("flower:Nope")
