@@ -118,11 +118,11 @@ def main() -> None:
                                f"{x['peak_mib']:.0f}" for x in res["per_rank"])
         print(f"{res['ranks']:>5} {res['round_seconds']:>9.2f} {res['upload_gbps']:>12.2f} {res['allreduce_s']:>13.3f} "
               f"{speedup:>9.2f} {res['efficiency']:>11.2f}   {ranks_text}")
-    write_results(args.json, [{"what": f"round time, {res['ranks']} aggregator ranks", "ratio": 1 / res["speedup"],
-                               "against": "one rank, same run"} for res in results[1:]],
-                  {"params": args.params, "agents": args.agents, "cores": cores, "agent_processes": args.workers,
-                   "results": results})
-    print(f"wrote {args.json}")
+    ratios = [{"what": f"round time, {res['ranks']} aggregator ranks", "ratio": 1 / res["speedup"],
+               "against": "one rank, same run"} for res in results[1:]]
+    path = write_results(args.json, ratios, {"params": args.params, "agents": args.agents, "cores": cores,
+                                             "agent_processes": args.workers, "results": results})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SMOKE = Path(__file__).resolve().parents[1] / "runs" / "benchmarks"  # where a --quick run's figures go (ignored by git)
 
 
 def machine() -> str:
@@ -31,14 +32,23 @@ def machine() -> str:
     return ", ".join(words)
 
 
+def destination(path: Path, argv: list[str]) -> Path:
+    """Where ``path`` is written: a --quick smoke run's figures go to runs/benchmarks/, not over the published ones."""
+    path = Path(path)
+    if "--quick" in argv[1:] and path.resolve().parent == RESULTS:
+        return SMOKE / path.name
+    return path
+
+
 def write_results(path: Path, ratios: list[dict], results: object, argv: list[str] | None = None) -> Path:
-    """Write ``path``: the envelope around ``results`` (the benchmark's own figures) with ``ratios``, each
-    ``{"what": ..., "ratio": float, "against": the same-run baseline}``."""
+    """Write ``path`` (a --quick run's under runs/benchmarks/ instead of benchmarks/results/): the envelope around
+    ``results`` (the benchmark's own figures) with ``ratios``, each ``{"what": ..., "ratio": float, "against": the
+    same-run baseline}``. Returns the path written."""
     argv = sys.argv if argv is None else argv
     envelope = {"benchmark": Path(argv[0]).name, "date": datetime.date.today().isoformat(), "machine": machine(),
                 "command": "python " + shlex.join([f"benchmarks/{Path(argv[0]).name}", *argv[1:]]),
                 "ratios": ratios, "results": results}
-    path = Path(path)
+    path = destination(path, argv)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(envelope, indent=2) + "\n")
     return path

@@ -186,3 +186,19 @@ def test_the_pages_list_the_strategies_the_registry_has():
             "<!-- linear strategies --> (docs/hooks/strategy_lists.py fills it in), not by hand"
     page = hook.on_page_markdown("sums: <!-- linear strategies -->.", None, None, None)
     assert page == f"sums: {', '.join(linear_strategy_names())}."
+
+
+def test_a_quick_benchmark_run_leaves_the_published_figures_alone(tmp_path):
+    """The benchmarks page is built from benchmarks/results/*.json: a --quick smoke run writes under runs/ instead."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_results", ROOT / "benchmarks" / "results.py")
+    results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results)
+    published = results.RESULTS / "round_bench.json"
+    assert results.destination(published, ["round_bench.py", "--quick"]) == results.SMOKE / "round_bench.json"
+    assert results.destination(published, ["round_bench.py"]) == published
+    assert results.destination(tmp_path / "r.json", ["round_bench.py", "--quick"]) == tmp_path / "r.json"
+    assert results.SMOKE.is_relative_to(ROOT / "runs") and "runs/" in (ROOT / ".gitignore").read_text().split()
+    written = results.write_results(tmp_path / "r.json", [], {}, argv=["round_bench.py", "--quick"])
+    assert written == tmp_path / "r.json" and written.exists()
