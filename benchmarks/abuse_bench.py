@@ -26,6 +26,7 @@ from pathlib import Path
 from cryptography import x509
 
 from fedpar.aggregation import build_strategy
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.models import get_weights, weight_specs
 from fedpar.security.admission import Admission, RevocationList, append_revocation
 from fedpar.security.certs import CertPaths, ensure_certs
@@ -54,7 +55,7 @@ def server_for(rounds: int, agents: int, credentials=None, admission=None, **ove
 
 def main(argv: list[str] | None = None) -> int:
     """Run every attack and print a table of ratios; write the figures as JSON."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", type=int, default=3)
     p.add_argument("--before", type=int, default=5, help="rounds before the attack (the first warms up)")
     p.add_argument("--during", type=int, default=5, help="rounds measured under attack")

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import FedAvg, FoldConfig, FoldItem, fedavg
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.parallel.device import flush_denormals
 from fedpar.server.round_modes import FoldQueue
 from fedpar.server.rounds import RoundState
@@ -401,7 +402,7 @@ def compression_table(rounds: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse options, measure bandwidth, run every cell, print the tables."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = FedparParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="P=1M only, two repeats, small bandwidth arrays, 3-round compression table")
     ap.add_argument("--clients", type=int, nargs="+", default=[10, 100], help="cohort sizes K")
     ap.add_argument("--params", type=float, nargs="+", default=[1, 10, 50], help="model sizes P in millions")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_agents import run_light_worker  # noqa: E402
 from results import write_results  # noqa: E402
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.protocol.codec import ModelLayout  # noqa: E402
 from fedpar.simulations.synthetic_coordinator import synthetic_model  # noqa: E402
 
@@ -88,7 +89,7 @@ def summarize(ranks: int, cell: dict, agents: int) -> dict:
 
 def main() -> None:
     """Run the cells and print the table (and JSON)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=int, default=10_000_000)
     p.add_argument("--agents", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from fedpar.cli.argtypes import FedparParser
 from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
@@ -33,7 +34,7 @@ def run_method(method: str, knobs: dict, args: argparse.Namespace, seed: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Run every method and print the table as rows finish."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = FedparParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=10, help="simulated agents (all report every round)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds per run")
     ap.add_argument("--partition", default="iid", help="iid, dirichlet:ALPHA or shards:N")

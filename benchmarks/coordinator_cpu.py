@@ -10,7 +10,6 @@ time: on a loaded 2-core machine a round's wall time says little. Writes benchma
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import statistics
@@ -23,6 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 
 CELL = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--clients", "100", "--clients-per-round", "10"]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -87,7 +88,7 @@ def measure(python: str, first: int, last: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FedparParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="another checkout's python to alternate with (e.g. main's venv)")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--from", dest="first", type=int, default=20, help="first round of the window")

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.datasets import load_dataset  # noqa: E402
 from fedpar.models.for_data import build_model_for_data  # noqa: E402
 from fedpar.datasets.clientdata import client_parts, local_split  # noqa: E402
@@ -98,7 +99,7 @@ def run(clients: int, rounds: int, dataset: str, data_dir: str | None, model_nam
 
 def main() -> None:
     """Command line: the job's settings, defaults equal to `fedpar simulate`'s."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--dataset", default="digits")

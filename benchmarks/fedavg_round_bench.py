@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import fedavg
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.client.batched_trainer import ClientBatchInput, train_clients_batched
 from fedpar.client.trainer import LocalTrainer
 from fedpar.datasets import load_dataset
@@ -180,7 +181,7 @@ def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, da
 
 def main() -> None:
     """Command line: run the benchmark, print the table and the JSON object."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--quick", action="store_true", help="E=1 and at most 100 examples a client: a smoke run")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per way (after one untimed warm-up round)")

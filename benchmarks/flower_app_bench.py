@@ -14,7 +14,6 @@ in one process, and max |difference| of its final arrays from that run's:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import logging
 import sys
@@ -28,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/support
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
+
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 
 
 def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -101,7 +102,7 @@ def with_fedpar(app_dir: Path, run_config: str | None, clients: int, workers: in
 
 def main(argv: list[str] | None = None) -> int:
     """Run the three ways and print the comparison."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FedparParser(description=__doc__.splitlines()[0])
     p.add_argument("--app", default=str(ROOT / "examples" / "flower_app"), help="the Flower App project directory")
     p.add_argument("--clients", type=int, default=4, help="nodes (partitions) of the federation")
     p.add_argument("--workers", type=int, default=2, help="fedpar's worker processes")

@@ -10,7 +10,6 @@ time); rules built on ``flwr...aggregate()`` (FedAvgM, FedTrimmedAvg, ...) decod
 
 from __future__ import annotations
 
-import argparse
 import logging
 import tracemalloc
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.aggregation import build_strategy
+from fedpar.cli.argtypes import FedparParser
 from results import write_results  # benchmarks/, this script's folder
 
 CONTENDERS = [("fedavg", {}), ("flower:flwr.server.strategy:FedAvg", {}),
@@ -42,7 +42,7 @@ def measure(name: str, options: dict, global_weights: list[np.ndarray], updates:
 
 def main() -> None:
     """Print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FedparParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/flower_strategy_memory.json"),

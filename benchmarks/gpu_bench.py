@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.models.gpt import GPT, GPTConfig  # noqa: E402
 from fedpar.parallel.config import ParallelConfig, TrainConfig  # noqa: E402
 from fedpar.datasets.arrays import LANGUAGE_MODEL, TrainData  # noqa: E402
@@ -275,7 +275,7 @@ def envelope_ratios(results: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the sections, print their tables and write the JSON result file."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FedparParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer steps (on CPU: eager runs only)")
     p.add_argument("--warmup", type=int, default=None,
                    help="warm-up steps per run, not timed; also the length of a timed interval (default 10; quick 5)")

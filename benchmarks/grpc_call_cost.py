@@ -29,6 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
+
 WAYS = ("unary", "direct", "guarded", "stream")
 REQUEST = b"\x01" * 38_440  # a digits MLP's weights (9,610 float32)
 REPLY = b"\x08\x01\x12\x1f2 updates accepted for round 17"
@@ -116,7 +118,7 @@ def _pass(call, server_pid: int, calls: int) -> dict:
 
 def main() -> int:
     """Start the server, alternate the ways, print and write the medians and ratios."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="round trips per way and pass")
     p.add_argument("--pairs", type=int, default=5, help="passes over the ways")
     p.add_argument("--json", type=Path, default=HERE / "results" / "grpc_call_cost.json")

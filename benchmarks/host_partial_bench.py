@@ -10,7 +10,6 @@ workers); median of ``--repeats`` builds each, alternated. Writes benchmarks/res
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ sys.path.insert(0, str(HERE))
 
 from results import write_results  # noqa: E402
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.client.host_partial import HostSum  # noqa: E402
 from fedpar.client.transfer import SmallUpdate  # noqa: E402
 from fedpar.models.for_data import build_model_for_data  # noqa: E402
@@ -76,7 +76,7 @@ def from_stack(layout: ModelLayout, stacked, headers) -> pb.HostPartial:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FedparParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=50, help="builds of each kind, alternated")
     a = p.parse_args()
     model = build_model_for_data("mlp", (1, 8, 8), 10)

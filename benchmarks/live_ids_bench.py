@@ -7,13 +7,13 @@ One command:  .venv/bin/python benchmarks/live_ids_bench.py   (writes benchmarks
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
+from fedpar.cli.argtypes import FedparParser
 from fedpar.server.member_table import LiveIds, find, insert_sorted
 from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
 
@@ -75,7 +75,7 @@ def measure(n: int, repeats: int, rng: np.random.Generator) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Time both ways at each size; print the table and the ratios; write the JSON."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = FedparParser(description=__doc__.splitlines()[0])
     ap.add_argument("--members", type=int, nargs="+", default=[10**5, 10**6, 10**7], help="population sizes")
     ap.add_argument("--repeats", type=int, default=20, help="away/back rounds timed per size (the median is kept)")
     ap.add_argument("--json", type=Path, default=RESULTS / "live_ids_bench.json", help="where the results go")

@@ -18,7 +18,6 @@ One launch per world size (gloo on CPU, NCCL if CUDA is available; one thread pe
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import os
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.models import build_model
 from fedpar.parallel.ddp import apply_ddp
 from fedpar.parallel.fsdp import apply_fsdp
@@ -358,7 +358,7 @@ def _default_ranks() -> list[int]:
 
 def main() -> int:
     """One launch per world size, then print the tables."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FedparParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed repetitions")
     parser.add_argument("--ranks", type=int, nargs="+", metavar="N", default=None,
                         help="world sizes for the DDP scaling table (1 is always added as the baseline); "

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedpar.cli.argtypes import FedparParser
+
 HERE = Path(__file__).resolve().parent
 MODELS = {
     "digits MLP": [(64, 64), (64,), (10, 64), (10,)],
@@ -76,7 +78,7 @@ def main() -> int:
 
     from fedpar.parallel.init import spawn
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--json", type=Path, default=HERE / "results" / "rank_broadcast_bench.json")
     a = p.parse_args()

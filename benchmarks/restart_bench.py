@@ -29,6 +29,8 @@ from pathlib import Path
 
 from results import write_results  # benchmarks/, this script's folder
 
+from fedpar.cli.argtypes import FedparParser
+
 MEMBERS = Path(__file__).resolve().parents[1] / "tests" / "support" / "synthetic_members.py"
 
 
@@ -87,7 +89,7 @@ class Bench:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=int, default=1_000_000, help="model size in float32 parameters")
     p.add_argument("--agents", type=int, default=10, help="members hosted (all of them report every round)")
     p.add_argument("--kills", type=int, default=3, help="kill -9 / restart cycles")

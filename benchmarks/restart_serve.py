@@ -27,6 +27,7 @@ from pathlib import Path
 from results import RESULTS, write_results  # benchmarks/, this script's folder
 from soak import MetricsTail, _kill_tree
 
+from fedpar.cli.argtypes import FedparParser
 from fedpar.client.backoff import MAX_BACKOFF_SECONDS
 from fedpar.parallel.init import free_port
 
@@ -112,7 +113,7 @@ def restart(coordinator: Coordinator, spawned: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its table."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2, help="--aggregator-ranks of the coordinator (2 or more: with one "
                    "the coordinator starts no rank processes, and both kinds are the same)")
     p.add_argument("--agents", type=int, default=10, help="agents (threads of one process)")

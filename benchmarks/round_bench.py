@@ -49,6 +49,7 @@ from bench_agents import run_light_worker  # noqa: E402
 from results import write_results  # noqa: E402
 
 from fedpar.aggregation import build_strategy  # noqa: E402
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.client import dataplane  # noqa: E402
 from fedpar.client.transfer import download_weights, upload_messages, upload_update  # noqa: E402
 from fedpar.protocol import fedpar_pb2 as pb  # noqa: E402
@@ -322,7 +323,7 @@ def simulate_ratios(results: list[tuple[dict, dict]]) -> list[dict]:
 # ----------------------------------------------------------------------------- main
 def main() -> None:
     """Run the chosen sections and print their tables."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes only: a smoke run of every section")
     p.add_argument("--only", choices=["transfer", "overhead", "simulate"], help="run one section")
     p.add_argument("--repeats", type=int, default=5, help="transfer repeats (after one warm-up)")

@@ -46,6 +46,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 ENV = "FEDPAR_ROUND_TIMELINE"  # the folder each process writes its events to (set only by this benchmark)
 START = "server Coordinator._run_round"  # the event that starts a round
 
@@ -266,7 +268,7 @@ def run(simulate_args: list[str], out: Path, python: str = sys.executable) -> tu
 
 def main() -> int:
     """Run, print the table, write the JSON."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--clients-per-round", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12)

@@ -39,6 +39,7 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation import build_strategy
+from fedpar.cli.argtypes import FedparParser
 from fedpar.client.secure_upload import SecureSession, flat_update
 from fedpar.client.transfer import download_weights, upload_messages, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
@@ -163,7 +164,7 @@ def run_mode(n: int, params: int, rounds: int, workers: int, secure: bool) -> di
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", type=int, nargs="+", default=[10, 50], help="cohort sizes to measure")
     p.add_argument("--params", type=int, default=1_000_000, help="float32 parameters of the model")
     p.add_argument("--rounds", type=int, default=4, help="rounds per mode (the first is warm-up)")

@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fedpar.cli.argtypes import FedparParser
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -46,7 +48,7 @@ def main() -> int:
     from population_bench import run_floor, run_simulate
     from results import write_results
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--rounds", type=int, default=61)
     p.add_argument("--clients", type=int, default=100)

@@ -53,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.parallel.init import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -714,7 +715,7 @@ def report(fig: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the soak and print (and save) its figures."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=1000, help="stop after this many rounds (0: run --minutes)")
     p.add_argument("--minutes", type=float, default=120.0, help="stop after this long at the latest")
     p.add_argument("--aggregator-ranks", type=int, default=2)

@@ -17,7 +17,6 @@ way, alternated:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(HERE))
 
 from results import write_results  # noqa: E402
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.client.batched_trainer import ClientBatchInput, member_tensors, train_clients_batched  # noqa: E402
 from fedpar.client.trainer import LocalTrainer  # noqa: E402
 from fedpar.datasets import load_dataset  # noqa: E402
@@ -49,7 +49,7 @@ CELLS = {
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FedparParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=30, help="runs of each way, alternated")
     p.add_argument("--models", default="mlp,cnn,mnist-cnn,mnist-mlp", help=f"the cells of these ({', '.join(CELLS)})")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))

@@ -28,6 +28,8 @@ sys.path.insert(0, str(HERE))
 from population_bench import run_floor, run_simulate  # noqa: E402  (benchmarks/, this script's folder)
 from results import write_results  # noqa: E402
 
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
+
 DIGITS = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1"]
 CELLS = {"10 of 10": [*DIGITS, "--clients", "10", "--clients-per-round", "10"],
          "100 of 100": [*DIGITS, "--clients", "100", "--clients-per-round", "100"],
@@ -94,7 +96,7 @@ def ratios(cells: list[dict], label: str) -> list[dict]:
 
 def main() -> int:
     """Run the cells and write the JSON."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", required=True, help="the python of a venv where the other checkout is installed")
     p.add_argument("--label", help="what the baseline is, for the JSON (default: its checkout's folder)")
     p.add_argument("--pairs", type=int, default=3)

@@ -23,7 +23,6 @@ benchmarks/results.py, the counts against the targets as ratios); docs/explanati
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -39,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import RESULTS, write_results  # noqa: E402  (benchmarks/, this script's folder)
+
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 
 # (file, function) that open and close each window; a rename in the code is a rename here
 MARKS = {
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return child(argv[1], Path(argv[2]), argv[4:])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = FedparParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, default=RESULTS / "trace_round.json", help="where the figures go")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the round may take in all")
     p.add_argument("--round-target", type=int, default=30, help="files one round may run code in (issue 26)")

@@ -16,7 +16,6 @@ The results go to benchmarks/results/worker_cpu_bench.json (``--json``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -29,6 +28,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TICK = os.sysconf("SC_CLK_TCK")
@@ -127,7 +128,7 @@ def run(root: Path, simulate_args: list[str], skip: int, window: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = FedparParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", type=Path, required=True, help="the checkout to compare with (its .venv is used)")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=40)

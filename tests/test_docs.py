@@ -202,3 +202,12 @@ def test_a_quick_benchmark_run_leaves_the_published_figures_alone(tmp_path):
     assert results.SMOKE.is_relative_to(ROOT / "runs") and "runs/" in (ROOT / ".gitignore").read_text().split()
     written = results.write_results(tmp_path / "r.json", [], {}, argv=["round_bench.py", "--quick"])
     assert written == tmp_path / "r.json" and written.exists()
+
+
+def test_every_benchmark_refuses_a_wrong_flag_in_one_line():
+    """Each benchmark's parser is the CLI's FedparParser: a mistyped flag is one line, not argparse's whole usage."""
+    scripts = [path for path in sorted((ROOT / "benchmarks").glob("*.py")) if "add_argument(" in path.read_text()]
+    assert scripts
+    for path in scripts:
+        text = path.read_text()
+        assert "argparse.ArgumentParser(" not in text and "FedparParser(" in text, path.name
