@@ -59,6 +59,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 PER_ROUND = 100
 
 
@@ -434,7 +436,7 @@ def steady_ratios(result: dict) -> list[dict]:
 
 def main() -> int:
     """Run the cells and print the table."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FedparParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="populations 100 and 10,000, 4 rounds")
     p.add_argument("--rounds", type=int, help="rounds per run (default 10; --steady: 11)")
     p.add_argument("--mnist-dir", default=str(HERE.parent.parent / "shared" / "data" / "mnist"))
@@ -460,12 +462,12 @@ def main() -> int:
             result = batching_rounds(a.rounds or 8, a.repeats, Path(tmp), tuple(a.models.split(",")), a.mnist_dir)
         ratios = []
         for c in result["cells"]:
-            cell = (f"{c['model']} (digits unless mnist-), E1, {c['per_round']} of {c['clients']} clients, median of "
+            shape = (f"{c['model']} (digits unless mnist-), E1, {c['per_round']} of {c['clients']} clients, median of "
                     f"{c['pairs']} pairs, load {c['load_1min'][0]:.1f}-{c['load_1min'][1]:.1f}")
-            ratios += [{"what": f"steady round of fedpar simulate --client-batching on, {cell} "
+            ratios += [{"what": f"steady round of fedpar simulate --client-batching on, {shape} "
                                 f"({c['min']:.2f}-{c['max']:.2f})",
                         "ratio": c["median_on_vs_off"], "against": "--client-batching off, alternated in the same run"},
-                       {"what": f"CPU seconds of the whole fedpar simulate process tree, --client-batching on, {cell}",
+                       {"what": f"CPU seconds of the whole fedpar simulate process tree, --client-batching on, {shape}",
                         "ratio": c["median_cpu_on_vs_off"],
                         "against": "--client-batching off, alternated in the same run"}]
         # the MLP cells' file, or the convolutional cells' beside it

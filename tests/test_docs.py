@@ -211,3 +211,26 @@ def test_every_benchmark_refuses_a_wrong_flag_in_one_line():
     for path in scripts:
         text = path.read_text()
         assert "argparse.ArgumentParser(" not in text and "FedparParser(" in text, path.name
+
+
+def test_no_benchmark_main_hides_a_function_of_its_module_behind_a_local():
+    """A local of ``main`` named as one of its module's functions makes every call of that function in ``main`` an
+    UnboundLocalError (population_bench.py's default run died so, its --batching branch naming a string ``cell``)."""
+    import symtable
+
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        module = symtable.symtable(path.read_text(), str(path), "exec")
+        functions = {table.get_name(): table for table in module.get_children() if table.get_type() == "function"}
+        if "main" in functions:
+            hidden = [s.get_name() for s in functions["main"].get_symbols()
+                      if s.get_name() in functions and s.is_local()]
+            assert not hidden, f"{path.name}: main's locals hide its module's functions {hidden}"
+
+
+def test_contributing_names_the_benchmarks_that_have_a_quick_run():
+    """docs/contributing.md lists the benchmarks that take --quick: the list is the scripts that declare it."""
+    page = (DOCS / "contributing.md").read_text().split("## Benchmarks", 1)[1]
+    listed = set(re.findall(r"`(\w+)`", page.split("where a script has it (", 1)[1].split(")", 1)[0]))
+    scripts = (ROOT / "benchmarks").glob("*.py")
+    declared = {path.stem for path in scripts if 'add_argument("--quick"' in path.read_text()}
+    assert listed == declared
