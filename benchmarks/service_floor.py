@@ -42,6 +42,17 @@ def untrained():
     return dataclasses.replace(classifier("mlp", "digits"), train=_train_nothing, name="untrained mlp on digits")
 
 
+def simulate_ways(clients: int, per_round: int, rounds: int) -> tuple[list[str], dict[str, list[str]]]:
+    """The default job's `fedpar simulate` flags (the plain loop's too) and each way's: default and untrained."""
+    shape = ["--local-epochs", "1", "--clients", str(clients), "--clients-per-round", str(per_round),
+             "--rounds", str(rounds)]
+    job = ["--dataset", "digits", "--model", "mlp", *shape]
+    # the task brings its model and data (simulate refuses --dataset and --model beside it); --seats 1: the default
+    # route's seats here (a --task gets 4 for its own data loading, which this one does not do)
+    return job, {"default": job, "untrained": [*shape, "--task", f"{Path(__file__).resolve()}:untrained",
+                                               "--client-eval-every", "0", "--seats", "1"]}
+
+
 def main() -> int:
     """Run the pairs and the plain loop, print and write the figures."""
     sys.path.insert(0, str(HERE))
@@ -55,13 +66,7 @@ def main() -> int:
     p.add_argument("--clients-per-round", type=int, default=10)
     p.add_argument("--json", type=Path, default=HERE / "results" / "service_floor.json")
     a = p.parse_args()
-    job = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--clients", str(a.clients),
-           "--clients-per-round", str(a.clients_per_round), "--rounds", str(a.rounds)]
-    ways = {"default": job,
-            # --seats 1: the default route's seats here (a --task gets 4 for its own data loading, which this one
-            # does not do: its data is the built-in digits)
-            "untrained": [*job, "--task", f"{Path(__file__).resolve()}:untrained", "--client-eval-every", "0",
-                          "--seats", "1"]}
+    job, ways = simulate_ways(a.clients, a.clients_per_round, a.rounds)
     print(f"load average before: {os.getloadavg()[0]:.2f}; {a.clients_per_round} of {a.clients}, {a.pairs} pairs")
     periods: dict[str, list[float]] = {name: [] for name in ways}
     with tempfile.TemporaryDirectory() as tmp:

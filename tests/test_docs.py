@@ -234,3 +234,23 @@ def test_contributing_names_the_benchmarks_that_have_a_quick_run():
     scripts = (ROOT / "benchmarks").glob("*.py")
     declared = {path.stem for path in scripts if 'add_argument("--quick"' in path.read_text()}
     assert listed == declared
+
+
+def test_service_floors_untrained_way_is_a_simulate_command_line_that_is_taken():
+    """benchmarks/service_floor.py's untrained way names a --task: simulate refuses --dataset and --model beside it."""
+    import importlib.util
+
+    from fedpar.cli.config import given_settings
+    from fedpar.cli.main import subcommand_parser
+    from fedpar.cli.task_options import check_nothing_replaced
+
+    spec = importlib.util.spec_from_file_location("service_floor", ROOT / "benchmarks" / "service_floor.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    job, ways = bench.simulate_ways(100, 10, 5)
+    assert ways["default"] == job
+    for flags in ways.values():
+        parser = build_parser(only="simulate")
+        args = parser.parse_args(["simulate", *flags])
+        args._given = given_settings(subcommand_parser(parser, "simulate"), flags, frozenset())  # as main() does
+        check_nothing_replaced(args)
