@@ -5,7 +5,8 @@ children, counted apart), over rounds ``--from``..``--to`` of one run.
 One command: ``.venv/bin/python benchmarks/coordinator_cpu.py [--baseline PYTHON] [--pairs 5]``. With ``--baseline``
 (another checkout's venv python, e.g. main's) it alternates baseline and this checkout's runs, pair by pair, so both
 see the same load, and prints each one's median coordinator ms of CPU per round and their ratio. CPU time, not wall
-time: on a loaded 2-core machine a round's wall time says little. Writes benchmarks/results/coordinator_cpu.json.
+time: on a loaded 2-core machine a round's wall time says little. Writes benchmarks/results/coordinator_cpu.json
+(``--json``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--from", dest="first", type=int, default=20, help="first round of the window")
     parser.add_argument("--to", dest="last", type=int, default=420, help="last round of the window")
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "coordinator_cpu.json", help="where it goes")
     args = parser.parse_args()
     kinds = {"this": sys.executable} | ({"baseline": args.baseline} if args.baseline else {})
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
@@ -111,8 +113,9 @@ def main() -> None:
         print(f"this / baseline: {ratio:.3f}")
         ratios.append({"what": "coordinator CPU per round, 10 of 100 clients (median of alternated runs)",
                        "ratio": ratio, "against": "the baseline checkout in the same run"})
-    write_results(HERE / "results" / "coordinator_cpu.json", ratios,
-                  {"cell": CELL, "window": [args.first, args.last], "medians_ms": medians, "runs": runs})
+    path = write_results(args.json, ratios,
+                         {"cell": CELL, "window": [args.first, args.last], "medians_ms": medians, "runs": runs})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ and decoded again by the host before the sum. Now the host sums straight from th
 the stack (``HostSum.add_stacked``). Every member is still checked as the coordinator checks an upload.
 
 Digits MLP (the steady-round cells' model), 10 and 50 members (a worker's share of 10 of 10 and 100 of 100 on 2
-workers); median of ``--repeats`` builds each, alternated. Writes benchmarks/results/host_partial_bench.json.
+workers); median of ``--repeats`` builds each, alternated. Writes benchmarks/results/host_partial_bench.json
+(``--json``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def from_stack(layout: ModelLayout, stacked, headers) -> pb.HostPartial:
 def main() -> int:
     p = FedparParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=50, help="builds of each kind, alternated")
+    p.add_argument("--json", type=Path, default=HERE / "results" / "host_partial_bench.json", help="where it goes")
     a = p.parse_args()
     model = build_model_for_data("mlp", (1, 8, 8), 10)
     layout = ModelLayout([(n, "float32", tuple(t.shape)) for n, t in model.named_parameters()])
@@ -108,7 +110,7 @@ def main() -> int:
             ratios.append({"what": f"a host's partial of {k} digits-MLP updates, built {way.replace('_', ' ')} "
                                    f"(load {' '.join(load)})", "ratio": c[f"{way}_vs_decoded_again"],
                            "against": "each update encoded by its seat and decoded again by the host, same run"})
-    path = write_results(HERE / "results" / "host_partial_bench.json", ratios, {"repeats": a.repeats, "cells": cells})
+    path = write_results(a.json, ratios, {"repeats": a.repeats, "cells": cells})
     print(f"wrote {path}")
     return 0
 

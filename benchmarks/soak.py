@@ -749,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     if restarts and p50:
         ratios.append({"what": "restart to first completed round", "ratio": statistics.median(restarts) / p50,
                        "against": "the p50 round of the same run"})
-    write_results(args.json, ratios, fig, argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    path = write_results(args.json, ratios, fig, argv=[sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    print(f"wrote {path}")
     return 0
 
 
