@@ -46,3 +46,22 @@ class Backoff:
     def fits_before(self, deadline_at: float) -> bool:
         """Whether a wait of the current step still ends before ``deadline_at`` (a time.monotonic() value)."""
         return time.monotonic() + self.step < deadline_at
+
+
+class Pacer:
+    """Paces a loop whose turns a peer may answer at once with nothing to do (a coordinator that ends every long-poll
+    at once, or hands out only tasks the client refuses): after such a turn, one shorter than ``fast`` seconds, the
+    next waits a jittered backoff from ``first`` up to ``cap`` seconds; a turn that did something, or took longer,
+    starts it over."""
+
+    def __init__(self, first: float, cap: float, rng: Uniform, fast: float):
+        self.first, self.cap, self.rng, self.fast = first, cap, rng, fast
+        self._backoff: Backoff | None = None
+
+    def after(self, started: float, idle: bool) -> float:
+        """Seconds to wait before the next turn (0: at once), after one begun at ``started`` (time.monotonic())."""
+        if not idle or time.monotonic() - started >= self.fast:
+            self._backoff = None
+            return 0.0
+        self._backoff = self._backoff or Backoff(self.first, self.cap, self.rng)
+        return self._backoff.wait()

@@ -37,7 +37,7 @@ from fedpar.client.host_partial import HostSum, summable
 from fedpar.client.host_stream import CallRefused, KeptStream
 from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CoordinatorStub
+from fedpar.protocol.codec import CoordinatorStub, one_line
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
@@ -286,4 +286,5 @@ class HostUploads:
             threading.Timer(RETRY_PAUSE, self._put, (q,)).start()
         else:
             self.refused_in_background += 1
-            log.info("an update sent in the background was refused: %s: %s", err.code().name, err.details())
+            log.info("an update sent in the background was refused: %s: %s", err.code().name,
+                     one_line(err.details() or ""))

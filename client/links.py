@@ -35,7 +35,8 @@ from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, CoordinatorStub,
-                                   channel_options, member_token)
+                                   channel_options, member_token, one_line)
+from fedpar.protocol.task_settings import MAX_TASK_SECONDS
 from fedpar.security.handshake import diagnose_handshake, tls_mismatch
 from fedpar.security.tls import TlsFiles
 from fedpar.task import UPLOAD_MARGIN_SECONDS
@@ -88,21 +89,26 @@ class Reconnecting:
     def _retry(self, fn: Callable[[], T], rejoin: bool) -> T:
         backoff = Backoff(self.first, self.cap, self.rng)
         unreachable_since = None
+        rejoined = False
         while True:
             try:
                 return fn()
             except grpc.RpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.UNAUTHENTICATED and rejoin:
-                    log.info("%s: session not recognised (%s); joining again", self.who, err.details())
+                    if rejoined:  # the new session was not recognised either: a coordinator that forgets every
+                        self._pause(backoff)  # session at once must not make us join a thousand times a second
+                    log.info("%s: session not recognised (%s); joining again", self.who, one_line(err.details() or ""))
                     self.on_rejoin()
                     self.join()
+                    rejoined = True
                     continue
                 if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but not a coordinator's agents' port
                     raise FatalAgentError(f"{self.who}: {self.server} answers, but not as a coordinator (is it a "
                                           "service's control port?): give --server the coordinator's --port") from None
                 if code not in RETRYABLE:
-                    raise FatalAgentError(f"{self.who}: coordinator refused: {code.name}: {err.details()}") from None
+                    said = one_line(err.details() or "")
+                    raise FatalAgentError(f"{self.who}: coordinator refused: {code.name}: {said}") from None
                 mismatch = self.diagnose() if code == grpc.StatusCode.UNAVAILABLE else None
                 why = f": {mismatch}" if mismatch else ""
                 now = time.monotonic()
@@ -116,6 +122,12 @@ class Reconnecting:
                 sleep = backoff.wait()
                 log.info("%s: coordinator unreachable (%s)%s; retrying in %.1fs", self.who, code.name, why, sleep)
                 time.sleep(sleep)
+
+    def _pause(self, backoff: Backoff) -> None:
+        """Wait ``backoff``'s next step, unless the caller wants to leave (FatalAgentError)."""
+        if self.stopped():
+            raise FatalAgentError("stopped while the coordinator kept refusing the session")
+        time.sleep(backoff.wait())
 
 
 @dataclass
@@ -250,12 +262,31 @@ class Population(Members, Protocol):
         """Member ``i``'s simulated seconds for ``task`` (-1: it would not upload); sets ``task.max_steps``."""
 
 
+def session_token(token: str, config: AgentConfig) -> str:
+    """``token``, the session a join reply gave; FatalAgentError when it gave none (every later call would be
+    refused, and joining again would get none again)."""
+    if not token:
+        raise FatalAgentError(f"{config.agent_id}: {config.server} answered the join without a session token: is it a "
+                              "fedpar coordinator?")
+    return token
+
+
+def heartbeat_interval(seconds: float, config: AgentConfig) -> float:
+    """The seconds between heartbeats a Join reply asks for (0: 5 s); FatalAgentError for one no clock can wait
+    (NaN, negative, or longer than a timeout may be)."""
+    if not 0 <= seconds <= MAX_TASK_SECONDS:
+        raise FatalAgentError(f"{config.agent_id}: {config.server} answered the join with a heartbeat interval of "
+                              f"{seconds} s: it must be in [0, {MAX_TASK_SECONDS:.0e}]")
+    return seconds or 5.0
+
+
 @dataclass
 class Pulled:
     """What one pull brought: tasks by member index, or the coordinator's reason to stop."""
 
     tasks: list[tuple[int, pb.TrainTask]] = field(default_factory=list)
     shutdown: str | None = None
+    news: bool = False  # the reply said more than its tasks (a virtual clock's step): not an idle turn
 
 
 def agent_capabilities(config: AgentConfig, framework: str) -> dict[str, str]:
@@ -285,8 +316,8 @@ class AgentLink:
                                                                                    self.trainer.framework),
                                                    protocol_version=PROTOCOL_VERSION,
                                                    enrollment_token=self.config.enrollment_token), timeout=30)
-        self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=reply.token)
-        self._heartbeat_seconds = reply.heartbeat_seconds or 5.0
+        self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=session_token(reply.token, self.config))
+        self._heartbeat_seconds = heartbeat_interval(reply.heartbeat_seconds, self.config)
         self.max_chunk = reply.max_chunk_bytes or DEFAULT_CHUNK_BYTES
 
     def pull(self) -> Pulled:
@@ -297,7 +328,12 @@ class AgentLink:
                                         timeout=self.config.poll_seconds + 30)
         kind = reply.WhichOneof("kind")
         if kind == "shutdown_reason":
-            return Pulled(shutdown=reply.shutdown_reason)
+            return Pulled(shutdown=one_line(reply.shutdown_reason))
+        if kind == "task" and reply.task.task_id == self._finished_task_id != "":
+            # told done with it in this very pull: training it again would upload a second update for one task
+            log.info("%s: the coordinator handed out task %s of round %d again, which this agent is done with; "
+                     "skipped", self.config.agent_id, one_line(reply.task.task_id, 64), reply.task.round)
+            return Pulled()
         return Pulled([(0, reply.task)] if kind == "task" else [])
 
     def _registered(self, member: str) -> tuple[int, int]:
@@ -384,7 +420,7 @@ class HostLink:
                                                member_ids="\n".join(ids), num_examples=sizes,
                                                away=np.flatnonzero(away))
             reply = self.conn.stub.JoinPopulation(request, timeout=60)
-            self.host.token = reply.host_token
+            self.host.token = session_token(reply.host_token, self.config)
             self.max_chunk = reply.max_chunk_bytes
         self.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
         self._held.clear()
@@ -417,13 +453,13 @@ class HostLink:
         with self._failures_lock:  # told (seats only add at the end)
             del self._failures[:len(failures)]
         if reply.shutdown_reason:
-            return Pulled(shutdown=reply.shutdown_reason)
+            return Pulled(shutdown=one_line(reply.shutdown_reason))
         if reply.virtual_clock:  # availability follows the simulated time, which also moves between rounds
             self.clock_seconds = reply.clock_seconds
         if reply.tasks and self._held:  # tasks held from an older round are moot once a newer one opens
             newest = max(hosted.task.round for hosted in reply.tasks)
             self._held = {m: held for m, held in self._held.items() if held[1].round >= newest}
-        pulled = Pulled()
+        pulled = Pulled(news=bool(reply.go) or reply.virtual_clock)
         for hosted in reply.tasks:
             i = self.members.index_of(hosted.agent_id)
             self.local_epochs = hosted.task.local_epochs

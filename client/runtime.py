@@ -26,7 +26,7 @@ import numpy as np
 
 from fedpar.client import dataplane
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
-from fedpar.client.backoff import Backoff, jittered
+from fedpar.client.backoff import Backoff, Pacer, jittered
 from fedpar.client.links import RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting
 from fedpar.client.member_state import ResidualStore
 from fedpar.client.secure_members import SecureMembers
@@ -35,15 +35,18 @@ from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, CompressedUpload, PlainUpload, Send, UpdateSender,
                                     download_weights, ingest_address, task_weights)
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import CodecError, ModelLayout
+from fedpar.protocol.codec import CodecError, ModelLayout, one_line
 from fedpar.protocol.dataplane import TICKET_BYTES
-from fedpar.protocol.task_settings import TaskSettings
+from fedpar.protocol.task_settings import TaskSettings, check_task_knobs
 from fedpar.task import raised, stop_training_at, upload_timeout
 
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 EVALUATED_TOGETHER = 128  # members whose validation splits one pass scores at most (bounds the data held at once)
 MAX_REASON_CHARS = 500  # of the line a member's failed task is told to the coordinator with
+# A pull answered sooner than this with nothing done (no task, or only tasks refused) was not a long-poll: the next one
+# waits, backing off from this many seconds (a coordinator that answers at once must not make the agent spin).
+IDLE_PULL_SECONDS = 0.05
 
 
 @dataclass
@@ -107,7 +110,7 @@ class ClientRuntime:
             f"{config.seed}:{config.agent_id}{f':{s}' if s else ''}".encode()))) for s, t in enumerate(trainers)]
         self._tasks: queue.Queue = queue.Queue()  # members' tasks for the seats (a population's)
         self._stats_lock = threading.Lock()
-        self._weights: tuple[int, list[np.ndarray] | None] = (-1, None)  # (round, its global model)
+        self._weights: tuple[tuple[int, str], list[np.ndarray] | None] = ((-1, ""), None)  # (_weights_key, model)
         self._weights_lock = threading.Lock()
         # a population's members of a round score its global model on their validation splits together
         self._together = members.population and bool(trainers) and trainers[0].evaluates_together
@@ -151,13 +154,19 @@ class ClientRuntime:
             self._calls.join()
             for w in workers:
                 w.start()
+            pace = Pacer(IDLE_PULL_SECONDS, self.config.max_backoff, self._rng,
+                         fast=min(IDLE_PULL_SECONDS, self.config.poll_seconds / 2))
             while not self._stop.is_set():
+                started, accepted = time.monotonic(), self.stats.accepted
                 pulled = self._calls.call(self.link.pull)
                 if pulled.shutdown is not None:
                     self.shutdown_reason = pulled.shutdown
                     log.info("%s: coordinator says: %s", self.config.agent_id, pulled.shutdown)
                     break
-                self._queue([(i, task) for i, task in pulled.tasks if self._dispatch(i, task, inline)])
+                queued = [(i, task) for i, task in pulled.tasks if self._dispatch(i, task, inline)]
+                self._queue(queued)
+                idle = not pulled.news and (self.stats.accepted == accepted if inline else not queued)
+                self._stop.wait(pace.after(started, idle))
             return self.stats
         finally:
             self._forget_queued()  # training is over: tasks not started yet are moot
@@ -172,12 +181,14 @@ class ClientRuntime:
         """A new session (for every member); the round's weights read under the old one are read again."""
         self.link.join()
         with self._weights_lock:
-            self._weights = (-1, None)
+            self._weights = ((-1, ""), None)
 
     def _dispatch(self, i: int, task: pb.TrainTask, inline: bool) -> bool:
         """Run member ``i``'s task now (``inline``), or say it is to be queued for the next free seat (True); a
         member that vanishes this round (drops out, or is offline) takes no part."""
         self._count("tasks")
+        if not self._trainable(i, task):
+            return False
         self._newest_round = task.round
         if self.members.vanishes(i, task.round):
             self._count("dropped")
@@ -193,6 +204,17 @@ class ClientRuntime:
         if self._together:
             with self._evaluation_lock:
                 self._to_evaluate.setdefault(task.round, []).append(i)
+        return True
+
+    def _trainable(self, i: int, task: pb.TrainTask) -> bool:
+        """Whether ``task``'s own knobs are ones to train with; one that is not is refused in one line and told to
+        the coordinator (no update will come for it, whatever the wait)."""
+        try:
+            check_task_knobs(task.local_epochs, task.batch_size, task.learning_rate, task.deadline_seconds)
+        except ValueError as err:
+            self._note_refusal(self.members.member_id(i), f"round {task.round} task", err)
+            self.link.failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])
+            return False
         return True
 
     def _queue(self, tasks: list[tuple[int, pb.TrainTask]]) -> None:
@@ -390,11 +412,12 @@ class ClientRuntime:
         it, with member ``i``'s session. None: not read, pull the task again (the coordinator hands it out until a
         download completes); True: refused, done with the task (noted; a model unlike this agent's is told to the
         coordinator as the member's failure)."""
+        key = self._weights_key(task)
         held = self._weights  # one tuple, replaced whole: read without the lock once the round's model is here
-        if held[0] == task.round:
+        if held[0] == key:
             return held[1]
         with self._weights_lock:
-            if self._weights[0] == task.round:
+            if self._weights[0] == key:
                 return self._weights[1]
             try:
                 weights = task_weights(task, self.layout)
@@ -412,8 +435,14 @@ class ClientRuntime:
                     time.sleep(jittered(self.config.initial_backoff, self._rng))  # then pull again
                     return None
                 return True
-            self._weights = (task.round, weights)
+            self._weights = (key, weights)
             return weights
+
+    def _weights_key(self, task: pb.TrainTask) -> tuple[int, str]:
+        """Which tasks share the global model read for ``task``: a population's members, that of its round; an
+        agent's one member, that of the task alone (a service's next run takes the agent with its session and counts
+        rounds from 1 again: the same round number is another model then)."""
+        return task.round, task.task_id if not self.members.population else ""
 
     def _evaluation(self, seat: Seat, i: int, round_id: int, settings: TaskSettings):
         """Member ``i``'s metrics of round ``round_id``'s global model (loaded in ``seat``'s trainer) on its
@@ -519,6 +548,7 @@ class ClientRuntime:
         detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
         if isinstance(err, dataplane.DataPlaneRefused):
             detail = dataplane.refusal_text(err)
+        detail = one_line(detail)  # it may quote the coordinator: a line, printable
         with self._stats_lock:
             self.stats.refused += 1
             if len(self.stats.refusals) < 100:  # a population's may be many: the first ones say why

@@ -32,8 +32,8 @@ from fedpar.client.backoff import Backoff, Uniform
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError, CoordinatorStub,
-                                   ModelLayout, RawData, TensorAssembler, encode_data_message, iter_chunks,
-                                   layout_from_pb, layout_to_pb, wire_bytes)
+                                   ModelLayout, RawData, TensorAssembler, encode_data_message, first_non_finite,
+                                   iter_chunks, layout_from_pb, layout_to_pb, one_line, wire_bytes)
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import upload_timeout
 
@@ -284,7 +284,8 @@ class UpdateSender:
                 if err.code() == grpc.StatusCode.UNAVAILABLE and not said_unreachable:
                     said_unreachable = True  # once an upload: the retries go on quietly until the deadline
                     log.info("%s: coordinator unreachable while uploading (%s); retrying until the round's deadline, "
-                             "%.0fs from now", self.auth.agent_id, err.details(), self.deadline_at - time.monotonic())
+                             "%.0fs from now", self.auth.agent_id, one_line(err.details() or ""),
+                             self.deadline_at - time.monotonic())
                 time.sleep(backoff.wait())
 
 
@@ -370,7 +371,13 @@ class PlainUpload:
 
     def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
                metrics: dict[str, float]) -> bool:
-        """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport."""
+        """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport; weights that training
+        left NaN or Inf (a diverged run) are not sent."""
+        diverged = first_non_finite(self.layout, trained)
+        if diverged is not None:
+            self.note_refusal("upload", ValueError(f"training left NaN or Inf in tensor {diverged!r}: the update is "
+                                                   "not sent (did the learning rate make it diverge?)"))
+            return False
         try:
             prepared = self.prepare(privatize_update(trained, global_weights, self.dp), global_weights)
         except ValueError as err:

@@ -25,15 +25,18 @@ import base64
 import bisect
 import hashlib
 import hmac
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import grpc
 import numpy as np
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from fedpar.protocol import fedpar_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 # Only plain numeric dtypes cross the wire: no object arrays, no structured dtypes, no pickle.
 # uint16 carries bfloat16 bit patterns (numpy has no bfloat16 dtype).
@@ -331,6 +334,15 @@ MAX_CLIENT_METRICS = 64  # metrics in one update's report
 # A metric's largest magnitude: the round's example-weighted means (weights up to eval_examples, itself a metric)
 # then stay finite, where one agent's 1e308 made every agent's train_loss of the round inf or NaN.
 MAX_METRIC_MAGNITUDE = 1e100
+MAX_SAID_CHARS = 500  # of a line a peer's words are logged in
+
+
+def one_line(text: str, limit: int = MAX_SAID_CHARS) -> str:
+    """What a peer said (a refusal's details, a shutdown reason, a tensor name in an error), as it may be logged: one
+    line of at most ``limit`` printable characters (a hostile peer's newlines, terminal escapes or megabytes show as
+    '?' or are cut, marked with '...')."""
+    line = "".join(c if c.isprintable() else "?" for c in " ".join(text[:limit * 2].split()))
+    return line if len(line) <= limit and len(text) <= limit * 2 else line[:limit - 3] + "..."
 
 
 def member_token(host_token: str, member_id: str) -> str:
@@ -458,6 +470,20 @@ def _serialize(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+def _parser(message_type: type[Message], decode: Callable[[bytes, type[Message]], object] | None = None
+            ) -> Callable[[bytes], object]:
+    """A reply deserializer for ``message_type`` (through ``decode`` when given) that returns None for bytes that do
+    not parse: gRPC then ends the call INTERNAL, as when one raises, without logging the traceback it logs for a
+    raise (a coordinator's garbage must cost the agent one line, never a traceback)."""
+    def parse(raw: bytes) -> object:
+        try:
+            return decode(raw, message_type) if decode is not None else message_type.FromString(raw)
+        except DecodeError as err:
+            log.debug("a reply of %d bytes is not a %s: %s", len(raw), message_type.__name__, err)
+            return None
+    return parse
+
+
 class CoordinatorStub:
     """Like the generated stub, but uploads may mix pre-encoded bytes with messages, and downloads
     yield :class:`~fedpar.protocol.codec.RawData` for data chunks."""
@@ -467,27 +493,27 @@ class CoordinatorStub:
             return f"/{SERVICE_NAME}/{name}"
 
         self.Join = channel.unary_unary(method("Join"), request_serializer=_serialize,
-                                        response_deserializer=pb.JoinReply.FromString)
+                                        response_deserializer=_parser(pb.JoinReply))
         self.PullTask = channel.unary_unary(method("PullTask"), request_serializer=_serialize,
-                                            response_deserializer=pb.PullTaskReply.FromString)
+                                            response_deserializer=_parser(pb.PullTaskReply))
         self.DownloadWeights = channel.unary_stream(
             method("DownloadWeights"), request_serializer=_serialize,
-            response_deserializer=lambda raw: decode_chunk_message(raw, pb.ModelChunk))
+            response_deserializer=_parser(pb.ModelChunk, decode_chunk_message))
         self.UploadUpdate = channel.stream_unary(method("UploadUpdate"), request_serializer=_serialize,
-                                                 response_deserializer=pb.UploadReply.FromString)
+                                                 response_deserializer=_parser(pb.UploadReply))
         self.UploadSmall = channel.unary_unary(method("UploadSmall"), request_serializer=_serialize,
-                                               response_deserializer=pb.UploadReply.FromString)
+                                               response_deserializer=_parser(pb.UploadReply))
         self.ReplyMessage = channel.unary_unary(method("ReplyMessage"), request_serializer=_serialize,
-                                                response_deserializer=pb.UploadReply.FromString)
+                                                response_deserializer=_parser(pb.UploadReply))
         self.Heartbeat = channel.unary_unary(method("Heartbeat"), request_serializer=_serialize,
-                                             response_deserializer=pb.HeartbeatReply.FromString)
+                                             response_deserializer=_parser(pb.HeartbeatReply))
         self.Leave = channel.unary_unary(method("Leave"), request_serializer=_serialize,
-                                         response_deserializer=pb.LeaveReply.FromString)
+                                         response_deserializer=_parser(pb.LeaveReply))
         self.JoinPopulation = channel.unary_unary(method("JoinPopulation"), request_serializer=_serialize,
-                                                  response_deserializer=pb.JoinPopulationReply.FromString)
+                                                  response_deserializer=_parser(pb.JoinPopulationReply))
         self.HostTaskStream = channel.stream_stream(method("HostTaskStream"), request_serializer=_serialize,
-                                                    response_deserializer=pb.PullHostTasksReply.FromString)
+                                                    response_deserializer=_parser(pb.PullHostTasksReply))
         self.HostUploadStream = channel.stream_stream(method("HostUploadStream"), request_serializer=_serialize,
-                                                      response_deserializer=pb.HostUploadResults.FromString)
+                                                      response_deserializer=_parser(pb.HostUploadResults))
         self.SecAggExchange = channel.unary_unary(method("SecAggExchange"), request_serializer=_serialize,
-                                                  response_deserializer=pb.SecAggReply.FromString)
+                                                  response_deserializer=_parser(pb.SecAggReply))

@@ -21,6 +21,7 @@ from fedpar.settings import setting
 
 COMPRESSION_METHODS = ("none", "fp16", "bf16", "int8", "topk")
 MAX_JSON_CHARS = 64 << 10
+MAX_TASK_SECONDS = 1e9  # about 31 years: a longer deadline overflows gRPC's and threading's timeouts
 
 
 @dataclass
@@ -39,6 +40,18 @@ class LocalTraining:
     def evaluates_in(self, round_id: int) -> bool:
         """Whether the agents of round ``round_id`` evaluate the global model they receive."""
         return self.client_eval_every > 0 and round_id % self.client_eval_every == 0
+
+
+def check_task_knobs(local_epochs: int, batch_size: int, learning_rate: float, deadline_seconds: float) -> None:
+    """ValueError (one line) unless a task's own knobs are ones to train with: at least one epoch and one example per
+    batch, a finite learning rate > 0 (NaN, Inf or <= 0 trains garbage), a deadline that is a number of seconds
+    (0 or less: no time left, which the deadline rule says)."""
+    if local_epochs < 1 or batch_size < 1:
+        raise ValueError(f"the task asks for {local_epochs} local epochs in batches of {batch_size}: each must be >= 1")
+    if not (learning_rate > 0 and math.isfinite(learning_rate)):
+        raise ValueError(f"the task's learning rate must be a finite number > 0, got {learning_rate}")
+    if not deadline_seconds <= MAX_TASK_SECONDS:  # NaN fails this too
+        raise ValueError(f"the task's deadline must be at most {MAX_TASK_SECONDS:.0e} seconds, got {deadline_seconds}")
 
 
 def check_compression(method: str, topk_ratio: float | None = None, int8_block: int | None = None) -> None:
