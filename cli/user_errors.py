@@ -133,10 +133,11 @@ def every_round_failed(summary: dict, task: str | None = None,
         return ""
     failed = f"every round failed ({summary['rounds']} of {summary['rounds']})"
     error = summary.get("training_error")
+    diverged = "; lower --lr (training diverged)" if "NaN or Inf" in (error or "") else ""
     if error and task:
-        return f"{failed}: the task's {error}: fix the task ({task})"
+        return f"{failed}: the task's {error}{diverged}: fix the task ({task})"
     if error:
-        return f"{failed}: the members' {error}"
+        return f"{failed}: the members' {error}{diverged}"
     refused = summary.get("refused_because")
     if refused:  # it said 'too few updates arrived ... check --min-reports, --deadline' of updates all refused
         hint = "; lower --lr (training diverged)" if "NaN or Inf" in refused else ""

@@ -338,7 +338,13 @@ class ClientRuntime:
         # heartbeats go on while the update goes up: a long upload (to another aggregator rank, say) must not let the
         # agent's liveness run out, which would count it as gone (server/deadline.py)
         with self.link.while_training():
-            uploaded = mode.upload(seat.trainer.get_arrays(), weights, result, metrics)
+            try:
+                uploaded = mode.upload(seat.trainer.get_arrays(), weights, result, metrics)
+            except UpdateRefused as err:  # training diverged: told at once, so the round need not wait for it
+                self._note_refusal(member, f"round {task.round} update", f"{err}: not sent",
+                                   logging.INFO if self.members.population else logging.WARNING)
+                self.link.failed(i, task, str(err)[:MAX_REASON_CHARS])
+                return True
         if uploaded:
             self._count("accepted")
             mode.close()

@@ -30,6 +30,7 @@ import numpy as np
 from fedpar.aggregation.clipping import clip_update
 from fedpar.client.backoff import Backoff, Uniform
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
+from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError, CoordinatorStub,
                                    ModelLayout, RawData, TensorAssembler, encode_data_message, first_non_finite,
@@ -372,12 +373,10 @@ class PlainUpload:
     def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
                metrics: dict[str, float]) -> bool:
         """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport; weights that training
-        left NaN or Inf (a diverged run) are not sent."""
+        left NaN or Inf (a diverged run) are not sent: UpdateRefused, which the runtime tells the coordinator."""
         diverged = first_non_finite(self.layout, trained)
         if diverged is not None:
-            self.note_refusal("upload", ValueError(f"training left NaN or Inf in tensor {diverged!r}: the update is "
-                                                   "not sent (did the learning rate make it diverge?)"))
-            return False
+            raise UpdateRefused(f"training left NaN or Inf in tensor {diverged!r}")
         try:
             prepared = self.prepare(privatize_update(trained, global_weights, self.dp), global_weights)
         except ValueError as err:

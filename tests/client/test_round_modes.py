@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from fedpar.client.compressed import UpdateCompressor
 from fedpar.client.local_loop import TrainResult
+from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.client.transfer import CompressedUpload, PlainUpload
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
@@ -48,5 +50,7 @@ def test_compressed_rolls_back_its_residual_only_for_an_update_sent_and_refused(
                                  accept=True, compressor=compressor)
     assert mode.upload(trained, GLOBAL, RESULT, {})  # an accepted update: its residual stays
     after = [r.copy() for r in compressor.compressor.residual("")]
-    assert not mode.upload(broken, GLOBAL, RESULT, {}) and refusals == ["upload"] and len(sent) == 1
+    with pytest.raises(UpdateRefused, match="training left NaN or Inf"):  # the runtime tells the coordinator
+        mode.upload(broken, GLOBAL, RESULT, {})
+    assert len(sent) == 1
     assert all(np.array_equal(a, b) for a, b in zip(compressor.compressor.residual(""), after))
