@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
 from support.own_task import EXAMPLE, write_table
 from support.population_calls import join_members, member_auth, pull_tasks, refused, upload_batch
+from support.ports import free_port_run
 from support.processes import children, listening, not_on_loopback
 from support.scripted_agent import ScriptedAgent
 
@@ -229,19 +229,6 @@ def test_rank_1_refuses_a_hostile_upload_a_misdirected_one_and_a_late_one(tmp_pa
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
-def _free_pair() -> int:
-    """A port p with p and p + 1 free (rank r listens on --port + r)."""
-    for _ in range(50):
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
-
-
 LOST_WITHIN = 8.0  # seconds from a rank's kill -9 or SIGSTOP to rank 0's line (3 s of silence, on a loaded box)
 
 
@@ -261,7 +248,7 @@ def test_kill_9_of_rank_1_costs_its_share_of_the_open_round_and_a_new_rank_1_is_
     opens (one line, ranks_live and the Prometheus gauge back to 2), and its agents' uploads are folded there: the
     last round's model is exactly the weighted mean of its four updates, every round once."""
     layout = _layout()
-    port = _free_pair()
+    port = free_port_run(2)
     rounds = 4
     # a long collective timeout: the loss is found by rank 1's heartbeats stopping, not by a collective timing out
     proc = _serve(tmp_path, 2, "--port", str(port), "--rounds", str(rounds), "--clients-per-round", "4",
@@ -331,7 +318,7 @@ def test_kill_9_of_rank_0_starts_every_rank_again_and_the_run_resumes_with_every
     says so in one line and starts every rank again; rank 0 resumes after the last checkpointed round, the agents re-join by
     themselves, and the run ends with exit 0, every round once in the metrics and the last one checkpointed."""
     rounds = 3
-    port = _free_pair()
+    port = free_port_run(2)
     proc = _serve(tmp_path, 2, "--port", str(port), "--rounds", str(rounds), "--clients-per-round", "4",
                   "--local-epochs", "1", "--aggregator-timeout", "4", "--deadline", "20")
     agents, threads, errors = [], [], []
@@ -365,7 +352,7 @@ def test_kill_9_of_rank_0_starts_every_rank_again_and_the_run_resumes_with_every
 def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_path):
     """Two torchrun "machines" (one process each) on 127.0.0.1 are one coordinator: rank 0 serves on --port, the
     other machine's rank on --port + 1, and agents are dealt to both."""
-    port, master = _free_pair(), free_port()
+    port, master = free_port_run(2), free_port()
     serve = ["-m", "fedpar", "serve", "--insecure", "--port", str(port), "--port-file", str(tmp_path / "port"),
              "--out", str(tmp_path / "out"), "--no-central-eval", "--inline-weights-bytes", "0", "--overselect", "1.0",
              "--min-available", "4", "--rounds", "1", "--clients-per-round", "4", "--aggregator-timeout", "30",

@@ -22,6 +22,7 @@ import pytest
 from fedpar.server.checkpoint import load_checkpoint
 from support.devices import RANKS_ON_CPU
 from support.digit_agents import start_digit_agents
+from support.ports import free_port_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS, FAULT_AFTER = 5, 2
@@ -86,7 +87,8 @@ def _make_read_only(pid: int, ckpt: Path) -> None:
 def test_an_unwritable_checkpoint_stops_the_run_in_one_line_and_the_same_command_resumes(tmp_path, fault, said,
                                                                                          ranks):
     ckpt = tmp_path / "ckpt"
-    server = _serve(tmp_path, 0, ranks)
+    # Rank r listens on port + r, in the first run and again in the resumed one: ports free as a run, not just one.
+    server = _serve(tmp_path, free_port_run(ranks), ranks)
     agents = []
     try:
         _wait_for(lambda: (tmp_path / "port").exists() or server.poll() is not None, 60, "serve did not start")
