@@ -444,11 +444,11 @@ class ClientRuntime:
             self._weights = (key, weights)
             return weights
 
-    def _weights_key(self, task: pb.TrainTask) -> tuple[int, str]:
-        """Which tasks share the global model read for ``task``: a population's members, that of its round; an
-        agent's one member, that of the task alone (a service's next run takes the agent with its session and counts
-        rounds from 1 again: the same round number is another model then)."""
-        return task.round, task.task_id if not self.members.population else ""
+    @staticmethod
+    def _weights_key(task: pb.TrainTask) -> tuple[int, str]:
+        """Which tasks share the global model read for ``task``: those naming its model (a population's members of
+        one round of one run); from a coordinator that names none, the task alone."""
+        return task.round, task.model_id or task.task_id
 
     def _evaluation(self, seat: Seat, i: int, round_id: int, settings: TaskSettings):
         """Member ``i``'s metrics of round ``round_id``'s global model (loaded in ``seat``'s trainer) on its

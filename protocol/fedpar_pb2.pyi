@@ -72,7 +72,7 @@ class PullTaskRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[AgentAuth, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., finished_task_id: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class TrainTask(_message.Message):
-    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host", "virtual_clock", "clock_seconds", "max_steps", "clock_deadline_seconds", "flower_message")
+    __slots__ = ("round", "task_id", "deadline_seconds", "local_epochs", "batch_size", "learning_rate", "extra_json", "model_bytes", "data_port", "data_ticket", "weights_header", "weights", "ingest_port", "ingest_host", "virtual_clock", "clock_seconds", "max_steps", "clock_deadline_seconds", "flower_message", "model_id")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class TrainTask(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FLOWER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     round: int
     task_id: str
     deadline_seconds: float
@@ -111,7 +112,8 @@ class TrainTask(_message.Message):
     max_steps: int
     clock_deadline_seconds: float
     flower_message: bytes
-    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., ingest_port: _Optional[int] = ..., ingest_host: _Optional[str] = ..., virtual_clock: bool = ..., clock_seconds: _Optional[float] = ..., max_steps: _Optional[int] = ..., clock_deadline_seconds: _Optional[float] = ..., flower_message: _Optional[bytes] = ...) -> None: ...
+    model_id: str
+    def __init__(self, round: _Optional[int] = ..., task_id: _Optional[str] = ..., deadline_seconds: _Optional[float] = ..., local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., extra_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., data_ticket: _Optional[bytes] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., ingest_port: _Optional[int] = ..., ingest_host: _Optional[str] = ..., virtual_clock: bool = ..., clock_seconds: _Optional[float] = ..., max_steps: _Optional[int] = ..., clock_deadline_seconds: _Optional[float] = ..., flower_message: _Optional[bytes] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class PullTaskReply(_message.Message):
     __slots__ = ("task", "wait_seconds", "shutdown_reason")

@@ -527,7 +527,7 @@ class Coordinator(IngestPlane):
         task = pb.TrainTask(round=state.round_id, task_id=slot.task_id, deadline_seconds=seconds_left(state),
                             local_epochs=self.config.local_epochs, batch_size=self.config.batch_size,
                             learning_rate=self.config.learning_rate, extra_json=self._task_json,
-                            model_bytes=self.layout.total_bytes)
+                            model_bytes=self.layout.total_bytes, model_id=state.model_id)
         self.clock.stamp(task)
         payload = self.payload
         if slot.message:  # a Flower App run's round: the Message is the task (server/flower_rounds.py)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, Sequence
@@ -75,6 +76,7 @@ class RoundState:
     deadline_seconds: float
     slots: dict[str, AgentSlot]
     started: float = field(default_factory=time.monotonic)
+    model_id: str = field(default_factory=lambda: secrets.token_hex(8))  # the round's global model, as tasks name it
     closed: bool = False
     close_reason: str = ""
     accepted: int = 0

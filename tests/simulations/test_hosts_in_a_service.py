@@ -13,13 +13,20 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+from safetensors.numpy import load_file
+
 from fedpar.security.certs import ensure_certs
 from fedpar.server.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MEMBERS = 20
-RUN = 'rounds = 2\nclients_per_round = 4\nmin_reports = 4\nlocal_epochs = 1\nbatch_size = 32\n'
+RUN = 'clients_per_round = 4\nmin_reports = 4\nlocal_epochs = 1\nbatch_size = 32\nlearning_rate = 1e-9\n'
+# The first run ends at round 1 and the second starts there: the host must not train the second's round 1 from the
+# first's model (another seed: other initial weights), which it kept. With a learning rate of ~0, a run's final
+# model is its initial one.
+RUNS = [RUN + 'rounds = 1\nseed = 1\n', RUN + 'rounds = 2\nseed = 2\n']
 
 
 def _fedpar(tmp: Path, name: str, *args: str, torchrun: bool = False) -> subprocess.Popen:
@@ -52,9 +59,9 @@ def test_a_simulation_host_under_mutual_tls_stays_joined_for_one_run_after_anoth
                        "--clients", str(MEMBERS), "--dataset", "digits", "--seats", "2", "--max-backoff", "0.5",
                        torchrun=True)
         store = RunStore(tmp_path / "state.db")
-        (tmp_path / "run.toml").write_text(RUN)
         runs = []
-        for _ in range(2):  # submitted one after the other: the second starts after the first has ended
+        for settings in RUNS:  # submitted one after the other: the second starts after the first has ended
+            (tmp_path / "run.toml").write_text(settings)
             done = subprocess.run([sys.executable, "-m", "fedpar", "run", "submit", str(tmp_path / "run.toml"),
                                    "--control", f"127.0.0.1:{control}", "--certs", str(certs), "--operator", "op"],
                                   cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
@@ -62,11 +69,14 @@ def test_a_simulation_host_under_mutual_tls_stays_joined_for_one_run_after_anoth
             runs.append(int(done.stdout.strip()))
             _wait_for(lambda: store.get(runs[-1]).status in ("finished", "failed", "stopped"), 120,
                       f"run {runs[-1]} did not end: " + (tmp_path / "serve.log").read_text()[-2000:])
-        for run_id in runs:
+        for run_id, rounds in zip(runs, (1, 2)):
             assert store.get(run_id).status == "finished", store.get(run_id).reason
             rows = store.round_metrics(run_id)
-            assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(1, "ok", 4), (2, "ok", 4)], rows
+            assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(i, "ok", 4) for i in
+                                                                                range(1, rounds + 1)], rows
             assert all(r["round_seconds"] < 20 for r in rows), rows  # no round waited out a deadline
+        first, second = (load_file(store.get(run_id).model_path) for run_id in runs)
+        assert max(float(np.abs(first[k] - second[k]).max()) for k in first) > 1e-3  # not the first run's model
         log = (tmp_path / "host.log").read_text()  # before the host is stopped (torchrun prints its own traceback)
         assert host.poll() is None, log  # still joined, for the next run
         assert "Traceback" not in log and "training finished" not in log, log
