@@ -26,6 +26,7 @@ Its settings (``--flower-app``, ``--run-config``) are declared in ``fedpar.task.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -212,6 +213,8 @@ def _run_config(folder: Path, defaults: Any, overrides: str | None) -> dict[str,
         from flwr.common.config import flatten_dict, fuse_dicts, parse_config_args
     except ImportError:
         raise FlowerAppError("--flower-app needs Flower: pip install 'fedpar[flower]'") from None
+    if overrides and overrides.strip():
+        _check_pairs(overrides.strip())
     try:
         config = flatten_dict(defaults if isinstance(defaults, dict) else {})
         if overrides and overrides.strip():
@@ -223,6 +226,21 @@ def _run_config(folder: Path, defaults: Any, overrides: str | None) -> dict[str,
         message = getattr(exc, "message", None) or str(exc)
         raise FlowerAppError(f"--run-config: {message}") from None
     return config
+
+
+# Flower's own pattern for one KEY=VALUE of a --run-config string (flwr.common.config.parse_config_args), which
+# skips whatever does not match it: fedpar refuses that instead.
+_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+
+
+def _check_pairs(overrides: str) -> None:
+    """FlowerAppError naming the first part of a --run-config string that is not KEY=VALUE (Flower drops it)."""
+    if overrides.endswith(".toml"):
+        return
+    left = _PAIR.sub(" ", overrides).split()
+    if left:
+        raise FlowerAppError(f"--run-config: {left[0][:64]!r} is not KEY=VALUE; write pairs separated by "
+                             "spaces, e.g. 'num-server-rounds=3 lr=0.05'")
 
 
 def _load(folder: Path, ref: str, what: str) -> Any:

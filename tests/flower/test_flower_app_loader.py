@@ -69,6 +69,8 @@ def test_overrides_follow_flwr_run_nested_keys_quoted_strings_and_a_toml_file(tm
     ("no-clientapp", "needs clientapp = 'package.module:attr'"),
     ("unknown-override", "Key 'epochs' is not present"),
     ("malformed-override", "--run-config: The provided configuration string is in an invalid format"),
+    ("empty-value", "--run-config: 'lr=' is not KEY=VALUE"),  # Flower's parser drops it
+    ("bare-word", "--run-config: 'epochs' is not KEY=VALUE"),
     ("missing-module", "importing [tool.flwr.app.components] clientapp"),
     ("missing-attribute", "Unable to load attribute nothing"),
     ("not-a-clientapp", "is a int, not a flwr.clientapp.ClientApp"),
@@ -85,6 +87,10 @@ def test_a_project_fedpar_cannot_run_is_refused_in_one_line(tmp_path, breakage, 
         overrides = "epochs=3"
     elif breakage == "malformed-override":
         overrides = "lr=[1"
+    elif breakage == "empty-value":
+        overrides = "lr="
+    elif breakage == "bare-word":
+        overrides = "lr=0.2 epochs"
     elif breakage == "missing-module":
         text = PYPROJECT.replace("{package}.client_app:app", "{package}.nowhere:app")
     elif breakage == "missing-attribute":
