@@ -38,18 +38,21 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import FRAMING_BYTES
 from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, TICKET_BYTES, DataPlaneError, Deadline,
                                        decode_preamble, encode_status, read_frame, recv_exact, recv_exact_into, refusal,
-                                       send_all, send_views)
+                                       send_all)
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits, Stranger, StrangerBound
 from fedpar.server.registry import AuthError
 from fedpar.server.rounds import Refusal
-from fedpar.server.uploads import Upload, UploadIntake
+from fedpar.server.uploads import RATE_GRACE_SECONDS, Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server.dataplane")
 LOOP_CALL_SECONDS = 60.0
 # Upload bytes are read, counted (--max-upload-bytes-per-second) and paced (UploadPace) in pieces of this size.
 RECV_PIECE = 1 << 20
+# Download bytes are sent in pieces of this size, each within the upload's idle limit plus its time at the minimum
+# rate, so a reader that stops reading frees its transfer thread in seconds, not at the round's deadline.
+SEND_PIECE = 64 << 10
 OP_NAMES = {OP_DOWNLOAD: "download"}
 
 
@@ -298,11 +301,26 @@ class DataPlaneServer:
         try:
             deadline = Deadline(deadline_at - time.monotonic())
             send_all(sock, encode_status(OK, payload.model_header), deadline)
-            send_views(sock, [payload.flat], deadline)
+            self._send_paced(sock, payload.flat, deadline)
             done = True
             self.downloads += 1
         finally:
             self._on_loop(self._release_download, entry, done, held)
+
+    def _send_paced(self, sock: socket.socket, data: memoryview, deadline: Deadline) -> None:
+        """Send ``data`` as an upload must arrive: no piece stalls past --upload-idle-seconds (plus its time at
+        --upload-min-bytes-per-second), and from RATE_GRACE_SECONDS on the average keeps that rate."""
+        config = self.coord.config
+        idle, rate = config.upload_idle_seconds, config.upload_min_bytes_per_second
+        started = time.monotonic()
+        for start in range(0, len(data), SEND_PIECE):
+            piece = data[start:start + SEND_PIECE]
+            allowed = idle + (len(piece) / rate if rate else 0.0)
+            send_all(sock, piece, Deadline(min(allowed, deadline.at - time.monotonic())))
+            elapsed = time.monotonic() - started
+            if elapsed > min(idle, RATE_GRACE_SECONDS) and start + len(piece) < rate * elapsed:
+                raise DataPlaneError(f"the agent read its download slower than {rate:.0f} bytes/s "
+                                     "(--upload-min-bytes-per-second); dropped")
 
     def _release_download(self, entry, done: bool, held: ExitStack) -> None:
         held.close()

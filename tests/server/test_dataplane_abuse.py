@@ -1,0 +1,50 @@
+"""Hostile peers on both ends of the bulk data plane, over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+
+from fedpar.client import dataplane
+from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.dataplane import OP_DOWNLOAD, encode_preamble
+
+SHAPES = ((1024, 1024),)  # 4 MB: more than the socket buffers hold, so an unread download blocks its sender
+NAMES = ["t0"]
+
+
+def _arrays(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+
+def test_downloads_that_are_never_read_do_not_hold_back_honest_ones(start_coordinator, agents):
+    # Three sampled agents open their downloads and never read them: with two transfer threads, the honest
+    # download used to wait in the queue until its own deadline.
+    init = _arrays(0)
+    ids = ["h0", "h1", "h2", "ok"]
+    server = start_coordinator(init, names=NAMES, data_plane=True, clients_per_round=4, min_available=4,
+                               deadline_seconds=60, data_plane_downloads=1, max_concurrent_uploads=1,
+                               upload_idle_seconds=1.0)
+    bots = dict(zip(ids, agents(server.address, ids)))
+    tasks = {i: bots[i].task() for i in ids}
+    hogs = []
+    for i in ids[:3]:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", tasks[i].data_port))
+        s.sendall(encode_preamble(OP_DOWNLOAD, tasks[i].data_ticket))
+        hogs.append(s)
+    time.sleep(0.5)
+    start = time.monotonic()
+    got = dataplane.download(dataplane.DataPlaneTarget(server.address, tasks["ok"]),
+                             ModelLayout.of_arrays(NAMES, init), 20)
+    assert got[0].tobytes() == init[0].tobytes()
+    assert time.monotonic() - start < 10  # the readers that stopped were dropped, not served until the deadline
+    for s in hogs:
+        s.close()
+    plane = server.data_plane
+    assert plane.downloads == 1 and not plane.limits._calls
+    assert not [e for e in server.coordinator.tickets._live.values() if "used" in e.ops.values() and e.agent_id != "ok"]
