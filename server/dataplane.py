@@ -48,6 +48,7 @@ from fedpar.server.uploads import RATE_GRACE_SECONDS, Upload, UploadIntake
 
 log = logging.getLogger("fedpar.server.dataplane")
 LOOP_CALL_SECONDS = 60.0
+ACCEPT_RETRY_SECONDS = 0.1  # after a failed accept (no file descriptor to be had), instead of spinning a core
 # Upload bytes are read, counted (--max-upload-bytes-per-second) and paced (UploadPace) in pieces of this size.
 RECV_PIECE = 1 << 20
 # Download bytes are sent in pieces of this size, each within the upload's idle limit plus its time at the minimum
@@ -184,12 +185,23 @@ class DataPlaneServer:
     def _accept_loop(self) -> None:
         late = Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"no data-plane ticket within {self.handshake_seconds:g} s "
                                                           "of connecting (--dataplane-handshake-seconds)")
+        failing: OSError | None = None
         while not self._stopped.is_set():
             self.strangers.expire(self.handshake_seconds, late)  # however slowly a handshake trickles in
             try:
                 sock, address = self._listener.accept()
-            except (socket.timeout, OSError):
+            except socket.timeout:
                 continue
+            except OSError as exc:  # e.g. out of file descriptors: accept fails at once until one is freed
+                if failing is None and not self._stopped.is_set():
+                    log.warning("data plane cannot accept connections: %s; retrying every %g s", exc,
+                                ACCEPT_RETRY_SECONDS)
+                failing = exc
+                self._stopped.wait(ACCEPT_RETRY_SECONDS)
+                continue
+            if failing is not None:
+                log.warning("data plane accepts connections again")
+                failing = None
             if self.ssl_context is not None:  # no I/O yet: the handshake happens on a gate thread
                 sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             with self._lock:

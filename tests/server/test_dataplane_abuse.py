@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 
@@ -51,3 +52,35 @@ def test_downloads_that_are_never_read_do_not_hold_back_honest_ones(start_coordi
         time.sleep(0.05)
     assert plane.downloads == 1 and not plane.busy and not plane.limits._calls
     assert not [e for e in server.coordinator.tickets._live.values() if "used" in e.ops.values() and e.agent_id != "ok"]
+
+
+class _OutOfDescriptors:
+    """A listener whose accept fails at once, as a real one does while the process has no file descriptor left."""
+
+    def __init__(self, real: socket.socket):
+        self.real, self.calls = real, 0
+
+    def accept(self):
+        self.calls += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_accept_failing_at_once_does_not_spin_a_core(start_coordinator, agents, caplog):
+    init = _arrays(0)
+    server = start_coordinator(init, names=NAMES, data_plane=True, clients_per_round=1, min_available=1)
+    plane = server.data_plane
+    (bot,) = agents(server.address, ["a"])
+    task = bot.task()
+    real = plane._listener
+    plane._listener = failing = _OutOfDescriptors(real)
+    time.sleep(1.0)
+    plane._listener = real
+    assert 1 <= failing.calls <= 20, failing.calls  # it used to retry as fast as the core allowed
+    got = dataplane.download(dataplane.DataPlaneTarget(server.address, task), ModelLayout.of_arrays(NAMES, init), 10)
+    assert got[0].tobytes() == init[0].tobytes()
+    said = [r.getMessage() for r in caplog.records if r.name == "fedpar.server.dataplane" and r.levelname == "WARNING"]
+    assert said == ["data plane cannot accept connections: [Errno 24] Too many open files; retrying every 0.1 s",
+                    "data plane accepts connections again"], said
