@@ -29,7 +29,7 @@ class SecAggClient:
             raise SecAggError(f"{me!r} is not a participant of round {params.round_id}")
         self.params = params
         self.me = me
-        self.neighbours = params.graph[me]
+        self.neighbours = params.neighbours_of(me)
         self.stage = "advertise"
         self._rng = rng or np.random.default_rng()
         self._c = keys.generate_private_key()

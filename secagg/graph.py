@@ -50,6 +50,24 @@ def harary_graph(participants: Sequence[str], k: int, seed: bytes) -> dict[str, 
     if k == n - 1:
         everyone = frozenset(participants)
         return {p: everyone - {p} for p in participants}
-    ring = sorted(participants, key=lambda p: hmac.new(seed, p.encode(), hashlib.sha256).digest())
-    half = k // 2
-    return {ring[i]: frozenset(ring[(i + d) % n] for d in range(-half, half + 1) if d != 0) for i in range(n)}
+    ring = _ring(participants, seed)
+    return {ring[i]: _around(ring, i, k // 2) for i in range(n)}
+
+
+def harary_neighbours(participants: Sequence[str], k: int, seed: bytes, me: str) -> frozenset[str]:
+    """``me``'s neighbour set in :func:`harary_graph` without building everyone's: n*k ids for a k as large as
+    the round's settings may name (a client checks settings it did not choose)."""
+    check_neighbours(len(participants), k)
+    if k == len(participants) - 1:
+        return frozenset(participants) - {me}
+    ring = _ring(participants, seed)
+    return _around(ring, ring.index(me), k // 2)
+
+
+def _ring(participants: Sequence[str], seed: bytes) -> list[str]:
+    return sorted(participants, key=lambda p: hmac.new(seed, p.encode(), hashlib.sha256).digest())
+
+
+def _around(ring: list[str], i: int, half: int) -> frozenset[str]:
+    n = len(ring)
+    return frozenset(ring[(i + d) % n] for d in range(-half, half + 1) if d != 0)

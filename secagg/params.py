@@ -9,7 +9,8 @@ from functools import cached_property
 
 from fedpar.secagg.errors import SecAggError
 from fedpar.secagg.field import Quantizer
-from fedpar.secagg.graph import check_neighbours, default_neighbours, default_threshold, harary_graph
+from fedpar.secagg.graph import (check_neighbours, default_neighbours, default_threshold, harary_graph,
+                                 harary_neighbours)
 
 MAX_ID_CHARS = 128
 MAX_PARTICIPANTS = 10_000
@@ -74,6 +75,10 @@ class RoundParams:
         """Neighbour sets of the round's SecAgg+ graph."""
         return harary_graph(self.participants, self.neighbours, self.graph_seed)
 
+    def neighbours_of(self, participant: str) -> frozenset[str]:
+        """``participant``'s neighbour set of :attr:`graph`, without building the whole graph (a client's view)."""
+        return harary_neighbours(self.participants, self.neighbours, self.graph_seed, participant)
+
     @cached_property
     def index(self) -> dict[str, int]:
         """Each participant's Shamir x-coordinate (1-based position in the sorted list)."""
@@ -94,7 +99,10 @@ class RoundParams:
             params = cls(int(d["round_id"]), tuple(d["participants"]), int(d["vector_length"]), float(d["clip"]),
                          int(d["max_weight"]), int(d["neighbours"]), int(d["threshold"]),
                          bytes.fromhex(d["graph_seed"]))
-        except (ValueError, KeyError, TypeError) as exc:
+            params.validate()
+        except SecAggError:
+            raise
+        # OverflowError: 1e400 is inf; RecursionError: deeply nested arrays; TypeError: unhashable participants
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             raise SecAggError(f"malformed secure-aggregation settings: {exc}") from None
-        params.validate()
         return params
