@@ -55,6 +55,7 @@ class SecureSession:
                                    wait_seconds=self.poll_seconds if wait else 0.0, **body)
         while True:
             self.bytes_sent += request.ByteSize()
+            asked = time.monotonic()
             reply = self.stub.SecAggExchange(request, timeout=self.poll_seconds + 30)
             self.bytes_received += reply.ByteSize()
             if reply.WhichOneof("body") != "wait_seconds" or not wait:
@@ -62,6 +63,9 @@ class SecureSession:
             if time.monotonic() > end:
                 raise SecAggAbort(f"no secure-aggregation broadcast for stage {pb.SecAggStage.Name(stage)} "
                                   f"within {self.stage_timeout}s")
+            # The coordinator answers "wait" once the wait asked for (at most its cap) has passed: one that answers
+            # at once is asked at most once a second, not in a loop of calls as fast as it answers.
+            time.sleep(max(0.0, min(asked + min(self.poll_seconds, 1.0), end) - time.monotonic()))
             request = pb.SecAggRequest(auth=self.auth, round=self.task.round, task_id=self.task.task_id,
                                        stage=stage, wait_seconds=self.poll_seconds)
 

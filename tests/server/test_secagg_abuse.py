@@ -113,3 +113,20 @@ def test_settings_naming_a_huge_neighbourhood_cost_the_agent_its_own_neighbours_
         tracemalloc.stop()
     assert "only 0 neighbours advertised keys" in noted[0], noted
     assert peak < 50 << 20 and took < 5, (peak, took)
+
+
+def test_a_coordinator_answering_every_poll_at_once_is_not_polled_in_a_loop(stand_in):
+    # An honest coordinator answers "wait" only after the wait the agent asked for; this one answers at once, for
+    # ever: the agent asked again as fast as gRPC allowed, a core spinning until the stage timed out.
+    people = ["me", "b", "c"]
+
+    def answer(request):
+        if request.stage == pb.SECAGG_SETUP:
+            return pb.SecAggReply(params_json=_params(people, 2, 2))
+        return pb.SecAggReply(wait_seconds=0.0)
+    coordinator = stand_in(answer)
+    start = time.monotonic()
+    noted = _begin(coordinator.session(poll_seconds=0.5, stage_timeout=2.0))
+    assert "no secure-aggregation broadcast for stage SECAGG_ADVERTISE" in noted[0], noted
+    polls = [r for r in coordinator.requests if r.stage == pb.SECAGG_ADVERTISE]
+    assert 2 <= len(polls) <= 8 and time.monotonic() - start < 5, len(polls)
