@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import ssl
 import threading
 import time
@@ -280,6 +281,16 @@ def heartbeat_interval(seconds: float, config: AgentConfig) -> float:
     return seconds or 5.0
 
 
+def check_task_clock(task: pb.TrainTask) -> None:
+    """ValueError (one line) unless a virtual-clock task's simulated time and deadline are seconds a clock can
+    hold (a time that is not is no simulated finish time's start)."""
+    if task.virtual_clock and not (0 <= task.clock_seconds < math.inf
+                                   and task.clock_deadline_seconds <= MAX_TASK_SECONDS):
+        raise ValueError(f"the task's simulated time {task.clock_seconds} s and deadline "
+                         f"{task.clock_deadline_seconds} s must be finite, the time >= 0, the deadline at most "
+                         f"{MAX_TASK_SECONDS:.0e} s")
+
+
 @dataclass
 class Pulled:
     """What one pull brought: tasks by member index, or the coordinator's reason to stop."""
@@ -383,19 +394,22 @@ class AgentLink:
 class HostLink:
     """The runtime speaks for ``members`` under ``config.agent_id`` (the host's id): JoinPopulation,
     HostTaskStream, small updates batched on one HostUploadStream to each aggregator rank they go to.
-    ``forget_queued()``: drop the tasks no seat started (their sessions are gone)."""
+    ``forget_queued()``: drop the tasks no seat started (their sessions are gone); ``trainable(i, task)``: whether
+    member ``i`` is to train ``task`` (one that is not is refused and told as its failure)."""
 
     def round_heard_since(self, since: float) -> int | None:
         """None: a host sends no heartbeats (its task stream tells it of new rounds)."""
         return None
 
-    def __init__(self, conn: Connection, config: AgentConfig, members: Population, forget_queued: Callable[[], None]):
-        self.conn, self.config, self.members = conn, config, members
+    def __init__(self, conn: Connection, config: AgentConfig, members: Population, forget_queued: Callable[[], None],
+                 trainable: Callable[[int, pb.TrainTask], bool]):
+        self.conn, self.config, self.members, self._trainable = conn, config, members, trainable
         self.host = pb.AgentAuth(agent_id=config.agent_id)
         self.max_chunk = 0
         self.small_below = 0
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
+        self._taken: dict[str, str] = {}  # each member's last task id taken this session (one per member held)
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
         self._failures: list[pb.TaskFailure] = []  # members' tasks their own code failed, for the next call
         self._failures_lock = threading.Lock()  # the seats add them, the pulls take them
@@ -424,6 +438,7 @@ class HostLink:
             self.max_chunk = reply.max_chunk_bytes
         self.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
         self._held.clear()
+        self._taken.clear()
         self._estimates = []
         self._forget_queued()
 
@@ -441,7 +456,9 @@ class HostLink:
 
     def pull(self) -> Pulled:
         """One long-poll on the host's task stream: the tasks to start now (under a virtual clock: those the
-        coordinator let go; the others wait, their simulated finish times reported on the next call)."""
+        coordinator let go; the others wait, their simulated finish times reported on the next call). Tasks for
+        members this host does not hold, a member's second task of one reply, a task it took already, and a
+        virtual-clock task it would not train are skipped in one line (a bad one told as its member's failure)."""
         away, back = self.members.availability_changes(self.clock_seconds)
         with self._failures_lock:
             failures = list(self._failures)
@@ -454,28 +471,63 @@ class HostLink:
             del self._failures[:len(failures)]
         if reply.shutdown_reason:
             return Pulled(shutdown=one_line(reply.shutdown_reason))
-        if reply.virtual_clock:  # availability follows the simulated time, which also moves between rounds
-            self.clock_seconds = reply.clock_seconds
+        # availability follows the simulated time, which also moves between rounds: a step is news (pull again at
+        # once), the same time said again is not (a coordinator that says it at once must not make the host spin)
+        pulled = Pulled(news=reply.virtual_clock and self._clock_at(reply.clock_seconds))
         if reply.tasks and self._held:  # tasks held from an older round are moot once a newer one opens
             newest = max(hosted.task.round for hosted in reply.tasks)
             self._held = {m: held for m, held in self._held.items() if held[1].round >= newest}
-        pulled = Pulled(news=bool(reply.go) or reply.virtual_clock)
+        skipped: dict[str, list[str]] = {}  # why: the members (as the coordinator named them) skipped for it
+        named: set[str] = set()  # the members this reply handed a task
         for hosted in reply.tasks:
-            i = self.members.index_of(hosted.agent_id)
+            i = self._take(hosted, named, skipped)
+            if i is None:
+                continue
             self.local_epochs = hosted.task.local_epochs
             if reply.weights:  # the round's small model, sent once for all of them
                 hosted.task.weights_header.CopyFrom(reply.weights_header)
                 hosted.task.weights = reply.weights
             if hosted.task.virtual_clock:
-                self.clock_seconds = hosted.task.clock_seconds
+                if not self._trainable(i, hosted.task):  # refused and told now: no finish time to report for it
+                    continue
+                self._clock_at(hosted.task.clock_seconds)
                 self._held[hosted.agent_id] = (i, hosted.task)
                 seconds = self.members.finish_estimate(i, hosted.task)
                 self._estimates.append(pb.FinishEstimate(agent_id=hosted.agent_id, task_id=hosted.task.task_id,
                                                          seconds=seconds))
             else:
                 pulled.tasks.append((i, hosted.task))
+        for why, members in skipped.items():
+            log.warning("%s: the coordinator handed out %d tasks %s (e.g. %s); skipped", self.host.agent_id,
+                        len(members), why, one_line(members[0], 64))
         pulled.tasks += [self._held.pop(member) for member in reply.go if member in self._held]
         return pulled
+
+    def _take(self, hosted: pb.HostedTask, named: set[str], skipped: dict[str, list[str]]) -> int | None:
+        """The index of the member ``hosted`` is for, or None (noted in ``skipped``): not a member of this host, or
+        named again (twice in this reply, ``named`` so far, or with a task it took already: each task trains once)."""
+        member = hosted.agent_id
+        try:
+            i = self.members.index_of(member)
+        except KeyError:
+            skipped.setdefault("for members this host does not hold", []).append(member)
+            return None
+        if member in named or self._taken.get(member) == hosted.task.task_id:
+            skipped.setdefault("to members named twice, or again with a task they took", []).append(member)
+            return None
+        named.add(member)
+        self._taken[member] = hosted.task.task_id
+        return i
+
+    def _clock_at(self, seconds: float) -> bool:
+        """Take ``seconds`` as the coordinator's simulated time; whether it moved on. A time no clock reads (NaN,
+        infinite, negative) is refused in one line and not taken."""
+        if not 0 <= seconds < math.inf:
+            log.warning("%s: the coordinator's simulated time is %s s; ignored", self.host.agent_id, seconds)
+            return False
+        moved = self.clock_seconds is None or seconds > self.clock_seconds
+        self.clock_seconds = seconds
+        return moved
 
     def _registered(self, member: str) -> tuple[int, int]:
         """A member's examples as told at join and the local epochs of its task: its update's weight bound."""

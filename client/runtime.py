@@ -27,7 +27,8 @@ import numpy as np
 from fedpar.client import dataplane
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.backoff import Backoff, Pacer, jittered
-from fedpar.client.links import RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting
+from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting,
+                                check_task_clock)
 from fedpar.client.member_state import ResidualStore
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
@@ -124,7 +125,7 @@ class ClientRuntime:
             if members.population and self.layout is not None else None
         self.secure = SecureMembers(self.conn.stub, config.poll_seconds)  # members' SecAgg+ client sides
         if members.population:
-            self.link = HostLink(self.conn, config, members, self._forget_queued)
+            self.link = HostLink(self.conn, config, members, self._forget_queued, self._trainable)
         else:
             self.link = AgentLink(self.conn, config, trainers[0])
         self._calls = Reconnecting(config.agent_id, config.server, self._join, config.initial_backoff,
@@ -211,6 +212,7 @@ class ClientRuntime:
         the coordinator (no update will come for it, whatever the wait)."""
         try:
             check_task_knobs(task.local_epochs, task.batch_size, task.learning_rate, task.deadline_seconds)
+            check_task_clock(task)
         except ValueError as err:
             self._note_refusal(self.members.member_id(i), f"round {task.round} task", err)
             self.link.failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])

@@ -34,6 +34,7 @@ from fedpar.client.runtime import ClientRuntime
 from fedpar.client.task_trainer import TaskTrainer
 from fedpar.datasets.clientdata import local_train_size
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import one_line
 from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
@@ -44,6 +45,7 @@ from fedpar.simulations.traces import DAY_SECONDS, AvailabilityEvents, Traces, o
 # A worker keeps its recent members' data (in-memory datasets only) up to this many bytes: a member sampled again
 # trains without its share being cut and split again (measured: a third of a digits member's local epoch).
 MEMBER_DATA_CACHE_BYTES = 64 << 20
+MAX_STEPS = 2**32 - 1  # TrainTask.max_steps is a uint32
 VIRTUAL_STEP_SECONDS = 0.01  # virtual clock without a trace: a local step's simulated seconds (FedScale's median)
 
 
@@ -176,11 +178,12 @@ class PopulationMembers:
 
     def index_of(self, member: str) -> int:
         """The index of member ``member`` in the slice, found from the number its id carries (client_id) among the
-        slice's ascending numbers: no table of ids held per member."""
-        number = int(member.rpartition("-")[2])
+        slice's ascending numbers: no table of ids held per member (KeyError: not one of its members' ids)."""
+        digits = member.removeprefix("client-")
+        number = int(digits) if digits.isascii() and digits.isdigit() else -1
         i = int(np.searchsorted(self.pop.numbers, number))
-        if i >= len(self.pop) or self.pop.numbers[i] != number:
-            raise KeyError(f"{member!r} is not a member of {self.pop.host_id}")
+        if i >= len(self.pop) or self.pop.numbers[i] != number or client_id(number) != member:
+            raise KeyError(f"{one_line(member, 64)!r} is not a member of {self.pop.host_id}")
         return i
 
     def member_data(self, i: int) -> ClientData:
@@ -282,8 +285,9 @@ class PopulationMembers:
         amount of work (the local steps of its data at the task's epochs and batch size that fit); -1: it would not
         upload. Caps ``task.max_steps`` at those steps."""
         steps = task.local_epochs * math.ceil(self.train_size(i) / max(1, task.batch_size))
-        task.max_steps, seconds = self.pop.work(i, steps, task.model_bytes, task.clock_seconds,
-                                                task.clock_deadline_seconds, self.drops(i, task.round))
+        done, seconds = self.pop.work(i, steps, task.model_bytes, task.clock_seconds, task.clock_deadline_seconds,
+                                      self.drops(i, task.round))
+        task.max_steps = min(done, MAX_STEPS)  # a task of billions of steps would not fit its uint32 field
         return seconds
 
 

@@ -1,0 +1,112 @@
+"""A real population host (client/runtime.py hosting simulations/population.py's members, as `fedpar
+simulate-workers` does) against a coordinator that lies (tests/support/hostile_coordinator.py: real gRPC on
+127.0.0.1): whatever it sends, the host refuses or skips it in one line, trains nothing twice or on garbage, does not
+crash, spin or print a peer's escapes, and goes on training the well-formed tasks."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedpar.protocol import fedpar_pb2 as pb
+from tests.support.hostile_coordinator import HostileHostCoordinator, HostRun, host_tasks, weights_of
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _answered(count: int):
+    """Done once ``count`` members' updates or failures reached the coordinator."""
+    return lambda c: len(c.uploaded()) + sum(len(p.failures) for p in c.pulls) >= count
+
+
+def _hosted(coordinator: HostileHostCoordinator, script, seconds: float = 10.0, **kw) -> HostRun:
+    """A host against ``coordinator``, given the replies ``script(run)`` makes (from its members and model)."""
+    run = HostRun(coordinator, **kw)
+    for reply in script(run):
+        coordinator.replies.put(reply)
+    try:
+        return run.run(seconds)
+    finally:
+        coordinator.stop()
+
+
+def _clean(run: HostRun) -> None:
+    """The host ended on the coordinator's word, with nothing raised anywhere and no traceback logged."""
+    assert run.error is None and run.thread_errors == [], (run.error, run.thread_errors, run.text)
+    assert "Traceback" not in run.text and run.lines[-1].endswith("coordinator says: done"), run.text
+
+
+def test_tasks_for_members_the_host_does_not_hold_are_skipped_and_the_others_trained():
+    """An id the host does not hold ended the host with a KeyError, a non-numeric one with a ValueError; another
+    prefix on a held number ('evil-0001') was trained as client-0001."""
+    coordinator = HostileHostCoordinator(done_when=_answered(2))
+    run = _hosted(coordinator, lambda run: [
+        host_tasks(run.layout, weights_of(run.layout, 0.01), ["client-0099", "bob", "evil-0001", "client-1",
+                                                               "client-\x1b[2J", run.members[0]]),
+        host_tasks(run.layout, weights_of(run.layout, 0.01), [run.members[1]], round_id=2)])
+    _clean(run)
+    assert sorted(coordinator.uploaded()) == run.members[:2]
+    assert "the coordinator handed out 5 tasks for members this host does not hold (e.g. client-0099); skipped" \
+        in run.text, run.text
+    assert all(not p.failures for p in coordinator.pulls)  # the coordinator refuses failures of members not the host's
+
+
+def test_a_member_named_twice_or_handed_its_task_again_trains_it_once():
+    """The old host trained and uploaded a member's task once for each time the coordinator named it."""
+    coordinator = HostileHostCoordinator(done_when=lambda c: len(c.pulls) >= 4)
+    run = _hosted(coordinator, lambda run: [
+        host_tasks(run.layout, weights_of(run.layout, 0.01), [run.members[0]] * 3 + [run.members[1]]),
+        host_tasks(run.layout, weights_of(run.layout, 0.01), [run.members[0]])])
+    _clean(run)
+    assert sorted(coordinator.uploaded()) == run.members[:2]
+    assert "handed out 2 tasks to members named twice, or again with a task they took (e.g. client-0000)" \
+        in run.text, run.text
+    assert "handed out 1 tasks to members named twice, or again with a task they took" in run.text, run.text
+
+
+@pytest.mark.parametrize("clock", [
+    dict(clock_seconds=float("nan"), clock_deadline_seconds=10.0),
+    dict(clock_seconds=-5.0, clock_deadline_seconds=10.0),
+    dict(clock_seconds=float("inf"), clock_deadline_seconds=10.0),
+    dict(clock_seconds=0.0, clock_deadline_seconds=float("nan")),
+    dict(clock_seconds=0.0, clock_deadline_seconds=float("inf")),
+], ids=["nan-time", "negative-time", "inf-time", "nan-deadline", "inf-deadline"])
+def test_a_virtual_clock_task_at_a_time_no_clock_reads_is_refused_and_told(clock):
+    """An infinite time or deadline ended the host with an OverflowError; NaN ones reported a NaN finish time and
+    trained on."""
+    coordinator = HostileHostCoordinator(done_when=_answered(1))
+    run = _hosted(coordinator, lambda run: [
+        host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:1], virtual_clock=True, **clock),
+        pb.PullHostTasksReply(go=run.members[:1], virtual_clock=True, clock_seconds=1.0)])
+    _clean(run)
+    assert coordinator.uploaded() == []
+    assert all(not p.finish_estimates for p in coordinator.pulls)
+    told = [f for p in coordinator.pulls for f in p.failures]
+    assert [(f.agent_id, f.task_id) for f in told] == [(run.members[0], f"{run.members[0]}-r1")], told
+    assert told[0].reason.startswith("task refused: the task's simulated time"), told
+
+
+def test_a_virtual_clock_task_of_billions_of_steps_is_capped_and_trained():
+    """4e9 local epochs under a 1e9 s simulated deadline: the old host's step cap overflowed TrainTask.max_steps
+    (uint32) and ended it with a ValueError."""
+    coordinator = HostileHostCoordinator(done_when=_answered(1))
+    run = _hosted(coordinator, lambda run: [
+        host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:1], virtual_clock=True, clock_seconds=0.0,
+                   clock_deadline_seconds=1e9, local_epochs=4_000_000_000, learning_rate=1e-9, deadline_seconds=3.0),
+        pb.PullHostTasksReply(go=run.members[:1], virtual_clock=True, clock_seconds=1.0)], seconds=20)
+    _clean(run)
+    assert [e.seconds > 0 for p in coordinator.pulls for e in p.finish_estimates] == [True]
+    assert coordinator.uploaded() == run.members[:1]
+
+
+@pytest.mark.parametrize("after", [
+    pb.PullHostTasksReply(virtual_clock=True, clock_seconds=1.0),
+    pb.PullHostTasksReply(go=["client-0099"]),
+    pb.PullHostTasksReply(virtual_clock=True, clock_seconds=float("nan")),
+], ids=["same-time", "go-for-no-task", "nan-time"])
+def test_a_coordinator_that_answers_every_pull_at_once_is_pulled_at_a_backoff(after):
+    """The old host pulled some 5000 times a second while each reply said the simulated time again (or let go a
+    task it did not hold)."""
+    coordinator = HostileHostCoordinator(after=after)
+    run = _hosted(coordinator, lambda run: [], seconds=2)
+    assert run.error is None and run.thread_errors == [] and "Traceback" not in run.text, run.text
+    assert 3 <= len(coordinator.pulls) < 40, len(coordinator.pulls)
