@@ -41,10 +41,12 @@ class DataPlaneTarget:
     def connect(self, op: int, deadline: Deadline) -> socket.socket:
         """An open (TLS if configured) connection with the preamble sent."""
         left = max(0.1, deadline.at - time.monotonic())
+        if not 0 < self.port < 1 << 16:
+            raise DataPlaneError(f"the task's data-plane port {self.port} is not a TCP port")
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(left, 10.0))
-        except OSError as exc:
-            raise DataPlaneError(f"cannot reach the data plane at {self.host}:{self.port}: {exc}") from None
+        except (OSError, ValueError) as exc:  # ValueError: a host name idna cannot encode (a label over 63 chars)
+            raise DataPlaneError(f"cannot reach the data plane at {self.host[:100]!r} port {self.port}: {exc}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:

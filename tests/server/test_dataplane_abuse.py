@@ -7,8 +7,10 @@ import socket
 import time
 
 import numpy as np
+import pytest
 
 from fedpar.client import dataplane
+from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.dataplane import OP_DOWNLOAD, encode_preamble
 
@@ -84,3 +86,17 @@ def test_accept_failing_at_once_does_not_spin_a_core(start_coordinator, agents, 
     said = [r.getMessage() for r in caplog.records if r.name == "fedpar.server.dataplane" and r.levelname == "WARNING"]
     assert said == ["data plane cannot accept connections: [Errno 24] Too many open files; retrying every 0.1 s",
                     "data plane accepts connections again"], said
+
+
+
+@pytest.mark.parametrize("host, port", [("a" * 300, 5555), ("a..b", 5555), ("evil\nINFO forged line", 5555),
+                                        ("127.0.0.1", 70000), ("127.0.0.1", 0xFFFFFFFF)])
+def test_a_task_naming_an_impossible_data_plane_is_a_data_plane_error(host, port):
+    # A coordinator's task names the data plane's host and port: a host idna cannot encode raised UnicodeError past
+    # the agent's fallback to gRPC (the agent exited), and port 70000 dialed port 4464.
+    task = pb.TrainTask(round=1, task_id="t", data_port=port, data_ticket=b"k" * 32)
+    target = dataplane.DataPlaneTarget(f"{host}:1", task)
+    layout = ModelLayout.of_arrays(NAMES, _arrays(0))
+    with pytest.raises(dataplane.DataPlaneError) as err:
+        dataplane.download(target, layout, 2.0)
+    assert "\n" not in str(err.value), err.value
