@@ -6,6 +6,7 @@ import errno
 import socket
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -100,3 +101,43 @@ def test_a_task_naming_an_impossible_data_plane_is_a_data_plane_error(host, port
     with pytest.raises(dataplane.DataPlaneError) as err:
         dataplane.download(target, layout, 2.0)
     assert "\n" not in str(err.value), err.value
+
+
+def _refused(call, code: grpc.StatusCode, fragment: str) -> None:
+    with pytest.raises(dataplane.DataPlaneRefused) as err:
+        call()
+    assert err.value.code == code.value[0] and fragment in err.value.message, dataplane.refusal_text(err.value)
+
+
+def test_tickets_of_earlier_rounds_move_nothing(start_coordinator, agents):
+    small = [np.arange(8, dtype=np.float32)]
+    server = start_coordinator(small, data_plane=True, rounds=3, clients_per_round=2, min_available=2,
+                               deadline_seconds=30)
+    a, b = agents(server.address, ["a", "b"])
+    layout = ModelLayout.of_arrays(["t0"], small)
+    old = {}
+    for round_id in (1, 2):
+        for bot in (a, b):
+            task = bot.task()
+            assert task.round == round_id
+            old.setdefault(round_id, {})[bot.agent_id] = task
+            if bot is a:  # a downloads over the data plane, then uploads over gRPC
+                dataplane.download(dataplane.DataPlaneTarget(server.address, task), layout, 10)
+            assert bot.upload(task, [np.full(8, round_id, np.float32)], 10).accepted
+    now = a.task()
+    assert now.round == 3
+    for past, code, fragment in ((2, grpc.StatusCode.FAILED_PRECONDITION, "of round 2 has expired"),
+                                 (1, grpc.StatusCode.PERMISSION_DENIED, "unknown data-plane ticket")):
+        task = old[past]["a"]
+        target = dataplane.DataPlaneTarget(server.address, task)
+        _refused(lambda: dataplane.download(target, layout, 10), code, fragment)
+        _refused(lambda: dataplane.upload(target, a.auth, task, layout, [np.zeros(8, np.float32)], 10, 1, {}, 10),
+                 code, fragment)
+        # the old ticket with this round's task in the header: the ticket decides, and it is dead
+        _refused(lambda: dataplane.upload(target, a.auth, now, layout, [np.zeros(8, np.float32)], 10, 1, {}, 10),
+                 code, fragment)
+    state = server.coordinator.current
+    assert state.round_id == 3 and state.accepted == 0 and state.rejected == 0
+    assert np.array_equal(server.coordinator.weights[0], np.full(8, 2, np.float32))
+    assert dataplane.upload(dataplane.DataPlaneTarget(server.address, now), a.auth, now, layout,
+                            [np.full(8, 3, np.float32)], 10, 1, {}, 10).accepted
