@@ -204,11 +204,11 @@ class HostUploads:
         if not reply.HasField("partial") or result.code == grpc.StatusCode.UNIMPLEMENTED.value[0]:
             self.partials = False  # this run takes none: one by one from now on
             log.info("%s: the coordinator takes no pre-summed updates (%s); sending each member's update",
-                     self.host.agent_id, result.message or "it does not know them")
+                     self.host.agent_id, one_line(result.message or "it does not know them"))
             return rest + summed
         if result.code:  # e.g. a member's update counted meanwhile: each of the others to its own verdict
             log.info("%s: a partial of %d updates was refused (%s); sending them one by one", self.host.agent_id,
-                     len(summed), result.message)
+                     len(summed), one_line(result.message))
             return rest + summed
         self.partials_sent += 1
         log.debug("%s: a partial of %d updates (%d of them rows of a stack) accepted", self.host.agent_id, len(summed),

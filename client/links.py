@@ -45,6 +45,7 @@ from fedpar.task import UPLOAD_MARGIN_SECONDS
 log = logging.getLogger("fedpar.client")
 T = TypeVar("T")
 
+MAX_CHUNK_BYTES = 64 << 20  # what a runtime's channels carry in one message (a coordinator's --max-chunk-bytes cap)
 JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinator's --max-population-join default)
 # Seconds a host's upload batch waits for more updates after its first (the round's last ones go at once): a fifth
 # of the margin a member keeps free before the deadline. Each call costs both ends far more than its bytes (gRPC's
@@ -177,7 +178,7 @@ class Connection:
         self._ingest_lock = threading.Lock()
 
     def _open(self, address: str) -> grpc.Channel:
-        options = channel_options(64 << 20)
+        options = channel_options(MAX_CHUNK_BYTES)
         if self.config.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.config.tls_server_name))
         if self.config.credentials is not None:
@@ -291,6 +292,15 @@ def check_task_clock(task: pb.TrainTask) -> None:
                          f"{MAX_TASK_SECONDS:.0e} s")
 
 
+def chunk_limit(max_chunk_bytes: int, config: AgentConfig) -> int:
+    """The chunk size a join reply allows (0: DEFAULT_CHUNK_BYTES); FatalAgentError for one past what this
+    runtime's channels carry (every whole update sent in one message would be refused)."""
+    if max_chunk_bytes > MAX_CHUNK_BYTES:
+        raise FatalAgentError(f"{config.agent_id}: {config.server} answered the join with chunks of {max_chunk_bytes} "
+                              f"bytes: they must be at most {MAX_CHUNK_BYTES}")
+    return max_chunk_bytes or DEFAULT_CHUNK_BYTES
+
+
 @dataclass
 class Pulled:
     """What one pull brought: tasks by member index, or the coordinator's reason to stop."""
@@ -329,7 +339,7 @@ class AgentLink:
                                                    enrollment_token=self.config.enrollment_token), timeout=30)
         self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=session_token(reply.token, self.config))
         self._heartbeat_seconds = heartbeat_interval(reply.heartbeat_seconds, self.config)
-        self.max_chunk = reply.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        self.max_chunk = chunk_limit(reply.max_chunk_bytes, self.config)
 
     def pull(self) -> Pulled:
         """One PullTask long-poll."""
@@ -435,7 +445,7 @@ class HostLink:
                                                away=np.flatnonzero(away))
             reply = self.conn.stub.JoinPopulation(request, timeout=60)
             self.host.token = session_token(reply.host_token, self.config)
-            self.max_chunk = reply.max_chunk_bytes
+            self.max_chunk = chunk_limit(reply.max_chunk_bytes, self.config)
         self.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
         self._held.clear()
         self._taken.clear()

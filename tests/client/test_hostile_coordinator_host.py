@@ -32,7 +32,7 @@ def _hosted(coordinator: HostileHostCoordinator, script, seconds: float = 10.0, 
 def _clean(run: HostRun) -> None:
     """The host ended on the coordinator's word, with nothing raised anywhere and no traceback logged."""
     assert run.error is None and run.thread_errors == [], (run.error, run.thread_errors, run.text)
-    assert "Traceback" not in run.text and run.lines[-1].endswith("coordinator says: done"), run.text
+    assert "Traceback" not in run.text and "host-0: coordinator says: done" in run.lines, run.text
 
 
 def test_tasks_for_members_the_host_does_not_hold_are_skipped_and_the_others_trained():
@@ -110,3 +110,40 @@ def test_a_coordinator_that_answers_every_pull_at_once_is_pulled_at_a_backoff(af
     run = _hosted(coordinator, lambda run: [], seconds=2)
     assert run.error is None and run.thread_errors == [] and "Traceback" not in run.text, run.text
     assert 3 <= len(coordinator.pulls) < 40, len(coordinator.pulls)
+
+
+def test_what_the_coordinator_says_of_an_upload_is_logged_as_one_printable_line():
+    """A refused partial's reason of 1000 lines and terminal escapes: the old host logged every line of it."""
+    said = "no\n\x1b[2J" * 1000
+    coordinator = HostileHostCoordinator(done_when=lambda c: len(c.uploaded()) >= 4, upload_reply=lambda request: (
+        pb.HostUploadResults(results=[pb.HostUploadResult(code=9, message=said)] * len(request.uploads),
+                             partial=pb.HostUploadResult(code=9, message=said))))
+    run = _hosted(coordinator, lambda run: [host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:2])])
+    _clean(run)
+    assert sorted(coordinator.uploaded()) == sorted(run.members[:2] * 2)  # the partial, then each on its own
+    assert "a partial of 2 updates was refused (no ?" in run.text, run.text
+    assert not [line for line in run.lines if "\x1b" in line or "\n" in line or len(line) > 700], run.text
+
+
+def test_a_join_reply_without_a_chunk_size_means_the_default_and_updates_go_in_batches():
+    """max_chunk_bytes 0: the old host sent every update on its own UploadUpdate stream (none is small below 1 byte)."""
+    coordinator = HostileHostCoordinator(done_when=_answered(2),
+                                         join_reply=pb.JoinPopulationReply(host_token="h", max_chunk_bytes=0))
+    run = _hosted(coordinator, lambda run: [host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:2])])
+    _clean(run)
+    assert sorted(coordinator.uploaded()) == run.members[:2]
+
+
+@pytest.mark.parametrize("join_reply, said", [
+    (pb.JoinPopulationReply(host_token="", max_chunk_bytes=1 << 20),
+     "answered the join without a session token: is it a fedpar coordinator?"),
+    (pb.JoinPopulationReply(host_token="h", max_chunk_bytes=(1 << 32) - 1),
+     "answered the join with chunks of 4294967295 bytes: they must be at most 67108864"),
+    (b"\xff\xff\xff", "coordinator refused: INTERNAL: Exception deserializing response!"),
+], ids=["no-token", "chunks-past-the-channel", "unparsable"])
+def test_a_join_reply_the_host_cannot_work_with_ends_it_in_one_line(join_reply, said):
+    """Chunks of 4 GiB: the old host took whole updates of up to 4 GiB as small ones, for one message each."""
+    coordinator = HostileHostCoordinator(join_reply=join_reply)
+    run = _hosted(coordinator, lambda run: [])
+    assert type(run.error).__name__ == "FatalAgentError" and str(run.error).endswith(said), run.error
+    assert coordinator.pulls == [] and run.thread_errors == [] and "Traceback" not in run.text, run.text
