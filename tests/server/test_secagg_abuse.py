@@ -11,11 +11,15 @@ import tracemalloc
 from concurrent import futures
 
 import grpc
+import numpy as np
 import pytest
 
-from fedpar.client.secure_upload import SecureSession, SecureUpload
+from fedpar.client import dataplane
+from fedpar.client.secure_upload import MASKED_TENSOR, SecureSession, SecureUpload, flat_update
+from fedpar.client.transfer import upload_messages
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import SERVICE_NAME, CoordinatorStub, ModelLayout, channel_options, one_line
+from fedpar.secagg import wire
 
 VECTOR = 10
 LAYOUT = ModelLayout([("w", "float32", (VECTOR,))])
@@ -130,3 +134,70 @@ def test_a_coordinator_answering_every_poll_at_once_is_not_polled_in_a_loop(stan
     assert "no secure-aggregation broadcast for stage SECAGG_ADVERTISE" in noted[0], noted
     polls = [r for r in coordinator.requests if r.stage == pb.SECAGG_ADVERTISE]
     assert 2 <= len(polls) <= 8 and time.monotonic() - start < 5, len(polls)
+
+
+
+def _masked_upload(bot, task, vector, via_data_plane: bool, address: str):
+    """Upload ``vector`` (int32) as this agent's masked input, over the data plane or the gRPC stream."""
+    layout = ModelLayout([(MASKED_TENSOR, vector.dtype.name, vector.shape)])
+    if via_data_plane:
+        return dataplane.upload(dataplane.DataPlaneTarget(address, task), bot.auth, task, layout, [vector], 1, 0, {},
+                                10)
+    return bot.upload(task, None, 0, messages=list(upload_messages(bot.auth, task, layout, [vector], 1, 0, {},
+                                                                    bot.max_chunk)))
+
+
+def _refused_upload(call, code: grpc.StatusCode, fragment: str) -> None:
+    try:
+        call()
+    except grpc.RpcError as err:
+        assert err.code() == code and fragment in err.details(), (err.code(), err.details())
+        return
+    except dataplane.DataPlaneRefused as err:
+        assert err.code == code.value[0] and fragment in err.message, dataplane.refusal_text(err)
+        return
+    raise AssertionError("a hostile masked upload was accepted")
+
+
+def test_masked_uploads_out_of_turn_misshapen_or_twice_never_reach_the_sum(start_coordinator, agents):
+    ids, counts = ["a", "b", "c"], {"a": 10, "b": 30, "c": 60}
+    rng = np.random.default_rng(0)
+    init = [rng.standard_normal((6, 4)).astype(np.float32)]
+    server = start_coordinator(init, secure_aggregation=True, data_plane=True, clients_per_round=3, min_available=3,
+                               deadline_seconds=60, secagg_stage_seconds=20)
+    bots = dict(zip(ids, agents(server.address, ids)))
+    tasks = {i: bots[i].task() for i in ids}
+    assert all(t.data_port for t in tasks.values())
+    length = init[0].size + 1
+    junk = rng.integers(-2**31, 2**31, length, dtype=np.int64).astype(np.int32)
+    address = server.address
+    for via in (False, True):  # before the key stages: nobody has shared keys yet
+        _refused_upload(lambda: _masked_upload(bots["a"], tasks["a"], junk, via, address),
+                        grpc.StatusCode.FAILED_PRECONDITION, "shared its keys")
+
+    sessions = {i: SecureSession(bots[i].stub, bots[i].auth, tasks[i], 0.5, 30) for i in ids}
+    with futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda i: sessions[i].begin(init[0].size), ids))
+    locals_ = {i: [(init[0] + rng.uniform(-0.5, 0.5, init[0].shape)).astype(np.float32)] for i in ids}
+    masked = {}
+    for i in ids:
+        routed = sessions[i]._expect(sessions[i]._call(pb.SECAGG_SHARE), "ciphertexts")
+        masked[i] = sessions[i].client.masked_input(wire.routed_shares_from_pb(i, routed),
+                                                    flat_update(locals_[i], init), counts[i]).vector.view(np.int32)
+    for via in (False, True):  # one value short, one too many, the wrong dtype
+        for bad in (masked["a"][:-1], np.append(masked["a"], 7), masked["a"].view(np.float32)):
+            _refused_upload(lambda: _masked_upload(bots["a"], tasks["a"], bad, via, address),
+                            grpc.StatusCode.INVALID_ARGUMENT, "")
+    assert _masked_upload(bots["a"], tasks["a"], masked["a"], True, address).accepted  # over the data plane
+    for via in (False, True):
+        _refused_upload(lambda: _masked_upload(bots["a"], tasks["a"], junk, via, address),
+                        grpc.StatusCode.ALREADY_EXISTS, "")
+    assert _masked_upload(bots["b"], tasks["b"], masked["b"], False, address).accepted
+    assert _masked_upload(bots["c"], tasks["c"], masked["c"], False, address).accepted
+    with futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda i: sessions[i].unmask(), ids))
+    assert server.wait(30)
+    row = server.coordinator.metrics.last
+    assert (row["status"], row["secagg_survivors"]) == ("ok", 3), row
+    expected = sum(counts[i] * locals_[i][0].astype(np.float64) for i in ids) / sum(counts.values())
+    np.testing.assert_allclose(server.coordinator.weights[0], expected, rtol=0, atol=1e-5)
