@@ -293,8 +293,9 @@ class ClientRuntime:
         deadline_at = received + task.deadline_seconds
         try:
             settings = TaskSettings.from_json(task.extra_json)
-        except ValueError as err:
+        except ValueError as err:  # told, as a task's bad knobs are: no update will come for it, whatever the wait
             self._note_refusal(member, "task settings", err)
+            self.link.failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])
             return True
         data_plane = self.data_plane(task)
         mode = (self.secure.take(task) if settings.secure_aggregation else None) or \

@@ -147,3 +147,17 @@ def test_a_join_reply_the_host_cannot_work_with_ends_it_in_one_line(join_reply, 
     run = _hosted(coordinator, lambda run: [])
     assert type(run.error).__name__ == "FatalAgentError" and str(run.error).endswith(said), run.error
     assert coordinator.pulls == [] and run.thread_errors == [] and "Traceback" not in run.text, run.text
+
+
+def test_a_task_whose_settings_cannot_be_read_is_refused_and_told_and_the_next_round_trains():
+    """Settings that are not JSON, or ask for what no member can do: the old runtime refused the task in one line but
+    told no one, so the round waited out its deadline for updates that would not come."""
+    coordinator = HostileHostCoordinator(done_when=_answered(3))
+    run = _hosted(coordinator, lambda run: [
+        host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:1], extra_json="{{"),
+        host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[1:2], extra_json='{"proximal_mu": -1}'),
+        host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:1], round_id=2)])
+    _clean(run)
+    told = {f.agent_id: f.reason for p in coordinator.pulls for f in p.failures}
+    assert sorted(told) == run.members[:2] and all(r.startswith("task refused: the task") for r in told.values()), told
+    assert coordinator.uploaded() == run.members[:1]
