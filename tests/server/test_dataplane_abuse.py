@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 import time
 
 import grpc
@@ -12,8 +13,8 @@ import pytest
 
 from fedpar.client import dataplane
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
-from fedpar.protocol.dataplane import OP_DOWNLOAD, encode_preamble
+from fedpar.protocol.codec import CodecError, ModelLayout, layout_to_pb
+from fedpar.protocol.dataplane import OP_DOWNLOAD, PREAMBLE, DataPlaneError, encode_preamble, encode_status
 
 SHAPES = ((1024, 1024),)  # 4 MB: more than the socket buffers hold, so an unread download blocks its sender
 NAMES = ["t0"]
@@ -141,3 +142,73 @@ def test_tickets_of_earlier_rounds_move_nothing(start_coordinator, agents):
     assert np.array_equal(server.coordinator.weights[0], np.full(8, 2, np.float32))
     assert dataplane.upload(dataplane.DataPlaneTarget(server.address, now), a.auth, now, layout,
                             [np.full(8, 3, np.float32)], 10, 1, {}, 10).accepted
+
+
+def _stand_in(behave) -> int:
+    """A one-connection data plane on 127.0.0.1 that reads the preamble, then does ``behave(conn)``; its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                try:
+                    conn.recv(PREAMBLE.size)
+                    behave(conn)
+                    time.sleep(0.5)
+                except OSError:
+                    pass
+    threading.Thread(target=run, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+ARRAYS = [np.arange(12, dtype=np.float32).reshape(4, 3), np.ones(5, np.float32)]
+LAYOUT = ModelLayout.of_arrays(["a", "b"], ARRAYS)
+HEADER = pb.ModelHeader(tensors=layout_to_pb(LAYOUT), total_bytes=LAYOUT.total_bytes).SerializeToString()
+DATA = b"".join(a.tobytes() for a in ARRAYS)
+
+
+@pytest.mark.parametrize("behave, error, fragment", [
+    (lambda c: c.sendall(b"\0\0\0garbage" * 50), DataPlaneError, "exceeds the limit"),
+    (lambda c: c.sendall(encode_status(0, b"\xff\xff\xff")), DataPlaneError, "malformed ModelHeader"),
+    (lambda c: (c.sendall(encode_status(0, HEADER) + DATA[:9]), time.sleep(5)), DataPlaneError, "stalled"),
+    (lambda c: c.sendall(encode_status(0, HEADER) + DATA[:9]), DataPlaneError, "connection closed after 9 of"),
+    (lambda c: c.sendall(encode_status(0, pb.ModelHeader(tensors=layout_to_pb(LAYOUT), total_bytes=1 << 62)
+                                       .SerializeToString())), CodecError, "total_bytes=4611686018427387904"),
+    (lambda c: c.sendall(encode_status(0, pb.ModelHeader(tensors=layout_to_pb(ModelLayout.of_arrays(
+        ["a", "b"], ARRAYS[::-1])), total_bytes=LAYOUT.total_bytes).SerializeToString()) + DATA), CodecError,
+     "does not match this agent's"),
+    (lambda c: c.sendall(encode_status(0, HEADER) + np.full(17, np.nan, np.float32).tobytes()), CodecError,
+     "NaN or Inf"),
+    (lambda c: c.sendall(encode_status(250, "no\x1b[2J\nway".encode())), dataplane.DataPlaneRefused, "no"),
+], ids=["garbage", "bad-header", "stall", "cut", "huge-total", "other-model", "nan", "odd-refusal"])
+def test_the_agent_refuses_what_a_hostile_data_plane_sends_by_its_deadline(behave, error, fragment):
+    task = pb.TrainTask(round=1, task_id="t", data_port=_stand_in(behave), data_ticket=b"k" * 32)
+    start = time.monotonic()
+    with pytest.raises(error) as err:
+        dataplane.download(dataplane.DataPlaneTarget("127.0.0.1:1", task), LAYOUT, 2.0)
+    assert fragment in str(err.value) and time.monotonic() - start < 3.5, err.value
+    if error is dataplane.DataPlaneRefused:
+        assert dataplane.refusal_text(err.value).startswith("250: no"), err.value
+
+
+def test_a_reply_longer_than_the_model_gives_the_model_exactly():
+    task = pb.TrainTask(round=1, task_id="t", data_port=_stand_in(
+        lambda c: c.sendall(encode_status(0, HEADER) + DATA + b"trailing" * 1000)), data_ticket=b"k" * 32)
+    got = dataplane.download(dataplane.DataPlaneTarget("127.0.0.1:1", task), LAYOUT, 2.0)
+    assert [g.tobytes() for g in got] == [a.tobytes() for a in ARRAYS]
+
+
+@pytest.mark.parametrize("behave, error, fragment", [
+    (lambda c: (c.recv(1 << 16), time.sleep(5)), DataPlaneError, "stalled"),
+    (lambda c: (c.recv(1 << 16), c.sendall(b"zzzzzzzzzzzz")), DataPlaneError, "exceeds the limit"),
+    (lambda c: (c.recv(1 << 16), c.sendall(encode_status(0)), c.recv(1 << 16), c.sendall(encode_status(0, b"\xff"))),
+     DataPlaneError, "malformed UploadReply"),
+], ids=["stall", "garbage", "bad-reply"])
+def test_the_agent_gives_up_an_upload_to_a_hostile_data_plane_by_its_deadline(behave, error, fragment):
+    task = pb.TrainTask(round=1, task_id="t", data_port=_stand_in(behave), data_ticket=b"k" * 32)
+    start = time.monotonic()
+    with pytest.raises(error) as err:
+        dataplane.upload(dataplane.DataPlaneTarget("127.0.0.1:1", task), pb.AgentAuth(agent_id="a", token="t"), task,
+                         LAYOUT, ARRAYS, 1, 1, {}, 2.0)
+    assert fragment in str(err.value) and time.monotonic() - start < 3.5, err.value
