@@ -91,7 +91,7 @@ def test_a_virtual_clock_task_of_billions_of_steps_is_capped_and_trained():
     coordinator = HostileHostCoordinator(done_when=_answered(1))
     run = _hosted(coordinator, lambda run: [
         host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:1], virtual_clock=True, clock_seconds=0.0,
-                   clock_deadline_seconds=1e9, local_epochs=4_000_000_000, learning_rate=1e-9, deadline_seconds=3.0),
+                   clock_deadline_seconds=1e9, local_epochs=4_000_000_000, learning_rate=1e-9, deadline_seconds=1.5),
         pb.PullHostTasksReply(go=run.members[:1], virtual_clock=True, clock_seconds=1.0)], seconds=20)
     _clean(run)
     assert [e.seconds > 0 for p in coordinator.pulls for e in p.finish_estimates] == [True]
@@ -161,3 +161,30 @@ def test_a_task_whose_settings_cannot_be_read_is_refused_and_told_and_the_next_r
     told = {f.agent_id: f.reason for p in coordinator.pulls for f in p.failures}
     assert sorted(told) == run.members[:2] and all(r.startswith("task refused: the task") for r in told.values()), told
     assert coordinator.uploaded() == run.members[:1]
+
+
+def _garbled(reply: pb.PullHostTasksReply, how: str) -> pb.PullHostTasksReply:
+    """``reply`` with its round's weights spoilt ``how``."""
+    if how == "short":
+        reply.weights = reply.weights[:100]
+    elif how == "shape":
+        reply.weights_header.tensors[0].shape[:] = [3, 3]
+    elif how == "escapes":
+        reply.weights_header.tensors[0].dtype = "\x1b[2J\n" * 100
+    return reply
+
+
+@pytest.mark.parametrize("how", ["short", "shape", "escapes", "nan"])
+def test_a_round_model_that_is_not_the_hosts_is_refused_told_and_the_next_round_trains(how):
+    """Weights cut short, of another shape, of a dtype of escapes, or NaN: refused in one printable line each and
+    told as the members' failures, never trained."""
+    coordinator = HostileHostCoordinator(done_when=_answered(3))
+    run = _hosted(coordinator, lambda run: [
+        _garbled(host_tasks(run.layout, weights_of(run.layout, float("nan") if how == "nan" else 0.01),
+                            run.members[:2]), how),
+        host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[2:3], round_id=2)])
+    _clean(run)
+    told = {f.agent_id: f.reason for p in coordinator.pulls for f in p.failures}
+    assert sorted(told) == run.members[:2] and all(r.startswith("download refused: ") for r in told.values()), told
+    assert coordinator.uploaded() == run.members[2:3]
+    assert not [line for line in run.lines if "\x1b" in line or "\n" in line], run.text
