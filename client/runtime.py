@@ -499,8 +499,8 @@ class ClientRuntime:
         send = sender.send if data_plane is None else \
             functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":
-            return CompressedUpload(settings, self.layout, send, note, seat.compression)
-        return PlainUpload(settings, self.layout, send, note)
+            return CompressedUpload(settings, self.layout, send, seat.compression)
+        return PlainUpload(settings, self.layout, send)
 
     def _upload_via_data_plane(self, auth: pb.AgentAuth, task: pb.TrainTask, data_plane: dataplane.DataPlaneTarget,
                                deadline_at: float, grpc_send: Send, upload: PreparedUpload, result,

@@ -359,12 +359,11 @@ def privatize_update(new_weights: Sequence[np.ndarray], global_weights: Sequence
 class PlainUpload:
     """Plain rounds: the new weights go up in the clear (clipped, maybe noised, if the task asks for client DP)."""
 
-    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, note_refusal: NoteRefusal):
+    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send):
         self.settings = settings
         self.dp = dp_settings(settings)  # client-side DP: (clip norm, local noise), or None
         self.layout = layout
         self.send = send
-        self.note_refusal = note_refusal
 
     def begin(self) -> bool:
         """Nothing to do before training."""
@@ -377,11 +376,15 @@ class PlainUpload:
         diverged = first_non_finite(self.layout, trained)
         if diverged is not None:
             raise UpdateRefused(f"training left NaN or Inf in tensor {diverged!r}")
+        with np.errstate(over="ignore"):  # noise past the dtype's range is refused below, not warned of
+            private = privatize_update(trained, global_weights, self.dp)
+        if self.dp is not None and (unbounded := first_non_finite(self.layout, private)) is not None:
+            raise UpdateRefused(f"the task's client DP noise (dp_local_noise {self.dp[1]:g} x dp_clip_norm "
+                                f"{self.dp[0]:g}) made tensor {unbounded!r} Inf")
         try:
-            prepared = self.prepare(privatize_update(trained, global_weights, self.dp), global_weights)
-        except ValueError as err:
-            self.note_refusal("preparing the update", err)
-            return False
+            prepared = self.prepare(private, global_weights)
+        except ValueError as err:  # the task's compression settings cannot encode it: no update will come
+            raise UpdateRefused(f"preparing the update: {err}") from None
         if self.send(prepared, result, metrics):
             return True
         self.refused()
@@ -401,9 +404,8 @@ class PlainUpload:
 class CompressedUpload(PlainUpload):
     """Compressed rounds: the delta from the global model, encoded as the task asks, with error feedback."""
 
-    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, note_refusal: NoteRefusal,
-                 compressor: UpdateCompressor):
-        super().__init__(settings, layout, send, note_refusal)
+    def __init__(self, settings: TaskSettings, layout: ModelLayout, send: Send, compressor: UpdateCompressor):
+        super().__init__(settings, layout, send)
         self.compressor = compressor
 
     def prepare(self, update: list[np.ndarray], global_weights: list[np.ndarray]) -> PreparedUpload:

@@ -18,17 +18,16 @@ RESULT = TrainResult(1, 10, 0.5, False, 0.1)
 
 
 def _mode(cls, settings, accept: bool, **extra):
-    sent, refusals = [], []
+    sent = []
 
     def send(prepared, result, metrics):
         sent.append(prepared)
         return accept
-    mode = cls(settings, LAYOUT, send, lambda what, err: refusals.append(what), **extra)
-    return mode, sent, refusals
+    return cls(settings, LAYOUT, send, **extra), sent
 
 
 def test_plain_sends_the_clipped_new_weights():
-    mode, sent, _ = _mode(PlainUpload, TaskSettings(dp_clip_norm=1.0), accept=True)
+    mode, sent = _mode(PlainUpload, TaskSettings(dp_clip_norm=1.0), accept=True)
     assert mode.begin() and mode.upload([np.full(100, 1.0, np.float32)], GLOBAL, RESULT, {})
     assert sent[0].encoding == "" and np.linalg.norm(sent[0].arrays[0]) == np.float32(1.0)
 
@@ -37,16 +36,16 @@ def test_compressed_rolls_back_its_residual_only_for_an_update_sent_and_refused(
     compressor = UpdateCompressor(LAYOUT, seed=0)
     settings = TaskSettings(compression="topk", topk_ratio=0.1)
     trained = [np.linspace(-1, 1, 100).astype(np.float32)]
-    mode, sent, _ = _mode(CompressedUpload, settings, accept=True, compressor=compressor)
+    mode, sent = _mode(CompressedUpload, settings, accept=True, compressor=compressor)
     assert mode.upload(trained, GLOBAL, RESULT, {}) and sent[0].encoding == "topk"
     kept = [r.copy() for r in compressor.compressor.residual("")]
 
-    mode, sent, refusals = _mode(CompressedUpload, settings, accept=False, compressor=compressor)
-    assert not mode.upload(trained, GLOBAL, RESULT, {}) and sent and not refusals
+    mode, sent = _mode(CompressedUpload, settings, accept=False, compressor=compressor)
+    assert not mode.upload(trained, GLOBAL, RESULT, {}) and sent
     assert all(np.array_equal(a, b) for a, b in zip(compressor.compressor.residual(""), kept))  # rolled back
 
     broken = [np.full(100, np.nan, np.float32)]  # diverged training: refused before the DP step or any encoding
-    mode, sent, refusals = _mode(CompressedUpload, TaskSettings(compression="topk", topk_ratio=0.1, dp_clip_norm=1.0),
+    mode, sent = _mode(CompressedUpload, TaskSettings(compression="topk", topk_ratio=0.1, dp_clip_norm=1.0),
                                  accept=True, compressor=compressor)
     assert mode.upload(trained, GLOBAL, RESULT, {})  # an accepted update: its residual stays
     after = [r.copy() for r in compressor.compressor.residual("")]
@@ -54,3 +53,17 @@ def test_compressed_rolls_back_its_residual_only_for_an_update_sent_and_refused(
         mode.upload(broken, GLOBAL, RESULT, {})
     assert len(sent) == 1
     assert all(np.array_equal(a, b) for a, b in zip(compressor.compressor.residual(""), after))
+
+
+def test_an_update_the_task_s_settings_cannot_send_is_refused_for_the_coordinator_to_hear():
+    trained = [np.full(100, 1.0, np.float32)]
+    mode, sent = _mode(PlainUpload, TaskSettings(dp_clip_norm=1.0, dp_local_noise=1e308), accept=True)
+    with pytest.raises(UpdateRefused, match=r"client DP noise \(dp_local_noise 1e\+308 x dp_clip_norm 1\) made tensor "
+                                            "'w' Inf"):
+        mode.upload(trained, GLOBAL, RESULT, {})
+    compressor = UpdateCompressor(LAYOUT, seed=0)
+    mode, sent2 = _mode(CompressedUpload, TaskSettings(compression="int8", int8_block=2 ** 62), accept=True,
+                        compressor=compressor)
+    with pytest.raises(UpdateRefused, match="preparing the update: "):  # it cannot be encoded: no update will come
+        mode.upload(trained, GLOBAL, RESULT, {})
+    assert not sent and not sent2
