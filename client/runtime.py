@@ -211,7 +211,7 @@ class ClientRuntime:
         """Whether ``task``'s own knobs are ones to train with; one that is not is refused in one line and told to
         the coordinator (no update will come for it, whatever the wait)."""
         try:
-            check_task_knobs(task.local_epochs, task.batch_size, task.learning_rate, task.deadline_seconds)
+            check_task_knobs(task.round, task.local_epochs, task.batch_size, task.learning_rate, task.deadline_seconds)
             check_task_clock(task)
         except ValueError as err:
             self._note_refusal(self.members.member_id(i), f"round {task.round} task", err)

@@ -21,6 +21,7 @@ from fedpar.settings import setting
 
 COMPRESSION_METHODS = ("none", "fp16", "bf16", "int8", "topk")
 MAX_JSON_CHARS = 64 << 10
+MAX_TASK_ROUND = 2 ** 48  # a member's shuffle is seeded from the round: a larger one overflows the seed
 MAX_TASK_SECONDS = 1e9  # about 31 years: a longer deadline overflows gRPC's and threading's timeouts
 
 
@@ -42,10 +43,13 @@ class LocalTraining:
         return self.client_eval_every > 0 and round_id % self.client_eval_every == 0
 
 
-def check_task_knobs(local_epochs: int, batch_size: int, learning_rate: float, deadline_seconds: float) -> None:
-    """ValueError (one line) unless a task's own knobs are ones to train with: at least one epoch and one example per
-    batch, a finite learning rate > 0 (NaN, Inf or <= 0 trains garbage), a deadline that is a number of seconds
-    (0 or less: no time left, which the deadline rule says)."""
+def check_task_knobs(round_id: int, local_epochs: int, batch_size: int, learning_rate: float,
+                     deadline_seconds: float) -> None:
+    """ValueError (one line) unless a task's own knobs are ones to train with: a round number that seeds a shuffle,
+    at least one epoch and one example per batch, a finite learning rate > 0 (NaN, Inf or <= 0 trains garbage), a
+    deadline that is a number of seconds (0 or less: no time left, which the deadline rule says)."""
+    if round_id > MAX_TASK_ROUND:
+        raise ValueError(f"the task's round must be at most {MAX_TASK_ROUND}, got {round_id}")
     if local_epochs < 1 or batch_size < 1:
         raise ValueError(f"the task asks for {local_epochs} local epochs in batches of {batch_size}: each must be >= 1")
     if not (learning_rate > 0 and math.isfinite(learning_rate)):
