@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import logging
 import socket
+import struct
 import threading
 import time
 
@@ -14,7 +16,8 @@ import pytest
 from fedpar.client import dataplane
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, layout_to_pb
-from fedpar.protocol.dataplane import OP_DOWNLOAD, PREAMBLE, DataPlaneError, encode_preamble, encode_status
+from fedpar.protocol.dataplane import (OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, DataPlaneError, Deadline, encode_frame,
+                                       encode_preamble, encode_status, read_status)
 
 SHAPES = ((1024, 1024),)  # 4 MB: more than the socket buffers hold, so an unread download blocks its sender
 NAMES = ["t0"]
@@ -212,3 +215,57 @@ def test_the_agent_gives_up_an_upload_to_a_hostile_data_plane_by_its_deadline(be
         dataplane.upload(dataplane.DataPlaneTarget("127.0.0.1:1", task), pb.AgentAuth(agent_id="a", token="t"), task,
                          LAYOUT, ARRAYS, 1, 1, {}, 2.0)
     assert fragment in str(err.value) and time.monotonic() - start < 3.5, err.value
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP reset (SO_LINGER 0), as a crashed or hostile peer does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_connections_reset_mid_frame_cost_one_line_and_give_their_tickets_back(start_coordinator, agents, caplog):
+    caplog.set_level(logging.INFO, logger="fedpar.server.dataplane")
+    init = _arrays(0)
+    ids = ["d", "u", "p"]
+    server = start_coordinator(init, names=NAMES, data_plane=True, clients_per_round=3, min_available=3,
+                               deadline_seconds=30)
+    bots = dict(zip(ids, agents(server.address, ids)))
+    tasks = {i: bots[i].task() for i in ids}
+    layout = ModelLayout.of_arrays(NAMES, init)
+    port = tasks["d"].data_port
+
+    s = socket.create_connection(("127.0.0.1", port))  # mid-download
+    s.sendall(encode_preamble(OP_DOWNLOAD, tasks["d"].data_ticket))
+    s.recv(1000)
+    _reset(s)
+    header = pb.UploadHeader(auth=bots["u"].auth, round=tasks["u"].round, task_id=tasks["u"].task_id, num_examples=10,
+                             steps=1, tensors=layout_to_pb(layout), total_bytes=layout.total_bytes)
+    s = socket.create_connection(("127.0.0.1", port))  # mid-upload
+    s.sendall(encode_preamble(OP_UPLOAD, tasks["u"].data_ticket) + encode_frame(header.SerializeToString()))
+    read_status(s, Deadline(10))
+    s.sendall(b"\0" * 100_000)
+    _reset(s)
+    s = socket.create_connection(("127.0.0.1", port))  # mid-preamble
+    s.sendall(encode_preamble(OP_UPLOAD, tasks["p"].data_ticket)[:20])
+    _reset(s)
+    s = socket.create_connection(("127.0.0.1", port))  # mid-header
+    s.sendall(encode_preamble(OP_UPLOAD, tasks["p"].data_ticket) + encode_frame(header.SerializeToString())[:30])
+    _reset(s)
+
+    plane = server.data_plane
+    end = time.monotonic() + 10
+    while (plane.busy or plane.limits._calls) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not plane.busy and not plane.limits._calls
+    # Each broke off: its ticket's use is given back, and the agent may try again this round.
+    got = dataplane.download(dataplane.DataPlaneTarget(server.address, tasks["d"]), layout, 10)
+    assert got[0].tobytes() == init[0].tobytes()
+    for i, seed in (("u", 1), ("p", 2), ("d", 3)):
+        assert dataplane.upload(dataplane.DataPlaneTarget(server.address, tasks[i]), bots[i].auth, tasks[i], layout,
+                                _arrays(seed), 10, 1, {}, 10).accepted
+    assert server.wait(20)
+    np.testing.assert_allclose(server.coordinator.weights[0], sum(_arrays(k)[0] for k in (1, 2, 3)) / 3, rtol=1e-6,
+                               atol=1e-6)
+    said = [r for r in caplog.records if r.name == "fedpar.server.dataplane"]
+    assert not [r for r in said if r.exc_info or r.levelno >= logging.WARNING], [r.getMessage() for r in said]
+    assert all("\n" not in r.getMessage() for r in said)
