@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import signal
 import sys
 
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it (parallel/stopping.py)
         print(f"fedpar {argv[0]}: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
+    except BrokenPipeError:  # 'fedpar train ... | head': the reader left; say nothing, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 141  # 128 + SIGPIPE, what the shell reports for a tool that a closed pipe ended
     except (UserError, TaskError, OSError) as exc:  # a set-up or task mistake: one line (--debug: the traceback)
         if args is not None and args.debug:
             raise

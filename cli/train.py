@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
+    from fedpar.cli.train_task import RankFailed
+    from fedpar.parallel.safe_dcp import UnsafeCheckpointError
+
     started = time.perf_counter()
     try:
         if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
@@ -124,17 +127,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json",
               file=sys.stderr)
         return exit_code(signal_name(exc))
+    except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
+        print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+    except UnsafeCheckpointError as exc:  # damaged where check_resume could not see it (in this process's rank)
+        if args.debug:
+            raise
+        print(f"fedpar train: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
     """``spawn`` the ``world`` ranks of ``fn``; a rank's TrainingDiverged (every rank's: the loss is summed over them)
-    is raised here as it was, its one line, instead of torch's exception holding the rank's traceback (--debug: as
-    torch raised it)."""
+    or BrokenPipeError (rank 0's output was piped to a reader that left) is raised here as it was, any other failure
+    as RankFailed with the line that ended the rank, instead of torch's exception holding the rank's traceback
+    (--debug: as torch raised it)."""
     import logging
 
+    from torch.multiprocessing import ProcessExitedException
     from torch.multiprocessing.spawn import ProcessRaisedException
 
+    from fedpar.cli.train_task import RankFailed
     from fedpar.parallel.trainer import TrainingDiverged
 
     launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
@@ -146,11 +160,36 @@ def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
     except ProcessRaisedException as exc:
         said = f"{TrainingDiverged.__module__}.{TrainingDiverged.__qualname__}: "
         last = ([line for line in str(exc).splitlines() if line.strip()] or [""])[-1]
-        if args.debug or not last.startswith(said):
+        if args.debug:
             raise
-        raise TrainingDiverged(last[len(said):]) from None
+        if last.startswith(said):
+            raise TrainingDiverged(last[len(said):]) from None
+        if _reader_left():  # rank 0's BrokenPipeError, though torch may name another rank's failure that followed
+            raise BrokenPipeError(last) from None
+        kind, sep, message = last.partition(": ")
+        raise RankFailed(f"rank {exc.error_index} failed: {message if sep and kind.startswith('fedpar.') else last}"
+                         ) from None  # fedpar's own errors say what they are
+    except ProcessExitedException as exc:
+        if args.debug:
+            raise
+        if _reader_left():
+            raise BrokenPipeError(str(exc)) from None
+        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"ended with exit code {exc.exit_code}"
+        raise RankFailed(f"rank {exc.error_index} {how}") from None
     finally:
         launcher_log.setLevel(level)
+
+
+def _reader_left() -> bool:
+    """Whether standard output is a pipe whose reader has left (``fedpar train ... | head``): POLLERR on its end."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout (a capture)
+        return False
 
 
 def _train_task(args: argparse.Namespace, world: int) -> int:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fedpar.parallel.config import TrainConfig
-from fedpar.parallel.safe_dcp import UnsafeCheckpointError, safe_load
+from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, safe_load
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
 
@@ -96,7 +96,36 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         raise UnsafeCheckpointError(f"{pointer} names {name!r}, not a step-NNNNNNNN folder beside it; "
                                     "delete the file to start afresh or write the folder name into it")
     target = Path(directory) / name
-    return target if (target / ".metadata").is_file() else None
+    if not (target / ".metadata").is_file():  # `latest` is written only once every rank wrote the checkpoint
+        raise UnsafeCheckpointError(f"{pointer} names {name}, which holds no complete checkpoint (no {name}/.metadata)"
+                                    f"; {_instead(target)}")
+    return target
+
+
+def _instead(damaged: Path) -> str:
+    """What to do instead of resuming the checkpoint ``damaged``: an older one beside it, or start afresh."""
+    older = [p.name for p in sorted(damaged.parent.glob("step-*"), reverse=True)
+             if p.name < damaged.name and (p / ".metadata").is_file()]
+    use = f"write {older[0]} into {damaged.parent / LATEST} to resume the one before it, or " if older else ""
+    return f"{use}pass --no-resume to start afresh (or another --out)"
+
+
+def check_checkpoint(path: Path) -> None:
+    """UnsafeCheckpointError, one line saying what to do, when the checkpoint folder ``path`` cannot be resumed: its
+    metadata does not read, or a shard file it names is missing or shorter than the metadata says."""
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except (UnsafeCheckpointError, OSError) as exc:
+        raise UnsafeCheckpointError(f"cannot resume from {path}: {exc}; {_instead(path)}") from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None or size < end:
+            said = "is missing" if size is None else f"has {size} bytes, its metadata says {end}"
+            raise UnsafeCheckpointError(f"cannot resume from {path}: its file {name} {said} (the checkpoint is "
+                                        f"damaged); {_instead(path)}")
 
 
 def run_record(config: TrainConfig) -> dict:
@@ -110,11 +139,12 @@ def run_record(config: TrainConfig) -> dict:
 
 
 def check_resume(config: TrainConfig) -> None:
-    """RunRecordError (a ValueError), one line before any rank starts, when ``config`` would resume (``--resume``,
-    the default) from a checkpoint written with another layout or model: what differs, and what to do. A checkpoint
-    of older code keeps no record of them: it is resumed as before."""
+    """A ValueError, one line before any rank starts, when ``config`` would resume (``--resume``, the default) from a
+    damaged checkpoint (UnsafeCheckpointError) or one written with another layout or model (RunRecordError): what
+    is wrong, and what to do. A checkpoint of older code keeps no record of them: it is resumed as before."""
     latest = latest_checkpoint(Path(config.out) / "checkpoints") if config.resume else None
     if latest is not None:
+        check_checkpoint(latest)
         check_settings(latest / RUN_RECORD, run_record(config), source=str(latest),
                        afresh=f"pass --no-resume to start afresh in {config.out} (or another --out)")
 
@@ -127,7 +157,10 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
     """
     parts = _part_states(model_parts, optimizers)
     state = _state(parts, {k: 0 for k in counter_names})
-    safe_load(state, path)
+    try:
+        safe_load(state, path)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"cannot resume from {path}: {exc}; {_instead(Path(path))}") from None
     for part, opt, (model_sd, optim_sd) in zip(model_parts, optimizers, parts):
         set_model_state_dict(part, {k: state["model"][k] for k in model_sd})
         set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in optim_sd}, options=_OPTIM_OPTIONS)

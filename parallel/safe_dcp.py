@@ -5,7 +5,8 @@ reads non-tensor items with ``torch.load(weights_only=False)``: a checkpoint fol
 could run code on load. ``SafeFileSystemReader`` unpickles the metadata with an allow-list of the classes DCP
 itself writes (the restricted-``find_class`` pattern of Python's pickle documentation) and refuses storage
 entries that point outside the folder; ``SafeLoadPlanner`` reads non-tensor items with ``weights_only=True``.
-Tensor data is already read with ``weights_only=True`` by DCP. ``safe_load`` is ``dcp.load`` through both.
+Tensor data is already read with ``weights_only=True`` by DCP. ``safe_load`` is ``dcp.load`` through both, and
+raises what fails on any rank as one UnsafeCheckpointError (DCP's own CheckpointException is a BaseException).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -104,7 +106,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
-                f"checkpoint item {read_item.dest_index.fqn} is not plain data ({exc}); refusing to load it") from exc
+                f"checkpoint item {read_item.dest_index.fqn} is not plain data ({_first_line(exc)}); refusing to load it") from exc
         # The same as DefaultLoadPlanner.load_bytes, which loads with weights_only=False.
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
@@ -118,4 +120,16 @@ def safe_load(state_dict: dict[str, Any], path: str | pathlib.Path, **dcp_kwargs
     # Check .metadata before DCP does, so a refusal raises UnsafeCheckpointError with its reason: torch 2.11's
     # dcp.load catches any read_metadata error and reports only "metadata is None" (2.13 keeps the message).
     reader.read_metadata()
-    dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), **dcp_kwargs)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), **dcp_kwargs)
+    except CheckpointException as exc:  # a BaseException, which would end a rank past every handler
+        rank, (first, _) = next(iter(sorted(exc.failures.items())))
+        if isinstance(first, UnsafeCheckpointError):  # the planner's refusal, as it said it
+            raise first from None
+        raise UnsafeCheckpointError(f"checkpoint {path} could not be read (rank {rank}: {type(first).__name__}: "
+                                    f"{_first_line(first)}); it is damaged") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first sentence of what ``exc`` says (torch's load errors run on to several lines of advice)."""
+    return (str(exc).strip().splitlines() or [""])[0].split(". ")[0]

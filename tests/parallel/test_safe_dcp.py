@@ -1,7 +1,7 @@
 """DCP checkpoints are read without running pickled code: tampered metadata, items and pointers are refused.
 
-``safe_load`` refuses bad metadata itself (UnsafeCheckpointError); DCP wraps a planner's error in a
-CheckpointException carrying its text.
+``safe_load`` refuses bad metadata itself (UnsafeCheckpointError), and a planner's refusal, which DCP wraps in a
+CheckpointException, or a file that does not read, as UnsafeCheckpointError too.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_metadata_pointing_outside_the_folder_or_damaged_is_refused(tmp_path: Pa
 def test_non_tensor_item_holding_code_is_refused_where_dcp_default_would_run_it(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     _save(tmp_path / "ck", {"w": torch.ones(2), "item": _Planted(marker)})
-    with pytest.raises(CheckpointException, match="item item is not plain data"):
+    with pytest.raises(UnsafeCheckpointError, match="item item is not plain data"):
         _safe_load(tmp_path / "ck", {"w": torch.zeros(2), "item": None})
     assert not marker.exists()
     # The threat is real: DCP's own planner runs the planted call.
@@ -107,10 +107,11 @@ def test_latest_pointer_must_name_a_step_folder_beside_it(tmp_path: Path, pointe
         latest_checkpoint(tmp_path)
 
 
-def test_latest_pointer_to_a_missing_checkpoint_means_none(tmp_path: Path) -> None:
+def test_latest_pointer_to_a_missing_checkpoint_is_refused(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) is None
     (tmp_path / "latest").write_text("step-00000003\n")
-    assert latest_checkpoint(tmp_path) is None
+    with pytest.raises(UnsafeCheckpointError, match="names step-00000003, which holds no complete checkpoint"):
+        latest_checkpoint(tmp_path)  # a resume would start afresh in silence
     os.makedirs(tmp_path / "step-00000003")
     (tmp_path / "step-00000003" / ".metadata").write_bytes(b"")
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000003"
