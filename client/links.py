@@ -45,6 +45,7 @@ from fedpar.task import UPLOAD_MARGIN_SECONDS
 log = logging.getLogger("fedpar.client")
 T = TypeVar("T")
 
+MAX_INGEST_ADDRESSES = 64  # aggregator ranks kept dialed (each holds a channel, and a host's an upload thread)
 MAX_CHUNK_BYTES = 64 << 20  # what a runtime's channels carry in one message (a coordinator's --max-chunk-bytes cap)
 JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinator's --max-population-join default)
 # Seconds a host's upload batch waits for more updates after its first (the round's last ones go at once): a fifth
@@ -184,6 +185,22 @@ class Connection:
         if self.config.credentials is not None:
             return grpc.secure_channel(address, self.config.credentials, options=options)
         return grpc.insecure_channel(address, options=options)
+
+    def check_ingest(self, task: pb.TrainTask) -> None:
+        """ValueError (one line) unless the aggregator rank ``task`` names is one to dial: a port, a host name, and
+        one of the first MAX_INGEST_ADDRESSES (a coordinator naming a new one each round would grow them unbounded)."""
+        if not task.ingest_port:
+            return
+        host = task.ingest_host
+        if task.ingest_port > 65535 or len(host) > 253 or not host.isprintable() or any(c.isspace() for c in host):
+            raise ValueError(f"the task names aggregator rank host {host[:64]!r} port {task.ingest_port}, which cannot "
+                             "be dialed")
+        address = ingest_address(self.config.server, task)
+        with self._ingest_lock:
+            if address != self.config.server and address not in self._ingest \
+                    and len(self._ingest) >= MAX_INGEST_ADDRESSES:
+                raise ValueError(f"the task names aggregator rank {address!r}, one more than the "
+                                 f"{MAX_INGEST_ADDRESSES} this agent keeps dialed")
 
     def ingest_stub(self, task: pb.TrainTask) -> CoordinatorStub:
         """The stub for the task's download and upload (one channel per aggregator rank, kept open)."""

@@ -213,6 +213,7 @@ class ClientRuntime:
         try:
             check_task_knobs(task.round, task.local_epochs, task.batch_size, task.learning_rate, task.deadline_seconds)
             check_task_clock(task)
+            self.conn.check_ingest(task)
         except ValueError as err:
             self._note_refusal(self.members.member_id(i), f"round {task.round} task", err)
             self.link.failed(i, task, f"task refused: {err}"[:MAX_REASON_CHARS])

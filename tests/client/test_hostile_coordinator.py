@@ -40,7 +40,7 @@ def test_a_task_whose_knobs_would_train_garbage_is_refused_in_one_line_and_told(
     trained NaN weights and uploaded them (or called a zero batch size its own training's failure)."""
     bad = [dict(learning_rate=float("nan")), dict(learning_rate=-1.0), dict(learning_rate=0.0), dict(batch_size=0),
            dict(local_epochs=0), dict(deadline_seconds=float("nan")), dict(deadline_seconds=float("inf")),
-           dict(round_id=2 ** 64 - 1)]  # its shuffle's seed overflowed, said as the member's own training failing
+           dict(round_id=2 ** 64 - 1), dict(ingest_port=70000), dict(ingest_port=9, ingest_host="a\nb")]  # its shuffle's seed overflowed, said as the member's own training failing
     coordinator = HostileCoordinator([inline_task(layout, weights_of(layout, 0.01), task_id=f"t{n}", **knobs)
                                       for n, knobs in enumerate(bad)])
     code, out = _served(coordinator, tmp_path)
