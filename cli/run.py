@@ -65,9 +65,33 @@ def _stub(args: argparse.Namespace):
         raise ValueError(f"{args.certs} holds no certificate of operator {args.operator!r} "
                          f"({paths.operator_cert(args.operator)}): make one with 'fedpar certs --out {args.certs} "
                          f"--operators {args.operator}' (the CA that signed the service's certificate must sign it)")
+    _check_issued_by_ca(paths.operator_cert(args.operator), paths.ca_cert, args)
     files = TlsFiles(paths.operator_cert(args.operator), paths.operator_key(args.operator), paths.ca_cert)
     channel = grpc.secure_channel(args.control, channel_credentials(files))
     return pb_grpc.RunControlStub(channel)
+
+
+def _check_issued_by_ca(cert_path: Path, ca_path: Path, args: argparse.Namespace) -> None:
+    """ValueError unless the CA of --certs issued the operator's certificate: the service (which trusts that CA)
+    would hang up on it after the handshake, which reads as a service that is not there."""
+    from cryptography import x509
+
+    reading = ca_path
+    try:
+        cas = x509.load_pem_x509_certificates(ca_path.read_bytes())
+        reading = cert_path
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    except ValueError:
+        raise ValueError(f"{reading} is not a PEM certificate: give --certs the folder 'fedpar certs' made") from None
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+            return
+        except Exception:  # noqa: BLE001 - another issuer, or a signature that does not verify: try the next
+            continue
+    raise ValueError(f"{cert_path} was not issued by the CA in {ca_path}, so the service refuses it: make the "
+                     f"operator's certificate with that CA ('fedpar certs --out {args.certs} --operators "
+                     f"{args.operator}')")
 
 
 def _run_id(words: list[str], action: str) -> int:

@@ -257,6 +257,12 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
     good.write_text(f"rounds = 1\n{QUICK}")
     _one_line_error(fed.run_here("submit", str(good), operator="intruder"), "has no operator role")
     _one_line_error(fed.run_here("ls", operator="intruder"), "has no operator role")
+    other = fed.tmp / "other-ca"  # an operator's certificate from another CA: the service would hang up on it
+    assert _main_here("certs", "--out", str(other), "--operators", "op").returncode == 0
+    (operators / "stranger.pem").write_bytes((other / "operators" / "op.pem").read_bytes())
+    (operators / "stranger.key").write_bytes((other / "operators" / "op.key").read_bytes())
+    _one_line_error(fed.run_here("ls", operator="stranger"), "stranger.pem was not issued by the CA in",
+                    "--operators stranger")
     _one_line_error(fed.run_here("ls", "1"), "'fedpar run ls' takes no argument")
     wrong_port = _main_here("run", "ls", "--control", f"127.0.0.1:{fed.port}", "--certs", str(fed.certs),
                             "--operator", "op")  # the agents' port
