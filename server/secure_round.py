@@ -89,25 +89,31 @@ class SecureRound:
         self.result: SecAggResult | None = None
         self.unmask_seconds = 0.0
         self.unmask_cpu_seconds = 0.0
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # set by every stage message (server-side stage drivers wait on it)
+        self._stage_changed = asyncio.Event()  # set when a stage closes or the round fails (long-polls wait on it)
         self._key_stages: asyncio.Task | None = None
         self._finishing = False
         self._started = time.monotonic()
         self.marks: dict[str, float] = {}  # seconds from round start at which each stage closed
 
     # ------------------------------------------------------------------ timing of the stages
-    def _notify(self) -> None:
-        """Wake every waiter (stage drivers and long-polls) to re-check its condition."""
+    def _notify(self, stage: bool = False) -> None:
+        """Wake the stage drivers to re-check their conditions; ``stage``: a stage closed or the round failed, so
+        wake the agents' long-polls too (they wait for nothing else: woken by every message, n agents' polls
+        would wake n times each per stage)."""
         old, self._changed = self._changed, asyncio.Event()
         old.set()
+        if stage:
+            old, self._stage_changed = self._stage_changed, asyncio.Event()
+            old.set()
 
-    async def _until(self, ready: Callable[[], bool], seconds: float) -> None:
+    async def _until(self, ready: Callable[[], bool], seconds: float, stage_only: bool = False) -> None:
         end = time.monotonic() + seconds
         while not ready() and self.failure is None:
             remaining = end - time.monotonic()
             if remaining <= 0:
                 return
-            event = self._changed
+            event = self._stage_changed if stage_only else self._changed
             if not await set_within(event, remaining):
                 return
 
@@ -118,7 +124,7 @@ class SecureRound:
         if state is not None:
             state.fold_failed = True
             state.close(SECURE_FAILED)
-        self._notify()
+        self._notify(stage=True)
 
     def task_settings(self, settings: TaskSettings) -> TaskSettings:
         """``settings`` plus the order to mask the upload."""
@@ -141,11 +147,11 @@ class SecureRound:
             await self._until(all_advertised, self.stage_seconds)
             s.close_advertising()
             self._mark("advertised")
-            self._notify()
+            self._notify(stage=True)
             await self._until(lambda: s.shared == s.advertised, self.stage_seconds)
             s.close_sharing()
             self._mark("shared")
-            self._notify()
+            self._notify(stage=True)
         except SecAggAbort as exc:
             self._fail(str(exc), state)
 
@@ -200,7 +206,7 @@ class SecureRound:
         try:
             s.close_masking()
             self._mark("masked")
-            self._notify()
+            self._notify(stage=True)
             await self._until(lambda: s.responded == s.survivors, self.stage_seconds)
             self._finishing = True
             self._mark("unmask_shares")
@@ -211,7 +217,7 @@ class SecureRound:
             self._fail(str(exc), state)
             return
         finally:
-            self._notify()
+            self._notify(stage=True)
         r = self.result
         state.examples = r.weight_sum
         update, offset = [], 0
@@ -289,7 +295,7 @@ class SecureRound:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"unknown secure-aggregation stage {stage}")
 
     async def _ready(self, ready: Callable[[], bool], wait: float) -> bool:
-        await self._until(ready, wait)
+        await self._until(ready, wait, stage_only=True)
         if self.failure is not None:
             raise SecAggAbort(f"secure aggregation of this round failed: {self.failure}")
         return ready()
