@@ -150,11 +150,13 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
                                                 "this time; nothing is authenticated before")
     upload_idle_seconds: float = setting(10.0, check="seconds", group="limits",
                                          help="a staged upload silent this long loses its staging slot (the agent "
-                                              "may send it again)")
+                                              "may send it again); a data-plane download whose reader is "
+                                              "silent this long is dropped")
     upload_min_bytes_per_second: float = setting(
         32 << 10, check="non_negative", group="limits",
         help="a staged upload slower than this on average (from 2 s after it got its staging slot, or "
-             "--upload-idle-seconds if shorter) loses its slot; while others wait for a slot, at once")
+             "--upload-idle-seconds if shorter) loses its slot; while others wait for a slot, at once; a "
+             "data-plane download read slower than this is dropped")
     max_unauthenticated_calls: int = setting(
         1024, check="count", group="limits",
         help="calls still waiting for their request or upload header (not yet authenticated), in total; they never "
