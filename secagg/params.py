@@ -15,6 +15,9 @@ from fedpar.secagg.graph import (check_neighbours, default_neighbours, default_t
 MAX_ID_CHARS = 128
 MAX_PARTICIPANTS = 10_000
 MAX_VECTOR_LENGTH = 1 << 31
+# A client shares its seeds with each neighbour and may rebuild theirs: its work grows with k squared. The default k
+# (graph.default_neighbours) stays under 60 up to MAX_PARTICIPANTS; a coordinator asking for far more is refused.
+MAX_NEIGHBOURS = 128
 SEED_BYTES = 32
 
 
@@ -57,6 +60,9 @@ class RoundParams:
         if self.round_id < 0 or len(self.graph_seed) != SEED_BYTES:
             raise SecAggError(f"round_id must be >= 0 and graph_seed {SEED_BYTES} bytes")
         check_neighbours(n, self.neighbours)
+        if self.neighbours > max(MAX_NEIGHBOURS, default_neighbours(n)):
+            raise SecAggError(f"neighbours k={self.neighbours} is above the {MAX_NEIGHBOURS} a client takes "
+                              f"(the default for {n} participants is {default_neighbours(n)})")
         # A client refuses a threshold below an honest majority of its share holders: a lower one
         # would let a few colluders (or a curious server) rebuild both of its masks.
         low = default_threshold(self.neighbours)
