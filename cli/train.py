@@ -196,8 +196,8 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
-    from fedpar.cli.train_task import (RankFailed, check_data_parallel, spawn_task_ranks, train_centrally,
-                                       train_task_rank, write_task_model)
+    from fedpar.cli.train_task import (RankFailed, check_data_parallel, check_zoo_loop_unused, spawn_task_ranks,
+                                       train_centrally, train_task_rank, write_task_model)
     from fedpar.parallel.device import check_device_layout, resolve_device
     from fedpar.parallel.init import exit_rank_process
 
@@ -206,6 +206,7 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
         cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
         task = load_task_from_args(args)  # a task's mistakes, before any rank starts
+        check_zoo_loop_unused(args)
         check_data_parallel(task, cfg)
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
         print(f"fedpar train: {exc}", file=sys.stderr)

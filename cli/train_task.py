@@ -184,6 +184,28 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
             "config": {k: v for k, v in cfg.to_dict().items() if k not in ZOO_CHOICES}}
 
 
+# TrainConfig's settings of the zoo trainer's own loop (parallel/trainer.py), which a task's loop, optimizer and
+# per-epoch evaluation replace: given beside --task, each would be ignored
+ZOO_LOOP = ("block_size", "optimizer", "optimizer_impl", "momentum", "weight_decay", "grad_accum", "grad_clip",
+            "warmup_steps", "lr_scaling", "base_batch_size", "activation_checkpointing", "compile", "eval_batches",
+            "log_every", "checkpoint_every", "resume", "pp_schedule", "microbatches", "stages_per_rank")
+
+
+def check_zoo_loop_unused(args) -> None:
+    """TaskError naming the zoo trainer's options the user gave (typed, or in a --config file) beside --task, whose
+    own loop, optimizer and evaluation would ignore them."""
+    from fedpar.cli.config import chose
+    from fedpar.parallel.config import ParallelConfig
+    from fedpar.settings import flag_of
+
+    given = [flag_of(ParallelConfig if hasattr(ParallelConfig, k) else TrainConfig, k) for k in ZOO_LOOP
+             if chose(args, k)]
+    if given:
+        raise TaskError(f"--task trains with the task's own loop, optimizer and evaluation, one epoch at a time, so "
+                        f"{' and '.join(given)} would be ignored: drop {'it' if len(given) == 1 else 'them'} (it "
+                        "takes --epochs or --max-steps, --lr, --batch-size, --seed and the parallel degrees)")
+
+
 def check_data_parallel(task: Task, cfg: TrainConfig) -> None:
     """TaskError (or ConfigurationError) for a task or settings that the engine ranks of ``cfg``'s resolved layout
     (TrainConfig.resolved) cannot train."""
