@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         # One GPU per rank on this machine: torchrun's LOCAL_WORLD_SIZE, else the ranks spawned here.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
         cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
+        check_all_apply(args, cfg)
         preflight(cfg)
         check_resume(cfg)  # a checkpoint of another layout or model: said here, not by every rank
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
@@ -136,6 +137,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    """ConfigurationError naming each option the user gave (typed, or in a --config file) that ``cfg``'s run would
+    ignore, and what it needs to apply."""
+    from fedpar.cli.config import chose
+    from fedpar.datasets.registry import dataset_entry
+    from fedpar.settings import flag_of
+
+    entry, p = dataset_entry(cfg.dataset), cfg.parallel
+    text, pipeline, fsdp = entry.train is not None, "--pp 2 or more", "--fsdp 2 or more"
+    needs = {"data_path": (text or bool(entry.folder), "--dataset mnist or text"),
+             "block_size": (text, "--dataset text"),
+             "eval_batches": (text, "--dataset text (the others are scored on their whole test set)"),
+             "pp_schedule": (p.pp > 1, pipeline), "microbatches": (p.pp > 1, pipeline),
+             "stages_per_rank": (p.pp > 1, pipeline), "cpu_offload": (p.fsdp > 1, fsdp),
+             "reshard_after_forward": (p.fsdp > 1, fsdp), "sequence_parallel": (p.tp > 1, "--tp 2 or more")}
+    unused = [f"{flag_of(ParallelConfig if dest in vars(ParallelConfig) else TrainConfig, dest)} (it needs {need})"
+              for dest, (applies, need) in needs.items() if not applies and chose(args, dest)]
+    if unused:
+        raise ConfigurationError(f"this run would ignore {' and '.join(unused)}: drop "
+                                 f"{'it' if len(unused) == 1 else 'them'}, or give what "
+                                 f"{'it needs' if len(unused) == 1 else 'they need'}")
 
 
 def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:

@@ -113,6 +113,13 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
     (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--fsdp", "-1"],
      "fedpar train: only one degree may be -1 (inferred), but --fsdp -1 leaves --dp-replicate to infer too: "
      "--dp-replicate is -1 by default; set it (e.g. --dp-replicate 1), or give --fsdp a number"),
+    # options the run would ignore: --data-path trained on digits, the others did nothing (exit 0)
+    (["--model", "mlp", "--dataset", "digits", "--data-path", "{tmp}/corpus"],
+     "fedpar train: this run would ignore --data-path (it needs --dataset mnist or text): drop it, or give what it "
+     "needs"),
+    (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--microbatches", "8", "--cpu-offload"],
+     "fedpar train: this run would ignore --microbatches (it needs --pp 2 or more) and --cpu-offload (it needs --fsdp "
+     "2 or more): drop them, or give what they need"),
 ])
 def test_a_data_or_layout_mistake_names_the_option_and_what_to_pass(extra, line, tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
