@@ -184,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except grpc.RpcError as err:
         print(f"fedpar run: {_refusal_line(err, args.control)}", file=sys.stderr)
-        return 1 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) else 2
+        return 1 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                   grpc.StatusCode.DEADLINE_EXCEEDED) else 2
 
 
 def _refusal_line(err, control: str) -> str:
@@ -204,4 +205,6 @@ def _refusal_line(err, control: str) -> str:
         return f"the service at {control} went away (it stopped, or the connection broke)"
     if code == grpc.StatusCode.UNAVAILABLE:
         return f"{details} at {control}; is 'fedpar serve --state' running there?"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the service at {control} did not answer in time (busy, or stuck); try again, and see its log"
     return details

@@ -3,12 +3,14 @@ its own, over mutual TLS, answered only for certificates with the operator role;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 
@@ -22,6 +24,10 @@ log = logging.getLogger("fedpar.server")
 FILE_CHUNK_BYTES = 1 << 20
 RUN_FILES = ("global.safetensors", "global.json", "metrics.jsonl", "metrics.csv", "summary.json")
 FOLLOW_POLL_SECONDS = 0.25
+CONTROL_THREADS = 16
+# follows (`run logs -f`) and downloads at once: each holds a thread while it lasts, and the others must stay free to
+# answer submit, ls and stop
+LONG_CALLS = CONTROL_THREADS - 4
 
 # settings (JSON-ready dict) -> (the settings to store, a warning for the operator or ""); ValueError saying what is
 # wrong.
@@ -58,6 +64,20 @@ class RunControl(pb_grpc.RunControlServicer):
 
     def __init__(self, store: RunStore, validate: Validate, revocations: RevocationList | None = None):
         self.store, self.validate, self.revocations = store, validate, revocations
+        self._long_calls = threading.BoundedSemaphore(LONG_CALLS)
+
+    @contextlib.contextmanager
+    def _long_call(self, context) -> Iterator[None]:
+        """Hold one of the LONG_CALLS slots while a follow or a download lasts; RESOURCE_EXHAUSTED when none is
+        free."""
+        if not self._long_calls.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{LONG_CALLS} follows ('fedpar run logs -f') and downloads are under way on this service "
+                          "already; end one of them, or leave out -f to see the log so far")
+        try:
+            yield
+        finally:
+            self._long_calls.release()
 
     def _guard(self, context, action: str, fn):
         try:
@@ -112,6 +132,12 @@ class RunControl(pb_grpc.RunControlServicer):
             self.store.audit(who, "logs", request.run_id)
             return self.store.get(request.run_id)
         run = self._guard(context, "logs", first)
+        with self._long_call(context) if request.follow else contextlib.nullcontext():
+            yield from self._timeline(run, request, context)
+
+    def _timeline(self, run, request: pb.RunLogsRequest, context):
+        """The rounds and log lines of ``run`` after the request's, as Logs sends them; with ``follow``, until it
+        ends (or the caller leaves)."""
         after, after_line = request.after_round, 0
         while True:
             ended = run.status in ENDED  # read before the rows: a run that ended has written all of them
@@ -141,10 +167,12 @@ class RunControl(pb_grpc.RunControlServicer):
                                  + (f" ({run.reason})" if run.reason else ""))
             self.store.audit(who, "get", run.id)
             return found
-        for path in self._guard(context, "get", files):
-            with path.open("rb") as fh:
-                while chunk := fh.read(FILE_CHUNK_BYTES):
-                    yield pb.RunFile(name=path.name, data=chunk)
+        found = self._guard(context, "get", files)
+        with self._long_call(context):
+            for path in found:
+                with path.open("rb") as fh:
+                    while chunk := fh.read(FILE_CHUNK_BYTES):
+                        yield pb.RunFile(name=path.name, data=chunk)
 
 
 class RunControlServer:
@@ -153,7 +181,8 @@ class RunControlServer:
 
     def __init__(self, store: RunStore, validate: Validate, host: str, port: int,
                  credentials: grpc.ServerCredentials, revocations: RevocationList | None = None):
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="fedpar-control"),
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=CONTROL_THREADS,
+                                                              thread_name_prefix="fedpar-control"),
                                    options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_RunControlServicer_to_server(RunControl(store, validate, revocations), self._server)
         try:
