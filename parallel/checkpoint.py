@@ -130,10 +130,11 @@ def check_checkpoint(path: Path) -> None:
 
 def run_record(config: TrainConfig) -> dict:
     """What a resume of ``config`` (its layout resolved) must match, by the option that sets each: the world size,
-    the parallel degrees and the model's settings."""
+    the parallel degrees, the model's settings, the data it was shaped for and the optimizer whose state it keeps."""
     p = config.parallel
     return {"--nproc": getattr(p, "world_size", None), "--dp-replicate": p.dp, "--fsdp": p.fsdp, "--tp": p.tp,
-            "--pp": p.pp, "--stages-per-rank": p.stages_per_rank, "--model": config.model,
+            "--pp": p.pp, "--stages-per-rank": p.stages_per_rank, "--model": config.model, "--dataset": config.dataset,
+            "--optimizer": config.optimizer,
             "--model-arg": " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(config.model_kwargs.items())) or "none",
             "--block-size": config.block_size}
 

@@ -127,7 +127,7 @@ def safe_load(state_dict: dict[str, Any], path: str | pathlib.Path, **dcp_kwargs
         if isinstance(first, UnsafeCheckpointError):  # the planner's refusal, as it said it
             raise first from None
         raise UnsafeCheckpointError(f"checkpoint {path} could not be read (rank {rank}: {type(first).__name__}: "
-                                    f"{_first_line(first)}); it is damaged") from None
+                                    f"{_first_line(first)}): it is damaged, or another run's settings wrote it") from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -30,6 +30,9 @@ def checkpointed(tmp_path, monkeypatch, capsys) -> Path:
     (["--nproc", "2", "--dp-replicate", "2"], "--nproc 1, not 2; --dp-replicate 1, not 2"),
     (["--nproc", "2", "--dp-replicate", "1", "--fsdp", "2"], "--nproc 1, not 2; --fsdp 1, not 2"),
     (["--model-arg", "hidden=[32]"], "--model-arg none, not hidden=[32]"),
+    # the optimizer's state or the model's input shape did not load: a traceback of DCP's, then 'it is damaged'
+    (["--optimizer", "adamw"], "--optimizer sgd, not adamw"),
+    (["--dataset", "synthetic:0.5:0.5:4", "--batch-size", "16"], "--dataset digits, not synthetic:0.5:0.5:4"),
 ])
 def test_a_resume_with_another_layout_or_model_is_refused_in_one_line(checkpointed, capsys, extra, difference):
     code = main(_train(checkpointed, "--max-steps", "4", *extra))
