@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
         from fedpar.parallel.metrics import write_interrupted_summary
         summary = write_interrupted_summary(Path(cfg.out), cfg.model, cfg.dataset, world,
                                             time.perf_counter() - started, cfg.to_dict())
-        print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json",
-              file=sys.stderr)
+        print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json"
+              f"{_resume_hint(cfg)}", file=sys.stderr)
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
         print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
@@ -137,6 +137,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _resume_hint(cfg: TrainConfig) -> str:
+    """What an interrupted run can do next: resume from its last checkpoint, or keep one next time."""
+    from fedpar.parallel.checkpoint import latest_checkpoint
+
+    try:
+        latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    except ValueError:  # a damaged pointer is said when the run is resumed
+        latest = None
+    if latest is not None:
+        return f"; the same command resumes from its checkpoint {latest.name}"
+    return "; nothing to resume from (--checkpoint-every K keeps a checkpoint every K steps)"
 
 
 def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:

@@ -109,9 +109,11 @@ def test_ctrl_c_stops_both_ranks_with_one_line_130_and_the_run_resumes(tmp_path)
             os.killpg(proc.pid, signal.SIGKILL)
     lines = err.strip().splitlines()
     assert proc.returncode == 130 and len(lines) == 1, err[-3000:]
-    assert lines[0].startswith("fedpar train: interrupted after ") and "wrote" in lines[0], lines
     assert _left_behind(proc.pid) == []  # no rank left behind
-    step = int((out / "checkpoints" / "latest").read_text().strip().split("-")[1])
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert lines[0].startswith("fedpar train: interrupted after ") and \
+        lines[0].endswith(f"/summary.json; the same command resumes from its checkpoint {latest}"), lines
+    step = int(latest.split("-")[1])
     done = _launch(out, "--max-steps", str(step + 2), stdout=subprocess.PIPE)  # the same run, 2 steps more
     printed, err = done.communicate(timeout=240)
     assert done.returncode == 0, err[-3000:]
