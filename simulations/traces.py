@@ -11,6 +11,9 @@ File format, one row (CSV) or object (JSON list) per client, clients numbered 0.
 - ``available_from`` / ``available_for``: seconds into the day the client comes online, and for how long (a window
   may wrap past midnight; ``available_for`` >= DAY_SECONDS: always online).
 
+Every client has exactly one row; every value is a number >= 0 (link speeds > 0, a step at most a day). A file whose
+name does not end in .csv is read as JSON.
+
 ``generate_traces`` follows FedScale (Lai et al., ICML 2022): compute speeds with a long tail (log-normal, the
 slowest devices several times the median), link speeds log-normal around a mobile median, and diurnal
 availability: each client is online for a stretch of 2 to 18 hours starting at a random time of day.
@@ -114,36 +117,87 @@ def generate_traces(clients: int, seed: int = 0, median_seconds_per_step: float 
     return Traces(*(np.asarray(c, np.float32) for c in (speed, down, up, start, hours * 3600.0)))
 
 
+ROW_BYTES = 1024  # far more than one client's row or object takes: a larger file is not N clients' traces
+MOST_SECONDS_PER_STEP = DAY_SECONDS  # a step slept on the real clock; sleep() overflows at 1e30 (as --slow-step-delay)
+MOST_VALUE = float(np.finfo(np.float32).max)  # the columns are kept as float32
+
+
 def load_traces(path: str | Path, clients: int) -> Traces:
     """The traces of ``clients`` clients from a CSV or JSON file; a ValueError names what is wrong."""
     path = Path(path)
     try:
+        if not path.is_file():
+            raise ValueError(f"the trace file {path} " + ("is a folder" if path.is_dir() else "does not exist" if not
+                             path.exists() else "is not a regular file") + "; give a CSV or JSON file")
+        if path.stat().st_size > clients * ROW_BYTES + (1 << 16):  # a 1 GB file would fill the memory first
+            raise ValueError(f"the trace file {path} holds {path.stat().st_size / 2**20:,.0f} MiB, more than "
+                             f"{clients:,} clients' rows can (--clients {clients}); give one row per client")
         if path.suffix == ".csv":
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))
-        else:
-            rows = json.loads(path.read_text())
+            return _table_of(path, _csv_rows(path), clients)
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        except ValueError as exc:
+            raise ValueError(f"cannot read the traces in {path} as JSON (a file not named .csv is read as JSON): "
+                             f"{exc}") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{path}: traces must be a CSV with a header row or a JSON list of objects")
+        return _table_of(path, rows, clients)
     except OSError as exc:  # its strerror: not "[Errno 21] Is a directory: 'PATH'"
         raise ValueError(f"cannot read the traces in {path}: {exc.strerror or exc}; give a CSV or JSON file") from None
     except UnicodeDecodeError:
         raise ValueError(f"cannot read the traces in {path}: it is not a text file; give a CSV or JSON file") from None
-    except ValueError as exc:
-        raise ValueError(f"cannot read the traces in {path}: {exc}") from None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: traces must be a CSV with a header row or a JSON list of objects")
+    except csv.Error as exc:  # e.g. a field past csv's size limit
+        raise ValueError(f"cannot read the traces in {path} as CSV: {exc}") from None
+
+
+def _csv_rows(path: Path):
+    """The rows of a CSV trace file as dicts, read one at a time (utf-8-sig: a spreadsheet's BOM is no column)."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            header = ",".join(reader.fieldnames) if reader.fieldnames else "no header row (the file is empty)"
+            raise ValueError(f"{path} has {header}; its first line must name the columns {','.join(COLUMNS)}")
+        for n, row in enumerate(reader, start=1):
+            if None in row:  # DictReader keeps the values past the header's columns under None
+                raise ValueError(f"{path}, entry {n}: {len(row) - 1 + len(row[None])} values for the header's "
+                                 f"{len(row) - 1} columns")
+            yield row
+
+
+def _number(value, whole: bool = False) -> float | int:
+    """A CSV cell or JSON value as a number (an int when ``whole``); ValueError for anything else (JSON true is 1 to
+    float(), and 1.5 is 1 to int(): neither is taken)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(value)
+    number = float(value)
+    if whole and not float(number).is_integer():
+        raise ValueError(value)
+    return int(number) if whole else number
+
+
+def _table_of(path: Path, rows, clients: int) -> Traces:
+    """The traces of ``rows`` (dicts by column name), one per client numbered 0..clients-1."""
     table = np.full((clients, len(COLUMNS) - 1), np.nan, np.float64)
+    entry = np.zeros(clients, np.int64)  # each client's entry number, to name a second one
     for n, row in enumerate(rows, start=1):
         try:
-            client = int(row["client"])
-            values = [float(row[c]) for c in COLUMNS[1:]]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}, entry {n}: needs the columns {', '.join(COLUMNS)}, all numbers") from None
+            client = _number(row["client"], whole=True)
+            values = [_number(row[c]) for c in COLUMNS[1:]]
+        except (KeyError, ValueError, OverflowError):
+            raise ValueError(f"{path}, entry {n}: needs the columns {', '.join(COLUMNS)}, all numbers (client a "
+                             "whole one)") from None
         if not 0 <= client < clients:
             raise ValueError(f"{path}, entry {n}: client {client} is outside 0..{clients - 1} (--clients {clients})")
-        if not all(np.isfinite(values)) or min(values) < 0 or min(values[1:3]) <= 0:
-            raise ValueError(f"{path}, entry {n}: values must be finite and >= 0, link speeds > 0")
-        table[client] = values
-    missing = np.flatnonzero(np.isnan(table[:, 0]))
+        if entry[client]:
+            raise ValueError(f"{path}, entries {entry[client]} and {n} are both client {client}; give one row per "
+                             "client")
+        if not all(0 <= v <= MOST_VALUE for v in values) or min(values[1:3]) <= 0 \
+                or values[0] > MOST_SECONDS_PER_STEP:
+            raise ValueError(f"{path}, entry {n}: values must be numbers >= 0 (at most {MOST_VALUE:.3g}), link "
+                             f"speeds > 0, seconds_per_step at most {MOST_SECONDS_PER_STEP:g} (a day)")
+        table[client], entry[client] = values, n
+    missing = np.flatnonzero(entry == 0)
     if len(missing):
         raise ValueError(f"{path} has no trace for {len(missing)} of the {clients} clients (e.g. client "
                          f"{missing[0]}); give every client a row")

@@ -1,0 +1,54 @@
+"""What goes into `fedpar simulate` and what comes out of it, when the input is wrong or unusual: a trace file that is
+malformed, hostile or huge, a partition parameter out of range, a damaged MNIST folder, a run of one round or of a
+diverged loss. Each mistake is one line naming what to change; what a run writes stays readable."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from fedpar.simulations.traces import COLUMNS, generate_traces, load_traces
+
+HEADER = ",".join(COLUMNS)
+GOOD = "0.01,20,5,0,86400"
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("dup.csv", f"{HEADER}\n0,{GOOD}\n0,{GOOD}\n", "entries 1 and 2 are both client 0"),
+    ("frac.json", json.dumps([{"client": 0.5, **dict(zip(COLUMNS[1:], (0.01, 20, 5, 0, 86400)))}]), "whole one"),
+    ("true.json", json.dumps([{"client": True, **dict(zip(COLUMNS[1:], (0.01, 20, 5, 0, 86400)))}]), "whole one"),
+    ("inf.json", '[{"client": 1e400, "seconds_per_step": 0.01, "download_mbps": 20, "upload_mbps": 5, '
+                 '"available_from": 0, "available_for": 86400}]', "whole one"),  # was an OverflowError traceback
+    ("sleep.csv", f"{HEADER}\n0,1e30,20,5,0,86400\n", "seconds_per_step at most 86400"),  # slept: OverflowError
+    ("f32.csv", f"{HEADER}\n0,0.01,1e39,5,0,86400\n", "at most 3.4e+38"),  # inf once kept as float32
+    ("nan.csv", f"{HEADER}\n0,nan,20,5,0,86400\n", "numbers >= 0"),
+    ("neg.csv", f"{HEADER}\n0,0.01,20,5,-1,86400\n", "numbers >= 0"),
+    ("extra.csv", f"{HEADER}\n0,{GOOD},7\n", "7 values for the header's 6 columns"),
+    ("empty.csv", "", "no header row"),
+    ("semicolons.csv", "client;seconds_per_step\n0;0.01\n", "first line must name the columns"),
+    ("rows.txt", f"{HEADER}\n0,{GOOD}\n", "as JSON (a file not named .csv is read as JSON)"),
+    ("short.csv", f"{HEADER}\n0,{GOOD}\n", "no trace for 1 of the 2 clients"),
+])
+def test_a_bad_trace_file_is_one_line_naming_what_is_wrong(tmp_path, name, text, says):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(says)) as caught:
+        load_traces(tmp_path / name, 2 if name == "short.csv" else 1)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_trace_file_is_read_as_a_spreadsheet_writes_it_and_files_that_cannot_be_traces_are_not_read(tmp_path):
+    (tmp_path / "bom.csv").write_text(f"\ufeff{HEADER}\r\n0,{GOOD}\r\n", encoding="utf-8")  # Excel's UTF-8 CSV
+    assert load_traces(tmp_path / "bom.csv", 1).seconds_per_step.tolist() == [np.float32(0.01)]
+    with open(tmp_path / "huge.csv", "wb") as f:
+        f.truncate(1 << 30)  # a sparse 1 GiB file: refused by its size, not read into memory
+    with pytest.raises(ValueError, match="holds 1,024 MiB, more than 10 clients' rows can"):
+        load_traces(tmp_path / "huge.csv", 10)
+    for path, says in ((tmp_path, "is a folder"), (tmp_path / "none.csv", "does not exist"),
+                       ("/dev/zero", "is not a regular file")):  # /dev/zero was read until the memory ran out
+        with pytest.raises(ValueError, match=says):
+            load_traces(path, 1)
+    generate_traces(3, seed=1).save(tmp_path / "ok.json")
+    assert len(load_traces(tmp_path / "ok.json", 3)) == 3
