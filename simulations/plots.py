@@ -24,6 +24,8 @@ PANELS = {
 }
 
 
+MARKED_POINTS = 100  # curves of more points are drawn as lines only
+LOG_SPAN = 100.0  # a loss panel whose values span more than this factor gets a log axis
 MAX_POINTS = 2000  # a curve keeps between this and twice this many points, however many rounds the run had
 
 
@@ -97,20 +99,28 @@ def plot_rounds(rows: Iterable[dict], out_dir: Path, title: str = "") -> list[Pa
 
 def _plot_panel(panel: str, curves: dict[str, tuple[list[int], list[float]]], title: str, path: Path) -> None:
     """One panel of :func:`round_series` as a PNG at ``path``."""
+    _save(panel_figure(panel, curves, title), path)
+
+
+def panel_figure(panel: str, curves: dict[str, tuple[list[int], list[float]]], title: str) -> Figure:
+    """The figure of one panel of :func:`round_series`."""
     fig = Figure(figsize=(6, 4), dpi=110)
     ax = fig.subplots()
-    for label, (rounds, values) in curves.items():
-        ax.plot(rounds, values, marker="o", markersize=3, label=label)
+    for label, (rounds, values) in curves.items():  # markers blot out a curve of many points
+        ax.plot(rounds, values, marker="o" if len(rounds) <= MARKED_POINTS else None, markersize=3, label=label)
     ax.set_xlabel("round (of the global model scored)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # one round: no ticks at 0.95, 0.96, ...
     ax.set_ylabel(panel)
+    values = [v for _, values in curves.values() for v in values]
     if panel == "accuracy":
-        ax.set_ylim(*accuracy_limits([v for _, values in curves.values() for v in values]))
+        ax.set_ylim(*accuracy_limits(values))
+    elif min(values) > 0 and max(values) > LOG_SPAN * min(values):  # a diverged round would flatten the others
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right" if panel == "accuracy" else "upper right")
+    ax.legend(loc="best")
     ax.set_title(title)
     fig.tight_layout()
-    _save(fig, path)
+    return fig
 
 
 def _save(fig: Figure, path: Path) -> None:

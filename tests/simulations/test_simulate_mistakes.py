@@ -52,3 +52,20 @@ def test_a_trace_file_is_read_as_a_spreadsheet_writes_it_and_files_that_cannot_b
             load_traces(path, 1)
     generate_traces(3, seed=1).save(tmp_path / "ok.json")
     assert len(load_traces(tmp_path / "ok.json", 3)) == 3
+
+
+def test_plots_of_one_round_and_of_a_diverged_round_stay_readable():
+    """One round drew ticks at rounds 0.95, 0.96, ...; a loss of 2e5 in one round flattened every other to a line
+    at 0; a thousand rounds were blotted out by their markers."""
+    from fedpar.simulations.plots import panel_figure, round_series
+
+    one = round_series([{"round": 1, "test_accuracy": 0.5, "train_loss": 1.0}])
+    ax = panel_figure("accuracy", one["accuracy"], "t").axes[0]
+    ax.figure.canvas.draw()
+    assert [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]] == [1.0]
+    diverged = round_series([{"round": 1, "train_loss": 2.3e5, "test_loss": 21.0},
+                             {"round": 2, "train_loss": 20.0, "test_loss": 8.7}])
+    assert panel_figure("loss", diverged["loss"], "t").axes[0].get_yscale() == "log"
+    calm = round_series({"round": r, "train_loss": 0.1 + 2.0 / r, "test_accuracy": r / 1000} for r in range(1, 1001))
+    assert panel_figure("loss", calm["loss"], "t").axes[0].get_yscale() == "linear"
+    assert panel_figure("accuracy", calm["accuracy"], "t").axes[0].lines[0].get_marker() in (None, "None", "")
