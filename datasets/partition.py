@@ -19,6 +19,7 @@ DEFAULT_MAX_ATTEMPTS = 1000
 # (Poisson), so once the draws so far average m > ln(remaining / HOPELESS), the rest succeed with chance < HOPELESS.
 EARLY_DRAWS = 10
 HOPELESS = 0.01
+MAX_SIGMA = 100.0  # quantity:SIGMA's log-normal draws stay below exp(709), the largest float64, up to 10^8 clients
 
 
 def _check_clients(num_examples: int, num_clients: int) -> None:
@@ -56,7 +57,7 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed
     if not alpha > 0:
         raise ValueError(f"dirichlet alpha must be positive, got {alpha}")
     if min_size < 0 or min_size * num_clients > len(labels):
-        fits = len(labels) // num_clients // 2
+        fits = max(1, len(labels) // num_clients // 2)  # the least --partition takes
         raise ValueError(f"at least {min_size} examples per client is impossible with {num_clients} clients and "
                          f"{len(labels)} examples; give a lower minimum (dirichlet:{alpha:g}:MIN, e.g. "
                          f"dirichlet:{alpha:g}:{fits}) or use fewer clients")
@@ -156,7 +157,7 @@ PARTITION_HELP = ("one of: auto (natural where the examples have owners: synthet
 
 
 def parse_partition(spec: str) -> PartitionSpec:
-    """Parse "iid", "dirichlet:ALPHA[:MIN]" (ALPHA > 0, MIN >= 0 examples a client), "shards:K" (integer K >= 1) or "quantity:SIGMA" (>= 0); "auto"
+    """Parse "iid", "dirichlet:ALPHA[:MIN]" (ALPHA > 0, MIN >= 1 examples a client), "shards:K" (integer K >= 1) or "quantity:SIGMA" (0..MAX_SIGMA); "auto"
     is iid here (data whose examples have owners resolves it to natural first: clientdata.resolve_partition)."""
     kind, sep, arg = spec.strip().lower().partition(":")
     if kind in ("iid", AUTO) and not sep:
@@ -169,16 +170,18 @@ def parse_partition(spec: str) -> PartitionSpec:
             raise ValueError(f"bad partition {spec!r}: alpha {arg!r} is not a number; {PARTITION_HELP}") from None
         if not (alpha > 0 and np.isfinite(alpha)):
             raise ValueError(f"bad partition {spec!r}: alpha must be a positive number; {PARTITION_HELP}")
-        if least and not least.isdigit():
-            raise ValueError(f"bad partition {spec!r}: MIN must be a whole number >= 0; {PARTITION_HELP}")
+        if least and not (least.isdigit() and int(least) >= 1):
+            raise ValueError(f"bad partition {spec!r}: MIN must be a whole number >= 1 (a client with no examples "
+                             f"cannot train); {PARTITION_HELP}")
         return PartitionSpec("dirichlet", alpha=alpha, min_size=int(least) if least else DEFAULT_MIN_SIZE)
     if kind == "quantity" and arg:
         try:
             sigma = float(arg)
         except ValueError:
             raise ValueError(f"bad partition {spec!r}: sigma {arg!r} is not a number; {PARTITION_HELP}") from None
-        if not (sigma >= 0 and np.isfinite(sigma)):
-            raise ValueError(f"bad partition {spec!r}: sigma must be >= 0; {PARTITION_HELP}")
+        if not 0 <= sigma <= MAX_SIGMA:
+            raise ValueError(f"bad partition {spec!r}: sigma must be in [0, {MAX_SIGMA:g}] (from about 10, one client "
+                             f"holds nearly every example); {PARTITION_HELP}")
         return PartitionSpec("quantity", sigma=sigma)
     if kind == "shards" and arg:
         if not arg.isdigit() or int(arg) < 1:

@@ -133,8 +133,11 @@ def test_quantity_skew_covers_every_example_and_larger_sigma_is_more_skewed():
     assert sizes[0.0].max() - sizes[0.0].min() <= 1  # sigma 0: equal sizes
     assert sizes[2.0].std() > sizes[0.5].std() > sizes[0.0].std()
     assert str(parse_partition("quantity:1.5")) == "quantity:1.5"
-    with pytest.raises(ValueError, match="sigma must be >= 0"):
-        parse_partition("quantity:-1")
+    for spec in ("quantity:-1", "quantity:1e9"):  # 1e9 overflowed the draws: NaN sizes, a client with no examples
+        with pytest.raises(ValueError, match=r"sigma must be in \[0, 100\]"):
+            parse_partition(spec)
+    with pytest.raises(ValueError, match="MIN must be a whole number >= 1"):  # such a client failed every round
+        parse_partition("dirichlet:0.01:0")
 
 
 def test_natural_partition_gives_each_owner_its_examples():
