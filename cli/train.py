@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
               f"{_resume_hint(cfg)}", file=sys.stderr)
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
+        _raise_if_reader_left(exc)
         print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
         return 1
     except UnsafeCheckpointError as exc:  # damaged where check_resume could not see it (in this process's rank)
@@ -177,8 +178,7 @@ def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
 
 def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
     """``spawn`` the ``world`` ranks of ``fn``; a rank's TrainingDiverged (every rank's: the loss is summed over them)
-    or BrokenPipeError (rank 0's output was piped to a reader that left) is raised here as it was, any other failure
-    as RankFailed with the line that ended the rank, instead of torch's exception holding the rank's traceback
+    is raised here as it was, its one line, any other failure as RankFailed with the line that ended the rank, instead of torch's exception holding the rank's traceback
     (--debug: as torch raised it)."""
     import logging
 
@@ -201,32 +201,32 @@ def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
             raise
         if last.startswith(said):
             raise TrainingDiverged(last[len(said):]) from None
-        if _reader_left():  # rank 0's BrokenPipeError, though torch may name another rank's failure that followed
-            raise BrokenPipeError(last) from None
         kind, sep, message = last.partition(": ")
         raise RankFailed(f"rank {exc.error_index} failed: {message if sep and kind.startswith('fedpar.') else last}"
                          ) from None  # fedpar's own errors say what they are
     except ProcessExitedException as exc:
         if args.debug:
             raise
-        if _reader_left():
-            raise BrokenPipeError(str(exc)) from None
         how = f"was killed by {exc.signal_name}" if exc.signal_name else f"ended with exit code {exc.exit_code}"
         raise RankFailed(f"rank {exc.error_index} {how}") from None
     finally:
         launcher_log.setLevel(level)
 
 
-def _reader_left() -> bool:
-    """Whether standard output is a pipe whose reader has left (``fedpar train ... | head``): POLLERR on its end."""
+def _raise_if_reader_left(failure: Exception) -> None:
+    """BrokenPipeError (said as Unix tools do: nothing, exit 141) when standard output is a pipe whose reader left
+    (``fedpar train ... | head``: POLLERR on its end): rank 0's failure then, though torch may name another rank's
+    that followed it."""
     import select
 
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        left = any(events & select.POLLERR for _, events in poller.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout (a capture)
-        return False
+        left = False
+    if left:
+        raise BrokenPipeError(str(failure)) from None
 
 
 def _train_task(args: argparse.Namespace, world: int) -> int:
@@ -261,11 +261,13 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
             model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
             evals = write_task_model(task, cfg, model, summary)
     except RankFailed as exc:  # a rank's own failure, not the task's: its last line (--debug: its traceback)
+        _raise_if_reader_left(exc)
         print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
         return 1
     except TaskError as exc:  # the task's own code, on any rank: one line (--debug: the traceback)
         if args.debug:
             raise
+        _raise_if_reader_left(exc)  # the other rank's training failed as rank 0 left
         print(f"fedpar train: {str(exc).rstrip('.')}: fix the task ({args.task})", file=sys.stderr)
         return getattr(exc, "exit_code", 2)  # TaskFailed: it failed as it trained (1), else it was refused (2)
     print(json.dumps({k: summary[k] for k in ("task", "ranks", "steps", "epochs", *evals)}, indent=2))
