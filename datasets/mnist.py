@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -82,6 +83,9 @@ def _check_pair(images: np.ndarray, labels: np.ndarray, source: str) -> None:
 
 
 def _read_npz(path: Path, key: str) -> np.ndarray:
+    if not zipfile.is_zipfile(path):  # else np.load takes it for a pickle and blames object arrays
+        raise ValueError(f"{path} is not an .npz file (cut short, or another kind of file); replace it with a whole "
+                         f"copy: {EXPECTED_FILES}")
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = {"x", "y"} - set(data.files)
@@ -123,6 +127,8 @@ def check_mnist_folder(data_dir: str | Path) -> bool:
     """True when ``data_dir`` holds MNIST as train.npz/test.npz, False when as the IDX files; ValueError saying which
     files are expected and where to get them when the folder or its files are missing (nothing is read)."""
     folder = Path(data_dir)
+    if folder.is_file():
+        raise ValueError(f"MNIST folder {folder} is a file; point it at the folder that holds it")
     if not folder.is_dir():
         raise ValueError(f"MNIST folder {folder} does not exist; point it at a folder with {EXPECTED_FILES}, or "
                          f"{WHERE_TO_GET}")

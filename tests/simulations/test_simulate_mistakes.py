@@ -69,3 +69,16 @@ def test_plots_of_one_round_and_of_a_diverged_round_stay_readable():
     calm = round_series({"round": r, "train_loss": 0.1 + 2.0 / r, "test_accuracy": r / 1000} for r in range(1, 1001))
     assert panel_figure("loss", calm["loss"], "t").axes[0].get_yscale() == "linear"
     assert panel_figure("accuracy", calm["accuracy"], "t").axes[0].lines[0].get_marker() in (None, "None", "")
+
+
+def test_a_damaged_mnist_folder_is_named_for_what_it_is(tmp_path):
+    """A cut-short or text train.npz was said to 'store object arrays, which need pickle'; a --data-dir naming the
+    npz file itself was said not to exist."""
+    from fedpar.datasets.mnist import load_mnist
+
+    np.savez(tmp_path / "test.npz", x=np.zeros((2, 28, 28), np.uint8), y=np.zeros(2, np.int64))
+    (tmp_path / "train.npz").write_bytes((tmp_path / "test.npz").read_bytes()[:100])
+    with pytest.raises(ValueError, match="train.npz is not an .npz file .cut short"):
+        load_mnist(tmp_path)
+    with pytest.raises(ValueError, match="test.npz is a file; point it at the folder that holds it"):
+        load_mnist(tmp_path / "test.npz")
