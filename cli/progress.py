@@ -70,17 +70,21 @@ class RoundTable:
             return
         metrics = {**metrics, "left": self.pace.left()}
         if not self._header_done:
-            print("  ".join(f"{name:>{max(len(name), 5)}}" for name, _ in self.columns), file=self.stream)
+            print("  ".join(f"{name:>{self._width(name)}}" for name, _ in self.columns), file=self.stream)
             self._header_done = True
         cells = []
         for name, fmt in self.columns:
-            width = max(len(name), 5)
+            width = self._width(name)
             value = metrics.get(name)
             text = "-" if value is None else (fmt.format(value).strip() if not isinstance(value, str) else value)
             if name == "round":
                 text = f"{value}/{self.total}"
             cells.append(f"{text:>{width}}")
         print("  ".join(cells), file=self.stream, flush=True)
+
+    def _width(self, name: str) -> int:
+        """A column's width: its name's, at least 5; the round's holds "1000/1000" (wider rows shifted the rest)."""
+        return max(len(name), 5, 2 * len(str(self.total)) + 1 if name == "round" else 0)
 
 
 class LiveBar:

@@ -36,6 +36,17 @@ def test_the_tables_plain_lines_end_with_the_time_left():
     assert rows[-1].split()[len(COLUMNS) - 3] == "0.8000"  # test_accuracy, as the row gave it
 
 
+def test_the_table_stays_aligned_for_a_thousand_rounds():
+    """'1/1000' is wider than the header's 'round': it shifted every later column of every row."""
+    out = io.StringIO()
+    table = RoundTable(total=1000, stream=out)
+    for round_id in (1, 999, 1000):
+        table.row({"round": round_id, "status": "ok", "test_accuracy": float("nan")})
+    header, *rows = out.getvalue().splitlines()
+    assert {len(row) for row in rows} == {len(header)}
+    assert [row.index(" ok") + 3 for row in rows] == [header.index("status") + 6] * 3
+
+
 def test_the_time_left_goes_by_the_rounds_after_the_first_not_the_start_up():
     now = [0.0]
     pace = RoundPace(10, clock=lambda: now[0])
