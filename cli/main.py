@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import signal
 import sys
 
@@ -13,7 +12,7 @@ from fedpar.cli.argtypes import FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.subcommands import SUBCOMMANDS
-from fedpar.cli.user_errors import UserError, describe
+from fedpar.cli.user_errors import UserError, describe, quiet_exit_for_pipe, reader_left
 from fedpar.parallel.stopping import dump_stacks_on_signal, exit_code, signal_name
 from fedpar.task import TaskError
 
@@ -103,10 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it (parallel/stopping.py)
         print(f"fedpar {argv[0]}: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
-    except BrokenPipeError:  # 'fedpar train ... | head': the reader left; say nothing, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
-        return 141  # 128 + SIGPIPE, what the shell reports for a tool that a closed pipe ended
     except (UserError, TaskError, OSError) as exc:  # a set-up or task mistake: one line (--debug: the traceback)
+        if isinstance(exc, BrokenPipeError) and reader_left():  # '... | head': not a socket's broken pipe
+            return quiet_exit_for_pipe()
         if args is not None and args.debug:
             raise
         print(f"fedpar {argv[0]}: {describe(exc)} (--debug shows the traceback)", file=sys.stderr)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from fedpar.cli.config import ConfigError
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.tlsopts import TlsFileOptions
+from fedpar.cli.user_errors import quiet_exit_for_pipe
 from fedpar.sections import Output
 from fedpar.settings import setting
 
@@ -177,8 +177,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()  # here, where a reader that left is handled
         return code
     except BrokenPipeError:  # 'fedpar run ls | head -1': the reader left; say nothing, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
-        return 141  # 128 + SIGPIPE, what the shell reports for a tool that a closed pipe ended
+        return quiet_exit_for_pipe()
     except (ValueError, ConfigError) as exc:
         print(f"fedpar run: {exc}", file=sys.stderr)
         return 2

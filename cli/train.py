@@ -27,6 +27,7 @@ from fedpar.cli.observability import add_observability_arguments
 from fedpar.cli.progress import StepBar
 from fedpar.cli.renamed import add_alias, add_replicas_renamed
 from fedpar.cli.task_options import load_task_from_args, task_options
+from fedpar.cli.user_errors import reader_left
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, TrainConfig
 from fedpar.settings import setting
 from fedpar.task import TaskError, TaskReference
@@ -214,18 +215,9 @@ def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
 
 
 def _raise_if_reader_left(failure: Exception) -> None:
-    """BrokenPipeError (said as Unix tools do: nothing, exit 141) when standard output is a pipe whose reader left
-    (``fedpar train ... | head``: POLLERR on its end): rank 0's failure then, though torch may name another rank's
-    that followed it."""
-    import select
-
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        left = any(events & select.POLLERR for _, events in poller.poll(0))
-    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout (a capture)
-        left = False
-    if left:
+    """BrokenPipeError (said as Unix tools do: nothing, exit 141) when standard output is a pipe whose reader left:
+    rank 0's failure then, though torch may name another rank's that followed it."""
+    if reader_left():
         raise BrokenPipeError(str(failure)) from None
 
 

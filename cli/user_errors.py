@@ -144,3 +144,22 @@ def every_round_failed(summary: dict, task: str | None = None,
         return f"{failed}: the coordinator refused every update, e.g. {refused}{hint}"
     return (f"{failed}: too few updates arrived (see close_reason in metrics.jsonl); check {options} and the agents' "
             "logs")
+
+
+def reader_left() -> bool:
+    """Whether standard output is a pipe whose reader left (``fedpar ... | head``: POLLERR on its end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout (a capture)
+        return False
+
+
+def quiet_exit_for_pipe() -> int:
+    """Exit code 141 (128 + SIGPIPE, what the shell reports for a tool a closed pipe ended), saying nothing, as Unix
+    tools do; stdout goes to /dev/null so that the interpreter's last flush does not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
