@@ -23,7 +23,9 @@ def clip_level(held: Sequence[float], rest_total: float, rest_max: float, rest_c
     """The level ``L`` that the weights ``held`` (the heaviest of the round) are clipped to, given the other
     updates' total, largest weight and count; ``math.inf`` when no weight exceeds ``share`` of the total."""
     weights = sorted(held, reverse=True)
-    if (len(weights) + rest_count) * share < 1:  # no weighting meets the cap: count every update equally
+    # No weighting meets the cap: count every update equally. (ShareCap holds every update of such a round; the
+    # product is not compared with 1, which rounds either way when 1 / share is a whole number: 49 * (1/49) < 1.)
+    if not rest_count and len(weights) * share < 1:
         return weights[-1]
     total = sum(weights) + rest_total
     if not weights or weights[0] <= share * total:
@@ -37,7 +39,9 @@ def clip_level(held: Sequence[float], rest_total: float, rest_max: float, rest_c
         lighter = weights[k] if k < len(weights) else rest_max
         if lighter <= level:
             return level
-    return weights[-1]  # unreachable when the count allows the cap; equal weights otherwise
+    # Only rounding gets here: with n = 1/share updates every one must count equally, and the level, which is then
+    # the lightest update's weight, came out an ulp below it (1 - 2 * (1/3) > 1/3).
+    return rest_max if rest_count else weights[-1]
 
 
 class ShareCap:

@@ -69,3 +69,21 @@ def test_clip_level_edge_cases_and_refusals():
         ShareCap(0)
     with pytest.raises(ValueError, match="--max-agent-share"):
         build_strategy("median").cap_shares(0.5)
+
+
+@pytest.mark.parametrize("k", [3, 6, 7, 49])
+def test_a_cap_of_one_over_k_on_k_updates_weighs_them_equally(k):
+    """share = 1/k with k updates: only equal weights meet the cap. 1 - 2 * (1/3) rounds above 1/3 and 49 * (1/49)
+    below 1, so weights 1, 2, 3 under 1/3 were capped to 1, 2, 2 (a share of 0.4) and 1..49 under 1/49 to 1, 2, 2, ..."""
+    share = 1 / k
+    rng = np.random.default_rng(k)
+    updates = [[rng.standard_normal(3)] for _ in range(k)]
+    strategy = build_strategy("fedavg")
+    strategy.cap_shares(share)
+    strategy.begin_round(1, [np.zeros(3)])
+    for j, update in enumerate(updates):
+        strategy.fold(update, float(j + 1), f"c{j}")
+    got, metrics = strategy.finish()
+    np.testing.assert_allclose(got[0], np.mean([u[0] for u in updates], axis=0), rtol=1e-12, atol=1e-15)
+    assert metrics["num_examples"] == pytest.approx(k)  # each counted with the lightest's weight, 1
+    assert clip_level([3.0, 2.0], 1.0, 1.0, 1, 1 / 3) == pytest.approx(1.0, rel=1e-12)
