@@ -95,8 +95,10 @@ class LiveBar:
     line on ``plain`` (the table's stream) when their count changed, at most every ``plain_every`` seconds."""
 
     def __init__(self, stream: TextIO | None = None, quiet: bool = False, total: int = 0,
-                 plain: TextIO | None = None, plain_every: float = PLAIN_EVERY):
+                 plain: TextIO | None = None, plain_every: float = PLAIN_EVERY, traced: bool = False):
         self.stream, self.quiet = sys.stderr if stream is None else stream, quiet  # sys.stderr as it is now
+        # with availability traces the count is of the clients online: "0 of 1 joining" hid that all had joined
+        self.waiting = "clients online by their traces" if traced else "clients joining"
         self.plain, self.plain_every = sys.stdout if plain is None else plain, plain_every
         self.pace, self.accuracy = RoundPace(total), None
         self._joining_since, self._plain_said = None, (None, 0.0)  # when joining began; (count, when) last said
@@ -123,7 +125,7 @@ class LiveBar:
 
     def joining(self, registered: int, needed: int) -> None:
         """Show ``registered`` of ``needed`` clients joined."""
-        self._show(("join",), "clients joining", registered, needed, "")
+        self._show(("join",), self.waiting, registered, needed, "")
         if self.quiet or self.stream.isatty():
             return
         now = time.monotonic()
@@ -131,7 +133,7 @@ class LiveBar:
             self._joining_since, self._plain_said = now, (None, now)
         said, when = self._plain_said
         if registered != said and now - when >= self.plain_every:
-            print(f"clients joining: {registered:,} of {needed:,} ({now - self._joining_since:.0f} s)",
+            print(f"{self.waiting}: {registered:,} of {needed:,} ({now - self._joining_since:.0f} s)",
                   file=self.plain, flush=True)
             self._plain_said = (registered, now)
 

@@ -228,7 +228,7 @@ def _simulate(args: argparse.Namespace, cfg: SimulationConfig, workers) -> int:
         (CLOCK_COLUMNS if cfg.virtual_clock else [])
     table = RoundTable(total=cfg.rounds, stream=sys.stdout, quiet=args.quiet, columns=columns)
     observers = Observers(args)
-    progress = LiveBar(quiet=args.quiet, total=cfg.rounds)
+    progress = LiveBar(quiet=args.quiet, total=cfg.rounds, traced=bool(cfg.trace))
     try:
         with_strategy(args, cfg)
         callbacks = [progress.round_ended, table.row, *observers.round_callbacks()]

@@ -98,6 +98,9 @@ def test_clients_joining_show_as_plain_lines_off_a_terminal_when_their_count_cha
     quiet = io.StringIO()
     LiveBar(stream=io.StringIO(), plain=quiet, plain_every=0.0, quiet=True).joining(3, 10)
     assert quiet.getvalue() == ""  # --quiet: only the summary
+    traced = io.StringIO()  # with traces every client may have joined while none is online: said as such
+    LiveBar(stream=io.StringIO(), plain=traced, plain_every=0.0, traced=True).joining(0, 1)
+    assert traced.getvalue().startswith("clients online by their traces: 0 of 1 (")
     terminal_plain = io.StringIO()
     bar = LiveBar(stream=_Terminal(), plain=terminal_plain, plain_every=0.0)
     bar.joining(3, 10)
