@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             trainer = flower_trainer(args, task.model())
         else:
             task = agent_task(args)
-            trainer = TaskTrainer(task, task.client_data(agent_partition(args)), seed=args.seed, device=device,
+            trainer = TaskTrainer(task, task.data_for(agent_partition(args)), seed=args.seed, device=device,
                                   precision=args.precision)
     except (ConfigurationError, ValueError) as exc:  # a task's mistakes too (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)

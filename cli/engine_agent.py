@@ -113,7 +113,7 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
         try:
             security = client_security(args) if info.is_main else None
             task = agent_task(args)
-            trainer = EngineTrainer(task, task.client_data(agent_partition(args)), info, layout,
+            trainer = EngineTrainer(task, task.data_for(agent_partition(args)), info, layout,
                                     seed=args.seed, idle_timeout_seconds=args.idle_timeout)
         except ValueError as exc:  # every rank fails the same way on bad options or data
             print(f"fedpar client: {exc}", file=sys.stderr)

@@ -217,7 +217,7 @@ class EngineTrainer:
             # on the padding, weighted zero.
             inputs, targets = inputs_and_targets(to_device(batch_at(self.train_data, real or indices, task.loader),
                                                            device))
-            loss = task.loss(model(inputs), targets)
+            loss = task.batch_loss(model(inputs), targets)
             examples = batch_examples(targets) if real else 0
             in_batch = min(global_batch, n - b * global_batch)  # examples of this global batch that are not padding
             # DDP/FSDP average gradients over the data-parallel ranks and the loss is the mean over this rank's

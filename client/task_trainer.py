@@ -82,7 +82,7 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
     def step(batch) -> tuple[int, float | torch.Tensor]:
         inputs, targets = inputs_and_targets(to_device(batch, device))
         with autocast(device, precision):
-            loss = task.loss(model(inputs), targets)
+            loss = task.batch_loss(model(inputs), targets)
         update(params, objective(loss, model.parameters(), anchor, config.proximal_mu), config.learning_rate,
                optimizer)
         n = batch_examples(targets)
@@ -95,6 +95,9 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
                         after_step=after_step)
     deadline.taken, deadline.stopped_early = tally.steps, tally.stopped
     metrics = {"loss": float(tally.loss_sum) / tally.examples} if tally.examples else {}
+    if not math.isfinite(metrics.get("loss", 0.0)):  # its weights are lost too: said now, not as NaN weights later
+        raise TaskError(f"task {task.name!r}: the training loss is {metrics['loss']} (lr {config.learning_rate:g}): "
+                        "training diverged (lower --lr), or loss(outputs, targets) is not finite")
     return Trained(tally.examples, tally.steps, metrics, tally.stopped)
 
 
@@ -124,7 +127,7 @@ class TaskTrainer:
         self.device = torch.device(device)
         self._wait = queue_waiter(self.device)  # what each run's Deadline calls before a clock read: per device
         self.precision = precision
-        model = task.model() if model is None else model
+        model = task.built_model() if model is None else model
         if not isinstance(model, torch.nn.Module):
             raise TaskError(f"task {task.name!r}: model() must return a torch.nn.Module, got {type(model).__name__}")
         self.model = model.to(self.device)
@@ -185,7 +188,7 @@ class TaskTrainer:
         inputs, targets = inputs_and_targets(to_device(batch, self.device))
         params = trainable(self.model)
         with autocast(self.device, self.precision):
-            loss = self.task.loss(self.model(inputs), targets)
+            loss = self.task.batch_loss(self.model(inputs), targets)
         if self.task.optimizer is None:
             update(params, loss, lr=0.0)  # the weights do not change
         else:

@@ -182,10 +182,22 @@ def upload_timeout(deadline_at: float) -> float:
 
 
 def checked_client_data(data: Any) -> ClientData:
-    """``data``, what a task's ``client_data`` returned; TaskError unless it is a ClientData."""
+    """``data``, what a task's ``client_data`` returned; TaskError unless it is a ClientData of datasets."""
     if not isinstance(data, ClientData):
         raise TaskError(f"client_data must return fedpar.ClientData(train, val), got {type(data).__name__}")
+    check_dataset("client_data's ClientData.train", data.train)
+    check_dataset("client_data's ClientData.val", data.val)
     return data
+
+
+def check_dataset(what: str, value: Any) -> None:
+    """TaskError, naming ``what``, when ``value`` holds its examples as columns (a dict, or a pair of arrays such as
+    (inputs, targets)), not as the items of a dataset."""
+    pair = (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(len(getattr(a, "shape", ())) >= 1 for a in value) and value[0].shape[0] == value[1].shape[0])
+    if isinstance(value, dict) or pair:
+        raise TaskError(f"{what} is a {type(value).__name__} of arrays, not a dataset of examples: give "
+                        "TensorDataset(inputs, targets) (torch.utils.data)")
 
 
 def check_training_data(task_name: str, data: ClientData) -> None:
@@ -239,6 +251,7 @@ class Task:
     tp_plan: Callable[[nn.Module], dict] | None = None
     name: str = "task"
     description: dict = field(default_factory=dict)  # what rebuilds the model, kept in global.json
+    _layout: list | None = field(default=None, init=False, repr=False, compare=False)  # the first model()'s weights
 
     def check(self) -> None:
         """TaskError naming what is missing or of the wrong kind."""
@@ -264,9 +277,12 @@ class Task:
             raise TaskError(f"task {self.name!r}: " + "; ".join(problems))
 
     def built_model(self) -> nn.Module:
-        """``model()``, checked: TaskError unless it is an nn.Module with floating-point parameters."""
+        """``model()``, checked: TaskError unless it is an nn.Module with floating-point parameters that fedpar can
+        exchange, whose weights have the names, dtypes and shapes of the first model it made."""
         import torch
         from torch import nn
+
+        from fedpar.models.weights import weight_specs
 
         try:
             model = self.model()
@@ -274,10 +290,44 @@ class Task:
             raise TaskError(f"task {self.name!r}: model() raised {raised(exc)}") from exc
         if not isinstance(model, nn.Module):
             raise TaskError(f"task {self.name!r}: {MODEL_FACTORY}; model() returned a {type(model).__name__}")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+            raise TaskError(f"task {self.name!r}: model() has lazy parameters of no shape yet (nn.LazyLinear, ...), "
+                            "but the coordinator needs the weights' shapes before any data: give those layers their "
+                            "input sizes (nn.Linear(in_features, out_features))")
         if not any(torch.is_floating_point(p) for p in model.parameters()):
             raise TaskError(f"task {self.name!r}: model() has no floating-point parameters: nothing to train or "
                             "average")
+        try:
+            layout = weight_specs(model)
+        except ValueError as exc:  # e.g. bfloat16 weights: the wire's numpy arrays cannot hold them
+            raise TaskError(f"task {self.name!r}: model()'s {exc}") from None
+        if self._layout is None:
+            self._layout = layout
+        elif layout != self._layout:  # every process and seat calls model(): all must make the coordinator's weights
+            raise TaskError(f"task {self.name!r}: model() made other weights than on its first call "
+                            f"({_first_difference(layout, self._layout)}); it must build the same model every call "
+                            "(no sizes drawn at random)")
         return model
+
+    def batch_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """``loss(outputs, targets)``, checked to be one number (a 0-dim tensor): TaskError saying how to make it one."""
+        value = self.loss(outputs, targets)
+        if getattr(value, "ndim", None) != 0:
+            got = f"shape {list(value.shape)}" if hasattr(value, "shape") else f"a {type(value).__name__}"
+            raise TaskError(f"task {self.name!r}: loss(outputs, targets) must return the batch's mean loss as a 0-dim "
+                            f"tensor, got {got}: reduce it (.mean(), or torch's default reduction='mean')")
+        return value
+
+    def data_for(self, partition: Partition) -> ClientData:
+        """``client_data(partition)``, checked: TaskError, in one line, when it raises, returns anything but a
+        ClientData, or holds no training examples."""
+        try:
+            data = self.client_data(partition)
+        except Exception as exc:  # the task's own code: one line
+            raise TaskError(f"the task's client_data raised {raised(exc)} for partition {partition.index} of "
+                            f"{partition.count}: fix the task ({self.name})") from exc
+        check_training_data(self.name, checked_client_data(data))
+        return data
 
     def _optimizer_problems(self) -> list[str]:
         """Why the built-in loop cannot step what ``optimizer`` makes (it calls ``step()`` once per batch, with no
@@ -308,6 +358,14 @@ class Task:
 
 
 MODEL_FACTORY = "model must be a function returning an nn.Module (write model=lambda: ...)"
+
+
+def _first_difference(layout: list, first: list) -> str:
+    """Where ``layout`` (weight_specs of a model) first differs from ``first``'s, in a few words."""
+    for (name, dtype, shape), (name0, dtype0, shape0) in zip(layout, first):
+        if (name, dtype, shape) != (name0, dtype0, shape0):
+            return f"{name!r} {dtype} {shape}, where the first had {name0!r} {dtype0} {shape0}"
+    return f"{len(layout)} weights, where the first had {len(first)}"
 
 
 def _is_module(value: Any) -> bool:

@@ -25,8 +25,9 @@ def _numpy_dtype(name: str, tensor: torch.Tensor) -> np.dtype:
     try:
         return np.dtype(str(tensor.dtype).removeprefix("torch."))
     except TypeError:
-        raise ValueError(f"state entry {name!r} has dtype {tensor.dtype}, which numpy cannot hold; "
-                         "convert the model to float32 (model.float()) before exchanging weights") from None
+        raise ValueError(f"state entry {name!r} has dtype {tensor.dtype}, which numpy cannot hold (weights travel and "
+                         "are written as numpy arrays); keep the model's weights float32 (model.float()); simulate "
+                         "and client compute in bfloat16 with --precision bf16") from None
 
 
 def weight_specs(model: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:

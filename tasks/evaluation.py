@@ -7,6 +7,7 @@ report: :class:`EvalResult`) both come here.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,10 +18,11 @@ import torch
 from torch import nn
 
 from fedpar.models.weights import ModelWeights, set_weights
-from fedpar.task import Task, TaskError, TaskFailed, raised
+from fedpar.task import Task, TaskError, TaskFailed, check_dataset, raised
 from fedpar.tasks.data import (batch_examples, default_batches, in_memory, inputs_and_targets, on_device, subset,
                                to_device)
 
+log = logging.getLogger("fedpar.tasks")
 
 @dataclass
 class EvalResult:
@@ -50,6 +52,7 @@ def builtin_evaluation(task: Task, model: nn.Module, dataset: Any, batch_size: i
                        precision: str = "fp32") -> dict[str, float]:
     """The mean of ``task.loss`` over ``dataset``, and ``accuracy`` where the model gives class scores (N, C) for
     integer labels (N,)."""
+    check_dataset(f"task {task.name!r}: the dataset to evaluate (test_data())", dataset)
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
@@ -59,7 +62,7 @@ def builtin_evaluation(task: Task, model: nn.Module, dataset: Any, batch_size: i
         with autocast(device, precision):
             outputs = model(inputs)
         n = batch_examples(targets)
-        loss_sum += task.loss(outputs, targets).double() * n
+        loss_sum += task.batch_loss(outputs, targets).double() * n
         classified = classified and _class_scores(outputs, targets)
         if classified:
             correct += (outputs.argmax(dim=1) == targets).sum()
@@ -77,7 +80,7 @@ def builtin_evaluation_of_splits(task: Task, model: nn.Module, splits: Sequence[
                                  precision: str = "fp32") -> list[dict[str, float]] | None:
     """:func:`builtin_evaluation` of each of ``splits`` (e.g. several members' validation splits) with one forward
     pass per batch over their examples together; None unless all are in-memory (inputs, targets) tensors of one
-    kind (then evaluate them one by one)."""
+    kind and the model's outputs are one tensor of a row per example (then evaluate them one by one)."""
     tensors = [in_memory(split) for split in splits]
     if not tensors or any(t is None or len(t) != 2 for t in tensors) or any(
             (t[0].shape[1:], t[0].dtype, t[1].shape[1:], t[1].dtype)
@@ -98,6 +101,8 @@ def builtin_evaluation_of_splits(task: Task, model: nn.Module, splits: Sequence[
         end = min(begin + batch_size, len(inputs))
         with autocast(device, precision):
             outputs = model(inputs[begin:end])
+        if not (isinstance(outputs, torch.Tensor) and outputs.ndim and len(outputs) == end - begin):
+            return None  # a dict or tuple of outputs, say: not cut per split here, so each is evaluated alone
         scores = _class_scores(outputs, targets[begin:end])
         if scores:  # every split's hits in this batch at once
             correct.index_add_(0, owner[begin:end], (outputs.argmax(dim=1) == targets[begin:end]).long())
@@ -106,7 +111,7 @@ def builtin_evaluation_of_splits(task: Task, model: nn.Module, splits: Sequence[
             if lo >= hi:
                 continue
             out, tgt = outputs[lo - begin:hi - begin], targets[lo:hi]
-            losses.append(task.loss(out, tgt))
+            losses.append(task.batch_loss(out, tgt))
             counts.append(hi - lo)
             owners.append(k)
             classified[k] = classified[k] and (scores or _class_scores(out, tgt))
@@ -192,7 +197,14 @@ def named_metrics(task: Task, hook: str, metrics: Any) -> dict[str, float]:
             out[name] = float(value)
         except (TypeError, ValueError):
             raise TaskError(f"task {task.name!r}: {hook} metric {name!r} must be a number, got {value!r}") from None
+        if not math.isfinite(out[name]) and (hook, name) not in _SAID_NOT_FINITE:
+            _SAID_NOT_FINITE.add((hook, name))  # said once per process: every member's evaluation may give it
+            log.warning("task %r: %s gave %s = %s, which is left out of the metrics (they hold finite numbers only); "
+                        "leave a metric out where it cannot be measured", task.name, hook, name, out[name])
     return out
+
+
+_SAID_NOT_FINITE: set[tuple[str, str]] = set()
 
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:
@@ -211,7 +223,7 @@ class TaskEvaluator:
         """Build the task's model once and keep it and ``test_data`` on ``device``."""
         self.task = task
         self.device = torch.device(device)
-        self.model = task.model().to(self.device)
+        self.model = task.built_model().to(self.device)
         self.data = on_device(test_data, self.device)
         # The built-in evaluation leaves the model's tensors in place, so they are listed once (a state_dict walk per
         # round took 5% of the coordinator loop's time in a small model's round); an evaluate hook may replace them.
