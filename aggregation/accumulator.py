@@ -449,14 +449,15 @@ class WeightedSum:
         self.add(ready)
         return errors
 
-    def mean(self, inplace: bool = False) -> list[np.ndarray]:
-        """The weighted mean in the input dtypes; ``inplace`` divides the accumulator itself (it is then spent)."""
+    def mean(self, inplace: bool = False, cast: bool = True) -> list[np.ndarray]:
+        """The weighted mean in the input dtypes (``cast`` False: in the accumulation dtypes); ``inplace`` divides the
+        accumulator itself (it is then spent)."""
         check_averageable(self.count, self.total_weight)
         out = []
         for view, shape, dtype in zip(self.views, self.shapes.shapes, self.shapes.dtypes):
             total = view.dtype.type(self.total_weight)
             avg = np.divide(view, total, out=view) if inplace else view / total
-            out.append(cast_like(avg, dtype).reshape(shape))
+            out.append((cast_like(avg, dtype) if cast else avg).reshape(shape))
         return out
 
 
@@ -553,13 +554,14 @@ class DeviceWeightedSum:
                 errors.append(exc)
         return errors
 
-    def mean(self, inplace: bool = False) -> list[np.ndarray]:
-        """The weighted mean in the input dtypes, on the host; ``inplace`` divides the accumulator itself."""
+    def mean(self, inplace: bool = False, cast: bool = True) -> list[np.ndarray]:
+        """The weighted mean in the input dtypes (``cast`` False: in the accumulation dtypes), on the host;
+        ``inplace`` divides the accumulator itself."""
         check_averageable(self.count, self.total_weight)
         out = []
         for view, shape, dtype in zip(self.views, self.shapes.shapes, self.shapes.dtypes):
-            avg = view.div_(self.total_weight) if inplace else view / self.total_weight
-            out.append(cast_like(avg.cpu().numpy(), dtype).reshape(shape))
+            avg = (view.div_(self.total_weight) if inplace else view / self.total_weight).cpu().numpy()
+            out.append((cast_like(avg, dtype) if cast else avg).reshape(shape))
         return out
 
 

@@ -10,7 +10,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum, check_weight, weighted_sum
+from fedpar.aggregation.accumulator import (FoldConfig, ShapesAndDtypes, WeightedSum, cast_like, check_weight,
+                                            weighted_sum)
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.share_cap import ShareCap
 from fedpar.protocol.task_settings import TaskSettings
@@ -397,12 +398,15 @@ class StreamingStrategy(Strategy):
             for update, weight in self._cap.settle():
                 self._acc.fold(update, weight, check_finite=False)
         total = self._acc.total_weight
-        avg = self._acc.mean(inplace=True)  # the accumulator is zeroed at the next begin_round anyway
+        # In place: the accumulator is zeroed at the next begin_round anyway. Not yet in the model's dtypes: a server
+        # optimizer steps from the mean itself (a float16 model's mean rounded first made FedAdam's delta 0).
+        avg = self._acc.mean(inplace=True, cast=False)
         new = self._server_update(global_weights, avg)
-        return new, {"num_examples": float(total)}
+        return [cast_like(a, dtype) for a, dtype in zip(new, self._acc.shapes.dtypes)], {"num_examples": float(total)}
 
     def _server_update(self, global_weights: list[np.ndarray], average: list[np.ndarray]) -> list[np.ndarray]:
-        """New global weights from the weighted average of the clients' weights (FedAvg: the average)."""
+        """New global weights from the weighted average of the clients' weights, that in the accumulation dtypes
+        (FedAvg: the average)."""
         return average
 
 

@@ -137,6 +137,25 @@ def test_fedopt_family_matches_reddi_algorithm_2(cls, kw, bias):
         assert_models_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("cls", [FedAdam, FedYogi, FedAvgM])
+def test_server_optimizers_step_from_the_unrounded_mean_of_a_float16_model(cls):
+    """The mean was cast to float16 before the server step: client changes below float16's step at 1 averaged to
+    the global itself, FedAdam's delta was 0 and a third of the coordinates missed their whole step (eta = 0.1).
+    Now the step is Reddi et al.'s (or the momentum rule) on the exact mean, to float16's rounding of the result."""
+    rng = np.random.default_rng(13)
+    g = rng.standard_normal(1000).astype(np.float16)
+    results = [([(g + 1e-3 * rng.standard_normal(1000)).astype(np.float16)], n) for n in (1, 2, 3, 4, 5)]
+    new, _ = run_round(cls(), 1, [g], results)
+    mean = sum(n * u[0].astype(np.float64) for u, n in results) / 15
+    if cls is FedAvgM:
+        want = mean  # round 1: the momentum is the pseudo-gradient, server learning rate 1
+    else:
+        s = cls()
+        want = reference_fedopt(cls.name, [([g.astype(np.float64)], [mean])], s.eta, s.beta_1, s.beta_2, s.tau)[0][0]
+    assert new[0].dtype == np.float16
+    np.testing.assert_allclose(new[0], want, rtol=2e-3, atol=2e-3)
+
+
 def test_fedopt_matches_flower_where_flower_defines_the_same_rule():
     flwr_strategy = pytest.importorskip("flwr.server.strategy")
     from flwr.common import FitRes, Status, Code, ndarrays_to_parameters, parameters_to_ndarrays
