@@ -106,6 +106,9 @@ def build_flower_strategy(name: str, **options: Any):
         raise ValueError(f"{name} wraps another strategy instance, which options cannot build: use fedpar's "
                          "--privacy central|client for differential privacy, or name a subclass that builds it "
                          "(flower:package.module:Class)")
+    if "train_loss_key" in inspect.signature(cls).parameters:  # QFedAvg: its every aggregate_train would raise
+        raise ValueError(f"{name} weighs each reply by the member's training loss, which the replies fedpar hands a "
+                         "strategy do not carry (only the arrays and the example count); choose another strategy")
     return FlowerMessageStrategy(cls, name=name.strip(), **flower_options(name, cls, options, from_text=False))
 
 

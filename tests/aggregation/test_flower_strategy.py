@@ -116,3 +116,11 @@ def test_serve_refuses_what_a_flower_strategy_cannot_run_in_one_line(tmp_path, c
                  "--strategy-option", "momentum=0.5", "--out", str(tmp_path), *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and message in err, err
+
+
+def test_a_message_api_strategy_that_needs_each_members_training_loss_is_refused_in_one_line():
+    """flower:QFedAvg was built, then every round's aggregate_train raised AggregationError ('Missing or invalid
+    training loss'): the replies fedpar hands a strategy carry only the arrays and the example count."""
+    with pytest.raises(ValueError, match=r"^flower:QFedAvg weighs each reply by the member's training loss, .*; "
+                                         r"choose another strategy$"):
+        build_strategy("flower:QFedAvg", client_learning_rate=0.1)
