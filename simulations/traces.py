@@ -136,6 +136,8 @@ def load_traces(path: str | Path, clients: int) -> Traces:
             return _table_of(path, _csv_rows(path), clients)
         try:
             rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError:  # a ValueError too: said below as what it is, not as bad JSON
+            raise
         except ValueError as exc:
             raise ValueError(f"cannot read the traces in {path} as JSON (a file not named .csv is read as JSON): "
                              f"{exc}") from None

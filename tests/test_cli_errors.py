@@ -209,7 +209,7 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
       "{tmp}/binary"], 2, "fedpar client: --enrollment-token-file {tmp}/binary is not a text file; give the token "
                           "file 'fedpar certs --mint-token ID' wrote"),
     (["simulate-workers", "--insecure", "--server", "127.0.0.1:1", "--clients", "4", "--trace", "{tmp}"], 2,
-     "fedpar simulate-workers: cannot read the traces in {tmp}: Is a directory; give a CSV or JSON file"),
+     "fedpar simulate-workers: the trace file {tmp} is a folder; give a CSV or JSON file"),
     (["simulate-workers", "--insecure", "--server", "127.0.0.1:1", "--clients", "4", "--trace", "{tmp}/binary"], 2,
      "fedpar simulate-workers: cannot read the traces in {tmp}/binary: it is not a text file"),
     (["serve", "--insecure", "--port", "0", "--out", "{tmp}/s", "--enrollment-tokens", "{tmp}"], 2,
