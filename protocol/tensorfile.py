@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Sequence
 
@@ -33,8 +34,10 @@ def save_tensors(path: str | Path, names: Sequence[str], arrays: Sequence[np.nda
     ModelLayout.of_arrays(names, arrays)  # names unique and non-empty, dtypes the wire's
     metadata = {**(metadata or {}), ORDER_KEY: json.dumps(list(names))}
     with atomic_path(path) as tmp:
+        mode = stat.S_IMODE(tmp.stat().st_mode)  # the umask's, as every other output has
         try:
             save_file(dict(zip(names, arrays)), tmp, metadata)
+            os.chmod(tmp, mode)  # the package leaves its file readable by its owner only
         except SafetensorError as exc:
             # The package says why a write failed in its message only ("I/O error: No space left on device (os
             # error 28) at path ..."): an OSError of that errno, so that the caller can say what to do.

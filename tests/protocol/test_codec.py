@@ -97,6 +97,8 @@ def test_tensor_file_round_trip_keeps_the_order_and_reads_with_the_safetensors_p
         assert a.shape == b.shape and a.dtype.newbyteorder("<") == b.dtype and np.array_equal(a, b)
         assert plain[name].tobytes() == b.tobytes()
     assert not list(tmp_path.glob(".*"))  # the temporary file was renamed
+    (tmp_path / "other.json").write_text("{}")  # any other output: the umask's mode (the package's file was 0600)
+    assert path.stat().st_mode & 0o777 == (tmp_path / "other.json").stat().st_mode & 0o777
 
 
 def _legacy_file(names, arrays) -> bytes:
