@@ -64,6 +64,9 @@ def train_task(task: Task, model: nn.Module, data: ClientData, config: LocalConf
     if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
         raise TaskError(f"task {task.name!r}: train must return a whole number of examples >= 0 first, got "
                         f"{examples!r}")
+    if examples > len(data.train) * config.epochs:  # the coordinator would refuse the update's weight
+        raise TaskError(f"task {task.name!r}: train returned {examples} examples, more than its {len(data.train)} "
+                        f"training examples x {config.epochs} epochs: count each example once per pass")
     return Trained(examples, deadline.taken, named_metrics(task, "train", metrics), deadline.stopped_early)
 
 

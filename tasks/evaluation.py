@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fedpar.models.weights import ModelWeights, set_weights
+from fedpar.protocol.codec import MAX_CLIENT_METRICS, MAX_METRIC_MAGNITUDE
 from fedpar.task import Task, TaskError, TaskFailed, check_dataset, raised
 from fedpar.tasks.data import (batch_examples, default_batches, in_memory, inputs_and_targets, on_device, subset,
                                to_device)
@@ -188,6 +189,9 @@ def named_metrics(task: Task, hook: str, metrics: Any) -> dict[str, float]:
     if not isinstance(metrics, dict):
         raise TaskError(f"task {task.name!r}: {hook} must return a dict of named metrics, got "
                         f"{type(metrics).__name__}")
+    if len(metrics) > MAX_HOOK_METRICS:
+        raise TaskError(f"task {task.name!r}: {hook} returned {len(metrics)} metrics, more than the {MAX_HOOK_METRICS} "
+                        "an update carries: return fewer")
     out = {}
     for name, value in metrics.items():
         if not (isinstance(name, str) and name.isidentifier() and len(name) <= 48):
@@ -197,6 +201,9 @@ def named_metrics(task: Task, hook: str, metrics: Any) -> dict[str, float]:
             out[name] = float(value)
         except (TypeError, ValueError):
             raise TaskError(f"task {task.name!r}: {hook} metric {name!r} must be a number, got {value!r}") from None
+        if abs(out[name]) > MAX_METRIC_MAGNITUDE:  # NaN passes here: left out below
+            raise TaskError(f"task {task.name!r}: {hook} metric {name!r} = {value!r} is beyond the "
+                            f"+-{MAX_METRIC_MAGNITUDE:g} an update carries")
         if not math.isfinite(out[name]) and (hook, name) not in _SAID_NOT_FINITE:
             _SAID_NOT_FINITE.add((hook, name))  # said once per process: every member's evaluation may give it
             log.warning("task %r: %s gave %s = %s, which is left out of the metrics (they hold finite numbers only); "
@@ -205,6 +212,9 @@ def named_metrics(task: Task, hook: str, metrics: Any) -> dict[str, float]:
 
 
 _SAID_NOT_FINITE: set[tuple[str, str]] = set()
+# An update carries at most MAX_CLIENT_METRICS: the train hook's and the evaluation's share them, beside the 5
+# fedpar adds (train_loss, train_seconds, eval_loss, eval_accuracy, eval_examples).
+MAX_HOOK_METRICS = (MAX_CLIENT_METRICS - 5) // 2
 
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:

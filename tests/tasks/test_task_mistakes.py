@@ -5,6 +5,7 @@ figures."""
 from __future__ import annotations
 
 import json
+import re
 import logging
 
 import pytest
@@ -115,3 +116,19 @@ def test_a_batch_norm_model_with_dict_outputs_and_a_member_smaller_than_a_batch_
     model = load_task(*json.loads((out / "global.json").read_text())["model"].values()).built_model()
     model.load_state_dict({k: torch.from_numpy(v) for k, v in saved.items()}, strict=False)
     assert isinstance(model(X[:4])["logits"], torch.Tensor)
+
+
+@pytest.mark.parametrize("result, line", [
+    ((10**9, {}), "train returned 1000000000 examples, more than its 144 training examples x 1 epochs: count each "
+                  "example once per pass"),
+    ((10, {"big": 1e200}), "train metric 'big' = 1e+200 is beyond the +-1e+100 an update carries"),
+    ((10, {f"m{i}": 1.0 for i in range(30)}), "train returned 30 metrics, more than the 29 an update carries"),
+])
+def test_a_train_hook_s_report_the_coordinator_would_refuse_fails_the_member_at_once(result, line):
+    # before: the update went up in the background, was refused, and the round waited out its deadline (20 s here)
+    # for it; the run then ended 'too few updates arrived ... check --min-reports, --deadline'
+    task = _loaded("batch_norm")
+    task.train = lambda model, data, config, deadline: result
+    trainer = TaskTrainer(task, task.data_for(Partition(0, 2)))
+    with pytest.raises(TaskError, match=re.escape(line)):
+        trainer.train(1, 32, 0.1)
