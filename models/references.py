@@ -56,5 +56,15 @@ def _load_file(path: str, ref: str):
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[unique]
-        raise ValueError(f"running {path} failed: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"running {path} failed: {type(exc).__name__}: {exc}{_sibling_hint(exc, file)}") from None
     return module
+
+
+def _sibling_hint(exc: Exception, file: Path) -> str:
+    """How to import a module that lies beside ``file`` (its folder is not on sys.path), when ``exc`` failed to."""
+    top = (getattr(exc, "name", None) or "").partition(".")[0]
+    if not isinstance(exc, ModuleNotFoundError) or not top:
+        return ""
+    if not ((file.parent / f"{top}.py").is_file() or (file.parent / top / "__init__.py").is_file()):
+        return ""
+    return f" ({top} lies beside it, but its folder is not on sys.path: run with PYTHONPATH={file.parent})"

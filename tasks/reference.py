@@ -2,14 +2,17 @@
 with the ``--task-option KEY=VALUE`` pairs.
 
 The factory's options are declared once, torchtitan style, as a dataclass: ``def task(options: MyOptions) -> Task``
-gets a ``MyOptions`` built from the pairs, each value typed as its field (bool, int, float, str, Path, or ``X | None``
-of those). A factory with plain keyword parameters gets them typed by annotation (or by default value). The
-reference may also name a Task itself (then it takes no options). Mistakes are one-line :class:`TaskError`\\ s.
+gets a ``MyOptions`` built from the pairs, each value typed as its field (bool, int, float, str, Path, a Literal or
+an Enum of choices, or ``X | None`` of those; another declared type takes only a TOML value of a --config file). A
+factory with plain keyword parameters gets them typed by annotation (or by default value), one with ``**options``
+any other option as given. The reference may also name a Task itself (then it takes no options). Mistakes are
+one-line :class:`TaskError`\\ s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import types
 import typing
@@ -77,7 +80,11 @@ def factory_arguments(ref: str, factory: Any, options: dict[str, Any]) -> tuple[
         except (TypeError, ValueError) as exc:  # the dataclass's own checks (__post_init__)
             raise TaskError(f"--task {ref}: {exc}") from None
     named = {name: p.default for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    typed = _typed_options(ref, options, {n: (_text_type(hints.get(n), d), d) for n, d in named.items()})
+    accepted = {n: (_text_type(hints.get(n), d), d) for n, d in named.items()}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # **options: any other option, as given
+        accepted.update({key.strip().replace("-", "_"): (None, None) for key in options
+                         if key.strip().replace("-", "_") not in accepted})
+    typed = _typed_options(ref, options, accepted)
     return typed, typed
 
 
@@ -111,20 +118,21 @@ def _default(f: dataclasses.Field) -> Any:
     return inspect.Parameter.empty
 
 
-def _text_type(hint: Any, default: Any) -> type | None:
-    """The type a text value of this option becomes (None: passed as given)."""
+def _text_type(hint: Any, default: Any) -> Any:
+    """The type a text value of this option becomes: bool, int, float, str, Path, a Literal or an Enum, another
+    declared type (which text cannot give), or None (undeclared: passed as given)."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0] if len(args) == 1 else None
-    if hint in SIMPLE_TYPES or hint is Path:
-        return hint
+        hint = args[0] if len(args) == 1 else None  # int | str: which one text means is not said, so as given
     if hint is None and default is not None and type(default) in SIMPLE_TYPES:
         return type(default)
-    return None
+    return None if hint in (None, Any, object) else hint
 
 
 def _recorded(value: Any) -> Any:
     """A typed option as global.json keeps it: numbers and booleans as such, a Path as its text."""
+    if isinstance(value, enum.Enum):  # by its value, which the option takes back
+        value = value.value
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
@@ -134,21 +142,37 @@ def _recorded(value: Any) -> Any:
     return str(value)
 
 
-def _typed(ref: str, name: str, kind: type | None, value: Any) -> Any:
+def _typed(ref: str, name: str, kind: Any, value: Any) -> Any:
+    where = f"--task {ref}: option {name!r}"
     if kind is None:
         return value
     if kind is Path:
         return Path(str(value))
+    if typing.get_origin(kind) is typing.Literal or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        choices = {str(c): c for c in typing.get_args(kind)} if typing.get_origin(kind) is typing.Literal else \
+            {**{str(m.value): m for m in kind}, **{m.name: m for m in kind}}
+        if str(value).strip() not in choices:
+            raise TaskError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+        return choices[str(value).strip()]
+    if kind not in SIMPLE_TYPES:  # list[int], a class of the task's own: text cannot say which
+        if not isinstance(value, str):
+            return value  # a TOML value of a --config file's task_options table
+        raise TaskError(f"{where} is declared {_type_name(kind)}, which a --task-option's text cannot give: set it in "
+                        "a --config file's task_options table, or declare it str and parse it in the factory")
     try:
-        return coerce_value(kind, value, f"--task {ref}: option {name!r}")
+        return coerce_value(kind, value, where)
     except ValueError as exc:
         raise TaskError(str(exc)) from None
 
 
-def _describe(options: dict[str, tuple[type | None, Any]]) -> str:
+def _type_name(kind: Any) -> str:
+    return "any" if kind is None else kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
+
+
+def _describe(options: dict[str, tuple[Any, Any]]) -> str:
     if not options:
         return "it takes no options"
-    parts = [f"{name} ({kind.__name__ if kind else 'any'}"
+    parts = [f"{name} ({_type_name(kind)}"
              f"{'' if default is inspect.Parameter.empty else f', default {default!r}'})"
              for name, (kind, default) in options.items()]
     return "its options: " + "; ".join(parts)

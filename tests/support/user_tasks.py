@@ -3,8 +3,11 @@ tests/support/user_tasks.py:NAME`` (tests/tasks/test_task_mistakes.py)."""
 
 from __future__ import annotations
 
+import enum
 import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -19,6 +22,11 @@ _g = torch.Generator().manual_seed(0)
 X = torch.randn(400, 10, generator=_g)
 Y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()  # 3 classes
 TRAIN, TEST = TensorDataset(X[:320], Y[:320]), TensorDataset(X[320:], Y[320:])
+
+
+class Norm(enum.Enum):
+    NONE = "none"
+    BATCH = "batch"
 
 
 def ref(name: str) -> str:
@@ -132,3 +140,18 @@ class BatchNormDict(nn.Module):
 def batch_norm_dict_tiny() -> Task:
     return _task(model=BatchNormDict, loss=lambda out, y: nn.functional.cross_entropy(out["logits"], y),
                  client_data=tiny_members().client_data)
+
+
+@dataclass
+class Options:
+    layers: list[int] = field(default_factory=lambda: [16])
+    activation: Literal["relu", "tanh"] = "relu"
+    norm: Norm = Norm.NONE
+
+
+def declared(options: Options) -> Task:  # types a --task-option's text cannot give, and choices
+    return _task()
+
+
+def any_options(**options) -> Task:
+    return _task(model=lambda: _mlp(int(options.get("hidden", 16))))

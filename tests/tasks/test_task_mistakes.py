@@ -132,3 +132,25 @@ def test_a_train_hook_s_report_the_coordinator_would_refuse_fails_the_member_at_
     trainer = TaskTrainer(task, task.data_for(Partition(0, 2)))
     with pytest.raises(TaskError, match=re.escape(line)):
         trainer.train(1, 32, 0.1)
+
+
+def test_task_options_of_choices_lists_and_any_name_are_typed_or_refused_in_one_line(tmp_path):
+    # before: a Literal or an Enum took any text ('sigmoid'), a list[int] got the text '16,32', and a factory of
+    # **options was refused as taking no options
+    task = load_task(ref("declared"), {"activation": "tanh", "norm": "BATCH"})
+    assert task.description["task_options"] == {"activation": "tanh", "norm": "batch"}  # rebuilds as given back
+    assert load_task(ref("declared"), task.description["task_options"]).description == task.description
+    assert load_task(ref("declared"), {"layers": [8, 8]}).description["task_options"] == {"layers": [8, 8]}  # TOML
+    for options, line in [
+            ({"activation": "sigmoid"}, "option 'activation' must be one of relu, tanh, got 'sigmoid'"),
+            ({"layers": "16,32"}, "option 'layers' is declared list[int], which a --task-option's text cannot give: "
+                                  "set it in a --config file's task_options table")]:
+        with pytest.raises(TaskError, match=re.escape(line)):
+            load_task(ref("declared"), options)
+    assert load_task(ref("any_options"), {"hidden": "8"}).built_model()[0].out_features == 8
+    sibling = tmp_path / "helpers.py"
+    sibling.write_text("HIDDEN = 4\n")
+    (tmp_path / "task.py").write_text("import helpers\n")
+    with pytest.raises(TaskError, match=re.escape(f"(helpers lies beside it, but its folder is not on sys.path: run "
+                                                  f"with PYTHONPATH={tmp_path})")):
+        load_task(f"{tmp_path / 'task.py'}:task")
