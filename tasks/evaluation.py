@@ -51,14 +51,17 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 @torch.no_grad()
 def builtin_evaluation(task: Task, model: nn.Module, dataset: Any, batch_size: int = 1024,
                        precision: str = "fp32") -> dict[str, float]:
-    """The mean of ``task.loss`` over ``dataset``, and ``accuracy`` where the model gives class scores (N, C) for
-    integer labels (N,)."""
+    """The mean of ``task.loss`` over ``dataset`` in batches of the task's ``loader`` (default: in order), and
+    ``accuracy`` where the model gives class scores (N, C) for integer labels (N,)."""
     check_dataset(f"task {task.name!r}: the dataset to evaluate (test_data())", dataset)
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     examples, classified = 0, True
-    for batch in default_batches(dataset, batch_size):
+    # batched as the built-in loop batches: the task's loader may be what makes its examples (inputs, targets)
+    batches = task.loader(dataset, batch_size, torch.Generator().manual_seed(0)) if task.loader is not None else \
+        default_batches(dataset, batch_size)
+    for batch in batches:
         inputs, targets = inputs_and_targets(to_device(batch, device))
         with autocast(device, precision):
             outputs = model(inputs)
@@ -81,9 +84,10 @@ def builtin_evaluation_of_splits(task: Task, model: nn.Module, splits: Sequence[
                                  precision: str = "fp32") -> list[dict[str, float]] | None:
     """:func:`builtin_evaluation` of each of ``splits`` (e.g. several members' validation splits) with one forward
     pass per batch over their examples together; None unless all are in-memory (inputs, targets) tensors of one
-    kind and the model's outputs are one tensor of a row per example (then evaluate them one by one)."""
+    kind, the task has no loader of its own and the model's outputs are one tensor of a row per example (then
+    evaluate them one by one)."""
     tensors = [in_memory(split) for split in splits]
-    if not tensors or any(t is None or len(t) != 2 for t in tensors) or any(
+    if task.loader is not None or not tensors or any(t is None or len(t) != 2 for t in tensors) or any(
             (t[0].shape[1:], t[0].dtype, t[1].shape[1:], t[1].dtype)
             != (tensors[0][0].shape[1:], tensors[0][0].dtype, tensors[0][1].shape[1:], tensors[0][1].dtype)
             for t in tensors):

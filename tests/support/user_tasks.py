@@ -155,3 +155,26 @@ def declared(options: Options) -> Task:  # types a --task-option's text cannot g
 
 def any_options(**options) -> Task:
     return _task(model=lambda: _mlp(int(options.get("hidden", 16))))
+
+
+class DictExamples(torch.utils.data.Dataset):
+    """A dataset whose items are dicts, as Hugging Face datasets give them."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def dict_examples() -> Task:  # its loader makes the dicts (inputs, targets), for training and evaluation alike
+    def loader(dataset, batch_size, generator):
+        batches = torch.utils.data.DataLoader(dataset, batch_size, shuffle=True, generator=generator)
+        return ((batch["x"], batch["y"]) for batch in batches)
+    return Task(model=_mlp, loss=nn.functional.cross_entropy, loader=loader,
+                test_data=lambda: DictExamples(X[320:], Y[320:]),
+                client_data=lambda p: ClientData(DictExamples(X[p.index:320:p.count], Y[p.index:320:p.count]),
+                                                 DictExamples(X[300 + p.index:320:p.count], Y[300 + p.index:320:p.count])))

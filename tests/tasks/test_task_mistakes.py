@@ -154,3 +154,17 @@ def test_task_options_of_choices_lists_and_any_name_are_typed_or_refused_in_one_
     with pytest.raises(TaskError, match=re.escape(f"(helpers lies beside it, but its folder is not on sys.path: run "
                                                   f"with PYTHONPATH={tmp_path})")):
         load_task(f"{tmp_path / 'task.py'}:task")
+
+
+def test_a_dataset_of_dict_items_with_a_loader_making_pairs_trains_and_is_evaluated():
+    # before: its loader trained it, but the built-in evaluation batched the dicts itself and failed each member with
+    # 'this task's loader gave a dict: give the task a loader that yields pairs'
+    task = _loaded("dict_examples")
+    assembly = CoordinatorAssembly.for_task(task, seed=0, eval_device="cpu")  # its central evaluation, checked
+    trainer = TaskTrainer(task, task.data_for(Partition(0, 2)))
+    trainer.set_arrays(assembly.weights)
+    before = trainer.evaluate()
+    trainer.train(3, 16, 0.2)
+    after = trainer.evaluate()
+    assert after.examples == 10 and after.loss < before.loss
+    assert assembly.evaluate(trainer.get_arrays())["test_loss"] < assembly.evaluate(assembly.weights)["test_loss"]
