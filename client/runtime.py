@@ -39,7 +39,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, one_line
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.protocol.task_settings import TaskSettings, check_task_knobs
-from fedpar.task import raised, stop_training_at, upload_timeout
+from fedpar.task import TaskError, raised, stop_training_at, upload_timeout
 
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -384,7 +384,9 @@ class ClientRuntime:
         if not seat.trainer.survives_failed_training:
             raise err
         member = self.members.member_id(i)
-        reason = f"{stage} raised {raised(err)}"[:MAX_REASON_CHARS]
+        # fedpar's own diagnosis of the task is said as it is; anything else is what the task's code raised
+        reason = (f"{stage} failed: {err}" if isinstance(err, TaskError) else f"{stage} raised {raised(err)}")[
+            :MAX_REASON_CHARS]
         log.debug("%s: round %d %s", member, task.round, reason, exc_info=err)
         # a deployed agent's log is its operator's only view; a population's members are said by the coordinator
         self._note_refusal(member, f"round {task.round} task", reason,

@@ -55,8 +55,8 @@ def _said(argv: list[str], capsys) -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize("factory, code, line", [
     ("wrong_out", 1, "the task's training raised IndexError: Target 2 is out of bounds"),
-    ("loss_none_reduction", 1, "the task's training raised RuntimeError: grad can be implicitly created only for "
-                               "scalar outputs"),
+    ("loss_none_reduction", 1, "loss(outputs, targets) must return the batch's mean loss as a 0-dim tensor, got "
+                               "shape [64]"),
     ("data_not_clientdata", 2, "client_data must return fedpar.ClientData(train, val), got TensorDataset"),
     ("no_params_model", 2, "model() has no floating-point parameters"),
     ("empty_data", 2, "client_data gave no training examples"),
