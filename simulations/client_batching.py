@@ -61,10 +61,23 @@ def batching_refusal_of(model: nn.Module, task: Task | None, precision: str, mem
     try:
         check_batchable(model)
         if member_data is not None:
-            member_tensors(member_data.train)
+            inputs, _ = member_tensors(member_data.train)
+            outputs = _first_output(model, inputs[:2])
+            if not isinstance(outputs, (torch.Tensor, type(None))):  # a stack's outputs: one tensor, a member axis
+                return f"--client-batching stacks the model's output, which must be one tensor; this model returns a " \
+                       f"{type(outputs).__name__} (drop --client-batching)"
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _first_output(model: nn.Module, inputs: torch.Tensor) -> object:
+    """What ``model`` returns for ``inputs`` (None if it raises: its training then says why, as it would)."""
+    try:
+        with torch.no_grad():
+            return model(inputs)
+    except Exception:  # the task's code: not for this check to say
+        return None
 
 
 def batched_seats(seats: int, members: int, per_round: int, model_bytes: int) -> int:

@@ -168,3 +168,15 @@ def test_a_dataset_of_dict_items_with_a_loader_making_pairs_trains_and_is_evalua
     after = trainer.evaluate()
     assert after.examples == 10 and after.loss < before.loss
     assert assembly.evaluate(trainer.get_arrays())["test_loss"] < assembly.evaluate(assembly.weights)["test_loss"]
+
+
+def test_client_batching_on_refuses_a_model_whose_output_is_not_one_tensor():
+    """--client-batching on with a dict-output model failed every round ("'dict' object has no attribute
+    'unsqueeze': fix the task") though the task is fine one member at a time (auto trains it so)."""
+    from fedpar.simulations.client_batching import batching_refusal_of
+
+    for factory, kind in ((user_tasks.dict_out, "dict"), (user_tasks.tuple_out, "tuple")):
+        task = factory()
+        refusal = batching_refusal_of(task.built_model(), task, "fp32", task.data_for(Partition(0, 2)))
+        assert refusal == (f"--client-batching stacks the model's output, which must be one tensor; this model "
+                           f"returns a {kind} (drop --client-batching)")
