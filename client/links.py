@@ -436,7 +436,10 @@ class HostLink:
         self.small_below = 0
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
         self._held: dict[str, tuple[int, pb.TrainTask]] = {}  # virtual clock: tasks waiting for the coordinator's go
-        self._taken: dict[str, str] = {}  # each member's last task id taken this session (one per member held)
+        # (member, task id) of the tasks taken in the round of the last task: O(cohort), not a record of every member
+        # ever sampled (a host may hold a million); a service's next run counts rounds from 1 again
+        self._taken: set[tuple[str, str]] = set()
+        self._taken_round = 0
         self._estimates: list[pb.FinishEstimate] = []  # virtual clock: finish times to report on the next call
         self._failures: list[pb.TaskFailure] = []  # members' tasks their own code failed, for the next call
         self._failures_lock = threading.Lock()  # the seats add them, the pulls take them
@@ -539,11 +542,15 @@ class HostLink:
         except KeyError:
             skipped.setdefault("for members this host does not hold", []).append(member)
             return None
-        if member in named or self._taken.get(member) == hosted.task.task_id:
+        if hosted.task.round != self._taken_round:
+            self._taken.clear()
+            self._taken_round = hosted.task.round
+        taken = (member, hosted.task.task_id)
+        if member in named or taken in self._taken:
             skipped.setdefault("to members named twice, or again with a task they took", []).append(member)
             return None
         named.add(member)
-        self._taken[member] = hosted.task.task_id
+        self._taken.add(taken)
         return i
 
     def _clock_at(self, seconds: float) -> bool:
