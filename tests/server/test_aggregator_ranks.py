@@ -67,10 +67,10 @@ def _serve(tmp: Path, ranks: int, *flags: str) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT)
 
 
-def _port(tmp: Path, proc: subprocess.Popen) -> int:
+def _port(tmp: Path, proc: subprocess.Popen, log: str = "serve.log") -> int:
     end = time.monotonic() + 90
     while time.monotonic() < end and not (tmp / "port").exists():
-        assert proc.poll() is None, (tmp / "serve.log").read_text()
+        assert proc.poll() is None, (tmp / log).read_text()
         time.sleep(0.1)
     return int((tmp / "port").read_text())
 
@@ -352,7 +352,8 @@ def test_kill_9_of_rank_0_starts_every_rank_again_and_the_run_resumes_with_every
 def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_path):
     """Two torchrun "machines" (one process each) on 127.0.0.1 are one coordinator: rank 0 serves on --port, the
     other machine's rank on --port + 1, and agents are dealt to both."""
-    port, master = free_port_run(2), free_port()
+    port = free_port_run(2)
+    master = next(p for p in iter(free_port, None) if p not in (port, port + 1))  # the rendezvous: none of the ranks'
     serve = ["-m", "fedpar", "serve", "--insecure", "--port", str(port), "--port-file", str(tmp_path / "port"),
              "--out", str(tmp_path / "out"), "--no-central-eval", "--inline-weights-bytes", "0", "--overselect", "1.0",
              "--min-available", "4", "--rounds", "1", "--clients-per-round", "4", "--aggregator-timeout", "30",
@@ -365,7 +366,7 @@ def test_torchrun_nnodes_2_on_loopback_runs_one_coordinator_of_two_ranks(tmp_pat
         with open(tmp_path / f"node{node}.log", "w") as log:
             nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
-        assert _port(tmp_path, nodes[0]) == port
+        assert _port(tmp_path, nodes[0], "node0.log") == port
         layout = _layout()
         agents = [RankedAgent(f"127.0.0.1:{port}", a, EXAMPLES[a]) for a in IDS]
         ports = []
