@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import time
 from multiprocessing.connection import Connection
 
@@ -27,8 +29,11 @@ class WorkerProcesses:
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
         say = one_turn(ctx)  # a task that fails every worker alike is said once
+        # the workers' temporary files (their members' top-k residuals: a model each): removed here with the workers,
+        # however they end (an interrupted run terminates them, which skips their own clean-up)
+        self.scratch = tempfile.mkdtemp(prefix="fedpar-simulation-")
         self.procs = [ctx.Process(target=run_worker_entry, name=f"fedpar-worker-{w}",
-                                  args=(recv, preload, data_dir, say), daemon=True)
+                                  args=(recv, preload, data_dir, say, self.scratch), daemon=True)
                       for w, (recv, _) in enumerate(pipes)]
         with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
             for p in self.procs:
@@ -56,6 +61,9 @@ class WorkerProcesses:
                 p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)  # a terminated worker ends at once: then nothing writes in its scratch folder
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def start_workers(cfg: SimulationConfig) -> WorkerProcesses:
@@ -65,8 +73,11 @@ def start_workers(cfg: SimulationConfig) -> WorkerProcesses:
     return WorkerProcesses(cfg.workers, preload, cfg.data_dir)
 
 
-def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None, say: Connection) -> None:
-    """Process target: simulations/agents.py's worker (imported here, in the child: the parent need not)."""
+def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None, say: Connection,
+                     scratch: str) -> None:
+    """Process target: simulations/agents.py's worker (imported here, in the child: the parent need not), its
+    temporary files in ``scratch``, which the parent removes."""
+    tempfile.tempdir = scratch
     from fedpar.simulations.agents import run_worker_process
 
     run_worker_process(conn, dataset, data_dir, say)

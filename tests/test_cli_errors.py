@@ -25,8 +25,8 @@ def astuple_of(done: subprocess.CompletedProcess) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _start(args: list[str], cwd: Path, tmpdir: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
     return subprocess.Popen([*FEDPAR, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -343,8 +343,10 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
                              "--tensorboard (pip install 'fedpar[tensorboard]')")
     del tb
     sim_out, serve_out = tmp_path / "sim", tmp_path / "serve"
+    scratch = tmp_path / "tmp"  # the simulation's temporary files: its workers' (members' residuals) go with them
+    scratch.mkdir()
     sim = _start(["simulate", "--clients", "2", "--rounds", "500", "--local-epochs", "1", "--workers", "1",
-                  "--out", str(sim_out), "--tensorboard", str(tmp_path / "tb"), "--quiet"], tmp_path)
+                  "--out", str(sim_out), "--tensorboard", str(tmp_path / "tb"), "--quiet"], tmp_path, scratch)
     serve = _start(["serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
                     str(serve_out), "--no-central-eval"], tmp_path)
     _wait_for(serve, tmp_path / "port")
@@ -367,6 +369,7 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
     assert wrote["simulate"][2:] == ["global.safetensors", "global.json", "summary.json"]
     assert wrote["serve"] == ["summary.json"]
     assert not list(sim_out.glob("*.png")) and not list(serve_out.glob("*.png"))
+    assert not list(scratch.iterdir())  # the terminated worker's residual folder was left behind
     summary = json.loads((sim_out / "summary.json").read_text())
     rows = (sim_out / "metrics.jsonl").read_text().splitlines()
     assert summary["interrupted"] and summary["rounds"] == len(rows) >= 1
