@@ -25,6 +25,7 @@ from fedpar.tasks.data import (batch_examples, default_batches, in_memory, input
 
 log = logging.getLogger("fedpar.tasks")
 
+
 @dataclass
 class EvalResult:
     """Loss and accuracy of a model on some examples (None: not measured), and any other named metrics."""
