@@ -3,7 +3,8 @@
 The round: 10 clients of an IID split into 100 (C = 0.1), E = 5 local epochs, B = 10, SGD lr 0.1, the paper's
 CNN, on MNIST when ``../shared/data/mnist`` holds it (600 examples a client) and on digits otherwise (about
 14; ``--dataset`` picks). From the same initial model, round after round and interleaved: (1) sequential: each
-client's LocalTrainer on ``device`` in turn; (2) batched: all 10 clients as one batched model on ``device``;
+client's LocalTrainer on ``device`` in turn; (2) batched: all 10 clients as one batched model on ``device``
+(on CUDA each step replayed as a CUDA graph, and (2b) ``batched_eager``: the same without graphs);
 each followed by the FedAvg of the clients' weights and the test accuracy of that averaged model. The two
 trajectories must match, so that the ratio compares the same work: every round's accuracies within 0.3
 points (``accuracy_matches``). Each step's gradients agree to about 1e-6 relative, but over hundreds of SGD
@@ -84,12 +85,13 @@ def _sequential_round(model: torch.nn.Module, trainers: list[LocalTrainer], glob
 
 
 def _batched_round(model: torch.nn.Module, clients: list[ClientBatchInput], global_weights, epochs: int,
-                   round_id: int, device: torch.device, compile_step: bool):
+                   round_id: int, device: torch.device, compile_step: bool, cuda_graphs: bool = True):
     """All clients as one batched model from ``global_weights``; (FedAvg of their weights, seconds)."""
     set_weights(model, global_weights)
     _sync(device)
     start = time.perf_counter()
-    outputs = train_clients_batched(model, clients, epochs, BATCH, LR, round_id, device, compile_step=compile_step)
+    outputs = train_clients_batched(model, clients, epochs, BATCH, LR, round_id, device, compile_step=compile_step,
+                                    cuda_graphs=cuda_graphs)
     names = [name for name, _ in model.named_parameters()]  # the state's float entries (the CNN has no buffers)
     averaged = fedavg([([o.weights[n].numpy() for n in names], o.result.examples) for o in outputs])
     return averaged, time.perf_counter() - start
@@ -147,6 +149,8 @@ def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, da
     clients = [ClientBatchInput(*d.to_tensors(), seed=k) for k, d in enumerate(data)]
     ways = {"sequential": lambda w, r: _sequential_round(model, trainers, w, epochs, r, dev),
             "batched": lambda w, r: _batched_round(model, clients, w, epochs, r, dev, False)}
+    if dev.type == "cuda":  # the default replays each step as a CUDA graph: the same stack, every step eager
+        ways["batched_eager"] = lambda w, r: _batched_round(model, clients, w, epochs, r, dev, False, False)
     if compile_step:
         ways["batched_compiled"] = lambda w, r: _batched_round(model, clients, w, epochs, r, dev, True)
     # Warm-up, not timed: torch's lazy set-up (cuDNN, torch.func's dynamo import, compilation), on two batches
@@ -155,6 +159,7 @@ def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, da
     warm = [ClientBatchInput(c.x[:2 * BATCH], c.y[:2 * BATCH], c.seed) for c in clients]
     for compiled in [False, True] if compile_step else [False]:
         train_clients_batched(model, warm, 1, BATCH, 0.0, device=dev, compile_step=compiled)
+    train_clients_batched(model, warm, 7, BATCH, 0.0, device=dev)  # long enough to record its CUDA graph
     out = {"device": str(dev), "dataset": name, "clients": COHORT, "epochs": epochs, "batch_size": BATCH,
            "lr": LR, "examples_per_client": [len(d) for d in data], "rounds": rounds, "tf32": False,
            "torch_threads": torch.get_num_threads()}

@@ -25,6 +25,7 @@ from torch.func import functional_call, vmap
 
 from fedpar.client.local_loop import (Lane, StepTally, TrainResult, apply_gradients, objective, run_loop,
                                       stacked_schedules)
+from fedpar.client.step_graph import EAGER_STEPS, GraphedSteps, recordable
 from fedpar.models.losses import classification_loss
 from fedpar.parallel.device import synchronize
 from fedpar.task import StepClock, Task
@@ -41,6 +42,9 @@ OptimizerFactory = Callable[[list, float], Any]
 # from 1.63 to 1.01-1.07 and the MNIST MLP's (392 KiB) from 1.15 to 0.78-0.95; the digits MLP's (32 KiB) was 0.37-0.42
 # without it and 0.43-0.48 with it.
 LAYOUT_BYTES = 256 << 10
+# A working stack's step is recorded as a CUDA graph only when at least this many steps remain before its next
+# change (a member leaving): the recording costs about as much as a few eager steps.
+GRAPH_MIN_STEPS = 8
 
 
 @dataclass
@@ -173,7 +177,7 @@ class ClientBatch:
     def __init__(self, model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int, lr: float,
                  round_id: int = 0, device: str | torch.device = "cpu", proximal_mu: float = 0.0,
                  compile_step: bool = False, loss: Callable = classification_loss,
-                 optimizer: OptimizerFactory | None = None):
+                 optimizer: OptimizerFactory | None = None, cuda_graphs: bool = True):
         check_batchable(model)
         if not clients:
             raise ValueError("a client batch needs at least one client")
@@ -204,6 +208,12 @@ class ClientBatch:
         self.step_index = 0
         self._active = [k for k in range(len(clients)) if self.total_steps[k] > 0]
         self._objective_fn = batched_objective_fn(model, self._buffers, proximal_mu, compile_step, loss)
+        # On CUDA, plain SGD's steps replay as one CUDA graph (client/step_graph.py); a step counter on the device
+        # picks each step's batch column, so a replay needs nothing from the host.
+        self._graphs = cuda_graphs and self.device.type == "cuda" and optimizer is None and not compile_step
+        self._graphed: GraphedSteps | None = None
+        self._step_on_device: torch.Tensor | None = None
+        self.graph_steps = 0  # steps run by a CUDA graph (its recording's included)
         # each parameter's gradient's dimensions, outermost first (known once a stack of this model has stepped)
         self._orders: dict[str, tuple[int, ...]] = _gradient_orders.get(model, {})
         self._load_working(list(range(len(self._active))))
@@ -222,6 +232,7 @@ class ClientBatch:
         rows of the previous stack they were (their optimizer state moves with them)."""
         rows = torch.tensor(self._active, dtype=torch.long, device=self.device)
         self._rows = rows
+        self._graphed = None  # its tensors are about to be replaced
         trainable = set(self._trainable)
         self._work = {name: _laid_out(p.index_select(0, rows), self._orders.get(name))
                       .requires_grad_(name in trainable) for name, p in self.params.items()}
@@ -267,9 +278,12 @@ class ClientBatch:
     def gradients(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The active members' gradients of their objectives on this step's batches, and their losses."""
         s = self.step_index
-        index = self._work_index[:, s]
-        total, losses = self._objective_fn(self._work, self._work_anchor, self.x[index], self.y[index],
-                                           self._work_mask[:, s], self._work_counts[:, s])
+        return self._gradients_on(self._work_index[:, s], self._work_mask[:, s], self._work_counts[:, s])
+
+    def _gradients_on(self, index: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) \
+            -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The gradients and losses of the batches ``index`` (a row of global example indices per active member)."""
+        total, losses = self._objective_fn(self._work, self._work_anchor, self.x[index], self.y[index], mask, count)
         grads = dict(zip(self._trainable, torch.autograd.grad(total, [self._work[name] for name in self._trainable])))
         if self.model not in _gradient_orders:
             self._lay_out_as(grads)
@@ -296,18 +310,44 @@ class ClientBatch:
 
     def step(self) -> None:
         """One step of every active member: the task's optimizer (elementwise) or plain SGD on the stack."""
-        grads, losses = self.gradients()
-        params = [self._work[name] for name in self._trainable]
+        if self._graphed is None and self._worth_recording():
+            self._step_on_device = torch.full((1,), self.step_index, dtype=torch.long, device=self.device)
+            self._graphed = GraphedSteps(self._counted_step, self.model)
+        if self._graphed is not None:
+            self._graphed.run()
+            self.graph_steps += self._graphed.recorded
+        else:
+            s = self.step_index
+            self._step_on(self._work_index[:, s], self._work_mask[:, s], self._work_counts[:, s])
+        self.step_index += 1
+        done = [k for k in self._active if self.total_steps[k] == self.step_index]
+        if done:
+            self._drop(done)
+
+    def _step_on(self, index: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> None:
+        """Step the working stack on the batches ``index`` (``mask``: real examples, ``count``: their number)."""
+        grads, losses = self._gradients_on(index, mask, count)
+        params = [self._work[name] for name in self._trainable]  # after the gradients: a first step lays them out
         for name, p in zip(self._trainable, params):
             p.grad = grads[name]
         apply_gradients(params, self.lr, self._optimizer)
         for p in params:
             p.grad = None
-        self._work_loss += losses.detach().double() * self._work_counts[:, self.step_index]
-        self.step_index += 1
-        done = [k for k in self._active if self.total_steps[k] == self.step_index]
-        if done:
-            self._drop(done)
+        self._work_loss += losses.double() * count
+
+    def _counted_step(self) -> None:
+        """The step whose batch column the device's step counter names, which it then advances (the recorded step)."""
+        column = self._step_on_device
+        self._step_on(*(t.index_select(1, column).squeeze(1)
+                        for t in (self._work_index, self._work_mask, self._work_counts)))
+        column += 1
+
+    def _worth_recording(self) -> bool:
+        """Whether this working stack's step should become a CUDA graph: plain SGD on CUDA, the layout settled, a
+        recordable model, and enough steps before the stack next changes to repay the recording."""
+        if not (self._graphs and self._active and self.model in _gradient_orders and recordable(self.model)):
+            return False
+        return min(self.total_steps[k] for k in self._active) - self.step_index >= EAGER_STEPS + GRAPH_MIN_STEPS
 
     def leave(self, members: list[int]) -> None:
         """Stop ``members`` before their next step (their deadline): their parameters freeze."""
@@ -358,19 +398,22 @@ def _laid_out(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
 def train_clients_batched(model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int,
                           lr: float, round_id: int = 0, device: str | torch.device = "cpu",
                           proximal_mu: float = 0.0, compile_step: bool = False, loss: Callable = classification_loss,
-                          optimizer: OptimizerFactory | None = None) -> list[ClientBatchOutput]:
+                          optimizer: OptimizerFactory | None = None, cuda_graphs: bool = True) \
+        -> list[ClientBatchOutput]:
     """Train each member from its start weights as the local loop would alone, all of them stacked: ``loss`` (a
     batch mean) and ``optimizer(params, lr)`` are the task's (default: cross-entropy and plain SGD).
 
     ``model`` only lends its architecture (and its parameters as the default start); it is not changed.
     ``compile_step`` (CUDA only, experimental): ``torch.compile`` the batched gradient step into CUDA graphs, one
     per number of active members; check its results against the eager step on the device before relying on it.
+    ``cuda_graphs`` (on CUDA with plain SGD): each working stack's whole step is recorded once as a CUDA graph and
+    replayed (client/step_graph.py); False keeps every step eager.
     """
     if not clients:
         return []
     start = time.monotonic()
     batch = ClientBatch(model, clients, epochs, batch_size, lr, round_id, device, proximal_mu, compile_step, loss,
-                        optimizer)
+                        optimizer, cuda_graphs)
     run_loop(batch, [Lane(c.stop_at, c.step_delay) for c in clients], StepClock(),
              wait=lambda: synchronize(batch.device))
     return batch.outputs(time.monotonic() - start)
