@@ -38,6 +38,10 @@ from fedpar.tasks.evaluation import evaluate_task, finite
 ZOO_CHOICES = ("dataset", "model", "data_path", "model_kwargs", "block_size")
 
 EpochRun = Callable[[int, "int | None"], Trained]  # (epoch, steps left or None) -> what that epoch trained
+# A rank whose collective failed because another rank went away waits this long before it fails in turn, so that the
+# launcher hears the other rank's failure (the cause) first: on the 16-core GPU box the follower's gloo error won
+# that race and was said as the task's failure.
+PEER_LOST_GRACE_SECONDS = 5.0
 
 
 class task_code:
@@ -54,9 +58,20 @@ class task_code:
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         if not isinstance(exc, Exception) or isinstance(exc, TaskFailed):
             return False
+        if peer_lost(exc):  # not the task's doing: the launcher stops this rank meanwhile
+            time.sleep(PEER_LOST_GRACE_SECONDS)
+            raise RankFailed(f"another rank went away as this one trained ({raised(exc)})") from exc
         if isinstance(exc, TaskError):
             raise TaskFailed(str(exc)) from exc
         raise TaskFailed(f"the task's {self.stage} raised {raised(exc)}") from exc
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure because another rank went away (gloo's or NCCL's), not the task's."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or "gloo/transport" in text or "Connection closed by peer" in text
 
 
 def _client_data(task: Task, seed: int) -> ClientData:

@@ -98,10 +98,16 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
                         after_step=after_step)
     deadline.taken, deadline.stopped_early = tally.steps, tally.stopped
     metrics = {"loss": float(tally.loss_sum) / tally.examples} if tally.examples else {}
-    if not math.isfinite(metrics.get("loss", 0.0)):  # its weights are lost too: said now, not as NaN weights later
-        raise TaskError(f"task {task.name!r}: the training loss is {metrics['loss']} (lr {config.learning_rate:g}): "
-                        "training diverged (lower --lr), or loss(outputs, targets) is not finite")
+    check_training_loss(task, metrics.get("loss", 0.0), config.learning_rate)
     return Trained(tally.examples, tally.steps, metrics, tally.stopped)
+
+
+def check_training_loss(task: Task, loss: float, lr: float) -> None:
+    """TaskError, in one line, when a member's mean training loss is NaN or infinite: its weights are lost too, so
+    it is said now, not later as NaN weights."""
+    if not math.isfinite(loss):
+        raise TaskError(f"task {task.name!r}: the training loss is {loss} (lr {lr:g}): training diverged (lower "
+                        "--lr), or loss(outputs, targets) is not finite")
 
 
 class TaskTrainer:

@@ -35,7 +35,7 @@ from torch import nn
 from fedpar.client.batched_trainer import (ClientBatchInput, ClientBatchOutput, batching_refusal, check_batchable,
                                            member_tensors, train_clients_batched)
 from fedpar.client.local_loop import StackRow, TrainResult
-from fedpar.client.task_trainer import TaskTrainer
+from fedpar.client.task_trainer import TaskTrainer, check_training_loss
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import ClientData, Task, TaskError
 
@@ -58,6 +58,8 @@ def batching_refusal_of(model: nn.Module, task: Task | None, precision: str, mem
         refusal = batching_refusal(task)
         if refusal is not None:
             return refusal
+    if member_data is not None and not isinstance(member_data, ClientData):
+        return None  # the task's mistake: the workers' check of its client data says it, in one line
     try:
         check_batchable(model)
         if member_data is not None:
@@ -396,6 +398,8 @@ class BatchedTrainer(TaskTrainer):
         client = ClientBatchInput(*member_tensors(self.data.train), self.seed, start, stop_at, self.delay, max_steps)
         self.trained = self.batcher.train(self, self.task, self.model, client, epochs, batch_size, lr, round_id,
                                           proximal_mu)
+        if self.trained.result.examples:  # as the member's own loop says it (NaN: no example trained on)
+            check_training_loss(self.task, self.trained.result.loss, lr)
         if self.delay:  # the upload leaves when a slow device's would
             time.sleep(self.trained.result.steps * self.delay)
         return replace(self.trained.result, rows=self._stack_row())

@@ -20,7 +20,7 @@ import pytest
 from fedpar.aggregation.compatibility import CLASHES, markdown_table
 from fedpar.cli.main import main
 from support.composition import (FACTORS, REFUSALS, RUNS, allowed, case_id, flags, half_of_the_runs, refused,
-                                 runs_and_learns)
+                                 runs_and_learns, skip_without_flower)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "explanation" / "composition.md"
@@ -67,6 +67,7 @@ def _documented_reasons() -> list[str]:
 
 @pytest.mark.parametrize("case", REFUSALS, ids=case_id)
 def test_a_refused_combination_says_why_in_the_documented_line(case, tmp_path, capsys):
+    skip_without_flower(case)
     assert main(flags(case, tmp_path)) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1, err

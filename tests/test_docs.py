@@ -51,6 +51,7 @@ def command_lines(body: str) -> list[str]:
 
 def test_the_site_builds_strict(tmp_path):
     """`mkdocs build --strict` (what `make docs` runs): a broken link, nav entry or API reference fails it."""
+    pytest.importorskip("mkdocs")  # the docs extra (make test installs it; the GPU box has not)
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
@@ -150,6 +151,7 @@ def test_the_run_blocks_run_as_written(page, tmp_path, monkeypatch, capsys):
 def test_the_cli_reference_pages_hold_every_option_of_every_subcommand_in_its_help_group():
     """The reference is generated from the parsers (docs/hooks/cli_reference.py): each option appears once, under
     the title of the --help group it belongs to."""
+    pytest.importorskip("mkdocs")
     import argparse
     import importlib.util
 

@@ -115,13 +115,20 @@ def test_a_coordinator_that_answers_every_pull_at_once_is_pulled_at_a_backoff(af
 def test_what_the_coordinator_says_of_an_upload_is_logged_as_one_printable_line():
     """A refused partial's reason of 1000 lines and terminal escapes: the old host logged every line of it."""
     said = "no\n\x1b[2J" * 1000
-    coordinator = HostileHostCoordinator(done_when=lambda c: len(c.uploaded()) >= 4, upload_reply=lambda request: (
+    # done once both members' own uploads came: after a refused partial the host sends each on its own; members that
+    # finish apart (the 16-core GPU box) are sent on their own at once
+    coordinator = HostileHostCoordinator(done_when=lambda c: sum(len(b.uploads) for b in c.uploads) >= 2,
+                                         upload_reply=lambda request: (
         pb.HostUploadResults(results=[pb.HostUploadResult(code=9, message=said)] * len(request.uploads),
                              partial=pb.HostUploadResult(code=9, message=said))))
     run = _hosted(coordinator, lambda run: [host_tasks(run.layout, weights_of(run.layout, 0.01), run.members[:2])])
     _clean(run)
-    assert sorted(coordinator.uploaded()) == sorted(run.members[:2] * 2)  # the partial, then each on its own
-    assert "a partial of 2 updates was refused (no ?" in run.text, run.text
+    partials = [b for b in coordinator.uploads if b.partial.member_ids]
+    own = [u.header.auth.agent_id for b in coordinator.uploads for u in b.uploads]
+    assert sorted(own) == sorted(run.members[:2]) and len(partials) <= 1, coordinator.uploads
+    if partials:
+        assert "a partial of 2 updates was refused (no ?" in run.text, run.text
+    assert "sent in the background were refused" in run.text or "a partial of 2" in run.text, run.text
     assert not [line for line in run.lines if "\x1b" in line or "\n" in line or len(line) > 700], run.text
 
 

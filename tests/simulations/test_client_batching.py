@@ -291,3 +291,19 @@ def test_a_member_whose_data_fails_to_load_leaves_its_rounds_stack_at_once():
     assert [(r["status"], r["reported"]) for r in rows] == [("ok", 3)] * rounds
     assert all(r["round_seconds"] < 5.0 for r in rows), [r["round_seconds"] for r in rows]
     assert list(host.seats[0].trainer.batcher.batch_sizes) == [3] * rounds
+
+
+def test_client_data_that_is_not_a_client_data_is_left_to_the_workers_one_line():
+    # on a GPU (where stacking pays) the check read member_data.train: an AttributeError traceback for a tuple
+    splits = load_dataset("digits")
+    model = build_model_for_data("mlp", splits.input_shape, splits.num_classes)
+    assert batching_refusal_of(model, None, "fp32", splits.train.to_tensors()) is None
+
+
+def test_a_stacked_member_whose_loss_diverged_is_said_as_its_own_loop_says_it(tmp_path, capsys):
+    from fedpar.cli.main import main
+
+    assert main(["simulate", "--clients", "4", "--rounds", "1", "--lr", "1e30", "--client-batching", "on",
+                 "--quiet", "--out", str(tmp_path / "out")]) != 0
+    assert ("every round failed (1 of 1): the members' training failed: task 'mlp on digits': the training loss is "
+            "nan (lr 1e+30): training diverged (lower --lr)") in capsys.readouterr().err

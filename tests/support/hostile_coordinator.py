@@ -132,7 +132,8 @@ def run_agent(coordinator: HostileCoordinator, cwd, seconds: float = 30.0, inter
     """A real `fedpar client --dataset digits` against ``coordinator`` until it exits (Ctrl-C after
     ``interrupt_after`` seconds, or after ``seconds``): its exit code and what it printed (stdout and stderr)."""
     command = [sys.executable, "-m", "fedpar", "client", "--insecure", "--server", coordinator.address, "--agent-id",
-               "a", "--dataset", "digits", "--poll", "1", "--max-backoff", "0.5", "--threads", "1"]
+               "a", "--dataset", "digits", "--poll", "1", "--max-backoff", "0.5", "--threads", "1",
+               "--device", "cpu"]  # on a GPU box CUDA's start-up took the seconds these tests give the agent
     agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
     try:
         out, _ = agent.communicate(timeout=interrupt_after or seconds)

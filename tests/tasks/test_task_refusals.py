@@ -110,8 +110,13 @@ def _one_line(argv: list[str], capsys, code: int = 2) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("command", [["simulate", "--clients", "2", "--workers", "1", "--quiet"],
-                                     ["serve", "--insecure", "--port", "0"]], ids=lambda c: c[0])
+# On the CPU: on CUDA an out-of-range target is a device-side assert (said as such), and it ends every later CUDA call
+# of the process, the tests after it in the same pytest worker included.
+ON_CPU = ["--device", "cpu"]
+
+
+@pytest.mark.parametrize("command", [["simulate", "--clients", "2", "--workers", "1", "--quiet", *ON_CPU],
+                                     ["serve", "--insecure", "--port", "0", *ON_CPU]], ids=lambda c: c[0])
 def test_a_central_evaluation_that_cannot_run_is_refused_as_the_task_loads(command, tasks, tmp_path, capsys):
     # it crashed the coordinator after round 1 (a traceback, exit 1, no word of the task)
     ref = f"{tasks}:wrong_out"
@@ -128,7 +133,7 @@ def test_a_central_evaluation_that_cannot_run_is_refused_as_the_task_loads(comma
 def test_a_central_evaluation_that_fails_in_a_round_stops_the_simulation_in_one_line(factory, line, tasks, capfd):
     # the coordinator logged 'coordinator stopped with an error' and the traceback before the command's own line
     ref = f"{tasks}:{factory}"
-    run = _run(["simulate", "--task", ref, "--clients", "2", "--workers", "1", "--rounds", "3", "--quiet",
+    run = _run(["simulate", "--task", ref, "--clients", "2", "--workers", "1", "--rounds", "3", "--quiet", *ON_CPU,
                 "--out", str(tasks.parent / "out")], tasks.parent, capfd)
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr and "stopped with an error" not in run.stderr, run.stderr
@@ -137,14 +142,16 @@ def test_a_central_evaluation_that_fails_in_a_round_stops_the_simulation_in_one_
 
 def test_a_served_central_evaluation_that_fails_in_a_round_stops_the_coordinator_in_one_line(tasks, capfd):
     ref = f"{tasks}:evaluation_raises_later"
-    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--task", ref, "--min-available", "1",
+    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", *ON_CPU, "--task", ref,
+                              "--min-available", "1",
                               "--clients-per-round", "1", "--rounds", "3", "--out", str(tasks.parent / "served")],
                              cwd=tasks.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         lines = []
         port = port_from(serve, lines, "(PLAINTEXT (--insecure))")
-        client = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", "--task", ref, "--agent-id", "alice",
+        client = _run(["client", "--insecure", "--server", f"127.0.0.1:{port}", *ON_CPU, "--task", ref,
+                       "--agent-id", "alice",
                        "--threads", "1", "--give-up-after", "1"], tasks.parent, capfd)
         served = "".join(lines) + serve.communicate(timeout=60)[0]
     finally:
