@@ -9,8 +9,7 @@ each followed by the FedAvg of the clients' weights and the test accuracy of tha
 trajectories must match, so that the ratio compares the same work: every round's accuracies within 0.3
 points (``accuracy_matches``). Each step's gradients agree to about 1e-6 relative, but over hundreds of SGD
 steps float32 rounding moves the weights apart (up to about 2e-2 on MNIST after two rounds, at the same
-accuracy; ``max_weight_difference``). ``--compile`` adds (3): the batched step compiled into CUDA graphs
-(CUDA only, experimental). Beside them, the baseline the GPU must beat: (4) ``fedpar simulate`` of the same
+accuracy; ``max_weight_difference``). Beside them, the baseline the GPU must beat: (4) ``fedpar simulate`` of the same
 round (100 clients, 10 a round, E, B, lr, the CNN) on the CPU with one agent worker per core, its median round
 time from metrics.jsonl (round 1, with the workers' start-up, excluded); ``--no-simulate`` skips it.
 
@@ -85,13 +84,12 @@ def _sequential_round(model: torch.nn.Module, trainers: list[LocalTrainer], glob
 
 
 def _batched_round(model: torch.nn.Module, clients: list[ClientBatchInput], global_weights, epochs: int,
-                   round_id: int, device: torch.device, compile_step: bool, cuda_graphs: bool = True):
+                   round_id: int, device: torch.device, cuda_graphs: bool = True):
     """All clients as one batched model from ``global_weights``; (FedAvg of their weights, seconds)."""
     set_weights(model, global_weights)
     _sync(device)
     start = time.perf_counter()
-    outputs = train_clients_batched(model, clients, epochs, BATCH, LR, round_id, device, compile_step=compile_step,
-                                    cuda_graphs=cuda_graphs)
+    outputs = train_clients_batched(model, clients, epochs, BATCH, LR, round_id, device, cuda_graphs=cuda_graphs)
     names = [name for name, _ in model.named_parameters()]  # the state's float entries (the CNN has no buffers)
     averaged = fedavg([([o.weights[n].numpy() for n in names], o.result.examples) for o in outputs])
     return averaged, time.perf_counter() - start
@@ -114,7 +112,7 @@ def simulate_on_cpu(dataset: str, epochs: int, rounds: int) -> dict:
             "test_accuracy": [r.get("test_accuracy") for r in rows[1:]]}
 
 
-def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_step: bool = False,
+def fedavg_round(device: str, quick: bool, rounds: int | None = None,
                  dataset: str | None = None, simulate: bool = True, epochs: int | None = None) -> dict:
     """Seconds per FedAvg-paper round, sequential vs client-batched on ``device``, and both trajectories
     (``dataset``: mnist or digits; default MNIST when it is there)."""
@@ -123,7 +121,7 @@ def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_st
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        out = _measure(dev, quick, rounds or 2, compile_step, dataset, epochs)
+        out = _measure(dev, quick, rounds or 2, dataset, epochs)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     if simulate and not quick:  # a quick run's clients hold 100 examples; simulate's hold all of theirs
@@ -134,7 +132,7 @@ def fedavg_round(device: str, quick: bool, rounds: int | None = None, compile_st
     return out
 
 
-def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, dataset: str | None,
+def _measure(dev: torch.device, quick: bool, rounds: int, dataset: str | None,
              epochs: int | None = None) -> dict:
     epochs = epochs or (1 if quick else EPOCHS)
     name, splits, data = _data(quick, dataset)
@@ -148,17 +146,14 @@ def _measure(dev: torch.device, quick: bool, rounds: int, compile_step: bool, da
         trainers.append(trainer)
     clients = [ClientBatchInput(*d.to_tensors(), seed=k) for k, d in enumerate(data)]
     ways = {"sequential": lambda w, r: _sequential_round(model, trainers, w, epochs, r, dev),
-            "batched": lambda w, r: _batched_round(model, clients, w, epochs, r, dev, False)}
+            "batched": lambda w, r: _batched_round(model, clients, w, epochs, r, dev)}
     if dev.type == "cuda":  # the default replays each step as a CUDA graph: the same stack, every step eager
-        ways["batched_eager"] = lambda w, r: _batched_round(model, clients, w, epochs, r, dev, False, False)
-    if compile_step:
-        ways["batched_compiled"] = lambda w, r: _batched_round(model, clients, w, epochs, r, dev, True)
+        ways["batched_eager"] = lambda w, r: _batched_round(model, clients, w, epochs, r, dev, False)
     # Warm-up, not timed: torch's lazy set-up (cuDNN, torch.func's dynamo import, compilation), on two batches
     # of every client (the batched step's shapes).
     trainers[0].warm_up()
     warm = [ClientBatchInput(c.x[:2 * BATCH], c.y[:2 * BATCH], c.seed) for c in clients]
-    for compiled in [False, True] if compile_step else [False]:
-        train_clients_batched(model, warm, 1, BATCH, 0.0, device=dev, compile_step=compiled)
+    train_clients_batched(model, warm, 1, BATCH, 0.0, device=dev)
     train_clients_batched(model, warm, 7, BATCH, 0.0, device=dev)  # long enough to record its CUDA graph
     out = {"device": str(dev), "dataset": name, "clients": COHORT, "epochs": epochs, "batch_size": BATCH,
            "lr": LR, "examples_per_client": [len(d) for d in data], "rounds": rounds, "tf32": False,
@@ -190,13 +185,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--quick", action="store_true", help="E=1 and at most 100 examples a client: a smoke run")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per way (after one untimed warm-up round)")
-    p.add_argument("--compile", action="store_true", help="also the batched step compiled into CUDA graphs (CUDA)")
     p.add_argument("--dataset", choices=["mnist", "digits"], help="default: MNIST when it is there, else digits")
     p.add_argument("--epochs", type=int, help=f"local epochs (default {EPOCHS}, the paper's; 1 with --quick)")
     p.add_argument("--no-simulate", action="store_true", help="skip the fedpar simulate (CPU, all cores) baseline")
     a = p.parse_args()
     print(f"FedAvg round benchmark on {a.device} ({os.cpu_count()} cores)", file=sys.stderr, flush=True)
-    r = fedavg_round(a.device, a.quick, a.rounds, a.compile, a.dataset, simulate=not a.no_simulate, epochs=a.epochs)
+    r = fedavg_round(a.device, a.quick, a.rounds, a.dataset, simulate=not a.no_simulate, epochs=a.epochs)
     print(f"\n== FedAvg paper round: {r['dataset']} CNN, {r['clients']} clients x E={r['epochs']} x B={r['batch_size']}"
           f" on {r['device']} ==")
     print(f"{'way':<18}{'s/round':>10}{'ratio':>8}{'final accuracy':>16}{'max |dw|':>11}{'match':>7}")

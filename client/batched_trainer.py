@@ -134,35 +134,31 @@ def per_example_losses(loss: Callable, outputs: torch.Tensor, targets: torch.Ten
     return vmap(one)(outputs, targets)
 
 
-# Batched objectives (compiled or not) live as long as their model: a batcher that reuses one template model builds
-# its function once, not every round.
-_compiled: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+# Batched objectives live as long as their model: a batcher that reuses one template model builds its function once,
+# not every round.
+_objectives: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 # ... and the layouts of its gradients (ClientBatch._lay_out_as), so a later stack starts laid out so
 _gradient_orders: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def batched_objective_fn(model: nn.Module, buffers: dict[str, torch.Tensor], proximal_mu: float = 0.0,
-                         compile_step: bool = False, loss: Callable = classification_loss) -> Callable:
+                         loss: Callable = classification_loss) -> Callable:
     """``f(params, anchor, x, y, mask, count) -> (total, losses)`` over a leading member axis: the sum of the
     members' objectives (client/local_loop.py) on their batches, each loss the masked mean of ``loss`` per example
     (FedProx's term when ``anchor`` is not empty), and those losses. The members are independent, so the gradient
     of the sum by a member's row of ``params`` is that member's own gradient (one backward for the stack, by
     autograd: cheaper per step than a vmap of per-member gradients)."""
-    key = (proximal_mu, loss, compile_step, tuple((n, b.device) for n, b in buffers.items()))
-    if key in _compiled.get(model, {}):
-        return _compiled[model][key]
+    key = (proximal_mu, loss, tuple((n, b.device) for n, b in buffers.items()))
+    if key in _objectives.get(model, {}):
+        return _objectives[model][key]
     forward = vmap(lambda params, x: functional_call(model, (params, buffers) if buffers else params, (x,)))
 
     def stacked_objective(params, anchor, x, y, mask, count):
         means = (per_example_losses(loss, forward(params, x), y) * mask).sum(dim=1) / count  # padding adds 0s
         return objective(means.sum(), [params[n] for n in anchor], anchor.values(), proximal_mu), means
 
-    fn = stacked_objective
-    if compile_step:
-        # Static shapes (one graph per number of active members) replayed as CUDA graphs: the step is launch-bound.
-        fn = torch.compile(fn, dynamic=False, mode="reduce-overhead")
-    _compiled.setdefault(model, {})[key] = fn
-    return fn
+    _objectives.setdefault(model, {})[key] = stacked_objective
+    return stacked_objective
 
 
 class ClientBatch:
@@ -176,18 +172,14 @@ class ClientBatch:
 
     def __init__(self, model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int, lr: float,
                  round_id: int = 0, device: str | torch.device = "cpu", proximal_mu: float = 0.0,
-                 compile_step: bool = False, loss: Callable = classification_loss,
-                 optimizer: OptimizerFactory | None = None, cuda_graphs: bool = True):
+                 loss: Callable = classification_loss, optimizer: OptimizerFactory | None = None,
+                 cuda_graphs: bool = True):
         check_batchable(model)
         if not clients:
             raise ValueError("a client batch needs at least one client")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.device = torch.device(device)
-        if compile_step and self.device.type != "cuda":
-            # Measured with torch 2.13 on the CPU: inductor's CNN step drifted from the eager one after ~20 steps.
-            raise ValueError("compile_step is for CUDA devices; on the CPU the compiled step did not reproduce "
-                             "the eager gradients")
         self.model, self.mu, self.clients, self.lr = model, proximal_mu, clients, lr
         self._make_optimizer, self._optimizer = optimizer, None
         own = {name: p.detach() for name, p in model.named_parameters()}
@@ -207,10 +199,10 @@ class ClientBatch:
         self.stopped = [False] * len(clients)
         self.step_index = 0
         self._active = [k for k in range(len(clients)) if self.total_steps[k] > 0]
-        self._objective_fn = batched_objective_fn(model, self._buffers, proximal_mu, compile_step, loss)
+        self._objective_fn = batched_objective_fn(model, self._buffers, proximal_mu, loss)
         # On CUDA, plain SGD's steps replay as one CUDA graph (client/step_graph.py); a step counter on the device
         # picks each step's batch column, so a replay needs nothing from the host.
-        self._graphs = cuda_graphs and self.device.type == "cuda" and optimizer is None and not compile_step
+        self._graphs = cuda_graphs and self.device.type == "cuda" and optimizer is None
         self._graphed: GraphedSteps | None = None
         self._step_on_device: torch.Tensor | None = None
         self.graph_steps = 0  # steps run by a CUDA graph (its recording's included)
@@ -397,23 +389,21 @@ def _laid_out(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
 
 def train_clients_batched(model: nn.Module, clients: list[ClientBatchInput], epochs: int, batch_size: int,
                           lr: float, round_id: int = 0, device: str | torch.device = "cpu",
-                          proximal_mu: float = 0.0, compile_step: bool = False, loss: Callable = classification_loss,
-                          optimizer: OptimizerFactory | None = None, cuda_graphs: bool = True) \
-        -> list[ClientBatchOutput]:
+                          proximal_mu: float = 0.0, loss: Callable = classification_loss,
+                          optimizer: OptimizerFactory | None = None,
+                          cuda_graphs: bool = True) -> list[ClientBatchOutput]:
     """Train each member from its start weights as the local loop would alone, all of them stacked: ``loss`` (a
     batch mean) and ``optimizer(params, lr)`` are the task's (default: cross-entropy and plain SGD).
 
     ``model`` only lends its architecture (and its parameters as the default start); it is not changed.
-    ``compile_step`` (CUDA only, experimental): ``torch.compile`` the batched gradient step into CUDA graphs, one
-    per number of active members; check its results against the eager step on the device before relying on it.
     ``cuda_graphs`` (on CUDA with plain SGD): each working stack's whole step is recorded once as a CUDA graph and
     replayed (client/step_graph.py); False keeps every step eager.
     """
     if not clients:
         return []
     start = time.monotonic()
-    batch = ClientBatch(model, clients, epochs, batch_size, lr, round_id, device, proximal_mu, compile_step, loss,
-                        optimizer, cuda_graphs)
+    batch = ClientBatch(model, clients, epochs, batch_size, lr, round_id, device, proximal_mu, loss, optimizer,
+                        cuda_graphs)
     run_loop(batch, [Lane(c.stop_at, c.step_delay) for c in clients], StepClock(),
              wait=lambda: synchronize(batch.device))
     return batch.outputs(time.monotonic() - start)

@@ -168,16 +168,15 @@ class _Batch:
 class ClientBatcher:
     """The meeting point of one worker process's agents: their train() calls for a round run as one batch."""
 
-    def __init__(self, device: str = "cpu", compute_lock: threading.Lock | None = None, gather_seconds: float = 1.0,
-                 compile_step: bool = False):
-        self.device, self.compile_step, self.gather_seconds = device, compile_step, gather_seconds
+    def __init__(self, device: str = "cpu", compute_lock: threading.Lock | None = None, gather_seconds: float = 1.0):
+        self.device, self.gather_seconds = device, gather_seconds
         self._turn = compute_lock if compute_lock is not None else threading.Lock()
         self._cond = threading.Condition()
         self._agents = 0  # BatchedTrainers of this process
         self._training = 0  # agents in a train() call whose batch has not run yet (no seat for a queued task)
         self._rounds: dict[int, _Round] = {}
         self._open: dict[tuple, _Batch] = {}  # batches still gathering, by (round, epochs, batch size, lr, mu)
-        self._template: nn.Module | None = None  # one architecture for every batch (compiled steps are per model)
+        self._template: nn.Module | None = None  # one architecture for every batch (its objective is built once)
         self._start: tuple[list[np.ndarray], dict[str, torch.Tensor]] | None = None  # (global weights, as tensors)
         self._task: Task | None = None  # its loss and optimizer (every agent of a process trains one task)
         self._warm = False
@@ -290,8 +289,7 @@ class ClientBatcher:
             with self._turn:
                 started = time.monotonic()
                 outputs = train_clients_batched(self._template, [c.client for c in batch.calls], epochs, batch_size,
-                                                lr, round_id, self.device, mu, self.compile_step, self._task.loss,
-                                                self._task.optimizer)
+                                                lr, round_id, self.device, mu, self._task.loss, self._task.optimizer)
                 log.debug("round %d: a stack of %d members trained in %.3f s", round_id, len(batch.calls),
                           time.monotonic() - started)
             for call, output in zip(batch.calls, outputs):

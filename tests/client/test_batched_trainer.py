@@ -185,12 +185,6 @@ def test_models_with_random_or_stateful_layers_are_refused():
             check_batchable(nn.Sequential(nn.Linear(3, 3), layer))
 
 
-def test_the_compiled_step_is_refused_off_cuda():
-    model, data = _setup("mlp")
-    with pytest.raises(ValueError, match="compile_step is for CUDA"):
-        train_clients_batched(model, _inputs(data), 1, BATCH, LR, device="cpu", compile_step=True)
-
-
 def test_a_stacks_trained_members_come_out_as_one_tensor_per_weight_with_their_examples():
     # What a host's pre-summed upload can fold in one tensor op: row k of each stacked weight is member k's trained
     # weight (its output's weights are views of it) and examples[k] the examples it trained on.
