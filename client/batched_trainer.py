@@ -304,7 +304,7 @@ class ClientBatch:
         """One step of every active member: the task's optimizer (elementwise) or plain SGD on the stack."""
         if self._graphed is None and self._worth_recording():
             self._step_on_device = torch.full((1,), self.step_index, dtype=torch.long, device=self.device)
-            self._graphed = GraphedSteps(self._counted_step, self.model)
+            self._graphed = GraphedSteps(self._counted_step, self.model, self.device)
         if self._graphed is not None:
             self._graphed.run()
             self.graph_steps += self._graphed.recorded

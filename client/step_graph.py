@@ -27,10 +27,10 @@ def recordable(owner: object) -> bool:
 
 class GraphedSteps:
     """``body()``, one step that reads and writes only tensors that outlive it (the same memory every step), run
-    eagerly :data:`EAGER_STEPS` times, then recorded once on the current CUDA device and replayed."""
+    eagerly :data:`EAGER_STEPS` times, then recorded once on ``device`` (where its tensors are) and replayed."""
 
-    def __init__(self, body: Callable[[], None], owner: object):
-        self.body, self.owner = body, owner
+    def __init__(self, body: Callable[[], None], owner: object, device: torch.device):
+        self.body, self.owner, self.device = body, owner, device
         self._eager_done = 0
         self._graph: torch.cuda.CUDAGraph | None = None
 
@@ -41,6 +41,10 @@ class GraphedSteps:
 
     def run(self) -> None:
         """One step: eager while warming up, then the recording (which runs this step), then replays."""
+        with torch.cuda.device(self.device):  # streams and recordings are the current device's: a worker's may differ
+            self._run()
+
+    def _run(self) -> None:
         if self._graph is not None:
             self._graph.replay()
         elif self._eager_done < EAGER_STEPS - 1 or not recordable(self.owner):
