@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,7 +134,8 @@ def load_traces(path: str | Path, clients: int) -> Traces:
             raise ValueError(f"the trace file {path} holds {path.stat().st_size / 2**20:,.0f} MiB, more than "
                              f"{clients:,} clients' rows can (--clients {clients}); give one row per client")
         if path.suffix == ".csv":
-            return _table_of(path, _csv_rows(path), clients)
+            plain = _plain_csv_table(path, clients)
+            return plain if plain is not None else _table_of(path, _csv_rows(path), clients)
         try:
             rows = json.loads(path.read_text(encoding="utf-8-sig"))
         except UnicodeDecodeError:  # a ValueError too: said below as what it is, not as bad JSON
@@ -150,6 +152,36 @@ def load_traces(path: str | Path, clients: int) -> Traces:
         raise ValueError(f"cannot read the traces in {path}: it is not a text file; give a CSV or JSON file") from None
     except csv.Error as exc:  # e.g. a field past csv's size limit
         raise ValueError(f"cannot read the traces in {path} as CSV: {exc}") from None
+
+
+def _plain_csv_table(path: Path, clients: int) -> Traces | None:
+    """The traces of a CSV of plain numbers whose rows are all right, read by numpy (a million clients' file: about a
+    second, against ten row by row); None for any other file, which the row-by-row reader then reads or says what is
+    wrong with, row by row."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        header = f.readline().rstrip("\r\n").split(",")
+        if sorted(header) != sorted(COLUMNS):
+            return None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # an empty body is a warning to loadtxt
+                data = np.loadtxt(f, delimiter=",", dtype=np.float64, ndmin=2, comments=None)
+        except (ValueError, UserWarning):
+            return None
+    if data.shape != (clients, len(COLUMNS)):
+        return None
+    data = data[:, [header.index(c) for c in COLUMNS]]
+    client, values = data[:, 0], data[:, 1:]
+    if not np.array_equal(np.sort(client), np.arange(clients)):  # whole numbers 0..N-1, each once
+        return None
+    with np.errstate(invalid="ignore"):  # NaN fails every test below, as it should
+        fits = ((values >= 0) & (values <= MOST_VALUE)).all() and (values[:, 1:3] > 0).all() \
+            and (values[:, 0] <= MOST_SECONDS_PER_STEP).all()
+    if not fits:
+        return None
+    table = np.empty_like(values)
+    table[client.astype(np.int64)] = values
+    return Traces(*(table[:, k].astype(np.float32) for k in range(table.shape[1])))
 
 
 def _csv_rows(path: Path):

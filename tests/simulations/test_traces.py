@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedpar.simulations.runner import SimulationConfig, run_simulation
-from fedpar.simulations.traces import DAY_SECONDS, generate_traces, load_traces, online
+from fedpar.simulations.traces import COLUMNS, DAY_SECONDS, generate_traces, load_traces, online
 
 
 def test_traces_round_trip_through_csv_and_json_and_bad_files_are_refused(tmp_path):
@@ -123,3 +123,29 @@ def test_a_trace_that_never_has_enough_clients_online_is_one_line_after_a_simula
                                 "day"), err
     assert "a round needs 4 (simulate: --clients-per-round; serve: --min-available)" in lines[-1], err  # was a field
     assert "Traceback" not in err and "stopped with an error" not in err, err
+
+
+def test_a_plain_csv_is_read_whole_by_numpy_and_any_other_is_said_row_by_row(tmp_path):
+    # a million clients' trace took about 7 s row by row, in the coordinator and again in every worker: a CSV of plain
+    # numbers is now read by numpy (about 1 s); the columns in another order and the rows shuffled read the same
+    traces = generate_traces(500, seed=3)
+    path = tmp_path / "t.csv"
+    traces.save(path)
+    lines = path.read_text().splitlines()
+    order = [5, 0, 2, 1, 4, 3]
+    rows = [",".join(line.split(",")[k] for k in order) for line in lines]
+    path.write_text("\n".join([rows[0]] + rows[1:][::-1]) + "\n")
+    got = load_traces(path, 500)
+    for column in COLUMNS[1:]:
+        assert np.array_equal(getattr(got, column), getattr(traces, column)), column
+    # anything else is read (or refused) row by row, naming the row
+    header = ",".join(COLUMNS) + "\n"
+    for body, clients, said in [("0,0.01,25,6,0,nan", 1, "entry 1: values must be numbers >= 0"),
+                                ("0,0.01,25,6,0,1\n0,0.01,25,6,0,1", 2, "entries 1 and 2 are both client 0"),
+                                ("0,0.01,25,6,0,1\n1.5,0.01,25,6,0,1", 2, "entry 2: needs the columns"),
+                                ("1,2", 1, "entry 1: needs the columns")]:
+        path.write_text(header + body + "\n")
+        with pytest.raises(ValueError, match=said):
+            load_traces(path, clients)
+    path.write_text(header + '"0","0.5",1,1,1,1\n')  # quoted numbers: fine row by row
+    assert load_traces(path, 1).seconds_per_step[0] == np.float32(0.5)
