@@ -178,7 +178,10 @@ class RoundState:
         slot.status = "accepted"
         self.accepted += 1
         if report is not None:
-            self.examples += report[0]
+            examples, metrics = report
+            if metrics.get("eval_examples", 0) > examples:  # an agent's say in the round's evaluation is at most its
+                metrics["eval_examples"] = float(examples)  # say in its model (one that said 1e99 outweighed all)
+            self.examples += examples
             self.metrics.append(report)
 
     def withdraw(self, report: tuple[int, dict[str, float]]) -> None:

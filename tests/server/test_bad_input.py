@@ -215,3 +215,21 @@ def test_an_agent_naming_new_metrics_every_round_widens_the_rows_only_up_to_the_
     taken = {k for row in rows for k in row if k.startswith("train_")}
     assert taken == {"train_loss", "train_new0a", "train_new0b"}  # the first three names; later ones left out
     assert server.coordinator.metrics.csv_path.read_text().splitlines()[0].count("train_") == 3
+
+
+def test_an_agents_weight_in_the_federated_evaluation_is_at_most_its_weight_in_the_model(start_coordinator, agents):
+    """eval_examples is the agent's own word: one that said 1e99 (within the metric bound) made the round's
+    federated_eval_accuracy its own, whatever the others measured."""
+    init = _arrays()
+    server = start_coordinator(init, clients_per_round=3, min_available=3)
+    bots = agents(server.address, ["rogue", "h1", "h2"])
+    tasks = {b.agent_id: b.task() for b in bots}
+    layout = ModelLayout.of_arrays(["t0", "t1"], init)
+
+    def upload(bot, metrics):
+        messages = upload_messages(bot.auth, tasks[bot.agent_id], layout, _arrays(seed=1), 100, 1, metrics, 1024)
+        return bot.upload(tasks[bot.agent_id], None, 0, messages=list(messages))
+    assert upload(bots[0], {"eval_examples": 1e99, "eval_accuracy": 0.0}).accepted
+    assert all(upload(bot, {"eval_examples": 100.0, "eval_accuracy": 0.9}).accepted for bot in bots[1:])
+    assert server.wait(30)
+    assert server.coordinator.metrics.last["federated_eval_accuracy"] == pytest.approx(0.6)  # 100 examples each
