@@ -14,7 +14,11 @@ What runs, as Flower's own server would run it:
     (``FitRes.parameters``: the agent's new weights, ``num_examples``: its claimed example count, ``metrics``:
     empty, since fedpar aggregates the agents' metrics itself). Failures are always empty: a refused or late
     upload never reaches a strategy. A ``None`` answer keeps the old global model. Float arrays of the answer are
-    cast to the model's dtypes; the coordinator then checks its layout and finiteness as for any strategy.
+    cast to the model's dtypes.
+What the strategy's own code raises (its constructor, ``initialize_parameters``, ``configure_fit``, the round's
+aggregation), an answer of the wrong kind, and arrays that cannot be the global model (another layout, NaN or Inf)
+stop the run with one line naming the method and the strategy (:class:`StrategyFailed`); the global model stays the
+last good one.
 Not used: Flower's client sampling (fedpar's sampler picks each cohort, so options that size Flower's sample,
 ``fraction_fit``, ``min_fit_clients``, ... are refused), and the evaluate side (``configure_evaluate``,
 ``aggregate_evaluate``, ``evaluate``): fedpar's agents evaluate the global model before training and the
@@ -48,16 +52,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flwr.common import Code, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy as FlowerBase
 
 from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_example_count
 from fedpar.aggregation.options import typed_options
+from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem, Strategy
 from fedpar.models.references import load_reference
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.task import TaskFailed, raised
 
 log = logging.getLogger("fedpar.aggregation")
 # Constructor options that size Flower's own client sample, and what sets the same thing in fedpar.
@@ -71,6 +77,10 @@ SAMPLING_OPTIONS = {
 MEMORY_NOTE = ("holds every update of the round as Flower requires (one serialized model per update in its FitRes); "
                "at the close Flower decodes them: about K + 3 models for K updates under its FedAvg, 3 K + 2 under "
                "rules built on flwr's aggregate() (FedAvgM, FedTrimmedAvg)")
+
+
+class StrategyFailed(TaskFailed):
+    """The Flower strategy's own code raised, or answered what fedpar cannot use: the run stops in one line."""
 
 
 def flower_class(name: str) -> type:
@@ -133,7 +143,10 @@ class FlowerStrategy(Strategy):
     def _strategy(self, global_weights: Sequence[np.ndarray]) -> FlowerBase:
         """The Flower strategy, built on first use on top of ``global_weights`` (and its saved state restored)."""
         if self._flower is None:
-            self._flower = self._build(global_weights)
+            try:
+                self._flower = self._build(global_weights)
+            except Exception as exc:  # the user's constructor or initialize_parameters
+                raise self._failed("constructor or initialize_parameters", exc) from exc
         if self._pending_state is not None:
             self._restore_saved(self._flower, *self._pending_state)
             self._pending_state = None
@@ -161,15 +174,36 @@ class FlowerStrategy(Strategy):
     def client_config(self, round_id: int) -> TaskSettings:
         """``configure_fit``'s config for this round: ``proximal_mu`` as fedpar's own, the rest as ``fit_config``."""
         assert self._global is not None, "client_config is asked after begin_round"
-        manager = _OneClientManager()
-        pairs = self._strategy(self._global).configure_fit(round_id, Parameters([], "numpy.ndarray"), manager)
-        config = dict(pairs[0][1].config) if pairs else {}
+        strategy = self._strategy(self._global)
+        try:
+            pairs = strategy.configure_fit(round_id, Parameters([], "numpy.ndarray"), _OneClientManager())
+        except Exception as exc:
+            raise self._failed("configure_fit", exc, round_id) from exc
+        config = self._fit_config(pairs, round_id)
         mu = config.pop("proximal_mu", None)
+        return TaskSettings(proximal_mu=mu, fit_config=config or None)
+
+    def _fit_config(self, pairs: Any, round_id: int) -> dict[str, Any]:
+        """The config of ``configure_fit``'s first (ClientProxy, FitIns) pair; StrategyFailed unless it is one."""
+        if not pairs:
+            return {}
+        first = pairs[0] if isinstance(pairs, list) else None
+        if not (isinstance(first, tuple) and len(first) == 2 and isinstance(first[1], FitIns)
+                and isinstance(first[1].config, dict)):
+            raise StrategyFailed(f"round {round_id}: {self.name}'s configure_fit returned {_kind(pairs)}, not a list "
+                                 "of (ClientProxy, FitIns) pairs: fix the strategy")
+        config = dict(first[1].config)
         for key, value in config.items():
             if not isinstance(value, (bool, int, float, str)):
-                raise ValueError(f"{self.name}: configure_fit's config {key!r} is a {type(value).__name__}; fedpar "
-                                 "sends bool, int, float and str values to its agents")
-        return TaskSettings(proximal_mu=mu, fit_config=config or None)
+                raise StrategyFailed(f"round {round_id}: {self.name}'s configure_fit config {key!r} is a "
+                                     f"{type(value).__name__}; fedpar sends bool, int, float and str values to its "
+                                     "agents: fix the strategy")
+        return config
+
+    def _failed(self, method: str, exc: BaseException, round_id: int = 0) -> StrategyFailed:
+        """The one line for what the strategy's ``method`` raised (in round ``round_id``; 0: before the rounds)."""
+        where = f"round {round_id}: " if round_id else ""
+        return StrategyFailed(f"{where}{self.name}'s {method} raised {raised(exc)}: fix the strategy")
 
     # ------------------------------------------------------------------ the round
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
@@ -206,21 +240,48 @@ class FlowerStrategy(Strategy):
         """Results held for the close."""
         return len(self._results)
 
+    def finish(self) -> tuple[list[np.ndarray], dict[str, float]]:
+        """As :meth:`Strategy.finish`; what the Flower strategy raises at the close stops the run in one line."""
+        round_id = self.round_id
+        try:
+            return super().finish()
+        except (StrategyFailed, NoUpdatesError):
+            raise
+        except Exception as exc:  # the user's aggregation (or its answer), not a round that may fail and go on
+            raise self._failed("aggregation", exc, round_id) from exc
+
     def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
         """``aggregate_fit`` on the round's results; a None answer keeps ``global_weights``."""
         strategy = self._strategy(global_weights)
         total = float(sum(fit.num_examples for _, fit in self._results))
-        parameters, flower_metrics = strategy.aggregate_fit(self.round_id, list(self._results), [])
+        answer = strategy.aggregate_fit(self.round_id, list(self._results), [])
+        if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], (Parameters, type(None)))
+                and isinstance(answer[1], (dict, type(None)))):
+            raise StrategyFailed(f"round {self.round_id}: {self.name}'s aggregate_fit returned {_kind(answer)}, not "
+                                 "a (Parameters or None, dict of metrics) pair: fix the strategy")
+        parameters, flower_metrics = answer
         metrics = {"num_examples": total, **_numeric(flower_metrics)}
         if parameters is None:
             log.warning("round %d: %s.aggregate_fit returned no parameters; the global model stays",
                         self.round_id, type(strategy).__name__)
             return list(global_weights), metrics
-        new = parameters_to_ndarrays(parameters)
-        if len(new) == len(global_weights):  # a wrong count is the coordinator's to refuse, naming the layout
+        return self._checked(parameters_to_ndarrays(parameters), global_weights, "aggregate_fit"), metrics
+
+    def _checked(self, new: list[np.ndarray], global_weights: list[np.ndarray], method: str) -> list[np.ndarray]:
+        """``new`` with float arrays cast to the model's dtypes; StrategyFailed unless it fits the model, finite."""
+        if len(new) == len(global_weights):
             new = [cast_like(a, g.dtype) if a.dtype != g.dtype and a.shape == g.shape and a.dtype.kind == "f" else a
                    for a, g in zip(new, global_weights)]
-        return new, metrics
+        try:
+            new = ShapesAndDtypes.of(global_weights).check(new, f"{self.name}'s {method}")
+        except ValueError as exc:
+            raise StrategyFailed(f"round {self.round_id}: {exc}, which cannot be the global model: fix the "
+                                 "strategy") from None
+        bad = next((i for i, a in enumerate(new) if a.dtype.kind == "f" and not np.isfinite(a).all()), None)
+        if bad is not None:
+            raise StrategyFailed(f"round {self.round_id}: {self.name}'s {method} returned NaN or Inf in array {bad}, "
+                                 "which cannot be the global model: fix the strategy")
+        return new
 
     def _drop_round(self) -> None:
         """Release the round's results."""
@@ -239,6 +300,16 @@ class FlowerStrategy(Strategy):
         if self._flower is not None:
             self._restore_saved(self._flower, arrays, meta)
             self._pending_state = None
+
+
+def _kind(value: Any) -> str:
+    """What ``value`` is, for a line saying it is not what was expected: 'None', 'a list of 2 str', 'a dict'."""
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)):
+        inner = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {len(value)} {'/'.join(inner)}".rstrip()
+    return f"a {type(value).__name__}"
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:

@@ -1,0 +1,67 @@
+"""A legacy Flower strategy (``--strategy flower:path/file.py:Class``) whose own code raises or answers what fedpar
+cannot use stops ``fedpar simulate`` (a real coordinator and worker processes over loopback gRPC) in one line naming
+the method and the strategy, with no traceback and no final model written from its answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("flwr")
+
+STRATEGIES = textwrap.dedent("""
+    import numpy as np
+    from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server.strategy import FedAvg
+
+
+    class Raises(FedAvg):
+        def aggregate_fit(self, server_round, results, failures):
+            raise RuntimeError("boom in aggregate")
+
+
+    class ReturnsNone(FedAvg):
+        def aggregate_fit(self, server_round, results, failures):
+            return None
+
+
+    class ReturnsNaN(FedAvg):
+        def aggregate_fit(self, server_round, results, failures):
+            parameters, metrics = super().aggregate_fit(server_round, results, failures)
+            arrays = parameters_to_ndarrays(parameters)
+            arrays[1][:] = np.nan
+            return ndarrays_to_parameters(arrays), metrics
+
+
+    class OddConfig(FedAvg):
+        def configure_fit(self, server_round, parameters, client_manager):
+            return [("cohort", {"lr": 1})]
+""")
+
+
+@pytest.mark.parametrize("cls, said", [
+    ("Raises", "round 1: {ref}'s aggregation raised RuntimeError: boom in aggregate: fix the strategy"),
+    ("ReturnsNone", "round 1: {ref}'s aggregate_fit returned None, not a (Parameters or None, dict of metrics) "
+                    "pair: fix the strategy"),
+    ("ReturnsNaN", "round 1: {ref}'s aggregate_fit returned NaN or Inf in array 1, which cannot be the global "
+                   "model: fix the strategy"),
+    ("OddConfig", "round 1: {ref}'s configure_fit returned a list of 1 tuple, not a list of (ClientProxy, FitIns) "
+                  "pairs: fix the strategy"),
+])
+def test_a_flower_strategy_that_fails_stops_simulate_in_one_line(tmp_path, cls, said):
+    """Each printed 'coordinator stopped with an error' and a traceback (ReturnsNone: 'cannot unpack non-iterable
+    NoneType'); ReturnsNaN failed every round and ended 'too few updates arrived; check --min-reports, --deadline'."""
+    (tmp_path / "mine.py").write_text(STRATEGIES)
+    ref = f"flower:{tmp_path / 'mine.py'}:{cls}"
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--strategy", ref, "--clients", "2",
+                           "--rounds", "2", "--workers", "1", "--quiet", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines and lines[-1].startswith(f"fedpar simulate: {said.format(ref=ref)}"), done.stderr[-3000:]
+    assert "stopped with an error" not in done.stderr and "unusable model" not in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "out" / "global.safetensors").exists()
