@@ -13,6 +13,9 @@ The agent (client/agent.py) brings fedpar's transport, mutual TLS, deadline, com
     ``proximal_mu`` (FedProx), ``max_steps`` (when capped) and the Flower strategy's own ``configure_fit`` config
     (``--strategy flower:...``). Its arrays are checked as ``get_parameters``' are; its ``num_examples`` is the
     update's weight and its metrics ``train_loss`` (or ``loss``) is reported as the agent's train loss.
+What the client's own code raises as the agent starts (``fn``, ``get_parameters``, ``get_properties``) stops the agent in
+one line; an answer of the wrong kind from ``fit`` or ``evaluate`` refuses that task with one line saying what Flower
+expects (``(arrays, num_examples, metrics)``, ``(loss, num_examples, metrics)``).
 fit cannot be interrupted: a client that ignores ``deadline_seconds`` and finishes late has its update refused as
 late, like any agent's. The coordinator needs the training set's size when the agent joins (it bounds the example
 counts the agent may claim): pass it (``--flower-examples N``) or return ``{"num_examples": N}`` from
@@ -34,6 +37,7 @@ from fedpar.client.trainer_protocol import HeldArrays
 from fedpar.models.references import load_reference
 from fedpar.protocol.codec import CodecError, ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.task import raised
 from fedpar.tasks.evaluation import EvalResult
 
 Spec = tuple[str, str, tuple[int, ...]]
@@ -57,7 +61,11 @@ def load_flower_client(ref: str, context) -> Any:
     fn = load_reference(ref, "client function")
     if not callable(fn):
         raise FlowerClientError(f"{ref!r} is not a function (it should take a Flower Context and return a client)")
-    return numpy_client_of(fn(context), ref)
+    try:
+        client = fn(context)
+    except Exception as exc:  # the user's client_fn: its data or model could not be made
+        raise FlowerClientError(f"the client function {ref} raised {raised(exc)}: fix the client") from exc
+    return numpy_client_of(client, ref)
 
 
 def numpy_client_of(client: Any, origin: str = "the client function") -> Any:
@@ -81,12 +89,22 @@ class FlowerTrainer(HeldArrays):
         """Check the client's ``get_parameters`` against ``specs``; take ``num_examples`` or its properties'."""
         self.client = numpy_client_of(client)
         self.layout = ModelLayout(specs)
-        self._check(self.client.get_parameters(config={}), "get_parameters()")
+        self._check(self._call("get_parameters", config={}), "get_parameters()")
         self.num_examples = self._examples(num_examples)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The client's ``method`` called as Flower calls it; FlowerClientError naming what it raised."""
+        try:
+            return getattr(self.client, method)(*args, **kwargs)
+        except Exception as exc:
+            raise FlowerClientError(f"the Flower client's {method}() raised {raised(exc)}: fix the client") from exc
 
     def _examples(self, given: int | None) -> int:
         """The training set's size, declared at Join."""
-        count = given if given is not None else self.client.get_properties(config={}).get("num_examples")
+        count = given
+        if count is None:
+            properties = self._call("get_properties", config={})
+            count = properties.get("num_examples") if isinstance(properties, dict) else None
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
             raise FlowerClientError("fedpar needs the Flower client's training set size when the agent joins: pass "
                                     "--flower-examples N, or return {'num_examples': N} from its get_properties "
@@ -118,8 +136,12 @@ class FlowerTrainer(HeldArrays):
         """The client's evaluate on the global model (its config: ``server_round`` and a Flower strategy's
         configure_evaluate config): loss, ``accuracy`` when its metrics have one."""
         config = {"server_round": self._round, **((settings.eval_config or {}) if settings is not None else {})}
-        loss, examples, metrics = self.client.evaluate(self._global, config)
-        metrics = metrics or {}
+        loss, examples, metrics = _answer(self.client.evaluate(self._global, config), "evaluate",
+                                          "(loss, num_examples, metrics)")
+        if isinstance(loss, bool) or not isinstance(loss, (int, float, np.number)) or isinstance(examples, bool) \
+                or not isinstance(examples, (int, np.integer)):
+            raise FlowerClientError("the Flower client's evaluate() must return a number as its loss and a whole "
+                                    f"number of examples, got {loss!r} and {examples!r}: fix the client")
         if not examples or not math.isfinite(float(loss)):
             return None
         accuracy = metrics.get("accuracy")
@@ -140,14 +162,25 @@ class FlowerTrainer(HeldArrays):
         if max_steps:
             config["max_steps"] = int(max_steps)
         config.update((settings.fit_config or {}) if settings is not None else {})
-        arrays, examples, metrics = self.client.fit(self._global, config)
-        metrics = metrics or {}
+        arrays, examples, metrics = _answer(self.client.fit(self._global, config), "fit",
+                                            "(arrays, num_examples, metrics)")
         self._trained = self._check(arrays, "fit()")
         if isinstance(examples, bool) or not isinstance(examples, (int, np.integer)) or examples < 0:
             raise FlowerClientError(f"the Flower client's fit() must return a whole number of examples, got {examples!r}")
         loss = next((float(metrics[k]) for k in ("train_loss", "loss") if _finite_number(metrics.get(k))), math.nan)
         steps = int(metrics["steps"]) if isinstance(metrics.get("steps"), int) and metrics["steps"] >= 0 else 0
         return TrainResult(steps, int(examples), loss, False, time.monotonic() - start)
+
+
+def _answer(answer: Any, method: str, form: str) -> tuple[Any, Any, dict]:
+    """``answer`` as the three values Flower's ``method`` returns, its metrics a dict; FlowerClientError else."""
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 3 and isinstance(answer[2], (dict, type(None)))):
+        got = f"a {type(answer).__name__}" + (f" of {len(answer)}" if isinstance(answer, (tuple, list)) else "")
+        if isinstance(answer, (tuple, list)) and len(answer) == 3:
+            got += f" whose metrics are a {type(answer[2]).__name__}"
+        raise FlowerClientError(f"the Flower client's {method}() must return {form}, three values with a dict of "
+                                f"metrics, got {'None' if answer is None else got}: fix the client")
+    return answer[0], answer[1], answer[2] or {}
 
 
 def _finite_number(value: Any) -> bool:

@@ -174,3 +174,65 @@ def test_a_message_strategys_configure_evaluate_config_reaches_a_numpy_clients_e
         trainer.evaluate()
     assert client.configs == [{"server_round": 3, "eval-marker": 41.0}, {"server_round": 3}]
     assert (result.loss, result.accuracy, result.examples) == (1.5, 0.25, 4)
+
+
+class FitsNothing(NumPyClient):
+    """The example's client, but its fit forgets to return (None) and its evaluate returns a loss that is text."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def get_parameters(self, config):
+        return self.inner.get_parameters(config)
+
+    def get_properties(self, config):
+        return self.inner.get_properties(config)
+
+    def fit(self, parameters, config):
+        self.inner.fit(parameters, config)
+
+    def evaluate(self, parameters, config):
+        return "low", 10, {}
+
+
+def test_a_client_whose_fit_or_evaluate_answers_the_wrong_kind_has_each_task_refused_saying_what_flower_expects():
+    """The refusals read 'training raised TypeError: cannot unpack non-iterable NoneType object' and 'evaluation
+    raised ValueError: could not convert string to float: 'low'' (QA)."""
+    rows = []
+    server = serve(build_strategy("fedavg"), rows, rounds=1, min_available=1, clients_per_round=1)
+    try:
+        client = FitsNothing(load_flower_client(f"{EXAMPLE}:client_fn", flower_context("none", 0, 1)))
+        agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="none", poll_seconds=1.0,
+                                  initial_backoff=0.05, max_backoff=0.3, give_up_after=30), FlowerTrainer(client, SPECS))
+        thread = threading.Thread(target=agent.run, daemon=True)
+        thread.start()
+        assert server.wait(60)
+        thread.join(30)
+    finally:
+        server.stop()
+    assert rows[0]["status"] == "failed" and agent.stats.accepted == 0
+    assert any("evaluate() must return a number as its loss and a whole number of examples, got 'low' and 10: fix "
+               "the client" in refusal for refusal in agent.stats.refusals), agent.stats.refusals
+    client.evaluate = lambda parameters, config: (0.5, 10, {})
+    trainer = FlowerTrainer(client, SPECS)
+    trainer.set_arrays(client.get_parameters({}))
+    with trainer.holding_task(1), pytest.raises(FlowerClientError, match=r"fit\(\) must return \(arrays, "
+                                                r"num_examples, metrics\), three values .*, got None: fix the client"):
+        trainer.train(1, 32, 0.1, round_id=1)
+
+
+def test_a_client_function_or_get_parameters_that_raises_stops_the_agent_in_one_line(tmp_path, capsys):
+    """Each ended `fedpar client` in a traceback (QA)."""
+    module = tmp_path / "raising_client.py"
+    module.write_text("from flwr.client import NumPyClient\n\n"
+                      "class C(NumPyClient):\n"
+                      "    def get_parameters(self, config):\n"
+                      "        raise OSError('weights.pt is missing')\n\n"
+                      "def client_fn(context):\n    return C().to_client()\n\n"
+                      "def no_data(context):\n    raise FileNotFoundError('no partition here')\n")
+    for fn, said in [("no_data", f"the client function {module}:no_data raised FileNotFoundError: no partition here"),
+                     ("client_fn", "the Flower client's get_parameters() raised OSError: weights.pt is missing")]:
+        code = main(["client", "--insecure", "--server", "127.0.0.1:1", "--agent-id", "w", "--flower-client",
+                     f"{module}:{fn}", "--flower-examples", "10"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err == f"fedpar client: {said}: fix the client", err
