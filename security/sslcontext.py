@@ -9,7 +9,7 @@ from fedpar.security.tls import TlsFiles, TlsSetupError, load_ca, load_pair
 
 def server_ssl_context(files: TlsFiles) -> ssl.SSLContext:
     """The coordinator's context; with a CA it requires and verifies client certificates (mutual TLS)."""
-    load_pair(files)  # the same checks (readable, PEM, key matches certificate) as for gRPC
+    load_pair(files, "server")  # the same checks (readable, PEM, key matches certificate) as for gRPC
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(str(files.cert), str(files.key))
@@ -29,6 +29,6 @@ def client_ssl_context(files: TlsFiles) -> ssl.SSLContext:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_verify_locations(cafile=str(files.ca))
     if files.cert is not None:
-        load_pair(files)
+        load_pair(files, "client")
         ctx.load_cert_chain(str(files.cert), str(files.key))
     return ctx

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from fedpar.security.certs import CertPaths, common_name
 
@@ -70,14 +72,64 @@ def _read(path: Path, what: str) -> bytes:
         raise TlsSetupError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
-def load_pair(files: TlsFiles) -> tuple[bytes, bytes]:
-    """The certificate and key PEM of ``files``, checked (readable, PEM, the key matches the certificate); a
-    TlsSetupError saying which file is wrong."""
+USAGES = {"server": ExtendedKeyUsageOID.SERVER_AUTH, "client": ExtendedKeyUsageOID.CLIENT_AUTH}
+ENDPOINTS = {"server": "a coordinator", "client": "an agent or operator"}
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    """Whether ``cert`` may sign others (basic constraints, or a self-issued certificate without them)."""
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return cert.subject == cert.issuer
+
+
+def _kind(cert: x509.Certificate) -> str:
+    """What ``cert`` is, for messages: a CA's, the coordinator's or an agent's (or operator's)."""
+    if _is_ca(cert):
+        return "a CA certificate (ca.pem)"
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return f"the certificate of {common_name(cert)!r}"
+    if ExtendedKeyUsageOID.SERVER_AUTH in usages:
+        return f"a coordinator's certificate (server.pem, for {common_name(cert)!r})"
+    return f"the client certificate of {common_name(cert)!r} (an agent's or operator's ID.pem)"
+
+
+def check_leaf(cert: x509.Certificate, path: Path, usage: str | None) -> None:
+    """TlsSetupError unless ``cert`` fits an endpoint of ``usage`` ("server", "client"; None: any): not a CA's,
+    issued for that use and, for a coordinator's, valid now (agents would all fail their handshakes)."""
+    want = {"server": "the coordinator's certificate (server.pem of its 'fedpar certs' folder)",
+            "client": "this agent's own certificate (ID.pem of its 'fedpar certs' folder)"}.get(usage)
+    if _is_ca(cert):
+        raise TlsSetupError(f"{path} is {_kind(cert)}, which signs certificates but is no endpoint's own; give "
+                            f"{want or 'this endpoint its own certificate'}")
+    if usage is None:
+        return
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        usages = [USAGES[usage]]  # a certificate without usages may serve either end
+    if USAGES[usage] not in usages:
+        raise TlsSetupError(f"{path} is {_kind(cert)}, not one for {ENDPOINTS[usage]}; give {want}")
+    now = dt.datetime.now(dt.timezone.utc)
+    if usage == "server" and not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        when = (f"expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC" if now > cert.not_valid_after_utc else
+                f"is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (check this machine's clock)")
+        raise TlsSetupError(f"{path} {when}, so every agent would refuse it; re-issue it with 'fedpar certs --out DIR "
+                            "--server-name NAME' (one per name agents dial)")
+
+
+def load_pair(files: TlsFiles, usage: str | None = None) -> tuple[bytes, bytes]:
+    """The certificate and key PEM of ``files``, checked (readable, PEM, fit for ``usage``: see
+    :func:`check_leaf`, the key matches the certificate); a TlsSetupError saying which file is wrong."""
     cert_pem, key_pem = _read(files.cert, "certificate"), _read(files.key, "private key")
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError:
         raise TlsSetupError(f"{files.cert} is not a PEM certificate") from None
+    check_leaf(cert, files.cert, usage)
     try:
         key = serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError):
@@ -93,15 +145,19 @@ def load_ca(path: Path) -> bytes:
     """The CA certificate PEM at ``path``, checked; a TlsSetupError saying what is wrong."""
     pem = _read(path, "CA certificate")
     try:
-        x509.load_pem_x509_certificates(pem)
+        certs = x509.load_pem_x509_certificates(pem)
     except ValueError:
         raise TlsSetupError(f"{path} is not a PEM CA certificate") from None
+    for cert in certs:
+        if not _is_ca(cert):  # said later as every peer's certificate being 'not signed by the CA'
+            raise TlsSetupError(f"{path} is {_kind(cert)}, not a CA certificate; give the ca.pem of the 'fedpar "
+                                "certs' folder that issued the certificates")
     return pem
 
 
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     """Server TLS; with a CA, mutual TLS that refuses any client without a certificate signed by it."""
-    cert_pem, key_pem = load_pair(files)
+    cert_pem, key_pem = load_pair(files, "server")
     ca_pem = load_ca(files.ca) if files.ca is not None else None
     return grpc.ssl_server_credentials([(key_pem, cert_pem)], root_certificates=ca_pem,
                                        require_client_auth=ca_pem is not None)
@@ -112,7 +168,7 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     ca_pem = load_ca(files.ca)
     if files.cert is None:
         return grpc.ssl_channel_credentials(root_certificates=ca_pem)
-    cert_pem, key_pem = load_pair(files)
+    cert_pem, key_pem = load_pair(files, "client")
     return grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem)
 
 

@@ -1,0 +1,91 @@
+"""A certificate of the wrong kind is said at start-up, in one line naming the file, by real `fedpar serve` and
+`fedpar client` processes: an agent's certificate as the coordinator's, a CA's as an endpoint's, a leaf as the CA,
+the coordinator's as an agent's, and a coordinator's certificate that expired or is not valid yet (every agent
+would fail its handshake while the coordinator waited for them)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedpar.security.certs import CertPaths, ensure_certs, load_ca, new_private_key, server_san, write_certificate, \
+    write_private_key
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _server_cert(folder: Path, name: str, start: dt.timedelta, end: dt.timedelta) -> tuple[Path, Path]:
+    """A coordinator's certificate from ``folder``'s CA valid from now+``start`` to now+``end``."""
+    ca_key, ca_cert = load_ca(CertPaths(folder))
+    key, now = new_private_key(), dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now + start).not_valid_after(now + end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(server_san(["localhost", "127.0.0.1"]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    write_private_key(folder / f"{name}.key", key)
+    write_certificate(folder / f"{name}.pem", cert)
+    return folder / f"{name}.pem", folder / f"{name}.key"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    """A 'fedpar certs' folder (agent alice) plus an expired and a not-yet-valid coordinator's certificate."""
+    folder = tmp_path_factory.mktemp("kinds") / "certs"
+    ensure_certs(folder, ["alice"])
+    _server_cert(folder, "expired", -dt.timedelta(days=10), -dt.timedelta(days=1))
+    _server_cert(folder, "future", dt.timedelta(days=1), dt.timedelta(days=10))
+    return folder
+
+
+def _fedpar(args: list[str], cwd: Path) -> tuple[int, str]:
+    """A real `fedpar` process that must end by itself: its exit code and stderr."""
+    proc = subprocess.run([sys.executable, "-m", "fedpar", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+    return proc.returncode, proc.stderr
+
+
+def _tls(c: Path, cert: str, key: str, ca: str = "ca.pem") -> list[str]:
+    return ["--tls-cert", str(c / cert), "--tls-key", str(c / key), "--tls-ca", str(c / ca)]
+
+
+def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_line(certs, tmp_path):
+    serve = ["serve", "--port", "0", "--rounds", "1", "--min-available", "2", "--out", str(tmp_path / "run")]
+    client = ["client", "--server", "127.0.0.1:9", "--threads", "1", "--give-up-after", "5"]
+    cases = {  # name: (command line, what its one line says)
+        "agent's as the coordinator's": ([*serve, *_tls(certs, "alice.pem", "alice.key")],
+                                         f"{certs / 'alice.pem'} is the client certificate of 'alice' (an agent's or "
+                                         "operator's ID.pem), not one for a coordinator; give the coordinator's"),
+        "CA's as the coordinator's": ([*serve, *_tls(certs, "ca.pem", "ca.key")],
+                                      f"{certs / 'ca.pem'} is a CA certificate (ca.pem), which signs certificates but "
+                                      "is no endpoint's own"),
+        "leaf as the CA": ([*serve, *_tls(certs, "server.pem", "server.key", "alice.pem")],
+                           f"{certs / 'alice.pem'} is the client certificate of 'alice' (an agent's or operator's "
+                           "ID.pem), not a CA certificate; give the ca.pem"),
+        "expired coordinator's": ([*serve, *_tls(certs, "expired.pem", "expired.key")],
+                                  f"{certs / 'expired.pem'} expired on "),
+        "coordinator's not valid yet": ([*serve, *_tls(certs, "future.pem", "future.key")],
+                                        f"{certs / 'future.pem'} is valid only from "),
+        "coordinator's as an agent's": ([*client, "--agent-id", "localhost", *_tls(certs, "server.pem", "server.key")],
+                                        f"{certs / 'server.pem'} is a coordinator's certificate (server.pem, for "
+                                        "'localhost'), not one for an agent or operator"),
+        "leaf as the agent's CA": ([*client, "--agent-id", "alice", *_tls(certs, "alice.pem", "alice.key", "alice.pem")],
+                                   "not a CA certificate; give the ca.pem"),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(cases, pool.map(lambda case: _fedpar(case[0], tmp_path), cases.values())))
+    for name, (code, err) in results.items():
+        assert code == 2, (name, err)
+        assert "Traceback" not in err and "listening" not in err, (name, err)
+        lines = [line for line in err.splitlines() if line.startswith("fedpar ")]
+        assert len(lines) == 1 and cases[name][1] in lines[0], (name, err)
