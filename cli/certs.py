@@ -16,8 +16,8 @@ from pathlib import Path
 from fedpar.cli.declared import add_declared, section
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.security.admission import append_revocation, mint_token, parse_token_hashes
-from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, CertPaths, check_agent_id, ensure_certs, \
-    load_certificate
+from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, RESERVED_NAMES, CertPaths, check_agent_id, \
+    common_name, ensure_certs, load_certificate
 from fedpar.sections import Output
 from fedpar.settings import setting
 
@@ -65,9 +65,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_declared(p, CertsOptions, required=("out",))
 
 
+def _names_itself(pem: Path) -> bool:
+    """Whether ``pem`` is a certificate whose subject CN is its file's name (ID.pem of agent ID)."""
+    try:
+        return common_name(load_certificate(pem)) == pem.stem
+    except (OSError, ValueError):
+        return False
+
+
 def known_agents(paths: CertPaths) -> set[str]:
-    """Agent ids with a certificate (ID.pem beside ID.key) or an enrollment token in ``paths``."""
-    certs = {p.stem for p in paths.root.glob("*.pem") if (paths.root / f"{p.stem}.key").exists()} - {"ca", "server"}
+    """Agent ids with a certificate (ID.pem, its key here or already given to the agent) or an enrollment token in
+    ``paths``."""
+    certs = {p.stem for p in paths.root.glob("*.pem") if p.stem not in RESERVED_NAMES and _names_itself(p)}
     tokens = set(parse_token_hashes(paths.tokens.read_text(), str(paths.tokens))) if paths.tokens.exists() else set()
     return certs | tokens
 

@@ -179,3 +179,21 @@ def test_insecure_is_explicit_and_warns(made, caplog):
     with caplog.at_level("WARNING", logger="fedpar.security"):
         plain = client_security(build_parser().parse_args(["client", "--agent-id", "alice", "--insecure"]))
     assert plain.credentials is None and "--insecure: plaintext gRPC" in caplog.text
+
+
+def test_an_agent_whose_key_was_handed_over_can_still_be_revoked_by_name(tmp_path):
+    # The docs: give each agent only ca.pem and its own ID.pem/ID.key; the key moved to alice's machine must not make
+    # 'fedpar certs --revoke alice' answer that there is no agent alice.
+    import subprocess
+    import sys
+
+    out = tmp_path / "certs"
+    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
+    subprocess.run([*fedpar, "--agents", "alice,bob"], check=True, capture_output=True, timeout=60)
+    (out / "alice.key").rename(tmp_path / "alice.key")
+    (out / "bundle.pem").write_bytes((out / "ca.pem").read_bytes())  # a stray PEM names no agent
+    done = subprocess.run([*fedpar, "--revoke", "alice"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"revoked agent alice in {out / 'revoked.txt'}" in done.stdout, done.stderr
+    assert parse_revocations((out / "revoked.txt").read_text())[0] == {"alice"}
+    done = subprocess.run([*fedpar, "--revoke", "bundle"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "(agents there: alice, bob;" in done.stderr, done.stderr
