@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import ssl
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,18 @@ def _wants_tls(args: argparse.Namespace) -> bool:
     return bool(args.certs or args.tls_cert or args.tls_key or args.tls_ca)
 
 
+def warn_if_exposed(key: Path | None, whose: str) -> None:
+    """Log a warning when private key ``key`` is readable by other users of this machine (they could pose as
+    ``whose``); not an error, as mounted secrets are often mode 0644."""
+    try:
+        mode = stat.S_IMODE(key.stat().st_mode) if key is not None else 0
+    except OSError:  # said by the credentials that read it
+        return
+    if mode & 0o044:
+        log.warning("private key %s is readable by other users of this machine (mode %o): any of them can pose as "
+                    "%s; make it readable by its owner only: chmod 600 %s", key, mode, whose, key)
+
+
 @dataclass
 class ServerSecurity:
     """What ``fedpar serve`` needs: credentials (None: plaintext) and the admission policy."""
@@ -119,6 +132,7 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
         credentials, mutual = server_credentials(files), files.ca is not None
         data_tls = server_ssl_context(files)
+        warn_if_exposed(files.key, "this coordinator")
         if not mutual and tokens is None:
             raise TlsSetupError("without --tls-ca (server-only TLS) agents have no certificate to prove who they "
                                 "are: pass --enrollment-tokens FILE, or --certs DIR for mutual TLS")
@@ -170,6 +184,7 @@ def client_security(args: argparse.Namespace, host_id: str | None = None) -> Cli
     except ValueError as exc:  # an agent id that cannot name certificate files
         raise TlsSetupError(str(exc)) from None
     credentials = channel_credentials(files)
+    warn_if_exposed(files.key, f"agent {identity!r}")
     if files.cert is not None:
         cn = certificate_common_name(files.cert)
         if cn != identity:

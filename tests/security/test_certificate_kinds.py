@@ -89,3 +89,22 @@ def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_l
         assert "Traceback" not in err and "listening" not in err, (name, err)
         lines = [line for line in err.splitlines() if line.startswith("fedpar ")]
         assert len(lines) == 1 and cases[name][1] in lines[0], (name, err)
+
+
+def test_a_private_key_readable_by_other_users_is_warned_about_with_the_fix(certs, tmp_path):
+    import shutil
+
+    exposed = tmp_path / "exposed"
+    shutil.copytree(certs, exposed)
+    (exposed / "alice.key").chmod(0o644)
+    code, err = _fedpar(["client", "--server", "127.0.0.1:9", "--certs", str(exposed), "--agent-id", "alice",
+                         "--threads", "1", "--give-up-after", "2"], tmp_path)
+    warnings = [line for line in err.splitlines() if "readable by other users" in line]
+    assert len(warnings) == 1, err
+    assert f"private key {exposed / 'alice.key'} is readable by other users of this machine (mode 644): any of them " \
+           f"can pose as agent 'alice'; make it readable by its owner only: chmod 600 {exposed / 'alice.key'}" \
+           in warnings[0]
+    assert code == 1 and "Traceback" not in err, err  # it still runs: unreachable, it gives up
+    code, err = _fedpar(["client", "--server", "127.0.0.1:9", "--certs", str(certs), "--agent-id", "alice",
+                         "--threads", "1", "--give-up-after", "1"], tmp_path)
+    assert "readable by other users" not in err, err  # fedpar certs writes keys 0600
