@@ -2,7 +2,9 @@
 round (sampled = the messages' nodes, the deadline = the Grid's timeout capped by --deadline-seconds, first K =
 every node), whose tasks carry the Messages (TrainTask.flower_message) and whose answers are the members' reply
 Messages (the ReplyMessage call), each checked on receipt. A node that misses the deadline gives no reply, as
-Flower's ``send_and_receive`` with a timeout; a reply that cannot be taken becomes that node's error reply."""
+Flower's ``send_and_receive`` with a timeout; a reply that cannot be taken (it does not parse, answers another
+Message, or holds NaN or Inf arrays, which no strategy may fold into the global model) becomes that node's error
+reply."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
+from fedpar.aggregation.accumulator import all_finite
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.flower_nodes import node_id_of
 from fedpar.protocol.flower_wire import FlowerWireError, decode_message
@@ -139,6 +142,7 @@ class FlowerCoordinator(Coordinator):
             if reply.metadata.reply_to_message_id != sent.metadata.message_id:
                 raise FlowerWireError(f"it answers message {reply.metadata.reply_to_message_id!r}, not "
                                       f"{sent.metadata.message_id!r}")
+            check_finite(reply)
         except FlowerWireError as exc:
             self._replies[agent_id] = error_reply(sent, f"fedpar refused the reply of {agent_id}: {exc}")
             state.reject(slot, str(exc))
@@ -147,6 +151,18 @@ class FlowerCoordinator(Coordinator):
         slot.upload_bytes = len(request.message)
         state.count_accepted(slot)
         state.close_if_done()
+
+
+def check_finite(reply) -> None:
+    """FlowerWireError naming the first array of ``reply``'s ArrayRecords that holds NaN or Inf."""
+    if reply.has_error():
+        return
+    for record_name, record in reply.content.array_records.items():
+        for name, array in record.items():
+            values = array.numpy()
+            if values.dtype.kind in "fc" and not all_finite(values):
+                raise FlowerWireError(f"its array {name!r} (ArrayRecord {record_name!r}) holds NaN or Inf; fix the "
+                                      "ClientApp (lower its learning rate if its training diverged)")
 
 
 def exchange_status(replies, sent: int) -> str:

@@ -23,6 +23,8 @@ def train(msg: Message, context: Context) -> Message:
     time.sleep(float(context.run_config.get("train-seconds", 0.0)))
     new, loss, examples = train_fn(dict(zip(names, arrays)), partition_id, float(msg.content["config"]["lr"]),
                                    int(context.run_config["local-steps"]))
+    if context.run_config.get("nan-partition", -1) == partition_id:
+        new = {n: a * float("nan") for n, a in new.items()}
     history = context.state.get("history", MetricRecord({"rounds": 0}))
     history["rounds"] = int(history["rounds"]) + 1
     context.state["history"] = history

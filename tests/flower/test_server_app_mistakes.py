@@ -1,0 +1,33 @@
+"""Mistakes of a Flower App whose ServerApp drives the run (``fedpar simulate --flower-app`` without
+``--strategy``), run by real worker processes over loopback gRPC: they never reach the global model, and a ServerApp
+that runs no round says so in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from fedpar.server.final_model import load_final_model  # noqa: E402
+from fedpar.simulations.config import SimulationConfig  # noqa: E402
+from fedpar.simulations.flower_app_run import run_flower_app  # noqa: E402
+from fedpar.tasks.flower_app import load_flower_app  # noqa: E402
+
+APP = Path(__file__).parent / "tiny_app"
+
+
+def test_a_client_apps_nan_arrays_are_its_error_reply_and_never_reach_the_global_model(tmp_path):
+    """The ServerApp's FedAvg averaged them in: global.safetensors held NaN, exit 0 (QA)."""
+    overrides = "nan-partition=1"
+    cfg = SimulationConfig(clients=3, workers=1, seats=1, out=str(tmp_path / "out"), deadline_seconds=30.0)
+    run_flower_app(cfg, load_flower_app(APP, overrides), overrides)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["error_replies"], r["rejected"]) for r in rows if r["message_type"] == "train"] == \
+        [("ok", 1, 1)] * 2
+    names, arrays = load_final_model(tmp_path / "out")
+    assert names == ["w", "b"] and all(np.isfinite(a).all() for a in arrays)
+
