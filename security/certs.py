@@ -211,6 +211,15 @@ def load_ca(paths: CertPaths) -> tuple[PrivateKey, x509.Certificate]:
     return key, load_certificate(paths.ca_cert)
 
 
+def check_ca_dates(ca_cert: x509.Certificate, path: Path) -> None:
+    """ValueError unless the CA is valid now: what it issued would be refused by every peer."""
+    now = dt.datetime.now(dt.timezone.utc)
+    if ca_cert.not_valid_after_utc < now:
+        raise ValueError(f"the CA certificate {path} expired on {ca_cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, so "
+                         "no certificate it issues is accepted; make a new folder with 'fedpar certs --out NEW_DIR "
+                         "--agents ...' and give it to the coordinator and every agent")
+
+
 def common_name(cert: x509.Certificate) -> str:
     """The subject common name of ``cert`` ('' if it has none)."""
     attrs = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
@@ -248,6 +257,7 @@ def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[s
     created_ca = False
     if paths.ca_cert.exists() and paths.ca_key.exists():
         ca_key, ca_cert = load_ca(paths)
+        check_ca_dates(ca_cert, paths.ca_cert)
     elif paths.ca_cert.exists() or paths.ca_key.exists():
         raise ValueError(f"{paths.root} holds only one of ca.pem and ca.key; restore the other or use a new --out")
     else:

@@ -97,6 +97,18 @@ def _kind(cert: x509.Certificate) -> str:
     return f"the client certificate of {common_name(cert)!r} (an agent's or operator's ID.pem)"
 
 
+def _valid_now(cert: x509.Certificate) -> bool:
+    """Whether the clock of this machine is within ``cert``'s validity."""
+    return cert.not_valid_before_utc <= dt.datetime.now(dt.timezone.utc) <= cert.not_valid_after_utc
+
+
+def _when_invalid(cert: x509.Certificate) -> str:
+    """Why ``cert`` is not valid now, for messages: 'expired on ...' or 'is valid only from ...'."""
+    if dt.datetime.now(dt.timezone.utc) > cert.not_valid_after_utc:
+        return f"expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+    return f"is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (check this machine's clock)"
+
+
 def check_leaf(cert: x509.Certificate, path: Path, usage: str | None) -> None:
     """TlsSetupError unless ``cert`` fits an endpoint of ``usage`` ("server", "client"; None: any): not a CA's,
     issued for that use and, for a coordinator's, valid now (agents would all fail their handshakes)."""
@@ -113,11 +125,8 @@ def check_leaf(cert: x509.Certificate, path: Path, usage: str | None) -> None:
         usages = [USAGES[usage]]  # a certificate without usages may serve either end
     if USAGES[usage] not in usages:
         raise TlsSetupError(f"{path} is {_kind(cert)}, not one for {ENDPOINTS[usage]}; give {want}")
-    now = dt.datetime.now(dt.timezone.utc)
-    if usage == "server" and not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-        when = (f"expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC" if now > cert.not_valid_after_utc else
-                f"is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (check this machine's clock)")
-        raise TlsSetupError(f"{path} {when}, so every agent would refuse it; re-issue it with 'fedpar certs --out DIR "
+    if usage == "server" and not _valid_now(cert):
+        raise TlsSetupError(f"{path} {_when_invalid(cert)}, so every agent would refuse it; re-issue it with 'fedpar certs --out DIR "
                             "--server-name NAME' (one per name agents dial)")
 
 
@@ -152,6 +161,10 @@ def load_ca(path: Path) -> bytes:
         if not _is_ca(cert):  # said later as every peer's certificate being 'not signed by the CA'
             raise TlsSetupError(f"{path} is {_kind(cert)}, not a CA certificate; give the ca.pem of the 'fedpar "
                                 "certs' folder that issued the certificates")
+    if not any(_valid_now(cert) for cert in certs):  # every handshake would fail, each side blaming the other
+        raise TlsSetupError(f"the CA certificate {path} {_when_invalid(certs[0])}, so no certificate it issued is "
+                            "accepted; make a new folder with 'fedpar certs --out NEW_DIR --agents ...' and give it to "
+                            "the coordinator and every agent")
     return pem
 
 

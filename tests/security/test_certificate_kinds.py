@@ -108,3 +108,35 @@ def test_a_private_key_readable_by_other_users_is_warned_about_with_the_fix(cert
     code, err = _fedpar(["client", "--server", "127.0.0.1:9", "--certs", str(certs), "--agent-id", "alice",
                          "--threads", "1", "--give-up-after", "1"], tmp_path)
     assert "readable by other users" not in err, err  # fedpar certs writes keys 0600
+
+
+def _expire_ca(folder: Path) -> None:
+    """Re-sign ``folder``'s CA certificate (same key and name, so its certificates still chain) as expired."""
+    ca_key, ca_cert = load_ca(CertPaths(folder))
+    now = dt.datetime.now(dt.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(ca_cert.subject).issuer_name(ca_cert.subject)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - dt.timedelta(days=3650)).not_valid_after(now - dt.timedelta(days=1)))
+    for extension in ca_cert.extensions:
+        builder = builder.add_extension(extension.value, extension.critical)
+    write_certificate(folder / "ca.pem", builder.sign(ca_key, hashes.SHA256()))
+
+
+def test_an_expired_ca_is_said_by_serve_client_and_certs_instead_of_every_handshake_failing(tmp_path):
+    folder = tmp_path / "old"
+    ensure_certs(folder, ["alice"])
+    _expire_ca(folder)
+    cases = {
+        "serve": ["serve", "--port", "0", "--certs", str(folder), "--min-available", "2", "--out", str(tmp_path / "r")],
+        "client": ["client", "--server", "127.0.0.1:9", "--certs", str(folder), "--agent-id", "alice", "--threads", "1",
+                   "--give-up-after", "5"],
+        "certs": ["certs", "--out", str(folder), "--agents", "carol"],
+    }
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(cases, pool.map(lambda args: _fedpar(args, tmp_path), cases.values())))
+    for name, (code, err) in results.items():
+        lines = [line for line in err.splitlines() if line.startswith("fedpar ")]
+        assert code == 2 and len(lines) == 1, (name, err)
+        assert f"the CA certificate {folder / 'ca.pem'} expired on " in lines[0], (name, err)
+        assert "make a new folder with 'fedpar certs --out NEW_DIR" in lines[0], (name, err)
+    assert not (folder / "carol.pem").exists()
