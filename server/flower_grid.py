@@ -42,6 +42,11 @@ class ServerAppFailed(TaskFailed):
     """The Flower App's ServerApp raised: the run stops, its one line names what the app raised."""
 
 
+NOTHING_SENT = ("the ServerApp's main returned without sending a Message, so no round ran and there is no model: "
+                "its main must send them, e.g. FedAvg(...).start(grid=grid, initial_arrays=..., num_rounds=N) with N "
+                "at least 1 (check the run config's num-server-rounds): fix the app")
+
+
 class CoordinatorGrid(Grid):
     """A Flower Grid whose nodes are ``coordinator``'s live members and whose messages travel as its rounds."""
 
@@ -51,6 +56,7 @@ class CoordinatorGrid(Grid):
         self._run = Run.create_empty(FLOWER_RUN_ID)
         self._rounds: list[tuple[set[str], Future]] = []  # pushed rounds: their message ids, their replies
         self._lock = threading.Lock()
+        self.sent_any = False  # whether the ServerApp sent a Message at all (one that runs no round is a mistake)
 
     # ----------------------------------------------------------------- run
     def set_run(self, run: Run) -> None:
@@ -132,6 +138,7 @@ class CoordinatorGrid(Grid):
         refused: list[Message] = []
         message_type, flower_round = "", 0
         for message in messages:
+            self.sent_any = True
             meta = message.metadata
             meta.__dict__["_message_id"] = str(uuid.uuid4())  # as Flower's grids do
             meta.delivered_at = ""
@@ -207,6 +214,8 @@ def server_app_main(server_app: ServerApp, run_config: dict, patience: float = 3
                 raise
             except Exception as exc:  # the app's own code (or Flower's strategy in it): its words, in one line
                 raise ServerAppFailed(f"the ServerApp failed: {raised(exc)}: fix the app") from exc
+        if not grid.sent_any:
+            raise ServerAppFailed(NOTHING_SENT)
         arrays = results[-1].arrays if results and len(results[-1].arrays) else coordinator.sent_arrays
         final = sent_model(arrays) if arrays is not None and len(arrays) else None
         return final, result_summary(results[-1]) if results else {}

@@ -5,6 +5,8 @@ that runs no round says so in one line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,3 +33,13 @@ def test_a_client_apps_nan_arrays_are_its_error_reply_and_never_reach_the_global
     names, arrays = load_final_model(tmp_path / "out")
     assert names == ["w", "b"] and all(np.isfinite(a).all() for a in arrays)
 
+
+def test_a_server_app_that_sends_no_message_stops_in_one_line(tmp_path):
+    """It ended at once with exit 0, only summary.json written and no word that no round ran (QA)."""
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--run-config",
+                           "send-nothing=true", "--clients", "2", "--workers", "1", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith("fedpar simulate: the ServerApp's main returned without sending a Message, so no "
+                                "round ran"), done.stderr[-3000:]

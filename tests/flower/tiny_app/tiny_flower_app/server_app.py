@@ -15,6 +15,8 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """FedAvg on every node for num-server-rounds rounds; the final arrays saved to final-path (if set)."""
+    if context.run_config.get("send-nothing", False):
+        return
     strategy = FedAvg(fraction_train=1.0, fraction_evaluate=1.0, min_available_nodes=2)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord({name: Array(a) for name, a in initial_arrays().items()}),
                             num_rounds=int(context.run_config["num-server-rounds"]),
