@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.exceptions import InvalidSignature
+
 from fedpar.cli.declared import add_declared, section
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.security.admission import append_revocation, mint_token, parse_token_hashes
@@ -100,6 +102,29 @@ def check_known_agent(paths: CertPaths, agent_id: str) -> str:
     return " and ".join(kinds)
 
 
+def serial_to_revoke(paths: CertPaths, pem: Path) -> int:
+    """The serial number of certificate ``pem``; ValueError unless it is an agent's or operator's that the CA of
+    ``paths`` issued (revoking any other serial would revoke nothing, yet say it had)."""
+    try:
+        cert = load_certificate(pem)
+    except IsADirectoryError:
+        raise ValueError(f"--revoke-cert {pem} is a folder; give the .pem file of the certificate to revoke") from None
+    except ValueError:  # cryptography's 'Unable to load PEM file. See https://... MalformedFraming'
+        raise ValueError(f"--revoke-cert {pem} is not a PEM certificate; give the .pem file of the "
+                         "certificate to revoke") from None
+    ca = load_certificate(paths.ca_cert)
+    if cert.serial_number == ca.serial_number or cert.subject == cert.issuer:
+        raise ValueError(f"--revoke-cert {pem} is a CA certificate, whose serial no agent presents: to stop trusting "
+                         "everything it issued, make a new folder ('fedpar certs --out NEW_DIR --agents ...') and give "
+                         "it to the coordinator and the agents to keep")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError):
+        raise ValueError(f"--revoke-cert {pem} was not issued by the CA in {paths.ca_cert}, so coordinators of "
+                         f"{paths.root} refuse it already; give the certificate made in {paths.root}") from None
+    return cert.serial_number
+
+
 def run(args: argparse.Namespace) -> int:
     """Create, extend or revoke, then say what to run next."""
     paths = CertPaths(Path(args.out))
@@ -122,11 +147,7 @@ def run(args: argparse.Namespace) -> int:
             append_revocation(paths.revoked, agent_id=agent_id)
             print(f"revoked {kinds[agent_id]} {agent_id} in {paths.revoked}")
         for pem in args.revoke_cert:
-            try:
-                serial = load_certificate(pem).serial_number
-            except ValueError:  # cryptography's 'Unable to load PEM file. See https://... MalformedFraming'
-                raise ValueError(f"--revoke-cert {pem} is not a PEM certificate; give the .pem file of the "
-                                 "certificate to revoke") from None
+            serial = serial_to_revoke(paths, pem)
             append_revocation(paths.revoked, serial=serial)
             print(f"revoked certificate {pem} (serial {serial:x}) in {paths.revoked}")
         for agent_id in args.mint_token:

@@ -197,3 +197,23 @@ def test_an_agent_whose_key_was_handed_over_can_still_be_revoked_by_name(tmp_pat
     assert parse_revocations((out / "revoked.txt").read_text())[0] == {"alice"}
     done = subprocess.run([*fedpar, "--revoke", "bundle"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "(agents there: alice, bob;" in done.stderr, done.stderr
+
+
+def test_revoke_cert_refuses_a_certificate_whose_serial_would_revoke_nothing(tmp_path):
+    # It said 'revoked certificate ...' for the CA's own certificate or another folder's, neither of which any agent
+    # of this folder presents: the operator believed revoked what still worked.
+    import subprocess
+    import sys
+
+    out, other = tmp_path / "certs", tmp_path / "other"
+    for folder in (out, other):
+        subprocess.run([sys.executable, "-m", "fedpar", "certs", "--out", str(folder), "--agents", "alice"],
+                       check=True, capture_output=True, timeout=60)
+    cases = {out / "ca.pem": "is a CA certificate, whose serial no agent presents",
+             other / "alice.pem": f"was not issued by the CA in {out / 'ca.pem'}",
+             out: "is a folder; give the .pem file"}
+    for pem, said in cases.items():
+        done = subprocess.run([sys.executable, "-m", "fedpar", "certs", "--out", str(out), "--revoke-cert", str(pem)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and said in done.stderr, (pem, done.stderr)
+    assert not (out / "revoked.txt").exists()
