@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedpar.security.certs import CertPaths, common_name
+from fedpar.security.certs import OPERATOR_ROLE, CertPaths, common_name
 
 HOW_TO_FIX = ("make certificates with 'fedpar certs --out certs --agents ID1,ID2' and pass '--certs certs', "
               "or pass '--insecure' for plaintext gRPC (only on a network you trust)")
@@ -74,6 +74,10 @@ def _read(path: Path, what: str) -> bytes:
 
 USAGES = {"server": ExtendedKeyUsageOID.SERVER_AUTH, "client": ExtendedKeyUsageOID.CLIENT_AUTH}
 ENDPOINTS = {"server": "a coordinator", "client": "an agent or operator"}
+REISSUE = {"server": "every agent would refuse it; re-issue it with 'fedpar certs --out DIR --server-name NAME' (one per "
+                     "name agents dial)",
+           "client": "the coordinator would refuse it; have a new one issued: 'fedpar certs --out DIR {flag} {name} "
+                     "--force'"}
 
 
 def _is_ca(cert: x509.Certificate) -> bool:
@@ -97,6 +101,12 @@ def _kind(cert: x509.Certificate) -> str:
     return f"the client certificate of {common_name(cert)!r} (an agent's or operator's ID.pem)"
 
 
+def _flag_of(cert: x509.Certificate) -> str:
+    """The 'fedpar certs' option that issues a client certificate like ``cert``: --operators or --agents."""
+    units = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)]
+    return "--operators" if OPERATOR_ROLE in units else "--agents"
+
+
 def _valid_now(cert: x509.Certificate) -> bool:
     """Whether the clock of this machine is within ``cert``'s validity."""
     return cert.not_valid_before_utc <= dt.datetime.now(dt.timezone.utc) <= cert.not_valid_after_utc
@@ -111,7 +121,7 @@ def _when_invalid(cert: x509.Certificate) -> str:
 
 def check_leaf(cert: x509.Certificate, path: Path, usage: str | None) -> None:
     """TlsSetupError unless ``cert`` fits an endpoint of ``usage`` ("server", "client"; None: any): not a CA's,
-    issued for that use and, for a coordinator's, valid now (agents would all fail their handshakes)."""
+    issued for that use and valid now (else the peer refuses it, which TLS tells neither side clearly)."""
     want = {"server": "the coordinator's certificate (server.pem of its 'fedpar certs' folder)",
             "client": "this agent's own certificate (ID.pem of its 'fedpar certs' folder)"}.get(usage)
     if _is_ca(cert):
@@ -125,9 +135,8 @@ def check_leaf(cert: x509.Certificate, path: Path, usage: str | None) -> None:
         usages = [USAGES[usage]]  # a certificate without usages may serve either end
     if USAGES[usage] not in usages:
         raise TlsSetupError(f"{path} is {_kind(cert)}, not one for {ENDPOINTS[usage]}; give {want}")
-    if usage == "server" and not _valid_now(cert):
-        raise TlsSetupError(f"{path} {_when_invalid(cert)}, so every agent would refuse it; re-issue it with 'fedpar certs --out DIR "
-                            "--server-name NAME' (one per name agents dial)")
+    if not _valid_now(cert):
+        raise TlsSetupError(f"{path} {_when_invalid(cert)}, so {REISSUE[usage].format(name=common_name(cert), flag=_flag_of(cert))}")
 
 
 def load_pair(files: TlsFiles, usage: str | None = None) -> tuple[bytes, bytes]:

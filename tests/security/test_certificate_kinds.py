@@ -1,7 +1,7 @@
 """A certificate of the wrong kind is said at start-up, in one line naming the file, by real `fedpar serve` and
 `fedpar client` processes: an agent's certificate as the coordinator's, a CA's as an endpoint's, a leaf as the CA,
-the coordinator's as an agent's, and a coordinator's certificate that expired or is not valid yet (every agent
-would fail its handshake while the coordinator waited for them)."""
+the coordinator's as an agent's, and a certificate that expired or is not valid yet (the coordinator's: every agent
+would fail its handshake while it waited for them; an operator's: `fedpar run` said the service was not there)."""
 
 from __future__ import annotations
 
@@ -16,35 +16,42 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedpar.security.certs import CertPaths, ensure_certs, load_ca, new_private_key, server_san, write_certificate, \
-    write_private_key
+from fedpar.security.certs import OPERATOR_ROLE, CertPaths, ensure_certs, load_ca, new_private_key, server_san, \
+    write_certificate, write_private_key
 
-ROOT = Path(__file__).resolve().parents[2]
+CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH
 
 
-def _server_cert(folder: Path, name: str, start: dt.timedelta, end: dt.timedelta) -> tuple[Path, Path]:
-    """A coordinator's certificate from ``folder``'s CA valid from now+``start`` to now+``end``."""
+def _leaf(folder: Path, file: str, start: dt.timedelta, end: dt.timedelta, name: str = "localhost",
+          usage=ExtendedKeyUsageOID.SERVER_AUTH, operator: bool = False) -> None:
+    """FILE.pem and FILE.key in ``folder``: a certificate from its CA for ``name`` valid from now+``start`` to
+    now+``end`` (by default a coordinator's)."""
     ca_key, ca_cert = load_ca(CertPaths(folder))
     key, now = new_private_key(), dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+    subject = [x509.NameAttribute(NameOID.COMMON_NAME, name)]
+    subject += [x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, OPERATOR_ROLE)] if operator else []
+    cert = (x509.CertificateBuilder().subject_name(x509.Name(subject))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now + start).not_valid_after(now + end)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .add_extension(server_san(["localhost", "127.0.0.1"]), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    write_private_key(folder / f"{name}.key", key)
-    write_certificate(folder / f"{name}.pem", cert)
-    return folder / f"{name}.pem", folder / f"{name}.key"
+    write_private_key(folder / f"{file}.key", key)
+    write_certificate(folder / f"{file}.pem", cert)
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    """A 'fedpar certs' folder (agent alice) plus an expired and a not-yet-valid coordinator's certificate."""
+    """A 'fedpar certs' folder (agent alice) plus an expired and a not-yet-valid coordinator's certificate, and an
+    expired certificate of agent alice and of operator ops."""
     folder = tmp_path_factory.mktemp("kinds") / "certs"
     ensure_certs(folder, ["alice"])
-    _server_cert(folder, "expired", -dt.timedelta(days=10), -dt.timedelta(days=1))
-    _server_cert(folder, "future", dt.timedelta(days=1), dt.timedelta(days=10))
+    _leaf(folder, "expired", -dt.timedelta(days=10), -dt.timedelta(days=1))
+    _leaf(folder, "future", dt.timedelta(days=1), dt.timedelta(days=10))
+    _leaf(folder, "alice-expired", -dt.timedelta(days=10), -dt.timedelta(days=1), "alice", CLIENT_AUTH)
+    (folder / "operators").mkdir()
+    _leaf(folder, "operators/ops", -dt.timedelta(days=10), -dt.timedelta(days=1), "ops", CLIENT_AUTH, operator=True)
     return folder
 
 
@@ -79,6 +86,10 @@ def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_l
         "coordinator's as an agent's": ([*client, "--agent-id", "localhost", *_tls(certs, "server.pem", "server.key")],
                                         f"{certs / 'server.pem'} is a coordinator's certificate (server.pem, for "
                                         "'localhost'), not one for an agent or operator"),
+        "expired agent's": ([*client, "--agent-id", "alice", *_tls(certs, "alice-expired.pem", "alice-expired.key")],
+                            f"{certs / 'alice-expired.pem'} expired on "),
+        "expired operator's": (["run", "ls", "--control", "127.0.0.1:9", "--certs", str(certs), "--operator", "ops"],
+                               f"{certs / 'operators' / 'ops.pem'} expired on "),
         "leaf as the agent's CA": ([*client, "--agent-id", "alice", *_tls(certs, "alice.pem", "alice.key", "alice.pem")],
                                    "not a CA certificate; give the ca.pem"),
     }
