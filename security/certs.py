@@ -247,7 +247,7 @@ def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[s
                  days: int = DEFAULT_DAYS, force: bool = False, operators: Iterable[str] = ()) -> CertReport:
     """Make (or extend) a certificate folder: the CA if missing, the server certificate if missing or if
     ``server_names`` is given, one certificate per agent and one per operator (existing ones kept unless
-    ``force``)."""
+    ``force``, which leaves the server certificate as it is)."""
     paths = CertPaths(Path(out))
     agents = [check_agent_id(a) for a in agents]
     if days < 1:
@@ -266,7 +266,7 @@ def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[s
         write_certificate(paths.ca_cert, ca_cert)
         written += [paths.ca_cert, paths.ca_key]
         created_ca = True
-    if server_names is not None or force or not paths.server_cert.exists():
+    if server_names is not None or not paths.server_cert.exists():  # not --force: it would drop its names
         key, cert = issue_server_cert(ca_key, ca_cert, list(server_names or DEFAULT_SERVER_NAMES), days)
         write_private_key(paths.server_key, key)
         write_certificate(paths.server_cert, cert)

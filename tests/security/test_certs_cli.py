@@ -217,3 +217,22 @@ def test_revoke_cert_refuses_a_certificate_whose_serial_would_revoke_nothing(tmp
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and said in done.stderr, (pem, done.stderr)
     assert not (out / "revoked.txt").exists()
+
+
+def test_force_renews_an_agents_certificate_and_leaves_the_coordinators_names_alone(tmp_path):
+    # 'fedpar certs --agents alice --force' (what an agent with an expired certificate is told to run) re-issued
+    # server.pem for localhost and 127.0.0.1 only, so every agent dialling fl.example.org failed after the next restart.
+    import subprocess
+    import sys
+
+    out = tmp_path / "certs"
+    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
+    subprocess.run([*fedpar, "--agents", "alice", "--server-name", "fl.example.org"], check=True, capture_output=True,
+                   timeout=60)
+    server, alice = out / "server.pem", out / "alice.pem"
+    before = server.read_bytes(), alice.read_bytes()
+    done = subprocess.run([*fedpar, "--agents", "alice", "--force"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"wrote {alice}" in done.stdout, done.stderr
+    assert server.read_bytes() == before[0] and alice.read_bytes() != before[1]
+    san = load_certificate(server).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["fl.example.org"]
