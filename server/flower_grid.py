@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore.run import Run
@@ -57,6 +57,7 @@ class CoordinatorGrid(Grid):
         self._rounds: list[tuple[set[str], Future]] = []  # pushed rounds: their message ids, their replies
         self._lock = threading.Lock()
         self.sent_any = False  # whether the ServerApp sent a Message at all (one that runs no round is a mistake)
+        self._training = TrainingReplies()
 
     # ----------------------------------------------------------------- run
     def set_run(self, run: Run) -> None:
@@ -103,6 +104,7 @@ class CoordinatorGrid(Grid):
                 if not future.done() or not ids & wanted:
                     continue
                 replies = [r for r in future.result() if r.metadata.reply_to_message_id in wanted]
+                self._training.received(replies)
                 out += replies
                 taken = {r.metadata.reply_to_message_id for r in replies}
                 ids -= taken
@@ -120,6 +122,10 @@ class CoordinatorGrid(Grid):
             future = self._rounds[-1][1]
         future.result()
         return self.pull_messages(ids)
+
+    def untrained(self) -> str | None:
+        """Why no train Message the ServerApp sent got a reply with content (None: one did, or it sent none)."""
+        return self._training.failure()
 
     # ----------------------------------------------------------------- helpers
     def _agents(self) -> dict[int, str]:
@@ -139,6 +145,7 @@ class CoordinatorGrid(Grid):
         message_type, flower_round = "", 0
         for message in messages:
             self.sent_any = True
+            self._training.sent(message)
             meta = message.metadata
             meta.__dict__["_message_id"] = str(uuid.uuid4())  # as Flower's grids do
             meta.delivered_at = ""
@@ -170,6 +177,37 @@ class CoordinatorGrid(Grid):
         with self._lock:
             self._rounds.append((set(ids), done))
         return list(ids)
+
+
+class TrainingReplies:
+    """Whether the ServerApp's train Messages got any reply with content, and the first error reply's reason."""
+
+    def __init__(self) -> None:
+        self.asked = self.answered = False
+        self.first_error: str | None = None
+
+    def sent(self, message: Message) -> None:
+        """Note a Message the ServerApp sends."""
+        self.asked |= message.metadata.message_type == MessageType.TRAIN
+
+    def received(self, replies: Iterable[Message]) -> None:
+        """Note the replies handed to the ServerApp."""
+        for reply in replies:
+            if reply.metadata.message_type != MessageType.TRAIN:
+                continue
+            if reply.has_error():
+                self.first_error = self.first_error or reply.error.reason
+            else:
+                self.answered = True
+
+    def failure(self) -> str | None:
+        """One line saying that nothing was trained, and why; None when a train reply had content."""
+        if not self.asked or self.answered:
+            return None
+        why = f"every reply was an error, e.g. {self.first_error}: fix the ClientApp" if self.first_error else \
+            ("no node replied before the round's deadline (the Grid's timeout, capped by --deadline): give it more "
+             "time, or make the ClientApp faster")
+        return f"no node answered the ServerApp's train messages with a model, so nothing was trained: {why}"
 
 
 def server_round(message: Message) -> int:
@@ -216,6 +254,8 @@ def server_app_main(server_app: ServerApp, run_config: dict, patience: float = 3
                 raise ServerAppFailed(f"the ServerApp failed: {raised(exc)}: fix the app") from exc
         if not grid.sent_any:
             raise ServerAppFailed(NOTHING_SENT)
+        if grid.untrained():
+            raise ServerAppFailed(grid.untrained())
         arrays = results[-1].arrays if results and len(results[-1].arrays) else coordinator.sent_arrays
         final = sent_model(arrays) if arrays is not None and len(arrays) else None
         return final, result_summary(results[-1]) if results else {}

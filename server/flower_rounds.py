@@ -161,8 +161,8 @@ def check_finite(reply) -> None:
         for name, array in record.items():
             values = array.numpy()
             if values.dtype.kind in "fc" and not all_finite(values):
-                raise FlowerWireError(f"its array {name!r} (ArrayRecord {record_name!r}) holds NaN or Inf; fix the "
-                                      "ClientApp (lower its learning rate if its training diverged)")
+                raise FlowerWireError(f"its array {name!r} (ArrayRecord {record_name!r}) holds NaN or Inf (did its "
+                                      "training diverge? lower the ClientApp's learning rate)")
 
 
 def exchange_status(replies, sent: int) -> str:

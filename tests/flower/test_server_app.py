@@ -151,7 +151,11 @@ def test_a_client_app_slower_than_the_deadline_is_no_reply_not_a_traceback(tmp_p
 
     done = run_main(["simulate", "--flower-app", str(APP), "--run-config", "num-server-rounds=1 train-seconds=1.5",
                      "--deadline", "1", "--clients", "2", "--workers", "1", "--out", str(tmp_path / "out")], capfd)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    # nothing was trained, which the run's one line says (it ended with exit 0 and the initial arrays as the model)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "fedpar simulate: no node answered the ServerApp's train messages with a model, so nothing was trained: no "
+        "node replied before the round's deadline"), done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["message_type"], r["reported"]) for r in rows] == [("train", 0), ("evaluate", 2)]
 

@@ -43,3 +43,18 @@ def test_a_server_app_that_sends_no_message_stops_in_one_line(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[-1].startswith("fedpar simulate: the ServerApp's main returned without sending a Message, so no "
                                 "round ran"), done.stderr[-3000:]
+
+
+def test_a_server_app_whose_train_messages_all_get_error_replies_stops_in_one_line(tmp_path):
+    """Every train reply an error (one ClientApp raised, the other sent NaN): it ended with exit 0 and the initial
+    arrays as global.safetensors, the reasons only in Flower's INFO lines (QA)."""
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--run-config",
+                           "num-server-rounds=1 fail-partition=0 nan-partition=1", "--clients", "2", "--workers", "1",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = lines[-1]
+    assert said.startswith("fedpar simulate: no node answered the ServerApp's train messages with a model, so nothing "
+                           "was trained: every reply was an error, e.g. ") and said.endswith(": fix the ClientApp"), said
+    assert "this partition fails on purpose" in said or "holds NaN or Inf" in said, said
+    assert not (tmp_path / "out" / "global.safetensors").exists()
