@@ -241,14 +241,17 @@ class FlowerStrategy(Strategy):
         return len(self._results)
 
     def finish(self) -> tuple[list[np.ndarray], dict[str, float]]:
-        """As :meth:`Strategy.finish`; what the Flower strategy raises at the close stops the run in one line."""
-        round_id = self.round_id
+        """As :meth:`Strategy.finish`; what the Flower strategy raises at the close, or a model it answers that
+        cannot be the global model, stops the run in one line."""
+        round_id, shapes = self.round_id, self._shapes
         try:
-            return super().finish()
+            new, metrics = super().finish()
         except (StrategyFailed, NoUpdatesError):
             raise
         except Exception as exc:  # the user's aggregation (or its answer), not a round that may fail and go on
             raise self._failed("aggregation", exc, round_id) from exc
+        assert shapes is not None
+        return self._usable(new, shapes, round_id, "aggregation"), metrics
 
     def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
         """``aggregate_fit`` on the round's results; a None answer keeps ``global_weights``."""
@@ -272,14 +275,18 @@ class FlowerStrategy(Strategy):
         if len(new) == len(global_weights):
             new = [cast_like(a, g.dtype) if a.dtype != g.dtype and a.shape == g.shape and a.dtype.kind == "f" else a
                    for a, g in zip(new, global_weights)]
+        return self._usable(new, ShapesAndDtypes.of(global_weights), self.round_id, method)
+
+    def _usable(self, new: list[np.ndarray], shapes: ShapesAndDtypes, round_id: int, method: str) -> list[np.ndarray]:
+        """``new`` if it has the model's layout and is finite; StrategyFailed naming what is wrong otherwise."""
         try:
-            new = ShapesAndDtypes.of(global_weights).check(new, f"{self.name}'s {method}")
+            new = shapes.check(new, f"{self.name}'s {method}")
         except ValueError as exc:
-            raise StrategyFailed(f"round {self.round_id}: {exc}, which cannot be the global model: fix the "
-                                 "strategy") from None
+            raise StrategyFailed(f"round {round_id}: {exc}, which cannot be the global model: fix the strategy") \
+                from None
         bad = next((i for i, a in enumerate(new) if a.dtype.kind == "f" and not np.isfinite(a).all()), None)
         if bad is not None:
-            raise StrategyFailed(f"round {self.round_id}: {self.name}'s {method} returned NaN or Inf in array {bad}, "
+            raise StrategyFailed(f"round {round_id}: {self.name}'s {method} returned NaN or Inf in array {bad}, "
                                  "which cannot be the global model: fix the strategy")
         return new
 

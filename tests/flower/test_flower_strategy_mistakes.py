@@ -1,4 +1,4 @@
-"""A legacy Flower strategy (``--strategy flower:path/file.py:Class``) whose own code raises or answers what fedpar
+"""A Flower strategy (``--strategy flower:path/file.py:Class``, legacy or Message API) whose own code raises or answers what fedpar
 cannot use stops ``fedpar simulate`` (a real coordinator and worker processes over loopback gRPC) in one line naming
 the method and the strategy, with no traceback and no final model written from its answer."""
 
@@ -40,6 +40,16 @@ STRATEGIES = textwrap.dedent("""
     class OddConfig(FedAvg):
         def configure_fit(self, server_round, parameters, client_manager):
             return [("cohort", {"lr": 1})]
+
+
+    from flwr.app import Array, ArrayRecord
+    from flwr.serverapp.strategy import FedAvg as MessageFedAvg
+
+
+    class MessageNaN(MessageFedAvg):
+        def aggregate_train(self, server_round, replies):
+            arrays, metrics = super().aggregate_train(server_round, replies)
+            return ArrayRecord({k: Array(np.full(v.shape, np.nan, np.float32)) for k, v in arrays.items()}), metrics
 """)
 
 
@@ -51,6 +61,8 @@ STRATEGIES = textwrap.dedent("""
                    "model: fix the strategy"),
     ("OddConfig", "round 1: {ref}'s configure_fit returned a list of 1 tuple, not a list of (ClientProxy, FitIns) "
                   "pairs: fix the strategy"),
+    ("MessageNaN", "round 1: {ref}'s aggregation returned NaN or Inf in array 0, which cannot be the global model: "
+                   "fix the strategy"),
 ])
 def test_a_flower_strategy_that_fails_stops_simulate_in_one_line(tmp_path, cls, said):
     """Each printed 'coordinator stopped with an error' and a traceback (ReturnsNone: 'cannot unpack non-iterable
