@@ -13,9 +13,9 @@ The agent (client/agent.py) brings fedpar's transport, mutual TLS, deadline, com
     ``proximal_mu`` (FedProx), ``max_steps`` (when capped) and the Flower strategy's own ``configure_fit`` config
     (``--strategy flower:...``). Its arrays are checked as ``get_parameters``' are; its ``num_examples`` is the
     update's weight and its metrics ``train_loss`` (or ``loss``) is reported as the agent's train loss.
-What the client's own code raises as the agent starts (``fn``, ``get_parameters``, ``get_properties``) stops the agent in
-one line; an answer of the wrong kind from ``fit`` or ``evaluate`` refuses that task with one line saying what Flower
-expects (``(arrays, num_examples, metrics)``, ``(loss, num_examples, metrics)``).
+What the client's own code raises as the agent starts (``fn``, ``get_parameters``, ``get_properties``) stops the
+agent in one line; an answer of the wrong kind from ``fit`` or ``evaluate`` refuses that task with one line saying
+what Flower expects (``(arrays, num_examples, metrics)``, ``(loss, num_examples, metrics)``).
 fit cannot be interrupted: a client that ignores ``deadline_seconds`` and finishes late has its update refused as
 late, like any agent's. The coordinator needs the training set's size when the agent joins (it bounds the example
 counts the agent may claim): pass it (``--flower-examples N``) or return ``{"num_examples": N}`` from
