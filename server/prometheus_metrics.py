@@ -62,9 +62,10 @@ class PrometheusExporter:
                                 "last round's close (fewer than started: ranks were lost)", run, registry=r)
         self.dp_epsilon = Gauge("fedpar_dp_epsilon", "differential privacy budget spent so far (epsilon at "
                                 "--privacy-delta)", run, registry=r) if privacy else None
+        self._agents = _AgentCounts(server)
         if not runs:
             self._present_at_zero()
-        self._agents = _AgentCounts(server)
+            self._resumed(server)
         r.register(self._agents)
         self._http = None
 
@@ -77,6 +78,11 @@ class PrometheusExporter:
         for direction in ("in", "out"):
             self._of(self.bytes, direction)
 
+    def _resumed(self, server) -> None:
+        """fedpar_round at the last round ``server``'s coordinator completed: a checkpoint's after a restart (else a
+        scrape says 0 until the next round ends, as if the run had started over)."""
+        self._of(self.last_round).set(server.coordinator.round_id)
+
     def _of(self, metric, *labels: str):
         """``metric``'s series for ``labels`` (and the current run's id, when runs are labelled)."""
         labels = (*labels, self.run) if self.run is not None else labels
@@ -87,6 +93,7 @@ class PrometheusExporter:
         self._agents.server = server
         self.run = str(run_id)
         self._present_at_zero()
+        self._resumed(server)
 
     def observe(self, row: dict) -> None:
         """Count one round's metrics row."""

@@ -278,3 +278,24 @@ def test_the_csv_table_appends_rows_and_is_widened_once_for_an_undeclared_column
     assert table.rewrites == 1 and path.stat().st_ino != before
     assert path.read_bytes() == csv_bytes(rows, ["round", "loss", "refused_busy", "accuracy"])
     assert [r["accuracy"] for r in csv.DictReader(path.open())] == ["", "", "0.9"]
+
+
+def test_prometheus_round_after_a_restart_is_the_checkpoints_not_zero(start_coordinator, tmp_path):
+    # A coordinator resumed after round 3 was scraped as fedpar_round 0 until round 4 ended, as if the run had
+    # started over (a dashboard's round fell to 0, an alert on progress fired).
+    from fedpar.aggregation import build_strategy
+    from fedpar.server.checkpoint import Checkpoint, save_checkpoint
+    from fedpar.server.members import CohortSampler
+
+    state = {"sampler": CohortSampler(0).state(), "strategy": build_strategy("fedavg").state_dict()[1]}
+    save_checkpoint(tmp_path / "ck", Checkpoint(3, NAMES, _weights(7), {}, state))
+    server = start_coordinator(_weights(), NAMES, rounds=5, min_available=2, checkpoint_dir=tmp_path / "ck")
+    exporter = PrometheusExporter(server)
+    port = exporter.serve("127.0.0.1", 0)
+    try:
+        got = _scrape(port)
+    finally:
+        exporter.close()
+    assert server.coordinator.round_id == 3
+    assert got[("fedpar_round", ())] == 3
+    assert got[("fedpar_rounds_total", (("status", "ok"),))] == 0  # counters count this process's rounds
