@@ -47,6 +47,40 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     return from_args(ParallelConfig, args, sequence_parallel=False)
 
 
+LAUNCH_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch_env(command: str) -> int:
+    """The world size torchrun's variables give this process; ConfigurationError, in one line, when they are set
+    by hand and cannot make a group (left in a shell after a torchrun session, or half-set in a job script)."""
+    missing = [v for v in LAUNCH_VARS if v not in os.environ]
+    fix = f"launch '{command}' with torchrun, or unset {', '.join(v for v in LAUNCH_VARS if v in os.environ)}"
+    if missing:
+        raise ConfigurationError(f"WORLD_SIZE is set in the environment but {', '.join(missing)} "
+                                 f"{'is' if len(missing) == 1 else 'are'} not; {fix}")
+    try:
+        world, rank, port = (int(os.environ[v]) for v in ("WORLD_SIZE", "RANK", "MASTER_PORT"))
+    except ValueError:
+        raise ConfigurationError("WORLD_SIZE, RANK and MASTER_PORT must be whole numbers, but the environment has "
+                                 + ", ".join(f"{v}={os.environ[v]!r}" for v in LAUNCH_VARS) + f"; {fix}") from None
+    if not 0 <= rank < world or not 0 < port < 65536:
+        raise ConfigurationError(f"the environment's RANK={rank}, WORLD_SIZE={world}, MASTER_PORT={port} make no "
+                                 f"group (RANK must be 0 to WORLD_SIZE - 1, MASTER_PORT 1 to 65535); {fix}")
+    return world
+
+
+def join_failure(exc: RuntimeError, timeout: float) -> str:
+    """The line for a process group this rank could not join (``exc`` from init_distributed)."""
+    import torch.distributed as dist
+
+    if not isinstance(exc, dist.DistError):  # already one line: e.g. rank 0 cannot listen on MASTER_PORT
+        return str(exc)
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return (f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}: the other ranks did not all meet at "
+            f"{where} within {timeout:g} s; start every rank (torchrun on each node, the same --nnodes, "
+            "--master-addr and --master-port), or unset WORLD_SIZE for one process")
+
+
 def run_engine(args: argparse.Namespace) -> int:
     """Check the degrees, then run this process as one rank (torchrun) or spawn ``--nproc`` local ranks."""
     import torch
@@ -57,8 +91,11 @@ def run_engine(args: argparse.Namespace) -> int:
     from fedpar.parallel.init import exit_rank_process, spawn
 
     under_launcher = "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     try:
+        world = check_launch_env("fedpar client") if under_launcher else args.nproc
+        if under_launcher and args.nproc not in (1, world):
+            raise ConfigurationError(f"--nproc {args.nproc} but torchrun's WORLD_SIZE is {world}: drop --nproc under "
+                                     "torchrun (its --nnodes and --nproc-per-node make the ranks)")
         if args.precision != "fp32":
             raise ConfigurationError("--precision bf16 is for single-process agents; a large-model agent trains "
                                      "in fp32 (drop --precision, or drop --nproc/--fsdp/--dp-replicate/--tp)")
@@ -108,7 +145,11 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
     flush_denormals()
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = init_distributed(args.dist_timeout, args.device)
+    try:
+        info = init_distributed(args.dist_timeout, args.device)
+    except RuntimeError as exc:  # torchrun's variables set by hand, for ranks that never came
+        print(f"fedpar client: {join_failure(exc, args.dist_timeout)}", file=sys.stderr)
+        return 2
     try:
         try:
             security = client_security(args) if info.is_main else None

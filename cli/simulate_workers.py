@@ -20,14 +20,16 @@ import sys
 
 from fedpar.cli.agent_setup import Connection
 from fedpar.cli.declared import add_declared, section
+from fedpar.cli.engine_agent import check_launch_env, join_failure
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.tlsopts import AgentTlsOptions, TlsFileOptions, client_security
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
-from fedpar.parallel.config import Device, Precision
+from fedpar.parallel.config import ConfigurationError, Device, Precision
 from fedpar.sections import Seeded
 from fedpar.simulations.config import WAITING_SEATS, Population
 
 LOG_LEVEL = "warning"
+JOIN_SECONDS = 300.0  # how long the hosts wait for one another in torch.distributed's group
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +70,16 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     torch.set_num_threads(1)
     flush_denormals()
-    info = init_distributed(device="cpu")  # rank and world size from torchrun; the group is only for numbering
+    try:
+        if "WORLD_SIZE" in os.environ:
+            check_launch_env("fedpar simulate-workers")
+        info = init_distributed(JOIN_SECONDS, device="cpu")  # rank and world size from torchrun; only for numbering
+    except ConfigurationError as exc:
+        print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # torchrun's variables set by hand, for ranks that never came
+        print(f"fedpar simulate-workers: {join_failure(exc, JOIN_SECONDS)}", file=sys.stderr)
+        return 2
     try:
         check_device_layout(args.device)
         # This machine's hosts are dealt over its GPUs, as simulate deals its worker processes.

@@ -1,0 +1,52 @@
+"""torchrun's variables set by hand (left in a shell after a torchrun session, or half-set in a job script) for a
+large-model agent or a population host: one line saying what to do and exit 2, never init_distributed's traceback
+(QA: 'RuntimeError: WORLD_SIZE is set but RANK...' and a DistStoreError after --dist-timeout, both as tracebacks)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fedpar.parallel.init import free_port
+
+AGENT = ["client", "--agent-id", "a", "--server", "127.0.0.1:1", "--insecure", "--device", "cpu",
+         "--give-up-after", "3", "--dist-timeout", "3"]
+HOST = ["simulate-workers", "--server", "127.0.0.1:1", "--insecure", "--clients", "4", "--give-up-after", "3"]
+
+
+def _run(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """``fedpar COMMAND`` under ``env`` (over a clean copy of this one's torchrun variables): exit code, output."""
+    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "fedpar", *command], env={**base, **env}, capture_output=True,
+                          text=True, timeout=90)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", [AGENT, HOST], ids=["client", "simulate-workers"])
+@pytest.mark.parametrize("env, said", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set in the environment but RANK, MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "two", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "must be whole numbers"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "make no group"),
+])
+def test_torchrun_variables_that_make_no_group_are_one_line(command, env, said):
+    code, output = _run(command, env)
+    assert code == 2 and said in output and "Traceback" not in output, output[-3000:]
+    assert "unset WORLD_SIZE" in output and f"'fedpar {command[0]}' with torchrun" in output, output
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_an_agent_rank_whose_peers_never_come_says_so_in_one_line(rank):
+    env = {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    code, output = _run(AGENT, env)
+    assert code == 2 and "Traceback" not in output, output[-3000:]
+    assert f"rank {rank} of 2: the other ranks did not all meet at 127.0.0.1:" in output, output
+
+
+def test_nproc_that_contradicts_torchrun_s_world_size_is_refused():
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    code, output = _run([*AGENT, "--nproc", "4"], env)
+    assert code == 2 and "--nproc 4 but torchrun's WORLD_SIZE is 2" in output and "Traceback" not in output, output
