@@ -8,6 +8,7 @@ trains ``--task`` (its model, loss, optimizer and client data) or the zoo's clas
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -45,6 +46,17 @@ def wants_engine(args: argparse.Namespace) -> bool:
 
 def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     return from_args(ParallelConfig, args, sequence_parallel=False)
+
+
+def _check_ranks_asked(p: ParallelConfig) -> None:
+    """ConfigurationError, in one line, for degrees above 1 given to a one-rank launch (no --nproc, no torchrun)."""
+    degrees = {"--dp-replicate": p.dp, "--fsdp": p.fsdp, "--tp": p.tp}
+    asked = {flag: d for flag, d in degrees.items() if d > 1}
+    if asked:
+        ranks = math.prod(asked.values())
+        flags = " ".join(f"{flag} {d}" for flag, d in asked.items())
+        raise ConfigurationError(f"{flags}: an agent of {ranks} ranks, but --nproc is 1; add --nproc {ranks} (or "
+                                 "launch the agent under torchrun)")
 
 
 LAUNCH_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -93,6 +105,8 @@ def run_engine(args: argparse.Namespace) -> int:
     under_launcher = "WORLD_SIZE" in os.environ
     try:
         world = check_launch_env("fedpar client") if under_launcher else args.nproc
+        if not under_launcher and world == 1:
+            _check_ranks_asked(_parallel_config(args))
         if under_launcher and args.nproc not in (1, world):
             raise ConfigurationError(f"--nproc {args.nproc} but torchrun's WORLD_SIZE is {world}: drop --nproc under "
                                      "torchrun (its --nnodes and --nproc-per-node make the ranks)")

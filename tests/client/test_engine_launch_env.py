@@ -50,3 +50,11 @@ def test_nproc_that_contradicts_torchrun_s_world_size_is_refused():
     env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     code, output = _run([*AGENT, "--nproc", "4"], env)
     assert code == 2 and "--nproc 4 but torchrun's WORLD_SIZE is 2" in output and "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("degrees, ranks", [(["--fsdp", "2"], 2), (["--fsdp", "2", "--tp", "2"], 4)])
+def test_degrees_without_nproc_say_how_many_ranks_to_ask_for(degrees, ranks):
+    """It said 'cannot infer --dp-replicate: world size 1 is not divisible by ...; choose degrees whose product
+    divides 1' (QA): the way out is --nproc."""
+    code, output = _run([*AGENT, *degrees], {})
+    assert code == 2 and f"an agent of {ranks} ranks, but --nproc is 1; add --nproc {ranks}" in output, output
