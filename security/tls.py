@@ -45,8 +45,12 @@ def server_tls_files(certs_dir: str | Path | None = None, cert: str | Path | Non
     paths = CertPaths(Path(certs_dir)) if certs_dir else None
     files = TlsFiles(_pick(cert, paths and paths.server_cert), _pick(key, paths and paths.server_key),
                      _pick(ca, paths and paths.ca_cert))
-    if files.cert is None or files.key is None:
+    if files.cert is None and files.key is None:
         raise TlsSetupError(f"no server certificate and key given; {HOW_TO_FIX}")
+    if files.key is None:  # said as neither given
+        raise TlsSetupError(f"--tls-cert {files.cert} needs its private key: add --tls-key KEY")
+    if files.cert is None:
+        raise TlsSetupError(f"--tls-key {files.key} needs its certificate: add --tls-cert PEM")
     return files
 
 

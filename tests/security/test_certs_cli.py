@@ -236,3 +236,18 @@ def test_force_renews_an_agents_certificate_and_leaves_the_coordinators_names_al
     assert server.read_bytes() == before[0] and alice.read_bytes() != before[1]
     san = load_certificate(server).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+
+
+def test_serve_with_a_certificate_but_no_key_or_a_key_but_no_certificate_says_which_is_missing(made, tmp_path):
+    # Either alone was said as 'no server certificate and key given', naming neither option.
+    import subprocess
+    import sys
+
+    serve = [sys.executable, "-m", "fedpar", "serve", "--port", "0", "--out", str(tmp_path), "--tls-ca",
+             str(made.ca_cert)]
+    for given, said in ((["--tls-cert", str(made.server_cert)], f"--tls-cert {made.server_cert} needs its private key: "
+                                                                 "add --tls-key KEY"),
+                        (["--tls-key", str(made.server_key)], f"--tls-key {made.server_key} needs its certificate: add "
+                                                               "--tls-cert PEM")):
+        done = subprocess.run([*serve, *given], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"fedpar serve: {said}", done.stderr
