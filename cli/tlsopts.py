@@ -175,6 +175,9 @@ def client_security(args: argparse.Namespace, host_id: str | None = None) -> Cli
         except UnicodeDecodeError:  # said "'utf-8' codec can't decode byte 0xcf ...", naming no file
             raise TlsSetupError(f"--enrollment-token-file {args.enrollment_token_file} is not a text file; give the "
                                 "token file 'fedpar certs --mint-token ID' wrote") from None
+        if not token:  # else every Join is refused as 'missing enrollment token', after dialling
+            raise TlsSetupError(f"--enrollment-token-file {args.enrollment_token_file} is empty; give the token file "
+                                "'fedpar certs --mint-token ID' wrote")
     if args.insecure:
         log.warning(PLAINTEXT_WARNING)
         return ClientSecurity(None, None, token)

@@ -251,3 +251,18 @@ def test_serve_with_a_certificate_but_no_key_or_a_key_but_no_certificate_says_wh
                                                                "--tls-cert PEM")):
         done = subprocess.run([*serve, *given], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"fedpar serve: {said}", done.stderr
+
+
+def test_an_empty_enrollment_token_file_is_said_before_dialling(made, tmp_path):
+    # It dialled with no token, and only the coordinator's refusal ('missing enrollment token') told why.
+    import subprocess
+    import sys
+
+    empty = tmp_path / "dave.token"
+    empty.write_text("\n")
+    done = subprocess.run([sys.executable, "-m", "fedpar", "client", "--server", "127.0.0.1:9", "--tls-ca",
+                           str(made.ca_cert), "--agent-id", "dave", "--enrollment-token-file", str(empty), "--threads",
+                           "1", "--give-up-after", "2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"fedpar client: --enrollment-token-file {empty} is empty; give the "
+                                                "token file 'fedpar certs --mint-token ID' wrote"]
