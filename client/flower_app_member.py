@@ -19,8 +19,8 @@ the run goes on without that member's update.
 
 When the app's own ServerApp drives (server/flower_grid.py), a member answers the Message its task carries
 (:func:`answer_message`): the ClientApp is called on it with the member's Context and the reply goes back serialized
-with Flower's serde; a handler that raises, or a reply that is not a reply to that Message, becomes Flower's error
-reply with the reason. A simulation's members are simulations/client_app_population.py's; a deployed agent's one
+with Flower's serde; a handler that raises, a reply that is not a reply to that Message, and one too large to travel
+(over the coordinator's --max-chunk-bytes) become Flower's error reply with the reason. A simulation's members are simulations/client_app_population.py's; a deployed agent's one
 member is :class:`FlowerAppAgent`.
 """
 
@@ -114,7 +114,14 @@ def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
         reason = f"{type(exc).__name__}: {_one_line(exc)}"
         log.warning("%s: ClientApp %s handler failed: %s", member_id, message.metadata.message_type, reason)
         reply = Message(Error(code=ERROR_CODE, reason=f"ClientApp of {member_id} failed: {reason}"), reply_to=message)
-    return encode_message(reply)
+    data = encode_message(reply)
+    if len(data) > max_bytes:  # it cannot travel: the coordinator would hear nothing until the round's deadline
+        reason = (f"its {message.metadata.message_type} reply of {len(data):,} bytes is over the {max_bytes:,}-byte "
+                  "limit of one message (the coordinator's --max-chunk-bytes): send less, or raise it (at most 64 MiB)")
+        log.warning("%s: ClientApp %s", member_id, reason)
+        data = encode_message(Message(Error(code=ERROR_CODE, reason=f"ClientApp of {member_id}: {reason}"),
+                                      reply_to=message))
+    return data
 
 
 LOSS_KEYS = ("eval_loss", "loss")  # an evaluate reply's loss, first found

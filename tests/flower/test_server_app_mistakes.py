@@ -58,3 +58,20 @@ def test_a_server_app_whose_train_messages_all_get_error_replies_stops_in_one_li
                            "was trained: every reply was an error, e.g. ") and said.endswith(": fix the ClientApp"), said
     assert "this partition fails on purpose" in said or "holds NaN or Inf" in said, said
     assert not (tmp_path / "out" / "global.safetensors").exists()
+
+
+def test_a_client_app_reply_too_large_to_travel_is_its_error_reply_at_once(tmp_path):
+    """Each member's upload failed quietly (RESOURCE_EXHAUSTED, logged at INFO), so the round waited out its whole
+    deadline and the run said no node replied in time: give it more time (QA)."""
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--run-config",
+                           "num-server-rounds=1 pad-reply=400000", "--clients", "2", "--workers", "1",
+                           "--deadline", "120", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=100)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "every reply was an error, e.g. ClientApp of client-000" in lines[-1], done.stderr[-3000:]
+    assert "train reply of 1,600," in lines[-1] and "over the 1,048,576-byte limit of one message (the " \
+        "coordinator's --max-chunk-bytes): send less, or raise it (at most 64 MiB)" in lines[-1], lines[-1]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["error_replies"], r["close_reason"]) for r in rows if r["message_type"] == "train"] == \
+        [(2, "target reached")]  # at once, not at the deadline

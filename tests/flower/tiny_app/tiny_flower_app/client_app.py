@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -29,7 +30,11 @@ def train(msg: Message, context: Context) -> Message:
     history["rounds"] = int(history["rounds"]) + 1
     context.state["history"] = history
     metrics = MetricRecord({"train_loss": loss, "num-examples": examples, "rounds": history["rounds"]})
-    return Message(RecordDict({"arrays": ArrayRecord({n: Array(new[n]) for n in names}), "metrics": metrics}), reply_to=msg)
+    padding = int(context.run_config.get("pad-reply", 0))
+    if padding:
+        new["pad"] = np.zeros(padding, np.float32)
+    return Message(RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in new.items()}), "metrics": metrics}),
+                   reply_to=msg)
 
 
 @app.evaluate()
