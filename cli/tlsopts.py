@@ -17,7 +17,8 @@ from fedpar.security.admission import Admission, RevocationList, TokenList
 from fedpar.security.certs import CertPaths
 from fedpar.security.sslcontext import client_ssl_context, server_ssl_context
 from fedpar.security.tls import (HOW_TO_FIX, TlsFiles, TlsSetupError, certificate_common_name,
-                                 channel_credentials, client_tls_files, server_credentials, server_tls_files)
+                                 channel_credentials, client_tls_files, foreign_server_certificate, server_credentials,
+                                 server_tls_files)
 from fedpar.settings import setting
 
 log = logging.getLogger("fedpar.security")
@@ -119,6 +120,18 @@ def _check_mode(args: argparse.Namespace) -> None:
         raise TlsSetupError(f"--certs {certs} is a file; give the folder 'fedpar certs --out DIR' made")
 
 
+def _foreign_server_certificate(args: argparse.Namespace, files: TlsFiles) -> None:
+    """Say that the coordinator's certificate is not from the CA it checks agents with: an error for one --certs
+    folder (every agent of it would refuse the coordinator), a warning when --tls-* name files (two CAs may be
+    meant)."""
+    what = (f"{files.cert} was not issued by the CA in {files.ca}: agents that check this coordinator with that "
+            "ca.pem (as --certs DIR does) will refuse it")
+    if not (args.tls_cert or args.tls_ca):
+        raise TlsSetupError(f"{what}; re-issue it from that CA with 'fedpar certs --out {args.certs} --server-name "
+                            "NAME' (one per name agents dial)")
+    log.warning("%s; give the server.pem and ca.pem of one 'fedpar certs' folder", what)
+
+
 def server_security(args: argparse.Namespace) -> ServerSecurity:
     """Build the coordinator's TLS credentials and admission policy; TlsSetupError says what is missing."""
     _check_mode(args)
@@ -133,6 +146,8 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
         credentials, mutual = server_credentials(files), files.ca is not None
         data_tls = server_ssl_context(files)
         warn_if_exposed(files.key, "this coordinator")
+        if mutual and foreign_server_certificate(files):
+            _foreign_server_certificate(args, files)
         if not mutual and tokens is None:
             raise TlsSetupError("without --tls-ca (server-only TLS) agents have no certificate to prove who they "
                                 "are: pass --enrollment-tokens FILE, or --certs DIR for mutual TLS")

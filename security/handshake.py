@@ -27,11 +27,10 @@ import ssl
 import time
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 
 from fedpar.security.certs import common_name
 from fedpar.security.sslcontext import client_ssl_context
-from fedpar.security.tls import TlsFiles
+from fedpar.security.tls import TlsFiles, signed_by
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # preface + empty SETTINGS
 HTTP2_SETTINGS = 0x04  # the frame type a plaintext HTTP/2 server opens with
@@ -218,22 +217,11 @@ def _why_refused(files: TlsFiles) -> str:
         if cert.not_valid_before_utc > now:
             return (f"it is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC; check this machine's "
                     "clock and the coordinator's")
-        if not any(_signed_by(cert, ca) for ca in cas):
+        if not any(signed_by(cert, ca) for ca in cas):
             issuer = ("another CA of the same name (another 'fedpar certs' folder)"
                       if any(cert.issuer == ca.subject for ca in cas) else repr(cert.issuer.rfc4514_string()))
             return (f"it was not issued by the CA in {files.ca} but by {issuer}; use the certificate and key made "
                     "for this agent in the coordinator's certificate folder ('fedpar certs --out DIR --agents ID')")
     return ("the coordinator does not trust the CA that issued it, or it was revoked; ask the coordinator's "
             "operator for a certificate from its CA ('fedpar certs --out DIR --agents ID')")
-
-
-def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
-    """Whether ``ca`` issued ``cert`` (names match and the signature verifies)."""
-    if cert.issuer != ca.subject:
-        return False
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (InvalidSignature, ValueError, TypeError):  # a bad signature, or a key type it cannot check
-        return False
-    return True
 

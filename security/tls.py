@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -161,6 +162,28 @@ def load_pair(files: TlsFiles, usage: str | None = None) -> tuple[bytes, bytes]:
                                               serialization.PublicFormat.SubjectPublicKeyInfo):
         raise TlsSetupError(f"{files.key} is not the private key of {files.cert}")
     return cert_pem, key_pem
+
+
+def signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    """Whether ``ca`` issued ``cert`` (names match and the signature verifies)."""
+    if cert.issuer != ca.subject:
+        return False
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError):  # a bad signature, or a key type it cannot check
+        return False
+    return True
+
+
+def foreign_server_certificate(files: TlsFiles) -> bool:
+    """Whether the coordinator's one certificate (no chain) was issued by none of the CAs it checks agents with:
+    agents given that ca.pem to check it, as a 'fedpar certs' folder has them, would refuse it."""
+    try:
+        certs = x509.load_pem_x509_certificates(files.cert.read_bytes())
+        cas = x509.load_pem_x509_certificates(files.ca.read_bytes())
+    except (OSError, ValueError):  # said by the credentials that read them
+        return False
+    return len(certs) == 1 and not any(signed_by(certs[0], ca) for ca in cas)
 
 
 def load_ca(path: Path) -> bytes:

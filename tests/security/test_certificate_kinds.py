@@ -1,11 +1,13 @@
 """A certificate of the wrong kind is said at start-up, in one line naming the file, by real `fedpar serve` and
 `fedpar client` processes: an agent's certificate as the coordinator's, a CA's as an endpoint's, a leaf as the CA,
-the coordinator's as an agent's, and a certificate that expired or is not valid yet (the coordinator's: every agent
-would fail its handshake while it waited for them; an operator's: `fedpar run` said the service was not there)."""
+the coordinator's as an agent's, another folder's coordinator certificate beside a CA, and a certificate that
+expired or is not valid yet (the coordinator's: every agent would fail its handshake while it waited for them; an
+operator's: `fedpar run` said the service was not there)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +54,11 @@ def certs(tmp_path_factory) -> Path:
     _leaf(folder, "alice-expired", -dt.timedelta(days=10), -dt.timedelta(days=1), "alice", CLIENT_AUTH)
     (folder / "operators").mkdir()
     _leaf(folder, "operators/ops", -dt.timedelta(days=10), -dt.timedelta(days=1), "ops", CLIENT_AUTH, operator=True)
+    other, mixed = folder.parent / "other", folder.parent / "mixed"
+    ensure_certs(other)
+    shutil.copytree(folder, mixed)
+    for name in ("server.pem", "server.key"):  # another folder's coordinator certificate beside this CA
+        shutil.copy(other / name, mixed / name)
     return folder
 
 
@@ -83,6 +90,10 @@ def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_l
                                   f"{certs / 'expired.pem'} expired on "),
         "coordinator's not valid yet": ([*serve, *_tls(certs, "future.pem", "future.key")],
                                         f"{certs / 'future.pem'} is valid only from "),
+        "another folder's coordinator's": ([*serve, "--certs", str(certs.parent / "mixed")],
+                                           f"{certs.parent / 'mixed' / 'server.pem'} was not issued by the CA in "
+                                           f"{certs.parent / 'mixed' / 'ca.pem'}: agents that check this coordinator "
+                                           "with that ca.pem (as --certs DIR does) will refuse it; re-issue it"),
         "coordinator's as an agent's": ([*client, "--agent-id", "localhost", *_tls(certs, "server.pem", "server.key")],
                                         f"{certs / 'server.pem'} is a coordinator's certificate (server.pem, for "
                                         "'localhost'), not one for an agent or operator"),
@@ -103,8 +114,6 @@ def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_l
 
 
 def test_a_private_key_readable_by_other_users_is_warned_about_with_the_fix(certs, tmp_path):
-    import shutil
-
     exposed = tmp_path / "exposed"
     shutil.copytree(certs, exposed)
     (exposed / "alice.key").chmod(0o644)
