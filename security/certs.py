@@ -260,6 +260,10 @@ def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[s
         check_ca_dates(ca_cert, paths.ca_cert)
     elif paths.ca_cert.exists() or paths.ca_key.exists():
         raise ValueError(f"{paths.root} holds only one of ca.pem and ca.key; restore the other or use a new --out")
+    elif orphans := sorted(p.name for p in [*paths.root.glob("*.pem"), *paths.root.glob("operators/*.pem")]):
+        # a new CA beside them would be kept alongside certificates no peer of it accepts
+        raise ValueError(f"{paths.root} holds certificates ({', '.join(orphans[:3])}{', ...' if orphans[3:] else ''}) "
+                         "but no ca.pem and ca.key: restore the CA that issued them, or use a new --out")
     else:
         ca_key, ca_cert = create_ca(days=max(days, 10 * DEFAULT_DAYS))
         write_private_key(paths.ca_key, ca_key)

@@ -266,3 +266,21 @@ def test_an_empty_enrollment_token_file_is_said_before_dialling(made, tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"fedpar client: --enrollment-token-file {empty} is empty; give the "
                                                 "token file 'fedpar certs --mint-token ID' wrote"]
+
+
+def test_certs_makes_no_new_ca_beside_certificates_of_a_lost_one(tmp_path):
+    # With ca.pem and ca.key gone, it made a new CA and kept server.pem and alice.pem of the old one: a folder whose
+    # coordinator no agent of it would trust, nor it them.
+    import subprocess
+    import sys
+
+    out = tmp_path / "certs"
+    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
+    subprocess.run([*fedpar, "--agents", "alice"], check=True, capture_output=True, timeout=60)
+    (out / "ca.pem").unlink()
+    (out / "ca.key").unlink()
+    done = subprocess.run([*fedpar, "--agents", "carol"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == (f"fedpar certs: {out} holds certificates (alice.pem, server.pem) "
+                                                    "but no ca.pem and ca.key: restore the CA that issued them, or "
+                                                    "use a new --out\n"), done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["alice.key", "alice.pem", "server.key", "server.pem"]
