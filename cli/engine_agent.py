@@ -8,6 +8,7 @@ trains ``--task`` (its model, loss, optimizer and client data) or the zoo's clas
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -19,6 +20,7 @@ from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_replicas_renamed
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, ParallelLayout
 from fedpar.settings import setting
+from fedpar.task import raised
 
 
 @dataclass
@@ -124,19 +126,51 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     if under_launcher:
-        exit_rank_process(engine_process(args, layout))  # leaves without the teardown that can abort a gloo rank
+        exit_rank_process(_torchrun_rank(args, layout))  # leaves without the teardown that can abort a gloo rank
     if world == 1:
         return engine_process(args, layout)
     options = {k: v for k, v in vars(args).items() if k != "_module"}
     # Rank 0 reports its exit code here rather than by exiting non-zero, which would make torch's spawn
     # terminate the other ranks while they are still leaving the group.
     code = torch.multiprocessing.get_context("spawn").Value("i", 0)
+    debug = args.log_level == "debug"
+    launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
+    launcher_log.setLevel(logging.NOTSET if debug else logging.ERROR)
     try:
         spawn(world, _spawned, options, layout, code, parent_stops=True)  # Ctrl-C here stops the ranks too
-    except Exception as exc:  # a rank failed; its traceback was printed by that process
-        print(f"fedpar client: a rank of agent {args.agent_id} failed: {exc}", file=sys.stderr)
+    except Exception as exc:  # a rank failed: torch's exception holds that rank's whole traceback as text
+        print(f"fedpar client: {exc if debug else rank_failure(exc, args.agent_id)}", file=sys.stderr)
         return 1
     return code.value
+
+
+def rank_failure(exc: Exception, agent_id: str) -> str:
+    """One line for the failure of a spawned rank of agent ``agent_id`` (``exc``: torch's spawn's exception)."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    rank = f"rank {getattr(exc, 'error_index', '?')} of agent {agent_id}"
+    if isinstance(exc, ProcessExitedException) and exc.signal_name:
+        return (f"{rank} was killed by {exc.signal_name} (out of memory, or stopped from outside), which stops "
+                "the agent; start it again")
+    if isinstance(exc, ProcessExitedException):
+        return f"{rank} ended with exit code {exc.exit_code}, which stops the agent; start it again"
+    if isinstance(exc, ProcessRaisedException):  # its traceback's last line: what it raised
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return f"{rank} failed: {lines[-1] if lines else 'no message'} (--log-level debug shows where)"
+    return f"{rank} failed: {raised(exc)}"
+
+
+def _torchrun_rank(args: argparse.Namespace, layout: ParallelLayout) -> int:
+    """This process as one rank of a torchrun launch: its exit code, a failure said in one line (its traceback only
+    at --log-level debug), as a spawned rank's failure is said by its launcher."""
+    try:
+        return engine_process(args, layout)
+    except Exception as exc:
+        if args.log_level == "debug":
+            raise
+        print(f"fedpar client: rank {os.environ.get('RANK')} of agent {args.agent_id} failed: {raised(exc)}",
+              file=sys.stderr)
+        return 1
 
 
 def _spawned(options: dict, layout: ParallelLayout, code) -> None:
