@@ -94,6 +94,8 @@ def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_l
                                            f"{certs.parent / 'mixed' / 'server.pem'} was not issued by the CA in "
                                            f"{certs.parent / 'mixed' / 'ca.pem'}: agents that check this coordinator "
                                            "with that ca.pem (as --certs DIR does) will refuse it; re-issue it"),
+        "another certificate's key": ([*serve, *_tls(certs, "server.pem", "alice.key")],
+                                      f"{certs / 'alice.key'} is not the private key of {certs / 'server.pem'}"),
         "coordinator's as an agent's": ([*client, "--agent-id", "localhost", *_tls(certs, "server.pem", "server.key")],
                                         f"{certs / 'server.pem'} is a coordinator's certificate (server.pem, for "
                                         "'localhost'), not one for an agent or operator"),
