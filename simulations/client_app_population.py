@@ -16,8 +16,8 @@ from fedpar.client.flower_app_member import FlowerAppTrainer, MemberStates, answ
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.simulations.population import PopulationMembers, PopulationSlice, client_id
 from fedpar.simulations.traces import DAY_SECONDS
-from fedpar.task import ClientData, Partition
-from fedpar.tasks.flower_app import FlowerApp
+from fedpar.task import ClientData, Partition, TaskError, raised
+from fedpar.tasks.flower_app import UNKNOWN_TRAIN_EXAMPLES, FlowerApp, FlowerAppError
 
 
 class ClientAppPopulation(PopulationMembers):
@@ -35,9 +35,17 @@ class ClientAppPopulation(PopulationMembers):
         super().__init__(population, None, partition_of, seed, day_seconds=day_seconds)
 
     def member_data(self, i: int) -> ClientData:
-        """Member ``i``'s training-set size, as a range of that length (the ClientApp reads its own data)."""
+        """Member ``i``'s training-set size, as a range of that length (the ClientApp reads its own data); TaskError
+        in one line when the app's ``train-examples`` fails."""
+        if self.answers_messages:  # the ServerApp weighs its replies itself: train-examples is for fedpar's strategies
+            return ClientData(range(UNKNOWN_TRAIN_EXAMPLES))
         partition = self._partition(i)
-        return ClientData(range(self.app.train_examples(partition.index, partition.count)))
+        try:
+            return ClientData(range(self.app.train_examples(partition.index, partition.count)))
+        except Exception as exc:  # the app's own function: one line from the worker, not its traceback
+            said = str(exc) if isinstance(exc, FlowerAppError) else \
+                f"{self.app.directory}: [tool.fedpar] train-examples raised {raised(exc)}"
+            raise TaskError(f"{said} for {self.member_id(i)}") from exc
 
     def seat_trainers(self, seats: int) -> list:
         """``seats`` trainers over the app's ClientApp, sharing this process's member states."""
