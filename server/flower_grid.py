@@ -204,7 +204,7 @@ class TrainingReplies:
         """One line saying that nothing was trained, and why; None when a train reply had content."""
         if not self.asked or self.answered:
             return None
-        why = f"every reply was an error, e.g. {self.first_error}: fix the ClientApp" if self.first_error else \
+        why = f"every reply was an error, e.g. {self.first_error}: fix the app" if self.first_error else \
             ("no node replied before the round's deadline (the Grid's timeout, capped by --deadline): give it more "
              "time, or make the ClientApp faster")
         return f"no node answered the ServerApp's train messages with a model, so nothing was trained: {why}"

@@ -55,7 +55,7 @@ def test_a_server_app_whose_train_messages_all_get_error_replies_stops_in_one_li
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     said = lines[-1]
     assert said.startswith("fedpar simulate: no node answered the ServerApp's train messages with a model, so nothing "
-                           "was trained: every reply was an error, e.g. ") and said.endswith(": fix the ClientApp"), said
+                           "was trained: every reply was an error, e.g. ") and said.endswith(": fix the app"), said
     assert "this partition fails on purpose" in said or "holds NaN or Inf" in said, said
     assert not (tmp_path / "out" / "global.safetensors").exists()
 
