@@ -17,7 +17,7 @@ from cryptography.exceptions import InvalidSignature
 
 from fedpar.cli.declared import add_declared, section
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.security.admission import append_revocation, mint_token, parse_token_hashes
+from fedpar.security.admission import append_revocation, mint_token, parse_revocations, parse_token_hashes
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, RESERVED_NAMES, CertPaths, check_agent_id, \
     common_name, ensure_certs, load_certificate
 from fedpar.sections import Output
@@ -125,6 +125,14 @@ def serial_to_revoke(paths: CertPaths, pem: Path) -> int:
     return cert.serial_number
 
 
+def warn_revoked_names(paths: CertPaths, names: list[str]) -> None:
+    """Say which of ``names`` are revoked by name: a certificate issued to them now is refused all the same."""
+    revoked = parse_revocations(paths.revoked.read_text(), str(paths.revoked))[0] if paths.revoked.exists() else set()
+    for name in sorted(revoked.intersection(names)):
+        print(f"fedpar certs: {name} is revoked by name in {paths.revoked}, so coordinators refuse its certificate "
+              f"(a new one too) until its line is removed there", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Create, extend or revoke, then say what to run next."""
     paths = CertPaths(Path(args.out))
@@ -142,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}")
             for path in report.skipped:
                 print(f"kept {path} (exists; --force re-issues it)")
+            warn_revoked_names(paths, [*args.agents, *args.operators])
         kinds = {agent_id: check_known_agent(paths, agent_id) for agent_id in args.revoke}
         for agent_id in args.revoke:
             append_revocation(paths.revoked, agent_id=agent_id)

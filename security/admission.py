@@ -282,11 +282,13 @@ class Admission:
     def _check_revoked(self, agent_id: str, serial: int | None) -> None:
         self.revocations.refresh()
         if self.revocations.is_revoked(agent_id, serial):
-            what = f"agent {agent_id!r}" if agent_id in self.revocations.ids else \
-                f"the certificate (serial {serial:x}) of agent {agent_id!r}"
+            if agent_id in self.revocations.ids:  # by name: a new certificate of that name is refused as well
+                what, undo = f"agent {agent_id!r}", f"its operator must remove {agent_id!r} from {self.revocations.path}"
+            else:
+                what, undo = f"the certificate (serial {serial:x}) of agent {agent_id!r}", "ask for a new certificate"
             raise AdmissionRefused(grpc.StatusCode.PERMISSION_DENIED,
                                    f"{what} was revoked by the coordinator's operator; it may not take part any "
-                                   "more (ask for a new certificate if this is a mistake)")
+                                   f"more (if this is a mistake, {undo})")
 
     def revoked_filter(self):
         """A predicate ``(agent_id, serial) -> revoked?`` on the current revocation list (read once)."""

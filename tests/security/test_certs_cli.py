@@ -284,3 +284,30 @@ def test_certs_makes_no_new_ca_beside_certificates_of_a_lost_one(tmp_path):
                                                     "but no ca.pem and ca.key: restore the CA that issued them, or "
                                                     "use a new --out\n"), done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["alice.key", "alice.pem", "server.key", "server.pem"]
+
+
+def test_a_name_revoked_stays_revoked_for_a_new_certificate_and_both_ends_say_how_to_undo_it(
+        tmp_path, coordinator_factory, raw_agents):
+    # The refusal said 'ask for a new certificate', and 'fedpar certs --agents bob --force' issued one without a
+    # word, which the coordinator refused all the same: bob is revoked by name.
+    import subprocess
+    import sys
+
+    from fedpar.security.tls import channel_credentials, client_tls_files, server_credentials, server_tls_files
+
+    out = tmp_path / "certs"
+    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
+    subprocess.run([*fedpar, "--agents", "alice,bob"], check=True, capture_output=True, timeout=60)
+    subprocess.run([*fedpar, "--revoke", "bob"], check=True, capture_output=True, timeout=60)
+    done = subprocess.run([*fedpar, "--agents", "bob", "--force"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"wrote {out / 'bob.pem'}" in done.stdout
+    assert done.stderr == (f"fedpar certs: bob is revoked by name in {out / 'revoked.txt'}, so coordinators refuse its "
+                           "certificate (a new one too) until its line is removed there\n")
+    admission = Admission(revocations=RevocationList(out / "revoked.txt"), require_certificate=True)
+    server = coordinator_factory(server_credentials(server_tls_files(out)), admission=admission, min_available=5)
+    agent = raw_agents(server.address, channel_credentials(client_tls_files("bob", out)))
+    with pytest.raises(grpc.RpcError) as err:
+        agent.join("bob")
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.value.details().endswith(f"(if this is a mistake, its operator must remove 'bob' from "
+                                        f"{out / 'revoked.txt'})"), err.value.details()
