@@ -29,6 +29,9 @@ from fedpar.sections import Seeded
 from fedpar.simulations.config import WAITING_SEATS, Population
 
 LOG_LEVEL = "warning"
+# what every host must be told alike: each deals itself a share of the population these describe
+POPULATION_SETTINGS = ("clients", "seed", "dataset", "partition", "examples_per_client", "val_fraction", "model",
+                       "trace", "trace_day_seconds", "slow_fraction", "slow_step_delay", "drop_probability")
 JOIN_SECONDS = 300.0  # how long the hosts wait for one another in torch.distributed's group
 
 
@@ -81,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar simulate-workers: {join_failure(exc, JOIN_SECONDS)}", file=sys.stderr)
         return 2
     try:
+        if (differ := population_mismatch(args, info.rank, info.world_size)) is not None:
+            if info.is_main:  # it sees every host's settings; the others leave without a word
+                print(f"fedpar simulate-workers: {differ}", file=sys.stderr)
+            return 2
         check_device_layout(args.device)
         # This machine's hosts are dealt over its GPUs, as simulate deals its worker processes.
         local_rank, local_world = (int(os.environ.get(k, d)) for k, d in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
@@ -119,6 +126,33 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(f"rank {info.rank}/{info.world_size}: {len(mine)} clients hosted, {stats.tasks} tasks run, "
                      f"{stats.accepted} updates sent\n")
     return 0
+
+
+def population_mismatch(args: argparse.Namespace, rank: int, world_size: int) -> str | None:
+    """What another host of the launch was told about the population that this one (rank 0) was not, in one line;
+    None when every host agrees (collective). Each host deals itself members of the population its own settings
+    describe, so hosts that disagree leave clients unhosted (a coordinator waiting for all of them waits forever)."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return None
+    rest = repr([getattr(args, k) for k in POPULATION_SETTINGS if k not in ("clients", "seed")])
+    digest = int.from_bytes(hashlib.sha256(rest.encode()).digest()[:7], "big")
+    mine = torch.tensor([args.clients, args.seed, digest], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    for other, theirs in enumerate(every):
+        if torch.equal(theirs, every[0]):
+            continue
+        said = [f"--{flag} {theirs[i].item()} where rank 0 has --{flag} {every[0][i].item()}"
+                for i, flag in enumerate(("clients", "seed")) if theirs[i] != every[0][i]]
+        return (f"the hosts disagree on the population: rank {other} was given "
+                f"{', '.join(said) or 'other population settings than rank 0'}; start every node's torchrun with "
+                f"the same {', '.join('--' + k.replace('_', '-') for k in POPULATION_SETTINGS)}")
+    return None
 
 
 def host_security(args: argparse.Namespace, host_id: str, world_size: int):
