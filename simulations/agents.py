@@ -105,7 +105,8 @@ def run_worker_process(conn: Connection, dataset: str, data_dir: str | None, say
             run_worker(cfg, splits)
         except TaskError as exc:  # e.g. client_data raised as the host counted its members' examples
             if _takes_turn(say):
-                print(f"fedpar simulate: {exc}: fix the task ({cfg.task})", file=sys.stderr, flush=True)
+                fix = f"the task ({cfg.task})" if cfg.task else f"the app ({cfg.flower_app})"
+                print(f"fedpar simulate: {exc}: fix {fix}", file=sys.stderr, flush=True)
             os._exit(TASK_FAILED_EXIT)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -54,6 +54,7 @@ def test_train_examples_that_raise_stop_a_fedpar_driven_run_in_one_line(app, tmp
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[-1].startswith(f"fedpar simulate: {app}: [tool.fedpar] train-examples raised RuntimeError: the "
                                 "partition index file is missing for client-000"), done.stderr[-3000:]
+    assert lines[-1].endswith(f": fix the app ({app})"), lines[-1]  # it said 'fix the task (None)'
 
 
 def test_a_server_app_run_does_not_call_train_examples(app, tmp_path):
