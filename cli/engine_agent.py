@@ -165,6 +165,10 @@ def _torchrun_rank(args: argparse.Namespace, layout: ParallelLayout) -> int:
     at --log-level debug), as a spawned rank's failure is said by its launcher."""
     try:
         return engine_process(args, layout)
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank: one line per machine, from its local rank 0
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return 130
+        raise
     except Exception as exc:
         if args.log_level == "debug":
             raise

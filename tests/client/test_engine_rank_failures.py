@@ -101,3 +101,24 @@ def test_under_torchrun_each_failed_rank_says_one_line(tmp_path):
     assert done.returncode != 0 and "engine_trainer.py" not in output, output[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} of agent big failed: RuntimeError: shape '[16, 64]' is invalid" in output, output
+
+
+def test_ctrl_c_in_the_terminal_of_a_torchrun_agent_is_said_once():
+    """Ctrl-C reaches every rank of the terminal's process group: each rank said 'interrupted'."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fedpar",
+              *AGENT[3:AGENT.index("--nproc")], "--fsdp", "2"]
+    agent = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)  # its own process group, as a terminal's foreground job
+    try:
+        said = ""
+        while "dialing 127.0.0.1:1" not in said:
+            line = agent.stdout.readline()
+            assert line, f"the agent ended before its ranks met: {said}"
+            said += line
+        os.killpg(agent.pid, signal.SIGINT)
+        agent.wait(30)
+        output = said + agent.stdout.read()
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert output.count("fedpar client: interrupted") == 1, output[-3000:]
