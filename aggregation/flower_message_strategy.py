@@ -136,29 +136,41 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
         assert self._global is not None, "client_config is asked after begin_round"
         strategy = self._strategy(self._global)
         _identify_as_server()
-        with _quiet_flower():  # its "Sampled N nodes" lines speak of the placeholder grid
-            messages = list(strategy.configure_train(round_id, self._record(self._global), ConfigRecord(),
-                                                     _PlaceholderGrid(strategy)))
+        messages = self._configured(strategy, "configure_train", round_id)
         if not messages:
-            raise ValueError(f"{self.name}: configure_train sent no messages (fraction_train 0?); fedpar's sampler "
-                             "picks who trains")
-        config = self._config_of(messages, "configure_train")
+            raise legacy.StrategyFailed(f"round {round_id}: {self.name}'s configure_train sent no messages "
+                                        "(fraction_train 0?); fedpar's sampler picks who trains: fix the strategy")
+        config = self._config_of(messages, "configure_train", round_id)
         mu = config.pop("proximal-mu", None)
-        with _quiet_flower():
-            evaluating = list(strategy.configure_evaluate(round_id, self._record(self._global), ConfigRecord(),
-                                                          _PlaceholderGrid(strategy)))
-        eval_config = self._config_of(evaluating, "configure_evaluate")
+        eval_config = self._config_of(self._configured(strategy, "configure_evaluate", round_id), "configure_evaluate",
+                                      round_id)
         return TaskSettings(proximal_mu=mu, fit_config=config or None, eval_config=eval_config or None)
 
-    def _config_of(self, messages: Sequence[Message], method: str) -> dict[str, Any]:
+    def _configured(self, strategy, method: str, round_id: int) -> list:
+        """The messages the strategy's ``method`` (configure_train or configure_evaluate) sends this round; what it
+        raises, or an answer that is no list of Messages, stops the run in one line."""
+        try:
+            with _quiet_flower():  # its "Sampled N nodes" lines speak of the placeholder grid
+                answer = getattr(strategy, method)(round_id, self._record(self._global), ConfigRecord(),
+                                                   _PlaceholderGrid(strategy))
+                messages = list(answer) if isinstance(answer, Iterable) else None
+        except Exception as exc:  # the strategy's own code
+            raise self._failed(method, exc, round_id) from exc
+        if messages is None or not all(isinstance(m, Message) for m in messages):
+            raise legacy.StrategyFailed(f"round {round_id}: {self.name}'s {method} returned "
+                                        f"{type(answer).__name__}, not Messages: fix the strategy")
+        return messages
+
+    def _config_of(self, messages: Sequence[Message], method: str, round_id: int) -> dict[str, Any]:
         """The ConfigRecord of the first of ``method``'s messages, less the ``server-round`` every member gets."""
         records = messages[0].content.config_records if messages else {}
         config = dict(next(iter(records.values()))) if records else {}
         config.pop("server-round", None)
         for key, value in config.items():
             if not isinstance(value, (bool, int, float, str)):
-                raise ValueError(f"{self.name}: {method}'s config {key!r} is a {type(value).__name__}; fedpar "
-                                 "sends bool, int, float and str values to its members")
+                raise legacy.StrategyFailed(f"round {round_id}: {self.name}'s {method} config {key!r} is a "
+                                            f"{type(value).__name__}; fedpar sends bool, int, float and str values to "
+                                            "its members: fix the strategy")
         return config
 
     def aggregate_evaluation(self, reports: Sequence[Mapping[str, float]]) -> dict[str, float] | None:

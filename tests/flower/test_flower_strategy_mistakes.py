@@ -1,5 +1,5 @@
-"""A Flower strategy (``--strategy flower:path/file.py:Class``, legacy or Message API) whose own code raises or answers what fedpar
-cannot use stops ``fedpar simulate`` (a real coordinator and worker processes over loopback gRPC) in one line naming
+"""A Flower strategy (``--strategy flower:path/file.py:Class``, legacy or Message API) whose own code raises or
+answers what fedpar cannot use stops ``fedpar simulate`` (a real coordinator and worker processes over loopback gRPC) in one line naming
 the method and the strategy, with no traceback and no final model written from its answer."""
 
 from __future__ import annotations
@@ -50,6 +50,17 @@ STRATEGIES = textwrap.dedent("""
         def aggregate_train(self, server_round, replies):
             arrays, metrics = super().aggregate_train(server_round, replies)
             return ArrayRecord({k: Array(np.full(v.shape, np.nan, np.float32)) for k, v in arrays.items()}), metrics
+
+
+    class MessageConfigRaises(MessageFedAvg):
+        def configure_train(self, server_round, arrays, config, grid):
+            raise RuntimeError("boom in configure")
+
+
+    class MessageListConfig(MessageFedAvg):
+        def configure_evaluate(self, server_round, arrays, config, grid):
+            config["sizes"] = [1, 2]
+            return super().configure_evaluate(server_round, arrays, config, grid)
 """)
 
 
@@ -63,6 +74,10 @@ STRATEGIES = textwrap.dedent("""
                   "pairs: fix the strategy"),
     ("MessageNaN", "round 1: {ref}'s aggregation returned NaN or Inf in array 0, which cannot be the global model: "
                    "fix the strategy"),
+    ("MessageConfigRaises", "round 1: {ref}'s configure_train raised RuntimeError: boom in configure: fix the "
+                            "strategy"),
+    ("MessageListConfig", "round 1: {ref}'s configure_evaluate config 'sizes' is a list; fedpar sends bool, int, float "
+                          "and str values to its members: fix the strategy"),
 ])
 def test_a_flower_strategy_that_fails_stops_simulate_in_one_line(tmp_path, cls, said):
     """Each printed 'coordinator stopped with an error' and a traceback (ReturnsNone: 'cannot unpack non-iterable
