@@ -1,6 +1,7 @@
 """A Flower strategy (``--strategy flower:path/file.py:Class``, legacy or Message API) whose own code raises or
-answers what fedpar cannot use stops ``fedpar simulate`` (a real coordinator and worker processes over loopback gRPC) in one line naming
-the method and the strategy, with no traceback and no final model written from its answer."""
+answers what fedpar cannot use stops ``fedpar simulate`` (a real coordinator and worker processes over loopback
+gRPC) in one line naming the method and the strategy, with no traceback and no final model written from its
+answer."""
 
 from __future__ import annotations
 
