@@ -135,19 +135,20 @@ def _foreign_server_certificate(args: argparse.Namespace, files: TlsFiles) -> No
 def server_security(args: argparse.Namespace) -> ServerSecurity:
     """Build the coordinator's TLS credentials and admission policy; TlsSetupError says what is missing."""
     _check_mode(args)
+    files = None if args.insecure else server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
+    credentials = server_credentials(files) if files is not None else None  # before the lists, whose reading is logged
+    if files is not None and files.ca is not None and foreign_server_certificate(files):
+        _foreign_server_certificate(args, files)
     try:
         tokens = TokenList(args.enrollment_tokens) if args.enrollment_tokens else None
         revocations = RevocationList(args.revoked or (CertPaths(args.certs).revoked if args.certs else None))
     except ValueError as exc:
         raise TlsSetupError(str(exc)) from None
-    credentials, mutual, data_tls, files = None, False, None, None
-    if not args.insecure:
-        files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
-        credentials, mutual = server_credentials(files), files.ca is not None
+    mutual, data_tls = False, None
+    if files is not None:
+        mutual = files.ca is not None
         data_tls = server_ssl_context(files)
         warn_if_exposed(files.key, "this coordinator")
-        if mutual and foreign_server_certificate(files):
-            _foreign_server_certificate(args, files)
         if not mutual and tokens is None:
             raise TlsSetupError("without --tls-ca (server-only TLS) agents have no certificate to prove who they "
                                 "are: pass --enrollment-tokens FILE, or --certs DIR for mutual TLS")
