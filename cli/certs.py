@@ -138,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     paths = CertPaths(Path(args.out))
     housekeeping = args.revoke or args.revoke_cert or args.mint_token
     try:
+        if paths.root.exists() and not paths.root.is_dir():  # said as 'File exists: ca.pem in folder ...'
+            raise ValueError(f"--out {paths.root} is a file; give the folder of the certificates (made if missing)")
         for agent_id in [*args.agents, *args.revoke, *args.mint_token]:
             check_agent_id(agent_id)
         for name in args.operators:

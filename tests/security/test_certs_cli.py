@@ -311,3 +311,14 @@ def test_a_name_revoked_stays_revoked_for_a_new_certificate_and_both_ends_say_ho
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert err.value.details().endswith(f"(if this is a mistake, its operator must remove 'bob' from "
                                         f"{out / 'revoked.txt'})"), err.value.details()
+
+
+def test_certs_out_naming_a_file_says_so(made):
+    # It said 'File exists: ca.pem in folder ...; remove it or pick another path (--debug shows the traceback)'.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fedpar", "certs", "--out", str(made.ca_cert), "--agents", "x"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == (f"fedpar certs: --out {made.ca_cert} is a file; give the folder "
+                                                    "of the certificates (made if missing)\n"), done.stderr
