@@ -283,7 +283,8 @@ class Admission:
         self.revocations.refresh()
         if self.revocations.is_revoked(agent_id, serial):
             if agent_id in self.revocations.ids:  # by name: a new certificate of that name is refused as well
-                what, undo = f"agent {agent_id!r}", f"its operator must remove {agent_id!r} from {self.revocations.path}"
+                what = f"agent {agent_id!r}"
+                undo = f"its operator must remove {agent_id!r} from {self.revocations.path}"
             else:
                 what, undo = f"the certificate (serial {serial:x}) of agent {agent_id!r}", "ask for a new certificate"
             raise AdmissionRefused(grpc.StatusCode.PERMISSION_DENIED,

@@ -79,8 +79,8 @@ def _read(path: Path, what: str) -> bytes:
 
 USAGES = {"server": ExtendedKeyUsageOID.SERVER_AUTH, "client": ExtendedKeyUsageOID.CLIENT_AUTH}
 ENDPOINTS = {"server": "a coordinator", "client": "an agent or operator"}
-REISSUE = {"server": "every agent would refuse it; re-issue it with 'fedpar certs --out DIR --server-name NAME' (one per "
-                     "name agents dial)",
+REISSUE = {"server": "every agent would refuse it; re-issue it with 'fedpar certs --out DIR --server-name NAME' "
+                     "(one per name agents dial)",
            "client": "the coordinator would refuse it; have a new one issued: 'fedpar certs --out DIR {flag} {name} "
                      "--force'"}
 
@@ -141,7 +141,8 @@ def check_leaf(cert: x509.Certificate, path: Path, usage: str | None) -> None:
     if USAGES[usage] not in usages:
         raise TlsSetupError(f"{path} is {_kind(cert)}, not one for {ENDPOINTS[usage]}; give {want}")
     if not _valid_now(cert):
-        raise TlsSetupError(f"{path} {_when_invalid(cert)}, so {REISSUE[usage].format(name=common_name(cert), flag=_flag_of(cert))}")
+        reissue = REISSUE[usage].format(name=common_name(cert), flag=_flag_of(cert))
+        raise TlsSetupError(f"{path} {_when_invalid(cert)}, so {reissue}")
 
 
 def load_pair(files: TlsFiles, usage: str | None = None) -> tuple[bytes, bytes]:

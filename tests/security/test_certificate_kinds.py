@@ -106,7 +106,8 @@ def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_l
                             f"{certs / 'alice-expired.pem'} expired on "),
         "expired operator's": (["run", "ls", "--control", "127.0.0.1:9", "--certs", str(certs), "--operator", "ops"],
                                f"{certs / 'operators' / 'ops.pem'} expired on "),
-        "leaf as the agent's CA": ([*client, "--agent-id", "alice", *_tls(certs, "alice.pem", "alice.key", "alice.pem")],
+        "leaf as the agent's CA": ([*client, "--agent-id", "alice",
+                                    *_tls(certs, "alice.pem", "alice.key", "alice.pem")],
                                    "not a CA certificate; give the ca.pem"),
     }
     with ThreadPoolExecutor(2) as pool:
