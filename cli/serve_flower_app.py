@@ -17,6 +17,7 @@ from fedpar.cli.tlsopts import server_security
 from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.codec import grpc_target
 from fedpar.server.config import CoordinatorConfig
 from fedpar.tasks.flower_app import ROUNDS_HINT
 
@@ -71,9 +72,10 @@ def serve_flower_app(args: argparse.Namespace) -> int:
     stopped_by: KeyboardInterrupt | None = None
     try:
         server.start()
-        print(f"coordinator listening on {args.host}:{server.port} ({security.description}) for Flower App "
+        where = grpc_target(args.host, server.port)
+        print(f"coordinator listening on {where} ({security.description}) for Flower App "
               f"{app.directory.name}; waiting for {config.min_available} agents (start them with: fedpar client "
-              f"--server {args.host}:{server.port} {security.client_hint} --flower-app DIR --agent-id ID "
+              f"--server {where} {security.client_hint} --flower-app DIR --agent-id ID "
               "--partition-index I --num-partitions N)", flush=True)
         server.wait()
         until_told(coordinator)

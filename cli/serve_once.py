@@ -24,6 +24,7 @@ from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.codec import grpc_target
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.run_outputs import start_fresh
@@ -72,9 +73,10 @@ class OneShotService(RunService):
         super().listening(server, plan)
         self.observers.attach(server)
         security = plan.security
-        print(f"coordinator listening on {self.args.host}:{server.port} ({security.description}); waiting for "
+        where = grpc_target(self.args.host, server.port)
+        print(f"coordinator listening on {where} ({security.description}); waiting for "
               f"{plan.config.min_available} agents (start them with: fedpar client --server "
-              f"{self.args.host}:{server.port} {security.client_hint} --agent-id ID ...)", flush=True)
+              f"{where} {security.client_hint} --agent-id ID ...)", flush=True)
 
     def waiting(self, server) -> None:
         """The progress bar follows the open round."""

@@ -447,6 +447,11 @@ def build_payload(round_id: int, layout: ModelLayout, arrays: Sequence[np.ndarra
                          flat=memoryview(buffer))
 
 
+def grpc_target(host: str, port: int) -> str:
+    """``host:port`` as gRPC takes it: an IPv6 address in brackets (``[::1]:50051``; ``::1:50051`` failed to bind)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def channel_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
     """gRPC options for a channel or server that carries chunks of at most ``max_chunk_bytes``."""
     limit = max_chunk_bytes + FRAMING_BYTES

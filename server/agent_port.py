@@ -21,7 +21,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fedpar.protocol.codec import SERVICE_NAME, channel_options
+from fedpar.protocol.codec import SERVICE_NAME, channel_options, grpc_target
 from fedpar.security.admission import Admission
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.limits import Limits, RpcLimit, StrangerBound
@@ -215,7 +215,7 @@ class AgentPort:
         self.health = health.aio.HealthServicer()
         await self._set_health(False)  # until a coordinator serves
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        target = f"{self.host}:{self.requested_port}"
+        target = grpc_target(self.host, self.requested_port)
         try:
             if self.credentials is None:
                 if self.host not in ("127.0.0.1", "localhost", "::1"):

@@ -19,7 +19,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, RawData, decode_chunk_message
+from fedpar.protocol.codec import (PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, RawData, decode_chunk_message,
+                                   grpc_target)
 from fedpar.security.admission import AdmissionRefused
 from fedpar.server.agent_port import AgentPort, BindError
 from fedpar.server.coordinator import Coordinator
@@ -87,7 +88,7 @@ class CoordinatorServer:
     @property
     def address(self) -> str:
         """``host:port`` agents should dial."""
-        return f"{self.host}:{self.port}"
+        return grpc_target(self.host, self.port)
 
     def start(self) -> int:
         """Start serving and running rounds; returns the bound port."""

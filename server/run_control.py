@@ -16,6 +16,7 @@ import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
+from fedpar.protocol.codec import grpc_target
 from fedpar.security.admission import RevocationList, peer_identity
 from fedpar.security.certs import OPERATOR_ROLE
 from fedpar.server.run_store import ENDED, RunStore, StoreError, UnknownRun
@@ -186,7 +187,7 @@ class RunControlServer:
                                    options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_RunControlServicer_to_server(RunControl(store, validate, revocations), self._server)
         try:
-            self.port = self._server.add_secure_port(f"{host}:{port}", credentials)
+            self.port = self._server.add_secure_port(grpc_target(host, port), credentials)
         except RuntimeError:
             raise OSError(f"cannot listen on {host}:{port} for the control API: the port is in use or the "
                           "address is not this machine's") from None

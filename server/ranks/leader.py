@@ -21,6 +21,7 @@ import numpy as np
 from fedpar.aggregation.accumulator import ShapesAndDtypes
 from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol.codec import grpc_target
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.server.ranks.calls import RankCalls
 from fedpar.security.tls import TlsFiles
@@ -226,7 +227,7 @@ without a rank that is lost."""
         control_port = add_control_port(self._control, host, self.tls)
         await self._control.start()
         me = RankEndpoint(0, self.advertised_host, coordinator.grpc_port or 0, coordinator.data_port or 0)
-        self.coordinator, self._control_target = coordinator, f"{host}:{control_port}"
+        self.coordinator, self._control_target = coordinator, grpc_target(host, control_port)
 
         def work():
             self.endpoints = self.group.exchange_endpoints(me)

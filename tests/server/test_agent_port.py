@@ -155,3 +155,12 @@ def test_a_listening_callback_that_raises_ends_start_instead_of_hanging():
     assert not starting.is_alive(), "start() hangs"
     assert isinstance(outcome[0], IsADirectoryError) and time.monotonic() - started < 10
     server.stop(grace=0.2)
+
+
+def test_an_ipv6_host_is_bracketed_as_grpc_takes_it():
+    # serve --host ::1 built '::1:0', which gRPC could not bind ('Failed to add port'), and told agents to dial it
+    from fedpar.protocol.codec import grpc_target
+
+    assert grpc_target("::1", 50051) == "[::1]:50051"
+    assert grpc_target("[::1]", 0) == "[::1]:0"
+    assert grpc_target("127.0.0.1", 0) == "127.0.0.1:0" and grpc_target("localhost", 7) == "localhost:7"
