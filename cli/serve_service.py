@@ -60,6 +60,19 @@ def _lock(path: Path):
     return handle
 
 
+def _check_distinct_ports(args: argparse.Namespace) -> None:
+    """UserError when two of the ports serve --state listens on are set to the same number (gRPC's own 'add_port'
+    line came before fedpar's 'the port is in use')."""
+    ports = [(args.port, "--port"), (args.control_port, "--control-port"), (getattr(args, "metrics_port", None),
+                                                                             "--metrics-port")]
+    seen: dict[int, str] = {}
+    for port, option in ports:
+        if port and port in seen:
+            raise UserError(f"{seen[port]} and {option} are both {port}: each needs a port of its own")
+        if port:
+            seen[port] = option
+
+
 def _check_one_shot_outputs(args: argparse.Namespace) -> None:
     """UserError for --out or --checkpoint-dir with --state: a service's runs write where it keeps them."""
     from fedpar.cli.run_settings import serve_parser
@@ -376,9 +389,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         return 2
     try:
         _check_one_shot_outputs(args)
-        if args.port and args.port == args.control_port:
-            raise UserError(f"--port and --control-port are both {args.port}: the agents' port and the control API "
-                            "need one each")
+        _check_distinct_ports(args)
         if args.insecure and not (args.certs or args.tls_ca):
             raise UserError("the control port of 'fedpar serve --state' needs mutual TLS even with --insecure (its "
                             "certificates say who may submit and stop runs): make them with 'fedpar certs --out certs "

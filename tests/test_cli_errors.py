@@ -563,7 +563,9 @@ def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_be
         ([*state, "--certs", str(certs), "--port", str(busy)], 2,
          f"port {busy} on 127.0.0.1 is in use by another process; stop it or pick another --port"),
         ([*state, "--certs", str(certs), "--port", "50999", "--control-port", "50999"], 2,
-         "--port and --control-port are both 50999: the agents' port and the control API need one each"),
+         "--port and --control-port are both 50999: each needs a port of its own"),
+        ([*state, "--certs", str(certs), "--port", "0", "--control-port", "50998", "--metrics-port", "50998"], 2,
+         "--control-port and --metrics-port are both 50998: each needs a port of its own"),
         ([*state, "--insecure", "--port", "0", "--control-port", "0"], 2,
          "the control port of 'fedpar serve --state' needs mutual TLS even with --insecure"),
     ]
