@@ -208,8 +208,9 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
             task = agent_task(args)
             trainer = EngineTrainer(task, task.data_for(agent_partition(args)), info, layout,
                                     seed=args.seed, idle_timeout_seconds=args.idle_timeout)
-        except ValueError as exc:  # every rank fails the same way on bad options or data
-            print(f"fedpar client: {exc}", file=sys.stderr)
+        except ValueError as exc:  # every rank fails the same way on bad options or data: one line per machine
+            if info.local_rank == 0:
+                print(f"fedpar client: {exc}", file=sys.stderr)
             return 2
         if info.is_main:
             code = _drive(args, trainer, agent_config(args, security), task.name, info.world_size)

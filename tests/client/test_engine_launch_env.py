@@ -58,3 +58,9 @@ def test_degrees_without_nproc_say_how_many_ranks_to_ask_for(degrees, ranks):
     divides 1' (QA): the way out is --nproc."""
     code, output = _run([*AGENT, *degrees], {})
     assert code == 2 and f"an agent of {ranks} ranks, but --nproc is 1; add --nproc {ranks}" in output, output
+
+
+def test_a_layout_the_model_refuses_is_said_once():
+    """Every rank found that --tp 3 cannot split the mlp's 128 outputs, and each said so: three lines, run together."""
+    code, output = _run([*AGENT, "--nproc", "3", "--tp", "3"], {})
+    assert code == 2 and output.count("--tp 3 cannot split layer net.0") == 1, output[-3000:]
