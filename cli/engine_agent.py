@@ -133,7 +133,7 @@ def run_engine(args: argparse.Namespace) -> int:
     # Rank 0 reports its exit code here rather than by exiting non-zero, which would make torch's spawn
     # terminate the other ranks while they are still leaving the group.
     code = torch.multiprocessing.get_context("spawn").Value("i", 0)
-    debug = args.log_level == "debug"
+    debug = _shows_tracebacks(args)
     launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
     launcher_log.setLevel(logging.NOTSET if debug else logging.ERROR)
     try:
@@ -156,13 +156,13 @@ def rank_failure(exc: Exception, agent_id: str) -> str:
         return f"{rank} ended with exit code {exc.exit_code}, which stops the agent; start it again"
     if isinstance(exc, ProcessRaisedException):  # its traceback's last line: what it raised
         lines = [line for line in str(exc).splitlines() if line.strip()]
-        return f"{rank} failed: {lines[-1] if lines else 'no message'} (--log-level debug shows where)"
+        return f"{rank} failed: {lines[-1] if lines else 'no message'} (--debug shows where)"
     return f"{rank} failed: {raised(exc)}"
 
 
 def _torchrun_rank(args: argparse.Namespace, layout: ParallelLayout) -> int:
     """This process as one rank of a torchrun launch: its exit code, a failure said in one line (its traceback only
-    at --log-level debug), as a spawned rank's failure is said by its launcher."""
+    with --debug), as a spawned rank's failure is said by its launcher."""
     try:
         return engine_process(args, layout)
     except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank: one line per machine, from its local rank 0
@@ -170,11 +170,16 @@ def _torchrun_rank(args: argparse.Namespace, layout: ParallelLayout) -> int:
             return 130
         raise
     except Exception as exc:
-        if args.log_level == "debug":
+        if _shows_tracebacks(args):
             raise
         print(f"fedpar client: rank {os.environ.get('RANK')} of agent {args.agent_id} failed: {raised(exc)}",
               file=sys.stderr)
         return 1
+
+
+def _shows_tracebacks(args: argparse.Namespace) -> bool:
+    """Whether a rank's failure is shown with its traceback (--debug, or --log-level debug) rather than one line."""
+    return bool(getattr(args, "debug", False)) or args.log_level == "debug"
 
 
 def _spawned(options: dict, layout: ParallelLayout, code) -> None:
