@@ -34,3 +34,17 @@ def test_ctrl_c_while_the_command_loads_is_one_line_and_130(module, tmp_path):
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip() == "fedpar simulate: interrupted"
+
+
+def test_torchs_info_lines_are_not_said_at_fedpars_info_level(caplog):
+    # a Ctrl-C while torch was still importing printed its exit hook's "FakeTensor cache stats" after 'interrupted'
+    import logging
+
+    from fedpar.cli.log_level import setup_logging
+
+    setup_logging({"log_level": "info"})
+    with caplog.at_level(logging.NOTSET):
+        logging.getLogger("torch._subclasses.fake_tensor").info("FakeTensor cache stats:")
+        logging.getLogger("torch").warning("a warning still shows")
+    said = [r.getMessage() for r in caplog.records]
+    assert "FakeTensor cache stats:" not in said and "a warning still shows" in said
