@@ -53,6 +53,17 @@ def serve(strategy, rows, **config):
     return server
 
 
+def _agent_through_the_run(server, agent_id: str, client) -> Agent:
+    """An agent of the Flower ``client`` that served ``server``'s run to its end (on a thread of this process)."""
+    agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id=agent_id, poll_seconds=1.0,
+                              initial_backoff=0.05, max_backoff=0.3, give_up_after=30), FlowerTrainer(client, SPECS))
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    assert server.wait(60)
+    thread.join(30)
+    return agent
+
+
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure-aggregation"])
 def test_flower_numpy_clients_complete_rounds_as_fedpar_agents(secure):
     rows = []
@@ -105,13 +116,7 @@ def test_fit_config_carries_the_task_and_a_flower_strategys_configure_fit_config
     try:
         inner = load_flower_client(f"{EXAMPLE}:client_fn", flower_context("solo", 0, 1))
         client = RecordingClient(inner)
-        agent = Agent(AgentConfig(insecure=True,
-                                  server=server.address, agent_id="solo", poll_seconds=1.0, initial_backoff=0.05,
-                                  max_backoff=0.3, give_up_after=30), FlowerTrainer(client, SPECS))
-        thread = threading.Thread(target=agent.run, daemon=True)
-        thread.start()
-        assert server.wait(60)
-        thread.join(30)
+        _agent_through_the_run(server, "solo", client)
     finally:
         server.stop()
     assert rows[0]["status"] == "ok"
@@ -202,12 +207,7 @@ def test_a_client_whose_fit_or_evaluate_answers_the_wrong_kind_has_each_task_ref
     server = serve(build_strategy("fedavg"), rows, rounds=1, min_available=1, clients_per_round=1)
     try:
         client = FitsNothing(load_flower_client(f"{EXAMPLE}:client_fn", flower_context("none", 0, 1)))
-        agent = Agent(AgentConfig(insecure=True, server=server.address, agent_id="none", poll_seconds=1.0,
-                                  initial_backoff=0.05, max_backoff=0.3, give_up_after=30), FlowerTrainer(client, SPECS))
-        thread = threading.Thread(target=agent.run, daemon=True)
-        thread.start()
-        assert server.wait(60)
-        thread.join(30)
+        agent = _agent_through_the_run(server, "none", client)
     finally:
         server.stop()
     assert rows[0]["status"] == "failed" and agent.stats.accepted == 0
