@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedpar.security.certs import OPERATOR_ROLE, CertPaths, ensure_certs, load_ca, new_private_key, server_san, \
     write_certificate, write_private_key
+from support.in_process import run_main
 
 CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH
 
@@ -62,18 +60,18 @@ def certs(tmp_path_factory) -> Path:
     return folder
 
 
-def _fedpar(args: list[str], cwd: Path) -> tuple[int, str]:
-    """A real `fedpar` process that must end by itself: its exit code and stderr."""
-    proc = subprocess.run([sys.executable, "-m", "fedpar", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
-    return proc.returncode, proc.stderr
-
-
 def _tls(c: Path, cert: str, key: str, ca: str = "ca.pem") -> list[str]:
     return ["--tls-cert", str(c / cert), "--tls-key", str(c / key), "--tls-ca", str(c / ca)]
 
 
-def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_line(certs, tmp_path):
+def _said_in_process(args: list[str], cwd: Path, capfd) -> tuple[int, str]:
+    """`fedpar ARGS` by its main in this process: its exit code and stderr, as a process of its own would have them,
+    without the seconds of a new interpreter."""
+    done = run_main(args, capfd, cwd)
+    return done.returncode, done.stderr
+
+
+def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_line(certs, tmp_path, capfd):
     serve = ["serve", "--port", "0", "--rounds", "1", "--min-available", "2", "--out", str(tmp_path / "run")]
     client = ["client", "--server", "127.0.0.1:9", "--threads", "1", "--give-up-after", "5"]
     cases = {  # name: (command line, what its one line says)
@@ -110,28 +108,27 @@ def test_a_certificate_of_the_wrong_kind_or_time_stops_serve_and_client_in_one_l
                                     *_tls(certs, "alice.pem", "alice.key", "alice.pem")],
                                    "not a CA certificate; give the ca.pem"),
     }
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(cases, pool.map(lambda case: _fedpar(case[0], tmp_path), cases.values())))
+    results = {name: _said_in_process(args, tmp_path, capfd) for name, (args, _) in cases.items()}
     for name, (code, err) in results.items():
         assert code == 2, (name, err)
         lines = err.splitlines()  # nothing before it either (a revocation list read, a log line)
         assert len(lines) == 1 and lines[0].startswith("fedpar ") and cases[name][1] in lines[0], (name, err)
 
 
-def test_a_private_key_readable_by_other_users_is_warned_about_with_the_fix(certs, tmp_path):
+def test_a_private_key_readable_by_other_users_is_warned_about_with_the_fix(certs, tmp_path, capfd):
     exposed = tmp_path / "exposed"
     shutil.copytree(certs, exposed)
     (exposed / "alice.key").chmod(0o644)
-    code, err = _fedpar(["client", "--server", "127.0.0.1:9", "--certs", str(exposed), "--agent-id", "alice",
-                         "--threads", "1", "--give-up-after", "2"], tmp_path)
+    code, err = _said_in_process(["client", "--server", "127.0.0.1:9", "--certs", str(exposed), "--agent-id", "alice",
+                                  "--threads", "1", "--give-up-after", "1"], tmp_path, capfd)
     warnings = [line for line in err.splitlines() if "readable by other users" in line]
     assert len(warnings) == 1, err
     assert f"private key {exposed / 'alice.key'} is readable by other users of this machine (mode 644): any of them " \
            f"can pose as agent 'alice'; make it readable by its owner only: chmod 600 {exposed / 'alice.key'}" \
            in warnings[0]
     assert code == 1 and "Traceback" not in err, err  # it still runs: unreachable, it gives up
-    code, err = _fedpar(["client", "--server", "127.0.0.1:9", "--certs", str(certs), "--agent-id", "alice",
-                         "--threads", "1", "--give-up-after", "1"], tmp_path)
+    code, err = _said_in_process(["client", "--server", "127.0.0.1:9", "--certs", str(certs), "--agent-id", "alice",
+                                  "--threads", "1", "--give-up-after", "1"], tmp_path, capfd)
     assert "readable by other users" not in err, err  # fedpar certs writes keys 0600
 
 
@@ -147,7 +144,7 @@ def _expire_ca(folder: Path) -> None:
     write_certificate(folder / "ca.pem", builder.sign(ca_key, hashes.SHA256()))
 
 
-def test_an_expired_ca_is_said_by_serve_client_and_certs_instead_of_every_handshake_failing(tmp_path):
+def test_an_expired_ca_is_said_by_serve_client_and_certs_instead_of_every_handshake_failing(tmp_path, capfd):
     folder = tmp_path / "old"
     ensure_certs(folder, ["alice"])
     _expire_ca(folder)
@@ -157,8 +154,7 @@ def test_an_expired_ca_is_said_by_serve_client_and_certs_instead_of_every_handsh
                    "--give-up-after", "5"],
         "certs": ["certs", "--out", str(folder), "--agents", "carol"],
     }
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(cases, pool.map(lambda args: _fedpar(args, tmp_path), cases.values())))
+    results = {name: _said_in_process(args, tmp_path, capfd) for name, args in cases.items()}
     for name, (code, err) in results.items():
         lines = [line for line in err.splitlines() if line.startswith("fedpar ")]
         assert code == 2 and len(lines) == 1, (name, err)
