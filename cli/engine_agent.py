@@ -8,7 +8,6 @@ trains ``--task`` (its model, loss, optimizer and client data) or the zoo's clas
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
@@ -103,6 +102,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from fedpar.client.engine_trainer import check_engine_task
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.init import exit_rank_process, spawn
+    from fedpar.parallel.rank_failure import RankFailed, ranks_said_in_one_line
 
     under_launcher = "WORLD_SIZE" in os.environ
     try:
@@ -134,30 +134,17 @@ def run_engine(args: argparse.Namespace) -> int:
     # terminate the other ranks while they are still leaving the group.
     code = torch.multiprocessing.get_context("spawn").Value("i", 0)
     debug = _shows_tracebacks(args)
-    launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
-    launcher_log.setLevel(logging.NOTSET if debug else logging.ERROR)
     try:
-        spawn(world, _spawned, options, layout, code, parent_stops=True)  # Ctrl-C here stops the ranks too
-    except Exception as exc:  # a rank failed: torch's exception holds that rank's whole traceback as text
-        print(f"fedpar client: {exc if debug else rank_failure(exc, args.agent_id)}", file=sys.stderr)
+        with ranks_said_in_one_line(debug):
+            spawn(world, _spawned, options, layout, code, parent_stops=True)  # Ctrl-C here stops the ranks too
+    except RankFailed as failed:
+        print(f"fedpar client: rank {failed.rank} of agent {args.agent_id} {failed.what}, which stops the agent; "
+              f"start it again{'' if 'killed by' in failed.what else ' (--debug shows where)'}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # --debug: torch's exception holds the rank's whole traceback as text
+        print(f"fedpar client: {exc}", file=sys.stderr)
         return 1
     return code.value
-
-
-def rank_failure(exc: Exception, agent_id: str) -> str:
-    """One line for the failure of a spawned rank of agent ``agent_id`` (``exc``: torch's spawn's exception)."""
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
-    rank = f"rank {getattr(exc, 'error_index', '?')} of agent {agent_id}"
-    if isinstance(exc, ProcessExitedException) and exc.signal_name:
-        return (f"{rank} was killed by {exc.signal_name} (out of memory, or stopped from outside), which stops "
-                "the agent; start it again")
-    if isinstance(exc, ProcessExitedException):
-        return f"{rank} ended with exit code {exc.exit_code}, which stops the agent; start it again"
-    if isinstance(exc, ProcessRaisedException):  # its traceback's last line: what it raised
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        return f"{rank} failed: {lines[-1] if lines else 'no message'} (--debug shows where)"
-    return f"{rank} failed: {raised(exc)}"
 
 
 def _torchrun_rank(args: argparse.Namespace, layout: ParallelLayout) -> int:

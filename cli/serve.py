@@ -236,26 +236,28 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
             return exc.exit_code  # rank 0 ended by itself, and said why in its own line
         resume = ("; run the same command again to resume after the last checkpointed round"
                   if args.checkpoint_dir is not None or args.state is not None else "")  # else nothing to resume
-        print(f"fedpar serve: an aggregator rank failed: {_rank_failure(exc)}{resume}", file=sys.stderr)
+        print(f"fedpar serve: {_rank_failure(exc)}{resume}", file=sys.stderr)
         return 1
     return 0
 
 
 def _rank_failure(exc: BaseException) -> str:
-    """What went wrong in a spawned rank: its RankMissing or RankMessageError line when it raised one, else the
-    exception its traceback ends on, else the launcher's first line."""
+    """What went wrong in a spawned aggregator rank: its RankMissing or RankMessageError line when it raised one, else
+    the line its traceback ends on or how it ended (parallel/rank_failure.py), else the launcher's first line."""
+    from torch.multiprocessing import ProcessExitedException
     from torch.multiprocessing.spawn import ProcessRaisedException
 
+    from fedpar.parallel.rank_failure import rank_failure
     from fedpar.server.ranks.group import first_line
 
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     said = [line.split(f"{name}: ", 1)[1] for line in lines
             for name in ("RankMissing", "RankMessageError") if f"{name}: " in line]
     if said:
-        return said[0]
-    if isinstance(exc, ProcessRaisedException) and lines:  # the launcher's header, the rank's frames, its exception
-        return f"rank {exc.error_index}: {lines[-1][:300]}"
-    return first_line(exc)
+        return f"an aggregator rank failed: {said[0]}"
+    if isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
+        return f"aggregator {rank_failure(exc)}"
+    return f"an aggregator rank failed: {first_line(exc)}"
 
 
 def plain_options(args: argparse.Namespace) -> dict:

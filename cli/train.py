@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
-    from fedpar.cli.train_task import RankFailed
+    from fedpar.parallel.rank_failure import RankFailed
     from fedpar.parallel.safe_dcp import UnsafeCheckpointError
 
     started = time.perf_counter()
@@ -179,39 +179,13 @@ def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
 
 def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
     """``spawn`` the ``world`` ranks of ``fn``; a rank's TrainingDiverged (every rank's: the loss is summed over them)
-    is raised here as it was, its one line, any other failure as RankFailed with the line that ended the rank, instead of torch's exception holding the rank's traceback
-    (--debug: as torch raised it)."""
-    import logging
-
-    from torch.multiprocessing import ProcessExitedException
-    from torch.multiprocessing.spawn import ProcessRaisedException
-
-    from fedpar.cli.train_task import RankFailed
+    is raised here as it was, any other failure as RankFailed in one line (--debug: torch's exception, with the
+    rank's traceback)."""
+    from fedpar.parallel.rank_failure import ranks_said_in_one_line
     from fedpar.parallel.trainer import TrainingDiverged
 
-    launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
-    level = launcher_log.level
-    if not args.debug:
-        launcher_log.setLevel(logging.ERROR)
-    try:
+    with ranks_said_in_one_line(args.debug, passes=(TrainingDiverged,)):
         spawn(world, fn, cfg, args.dist_timeout, StepBar(), parent_stops=True)
-    except ProcessRaisedException as exc:
-        said = f"{TrainingDiverged.__module__}.{TrainingDiverged.__qualname__}: "
-        last = ([line for line in str(exc).splitlines() if line.strip()] or [""])[-1]
-        if args.debug:
-            raise
-        if last.startswith(said):
-            raise TrainingDiverged(last[len(said):]) from None
-        kind, sep, message = last.partition(": ")
-        raise RankFailed(f"rank {exc.error_index} failed: {message if sep and kind.startswith('fedpar.') else last}"
-                         ) from None  # fedpar's own errors say what they are
-    except ProcessExitedException as exc:
-        if args.debug:
-            raise
-        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"ended with exit code {exc.exit_code}"
-        raise RankFailed(f"rank {exc.error_index} {how}") from None
-    finally:
-        launcher_log.setLevel(level)
 
 
 def _raise_if_reader_left(failure: Exception) -> None:
@@ -225,10 +199,11 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
-    from fedpar.cli.train_task import (RankFailed, check_data_parallel, check_zoo_loop_unused, spawn_task_ranks,
+    from fedpar.cli.train_task import (PeerLost, check_data_parallel, check_zoo_loop_unused, spawn_task_ranks,
                                        train_centrally, train_task_rank, write_task_model)
     from fedpar.parallel.device import check_device_layout, resolve_device
     from fedpar.parallel.init import exit_rank_process
+    from fedpar.parallel.rank_failure import RankFailed
 
     under_launcher = "WORLD_SIZE" in os.environ
     try:
@@ -252,7 +227,7 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         else:
             model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
             evals = write_task_model(task, cfg, model, summary)
-    except RankFailed as exc:  # a rank's own failure, not the task's: its last line (--debug: its traceback)
+    except (RankFailed, PeerLost) as exc:  # a rank's own failure, not the task's: its last line (--debug: traceback)
         _raise_if_reader_left(exc)
         print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
         return 1

@@ -15,7 +15,6 @@ gathers the whole model, evaluates it, logs and writes.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from types import TracebackType
@@ -60,7 +59,7 @@ class task_code:
             return False
         if peer_lost(exc):  # not the task's doing: the launcher stops this rank meanwhile
             time.sleep(PEER_LOST_GRACE_SECONDS)
-            raise RankFailed(f"another rank went away as this one trained ({raised(exc)})") from exc
+            raise PeerLost(f"another rank went away as this one trained ({raised(exc)})") from exc
         if isinstance(exc, TaskError):
             raise TaskFailed(str(exc)) from exc
         raise TaskFailed(f"the task's {self.stage} raised {raised(exc)}") from exc
@@ -247,41 +246,19 @@ def train_task_rank(config: TrainConfig, task_ref: str, task_options: dict[str, 
         shutdown_distributed()
 
 
-class RankFailed(Exception):
-    """A spawned rank failed by something other than the task's own code, with the line that ended it."""
+class PeerLost(Exception):
+    """Another rank went away as this one trained (a collective failed): not the task's doing."""
 
 
 def spawn_task_ranks(world: int, rank_args: tuple, quiet: bool = True) -> None:
     """:func:`train_task_rank` on ``world`` spawned ranks. A rank's TaskError (or TaskFailed) is raised here as it
-    was (its one line), any other failure as RankFailed; unless ``quiet`` is False (--debug): then torch's own exception, with the
-    rank's traceback, and torch's note that it stops the others."""
-    from torch.multiprocessing import ProcessExitedException
-    from torch.multiprocessing.spawn import ProcessRaisedException
-
+    was (its one line), any other failure as RankFailed; unless ``quiet`` is False (--debug): then torch's own
+    exception, with the rank's traceback, and torch's note that it stops the others."""
     from fedpar.parallel.init import spawn
+    from fedpar.parallel.rank_failure import ranks_said_in_one_line
 
-    launcher_log = logging.getLogger("torch.multiprocessing.spawn")  # "Terminating process N via signal SIGTERM"
-    level = launcher_log.level
-    if quiet:
-        launcher_log.setLevel(logging.ERROR)
-    try:
+    with ranks_said_in_one_line(not quiet, passes=(TaskFailed, TaskError)):
         spawn(world, train_task_rank, *rank_args, parent_stops=True)
-    except ProcessRaisedException as exc:
-        if not quiet:
-            raise
-        # torch hands over the rank's traceback as text: the task's failure is its last line
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        for kind in (TaskFailed, TaskError):
-            said = f"{kind.__module__}.{kind.__qualname__}: "
-            if lines and lines[-1].startswith(said):
-                raise kind(lines[-1][len(said):]) from None
-        raise RankFailed(f"rank {exc.error_index} failed: {lines[-1] if lines else exc}") from None
-    except ProcessExitedException as exc:
-        if not quiet:
-            raise
-        raise RankFailed(f"rank {exc.error_index} ended with exit code {exc.exit_code}") from None
-    finally:
-        launcher_log.setLevel(level)
 
 
 def write_task_model(task: Task, cfg: TrainConfig, model: torch.nn.Module, summary: dict[str, Any]) -> dict:

@@ -236,9 +236,9 @@ def test_a_rank_that_raised_is_named_with_the_exception_it_ended_on():
     trace = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
              '  File "x.py", line 1, in f\n    g()\nRuntimeError: CUDA error: invalid device ordinal\n')
     said = _rank_failure(ProcessRaisedException(trace, 1, 42))
-    assert said == "rank 1: RuntimeError: CUDA error: invalid device ordinal"
+    assert said == "aggregator rank 1 failed: RuntimeError: CUDA error: invalid device ordinal"
     missing = trace.replace("RuntimeError: CUDA error: invalid device ordinal", "RankMissing: rank 0 is gone")
-    assert _rank_failure(ProcessRaisedException(missing, 1, 42)) == "rank 0 is gone"
+    assert _rank_failure(ProcessRaisedException(missing, 1, 42)) == "an aggregator rank failed: rank 0 is gone"
 
 
 def test_a_serve_into_an_earlier_runs_out_stopped_before_round_1_leaves_none_of_its_outputs(tmp_path):
