@@ -44,14 +44,14 @@ def _one_line(err: str, expected: str) -> str:
     return lines[0]
 
 
-def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
+def test_bad_options_and_paths_are_refused_in_one_line(tmp_path, capfd):
     (tmp_path / "a-file").write_text("")
     certs = tmp_path / "certs"
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     busy = holder.getsockname()[1]
-    subprocess.run([*FEDPAR, "certs", "--out", str(certs), "--agents", "alice,bob"], check=True, capture_output=True)
+    assert run_main(["certs", "--out", str(certs), "--agents", "alice,bob"], capfd).returncode == 0
     cases = [  # (args, exit code, the line's text)
         (["serve", "--port", "99999"], 2, "argument --port: 99999 is out of range: a TCP port (0 picks a free one) "
                                           "must be in 0..65535"),
@@ -81,9 +81,8 @@ def test_bad_options_and_paths_are_refused_in_one_line(tmp_path):
         (["certs", "--out", str(certs), "--revoke", "bbo"], 2,
          "--revoke bbo: no certificate or enrollment token for agent 'bbo'"),
     ]
-    try:
-        procs = [_start(args, tmp_path) for args, _, _ in cases]  # side by side: each pays Python's start-up
-        results = [_finish(p) for p in procs]
+    try:  # each command's main in this process: every refusal comes before anything starts
+        results = [astuple_of(run_main(args, capfd, tmp_path)) for args, _, _ in cases]
     finally:
         holder.close()
     for (args, code, text), (rc, _, err) in zip(cases, results):
@@ -262,7 +261,7 @@ def test_debug_shows_the_traceback(tmp_path):
     assert rc == 1 and "Traceback" in err and "UserError: --out" in err  # re-raised: Python's exit code
 
 
-def test_a_missing_mnist_is_one_line_saying_which_files_and_where_to_get_them(tmp_path):
+def test_a_missing_mnist_is_one_line_saying_which_files_and_where_to_get_them(tmp_path, capfd):
     empty = tmp_path / "empty"
     empty.mkdir()
     expected = ("expected train.npz and test.npz (arrays x uint8 [N,28,28] and y [N]), or the IDX files "
@@ -280,7 +279,7 @@ def test_a_missing_mnist_is_one_line_saying_which_files_and_where_to_get_them(tm
         (["train", "--dataset", "mnist", "--out", str(tmp_path / "t")],
          "fedpar train: --dataset mnist needs --data-path DIR holding train.npz and test.npz"),
     ]
-    results = [_finish(p) for p in [_start(args, tmp_path) for args, _ in cases]]
+    results = [astuple_of(run_main(args, capfd, tmp_path)) for args, _ in cases]  # refused before anything runs
     for (args, line), (rc, _, err) in zip(cases, results):
         assert rc == 2, (args, err)
         assert _one_line(err, line).startswith(line), err

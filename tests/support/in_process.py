@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def logging_as_a_fresh_process() -> Iterator[None]:
 def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
     """`fedpar ARGV` by its main in this process, from ``cwd``: its exit code, and what it and the processes it
     started wrote to stdout and stderr (file descriptors 1 and 2, captured by ``capfd``, its log included), as a
-    subprocess's would be. The torch threads a command sets for itself (client --threads) are put back after."""
+    subprocess's would be (a SystemExit, as argparse's refusal of an option raises, gives its code). The torch
+    threads a command sets for itself (client --threads) are put back after."""
     import torch
 
     from fedpar.cli.main import main
@@ -46,6 +48,10 @@ def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subproces
             mp.chdir(cwd)
         try:
             code = main(list(argv))
+        except SystemExit as exc:  # argparse's refusal of an option: the exit code a process would end with
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
         finally:
             torch.set_num_threads(threads)
     out, err = capfd.readouterr()
