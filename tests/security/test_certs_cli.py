@@ -17,6 +17,7 @@ from fedpar.cli.main import main
 from fedpar.security.admission import (Admission, AdmissionRefused, PeerIdentity, RevocationList, TokenList,
                                        hash_token, parse_revocations, parse_token_hashes)
 from fedpar.security.certs import CertPaths, common_name, load_certificate
+from support.in_process import run_main
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
@@ -181,105 +182,83 @@ def test_insecure_is_explicit_and_warns(made, caplog):
     assert plain.credentials is None and "--insecure: plaintext gRPC" in caplog.text
 
 
-def test_an_agent_whose_key_was_handed_over_can_still_be_revoked_by_name(tmp_path):
+def test_an_agent_whose_key_was_handed_over_can_still_be_revoked_by_name(tmp_path, capfd):
     # The docs: give each agent only ca.pem and its own ID.pem/ID.key; the key moved to alice's machine must not make
     # 'fedpar certs --revoke alice' answer that there is no agent alice.
-    import subprocess
-    import sys
-
     out = tmp_path / "certs"
-    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
-    subprocess.run([*fedpar, "--agents", "alice,bob"], check=True, capture_output=True, timeout=60)
+    fedpar = ["certs", "--out", str(out)]
+    assert run_main([*fedpar, "--agents", "alice,bob"], capfd).returncode == 0
     (out / "alice.key").rename(tmp_path / "alice.key")
     (out / "bundle.pem").write_bytes((out / "ca.pem").read_bytes())  # a stray PEM names no agent
-    done = subprocess.run([*fedpar, "--revoke", "alice"], capture_output=True, text=True, timeout=60)
+    done = run_main([*fedpar, "--revoke", "alice"], capfd)
     assert done.returncode == 0 and f"revoked agent alice in {out / 'revoked.txt'}" in done.stdout, done.stderr
     assert parse_revocations((out / "revoked.txt").read_text())[0] == {"alice"}
-    done = subprocess.run([*fedpar, "--revoke", "bundle"], capture_output=True, text=True, timeout=60)
+    done = run_main([*fedpar, "--revoke", "bundle"], capfd)
     assert done.returncode == 2 and "(agents there: alice, bob;" in done.stderr, done.stderr
 
 
-def test_revoke_cert_refuses_a_certificate_whose_serial_would_revoke_nothing(tmp_path):
+def test_revoke_cert_refuses_a_certificate_whose_serial_would_revoke_nothing(tmp_path, capfd):
     # It said 'revoked certificate ...' for the CA's own certificate or another folder's, neither of which any agent
     # of this folder presents: the operator believed revoked what still worked.
-    import subprocess
-    import sys
-
     out, other = tmp_path / "certs", tmp_path / "other"
     for folder in (out, other):
-        subprocess.run([sys.executable, "-m", "fedpar", "certs", "--out", str(folder), "--agents", "alice"],
-                       check=True, capture_output=True, timeout=60)
+        assert run_main(["certs", "--out", str(folder), "--agents", "alice"], capfd).returncode == 0
     cases = {out / "ca.pem": "is a CA certificate, whose serial no agent presents",
              other / "alice.pem": f"was not issued by the CA in {out / 'ca.pem'}",
              out: "is a folder; give the .pem file"}
     for pem, said in cases.items():
-        done = subprocess.run([sys.executable, "-m", "fedpar", "certs", "--out", str(out), "--revoke-cert", str(pem)],
-                              capture_output=True, text=True, timeout=60)
+        done = run_main(["certs", "--out", str(out), "--revoke-cert", str(pem)], capfd)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and said in done.stderr, (pem, done.stderr)
     assert not (out / "revoked.txt").exists()
 
 
-def test_force_renews_an_agents_certificate_and_leaves_the_coordinators_names_alone(tmp_path):
+def test_force_renews_an_agents_certificate_and_leaves_the_coordinators_names_alone(tmp_path, capfd):
     # 'fedpar certs --agents alice --force' (what an agent with an expired certificate is told to run) re-issued
     # server.pem for localhost and 127.0.0.1 only, so every agent dialling fl.example.org failed after the next restart.
-    import subprocess
-    import sys
-
     out = tmp_path / "certs"
-    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
-    subprocess.run([*fedpar, "--agents", "alice", "--server-name", "fl.example.org"], check=True, capture_output=True,
-                   timeout=60)
+    fedpar = ["certs", "--out", str(out)]
+    assert run_main([*fedpar, "--agents", "alice", "--server-name", "fl.example.org"], capfd).returncode == 0
     server, alice = out / "server.pem", out / "alice.pem"
     before = server.read_bytes(), alice.read_bytes()
-    done = subprocess.run([*fedpar, "--agents", "alice", "--force"], capture_output=True, text=True, timeout=60)
+    done = run_main([*fedpar, "--agents", "alice", "--force"], capfd)
     assert done.returncode == 0 and f"wrote {alice}" in done.stdout, done.stderr
     assert server.read_bytes() == before[0] and alice.read_bytes() != before[1]
     san = load_certificate(server).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["fl.example.org"]
 
 
-def test_serve_with_a_certificate_but_no_key_or_a_key_but_no_certificate_says_which_is_missing(made, tmp_path):
+def test_serve_with_a_certificate_but_no_key_or_a_key_but_no_certificate_says_which_is_missing(made, tmp_path,
+                                                                                               capfd):
     # Either alone was said as 'no server certificate and key given', naming neither option.
-    import subprocess
-    import sys
-
-    serve = [sys.executable, "-m", "fedpar", "serve", "--port", "0", "--out", str(tmp_path), "--tls-ca",
-             str(made.ca_cert)]
+    serve = ["serve", "--port", "0", "--out", str(tmp_path), "--tls-ca", str(made.ca_cert)]
     for given, said in ((["--tls-cert", str(made.server_cert)], f"--tls-cert {made.server_cert} needs its private key: "
                                                                  "add --tls-key KEY"),
                         (["--tls-key", str(made.server_key)], f"--tls-key {made.server_key} needs its certificate: add "
                                                                "--tls-cert PEM")):
-        done = subprocess.run([*serve, *given], capture_output=True, text=True, timeout=60)
+        done = run_main([*serve, *given], capfd)
         assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"fedpar serve: {said}", done.stderr
 
 
-def test_an_empty_enrollment_token_file_is_said_before_dialling(made, tmp_path):
+def test_an_empty_enrollment_token_file_is_said_before_dialling(made, tmp_path, capfd):
     # It dialled with no token, and only the coordinator's refusal ('missing enrollment token') told why.
-    import subprocess
-    import sys
-
     empty = tmp_path / "dave.token"
     empty.write_text("\n")
-    done = subprocess.run([sys.executable, "-m", "fedpar", "client", "--server", "127.0.0.1:9", "--tls-ca",
-                           str(made.ca_cert), "--agent-id", "dave", "--enrollment-token-file", str(empty), "--threads",
-                           "1", "--give-up-after", "2"], capture_output=True, text=True, timeout=60)
+    done = run_main(["client", "--server", "127.0.0.1:9", "--tls-ca", str(made.ca_cert), "--agent-id", "dave",
+                     "--enrollment-token-file", str(empty), "--threads", "1", "--give-up-after", "2"], capfd)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"fedpar client: --enrollment-token-file {empty} is empty; give the "
                                                 "token file 'fedpar certs --mint-token ID' wrote"]
 
 
-def test_certs_makes_no_new_ca_beside_certificates_of_a_lost_one(tmp_path):
+def test_certs_makes_no_new_ca_beside_certificates_of_a_lost_one(tmp_path, capfd):
     # With ca.pem and ca.key gone, it made a new CA and kept server.pem and alice.pem of the old one: a folder whose
     # coordinator no agent of it would trust, nor it them.
-    import subprocess
-    import sys
-
     out = tmp_path / "certs"
-    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
-    subprocess.run([*fedpar, "--agents", "alice"], check=True, capture_output=True, timeout=60)
+    fedpar = ["certs", "--out", str(out)]
+    assert run_main([*fedpar, "--agents", "alice"], capfd).returncode == 0
     (out / "ca.pem").unlink()
     (out / "ca.key").unlink()
-    done = subprocess.run([*fedpar, "--agents", "carol"], capture_output=True, text=True, timeout=60)
+    done = run_main([*fedpar, "--agents", "carol"], capfd)
     assert done.returncode == 2 and done.stderr == (f"fedpar certs: {out} holds certificates (alice.pem, server.pem) "
                                                     "but no ca.pem and ca.key: restore the CA that issued them, or "
                                                     "use a new --out\n"), done.stderr
@@ -287,19 +266,16 @@ def test_certs_makes_no_new_ca_beside_certificates_of_a_lost_one(tmp_path):
 
 
 def test_a_name_revoked_stays_revoked_for_a_new_certificate_and_both_ends_say_how_to_undo_it(
-        tmp_path, coordinator_factory, raw_agents):
+        tmp_path, coordinator_factory, raw_agents, capfd):
     # The refusal said 'ask for a new certificate', and 'fedpar certs --agents bob --force' issued one without a
     # word, which the coordinator refused all the same: bob is revoked by name.
-    import subprocess
-    import sys
-
     from fedpar.security.tls import channel_credentials, client_tls_files, server_credentials, server_tls_files
 
     out = tmp_path / "certs"
-    fedpar = [sys.executable, "-m", "fedpar", "certs", "--out", str(out)]
-    subprocess.run([*fedpar, "--agents", "alice,bob"], check=True, capture_output=True, timeout=60)
-    subprocess.run([*fedpar, "--revoke", "bob"], check=True, capture_output=True, timeout=60)
-    done = subprocess.run([*fedpar, "--agents", "bob", "--force"], capture_output=True, text=True, timeout=60)
+    fedpar = ["certs", "--out", str(out)]
+    assert run_main([*fedpar, "--agents", "alice,bob"], capfd).returncode == 0
+    assert run_main([*fedpar, "--revoke", "bob"], capfd).returncode == 0
+    done = run_main([*fedpar, "--agents", "bob", "--force"], capfd)
     assert done.returncode == 0 and f"wrote {out / 'bob.pem'}" in done.stdout
     assert done.stderr == (f"fedpar certs: bob is revoked by name in {out / 'revoked.txt'}, so coordinators refuse its "
                            "certificate (a new one too) until its line is removed there\n")
@@ -313,12 +289,8 @@ def test_a_name_revoked_stays_revoked_for_a_new_certificate_and_both_ends_say_ho
                                         f"{out / 'revoked.txt'})"), err.value.details()
 
 
-def test_certs_out_naming_a_file_says_so(made):
+def test_certs_out_naming_a_file_says_so(made, capfd):
     # It said 'File exists: ca.pem in folder ...; remove it or pick another path (--debug shows the traceback)'.
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "fedpar", "certs", "--out", str(made.ca_cert), "--agents", "x"],
-                          capture_output=True, text=True, timeout=60)
+    done = run_main(["certs", "--out", str(made.ca_cert), "--agents", "x"], capfd)
     assert done.returncode == 2 and done.stderr == (f"fedpar certs: --out {made.ca_cert} is a file; give the folder "
                                                     "of the certificates (made if missing)\n"), done.stderr
