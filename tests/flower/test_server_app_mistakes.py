@@ -5,8 +5,6 @@ that runs no round says so in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from fedpar.server.final_model import load_final_model  # noqa: E402
 from fedpar.simulations.config import SimulationConfig  # noqa: E402
 from fedpar.simulations.flower_app_run import run_flower_app  # noqa: E402
 from fedpar.tasks.flower_app import load_flower_app  # noqa: E402
+from support.in_process import run_main  # noqa: E402
 
 APP = Path(__file__).parent / "tiny_app"
 
@@ -34,23 +33,22 @@ def test_a_client_apps_nan_arrays_are_its_error_reply_and_never_reach_the_global
     assert names == ["w", "b"] and all(np.isfinite(a).all() for a in arrays)
 
 
-def test_a_server_app_that_sends_no_message_stops_in_one_line(tmp_path):
+def test_a_server_app_that_sends_no_message_stops_in_one_line(tmp_path, capfd):
     """It ended at once with exit 0, only summary.json written and no word that no round ran (QA)."""
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--run-config",
-                           "send-nothing=true", "--clients", "2", "--workers", "1", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
+    done = run_main(["simulate", "--flower-app", str(APP), "--run-config",
+                     "send-nothing=true", "--clients", "2", "--workers", "1", "--out", str(tmp_path / "out")], capfd)
     lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[-1].startswith("fedpar simulate: the ServerApp's main returned without sending a Message, so no "
                                 "round ran"), done.stderr[-3000:]
 
 
-def test_a_server_app_whose_train_messages_all_get_error_replies_stops_in_one_line(tmp_path):
+def test_a_server_app_whose_train_messages_all_get_error_replies_stops_in_one_line(tmp_path, capfd):
     """Every train reply an error (one ClientApp raised, the other sent NaN): it ended with exit 0 and the initial
     arrays as global.safetensors, the reasons only in Flower's INFO lines (QA)."""
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--run-config",
-                           "num-server-rounds=1 fail-partition=0 nan-partition=1", "--clients", "2", "--workers", "1",
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    done = run_main(["simulate", "--flower-app", str(APP), "--run-config",
+                     "num-server-rounds=1 fail-partition=0 nan-partition=1", "--clients", "2", "--workers", "1",
+                     "--out", str(tmp_path / "out")], capfd)
     lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     said = lines[-1]
@@ -60,13 +58,12 @@ def test_a_server_app_whose_train_messages_all_get_error_replies_stops_in_one_li
     assert not (tmp_path / "out" / "global.safetensors").exists()
 
 
-def test_a_client_app_reply_too_large_to_travel_is_its_error_reply_at_once(tmp_path):
+def test_a_client_app_reply_too_large_to_travel_is_its_error_reply_at_once(tmp_path, capfd):
     """Each member's upload failed quietly (RESOURCE_EXHAUSTED, logged at INFO), so the round waited out its whole
     deadline and the run said no node replied in time: give it more time (QA)."""
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--run-config",
-                           "num-server-rounds=1 pad-reply=400000", "--clients", "2", "--workers", "1",
-                           "--deadline", "120", "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=100)
+    done = run_main(["simulate", "--flower-app", str(APP), "--run-config",
+                     "num-server-rounds=1 pad-reply=400000", "--clients", "2", "--workers", "1",
+                     "--deadline", "120", "--out", str(tmp_path / "out")], capfd)
     lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "every reply was an error, e.g. ClientApp of client-000" in lines[-1], done.stderr[-3000:]
