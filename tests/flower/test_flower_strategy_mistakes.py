@@ -5,12 +5,11 @@ answer."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from support.in_process import run_main
 
 pytest.importorskip("flwr")
 
@@ -80,14 +79,14 @@ STRATEGIES = textwrap.dedent("""
     ("MessageListConfig", "round 1: {ref}'s configure_evaluate config 'sizes' is a list; fedpar sends bool, int, float "
                           "and str values to its members: fix the strategy"),
 ])
-def test_a_flower_strategy_that_fails_stops_simulate_in_one_line(tmp_path, cls, said):
+def test_a_flower_strategy_that_fails_stops_simulate_in_one_line(tmp_path, cls, said, capfd, monkeypatch):
     """Each printed 'coordinator stopped with an error' and a traceback (ReturnsNone: 'cannot unpack non-iterable
     NoneType'); ReturnsNaN failed every round and ended 'too few updates arrived; check --min-reports, --deadline'."""
     (tmp_path / "mine.py").write_text(STRATEGIES)
     ref = f"flower:{tmp_path / 'mine.py'}:{cls}"
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--strategy", ref, "--clients", "2",
-                           "--rounds", "2", "--workers", "1", "--quiet", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the workers' (simulate's main runs in this process)
+    done = run_main(["simulate", "--strategy", ref, "--clients", "2", "--rounds", "2", "--workers", "1", "--quiet",
+                     "--out", str(tmp_path / "out")], capfd)
     lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines and lines[-1].startswith(f"fedpar simulate: {said.format(ref=ref)}"), done.stderr[-3000:]
