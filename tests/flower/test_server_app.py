@@ -102,14 +102,13 @@ def test_a_server_app_waiting_for_more_nodes_than_clients_stops_in_one_line(tmp_
     (["--clients", "1"], "fedpar simulate: the ServerApp waited 5 s for more than the 1 nodes it has"),
     (["--clients", "2", "--run-config", 'num-server-rounds="two"'],
      "fedpar simulate: the ServerApp failed: ValueError: invalid literal for int() with base 10: 'two': fix the app")])
-def test_a_server_app_that_fails_is_one_line_with_no_coordinator_traceback(tmp_path, options, said):
+def test_a_server_app_that_fails_is_one_line_with_no_coordinator_traceback(tmp_path, options, said, capfd):
     """They printed 'coordinator stopped with an error' and a traceback first; an exception of Flower's own kind
     (not a ValueError or RuntimeError) escaped as two tracebacks (QA)."""
-    import subprocess
-    import sys
+    from support.in_process import run_main
 
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--workers", "1",
-                           *options, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    done = run_main(["simulate", "--flower-app", str(APP), "--workers", "1", *options, "--out",
+                     str(tmp_path / "out")], capfd)
     lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[-1].startswith(said) and "stopped with an error" not in done.stderr, done.stderr[-3000:]

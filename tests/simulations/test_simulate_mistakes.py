@@ -84,16 +84,14 @@ def test_a_damaged_mnist_folder_is_named_for_what_it_is(tmp_path):
         load_mnist(tmp_path / "test.npz")
 
 
-def test_simulate_given_a_hostile_trace_says_one_line_and_exits_2(tmp_path):
+def test_simulate_given_a_hostile_trace_says_one_line_and_exits_2(tmp_path, capfd):
     """Through the command: a client id of 1e400 ended in an OverflowError traceback."""
-    import subprocess
-    import sys
+    from support.in_process import run_main
 
     (tmp_path / "t.json").write_text('[{"client": 1e400, "seconds_per_step": 0.01, "download_mbps": 20, '
                                      '"upload_mbps": 5, "available_from": 0, "available_for": 86400}]')
-    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "1", "--rounds", "1",
-                           "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
+    done = run_main(["simulate", "--clients", "1", "--rounds", "1", "--trace", str(tmp_path / "t.json"), "--out",
+                     str(tmp_path / "out")], capfd)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"fedpar simulate: {tmp_path / 't.json'}, entry 1: needs the columns {', '.join(COLUMNS)}, all numbers "
