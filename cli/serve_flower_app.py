@@ -59,6 +59,7 @@ def serve_flower_app(args: argparse.Namespace) -> int:
             raise ValueError(problem)
         security = server_security(args)
         app = load_flower_app(args.flower_app, args.run_config)
+        config.flower_run_config = app.run_config  # every task carries it to the agents' ClientApps
         coordinator = FlowerCoordinator(config, build_strategy("fedavg"),
                                         server_app_main(app.server_app, app.run_config,
                                                         config.wait_for_agents_seconds or float("inf")), admission=security.admission)

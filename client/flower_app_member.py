@@ -92,6 +92,24 @@ def member_context(member_id: str, partition_id: int, num_partitions: int, run_c
                    run_config=dict(run_config))
 
 
+def runs_config(own: dict[str, Any], sent: dict[str, Any] | None) -> dict[str, Any]:
+    """The run config a member's ClientApp sees: the one the coordinator sent with the task (the run's, as a Flower
+    SuperNode's ClientApp gets it), else the app's own (``own``: its pyproject.toml's, with this process's
+    --run-config); where the two differ, that is said once a process."""
+    if sent is None:
+        return own
+    if sent != own:
+        differ = tuple(sorted(k for k in set(own) | set(sent) if own.get(k) != sent.get(k)))
+        if differ not in _SAID_DIFFERENT:
+            _SAID_DIFFERENT.add(differ)
+            log.info("the coordinator's run config replaces this agent's own in %s (%s)", ", ".join(differ),
+                     "; ".join(f"{k}: {sent.get(k)!r}, here {own.get(k)!r}" for k in differ[:5]))
+    return sent
+
+
+_SAID_DIFFERENT: set[tuple[str, ...]] = set()  # the differences runs_config logged
+
+
 def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
                    context_of: Callable[[int], Any]) -> bytes:
     """Member ``member_id``'s reply to the Flower Message in ``data``, serialized: ``client_app`` called on it with
@@ -153,11 +171,12 @@ class FlowerAppTrainer(HeldArrays):
         ``num_examples`` training examples at Join."""
         self._member = (member_id, int(partition_id), int(num_partitions), int(num_examples))
 
-    def context(self, run_id: int | None = None):
-        """The current member's Context (its state is the one kept for it) in run ``run_id`` (None: this trainer's)."""
+    def context(self, run_id: int | None = None, run_config: dict[str, Any] | None = None):
+        """The current member's Context (its state is the one kept for it) in run ``run_id`` (None: this trainer's),
+        with the run's config the task carried (None: the app's own, :func:`runs_config`)."""
         member, partition, partitions, _ = self._member
-        return member_context(member, partition, partitions, self.run_config, self.states.of(member),
-                              self.run_id if run_id is None else run_id)
+        return member_context(member, partition, partitions, runs_config(self.run_config, run_config),
+                              self.states.of(member), self.run_id if run_id is None else run_id)
 
     # ------------------------------------------------------------------ the runtime's trainer protocol
     @property
@@ -178,7 +197,7 @@ class FlowerAppTrainer(HeldArrays):
         (logged: training goes on)."""
         config = {"server-round": self._round, **((settings.eval_config or {}) if settings is not None else {})}
         try:
-            reply = self._call("evaluate", config)
+            reply = self._call("evaluate", config, settings.run_config if settings is not None else None)
             metrics = _metrics_of(reply, "evaluate")
         except UpdateRefused as err:
             log.warning("%s: evaluate: %s", self._member[0], err)
@@ -208,7 +227,7 @@ class FlowerAppTrainer(HeldArrays):
         if max_steps:
             config["max-steps"] = int(max_steps)
         config.update((settings.fit_config or {}) if settings is not None else {})
-        reply = self._call("train", config)
+        reply = self._call("train", config, settings.run_config if settings is not None else None)
         self._trained = self._arrays_of(reply)
         metrics = _metrics_of(reply, "train")
         examples = metrics.get(WEIGHT_KEY)
@@ -222,14 +241,14 @@ class FlowerAppTrainer(HeldArrays):
         return TrainResult(0, int(examples), loss, False, time.monotonic() - start, others)
 
     # ------------------------------------------------------------------ calling the app
-    def _call(self, message_type: str, config: dict[str, Any]):
-        """The app's reply to a ``message_type`` message carrying the global arrays and ``config``; UpdateRefused
-        when the app raises or replies with an error."""
+    def _call(self, message_type: str, config: dict[str, Any], run_config: dict[str, Any] | None = None):
+        """The app's reply to a ``message_type`` message carrying the global arrays and ``config`` (the Context's run
+        config: ``run_config``, the task's); UpdateRefused when the app raises or replies with an error."""
         from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
         if self._global is None:
             raise RuntimeError(f"{message_type} before set_arrays()")
-        context = self.context()
+        context = self.context(run_config=run_config)
         arrays = ArrayRecord({name: Array(np.asarray(a)) for name, a in zip(self.names, self._global)})
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(config)})
         message = Message(content=content, metadata=_delivered(context, message_type, self._round))
@@ -273,9 +292,10 @@ class FlowerAppAgent(OwnMember):
         super().__init__(agent_id, trainer)
         self.answers_messages = trainer.layout is None  # no model of its own: the runtime keeps no layout
 
-    def answer(self, i: int, data: bytes, max_bytes: int) -> bytes:
-        """The member's serialized reply to the Flower Message in ``data``."""
-        return answer_message(self.trainer.app, data, max_bytes, self.agent_id, self.trainer.context)
+    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict[str, Any] | None = None) -> bytes:
+        """The member's serialized reply to the Flower Message in ``data`` (``run_config``: the task's)."""
+        return answer_message(self.trainer.app, data, max_bytes, self.agent_id,
+                              lambda run_id: self.trainer.context(run_id, run_config))
 
 
 def _delivered(context, message_type: str, round_id: int):

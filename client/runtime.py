@@ -399,9 +399,11 @@ class ClientRuntime:
         is busy and the deadline allows (a reply that misses the deadline is no reply, as in Flower)."""
         deadline_at = time.monotonic() + task.deadline_seconds
         try:
+            settings = TaskSettings.from_json(task.extra_json)  # the run's config, for the ClientApp's Context
             with self.link.while_training():  # heartbeats while the ClientApp works
-                reply = self.members.answer(i, task.flower_message, self.link.max_chunk or self.config.chunk_bytes)
-        except ValueError as err:  # the task's Message cannot be read: nothing to answer
+                reply = self.members.answer(i, task.flower_message, self.link.max_chunk or self.config.chunk_bytes,
+                                            settings.run_config)
+        except ValueError as err:  # the task's settings or Message cannot be read: nothing to answer
             self._note_refusal(member, "message", err)
             return True
         request = pb.MessageReply(auth=auth, round=task.round, task_id=task.task_id, message=reply)

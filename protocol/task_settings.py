@@ -85,6 +85,10 @@ class TaskSettings(Mapping):
     # A Message-API Flower strategy's configure_evaluate config (aggregation/flower_message_strategy.py), same rules,
     # passed to the evaluate handler of the ClientApp (or a Flower client's evaluate) run by fedpar.
     eval_config: dict | None = None
+    # A Flower App run (--flower-app on the coordinator): the run's config, the app's [tool.flwr.app.config] with the
+    # coordinator's --run-config, same rules; the ClientApp's Context.run_config holds it (a SuperNode's ClientApp
+    # sees the run's config, not one of its own).
+    run_config: dict | None = None
     # Federated evaluation: the agent scores the received global model on its validation split before training
     # (off in the rounds --client-eval-every skips).
     evaluate: bool = True
@@ -105,7 +109,7 @@ class TaskSettings(Mapping):
                     raise ValueError(f"{name} must be a number, got {value!r}")
                 object.__setattr__(self, name, float(value))
         check_compression(self.compression, self.topk_ratio, self.int8_block)
-        for name in ("fit_config", "eval_config"):
+        for name in ("fit_config", "eval_config", "run_config"):
             if getattr(self, name) is not None:
                 _check_fit_config(getattr(self, name), name)
                 object.__setattr__(self, name, dict(getattr(self, name)))  # not the caller's dict

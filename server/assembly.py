@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -38,6 +38,7 @@ class CoordinatorAssembly:
     evaluate: EvaluateFn | None = None
     model: nn.Module | None = None
     description: dict = field(default_factory=dict)
+    run_config: dict | None = None  # a Flower App's run config, which every task carries to its ClientApps
 
     @classmethod
     def for_data(cls, model: str, splits: DatasetSplits, seed: int,
@@ -70,7 +71,8 @@ class CoordinatorAssembly:
         evaluation (the ClientApps evaluate): what fedpar's strategies start from when they drive a Flower App."""
         initial = app.initial_arrays(seed)
         return cls([name for name, _ in initial], [array for _, array in initial],
-                   description={"flower_app": str(app.directory), "run_config": app.run_config})
+                   description={"flower_app": str(app.directory), "run_config": app.run_config},
+                   run_config=app.run_config)
 
     def server(self, config: CoordinatorConfig, strategy: Strategy, *, on_round_end: Sequence[RoundCallback] = (),
                admission: Admission | None = None, host: str = "127.0.0.1", port: int = 0,
@@ -80,6 +82,8 @@ class CoordinatorAssembly:
         """A Coordinator of this model and ``strategy`` behind a CoordinatorServer that is not started yet
         (ValueError when the Coordinator cannot be built, e.g. from a checkpoint of another model); on a port of its
         own, or on ``agent_port`` (a service's) with the agents of ``members`` (those of the coordinators there)."""
+        if self.run_config is not None:
+            config = replace(config, flower_run_config=self.run_config)
         coordinator = Coordinator(config, self.names, self.weights, strategy, evaluate_fn=self.evaluate,
                                   on_round_end=on_round_end, admission=admission, ranks=ranks, members=members)
         return CoordinatorServer(coordinator, host=host, port=port, credentials=credentials, data_tls=data_tls,

@@ -188,6 +188,7 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
                                           help="checkpoint every round here, and resume from it after a restart "
                                                "(same model and strategy)")
     metrics_path: Path | None = None
+    flower_run_config: dict | None = None  # a Flower App run's run config, sent in every task (TaskSettings.run_config)
     # bulk socket transfers beside gRPC; None: on for models >= data_plane_min_bytes
     data_plane: bool | None = setting(
         None, choices={"auto": None, "on": True, "off": False}, group="transfer",

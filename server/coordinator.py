@@ -27,6 +27,7 @@ from fedpar.protocol.heap import round_counters, trim_heap
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.security.admission import Admission
 from fedpar.server.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from fedpar.server.config import CoordinatorConfig
@@ -165,7 +166,8 @@ class Coordinator(IngestPlane):
         self.sampler = CohortSampler(config.seed)
         self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
         self.ranks = ranks  # the other aggregator ranks (server/ranks/), or None
-        self._task_json = "{}"  # the current round's TaskSettings as every task carries them (extra_json)
+        # the current round's TaskSettings as every task carries them (extra_json)
+        self._task_json = TaskSettings(run_config=config.flower_run_config).to_json()
         self.finished = False
         self.keeps_members = False  # a service's next run takes the members: they never hear that training is over
         self.metrics = RoundMetricsLog(config.metrics_path, declared_columns(config), config.target_accuracy)
@@ -300,7 +302,8 @@ class Coordinator(IngestPlane):
         self.mode = self.modes.for_round(round_id, cohort, self.registry, self.weights)
         self.mode.start(state)
         settings = self.mode.task_settings(self.strategy.client_config(round_id))
-        self._task_json = replace(settings, evaluate=self.config.evaluates_in(round_id)).to_json()
+        self._task_json = replace(settings, evaluate=self.config.evaluates_in(round_id),
+                                  run_config=self.config.flower_run_config).to_json()
         if self.ranks is not None:
             await self.ranks.open_round(state, self.registry)
         self.current = state

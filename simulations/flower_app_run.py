@@ -68,7 +68,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
     coord_cfg = composed(
         CoordinatorConfig, cfg, clients_per_round=cfg.clients, min_available=cfg.clients, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, accept_populations=True,
-        metrics_path=out / "metrics.jsonl" if out else None, max_agents=max(CoordinatorConfig.max_agents,
+        metrics_path=out / "metrics.jsonl" if out else None, flower_run_config=app.run_config, max_agents=max(CoordinatorConfig.max_agents,
                                                                             cfg.clients + 64))
     from fedpar.server.flower_grid import server_app_main
 
