@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fedpar.cli.main import main
+from support.in_process import logging_as_a_fresh_process, run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--dataset", "digits", "--clients-per-round", "2", "--local-epochs", "1", "--seed", "7", "--workers", "1",
@@ -27,10 +28,12 @@ def _argv(*extra: str, out: Path, ckpt: Path, clients: int, rounds: int) -> list
             "--checkpoint-dir", str(ckpt)]
 
 
-def _simulate(*extra: str, out: Path, ckpt: Path, clients: int = 4, rounds: int = 2) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "fedpar.cli.main", *_argv(*extra, out=out, ckpt=ckpt, clients=clients, rounds=rounds)]
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=180)
+def _simulate(*extra: str, out: Path, ckpt: Path, capfd, clients: int = 4, rounds: int = 2) -> tuple[int, str]:
+    """The command by its main in this process (support.in_process.run_main: its exit code and its stderr, the
+    workers' included, as a process's), its workers started with OMP_NUM_THREADS=1 as before."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        done = run_main(_argv(*extra, out=out, ckpt=ckpt, clients=clients, rounds=rounds), capfd, ROOT)
     assert "Traceback" not in done.stderr, done.stderr
     return done.returncode, done.stderr
 
@@ -57,8 +60,10 @@ def _summary(out: Path) -> dict:
 def made(tmp_path_factory) -> Path:
     """A run of 2 rounds on 4 clients, with its checkpoints and its outputs."""
     base = tmp_path_factory.mktemp("made")
-    code, err = _simulate(out=base / "out", ckpt=base / "ckpt")
-    assert code == 0, err
+    with pytest.MonkeyPatch.context() as mp, logging_as_a_fresh_process():  # its main in this process, as _simulate
+        mp.setenv("OMP_NUM_THREADS", "1")
+        mp.chdir(ROOT)
+        assert main(_argv(out=base / "out", ckpt=base / "ckpt", clients=4, rounds=2)) == 0
     return base
 
 
@@ -105,9 +110,9 @@ def test_a_checkpoint_with_every_round_done_says_so(run, capfd):
     assert _rounds(run / "out") == [1, 2]
 
 
-def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run):
+def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run, capfd):
     # into another --out folder: it starts with the run's earlier rows (it held only those from round 3 on)
-    code, err = _simulate("--lr", "0.05", out=run / "moved", ckpt=run / "ckpt", rounds=3)
+    code, err = _simulate("--lr", "0.05", out=run / "moved", ckpt=run / "ckpt", rounds=3, capfd=capfd)
     assert code == 0, err
     assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with --lr 0.05; its "
                                 "run so far went with --lr 0.1"], err
@@ -116,34 +121,35 @@ def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run):
     # the whole run's seconds: the first process's (kept in the record) and this one's
     assert resumed["earlier_processes_seconds"] >= first["wall_seconds"] > 0
     assert resumed["wall_seconds"] > resumed["earlier_processes_seconds"]
-    code, err = _simulate("--lr", "0.05", out=run / "moved", ckpt=run / "ckpt", rounds=4)
+    code, err = _simulate("--lr", "0.05", out=run / "moved", ckpt=run / "ckpt", rounds=4, capfd=capfd)
     assert code == 0 and err == "", err  # the record now says what round 3 ran with
     assert _rounds(run / "moved") == [1, 2, 3, 4]
     assert _summary(run / "moved")["earlier_processes_seconds"] >= resumed["wall_seconds"]
 
 
-def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(run):
+def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(run, capfd):
     """It said "--clock true; ... --clock false" and "--upload-compression {...}", neither of them a flag's value."""
-    code, err = _simulate("--clock", "virtual", "--compression", "int8", out=run / "out", ckpt=run / "ckpt", rounds=3)
+    code, err = _simulate("--clock", "virtual", "--compression", "int8", out=run / "out", ckpt=run / "ckpt", rounds=3,
+                          capfd=capfd)
     assert code == 0, err
     said = f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with"
     assert err.splitlines() == [f"{said} --clock virtual; its run so far went with --clock real",
                                 f"{said} --compression int8; its run so far went with --compression none"], err
 
 
-def test_a_resume_of_a_private_run_names_the_privacy_flag_it_changes(tmp_path):
+def test_a_resume_of_a_private_run_names_the_privacy_flag_it_changes(tmp_path, capfd):
     """It said '--strategy-option {"noise_multiplier": 0.5, "clip_norm": 1.0, ...}', a flag the user never gave."""
     private = ("--privacy", "central", "--privacy-noise", "0.3")
-    code, err = _simulate(*private, out=tmp_path / "out", ckpt=tmp_path / "ckpt", rounds=1)
+    code, err = _simulate(*private, out=tmp_path / "out", ckpt=tmp_path / "ckpt", rounds=1, capfd=capfd)
     assert code == 0, err
-    code, err = _simulate(*private[:3], "0.5", out=tmp_path / "out", ckpt=tmp_path / "ckpt", rounds=2)
+    code, err = _simulate(*private[:3], "0.5", out=tmp_path / "out", ckpt=tmp_path / "ckpt", rounds=2, capfd=capfd)
     assert code == 0, err
     assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {tmp_path / 'ckpt'} with --privacy-noise "
                                 "0.5; its run so far went with --privacy-noise 0.3"], err
 
 
-def test_a_fresh_checkpoint_folder_records_the_new_federation(run):
-    code, err = _simulate(out=run / "other", ckpt=run / "fresh", clients=6, rounds=1)
+def test_a_fresh_checkpoint_folder_records_the_new_federation(run, capfd):
+    code, err = _simulate(out=run / "other", ckpt=run / "fresh", clients=6, rounds=1, capfd=capfd)
     assert code == 0, err
     assert json.loads((run / "fresh" / "run.json").read_text())["defining"]["--clients"] == 6
 
@@ -168,9 +174,9 @@ def test_a_fresh_run_into_an_earlier_runs_out_that_stops_before_round_1_leaves_n
     assert not left or _summary(run / "out")["rounds"] == 0
 
 
-def test_a_checkpoint_of_older_code_without_its_record_still_resumes(run):
+def test_a_checkpoint_of_older_code_without_its_record_still_resumes(run, capfd):
     (run / "ckpt" / "run.json").unlink()
-    code, err = _simulate(out=run / "out", ckpt=run / "ckpt", clients=5, rounds=3)
+    code, err = _simulate(out=run / "out", ckpt=run / "ckpt", clients=5, rounds=3, capfd=capfd)
     assert code == 0, err
     assert _rounds(run / "out") == [1, 2, 3]
     assert not (run / "ckpt" / "run.json").exists()  # what it was made with is still not known
