@@ -127,13 +127,22 @@ def streamed(layout: ModelLayout, arrays: list[np.ndarray], chunk_bytes: int = 1
     return list(build_payload(1, layout, arrays, chunk_bytes).messages())
 
 
-def run_agent(coordinator: HostileCoordinator, cwd, seconds: float = 30.0, interrupt_after: float | None = None
-              ) -> tuple[int, str]:
+def run_agent(coordinator: HostileCoordinator, cwd, seconds: float = 30.0, interrupt_after: float | None = None,
+              capfd=None) -> tuple[int, str]:
     """A real `fedpar client --dataset digits` against ``coordinator`` until it exits (Ctrl-C after
-    ``interrupt_after`` seconds, or after ``seconds``): its exit code and what it printed (stdout and stderr)."""
-    command = [sys.executable, "-m", "fedpar", "client", "--insecure", "--server", coordinator.address, "--agent-id",
-               "a", "--dataset", "digits", "--poll", "1", "--max-backoff", "0.5", "--threads", "1",
-               "--device", "cpu"]  # on a GPU box CUDA's start-up took the seconds these tests give the agent
+    ``interrupt_after`` seconds, or after ``seconds``): its exit code and what it printed (stdout and stderr).
+    Given ``capfd`` and no interrupt, the client's main runs in this process (support.in_process.run_main: the same
+    code, gRPC calls and exit code, without a process's start-up; its stdout, then its stderr, whose last line is
+    its last word); a hang is the test's timeout."""
+    argv = ["client", "--insecure", "--server", coordinator.address, "--agent-id", "a", "--dataset", "digits",
+            "--poll", "1", "--max-backoff", "0.5", "--threads", "1",
+            "--device", "cpu"]  # on a GPU box CUDA's start-up took the seconds these tests give the agent
+    if capfd is not None and interrupt_after is None:
+        from support.in_process import run_main
+
+        done = run_main(argv, capfd, cwd)
+        return done.returncode, done.stdout + done.stderr
+    command = [sys.executable, "-m", "fedpar", *argv]
     agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
     try:
         out, _ = agent.communicate(timeout=interrupt_after or seconds)
