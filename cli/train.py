@@ -199,8 +199,8 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
-    from fedpar.cli.train_task import (PeerLost, check_data_parallel, check_zoo_loop_unused, spawn_task_ranks,
-                                       train_centrally, train_task_rank, write_task_model)
+    from fedpar.cli.train_task import (PeerLost, TaskCheckpoints, check_data_parallel, check_zoo_loop_unused,
+                                       spawn_task_ranks, train_centrally, train_task_rank, write_task_model)
     from fedpar.parallel.device import check_device_layout, resolve_device
     from fedpar.parallel.init import exit_rank_process
     from fedpar.parallel.rank_failure import RankFailed
@@ -212,6 +212,7 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         task = load_task_from_args(args)  # a task's mistakes, before any rank starts
         check_zoo_loop_unused(args)
         check_data_parallel(task, cfg)
+        TaskCheckpoints(cfg, task).latest()  # a checkpoint that cannot be resumed: said here, not by every rank
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
@@ -227,6 +228,12 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         else:
             model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
             evals = write_task_model(task, cfg, model, summary)
+    except KeyboardInterrupt as exc:  # Ctrl-C (or SIGTERM to the launcher): the ranks are stopped; say what is kept
+        from fedpar.parallel.stopping import exit_code, signal_name
+        if int(os.environ.get("RANK", "0")):
+            return 130
+        print(f"fedpar train: interrupted{TaskCheckpoints(cfg, task).resume_hint()}", file=sys.stderr)
+        return exit_code(signal_name(exc))
     except (RankFailed, PeerLost) as exc:  # a rank's own failure, not the task's: its last line (--debug: traceback)
         _raise_if_reader_left(exc)
         print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)

@@ -26,6 +26,8 @@ from fedpar.cli.progress import StepBar, time_left
 from fedpar.client.task_trainer import Trained, train_task
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.device import queue_waiter
+from fedpar.parallel.epoch_checkpoint import (check_epoch_checkpoint, latest_epoch_checkpoint, load_epoch_checkpoint,
+                                              save_epoch_checkpoint)
 from fedpar.parallel.init import DistInfo
 from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_atomic
 from fedpar.task import (ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
@@ -161,12 +163,14 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
     with task_code("test_data()"):
         test = task.test_data() if task.test_data is not None else None
     scored, prefix = (on_device(test, eval_device), "test_") if test is not None else (val, "val_")
-    log = StepMetricsLog(out, True, 0, cfg.tensorboard)
     bar = StepBar("step" if cfg.max_steps else "epoch")
-    steps = examples = epoch = 0
+    checkpoints = TaskCheckpoints(cfg, task)
+    counters = checkpoints.resume(model, bar)
+    steps, examples, epoch = int(counters["steps"]), int(counters["examples"]), int(counters["epoch"])
+    train_seconds = counters["train_seconds"]
+    log = StepMetricsLog(out, True, steps, cfg.tensorboard)
     evals: dict[str, float] = {}
     train_metrics: dict[str, float] = {}
-    train_seconds = 0.0
     while epoch < cfg.epochs if not cfg.max_steps else steps < cfg.max_steps:
         begin = time.perf_counter()
         with task_code("training"):
@@ -186,6 +190,8 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
                                                                   {**train_metrics, **evals}.items()) + f", {left} left")
         bar.step(*((steps, cfg.max_steps) if cfg.max_steps else (epoch, cfg.epochs)),
                  ", ".join(f"{k} {v:.4f}" for k, v in list({**train_metrics, **evals}.items())[:2]))
+        checkpoints.after_epoch(model, {"epoch": epoch, "steps": steps, "examples": examples,
+                                        "train_seconds": train_seconds})
         if not trained.steps:
             break  # nothing left to train on (a train hook that took no steps ends the run too)
     bar.close()
@@ -193,16 +199,67 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
     if cfg.plot:
         plot_loss_curve(log.records(), out / "loss_curve.png", f"{task.name}, centralized")
     return {"task": task.name, "model": task.description, "steps": steps, "examples": examples, "epochs": epoch,
+            "resumed_from_epoch": int(counters["epoch"]),
             **evals, **{f"final_train_{k}": v for k, v in train_metrics.items()},
             "wall_seconds": time.perf_counter() - started, "train_seconds": train_seconds,
             "config": {k: v for k, v in cfg.to_dict().items() if k not in ZOO_CHOICES}}
+
+
+class TaskCheckpoints:
+    """``fedpar train --task``'s checkpoints in OUT/checkpoints (parallel/epoch_checkpoint.py): after an epoch once
+    --checkpoint-every steps passed since the last one (0: none), and the run resumed from the latest (--resume)."""
+
+    def __init__(self, cfg: TrainConfig, task: Task):
+        self.directory = Path(cfg.out) / "checkpoints"
+        self.every, self.resumes = cfg.checkpoint_every, cfg.resume
+        self.record = {"--task": task.name, "model": task.description}
+        self.afresh = f"pass --no-resume to start afresh in {cfg.out} (or another --out)"
+        self.last_steps = 0
+
+    def latest(self) -> Path | None:
+        """The checkpoint a resume starts from (None: none, or --no-resume); EpochCheckpointError for one that cannot
+        be resumed."""
+        if not self.resumes:
+            return None
+        latest = latest_epoch_checkpoint(self.directory, self.afresh)
+        if latest is not None:
+            check_epoch_checkpoint(latest, self.record, self.afresh)
+        return latest
+
+    def resume(self, model: torch.nn.Module, bar: StepBar) -> dict[str, float]:
+        """Load the latest checkpoint into ``model``; the counters to go on from (all 0 when starting afresh)."""
+        latest = self.latest()
+        if latest is None:
+            return dict.fromkeys(("epoch", "steps", "examples", "train_seconds"), 0.0)
+        counters = load_epoch_checkpoint(latest, model, self.afresh)
+        self.last_steps = int(counters["steps"])
+        bar.line(f"resumed from {latest} after epoch {int(counters['epoch']) - 1} (step {self.last_steps})")
+        return counters
+
+    def resume_hint(self) -> str:
+        """What an interrupted run can do next: resume after its latest checkpoint, or keep one next time."""
+        try:
+            latest = latest_epoch_checkpoint(self.directory, self.afresh)
+        except ValueError:  # a damaged pointer is said when the run is resumed
+            latest = None
+        if latest is None:
+            return ("; nothing to resume from (--checkpoint-every K keeps a checkpoint at the end of an epoch after "
+                    "each K steps)")
+        again = "the same command" if self.resumes else "the same command without --no-resume"
+        return f"; {again} resumes after its checkpoint {latest.name}"
+
+    def after_epoch(self, model: torch.nn.Module, counters: dict[str, float]) -> None:
+        """Keep a checkpoint of the epoch just trained if --checkpoint-every steps passed since the last one."""
+        if self.every and counters["steps"] - self.last_steps >= self.every:
+            save_epoch_checkpoint(self.directory, model, counters, self.record)
+            self.last_steps = int(counters["steps"])
 
 
 # TrainConfig's settings of the zoo trainer's own loop (parallel/trainer.py), which a task's loop, optimizer and
 # per-epoch evaluation replace: given beside --task, each would be ignored
 ZOO_LOOP = ("block_size", "optimizer", "optimizer_impl", "momentum", "weight_decay", "grad_accum", "grad_clip",
             "warmup_steps", "lr_scaling", "base_batch_size", "activation_checkpointing", "compile", "eval_batches",
-            "log_every", "checkpoint_every", "resume", "pp_schedule", "microbatches", "stages_per_rank")
+            "log_every", "pp_schedule", "microbatches", "stages_per_rank")
 
 
 def check_zoo_loop_unused(args) -> None:
@@ -217,7 +274,8 @@ def check_zoo_loop_unused(args) -> None:
     if given:
         raise TaskError(f"--task trains with the task's own loop, optimizer and evaluation, one epoch at a time, so "
                         f"{' and '.join(given)} would be ignored: drop {'it' if len(given) == 1 else 'them'} (it "
-                        "takes --epochs or --max-steps, --lr, --batch-size, --seed and the parallel degrees)")
+                        "takes --epochs or --max-steps, --lr, --batch-size, --seed, --checkpoint-every, --resume and "
+                        "the parallel degrees)")
 
 
 def check_data_parallel(task: Task, cfg: TrainConfig) -> None:

@@ -272,7 +272,8 @@ class TrainConfig(Output, Seeded, Device, DataSource):
                                 help="validation batches per evaluation for text (0: all)")
     log_every: int = setting(10, check="count", group="outputs", help="steps between progress lines")
     checkpoint_every: int = setting(0, check="non_negative_int", group="outputs",
-                                    help="steps between DCP checkpoints (0: none)")
+                                    help="steps between checkpoints (0: none); with --task, one is kept at the end "
+                                         "of the first epoch after each such span")
     resume: bool = setting(True, group="outputs", help="continue from OUT/checkpoints/latest if it exists")
     plot: bool = setting(True, group="outputs", help="write loss_curve.png")
     tensorboard: str | None = None  # folder for TensorBoard events of the logged steps and evaluations (rank 0)

@@ -1,0 +1,98 @@
+"""Checkpoints of a loop that trains one epoch at a time (`fedpar train --task`): after an epoch, the whole model's
+weights (safetensors), the loop's counters and the RNG, so the same command resumes at the next epoch.
+
+A checkpoint directory holds ``epoch-NNNNNN/`` folders (``model.safetensors``, ``state.safetensors`` with the
+counters and the RNG state as tensors, ``run.json``: what a resume must match) and a ``latest`` file naming the
+newest complete one, replaced atomically after the folder is written. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
+
+LATEST = "latest"
+MODEL_FILE, STATE_FILE = "model.safetensors", "state.safetensors"
+RNG_KEY = "rng.cpu"
+_EPOCH_NAME = re.compile(r"epoch-\d{6}")
+
+
+class EpochCheckpointError(ValueError):
+    """A checkpoint that cannot be resumed, with what to do instead."""
+
+
+def epoch_dir(directory: Path, epoch: int) -> Path:
+    """The folder of the checkpoint taken after ``epoch`` epochs."""
+    return Path(directory) / f"epoch-{epoch:06d}"
+
+
+def save_epoch_checkpoint(directory: Path, model: nn.Module, counters: dict[str, float], record: dict,
+                          keep: int = 2) -> Path:
+    """Keep ``model``'s weights, ``counters`` (``epoch`` among them) and this process's RNG after an epoch, with
+    ``record`` (the settings a resume must match); only the newest ``keep`` checkpoints stay."""
+    target = epoch_dir(directory, int(counters["epoch"]))
+    target.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(target / MODEL_FILE))  # tied weights once (save_file refuses shared tensors)
+    state = {key: torch.tensor([float(value)], dtype=torch.float64) for key, value in counters.items()}
+    save_file({**state, RNG_KEY: torch.get_rng_state()}, str(target / STATE_FILE))
+    record_settings(target / RUN_RECORD, record)
+    atomic_write_bytes(Path(directory) / LATEST, [(target.name + "\n").encode()])
+    for old in sorted(Path(directory).glob("epoch-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def latest_epoch_checkpoint(directory: Path, afresh: str) -> Path | None:
+    """The checkpoint ``directory/latest`` names (None: there is none yet); EpochCheckpointError, saying to do
+    ``afresh`` instead, when it names no complete checkpoint."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    target = Path(directory) / name
+    if not _EPOCH_NAME.fullmatch(name) or not (target / MODEL_FILE).is_file() or not (target / STATE_FILE).is_file():
+        raise EpochCheckpointError(f"{pointer} names {name!r}, which holds no complete checkpoint ({MODEL_FILE} and "
+                                   f"{STATE_FILE}); {afresh}")
+    return target
+
+
+def check_epoch_checkpoint(path: Path, record: dict, afresh: str) -> None:
+    """EpochCheckpointError (one line) when the checkpoint at ``path`` was made with other settings than ``record``
+    or its files do not read as safetensors."""
+    try:
+        check_settings(path / RUN_RECORD, record, source=str(path), afresh=afresh)
+    except ValueError as exc:
+        raise EpochCheckpointError(str(exc)) from None
+    for name in (MODEL_FILE, STATE_FILE):
+        try:
+            with safe_open(str(path / name), "pt") as kept:
+                kept.keys()
+        except (SafetensorError, OSError) as exc:
+            raise EpochCheckpointError(f"cannot resume from {path}: its {name} is damaged "
+                                       f"({str(exc).splitlines()[0]}); {afresh}") from None
+
+
+def load_epoch_checkpoint(path: Path, model: nn.Module, afresh: str) -> dict[str, float]:
+    """Load the checkpoint at ``path`` into ``model`` and this process's RNG; its counters. EpochCheckpointError when
+    its files do not read or its weights are not ``model``'s (names, shapes)."""
+    try:
+        state = load_file(str(path / STATE_FILE))
+        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise EpochCheckpointError(f"cannot resume from {path}: {str(exc).splitlines()[0]}; {afresh}") from None
+    if missing or unexpected:
+        raise EpochCheckpointError(f"cannot resume from {path}: its weights are another model's (missing "
+                                   f"{sorted(missing)[:3]}, unknown {sorted(unexpected)[:3]}); {afresh}")
+    rng = state.pop(RNG_KEY, None)
+    if rng is not None and rng.dtype == torch.uint8:
+        torch.set_rng_state(rng)
+    return {key: float(value.item()) for key, value in state.items() if value.numel() == 1}
