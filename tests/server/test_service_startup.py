@@ -1,20 +1,18 @@
 """`fedpar serve` refusing at start-up, before it binds anything or starts a rank: ports the aggregator ranks, the
-control API or the metrics endpoint cannot have, --out and --checkpoint-dir with --state, no rounds. Each case is a
-real `fedpar serve` process that must end with one line, exit 2 and no traceback; they run side by side."""
+control API or the metrics endpoint cannot have, --out and --checkpoint-dir with --state, no rounds. Each case is
+`fedpar serve` by its main in the test process (support.in_process.run_main: the refusal comes before anything
+starts) that must end with one line, exit 2 and no traceback."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 from fedpar.security.certs import ensure_certs
 from support.devices import RANKS_ON_CPU
+from support.in_process import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _free_pair() -> int:
@@ -32,7 +30,7 @@ def _free_pair() -> int:
                     continue
 
 
-def test_ports_and_options_serve_cannot_use_are_one_line_and_exit_2(tmp_path):
+def test_ports_and_options_serve_cannot_use_are_one_line_and_exit_2(tmp_path, capfd):
     certs = tmp_path / "certs"
     ensure_certs(certs, ["a1"], ["127.0.0.1"], operators=["op"])
     one_shot = _free_pair()
@@ -61,14 +59,13 @@ def test_ports_and_options_serve_cannot_use_are_one_line_and_exit_2(tmp_path):
         (["serve", "--insecure", "--port", "0", "--rounds", "0"], ("--rounds: 0 is out of range",)),
     ]
     try:
-        procs = [subprocess.Popen([sys.executable, "-m", "fedpar.cli.main", *args], cwd=ROOT, env=ENV,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in cases]
-        results = [proc.communicate(timeout=120) for proc in procs]
+        results = [run_main(args, capfd, ROOT) for args, _ in cases]
     finally:
         holder.close()
-    for (args, words), proc, (_, err) in zip(cases, procs, results):
+    for (args, words), done in zip(cases, results):
+        err = done.stderr
         lines = [line for line in err.splitlines() if line.strip()]
-        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (args, proc.returncode, err)
+        assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in err, (args, done.returncode, err)
         assert all(word in lines[0] for word in words), (words, lines[0])
         assert "run the same command again" not in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()
