@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 
 from fedpar.security.certs import ensure_certs
 from fedpar.server.run_store import RunStore
+from support.in_process import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -43,7 +44,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_a_simulation_host_under_mutual_tls_stays_joined_for_one_run_after_another(tmp_path):
+def test_a_simulation_host_under_mutual_tls_stays_joined_for_one_run_after_another(tmp_path, capfd):
     certs = tmp_path / "certs"
     ensure_certs(certs, ["host-0-of-1"], ["127.0.0.1"], operators=["op"])
     serve = _fedpar(tmp_path, "serve", "serve", "--state", str(tmp_path / "state.db"), "--certs", str(certs),
@@ -62,9 +63,8 @@ def test_a_simulation_host_under_mutual_tls_stays_joined_for_one_run_after_anoth
         runs = []
         for settings in RUNS:  # submitted one after the other: the second starts after the first has ended
             (tmp_path / "run.toml").write_text(settings)
-            done = subprocess.run([sys.executable, "-m", "fedpar", "run", "submit", str(tmp_path / "run.toml"),
-                                   "--control", f"127.0.0.1:{control}", "--certs", str(certs), "--operator", "op"],
-                                  cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+            done = run_main(["run", "submit", str(tmp_path / "run.toml"), "--control", f"127.0.0.1:{control}",
+                             "--certs", str(certs), "--operator", "op"], capfd, ROOT)  # its main, in this process
             assert done.returncode == 0, done.stderr
             runs.append(int(done.stdout.strip()))
             _wait_for(lambda: store.get(runs[-1]).status in ("finished", "failed", "stopped"), 120,
