@@ -74,6 +74,14 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
     """
     directory = Path(directory)
     target = step_dir(directory, counters["step"])
+    # A run started afresh (--no-resume) or resumed from an earlier step writes a step folder again: the stale one
+    # goes first, as DCP's overwriting of it is announced to become a refusal (unless `latest` names it: then it is
+    # the only complete checkpoint, and is overwritten in place)
+    pointer = directory / LATEST
+    named = pointer.is_file() and pointer.read_text().strip() == target.name
+    if dist.get_rank() == 0 and target.is_dir() and not named:
+        shutil.rmtree(target)
+    dist.barrier()
     dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(target))
     dist.barrier()
     if dist.get_rank() == 0:
