@@ -40,13 +40,17 @@ def save_epoch_checkpoint(directory: Path, model: nn.Module, counters: dict[str,
     """Keep ``model``'s weights, ``counters`` (``epoch`` among them) and this process's RNG after an epoch, with
     ``record`` (the settings a resume must match); only the newest ``keep`` checkpoints stay."""
     target = epoch_dir(directory, int(counters["epoch"]))
-    target.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(target / MODEL_FILE))  # tied weights once (save_file refuses shared tensors)
+    staged = target.with_name(target.name + ".partial")  # whole before it takes the name (a kill leaves no half)
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    save_model(model, str(staged / MODEL_FILE))  # tied weights once (save_file refuses shared tensors)
     state = {key: torch.tensor([float(value)], dtype=torch.float64) for key, value in counters.items()}
-    save_file({**state, RNG_KEY: torch.get_rng_state()}, str(target / STATE_FILE))
-    record_settings(target / RUN_RECORD, record)
+    save_file({**state, RNG_KEY: torch.get_rng_state()}, str(staged / STATE_FILE))
+    record_settings(staged / RUN_RECORD, record)
+    shutil.rmtree(target, ignore_errors=True)  # an earlier run's (--no-resume)
+    staged.rename(target)
     atomic_write_bytes(Path(directory) / LATEST, [(target.name + "\n").encode()])
-    for old in sorted(Path(directory).glob("epoch-*"))[:-keep]:
+    for old in sorted(Path(directory).glob("epoch-??????"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 
