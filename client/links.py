@@ -62,6 +62,15 @@ class FatalAgentError(RuntimeError):
     """The coordinator refused this agent (or host) in a way retrying cannot fix."""
 
 
+class HostIdTaken(FatalAgentError):
+    """Another live process holds this host's session at the coordinator (``reason``: the coordinator's words)."""
+
+    def __init__(self, who: str, reason: str):
+        super().__init__(f"{who}: {reason}; another process runs under this id: stop it first, or give this one an id "
+                         "of its own")
+        self.reason = reason
+
+
 class Reconnecting:
     """Runs calls to the coordinator at ``server`` for ``who``: a call refused UNAUTHENTICATED makes ``join`` run
     again (a new session) and is then retried; while the coordinator is unreachable (or busy) calls are retried
@@ -71,6 +80,8 @@ class Reconnecting:
     ``stopped()``: the caller wants to leave (no more waiting); ``diagnose()``, asked when the coordinator is
     unreachable: what may be the cause, said in each retry line (e.g. its TLS setting differs), or None; it raises
     FatalAgentError for a cause retrying cannot cure (the agent's TLS handshake check); ``on_rejoin()``: counted.
+    Joins are one at a time, and threads whose calls were refused under one session join again once between them.
+    A join refused ALREADY_EXISTS (another live process holds the session) is a HostIdTaken.
     """
 
     def __init__(self, who: str, server: str, join: Callable[[], None], first: float, cap: float, rng: Uniform,
@@ -80,10 +91,24 @@ class Reconnecting:
         self.first, self.cap, self.rng = first, cap, rng
         self.give_up_after = give_up_after
         self.stopped, self.diagnose, self.on_rejoin = stopped, diagnose, on_rejoin
+        self._join_lock = threading.Lock()
+        self._sessions = 0  # joins done: a call refused under an older session than the latest is not a reason to join
 
     def join(self) -> None:
         """Join, retried while the coordinator is unreachable (a refused join is fatal)."""
-        self._retry(self._join, rejoin=False)
+        with self._join_lock:
+            self._retry(self._join, rejoin=False)
+            self._sessions += 1
+
+    def _join_again(self, refused_under: int) -> None:
+        """Join again after a call made under session number ``refused_under`` was refused, unless another thread
+        has joined since (its new session is the one to retry the call with)."""
+        with self._join_lock:
+            if self._sessions != refused_under:
+                return
+            self.on_rejoin()
+            self._retry(self._join, rejoin=False)
+            self._sessions += 1
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()``, joining again first whenever the coordinator no longer knows the session."""
@@ -94,6 +119,7 @@ class Reconnecting:
         unreachable_since = None
         rejoined = False
         while True:
+            session = self._sessions
             try:
                 return fn()
             except grpc.RpcError as err:
@@ -102,10 +128,11 @@ class Reconnecting:
                     if rejoined:  # the new session was not recognised either: a coordinator that forgets every
                         self._pause(backoff)  # session at once must not make us join a thousand times a second
                     log.info("%s: session not recognised (%s); joining again", self.who, one_line(err.details() or ""))
-                    self.on_rejoin()
-                    self.join()
+                    self._join_again(session)
                     rejoined = True
                     continue
+                if code == grpc.StatusCode.ALREADY_EXISTS and not rejoin:
+                    raise HostIdTaken(self.who, one_line(err.details() or "")) from None
                 if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but not a coordinator's agents' port
                     raise FatalAgentError(f"{self.who}: {self.server} answers, but not as a coordinator (is it a "
                                           "service's control port?): give --server the coordinator's --port") from None
@@ -454,17 +481,21 @@ class HostLink:
 
     def join(self) -> None:
         """A new session for the host and every member, JOIN_CHUNK members per call; what was queued for the old
-        sessions is moot."""
-        self.host.token = ""  # a new session, whatever the coordinator remembers
+        sessions is moot. The session this host held (the latest the coordinator gave it, a join cut short
+        included) goes with the first call: it proves this process may take the host's place back, which the
+        coordinator refuses (ALREADY_EXISTS) to another process while this one's session is live."""
+        held, session = self.host.token, ""  # a new session, whatever the coordinator remembers
         for start in range(0, len(self.members), JOIN_CHUNK):
             ids, sizes, away = self.members.joining(start, min(start + JOIN_CHUNK, len(self.members)))
-            request = pb.JoinPopulationRequest(host=self.host, protocol_version=PROTOCOL_VERSION,
+            request = pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=self.host.agent_id, token=session),
+                                               replaces_token="" if session else held,
+                                               protocol_version=PROTOCOL_VERSION,
                                                enrollment_token=self.config.enrollment_token,
                                                capabilities={"task": self.config.task} if self.config.task else {},
                                                member_ids="\n".join(ids), num_examples=sizes,
                                                away=np.flatnonzero(away))
             reply = self.conn.stub.JoinPopulation(request, timeout=60)
-            self.host.token = session_token(reply.host_token, self.config)
+            session = self.host.token = session_token(reply.host_token, self.config)
             self.max_chunk = chunk_limit(reply.max_chunk_bytes, self.config)
         self.small_below = self.max_chunk + 1  # whole updates up to a chunk ride in the host's batches
         self._held.clear()

@@ -359,7 +359,7 @@ class SecAggReply(_message.Message):
     def __init__(self, params_json: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., ciphertexts: _Optional[_Union[SecAggCiphertexts, _Mapping]] = ..., survivors: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., done: _Optional[str] = ...) -> None: ...
 
 class JoinPopulationRequest(_message.Message):
-    __slots__ = ("host", "protocol_version", "enrollment_token", "capabilities", "member_ids", "num_examples", "away")
+    __slots__ = ("host", "protocol_version", "enrollment_token", "capabilities", "member_ids", "num_examples", "away", "replaces_token")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class JoinPopulationRequest(_message.Message):
     MEMBER_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     AWAY_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_TOKEN_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     protocol_version: int
     enrollment_token: str
@@ -381,7 +382,8 @@ class JoinPopulationRequest(_message.Message):
     member_ids: str
     num_examples: _containers.RepeatedScalarFieldContainer[int]
     away: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., member_ids: _Optional[str] = ..., num_examples: _Optional[_Iterable[int]] = ..., away: _Optional[_Iterable[int]] = ...) -> None: ...
+    replaces_token: str
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., member_ids: _Optional[str] = ..., num_examples: _Optional[_Iterable[int]] = ..., away: _Optional[_Iterable[int]] = ..., replaces_token: _Optional[str] = ...) -> None: ...
 
 class JoinPopulationReply(_message.Message):
     __slots__ = ("host_token", "heartbeat_seconds", "max_chunk_bytes")

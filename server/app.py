@@ -38,6 +38,7 @@ from fedpar.task import TaskError
 
 log = logging.getLogger("fedpar.server")
 MAX_HOST_UPLOADS = 512  # updates in one HostUploads message (each at most one chunk: far below the message limit)
+MAX_SESSION_TOKEN = 256  # characters of a session token a call presents (the registry's are 32)
 
 
 class RestoreError(ValueError):
@@ -202,7 +203,7 @@ class CoordinatorService:
         self.coord = coordinator
         self.limits = Limits(coordinator.config, coordinator.layout.total_bytes)
         self.intake = UploadIntake(coordinator, self.limits)
-        self._host_streams: set[tuple[str, str]] = set()  # (kind, host): the host streams open
+        self._host_streams: dict[tuple[str, str], HostRecord] = {}  # (kind, host): the session whose stream is open
 
     def _auth(self, auth: pb.AgentAuth, context) -> AgentRecord:
         try:
@@ -241,10 +242,15 @@ class CoordinatorService:
         if not request.member_ids:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a JoinPopulation must name its members in member_ids "
                                                             "(a host older than this coordinator? upgrade it)")
+        if len(request.replaces_token) > MAX_SESSION_TOKEN:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"replaces_token has {len(request.replaces_token)} "
+                                                            f"characters; a session token has at most "
+                                                            f"{MAX_SESSION_TOKEN}")
         self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.num_examples))
         host = self.coord.members.join_population(
             request.host.agent_id, request.host.token, request.member_ids, request.num_examples, request.away,
-            call_identity(context), request.enrollment_token, dict(request.capabilities))
+            call_identity(context), request.enrollment_token, dict(request.capabilities), request.replaces_token,
+            _peer_address(context))
         authenticated()
         return pb.JoinPopulationReply(host_token=host.token,
                                       heartbeat_seconds=self.coord.config.heartbeat_seconds,
@@ -327,11 +333,11 @@ class CoordinatorService:
             return
         host = self._host(request.host, context)
         key = (what, host.host_id)
-        if key in self._host_streams:
+        if self._host_streams.get(key) is host:  # (one of a session the host replaced is its old process's: moot)
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"host {host.host_id!r} already has {stream} open; "
                                                               "send on it (one per host), or end it first")
         with self.limits.agent_call(HOST_CALLS + host.host_id):
-            self._host_streams.add(key)
+            self._host_streams[key] = host
             try:
                 while request is not None:
                     if self.coord.handed_over:  # a service's next coordinator answers now: the host opens a new
@@ -348,7 +354,10 @@ class CoordinatorService:
                         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                                       f"{request.reason}; the message was not taken")
             finally:
-                self._host_streams.discard(key)
+                if self._host_streams.get(key) is host:
+                    del self._host_streams[key]
+                if what == "PullHostTasksRequest":  # its task stream: a host's process keeps it open while it runs
+                    self.coord.registry.task_stream_closed(host)
 
     async def _host_uploads(self, host: HostRecord, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Take ``host``'s (authenticated) HostUploads: its updates one by one, then its partial."""
@@ -420,6 +429,13 @@ class CoordinatorService:
         agent = self._auth(request.auth, context)
         with self.limits.agent_call(agent.agent_id):
             return await secagg_exchange(self.coord, agent.agent_id, request)
+
+
+def _peer_address(context) -> str:
+    """Where the running call comes from, as gRPC names its peer less the transport (``127.0.0.1:40312``)."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    return (rest if kind in ("ipv4", "ipv6") else peer)[:100]
 
 
 def _check_protocol(version: int, who: str) -> None:

@@ -135,7 +135,8 @@ class Members:
 
     def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
                         away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        capabilities: dict[str, str] | None = None) -> HostRecord:
+                        capabilities: dict[str, str] | None = None, replaces_token: str = "",
+                        address: str = "") -> HostRecord:
         """A Refusal: this member source takes no simulated populations (server/populations.py does)."""
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")

@@ -9,6 +9,7 @@ alone (server/members.py says how).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Sequence
 
@@ -18,9 +19,10 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
-from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord, check_capabilities
+from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostInUse, HostRecord, check_capabilities
 from fedpar.server.rounds import Refusal
 
+log = logging.getLogger("fedpar.server")
 HOST_WAKEUP = "\0host:"  # long-poll key prefix of a simulation host (agent ids are printable, so never clash)
 MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasksReply (a reply stays far below the message size limit)
 
@@ -46,25 +48,35 @@ class Populations(Members):
 
     def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
                         away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        capabilities: dict[str, str] | None = None) -> HostRecord:
+                        capabilities: dict[str, str] | None = None, replaces_token: str = "",
+                        address: str = "") -> HostRecord:
         """Register (more of) a simulation host's members as JoinPopulation carries them (server/registry.py), which a
-        service's run samples only if the host's ``capabilities`` declare the run's task; a Refusal on bad data."""
+        service's run samples only if the host's ``capabilities`` declare the run's task; a Refusal on bad data, and
+        ALREADY_EXISTS when another live process holds the host's session (``replaces_token``: the session this
+        one held, if any)."""
         if len(num_examples) > self.config.max_population_join:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(num_examples)} members in one JoinPopulation; send at most "
                           f"{self.config.max_population_join} per call")
         capabilities = capabilities or {}
+        replaced = self.registry.host(host_id)
         try:
             check_capabilities(capabilities)
             host = self.registry.join_population(host_id, host_token, member_ids, num_examples, away, peer,
-                                                 enrollment_token, self.config.max_examples_per_agent)
+                                                 enrollment_token, self.config.max_examples_per_agent,
+                                                 replaces_token, address)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        except HostInUse as exc:  # said here too: the operator sees why a launch went away
+            log.warning("refused a second process for simulation host %r from %s: %s", host_id, address or "?", exc)
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except AdmissionRefused as exc:
             raise Refusal(exc.code, exc.message) from None
         self._host_tasks.setdefault(host_id, set())
+        if replaced is not None and replaced is not host:  # the old session's long-poll ends now, taking no tasks
+            self._wake(HOST_WAKEUP + host_id)
         self._host_declared[host_id] = capabilities.get("task")
         self._check_host_task(host_id, capabilities.get("task"))
         self._joined()
@@ -127,6 +139,9 @@ class Populations(Members):
         steps = desk.clock.idle_steps  # the clock moving on between rounds ends the wait: the host hears the time
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
         while True:
+            if self.registry.host(host.host_id) is not host:  # a new session: its own long-polls take the tasks
+                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"host {host.host_id!r}'s session was replaced or "
+                                                               "expired: call JoinPopulation again")
             if desk.finished and not desk.keeps_members:
                 self.told(key)
                 return pb.PullHostTasksReply(shutdown_reason=f"training finished after round {desk.round_id}")

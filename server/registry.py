@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -28,6 +29,10 @@ _member_token = functools.lru_cache(maxsize=4096)(member_token)
 
 class AuthError(Exception):
     """An unknown agent or a wrong session token."""
+
+
+class HostInUse(Exception):
+    """A new session for a simulation host whose session another live process holds (and did not present)."""
 
 
 @dataclass(slots=True)
@@ -57,6 +62,9 @@ class HostRecord:
     index: int = 0  # in the member table's host column
     away: int = 0  # of its members, those it reported offline (availability trace)
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS): its members' too
+    address: str = ""  # where its session's first call came from (said to another process that wants its place)
+    # when its task stream last ended (registry clock): with no call since, its process is taken to be gone
+    stream_closed_at: float = -math.inf
 
 
 def check_capabilities(capabilities: dict[str, str]) -> None:
@@ -139,19 +147,25 @@ class AgentRegistry:
 
     def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
                         away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        max_examples: int = 10_000_000) -> HostRecord:
+                        max_examples: int = 10_000_000, replaces_token: str = "", address: str = "") -> HostRecord:
         """Register (more of) ``host_id``'s population, as JoinPopulation carries it (ids separated by newlines, each
         one's examples, the positions of those away): each member's session is derived from the host's
         (member_token), live while the host calls. ``host_token``: empty on the host's first call, then the one it
-        got. A member's example count is fixed by its first join, as for an agent; an id joined as an agent, or by
-        another host, is refused. Raises ValueError on bad data (naming the member; nothing is registered),
-        AuthError on a wrong host token."""
+        got. A new session replaces a live one only if ``replaces_token`` is that one (the same process joining
+        again); ``address``: where the call came from. A member's example count is fixed by its first join, as for
+        an agent; an id joined as an agent, or by another host, is refused. Raises ValueError on bad data (naming
+        the member; nothing is registered), AuthError on a wrong host token, HostInUse when another live process
+        holds the host's session."""
         ids, sizes, offline = parse_members(member_ids, num_examples, away, max_examples)
         host = self._hosts.get(host_id)
         if host is not None and host_token:
             self.authenticate_host(host_id, host_token)
         else:
             _check_member(host_id, 1, 1)
+            if host is not None and self.host_connected(host) \
+                    and not hmac.compare_digest(host.token.encode(), replaces_token.encode()):
+                raise HostInUse(f"host {host_id!r} is already connected from {host.address or 'an unknown address'} "
+                                f"(heard from {max(0.0, self._clock() - host.last_seen):.1f} s ago)")
         taken = self._plain.intersection(member_ids.split("\n")) if self._plain and len(ids) else ()
         if taken:
             raise ValueError(f"member {min(taken)!r} is registered already, not by host {host_id!r}")
@@ -167,7 +181,7 @@ class AgentRegistry:
                 self._host_index[host_id] = index
                 self._host_ids.append(host_id)
             host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0,
-                              index=index, away=host.away if host else 0)
+                              index=index, away=host.away if host else 0, address=address)
             self._hosts[host_id] = host
         serial = peer.serial if peer else None  # revoking the host's certificate revokes its members
         if host.cert_serial != serial:
@@ -182,6 +196,15 @@ class AgentRegistry:
             self._live.discard(ids[was_live & offline])
             self._live.add(ids[~was_live & ~offline])
         return host
+
+    def host_connected(self, host: HostRecord) -> bool:
+        """Whether ``host``'s process is taken to be running: heard from within the liveness timeout, and not gone
+        quiet since its task stream ended (a process that exits or dies ends its streams)."""
+        return self._clock() - host.last_seen <= self.liveness_timeout and host.last_seen > host.stream_closed_at
+
+    def task_stream_closed(self, host: HostRecord) -> None:
+        """``host``'s task stream ended: unless it calls again, another process may take its place at once."""
+        host.stream_closed_at = self._clock()
 
     def _newcomers(self, records: list[AgentRecord]) -> None:
         """Hold ``records`` (agents, and sessions taken), and keep the live ids up to date: new live ids join them, a
