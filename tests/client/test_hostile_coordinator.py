@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from tests.support.hostile_coordinator import HostileCoordinator, digits_layout, inline_task, run_agent, weights_of
+from tests.support.hostile_coordinator import (HostileCoordinator, digits_layout, inline_task, run_agent,
+                                              run_agents_interrupted, weights_of)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,15 +100,31 @@ class _AnswersAtOnce(HostileCoordinator):
         return self.reply
 
 
-@pytest.mark.parametrize("make", [
-    lambda layout: _ForgetsEverySession(),
-    lambda layout: _AnswersAtOnce(pb.PullTaskReply(wait_seconds=0)),
-    lambda layout: _AnswersAtOnce(inline_task(layout, weights_of(layout), extra_json="{{")),
-], ids=["forgets-every-session", "answers-every-poll-at-once", "hands-out-only-refused-tasks"])
-def test_a_coordinator_that_answers_at_once_is_called_at_a_backoff_and_ctrl_c_stops_the_agent(make, layout, tmp_path):
+ANSWERING_AT_ONCE = {
+    "forgets-every-session": lambda layout: _ForgetsEverySession(),
+    "answers-every-poll-at-once": lambda layout: _AnswersAtOnce(pb.PullTaskReply(wait_seconds=0)),
+    "hands-out-only-refused-tasks": lambda layout: _AnswersAtOnce(inline_task(layout, weights_of(layout),
+                                                                              extra_json="{{")),
+}
+
+
+@pytest.fixture(scope="module")
+def answered_at_once(layout, tmp_path_factory) -> dict[str, tuple[HostileCoordinator, int, str]]:
+    """Each coordinator of ANSWERING_AT_ONCE with its own real agent process, the three side by side, each agent
+    sent Ctrl-C 4 s after it was first heard: the coordinator, the agent's exit code and its output, by name."""
+    coordinators = {name: make(layout) for name, make in ANSWERING_AT_ONCE.items()}
+    try:
+        ended = run_agents_interrupted(list(coordinators.values()), tmp_path_factory.mktemp("at-once"))
+    finally:
+        for coordinator in coordinators.values():
+            coordinator.stop()
+    return {name: (coordinator, *result) for (name, coordinator), result in zip(coordinators.items(), ended)}
+
+
+@pytest.mark.parametrize("name", list(ANSWERING_AT_ONCE))
+def test_a_coordinator_that_answers_at_once_is_called_at_a_backoff_and_ctrl_c_stops_the_agent(name, answered_at_once):
     """The old agent joined, or pulled, thousands of times a second (a core at 100 %, a log line each)."""
-    coordinator = make(layout)
-    code, out = _served(coordinator, tmp_path, interrupt_after=6)
+    coordinator, code, out = answered_at_once[name]
     assert code == 130 and "interrupted after" in out and "Traceback" not in out, out
     # at most --max-backoff 0.5 s apart once backed off: some tens in the seconds after joining, not thousands
     assert 3 <= len(coordinator.pulls) < 40, (len(coordinator.pulls), out[-2000:])

@@ -152,6 +152,34 @@ def run_agent(coordinator: HostileCoordinator, cwd, seconds: float = 30.0, inter
     return agent.returncode, out
 
 
+def run_agents_interrupted(coordinators: list[HostileCoordinator], cwd, after_join: float = 4.0,
+                           seconds: float = 60.0) -> list[tuple[int, str]]:
+    """A real `fedpar client --dataset digits` process against each of ``coordinators``, side by side, each sent
+    Ctrl-C (SIGINT) ``after_join`` seconds after its coordinator first heard it (a Join or a PullTask: the agent's
+    start-up, slower on a loaded machine, is not counted): each one's exit code and what it printed."""
+    argv = ["client", "--insecure", "--agent-id", "a", "--dataset", "digits", "--poll", "1", "--max-backoff", "0.5",
+            "--threads", "1", "--device", "cpu"]
+    agents = [subprocess.Popen([sys.executable, "-m", "fedpar", *argv, "--server", c.address], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd=cwd) for c in coordinators]
+    try:
+        heard: dict[int, float] = {}
+        end = time.monotonic() + seconds
+        while len(heard) < len(agents) and time.monotonic() < end:
+            for i, (agent, coordinator) in enumerate(zip(agents, coordinators)):
+                if i not in heard and (coordinator.joins or coordinator.pulls or agent.poll() is not None):
+                    heard[i] = time.monotonic()
+            time.sleep(0.05)
+        for i in sorted(heard, key=heard.get):
+            time.sleep(max(0.0, heard[i] + after_join - time.monotonic()))
+            if agents[i].poll() is None:
+                agents[i].send_signal(signal.SIGINT)
+        return [(agent.wait(30), agent.communicate()[0]) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+
+
 HostReply = pb.PullHostTasksReply | bytes
 
 
