@@ -18,13 +18,12 @@ AGENT = ["client", "--agent-id", "a", "--server", "127.0.0.1:1", "--insecure", "
 HOST = ["simulate-workers", "--server", "127.0.0.1:1", "--insecure", "--clients", "4", "--give-up-after", "3"]
 
 
-def _run_process(command: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """``fedpar COMMAND`` as a process under ``env`` (over a clean copy of this one's torchrun variables): exit code,
-    output. For a rank that ends its process itself (parallel.init.exit_rank_process)."""
+def _start_process(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``fedpar COMMAND`` as a process under ``env`` (over a clean copy of this one's torchrun variables), its output
+    (stdout and stderr) in one pipe. For a rank that ends its process itself (parallel.init.exit_rank_process)."""
     base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-m", "fedpar", *command], env={**base, **env}, capture_output=True,
-                          text=True, timeout=90)
-    return done.returncode, done.stdout + done.stderr
+    return subprocess.Popen([sys.executable, "-m", "fedpar", *command], env={**base, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _run(command: list[str], env: dict[str, str], capfd) -> tuple[int, str]:
@@ -53,10 +52,26 @@ def test_torchrun_variables_that_make_no_group_are_one_line(command, env, said, 
     assert "unset WORLD_SIZE" in output and f"'fedpar {command[0]}' with torchrun" in output, output
 
 
+@pytest.fixture(scope="module")
+def alone() -> dict[str, tuple[int, str]]:
+    """Rank 0 and rank 1 of a 2-rank agent, each a process of its own, side by side, each told another free
+    MASTER_PORT (so neither ever meets a peer): each one's exit code and output, by rank."""
+    ports = {free_port()}
+    while len(ports) < 2:  # two ports, or the two would meet
+        ports.add(free_port())
+    procs = {rank: _start_process(AGENT, {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1",
+                                          "MASTER_PORT": str(port)}) for rank, port in zip(("0", "1"), ports)}
+    try:
+        return {rank: (proc.wait(90), proc.communicate()[0]) for rank, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_an_agent_rank_whose_peers_never_come_says_so_in_one_line(rank):
-    env = {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    code, output = _run_process(AGENT, env)
+def test_an_agent_rank_whose_peers_never_come_says_so_in_one_line(rank, alone):
+    code, output = alone[rank]
     assert code == 2 and "Traceback" not in output, output[-3000:]
     assert f"rank {rank} of 2: the other ranks did not all meet at 127.0.0.1:" in output, output
 
