@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from fedpar.cli.agent_setup import Connection, agent_config, agent_partition, agent_task
+from fedpar.cli.agent_setup import Connection, agent_config, agent_partition, agent_task, id_taken_line
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedpar.client.agent import Agent, FatalAgentError
+    from fedpar.client.links import IdTaken
     from fedpar.client.flower_client import FlowerClientError
     from fedpar.client.task_trainer import TaskTrainer
     from fedpar.parallel.device import check_device_layout, flush_denormals, resolve_device
@@ -150,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)
     try:
         stats = agent.run()
+    except IdTaken as exc:  # the same --agent-id started twice: the one running keeps its place
+        print(id_taken_line(exc.reason), file=sys.stderr)
+        return 1
     except FatalAgentError as exc:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 1

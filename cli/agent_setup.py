@@ -26,6 +26,12 @@ class Connection:
                                                "(default: never)")
 
 
+def id_taken_line(reason: str) -> str:
+    """What ``fedpar client`` says when the coordinator refused it because another live process holds its id
+    (``reason``: the coordinator's words)."""
+    return f"fedpar client: {reason}; give each agent its own --agent-id, or stop the other one first"
+
+
 def agent_task(args: argparse.Namespace):
     """The task this agent runs: --task, else the zoo's classifier for --model and --dataset."""
     from fedpar.tasks.zoo import classifier

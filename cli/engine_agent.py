@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task
+from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task, id_taken_line
 from fedpar.cli.declared import add_declared, from_args
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_replicas_renamed
@@ -219,6 +219,7 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
 def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int) -> int:
     """Rank 0: the ordinary agent loop over the engine trainer, then release the other ranks whatever happened."""
     from fedpar.client.agent import Agent, FatalAgentError
+    from fedpar.client.links import IdTaken
 
     agent = Agent(config, trainer)
     print(f"agent {args.agent_id}: {trainer.num_examples} training examples of {task_name} over {world} ranks, "
@@ -227,7 +228,7 @@ def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int
     try:
         stats = agent.run()
     except FatalAgentError as exc:  # raised between tasks, so the other ranks are waiting for a command
-        print(f"fedpar client: {exc}", file=sys.stderr)
+        print(id_taken_line(exc.reason) if isinstance(exc, IdTaken) else f"fedpar client: {exc}", file=sys.stderr)
         trainer.shutdown()
         return 1
     trainer.shutdown()

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedpar.cli.task_options import task_label
-    from fedpar.client.links import FatalAgentError, HostIdTaken
+    from fedpar.client.links import FatalAgentError, IdTaken
     from fedpar.datasets import load_dataset
     from fedpar.datasets.members import member_source
     from fedpar.datasets.registry import full_dataset_name
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
         return 2
-    except HostIdTaken as exc:  # the same rank launched twice: the one running keeps its place
+    except IdTaken as exc:  # the same rank launched twice: the one running keeps its place
         print(f"fedpar simulate-workers: rank {info.rank} of {info.world_size}: {exc.reason}; each simulate-workers "
               "process needs its own rank (its own torchrun --node-rank), or stop the other one first",
               file=sys.stderr)

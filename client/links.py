@@ -45,6 +45,7 @@ from fedpar.task import UPLOAD_MARGIN_SECONDS
 log = logging.getLogger("fedpar.client")
 T = TypeVar("T")
 
+LEAVE_SECONDS = 2.0  # an agent's goodbye as it exits: not worth a longer wait on a coordinator that does not answer
 MAX_INGEST_ADDRESSES = 64  # aggregator ranks kept dialed (each holds a channel, and a host's an upload thread)
 MAX_CHUNK_BYTES = 64 << 20  # what a runtime's channels carry in one message (a coordinator's --max-chunk-bytes cap)
 JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinator's --max-population-join default)
@@ -62,8 +63,9 @@ class FatalAgentError(RuntimeError):
     """The coordinator refused this agent (or host) in a way retrying cannot fix."""
 
 
-class HostIdTaken(FatalAgentError):
-    """Another live process holds this host's session at the coordinator (``reason``: the coordinator's words)."""
+class IdTaken(FatalAgentError):
+    """Another live process holds this agent's or host's session at the coordinator (``reason``: the coordinator's
+    words)."""
 
     def __init__(self, who: str, reason: str):
         super().__init__(f"{who}: {reason}; another process runs under this id: stop it first, or give this one an id "
@@ -81,7 +83,7 @@ class Reconnecting:
     unreachable: what may be the cause, said in each retry line (e.g. its TLS setting differs), or None; it raises
     FatalAgentError for a cause retrying cannot cure (the agent's TLS handshake check); ``on_rejoin()``: counted.
     Joins are one at a time, and threads whose calls were refused under one session join again once between them.
-    A join refused ALREADY_EXISTS (another live process holds the session) is a HostIdTaken.
+    A join refused ALREADY_EXISTS (another live process holds the session) is an IdTaken.
     """
 
     def __init__(self, who: str, server: str, join: Callable[[], None], first: float, cap: float, rng: Uniform,
@@ -132,7 +134,7 @@ class Reconnecting:
                     rejoined = True
                     continue
                 if code == grpc.StatusCode.ALREADY_EXISTS and not rejoin:
-                    raise HostIdTaken(self.who, one_line(err.details() or "")) from None
+                    raise IdTaken(self.who, one_line(err.details() or "")) from None
                 if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but not a coordinator's agents' port
                     raise FatalAgentError(f"{self.who}: {self.server} answers, but not as a coordinator (is it a "
                                           "service's control port?): give --server the coordinator's --port") from None
@@ -374,13 +376,16 @@ class AgentLink:
         self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
 
     def join(self) -> None:
-        """A new session for the agent."""
+        """A new session for the agent. The session it held, if any, goes with the call: it proves this process may
+        take the agent's place back, which the coordinator refuses (ALREADY_EXISTS) to another process while this
+        one's session is live."""
         reply = self.conn.stub.Join(pb.JoinRequest(agent_id=self.config.agent_id,
                                                    num_examples=self.trainer.num_examples,
                                                    capabilities=agent_capabilities(self.config,
                                                                                    self.trainer.framework),
                                                    protocol_version=PROTOCOL_VERSION,
-                                                   enrollment_token=self.config.enrollment_token), timeout=30)
+                                                   enrollment_token=self.config.enrollment_token,
+                                                   replaces_token=self.auth.token if self.auth else ""), timeout=30)
         self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=session_token(reply.token, self.config))
         self._heartbeat_seconds = heartbeat_interval(reply.heartbeat_seconds, self.config)
         self.max_chunk = chunk_limit(reply.max_chunk_bytes, self.config)
@@ -428,8 +433,14 @@ class AgentLink:
         return self._heartbeat.while_training()
 
     def close(self) -> None:
-        """Stop the heartbeat thread."""
+        """Stop the heartbeat thread and leave the coordinator (if it still answers): a process started again under
+        this id need not wait for this one's session to lapse."""
         self._heartbeat.close()
+        if self.auth is not None:
+            try:
+                self.conn.stub.Leave(pb.LeaveRequest(auth=self.auth), timeout=LEAVE_SECONDS)
+            except grpc.RpcError:  # gone, or it forgot this session: there is nothing to leave
+                pass
 
     def tasks_in_flight(self, change: int) -> None:
         """Nothing: the agent's one member trains between its pulls, no task waits for a seat."""

@@ -29,7 +29,7 @@ class AgentAuth(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("agent_id", "num_examples", "capabilities", "protocol_version", "enrollment_token")
+    __slots__ = ("agent_id", "num_examples", "capabilities", "protocol_version", "enrollment_token", "replaces_token")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,12 +42,14 @@ class JoinRequest(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENROLLMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_TOKEN_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     num_examples: int
     capabilities: _containers.ScalarMap[str, str]
     protocol_version: int
     enrollment_token: str
-    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ...) -> None: ...
+    replaces_token: str
+    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., replaces_token: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("token", "heartbeat_seconds", "max_chunk_bytes")

@@ -227,9 +227,11 @@ class CoordinatorService:
         """Register an agent."""
         self._at_rank_0()
         _check_protocol(request.protocol_version, "agent")
+        _check_replaces_token(request.replaces_token)
         self.limits.admit_join(request.agent_id, self.coord.registry)
         record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
-                                         call_identity(context), request.enrollment_token)
+                                         call_identity(context), request.enrollment_token, request.replaces_token,
+                                         _peer_address(context))
         log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
         return pb.JoinReply(token=record.token, heartbeat_seconds=self.coord.config.heartbeat_seconds,
                             max_chunk_bytes=self.coord.config.max_chunk_bytes)
@@ -242,10 +244,7 @@ class CoordinatorService:
         if not request.member_ids:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a JoinPopulation must name its members in member_ids "
                                                             "(a host older than this coordinator? upgrade it)")
-        if len(request.replaces_token) > MAX_SESSION_TOKEN:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"replaces_token has {len(request.replaces_token)} "
-                                                            f"characters; a session token has at most "
-                                                            f"{MAX_SESSION_TOKEN}")
+        _check_replaces_token(request.replaces_token)
         self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.num_examples))
         host = self.coord.members.join_population(
             request.host.agent_id, request.host.token, request.member_ids, request.num_examples, request.away,
@@ -274,8 +273,12 @@ class CoordinatorService:
         """Long-poll for a task."""
         agent = self._auth(request.auth, context)
         with self.limits.agent_call(agent.agent_id):
-            return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id,
-                                              request.failure)
+            try:
+                return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id,
+                                                  request.failure)
+            except asyncio.CancelledError:  # its caller went away (an agent's process ends its long-poll)
+                self.coord.registry.calls_cut(agent)
+                raise
 
     async def DownloadWeights(self, request: pb.DownloadRequest, context):
         """Stream the pre-serialized global weights of the agent's current round."""
@@ -357,7 +360,7 @@ class CoordinatorService:
                 if self._host_streams.get(key) is host:
                     del self._host_streams[key]
                 if what == "PullHostTasksRequest":  # its task stream: a host's process keeps it open while it runs
-                    self.coord.registry.task_stream_closed(host)
+                    self.coord.registry.calls_cut(host)
 
     async def _host_uploads(self, host: HostRecord, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Take ``host``'s (authenticated) HostUploads: its updates one by one, then its partial."""
@@ -436,6 +439,13 @@ def _peer_address(context) -> str:
     peer = context.peer() or ""
     kind, _, rest = peer.partition(":")
     return (rest if kind in ("ipv4", "ipv6") else peer)[:100]
+
+
+def _check_replaces_token(token: str) -> None:
+    """Refuse a join's ``replaces_token`` longer than any session token."""
+    if len(token) > MAX_SESSION_TOKEN:
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"replaces_token has {len(token)} characters; a session token "
+                                                        f"has at most {MAX_SESSION_TOKEN}")
 
 
 def _check_protocol(version: int, who: str) -> None:

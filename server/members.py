@@ -21,7 +21,7 @@ from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import set_within
 from fedpar.server.member_table import LiveIds
-from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord
+from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord, SessionInUse
 from fedpar.server.rounds import Refusal, RoundState
 
 log = logging.getLogger("fedpar.server")
@@ -80,13 +80,18 @@ class Members:
 
     # ----------------------------------------------------------------- joining and leaving
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
-             peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
-        """Register an agent; raises Refusal on bad identity data or if the agent is not admitted."""
+             peer: PeerIdentity | None = None, enrollment_token: str = "", replaces_token: str = "",
+             address: str = "") -> AgentRecord:
+        """Register an agent; raises Refusal on bad identity data, if the agent is not admitted, and ALREADY_EXISTS
+        when another live process holds its session (``replaces_token``: the session this one held, if any)."""
         try:
             record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token,
-                                        self.config.max_examples_per_agent)
+                                        self.config.max_examples_per_agent, replaces_token, address)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except SessionInUse as exc:  # said here too: the operator sees why an agent went away
+            log.warning("refused a second process for agent %r from %s: %s", agent_id, address or "?", exc)
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except AdmissionRefused as exc:
             log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
             raise Refusal(exc.code, exc.message) from None

@@ -19,7 +19,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
-from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostInUse, HostRecord, check_capabilities
+from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord, SessionInUse, check_capabilities
 from fedpar.server.rounds import Refusal
 
 log = logging.getLogger("fedpar.server")
@@ -39,12 +39,13 @@ class Populations(Members):
         self._heard_at: dict[str, float] = {}  # per host: the simulated time its last call's availability was as of
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
-             peer: PeerIdentity | None = None, enrollment_token: str = "") -> AgentRecord:
+             peer: PeerIdentity | None = None, enrollment_token: str = "", replaces_token: str = "",
+             address: str = "") -> AgentRecord:
         """Register an agent (a Refusal under the virtual clock: only simulation hosts report finish times)."""
         if self.hosts_only:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "this coordinator runs a virtual clock (--clock virtual): only simulation hosts take part")
-        return super().join(agent_id, num_examples, capabilities, peer, enrollment_token)
+        return super().join(agent_id, num_examples, capabilities, peer, enrollment_token, replaces_token, address)
 
     def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
                         away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
@@ -69,7 +70,7 @@ class Populations(Members):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
-        except HostInUse as exc:  # said here too: the operator sees why a launch went away
+        except SessionInUse as exc:  # said here too: the operator sees why a launch went away
             log.warning("refused a second process for simulation host %r from %s: %s", host_id, address or "?", exc)
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except AdmissionRefused as exc:

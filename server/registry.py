@@ -31,8 +31,9 @@ class AuthError(Exception):
     """An unknown agent or a wrong session token."""
 
 
-class HostInUse(Exception):
-    """A new session for a simulation host whose session another live process holds (and did not present)."""
+class SessionInUse(Exception):
+    """A new session for an agent or a simulation host whose session another live process holds (and did not
+    present)."""
 
 
 @dataclass(slots=True)
@@ -49,6 +50,9 @@ class AgentRecord:
     host: str | None = None  # a simulated population's member: live while its host calls (JoinPopulation)
     # (its host's identity speaks for it: under mutual TLS its calls carry the host's certificate)
     away: bool = False  # a member its host reported offline (availability trace): not sampled meanwhile
+    address: str = ""  # where its session's Join came from (said to another process that wants its place)
+    # when its long-poll was last cut short (registry clock): with no call since, its process is taken to be gone
+    gone_at: float = -math.inf
 
 
 @dataclass
@@ -64,7 +68,7 @@ class HostRecord:
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS): its members' too
     address: str = ""  # where its session's first call came from (said to another process that wants its place)
     # when its task stream last ended (registry clock): with no call since, its process is taken to be gone
-    stream_closed_at: float = -math.inf
+    gone_at: float = -math.inf
 
 
 def check_capabilities(capabilities: dict[str, str]) -> None:
@@ -124,13 +128,15 @@ class AgentRegistry:
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
-             max_examples: int = 10_000_000) -> AgentRecord:
+             max_examples: int = 10_000_000, replaces_token: str = "", address: str = "") -> AgentRecord:
         """Register ``agent_id`` (or re-register it after a restart) with a fresh session token.
 
         The declared example count bounds the FedAvg weight of the agent's updates, so it must be in
         1..``max_examples``, and it is fixed by the agent's first Join of the run (a checkpoint's, after a
-        restart): a later Join may lower it, never raise it. Raises ValueError on bad data and AdmissionRefused
-        if the admission policy refuses the agent.
+        restart): a later Join may lower it, never raise it. A new session replaces a live one only if
+        ``replaces_token`` is that one (the same process joining again); ``address``: where the call came from.
+        Raises ValueError on bad data, AdmissionRefused if the admission policy refuses the agent, SessionInUse
+        when another live process holds the agent's session.
         """
         _check_member(agent_id, num_examples, max_examples)
         check_capabilities(capabilities)
@@ -138,10 +144,13 @@ class AgentRegistry:
         if row is not None and row[1] != GONE:
             raise ValueError(f"{agent_id!r} is a member of simulation host {self._host_ids[row[1]]!r}; join with an "
                              "id of your own")
-        self.admission.admit_join(agent_id, peer, enrollment_token)
+        self.admission.admit_join(agent_id, peer, enrollment_token)  # first: a stranger hears nothing of the agent
+        held = self._agents.get(agent_id)
+        if held is not None and not held.left and held.host is None:
+            self._check_replaceable("agent", held, replaces_token)
         num_examples = self.caps.fix(agent_id, num_examples)
         record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities) or None,
-                             last_seen=self._clock(), cert_serial=peer.serial if peer else None)
+                             last_seen=self._clock(), cert_serial=peer.serial if peer else None, address=address)
         self._newcomers([record])
         return record
 
@@ -154,7 +163,7 @@ class AgentRegistry:
         got. A new session replaces a live one only if ``replaces_token`` is that one (the same process joining
         again); ``address``: where the call came from. A member's example count is fixed by its first join, as for
         an agent; an id joined as an agent, or by another host, is refused. Raises ValueError on bad data (naming
-        the member; nothing is registered), AuthError on a wrong host token, HostInUse when another live process
+        the member; nothing is registered), AuthError on a wrong host token, SessionInUse when another live process
         holds the host's session."""
         ids, sizes, offline = parse_members(member_ids, num_examples, away, max_examples)
         host = self._hosts.get(host_id)
@@ -162,10 +171,6 @@ class AgentRegistry:
             self.authenticate_host(host_id, host_token)
         else:
             _check_member(host_id, 1, 1)
-            if host is not None and self.host_connected(host) \
-                    and not hmac.compare_digest(host.token.encode(), replaces_token.encode()):
-                raise HostInUse(f"host {host_id!r} is already connected from {host.address or 'an unknown address'} "
-                                f"(heard from {max(0.0, self._clock() - host.last_seen):.1f} s ago)")
         taken = self._plain.intersection(member_ids.split("\n")) if self._plain and len(ids) else ()
         if taken:
             raise ValueError(f"member {min(taken)!r} is registered already, not by host {host_id!r}")
@@ -176,7 +181,9 @@ class AgentRegistry:
         if foreign.any():
             raise ValueError(f"member {ids[foreign][0].decode()!r} is registered already, not by host {host_id!r}")
         if host is None or not host_token:
-            self.admission.admit_join(host_id, peer, enrollment_token)
+            self.admission.admit_join(host_id, peer, enrollment_token)  # first: a stranger hears nothing of the host
+            if host is not None:
+                self._check_replaceable("host", host, replaces_token)
             if index == len(self._host_ids):
                 self._host_index[host_id] = index
                 self._host_ids.append(host_id)
@@ -197,14 +204,24 @@ class AgentRegistry:
             self._live.add(ids[~was_live & ~offline])
         return host
 
-    def host_connected(self, host: HostRecord) -> bool:
-        """Whether ``host``'s process is taken to be running: heard from within the liveness timeout, and not gone
-        quiet since its task stream ended (a process that exits or dies ends its streams)."""
-        return self._clock() - host.last_seen <= self.liveness_timeout and host.last_seen > host.stream_closed_at
+    def _check_replaceable(self, kind: str, held: AgentRecord | HostRecord, replaces_token: str) -> None:
+        """SessionInUse unless a new session may take the place of ``held`` (an agent's or a host's, ``kind``): its
+        process is not :meth:`connected`, or the caller presents its session (it is that process)."""
+        if self.connected(held) and not hmac.compare_digest(held.token.encode(), replaces_token.encode()):
+            ident = held.agent_id if isinstance(held, AgentRecord) else held.host_id
+            raise SessionInUse(f"{kind} {ident!r} is already connected from {held.address or 'an unknown address'} "
+                               f"(heard from {max(0.0, self._clock() - held.last_seen):.1f} s ago)")
 
-    def task_stream_closed(self, host: HostRecord) -> None:
-        """``host``'s task stream ended: unless it calls again, another process may take its place at once."""
-        host.stream_closed_at = self._clock()
+    def connected(self, held: AgentRecord | HostRecord) -> bool:
+        """Whether the process holding an agent's or a host's session is taken to be running: heard from within the
+        liveness timeout (a live agent long-polls or heartbeats, a host calls), and not gone quiet since its
+        long-poll (an agent's) or task stream (a host's) was cut (a process that exits or dies ends its calls)."""
+        return self._clock() - held.last_seen <= self.liveness_timeout and held.last_seen > held.gone_at
+
+    def calls_cut(self, held: AgentRecord | HostRecord) -> None:
+        """The long-poll of an agent, or a host's task stream, ended with its caller gone: unless it calls again,
+        another process may take its place at once."""
+        held.gone_at = self._clock()
 
     def _newcomers(self, records: list[AgentRecord]) -> None:
         """Hold ``records`` (agents, and sessions taken), and keep the live ids up to date: new live ids join them, a

@@ -1,5 +1,5 @@
 """How a client joins again: threads whose calls were refused under one session join once between them, one join at
-a time; a join refused ALREADY_EXISTS (another process holds the host's place) is a HostIdTaken, not retried."""
+a time; a join refused ALREADY_EXISTS (another process holds the host's place) is an IdTaken, not retried."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from fedpar.client.host_stream import CallRefused
-from fedpar.client.links import HostIdTaken, Reconnecting
+from fedpar.client.links import IdTaken, Reconnecting
 
 
 def test_threads_refused_under_one_session_join_again_once_between_them():
@@ -56,7 +56,7 @@ def test_a_join_refused_because_another_process_holds_the_host_is_said_and_not_r
                           "host 'host-0-of-1' is already connected from 127.0.0.1:5000 (heard from 0.1 s ago)")
 
     calls = Reconnecting("host-0-of-1", "127.0.0.1:1", join, first=0.01, cap=0.05, rng=random.Random(0))
-    with pytest.raises(HostIdTaken) as err:
+    with pytest.raises(IdTaken) as err:
         calls.join()
     assert joins == [1]
     assert err.value.reason == "host 'host-0-of-1' is already connected from 127.0.0.1:5000 (heard from 0.1 s ago)"

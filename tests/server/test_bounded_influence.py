@@ -43,7 +43,8 @@ def test_a_rejoin_cannot_raise_the_weight_and_the_model_moves_by_at_most_the_cap
     layout = ModelLayout.of_arrays(["t0", "t1"], init)
     tasks = {bot.agent_id: bot.task() for bot in [*honest, attacker]}
     # Mid-round the attacker joins again declaring a million examples, then claims them in its upload.
-    reply = attacker.stub.Join(pb.JoinRequest(agent_id="evil", num_examples=1_000_000), timeout=10)
+    reply = attacker.stub.Join(pb.JoinRequest(agent_id="evil", num_examples=1_000_000,
+                                              replaces_token=attacker.auth.token), timeout=10)
     attacker.auth = pb.AgentAuth(agent_id="evil", token=reply.token)
     assert server.coordinator.registry.get("evil").num_examples == 100  # fixed by the first Join
     attack = [np.full(s, 1000.0, np.float32) for s in SHAPES]

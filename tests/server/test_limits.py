@@ -114,8 +114,9 @@ def test_registry_size_and_join_rate_are_bounded(start_coordinator, agents):
     server = start_coordinator(_arrays(), min_available=2, max_agents=3, max_joins_per_second=1.0)
     a, b, c = agents(server.address, ["a", "b", "c"])
     _exhausted(lambda: a.stub.Join(pb.JoinRequest(agent_id="d", num_examples=1), timeout=5), "--max-agents")
-    assert a.stub.Join(pb.JoinRequest(agent_id="a", num_examples=1), timeout=5).token  # a known agent re-joins
-    a.stub.Join(pb.JoinRequest(agent_id="b", num_examples=1), timeout=5)
+    assert a.stub.Join(pb.JoinRequest(agent_id="a", num_examples=1, replaces_token=a.auth.token),
+                       timeout=5).token  # a known agent re-joins (the process that holds its session)
+    b.stub.Join(pb.JoinRequest(agent_id="b", num_examples=1, replaces_token=b.auth.token), timeout=5)
     # Burst of five seconds' worth (5 joins) is now spent.
     _exhausted(lambda: a.stub.Join(pb.JoinRequest(agent_id="c", num_examples=1), timeout=5),
                "--max-joins-per-second")

@@ -17,9 +17,10 @@ def test_only_agents_declaring_the_runs_task_are_sampled_and_the_others_named_on
     said = []
     members.require_task("mlp on digits", lambda agent, why: said.append((agent, why)))
     members.join("a1", 10, {"framework": "torch", "task": "mlp on digits"})
-    members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"})
+    a2 = members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"})
     members.join("a3", 10, {"framework": "torch"})  # says nothing: it may not have the task
-    members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"})  # a re-join is not named again
+    a2 = members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"},
+                      replaces_token=a2.token)  # a re-join (its session presented) is not named again
     assert members.live_ids() == ["a1"]
     assert [agent for agent, _ in said] == ["a0", "a2", "a3"]
     assert said[1][1] == "agent a2 is skipped: it has task 'cnn on digits', this run needs 'mlp on digits'"
@@ -27,7 +28,8 @@ def test_only_agents_declaring_the_runs_task_are_sampled_and_the_others_named_on
     assert members.declared_tasks() == {"a0": "cnn on digits", "a1": "mlp on digits", "a2": "cnn on digits",
                                         "a3": None}
 
-    members.join("a2", 10, {"framework": "torch", "task": "mlp on digits"})  # restarted with the task
+    members.leave("a2")  # its process stopped: another (restarted with the task) takes its place
+    members.join("a2", 10, {"framework": "torch", "task": "mlp on digits"})
     assert members.live_ids() == ["a1", "a2"]
     said.clear()  # the next run: the agents that stay joined are checked against its task, each named once
     members.require_task("cnn on digits", lambda agent, why: said.append((agent, why)))
