@@ -154,3 +154,19 @@ def test_ctrl_c_stops_serve_while_the_server_apps_strategy_waits_for_more_nodes(
                 proc.kill()
     assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
     assert serve_out.strip().splitlines()[-1] == "fedpar serve: interrupted after 0 completed rounds"
+
+
+def test_deployed_agents_clientapps_see_the_coordinators_run_config(tmp_path):
+    """`fedpar serve --flower-app APP --run-config fail-partition=1`, agents with no --run-config: partition 1's
+    ClientApp fails its train messages as the coordinator's run config says (an error reply each), partition 0's
+    trains (tests/flower/test_run_config_from_coordinator.py)."""
+    out = tmp_path / "run"
+    serve, serve_out, clients, outputs = _serve_and_two_agents(
+        APP, ["--insecure", "--run-config", "fail-partition=1", "--out", str(out)],
+        "(PLAINTEXT (--insecure)) for Flower App", ["--insecure"])
+    assert serve.returncode == 0 and all(c.returncode == 0 for c in clients), (serve_out, outputs)
+    assert "ClientApp train handler failed: RuntimeError: this partition fails on purpose" in outputs[1], outputs[1]
+    assert "fails on purpose" not in outputs[0], outputs[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["message_type"], r["error_replies"]) for r in rows] == \
+        [("train", 1), ("evaluate", 0), ("train", 1), ("evaluate", 0)], (rows, serve_out)
