@@ -41,6 +41,7 @@ from fedpar.protocol.codec import CoordinatorStub, one_line
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
+TELL_SECONDS = 30.0  # for the coordinator's answer to a message telling members' failed tasks
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -73,6 +74,7 @@ class HostUploads:
         self._queued_bytes = 0  # of the updates in _queue
         self._awaited = 0  # updates in _queue whose seat waits for their result (send): their batch does not linger
         self._idle = False  # the thread waits for a batch's first update
+        self._failures: list[pb.TaskFailure] = []  # members' failed tasks to tell (see :meth:`tell`)
         self._closed = False  # close() was called: what comes after is refused, no thread would send it
         self.refused_in_background = 0  # updates sent with send_later that did not count
         # a member's registered examples and the round's local epochs (its weight's bound); None: no partials
@@ -93,6 +95,16 @@ class HostUploads:
         """Queue ``update`` for the next batch and return at once, so the seat goes on with its next client."""
         self._put(_Queued(update, time.monotonic() + timeout, Future(), background=True))
         return pb.UploadReply(accepted=True, message="queued")
+
+    def tell(self, failure: pb.TaskFailure) -> None:
+        """Tell the coordinator at once (in a message of its own, before the next batch) that a member's own code
+        failed its task, so that the round stops waiting for it; not said again if that message fails (the host's
+        next long-poll tells it too)."""
+        with self._changed:
+            if self._closed:
+                return
+            self._failures.append(failure)
+            self._changed.notify()
 
     def close(self) -> None:
         """Stop after the batches already queued."""
@@ -127,25 +139,29 @@ class HostUploads:
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
+            batch, failures = batch
+            if failures:
+                self._tell(failures)
             self._send(batch)
-            if batch[-1] is None:
+            if batch and batch[-1] is None:
                 break
         self._stream.close()
 
-    def _next_batch(self) -> list[_Queued | None] | None:
+    def _next_batch(self) -> tuple[list[_Queued | None], list[pb.TaskFailure]] | None:
         """The next batch to send: the updates queued when its first came and within the linger after it while
-        more are coming, up to ``max_updates`` and ``max_bytes`` (ending with None when close() came meanwhile);
-        None: closed, nothing left."""
+        more are coming, up to ``max_updates`` and ``max_bytes`` (ending with None when close() came meanwhile),
+        and the failures to tell first (a failure does not wait for a linger); None: closed, nothing left."""
         with self._changed:
             self._idle = True
-            while not self._queue:
+            while not self._queue and not self._failures:
                 self._changed.wait()
             self._idle = False
             until = time.monotonic() + self.linger
             # more_coming() is read under the lock nudge() takes: a seat that stops counting after this look wakes
             # the wait. A batch holding an awaited update goes at once: its seat waits for its result, so lingering
             # for the other seats' updates would stall it (and, all seats awaiting, every seat) for the whole linger.
-            while self._queue[-1] is not None and not self._awaited and not self._full() and self.more_coming():
+            while self._queue and self._queue[-1] is not None and not self._failures and not self._awaited \
+                    and not self._full() and self.more_coming():
                 left = until - time.monotonic()
                 if left <= 0:
                     break
@@ -162,7 +178,8 @@ class HostUploads:
                 size += item.update.size
                 self._queued_bytes -= item.update.size
                 self._awaited -= not item.background
-            return batch if batch != [None] else None
+            failures, self._failures = self._failures, []
+            return (batch, failures) if batch != [None] or failures else None
 
     def _send(self, batch: list[_Queued | None]) -> None:
         """Send ``batch``: its background plain updates of one round as a partial where the coordinator takes one,
@@ -173,6 +190,14 @@ class HostUploads:
         rest = self._send_partial(batch) if self.partials else batch
         if rest:
             self._send_each(rest)
+
+    def _tell(self, failures: list[pb.TaskFailure]) -> None:
+        """One message telling ``failures``; a refusal is logged (the host's next long-poll tells them too)."""
+        try:
+            self._call(pb.HostUploads(host=self.host, failures=failures), TELL_SECONDS)
+        except grpc.RpcError as err:
+            log.info("%s: %d failed tasks not told at once (%s: %s); the next long-poll tells them",
+                     self.host.agent_id, len(failures), err.code().name, one_line(err.details() or ""))
 
     def _send_partial(self, batch: list[_Queued]) -> list[_Queued]:
         """Sum the batch's background plain updates of its first such update's round, metric names and layout into

@@ -618,10 +618,13 @@ class HostLink:
         """Nothing to tell: the coordinator counts a member's task done when its update arrives."""
 
     def failed(self, i: int, task: pb.TrainTask, reason: str) -> None:
-        """Member ``i``'s own code failed ``task`` (``reason``: one line): said on the host's next pull."""
+        """Member ``i``'s own code failed ``task`` (``reason``: one line): said at once on the host's upload stream to
+        the coordinator (the pull in flight may wait seconds more), and again on the host's next pull (a
+        coordinator counts it once)."""
+        failure = pb.TaskFailure(agent_id=self.members.member_id(i), task_id=task.task_id, reason=reason)
         with self._failures_lock:
-            self._failures.append(pb.TaskFailure(agent_id=self.members.member_id(i), task_id=task.task_id,
-                                                 reason=reason))
+            self._failures.append(failure)
+        self._uploads_to(self.conn.stub).tell(failure)
 
     def small_sender(self, topk: bool, stub: CoordinatorStub) -> SendSmall:
         """How a small update goes: in the host's next batch to ``stub`` (the coordinator, or the aggregator rank the

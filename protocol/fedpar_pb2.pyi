@@ -462,14 +462,16 @@ class PullHostTasksReply(_message.Message):
     def __init__(self, tasks: _Optional[_Iterable[_Union[HostedTask, _Mapping]]] = ..., shutdown_reason: _Optional[str] = ..., weights_header: _Optional[_Union[ModelHeader, _Mapping]] = ..., weights: _Optional[bytes] = ..., go: _Optional[_Iterable[str]] = ..., clock_seconds: _Optional[float] = ..., virtual_clock: bool = ...) -> None: ...
 
 class HostUploads(_message.Message):
-    __slots__ = ("host", "uploads", "partial")
+    __slots__ = ("host", "uploads", "partial", "failures")
     HOST_FIELD_NUMBER: _ClassVar[int]
     UPLOADS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     uploads: _containers.RepeatedCompositeFieldContainer[SmallUpload]
     partial: HostPartial
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., uploads: _Optional[_Iterable[_Union[SmallUpload, _Mapping]]] = ..., partial: _Optional[_Union[HostPartial, _Mapping]] = ...) -> None: ...
+    failures: _containers.RepeatedCompositeFieldContainer[TaskFailure]
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., uploads: _Optional[_Iterable[_Union[SmallUpload, _Mapping]]] = ..., partial: _Optional[_Union[HostPartial, _Mapping]] = ..., failures: _Optional[_Iterable[_Union[TaskFailure, _Mapping]]] = ...) -> None: ...
 
 class HostPartial(_message.Message):
     __slots__ = ("round", "member_ids", "task_ids", "num_examples", "steps", "metric_names", "metric_values", "tensors", "total_bytes", "data")

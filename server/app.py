@@ -364,9 +364,13 @@ class CoordinatorService:
 
     async def _host_uploads(self, host: HostRecord, request: pb.HostUploads, context) -> pb.HostUploadResults:
         """Take ``host``'s (authenticated) HostUploads: its updates one by one, then its partial."""
-        if len(request.uploads) > MAX_HOST_UPLOADS:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates in one message; send "
-                                                            f"at most {MAX_HOST_UPLOADS}")
+        if len(request.uploads) > MAX_HOST_UPLOADS or len(request.failures) > MAX_HOST_UPLOADS:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.uploads)} updates and "
+                                                            f"{len(request.failures)} failures in one message; send "
+                                                            f"at most {MAX_HOST_UPLOADS} of each")
+        if request.failures:  # told at once, not with the host's next long-poll: the round stops waiting for them
+            self._at_rank_0()
+            self.coord.members.take_failures(host, request.failures, self.coord)
         results = pb.HostUploadResults()
         for item in request.uploads:
             try:

@@ -154,6 +154,11 @@ class Members:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")
 
+    def take_failures(self, host: HostRecord, failures: Sequence[pb.TaskFailure], desk: TaskDesk) -> None:
+        """A Refusal: there are no simulation hosts here."""
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      "this coordinator hosts no simulated populations; start it with --accept-populations")
+
     def leave(self, agent_id: str) -> None:
         """The agent said goodbye: it is not sampled until it joins again."""
         self.registry.leave(agent_id)

@@ -133,9 +133,7 @@ class Populations(Members):
         for estimate in finish_estimates:
             self._check_member(host, estimate.agent_id)
             desk.clock.record(desk.current, estimate.agent_id, estimate.task_id, estimate.seconds)
-        for failure in failures:
-            self._check_member(host, failure.agent_id)
-            desk.task_failed(failure.agent_id, failure.task_id, failure.reason)
+        self.take_failures(host, failures, desk)
         key = HOST_WAKEUP + host.host_id
         steps = desk.clock.idle_steps  # the clock moving on between rounds ends the wait: the host hears the time
         deadline = time.monotonic() + max(0.0, min(wait_seconds, self.config.heartbeat_seconds))
@@ -151,6 +149,13 @@ class Populations(Members):
                     or not await self.wait(key, deadline):
                 return out
             host.last_seen = time.monotonic()
+
+    def take_failures(self, host: HostRecord, failures: Sequence[pb.TaskFailure], desk: TaskDesk) -> None:
+        """``host``'s members whose own code failed their task (a Refusal naming one that is not its member): the
+        round waits for them no longer."""
+        for failure in failures:
+            self._check_member(host, failure.agent_id)
+            desk.task_failed(failure.agent_id, failure.task_id, failure.reason)
 
     def hosts_heard(self, seconds: float) -> bool:
         """Whether every live simulation host has told who of its members is online at simulated time ``seconds``."""

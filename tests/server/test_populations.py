@@ -345,3 +345,36 @@ def test_a_task_stream_message_the_coordinator_cannot_take_ends_the_stream_with_
         next(replies)
     assert err.value.code() == code and text in (err.value.details() or ""), err.value.details()
     assert not pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=0.0)).shutdown_reason
+
+
+def test_a_hosts_failed_tasks_told_on_its_upload_stream_count_at_once_and_only_for_its_members(start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, clients_per_round=2,
+                               min_available=2, rounds=1, deadline_seconds=60.0)
+    stub = _stub(server)
+    joined = _join(stub, "h", ["m0", "m1"])
+    host = pb.AgentAuth(agent_id="h", token=joined.host_token)
+    got: dict[str, pb.TrainTask] = {}
+    end = time.monotonic() + 20
+    while len(got) < 2 and time.monotonic() < end:
+        got.update({t.agent_id: t.task for t in pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=1.0),
+                                                           timeout=10).tasks})
+    assert sorted(got) == ["m0", "m1"]
+    _refused(lambda: upload_batch(stub, pb.HostUploads(host=host, failures=[
+        pb.TaskFailure(agent_id="not-mine", task_id=got["m0"].task_id, reason="x")])),
+        grpc.StatusCode.PERMISSION_DENIED, "'not-mine' is not a member of host 'h'")
+    _refused(lambda: upload_batch(stub, pb.HostUploads(host=host, failures=[
+        pb.TaskFailure(agent_id="m0", task_id=got["m0"].task_id, reason="x")] * 513)),
+        grpc.StatusCode.INVALID_ARGUMENT, "513 failures in one message")
+    told = upload_batch(stub, pb.HostUploads(host=host, failures=[
+        pb.TaskFailure(agent_id="m0", task_id=got["m0"].task_id, reason="data raised KeyError: 'no rows'")]))
+    assert list(told.results) == [] and not told.HasField("partial")
+    reply = stub.UploadSmall(pb.SmallUpload(
+        header=pb.UploadHeader(auth=_member(joined, "m1"), round=1, task_id=got["m1"].task_id, num_examples=10,
+                               steps=1, tensors=[pb.TensorSpec(name="t0", dtype="float32", shape=list(SHAPE))],
+                               total_bytes=32),
+        data=np.ones(SHAPE, np.float32).tobytes()), timeout=10)
+    assert reply.accepted
+    assert server.wait(10)  # m0 answered (without an update): the round did not wait out its deadline for it
+    (row,) = server.coordinator.metrics.read_rows()
+    assert (row["status"], row["reported"], row["rejected"]) == ("ok", 1, 1), row
+    assert row["training_error"] == "data raised KeyError: 'no rows'", row
