@@ -209,8 +209,10 @@ class AgentRegistry:
         process is not :meth:`connected`, or the caller presents its session (it is that process)."""
         if self.connected(held) and not hmac.compare_digest(held.token.encode(), replaces_token.encode()):
             ident = held.agent_id if isinstance(held, AgentRecord) else held.host_id
+            ago = max(0.0, self._clock() - held.last_seen)
             raise SessionInUse(f"{kind} {ident!r} is already connected from {held.address or 'an unknown address'} "
-                               f"(heard from {max(0.0, self._clock() - held.last_seen):.1f} s ago)")
+                               f"(heard from {ago:.1f} s ago; if that process was killed, its place is free in "
+                               f"{max(1, math.ceil(self.liveness_timeout - ago))} s)")
 
     def connected(self, held: AgentRecord | HostRecord) -> bool:
         """Whether the process holding an agent's or a host's session is taken to be running: heard from within the
