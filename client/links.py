@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import secrets
 import ssl
 import threading
 import time
@@ -374,6 +375,7 @@ class AgentLink:
         self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
         self._failure = ""  # why the agent's own code failed that task, told with it
         self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
+        self.incarnation = secrets.token_hex(16)  # with every Join: a Join sent again after its reply was lost is ours
 
     def join(self) -> None:
         """A new session for the agent. The session it held, if any, goes with the call: it proves this process may
@@ -385,7 +387,8 @@ class AgentLink:
                                                                                    self.trainer.framework),
                                                    protocol_version=PROTOCOL_VERSION,
                                                    enrollment_token=self.config.enrollment_token,
-                                                   replaces_token=self.auth.token if self.auth else ""), timeout=30)
+                                                   replaces_token=self.auth.token if self.auth else "",
+                                                   incarnation=self.incarnation), timeout=30)
         self.auth = pb.AgentAuth(agent_id=self.config.agent_id, token=session_token(reply.token, self.config))
         self._heartbeat_seconds = heartbeat_interval(reply.heartbeat_seconds, self.config)
         self.max_chunk = chunk_limit(reply.max_chunk_bytes, self.config)
@@ -470,6 +473,7 @@ class HostLink:
                  trainable: Callable[[int, pb.TrainTask], bool]):
         self.conn, self.config, self.members, self._trainable = conn, config, members, trainable
         self.host = pb.AgentAuth(agent_id=config.agent_id)
+        self.incarnation = secrets.token_hex(16)  # with every JoinPopulation: one sent again after a lost reply is ours
         self.max_chunk = 0
         self.small_below = 0
         self.clock_seconds: float | None = None  # the coordinator's simulated time, once it runs a virtual clock
@@ -499,7 +503,7 @@ class HostLink:
         for start in range(0, len(self.members), JOIN_CHUNK):
             ids, sizes, away = self.members.joining(start, min(start + JOIN_CHUNK, len(self.members)))
             request = pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=self.host.agent_id, token=session),
-                                               replaces_token="" if session else held,
+                                               replaces_token="" if session else held, incarnation=self.incarnation,
                                                protocol_version=PROTOCOL_VERSION,
                                                enrollment_token=self.config.enrollment_token,
                                                capabilities={"task": self.config.task} if self.config.task else {},

@@ -29,7 +29,7 @@ class AgentAuth(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("agent_id", "num_examples", "capabilities", "protocol_version", "enrollment_token", "replaces_token")
+    __slots__ = ("agent_id", "num_examples", "capabilities", "protocol_version", "enrollment_token", "replaces_token", "incarnation")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,13 +43,15 @@ class JoinRequest(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENROLLMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REPLACES_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     num_examples: int
     capabilities: _containers.ScalarMap[str, str]
     protocol_version: int
     enrollment_token: str
     replaces_token: str
-    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., replaces_token: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, agent_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., replaces_token: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("token", "heartbeat_seconds", "max_chunk_bytes")
@@ -361,7 +363,7 @@ class SecAggReply(_message.Message):
     def __init__(self, params_json: _Optional[str] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., ciphertexts: _Optional[_Union[SecAggCiphertexts, _Mapping]] = ..., survivors: _Optional[_Union[SecAggSurvivors, _Mapping]] = ..., wait_seconds: _Optional[float] = ..., done: _Optional[str] = ...) -> None: ...
 
 class JoinPopulationRequest(_message.Message):
-    __slots__ = ("host", "protocol_version", "enrollment_token", "capabilities", "member_ids", "num_examples", "away", "replaces_token")
+    __slots__ = ("host", "protocol_version", "enrollment_token", "capabilities", "member_ids", "num_examples", "away", "replaces_token", "incarnation")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +379,7 @@ class JoinPopulationRequest(_message.Message):
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     AWAY_FIELD_NUMBER: _ClassVar[int]
     REPLACES_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     host: AgentAuth
     protocol_version: int
     enrollment_token: str
@@ -385,7 +388,8 @@ class JoinPopulationRequest(_message.Message):
     num_examples: _containers.RepeatedScalarFieldContainer[int]
     away: _containers.RepeatedScalarFieldContainer[int]
     replaces_token: str
-    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., member_ids: _Optional[str] = ..., num_examples: _Optional[_Iterable[int]] = ..., away: _Optional[_Iterable[int]] = ..., replaces_token: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, host: _Optional[_Union[AgentAuth, _Mapping]] = ..., protocol_version: _Optional[int] = ..., enrollment_token: _Optional[str] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., member_ids: _Optional[str] = ..., num_examples: _Optional[_Iterable[int]] = ..., away: _Optional[_Iterable[int]] = ..., replaces_token: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class JoinPopulationReply(_message.Message):
     __slots__ = ("host_token", "heartbeat_seconds", "max_chunk_bytes")

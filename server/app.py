@@ -29,7 +29,7 @@ from fedpar.server.limits import Limits, StrangerBound, authenticated, call_iden
 from fedpar.server.members import TooFewMembers
 from fedpar.server.populations import HOST_WAKEUP as HOST_CALLS
 from fedpar.server.ranks.group import RankMissing
-from fedpar.server.registry import AgentRecord, AuthError, HostRecord
+from fedpar.server.registry import AgentRecord, AuthError, HostRecord, SessionClaim
 from fedpar.server.round_modes import take_host_partial
 from fedpar.server.rounds import Refusal
 from fedpar.server.secure_round import secagg_exchange
@@ -227,11 +227,10 @@ class CoordinatorService:
         """Register an agent."""
         self._at_rank_0()
         _check_protocol(request.protocol_version, "agent")
-        _check_replaces_token(request.replaces_token)
+        claim = _session_claim(request, context)
         self.limits.admit_join(request.agent_id, self.coord.registry)
         record = self.coord.members.join(request.agent_id, request.num_examples, dict(request.capabilities),
-                                         call_identity(context), request.enrollment_token, request.replaces_token,
-                                         _peer_address(context))
+                                         call_identity(context), request.enrollment_token, claim)
         log.info("agent %s joined with %d examples", record.agent_id, record.num_examples)
         return pb.JoinReply(token=record.token, heartbeat_seconds=self.coord.config.heartbeat_seconds,
                             max_chunk_bytes=self.coord.config.max_chunk_bytes)
@@ -244,12 +243,11 @@ class CoordinatorService:
         if not request.member_ids:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "a JoinPopulation must name its members in member_ids "
                                                             "(a host older than this coordinator? upgrade it)")
-        _check_replaces_token(request.replaces_token)
+        claim = _session_claim(request, context)
         self.limits.admit_join(request.host.agent_id, self.coord.registry, len(request.num_examples))
         host = self.coord.members.join_population(
             request.host.agent_id, request.host.token, request.member_ids, request.num_examples, request.away,
-            call_identity(context), request.enrollment_token, dict(request.capabilities), request.replaces_token,
-            _peer_address(context))
+            call_identity(context), request.enrollment_token, dict(request.capabilities), claim)
         authenticated()
         return pb.JoinPopulationReply(host_token=host.token,
                                       heartbeat_seconds=self.coord.config.heartbeat_seconds,
@@ -445,11 +443,13 @@ def _peer_address(context) -> str:
     return (rest if kind in ("ipv4", "ipv6") else peer)[:100]
 
 
-def _check_replaces_token(token: str) -> None:
-    """Refuse a join's ``replaces_token`` longer than any session token."""
-    if len(token) > MAX_SESSION_TOKEN:
-        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"replaces_token has {len(token)} characters; a session token "
-                                                        f"has at most {MAX_SESSION_TOKEN}")
+def _session_claim(request: pb.JoinRequest | pb.JoinPopulationRequest, context) -> SessionClaim:
+    """Who asks for a session at a Join (server/registry.py); a Refusal for a claim longer than any session token."""
+    for name in ("replaces_token", "incarnation"):
+        if len(getattr(request, name)) > MAX_SESSION_TOKEN:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{name} has {len(getattr(request, name))} characters; "
+                                                            f"at most {MAX_SESSION_TOKEN} are taken")
+    return SessionClaim(request.replaces_token, request.incarnation, _peer_address(context))
 
 
 def _check_protocol(version: int, who: str) -> None:

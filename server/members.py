@@ -21,7 +21,7 @@ from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import set_within
 from fedpar.server.member_table import LiveIds
-from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord, SessionInUse
+from fedpar.server.registry import AgentRecord, AgentRegistry, HostRecord, SessionClaim, SessionInUse
 from fedpar.server.rounds import Refusal, RoundState
 
 log = logging.getLogger("fedpar.server")
@@ -80,17 +80,17 @@ class Members:
 
     # ----------------------------------------------------------------- joining and leaving
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
-             peer: PeerIdentity | None = None, enrollment_token: str = "", replaces_token: str = "",
-             address: str = "") -> AgentRecord:
+             peer: PeerIdentity | None = None, enrollment_token: str = "",
+             claim: SessionClaim = SessionClaim()) -> AgentRecord:
         """Register an agent; raises Refusal on bad identity data, if the agent is not admitted, and ALREADY_EXISTS
-        when another live process holds its session (``replaces_token``: the session this one held, if any)."""
+        when another live process holds its session (``claim``: who asks, server/registry.py)."""
         try:
             record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token,
-                                        self.config.max_examples_per_agent, replaces_token, address)
+                                        self.config.max_examples_per_agent, claim)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except SessionInUse as exc:  # said here too: the operator sees why an agent went away
-            log.warning("refused a second process for agent %r from %s: %s", agent_id, address or "?", exc)
+            log.warning("refused a second process for agent %r from %s: %s", agent_id, claim.address or "?", exc)
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except AdmissionRefused as exc:
             log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
@@ -140,8 +140,8 @@ class Members:
 
     def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
                         away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        capabilities: dict[str, str] | None = None, replaces_token: str = "",
-                        address: str = "") -> HostRecord:
+                        capabilities: dict[str, str] | None = None,
+                        claim: SessionClaim = SessionClaim()) -> HostRecord:
         """A Refusal: this member source takes no simulated populations (server/populations.py does)."""
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")

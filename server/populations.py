@@ -19,7 +19,8 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members, TaskDesk
-from fedpar.server.registry import AgentRecord, AgentRegistry, AuthError, HostRecord, SessionInUse, check_capabilities
+from fedpar.server.registry import (AgentRecord, AgentRegistry, AuthError, HostRecord, SessionClaim, SessionInUse,
+                                    check_capabilities)
 from fedpar.server.rounds import Refusal
 
 log = logging.getLogger("fedpar.server")
@@ -39,22 +40,22 @@ class Populations(Members):
         self._heard_at: dict[str, float] = {}  # per host: the simulated time its last call's availability was as of
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
-             peer: PeerIdentity | None = None, enrollment_token: str = "", replaces_token: str = "",
-             address: str = "") -> AgentRecord:
+             peer: PeerIdentity | None = None, enrollment_token: str = "",
+             claim: SessionClaim = SessionClaim()) -> AgentRecord:
         """Register an agent (a Refusal under the virtual clock: only simulation hosts report finish times)."""
         if self.hosts_only:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           "this coordinator runs a virtual clock (--clock virtual): only simulation hosts take part")
-        return super().join(agent_id, num_examples, capabilities, peer, enrollment_token, replaces_token, address)
+        return super().join(agent_id, num_examples, capabilities, peer, enrollment_token, claim)
 
     def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
                         away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        capabilities: dict[str, str] | None = None, replaces_token: str = "",
-                        address: str = "") -> HostRecord:
+                        capabilities: dict[str, str] | None = None,
+                        claim: SessionClaim = SessionClaim()) -> HostRecord:
         """Register (more of) a simulation host's members as JoinPopulation carries them (server/registry.py), which a
         service's run samples only if the host's ``capabilities`` declare the run's task; a Refusal on bad data, and
-        ALREADY_EXISTS when another live process holds the host's session (``replaces_token``: the session this
-        one held, if any)."""
+        ALREADY_EXISTS when another live process holds the host's session (``claim``: who asks,
+        server/registry.py)."""
         if len(num_examples) > self.config.max_population_join:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(num_examples)} members in one JoinPopulation; send at most "
@@ -65,13 +66,14 @@ class Populations(Members):
             check_capabilities(capabilities)
             host = self.registry.join_population(host_id, host_token, member_ids, num_examples, away, peer,
                                                  enrollment_token, self.config.max_examples_per_agent,
-                                                 replaces_token, address)
+                                                 claim)
         except ValueError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except AuthError as exc:
             raise Refusal(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         except SessionInUse as exc:  # said here too: the operator sees why a launch went away
-            log.warning("refused a second process for simulation host %r from %s: %s", host_id, address or "?", exc)
+            log.warning("refused a second process for simulation host %r from %s: %s", host_id, claim.address or "?",
+                        exc)
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except AdmissionRefused as exc:
             raise Refusal(exc.code, exc.message) from None

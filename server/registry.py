@@ -36,6 +36,17 @@ class SessionInUse(Exception):
     present)."""
 
 
+@dataclass(frozen=True)
+class SessionClaim:
+    """Who asks for a new session at a Join: the session its process held (``replaces_token``; none on its first
+    Join), the id its process drew once (``incarnation``: a Join sent again after its reply was lost is the same
+    process's) and where the call came from (``address``)."""
+
+    replaces_token: str = ""
+    incarnation: str = ""
+    address: str = ""
+
+
 @dataclass(slots=True)
 class AgentRecord:
     """One registered agent and what the coordinator knows of it."""
@@ -51,6 +62,7 @@ class AgentRecord:
     # (its host's identity speaks for it: under mutual TLS its calls carry the host's certificate)
     away: bool = False  # a member its host reported offline (availability trace): not sampled meanwhile
     address: str = ""  # where its session's Join came from (said to another process that wants its place)
+    incarnation: str = ""  # the id the process holding its session drew (SessionClaim)
     # when its long-poll was last cut short (registry clock): with no call since, its process is taken to be gone
     gone_at: float = -math.inf
 
@@ -67,6 +79,7 @@ class HostRecord:
     away: int = 0  # of its members, those it reported offline (availability trace)
     cert_serial: int | None = None  # of the client certificate it joined with (mutual TLS): its members' too
     address: str = ""  # where its session's first call came from (said to another process that wants its place)
+    incarnation: str = ""  # the id the process holding its session drew (SessionClaim)
     # when its task stream last ended (registry clock): with no call since, its process is taken to be gone
     gone_at: float = -math.inf
 
@@ -128,13 +141,13 @@ class AgentRegistry:
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
-             max_examples: int = 10_000_000, replaces_token: str = "", address: str = "") -> AgentRecord:
+             max_examples: int = 10_000_000, claim: SessionClaim = SessionClaim()) -> AgentRecord:
         """Register ``agent_id`` (or re-register it after a restart) with a fresh session token.
 
         The declared example count bounds the FedAvg weight of the agent's updates, so it must be in
         1..``max_examples``, and it is fixed by the agent's first Join of the run (a checkpoint's, after a
-        restart): a later Join may lower it, never raise it. A new session replaces a live one only if
-        ``replaces_token`` is that one (the same process joining again); ``address``: where the call came from.
+        restart): a later Join may lower it, never raise it. A new session replaces a live one only if ``claim``
+        shows the same process asks (:meth:`_check_replaceable`).
         Raises ValueError on bad data, AdmissionRefused if the admission policy refuses the agent, SessionInUse
         when another live process holds the agent's session.
         """
@@ -147,21 +160,22 @@ class AgentRegistry:
         self.admission.admit_join(agent_id, peer, enrollment_token)  # first: a stranger hears nothing of the agent
         held = self._agents.get(agent_id)
         if held is not None and not held.left and held.host is None:
-            self._check_replaceable("agent", held, replaces_token)
+            self._check_replaceable("agent", held, claim)
         num_examples = self.caps.fix(agent_id, num_examples)
         record = AgentRecord(agent_id, secrets.token_urlsafe(24), int(num_examples), dict(capabilities) or None,
-                             last_seen=self._clock(), cert_serial=peer.serial if peer else None, address=address)
+                             last_seen=self._clock(), cert_serial=peer.serial if peer else None, address=claim.address,
+                             incarnation=claim.incarnation)
         self._newcomers([record])
         return record
 
     def join_population(self, host_id: str, host_token: str, member_ids: str, num_examples: Sequence[int],
                         away: Sequence[int] = (), peer: PeerIdentity | None = None, enrollment_token: str = "",
-                        max_examples: int = 10_000_000, replaces_token: str = "", address: str = "") -> HostRecord:
+                        max_examples: int = 10_000_000, claim: SessionClaim = SessionClaim()) -> HostRecord:
         """Register (more of) ``host_id``'s population, as JoinPopulation carries it (ids separated by newlines, each
         one's examples, the positions of those away): each member's session is derived from the host's
         (member_token), live while the host calls. ``host_token``: empty on the host's first call, then the one it
-        got. A new session replaces a live one only if ``replaces_token`` is that one (the same process joining
-        again); ``address``: where the call came from. A member's example count is fixed by its first join, as for
+        got. A new session replaces a live one only if ``claim`` shows the same process asks
+        (:meth:`_check_replaceable`). A member's example count is fixed by its first join, as for
         an agent; an id joined as an agent, or by another host, is refused. Raises ValueError on bad data (naming
         the member; nothing is registered), AuthError on a wrong host token, SessionInUse when another live process
         holds the host's session."""
@@ -183,12 +197,13 @@ class AgentRegistry:
         if host is None or not host_token:
             self.admission.admit_join(host_id, peer, enrollment_token)  # first: a stranger hears nothing of the host
             if host is not None:
-                self._check_replaceable("host", host, replaces_token)
+                self._check_replaceable("host", host, claim)
             if index == len(self._host_ids):
                 self._host_index[host_id] = index
                 self._host_ids.append(host_id)
             host = HostRecord(host_id, secrets.token_urlsafe(24), self._clock(), host.members if host else 0,
-                              index=index, away=host.away if host else 0, address=address)
+                              index=index, away=host.away if host else 0, address=claim.address,
+                              incarnation=claim.incarnation)
             self._hosts[host_id] = host
         serial = peer.serial if peer else None  # revoking the host's certificate revokes its members
         if host.cert_serial != serial:
@@ -204,15 +219,19 @@ class AgentRegistry:
             self._live.add(ids[~was_live & ~offline])
         return host
 
-    def _check_replaceable(self, kind: str, held: AgentRecord | HostRecord, replaces_token: str) -> None:
+    def _check_replaceable(self, kind: str, held: AgentRecord | HostRecord, claim: SessionClaim) -> None:
         """SessionInUse unless a new session may take the place of ``held`` (an agent's or a host's, ``kind``): its
-        process is not :meth:`connected`, or the caller presents its session (it is that process)."""
-        if self.connected(held) and not hmac.compare_digest(held.token.encode(), replaces_token.encode()):
-            ident = held.agent_id if isinstance(held, AgentRecord) else held.host_id
-            ago = max(0.0, self._clock() - held.last_seen)
-            raise SessionInUse(f"{kind} {ident!r} is already connected from {held.address or 'an unknown address'} "
-                               f"(heard from {ago:.1f} s ago; if that process was killed, its place is free in "
-                               f"{max(1, math.ceil(self.liveness_timeout - ago))} s)")
+        process is not :meth:`connected`, or ``claim`` shows that process asks: it presents its session, or its
+        incarnation (its first Join's reply was lost, so it has no session to present)."""
+        if not self.connected(held) or hmac.compare_digest(held.token.encode(), claim.replaces_token.encode()):
+            return
+        if claim.incarnation and hmac.compare_digest(held.incarnation.encode(), claim.incarnation.encode()):
+            return
+        ident = held.agent_id if isinstance(held, AgentRecord) else held.host_id
+        ago = max(0.0, self._clock() - held.last_seen)
+        raise SessionInUse(f"{kind} {ident!r} is already connected from {held.address or 'an unknown address'} "
+                           f"(heard from {ago:.1f} s ago; if that process was killed, its place is free in "
+                           f"{max(1, math.ceil(self.liveness_timeout - ago))} s)")
 
     def connected(self, held: AgentRecord | HostRecord) -> bool:
         """Whether the process holding an agent's or a host's session is taken to be running: heard from within the

@@ -98,3 +98,22 @@ def test_an_agent_that_left_or_went_quiet_may_be_replaced_by_a_fresh_process(sta
         third = _join(stub)
         assert third.token not in (first.token, second.token)
         assert server.coordinator.registry.live_ids() == ["alice"]
+
+
+def test_a_join_sent_again_after_its_reply_was_lost_is_the_same_process_s(start_coordinator):
+    """The process drew an incarnation and sends it with every Join: its first Join's reply lost (no session to
+    present yet), the Join it sends again takes a session; another process's incarnation is refused."""
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], min_available=50, heartbeat_seconds=0.5,
+                               liveness_timeout_seconds=5.0)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = CoordinatorStub(channel)
+
+        def join(incarnation: str) -> pb.JoinReply:
+            return stub.Join(pb.JoinRequest(agent_id="alice", num_examples=10, incarnation=incarnation), timeout=10)
+
+        lost = join("process-a")  # registered; its reply never reached the agent
+        again = join("process-a")
+        assert again.token != lost.token and server.coordinator.registry.get("alice").token == again.token
+        refused(lambda: join("process-b"), grpc.StatusCode.ALREADY_EXISTS, "agent 'alice' is already connected")
+        refused(lambda: join(""), grpc.StatusCode.ALREADY_EXISTS, "agent 'alice' is already connected")
+        refused(lambda: join("x" * 257), grpc.StatusCode.INVALID_ARGUMENT, "incarnation has 257")

@@ -19,11 +19,12 @@ SHAPE = (8,)
 MEMBERS = ["m0", "m1", "m2"]
 
 
-def _rejoin(stub, host: str, replaces_token: str) -> pb.JoinPopulationReply:
-    """A new session for ``host``'s members, presenting ``replaces_token`` as the session it held."""
+def _rejoin(stub, host: str, replaces_token: str, incarnation: str = "") -> pb.JoinPopulationReply:
+    """A new session for ``host``'s members, presenting ``replaces_token`` as the session it held and
+    ``incarnation`` as its process's."""
     return stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=host), replaces_token=replaces_token,
-                                                        member_ids="\n".join(MEMBERS), num_examples=[10] * 3),
-                               timeout=10)
+                                                        incarnation=incarnation, member_ids="\n".join(MEMBERS),
+                                                        num_examples=[10] * 3), timeout=10)
 
 
 def test_a_second_process_is_refused_while_the_host_is_live_and_the_host_itself_may_join_again(start_coordinator):
@@ -79,3 +80,12 @@ def test_a_fresh_process_takes_the_place_of_a_host_whose_stream_ended_or_who_wen
     third = join_members(stub, "h", MEMBERS)
     assert third.host_token not in (first.host_token, second.host_token)
     assert len(server.coordinator.registry.live_ids()) == 3
+
+
+def test_a_join_sent_again_after_its_reply_was_lost_is_the_same_host_process_s(start_coordinator):
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=50)
+    stub = host_stub(server)
+    lost = _rejoin(stub, "h", "", "process-a")  # registered; its reply never reached the host
+    again = _rejoin(stub, "h", "", "process-a")
+    assert again.host_token != lost.host_token and server.coordinator.registry.host("h").token == again.host_token
+    refused(lambda: _rejoin(stub, "h", "", "process-b"), grpc.StatusCode.ALREADY_EXISTS, "already connected")

@@ -8,7 +8,7 @@ import pytest
 from fedpar.cli.task_options import task_label
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.members import Members
-from fedpar.server.registry import AgentRegistry
+from fedpar.server.registry import AgentRegistry, SessionClaim
 
 
 def test_only_agents_declaring_the_runs_task_are_sampled_and_the_others_named_once():
@@ -20,7 +20,7 @@ def test_only_agents_declaring_the_runs_task_are_sampled_and_the_others_named_on
     a2 = members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"})
     members.join("a3", 10, {"framework": "torch"})  # says nothing: it may not have the task
     a2 = members.join("a2", 10, {"framework": "torch", "task": "cnn on digits"},
-                      replaces_token=a2.token)  # a re-join (its session presented) is not named again
+                      claim=SessionClaim(replaces_token=a2.token))  # a re-join (its session presented): not named again
     assert members.live_ids() == ["a1"]
     assert [agent for agent, _ in said] == ["a0", "a2", "a3"]
     assert said[1][1] == "agent a2 is skipped: it has task 'cnn on digits', this run needs 'mlp on digits'"
