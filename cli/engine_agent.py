@@ -139,7 +139,7 @@ def run_engine(args: argparse.Namespace) -> int:
             spawn(world, _spawned, options, layout, code, parent_stops=True)  # Ctrl-C here stops the ranks too
     except RankFailed as failed:
         print(f"fedpar client: rank {failed.rank} of agent {args.agent_id} {failed.what}, which stops the agent; "
-              f"start it again{'' if 'killed by' in failed.what else ' (--debug shows where)'}", file=sys.stderr)
+              f"start it again{'' if failed.signal_name else ' (--debug shows where)'}", file=sys.stderr)
         return 1
     except Exception as exc:  # --debug: torch's exception holds the rank's whole traceback as text
         print(f"fedpar client: {exc}", file=sys.stderr)

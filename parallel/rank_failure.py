@@ -13,9 +13,10 @@ class RankFailed(Exception):
     """A spawned rank failed by something other than the user's code: ``rank`` (its index, or "?") and ``what``
     happened to it ("failed: <the line it raised>", "was killed by SIGKILL ...", "ended with exit code 3")."""
 
-    def __init__(self, rank: int | str, what: str):
+    def __init__(self, rank: int | str, what: str, signal_name: str | None = None):
         super().__init__(f"rank {rank} {what}")
         self.rank, self.what = rank, what
+        self.signal_name = signal_name  # the signal that killed it (then no traceback of its own says where)
 
 
 def last_line(exc: ProcessRaisedException) -> str:
@@ -39,7 +40,8 @@ def rank_failure(exc: BaseException, passes: tuple[type[Exception], ...] = ()) -
     if isinstance(exc, ProcessExitedException):
         if exc.signal_name:
             return RankFailed(exc.error_index,
-                              f"was killed by {exc.signal_name} (out of memory, or stopped from outside)")
+                              f"was killed by {exc.signal_name} (out of memory, or stopped from outside)",
+                              exc.signal_name)
         return RankFailed(exc.error_index, f"ended with exit code {exc.exit_code}")
     return RankFailed(getattr(exc, "error_index", "?"), f"failed: {type(exc).__name__}: {exc}")
 
