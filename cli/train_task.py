@@ -171,6 +171,13 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
     log = StepMetricsLog(out, True, steps, cfg.tensorboard)
     evals: dict[str, float] = {}
     train_metrics: dict[str, float] = {}
+    first_epoch, first_steps = epoch, steps  # where this process began: its pace gives the time left
+    if epoch and (steps >= cfg.max_steps if cfg.max_steps else epoch >= cfg.epochs):  # a finished run resumed
+        end = f"step {cfg.max_steps}" if cfg.max_steps else f"epoch {cfg.epochs - 1}"
+        bar.line(f"the checkpoint is after epoch {epoch - 1} (step {steps}), already at or after the run's last "
+                 f"{end}: nothing to train (raise {'--max-steps' if cfg.max_steps else '--epochs'} to train on, or "
+                 "pass --no-resume to start afresh)")
+        train_metrics, evals = _last_logged(log.records(), steps, prefix)
     while epoch < cfg.epochs if not cfg.max_steps else steps < cfg.max_steps:
         begin = time.perf_counter()
         with task_code("training"):
@@ -184,8 +191,9 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
             with task_code("evaluation"):
                 evals = {prefix + k: v for k, v in finite(evaluate_task(task, model, scored)).items()}
             log.write({"kind": "eval", "step": steps, "epoch": epoch - 1, **evals})
-        left = time_left(epoch, cfg.epochs, time.perf_counter() - started) if not cfg.max_steps else \
-            time_left(steps, cfg.max_steps, time.perf_counter() - started)
+        left = time_left(epoch - first_epoch, cfg.epochs - first_epoch, time.perf_counter() - started) \
+            if not cfg.max_steps else time_left(steps - first_steps, cfg.max_steps - first_steps,
+                                                time.perf_counter() - started)
         bar.line(f"epoch {epoch - 1}: step {steps}, " + ", ".join(f"{k} {v:.4f}" for k, v in
                                                                   {**train_metrics, **evals}.items()) + f", {left} left")
         bar.step(*((steps, cfg.max_steps) if cfg.max_steps else (epoch, cfg.epochs)),
@@ -203,6 +211,22 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
             **evals, **{f"final_train_{k}": v for k, v in train_metrics.items()},
             "wall_seconds": time.perf_counter() - started, "train_seconds": train_seconds,
             "config": {k: v for k, v in cfg.to_dict().items() if k not in ZOO_CHOICES}}
+
+
+def _last_logged(records: list[dict[str, Any]], steps: int, prefix: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The train and evaluation figures a resumed run logged last, up to ``steps``: a finished run resumed trains
+    and evaluates nothing, and its summary keeps them."""
+    train: dict[str, float] = {}
+    evals: dict[str, float] = {}
+    for record in records:
+        if record.get("step", 0) > steps:
+            continue
+        figures = {k: v for k, v in record.items() if k not in ("kind", "step", "epoch", "samples_per_second")}
+        if record.get("kind") == "train":
+            train = figures
+        elif record.get("kind") == "eval":
+            evals = {k: v for k, v in figures.items() if k.startswith(prefix)}
+    return train, evals
 
 
 class TaskCheckpoints:

@@ -75,8 +75,8 @@ class StepMetricsLog:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         if resume_step and self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [json.dumps(record) for record in read_records(self.path)  # a line torn by a kill: dropped
+                    if record.get("step", 0) <= resume_step]
             atomic_write_bytes(self.path, [(line + "\n").encode() for line in kept])
         elif not resume_step:
             atomic_write_bytes(self.path, [])

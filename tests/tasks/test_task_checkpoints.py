@@ -71,3 +71,26 @@ def test_no_resume_starts_afresh_and_another_task_or_a_damaged_checkpoint_is_ref
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"fedpar train: cannot resume from {checkpoint}: its model.safetensors is damaged ("), err
     assert err.endswith(f"pass --no-resume to start afresh in {out} (or another --out)") and "\n" not in err, err
+
+
+def test_a_finished_run_resumed_says_so_and_keeps_its_figures_and_a_torn_metrics_line_is_dropped(common, tmp_path,
+                                                                                                  capsys):
+    out = tmp_path / "out"
+    assert main([*common, "--epochs", "2", "--checkpoint-every", "1", "--out", str(out)]) == 0
+    before = json.loads((out / "summary.json").read_text())
+    assert "test_loss" in before
+    capsys.readouterr()
+    for epochs in ("2", "1"):  # the same command again, then a lower --epochs: nothing to train, said
+        assert main([*common, "--epochs", epochs, "--checkpoint-every", "1", "--out", str(out)]) == 0
+        said = capsys.readouterr()
+        assert "already at or after the run's last epoch" in said.out + said.err and "nothing to train" in \
+            said.out + said.err
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["epochs"], summary["test_loss"], summary["final_train_loss"]) == \
+            (2, before["test_loss"], before["final_train_loss"])
+        assert json.loads((out / "global.json").read_text())["metrics"]["test_loss"] == before["test_loss"]
+    rows = _rows(out)
+    with (out / "metrics.jsonl").open("a") as fh:
+        fh.write('{"kind": "train", "st')  # a line torn by a kill -9 as it was written
+    assert main([*common, "--epochs", "3", "--checkpoint-every", "1", "--out", str(out)]) == 0
+    assert _rows(out)[:len(rows)] == rows and len(_rows(out)) == len(rows) + 2
