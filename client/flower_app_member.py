@@ -102,8 +102,9 @@ def runs_config(own: dict[str, Any], sent: dict[str, Any] | None) -> dict[str, A
         differ = tuple(sorted(k for k in set(own) | set(sent) if own.get(k) != sent.get(k)))
         if differ not in _SAID_DIFFERENT:
             _SAID_DIFFERENT.add(differ)
-            log.info("the coordinator's run config replaces this agent's own in %s (%s)", ", ".join(differ),
-                     "; ".join(f"{k}: {sent.get(k)!r}, here {own.get(k)!r}" for k in differ[:5]))
+            log.info("the coordinator's run config (its app's with its --run-config) replaces this agent's (its "
+                     "copy of the app's [tool.flwr.app.config] with its own --run-config, if any) in %s (%s)",
+                     ", ".join(differ), "; ".join(f"{k}: {sent.get(k)!r}, here {own.get(k)!r}" for k in differ[:5]))
     return sent
 
 
