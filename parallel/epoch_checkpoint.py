@@ -24,6 +24,7 @@ LATEST = "latest"
 MODEL_FILE, STATE_FILE = "model.safetensors", "state.safetensors"
 RNG_KEY = "rng.cpu"
 _EPOCH_NAME = re.compile(r"epoch-\d{6}")
+_STEP_NAME = re.compile(r"step-\d{8}")  # parallel/checkpoint.py's (the zoo trainer's)
 
 
 class EpochCheckpointError(ValueError):
@@ -63,10 +64,21 @@ def latest_epoch_checkpoint(directory: Path, afresh: str) -> Path | None:
         return None
     name = pointer.read_text().strip()
     target = Path(directory) / name
+    if _STEP_NAME.fullmatch(name):
+        raise EpochCheckpointError(f"{pointer} names {name}, a checkpoint of `fedpar train` without --task (its zoo "
+                                   f"trainer's), not of a task's epochs; {afresh}")
     if not _EPOCH_NAME.fullmatch(name) or not (target / MODEL_FILE).is_file() or not (target / STATE_FILE).is_file():
         raise EpochCheckpointError(f"{pointer} names {name!r}, which holds no complete checkpoint ({MODEL_FILE} and "
-                                   f"{STATE_FILE}); {afresh}")
+                                   f"{STATE_FILE}); {instead(Path(directory), name, afresh)}")
     return target
+
+
+def instead(directory: Path, damaged: str, afresh: str) -> str:
+    """What to do instead of resuming the checkpoint named ``damaged``: the complete one before it, if any, or
+    ``afresh``."""
+    older = [p.name for p in sorted(directory.glob("epoch-??????"), reverse=True)
+             if p.name < damaged and (p / MODEL_FILE).is_file() and (p / STATE_FILE).is_file()]
+    return f"write {older[0]} into {directory / LATEST} to resume the one before it, or {afresh}" if older else afresh
 
 
 def check_epoch_checkpoint(path: Path, record: dict, afresh: str) -> None:
@@ -82,7 +94,8 @@ def check_epoch_checkpoint(path: Path, record: dict, afresh: str) -> None:
                 kept.keys()
         except (SafetensorError, OSError) as exc:
             raise EpochCheckpointError(f"cannot resume from {path}: its {name} is damaged "
-                                       f"({str(exc).splitlines()[0]}); {afresh}") from None
+                                       f"({str(exc).splitlines()[0]}); {instead(path.parent, path.name, afresh)}"
+                                       ) from None
 
 
 def load_epoch_checkpoint(path: Path, model: nn.Module, afresh: str) -> dict[str, float]:

@@ -94,3 +94,26 @@ def test_a_finished_run_resumed_says_so_and_keeps_its_figures_and_a_torn_metrics
         fh.write('{"kind": "train", "st')  # a line torn by a kill -9 as it was written
     assert main([*common, "--epochs", "3", "--checkpoint-every", "1", "--out", str(out)]) == 0
     assert _rows(out)[:len(rows)] == rows and len(_rows(out)) == len(rows) + 2
+
+
+def test_a_damaged_latest_names_the_complete_checkpoint_before_it_and_a_zoo_checkpoint_is_named_so(common, tmp_path,
+                                                                                                   capsys):
+    out = tmp_path / "out"
+    assert main([*common, "--epochs", "2", "--checkpoint-every", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    checkpoints = out / "checkpoints"
+    (checkpoints / "epoch-000002" / "state.safetensors").write_bytes(b"\x00" * 12)  # a damaged newest one
+    assert main([*common, "--epochs", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"write epoch-000001 into {checkpoints / 'latest'} to resume the one before it, or pass "
+                        f"--no-resume to start afresh in {out} (or another --out)"), err
+    (checkpoints / "latest").write_text("epoch-000001\n")
+    assert main([*common, "--epochs", "3", "--checkpoint-every", "1", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["resumed_from_epoch"] == 1
+    capsys.readouterr()
+    (checkpoints / "latest").write_text("step-00000002\n")  # a `fedpar train --model ...` run's, in the same --out
+    assert main([*common, "--epochs", "4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fedpar train: {checkpoints / 'latest'} names step-00000002, a checkpoint of `fedpar train` "
+                   f"without --task (its zoo trainer's), not of a task's epochs; pass --no-resume to start afresh in "
+                   f"{out} (or another --out)"), err
