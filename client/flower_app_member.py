@@ -100,7 +100,7 @@ def runs_config(own: dict[str, Any], sent: dict[str, Any] | None) -> dict[str, A
         return own
     if sent != own:
         differ = tuple(sorted(k for k in set(own) | set(sent) if own.get(k) != sent.get(k)))
-        if differ not in _SAID_DIFFERENT:
+        if differ not in _SAID_DIFFERENT and len(_SAID_DIFFERENT) < MAX_SAID_DIFFERENT:
             _SAID_DIFFERENT.add(differ)
             log.info("the coordinator's run config (its app's with its --run-config) replaces this agent's (its "
                      "copy of the app's [tool.flwr.app.config] with its own --run-config, if any) in %s (%s)",
@@ -108,6 +108,7 @@ def runs_config(own: dict[str, Any], sent: dict[str, Any] | None) -> dict[str, A
     return sent
 
 
+MAX_SAID_DIFFERENT = 64  # differences said per process: an agent serving run after run says no more than this
 _SAID_DIFFERENT: set[tuple[str, ...]] = set()  # the differences runs_config logged
 
 
