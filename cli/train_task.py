@@ -33,6 +33,7 @@ from fedpar.parallel.metrics import StepMetricsLog, plot_loss_curve, write_json_
 from fedpar.task import (ClientData, Deadline, LocalConfig, Partition, Task, TaskError, TaskFailed,
                          check_training_data, checked_client_data, raised)
 from fedpar.tasks.data import on_device
+from fedpar.tasks.reference import from_anywhere
 from fedpar.tasks.evaluation import evaluate_task, finite
 
 # TrainConfig's choices of the zoo's model and data, which a task replaces: a task run's summary leaves them out
@@ -236,7 +237,7 @@ class TaskCheckpoints:
     def __init__(self, cfg: TrainConfig, task: Task):
         self.directory = Path(cfg.out) / "checkpoints"
         self.every, self.resumes = cfg.checkpoint_every, cfg.resume
-        self.record = {"--task": task.name, "model": task.description}
+        self.record = {"--task": from_anywhere(task.name), "model": task.description}
         self.afresh = f"pass --no-resume to start afresh in {cfg.out} (or another --out)"
         self.last_steps = 0
 

@@ -52,14 +52,18 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
     if task.name == "task":
         task = dataclasses.replace(task, name=ref)
     if not task.description:
-        task.description = {"task": _from_anywhere(ref), "task_options": {k: _recorded(v) for k, v in options.items()}}
+        task.description = {"task": from_anywhere(ref), "task_options": {k: _recorded(v) for k, v in options.items()}}
     task.check()
     return task
 
 
-def _from_anywhere(ref: str) -> str:
-    """``ref`` as global.json keeps it: a file's path made absolute (it is loaded again from other folders)."""
-    where, name = split_reference(ref)
+def from_anywhere(ref: str) -> str:
+    """``ref`` as global.json and checkpoints keep it: a file's path made absolute (it is loaded again from other
+    folders, or named otherwise by the same user); a task's own name, not a reference, as it is."""
+    try:
+        where, name = split_reference(ref)
+    except ValueError:
+        return ref
     return f"{Path(where).expanduser().resolve()}:{name}" if where.endswith(".py") else ref
 
 

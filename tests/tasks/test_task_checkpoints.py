@@ -117,3 +117,17 @@ def test_a_damaged_latest_names_the_complete_checkpoint_before_it_and_a_zoo_chec
     assert err == (f"fedpar train: {checkpoints / 'latest'} names step-00000002, a checkpoint of `fedpar train` "
                    f"without --task (its zoo trainer's), not of a task's epochs; pass --no-resume to start afresh in "
                    f"{out} (or another --out)"), err
+
+
+def test_a_task_file_named_relatively_resumes_when_named_by_its_absolute_path(common, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    absolute = common[common.index("--task") + 1]
+    folder, name = absolute.rsplit("/", 1)
+    monkeypatch.chdir(folder)
+    relative = [*common[:common.index("--task") + 1], name, *common[common.index("--task") + 2:]]
+    assert main([*relative, "--epochs", "1", "--checkpoint-every", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)  # the same file, named from elsewhere
+    assert main([*common, "--epochs", "2", "--checkpoint-every", "1", "--out", str(out)]) == 0
+    said = capsys.readouterr()
+    assert f"resumed from {out / 'checkpoints' / 'epoch-000001'} after epoch 0" in said.out + said.err, said
