@@ -2,8 +2,8 @@
 
 Compress the update *delta* (new weights - global weights), not the weights: deltas are small and
 sparse-friendly. ``encode_update`` does the subtraction around a ``Compressor``; the coordinator adds the decoded
-delta back (aggregation/compressed_delta.py). An ``Encoded`` is named numpy arrays plus JSON metadata, so it travels through the
-tensor codec without pickle. Error bounds (per element, for finite inputs):
+delta back (aggregation/compressed_delta.py). An ``Encoded`` is named numpy arrays plus JSON metadata, so it
+travels through the tensor codec without pickle. Error bounds (per element, for finite inputs):
   fp16  |x' - x| <= 2**-11 |x| + 2**-25          (inputs beyond +-65504 are rejected: use bf16)
   bf16  |x' - x| <= 2**-8 |x| + 2**-133
   int8  |x' - x| <= max|x in block| / 127 (x 1+2**-20), and E[x'] = x (stochastic rounding)

@@ -180,13 +180,15 @@ class TrimmedMean(BufferedStrategy):
 
 @register_strategy
 class Krum(BufferedStrategy):
-    """Krum (Blanchard et al. 2017): the update closest to its ``n - f - 2`` nearest neighbours; Multi-Krum averages the best ``m``."""
+    """Krum (Blanchard et al. 2017): the update closest to its ``n - f - 2`` nearest neighbours; Multi-Krum averages
+    the best ``m``."""
 
     name = "krum"
     memory_note = _KRUM_MEMORY
 
     def __init__(self, num_malicious: int = 0, num_selected: int = 1) -> None:
-        """``num_malicious`` = f; ``num_selected`` = m (1 is Krum; m > 1 averages the m best, weighted by num_examples)."""
+        """``num_malicious`` = f; ``num_selected`` = m (1 is Krum; m > 1 averages the m best, weighted by
+        num_examples)."""
         super().__init__()
         if num_malicious < 0 or num_selected < 1:
             raise ValueError("num_malicious must be >= 0 and num_selected >= 1")
@@ -229,7 +231,8 @@ class Krum(BufferedStrategy):
 
 @register_strategy
 class MultiKrum(Krum):
-    """Multi-Krum (El Mhamdi et al. 2018): weighted mean of the ``m`` best-scoring updates (default m = n - f at finish)."""
+    """Multi-Krum (El Mhamdi et al. 2018): weighted mean of the ``m`` best-scoring updates (default m = n - f at
+    finish)."""
 
     name = "multikrum"
 

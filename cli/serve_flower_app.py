@@ -34,9 +34,10 @@ def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> s
     if not named:
         return None
     resumable = " (a ServerApp run is not resumable)" if args.state is not None or config.checkpoint_dir else ""
+    rounds_hint = ", or " + ROUNDS_HINT if chose(args, "rounds") else ""
     return (f"{', '.join(named)}: with --flower-app the app's ServerApp decides rounds, sampling and aggregation, so "
-            f"fedpar cannot apply it; drop it{resumable}{', or ' + ROUNDS_HINT if chose(args, 'rounds') else ''}, or add "
-            "--strategy NAME to let fedpar drive the app's ClientApps")
+            f"fedpar cannot apply it; drop it{resumable}{rounds_hint}, or add --strategy NAME to let fedpar drive the "
+            "app's ClientApps")
 
 
 def serve_flower_app(args: argparse.Namespace) -> int:
@@ -62,7 +63,8 @@ def serve_flower_app(args: argparse.Namespace) -> int:
         config.flower_run_config = app.run_config  # every task carries it to the agents' ClientApps
         coordinator = FlowerCoordinator(config, build_strategy("fedavg"),
                                         server_app_main(app.server_app, app.run_config,
-                                                        config.wait_for_agents_seconds or float("inf")), admission=security.admission)
+                                                        config.wait_for_agents_seconds or float("inf")),
+                                        admission=security.admission)
     except ValueError as exc:  # TlsSetupError, FlowerAppError: one line each
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2

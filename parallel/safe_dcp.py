@@ -106,7 +106,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
-                f"checkpoint item {read_item.dest_index.fqn} is not plain data ({_first_line(exc)}); refusing to load it") from exc
+                f"checkpoint item {read_item.dest_index.fqn} is not plain data ({_first_line(exc)}); "
+                "refusing to load it") from exc
         # The same as DefaultLoadPlanner.load_bytes, which loads with weights_only=False.
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
@@ -127,7 +128,8 @@ def safe_load(state_dict: dict[str, Any], path: str | pathlib.Path, **dcp_kwargs
         if isinstance(first, UnsafeCheckpointError):  # the planner's refusal, as it said it
             raise first from None
         raise UnsafeCheckpointError(f"checkpoint {path} could not be read (rank {rank}: {type(first).__name__}: "
-                                    f"{_first_line(first)}): it is damaged, or another run's settings wrote it") from None
+                                    f"{_first_line(first)}): it is damaged, or another run's settings wrote it"
+                                    ) from None
 
 
 def _first_line(exc: BaseException) -> str:

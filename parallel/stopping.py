@@ -4,8 +4,9 @@ Inside :func:`stop_on_signals` the first of them raises :class:`StopRequested` i
 KeyboardInterrupt, so whatever stops a run cleanly on Ctrl-C (ending the rounds, writing the summary, the model and
 the last checkpoint) does the same for SIGTERM; the process then exits 128 + the signal's number (130, 143). The
 same signal again within :data:`REPEAT_SECONDS` is the same request (``timeout -s INT`` and ``kill -INT -PGID``
-reach a process once by its id and once by its group). A later second signal ends the process at once: what it was writing is lost, never torn, since every output is replaced
-atomically (protocol/atomicfile.py) and a checkpoint is published only once complete (server/checkpoint.py).
+reach a process once by its id and once by its group). A later second signal ends the process at once: what it was
+writing is lost, never torn, since every output is replaced atomically (protocol/atomicfile.py) and a checkpoint is
+published only once complete (server/checkpoint.py).
 
 A process with a launcher (a rank of `fedpar serve --aggregator-ranks N`) leaves second signals to the launcher,
 which stops its ranks in order and kills them if they take too long (parallel/init.py spawn).
@@ -60,10 +61,10 @@ class Received:
 @contextlib.contextmanager
 def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | None = None) -> Iterator[Received]:
     """Inside the block the first SIGINT or SIGTERM raises StopRequested in the main thread (and is noted in the
-    Received it yields); the same one within REPEAT_SECONDS is ignored; a later one calls ``on_second()`` and ends the process at once with 128 + its number, or,
-    without ``second_exits``, is ignored (a rank whose launcher escalates). A SIGINT ignored from birth (a rank of a
-    launcher that stops it) stays ignored. Off the main thread (where Python cannot take signals) the block runs
-    as it is."""
+    Received it yields); the same one within REPEAT_SECONDS is ignored; a later one calls ``on_second()`` and ends
+    the process at once with 128 + its number, or, without ``second_exits``, is ignored (a rank whose launcher
+    escalates). A SIGINT ignored from birth (a rank of a launcher that stops it) stays ignored. Off the main thread
+    (where Python cannot take signals) the block runs as it is."""
     received = Received()
     if threading.current_thread() is not threading.main_thread():
         yield received
