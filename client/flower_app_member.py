@@ -20,8 +20,10 @@ the run goes on without that member's update.
 When the app's own ServerApp drives (server/flower_grid.py), a member answers the Message its task carries
 (:func:`answer_message`): the ClientApp is called on it with the member's Context and the reply goes back serialized
 with Flower's serde; a handler that raises, a reply that is not a reply to that Message, and one too large to travel
-(over the coordinator's --max-chunk-bytes) become Flower's error reply with the reason. A simulation's members are simulations/client_app_population.py's; a deployed agent's one
-member is :class:`FlowerAppAgent`.
+(over the coordinator's --max-chunk-bytes) become Flower's error reply with the reason, which goes up as Flower's
+SuperNode sends it but counts in the runtime's stats as a failed task, not an accepted update (:class:`Answer`). A
+simulation's members are simulations/client_app_population.py's; a deployed agent's one member is
+:class:`FlowerAppAgent`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -112,9 +114,17 @@ MAX_SAID_DIFFERENT = 64  # differences said per process: an agent serving run af
 _SAID_DIFFERENT: set[tuple[str, ...]] = set()  # the differences runs_config logged
 
 
+class Answer(NamedTuple):
+    """A member's reply to a Flower Message, serialized (``data``), and why it is Flower's error reply (``error``;
+    None: the ClientApp's own reply)."""
+
+    data: bytes
+    error: str | None = None
+
+
 def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
-                   context_of: Callable[[int], Any]) -> bytes:
-    """Member ``member_id``'s reply to the Flower Message in ``data``, serialized: ``client_app`` called on it with
+                   context_of: Callable[[int], Any]) -> Answer:
+    """Member ``member_id``'s reply to the Flower Message in ``data``: ``client_app`` called on it with
     ``context_of(run_id)`` (Flower's error reply when the app fails); FlowerWireError when ``data`` is no Message."""
     from flwr.app import Error, Message
 
@@ -123,6 +133,7 @@ def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
     except FlowerWireError as exc:  # the coordinator's bytes: nothing to reply to
         log.warning("%s: the task's Flower Message cannot be read: %s", member_id, exc)
         raise
+    error = None
     try:
         reply = client_app(message, context_of(message.metadata.run_id))
         if not isinstance(reply, Message):
@@ -132,16 +143,22 @@ def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
                              "Message(content, reply_to=msg))")
     except Exception as exc:  # the app's own failure: Flower's SuperNode replies with an error, so do we
         reason = f"{type(exc).__name__}: {_one_line(exc)}"
-        log.warning("%s: ClientApp %s handler failed: %s", member_id, message.metadata.message_type, reason)
+        error = f"ClientApp {message.metadata.message_type} handler failed: {reason}"
+        log.warning("%s: %s", member_id, error)
         reply = Message(Error(code=ERROR_CODE, reason=f"ClientApp of {member_id} failed: {reason}"), reply_to=message)
+    else:
+        if reply.has_error():  # the app's own error reply (a client mod's, say): it goes up as it is
+            error = f"ClientApp {message.metadata.message_type} reply carries an error: {reply.error.reason}"
+            log.warning("%s: %s", member_id, error)
     data = encode_message(reply)
     if len(data) > max_bytes:  # it cannot travel: the coordinator would hear nothing until the round's deadline
         reason = (f"its {message.metadata.message_type} reply of {len(data):,} bytes is over the {max_bytes:,}-byte "
                   "limit of one message (the coordinator's --max-chunk-bytes): send less, or raise it (at most 64 MiB)")
-        log.warning("%s: ClientApp %s", member_id, reason)
+        error = f"ClientApp {reason}"
+        log.warning("%s: %s", member_id, error)
         data = encode_message(Message(Error(code=ERROR_CODE, reason=f"ClientApp of {member_id}: {reason}"),
                                       reply_to=message))
-    return data
+    return Answer(data, error)
 
 
 LOSS_KEYS = ("eval_loss", "loss")  # an evaluate reply's loss, first found
@@ -294,8 +311,8 @@ class FlowerAppAgent(OwnMember):
         super().__init__(agent_id, trainer)
         self.answers_messages = trainer.layout is None  # no model of its own: the runtime keeps no layout
 
-    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict[str, Any] | None = None) -> bytes:
-        """The member's serialized reply to the Flower Message in ``data`` (``run_config``: the task's)."""
+    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict[str, Any] | None = None) -> Answer:
+        """The member's reply to the Flower Message in ``data`` (``run_config``: the task's)."""
         return answer_message(self.trainer.app, data, max_bytes, self.agent_id,
                               lambda run_id: self.trainer.context(run_id, run_config))
 

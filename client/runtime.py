@@ -406,16 +406,20 @@ class ClientRuntime:
         except ValueError as err:  # the task's settings or Message cannot be read: nothing to answer
             self._note_refusal(member, "message", err)
             return True
-        request = pb.MessageReply(auth=auth, round=task.round, task_id=task.task_id, message=reply)
+        if reply.error is not None:  # Flower's error reply still goes up (the ServerApp counts it), as no update
+            self._note_refusal(member, f"round {task.round} message", reply.error, logging.DEBUG)  # warned already
+        request = pb.MessageReply(auth=auth, round=task.round, task_id=task.task_id, message=reply.data)
         backoff = Backoff(0.1, 2.0, self._rng)
         while True:
             try:
                 self.conn.stub.ReplyMessage(request, timeout=upload_timeout(deadline_at))
-                self._count("accepted")
+                if reply.error is None:
+                    self._count("accepted")
                 return True
             except grpc.RpcError as err:
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):
-                    self._note_refusal(member, "reply", err)
+                    if reply.error is None:  # a failed task is counted once
+                        self._note_refusal(member, "reply", err)
                     return True
                 time.sleep(backoff.wait())
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fedpar.client.flower_app_member import (FlowerAppTrainer, MemberStates, answer_message, member_context,
-                                             runs_config)
+from fedpar.client.flower_app_member import (Answer, FlowerAppTrainer, MemberStates, answer_message,
+                                             member_context, runs_config)
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.simulations.population import PopulationMembers, PopulationSlice, client_id
 from fedpar.simulations.traces import DAY_SECONDS
@@ -61,8 +61,8 @@ class ClientAppPopulation(PopulationMembers):
         partition = self._partition(i)
         trainer.use_member(self.member_id(i), partition.index, partition.count, self.train_size(i))
 
-    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict[str, Any] | None = None) -> bytes:
-        """Member ``i``'s serialized reply to the Flower Message in ``data`` (client/flower_app_member.py;
+    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict[str, Any] | None = None) -> Answer:
+        """Member ``i``'s reply to the Flower Message in ``data`` (client/flower_app_member.py;
         ``run_config``: the task's)."""
         member, partition = self.member_id(i), self._partition(i)
         return answer_message(self.app.client_app, data, max_bytes, member, lambda run_id: member_context(

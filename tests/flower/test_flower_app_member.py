@@ -228,8 +228,9 @@ def test_a_simulated_member_and_a_deployed_agent_answer_a_server_apps_message_al
     for round_id in (1, 2):
         for n in range(2):
             data = _server_message(node_id_of(client_id(n)), round_id, start)
-            simulated = decode_message(population.answer(n, data, 1 << 20), 1 << 20)
-            deployed = decode_message(agents[n].answer(0, data, 1 << 20), 1 << 20)
+            answers = [population.answer(n, data, 1 << 20), agents[n].answer(0, data, 1 << 20)]
+            assert all((a.error is not None) == (n == 1) for a in answers), answers  # the runtime counts it failed
+            simulated, deployed = (decode_message(a.data, 1 << 20) for a in answers)
             for reply in (simulated, deployed):
                 assert reply.metadata.reply_to_message_id == f"m-{node_id_of(client_id(n))}-{round_id}"
                 if n == 1:

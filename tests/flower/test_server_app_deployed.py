@@ -167,6 +167,9 @@ def test_deployed_agents_clientapps_see_the_coordinators_run_config(tmp_path):
     assert serve.returncode == 0 and all(c.returncode == 0 for c in clients), (serve_out, outputs)
     assert "ClientApp train handler failed: RuntimeError: this partition fails on purpose" in outputs[1], outputs[1]
     assert "fails on purpose" not in outputs[0], outputs[0]
+    # bob's two error replies are failed tasks in its summary, not accepted updates (they counted as accepted)
+    assert "agent alice: 4 tasks, 4 updates accepted, 0 refused" in outputs[0], outputs[0]
+    assert "agent bob: 4 tasks, 2 updates accepted, 2 refused" in outputs[1], outputs[1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["message_type"], r["error_replies"]) for r in rows] == \
         [("train", 1), ("evaluate", 0), ("train", 1), ("evaluate", 0)], (rows, serve_out)
