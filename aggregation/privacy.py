@@ -211,13 +211,16 @@ class DPStrategy(Strategy):
         sum_std = self.update_noise_multiplier * clip
         denominator = float(self.clients_per_round)
         mean = self._noisy_mean(global_weights, sum_std, denominator, rng)
-        self.inner.begin_round(self.round_id, global_weights)
+        # The wrapped strategy steps from the mean at the sum's precision (a float16 model's mean, rounded to float16
+        # first, would lose the deltas below its rounding step, and a server optimizer's moments with them).
+        self.inner.begin_round(self.round_id, [np.asarray(g, m.dtype) for g, m in zip(global_weights, mean)])
         try:
             self.inner.fold(mean, 1)
-            new, inner_metrics = self.inner.finish()
+            stepped, inner_metrics = self.inner.finish()
         except BaseException:
             self.inner.abort_round()
             raise
+        new = [cast_like(np.asarray(w), dtype) for w, dtype in zip(stepped, self._shapes.dtypes)]
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         metrics = {k: v for k, v in inner_metrics.items() if k not in ("num_updates", "num_examples", "update_norm")}
         metrics.update(dp_epsilon=self.accountant.epsilon(), dp_delta=self.accountant.delta, dp_clip_norm=clip,
@@ -230,12 +233,13 @@ class DPStrategy(Strategy):
 
     def _noisy_mean(self, global_weights: list[np.ndarray], sum_std: float, denominator: float,
                     rng: np.random.Generator) -> list[np.ndarray]:
-        """``g + (sum of clipped deltas + N(0, sum_std^2)) / denominator``, computed in the accumulator."""
+        """``g + (sum of clipped deltas + N(0, sum_std^2)) / denominator``, computed in the accumulator and kept at
+        its precision."""
         acc = self._acc
         assert acc is not None and self._shapes is not None
         weight = acc.total_weight
         out = []
-        for view, g, shape, dtype in zip(acc.views, global_weights, self._shapes.shapes, self._shapes.dtypes):
+        for view, g, shape in zip(acc.views, global_weights, self._shapes.shapes):
             g = np.ravel(g)
             for s in range(0, view.size, CHUNK):
                 v, gs = view[s: s + CHUNK], g[s: s + CHUNK].astype(view.dtype)
@@ -243,7 +247,7 @@ class DPStrategy(Strategy):
                 v += sum_std * rng.standard_normal(v.size, dtype=view.dtype)
                 v /= denominator
                 v += gs
-            out.append(cast_like(view, dtype).reshape(shape))
+            out.append(view.reshape(shape))
         return out
 
     # ------------------------------------------------------------------ checkpoints

@@ -241,3 +241,25 @@ def test_build_strategy_wraps_any_strategy_and_validates_options():
         build_strategy("dp-fedavg", noise_multiplier=1, clip_norm=1, population=5, clients_per_round=1,
                        local_noise_multiplier=0.5)
     assert effective_noise_multiplier(1.0, 5.0) == pytest.approx((1 - 0.01) ** -0.5)
+
+
+@TINY_NOISE
+def test_a_float16_model_s_small_mean_delta_reaches_a_wrapped_server_optimizer():
+    from fedpar.aggregation import FedAdam
+
+    g = np.ones(10, np.float16)
+    step = np.float16(2 ** -10)  # float16's rounding step at 1.0: the least change one client's update can carry
+    wrapped = DPStrategy(FedAdam(eta=0.1), noise_multiplier=1e-9, clip_norm=10.0, population=100,
+                         clients_per_round=4, seed=0)
+    wrapped.begin_round(1, [g[:3].copy(), g[3:].copy()])
+    wrapped.fold([g[:3] + step, g[3:] + step], 1, "moved")
+    for name in ("still-1", "still-2", "still-3"):
+        wrapped.fold([g[:3].copy(), g[3:].copy()], 1, name)
+    new, _ = wrapped.finish()  # the mean delta, 2**-12, is below float16's step: rounded first, it would vanish
+    assert [a.dtype for a in new] == [np.float16, np.float16]
+    reference = FedAdam(eta=0.1)  # the same server step from the same mean, at float32
+    reference.begin_round(1, [np.ones(3, np.float32), np.ones(7, np.float32)])
+    reference.fold([np.full(3, 1 + 2 ** -12, np.float32), np.full(7, 1 + 2 ** -12, np.float32)], 1, "mean")
+    expected, _ = reference.finish()
+    np.testing.assert_array_equal(_flat(new), _flat([a.astype(np.float16) for a in expected]))
+    assert _flat(new)[0] > 1.0  # the optimizer stepped (Adam's first step is about eta, whatever the delta's size)
