@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     """:func:`launch`, once the strategy and every setting are checked here (a refusal, or what a resume changes,
-    is said before the child starts)."""
+    is said before the child starts); none when the checkpoint has every round done and --out its outputs (said)."""
     try:
         with_strategy(args, cfg)
         from fedpar.simulations.runner import check_settings
@@ -115,6 +115,10 @@ def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     except ValueError as exc:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
+    from fedpar.simulations.resume import nothing_to_do
+
+    if nothing_to_do(cfg):  # no worker, coordinator or child process starts only to find every round done
+        return 0
     return launch(args, cfg)
 
 

@@ -3,11 +3,14 @@ protocol/run_record.py): the settings it is made with, checked on a resume, and 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from fedpar.protocol.model_file import INFO
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings, recorded_seconds
 from fedpar.server.checkpoint import has_checkpoint, latest_round
 from fedpar.simulations.config import SimulationConfig
+from fedpar.simulations.run_outputs import SUMMARY
 
 AFRESH = "give another --checkpoint-dir to start afresh"
 
@@ -22,10 +25,29 @@ def check_resume(cfg: SimulationConfig) -> list[str]:
     lines = check_settings(Path(cfg.checkpoint_dir) / RUN_RECORD, *cfg.resume_record(),
                            source=f"the checkpoint in {cfg.checkpoint_dir}", afresh=AFRESH)
     if done >= cfg.rounds:
+        kept = f" (its outputs are in {cfg.out} already)" if cfg.out and _outputs_of(Path(cfg.out), done) else ""
         lines.append(f"the checkpoint in {cfg.checkpoint_dir} has every round done already (round {done}, --rounds "
-                     f"{cfg.rounds}): nothing to train; give --rounds above {done} to train on, or another "
+                     f"{cfg.rounds}): nothing to train{kept}; give --rounds above {done} to train on, or another "
                      "--checkpoint-dir to start afresh")
     return lines
+
+
+def nothing_to_do(cfg: SimulationConfig) -> bool:
+    """Whether ``cfg`` resumes a checkpoint with every round done whose outputs its --out holds already (the model
+    and summary the run wrote after that round, not after a Ctrl-C): then no process need start. Into another --out
+    the run still starts, to write them there from the checkpoint."""
+    done = latest_round(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+    return done is not None and done >= cfg.rounds and (not cfg.out or _outputs_of(Path(cfg.out), done))
+
+
+def _outputs_of(out: Path, round_id: int) -> bool:
+    """Whether ``out`` holds a finished run's outputs of round ``round_id`` (its global.json and summary.json)."""
+    try:
+        info = json.loads((out / INFO).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("round") == round_id and info.get("interrupted") is False and \
+        (out / SUMMARY).is_file()
 
 
 def earlier_seconds(cfg: SimulationConfig) -> float:
