@@ -29,15 +29,16 @@ from fedpar.task import Partition, TaskFailed
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 
 log = logging.getLogger("fedpar.simulate")
-NODE_PATIENCE_SECONDS = 5.0  # every member joined before the ServerApp started: a strategy waiting for more waits in vain
+# Fixed, as a longer wait cannot help: every member joined before the ServerApp started; a lost worker ends the run
+NODE_PATIENCE_SECONDS = 5.0
 
 
 def flower_app_refusal(cfg: SimulationConfig) -> str | None:
     """One line saying which of ``cfg``'s settings a ServerApp-driven run cannot honour, and what to do; None when
     every one can be."""
-    asked = [(cfg.task is not None, "--task"), (cfg.secure_aggregation, "--secure-aggregation"), (cfg.virtual_clock, "--clock virtual"),
-             (cfg.aggregator_ranks > 1, "--aggregator-ranks"), (cfg.upload_compression.method != "none",
-                                                               "--compression"),
+    asked = [(cfg.task is not None, "--task"), (cfg.secure_aggregation, "--secure-aggregation"),
+             (cfg.virtual_clock, "--clock virtual"), (cfg.aggregator_ranks > 1, "--aggregator-ranks"),
+             (cfg.upload_compression.method != "none", "--compression"),
              (cfg.client_batching, "--client-batching"), (cfg.trace is not None, "--trace"),
              (cfg.drop_probability > 0, "--drop-probability"), (cfg.clients_per_round not in (None, cfg.clients),
                                                                 "--clients-per-round"),
@@ -68,8 +69,8 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
     coord_cfg = composed(
         CoordinatorConfig, cfg, clients_per_round=cfg.clients, min_available=cfg.clients, heartbeat_seconds=2.0,
         liveness_timeout_seconds=30.0, wait_for_agents_seconds=300.0, accept_populations=True,
-        metrics_path=out / "metrics.jsonl" if out else None, flower_run_config=app.run_config, max_agents=max(CoordinatorConfig.max_agents,
-                                                                            cfg.clients + 64))
+        metrics_path=out / "metrics.jsonl" if out else None, flower_run_config=app.run_config,
+        max_agents=max(CoordinatorConfig.max_agents, cfg.clients + 64))
     from fedpar.server.flower_grid import server_app_main
 
     coordinator = FlowerCoordinator(coord_cfg, build_strategy("fedavg"),
