@@ -39,7 +39,7 @@ from fedpar.server.members import CohortSampler, Members
 from fedpar.server.populations import member_source
 from fedpar.server.registry import AgentRecord, AgentRegistry, checked_caps, speaker
 from fedpar.server.round_modes import RoundModes
-from fedpar.server.rounds import STAT_NAMES, UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, ingest_stats
+from fedpar.server.rounds import REOPENABLE, STAT_NAMES, UPLOAD_REFUSALS, AgentSlot, Refusal, RoundState, ingest_stats
 from fedpar.server.uploads import per_update
 from fedpar.server.secure_round import SecureRound
 from fedpar.server.virtual_clock import VirtualClock
@@ -181,6 +181,7 @@ class Coordinator(IngestPlane):
         self._behind: asyncio.Future | None = None  # the last finished round's evaluation, checkpoint and metrics line
         self._example_caps: dict[str, int] = {}  # the checkpoint's, taken with the agents' calls (taking_calls)
         self._needs_task: tuple[str, Callable[[str, str], None]] | None = None  # see sample_only
+        members.on_restart = self._restarted
 
     # ----------------------------------------------------------------- life cycle
     def restore(self) -> None:
@@ -523,7 +524,10 @@ class Coordinator(IngestPlane):
         state = self.current
         if state is None or state.closed:
             return None
-        slot = self._tasks.pop(agent.agent_id, None) or self._redeliverable(state, agent.agent_id, finished_task_id)
+        slot = self._tasks.pop(agent.agent_id, None)
+        if slot is not None and (slot.status != "pending" or slot.task_id == finished_task_id):
+            slot = None  # handed again to a process started anew, but answered meanwhile
+        slot = slot or self._redeliverable(state, agent.agent_id, finished_task_id)
         if slot is None:
             return None
         slot.dispatched = True
@@ -567,6 +571,49 @@ class Coordinator(IngestPlane):
             return None
         return slot
 
+    def _restarted(self, kind: str, ident: str) -> None:
+        """A process started again under agent or simulation host ``ident`` (``kind``) joined: the open tasks of the
+        current round that its killed process held (the agent's, or the host's members') are handed to it, so the
+        round need not wait out its deadline for them; one that cannot be handed out again (:meth:`_why_not_again`)
+        counts as failed at once. Said in one line."""
+        state = self.current
+        if state is None or state.closed or self.finished:
+            return
+        if kind == "agent":
+            held = [ident] if ident in state.slots else []
+        else:  # one pass over the round's open slots, not over the host's population
+            held = [a for a, slot in state.slots.items() if slot.dispatched and slot.status in REOPENABLE]
+            held = [a for a, (host, _) in zip(held, self.registry.member_hosts(held)) if host == ident]
+        slots = [slot for a in held if (slot := state.slots[a]).dispatched and slot.status in REOPENABLE]
+        why = [self._why_not_again(slot) for slot in slots]
+        again = [slot for slot, no in zip(slots, why) if not no]
+        failed = [(slot, no) for slot, no in zip(slots, why) if no and slot.status == "pending"]
+        who = f"{kind} {ident!r}"
+        if again:
+            state.reopen(again)
+            for slot in again:
+                self._tasks[slot.agent_id] = slot
+            ids = [slot.agent_id for slot in again]
+            self.members.deal(ids)
+            if isinstance(self.clock, VirtualClock):  # the clock let these go already: the new process may start
+                self.members.let_go([slot.agent_id for slot in again if slot.go])
+            log.info("round %d: %s started again; %s handed to its new process", state.round_id, who,
+                     _tasks_named(ids))
+        if failed:
+            log.warning("round %d: %s started again; %s cannot be handed out again (%s): counted as failed",
+                        state.round_id, who, _tasks_named([slot.agent_id for slot, _ in failed]), failed[0][1])
+            state.fail_restarted([slot for slot, _ in failed])
+
+    def _why_not_again(self, slot: AgentSlot) -> str:
+        """Why ``slot``'s task cannot be handed to a new process of its member ('' when it can)."""
+        if isinstance(self.mode, SecureRound):
+            return "secure aggregation's key setup fixed this round's masks"
+        if not self.mode.redelivers_tasks:
+            return "this round's tasks are not handed out twice"
+        if slot.rank:
+            return f"aggregator rank {slot.rank} takes its upload under the session of the killed process"
+        return ""
+
     def download_completed(self, agent_id: str, round_id: int, task_id: str) -> None:
         """Note that ``agent_id`` received the whole model of its task (its task is no longer re-delivered)."""
         state = self.current
@@ -583,6 +630,12 @@ class Coordinator(IngestPlane):
     def leave(self, agent: AgentRecord) -> None:
         """Agent says goodbye."""
         self.members.leave(agent.agent_id)
+
+
+def _tasks_named(agent_ids: Sequence[str]) -> str:
+    """The open tasks of ``agent_ids`` as a log line names them (the first few ids)."""
+    named = ", ".join(agent_ids[:5]) + (", ..." if len(agent_ids) > 5 else "")
+    return f"the open task of {named}" if len(agent_ids) == 1 else f"the open tasks of {len(agent_ids)} ({named})"
 
 
 def declared_columns(config: CoordinatorConfig) -> list[str]:

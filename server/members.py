@@ -77,13 +77,18 @@ class Members:
         self._lacking: set[str] = set()  # agents (and simulation hosts) that do not declare ``needs_task``
         self._lacking_hosts: set[str] = set()  # simulation hosts that do not: none of their members is sampled
         self.live_seen = 0  # the members live when the coordinator last waited for them (read from other threads)
+        # told (kind "agent" or "host", its id) when a process started again under an id joins: the coordinator
+        # hands it the open tasks its killed process held (set by the coordinator that takes these members' calls)
+        self.on_restart: Callable[[str, str], None] = lambda kind, ident: None
 
     # ----------------------------------------------------------------- joining and leaving
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
              claim: SessionClaim = SessionClaim()) -> AgentRecord:
         """Register an agent; raises Refusal on bad identity data, if the agent is not admitted, and ALREADY_EXISTS
-        when another live process holds its session (``claim``: who asks, server/registry.py)."""
+        when another live process holds its session (``claim``: who asks, server/registry.py). A process started
+        again under the id is told to the coordinator (:attr:`on_restart`)."""
+        held = self.registry.get(agent_id)
         try:
             record = self.registry.join(agent_id, num_examples, capabilities, peer, enrollment_token,
                                         self.config.max_examples_per_agent, claim)
@@ -98,6 +103,8 @@ class Members:
         self._wakeups.setdefault(agent_id, asyncio.Event())
         self._check_task(agent_id, capabilities.get("task"))
         self._joined()
+        if self.registry.another_process(held if held is not None and held.host is None else None, claim):
+            self.on_restart("agent", agent_id)
         return record
 
     def require_task(self, task: str | None, on_lacking: Callable[[str, str], None] = lambda agent_id, why: None

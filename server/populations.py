@@ -55,7 +55,8 @@ class Populations(Members):
         """Register (more of) a simulation host's members as JoinPopulation carries them (server/registry.py), which a
         service's run samples only if the host's ``capabilities`` declare the run's task; a Refusal on bad data, and
         ALREADY_EXISTS when another live process holds the host's session (``claim``: who asks,
-        server/registry.py)."""
+        server/registry.py). A process started again under the host's id is told to the coordinator
+        (:attr:`on_restart`)."""
         if len(num_examples) > self.config.max_population_join:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(num_examples)} members in one JoinPopulation; send at most "
@@ -83,6 +84,8 @@ class Populations(Members):
         self._host_declared[host_id] = capabilities.get("task")
         self._check_host_task(host_id, capabilities.get("task"))
         self._joined()
+        if not host_token and self.registry.another_process(replaced, claim):  # the first call of a new process
+            self.on_restart("host", host_id)
         return host
 
     def _check_joined(self) -> None:

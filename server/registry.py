@@ -233,6 +233,16 @@ class AgentRegistry:
                            f"(heard from {ago:.1f} s ago; if that process was killed, its place is free in "
                            f"{max(1, math.ceil(self.liveness_timeout - ago))} s)")
 
+    @staticmethod
+    def another_process(held: AgentRecord | HostRecord | None, claim: SessionClaim) -> bool:
+        """Whether ``claim`` comes from a process other than the one that held ``held``'s session (None: the session
+        was forgotten): a process started again under the id, which presents no session it held, and not that
+        one's incarnation (a process that held a session presents it when it joins again)."""
+        if claim.replaces_token:
+            return False
+        return held is None or not claim.incarnation or not hmac.compare_digest(held.incarnation.encode(),
+                                                                                claim.incarnation.encode())
+
     def connected(self, held: AgentRecord | HostRecord) -> bool:
         """Whether the process holding an agent's or a host's session is taken to be running: heard from within the
         liveness timeout (a live agent long-polls or heartbeats, a host calls), and not gone quiet since its

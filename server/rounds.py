@@ -26,6 +26,10 @@ UPLOAD_REFUSALS = ("aborted", "already_exists", "deadline_exceeded", "failed_pre
                    "permission_denied", "resource_exhausted", "unauthenticated", "unavailable")
 
 
+# the statuses of a slot whose task may be handed to a new process of its member (server/coordinator.py)
+REOPENABLE = ("pending", "lost")
+
+
 # A status message travels percent-encoded in a trailer that peers drop past 16 KiB (then the agent hears "metadata
 # size exceeds hard limit", not why it was refused): at most 12 bytes a character, so 1,024 characters always fit.
 MAX_REFUSAL_CHARS = 1024
@@ -218,6 +222,28 @@ class RoundState:
         self.answering = (len(self.slots) if self.answering is None else self.answering) - len(lost)
         log.info("round %d: %d sampled agent(s) went silent before answering (%s)", self.round_id, len(lost),
                  ", ".join(slot.agent_id for slot in lost[:5]) + (", ..." if len(lost) > 5 else ""))
+        self.close_if_done()
+
+    def reopen(self, slots: Sequence[AgentSlot]) -> None:
+        """``slots``' tasks go to new processes of their members (their old ones were killed): each is handed out
+        anew, and one counted lost (its liveness ran out first) may answer again."""
+        for slot in slots:
+            if slot.status == "lost":
+                slot.status = "pending"
+                if self.answering is not None:  # (a lost one was counted out of it)
+                    self.answering += 1
+            slot.dispatched = slot.downloaded = False
+
+    def fail_restarted(self, slots: Sequence[AgentSlot]) -> None:
+        """``slots``' members' processes were killed and their tasks cannot be handed to the new ones: none of them
+        will answer, so the round need not wait out its deadline for them (each counts as late, as :meth:`lose`
+        counts them; the coordinator says why)."""
+        failed = [slot for slot in slots if slot.status == "pending" and (self.answering is None or slot.go)]
+        if not failed or self.closed:
+            return
+        for slot in failed:
+            slot.status = "lost"
+        self.answering = (len(self.slots) if self.answering is None else self.answering) - len(failed)
         self.close_if_done()
 
     def training_failed(self, slot: AgentSlot, reason: str) -> None:
