@@ -181,6 +181,8 @@ class SecureRound:
         reason = secure_closing_reason(state.accepted, state.target, all_in)
         if reason:
             state.close(reason)
+        else:  # each other one that may answer did (one whose process was killed and started again is lost)
+            state.close_if_done()
 
     def add_masked(self, agent_id: str, array: np.ndarray) -> bool:
         """Add a validated masked upload to the sum; True when every agent that shared keys has uploaded."""

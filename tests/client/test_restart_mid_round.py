@@ -1,10 +1,13 @@
 """kill -9 of a real `fedpar simulate-workers` host, or of a real `fedpar client` agent, while it trains the open tasks
 of a round, then the same command again: the new process is handed those tasks of the round still running, so the
 round closes with every sampled member's update seconds after the restart, not at its 60 s deadline, and the model
-learns. Real coordinator (in this process) over loopback gRPC, real processes for the killed and restarted ones."""
+learns; in a secure round, whose key exchange cannot be replayed, the restarted agent counts as failed at once and the
+round closes on the others' updates. Real coordinator (in this process) over loopback gRPC, real processes for the
+killed and restarted ones."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -69,7 +72,7 @@ def test_a_host_killed_mid_round_and_started_again_gets_its_members_tasks_back(t
     clients = 3
     rows: list[dict] = []
     server = CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, "cpu").server(
-        CoordinatorConfig(min_available=clients, clients_per_round=clients, overselect=1.0, rounds=2,
+        CoordinatorConfig(min_available=clients, clients_per_round=clients, overselect=1.0, rounds=1,
                           accept_populations=True, deadline_seconds=DEADLINE, heartbeat_seconds=1.0, local_epochs=5),
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
@@ -91,11 +94,11 @@ def test_a_host_killed_mid_round_and_started_again_gets_its_members_tasks_back(t
         _stop(first, again)
         server.stop()
     said = (tmp_path / "again.log").read_text()
-    assert f"{clients} clients hosted, {2 * clients} tasks run" in said and "Traceback" not in said, said
-    assert [(r["round"], r["status"], r["reported"]) for r in rows] == [(1, "ok", clients), (2, "ok", clients)], rows
-    first_round_closed = rows[0]["round_seconds"]
-    assert first_round_closed < DEADLINE / 3, rows[0]  # it took the restart and the members' training again
-    assert rows[-1]["test_accuracy"] > 0.8, rows[-1]
+    assert f"{clients} clients hosted, {clients} tasks run" in said and "Traceback" not in said, said
+    [row] = rows
+    assert (row["status"], row["reported"], row["close_reason"]) == ("ok", clients, "target reached"), row
+    assert row["round_seconds"] < DEADLINE / 3, row  # the restart and the members' training again, not the deadline
+    assert row["test_accuracy"] > 0.8, row
 
 
 @pytest.mark.timeout(180)
@@ -144,5 +147,62 @@ def test_an_agent_killed_mid_round_and_started_again_gets_its_task_back(tmp_path
         server.stop()
     [row] = rows
     assert (row["status"], row["reported"], row["close_reason"]) == ("ok", 2, "target reached"), row
+    assert row["round_seconds"] < DEADLINE / 3, row
+    assert row["test_accuracy"] > 0.8, row
+
+
+def _shared_keys(server, agent_id: str) -> bool:
+    """Whether ``agent_id`` shared its keys in the current secure round (its mask is fixed in the others')."""
+    secure = server.coordinator.secure
+    return secure is not None and secure.server is not None and agent_id in secure.server.shared
+
+
+@pytest.mark.timeout(180)
+def test_a_secure_round_counts_a_restarted_agent_as_failed_and_closes_on_the_others_updates(tmp_path, caplog):
+    """Its key exchange cannot be replayed: the agent started again is not handed its task, it counts as failed at
+    once (one line), and the round closes as soon as the others, held back until then, upload: its mask is removed
+    with the shares they hold, and the model is the mean of theirs."""
+    caplog.set_level(logging.INFO, logger="fedpar.server")
+    rows: list[dict] = []
+    server = CoordinatorAssembly.for_data("mlp", load_dataset("digits"), 0, "cpu").server(
+        CoordinatorConfig(min_available=3, clients_per_round=3, overselect=1.0, rounds=1, deadline_seconds=DEADLINE,
+                          heartbeat_seconds=0.5, liveness_timeout_seconds=2.0, local_epochs=300,
+                          secure_aggregation=True),
+        build_strategy("fedavg"), on_round_end=[rows.append])
+    server.start()
+    gate = threading.Event()
+    agent_args = ["client", "--insecure", "--server", server.address, "--agent-id", "alice", "--dataset", "digits",
+                  "--model", "mlp", "--poll", "1", "--max-backoff", "0.5", "--threads", "1", "--device", "cpu",
+                  "--num-partitions", "3", "--partition-index", "0"]
+    first = again = None
+    try:
+        _, threads, errors = start_digit_agents(
+            server.port, ["bob", "carol"], trainer=lambda _, *args, **kwargs: GatedTrainer(*args, gate=gate, **kwargs))
+        first = _start(agent_args, tmp_path / "first.log")
+        _until(lambda: _shared_keys(server, "alice"), "alice's keys shared", first, tmp_path / "first.log")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        for attempt in range(20):  # the same command again, as a user would after its one-line refusal
+            again = _start(agent_args, tmp_path / "again.log")
+            _until(lambda: again.poll() is not None or any("started again" in r.getMessage() for r in caplog.records),
+                   "alice again", timeout=60)
+            if again.poll() is None:
+                break
+            assert "its place is free in" in (tmp_path / "again.log").read_text()
+            time.sleep(0.5)
+        gate.set()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert again.wait(30) == 0, (tmp_path / "again.log").read_text()
+    finally:
+        gate.set()
+        _stop(first, again)
+        server.stop()
+    said = [r.getMessage() for r in caplog.records if "started again" in r.getMessage()]
+    assert said == ["round 1: agent 'alice' started again; the open task of alice cannot be handed out again (secure "
+                    "aggregation's key setup fixed this round's masks): counted as failed"], said
+    [row] = rows
+    assert (row["status"], row["reported"], row["secagg_dropped"]) == ("ok", 2, 1), row
     assert row["round_seconds"] < DEADLINE / 3, row
     assert row["test_accuracy"] > 0.8, row
