@@ -608,7 +608,7 @@ class Coordinator(IngestPlane):
         """Why ``slot``'s task cannot be handed to a new process of its member ('' when it can)."""
         if isinstance(self.mode, SecureRound):
             return "secure aggregation's key setup fixed this round's masks"
-        if not self.mode.redelivers_tasks:
+        if self.mode is not None and not self.mode.redelivers_tasks:  # (a Flower App's rounds have no mode)
             return "this round's tasks are not handed out twice"
         if slot.rank:
             return f"aggregator rank {slot.rank} takes its upload under the session of the killed process"

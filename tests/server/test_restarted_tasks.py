@@ -6,14 +6,20 @@ coordinator, raw gRPC over loopback; a process's death is its long-poll or task 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 
 import grpc
 import numpy as np
 
+from fedpar.aggregation import build_strategy
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub, layout_to_pb, member_token
+from fedpar.server.app import CoordinatorServer
+from fedpar.server.config import CoordinatorConfig
+from fedpar.server.flower_rounds import FlowerCoordinator
 from support.population_calls import host_stub, pull_tasks, upload_batch
 from support.scripted_agent import ScriptedAgent
 
@@ -32,9 +38,10 @@ def _process(address: str, agent_id: str, incarnation: str, replaces_token: str 
     return agent
 
 
-def _killed_while_polling(agent: ScriptedAgent) -> None:
+def _killed_while_polling(agent: ScriptedAgent, finished_task_id: str = "") -> None:
     """``agent``'s process dies in the middle of a long-poll: its channel goes, the call is cut."""
-    call = agent.stub.PullTask.future(pb.PullTaskRequest(auth=agent.auth, wait_seconds=5.0), timeout=10)
+    call = agent.stub.PullTask.future(pb.PullTaskRequest(auth=agent.auth, wait_seconds=5.0,
+                                                         finished_task_id=finished_task_id), timeout=10)
     time.sleep(0.3)
     call.cancel()
     agent.close()
@@ -203,3 +210,33 @@ def test_a_secure_round_counts_a_restarted_agent_as_failed_at_once_in_one_line(s
     said = [r.getMessage() for r in caplog.records if "started again" in r.getMessage()]
     assert said == ["round 1: agent 'alice' started again; the open task of alice cannot be handed out again (secure "
                     "aggregation's key setup fixed this round's masks): counted as failed"], said
+
+
+def test_a_flower_app_run_hands_a_restarted_agent_its_message_again():
+    """A Flower App run's rounds are Messages (no round mode of fedpar's): the restarted agent is handed its open
+    Message again."""
+    sent = threading.Event()
+
+    def app_main(coordinator: FlowerCoordinator):
+        asyncio.run_coroutine_threadsafe(coordinator.exchange({"alice": (b"the message", None)}, timeout=30.0,
+                                                              message_type="train", flower_round=1),
+                                         coordinator.loop).result()
+        return None, {}
+
+    config = CoordinatorConfig(min_available=1, deadline_seconds=DEADLINE, heartbeat_seconds=1.0,
+                               liveness_timeout_seconds=60.0)
+    server = CoordinatorServer(FlowerCoordinator(config, build_strategy("fedavg"), app_main))
+    server.start()
+    alice = _process(server.address, "alice", "process-a")
+    try:
+        task = alice.task()
+        assert task.flower_message == b"the message"
+        _killed_while_polling(alice, task.task_id)  # (a poll not done with it is handed it again: no long-poll)
+        alice = _process(server.address, "alice", "process-b")
+        again = alice.task(timeout=5)
+        assert (again.task_id, again.flower_message) == (task.task_id, b"the message")
+        sent.set()
+    finally:
+        alice.close()
+        server.stop(grace=0)
+    assert sent.is_set()
