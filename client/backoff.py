@@ -9,6 +9,7 @@ about once every 2.5-5 s per agent, jittered so that agents do not come back in 
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -37,9 +38,10 @@ class Backoff:
         self.cap, self.rng = cap, rng
         self.step = first
 
-    def wait(self) -> float:
-        """Seconds to wait before the next try, at most ``cap`` (the step doubles for the one after)."""
-        seconds = min(jittered(self.step, self.rng), self.cap)
+    def wait(self, left: float | None = None) -> float:
+        """Seconds to wait before the next try, at most ``cap`` and at most ``left`` (the time left to wait in all;
+        None: no limit); the step doubles for the one after."""
+        seconds = min(jittered(self.step, self.rng), self.cap, math.inf if left is None else max(left, 0.0))
         self.step = min(self.step * 2, self.cap)
         return seconds
 

@@ -146,13 +146,15 @@ class Reconnecting:
                 why = f": {mismatch}" if mismatch else ""
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
-                if self.give_up_after is not None and now - unreachable_since > self.give_up_after:
+                waited = now - unreachable_since
+                if self.give_up_after is not None and waited >= self.give_up_after:
                     raise FatalAgentError(f"{self.who}: coordinator at {self.server} unreachable for "
-                                          f"{self.give_up_after}s" + (why or "; is it running, and does its TLS "
+                                          f"{waited:.1f}s" + (why or "; is it running, and does its TLS "
                                           "setting (--certs/--insecure) match this agent's?")) from None
                 if self.stopped():
                     raise FatalAgentError("stopped while the coordinator was unreachable") from None
-                sleep = backoff.wait()
+                # the last wait ends as give_up_after runs out: one more try then, not a whole step past it
+                sleep = backoff.wait(None if self.give_up_after is None else self.give_up_after - waited)
                 log.info("%s: coordinator unreachable (%s)%s; retrying in %.1fs", self.who, code.name, why, sleep)
                 time.sleep(sleep)
 
