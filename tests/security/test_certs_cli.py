@@ -103,7 +103,7 @@ def test_serve_and_client_name_the_missing_or_mismatched_file(made, tmp_path, ca
     assert main(["serve", "--port", "0", "--tls-cert", str(made.server_cert), "--tls-key", str(made.server_key),
                  "--out", str(tmp_path)]) == 2  # server-only TLS with no way for agents to prove who they are
     assert "--enrollment-tokens" in capsys.readouterr().err
-    assert main(["serve", "--insecure", "--certs", str(made.root), "--out", str(tmp_path)]) == 2
+    assert main(["serve", "--port", "0", "--insecure", "--certs", str(made.root), "--out", str(tmp_path)]) == 2
     assert "choose one" in capsys.readouterr().err
 
 

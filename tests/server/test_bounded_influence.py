@@ -80,5 +80,5 @@ def test_with_a_share_cap_an_inflated_count_moves_the_model_by_at_most_the_cappe
 
 def test_serve_refuses_a_share_cap_for_a_strategy_that_does_not_weight_by_examples(capsys):
     from fedpar.cli.main import main
-    assert main(["serve", "--insecure", "--strategy", "median", "--max-agent-share", "0.5", "--rounds", "1"]) == 2
+    assert main(["serve", "--port", "0", "--insecure", "--strategy", "median", "--max-agent-share", "0.5", "--rounds", "1"]) == 2
     assert "--max-agent-share does not apply" in capsys.readouterr().err
