@@ -102,7 +102,7 @@ def privacy_strategy(args: argparse.Namespace, strategy: str, clients_per_round:
         raise ValueError(f"--privacy-local-noise applies only with --privacy client, not {o.privacy}: the agents add "
                          "it to their own update; use --privacy client (or drop the option)")
     if population is None:
-        raise ValueError("--privacy needs --privacy-population: the number of agents that may be sampled")
+        raise ValueError(f"--privacy {o.privacy} needs --privacy-population: the number of agents that may be sampled")
     sampled = min(population, math.ceil(clients_per_round * overselect))
     options = {option: getattr(o, name) for option, name in DP_OPTION_FIELDS.items()}
     options.update(population=population, clients_per_round=clients_per_round, sampled_per_round=sampled)

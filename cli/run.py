@@ -20,6 +20,7 @@ from fedpar.settings import setting
 
 LOG_LEVEL = None
 ACTIONS = ("submit", "ls", "logs", "stop", "get")
+UNFINISHED = ("failed", "stopped")  # how a run can end other than finished: 'run logs -f' then exits 1
 
 
 @dataclass
@@ -33,7 +34,8 @@ class RunCommand:
                                         "(fedpar certs --operators NAME)")
     name: str | None = setting(None, group="connection",
                                help="with submit: the run's name (default: the run file's name)")
-    follow: bool = setting(False, group="connection", help="with logs (also -f): keep following until the run ends")
+    follow: bool = setting(False, group="connection", help="with logs (also -f): keep following until the run ends; "
+                                                          "exit 0 if it finished, 1 if it failed or was stopped")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +108,21 @@ def _row_line(row: dict) -> str:
                      for k in keys if k in row)
 
 
+def _submit(stub, request, path: str):
+    """Submit ``request`` (run file ``path``); a run the service refuses is a ValueError naming the file and its
+    keys, as a mistake the file's own checks find is said."""
+    import grpc
+
+    from fedpar.cli.run_settings import said_with_keys
+
+    try:
+        return stub.Submit(request, timeout=120)
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        raise ValueError(f"{path}: {said_with_keys(err.details() or '')}") from None
+
+
 def _do(args: argparse.Namespace, stub) -> int:
     from fedpar.protocol import fedpar_pb2 as pb
 
@@ -119,8 +136,8 @@ def _do(args: argparse.Namespace, stub) -> int:
         if len(words) != 1:
             raise ValueError("'fedpar run submit' takes one run file (TOML)")
         settings = read_run_file(words[0])
-        reply = stub.Submit(pb.RunSubmit(name=args.name or Path(words[0]).stem, settings_json=json.dumps(settings)),
-                            timeout=120)
+        reply = _submit(stub, pb.RunSubmit(name=args.name or Path(words[0]).stem, settings_json=json.dumps(settings)),
+                        words[0])
         if reply.warning:
             print(f"fedpar run: warning: {reply.warning}", file=sys.stderr)
         print(reply.run_id)
@@ -135,13 +152,17 @@ def _do(args: argparse.Namespace, stub) -> int:
                   f"{_row_line(run['last_metrics'])}" + (f"  ({run['reason']})" if run["reason"] else ""))
     elif action == "logs":
         run_id = _run_id(words, "logs")
+        status = ""
         for message in stub.Logs(pb.RunLogsRequest(run_id=run_id, follow=args.follow), timeout=None):
             if message.line:
                 print(message.line, flush=True)
             elif message.metrics_json:
                 print(_row_line(json.loads(message.metrics_json)), flush=True)
             else:
-                print(f"run {run_id} is {message.status}")
+                status = message.status
+                print(f"run {run_id} is {status}")
+        if args.follow and status in UNFINISHED:  # a script that waits on the run learns how it ended
+            return 1
     elif action == "stop":
         run = json.loads(stub.Stop(pb.RunRef(run_id=_run_id(words, "stop")), timeout=30).runs_json)[0]
         print(f"run {run['id']} was {run['status']}: " + ("stopped" if run["status"] == "queued" else

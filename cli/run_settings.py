@@ -5,6 +5,8 @@ and checked with the same declarations as serve's flags."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,31 @@ def run_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
         if isinstance(out[key], Path):
             out[key] = str(out[key])
     return out
+
+
+def said_with_keys(message: str) -> str:
+    """``message`` (the service's refusal of a run, whose checks are serve's and name its flags) with each run
+    setting named as in a run file: ``privacy = "central"`` for ``--privacy central``, ``topk_ratio`` for
+    ``--topk-ratio``, ``secure_aggregation = true`` for ``--secure-aggregation``; the service's own flags stay
+    flags. The reverse of cli/declared.py's said_with_flags: each check is written once, naming flags."""
+    for action in serve_parser()._actions:
+        if action.dest not in RUN_KEYS:
+            continue
+        for flag in (s for s in action.option_strings if s.startswith("--")):
+            words = "|".join(re.escape(str(c)) for c in action.choices or ())
+            given = rf"(?: ({words})(?![\w-]))?" if words else ""
+            message = re.sub(rf"(?<![\w/.-]){re.escape(flag)}(?![\w-]){given}",
+                             lambda m, key=action.dest, on=action.nargs == 0: _key_said(key, m, on), message)
+    return message
+
+
+def _key_said(key: str, match: re.Match, switch: bool) -> str:
+    """``key`` as a run file sets it: with the value the flag was said with (a choice's word, or true for a
+    switch), else alone."""
+    value = match.group(1) if match.re.groups else None
+    if value is not None:
+        return f"{key} = {json.dumps(value)}"
+    return f"{key} = true" if switch else key
 
 
 def read_run_file(path: str | Path) -> dict[str, Any]:

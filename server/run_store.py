@@ -72,6 +72,21 @@ class StoreError(RuntimeError):
     """The state file cannot be used (corrupt, locked, of a newer fedpar); the message says what to do."""
 
 
+class MissingFolder(StoreError, FileNotFoundError):
+    """The state file's folder is not there: a mistyped --state, which is refused rather than made. Also a
+    FileNotFoundError, so that a command that meets it says it in one line and exits 2."""
+
+    exit_code = 2
+
+
+def check_state_folder(path: str | Path) -> None:
+    """MissingFolder unless the folder state file ``path`` would be in exists (a file there is said too)."""
+    folder = Path(path).absolute().parent
+    if not folder.is_dir():
+        what = "is a file, not a folder;" if folder.exists() else "does not exist; create it first, or"
+        raise MissingFolder(f"the folder {folder} of state file {path} {what} give --state another path")
+
+
 class UnknownRun(KeyError):
     """No run has this id."""
 
@@ -112,6 +127,8 @@ class RunStore:
         # not grow with the rounds of a run that lasts for months.
         self.keeps_rounds = self.path != ":memory:"
         self._lock = threading.Lock()
+        if self.path != ":memory:":
+            check_state_folder(self.path)  # sqlite would say only 'unable to open database file'
         try:
             self._db = sqlite3.connect(self.path, timeout=busy_seconds, check_same_thread=False,
                                        isolation_level=None)
