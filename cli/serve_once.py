@@ -21,6 +21,7 @@ from fedpar.cli.privacy import PRIVACY_COLUMNS, privacy_on
 from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
 from fedpar.cli.run_settings import effective_settings
 from fedpar.cli.serve_service import RunService, json_ready
+from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
@@ -35,7 +36,7 @@ class OneShotService(RunService):
     agents' training with it."""
 
     keeps_members = False  # the agents hear that training is over, and stop
-    samples_by_task = False  # as before services: every agent that joins is sampled
+    samples_by_task = False  # its own rule instead, set in watch(): see same_task
     records_rounds = False  # its store lives in memory and no one follows it: the rows are in --out's metrics.jsonl
 
     def __init__(self, args: argparse.Namespace, store: RunStore, plan: Callable):
@@ -65,8 +66,17 @@ class OneShotService(RunService):
     def watch(self, server, run) -> None:
         """The port file as soon as health checks are answered (NOT_SERVING while a checkpoint is restored)."""
         self.server = server
+        if not getattr(self.args, "flower_app", None):  # a Flower App's agents declare no task of their own
+            members, task = server.coordinator.members, task_label(self.args)
+            members.refuse_other_tasks(f"start the agent with the coordinator's {task_flags(self.args)}", same_task)
+            server.coordinator.sample_only(task, lambda agent, why: self._refused(run, why))
         if self.args.port_file:
             server.on_listening = lambda port: atomic_write_bytes(self.args.port_file, [f"{port}\n".encode()])
+
+    def _refused(self, run, line: str) -> None:
+        """An agent refused for its task: said on the terminal too (the agent says it, and exits)."""
+        print(f"fedpar serve: {line}", file=sys.stderr, flush=True)
+        self.store.log(run.id, line)
 
     def listening(self, server, plan) -> None:
         """The Prometheus endpoint, and where agents dial."""
@@ -97,6 +107,28 @@ class OneShotService(RunService):
     def _say(self, run, line: str) -> None:
         """Into the run's log only: the terminal has the round table."""
         self.store.log(run.id, line)
+
+
+def task_kind(label: str) -> str:
+    """What of a declared task (cli/task_options.py task_label) one-shot serve's agents must share: a built-in one's
+    model and kind of data (each site names its own data file), a --task's reference (its --task-option values may
+    be a site's own, as a data path; options that make another model still fail the agent's download)."""
+    model, on, data = label.partition(" on ")
+    if on and ":" not in model and " " not in model:
+        return f"{model} on {data.partition(':')[0]}"
+    return label.split(" ", 1)[0]
+
+
+def same_task(declared: str, needed: str) -> bool:
+    """Whether an agent that declared task ``declared`` can take part in one-shot serve's run of ``needed``."""
+    return task_kind(declared) == task_kind(needed)
+
+
+def task_flags(args: argparse.Namespace) -> str:
+    """serve's flags that say what it trains, as an agent gives them."""
+    if args.task:
+        return f"--task {args.task}"
+    return f"--model {args.model} --dataset {args.dataset}"
 
 
 def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:

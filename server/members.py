@@ -76,6 +76,9 @@ class Members:
         self._on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
         self._lacking: set[str] = set()  # agents (and simulation hosts) that do not declare ``needs_task``
         self._lacking_hosts: set[str] = set()  # simulation hosts that do not: none of their members is sampled
+        # one-shot serve's one run (see refuse_other_tasks): what an agent with another task is told to do, else None
+        self._refusal_hint: str | None = None
+        self._same_task: Callable[[str, str], bool] = lambda declared, needed: declared == needed
         self.live_seen = 0  # the members live when the coordinator last waited for them (read from other threads)
         # told (kind "agent" or "host", its id) when a process started again under an id joins: the coordinator
         # hands it the open tasks its killed process held (set by the coordinator that takes these members' calls)
@@ -100,6 +103,9 @@ class Members:
         except AdmissionRefused as exc:
             log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
             raise Refusal(exc.code, exc.message) from None
+        if self._refused(agent_id, capabilities.get("task")):
+            self.registry.leave(agent_id)  # admitted first: a stranger hears nothing of the run's task
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, self._other_task(agent_id, capabilities.get("task")))
         self._wakeups.setdefault(agent_id, asyncio.Event())
         self._check_task(agent_id, capabilities.get("task"))
         self._joined()
@@ -117,6 +123,29 @@ class Members:
         self._lacking_hosts.clear()
         self._check_joined()
 
+    def refuse_other_tasks(self, hint: str, same: Callable[[str, str], bool]) -> None:
+        """One-shot serve's one run: an agent whose declared task is not the run's (``same(declared, needed)``
+        says) can never take part, so its Join is refused in one line naming both tasks and ``hint`` (what to do);
+        an agent that declares no task (an older fedpar) and simulation hosts are sampled, as before services. Called
+        before the coordinator serves."""
+        self._refusal_hint, self._same_task = hint, same
+
+    def _refused(self, agent_id: str, task: str | None) -> bool:
+        """Whether the Join of ``agent_id``, declaring ``task``, is refused for it (:meth:`refuse_other_tasks`); the
+        first refusal of each agent is told to ``on_lacking``."""
+        if self._refusal_hint is None or self.needs_task is None or not task \
+                or self._same_task(task, self.needs_task):
+            return False
+        if agent_id not in self._lacking:
+            self._lacking.add(agent_id)
+            self._on_lacking(agent_id, self._other_task(agent_id, task))
+        return True
+
+    def _other_task(self, agent_id: str, task: str) -> str:
+        """The line that refuses agent ``agent_id``, which declared ``task``, the run's."""
+        return (f"agent {agent_id} cannot take part: it has task {task!r}, this run needs {self.needs_task!r}; "
+                f"{self._refusal_hint}")
+
     def _check_joined(self) -> None:
         """:meth:`_check_task` for each live agent, by the task it declared at Join."""
         for record in self.registry.own_agents():
@@ -125,8 +154,8 @@ class Members:
     def _check_task(self, agent_id: str, task: str | None, who: str = "agent") -> None:
         """Keep ``agent_id`` out of the cohorts unless it declared the task this coordinator's run needs (``who``: what
         it is, as its line names it)."""
-        if self.needs_task is None or task == self.needs_task:
-            self._lacking.discard(agent_id)
+        if self.needs_task is None or task == self.needs_task or self._refusal_hint is not None:
+            self._lacking.discard(agent_id)  # one-shot serve: an agent with another task was refused its Join
             return
         if agent_id not in self._lacking:
             self._lacking.add(agent_id)
