@@ -34,8 +34,18 @@ class FedparParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         """Print ``prog: error: message`` and exit 2 (argparse would print the whole usage first)."""
-        print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
+        print(f"{self.prog}: error: {self._with_config_keys(message)}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(2)
+
+    def _with_config_keys(self, message: str) -> str:
+        """``message``, each flag of a "required" one followed by the --config key that could give it instead."""
+        head = "the following arguments are required: "
+        if not message.startswith(head) or "--config" not in self._option_string_actions:
+            return message
+        table = self.prog.split()[-1]  # a subcommand's options are read from its own table (cli/config.py)
+        keys = {"/".join(a.option_strings): a.dest for a in self._actions if a.required and a.option_strings}
+        return head + ", ".join(f"{name} (or {keys[name]} in a --config file's [{table}] table)" if name in keys
+                                else name for name in message.removeprefix(head).split(", "))
 
     def unrecognized(self, extra: list[str]):
         """:meth:`error` for arguments this command does not take, naming the option each one looks like."""

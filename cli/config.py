@@ -166,6 +166,9 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
             except ValueError as exc:
                 raise ConfigError(f"{known.config}: {names[key]}: {exc}") from None
     parser.set_defaults(**values)
+    for action in parser._actions:
+        if action.required and action.dest in values:  # argparse checks a required option's flag, never its default
+            action.required = False
     return frozenset(values)
 
 

@@ -65,8 +65,7 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
     (or in section ``group``); returns the options added, by field name.
 
     ``defaults`` overrides the dataclass's defaults by field name, for a command whose defaults differ;
-    ``required`` names the fields this command needs given on its command line (argparse: a --config file does
-    not stand in for them).
+    ``required`` names the fields this command needs given, on its command line or in a --config file.
     Each option remembers where its setting is declared (``setting_site``): a test walks every parser with it.
     """
     hints = typing.get_type_hints(cls)
