@@ -81,7 +81,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate (layout, precision, model shape against the degrees), then train here or in ``--nproc`` ranks."""
+    """Validate (layout, precision, model shape against the degrees), then train here or in ``--nproc`` ranks; SIGINT
+    or SIGTERM stops it as Ctrl-C does (parallel/stopping.py): what completed is written, exit 128 + the signal."""
+    from fedpar.parallel.stopping import stop_on_signals
+
+    with stop_on_signals():  # a second signal while the interrupted run writes its summary: exit at once
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """What :func:`run` does, inside its handling of stop signals."""
     from fedpar.parallel.checkpoint import check_resume
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.init import exit_rank_process, spawn
@@ -119,14 +128,15 @@ def run(args: argparse.Namespace) -> int:
             train_process(cfg, args.dist_timeout, StepBar())
             if under_launcher:
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
-    except KeyboardInterrupt as exc:  # Ctrl-C (or SIGTERM to the launcher): the ranks are stopped; say what completed
+    except KeyboardInterrupt as exc:  # SIGINT or SIGTERM (to the launcher: the ranks are stopped): say what completed
         from fedpar.parallel.stopping import exit_code, signal_name
         if int(os.environ.get("RANK", "0")):
-            return 130
+            return exit_code(signal_name(exc))
         from fedpar.parallel.metrics import write_interrupted_summary
         summary = write_interrupted_summary(Path(cfg.out), cfg.model, cfg.dataset, world,
                                             time.perf_counter() - started, cfg.to_dict())
-        print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json"
+        model = ", global.safetensors and global.json" if getattr(exc, "kept_model", False) else ""
+        print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json{model}"
               f"{_resume_hint(cfg)}", file=sys.stderr)
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
@@ -228,10 +238,10 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         else:
             model, summary = train_centrally(task, cfg, resolve_device(cfg.device))
             evals = write_task_model(task, cfg, model, summary)
-    except KeyboardInterrupt as exc:  # Ctrl-C (or SIGTERM to the launcher): the ranks are stopped; say what is kept
+    except KeyboardInterrupt as exc:  # SIGINT or SIGTERM (to the launcher: the ranks are stopped): say what is kept
         from fedpar.parallel.stopping import exit_code, signal_name
         if int(os.environ.get("RANK", "0")):
-            return 130
+            return exit_code(signal_name(exc))
         print(f"fedpar train: interrupted{TaskCheckpoints(cfg, task).resume_hint()}", file=sys.stderr)
         return exit_code(signal_name(exc))
     except (RankFailed, PeerLost) as exc:  # a rank's own failure, not the task's: its last line (--debug: traceback)

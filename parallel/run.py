@@ -25,7 +25,12 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
     try:
         data, implied = load_train_data(cfg.dataset, cfg.data_path, cfg.block_size, cfg.seed)
         kwargs = model_kwargs_for(cfg.model, implied, cfg.model_kwargs)
-        summary = Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info, progress).run() or {}
+        trainer = Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info, progress)
+        try:
+            summary = trainer.run() or {}
+        except KeyboardInterrupt as exc:  # SIGINT or SIGTERM, between two steps: keep the model trained so far
+            exc.kept_model = trainer.keep_model()
+            raise
         # Leave together: rank 0 hosts the rendezvous store, and a peer still using it when rank 0 tears it
         # down aborts ("terminate called without an active exception", seen under load).
         if torch.distributed.is_initialized() and info.world_size > 1:

@@ -6,7 +6,8 @@ the last checkpoint) does the same for SIGTERM; the process then exits 128 + the
 same signal again within :data:`REPEAT_SECONDS` is the same request (``timeout -s INT`` and ``kill -INT -PGID``
 reach a process once by its id and once by its group). A later second signal ends the process at once: what it was
 writing is lost, never torn, since every output is replaced atomically (protocol/atomicfile.py) and a checkpoint is
-published only once complete (server/checkpoint.py).
+published only once complete (server/checkpoint.py). Work that must not stop half done holds the first signal
+until it ends (:class:`held_stops`: `fedpar train`'s optimizer step, whose weights it then keeps).
 
 A process with a launcher (a rank of `fedpar serve --aggregator-ranks N`) leaves second signals to the launcher,
 which stops its ranks in order and kills them if they take too long (parallel/init.py spawn).
@@ -52,10 +53,34 @@ class Received:
 
     signal: str | None = None
     at: float = 0.0  # when it came (time.monotonic)
+    holding: bool = False  # inside a held_stops block: the first signal waits for its end
+    pending: int | None = None  # the signal number it holds
 
     def exit_code(self) -> int:
         """What the process exits with for it (130 when none came: a KeyboardInterrupt raised otherwise)."""
         return exit_code(self.signal or "SIGINT")
+
+
+_active: Received | None = None  # the innermost stop_on_signals block's, on the main thread
+
+
+class held_stops:
+    """Inside the block (within :func:`stop_on_signals`, on the main thread) the first stop signal raises its
+    StopRequested only at the block's end: work that must not stop half done (an optimizer step, whose weights
+    are then kept) finishes first. A later signal still exits at once. Elsewhere it does nothing."""
+
+    def __enter__(self) -> None:
+        self.received = _active if threading.current_thread() is threading.main_thread() else None
+        if self.received is not None:
+            self.received.holding = True
+
+    def __exit__(self, kind, exc, tb) -> None:
+        received = self.received
+        if received is not None:
+            received.holding = False
+            if received.pending is not None and exc is None:
+                signum, received.pending = received.pending, None
+                raise StopRequested(signum)
 
 
 @contextlib.contextmanager
@@ -65,14 +90,21 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
     the process at once with 128 + its number, or, without ``second_exits``, is ignored (a rank whose launcher
     escalates). A SIGINT ignored from birth (a rank of a launcher that stops it) stays ignored. Off the main thread
     (where Python cannot take signals) the block runs as it is."""
-    received = Received()
+    global _active
     if threading.current_thread() is not threading.main_thread():
-        yield received
+        yield Received()
         return
+    # Inside another such block (a command's, around a launcher's) both share what came: a signal the inner one
+    # took is the first for the outer one too, so another while the command writes what completed exits at once.
+    received, outer = _active or Received(), _active
+    _active = received
 
     def handle(signum: int, frame) -> None:
         if received.signal is None:
             received.signal, received.at = signal.Signals(signum).name, time.monotonic()
+            if received.holding:
+                received.pending = signum
+                return
             raise StopRequested(signum)
         if signal.Signals(signum).name == received.signal and time.monotonic() - received.at < REPEAT_SECONDS:
             return  # the first one, delivered again
@@ -90,6 +122,7 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
     try:
         yield received
     finally:
+        _active = outer
         for s, handler in previous.items():
             signal.signal(s, handler)
 

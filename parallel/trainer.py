@@ -41,6 +41,7 @@ from fedpar.parallel.optim import (
 from fedpar.parallel.parallelize import parallelize
 from fedpar.parallel.precision import uses_autocast
 from fedpar.parallel.sampler import DistributedBatchSampler
+from fedpar.parallel.stopping import held_stops
 from fedpar.task import TaskFailed
 
 COUNTERS = ("step", "epoch", "batch_in_epoch", "samples")
@@ -96,6 +97,7 @@ class Trainer:
         # Rank that reports a loss for its data shard: the last pipeline stage, first tensor-parallel rank.
         self.reports_loss = self.model.has_last_stage and self.mesh.coord("tp") == 0
         self.counters = {k: 0 for k in COUNTERS}
+        self.stepped = False  # whether a step was taken: what keep_model keeps
         self.pp_group = self.mesh["pp"].get_group() if pc.pp > 1 else None
 
     # ----------------------------------------------------------------------------------------- helpers
@@ -256,14 +258,16 @@ class Trainer:
         while c["step"] < total:
             self.sampler.set_epoch(c["epoch"], start_batch=c["batch_in_epoch"])
             for indices in self.sampler:
-                x, y = self._to_device(indices, self.data.train_inputs, self.data.train_targets)
-                set_learning_rate(self.optimizers, base_lr * warmup_factor(c["step"], cfg.warmup_steps))
-                interval_loss += self.train_step(x, y)
-                c["step"] += 1
-                c["batch_in_epoch"] += 1
-                c["samples"] += global_batch
-                run_samples += global_batch
-                interval_steps += 1
+                with held_stops():  # SIGINT/SIGTERM stops the run between steps: keep_model keeps a whole step's
+                    x, y = self._to_device(indices, self.data.train_inputs, self.data.train_targets)
+                    set_learning_rate(self.optimizers, base_lr * warmup_factor(c["step"], cfg.warmup_steps))
+                    interval_loss += self.train_step(x, y)
+                    c["step"] += 1
+                    c["batch_in_epoch"] += 1
+                    c["samples"] += global_batch
+                    run_samples += global_batch
+                    interval_steps += 1
+                    self.stepped = True
                 if self.progress is not None and self.info.is_main:
                     self.progress.step(c["step"], total, f"loss {last_loss:.4f}")
                 if c["step"] % cfg.log_every == 0 or c["step"] == total:
@@ -350,7 +354,15 @@ class Trainer:
                       f"{' and loss_curve.png' if self.config.plot else ''} in {self.out}")
         return summary
 
-    def _write_final_model(self, evals: dict[str, float]) -> str:
+    def keep_model(self) -> bool:
+        """After a stop signal (parallel/stopping.py) between the steps of a run on one process: write the model of
+        the last whole step as the finished run's; whether it was written (not before the first step)."""
+        if not self.stepped or self.info.world_size > 1:  # several ranks: the others are stopped, no gathering
+            return False
+        self._write_final_model({}, interrupted=True)
+        return True
+
+    def _write_final_model(self, evals: dict[str, float], interrupted: bool = False) -> str:
         """Collectively gather the whole model to rank 0 (a pipeline's stages too), which writes it as
         OUT/global.safetensors and global.json (protocol/model_file.py, as ``train --task`` and federated runs keep
         theirs; ``round``: the epochs completed); what was written, for the last line."""
@@ -368,5 +380,5 @@ class Trainer:
         write_final_model(self.out, [name for name, _ in floats], [t.float().numpy() for _, t in floats],
                           max(epochs, 1), {"model": self.config.model, "dataset": self.config.dataset,
                                            "model_kwargs": self.config.model_kwargs},
-                          {"round": epochs, "step": self.counters["step"], **evals})
+                          {"round": epochs, "step": self.counters["step"], **evals}, interrupted)
         return f"{TENSORS}, {INFO}"
