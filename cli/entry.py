@@ -14,7 +14,7 @@ FAST_EXIT = {"simulate", "train"}
 def entry() -> None:
     """Run ``fedpar`` (cli/main.py :func:`main`) and exit with its code (at once for :data:`FAST_EXIT` commands). A
     Ctrl-C before the command's own handling is in place (while its modules load, about 0.5 s) ends it with one
-    line and 130, as one later does."""
+    line and 130 (a service's with 0), as one later does."""
     # A process started in the background by a shell script inherits SIGINT ignored, and Python then keeps it
     # so: Ctrl-C (or kill -INT) must stop a coordinator or a simulation however it was started.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -23,8 +23,12 @@ def entry() -> None:
         from fedpar.cli.main import main
         code = main()
     except KeyboardInterrupt:
-        print(f"{' '.join(['fedpar', command]).strip()}: interrupted", file=sys.stderr)
-        code = 130
+        if command == "serve" and any(a == "--state" or a.startswith("--state=") for a in sys.argv[2:]):
+            print("fedpar service: stopped by SIGINT", flush=True)  # as later (a service stops cleanly: exit 0)
+            code = 0
+        else:
+            print(f"{' '.join(['fedpar', command]).strip()}: interrupted", file=sys.stderr)
+            code = 130
     if command in FAST_EXIT:
         import logging
         logging.shutdown()

@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedpar {argv[0]}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it (parallel/stopping.py)
+        if argv[0] == "serve" and any(a == "--state" or a.startswith("--state=") for a in argv[1:]):
+            print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)  # as later: cli/serve.py run()
+            return 0
         print(f"fedpar {argv[0]}: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
     except (UserError, TaskError, OSError) as exc:  # a set-up or task mistake: one line (--debug: the traceback)

@@ -152,7 +152,30 @@ def _check_rank_devices(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until every round is done (in ``--aggregator-ranks`` local processes when more than one)."""
+    """Serve until every round is done (in ``--aggregator-ranks`` local processes when more than one); the service
+    (--state) until a signal, which stops it cleanly whenever it comes."""
+    if _is_service(args) and "WORLD_SIZE" not in os.environ:  # under torchrun, rank 0 says how it stopped
+        try:
+            with stop_on_signals():
+                return _run(args)
+        except KeyboardInterrupt as exc:  # before its ranks started or its own handling was in place, or after
+            print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)
+            return 0
+    return _run(args)
+
+
+def _is_service(args: argparse.Namespace) -> bool:
+    """Whether ``args`` run the long-lived service (--state), not a Flower ServerApp (which refuses --state)."""
+    return args.state is not None and not _server_app_drives(args)
+
+
+def _server_app_drives(args: argparse.Namespace) -> bool:
+    """Whether a Flower app's ServerApp drives the rounds (--flower-app without --strategy), not fedpar's strategy."""
+    return bool(args.flower_app) and not chose(args, "strategy")
+
+
+def _run(args: argparse.Namespace) -> int:
+    """What :func:`run` does, inside the service's handling of signals where it has one."""
     from fedpar.parallel.device import flush_denormals
 
     setup_logging(args)
@@ -162,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
-    server_app_drives = bool(args.flower_app) and not chose(args, "strategy")  # else fedpar's strategy drives
-    if args.state is not None and not server_app_drives:  # a ServerApp's run refuses --state below, in one line
+    server_app_drives = _server_app_drives(args)
+    if _is_service(args):  # a ServerApp's run refuses --state below, in one line
         return _serve_runs(args)
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
@@ -200,7 +223,8 @@ def _serve_runs(args: argparse.Namespace) -> int:
 
     world = _world(args)
     if world > 1 and "WORLD_SIZE" not in os.environ:  # the state file and certificates are checked before
-        return run_service(args, _plan, launch_ranks=lambda: _spawn_ranks(args, world, {"state_lock_held": True}))
+        return run_service(args, _plan, launch_ranks=lambda: _spawn_ranks(
+            args, world, {"state_lock_held": True, "launcher_says_stopped": True}))
     if world > 1:
         _torchrun_rank(args)
     return run_service(args, _plan)
@@ -230,7 +254,9 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
               # and when it dies, every rank starts again where the agents find it: the same port
               rank_0_resumes=args.state is None and args.checkpoint_dir is not None and bool(args.port))
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
-        return 0 if args.state is not None else exit_code(signal_name(exc))  # a service ends cleanly by signal
+        if args.state is not None:  # a service ends cleanly by signal; run() names the one the user sent
+            raise
+        return exit_code(signal_name(exc))
     except Exception as exc:  # a rank died or hung: the others were stopped with it
         if isinstance(exc, ProcessExitedException) and exc.error_index == 0 and exc.exit_code > 0:
             return exc.exit_code  # rank 0 ended by itself, and said why in its own line
@@ -238,6 +264,8 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
                   if args.checkpoint_dir is not None or args.state is not None else "")  # else nothing to resume
         print(f"fedpar serve: {_rank_failure(exc)}{resume}", file=sys.stderr)
         return 1
+    if args.state is not None:  # rank 0 of a service ends by itself only when signalled, and leaves the line here
+        print("fedpar service: stopped by a signal to its rank 0", flush=True)
     return 0
 
 

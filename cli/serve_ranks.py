@@ -24,8 +24,8 @@ WAIT_SECONDS = 60.0  # one wait for the next run (then another: a service may id
 
 class RunRankLeader(RankLeader):
     """The leader of one run of a service: announces the run when it starts, and ends the other ranks' part of it
-    however the run ends (finished, failed, stopped by an operator), so that they are ready for the next run; not
-    when a signal stops the service (the launcher stops every rank then)."""
+    however the run ends (finished, failed, stopped by an operator), so that they are ready for the next run; when a
+    signal stops the service, as a run stopped early (the launcher then stops every rank)."""
 
     def __init__(self, ranks: ServiceRanks, options: dict, tls):
         super().__init__(ranks.group, ranks.advertised, tls)
@@ -37,7 +37,7 @@ class RunRankLeader(RankLeader):
         await super().start(coordinator)
 
     async def stop(self, finished: bool) -> None:
-        """Stop this run on every rank, unless the service itself is stopping."""
+        """Stop this run on every rank (once only, and not waiting for lost ranks, when the service is stopping)."""
         await super().stop(finished or not self.ranks.signalled())
 
 

@@ -420,44 +420,44 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
         store.log(run_id, line)
         print(line, flush=True)
-    service = RunService(args, store, args.port, plan, rank_group)
-    try:
-        port = service.open_agents_port()
-    except BindError as exc:
-        print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
-        return 2  # taken since the check above: a port in use, as check_port_free says it
-    try:
-        service.observers.attach_service(service.idle)  # from the start: an idle service is no missing target
-    except UserError as exc:  # taken since the check above
-        print(f"fedpar serve: {exc}", file=sys.stderr)
-        service.close_agents_port()
-        return exc.exit_code
-    try:
-        control = RunControlServer(store, service.validate, args.host, args.control_port, credentials,
-                                   revocations)
-    except OSError as exc:  # taken since the check above
-        print(f"fedpar serve: {exc}", file=sys.stderr)
-        service.close_agents_port()
-        return 2
-    if args.port_file:  # first: a script that sees the control port file finds both
-        atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
-    if args.control_port_file:
-        atomic_write_bytes(args.control_port_file, [f"{control.port}\n".encode()])
-    print(f"fedpar service: agents on {args.host}:{port}, control API on {args.host}:{control.port} (mutual TLS, "
-          f"operators only), runs in {state}", flush=True)
-    try:
+    service, control = RunService(args, store, args.port, plan, rank_group), None
+    try:  # a signal at any moment, the first second's included, stops the service cleanly
         with stop_on_signals(second_exits=rank_group is None) as received:  # a rank's launcher escalates
             if rank_group is not None:
                 rank_group.signalled = lambda: received.signal is not None
+            try:
+                port = service.open_agents_port()
+            except BindError as exc:
+                print(f"fedpar serve: {exc}; try another --port (0 picks a free one)", file=sys.stderr)
+                return 2  # taken since the check above: a port in use, as check_port_free says it
+            try:
+                service.observers.attach_service(service.idle)  # from the start: an idle service is no missing target
+            except UserError as exc:  # taken since the check above
+                print(f"fedpar serve: {exc}", file=sys.stderr)
+                return exc.exit_code
+            try:
+                control = RunControlServer(store, service.validate, args.host, args.control_port, credentials,
+                                           revocations)
+            except OSError as exc:  # taken since the check above
+                print(f"fedpar serve: {exc}", file=sys.stderr)
+                return 2
+            if args.port_file:  # first: a script that sees the control port file finds both
+                atomic_write_bytes(args.port_file, [f"{port}\n".encode()])
+            if args.control_port_file:
+                atomic_write_bytes(args.control_port_file, [f"{control.port}\n".encode()])
+            print(f"fedpar service: agents on {args.host}:{port}, control API on {args.host}:{control.port} (mutual "
+                  f"TLS, operators only), runs in {state}", flush=True)
             service.serve_forever()
     except KeyboardInterrupt as exc:
-        print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)
+        if not getattr(args, "launcher_says_stopped", False):  # else its launcher names the signal the user sent
+            print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)
         return 0
     except StoreError as exc:  # e.g. locked by another writer for longer than the busy timeout: nothing is lost
         print(f"fedpar serve: {exc}; a run left running resumes at the next start", file=sys.stderr)
         return 1
     finally:
-        control.stop()
+        if control is not None:
+            control.stop()
         service.close_agents_port()
         service.observers.close()
         store.close()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -139,6 +142,7 @@ def exit_rank_process(code: int = 0) -> None:
 def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
                     parent_stops: bool = False, env: dict[str, str] | None = None) -> None:
     if parent_stops:  # SIGINT is ignored (inherited from birth); still leave when the launcher dies
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held by the launcher as it started this one
         die_with_parent(signal.SIGTERM)
     dump_stacks_on_signal()
     os.environ.pop(LAUNCHER_STORE_ENV, None)  # a launcher's own launcher's store is not this launch's
@@ -184,22 +188,44 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     while True:
         port = _port_of(held)
         env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else _store_env(held)
-        with children_ignore_interrupts():
-            context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env), nprocs=nproc,
-                                         join=False, start_method=start_method)
-        ranks = context.processes
-        with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
-            try:
-                if not (rank_0_decides or rank_0_resumes):
-                    while not context.join(timeout=0.5):
-                        pass
-                elif _follow_rank_0(context, lambda rank: _start_replacement(rank, nproc, port, fn, args, env,
-                                                                             start_method), budget, rank_0_resumes):
-                    continue  # rank 0 died and resumes: every rank again
-            except KeyboardInterrupt:
-                stop_ranks(ranks, stop_grace)
-                raise
+        with interrupts_held() as release:
+            with children_ignore_interrupts():
+                context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env),
+                                             nprocs=nproc, join=False, start_method=start_method)
+            ranks = context.processes
+            with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
+                try:
+                    release()  # a Ctrl-C that came while they started stops them now
+                    if not (rank_0_decides or rank_0_resumes):
+                        while not context.join(timeout=0.5):
+                            pass
+                    elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
+                                                         env=env, start_method=start_method), budget, rank_0_resumes):
+                        continue  # rank 0 died and resumes: every rank again
+                except KeyboardInterrupt:
+                    stop_ranks(ranks, stop_grace)
+                    raise
         return
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[Callable[[], None]]:
+    """Inside the block SIGINT is held back on the main thread (blocked: the kernel keeps one that comes, where
+    ignoring it to start processes that ignore it from birth would lose it); ``release()``, or the block's end, lets
+    it through to the handler in place then."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    held = [signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})]
+
+    def release() -> None:
+        if held[0]:
+            held[0] = False
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield release
+    finally:
+        release()
 
 
 def _launcher_store() -> dist.TCPStore:
@@ -231,7 +257,7 @@ def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any],
     the launch started its ranks (forked: the launcher still runs one thread, it only watches its ranks)."""
     process = mp.get_context(start_method).Process(target=_spawned_worker, name=f"fedpar-rank-{rank}",
                                               args=(rank, nproc, port, fn, args, True, {**env, REPLACEMENT_ENV: "1"}))
-    with children_ignore_interrupts():
+    with interrupts_held(), children_ignore_interrupts():
         process.start()
     return process
 

@@ -26,7 +26,7 @@ from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.server.ranks.calls import RankCalls
 from fedpar.security.tls import TlsFiles
 from fedpar.server.ranks.control import HEARTBEAT_SECONDS, add_control_port, control_handler, new_secret
-from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing
+from fedpar.server.ranks.group import RankEndpoint, RankGroup, RankMissing, first_line
 from fedpar.server.ranks.messages import serial_bytes
 from fedpar.server.ranks.steps import POLL_SECONDS, CollectiveThread
 from fedpar.server.rounds import STAT_NAMES, AgentSlot, RoundState, ingest_stats
@@ -35,6 +35,7 @@ log = logging.getLogger("fedpar.server")
 LOST_AFTER_SECONDS = 3 * HEARTBEAT_SECONDS  # a rank whose heartbeat stopped this long is lost
 STALL_SECONDS = 1.0  # rank 0's own loop stood still this long: the heartbeats it did not take yet are not late
 REFORM_TRIES = 3  # attempts to form the group again (a rank may be lost while it forms)
+STOP_SEND_SECONDS = 2.0  # what rank 0, stopped early, waits at most to tell the other ranks to stop
 
 
 class RanksChanged(RankMissing):
@@ -70,6 +71,7 @@ without a rank that is lost."""
         self.secure = False  # whether rounds are masked (every upload then goes to rank 0), once started
         self.strategy: Strategy | None = None  # rank 0's, once started
         self.shapes: ShapesAndDtypes | None = None  # of the model, once started
+        self._started = False  # whether the start's collectives were queued (every later message follows them)
 
     @property
     def world(self) -> int:
@@ -232,6 +234,7 @@ without a rank that is lost."""
         def work():
             self.endpoints = self.group.exchange_endpoints(me)
             self._send_start()
+        self._started = True
         await self._collective(work, watched=False)
         log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints))
         self._ticker = asyncio.ensure_future(self._tick())
@@ -370,7 +373,10 @@ without a rank that is lost."""
                 pass
 
     async def stop(self, finished: bool) -> None:
-        """Stop ticking; when every round is ``finished``, the other ranks stop serving too."""
+        """Stop ticking and have the other ranks stop serving, as after the last round: when every round is
+        ``finished`` (sent again to the ranks left if one is lost meanwhile), and also when the run stops early (a
+        signal: sent once, waiting at most STOP_SEND_SECONDS, so that they leave quietly instead of finding rank 0
+        gone)."""
         for task in (self._ticker, self._watcher):
             if task is not None:
                 task.cancel()
@@ -380,6 +386,12 @@ without a rank that is lost."""
                 break
             except RanksChanged:
                 pass
+        if not finished and self._started and self._broken is None:
+            try:  # behind the step a cancelled round left on the collective thread, if any: the ranks expect it
+                await asyncio.wait_for(self._steps.run(self.group.send, pb.RankBroadcast(stop=pb.RankStop()),
+                                                       lost=self._lost_now), STOP_SEND_SECONDS)
+            except (RuntimeError, ValueError, TimeoutError) as exc:  # a rank is gone or hangs: its launcher stops it
+                log.info("aggregator ranks: the other ranks were not told to stop (%s)", first_line(exc))
         if finished and self._broken is None:  # a replacement still asking to be taken back leaves
             try:
                 await self._steps.run(self.group.stopped)
