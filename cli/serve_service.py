@@ -24,7 +24,7 @@ from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import UserError, check_port_free, check_rank_ports, describe, every_round_failed
 from fedpar.parallel.stopping import signal_name, stop_on_signals
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.server.run_store import RunStore, StoreError
+from fedpar.server.run_store import RunStore, StoreError, check_state_folder
 from fedpar.settings import setting
 
 IDLE_POLL_SECONDS = 0.5
@@ -380,7 +380,11 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     from fedpar.server.run_control import RunControlServer
 
     state = Path(args.state)
-    state.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        check_state_folder(state)  # a mistyped --state is refused, not made
+    except StoreError as exc:
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        return 2
     lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
     try:
         store = RunStore(state)

@@ -177,8 +177,6 @@ def test_a_state_file_in_a_folder_that_is_not_there_is_refused_and_nothing_is_ma
     check_state_folder(tmp_path / "x.db")  # its folder is there: nothing to say
 
 
-@pytest.mark.xfail(strict=True, reason="cli/serve_service.py's run_service makes the folder (state.parent.mkdir); "
-                                       "replace that line with check_state_folder(state) from server/run_store.py")
 def test_serve_state_in_a_folder_that_is_not_there_is_one_line_and_exit_2(tmp_path):
     missing = tmp_path / "nonexistent" / "x.db"
     code, _, err = _main_here("serve", "--state", str(missing), "--insecure", "--port", "0", "--control-port", "0")
