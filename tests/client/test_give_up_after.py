@@ -42,9 +42,9 @@ def test_fedpar_client_gives_up_at_give_up_after_and_says_the_time_it_waited():
     assert said, lines[-1]
     retries = [line for line in lines if "coordinator unreachable (UNAVAILABLE); retrying in" in line]
     first = datetime.strptime(retries[0][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # the first failed dial
-    waited = ended - first  # up to its exit (a few ms after its last line)
-    assert GIVE_UP <= waited < GIVE_UP + 0.6, (waited, lines)  # before: up to a whole step (5 s) past it
-    assert abs(float(said.group(1)) - waited) < 0.3, (said.group(1), waited)
+    waited = ended - first  # up to its exit (its last line, then the process's own teardown)
+    assert GIVE_UP <= waited < GIVE_UP + 1.5, (waited, lines)  # before: up to a whole step (5 s) past it
+    assert GIVE_UP <= float(said.group(1)) <= min(waited + 0.05, GIVE_UP + 0.5), (said.group(1), waited)
     assert sum(float(line.rsplit(" ", 1)[1].rstrip("s")) for line in retries) <= GIVE_UP + 0.1, retries
 
 
@@ -67,6 +67,6 @@ def test_the_last_wait_is_cut_to_the_time_left_and_the_line_says_the_time_waited
         calls.call(lambda: ping(b"", timeout=1.0))
     seconds = time.monotonic() - started
     channel.close()
-    assert 1.0 <= seconds < 1.3, seconds  # waits of 0.6 and 1.2 s before: it gave up at 1.8 s
+    assert 1.0 <= seconds < 1.6, seconds  # waits of 0.6 and 1.2 s before: it gave up at 1.8 s
     waited = float(re.search(r"unreachable for ([0-9.]+)s", str(refused.value)).group(1))
-    assert abs(waited - seconds) < 0.15, (waited, seconds)
+    assert 1.0 <= waited <= seconds + 0.05, (waited, seconds)
