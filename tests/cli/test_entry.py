@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
+from support.processes import interrupted_import
+
 # SIGINT arrives exactly while MODULE is imported, as a user's Ctrl-C in the first half second of a command does
-INTERRUPTED_IMPORT = textwrap.dedent("""
-    import importlib.abc, os, signal, sys
-
-    MODULE = sys.argv[1]
-
-    class InterruptOn(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name == MODULE:
-                os.kill(os.getpid(), signal.SIGINT)
-            return None
-
-    sys.meta_path.insert(0, InterruptOn())
-    sys.argv = ["fedpar", "simulate", "--clients", "2", "--rounds", "1"]
-    from fedpar.cli.entry import entry
-    entry()
-""")
+INTERRUPTED_IMPORT = interrupted_import(["simulate", "--clients", "2", "--rounds", "1"])
 
 
 @pytest.mark.parametrize("module", ["fedpar.cli.main", "fedpar.cli.simulate"])

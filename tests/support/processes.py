@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,28 @@ def port_from(proc: subprocess.Popen, lines: list[str], listening: str = "(mutua
         if match := pattern.search(line):
             return int(match.group(1))
     raise AssertionError(f"coordinator did not start: {''.join(lines)}")
+
+
+def interrupted_import(argv: list[str]) -> str:
+    """A ``python -c`` script that runs ``fedpar`` with ``argv`` (cli/entry.py, as the console script does) and sends
+    itself SIGINT exactly while the module named by its first argument is imported: a Ctrl-C in a command's first
+    second, before its own handling of signals is in place."""
+    return textwrap.dedent(f"""
+        import importlib.abc, os, signal, sys
+
+        MODULE = sys.argv[1]
+
+        class InterruptOn(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == MODULE:
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, InterruptOn())
+        sys.argv = {["fedpar", *argv]!r}
+        from fedpar.cli.entry import entry
+        entry()
+    """)
 
 
 def children(pid: int) -> list[int]:
