@@ -133,6 +133,9 @@ class RankControlClient:
                 raise Refusal(grpc.StatusCode.UNAVAILABLE, "the coordinator's rank 0 did not answer; the update was "
                               "not applied: send it again") from None
             raise Refusal(err.code(), err.details() or err.code().name) from None
+        except grpc.aio.UsageError:  # closed: this rank was told to stop while an agent's upload was on its way
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "this aggregator rank is stopping; the update was not applied: "
+                          "send it again") from None
         decode(pb.RankAck, reply, "rank 0")
 
     async def close(self) -> None:
