@@ -26,6 +26,7 @@ from fedpar.security.certs import ensure_certs
 from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
 from support.devices import RANKS_ON_CPU
+from support.in_process import main_here
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = 'local_epochs = 1\nbatch_size = 32\nclients_per_round = 2\nmin_reports = 2\n'
@@ -84,7 +85,7 @@ class Federation:
     def run_here(self, *args: str, operator: str = "op") -> subprocess.CompletedProcess:
         """`fedpar run ARGS` as :meth:`run` gives it, from this process: the same main, exit code and output, without
         a process's start-up (the control port and the service are as real)."""
-        return _main_here("run", *args, "--control", self.control, "--certs", str(self.certs), "--operator", operator)
+        return main_here("run", *args, "--control", self.control, "--certs", str(self.certs), "--operator", operator)
 
     def submit(self, name: str, text: str, here: bool = False) -> int:
         """`fedpar run submit` of ``text`` as run NAME: its id; ``here``: from this process (:meth:`run_here`)."""
@@ -139,23 +140,6 @@ def federation(tmp_path_factory):
     yield fed
     fed.close()
     assert fed.service.returncode == 0, (tmp / "serve.log").read_text()[-3000:]  # SIGTERM stops every rank cleanly
-
-
-def _main_here(*argv: str) -> subprocess.CompletedProcess:
-    """`fedpar ARGV` run by its main in this process: its exit code (a usage error's SystemExit too) and what it
-    printed, as a finished process's."""
-    import contextlib
-    import io
-
-    from fedpar.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
 
 
 def _one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
@@ -258,13 +242,13 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
     _one_line_error(fed.run_here("submit", str(good), operator="intruder"), "has no operator role")
     _one_line_error(fed.run_here("ls", operator="intruder"), "has no operator role")
     other = fed.tmp / "other-ca"  # an operator's certificate from another CA: the service would hang up on it
-    assert _main_here("certs", "--out", str(other), "--operators", "op").returncode == 0
+    assert main_here("certs", "--out", str(other), "--operators", "op").returncode == 0
     (operators / "stranger.pem").write_bytes((other / "operators" / "op.pem").read_bytes())
     (operators / "stranger.key").write_bytes((other / "operators" / "op.key").read_bytes())
     _one_line_error(fed.run_here("ls", operator="stranger"), "stranger.pem was not issued by the CA in",
                     "--operators stranger")
     _one_line_error(fed.run_here("ls", "1"), "'fedpar run ls' takes no argument")
-    wrong_port = _main_here("run", "ls", "--control", f"127.0.0.1:{fed.port}", "--certs", str(fed.certs),
+    wrong_port = main_here("run", "ls", "--control", f"127.0.0.1:{fed.port}", "--certs", str(fed.certs),
                             "--operator", "op")  # the agents' port
     _one_line_error(wrong_port, "has no control API (is it the agents' port?)")
     agent = subprocess.run([sys.executable, "-m", "fedpar.cli.main", "client", "--server", fed.control, "--certs",
@@ -273,12 +257,12 @@ def test_bad_control_calls_are_one_line_and_lose_nothing(federation):
     assert agent.returncode != 0 and "not as a coordinator (is it a service's control port?)" in agent.stderr, \
         agent.stderr[-2000:]
     # the state file is the first one's (its lock is the service process's: this process cannot take it either)
-    second = _main_here("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port", "0", "--control-port",
+    second = main_here("serve", "--state", str(fed.state), "--certs", str(fed.certs), "--port", "0", "--control-port",
                         "0")
     _one_line_error(second, "is in use by another fedpar serve")
     link = fed.tmp / "link.db"  # the same state file by another name
     link.symlink_to(fed.state)
-    second = _main_here("serve", "--state", str(link), "--certs", str(fed.certs), "--port", "0", "--control-port",
+    second = main_here("serve", "--state", str(link), "--certs", str(fed.certs), "--port", "0", "--control-port",
                         "0")
     _one_line_error(second, "is in use by another fedpar serve")
     tracebacks = (fed.tmp / "serve.log").read_text().count("Traceback")
@@ -329,7 +313,7 @@ def test_a_revoked_operator_is_refused_on_the_control_port(federation):
 def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
     state = tmp_path / "state.db"
     state.write_bytes(b"not a database\n" * 64)
-    done = _main_here("serve", "--state", str(state), "--insecure", "--port", "0", "--control-port", "0")
+    done = main_here("serve", "--state", str(state), "--insecure", "--port", "0", "--control-port", "0")
     _one_line_error(done, "is not a fedpar state database or is damaged")
     assert state.read_bytes() == b"not a database\n" * 64
 

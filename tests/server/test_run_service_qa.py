@@ -5,8 +5,6 @@ folder that is not there is refused rather than made. Real gRPC over mutual TLS 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import signal
 import subprocess
@@ -21,19 +19,15 @@ from fedpar.cli.main import main
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.run_control import RunControlServer
 from fedpar.server.run_store import MissingFolder, RunStore, StoreError, check_state_folder
+from support.in_process import main_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _main_here(*argv: str) -> tuple[int, str, str]:
-    """`fedpar ARGV` by its main in this process: exit code (a usage error's SystemExit too), stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+    """`fedpar ARGV` by its main in this process: exit code, stdout, stderr."""
+    done = main_here(*argv)
+    return done.returncode, done.stdout, done.stderr
 
 
 def _one_line(err: str) -> str:

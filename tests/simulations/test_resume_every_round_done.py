@@ -47,16 +47,29 @@ def _files(*folders: Path) -> dict[str, tuple[bytes, int]]:
             if p.is_file()}
 
 
+def _python(pid: int) -> bool:
+    """Whether process ``pid`` runs Python (a coordinator's or a worker's process), not a tool that a library runs
+    for a moment (ldconfig, uname); False once it is gone."""
+    try:
+        program = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
+    except OSError:
+        return False
+    return "python" in Path(program.decode(errors="replace")).name
+
+
 def _simulate(*argv: str) -> tuple[subprocess.CompletedProcess, set[int]]:
     """`fedpar simulate ARGV --log-level info` as a process: what it printed, and the processes it started (its
-    children, looked for every 10 ms while it runs)."""
+    Python children that live on at two looks 10 ms apart)."""
     proc = subprocess.Popen([sys.executable, "-m", "fedpar.cli.main", *argv, "--log-level", "info"], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen: set[int] = set()
+    last: set[int] = set()
     try:
         while proc.poll() is None:
-            seen.update(children(proc.pid))
+            now = {pid for pid in children(proc.pid) if _python(pid)}
+            seen |= now & last  # alive at two looks: not a fork on its way to exec a tool
+            last = now
             time.sleep(0.01)
         out, err = proc.communicate(timeout=60)
     finally:

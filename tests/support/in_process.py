@@ -56,3 +56,19 @@ def run_main(argv: list[str], capfd, cwd: Path | str | None = None) -> subproces
             torch.set_num_threads(threads)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(["fedpar", *argv], code, out, err)
+
+
+def main_here(*argv: str) -> subprocess.CompletedProcess:
+    """`fedpar ARGV` run by its main in this process, without pytest's capture: its exit code (a usage error's
+    SystemExit too) and what it printed, as a finished process's."""
+    import io
+
+    from fedpar.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
