@@ -23,7 +23,9 @@ def entry() -> None:
         from fedpar.cli.main import main
         code = main()
     except KeyboardInterrupt:
-        if command == "serve" and any(a == "--state" or a.startswith("--state=") for a in sys.argv[2:]):
+        from fedpar.cli.user_errors import runs_service  # (light: no torch, no gRPC)
+
+        if runs_service(sys.argv[1:]):
             print("fedpar service: stopped by SIGINT", flush=True)  # as later (a service stops cleanly: exit 0)
             code = 0
         else:

@@ -12,7 +12,7 @@ from fedpar.cli.argtypes import FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.subcommands import SUBCOMMANDS
-from fedpar.cli.user_errors import UserError, describe, quiet_exit_for_pipe, reader_left
+from fedpar.cli.user_errors import UserError, describe, quiet_exit_for_pipe, reader_left, runs_service
 from fedpar.parallel.stopping import dump_stacks_on_signal, exit_code, signal_name
 from fedpar.task import TaskError
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedpar {argv[0]}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command stops on it (parallel/stopping.py)
-        if argv[0] == "serve" and any(a == "--state" or a.startswith("--state=") for a in argv[1:]):
+        if runs_service(argv):
             print(f"fedpar service: stopped by {signal_name(exc)}", flush=True)  # as later: cli/serve.py run()
             return 0
         print(f"fedpar {argv[0]}: interrupted", file=sys.stderr)

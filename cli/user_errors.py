@@ -110,6 +110,12 @@ def check_rank_ports(host: str, port: int, ranks: int, others: dict[int, str]) -
                             "(0 lets each rank pick a free one)") from None
 
 
+def runs_service(argv: list[str]) -> bool:
+    """Whether ``argv`` (the words after ``fedpar``) start the long-lived service, which a signal stops cleanly (exit
+    0): ``serve --state``."""
+    return bool(argv) and argv[0] == "serve" and any(a == "--state" or a.startswith("--state=") for a in argv[1:])
+
+
 def run_exit_code(command: str, summary: dict, signal_name: str | None = None, task: str | None = None) -> int:
     """128 + the number of the signal that stopped an interrupted run (130 for SIGINT, the default; 143 for
     SIGTERM), 1 (with one line saying so: the members' own failure when their code failed the last round's tasks,
