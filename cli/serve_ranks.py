@@ -19,6 +19,7 @@ from fedpar.server.ranks.group import RankGroup
 from fedpar.server.ranks.leader import RankLeader
 
 RUN_KEY = "fedpar/service/run"  # + /N: the options of the N-th run rank 0 executes
+LATEST_KEY = "fedpar/service/latest"  # the N of the run rank 0 announced last (a replacement rank joins that run)
 WAIT_SECONDS = 60.0  # one wait for the next run (then another: a service may idle for weeks)
 
 
@@ -56,13 +57,16 @@ class ServiceRanks:
     def announce(self, options: dict) -> None:
         """The next run's options to the other ranks."""
         self.announced += 1
+        self.group.run = self.announced
         self.group.store.set(f"{RUN_KEY}/{self.announced}", json.dumps(options))
+        self.group.store.set(LATEST_KEY, str(self.announced))
 
 
 def follow_runs(args: argparse.Namespace, group: RankGroup, serve_run: Callable[[argparse.Namespace], int]) -> int:
     """Ranks > 0: ``serve_run(options)`` for each run rank 0 announces, in order, until rank 0 is gone (0) or a run
-    left this rank out (what ``serve_run`` returned then)."""
-    followed = 0
+    left this rank out (what ``serve_run`` returned then). The replacement of a lost rank starts at the run in
+    progress (or the next one), and asks again in each run until rank 0 takes it back."""
+    followed = runs_before_mine(group) if group.replacing else 0
     while True:
         key = f"{RUN_KEY}/{followed + 1}"
         try:
@@ -72,6 +76,18 @@ def follow_runs(args: argparse.Namespace, group: RankGroup, serve_run: Callable[
                 continue
             return 0
         followed += 1
+        group.run = followed
         code = serve_run(run_args(args, json.loads(group.store.get(key))))
-        if code or group.control is None:  # rank 0 declared this rank lost and went on without it: it leaves
+        if code:
             return code
+        if group.control is None and not group.replacing:  # rank 0 went on without this rank (torchrun's exit 0)
+            return 0
+
+
+def runs_before_mine(group: RankGroup) -> int:
+    """How many of the service's runs a replacement rank starting now skips: those rank 0 is done with."""
+    try:
+        latest = int(group.store.get(LATEST_KEY)) if group.store.check([LATEST_KEY]) else 0
+        return latest if latest and group.run_stopped(latest) else max(latest - 1, 0)
+    except RuntimeError:  # rank 0 and its store are gone: the wait for the next run says so
+        return 0

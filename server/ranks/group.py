@@ -37,7 +37,9 @@ HOST_BYTES = 255
 REFORM_KEY = "fedpar/ranks/reformed"  # + /N: the ranks of the group's N-th re-forming
 JOIN_KEY = "fedpar/ranks/joining"  # + /R: a replacement for lost rank R asks to be taken back ("NONCE PORT PORT HOST")
 ADMIT_KEY = "fedpar/ranks/admitted"  # + /R/NONCE: the re-forming (its N) that took that replacement back
-STOPPED_KEY = "fedpar/ranks/stopped"  # set by rank 0 once the rounds are done: a replacement still waiting leaves
+# + /N: set by rank 0 once the rounds of a service's N-th run are done (0: the one run of a one-shot serve): a
+# replacement still waiting to be taken back in that run leaves it
+STOPPED_KEY = "fedpar/ranks/stopped"
 BROADCAST_BUCKET_BYTES = 4 << 20  # a model's small tensors go to the other ranks together, this much at a time
 # A control message's first bytes go with its length in one broadcast, the rest (a round of hundreds of agents on
 # other ranks) in a second: a round's three messages cost three broadcasts, not six (each a loopback round trip)
@@ -92,6 +94,7 @@ class RankGroup:
     def _setup(self, rank: int, world: int, backend: str, store, timeout_seconds: float) -> None:
         self.rank, self.world = rank, world  # as started: ranks keep their numbers
         self.generation = 0  # how many times the group was re-formed (without lost ranks, or with replacements)
+        self.run = 0  # which of a service's runs the group serves (0: a one-shot serve's one run)
         self.timeout = timedelta(seconds=timeout_seconds)
         self.backend = backend
         self.nccl = self.backend == "nccl"
@@ -173,7 +176,8 @@ class RankGroup:
             log.info("aggregator rank %d (pid %d) started again: waiting for rank 0 to take it back when a round "
                      "opens", self.rank, os.getpid())
             while not self.store.check([admitted]):
-                if self.store.check([STOPPED_KEY]):
+                if self.store.check([self._stopped_key]):
+                    self.store.delete_key(f"{JOIN_KEY}/{self.rank}")  # asked again, if at all, in the next run
                     raise RankMissing(f"aggregator rank {self.rank}: the rounds ended before rank 0 took this "
                                       "replacement back")
                 time.sleep(0.1)
@@ -187,8 +191,16 @@ class RankGroup:
         self._join(members)
 
     def stopped(self) -> None:
-        """Rank 0, once the rounds are done: a replacement rank still asking to be taken back leaves."""
-        self._in_store("set", STOPPED_KEY, b"1")
+        """Rank 0, once the rounds of the run are done: a replacement rank still asking to be taken back leaves."""
+        self._in_store("set", self._stopped_key, b"1")
+
+    def run_stopped(self, run: int) -> bool:
+        """Whether rank 0 is done with the rounds of the service's run ``run``."""
+        return self._in_store("check", [f"{STOPPED_KEY}/{run}"])
+
+    @property
+    def _stopped_key(self) -> str:
+        return f"{STOPPED_KEY}/{self.run}"
 
     def rejoin(self) -> None:
         """Ranks > 0, after a failed collective: wait for rank 0 to re-form the group and join it (RankLeftOut if

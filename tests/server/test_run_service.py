@@ -541,3 +541,40 @@ def test_a_run_waiting_for_agents_says_for_how_many_and_who_is_there(tmp_path):
         assert (fed.tmp / "serve.log").read_text().count(f"fedpar service: {said}") == 1  # once on the service's
     finally:
         fed.close()
+
+
+def _rank_1_pids(log: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"aggregator rank 1 \(pid (\d+)\)", log)]
+
+
+def test_kill_9_of_rank_1_in_a_second_run_is_replaced_in_that_run_and_serves_the_next(tmp_path):
+    fed = Federation(tmp_path, ((), ()), 2, "--aggregator-ranks", "2", "--aggregator-timeout", "30",
+                     *RANKS_ON_CPU)
+    log = tmp_path / "serve.log"
+    try:
+        store = RunStore(fed.state)
+        first = fed.submit_rpc("first", f"rounds = 1\n{QUICK}")
+        _wait_for(lambda: store.get(first).status in ("finished", "failed"), 240, "the first run did not end")
+        second = fed.submit_rpc("second", f"rounds = 5\n{QUICK}")
+        _wait_for(lambda: store.get(second).round >= 1, 240, "the second run never completed a round")
+        killed = _rank_1_pids(log.read_text())[-1]
+        os.kill(killed, signal.SIGKILL)
+        _wait_for(lambda: store.get(second).status in ("finished", "failed"), 240, "the second run did not end")
+        text = log.read_text()
+        assert "rank 1 taken back; going on with 2 of 2 ranks" in text, text[-4000:]
+        third = fed.submit_rpc("third", f"rounds = 2\n{QUICK}")
+        _wait_for(lambda: store.get(third).status in ("finished", "failed"), 240, "the third run did not end")
+        runs = {run.id: run for run in store.runs()}
+        assert [runs[i].status for i in (first, second, third)] == ["finished"] * 3, \
+            [(r.status, r.reason) for r in runs.values()]
+        rows = store.round_metrics(second)
+        assert rows[-1]["ranks_live"] == 2, rows
+        rows = store.round_metrics(third)
+        assert [r["ranks_live"] for r in rows] == [2, 2], rows
+        assert sum(r["r1_uploads"] for r in rows) > 0, rows
+        assert _rank_1_pids(log.read_text())[-1] != killed
+    finally:
+        fed.close()
+    text = log.read_text()
+    assert fed.service.returncode == 0, text[-3000:]
+    assert "Traceback" not in text, text[-4000:]
