@@ -127,6 +127,21 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
             signal.signal(s, handler)
 
 
+AWAKE_SECONDS = 0.25  # how long a wait on the main thread sleeps at a time: Ctrl-C is acted on within it
+
+
+def wait_awake(event: threading.Event, timeout: float | None = None) -> bool:
+    """``event.wait(timeout)``, waking every AWAKE_SECONDS: a signal that the kernel gives another thread of the
+    process only flags it for the main thread, whose wait with no timeout it never interrupts (Ctrl-C was lost)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = AWAKE_SECONDS if end is None else min(AWAKE_SECONDS, end - time.monotonic())
+        if event.wait(max(left, 0.0)):
+            return True
+        if end is not None and time.monotonic() >= end:
+            return False
+
+
 @contextlib.contextmanager
 def children_ignore_interrupts() -> Iterator[None]:
     """Processes started inside the block ignore SIGINT from birth (an ignored signal stays ignored through exec):

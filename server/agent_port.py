@@ -21,6 +21,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fedpar.parallel.stopping import wait_awake
 from fedpar.protocol.codec import SERVICE_NAME, channel_options, grpc_target
 from fedpar.security.admission import Admission
 from fedpar.server.config import CoordinatorConfig
@@ -95,7 +96,7 @@ class AgentPort:
         """Bind the port (the first coordinator pushed starts serving it); returns the port, or raises BindError."""
         self._thread = threading.Thread(target=self._thread_main, name="fedpar-coordinator", daemon=True)
         self._thread.start()
-        self._opened.wait()
+        wait_awake(self._opened)
         if self.error is not None:
             raise self.error
         return self.port

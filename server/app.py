@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from fedpar.parallel.stopping import wait_awake
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, RawData, decode_chunk_message,
                                    grpc_target)
@@ -102,7 +103,7 @@ class CoordinatorServer:
                 self._finished.set()
                 raise
         self._running = self.agent_port.submit(self._main())
-        self._ready.wait()
+        wait_awake(self._ready)
         if self.error is not None:
             if self._own_port:
                 self.agent_port.close(0)
@@ -111,7 +112,7 @@ class CoordinatorServer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until all rounds are done (True) or ``timeout`` passes (False); re-raises round errors."""
-        done = self._finished.wait(timeout)
+        done = wait_awake(self._finished, timeout)
         if self.error is not None:
             raise self.error
         return done
