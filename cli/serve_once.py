@@ -68,7 +68,7 @@ class OneShotService(RunService):
         self.server = server
         if not getattr(self.args, "flower_app", None):  # a Flower App's agents declare no task of their own
             members, task = server.coordinator.members, task_label(self.args)
-            members.refuse_other_tasks(f"start the agent with the coordinator's {task_flags(self.args)}", same_task)
+            members.refuse_other_tasks(task_flags(self.args), same_task)
             server.coordinator.sample_only(task, lambda agent, why: self._refused(run, why))
         if self.args.port_file:
             server.on_listening = lambda port: atomic_write_bytes(self.args.port_file, [f"{port}\n".encode()])

@@ -76,7 +76,8 @@ class Members:
         self._on_lacking: Callable[[str, str], None] = lambda agent_id, why: None  # told once per agent skipped
         self._lacking: set[str] = set()  # agents (and simulation hosts) that do not declare ``needs_task``
         self._lacking_hosts: set[str] = set()  # simulation hosts that do not: none of their members is sampled
-        # one-shot serve's one run (see refuse_other_tasks): what an agent with another task is told to do, else None
+        # one-shot serve's one run (see refuse_other_tasks): the flags of its task, which an agent or host with
+        # another one is told to start with, else None
         self._refusal_hint: str | None = None
         self._same_task: Callable[[str, str], bool] = lambda declared, needed: declared == needed
         self.live_seen = 0  # the members live when the coordinator last waited for them (read from other threads)
@@ -123,14 +124,14 @@ class Members:
         self._lacking_hosts.clear()
         self._check_joined()
 
-    def refuse_other_tasks(self, hint: str, same: Callable[[str, str], bool]) -> None:
+    def refuse_other_tasks(self, flags: str, same: Callable[[str, str], bool]) -> None:
         """One-shot serve's one run: an agent whose declared task is not the run's (``same(declared, needed)``
-        says) can never take part, so its Join is refused in one line naming both tasks and ``hint`` (what to do);
-        an agent that declares no task (an older fedpar) and simulation hosts are sampled, as before services. Called
-        before the coordinator serves."""
-        self._refusal_hint, self._same_task = hint, same
+        says) can never take part, so its Join is refused in one line naming both tasks and the ``flags`` to start it
+        with, and a simulation host's JoinPopulation likewise; an agent that declares no task (an older fedpar) is
+        sampled, as before services. Called before the coordinator serves."""
+        self._refusal_hint, self._same_task = flags, same
 
-    def _refused(self, agent_id: str, task: str | None) -> bool:
+    def _refused(self, agent_id: str, task: str | None, who: str = "agent") -> bool:
         """Whether the Join of ``agent_id``, declaring ``task``, is refused for it (:meth:`refuse_other_tasks`); the
         first refusal of each agent is told to ``on_lacking``."""
         if self._refusal_hint is None or self.needs_task is None or not task \
@@ -138,13 +139,13 @@ class Members:
             return False
         if agent_id not in self._lacking:
             self._lacking.add(agent_id)
-            self._on_lacking(agent_id, self._other_task(agent_id, task))
+            self._on_lacking(agent_id, self._other_task(agent_id, task, who))
         return True
 
-    def _other_task(self, agent_id: str, task: str) -> str:
-        """The line that refuses agent ``agent_id``, which declared ``task``, the run's."""
-        return (f"agent {agent_id} cannot take part: it has task {task!r}, this run needs {self.needs_task!r}; "
-                f"{self._refusal_hint}")
+    def _other_task(self, agent_id: str, task: str, who: str = "agent") -> str:
+        """The line that refuses ``who`` ``agent_id``, which declared ``task``, the run's."""
+        return (f"{who} {agent_id} cannot take part: it has task {task!r}, this run needs {self.needs_task!r}; "
+                f"start {'the agent' if who == 'agent' else 'it'} with the coordinator's {self._refusal_hint}")
 
     def _check_joined(self) -> None:
         """:meth:`_check_task` for each live agent, by the task it declared at Join."""

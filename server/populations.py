@@ -82,6 +82,11 @@ class Populations(Members):
         if replaced is not None and replaced is not host:  # the old session's long-poll ends now, taking no tasks
             self._wake(HOST_WAKEUP + host_id)
         self._host_declared[host_id] = capabilities.get("task")
+        if self._refused(host_id, capabilities.get("task"), "simulation host"):  # admitted first, as an agent
+            self._lacking_hosts.add(host_id)  # none of its members is sampled
+            self.registry.calls_cut(host)  # the process started again with the run's task may take its place at once
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                          self._other_task(host_id, capabilities.get("task"), "simulation host"))
         self._check_host_task(host_id, capabilities.get("task"))
         self._joined()
         if not host_token and self.registry.another_process(replaced, claim):  # the first call of a new process

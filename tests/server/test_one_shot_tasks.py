@@ -88,8 +88,7 @@ def test_an_agent_that_declares_no_task_is_sampled_and_one_with_another_is_refus
     members = server.coordinator.members
 
     def one_shot() -> None:  # as cli/serve_once.py sets it up before its coordinator takes calls
-        members.refuse_other_tasks("start the agent with the coordinator's --model mlp --dataset digits",
-                                   same_task)
+        members.refuse_other_tasks("--model mlp --dataset digits", same_task)
         members.require_task("mlp on csv:data.csv", lambda agent, why: said.append(why))
 
     server.on_loop(one_shot)
@@ -109,5 +108,37 @@ def test_an_agent_that_declares_no_task_is_sampled_and_one_with_another_is_refus
         assert server.on_loop(members.live_ids) == ["old", "site"]
         _join(stub, "other", "mlp on csv:data.csv")  # started again with the run's task
         assert server.on_loop(members.live_ids) == ["old", "other", "site"]
+    finally:
+        channel.close()
+
+
+def test_a_simulation_host_with_another_task_is_refused_its_join_and_none_of_its_members_is_sampled(
+        start_coordinator):
+    from support.population_calls import join_members
+
+    server = start_coordinator([np.zeros(4, np.float32)], accept_populations=True, clients_per_round=2,
+                               min_available=9, rounds=1)
+    members = server.coordinator.members
+    said = []
+
+    def one_shot() -> None:  # as cli/serve_once.py sets it up before its coordinator takes calls
+        members.refuse_other_tasks("--model mlp --dataset digits", same_task)
+        members.require_task("mlp on digits", lambda host, why: said.append(why))
+
+    server.on_loop(one_shot)
+    channel = grpc.insecure_channel(server.address)
+    stub = CoordinatorStub(channel)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            join_members(stub, "h-cnn", ["c0", "c1"], capabilities={"task": "cnn on digits"})
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details() == ("simulation host h-cnn cannot take part: it has task 'cnn on digits', this "
+                                           "run needs 'mlp on digits'; start it with the coordinator's --model mlp "
+                                           "--dataset digits")
+        assert said == [refused.value.details()]
+        join_members(stub, "h-mlp", ["m0", "m1"], capabilities={"task": "mlp on digits"})
+        assert server.on_loop(members.live_ids) == ["m0", "m1"]  # not c0, c1
+        join_members(stub, "h-cnn", ["c0", "c1"], capabilities={"task": "mlp on digits"})  # started again, right
+        assert server.on_loop(members.live_ids) == ["c0", "c1", "m0", "m1"]
     finally:
         channel.close()
