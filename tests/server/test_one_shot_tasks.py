@@ -82,16 +82,24 @@ def _join(stub: CoordinatorStub, agent_id: str, task: str | None) -> pb.JoinRepl
                      timeout=10)
 
 
-def test_an_agent_that_declares_no_task_is_sampled_and_one_with_another_is_refused_its_join(start_coordinator):
-    server = start_coordinator([np.zeros(4, np.float32)], clients_per_round=9, min_available=9, rounds=1)
-    said = []
+def _one_shot(server, task: str) -> list[str]:
+    """``server``'s members set up as cli/serve_once.py sets them up before its coordinator takes calls, for a run of
+    ``task`` started with --model mlp --dataset digits: the lines naming those refused, as they come."""
+    said: list[str] = []
     members = server.coordinator.members
 
-    def one_shot() -> None:  # as cli/serve_once.py sets it up before its coordinator takes calls
+    def one_shot() -> None:
         members.refuse_other_tasks("--model mlp --dataset digits", same_task)
-        members.require_task("mlp on csv:data.csv", lambda agent, why: said.append(why))
+        members.require_task(task, lambda agent, why: said.append(why))
 
     server.on_loop(one_shot)
+    return said
+
+
+def test_an_agent_that_declares_no_task_is_sampled_and_one_with_another_is_refused_its_join(start_coordinator):
+    server = start_coordinator([np.zeros(4, np.float32)], clients_per_round=9, min_available=9, rounds=1)
+    members = server.coordinator.members
+    said = _one_shot(server, "mlp on csv:data.csv")
     channel = grpc.insecure_channel(server.address)
     stub = CoordinatorStub(channel)
     try:
@@ -119,13 +127,7 @@ def test_a_simulation_host_with_another_task_is_refused_its_join_and_none_of_its
     server = start_coordinator([np.zeros(4, np.float32)], accept_populations=True, clients_per_round=2,
                                min_available=9, rounds=1)
     members = server.coordinator.members
-    said = []
-
-    def one_shot() -> None:  # as cli/serve_once.py sets it up before its coordinator takes calls
-        members.refuse_other_tasks("--model mlp --dataset digits", same_task)
-        members.require_task("mlp on digits", lambda host, why: said.append(why))
-
-    server.on_loop(one_shot)
+    said = _one_shot(server, "mlp on digits")
     channel = grpc.insecure_channel(server.address)
     stub = CoordinatorStub(channel)
     try:
