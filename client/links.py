@@ -287,6 +287,10 @@ class Members(Protocol):
     def vanishes(self, i: int, round_id: int) -> bool:
         """Whether member ``i`` takes no part in round ``round_id`` (drops out, or is offline)."""
 
+    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict | None = None) -> tuple[bytes, str | None]:
+        """Only where :attr:`answers_messages`: member ``i``'s reply to the Flower Message ``data``, at most
+        ``max_bytes`` (an Answer, client/flower_app_member.py: the reply, and why it is Flower's error reply)."""
+
 
 class Population(Members, Protocol):
     """Members joined as a population (HostLink): what the coordinator is told of each, and their simulated
