@@ -101,7 +101,12 @@ def run(args: argparse.Namespace) -> int:
 
     # Before this process imports torch (the strategy's module does, in a second): the workers' imports and data
     # loading overlap it and the coordinator's set-up.
-    return simulate(args, cfg, start_workers(cfg))
+    try:
+        workers = start_workers(cfg)
+    except ValueError as exc:  # the dataset's name (synthetic:1): no worker started
+        print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
+        return 2
+    return simulate(args, cfg, workers)
 
 
 def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:

@@ -96,3 +96,19 @@ def test_simulate_given_a_hostile_trace_says_one_line_and_exits_2(tmp_path, capf
     assert done.stderr.strip().splitlines() == [
         f"fedpar simulate: {tmp_path / 't.json'}, entry 1: needs the columns {', '.join(COLUMNS)}, all numbers "
         "(client a whole one)"]
+
+
+@pytest.mark.parametrize("name, says", [
+    ("synthetic:1", "bad synthetic dataset name 'synthetic:1'; use synthetic:ALPHA:BETA[:CLIENTS[:SAMPLES]]"),
+    ("synthetic:iid:x", "bad synthetic dataset name 'synthetic:iid:x'; ALPHA, BETA and SAMPLES are numbers"),
+    ("synthetic:-1:1", "synthetic dataset 'synthetic:-1:1' needs CLIENTS >= 1"),
+])
+def test_simulate_given_a_malformed_synthetic_name_says_one_line_and_exits_2(tmp_path, capfd, name, says):
+    """It was a traceback from the worker processes' start (train, serve and client said the line)."""
+    from support.in_process import run_main
+
+    done = run_main(["simulate", "--clients", "10", "--rounds", "1", "--dataset", name, "--out",
+                     str(tmp_path / "out")], capfd)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fedpar simulate: {says}"), lines
