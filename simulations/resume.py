@@ -50,18 +50,32 @@ def _outputs_of(out: Path, round_id: int) -> bool:
         (out / SUMMARY).is_file()
 
 
-def earlier_seconds(cfg: SimulationConfig) -> float:
-    """The seconds the processes before this one ran the run this one resumes (0: it starts afresh)."""
-    if not has_checkpoint(cfg.checkpoint_dir):
-        return 0.0
-    return recorded_seconds(Path(cfg.checkpoint_dir) / RUN_RECORD)
+class RunRecord:
+    """A --checkpoint-dir's record of the settings its checkpoints are made with, and of the seconds the run's
+    processes ran (DIR/run.json). It is kept only once the coordinator has resumed the checkpoint (or started
+    afresh): a resume refused there (another strategy, another model, a damaged checkpoint) leaves the record as it
+    was, and the next resume compares with what the rounds really ran with."""
 
+    def __init__(self, cfg: SimulationConfig):
+        self.cfg = cfg
+        # the seconds the processes before this one ran the run this one resumes (0: it starts afresh)
+        self.earlier = recorded_seconds(Path(cfg.checkpoint_dir) / RUN_RECORD) \
+            if has_checkpoint(cfg.checkpoint_dir) else 0.0
+        self.kept = False
 
-def keep_run_record(cfg: SimulationConfig, seconds: float) -> None:
-    """Record the settings the checkpoints from here on are made with, and the run's ``seconds`` so far (checked
-    already: :func:`check_resume`). A checkpoint of older code, which kept no record, is left without one: what it
-    was made with is not known, and recording these would vouch for them."""
-    root = Path(cfg.checkpoint_dir)
-    if latest_round(root) is not None and not (root / RUN_RECORD).is_file():
-        return
-    record_settings(root / RUN_RECORD, *cfg.resume_record(), seconds=seconds)
+    def keep(self, seconds_here: float = 0.0) -> None:
+        """Record the settings (checked already: :func:`check_resume`, and the coordinator's resume) and the run's
+        seconds, ``seconds_here`` of them in this process. A checkpoint of older code, which kept no record, is left
+        without one: what it was made with is not known, and recording these would vouch for them."""
+        if self.cfg.checkpoint_dir is None:
+            return
+        root = Path(self.cfg.checkpoint_dir)
+        if latest_round(root) is not None and not (root / RUN_RECORD).is_file():
+            return
+        record_settings(root / RUN_RECORD, *self.cfg.resume_record(), seconds=self.earlier + seconds_here)
+        self.kept = True
+
+    def update(self, seconds_here: float) -> None:
+        """The run's seconds again, however this process's part ended, if the record was kept (:meth:`keep`)."""
+        if self.kept:
+            self.keep(seconds_here)

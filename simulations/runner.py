@@ -37,7 +37,7 @@ from fedpar.simulations.client_batching import batched_seats, batching_refusal_o
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
-from fedpar.simulations.resume import check_resume, earlier_seconds, keep_run_record
+from fedpar.simulations.resume import RunRecord, check_resume
 from fedpar.simulations.run_outputs import RunOutputs, start_fresh, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.simulations.worker_processes import WorkerProcesses, start_workers
@@ -169,9 +169,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         out.mkdir(parents=True, exist_ok=True)
         if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
             start_fresh(out)
-    earlier = earlier_seconds(cfg) if cfg.checkpoint_dir is not None else 0.0
-    if cfg.checkpoint_dir is not None:  # checked above: the checkpoints made from here on are made with these
-        keep_run_record(cfg, earlier)
+    record = RunRecord(cfg)  # kept once the coordinator resumed (or started afresh): SimulationService.listening
     # The worker processes start as early as they can: their imports and data loading overlap the coordinator's.
     workers = workers or start_workers(cfg)
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
@@ -182,14 +180,13 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         torch.set_num_threads(1)
     try:
         summary = _run(cfg, strategy, task, on_round, started, out, workers.procs, workers.sends, on_server,
-                       on_progress, flower_app, on_stage or (lambda what: None), store, earlier)
+                       on_progress, flower_app, on_stage or (lambda what: None), store, record)
         interrupted = summary.get("interrupted", False)
         return summary
     finally:
         torch.set_num_threads(threads)
-        if cfg.checkpoint_dir is not None:  # however it ended: a resume counts this process's seconds too
-            with contextlib.suppress(OSError):  # a full disk: what stopped the run is what to say
-                keep_run_record(cfg, earlier + time.monotonic() - started)
+        with contextlib.suppress(OSError):  # however it ended, a resume counts this process's seconds too (a full
+            record.update(time.monotonic() - started)  # disk: what stopped the run is what to say)
         workers.close(wait=not interrupted)
 
 
@@ -213,7 +210,7 @@ def _flower_app(cfg: SimulationConfig) -> FlowerApp | None:
 def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: Path | None, procs, pipes,
          on_server=None, on_progress=None, flower_app: FlowerApp | None = None,
          on_stage: Callable[[str], None] = lambda what: None, store: RunStore | None = None,
-         earlier: float = 0.0) -> dict:
+         record: RunRecord | None = None) -> dict:
     """The coordinator side of :func:`run_simulation`, once the worker processes are starting."""
     from fedpar.cli.serve import ServePlan  # serve's command module: not loaded by every spawned worker
     from fedpar.cli.tlsopts import ServerSecurity
@@ -280,7 +277,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     store = RunStore(":memory:") if own_store else store
     service = SimulationService(cfg, store, started, procs, pipes, worker_configs, on_round=on_round,
                                 on_server=on_server, on_progress=on_progress, members=members, splits=splits,
-                                batching=batching, earlier=earlier)
+                                batching=batching, record=record or RunRecord(cfg))
     run = store.get(store.submit("simulate", json_ready(asdict(cfg))))
     stopped_by: KeyboardInterrupt | None = None  # SIGINT or SIGTERM (parallel/stopping.py)
     try:
@@ -311,14 +308,15 @@ class SimulationService(RunService):
 
     def __init__(self, cfg: SimulationConfig, store: RunStore, started: float, procs, pipes,
                  worker_configs: Callable[[str], list], *, on_round, on_server, on_progress, members, splits,
-                 batching: bool, earlier: float = 0.0):
+                 batching: bool, record: RunRecord):
         settings = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
         super().__init__(argparse.Namespace(**settings, state=None, host="127.0.0.1"), store, 0, lambda args: None)
         self.cfg, self.started, self.procs, self.pipes = cfg, started, procs, pipes
         self.worker_configs, self.on_round, self.on_server, self.on_progress = (worker_configs, on_round, on_server,
                                                                                 on_progress)
         self.members, self.splits, self.batching = members, splits, batching
-        self.earlier = earlier  # what the processes before this one ran of the run it resumes
+        self.record = record  # the --checkpoint-dir's run.json, kept once the coordinator resumed
+        self.earlier = record.earlier  # what the processes before this one ran of the run it resumes
 
     def settle(self, run):
         """``run`` as it is: its settings are the simulation's, all of them, from the start."""
@@ -342,7 +340,9 @@ class SimulationService(RunService):
             self.on_server(server)
 
     def listening(self, server, plan) -> None:
-        """Each worker process gets its slice of the population and where to dial."""
+        """The checkpoint resumed (or none): its run.json is kept; then each worker process gets its slice of the
+        population and where to dial."""
+        self.record.keep(time.monotonic() - self.started)
         super().listening(server, plan)
         for send, config in zip(self.pipes, self.worker_configs(server.address)):
             send.send(config)

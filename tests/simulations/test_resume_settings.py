@@ -127,6 +127,18 @@ def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run, capf
     assert _summary(run / "moved")["earlier_processes_seconds"] >= resumed["wall_seconds"]
 
 
+def test_a_resume_the_coordinator_refuses_leaves_the_record_as_the_rounds_ran(run, capfd):
+    """A resume with another --lr and another --strategy: the strategy's refusal came after the record took the new
+    --lr, so the next resume said "its run so far went with --lr 0.05", which no round ran with (QA)."""
+    record = (run / "ckpt" / "run.json").read_text()
+    code, err = _simulate("--lr", "0.05", "--strategy", "fedadam", out=run / "out", ckpt=run / "ckpt", rounds=3,
+                          capfd=capfd)
+    assert code == 2 and "was made with strategy 'fedavg', not 'fedadam'" in err, err
+    assert (run / "ckpt" / "run.json").read_text() == record
+    code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=3, capfd=capfd)
+    assert code == 0 and "its run so far went with --lr 0.1" in err, err
+
+
 def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(run, capfd):
     """It said "--clock true; ... --clock false" and "--upload-compression {...}", neither of them a flag's value."""
     code, err = _simulate("--clock", "virtual", "--compression", "int8", out=run / "out", ckpt=run / "ckpt", rounds=3,
