@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from fedpar.cli.declared import Needs
 from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag
 from fedpar.cli.subcommands import SUBCOMMANDS
 
@@ -199,3 +200,12 @@ def chose(args: argparse.Namespace, dest: str) -> bool:
     """Whether the user set ``dest`` (typed or in a --config file) for this command, rather than left its default
     (``args`` parsed by fedpar.cli.main; a namespace built another way chose nothing)."""
     return dest in getattr(args, "_given", frozenset())
+
+
+def refuse_unswitched(args: argparse.Namespace, settings: list[tuple[str, str, Any, Needs]]) -> None:
+    """ConfigError for the first of ``settings`` (cli/declared.py switched_options or switched_settings) that the user
+    set, typed or in a file or as another value than its default, while its switch leaves its feature off."""
+    for dest, flag, default, needs in settings:
+        switch = getattr(args, needs.switch, None)
+        if hasattr(args, dest) and switch not in needs.on and (chose(args, dest) or getattr(args, dest) != default):
+            raise ConfigError(needs.refusal(flag, switch))

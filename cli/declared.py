@@ -41,6 +41,58 @@ SECTIONS: dict[str, tuple[str, str | None]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """The switch a setting applies under: the switch's dest, the values that turn the setting's feature on, those
+    values as the user gives them, and why the setting needs them (said when the switch holds another value than
+    ``off``)."""
+
+    switch: str
+    on: tuple
+    words: str
+    why: str = ""
+    off: Any = None
+
+    def refusal(self, flag: str, switch_value: Any) -> str:
+        """The line refusing ``flag`` set while the switch holds ``switch_value``."""
+        if self.why and switch_value != self.off:
+            return f"{flag} applies only with {self.words}, not {switch_value}: {self.why}; use {self.words} (or drop " \
+                   "the option)"
+        add = "add one of them" if " or " in self.words else "add it"
+        return f"{flag} applies only with {self.words}; {add} (or drop the option)"
+
+
+# Settings that apply only when a switch turns their feature on; a user who set one believes the feature runs. Every
+# setting of a section but its switch, or one setting by field name.
+_SECTION_SWITCHES = {
+    "secagg": Needs("secure_aggregation", (True,), "--secure-aggregation"),
+    "privacy": Needs("privacy", ("central", "client"), "--privacy central or --privacy client"),
+}
+_SETTING_SWITCHES = {
+    "topk_ratio": Needs("compression", ("topk",), "--compression topk"),
+    "int8_block": Needs("compression", ("int8",), "--compression int8"),
+    "privacy_local_noise": Needs("privacy", ("client",), "--privacy client",
+                                 why="the agents add it to their own update", off="off"),
+}
+
+
+def needs_of(f: dataclasses.Field) -> Needs | None:
+    """The switch the setting of field ``f`` applies under; None for a setting that always applies, or a switch."""
+    needs = _SETTING_SWITCHES.get(f.name) or _SECTION_SWITCHES.get(f.metadata.get(GROUP))
+    return None if needs is None or needs.switch == setting_key(f) else needs
+
+
+def switched_options(parser: argparse.ArgumentParser) -> list[tuple[str, str, Any, Needs]]:
+    """(dest, flag, default, Needs) of each option of ``parser`` that applies only under a switch."""
+    return [(a.dest, a.option_strings[0], a.default, a.needs) for a in parser._actions if getattr(a, "needs", None)]
+
+
+def switched_settings(cls: type) -> list[tuple[str, str, Any, Needs]]:
+    """(dest, flag, default, Needs) of each declared setting of ``cls`` that applies only under a switch."""
+    return [(setting_key(f), "--" + (f.metadata[FLAG] or setting_key(f).replace("_", "-")), f.default, needs)
+            for f in declared_fields(cls) if (needs := needs_of(f)) is not None]
+
+
 def section(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
     """The argument group of section ``key`` in ``parser`` (made on first use)."""
     groups = parser.__dict__.setdefault("_fedpar_sections", {})
@@ -116,6 +168,7 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
             kw.update(required=True, default=None)
         action = target.add_argument("--" + (meta[FLAG] or dest.replace("_", "-")), **kw)
         action.setting_site = setting_site(f)
+        action.needs = needs_of(f)  # checked once parsed (cli/config.py refuse_unswitched)
         if isinstance(choices, dict):
             action.choice_values = choices  # a TOML file may give the value itself (cli/config.py)
         added[f.name] = action

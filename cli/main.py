@@ -9,7 +9,8 @@ import signal
 import sys
 
 from fedpar.cli.argtypes import FedparParser
-from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings
+from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings, refuse_unswitched
+from fedpar.cli.declared import switched_options
 from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe, quiet_exit_for_pipe, reader_left, runs_service
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         args._given = given_settings(subparser, argv[1:], from_file)
         if extra:  # said by the subcommand, which knows its options: its own --help
             subparser.unrecognized(extra)
+        refuse_unswitched(args, switched_options(subparser))  # e.g. --secagg-clip without --secure-aggregation
         if args.log_level:
             setup_logging(args)
         return int(args._module.run(args) or 0)

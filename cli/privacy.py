@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from fedpar.cli.declared import add_declared, from_args
+from fedpar.cli.config import refuse_unswitched
+from fedpar.cli.declared import add_declared, from_args, switched_settings
 from fedpar.cli.renamed import add_renamed
 from fedpar.settings import flag_of, setting
 
@@ -88,19 +89,10 @@ def privacy_on(args: argparse.Namespace) -> bool:
 def privacy_strategy(args: argparse.Namespace, strategy: str, clients_per_round: int, overselect: float,
                      population: int | None) -> tuple[str, dict[str, Any]]:
     """The strategy name and DP options for the parsed flags (unchanged name and no options when privacy is off)."""
+    refuse_unswitched(args, switched_settings(PrivacyOptions))  # for a service's run; main refused a command's
     o = from_args(PrivacyOptions, args, privacy_population=population)
     if o.privacy == "off":
-        unused = [f.name for f in fields(PrivacyOptions)
-                  if f.name not in ("privacy", "privacy_population") and getattr(o, f.name) != f.default]
-        if getattr(args, "privacy_population", None) is not None:  # serve's flag (simulate's population: --clients)
-            unused.append("privacy_population")
-        if unused:  # a user who set a noise level believes the run is private: it would not be
-            raise ValueError(f"--{unused[0].replace('_', '-')} applies only with --privacy central or --privacy "
-                             "client; add one of them (or drop the option)")
         return strategy, {}
-    if o.privacy_local_noise > 0 and o.privacy != "client":  # the agents add it, before they upload
-        raise ValueError(f"--privacy-local-noise applies only with --privacy client, not {o.privacy}: the agents add "
-                         "it to their own update; use --privacy client (or drop the option)")
     if population is None:
         raise ValueError(f"--privacy {o.privacy} needs --privacy-population: the number of agents that may be sampled")
     sampled = min(population, math.ceil(clients_per_round * overselect))
