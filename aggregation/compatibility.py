@@ -32,6 +32,12 @@ def robust_strategies() -> tuple[str, ...]:
     return tuple(name for name, cls in strategy_classes().items() if not cls.linear)
 
 
+def linear_strategy_names() -> list[str]:
+    """The strategies whose new model depends on the updates only through their weighted mean (``linear``): those
+    secure aggregation and aggregator ranks can run."""
+    return [name for name, cls in strategy_classes().items() if cls.linear]
+
+
 def feature_name(feature: str) -> str:
     """How the table's lines and docs/explanation/composition.md name ``feature``."""
     if feature == "robust":
@@ -46,21 +52,23 @@ class Clash:
     first: str
     second: str
     reason: str
+    linear_instead: bool = False  # a linear strategy runs with the first feature: the line lists them
 
     def line(self, named: Mapping[str, str] | None = None) -> str:
         """The one-line refusal, each feature as ``named`` calls it (else as :func:`feature_name` does)."""
         named = named or {}
         a, b = (named[f] if f in named else feature_name(f) for f in (self.first, self.second))
-        return f"{a} cannot run with {b}: {self.reason}"
+        instead = f"; use a linear strategy: {', '.join(linear_strategy_names())}" if self.linear_instead else ""
+        return f"{a} cannot run with {b}: {self.reason}{instead}"
 
 
 CLASHES = (
     Clash("secure_aggregation", "robust",
           "the coordinator only sees the sum of the masked updates, and a median, a trimmed mean or Krum's choice "
-          "needs each update"),
+          "needs each update", linear_instead=True),
     Clash("secure_aggregation", "flower",
           "the coordinator only sees the sum of the masked updates, and Flower's aggregate_fit takes one result per "
-          "client"),
+          "client", linear_instead=True),
     Clash("secure_aggregation", "privacy",
           "DP's guarantee needs every update's norm bounded by --privacy-clip where the noise is added, and the "
           "coordinator can neither clip nor check a masked update"),

@@ -6,7 +6,7 @@ import inspect
 from typing import Any
 
 from fedpar.aggregation.catalog import strategy_classes
-from fedpar.aggregation.compatibility import check_composition
+from fedpar.aggregation.compatibility import check_composition, linear_strategy_names  # noqa: F401 (imported from here)
 from fedpar.aggregation.options import option_specs, typed_options
 from fedpar.aggregation.privacy import DPStrategy
 from fedpar.aggregation.strategy import FLOWER_PREFIX, Strategy
@@ -19,12 +19,6 @@ DP_OPTIONS = frozenset(inspect.signature(DPStrategy).parameters) - {"inner", "fo
 def strategy_names() -> list[str]:
     """Names accepted by :func:`build_strategy` (each also as ``dp-NAME``: the same under DP-FedAvg)."""
     return list(strategy_classes())
-
-
-def linear_strategy_names() -> list[str]:
-    """The strategies whose new model depends on the updates only through their weighted mean (``linear``): those
-    secure aggregation and aggregator ranks can run."""
-    return [name for name, cls in strategy_classes().items() if cls.linear]
 
 
 def build_strategy(name: str, **kwargs: Any) -> Strategy:

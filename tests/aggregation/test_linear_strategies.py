@@ -84,3 +84,15 @@ def test_differential_privacy_refuses_every_registered_strategy_that_is_not_line
         for refused in (lambda: check_composition(name, privacy="central"), lambda: build_strategy(f"dp-{name}", **DP)):
             with pytest.raises(ValueError, match=f"^--privacy cannot run with --strategy {name}: "):
                 refused()
+
+
+@pytest.mark.parametrize("strategy", ["krum", "median", "trimmed_mean", "flower:flwr.server.strategy:FedAvg"])
+def test_the_secure_aggregation_refusal_of_a_strategy_lists_the_linear_ones(strategy, capsys):
+    """--secure-aggregation's help says 'a refusal lists them': it did not, and the user had to guess one."""
+    from fedpar.cli.main import main
+
+    assert main(["simulate", "--secure-aggregation", "--strategy", strategy, "--rounds", "1", "--quiet"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"fedpar simulate: --secure-aggregation cannot run with "
+                                                   f"--strategy {strategy}: ")
+    assert lines[0].endswith(f"; use a linear strategy: {', '.join(linear_strategy_names())}")
