@@ -135,11 +135,15 @@ def every_round_failed(summary: dict, task: str | None = None,
     """Why a run whose every round failed failed (the members' own failure when their code failed the last round's
     tasks, naming ``task``, the --task reference; else too few updates, and ``options`` to check), or "" when a
     round succeeded or none ran."""
+    from fedpar.client.model_fit import MODEL_DIFFERS, RESTART  # here: this module stays light (no gRPC)
+
     if not summary["rounds"] or summary["failed_rounds"] != summary["rounds"]:
         return ""
     failed = f"every round failed ({summary['rounds']} of {summary['rounds']})"
     error = summary.get("training_error")
     diverged = "; lower --lr (training diverged)" if "NaN or Inf" in (error or "") else ""
+    if error and error.startswith(MODEL_DIFFERS):  # the agent's build differs, not the task's code
+        return f"{failed}: an agent's {error}; {RESTART}"
     if error and task:
         return f"{failed}: the task's {error}{diverged}: fix the task ({task})"
     if error:

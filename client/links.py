@@ -380,6 +380,7 @@ class AgentLink:
         self._heard: tuple[float, int] | None = None  # (time.monotonic(), round) of the last heartbeat reply
         self._finished_task_id = ""  # told to the coordinator, which then never hands that task out again
         self._failure = ""  # why the agent's own code failed that task, told with it
+        self._failure_told = True  # by a pull since it failed (one not told yet is told as the agent leaves)
         self._heartbeat = _Heartbeat(self._send_heartbeat, lambda: self._heartbeat_seconds)
         self.incarnation = secrets.token_hex(16)  # with every Join: a Join sent again after its reply was lost is ours
 
@@ -401,10 +402,7 @@ class AgentLink:
 
     def pull(self) -> Pulled:
         """One PullTask long-poll."""
-        reply = self.conn.stub.PullTask(pb.PullTaskRequest(auth=self.auth, wait_seconds=self.config.poll_seconds,
-                                                           finished_task_id=self._finished_task_id,
-                                                           failure=self._failure),
-                                        timeout=self.config.poll_seconds + 30)
+        reply = self._pull(self.config.poll_seconds, self.config.poll_seconds + 30)
         kind = reply.WhichOneof("kind")
         if kind == "shutdown_reason":
             return Pulled(shutdown=one_line(reply.shutdown_reason))
@@ -414,6 +412,15 @@ class AgentLink:
                      "skipped", self.config.agent_id, one_line(reply.task.task_id, 64), reply.task.round)
             return Pulled()
         return Pulled([(0, reply.task)] if kind == "task" else [])
+
+    def _pull(self, wait_seconds: float, timeout: float) -> pb.PullTaskReply:
+        """A PullTask waiting up to ``wait_seconds``, telling the task the agent is done with (and its failure)."""
+        failure = self._failure
+        reply = self.conn.stub.PullTask(pb.PullTaskRequest(auth=self.auth, wait_seconds=wait_seconds,
+                                                           finished_task_id=self._finished_task_id, failure=failure),
+                                        timeout=timeout)
+        self._failure_told = self._failure_told or failure == self._failure
+        return reply
 
     def _registered(self, member: str) -> tuple[int, int]:
         """A member's examples as told at join and the local epochs of its task: its update's weight bound."""
@@ -431,7 +438,7 @@ class AgentLink:
 
     def failed(self, i: int, task: pb.TrainTask, reason: str) -> None:
         """The agent's own code failed ``task`` (``reason``: one line): said with it on the next pull."""
-        self._finished_task_id, self._failure = task.task_id, reason
+        self._finished_task_id, self._failure, self._failure_told = task.task_id, reason, False
 
     def small_sender(self, topk: bool, stub: CoordinatorStub) -> SendSmall:
         """How a small update goes: one UploadSmall call."""
@@ -443,10 +450,13 @@ class AgentLink:
 
     def close(self) -> None:
         """Stop the heartbeat thread and leave the coordinator (if it still answers): a process started again under
-        this id need not wait for this one's session to lapse."""
+        this id need not wait for this one's session to lapse; a failed task not told yet is told first (the agent
+        stops on a failure no round can cure: its round need not wait out its deadline)."""
         self._heartbeat.close()
         if self.auth is not None:
             try:
+                if not self._failure_told:
+                    self._pull(0.0, LEAVE_SECONDS)
                 self.conn.stub.Leave(pb.LeaveRequest(auth=self.auth), timeout=LEAVE_SECONDS)
             except grpc.RpcError:  # gone, or it forgot this session: there is nothing to leave
                 pass

@@ -27,9 +27,10 @@ import numpy as np
 from fedpar.client import dataplane
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.backoff import Backoff, Pacer, jittered
-from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Connection, HostLink, Members, Reconnecting,
-                                check_task_clock)
+from fedpar.client.links import (RETRYABLE, AgentConfig, AgentLink, Connection, FatalAgentError, HostLink, Members,
+                                Reconnecting, check_task_clock)
 from fedpar.client.member_state import ResidualStore
+from fedpar.client.model_fit import ModelMismatch
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
 from fedpar.client.trainer_protocol import UpdateRefused
@@ -429,7 +430,7 @@ class ClientRuntime:
         task (small models come inside it), else over the data plane or the gRPC stream by the first member to need
         it, with member ``i``'s session. None: not read, pull the task again (the coordinator hands it out until a
         download completes); True: refused, done with the task (noted; a model unlike this agent's is told to the
-        coordinator as the member's failure)."""
+        coordinator as the member's failure, and stops a deployed agent: FatalAgentError)."""
         key = self._weights_key(task)
         held = self._weights  # one tuple, replaced whole: read without the lock once the round's model is here
         if held[0] == key:
@@ -447,8 +448,11 @@ class ClientRuntime:
                                                self.link.max_chunk, timeout=max(1.0, task.deadline_seconds))
             except (grpc.RpcError, CodecError, dataplane.DataPlaneRefused) as err:
                 self._note_refusal(member, "download", err)
-                if isinstance(err, CodecError):  # another task or its options: no update will come, whatever the wait
-                    self.link.failed(i, task, f"download refused: {err}"[:MAX_REASON_CHARS])
+                if isinstance(err, CodecError):  # no update will come, whatever the wait
+                    reason = err.reason() if isinstance(err, ModelMismatch) else f"download refused: {err}"
+                    self.link.failed(i, task, reason[:MAX_REASON_CHARS])
+                if isinstance(err, ModelMismatch) and not self.members.population:  # no round ever will: stop
+                    raise FatalAgentError(err.refusal(self.config.agent_id)) from None
                 if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
                     time.sleep(jittered(self.config.initial_backoff, self._rng))  # then pull again
                     return None

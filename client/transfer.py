@@ -30,6 +30,7 @@ import numpy as np
 from fedpar.aggregation.clipping import clip_update
 from fedpar.client.backoff import Backoff, Uniform
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
+from fedpar.client.model_fit import fitting_layout
 from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError, CoordinatorStub,
@@ -126,12 +127,8 @@ def task_weights(task: pb.TrainTask, expected: ModelLayout) -> list[np.ndarray] 
 
 
 def matching_layout(header: pb.ModelHeader, expected: ModelLayout) -> ModelLayout:
-    """The layout ``header`` announces, which must be this agent's model (CodecError naming the difference)."""
-    layout = layout_from_pb(header.tensors)
-    problem = layout.mismatch(expected)
-    if problem:
-        raise CodecError(f"the coordinator's model does not match this agent's: {problem}")
-    return layout
+    """The layout ``header`` announces, which must be this agent's model (ModelMismatch naming the difference)."""
+    return fitting_layout(layout_from_pb(header.tensors), expected)
 
 
 def finite_weights(assembler: TensorAssembler) -> list[np.ndarray]:

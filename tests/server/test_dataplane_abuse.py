@@ -180,7 +180,7 @@ DATA = b"".join(a.tobytes() for a in ARRAYS)
                                        .SerializeToString())), CodecError, "total_bytes=4611686018427387904"),
     (lambda c: c.sendall(encode_status(0, pb.ModelHeader(tensors=layout_to_pb(ModelLayout.of_arrays(
         ["a", "b"], ARRAYS[::-1])), total_bytes=LAYOUT.total_bytes).SerializeToString()) + DATA), CodecError,
-     "does not match this agent's"),
+     "does not fit this agent's task"),
     (lambda c: c.sendall(encode_status(0, HEADER) + np.full(17, np.nan, np.float32).tobytes()), CodecError,
      "NaN or Inf"),
     (lambda c: c.sendall(encode_status(250, "no\x1b[2J\nway".encode())), dataplane.DataPlaneRefused, "no"),
