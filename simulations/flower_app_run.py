@@ -35,11 +35,15 @@ NODE_PATIENCE_SECONDS = 5.0
 
 def flower_app_refusal(cfg: SimulationConfig) -> str | None:
     """One line saying which of ``cfg``'s settings a ServerApp-driven run cannot honour, and what to do; None when
-    every one can be."""
-    asked = [(cfg.task is not None, "--task"), (cfg.secure_aggregation, "--secure-aggregation"),
+    every one can be. Only the settings that --strategy would let fedpar apply are told to add it."""
+    trains = [flag for on, flag in ((cfg.task is not None, "--task"), (cfg.client_batching, "--client-batching"))
+              if on]
+    if trains:  # refused with --strategy too (simulations/runner.py): the ClientApp trains whoever drives
+        return (f"{', '.join(trains)}: the Flower App's ClientApp trains the clients, whether its ServerApp or "
+                f"--strategy drives the rounds, so fedpar cannot apply {_it(trains)}; drop {_it(trains)}")
+    asked = [(cfg.secure_aggregation, "--secure-aggregation"),
              (cfg.virtual_clock, "--clock virtual"), (cfg.aggregator_ranks > 1, "--aggregator-ranks"),
-             (cfg.upload_compression.method != "none", "--compression"),
-             (cfg.client_batching, "--client-batching"), (cfg.trace is not None, "--trace"),
+             (cfg.upload_compression.method != "none", "--compression"), (cfg.trace is not None, "--trace"),
              (cfg.drop_probability > 0, "--drop-probability"), (cfg.clients_per_round not in (None, cfg.clients),
                                                                 "--clients-per-round"),
              (cfg.checkpoint_dir is not None, "--checkpoint-dir")]
@@ -47,7 +51,12 @@ def flower_app_refusal(cfg: SimulationConfig) -> str | None:
     if not named:
         return None
     return (f"{', '.join(named)}: the Flower App's ServerApp decides sampling and aggregation, so fedpar cannot "
-            "apply it; drop it, or add --strategy NAME to let fedpar drive the app's ClientApp")
+            f"apply {_it(named)}; drop {_it(named)}, or add --strategy NAME to let fedpar drive the app's ClientApp")
+
+
+def _it(flags: list[str]) -> str:
+    """'it' for one flag, 'them' for several."""
+    return "it" if len(flags) == 1 else "them"
 
 
 def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None = None) -> dict:

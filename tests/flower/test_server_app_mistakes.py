@@ -72,3 +72,14 @@ def test_a_client_app_reply_too_large_to_travel_is_its_error_reply_at_once(tmp_p
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["error_replies"], r["close_reason"]) for r in rows if r["message_type"] == "train"] == \
         [(2, "target reached")]  # at once, not at the deadline
+
+
+@pytest.mark.parametrize("flags, said", [(["--client-batching"], "--client-batching"),
+                                         (["--task", "examples/own_task.py:make"], "--task")])
+def test_a_setting_strategy_would_not_help_is_not_told_to_add_strategy(flags, said, tmp_path, capfd):
+    """It said 'or add --strategy NAME to let fedpar drive', and with --strategy fedavg it was refused still (QA)."""
+    for strategy in ([], ["--strategy", "fedavg"]):
+        done = run_main(["simulate", "--flower-app", str(APP), *flags, *strategy, "--clients", "2", "--quiet",
+                         "--out", str(tmp_path / "out")], capfd)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1 and said in lines[0] and "--strategy NAME" not in lines[0], lines
