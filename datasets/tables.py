@@ -51,19 +51,36 @@ def owner_numbers(ids: np.ndarray) -> np.ndarray:
     return numbers.astype(np.int64)
 
 
-def _table_file(path: str | Path, kind: str, what: str) -> Path:
-    """``path`` of ``--dataset KIND:PATH``; FileNotFoundError naming the option and what to pass when it is no file."""
+NPZ_FILE = "an .npz file holding the arrays x, y and optionally client"
+CSV_FILE = "a CSV file with a header row, a 'label' column and numeric features"
+
+
+def _table_file(path: str | Path, what: str) -> Path:
+    """``path``, a table's file; FileNotFoundError naming it and what it must be when it is none (said as a task
+    that reads it raised, so not in the words of any flag)."""
     path = Path(path)
     if not path.is_file():
-        state = "is a folder" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"--dataset {kind}:{path}: {path} {state}; pass the path of {what}, e.g. "
-                                f"--dataset {kind}:data/table.{kind}")
+        raise FileNotFoundError(f"{path} {_not_a_file(path)}; it must be {what}")
     return path
+
+
+def _dataset_file(name: str, kind: str, what: str) -> str:
+    """PATH of ``--dataset KIND:PATH``; FileNotFoundError naming the option and what to pass when it is no file."""
+    path = name.split(":", 1)[1]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--dataset {kind}:{path}: {path} {_not_a_file(Path(path))}; pass the path of {what}, "
+                                f"e.g. --dataset {kind}:data/table.{kind}")
+    return path
+
+
+def _not_a_file(path: Path) -> str:
+    """Why ``path``, which is no file, cannot be read."""
+    return "is a folder" if path.is_dir() else "does not exist"
 
 
 def load_npz_table(path: str | Path) -> DatasetSplits:
     """A federation from an .npz with x, y and optionally client."""
-    path = _table_file(path, "npz", "an .npz file holding the arrays x, y and optionally client")
+    path = _table_file(path, NPZ_FILE)
     with np.load(path, allow_pickle=False) as f:
         missing = {"x", "y"} - set(f.files)
         if missing:
@@ -75,7 +92,7 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
 
 def load_csv_table(path: str | Path) -> DatasetSplits:
     """A federation from a CSV with a label column, optionally a client column, and numeric features."""
-    path = _table_file(path, "csv", "a CSV file with a header row, a 'label' column and numeric features")
+    path = _table_file(path, CSV_FILE)
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
@@ -107,10 +124,10 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
 @register_dataset("npz", usage="npz:PATH", help="a table of features and labels")
 def npz_dataset(name: str) -> DatasetSplits:
     """``--dataset npz:PATH``."""
-    return load_npz_table(name.split(":", 1)[1])
+    return load_npz_table(_dataset_file(name, "npz", NPZ_FILE))
 
 
 @register_dataset("csv", usage="csv:PATH", help="a table of features and labels")
 def csv_dataset(name: str) -> DatasetSplits:
     """``--dataset csv:PATH``."""
-    return load_csv_table(name.split(":", 1)[1])
+    return load_csv_table(_dataset_file(name, "csv", CSV_FILE))

@@ -44,7 +44,7 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
         except TaskError:
             raise
         except Exception as exc:  # the task's own code: one line, as a file that fails to run is said
-            raise TaskError(f"--task {ref}: the factory raised {raised(exc)}") from exc
+            raise TaskError(f"--task {ref}: {_option_of(exc, options)}the factory raised {raised(exc)}") from exc
     else:
         raise TaskError(f"--task {ref} is a {type(target).__name__}; it must name a function returning a fedpar.Task")
     if not isinstance(task, Task):
@@ -55,6 +55,17 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
         task.description = {"task": from_anywhere(ref), "task_options": {k: _recorded(v) for k, v in options.items()}}
     task.check()
     return task
+
+
+def _option_of(exc: Exception, options: Mapping[str, Any]) -> str:
+    """'--task-option KEY=VALUE: ' for the option naming the file the factory could not open (``exc``, an OSError
+    that names its value), else ''."""
+    if isinstance(exc, OSError):
+        said = f"{exc.filename or ''} {exc}"
+        for key, value in options.items():
+            if isinstance(value, (str, Path)) and str(value) and str(value) in said:
+                return f"--task-option {key}={value}: "
+    return ""
 
 
 def from_anywhere(ref: str) -> str:

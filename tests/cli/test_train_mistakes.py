@@ -3,6 +3,8 @@ two real gloo ranks), an empty training set."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fedpar.cli.main import main
@@ -130,6 +132,18 @@ def test_a_data_or_layout_mistake_names_the_option_and_what_to_pass(extra, line,
     code, lines = _said(argv, capsys)
     assert (code, len(lines)) == (2, 1), lines
     assert lines[0].startswith(line.replace("{tmp}", str(tmp_path))), lines
+
+
+@pytest.mark.parametrize("given, state", [("none.csv", "does not exist"), ("corpus", "is a folder")])
+def test_a_task_s_table_that_is_no_file_names_the_task_option_not_dataset(given, state, tmp_path, capsys):
+    # the path came through the example task's csv option: the line named --dataset, which the user never gave
+    (tmp_path / "corpus").mkdir()
+    ref, table = f"{Path(__file__).parents[2] / 'examples' / 'own_task.py'}:task", tmp_path / given
+    code, lines = _said(["train", "--task", ref, "--task-option", f"csv={table}", "--device", "cpu",
+                         "--out", str(tmp_path / "out")], capsys)
+    assert (code, lines) == (2, [
+        f"fedpar train: --task {ref}: --task-option csv={table}: the factory raised FileNotFoundError: {table} "
+        f"{state}; it must be a CSV file with a header row, a 'label' column and numeric features"]), lines
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
