@@ -74,7 +74,7 @@ def typed_options(strategy: str, cls: type, raw: Mapping[str, Any], from_text: b
         if name in out:
             raise ValueError(f"option {name!r} of strategy {strategy!r} is given twice (last as {key!r})")
         if name in specs:
-            out[name] = _coerce(specs[name], value, strategy)
+            out[name] = _coerce(specs[name], value, _option_label(str(key).strip(), specs[name], cls, strategy))
         elif name in params and not from_text:
             out[name] = value
         else:
@@ -91,6 +91,14 @@ def _alias_target(targets: tuple[str, ...], cls: type) -> str | None:
     return next((t for t in targets if t in params), None)
 
 
-def _coerce(spec: OptionSpec, value: Any, strategy: str) -> Any:
-    """``value`` as ``spec.type``; ValueError saying what was expected."""
-    return coerce_value(spec.type, value, f"option {spec.name!r} of strategy {strategy!r}")
+def _option_label(typed: str, spec: OptionSpec, cls: type, strategy: str) -> str:
+    """How a message names option ``spec`` that the user typed as ``typed``: as typed, with the constructor argument
+    it sets when that is another name (an alias such as ``momentum``)."""
+    if typed.replace("-", "_") == spec.name:
+        return f"option {typed!r} of strategy {strategy!r}"
+    return f"option {typed!r} ({cls.__name__}'s {spec.name}) of strategy {strategy!r}"
+
+
+def _coerce(spec: OptionSpec, value: Any, label: str) -> Any:
+    """``value`` as ``spec.type``; ValueError saying what was expected, naming the option as ``label``."""
+    return coerce_value(spec.type, value, label)

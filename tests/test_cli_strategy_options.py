@@ -54,7 +54,8 @@ def test_a_later_flag_overrides_an_earlier_one_and_dp_wraps_the_configured_strat
 @pytest.mark.parametrize("option, message", [
     ("mux=1", "unknown option 'mux' for strategy 'fedprox'; valid options: proximal_mu (alias mu; float, "
               "default 0.01)"),
-    ("mu=abc", "option 'proximal_mu' of strategy 'fedprox' must be a number, got 'abc'"),
+    ("mu=abc", "option 'mu' (FedProx's proximal_mu) of strategy 'fedprox' must be a number, got 'abc'"),
+    ("proximal_mu=abc", "option 'proximal_mu' of strategy 'fedprox' must be a number, got 'abc'"),
     ("mu=nan", "must be finite"),
     ("mu=-1", "proximal_mu must be >= 0"),
     ("fold_config=x", "unknown option 'fold_config'"),  # not settable from text
@@ -62,6 +63,16 @@ def test_a_later_flag_overrides_an_earlier_one_and_dp_wraps_the_configured_strat
 def test_a_bad_option_is_a_clear_error_before_anything_starts(option, message, capsys):
     assert main(["simulate", "--strategy", "fedprox", "--strategy-option", option, "--rounds", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_flower_strategys_bad_option_is_named_as_typed(capsys):
+    """It said 'option 'server_momentum' ...', a name the user never typed (QA)."""
+    pytest.importorskip("flwr")
+    assert main(["simulate", "--strategy", "flower:flwr.server.strategy:FedAvgM", "--strategy-option", "momentum=abc",
+                 "--rounds", "1"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["fedpar simulate: option 'momentum' (FedAvgM's server_momentum) of strategy "
+                     "'flower:flwr.server.strategy:FedAvgM' must be a number, got 'abc'"]
 
 
 def test_serve_refuses_a_bad_option_name_listing_the_valid_ones(capsys, tmp_path):
@@ -85,7 +96,8 @@ def test_a_negative_multikrum_selection_is_refused_not_krum():
 
 
 def test_krum_counts_must_be_integers():
-    with pytest.raises(ValueError, match="'num_malicious' of strategy 'krum' must be an integer, got '1.5'"):
+    with pytest.raises(ValueError, match=r"option 'f' \(Krum's num_malicious\) of strategy 'krum' must be an "
+                                         r"integer, got '1.5'"):
         _build(["serve", "--strategy", "krum", "--strategy-option", "f=1.5"])
     with pytest.raises(ValueError, match="must be true or false"):
         _build(["serve", "--strategy", "fedadam", "--strategy-option", "bias_correction=maybe"])
