@@ -52,7 +52,8 @@ def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
     if task.name == "task":
         task = dataclasses.replace(task, name=ref)
     if not task.description:
-        task.description = {"task": from_anywhere(ref), "task_options": {k: _recorded(v) for k, v in options.items()}}
+        task.description = {"task": from_anywhere(ref),
+                            "task_options": {k: _recorded(_anchored(v)) for k, v in options.items()}}
     task.check()
     return task
 
@@ -142,6 +143,17 @@ def _text_type(hint: Any, default: Any) -> Any:
     if hint is None and default is not None and type(default) in SIMPLE_TYPES:
         return type(default)
     return None if hint in (None, Any, object) else hint
+
+
+def _anchored(value: Any) -> Any:
+    """An option as global.json keeps it: a relative path naming a file or folder here (one with a folder or a
+    suffix, 'examples/table.csv', not a word such as 'digits') made absolute, as the task's file is, so the task is
+    rebuilt the same from any folder."""
+    if isinstance(value, (str, Path)) and str(value):
+        path = Path(value)
+        if not path.is_absolute() and (len(path.parts) > 1 or path.suffix) and path.exists():
+            return str(path.resolve())
+    return value
 
 
 def _recorded(value: Any) -> Any:

@@ -103,6 +103,24 @@ def test_own_task_options_stay_typed_in_global_json_and_rebuild_its_model(tmp_pa
     capsys.readouterr()
 
 
+def test_global_json_rebuilds_the_task_from_another_folder_when_its_options_were_relative(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """As the guide runs it, from the repository root with `csv=examples/table.csv`: global.json keeps the table's
+    path absolute, as the task's, so the guide's `load_task(model["task"], model["task_options"])` rebuilds the task
+    from any folder (it read 'examples/table.csv' and raised FileNotFoundError elsewhere)."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "central"
+    assert main(["train", "--task", "examples/own_task.py:task", "--task-option", "csv=examples/table.csv",
+                 "--task-option", "hidden=16", "--epochs", "1", "--no-plot", "--out", str(out)]) == 0
+    model = json.loads((out / "global.json").read_text())["model"]
+    assert model == {"task": EXAMPLE, "task_options": {"csv": str(TABLE), "hidden": 16}}, model
+    monkeypatch.chdir(tmp_path)
+    rebuilt = load_task(model["task"], model["task_options"]).model()
+    rebuilt.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(out / "global.safetensors").items()})
+    assert rebuilt[0].out_features == 16
+    capsys.readouterr()
+
+
 def test_a_bool_option_stays_a_bool_and_a_path_its_text():
     task_file = ROOT / "tests" / "support" / "flagged_task.py"
     description = load_task(f"{task_file}:task", {"wide": "true", "scale": "2", "notes": "a/b.txt"}).description
