@@ -89,7 +89,12 @@ def check_batchable(model: nn.Module) -> None:
         if stateful or random:
             raise ValueError(f"client batching needs a model without batch-norm statistics or dropout (each "
                              f"member's step must be a function of its weights and batch alone); "
-                             f"{name or 'the model'} is a {type(module).__name__}")
+                             f"{name or 'the model'} is {_a(type(module).__name__)}")
+
+
+def _a(word: str) -> str:
+    """``word`` after its indefinite article, by its first letter: 'an Adafactor', 'a SGD'."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
 
 
 def batching_refusal(task: Task) -> str | None:
@@ -104,7 +109,7 @@ def batching_refusal(task: Task) -> str | None:
     if task.optimizer is not None:
         optimizer = task.optimizer([torch.zeros(1, requires_grad=True)], 0.1)
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-            return (f"task {task.name!r}'s optimizer is a {type(optimizer).__name__}; client batching steps the "
+            return (f"the optimizer of task {task.name!r} is {_a(type(optimizer).__name__)}; client batching steps the "
                     f"stacked members with elementwise optimizers only "
                     f"({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}): drop --client-batching")
     try:

@@ -157,7 +157,12 @@ def test_what_cannot_stack_is_refused_with_the_reason():
     assert "trains with its own train hook" in batching_refusal(hooked)
     lbfgs = Task(model=task.model, client_data=task.client_data, loss=F.cross_entropy,
                  optimizer=lambda params, lr: torch.optim.LBFGS(params, lr))
-    assert "optimizer is a LBFGS" in batching_refusal(lbfgs)
+    assert "optimizer of task 'task' is a LBFGS" in batching_refusal(lbfgs)
+    # It said "task 'adafactor''s optimizer is a Adafactor": a quote glitch and the wrong article (QA)
+    adafactor = Task(model=task.model, client_data=task.client_data, loss=F.cross_entropy, name="drop_task.py:task",
+                     optimizer=lambda params, lr: torch.optim.Adafactor(params, lr))
+    assert batching_refusal(adafactor).startswith("the optimizer of task 'drop_task.py:task' is an Adafactor; client "
+                                                  "batching steps")
 
 
 def test_deadlines_stop_each_client_on_its_own_clock():
