@@ -8,6 +8,7 @@ named after the table, which then receives the whole table as a dict (``[train.m
 from __future__ import annotations
 
 import argparse
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,7 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     unknown = sorted(set(values) - dests)
     if unknown:
         raise ConfigError(
-            f"{known.config}: unknown option(s) for '{section}': {', '.join(unknown)}; "
+            f"{known.config}: unknown option(s) for '{section}': {_unknown_said(unknown, names, dict_options)}; "
             f"run 'fedpar {section} --help' for the valid ones"
         )
     actions = {a.dest: a for a in parser._actions}
@@ -171,6 +172,22 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
         if action.required and action.dest in values:  # argparse checks a required option's flag, never its default
             action.required = False
     return frozenset(values)
+
+
+def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[str]) -> str:
+    """The ``unknown`` options; those of a nested table named close to an option that takes a table are said as
+    that table, with the option: a misspelled ``[train.task_option]`` was flattened, and only its ``csv`` said."""
+    said, tables = [], {}
+    for key in unknown:
+        table, _, leaf = names[key].rpartition(".")
+        meant = difflib.get_close_matches(_key(table.rpartition(".")[2]), sorted(dict_options), n=1) if table else []
+        if meant:
+            tables.setdefault((table, meant[0]), []).append(leaf)
+        else:
+            said.append(key)
+    said += [f"{table} (a table holding {', '.join(leaves)}; did you mean {meant}?)"
+             for (table, meant), leaves in tables.items()]
+    return ", ".join(said)
 
 
 def _refuse_if_for_others(path: str, section: str) -> None:

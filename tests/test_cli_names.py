@@ -194,3 +194,15 @@ def test_fedpar_help_and_building_any_parser_import_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("no torch") and "usage: fedpar" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_a_misspelled_table_option_is_named_with_the_one_meant(command, tmp_path, capsys):
+    """[train.task_option] (no s) was flattened as options of train, and only its key was said: 'unknown option(s)
+    for 'train': csv' (QA)."""
+    path = tmp_path / "t3.toml"
+    path.write_text(f'[{command}.task_option]\ncsv = "data.csv"\n')
+    assert main([command, "--config", str(path)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"fedpar {command}: {path}: unknown option(s) for '{command}': task_option (a table holding "
+                     f"csv; did you mean task_options?); run 'fedpar {command} --help' for the valid ones"]
