@@ -148,12 +148,12 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
         _refuse_if_for_others(known.config, section)
     aliases = {a.old_key: a for a in parser._actions if isinstance(a, AliasOption)}
     for old in [key for key in values if key in aliases]:  # an option's old name still works, with a note
-        alias = aliases[old]
-        if alias.dest in values:
-            raise ConfigError(f"{known.config}: {names[old]} and {names[alias.dest]} are the same option; keep "
-                              f"{names[alias.dest]}")
-        alias.note(f"fedpar {section}", f"{names[old]} in {known.config}", alias.dest)
-        values[alias.dest], names[alias.dest] = values.pop(old), names.pop(old)
+        written = names[old]
+        _rename(values, names, old, aliases[old].dest, known.config)
+        aliases[old].note(f"fedpar {section}", f"{written} in {known.config}", aliases[old].dest)
+    flag_keys = {a.flag_key: a.dest for a in parser._actions if getattr(a, "flag_key", None)}
+    for key in [key for key in values if key in flag_keys]:  # the flag's own name: deadline for deadline_seconds
+        _rename(values, names, key, flag_keys[key], known.config)
     unknown = sorted(set(values) - dests)
     if unknown:
         raise ConfigError(
@@ -172,6 +172,13 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
         if action.required and action.dest in values:  # argparse checks a required option's flag, never its default
             action.required = False
     return frozenset(values)
+
+
+def _rename(values: dict[str, Any], names: dict[str, str], key: str, dest: str, path: str) -> None:
+    """Move the file's ``key`` to the option ``dest`` it names; ConfigError when the file sets ``dest`` too."""
+    if dest in values:
+        raise ConfigError(f"{path}: {names[key]} and {names[dest]} are the same option; keep {names[dest]}")
+    values[dest], names[dest] = values.pop(key), names.pop(key)
 
 
 def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[str]) -> str:

@@ -169,6 +169,11 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
         action = target.add_argument("--" + (meta[FLAG] or dest.replace("_", "-")), **kw)
         action.setting_site = setting_site(f)
         action.needs = needs_of(f)  # checked once parsed (cli/config.py refuse_unswitched)
+        flag_key = (meta[FLAG] or "").replace("-", "_")
+        # A --config file may name the setting as its flag too (deadline = 30); not a KEY=VALUE flag's, which names
+        # one pair where the file's table (task_options) holds them all.
+        if flag_key and flag_key != dest and kw.get("action") is not argtypes.KeyValueOption:
+            action.flag_key = flag_key
         if isinstance(choices, dict):
             action.choice_values = choices  # a TOML file may give the value itself (cli/config.py)
         added[f.name] = action

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from fedpar.cli.config import apply_config_defaults
 from fedpar.cli.log_level import set_grpc_verbosity
 from fedpar.cli.main import build_parser, main, subcommand_parser
 from fedpar.cli.subcommands import SUBCOMMANDS
@@ -79,7 +80,9 @@ def test_serve_client_and_simulate_share_the_defaults_of_the_same_knob():
 @pytest.mark.parametrize("toml, expected", [
     ('[serve]\nrounds = "ten"\n', "config.toml: rounds: expected an integer, got 'ten'"),
     ("rounds = -1\n", "config.toml: rounds: -1 is out of range: a count must be at least 1"),
-    ("[serve]\nlr = 0.1\n", "unknown option(s) for 'serve': lr"),  # TOML keys are the settings' names
+    ('[serve]\nlr = "fast"\n', "config.toml: lr: expected a number, got 'fast'"),  # a key may be the flag's name
+    ("[serve]\nlr = 0.1\nlearning_rate = 0.2\n", "config.toml: lr and learning_rate are the same option; keep "
+                                                 "learning_rate"),
     ('[serve]\nlearning_rate = "fast"\n', "config.toml: learning_rate: expected a number, got 'fast'"),
     ("[serve]\nsecure_aggregation = 1\n", "config.toml: secure_aggregation: expected true or false, got 1"),
     ('[serve]\nprivacy = "centre"\n', "config.toml: privacy: expected one of off, central, client, got 'centre'"),
@@ -206,3 +209,16 @@ def test_a_misspelled_table_option_is_named_with_the_one_meant(command, tmp_path
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == [f"fedpar {command}: {path}: unknown option(s) for '{command}': task_option (a table holding "
                      f"csv; did you mean task_options?); run 'fedpar {command} --help' for the valid ones"]
+
+
+@pytest.mark.parametrize("command", ["serve", "simulate"])
+def test_a_config_file_key_may_be_the_flags_own_name(command, tmp_path):
+    """The guide listed deadline_seconds for --deadline, and deadline = 30 was an unknown option: a setting whose flag
+    differs from its name takes either as its key."""
+    path = tmp_path / "config.toml"
+    path.write_text(f"[{command}]\ndeadline = 30\nlr = 0.05\n")
+    parser = build_parser(only=command)
+    sub = subcommand_parser(parser, command)
+    assert apply_config_defaults(sub, ["--config", str(path)], command) == {"deadline_seconds", "learning_rate"}
+    args = parser.parse_args([command])
+    assert (args.deadline_seconds, args.learning_rate) == (30.0, 0.05)
