@@ -84,14 +84,17 @@ class HostUploads:
         self._thread = threading.Thread(target=self._run, name="fedpar-host-uploads", daemon=True)
         self._thread.start()
 
-    def send(self, stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
+    def send(self, stub: CoordinatorStub, update: SmallUpdate, timeout: float,
+             abandoned: Callable[[], bool] | None = None) -> pb.UploadReply:
         """Send ``update`` in the next batch and wait for its own result (the runtime's small-upload call; ``stub``
-        is the task's, unused: the host's channel carries the batch)."""
+        is the task's, unused: the host's channel carries the batch, whose thread ends its calls; ``abandoned``
+        likewise)."""
         item = _Queued(update, time.monotonic() + timeout, Future(), background=False)
         self._put(item)
         return item.done.result()
 
-    def send_later(self, stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
+    def send_later(self, stub: CoordinatorStub, update: SmallUpdate, timeout: float,
+                   abandoned: Callable[[], bool] | None = None) -> pb.UploadReply:
         """Queue ``update`` for the next batch and return at once, so the seat goes on with its next client."""
         self._put(_Queued(update, time.monotonic() + timeout, Future(), background=True))
         return pb.UploadReply(accepted=True, message="queued")

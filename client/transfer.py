@@ -46,6 +46,11 @@ if TYPE_CHECKING:  # only named: the stacked rows and results come from a traine
 
 # An upload refused with these may be sent again this round (busy coordinator, connection lost mid-stream).
 UPLOAD_RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+ABANDON_CHECK_SECONDS = 0.5  # how often an upload in flight asks whether its round is over
+
+
+class RoundOver(Exception):
+    """An upload given up in flight: its round ended meanwhile (another round began)."""
 
 
 def ingest_address(server: str, task: pb.TrainTask) -> str:
@@ -216,8 +221,9 @@ def upload_messages(auth: pb.AgentAuth, task: pb.TrainTask, layout: ModelLayout,
 
 
 def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | bytes],
-                  timeout: float | None = None) -> pb.UploadReply:
-    """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused.
+                  timeout: float | None = None, abandoned: Callable[[], bool] = lambda: False) -> pb.UploadReply:
+    """Send an upload stream; raises grpc.RpcError with the coordinator's reason if refused (cancelled once
+    ``abandoned()``: :func:`result_unless`).
 
     The header goes first; the data of an upload of SMALL_UPDATE_BYTES or more follows only once the
     coordinator admits it (UPLOAD_ADMITTED initial metadata), so a busy coordinator refuses it before any
@@ -226,15 +232,29 @@ def upload_update(stub: CoordinatorStub, messages: Iterator[pb.UploadChunk | byt
     gate = _AdmissionGate(iter(messages))
     call = stub.UploadUpdate.future(gate, timeout=timeout)
     gate.attach(call)
-    return call.result()
+    return result_unless(call, abandoned)
 
 
-def upload_small(stub: CoordinatorStub, update: SmallUpdate, timeout: float) -> pb.UploadReply:
-    """Send one small update in one UploadSmall call."""
-    return stub.UploadSmall(update.message, timeout=timeout)
+def upload_small(stub: CoordinatorStub, update: SmallUpdate, timeout: float,
+                 abandoned: Callable[[], bool] = lambda: False) -> pb.UploadReply:
+    """Send one small update in one UploadSmall call (cancelled once ``abandoned()``: :func:`result_unless`)."""
+    return result_unless(stub.UploadSmall.future(update.message, timeout=timeout), abandoned)
 
 
-SendSmall = Callable[[CoordinatorStub, SmallUpdate, float], pb.UploadReply]  # upload_small, or a host's batch
+def result_unless(call: grpc.Future, abandoned: Callable[[], bool]):
+    """``call``'s result, or grpc.FutureCancelledError once ``abandoned()`` (the round is over) cancelled it: an
+    aggregator rank that stopped (SIGSTOP, a hung host) still accepts connections, and the upload waited for the
+    round's deadline while the agent missed the rounds rank 0 went on with."""
+    while True:
+        try:
+            return call.result(timeout=ABANDON_CHECK_SECONDS)
+        except grpc.FutureTimeoutError:
+            if abandoned():
+                call.cancel()
+
+
+# upload_small, or a host's batch (which takes ``abandoned`` and goes on: the host's batch thread ends its calls)
+SendSmall = Callable[..., pb.UploadReply]
 
 
 class UpdateSender:
@@ -266,13 +286,18 @@ class UpdateSender:
         while True:
             try:
                 if single is not None:  # one unary call: no stream to set up for a small update
-                    self.send_small(self.stub, single, upload_timeout(self.deadline_at))
+                    self.send_small(self.stub, single, upload_timeout(self.deadline_at), abandoned=self.superseded)
                 else:
                     messages = upload_messages(self.auth, self.task, upload.layout, upload.arrays, result.examples,
                                                result.steps, metrics, self.chunk_bytes, upload.encoding,
                                                upload.encoding_json)
-                    upload_update(self.stub, messages, timeout=upload_timeout(self.deadline_at))
+                    upload_update(self.stub, messages, timeout=upload_timeout(self.deadline_at),
+                                  abandoned=self.superseded)
                 return True
+            except grpc.FutureCancelledError:
+                self.note_refusal("upload", RoundOver(f"round {self.task.round} is over (another round began): "
+                                                      "not sent"))
+                return False
             except grpc.RpcError as err:
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 backoff = backoff or Backoff(0.1, 2.0, self.rng)

@@ -75,6 +75,44 @@ def test_rank_0_stopped_by_a_signal_tells_rank_1_to_stop_and_rank_1_leaves_witho
     assert "aggregator rank" not in after, after  # no launcher line about a rank after the summary
 
 
+def test_an_agent_uploading_to_a_stopped_rank_gives_up_once_rank_0_goes_on_and_takes_the_next_rounds(tmp_path):
+    """SIGSTOP of rank 1, which still accepts connections: the agent whose upload was in flight there waited for the
+    round's deadline (13-48 s, QA), so rank 0's next rounds, dealt to rank 0 alone, waited for it too; now the upload
+    is cancelled once a heartbeat names a later round (client/transfer.result_unless) and the rounds go on."""
+    log = tmp_path / "serve.log"
+    proc = _start(log, "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
+                  str(tmp_path / "out"), "--no-central-eval", "--aggregator-ranks", "2", "--min-available", "2",
+                  "--clients-per-round", "2", "--heartbeat", "1", "--local-epochs", "1", "--batch-size", "32",
+                  "--rounds", "100000", *RANKS_ON_CPU)
+    agents, rank_1 = [], None
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    rounds = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
+    try:
+        _wait_for(lambda: (tmp_path / "port").exists(), proc, log)
+        torch.set_num_threads(1)
+        agents, _, _ = start_digit_agents(int((tmp_path / "port").read_text()), ["v0", "v1"], give_up_after=60)
+        _wait_for(lambda: rounds() >= 20, proc, log)  # each rank takes one agent's uploads
+        rank_1 = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", log.read_text()).group(1))
+        os.kill(rank_1, signal.SIGSTOP)
+        stopped_at = rounds()
+        time.sleep(12)  # lost within about 3 s; the upload in flight there given up at the next heartbeat
+        went_on = rounds() - stopped_at
+    finally:
+        if rank_1 is not None:
+            os.kill(rank_1, signal.SIGCONT)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for agent in agents:
+                agent.stop()
+    text = log.read_text()
+    assert "rank 1 lost (died or hung); going on with 1 of 2 ranks (0)" in text, text[-3000:]
+    assert went_on >= 10, (went_on, text[-3000:])
+
+
 def _handles_sigterm(pid: int) -> bool:
     """Whether process ``pid`` handles SIGTERM (Python does not by itself: fedpar's handling is in place)."""
     return catches(pid, signal.SIGTERM)
