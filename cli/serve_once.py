@@ -89,8 +89,20 @@ class OneShotService(RunService):
               f"{where} {security.client_hint} --agent-id ID ...)", flush=True)
 
     def waiting(self, server) -> None:
-        """The progress bar follows the open round."""
+        """The progress bar follows the open round; a wait for agents after a round (the listening line says the
+        first) is said as a service's run says it (RunService)."""
         self.progress.follow(server.coordinator)
+        if server.coordinator.round_id >= 1:
+            super().waiting(server)
+
+    def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str]) -> str:
+        """What the coordinator waiting for --min-available agents says."""
+        return (f"waiting for {need} agents (--min-available): {len(with_task)} connected now "
+                f"({', '.join(with_task) or 'none'})")
+
+    def say_waiting(self, run, line: str, first: bool) -> None:
+        """``line`` on stderr each time a service's run would log it (the round table stands still meanwhile)."""
+        print(f"fedpar serve: {line}", file=sys.stderr, flush=True)
 
     def round_error(self, exc: Exception, config) -> str:
         """Re-raised: the command ends with it (a file it could not write says which checkpoint is kept)."""

@@ -236,14 +236,22 @@ class RunService:
             self._wait = [now, None, ""]  # [waiting since, last said, what]
         since, said, what = self._wait
         run, task = self._current
-        line = (f"run {run.id} waits for {need} agents with task {task!r}: {len(with_task)} connected with it now "
-                f"({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
+        line = self.wait_line(run, task, need, with_task, connected)
         if now - since < WAIT_SAID_AFTER_SECONDS or (line == what and now - said < WAIT_SAID_EVERY_SECONDS):
             return
-        self.store.log(run.id, line)
-        if said is None:
-            print(f"fedpar service: {line}", file=sys.stderr, flush=True)
+        self.say_waiting(run, line, first=said is None)
         self._wait[1:] = [now, line]
+
+    def say_waiting(self, run, line: str, first: bool) -> None:
+        """``line`` into the run's log, and the ``first`` of a wait on the service's stderr too."""
+        self.store.log(run.id, line)
+        if first:
+            print(f"fedpar service: {line}", file=sys.stderr, flush=True)
+
+    def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str]) -> str:
+        """What a run waiting for ``need`` agents says: those connected with its task, and all those connected."""
+        return (f"run {run.id} waits for {need} agents with task {task!r}: {len(with_task)} connected with it now "
+                f"({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
 
     def round_error(self, exc: Exception, config) -> str:
         """Why a run ended by ``exc`` (a round's error) failed: the service goes on with the next run (called in
