@@ -107,7 +107,8 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     if rank:
         config.checkpoint_dir = None
         config.data_port = config.data_port + rank if config.data_port else 0
-    security = server_security(args)  # first: a missing certificate should not wait for data loading
+    # first: a missing certificate should not wait for data loading; said once, by the ranks' launcher if any
+    security = server_security(args, warn=not getattr(args, "launcher_warned", False))
     config.upload_compression = compression_from_args(args)
     config.validate()
     strategy_options = strategy_options_from_args(args)
@@ -248,7 +249,7 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     # service (--state): its launcher may have served gRPC already, which does not survive a fork.
     fork = args.state is None and fork_safe()
     try:
-        spawn(world, serve_rank, {**plain_options(args), **(more or {})}, parent_stops=True,
+        spawn(world, serve_rank, {**plain_options(args), "launcher_warned": True, **(more or {})}, parent_stops=True,
               stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
               start_method="fork" if fork else "spawn",
               # and when it dies, every rank starts again where the agents find it: the same port

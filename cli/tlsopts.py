@@ -132,8 +132,9 @@ def _foreign_server_certificate(args: argparse.Namespace, files: TlsFiles) -> No
     log.warning("%s; give the server.pem and ca.pem of one 'fedpar certs' folder", what)
 
 
-def server_security(args: argparse.Namespace) -> ServerSecurity:
-    """Build the coordinator's TLS credentials and admission policy; TlsSetupError says what is missing."""
+def server_security(args: argparse.Namespace, warn: bool = True) -> ServerSecurity:
+    """Build the coordinator's TLS credentials and admission policy; TlsSetupError says what is missing. ``warn``:
+    say what plaintext exposes (an aggregator rank whose launcher said it already does not say it again)."""
     _check_mode(args)
     files = None if args.insecure else server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
     credentials = server_credentials(files) if files is not None else None  # before the lists, whose reading is logged
@@ -156,8 +157,9 @@ def server_security(args: argparse.Namespace) -> ServerSecurity:
         hint = (f"--certs {args.certs}" if args.certs else
                 "--tls-ca CA.pem " + ("--tls-cert ID.pem --tls-key ID.key" if mutual else "--enrollment-token-file F"))
     else:
-        log.warning(PLAINTEXT_WARNING)
-        if tokens is None:
+        if warn:
+            log.warning(PLAINTEXT_WARNING)
+        if tokens is None and warn:
             log.warning("--insecure without --enrollment-tokens: any agent that can reach this port may join")
         description = "PLAINTEXT (--insecure)" + (" + enrollment tokens" if tokens is not None else "")
         hint = "--insecure" + (" --enrollment-token-file F" if tokens is not None else "")

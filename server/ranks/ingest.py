@@ -95,8 +95,8 @@ class IngestRank(IngestPlane):
                     return
             else:
                 await self._forming(self.group.exchange_endpoints, me)
-            log.info("aggregator rank %d (pid %d) serving on port %d, data plane on %s", self.rank, os.getpid(),
-                     me.grpc_port, me.data_port or "none")
+            log.info("aggregator rank %d (pid %d) serving on port %d, %s", self.rank, os.getpid(), me.grpc_port,
+                     f"data plane on port {me.data_port}" if me.data_port else "no data plane (--data-port)")
             while True:
                 try:
                     message = await self._receive()

@@ -111,6 +111,9 @@ def test_an_agent_uploading_to_a_stopped_rank_gives_up_once_rank_0_goes_on_and_t
     text = log.read_text()
     assert "rank 1 lost (died or hung); going on with 1 of 2 ranks (0)" in text, text[-3000:]
     assert went_on >= 10, (went_on, text[-3000:])
+    # said once, by the launcher, not again by each rank (QA: three times); a rank's data plane in words
+    assert text.count("--insecure: plaintext gRPC") == 1 and text.count("--insecure without") == 1, text[:3000]
+    assert "no data plane (--data-port)" in text and "data plane on none" not in text, text[:3000]
 
 
 def _handles_sigterm(pid: int) -> bool:
