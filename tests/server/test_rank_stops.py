@@ -39,15 +39,28 @@ def _wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 120
         time.sleep(0.05)
 
 
+def _two_ranks(tmp_path: Path, log: Path, agents: int) -> subprocess.Popen:
+    """`fedpar serve` on two aggregator ranks, rounds without end, each sampling ``agents`` agents."""
+    return _start(log, "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
+                  str(tmp_path / "out"), "--no-central-eval", "--aggregator-ranks", "2", "--min-available",
+                  str(agents), "--clients-per-round", str(agents), "--heartbeat", "1", "--local-epochs", "1",
+                  "--batch-size", "32", "--rounds", "100000", *RANKS_ON_CPU)
+
+
+def _end(proc: subprocess.Popen, agents) -> None:
+    """Kill ``proc`` if it is still there; stop the ``agents``."""
+    if proc.poll() is None:
+        proc.kill()
+    for agent in agents:
+        agent.stop()
+
+
 def test_rank_0_stopped_by_a_signal_tells_rank_1_to_stop_and_rank_1_leaves_without_a_failure_line(tmp_path):
     """SIGTERM to rank 0 itself, as the launcher sends it after a Ctrl-C, but with no launcher stopping rank 1: rank 1
     leaves only because rank 0 told it to (before, it said 'rank 0 (the control plane) is gone or hangs ...; waiting
     for rank 0 to form the group again' whenever it saw rank 0 go before the launcher's SIGTERM reached it)."""
     log = tmp_path / "serve.log"
-    proc = _start(log, "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
-                  str(tmp_path / "out"), "--no-central-eval", "--aggregator-ranks", "2", "--min-available", "1",
-                  "--clients-per-round", "1", "--heartbeat", "1", "--local-epochs", "1", "--batch-size", "32",
-                  "--rounds", "100000", *RANKS_ON_CPU)
+    proc = _two_ranks(tmp_path, log, agents=1)
     agents = []
     try:
         _wait_for(lambda: (tmp_path / "port").exists(), proc, log)
@@ -63,10 +76,7 @@ def test_rank_0_stopped_by_a_signal_tells_rank_1_to_stop_and_rank_1_leaves_witho
         os.kill(rank_0[0], signal.SIGTERM)
         code = proc.wait(30)  # rank 1 leaving by itself: the launcher would wait 30 s for it
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for agent in agents:
-            agent.stop()
+        _end(proc, agents)
     text = log.read_text()
     assert code == 143, text[-3000:]  # rank 0's: it was stopped by SIGTERM
     assert text.count("fedpar serve: interrupted after") == 1, text[-3000:]
@@ -80,10 +90,7 @@ def test_an_agent_uploading_to_a_stopped_rank_gives_up_once_rank_0_goes_on_and_t
     round's deadline (13-48 s, QA), so rank 0's next rounds, dealt to rank 0 alone, waited for it too; now the upload
     is cancelled once a heartbeat names a later round (client/transfer.result_unless) and the rounds go on."""
     log = tmp_path / "serve.log"
-    proc = _start(log, "serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
-                  str(tmp_path / "out"), "--no-central-eval", "--aggregator-ranks", "2", "--min-available", "2",
-                  "--clients-per-round", "2", "--heartbeat", "1", "--local-epochs", "1", "--batch-size", "32",
-                  "--rounds", "100000", *RANKS_ON_CPU)
+    proc = _two_ranks(tmp_path, log, agents=2)
     agents, rank_1 = [], None
     metrics = tmp_path / "out" / "metrics.jsonl"
     rounds = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
@@ -104,10 +111,7 @@ def test_an_agent_uploading_to_a_stopped_rank_gives_up_once_rank_0_goes_on_and_t
         try:
             proc.wait(30)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-            for agent in agents:
-                agent.stop()
+            _end(proc, agents)
     text = log.read_text()
     assert "rank 1 lost (died or hung); going on with 1 of 2 ranks (0)" in text, text[-3000:]
     assert went_on >= 10, (went_on, text[-3000:])
