@@ -9,7 +9,6 @@ over the pairs of the ratio spinning / passive. The results go to benchmarks/res
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,6 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from results import write_results  # noqa: E402  (benchmarks/, this script's folder)
+
+from fedpar.cli.argtypes import FedparParser  # noqa: E402
 
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
 
@@ -59,7 +60,7 @@ def one_run(folder: Path, rounds: int, wait_policy: str | None) -> float:
 
 def main() -> int:
     """Alternate the pairs, print each run and the median ratio, write the results."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FedparParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
