@@ -57,7 +57,7 @@ without a rank that is lost."""
         self._broken: str | None = None  # why the group could not be formed again, if it could not
         self.tls = tls  # the coordinator's certificate for the control service (None: plaintext)
         self.advertised_host = advertised_host  # what agents dial for this rank ("" = the host they dial already)
-        self.endpoints: list[RankEndpoint] = []
+        self.endpoints: dict[int, RankEndpoint] = {}  # by rank: the group may lack one (lost), a later one taken back
         self.secret = new_secret()
         self._control: grpc.aio.Server | None = None
         self._steps = CollectiveThread(group)  # collectives, in order
@@ -232,11 +232,16 @@ without a rank that is lost."""
         self.coordinator, self._control_target = coordinator, grpc_target(host, control_port)
 
         def work():
-            self.endpoints = self.group.exchange_endpoints(me)
+            self.endpoints = {e.rank: e for e in self.group.exchange_endpoints(me)}
             self._send_start()
         self._started = True
-        await self._collective(work, watched=False)
-        log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints))
+        while True:
+            try:
+                await self._collective(work, watched=False)
+                break
+            except RanksChanged:  # a rank died between a service's runs: the group went on without it (it is
+                pass              # taken back when a round opens, once its replacement asks)
+        log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints.values()))
         self._ticker = asyncio.ensure_future(self._tick())
         self._watching_since = time.monotonic()  # the ranks' heartbeats start with the start message
         self._watcher = asyncio.ensure_future(self._watch())
