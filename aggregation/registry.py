@@ -6,7 +6,7 @@ import inspect
 from typing import Any
 
 from fedpar.aggregation.catalog import strategy_classes
-from fedpar.aggregation.compatibility import check_composition, linear_strategy_names  # noqa: F401 (imported from here)
+from fedpar.aggregation.compatibility import check_composition
 from fedpar.aggregation.options import option_specs, typed_options
 from fedpar.aggregation.privacy import DPStrategy
 from fedpar.aggregation.strategy import FLOWER_PREFIX, Strategy

@@ -25,8 +25,7 @@ from typing import Callable, Sequence
 import grpc
 import numpy as np
 
-from fedpar.aggregation.compatibility import check_composition
-from fedpar.aggregation.registry import linear_strategy_names
+from fedpar.aggregation.compatibility import check_composition, linear_strategy_names
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout
 from fedpar.secagg import wire

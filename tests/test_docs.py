@@ -178,7 +178,7 @@ def test_the_pages_list_the_strategies_the_registry_has():
     linear strategies asks for the list, and the list is the registry's."""
     import importlib.util
 
-    from fedpar.aggregation.registry import linear_strategy_names
+    from fedpar.aggregation.compatibility import linear_strategy_names
 
     spec = importlib.util.spec_from_file_location("strategy_lists", DOCS / "hooks" / "strategy_lists.py")
     hook = importlib.util.module_from_spec(spec)

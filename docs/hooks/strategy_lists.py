@@ -15,7 +15,7 @@ def strategy_list(marker: str) -> str:
     from fedpar.aggregation import compatibility, registry
 
     kind = MARKERS[marker]
-    names = getattr(compatibility if kind == "robust_strategies" else registry, kind)()
+    names = getattr(registry if kind == "strategy_names" else compatibility, kind)()
     return ", ".join(names)
 
 

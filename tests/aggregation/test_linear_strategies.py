@@ -7,7 +7,8 @@ import pytest
 
 from fedpar.aggregation import Strategy, build_strategy
 from fedpar.aggregation.catalog import strategy_classes
-from fedpar.aggregation.registry import linear_strategy_names, strategy_names
+from fedpar.aggregation.compatibility import linear_strategy_names
+from fedpar.aggregation.registry import strategy_names
 from fedpar.server.secure_round import check_secure_setup
 
 SHAPES = [(4, 3), (3,), (2, 2, 2)]
