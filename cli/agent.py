@@ -161,10 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what it did so far, as serve and simulate say theirs
-        stats = agent.stats
-        print(f"fedpar client: interrupted after {stats.tasks} tasks, {stats.accepted} updates accepted, "
-              f"{stats.refused} refused", file=sys.stderr)
+        print(f"fedpar client: interrupted after {agent.stats.summary()}", file=sys.stderr)
         return 130
-    print(f"agent {args.agent_id}: {stats.tasks} tasks, {stats.accepted} updates accepted, "
-          f"{stats.refused} refused", flush=True)
+    print(f"agent {args.agent_id}: {stats.summary()}", flush=True)
     return 0

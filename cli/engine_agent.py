@@ -232,6 +232,5 @@ def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int
         trainer.shutdown()
         return 1
     trainer.shutdown()
-    print(f"agent {args.agent_id}: {stats.tasks} tasks, {stats.accepted} updates accepted, "
-          f"{stats.refused} refused", flush=True)
+    print(f"agent {args.agent_id}: {stats.summary()}", flush=True)
     return 0

@@ -115,11 +115,13 @@ _SAID_DIFFERENT: set[tuple[str, ...]] = set()  # the differences runs_config log
 
 
 class Answer(NamedTuple):
-    """A member's reply to a Flower Message, serialized (``data``), and why it is Flower's error reply (``error``;
-    None: the ClientApp's own reply)."""
+    """A member's reply to a Flower Message, serialized (``data``), why it is Flower's error reply (``error``;
+    None: the ClientApp's own reply), and the type of the message it answers (``message_type``: train, evaluate,
+    query)."""
 
     data: bytes
     error: str | None = None
+    message_type: str = ""
 
 
 def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
@@ -133,7 +135,7 @@ def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
     except FlowerWireError as exc:  # the coordinator's bytes: nothing to reply to
         log.warning("%s: the task's Flower Message cannot be read: %s", member_id, exc)
         raise
-    error = None
+    error, message_type = None, message.metadata.message_type
     try:
         reply = client_app(message, context_of(message.metadata.run_id))
         if not isinstance(reply, Message):
@@ -158,7 +160,7 @@ def answer_message(client_app: Any, data: bytes, max_bytes: int, member_id: str,
         log.warning("%s: %s", member_id, error)
         data = encode_message(Message(Error(code=ERROR_CODE, reason=f"ClientApp of {member_id}: {reason}"),
                                       reply_to=message))
-    return Answer(data, error)
+    return Answer(data, error, message_type)
 
 
 LOSS_KEYS = ("eval_loss", "loss")  # an evaluate reply's loss, first found

@@ -287,9 +287,10 @@ class Members(Protocol):
     def vanishes(self, i: int, round_id: int) -> bool:
         """Whether member ``i`` takes no part in round ``round_id`` (drops out, or is offline)."""
 
-    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict | None = None) -> tuple[bytes, str | None]:
+    def answer(self, i: int, data: bytes, max_bytes: int, run_config: dict | None = None):
         """Only where :attr:`answers_messages`: member ``i``'s reply to the Flower Message ``data``, at most
-        ``max_bytes`` (an Answer, client/flower_app_member.py: the reply, and why it is Flower's error reply)."""
+        ``max_bytes`` (an Answer, client/flower_app_member.py: the reply, why it is Flower's error reply, and the type
+        of the message it answers)."""
 
 
 class Population(Members, Protocol):

@@ -415,7 +415,8 @@ class ClientRuntime:
             try:
                 self.conn.stub.ReplyMessage(request, timeout=upload_timeout(deadline_at))
                 if reply.error is None:
-                    self._count("accepted")
+                    with self._stats_lock:
+                        self.stats.answered[reply.message_type] = self.stats.answered.get(reply.message_type, 0) + 1
                 return True
             except grpc.RpcError as err:
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):

@@ -15,3 +15,11 @@ class AgentStats:
     refused: int = 0
     dropped: int = 0
     reconnects: int = 0
+    answered: dict[str, int] = field(default_factory=dict)  # a Flower App's replies sent, by message type
+
+    def summary(self) -> str:
+        """What the agent did, in the words of its last line: updates, or a Flower App's Messages."""
+        if not self.answered:
+            return f"{self.tasks} tasks, {self.accepted} updates accepted, {self.refused} refused"
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.answered.items()))
+        return f"{self.tasks} messages, {sum(self.answered.values())} answered ({kinds}), {self.refused} failed"

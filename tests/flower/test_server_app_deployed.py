@@ -54,7 +54,7 @@ def test_served_server_app_and_two_agents_over_mutual_tls(tmp_path):
     assert serve.returncode == 0, serve_out
     for client, out in zip(clients, outputs):
         # 2 server rounds, each a train and an evaluate message: 4 replies, none refused
-        assert client.returncode == 0 and "4 tasks, 4 updates accepted, 0 refused" in out, out
+        assert client.returncode == 0 and "4 messages, 4 answered (2 evaluate, 2 train), 0 failed" in out, out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["flower_round"], r["message_type"], r["reported"]) for r in rows] == \
         [(1, "train", 2), (1, "evaluate", 2), (2, "train", 2), (2, "evaluate", 2)]
@@ -171,9 +171,10 @@ def test_deployed_agents_clientapps_see_the_coordinators_run_config(tmp_path):
     assert serve.returncode == 0 and all(c.returncode == 0 for c in clients), (serve_out, outputs)
     assert "ClientApp train handler failed: RuntimeError: this partition fails on purpose" in outputs[1], outputs[1]
     assert "fails on purpose" not in outputs[0], outputs[0]
-    # bob's two error replies are failed tasks in its summary, not accepted updates (they counted as accepted)
-    assert "agent alice: 4 tasks, 4 updates accepted, 0 refused" in outputs[0], outputs[0]
-    assert "agent bob: 4 tasks, 2 updates accepted, 2 refused" in outputs[1], outputs[1]
+    # bob's two error replies are failed messages in its summary, not answers (they counted as answers); a Flower App
+    # agent counts Messages by type, not evaluate replies as accepted updates
+    assert "agent alice: 4 messages, 4 answered (2 evaluate, 2 train), 0 failed" in outputs[0], outputs[0]
+    assert "agent bob: 4 messages, 2 answered (2 evaluate), 2 failed" in outputs[1], outputs[1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["message_type"], r["error_replies"]) for r in rows] == \
         [("train", 1), ("evaluate", 0), ("train", 1), ("evaluate", 0)], (rows, serve_out)
