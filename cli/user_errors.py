@@ -121,7 +121,9 @@ def run_exit_code(command: str, summary: dict, signal_name: str | None = None, t
     SIGTERM), 1 (with one line saying so: the members' own failure when their code failed the last round's tasks,
     naming ``task``, the --task reference) when every round failed, else 0."""
     if summary.get("interrupted"):
-        print(f"{command}: interrupted after {summary['rounds']} completed rounds", file=sys.stderr)
+        # a Flower App's run counts its rounds in Message exchanges: a ServerApp's server round is two (train, evaluate)
+        done = "Message exchanges" if "flower" in summary else "completed rounds"
+        print(f"{command}: interrupted after {summary['rounds']} {done}", file=sys.stderr)
         return exit_code(signal_name or "SIGINT")
     failed = every_round_failed(summary, task)
     if failed:
