@@ -97,7 +97,8 @@ def check_known_agent(paths: CertPaths, agent_id: str) -> str:
         agents = ", ".join(sorted(known_agents(paths))) or "none"
         operators = ", ".join(sorted(known_operators(paths))) or "none"
         raise ValueError(f"--revoke {agent_id}: no certificate or enrollment token for agent {agent_id!r} "
-                         f"and no operator of that name in {paths.root} (agents there: {agents}; operators: {operators}); check the "
+                         f"and no operator of that name in {paths.root} (agents there: {agents}; "
+                         f"operators: {operators}); check the "
                          "name, or use --revoke-cert PEM for a certificate kept elsewhere")
     return " and ".join(kinds)
 

@@ -56,7 +56,8 @@ class Needs:
     def refusal(self, flag: str, switch_value: Any) -> str:
         """The line refusing ``flag`` set while the switch holds ``switch_value``."""
         if self.why and switch_value != self.off:
-            return f"{flag} applies only with {self.words}, not {switch_value}: {self.why}; use {self.words} (or drop " \
+            return f"{flag} applies only with {self.words}, not {switch_value}: {self.why}; " \
+                   f"use {self.words} (or drop " \
                    "the option)"
         add = "add one of them" if " or " in self.words else "add it"
         return f"{flag} applies only with {self.words}; {add} (or drop the option)"

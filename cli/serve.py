@@ -291,7 +291,8 @@ def _rank_failure(exc: BaseException) -> str:
 
 def plain_options(args: argparse.Namespace) -> dict:
     """The parsed options a spawned rank needs (values only: no handlers or modules)."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, Path, list, tuple, dict, type(None)))}
+    return {k: v for k, v in vars(args).items()
+            if isinstance(v, (str, int, float, bool, Path, list, tuple, dict, type(None)))}
 
 
 def serve_rank(args: argparse.Namespace | dict) -> None:

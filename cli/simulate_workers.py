@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
                                 device=device, precision=args.precision, day_seconds=args.trace_day_seconds,
                                 max_backoff=args.max_backoff, give_up_after=args.give_up_after,
                                 tls=security.files, tls_server_name=security.server_name,
-                                enrollment_token=security.enrollment_token, task_name=task_label(argparse.Namespace(task=None, model=args.model,
+                                enrollment_token=security.enrollment_token,
+                                task_name=task_label(argparse.Namespace(task=None, model=args.model,
                                                                         dataset=args.dataset))).run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)

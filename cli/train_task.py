@@ -196,7 +196,8 @@ def _epochs(task: Task, cfg: TrainConfig, model: torch.nn.Module, run: EpochRun,
             if not cfg.max_steps else time_left(steps - first_steps, cfg.max_steps - first_steps,
                                                 time.perf_counter() - started)
         bar.line(f"epoch {epoch - 1}: step {steps}, " + ", ".join(f"{k} {v:.4f}" for k, v in
-                                                                  {**train_metrics, **evals}.items()) + f", {left} left")
+                                                                  {**train_metrics, **evals}.items())
+                 + f", {left} left")
         bar.step(*((steps, cfg.max_steps) if cfg.max_steps else (epoch, cfg.epochs)),
                  ", ".join(f"{k} {v:.4f}" for k, v in list({**train_metrics, **evals}.items())[:2]))
         checkpoints.after_epoch(model, {"epoch": epoch, "steps": steps, "examples": examples,

@@ -46,7 +46,8 @@ class DataPlaneTarget:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=min(left, 10.0))
         except (OSError, ValueError) as exc:  # ValueError: a host name idna cannot encode (a label over 63 chars)
-            raise DataPlaneError(f"cannot reach the data plane at {self.host[:100]!r} port {self.port}: {exc}") from None
+            raise DataPlaneError(f"cannot reach the data plane at {self.host[:100]!r} "
+                                 f"port {self.port}: {exc}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:

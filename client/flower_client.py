@@ -166,7 +166,8 @@ class FlowerTrainer(HeldArrays):
                                             "(arrays, num_examples, metrics)")
         self._trained = self._check(arrays, "fit()")
         if isinstance(examples, bool) or not isinstance(examples, (int, np.integer)) or examples < 0:
-            raise FlowerClientError(f"the Flower client's fit() must return a whole number of examples, got {examples!r}")
+            raise FlowerClientError(f"the Flower client's fit() must return a whole number of examples, "
+                                    f"got {examples!r}")
         loss = next((float(metrics[k]) for k in ("train_loss", "loss") if _finite_number(metrics.get(k))), math.nan)
         steps = int(metrics["steps"]) if isinstance(metrics.get("steps"), int) and metrics["steps"] >= 0 else 0
         return TrainResult(steps, int(examples), loss, False, time.monotonic() - start)

@@ -15,9 +15,9 @@ updates of a batch (plain weights, one round) go as one pre-summed partial where
 awaited ones go one by one): the host checks each as the coordinator would and sums those that pass straight from
 their arrays (the rows of one stack of members trained together with one op over the stack); the coordinator checks
 and folds the partial as one. An update that fails a check goes on its own, so the coordinator refuses and
-counts it as it always does (a rejected update may close the round). A coordinator that takes no partial in this run says so once
-(UNIMPLEMENTED) and the host sends its updates one by one from then on; any other refusal of a partial sends its
-members' updates one by one, each to its own verdict. FEDPAR_HOST_PARTIALS=0 turns partials off (comparisons).
+counts it as it always does (a rejected update may close the round). A coordinator that takes no partial in this run
+says so once (UNIMPLEMENTED) and the host sends its updates one by one from then on; any other refusal of a partial
+sends its members' updates one by one, each to its own verdict. FEDPAR_HOST_PARTIALS=0 turns partials off (comparisons).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@
 - data that makes one member's examples by itself (synthetic, from (seed, member)) is its own source
   (``DatasetSplits.members``), for ``--partition natural``.
 
-A source has ``sizes`` (each member's examples, int64), ``examples(k)`` and ``labels(k)``; :func:`member_source` picks it.
+A source has ``sizes`` (each member's examples, int64), ``examples(k)`` and ``labels(k)``; :func:`member_source`
+picks it.
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ PARTITION_HELP = ("one of: auto (natural where the examples have owners: synthet
 
 
 def parse_partition(spec: str) -> PartitionSpec:
-    """Parse "iid", "dirichlet:ALPHA[:MIN]" (ALPHA > 0, MIN >= 1 examples a client), "shards:K" (integer K >= 1) or "quantity:SIGMA" (0..MAX_SIGMA); "auto"
-    is iid here (data whose examples have owners resolves it to natural first: clientdata.resolve_partition)."""
+    """Parse "iid", "dirichlet:ALPHA[:MIN]" (ALPHA > 0, MIN >= 1 examples a client), "shards:K" (integer K >= 1) or
+    "quantity:SIGMA" (0..MAX_SIGMA); "auto" is iid here (data whose examples have owners resolves it to natural first:
+    clientdata.resolve_partition)."""
     kind, sep, arg = spec.strip().lower().partition(":")
     if kind in ("iid", AUTO) and not sep:
         return PartitionSpec("iid")

@@ -310,7 +310,8 @@ class Task:
         return model
 
     def batch_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        """``loss(outputs, targets)``, checked to be one number (a 0-dim tensor): TaskError saying how to make it one."""
+        """``loss(outputs, targets)``, checked to be one number (a 0-dim tensor): TaskError saying how to make it
+        one."""
         value = self.loss(outputs, targets)
         if getattr(value, "ndim", None) != 0:
             got = f"shape {list(value.shape)}" if hasattr(value, "shape") else f"a {type(value).__name__}"

@@ -76,7 +76,8 @@ class ModelWeights:
                 if view is not None:
                     np.copyto(view, a)  # read-only or strided sources too, with no intermediate copy
                 else:
-                    # np.require copies read-only (e.g. np.frombuffer) or strided arrays, which torch.from_numpy rejects.
+                    # np.require copies read-only (e.g. np.frombuffer) or strided arrays, which torch.from_numpy
+                    # rejects.
                     t.copy_(torch.from_numpy(np.require(a, requirements=["C", "W"])))
 
     def check(self, arrays: Sequence[np.ndarray]) -> None:

@@ -158,7 +158,8 @@ class TaskSettings(Mapping):
             return settings
         unknown = sorted(set(settings) - set(_FIELDS))
         if unknown:
-            raise ValueError(f"the task asks for settings this agent cannot do: unknown {', '.join(map(repr, unknown))} "
+            raise ValueError(f"the task asks for settings this agent cannot do: "
+                             f"unknown {', '.join(map(repr, unknown))} "
                              f"(it knows {', '.join(_FIELDS)}); update the agent or the coordinator")
         try:
             return cls(**settings)

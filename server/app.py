@@ -221,7 +221,8 @@ class CoordinatorService:
         (whose plane keeps no members)."""
         if self.coord.rank:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"this port is aggregator rank {self.coord.rank}'s, which takes only the downloads and uploads "
+                          f"this port is aggregator rank {self.coord.rank}'s, "
+                          "which takes only the downloads and uploads "
                           "rank 0 deals to it; give --server the coordinator's --port (rank 0's)")
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
@@ -458,7 +459,8 @@ def _check_protocol(version: int, who: str) -> None:
     if version not in (0, PROTOCOL_VERSION):
         older = who if version < PROTOCOL_VERSION else "coordinator"
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {version} is not supported "
-                                                           f"(coordinator speaks {PROTOCOL_VERSION}); upgrade the {older}")
+                                                           f"(coordinator speaks {PROTOCOL_VERSION}); "
+                                                           f"upgrade the {older}")
 
 
 async def _receive_stream(upload: Upload, request_iterator) -> None:

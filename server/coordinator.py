@@ -144,9 +144,9 @@ def clock_for(config: CoordinatorConfig) -> RoundClock:
 
 class Coordinator(IngestPlane):
     """Round state machine plus the global model; the gRPC servicer calls into it. It is given a clock (real or
-    virtual: server/virtual_clock.py) and a member source (agents that joined, or hosts' populations: server/members.py);
-    by default the ones ``config`` asks for. With aggregator ranks it is rank 0, the control plane, and ``ranks``
-    reaches the others."""
+    virtual: server/virtual_clock.py) and a member source (agents that joined, or hosts' populations:
+    server/members.py); by default the ones ``config`` asks for. With aggregator ranks it is rank 0, the control plane,
+    and ``ranks`` reaches the others."""
 
     def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray],
                  strategy, evaluate_fn: EvaluateFn | None = None,

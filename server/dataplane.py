@@ -349,7 +349,8 @@ class DataPlaneServer:
         try:
             agent = coord.registry.get(entry.agent_id)
             if agent is None:
-                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"agent {entry.agent_id!r} is not registered; join again")
+                raise Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                              f"agent {entry.agent_id!r} is not registered; join again")
             try:
                 coord.registry.admission.check_call(entry.holder, peer)
             except AdmissionRefused as exc:

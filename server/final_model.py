@@ -54,6 +54,7 @@ def _not_a_model_folder(source: Path) -> str:
     from fedpar.parallel.checkpoint import LATEST as TRAIN_LATEST
 
     if (source / TRAIN_LATEST).is_file():  # `fedpar train`'s DCP checkpoints: shards, not one model
-        return (f"{source} is a `fedpar train` checkpoint directory (sharded DCP checkpoints, not one model); export the "
+        return (f"{source} is a `fedpar train` checkpoint directory "
+                "(sharded DCP checkpoints, not one model); export the "
                 f"run's --out folder, {source.parent}, whose {TENSORS} the run wrote as it ended")
     return f"{source} holds neither {TENSORS} (a run's --out folder) nor {LATEST} (a coordinator checkpoint directory)"

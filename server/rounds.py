@@ -64,7 +64,8 @@ class AgentSlot:
     dispatched: bool = False
     downloaded: bool = False  # a download of the round's weights completed; the task is not handed out again
     data_ticket: bytes | None = None  # its data-plane ticket, issued once however often the task is handed out
-    status: str = "pending"  # pending | uploading | accepted | rejected | late | lost (it or its aggregator rank went silent)
+    # pending | uploading | accepted | rejected | late | lost (it or its aggregator rank went silent)
+    status: str = "pending"
     upload_bytes: int = 0  # tensor bytes of its upload as it crosses the wire (compressed or not)
     message: bytes = b""  # a Flower App run's Message for it (server/flower_rounds.py): its task carries no weights
     go: bool = True  # under the virtual clock, False until it is among the first K to finish (server/virtual_clock.py)

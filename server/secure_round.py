@@ -235,7 +235,8 @@ class SecureRound:
 
     def metrics(self) -> dict:
         """Columns for the round's metrics row."""
-        row = {"secagg_survivors": len(self.server.survivors) if self.server else 0, "secagg_unmask_seconds": self.unmask_seconds,
+        row = {"secagg_survivors": len(self.server.survivors) if self.server else 0,
+               "secagg_unmask_seconds": self.unmask_seconds,
                "secagg_unmask_cpu_seconds": self.unmask_cpu_seconds,
                **{f"secagg_{k}_at": v for k, v in self.marks.items()}}
         if self.result is not None:

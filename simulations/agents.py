@@ -31,7 +31,8 @@ from fedpar.tasks.zoo import classifier_for
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass(kw_only=True)
-class WorkerConfig(Precision, Device, Population, FlowerAppReference, TaskReference, Partitioning, DataFiles, DataSource, Seeded):
+class WorkerConfig(Precision, Device, Population, FlowerAppReference, TaskReference, Partitioning, DataFiles,
+                   DataSource, Seeded):
     """What one worker process needs to host its slice of the population: the simulation's sections it uses, as
     the simulation holds them (``device``: this worker's, e.g. "cuda:1"; the runner deals workers over the GPUs)."""
 
@@ -83,7 +84,8 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
 def run_worker_process(conn: Connection, dataset: str, data_dir: str | None, say: Connection | None = None) -> None:
     """Process target: load the data while the coordinator starts, then host the slice of the WorkerConfig that
     arrives on ``conn`` (None: the simulation was called off), and exit at once when it is done. ``say``: the
-    workers' one turn to say that the task failed (simulations/worker_processes.py one_turn): the others fail alike, silently.
+    workers' one turn to say that the task failed (simulations/worker_processes.py one_turn): the others fail alike,
+    silently.
 
     A normal interpreter shutdown of a process that used gRPC and torch takes seconds here (measured: 4 s per
     worker), which every simulation would wait for; its host has closed its channels, so skip it.

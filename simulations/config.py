@@ -71,7 +71,8 @@ class Population:
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
 @dataclass
 class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, RoundClock, SecureAggregation,
-                       AggregatorRanks, StrategyChoice, FlowerAppReference, TaskReference, Seeded, Partitioning, DataFiles, DataSource,
+                       AggregatorRanks, StrategyChoice, FlowerAppReference, TaskReference, Seeded, Partitioning,
+                       DataFiles, DataSource,
                        LocalTraining, RoundSampling):
     """One simulated federation: data, model, rounds, and how heterogeneous the clients are."""
 

@@ -3,11 +3,11 @@ runtime (client/runtime.py) hosts them, and only the members sampled in a round 
 that round.
 
 A population of N costs O(N) bytes here (a client's number, its number of examples, its speed) and in the
-coordinator's arrays (server/member_table.py), never an agent, a thread, a record or a model copy each. :class:`PopulationMembers` is the
-member source the runtime is given: its members' ids and examples, a member's data for a seat (the task's
-``client_data`` for its Partition, made then), its slow device, its drop-outs, its availability (traces) and its
-simulated finish time (virtual clock). Joining, pulling, training, the update transforms and the upload are the
-runtime's, as for a deployed agent; sampling, the deadline, first-K-of-M, validation and the fold stay the
+coordinator's arrays (server/member_table.py), never an agent, a thread, a record or a model copy each.
+:class:`PopulationMembers` is the member source the runtime is given: its members' ids and examples, a member's data for
+a seat (the task's ``client_data`` for its Partition, made then), its slow device, its drop-outs, its availability
+(traces) and its simulated finish time (virtual clock). Joining, pulling, training, the update transforms and the upload
+are the runtime's, as for a deployed agent; sampling, the deadline, first-K-of-M, validation and the fold stay the
 coordinator's own, over real gRPC.
 
 Under mutual TLS the runtime's connection carries the host's certificate, which speaks for its members (they have
@@ -294,7 +294,8 @@ class PopulationMembers:
 def host_population(server: str, population: PopulationSlice, task: Task | None,
                     partition_of: Callable[[int, str], Partition], seed: int, seats: int = 2,
                     poll_seconds: float = 2.0, device: str = "cpu", precision: str = "fp32",
-                    day_seconds: float = DAY_SECONDS, max_backoff: float = MAX_BACKOFF_SECONDS, give_up_after: float | None = None,
+                    day_seconds: float = DAY_SECONDS, max_backoff: float = MAX_BACKOFF_SECONDS,
+                    give_up_after: float | None = None,
                     tls: TlsFiles | None = None, client_batching: bool = False,
                     members: PopulationMembers | None = None, task_name: str = "", tls_server_name: str | None = None,
                     enrollment_token: str = "") -> ClientRuntime:

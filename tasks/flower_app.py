@@ -70,7 +70,8 @@ class Federation:
             return self.num_supernodes, notes
         if self.address:
             raise FlowerAppError(f"federation {self.name!r} runs on the SuperLink at {self.address}, which fedpar "
-                                 "simulate does not dial: pass --clients N to simulate N members here (deployed: fedpar "
+                                 "simulate does not dial: pass --clients N to simulate N members here "
+                                 "(deployed: fedpar "
                                  "serve --flower-app and fedpar client --flower-app)")
         return None, notes
 

@@ -34,7 +34,8 @@ def classifier(model: str = "mlp", dataset: str = "digits", data_dir: str | None
     return classifier_for(model, load_dataset(dataset, data_dir), dataset, examples_per_client)
 
 
-def classifier_for(model: str, splits: DatasetSplits, dataset: str = "", examples_per_client: int | None = None) -> Task:
+def classifier_for(model: str, splits: DatasetSplits, dataset: str = "",
+                   examples_per_client: int | None = None) -> Task:
     """Zoo classifier ``model`` sized for ``splits``: clients get shares of ``splits.train`` as their Partition
     says (``natural``: the data's own owners), made when asked for (datasets/members.py); the coordinator evaluates
     on ``splits.test``."""

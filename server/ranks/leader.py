@@ -241,7 +241,8 @@ without a rank that is lost."""
                 break
             except RanksChanged:  # a rank died between a service's runs: the group went on without it (it is
                 pass              # taken back when a round opens, once its replacement asks)
-        log.info("aggregator ranks: %s", ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints.values()))
+        log.info("aggregator ranks: %s",
+                 ", ".join(f"rank {e.rank} on port {e.grpc_port}" for e in self.endpoints.values()))
         self._ticker = asyncio.ensure_future(self._tick())
         self._watching_since = time.monotonic()  # the ranks' heartbeats start with the start message
         self._watcher = asyncio.ensure_future(self._watch())
