@@ -65,9 +65,10 @@ def effective_noise_multiplier(noise_multiplier: float, count_noise: float) -> f
         raise ValueError("noise multiplier and count noise must both be > 0")
     rest = noise_multiplier ** -2 - (2.0 * count_noise) ** -2
     if rest <= 0:
-        raise ValueError(f"count noise {count_noise:g} is too small for noise multiplier {noise_multiplier:g}: "
-                         f"adaptive clipping needs count noise > noise multiplier / 2 = {noise_multiplier / 2:g} "
-                         "(the paper suggests about clients_per_round / 20); raise it or lower the noise multiplier")
+        raise ValueError(f"count noise (--privacy-count-noise) {count_noise:g} is too small for noise multiplier "
+                         f"(--privacy-noise) {noise_multiplier:g}: adaptive clipping needs it above "
+                         f"{noise_multiplier / 2:g}; raise --privacy-count-noise (e.g. to {noise_multiplier:g}) or "
+                         "lower --privacy-noise")
     return rest ** -0.5
 
 

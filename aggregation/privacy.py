@@ -122,7 +122,10 @@ class DPStrategy(Strategy):
         self.adaptive: AdaptiveClipping | None = None
         self.update_noise_multiplier = self.noise_multiplier
         if target_quantile is not None:
-            sigma_b = clients_per_round / 20.0 if count_noise is None else float(count_noise)
+            # the paper's clients_per_round / 20, but never so small that no update noise is left: at least z, the
+            # updates' multiplier then grows by at most 15% (effective_noise_multiplier)
+            sigma_b = max(clients_per_round / 20.0, self.noise_multiplier) if count_noise is None \
+                else float(count_noise)
             self.adaptive = AdaptiveClipping(float(target_quantile), float(clip_learning_rate), sigma_b)
             self.update_noise_multiplier = effective_noise_multiplier(self.noise_multiplier, sigma_b)
         self.accountant = PrivacyAccountant(delta)

@@ -41,8 +41,8 @@ class PrivacyOptions:
                                      help="adaptive clipping: geometric step size of C")
     privacy_count_noise: float | None = setting(
         None, check="positive", group="privacy",
-        help="adaptive clipping: std of the noise on the unclipped count (default clients-per-round/20; must exceed "
-             "--privacy-noise / 2)")
+        help="adaptive clipping: std of the noise on the unclipped count (default clients-per-round/20, at least "
+             "--privacy-noise; must exceed --privacy-noise / 2)")
     privacy_delta: float = setting(1e-5, check="open_unit", group="privacy",
                                    help="delta at which epsilon is reported each round; pick it below 1 / population")
     privacy_local_noise: float = setting(

@@ -230,9 +230,14 @@ def test_build_strategy_wraps_any_strategy_and_validates_options():
     assert s.client_config(1) == {"proximal_mu": 0.1, "dp_clip_norm": 2.0, "dp_local_noise": 0.0}
     assert build_strategy("dp-fedavg", noise_multiplier=1, clip_norm=1, population=10,
                           clients_per_round=10).client_config(1) == {}  # central: clients learn nothing of DP
-    with pytest.raises(ValueError, match="count noise"):
+    with pytest.raises(ValueError, match=r"raise --privacy-count-noise \(e.g. to 2\) or lower --privacy-noise"):
         build_strategy("dp-fedavg", noise_multiplier=2.0, clip_norm=1, population=10, clients_per_round=10,
-                       target_quantile=0.5)  # default count noise 10/20 = 0.5 < 2.0 / 2
+                       target_quantile=0.5, count_noise=0.9)  # 0.9 < 2.0 / 2
+    # by default the count noise is clients_per_round / 20 but at least z: 10 of 10 at z = 2 (10/20 = 0.5 was refused)
+    adaptive = build_strategy("dp-fedavg", noise_multiplier=2.0, clip_norm=1, population=10, clients_per_round=10,
+                              target_quantile=0.5)
+    assert adaptive.adaptive.count_noise == 2.0
+    assert adaptive.update_noise_multiplier == pytest.approx(2.0 / 0.75 ** 0.5)  # (z^-2 - (2z)^-2)^-1/2
     with pytest.raises(ValueError, match="population"):
         build_strategy("dp-fedavg", noise_multiplier=1, clip_norm=1, population=5, clients_per_round=10)
     with pytest.raises(ValueError, match="unknown strategy"):
