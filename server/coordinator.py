@@ -163,6 +163,7 @@ class Coordinator(IngestPlane):
         accumulate_in(strategy, config.fold_dtype, ranks.group.fold_device if ranks is not None else None)
         self.evaluate_fn = evaluate_fn
         self.on_round_end = [*on_round_end, *round_counters()]  # the heap traces' only if one was asked for
+        self.on_restored: list[Callable[[], None]] = []  # called once restore() took the checkpoint (or found none)
         self.sampler = CohortSampler(config.seed)
         self.modes = RoundModes(config, self.names, self.weights, strategy, self._executor)
         self.ranks = ranks  # the other aggregator ranks (server/ranks/), or None
@@ -191,6 +192,8 @@ class Coordinator(IngestPlane):
         the registry, which the port's coordinators may share, to :meth:`taking_calls`."""
         if self.config.checkpoint_dir is not None:
             self._resume(load_checkpoint(self.config.checkpoint_dir))
+        for restored in self.on_restored:
+            restored()
 
     def sample_only(self, task: str, on_lacking: Callable[[str, str], None]) -> None:
         """Sample only the members that declared ``task`` (a service's run), from when the agents' calls come here;

@@ -80,8 +80,11 @@ class PrometheusExporter:
 
     def _resumed(self, server) -> None:
         """fedpar_round at the last round ``server``'s coordinator completed: a checkpoint's after a restart (else a
-        scrape says 0 until the next round ends, as if the run had started over)."""
-        self._of(self.last_round).set(server.coordinator.round_id)
+        scrape says 0 until the next round ends, as if the run had started over), whether ``server`` is followed
+        before its checkpoint is restored (a service's run, a simulation) or after (one-shot serve)."""
+        coordinator, gauge = server.coordinator, self._of(self.last_round)
+        gauge.set(coordinator.round_id)
+        coordinator.on_restored.append(lambda: gauge.set(coordinator.round_id))
 
     def _of(self, metric, *labels: str):
         """``metric``'s series for ``labels`` (and the current run's id, when runs are labelled)."""

@@ -299,3 +299,32 @@ def test_prometheus_round_after_a_restart_is_the_checkpoints_not_zero(start_coor
     assert server.coordinator.round_id == 3
     assert got[("fedpar_round", ())] == 3
     assert got[("fedpar_rounds_total", (("status", "ok"),))] == 0  # counters count this process's rounds
+
+
+def test_prometheus_round_of_a_run_followed_before_its_checkpoint_is_restored_is_the_checkpoints(tmp_path):
+    # A service's endpoint follows a run before its coordinator starts (and restores): a run resumed after round 3
+    # was scraped as fedpar_round{run="2"} 0 until round 4 ended (one-shot serve, attached after the start, said 3).
+    from fedpar.aggregation import build_strategy
+    from fedpar.server.app import CoordinatorServer
+    from fedpar.server.checkpoint import Checkpoint, save_checkpoint
+    from fedpar.server.config import CoordinatorConfig
+    from fedpar.server.coordinator import Coordinator
+    from fedpar.server.members import CohortSampler
+
+    state = {"sampler": CohortSampler(0).state(), "strategy": build_strategy("fedavg").state_dict()[1]}
+    save_checkpoint(tmp_path / "ck", Checkpoint(3, NAMES, _weights(7), {}, state))
+    idle = CoordinatorServer(Coordinator(CoordinatorConfig(rounds=1, min_available=2), NAMES, _weights(),
+                                         build_strategy("fedavg")))
+    server = CoordinatorServer(Coordinator(CoordinatorConfig(rounds=5, min_available=2, checkpoint_dir=tmp_path / "ck"),
+                                           NAMES, _weights(), build_strategy("fedavg")))
+    exporter = PrometheusExporter(idle, runs=True)
+    port = exporter.serve("127.0.0.1", 0)
+    try:
+        exporter.follow(server, 2)
+        server.start()
+        got = _scrape(port)
+    finally:
+        server.stop()
+        exporter.close()
+    assert server.coordinator.round_id == 3
+    assert got[("fedpar_round", (("run", "2"),))] == 3
