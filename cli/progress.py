@@ -17,6 +17,25 @@ PLAIN_EVERY = 10.0  # seconds between two plain lines of the clients joining (a 
 CLOCK_COLUMNS = [("sim_round_seconds", "{:>17.1f}"), ("sim_seconds", "{:>11.1f}")]  # under a virtual clock
 
 
+class _Screen:
+    """The terminal the bars and the table share: a bar is drawn or taken down, and a table line printed, under one
+    lock, and a line is printed with every bar taken down (one thread draws the bar, another prints the rows)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.up: set[LiveBar] = set()  # the bars drawn now
+
+    def line(self, text: str, stream: TextIO) -> None:
+        """Print ``text`` on ``stream`` below the bars, each taken down first (the next update draws it again)."""
+        with self.lock:
+            for bar in list(self.up):
+                bar.close()
+            print(text, file=stream, flush=True)
+
+
+SCREEN = _Screen()
+
+
 def time_left(done: int, total: int, seconds: float) -> str:
     """The time left after ``done`` of ``total`` steps took ``seconds``, at their mean pace (e.g. ``1m05s``; ``?``
     before the first step is done)."""
@@ -70,7 +89,7 @@ class RoundTable:
             return
         metrics = {**metrics, "left": self.pace.left()}
         if not self._header_done:
-            print("  ".join(f"{name:>{self._width(name)}}" for name, _ in self.columns), file=self.stream)
+            SCREEN.line("  ".join(f"{name:>{self._width(name)}}" for name, _ in self.columns), self.stream)
             self._header_done = True
         cells = []
         for name, fmt in self.columns:
@@ -80,7 +99,7 @@ class RoundTable:
             if name == "round":
                 text = f"{value}/{self.total}"
             cells.append(f"{text:>{width}}")
-        print("  ".join(cells), file=self.stream, flush=True)
+        SCREEN.line("  ".join(cells), self.stream)
 
     def _width(self, name: str) -> int:
         """A column's width: its name's, at least 5; the round's holds "1000/1000" (wider rows shifted the rest)."""
@@ -104,7 +123,7 @@ class LiveBar:
         self._joining_since, self._plain_said = None, (None, 0.0)  # when joining began; (count, when) last said
         self._progress = self._task = self._shown = None
         self._moved: list = []  # (log handler, its stream) while the bar is up
-        self._lock = threading.Lock()  # updated by the caller's loop, closed by the round callbacks' thread
+        self._ended = 0  # the last round that ended: follow() may have read it open just before, never drawn again
 
     def follow(self, coordinator) -> None:
         """Show where ``coordinator`` (a server.coordinator.Coordinator, its loop in another thread) is: the clients
@@ -150,15 +169,19 @@ class LiveBar:
 
     def round_ended(self, metrics: dict) -> None:
         """Note a round's end (its test accuracy, the pace) and take the bar down before its table line."""
-        self.pace.note(int(metrics.get("round") or 0))
-        if metrics.get("test_accuracy") is not None:
-            self.accuracy = metrics["test_accuracy"]
-        self.close()
+        with SCREEN.lock:
+            self.pace.note(int(metrics.get("round") or 0))
+            self._ended = max(self._ended, self.pace.last_round)
+            if metrics.get("test_accuracy") is not None:
+                self.accuracy = metrics["test_accuracy"]
+            self.close()
 
     def _show(self, key: tuple, description: str, completed: int, total: int, note: str) -> None:
         if self.quiet or not self.stream.isatty():
             return
-        with self._lock:
+        with SCREEN.lock:
+            if key[0] == "round" and key[1] <= self._ended:
+                return
             if self._progress is None:
                 from rich.console import Console
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -166,6 +189,7 @@ class LiveBar:
                                           MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
                                           console=Console(file=self.stream), transient=True)
                 self._progress.start()
+                SCREEN.up.add(self)
                 # Log lines (serve logs to stderr) go above the bar through rich's proxy, not across it.
                 self._moved = [(h, h.setStream(sys.stderr)) for h in logging.getLogger().handlers
                                if type(h) is logging.StreamHandler and h.stream in (self.stream, sys.__stderr__)]
@@ -178,7 +202,8 @@ class LiveBar:
 
     def close(self) -> None:
         """Take the bar down (before a line is printed below it)."""
-        with self._lock:
+        with SCREEN.lock:
+            SCREEN.up.discard(self)
             if self._progress is not None:
                 self._progress.stop()
                 for handler, stream in self._moved:

@@ -128,3 +128,32 @@ def test_a_set_up_step_shows_on_the_bar_on_a_terminal_and_as_a_plain_line_elsewh
     LiveBar(stream=pipe, plain=quiet_plain, quiet=True).preparing("loading mnist")
     assert "loading mnist" in terminal.getvalue()
     assert plain.getvalue() == "loading mnist ...\n" and quiet_plain.getvalue() == ""
+
+
+def test_a_round_that_ended_is_never_drawn_again():
+    terminal = _Terminal()
+    bar = LiveBar(stream=terminal, total=3)
+    bar.round(2, 0, 4, 60.0)
+    bar.round_ended({"round": 2, "status": "ok", "test_accuracy": 0.8806})
+    drawn = terminal.getvalue()
+    bar.round(2, 0, 4, 60.0)  # the bar's thread read round 2 open just before it ended, and draws it now
+    assert terminal.getvalue() == drawn  # no stale bar over round 2's row
+    bar.round(3, 0, 4, 60.0)
+    bar.close()
+    assert "round 3/3" in terminal.getvalue()[len(drawn):]
+
+
+def test_a_table_row_is_printed_with_the_bar_taken_down_before_it():
+    terminal = _Terminal()
+    bar, table = LiveBar(stream=terminal, total=3), RoundTable(total=3, stream=terminal)
+    bar.round(1, 0, 4, 60.0)
+    bar.round_ended({"round": 1, "status": "ok", "test_accuracy": 0.8806})
+    bar.round(2, 0, 4, 60.0)  # round 2 opened before round 1's row was printed (the rows come after the next deal)
+    table.row({"round": 1, "status": "ok", "sampled": 4, "reported": 4, "test_accuracy": 0.8806})
+    shown = terminal.getvalue()
+    row = shown.rstrip("\n").rsplit("\n", 1)[1]
+    assert row.split()[:2] == ["1/3", "ok"] and shown.endswith(row + "\n")
+    assert "\x1b[2K" in shown[shown.rindex("round 2/3"):shown.rindex(row)]  # the bar erased before the row
+    bar.round(2, 1, 4, 50.0)  # and drawn again below it
+    bar.close()
+    assert "round 2/3" in terminal.getvalue()[len(shown):]
