@@ -22,7 +22,7 @@ from fedpar.cli.log_level import setup_logging
 from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint
 from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.serve_once import serve_once
-from fedpar.cli.serve_service import ServiceOptions
+from fedpar.cli.serve_service import ServiceOptions, check_distinct_ports
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.task_options import load_task_from_args
 from fedpar.cli.tlsopts import add_tls_arguments, server_security
@@ -191,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         return _serve_runs(args)
     check_output_folder(args.out)
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
+        check_distinct_ports(args)
         check_port_free(args.host, args.port)
         check_port_free(args.host, args.data_port, "--data-port")
         check_metrics_endpoint(args)

@@ -50,21 +50,33 @@ class ServiceOptions:
 
 def _lock(path: Path):
     """An exclusive lock beside the state file: one service per state file, however a path names it (a symlink, a
-    relative path: the resolved one is locked); UserError if another holds it."""
-    handle = open(f"{path.resolve()}.lock", "a")
+    relative path: the resolved one is locked); UserError if another holds it. Returns the lock's file and whether
+    this call made it (see :func:`_unlock`)."""
+    name = Path(f"{path.resolve()}.lock")
+    made = not name.exists()
+    handle = open(name, "a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise UserError(f"state file {path} is in use by another fedpar serve; stop it or give another --state", 1)
-    return handle
+        raise UserError(f"state file {path} is in use by another fedpar serve; stop it, or give another --state")
+    return handle, made
 
 
-def _check_distinct_ports(args: argparse.Namespace) -> None:
-    """UserError when two of the ports serve --state listens on are set to the same number (gRPC's own 'add_port'
-    line came before fedpar's 'the port is in use')."""
-    ports = [(args.port, "--port"), (args.control_port, "--control-port"), (getattr(args, "metrics_port", None),
-                                                                             "--metrics-port")]
+def _unlock(lock, refused: bool) -> None:
+    """Release a lock of :func:`_lock`; a start ``refused`` takes away the lock file it made (while it holds it: a
+    start beside it was refused, and the next one makes a new file)."""
+    handle, made = lock
+    if refused and made:
+        Path(handle.name).unlink(missing_ok=True)
+    handle.close()
+
+
+def check_distinct_ports(args: argparse.Namespace) -> None:
+    """UserError when two of the ports serve listens on (--port, --control-port with --state, --data-port,
+    --metrics-port) are set to the same number: said before anything binds, not as the second bind's failure."""
+    ports = [(args.port, "--port"), (args.control_port if args.state is not None else None, "--control-port"),
+             (getattr(args, "data_port", None), "--data-port"), (getattr(args, "metrics_port", None), "--metrics-port")]
     seen: dict[int, str] = {}
     for port, option in ports:
         if port and port in seen:
@@ -388,20 +400,10 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     from fedpar.server.run_control import RunControlServer
 
     state = Path(args.state)
-    try:
+    try:  # the flags and ports first: a start refused for them leaves no state file, nor a lock file
         check_state_folder(state)  # a mistyped --state is refused, not made
-    except StoreError as exc:
-        print(f"fedpar serve: {exc}", file=sys.stderr)
-        return 2
-    lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
-    try:
-        store = RunStore(state)
-    except StoreError as exc:
-        print(f"fedpar serve: {exc}", file=sys.stderr)
-        return 2
-    try:
         _check_one_shot_outputs(args)
-        _check_distinct_ports(args)
+        check_distinct_ports(args)
         if args.insecure and not (args.certs or args.tls_ca):
             raise UserError("the control port of 'fedpar serve --state' needs mutual TLS even with --insecure (its "
                             "certificates say who may submit and stop runs): make them with 'fedpar certs --out certs "
@@ -419,15 +421,23 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         if files.ca is None:
             raise UserError("the control port needs mutual TLS: give --certs DIR (or --tls-ca)")
         credentials = server_credentials(files)
-    except (ValueError, UserError) as exc:
+        lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
+    except (ValueError, UserError, StoreError) as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return exc.exit_code if isinstance(exc, UserError) else 2
+    try:
+        store = RunStore(state)
+    except StoreError as exc:
+        print(f"fedpar serve: {exc}", file=sys.stderr)
+        if lock is not None:
+            _unlock(lock, refused=True)
+        return 2
     if launch_ranks is not None:
         store.close()
         try:
             return launch_ranks()
         finally:
-            lock.close()
+            _unlock(lock, refused=False)
     for run_id in store.recover():
         line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
         store.log(run_id, line)
@@ -474,7 +484,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         service.observers.close()
         store.close()
         if lock is not None:
-            lock.close()
+            _unlock(lock, refused=False)
     return 0
 
 

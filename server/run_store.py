@@ -80,11 +80,19 @@ class MissingFolder(StoreError, FileNotFoundError):
 
 
 def check_state_folder(path: str | Path) -> None:
-    """MissingFolder unless the folder state file ``path`` would be in exists (a file there is said too)."""
+    """MissingFolder unless the folder state file ``path`` would be in exists (a file there is said too); StoreError
+    when ``path`` is a folder."""
     folder = Path(path).absolute().parent
     if not folder.is_dir():
         what = "is a file, not a folder;" if folder.exists() else "does not exist; create it first, or"
         raise MissingFolder(f"the folder {folder} of state file {path} {what} give --state another path")
+    if Path(path).is_dir():
+        raise StoreError(_a_folder(path))
+
+
+def _a_folder(path: str | Path) -> str:
+    """The line for a state file ``path`` that is a folder."""
+    return f"state file {path} is a folder; give --state the path of a file (e.g. {os.path.join(path, 'state.db')})"
 
 
 class UnknownRun(KeyError):
@@ -351,5 +359,5 @@ def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
         return (f"state file {path} is not a fedpar state database or is damaged ({text}); move it aside and start "
                 "again, or give another --state")
     if "unable to open" in text and os.path.isdir(path):  # sqlite says only 'unable to open database file'
-        return f"state file {path} is a folder; give --state the path of a file (e.g. {os.path.join(path, 'state.db')})"
+        return _a_folder(path)
     return f"state file {path}: {text}"

@@ -567,6 +567,11 @@ def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_be
          "--control-port and --metrics-port are both 50998: each needs a port of its own"),
         ([*state, "--insecure", "--port", "0", "--control-port", "0"], 2,
          "the control port of 'fedpar serve --state' needs mutual TLS even with --insecure"),
+        ([*state, "--certs", str(certs), "--port", "0", "--control-port", "0", "--out", "x"], 2,
+         "--out is not used with --state"),
+        # the one-shot form checks its ports as the service does, before its agents' port is bound
+        (["serve", "--certs", str(certs), "--port", "50997", "--metrics-port", "50997", "--rounds", "1", "--out",
+          str(tmp_path / "once")], 2, "--port and --metrics-port are both 50997: each needs a port of its own"),
     ]
     try:
         for args, code, line in cases:  # each command's main in this process
@@ -574,5 +579,30 @@ def test_the_services_ports_and_its_control_ports_tls_are_checked_in_one_line_be
             assert rc == code, (args, err)
             _one_line(err, line)
             assert "add_port.cc" not in err and "Task was destroyed" not in err, err
+            # a refused start touches nothing: a state file and its lock were left behind, made before the checks
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["certs"], (args, list(tmp_path.iterdir()))
     finally:
         holder.close()
+
+
+def test_a_refused_service_start_leaves_no_lock_file_and_a_busy_state_file_is_one_plain_line(tmp_path, capfd):
+    import fcntl
+
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--agents", "a", "--operators", "op"], capfd).returncode == 0
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"not a database" * 100)
+    rc, _, err = astuple_of(run_main(["serve", "--state", str(corrupt), "--certs", str(certs), "--port", "0",
+                                      "--control-port", "0"], capfd, tmp_path))
+    assert rc == 2, err
+    _one_line(err, "is not a fedpar state database or is damaged")
+    assert corrupt.read_bytes() == b"not a database" * 100 and not (tmp_path / "corrupt.db.lock").exists()
+    # another service holds the state file (its lock): exit 2, one line naming what to do, no traceback hint
+    with open(tmp_path / "state.db.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rc, _, err = astuple_of(run_main(["serve", "--state", str(tmp_path / "state.db"), "--certs", str(certs),
+                                          "--port", "0", "--control-port", "0"], capfd, tmp_path))
+    assert rc == 2, err
+    line = _one_line(err, "is in use by another fedpar serve; stop it, or give another --state")
+    assert line.startswith("fedpar serve: state file") and "--debug" not in line, err
+    assert not (tmp_path / "state.db").exists()
