@@ -9,7 +9,7 @@ from typing import Callable
 
 from fedpar.cli.declared import add_declared
 from fedpar.cli.privacy import privacy_on
-from fedpar.cli.user_errors import UserError, check_port_free
+from fedpar.cli.user_errors import UserError, check_output_folder, check_port_free
 from fedpar.settings import setting
 
 
@@ -53,12 +53,14 @@ def require_tensorboard() -> None:
 
 
 def tensorboard_writer(log_dir: str | None, step_key: str = "round"):
-    """A TensorBoardScalars for ``log_dir`` (None: none); a UserError saying how to install tensorboard."""
+    """A TensorBoardScalars for ``log_dir`` (None: none); a UserError saying how to install tensorboard, or that
+    --tensorboard needs a folder where a file is."""
     if not log_dir:
         return None
     from fedpar.protocol.run_logs import TensorBoardScalars
 
     require_tensorboard()
+    check_output_folder(log_dir, "--tensorboard")
     return TensorBoardScalars(log_dir, step_key)
 
 

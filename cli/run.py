@@ -14,7 +14,7 @@ from pathlib import Path
 from fedpar.cli.config import ConfigError
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.tlsopts import TlsFileOptions
-from fedpar.cli.user_errors import quiet_exit_for_pipe
+from fedpar.cli.user_errors import UserError, check_output_folder, quiet_exit_for_pipe
 from fedpar.sections import Output
 from fedpar.settings import setting
 
@@ -172,6 +172,7 @@ def _do(args: argparse.Namespace, stub) -> int:
         run_id = _run_id(words, "get")
         if not args.out:
             raise ValueError("'fedpar run get' needs --out DIR")
+        check_output_folder(args.out)
         out = Path(args.out)
         handles: dict[str, object] = {}
         try:
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         return code
     except BrokenPipeError:  # 'fedpar run ls | head -1': the reader left; say nothing, as Unix tools do
         return quiet_exit_for_pipe()
-    except (ValueError, ConfigError) as exc:
+    except (ValueError, ConfigError, UserError) as exc:
         print(f"fedpar run: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as err:

@@ -103,6 +103,7 @@ def _run(args: argparse.Namespace) -> int:
     check_output_folder(args.out)
     if args.tensorboard:
         require_tensorboard()  # a missing package is said before any rank starts
+        check_output_folder(args.tensorboard, "--tensorboard")
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     if args.task or args.task_options:

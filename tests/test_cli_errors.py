@@ -228,14 +228,23 @@ def test_an_impossible_setting_is_refused_in_one_line_before_anything_runs(argv,
     assert not (tmp_path / "s").exists() and not (tmp_path / "nowhere").exists()
 
 
-def test_a_tensorboard_folder_that_is_a_file_is_named_with_what_to_do(tmp_path, capsys):
+def test_a_tensorboard_or_run_get_folder_that_is_a_file_is_named_with_what_to_do(tmp_path, capsys):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'fedpar[tensorboard]')")
     (tmp_path / "a-file").write_text("")
-    code, lines = _said_in_process(["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "s"),
-                                    "--tensorboard", str(tmp_path / "a-file")], capsys)
-    assert code == 2 and not [line for line in lines if "Traceback" in line], lines
-    # it was "fedpar serve: [Errno 17] File exists: '.../a-file'"
-    assert lines[-1] == f"fedpar serve: File exists: a-file in folder {tmp_path}; remove it or pick another path", lines
+    said = f"--tensorboard {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a folder; remove it or point " \
+        "--tensorboard at a folder"
+    # it was "File exists: a-file in folder ...; remove it or pick another path": neither the option nor a folder
+    for command in (["serve", "--insecure", "--port", "0", "--out", str(tmp_path / "s")],
+                    ["simulate", "--clients", "2", "--rounds", "1", "--out", str(tmp_path / "s")]):
+        code, lines = _said_in_process([*command, "--tensorboard", str(tmp_path / "a-file")], capsys)
+        assert code == 2 and not [line for line in lines if "Traceback" in line], lines
+        assert lines[-1].startswith(f"fedpar {command[0]}: {said}"), lines
+    certs = tmp_path / "certs"
+    assert _said_in_process(["certs", "--out", str(certs), "--operators", "op"], capsys)[0] == 0
+    code, lines = _said_in_process(["run", "get", "1", "--out", str(tmp_path / "a-file"), "--control", "127.0.0.1:1",
+                                    "--certs", str(certs), "--operator", "op"], capsys)
+    assert (code, lines) == (2, [f"fedpar run: --out {tmp_path / 'a-file'}: {tmp_path / 'a-file'} is a file, not a "
+                                 "folder; remove it or point --out at a folder"]), lines
 
 
 def test_a_task_factory_that_raises_is_one_line_naming_it_and_its_error_on_every_command(tmp_path, capfd):
