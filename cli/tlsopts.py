@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import ssl
 import stat
 from dataclasses import dataclass
@@ -140,9 +141,12 @@ def server_security(args: argparse.Namespace, warn: bool = True) -> ServerSecuri
     credentials = server_credentials(files) if files is not None else None  # before the lists, whose reading is logged
     if files is not None and files.ca is not None and foreign_server_certificate(files):
         _foreign_server_certificate(args, files)
+    # Said by one process: a rank's launcher says the first reading, the other ranks leave each to rank 0
+    said, quiet = not warn or getattr(args, "launcher_warned", False), os.environ.get("RANK", "0") != "0"
+    revoked = args.revoked or (CertPaths(args.certs).revoked if args.certs else None)
     try:
-        tokens = TokenList(args.enrollment_tokens) if args.enrollment_tokens else None
-        revocations = RevocationList(args.revoked or (CertPaths(args.certs).revoked if args.certs else None))
+        tokens = TokenList.watching(args.enrollment_tokens, said, quiet) if args.enrollment_tokens else None
+        revocations = RevocationList.watching(revoked, said, quiet) if revoked else None
     except ValueError as exc:
         raise TlsSetupError(str(exc)) from None
     mutual, data_tls = False, None

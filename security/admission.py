@@ -151,13 +151,32 @@ class WatchedFile:
     contents, with an error in the log, so one bad edit does not take the coordinator down.
     """
 
-    def __init__(self, path: str | Path | None, parse: Callable[[str, str], T]):
+    _shared: dict[tuple[type, Path], WatchedFile] = {}  # this process's watchers, by kind and file
+    _shared_lock = threading.Lock()
+
+    def __init__(self, path: str | Path | None, parse: Callable[[str, str], T], said: bool = False,
+                 quiet: bool = False):
         self.path = Path(path) if path else None
         self._parse = parse
         self._signature: tuple | None = ()
         self._lock = threading.Lock()
+        # said: another process said the first reading (a rank's launcher); quiet: another one says every reading
+        self._said_first, self.quiet = said, quiet
         self.value: T = parse("", "")
         self.refresh(strict=True)
+
+    @classmethod
+    def watching(cls, path: str | Path, said: bool = False, quiet: bool = False):
+        """This process's one watcher of ``path`` (made, and read strictly, on first use), so that the parts of a
+        service that check it (its control API, its agents' port, each run) read it once per change and say so once;
+        ``said``: its first reading was said by another process; ``quiet``: another process says its readings."""
+        key = (cls, Path(path).resolve())
+        with cls._shared_lock:
+            watcher = cls._shared.get(key)
+            if watcher is None:
+                watcher = cls._shared[key] = cls(path, said=said, quiet=quiet)
+        watcher.refresh(strict=True)
+        return watcher
 
     def refresh(self, strict: bool = False) -> T:
         """Re-read the file if it changed; returns the current parsed value."""
@@ -182,7 +201,9 @@ class WatchedFile:
                 return self._failed(f"cannot use {self.path}: it is not a text file", strict)
             except ValueError as exc:
                 return self._failed(f"cannot use {self.path}: {exc}", strict)
-            self._signature = signature
+            first, self._signature = self._signature == (), signature
+        if self.quiet or (first and self._said_first):
+            return self.value
         if signature is None:
             log.info("%s does not exist (yet): nothing in it applies", self.path)
         else:
@@ -199,8 +220,8 @@ class WatchedFile:
 class RevocationList(WatchedFile):
     """Revoked agent ids and certificate serials from a file operators append to (missing: none revoked)."""
 
-    def __init__(self, path: str | Path | None):
-        super().__init__(path, parse_revocations)
+    def __init__(self, path: str | Path | None, said: bool = False, quiet: bool = False):
+        super().__init__(path, parse_revocations, said, quiet)
 
     @property
     def ids(self) -> set[str]:
@@ -217,11 +238,11 @@ class TokenList(WatchedFile):
     """Enrollment token hashes by agent id from a tokens file, re-read when it changes (new agents
     can be enrolled without restarting the coordinator)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, said: bool = False, quiet: bool = False):
         if not Path(path).exists():
             raise ValueError(f"enrollment tokens file {path} does not exist; make one with "
                              "'fedpar certs --out DIR --mint-token AGENT'")
-        super().__init__(path, parse_token_hashes)
+        super().__init__(path, parse_token_hashes, said, quiet)
 
 
 class Admission:
