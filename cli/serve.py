@@ -1,9 +1,9 @@
 """Run the coordinator: agents dial in, rounds run; with --checkpoint-dir (or --state: each run's, in PATH.runs/ID)
 the global model is checkpointed every round.
 
-Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end (also after Ctrl-C) the global model,
-OUT/global.safetensors with OUT/global.json, then OUT/summary.json, accuracy.png and loss.png as `fedpar simulate`
-does; with --checkpoint-dir it resumes after a restart.
+Writes OUT/metrics.jsonl and metrics.csv (one line per round), and at the end the global model, OUT/global.safetensors
+with OUT/global.json, then OUT/summary.json, accuracy.png and loss.png as `fedpar simulate` does; after Ctrl-C the
+model and summary.json only (no plots: Ctrl-C stops within 2 s). With --checkpoint-dir it resumes after a restart.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Run a federation on this machine: a real coordinator and worker processes hosting N clients, on loopback gRPC.
 
 Writes OUT/metrics.jsonl (one JSON object per round) and, at the end, the final global model (OUT/global.safetensors
-with OUT/global.json), OUT/summary.json, OUT/accuracy.png and OUT/loss.png; prints a per-round table while it runs.
+with OUT/global.json), OUT/summary.json, OUT/accuracy.png and OUT/loss.png (after Ctrl-C: the model and summary.json,
+no plots); prints a per-round table while it runs.
 """
 
 from __future__ import annotations

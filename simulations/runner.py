@@ -143,8 +143,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                    on_stage: Callable[[str], None] | None = None, store: RunStore | None = None,
                    workers: WorkerProcesses | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
-    the final model (global.safetensors, global.json), summary.json, accuracy.png and loss.png under ``cfg.out``
-    (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the files written.
+    the final model (global.safetensors, global.json), summary.json, accuracy.png and loss.png (not after a Ctrl-C)
+    under ``cfg.out`` (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the files written.
     ``on_server(server)`` sees the coordinator before it starts; ``on_progress(coordinator)`` is called twice a
     second while it runs (clients joined, the open round); ``on_stage(what)`` as each set-up step starts (loading the
     data, indexing the clients' shares). The run is kept in ``store`` (default: one in memory), as a service keeps its

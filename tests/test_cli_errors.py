@@ -377,6 +377,10 @@ def test_ctrl_c_stops_simulate_and_serve_within_two_seconds_with_exit_130_and_a_
     assert wrote["simulate"][2:] == ["global.safetensors", "global.json", "summary.json"]
     assert wrote["serve"] == ["summary.json"]
     assert not list(sim_out.glob("*.png")) and not list(serve_out.glob("*.png"))
+    from fedpar.cli import serve, simulate
+    for command in (serve, simulate):  # --help says so (serve's said 'also after Ctrl-C' of its plots)
+        said = " ".join(command.__doc__.split())
+        assert "after Ctrl-C" in said and "no plots" in said and "also after Ctrl-C" not in said, said
     assert not list(scratch.iterdir())  # the terminated worker's residual folder was left behind
     summary = json.loads((sim_out / "summary.json").read_text())
     rows = (sim_out / "metrics.jsonl").read_text().splitlines()
