@@ -84,6 +84,10 @@ class OneShotService(RunService):
         self.observers.attach(server)
         security = plan.security
         where = grpc_target(self.args.host, server.port)
+        if server.coordinator.round_id >= plan.config.rounds:  # resumed with every round done: it waits for no one
+            print(f"coordinator listening on {where} ({security.description}) only to tell agents that training is "
+                  "over", flush=True)
+            return
         print(f"coordinator listening on {where} ({security.description}); waiting for "
               f"{plan.config.min_available} agents (start them with: fedpar client --server "
               f"{where} {security.client_hint} --agent-id ID ...)", flush=True)

@@ -48,3 +48,24 @@ def test_serve_says_it_waits_for_agents_once_one_is_gone_mid_run(tmp_path):
         serve.wait()
         for agent in agents:
             agent.stop()
+
+
+def test_serve_resumed_with_every_round_done_does_not_say_it_waits_for_agents(tmp_path):
+    # It said "every one of the 2 rounds is done already", then "waiting for 2 agents (start them with: ...)", and
+    # exited 0 without waiting.
+    from fedpar.aggregation import build_strategy
+    from fedpar.server.checkpoint import Checkpoint, save_checkpoint
+    from fedpar.server.members import CohortSampler
+    from fedpar.simulations.synthetic_coordinator import synthetic_model
+
+    names, weights = synthetic_model(1000, 0)
+    state = {"sampler": CohortSampler(0).state(), "strategy": build_strategy("fedavg").state_dict()[1]}
+    save_checkpoint(tmp_path / "ck", Checkpoint(3, names, weights, {}, state))
+    done = subprocess.run([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--model", "synthetic",
+                           "--params", "1000", "--seed", "0", "--rounds", "2", "--min-available", "2",
+                           "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "every one of the 2 rounds is done already" in done.stderr, done.stderr
+    assert "waiting for" not in done.stdout + done.stderr and "start them with" not in done.stdout, done.stdout
+    assert "only to tell agents that training is over" in done.stdout, done.stdout
