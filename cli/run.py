@@ -54,8 +54,16 @@ def _stub(args: argparse.Namespace):
     import grpc
 
     from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
+    from fedpar.security.tls import channel_credentials
+
+    channel = grpc.secure_channel(args.control, channel_credentials(_operator_files(args)))
+    return pb_grpc.RunControlStub(channel)
+
+
+def _operator_files(args: argparse.Namespace):
+    """The CA, certificate and key of the operator in --certs (TlsFiles); ValueError says what is missing."""
     from fedpar.security.certs import CertPaths
-    from fedpar.security.tls import TlsFiles, channel_credentials
+    from fedpar.security.tls import TlsFiles
 
     if not args.certs or not args.operator:
         raise ValueError("the control API needs mutual TLS: give --certs DIR and --operator NAME")
@@ -68,9 +76,7 @@ def _stub(args: argparse.Namespace):
                          f"({paths.operator_cert(args.operator)}): make one with 'fedpar certs --out {args.certs} "
                          f"--operators {args.operator}' (the CA that signed the service's certificate must sign it)")
     _check_issued_by_ca(paths.operator_cert(args.operator), paths.ca_cert, args)
-    files = TlsFiles(paths.operator_cert(args.operator), paths.operator_key(args.operator), paths.ca_cert)
-    channel = grpc.secure_channel(args.control, channel_credentials(files))
-    return pb_grpc.RunControlStub(channel)
+    return TlsFiles(paths.operator_cert(args.operator), paths.operator_key(args.operator), paths.ca_cert)
 
 
 def _check_issued_by_ca(cert_path: Path, ca_path: Path, args: argparse.Namespace) -> None:
@@ -204,24 +210,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar run: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as err:
-        print(f"fedpar run: {_refusal_line(err, args.control)}", file=sys.stderr)
+        print(f"fedpar run: {_refusal_line(err, args)}", file=sys.stderr)
+        if args.debug:  # gRPC's own words, which the line above reads for the operator
+            print(f"fedpar run: gRPC said {err.code().name}: {err.details()}", file=sys.stderr)
         return 1 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                                    grpc.StatusCode.DEADLINE_EXCEEDED) else 2
 
 
-def _refusal_line(err, control: str) -> str:
+def _refusal_line(err, args: argparse.Namespace) -> str:
     """What a failed control call means for the operator: the service's own refusal as it said it, else what the
-    transport's words point to (the wrong port, another CA, a service that went away)."""
+    transport's words point to (the wrong port, a failed TLS handshake, a service that went away)."""
     import grpc
 
-    code, details = err.code(), err.details() or ""
+    from fedpar.security.handshake import OPERATOR, diagnose_handshake
+
+    control, code, details = args.control, err.code(), err.details() or ""
     said = details.lower()
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
                 "--control-port")
+    if code == grpc.StatusCode.UNAVAILABLE:  # gRPC's words for a failed handshake are cut and vary: ask TLS itself
+        problem = diagnose_handshake(control, _operator_files(args), who=OPERATOR)
+        if problem is not None:
+            return problem
     if code == grpc.StatusCode.UNAVAILABLE and any(w in said for w in ("ssl", "handshake", "certificate", "tls")):
-        return (f"the TLS handshake with {control} failed ({details[:160]}): --certs must hold the CA that signed the "
-                "service's certificate, and the operator's certificate must come from that CA")
+        return (f"the TLS handshake with {control} failed: --certs must hold the CA that signed the service's "
+                "certificate, and the operator's certificate must come from that CA (--debug shows gRPC's words)")
     if code == grpc.StatusCode.CANCELLED or (code == grpc.StatusCode.UNAVAILABLE and "cancel" in said):
         return f"the service at {control} went away (it stopped, or the connection broke)"
     if code == grpc.StatusCode.UNAVAILABLE:

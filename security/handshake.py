@@ -16,6 +16,9 @@ fits: :func:`tls_mismatch` asks the coordinator's port whether it speaks TLS (:f
 
 fedpar's own revocation is not a TLS matter: a revoked agent completes the handshake and is refused with
 PERMISSION_DENIED naming the revocation, which the agent reports as it is.
+
+The lines name who dials whom (:class:`Dialler`): an agent its coordinator (``fedpar client``), or an operator a
+service's control API (``fedpar run``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import datetime as dt
 import socket
 import ssl
 import time
+from dataclasses import dataclass
 
 from cryptography import x509
 
@@ -38,6 +42,22 @@ UNKNOWN_ISSUER = {2, 18, 19, 20, 21}  # X509_V_ERR_*: issuer not found / self-si
 EXPIRED, NOT_YET_VALID, HOSTNAME_MISMATCH, IP_MISMATCH = 10, 9, 62, 64
 
 
+@dataclass(frozen=True)
+class Dialler:
+    """Who dials what, in a diagnosis's words, and the options that fix it."""
+
+    server: str = "the coordinator"
+    us: str = "this agent"
+    issued_with: str = "--agents ID"  # the option of 'fedpar certs' that makes our certificate
+    ca_options: str = "--certs DIR or --tls-ca"
+    address_option: str = "--server"
+    name_option: str | None = "--tls-server-name NAME"
+
+
+AGENT = Dialler()
+OPERATOR = Dialler("the service", "this operator", "--operators NAME", "--certs DIR", "--control", None)
+
+
 def split_address(address: str) -> tuple[str, int] | None:
     """``(host, port)`` of a ``HOST:PORT`` or ``[IPv6]:PORT`` address, or None if it is not one."""
     host, sep, port = address.rpartition(":")
@@ -47,11 +67,12 @@ def split_address(address: str) -> tuple[str, int] | None:
 
 
 def diagnose_handshake(address: str, files: TlsFiles, server_name: str | None = None,
-                       timeout: float = 3.0) -> str | None:
+                       timeout: float = 3.0, who: Dialler = AGENT) -> str | None:
     """What makes TLS to the coordinator at ``address`` fail, as one line, or None when TLS is not the problem
     (the handshake works, or nothing answers at all). ``server_name``: the name its certificate is checked for
-    when it is not the host of ``address``. A refusal of our certificate is reported only when seen twice, so a
-    coordinator that closes connections while it stops is not taken for one."""
+    when it is not the host of ``address``; ``who``: whose words (an agent's, an operator's). A refusal of our
+    certificate is reported only when seen twice, so a coordinator that closes connections while it stops is not
+    taken for one."""
     target = split_address(address)
     if target is None:
         return None
@@ -62,20 +83,20 @@ def diagnose_handshake(address: str, files: TlsFiles, server_name: str | None = 
         verdict = _handshake(target, files, name, timeout)
     if verdict is None:
         return None
-    where = f"TLS handshake with the coordinator at {address} failed"
+    where = f"TLS handshake with {who.server} at {address} failed"
     if verdict is _REFUSED_OURS and files.cert is None:
-        return (f"{where}: the coordinator requires a client certificate (mutual TLS) and this agent has none; "
+        return (f"{where}: {who.server} requires a client certificate (mutual TLS) and {who.us} has none; "
                 "pass --certs DIR holding this agent's ID.pem/ID.key (or --tls-cert/--tls-key), or have its operator "
                 "admit agents by token ('fedpar serve --enrollment-tokens FILE', server-only TLS)")
     if verdict is _REFUSED_OURS:
-        return f"{where}: the coordinator refused this agent's certificate {files.cert}: {_why_refused(files)}"
+        return f"{where}: {who.server} refused {who.us}'s certificate {files.cert}: {_why_refused(files, who)}"
     if isinstance(verdict, ssl.SSLCertVerificationError):
-        return f"{where}: {_why_unverified(verdict, target, files, name, timeout)}"
+        return f"{where}: {_why_unverified(verdict, target, files, name, timeout, who)}"
     if "ALERT" in (verdict.reason or ""):  # a TLS 1.2 coordinator says why it refused our certificate
         alert = verdict.reason.split("ALERT_", 1)[-1].replace("_", " ").lower()
-        return (f"{where}: the coordinator refused this agent's certificate {files.cert} ({alert}): "
-                f"{_why_refused(files)}")
-    return f"{where}: {verdict.reason or verdict}; check --certs/--tls-ca and the coordinator's TLS options"
+        return (f"{where}: {who.server} refused {who.us}'s certificate {files.cert} ({alert}): "
+                f"{_why_refused(files, who)}")
+    return f"{where}: {verdict.reason or verdict}; check {who.ca_options} and {who.server}'s TLS options"
 
 
 def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
@@ -167,22 +188,23 @@ def _handshake(target: tuple[str, int], files: TlsFiles, name: str, timeout: flo
 
 
 def _why_unverified(exc: ssl.SSLCertVerificationError, target: tuple[str, int], files: TlsFiles, name: str,
-                    timeout: float) -> str:
+                    timeout: float, who: Dialler) -> str:
     """What is wrong with the coordinator's certificate, and what to do."""
     code = exc.verify_code
     if code in UNKNOWN_ISSUER:
-        return (f"its certificate is not signed by the CA in {files.ca} ({exc.verify_message}); give this agent the "
-                "ca.pem of the folder that issued the coordinator's certificate (--certs DIR or --tls-ca)")
+        return (f"its certificate is not signed by the CA in {files.ca} ({exc.verify_message}); give {who.us} the "
+                f"ca.pem of the folder that issued {who.server}'s certificate ({who.ca_options})")
     if code in (HOSTNAME_MISMATCH, IP_MISMATCH):
         names = _served_names(target, files, name, timeout)
         valid = f" (it is valid for {', '.join(names)})" if names else ""
-        return (f"its certificate is not valid for the name {name!r} this agent dialled{valid}; dial it by one of "
-                "its names in --server, or pass --tls-server-name NAME, or have its operator re-issue it with "
+        pass_name = f", or pass {who.name_option}" if who.name_option else ""
+        return (f"its certificate is not valid for the name {name!r} {who.us} dialled{valid}; dial it by one of "
+                f"its names in {who.address_option}{pass_name}, or have its operator re-issue it with "
                 f"'fedpar certs --out DIR --server-name {name}'")
     if code in (EXPIRED, NOT_YET_VALID):
         return (f"its certificate {exc.verify_message} (check this machine's clock too); its operator must re-issue "
-                "it ('fedpar certs --out DIR --server-name NAME') and restart the coordinator")
-    return f"its certificate does not verify ({exc.verify_message}); check --certs/--tls-ca"
+                f"it ('fedpar certs --out DIR --server-name NAME') and restart {who.server}")
+    return f"its certificate does not verify ({exc.verify_message}); check {who.ca_options}"
 
 
 def _served_names(target: tuple[str, int], files: TlsFiles, name: str, timeout: float) -> list[str]:
@@ -202,7 +224,7 @@ def _served_names(target: tuple[str, int], files: TlsFiles, name: str, timeout: 
             *(str(ip) for ip in san.value.get_values_for_type(x509.IPAddress))]
 
 
-def _why_refused(files: TlsFiles) -> str:
+def _why_refused(files: TlsFiles, who: Dialler) -> str:
     """Why the coordinator may have refused our certificate, as far as our own files tell, and what to do."""
     try:
         cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
@@ -212,16 +234,17 @@ def _why_refused(files: TlsFiles) -> str:
     if cert is not None:
         now = dt.datetime.now(dt.timezone.utc)
         if cert.not_valid_after_utc < now:
+            again = who.issued_with.split()[0]
             return (f"it expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; have a new one issued "
-                    f"('fedpar certs --out DIR --agents {common_name(cert)} --force')")
+                    f"('fedpar certs --out DIR {again} {common_name(cert)} --force')")
         if cert.not_valid_before_utc > now:
             return (f"it is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC; check this machine's "
-                    "clock and the coordinator's")
+                    f"clock and {who.server}'s")
         if not any(signed_by(cert, ca) for ca in cas):
             issuer = ("another CA of the same name (another 'fedpar certs' folder)"
                       if any(cert.issuer == ca.subject for ca in cas) else repr(cert.issuer.rfc4514_string()))
             return (f"it was not issued by the CA in {files.ca} but by {issuer}; use the certificate and key made "
-                    "for this agent in the coordinator's certificate folder ('fedpar certs --out DIR --agents ID')")
-    return ("the coordinator does not trust the CA that issued it, or it was revoked; ask the coordinator's "
-            "operator for a certificate from its CA ('fedpar certs --out DIR --agents ID')")
+                    f"for {who.us} in {who.server}'s certificate folder ('fedpar certs --out DIR {who.issued_with}')")
+    return (f"{who.server} does not trust the CA that issued it, or it was revoked; ask {who.server}'s "
+            f"operator for a certificate from its CA ('fedpar certs --out DIR {who.issued_with}')")
 

@@ -174,3 +174,21 @@ def _client_process(cwd: Path, address: str, options: list[str]) -> subprocess.P
     return subprocess.Popen([sys.executable, "-m", "fedpar", "client", "--server", address, "--give-up-after", "3",
                              "--max-backoff", "1", "--threads", "1", *options], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=cwd)
+
+
+def test_fedpar_run_says_a_service_of_another_ca_in_the_agents_words_not_grpcs(tls_world):
+    """`fedpar run` with --certs of another CA than the service's: one line saying so and what to do, as `fedpar
+    client` says it (security/handshake.py for both), not gRPC's cut-off 'Tls handshake failed (TSI_...' text."""
+    other = tls_world.root / "other-operators"
+    ensure_certs(other, operators=["alice"])
+    command = [sys.executable, "-m", "fedpar", "run", "ls", "--control", tls_world.address, "--certs", str(other),
+               "--operator", "alice"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tls_world.root)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"fedpar run: TLS handshake with the service at {tls_world.address} failed: its "
+                           f"certificate is not signed by the CA in {other / 'ca.pem'}"), line
+    assert line.endswith("give this operator the ca.pem of the folder that issued the service's certificate "
+                         "(--certs DIR)"), line
+    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=120, cwd=tls_world.root)
+    assert debug.stderr.splitlines()[0] == line and "CERTIFICATE_VERIFY_FAILED" in debug.stderr  # gRPC's words
