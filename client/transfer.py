@@ -33,9 +33,9 @@ from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.model_fit import fitting_layout
 from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (FRAMING_BYTES, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError, CoordinatorStub,
-                                   ModelLayout, RawData, TensorAssembler, encode_data_message, first_non_finite,
-                                   iter_chunks, layout_from_pb, layout_to_pb, one_line, wire_bytes)
+from fedpar.protocol.codec import (FRAMING_BYTES, NO_RUN_IN_PROGRESS, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError,
+                                   CoordinatorStub, ModelLayout, RawData, TensorAssembler, encode_data_message,
+                                   first_non_finite, iter_chunks, layout_from_pb, layout_to_pb, one_line, wire_bytes)
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import upload_timeout
 
@@ -299,6 +299,10 @@ class UpdateSender:
                                                       "not sent"))
                 return False
             except grpc.RpcError as err:
+                if run_ended(err):  # expected when a run is stopped: no refusal to count or alarm anyone with
+                    log.info("%s: round %d's update was not used: its run ended (finished or stopped) before it "
+                             "arrived", self.auth.agent_id, self.task.round)
+                    return False
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 backoff = backoff or Backoff(0.1, 2.0, self.rng)
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at) or self.superseded():
@@ -310,6 +314,11 @@ class UpdateSender:
                              "%.0fs from now", self.auth.agent_id, one_line(err.details() or ""),
                              self.deadline_at - time.monotonic())
                 time.sleep(backoff.wait())
+
+
+def run_ended(err: grpc.RpcError) -> bool:
+    """Whether ``err`` is a service's refusal of an update whose run ended (its coordinator between runs)."""
+    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and NO_RUN_IN_PROGRESS in (err.details() or "")
 
 
 def waits_for_admission(first: pb.UploadChunk | bytes) -> bool:

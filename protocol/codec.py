@@ -335,6 +335,9 @@ MAX_CLIENT_METRICS = 64  # metrics in one update's report
 # then stay finite, where one agent's 1e308 made every agent's train_loss of the round inf or NaN.
 MAX_METRIC_MAGNITUDE = 1e100
 MAX_SAID_CHARS = 500  # of a line a peer's words are logged in
+# What a service's coordinator between runs says of an update it refuses (FAILED_PRECONDITION): its run ended, as
+# a stopped run's agents' last uploads do; an agent that reads it says so calmly, not as a refusal.
+NO_RUN_IN_PROGRESS = "no run is in progress"
 
 
 def one_line(text: str, limit: int = MAX_SAID_CHARS) -> str:

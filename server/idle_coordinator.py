@@ -18,6 +18,8 @@ from fedpar.server.coordinator import Coordinator
 class IdleCoordinator(Coordinator):
     """A Coordinator whose run serves until cancelled, dealing no task; its members are kept for the next run."""
 
+    runs_rounds = False  # an update sent to it is of a run that ended: refused in words that say so
+
     async def run(self) -> None:
         """Serve (health SERVING) until the server stops it."""
         self.keeps_members = True

@@ -27,7 +27,7 @@ import numpy as np
 
 from fedpar.aggregation.compatibility import check_composition, linear_strategy_names
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import FLOAT_DTYPES, ModelLayout
+from fedpar.protocol.codec import FLOAT_DTYPES, NO_RUN_IN_PROGRESS, ModelLayout
 from fedpar.secagg import wire
 from fedpar.secagg.errors import SecAggAbort, SecAggError, SecAggStageError
 from fedpar.secagg.field import DTYPE
@@ -323,6 +323,9 @@ def wire_masked(agent_id: str, array: np.ndarray):
 async def secagg_exchange(coordinator, agent_id: str, request: pb.SecAggRequest) -> pb.SecAggReply:
     """Route a SecAggExchange call of an authenticated agent to the current round's SecureRound."""
     secure, state = coordinator.secure, coordinator.current
+    if not coordinator.runs_rounds:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"secure-aggregation message for round {request.round}, "
+                      f"but {NO_RUN_IN_PROGRESS} on this service: the run it was for ended (it finished or was stopped)")
     if not coordinator.config.secure_aggregation:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator does not run secure aggregation (start it with --secure-aggregation)")

@@ -40,8 +40,8 @@ import grpc
 import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (SMALL_UPDATE_BYTES, CodecError, ModelLayout, ModelTooLarge, TensorAssembler,
-                                   check_report, layout_from_pb, specs_match)
+from fedpar.protocol.codec import (NO_RUN_IN_PROGRESS, SMALL_UPDATE_BYTES, CodecError, ModelLayout, ModelTooLarge,
+                                   TensorAssembler, check_report, layout_from_pb, specs_match)
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
@@ -213,8 +213,13 @@ class StagingSlots:
 
 
 def open_round(plane, round_id: int, what: str):
-    """The open round of ``plane`` if ``round_id`` is it, else a Refusal saying which round is current."""
+    """The open round of ``plane`` if ``round_id`` is it, else a Refusal saying which round is current (or that no
+    run is, on a service's coordinator between runs)."""
     state = plane.current
+    if not plane.runs_rounds:
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"{what} for round {round_id}, but {NO_RUN_IN_PROGRESS} on this service: the run it was for "
+                      "ended (it finished or was stopped); the update was not applied")
     if state is None or round_id != state.round_id:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       f"{what} for round {round_id}, but the current round is {plane.current_round_id}; "

@@ -25,6 +25,7 @@ class IngestPlane:
     """The global model as agents download it, and the open round's slots and mode (loop only)."""
 
     rank = 0  # this process's aggregator rank
+    runs_rounds = True  # False: a service's coordinator between runs (server/idle_coordinator.py), with no round
 
     def __init__(self, config: CoordinatorConfig, names: Sequence[str], weights: Sequence[np.ndarray],
                  registry: AgentRegistry):

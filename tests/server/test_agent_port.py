@@ -9,6 +9,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedpar.aggregation import build_strategy
@@ -164,3 +165,46 @@ def test_an_ipv6_host_is_bracketed_as_grpc_takes_it():
     assert grpc_target("::1", 50051) == "[::1]:50051"
     assert grpc_target("[::1]", 0) == "[::1]:0"
     assert grpc_target("127.0.0.1", 0) == "127.0.0.1:0" and grpc_target("localhost", 7) == "localhost:7"
+
+
+def test_an_update_of_a_stopped_run_is_refused_as_its_run_ended_and_the_agent_says_so_calmly(caplog):
+    # After 'fedpar run stop', an agent's last upload reached the idle coordinator, which said "upload for round 1,
+    # but the current round is 0", and the agent logged it as "upload refused: FAILED_PRECONDITION: ...".
+    import logging
+    import random
+
+    from fedpar.client.compressed import PreparedUpload
+    from fedpar.client.local_loop import TrainResult
+    from fedpar.client.transfer import UpdateSender, upload_small
+    from fedpar.protocol.codec import ModelLayout
+
+    service = Service()
+    agent = ScriptedAgent(service.address, "a")
+    try:
+        run = service.run(rounds=2)
+        run.start()
+        try:
+            task = agent.task()
+        finally:
+            run.stop(grace=0.5)  # stopped mid-round: the idle coordinator takes the agents' calls again
+        with pytest.raises(grpc.RpcError) as err:
+            agent.upload(task, [np.ones(4, np.float32)], 100)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no run is in progress on this service: the run it was for ended" in err.value.details(), \
+            err.value.details()
+        assert "current round is 0" not in err.value.details()
+        noted = []
+        sender = UpdateSender(agent.auth, task, agent.stub, upload_small, time.monotonic() + 30, 1 << 20, 1 << 20,
+                              1 << 20, random.Random(0), lambda what, why: noted.append((what, why)))
+        arrays = [np.ones(4, np.float32)]
+        with caplog.at_level(logging.INFO, logger="fedpar.client"):
+            sent = sender.send(PreparedUpload(ModelLayout.of_arrays(["t0"], arrays), arrays),
+                               TrainResult(steps=1, examples=100, loss=0.5, stopped_early=False, seconds=0.1), {})
+        assert not sent and noted == []  # not counted as a refusal
+        said = [r for r in caplog.records if r.name.startswith("fedpar.client")]
+        assert [(r.levelno, r.getMessage()) for r in said] == [
+            (logging.INFO, f"a: round {task.round}'s update was not used: its run ended (finished or stopped) before "
+                           "it arrived")], said
+    finally:
+        agent.close()
+        service.close()

@@ -59,6 +59,7 @@ class FakeCoordinator:
     intake asks of it."""
 
     rank = 0
+    runs_rounds = True
 
     def __init__(self, refuse_open: Refusal | None = None, refuse_accept: Refusal | None = None, **config):
         self.config = CoordinatorConfig(**config)
