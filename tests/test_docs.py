@@ -256,3 +256,12 @@ def test_service_floors_untrained_way_is_a_simulate_command_line_that_is_taken()
         args = parser.parse_args(["simulate", *flags])
         args._given = given_settings(subcommand_parser(parser, "simulate"), flags, frozenset())  # as main() does
         check_nothing_replaced(args)
+
+
+def test_the_readmes_run_file_is_one_a_service_takes():
+    """The README's deployed block submits examples/run.toml: it exists and reads as a run file (QA: it named a
+    run.toml that no page or folder held)."""
+    from fedpar.cli.run_settings import read_run_file
+
+    assert "run submit examples/run.toml" in (ROOT / "README.md").read_text()
+    assert read_run_file(ROOT / "examples" / "run.toml")["rounds"] == 5
