@@ -400,6 +400,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     from fedpar.server.run_control import RunControlServer
 
     state = Path(args.state)
+    lock = None
     try:  # the flags and ports first: a start refused for them leaves no state file, nor a lock file
         check_state_folder(state)  # a mistyped --state is refused, not made
         _check_one_shot_outputs(args)
@@ -416,14 +417,16 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
             check_metrics_endpoint(args)
             check_rank_ports(args.host, args.port, args.aggregator_ranks, {p: o for p, o in (
                 (args.control_port, "--control-port"), (args.metrics_port, "--metrics-port")) if p})
+        lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
         revocations = server_security(args).admission.revocations  # the control API's too: operators are revoked
         files = server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
         if files.ca is None:
             raise UserError("the control port needs mutual TLS: give --certs DIR (or --tls-ca)")
         credentials = server_credentials(files)
-        lock = None if getattr(args, "state_lock_held", False) else _lock(state)  # held by the ranks' launcher
     except (ValueError, UserError, StoreError) as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
+        if lock is not None:
+            _unlock(lock, refused=True)
         return exc.exit_code if isinstance(exc, UserError) else 2
     try:
         store = RunStore(state)

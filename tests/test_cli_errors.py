@@ -613,9 +613,10 @@ def test_a_refused_service_start_leaves_no_lock_file_and_a_busy_state_file_is_on
     # another service holds the state file (its lock): exit 2, one line naming what to do, no traceback hint
     with open(tmp_path / "state.db.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        rc, _, err = astuple_of(run_main(["serve", "--state", str(tmp_path / "state.db"), "--certs", str(certs),
-                                          "--port", "0", "--control-port", "0"], capfd, tmp_path))
+        rc, _, err = _finish(_start(["serve", "--state", str(tmp_path / "state.db"), "--certs", str(certs),
+                                     "--port", "0", "--control-port", "0"], tmp_path))
     assert rc == 2, err
     line = _one_line(err, "is in use by another fedpar serve; stop it, or give another --state")
     assert line.startswith("fedpar serve: state file") and "--debug" not in line, err
+    assert err.strip() == line, err  # nothing before it either (the certificates' log lines came first)
     assert not (tmp_path / "state.db").exists()
