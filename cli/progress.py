@@ -220,6 +220,7 @@ class StepBar:
     def __init__(self, unit: str = "step", stream: TextIO | None = None):
         self.unit, self._stream = unit, stream
         self._progress = self._task = None
+        self._terminal: bool | None = None  # whether the stream is a terminal, decided at the first step
 
     @property
     def stream(self) -> TextIO:
@@ -233,9 +234,16 @@ class StepBar:
         else:
             print(message, file=self.stream, flush=True)
 
+    def shows_steps(self) -> bool:
+        """Whether the steps are shown (a bar on a terminal), decided once: while the bar is up, sys.stdout is rich's
+        proxy, which is no terminal."""
+        if self._terminal is None:
+            self._terminal = self.stream.isatty()
+        return self._terminal
+
     def step(self, done: int, total: int, note: str = "") -> None:
         """Show ``done`` of ``total`` steps, with ``note`` (the last loss, the speed) beside them."""
-        if not self.stream.isatty():
+        if not self.shows_steps():
             return
         if self._progress is None:
             from rich.console import Console
@@ -244,7 +252,7 @@ class StepBar:
                                       TextColumn("{task.fields[note]}"), TimeRemainingColumn(),
                                       console=Console(file=self.stream), transient=True)
             self._progress.start()
-            self._task = self._progress.add_task(self.unit, total=total, note=note)
+            self._task = self._progress.add_task(self.unit, total=total, completed=min(done, total), note=note)
         self._progress.update(self._task, completed=min(done, total), total=total, note=note)
 
     def close(self) -> None:

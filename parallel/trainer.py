@@ -58,6 +58,9 @@ class StepProgress(Protocol):
     def line(self, message: str) -> None:
         """Print one line."""
 
+    def shows_steps(self) -> bool:
+        """Whether each step is shown (a bar on a terminal), so its loss is worth reading at once."""
+
     def step(self, done: int, total: int, note: str = "") -> None:
         """``done`` of ``total`` steps, ``note`` beside them."""
 
@@ -261,15 +264,14 @@ class Trainer:
                 with held_stops():  # SIGINT/SIGTERM stops the run between steps: keep_model keeps a whole step's
                     x, y = self._to_device(indices, self.data.train_inputs, self.data.train_targets)
                     set_learning_rate(self.optimizers, base_lr * warmup_factor(c["step"], cfg.warmup_steps))
-                    interval_loss += self.train_step(x, y)
+                    step_loss = self.train_step(x, y)
+                    interval_loss += step_loss
                     c["step"] += 1
                     c["batch_in_epoch"] += 1
                     c["samples"] += global_batch
                     run_samples += global_batch
                     interval_steps += 1
                     self.stepped = True
-                if self.progress is not None and self.info.is_main:
-                    self.progress.step(c["step"], total, f"loss {last_loss:.4f}")
                 if c["step"] % cfg.log_every == 0 or c["step"] == total:
                     loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / interval_steps, 1.0])
                     last_loss = loss_sum / reporters
@@ -287,6 +289,8 @@ class Trainer:
                     self._log(f"epoch {c['epoch']} step {c['step']}/{total} loss {last_loss:.4f} "
                               f"{rate:.0f} samples/s, about {left:.0f} s left")
                     interval_start, interval_steps, interval_loss = time.perf_counter(), 0, 0.0
+                if self.progress is not None and self.info.is_main:
+                    self._show_step(total, step_loss, last_loss)
                 if cfg.checkpoint_every and c["step"] % cfg.checkpoint_every == 0:
                     interval_start += self._off_the_clock(self.save)[1]
                 if stop_after_steps is not None and c["step"] >= stop_after_steps:
@@ -312,6 +316,14 @@ class Trainer:
         if self.progress is not None:
             self.progress.close()
         return self._finish(log, evals, last_loss, wall_start, train_seconds, run_samples, resumed_from)
+
+    def _show_step(self, total: int, step_loss: torch.Tensor, last_loss: float) -> None:
+        """Rank 0 shows the step just done with its loss (on its data shard), or the last logged loss where rank 0
+        holds none (a pipeline's first stage); only a bar on a terminal reads it, as reading waits for the step."""
+        if not self.progress.shows_steps():
+            return
+        loss = float(step_loss) if self.reports_loss else last_loss
+        self.progress.step(self.counters["step"], total, f"loss {loss:.4f}" if math.isfinite(loss) else "")
 
     def _off_the_clock(self, work: Callable[[], Any]) -> tuple[Any, float]:
         """``work()``'s result and its seconds, once the training steps queued before it are done."""

@@ -157,3 +157,14 @@ def test_a_table_row_is_printed_with_the_bar_taken_down_before_it():
     bar.round(2, 1, 4, 50.0)  # and drawn again below it
     bar.close()
     assert "round 2/3" in terminal.getvalue()[len(shown):]
+
+
+def test_the_step_bar_on_standard_output_moves_past_its_first_step(monkeypatch):
+    """Once the bar is up, rich puts its proxy (no terminal) in sys.stdout: the bar stayed at step 1 of the run."""
+    monkeypatch.setattr("sys.stdout", _Terminal())
+    bar = StepBar()
+    bar.step(1, 3, "loss 0.9000")
+    bar.step(2, 3, "loss 0.5000")
+    task = bar._progress.tasks[0]
+    assert (task.completed, task.fields["note"]) == (2, "loss 0.5000")
+    bar.close()

@@ -153,6 +153,23 @@ def test_logged_lr_follows_the_warmup_and_the_batch_size_scaling(tmp_path: Path,
         assert lrs[1] == pytest.approx(base_lr / warmup) and lrs[warmup] == pytest.approx(base_lr)
 
 
+def test_the_step_bar_shows_each_step_with_its_own_loss(tmp_path: Path, monkeypatch):
+    """On a terminal the bar said 'loss nan' until the first log interval: it was shown before the loss was read."""
+    from fedpar.cli.main import main
+    from fedpar.cli.progress import StepBar
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    shown = []
+    monkeypatch.setattr(StepBar, "shows_steps", lambda self: True)
+    monkeypatch.setattr(StepBar, "step", lambda self, done, total, note="": shown.append((done, total, note)))
+    assert main(["train", "--model", "mlp", "--dataset", "digits", "--nproc", "1", "--max-steps", "4",
+                 "--log-every", "3", "--no-plot", "--out", str(tmp_path / "run")]) == 0
+    assert [(done, total) for done, total, _ in shown] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    losses = [float(note.removeprefix("loss ")) for _, _, note in shown]
+    assert all(math.isfinite(loss) and 0 < loss < 10 for loss in losses), shown
+    assert len(set(losses)) == 4, shown  # each step's own loss, not the last logged one
+
+
 def test_lr_scaling_rules():
     assert TrainConfig(lr=0.1, batch_size=256, base_batch_size=64, lr_scaling="linear").scaled_lr() == pytest.approx(0.4)
     assert TrainConfig(lr=0.1, batch_size=256, base_batch_size=64, lr_scaling="sqrt").scaled_lr() == pytest.approx(0.2)
