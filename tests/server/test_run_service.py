@@ -313,9 +313,12 @@ def test_a_revoked_operator_is_refused_on_the_control_port(federation):
 def test_a_corrupt_state_file_is_one_line_and_kept(tmp_path):
     state = tmp_path / "state.db"
     state.write_bytes(b"not a database\n" * 64)
-    done = main_here("serve", "--state", str(state), "--insecure", "--port", "0", "--control-port", "0")
+    certs = tmp_path / "certs"  # the flags are checked before the state file: they are right here
+    assert main_here("certs", "--out", str(certs), "--agents", "a", "--operators", "op").returncode == 0
+    (certs / "revoked.txt").write_text("")
+    done = main_here("serve", "--state", str(state), "--certs", str(certs), "--port", "0", "--control-port", "0")
     _one_line_error(done, "is not a fedpar state database or is damaged")
-    assert state.read_bytes() == b"not a database\n" * 64
+    assert state.read_bytes() == b"not a database\n" * 64 and not (tmp_path / "state.db.lock").exists()
 
 
 KILL_SEED = int(os.environ.get("FEDPAR_KILL_SEED", "27"))
