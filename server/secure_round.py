@@ -324,8 +324,9 @@ async def secagg_exchange(coordinator, agent_id: str, request: pb.SecAggRequest)
     """Route a SecAggExchange call of an authenticated agent to the current round's SecureRound."""
     secure, state = coordinator.secure, coordinator.current
     if not coordinator.runs_rounds:
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"secure-aggregation message for round {request.round}, "
-                      f"but {NO_RUN_IN_PROGRESS} on this service: the run it was for ended (it finished or was stopped)")
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"secure-aggregation message for round {request.round}, but {NO_RUN_IN_PROGRESS} on this "
+                      "service: the run it was for ended (it finished or was stopped)")
     if not coordinator.config.secure_aggregation:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator does not run secure aggregation (start it with --secure-aggregation)")
