@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.protocol.run_logs import TensorBoardScalars, write_csv
+from fedpar.protocol.run_logs import TensorBoardScalars, clean_row, write_csv
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -85,7 +85,7 @@ class StepMetricsLog:
         """Append one record."""
         if self.enabled:
             with self.path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json.dumps(clean_row(record), allow_nan=False) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.write(record)
 
@@ -133,8 +133,9 @@ def write_interrupted_summary(out_dir: Path, model: str, dataset: str, world_siz
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` as indented JSON with :func:`atomic_write_bytes`."""
-    atomic_write_bytes(path, [(json.dumps(data, indent=2) + "\n").encode()])
+    """Write ``data`` to ``path`` as indented strict JSON (NaN and infinities as null) with
+    :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, [(json.dumps(clean_row(data), indent=2, allow_nan=False) + "\n").encode()])
 
 
 def plot_loss_curve(records: list[dict[str, Any]], path: Path, title: str) -> None:

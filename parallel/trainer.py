@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from pathlib import Path
@@ -249,6 +250,14 @@ class Trainer:
             self._log(f"the checkpoint is at step {c['step']}, already at or after the run's last step {total}: "
                       f"nothing to train (raise {'--max-steps' if cfg.max_steps > 0 else '--epochs'} to train on, or "
                       "pass --no-resume to start afresh)")
+            kept = self._finished_outputs()
+            if kept is not None:
+                log.close()
+                if self.progress is not None:
+                    self.progress.close()
+                self._log(f"its outputs in {self.out} are left as they are")
+                return kept
+            last_loss = next((r["loss"] for r in reversed(log.records()) if r.get("kind") == "train"), last_loss)
         else:
             self._log(f"training {cfg.model} on {cfg.dataset}: world {self.info.world_size} "
                       f"(dp {cfg.parallel.dp}, fsdp {cfg.parallel.fsdp}, tp {cfg.parallel.tp}, pp {cfg.parallel.pp}), "
@@ -324,6 +333,23 @@ class Trainer:
             return
         loss = float(step_loss) if self.reports_loss else last_loss
         self.progress.step(self.counters["step"], total, f"loss {loss:.4f}" if math.isfinite(loss) else "")
+
+    def _finished_outputs(self) -> dict[str, Any] | None:
+        """Collectively, for a finished run resumed: the summary.json it wrote (``{}`` on the other ranks) when rank 0
+        finds it and its final model in --out, else None (it was stopped before writing them: they are written)."""
+        from fedpar.protocol.model_file import INFO, TENSORS
+
+        summary = None
+        if self.info.is_main and all((self.out / name).is_file() for name in (TENSORS, INFO)):
+            try:
+                summary = json.loads((self.out / "summary.json").read_text())
+            except (OSError, ValueError):
+                summary = None
+            if not isinstance(summary, dict) or summary.get("steps") != self.counters["step"]:
+                summary = None
+        found = torch.tensor([summary is not None], dtype=torch.int32, device=self.info.device)
+        dist.broadcast(found, src=0)
+        return (summary or {}) if found.item() else None
 
     def _off_the_clock(self, work: Callable[[], Any]) -> tuple[Any, float]:
         """``work()``'s result and its seconds, once the training steps queued before it are done."""

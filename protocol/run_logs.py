@@ -29,11 +29,15 @@ TENSORBOARD_HINT = "--tensorboard needs the tensorboard package: pip install 'fe
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return clean_row(value)
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
     return value
 
 
 def clean_row(row: dict) -> dict:
-    """``row`` with non-finite floats replaced by None (strict JSON)."""
+    """``row`` with non-finite floats replaced by None, in nested dicts and lists too (strict JSON)."""
     return {k: _clean(v) for k, v in row.items()}
 
 

@@ -16,6 +16,11 @@ def _train(out: Path, *extra: str) -> list[str]:
             "--checkpoint-every", "2", "--no-plot", "--out", str(out), *extra]
 
 
+def _no_constant(name: str):
+    """json.loads' parse_constant for strict JSON: NaN, Infinity and -Infinity are refused."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 @pytest.fixture
 def checkpointed(tmp_path, monkeypatch, capsys) -> Path:
     """A one-rank run of 2 steps, checkpointed after them."""
@@ -59,11 +64,37 @@ def test_a_checkpoint_of_older_code_without_its_record_still_resumes(checkpointe
 
 @pytest.mark.parametrize("max_steps", ["2", "1"])
 def test_resuming_a_finished_run_says_so_and_logs_no_second_final_eval(checkpointed, capsys, max_steps):
-    before = (checkpointed / "metrics.jsonl").read_text()
+    outputs = ("metrics.jsonl", "metrics.csv", "summary.json", "global.safetensors", "global.json")
+    before = {name: (checkpointed / name).read_bytes() for name in outputs}
     assert main(_train(checkpointed, "--max-steps", max_steps)) == 0
     said = capsys.readouterr().out
     assert (f"the checkpoint is at step 2, already at or after the run's last step {max_steps}: nothing to train "
             "(raise --max-steps to train on, or pass --no-resume to start afresh)") in said
+    assert f"its outputs in {checkpointed} are left as they are" in said and "wrote summary.json" not in said
     assert "steps of 64 examples" not in said
-    assert (checkpointed / "metrics.jsonl").read_text() == before  # the final eval row is there once
-    assert json.loads((checkpointed / "summary.json").read_text())["steps"] == 2
+    # the final eval row is there once; the summary kept its loss and speed (it was rewritten with NaN and zeros)
+    assert {name: (checkpointed / name).read_bytes() for name in outputs} == before
+
+
+def test_a_finished_run_stopped_before_its_outputs_writes_them_in_strict_json(checkpointed, capsys):
+    """Killed after its last checkpoint, before its summary: the resume writes it, its loss the last one logged."""
+    logged = [json.loads(line) for line in (checkpointed / "metrics.jsonl").read_text().splitlines()]
+    (checkpointed / "summary.json").unlink()
+    assert main(_train(checkpointed, "--max-steps", "2")) == 0
+    assert "wrote summary.json" in capsys.readouterr().out
+    summary = json.loads((checkpointed / "summary.json").read_text(), parse_constant=_no_constant)
+    assert summary["steps"] == 2 and summary["samples_per_second"] == 0.0
+    assert summary["final_train_loss"] == [r["loss"] for r in logged if r["kind"] == "train"][-1]
+
+
+def test_summaries_and_metrics_lines_are_strict_json(tmp_path):
+    """NaN and infinities are no JSON numbers: strict parsers refused the files; they are written as null."""
+    from fedpar.parallel.metrics import StepMetricsLog, write_json_atomic
+
+    write_json_atomic(tmp_path / "summary.json", {"loss": float("nan"), "peaks": [1.0, float("inf")],
+                                                  "config": {"lr": float("-inf"), "steps": 2}})
+    assert (json.loads((tmp_path / "summary.json").read_text(), parse_constant=_no_constant)
+            == {"loss": None, "peaks": [1.0, None], "config": {"lr": None, "steps": 2}})
+    log = StepMetricsLog(tmp_path, True)
+    log.write({"kind": "eval", "step": 1, "val_loss": float("nan")})
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"kind": "eval", "step": 1, "val_loss": null}\n'
