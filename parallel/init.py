@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import sys
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from multiprocessing import resource_tracker
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +20,7 @@ import secrets
 from fedpar.parallel.device import backend_for, resolve_device
 from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
-from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, \
+from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held, \
     stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -143,8 +140,7 @@ def exit_rank_process(code: int = 0) -> None:
 def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
                     parent_stops: bool = False, env: dict[str, str] | None = None) -> None:
     if parent_stops:  # the launcher stops this rank: Ctrl-C is ignored; still leave when the launcher dies
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked from birth (interrupts_held)
+        ignore_interrupts()
         die_with_parent(signal.SIGTERM)
     dump_stacks_on_signal()
     os.environ.pop(LAUNCHER_STORE_ENV, None)  # a launcher's own launcher's store is not this launch's
@@ -190,57 +186,24 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     while True:
         port = _port_of(held)
         env = {NAMESPACE_ENV: f"fedpar/ranks/{secrets.token_hex(4)}"} if rank_0_decides else _store_env(held)
-        with interrupts_held(start_method) as release:
-            context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env),
-                                         nprocs=nproc, join=False, start_method=start_method)
-            ranks = context.processes
-            with stop_on_signals(on_second=lambda: [p.kill() for p in ranks if p.is_alive()]):
-                try:
-                    release()  # a Ctrl-C that came while they started stops them now
-                    if not (rank_0_decides or rank_0_resumes):
-                        while not context.join(timeout=0.5):
-                            pass
-                    elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
-                                                         env=env, start_method=start_method), budget, rank_0_resumes):
-                        continue  # rank 0 died and resumes: every rank again
-                except KeyboardInterrupt:
-                    stop_ranks(ranks, stop_grace)
-                    raise
+        context = None
+        with stop_on_signals(on_second=lambda: [p.kill() for p in (context.processes if context else ())
+                                                if p.is_alive()]):
+            try:
+                with interrupts_held(start_method):  # a Ctrl-C that comes while they start stops them after
+                    context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env),
+                                                 nprocs=nproc, join=False, start_method=start_method)
+                if not (rank_0_decides or rank_0_resumes):
+                    while not context.join(timeout=0.5):
+                        pass
+                elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
+                                                     env=env, start_method=start_method), budget, rank_0_resumes):
+                    continue  # rank 0 died and resumes: every rank again
+            except KeyboardInterrupt:
+                if context is not None:
+                    stop_ranks(context.processes, stop_grace)
+                raise
         return
-
-
-@contextlib.contextmanager
-def interrupts_held(start_method: str = "fork") -> Iterator[Callable[[], None]]:
-    """Inside the block a Ctrl-C is held back: the processes it starts are born with SIGINT blocked (a rank its
-    launcher stops ignores it once it runs: :func:`_spawned_worker`), and one that comes meanwhile, to whichever
-    thread, is noted and raised at ``release()`` or the block's end, to the handler in place then. ``start_method``:
-    how the block starts processes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    if start_method != "fork":
-        # multiprocessing starts its resource tracker at the first spawned process and then unblocks SIGINT whatever
-        # the mask was (resource_tracker.ensure_running): started first, the block's spawns leave the mask alone
-        resource_tracker.ensure_running()
-    came: list[int] = []
-    # noted, not ignored: the kernel hands a process's signal to any thread that does not block it (the store's, a
-    # gRPC poller's), and an ignored one would be gone
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
-    blocked = signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # what the children get
-    open_ = [True]
-
-    def release() -> None:
-        if open_[0]:
-            open_[0] = False
-            signal.signal(signal.SIGINT, previous)
-            if blocked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-            if came:
-                signal.raise_signal(signal.SIGINT)
-    try:
-        yield release
-    finally:
-        release()
 
 
 def _launcher_store() -> dist.TCPStore:

@@ -143,16 +143,47 @@ def wait_awake(event: threading.Event, timeout: float | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def children_ignore_interrupts() -> Iterator[None]:
-    """Processes started inside the block ignore SIGINT from birth (an ignored signal stays ignored through exec):
-    Ctrl-C reaches a terminal's whole process group, and their parent stops them instead, without a traceback."""
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
-    try:
-        yield
-    finally:
-        if in_main:
+def interrupts_held(start_method: str = "spawn") -> Iterator[Callable[[], None]]:
+    """Start processes inside the block that their parent stops: they are born with SIGINT blocked (Ctrl-C reaches a
+    terminal's whole process group) and ignore it once they call :func:`ignore_interrupts`, so that it prints no
+    traceback of theirs. A SIGINT that comes to this process meanwhile, to whichever thread, is noted and raised at
+    ``release()`` or the block's end, to the handler in place then. ``start_method``: how the block starts processes.
+    Off the main thread the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    if start_method != "fork":
+        # multiprocessing starts its resource tracker at the first spawned process and then unblocks SIGINT whatever
+        # the mask was (resource_tracker.ensure_running): started first, the block's spawns leave the mask alone
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+    came: list[int] = []
+    # noted, not ignored: the kernel hands a process's signal to any thread that does not block it (a store's, a
+    # gRPC poller's), and one ignored there was lost
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    blocked = signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # what children get
+    open_ = [True]
+
+    def release() -> None:
+        if open_[0]:
+            open_[0] = False
             signal.signal(signal.SIGINT, previous)
+            if blocked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            if came:
+                signal.raise_signal(signal.SIGINT)
+    try:
+        yield release
+    finally:
+        release()
+
+
+def ignore_interrupts() -> None:
+    """In a process started inside :func:`interrupts_held`, first thing: SIGINT is ignored from now on (its parent
+    stops it), and no longer blocked (one that came meanwhile is dropped)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def dump_stacks_on_signal() -> None:

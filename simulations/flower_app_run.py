@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.aggregation import build_strategy
-from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, dump_stacks_on_signal
+from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.tls import client_tls_files, server_credentials, server_tls_files
@@ -92,7 +92,7 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
     interrupted = False
     try:
         server.start()
-        with children_ignore_interrupts():
+        with interrupts_held():
             for w, host in enumerate(hosts):
                 numbers = list(range(w, cfg.clients, workers))
                 procs.append(ctx.Process(target=host_flower_members, name=f"fedpar-worker-{w}", daemon=True, args=(
@@ -132,6 +132,7 @@ def host_flower_members(server: str, directory: str, run_config: str | None, hos
                         clients: int, seats: int, seed: int, certs_dir: str | None, log_level: int) -> None:
     """Worker process: host clients ``numbers`` of ``clients`` (partition id = client number) of the Flower App in
     ``directory`` until the coordinator says the run is over."""
+    ignore_interrupts()
     die_with_parent()
     dump_stacks_on_signal()
     logging.basicConfig(level=min(log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")

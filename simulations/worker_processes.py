@@ -16,7 +16,7 @@ import time
 from multiprocessing.connection import Connection
 
 from fedpar.datasets.registry import full_dataset_name
-from fedpar.parallel.stopping import children_ignore_interrupts
+from fedpar.parallel.stopping import ignore_interrupts, interrupts_held
 from fedpar.simulations.config import SimulationConfig
 
 
@@ -35,7 +35,7 @@ class WorkerProcesses:
         self.procs = [ctx.Process(target=run_worker_entry, name=f"fedpar-worker-{w}",
                                   args=(recv, preload, data_dir, say, self.scratch), daemon=True)
                       for w, (recv, _) in enumerate(pipes)]
-        with children_ignore_interrupts():  # this process stops them, so an interrupt prints no worker tracebacks
+        with interrupts_held():  # this process stops them, so an interrupt prints no worker tracebacks
             for p in self.procs:
                 p.start()
         for recv, _ in pipes:
@@ -69,14 +69,20 @@ class WorkerProcesses:
 def start_workers(cfg: SimulationConfig) -> WorkerProcesses:
     """The worker processes ``cfg`` (settled) runs on, started: each preloads the run's dataset unless a task or a
     Flower App loads its own."""
-    preload = None if cfg.task or cfg.flower_app else full_dataset_name(cfg.dataset, cfg.clients)
-    return WorkerProcesses(cfg.workers, preload, cfg.data_dir)
+    return WorkerProcesses(cfg.workers, preloaded_dataset(cfg), cfg.data_dir)
+
+
+def preloaded_dataset(cfg: SimulationConfig) -> str | None:
+    """The dataset ``cfg``'s workers load as they start (None: a task or a Flower App loads its own); ValueError for a
+    name no dataset has (synthetic:1)."""
+    return None if cfg.task or cfg.flower_app else full_dataset_name(cfg.dataset, cfg.clients)
 
 
 def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None, say: Connection,
                      scratch: str) -> None:
     """Process target: simulations/agents.py's worker (imported here, in the child: the parent need not), its
     temporary files in ``scratch``, which the parent removes."""
+    ignore_interrupts()
     tempfile.tempdir = scratch
     from fedpar.simulations.agents import run_worker_process
 

@@ -18,7 +18,7 @@ from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource
 from fedpar.parallel.restarts import RestartBudget
 from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
-from fedpar.parallel.stopping import children_ignore_interrupts, die_with_parent, dump_stacks_on_signal
+from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
@@ -66,6 +66,7 @@ def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:
 def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRankSpec, replacing: bool) -> None:
     """A spawned process: join the group (or, ``replacing`` a lost rank, ask rank 0 to take it back), then serve as
     aggregator rank ``rank`` until rank 0 stops (or dies)."""
+    ignore_interrupts()
     die_with_parent()
     dump_stacks_on_signal()
     torch.set_num_threads(1)
@@ -100,7 +101,7 @@ class IngestRanks:
         self.world = world
         self.restarts = RestartBudget()
         self.procs = [self._process(r, replacing=False) for r in range(1, world)]
-        with children_ignore_interrupts():  # rank 0 stops them
+        with interrupts_held():  # rank 0 stops them
             for p in self.procs:
                 p.start()
         _join(0, world, self.port, self.spec)
@@ -123,7 +124,7 @@ class IngestRanks:
             if not self.restarts.allow(r):
                 continue
             self.procs[r - 1] = self._process(r, replacing=True)
-            with children_ignore_interrupts():
+            with interrupts_held():
                 self.procs[r - 1].start()
 
     def close(self, wait: bool = True) -> None:

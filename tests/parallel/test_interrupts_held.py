@@ -1,4 +1,4 @@
-"""A Ctrl-C that comes while a launcher starts its ranks is held back, not lost (parallel/init.py interrupts_held):
+"""A Ctrl-C that comes while a launcher starts its ranks is held back, not lost (parallel/stopping.py interrupts_held):
 in a fresh interpreter, where multiprocessing's resource tracker is not running yet."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 # to while the main thread blocks it
 HELD_START = """
 import multiprocessing as mp, os, signal, threading, time
-from fedpar.parallel.init import interrupts_held
+from fedpar.parallel.stopping import interrupts_held
 
 if __name__ == "__main__":
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()

@@ -170,7 +170,7 @@ def test_a_two_rank_service_stopped_by_a_signal_names_it_and_exits_0_whenever_it
     early = []
     # the moment: once its own handling of signals is in place (its first second: torch not loaded yet), and the
     # instant its launcher started the first rank: that SIGINT was lost in 4 runs of 6 (the service went on), ignored
-    # while the ranks started, the kernel handing it to the launcher's store thread (parallel/init.py interrupts_held)
+    # while the ranks started, the kernel handing it to the launcher's store thread (parallel/stopping.py interrupts_held)
     for i, (signum, moment) in enumerate([(signal.SIGINT, _handles_sigterm), (signal.SIGTERM, _handles_sigterm),
                                           (signal.SIGINT, _started_a_rank)]):
         proc, log = _service(tmp_path, f"early{i}")
