@@ -179,12 +179,40 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
     return {k: int(v) for k, v in state["counters"].items()}
 
 
+def _whole(value):
+    """``value`` whole on this rank as a plain tensor: a DTensor gathered over its mesh one dimension at a time, the
+    outermost first (FSDP shards the tensor-parallel shard, so its gather comes first); anything else as it is.
+
+    DTensor's own gather of an FSDP x TP parameter ((_StridedShard, Shard) to (Replicate, Replicate)) is two
+    all-gathers too, but it warns on every rank that they cannot be merged into one."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(value, DTensor):
+        return value
+    if value.device.type != value.device_mesh.device_type:  # FSDP's CPU offload: gathered on the mesh's device
+        value = value.to(value.device_mesh.device_type)
+    placements = list(value.placements)
+    for dim in range(len(placements)):
+        if not placements[dim].is_replicate():
+            placements[dim] = Replicate()
+            value = value.redistribute(value.device_mesh, placements)
+    local = value.to_local()
+    return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
+
+
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Rank 0 receives the whole unsharded model as plain CPU tensors; the other ranks get ``{}``.
 
     For a sharded (FSDP/TP/DDP) model whose parameters all live on this process group; call on all ranks.
     """
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    whole = {}
+    for name, value in get_model_state_dict(model).items():
+        value = _whole(value)  # every rank takes part in each gather
+        if keep:
+            whole[name] = value.cpu() if isinstance(value, torch.Tensor) else value
+    return whole
 
 
 def gather_pipeline_state_dict(parts: list[nn.Module], pp_group: dist.ProcessGroup, stage_leader: bool,
@@ -197,9 +225,8 @@ def gather_pipeline_state_dict(parts: list[nn.Module], pp_group: dist.ProcessGro
     a JSON list of names and shapes, then one flat tensor (sends of tensors: no pickle). Only floating tensors are
     kept, as the final model keeps them.
     """
-    # Not cpu_offload: with it only global rank 0 would receive, and a later stage's ranks hold none of its names.
-    options = StateDictOptions(full_state_dict=True)
-    mine = {k: v.detach() for part in parts for k, v in get_model_state_dict(part, options=options).items()
+    # Every rank gathers its stages: a later stage's ranks hold none of rank 0's names.
+    mine = {k: _whole(v).detach() for part in parts for k, v in get_model_state_dict(part).items()
             if torch.is_floating_point(v)}
     if not stage_leader:
         return {}

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fedpar.models import build_model
-from fedpar.parallel.checkpoint import gather_pipeline_state_dict
+from fedpar.parallel.checkpoint import gather_full_state_dict, gather_pipeline_state_dict
 from fedpar.parallel.config import ParallelConfig
 from fedpar.parallel.init import init_distributed
 from fedpar.parallel.mesh import build_mesh
@@ -91,8 +91,15 @@ def _composed(pc: ParallelConfig, activation_checkpointing: bool = False, more=N
 
 
 def check_fsdp_x_tp_2x2_matches_dense():
-    """TP (with sequence parallel) over "tp", then FSDP2 over "fsdp", on a 2x2 mesh."""
-    return _composed(ParallelConfig(dp=1, fsdp=2, tp=2))
+    """TP (with sequence parallel) over "tp", then FSDP2 over "fsdp", on a 2x2 mesh; the whole model gathered to rank
+    0 (the final model of `fedpar train`, one mesh dimension at a time) is the dense one's."""
+    def gathered(model, mesh, ref_params):
+        whole = gather_full_state_dict(model.parts[0])
+        if dist.get_rank() != 0:
+            return {"gathered": len(whole)}
+        return {"gathered": len(whole), "gathered_diff": max_abs_diff(ref_params, whole)}
+
+    return _composed(ParallelConfig(dp=1, fsdp=2, tp=2), more=gathered)
 
 
 def check_pp_x_fsdp_2x2_matches_dense():

@@ -41,10 +41,12 @@ def per_rank(results: list[dict], name: str) -> list[dict]:
 
 
 def test_fsdp_x_tp_on_2x2_mesh_matches_dense(results):
-    for r in per_rank(results, "check_fsdp_x_tp_2x2_matches_dense"):
+    rs = per_rank(results, "check_fsdp_x_tp_2x2_matches_dense")
+    for r in rs:
         assert r["max_loss_diff"] < TOL and r["max_param_diff"] < TOL
         assert r["local_share"] == pytest.approx(0.25, abs=0.03)  # 1/4 of the model per rank
         assert len(r["placements"]) == 2  # parameters are DTensors on the 2-D (fsdp, tp) mesh
+    assert rs[0]["gathered_diff"] < TOL and [r["gathered"] for r in rs[1:]] == [0, 0, 0]  # the whole model: rank 0
 
 
 def test_pipeline_x_fsdp_on_2x2_mesh_matches_dense(results):
