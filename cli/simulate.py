@@ -226,6 +226,9 @@ def simulate_here(options: dict) -> None:
             raise
         print(f"fedpar simulate: {describe(exc)} (--debug shows the traceback)", file=sys.stderr)
         code = exc.exit_code if isinstance(exc, UserError) else 1
+    except KeyboardInterrupt:  # stopped before the run could say what completed (as cli/main.py says it)
+        print("fedpar simulate: interrupted", file=sys.stderr)
+        raise
     if code:
         exit_rank_process(code)
 

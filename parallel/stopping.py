@@ -15,6 +15,7 @@ which stops its ranks in order and kills them if they take too long (parallel/in
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import faulthandler
 import multiprocessing
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from typing import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DROPPED_RETRY_SECONDS = 0.05  # a dropped StopRequested is raised again after this (dropped_stop)
 REPEAT_SECONDS = 1.0  # a person who means "now" presses Ctrl-C again later than a signal delivered twice arrives
 
 
@@ -55,6 +57,7 @@ class Received:
     at: float = 0.0  # when it came (time.monotonic)
     holding: bool = False  # inside a held_stops block: the first signal waits for its end
     pending: int | None = None  # the signal number it holds
+    dropped: int | None = None  # the signal whose StopRequested was raised where exceptions are dropped
 
     def exit_code(self) -> int:
         """What the process exits with for it (130 when none came: a KeyboardInterrupt raised otherwise)."""
@@ -100,6 +103,9 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
     _active = received
 
     def handle(signum: int, frame) -> None:
+        if received.dropped == signum:  # raised again (dropped_stop), now where it is not dropped
+            received.dropped = None
+            raise StopRequested(signum)
         if received.signal is None:
             received.signal, received.at = signal.Signals(signum).name, time.monotonic()
             if received.holding:
@@ -115,14 +121,30 @@ def stop_on_signals(second_exits: bool = True, on_second: Callable[[], None] | N
             sys.stderr.flush()
             os._exit(128 + signum)
 
+    def dropped_stop(unraisable) -> None:
+        stop = unraisable.exc_value
+        if not isinstance(stop, StopRequested):
+            previous_hook(unraisable)
+            return
+        # handle() raised it where Python drops exceptions (a weakref callback, as an import releases its module
+        # lock): the process went on as if no signal had come, and its launcher waited out its grace. Raised again
+        # once that code has returned (again if dropped again).
+        received.dropped = stop.signum
+        again = threading.Timer(DROPPED_RETRY_SECONDS, _thread.interrupt_main, args=(stop.signum,))
+        again.daemon = True
+        again.start()
+
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    previous_hook = sys.unraisablehook
     for s in STOP_SIGNALS:
         if not (s == signal.SIGINT and previous[s] == signal.SIG_IGN):
             signal.signal(s, handle)
+    sys.unraisablehook = dropped_stop
     try:
         yield received
     finally:
         _active = outer
+        sys.unraisablehook = previous_hook
         for s, handler in previous.items():
             signal.signal(s, handler)
 

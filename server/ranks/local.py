@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import secrets
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from fedpar.tasks.flower_app import load_flower_app
 from fedpar.tasks.reference import load_task
 
 
+STOPPED_PEER_SECONDS = 3.0  # how long a rank whose group failed waits for rank 0's stop before raising its failure
 START_SECONDS = 60.0  # the longest wait for the spawned ranks to join at start-up (they import torch first)
 
 
@@ -70,6 +72,19 @@ def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRan
     die_with_parent()
     dump_stacks_on_signal()
     torch.set_num_threads(1)
+    try:
+        _serve_rank(rank, world, port, namespace, spec, replacing)
+    except Exception:
+        # rank 0 left as it stopped (a Ctrl-C as the ranks started): the group failed here, and rank 0's SIGTERM (or
+        # its death's) ends this process silently within this wait; a failure of this rank's own is raised after it
+        time.sleep(STOPPED_PEER_SECONDS)
+        raise
+    exit_rank_process(0)
+
+
+def _serve_rank(rank: int, world: int, port: int, namespace: str, spec: IngestRankSpec, replacing: bool) -> None:
+    """Join the group (or ask rank 0 to take this rank back), then serve as aggregator rank ``rank`` until rank 0
+    stops."""
     timeout = spec.config.aggregator_timeout_seconds
     if replacing:
         group = RankGroup.replacement(rank, world, "127.0.0.1", port, namespace, timeout)
@@ -87,7 +102,6 @@ def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRan
         server.serve_to_end()
     finally:
         shutdown_distributed()
-    exit_rank_process(0)
 
 
 class IngestRanks:
