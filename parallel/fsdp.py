@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from fedpar.models.gpt import GPT
 from fedpar.parallel.modules import shard_units
 
 MIN_UNIT_PARAMS = 1 << 20  # a block-less model's children smaller than this are gathered with the root
@@ -34,12 +38,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
 
     Blocks are sharded separately so only one block's parameters are all-gathered at a time.
     """
+    # asked before sharding: FSDP makes every parameter a DTensor and the model's class FSDP<its class>
+    tensor_parallel_gpt = type(model) is GPT and any(isinstance(p, DTensor) for p in model.parameters())
     kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
     blocks = shard_units(model, min_unit_params)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward, so keep them gathered.
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    if tensor_parallel_gpt:
+        # its tensor-parallel output layer returns DTensor.to_local(), a view (for autograd), and FSDP warns on every
+        # rank that an in-place op on it would skip a hook: the zoo GPT's losses make none
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPT\) returned a view tensor",
+                                category=UserWarning)
     return model
 
 
