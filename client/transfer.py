@@ -303,6 +303,10 @@ class UpdateSender:
                     log.info("%s: round %d's update was not used: its run ended (finished or stopped) before it "
                              "arrived", self.auth.agent_id, self.task.round)
                     return False
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # the agent's next call joins again (Reconnecting)
+                    log.info("%s: round %d's update was not used: the coordinator no longer knows this agent's "
+                             "session (it restarted); joining again", self.auth.agent_id, self.task.round)
+                    return False
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 backoff = backoff or Backoff(0.1, 2.0, self.rng)
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at) or self.superseded():

@@ -181,3 +181,23 @@ def test_a_new_task_of_a_round_seen_before_trains_from_the_weights_it_carries(la
     assert code == 0 and len(coordinator.uploads) == 2, out
     means = [float(np.frombuffer(u.data, np.float32)[:1000].mean()) for u in coordinator.uploads]
     assert means == pytest.approx([0.01, 0.5], abs=1e-3), means
+
+
+class _RestartedBeforeTheUpload(HostileCoordinator):
+    """Forgets the agent's session between handing out its task and its upload, as a coordinator restarted."""
+
+    def _upload_small(self, request, context):
+        self.uploads.append(request)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown agent 'a': call Join first")
+
+
+def test_an_update_refused_by_a_restarted_coordinator_is_not_counted_as_refused(layout, tmp_path, capfd):
+    """After a service's restart the agent logged 'upload refused: UNAUTHENTICATED: unknown agent ...: call Join first'
+    and counted a refusal (QA): the update of a round the coordinator forgot is not used, and the agent joins again."""
+    coordinator = _RestartedBeforeTheUpload([inline_task(layout, weights_of(layout, 0.01))])
+    code, out = _served(coordinator, tmp_path, capfd=capfd, more=("--log-level", "info"))
+    assert code == 0 and len(coordinator.uploads) == 1, out
+    assert "round 1's update was not used: the coordinator no longer knows this agent's session (it restarted); " \
+           "joining again" in out, out
+    assert "upload refused" not in out and "1 updates accepted, 0 refused" not in out, out
+    assert "0 updates accepted, 0 refused" in out, out

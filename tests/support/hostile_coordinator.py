@@ -128,15 +128,15 @@ def streamed(layout: ModelLayout, arrays: list[np.ndarray], chunk_bytes: int = 1
 
 
 def run_agent(coordinator: HostileCoordinator, cwd, seconds: float = 30.0, interrupt_after: float | None = None,
-              capfd=None) -> tuple[int, str]:
+              capfd=None, more: tuple[str, ...] = ()) -> tuple[int, str]:
     """A real `fedpar client --dataset digits` against ``coordinator`` until it exits (Ctrl-C after
     ``interrupt_after`` seconds, or after ``seconds``): its exit code and what it printed (stdout and stderr).
     Given ``capfd`` and no interrupt, the client's main runs in this process (support.in_process.run_main: the same
     code, gRPC calls and exit code, without a process's start-up; its stdout, then its stderr, whose last line is
-    its last word); a hang is the test's timeout."""
+    its last word); a hang is the test's timeout. ``more``: the agent's further options."""
     argv = ["client", "--insecure", "--server", coordinator.address, "--agent-id", "a", "--dataset", "digits",
             "--poll", "1", "--max-backoff", "0.5", "--threads", "1",
-            "--device", "cpu"]  # on a GPU box CUDA's start-up took the seconds these tests give the agent
+            "--device", "cpu", *more]  # on a GPU box CUDA's start-up took the seconds these tests give the agent
     if capfd is not None and interrupt_after is None:
         from support.in_process import run_main
 
