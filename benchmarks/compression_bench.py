@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="runs per method (seeds 0..N-1), accuracy averaged")
     ap.add_argument("--workers", type=int, default=2, help="agent processes per run")
     ap.add_argument("--quick", action="store_true", help="3 rounds; none, int8 and topk 0.01 only")
-    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "compression_bench.json",
+                    help="where the rows go (--quick: under runs/benchmarks/, as every benchmark's smoke run)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     methods = METHODS
@@ -67,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<12} {row['bytes_per_round']:12,.0f} {ratio:>8} {row['final_accuracy']:10.4f} "
               f"{row['best_accuracy']:9.4f} {row['failed_rounds']:6d} {row['seconds_per_run']:6.1f}", flush=True)
         rows.append(row)
-    if args.json:
-        from results import write_results
-        ratios = [{"what": f"upload bytes per round, {r['method']}" + (f" {r['topk_ratio']:g}" if "topk_ratio" in r
-                                                                      else ""),
-                   "ratio": r["bytes_per_round"] / base, "against": "no compression, same run"}
-                  for r in rows if base and r["method"] != "none"]
-        write_results(args.json, ratios, rows)
+    from results import write_results
+
+    ratios = [{"what": f"upload bytes per round, {r['method']}" + (f" {r['topk_ratio']:g}" if "topk_ratio" in r
+                                                                  else ""),
+               "ratio": r["bytes_per_round"] / base, "against": "no compression, same run"}
+              for r in rows if base and r["method"] != "none"]
+    print(f"wrote {write_results(args.json, ratios, rows)}")
     return 0
 
 
