@@ -61,15 +61,16 @@ def typed_options(strategy: str, cls: type, raw: Mapping[str, Any], from_text: b
     """``raw`` (keys maybe hyphenated) as typed constructor arguments of ``cls``; ValueError naming the valid ones
     (not those the caller ``refused``).
 
-    ``from_text`` (command line, TOML): short aliases such as ``mu`` are accepted and only bool/int/float/str
-    options can be set. Otherwise (Python callers) other constructor arguments (``fold_config``) pass through.
+    Short aliases such as ``mu`` (``ALIASES``) are accepted from every caller: the command line, TOML and
+    ``build_strategy`` resolve them here, one way. ``from_text`` (command line, TOML): only bool/int/float/str options
+    can be set. Otherwise (Python callers) other constructor arguments (``fold_config``) pass through.
     """
     specs = option_specs(cls)
     params = inspect.signature(cls).parameters
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = str(key).strip().replace("-", "_")
-        if from_text and name not in params and name in ALIASES:
+        if name not in params and name in ALIASES:
             name = _alias_target(ALIASES[name], cls) or name
         if name in out:
             raise ValueError(f"option {name!r} of strategy {strategy!r} is given twice (last as {key!r})")
@@ -80,7 +81,7 @@ def typed_options(strategy: str, cls: type, raw: Mapping[str, Any], from_text: b
         else:
             hint = _alias_target(ALIASES.get(name, ()), cls)
             hint = f" (did you mean {hint!r}?)" if hint else ""
-            valid = f"valid options: {describe_options(cls, from_text, refused)}" if specs else "it takes no options"
+            valid = f"valid options: {describe_options(cls, True, refused)}" if specs else "it takes no options"
             raise ValueError(f"unknown option {key!r} for strategy {strategy!r}{hint}; {valid}")
     return out
 

@@ -22,7 +22,8 @@ def strategy_names() -> list[str]:
 
 
 def build_strategy(name: str, **kwargs: Any) -> Strategy:
-    """Instantiate the strategy called ``name`` with its keyword arguments (e.g. ``proximal_mu=0.01``).
+    """Instantiate the strategy called ``name`` with its keyword arguments (e.g. ``proximal_mu=0.01``, or by the
+    short alias the command line also takes, ``mu=0.01``).
 
     ``dp-NAME`` wraps strategy NAME in :class:`DPStrategy`; the DP options (``noise_multiplier``,
     ``clip_norm``, ``population``, ``clients_per_round``, ...) go to the wrapper, the rest to NAME.

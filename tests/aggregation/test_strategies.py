@@ -333,7 +333,7 @@ def test_life_cycle_errors():
         build_strategy("fedsgd")
     assert all(name in str(unknown.value) for name in strategy_names())  # in any order: a new one goes anywhere
     with pytest.raises(ValueError, match="bad options"):
-        build_strategy("fedprox", mu=1)
+        build_strategy("fedprox", nu=1)  # mu is proximal_mu's alias, as on the command line
     assert build_strategy("Trimmed-Mean").name == "trimmed_mean"
 
 
