@@ -31,7 +31,8 @@ from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight
 from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.task import ClientData, Deadline, LocalConfig, StepClock, Task, TaskError, check_training_data
+from fedpar.task import (ClientData, Deadline, LocalConfig, StepClock, Task, TaskError, check_training_data,
+                         checked_client_data, checked_task)
 from fedpar.tasks.data import batch_examples, default_batches, inputs_and_targets, on_device, to_device
 from fedpar.tasks.evaluation import (EvalResult, autocast, finite, named_metrics, task_eval_result,
                                      task_eval_results)
@@ -132,7 +133,8 @@ class TaskTrainer:
                  compute_lock: threading.Lock | None = None, model: torch.nn.Module | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        self.task = task
+        self.task = checked_task(task, "TaskTrainer")
+        checked_client_data(data, "TaskTrainer's data must be")
         self.device = torch.device(device)
         self._wait = queue_waiter(self.device)  # what each run's Deadline calls before a clock read: per device
         self.precision = precision

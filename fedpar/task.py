@@ -181,10 +181,21 @@ def upload_timeout(deadline_at: float) -> float:
     return max(5.0, deadline_at - time.monotonic() + 5.0)
 
 
-def checked_client_data(data: Any) -> ClientData:
-    """``data``, what a task's ``client_data`` returned; TaskError unless it is a ClientData of datasets."""
+def checked_task(task: Any, where: str) -> Task:
+    """``task``, given to ``where`` (the call a program made): TypeError unless it is a Task; TaskError as
+    :meth:`Task.check` says (the checks ``--task`` makes as it loads one)."""
+    if not isinstance(task, Task):
+        raise TypeError(f"{where} takes a fedpar.Task, got {type(task).__name__}: build one with "
+                        "fedpar.Task(model=..., client_data=..., ...) or fedpar.tasks.reference.load_task(REF)")
+    task.check()
+    return task
+
+
+def checked_client_data(data: Any, given: str = "client_data must return") -> ClientData:
+    """``data``, what a task's ``client_data`` returned (or what ``given``, the start of the message, says it is);
+    TaskError unless it is a ClientData of datasets."""
     if not isinstance(data, ClientData):
-        raise TaskError(f"client_data must return fedpar.ClientData(train, val), got {type(data).__name__}")
+        raise TaskError(f"{given} fedpar.ClientData(train, val), got {type(data).__name__}")
     check_dataset("client_data's ClientData.train", data.train)
     check_dataset("client_data's ClientData.val", data.val)
     return data

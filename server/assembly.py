@@ -21,7 +21,7 @@ from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, EvaluateFn, RoundCallback
 from fedpar.server.members import Members
-from fedpar.task import Task, TaskError, raised
+from fedpar.task import Task, TaskError, checked_task, raised
 from fedpar.tasks.evaluation import TaskEvaluator
 from fedpar.tasks.flower_app import FlowerApp
 from fedpar.tasks.zoo import classifier_for
@@ -52,6 +52,7 @@ class CoordinatorAssembly:
         """``task``'s model with weights drawn from ``seed``, evaluated after every round with the task's evaluation
         on its test data on ``eval_device`` (None, or a task without test data: not evaluated); TaskError when its model
         or its evaluation cannot be used."""
+        checked_task(task, "CoordinatorAssembly.for_task")
         torch.manual_seed(seed)
         first = task.built_model()
         evaluate = None
