@@ -190,6 +190,56 @@ def test_the_pages_list_the_strategies_the_registry_has():
     assert page == f"sums: {', '.join(linear_strategy_names())}."
 
 
+@pytest.fixture(scope="module")
+def api_page(tmp_path_factory) -> str:
+    """The built Python API page's HTML (the site built strictly once for the tests below)."""
+    pytest.importorskip("mkdocs")
+    site = tmp_path_factory.mktemp("site")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    return (site / "reference" / "python-api" / "index.html").read_text()
+
+
+def test_the_api_page_shows_no_sphinx_role(api_page):
+    """The docstrings' Sphinx roles (:class:`ClientData`) are rendered as cross-references or code
+    (docs/hooks/sphinx_roles.py), not shown as text."""
+    roles = re.findall(r":(?:py:)?(?:class|func|meth|attr|mod|exc|data|obj):\S{0,40}", api_page)
+    assert not roles, roles
+    assert 'href="#aggregation.privacy.DPStrategy"' in api_page  # build_strategy's :class:`DPStrategy`: a link
+
+
+def test_every_registered_strategy_is_on_the_api_page_with_its_options(api_page):
+    """The page's strategy entries come from the registry (docs/hooks/strategy_lists.py): a strategy added by
+    docs/contributing.md's recipe appears with no edit of the page, with its constructor's options."""
+    from fedpar.aggregation.catalog import strategy_classes
+    from fedpar.aggregation.options import option_specs
+
+    assert "aggregation.robust.Krum" not in (DOCS / "reference" / "python-api.md").read_text()  # not by hand
+    for name, cls in strategy_classes().items():
+        identifier = f"{cls.__module__.removeprefix('fedpar.')}.{cls.__qualname__}"
+        assert f'id="{identifier}"' in api_page, (name, identifier)
+        before = api_page.split(f'id="{identifier}"', 1)[0]
+        line = before[before.rfind("<p>"):]  # the paragraph above the entry: its --strategy name and options
+        assert f"--strategy {name}" in line, (name, line)
+        for option in option_specs(cls):
+            assert f"<code>{option}</code>" in line, (name, option, line)
+    fedavgm = api_page.split('id="aggregation.fedavg_strategies.FedAvgM"', 1)[1].split("doc-contents", 1)[0]
+    assert "server_learning_rate" in fedavgm and "server_momentum" in fedavgm  # the constructor's signature
+
+
+def test_the_api_page_documents_what_a_program_embedding_fedpar_calls(api_page):
+    """What the tutorial's "In Python, without the CLI" and examples/in_python.py use has an entry."""
+    for identifier in ("server.assembly.CoordinatorAssembly", "server.assembly.CoordinatorAssembly.for_task",
+                       "server.assembly.CoordinatorAssembly.server", "server.app.CoordinatorServer.start",
+                       "server.app.CoordinatorServer.wait", "server.app.CoordinatorServer.stop",
+                       "server.config.CoordinatorConfig", "client.agent.Agent", "client.runtime.ClientRuntime.run",
+                       "client.links.AgentConfig", "client.task_trainer.TaskTrainer", "tasks.reference.load_task",
+                       "tasks.data.share_of"):
+        assert f'id="{identifier}"' in api_page, identifier
+
+
 def test_a_quick_benchmark_run_leaves_the_published_figures_alone(tmp_path):
     """The benchmarks page is built from benchmarks/results/*.json: a --quick smoke run writes under runs/ instead."""
     import importlib.util
