@@ -7,6 +7,7 @@ server/uploads.py)."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import functools
 import inspect
@@ -108,6 +109,7 @@ class CoordinatorServer:
             if self._own_port:
                 self.agent_port.close(0)
             raise self.error
+        atexit.register(self.stop)  # a program that ends without stop(): stopped while its loop still runs
         return self.port
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -128,6 +130,7 @@ class CoordinatorServer:
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop the rounds and take the coordinator off its port (closing a port of its own)."""
+        atexit.unregister(self.stop)
         self._grace = grace
         if self._running is not None and self._stop is not None:
             try:
@@ -170,7 +173,7 @@ class CoordinatorServer:
             # a lost aggregator rank.
             if isinstance(exc, (TaskError, TooFewMembers)):  # said in one line by the command
                 log.debug("coordinator stopped: %s", exc, exc_info=True)
-            elif not isinstance(exc, (RestoreError, RankMissing, asyncio.CancelledError)) \
+            elif not isinstance(exc, (RestoreError, RankMissing, asyncio.CancelledError, GeneratorExit)) \
                     and not (isinstance(exc, OSError) and exc.errno):
                 log.exception("coordinator stopped with an error")
         finally:
