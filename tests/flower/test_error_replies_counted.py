@@ -55,8 +55,10 @@ def test_error_replies_to_train_messages_count_as_failed_tasks_not_accepted_upda
     assert serve.returncode == 0 and set(stats) == {"alice", "bob"}, serve_out[-3000:]
     alice, bob = stats["alice"], stats["bob"]
     # 2 server rounds, each a train and an evaluate Message: bob's ClientApp fails both train messages
-    assert (alice.tasks, alice.accepted, alice.refused) == (4, 4, 0), alice.refusals
-    assert (bob.tasks, bob.accepted, bob.refused) == (4, 2, 2), bob.refusals
+    # (Messages answered by type, not accepted updates: a Flower App agent uploads none)
+    assert (alice.tasks, alice.answered, alice.accepted, alice.refused) == (4, {"train": 2, "evaluate": 2}, 0, 0), \
+        alice.refusals
+    assert (bob.tasks, bob.answered, bob.accepted, bob.refused) == (4, {"evaluate": 2}, 0, 2), bob.refusals
     assert bob.refusals == [f"round {r} message: ClientApp train handler failed: RuntimeError: this partition fails "
                             "on purpose" for r in (1, 3)], bob.refusals
 
