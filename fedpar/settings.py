@@ -23,7 +23,8 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, group: str | None 
             negatable: bool = False, append: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field that is also a command-line option.
 
-    ``check`` names a range-checked type of ``fedpar.cli.argtypes`` (``count``, ``port``, ``probability``, ...);
+    ``check`` names a range-checked type of ``fedpar.ranges`` (``count``, ``port``, ``probability``, ...: a config
+    built in Python is checked against it too, :func:`check_declared`) or another of ``fedpar.cli.argtypes``;
     ``flag`` is the option's name without dashes when it is not the field's (``lr`` for ``learning_rate``);
     ``key`` is its TOML key and argparse dest when not the field's name; ``choices`` a tuple of allowed values, or a
     dict from the words the command line takes to the values the field holds; ``negatable`` adds ``--no-FLAG``;
@@ -92,8 +93,42 @@ def as_given(cls: type, name: str, value: Any) -> Any:
     return word_for(choices, value) if isinstance(choices, dict) else value
 
 
+def check_declared(config: Any) -> None:
+    """TypeError or ValueError naming the field when a setting of ``config`` declared with a range (``check``, a
+    name of :mod:`fedpar.ranges`) is not a number of its kind or is out of that range: the checks the command line
+    makes as it parses, for a config a program builds (None passes where it is the default)."""
+    import argparse
+
+    from fedpar import ranges
+
+    for f in declared_fields(type(config)):
+        parse = getattr(ranges, f.metadata[CHECK] or "", None)
+        value = getattr(config, f.name)
+        if parse is None or value is None and f.default is None:
+            continue
+        where = f"{type(config).__name__}'s {f.name}"
+        check_type(parse.kind, value, where)
+        try:
+            parse(str(value))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
 SIMPLE_TYPES = (bool, int, float, str)  # what an option given as text (command line, TOML) can be
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def check_type(kind: type, value: Any, where: str) -> None:
+    """TypeError starting with ``where`` unless ``value`` is a ``kind`` (bool, int, float or str) as a program gives
+    it: an int for a float, never a bool for a number nor text for either (the command line's text is made the
+    type first, by :func:`coerce_value`)."""
+    import numbers
+
+    ok = (isinstance(value, bool) if kind is bool else isinstance(value, str) if kind is str
+          else not isinstance(value, bool) and isinstance(value, numbers.Integral if kind is int else numbers.Real))
+    if not ok:
+        wanted = {bool: "True or False", str: "text", int: "an integer"}.get(kind, "a number")
+        raise TypeError(f"{where} must be {wanted}, got {value!r}")
 
 
 def coerce_value(kind: type, value: Any, where: str) -> Any:

@@ -83,6 +83,11 @@ class CoordinatorAssembly:
         """A Coordinator of this model and ``strategy`` behind a CoordinatorServer that is not started yet
         (ValueError when the Coordinator cannot be built, e.g. from a checkpoint of another model); on a port of its
         own, or on ``agent_port`` (a service's) with the agents of ``members`` (those of the coordinators there)."""
+        if not isinstance(config, CoordinatorConfig):
+            raise TypeError(f"server takes a fedpar.server.config.CoordinatorConfig, got {type(config).__name__}")
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"server takes a strategy object, got {type(strategy).__name__} {strategy!r}: give e.g. "
+                            "FedAvg(), or build one by name with fedpar.aggregation.build_strategy(NAME, **options)")
         if self.run_config is not None:
             config = replace(config, flower_run_config=self.run_config)
         coordinator = Coordinator(config, self.names, self.weights, strategy, evaluate_fn=self.evaluate,

@@ -11,7 +11,7 @@ from fedpar.protocol.codec import DEFAULT_CHUNK_BYTES
 from fedpar.protocol.task_settings import LocalTraining
 from fedpar.secagg.field import MAX_CLIP
 from fedpar.sections import Seeded
-from fedpar.settings import redefault, setting
+from fedpar.settings import check_declared, redefault, setting
 
 
 DATA_PLANE_MIN_BYTES = 8 << 20
@@ -223,6 +223,9 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
     # simulate on the real clock with availability traces: min_available counts the members that joined, those
     # offline by their trace too, once one is live (a round samples the live ones); elsewhere it counts live ones
     joined_count_as_available: bool = False
+
+    def __post_init__(self) -> None:
+        check_declared(self)  # a config built in Python: the types and ranges its flags are refused outside of
 
     def _secagg_sum_fits(self) -> tuple[bool, str]:
         """Whether the sum of the sampled agents' weights (at most secagg_max_weight each) fits secure aggregation's
