@@ -4,7 +4,10 @@ torch, and the command line lists the strategies only when it shows help)."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fedpar.discovery import import_declaring
 
@@ -28,7 +31,30 @@ def register_strategy(cls: _T) -> _T:
     if known is not None and known.__qualname__ != cls.__qualname__:
         raise TypeError(f"strategy name {name!r} is taken by {known.__module__}.{known.__qualname__}")
     _REGISTERED[name] = cls
+    init = cls.__init__
+    cls.__init__ = _typed_init(cls, getattr(init, "unchecked", init))  # an inherited one: checked as this class's
     return cls
+
+
+def _typed_init(cls: type, init: Callable) -> Callable:
+    """``init``, first refusing an option of the wrong type with a TypeError naming it (the command line's
+    --strategy-option arrives typed already: this is for a program's ``FedAvgM(server_learning_rate='1')``, which
+    would fail deep in a comparison)."""
+    @functools.wraps(init)
+    def checked(self, *args: Any, **kwargs: Any) -> None:
+        from fedpar.aggregation.options import option_specs
+        from fedpar.settings import check_type
+
+        try:
+            given = inspect.signature(init).bind(self, *args, **kwargs).arguments
+        except TypeError:  # a missing or unknown argument: Python's own words, from the call itself
+            given = {}
+        for spec in option_specs(cls).values():
+            if spec.name in given and not (given[spec.name] is None and spec.default is None):
+                check_type(spec.type, given[spec.name], f"{cls.__name__}'s {spec.name}")
+        init(self, *args, **kwargs)
+    checked.unchecked = init
+    return checked
 
 
 def strategy_classes() -> dict[str, type]:
