@@ -20,6 +20,8 @@ DATASET_HELP = "one of: " + ", ".join(f"{name} ({what})" for name, what in DATAS
 
 def dataset_entry(name: str) -> Dataset:
     """The registered dataset ``name`` names; ValueError listing the valid names when none does."""
+    if not isinstance(name, str):
+        raise TypeError(f"a dataset is named by text, one of: {', '.join(DATASETS)}; got {name!r}")
     key = name.lower()
     for entry in dataset_entries():
         if entry.matches(key):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fedpar.settings import setting
+from fedpar.settings import check_type, setting
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,16 @@ class Partition:
     scheme: str = "iid"
     seed: int = 0
     val_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name, kind in (("index", int), ("count", int), ("client_id", str), ("scheme", str), ("seed", int),
+                           ("val_fraction", float)):
+            check_type(kind, getattr(self, name), f"Partition's {name}")
+        if not 0 <= self.index < self.count:
+            raise TaskError(f"partition index {self.index} is not in [0, {self.count})")
+        if not 0 <= self.val_fraction < 1:
+            raise TaskError(f"Partition's val_fraction must be in [0, 1) (some examples must train), got "
+                            f"{self.val_fraction!r}")
 
 
 @dataclass

@@ -51,14 +51,14 @@ def labels_of(dataset: Any) -> np.ndarray | None:
 def share_of(dataset: Any, partition: Partition) -> ClientData:
     """Client ``partition.index``'s share of ``dataset`` as the partition says (iid, or dirichlet/shards on
     integer labels), with ``partition.val_fraction`` of it kept for federated evaluation."""
+    if not isinstance(partition, Partition):
+        raise TypeError(f"share_of takes a fedpar.Partition(index, count), got {type(partition).__name__}")
     labels = labels_of(dataset)
     if labels is None:
         if partition.scheme not in ("iid", AUTO):
             raise TaskError(f"--partition {partition.scheme} needs integer class labels; this task's data has none "
                             "fedpar can read (use iid, or split the data in the task's client_data)")
         labels = np.zeros(len(dataset), np.int64)
-    if not 0 <= partition.index < partition.count:
-        raise TaskError(f"partition index {partition.index} is not in [0, {partition.count})")
     parts = parse_partition(partition.scheme)(labels, partition.count, partition.seed)
     train, val = split_indices(parts[partition.index], partition.val_fraction, partition.seed)
     return ClientData(subset(dataset, train), subset(dataset, val) if len(val) else None)

@@ -294,3 +294,9 @@ def test_the_registry_finds_every_dataset_module_by_its_declaration(tmp_path):
     a, _ = load_train_data("digits", "", 8, seed=1)
     b, _ = load_train_data("digits", "", 8, seed=2)
     assert not a.train_targets.equal(b.train_targets)
+
+
+def test_a_dataset_named_by_something_else_than_text_lists_the_names():
+    # before: AttributeError: 'int' object has no attribute 'lower' (datasets/registry.py)
+    with pytest.raises(TypeError, match=r"^a dataset is named by text, one of: digits, mnist, .*; got 3$"):
+        load_dataset(3)

@@ -58,3 +58,20 @@ def test_a_good_task_still_builds_both_sides():
     assembly = CoordinatorAssembly.for_task(task, 0, "cpu")
     trainer = TaskTrainer(task, task.client_data(Partition(0, 1)))
     assert assembly.names == [name for name, _, _ in trainer.array_specs()] == ["weight", "bias"]
+
+
+def test_a_partition_is_checked_as_it_is_made_and_share_of_takes_only_one():
+    # before: share_of(ds, 3): AttributeError: 'int' object has no attribute 'index'; Partition('0', 4) was made,
+    # then "TypeError: '<=' not supported" inside share_of
+    from fedpar.tasks import share_of
+
+    dataset = TensorDataset(X, Y)
+    with pytest.raises(TypeError, match=r"^share_of takes a fedpar.Partition\(index, count\), got int$"):
+        share_of(dataset, 3)
+    with pytest.raises(TypeError, match=r"^Partition's index must be an integer, got '0'$"):
+        Partition("0", 4)
+    with pytest.raises(TaskError, match=r"^partition index 4 is not in \[0, 4\)$"):
+        Partition(4, 4)
+    with pytest.raises(TaskError, match=r"^Partition's val_fraction must be in \[0, 1\)"):
+        Partition(0, 4, val_fraction=1.0)
+    assert len(share_of(dataset, Partition(1, 4, val_fraction=0.0)).train) == 10
