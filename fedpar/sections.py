@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedpar.settings import setting
+from fedpar.settings import DEFINES, UNRECORDED, setting
 
 
 @dataclass
@@ -15,7 +15,7 @@ class Seeded:
     seed: int = setting(0, check="seed", group="data",
                         help="seed of this command's randomness: initial weights, sampling, the data split and "
                              "shuffling, whichever it does (processes that must agree, such as the hosts of one "
-                             "population, take the same)")
+                             "population, take the same)", resume=DEFINES)
 
 
 @dataclass
@@ -26,4 +26,4 @@ class Output:
                               help="folder this command writes into, created if missing: a run's metrics, summary, "
                                    "plots and final model (train: also its checkpoints, and with --pp its model only "
                                    "there); certs: the CA, "
-                                   "certificates, keys and tokens (a CA already there is reused)")
+                                   "certificates, keys and tokens (a CA already there is reused)", resume=UNRECORDED)

@@ -14,13 +14,19 @@ import sys
 from typing import Any
 
 # Metadata keys of a declared field.
-HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, NEGATABLE, APPEND, SITE = (
-    "help", "group", "check", "flag", "key", "choices", "metavar", "negatable", "append", "site")
+HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, NEGATABLE, APPEND, SITE, RESUME = (
+    "help", "group", "check", "flag", "key", "choices", "metavar", "negatable", "append", "site", "resume")
+# What a simulation resumed from its --checkpoint-dir does with a setting given another value than its rounds ran
+# with (``setting(resume=...)``; simulations/resume.py): another value DEFINES another federation (the clients, the
+# data each holds, the model, the task: the resume is refused); a NOTED one only changes how the remaining rounds
+# train (said in one line, and resumed); an UNRECORDED one is how the run is hosted here, or a guard (neither).
+DEFINES, NOTED, UNRECORDED = "defines", "noted", "unrecorded"
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, group: str | None = None, check: str | None = None,
             flag: str | None = None, key: str | None = None, choices: Any = None, metavar: str | None = None,
-            negatable: bool = False, append: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
+            negatable: bool = False, append: bool = False, default_factory: Any = dataclasses.MISSING,
+            resume: str | None = None) -> Any:
     """A dataclass field that is also a command-line option.
 
     ``check`` names a range-checked type of ``fedpar.ranges`` (``count``, ``port``, ``probability``, ...: a config
@@ -28,11 +34,13 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, group: str | None 
     ``flag`` is the option's name without dashes when it is not the field's (``lr`` for ``learning_rate``);
     ``key`` is its TOML key and argparse dest when not the field's name; ``choices`` a tuple of allowed values, or a
     dict from the words the command line takes to the values the field holds; ``negatable`` adds ``--no-FLAG``;
-    ``append``: a list field whose flag may be repeated (a dict field's flag always may: ``KEY=VALUE`` each time).
+    ``append``: a list field whose flag may be repeated (a dict field's flag always may: ``KEY=VALUE`` each time);
+    ``resume``: :data:`DEFINES`, :data:`NOTED` or :data:`UNRECORDED`, for a setting a simulation has (its resume's
+    check: :meth:`fedpar.simulations.config.SimulationConfig.resume_record`).
     """
     caller = sys._getframe(1)
     metadata = {HELP: help, GROUP: group, CHECK: check, FLAG: flag, KEY: key, CHOICES: choices,
-                METAVAR: metavar, NEGATABLE: negatable, APPEND: append,
+                METAVAR: metavar, NEGATABLE: negatable, APPEND: append, RESUME: resume,
                 SITE: f"{caller.f_globals.get('__name__', '?')}:{caller.f_lineno}"}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fedpar.settings import check_type, setting
+from fedpar.settings import DEFINES, check_type, setting
 
 if TYPE_CHECKING:
     import torch
@@ -403,10 +403,10 @@ class TaskReference:
     task: str | None = setting(
         None, group="data", metavar="REF",
         help="your own task: package.module:factory or path/to/file.py:factory, a function returning a fedpar.Task "
-             "(see README, 'Your own task'); it replaces --model and --dataset")
+             "(see README, 'Your own task'); it replaces --model and --dataset", resume=DEFINES)
     task_options: dict = setting(default_factory=dict, flag="task-option", metavar="KEY=VALUE", group="data",
                                  help="an option of --task, given to its factory (repeatable), typed as the factory "
-                                      "declares it")
+                                      "declares it", resume=DEFINES)
 
 
 @dataclass
@@ -417,8 +417,8 @@ class FlowerAppReference:
         None, group="data", metavar="DIR",
         help="a Flower App project directory (pyproject.toml with [tool.flwr.app.components]): its ClientApp trains "
              "the members; with --strategy, fedpar's strategy aggregates (the initial arrays come from "
-             "[tool.fedpar] model = 'module:factory'); needs pip install 'fedpar[flower]'")
+             "[tool.fedpar] model = 'module:factory'); needs pip install 'fedpar[flower]'", resume=DEFINES)
     run_config: str | None = setting(
         None, group="data", metavar="'KEY=VALUE ...'",
         help="with --flower-app: overrides of the app's [tool.flwr.app.config], as flwr run --run-config takes them "
-             "(TOML values, space-separated; or a .toml file)")
+             "(TOML values, space-separated; or a .toml file)", resume=DEFINES)

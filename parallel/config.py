@@ -9,7 +9,7 @@ from typing import Any
 
 from fedpar.datasets.settings import DataSource
 from fedpar.sections import Output, Seeded
-from fedpar.settings import flag_of, redefault, setting
+from fedpar.settings import NOTED, UNRECORDED, flag_of, redefault, setting
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 LR_SCALING_RULES = ("none", "linear", "sqrt")
@@ -31,7 +31,7 @@ class Device:
 
     device: str = setting("auto", group="device",
                           help=f"where models train and evaluate: {DEVICE_HELP}. simulate and simulate-workers deal "
-                               "their worker processes over the GPUs; serve evaluates there")
+                               "their worker processes over the GPUs; serve evaluates there", resume=UNRECORDED)
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Precision:
 
     precision: str = setting("fp32", choices=PRECISIONS, group="device",
                              help="bf16: forward passes under bf16 autocast, in one process per agent (weights and "
-                                  "uploads stay fp32)")
+                                  "uploads stay fp32)", resume=NOTED)
 
 
 @dataclass

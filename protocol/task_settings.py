@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from fedpar.settings import setting
+from fedpar.settings import NOTED, setting
 
 COMPRESSION_METHODS = ("none", "fp16", "bf16", "int8", "topk")
 MAX_JSON_CHARS = 64 << 10
@@ -29,14 +29,14 @@ MAX_TASK_SECONDS = 1e9  # about 31 years: a longer deadline overflows gRPC's and
 class LocalTraining:
     """What an agent does with a task: E local epochs of SGD over batches of B at learning rate lr."""
 
-    local_epochs: int = setting(5, check="task_count", group="training", help="local epochs per task (E)")
-    batch_size: int = setting(16, check="task_count", group="training", help="local batch size (B)")
+    local_epochs: int = setting(5, check="task_count", group="training", help="local epochs per task (E)", resume=NOTED)
+    batch_size: int = setting(16, check="task_count", group="training", help="local batch size (B)", resume=NOTED)
     learning_rate: float = setting(0.1, check="positive", flag="lr", group="training",
-                                   help="local SGD learning rate")
+                                   help="local SGD learning rate", resume=NOTED)
     client_eval_every: int = setting(
         1, check="non_negative_int", group="training",
         help="agents score the received global model on their validation split (federated evaluation) in every "
-             "N-th round; 0: never (the central evaluation is kept)")
+             "N-th round; 0: never (the central evaluation is kept)", resume=NOTED)
 
     def evaluates_in(self, round_id: int) -> bool:
         """Whether the agents of round ``round_id`` evaluate the global model they receive."""

@@ -11,7 +11,7 @@ from fedpar.protocol.codec import DEFAULT_CHUNK_BYTES
 from fedpar.protocol.task_settings import LocalTraining
 from fedpar.secagg.field import MAX_CLIP
 from fedpar.sections import Seeded
-from fedpar.settings import check_declared, redefault, setting
+from fedpar.settings import NOTED, UNRECORDED, check_declared, redefault, setting
 
 
 DATA_PLANE_MIN_BYTES = 8 << 20
@@ -21,29 +21,30 @@ DATA_PLANE_MIN_BYTES = 8 << 20
 class RoundSampling:
     """How many rounds run, how many updates close one, how many agents it samples, and its deadline."""
 
-    rounds: int = setting(10, check="count", group="rounds", help="rounds to run")
+    rounds: int = setting(10, check="count", group="rounds", help="rounds to run", resume=UNRECORDED)
     clients_per_round: int | None = setting(
         10, check="count", group="rounds",
         help="K: the accepted updates that close a round, early, before its deadline (simulate: all its clients, up "
-             "to 100, by default)")
+             "to 100, by default)", resume=NOTED)
     min_reports: int = setting(1, check="count", group="rounds",
-                               help="a round with fewer accepted updates than this fails; the model stays as it was")
+                               help="a round with fewer accepted updates than this fails; the model stays as it was",
+                               resume=NOTED)
     overselect: float = setting(1.3, check="at_least_one", group="rounds",  # FedScale's over-commitment
                                 help="sample ceil(K x overselect) agents so that stragglers do not hold a round up; "
                                      "the first K updates count (simulate: 1 by default, as its K is all its "
-                                     "clients)")
+                                     "clients)", resume=NOTED)
     deadline_seconds: float = setting(60.0, check="seconds", flag="deadline", group="rounds",
                                       help="straggler deadline in seconds, from task dispatch; later updates are "
-                                           "refused")
+                                           "refused", resume=NOTED)
 
 
 @dataclass
 class StrategyChoice:
     """Which aggregation strategy folds the updates, and its options (aggregation/registry.py checks them)."""
 
-    strategy: str = setting("fedavg", group="strategy", help="aggregation strategy")
+    strategy: str = setting("fedavg", group="strategy", help="aggregation strategy", resume=UNRECORDED)
     strategy_options: dict = setting(default_factory=dict, flag="strategy-option", metavar="KEY=VALUE",
-                                     group="strategy", help="set an option of --strategy (repeatable)")
+                                     group="strategy", help="set an option of --strategy (repeatable)", resume=NOTED)
 
 
 @dataclass
@@ -55,11 +56,12 @@ class AggregatorRanks:
         help="coordinator processes that share each round's downloads, uploads and fold, joined by an all-reduce; "
              "agents are told which rank to use and the round table shows each rank's uploads and fold seconds "
              "(serve: rank r listens on --port + r, or a free port with --port 0; under torchrun every launched "
-             "process is one rank and this is ignored)")
+             "process is one rank and this is ignored)", resume=UNRECORDED)
     aggregator_timeout_seconds: float = setting(
         120.0, check="seconds", flag="aggregator-timeout", group="coordinator",
         help="longest wait for another aggregator rank in a collective; a rank that misses it (or dies) is dropped "
-             "and the coordinator goes on with the others, which lose only its share of the open round")
+             "and the coordinator goes on with the others, which lose only its share of the open round",
+                                                resume=UNRECORDED)
 
 
 @dataclass
@@ -69,17 +71,17 @@ class SecureAggregation:
     secure_aggregation: bool = setting(False, group="secagg",
                                        help="SecAgg+ masking: the coordinator learns only the weighted mean of the "
                                             "agents' updates (needs a linear strategy, one that uses only their "
-                                            "weighted mean, such as fedavg: a refusal lists them)")
+                                            "weighted mean, such as fedavg: a refusal lists them)", resume=NOTED)
     secagg_clip: float = setting(1.0, check="secagg_clip", group="secagg",
                                  help="with --secure-aggregation: clip each coordinate of an update (local - global) "
-                                      "to +-this")
+                                      "to +-this", resume=NOTED)
     secagg_max_weight: int | None = setting(
         None, check="secagg_weight", group="secagg",
         help="with --secure-aggregation: cap on an agent's weight (default: largest registered examples x local "
-             "epochs in the cohort)")
+             "epochs in the cohort)", resume=NOTED)
     secagg_stage_seconds: float = setting(30.0, check="seconds", group="secagg",
                                           help="with --secure-aggregation: longest wait for each key-exchange stage "
-                                               "and for unmasking")
+                                               "and for unmasking", resume=UNRECORDED)
 
 
 @dataclass
@@ -91,9 +93,10 @@ class RoundClock:
         help="'virtual' runs the deadline and first-K on simulated time: each member's finish time comes from its "
              "trace and its work and only the first K in time train, so rounds run as fast as the machine allows "
              "and the table shows simulated seconds (needs simulation hosts: serve --accept-populations; every "
-             "simulate has them)")
+             "simulate has them)", resume=NOTED)
     round_wall_seconds: float = setting(600.0, check="seconds", flag="round-wall-timeout", group="coordinator",
-                                        help="with --clock virtual: the longest real time a round may take")
+                                        help="with --clock virtual: the longest real time a round may take",
+                                        resume=UNRECORDED)
 
 
 @dataclass
@@ -102,7 +105,8 @@ class AccuracyTarget:
 
     target_accuracy: float | None = setting(
         None, check="probability", group="outputs",
-        help="summary.json reports the rounds, wall and simulated seconds to reach this central test accuracy")
+        help="summary.json reports the rounds, wall and simulated seconds to reach this central test accuracy",
+                                            resume=UNRECORDED)
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
@@ -186,7 +190,7 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
     wait_for_agents_seconds: float | None = None  # None: wait forever for min_available agents
     checkpoint_dir: Path | None = setting(None, group="coordinator",
                                           help="checkpoint every round here, and resume from it after a restart "
-                                               "(same model and strategy)")
+                                               "(same model and strategy)", resume=UNRECORDED)
     metrics_path: Path | None = None
     flower_run_config: dict | None = None  # a Flower App run's run config, sent in every task (TaskSettings.run_config)
     # bulk socket transfers beside gRPC; None: on for models >= data_plane_min_bytes

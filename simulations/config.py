@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from fedpar.datasets.registry import full_dataset_name
@@ -14,19 +14,10 @@ from fedpar.protocol.task_settings import LocalTraining
 from fedpar.sections import Output, Seeded
 from fedpar.server.config import (AccuracyTarget, AggregatorRanks, CoordinatorConfig, RoundClock, RoundSampling,
                                   SecureAggregation, StrategyChoice)
-from fedpar.settings import as_given, flag_of, redefault, setting
+from fedpar.settings import DEFINES, NOTED, RESUME, UNRECORDED, as_given, flag_of, redefault, setting
 from fedpar.task import FlowerAppReference, TaskReference
 
 
-# The settings a --checkpoint-dir's run record keeps neither as defining nor as noted (resume_record), and why: how
-# the run is hosted here; --rounds (a resume may run more); the strategy (the checkpoint itself refuses another:
-# server/coordinator.py); the time limits of a round and a secure stage (guards, not training); the target accuracy
-# (the summary counts its time to target again from the rows when it changed). A new setting goes in resume_record
-# or here (tests/simulations/test_resume_settings.py checks that each is in one).
-NOT_RESUME_RECORDED = frozenset({
-    "workers", "seats", "device", "tls", "client_batching", "aggregator_ranks", "aggregator_timeout_seconds",
-    "data_dir", "out", "checkpoint_dir", "rounds", "strategy", "round_wall_seconds", "secagg_stage_seconds",
-    "target_accuracy"})
 # Clients a round samples when --clients-per-round is not given and there are more: a population of 10^5 would
 # otherwise train every client each round (6.3 GiB at 10^5); the issue's population runs sample 100.
 DEFAULT_COHORT = 100
@@ -40,32 +31,33 @@ class Population:
     clients: int = setting(10, check="count", group="simulation",
                            help="clients in the simulated population (simulate: 10, or a --flower-app's "
                                 "options.num-supernodes; simulate-workers: the whole population over every process, "
-                                "as the coordinator's --min-available; it must be given there)")
+                                "as the coordinator's --min-available; it must be given there)", resume=DEFINES)
     examples_per_client: int | None = setting(
         None, check="count", group="simulation",
         help="keep at most this many of each client's examples (populations of different sizes with clients of the "
-             "same size)")
+             "same size)", resume=DEFINES)
     slow_fraction: float = setting(0.0, check="probability", group="simulation",
-                                   help="share of clients that are slow devices")
+                                   help="share of clients that are slow devices", resume=NOTED)
     slow_step_delay: float = setting(0.05, check="step_delay", group="simulation",
-                                     help="extra seconds per local step on a slow client")
+                                     help="extra seconds per local step on a slow client", resume=NOTED)
     drop_probability: float = setting(0.0, check="probability", group="simulation",
-                                      help="chance per client per round of vanishing before it uploads")
+                                      help="chance per client per round of vanishing before it uploads", resume=NOTED)
     trace: str | None = setting(
         None, group="simulation",
         help="system traces, 'fedscale' (generated from --seed: long-tailed speeds, diurnal availability) or a "
              "CSV/JSON file (columns in simulations/traces.py); a client's speed slows its steps and its availability "
-             "decides when it can be sampled")
+             "decides when it can be sampled", resume=NOTED)
     trace_day_seconds: float = setting(86_400.0, check="seconds", group="simulation",
                                        help="real seconds one day of the trace lasts (e.g. 60: availability cycles "
-                                            "every minute)")
+                                            "every minute)", resume=NOTED)
     seats: int | None = setting(
         None, check="count", group="simulation",
         help="sampled clients training at once in one worker process; when not given, 1 where no seat would wait "
              "(the built-in data, each member's update small and sent in the background, no slow device sleeping on "
              f"the real clock), else {WAITING_SEATS}, so that a member's upload, its top-k verdict, a secure round's "
              "masked upload, a --task's data loading or a slow device's sleep overlaps the next member's training "
-             f"(simulate-workers, which learns a round's settings only from its tasks: {WAITING_SEATS})")
+             f"(simulate-workers, which learns a round's settings only from its tasks: {WAITING_SEATS})",
+                                resume=UNRECORDED)
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.
@@ -81,11 +73,11 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
     overselect: float = redefault(RoundSampling, "overselect", 1.0)  # K is all the clients by default
     workers: int = setting(2, check="local_processes", group="simulation",
                            help="worker processes hosting the population (a few bytes per client; only the clients "
-                                "sampled in a round get a model and their data)")
+                                "sampled in a round get a model and their data)", resume=UNRECORDED)
     tls: bool = setting(False, group="simulation",
                         help="run every worker process's connection over mutual TLS with throw-away certificates "
                              "(a worker's certificate speaks for the clients it hosts; default: plaintext on "
-                             "loopback, which never leaves this machine)")
+                             "loopback, which never leaves this machine)", resume=UNRECORDED)
     client_batching: bool | None = setting(
         None, choices={"auto": None, "on": True, "off": False}, group="simulation", metavar="auto|on|off",
         help="the clients one worker process trains in a round (a seat each) run the local loop together as one "
@@ -96,8 +88,9 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
              "trains at least 5 clients of a round and every client is sampled (where it was measured faster), "
              "else one by one; on (a bare --client-batching): always, refusing in one line what cannot batch (dropout, "
              "batch norm, --precision bf16, a task's own train hook or loader, a non-elementwise optimizer); off: "
-             "one by one")
-    upload_compression: CompressionConfig = field(default_factory=CompressionConfig)  # how agents compress uploads
+             "one by one", resume=UNRECORDED)
+    # how agents compress uploads; a resume notes its flags' values (resume_record)
+    upload_compression: CompressionConfig = field(default_factory=CompressionConfig, metadata={RESUME: NOTED})
 
     def settled(self) -> tuple[SimulationConfig, list[str]]:
         """A copy with the settings that ask for more clients than there are brought down to ``clients``, and one
@@ -134,23 +127,22 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
         return replace(self, **changes), notes
 
     def resume_record(self) -> tuple[dict, dict]:
-        """What a ``--checkpoint-dir`` keeps of these settings, by flag: (defining, noted). A resume that differs in a
-        defining one is refused: they say which federation is simulated (its clients, the data each holds, the
-        model, the task), so rounds before and after the checkpoint would belong to two federations in one
-        metrics.jsonl. A noted one only changes how the remaining rounds train (sampling, local training, the
-        devices' behaviour, the strategy's options, compression); changing them between rounds is a schedule a user
-        may mean, as lowering --lr late, so it is said in one line and resumed. How the run is hosted here (workers,
-        seats, device, ranks, TLS, folders) and --rounds are kept by neither: :data:`NOT_RESUME_RECORDED`."""
-        defining = {"dataset": full_dataset_name(self.dataset, self.clients), "model": self.model,
-                    "clients": self.clients, "examples_per_client": self.examples_per_client,
-                    "partition": self.partition, "val_fraction": self.val_fraction, "seed": self.seed,
-                    "task": self.task, "task_options": self.task_options, "flower_app": self.flower_app,
-                    "run_config": self.run_config}
-        noted = {name: getattr(self, name) for name in (
-            "overselect", "min_reports", "deadline_seconds", "local_epochs", "batch_size",
-            "learning_rate", "client_eval_every", "strategy_options", "slow_fraction", "slow_step_delay",
-            "drop_probability", "trace", "trace_day_seconds", "secure_aggregation", "secagg_clip",
-            "secagg_max_weight", "precision", "virtual_clock")}
+        """What a ``--checkpoint-dir`` keeps of these settings, by flag: (defining, noted), as each setting declares
+        (``setting(resume=...)``: :data:`~fedpar.settings.DEFINES`, :data:`~fedpar.settings.NOTED`,
+        :data:`~fedpar.settings.UNRECORDED`). A resume that differs in a defining one is refused: they say which
+        federation is simulated (its clients, the data each holds, the model, the task), so rounds before and after
+        the checkpoint would belong to two federations in one metrics.jsonl. A noted one only changes how the
+        remaining rounds train (sampling, local training, the devices' behaviour, the strategy's options,
+        compression); changing them between rounds is a schedule a user may mean, as lowering --lr late, so it is
+        said in one line and resumed. Kept by neither: how the run is hosted here (workers, seats, device, ranks,
+        TLS, folders); --rounds (a resume may run more); the strategy (the checkpoint itself refuses another:
+        server/coordinator.py); the time limits of a round and a secure stage (guards, not training); the target
+        accuracy (the summary counts its time to target again from the rows when it changed)."""
+        roles = {f.name: f.metadata.get(RESUME) for f in fields(self)}
+        defining = {name: getattr(self, name) for name, role in roles.items() if role == DEFINES}
+        defining["dataset"] = full_dataset_name(self.dataset, self.clients)  # as every process builds it
+        noted = {name: getattr(self, name) for name, role in roles.items()
+                 if role == NOTED and name != "upload_compression"}  # kept by its own flags, below
         noted["clients_per_round"] = self.clients_per_round or self.clients  # None: all of them
         privacy = {}
         if self.strategy.startswith("dp-"):  # --privacy's options joined --strategy-option's: said by their flags
