@@ -52,9 +52,9 @@ from fedpar.protocol.task_settings import TaskSettings
 log = logging.getLogger("fedpar.aggregation")
 FLOWER_STRATEGIES = "flwr.serverapp.strategy"  # where a bare class name (flower:FedAvg) is looked up
 SAMPLING_OPTIONS = {
-    "fraction_train": "--clients-per-round (or --fraction)",
-    "min_train_nodes": "--clients-per-round and --min-reports",
-    "min_available_nodes": "--min-available",
+    "fraction_train": legacy.COHORT_FLAGS,
+    "min_train_nodes": legacy.REPORT_FLAGS,
+    "min_available_nodes": legacy.POPULATION_FLAGS,
     "fraction_evaluate": "--client-eval-every (the cohort of an evaluating round evaluates)",
     "min_evaluate_nodes": "--client-eval-every (the cohort of an evaluating round evaluates)",
 }

@@ -66,11 +66,15 @@ from fedpar.protocol.task_settings import TaskSettings
 from fedpar.task import TaskFailed, raised
 
 log = logging.getLogger("fedpar.aggregation")
+# What sets in fedpar what a Flower strategy's own sampling options set; both commands' flags, as each has its own.
+COHORT_FLAGS = "--clients-per-round (serve: also --fraction)"
+REPORT_FLAGS = "--clients-per-round and --min-reports"
+POPULATION_FLAGS = "--min-available (serve) / --clients (simulate)"
 # Constructor options that size Flower's own client sample, and what sets the same thing in fedpar.
 SAMPLING_OPTIONS = {
-    "fraction_fit": "--clients-per-round or --fraction",
-    "min_fit_clients": "--clients-per-round and --min-reports",
-    "min_available_clients": "--min-available",
+    "fraction_fit": COHORT_FLAGS,
+    "min_fit_clients": REPORT_FLAGS,
+    "min_available_clients": POPULATION_FLAGS,
     "fraction_evaluate": "nothing (agents evaluate the global model in every task)",
     "min_evaluate_clients": "nothing (agents evaluate the global model in every task)",
 }
