@@ -34,6 +34,12 @@ class ArrayDataset:
         """Number of examples."""
         return int(self.y.shape[0])
 
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Example ``index`` as (input float32 tensor, int64 label tensor), one row of a batch of ``to_tensors``."""
+        import torch
+
+        return torch.as_tensor(self.x[index]), torch.as_tensor(self.y[index])
+
     def subset(self, indices: np.ndarray | list[int]) -> ArrayDataset:
         """A new dataset holding copies of the examples at ``indices`` (in that order)."""
         idx = checked_indices(indices, len(self))
