@@ -210,8 +210,9 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
-    from fedpar.cli.train_task import (PeerLost, TaskCheckpoints, check_data_parallel, check_zoo_loop_unused,
-                                       spawn_task_ranks, train_centrally, train_task_rank, write_task_model)
+    from fedpar.cli.train_task import (PeerLost, TaskCheckpoints, check_data_parallel, check_task_degrees,
+                                       check_zoo_loop_unused, spawn_task_ranks, train_centrally, train_task_rank,
+                                       write_task_model)
     from fedpar.parallel.device import check_device_layout, resolve_device
     from fedpar.parallel.init import exit_rank_process
     from fedpar.parallel.rank_failure import RankFailed
@@ -219,8 +220,10 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     under_launcher = "WORLD_SIZE" in os.environ
     try:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
-        cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
+        given = config_from_args(args)
         task = load_task_from_args(args)  # a task's mistakes, before any rank starts
+        check_task_degrees(task, given)  # before the layout: --pp with a task is wrong on any world size
+        cfg = given.resolved(world, check_device_layout(args.device, local_ranks))
         check_zoo_loop_unused(args)
         check_data_parallel(task, cfg)
         TaskCheckpoints(cfg, task).latest()  # a checkpoint that cannot be resumed: said here, not by every rank

@@ -304,6 +304,13 @@ def check_zoo_loop_unused(args) -> None:
                         "the parallel degrees)")
 
 
+def check_task_degrees(task: Task, cfg: TrainConfig) -> None:
+    """TaskError for degrees of ``cfg`` as given (not yet resolved) that ``task`` cannot take on any world size."""
+    from fedpar.client.engine_trainer import check_engine_task
+
+    check_engine_task(task, cfg.parallel, 1)  # world 1: what depends on the world waits for check_data_parallel
+
+
 def check_data_parallel(task: Task, cfg: TrainConfig) -> None:
     """TaskError (or ConfigurationError) for a task or settings that the engine ranks of ``cfg``'s resolved layout
     (TrainConfig.resolved) cannot train."""

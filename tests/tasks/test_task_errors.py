@@ -42,6 +42,11 @@ def _one_line(argv: list[str], capsys) -> str:
     (["--task", "fedpar.tasks.zoo:classifier", "--nproc", "2", "--pp", "2"],
      "task 'mlp on digits' declares no pipeline stages, so --pp does not apply to it; spread the model with --fsdp "
      "(or --tp with a tp_plan) instead"),
+    # on one process too: a task's --pp (or --tp without a plan) is wrong on any world size, said before the layout
+    (["--task", "fedpar.tasks.zoo:classifier", "--pp", "2"],
+     "task 'mlp on digits' declares no pipeline stages, so --pp does not apply to it"),
+    (["--task", "fedpar.tasks.zoo:classifier", "--task-option", "model=cnn", "--tp", "2"],
+     "task 'cnn on digits' declares no tensor-parallel plan (Task.tp_plan), so --tp does not apply to it"),
     (["--task", "fedpar.tasks.zoo:classifier", "--fsdp", "2"],
      "cannot infer --dp-replicate: world size 1 is not divisible by the product 2"),
 ])
