@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 FIRST_BACKOFF_SECONDS = 0.5  # the first wait; it doubles after each failed try
 MAX_BACKOFF_SECONDS = 5.0  # the longest wait between two tries (`fedpar client --max-backoff`)
@@ -27,6 +27,13 @@ class Uniform(Protocol):
 def jittered(step: float, rng: Uniform) -> float:
     """``step`` times a uniform factor in [0.5, 1.5), so that agents retrying together spread out."""
     return step * (0.5 + rng.random())
+
+
+def sleep_unless(seconds: float, stopped: Callable[[], bool], every: float = 0.25) -> None:
+    """Sleep ``seconds``, or less once ``stopped()`` (asked every ``every`` seconds): a stopped client leaves at once."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0 and not stopped():
+        time.sleep(min(left, every))
 
 
 class Backoff:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Protocol, TypeVar
 import grpc
 import numpy as np
 
-from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform
+from fedpar.client.backoff import FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS, Backoff, Uniform, sleep_unless
 from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
@@ -156,13 +156,13 @@ class Reconnecting:
                 # the last wait ends as give_up_after runs out: one more try then, not a whole step past it
                 sleep = backoff.wait(None if self.give_up_after is None else self.give_up_after - waited)
                 log.info("%s: coordinator unreachable (%s)%s; retrying in %.1fs", self.who, code.name, why, sleep)
-                time.sleep(sleep)
+                sleep_unless(sleep, self.stopped)
 
     def _pause(self, backoff: Backoff) -> None:
         """Wait ``backoff``'s next step, unless the caller wants to leave (FatalAgentError)."""
         if self.stopped():
             raise FatalAgentError("stopped while the coordinator kept refusing the session")
-        time.sleep(backoff.wait())
+        sleep_unless(backoff.wait(), self.stopped)
 
 
 @dataclass

@@ -170,6 +170,10 @@ class ClientRuntime:
                 idle = not pulled.news and (self.stats.accepted == accepted if inline else not queued)
                 self._stop.wait(pace.after(started, idle))
             return self.stats
+        except FatalAgentError:
+            if not self._stop.is_set():
+                raise
+            return self.stats  # stop() asked to leave while the coordinator was unreachable: no failure
         finally:
             self._forget_queued()  # training is over: tasks not started yet are moot
             for _ in workers:
@@ -419,11 +423,13 @@ class ClientRuntime:
                         self.stats.answered[reply.message_type] = self.stats.answered.get(reply.message_type, 0) + 1
                 return True
             except grpc.RpcError as err:
+                if self._stop.is_set():
+                    return True
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(deadline_at):
                     if reply.error is None:  # a failed task is counted once
                         self._note_refusal(member, "reply", err)
                     return True
-                time.sleep(backoff.wait())
+                self._stop.wait(backoff.wait())
 
     def _round_weights(self, i: int, member: str, auth: pb.AgentAuth, task: pb.TrainTask,
                        data_plane: dataplane.DataPlaneTarget | None) -> list[np.ndarray] | bool | None:
@@ -455,7 +461,7 @@ class ClientRuntime:
                 if isinstance(err, ModelMismatch) and not self.members.population:  # no round ever will: stop
                     raise FatalAgentError(err.refusal(self.config.agent_id)) from None
                 if isinstance(err, grpc.RpcError) and err.code() in RETRYABLE:
-                    time.sleep(jittered(self.config.initial_backoff, self._rng))  # then pull again
+                    self._stop.wait(jittered(self.config.initial_backoff, self._rng))  # then pull again
                     return None
                 return True
             self._weights = (key, weights)
@@ -509,7 +515,7 @@ class ClientRuntime:
         stub = self.conn.ingest_stub(task)
         sender = UpdateSender(auth, task, stub, self.link.small_sender(settings.compression == "topk", stub),
                               deadline_at, self._chunk_bytes(), self.link.max_chunk, self.link.small_below, self._rng,
-                              note, superseded=lambda: self._over(task.round, started))
+                              note, superseded=lambda: self._over(task.round, started), stopped=self._stop.is_set)
         send = sender.send if data_plane is None else \
             functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":
@@ -532,11 +538,13 @@ class ClientRuntime:
                 return True
             except dataplane.DataPlaneRefused as err:
                 # RESOURCE_EXHAUSTED: busy (upload queue) or rate-limited; retry while the deadline allows.
+                if self._stop.is_set():
+                    return False
                 backoff = backoff or Backoff(0.1, 2.0, self._rng)
                 if err.code != DATA_PLANE_BUSY or not backoff.fits_before(deadline_at):
                     self._note_refusal(auth.agent_id, "upload", err)
                     return False
-                time.sleep(backoff.wait())
+                self._stop.wait(backoff.wait())
         return grpc_send(upload, result, metrics)
 
     def _chunk_bytes(self) -> int:

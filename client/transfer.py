@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from fedpar.aggregation.clipping import clip_update
-from fedpar.client.backoff import Backoff, Uniform
+from fedpar.client.backoff import Backoff, Uniform, sleep_unless
 from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.model_fit import fitting_layout
 from fedpar.client.trainer_protocol import UpdateRefused
@@ -262,14 +262,17 @@ class UpdateSender:
     ``auth``, to ``stub`` (the task's aggregator rank's, or the coordinator's); small ones in one message through
     ``send_small`` (:func:`upload_small`, or a host's batch: client/host_uploads.py), the rest as an UploadUpdate
     stream of ``chunk_bytes`` chunks; retried with jittered backoff (``rng``) while the coordinator is busy or
-    unreachable and the task's deadline allows, unless ``superseded()`` (a task of another round came).
+    unreachable and the task's deadline allows, unless ``superseded()`` (a task of another round came) or
+    ``stopped()`` (the runtime was asked to stop: given up at once, in flight too).
     ``note_refusal(what, err)``: how a refusal is noted."""
 
     def __init__(self, auth: pb.AgentAuth, task: pb.TrainTask, stub: CoordinatorStub, send_small: SendSmall,
                  deadline_at: float, chunk_bytes: int, max_chunk: int, small_below: int, rng: Uniform,
-                 note_refusal: Callable[[str, Exception], None], superseded: Callable[[], bool] = lambda: False):
+                 note_refusal: Callable[[str, Exception], None], superseded: Callable[[], bool] = lambda: False,
+                 stopped: Callable[[], bool] = lambda: False):
         self.auth, self.task, self.stub, self.send_small = auth, task, stub, send_small
         self.superseded = superseded  # a task of another round came: this one's round (or run) is over
+        self.stopped = stopped
         self.deadline_at, self.chunk_bytes = deadline_at, chunk_bytes
         self.max_chunk, self.small_below = max_chunk, small_below  # what fits one SmallUpload (the coordinator's)
         self.rng, self.note_refusal = rng, note_refusal
@@ -283,20 +286,21 @@ class UpdateSender:
                               rows=None if upload.encoding else result.rows)
         backoff: Backoff | None = None  # made at the first refusal to retry: most uploads go through at once
         said_unreachable = False
+        abandoned = lambda: self.stopped() or self.superseded()  # noqa: E731
         while True:
             try:
                 if single is not None:  # one unary call: no stream to set up for a small update
-                    self.send_small(self.stub, single, upload_timeout(self.deadline_at), abandoned=self.superseded)
+                    self.send_small(self.stub, single, upload_timeout(self.deadline_at), abandoned=abandoned)
                 else:
                     messages = upload_messages(self.auth, self.task, upload.layout, upload.arrays, result.examples,
                                                result.steps, metrics, self.chunk_bytes, upload.encoding,
                                                upload.encoding_json)
-                    upload_update(self.stub, messages, timeout=upload_timeout(self.deadline_at),
-                                  abandoned=self.superseded)
+                    upload_update(self.stub, messages, timeout=upload_timeout(self.deadline_at), abandoned=abandoned)
                 return True
             except grpc.FutureCancelledError:
-                self.note_refusal("upload", RoundOver(f"round {self.task.round} is over (another round began): "
-                                                      "not sent"))
+                if not self._given_up_for_stop():
+                    self.note_refusal("upload", RoundOver(f"round {self.task.round} is over (another round began): "
+                                                          "not sent"))
                 return False
             except grpc.RpcError as err:
                 if run_ended(err):  # expected when a run is stopped: no refusal to count or alarm anyone with
@@ -306,6 +310,8 @@ class UpdateSender:
                 if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # the agent's next call joins again (Reconnecting)
                     log.info("%s: round %d's update was not used: the coordinator no longer knows this agent's "
                              "session (it restarted); joining again", self.auth.agent_id, self.task.round)
+                    return False
+                if self._given_up_for_stop():
                     return False
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 backoff = backoff or Backoff(0.1, 2.0, self.rng)
@@ -317,7 +323,14 @@ class UpdateSender:
                     log.info("%s: coordinator unreachable while uploading (%s); retrying until the round's deadline, "
                              "%.0fs from now", self.auth.agent_id, one_line(err.details() or ""),
                              self.deadline_at - time.monotonic())
-                time.sleep(backoff.wait())
+                sleep_unless(backoff.wait(), self.stopped)
+
+    def _given_up_for_stop(self) -> bool:
+        """Whether the runtime was stopped, so the update is given up (said once, in the info log)."""
+        if not self.stopped():
+            return False
+        log.info("%s: round %d's update was not sent: the agent is stopping", self.auth.agent_id, self.task.round)
+        return True
 
 
 def run_ended(err: grpc.RpcError) -> bool:

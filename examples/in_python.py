@@ -25,16 +25,18 @@ def run(rounds: int = 3, agents: int = 2) -> list[dict]:
     rows: list[dict] = []  # each round's metrics row as it ends (config.metrics_path would write metrics.jsonl)
     server.coordinator.on_round_end.append(rows.append)
     server.start()  # binds 127.0.0.1 on a free port: server.address
-    workers = []
+    members, workers = [], []
     for i in range(agents):
         trainer = TaskTrainer(task, task.client_data(Partition(i, agents, client_id=f"agent-{i}")), seed=i)
-        agent = Agent(AgentConfig(server=server.address, agent_id=f"agent-{i}", insecure=True), trainer)
-        workers.append(threading.Thread(target=agent.run))  # until the coordinator says the run is over
+        members.append(Agent(AgentConfig(server=server.address, agent_id=f"agent-{i}", insecure=True), trainer))
+        workers.append(threading.Thread(target=members[-1].run))  # until the coordinator says the run is over
     for w in workers:
         w.start()
     try:
         server.wait(300)
-    finally:
+    finally:  # finished, or interrupted (Ctrl-C): the agents leave too, else their threads keep the process alive
+        for agent in members:
+            agent.stop()
         server.stop()
         for w in workers:
             w.join(30)
