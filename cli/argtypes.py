@@ -7,11 +7,11 @@ is refused at parse time with the option's name and the range it takes.
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from pathlib import Path
 from typing import Callable
 
+from fedpar.meant import closest, did_you_mean
 from fedpar.ranges import (  # noqa: F401  the declared ranges (fedpar/ranges.py), argparse types by their names
     MAX_SECONDS, at_least_one, below_one, cert_days, count, fraction, held_out, int8_block, local_processes,
     non_negative, non_negative_int, open_unit, port, positive, probability, ranged, secagg_weight, seconds, seed,
@@ -53,10 +53,8 @@ class FedparParser(argparse.ArgumentParser):
     def unrecognized(self, extra: list[str]):
         """:meth:`error` for arguments this command does not take, naming the option each one looks like."""
         options = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
-        meant = [close[0] for arg in extra if arg.startswith("--")
-                 if (close := difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.75))]
-        self.error(f"unrecognized arguments: {' '.join(extra)}"
-                   + (f" (did you mean {', '.join(dict.fromkeys(meant))}?)" if meant else ""))
+        meant = did_you_mean(closest(arg.split("=", 1)[0], options) for arg in extra if arg.startswith("--"))
+        self.error(f"unrecognized arguments: {' '.join(extra)}{meant}")
 
 
 secagg_clip = ranged(float, 0.0, MAX_CLIP, "a coordinate's clip", open_low=True,

@@ -8,7 +8,6 @@ named after the table, which then receives the whole table as a dict (``[train.m
 from __future__ import annotations
 
 import argparse
-import difflib
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from fedpar.cli.declared import Needs
 from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag
 from fedpar.cli.subcommands import SUBCOMMANDS
+from fedpar.meant import closest
 
 
 class ConfigError(ValueError):
@@ -187,9 +187,9 @@ def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[s
     said, tables = [], {}
     for key in unknown:
         table, _, leaf = names[key].rpartition(".")
-        meant = difflib.get_close_matches(_key(table.rpartition(".")[2]), sorted(dict_options), n=1) if table else []
+        meant = closest(_key(table.rpartition(".")[2]), sorted(dict_options), cutoff=0.6) if table else None
         if meant:
-            tables.setdefault((table, meant[0]), []).append(leaf)
+            tables.setdefault((table, meant), []).append(leaf)
         else:
             said.append(key)
     said += [f"{table} (a table holding {', '.join(leaves)}; did you mean {meant}?)"

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedpar.meant import closest, did_you_mean
+
 DAY_SECONDS = 86_400.0
 COLUMNS = ("client", "seconds_per_step", "download_mbps", "upload_mbps", "available_from", "available_for")
 
@@ -118,6 +120,7 @@ def generate_traces(clients: int, seed: int = 0, median_seconds_per_step: float 
     return Traces(*(np.asarray(c, np.float32) for c in (speed, down, up, start, hours * 3600.0)))
 
 
+BUILT_IN = ("fedscale",)  # --trace names that are no file: generated traces
 ROW_BYTES = 1024  # far more than one client's row or object takes: a larger file is not N clients' traces
 MOST_SECONDS_PER_STEP = DAY_SECONDS  # a step slept on the real clock; sleep() overflows at 1e30 (as --slow-step-delay)
 MOST_VALUE = float(np.finfo(np.float32).max)  # the columns are kept as float32
@@ -128,8 +131,9 @@ def load_traces(path: str | Path, clients: int) -> Traces:
     path = Path(path)
     try:
         if not path.is_file():
+            meant = "" if path.exists() else did_you_mean([closest(str(path), BUILT_IN)])
             raise ValueError(f"the trace file {path} " + ("is a folder" if path.is_dir() else "does not exist" if not
-                             path.exists() else "is not a regular file") + "; give a CSV or JSON file")
+                             path.exists() else "is not a regular file") + f"{meant}; give a CSV or JSON file")
         if path.stat().st_size > clients * ROW_BYTES + (1 << 16):  # a 1 GB file would fill the memory first
             raise ValueError(f"the trace file {path} holds {path.stat().st_size / 2**20:,.0f} MiB, more than "
                              f"{clients:,} clients' rows can (--clients {clients}); give one row per client")
@@ -242,4 +246,4 @@ def traces_for(spec: str | None, clients: int, seed: int) -> Traces | None:
     """``--trace``: None, "fedscale" (generated) or a CSV/JSON file."""
     if not spec:
         return None
-    return generate_traces(clients, seed) if spec == "fedscale" else load_traces(spec, clients)
+    return generate_traces(clients, seed) if spec in BUILT_IN else load_traces(spec, clients)

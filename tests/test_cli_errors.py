@@ -209,6 +209,11 @@ def _said_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
                           "file 'fedpar certs --mint-token ID' wrote"),
     (["simulate-workers", "--insecure", "--server", "127.0.0.1:1", "--clients", "4", "--trace", "{tmp}"], 2,
      "fedpar simulate-workers: the trace file {tmp} is a folder; give a CSV or JSON file"),
+    # a built-in trace's name misspelled was said only as a missing file
+    (["simulate", "--clients", "4", "--rounds", "1", "--out", "{tmp}/s", "--trace", "fedscal"], 2,
+     "fedpar simulate: the trace file fedscal does not exist (did you mean fedscale?); give a CSV or JSON file"),
+    (["simulate", "--clients", "4", "--rounds", "1", "--out", "{tmp}/s", "--trace", "{tmp}/nowhere.csv"], 2,
+     "fedpar simulate: the trace file {tmp}/nowhere.csv does not exist; give a CSV or JSON file"),
     (["simulate-workers", "--insecure", "--server", "127.0.0.1:1", "--clients", "4", "--trace", "{tmp}/binary"], 2,
      "fedpar simulate-workers: cannot read the traces in {tmp}/binary: it is not a text file"),
     (["serve", "--insecure", "--port", "0", "--out", "{tmp}/s", "--enrollment-tokens", "{tmp}"], 2,
