@@ -9,6 +9,7 @@ model and summary.json only (no plots: Ctrl-C stops within 2 s). With --checkpoi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -302,11 +303,32 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
         args = argparse.Namespace(**args)
     from fedpar.parallel.device import flush_denormals
     from fedpar.parallel.init import exit_rank_process, shutdown_distributed
-    from fedpar.server.ranks.group import launched_group
 
     setup_logging(args)
     flush_denormals()
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        # rank 0 takes the launcher's stop from its start (the launcher (spawn, torchrun) escalates): one that comes
+        # before its run could say what completed is said here
+        with stop_on_signals(second_exits=False) if rank == 0 else contextlib.nullcontext():
+            code = _serve_as(rank, args)
+    except StopRequested:
+        if rank > 0:
+            code = 0  # the launcher stops a rank > 0 (rank 0 went, or the service ends): it holds nothing to write
+        else:
+            if args.state is None:  # a service's launcher names the signal itself
+                print("fedpar serve: interrupted", file=sys.stderr)
+            raise
+    finally:
+        shutdown_distributed()
+    if code:
+        exit_rank_process(code)
+
+
+def _serve_as(rank: int, args: argparse.Namespace) -> int:
+    """Aggregator rank ``rank``'s part (rank 0: the coordinator, or the service); its exit code."""
+    from fedpar.server.ranks.group import launched_group
+
     if args.state is not None:  # a service: each run's parts are built as it starts
         timeout, plan = from_args(CoordinatorConfig, args).aggregator_timeout_seconds, None
     else:
@@ -315,28 +337,16 @@ def serve_rank(args: argparse.Namespace | dict) -> None:
     group = launched_group(timeout, args.device)  # or a lost rank's replacement
     freeze_startup_heap()  # a service runs for weeks: each round's garbage cycles are freed (protocol/heap.py)
     advertised = "" if args.host in ("0.0.0.0", "::", "") else args.host
-    try:
-        if rank == 0:
-            with stop_on_signals(second_exits=False):  # the launcher (spawn, torchrun) escalates
-                try:
-                    code = _lead(args, plan, group, advertised)
-                except OSError as exc:  # a full disk, a folder made read-only: the line cli/main.py would say
-                    print(f"fedpar serve: {describe(exc)}", file=sys.stderr)
-                    code = 1
-        elif plan is None:  # a service's: each run rank 0 announces, until a signal ends it
-            from fedpar.cli.serve_ranks import follow_runs
-            code = follow_runs(args, group,
-                               lambda options: _serve_ingest(options, _plan(options, rank), group, advertised))
-        else:  # a signal ends it: it holds nothing rank 0 does not
-            code = _serve_ingest(args, plan, group, advertised)
-    except StopRequested:
-        if rank == 0:
-            raise
-        code = 0  # the launcher stops a rank > 0 (rank 0 went, or the service ends): it holds nothing to write
-    finally:
-        shutdown_distributed()
-    if code:
-        exit_rank_process(code)
+    if rank == 0:
+        try:
+            return _lead(args, plan, group, advertised)
+        except OSError as exc:  # a full disk, a folder made read-only: the line cli/main.py would say
+            print(f"fedpar serve: {describe(exc)}", file=sys.stderr)
+            return 1
+    if plan is None:  # a service's: each run rank 0 announces, until a signal ends it
+        from fedpar.cli.serve_ranks import follow_runs
+        return follow_runs(args, group, lambda options: _serve_ingest(options, _plan(options, rank), group, advertised))
+    return _serve_ingest(args, plan, group, advertised)  # a signal ends it: it holds nothing rank 0 does not
 
 
 def _lead(args: argparse.Namespace, plan: ServePlan | None, group, advertised: str) -> int:
