@@ -66,6 +66,7 @@ class CoordinatorServer:
         self._finished = threading.Event()
         self._running: concurrent.futures.Future | None = None
         self._stop: asyncio.Event | None = None
+        self._stopped = False  # stop() ran: its coordinator is closed, so this server cannot start again
         self._grace = 1.0  # seconds calls in flight get when the server stops
 
     @property
@@ -90,11 +91,20 @@ class CoordinatorServer:
 
     @property
     def address(self) -> str:
-        """``host:port`` agents should dial."""
+        """``host:port`` agents should dial (RuntimeError before :meth:`start` binds the port)."""
+        if self.port is None:
+            raise RuntimeError("the coordinator server is not started, so it has no address yet: call start() "
+                               "first (it binds the port)")
         return grpc_target(self.host, self.port)
 
     def start(self) -> int:
         """Start serving and running rounds; returns the bound port."""
+        if self._stopped:
+            raise RuntimeError("a stopped coordinator server cannot start again: build a new one with "
+                               "CoordinatorAssembly.for_task(...).server(config, strategy) (its checkpoint_dir "
+                               "resumes the run)")
+        if self._running is not None:
+            raise RuntimeError("the coordinator server is started already: start() once, then wait() or stop()")
         if self._own_port:
             self.agent_port.on_listening = self.on_listening
             try:
@@ -113,7 +123,11 @@ class CoordinatorServer:
         return self.port
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until all rounds are done (True) or ``timeout`` passes (False); re-raises round errors."""
+        """Block until all rounds are done (True) or ``timeout`` passes (False); re-raises round errors (RuntimeError
+        before :meth:`start`)."""
+        if self._running is None and not self._finished.is_set():
+            raise RuntimeError("the coordinator server is not started, so there are no rounds to wait for: call "
+                               "start() first")
         done = wait_awake(self._finished, timeout)
         if self.error is not None:
             raise self.error
@@ -131,6 +145,7 @@ class CoordinatorServer:
     def stop(self, grace: float = 1.0) -> None:
         """Stop the rounds and take the coordinator off its port (closing a port of its own)."""
         atexit.unregister(self.stop)
+        self._stopped = True
         self._grace = grace
         if self._running is not None and self._stop is not None:
             try:

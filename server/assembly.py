@@ -14,6 +14,7 @@ from torch import nn
 from fedpar.aggregation.strategy import Strategy
 from fedpar.datasets import DatasetSplits
 from fedpar.models import get_weights, weight_specs
+from fedpar.parallel.device import check_device_layout, resolve_device
 from fedpar.security.admission import Admission
 from fedpar.server.ranks.leader import RankLeader
 from fedpar.server.agent_port import AgentPort
@@ -51,8 +52,11 @@ class CoordinatorAssembly:
     def for_task(cls, task: Task, seed: int, eval_device: torch.device | str | None) -> CoordinatorAssembly:
         """``task``'s model with weights drawn from ``seed``, evaluated after every round with the task's evaluation
         on its test data on ``eval_device`` (None, or a task without test data: not evaluated); TaskError when its model
-        or its evaluation cannot be used."""
+        or its evaluation cannot be used, ConfigurationError when the device cannot (the CLI's ``--device`` check)."""
         checked_task(task, "CoordinatorAssembly.for_task")
+        if eval_device is not None:
+            check_device_layout(str(eval_device))
+            eval_device = resolve_device(str(eval_device))
         torch.manual_seed(seed)
         first = task.built_model()
         evaluate = None
