@@ -105,23 +105,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the dataset's name (synthetic:1): no worker started
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
-    clear_earlier_outputs(cfg)
     # Before this process imports torch (the strategy's module does, in a second): the workers' imports and data
     # loading overlap it and the coordinator's set-up.
     return simulate(args, cfg, WorkerProcesses(cfg.workers, preload, cfg.data_dir))
-
-
-def clear_earlier_outputs(cfg: SimulationConfig) -> None:
-    """Remove an earlier run's files from --out unless the run resumes a checkpoint (then its rows go on), once its
-    settings are checked and before any of its processes starts: a run stopped before its first round, however
-    early, leaves none of them beside its summary (run_simulation does it again, for its other callers)."""
-    from pathlib import Path
-
-    from fedpar.server.checkpoint import has_checkpoint
-    from fedpar.simulations.run_outputs import start_fresh
-
-    if cfg.out and not has_checkpoint(cfg.checkpoint_dir):
-        start_fresh(Path(cfg.out))
 
 
 def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
@@ -171,7 +157,6 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     from fedpar.cli.serve import plain_options
     from fedpar.parallel.init import fork_safe, spawn
     from fedpar.parallel.stopping import exit_code, signal_name
-    clear_earlier_outputs(cfg)
     options = {**plain_options(args), "coordinator_threads": torch.get_num_threads()}
     try:
         spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,

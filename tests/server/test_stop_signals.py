@@ -241,21 +241,27 @@ def test_a_rank_that_raised_is_named_with_the_exception_it_ended_on():
     assert _rank_failure(ProcessRaisedException(missing, 1, 42)) == "an aggregator rank failed: rank 0 is gone"
 
 
-def test_a_simulate_into_an_earlier_runs_out_stopped_as_its_coordinator_starts_leaves_none_of_its_outputs(tmp_path):
-    """The earlier run's files were removed by the coordinator's process once it had set up: a Ctrl-C before that left
-    all of them, global.json still saying round 3 (QA)."""
+def test_a_simulate_into_an_earlier_runs_out_keeps_it_on_a_refusal_and_clears_it_once_its_settings_are_checked(
+        tmp_path):
+    """A refused command loses nothing of the earlier run's outputs; one stopped after its settings were checked (its
+    set-up began, before round 1) leaves none of them beside its summary."""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "summary.json"):
+    earlier = ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "summary.json")
+    for name in earlier:
         (out / name).write_text("of an earlier run\n")
+    refused = _start(tmp_path, ["simulate", "--clients", "4", "--rounds", "50", "--out", str(out), "--strategy-option",
+                                "bogus=1"])
+    assert refused.wait(timeout=120) == 2, (tmp_path / "run.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == sorted(earlier), (tmp_path / "run.log").read_text()
     proc = _start(tmp_path, ["simulate", "--clients", "4", "--rounds", "50", "--out", str(out)])
     end = time.monotonic() + 120
-    while not _descendants(proc.pid):  # the coordinator's process started: it is still importing
+    while "loading digits" not in (tmp_path / "run.log").read_text():  # its settings are checked: set-up begins
         assert proc.poll() is None and time.monotonic() < end, (tmp_path / "run.log").read_text()
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130, (tmp_path / "run.log").read_text()
-    assert not [p.name for p in out.iterdir() if p.read_text() == "of an earlier run\n"], \
+    assert not [p.name for p in out.iterdir() if p.read_text(errors="replace") == "of an earlier run\n"], \
         (tmp_path / "run.log").read_text()
 
 
