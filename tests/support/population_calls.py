@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -17,10 +19,19 @@ def host_stub(server) -> CoordinatorStub:
 def join_members(stub, host: str, ids, token: str = "", examples: int = 10, away=(), capabilities=None
                  ) -> pb.JoinPopulationReply:
     """Register ``ids`` as members of ``host`` (``token``: the host's session after its first call; ``away``: the
-    positions of those offline)."""
-    return stub.JoinPopulation(pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=host, token=token),
-                                                        member_ids="\n".join(ids), num_examples=[examples] * len(ids),
-                                                        away=away, capabilities=capabilities or {}), timeout=30)
+    positions of those offline). Retried, as a host retries it, while the coordinator restores its checkpoint: its port
+    (and port file) answers from the moment it listens."""
+    request = pb.JoinPopulationRequest(host=pb.AgentAuth(agent_id=host, token=token), member_ids="\n".join(ids),
+                                       num_examples=[examples] * len(ids), away=away, capabilities=capabilities or {})
+    end = time.monotonic() + 30
+    while True:
+        try:
+            return stub.JoinPopulation(request, timeout=30)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or "restoring" not in (err.details() or "") \
+                    or time.monotonic() > end:
+                raise
+            time.sleep(0.05)
 
 
 def member_auth(reply: pb.JoinPopulationReply, member: str) -> pb.AgentAuth:
