@@ -50,6 +50,6 @@ GPU_CHECK_PYTEST_ARGS ?= -n 6
 gpu-check:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: torch ' + torch.__version__ + ' sees no CUDA GPU here')"
 	mkdir -p $(GPU_CHECK_OUT)
-	bash -o pipefail -c '$(GPU_PY) -m pytest -q -rs -p no:cacheprovider $(GPU_CHECK_PYTEST_ARGS) tests 2>&1 | tee $(GPU_CHECK_OUT)/tests.log'
+	bash -o pipefail -c '$(GPU_PY) -m pytest -v -rs -p no:cacheprovider $(GPU_CHECK_PYTEST_ARGS) tests 2>&1 | tee $(GPU_CHECK_OUT)/tests.log'
 	bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --json $(GPU_CHECK_OUT)/gpu_bench.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench.log'
 	bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --only mfu --large --warmup 5 --steps 20 --json $(GPU_CHECK_OUT)/gpu_bench_large.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench_large.log'
