@@ -83,18 +83,20 @@ without a rank that is lost."""
         """The ranks in the group now (rank 0 first)."""
         return self.group.members
 
-    async def _collective(self, fn, *args, state: RoundState | None = None, watched: bool = True):
+    async def _collective(self, fn, *args, state: RoundState | None = None, watched: bool = True,
+                          among: list[int] | None = None):
         """Run ``fn(*args)`` (one or more collectives) on the collective thread, one step at a time. When one fails,
         or a rank it waits for is lost meanwhile (its heartbeat stopped, or its process ended: the step is given
         up), the group is formed again over the ranks still alive, the lost ones' uploads in ``state`` (the open
         round) are no longer counted, and RanksChanged says the step did not complete; RankMissing if the group
-        cannot be formed again. A step not ``watched`` (one that forms the group, or the start's, before the
-        heartbeats start) is not given up: it fails by itself."""
+        cannot be formed again. A step not ``watched`` (the start's, before the heartbeats start) is not given up: it
+        fails by itself; one watched ``among`` some ranks is given up only for those (a take-back's, whose replacements
+        send no heartbeat before its start message)."""
         async with self._lock:
             if self._broken is not None:  # the group could not be formed again: every step fails the same way
                 raise RankMissing(self._broken)
             try:
-                return await self._steps.run(fn, *args, lost=self._lost_now if watched else None)
+                return await self._steps.run(fn, *args, lost=(lambda: self._lost_now(among)) if watched else None)
             except RankMissing as exc:
                 failure = str(exc)  # not the exception: its frames hold the failed group, which must close
             finally:
@@ -158,11 +160,11 @@ without a rank that is lost."""
         return "no heartbeat from " + ", ".join(
             f"rank {r} for {now - heard[r]:.1f} s" if r in heard else f"rank {r} ever" for r in silent)
 
-    def _silence(self) -> str | None:
-        """Why a rank in the group is lost now (its process ended, or its heartbeat stopped LOST_AFTER_SECONDS
-        ago), or None."""
+    def _silence(self, among: list[int] | None = None) -> str | None:
+        """Why a rank in the group (or of ``among``) is lost now (its process ended, or its heartbeat stopped
+        LOST_AFTER_SECONDS ago), or None."""
         now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
-        for rank in self.live[1:]:
+        for rank in self.live[1:] if among is None else among:
             if self.ended is not None and self.ended(rank):
                 return f"aggregator rank {rank}'s process ended"
             last = max(heard.get(rank, 0.0), self._watching_since)
@@ -170,14 +172,14 @@ without a rank that is lost."""
                 return f"no heartbeat from aggregator rank {rank} for {now - last:.1f} s"
         return None
 
-    async def _lost_now(self) -> str | None:
+    async def _lost_now(self, among: list[int] | None = None) -> str | None:
         """:meth:`_silence`, unless rank 0's own loop just stood still (it took no heartbeat meanwhile: they may be
         waiting to be taken, not late)."""
         now = time.monotonic()
         if now - self._last_check > STALL_SECONDS:
             self._watching_since = now
         self._last_check = now
-        return self._silence()
+        return self._silence(among)
 
     async def _watch(self) -> None:
         """Find a lost rank within LOST_AFTER_SECONDS, not at the next collective: between steps, form the group
@@ -260,6 +262,7 @@ without a rank that is lost."""
         if not asking:
             return False
         members = sorted(set(self.live) | set(asking))
+        heartbeating = [r for r in self.live[1:] if r not in asking]  # a rank of these that hangs gives the step up
 
         def work():
             self.group.reform(members, {rank: nonce for rank, (nonce, _) in asking.items()})
@@ -268,7 +271,7 @@ without a rank that is lost."""
             self.endpoints[rank] = endpoint
         self.calls.take_back(list(asking))
         try:
-            await self._collective(work, watched=False)
+            await self._collective(work, among=heartbeating)
         except RanksChanged:
             self.calls.lost.update(r for r in asking if r not in self.live)
             raise
