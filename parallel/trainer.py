@@ -69,6 +69,30 @@ class StepProgress(Protocol):
         """The run ended: take any bar down."""
 
 
+class LossReadout:
+    """The latest step loss already on the host, for the bar: on a GPU it is copied over without waiting for the
+    step (the bar shows a loss one or two steps old), as a wait per step would leave the GPU idle between steps."""
+
+    def __init__(self, device: torch.device):
+        self.on_gpu = device.type == "cuda"
+        self.value = math.nan
+        self.pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def latest(self, step_loss: torch.Tensor) -> float:
+        """This step's loss on the CPU; on a GPU, the newest loss whose copy has arrived (NaN before the first)."""
+        if not self.on_gpu:
+            return float(step_loss)
+        if self.pending is not None and self.pending[1].query():
+            self.value, self.pending = float(self.pending[0]), None
+        if self.pending is None:
+            host = torch.empty((), dtype=step_loss.dtype, pin_memory=True)
+            host.copy_(step_loss.detach(), non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record()
+            self.pending = (host, arrived)
+        return self.value
+
+
 class Trainer:
     """Trains one model with the layout in ``config.parallel`` on the current process group.
 
@@ -100,6 +124,7 @@ class Trainer:
                                                     shuffle=False)
         # Rank that reports a loss for its data shard: the last pipeline stage, first tensor-parallel rank.
         self.reports_loss = self.model.has_last_stage and self.mesh.coord("tp") == 0
+        self.loss_readout = LossReadout(info.device)
         self.counters = {k: 0 for k in COUNTERS}
         self.stepped = False  # whether a step was taken: what keep_model keeps
         self.pp_group = self.mesh["pp"].get_group() if pc.pp > 1 else None
@@ -327,11 +352,11 @@ class Trainer:
         return self._finish(log, evals, last_loss, wall_start, train_seconds, run_samples, resumed_from)
 
     def _show_step(self, total: int, step_loss: torch.Tensor, last_loss: float) -> None:
-        """Rank 0 shows the step just done with its loss (on its data shard), or the last logged loss where rank 0
-        holds none (a pipeline's first stage); only a bar on a terminal reads it, as reading waits for the step."""
+        """Rank 0 shows the step just done with its loss (on its data shard; on a GPU the newest one that arrived), or
+        the last logged loss where rank 0 holds none (a pipeline's first stage); only a bar on a terminal reads it."""
         if not self.progress.shows_steps():
             return
-        loss = float(step_loss) if self.reports_loss else last_loss
+        loss = self.loss_readout.latest(step_loss) if self.reports_loss else last_loss
         self.progress.step(self.counters["step"], total, f"loss {loss:.4f}" if math.isfinite(loss) else "")
 
     def _finished_outputs(self) -> dict[str, Any] | None:
