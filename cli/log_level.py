@@ -7,8 +7,9 @@ import argparse
 import logging
 import os
 
+from fedpar.parallel.child_logs import FORMAT
+
 LEVELS = ("debug", "info", "warning", "error")
-FORMAT = "%(asctime)s %(name)s %(message)s"
 
 
 def add_log_level_argument(p: argparse.ArgumentParser, default: str | None) -> None:

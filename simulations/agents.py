@@ -18,6 +18,7 @@ from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.security.tls import client_tls_files
 from fedpar.simulations.population import PopulationSlice, host_population
+from fedpar.parallel.child_logs import log_like_parent
 from fedpar.parallel.config import Device, Precision
 from fedpar.parallel.device import flush_denormals
 from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal
@@ -66,8 +67,7 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
     its members did."""
     torch.set_num_threads(1)  # several worker processes share the cores
     flush_denormals()
-    logging.basicConfig(level=min(cfg.log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("fedpar").setLevel(cfg.log_level)
+    log_like_parent(cfg.log_level)
     tls = client_tls_files(cfg.population.host_id, cfg.certs_dir) if cfg.certs_dir else None
     if cfg.flower_app:  # the app's ClientApp trains the members (simulations/client_app_population.py)
         from fedpar.simulations.client_app_population import ClientAppPopulation

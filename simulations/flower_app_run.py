@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.aggregation import build_strategy
+from fedpar.parallel.child_logs import log_like_parent
 from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
@@ -135,8 +136,7 @@ def host_flower_members(server: str, directory: str, run_config: str | None, hos
     ignore_interrupts()
     die_with_parent()
     dump_stacks_on_signal()
-    logging.basicConfig(level=min(log_level, logging.WARNING), format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("fedpar").setLevel(log_level)
+    log_like_parent(log_level)
     app = load_flower_app(directory, run_config)
     population = PopulationSlice.of(host_id, np.asarray(numbers), None, np.zeros(clients, np.float32))
     members = ClientAppPopulation(population, app, lambda number, member: Partition(number, clients, member), seed,

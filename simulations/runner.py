@@ -261,7 +261,8 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
     ranks = None
     if cfg.aggregator_ranks > 1:
         ranks = IngestRanks(cfg.aggregator_ranks, composed(IngestRankSpec, cfg, config=coord_cfg,
-                                                            certs_dir=certs.name if certs else None))
+                                                            certs_dir=certs.name if certs else None,
+                                                            log_level=logging.getLogger("fedpar").getEffectiveLevel()))
     security = ServerSecurity(
         credentials=server_credentials(server_tls_files(certs.name)) if certs else None,
         admission=Admission(require_certificate=cfg.tls),

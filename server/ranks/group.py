@@ -165,6 +165,10 @@ class RankGroup:
                 asking[rank] = (nonce, RankEndpoint(rank, host, int(grpc_port), int(data_port)))
         return asking
 
+    def forget_asking(self, rank: int) -> None:
+        """Rank 0: drop ``rank``'s request to be taken back (its replacement process ended while it asked)."""
+        self._in_store("delete_key", f"{JOIN_KEY}/{rank}")
+
     def ask_to_join(self, mine: RankEndpoint) -> None:
         """A replacement rank: ask rank 0 to take it back (with its endpoint ``mine``) and join the group once rank 0
         formed it again with this rank, at a round's opening; RankMissing if the rounds end (or rank 0 and its store

@@ -84,19 +84,20 @@ without a rank that is lost."""
         return self.group.members
 
     async def _collective(self, fn, *args, state: RoundState | None = None, watched: bool = True,
-                          among: list[int] | None = None):
+                          among: list[int] | None = None, joining: Sequence[int] = ()):
         """Run ``fn(*args)`` (one or more collectives) on the collective thread, one step at a time. When one fails,
         or a rank it waits for is lost meanwhile (its heartbeat stopped, or its process ended: the step is given
         up), the group is formed again over the ranks still alive, the lost ones' uploads in ``state`` (the open
         round) are no longer counted, and RanksChanged says the step did not complete; RankMissing if the group
         cannot be formed again. A step not ``watched`` (the start's, before the heartbeats start) is not given up: it
-        fails by itself; one watched ``among`` some ranks is given up only for those (a take-back's, whose replacements
-        send no heartbeat before its start message)."""
+        fails by itself; one watched ``among`` some ranks is given up only for those, and for a rank ``joining`` whose
+        process ended (a take-back's: its replacements send no heartbeat before their start message)."""
         async with self._lock:
             if self._broken is not None:  # the group could not be formed again: every step fails the same way
                 raise RankMissing(self._broken)
             try:
-                return await self._steps.run(fn, *args, lost=(lambda: self._lost_now(among)) if watched else None)
+                lost = (lambda: self._lost_now(among, joining)) if watched else None
+                return await self._steps.run(fn, *args, lost=lost)
             except RankMissing as exc:
                 failure = str(exc)  # not the exception: its frames hold the failed group, which must close
             finally:
@@ -160,10 +161,13 @@ without a rank that is lost."""
         return "no heartbeat from " + ", ".join(
             f"rank {r} for {now - heard[r]:.1f} s" if r in heard else f"rank {r} ever" for r in silent)
 
-    def _silence(self, among: list[int] | None = None) -> str | None:
+    def _silence(self, among: list[int] | None = None, joining: Sequence[int] = ()) -> str | None:
         """Why a rank in the group (or of ``among``) is lost now (its process ended, or its heartbeat stopped
-        LOST_AFTER_SECONDS ago), or None."""
+        LOST_AFTER_SECONDS ago), or one ``joining`` it (its process ended), or None."""
         now, heard = time.monotonic(), self.calls.heard if self.calls is not None else {}
+        for rank in joining:
+            if self.ended is not None and self.ended(rank):
+                return f"aggregator rank {rank}'s replacement process ended before it was taken back"
         for rank in self.live[1:] if among is None else among:
             if self.ended is not None and self.ended(rank):
                 return f"aggregator rank {rank}'s process ended"
@@ -172,14 +176,14 @@ without a rank that is lost."""
                 return f"no heartbeat from aggregator rank {rank} for {now - last:.1f} s"
         return None
 
-    async def _lost_now(self, among: list[int] | None = None) -> str | None:
+    async def _lost_now(self, among: list[int] | None = None, joining: Sequence[int] = ()) -> str | None:
         """:meth:`_silence`, unless rank 0's own loop just stood still (it took no heartbeat meanwhile: they may be
         waiting to be taken, not late)."""
         now = time.monotonic()
         if now - self._last_check > STALL_SECONDS:
             self._watching_since = now
         self._last_check = now
-        return self._silence(among)
+        return self._silence(among, joining)
 
     async def _watch(self) -> None:
         """Find a lost rank within LOST_AFTER_SECONDS, not at the next collective: between steps, form the group
@@ -259,6 +263,15 @@ without a rank that is lost."""
         """Form the group again with the replacement ranks that asked to be taken back, and give them the model;
         whether any were (RanksChanged if a rank was lost meanwhile: they are then left out again)."""
         asking = await self._steps.run(self.group.asking_to_join)
+        gone = [r for r in asking if self.ended is not None and self.ended(r)]
+        if gone:  # a replacement that died while it asked would leave the group's forming waiting for it
+            for rank in gone:
+                del asking[rank]
+                await self._steps.run(self.group.forget_asking, rank)
+            log.warning("aggregator ranks: %s's replacement ended before it was taken back",
+                        ", ".join(f"rank {r}" for r in gone))
+            if self.on_lost is not None:
+                self.on_lost(gone)
         if not asking:
             return False
         members = sorted(set(self.live) | set(asking))
@@ -271,9 +284,12 @@ without a rank that is lost."""
             self.endpoints[rank] = endpoint
         self.calls.take_back(list(asking))
         try:
-            await self._collective(work, among=heartbeating)
+            await self._collective(work, among=heartbeating, joining=list(asking))
         except RanksChanged:
             self.calls.lost.update(r for r in asking if r not in self.live)
+            ended = [r for r in asking if r not in self.live and self.ended is not None and self.ended(r)]
+            if ended and self.on_lost is not None:  # each gets another replacement, as a lost rank does
+                self.on_lost(ended)
             raise
         log.warning("aggregator ranks: %s taken back; going on with %d of %d ranks (%s)",
                     ", ".join(f"rank {r}" for r in asking), len(self.live), self.world,

@@ -7,6 +7,7 @@ parallel/restarts.py's RESTARTS_PER_HOUR times a slot in any hour, then the coor
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing as mp
 import secrets
 import time
@@ -17,6 +18,7 @@ import torch
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource
+from fedpar.parallel.child_logs import log_like_parent
 from fedpar.parallel.restarts import RestartBudget
 from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
 from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held
@@ -53,6 +55,7 @@ class IngestRankSpec(FlowerAppReference, TaskReference, StrategyChoice, Seeded, 
 
     config: CoordinatorConfig
     certs_dir: str | None = None
+    log_level: int = logging.WARNING  # of the rank's fedpar loggers: the parent's (simulate --log-level)
 
 
 def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:
@@ -71,6 +74,7 @@ def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRan
     ignore_interrupts()
     die_with_parent()
     dump_stacks_on_signal()
+    log_like_parent(spec.log_level)
     torch.set_num_threads(1)
     try:
         _serve_rank(rank, world, port, namespace, spec, replacing)
