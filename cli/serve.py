@@ -259,6 +259,8 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
         if args.state is not None:  # a service ends cleanly by signal; run() names the one the user sent
             raise
+        if getattr(exc, "rank_0_said_nothing", False):  # stopped as it started (spawned, not forked: a GPU machine)
+            print("fedpar serve: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
     except Exception as exc:  # a rank died or hung: the others were stopped with it
         if isinstance(exc, ProcessExitedException) and exc.error_index == 0 and exc.exit_code > 0:

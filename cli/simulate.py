@@ -162,6 +162,8 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
         spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
               start_method="fork" if fork_safe() else "spawn", rank_0_resumes=cfg.checkpoint_dir is not None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
+        if getattr(exc, "rank_0_said_nothing", False):  # stopped as it started (spawned, not forked: a GPU machine)
+            print("fedpar simulate: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
     except ProcessExitedException as exc:  # the child died: by a signal, or with an exit code after saying why
         if exc.exit_code > 0:

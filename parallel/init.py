@@ -161,7 +161,9 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
     ``parent_stops`` the ranks ignore Ctrl-C and leave when this process dies; SIGINT or SIGTERM here stops them
     (:func:`stop_ranks`, rank 0 given ``stop_grace`` seconds) before StopRequested is raised: the caller then says
-    what completed, and no rank prints a traceback of its own. A second signal kills them and exits at once.
+    what completed, and no rank prints a traceback of its own (the KeyboardInterrupt's ``rank_0_said_nothing`` is
+    True when no rank 0 had started, or the stop ended it before it took signals itself: a spawned rank still
+    importing). A second signal kills them and exits at once.
     With ``rank_0_decides`` (and ``parent_stops``) another rank may die without ending the others (rank 0 goes on
     without it: aggregator ranks), and a fresh process is started in its slot (parallel/restarts.py: it asks rank 0
     to take it back); the launch ends when rank 0 does, and only rank 0's failure is re-raised. With
@@ -199,9 +201,12 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                 elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
                                                      env=env, start_method=start_method), budget, rank_0_resumes):
                     continue  # rank 0 died and resumes: every rank again
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
                 if context is not None:
                     stop_ranks(context.processes, stop_grace)
+                # A rank 0 that this stop ended before it took stops itself (a spawned rank still starts its
+                # interpreter and imports torch: seconds) said nothing of it; the caller may say it instead.
+                exc.rank_0_said_nothing = context is None or context.processes[0].exitcode == -signal.SIGTERM
                 raise
         return
 
