@@ -77,7 +77,7 @@ def test_the_task_s_own_failure_is_one_line_naming_it(factory, code, line, tasks
 def test_the_zoo_loop_s_options_beside_a_task_are_refused_not_ignored(tasks, tmp_path, capsys):
     # they trained with the task's own optimizer and logged every epoch, exit 0
     code, lines = _said(["train", "--task", f"{tasks}:wrong_out", "--optimizer", "adamw", "--log-every", "2",
-                         "--no-plot", "--out", str(tmp_path / "out")], capsys)
+                         "--no-plot", "--device", "cpu", "--out", str(tmp_path / "out")], capsys)
     assert (code, lines) == (2, [
         "fedpar train: --task trains with the task's own loop, optimizer and evaluation, one epoch at a time, so "
         "--optimizer and --log-every would be ignored: drop them (it takes --epochs or --max-steps, --lr, "

@@ -76,10 +76,11 @@ def test_a_host_killed_mid_round_and_started_again_gets_its_members_tasks_back(t
                           accept_populations=True, deadline_seconds=DEADLINE, heartbeat_seconds=1.0, local_epochs=5),
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
-    # slow steps: the kill comes while the members train
+    # slow steps: the kill comes while the members train; on the CPU, as the agents here (on a GPU box CUDA's
+    # start-up in the restarted host counts in the round's seconds)
     host_args = ["simulate-workers", "--server", server.address, "--insecure", "--clients", str(clients),
                  "--dataset", "digits", "--model", "mlp", "--seats", str(clients), "--max-backoff", "0.5",
-                 "--slow-fraction", "1", "--slow-step-delay", "0.05"]
+                 "--slow-fraction", "1", "--slow-step-delay", "0.05", "--device", "cpu"]
     first = again = None
     try:
         first = _start(host_args, tmp_path / "first.log")

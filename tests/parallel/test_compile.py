@@ -53,6 +53,6 @@ def test_compile_with_tensor_parallel_gpt_is_refused_in_one_line(tmp_path: Path,
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code = main(["train", "--model", "gpt", "--dataset", "text", "--nproc", "2", "--dp-replicate", "1", "--tp", "2",
-                 "--compile", "--out", str(tmp_path / "run")])
+                 "--compile", "--device", "cpu", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2 and "--compile with --tp" in err and len(err.strip().splitlines()) == 1

@@ -36,7 +36,8 @@ def _serve(tmp: Path, rounds: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--insecure", "--port", "0", "--port-file",
            str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--rounds", str(rounds),
            "--min-available", "1", "--clients-per-round", "1", "--overselect", "1.0", "--deadline", "60",
-           "--heartbeat", "1", "--liveness-timeout", "10"]
+           "--heartbeat", "1", "--liveness-timeout", "10",
+           "--device", "cpu"]  # a CUDA context (~0.5 GiB resident on a GPU box, its own growth) is not the history's
     with open(tmp / "serve.log", "a") as log:  # a file, not a pipe: a full pipe would block the server
         return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT)

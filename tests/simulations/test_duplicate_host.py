@@ -35,7 +35,8 @@ def test_a_second_host_with_the_same_rank_is_refused_in_one_line_and_the_first_r
         build_strategy("fedavg"), on_round_end=[rows.append])
     server.start()
     host_args = ["simulate-workers", "--server", server.address, "--insecure", "--clients", str(CLIENTS),
-                 "--dataset", "digits", "--model", "mlp", "--seats", "2", "--max-backoff", "0.5"]
+                 "--dataset", "digits", "--model", "mlp", "--seats", "2", "--max-backoff", "0.5",
+                 "--device", "cpu"]  # the second runs in this process: no CUDA context here on a GPU box
     log = tmp_path / "first.log"
     with open(log, "w") as out:  # a file, not a pipe: a full pipe would block the process
         first = subprocess.Popen([sys.executable, "-m", "fedpar", *host_args], cwd=ROOT, stdout=out,
