@@ -18,7 +18,10 @@ def results_markdown(folder: Path = RESULTS) -> str:
     lines = []
     for run in sorted(runs, key=lambda r: (r["date"], r["benchmark"]), reverse=True):
         lines += [f"### {run['benchmark']}", "", f"- date: {run['date']}", f"- machine: {run['machine']}",
-                  f"- command: `{run['command']}`", "", "| what | ratio | against |", "|---|---|---|"]
+                  f"- command: `{run['command']}`"]
+        if "--quick" in run["command"].split():  # committed before --quick runs were kept out of results/
+            lines.append("- a smoke run (`--quick`, small sizes): its ratios are not the full benchmark's")
+        lines += ["", "| what | ratio | against |", "|---|---|---|"]
         lines += [f"| {r['what']} | {r['ratio']:.2f}x | {r['against']} |" for r in run["ratios"]]
         lines.append("")
     return "\n".join(lines)
