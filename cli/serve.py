@@ -245,7 +245,7 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     """Serve in ``world`` local aggregator rank processes (``more``: options only they get); the exit code."""
     from torch.multiprocessing import ProcessExitedException
 
-    from fedpar.parallel.init import fork_safe, spawn
+    from fedpar.parallel.init import LaunchStopped, fork_safe, spawn
 
     # Forked ranks skip the interpreter's start and torch's import: most of a restart's time. Not under a run
     # service (--state): its launcher may have served gRPC already, which does not survive a fork.
@@ -259,7 +259,7 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
         if args.state is not None:  # a service ends cleanly by signal; run() names the one the user sent
             raise
-        if getattr(exc, "rank_0_said_nothing", False):  # stopped as it started (spawned, not forked: a GPU machine)
+        if isinstance(exc, LaunchStopped) and exc.rank_0_said_nothing:  # stopped as it started (spawned ranks)
             print("fedpar serve: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
     except Exception as exc:  # a rank died or hung: the others were stopped with it

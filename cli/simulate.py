@@ -155,14 +155,14 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     from torch.multiprocessing import ProcessExitedException
 
     from fedpar.cli.serve import plain_options
-    from fedpar.parallel.init import fork_safe, spawn
+    from fedpar.parallel.init import LaunchStopped, fork_safe, spawn
     from fedpar.parallel.stopping import exit_code, signal_name
     options = {**plain_options(args), "coordinator_threads": torch.get_num_threads()}
     try:
         spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
               start_method="fork" if fork_safe() else "spawn", rank_0_resumes=cfg.checkpoint_dir is not None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
-        if getattr(exc, "rank_0_said_nothing", False):  # stopped as it started (spawned, not forked: a GPU machine)
+        if isinstance(exc, LaunchStopped) and exc.rank_0_said_nothing:  # stopped as it started (spawned ranks)
             print("fedpar simulate: interrupted", file=sys.stderr)
         return exit_code(signal_name(exc))
     except ProcessExitedException as exc:  # the child died: by a signal, or with an exit code after saying why

@@ -20,8 +20,8 @@ import secrets
 from fedpar.parallel.device import backend_for, resolve_device
 from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
-from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held, \
-    stop_on_signals
+from fedpar.parallel.stopping import StopRequested, die_with_parent, dump_stacks_on_signal, ignore_interrupts, \
+    interrupts_held, stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -160,10 +160,9 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
 
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
     ``parent_stops`` the ranks ignore Ctrl-C and leave when this process dies; SIGINT or SIGTERM here stops them
-    (:func:`stop_ranks`, rank 0 given ``stop_grace`` seconds) before StopRequested is raised: the caller then says
-    what completed, and no rank prints a traceback of its own (the KeyboardInterrupt's ``rank_0_said_nothing`` is
-    True when no rank 0 had started, or the stop ended it before it took signals itself: a spawned rank still
-    importing). A second signal kills them and exits at once.
+    (:func:`stop_ranks`, rank 0 given ``stop_grace`` seconds) before LaunchStopped is raised: the caller then says
+    what completed, and no rank prints a traceback of its own (a :class:`LaunchStopped` says whether rank 0 could).
+    A second signal kills them and exits at once.
     With ``rank_0_decides`` (and ``parent_stops``) another rank may die without ending the others (rank 0 goes on
     without it: aggregator ranks), and a fresh process is started in its slot (parallel/restarts.py: it asks rank 0
     to take it back); the launch ends when rank 0 does, and only rank 0's failure is re-raised. With
@@ -206,9 +205,18 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                     stop_ranks(context.processes, stop_grace)
                 # A rank 0 that this stop ended before it took stops itself (a spawned rank still starts its
                 # interpreter and imports torch: seconds) said nothing of it; the caller may say it instead.
-                exc.rank_0_said_nothing = context is None or context.processes[0].exitcode == -signal.SIGTERM
-                raise
+                silent = context is None or context.processes[0].exitcode == -signal.SIGTERM
+                raise LaunchStopped(exc.signum if isinstance(exc, StopRequested) else signal.SIGINT, silent) from None
         return
+
+
+class LaunchStopped(StopRequested):
+    """A signal stopped a launch's ranks; ``rank_0_said_nothing``: rank 0 never started, or the stop ended it
+    before it took signals itself, so it did not say what completed."""
+
+    def __init__(self, signum: int, rank_0_said_nothing: bool):
+        super().__init__(signum)
+        self.rank_0_said_nothing = rank_0_said_nothing
 
 
 def _launcher_store() -> dist.TCPStore:
