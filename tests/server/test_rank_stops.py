@@ -101,8 +101,9 @@ def test_an_agent_uploading_to_a_stopped_rank_gives_up_once_rank_0_goes_on_and_t
         _wait_for(lambda: rounds() >= 20, proc, log)  # each rank takes one agent's uploads
         rank_1 = int(re.search(r"aggregator rank 1 \(pid (\d+)\)", log.read_text()).group(1))
         os.kill(rank_1, signal.SIGSTOP)
-        stopped_at = rounds()
-        time.sleep(12)  # lost within about 3 s; the upload in flight there given up at the next heartbeat
+        stopped_at, end = rounds(), time.monotonic() + 12
+        while rounds() - stopped_at < 10 and time.monotonic() < end:  # lost within about 3 s; the upload in flight
+            time.sleep(0.1)                                             # there given up at the next heartbeat
         went_on = rounds() - stopped_at
     finally:
         if rank_1 is not None:
