@@ -40,6 +40,7 @@ ADMIT_KEY = "fedpar/ranks/admitted"  # + /R/NONCE: the re-forming (its N) that t
 # + /N: set by rank 0 once the rounds of a service's N-th run are done (0: the one run of a one-shot serve): a
 # replacement still waiting to be taken back in that run leaves it
 STOPPED_KEY = "fedpar/ranks/stopped"
+ARRIVAL_POLL_SECONDS = 0.02  # how often a rank forming the group looks whether every member came
 BROADCAST_BUCKET_BYTES = 4 << 20  # a model's small tensors go to the other ranks together, this much at a time
 # A control message's first bytes go with its length in one broadcast, the rest (a round of hundreds of agents on
 # other ranks) in a second: a round's three messages cost three broadcasts, not six (each a loopback round trip)
@@ -171,14 +172,24 @@ class RankGroup:
 
     def ask_to_join(self, mine: RankEndpoint) -> None:
         """A replacement rank: ask rank 0 to take it back (with its endpoint ``mine``) and join the group once rank 0
-        formed it again with this rank, at a round's opening; RankMissing if the rounds end (or rank 0 and its store
-        are gone) first."""
+        formed it again with this rank, at a round's opening (asking again if that forming fails: another rank was
+        lost meanwhile); RankMissing if the rounds end (or rank 0 and its store are gone) first."""
+        log.info("aggregator rank %d (pid %d) started again: waiting for rank 0 to take it back when a round opens",
+                 self.rank, os.getpid())
+        while True:
+            members = self._admitted(mine)
+            try:
+                self._join(members)
+                return
+            except RankMissing as exc:
+                log.info("%s; aggregator rank %d asks to be taken back again", exc, self.rank)
+
+    def _admitted(self, mine: RankEndpoint) -> list[int]:
+        """Ask to be taken back, and wait until rank 0 formed the group with this rank: its members."""
         nonce = secrets.token_hex(8)
         admitted = f"{ADMIT_KEY}/{self.rank}/{nonce}"
         try:
             self.store.set(f"{JOIN_KEY}/{self.rank}", f"{nonce} {mine.grpc_port} {mine.data_port} {mine.host}".encode())
-            log.info("aggregator rank %d (pid %d) started again: waiting for rank 0 to take it back when a round "
-                     "opens", self.rank, os.getpid())
             while not self.store.check([admitted]):
                 if self.store.check([self._stopped_key]):
                     self.store.delete_key(f"{JOIN_KEY}/{self.rank}")  # asked again, if at all, in the next run
@@ -186,13 +197,12 @@ class RankGroup:
                                       "replacement back")
                 time.sleep(0.1)
             self.generation = int(self.store.get(admitted).decode())
-            members = [int(r) for r in self.store.get(f"{REFORM_KEY}/{self.generation}").decode().split(",")]
+            return [int(r) for r in self.store.get(f"{REFORM_KEY}/{self.generation}").decode().split(",")]
         except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError: rank 0 and its store are gone
             if isinstance(exc, RankMissing):
                 raise
             raise RankMissing(f"aggregator rank {self.rank}: rank 0 did not take this replacement back "
                               f"({first_line(exc)})") from None
-        self._join(members)
 
     def stopped(self) -> None:
         """Rank 0, once the rounds of the run are done: a replacement rank still asking to be taken back leaves."""
@@ -236,6 +246,8 @@ class RankGroup:
 
     def _join(self, members: Sequence[int]) -> None:
         self._check_owner("forming the group")
+        self._all_arrive(members)
+        self.leave()  # a group a given-up step formed meanwhile (it leaves it alone: see below) is not this one
         store = dist.PrefixStore(f"{REFORM_KEY}/{self.generation}/group", self.store)
         try:
             dist.init_process_group(self.backend, store=store, rank=members.index(self.rank),
@@ -246,7 +258,26 @@ class RankGroup:
             self._in_store("check", [f"{REFORM_KEY}/{self.generation}"])  # the store's own line, if it is what failed
             raise RankMissing(f"re-forming the group of aggregator ranks {list(members)} failed on rank {self.rank} "
                               f"({failure})") from None
+        self._check_owner("forming the group")  # given up meanwhile: the group is the new owner's to form again
         self.members = list(members)
+
+    def _all_arrive(self, members: Sequence[int]) -> None:
+        """Wait until every member of this generation's group came to form it, asking between looks whether to stop
+        waiting: rank 0's step given up by its leader (a rank was lost meanwhile), another rank's once rank 0 formed
+        the group again without waiting for this one. A wait inside torch's own rendezvous could be left only at its
+        timeout (--aggregator-timeout), and a thread left there could later form a group no one owns."""
+        arrived = f"{REFORM_KEY}/{self.generation}/arrived"
+        self._in_store("add", arrived, 1)
+        end = time.monotonic() + self.timeout.total_seconds()
+        while int(self._in_store("add", arrived, 0)) < len(members):
+            self._check_owner("forming the group")
+            if self.rank != 0 and self.reformed():
+                raise RankMissing(f"aggregator rank {self.rank}: rank 0 formed the group again while this rank "
+                                  "waited for the others to form it")
+            if time.monotonic() > end:
+                raise RankMissing(f"re-forming the group of aggregator ranks {list(members)} failed on rank "
+                                  f"{self.rank}: not every member came within {self.timeout.total_seconds():g} s")
+            time.sleep(ARRIVAL_POLL_SECONDS)
 
     # --------------------------------------------------------------- control messages
     def send(self, message: pb.RankBroadcast) -> None:

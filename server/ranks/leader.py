@@ -263,32 +263,41 @@ without a rank that is lost."""
         """Form the group again with the replacement ranks that asked to be taken back, and give them the model;
         whether any were (RanksChanged if a rank was lost meanwhile: they are then left out again)."""
         asking = await self._steps.run(self.group.asking_to_join)
-        gone = [r for r in asking if self.ended is not None and self.ended(r)]
-        if gone:  # a replacement that died while it asked would leave the group's forming waiting for it
-            for rank in gone:
-                del asking[rank]
-                await self._steps.run(self.group.forget_asking, rank)
+        # A slot out of the group whose process ended (a replacement that died, asking or after a failed take-back)
+        # gets another, as a lost rank does; one that died asking would leave the group's forming waiting for it.
+        ended = [r for r in range(1, self.world) if r not in self.live and self.ended is not None and self.ended(r)]
+        gone = [r for r in ended if r in asking]
+        for rank in gone:
+            del asking[rank]
+            await self._steps.run(self.group.forget_asking, rank)
+        if gone:
             log.warning("aggregator ranks: %s's replacement ended before it was taken back",
                         ", ".join(f"rank {r}" for r in gone))
-            if self.on_lost is not None:
-                self.on_lost(gone)
+        if ended and self.on_lost is not None:
+            self.on_lost(ended)
         if not asking:
             return False
-        members = sorted(set(self.live) | set(asking))
         heartbeating = [r for r in self.live[1:] if r not in asking]  # a rank of these that hangs gives the step up
 
-        def work():
+        def work():  # the group as it is once this step holds it (a rank lost meanwhile is not formed with)
+            members = sorted(set(self.live) | set(asking))
             self.group.reform(members, {rank: nonce for rank, (nonce, _) in asking.items()})
             self._send_start()
         for rank, (_, endpoint) in asking.items():
             self.endpoints[rank] = endpoint
         self.calls.take_back(list(asking))
+        lost_before = len(self.lost)
         try:
             await self._collective(work, among=heartbeating, joining=list(asking))
-        except RanksChanged:
+        except RanksChanged as exc:
+            log.warning("aggregator ranks: taking %s back failed (%s); a live replacement asks again",
+                        ", ".join(f"rank {r}" for r in asking if r not in self.live), exc)
             self.calls.lost.update(r for r in asking if r not in self.live)
-            ended = [r for r in asking if r not in self.live and self.ended is not None and self.ended(r)]
-            if ended and self.on_lost is not None:  # each gets another replacement, as a lost rank does
+            # a replacement whose process ended gets another, as a lost rank does (unless the group, formed with it
+            # just before, dropped it as lost: that started one already)
+            ended = [r for r in asking if r not in self.live and r not in self.lost[lost_before:]
+                     and self.ended is not None and self.ended(r)]
+            if ended and self.on_lost is not None:
                 self.on_lost(ended)
             raise
         log.warning("aggregator ranks: %s taken back; going on with %d of %d ranks (%s)",
