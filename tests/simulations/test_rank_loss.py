@@ -115,32 +115,41 @@ def test_ranks_1_and_2_lost_at_random_rounds_cost_at_most_the_open_round_each(tm
         Path(f"/proc/{hung}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # the hung rank was ended
 
 
-def test_a_replacement_killed_while_it_asks_to_be_taken_back_is_replaced_at_the_next_round(tmp_path):
-    """Rank 1 killed as round 1 opens, then its replacement the moment it asks to be taken back: before, the next
-    round's take-back waited --aggregator-timeout (60 s here; 120 by default) for the dead process, then went on with
-    rank 0 alone.
-    Now the round opens at once with another replacement on its way, which is taken back a round later. Rounds of
-    about 5 s (--slow-step-delay) leave the kill time to land before the next round opens."""
+def test_replacements_that_die_asking_or_while_taken_back_are_replaced_and_cost_no_round(tmp_path):
+    """Of 3 ranks, rank 2 killed as round 1 opens; its first replacement killed the moment it asks to be taken back;
+    the second one hung as it asks, then killed 1.5 s into its take-back. Before, each take-back waited
+    --aggregator-timeout (60 s here; 120 by default) for the dead process (failing the round it opened), and rank 2
+    never came back. Now rank 0 drops a dead request, gives a take-back up once a joining replacement's process ends,
+    starts another replacement each time, and takes the third back. Rounds of about 5 s (--slow-step-delay) leave
+    each kill time to land before the next round opens."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--aggregator-ranks", "2", "--clients", "4",
-           "--workers", "1", "--rounds", "3", "--local-epochs", "1", "--aggregator-timeout", "60", "--deadline", "12",
+    cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", "--aggregator-ranks", "3", "--clients", "6",
+           "--workers", "1", "--rounds", "4", "--local-epochs", "1", "--aggregator-timeout", "60", "--deadline", "12",
            "--seed", "3", "--slow-fraction", "1", "--slow-step-delay", "0.25", "--log-level", "info",
            "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    lines, killed, first = [], [], None
+    lines, signalled, first, hung = [], [], None, None
     try:
         for line in proc.stderr:
             lines.append(line)
-            if match := re.search(r"aggregator rank 1 \(pid (\d+)\) (serving|started again)", line):
+            if match := re.search(r"aggregator rank 2 \(pid (\d+)\) (serving|started again)", line):
+                pid = int(match.group(1))
                 if match.group(2) == "serving" and first is None:
-                    first = int(match.group(1))
-                elif match.group(2) == "started again" and len(killed) == 1:
-                    os.kill(int(match.group(1)), signal.SIGKILL)
-                    killed.append(int(match.group(1)))
-            if "round 1: sampled" in line and not killed:
+                    first = pid
+                elif match.group(2) == "started again" and len(signalled) == 1:  # the first replacement
+                    os.kill(pid, signal.SIGKILL)
+                    signalled.append("kill first replacement")
+                elif match.group(2) == "started again" and len(signalled) == 2:  # the second
+                    os.kill(pid, signal.SIGSTOP)
+                    hung = pid
+                    signalled.append("stop second replacement")
+            if "round 1: sampled" in line and not signalled:
                 os.kill(first, signal.SIGKILL)
-                killed.append(first)
+                signalled.append("kill rank 2")
+            if hung is not None and len(signalled) == 3 and "waiting for rank 0 to form the group again" in line:
+                threading.Timer(1.5, os.kill, (hung, signal.SIGKILL)).start()  # rank 1 is in the take-back
+                signalled.append("kill second replacement")
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -148,14 +157,15 @@ def test_a_replacement_killed_while_it_asks_to_be_taken_back_is_replaced_at_the_
             proc.wait()
     err = "".join(lines)
     assert proc.returncode == 0 and "Traceback" not in err, err
-    assert len(killed) == 2, err
-    assert "aggregator ranks: rank 1's replacement ended before it was taken back" in err, err
-    assert "starting a new process for rank 1 (restart 2 of" in err, err
-    assert "aggregator ranks: rank 1 taken back; going on with 2 of 2 ranks" in err, err
+    assert len(signalled) == 4, (signalled, err)
+    assert "aggregator ranks: rank 2's replacement ended before it was taken back" in err, err
+    assert "aggregator ranks: taking rank 2 back failed" in err, err
+    assert "starting a new process for rank 2 (restart 3 of" in err, err
+    assert "aggregator ranks: rank 2 taken back; going on with 3 of 3 ranks" in err, err
     rows = _rows(out)
-    assert [r["round"] for r in rows] == [1, 2, 3] and all(r["status"] == "ok" for r in rows), rows
+    assert [r["round"] for r in rows] == [1, 2, 3, 4] and all(r["status"] == "ok" for r in rows), rows
     assert max(r["round_seconds"] for r in rows) < 30, rows  # no round waited out the aggregator timeout
-    assert rows[-1]["ranks_live"] == 2, rows
+    assert rows[-1]["ranks_live"] == 3, rows
 
 
 def _coordinator(launcher: int) -> int:
