@@ -174,22 +174,25 @@ class RankGroup:
         """A replacement rank: ask rank 0 to take it back (with its endpoint ``mine``) and join the group once rank 0
         formed it again with this rank, at a round's opening (asking again if that forming fails: another rank was
         lost meanwhile); RankMissing if the rounds end (or rank 0 and its store are gone) first."""
-        log.info("aggregator rank %d (pid %d) started again: waiting for rank 0 to take it back when a round opens",
-                 self.rank, os.getpid())
+        first = True
         while True:
-            members = self._admitted(mine)
+            members, first = self._admitted(mine, first), False
             try:
                 self._join(members)
                 return
             except RankMissing as exc:
                 log.info("%s; aggregator rank %d asks to be taken back again", exc, self.rank)
 
-    def _admitted(self, mine: RankEndpoint) -> list[int]:
-        """Ask to be taken back, and wait until rank 0 formed the group with this rank: its members."""
+    def _admitted(self, mine: RankEndpoint, first: bool) -> list[int]:
+        """Ask to be taken back (saying so the ``first`` time), and wait until rank 0 formed the group with this rank:
+        its members."""
         nonce = secrets.token_hex(8)
         admitted = f"{ADMIT_KEY}/{self.rank}/{nonce}"
         try:
             self.store.set(f"{JOIN_KEY}/{self.rank}", f"{nonce} {mine.grpc_port} {mine.data_port} {mine.host}".encode())
+            if first:
+                log.info("aggregator rank %d (pid %d) started again: waiting for rank 0 to take it back when a round "
+                         "opens", self.rank, os.getpid())
             while not self.store.check([admitted]):
                 if self.store.check([self._stopped_key]):
                     self.store.delete_key(f"{JOIN_KEY}/{self.rank}")  # asked again, if at all, in the next run

@@ -154,4 +154,7 @@ class IngestRanks:
                 p.terminate()
         for p in self.procs:
             p.join(timeout=5)
+            if p.is_alive():  # hung (a stopped process takes no SIGTERM): this process's exit would wait for it
+                p.kill()
+                p.join(timeout=5)
         shutdown_distributed()

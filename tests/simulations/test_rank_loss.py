@@ -130,6 +130,8 @@ def test_replacements_that_die_asking_or_while_taken_back_are_replaced_and_cost_
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     lines, signalled, first, hung = [], [], None, None
+    watchdog = threading.Timer(150, proc.kill)  # the loop below reads until the run ends
+    watchdog.start()
     try:
         for line in proc.stderr:
             lines.append(line)
@@ -152,9 +154,12 @@ def test_replacements_that_die_asking_or_while_taken_back_are_replaced_and_cost_
                 signalled.append("kill second replacement")
         proc.wait(timeout=120)
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if hung is not None and _running(hung):
+            os.kill(hung, signal.SIGKILL)
     err = "".join(lines)
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert len(signalled) == 4, (signalled, err)
