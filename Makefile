@@ -54,10 +54,14 @@ GPU_CHECK_TEST_SECONDS ?= 900
 gpu-check:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: torch ' + torch.__version__ + ' sees no CUDA GPU here')"
 	mkdir -p $(GPU_CHECK_OUT)
-	-bash -c 'set -m; ($(GPU_PY) -m pytest -v -rs -p no:cacheprovider $(GPU_CHECK_PYTEST_ARGS) tests > $(GPU_CHECK_OUT)/tests.log 2>&1) & job=$$!; \
-	  (sleep $(GPU_CHECK_TEST_SECONDS); echo "gpu-check: the suite ran out of its $(GPU_CHECK_TEST_SECONDS) s" >> $(GPU_CHECK_OUT)/tests.log; \
+	-bash -c 'set -m; log=$(GPU_CHECK_OUT)/tests.log; : > $$log; \
+	  ($(GPU_PY) -m pytest -v -rs -p no:cacheprovider $(GPU_CHECK_PYTEST_ARGS) tests >> $$log 2>&1) & job=$$!; \
+	  (sleep $(GPU_CHECK_TEST_SECONDS); echo "gpu-check: the suite ran out of its $(GPU_CHECK_TEST_SECONDS) s" >> $$log; \
 	   kill -INT -- -$$job; sleep 10; kill -KILL -- -$$job) 2>/dev/null & timer=$$!; \
-	  wait $$job; rc=$$?; kill -- -$$timer 2>/dev/null; kill -KILL -- -$$job 2>/dev/null; \
-	  grep -E "FAILED|ERROR |[0-9]+ (passed|failed)|ran out" $(GPU_CHECK_OUT)/tests.log | sort -u | tail -60; exit $$rc'
-	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --json $(GPU_CHECK_OUT)/gpu_bench.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench.log'
-	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --only mfu --large --warmup 5 --steps 20 --json $(GPU_CHECK_OUT)/gpu_bench_large.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench_large.log'
+	  trap "kill -INT -- -$$job; kill -- -$$timer" INT TERM; \
+	  wait $$job; rc=$$?; kill -- -$$timer 2>/dev/null; kill -KILL -- -$$job 2>/dev/null; echo $$rc > $(GPU_CHECK_OUT)/tests.rc; \
+	  grep -E "FAILED|ERROR |[0-9]+ (passed|failed)|ran out" $$log | sort -u | tail -60; exit $$rc'
+	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --json $(GPU_CHECK_OUT)/gpu_bench.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench.log; echo $$? > $(GPU_CHECK_OUT)/gpu_bench.rc'
+	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --only mfu --large --warmup 5 --steps 20 --json $(GPU_CHECK_OUT)/gpu_bench_large.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench_large.log; echo $$? > $(GPU_CHECK_OUT)/gpu_bench_large.rc'
+	@bash -c 'for step in tests gpu_bench gpu_bench_large; do rc=$$(cat $(GPU_CHECK_OUT)/$$step.rc 2>/dev/null || echo lost); \
+	  [ "$$rc" = 0 ] || { echo "make gpu-check: $$step failed (exit $$rc; $(GPU_CHECK_OUT)/$$step.log)"; exit 1; }; done'

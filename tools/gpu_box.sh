@@ -13,7 +13,8 @@ case "${1:-}" in
 wheels)
   pins=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE "^($(echo $MISSING | tr ' ' '|'))==" )
   mkdir -p .whl
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  # the box's image python (3.12 on 2026-11-27: ../shared/notes/gpu-box.md); GPU_PYTHON_VERSION if it changed
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU_PYTHON_VERSION:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl $pins
   if [ -d ../shared/data/mnist ]; then mkdir -p shared/data && cp -r ../shared/data/mnist shared/data/; fi
@@ -21,12 +22,14 @@ wheels)
   ;;
 check)
   venv=${GPU_VENV:-$HOME/fedpar-venv}
-  if [ ! -x "$venv/bin/python" ]; then
+  if [ ! -f "$venv/.fedpar-installed" ]; then  # stamped once every install went through
+    rm -rf "$venv"
     python3 -m venv "$venv"
     site=$("$venv/bin/python" -c "import site; print(site.getsitepackages()[0])")
     python3 -c "import site; print(site.getsitepackages()[0])" > "$site/image.pth"  # the image's torch
     "$venv/bin/pip" install -q --no-index --no-deps --no-compile .whl/*.whl
     "$venv/bin/pip" install -q --no-index --no-deps --no-build-isolation -e .
+    touch "$venv/.fedpar-installed"
   fi
   shift
   make gpu-check GPU_PY="$venv/bin/python" "$@"
