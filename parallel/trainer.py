@@ -88,7 +88,7 @@ class LossReadout:
             host = torch.empty((), dtype=step_loss.dtype, pin_memory=True)
             host.copy_(step_loss.detach(), non_blocking=True)
             arrived = torch.cuda.Event()
-            arrived.record()
+            arrived.record(torch.cuda.current_stream(step_loss.device))  # the stream the copy was queued on
             self.pending = (host, arrived)
         return self.value
 
