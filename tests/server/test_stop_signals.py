@@ -170,7 +170,10 @@ def test_a_second_signal_ends_a_stopping_serve_at_once_and_the_checkpoint_still_
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert code == 130  # the second signal's: the launcher killed its ranks and left
+    # the second signal's (130): the launcher killed its ranks and left. On a loaded machine both may be pending
+    # when Python runs its handlers, which it does in signal-number order: SIGINT is then the first, SIGTERM the
+    # second (143; CI at 9db6649)
+    assert code in (130, 143)
     assert seconds < 2.0, seconds
     assert load_checkpoint(tmp_path / "ckpt").round_id >= 2  # LATEST names a complete checkpoint, whenever it died
 
