@@ -21,7 +21,7 @@ from fedpar.parallel.device import backend_for, resolve_device
 from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
 from fedpar.parallel.stopping import StopRequested, die_with_parent, dump_stacks_on_signal, ignore_interrupts, \
-    interrupts_held, stop_on_signals
+    interrupts_held, raise_lost_stop, stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -196,7 +196,7 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                                                  nprocs=nproc, join=False, start_method=start_method)
                 if not (rank_0_decides or rank_0_resumes):
                     while not context.join(timeout=0.5):
-                        pass
+                        raise_lost_stop()
                 elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
                                                      env=env, start_method=start_method), budget, rank_0_resumes):
                     continue  # rank 0 died and resumes: every rank again
@@ -263,6 +263,7 @@ def _follow_rank_0(context, replace: Callable[[int], Any], budget: RestartBudget
     first, ranks = context.processes[0], context.processes  # the list stop_ranks and a second signal see
     while first.is_alive():
         first.join(0.5)
+        raise_lost_stop()
         for rank in range(1, len(ranks)):
             if ranks[rank].exitcode not in (None, 0) and first.is_alive() and budget.allow(rank):
                 ranks[rank] = replace(rank)
