@@ -26,7 +26,7 @@ from fedpar.protocol.flower_wire import FlowerWireError, decode_message
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator, cohort_digest
 from fedpar.server.deadline import DEADLINE, until_closed, wall_seconds
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, not_this_round
 
 log = logging.getLogger("fedpar.server")
 # The coordinator keeps a model layout for its weight path; a Flower run's arrays are the ServerApp's, known only
@@ -129,8 +129,7 @@ class FlowerCoordinator(Coordinator):
         that does not parse, or answers another Message, is kept as that node's error reply."""
         state = self.current
         if state is None or request.round != state.round_id:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"reply for round {request.round}, but the current round is {self.round_id + 1}")
+            raise not_this_round("reply", request.round, self.round_id + 1, applied="")
         state.check_open()
         slot = state.slot_for(agent_id, request.task_id)
         if slot.status in ("accepted", "rejected"):

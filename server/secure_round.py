@@ -36,7 +36,7 @@ from fedpar.secagg.params import RoundParams
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.server_protocol import SecAggResult, SecAggServer
 from fedpar.server.deadline import SECURE_FAILED, secure_closing_reason, set_within
-from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket
+from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket, not_this_round
 
 log = logging.getLogger("fedpar.server")
 MASKED_TENSOR = "secagg.masked"
@@ -331,7 +331,6 @@ async def secagg_exchange(coordinator, agent_id: str, request: pb.SecAggRequest)
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator does not run secure aggregation (start it with --secure-aggregation)")
     if state is None or secure is None or request.round != state.round_id:
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"secure-aggregation message for round {request.round}, "
-                      f"but the current round is {coordinator.current_round_id}")
+        raise not_this_round("secure-aggregation message", request.round, coordinator.current_round_id, applied="")
     state.slot_for(agent_id, request.task_id)
     return await secure.exchange(agent_id, request)

@@ -46,7 +46,7 @@ from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket, not_this_round
 
 RATE_GRACE_SECONDS = 2.0  # with no one waiting, an upload's average rate counts from this long after its slot
 QUIET_SECONDS = 1.0  # with uploads waiting, a holder behind the minimum rate may fall silent this long at most
@@ -221,9 +221,7 @@ def open_round(plane, round_id: int, what: str):
                       f"{what} for round {round_id}, but {NO_RUN_IN_PROGRESS} on this service: the run it was for "
                       "ended (it finished or was stopped); the update was not applied")
     if state is None or round_id != state.round_id:
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"{what} for round {round_id}, but the current round is {plane.current_round_id}; "
-                      "the update was not applied")
+        raise not_this_round(what, round_id, plane.current_round_id)
     state.check_open()
     return state
 

@@ -9,7 +9,7 @@ import time
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.server.rounds import AgentSlot, Refusal, RoundState
+from fedpar.server.rounds import AgentSlot, Refusal, RoundState, not_this_round
 
 
 class RankCalls:
@@ -31,9 +31,7 @@ class RankCalls:
                           f"aggregator rank {rank} was declared lost; the update was not applied")
         state = self.coordinator.current
         if state is None or round_id != state.round_id:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"upload for round {round_id}, but the current round is "
-                          f"{self.coordinator.current_round_id}; the update was not applied")
+            raise not_this_round("upload", round_id, self.coordinator.current_round_id)
         slot = state.slot_for(agent_id, task_id)
         if slot.rank != rank:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,

@@ -68,7 +68,10 @@ def test_every_kind_of_bad_upload_is_refused_and_only_valid_ones_count(start_coo
     stale.CopyFrom(tasks["good"])
     stale.round = 0
     _refused(lambda: bots["good"].upload(stale, good, 10, names), grpc.StatusCode.FAILED_PRECONDITION,
-             "current round is 1")
+             "current round is 1: it came too late")
+    stale.round = 7  # of a run that ended or started over (a service's next run counts from 1)
+    _refused(lambda: bots["good"].upload(stale, good, 10, names), grpc.StatusCode.FAILED_PRECONDITION,
+             "current round is 1: the run it was for ended or started over")
     _refused(lambda: bots["good"].upload(tasks["good"], good, 10**6, names), grpc.StatusCode.INVALID_ARGUMENT,
              "num_examples")
     dup = _arrays(seed=5)
