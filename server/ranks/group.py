@@ -41,6 +41,11 @@ ADMIT_KEY = "fedpar/ranks/admitted"  # + /R/NONCE: the re-forming (its N) that t
 # replacement still waiting to be taken back in that run leaves it
 STOPPED_KEY = "fedpar/ranks/stopped"
 ARRIVAL_POLL_SECONDS = 0.02  # how often a rank forming the group looks whether every member came
+# + /R/NONCE: a replacement's count, up every ALIVE_EVERY_SECONDS while it asks and while it joins the group: it sends
+# no heartbeat before its start message, and rank 0 must tell a hung or dead one from a slow one
+ALIVE_KEY = "fedpar/ranks/alive"
+ALIVE_EVERY_SECONDS = 0.25
+JOINER_SILENT_SECONDS = 3.0  # a replacement whose count stood still this long while taken back died or hung
 BROADCAST_BUCKET_BYTES = 4 << 20  # a model's small tensors go to the other ranks together, this much at a time
 # A control message's first bytes go with its length in one broadcast, the rest (a round of hundreds of agents on
 # other ranks) in a second: a round's three messages cost three broadcasts, not six (each a loopback round trip)
@@ -104,6 +109,8 @@ class RankGroup:
         # where this rank keeps its partial sum: its GPU under NCCL (uploads go there from pinned staging), else host
         self.fold_device = f"cuda:{torch.cuda.current_device()}" if self.nccl else "host"
         self._owner: int | None = None  # the thread whose collectives run (None: any, until one claims the group)
+        self._nonce = ""  # a replacement's, while it asks to be taken back and joins (its ALIVE_KEY count's)
+        self._beat_at = 0.0  # when it last counted up
 
     def claim(self, thread_id: int | None) -> None:
         """Thread ``thread_id`` alone makes this group's collectives from now on: one a step was given up in (it
@@ -144,7 +151,7 @@ class RankGroup:
         for rank, nonce in (taken_back or {}).items():
             self._in_store("delete_key", f"{JOIN_KEY}/{rank}")
             self._in_store("set", f"{ADMIT_KEY}/{rank}/{nonce}", str(self.generation).encode())
-        self._join(members)
+        self._join(members, taken_back or {})
 
     def _in_store(self, op: str, *args):
         """``op`` on the rendezvous store; RankMissing if the store is gone (its host died: rank 0's process, or
@@ -179,6 +186,7 @@ class RankGroup:
             members, first = self._admitted(mine, first), False
             try:
                 self._join(members)
+                self._nonce = ""  # in the group: its heartbeats say it is alive from now on
                 return
             except RankMissing as exc:
                 log.info("%s; aggregator rank %d asks to be taken back again", exc, self.rank)
@@ -186,9 +194,11 @@ class RankGroup:
     def _admitted(self, mine: RankEndpoint, first: bool) -> list[int]:
         """Ask to be taken back (saying so the ``first`` time), and wait until rank 0 formed the group with this rank:
         its members."""
-        nonce = secrets.token_hex(8)
+        nonce = self._nonce = secrets.token_hex(8)
         admitted = f"{ADMIT_KEY}/{self.rank}/{nonce}"
         try:
+            self._beat_at = 0.0
+            self._beat()  # counted before it asks: rank 0 may take it back at once
             self.store.set(f"{JOIN_KEY}/{self.rank}", f"{nonce} {mine.grpc_port} {mine.data_port} {mine.host}".encode())
             if first:
                 log.info("aggregator rank %d (pid %d) started again: waiting for rank 0 to take it back when a round "
@@ -198,6 +208,7 @@ class RankGroup:
                     self.store.delete_key(f"{JOIN_KEY}/{self.rank}")  # asked again, if at all, in the next run
                     raise RankMissing(f"aggregator rank {self.rank}: the rounds ended before rank 0 took this "
                                       "replacement back")
+                self._beat()
                 time.sleep(0.1)
             self.generation = int(self.store.get(admitted).decode())
             return [int(r) for r in self.store.get(f"{REFORM_KEY}/{self.generation}").decode().split(",")]
@@ -247,9 +258,16 @@ class RankGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _join(self, members: Sequence[int]) -> None:
+    def _beat(self) -> None:
+        """A replacement asking or joining: count up its ALIVE_KEY, at most every ALIVE_EVERY_SECONDS."""
+        now = time.monotonic()
+        if self._nonce and now - self._beat_at >= ALIVE_EVERY_SECONDS:
+            self._beat_at = now
+            self._in_store("add", f"{ALIVE_KEY}/{self.rank}/{self._nonce}", 1)
+
+    def _join(self, members: Sequence[int], joining: dict[int, str] | None = None) -> None:
         self._check_owner("forming the group")
-        self._all_arrive(members)
+        self._all_arrive(members, joining or {})
         self.leave()  # a group a given-up step formed meanwhile (it leaves it alone: see below) is not this one
         store = dist.PrefixStore(f"{REFORM_KEY}/{self.generation}/group", self.store)
         try:
@@ -264,23 +282,44 @@ class RankGroup:
         self._check_owner("forming the group")  # given up meanwhile: the group is the new owner's to form again
         self.members = list(members)
 
-    def _all_arrive(self, members: Sequence[int]) -> None:
+    def _all_arrive(self, members: Sequence[int], joining: dict[int, str]) -> None:
         """Wait until every member of this generation's group came to form it, asking between looks whether to stop
-        waiting: rank 0's step given up by its leader (a rank was lost meanwhile), another rank's once rank 0 formed
-        the group again without waiting for this one. A wait inside torch's own rendezvous could be left only at its
-        timeout (--aggregator-timeout), and a thread left there could later form a group no one owns."""
+        waiting: rank 0's step given up by its leader (a rank was lost meanwhile) or because a replacement it takes
+        back (``joining``: by rank, the nonce it asked with) stopped counting up (:meth:`_joiner_silent`), another
+        rank's once rank 0 formed the group again without waiting for this one. A wait inside torch's own rendezvous
+        could be left only at its timeout (--aggregator-timeout), and a thread left there could later form a group no
+        one owns."""
         arrived = f"{REFORM_KEY}/{self.generation}/arrived"
         self._in_store("add", arrived, 1)
-        end = time.monotonic() + self.timeout.total_seconds()
+        start = looked = time.monotonic()
+        end, counts = start + self.timeout.total_seconds(), {rank: (-1, start) for rank in joining}
         while int(self._in_store("add", arrived, 0)) < len(members):
             self._check_owner("forming the group")
+            self._beat()
             if self.rank != 0 and self.reformed():
                 raise RankMissing(f"aggregator rank {self.rank}: rank 0 formed the group again while this rank "
                                   "waited for the others to form it")
             if time.monotonic() > end:
                 raise RankMissing(f"re-forming the group of aggregator ranks {list(members)} failed on rank "
                                   f"{self.rank}: not every member came within {self.timeout.total_seconds():g} s")
+            if joining and time.monotonic() - looked >= ALIVE_EVERY_SECONDS:
+                looked = time.monotonic()
+                self._joiner_silent(joining, counts)
             time.sleep(ARRIVAL_POLL_SECONDS)
+
+    def _joiner_silent(self, joining: dict[int, str], counts: dict[int, tuple[int, float]]) -> None:
+        """Rank 0 taking back ``joining`` (by rank, the nonce each asked with): RankMissing once one's ALIVE_KEY count
+        stood still for JOINER_SILENT_SECONDS (it hung or died: the process it asked from ended, or was stopped);
+        ``counts``: each one's last count and when it changed."""
+        now = time.monotonic()
+        for rank, nonce in joining.items():
+            count, since = counts[rank]
+            seen = int(self._in_store("add", f"{ALIVE_KEY}/{rank}/{nonce}", 0))
+            if seen != count:
+                counts[rank] = (seen, now)
+            elif now - since > JOINER_SILENT_SECONDS:  # (its request went at the take-back: a live one asks again)
+                raise RankMissing(f"aggregator rank {rank}'s replacement did not come to form the group: silent for "
+                                  f"{now - since:.1f} s (it died or hung)")
 
     # --------------------------------------------------------------- control messages
     def send(self, message: pb.RankBroadcast) -> None:
