@@ -19,7 +19,7 @@ from fedpar.tasks.zoo import classifier
 
 def run(rounds: int = 3, agents: int = 2) -> list[dict]:
     """Serve ``rounds`` of FedAvg to ``agents`` agents of the digits task; the coordinator's metrics rows."""
-    task = classifier(model="mlp", dataset="digits")  # or your own fedpar.Task (README, "Your own task")
+    task = classifier(model="mlp", dataset="digits")  # or your own fedpar.Task (docs/tutorials/your-own-task.md)
     config = CoordinatorConfig(rounds=rounds, clients_per_round=agents, min_available=agents, local_epochs=1)
     server = CoordinatorAssembly.for_task(task, seed=0, eval_device="cpu").server(config, FedAvg())
     rows: list[dict] = []  # each round's metrics row as it ends (config.metrics_path would write metrics.jsonl)

@@ -403,7 +403,7 @@ class TaskReference:
     task: str | None = setting(
         None, group="data", metavar="REF",
         help="your own task: package.module:factory or path/to/file.py:factory, a function returning a fedpar.Task "
-             "(see README, 'Your own task'); it replaces --model and --dataset", resume=DEFINES)
+             "(see docs/tutorials/your-own-task.md); it replaces --model and --dataset", resume=DEFINES)
     task_options: dict = setting(default_factory=dict, flag="task-option", metavar="KEY=VALUE", group="data",
                                  help="an option of --task, given to its factory (repeatable), typed as the factory "
                                       "declares it", resume=DEFINES)
