@@ -182,6 +182,7 @@ class Coordinator(IngestPlane):
         self._behind: asyncio.Future | None = None  # the last finished round's evaluation, checkpoint and metrics line
         self._example_caps: dict[str, int] = {}  # the checkpoint's, taken with the agents' calls (taking_calls)
         self._needs_task: tuple[str, Callable[[str, str], None]] | None = None  # see sample_only
+        self._target_said = ""  # what last moved a round's K (round_target), said once rather than every round
         members.on_restart = self._restarted
 
     # ----------------------------------------------------------------- life cycle
@@ -314,7 +315,8 @@ class Coordinator(IngestPlane):
         self._tasks.update(slots)
         self.members.deal(list(slots))
         log.info("round %d: sampled %d of %d live agents, target %d%s", round_id, len(cohort), len(live), target,
-                 f" ({moved})" if moved else "")
+                 f" ({moved})" if moved and moved != self._target_said else "")
+        self._target_said = moved
         await self.clock.choose(state, self.members)
         if state.counts_after is not None and not state.counts_after.done():
             # the deadline does not run while the round may not count updates (the last round is being written)
