@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     """Do the action; a refusal or a mistake is one line and a non-zero exit."""
     import grpc
 
+    started = time.monotonic()
     try:
         code = _do(args, _stub(args))
         sys.stdout.flush()  # here, where a reader that left is handled
@@ -210,16 +211,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar run: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as err:
-        print(f"fedpar run: {_refusal_line(err, args)}", file=sys.stderr)
+        print(f"fedpar run: {_refusal_line(err, args, time.monotonic() - started)}", file=sys.stderr)
         if args.debug:  # gRPC's own words, which the line above reads for the operator
             print(f"fedpar run: gRPC said {err.code().name}: {err.details()}", file=sys.stderr)
         return 1 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                                    grpc.StatusCode.DEADLINE_EXCEEDED) else 2
 
 
-def _refusal_line(err, args: argparse.Namespace) -> str:
+def _refusal_line(err, args: argparse.Namespace, waited: float = 0.0) -> str:
     """What a failed control call means for the operator: the service's own refusal as it said it, else what the
-    transport's words point to (the wrong port, a failed TLS handshake, a service that went away)."""
+    transport's words point to (the wrong port, a failed TLS handshake, a service that went away, or one that took
+    the connection and never answered: stopped or overloaded, ``waited`` s)."""
     import grpc
 
     from fedpar.security.handshake import OPERATOR, diagnose_handshake
@@ -229,6 +231,12 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
                 "--control-port")
+    if code == grpc.StatusCode.UNAVAILABLE and _silent(control):
+        # gRPC calls a handshake the server never answered 'Handshake read failed (Endpoint closing)' after its
+        # connect timeout: no certificate was ever looked at, so the certificates are not to blame
+        return (f"the service at {control} did not answer within {max(waited, SILENT_SECONDS):.0f} s: it took the "
+                "connection but said nothing (is it running? stopped, e.g. with SIGSTOP? overloaded?); try again, "
+                "and see its log")
     if code == grpc.StatusCode.UNAVAILABLE:  # gRPC's words for a failed handshake are cut and vary: ask TLS itself
         problem = diagnose_handshake(control, _operator_files(args), who=OPERATOR)
         if problem is not None:
@@ -243,3 +251,28 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"the service at {control} did not answer in time (busy, or stuck); try again, and see its log"
     return details
+
+
+SILENT_SECONDS = 3.0  # how long _silent waits for the service's first byte
+
+
+def _silent(address: str, timeout: float = SILENT_SECONDS) -> bool:
+    """Whether the server at ``address`` takes a TCP connection (or leaves it pending) and then says nothing
+    within ``timeout`` s to a TLS ClientHello: a process that is stopped, or too busy to answer, looks like that
+    from outside. False when it answers, hangs up, or nothing listens there."""
+    import socket
+
+    from fedpar.security.handshake import _client_hello, split_address
+
+    target = split_address(address)
+    if target is None:
+        return False
+    try:
+        with socket.create_connection(target, timeout=timeout) as conn:
+            conn.sendall(_client_hello())
+            conn.recv(1)
+    except TimeoutError:  # the connection, or its first byte: nothing came within the timeout
+        return True
+    except OSError:  # refused, reset, no route: not silence
+        return False
+    return False

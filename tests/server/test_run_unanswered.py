@@ -1,0 +1,77 @@
+"""`fedpar run` against a control port that takes the connection and never answers (a `fedpar serve --state` that
+was SIGSTOPped looks like that from outside: the kernel accepts, nobody speaks) says the service did not answer,
+not that the certificates are wrong; a service of another CA still gets the certificate line. Real `fedpar run`
+processes, real sockets on loopback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from fedpar.security.certs import ensure_certs
+from fedpar.security.tls import server_credentials, server_tls_files
+from fedpar.server.run_control import RunControlServer
+from fedpar.server.run_store import RunStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fedpar_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedpar", "run", *args], capture_output=True, text=True,
+                          timeout=180, cwd=ROOT)
+
+
+def test_a_service_that_takes_the_connection_and_never_answers_is_not_blamed_on_the_certificates(tmp_path):
+    # a stopped serve: after ~23 s 'the TLS handshake with ... failed: --certs must hold the CA ...' (gRPC: 'Handshake
+    # read failed (Endpoint closing)'); the operator would re-issue certificates that were fine
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["ops"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept_and_say_nothing():
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept_and_say_nothing, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        done = _fedpar_run("ls", "--control", address, "--certs", str(certs), "--operator", "ops")
+    finally:
+        stop.set()
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert done.returncode == 1 and done.stdout == "", done
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"fedpar run: the service at {address} did not answer within "), line
+    assert "is it running? stopped" in line and "certificate" not in line and "--certs" not in line, line
+
+
+def test_a_service_of_another_ca_still_gets_the_certificate_line(tmp_path):
+    ours, other = tmp_path / "ours", tmp_path / "other"
+    ensure_certs(ours, operators=["ops"])
+    ensure_certs(other, operators=["ops"])
+    store = RunStore(tmp_path / "state.db")
+    server = RunControlServer(store, lambda settings: (settings, ""), "127.0.0.1", 0,
+                              server_credentials(server_tls_files(ours)))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        done = _fedpar_run("ls", "--control", address, "--certs", str(other), "--operator", "ops")
+        fine = _fedpar_run("ls", "--control", address, "--certs", str(ours), "--operator", "ops")
+    finally:
+        server.stop(0)
+        store.close()
+    assert done.returncode == 1, done
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"fedpar run: TLS handshake with the service at {address} failed: its certificate is "
+                           f"not signed by the CA in {other / 'ca.pem'}"), line
+    assert fine.returncode == 0 and fine.stdout.startswith("  ID  NAME"), fine
