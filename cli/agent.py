@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.client.flower_client import FlowerClientError
     from fedpar.client.task_trainer import TaskTrainer
     from fedpar.parallel.device import check_device_layout, flush_denormals, resolve_device
+    from fedpar.parallel.stopping import exit_code, signal_name, stop_on_signals
 
     setup_logging(args)
     flush_denormals()
@@ -150,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         if args.flower_client else f"{trainer.num_examples} training examples of {task.name} on {device}"
     print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)
     try:
-        stats = agent.run()
+        with stop_on_signals():  # SIGTERM (systemd, Docker, kill) stops it as Ctrl-C does, and says so as Ctrl-C does
+            stats = agent.run()
     except IdTaken as exc:  # the same --agent-id started twice: the one running keeps its place
         print(id_taken_line(exc.reason), file=sys.stderr)
         return 1
@@ -160,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
     except (FlowerClientError, ValueError) as exc:  # a Flower fit's arrays that do not fit; a task hook's (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: what it did so far, as serve and simulate say theirs
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what it did so far, as serve and simulate say theirs
         print(f"fedpar client: interrupted after {agent.stats.summary()}", file=sys.stderr)
-        return 130
+        return exit_code(signal_name(exc))  # 130, 143
     print(f"agent {args.agent_id}: {stats.summary()}", flush=True)
     return 0
