@@ -46,6 +46,7 @@ from fedpar.task import UPLOAD_MARGIN_SECONDS
 log = logging.getLogger("fedpar.client")
 T = TypeVar("T")
 
+REMIND_SECONDS = 300.0  # while the coordinator stays unreachable, a line says so this often (the first at once)
 LEAVE_SECONDS = 2.0  # an agent's goodbye as it exits: not worth a longer wait on a coordinator that does not answer
 MAX_INGEST_ADDRESSES = 64  # aggregator ranks kept dialed (each holds a channel, and a host's an upload thread)
 MAX_CHUNK_BYTES = 64 << 20  # what a runtime's channels carry in one message (a coordinator's --max-chunk-bytes cap)
@@ -58,6 +59,14 @@ UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
 # RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as a person reads it: '42 s', '5 min', '2 h 5 min'."""
+    if seconds < 120:
+        return f"{seconds:.0f} s" if seconds >= 10 or seconds == int(seconds) else f"{seconds:.1f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 120 else f"{minutes // 60} h {minutes % 60} min"
 
 
 class FatalAgentError(RuntimeError):
@@ -78,7 +87,8 @@ class Reconnecting:
     """Runs calls to the coordinator at ``server`` for ``who``: a call refused UNAUTHENTICATED makes ``join`` run
     again (a new session) and is then retried; while the coordinator is unreachable (or busy) calls are retried
     with jittered exponential backoff from ``first`` to ``cap`` seconds, for ever or until ``give_up_after``
-    seconds without reaching it. Any other refusal is a FatalAgentError.
+    seconds without reaching it. Any other refusal is a FatalAgentError. An outage is said when it begins, every
+    ``remind`` seconds while it lasts (each retry only at debug level) and when it ends.
 
     ``stopped()``: the caller wants to leave (no more waiting); ``diagnose()``, asked when the coordinator is
     unreachable: what may be the cause, said in each retry line (e.g. its TLS setting differs), or None; it raises
@@ -89,13 +99,21 @@ class Reconnecting:
 
     def __init__(self, who: str, server: str, join: Callable[[], None], first: float, cap: float, rng: Uniform,
                  give_up_after: float | None = None, stopped: Callable[[], bool] = lambda: False,
-                 diagnose: Callable[[], str | None] = lambda: None, on_rejoin: Callable[[], None] = lambda: None):
+                 diagnose: Callable[[], str | None] = lambda: None, on_rejoin: Callable[[], None] = lambda: None,
+                 remind: float = REMIND_SECONDS):
         self.who, self.server, self._join = who, server, join
+        self.remind = remind  # while unreachable, a line says so this often (seconds)
         self.first, self.cap, self.rng = first, cap, rng
         self.give_up_after = give_up_after
         self.stopped, self.diagnose, self.on_rejoin = stopped, diagnose, on_rejoin
         self._join_lock = threading.Lock()
         self._sessions = 0  # joins done: a call refused under an older session than the latest is not a reason to join
+        # An outage is said once, then every REMIND_SECONDS while it lasts, and its end is said; agents retry for
+        # ever, and a line per retry filled their logs (18 lines in 72 s). Shared by every thread's calls.
+        self._outage_lock = threading.Lock()
+        self._outage_since: float | None = None  # when the current outage was first said (None: none)
+        self._outage_said_at = 0.0  # when a line last said it
+        self._outage_why = ""  # what that line said the cause may be (a new cause is said at once)
 
     def join(self) -> None:
         """Join, retried while the coordinator is unreachable (a refused join is fatal)."""
@@ -124,9 +142,11 @@ class Reconnecting:
         while True:
             session = self._sessions
             try:
-                return fn()
+                result = fn()
             except grpc.RpcError as err:
                 code = err.code()
+                if code not in RETRYABLE:  # it answered
+                    self._reached()
                 if code == grpc.StatusCode.UNAUTHENTICATED and rejoin:
                     if rejoined:  # the new session was not recognised either: a coordinator that forgets every
                         self._pause(backoff)  # session at once must not make us join a thousand times a second
@@ -155,8 +175,44 @@ class Reconnecting:
                     raise FatalAgentError("stopped while the coordinator was unreachable") from None
                 # the last wait ends as give_up_after runs out: one more try then, not a whole step past it
                 sleep = backoff.wait(None if self.give_up_after is None else self.give_up_after - waited)
-                log.info("%s: coordinator unreachable (%s)%s; retrying in %.1fs", self.who, code.name, why, sleep)
+                self._say_unreachable(code, why, sleep)
                 sleep_unless(sleep, self.stopped)
+            else:
+                self._reached()
+                return result
+
+    def _say_unreachable(self, code: grpc.StatusCode, why: str, sleep: float) -> None:
+        """Say that the coordinator is unreachable: at once when an outage begins (or its likely cause changes),
+        then every ``remind`` seconds while it lasts; each retry only at debug level. With ``give_up_after`` each retry
+        is said, as the count-down to giving up it is (bounded by it)."""
+        now = time.monotonic()
+        with self._outage_lock:
+            first = self._outage_since is None
+            if first:
+                self._outage_since = now
+            lasted = now - self._outage_since
+            if self.give_up_after is not None or first or why != self._outage_why:
+                level, line = logging.INFO, f"coordinator unreachable ({code.name}){why}; retrying in {sleep:.1f}s"
+                if self.give_up_after is None:
+                    line += f" (said again when it answers, or every {_duration(self.remind)} while it does not)"
+            elif now - self._outage_said_at >= self.remind:
+                level, line = logging.INFO, (f"coordinator still unreachable after {_duration(lasted)} ({code.name})"
+                                             f"{why}; retrying every {self.cap:.1f}s at most")
+            else:
+                level, line = logging.DEBUG, f"coordinator unreachable ({code.name}){why}; retrying in {sleep:.1f}s"
+            if level == logging.INFO:
+                self._outage_said_at, self._outage_why = now, why
+        log.log(level, "%s: %s", self.who, line)
+
+    def _reached(self) -> None:
+        """The coordinator answered: an outage that was said ends, and its end is said."""
+        if self._outage_since is None:  # the common case, without the lock
+            return
+        with self._outage_lock:
+            since, self._outage_since, self._outage_why = self._outage_since, None, ""
+        if since is not None:
+            log.info("%s: coordinator at %s reachable again after %s", self.who, self.server,
+                     _duration(time.monotonic() - since))
 
     def _pause(self, backoff: Backoff) -> None:
         """Wait ``backoff``'s next step, unless the caller wants to leave (FatalAgentError)."""
