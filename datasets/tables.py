@@ -14,6 +14,7 @@ is the test set.
 from __future__ import annotations
 
 import csv
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -64,41 +65,85 @@ def _table_file(path: str | Path, what: str) -> Path:
     return path
 
 
+class DatasetFileMissing(FileNotFoundError, ValueError):
+    """``--dataset KIND:PATH`` names no file: the user's input to change (exit 2, in one line), as a missing MNIST
+    folder is. A ValueError for the commands that say a bad dataset as one (simulate, serve, client, train), and
+    still a FileNotFoundError (no errno: said as its message) for code that catches that."""
+
+    exit_code = 2
+
+
 def _dataset_file(name: str, kind: str, what: str) -> str:
-    """PATH of ``--dataset KIND:PATH``; FileNotFoundError naming the option and what to pass when it is no file."""
+    """PATH of ``--dataset KIND:PATH``; DatasetFileMissing naming the option and what to pass when it is no file."""
     path = name.split(":", 1)[1]
     if not Path(path).is_file():
-        raise FileNotFoundError(f"--dataset {kind}:{path}: {path} {_not_a_file(Path(path))}; pass the path of {what}, "
-                                f"e.g. --dataset {kind}:data/table.{kind}")
+        raise DatasetFileMissing(f"--dataset {kind}:{path}: {path} {_not_a_file(Path(path))}; pass the path of "
+                                 f"{what}, e.g. --dataset {kind}:data/table.{kind}")
     return path
 
 
 def _not_a_file(path: Path) -> str:
     """Why ``path``, which is no file, cannot be read."""
-    return "is a folder" if path.is_dir() else "does not exist"
+    if path.is_dir():
+        return "is a folder"
+    return "is not a regular file" if path.exists() else "does not exist"
 
 
 def load_npz_table(path: str | Path) -> DatasetSplits:
     """A federation from an .npz with x, y and optionally client."""
     path = _table_file(path, NPZ_FILE)
-    with np.load(path, allow_pickle=False) as f:
-        missing = {"x", "y"} - set(f.files)
-        if missing:
-            raise ValueError(f"{path} lacks the arrays {sorted(missing)}; it needs x, y and optionally client")
-        x, y = np.asarray(f["x"], np.float32), f["y"]
-        owners = owner_numbers(f["client"]) if "client" in f.files else None
-    return _checked(path, x, y, owners)
+    if not zipfile.is_zipfile(path):  # else np.load takes it for a pickle and says to load it unsafely
+        raise ValueError(f"{path} is not a NumPy .npz archive (np.savez); it needs the arrays x, y and optionally "
+                         "client")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = {"x", "y"} - set(f.files)
+            if missing:
+                raise ValueError(f"{path} lacks the arrays {sorted(missing)}; it needs x, y and optionally client")
+            x, y = _npz_array(f, path, "x"), _npz_array(f, path, "y")
+            client = _npz_array(f, path, "client") if "client" in f.files else None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:  # a damaged archive: cut short, a member unreadable
+        raise ValueError(f"{path} cannot be read as a NumPy .npz archive ({exc}); save it again with "
+                         "np.savez(path, x=..., y=...)") from None
+    if x.ndim < 1 or y.ndim != 1:
+        raise ValueError(f"{path}: x must hold one example per row and y must be 1-D, got x {x.shape} and y {y.shape}")
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
+        raise ValueError(f"{path}: x must be numeric, got dtype {x.dtype}")
+    owners = owner_numbers(client) if client is not None else None
+    return _checked(path, np.asarray(x, np.float32), y, owners)
+
+
+NPZ_KINDS = {"x": "a numeric", "y": "an integer", "client": "an integer or string"}
+
+
+def _npz_array(f, path: Path, key: str) -> np.ndarray:
+    """Array ``key`` of the open .npz ``f``; ValueError naming it when it holds Python objects (pickle: refused) or
+    is no .npy array at all."""
+    try:
+        array = f[key]
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise ValueError(f"{path}: array {key} holds Python objects, which need pickle and are refused; save it "
+                             f"as {NPZ_KINDS[key]} array (np.savez(path, {key}=...) of a plain NumPy array)") from None
+        raise ValueError(f"{path}: array {key} cannot be read ({exc})") from None
+    if not isinstance(array, np.ndarray):  # a member that is no .npy: np.load hands back its raw bytes
+        raise ValueError(f"{path}: {key} is not a NumPy array (the archive was not written by np.savez); it needs "
+                         "the arrays x, y and optionally client")
+    return array
 
 
 def load_csv_table(path: str | Path) -> DatasetSplits:
     """A federation from a CSV with a label column, optionally a client column, and numeric features."""
     path = _table_file(path, CSV_FILE)
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if not header or "label" not in header:
-            raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
-        rows = list(reader)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's UTF-8 CSV starts with a BOM
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if not header or "label" not in header:
+                raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as exc:  # a binary file, e.g. an .npz or a spreadsheet's own format
+        raise ValueError(f"{path} is not a CSV text file ({exc}); it must be {CSV_FILE}, in UTF-8") from None
     label, client = header.index("label"), header.index("client") if "client" in header else None
     features = [i for i in range(len(header)) if i not in (label, client)]
     try:
