@@ -20,6 +20,7 @@ from fedpar.settings import setting
 
 LOG_LEVEL = None
 ACTIONS = ("submit", "ls", "logs", "stop", "get")
+MODEL_FILE = "global.safetensors"  # what a run that completed a round leaves ('run get' of one without it: refused)
 UNFINISHED = ("failed", "stopped")  # how a run can end other than finished: 'run logs -f' then exits 1
 
 
@@ -180,6 +181,7 @@ def _do(args: argparse.Namespace, stub) -> int:
             raise ValueError("'fedpar run get' needs --out DIR")
         check_output_folder(args.out)
         out = Path(args.out)
+        made = not out.exists()
         handles: dict[str, object] = {}
         try:
             for chunk in stub.Get(pb.RunRef(run_id=run_id), timeout=600):
@@ -190,10 +192,28 @@ def _do(args: argparse.Namespace, stub) -> int:
         finally:
             for handle in handles.values():
                 handle.close()
+        if MODEL_FILE not in handles:  # stopped or failed before a round completed: as a run stopped while queued
+            for name in handles:
+                (out / f"{name}.part").unlink(missing_ok=True)
+            if made and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            raise ValueError(_no_model_line(stub, run_id))
         for name in handles:
             (out / f"{name}.part").replace(out / name)
         print(f"wrote {out}/{', '.join(handles) or 'nothing'}")
     return 0
+
+
+def _no_model_line(stub, run_id: int) -> str:
+    """Why ``run_id`` has no model to get, as the service refuses a get of a run stopped while queued: its status
+    and reason (as 'run ls' shows them), and where to see what it did."""
+    from fedpar.protocol import fedpar_pb2 as pb
+
+    runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
+    run = next((r for r in runs if r["id"] == run_id), {})
+    status, reason = run.get("status", "ended"), run.get("reason", "")
+    return (f"run {run_id} is {status} with no model to get: no round of it completed"
+            + (f" ({reason})" if reason else "") + f"; 'fedpar run logs {run_id}' shows what it did")
 
 
 def run(args: argparse.Namespace) -> int:
