@@ -26,6 +26,7 @@ Its settings (``--flower-app``, ``--run-config``) are declared in ``fedpar.task.
 
 from __future__ import annotations
 
+import logging
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -174,9 +175,32 @@ def load_flower_app(directory: str | Path, run_config_overrides: str | None = No
     fedpar_table = project.get("tool", {}).get("fedpar", {})
     if not isinstance(fedpar_table, dict):
         raise FlowerAppError(f"--flower-app {directory}: [tool.fedpar] must be a table")
-    return FlowerApp(folder, _run_config(folder, app.get("config", {}), run_config_overrides), refs["clientapp"],
-                     refs["serverapp"], dict(fedpar_table),
-                     _default_federation(directory, project.get("tool", {}).get("flwr", {}).get("federations")))
+    loaded = FlowerApp(folder, _run_config(folder, app.get("config", {}), run_config_overrides), refs["clientapp"],
+                       refs["serverapp"], dict(fedpar_table),
+                       _default_federation(directory, project.get("tool", {}).get("flwr", {}).get("federations")))
+    plain_flower_logs()  # every process that runs an app loads it here: the coordinator, each worker, an agent
+    return loaded
+
+
+def plain_flower_logs() -> None:
+    """Flower's console log lines (flwr's own handler on the "flwr" logger, coloured by default) without ANSI colour
+    codes unless they go to a terminal, and not there either with NO_COLOR set: a log file, a pipe or a CI log
+    otherwise holds escape sequences around every "INFO :". Per process: a worker process has its own handler."""
+    import os
+
+    from flwr.common.logger import LOGGER_NAME, ConsoleHandler
+
+    for handler in logging.getLogger(LOGGER_NAME).handlers:
+        if isinstance(handler, ConsoleHandler):
+            handler.colored = _is_terminal(handler.stream) and not os.environ.get("NO_COLOR")
+
+
+def _is_terminal(stream) -> bool:
+    """Whether ``stream`` writes to a terminal (a closed or replaced stream without isatty: no)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _default_federation(directory: str | Path, federations: Any) -> Federation | None:
