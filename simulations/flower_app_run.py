@@ -112,9 +112,11 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
             p.join(timeout=30)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (parallel/stopping.py): what completed is still written
         interrupted = True
-        log.warning("interrupted: stopping after %d completed rounds", coordinator.metrics.summary.rounds)
     finally:
         server.stop(grace=0.5 if interrupted else 1.0)
+        if interrupted:  # counted once stopped, as the summary and fedpar simulate's last line count them
+            log.warning("interrupted: stopping after %d Message exchanges (a ServerApp's round is usually two: train "
+                        "and evaluate)", coordinator.metrics.summary.rounds)
         for p in procs:
             if p.is_alive():
                 p.terminate()

@@ -184,5 +184,11 @@ def test_ctrl_c_stops_a_server_app_simulation_writing_what_completed(tmp_path):
     assert err.strip().splitlines()[-1].startswith("fedpar simulate: interrupted after")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["rounds"] >= 4
+    # the log's warning counted the same Message exchanges as 'completed rounds', then the last line said exchanges
+    warned = [line for line in err.splitlines() if "interrupted: stopping after" in line]
+    assert len(warned) == 1 and warned[0].endswith(f"interrupted: stopping after {summary['rounds']} Message "
+                                                   "exchanges (a ServerApp's round is usually two: train and "
+                                                   "evaluate)"), warned
+    assert err.strip().splitlines()[-1] == f"fedpar simulate: interrupted after {summary['rounds']} Message exchanges"
     names, arrays = load_final_model(out)  # the global model the last round's messages carried, not a stand-in
     assert sorted(names) == ["b", "w"]
