@@ -231,5 +231,6 @@ def refuse_unswitched(args: argparse.Namespace, settings: list[tuple[str, str, A
     set, typed or in a file or as another value than its default, while its switch leaves its feature off."""
     for dest, flag, default, needs in settings:
         switch = getattr(args, needs.switch, None)
-        if hasattr(args, dest) and switch not in needs.on and (chose(args, dest) or getattr(args, dest) != default):
+        if hasattr(args, dest) and not needs.applies(switch) and not any(getattr(args, d, None) for d in needs.unless) \
+                and (chose(args, dest) or getattr(args, dest) != default):
             raise ConfigError(needs.refusal(flag, switch))

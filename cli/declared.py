@@ -9,7 +9,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fedpar.cli import argtypes
 from fedpar.settings import (APPEND, CHECK, CHOICES, FLAG, GROUP, HELP, METAVAR, NEGATABLE, declared_fields,
@@ -43,15 +43,22 @@ SECTIONS: dict[str, tuple[str, str | None]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Needs:
-    """The switch a setting applies under: the switch's dest, the values that turn the setting's feature on, those
-    values as the user gives them, and why the setting needs them (said when the switch holds another value than
-    ``off``)."""
+    """The switch a setting applies under: the switch's dest, the values that turn the setting's feature on (or a
+    test of the switch's value: ``bool`` for a switch that is on for any value it is given, a path, a share above 0),
+    those values as the user gives them, and why the setting needs them (said when the switch holds another value
+    than ``off``). ``unless``: settings that, when given, make the setting another check's matter (--data-dir beside
+    --task is refused for --task's reason)."""
 
     switch: str
-    on: tuple
+    on: tuple | Callable[[Any], bool]
     words: str
     why: str = ""
     off: Any = None
+    unless: tuple[str, ...] = ()
+
+    def applies(self, switch_value: Any) -> bool:
+        """Whether the switch, holding ``switch_value``, turns the setting's feature on."""
+        return bool(self.on(switch_value)) if callable(self.on) else switch_value in self.on
 
     def refusal(self, flag: str, switch_value: Any) -> str:
         """The line refusing ``flag`` set while the switch holds ``switch_value``."""
@@ -63,35 +70,59 @@ class Needs:
         return f"{flag} applies only with {self.words}; {add} (or drop the option)"
 
 
+def reads_a_folder(dataset: Any) -> bool:
+    """Whether ``dataset`` (a --dataset name) is read from a folder (--data-dir); True for a name that is no dataset,
+    which its loader refuses with the valid names."""
+    from fedpar.datasets.registry import dataset_entry
+
+    try:
+        return bool(dataset_entry(dataset).folder)
+    except (TypeError, ValueError):
+        return True
+
+
 # Settings that apply only when a switch turns their feature on; a user who set one believes the feature runs. Every
-# setting of a section but its switch, or one setting by field name.
+# setting of a section but its switch, or one setting by field name (its Needs, or several checked in order).
+_PRIVACY = Needs("privacy", ("central", "client"), "--privacy central or --privacy client")
+_ADAPTIVE_CLIPPING = Needs("privacy_adaptive_quantile", bool, "--privacy-adaptive-quantile")
 _SECTION_SWITCHES = {
     "secagg": Needs("secure_aggregation", (True,), "--secure-aggregation"),
-    "privacy": Needs("privacy", ("central", "client"), "--privacy central or --privacy client"),
+    "privacy": _PRIVACY,
 }
 _SETTING_SWITCHES = {
     "topk_ratio": Needs("compression", ("topk",), "--compression topk"),
     "int8_block": Needs("compression", ("int8",), "--compression int8"),
     "privacy_local_noise": Needs("privacy", ("client",), "--privacy client",
                                  why="the agents add it to their own update", off="off"),
+    "privacy_clip_lr": (_PRIVACY, _ADAPTIVE_CLIPPING),  # they move the clip of adaptive clipping only
+    "privacy_count_noise": (_PRIVACY, _ADAPTIVE_CLIPPING),
+    "trace_day_seconds": Needs("trace", bool, "--trace"),  # the day of a trace's availability
+    "slow_step_delay": Needs("slow_fraction", bool, "--slow-fraction"),  # the delay of the slow share
+    "round_wall_seconds": Needs("clock", ("virtual", True), "--clock virtual"),  # a real clock's round: --deadline
+    "data_dir": Needs("dataset", reads_a_folder, "--dataset mnist", unless=("task", "flower_app"),
+                      why="the other datasets are bundled, generated or read from the path their name gives"),
 }
 
 
-def needs_of(f: dataclasses.Field) -> Needs | None:
-    """The switch the setting of field ``f`` applies under; None for a setting that always applies, or a switch."""
+def needs_of(f: dataclasses.Field) -> tuple[Needs, ...]:
+    """The switches the setting of field ``f`` applies under, in the order they are checked; none for a setting that
+    always applies, or a switch."""
     needs = _SETTING_SWITCHES.get(f.name) or _SECTION_SWITCHES.get(f.metadata.get(GROUP))
-    return None if needs is None or needs.switch == setting_key(f) else needs
+    needs = needs if isinstance(needs, tuple) else (needs,) if needs is not None else ()
+    return tuple(n for n in needs if n.switch != setting_key(f))
 
 
 def switched_options(parser: argparse.ArgumentParser) -> list[tuple[str, str, Any, Needs]]:
-    """(dest, flag, default, Needs) of each option of ``parser`` that applies only under a switch."""
-    return [(a.dest, a.option_strings[0], a.default, a.needs) for a in parser._actions if getattr(a, "needs", None)]
+    """(dest, flag, default, Needs) of each option of ``parser`` that applies only under a switch (one for each of
+    its switches, in the order they are checked)."""
+    return [(a.dest, a.option_strings[0], a.default, needs) for a in parser._actions
+            for needs in getattr(a, "needs", None) or ()]
 
 
 def switched_settings(cls: type) -> list[tuple[str, str, Any, Needs]]:
     """(dest, flag, default, Needs) of each declared setting of ``cls`` that applies only under a switch."""
     return [(setting_key(f), "--" + (f.metadata[FLAG] or setting_key(f).replace("_", "-")), f.default, needs)
-            for f in declared_fields(cls) if (needs := needs_of(f)) is not None]
+            for f in declared_fields(cls) for needs in needs_of(f)]
 
 
 def section(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
