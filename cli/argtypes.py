@@ -51,10 +51,22 @@ class FedparParser(argparse.ArgumentParser):
                                 else name for name in message.removeprefix(head).split(", "))
 
     def unrecognized(self, extra: list[str]):
-        """:meth:`error` for arguments this command does not take, naming the option each one looks like."""
+        """:meth:`error` for arguments this command does not take, naming the option each one looks like, or the one
+        this command has for it under another name (:data:`ELSEWHERE_CALLED`)."""
         options = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
-        meant = did_you_mean(closest(arg.split("=", 1)[0], options) for arg in extra if arg.startswith("--"))
+        meant = did_you_mean(meant_option(arg.split("=", 1)[0], options) for arg in extra if arg.startswith("--"))
         self.error(f"unrecognized arguments: {' '.join(extra)}{meant}")
+
+
+# A setting that commands name differently: a flag of one command -> what others call it. Said when a command lacks
+# the flag and has the other (`train --data-dir`: did you mean --data-path?); a misspelling is found by closest().
+ELSEWHERE_CALLED = {"--data-dir": ("--data-path",), "--data-path": ("--data-dir",)}
+
+
+def meant_option(flag: str, options: list[str]) -> str | None:
+    """The one of ``options`` that the unknown ``flag`` most likely means: one it misspells, else this command's name
+    for a flag of another command."""
+    return closest(flag, options) or next((o for o in ELSEWHERE_CALLED.get(flag, ()) if o in options), None)
 
 
 secagg_clip = ranged(float, 0.0, MAX_CLIP, "a coordinate's clip", open_low=True,

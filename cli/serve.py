@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
+from fedpar.cli.flower_app_refusals import flower_app_refusal
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint
 from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
@@ -188,6 +189,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
     server_app_drives = _server_app_drives(args)
+    untaken = flower_app_refusal(args, server_app_drives)  # e.g. --lr, which the ServerApp's Messages do not carry
+    if untaken:
+        print(f"fedpar serve: {untaken}", file=sys.stderr)
+        return 2
     if _is_service(args):  # a ServerApp's run refuses --state below, in one line
         return _serve_runs(args)
     check_output_folder(args.out)

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
+from fedpar.cli.flower_app_refusals import flower_app_refusal
 from fedpar.cli.observability import Observers, add_observability_arguments, check_metrics_endpoint
 from fedpar.cli.privacy import PRIVACY_COLUMNS, add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.progress import CLOCK_COLUMNS, COLUMNS, LiveBar, RoundTable
 from fedpar.cli.renamed import add_retired
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.task_options import check_nothing_replaced, task_options
+from fedpar.cli.task_options import check_nothing_replaced, check_task_options, task_options
 from fedpar.cli.user_errors import UserError, check_output_folder, describe, run_exit_code
 from fedpar.parallel.stopping import stop_on_signals
 from fedpar.settings import setting
@@ -61,6 +62,7 @@ def simulation_config(args: argparse.Namespace, say: bool = True) -> SimulationC
     """The settings the options describe, settled (:meth:`SimulationConfig.settled`): with ``say``, one line on
     stderr for each that asked for more clients than there are, saying what is used instead."""
     check_nothing_replaced(args)
+    check_task_options(args)
     cfg, notes = from_args(SimulationConfig, args, task_options=task_options(args),
                            upload_compression=compression_from_args(args)).settled()
     for note in notes if say else ():
@@ -81,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = simulation_config(args)
     except ValueError as exc:  # settings no simulation can run, e.g. a compression knob out of its range
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
+        return 2
+    untaken = flower_app_refusal(args, server_app_drives)  # e.g. --lr, which the ServerApp's Messages do not carry
+    if untaken:
+        print(f"fedpar simulate: {untaken}", file=sys.stderr)
         return 2
     if server_app_drives:
         if chose(args, "rounds"):  # the ServerApp counts its own rounds: --rounds would be ignored

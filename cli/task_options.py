@@ -34,16 +34,23 @@ def check_nothing_replaced(args: argparse.Namespace) -> None:
                         f"{'it' if len(given) == 1 else 'them'} (its own settings are {own})")
 
 
+def check_task_options(args: argparse.Namespace) -> None:
+    """TaskError (a ValueError) for --task-option pairs (or a config file's table) without --task: every command that
+    takes them (serve, client, train, simulate) refuses them alike."""
+    from fedpar.task import TaskError
+
+    if not getattr(args, "task", None) and task_options(args):
+        raise TaskError("--task-option needs --task")
+
+
 def load_task_from_args(args: argparse.Namespace):
     """The task ``--task`` names, made with its options; TaskError (a ValueError) saying what is wrong. Options
     without --task are refused."""
-    from fedpar.task import TaskError
     from fedpar.tasks.reference import load_task
 
     check_nothing_replaced(args)
+    check_task_options(args)
     if not args.task:
-        if task_options(args):
-            raise TaskError("--task-option needs --task")
         return None
     return load_task(args.task, task_options(args))
 
