@@ -513,9 +513,11 @@ class ClientRuntime:
         # Top-k's error feedback must know whether the update counted; other small updates of a population may
         # travel while its seat trains the next member.
         stub = self.conn.ingest_stub(task)
+        rank = ingest_address(self.config.server, task)  # a rank that refuses connections: the upload is given up
         sender = UpdateSender(auth, task, stub, self.link.small_sender(settings.compression == "topk", stub),
                               deadline_at, self._chunk_bytes(), self.link.max_chunk, self.link.small_below, self._rng,
-                              note, superseded=lambda: self._over(task.round, started), stopped=self._stop.is_set)
+                              note, superseded=lambda: self._over(task.round, started), stopped=self._stop.is_set,
+                              rank=rank if rank != self.config.server else None, server=self.config.server)
         send = sender.send if data_plane is None else \
             functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":

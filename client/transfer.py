@@ -53,6 +53,10 @@ class RoundOver(Exception):
     """An upload given up in flight: its round ended meanwhile (another round began)."""
 
 
+class RankGone(Exception):
+    """An upload given up: the aggregator rank its task names refuses connections (its process is gone)."""
+
+
 def ingest_address(server: str, task: pb.TrainTask) -> str:
     """Where a task's weights move: the aggregator rank it names, else ``server``, the coordinator dialed."""
     if not task.ingest_port:
@@ -264,13 +268,17 @@ class UpdateSender:
     stream of ``chunk_bytes`` chunks; retried with jittered backoff (``rng``) while the coordinator is busy or
     unreachable and the task's deadline allows, unless ``superseded()`` (a task of another round came) or
     ``stopped()`` (the runtime was asked to stop: given up at once, in flight too).
-    ``note_refusal(what, err)``: how a refusal is noted."""
+    ``note_refusal(what, err)``: how a refusal is noted. ``rank``: the address of the aggregator rank ``stub``
+    dials, when it is not the coordinator's (``server``): one that refuses connections is gone (its process died,
+    or its service restarted with ranks on other ports), so no upload to it can count, and the update is given up
+    at once; the agent's next pull, at ``server``, finds the coordinator (and joins again if it restarted)."""
 
     def __init__(self, auth: pb.AgentAuth, task: pb.TrainTask, stub: CoordinatorStub, send_small: SendSmall,
                  deadline_at: float, chunk_bytes: int, max_chunk: int, small_below: int, rng: Uniform,
                  note_refusal: Callable[[str, Exception], None], superseded: Callable[[], bool] = lambda: False,
-                 stopped: Callable[[], bool] = lambda: False):
+                 stopped: Callable[[], bool] = lambda: False, rank: str | None = None, server: str = ""):
         self.auth, self.task, self.stub, self.send_small = auth, task, stub, send_small
+        self.rank, self.server = rank, server
         self.superseded = superseded  # a task of another round came: this one's round (or run) is over
         self.stopped = stopped
         self.deadline_at, self.chunk_bytes = deadline_at, chunk_bytes
@@ -313,6 +321,11 @@ class UpdateSender:
                     return False
                 if self._given_up_for_stop():
                     return False
+                if self.rank is not None and refuses_connections(err):
+                    self.note_refusal("upload", RankGone(
+                        f"aggregator rank {self.rank} refuses connections (it stopped, or its service restarted): "
+                        f"round {self.task.round}'s update is given up; back to the coordinator at {self.server}"))
+                    return False
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 backoff = backoff or Backoff(0.1, 2.0, self.rng)
                 if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at) or self.superseded():
@@ -331,6 +344,12 @@ class UpdateSender:
             return False
         log.info("%s: round %d's update was not sent: the agent is stopping", self.auth.agent_id, self.task.round)
         return True
+
+
+def refuses_connections(err: grpc.RpcError) -> bool:
+    """Whether ``err`` says that nothing listens at the address called (the TCP connection was refused): not a
+    busy or slow server, which answers or takes the connection, but a port nobody holds."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in (err.details() or "").lower()
 
 
 def run_ended(err: grpc.RpcError) -> bool:

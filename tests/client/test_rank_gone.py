@@ -1,0 +1,70 @@
+"""An agent whose task names an aggregator rank's port that refuses connections (the rank died: its coordinator was
+killed and started again, so the old rank's random port is closed) gives that upload up at once and goes back to
+the coordinator's main address, where it pulls (and joins again) as after any coordinator restart. It retried the
+dead port until the round's deadline (60 s, or however long the round was), missing the restarted service's rounds.
+A real `fedpar client` against a coordinator on 127.0.0.1 (tests/support/hostile_coordinator.py: real gRPC) whose
+heartbeats say, as a restarted one's do, that it no longer knows the agent's session."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from fedpar.protocol import fedpar_pb2 as pb
+from tests.support.hostile_coordinator import HostileCoordinator, digits_layout, inline_task, run_agent, weights_of
+
+pytestmark = pytest.mark.timeout(180)
+DEADLINE = 300.0  # the round's: the agent must not wait it out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Restarted(HostileCoordinator):
+    """Heartbeats, and the first pull after the task, refused UNAUTHENTICATED (a restarted coordinator knows no
+    session: the agent joins again); the time of each pull."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pulled_at: list[float] = []
+        self._lock = threading.Lock()
+
+    def _pull(self, request, context):
+        with self._lock:
+            self.pulled_at.append(time.monotonic())
+            forgotten = len(self.pulled_at) == 2
+        if forgotten:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown session")
+        return super()._pull(request, context)
+
+    def _heartbeat(self, request, context):
+        self.heartbeats += 1
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown session")
+
+
+def test_an_upload_to_a_rank_that_refuses_connections_is_given_up_and_the_agent_pulls_again(tmp_path):
+    layout = digits_layout()
+    dead = _closed_port()
+    coordinator = _Restarted([inline_task(layout, weights_of(layout, 0.01), deadline_seconds=DEADLINE,
+                                          ingest_host="127.0.0.1", ingest_port=dead)])
+    try:
+        code, out = run_agent(coordinator, tmp_path, seconds=120)
+    finally:
+        coordinator.stop()
+    assert "Traceback" not in out, out
+    assert code == 0 and coordinator.uploads == [], out  # the coordinator's next reply was its shutdown
+    pulls = coordinator.pulled_at
+    assert len(pulls) >= 3 and coordinator.joins == 2, out  # pulled again, was not known, joined again, pulled
+    assert pulls[1] - pulls[0] < DEADLINE / 5, (pulls[1] - pulls[0], out)  # training, then the upload given up
+    assert coordinator.pulls[-1].finished_task_id == "t1", coordinator.pulls[-1]
+    said = [line for line in out.splitlines() if f"127.0.0.1:{dead}" in line]
+    assert len(said) == 1 and said[0].endswith(
+        f"a: upload refused: aggregator rank 127.0.0.1:{dead} refuses connections (it stopped, or its service "
+        f"restarted): round 1's update is given up; back to the coordinator at {coordinator.address}"), out
