@@ -78,8 +78,8 @@ def test_an_agent_says_a_coordinator_outage_once_not_at_every_retry():
         if agent.poll() is None:
             agent.kill()
             agent.wait()
-    assert first.split("fedpar.client ", 1)[1].startswith("alice: coordinator unreachable (UNAVAILABLE); retrying in "), \
-        first
+    said = first.split("fedpar.client ", 1)[1]
+    assert said.startswith("alice: coordinator unreachable (UNAVAILABLE); retrying in "), first
     assert first.rstrip().endswith("(said again when it answers, or every 5 min while it does not)"), first
     assert "coordinator unreachable" not in err and "still unreachable" not in err, err  # nothing more in 10 s
     assert agent.returncode == 143, err
