@@ -57,8 +57,14 @@ def _stub(args: argparse.Namespace):
     from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
     from fedpar.security.tls import channel_credentials
 
-    channel = grpc.secure_channel(args.control, channel_credentials(_operator_files(args)))
+    # A connection attempt, TLS handshake included, gives up after CONNECT_SECONDS (gRPC's default is 20 s): a
+    # stopped service is said within about CONNECT_SECONDS + SILENT_SECONDS, not 23 s
+    channel = grpc.secure_channel(args.control, channel_credentials(_operator_files(args)),
+                                  options=[("grpc.min_reconnect_backoff_ms", int(CONNECT_SECONDS * 1000))])
     return pb_grpc.RunControlStub(channel)
+
+
+CONNECT_SECONDS = 8.0  # a control channel's connection attempt: a handshake on a live service takes milliseconds
 
 
 def _operator_files(args: argparse.Namespace):
@@ -244,14 +250,14 @@ def _refusal_line(err, args: argparse.Namespace, waited: float = 0.0) -> str:
     the connection and never answered: stopped or overloaded, ``waited`` s)."""
     import grpc
 
-    from fedpar.security.handshake import OPERATOR, diagnose_handshake
+    from fedpar.security.handshake import OPERATOR, diagnose_handshake, says_nothing
 
     control, code, details = args.control, err.code(), err.details() or ""
     said = details.lower()
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
                 "--control-port")
-    if code == grpc.StatusCode.UNAVAILABLE and _silent(control):
+    if code == grpc.StatusCode.UNAVAILABLE and says_nothing(control, SILENT_SECONDS):
         # gRPC calls a handshake the server never answered 'Handshake read failed (Endpoint closing)' after its
         # connect timeout: no certificate was ever looked at, so the certificates are not to blame
         return (f"the service at {control} did not answer within {max(waited, SILENT_SECONDS):.0f} s: it took the "
@@ -273,26 +279,4 @@ def _refusal_line(err, args: argparse.Namespace, waited: float = 0.0) -> str:
     return details
 
 
-SILENT_SECONDS = 3.0  # how long _silent waits for the service's first byte
-
-
-def _silent(address: str, timeout: float = SILENT_SECONDS) -> bool:
-    """Whether the server at ``address`` takes a TCP connection (or leaves it pending) and then says nothing
-    within ``timeout`` s to a TLS ClientHello: a process that is stopped, or too busy to answer, looks like that
-    from outside. False when it answers, hangs up, or nothing listens there."""
-    import socket
-
-    from fedpar.security.handshake import _client_hello, split_address
-
-    target = split_address(address)
-    if target is None:
-        return False
-    try:
-        with socket.create_connection(target, timeout=timeout) as conn:
-            conn.sendall(_client_hello())
-            conn.recv(1)
-    except TimeoutError:  # the connection, or its first byte: nothing came within the timeout
-        return True
-    except OSError:  # refused, reset, no route: not silence
-        return False
-    return False
+SILENT_SECONDS = 3.0  # how long a failed call's probe waits for the service's first byte (says_nothing)

@@ -123,6 +123,24 @@ def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
     return None
 
 
+def says_nothing(address: str, timeout: float = 3.0) -> bool:
+    """Whether the server at ``address`` takes a TCP connection (or leaves it pending) and then says nothing within
+    ``timeout`` s to a TLS ClientHello: a process that is stopped, or too busy to answer, looks like that from
+    outside. False when it answers, hangs up, or nothing listens there."""
+    target = split_address(address)
+    if target is None:
+        return False
+    try:
+        with socket.create_connection(target, timeout=timeout) as conn:
+            conn.sendall(_client_hello())
+            conn.recv(1)
+    except TimeoutError:  # the connection, or its first byte: nothing came within the timeout
+        return True
+    except OSError:  # refused, reset, no route: not silence
+        return False
+    return False
+
+
 def tls_mismatch(address: str, insecure: bool, timeout: float = 3.0) -> str | None:
     """What to change when the coordinator at ``address`` speaks TLS and this agent does not (``insecure``), or
     the other way round; None when they agree or it cannot be told (e.g. the coordinator is down)."""
