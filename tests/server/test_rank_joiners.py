@@ -38,7 +38,7 @@ def test_a_replacement_that_stopped_counting_up_fails_its_take_back_in_seconds_n
 
 
 def test_a_replacement_still_counting_up_is_waited_for_to_the_configured_timeout(store):
-    group = _rank_0(store, JOINER_SILENT_SECONDS + 2)
+    group = _rank_0(store, JOINER_SILENT_SECONDS + 1)
     alive = dist.PrefixStore(NAMESPACE, dist.TCPStore("127.0.0.1", store.port, is_master=False))
     done = threading.Event()
 
@@ -54,4 +54,4 @@ def test_a_replacement_still_counting_up_is_waited_for_to_the_configured_timeout
     finally:
         done.set()
         beats.join()
-    assert time.monotonic() - started >= JOINER_SILENT_SECONDS + 2
+    assert time.monotonic() - started >= JOINER_SILENT_SECONDS + 1
