@@ -113,6 +113,19 @@ def check_traces(cfg: SimulationConfig) -> None:
     traces_for(cfg.trace, cfg.clients, cfg.seed)
 
 
+def check_client_speeds(cfg: SimulationConfig) -> None:
+    """ValueError, one line, for a setting of the clients' speed or of a trace's day that the run would ignore (a
+    user who set it believes it applies)."""
+    if cfg.slow_fraction > 0 and cfg.trace:  # simulations/population.py step_delays: the trace's own, when given
+        raise ValueError("--slow-fraction: the trace (--trace) gives each client its own speed; drop one of them")
+    if cfg.slow_fraction > 0 and cfg.flower_app and not cfg.virtual_clock:  # (that clock counts its steps' time)
+        raise ValueError("--slow-fraction: a Flower App's ClientApp trains at its own pace, which fedpar cannot slow "
+                         "on the real clock; drop it, or use --clock virtual (a slow client then costs simulated time)")
+    if cfg.virtual_clock and cfg.trace_day_seconds != SimulationConfig.trace_day_seconds:
+        raise ValueError("--trace-day-seconds: under --clock virtual a trace's days pass in simulated time, not in "
+                         "real seconds; drop it (or use --clock real)")
+
+
 def check_settings(cfg: SimulationConfig) -> list[str]:
     """ValueError, one line, for settings no simulation can run: checked before any process starts; else the lines
     to say of a resume (:func:`check_resume`)."""
@@ -121,6 +134,7 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     check_seats(cfg)
     check_traces(cfg)
+    check_client_speeds(cfg)
     check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
     check_population_fits(cfg)
     return check_resume(cfg)
