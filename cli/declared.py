@@ -99,7 +99,8 @@ _SETTING_SWITCHES = {
     "trace_day_seconds": Needs("trace", bool, "--trace"),  # the day of a trace's availability
     "slow_step_delay": Needs("slow_fraction", bool, "--slow-fraction"),  # the delay of the slow share
     "round_wall_seconds": Needs("clock", ("virtual", True), "--clock virtual"),  # a real clock's round: --deadline
-    "data_dir": Needs("dataset", reads_a_folder, "--dataset mnist", unless=("task", "flower_app"),
+    # (a service's --data-dir is its runs' default: each run's TOML says its own dataset)
+    "data_dir": Needs("dataset", reads_a_folder, "--dataset mnist", unless=("task", "flower_app", "state"),
                       why="the other datasets are bundled, generated or read from the path their name gives"),
 }
 

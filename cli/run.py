@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from fedpar.settings import setting
 
 LOG_LEVEL = None
 ACTIONS = ("submit", "ls", "logs", "stop", "get")
-MODEL_FILE = "global.safetensors"  # what a run that completed a round leaves ('run get' of one without it: refused)
 UNFINISHED = ("failed", "stopped")  # how a run can end other than finished: 'run logs -f' then exits 1
 
 
@@ -198,6 +196,8 @@ def _do(args: argparse.Namespace, stub) -> int:
         finally:
             for handle in handles.values():
                 handle.close()
+        from fedpar.server.run_control import MODEL_FILE
+
         if MODEL_FILE not in handles:  # stopped or failed before a round completed: as a run stopped while queued
             for name in handles:
                 (out / f"{name}.part").unlink(missing_ok=True)
@@ -218,7 +218,8 @@ def _no_model_line(stub, run_id: int) -> str:
     runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
     run = next((r for r in runs if r["id"] == run_id), {})
     status, reason = run.get("status", "ended"), run.get("reason", "")
-    return (f"run {run_id} is {status} with no model to get: no round of it completed"
+    why = "its model was not written" if run.get("round") else "no round of it completed"
+    return (f"run {run_id} is {status} with no model to get: {why}"
             + (f" ({reason})" if reason else "") + f"; 'fedpar run logs {run_id}' shows what it did")
 
 
@@ -226,7 +227,6 @@ def run(args: argparse.Namespace) -> int:
     """Do the action; a refusal or a mistake is one line and a non-zero exit."""
     import grpc
 
-    started = time.monotonic()
     try:
         code = _do(args, _stub(args))
         sys.stdout.flush()  # here, where a reader that left is handled
@@ -237,32 +237,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar run: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as err:
-        print(f"fedpar run: {_refusal_line(err, args, time.monotonic() - started)}", file=sys.stderr)
+        print(f"fedpar run: {_refusal_line(err, args)}", file=sys.stderr)
         if args.debug:  # gRPC's own words, which the line above reads for the operator
             print(f"fedpar run: gRPC said {err.code().name}: {err.details()}", file=sys.stderr)
         return 1 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                                    grpc.StatusCode.DEADLINE_EXCEEDED) else 2
 
 
-def _refusal_line(err, args: argparse.Namespace, waited: float = 0.0) -> str:
+def _refusal_line(err, args: argparse.Namespace) -> str:
     """What a failed control call means for the operator: the service's own refusal as it said it, else what the
-    transport's words point to (the wrong port, a failed TLS handshake, a service that went away, or one that took
-    the connection and never answered: stopped or overloaded, ``waited`` s)."""
+    transport's words point to (the wrong port, a failed TLS handshake, a service that went away, one that takes
+    connections and never answers, stopped or overloaded, or an address where nothing takes them)."""
     import grpc
 
-    from fedpar.security.handshake import OPERATOR, diagnose_handshake, says_nothing
+    from fedpar.security.handshake import NO_ANSWER, NO_CONNECTION, OPERATOR, diagnose_handshake, silence_at
 
     control, code, details = args.control, err.code(), err.details() or ""
     said = details.lower()
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
                 "--control-port")
-    if code == grpc.StatusCode.UNAVAILABLE and says_nothing(control, SILENT_SECONDS):
+    silence = silence_at(control, SILENT_SECONDS) if code == grpc.StatusCode.UNAVAILABLE else None
+    if silence == NO_ANSWER:
         # gRPC calls a handshake the server never answered 'Handshake read failed (Endpoint closing)' after its
         # connect timeout: no certificate was ever looked at, so the certificates are not to blame
-        return (f"the service at {control} did not answer within {max(waited, SILENT_SECONDS):.0f} s: it took the "
-                "connection but said nothing (is it running? stopped, e.g. with SIGSTOP? overloaded?); try again, "
-                "and see its log")
+        return (f"the service at {control} takes connections but does not answer (it said nothing for "
+                f"{CONNECT_SECONDS + SILENT_SECONDS:.0f} s: is it running? stopped, e.g. with SIGSTOP? overloaded?); "
+                "try again, and see its log")
+    if silence == NO_CONNECTION:
+        return (f"nothing at {control} took the connection within {CONNECT_SECONDS + SILENT_SECONDS:.0f} s (a host that "
+                "is down, a wrong address, or a firewall dropping the packets); check --control")
     if code == grpc.StatusCode.UNAVAILABLE:  # gRPC's words for a failed handshake are cut and vary: ask TLS itself
         problem = diagnose_handshake(control, _operator_files(args), who=OPERATOR)
         if problem is not None:
@@ -279,4 +283,4 @@ def _refusal_line(err, args: argparse.Namespace, waited: float = 0.0) -> str:
     return details
 
 
-SILENT_SECONDS = 3.0  # how long a failed call's probe waits for the service's first byte (says_nothing)
+SILENT_SECONDS = 3.0  # how long a failed call's probe waits for the service's first byte (silence_at)

@@ -58,6 +58,7 @@ class Received:
     holding: bool = False  # inside a held_stops block: the first signal waits for its end
     pending: int | None = None  # the signal number it holds
     dropped: int | None = None  # the signal whose StopRequested was raised where exceptions are dropped
+    rescued: bool = False  # raise_lost_stop raised it once already
 
     def exit_code(self) -> int:
         """What the process exits with for it (130 when none came: a KeyboardInterrupt raised otherwise)."""
@@ -154,22 +155,27 @@ def raise_lost_stop() -> None:
     stop of a signal that came but whose StopRequested never got here, so that the run still stops. CPython drops an
     exception that a handler raises inside C code that clears errors (a dict lookup's ``__eq__``, a C extension's
     callback): the run went on to its last round (1 run in about 12 of a stop during set-up, under load). A
-    stop held (:class:`held_stops`) or already being raised again (``dropped``) is left to that."""
+    stop held (:class:`held_stops`) or already being raised again (``dropped``) is left to that, and one is raised
+    here at most once: a caller that took it and waits again is not stopped twice."""
     received = _active
     if (received is None or received.signal is None or received.holding or received.dropped is not None
-            or threading.current_thread() is not threading.main_thread()):
+            or received.rescued or threading.current_thread() is not threading.main_thread()):
         return
+    received.rescued = True
     raise StopRequested(int(signal.Signals[received.signal]))
 
 
 AWAKE_SECONDS = 0.25  # how long a wait on the main thread sleeps at a time: Ctrl-C is acted on within it
 
 
-def wait_awake(event: threading.Event, timeout: float | None = None) -> bool:
+def wait_awake(event: threading.Event, timeout: float | None = None, stops: bool = False) -> bool:
     """``event.wait(timeout)``, waking every AWAKE_SECONDS: a signal that the kernel gives another thread of the
-    process only flags it for the main thread, whose wait with no timeout it never interrupts (Ctrl-C was lost)."""
+    process only flags it for the main thread, whose wait with no timeout it never interrupts (Ctrl-C was lost).
+    ``stops``: a wait that a stop leaves (a run's), which raises a lost stop at each wake (:func:`raise_lost_stop`)."""
     end = None if timeout is None else time.monotonic() + timeout
     while True:
+        if stops:
+            raise_lost_stop()
         left = AWAKE_SECONDS if end is None else min(AWAKE_SECONDS, end - time.monotonic())
         if event.wait(max(left, 0.0)):
             return True

@@ -123,22 +123,32 @@ def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
     return None
 
 
-def says_nothing(address: str, timeout: float = 3.0) -> bool:
-    """Whether the server at ``address`` takes a TCP connection (or leaves it pending) and then says nothing within
-    ``timeout`` s to a TLS ClientHello: a process that is stopped, or too busy to answer, looks like that from
-    outside. False when it answers, hangs up, or nothing listens there."""
+NO_CONNECTION, NO_ANSWER = "no connection", "no answer"  # how a server stays silent (silence_at)
+
+
+def silence_at(address: str, timeout: float = 3.0) -> str | None:
+    """How the server at ``address`` stays silent to a TLS ClientHello for ``timeout`` s: NO_ANSWER when it took the
+    TCP connection and said nothing (a stopped or overloaded process looks like that from outside), NO_CONNECTION when
+    the connection was neither taken nor refused (a host that is down, a wrong address, a firewall dropping packets),
+    None when it answered, hung up or refused, or the address cannot be read."""
     target = split_address(address)
     if target is None:
-        return False
+        return None
     try:
-        with socket.create_connection(target, timeout=timeout) as conn:
+        conn = socket.create_connection(target, timeout=timeout)
+    except TimeoutError:
+        return NO_CONNECTION
+    except (OSError, UnicodeError, ValueError):  # refused, no route, a name that cannot be encoded: not silence
+        return None
+    with conn:
+        try:
             conn.sendall(_client_hello())
             conn.recv(1)
-    except TimeoutError:  # the connection, or its first byte: nothing came within the timeout
-        return True
-    except OSError:  # refused, reset, no route: not silence
-        return False
-    return False
+        except TimeoutError:  # its first byte did not come
+            return NO_ANSWER
+        except OSError:  # reset: not silence
+            return None
+    return None
 
 
 def tls_mismatch(address: str, insecure: bool, timeout: float = 3.0) -> str | None:

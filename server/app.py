@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from fedpar.parallel.stopping import raise_lost_stop, wait_awake
+from fedpar.parallel.stopping import wait_awake
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (PROTOCOL_VERSION, SERVICE_NAME, UPLOAD_ADMITTED, RawData, decode_chunk_message,
                                    grpc_target)
@@ -128,8 +128,7 @@ class CoordinatorServer:
         if self._running is None and not self._finished.is_set():
             raise RuntimeError("the coordinator server is not started, so there are no rounds to wait for: call "
                                "start() first")
-        raise_lost_stop()  # the rounds' wait, which a stop leaves: one CPython dropped is raised here
-        done = wait_awake(self._finished, timeout)
+        done = wait_awake(self._finished, timeout, stops=True)  # a stop leaves it: one CPython dropped is raised
         if self.error is not None:
             raise self.error
         return done

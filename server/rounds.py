@@ -58,7 +58,7 @@ def not_this_round(what: str, round_id: int, current: int, applied: str = "; the
     """The Refusal of ``what`` (an upload, a reply) sent for round ``round_id`` while round ``current`` is open (or
     was the last): it came too late, or is of a run that ended or started over (a service's next run counts its
     rounds from 1 again), which the agent is told rather than left to wonder at a round number from the past."""
-    why = ("it came too late" if round_id < current else
+    why = ("it came too late" if round_id <= current else  # (<=: between rounds, ``current`` is the last one)
            "the run it was for ended or started over (a service's next run, or a coordinator restarted without its "
            "checkpoint, counts rounds from 1)")
     return Refusal(grpc.StatusCode.FAILED_PRECONDITION,

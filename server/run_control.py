@@ -23,7 +23,8 @@ from fedpar.server.run_store import ENDED, RunStore, StoreError, UnknownRun
 
 log = logging.getLogger("fedpar.server")
 FILE_CHUNK_BYTES = 1 << 20
-RUN_FILES = ("global.safetensors", "global.json", "metrics.jsonl", "metrics.csv", "summary.json")
+MODEL_FILE = "global.safetensors"  # what a run that completed a round leaves
+RUN_FILES = (MODEL_FILE, "global.json", "metrics.jsonl", "metrics.csv", "summary.json")
 FOLLOW_POLL_SECONDS = 0.25
 CONTROL_THREADS = 16
 # follows (`run logs -f`) and downloads at once: each holds a thread while it lasts, and the others must stay free to

@@ -151,7 +151,11 @@ class RankGroup:
         for rank, nonce in (taken_back or {}).items():
             self._in_store("delete_key", f"{JOIN_KEY}/{rank}")
             self._in_store("set", f"{ADMIT_KEY}/{rank}/{nonce}", str(self.generation).encode())
-        self._join(members, taken_back or {})
+        try:
+            self._join(members, taken_back or {})
+        finally:  # their counts told what they could: a service's store does not keep one per take-back
+            for rank, nonce in (taken_back or {}).items():
+                self._in_store("delete_key", f"{ALIVE_KEY}/{rank}/{nonce}")
 
     def _in_store(self, op: str, *args):
         """``op`` on the rendezvous store; RankMissing if the store is gone (its host died: rank 0's process, or
@@ -186,7 +190,7 @@ class RankGroup:
             members, first = self._admitted(mine, first), False
             try:
                 self._join(members)
-                self._nonce = ""  # in the group: its heartbeats say it is alive from now on
+                self._forget_count()  # in the group: its heartbeats say it is alive from now on
                 return
             except RankMissing as exc:
                 log.info("%s; aggregator rank %d asks to be taken back again", exc, self.rank)
@@ -194,6 +198,7 @@ class RankGroup:
     def _admitted(self, mine: RankEndpoint, first: bool) -> list[int]:
         """Ask to be taken back (saying so the ``first`` time), and wait until rank 0 formed the group with this rank:
         its members."""
+        self._forget_count()  # of a take-back that failed
         nonce = self._nonce = secrets.token_hex(8)
         admitted = f"{ADMIT_KEY}/{self.rank}/{nonce}"
         try:
@@ -257,6 +262,12 @@ class RankGroup:
         self.control = None  # the last reference: the group's connections close with it
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _forget_count(self) -> None:
+        """A replacement: drop its ALIVE_KEY count (it joined, or asks again under another nonce)."""
+        if self._nonce:
+            self._in_store("delete_key", f"{ALIVE_KEY}/{self.rank}/{self._nonce}")
+            self._nonce = ""
 
     def _beat(self) -> None:
         """A replacement asking or joining: count up its ALIVE_KEY, at most every ALIVE_EVERY_SECONDS."""

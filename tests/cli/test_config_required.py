@@ -4,21 +4,16 @@ default the file had set); one missing from both is named in one line with the k
 
 from __future__ import annotations
 
-import socket
 
 from support.in_process import run_main
+from support.ports import closed_port
 
-
-def _closed_port() -> int:
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        return held.getsockname()[1]
 
 
 def test_a_config_file_gives_the_client_its_agent_id(tmp_path, capfd):
     (tmp_path / "cl.toml").write_text('[client]\nagent_id = "from-file"\ngive_up_after = 0.3\n')
     done = run_main(["client", "--config", str(tmp_path / "cl.toml"), "--insecure", "--server",
-                     f"127.0.0.1:{_closed_port()}"], capfd)
+                     f"127.0.0.1:{closed_port()}"], capfd)
     assert done.returncode == 1, done.stderr  # parsed, and ran until the closed port was given up on
     assert "fedpar client: from-file: coordinator at 127.0.0.1:" in done.stderr and "Traceback" not in done.stderr
 

@@ -100,6 +100,15 @@ def test_serve_and_client_refuse_a_data_dir_their_dataset_does_not_read(command,
                               "--dataset mnist (or drop the option)"]
 
 
+def test_a_services_data_dir_is_its_runs_default_and_not_refused(tmp_path, capsys):
+    """serve --state --data-dir DIR: each run's TOML says its dataset (review: refused for the service's own default
+    digits). Refused here for another reason, its control port's missing certificates."""
+    assert main(["serve", "--state", str(tmp_path / "s.db"), "--insecure", "--port", "0", "--data-dir",
+                 "/nonexistent"]) == 2
+    lines = _lines(capsys)
+    assert len(lines) == 1 and "needs mutual TLS" in lines[0] and "applies only with" not in lines[0], lines
+
+
 @pytest.mark.parametrize("option", [["--trace", "fedscale", "--trace-day-seconds", "60"],
                                     ["--clock", "virtual", "--round-wall-timeout", "10"],
                                     ["--slow-fraction", "0.5", "--slow-step-delay", "0.1"],

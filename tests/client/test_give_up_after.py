@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -16,19 +15,15 @@ import grpc
 import pytest
 
 from fedpar.client.links import FatalAgentError, Reconnecting
+from support.ports import closed_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GIVE_UP = 3.0
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_fedpar_client_gives_up_at_give_up_after_and_says_the_time_it_waited():
-    port = _closed_port()
+    port = closed_port()
     # on the CPU: on a GPU machine the CUDA context's teardown after the last line counts in the time measured
     agent = subprocess.run([sys.executable, "-m", "fedpar", "client", "--server", f"127.0.0.1:{port}", "--insecure",
                             "--agent-id", "a", "--give-up-after", str(GIVE_UP), "--threads", "1", "--device", "cpu"],
@@ -58,7 +53,7 @@ class Longest:
 
 
 def test_the_last_wait_is_cut_to_the_time_left_and_the_line_says_the_time_waited():
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{closed_port()}"
     channel = grpc.insecure_channel(address)
     ping = channel.unary_unary("/fedpar.Probe/Ping")
     calls = Reconnecting("a", address, join=lambda: None, first=0.4, cap=5.0, rng=Longest(),

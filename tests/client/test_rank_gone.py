@@ -7,7 +7,6 @@ heartbeats say, as a restarted one's do, that it no longer knows the agent's ses
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -15,16 +14,12 @@ import grpc
 import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
-from tests.support.hostile_coordinator import HostileCoordinator, digits_layout, inline_task, run_agent, weights_of
+from support.hostile_coordinator import HostileCoordinator, digits_layout, inline_task, run_agent, weights_of
+from support.ports import closed_port
 
 pytestmark = pytest.mark.timeout(180)
 DEADLINE = 300.0  # the round's: the agent must not wait it out
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Restarted(HostileCoordinator):
@@ -51,7 +46,7 @@ class _Restarted(HostileCoordinator):
 
 def test_an_upload_to_a_rank_that_refuses_connections_is_given_up_and_the_agent_pulls_again(tmp_path):
     layout = digits_layout()
-    dead = _closed_port()
+    dead = closed_port()
     coordinator = _Restarted([inline_task(layout, weights_of(layout, 0.01), deadline_seconds=DEADLINE,
                                           ingest_host="127.0.0.1", ingest_port=dead)])
     try:

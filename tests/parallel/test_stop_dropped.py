@@ -64,10 +64,26 @@ try:
         print("went on")
 except StopRequested as stop:
     print("stopped by", stop, "at turn", turns)
+with stop_on_signals():  # a stop taken, then a wait again (e.g. a drain): raised once only
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+            pass
+    except StopRequested:
+        pass
+    try:
+        raise_lost_stop()
+        print("not raised")
+    except StopRequested:
+        print("raised again")
+    raise_lost_stop()
+    print("once")
 """
 
 
 def test_a_stop_that_code_swallowed_is_raised_by_the_runs_wait_loop():
     # simulate went on to its last round after a Ctrl-C during its set-up, and exited 0 (1 run in about 12 under load)
     done = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == "stopped by SIGINT at turn 1", (done.stdout, done.stderr)
+    # the second block: a stop the code took is raised once more at most (the wait cannot tell it from a lost one)
+    assert done.stdout.split() == ["stopped", "by", "SIGINT", "at", "turn", "1", "raised", "again", "once"], \
+        (done.stdout, done.stderr)

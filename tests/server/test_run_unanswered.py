@@ -52,7 +52,7 @@ def test_a_service_that_takes_the_connection_and_never_answers_is_not_blamed_on_
             conn.close()
     assert done.returncode == 1 and done.stdout == "", done
     (line,) = done.stderr.splitlines()
-    assert line.startswith(f"fedpar run: the service at {address} did not answer within "), line
+    assert line.startswith(f"fedpar run: the service at {address} takes connections but does not answer "), line
     assert "is it running? stopped" in line and "certificate" not in line and "--certs" not in line, line
 
 
@@ -75,3 +75,10 @@ def test_a_service_of_another_ca_still_gets_the_certificate_line(tmp_path):
     assert line.startswith(f"fedpar run: TLS handshake with the service at {address} failed: its certificate is "
                            f"not signed by the CA in {other / 'ca.pem'}"), line
     assert fine.returncode == 0 and fine.stdout.startswith("  ID  NAME"), fine
+
+
+def test_an_address_whose_name_cannot_be_encoded_is_not_taken_for_silence():
+    """A label over 63 characters made the probe raise UnicodeError: a traceback from `fedpar run` (review)."""
+    from fedpar.security.handshake import silence_at
+
+    assert silence_at(f"{'a' * 64}.example:7000", 0.5) is None

@@ -27,3 +27,10 @@ def free_port_run(count: int, attempts: int = 50) -> int:
             for s in held:
                 s.close()
     raise RuntimeError(f"no {count} consecutive free loopback ports in {attempts} tries")
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (free a moment ago): a coordinator that is down."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        return held.getsockname()[1]
