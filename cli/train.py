@@ -124,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
+            _make_output_folder(cfg.out)
             _spawn_ranks(spawn, world, spawned_train_process, cfg, args)
         else:
             train_process(cfg, args.dist_timeout, StepBar())
@@ -142,7 +143,9 @@ def _run(args: argparse.Namespace) -> int:
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
         _raise_if_reader_left(exc)
-        print(f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
+        # a rank killed from outside (kill -9, out of memory) left no traceback; what the run can do next, as a stop
+        print(f"fedpar train: {exc}{_resume_hint(cfg)}" if exc.signal_name else
+              f"fedpar train: {exc} (--debug shows the traceback)", file=sys.stderr)
         return 1
     except UnsafeCheckpointError as exc:  # damaged where check_resume could not see it (in this process's rank)
         if args.debug:
@@ -150,6 +153,17 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _make_output_folder(out: str) -> None:
+    """``out``, made here before the ranks start: one that cannot be made is said as one process says it (UserError),
+    not as rank 0's FileNotFoundError."""
+    from fedpar.cli.user_errors import UserError, describe
+
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(describe(exc), exit_code=1) from None
 
 
 def _resume_hint(cfg: TrainConfig) -> str:

@@ -20,6 +20,7 @@ import pytest
 from fedpar.cli.config import load_toml_section
 from fedpar.parallel.config import (ConfigurationError, ParallelConfig, ParallelLayout, TrainConfig,
                                    train_config_from_dict)
+from support.processes import children
 
 
 # Process start-up dominates (7-18 s per launch when idle); on a 2-core box shared with other jobs a
@@ -188,6 +189,13 @@ def test_toml_config_with_command_line_overrides(tmp_path: Path):
         train_config_from_dict(load_toml_section(path, "train"))
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended meanwhile
+        return b"resource_tracker"
+
+
 def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_run(tmp_path: Path, fsdp_run, capsys,
                                                                                   monkeypatch):
     from fedpar.cli.main import main
@@ -197,23 +205,30 @@ def test_train_sigkilled_mid_run_resumes_and_ends_exactly_like_an_uninterrupted_
     crashed = tmp_path / "crashed"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.Popen([sys.executable, "-m", "fedpar", "train", *GLOO, *_fsdp_args(crashed, "--no-plot")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     metrics = crashed / "metrics.jsonl"
     deadline = time.monotonic() + 300
     try:
-        # Kill the whole process group (launcher and both ranks) once a checkpoint exists and training went on.
+        # Kill rank 1 (as the kernel's OOM killer would) once a checkpoint exists and training went on.
         while time.monotonic() < deadline and proc.poll() is None:
             steps = [json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()] if metrics.exists() else []
             if steps and max(steps) >= 30:
-                os.killpg(proc.pid, signal.SIGKILL)
+                ranks = [p for p in children(proc.pid) if b"resource_tracker" not in _cmdline(p)]
+                os.kill(ranks[-1], signal.SIGKILL)
                 break
             time.sleep(0.02)
-        proc.wait(30)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it longer"
+            proc.communicate()
+    assert proc.returncode == 1, f"the run finished before it could be killed; make it longer: {err[-2000:]}"
     assert not (crashed / "summary.json").exists()
+    (said,) = [line for line in err.splitlines() if line.startswith("fedpar train:")]
+    # it said what happened and what to do next (QA: no next step, and '--debug shows the traceback' of a kill)
+    assert "was killed by SIGKILL" in said and "; the same command resumes from its checkpoint step-" in said, err
+    assert "--debug" not in said and "Traceback" not in err, err
     # The same command again, resumed by `fedpar train`'s main in this process (it spawns the two ranks itself).
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
