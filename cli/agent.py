@@ -123,8 +123,10 @@ def run(args: argparse.Namespace) -> int:
         print("fedpar client: --run-config needs --flower-app", file=sys.stderr)
         return 2
     if (args.flower_client or args.flower_app) and wants_engine(args):
-        print("fedpar client: --flower-client and --flower-app train with the Flower client's own code; --nproc "
-              "and the engine options are for fedpar's trainer", file=sys.stderr)
+        given, whose = ("--flower-app", "the Flower App's") if args.flower_app else ("--flower-client",
+                                                                                  "the Flower client's")
+        print(f"fedpar client: {given} trains with {whose} own code; --nproc and the engine options are for fedpar's "
+              "own trainer: drop them", file=sys.stderr)
         return 2
     if wants_engine(args):
         return run_engine(args)
