@@ -517,7 +517,8 @@ class ClientRuntime:
         sender = UpdateSender(auth, task, stub, self.link.small_sender(settings.compression == "topk", stub),
                               deadline_at, self._chunk_bytes(), self.link.max_chunk, self.link.small_below, self._rng,
                               note, superseded=lambda: self._over(task.round, started), stopped=self._stop.is_set,
-                              rank=rank if rank != self.config.server else None, server=self.config.server)
+                              rank=rank if rank != self.config.server else None, server=self.config.server,
+                              give_up_after=self.config.give_up_after)
         send = sender.send if data_plane is None else \
             functools.partial(self._upload_via_data_plane, auth, task, data_plane, deadline_at, sender.send)
         if settings.compression != "none":

@@ -276,8 +276,10 @@ class UpdateSender:
     def __init__(self, auth: pb.AgentAuth, task: pb.TrainTask, stub: CoordinatorStub, send_small: SendSmall,
                  deadline_at: float, chunk_bytes: int, max_chunk: int, small_below: int, rng: Uniform,
                  note_refusal: Callable[[str, Exception], None], superseded: Callable[[], bool] = lambda: False,
-                 stopped: Callable[[], bool] = lambda: False, rank: str | None = None, server: str = ""):
+                 stopped: Callable[[], bool] = lambda: False, rank: str | None = None, server: str = "",
+                 give_up_after: float | None = None):
         self.auth, self.task, self.stub, self.send_small = auth, task, stub, send_small
+        self.give_up_after = give_up_after  # --give-up-after: an unreachable coordinator's retries end then too
         self.rank, self.server = rank, server
         self.superseded = superseded  # a task of another round came: this one's round (or run) is over
         self.stopped = stopped
@@ -293,7 +295,7 @@ class UpdateSender:
         single = small_update(header, upload.layout, upload.arrays, self.max_chunk, self.small_below,
                               rows=None if upload.encoding else result.rows)
         backoff: Backoff | None = None  # made at the first refusal to retry: most uploads go through at once
-        said_unreachable = False
+        said_unreachable, retry_until = False, self.deadline_at
         abandoned = lambda: self.stopped() or self.superseded()  # noqa: E731
         while True:
             try:
@@ -328,14 +330,17 @@ class UpdateSender:
                     return False
                 # Busy coordinator or a broken connection: retry while the deadline allows.
                 backoff = backoff or Backoff(0.1, 2.0, self.rng)
-                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(self.deadline_at) or self.superseded():
+                if err.code() == grpc.StatusCode.UNAVAILABLE and not said_unreachable and self.give_up_after is not None:
+                    retry_until = min(self.deadline_at, time.monotonic() + self.give_up_after)
+                if err.code() not in UPLOAD_RETRYABLE or not backoff.fits_before(retry_until) or self.superseded():
                     self.note_refusal("upload", err)
                     return False
                 if err.code() == grpc.StatusCode.UNAVAILABLE and not said_unreachable:
                     said_unreachable = True  # once an upload: the retries go on quietly until the deadline
-                    log.info("%s: coordinator unreachable while uploading (%s); retrying until the round's deadline, "
-                             "%.0fs from now", self.auth.agent_id, one_line(err.details() or ""),
-                             self.deadline_at - time.monotonic())
+                    log.info("%s: coordinator unreachable while uploading (%s); retrying until %s, %.0fs from now",
+                             self.auth.agent_id, one_line(err.details() or ""),
+                             "the round's deadline" if retry_until == self.deadline_at else "--give-up-after",
+                             retry_until - time.monotonic())
                 sleep_unless(backoff.wait(), self.stopped)
 
     def _given_up_for_stop(self) -> bool:

@@ -72,12 +72,13 @@ def test_a_real_agent_retries_a_small_grpc_upload_while_the_upload_queue_is_full
 
 
 def test_an_agent_says_once_that_its_coordinator_went_away_during_the_upload(start_coordinator, caplog):
-    # a coordinator stopped by Ctrl-C leaves its agents retrying their uploads until the round's deadline: they say so
+    # a coordinator stopped by Ctrl-C leaves its agents retrying their uploads until the round's deadline, or their
+    # --give-up-after when sooner (QA: exit 64 s after, with --give-up-after 5): they say so
     torch.manual_seed(0)
     model = nn.Linear(16, 4)
     init = [w.detach().numpy().copy() for w in model.parameters()]
     names = [n for n, _, _ in weight_specs(model)]
-    server = start_coordinator(init, names=names, clients_per_round=1, min_available=1, deadline_seconds=4.0)
+    server = start_coordinator(init, names=names, clients_per_round=1, min_available=1, deadline_seconds=60.0)
     rng = np.random.default_rng(1)
     gate, training = threading.Event(), threading.Event()
 
@@ -103,12 +104,14 @@ def test_an_agent_says_once_that_its_coordinator_went_away_during_the_upload(sta
         runner.start()
         assert training.wait(30)
         server.stop(grace=0)
+        stopped = time.monotonic()
         gate.set()
         runner.join(60)
     assert not runner.is_alive() and ended and "unreachable for 2.0s" in ended[0], ended
+    assert time.monotonic() - stopped < 20  # the upload's 2 s, then the pulls' 2 s: not the round's 60 s deadline
     said = [r.getMessage() for r in caplog.records if "coordinator unreachable while uploading" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("a: coordinator unreachable while uploading (") and \
-        "retrying until the round's deadline" in said[0], said
+        "retrying until --give-up-after, 2s from now" in said[0], said
 
 
 def test_a_reported_task_failure_closes_the_agents_slot_and_is_kept_as_one_printable_line(start_coordinator, agents):
