@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fedpar.parallel import checkpoint_retention
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, safe_load
 from fedpar.protocol.atomicfile import atomic_write_bytes
@@ -34,6 +35,7 @@ from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settin
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step-\d{8}")
+_STEP_GLOB = "step-" + "?" * 8
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -70,7 +72,8 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
     """Collectively save model, optimizer, integer ``counters`` (must include ``step``) and every rank's RNG;
     rank 0 keeps ``record`` (what a resume must match: :func:`run_record`) beside them, as run.json.
 
-    Call on all ranks. The checkpoint becomes visible (``latest``) only after every rank has written it.
+    Call on all ranks. The checkpoint becomes visible (``latest``) only after every rank has written it; then rank 0
+    keeps this run's newest ``keep`` and removes the rest, an earlier run's among them (checkpoint_retention.py).
     """
     directory = Path(directory)
     target = step_dir(directory, counters["step"])
@@ -88,8 +91,7 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
         if record is not None:
             record_settings(target / RUN_RECORD, record)
         atomic_write_bytes(directory / LATEST, [(target.name + "\n").encode()])
-        for old in sorted(directory.glob("step-*"))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        checkpoint_retention.prune(directory, target.name, _STEP_GLOB, keep)
     dist.barrier()
     return target
 
@@ -176,6 +178,7 @@ def load_checkpoint(path: str | Path, model_parts: list[nn.Module], optimizers: 
     torch.set_rng_state(state[_rng_key()])
     if torch.cuda.is_available():
         torch.cuda.set_rng_state(state[_rng_key() + ".cuda"])
+    checkpoint_retention.resumed(Path(path).parent, Path(path).name, _STEP_GLOB)  # this run's checkpoints so far
     return {k: int(v) for k, v in state["counters"].items()}
 
 

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from fedpar.parallel import checkpoint_retention
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
 
@@ -24,6 +25,7 @@ LATEST = "latest"
 MODEL_FILE, STATE_FILE = "model.safetensors", "state.safetensors"
 RNG_KEY = "rng.cpu"
 _EPOCH_NAME = re.compile(r"epoch-\d{6}")
+_EPOCH_GLOB = "epoch-??????"
 _STEP_NAME = re.compile(r"step-\d{8}")  # parallel/checkpoint.py's (the zoo trainer's)
 
 
@@ -39,7 +41,8 @@ def epoch_dir(directory: Path, epoch: int) -> Path:
 def save_epoch_checkpoint(directory: Path, model: nn.Module, counters: dict[str, float], record: dict,
                           keep: int = 2) -> Path:
     """Keep ``model``'s weights, ``counters`` (``epoch`` among them) and this process's RNG after an epoch, with
-    ``record`` (the settings a resume must match); only the newest ``keep`` checkpoints stay."""
+    ``record`` (the settings a resume must match); only this run's newest ``keep`` checkpoints stay (an earlier
+    run's are removed once this one is ``latest``: checkpoint_retention.py)."""
     target = epoch_dir(directory, int(counters["epoch"]))
     staged = target.with_name(target.name + ".partial")  # whole before it takes the name (a kill leaves no half)
     shutil.rmtree(staged, ignore_errors=True)
@@ -51,8 +54,7 @@ def save_epoch_checkpoint(directory: Path, model: nn.Module, counters: dict[str,
     shutil.rmtree(target, ignore_errors=True)  # an earlier run's (--no-resume)
     staged.rename(target)
     atomic_write_bytes(Path(directory) / LATEST, [(target.name + "\n").encode()])
-    for old in sorted(Path(directory).glob("epoch-??????"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    checkpoint_retention.prune(directory, target.name, _EPOCH_GLOB, keep)
     return target
 
 
@@ -112,4 +114,5 @@ def load_epoch_checkpoint(path: Path, model: nn.Module, afresh: str) -> dict[str
     rng = state.pop(RNG_KEY, None)
     if rng is not None and rng.dtype == torch.uint8:
         torch.set_rng_state(rng)
+    checkpoint_retention.resumed(path.parent, path.name, _EPOCH_GLOB)  # this run's checkpoints so far
     return {key: float(value.item()) for key, value in state.items() if value.numel() == 1}
