@@ -17,6 +17,7 @@ from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task, id
 from fedpar.cli.declared import add_declared, from_args
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_replicas_renamed
+from fedpar.client.stats import AgentStats
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, ParallelLayout
 from fedpar.settings import setting
 from fedpar.task import raised
@@ -60,6 +61,7 @@ def _check_ranks_asked(p: ParallelConfig) -> None:
                                  "launch the agent under torchrun)")
 
 
+STOP_GRACE_SECONDS = 5.0  # how long a stopped launch waits for rank 0 to say what the agent did before killing it
 LAUNCH_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -103,6 +105,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.init import exit_rank_process, spawn
     from fedpar.parallel.rank_failure import RankFailed, ranks_said_in_one_line
+    from fedpar.parallel.stopping import exit_code, signal_name
 
     under_launcher = "WORLD_SIZE" in os.environ
     try:
@@ -132,11 +135,18 @@ def run_engine(args: argparse.Namespace) -> int:
     options = {k: v for k, v in vars(args).items() if k != "_module"}
     # Rank 0 reports its exit code here rather than by exiting non-zero, which would make torch's spawn
     # terminate the other ranks while they are still leaving the group.
+    # On a stop, rank 0 says what the agent did and sets it too: the launcher then says nothing more.
     code = torch.multiprocessing.get_context("spawn").Value("i", 0)
     debug = _shows_tracebacks(args)
     try:
-        with ranks_said_in_one_line(debug):
-            spawn(world, _spawned, options, layout, code, parent_stops=True)  # Ctrl-C here stops the ranks too
+        with ranks_said_in_one_line(debug):  # Ctrl-C or SIGTERM here stops the ranks too (rank 0 first)
+            spawn(world, _spawned, options, layout, code, parent_stops=True, stop_grace=STOP_GRACE_SECONDS)
+    except KeyboardInterrupt as exc:  # LaunchStopped: SIGINT or SIGTERM to this process (or its group)
+        if not code.value:  # rank 0 did not say what the agent did
+            said_nothing = getattr(exc, "rank_0_said_nothing", False)  # it had not started: no task yet
+            print(f"fedpar client: interrupted{f' after {AgentStats().summary()}' if said_nothing else ''}",
+                  file=sys.stderr)
+        return exit_code(signal_name(exc))  # 130, 143: the signal this process was sent
     except RankFailed as failed:
         print(f"fedpar client: rank {failed.rank} of agent {args.agent_id} {failed.what}, which stops the agent; "
               f"start it again{'' if failed.signal_name else ' (--debug shows where)'}", file=sys.stderr)
@@ -170,14 +180,38 @@ def _shows_tracebacks(args: argparse.Namespace) -> bool:
 
 
 def _spawned(options: dict, layout: ParallelLayout, code) -> None:
-    result = engine_process(argparse.Namespace(**options), layout)
+    result = engine_process(argparse.Namespace(**options), layout, said=code)
     if result:
         code.value = result
 
 
-def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
+def engine_process(args: argparse.Namespace, layout: ParallelLayout, said=None) -> int:
     """One rank of the agent (``layout``: the launcher's, as it resolved it): build the sharded trainer; rank 0 runs
-    the Agent, the others follow it."""
+    the Agent, the others follow it. Rank 0 takes its launcher's stop (SIGTERM; SIGINT under torchrun) from its
+    start: it says what the agent did, as a one-process agent does, sets ``said`` (a shared int: its launcher then
+    says nothing more) and leaves at once with 130 or 143 (the launcher or torchrun stops the other ranks)."""
+    from fedpar.parallel.init import exit_rank_process
+    from fedpar.parallel.stopping import StopRequested, exit_code, signal_name, stop_on_signals
+
+    if os.environ.get("RANK", "0") != "0":
+        return _engine_rank(args, layout, None)
+    driving: list = []  # the Agent, once rank 0 has one (its counts); then "said", once it said its last line
+    try:
+        with stop_on_signals(second_exits=False):  # the launcher escalates a second signal
+            return _engine_rank(args, layout, driving)
+    except StopRequested as exc:
+        if len(driving) < 2:  # not once the agent has said its own last line (a stop as its ranks leave)
+            stats = driving[0].stats if driving else AgentStats()
+            print(f"fedpar client: interrupted after {stats.summary()}", file=sys.stderr, flush=True)
+        code = exit_code(signal_name(exc))
+        if said is not None:
+            said.value = code
+        exit_rank_process(code)  # not the barrier or the group's teardown: the other ranks may be mid-task
+        return code  # not reached
+
+
+def _engine_rank(args: argparse.Namespace, layout: ParallelLayout, driving: list | None) -> int:
+    """:func:`engine_process`'s rank; rank 0 (``driving``: where it puts its Agent) drives the agent."""
     import torch
 
     from fedpar.cli.tlsopts import client_security
@@ -205,7 +239,7 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
                 print(f"fedpar client: {exc}", file=sys.stderr)
             return 2
         if info.is_main:
-            code = _drive(args, trainer, agent_config(args, security), task.name, info.world_size)
+            code = _drive(args, trainer, agent_config(args, security), task.name, info.world_size, driving)
         else:
             trainer.follow()
             code = 0
@@ -216,12 +250,15 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout) -> int:
         shutdown_distributed()
 
 
-def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int) -> int:
-    """Rank 0: the ordinary agent loop over the engine trainer, then release the other ranks whatever happened."""
+def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int, driving: list | None = None) -> int:
+    """Rank 0: the ordinary agent loop over the engine trainer, then release the other ranks whatever happened
+    (``driving``: where its Agent is put, for its counts on a stop)."""
     from fedpar.client.agent import Agent, FatalAgentError
     from fedpar.client.links import IdTaken
 
     agent = Agent(config, trainer)
+    if driving is not None:
+        driving.append(agent)
     print(f"agent {args.agent_id}: {trainer.num_examples} training examples of {task_name} over {world} ranks, "
           f"dialing {args.server}", flush=True)
     # Any other exception ends this process; the other ranks then fail fast on the closed connection.
@@ -233,4 +270,6 @@ def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int
         return 1
     trainer.shutdown()
     print(f"agent {args.agent_id}: {stats.summary()}", flush=True)
+    if driving is not None:
+        driving.append("said")
     return 0
