@@ -8,7 +8,8 @@ from fedpar.protocol.codec import CodecError, ModelLayout, one_line
 
 # The start of the reason an agent tells the coordinator with (cli/user_errors.py words a run's end from it).
 MODEL_DIFFERS = "model does not fit the coordinator's"
-RESTART = "start the agent with the coordinator's task and --task-option values"
+RESTART = ("start the agent with the coordinator's task and --task-option values (a Flower App: the one the "
+           "coordinator's serve --flower-app runs)")
 
 
 class ModelMismatch(CodecError):

@@ -151,14 +151,15 @@ def test_an_agent_whose_task_options_make_another_model_tells_the_coordinator_an
     assert stderr.strip().splitlines()[-1] == (
         "fedpar client: alice: the coordinator's model does not fit this agent's task: tensor '0.weight' is "
         "float32[8, 4] there, float32[16, 4] here; start the agent with the coordinator's task and --task-option "
-        "values")
+        "values (a Flower App: the one the coordinator's serve --flower-app runs)")
     reason = ("model does not fit the coordinator's: tensor '0.weight' is float32[8, 4] at the coordinator, "
               "float32[16, 4] at the agent (the agent's task or --task-option values differ)")
     assert f"round 1: alice answered with no update: its {reason}" in served
     assert serve.returncode == 1 and "Traceback" not in served and "fix the task" not in served, served
     assert served.strip().splitlines()[-1] == ("fedpar serve: every round failed (1 of 1): an agent's " + reason +
                                                "; start the agent with the coordinator's task and --task-option "
-                                               "values")
+                                               "values (a Flower App: the one the coordinator's serve --flower-app "
+                                               "runs)")
     assert [(r["status"], r["close_reason"], r["training_error"]) for r in _rows(out)] == \
         [("failed", "every sampled agent answered", reason)]
 
