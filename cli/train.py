@@ -113,8 +113,7 @@ def _run(args: argparse.Namespace) -> int:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
         cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
         check_all_apply(args, cfg)
-        preflight(cfg)
-        check_resume(cfg)  # a checkpoint of another layout or model: said here, not by every rank
+        check_resume(cfg, preflight(cfg))  # a checkpoint of another layout, model or data: said here, not by every rank
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2

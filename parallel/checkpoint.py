@@ -138,25 +138,30 @@ def check_checkpoint(path: Path) -> None:
                                         f"damaged); {_instead(path)}")
 
 
-def run_record(config: TrainConfig) -> dict:
+def run_record(config: TrainConfig, data_shape: dict | None = None) -> dict:
     """What a resume of ``config`` (its layout resolved) must match, by the option that sets each: the world size,
-    the parallel degrees, the model's settings, the data it was shaped for and the optimizer whose state it keeps."""
+    the parallel degrees, the model's settings, the data it was shaped for (``data_shape``: what the data told the
+    model, e.g. a text's ``vocab_size``, from another --data-path too) and the optimizer whose state it keeps."""
     p = config.parallel
-    return {"--nproc": getattr(p, "world_size", None), "--dp-replicate": p.dp, "--fsdp": p.fsdp, "--tp": p.tp,
-            "--pp": p.pp, "--stages-per-rank": p.stages_per_rank, "--model": config.model, "--dataset": config.dataset,
-            "--optimizer": config.optimizer,
-            "--model-arg": " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(config.model_kwargs.items())) or "none",
-            "--block-size": config.block_size}
+    record = {"--nproc": getattr(p, "world_size", None), "--dp-replicate": p.dp, "--fsdp": p.fsdp, "--tp": p.tp,
+              "--pp": p.pp, "--stages-per-rank": p.stages_per_rank, "--model": config.model,
+              "--dataset": config.dataset, "--optimizer": config.optimizer,
+              "--model-arg": " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(config.model_kwargs.items())) or "none",
+              "--block-size": config.block_size}
+    if data_shape is not None:
+        record["--data-path"] = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(data_shape.items())) or "none"
+    return record
 
 
-def check_resume(config: TrainConfig) -> None:
+def check_resume(config: TrainConfig, data_shape: dict | None = None) -> None:
     """A ValueError, one line before any rank starts, when ``config`` would resume (``--resume``, the default) from a
-    damaged checkpoint (UnsafeCheckpointError) or one written with another layout or model (RunRecordError): what
-    is wrong, and what to do. A checkpoint of older code keeps no record of them: it is resumed as before."""
+    damaged checkpoint (UnsafeCheckpointError) or one written with another layout, model or data (``data_shape``:
+    what this run's data tells the model; RunRecordError): what is wrong, and what to do. A checkpoint of older code
+    keeps no record of them: it is resumed as before."""
     latest = latest_checkpoint(Path(config.out) / "checkpoints") if config.resume else None
     if latest is not None:
         check_checkpoint(latest)
-        check_settings(latest / RUN_RECORD, run_record(config), source=str(latest),
+        check_settings(latest / RUN_RECORD, run_record(config, data_shape), source=str(latest),
                        afresh=f"pass --no-resume to start afresh in {config.out} (or another --out)")
 
 

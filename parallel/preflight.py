@@ -12,8 +12,9 @@ from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.parallelize import check_model_layout
 
 
-def preflight(config: TrainConfig) -> None:
-    """Check data and model shape against the layout ``config`` was resolved into (TrainConfig.resolved).
+def preflight(config: TrainConfig) -> dict:
+    """Check data and model shape against the layout ``config`` was resolved into (TrainConfig.resolved); what the
+    data tells the model (e.g. a text's ``vocab_size``), which a resume must match.
 
     The data is read here too (every rank reads it again), so that a missing --data-path, a model that does not fit
     the data or a --model-arg it does not take is said in one line before any rank starts; the model is built on
@@ -32,3 +33,4 @@ def preflight(config: TrainConfig) -> None:
     if config.batch_size > examples:  # each step would repeat the set to fill its batch (10^12: a MemoryError)
         raise ValueError(f"--batch-size {config.batch_size} is more than the {examples} training examples of "
                          f"--dataset {config.dataset}; give --batch-size {examples} or less")
+    return implied

@@ -25,7 +25,7 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
     try:
         data, implied = load_train_data(cfg.dataset, cfg.data_path, cfg.block_size, cfg.seed)
         kwargs = model_kwargs_for(cfg.model, implied, cfg.model_kwargs)
-        trainer = Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info, progress)
+        trainer = Trainer(cfg, lambda: build_model(cfg.model, **kwargs), data, info, progress, data_shape=implied)
         try:
             summary = trainer.run() or {}
         except KeyboardInterrupt as exc:  # SIGINT or SIGTERM, between two steps: keep the model trained so far

@@ -101,9 +101,11 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, model_fn: Callable[[], nn.Module], data: TrainData,
-                 info: DistInfo, progress: StepProgress | None = None) -> None:
+                 info: DistInfo, progress: StepProgress | None = None, data_shape: dict | None = None) -> None:
         """Check the configuration, build the mesh, parallelize the model and build the optimizers; rank 0 shows
-        its progress on ``progress`` (plain lines on standard output when None)."""
+        its progress on ``progress`` (plain lines on standard output when None). ``data_shape``: what the data told
+        the model (its checkpoints keep it: a resume from another --data-path's is refused before any rank starts)."""
+        self.data_shape = data_shape
         if not isinstance(config.parallel, ParallelLayout):  # not resolved by a launcher: this path starts here
             config = config.resolved(info.world_size, info.device.type)
         config.parallel.check_runs_on(info.world_size, info.device.type)
@@ -234,7 +236,7 @@ class Trainer:
     def save(self) -> Path:
         """Collectively checkpoint model, optimizer, counters and RNG."""
         return save_checkpoint(self._checkpoint_dir(), self.model.parts, self.optimizers, dict(self.counters),
-                               record=run_record(self.config))
+                               record=run_record(self.config, self.data_shape))
 
     def maybe_resume(self) -> int:
         """Load the latest checkpoint of this run directory if there is one; returns the step resumed from."""
