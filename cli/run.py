@@ -62,7 +62,7 @@ def _stub(args: argparse.Namespace):
     return pb_grpc.RunControlStub(channel)
 
 
-CONNECT_SECONDS = 8.0  # a control channel's connection attempt: a handshake on a live service takes milliseconds
+CONNECT_SECONDS = 5.0  # a control channel's connection attempt: a handshake on a live service takes milliseconds
 
 
 def _operator_files(args: argparse.Namespace):
