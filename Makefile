@@ -41,12 +41,13 @@ docs: $(VENV)/.installed
 proto: $(VENV)/.installed
 	$(PY) -m fedpar.protocol.generate
 
-# On a machine with a CUDA GPU (docs/how-to/gpus.md; tools/gpu_box.sh sets one up): the whole suite, CUDA tests
-# included, for at most GPU_CHECK_TEST_SECONDS (then it and every process it started are stopped: a benchmark after it
-# must not share the CPUs with leftovers), then benchmarks/gpu_bench.py and its MFU of a 1.2B GPT (--large: the size
-# where the MFU target applies), each step run whatever the one before gave. pytest runs with -v, so a run cut short
-# still names each failure; logs and the benchmarks' JSON go to GPU_CHECK_OUT. GPU_PY is a python that has fedpar
-# installed over the GPU build of torch (the default, .venv's, is the CPU wheel unless made with TORCH=torch).
+# On a machine with a CUDA GPU (docs/how-to/gpus.md; tools/gpu_box.sh sets one up): benchmarks/gpu_bench.py and its MFU
+# of a 1.2B GPT (--large: the size where the MFU target applies) first, on an idle box (a suite cut short leaves
+# processes of their own sessions behind: two benchmark runs after one were 0.75-0.84x), then the whole suite, CUDA
+# tests included, for at most GPU_CHECK_TEST_SECONDS; each step runs whatever the one before gave. pytest runs with
+# -v, so a run cut short still names each failure; logs and the benchmarks' JSON go to GPU_CHECK_OUT. GPU_PY is a
+# python that has fedpar installed over the GPU build of torch (the default, .venv's, is the CPU wheel unless made
+# with TORCH=torch).
 GPU_PY ?= $(PY)
 GPU_CHECK_OUT ?= runs/gpu-check
 GPU_CHECK_PYTEST_ARGS ?= -n 6
@@ -54,6 +55,8 @@ GPU_CHECK_TEST_SECONDS ?= 900
 gpu-check:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check: torch ' + torch.__version__ + ' sees no CUDA GPU here')"
 	mkdir -p $(GPU_CHECK_OUT)
+	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --json $(GPU_CHECK_OUT)/gpu_bench.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench.log; echo $$? > $(GPU_CHECK_OUT)/gpu_bench.rc'
+	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --only mfu --large --warmup 5 --steps 20 --json $(GPU_CHECK_OUT)/gpu_bench_large.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench_large.log; echo $$? > $(GPU_CHECK_OUT)/gpu_bench_large.rc'
 	-bash -c 'set -m; log=$(GPU_CHECK_OUT)/tests.log; : > $$log; \
 	  ($(GPU_PY) -m pytest -v -rs -p no:cacheprovider $(GPU_CHECK_PYTEST_ARGS) tests >> $$log 2>&1) & job=$$!; \
 	  (sleep $(GPU_CHECK_TEST_SECONDS); echo "gpu-check: the suite ran out of its $(GPU_CHECK_TEST_SECONDS) s" >> $$log; \
@@ -61,7 +64,5 @@ gpu-check:
 	  trap "kill -INT -- -$$job; kill -- -$$timer" INT TERM; \
 	  wait $$job; rc=$$?; kill -- -$$timer 2>/dev/null; kill -KILL -- -$$job 2>/dev/null; echo $$rc > $(GPU_CHECK_OUT)/tests.rc; \
 	  grep -E "FAILED|ERROR |[0-9]+ (passed|failed)|ran out" $$log | sort -u | tail -60; exit $$rc'
-	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --json $(GPU_CHECK_OUT)/gpu_bench.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench.log; echo $$? > $(GPU_CHECK_OUT)/gpu_bench.rc'
-	-bash -o pipefail -c '$(GPU_PY) benchmarks/gpu_bench.py --only mfu --large --warmup 5 --steps 20 --json $(GPU_CHECK_OUT)/gpu_bench_large.json 2>&1 | tee $(GPU_CHECK_OUT)/gpu_bench_large.log; echo $$? > $(GPU_CHECK_OUT)/gpu_bench_large.rc'
-	@bash -c 'for step in tests gpu_bench gpu_bench_large; do rc=$$(cat $(GPU_CHECK_OUT)/$$step.rc 2>/dev/null || echo lost); \
+	@bash -c 'for step in gpu_bench gpu_bench_large tests; do rc=$$(cat $(GPU_CHECK_OUT)/$$step.rc 2>/dev/null || echo lost); \
 	  [ "$$rc" = 0 ] || { echo "make gpu-check: $$step failed (exit $$rc; $(GPU_CHECK_OUT)/$$step.log)"; exit 1; }; done'

@@ -92,6 +92,8 @@ def test_the_secure_aggregation_refusal_of_a_strategy_lists_the_linear_ones(stra
     """--secure-aggregation's help says 'a refusal lists them': it did not, and the user had to guess one."""
     from fedpar.cli.main import main
 
+    if strategy.startswith("flower:"):
+        pytest.importorskip("flwr")
     assert main(["simulate", "--secure-aggregation", "--strategy", strategy, "--rounds", "1", "--quiet"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"fedpar simulate: --secure-aggregation cannot run with "

@@ -98,7 +98,7 @@ def test_a_host_killed_mid_round_and_started_again_gets_its_members_tasks_back(t
     assert f"{clients} clients hosted, {clients} tasks run" in said and "Traceback" not in said, said
     [row] = rows
     assert (row["status"], row["reported"], row["close_reason"]) == ("ok", clients, "target reached"), row
-    assert row["round_seconds"] < DEADLINE / 3, row  # the restart and the members' training again, not the deadline
+    assert row["round_seconds"] < DEADLINE / 2, row  # the restart and the members' training again, not the deadline
     assert row["test_accuracy"] > 0.8, row
 
 
@@ -148,7 +148,7 @@ def test_an_agent_killed_mid_round_and_started_again_gets_its_task_back(tmp_path
         server.stop()
     [row] = rows
     assert (row["status"], row["reported"], row["close_reason"]) == ("ok", 2, "target reached"), row
-    assert row["round_seconds"] < DEADLINE / 3, row
+    assert row["round_seconds"] < DEADLINE / 2, row  # not the deadline (a CUDA torch takes seconds to start)
     assert row["test_accuracy"] > 0.8, row
 
 
@@ -205,5 +205,5 @@ def test_a_secure_round_counts_a_restarted_agent_as_failed_and_closes_on_the_oth
                     "aggregation's key setup fixed this round's masks): counted as failed"], said
     [row] = rows
     assert (row["status"], row["reported"], row["secagg_dropped"]) == ("ok", 2, 1), row
-    assert row["round_seconds"] < DEADLINE / 3, row
+    assert row["round_seconds"] < DEADLINE / 2, row  # not the deadline (a CUDA torch takes seconds to start)
     assert row["test_accuracy"] > 0.8, row
