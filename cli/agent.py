@@ -16,6 +16,7 @@ from fedpar.cli.declared import add_declared, section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
+from fedpar.cli.user_errors import say_agent_interrupted
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import ConfigurationError, Device, Precision
 from fedpar.sections import Seeded
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedpar client: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: what it did so far, as serve and simulate say theirs
-        print(f"fedpar client: interrupted after {agent.stats.summary()}", file=sys.stderr)
+        say_agent_interrupted(agent.stats.summary())
         return exit_code(signal_name(exc))  # 130, 143
     print(f"agent {args.agent_id}: {stats.summary()}", flush=True)
     return 0

@@ -17,6 +17,7 @@ from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task, id
 from fedpar.cli.declared import add_declared, from_args
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_replicas_renamed
+from fedpar.cli.user_errors import say_agent_interrupted
 from fedpar.client.stats import AgentStats
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, ParallelLayout
 from fedpar.settings import setting
@@ -144,8 +145,7 @@ def run_engine(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # LaunchStopped: SIGINT or SIGTERM to this process (or its group)
         if not code.value:  # rank 0 did not say what the agent did
             said_nothing = getattr(exc, "rank_0_said_nothing", False)  # it had not started: no task yet
-            print(f"fedpar client: interrupted{f' after {AgentStats().summary()}' if said_nothing else ''}",
-                  file=sys.stderr)
+            say_agent_interrupted(AgentStats().summary() if said_nothing else None)
         return exit_code(signal_name(exc))  # 130, 143: the signal this process was sent
     except RankFailed as failed:
         print(f"fedpar client: rank {failed.rank} of agent {args.agent_id} {failed.what}, which stops the agent; "
@@ -202,7 +202,7 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout, said=None) 
     except StopRequested as exc:
         if len(driving) < 2:  # not once the agent has said its own last line (a stop as its ranks leave)
             stats = driving[0].stats if driving else AgentStats()
-            print(f"fedpar client: interrupted after {stats.summary()}", file=sys.stderr, flush=True)
+            say_agent_interrupted(stats.summary())
         code = exit_code(signal_name(exc))
         if said is not None:
             said.value = code

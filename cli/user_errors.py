@@ -116,6 +116,13 @@ def runs_service(argv: list[str]) -> bool:
     return bool(argv) and argv[0] == "serve" and any(a == "--state" or a.startswith("--state=") for a in argv[1:])
 
 
+def say_agent_interrupted(summary: str | None) -> None:
+    """The one line a stopped ``fedpar client`` says: what it did (``summary``, its stats'), or no more than that it
+    stopped where a rank that knows said nothing."""
+    print(f"fedpar client: interrupted{f' after {summary}' if summary is not None else ''}", file=sys.stderr,
+          flush=True)
+
+
 def run_exit_code(command: str, summary: dict, signal_name: str | None = None, task: str | None = None) -> int:
     """128 + the number of the signal that stopped an interrupted run (130 for SIGINT, the default; 143 for
     SIGTERM), 1 (with one line saying so: the members' own failure when their code failed the last round's tasks,
