@@ -35,7 +35,7 @@ import grpc
 
 from fedpar.client.host_partial import HostSum, summable
 from fedpar.client.host_stream import CallRefused, KeptStream
-from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate
+from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate, refuses_connections
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub, one_line
 
@@ -65,8 +65,10 @@ class HostUploads:
 
     def __init__(self, stub: CoordinatorStub, host: pb.AgentAuth, max_bytes: int, linger: float = 0.0,
                  max_updates: int = 512, more_coming: Callable[[], bool] = lambda: True,
-                 registered: Callable[[str], tuple[int, int]] | None = None):
+                 registered: Callable[[str], tuple[int, int]] | None = None, rank: str = ""):
         self.stub, self.host, self.max_bytes = stub, host, max_bytes
+        self.rank = rank  # the aggregator rank's address the batches go to ('' for the coordinator)
+        self.rank_gone = False  # the rank refused a connection: its updates are given up (said once)
         self._stream = KeptStream(stub.HostUploadStream, "upload stream")  # opened at the first batch
         self.max_updates, self.linger, self.more_coming = max_updates, linger, more_coming
         self._queue: collections.deque = collections.deque()  # _Queued items; None: stop
@@ -310,6 +312,12 @@ class HostUploads:
         its deadline allows, else logged."""
         if not q.background:
             q.done.set_exception(err)
+        elif self.rank and refuses_connections(err):  # a dead rank's port (client/transfer.py's RankGone)
+            self.refused_in_background += 1
+            if not self.rank_gone:
+                self.rank_gone = True
+                log.warning("%s: aggregator rank %s refuses connections (it stopped, or its service restarted): the "
+                            "updates for it are given up", self.host.agent_id, self.rank)
         elif err.code() in UPLOAD_RETRYABLE and time.monotonic() + RETRY_PAUSE < q.deadline:
             threading.Timer(RETRY_PAUSE, self._put, (q,)).start()
         else:

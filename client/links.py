@@ -301,6 +301,11 @@ class Connection:
                 self._ingest[address] = (channel, CoordinatorStub(channel))
             return self._ingest[address][1]
 
+    def rank_address(self, stub: CoordinatorStub) -> str:
+        """The aggregator rank's address ``stub`` calls ('' for the coordinator's own)."""
+        with self._ingest_lock:
+            return next((address for address, (_, kept) in self._ingest.items() if kept is stub), "")
+
     def check_tls(self) -> str | None:
         """What TLS has to do with an unreachable coordinator (gRPC says only UNAVAILABLE): a TLS setting that
         differs from ours is returned, to be said in each retry line (its operator may restart it with ours); a
@@ -717,7 +722,8 @@ class HostLink:
             if uploads is None:
                 uploads = self.uploads[stub] = HostUploads(stub, self.host, self.max_chunk, linger=UPLOAD_LINGER,
                                                            more_coming=lambda: self._in_flight > 0,
-                                                           registered=self._registered)
+                                                           registered=self._registered,
+                                                           rank=self.conn.rank_address(stub))
                 if self._closed:  # a seat that outlived the run: its update is refused, as closed batches refuse
                     uploads.close()
             return uploads

@@ -63,3 +63,39 @@ def test_an_upload_to_a_rank_that_refuses_connections_is_given_up_and_the_agent_
     assert len(said) == 1 and said[0].endswith(
         f"a: upload refused: aggregator rank 127.0.0.1:{dead} refuses connections (it stopped, or its service "
         f"restarted): round 1's update is given up; back to the coordinator at {coordinator.address}"), out
+
+
+@pytest.mark.parametrize("rank", [True, False])
+def test_a_hosts_background_updates_to_a_rank_that_refuses_connections_are_given_up_at_once(rank, caplog):
+    """A simulation host's batches (client/host_uploads.py) to a dead rank's port are given up at the first refusal
+    and said once; to the coordinator's own address the same refusal is retried until the update's deadline (a
+    coordinator restarting takes its port back)."""
+    import logging
+
+    import numpy as np
+
+    from fedpar.client.host_uploads import HostUploads
+    from fedpar.client.transfer import SmallUpdate
+    from fedpar.protocol.codec import CoordinatorStub, ModelLayout
+
+    address = f"127.0.0.1:{closed_port()}"
+    stub = CoordinatorStub(grpc.insecure_channel(address))
+    uploads = HostUploads(stub, pb.AgentAuth(agent_id="host-a"), max_bytes=1 << 20, rank=address if rank else "")
+    update = SmallUpdate(pb.UploadHeader(task_id="t"), ModelLayout([("t", "uint8", (8,))]), [np.zeros(8, np.uint8)])
+    deadline = 2.0
+    caplog.set_level(logging.INFO, logger="fedpar.simulate")
+    start = time.monotonic()
+    for _ in range(3):
+        uploads.send_later(stub, update, deadline)
+    while uploads.refused_in_background < 3 and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    seconds = time.monotonic() - start
+    uploads.close()
+    assert uploads.refused_in_background == 3
+    said = [r.getMessage() for r in caplog.records if "refuses connections" in r.getMessage()]
+    if rank:
+        assert seconds < deadline / 2, seconds
+        assert said == [f"host-a: aggregator rank {address} refuses connections (it stopped, or its service "
+                        "restarted): the updates for it are given up"], said
+    else:
+        assert seconds >= deadline - 0.5 and said == [], (seconds, said)
