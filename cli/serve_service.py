@@ -98,6 +98,23 @@ def _check_one_shot_outputs(args: argparse.Namespace) -> None:
                         f"drop {' and '.join(given)}")
 
 
+def foreign_runs(state: str, known: set[int]) -> str | None:
+    """The line refusing a service whose ``STATE.runs`` folder holds run folders its state file does not know (an
+    earlier state file's: a new run with the same id would resume their checkpoints), else None."""
+    runs_dir = Path(f"{state}.runs")
+    try:
+        ids = sorted(int(p.name) for p in runs_dir.iterdir() if p.name.isdigit() and p.is_dir())
+    except OSError:  # no such folder yet
+        return None
+    unknown = [i for i in ids if i not in known]
+    if not unknown:
+        return None
+    shown = ", ".join(map(str, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    return (f"{runs_dir} holds the outputs of run{'s' if len(unknown) > 1 else ''} {shown}, which state file {state} "
+            f"does not know (an earlier state file's: a new run with that id would resume its checkpoints); move "
+            f"{runs_dir} aside with the state file it belongs to, or give --state another path")
+
+
 @dataclass
 class RunEnd:
     """How :meth:`RunService.execute` left a run: its status (None: a signal stopped the service during it), why,
@@ -428,10 +445,18 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         if lock is not None:
             _unlock(lock, refused=True)
         return exc.exit_code if isinstance(exc, UserError) else 2
-    try:
-        store = RunStore(state)
-    except StoreError as exc:
-        print(f"fedpar serve: {exc}", file=sys.stderr)
+    refusal = None if Path(state).exists() else foreign_runs(state, set())  # before a refused start makes the file
+    store = None
+    if refusal is None:
+        try:
+            store = RunStore(state)
+            refusal = foreign_runs(state, {run.id for run in store.runs()})
+        except StoreError as exc:
+            refusal = str(exc)
+    if refusal is not None:
+        if store is not None:
+            store.close()
+        print(f"fedpar serve: {refusal}", file=sys.stderr)
         if lock is not None:
             _unlock(lock, refused=True)
         return 2

@@ -356,8 +356,8 @@ def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
     if "locked" in text or "busy" in text:
         return f"state file {path} is locked by another process (another fedpar serve?); stop it or use another --state"
     if "not a database" in text or "malformed" in text or "corrupt" in text:
-        return (f"state file {path} is not a fedpar state database or is damaged ({text}); move it aside and start "
-                "again, or give another --state")
+        return (f"state file {path} is not a fedpar state database or is damaged ({text}); move it aside (with "
+                f"{path}.runs, its runs' outputs) and start again, or give another --state")
     if "unable to open" in text and os.path.isdir(path):  # sqlite says only 'unable to open database file'
         return _a_folder(path)
     return f"state file {path}: {text}"

@@ -625,3 +625,31 @@ def test_a_refused_service_start_leaves_no_lock_file_and_a_busy_state_file_is_on
     assert line.startswith("fedpar serve: state file") and "--debug" not in line, err
     assert err.strip() == line, err  # nothing before it either (the certificates' log lines came first)
     assert not (tmp_path / "state.db").exists()
+
+
+def test_a_service_refuses_run_folders_its_state_file_does_not_know(tmp_path, capfd):
+    """A new state file next to an earlier one's STATE.runs (the old file moved aside, as a damaged one's line says)
+    numbers its runs from 1 again: run 1 would resume the old run 1's checkpoints and report its results. The start
+    is refused in one line, before a new state file is made; a state file that knows its folders starts."""
+    from fedpar.server.run_store import RunStore
+
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--agents", "a", "--operators", "op"], capfd).returncode == 0
+    state = tmp_path / "state.db"
+    (tmp_path / "state.db.runs" / "1" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "state.db.runs" / "check").mkdir()  # a submitted run's check: not a run
+    serve = ["serve", "--state", str(state), "--certs", str(certs), "--port", "0", "--control-port", "0"]
+    rc, _, err = astuple_of(run_main(serve, capfd, tmp_path))
+    assert rc == 2, err
+    line = _one_line(err, "does not know (an earlier state file's: a new run with that id would resume its "
+                          "checkpoints)")
+    assert line == (f"fedpar serve: {state}.runs holds the outputs of run 1, which state file {state} does not know "
+                    "(an earlier state file's: a new run with that id would resume its checkpoints); move "
+                    f"{state}.runs aside with the state file it belongs to, or give --state another path"), line
+    assert not state.exists()
+    store = RunStore(state)  # a state file that knows run 1 but not run 2's folder
+    store.submit("one", {})
+    store.close()
+    (tmp_path / "state.db.runs" / "2").mkdir()
+    rc, _, err = astuple_of(run_main(serve, capfd, tmp_path))
+    assert rc == 2 and "holds the outputs of run 2, which state file" in err, err
