@@ -55,14 +55,25 @@ def load_task_from_args(args: argparse.Namespace):
     return load_task(args.task, task_options(args))
 
 
+def names_a_file(value: Any) -> bool:
+    """Whether a --task-option value is a path to a site's file or folder (absolute, './' or '../' or '~'
+    relative, or with a folder part and a file extension), not a setting that happens to hold a '/' ('1/2')."""
+    text = str(value)
+    if "/" not in text:
+        return False
+    path = PurePath(text)
+    return text.startswith(("/", "./", "../", "~")) or bool(path.suffix[1:].isalnum() and path.suffix[1:])
+
+
 def task_label(args: argparse.Namespace) -> str:
     """The task ``args`` train, as agents declare it at Join and a service's run asks for it: 'MODEL on DATASET'
-    for a built-in one, else the --task reference with its options; a file's folder is left out (each site keeps
-    its copy where it likes)."""
+    for a built-in one, else the --task reference with its options; a file's folder is left out, the task file's
+    and a data path option's alike (each site keeps its copy where it likes)."""
     if not args.task:
         kind, sep, where = str(args.dataset).partition(":")
         return f"{args.model} on {kind}{sep}{PurePath(where).name if sep else ''}"
     where, sep, factory = str(args.task).rpartition(":")
     reference = f"{PurePath(where).name if where.endswith('.py') else where}{sep}{factory}" if sep else args.task
     options = task_options(args)
-    return (reference + "".join(f" {key}={options[key]}" for key in sorted(options)))[:256]  # Join's capability limit
+    shown = {key: PurePath(str(value)).name if names_a_file(value) else value for key, value in options.items()}
+    return (reference + "".join(f" {key}={shown[key]}" for key in sorted(shown)))[:256]  # Join's capability limit

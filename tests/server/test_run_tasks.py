@@ -53,6 +53,15 @@ def test_a_task_is_named_the_same_on_every_site():
     there = argparse.Namespace(task="./speech.py:make", model="cnn", dataset="mnist",
                                task_options=["depth=2", "width=64"])  # as --task-option gives them
     assert task_label(here) == task_label(there) == "speech.py:make depth=2 width=64"
+    # a data path among the options is each site's own too (QA: sites whose copies sat at other paths never matched)
+    site_a = argparse.Namespace(task="own_task.py:task", model="mlp", dataset="digits",
+                                task_options=["csv=/work/examples/table.csv", "ratio=1/2", "folder=./shards"])
+    site_b = argparse.Namespace(task="own_task.py:task", model="mlp", dataset="digits",
+                                task_options=["csv=/tmp/site2/table.csv", "ratio=1/2", "folder=../data/shards"])
+    assert task_label(site_a) == task_label(site_b) == "own_task.py:task csv=table.csv folder=shards ratio=1/2"
+    other = argparse.Namespace(task="own_task.py:task", model="mlp", dataset="digits",
+                               task_options=["csv=/tmp/site2/other.csv", "ratio=3/4", "folder=../data/shards"])
+    assert task_label(other) == "own_task.py:task csv=other.csv folder=shards ratio=3/4"
 
 
 def test_a_run_samples_only_the_members_of_simulation_hosts_that_declare_its_task(start_coordinator):
