@@ -92,11 +92,22 @@ class PrometheusExporter:
         return metric.labels(*labels) if labels else metric
 
     def follow(self, server, run_id) -> None:
-        """From now on observe run ``run_id`` served by ``server`` (a service's next run)."""
+        """From now on observe run ``run_id`` served by ``server`` (a service's next run), dropping the series of the
+        runs before it."""
         self._agents.server = server
+        if self.run is not None and self.run != str(run_id):
+            self._drop_runs()
         self.run = str(run_id)
         self._present_at_zero()
         self._resumed(server)
+
+    def _drop_runs(self) -> None:
+        """Remove every run-labelled series: a service's endpoint (and memory) would otherwise grow by some 40 series
+        a run, for as long as the service lives; the last run's are kept until the next one starts."""
+        for metric in (self.rounds, self.last_round, self.uploads, self.refusals, self.bytes, self.round_seconds,
+                       self.fold_seconds, self.ranks_live, self.dp_epsilon):
+            if metric is not None:
+                metric.clear()
 
     def observe(self, row: dict) -> None:
         """Count one round's metrics row."""
