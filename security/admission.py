@@ -151,6 +151,7 @@ class WatchedFile:
     contents, with an error in the log, so one bad edit does not take the coordinator down.
     """
 
+    missing_is_normal = False  # a missing file at the first reading is said at debug level only
     _shared: dict[tuple[type, Path], WatchedFile] = {}  # this process's watchers, by kind and file
     _shared_lock = threading.Lock()
 
@@ -204,8 +205,9 @@ class WatchedFile:
             first, self._signature = self._signature == (), signature
         if self.quiet or (first and self._said_first):
             return self.value
-        if signature is None:
-            log.info("%s does not exist (yet): nothing in it applies", self.path)
+        if signature is None:  # at first the normal state of a new deployment; gone later: what it held is dropped
+            (log.debug if first and self.missing_is_normal else log.info)(
+                "%s does not exist (yet): nothing in it applies", self.path)
         else:
             log.info("read %s", self.path)
         return self.value
@@ -219,6 +221,8 @@ class WatchedFile:
 
 class RevocationList(WatchedFile):
     """Revoked agent ids and certificate serials from a file operators append to (missing: none revoked)."""
+
+    missing_is_normal = True  # no agent revoked yet: every service's first start (it printed a line before its banner)
 
     def __init__(self, path: str | Path | None, said: bool = False, quiet: bool = False):
         super().__init__(path, parse_revocations, said, quiet)

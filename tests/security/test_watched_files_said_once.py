@@ -32,7 +32,7 @@ def test_a_services_readings_of_its_revocation_list_are_said_once_per_change(cer
     args = build_parser().parse_args(["serve", "--certs", str(certs)])
     with caplog.at_level("INFO", logger="fedpar.security"):
         lists = [server_security(args).admission.revocations for _ in range(3)]  # start, agents' port, a run
-        assert _said(caplog) == [f"{CertPaths(certs).revoked} does not exist (yet): nothing in it applies"]
+        assert _said(caplog) == []  # a new deployment's normal state (it was a line before every service's banner)
         caplog.clear()
         append_revocation(CertPaths(certs).revoked, agent_id="bob")
         assert all(revocations.refresh() and revocations.is_revoked("bob") for revocations in lists)
@@ -60,3 +60,23 @@ def test_a_watched_file_is_shared_by_path_and_separate_lists_stay_separate(tmp_p
     path = tmp_path / "revoked.txt"
     assert RevocationList.watching(path) is RevocationList.watching(tmp_path / "." / "revoked.txt")
     assert RevocationList(path) is not RevocationList.watching(path)  # a list made directly is its own
+
+
+def test_a_missing_revocation_list_is_said_at_debug_level_and_its_removal_and_damage_clearly(tmp_path, caplog):
+    path = tmp_path / "revoked.txt"
+    with caplog.at_level("DEBUG", logger="fedpar.security"):
+        revocations = RevocationList(path)
+    assert [r.levelname for r in caplog.records if "does not exist (yet)" in r.getMessage()] == ["DEBUG"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fedpar.security"):
+        append_revocation(path, agent_id="bob")
+        assert revocations.refresh() and revocations.is_revoked("bob")
+        path.unlink()  # what it revoked no longer applies: said
+        assert not revocations.refresh()[0]
+        assert _said(caplog) == [f"read {path}", f"{path} does not exist (yet): nothing in it applies"]
+        path.mkdir()  # there, and unreadable: an error, the previous contents kept
+        revocations.refresh()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.levelname == "ERROR"] == \
+        [("ERROR", f"cannot use {path}: Is a directory; keeping its previous contents")]
+    with pytest.raises(ValueError, match="Is a directory"):
+        RevocationList(path)  # at a start: refused
