@@ -44,7 +44,8 @@ def start_fresh(out: Path) -> None:
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,
-                      more_plots: dict[str, Callable[[Path], None]] | None = None) -> RunOutputs:
+                      more_plots: dict[str, Callable[[Path], None]] | None = None,
+                      plots: bool | None = None) -> RunOutputs:
     """At the end of a run (also after Ctrl-C), in the order of what is worth most when the disk fills up or a
     plot fails: the coordinator's global model (OUT/global.safetensors and global.json, once a round completed;
     ``model`` says how to rebuild it), OUT/summary.json (what the rounds came to, from the metrics log's running
@@ -52,10 +53,13 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
     OUT/accuracy.png, loss.png (from metrics.jsonl, streamed) and ``more_plots`` (name: a function drawing that
     file).
 
-    A run stopped by Ctrl-C (``extra["interrupted"]``) gets no plots: rendering them takes about a second on a
-    busy machine, and Ctrl-C must stop a run within 2 s. A file that cannot be written does not stop the ones
-    after it; the first such OSError (naming that file, with a note of what was written) is raised once the rest
-    are written.
+    A run stopped by Ctrl-C (``extra["interrupted"]``, unless ``plots`` says otherwise) gets no plots: rendering
+    them takes about a second on a busy machine, and Ctrl-C must stop a run within 2 s. ``plots`` True: a run that
+    did not finish but was not stopped by a signal (a service's run stopped by 'fedpar run stop', or failed) gets
+    them too.
+
+    A file that cannot be written does not stop the ones after it; the first such OSError (naming that file, with
+    a note of what was written) is raised once the rest are written.
     """
     out = Path(out)
     metrics = coordinator.metrics
@@ -83,11 +87,11 @@ def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: s
         failures.append(exc)
         outputs.written += [name for name in (TENSORS, INFO) if _written_since(out / name, before)]
     attempt(SUMMARY, lambda path: atomic_write_bytes(path, [(json.dumps(summary, indent=2) + "\n").encode()]))
-    if rounds and not interrupted:
+    if rounds and (not interrupted if plots is None else plots):
         from fedpar.simulations.plots import round_plots  # matplotlib: about a second to import
 
-        plots = round_plots(metrics.read_rows(), title) if metrics.path is not None else {}
-        for name, draw in {**plots, **(more_plots or {})}.items():
+        rounds_drawn = round_plots(metrics.read_rows(), title) if metrics.path is not None else {}
+        for name, draw in {**rounds_drawn, **(more_plots or {})}.items():
             attempt(name, draw)
     if failures:
         failures[0].add_note(outputs.wrote_line(out))
