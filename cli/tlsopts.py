@@ -33,8 +33,9 @@ class TlsFileOptions:
 
     certs: Path | None = setting(None, group="tls", metavar="DIR",
                                  help="folder made by 'fedpar certs': uses DIR/ca.pem and this side's certificate "
-                                      "and key, DIR/server.pem and server.key (serve) or DIR/AGENT_ID.pem and "
-                                      "AGENT_ID.key (client): mutual TLS")
+                                      "and key, DIR/server.pem and server.key (serve), DIR/AGENT_ID.pem and "
+                                      "AGENT_ID.key (client), or the operator's DIR/operators/NAME.pem and NAME.key "
+                                      "of --operator NAME (run): mutual TLS")
     tls_cert: Path | None = setting(None, group="tls", metavar="PEM",
                                     help="this endpoint's certificate (overrides --certs)")
     tls_key: Path | None = setting(None, group="tls", metavar="PEM",
@@ -56,8 +57,9 @@ class AdmissionOptions:
         help="admit only these agent ids (default: any agent the CA certified or a token enrolled)")
     enrollment_tokens: Path | None = setting(
         None, group="tls", metavar="FILE",
-        help="agents without a client certificate must present a token whose SHA-256 is listed here ('AGENT_ID HEX' "
-             "lines, made by 'fedpar certs --mint-token')")
+        help="admit agents by a token whose SHA-256 is listed here ('AGENT_ID HEX' lines, made by 'fedpar certs "
+             "--mint-token'); the agents' port then asks for no client certificate (server-only TLS; a CA given "
+             "serves only serve --state's control port)")
     revoked: Path | None = setting(
         None, group="tls", metavar="FILE",
         help="revocation list (agent ids and 'serial:HEX' lines), re-read whenever it changes; default with --certs: "
@@ -138,7 +140,13 @@ def server_security(args: argparse.Namespace, warn: bool = True) -> ServerSecuri
     say what plaintext exposes (an aggregator rank whose launcher said it already does not say it again)."""
     _check_mode(args)
     files = None if args.insecure else server_tls_files(args.certs, args.tls_cert, args.tls_key, args.tls_ca)
-    credentials = server_credentials(files) if files is not None else None  # before the lists, whose reading is logged
+    agent_files = files
+    if files is not None and args.enrollment_tokens:
+        # agents are admitted by token, so the agents' port asks for no certificate: gRPC cannot make one optional.
+        # The CA still serves `serve --state`'s control port (operators' certificates) and the ranks' control channel.
+        agent_files = TlsFiles(files.cert, files.key, None)
+    # before the lists, whose reading is logged
+    credentials = server_credentials(agent_files) if agent_files is not None else None
     if files is not None and files.ca is not None and foreign_server_certificate(files):
         _foreign_server_certificate(args, files)
     # Said by one process: a rank's launcher says the first reading, the other ranks leave each to rank 0
@@ -150,16 +158,18 @@ def server_security(args: argparse.Namespace, warn: bool = True) -> ServerSecuri
     except ValueError as exc:
         raise TlsSetupError(str(exc)) from None
     mutual, data_tls = False, None
-    if files is not None:
-        mutual = files.ca is not None
-        data_tls = server_ssl_context(files)
-        warn_if_exposed(files.key, "this coordinator")
+    if agent_files is not None:
+        mutual = agent_files.ca is not None
+        data_tls = server_ssl_context(agent_files)
+        warn_if_exposed(agent_files.key, "this coordinator")
         if not mutual and tokens is None:
             raise TlsSetupError("without --tls-ca (server-only TLS) agents have no certificate to prove who they "
                                 "are: pass --enrollment-tokens FILE, or --certs DIR for mutual TLS")
         description = "mutual TLS" if mutual else "server TLS + enrollment tokens"
-        hint = (f"--certs {args.certs}" if args.certs else
-                "--tls-ca CA.pem " + ("--tls-cert ID.pem --tls-key ID.key" if mutual else "--enrollment-token-file F"))
+        if mutual:
+            hint = f"--certs {args.certs}" if args.certs else "--tls-ca CA.pem --tls-cert ID.pem --tls-key ID.key"
+        else:
+            hint = f"--tls-ca {CertPaths(args.certs).ca_cert if args.certs else 'CA.pem'} --enrollment-token-file F"
     else:
         if warn:
             log.warning(PLAINTEXT_WARNING)

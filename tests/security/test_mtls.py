@@ -196,3 +196,26 @@ def test_a_real_agent_stops_with_a_clear_error_once_revoked(pki, coordinator_fac
                               credentials=pki.agent_credentials("alice")), LocalTrainer(model, _local_data(0)))
     with pytest.raises(FatalAgentError, match="PERMISSION_DENIED.*'alice' was revoked"):
         agent.run()
+
+
+def test_enrollment_tokens_beside_certs_admit_token_agents_on_server_only_tls(pki, coordinator_factory, raw_agents,
+                                                                              tmp_path):
+    """serve --certs DIR --enrollment-tokens FILE (serve --state needs the CA for its control port): the agents' port
+    asks for no client certificate, so an agent with only the CA and its token joins (QA: it was refused for want
+    of a certificate, the tokens unused); its agents are told to dial with the CA and a token."""
+    from fedpar.cli.run_settings import serve_parser
+    from fedpar.cli.tlsopts import server_security
+
+    tokens_file = tmp_path / "tokens.txt"
+    erin_token = mint_token(tokens_file, "erin")
+    args = serve_parser().parse_args(["--certs", str(pki.ours), "--enrollment-tokens", str(tokens_file)])
+    security = server_security(args, warn=False)
+    assert security.description == "server TLS + enrollment tokens"
+    assert security.client_hint == f"--tls-ca {pki.ours / 'ca.pem'} --enrollment-token-file F"
+    assert security.files.ca == pki.ours / "ca.pem"  # kept for the ranks' control channel
+    server = coordinator_factory(security.credentials, security.admission, min_available=9)
+    agent = raw_agents(server.address, channel_credentials(TlsFiles(None, None, pki.paths.ca_cert)))
+    err = _rpc_error(lambda: agent.join("erin", token="not-the-token"))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "wrong enrollment token" in err.details()
+    agent.join("erin", token=erin_token)
+    assert server.coordinator.registry.get("erin") is not None
