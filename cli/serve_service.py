@@ -279,7 +279,7 @@ class RunService:
 
     def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str]) -> str:
         """What a run waiting for ``need`` agents says: those connected with its task, and all those connected."""
-        return (f"run {run.id} waits for {need} agents with task {task!r}: {len(with_task)} connected with it now "
+        return (f"run {run.id} waits for {need} agent{'' if need == 1 else 's'} with task {task!r}: {len(with_task)} connected with it now "
                 f"({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
 
     def round_error(self, exc: Exception, config) -> str:
@@ -362,7 +362,8 @@ class RunService:
         earlier = server.coordinator.earlier_seconds  # a resumed run's time in the processes before this one
         outputs = self.outputs(out, server, plan, run, args,
                                {"wall_seconds": earlier + time.monotonic() - started,
-                                "earlier_processes_seconds": earlier, "interrupted": status != "finished"})
+                                "earlier_processes_seconds": earlier, "interrupted": status != "finished"},
+                               plots=status is not None)  # a signal's stop has none: the service stops within 2 s
         if status is None:
             return RunEnd(None, "", outputs=outputs, stopped_by=stopped_by)
         if status == "finished":  # as the one-shot form's exit code: a run none of whose rounds succeeded failed
@@ -372,12 +373,13 @@ class RunService:
         return self._end(run, status, reason or outputs.summary.get("stopped_because", ""),
                          str(model) if model is not None and model.is_file() else "", outputs=outputs)
 
-    def outputs(self, out: Path, server, plan, run, args: argparse.Namespace, extra: dict):
-        """What ``run`` leaves in ``out`` once its coordinator ``server`` stopped (``extra``: for its summary): the
-        RunOutputs of :func:`write_run_outputs`."""
+    def outputs(self, out: Path, server, plan, run, args: argparse.Namespace, extra: dict, plots: bool = True):
+        """What ``run`` leaves in ``out`` once its coordinator ``server`` stopped (``extra``: for its summary;
+        ``plots``: whether it gets its plots, unfinished too): the RunOutputs of :func:`write_run_outputs`."""
         from fedpar.simulations.run_outputs import write_run_outputs
 
-        return write_run_outputs(out, server.coordinator, plan.assembly.description, extra, title=self.title(run, args))
+        return write_run_outputs(out, server.coordinator, plan.assembly.description, extra, title=self.title(run, args),
+                                 plots=plots)
 
     def title(self, run, args: argparse.Namespace) -> str:
         """The title of ``run``'s plots."""
