@@ -77,7 +77,7 @@ def serve_flower_app(args: argparse.Namespace) -> int:
         server.start()
         where = grpc_target(args.host, server.port)
         print(f"coordinator listening on {where} ({security.description}) for Flower App "
-              f"{app.directory.name}; waiting for {config.min_available} agents (start them with: fedpar client "
+              f"{app.directory.name}; waiting for {config.min_available} agent{'' if config.min_available == 1 else 's'} (start them with: fedpar client "
               f"--server {where} {security.client_hint} --flower-app DIR --agent-id ID "
               "--partition-index I --num-partitions N)", flush=True)
         server.wait()

@@ -84,7 +84,7 @@ class SecureRound:
             self.server: SecAggServer | None = SecAggServer(self.params)
         except SecAggError as exc:  # e.g. a cohort of one: masking cannot hide a lone update
             self.params = self.server = None
-            self.failure = f"cannot set up secure aggregation for {len(cohort)} agents: {exc}"
+            self.failure = f"cannot set up secure aggregation for {len(cohort)} agent{'' if len(cohort) == 1 else 's'}: {exc}"
         self.result: SecAggResult | None = None
         self.unmask_seconds = 0.0
         self.unmask_cpu_seconds = 0.0

@@ -171,5 +171,5 @@ def test_a_cohort_too_small_to_mask_fails_the_round_cleanly(start_coordinator, a
     agents(server.address, ["p", "q"])
     assert server.wait(30)
     row = server.coordinator.metrics.last
-    assert row["status"] == "failed" and "cannot set up secure aggregation for 1 agents" in row["secagg_failure"]
+    assert row["status"] == "failed" and "cannot set up secure aggregation for 1 agent: " in row["secagg_failure"]
     assert all(new.tobytes() == old.tobytes() for new, old in zip(server.coordinator.weights, init))
