@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpar.cli.config import ConfigError
+from fedpar.cli.config import ConfigError, chose
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.tlsopts import TlsFileOptions
 from fedpar.cli.user_errors import UserError, check_output_folder, quiet_exit_for_pipe
@@ -20,6 +21,10 @@ from fedpar.settings import setting
 LOG_LEVEL = None
 ACTIONS = ("submit", "ls", "logs", "stop", "get")
 UNFINISHED = ("failed", "stopped")  # how a run can end other than finished: 'run logs -f' then exits 1
+# the options each action uses, besides those that reach the service (--control, --operator, --certs): any other is
+# refused, as it would do nothing
+ACTION_OPTIONS = {"submit": ("name", "follow"), "ls": (), "logs": ("follow",), "stop": (), "get": ("out",)}
+MAX_RUN_ID = 2 ** 63 - 1  # run ids travel as int64 (protocol/fedpar.proto)
 
 
 @dataclass
@@ -33,8 +38,9 @@ class RunCommand:
                                         "(fedpar certs --operators NAME)")
     name: str | None = setting(None, group="connection",
                                help="with submit: the run's name (default: the run file's name)")
-    follow: bool = setting(False, group="connection", help="with logs (also -f): keep following until the run ends; "
-                                                          "exit 0 if it finished, 1 if it failed or was stopped")
+    follow: bool = setting(False, group="connection", help="with logs or submit (also -f): keep following the run's "
+                                                          "log until it ends; exit 0 if it finished, 1 if it failed "
+                                                          "or was stopped")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,9 +114,19 @@ def _check_issued_by_ca(cert_path: Path, ca_path: Path, args: argparse.Namespace
 
 
 def _run_id(words: list[str], action: str) -> int:
-    if len(words) != 1 or not words[0].isdigit():
-        raise ValueError(f"'fedpar run {action}' takes one run id (a number; 'fedpar run ls' lists them)")
+    """The one run id of ``words``: a whole number from 1 to MAX_RUN_ID; ValueError otherwise."""
+    if len(words) != 1 or not re.fullmatch(r"[0-9]+", words[0]) or not 1 <= int(words[0]) <= MAX_RUN_ID:
+        raise ValueError(f"'fedpar run {action}' takes one run id (a whole number from 1 to {MAX_RUN_ID}; "
+                         "'fedpar run ls' lists them)")
     return int(words[0])
+
+
+def _refuse_unused(args: argparse.Namespace, action: str) -> None:
+    """ValueError naming an option the user set (typed, or in a --config file) that ``action`` does not use."""
+    for dest in sorted({d for used in ACTION_OPTIONS.values() for d in used} - set(ACTION_OPTIONS[action])):
+        if chose(args, dest):
+            users = " and ".join(a for a, used in ACTION_OPTIONS.items() if dest in used)
+            raise ValueError(f"'fedpar run {action}' does not use --{dest} (only {users} does): leave it out")
 
 
 def _row_line(row: dict) -> str:
@@ -135,79 +151,143 @@ def _submit(stub, request, path: str):
 
 
 def _do(args: argparse.Namespace, stub) -> int:
-    from fedpar.protocol import fedpar_pb2 as pb
-
+    """Do the action of ``args.words``; the exit code."""
     words = list(args.words)
     action = words.pop(0)
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}: use one of {', '.join(ACTIONS)}")
+    _refuse_unused(args, action)
     if action == "submit":
-        from fedpar.cli.run_settings import read_run_file
+        return _submit_file(args, stub, words)
+    if action == "ls":
+        return _ls(stub, words)
+    if action == "logs":
+        return _logs(stub, _run_id(words, "logs"), args.follow)
+    if action == "stop":
+        return _stop(stub, _run_id(words, "stop"))
+    return _get(args, stub, _run_id(words, "get"))
 
-        if len(words) != 1:
-            raise ValueError("'fedpar run submit' takes one run file (TOML)")
-        settings = read_run_file(words[0])
-        reply = _submit(stub, pb.RunSubmit(name=args.name or Path(words[0]).stem, settings_json=json.dumps(settings)),
-                        words[0])
-        if reply.warning:
-            print(f"fedpar run: warning: {reply.warning}", file=sys.stderr)
-        print(reply.run_id)
-    elif action == "ls":
-        if words:
-            raise ValueError(f"'fedpar run ls' takes no argument (got {' '.join(words)!r}); 'fedpar run logs ID' "
-                             "shows one run")
-        runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
-        print(f"{'ID':>4}  {'NAME':<16} {'STATUS':<9} {'ROUND':>5}  LAST METRICS")
-        for run in runs:
-            print(f"{run['id']:>4}  {run['name'][:16]:<16} {run['status']:<9} {run['round']:>5}  "
-                  f"{_row_line(run['last_metrics'])}" + (f"  ({run['reason']})" if run["reason"] else ""))
-    elif action == "logs":
-        run_id = _run_id(words, "logs")
-        status = ""
-        for message in stub.Logs(pb.RunLogsRequest(run_id=run_id, follow=args.follow), timeout=None):
-            if message.line:
-                print(message.line, flush=True)
-            elif message.metrics_json:
-                print(_row_line(json.loads(message.metrics_json)), flush=True)
-            else:
-                status = message.status
-                print(f"run {run_id} is {status}")
-        if args.follow and status in UNFINISHED:  # a script that waits on the run learns how it ended
-            return 1
-    elif action == "stop":
-        run = json.loads(stub.Stop(pb.RunRef(run_id=_run_id(words, "stop")), timeout=30).runs_json)[0]
-        print(f"run {run['id']} was {run['status']}: " + ("stopped" if run["status"] == "queued" else
-                                                         "it stops at its next check" if run["status"] == "running"
-                                                         else "nothing to stop"))
-    elif action == "get":
-        run_id = _run_id(words, "get")
-        if not args.out:
-            raise ValueError("'fedpar run get' needs --out DIR")
-        check_output_folder(args.out)
-        out = Path(args.out)
-        made = not out.exists()
-        handles: dict[str, object] = {}
-        try:
-            for chunk in stub.Get(pb.RunRef(run_id=run_id), timeout=600):
-                if chunk.name not in handles:
-                    out.mkdir(parents=True, exist_ok=True)
-                    handles[chunk.name] = (out / f"{Path(chunk.name).name}.part").open("wb")
-                handles[chunk.name].write(chunk.data)
-        finally:
-            for handle in handles.values():
-                handle.close()
-        from fedpar.server.run_control import MODEL_FILE
 
-        if MODEL_FILE not in handles:  # stopped or failed before a round completed: as a run stopped while queued
-            for name in handles:
-                (out / f"{name}.part").unlink(missing_ok=True)
-            if made and out.is_dir() and not any(out.iterdir()):
-                out.rmdir()
-            raise ValueError(_no_model_line(stub, run_id))
-        for name in handles:
-            (out / f"{name}.part").replace(out / name)
-        print(f"wrote {out}/{', '.join(handles) or 'nothing'}")
+def _submit_file(args: argparse.Namespace, stub, words: list[str]) -> int:
+    """Submit the run file of ``words``, print its run id; with --follow, then follow its log."""
+    from fedpar.cli.run_settings import read_run_file
+    from fedpar.protocol import fedpar_pb2 as pb
+    from fedpar.server.run_control import check_run_name
+
+    if len(words) != 1:
+        raise ValueError("'fedpar run submit' takes one run file (TOML)")
+    name = check_run_name(args.name or Path(words[0]).stem)
+    settings = read_run_file(words[0])
+    reply = _submit(stub, pb.RunSubmit(name=name, settings_json=json.dumps(settings)), words[0])
+    if reply.warning:
+        print(f"fedpar run: warning: {reply.warning}", file=sys.stderr)
+    print(reply.run_id, flush=True)
+    return _logs(stub, reply.run_id, True) if args.follow else 0
+
+
+def _ls(stub, words: list[str]) -> int:
+    """Print every run of the service, a line each (names and reasons escaped: they are the submitters' text)."""
+    from fedpar.protocol import fedpar_pb2 as pb
+    from fedpar.server.run_control import printable
+
+    if words:
+        raise ValueError(f"'fedpar run ls' takes no argument (got {' '.join(words)!r}); 'fedpar run logs ID' "
+                         "shows one run")
+    runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
+    print(f"{'ID':>4}  {'NAME':<16} {'STATUS':<9} {'ROUND':>5}  LAST METRICS")
+    for run in runs:
+        print(f"{run['id']:>4}  {printable(run['name'])[:16]:<16} {run['status']:<9} {run['round']:>5}  "
+              f"{_row_line(run['last_metrics'])}" + (f"  ({printable(run['reason'])})" if run["reason"] else ""))
     return 0
+
+
+def _logs(stub, run_id: int, follow: bool) -> int:
+    """Print run ``run_id``'s log lines and rounds (with ``follow``, until it ends): 1 if it followed a run that
+    failed or was stopped."""
+    from fedpar.protocol import fedpar_pb2 as pb
+    from fedpar.server.run_control import printable
+
+    status = ""
+    for message in stub.Logs(pb.RunLogsRequest(run_id=run_id, follow=follow), timeout=None):
+        if message.line:
+            print(printable(message.line), flush=True)  # a line may quote a run's name, stored by an older service
+        elif message.metrics_json:
+            print(_row_line(json.loads(message.metrics_json)), flush=True)
+        else:
+            status = message.status
+            print(f"run {run_id} is {status}")
+    return 1 if follow and status in UNFINISHED else 0  # a script that waits on the run learns how it ended
+
+
+def _stop(stub, run_id: int) -> int:
+    """Ask run ``run_id`` to stop; 1, with one line, when it had already ended (nothing to do)."""
+    from fedpar.protocol import fedpar_pb2 as pb
+    from fedpar.server.run_store import ENDED
+
+    run = json.loads(stub.Stop(pb.RunRef(run_id=run_id), timeout=30).runs_json)[0]
+    if run["status"] in ENDED:
+        print(f"fedpar run: run {run['id']} already ended ({run['status']}): nothing to stop", file=sys.stderr)
+        return 1
+    print(f"run {run['id']} was {run['status']}: " + ("stopped" if run["status"] == "queued"
+                                                     else "it stops at its next check"))
+    return 0
+
+
+def _get(args: argparse.Namespace, stub, run_id: int) -> int:
+    """Download run ``run_id``'s model and metrics files into --out; written only once all came and the model
+    parses, else nothing is left behind."""
+    from fedpar.protocol import fedpar_pb2 as pb
+    from fedpar.server.run_control import MODEL_FILE
+
+    if not args.out:
+        raise ValueError("'fedpar run get' needs --out DIR")
+    check_output_folder(args.out)
+    out = Path(args.out)
+    made = not out.exists()
+    names: list[str] = []
+    try:
+        _receive(stub.Get(pb.RunRef(run_id=run_id), timeout=600), out, names)
+        if MODEL_FILE not in names:  # stopped or failed before a round completed: as a run stopped while queued
+            raise ValueError(_no_model_line(stub, run_id))
+        _check_model(out / f"{MODEL_FILE}.part", run_id)
+    except BaseException:
+        for name in names:
+            (out / f"{name}.part").unlink(missing_ok=True)
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    for name in names:
+        (out / f"{name}.part").replace(out / name)
+    print(f"wrote {out}/{', '.join(names)}")
+    return 0
+
+
+def _receive(chunks, out: Path, names: list[str]) -> None:
+    """Write the files of ``chunks`` (a Get stream) as NAME.part in ``out``, appending each name to ``names``."""
+    handles: dict[str, object] = {}
+    try:
+        for chunk in chunks:
+            name = Path(chunk.name).name  # a file name, never a path out of --out
+            if name not in handles:
+                out.mkdir(parents=True, exist_ok=True)
+                names.append(name)
+                handles[name] = (out / f"{name}.part").open("wb")
+            handles[name].write(chunk.data)
+    finally:
+        for handle in handles.values():
+            handle.close()
+
+
+def _check_model(path: Path, run_id: int) -> None:
+    """ValueError unless ``path`` is a whole safetensors file (its header parses and covers the file's bytes)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "numpy"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"the model of run {run_id} on the service is damaged (global.safetensors: {exc}); nothing "
+                         "was written: see the service's log") from None
 
 
 def _no_model_line(stub, run_id: int) -> str:

@@ -36,7 +36,9 @@ def serve_parser() -> argparse.ArgumentParser:
 def run_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
     """``values`` (TOML keys -> values) checked as serve's options; ConfigError naming ``where`` and the key for an
     unknown key or a bad value. Returns the values as serve's parser would hold them (JSON-ready)."""
-    actions = {a.dest: a for a in serve_parser()._actions}
+    parser = serve_parser()
+    actions = {a.dest: a for a in parser._actions}
+    values = _flag_keys_renamed(parser, values, where)
     unknown = sorted(k for k in values if k not in RUN_KEYS)
     if unknown:
         raise ConfigError(f"{where}: unknown run setting(s) {', '.join(unknown)}; a run sets only "
@@ -49,6 +51,20 @@ def run_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: {key}: {exc}") from None
         if isinstance(out[key], Path):
             out[key] = str(out[key])
+    return out
+
+
+def _flag_keys_renamed(parser: argparse.ArgumentParser, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with each key a --config file may use for a run setting, as its flag is spelled (``lr`` for
+    ``learning_rate``, ``deadline`` for ``deadline_seconds``), moved to the setting's own key, as --config does
+    (cli/config.py); ConfigError when both names are given."""
+    flag_keys = {a.flag_key: a.dest for a in parser._actions if getattr(a, "flag_key", None) in values
+                 and a.dest in RUN_KEYS}
+    out = dict(values)
+    for key, dest in flag_keys.items():
+        if dest in out:
+            raise ConfigError(f"{where}: {key} and {dest} are the same setting; keep {dest}")
+        out[dest] = out.pop(key)
     return out
 
 
@@ -80,7 +96,10 @@ def _key_said(key: str, match: re.Match, switch: bool) -> str:
 def read_run_file(path: str | Path) -> dict[str, Any]:
     """The checked settings of run file ``path`` (its [run] table or its top level); ConfigError when unusable."""
     dict_options = {setting_key(f) for cls in RUN_SECTIONS for f in declared_fields(cls) if f.default_factory is dict}
-    values = load_toml_section(path, TABLE, dict_options)  # first: a missing or invalid file is said as such
+    try:  # first: a missing or invalid file is said as such
+        values = load_toml_section(path, TABLE, dict_options)
+    except ConfigError as exc:  # its lines call the file a config file (--config's): this one is a run file
+        raise ConfigError(str(exc).replace("config file ", "run file ", 1)) from None
     _check_tables(path, dict_options)
     return run_settings(values, str(path))
 

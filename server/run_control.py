@@ -30,6 +30,7 @@ CONTROL_THREADS = 16
 # follows (`run logs -f`) and downloads at once: each holds a thread while it lasts, and the others must stay free to
 # answer submit, ls and stop
 LONG_CALLS = CONTROL_THREADS - 4
+NAME_CHARS = 100  # a run's name: a label for 'fedpar run ls', not a document
 
 # settings (JSON-ready dict) -> (the settings to store, a warning for the operator or ""); ValueError saying what is
 # wrong.
@@ -60,6 +61,23 @@ def operator_of(context: grpc.ServicerContext, revocations: RevocationList | Non
     return peer.common_name
 
 
+def check_run_name(name: str) -> str:
+    """``name`` if a run may be called so; ValueError saying what to change (control characters, or too long)."""
+    if len(name) > NAME_CHARS:
+        raise ValueError(f"a run's name has at most {NAME_CHARS} characters (this one has {len(name)}): give a "
+                         "shorter --name")
+    if not name.isprintable():
+        raise ValueError(f"a run's name may not hold control or other unprintable characters ({printable(name)}): "
+                         "give --name plain text")
+    return name
+
+
+def printable(text: str) -> str:
+    """``text`` with each unprintable character (a newline, a terminal escape) escaped, as Python writes it: a name
+    an older service stored is shown, never acted on by the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class RunControl(pb_grpc.RunControlServicer):
     """The RunControl calls on top of a :class:`RunStore`; ``validate`` checks a submitted run's settings;
     ``revocations``: the revocation list operators' certificates are checked against at every call."""
@@ -81,26 +99,28 @@ class RunControl(pb_grpc.RunControlServicer):
         finally:
             self._long_calls.release()
 
-    def _guard(self, context, action: str, fn):
+    def _guard(self, context, action: str, fn, run_id: int | None = None):
+        """``fn(who)`` for the operator behind the call; each refusal audited (with the run asked for) and said as a
+        gRPC error of one line."""
         try:
             who = operator_of(context, self.revocations)
         except _Refused as r:
             peer = (context.auth_context().get("x509_common_name") or [b"(no certificate)"])[0].decode()
-            self.store.audit(peer, f"refused {action}", detail=r.message)
+            self.store.audit(peer, f"refused {action}", run_id, detail=r.message)
             context.abort(r.code, r.message)
         try:
             return fn(who)
         except UnknownRun as exc:
-            self.store.audit(who, action, detail=str(exc))
+            self.store.audit(who, action, run_id, detail=str(exc))
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
-            self.store.audit(who, f"refused {action}", detail=str(exc))
+            self.store.audit(who, f"refused {action}", run_id, detail=str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except StoreError as exc:
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug here: one line each side, not gRPC's traceback
             log.error("control call %s by %s failed: %s: %s", action, who, type(exc).__name__, exc)
-            self.store.audit(who, f"failed {action}", detail=f"{type(exc).__name__}: {exc}")
+            self.store.audit(who, f"failed {action}", run_id, detail=f"{type(exc).__name__}: {exc}")
             context.abort(grpc.StatusCode.INTERNAL, f"the service failed to {action}: {type(exc).__name__}: {exc}")
 
     def Submit(self, request: pb.RunSubmit, context) -> pb.RunRef:
@@ -112,6 +132,7 @@ class RunControl(pb_grpc.RunControlServicer):
                 raise ValueError(f"run settings are not JSON: {exc}") from None
             if not isinstance(settings, dict):
                 raise ValueError("run settings must be a table of settings")
+            check_run_name(request.name)  # another client than 'fedpar run' may send any text
             checked, warning = self.validate(settings)
             return pb.RunRef(run_id=self.store.submit(request.name or "run", checked, who), warning=warning)
         return self._guard(context, "submit", submit)
@@ -126,14 +147,14 @@ class RunControl(pb_grpc.RunControlServicer):
     def Stop(self, request: pb.RunRef, context) -> pb.RunList:
         """Ask a run to stop."""
         return self._guard(context, "stop", lambda who: pb.RunList(
-            runs_json=json.dumps([self.store.request_stop(request.run_id, who).to_json()])))
+            runs_json=json.dumps([self.store.request_stop(request.run_id, who).to_json()])), request.run_id)
 
     def Logs(self, request: pb.RunLogsRequest, context):
         """A run's log lines and rounds; with ``follow``, until it ends (or the caller leaves)."""
         def first(who):
             self.store.audit(who, "logs", request.run_id)
             return self.store.get(request.run_id)
-        run = self._guard(context, "logs", first)
+        run = self._guard(context, "logs", first, request.run_id)
         with self._long_call(context) if request.follow else contextlib.nullcontext():
             yield from self._timeline(run, request, context)
 
@@ -163,13 +184,16 @@ class RunControl(pb_grpc.RunControlServicer):
             if run.status not in ENDED:
                 raise ValueError(f"run {run.id} is {run.status}; its model is downloadable once it ends")
             # a run that never started has no folder: Path("") would be the service's working directory
+            if run.out_dir and not Path(run.out_dir).is_dir():
+                raise ValueError(f"run {run.id} is {run.status}, but its outputs folder {run.out_dir} is gone from "
+                                 "the service's machine (moved or deleted there): nothing is left to get")
             found = [p for p in (Path(run.out_dir) / name for name in RUN_FILES) if p.is_file()] if run.out_dir else []
             if not found:
                 raise ValueError(f"run {run.id} is {run.status} with no model or metrics to get"
                                  + (f" ({run.reason})" if run.reason else ""))
             self.store.audit(who, "get", run.id)
             return found
-        found = self._guard(context, "get", files)
+        found = self._guard(context, "get", files, request.run_id)
         with self._long_call(context):
             for path in found:
                 with path.open("rb") as fh:

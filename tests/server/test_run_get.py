@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
+import safetensors.numpy
 
 from fedpar.security.certs import ensure_certs
 from fedpar.security.tls import server_credentials, server_tls_files
@@ -68,7 +70,8 @@ def test_get_of_a_run_stopped_before_its_first_round_is_one_line_and_writes_noth
 
 def test_get_of_a_run_that_left_its_model_writes_its_files(control, tmp_path):
     store, options = control
-    files = {"global.safetensors": b"model bytes", "global.json": b"{}", "summary.json": b'{"rounds": 1}'}
+    model = safetensors.numpy.save({"w": numpy.arange(4, dtype=numpy.float32)})  # a model that parses (it is checked)
+    files = {"global.safetensors": model, "global.json": b"{}", "summary.json": b'{"rounds": 1}'}
     run_id = _ended_run(store, tmp_path / "run-1", "finished", files)
     out = tmp_path / "got"
     done = _run("get", str(run_id), "--out", str(out), *options)

@@ -1,0 +1,210 @@
+"""`fedpar run`'s mistakes as QA found them: options an action does not use, run names with control characters or
+of any length, run ids out of the protocol's range, a get whose outputs folder is gone or whose model is damaged, a
+stop of a run that ended, run files called config files and refused the keys --config files take, and the 'refused
+get' audit rows without their run. A real control API (real gRPC over mutual TLS on 127.0.0.1, port 0) over a real
+run store, and `fedpar run` by its main."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy
+import pytest
+import safetensors.numpy
+
+from fedpar.protocol import fedpar_pb2 as pb
+from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
+from fedpar.security.certs import CertPaths, ensure_certs
+from fedpar.security.tls import TlsFiles, channel_credentials, server_credentials, server_tls_files
+from fedpar.server.run_control import RunControlServer
+from fedpar.server.run_store import RunStore
+from support.in_process import main_here
+
+
+@pytest.fixture
+def control(tmp_path):
+    """A control API over an empty run store (nothing executes its runs), the options that reach it, and the
+    store."""
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["op"])
+    store = RunStore(tmp_path / "state.db")
+    server = RunControlServer(store, lambda settings: (settings, ""), "127.0.0.1", 0,
+                              server_credentials(server_tls_files(certs)))
+    options = ("--control", f"127.0.0.1:{server.port}", "--certs", str(certs), "--operator", "op")
+    yield store, options, certs, server.port
+    server.stop(0)
+    store.close()
+
+
+def _run(options, *argv: str):
+    return main_here("run", *argv, *options)
+
+
+def _one_line(done, code: int) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == code and len(lines) == 1 and "Traceback" not in done.stderr, done
+    return lines[0]
+
+
+def _ended_run(store: RunStore, folder: Path, files: dict[str, bytes], status: str = "finished") -> int:
+    """A run that started in ``folder``, left ``files`` there and ended ``status``."""
+    run_id = store.submit("done", {"rounds": 1}, who="op")
+    folder.mkdir()
+    store.start(run_id, str(folder))
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    store.end(run_id, status, "", str(folder / "global.safetensors"))
+    return run_id
+
+
+MODEL = safetensors.numpy.save({"w": numpy.arange(64, dtype=numpy.float32)})
+
+
+@pytest.mark.parametrize("argv, action, flag", [
+    (("ls", "--name", "foo"), "ls", "--name"),
+    (("ls", "-f"), "ls", "--follow"),
+    (("logs", "1", "--out", "zz"), "logs", "--out"),
+    (("stop", "1", "--name", "x"), "stop", "--name"),
+    (("get", "1", "--out", "zz", "--follow"), "get", "--follow"),
+    (("submit", "one.toml", "--out", "zz"), "submit", "--out"),
+])
+def test_an_option_the_action_does_not_use_is_refused(control, tmp_path, monkeypatch, argv, action, flag):
+    store, options, _, _ = control
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "one.toml").write_text("rounds = 1\n")
+    store.submit("one", {"rounds": 1}, who="op")
+    line = _one_line(_run(options, *argv), 2)
+    assert line.startswith(f"fedpar run: 'fedpar run {action}' does not use {flag} (only "), line
+    assert not (tmp_path / "zz").exists()
+    assert [r.status for r in store.runs()] == ["queued"] and len(store.runs()) == 1  # nothing submitted or stopped
+
+
+def test_submit_follow_submits_then_follows_the_run_to_its_end(control, tmp_path):
+    store, options, _, _ = control
+    (tmp_path / "one.toml").write_text("rounds = 1\n")
+
+    def run_it():  # what the service does with the run it was given
+        deadline = time.monotonic() + 30
+        while not store.runs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        run_id = store.runs()[0].id
+        store.start(run_id, str(tmp_path / "out"))
+        store.log(run_id, "round 1 done")
+        time.sleep(0.5)
+        store.end(run_id, "failed", "no agents")
+    runner = threading.Thread(target=run_it)
+    runner.start()
+    done = _run(options, "submit", str(tmp_path / "one.toml"), "-f")
+    runner.join()
+    lines = done.stdout.splitlines()
+    run_id = store.runs()[0].id
+    assert lines[0] == str(run_id) and "round 1 done" in lines and lines[-1] == f"run {run_id} is failed", done
+    assert done.returncode == 1  # as 'run logs -f' of a run that failed
+
+
+@pytest.mark.parametrize("name, said", [("evil\nname\x1b[31mRED", "control or other unprintable characters"),
+                                        ("n" * 5000, "at most 100 characters (this one has 5000)")])
+def test_a_name_with_control_characters_or_too_long_is_refused_by_client_and_service(control, tmp_path, name, said):
+    store, options, certs, port = control
+    (tmp_path / "one.toml").write_text("rounds = 1\n")
+    line = _one_line(_run(options, "submit", str(tmp_path / "one.toml"), "--name", name), 2)
+    assert said in line and "\x1b" not in line and "--name" in line, line
+    assert store.runs() == []
+    # another client than 'fedpar run' is refused by the service, audited
+    paths = CertPaths(certs)
+    with grpc.secure_channel(f"127.0.0.1:{port}", channel_credentials(
+            TlsFiles(paths.operator_cert("op"), paths.operator_key("op"), paths.ca_cert))) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.RunControlStub(channel).Submit(pb.RunSubmit(name=name, settings_json="{}"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and said in refused.value.details()
+    assert store.runs() == [] and store.audit_rows()[-1]["action"] == "refused submit"
+
+
+def test_a_name_stored_by_an_older_service_is_printed_escaped(control):
+    store, options, _, _ = control
+    run_id = store.submit("evil\nname\x1b[31mRED", {"rounds": 1}, who="op")
+    store.log(run_id, "run evil\nname\x1b[31mRED waits")
+    listing = _run(options, "ls")
+    assert listing.returncode == 0 and "\x1b" not in listing.stdout and len(listing.stdout.splitlines()) == 2
+    assert "evil\\nname\\x1b[" in listing.stdout, listing.stdout
+    logs = _run(options, "logs", str(run_id))
+    assert logs.returncode == 0 and "\x1b" not in logs.stdout
+    assert "run evil\\nname\\x1b[31mRED waits" in logs.stdout.splitlines(), logs.stdout
+
+
+@pytest.mark.parametrize("argv", [("get", "99999999999999999999", "--out", "q"), ("stop", "18446744073709551615"),
+                                  ("stop", "9223372036854775808"), ("logs", "0"), ("logs", "²"), ("stop", "-1")])
+def test_a_run_id_out_of_range_is_one_line(control, tmp_path, monkeypatch, argv):
+    _, options, _, _ = control
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(_run(options, *argv), 2)
+    assert f"'fedpar run {argv[0]}' takes one run id (a whole number from 1 to 9223372036854775807" in line, line
+    assert not (tmp_path / "q").exists()
+
+
+def test_get_of_a_run_whose_outputs_folder_is_gone_says_so_and_audits_the_run(control, tmp_path):
+    store, options, _, _ = control
+    run_id = _ended_run(store, tmp_path / "run-1", {"global.safetensors": MODEL})
+    for path in (tmp_path / "run-1").iterdir():
+        path.unlink()
+    (tmp_path / "run-1").rmdir()
+    line = _one_line(_run(options, "get", str(run_id), "--out", str(tmp_path / "got")), 2)
+    assert f"its outputs folder {tmp_path / 'run-1'} is gone from the service's machine" in line, line
+    assert not (tmp_path / "got").exists()
+    refused = [r for r in store.audit_rows() if r["action"] == "refused get"]
+    assert [r["run_id"] for r in refused] == [run_id]  # the run asked for (the column was empty)
+
+
+def test_get_of_a_damaged_model_writes_nothing(control, tmp_path):
+    store, options, _, _ = control
+    run_id = _ended_run(store, tmp_path / "run-1", {"global.safetensors": MODEL[:-7], "summary.json": b"{}"})
+    there = tmp_path / "there"
+    there.mkdir()
+    for out in (tmp_path / "got", there):
+        line = _one_line(_run(options, "get", str(run_id), "--out", str(out)), 2)
+        assert f"the model of run {run_id} on the service is damaged (global.safetensors: " in line, line
+        assert (out.is_dir() and not any(out.iterdir())) if out == there else not out.exists()
+    (tmp_path / "run-1" / "global.safetensors").write_bytes(MODEL)  # whole: written
+    done = _run(options, "get", str(run_id), "--out", str(tmp_path / "got"))
+    assert done.returncode == 0 and (tmp_path / "got" / "global.safetensors").read_bytes() == MODEL, done
+
+
+@pytest.mark.parametrize("status", ["finished", "failed", "stopped"])
+def test_stop_of_a_run_that_ended_is_one_line_and_exit_1(control, tmp_path, status):
+    store, options, _, _ = control
+    run_id = _ended_run(store, tmp_path / "run-1", {"global.safetensors": MODEL}, status)
+    done = _run(options, "stop", str(run_id))
+    assert _one_line(done, 1) == f"fedpar run: run {run_id} already ended ({status}): nothing to stop"
+    assert done.stdout == "" and store.get(run_id).status == status
+
+
+def test_run_file_mistakes_name_a_run_file(control, tmp_path):
+    _, options, _, _ = control
+    (tmp_path / "bad.toml").write_text("rounds = \n")
+    assert _one_line(_run(options, "submit", str(tmp_path / "nofile.toml")), 2) == \
+        f"fedpar run: run file {tmp_path / 'nofile.toml'} does not exist"
+    assert _one_line(_run(options, "submit", str(tmp_path / "bad.toml")), 2).startswith(
+        f"fedpar run: run file {tmp_path / 'bad.toml'} is not valid TOML")
+
+
+def test_a_run_file_takes_the_keys_a_config_file_takes(control, tmp_path):
+    store, options, _, _ = control
+    (tmp_path / "one.toml").write_text("rounds = 1\nlr = 0.05\ndeadline = 30\n")
+    done = _run(options, "submit", str(tmp_path / "one.toml"))
+    assert done.returncode == 0, done
+    settings = store.runs()[0].settings
+    assert settings["learning_rate"] == 0.05 and settings["deadline_seconds"] == 30.0, settings
+    (tmp_path / "two.toml").write_text("lr = 0.05\nlearning_rate = 0.1\n")
+    assert "lr and learning_rate are the same setting; keep learning_rate" in _one_line(
+        _run(options, "submit", str(tmp_path / "two.toml")), 2)
+
+
+def test_run_help_describes_the_operator_certificate():
+    done = main_here("run", "--help")
+    said = " ".join(done.stdout.split())
+    assert done.returncode == 0 and "DIR/operators/NAME.pem and NAME.key of --operator NAME (run)" in said, said
+    assert "with logs or submit (also -f)" in said
