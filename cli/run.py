@@ -294,10 +294,11 @@ def _no_model_line(stub, run_id: int) -> str:
     """Why ``run_id`` has no model to get, as the service refuses a get of a run stopped while queued: its status
     and reason (as 'run ls' shows them), and where to see what it did."""
     from fedpar.protocol import fedpar_pb2 as pb
+    from fedpar.server.run_control import printable
 
     runs = json.loads(stub.List(pb.RunQuery(), timeout=30).runs_json)
     run = next((r for r in runs if r["id"] == run_id), {})
-    status, reason = run.get("status", "ended"), run.get("reason", "")
+    status, reason = run.get("status", "ended"), printable(run.get("reason", ""))
     why = "its model was not written" if run.get("round") else "no round of it completed"
     return (f"run {run_id} is {status} with no model to get: {why}"
             + (f" ({reason})" if reason else "") + f"; 'fedpar run logs {run_id}' shows what it did")
