@@ -385,8 +385,9 @@ class SimulationService(RunService):
         """Re-raised: the simulation ends with it."""
         raise exc
 
-    def outputs(self, out: Path | None, server, plan, run, args, extra: dict) -> RunOutputs:
-        """The summary with how the simulation was set up, and, with --out, the files it leaves there."""
+    def outputs(self, out: Path | None, server, plan, run, args, extra: dict, plots: bool = True) -> RunOutputs:
+        """The summary with how the simulation was set up, and, with --out, the files it leaves there (its plots
+        with ``plots``)."""
         cfg, coordinator, members, splits = self.cfg, server.coordinator, self.members, self.splits
         if extra["interrupted"]:  # Ctrl-C or SIGTERM: what completed is still written
             log.warning("interrupted: stopping after %d completed rounds", coordinator.metrics.summary.rounds)
@@ -407,7 +408,8 @@ class SimulationService(RunService):
             _plot_labels, _member_labels(members, LABEL_PLOT_CLIENTS), splits.num_classes,
             f"{cfg.partition}: labels of the first {min(cfg.clients, LABEL_PLOT_CLIENTS)} clients")}
         return write_run_outputs(out, coordinator, plan.assembly.description, extra,
-                                 title=f"{what} / {cfg.partition}, {cfg.clients} clients", more_plots=more_plots)
+                                 title=f"{what} / {cfg.partition}, {cfg.clients} clients", more_plots=more_plots,
+                                 plots=plots)
 
     def _say(self, run, line: str) -> None:
         """Into the run's log only: the terminal has the round table."""
