@@ -260,7 +260,9 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
               stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
               start_method="fork" if fork else "spawn",
               # and when it dies, every rank starts again where the agents find it: the same port
-              rank_0_resumes=args.state is None and args.checkpoint_dir is not None and bool(args.port))
+              # (a service's runs keep checkpoints; its operators find it on the same control port)
+              rank_0_resumes=(args.checkpoint_dir is not None or args.state is not None) and bool(args.port)
+              and (args.state is None or bool(args.control_port)))
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: rank 0 wrote what completed, and said so
         if args.state is not None:  # a service ends cleanly by signal; run() names the one the user sent
             raise

@@ -27,6 +27,7 @@ from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
 from support.devices import RANKS_ON_CPU
 from support.in_process import main_here
+from support.processes import children
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = 'local_epochs = 1\nbatch_size = 32\nclients_per_round = 2\nmin_reports = 2\n'
@@ -612,3 +613,35 @@ def test_kill_9_of_rank_1_between_runs_costs_the_next_run_nothing(tmp_path):
     finally:
         fed.close()
     assert fed.service.returncode == 0 and "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def test_kill_9_of_rank_0_starts_every_rank_again_and_the_run_resumes(tmp_path):
+    """The service's rank 0 (which runs the runs, the control API and the agents' port) killed mid-run: its launcher
+    starts every rank again on the same ports, as it does for `serve --checkpoint-dir` (QA: the service exited 1,
+    asking the operator to start it again), and the run resumes from its last checkpoint."""
+    from support.ports import free_port_run
+
+    ports = free_port_run(3)  # rank 0, rank 1 (--port + 1), the control port
+    fed = Federation(tmp_path, ((), ()), 2, "--aggregator-ranks", "2", "--aggregator-timeout", "30", "--port",
+                     str(ports), "--control-port", str(ports + 2), *RANKS_ON_CPU)
+    log = tmp_path / "serve.log"
+    try:
+        store = RunStore(fed.state)
+        run = fed.submit_rpc("long", f"rounds = 100000\n{QUICK}")
+        _wait_for(lambda: store.get(run).round >= 2, 240, "the run never completed two rounds")
+        ranks = [p for p in children(fed.service.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        rank_0 = [p for p in ranks if p != _rank_1_pids(log.read_text())[-1]]  # not multiprocessing's tracker
+        assert len(rank_0) == 1, ranks
+        os.kill(rank_0[0], signal.SIGKILL)
+        _wait_for(lambda: "resumed from checkpoint after round" in log.read_text(), 120, "the run did not resume")
+        then = store.get(run).round
+        _wait_for(lambda: store.get(run).round >= then + 2, 120, "the resumed run did not go on")
+        assert fed.run_here("stop", str(run)).returncode == 0  # the same control port, answering again
+        _wait_for(lambda: store.get(run).status == "stopped", 120, "the run did not stop")
+    finally:
+        fed.close()
+    text = log.read_text()
+    assert "aggregator ranks: rank 0 died (signal SIGKILL); starting every rank again (restart 1 of at most 3 an " \
+           "hour)" in text, text[-3000:]
+    assert f"run {run} was running when the service last ended: it resumes from its last checkpoint" in text
+    assert fed.service.returncode == 0, text[-3000:]
