@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from fedpar.cli.config import refuse_unswitched
+from fedpar.cli.config import chose, refuse_unswitched
 from fedpar.cli.declared import add_declared, from_args, switched_settings
 from fedpar.cli.renamed import add_renamed
 from fedpar.settings import flag_of, setting
+
+log = logging.getLogger("fedpar.privacy")
 
 # Extra per-round table columns when differential privacy is on.
 PRIVACY_COLUMNS = [("dp_epsilon", "{:>10.3f}"), ("dp_clip_norm", "{:>12.4f}")]
@@ -95,10 +98,25 @@ def privacy_strategy(args: argparse.Namespace, strategy: str, clients_per_round:
         return strategy, {}
     if population is None:
         raise ValueError(f"--privacy {o.privacy} needs --privacy-population: the number of agents that may be sampled")
+    check_delta(args, o.privacy_delta, population)
     sampled = min(population, math.ceil(clients_per_round * overselect))
     options = {option: getattr(o, name) for option, name in DP_OPTION_FIELDS.items()}
     options.update(population=population, clients_per_round=clients_per_round, sampled_per_round=sampled)
     return f"dp-{strategy}", options
+
+
+def check_delta(args: argparse.Namespace, delta: float, population: int) -> None:
+    """ValueError for a --privacy-delta the user gave at or above 1 / population, where (epsilon, delta)-DP allows
+    releasing a client's data outright; the default there is said once, as a warning."""
+    if delta * population < 1:
+        return
+    line = (f"--privacy-delta {delta:g} is not below 1 / population (1/{population} = {1 / population:.3g}): at such "
+            f"a delta the reported epsilon guarantees nothing")
+    if chose(args, "privacy_delta"):
+        raise ValueError(f"{line}; pick one below {1 / population:.3g}")
+    log.warning("%s; give --privacy-delta below %.3g", line.replace(f"--privacy-delta {delta:g}",
+                                                                    f"the default --privacy-delta {delta:g}"),
+                1 / population)
 
 
 def split_privacy_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -51,6 +51,27 @@ def test_a_later_flag_overrides_an_earlier_one_and_dp_wraps_the_configured_strat
     assert isinstance(s, DPStrategy) and s.inner.proximal_mu == 0.2
 
 
+def test_a_privacy_delta_at_or_above_one_over_the_population_is_refused_and_the_default_there_warned(caplog,
+                                                                                                      capsys):
+    """(epsilon, delta)-DP with delta >= 1/n allows releasing one client's data outright: a --privacy-delta the user
+    gave there is refused (QA: 0.5 over 10 clients was taken, epsilon 0.98 reported); the default over a population
+    of 10^6 is warned about once."""
+    import logging
+
+    assert main(["simulate", "--clients", "10", "--rounds", "1", "--privacy", "central", "--privacy-delta", "0.5",
+                 "--quiet"]) == 2
+    assert capsys.readouterr().err == ("fedpar simulate: --privacy-delta 0.5 is not below 1 / population (1/10 = 0.1): "
+                                       "at such a delta the reported epsilon guarantees nothing; pick one below 0.1\n")
+    below = _parse(["simulate", "--privacy", "central", "--privacy-delta", "0.09"])
+    assert privacy_strategy(below, below.strategy, 5, 1.0, 10)[1]["delta"] == 0.09
+    default = _parse(["simulate", "--privacy", "central"])
+    caplog.set_level(logging.WARNING, logger="fedpar.privacy")
+    assert privacy_strategy(default, default.strategy, 100, 1.0, 10**6)[1]["delta"] == 1e-5
+    assert [r.getMessage() for r in caplog.records] == [
+        "the default --privacy-delta 1e-05 is not below 1 / population (1/1000000 = 1e-06): at such a delta the "
+        "reported epsilon guarantees nothing; give --privacy-delta below 1e-06"]
+
+
 @pytest.mark.parametrize("option, message", [
     ("mux=1", "unknown option 'mux' for strategy 'fedprox'; valid options: proximal_mu (alias mu; float, "
               "default 0.01)"),
