@@ -82,7 +82,8 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed
     raise ValueError(f"dirichlet partition: after {draw} draws some client still had fewer than "
                      f"{min_size} examples (last draw's smallest: {smallest}) with alpha={alpha:g}, "
                      f"{num_clients} clients and {len(labels)} examples; raise alpha, "
-                     + (f"give a lower minimum (e.g. dirichlet:{alpha:g}:{smallest}) " if smallest else "")
+                     + (f"give a lower minimum (dirichlet:ALPHA:MIN, e.g. dirichlet:{alpha:g}:{max(smallest, 1)}) "
+                        if min_size > 1 else "")  # MIN is at least 1: none lower than that
                      + "or use fewer clients")
 
 

@@ -389,8 +389,8 @@ class SimulationService(RunService):
         """The summary with how the simulation was set up, and, with --out, the files it leaves there (its plots
         with ``plots``)."""
         cfg, coordinator, members, splits = self.cfg, server.coordinator, self.members, self.splits
-        if extra["interrupted"]:  # Ctrl-C or SIGTERM: what completed is still written
-            log.warning("interrupted: stopping after %d completed rounds", coordinator.metrics.summary.rounds)
+        if extra["interrupted"]:  # Ctrl-C or SIGTERM: what completed is still written (the CLI says it: info here)
+            log.info("interrupted: stopping after %d completed rounds", coordinator.metrics.summary.rounds)
         first = coordinator.metrics.first
         first_start = coordinator.started_at + first["wall_seconds"] - first["round_seconds"] if first else None
         extra = {"wall_seconds": self.earlier + time.monotonic() - self.started,  # a resumed run's, all of it

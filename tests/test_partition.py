@@ -163,3 +163,12 @@ def test_label_skew_tells_label_sorted_shards_from_iid():
     assert label_skew(shards, BALANCED, 10) == {"mean_classes_per_client": 1.0, "mean_top_class_share": 1.0}
     assert label_skew(iid, BALANCED, 10)["mean_classes_per_client"] == 10.0
     assert label_counts(shards, BALANCED, 10).sum() == 1000 and (label_counts(shards, BALANCED, 10) > 0).sum() == 10
+
+
+def test_a_dirichlet_refusal_with_an_empty_client_names_the_minimum_option():
+    """dirichlet:0.1 (MIN 10) left some client empty: the refusal advised only 'raise alpha, or use fewer clients'
+    (QA), though dirichlet:ALPHA:MIN can lower the minimum."""
+    labels = np.repeat(np.arange(10), 100)
+    with pytest.raises(ValueError, match=r"; raise alpha, give a lower minimum \(dirichlet:ALPHA:MIN, e.g. "
+                                         r"dirichlet:0.1:1\) or use fewer clients$"):
+        partition_dirichlet(labels, 50, alpha=0.1, seed=0, max_attempts=20)
