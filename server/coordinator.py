@@ -336,7 +336,7 @@ class Coordinator(IngestPlane):
             except RankMissing:
                 raise
             except RuntimeError as exc:
-                state.fold_failed = True
+                state.fail(str(exc))
                 log.error("%s; the round fails and the model stays", exc)
         await self._finish_round(state, rank_columns)
 
@@ -357,7 +357,8 @@ class Coordinator(IngestPlane):
         await self._caught_up()
         status = "ok"
         strategy_metrics: dict[str, float] = {}
-        if state.accepted >= state.min_reports and not state.fold_failed:
+        failure = state.failed_because()
+        if not failure:
             # a linear strategy's finish is a pass over its running sum (the model's size); the others' grows with
             # the updates they hold: always on a worker thread
             finish = self._model_work if self.strategy.linear else self._in_thread
@@ -366,8 +367,8 @@ class Coordinator(IngestPlane):
             problem = ModelLayout.of_arrays(self.names, new_weights).mismatch(self.layout)
             if problem or not all(np.isfinite(w).all() for w in new_weights if w.dtype.kind == "f"):
                 status = "failed"
-                log.error("round %d: strategy produced an unusable model (%s); keeping the old one",
-                          state.round_id, problem or "non-finite values")
+                failure = f"the strategy produced an unusable model ({problem or 'non-finite values'})"
+                log.error("round %d: %s; keeping the old one", state.round_id, failure)
             else:
                 self.weights = new_weights
         else:
@@ -375,8 +376,7 @@ class Coordinator(IngestPlane):
             await self._model_work(self.strategy.abort_round)
             failures = f" ({state.training_failures} of {state.sampled} sampled agents failed their task)" \
                 if state.training_failures else ""
-            log.warning("round %d failed: %d accepted updates < --min-reports %d%s; global model unchanged",
-                        state.round_id, state.accepted, state.min_reports, failures)
+            log.warning("round %d failed: %s%s; global model unchanged", state.round_id, failure, failures)
         if state.refused_updates > 1:  # each one after the round's first was logged at debug level (RoundState.reject)
             log.warning("round %d: %d updates refused in all (the first: %s)", state.round_id, state.refused_updates,
                         state.refusal)
@@ -388,6 +388,8 @@ class Coordinator(IngestPlane):
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
                "examples": state.examples, "close_reason": state.close_reason,
                "cohort_digest": cohort_digest(state.slots)}
+        if failure:
+            row["failure"] = failure
         if state.training_error:
             row["training_error"] = state.training_error
         elif status != "ok" and state.refusal and not state.accepted:  # why a run whose every update was refused

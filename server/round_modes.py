@@ -148,7 +148,7 @@ class PlainRound:
             state.reject(slot, str(exc))
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None  # rejection already recorded
         except Exception:
-            state.fold_failed = True
+            state.fail(f"folding the update of {slot.agent_id} failed")
             log.exception("round %d: folding the update of %s failed", state.round_id, slot.agent_id)
             raise
 
@@ -171,7 +171,7 @@ class PlainRound:
                 slot.status = "pending"
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; the partial was not applied") from None
         except Exception:
-            state.fold_failed = True
+            state.fail(f"folding a partial of {len(members)} members failed")
             log.exception("round %d: folding a partial of %d members failed", state.round_id, len(members))
             raise
 

@@ -110,7 +110,7 @@ class RoundState:
     training_error: str = ""  # the first one's reason, e.g. "training raised TypeError: ..."
     refused_updates: int = 0  # updates refused for what they held (rejected, but for training failures)
     refusal: str = ""  # the first refused update's reason, e.g. "tensor 'w' contains NaN or Inf; update refused"
-    fold_failed: bool = False
+    failure: str = ""  # why the round fails whatever it accepted (its fold or its secure aggregation failed)
     closed_event: asyncio.Event = field(default_factory=asyncio.Event)
     on_reject: Callable[[AgentSlot, str], None] | None = None  # told of each refused update (aggregator ranks)
     # asked before updates are counted: (state, their slots, their (examples, metrics) reports); a Refusal leaves
@@ -165,6 +165,18 @@ class RoundState:
             self.closed = True
             self.close_reason = reason
             self.closed_event.set()
+
+    def fail(self, reason: str) -> None:
+        """The round fails for ``reason`` (one line; the first one given is kept), whatever it accepted."""
+        self.failure = self.failure or reason
+
+    def failed_because(self) -> str:
+        """Why the round failed ('' if it did not): its own failure, else too few accepted updates."""
+        if self.failure:
+            return self.failure
+        if self.accepted < self.min_reports:
+            return f"{self.accepted} accepted updates < --min-reports {self.min_reports}"
+        return ""
 
     def close_if_done(self) -> None:
         """Close if the deadline policy says so now (server/deadline.py: first K, or every sampled agent that may

@@ -121,7 +121,7 @@ class SecureRound:
             self.failure = reason
             log.warning("round %d: secure aggregation failed: %s", self.round_id, reason)
         if state is not None:
-            state.fold_failed = True
+            state.fail(f"secure aggregation failed: {self.failure}")
             state.close(SECURE_FAILED)
         self._notify(stage=True)
 
@@ -202,7 +202,7 @@ class SecureRound:
             self._fail(f"the round closed ({state.close_reason}) before the key stages finished (stage {s.stage!r})",
                        state)
         if self.failure is not None:
-            state.fold_failed = True
+            state.fail(f"secure aggregation failed: {self.failure}")
             return
         try:
             s.close_masking()

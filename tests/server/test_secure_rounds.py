@@ -104,7 +104,8 @@ def test_agents_dropping_before_their_upload_have_their_masks_removed(start_coor
         np.testing.assert_allclose(new, exp, rtol=0, atol=1e-5)
 
 
-def test_too_many_dropouts_fail_the_round_and_keep_the_model(start_coordinator, agents):
+def test_too_many_dropouts_fail_the_round_and_keep_the_model(start_coordinator, agents, caplog):
+    caplog.set_level("WARNING", logger="fedpar")
     init = _weights()
     server = start_coordinator(init, **SECURE)
     bots = agents(server.address, IDS)
@@ -113,6 +114,10 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(start_coordinator, 
     row = server.coordinator.metrics.last
     assert row["status"] == "failed"
     assert "only 2 survivors sent unmask shares" in row["secagg_failure"]
+    # the round failed for its secure aggregation, not for its 5 accepted updates (>= --min-reports 1)
+    assert row["failure"] == f"secure aggregation failed: {row['secagg_failure']}"
+    failed = [r.getMessage() for r in caplog.records if " failed: " in r.getMessage() and "global model" in r.getMessage()]
+    assert failed == [f"round 1 failed: secure aggregation failed: {row['secagg_failure']}; global model unchanged"]
     for new, old in zip(server.coordinator.weights, init):
         assert new.tobytes() == old.tobytes()
 
