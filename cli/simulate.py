@@ -217,7 +217,8 @@ def simulate_here(options: dict) -> None:
     except (UserError, OSError) as exc:  # one line, as cli/main.py says it (--debug: the traceback)
         if args.debug:
             raise
-        print(f"fedpar simulate: {describe(exc)} (--debug shows the traceback)", file=sys.stderr)
+        hint = "" if isinstance(exc, UserError) else " (--debug shows the traceback)"  # none for a user's mistake
+        print(f"fedpar simulate: {describe(exc)}{hint}", file=sys.stderr)
         code = exc.exit_code if isinstance(exc, UserError) else 1
     except KeyboardInterrupt:  # stopped before the run could say what completed (as cli/main.py says it)
         print("fedpar simulate: interrupted", file=sys.stderr)
@@ -240,6 +241,7 @@ def simulate(args: argparse.Namespace, cfg: SimulationConfig, workers=None) -> i
 def _simulate(args: argparse.Namespace, cfg: SimulationConfig, workers) -> int:
     from fedpar.server.rounds import rank_columns
     from fedpar.simulations.run_outputs import RunOutputs
+    from fedpar.server.members import TooFewMembers
     from fedpar.server.ranks.group import RankMissing
     from fedpar.simulations.runner import ProcessLost, TaskStopped, run_simulation
 
@@ -259,6 +261,12 @@ def _simulate(args: argparse.Namespace, cfg: SimulationConfig, workers) -> int:
     except ValueError as exc:  # a task's mistake (TaskFailed: its code raised as the run went on, exit 1), a setting
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
+    except UserError as exc:  # a path the run cannot use (an --out it cannot make)
+        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except TooFewMembers as exc:  # every client is on this machine: the traces and --clients-per-round are to change
+        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return 2
     except TaskStopped:  # the worker said what failed, in one line
         return 2
     except (ProcessLost, RankMissing) as exc:  # a worker or an aggregator rank died: named, with no traceback

@@ -20,6 +20,7 @@ import torch
 from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compatibility import check_composition
 from fedpar.cli.serve_service import RunService, json_ready
+from fedpar.cli.user_errors import UserError, describe
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
 from fedpar.datasets.registry import full_dataset_name
@@ -140,6 +141,14 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
     return check_resume(cfg)
 
 
+def _make_out(out: Path) -> None:
+    """Make the --out folder; UserError in one line when it cannot be made (a path under /proc, no permission)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot make the folder: {describe(exc)}") from None
+
+
 def worker_devices(spec: str, workers: int, gpus: int | None = None) -> list[str]:
     """The device of each worker process: one GPU named by ``spec``, or workers dealt round-robin over
     the ``gpus`` visible GPUs (``cuda``/``auto`` on a GPU machine; default: this machine's), or the CPU."""
@@ -180,7 +189,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     out = Path(cfg.out) if cfg.out else None
     if out:
-        out.mkdir(parents=True, exist_ok=True)
+        _make_out(out)
         if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
             start_fresh(out)
     record = RunRecord(cfg)  # kept once the coordinator resumed (or started afresh): SimulationService.listening

@@ -1,0 +1,40 @@
+"""`fedpar simulate` refuses a user's mistake found as the run starts in one line, exit 2, with no --debug hint (QA:
+an --out it could not make and a trace with too few clients online exited 1 with the hint), launched or not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--clients-per-round", "5", "--rounds",
+            "2", "--quiet"]
+LAUNCHED = {"here": [], "in a child (--checkpoint-dir)": ["--checkpoint-dir", "ckpt"]}
+
+
+def _trace(path) -> str:
+    """Each of 20 clients online one hour a day, one after the other: at most 2 online at once."""
+    rows = ["client,seconds_per_step,download_mbps,upload_mbps,available_from,available_for"]
+    rows += [f"{i},0.01,10,5,{i * 3600},3600" for i in range(20)]
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def _refused(args: list[str], cwd) -> str:
+    done = subprocess.run(SIMULATE + args, capture_output=True, text=True, timeout=240, cwd=cwd)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "--debug" not in lines[0], done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", LAUNCHED)
+def test_an_out_folder_that_cannot_be_made_is_refused_in_one_line(where, tmp_path):
+    line = _refused(["--out", "/proc/nope", *LAUNCHED[where]], tmp_path)
+    assert line.startswith("fedpar simulate: --out /proc/nope: cannot make the folder: No such file or directory"), line
+
+
+def test_a_trace_with_too_few_clients_online_is_refused_in_one_line(tmp_path):
+    line = _refused(["--trace", _trace(tmp_path / "t.csv"), "--clock", "virtual", "--out", str(tmp_path / "o")],
+                    tmp_path)
+    assert "at most 2 of the 20 clients were online at once" in line and "a round needs 5" in line, line
