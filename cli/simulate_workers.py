@@ -15,6 +15,7 @@ Each host dials it over mutual TLS under its own certificate (``--certs DIR``: D
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.datasets.registry import full_dataset_name
     from fedpar.parallel.device import check_device_layout, flush_denormals
     from fedpar.parallel.init import init_distributed, shutdown_distributed
+    from fedpar.parallel.stopping import stop_on_signals
     from fedpar.simulations.runner import worker_devices
     from fedpar.simulations.population import PopulationSlice, host_population, step_delays
     from fedpar.task import Partition
@@ -107,13 +109,17 @@ def run(args: argparse.Namespace) -> int:
             return Partition(number, args.clients, member, args.partition, args.seed, args.val_fraction)
 
         seats = min(args.seats or WAITING_SEATS, max(1, len(mine)))  # more would wait idle (10^12 hung the host)
-        stats = host_population(args.server, population, task, partition_of, args.seed, seats,
-                                device=device, precision=args.precision, day_seconds=args.trace_day_seconds,
-                                max_backoff=args.max_backoff, give_up_after=args.give_up_after,
-                                tls=security.files, tls_server_name=security.server_name,
-                                enrollment_token=security.enrollment_token,
-                                task_name=task_label(argparse.Namespace(task=None, model=args.model,
-                                                                        dataset=args.dataset))).run()
+        runtime = host_population(args.server, population, task, partition_of, args.seed, seats,
+                                  device=device, precision=args.precision, day_seconds=args.trace_day_seconds,
+                                  max_backoff=args.max_backoff, give_up_after=args.give_up_after,
+                                  tls=security.files, tls_server_name=security.server_name,
+                                  enrollment_token=security.enrollment_token,
+                                  task_name=task_label(argparse.Namespace(task=None, model=args.model,
+                                                                          dataset=args.dataset)))
+        runtime.config.population = args.clients  # declared at join: the coordinator compares its --min-available
+        runtime.say_outages_at(logging.WARNING)  # this command shows warnings only: a lost coordinator is still said
+        with stop_on_signals():  # SIGTERM too leaves the coordinator (its round stops waiting for our members)
+            stats = runtime.run()
     except ValueError as exc:
         print(f"fedpar simulate-workers: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -78,7 +79,8 @@ class HostUploads:
         self._idle = False  # the thread waits for a batch's first update
         self._failures: list[pb.TaskFailure] = []  # members' failed tasks to tell (see :meth:`tell`)
         self._closed = False  # close() was called: what comes after is refused, no thread would send it
-        self.refused_in_background = 0  # updates sent with send_later that did not count
+        self.refused_in_background = 0  # updates sent with send_later that did not count (came_after_close aside)
+        self.came_after_close = 0  # ... refused only because their round had closed: overselection's surplus, normal
         # a member's registered examples and the round's local epochs (its weight's bound); None: no partials
         self.registered = registered
         self.partials = registered is not None and os.environ.get("FEDPAR_HOST_PARTIALS", "1") != "0"
@@ -320,7 +322,19 @@ class HostUploads:
                             "updates for it are given up", self.host.agent_id, self.rank)
         elif err.code() in UPLOAD_RETRYABLE and time.monotonic() + RETRY_PAUSE < q.deadline:
             threading.Timer(RETRY_PAUSE, self._put, (q,)).start()
+        elif after_close(err):
+            self.came_after_close += 1
+            log.debug("an update sent in the background came after its round had closed: %s",
+                      one_line(err.details() or ""))
         else:
             self.refused_in_background += 1
             log.info("an update sent in the background was refused: %s: %s", err.code().name,
                      one_line(err.details() or ""))
+
+
+def after_close(err: grpc.RpcError) -> bool:
+    """Whether ``err`` refused an update only because its round had closed (server/rounds.py check_open and
+    not_this_round's 'came too late'), as the surplus of an overselected round is."""
+    said = err.details() or ""
+    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and (
+        re.match(r"round \d+ is closed \(", said) is not None or ": it came too late" in said)

@@ -100,8 +100,9 @@ class Reconnecting:
     def __init__(self, who: str, server: str, join: Callable[[], None], first: float, cap: float, rng: Uniform,
                  give_up_after: float | None = None, stopped: Callable[[], bool] = lambda: False,
                  diagnose: Callable[[], str | None] = lambda: None, on_rejoin: Callable[[], None] = lambda: None,
-                 remind: float = REMIND_SECONDS):
+                 remind: float = REMIND_SECONDS, level: int = logging.INFO):
         self.who, self.server, self._join = who, server, join
+        self.level = level  # of the lines that say an outage and its end (a host's run shows only warnings)
         self.remind = remind  # while unreachable, a line says so this often (seconds)
         self.first, self.cap, self.rng = first, cap, rng
         self.give_up_after = give_up_after
@@ -192,15 +193,15 @@ class Reconnecting:
                 self._outage_since = now
             lasted = now - self._outage_since
             if self.give_up_after is not None or first or why != self._outage_why:
-                level, line = logging.INFO, f"coordinator unreachable ({code.name}){why}; retrying in {sleep:.1f}s"
+                level, line = self.level, f"coordinator unreachable ({code.name}){why}; retrying in {sleep:.1f}s"
                 if self.give_up_after is None:
                     line += f" (said again when it answers, or every {_duration(self.remind)} while it does not)"
             elif now - self._outage_said_at >= self.remind:
-                level, line = logging.INFO, (f"coordinator still unreachable after {_duration(lasted)} ({code.name})"
+                level, line = self.level, (f"coordinator still unreachable after {_duration(lasted)} ({code.name})"
                                              f"{why}; retrying every {self.cap:.1f}s at most")
             else:
                 level, line = logging.DEBUG, f"coordinator unreachable ({code.name}){why}; retrying in {sleep:.1f}s"
-            if level == logging.INFO:
+            if level == self.level:
                 self._outage_said_at, self._outage_why = now, why
         log.log(level, "%s: %s", self.who, line)
 
@@ -211,7 +212,7 @@ class Reconnecting:
         with self._outage_lock:
             since, self._outage_since, self._outage_why = self._outage_since, None, ""
         if since is not None:
-            log.info("%s: coordinator at %s reachable again after %s", self.who, self.server,
+            log.log(self.level, "%s: coordinator at %s reachable again after %s", self.who, self.server,
                      _duration(time.monotonic() - since))
 
     def _pause(self, backoff: Backoff) -> None:
@@ -244,6 +245,7 @@ class AgentConfig:
     data_tls: ssl.SSLContext | None = None  # TLS for the data plane; without it a TLS agent keeps to gRPC
     tls_files: TlsFiles | None = None  # the PEM files behind ``credentials``: to say why a handshake fails
     task: str = ""  # the task it trains, declared at Join (a service samples for a run only agents that have its task)
+    population: int = 0  # a host's: the whole population its slice is of, declared at JoinPopulation (0: unsaid)
 
     def __post_init__(self) -> None:
         """ValueError unless the channel's security is said: credentials for TLS, or insecure=True for plaintext."""
@@ -584,7 +586,7 @@ class HostLink:
                                                replaces_token="" if session else held, incarnation=self.incarnation,
                                                protocol_version=PROTOCOL_VERSION,
                                                enrollment_token=self.config.enrollment_token,
-                                               capabilities={"task": self.config.task} if self.config.task else {},
+                                               capabilities=self._capabilities(),
                                                member_ids="\n".join(ids), num_examples=sizes,
                                                away=np.flatnonzero(away))
             reply = self.conn.stub.JoinPopulation(request, timeout=60)
@@ -595,6 +597,11 @@ class HostLink:
         self._taken.clear()
         self._estimates = []
         self._forget_queued()
+
+    def _capabilities(self) -> dict[str, str]:
+        """What the host declares at JoinPopulation: its members' task and the whole population, where known."""
+        said = {"task": self.config.task} if self.config.task else {}
+        return {**said, "population": str(self.config.population)} if self.config.population else said
 
     def tasks_in_flight(self, change: int) -> None:
         """``change`` members' tasks queued for the seats (> 0), or done with or forgotten (< 0; each one's update, if
@@ -733,7 +740,8 @@ class HostLink:
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        """End the task stream, send the batches queued, then stop."""
+        """End the task stream, send the batches queued, then leave the coordinator (if it still answers): the round
+        open need not wait out its deadline for the members it sampled, and none is sampled again."""
         self._tasks.close()
         with self._uploads_lock:
             self._closed = True
@@ -744,6 +752,15 @@ class HostLink:
         if refused:
             log.warning("%s: %d updates sent in the background were refused (--log-level info says why)",
                         self.host.agent_id, refused)
+        late = sum(uploads.came_after_close for uploads in batches)
+        if late:
+            log.info("%s: %d updates came after their round had closed (overselection's surplus)",
+                     self.host.agent_id, late)
+        if self.host.token:
+            try:
+                self.conn.stub.Leave(pb.LeaveRequest(auth=self.host), timeout=LEAVE_SECONDS)
+            except grpc.RpcError:  # gone, or it forgot this session: there is nothing to leave
+                pass
 
 
 class _Heartbeat:

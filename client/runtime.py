@@ -133,6 +133,10 @@ class ClientRuntime:
                                    config.max_backoff, self._rng, config.give_up_after, self._stop.is_set,
                                    self.conn.check_tls, lambda: self._count("reconnects"))
 
+    def say_outages_at(self, level: int) -> None:
+        """Say an outage of the coordinator, its reminders and its end at ``level`` (INFO unless told)."""
+        self._calls.level = level
+
     def stop(self) -> None:
         """Ask the runtime to leave after its current step."""
         self._stop.set()

@@ -443,7 +443,13 @@ class CoordinatorService:
         return pb.HeartbeatReply(current_round=current)
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
-        """Unregister the agent."""
+        """Unregister the agent, or a simulation host with its members (its process is exiting)."""
+        registry = self.coord.registry
+        if registry.host(request.auth.agent_id) is not None and registry.get(request.auth.agent_id) is None:
+            host = self._host(request.auth, context)
+            self.coord.members.host_leaves(host)
+            self.limits.forget(HOST_CALLS + host.host_id)
+            return pb.LeaveReply()
         agent = self._auth(request.auth, context)
         self.coord.leave(agent)
         self.limits.forget(agent.agent_id)

@@ -196,6 +196,9 @@ class Members:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                       "this coordinator hosts no simulated populations; start it with --accept-populations")
 
+    def host_leaves(self, host: HostRecord) -> None:
+        """Nothing: this member source holds no simulation hosts (server/populations.py does)."""
+
     def leave(self, agent_id: str) -> None:
         """The agent said goodbye: it is not sampled until it joins again."""
         self.registry.leave(agent_id)

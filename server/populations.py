@@ -10,6 +10,7 @@ alone (server/members.py says how).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Sequence
 
@@ -38,6 +39,7 @@ class Populations(Members):
         self._host_declared: dict[str, str | None] = {}  # per host: the task it declared when it joined
         self._host_go: dict[str, set[str]] = {}  # per host: its members the clock let go, not yet told
         self._heard_at: dict[str, float] = {}  # per host: the simulated time its last call's availability was as of
+        self._population_said: set[str] = set()  # hosts whose population was said to be short of --min-available
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
              peer: PeerIdentity | None = None, enrollment_token: str = "",
@@ -88,10 +90,49 @@ class Populations(Members):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           self._other_task(host_id, capabilities.get("task"), "simulation host"))
         self._check_host_task(host_id, capabilities.get("task"))
+        self._check_population(host, capabilities.get("population"))
         self._joined()
         if not host_token and self.registry.another_process(replaced, claim):  # the first call of a new process
             self.on_restart("host", host_id)
         return host
+
+    def _check_population(self, host: HostRecord, declared: str | None) -> None:
+        """A Refusal (the host forgotten, the line logged once) when one-shot serve's run waits for more agents
+        (--min-available) than the whole population ``host`` declared a slice of (its "population" capability; a
+        launch's hosts each declare the whole): its rounds would never start."""
+        if declared is None:
+            return
+        if not (declared.isascii() and declared.isdigit() and 0 < int(declared) <= 10 ** 12):
+            self._forget_host(host)
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"capability 'population' must be a count of clients, not {declared[:40]!r}")
+        population, needed = int(declared), self.config.min_available
+        if self._refusal_hint is None or population >= needed:  # a service's runs each wait for their own count
+            return
+        why = (f"simulation host {host.host_id} cannot take part: it hosts a slice of a population of {population} "
+               f"clients (simulate-workers --clients {population}), this run waits for {needed} (serve "
+               f"--min-available {needed}); start both with the same number")
+        if host.host_id not in self._population_said:
+            self._population_said.add(host.host_id)
+            log.warning("%s", why)
+        self._forget_host(host)
+        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, why)
+
+    def host_leaves(self, host: HostRecord) -> None:
+        """``host``'s process said it is leaving (Leave): it and its members are forgotten now, so an open round stops
+        waiting for those it sampled (the coordinator counts them lost) and none is sampled until it joins again."""
+        if self._forget_host(host):
+            log.info("simulation host %s left, with its %d members", host.host_id, host.members)
+
+    def _forget_host(self, host: HostRecord) -> bool:
+        """Forget ``host`` and its members now; whether it was still held."""
+        if self.registry.host(host.host_id) is not host:
+            return False
+        host.last_seen = -math.inf  # expire() forgets a host silent past its liveness, and its members with it
+        self.registry.expire()
+        self._wake(HOST_WAKEUP + host.host_id)
+        self._changed.set()
+        return True
 
     def _check_joined(self) -> None:
         """As for agents, and for each simulation host still known, by the task it declared at JoinPopulation."""
