@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -81,6 +82,12 @@ def reads_a_folder(dataset: Any) -> bool:
         return True
 
 
+def shares_ranks(aggregator_ranks: Any) -> bool:
+    """Whether the coordinator runs as several aggregator ranks: --aggregator-ranks above 1, or several processes
+    launched by torchrun (which then ignores --aggregator-ranks)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or (aggregator_ranks or 1) > 1
+
+
 # Settings that apply only when a switch turns their feature on; a user who set one believes the feature runs. Every
 # setting of a section but its switch, or one setting by field name (its Needs, or several checked in order).
 _PRIVACY = Needs("privacy", ("central", "client"), "--privacy central or --privacy client")
@@ -98,6 +105,8 @@ _SETTING_SWITCHES = {
     "privacy_count_noise": (_PRIVACY, _ADAPTIVE_CLIPPING),
     "trace_day_seconds": Needs("trace", bool, "--trace"),  # the day of a trace's availability
     "slow_step_delay": Needs("slow_fraction", bool, "--slow-fraction"),  # the delay of the slow share
+    # a lone coordinator waits in no collective for another rank
+    "aggregator_timeout_seconds": Needs("aggregator_ranks", shares_ranks, "--aggregator-ranks above 1"),
     "round_wall_seconds": Needs("clock", ("virtual", True), "--clock virtual"),  # a real clock's round: --deadline
     # (a service's --data-dir is its runs' default: each run's TOML says its own dataset)
     "data_dir": Needs("dataset", reads_a_folder, "--dataset mnist", unless=("task", "flower_app", "state"),

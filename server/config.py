@@ -59,7 +59,8 @@ class AggregatorRanks:
              "process is one rank and this is ignored)", resume=UNRECORDED)
     aggregator_timeout_seconds: float = setting(
         120.0, check="seconds", flag="aggregator-timeout", group="coordinator",
-        help="longest wait for another aggregator rank in a collective; a rank that misses it (or dies) is dropped "
+        help="with --aggregator-ranks above 1 (or under torchrun): longest wait for another aggregator rank in a "
+             "collective; a rank that misses it (or dies) is dropped "
              "and the coordinator goes on with the others, which lose only its share of the open round",
                                                 resume=UNRECORDED)
 
