@@ -68,6 +68,7 @@ class RoundClock(Protocol):
     """What a round asks of its clock (every method runs on the coordinator's event loop)."""
 
     idle_steps: int  # times it moved on between rounds, while too few members were online
+    wall_reason: str  # why a round closes when its real seconds (server/deadline.py wall_seconds) pass
 
     def open_round(self, state: RoundState) -> None:
         """The round's tasks are about to go out."""
@@ -87,8 +88,8 @@ class RoundClock(Protocol):
     async def wait_for_live(self, members: Members, count: int, wait_seconds: float | None) -> None:
         """Until ``count`` members are online (TimeoutError after ``wait_seconds``; None: no limit)."""
 
-    def finish_round(self) -> dict:
-        """The round ended: the clock's columns of its metrics row."""
+    def finish_round(self, state: RoundState) -> dict:
+        """The round ``state`` ended: the clock's columns of its metrics row."""
 
     def state(self) -> dict:
         """The clock's entries of the checkpoint (JSON)."""
@@ -101,6 +102,7 @@ class WallClock:
     """Real time: every sampled agent trains; the straggler deadline is in real seconds (server/deadline.py)."""
 
     idle_steps = 0  # real time moves by itself
+    wall_reason = DEADLINE  # the round's real seconds are its straggler deadline
 
     def open_round(self, state: RoundState) -> None:
         """Nothing is held in real time."""
@@ -123,7 +125,7 @@ class WallClock:
         """Until ``count`` members are live, as they join or come back."""
         await members.wait_for_live(count, wait_seconds)
 
-    def finish_round(self) -> dict:
+    def finish_round(self, state: RoundState) -> dict:
         """No columns in real time."""
         return {}
 
@@ -324,7 +326,7 @@ class Coordinator(IngestPlane):
             await asyncio.wait([state.counts_after])
             state.deadline_seconds += time.monotonic() - waiting
         if not await until_closed(state, state.closed_event, lambda: state.lose(self._silent(state))):
-            state.close(DEADLINE)
+            state.close(self.clock.wall_reason)
         for agent_id in slots:
             if self._tasks.get(agent_id) is slots[agent_id]:
                 del self._tasks[agent_id]
@@ -406,7 +408,7 @@ class Coordinator(IngestPlane):
         row.update({f"refused_{reason}": n for reason, n in sorted(state.refused.items())})
         row.update(rank_columns)
         row.update({k: float(v) for k, v in strategy_metrics.items()})
-        row.update(self.clock.finish_round())
+        row.update(self.clock.finish_round(state))
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
         await self._publish_payload(self.round_id + 1)

@@ -9,7 +9,9 @@ A round of M sampled agents (M = ceil(K * overselect)) closes at the first of:
 A secure round closes at the first of K accepted masked inputs, every agent that shared keys having uploaded, or
 the deadline; a secure round whose protocol fails closes at once (:func:`secure_closing_reason`).
 Under the virtual clock (server/virtual_clock.py) first K and the deadline act on simulated time
-(:func:`first_k_in_time`); real time then only guards the round (``--round-wall-timeout``).
+(:func:`first_k_in_time`), and a round its chosen members all answered closes for the simulated reason
+(:func:`virtual_close_reason`); real time then only guards the round (``--round-wall-timeout``: "round wall
+timeout").
 Everything else on the server asks this module; the agent's side is in fedpar/task.py (stop_training_at,
 upload_timeout, and the Deadline a task trains to).
 """
@@ -29,6 +31,7 @@ ALL_ANSWERED = "every sampled agent answered"
 DEADLINE = "deadline"
 ALL_KEYED_UPLOADED = "every agent that shared keys uploaded"
 SECURE_FAILED = "secure aggregation failed"
+WALL_GUARD = "round wall timeout"  # under the virtual clock: --round-wall-timeout real seconds passed first
 LOST_CHECK_SECONDS = 1.0  # how often an open round looks for sampled agents that went silent
 
 
@@ -96,6 +99,12 @@ def secure_closing_reason(accepted: int, target: int, all_keyed_uploaded: bool) 
     if accepted >= target:
         return TARGET_REACHED
     return ""
+
+
+def virtual_close_reason(real: str, simulated: str) -> str:
+    """Why a virtual-clock round closed: the simulated reason when its chosen members all answered (the real round
+    only waited for them; its 'target' was the number chosen), else the real one (the wall guard, a failure)."""
+    return simulated if real in (TARGET_REACHED, ALL_ANSWERED, ALL_KEYED_UPLOADED) else real
 
 
 async def set_within(event: asyncio.Event, seconds: float) -> bool:

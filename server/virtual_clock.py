@@ -22,7 +22,7 @@ import time
 import grpc
 
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.server.deadline import DEADLINE, Decision, first_k_in_time, set_within
+from fedpar.server.deadline import DEADLINE, WALL_GUARD, Decision, first_k_in_time, set_within, virtual_close_reason
 from fedpar.server.members import TooFewMembers
 from fedpar.server.rounds import Refusal, RoundState
 
@@ -33,6 +33,8 @@ IDLE_STEP_SECONDS = 60.0  # the least the clock moves while too few are online (
 
 class VirtualClock:
     """The coordinator's simulated time, and the finish times reported in the current round."""
+
+    wall_reason = WALL_GUARD  # real time only guards the round: its deadline is simulated
 
     def __init__(self, deadline_seconds: float, wall_seconds: float, seconds: float = 0.0):
         self.deadline_seconds = deadline_seconds  # the straggler deadline, in simulated seconds
@@ -121,13 +123,14 @@ class VirtualClock:
             log.info("virtual clock: %d clients online at %.0f simulated seconds, after %.0f with too few",
                      members.live_count(), self.seconds, self.seconds - idle_from)
 
-    def finish_round(self) -> dict:
+    def finish_round(self, state: RoundState) -> dict:
         """Advance the clock by the round just finished; its metrics columns (simulated seconds of the round and
-        since the start, and why it closed in simulated time)."""
+        since the start, why it closed in simulated time, and so why it closed: :func:`virtual_close_reason`)."""
         decision = self.decision or Decision([], 0.0, "not decided")
         self.seconds += decision.seconds
         self.decision = None
-        return {"sim_round_seconds": decision.seconds, "sim_seconds": self.seconds, "sim_close_reason": decision.reason}
+        return {"sim_round_seconds": decision.seconds, "sim_seconds": self.seconds, "sim_close_reason": decision.reason,
+                "close_reason": virtual_close_reason(state.close_reason, decision.reason)}
 
     def state(self) -> dict:
         """The simulated time, for the checkpoint (a restart goes on from there)."""

@@ -15,7 +15,8 @@ from fedpar.protocol.codec import PROTOCOL_VERSION
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.coordinator import Coordinator
-from fedpar.server.deadline import closing_reason, cohort_size, seconds_left, secure_closing_reason, wall_seconds
+from fedpar.server.deadline import (closing_reason, cohort_size, seconds_left, secure_closing_reason,
+                                   virtual_close_reason, wall_seconds)
 from fedpar.server.populations import Populations
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import AgentSlot, RoundState
@@ -51,6 +52,16 @@ def test_a_secure_round_closes_on_k_masked_inputs_or_when_every_agent_that_share
     assert secure_closing_reason(accepted=3, target=3, all_keyed_uploaded=False) == "target reached"
     assert secure_closing_reason(accepted=3, target=3, all_keyed_uploaded=True) == "every agent that shared keys uploaded"
     assert secure_closing_reason(accepted=2, target=3, all_keyed_uploaded=False) == ""  # open: the deadline decides
+
+
+def test_a_virtual_clock_round_closes_for_its_simulated_reason_unless_real_time_or_a_failure_ended_it():
+    """Its real target is the number chosen, so 'target reached' in real time says nothing (QA: reported 14 of K 20,
+    sim_close_reason 'deadline', close_reason 'target reached')."""
+    for real in ("target reached", "every sampled agent answered", "every agent that shared keys uploaded"):
+        assert virtual_close_reason(real, "deadline") == "deadline"
+        assert virtual_close_reason(real, "target reached") == "target reached"
+    assert virtual_close_reason("round wall timeout", "target reached") == "round wall timeout"
+    assert virtual_close_reason("secure aggregation failed", "deadline") == "secure aggregation failed"
 
 
 def test_a_coordinator_runs_on_the_clock_and_member_source_it_is_given(tmp_path):
@@ -89,6 +100,7 @@ def test_a_coordinator_runs_on_the_clock_and_member_source_it_is_given(tmp_path)
     finally:
         server.stop()
     [row] = list(coordinator.metrics.read_rows())
-    assert (row["status"], row["reported"], row["close_reason"]) == ("ok", 1, "target reached")  # K: the one let go
+    # m1 missed the simulated deadline: the round closed at it, though its one member let go answered in real time
+    assert (row["status"], row["reported"], row["close_reason"]) == ("ok", 1, "deadline")
     assert (row["sim_round_seconds"], row["sim_close_reason"]) == (5.0, "deadline")
     np.testing.assert_array_equal(coordinator.weights[0], np.full(SHAPE, 2.0, np.float32))
