@@ -388,7 +388,7 @@ class Coordinator(IngestPlane):
         self.round_id = state.round_id
         row = {"round": state.round_id, "status": status, "sampled": state.sampled,
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
-               "examples": state.examples, "close_reason": state.close_reason,
+               "silent": 0, "not_needed": 0, "examples": state.examples, "close_reason": state.close_reason,
                "cohort_digest": cohort_digest(state.slots)}
         if failure:
             row["failure"] = failure
@@ -409,6 +409,7 @@ class Coordinator(IngestPlane):
         row.update(rank_columns)
         row.update({k: float(v) for k, v in strategy_metrics.items()})
         row.update(self.clock.finish_round(state))
+        row.update(state.unanswered(row["close_reason"]))
         if self.ranks is not None:
             await self.ranks.publish(state.round_id, self.weights if status == "ok" else None)
         await self._publish_payload(self.round_id + 1)

@@ -17,7 +17,7 @@ import numpy as np
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.server.deadline import closing_reason
+from fedpar.server.deadline import TARGET_REACHED, closing_reason
 
 log = logging.getLogger("fedpar.server")
 RunUpdate = Callable[..., Awaitable]  # runs fn(*args) for one update, on the event loop or a worker thread
@@ -279,8 +279,16 @@ class RoundState:
         self._answered_without_update(slot, f"its {reason}")
 
     def late(self) -> int:
-        """Sampled agents whose update had not been accepted or rejected when the round closed."""
-        return sum(1 for s in self.slots.values() if s.status not in ("accepted", "rejected"))
+        """Sampled agents whose update arrived after the round closed (refused)."""
+        return sum(1 for s in self.slots.values() if s.status == "late")
+
+    def unanswered(self, reason: str) -> dict[str, int]:
+        """The row's counts of the sampled agents that never answered the round, closed for ``reason`` (its row's
+        close_reason): ``not_needed``, those still to answer when it reached its target (the surplus sampled beyond
+        K), and ``silent``, the others (they dropped out, died, or were still training at its deadline)."""
+        waiting = [s for s in self.slots.values() if s.status not in ("accepted", "rejected", "late")]
+        surplus = sum(1 for s in waiting if s.status != "lost") if reason == TARGET_REACHED else 0
+        return {"silent": len(waiting) - surplus, "not_needed": surplus}
 
 
 @dataclass

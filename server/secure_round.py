@@ -35,7 +35,7 @@ from fedpar.secagg.messages import MaskedInput
 from fedpar.secagg.params import RoundParams
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg.server_protocol import SecAggResult, SecAggServer
-from fedpar.server.deadline import SECURE_FAILED, secure_closing_reason, set_within
+from fedpar.server.deadline import SECURE_FAILED, TARGET_REACHED, secure_closing_reason, set_within
 from fedpar.server.rounds import Refusal, RoundState, RunUpdate, UploadTicket, not_this_round
 
 log = logging.getLogger("fedpar.server")
@@ -86,6 +86,7 @@ class SecureRound:
             self.params = self.server = None
             self.failure = f"cannot set up secure aggregation for {len(cohort)} agent{'' if len(cohort) == 1 else 's'}: {exc}"
         self.result: SecAggResult | None = None
+        self.surplus = 0  # agents that shared keys but were not needed: the round reached its target first
         self.unmask_seconds = 0.0
         self.unmask_cpu_seconds = 0.0
         self._changed = asyncio.Event()  # set by every stage message (server-side stage drivers wait on it)
@@ -227,8 +228,21 @@ class SecureRound:
             update.append((w.astype(np.float64) + delta).astype(w.dtype))
             offset += w.size
         await self.in_thread(self.strategy.fold, update, r.weight_sum, "secure-aggregate")
-        log.info("round %d: unmasked the sum of %d agents (%d dropped after sharing keys) in %.2fs",
-                 self.params.round_id, len(r.survivors), len(r.dropped), self.unmask_seconds)
+        self.surplus = len(r.dropped) - len(self._dropped(state, r.dropped))
+        log.info("round %d: unmasked the sum of %d agents (%s) in %.2fs", self.params.round_id, len(r.survivors),
+                 self._absent_words(len(r.dropped)), self.unmask_seconds)
+
+    @staticmethod
+    def _dropped(state: RoundState, absent) -> list[str]:
+        """Of ``absent`` (agents that shared keys but whose masked input the sum lacks), those that dropped out: all of
+        them unless the round reached its target first, which needed none of the others."""
+        if state.close_reason != TARGET_REACHED:
+            return list(absent)
+        return [a for a in absent if state.slots[a].status not in ("pending", "uploading", "late")]
+
+    def _absent_words(self, absent: int) -> str:
+        dropped = absent - self.surplus
+        return f"{dropped} dropped after sharing keys, {self.surplus} not needed: the target was reached first"
 
     def _mark(self, stage: str) -> None:
         self.marks[stage] = time.monotonic() - self._started
@@ -240,7 +254,8 @@ class SecureRound:
                "secagg_unmask_cpu_seconds": self.unmask_cpu_seconds,
                **{f"secagg_{k}_at": v for k, v in self.marks.items()}}
         if self.result is not None:
-            row.update(secagg_dropped=len(self.result.dropped), secagg_error_bound=self.result.error_bound)
+            row.update(secagg_dropped=len(self.result.dropped) - self.surplus, secagg_not_needed=self.surplus,
+                       secagg_error_bound=self.result.error_bound)
         if self.failure is not None:
             row["secagg_failure"] = self.failure
         return row

@@ -212,9 +212,9 @@ class StagingSlots:
         entry[1].set_result(None)
 
 
-def open_round(plane, round_id: int, what: str):
+def open_round(plane, round_id: int, what: str, agent_id: str | None = None):
     """The open round of ``plane`` if ``round_id`` is it, else a Refusal saying which round is current (or that no
-    run is, on a service's coordinator between runs)."""
+    run is, on a service's coordinator between runs); ``agent_id``'s update for it, closed, counts as late."""
     state = plane.current
     if not plane.runs_rounds:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
@@ -222,6 +222,8 @@ def open_round(plane, round_id: int, what: str):
                       "ended (it finished or was stopped); the update was not applied")
     if state is None or round_id != state.round_id:
         raise not_this_round(what, round_id, plane.current_round_id)
+    if agent_id is not None and (slot := state.slots.get(agent_id)) is not None and slot.status == "pending":
+        state.refuse_if_closed(slot)
     state.check_open()
     return state
 
@@ -248,7 +250,7 @@ def open_ticket(plane, agent: AgentRecord, header: pb.UploadHeader) -> UploadTic
     server/ranks/plane.py); its ticket, or a Refusal saying what is wrong (the slot is marked uploading only when
     every check passed)."""
     mode, config = plane.mode, plane.config
-    state = open_round(plane, header.round, "upload")
+    state = open_round(plane, header.round, "upload", agent.agent_id)
     slot = slot_to_fill(state, agent.agent_id, header.task_id, plane.rank, mode.admit)
     metrics = dict(header.metrics)
     try:  # Join made num_examples >= 1

@@ -104,3 +104,31 @@ def test_a_coordinator_runs_on_the_clock_and_member_source_it_is_given(tmp_path)
     assert (row["status"], row["reported"], row["close_reason"]) == ("ok", 1, "deadline")
     assert (row["sim_round_seconds"], row["sim_close_reason"]) == (5.0, "deadline")
     np.testing.assert_array_equal(coordinator.weights[0], np.full(SHAPE, 2.0, np.float32))
+
+
+def test_late_counts_only_updates_after_the_close_and_the_others_never_answered():
+    """QA: drop-outs, dead hosts and the overselect surplus were counted 'late' (reported 10, late 55)."""
+    statuses = {"a": "accepted", "r": "rejected", "l": "late", "p": "pending", "u": "uploading", "x": "lost"}
+    state = RoundState(1, 1, 1, 30.0, {a: AgentSlot(a, "t", status=s) for a, s in statuses.items()})
+    assert state.late() == 1
+    assert state.unanswered("target reached") == {"silent": 1, "not_needed": 2}  # the lost one died: silent
+    assert state.unanswered("deadline") == {"silent": 3, "not_needed": 0}
+
+
+def test_an_update_begun_after_the_close_counts_late():
+    from types import SimpleNamespace
+
+    import grpc
+    import pytest
+
+    from fedpar.server.rounds import Refusal
+    from fedpar.server.uploads import open_round
+
+    state = RoundState(1, 1, 1, 30.0, {a: AgentSlot(a, "t") for a in "ab"})
+    plane = SimpleNamespace(current=state, runs_rounds=True, current_round_id=1)
+    assert open_round(plane, 1, "upload", "a") is state
+    state.close("deadline")
+    with pytest.raises(Refusal) as err:
+        open_round(plane, 1, "upload", "a")
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "closed (deadline)" in err.value.message
+    assert (state.late(), state.unanswered("deadline")) == (1, {"silent": 1, "not_needed": 0})

@@ -106,7 +106,7 @@ def test_upload_attempts_chunks_and_byte_rate_are_bounded(start_coordinator, age
     assert chunky.upload(tasks["chunky"], update, 10, NAMES).accepted
     assert server.wait(20)
     row = server.coordinator.metrics.last
-    assert (row["reported"], row["rejected"], row["late"]) == (1, 0, 2)
+    assert (row["reported"], row["rejected"], row["late"], row["silent"]) == (1, 0, 0, 2)
     np.testing.assert_allclose(server.coordinator.weights[0], update[0], rtol=1e-6)
 
 

@@ -75,7 +75,9 @@ def test_straggler_past_the_deadline_is_excluded_and_refused(start_coordinator, 
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "closed" in err.value.details() and "not applied" in err.value.details()
     row = server.coordinator.metrics.last
-    assert (row["status"], row["reported"], row["late"], row["close_reason"]) == ("ok", 2, 1, "deadline")
+    # still training when the round closed (its row was written before its upload came): silent, not late
+    assert (row["status"], row["reported"], row["late"], row["silent"], row["close_reason"]) == \
+        ("ok", 2, 0, 1, "deadline")
     for new, exp in zip(server.coordinator.weights, _weighted_mean(updates, counts)):
         np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
 
@@ -123,7 +125,7 @@ def test_agent_killed_mid_upload_leaves_the_model_untouched(start_coordinator, a
     finally:
         proc.kill()
     row = server.coordinator.metrics.last
-    assert (row["status"], row["reported"], row["late"]) == ("ok", 2, 1)
+    assert (row["status"], row["reported"], row["late"], row["silent"]) == ("ok", 2, 0, 1)  # killed: it never answered
     for new, exp in zip(server.coordinator.weights, _weighted_mean(updates, counts)):
         np.testing.assert_allclose(new, exp, rtol=1e-6, atol=1e-7)
 
@@ -239,7 +241,7 @@ def test_a_sampled_agent_that_goes_silent_does_not_hold_the_round_to_its_deadlin
     assert alive.upload(alive.task(), _weights(3), 30).accepted
     assert server.wait(20)
     row = server.coordinator.metrics.last
-    assert (row["status"], row["sampled"], row["reported"], row["late"]) == ("ok", 2, 1, 1), row
+    assert (row["status"], row["sampled"], row["reported"], row["late"], row["silent"]) == ("ok", 2, 1, 0, 1), row
     assert row["close_reason"] == "every sampled agent answered"
     assert time.monotonic() - started < 10
     np.testing.assert_allclose(server.coordinator.weights[0], _weights(3)[0], rtol=1e-6)

@@ -100,7 +100,27 @@ def test_agents_dropping_before_their_upload_have_their_masks_removed(start_coor
     assert not errors, errors
     row = server.coordinator.metrics.last
     assert (row["status"], row["secagg_survivors"], row["secagg_dropped"]) == ("ok", 4, 1)
+    assert (row["late"], row["silent"], row["not_needed"], row["secagg_not_needed"]) == (0, 1, 0, 0)
     for new, exp in zip(server.coordinator.weights, _fedavg(locals_, ["b", "c", "d", "e"])):
+        np.testing.assert_allclose(new, exp, rtol=0, atol=1e-5)
+
+
+def test_a_surplus_agent_not_needed_is_not_counted_dropped_or_late(start_coordinator, agents, caplog):
+    """QA: 'unmasked the sum of 20 agents (6 dropped after sharing keys)' and 'late 6' were the overselect surplus,
+    agents that shared keys but whose update the round, at its target, did not wait for."""
+    caplog.set_level("INFO", logger="fedpar")
+    init = _weights()
+    server = start_coordinator(init, **{**SECURE, "clients_per_round": 4, "overselect": 1.25}, deadline_seconds=20.0)
+    bots = agents(server.address, IDS)
+    locals_, errors = _run(server, bots, init, {"e": "before_upload"})  # e still trains when the target is reached
+    assert not errors, errors
+    row = server.coordinator.metrics.last
+    assert (row["status"], row["sampled"], row["reported"], row["close_reason"]) == ("ok", 5, 4, "target reached")
+    assert (row["late"], row["silent"], row["not_needed"]) == (0, 0, 1)
+    assert (row["secagg_survivors"], row["secagg_dropped"], row["secagg_not_needed"]) == (4, 0, 1)
+    assert any("unmasked the sum of 4 agents (0 dropped after sharing keys, 1 not needed: the target was reached "
+               "first)" in r.getMessage() for r in caplog.records)
+    for new, exp in zip(server.coordinator.weights, _fedavg(locals_, ["a", "b", "c", "d"])):
         np.testing.assert_allclose(new, exp, rtol=0, atol=1e-5)
 
 

@@ -98,7 +98,10 @@ def test_only_the_first_k_in_simulated_time_train_and_the_clock_advances(start_c
     assert server.wait(20)
 
     rows = list(server.coordinator.metrics.read_rows())
-    assert [(r["status"], r["reported"], r["late"]) for r in rows] == [("ok", 3, 3), ("ok", 1, 5)]
+    # round 1 reached K in simulated time: the 3 not let train were not needed; round 2 closed at its simulated
+    # deadline: the 5 not let train missed it
+    assert [(r["status"], r["reported"], r["late"], r["not_needed"], r["silent"]) for r in rows] == \
+        [("ok", 3, 0, 3, 0), ("ok", 1, 0, 0, 5)]
     assert [(r["sim_round_seconds"], r["sim_seconds"], r["sim_close_reason"]) for r in rows] == \
         [(3.0, 3.0, "target reached"), (10.0, 13.0, "deadline")]
     np.testing.assert_array_equal(server.coordinator.weights[0], np.full(SHAPE, 6.0, np.float32))
