@@ -8,9 +8,13 @@ no plots); prints a per-round table while it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
 from fedpar.cli.config import chose
@@ -118,20 +122,45 @@ def run(args: argparse.Namespace) -> int:
 
 def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     """:func:`launch`, once the strategy and every setting are checked here (a refusal, or what a resume changes,
-    is said before the child starts); none when the checkpoint has every round done and --out its outputs (said)."""
+    is said before the child starts); none when the checkpoint has every round done and --out its outputs (said).
+    The checkpoint folder is locked first, and until the run ends (across the child's restarts): a second run there
+    is refused before it reads the first's checkpoints."""
+    global _held
+    from fedpar.server.checkpoint import lock_folder
+
+    made = cfg.checkpoint_dir is not None and not Path(cfg.checkpoint_dir).exists()
     try:
+        _held = lock_folder(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
         with_strategy(args, cfg)
         from fedpar.simulations.runner import check_settings
         for line in check_settings(cfg):
             print(f"fedpar simulate: {line}", file=sys.stderr)
     except ValueError as exc:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
+        _let_go(refused=True, made=made, folder=cfg.checkpoint_dir)
         return 2
     from fedpar.simulations.resume import nothing_to_do
 
-    if nothing_to_do(cfg):  # no worker, coordinator or child process starts only to find every round done
-        return 0
-    return launch(args, cfg)
+    try:
+        if nothing_to_do(cfg):  # no worker, coordinator or child process starts only to find every round done
+            return 0
+        return launch(args, cfg)
+    finally:
+        _let_go()
+
+
+_held = None  # the checkpoint folder's lock (server/checkpoint.lock_folder) this launcher holds for its run
+
+
+def _let_go(refused: bool = False, made: bool = False, folder: str | None = None) -> None:
+    """Release the checkpoint folder's lock; a refused start takes away the folder it ``made`` (empty then)."""
+    global _held
+    if _held is not None:
+        _held.release(refused)
+        _held = None
+    if refused and made:
+        with contextlib.suppress(OSError):
+            Path(folder).rmdir()
 
 
 def setting_error(exc: ValueError, args: argparse.Namespace) -> str:
@@ -163,10 +192,11 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     from fedpar.cli.serve import plain_options
     from fedpar.parallel.init import LaunchStopped, fork_safe, spawn
     from fedpar.parallel.stopping import exit_code, signal_name
-    options = {**plain_options(args), "coordinator_threads": torch.get_num_threads()}
+    options = {**plain_options(args), "coordinator_threads": torch.get_num_threads(), "launcher_pid": os.getpid()}
     try:
-        spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
-              start_method="fork" if fork_safe() else "spawn", rank_0_resumes=cfg.checkpoint_dir is not None)
+        with stop_on_signals() as received, _stops_told(received):  # spawn's own block shares `received`
+            spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
+                  start_method="fork" if fork_safe() else "spawn", rank_0_resumes=cfg.checkpoint_dir is not None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
         if isinstance(exc, LaunchStopped) and exc.rank_0_said_nothing:  # stopped as it started (spawned ranks)
             print("fedpar simulate: interrupted", file=sys.stderr)
@@ -181,6 +211,42 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
 
 
 STOP_GRACE_SECONDS = 60.0  # the child's time, once signalled, to write what completed (summary, model, plots)
+TOLD_STOP = signal.SIGUSR2  # the child's word to its launcher: a SIGINT came to it (see _tell_launcher)
+
+
+@contextlib.contextmanager
+def _stops_told(received):
+    """In the launcher: the child's TOLD_STOP stops the run as a SIGINT here does, unless a stop is under way
+    already (a Ctrl-C reaches both processes: the child's word may come later than the launcher's own signal)."""
+    def told(signum, frame) -> None:
+        if received.signal is None:
+            signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(TOLD_STOP, told)
+    try:
+        yield
+    finally:
+        signal.signal(TOLD_STOP, previous)
+
+
+@contextlib.contextmanager
+def _tell_launcher(launcher: int | None):
+    """In the child (its launcher's pid: ``launcher``; None: no launcher, nothing changes): a SIGINT, which the
+    child otherwise ignores (its launcher stops it), is told to the launcher, which stops the run as for its own
+    (`kill -INT` of the child's pid, found by pgrep, stopped nothing)."""
+    if launcher is None:
+        yield
+        return
+
+    def tell(signum, frame) -> None:
+        if os.getppid() == launcher:  # else the launcher is gone, and this process is stopping for that
+            os.kill(launcher, TOLD_STOP)
+
+    previous = signal.signal(signal.SIGINT, tell)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _how_to_go_on(cfg: SimulationConfig) -> str:
@@ -192,8 +258,6 @@ def _how_to_go_on(cfg: SimulationConfig) -> str:
 
 def _rounds_written(out: str | None) -> int:
     """The last round OUT/metrics.jsonl holds (0: none), read from the file's end."""
-    from pathlib import Path
-
     from fedpar.protocol.run_logs import lines_backward
 
     metrics = Path(out) / "metrics.jsonl" if out else None
@@ -208,23 +272,34 @@ def simulate_here(options: dict) -> None:
     from fedpar.parallel.init import exit_rank_process
 
     torch.set_num_threads(options.pop("coordinator_threads"))  # the launch set one, as for ranks sharing cores
+    if _held is not None:  # forked: the launcher holds the lock; this copy of its file must not outlive it in workers
+        _held.handle.close()
     args = argparse.Namespace(**options)
     if args.log_level:
         setup_logging(args)
+    # SIGTERM here stops the run as in the launcher (not the default death, which the launcher would resume from)
+    with stop_on_signals(), _tell_launcher(args.launcher_pid):
+        code = _simulate_here(args)
+    if code:
+        exit_rank_process(code)
+
+
+def _simulate_here(args: argparse.Namespace) -> int:
+    """:func:`simulate` in the child, with its user mistakes said in one line; the exit code."""
+    from fedpar.parallel.stopping import exit_code, signal_name
+
     try:
         cfg = simulation_config(args, say=False)  # the launcher said its notes
-        code = simulate(args, cfg)
+        return simulate(args, cfg)
     except (UserError, OSError) as exc:  # one line, as cli/main.py says it (--debug: the traceback)
         if args.debug:
             raise
         hint = "" if isinstance(exc, UserError) else " (--debug shows the traceback)"  # none for a user's mistake
         print(f"fedpar simulate: {describe(exc)}{hint}", file=sys.stderr)
-        code = exc.exit_code if isinstance(exc, UserError) else 1
-    except KeyboardInterrupt:  # stopped before the run could say what completed (as cli/main.py says it)
+        return exc.exit_code if isinstance(exc, UserError) else 1
+    except KeyboardInterrupt as exc:  # stopped before the run could say what completed (as cli/main.py says it)
         print("fedpar simulate: interrupted", file=sys.stderr)
-        raise
-    if code:
-        exit_rank_process(code)
+        return exit_code(signal_name(exc))
 
 
 def simulate(args: argparse.Namespace, cfg: SimulationConfig, workers=None) -> int:
@@ -254,7 +329,8 @@ def _simulate(args: argparse.Namespace, cfg: SimulationConfig, workers) -> int:
     try:
         with_strategy(args, cfg)
         callbacks = [progress.round_ended, table.row, *observers.round_callbacks()]
-        with stop_on_signals() as stop:  # SIGINT or SIGTERM: what completed is written (a second: exit now)
+        with stop_on_signals() as stop, _tell_launcher(getattr(args, "launcher_pid", None)):
+            # SIGINT or SIGTERM: what completed is written (a second: exit now)
             summary = run_simulation(cfg, on_round=lambda row: [f(row) for f in callbacks],
                                      on_server=observers.attach, on_progress=progress.follow,
                                      on_stage=progress.preparing, workers=workers)

@@ -25,10 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.protocol.codec import CodecError
+from fedpar.protocol.file_lock import FileLock, LockHeld, hold
 from fedpar.protocol.atomicfile import atomic_write_bytes, fsync_directory
 from fedpar.protocol.tensorfile import load_tensors, save_tensors
 
 LATEST = "LATEST"
+LOCK = ".lock"  # held by the run that uses the folder (lock_folder)
 KEEP = 2
 FILES = ("global.safetensors", "strategy.safetensors", "state.json")
 _NAME = re.compile(r"round-(\d{6,})")
@@ -123,11 +125,33 @@ def _prune(root: Path, keep_from: int) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def _read_pointer(root: Path) -> str | None:
-    pointer = root / LATEST
+def lock_folder(root: Path) -> FileLock:
+    """Hold ``root``/.lock (the folder made if missing) for the life of the run that checkpoints there: another
+    run writing the same checkpoints would resume from, and prune, this one's. CheckpointError, naming the other
+    run's pid, when another process holds it."""
+    root = Path(root)
+    _check_folder(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return hold(root / LOCK)
+    except LockHeld as exc:
+        raise CheckpointError(f"--checkpoint-dir {root} is in use by another fedpar run (pid {exc.pid}); wait for it "
+                              "to end, or give another --checkpoint-dir") from None
+    except OSError as exc:
+        raise CheckpointError(f"--checkpoint-dir {root} cannot be used: {exc.strerror or exc}; give a folder this user "
+                              "can write") from None
+
+
+def _check_folder(root: Path) -> None:
+    """CheckpointError when ``root`` is a file."""
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"the checkpoint directory {root} is a file; give a folder (a new one starts the run "
                               "over)")
+
+
+def _read_pointer(root: Path) -> str | None:
+    pointer = root / LATEST
+    _check_folder(root)
     try:
         return pointer.read_bytes().decode("ascii").strip()
     except FileNotFoundError:

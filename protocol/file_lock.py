@@ -1,0 +1,58 @@
+"""An exclusive lock that one process holds on a file for as long as its run lasts (fcntl.flock): one run per
+checkpoint folder (or state file). The kernel drops it when its holder ends, however it ends (``kill -9`` too), so a
+stale lock file never blocks the next run; the file names the holder's pid for the refusal of another."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; ``pid``: the one its file names (None: it wrote none yet)."""
+
+    def __init__(self, path: Path, pid: int | None):
+        super().__init__(f"{path} is held by pid {pid}")
+        self.path, self.pid = path, pid
+
+
+@dataclass
+class FileLock:
+    """A held lock: its open file, and whether taking it made the file."""
+
+    handle: IO[str]
+    made: bool
+
+    def release(self, refused: bool = False) -> None:
+        """Let the lock go; a start ``refused`` takes away the file it made (while it holds it: a start beside it
+        was refused, and the next one makes a new file)."""
+        if refused and self.made:
+            Path(self.handle.name).unlink(missing_ok=True)
+        self.handle.close()
+
+
+def hold(name: Path) -> FileLock:
+    """Take the lock on file ``name`` (made if missing) without waiting and write this process's pid in it;
+    LockHeld if another process holds it."""
+    made = not name.exists()
+    handle = open(name, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _pid_in(handle)
+        handle.close()
+        raise LockHeld(name, pid) from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return FileLock(handle, made)
+
+
+def _pid_in(handle: IO[str]) -> int | None:
+    """The pid a lock file names (None: none yet, its holder is writing it)."""
+    handle.seek(0)
+    text = handle.read().strip()
+    return int(text) if text.isdigit() else None

@@ -1,0 +1,93 @@
+"""`fedpar simulate --checkpoint-dir` runs its coordinator in a child that its launcher restarts. QA: two runs could
+use one checkpoint folder at once (the second resumed from the first's live checkpoints, both wrote --out), and a
+SIGINT to the child's pid was ignored. The folder is locked by the launcher for the run's life, across restarts; a
+SIGINT or SIGTERM to the child stops the run as one to the launcher does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.processes import children
+
+SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "20", "--clients-per-round", "4", "--quiet",
+            "--checkpoint-dir", "D", "--out", "O"]
+
+
+def _start(cwd: Path, rounds: int = 2000) -> subprocess.Popen:
+    return subprocess.Popen(SIMULATE + ["--rounds", str(rounds)], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _until_checkpointed(run: subprocess.Popen, cwd: Path) -> None:
+    """Wait until the run's first checkpoint is published."""
+    end = time.monotonic() + 180
+    while not (cwd / "D" / "LATEST").exists():
+        assert run.poll() is None and time.monotonic() < end, run.communicate()
+        time.sleep(0.2)
+
+
+def _coordinator(launcher: int) -> int:
+    """The launcher's child that runs the coordinator (forked: the same command line)."""
+    line = Path(f"/proc/{launcher}/cmdline").read_bytes()
+    kids = children(launcher)
+    return next((p for p in kids if Path(f"/proc/{p}/cmdline").read_bytes() == line), kids[0])
+
+
+def _refused(cwd: Path, run: subprocess.Popen, rounds: int) -> None:
+    done = subprocess.run(SIMULATE + ["--rounds", str(rounds)], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"fedpar simulate: --checkpoint-dir D is in use by another fedpar run (pid "
+                                        f"{run.pid}); wait for it to end, or give another --checkpoint-dir"]
+
+
+def test_a_second_run_on_a_live_checkpoint_folder_is_refused_across_the_coordinators_restart(tmp_path):
+    run = _start(tmp_path)
+    try:
+        _until_checkpointed(run, tmp_path)
+        _refused(tmp_path, run, 2000)
+        _refused(tmp_path, run, 1)  # said 'nothing to train' and rewrote O/summary.json under the running run
+        assert not (tmp_path / "O" / "summary.json").exists()
+        os.kill(_coordinator(run.pid), signal.SIGKILL)  # the launcher starts it again: it still holds the folder
+        _refused(tmp_path, run, 2000)
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 130, err
+    again = subprocess.run(SIMULATE + ["--rounds", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert "in use" not in again.stderr and again.returncode == 0, again.stderr  # the lock went with the run
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_coordinators_child_stops_the_run_as_one_to_its_launcher(signum, tmp_path):
+    run = _start(tmp_path)
+    try:
+        _until_checkpointed(run, tmp_path)
+        os.kill(_coordinator(run.pid), signum)
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    said = [line for line in err.splitlines() if line.startswith("fedpar simulate:")]
+    assert run.returncode == 128 + signum, err
+    assert len(said) == 1 and said[0].startswith("fedpar simulate: interrupted after "), err
+    assert "Traceback" not in err and "interrupted: stopping" not in err, err
+    assert (tmp_path / "O" / "summary.json").exists()
+
+
+def test_a_ctrl_c_to_the_process_group_says_its_line_once(tmp_path):
+    run = _start(tmp_path)
+    try:
+        _until_checkpointed(run, tmp_path)
+        os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher and its child both get it
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    said = [line for line in err.splitlines() if line.startswith("fedpar simulate:")]
+    assert run.returncode == 130 and len(said) == 1 and said[0].startswith("fedpar simulate: interrupted after "), err
