@@ -59,8 +59,8 @@ def _serve(tmp: Path, ranks: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fedpar.cli.main", "serve", "--insecure", "--port", "0", "--port-file",
            str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--no-central-eval",
            "--aggregator-ranks", str(ranks), *RANKS_ON_CPU, "--inline-weights-bytes", "0", "--overselect", "1.0",
-           "--min-available", "4", "--heartbeat", "1", "--liveness-timeout", "30", "--aggregator-timeout", "30",
-           *QUICK_TRAINING, *flags]
+           "--min-available", "4", "--heartbeat", "1", "--liveness-timeout", "30",
+           *(("--aggregator-timeout", "30") if ranks > 1 else ()), *QUICK_TRAINING, *flags]
     tmp.mkdir(parents=True, exist_ok=True)
     with open(tmp / "serve.log", "a") as log:
         return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
