@@ -217,6 +217,24 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
     return Checkpoint(round_id, names, arrays, dict(zip(skeys, sarrays)), state, directory)
 
 
+def saved_strategy(root: Path | None) -> str | None:
+    """The strategy the latest checkpoint under ``root`` was made with, from its state.json alone (None: no
+    checkpoint, one that does not say, or a damaged one: :func:`load_checkpoint` says what is wrong with it)."""
+    try:
+        name = _read_pointer(Path(root)) if root is not None else None
+        state = _load_state(Path(root) / name / "state.json", Path(root), 0) if name and _NAME.fullmatch(name) else {}
+    except (CheckpointError, OSError):
+        return None
+    saved = state.get("strategy")
+    return saved.get("strategy") if isinstance(saved, dict) and isinstance(saved.get("strategy"), str) else None
+
+
+def strategy_refusal(root: Path, saved_by: str, name: str) -> str:
+    """The line refusing to resume the checkpoint under ``root``, made with strategy ``saved_by``, with ``name``."""
+    return (f"checkpoint in {root} was made with strategy {saved_by!r}, not {name!r}; resume with the --strategy (and "
+            "--privacy) it was made with, or point --checkpoint-dir elsewhere")
+
+
 def _load_state(path: Path, root: Path, round_id: int) -> dict:
     try:
         if path.stat().st_size > MAX_STATE_BYTES:

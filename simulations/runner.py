@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import build_strategy
-from fedpar.aggregation.compatibility import check_composition
+from fedpar.aggregation.compatibility import DP_PREFIX, check_composition
+from fedpar.aggregation.registry import FLOWER_PREFIX, strategy_class
 from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.user_errors import UserError, describe
 from fedpar.client.trainer import PRECISIONS
@@ -30,7 +31,7 @@ from fedpar.security.certs import temporary_cert_dir
 from fedpar.security.sslcontext import server_ssl_context
 from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.assembly import CoordinatorAssembly
-from fedpar.server.checkpoint import has_checkpoint
+from fedpar.server.checkpoint import CheckpointError, has_checkpoint, saved_strategy, strategy_refusal
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig
@@ -138,7 +139,20 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
     check_client_speeds(cfg)
     check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
     check_population_fits(cfg)
+    check_resumed_strategy(cfg)  # before check_resume says what a resume changes: a refused one says only why
     return check_resume(cfg)
+
+
+def check_resumed_strategy(cfg: SimulationConfig) -> None:
+    """CheckpointError when ``cfg`` would resume a checkpoint made with another strategy: said now, from the
+    checkpoint's state.json, not by the coordinator once the data is loaded (a Flower strategy is left to it)."""
+    saved_by = saved_strategy(cfg.checkpoint_dir)
+    if saved_by is None or cfg.strategy.startswith(FLOWER_PREFIX):
+        return
+    inner = strategy_class(cfg.strategy).name
+    name = f"{DP_PREFIX}{inner}" if cfg.strategy.strip().lower().replace("-", "_").startswith("dp_") else inner
+    if saved_by != name:
+        raise CheckpointError(strategy_refusal(cfg.checkpoint_dir, saved_by, name))
 
 
 def _make_out(out: Path) -> None:
