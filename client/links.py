@@ -525,6 +525,9 @@ class AgentLink:
             except grpc.RpcError:  # gone, or it forgot this session: there is nothing to leave
                 pass
 
+    def leaving(self) -> None:
+        """Nothing: the agent leaves as it closes, with no seats to wait for first."""
+
     def tasks_in_flight(self, change: int) -> None:
         """Nothing: the agent's one member trains between its pulls, no task waits for a seat."""
 
@@ -571,6 +574,7 @@ class HostLink:
         self.uploads: dict[CoordinatorStub, HostUploads] = {}  # the members' small updates, by the rank they go to
         self._uploads_lock = threading.Lock()  # seats add a rank's the first time they upload there
         self._closed = False
+        self._left = False  # it said goodbye (Leave): its session is over
         self._tasks = KeptStream(self.conn.stub.HostTaskStream, "task stream")  # the long-polls, opened at the first
         self.local_epochs = 1  # the latest task's: with a member's examples, the bound on its update's weight
 
@@ -749,18 +753,26 @@ class HostLink:
         for uploads in batches:
             uploads.close()
         refused = sum(uploads.refused_in_background for uploads in batches)
-        if refused:
+        if refused and not self._left:
             log.warning("%s: %d updates sent in the background were refused (--log-level info says why)",
                         self.host.agent_id, refused)
         late = sum(uploads.came_after_close for uploads in batches)
         if late:
             log.info("%s: %d updates came after their round had closed (overselection's surplus)",
                      self.host.agent_id, late)
-        if self.host.token:
-            try:
-                self.conn.stub.Leave(pb.LeaveRequest(auth=self.host), timeout=LEAVE_SECONDS)
-            except grpc.RpcError:  # gone, or it forgot this session: there is nothing to leave
-                pass
+        self.leaving()
+
+    def leaving(self) -> None:
+        """Leave the coordinator (once, if it still answers): the open round stops waiting for the members it sampled,
+        and none is sampled again. A signal's stop says it before the seats' last tasks end; their updates then find
+        the session gone, which is no refusal to warn of."""
+        if not self.host.token or self._left:
+            return
+        self._left = True
+        try:
+            self.conn.stub.Leave(pb.LeaveRequest(auth=self.host), timeout=LEAVE_SECONDS)
+        except grpc.RpcError:  # gone, or it forgot this session: there is nothing to leave
+            pass
 
 
 class _Heartbeat:

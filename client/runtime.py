@@ -178,6 +178,10 @@ class ClientRuntime:
             if not self._stop.is_set():
                 raise
             return self.stats  # stop() asked to leave while the coordinator was unreachable: no failure
+        except KeyboardInterrupt:  # a signal: the coordinator hears of it now, not after the seats' last tasks
+            self._stop.set()
+            self.link.leaving()
+            raise
         finally:
             self._forget_queued()  # training is over: tasks not started yet are moot
             for _ in workers:

@@ -1,0 +1,109 @@
+"""What `fedpar simulate-workers` and its `fedpar serve --accept-populations` tell each other, as real processes on
+127.0.0.1: a population smaller than --min-available is refused in one line on both sides (it hung in silence); a
+worker stopped by a signal leaves, so the open round stops waiting for its members (it waited out --deadline, then
+sampled them again); a worker whose coordinator is gone says so (it was silent); and a routine overselected run ends
+without a warning on the workers (the surplus refused after its round closed was one)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TASK = ["--dataset", "digits", "--model", "mlp"]
+
+
+def _serve(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, str]:
+    """A one-shot `fedpar serve --accept-populations` on 127.0.0.1 and its address, once it listens."""
+    serve = subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--accept-populations",
+                              "--port", "0", "--port-file", str(tmp_path / "port"), "--out", str(tmp_path / "out"),
+                              *TASK, *options], cwd=ROOT, env=ENV, stdout=open(tmp_path / "serve.log", "w"),
+                             stderr=subprocess.STDOUT)
+    end = time.monotonic() + 60
+    while not (tmp_path / "port").exists() or not (tmp_path / "port").read_text().strip():
+        assert serve.poll() is None and time.monotonic() < end, (tmp_path / "serve.log").read_text()
+        time.sleep(0.1)
+    return serve, f"127.0.0.1:{int((tmp_path / 'port').read_text())}"
+
+
+def _worker(tmp_path: Path, server: str, *options: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fedpar", "simulate-workers", "--insecure", "--server", server,
+                             *TASK, *options], cwd=ROOT, env=ENV, stdout=open(tmp_path / "worker.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_for(path: Path, text: str, seconds: float) -> str:
+    """``path``'s text once it holds ``text`` (an AssertionError after ``seconds``)."""
+    end = time.monotonic() + seconds
+    while text not in path.read_text():
+        assert time.monotonic() < end, f"no {text!r} in {path.name}:\n{path.read_text()[-3000:]}"
+        time.sleep(0.2)
+    return path.read_text()
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_population_short_of_min_available_is_refused_in_one_line_on_both_sides(tmp_path):
+    serve, server = _serve(tmp_path, "--min-available", "100", "--rounds", "1")
+    worker = _worker(tmp_path, server, "--clients", "50")
+    try:
+        assert worker.wait(120) == 1
+    finally:
+        _stop(worker, serve)
+    said = "population of 50 clients (simulate-workers --clients 50), this run waits for 100 (serve --min-available 100)"
+    lines = [line for line in (tmp_path / "worker.log").read_text().splitlines()
+             if line.startswith("fedpar simulate-workers:")]
+    assert len(lines) == 1 and said in lines[0], lines
+    assert said in (tmp_path / "serve.log").read_text()
+
+
+def test_a_worker_stopped_by_sigterm_leaves_and_the_round_stops_waiting_for_its_members(tmp_path):
+    serve, server = _serve(tmp_path, "--min-available", "10", "--clients-per-round", "5", "--rounds", "3",
+                           "--deadline", "120")
+    # slow members (a second a step): the round is open when the worker is stopped
+    worker = _worker(tmp_path, server, "--clients", "10", "--seats", "1", "--slow-fraction", "1",
+                     "--slow-step-delay", "1")
+    try:
+        _wait_for(tmp_path / "serve.log", "round 1: sampled", 60)
+        time.sleep(1)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 128 + signal.SIGTERM
+        stopped = time.monotonic()
+        log = _wait_for(tmp_path / "serve.log", "went silent before answering", 30)
+        assert time.monotonic() - stopped < 30  # not --deadline's 120 s
+        assert "simulation host host-0-of-1 left, with its 10 members" in log
+        _wait_for(tmp_path / "serve.log", "waiting for 10 agents", 30)  # round 2 samples no departed member
+        assert "round 2: sampled" not in (tmp_path / "serve.log").read_text()
+    finally:
+        _stop(worker, serve)
+
+
+def test_a_worker_says_its_coordinator_is_gone_and_a_routine_run_ends_without_a_warning(tmp_path):
+    serve, server = _serve(tmp_path, "--min-available", "20", "--clients-per-round", "10", "--rounds", "2",
+                           "--overselect", "1.5")
+    worker = _worker(tmp_path, server, "--clients", "20")
+    try:
+        assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()
+        assert serve.wait(60) == 0
+        log = (tmp_path / "worker.log").read_text()
+        assert "WARNING" not in log and "were refused" not in log, log
+        (tmp_path / "port").unlink()
+        serve, server = _serve(tmp_path, "--min-available", "20", "--rounds", "50")
+        worker = _worker(tmp_path, server, "--clients", "20")
+        _wait_for(tmp_path / "serve.log", "round 2: sampled", 60)
+        serve.send_signal(signal.SIGINT)
+        serve.wait(60)
+        log = _wait_for(tmp_path / "worker.log", "coordinator unreachable (UNAVAILABLE)", 30)
+        assert worker.poll() is None and log.count("unreachable") == 1, log  # said once, still retrying
+    finally:
+        _stop(worker, serve)
