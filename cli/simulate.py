@@ -128,17 +128,21 @@ def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     global _held
     from fedpar.server.checkpoint import lock_folder
 
-    made = cfg.checkpoint_dir is not None and not Path(cfg.checkpoint_dir).exists()
+    made = cfg.checkpoint_dir if cfg.checkpoint_dir is not None and not Path(cfg.checkpoint_dir).exists() else None
+    started = False
     try:
         _held = lock_folder(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
         with_strategy(args, cfg)
         from fedpar.simulations.runner import check_settings
         for line in check_settings(cfg):
             print(f"fedpar simulate: {line}", file=sys.stderr)
+        started = True
     except ValueError as exc:
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
-        _let_go(refused=True, made=made, folder=cfg.checkpoint_dir)
         return 2
+    finally:
+        if not started:  # refused (here, or by the command, e.g. a ConfigError)
+            _let_go(made)
     from fedpar.simulations.resume import nothing_to_do
 
     try:
@@ -146,21 +150,29 @@ def launch_checked(args: argparse.Namespace, cfg: SimulationConfig) -> int:
             return 0
         return launch(args, cfg)
     finally:
-        _let_go()
+        _let_go(made)
 
 
 _held = None  # the checkpoint folder's lock (server/checkpoint.lock_folder) this launcher holds for its run
 
 
-def _let_go(refused: bool = False, made: bool = False, folder: str | None = None) -> None:
-    """Release the checkpoint folder's lock; a refused start takes away the folder it ``made`` (empty then)."""
+def _let_go(made: str | None = None) -> None:
+    """Release the checkpoint folder's lock; ``made``: the folder, when this run made it: taken away if the lock
+    is all it holds (a refused start, here or in the child)."""
     global _held
-    if _held is not None:
-        _held.release(refused)
-        _held = None
-    if refused and made:
+    if _held is None:
+        return
+    from fedpar.server.checkpoint import LOCK
+
+    try:
+        bare = made is not None and [p.name for p in Path(made).iterdir()] == [LOCK]
+    except OSError:  # the folder is gone: nothing to take away
+        bare = False
+    _held.release(refused=bare)
+    _held = None
+    if bare:
         with contextlib.suppress(OSError):
-            Path(folder).rmdir()
+            Path(made).rmdir()
 
 
 def setting_error(exc: ValueError, args: argparse.Namespace) -> str:

@@ -147,7 +147,7 @@ def check_resumed_strategy(cfg: SimulationConfig) -> None:
     """CheckpointError when ``cfg`` would resume a checkpoint made with another strategy: said now, from the
     checkpoint's state.json, not by the coordinator once the data is loaded (a Flower strategy is left to it)."""
     saved_by = saved_strategy(cfg.checkpoint_dir)
-    if saved_by is None or cfg.strategy.startswith(FLOWER_PREFIX):
+    if saved_by is None or not cfg.strategy or cfg.strategy.startswith(FLOWER_PREFIX):
         return
     inner = strategy_class(cfg.strategy).name
     name = f"{DP_PREFIX}{inner}" if cfg.strategy.strip().lower().replace("-", "_").startswith("dp_") else inner

@@ -91,3 +91,11 @@ def test_a_ctrl_c_to_the_process_group_says_its_line_once(tmp_path):
         run.kill()
     said = [line for line in err.splitlines() if line.startswith("fedpar simulate:")]
     assert run.returncode == 130 and len(said) == 1 and said[0].startswith("fedpar simulate: interrupted after "), err
+
+
+def test_a_refused_start_leaves_no_checkpoint_folder_it_made_for_its_lock(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "6", "--clients-per-round", "1",
+                           "--secure-aggregation", "--rounds", "2", "--quiet", "--checkpoint-dir", "NEW", "--out", "O"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2 and "secure aggregation" in done.stderr, done.stderr
+    assert not (tmp_path / "NEW").exists()
