@@ -57,7 +57,7 @@ def check_settings(path: Path, defining: dict, noted: dict | None = None, *, sou
         raise RunRecordError(f"cannot resume from {source}: it was made with {'; '.join(differences)}; run with "
                              f"those settings to resume it, or {afresh}")
     ran = _section(saved, "noted")
-    return [f"resuming {source} with {key} {said(value)}; its run so far went with {key} {said(ran[key])}"
+    return [f"resuming {source} with {key} {said(value)}; its last session went with {key} {said(ran[key])}"
             for key, value in noted.items() if key in ran and ran[key] != value]
 
 

@@ -29,7 +29,8 @@ from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.security.admission import Admission
-from fedpar.server.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from fedpar.server.checkpoint import (Checkpoint, CheckpointError, load_checkpoint, save_checkpoint,
+                                     strategy_refusal)
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.deadline import DEADLINE, cohort_size, round_target, seconds_left, until_closed, wall_seconds
 from fedpar.server.ranks.group import RankMissing
@@ -228,9 +229,7 @@ class Coordinator(IngestPlane):
         saved = ckpt.state.get("strategy")
         saved_by = saved.get("strategy") if isinstance(saved, dict) else None
         if saved_by is not None and saved_by != self.strategy.name:  # not damaged: made by another command line
-            raise CheckpointError(f"checkpoint in {self.config.checkpoint_dir} was made with strategy {saved_by!r}, "
-                                  f"not {self.strategy.name!r}; resume with the --strategy (and --privacy) it was "
-                                  "made with, or point --checkpoint-dir elsewhere")
+            raise CheckpointError(strategy_refusal(self.config.checkpoint_dir, saved_by, self.strategy.name))
         self.weights = ckpt.arrays
         self.round_id = ckpt.round_id
         with ckpt.restoring("sampler"):

@@ -115,7 +115,7 @@ def test_the_same_federation_resumes_and_another_lr_is_said_once(made, run, capf
     code, err = _simulate("--lr", "0.05", out=run / "moved", ckpt=run / "ckpt", rounds=3, capfd=capfd)
     assert code == 0, err
     assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with --lr 0.05; its "
-                                "run so far went with --lr 0.1"], err
+                                "last session went with --lr 0.1"], err
     assert _rounds(run / "moved") == [1, 2, 3]
     first, resumed = _summary(made / "out"), _summary(run / "moved")
     # the whole run's seconds: the first process's (kept in the record) and this one's
@@ -136,7 +136,7 @@ def test_a_resume_the_coordinator_refuses_leaves_the_record_as_the_rounds_ran(ru
     assert code == 2 and "was made with strategy 'fedavg', not 'fedadam'" in err, err
     assert (run / "ckpt" / "run.json").read_text() == record
     code, err = _simulate("--lr", "0.05", out=run / "out", ckpt=run / "ckpt", rounds=3, capfd=capfd)
-    assert code == 0 and "its run so far went with --lr 0.1" in err, err
+    assert code == 0 and "its last session went with --lr 0.1" in err, err
 
 
 def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(run, capfd):
@@ -145,8 +145,8 @@ def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(ru
                           capfd=capfd)
     assert code == 0, err
     said = f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with"
-    assert err.splitlines() == [f"{said} --clock virtual; its run so far went with --clock real",
-                                f"{said} --compression int8; its run so far went with --compression none"], err
+    assert err.splitlines() == [f"{said} --clock virtual; its last session went with --clock real",
+                                f"{said} --compression int8; its last session went with --compression none"], err
 
 
 def test_a_resume_of_a_private_run_names_the_privacy_flag_it_changes(tmp_path, capfd):
@@ -157,7 +157,7 @@ def test_a_resume_of_a_private_run_names_the_privacy_flag_it_changes(tmp_path, c
     code, err = _simulate(*private[:3], "0.5", out=tmp_path / "out", ckpt=tmp_path / "ckpt", rounds=2, capfd=capfd)
     assert code == 0, err
     assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {tmp_path / 'ckpt'} with --privacy-noise "
-                                "0.5; its run so far went with --privacy-noise 0.3"], err
+                                "0.5; its last session went with --privacy-noise 0.3"], err
 
 
 def test_a_fresh_checkpoint_folder_records_the_new_federation(run, capfd):
