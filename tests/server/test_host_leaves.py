@@ -58,7 +58,8 @@ def test_a_population_smaller_than_min_available_is_refused_naming_both(start_co
     host = pb.AgentAuth(agent_id="host-0-of-1", token=reply.host_token)
     pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=0.1))  # within the grace: agents may come
     time.sleep(0.6)
-    said = "population of 50 clients (simulate-workers --clients 50), this run waits for 100 (serve --min-available 100)"
+    said = ("population of 50 clients (simulate-workers --clients 50), this run waits for 100 "
+            "(serve --min-available 100)")
     refused(lambda: pull_tasks(stub, pb.PullHostTasksRequest(host=host, wait_seconds=0.1)),
             grpc.StatusCode.FAILED_PRECONDITION, said)
     assert server.coordinator.registry.host("host-0-of-1") is None and len(server.coordinator.registry) == 0

@@ -60,7 +60,8 @@ def test_a_population_short_of_min_available_is_refused_in_one_line_on_both_side
         assert worker.wait(120) == 1
     finally:
         _stop(worker, serve)
-    said = "population of 50 clients (simulate-workers --clients 50), this run waits for 100 (serve --min-available 100)"
+    said = ("population of 50 clients (simulate-workers --clients 50), this run waits for 100 "
+            "(serve --min-available 100)")
     lines = [line for line in (tmp_path / "worker.log").read_text().splitlines()
              if line.startswith("fedpar simulate-workers:")]
     assert len(lines) == 1 and said in lines[0], lines
