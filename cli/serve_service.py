@@ -10,7 +10,6 @@ running when the service ended (a signal, a crash, kill -9) resumes from its las
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import sys
 import time
@@ -23,7 +22,9 @@ from fedpar.cli.run_settings import RUN_KEYS, effective_settings, run_args, run_
 from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import UserError, check_port_free, check_rank_ports, describe, every_round_failed
 from fedpar.parallel.stopping import signal_name, stop_on_signals
+from fedpar.protocol import file_lock
 from fedpar.protocol.atomicfile import atomic_write_bytes
+from fedpar.protocol.file_lock import FileLock
 from fedpar.server.run_store import RunStore, StoreError, check_state_folder
 from fedpar.settings import setting
 
@@ -48,28 +49,14 @@ class ServiceOptions:
                                              help="with --state: once listening, write the control port to this file")
 
 
-def _lock(path: Path):
+def _lock(path: Path) -> FileLock:
     """An exclusive lock beside the state file: one service per state file, however a path names it (a symlink, a
-    relative path: the resolved one is locked); UserError if another holds it. Returns the lock's file and whether
-    this call made it (see :func:`_unlock`)."""
-    name = Path(f"{path.resolve()}.lock")
-    made = not name.exists()
-    handle = open(name, "a")
+    relative path: the resolved one is locked); UserError if another holds it."""
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise UserError(f"state file {path} is in use by another fedpar serve; stop it, or give another --state")
-    return handle, made
-
-
-def _unlock(lock, refused: bool) -> None:
-    """Release a lock of :func:`_lock`; a start ``refused`` takes away the lock file it made (while it holds it: a
-    start beside it was refused, and the next one makes a new file)."""
-    handle, made = lock
-    if refused and made:
-        Path(handle.name).unlink(missing_ok=True)
-    handle.close()
+        return file_lock.hold(Path(f"{path.resolve()}.lock"))
+    except file_lock.LockHeld as held:
+        by = f"another fedpar serve (pid {held.pid})" if held.pid else "another fedpar serve"
+        raise UserError(f"state file {path} is in use by {by}; stop it, or give another --state") from None
 
 
 def check_distinct_ports(args: argparse.Namespace) -> None:
@@ -445,7 +432,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     except (ValueError, UserError, StoreError) as exc:
         print(f"fedpar serve: {exc}", file=sys.stderr)
         if lock is not None:
-            _unlock(lock, refused=True)
+            lock.release(refused=True)
         return exc.exit_code if isinstance(exc, UserError) else 2
     refusal = None if Path(state).exists() else foreign_runs(state, set())  # before a refused start makes the file
     store = None
@@ -460,14 +447,14 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
             store.close()
         print(f"fedpar serve: {refusal}", file=sys.stderr)
         if lock is not None:
-            _unlock(lock, refused=True)
+            lock.release(refused=True)
         return 2
     if launch_ranks is not None:
         store.close()
         try:
             return launch_ranks()
         finally:
-            _unlock(lock, refused=False)
+            lock.release(refused=False)
     for run_id in store.recover():
         line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
         store.log(run_id, line)
@@ -514,7 +501,7 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         service.observers.close()
         store.close()
         if lock is not None:
-            _unlock(lock, refused=False)
+            lock.release(refused=False)
     return 0
 
 
