@@ -28,7 +28,6 @@ log = logging.getLogger("fedpar.server")
 HOST_WAKEUP = "\0host:"  # long-poll key prefix of a simulation host (agent ids are printable, so never clash)
 # one-shot serve waits this long after a host joined for agents that join by themselves to make up a population smaller
 # than --min-available, before it refuses the host (its rounds would never start: the worker hung in silence)
-POPULATION_GRACE_SECONDS = 10.0
 MAX_HOSTED_TASKS = 512  # tasks in one PullHostTasksReply (a reply stays far below the message size limit)
 
 
@@ -42,8 +41,6 @@ class Populations(Members):
         self._host_declared: dict[str, str | None] = {}  # per host: the task it declared when it joined
         self._host_go: dict[str, set[str]] = {}  # per host: its members the clock let go, not yet told
         self._heard_at: dict[str, float] = {}  # per host: the simulated time its last call's availability was as of
-        self._population: dict[str, int] = {}  # per host: the whole population it declared a slice of
-        self._joined_at: dict[str, float] = {}  # per host: when its session began (time.monotonic())
         self._population_said: set[str] = set()  # hosts whose population was said to be short of --min-available
 
     def join(self, agent_id: str, num_examples: int, capabilities: dict[str, str],
@@ -72,6 +69,7 @@ class Populations(Members):
         replaced = self.registry.host(host_id)
         try:
             check_capabilities(capabilities)
+            population = declared_population(capabilities.get("population"))  # before the host is registered
             host = self.registry.join_population(host_id, host_token, member_ids, num_examples, away, peer,
                                                  enrollment_token, self.config.max_examples_per_agent,
                                                  claim)
@@ -95,44 +93,25 @@ class Populations(Members):
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                           self._other_task(host_id, capabilities.get("task"), "simulation host"))
         self._check_host_task(host_id, capabilities.get("task"))
-        self._note_population(host, capabilities.get("population"), first=replaced is not host)
+        self._note_population(host, population)
         self._joined()
         if not host_token and self.registry.another_process(replaced, claim):  # the first call of a new process
             self.on_restart("host", host_id)
         return host
 
-    def _note_population(self, host: HostRecord, declared: str | None, first: bool) -> None:
-        """Keep the whole population ``host`` declared a slice of (its "population" capability: a launch's hosts each
-        declare the whole), and when its session began (``first``: this call began it); a Refusal (the host
-        forgotten) for a value that is not a count."""
-        if first:
-            self._joined_at[host.host_id] = time.monotonic()
-        if declared is None:
-            self._population.pop(host.host_id, None)
+    def _note_population(self, host: HostRecord, population: int | None) -> None:
+        """Say once when one-shot serve waits for more agents (--min-available) than the whole population ``host``
+        declared a slice of (its "population" capability: a launch's hosts each declare the whole)."""
+        if population is None:
             return
-        if not (declared.isascii() and declared.isdigit() and 0 < int(declared) <= 10 ** 12):
-            self._forget_host(host)
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"capability 'population' must be a count of clients, not {declared[:40]!r}")
-        self._population[host.host_id] = int(declared)
-
-    def _check_population(self, host: HostRecord, desk: TaskDesk) -> None:
-        """A Refusal (the host forgotten, the line logged once) when one-shot serve's first round still waits for more
-        agents (--min-available) than the whole population ``host`` declared, POPULATION_GRACE_SECONDS after it
-        joined with no agent joined by itself (which may make up the rest): its rounds would never start."""
-        population, needed = self._population.get(host.host_id), self.config.min_available
-        if population is None or population >= needed or self._refusal_hint is None or desk.current is not None \
-                or time.monotonic() - self._joined_at.get(host.host_id, 0.0) < POPULATION_GRACE_SECONDS \
-                or self.registry.own_agents():
-            return
-        why = (f"simulation host {host.host_id} cannot take part: it hosts a slice of a population of {population} "
-               f"clients (simulate-workers --clients {population}), this run waits for {needed} (serve "
-               f"--min-available {needed}); start both with the same number")
-        if host.host_id not in self._population_said:
+        needed = self.config.min_available
+        if population < needed and self._refusal_hint is not None and host.host_id not in self._population_said:
+            # said, not refused: agents that join by themselves (later, too) may make up the rest
             self._population_said.add(host.host_id)
-            log.warning("%s", why)
-        self._forget_host(host)
-        raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, why)
+            log.warning("simulation host %s hosts a slice of a population of %d clients (simulate-workers --clients "
+                        "%d), and this run waits for %d (serve --min-available %d): its rounds start only once agents "
+                        "or other hosts make up the other %d; start both with the same number if this is the whole "
+                        "population", host.host_id, population, population, needed, needed, needed - population)
 
     def host_leaves(self, host: HostRecord) -> None:
         """``host``'s process said it is leaving (Leave): it and its members are forgotten now, so an open round stops
@@ -195,7 +174,6 @@ class Populations(Members):
         ``away`` and ``back`` are as of (server/virtual_clock.py waits for every host's at its time)."""
         if away or back:
             self.registry.set_away(host.host_id, list(away), list(back))
-        self._check_population(host, desk)
         self._heard_at[host.host_id] = availability_at
         self._changed.set()  # the virtual clock waits for every host to have told where it stands
         for estimate in finish_estimates:
@@ -269,8 +247,6 @@ class Populations(Members):
         self._host_tasks = {h: q for h, q in self._host_tasks.items() if self.registry.host(h) is not None}
         self._host_go = {h: q for h, q in self._host_go.items() if self.registry.host(h) is not None}
         self._heard_at = {h: t for h, t in self._heard_at.items() if self.registry.host(h) is not None}
-        self._population = {h: n for h, n in self._population.items() if self.registry.host(h) is not None}
-        self._joined_at = {h: t for h, t in self._joined_at.items() if self.registry.host(h) is not None}
 
     def _known(self, key: str) -> bool:
         if key.startswith(HOST_WAKEUP):
@@ -284,3 +260,13 @@ def member_source(config: CoordinatorConfig, registry: AgentRegistry) -> Members
     if config.accept_populations:
         return Populations(config, registry, hosts_only=config.virtual_clock)
     return Members(config, registry)
+
+
+def declared_population(declared: str | None) -> int | None:
+    """The whole population a host's "population" capability declares (None: it declares none); ValueError for a
+    value that is not a count of clients."""
+    if declared is None:
+        return None
+    if not (declared.isascii() and declared.isdigit() and 0 < int(declared) <= 10 ** 12):
+        raise ValueError(f"capability 'population' must be a count of clients, not {declared[:40]!r}")
+    return int(declared)

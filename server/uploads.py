@@ -212,9 +212,9 @@ class StagingSlots:
         entry[1].set_result(None)
 
 
-def open_round(plane, round_id: int, what: str, agent_id: str | None = None):
+def open_round(plane, round_id: int, what: str, *agent_ids: str):
     """The open round of ``plane`` if ``round_id`` is it, else a Refusal saying which round is current (or that no
-    run is, on a service's coordinator between runs); ``agent_id``'s update for it, closed, counts as late."""
+    run is, on a service's coordinator between runs); the updates of ``agent_ids`` for it, closed, count as late."""
     state = plane.current
     if not plane.runs_rounds:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
@@ -222,8 +222,9 @@ def open_round(plane, round_id: int, what: str, agent_id: str | None = None):
                       "ended (it finished or was stopped); the update was not applied")
     if state is None or round_id != state.round_id:
         raise not_this_round(what, round_id, plane.current_round_id)
-    if agent_id is not None and (slot := state.slots.get(agent_id)) is not None and slot.status == "pending":
-        state.refuse_if_closed(slot)
+    if state.closed:
+        state.refuse_if_closed(*[slot for agent_id in agent_ids
+                                 if (slot := state.slots.get(agent_id)) is not None and slot.status == "pending"])
     state.check_open()
     return state
 
@@ -285,8 +286,11 @@ def check_partial(plane, host_id: str, partial: pb.HostPartial) -> CheckedPartia
     (:func:`check_report`), the arrays' lengths matching, the data the model's layout and finite. A Refusal names
     the first problem and leaves every slot as it was; on success the members' slots are marked uploading."""
     config, registry = plane.config, plane.registry
-    state = open_round(plane, partial.round, "partial")
     ids = partial.member_ids.split("\n") if partial.member_ids else []
+    # its own members' updates, once closed, count as late (as one by one): another host's are not its to count
+    own = [member for member, (member_host, _) in zip(ids, registry.member_hosts(ids)) if member_host == host_id] \
+        if plane.current is not None and plane.current.closed else []
+    state = open_round(plane, partial.round, "partial", *own)
     tasks = partial.task_ids.split("\n") if partial.task_ids else []
     names, values = list(partial.metric_names), np.asarray(partial.metric_values, dtype=np.float64)
     if not ids or not len(ids) == len(tasks) == len(partial.num_examples) == len(partial.steps) \
