@@ -10,7 +10,6 @@ alone (server/members.py says how).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Sequence
 
@@ -123,8 +122,7 @@ class Populations(Members):
         """Forget ``host`` and its members now; whether it was still held."""
         if self.registry.host(host.host_id) is not host:
             return False
-        host.last_seen = -math.inf  # expire() forgets a host silent past its liveness, and its members with it
-        self.registry.expire()
+        self.registry.forget_host(host.host_id)
         self._wake(HOST_WAKEUP + host.host_id)
         self._changed.set()
         return True

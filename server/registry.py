@@ -506,6 +506,19 @@ class AgentRegistry:
             self._live = None
         return len(gone) + members
 
+    def forget_host(self, host_id: str) -> int:
+        """Forget host ``host_id`` (it left) and its members now, as :meth:`expire` forgets a silent one; how many
+        members it had (0: it was not held)."""
+        record = self._hosts.pop(host_id, None)
+        if record is None:
+            return 0
+        self.members.forget_hosts([self._host_index[host_id]], self.max_known)
+        for agent_id in [i for i, r in self._agents.items() if r.host == host_id]:
+            del self._agents[agent_id]
+            self._plain.discard(agent_id)
+        self._live = None
+        return record.members
+
     def restore(self, caps) -> None:
         """Make the example caps of a checkpoint's :meth:`snapshot` (or, from an older checkpoint, its list of
         agents; {}: none) the run's, in place of those held (a run's caps are its own); an agent joined already (a

@@ -238,11 +238,14 @@ class SecureRound:
         them unless the round reached its target first, which needed none of the others."""
         if state.close_reason != TARGET_REACHED:
             return list(absent)
-        return [a for a in absent if state.slots[a].status not in ("pending", "uploading", "late")]
+        return [a for a in absent if (slot := state.slots.get(a)) is None
+                or slot.status not in ("pending", "uploading", "late")]
 
     def _absent_words(self, absent: int) -> str:
+        """Who of the ``absent`` agents (keys shared, input missing from the sum) dropped and who was not needed."""
         dropped = absent - self.surplus
-        return f"{dropped} dropped after sharing keys, {self.surplus} not needed: the target was reached first"
+        needless = f", {self.surplus} not needed: the target was reached first" if self.surplus else ""
+        return f"{dropped} dropped after sharing keys{needless}"
 
     def _mark(self, stage: str) -> None:
         self.marks[stage] = time.monotonic() - self._started
