@@ -55,10 +55,11 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 def test_a_worker_stopped_by_sigterm_leaves_and_the_round_stops_waiting_for_its_members(tmp_path):
     serve, server = _serve(tmp_path, "--min-available", "10", "--clients-per-round", "5", "--rounds", "3",
-                           "--deadline", "120")
-    # slow members (a second a step): the round is open when the worker is stopped
+                           "--deadline", "120", "--local-epochs", "1")
+    # slow members (0.2 s a step, about 2 s a member, one at a time): the round is open when the worker is stopped,
+    # and the member training then ends soon (the worker leaves once its seat's task ends)
     worker = _worker(tmp_path, server, "--clients", "10", "--seats", "1", "--slow-fraction", "1",
-                     "--slow-step-delay", "1")
+                     "--slow-step-delay", "0.2")
     try:
         _wait_for(tmp_path / "serve.log", "round 1: sampled", 60)
         time.sleep(1)
