@@ -32,7 +32,8 @@ from fedpar.security.admission import Admission
 from fedpar.server.checkpoint import (Checkpoint, CheckpointError, load_checkpoint, save_checkpoint,
                                      strategy_refusal)
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.deadline import DEADLINE, cohort_size, round_target, seconds_left, until_closed, wall_seconds
+from fedpar.server.deadline import (DEADLINE, cohort_size, round_target, seconds_left, target_reports,
+                                    until_closed, wall_seconds)
 from fedpar.server.ranks.group import RankMissing
 from fedpar.server.ranks.leader import RankLeader
 from fedpar.server.ranks.plane import IngestPlane
@@ -186,6 +187,7 @@ class Coordinator(IngestPlane):
         self._example_caps: dict[str, int] = {}  # the checkpoint's, taken with the agents' calls (taking_calls)
         self._needs_task: tuple[str, Callable[[str, str], None]] | None = None  # see sample_only
         self._target_said = ""  # what last moved a round's K (round_target), said once rather than every round
+        self._short_said = False  # whether a round with fewer live agents than K was said (once a run)
         members.on_restart = self._restarted
 
     # ----------------------------------------------------------------- life cycle
@@ -318,6 +320,11 @@ class Coordinator(IngestPlane):
         log.info("round %d: sampled %d of %d live agents, target %d%s", round_id, len(cohort), len(live), target,
                  f" ({moved})" if moved and moved != self._target_said else "")
         self._target_said = moved
+        if len(cohort) < target_reports(self.config, len(live)) and not self._short_said:
+            self._short_said = True  # a trace's quiet hours make it every night: said once, the rows count it
+            log.warning("round %d: only %d agents were live to sample, fewer than the %d a round asks for: rounds go "
+                        "on with those there are (each row's 'sampled' says how many)", round_id, len(cohort),
+                        target_reports(self.config, len(live)))
         await self.clock.choose(state, self.members)
         if state.counts_after is not None and not state.counts_after.done():
             # the deadline does not run while the round may not count updates (the last round is being written)

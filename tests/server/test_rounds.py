@@ -260,3 +260,22 @@ def test_a_rounds_first_refused_update_is_said_and_the_others_are_counted_quietl
     said = [(r.levelno, r.getMessage()) for r in caplog.records if "rejected update" in r.getMessage()]
     assert [level for level, _ in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     assert state.rejected == 3 and state.refusal == "tensor 'w' of a contains NaN or Inf; update refused"
+
+
+def test_rounds_with_fewer_live_agents_than_k_go_on_and_say_so_once(start_coordinator, agents, caplog):
+    """A trace's quiet hours (or --min-available below K) leave fewer agents to sample than a round asks for: the
+    rounds go on with those there are, and a warning says so once (QA: the real clock said nothing where the virtual
+    clock refuses the run)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="fedpar.server")
+    server = start_coordinator(_weights(), rounds=2, clients_per_round=3, min_available=2, deadline_seconds=30)
+    a, b = agents(server.address, ["a", "b"])
+    for round_id in (1, 2):
+        for bot, seed in ((a, 1), (b, 2)):
+            assert bot.upload(bot.task(), _weights(seed), 10).accepted
+    assert server.wait(20)
+    assert [r["sampled"] for r in server.coordinator.metrics.read_rows()] == [2, 2]
+    said = [r.getMessage() for r in caplog.records if "live to sample" in r.getMessage()]
+    assert said == ["round 1: only 2 agents were live to sample, fewer than the 3 a round asks for: rounds go on with "
+                    "those there are (each row's 'sampled' says how many)"], said
