@@ -18,6 +18,7 @@ from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.codec import grpc_target
+from fedpar.protocol.wording import counted
 from fedpar.server.config import CoordinatorConfig
 from fedpar.tasks.flower_app import ROUNDS_HINT
 
@@ -77,8 +78,8 @@ def serve_flower_app(args: argparse.Namespace) -> int:
         server.start()
         where = grpc_target(args.host, server.port)
         print(f"coordinator listening on {where} ({security.description}) for Flower App "
-              f"{app.directory.name}; waiting for {config.min_available} agent{'' if config.min_available == 1 else 's'} (start them with: fedpar client "
-              f"--server {where} {security.client_hint} --flower-app DIR --agent-id ID "
+              f"{app.directory.name}; waiting for {counted(config.min_available, 'agent')} (start them with: "
+              f"fedpar client --server {where} {security.client_hint} --flower-app DIR --agent-id ID "
               "--partition-index I --num-partitions N)", flush=True)
         server.wait()
         until_told(coordinator)

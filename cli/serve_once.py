@@ -26,6 +26,7 @@ from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.codec import grpc_target
+from fedpar.protocol.wording import counted
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.run_outputs import start_fresh
@@ -89,7 +90,7 @@ class OneShotService(RunService):
                   "over", flush=True)
             return
         print(f"coordinator listening on {where} ({security.description}); waiting for "
-              f"{agents(plan.config.min_available)} (start them with: fedpar client --server "
+              f"{counted(plan.config.min_available, 'agent')} (start them with: fedpar client --server "
               f"{where} {security.client_hint} --agent-id ID ...)", flush=True)
 
     def waiting(self, server) -> None:
@@ -101,7 +102,7 @@ class OneShotService(RunService):
 
     def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str]) -> str:
         """What the coordinator waiting for --min-available agents says."""
-        return (f"waiting for {agents(need)} (--min-available): {len(with_task)} connected now "
+        return (f"waiting for {counted(need, 'agent')} (--min-available): {len(with_task)} connected now "
                 f"({', '.join(with_task) or 'none'})")
 
     def say_waiting(self, run, line: str, first: bool) -> None:
@@ -123,11 +124,6 @@ class OneShotService(RunService):
     def _say(self, run, line: str) -> None:
         """Into the run's log only: the terminal has the round table."""
         self.store.log(run.id, line)
-
-
-def agents(count: int) -> str:
-    """'1 agent', '2 agents'."""
-    return f"{count} agent{'' if count == 1 else 's'}"
 
 
 def task_kind(label: str) -> str:

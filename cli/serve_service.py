@@ -25,6 +25,7 @@ from fedpar.parallel.stopping import signal_name, stop_on_signals
 from fedpar.protocol import file_lock
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.file_lock import FileLock
+from fedpar.protocol.wording import counted
 from fedpar.server.run_store import RunStore, StoreError, check_state_folder
 from fedpar.settings import setting
 
@@ -266,8 +267,8 @@ class RunService:
 
     def wait_line(self, run, task: str, need: int, with_task: list[str], connected: list[str]) -> str:
         """What a run waiting for ``need`` agents says: those connected with its task, and all those connected."""
-        return (f"run {run.id} waits for {need} agent{'' if need == 1 else 's'} with task {task!r}: {len(with_task)} connected with it now "
-                f"({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
+        return (f"run {run.id} waits for {counted(need, 'agent')} with task {task!r}: {len(with_task)} connected with "
+                f"it now ({', '.join(with_task) or 'none'}), {len(connected)} connected in all")
 
     def round_error(self, exc: Exception, config) -> str:
         """Why a run ended by ``exc`` (a round's error) failed: the service goes on with the next run (called in

@@ -28,6 +28,7 @@ import numpy as np
 from fedpar.aggregation.compatibility import check_composition, linear_strategy_names
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import FLOAT_DTYPES, NO_RUN_IN_PROGRESS, ModelLayout
+from fedpar.protocol.wording import counted
 from fedpar.secagg import wire
 from fedpar.secagg.errors import SecAggAbort, SecAggError, SecAggStageError
 from fedpar.secagg.field import DTYPE
@@ -84,7 +85,7 @@ class SecureRound:
             self.server: SecAggServer | None = SecAggServer(self.params)
         except SecAggError as exc:  # e.g. a cohort of one: masking cannot hide a lone update
             self.params = self.server = None
-            self.failure = f"cannot set up secure aggregation for {len(cohort)} agent{'' if len(cohort) == 1 else 's'}: {exc}"
+            self.failure = f"cannot set up secure aggregation for {counted(len(cohort), 'agent')}: {exc}"
         self.result: SecAggResult | None = None
         self.surplus = 0  # agents that shared keys but were not needed: the round reached its target first
         self.unmask_seconds = 0.0
