@@ -85,7 +85,8 @@ def reads_a_folder(dataset: Any) -> bool:
 def shares_ranks(aggregator_ranks: Any) -> bool:
     """Whether the coordinator runs as several aggregator ranks: --aggregator-ranks above 1, or several processes
     launched by torchrun (which then ignores --aggregator-ranks)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or (aggregator_ranks or 1) > 1
+    world = os.environ.get("WORLD_SIZE", "")
+    return (world.isdigit() and int(world) > 1) or (aggregator_ranks or 1) > 1
 
 
 # Settings that apply only when a switch turns their feature on; a user who set one believes the feature runs. Every
