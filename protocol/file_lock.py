@@ -37,18 +37,30 @@ class FileLock:
 def hold(name: Path) -> FileLock:
     """Take the lock on file ``name`` (made if missing) without waiting and write this process's pid in it;
     LockHeld if another process holds it."""
-    made = not name.exists()
-    handle = open(name, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = _pid_in(handle)
-        handle.close()
-        raise LockHeld(name, pid) from None
+    while True:
+        made = not name.exists()
+        handle = open(name, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _pid_in(handle)
+            handle.close()
+            raise LockHeld(name, pid) from None
+        if _same_file(handle, name):
+            break
+        handle.close()  # a refused start took the file away while we opened it: our lock is on no one's file
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return FileLock(handle, made)
+
+
+def _same_file(handle: IO[str], name: Path) -> bool:
+    """Whether ``handle`` is still the file at ``name`` (not one unlinked since it was opened)."""
+    try:
+        return os.fstat(handle.fileno()).st_ino == os.stat(name).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _pid_in(handle: IO[str]) -> int | None:
