@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import threading
 import time
 from concurrent.futures import Future
@@ -39,6 +38,7 @@ from fedpar.client.host_stream import CallRefused, KeptStream
 from fedpar.client.transfer import UPLOAD_RETRYABLE, SmallUpdate, refuses_connections
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub, one_line
+from fedpar.protocol.round_refusals import says_round_closed
 
 log = logging.getLogger("fedpar.simulate")
 RETRY_PAUSE = 0.1  # seconds before a background update the coordinator was too busy for goes again
@@ -335,6 +335,4 @@ class HostUploads:
 def after_close(err: grpc.RpcError) -> bool:
     """Whether ``err`` refused an update only because its round had closed (server/rounds.py check_open and
     not_this_round's 'came too late'), as the surplus of an overselected round is."""
-    said = err.details() or ""
-    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and (
-        re.match(r"round \d+ is closed \(", said) is not None or ": it came too late" in said)
+    return err.code() == grpc.StatusCode.FAILED_PRECONDITION and says_round_closed(err.details() or "")

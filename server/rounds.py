@@ -16,6 +16,7 @@ import numpy as np
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.round_refusals import CAME_TOO_LATE, round_closed
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.server.deadline import TARGET_REACHED, closing_reason
 
@@ -58,7 +59,7 @@ def not_this_round(what: str, round_id: int, current: int, applied: str = "; the
     """The Refusal of ``what`` (an upload, a reply) sent for round ``round_id`` while round ``current`` is open (or
     was the last): it came too late, or is of a run that ended or started over (a service's next run counts its
     rounds from 1 again), which the agent is told rather than left to wonder at a round number from the past."""
-    why = ("it came too late" if round_id <= current else  # (<=: between rounds, ``current`` is the last one)
+    why = (CAME_TOO_LATE if round_id <= current else  # (<=: between rounds, ``current`` is the last one)
            "the run it was for ended or started over (a service's next run, or a coordinator restarted without its "
            "checkpoint, counts rounds from 1)")
     return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
@@ -151,8 +152,7 @@ class RoundState:
     def check_open(self) -> None:
         """Raise a Refusal if the round has closed."""
         if self.closed:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"round {self.round_id} is closed ({self.close_reason}); the update was not applied")
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, round_closed(self.round_id, self.close_reason))
 
     def note_refusal(self, refusal: Refusal) -> None:
         """Count one refused upload attempt under its status (a busy agent retrying counts once per attempt)."""
