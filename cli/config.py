@@ -149,11 +149,11 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     aliases = {a.old_key: a for a in parser._actions if isinstance(a, AliasOption)}
     for old in [key for key in values if key in aliases]:  # an option's old name still works, with a note
         written = names[old]
-        _rename(values, names, old, aliases[old].dest, known.config)
+        rename_key(values, names, old, aliases[old].dest, known.config)
         aliases[old].note(f"fedpar {section}", f"{written} in {known.config}", aliases[old].dest)
-    flag_keys = {a.flag_key: a.dest for a in parser._actions if getattr(a, "flag_key", None)}
+    flag_keys = flag_key_dests(parser)
     for key in [key for key in values if key in flag_keys]:  # the flag's own name: deadline for deadline_seconds
-        _rename(values, names, key, flag_keys[key], known.config)
+        rename_key(values, names, key, flag_keys[key], known.config)
     unknown = sorted(set(values) - dests)
     if unknown:
         raise ConfigError(
@@ -174,7 +174,13 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     return frozenset(values)
 
 
-def _rename(values: dict[str, Any], names: dict[str, str], key: str, dest: str, path: str) -> None:
+def flag_key_dests(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's key spelled as its flag (``lr``, ``deadline``) -> the option's own (``learning_rate``,
+    ``deadline_seconds``), for the options whose two differ: a file may use either."""
+    return {a.flag_key: a.dest for a in parser._actions if getattr(a, "flag_key", None)}
+
+
+def rename_key(values: dict[str, Any], names: dict[str, str], key: str, dest: str, path: str) -> None:
     """Move the file's ``key`` to the option ``dest`` it names; ConfigError when the file sets ``dest`` too."""
     if dest in values:
         raise ConfigError(f"{path}: {names[key]} and {names[dest]} are the same option; keep {names[dest]}")

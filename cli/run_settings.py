@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fedpar.cli.config import ConfigError, load_toml_section, typed_value
+from fedpar.cli.config import ConfigError, flag_key_dests, load_toml_section, rename_key, typed_value
 from fedpar.cli.privacy import PrivacyOptions
 from fedpar.datasets.settings import DataSource
 from fedpar.protocol.compressed_wire import CompressionConfig
@@ -58,13 +58,11 @@ def _flag_keys_renamed(parser: argparse.ArgumentParser, values: dict[str, Any], 
     """``values`` with each key a --config file may use for a run setting, as its flag is spelled (``lr`` for
     ``learning_rate``, ``deadline`` for ``deadline_seconds``), moved to the setting's own key, as --config does
     (cli/config.py); ConfigError when both names are given."""
-    flag_keys = {a.flag_key: a.dest for a in parser._actions if getattr(a, "flag_key", None) in values
-                 and a.dest in RUN_KEYS}
     out = dict(values)
-    for key, dest in flag_keys.items():
-        if dest in out:
-            raise ConfigError(f"{where}: {key} and {dest} are the same setting; keep {dest}")
-        out[dest] = out.pop(key)
+    names = {key: key for key in out}
+    for key, dest in flag_key_dests(parser).items():
+        if key in out and dest in RUN_KEYS:
+            rename_key(out, names, key, dest, where)
     return out
 
 

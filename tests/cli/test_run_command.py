@@ -199,7 +199,7 @@ def test_a_run_file_takes_the_keys_a_config_file_takes(control, tmp_path):
     settings = store.runs()[0].settings
     assert settings["learning_rate"] == 0.05 and settings["deadline_seconds"] == 30.0, settings
     (tmp_path / "two.toml").write_text("lr = 0.05\nlearning_rate = 0.1\n")
-    assert "lr and learning_rate are the same setting; keep learning_rate" in _one_line(
+    assert "lr and learning_rate are the same option; keep learning_rate" in _one_line(
         _run(options, "submit", str(tmp_path / "two.toml")), 2)
 
 
