@@ -76,6 +76,11 @@ class DPStrategy(Strategy):
                    "updates are not retained")
     linear = False  # each update is clipped by its own norm before it is summed
 
+    @staticmethod
+    def wrapping(inner_name: str) -> str:
+        """The name of the DP wrapper of strategy ``inner_name``."""
+        return f"dp-{inner_name}"
+
     def __init__(self, inner: Strategy, noise_multiplier: float, clip_norm: float, population: int,
                  clients_per_round: int, sampled_per_round: int | None = None, delta: float = 1e-5,
                  mode: str = "central", target_quantile: float | None = None, clip_learning_rate: float = 0.2,
@@ -111,7 +116,7 @@ class DPStrategy(Strategy):
             raise ValueError("adaptive clipping cannot be combined with local noise: the server could not tell "
                              "which noisy updates the clients clipped")
         self.inner = inner
-        self.name = f"dp-{inner.name}"
+        self.name = self.wrapping(inner.name)
         self.noise_multiplier = float(noise_multiplier)
         self.clip_norm = float(clip_norm)
         self.population = int(population)

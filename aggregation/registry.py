@@ -70,6 +70,14 @@ def strategy_class(name: str) -> type:
     return classes[key]
 
 
+def strategy_name(name: str) -> str:
+    """The name a strategy built from ``name`` has (the DP wrapper's for ``dp-NAME``), without building it; ValueError
+    for an unknown one."""
+    inner = strategy_class(name).name
+    wrapped = name.strip().lower().replace("-", "_").startswith(DP_PREFIX)
+    return DPStrategy.wrapping(inner) if wrapped else inner
+
+
 def parse_strategy_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
     """Typed constructor options of strategy ``name`` from text or TOML values; short aliases (``mu``) allowed."""
     if _flower_name(name):

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import build_strategy
-from fedpar.aggregation.compatibility import DP_PREFIX, check_composition
-from fedpar.aggregation.registry import FLOWER_PREFIX, strategy_class
+from fedpar.aggregation.compatibility import check_composition
+from fedpar.aggregation.registry import FLOWER_PREFIX, strategy_name
 from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.user_errors import UserError, describe
 from fedpar.client.trainer import PRECISIONS
@@ -149,8 +149,7 @@ def check_resumed_strategy(cfg: SimulationConfig) -> None:
     saved_by = saved_strategy(cfg.checkpoint_dir)
     if saved_by is None or not cfg.strategy or cfg.strategy.startswith(FLOWER_PREFIX):
         return
-    inner = strategy_class(cfg.strategy).name
-    name = f"{DP_PREFIX}{inner}" if cfg.strategy.strip().lower().replace("-", "_").startswith("dp_") else inner
+    name = strategy_name(cfg.strategy)
     if saved_by != name:
         raise CheckpointError(strategy_refusal(cfg.checkpoint_dir, saved_by, name))
 
