@@ -314,7 +314,7 @@ class HostUploads:
         its deadline allows, else logged."""
         if not q.background:
             q.done.set_exception(err)
-        elif self.rank and refuses_connections(err):  # a dead rank's port (client/transfer.py's RankGone)
+        elif self.rank and refuses_connections(err, self.rank):  # a dead rank's port (client/transfer.py's RankGone)
             self.refused_in_background += 1
             if not self.rank_gone:
                 self.rank_gone = True

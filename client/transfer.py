@@ -19,6 +19,7 @@ coordinator, which also checks that the update really is within ``C``.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -323,7 +324,7 @@ class UpdateSender:
                     return False
                 if self._given_up_for_stop():
                     return False
-                if self.rank is not None and refuses_connections(err):
+                if self.rank is not None and refuses_connections(err, self.rank):
                     self.note_refusal("upload", RankGone(
                         f"aggregator rank {self.rank} refuses connections (it stopped, or its service restarted): "
                         f"round {self.task.round}'s update is given up; back to the coordinator at {self.server}"))
@@ -351,10 +352,19 @@ class UpdateSender:
         return True
 
 
-def refuses_connections(err: grpc.RpcError) -> bool:
-    """Whether ``err`` says that nothing listens at the address called (the TCP connection was refused): not a
-    busy or slow server, which answers or takes the connection, but a port nobody holds."""
-    return err.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in (err.details() or "").lower()
+def refuses_connections(err: grpc.RpcError, address: str) -> bool:
+    """Whether ``err`` says that nothing listens at ``address`` (the TCP connection was refused), and a fresh
+    connection there is refused too: not a busy or slow server, which answers or takes the connection, nor a rank
+    started again on its port, which a channel still waiting out its reconnect backoff reports with the refusal it
+    last saw, but a port nobody holds."""
+    if err.code() != grpc.StatusCode.UNAVAILABLE or "connection refused" not in (err.details() or "").lower():
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except (OSError, ValueError):
+        return True
+    return False
 
 
 def run_ended(err: grpc.RpcError) -> bool:
