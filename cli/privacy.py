@@ -114,6 +114,8 @@ def check_delta(args: argparse.Namespace, delta: float, population: int) -> None
             f"a delta the reported epsilon guarantees nothing")
     if chose(args, "privacy_delta"):
         raise ValueError(f"{line}; pick one below {1 / population:.3g}")
+    if getattr(args, "launcher_pid", None) is not None:  # a launched simulation's child: its launcher said it
+        return
     log.warning("%s; give --privacy-delta below %.3g", line.replace(f"--privacy-delta {delta:g}",
                                                                     f"the default --privacy-delta {delta:g}"),
                 1 / population)
