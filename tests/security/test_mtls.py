@@ -199,7 +199,7 @@ def test_a_real_agent_stops_with_a_clear_error_once_revoked(pki, coordinator_fac
 
 
 def test_enrollment_tokens_beside_certs_admit_token_agents_on_server_only_tls(pki, coordinator_factory, raw_agents,
-                                                                              tmp_path):
+                                                                              tmp_path, caplog):
     """serve --certs DIR --enrollment-tokens FILE (serve --state needs the CA for its control port): the agents' port
     asks for no client certificate, so an agent with only the CA and its token joins (QA: it was refused for want
     of a certificate, the tokens unused); its agents are told to dial with the CA and a token."""
@@ -209,7 +209,11 @@ def test_enrollment_tokens_beside_certs_admit_token_agents_on_server_only_tls(pk
     tokens_file = tmp_path / "tokens.txt"
     erin_token = mint_token(tokens_file, "erin")
     args = serve_parser().parse_args(["--certs", str(pki.ours), "--enrollment-tokens", str(tokens_file)])
-    security = server_security(args, warn=False)
+    security = server_security(args)
+    said = [r.getMessage() for r in caplog.records if "--enrollment-tokens" in r.getMessage()]
+    assert said == ["--enrollment-tokens: agents are admitted by token, so the agents' port asks for no client "
+                    "certificate and the CA of --certs/--tls-ca is not used (agents with certificates only need a "
+                    "token too)"], said  # one-shot serve: a service (--state) needs the CA for its control port
     assert security.description == "server TLS + enrollment tokens"
     assert security.client_hint == f"--tls-ca {pki.ours / 'ca.pem'} --enrollment-token-file F"
     assert security.files.ca == pki.ours / "ca.pem"  # kept for the ranks' control channel
