@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
                                   tls=security.files, tls_server_name=security.server_name,
                                   enrollment_token=security.enrollment_token,
                                   task_name=task_label(argparse.Namespace(task=None, model=args.model,
-                                                                          dataset=args.dataset)))
-        runtime.config.population = args.clients  # declared at join: the coordinator compares its --min-available
+                                                                          dataset=args.dataset)),
+                                  whole_population=args.clients)
         runtime.say_outages_at(logging.WARNING)  # this command shows warnings only: a lost coordinator is still said
         with stop_on_signals():  # SIGTERM too leaves the coordinator (its round stops waiting for our members)
             stats = runtime.run()

@@ -298,20 +298,22 @@ def host_population(server: str, population: PopulationSlice, task: Task | None,
                     give_up_after: float | None = None,
                     tls: TlsFiles | None = None, client_batching: bool = False,
                     members: PopulationMembers | None = None, task_name: str = "", tls_server_name: str | None = None,
-                    enrollment_token: str = "") -> ClientRuntime:
+                    enrollment_token: str = "", whole_population: int = 0) -> ClientRuntime:
     """A client runtime hosting ``population`` on ``seats`` seats against ``server``, as its host id (under mutual
     TLS: the host's certificate ``tls``, checking the coordinator's for ``tls_server_name`` when given; a coordinator
     that admits by token: ``enrollment_token``). Like an agent it outlives its coordinator: it backs off while the
     coordinator is unreachable (up to ``max_backoff`` seconds between tries; ``give_up_after`` seconds unreachable
     end it, None: never) and registers its members again when a restarted coordinator no longer knows its
     session. ``members``: the member source when it is not the task's (a Flower App's, with task None);
-    ``task_name``: the task its members train, as it declares it when it joins (cli/task_options.py task_label)."""
+    ``task_name``: the task its members train, as it declares it when it joins (cli/task_options.py task_label);
+    ``whole_population``: the population it hosts a slice of, declared too (a coordinator compares --min-available)."""
     credentials = channel_credentials(tls) if tls is not None else None
     config = AgentConfig(server=server, agent_id=population.host_id, poll_seconds=poll_seconds, max_backoff=max_backoff,
                          give_up_after=give_up_after, credentials=credentials, insecure=credentials is None,
                          tls_server_name=tls_server_name, enrollment_token=enrollment_token,
                          data_tls=client_ssl_context(tls) if tls is not None else None, tls_files=tls,
-                         seed=zlib.crc32(f"{seed}:{population.host_id}".encode()), task=task_name)
+                         seed=zlib.crc32(f"{seed}:{population.host_id}".encode()), task=task_name,
+                         population=whole_population)
     if members is None:
         members = PopulationMembers(population, task, partition_of, seed, device, precision, day_seconds,
                                     client_batching)
