@@ -18,10 +18,10 @@ import safetensors.numpy
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol import fedpar_pb2_grpc as pb_grpc
-from fedpar.security.certs import CertPaths, ensure_certs
-from fedpar.security.tls import TlsFiles, channel_credentials, server_credentials, server_tls_files
-from fedpar.server.run_control import RunControlServer
+from fedpar.security.certs import CertPaths
+from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
+from support.control_api import control_api
 from support.in_process import main_here
 
 
@@ -29,15 +29,8 @@ from support.in_process import main_here
 def control(tmp_path):
     """A control API over an empty run store (nothing executes its runs), the options that reach it, and the
     store."""
-    certs = tmp_path / "certs"
-    ensure_certs(certs, operators=["op"])
-    store = RunStore(tmp_path / "state.db")
-    server = RunControlServer(store, lambda settings: (settings, ""), "127.0.0.1", 0,
-                              server_credentials(server_tls_files(certs)))
-    options = ("--control", f"127.0.0.1:{server.port}", "--certs", str(certs), "--operator", "op")
-    yield store, options, certs, server.port
-    server.stop(0)
-    store.close()
+    with control_api(tmp_path) as made:
+        yield made
 
 
 def _run(options, *argv: str):

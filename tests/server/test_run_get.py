@@ -14,25 +14,16 @@ import numpy
 import pytest
 import safetensors.numpy
 
-from fedpar.security.certs import ensure_certs
-from fedpar.security.tls import server_credentials, server_tls_files
-from fedpar.server.run_control import RunControlServer
 from fedpar.server.run_store import RunStore
+from support.control_api import control_api
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def control(tmp_path):
-    certs = tmp_path / "certs"
-    ensure_certs(certs, operators=["op"])
-    store = RunStore(tmp_path / "state.db")
-    server = RunControlServer(store, lambda settings: (settings, ""), "127.0.0.1", 0,
-                              server_credentials(server_tls_files(certs)))
-    options = ("--control", f"127.0.0.1:{server.port}", "--certs", str(certs), "--operator", "op")
-    yield store, options
-    server.stop(0)
-    store.close()
+    with control_api(tmp_path) as (store, options, _, _):
+        yield store, options
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
