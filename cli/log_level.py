@@ -7,7 +7,7 @@ import argparse
 import logging
 import os
 
-from fedpar.parallel.child_logs import FORMAT
+from fedpar.parallel.child_logs import FORMAT, quiet_libraries
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -37,6 +37,4 @@ def setup_logging(args: argparse.Namespace | dict, fallback: str = "info") -> No
     level = (args.get("log_level") if isinstance(args, dict) else getattr(args, "log_level", None)) or fallback
     logging.basicConfig(level=level.upper(), format=FORMAT)
     logging.getLogger("fedpar").setLevel(level.upper())
-    # torch's INFO lines are not the user's: a Ctrl-C while torch was still importing printed its exit hook's
-    # "FakeTensor cache stats" after 'interrupted' (its own logging set-up had not run yet)
-    logging.getLogger("torch").setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
+    quiet_libraries(logging.getLevelName(level.upper()))

@@ -12,3 +12,23 @@ def log_like_parent(level: int) -> None:
     """fedpar's loggers at ``level`` (the parent's, e.g. simulate --log-level); other libraries' warnings still show."""
     logging.basicConfig(level=min(level, logging.WARNING), format=FORMAT)
     logging.getLogger("fedpar").setLevel(level)
+    quiet_libraries(level)
+
+
+def quiet_libraries(level: int) -> None:
+    """torch's and gRPC's Python INFO lines are not the user's: only their warnings show (gRPC's all of them at
+    ``level`` debug). torch's exit hook printed 'FakeTensor cache stats' after a Ctrl-C's 'interrupted'; an
+    aggregator rank's server stopping with a host's upload stream open said 'Aborting method [...HostUploadStream]
+    due to server stop.'"""
+    logging.getLogger("torch").setLevel(max(logging.WARNING, level))
+    logging.getLogger("grpc").setLevel(logging.DEBUG if level <= logging.DEBUG else max(logging.WARNING, level))
+    cygrpc = logging.getLogger("grpc._cython.cygrpc")
+    if level > logging.DEBUG and not any(isinstance(f, _ServerStopAborts) for f in cygrpc.filters):
+        cygrpc.addFilter(_ServerStopAborts())
+
+
+class _ServerStopAborts(logging.Filter):
+    """Drops gRPC's line for a stream a stopping server cut (a rank's, at a run's end): expected, and not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "due to server stop" not in record.getMessage()
