@@ -28,6 +28,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
 from fedpar.protocol.task_settings import TaskSettings
+from fedpar.protocol.wording import counted
 from fedpar.security.admission import Admission
 from fedpar.server.checkpoint import (Checkpoint, CheckpointError, load_checkpoint, save_checkpoint,
                                      strategy_refusal)
@@ -322,8 +323,8 @@ class Coordinator(IngestPlane):
         self._target_said = moved
         if len(cohort) < target_reports(self.config, len(live)) and not self._short_said:
             self._short_said = True  # a trace's quiet hours make it every night: said once, the rows count it
-            log.warning("round %d: only %d agents were live to sample, fewer than the %d a round asks for: rounds go "
-                        "on with those there are (each row's 'sampled' says how many)", round_id, len(cohort),
+            log.warning("round %d: %s live to sample, fewer than the %d a round asks for: rounds go on with those "
+                        "there are (each row's 'sampled' says how many)", round_id, counted(len(cohort), "agent"),
                         target_reports(self.config, len(live)))
         await self.clock.choose(state, self.members)
         if state.counts_after is not None and not state.counts_after.done():

@@ -277,5 +277,5 @@ def test_rounds_with_fewer_live_agents_than_k_go_on_and_say_so_once(start_coordi
     assert server.wait(20)
     assert [r["sampled"] for r in server.coordinator.metrics.read_rows()] == [2, 2]
     said = [r.getMessage() for r in caplog.records if "live to sample" in r.getMessage()]
-    assert said == ["round 1: only 2 agents were live to sample, fewer than the 3 a round asks for: rounds go on with "
-                    "those there are (each row's 'sampled' says how many)"], said
+    assert said == ["round 1: 2 agents live to sample, fewer than the 3 a round asks for: rounds go on with those "
+                    "there are (each row's 'sampled' says how many)"], said
