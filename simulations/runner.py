@@ -21,6 +21,7 @@ from fedpar.aggregation import build_strategy
 from fedpar.aggregation.compatibility import check_composition
 from fedpar.aggregation.registry import FLOWER_PREFIX, strategy_name
 from fedpar.cli.serve_service import RunService, json_ready
+from fedpar.cli.task_options import REPLACED_BY_TASK
 from fedpar.cli.user_errors import UserError, describe
 from fedpar.client.trainer import PRECISIONS
 from fedpar.datasets import load_dataset
@@ -420,7 +421,9 @@ class SimulationService(RunService):
                  "startup_seconds": None if first_start is None else first_start - self.started,
                  "label_skew": label_skew(*_member_labels(members, LABEL_SKEW_CLIENTS), splits.num_classes)
                  if splits else None,
-                 "config": json_ready(asdict(cfg)),
+                 # a task brings its own model and data: the zoo's defaults beside it would mislead
+                 "config": json_ready({k: v for k, v in asdict(cfg).items()
+                                       if not ((cfg.task or cfg.flower_app) and k in REPLACED_BY_TASK)}),
                  "client_batching": self.batching,  # the route --client-batching (auto by default) took
                  **({"interrupted": True} if extra["interrupted"] else {})}
         if out is None:

@@ -57,6 +57,8 @@ def test_the_tutorials_own_task_commands_run_as_written_from_the_repository_root
     assert [r["status"] for r in rows] == ["ok"] * 5 and all(r["reported"] == 4 for r in rows)
     assert rows[-1]["test_accuracy"] > 0.8 and rows[-1]["test_loss"] < 0.5  # 3 cultivars: chance is 0.4
     assert "federated_eval_accuracy" in rows[-1]  # the agents' validation shares, scored by the task
+    config = json.loads((fl / "summary.json").read_text())["config"]
+    assert config["task"] and not {"dataset", "model"} & config.keys()  # the task's, not the zoo's defaults (QA)
 
     _fedpar([*train, "--out", str(central)], capfd)
     summary = json.loads((central / "summary.json").read_text())
