@@ -105,12 +105,12 @@ class Populations(Members):
             return
         needed = self.config.min_available
         if population < needed and self._refusal_hint is not None and host.host_id not in self._population_said:
-            # said, not refused: agents that join by themselves (later, too) may make up the rest
+            # said (serve shows info lines), not refused nor warned: agents joining by themselves may make up the rest
             self._population_said.add(host.host_id)
-            log.warning("simulation host %s hosts a slice of a population of %d clients (simulate-workers --clients "
-                        "%d), and this run waits for %d (serve --min-available %d): its rounds start only once agents "
-                        "or other hosts make up the other %d; start both with the same number if this is the whole "
-                        "population", host.host_id, population, population, needed, needed, needed - population)
+            log.info("simulation host %s hosts a slice of a population of %d clients (simulate-workers --clients %d), "
+                     "and this run waits for %d (serve --min-available %d): its rounds start only once agents or other "
+                     "hosts make up the other %d; start both with the same number if this is the whole population",
+                     host.host_id, population, population, needed, needed, needed - population)
 
     def host_leaves(self, host: HostRecord) -> None:
         """``host``'s process said it is leaving (Leave): it and its members are forgotten now, so an open round stops

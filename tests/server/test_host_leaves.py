@@ -52,7 +52,7 @@ def test_a_host_that_leaves_ends_the_wait_for_its_sampled_members_and_they_are_n
 def test_a_population_smaller_than_min_available_is_said_once_naming_both(start_coordinator, caplog):
     import logging
 
-    caplog.set_level(logging.WARNING, logger="fedpar.server")
+    caplog.set_level(logging.INFO, logger="fedpar.server")
     server = start_coordinator([np.zeros(SHAPE, np.float32)], accept_populations=True, min_available=100)
     _one_shot(server)
     stub = host_stub(server)

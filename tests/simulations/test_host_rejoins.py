@@ -92,7 +92,9 @@ def test_a_population_host_and_agents_outlive_two_coordinator_restarts(tmp_path)
     rows = _rows(tmp_path)
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))  # every round once, across the restarts
     serve_log = (tmp_path / "serve.log").read_text()
-    assert [f"resumed from checkpoint after round {r}" in serve_log for r in restarts] == [True, True]
+    # a kill between a round's checkpoint and its metrics line resumes after that round (the line is repaired)
+    assert all(any(f"resumed from checkpoint after round {n}" in serve_log for n in (r, r + 1)) for r in restarts), \
+        (restarts, serve_log[-3000:])
     for start, end in zip(restarts, restarts[1:] + [ROUNDS]):
         after = rows[start:end]  # the rounds the restarted coordinator ran
         assert after and all(r["status"] == "ok" and r["sampled"] == EVERYONE for r in after), after
