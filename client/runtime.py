@@ -40,7 +40,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CodecError, ModelLayout, one_line
 from fedpar.protocol.dataplane import TICKET_BYTES
 from fedpar.protocol.task_settings import TaskSettings, check_task_knobs
-from fedpar.task import TaskError, raised, stop_training_at, upload_timeout
+from fedpar.task import TaskError, raised, stop_training_at, upload_ends_at
 
 log = logging.getLogger("fedpar.client")
 DATA_PLANE_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -356,7 +356,7 @@ class ClientRuntime:
         # agent's liveness run out, which would count it as gone (server/deadline.py)
         with self.link.while_training():
             try:
-                uploaded = mode.upload(seat.trainer.get_arrays(), weights, result, metrics)
+                uploaded = mode.upload(seat.trainer.get_arrays(), weights, result, metrics, upload_ends_at(deadline_at))
             except UpdateRefused as err:  # training diverged: told at once, so the round need not wait for it
                 self._note_refusal(member, f"round {task.round} update", f"{err}: not sent",
                                    logging.INFO if self.members.population else logging.WARNING)
@@ -423,9 +423,10 @@ class ClientRuntime:
             self._note_refusal(member, f"round {task.round} message", reply.error, logging.DEBUG)  # warned already
         request = pb.MessageReply(auth=auth, round=task.round, task_id=task.task_id, message=reply.data)
         backoff = Backoff(0.1, 2.0, self._rng)
+        ends_at = upload_ends_at(deadline_at)
         while True:
             try:
-                self.conn.stub.ReplyMessage(request, timeout=upload_timeout(deadline_at))
+                self.conn.stub.ReplyMessage(request, timeout=ends_at - time.monotonic())
                 if reply.error is None:
                     with self._stats_lock:
                         self.stats.answered[reply.message_type] = self.stats.answered.get(reply.message_type, 0) + 1
@@ -535,16 +536,16 @@ class ClientRuntime:
 
     def _upload_via_data_plane(self, auth: pb.AgentAuth, task: pb.TrainTask, data_plane: dataplane.DataPlaneTarget,
                                deadline_at: float, grpc_send: Send, upload: PreparedUpload, result,
-                               metrics: dict[str, float]) -> bool:
+                               metrics: dict[str, float], ends_at: float) -> bool:
         """Send the prepared update over the data plane (plain weights only; compressed updates are small), retried
-        while the coordinator says it is busy and the deadline allows; True if accepted. ``grpc_send`` (the gRPC
-        stream) takes it when the connection broke, or for an encoded update."""
+        while the coordinator says it is busy and the deadline allows, over by ``ends_at``; True if accepted.
+        ``grpc_send`` (the gRPC stream) takes it when the connection broke, or for an encoded update."""
         backoff: Backoff | None = None  # made at the first refusal to retry: most uploads go through at once
         while not upload.encoding:  # leaves for gRPC only if the connection broke
             try:
                 if self._via_data_plane("upload", dataplane.upload, data_plane, auth, task, self.layout,
                                         upload.arrays, result.examples, result.steps, metrics,
-                                        upload_timeout(deadline_at)) is None:
+                                        ends_at - time.monotonic()) is None:
                     break
                 return True
             except dataplane.DataPlaneRefused as err:
@@ -556,7 +557,7 @@ class ClientRuntime:
                     self._note_refusal(auth.agent_id, "upload", err)
                     return False
                 self._stop.wait(backoff.wait())
-        return grpc_send(upload, result, metrics)
+        return grpc_send(upload, result, metrics, ends_at)
 
     def _chunk_bytes(self) -> int:
         return min(self.link.max_chunk or self.config.chunk_bytes, self.config.chunk_bytes)

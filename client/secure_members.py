@@ -13,7 +13,6 @@ upload waits for the exchange to end.
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future
 
 from fedpar.client.secure_upload import SecureUpload
@@ -38,9 +37,9 @@ class HostedSecureUpload(SecureUpload):
         not."""
         return not self._keys.done() or self._keys.result()
 
-    def upload(self, trained, global_weights, result, metrics) -> bool:
+    def upload(self, trained, global_weights, result, metrics, ends_at) -> bool:
         """The masked upload, once the key exchange is done (False if it was refused: noted already)."""
-        return self._keys.result() and super().upload(trained, global_weights, result, metrics)
+        return self._keys.result() and super().upload(trained, global_weights, result, metrics, ends_at)
 
     def close(self) -> None:
         """Unmask in a thread of its own: it waits for the rest of the cohort's uploads."""
@@ -63,8 +62,7 @@ class SecureMembers:
         ``chunk_bytes``: of its masked upload; ``note_refusal``: how its refusals are noted)."""
         session = SecureSession(self.stub, pb.AgentAuth(agent_id=auth.agent_id, token=auth.token), task,
                                 self.poll_seconds)
-        mode = HostedSecureUpload(session, layout, chunk_bytes, time.monotonic() + task.deadline_seconds,
-                                  note_refusal)
+        mode = HostedSecureUpload(session, layout, chunk_bytes, note_refusal)
         mode.start_keys()
         with self._lock:
             self._modes = {key: held for key, held in self._modes.items() if held[0] >= task.round}

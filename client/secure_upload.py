@@ -21,7 +21,6 @@ from fedpar.secagg import wire
 from fedpar.secagg.client_protocol import SecAggClient
 from fedpar.secagg.errors import SecAggAbort, SecAggError
 from fedpar.secagg.params import RoundParams
-from fedpar.task import upload_timeout
 
 if TYPE_CHECKING:  # only named: the result comes from a trainer
     from fedpar.client.local_loop import TrainResult
@@ -125,12 +124,10 @@ class SecureUpload:
 
     REFUSALS = (grpc.RpcError, SecAggError, SecAggAbort)
 
-    def __init__(self, session: SecureSession, layout: ModelLayout, chunk_bytes: int, deadline_at: float,
-                 note_refusal: NoteRefusal):
+    def __init__(self, session: SecureSession, layout: ModelLayout, chunk_bytes: int, note_refusal: NoteRefusal):
         self.session = session
         self.vector_length = sum(t.numel for t in layout.tensors)
         self.chunk_bytes = chunk_bytes
-        self.deadline_at = deadline_at
         self.note_refusal = note_refusal
 
     def begin(self) -> bool:
@@ -144,12 +141,12 @@ class SecureUpload:
         return True
 
     def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
-               metrics: dict[str, float]) -> bool:
-        """Mask and send local - global, weighted by the examples seen."""
+               metrics: dict[str, float], ends_at: float) -> bool:
+        """Mask and send local - global, weighted by the examples seen, over by ``ends_at``."""
         try:
             # No metrics in the clear: the coordinator of a secure round learns only the weighted sum.
             self.session.upload_masked(flat_update(trained, global_weights), result.examples, {}, self.chunk_bytes,
-                                       timeout=upload_timeout(self.deadline_at))
+                                       timeout=ends_at - time.monotonic())
         except self.REFUSALS as err:
             self.note_refusal("secure aggregation", err)
             return False

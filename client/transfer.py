@@ -2,8 +2,9 @@
 goes up.
 
 The update's round mode says what is sent (the agent asks it for every task, client/runtime.py): ``upload(trained,
-global_weights, result, metrics)`` makes the update and sends it (True if accepted), ``begin()`` runs when the task
-arrives and ``close()`` after an accepted upload. :class:`PlainUpload` sends the new weights and
+global_weights, result, metrics, ends_at)`` makes the update and sends it (True if accepted), over by ``ends_at``,
+which the runtime asks of the agent's deadline rule (fedpar/task.py) as the upload starts; ``begin()`` runs when the
+task arrives and ``close()`` after an accepted upload. :class:`PlainUpload` sends the new weights and
 :class:`CompressedUpload` their delta encoded as the task asks, both after client-side DP when the task asks for it;
 the secure round's mode is client/secure_upload.py's (a masked vector inside the SecAgg+ stages).
 :class:`UpdateSender` sends what a mode made over gRPC: one call when small, else a stream; retried while the
@@ -38,7 +39,6 @@ from fedpar.protocol.codec import (FRAMING_BYTES, NO_RUN_IN_PROGRESS, SMALL_UPDA
                                    CoordinatorStub, ModelLayout, RawData, TensorAssembler, encode_data_message,
                                    first_non_finite, iter_chunks, layout_from_pb, layout_to_pb, one_line, wire_bytes)
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.task import upload_timeout
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +288,9 @@ class UpdateSender:
         self.max_chunk, self.small_below = max_chunk, small_below  # what fits one SmallUpload (the coordinator's)
         self.rng, self.note_refusal = rng, note_refusal
 
-    def send(self, upload: PreparedUpload, result: TrainResult, metrics: dict[str, float]) -> bool:
-        """Send the prepared update; True if accepted (a refusal is noted)."""
+    def send(self, upload: PreparedUpload, result: TrainResult, metrics: dict[str, float], ends_at: float) -> bool:
+        """Send the prepared update, every call over by ``ends_at`` (a time.monotonic() value); True if accepted (a
+        refusal is noted)."""
         header = upload_header(self.auth, self.task, upload.layout, result.examples, result.steps, metrics,
                                upload.encoding, upload.encoding_json)
         # kept as arrays: a host sums plain ones into its partial without encoding them (the stack's row, as is)
@@ -301,12 +302,12 @@ class UpdateSender:
         while True:
             try:
                 if single is not None:  # one unary call: no stream to set up for a small update
-                    self.send_small(self.stub, single, upload_timeout(self.deadline_at), abandoned=abandoned)
+                    self.send_small(self.stub, single, ends_at - time.monotonic(), abandoned=abandoned)
                 else:
                     messages = upload_messages(self.auth, self.task, upload.layout, upload.arrays, result.examples,
                                                result.steps, metrics, self.chunk_bytes, upload.encoding,
                                                upload.encoding_json)
-                    upload_update(self.stub, messages, timeout=upload_timeout(self.deadline_at), abandoned=abandoned)
+                    upload_update(self.stub, messages, timeout=ends_at - time.monotonic(), abandoned=abandoned)
                 return True
             except grpc.FutureCancelledError:
                 if not self._given_up_for_stop():
@@ -411,7 +412,8 @@ class _AdmissionGate:
         return next(self._messages)
 
 
-Send = Callable[[PreparedUpload, "TrainResult", dict[str, float]], bool]  # the agent's transport: True if accepted
+# the agent's transport: (update, result, metrics, ends_at) -> True if accepted
+Send = Callable[[PreparedUpload, "TrainResult", dict[str, float], float], bool]
 NoteRefusal = Callable[[str, Exception], None]  # (what was refused, why)
 
 
@@ -452,9 +454,10 @@ class PlainUpload:
         return True
 
     def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
-               metrics: dict[str, float]) -> bool:
-        """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport; weights that training
-        left NaN or Inf (a diverged run) are not sent: UpdateRefused, which the runtime tells the coordinator."""
+               metrics: dict[str, float], ends_at: float) -> bool:
+        """Client-side DP as the task asks, then :meth:`prepare`, then the agent's transport, over by ``ends_at``;
+        weights that training left NaN or Inf (a diverged run) are not sent: UpdateRefused, which the runtime tells
+        the coordinator."""
         diverged = first_non_finite(self.layout, trained)
         if diverged is not None:
             raise UpdateRefused(f"training left NaN or Inf in tensor {diverged!r}")
@@ -467,7 +470,7 @@ class PlainUpload:
             prepared = self.prepare(private, global_weights)
         except ValueError as err:  # the task's compression settings cannot encode it: no update will come
             raise UpdateRefused(f"preparing the update: {err}") from None
-        if self.send(prepared, result, metrics):
+        if self.send(prepared, result, metrics, ends_at):
             return True
         self.refused()
         return False

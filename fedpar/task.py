@@ -5,7 +5,7 @@ built-in loop (your loss, optimizer and batches), and an evaluation returning na
 loads one by reference (``--task package.module:factory`` or ``--task path/to/file.py:factory``), calling the
 factory with the ``--task-option KEY=VALUE`` pairs. The built-in models (mlp/cnn on digits, mnist and tables)
 are tasks too (``fedpar.tasks.zoo``). A client's training stops by the :class:`Deadline` it is given, set by the client
-side's one deadline rule (:func:`stop_training_at`, :func:`upload_timeout`).
+side's one deadline rule (:func:`stop_training_at`, :func:`upload_ends_at`).
 
 This module imports neither torch nor anything else heavy: the command line reads it to build its parsers.
 """
@@ -164,11 +164,13 @@ class Deadline:
 
 # The client side's one deadline rule: when a member must stop training and upload. A member expects its upload to
 # take UPLOAD_TO_DOWNLOAD times what the round's download took, and keeps UPLOAD_MARGIN_SECONDS more free before the
-# task's deadline (the training's Deadline is at stop_training_at); its upload call may run until the deadline plus
-# slack for the reply. The client runtime asks it on the real clock; a simulation's virtual clock
-# (simulations/population.py) on simulated seconds. The server's side is server/deadline.py.
+# task's deadline (the training's Deadline is at stop_training_at); its upload, asked as it starts, must be over by
+# the deadline plus slack for the reply (upload_ends_at), a value the upload's calls take their timeouts from. The
+# client runtime asks it on the real clock; a simulation's virtual clock (simulations/population.py) on simulated
+# seconds. The server's side is server/deadline.py.
 UPLOAD_TO_DOWNLOAD = 1.2  # a member expects its upload to take this many times its download
 UPLOAD_MARGIN_SECONDS = 0.25  # ... and keeps this much more free before the deadline
+UPLOAD_REPLY_SECONDS = 5.0  # an upload's calls may run this long past the deadline, for the reply
 
 
 def stop_training_at(deadline_at: float, download_seconds: float,
@@ -186,9 +188,10 @@ def steps_in_time(steps: int, step_seconds: float, download_seconds: float, dead
     return min(steps, int(max(0.0, room) // step_seconds))
 
 
-def upload_timeout(deadline_at: float) -> float:
-    """How long an upload call may take: until the round's deadline, plus slack for the reply (at least 5 s)."""
-    return max(5.0, deadline_at - time.monotonic() + 5.0)
+def upload_ends_at(deadline_at: float) -> float:
+    """When an upload that starts now must be over, its retries and their replies included (a time.monotonic()
+    value): the round's deadline plus slack for the reply; past the deadline, one short last try."""
+    return max(deadline_at, time.monotonic()) + UPLOAD_REPLY_SECONDS
 
 
 def checked_task(task: Any, where: str) -> Task:

@@ -13,7 +13,7 @@ Under the virtual clock (server/virtual_clock.py) first K and the deadline act o
 (:func:`virtual_close_reason`); real time then only guards the round (``--round-wall-timeout``: "round wall
 timeout").
 Everything else on the server asks this module; the agent's side is in fedpar/task.py (stop_training_at,
-upload_timeout, and the Deadline a task trains to).
+upload_ends_at, and the Deadline a task trains to).
 """
 
 from __future__ import annotations

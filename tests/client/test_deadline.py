@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fedpar.task import UPLOAD_MARGIN_SECONDS, UPLOAD_TO_DOWNLOAD, steps_in_time, stop_training_at, upload_timeout
+from fedpar.task import UPLOAD_MARGIN_SECONDS, UPLOAD_TO_DOWNLOAD, steps_in_time, stop_training_at, upload_ends_at
 from fedpar.simulations.population import PopulationSlice
 
 
@@ -34,6 +34,7 @@ def test_the_virtual_clock_asks_the_same_rule():
     assert steps == steps_in_time(100, 0.5, 2.0, 10.0) == 10 and seconds == pytest.approx(2.0 + 10 * 0.5 + 2.0)
 
 
-def test_an_upload_call_may_run_until_the_deadline_plus_slack():
-    assert upload_timeout(time.monotonic() + 30.0) == pytest.approx(35.0, abs=0.5)
-    assert upload_timeout(time.monotonic() - 60.0) == 5.0  # past the deadline: a short last try
+def test_an_upload_may_run_until_the_deadline_plus_slack():
+    assert upload_ends_at(time.monotonic() + 30.0) - time.monotonic() == pytest.approx(35.0, abs=0.5)
+    # past the deadline: a short last try
+    assert upload_ends_at(time.monotonic() - 60.0) - time.monotonic() == pytest.approx(5.0, abs=0.5)

@@ -199,7 +199,8 @@ def test_an_update_of_a_stopped_run_is_refused_as_its_run_ended_and_the_agent_sa
         arrays = [np.ones(4, np.float32)]
         with caplog.at_level(logging.INFO, logger="fedpar.client"):
             sent = sender.send(PreparedUpload(ModelLayout.of_arrays(["t0"], arrays), arrays),
-                               TrainResult(steps=1, examples=100, loss=0.5, stopped_early=False, seconds=0.1), {})
+                               TrainResult(steps=1, examples=100, loss=0.5, stopped_early=False, seconds=0.1), {},
+                               time.monotonic() + 30)
         assert not sent and noted == []  # not counted as a refusal
         said = [r for r in caplog.records if r.name.startswith("fedpar.client")]
         assert [(r.levelno, r.getMessage()) for r in said] == [

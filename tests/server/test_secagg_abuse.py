@@ -77,8 +77,7 @@ def _params(participants, neighbours, threshold, **over) -> str:
 def _begin(session: SecureSession) -> list[str]:
     """Run the key exchange as a member does; what it noted (each refusal must be one printable line)."""
     noted = []
-    mode = SecureUpload(session, LAYOUT, 1 << 16, time.monotonic() + 30,
-                        lambda what, err: noted.append(f"{what}: {err}"))
+    mode = SecureUpload(session, LAYOUT, 1 << 16, lambda what, err: noted.append(f"{what}: {err}"))
     assert mode.begin() is False
     assert len(noted) == 1 and one_line(noted[0]) == noted[0], noted
     return noted
