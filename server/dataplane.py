@@ -40,7 +40,6 @@ from fedpar.protocol.dataplane import (OK, OP_DOWNLOAD, OP_UPLOAD, PREAMBLE, TIC
                                        decode_preamble, encode_status, read_frame, recv_exact, recv_exact_into, refusal,
                                        send_all)
 from fedpar.security.admission import AdmissionRefused, PeerIdentity
-from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits, Stranger, StrangerBound
 from fedpar.server.registry import AuthError
 from fedpar.server.rounds import Refusal
@@ -359,7 +358,7 @@ class DataPlaneServer:
         except Refusal:
             coord.tickets.release(entry, op, False)
             raise
-        return entry, agent, closes_at(state)
+        return entry, agent, state.closes_at
 
     def _claim_download(self, ticket: bytes, peer: PeerIdentity | None):
         entry, agent, deadline_at = self._claim(ticket, OP_DOWNLOAD, peer)

@@ -36,10 +36,9 @@ LOST_CHECK_SECONDS = 1.0  # how often an open round looks for sampled agents tha
 
 
 class Timed(Protocol):
-    """What the policy reads of a round: when it opened and how many real seconds it may last."""
+    """What the policy reads of a round: when its deadline passes (server/rounds.py RoundState)."""
 
-    started: float  # time.monotonic() when the tasks went out
-    deadline_seconds: float
+    closes_at: float  # time.monotonic() when the round's deadline passes
 
 
 def target_reports(config: CoordinatorConfig, live: int) -> int:
@@ -72,14 +71,9 @@ def wall_seconds(config: CoordinatorConfig) -> float:
     return config.round_wall_seconds if config.virtual_clock else config.deadline_seconds
 
 
-def closes_at(state: Timed) -> float:
-    """The time.monotonic() at which the round's deadline passes."""
-    return state.started + state.deadline_seconds
-
-
 def seconds_left(state: Timed) -> float:
     """Real seconds left before the round's deadline: what a task handed out now carries."""
-    return max(0.0, closes_at(state) - time.monotonic())
+    return max(0.0, state.closes_at - time.monotonic())
 
 
 def closing_reason(accepted: int, rejected: int, target: int, answering: int) -> str:

@@ -129,6 +129,12 @@ class RoundState:
         return len(self.slots)
 
     @property
+    def closes_at(self) -> float:
+        """The time.monotonic() at which the round's deadline passes: ``deadline_seconds`` (the deadline policy's,
+        server/deadline.py) after its tasks went out."""
+        return self.started + self.deadline_seconds
+
+    @property
     def upload_bytes(self) -> int:
         """Tensor bytes of this round's accepted uploads, as they crossed the wire."""
         return sum(s.upload_bytes for s in self.slots.values() if s.status == "accepted")

@@ -43,7 +43,6 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (NO_RUN_IN_PROGRESS, SMALL_UPDATE_BYTES, CodecError, ModelLayout, ModelTooLarge,
                                    TensorAssembler, check_report, layout_from_pb, specs_match)
 from fedpar.server.config import CoordinatorConfig
-from fedpar.server.deadline import closes_at
 from fedpar.server.limits import Limits
 from fedpar.server.registry import AgentRecord
 from fedpar.server.rounds import AgentSlot, Refusal, RoundState, UploadTicket, not_this_round
@@ -386,7 +385,7 @@ class Upload:
         self._staging: TensorAssembler | None = None
         config, state = intake.coord.config, ticket.state
         self.pace = UploadPace(config.upload_idle_seconds, config.upload_min_bytes_per_second,
-                               closes_at(state), ticket.layout.total_bytes)
+                               state.closes_at, ticket.layout.total_bytes)
         self.overtaken: asyncio.Future | None = None  # on gRPC: done when its staging slot is taken back
 
     @property
