@@ -54,7 +54,7 @@ def test_equal_weights_of_constant_models_is_exact():
 
 
 @pytest.mark.parametrize("backend", ["blas", "numpy", "torch"])
-def test_sharded_equals_unsharded_bit_for_bit_in_float64(backend):
+def test_sharded_equals_unsharded_in_float64(backend):
     rng = np.random.default_rng(3)
     shapes = [(1000, 37), (5,), (333, 301), (1,), (20001,)]
     results = [([rng.standard_normal(s) for s in shapes], float(rng.uniform(0.5, 9))) for _ in range(6)]
@@ -63,7 +63,12 @@ def test_sharded_equals_unsharded_bit_for_bit_in_float64(backend):
                          block_elements=4096 + 17, backend=backend, group_size=4)
     a, b = fedavg(iter(results), one), fedavg(iter(results), sharded)
     for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
+        if backend == "blas":  # OpenBLAS's axpy cuts a range into its threads' parts and each into a fused
+            # multiply-add body and a tail, so a shard boundary can move an element from one to the other (on AMD EPYC
+            # with OPENBLAS_CORETYPE=Haswell: 1 ulp on 36 of 100,233 elements): the same sum to rounding
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-13)
+        else:
+            np.testing.assert_array_equal(x, y)
     acc = WeightedSum(ShapesAndDtypes.of(results[0][0]), sharded)
     assert len(acc.shards) == 3 and sum(e - s for sh in acc.shards for _, s, e in sh) == sum(np.prod(s) for s in shapes)
 
