@@ -25,7 +25,10 @@ cannot break the bound). With local noise ``N(0, (s C)^2 I)`` the server cannot 
 each noisy update back to ``C`` itself: under add/remove adjacency (the accountant's) a client's whole
 contribution, noise included, must be bounded for the central guarantee. The local noise then protects the
 client from the coordinator; its norm is about ``s C sqrt(d)``, so once ``s sqrt(d) >> 1`` the re-clip
-shrinks the signal by about ``1 / (s sqrt(d))`` and ``dp_clipped_fraction`` is 1.
+shrinks the signal by about ``1 / (s sqrt(d))``. In client mode each client reports whether it clipped its update
+(its clip bit, ``dp_clipped`` in the upload's report, as in Andrew et al.): the norm the server sees is after local
+noise and lossy compression, which move it off ``C``, so ``dp_clipped_fraction`` and adaptive clipping count the
+clients' bits (with local noise too); a client that sends no bit is judged by the norm.
 
 Accounting: one round is one step of the sampled Gaussian mechanism with multiplier ``z`` and sampling
 rate ``q = sampled_per_round / population``, composed by opacus's RDP accountant. That analysis assumes
@@ -112,9 +115,6 @@ class DPStrategy(Strategy):
                              f"<= population ({population})")
         if local_noise_multiplier < 0 or (local_noise_multiplier > 0 and mode != "client"):
             raise ValueError("local noise (local DP) is a client-side setting: use it with mode 'client', >= 0")
-        if local_noise_multiplier > 0 and target_quantile is not None:
-            raise ValueError("adaptive clipping cannot be combined with local noise: the server could not tell "
-                             "which noisy updates the clients clipped")
         self.inner = inner
         self.name = self.wrapping(inner.name)
         self.noise_multiplier = float(noise_multiplier)
@@ -139,6 +139,7 @@ class DPStrategy(Strategy):
         self._acc: WeightedSum | None = None
         self._unclipped = 0
         self._stats_lock = threading.Lock()
+        self._reported = threading.local()  # the clip bit of the update :meth:`fold` is folding on this thread
 
     # ------------------------------------------------------------------ configuration
     def client_config(self, round_id: int) -> TaskSettings:
@@ -160,6 +161,16 @@ class DPStrategy(Strategy):
         self._acc = WeightedSum(shapes, self.fold_config)
         self._unclipped = 0
 
+    def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
+             members: Sequence[str] = (), clipped: bool | None = None, *, known_finite: bool = False) -> None:
+        """As :meth:`Strategy.fold`; in client mode ``clipped`` (the client's own clip bit) is what counts toward
+        ``dp_clipped_fraction`` and adaptive clipping."""
+        self._reported.clipped = clipped
+        try:
+            super().fold(update, num_examples, client_id, members, clipped, known_finite=known_finite)
+        finally:
+            self._reported.clipped = None
+
     def _fold(self, update: Sequence[np.ndarray], num_examples: int, who: str, known_finite: bool) -> None:
         """Clip ``update``'s delta to ``C`` and add it with weight 1 (``num_examples`` is ignored on purpose)."""
         assert self._acc is not None and self._shapes is not None and self._global is not None
@@ -171,15 +182,28 @@ class DPStrategy(Strategy):
                 raise ValueError(f"{who} changes the global model by L2 norm {norm:.6g}, more than the DP clip "
                                  f"norm {c:.6g}; with client-side DP every client must clip its update to "
                                  "dp_clip_norm before uploading. The update was refused")
-            unclipped = norm <= c * (1 - CLIENT_CLIP_TOLERANCE)  # a clipped one sits at C (within rounding)
-        else:
-            unclipped = norm <= c
+        unclipped = self._unclipped_by_client(norm, who)
         # sum_k f_k (x_k - g) = sum_k f_k x_k - (sum_k f_k) g: fold the raw update with weight f_k, no copy.
         # The server clips client-clipped updates again so rounding within the tolerance cannot exceed C, and
         # clips noisy ones (local noise) to C, which bounds each client's contribution for the accountant.
         self._acc.fold(arrays, clip_factor(norm, c), check_finite=False, who=who)
         with self._stats_lock:
             self._unclipped += int(unclipped)
+
+    def _unclipped_by_client(self, norm: float, who: str) -> bool:
+        """Whether the update now folded was within the clip norm before any clipping. In client mode its client
+        says so (Andrew et al.'s clip bit): the norm seen here is after the client's clip, local noise and lossy
+        compression, which move it off C. Without the bit (an older client) the norm decides: a clipped update sits
+        at C, within the client's rounding, which only a lossless, noiseless upload keeps."""
+        reported = getattr(self._reported, "clipped", None)
+        if self.mode == "client" and reported is not None:
+            return not reported
+        if self.mode == "client" and self.local_noise_multiplier > 0 and self.adaptive is not None:
+            raise ValueError(f"{who} does not say whether its client clipped it, which adaptive clipping with local "
+                             "noise needs (the noise hides it); the update was refused: run a current fedpar client")
+        if self.mode == "client" and self.local_noise_multiplier == 0:
+            return norm <= self.clip_norm * (1 - CLIENT_CLIP_TOLERANCE)
+        return norm <= self.clip_norm
 
     def _num_folded(self) -> int:
         """Updates counted so far this round."""

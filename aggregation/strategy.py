@@ -22,12 +22,14 @@ FLOWER_PREFIX = "flower:"
 
 class FoldItem(NamedTuple):
     """One client's update for :meth:`Strategy.fold_many`: its new full weights, weight and client id; or, with
-    ``members``, a pre-summed block (a population host's partial): their weighted mean and total weight."""
+    ``members``, a pre-summed block (a population host's partial): their weighted mean and total weight. ``clipped``:
+    the client's own word that client-side DP clipped its update (None: it said nothing)."""
 
     update: Sequence[np.ndarray]
     num_examples: float
     client_id: str = ""
     members: tuple[str, ...] = ()
+    clipped: bool | None = None
 
 
 def _ids(item: FoldItem) -> tuple[str, ...]:
@@ -94,10 +96,11 @@ class Strategy(abc.ABC):
         self._reset_round(shapes)
 
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
-             members: Sequence[str] = (), *, known_finite: bool = False) -> None:
+             members: Sequence[str] = (), clipped: bool | None = None, *, known_finite: bool = False) -> None:
         """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``; with
         ``members``, a pre-summed block: ``update`` is their weighted mean and ``num_examples`` their total weight
-        (linear strategies only: :meth:`_fold_block`).
+        (linear strategies only: :meth:`_fold_block`). ``clipped``: the client's report that client-side DP clipped
+        its update, which only DP-FedAvg reads (aggregation/privacy.py).
 
         A ValueError means the update was refused and the round's state is unchanged. ``known_finite``: the
         caller already verified every value is finite (the coordinator does, as the bytes arrive), so the

@@ -38,7 +38,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (FRAMING_BYTES, NO_RUN_IN_PROGRESS, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError,
                                    CoordinatorStub, ModelLayout, RawData, TensorAssembler, encode_data_message,
                                    first_non_finite, iter_chunks, layout_from_pb, layout_to_pb, one_line, wire_bytes)
-from fedpar.protocol.task_settings import TaskSettings
+from fedpar.protocol.task_settings import DP_CLIPPED, TaskSettings
 
 log = logging.getLogger(__name__)
 
@@ -426,18 +426,19 @@ def dp_settings(settings: TaskSettings | Mapping) -> tuple[float, float] | None:
 
 
 def privatize_update(new_weights: Sequence[np.ndarray], global_weights: Sequence[np.ndarray],
-                     dp: tuple[float, float] | None, rng: np.random.Generator | None = None) -> list[np.ndarray]:
+                     dp: tuple[float, float] | None, rng: np.random.Generator | None = None
+                     ) -> tuple[list[np.ndarray], bool | None]:
     """The weights to upload: ``new_weights`` with its delta from ``global_weights`` clipped (and noised) as ``dp``
-    (:func:`dp_settings`) says."""
+    (:func:`dp_settings`) says; and whether the clip changed it (the clip bit the report carries; None: no DP)."""
     if dp is None:
-        return list(new_weights)
+        return list(new_weights), None
     clip, local_noise = dp
-    clipped, _ = clip_update(new_weights, global_weights, clip)
+    clipped, norm = clip_update(new_weights, global_weights, clip)
     if local_noise > 0:
         rng = rng or np.random.default_rng()
         std = local_noise * clip
         clipped = [(w + std * rng.standard_normal(w.shape)).astype(w.dtype) for w in clipped]
-    return clipped
+    return clipped, norm > clip
 
 
 class PlainUpload:
@@ -462,7 +463,9 @@ class PlainUpload:
         if diverged is not None:
             raise UpdateRefused(f"training left NaN or Inf in tensor {diverged!r}")
         with np.errstate(over="ignore"):  # noise past the dtype's range is refused below, not warned of
-            private = privatize_update(trained, global_weights, self.dp)
+            private, clipped = privatize_update(trained, global_weights, self.dp)
+        if clipped is not None:  # the coordinator cannot tell from a noisy or compressed update: it is told
+            metrics = {**metrics, DP_CLIPPED: float(clipped)}
         if self.dp is not None and (unbounded := first_non_finite(self.layout, private)) is not None:
             raise UpdateRefused(f"the task's client DP noise (dp_local_noise {self.dp[1]:g} x dp_clip_norm "
                                 f"{self.dp[0]:g}) made tensor {unbounded!r} Inf")

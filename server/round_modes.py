@@ -29,7 +29,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.compressed_wire import (CompressionConfig, EncodedUpdateError, encoded_specs, header_fields, knobs,
                                              with_compression)
-from fedpar.protocol.task_settings import TaskSettings
+from fedpar.protocol.task_settings import TaskSettings, reported_clip
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, RunUpdate, UploadTicket
@@ -142,7 +142,8 @@ class PlainRound:
         ValueError is the strategy refusing this update (its state unchanged)."""
         slot = ticket.slot
         try:
-            await self.folds.fold(state, FoldItem(arrays, ticket.num_examples, slot.agent_id))
+            await self.folds.fold(state, FoldItem(arrays, ticket.num_examples, slot.agent_id,
+                                                  clipped=reported_clip(ticket.metrics)))
         except ValueError as exc:  # e.g. a client-side DP update above the clip norm: refuse it, keep the round
             state.withdraw(report)
             state.reject(slot, str(exc))

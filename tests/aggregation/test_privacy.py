@@ -12,6 +12,7 @@ from opacus.accountants import RDPAccountant
 from fedpar.aggregation import DPStrategy, FedAvg, FedAvgM, build_strategy
 from fedpar.aggregation.clipping import clip_update, delta_norm, effective_noise_multiplier
 from fedpar.client.transfer import dp_settings, privatize_update
+from fedpar.protocol.task_settings import DP_CLIPPED, reported_clip
 
 
 def _dp(**kw) -> DPStrategy:
@@ -189,7 +190,8 @@ def test_client_mode_refuses_an_update_beyond_the_clip_norm_and_accepts_clipped_
     liar = [a + 1.0 for a in g]  # delta norm sqrt(10) > 0.5
     with pytest.raises(ValueError, match="more than the DP clip norm"):
         s.fold(liar, 1, "liar")
-    honest = privatize_update(liar, g, dp_settings(s.client_config(1)))
+    honest, clipped = privatize_update(liar, g, dp_settings(s.client_config(1)))
+    assert clipped
     assert delta_norm(honest, g) == pytest.approx(0.5, rel=1e-5)
     s.fold(honest, 1, "honest")
     with pytest.raises(ValueError, match="more than the DP clip norm"):
@@ -199,21 +201,63 @@ def test_client_mode_refuses_an_update_beyond_the_clip_norm_and_accepts_clipped_
     np.testing.assert_allclose(_flat(new), _flat(g) + (_flat(honest) - _flat(g)) / 2, atol=1e-6)
 
 
+def test_client_mode_counts_the_clients_clip_bits_not_the_norm_it_sees():
+    # A lossy upload (top-k, int8) or local noise moves a clipped update's norm off C: the client's bit decides.
+    g = _model(np.zeros(10))
+    s = _dp(mode="client", clip_norm=1.0, noise_multiplier=1e-9, clients_per_round=3)
+    s.begin_round(1, g)
+    s.fold(_model(np.full(10, 0.01)), 1, "sparse-but-clipped", clipped=True)  # norm 0.03, well below C
+    s.fold(_model(np.full(10, 0.01)), 1, "within", clipped=False)
+    s.fold(_model(np.full(10, 0.01)), 1, "says-nothing")  # an older client: the norm decides (below C: unclipped)
+    _, metrics = s.finish()
+    assert metrics["dp_clipped_fraction"] == pytest.approx(1 / 3)
+    central = _dp(clip_norm=1.0, noise_multiplier=1e-9, clients_per_round=1)  # central mode: the server clips
+    central.begin_round(1, g)
+    central.fold(_model(np.full(10, 0.01)), 1, "a", clipped=True)  # what a client says does not count there
+    assert central.finish()[1]["dp_clipped_fraction"] == 0.0
+
+
+@TINY_NOISE
+def test_adaptive_clipping_with_local_noise_follows_the_clients_bits():
+    # Local noise hides whether a client clipped: adaptive clipping takes the bits, and refuses an update without one.
+    g = _model(np.zeros(10))
+    s = _dp(mode="client", clip_norm=1.0, noise_multiplier=1e-9, clients_per_round=4, local_noise_multiplier=0.5,
+            target_quantile=0.5, count_noise=1e-9)
+    s.begin_round(1, g)
+    for k in range(4):
+        s.fold(_model(np.full(10, 0.1)), 1, f"c{k}", clipped=True)  # every client clipped: C must grow
+    with pytest.raises(ValueError, match="does not say whether its client clipped it"):
+        s.fold(_model(np.full(10, 0.1)), 1, "old")
+    _, metrics = s.finish()
+    assert metrics["dp_clipped_fraction"] == 1.0 and s.clip_norm > 1.0
+
+
+def test_a_reported_clip_bit_is_0_or_1():
+    assert reported_clip({}) is None
+    assert reported_clip({DP_CLIPPED: 1.0}) is True and reported_clip({DP_CLIPPED: 0.0}) is False
+    with pytest.raises(ValueError, match="must be 1 .clipped. or 0"):
+        reported_clip({DP_CLIPPED: 0.5})
+
+
 def test_client_side_clipping_module():
     g = [np.zeros((3, 4), np.float32), np.ones(5, np.float32)]
     far = [np.full((3, 4), 2.0, np.float32), np.full(5, 3.0, np.float32)]
     near = [np.full((3, 4), 0.01, np.float32), np.full(5, 1.01, np.float32)]
-    clipped = privatize_update(far, g, dp_settings({"dp_clip_norm": 1.5}))
+    clipped, was_clipped = privatize_update(far, g, dp_settings({"dp_clip_norm": 1.5}))
+    assert was_clipped
     assert delta_norm(clipped, g) == pytest.approx(1.5, rel=1e-6)
     ratio = (clipped[0] - g[0]) / (far[0] - g[0])  # same direction, only shorter
     np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-5)
     assert all(c.dtype == np.float32 and c.shape == f.shape for c, f in zip(clipped, far))
-    kept = privatize_update(near, g, dp_settings({"dp_clip_norm": 1.5}))
+    kept, was_clipped = privatize_update(near, g, dp_settings({"dp_clip_norm": 1.5}))
+    assert not was_clipped
     assert all(np.array_equal(a, b) for a, b in zip(kept, near))
-    assert privatize_update(far, g, dp_settings({"proximal_mu": 0.1})) == far  # no DP asked: unchanged
+    assert privatize_update(far, g, dp_settings({"proximal_mu": 0.1})) == (far, None)  # no DP asked: unchanged
     big = [np.zeros(100_000, np.float32)]
-    noisy = privatize_update(big, [np.zeros(100_000, np.float32)],
-                             dp_settings({"dp_clip_norm": 2.0, "dp_local_noise": 0.5}), rng=np.random.default_rng(0))
+    noisy, was_clipped = privatize_update(big, [np.zeros(100_000, np.float32)],
+                                          dp_settings({"dp_clip_norm": 2.0, "dp_local_noise": 0.5}),
+                                          rng=np.random.default_rng(0))
+    assert not was_clipped  # the bit is about the update, not its noise
     assert noisy[0].std() == pytest.approx(1.0, rel=0.02)  # local noise std = 0.5 x 2.0
     for bad in ({"dp_clip_norm": 0}, {"dp_clip_norm": "x"}, {"dp_clip_norm": 1.0, "dp_local_noise": -1},
                 {"dp_clip_norm": float("nan")}):

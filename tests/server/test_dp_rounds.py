@@ -74,7 +74,8 @@ def test_client_dp_refuses_an_unclipped_update_and_completes_the_round(start_coo
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "clip norm" in err.value.details()
             continue
-        update = privatize_update(trained, glob, dp_settings(extra))
+        update, clipped = privatize_update(trained, glob, dp_settings(extra))
+        assert clipped
         assert delta_norm(update, glob) == pytest.approx(0.5, rel=1e-5)
         assert bot.upload(task, update, 100).accepted
         sent.append(update)
@@ -155,9 +156,9 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
         agent = threading.current_thread().name
         calls[agent] = round_id = calls.get(agent, 0) + 1
         assert dp == (clip, local_noise)
-        out = privatize_update(new, glob, dp, rng=np.random.default_rng([int(agent[-1]), round_id]))
+        out, clipped = privatize_update(new, glob, dp, rng=np.random.default_rng([int(agent[-1]), round_id]))
         uploads.append((agent, round_id, [g.copy() for g in glob], [w.copy() for w in new], [o.copy() for o in out]))
-        return out
+        return out, clipped
 
     monkeypatch.setattr("fedpar.client.transfer.privatize_update", seeded_privatize)
     splits = load_dataset("digits")
@@ -184,7 +185,7 @@ def test_real_agents_add_local_noise_and_the_coordinator_clips_what_arrives(star
         replay.begin_round(round_id, glob)
         clean_deltas, local_noises, folded = [], [], []
         for agent, _, g, trained, uploaded in mine:
-            clean = privatize_update(trained, g, (clip, 0.0))  # the agent's clip, no noise
+            clean, _ = privatize_update(trained, g, (clip, 0.0))  # the agent's clip, no noise
             replay.fold(clean, 1, agent)
             noise = _flat(uploaded) - _flat(clean)
             # The agent added N(0, (s C)^2) to each of the d coordinates (std within ~7 standard errors).

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from fedpar.protocol.compressed_wire import CompressionConfig
 from fedpar.simulations.runner import SimulationConfig, run_simulation
 
 ROUNDS = 6
@@ -28,3 +29,20 @@ def test_central_dp_simulation_reports_epsilon_every_round_and_still_learns(tmp_
     assert summary["final_dp_epsilon"] == eps[-1]
     # chance is 0.10; without DP these settings reach ~0.88 after 6 rounds, with DP ~0.87-0.89
     assert summary["final_test_accuracy"] >= 0.7
+
+
+@pytest.mark.timeout(300)
+def test_client_dp_counts_the_clients_clip_bits_through_lossy_compression(tmp_path):
+    # Every client clips (its delta is far beyond C = 0.05), but top-k keeps a few of the clipped delta's coordinates,
+    # so the update the coordinator decodes has a norm well below C. It used to count each as unclipped (fraction 0),
+    # and adaptive clipping then shrank C while every client was clipping; the clients' own bits say otherwise.
+    options = dict(noise_multiplier=0.3, clip_norm=0.05, population=5, clients_per_round=5, seed=0, mode="client",
+                   target_quantile=0.5)
+    cfg = SimulationConfig(clients=5, rounds=3, strategy="dp-fedavg", strategy_options=options, workers=1,
+                           upload_compression=CompressionConfig("topk"), out=str(tmp_path))
+    run_simulation(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["status"] == "ok" and r["rejected"] == 0 for r in rows)
+    assert [r["dp_clipped_fraction"] for r in rows] == [1.0, 1.0, 1.0]
+    clip_norms = [r["dp_clip_norm"] for r in rows]
+    assert clip_norms[0] == 0.05 and all(b > a for a, b in zip(clip_norms, clip_norms[1:]))  # C grows toward them
