@@ -35,10 +35,11 @@ from fedpar.client.compressed import PreparedUpload, UpdateCompressor
 from fedpar.client.model_fit import fitting_layout
 from fedpar.client.trainer_protocol import UpdateRefused
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (FRAMING_BYTES, NO_RUN_IN_PROGRESS, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED, CodecError,
-                                   CoordinatorStub, ModelLayout, RawData, TensorAssembler, encode_data_message,
-                                   first_non_finite, iter_chunks, layout_from_pb, layout_to_pb, one_line, wire_bytes)
-from fedpar.protocol.task_settings import DP_CLIPPED, TaskSettings
+from fedpar.protocol.codec import (DP_CLIPPED, FRAMING_BYTES, NO_RUN_IN_PROGRESS, SMALL_UPDATE_BYTES, UPLOAD_ADMITTED,
+                                   CodecError, CoordinatorStub, ModelLayout, RawData, TensorAssembler,
+                                   encode_data_message, first_non_finite, iter_chunks, layout_from_pb, layout_to_pb,
+                                   one_line, wire_bytes)
+from fedpar.protocol.task_settings import TaskSettings
 
 log = logging.getLogger(__name__)
 

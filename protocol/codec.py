@@ -14,7 +14,8 @@ the canonical form falls back to the generated parser, so every valid encoding i
 Messages: conversions between protobuf messages and these objects (a round's global weights as the download's
 messages, serialized once: :class:`WeightPayload`), what a well-formed upload header says (its tensors:
 :func:`specs_match`; its report: :func:`check_report`, checked by the coordinator's intake and by a population host
-before it sums its members' updates), a population member's session token (:func:`member_token`), the gRPC channel
+before it sums its members' updates, and a client-side DP agent's clip bit in it, :func:`reported_clip`), a population
+member's session token (:func:`member_token`), the gRPC channel
 options both ends use, and the agents' client stub (:class:`CoordinatorStub`, with the raw-chunk fast path on the
 two streaming calls).
 """
@@ -392,6 +393,22 @@ def check_report(num_examples: int, registered: int, local_epochs: int, steps: i
 def _metric_ok(name: str, value: float) -> bool:
     """Whether one reported metric is a sane name (it becomes a metrics column) and a bounded number."""
     return 1 <= len(name) <= 64 and name.isprintable() and abs(value) <= MAX_METRIC_MAGNITUDE  # NaN fails too
+
+
+# The report key of a client-side DP agent's clip bit: 1.0 when it clipped its update to dp_clip_norm, 0.0 when the
+# update was within it (what DP-FedAvg counts for dp_clipped_fraction and adaptive clipping: aggregation/privacy.py).
+DP_CLIPPED = "dp_clipped"
+
+
+def reported_clip(metrics: Mapping[str, float]) -> bool | None:
+    """The clip bit an update's report carries (None: none); a ValueError for a value other than 0 or 1."""
+    value = metrics.get(DP_CLIPPED)
+    if value is None:
+        return None
+    if value not in (0.0, 1.0):
+        raise ValueError(f"the update's {DP_CLIPPED} report is {value!r}; it must be 1 (clipped) or 0 (within the "
+                         "clip norm). The update was refused")
+    return value == 1.0
 
 
 def layout_to_pb(layout: ModelLayout) -> list[pb.TensorSpec]:

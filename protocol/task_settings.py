@@ -68,22 +68,6 @@ def check_compression(method: str, topk_ratio: float | None = None, int8_block: 
         raise ValueError(f"int8_block must be >= 1, got {int8_block}")
 
 
-# The report key of a client-side DP agent's clip bit: 1.0 when it clipped its update to dp_clip_norm, 0.0 when the
-# update was within it (what DP-FedAvg counts for dp_clipped_fraction and adaptive clipping: aggregation/privacy.py).
-DP_CLIPPED = "dp_clipped"
-
-
-def reported_clip(metrics: Mapping[str, float]) -> bool | None:
-    """The clip bit an update's report carries (None: none); a ValueError for a value other than 0 or 1."""
-    value = metrics.get(DP_CLIPPED)
-    if value is None:
-        return None
-    if value not in (0.0, 1.0):
-        raise ValueError(f"the update's {DP_CLIPPED} report is {value!r}; it must be 1 (clipped) or 0 (within the "
-                         "clip norm). The update was refused")
-    return value == 1.0
-
-
 @dataclass(frozen=True, eq=False)
 class TaskSettings(Mapping):
     """What an agent must do differently in a task: compress, add a proximal term, clip/noise, mask its upload."""

@@ -26,10 +26,10 @@ import numpy as np
 from fedpar.aggregation.compressed_delta import apply_delta, unpack_delta
 from fedpar.aggregation.strategy import FoldItem
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import ModelLayout
+from fedpar.protocol.codec import ModelLayout, reported_clip
 from fedpar.protocol.compressed_wire import (CompressionConfig, EncodedUpdateError, encoded_specs, header_fields, knobs,
                                              with_compression)
-from fedpar.protocol.task_settings import TaskSettings, reported_clip
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, RunUpdate, UploadTicket

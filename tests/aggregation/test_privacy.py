@@ -12,7 +12,7 @@ from opacus.accountants import RDPAccountant
 from fedpar.aggregation import DPStrategy, FedAvg, FedAvgM, build_strategy
 from fedpar.aggregation.clipping import clip_update, delta_norm, effective_noise_multiplier
 from fedpar.client.transfer import dp_settings, privatize_update
-from fedpar.protocol.task_settings import DP_CLIPPED, reported_clip
+from fedpar.protocol.codec import DP_CLIPPED, reported_clip
 
 
 def _dp(**kw) -> DPStrategy:
