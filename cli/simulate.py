@@ -77,6 +77,17 @@ def simulation_config(args: argparse.Namespace, say: bool = True) -> SimulationC
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary: in a child process (:func:`launch`) when there are other aggregator
     ranks or a checkpoint folder, else in this one."""
+    flower = bool(args.flower_app) or (args.strategy or "").startswith("flower:")
+    if not (args.quiet and flower):
+        return _run(args)
+    from fedpar.tasks.flower_app import quiet_flower_logs
+
+    with quiet_flower_logs():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """:func:`run`, Flower's lines quieted or not."""
     check_output_folder(args.out)
     check_metrics_endpoint(args)
     server_app_drives = bool(args.flower_app) and args.strategy is None

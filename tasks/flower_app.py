@@ -26,8 +26,10 @@ Its settings (``--flower-app``, ``--run-config``) are declared in ``fedpar.task.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -185,7 +187,8 @@ def load_flower_app(directory: str | Path, run_config_overrides: str | None = No
 def plain_flower_logs() -> None:
     """Flower's console log lines (flwr's own handler on the "flwr" logger, coloured by default) without ANSI colour
     codes unless they go to a terminal, and not there either with NO_COLOR set: a log file, a pipe or a CI log
-    otherwise holds escape sequences around every "INFO :". Per process: a worker process has its own handler."""
+    otherwise holds escape sequences around every "INFO :". Per process: a worker process has its own handler. A
+    FLWR_LOG_LEVEL of WARNING or above (a --quiet run's) holds the logger to it, for the process's own handler too."""
     import os
 
     from flwr.common.logger import LOGGER_NAME, ConsoleHandler
@@ -193,6 +196,29 @@ def plain_flower_logs() -> None:
     for handler in logging.getLogger(LOGGER_NAME).handlers:
         if isinstance(handler, ConsoleHandler):
             handler.colored = _is_terminal(handler.stream) and not os.environ.get("NO_COLOR")
+    if os.environ.get("FLWR_LOG_LEVEL", "").upper() in ("WARNING", "ERROR", "CRITICAL"):  # e.g. a --quiet run's
+        logging.getLogger(LOGGER_NAME).setLevel(os.environ["FLWR_LOG_LEVEL"].upper())  # own handler gets them too
+
+
+@contextlib.contextmanager
+def quiet_flower_logs(quiet: bool = True):
+    """``--quiet`` for the span: Flower's console lines (a ServerApp's rounds, a legacy strategy's per-round notes)
+    show only at ERROR, in this process and in those it starts meanwhile (Flower reads FLWR_LOG_LEVEL as it is
+    imported); a level the user set there is kept, and both are as they were afterwards."""
+    import os
+
+    if not quiet or "FLWR_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["FLWR_LOG_LEVEL"] = "ERROR"
+    flower_log = logging.getLogger("flwr")  # the logger, not its handler: a process's own handler gets its lines too
+    level = flower_log.level
+    flower_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        os.environ.pop("FLWR_LOG_LEVEL", None)
+        flower_log.setLevel(level)
 
 
 def _is_terminal(stream) -> bool:

@@ -77,3 +77,14 @@ def test_flower_keeps_its_colours_on_a_terminal_unless_no_color_is_set(monkeypat
         console_handler.stream = stream  # setStream would flush the closed one
         console_handler.colored = colored
         os.close(main_fd)
+
+
+def test_quiet_keeps_flower_s_lines_out_of_every_process(tmp_path):
+    """--quiet ("print only the summary") printed Flower's 40-odd INFO lines: the ServerApp's strategy on the
+    coordinator and the ClientApps' own lines in the workers."""
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(_logging_app(tmp_path)),
+                           "--clients", "2", "--workers", "1", "--run-config", "num-server-rounds=1", "--quiet",
+                           "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "INFO" not in done.stderr and "member 0 trains" not in done.stderr, done.stderr[-3000:]
+    assert '"rounds"' in done.stdout  # the summary
