@@ -211,10 +211,10 @@ class FlowerStrategy(Strategy):
 
     # ------------------------------------------------------------------ the round
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
-             members: Sequence[str] = (), clipped: bool | None = None, *, known_finite: bool = False) -> None:
+             members: Sequence[str] = (), *, known_finite: bool = False, clipped: bool | None = None) -> None:
         """As :meth:`Strategy.fold`; the client id becomes the ClientProxy's ``cid``."""
         self._who.client_id = client_id
-        super().fold(update, num_examples, client_id, members, clipped, known_finite=known_finite)
+        super().fold(update, num_examples, client_id, members, known_finite=known_finite, clipped=clipped)
 
     def _reset_round(self, shapes: ShapesAndDtypes) -> None:
         """No results yet."""

@@ -162,12 +162,12 @@ class DPStrategy(Strategy):
         self._unclipped = 0
 
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
-             members: Sequence[str] = (), clipped: bool | None = None, *, known_finite: bool = False) -> None:
+             members: Sequence[str] = (), *, known_finite: bool = False, clipped: bool | None = None) -> None:
         """As :meth:`Strategy.fold`; in client mode ``clipped`` (the client's own clip bit) is what counts toward
         ``dp_clipped_fraction`` and adaptive clipping."""
         self._reported.clipped = clipped
         try:
-            super().fold(update, num_examples, client_id, members, clipped, known_finite=known_finite)
+            super().fold(update, num_examples, client_id, members, known_finite=known_finite, clipped=clipped)
         finally:
             self._reported.clipped = None
 

@@ -96,7 +96,7 @@ class Strategy(abc.ABC):
         self._reset_round(shapes)
 
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
-             members: Sequence[str] = (), clipped: bool | None = None, *, known_finite: bool = False) -> None:
+             members: Sequence[str] = (), *, known_finite: bool = False, clipped: bool | None = None) -> None:
         """Count one client's new full weights (same shapes/dtypes as the global) with weight ``num_examples``; with
         ``members``, a pre-summed block: ``update`` is their weighted mean and ``num_examples`` their total weight
         (linear strategies only: :meth:`_fold_block`). ``clipped``: the client's report that client-side DP clipped
@@ -125,8 +125,10 @@ class Strategy(abc.ABC):
         the round's state as it was, and the others still count."""
         errors: list[ValueError | None] = []
         for item in items:
+            reported = {} if item.clipped is None else {"clipped": item.clipped}  # (a subclass's fold may not take it)
             try:
-                self.fold(*item, known_finite=known_finite)
+                self.fold(item.update, item.num_examples, item.client_id, item.members, known_finite=known_finite,
+                          **reported)
                 errors.append(None)
             except ValueError as exc:
                 errors.append(exc)

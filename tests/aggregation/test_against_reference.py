@@ -87,7 +87,7 @@ def test_the_streaming_sum_is_the_same_mean_whatever_the_order_and_grouping(back
         strategy.begin_round(1, [np.zeros_like(a) for a in updates[0]])
         items = [FoldItem(updates[j], weights[j], f"c{j}") for j in rng.permutation(11)]
         assert strategy.fold_many(items[:4]) == [None] * 4
-        strategy.fold(*items[4])
+        strategy.fold(*items[4][:4])
         assert strategy.fold_many(items[5:]) == [None] * 6
         got, metrics = strategy.finish()
         assert metrics["num_examples"] == pytest.approx(sum(weights), rel=1e-15)
