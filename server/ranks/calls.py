@@ -40,7 +40,18 @@ class RankCalls:
 
     def count(self, rank: int, uploads: pb.RankUploads) -> None:
         """Complete, checked uploads at ``rank`` (one agent's, or the members of a host's pre-summed partial): count
-        them all (first K, deadline, duplicates) or refuse them all, counting none."""
+        them all (first K, deadline, duplicates) or refuse them all, counting none. A refusal is one refused upload
+        attempt in the open round's row (``refused_<status>``), as an upload rank 0 took itself would be: the other
+        rank's own count of it never reaches the row."""
+        try:
+            self._count(rank, uploads)
+        except Refusal as refusal:
+            if self.coordinator.current is not None:
+                self.coordinator.current.note_refusal(refusal)
+            raise
+
+    def _count(self, rank: int, uploads: pb.RankUploads) -> None:
+        """:meth:`count`, its refusals not yet noted."""
         if uploads.count != len(uploads.uploads) or not uploads.uploads:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"a Count of {len(uploads.uploads)} uploads said it "
                                                             f"holds {uploads.count}; none was applied")

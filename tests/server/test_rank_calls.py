@@ -49,6 +49,7 @@ def test_a_count_that_cannot_take_every_upload_takes_none(agents, code, says):
         calls.count(1, _count(*agents))
     assert refused.value.code == code
     assert state.accepted == 1 and [state.slots[a].status for a in "abc"] == ["pending"] * 3
+    assert state.refused == {code.name.lower(): 1}  # one refused attempt in the round's row, as at rank 0 itself
 
 
 def test_a_count_whose_length_is_not_its_uploads_is_refused():
@@ -66,6 +67,7 @@ def test_after_the_close_every_upload_of_a_count_is_late():
     with pytest.raises(Refusal, match="round 4 is closed"):
         calls.count(1, _count("a", "b"))
     assert [state.slots[a].status for a in "ab"] == ["late", "late"] and state.late_refused == 2
+    assert state.refused == {"failed_precondition": 1}  # QA: a late upload through rank 1 was in no refused_ column
 
 
 def test_a_lost_ranks_count_and_a_stale_rounds_are_refused():
