@@ -109,7 +109,7 @@ class FlowerCoordinator(Coordinator):
             self.metrics.append({
                 "round": round_id, "status": exchange_status(replies.values(), len(slots)), "sampled": len(slots),
                 "reported": state.accepted, "error_replies": sum(r.has_error() for r in replies.values()),
-                "rejected": state.rejected, "late": state.late(), "examples": 0,
+                "rejected": state.rejected, "late": state.late(),  # no "examples": a reply weighs as its strategy says
                 "close_reason": state.close_reason, "cohort_digest": cohort_digest(slots),
                 "flower_round": flower_round, "message_type": message_type, "upload_bytes": state.upload_bytes,
                 "download_bytes": sum(len(s.message) for s in slots.values() if s.dispatched),
