@@ -31,7 +31,7 @@ from results import write_results  # noqa: E402
 
 from fedpar.cli.argtypes import FedparParser  # noqa: E402
 from fedpar.protocol.codec import ModelLayout  # noqa: E402
-from fedpar.simulations.synthetic_coordinator import synthetic_model  # noqa: E402
+from fedpar.server.assembly import synthetic_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ One command prints a table next to the steady-state round time measured in the s
     .venv/bin/python benchmarks/restart_bench.py            # 1M parameters, 10 agents, 3 kills
     .venv/bin/python benchmarks/restart_bench.py --params 100000 --agents 50 --kills 2
 
-The coordinator is `python -m fedpar.simulations.synthetic_coordinator` (the real Coordinator and gRPC
+The coordinator is `tests/support/synthetic_coordinator.py` (the real Coordinator and gRPC
 server with a synthetic float32 model, checkpointing every round); the agents are members of one client runtime
 (tests/support/synthetic_members.py, members that add noise instead of training) that re-joins by itself after
 the restart.
@@ -32,6 +32,7 @@ from results import write_results  # benchmarks/, this script's folder
 from fedpar.cli.argtypes import FedparParser
 
 MEMBERS = Path(__file__).resolve().parents[1] / "tests" / "support" / "synthetic_members.py"
+COORDINATOR = MEMBERS.parent / "synthetic_coordinator.py"
 
 
 def _rows(path: Path) -> list[dict]:
@@ -65,7 +66,7 @@ class Bench:
         """(process start time, time the port file appeared)."""
         port_file = self.work / "port"
         port_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "fedpar.simulations.synthetic_coordinator", "--params", str(self.args.params),
+        cmd = [sys.executable, str(COORDINATOR), "--params", str(self.args.params),
                "--agents", str(self.args.agents), "--rounds", str(self.args.rounds), "--deadline", "120",
                "--port", str(self.port), "--port-file", str(port_file), "--checkpoint-dir", str(self.work / "ckpt"),
                "--metrics", str(self.metrics), "--linger", "2"]

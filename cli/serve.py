@@ -100,9 +100,8 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     from fedpar.aggregation.compatibility import check_composition
     from fedpar.datasets import load_dataset
     from fedpar.parallel.device import resolve_device
-    from fedpar.server.assembly import CoordinatorAssembly
+    from fedpar.server.assembly import CoordinatorAssembly, synthetic_model
     from fedpar.server.secure_round import check_secure_setup
-    from fedpar.simulations.synthetic_coordinator import synthetic_model
 
     config = from_args(CoordinatorConfig, args)
     config.metrics_path = Path(args.out) / "metrics.jsonl" if rank == 0 else None

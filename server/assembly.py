@@ -13,6 +13,7 @@ from torch import nn
 
 from fedpar.aggregation.strategy import Strategy
 from fedpar.datasets import DatasetSplits
+from fedpar.datasets.memory import check_fits
 from fedpar.models import get_weights, weight_specs
 from fedpar.parallel.device import check_device_layout, resolve_device
 from fedpar.security.admission import Admission
@@ -26,6 +27,18 @@ from fedpar.task import Task, TaskError, checked_task, raised
 from fedpar.tasks.evaluation import TaskEvaluator
 from fedpar.tasks.flower_app import FlowerApp
 from fedpar.tasks.zoo import classifier_for
+
+
+def synthetic_model(params: int, seed: int = 0) -> tuple[list[str], list[np.ndarray]]:
+    """About ``params`` float32 parameters as a square-ish weight matrix plus a bias vector; ValueError when this
+    machine's memory cannot hold them (serve --params 10^12 was a MemoryError traceback)."""
+    # drawn as float64 (8 bytes a parameter), then kept as float32 (4)
+    check_fits(12 * params, f"--params {params:,} (a synthetic model)", "give a smaller --params")
+    width = max(1, int(np.sqrt(params)))
+    rows = max(1, (params - width) // width)
+    rng = np.random.default_rng(seed)
+    return ["weight", "bias"], [rng.standard_normal((rows, width)).astype(np.float32) * 0.01,
+                                np.zeros(width, np.float32)]
 
 
 @dataclass

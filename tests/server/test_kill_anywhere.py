@@ -1,7 +1,7 @@
 """`kill -9` of the coordinator at seeded random moments (mid-round, mid-checkpoint, between rounds, during
 start-up): every restart resumes, and the run ends with every round exactly once and a loadable checkpoint.
 
-The coordinator is `fedpar.simulations.synthetic_coordinator` (the real Coordinator and gRPC server, a 2M
+The coordinator is `tests/support/synthetic_coordinator.py` (the real Coordinator and gRPC server, a 2M
 parameter model so each checkpoint takes a while to write); the clients are members of one client runtime
 (tests/support/synthetic_members.py), which re-joins by itself.
 """
@@ -23,6 +23,7 @@ from fedpar.server.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMBERS = ROOT / "tests" / "support" / "synthetic_members.py"
+COORDINATOR = ROOT / "tests" / "support" / "synthetic_coordinator.py"
 ROUNDS, AGENTS, KILLS = 10, 6, 3
 SEED = int(os.environ.get("FEDPAR_KILL_SEED", "20261122"))
 
@@ -42,7 +43,7 @@ def _rows(path: Path, strict: bool = True) -> list[dict]:
 def _start(tmp: Path, port: int) -> subprocess.Popen:
     (tmp / "port").unlink(missing_ok=True)
     return subprocess.Popen(
-        [sys.executable, "-m", "fedpar.simulations.synthetic_coordinator", "--params", "2000000", "--agents",
+        [sys.executable, str(COORDINATOR), "--params", "2000000", "--agents",
          str(AGENTS), "--rounds", str(ROUNDS), "--deadline", "60", "--port", str(port), "--port-file",
          str(tmp / "port"), "--checkpoint-dir", str(tmp / "ckpt"), "--metrics", str(tmp / "metrics.jsonl"),
          "--linger", "2"],

@@ -1,6 +1,6 @@
 """1,000 concurrent clients on loopback: rounds complete and coordinator memory grows only per client.
 
-The coordinator runs in its own process (simulations.synthetic_coordinator, ~100k parameters) and logs
+The coordinator runs in its own process (tests/support/synthetic_coordinator.py, ~100k parameters) and logs
 its own VmRSS/VmHWM; the clients are members of two client runtimes (tests/support/synthetic_members.py, the
 runtime every agent and simulation worker runs, with members that add noise instead of training), one process each.
 """
@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMBERS = ROOT / "tests" / "support" / "synthetic_members.py"
+COORDINATOR = ROOT / "tests" / "support" / "synthetic_coordinator.py"
 ROUNDS = 2
 PARAMS = 100_000  # a 400 KB model: an agent's share of coordinator memory must stay far below one model
 
@@ -25,9 +26,8 @@ PARAMS = 100_000  # a 400 KB model: an agent's share of coordinator memory must 
 def _run(tmp: Path, agents: int, procs: int = 2) -> dict:
     tmp.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    py = [sys.executable, "-m"]
     coordinator = subprocess.Popen(
-        py + ["fedpar.simulations.synthetic_coordinator", "--agents", str(agents), "--rounds", str(ROUNDS),
+        [sys.executable, str(COORDINATOR), "--agents", str(agents), "--rounds", str(ROUNDS),
               "--params", str(PARAMS), "--deadline", "50", "--port-file", str(tmp / "port"),
               "--memory-file", str(tmp / "memory.jsonl"), "--metrics", str(tmp / "metrics.jsonl"), "--linger", "1"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "coordinator.log", "w"))

@@ -56,7 +56,7 @@ def test_serve_resumed_with_every_round_done_does_not_say_it_waits_for_agents(tm
     from fedpar.aggregation import build_strategy
     from fedpar.server.checkpoint import Checkpoint, save_checkpoint
     from fedpar.server.members import CohortSampler
-    from fedpar.simulations.synthetic_coordinator import synthetic_model
+    from fedpar.server.assembly import synthetic_model
 
     names, weights = synthetic_model(1000, 0)
     state = {"sampler": CohortSampler(0).state(), "strategy": build_strategy("fedavg").state_dict()[1]}

@@ -28,7 +28,7 @@ from fedpar.client.links import AgentConfig
 from fedpar.client.local_loop import TrainResult
 from fedpar.client.runtime import ClientRuntime
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.simulations.synthetic_coordinator import synthetic_model
+from fedpar.server.assembly import synthetic_model
 
 EXAMPLES = 100  # what each member says it holds, and the weight of its update
 

@@ -1,8 +1,8 @@
-"""A real coordinator serving a synthetic numpy model (no dataset): the subject of load tests and benchmarks.
+"""A real coordinator serving a synthetic numpy model (no dataset): the subject of load tests and benchmarks (run as
+a script: ``python tests/support/synthetic_coordinator.py --help``).
 
 It writes its bound port to --port-file and, with --memory-file, one JSON line of its own memory
 (VmRSS/VmHWM from /proc/self/status, in KiB) when it starts listening and after every round.
-`python -m fedpar.simulations.synthetic_coordinator --help` lists the options.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from fedpar.aggregation import build_strategy
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.server.assembly import CoordinatorAssembly
+from fedpar.server.assembly import CoordinatorAssembly, synthetic_model
 from fedpar.server.config import CoordinatorConfig
 
 
@@ -31,20 +29,6 @@ def memory_kib() -> dict[str, int]:
         if key in ("VmRSS", "VmHWM"):
             out[key] = int(value.split()[0])
     return out
-
-
-def synthetic_model(params: int, seed: int = 0) -> tuple[list[str], list[np.ndarray]]:
-    """About ``params`` float32 parameters as a square-ish weight matrix plus a bias vector; ValueError when this
-    machine's memory cannot hold them (serve --params 10^12 was a MemoryError traceback)."""
-    from fedpar.datasets.memory import check_fits
-
-    # drawn as float64 (8 bytes a parameter), then kept as float32 (4)
-    check_fits(12 * params, f"--params {params:,} (a synthetic model)", "give a smaller --params")
-    width = max(1, int(np.sqrt(params)))
-    rows = max(1, (params - width) // width)
-    rng = np.random.default_rng(seed)
-    return ["weight", "bias"], [rng.standard_normal((rows, width)).astype(np.float32) * 0.01,
-                                np.zeros(width, np.float32)]
 
 
 def main(argv: list[str] | None = None) -> int:
