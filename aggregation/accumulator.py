@@ -278,7 +278,14 @@ class FoldConfig:
 
     def workers(self) -> int:
         """The resolved number of worker threads."""
-        return self.num_workers or os.cpu_count() or 1
+        return self.num_workers or _cores()
+
+
+@functools.cache
+def _cores() -> int:
+    """This machine's cores, read once: os.cpu_count() reads the system each call (5 us), and every round's sum
+    asks."""
+    return os.cpu_count() or 1
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
