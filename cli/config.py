@@ -16,6 +16,7 @@ from fedpar.cli.declared import Needs
 from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.meant import closest
+from fedpar.protocol.small_files import read_small_file
 
 
 class ConfigError(ValueError):
@@ -56,8 +57,7 @@ def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str
     """:func:`load_toml_section`, and each option's key as written in the file (``parallel.tp``)."""
     path = Path(path)
     try:
-        with path.open("rb") as fh:
-            doc = tomllib.load(fh)
+        doc = tomllib.loads(read_small_file(path, "config file").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:
@@ -66,6 +66,8 @@ def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    except ValueError as exc:  # not a regular file, or far too large
+        raise ConfigError(f"{exc}; give a TOML file") from None
     own = section in doc
     table = doc[section] if own else doc
     if not isinstance(table, dict):
@@ -205,8 +207,7 @@ def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[s
 
 def _refuse_if_for_others(path: str, section: str) -> None:
     """ConfigError when the file at ``path`` holds tables of other subcommands only, none of ``section``'s."""
-    with open(path, "rb") as fh:
-        doc = tomllib.load(fh)
+    doc = tomllib.loads(read_small_file(path, "config file").decode("utf-8"))  # read by _load already: it reads
     others = [key for key in doc if key in SUBCOMMANDS]
     if others and section not in doc:
         raise ConfigError(f"config file {path} has nothing for '{section}': no [{section}] table and no option at its "

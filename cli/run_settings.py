@@ -107,8 +107,9 @@ def _check_tables(path: str | Path, dict_options: set[str]) -> None:
     both at its top level and in [run]."""
     import tomllib
 
-    with open(path, "rb") as fh:
-        doc = tomllib.load(fh)
+    from fedpar.protocol.small_files import read_small_file
+
+    doc = tomllib.loads(read_small_file(path, "run file").decode("utf-8"))  # checked whole by read_run_file already
     others = ", ".join(f"[{name}]" for name in sorted(dict_options))
     if isinstance(doc.get(TABLE), dict):
         beside = sorted(key for key in doc if key != TABLE)

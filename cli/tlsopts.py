@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from fedpar.cli.declared import add_declared
+from fedpar.protocol.small_files import read_small_file
 from fedpar.security.admission import Admission, RevocationList, TokenList
 from fedpar.security.certs import CertPaths
 from fedpar.security.sslcontext import client_ssl_context, server_ssl_context
@@ -204,13 +205,15 @@ def client_security(args: argparse.Namespace, host_id: str | None = None) -> Cli
     token = ""
     if args.enrollment_token_file:
         try:
-            token = args.enrollment_token_file.read_text().strip()
+            token = read_small_file(args.enrollment_token_file, "--enrollment-token-file").decode("utf-8").strip()
         except OSError as exc:
             raise TlsSetupError(f"cannot read --enrollment-token-file {args.enrollment_token_file}: "
                                 f"{exc.strerror}") from None
         except UnicodeDecodeError:  # said "'utf-8' codec can't decode byte 0xcf ...", naming no file
             raise TlsSetupError(f"--enrollment-token-file {args.enrollment_token_file} is not a text file; give the "
                                 "token file 'fedpar certs --mint-token ID' wrote") from None
+        except ValueError as exc:  # not a regular file (/dev/zero was read until memory ran out), or far too large
+            raise TlsSetupError(f"{exc}; give the token file 'fedpar certs --mint-token ID' wrote") from None
         if not token:  # else every Join is refused as 'missing enrollment token', after dialling
             raise TlsSetupError(f"--enrollment-token-file {args.enrollment_token_file} is empty; give the token file "
                                 "'fedpar certs --mint-token ID' wrote")

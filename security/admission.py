@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping, TypeVar
 import grpc
 from cryptography import x509
 
+from fedpar.protocol.small_files import NotASettingsFile, read_small_file
 from fedpar.security.certs import certificate_role
 
 log = logging.getLogger("fedpar.security")
@@ -129,7 +130,9 @@ def append_revocation(path: str | Path, agent_id: str | None = None, serial: int
 
 
 def parse_revocations(text: str, source: str = "revocation file") -> tuple[set[str], set[int]]:
-    """Revoked agent ids and certificate serials; malformed serial lines are logged and skipped."""
+    """Revoked agent ids and certificate serials; malformed serial lines are logged and skipped. A line is one id; one
+    naming several (``a3,a4``, as ``certs --revoke`` takes them, or ``a3 a4``) revokes each, with a warning: an
+    id holds neither commas nor spaces, and a revocation that matched nobody would let them all in."""
     ids: set[str] = set()
     serials: set[int] = set()
     for number, line in _entries(text):
@@ -138,8 +141,12 @@ def parse_revocations(text: str, source: str = "revocation file") -> tuple[set[s
                 serials.add(int(line[7:].strip().replace(":", ""), 16))
             except ValueError:
                 log.error("%s line %d: %r is not a hex serial number; line ignored", source, number, line)
-        else:
-            ids.add(line.split()[0])
+            continue
+        named = line.replace(",", " ").split()
+        if len(named) > 1:
+            log.warning("%s line %d names %d ids (%s); each is revoked: write one id a line", source, number,
+                        len(named), ", ".join(named))
+        ids.update(named)
     return ids, serials
 
 
@@ -194,10 +201,12 @@ class WatchedFile:
             if signature == self._signature:
                 return self.value
             try:
-                text = self.path.read_text(encoding="utf-8") if signature is not None else ""
+                text = read_small_file(self.path, "").decode("utf-8") if signature is not None else ""
                 self.value = self._parse(text, str(self.path))
             except OSError as exc:  # its strerror: not "[Errno 21] Is a directory: 'PATH'"
                 return self._failed(f"cannot use {self.path}: {exc.strerror or exc}", strict)
+            except NotASettingsFile as exc:  # /dev/zero was read until memory ran out
+                return self._failed(f"cannot use {self.path}: it {exc.reason}", strict)
             except UnicodeDecodeError:
                 return self._failed(f"cannot use {self.path}: it is not a text file", strict)
             except ValueError as exc:

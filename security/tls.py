@@ -12,6 +12,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedpar.protocol.small_files import read_small_file
 from fedpar.security.certs import OPERATOR_ROLE, CertPaths, common_name
 
 HOW_TO_FIX = ("make certificates with 'fedpar certs --out certs --agents ID1,ID2' and pass '--certs certs', "
@@ -70,11 +71,13 @@ def client_tls_files(agent_id: str, certs_dir: str | Path | None = None, cert: s
 
 def _read(path: Path, what: str) -> bytes:
     try:
-        return path.read_bytes()
+        return read_small_file(path, what)
     except FileNotFoundError:
         raise TlsSetupError(f"{what} {path} does not exist; {HOW_TO_FIX}") from None
     except OSError as exc:
         raise TlsSetupError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except ValueError as exc:  # not a regular file (/dev/zero was read until memory ran out), or far too large
+        raise TlsSetupError(f"{exc}; {HOW_TO_FIX}") from None
 
 
 USAGES = {"server": ExtendedKeyUsageOID.SERVER_AUTH, "client": ExtendedKeyUsageOID.CLIENT_AUTH}

@@ -653,3 +653,19 @@ def test_a_service_refuses_run_folders_its_state_file_does_not_know(tmp_path, ca
     (tmp_path / "state.db.runs" / "2").mkdir()
     rc, _, err = astuple_of(run_main(serve, capfd, tmp_path))
     assert rc == 2 and "holds the outputs of run 2, which state file" in err, err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["simulate", "--clients", "4", "--rounds", "1", "--config", "/dev/zero"],
+     "fedpar simulate: config file /dev/zero is not a regular file; give a TOML file"),
+    (["serve", "--insecure", "--port", "0", "--revoked", "/dev/zero"],
+     "fedpar serve: cannot use /dev/zero: it is not a regular file"),
+    (["serve", "--insecure", "--port", "0", "--enrollment-tokens", "/dev/zero"],
+     "fedpar serve: cannot use /dev/zero: it is not a regular file"),
+    (["client", "--server", "127.0.0.1:1", "--agent-id", "a", "--tls-ca", "/dev/zero"],
+     "fedpar client: CA certificate /dev/zero is not a regular file; "),
+], ids=["config", "revoked", "tokens", "tls-ca"])
+def test_a_settings_file_that_is_not_a_regular_file_is_one_line(args, says, capfd, tmp_path):
+    # QA: each of these read /dev/zero whole, until the kernel killed the process at 24 GB (or a MemoryError traceback)
+    rc, out, err = astuple_of(run_main(args, capfd, tmp_path))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith(says), err

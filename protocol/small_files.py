@@ -1,0 +1,37 @@
+"""Reading a settings file a user names (a --config TOML, a run file, a token or revocation list, a certificate):
+only a regular file, and only up to a bound, so that a mistaken path (/dev/zero, a FIFO, a dataset) is one line, not
+a process that reads until the machine runs out of memory."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+MAX_SETTINGS_FILE_BYTES = 16 << 20  # far above any settings file, certificate or token list fedpar reads
+
+
+class NotASettingsFile(ValueError):
+    """A path that is not a regular file, or one too large to be a settings file: ``reason`` says which."""
+
+    def __init__(self, what: str, path: Path, reason: str):
+        super().__init__(f"{what} {path} {reason}")
+        self.reason = reason
+
+
+def read_small_file(path: str | Path, what: str, limit: int = MAX_SETTINGS_FILE_BYTES) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes; an OSError for one that cannot be read
+    (FileNotFoundError, IsADirectoryError, PermissionError: callers word those), a :class:`NotASettingsFile` naming
+    ``what`` for anything else that is not a regular file (a device, a FIFO, whose opening would wait for a writer) or is larger."""
+    path = Path(path)
+    mode = path.stat().st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(mode):
+        raise NotASettingsFile(what, path, "is not a regular file")
+    with open(path, "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise NotASettingsFile(what, path, f"is larger than {limit >> 20} MiB: not a settings file")
+    return data
