@@ -294,3 +294,11 @@ def test_certs_out_naming_a_file_says_so(made, capfd):
     done = run_main(["certs", "--out", str(made.ca_cert), "--agents", "x"], capfd)
     assert done.returncode == 2 and done.stderr == (f"fedpar certs: --out {made.ca_cert} is a file; give the folder "
                                                     "of the certificates (made if missing)\n"), done.stderr
+
+
+def test_a_revocation_line_naming_several_ids_revokes_each(caplog):
+    # QA: 'a3,a4' (certs --revoke's own form) was taken as one id that matched nobody, so a3 and a4 still joined
+    with caplog.at_level("WARNING", logger="fedpar.security"):
+        ids, serials = parse_revocations("a1\na3,a4  # leaked\na5 a6\nserial:ff\n", "revoked.txt")
+    assert ids == {"a1", "a3", "a4", "a5", "a6"} and serials == {255}
+    assert "revoked.txt line 2 names 2 ids (a3, a4); each is revoked: write one id a line" in caplog.text
