@@ -38,4 +38,14 @@ def model_kwargs_for(model: str, implied: dict[str, Any], user: dict[str, Any]) 
     if model != "gpt" and text:
         raise ValueError(f"--dataset text is a language-modelling corpus; use --model gpt, not {model}")
     base = dict(implied) if text else classifier_kwargs(model, implied["input_shape"], implied["num_classes"])
+    for key in DATA_SIZED.intersection(user).intersection(base):  # a model smaller than its data fails mid-training
+        if not (isinstance(user[key], int) and (user[key] >= base[key] if key in AT_LEAST else user[key] == base[key])):
+            must = "at least" if key in AT_LEAST else "exactly"
+            raise ValueError(f"--model-arg {key}={user[key]!r}: the data needs {must} {base[key]}; leave it out and the "
+                             "data sets it")
     return {**base, **user}
+
+
+# What the data sizes: a user's value must match it (the inputs), or be at least it (the classes, the vocabulary).
+AT_LEAST = frozenset({"num_classes", "vocab_size"})
+DATA_SIZED = AT_LEAST | {"in_features", "in_channels", "image_size"}

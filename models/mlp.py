@@ -11,8 +11,9 @@ from torch import nn
 class MLP(nn.Module):
     """Flatten, then Linear+ReLU for each hidden width, then a Linear layer producing the logits."""
 
-    def __init__(self, in_features: int = 64, hidden: Sequence[int] = (128,), num_classes: int = 10) -> None:
+    def __init__(self, in_features: int = 64, hidden: Sequence[int] | int = (128,), num_classes: int = 10) -> None:
         super().__init__()
+        hidden = (hidden,) if isinstance(hidden, int) else hidden  # hidden=8: one hidden layer of 8
         widths = [int(in_features), *(int(h) for h in hidden)]
         if any(w <= 0 for w in widths) or num_classes <= 0:
             raise ValueError(f"MLP sizes must be positive: in_features={in_features}, hidden={tuple(hidden)}, "

@@ -42,5 +42,9 @@ def build_model(name: str, **kwargs: object) -> nn.Module:
     if unknown:
         raise ValueError(f"model {key!r} does not take {', '.join(unknown)}; "
                          f"it accepts: {', '.join(_accepted_keywords(key))}")
-    return _BUILDERS[key](**kwargs)
+    try:
+        return _BUILDERS[key](**kwargs)
+    except (TypeError, ValueError) as exc:  # a keyword of the wrong kind or size (a word for a number, 0 widths)
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ValueError(f"model {key!r} cannot be built with {given}: {exc}") from None
 

@@ -261,3 +261,10 @@ def test_model_weights_kept_for_one_model_copy_in_and_out_and_refuse_what_does_n
     assert all(np.array_equal(x, w * 3) for x, w in zip(weights.get(), first))  # the refused lists changed nothing
     with pytest.raises(ValueError, match="numpy cannot hold"):
         ModelWeights(MLP(in_features=4, hidden=(3,), num_classes=2).to(torch.bfloat16)).get()
+
+
+def test_an_mlp_s_hidden_may_be_one_width():
+    # train --model-arg hidden=8 (one hidden layer of 8) was a TypeError traceback
+    from fedpar.models.mlp import MLP
+
+    assert [m.out_features for m in MLP(64, 8, 10).net if hasattr(m, "out_features")] == [8, 10]

@@ -120,6 +120,12 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
     (["--model", "mlp", "--dataset", "digits", "--data-path", "{tmp}/corpus"],
      "fedpar train: this run would ignore --data-path (it needs --dataset mnist or text): drop it, or give what it "
      "needs"),
+    # --model-arg (QA): hidden=8 (one layer's width) was "TypeError: 'int' object is not iterable" as a traceback,
+    # num_classes=3 an IndexError traceback from the loss mid-training
+    (["--model", "mlp", "--dataset", "digits", "--model-arg", "hidden=x"],
+     "fedpar train: model 'mlp' cannot be built with in_features=64, num_classes=10, hidden='x': invalid literal"),
+    (["--model", "mlp", "--dataset", "digits", "--model-arg", "num_classes=3"],
+     "fedpar train: --model-arg num_classes=3: the data needs at least 10; leave it out and the data sets it"),
     (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--microbatches", "8", "--cpu-offload"],
      "fedpar train: this run would ignore --microbatches (it needs --pp 2 or more) and --cpu-offload (it needs --fsdp "
      "2 or more): drop them, or give what they need"),
