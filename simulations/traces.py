@@ -246,4 +246,8 @@ def traces_for(spec: str | None, clients: int, seed: int) -> Traces | None:
     """``--trace``: None, "fedscale" (generated) or a CSV/JSON file."""
     if not spec:
         return None
-    return generate_traces(clients, seed) if spec in BUILT_IN else load_traces(spec, clients)
+    traces = generate_traces(clients, seed) if spec in BUILT_IN else load_traces(spec, clients)
+    if not np.any(traces.available_for > 0):  # no round could ever sample anyone: the run would wait for ever
+        raise ValueError(f"no client of --trace {spec} is ever online (every available_for is 0); give a trace in "
+                         "which some clients are")
+    return traces

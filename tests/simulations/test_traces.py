@@ -149,3 +149,15 @@ def test_a_plain_csv_is_read_whole_by_numpy_and_any_other_is_said_row_by_row(tmp
             load_traces(path, clients)
     path.write_text(header + '"0","0.5",1,1,1,1\n')  # quoted numbers: fine row by row
     assert load_traces(path, 1).seconds_per_step[0] == np.float32(0.5)
+
+
+def test_a_trace_in_which_no_client_is_ever_online_is_refused_at_once(tmp_path, capfd):
+    # QA: on the real clock it printed "clients online by their traces: 0 of 4" every 10 s until Ctrl-C
+    from fedpar.cli.main import main
+
+    trace = _trace(tmp_path / "never.csv", [3600] * 4, [0] * 4)
+    assert main(["simulate", "--clients", "4", "--rounds", "1", "--trace", trace, "--quiet",
+                 "--out", str(tmp_path / "run")]) == 2
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"fedpar simulate: no client of --trace {trace} is ever online (every available_for is 0); "
+                     "give a trace in which some clients are"], lines
