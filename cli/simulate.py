@@ -27,7 +27,7 @@ from fedpar.cli.renamed import add_retired
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.task_options import check_nothing_replaced, check_task_options, task_options
-from fedpar.cli.user_errors import UserError, check_output_folder, describe, run_exit_code
+from fedpar.cli.user_errors import UserError, check_output_folder, describe, hold_output_folder, run_exit_code
 from fedpar.parallel.stopping import stop_on_signals
 from fedpar.settings import setting
 from fedpar.simulations.config import SimulationConfig
@@ -77,18 +77,21 @@ def simulation_config(args: argparse.Namespace, say: bool = True) -> SimulationC
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and print the summary: in a child process (:func:`launch`) when there are other aggregator
     ranks or a checkpoint folder, else in this one."""
-    flower = bool(args.flower_app) or (args.strategy or "").startswith("flower:")
-    if not (args.quiet and flower):
-        return _run(args)
     from fedpar.tasks.flower_app import quiet_flower_logs
 
-    with quiet_flower_logs():
+    check_output_folder(args.out)
+    try:
+        held = hold_output_folder(args.out)
+    except UserError as exc:  # another run writes there
+        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return exc.exit_code
+    flower = bool(args.flower_app) or (args.strategy or "").startswith("flower:")
+    with held, quiet_flower_logs(args.quiet and flower):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    """:func:`run`, Flower's lines quieted or not."""
-    check_output_folder(args.out)
+    """:func:`run`, with --out held for this run and Flower's lines quieted with --quiet."""
     check_metrics_endpoint(args)
     server_app_drives = bool(args.flower_app) and args.strategy is None
     args.strategy = args.strategy or "fedavg"

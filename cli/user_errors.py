@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -59,6 +60,42 @@ def check_output_folder(path, option: str = "--out") -> None:
                 raise UserError(f"{option} {path}: {part} is a file, not a folder; remove it or point {option} "
                                 "at a folder")
             return
+
+
+def hold_output_folder(path, option: str = "--out") -> contextlib.ExitStack:
+    """The folder ``path`` (made if missing) held for this run alone until the returned stack closes: a second run
+    into it is a UserError naming the first one's pid (two runs' rows went into one metrics.jsonl). The lock file
+    goes when the stack closes."""
+    from pathlib import Path
+
+    from fedpar.protocol.file_lock import LockHeld, hold
+
+    path = Path(path)
+    made = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        lock = hold(path / OUTPUT_LOCK)
+    except LockHeld as held:
+        raise UserError(f"{option} {path} is in use by another fedpar run (pid {held.pid}); wait for it to end, or "
+                        f"give another {option}") from None
+    except OSError as exc:
+        raise UserError(f"{option} {path}: cannot make the folder: {exc.strerror or exc}") from None
+    held = contextlib.ExitStack()
+    held.callback(_remove_empty, made)  # a start refused before it wrote anything leaves no folder behind
+    held.callback(lock.release, refused=True)  # the file it made goes (a run that opened it meanwhile takes a new one)
+    return held
+
+
+def _remove_empty(folders: list) -> None:
+    """Remove ``folders`` (deepest first) while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: the run wrote there
+            return
+
+
+OUTPUT_LOCK = ".fedpar.lock"
 
 
 def check_port_free(host: str, port: int | None, option: str = "--port", exit_code: int = 2,

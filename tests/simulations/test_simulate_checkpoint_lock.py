@@ -41,7 +41,9 @@ def _coordinator(launcher: int) -> int:
 
 
 def _refused(cwd: Path, run: subprocess.Popen, rounds: int) -> None:
-    done = subprocess.run(SIMULATE + ["--rounds", str(rounds)], cwd=cwd, capture_output=True, text=True, timeout=120)
+    """A second run on the live checkpoint folder, into another --out (the same one is refused first, below)."""
+    done = subprocess.run(SIMULATE[:-1] + ["O2", "--rounds", str(rounds)], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [f"fedpar simulate: --checkpoint-dir D is in use by another fedpar run (pid "
                                         f"{run.pid}); wait for it to end, or give another --checkpoint-dir"]
@@ -63,6 +65,27 @@ def test_a_second_run_on_a_live_checkpoint_folder_is_refused_across_the_coordina
     assert run.returncode == 130, err
     again = subprocess.run(SIMULATE + ["--rounds", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert "in use" not in again.stderr and again.returncode == 0, again.stderr  # the lock went with the run
+
+
+def test_a_second_run_into_a_live_runs_out_folder_is_refused(tmp_path):
+    # QA: two runs into one --out both exited 0, and metrics.jsonl held rounds 1, 1, 2 from the two of them
+    run = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "2000", "--quiet",
+                            "--out", "O"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "O" / "metrics.jsonl").exists():
+            assert run.poll() is None and time.monotonic() < end, run.communicate()
+            time.sleep(0.1)
+        done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "1", "--quiet",
+                               "--out", "O"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            f"fedpar simulate: --out O is in use by another fedpar run (pid {run.pid}); wait for it to end, or give "
+            "another --out"], done.stderr
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert not (tmp_path / "O" / ".fedpar.lock").exists()  # the lock went with the run
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
