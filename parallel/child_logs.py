@@ -19,12 +19,16 @@ def quiet_libraries(level: int) -> None:
     """torch's and gRPC's Python INFO lines are not the user's: only their warnings show (gRPC's all of them at
     ``level`` debug). torch's exit hook printed 'FakeTensor cache stats' after a Ctrl-C's 'interrupted'; an
     aggregator rank's server stopping with a host's upload stream open said 'Aborting method [...HostUploadStream]
-    due to server stop.'"""
+    due to server stop.'; and asyncio printed a traceback (once in a CI run, for a Flower App simulation that ended at
+    once) when gRPC's poller handed a last event to the coordinator's event loop as that loop closed."""
     logging.getLogger("torch").setLevel(max(logging.WARNING, level))
     logging.getLogger("grpc").setLevel(logging.DEBUG if level <= logging.DEBUG else max(logging.WARNING, level))
     cygrpc = logging.getLogger("grpc._cython.cygrpc")
     if level > logging.DEBUG and not any(isinstance(f, _ServerStopAborts) for f in cygrpc.filters):
         cygrpc.addFilter(_ServerStopAborts())
+    loops = logging.getLogger("asyncio")
+    if level > logging.DEBUG and not any(isinstance(f, _PollsForAClosedLoop) for f in loops.filters):
+        loops.addFilter(_PollsForAClosedLoop())
 
 
 class _ServerStopAborts(logging.Filter):
@@ -32,3 +36,13 @@ class _ServerStopAborts(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "due to server stop" not in record.getMessage()
+
+
+class _PollsForAClosedLoop(logging.Filter):
+    """Drops asyncio's report of gRPC's aio poller (one per process) handing an event to an event loop that has closed
+    (the coordinator's, at the end of its run): nothing was waiting for it, and it is not an error of the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not ("PollerCompletionQueue._handle_events" in record.getMessage() and isinstance(error, RuntimeError)
+                    and "Event loop is closed" in str(error))
