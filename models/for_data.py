@@ -39,7 +39,9 @@ def model_kwargs_for(model: str, implied: dict[str, Any], user: dict[str, Any]) 
         raise ValueError(f"--dataset text is a language-modelling corpus; use --model gpt, not {model}")
     base = dict(implied) if text else classifier_kwargs(model, implied["input_shape"], implied["num_classes"])
     for key in DATA_SIZED.intersection(user).intersection(base):  # a model smaller than its data fails mid-training
-        if not (isinstance(user[key], int) and (user[key] >= base[key] if key in AT_LEAST else user[key] == base[key])):
+        given = user[key]
+        fits = isinstance(given, int) and (given >= base[key] if key in AT_LEAST else given == base[key])
+        if not fits:
             must = "at least" if key in AT_LEAST else "exactly"
             raise ValueError(f"--model-arg {key}={user[key]!r}: the data needs {must} {base[key]}; leave it out and the "
                              "data sets it")

@@ -23,7 +23,8 @@ class NotASettingsFile(ValueError):
 def read_small_file(path: str | Path, what: str, limit: int = MAX_SETTINGS_FILE_BYTES) -> bytes:
     """The bytes of ``path``, a regular file of at most ``limit`` bytes; an OSError for one that cannot be read
     (FileNotFoundError, IsADirectoryError, PermissionError: callers word those), a :class:`NotASettingsFile` naming
-    ``what`` for anything else that is not a regular file (a device, a FIFO, whose opening would wait for a writer) or is larger."""
+    ``what`` for anything else: not a regular file (a device; a FIFO, whose opening would wait for a writer), or
+    larger."""
     path = Path(path)
     mode = path.stat().st_mode
     if stat.S_ISDIR(mode):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
