@@ -3,7 +3,8 @@ control actions, in SQLite.
 
 One file (WAL mode, so readers never block the writer) or, for the one-shot form, memory. Every write is one
 transaction: a kill -9 at any moment leaves the last committed state. The schema is versioned; :data:`MIGRATIONS`
-brings an older file up to date on open.
+brings an older file up to date on open. A state file is marked as fedpar's (PRAGMA application_id); another
+application's SQLite database is refused before anything is written into it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ MIGRATIONS = (
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+# PRAGMA application_id of fedpar's state files ("fedp"): another application's SQLite database is not written into
+APPLICATION_ID = 0x66656470
+# What a state file holds: a file made before APPLICATION_ID was set is known by these (and schema_version among them)
+FEDPAR_TABLES = frozenset({"schema_version", "runs", "round_metrics", "audit", "run_log"})
 
 
 class StoreError(RuntimeError):
@@ -140,17 +145,40 @@ class RunStore:
         try:
             self._db = sqlite3.connect(self.path, timeout=busy_seconds, check_same_thread=False,
                                        isolation_level=None)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(_explain(self.path, exc)) from None
+        try:
+            self._check_ours()  # before WAL mode, which rewrites the file's header
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
         except sqlite3.DatabaseError as exc:
+            self._db.close()
             raise StoreError(_explain(self.path, exc)) from None
+        except StoreError:
+            self._db.close()
+            raise
 
     # ----------------------------------------------------------------- schema
+    def _check_ours(self) -> None:
+        """StoreError unless the database is fedpar's (marked with APPLICATION_ID, or made before the mark with
+        fedpar's tables only) or holds no table yet: another application's is refused before anything is written."""
+        mark = self._db.execute("PRAGMA application_id").fetchone()[0]
+        tables = sorted(name for (name,) in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"))
+        if mark == APPLICATION_ID or (mark == 0 and not tables):
+            return
+        if mark == 0 and "schema_version" in tables and FEDPAR_TABLES.issuperset(tables):
+            return
+        shown = ", ".join(tables[:8]) + (f" and {len(tables) - 8} more" if len(tables) > 8 else "")
+        raise StoreError(f"--state {self.path} is a SQLite database of another application (tables: "
+                         f"{shown or 'none'}); give a new file or fedpar's own state file")
+
     def _migrate(self) -> None:
         with self._write() as db:
+            db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             row = db.execute("SELECT version FROM schema_version").fetchone()
             version = row[0] if row else 0
