@@ -195,6 +195,13 @@ def _run(args: argparse.Namespace) -> int:
     if _is_service(args):  # a ServerApp's run refuses --state below, in one line
         return _serve_runs(args)
     check_output_folder(args.out)
+    if args.checkpoint_dir is not None:  # before a port is bound or a model built
+        from fedpar.server.checkpoint import CheckpointError, check_checkpoint_dir
+        try:
+            check_checkpoint_dir(args.checkpoint_dir)
+        except CheckpointError as exc:
+            print(f"fedpar serve: {exc}", file=sys.stderr)
+            return 2
     if "WORLD_SIZE" not in os.environ:  # under torchrun each rank binds its own port
         check_distinct_ports(args)
         check_port_free(args.host, args.port)

@@ -80,6 +80,13 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.tasks.flower_app import quiet_flower_logs
 
     check_output_folder(args.out)
+    if args.checkpoint_dir is not None:  # before --out is made or a worker started
+        from fedpar.server.checkpoint import CheckpointError, check_checkpoint_dir
+        try:
+            check_checkpoint_dir(args.checkpoint_dir)
+        except CheckpointError as exc:
+            print(f"fedpar simulate: {exc}", file=sys.stderr)
+            return 2
     try:
         held = hold_output_folder(args.out)
     except UserError as exc:  # another run writes there

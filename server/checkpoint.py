@@ -34,6 +34,10 @@ LOCK = ".lock"  # held by the run that uses the folder (lock_folder)
 KEEP = 2
 FILES = ("global.safetensors", "strategy.safetensors", "state.json")
 _NAME = re.compile(r"round-(\d{6,})")
+# `fedpar train`'s checkpoint folders (parallel/checkpoint.py: step-NNNNNNNN, parallel/epoch_checkpoint.py:
+# epoch-NNNNNN) and the file naming its latest (lower case: on a case-insensitive disk it is LATEST, naming a round)
+_TRAINER_NAME = re.compile(r"step-\d{8}|epoch-\d{6}")
+_TRAINER_LATEST = "latest"
 MAX_STATE_BYTES = 256 << 20
 
 
@@ -142,11 +146,41 @@ def lock_folder(root: Path) -> FileLock:
                               "can write") from None
 
 
+def check_checkpoint_dir(root: Path | None) -> None:
+    """CheckpointError when --checkpoint-dir ``root`` is a file or holds `fedpar train`'s checkpoints (or is that
+    command's --out folder); nothing for None, a new folder or a federated run's."""
+    if root is not None:
+        _check_folder(Path(root))
+
+
 def _check_folder(root: Path) -> None:
-    """CheckpointError when ``root`` is a file."""
+    """CheckpointError when ``root`` is a file or `fedpar train`'s (a run here would write its rounds beside that
+    run's checkpoints, and resume from neither)."""
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"the checkpoint directory {root} is a file; give a folder (a new one starts the run "
                               "over)")
+    own = "give --checkpoint-dir a folder of its own (a new one starts the run over)"
+    trainer = _trainer_checkpoints(root)
+    if trainer:
+        raise CheckpointError(f"--checkpoint-dir {root} holds checkpoints of `fedpar train` (centralized training: "
+                              f"{', '.join(trainer[:3])}{', ...' if len(trainer) > 3 else ''}), not of a federated "
+                              f"run; {own}")
+    if _trainer_checkpoints(root / "checkpoints"):
+        raise CheckpointError(f"--checkpoint-dir {root} is the --out folder of a `fedpar train` run (its checkpoints "
+                              f"are in {root / 'checkpoints'}), not a federated run's checkpoints; {own}")
+
+
+def _trainer_checkpoints(folder: Path) -> list[str]:
+    """The `fedpar train` checkpoints in ``folder`` (parallel/checkpoint.py's step-NNNNNNNN folders,
+    parallel/epoch_checkpoint.py's epoch-NNNNNN, or the one its ``latest`` file names), sorted; none if it is no
+    folder."""
+    try:
+        names = {p.name.removesuffix(".partial") for p in folder.iterdir() if p.is_dir()}
+        latest = (folder / _TRAINER_LATEST).read_bytes().decode("ascii", "replace").strip() \
+            if (folder / _TRAINER_LATEST).is_file() else ""
+    except OSError:
+        return []
+    return sorted(name for name in names | {latest} if _TRAINER_NAME.fullmatch(name))
 
 
 def _read_pointer(root: Path) -> str | None:
