@@ -17,7 +17,8 @@ from cryptography.exceptions import InvalidSignature
 
 from fedpar.cli.declared import add_declared, section
 from fedpar.protocol.atomicfile import atomic_write_bytes
-from fedpar.security.admission import append_revocation, mint_token, parse_revocations, parse_token_hashes
+from fedpar.security.admission import append_revocation, has_token, mint_token, parse_revocations, \
+    parse_token_hashes
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, RESERVED_NAMES, CertPaths, check_agent_id, \
     common_name, ensure_certs, load_certificate
 from fedpar.sections import Output
@@ -57,7 +58,8 @@ class CertsOptions(Output):
     mint_token: list[str] = setting(default_factory=list, append=True, check="id_list", group="revocation",
                                     metavar="ID[,ID...]",
                                     help="make an enrollment token per agent: OUT/ID.token (give it to the agent) and "
-                                         "its SHA-256 in OUT/tokens.txt (for 'fedpar serve --enrollment-tokens')")
+                                         "its SHA-256 in OUT/tokens.txt (for 'fedpar serve --enrollment-tokens'), "
+                                         "in place of the agent's earlier token, which then enrolls no more")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,7 +165,11 @@ def run(args: argparse.Namespace) -> int:
             append_revocation(paths.revoked, serial=serial)
             print(f"revoked certificate {pem} (serial {serial:x}) in {paths.revoked}")
         for agent_id in args.mint_token:
+            replaced = has_token(paths.tokens, agent_id)
             token = mint_token(paths.tokens, agent_id)
+            if replaced:
+                print(f"replaced the earlier enrollment token of agent {agent_id} in {paths.tokens}: it enrolls no "
+                      "more (a coordinator re-reads the file)")
             token_path = paths.root / f"{agent_id}.token"
             atomic_write_bytes(token_path, [(token + "\n").encode()], mode=0o600)
             print(f"wrote {token_path} (give it to agent {agent_id}) and its hash to {paths.tokens}")

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping, TypeVar
 import grpc
 from cryptography import x509
 
+from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.small_files import NotASettingsFile, read_small_file
 from fedpar.security.certs import certificate_role
 
@@ -105,10 +106,30 @@ def parse_token_hashes(text: str, source: str = "tokens file") -> dict[str, str]
 
 
 def mint_token(path: str | Path, agent_id: str) -> str:
-    """A new random enrollment token for ``agent_id``; its hash is appended to ``path`` (mode 0600)."""
+    """A new random enrollment token for ``agent_id``; its hash goes into ``path`` (mode 0600) in place of any earlier
+    one of ``agent_id`` (:func:`has_token` says whether there was one), which then enrolls no more."""
     token = secrets.token_urlsafe(32)
-    _append_line(Path(path), f"{agent_id} {hash_token(token)}")
+    path = Path(path)
+    line = f"{agent_id} {hash_token(token)}"
+    if not has_token(path, agent_id):
+        _append_line(path, line)
+        return token
+    kept = [raw for raw in path.read_text().splitlines() if _token_id(raw) != agent_id]
+    # whole or not at all: a coordinator reading the file meanwhile sees the old token or the new one, never neither
+    atomic_write_bytes(path, ["".join(f"{raw}\n" for raw in [*kept, line]).encode()], mode=0o600)
     return token
+
+
+def has_token(path: str | Path, agent_id: str) -> bool:
+    """Whether the tokens file ``path`` (missing: none) holds a token hash of ``agent_id``."""
+    path = Path(path)
+    return path.is_file() and any(_token_id(raw) == agent_id for raw in path.read_text().splitlines())
+
+
+def _token_id(raw: str) -> str | None:
+    """The agent id a tokens file's line ``raw`` is for (None: a blank or comment line)."""
+    fields = raw.split("#", 1)[0].split()
+    return fields[0] if fields else None
 
 
 def _append_line(path: Path, line: str) -> None:
@@ -218,8 +239,12 @@ class WatchedFile:
             (log.debug if first and self.missing_is_normal else log.info)(
                 "%s does not exist (yet): nothing in it applies", self.path)
         else:
-            log.info("read %s", self.path)
+            self._say_read()
         return self.value
+
+    def _say_read(self) -> None:
+        """Say that the file was read (again)."""
+        log.info("read %s", self.path)
 
     def _failed(self, message: str, strict: bool) -> T:
         if strict:
@@ -256,6 +281,14 @@ class TokenList(WatchedFile):
             raise ValueError(f"enrollment tokens file {path} does not exist; make one with "
                              "'fedpar certs --out DIR --mint-token AGENT'")
         super().__init__(path, parse_token_hashes, said, quiet)
+
+    def _say_read(self) -> None:
+        """Say the reading; a file without a token is a warning: no agent can enroll until one is added."""
+        if self.value:
+            super()._say_read()
+        else:
+            log.warning("enrollment tokens file %s holds no tokens, so no agent can enroll: add one with 'fedpar certs "
+                        "--out DIR --mint-token ID' (the file is re-read when it changes)", self.path)
 
 
 class Admission:
