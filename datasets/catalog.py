@@ -26,6 +26,8 @@ class Dataset:
     folder: str = ""  # what its data folder must hold, when it needs one (--data-dir; train's --data-path)
     train: Callable[..., Any] | None = None  # train(name, data_path, block_size, seed): a set train reads otherwise
     full_name: Callable[[str, int], str] | None = None  # full_name(name, clients): what a federation fills in
+    # fits(full name, processes, partition): ValueError when this machine's memory cannot hold the federation
+    fits: Callable[[str, int, str], None] | None = None
 
     def matches(self, key: str) -> bool:
         """Whether lower-cased ``key`` names this dataset (``NAME``, or ``NAME:...`` when its usage takes more)."""
@@ -40,7 +42,8 @@ class Dataset:
 
 def register_dataset(name: str, *, help: str, usage: str = "", folder: str = "",
                      train: Callable[..., Any] | None = None,
-                     full_name: Callable[[str, int], str] | None = None) -> Callable[[Callable], Callable]:
+                     full_name: Callable[[str, int], str] | None = None,
+                     fits: Callable[[str, int, str], None] | None = None) -> Callable[[Callable], Callable]:
     """Decorator of a loader: offer it as dataset ``name`` (``--dataset``, ``load_dataset``; the rest as
     :class:`Dataset` says)."""
 
@@ -48,7 +51,7 @@ def register_dataset(name: str, *, help: str, usage: str = "", folder: str = "",
         known = _REGISTERED.get(name)
         if known is not None and known.load.__qualname__ != load.__qualname__:
             raise TypeError(f"dataset name {name!r} is taken by {known.load.__module__}.{known.load.__qualname__}")
-        _REGISTERED[name] = Dataset(name, usage or name, help, load, folder, train, full_name)
+        _REGISTERED[name] = Dataset(name, usage or name, help, load, folder, train, full_name, fits)
         return load
 
     return register

@@ -22,5 +22,10 @@ def check_fits(needed: int, what: str, advice: str) -> None:
     do instead); nothing when it fits or the machine does not say."""
     free = available_bytes()
     if free is not None and needed > free:
-        raise ValueError(f"{what} needs about {needed / GIB:.1f} GiB of memory and this machine has "
+        raise ValueError(f"{what} needs about {_gib(needed)} GiB of memory and this machine has "
                          f"{free / GIB:.1f} GiB available; {advice}")
+
+
+def _gib(size: float) -> str:
+    """``size`` bytes in GiB, to a tenth (in powers of ten once its digits would fill the line)."""
+    return f"{size / GIB:.1f}" if size < 1e9 * GIB else f"{size / GIB:.2g}"

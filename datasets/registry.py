@@ -67,3 +67,12 @@ def full_dataset_name(name: str, clients: int) -> str:
     """``name`` with what a federation of ``clients`` fills in (a synthetic dataset's client count)."""
     entry = next((e for e in dataset_entries() if e.matches(name.lower())), None)
     return entry.full_name(name, clients) if entry is not None and entry.full_name is not None else name
+
+
+def check_dataset_fits(name: str, processes: int, partition: str = "auto") -> None:
+    """ValueError, one line, when ``processes`` processes each loading dataset ``name`` (its full name: see
+    :func:`full_dataset_name`) split by ``partition`` need more memory than this machine has available (for
+    datasets that say: synthetic's is generated, so its name alone sets its size)."""
+    entry = next((e for e in dataset_entries() if e.matches(name.lower())), None)
+    if entry is not None and entry.fits is not None:
+        entry.fits(name, processes, partition)

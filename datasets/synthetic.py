@@ -24,6 +24,7 @@ TEST_MEMBERS clients spread evenly over the population (all of them in smaller o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,11 +32,17 @@ import numpy as np
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits, LazyDataset
 from fedpar.datasets.catalog import register_dataset
 from fedpar.datasets.memory import check_fits
+from fedpar.datasets.partition import AUTO
 from fedpar.datasets.tables import TEST_SHARE
 
 DIM, CLASSES = 60, 10
 TEST_MEMBERS = 2_000  # clients whose held-out examples make the central test set (evenly spread)
 _SCALE = np.arange(1, DIM + 1, dtype=np.float64) ** -0.6  # sqrt of Sigma_jj = j^-1.2
+# What a federation costs in memory, for the line that refuses one too big before anything is drawn (a name of
+# 10^11 clients was a MemoryError traceback in every worker process)
+SIZES_BYTES = 40  # a client's sizes in each process that loads the federation, at their peak while drawn
+DRAWN_BYTES = 1_000  # an example while it is drawn (float64 normals, scaled and shifted, then kept as float32)
+KEPT_BYTES = DIM * 4 + 8  # an example kept (x float32, y int64)
 
 
 @dataclass(frozen=True)
@@ -67,9 +74,10 @@ class SyntheticSpec:
         except ValueError:
             raise ValueError(f"bad synthetic dataset name {name!r}; ALPHA, BETA and SAMPLES are numbers, "
                              "CLIENTS a whole number") from None
-        if count is None or count < 1 or alpha < 0 or beta < 0 or samples <= 0:
+        finite = all(map(math.isfinite, (alpha, beta, samples)))  # 'nan' and 'inf' read as numbers too
+        if count is None or count < 1 or not finite or alpha < 0 or beta < 0 or samples <= 0:
             raise ValueError(f"synthetic dataset {name!r} needs CLIENTS >= 1 (or --clients), ALPHA and BETA >= 0 "
-                             "and SAMPLES > 0")
+                             "and SAMPLES > 0 (finite numbers)")
         return SyntheticSpec(alpha, beta, count, samples, iid=iid)
 
     @property
@@ -77,6 +85,35 @@ class SyntheticSpec:
         """The dataset name that says all of it."""
         kind = "iid" if self.iid else f"{self.alpha:g}:{self.beta:g}"
         return f"synthetic:{kind}:{self.clients}:{self.samples:g}"
+
+
+def memory_needed(spec: SyntheticSpec, processes: int = 1, pooled: bool = False) -> float:
+    """Bytes ``processes`` processes loading ``spec`` at once need, about: its clients' sizes in each, the central
+    test set in one, and a client of the mean size drawn in each of the others (in the one, when alone); with
+    ``pooled`` (a partition other than natural), every client's training examples pooled in each."""
+    mean = 2 + spec.samples * math.exp(0.5)  # a log-normal's mean (sigma 1); the 50x cap only trims it
+    tested = min(spec.clients, TEST_MEMBERS) * max(1.0, mean / TEST_SHARE)
+    pool = processes * 2 * spec.clients * mean * (1 - 1 / TEST_SHARE) * KEPT_BYTES if pooled else 0.0
+    return (processes * SIZES_BYTES * spec.clients + 2 * tested * KEPT_BYTES  # its parts, then joined
+            + max(1, processes - 1) * mean * DRAWN_BYTES + pool)
+
+
+def check_synthetic_fits(name: str, processes: int = 1, partition: str = "natural") -> None:
+    """ValueError, one line saying how much memory the federation ``name`` (its CLIENTS said) needs in
+    ``processes`` processes under ``partition`` and what to change, when this machine has less available."""
+    check_spec_fits(SyntheticSpec.parse(name.lower()), processes, partition)
+
+
+def check_spec_fits(spec: SyntheticSpec, processes: int = 1, partition: str = "natural") -> None:
+    """:func:`check_synthetic_fits` of a parsed ``spec``."""
+    pooled = partition.strip().lower() not in ("natural", AUTO)  # auto is natural for data with owners
+    where = f" in {processes} processes" if processes > 1 else ""
+    form = "synthetic:iid:CLIENTS:SAMPLES" if spec.iid else "synthetic:ALPHA:BETA:CLIENTS:SAMPLES"
+    check_fits(memory_needed(spec, processes, pooled),
+               f"--dataset {spec.name} ({spec.clients:,} clients of about {spec.samples:g} examples{where}"
+               f"{f', pooled for --partition {partition}' if pooled else ''})",
+               f"give fewer CLIENTS (or --clients) or a smaller SAMPLES ({form})"
+               f"{', or use --partition natural (each client its own examples)' if pooled else ''}")
 
 
 def client_sizes(spec: SyntheticSpec) -> np.ndarray:
@@ -182,7 +219,10 @@ def synthetic_name(name: str, clients: int) -> str:
 
 
 @register_dataset("synthetic", usage="synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]", full_name=synthetic_name,
-                  help="FedProx's generated federation (synthetic:iid: its IID one)")
+                  fits=check_synthetic_fits, help="FedProx's generated federation (synthetic:iid: its IID one)")
 def synthetic_dataset(name: str, clients: int | None = None) -> DatasetSplits:
-    """``--dataset synthetic[:...]``; ``clients`` when the name does not say how many."""
-    return load_synthetic(SyntheticSpec.parse(name.lower(), clients))
+    """``--dataset synthetic[:...]``; ``clients`` when the name does not say how many (ValueError, one line, when
+    this machine's memory cannot hold it)."""
+    spec = SyntheticSpec.parse(name.lower(), clients)
+    check_spec_fits(spec)
+    return load_synthetic(spec)

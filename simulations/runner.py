@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import build_strategy
-from fedpar.aggregation.compatibility import check_composition
+from fedpar.aggregation.compatibility import check_composition, options_privacy
 from fedpar.aggregation.registry import FLOWER_PREFIX, strategy_name
 from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.task_options import REPLACED_BY_TASK
@@ -43,20 +43,16 @@ from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.resume import RunRecord, check_resume
 from fedpar.simulations.run_outputs import RunOutputs, start_fresh, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
-from fedpar.simulations.worker_processes import WorkerProcesses, start_workers
+from fedpar.simulations.worker_processes import WorkerProcesses, check_population_fits, start_workers
 from fedpar.settings import composed
 from fedpar.task import Partition
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 from fedpar.tasks.reference import load_task
 from fedpar.datasets.clientdata import label_counts, label_skew, resolve_partition
 from fedpar.datasets.members import MemberSource, member_source
-from fedpar.datasets.memory import check_fits
 
 log = logging.getLogger("fedpar.simulate")
 LABEL_PLOT_CLIENTS = 100  # clients shown in OUT/labels.png
-# What a run needs, for the one line that says so before it starts (measured: benchmarks/population_bench.py)
-PROCESS_BYTES = 320 << 20  # a coordinator or worker process, torch and gRPC loaded, before its members
-MEMBER_BYTES = 300  # each member's bookkeeping: the coordinator's arrays and its host's (measured: 204-256)
 LABEL_SKEW_CLIENTS = 2_000  # clients the summary's label skew is measured on (the first ones: all, below that)
 
 
@@ -102,13 +98,6 @@ def seats_of(cfg: SimulationConfig, slices: list[PopulationSlice], model_bytes: 
     return WAITING_SEATS if waits else 1
 
 
-def check_population_fits(cfg: SimulationConfig) -> None:
-    """ValueError, one line saying how much memory the population needs, when this machine has less free."""
-    check_fits(PROCESS_BYTES * (cfg.workers + 1) + MEMBER_BYTES * cfg.clients,
-               f"a population of {cfg.clients:,} clients in {cfg.workers} worker processes",
-               "use fewer --clients, or spread them over machines with fedpar simulate-workers under torchrun")
-
-
 def check_traces(cfg: SimulationConfig) -> None:
     """ValueError for a trace that cannot be used (read before anything starts)."""
     if cfg.trace_day_seconds <= 0:
@@ -138,7 +127,8 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
     check_seats(cfg)
     check_traces(cfg)
     check_client_speeds(cfg)
-    check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method)
+    check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method,
+                      privacy=options_privacy(cfg.strategy_options))
     check_population_fits(cfg)
     check_resumed_strategy(cfg)  # before check_resume says what a resume changes: a refused one says only why
     return check_resume(cfg)

@@ -15,9 +15,14 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 
-from fedpar.datasets.registry import full_dataset_name
+from fedpar.datasets.memory import check_fits
+from fedpar.datasets.registry import check_dataset_fits, full_dataset_name
 from fedpar.parallel.stopping import ignore_interrupts, interrupts_held
 from fedpar.simulations.config import SimulationConfig
+
+# What a run needs, for the one line that says so before it starts (measured: benchmarks/population_bench.py)
+PROCESS_BYTES = 320 << 20  # a coordinator or worker process, torch and gRPC loaded, before its members
+MEMBER_BYTES = 300  # each member's bookkeeping: the coordinator's arrays and its host's (measured: 204-256)
 
 
 class WorkerProcesses:
@@ -74,8 +79,20 @@ def start_workers(cfg: SimulationConfig) -> WorkerProcesses:
 
 def preloaded_dataset(cfg: SimulationConfig) -> str | None:
     """The dataset ``cfg``'s workers load as they start (None: a task or a Flower App loads its own); ValueError for a
-    name no dataset has (synthetic:1)."""
+    name no dataset has (synthetic:1), or for a population or data this machine's memory cannot hold (said before
+    any worker starts: each would fail alike, with a traceback)."""
+    check_population_fits(cfg)
     return None if cfg.task or cfg.flower_app else full_dataset_name(cfg.dataset, cfg.clients)
+
+
+def check_population_fits(cfg: SimulationConfig) -> None:
+    """ValueError, one line saying how much memory the population needs (and the data its dataset makes in each
+    process, for a dataset that says: synthetic), when this machine has less free."""
+    check_fits(PROCESS_BYTES * (cfg.workers + 1) + MEMBER_BYTES * cfg.clients,
+               f"a population of {cfg.clients:,} clients in {cfg.workers} worker processes",
+               "use fewer --clients, or spread them over machines with fedpar simulate-workers under torchrun")
+    if not (cfg.task or cfg.flower_app):  # else no process loads --dataset
+        check_dataset_fits(full_dataset_name(cfg.dataset, cfg.clients), cfg.workers + 1, cfg.partition)
 
 
 def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None, say: Connection,
