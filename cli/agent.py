@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from fedpar.cli.agent_setup import Connection, agent_config, agent_partition, agent_task, id_taken_line
+from fedpar.cli.agent_setup import Connection, agent_config, agent_data, agent_task, id_taken_line
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not 0 <= args.partition_index < args.num_partitions:
-        print("fedpar client: --partition-index must be in [0, --num-partitions)", file=sys.stderr)
+        print(f"fedpar client: --partition-index {args.partition_index} is not below --num-partitions "
+              f"{args.num_partitions}; give an index from 0 to {args.num_partitions - 1}", file=sys.stderr)
         return 2
     if args.run_config and not args.flower_app:
         print("fedpar client: --run-config needs --flower-app", file=sys.stderr)
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             trainer = flower_trainer(args, task.model())
         else:
             task = agent_task(args)
-            trainer = TaskTrainer(task, task.data_for(agent_partition(args)), seed=args.seed, device=device,
+            trainer = TaskTrainer(task, agent_data(args, task), seed=args.seed, device=device,
                                   precision=args.precision)
     except (ConfigurationError, ValueError) as exc:  # a task's mistakes too (TaskError)
         print(f"fedpar client: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 
 from fedpar.cli.task_options import load_task_from_args, task_label
+from fedpar.datasets.partition import AUTO
 from fedpar.client.backoff import MAX_BACKOFF_SECONDS
 from fedpar.settings import setting
 
@@ -46,6 +47,24 @@ def agent_partition(args: argparse.Namespace):
 
     return Partition(args.partition_index, args.num_partitions, args.agent_id, args.partition, args.partition_seed,
                      args.val_fraction)
+
+
+def agent_data(args: argparse.Namespace, task):
+    """``task``'s data for this agent's share (:func:`agent_partition`); a share the zoo's own data cannot give (a
+    --num-partitions above its examples) is a ValueError naming the flags the user gave, not the zoo's task."""
+    from fedpar.task import TaskError
+
+    try:
+        return task.data_for(agent_partition(args))
+    except TaskError as exc:
+        cause = exc.__cause__
+        if args.task is not None or not isinstance(cause, ValueError):
+            raise  # a user's task's own code: its words, and 'fix the task'
+        # the partitioning's words count the shares as a federation's clients
+        reason = str(cause).replace("use fewer clients", "give a smaller --num-partitions")
+        reason = reason.replace("--clients", "--num-partitions")
+        scheme = f" (--partition {args.partition})" if args.partition != AUTO else ""
+        raise ValueError(f"--num-partitions {args.num_partitions}{scheme}: {reason}") from None
 
 
 def agent_config(args: argparse.Namespace, security):

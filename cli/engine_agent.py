@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from fedpar.cli.agent_setup import agent_config, agent_partition, agent_task, id_taken_line
+from fedpar.cli.agent_setup import agent_config, agent_data, agent_task, id_taken_line
 from fedpar.cli.declared import add_declared, from_args
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.renamed import add_replicas_renamed
@@ -232,7 +232,7 @@ def _engine_rank(args: argparse.Namespace, layout: ParallelLayout, driving: list
         try:
             security = client_security(args) if info.is_main else None
             task = agent_task(args)
-            trainer = EngineTrainer(task, task.data_for(agent_partition(args)), info, layout,
+            trainer = EngineTrainer(task, agent_data(args, task), info, layout,
                                     seed=args.seed, idle_timeout_seconds=args.idle_timeout)
         except ValueError as exc:  # every rank fails the same way on bad options or data: one line per machine
             if info.local_rank == 0:
