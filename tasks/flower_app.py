@@ -263,12 +263,15 @@ def _run_config(folder: Path, defaults: Any, overrides: str | None) -> dict[str,
         from flwr.common.config import flatten_dict, fuse_dicts, parse_config_args
     except ImportError:
         raise FlowerAppError("--flower-app needs Flower: pip install 'fedpar[flower]'") from None
-    if overrides and overrides.strip():
-        _check_pairs(overrides.strip())
+    text = (overrides or "").strip()
+    if text:
+        _check_pairs(text)
+    # a .toml file is read here: Flower's own reading says only '[Errno 2] ...' of a missing one
+    read = _run_config_file(text) if text.endswith(".toml") else None
     try:
         config = flatten_dict(defaults if isinstance(defaults, dict) else {})
-        if overrides and overrides.strip():
-            config = fuse_dicts(config, parse_config_args([overrides.strip()]))
+        if text:
+            config = fuse_dicts(config, flatten_dict(read) if read is not None else parse_config_args([text]))
     except ValueError as exc:
         raise FlowerAppError(f"--run-config: {exc} (the keys are those of [tool.flwr.app.config] in "
                              f"{folder}/pyproject.toml)") from None
@@ -276,6 +279,27 @@ def _run_config(folder: Path, defaults: Any, overrides: str | None) -> dict[str,
         message = getattr(exc, "message", None) or str(exc)
         raise FlowerAppError(f"--run-config: {message}") from None
     return config
+
+
+def _run_config_file(path: str) -> dict[str, Any]:
+    """The TOML file of overrides a --run-config ending in .toml names (as ``flwr run`` reads it); FlowerAppError,
+    one line, for one that cannot be read, as --config says of its file."""
+    from fedpar.protocol.small_files import read_small_file
+
+    said = f"--run-config {path}"
+    fix = "give the path of a TOML file of overrides, or KEY=VALUE pairs (a --run-config ending in .toml is a file)"
+    try:
+        return tomllib.loads(read_small_file(Path(path).expanduser(), "--run-config").decode("utf-8"))
+    except FileNotFoundError:
+        raise FlowerAppError(f"{said}: no such file; {fix}") from None
+    except IsADirectoryError:
+        raise FlowerAppError(f"{said}: a folder, not a file; {fix}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise FlowerAppError(f"{said}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise FlowerAppError(f"{said}: cannot be read: {exc.strerror or exc}; {fix}") from None
+    except ValueError as exc:  # not a regular file (a FIFO, a device), or far too large
+        raise FlowerAppError(f"{exc}; {fix}") from None
 
 
 # Flower's own pattern for one KEY=VALUE of a --run-config string (flwr.common.config.parse_config_args), which
