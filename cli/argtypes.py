@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -149,19 +150,31 @@ id_list.splits = True  # a repeated flag extends one list (cli/declared.py)
 
 
 class KeyValueOption(argparse.Action):
-    """Collect ``KEY=VALUE`` into a dict on top of the config file's table; a later flag overrides a key."""
+    """Collect ``KEY=VALUE`` into a dict on top of the config file's table: a flag overrides the file's key; a key the
+    flags give twice with two values is refused (one of them would be dropped in silence)."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         """Add one ``KEY=VALUE``."""
         key, sep, text = value.partition("=")
-        if not sep or not key.strip():
+        key, text = key.strip(), text.strip()
+        if not sep or not key:
             parser.error(f"{option_string} expects KEY=VALUE, got {value!r}")
         try:
             options = as_mapping(getattr(namespace, self.dest, None), self.dest)
         except ValueError as exc:
             parser.error(str(exc))
-        options[key.strip()] = text.strip()
+        typed = self._typed(namespace)
+        if typed.get(key, text) != text:
+            parser.error(f"{option_string} {key} is given twice, as {key}={typed[key]} and as {key}={text}; give it "
+                         "once, with the value you mean")
+        typed[key] = options[key] = text
         setattr(namespace, self.dest, options)
+
+    def _typed(self, namespace: argparse.Namespace) -> dict[str, str]:
+        """The keys the flags gave so far in the parse that fills ``namespace`` (an action outlives one parse)."""
+        if getattr(self, "_namespace", lambda: None)() is not namespace:
+            self._namespace, self._keys = weakref.ref(namespace), {}
+        return self._keys
 
 
 def as_mapping(value, name: str = "strategy_options") -> dict:
@@ -172,5 +185,12 @@ def as_mapping(value, name: str = "strategy_options") -> dict:
     if isinstance(value, dict):
         return dict(value)
     if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
-        return {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in value)}
+        pairs: dict[str, str] = {}
+        for key, _, text in (item.partition("=") for item in value):
+            key, text = key.strip(), text.strip()
+            if pairs.get(key, text) != text:
+                raise ValueError(f"{name}: {key} is given twice, as {key}={pairs[key]} and as {key}={text}; give it "
+                                 "once, with the value you mean")
+            pairs[key] = text
+        return pairs
     raise ValueError(f"{name} must be a table or a list of \"KEY=VALUE\" strings, got {value!r}")
