@@ -148,6 +148,7 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     values, names = _load(known.config, section, dict_options)
     if not values:  # a file of other commands' tables only would be ignored in silence
         _refuse_if_for_others(known.config, section)
+    _refuse_beside_own_table(known.config, section)
     aliases = {a.old_key: a for a in parser._actions if isinstance(a, AliasOption)}
     for old in [key for key in values if key in aliases]:  # an option's old name still works, with a note
         written = names[old]
@@ -212,6 +213,22 @@ def _refuse_if_for_others(path: str, section: str) -> None:
     if others and section not in doc:
         raise ConfigError(f"config file {path} has nothing for '{section}': no [{section}] table and no option at its "
                           f"top level, only {', '.join(f'[{key}]' for key in others)}; add a [{section}] table")
+
+
+def _refuse_beside_own_table(path: str, section: str) -> None:
+    """ConfigError naming the top-level keys of the file at ``path`` beside its [``section``] table: the command
+    reads only that table then (the top level is for a file with no table of the command's), so they would be
+    ignored in silence. Other commands' tables are theirs."""
+    doc = tomllib.loads(read_small_file(path, "config file").decode("utf-8"))  # read by _load already: it reads
+    if not isinstance(doc.get(section), dict):
+        return
+    beside = [f"[{key}]" if isinstance(value, dict) else key for key, value in doc.items()
+              if key != section and not (key in SUBCOMMANDS and isinstance(value, dict))]
+    if beside:
+        them, are = ("it", "it is") if len(beside) == 1 else ("them", "they are")
+        raise ConfigError(f"{path}: {', '.join(beside)} at the top level would be ignored: with a [{section}] table "
+                          f"'fedpar {section}' reads only that table; move {them} into [{section}] (or into the table "
+                          f"of the command {are} for)")
 
 
 def given_settings(parser: argparse.ArgumentParser, argv: list[str], from_file: frozenset[str]) -> frozenset[str]:

@@ -76,7 +76,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=mod.__doc__,
                            formatter_class=DefaultsHelpFormatter)
         p.add_argument("--config", metavar="FILE",
-                       help=f"TOML file whose [{name}] table (or top level) sets defaults; flags override it")
+                       help=f"TOML file whose [{name}] table (or, in a file without one, its top level) sets "
+                            "defaults; flags override it")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its one line")
         add_log_level_argument(p, getattr(mod, "LOG_LEVEL", "info"))
         mod.add_arguments(p)
