@@ -14,11 +14,13 @@ from fedpar.aggregation.catalog import strategy_classes
 from fedpar.aggregation.strategy import FLOWER_PREFIX
 
 DP_PREFIX = "dp-"
+CLIENT_WITH_NOISE = "client with --privacy-local-noise"  # a privacy level: the server re-clips each noisy update
 # What each feature of the table is called in its lines and in the docs (a strategy's feature names it instead;
 # "robust" is followed by the names robust_strategies() gives).
 FEATURES = {
     "secure_aggregation": "--secure-aggregation",
     "privacy": "--privacy",
+    "server_clip": "--privacy central (or client with --privacy-local-noise)",
     "compression": "--compression",
     "max_agent_share": "--max-agent-share",
     "robust": "a robust strategy",
@@ -69,9 +71,10 @@ CLASHES = (
     Clash("secure_aggregation", "flower",
           "the coordinator only sees the sum of the masked updates, and Flower's aggregate_fit takes one result per "
           "client", linear_instead=True),
-    Clash("secure_aggregation", "privacy",
-          "DP's guarantee needs every update's norm bounded by --privacy-clip where the noise is added, and the "
-          "coordinator can neither clip nor check a masked update"),
+    Clash("secure_aggregation", "server_clip",
+          "the coordinator would clip each update to --privacy-clip (central DP), or clip each noisy update back to "
+          "it (local noise: the accountant bounds a client's whole contribution), and a masked update cannot be "
+          "clipped; use --privacy client without local noise: the agents clip, the coordinator noises the sum"),
     Clash("secure_aggregation", "compression",
           "a masked update is uniformly random in its finite field, so no encoding makes it smaller (secure "
           "aggregation quantizes each update to --secagg-clip's grid already)"),
@@ -116,12 +119,25 @@ def refusal(features: Mapping[str, str]) -> str | None:
     return c.line(features) if c is not None else None
 
 
+def privacy_level(mode: str, local_noise: float = 0.0) -> str:
+    """How the table tells DP modes apart: 'off', 'central', 'client' or :data:`CLIENT_WITH_NOISE`."""
+    return CLIENT_WITH_NOISE if mode == "client" and local_noise > 0 else mode
+
+
+def options_privacy(options: Mapping[str, object]) -> str:
+    """The :func:`privacy_level` of a DP strategy's options (``mode``, ``local_noise_multiplier``; 'off' without)."""
+    return privacy_level(str(options.get("mode", "off")), float(options.get("local_noise_multiplier") or 0.0))
+
+
 def composition_features(strategy: str, secure_aggregation: bool = False, compression: str = "none",
                          max_agent_share: float | None = None, privacy: str = "off") -> dict[str, str]:
-    """The table's features a run's settings turn on, each named as a refusal names it."""
+    """The table's features a run's settings turn on, each named as a refusal names it (``privacy``: its
+    :func:`privacy_level`; a ``dp-`` strategy with none given counts as central DP)."""
     on = strategy_features(strategy)
     if privacy != "off":
         on["privacy"] = FEATURES["privacy"]
+    if "privacy" in on and privacy in ("off", "central", CLIENT_WITH_NOISE):  # a dp- name alone: central, its default
+        on["server_clip"] = f"--privacy {privacy}" if privacy != "off" else FEATURES["privacy"]
     if secure_aggregation:
         on["secure_aggregation"] = FEATURES["secure_aggregation"]
     if compression != "none":

@@ -29,6 +29,9 @@ shrinks the signal by about ``1 / (s sqrt(d))``. In client mode each client repo
 (its clip bit, ``dp_clipped`` in the upload's report, as in Andrew et al.): the norm the server sees is after local
 noise and lossy compression, which move it off ``C``, so ``dp_clipped_fraction`` and adaptive clipping count the
 clients' bits (with local noise too); a client that sends no bit is judged by the norm.
+Under secure aggregation (client mode without local noise) each agent masks its clipped update with weight 1 and
+its clip bit after it; the server sees only their sum (:meth:`DPStrategy.fold_secure_sum`) and adds the noise to it.
+It cannot check a masked update's norm, so there the agents' clip is trusted, not verified.
 
 Accounting: one round is one step of the sampled Gaussian mechanism with multiplier ``z`` and sampling
 rate ``q = sampled_per_round / population``, composed by opacus's RDP accountant. That analysis assumes
@@ -63,6 +66,7 @@ import numpy as np
 from fedpar.aggregation.accountant import PrivacyAccountant
 from fedpar.aggregation.accumulator import FoldConfig, ShapesAndDtypes, WeightedSum, cast_like
 from fedpar.aggregation.clipping import CHUNK, AdaptiveClipping, clip_factor, delta_norm, effective_noise_multiplier
+from fedpar.aggregation.compatibility import privacy_level
 from fedpar.aggregation.strategy import Strategy
 from fedpar.protocol.task_settings import TaskSettings
 
@@ -138,8 +142,50 @@ class DPStrategy(Strategy):
         self.fold_config = fold_config or FoldConfig()
         self._acc: WeightedSum | None = None
         self._unclipped = 0
+        self._in_blocks = 0
         self._stats_lock = threading.Lock()
         self._reported = threading.local()  # the clip bit of the update :meth:`fold` is folding on this thread
+
+    # ------------------------------------------------------------------ secure aggregation
+    @property
+    def privacy_level(self) -> str:
+        """'central', 'client', or client with local noise (aggregation/compatibility.py tells them apart)."""
+        return privacy_level(self.mode, self.local_noise_multiplier)
+
+    @property
+    def secure_values(self) -> int:
+        """Client mode: each agent's clip bit rides after its masked update (their count is all the server sees)."""
+        return 1 if self.mode == "client" else 0
+
+    def secure_sum_refusal(self) -> str | None:
+        """None in client mode without local noise (the agents clip; the noise goes on the unmasked sum), else why."""
+        if self.privacy_level != "client":
+            return (f"--privacy {self.privacy_level} needs the coordinator to clip each update, which a masked one "
+                    "cannot be: use --privacy client without local noise")
+        return self.inner.secure_sum_refusal()
+
+    def fold_secure_sum(self, mean: Sequence[np.ndarray], total_weight: int, agents: int,
+                        sums: Sequence[float] = ()) -> None:
+        """Count the unmasked mean of ``agents`` updates their agents clipped to C (each weighing 1, so
+        ``total_weight`` must equal ``agents``) and ``sums[0]``, how many of them clipped: their sum joins the
+        round's as theirs would one by one. The server cannot check a masked update's norm: the agents' clip is
+        trusted (an agent that skips it exposes only its own data)."""
+        self._check_open("fold")
+        if self.secure_sum_refusal() is not None:
+            raise ValueError(self.secure_sum_refusal())
+        if total_weight != agents or agents < 1:
+            raise ValueError(f"the secure sum weighs {total_weight} for {agents} agents; under DP each update weighs 1")
+        clipped = round(sums[0]) if sums else agents
+        if not 0 <= clipped <= agents:
+            raise ValueError(f"the secure sum counts {sums[0]:.3f} clipped updates of {agents}; the masks were not "
+                             "removed right")
+        self._claim_all(["secure-aggregate"])
+        assert self._acc is not None and self._shapes is not None
+        arrays = self._shapes.check_update(mean, "the secure sum", False)
+        self._acc.fold(arrays, float(agents), check_finite=False, who="the secure sum")
+        with self._stats_lock:
+            self._unclipped += agents - clipped
+            self._in_blocks += agents - 1
 
     # ------------------------------------------------------------------ configuration
     def client_config(self, round_id: int) -> TaskSettings:
@@ -160,6 +206,7 @@ class DPStrategy(Strategy):
         """A zeroed running sum of ``factor_k * update_k`` (weights ``factor_k`` sum to the total)."""
         self._acc = WeightedSum(shapes, self.fold_config)
         self._unclipped = 0
+        self._in_blocks = 0  # updates beyond one in each secure sum folded (fold_secure_sum)
 
     def fold(self, update: Sequence[np.ndarray], num_examples: int, client_id: str = "",
              members: Sequence[str] = (), *, known_finite: bool = False, clipped: bool | None = None) -> None:
@@ -207,7 +254,7 @@ class DPStrategy(Strategy):
 
     def _num_folded(self) -> int:
         """Updates counted so far this round."""
-        return self._acc.count if self._acc is not None else 0
+        return self._acc.count + self._in_blocks if self._acc is not None else 0
 
     # ------------------------------------------------------------------ aggregator ranks
     def partial_sum(self) -> WeightedSum | None:
@@ -239,7 +286,7 @@ class DPStrategy(Strategy):
         """Noisy mean delta -> wrapped strategy; then account the round and adapt the clip norm."""
         assert self._acc is not None and self._shapes is not None
         rng = self._rng()
-        received, clip = self._acc.count, self.clip_norm
+        received, clip = self._num_folded(), self.clip_norm
         sum_std = self.update_noise_multiplier * clip
         denominator = float(self.clients_per_round)
         mean = self._noisy_mean(global_weights, sum_std, denominator, rng)

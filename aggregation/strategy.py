@@ -181,6 +181,30 @@ class Strategy(abc.ABC):
     def set_round_values(self, values: Sequence[float]) -> None:
         """Another rank: fold this round with rank 0's :meth:`round_values`."""
 
+    # --- secure aggregation (server/secure_round.py): the coordinator sees only the unmasked sum ---
+    def secure_sum_refusal(self) -> str | None:
+        """Why a round of this strategy cannot take the unmasked sum of masked updates (one line), or None."""
+        if self.linear:
+            return None
+        return f"secure aggregation reveals only the weighted mean, which strategy {self.name!r} cannot use"
+
+    @property
+    def privacy_level(self) -> str:
+        """The DP this strategy adds, as the composition table tells modes apart (aggregation/compatibility.py)."""
+        return "off"
+
+    @property
+    def secure_values(self) -> int:
+        """How many values each agent adds to a secure round's masked vector after its update (e.g. DP's clip bit)."""
+        return 0
+
+    def fold_secure_sum(self, mean: Sequence[np.ndarray], total_weight: int, agents: int,
+                        sums: Sequence[float] = ()) -> None:
+        """Count a secure round's unmasked result: the weighted mean of ``agents`` agents' updates, their total
+        weight, and the sums of their :attr:`secure_values`; by default one update of that weight (a linear
+        strategy's new model is the same)."""
+        self.fold(mean, total_weight, "secure-aggregate")
+
     def _check_open(self, call: str) -> None:
         """RuntimeError unless a round is open."""
         if self._shapes is None:

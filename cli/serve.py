@@ -97,7 +97,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     """Settings, security, model and strategy from ``args`` (ValueError saying what to fix); ranks other than 0
     keep no metrics, checkpoints or central evaluation."""
     from fedpar.aggregation import build_strategy
-    from fedpar.aggregation.compatibility import check_composition
+    from fedpar.aggregation.compatibility import check_composition, options_privacy
     from fedpar.datasets import load_dataset
     from fedpar.parallel.device import resolve_device
     from fedpar.server.assembly import CoordinatorAssembly, synthetic_model
@@ -131,7 +131,8 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
         raise ValueError("--privacy needs a fixed cohort: use --clients-per-round instead of --fraction")
     name, options = privacy_strategy(args, args.strategy, config.clients_per_round, config.overselect,
                                      args.privacy_population)
-    check_composition(name, config.secure_aggregation, config.upload_compression.method, config.max_agent_share)
+    check_composition(name, config.secure_aggregation, config.upload_compression.method, config.max_agent_share,
+                      options_privacy(options))
     strategy = build_strategy(name, **strategy_options, **options)
     strategy.check_ranks(_world(args))
     if config.secure_aggregation:

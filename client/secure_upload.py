@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Sequence
 import grpc
 import numpy as np
 
-from fedpar.client.transfer import NoteRefusal, upload_messages, upload_update
+from fedpar.client.transfer import NoteRefusal, dp_settings, privatize_update, upload_messages, upload_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub, ModelLayout
+from fedpar.protocol.task_settings import TaskSettings
 from fedpar.secagg import wire
 from fedpar.secagg.client_protocol import SecAggClient
 from fedpar.secagg.errors import SecAggAbort, SecAggError
@@ -126,7 +127,10 @@ class SecureUpload:
 
     def __init__(self, session: SecureSession, layout: ModelLayout, chunk_bytes: int, note_refusal: NoteRefusal):
         self.session = session
-        self.vector_length = sum(t.numel for t in layout.tensors)
+        # client-side DP (clip norm, local noise): each update clipped here, weighing 1, and its clip bit summed
+        # with the updates as one more masked value (Andrew et al.'s count, which the coordinator sees only summed)
+        self.dp = dp_settings(TaskSettings.from_json(session.task.extra_json))
+        self.vector_length = sum(t.numel for t in layout.tensors) + (1 if self.dp is not None else 0)
         self.chunk_bytes = chunk_bytes
         self.note_refusal = note_refusal
 
@@ -142,15 +146,25 @@ class SecureUpload:
 
     def upload(self, trained: list[np.ndarray], global_weights: list[np.ndarray], result: TrainResult,
                metrics: dict[str, float], ends_at: float) -> bool:
-        """Mask and send local - global, weighted by the examples seen, over by ``ends_at``."""
+        """Mask and send local - global, weighted by the examples seen (with client-side DP: clipped, weighing 1,
+        its clip bit last), over by ``ends_at``."""
         try:
+            if self.dp is None:
+                update, weight = flat_update(trained, global_weights), result.examples
+            else:
+                update, weight = self._private_update(trained, global_weights), 1
             # No metrics in the clear: the coordinator of a secure round learns only the weighted sum.
-            self.session.upload_masked(flat_update(trained, global_weights), result.examples, {}, self.chunk_bytes,
-                                       timeout=ends_at - time.monotonic())
+            self.session.upload_masked(update, weight, {}, self.chunk_bytes, timeout=ends_at - time.monotonic())
         except self.REFUSALS as err:
             self.note_refusal("secure aggregation", err)
             return False
         return True
+
+    def _private_update(self, trained: list[np.ndarray], global_weights: list[np.ndarray]) -> np.ndarray:
+        """The clipped update and its clip bit after it (the coordinator sees only the bits' count)."""
+        private, clipped = privatize_update(trained, global_weights, self.dp)
+        bit = self.session.client.params.bit_value if clipped else 0.0
+        return np.concatenate([flat_update(private, global_weights), np.array([bit], np.float64)])
 
     def close(self) -> None:
         """Wait for the round to close, then send the shares that remove the survivors' masks from the sum."""

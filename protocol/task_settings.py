@@ -125,9 +125,9 @@ class TaskSettings(Mapping):
                                                                          (noise >= 0 and math.isfinite(noise)))):
             raise ValueError(f"client-side DP needs dp_clip_norm > 0 and dp_local_noise >= 0, got dp_clip_norm={clip}"
                              + ("" if noise is None else f" and dp_local_noise={noise}"))
-        if self.secure_aggregation and (self.compression != "none" or clip is not None):
+        if self.secure_aggregation and (self.compression != "none" or (noise or 0) > 0):
             raise ValueError("secure_aggregation masks the update itself: it goes with neither compression "
-                             "nor client-side DP")
+                             "nor client-side DP's local noise (the coordinator cannot clip a noisy masked update)")
 
     # ------------------------------------------------------------------ the wire form
     def to_json(self) -> str:

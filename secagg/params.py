@@ -46,6 +46,12 @@ class RoundParams:
         params.validate()
         return params
 
+    @property
+    def bit_value(self) -> float:
+        """What a set bit (e.g. DP's clip bit, after an update) adds to the masked vector: the largest value the
+        quantizer keeps, for the least rounding; the unmasked sum divided by it counts the bits."""
+        return self.clip
+
     def validate(self) -> None:
         """Raise SecAggError unless these settings are well formed and safe for a client to accept."""
         n = len(self.participants)

@@ -293,7 +293,10 @@ class RoundModes:
         c = self.config
         if not c.secure_aggregation:
             return self.run_mode
-        registered = [r.num_examples for r in registry.get_many(cohort) if r]
-        max_weight = c.secagg_max_weight or default_max_weight(registered, c.local_epochs, len(cohort))
+        if self.strategy.privacy_level != "off":  # DP-FedAvg weighs each update 1: no agent may claim more
+            max_weight = 1
+        else:
+            registered = [r.num_examples for r in registry.get_many(cohort) if r]
+            max_weight = c.secagg_max_weight or default_max_weight(registered, c.local_epochs, len(cohort))
         return SecureRound(round_id, cohort, weights, c.secagg_clip, max_weight, c.secagg_stage_seconds,
                            self.strategy, self.in_thread)

@@ -10,7 +10,9 @@ the deadline and late-upload refusal) instead of a second streaming RPC; the coo
 into a single running uint32 sum, so its memory stays about one model whatever the cohort size.
 Each agent uploads delta = local - global, clipped, quantized and weighted by its example count; the
 strategy then receives one update, global + sum(w*delta)/sum(w), with weight sum(w). Only linear
-strategies (``Strategy.linear``: FedAvg, FedProx and the FedOpt family) give the same result as without masking.
+strategies (``Strategy.linear``: FedAvg, FedProx and the FedOpt family) give the same result as without masking,
+and DP-FedAvg in client mode: its agents clip, weigh 1 and add their clip bit after the update
+(``Strategy.secure_values``), and it takes the sum and the bits' count (``Strategy.fold_secure_sum``).
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ MAX_POLL_SECONDS = 30.0
 
 def check_secure_setup(names: Sequence[str], weights: Sequence[np.ndarray], strategy) -> None:
     """Raise ValueError unless this model and strategy can be aggregated under masking."""
-    check_composition(strategy.name, secure_aggregation=True)
-    if not strategy.linear:
-        raise ValueError(f"secure aggregation reveals only the weighted mean, which strategy {strategy.name!r} cannot "
-                         f"use; choose one of {', '.join(linear_strategy_names())}")
+    check_composition(strategy.name, secure_aggregation=True, privacy=strategy.privacy_level)
+    refusal = strategy.secure_sum_refusal()
+    if refusal is not None:
+        raise ValueError(f"{refusal}; choose one of {', '.join(linear_strategy_names())}")
     bad = [n for n, w in zip(names, weights) if w.dtype.name not in FLOAT_DTYPES]
     if bad:
         raise ValueError(f"secure aggregation needs floating-point tensors only; {bad[:3]} are not")
@@ -73,7 +75,8 @@ class SecureRound:
 
     def __init__(self, round_id: int, cohort: Sequence[str], weights: Sequence[np.ndarray], clip: float,
                  max_weight: int, stage_seconds: float, strategy, in_thread: RunUpdate):
-        length = sum(int(w.size) for w in weights)
+        self.model_length = sum(int(w.size) for w in weights)
+        length = self.model_length + strategy.secure_values  # what each agent adds after its update (DP's clip bit)
         self.layout = masked_layout(length)
         self.strategy = strategy
         self.in_thread = in_thread
@@ -228,7 +231,9 @@ class SecureRound:
             delta = r.mean[offset:offset + w.size].reshape(w.shape)
             update.append((w.astype(np.float64) + delta).astype(w.dtype))
             offset += w.size
-        await self.in_thread(self.strategy.fold, update, r.weight_sum, "secure-aggregate")
+        # the values each agent added after its update, summed (its weight 1 each: DP's clip bits, as a count)
+        sums = [float(v) * r.weight_sum / self.params.bit_value for v in r.mean[offset:]]
+        await self.in_thread(self.strategy.fold_secure_sum, update, r.weight_sum, len(r.survivors), sums)
         self.surplus = len(r.dropped) - len(self._dropped(state, r.dropped))
         log.info("round %d: unmasked the sum of %d agents (%s) in %.2fs", self.params.round_id, len(r.survivors),
                  self._absent_words(len(r.dropped)), self.unmask_seconds)

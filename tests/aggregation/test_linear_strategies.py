@@ -62,18 +62,23 @@ def test_a_linear_strategy_gives_the_same_model_from_the_weighted_mean_alone(nam
 
 
 def test_secure_aggregation_takes_exactly_the_linear_strategies_and_refuses_the_rest_in_the_tables_line():
-    from fedpar.aggregation.compatibility import refusal, strategy_features
+    """And DP-FedAvg over a linear strategy in client mode without local noise (the agents clip; the server noises
+    the sum), but not central DP or local noise, where the server would clip each update."""
+    from fedpar.aggregation.compatibility import composition_features, refusal
 
     names, weights = ["w"], [np.zeros(3, np.float32)]
-    secure = {"secure_aggregation": "--secure-aggregation"}
-    for name in [*strategy_names(), "dp-fedavg"]:
-        strategy = build_strategy(name, **(DP if name.startswith("dp-") else {}))
-        if name in linear_strategy_names():
+    dp_modes = {"dp-fedavg": DP, "dp-fedavg client": {**DP, "mode": "client"},
+                "dp-fedavg local noise": {**DP, "mode": "client", "local_noise_multiplier": 0.1}}
+    for name in [*strategy_names(), *dp_modes]:
+        strategy = build_strategy(name.split()[0], **dp_modes.get(name, {}))
+        if name in linear_strategy_names() or name == "dp-fedavg client":
             check_secure_setup(names, weights, strategy)
+            assert strategy.secure_values == (1 if name.startswith("dp-") else 0)  # DP's clip bit rides along
         else:
             with pytest.raises(ValueError) as refused:
                 check_secure_setup(names, weights, strategy)
-            assert str(refused.value) == refusal({**strategy_features(name), **secure})
+            features = composition_features(name.split()[0], True, privacy=strategy.privacy_level)
+            assert str(refused.value) == refusal(features)
 
 
 def test_differential_privacy_refuses_every_registered_strategy_that_is_not_linear():

@@ -312,3 +312,43 @@ def test_a_float16_model_s_small_mean_delta_reaches_a_wrapped_server_optimizer()
     expected, _ = reference.finish()
     np.testing.assert_array_equal(_flat(new), _flat([a.astype(np.float16) for a in expected]))
     assert _flat(new)[0] > 1.0  # the optimizer stepped (Adam's first step is about eta, whatever the delta's size)
+
+
+@TINY_NOISE
+def test_client_mode_takes_a_secure_sum_of_clipped_updates_as_it_takes_them_one_by_one():
+    # Under secure aggregation the coordinator sees only the unmasked mean of the agents' clipped updates (each
+    # weighing 1) and the count of their clip bits: the round must come out as the same updates folded one by one.
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=10)
+    deltas = [rng.normal(size=10) * scale for scale in (0.1, 3.0, 0.4, 5.0)]
+    clipped_updates, bits = [], []
+    for d in deltas:
+        update, bit = privatize_update(_model(g + d), _model(g), dp_settings({"dp_clip_norm": 1.0}))
+        clipped_updates.append(update)
+        bits.append(bit)
+    one_by_one, secure = (_dp(mode="client", target_quantile=0.5) for _ in range(2))
+    one_by_one.begin_round(1, _model(g))
+    for k, (update, bit) in enumerate(zip(clipped_updates, bits)):
+        one_by_one.fold(update, 1, f"a{k}", clipped=bit)
+    secure.begin_round(1, _model(g))
+    mean = [np.mean([u[t].astype(np.float64) for u in clipped_updates], axis=0).astype(np.float32) for t in (0, 1)]
+    secure.fold_secure_sum(mean, 4, 4, [float(sum(bits))])
+    (new_a, metrics_a), (new_b, metrics_b) = one_by_one.finish(), secure.finish()
+    np.testing.assert_allclose(_flat(new_b), _flat(new_a), atol=1e-6)
+    assert metrics_b["dp_clipped_fraction"] == metrics_a["dp_clipped_fraction"] == sum(bits) / 4 == 0.75
+    assert metrics_b["num_updates"] == 4.0 and metrics_b["dp_epsilon"] == metrics_a["dp_epsilon"]
+    assert secure.clip_norm == pytest.approx(one_by_one.clip_norm)  # adaptive clipping moved C alike
+
+
+def test_a_secure_sum_is_refused_where_the_server_would_clip_or_the_weights_are_not_one_each():
+    assert _dp(mode="client").secure_sum_refusal() is None
+    assert "--privacy central" in _dp().secure_sum_refusal()
+    assert "local noise" in _dp(mode="client", local_noise_multiplier=0.1).secure_sum_refusal()
+    s = _dp(mode="client")
+    s.begin_round(1, _model(np.zeros(10)))
+    with pytest.raises(ValueError, match="weighs 7 for 4 agents"):
+        s.fold_secure_sum(_model(np.zeros(10)), 7, 4, [0.0])
+    with pytest.raises(ValueError, match="counts 5.000 clipped updates of 4"):
+        s.fold_secure_sum(_model(np.zeros(10)), 4, 4, [5.0])
+    s.fold_secure_sum(_model(np.zeros(10)), 4, 4, [1.0])  # the refusals changed nothing: it still takes one
+    assert s.folded == 4

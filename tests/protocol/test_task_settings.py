@@ -47,6 +47,7 @@ def test_round_trip_sends_only_what_is_set_and_reads_as_that_mapping():
     ('{"secure_aggregation": 1}', "secure_aggregation must be true or false"),
     ('{"evaluate": "no"}', "evaluate must be true or false"),
     ('{"secure_aggregation": true, "compression": "fp16"}', "neither compression nor client-side DP"),
+    ('{"secure_aggregation": true, "dp_clip_norm": 1, "dp_local_noise": 0.5}', "client-side DP's local noise"),
     ('{"fit_config": [1]}', "fit_config must be an object"),
     ('{"fit_config": {"a": [1]}}', "fit_config 'a' must be a bool, int, finite float or str"),
     ('[1, 2]', "must be a JSON object"),
@@ -83,3 +84,8 @@ def test_an_agent_refuses_a_task_whose_settings_it_does_not_know_before_training
     assert agent.stats.refused == 1 and agent.stats.accepted == 0
     assert agent.stats.refusals[0].startswith("task settings: the task asks for settings this agent cannot do: "
                                               "unknown 'x'")
+
+
+def test_secure_aggregation_goes_with_client_side_clipping_without_local_noise():
+    settings = TaskSettings.from_json('{"secure_aggregation": true, "dp_clip_norm": 1.5, "dp_local_noise": 0}')
+    assert settings.secure_aggregation and settings.dp_clip_norm == 1.5

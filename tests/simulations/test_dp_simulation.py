@@ -46,3 +46,24 @@ def test_client_dp_counts_the_clients_clip_bits_through_lossy_compression(tmp_pa
     assert [r["dp_clipped_fraction"] for r in rows] == [1.0, 1.0, 1.0]
     clip_norms = [r["dp_clip_norm"] for r in rows]
     assert clip_norms[0] == 0.05 and all(b > a for a, b in zip(clip_norms, clip_norms[1:]))  # C grows toward them
+
+
+@pytest.mark.timeout(300)
+def test_client_dp_under_secure_aggregation_counts_the_clip_bits_and_learns_as_in_the_clear(tmp_path):
+    # The agents clip, mask their update (weighing 1) with their clip bit after it, and the coordinator noises the
+    # unmasked sum: the bits' count it sees is the count the same round's agents report in the clear.
+    options = dict(noise_multiplier=0.3, clip_norm=1.7, population=10, clients_per_round=10, seed=0, mode="client",
+                   target_quantile=0.5)
+    rows = {}
+    for how, secure in (("clear", False), ("masked", True)):
+        cfg = SimulationConfig(clients=10, rounds=3, strategy="dp-fedavg", strategy_options=options, workers=1,
+                               secure_aggregation=secure, out=str(tmp_path / how))
+        run_simulation(cfg)
+        rows[how] = [json.loads(line) for line in (tmp_path / how / "metrics.jsonl").read_text().splitlines()]
+    masked, clear = rows["masked"], rows["clear"]
+    assert all(r["status"] == "ok" and r["reported"] == 10 for r in masked)
+    assert masked[0]["dp_clipped_fraction"] == clear[0]["dp_clipped_fraction"]  # round 1: the same training
+    assert any(0 < r["dp_clipped_fraction"] < 1 for r in masked)  # (C = 1.7 clips some agents of a round, not all)
+    assert [r["dp_epsilon"] for r in masked] == [r["dp_epsilon"] for r in clear]
+    assert masked[1]["dp_clip_norm"] == pytest.approx(clear[1]["dp_clip_norm"])  # adaptive clipping moved C alike
+    assert masked[-1]["test_accuracy"] > 0.5  # chance is 0.10

@@ -44,7 +44,8 @@ def features(case: dict[str, str]) -> dict[str, str]:
     strategy = case["strategy"]
     name = FACTORS["strategy"][strategy][1] if FACTORS["strategy"][strategy] else "fedavg"
     return composition_features(f"dp-{name}" if case["dp"] != "none" else name, case["secagg"] == "on",
-                                "int8" if case["compression"] == "on" else "none")
+                                "int8" if case["compression"] == "on" else "none",
+                                privacy="off" if case["dp"] == "none" else case["dp"])
 
 
 def refused(case: dict[str, str]) -> str | None:
