@@ -24,7 +24,7 @@ FEATURES = {
     "compression": "--compression",
     "max_agent_share": "--max-agent-share",
     "robust": "a robust strategy",
-    "flower": "a Flower strategy (flower:...)",
+    "flower": "a Flower strategy other than FedAvg, FedAvgM, FedProx and the FedOpt family (flower:...)",
 }
 
 
@@ -38,6 +38,18 @@ def linear_strategy_names() -> list[str]:
     """The strategies whose new model depends on the updates only through their weighted mean (``linear``): those
     secure aggregation and aggregator ranks can run."""
     return [name for name, cls in strategy_classes().items() if cls.linear]
+
+
+def linear_flower(name: str) -> bool:
+    """Whether ``flower:REF`` names one of Flower's strategies that step from the results' weighted mean alone
+    (aggregation/flower_strategy.py LINEAR_CLASSES): they take a masked or noisy sum as one result. False when it
+    names no Flower strategy (building it says why) or Flower is not installed."""
+    try:
+        from fedpar.aggregation.flower_message_strategy import flower_class  # imports Flower: only for flower: names
+        from fedpar.aggregation.flower_strategy import linear_flower_class
+        return linear_flower_class(flower_class(name))
+    except (ImportError, ValueError):
+        return False
 
 
 def feature_name(feature: str) -> str:
@@ -69,8 +81,8 @@ CLASHES = (
           "the coordinator only sees the sum of the masked updates, and a median, a trimmed mean or Krum's choice "
           "needs each update", linear_instead=True),
     Clash("secure_aggregation", "flower",
-          "the coordinator only sees the sum of the masked updates, and Flower's aggregate_fit takes one result per "
-          "client", linear_instead=True),
+          "the coordinator only sees the sum of the masked updates, and such a strategy's aggregation (aggregate_fit, "
+          "aggregate_train) needs each agent's result", linear_instead=True),
     Clash("secure_aggregation", "server_clip",
           "the coordinator would clip each update to --privacy-clip (central DP), or clip each noisy update back to "
           "it (local noise: the accountant bounds a client's whole contribution), and a masked update cannot be "
@@ -86,7 +98,8 @@ CLASHES = (
           "sensitivity), and a median, a trimmed mean or Krum's choice needs each update"),
     Clash("privacy", "flower",
           "DP-FedAvg releases only the noisy sum of the clipped updates (its noise is sized to that sum's "
-          "sensitivity), and Flower's aggregate_fit takes one result per client"),
+          "sensitivity), and such a strategy's aggregation (aggregate_fit, aggregate_train) needs each agent's "
+          "result"),
 )
 
 
@@ -98,7 +111,7 @@ def strategy_features(strategy: str) -> dict[str, str]:
     if name.lower().replace("_", "-").startswith(DP_PREFIX):
         out["privacy"] = FEATURES["privacy"]
         name = name[len(DP_PREFIX):]
-    if name.lower().startswith(FLOWER_PREFIX):
+    if name.lower().startswith(FLOWER_PREFIX) and not linear_flower(name):
         out["flower"] = f"--strategy {name}"
     elif name and name.lower().replace("-", "_") in robust_strategies():
         out["robust"] = f"--strategy {name}"

@@ -33,8 +33,10 @@ peaks of 13 models for Flower's FedAvg, 32 for FedAvgM, 41 for FedTrimmedAvg, ag
 Size the cohort (``--clients-per-round``, ``--overselect``) with that in mind.
 
 With ``--aggregator-ranks`` above 1 the other ranks hand their results to rank 0 at the close, which aggregates them
-all. Refused with the reason (aggregation/compatibility.py): ``--secure-aggregation`` and ``--privacy`` (they give
-the coordinator one masked or noisy sum, never one update per agent).
+all. ``--secure-aggregation`` and ``--privacy`` give the coordinator one masked or noisy sum, never one update per
+agent: Flower's FedAvg, FedAvgM, FedProx and its FedOpt family (:data:`LINEAR_CLASSES`) step from the example-weighted
+mean of the round's results alone, so they are handed that sum as one result, as Flower's own SecAgg+ workflow hands
+it; the other strategies are refused with the reason (aggregation/compatibility.py).
 Upload compression works: a compressed upload is decoded into the agent's new weights before it is folded.
 
 Checkpoints: the strategy's array-valued attributes (momentum, Adam moments, the running global model), as
@@ -114,11 +116,26 @@ def build_flower_strategy(name: str, **options: Any) -> FlowerStrategy:
     return FlowerStrategy(cls, name=name.strip(), **flower_options(name, cls, options, from_text=False))
 
 
+# Flower's strategies whose new model depends on a round's results only through their example-weighted mean: FedAvg
+# and those that step from its mean (FedAvgM's momentum, FedProx, the FedOpt family's server optimizers), in both of
+# Flower's APIs. One result carrying that mean and the total example count gives them the same model. The classes
+# themselves: a subclass may aggregate otherwise.
+LINEAR_CLASSES = tuple(f"{module}:{name}" for module in ("flwr.server.strategy", "flwr.serverapp.strategy")
+                       for name in ("FedAvg", "FedAvgM", "FedProx", "FedOpt", "FedAdam", "FedAdagrad", "FedYogi"))
+
+
+def linear_flower_class(cls: type) -> bool:
+    """Whether Flower strategy class ``cls`` is one of :data:`LINEAR_CLASSES`."""
+    return f"{cls.__module__.rsplit('.', 1)[0]}:{cls.__qualname__}" in LINEAR_CLASSES \
+        or f"{cls.__module__}:{cls.__qualname__}" in LINEAR_CLASSES
+
+
 class FlowerStrategy(Strategy):
     """A Flower ``Strategy`` (a class, built at the first round, or an instance) as a fedpar strategy."""
 
     memory_note = MEMORY_NOTE
     linear = False  # Flower's aggregate_fit is handed one FitRes per agent
+    configures_from_round = True  # configure_fit (configure_train) is given the round's global model
 
     def __init__(self, strategy: type | FlowerBase, name: str = "", **options: Any) -> None:
         """Wrap ``strategy``: a class (``options`` go to its constructor) or a ready instance (no options)."""
@@ -139,9 +156,17 @@ class FlowerStrategy(Strategy):
         self._options = options
         cls = strategy if isinstance(strategy, type) else type(strategy)
         self.name = name or f"{FLOWER_PREFIX}{cls.__module__}:{cls.__qualname__}"
+        self._linear_class = linear_flower_class(cls)
         self._results: list[tuple[ClientProxy, FitRes]] = []
         self._pending_state: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None
         self._who = threading.local()  # the client id of the fold running on this thread
+
+    def secure_sum_refusal(self) -> str | None:
+        """None for :data:`LINEAR_CLASSES` (the unmasked sum is handed over as one result), else why."""
+        if self._linear_class:
+            return None
+        return (f"secure aggregation reveals only the weighted mean, and {self.name}'s aggregation needs each agent's "
+                "result")
 
     # ------------------------------------------------------------------ the Flower object
     def _strategy(self, global_weights: Sequence[np.ndarray]) -> FlowerBase:

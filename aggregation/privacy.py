@@ -190,6 +190,8 @@ class DPStrategy(Strategy):
     # ------------------------------------------------------------------ configuration
     def client_config(self, round_id: int) -> TaskSettings:
         """The wrapped strategy's settings, plus the clip norm (and local noise) in client mode."""
+        if self.inner.configures_from_round and self._global is not None:  # its round opens with ours
+            self.inner.begin_round(round_id, self._global)
         settings = self.inner.client_config(round_id)
         if self.mode == "client":
             settings = replace(settings, dp_clip_norm=self.clip_norm, dp_local_noise=self.local_noise_multiplier)
@@ -281,6 +283,8 @@ class DPStrategy(Strategy):
     def _drop_round(self) -> None:
         """Forget the running sum (an aborted round releases nothing, so it costs no privacy)."""
         self._acc = None
+        if self.inner.configures_from_round:  # opened by client_config
+            self.inner.abort_round()
 
     def _finish(self, global_weights: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]]:
         """Noisy mean delta -> wrapped strategy; then account the round and adapt the clip norm."""

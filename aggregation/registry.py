@@ -36,7 +36,7 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
         dp = {k: kwargs.pop(k) for k in list(kwargs) if k in DP_OPTIONS}
         if "fold_config" in kwargs:
             dp["fold_config"] = kwargs["fold_config"]
-        inner = build_strategy(key[len(DP_PREFIX):], **kwargs)
+        inner = build_strategy(name.strip()[len(DP_PREFIX):], **kwargs)  # (a flower: reference keeps its case)
         missing = [p.name for p in inspect.signature(DPStrategy).parameters.values()
                    if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "inner"
                    and p.name not in dp]

@@ -62,6 +62,9 @@ class Strategy(abc.ABC):
     # taken elsewhere (masked by secure aggregation, or partial sums of aggregator ranks) folded as one update of
     # weight sum(w) gives the same result. Every strategy class declares it; none is assumed.
     linear: ClassVar[bool]
+    # Whether client_config reads the open round's global model (a Flower strategy's configure_fit/configure_train):
+    # a wrapper (DP-FedAvg) opens this strategy's round before asking it.
+    configures_from_round: ClassVar[bool] = False
 
     def __init__(self) -> None:
         """Start with no round open."""

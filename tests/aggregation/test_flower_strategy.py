@@ -45,8 +45,9 @@ def test_options_are_typed_from_text_and_flowers_sampling_is_refused():
         build_strategy("flower:numpy:ndarray")
     with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
         build_strategy("flower:no_such_module:Thing")
-    with pytest.raises(ValueError, match="--privacy cannot run with --strategy flower:.*one result per client"):
-        build_strategy("dp-" + FEDAVGM, noise_multiplier=1.0, clip_norm=1.0, population=10, clients_per_round=2)
+    with pytest.raises(ValueError, match="--privacy cannot run with --strategy flower:.*needs each agent's result"):
+        build_strategy("dp-flower:flwr.server.strategy:FedMedian", noise_multiplier=1.0, clip_norm=1.0, population=10,
+                       clients_per_round=2)
 
 
 def fedavgm():
@@ -107,13 +108,18 @@ def test_an_instance_runs_as_is_and_odd_answers_are_made_safe():
         FlowerStrategy(Abstaining(), eta=1.0)
 
 
+MEDIAN = "flower:flwr.server.strategy:FedMedian"
+
+
 @pytest.mark.parametrize("flags,message", [
-    (["--secure-aggregation"], f"--secure-aggregation cannot run with --strategy {FEDAVGM}: the coordinator only "
+    (["--secure-aggregation"], f"--secure-aggregation cannot run with --strategy {MEDIAN}: the coordinator only "
                                "sees the sum of the masked updates"),
+    (["--privacy", "central", "--privacy-population", "10"],
+     f"--privacy cannot run with --strategy {MEDIAN}: DP-FedAvg releases only the noisy sum"),
 ])
 def test_serve_refuses_what_a_flower_strategy_cannot_run_in_one_line(tmp_path, capsys, flags, message):
-    code = main(["serve", "--insecure", "--port", "0", "--no-central-eval", "--strategy", FEDAVGM,
-                 "--strategy-option", "momentum=0.5", "--out", str(tmp_path), *flags])
+    code = main(["serve", "--insecure", "--port", "0", "--no-central-eval", "--strategy", MEDIAN,
+                 "--out", str(tmp_path), *flags])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and message in err, err
 

@@ -92,7 +92,7 @@ def test_differential_privacy_refuses_every_registered_strategy_that_is_not_line
                 refused()
 
 
-@pytest.mark.parametrize("strategy", ["krum", "median", "trimmed_mean", "flower:flwr.server.strategy:FedAvg"])
+@pytest.mark.parametrize("strategy", ["krum", "median", "trimmed_mean", "flower:flwr.server.strategy:FedMedian"])
 def test_the_secure_aggregation_refusal_of_a_strategy_lists_the_linear_ones(strategy, capsys):
     """--secure-aggregation's help says 'a refusal lists them': it did not, and the user had to guess one."""
     from fedpar.cli.main import main

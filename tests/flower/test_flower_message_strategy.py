@@ -248,3 +248,43 @@ def test_aggregate_evaluate_gets_one_reply_per_evaluated_member_and_a_raising_on
                       "        raise RuntimeError('no')\n")
     raising, _, _, _ = one_round(f"flower:{module}:Raising")
     assert raising.aggregate_evaluation(reports) is None
+
+
+DP = dict(noise_multiplier=1.0, clip_norm=1.0, population=10, clients_per_round=3, seed=0)
+
+
+def masked_round(name: str, **options):
+    """The new global arrays of strategy ``name`` handed :func:`updates`' round as secure aggregation hands it: their
+    example-weighted mean, once, with the total weight."""
+    global_arrays, members, counts = updates()
+    strategy = build_strategy(name, **options)
+    strategy.begin_round(1, global_arrays)
+    strategy.client_config(1)
+    mean = [sum(m[t].astype(np.float64) * n for m, n in zip(members, counts)) / sum(counts)
+            for t in range(len(global_arrays))]
+    strategy.fold_secure_sum([a.astype(np.float32) for a in mean], sum(counts), len(members))
+    return strategy.finish()[0]
+
+
+@pytest.mark.parametrize("name,options", [("flower:FedAvg", {}), ("flower:flwr.server.strategy:FedAvg", {}),
+                                          ("flower:FedAdam", {"eta": 0.1}), ("flower:FedAvgM", {}),
+                                          ("flower:flwr.server.strategy:FedYogi", {"eta": 0.1})])
+def test_flowers_mean_strategies_give_the_same_model_from_a_masked_sum_as_from_each_update(name, options):
+    _, _, each, _ = one_round(name, **options)
+    masked = masked_round(name, **options)
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(each, masked))
+    assert build_strategy(name, **options).secure_sum_refusal() is None
+
+
+def test_dp_fedavg_around_flowers_fedavg_gives_dp_fedavg_arrays_and_flowers_robust_rules_are_refused():
+    from fedpar.aggregation.compatibility import linear_flower
+
+    _, _, ours, ours_metrics = one_round("dp-fedavg", **DP)
+    _, _, theirs, metrics = one_round("dp-flower:FedAvg", **DP)  # the noisy mean, handed over as one result
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs))
+    assert metrics["dp_epsilon"] == ours_metrics["dp_epsilon"]
+    assert linear_flower("flower:FedProx") and not linear_flower("flower:FedMedian")
+    assert not linear_flower("flower:flwr.server.strategy:Krum") and not linear_flower("flower:NoSuchStrategy")
+    assert "needs each agent's result" in build_strategy("flower:FedMedian").secure_sum_refusal()
+    with pytest.raises(ValueError, match="^--privacy cannot run with --strategy flower:FedTrimmedAvg"):
+        build_strategy("dp-flower:FedTrimmedAvg", **DP)

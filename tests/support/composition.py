@@ -24,7 +24,8 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "strategy": {"fedavg": [], "fedprox": ["--strategy", "fedprox", "--strategy-option", "mu=0.01"],
                  "fedadam": ["--strategy", "fedadam", "--strategy-option", "eta=0.03"],
                  "median": ["--strategy", "median"], "trimmed_mean": ["--strategy", "trimmed_mean"],
-                 "krum": ["--strategy", "krum"], "flower": ["--strategy", "flower:flwr.server.strategy:FedAvg"]},
+                 "krum": ["--strategy", "krum"], "flower": ["--strategy", "flower:flwr.server.strategy:FedAvg"],
+                 "flower_median": ["--strategy", "flower:FedMedian"]},
     "tls": {"off": [], "on": ["--tls"]},
     "secagg": {"off": [], "on": ["--secure-aggregation", "--secagg-clip", "0.5"]},
     "dp": {"none": [], "central": ["--privacy", "central", "--privacy-noise", "0.01", "--privacy-clip", "5"],
@@ -115,7 +116,7 @@ def flags(case: dict[str, str], tmp: Path) -> list[str]:
 
 def skip_without_flower(case: dict[str, str]) -> None:
     """Skip a case of a Flower strategy where Flower is not installed (the test extra has it; the GPU box has not)."""
-    if case.get("strategy") == "flower" and importlib.util.find_spec("flwr") is None:
+    if case.get("strategy", "").startswith("flower") and importlib.util.find_spec("flwr") is None:
         pytest.skip("needs Flower: pip install 'fedpar[flower]'")
 
 
