@@ -357,6 +357,13 @@ class StreamingStrategy(Strategy):
         with self._lock:
             self._in_blocks += count - 1
 
+    def fold_secure_sum(self, mean: Sequence[np.ndarray], total_weight: int, agents: int,
+                        sums: Sequence[float] = ()) -> None:
+        """As one update of ``total_weight``, counted as the ``agents`` updates it sums (``num_updates``)."""
+        super().fold_secure_sum(mean, total_weight, agents, sums)
+        with self._lock:
+            self._in_blocks += agents - 1
+
     @property
     def group_size(self) -> int:
         """Updates added per pass over the running sum (one by one under a share cap, which holds some back)."""

@@ -23,6 +23,7 @@ def test_secure_simulation_learns_like_fedavg(tmp_path, capfd):
     rows = _simulate(capfd, tmp_path / "secure", "--secure-aggregation")
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert all(r["secagg_survivors"] == 4 and r["secagg_error_bound"] < 1e-6 for r in rows)
+    assert all(r["num_updates"] == 4 for r in rows)  # the unmasked sum counts the updates in it
     assert all(r["close_reason"] == "every agent that shared keys uploaded" for r in rows)
     assert rows[-1]["test_accuracy"] >= 0.85
     assert not any(k.startswith(("train_", "federated_")) for r in rows for k in r)  # nothing per agent in clear
