@@ -8,7 +8,6 @@ named after the table, which then receives the whole table as a dict (``[train.m
 from __future__ import annotations
 
 import argparse
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from fedpar.cli.declared import Needs
 from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.meant import closest
-from fedpar.protocol.small_files import read_small_file
+from fedpar.protocol.small_files import read_toml_file
 
 
 class ConfigError(ValueError):
@@ -57,17 +56,9 @@ def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str
     """:func:`load_toml_section`, and each option's key as written in the file (``parallel.tp``)."""
     path = Path(path)
     try:
-        doc = tomllib.loads(read_small_file(path, "config file").decode("utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a folder; give a TOML file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-    except ValueError as exc:  # not a regular file, or far too large
-        raise ConfigError(f"{exc}; give a TOML file") from None
+        doc = read_toml_file(path, "config file")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     own = section in doc
     table = doc[section] if own else doc
     if not isinstance(table, dict):
@@ -208,7 +199,7 @@ def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[s
 
 def _refuse_if_for_others(path: str, section: str) -> None:
     """ConfigError when the file at ``path`` holds tables of other subcommands only, none of ``section``'s."""
-    doc = tomllib.loads(read_small_file(path, "config file").decode("utf-8"))  # read by _load already: it reads
+    doc = read_toml_file(path, "config file")  # read by _load already: it reads
     others = [key for key in doc if key in SUBCOMMANDS]
     if others and section not in doc:
         raise ConfigError(f"config file {path} has nothing for '{section}': no [{section}] table and no option at its "
@@ -219,7 +210,7 @@ def _refuse_beside_own_table(path: str, section: str) -> None:
     """ConfigError naming the top-level keys of the file at ``path`` beside its [``section``] table: the command
     reads only that table then (the top level is for a file with no table of the command's), so they would be
     ignored in silence. Other commands' tables are theirs."""
-    doc = tomllib.loads(read_small_file(path, "config file").decode("utf-8"))  # read by _load already: it reads
+    doc = read_toml_file(path, "config file")  # read by _load already: it reads
     if not isinstance(doc.get(section), dict):
         return
     beside = [f"[{key}]" if isinstance(value, dict) else key for key, value in doc.items()

@@ -105,11 +105,9 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
 def _check_tables(path: str | Path, dict_options: set[str]) -> None:
     """ConfigError for a table a run file may not have (e.g. [serve], whose keys would go unread), or for settings
     both at its top level and in [run]."""
-    import tomllib
+    from fedpar.protocol.small_files import read_toml_file
 
-    from fedpar.protocol.small_files import read_small_file
-
-    doc = tomllib.loads(read_small_file(path, "run file").decode("utf-8"))  # checked whole by read_run_file already
+    doc = read_toml_file(path, "run file")  # checked whole by read_run_file already
     others = ", ".join(f"[{name}]" for name in sorted(dict_options))
     if isinstance(doc.get(TABLE), dict):
         beside = sorted(key for key in doc if key != TABLE)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tomllib
 from pathlib import Path
+from typing import Any
 
 MAX_SETTINGS_FILE_BYTES = 16 << 20  # far above any settings file, certificate or token list fedpar reads
 
@@ -36,3 +38,21 @@ def read_small_file(path: str | Path, what: str, limit: int = MAX_SETTINGS_FILE_
     if len(data) > limit:
         raise NotASettingsFile(what, path, f"is larger than {limit >> 20} MiB: not a settings file")
     return data
+
+
+def read_toml_file(path: str | Path, what: str) -> dict[str, Any]:
+    """The TOML document of settings file ``path``; a ValueError, one line naming ``what`` and the path, for one that
+    is missing, a folder, unreadable, not a regular file, too large, or not TOML in UTF-8."""
+    path = Path(path)
+    try:
+        return tomllib.loads(read_small_file(path, what).decode("utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a folder; give a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+    except NotASettingsFile as exc:
+        raise ValueError(f"{exc}; give a TOML file") from None

@@ -284,22 +284,13 @@ def _run_config(folder: Path, defaults: Any, overrides: str | None) -> dict[str,
 def _run_config_file(path: str) -> dict[str, Any]:
     """The TOML file of overrides a --run-config ending in .toml names (as ``flwr run`` reads it); FlowerAppError,
     one line, for one that cannot be read, as --config says of its file."""
-    from fedpar.protocol.small_files import read_small_file
+    from fedpar.protocol.small_files import read_toml_file
 
-    said = f"--run-config {path}"
-    fix = "give the path of a TOML file of overrides, or KEY=VALUE pairs (a --run-config ending in .toml is a file)"
     try:
-        return tomllib.loads(read_small_file(Path(path).expanduser(), "--run-config").decode("utf-8"))
-    except FileNotFoundError:
-        raise FlowerAppError(f"{said}: no such file; {fix}") from None
-    except IsADirectoryError:
-        raise FlowerAppError(f"{said}: a folder, not a file; {fix}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise FlowerAppError(f"{said}: not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise FlowerAppError(f"{said}: cannot be read: {exc.strerror or exc}; {fix}") from None
-    except ValueError as exc:  # not a regular file (a FIFO, a device), or far too large
-        raise FlowerAppError(f"{exc}; {fix}") from None
+        return read_toml_file(Path(path).expanduser(), "--run-config")
+    except ValueError as exc:
+        raise FlowerAppError(f"{exc} (a --run-config ending in .toml is a file of overrides; else give "
+                             "KEY=VALUE pairs)") from None
 
 
 # Flower's own pattern for one KEY=VALUE of a --run-config string (flwr.common.config.parse_config_args), which

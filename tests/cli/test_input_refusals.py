@@ -109,10 +109,10 @@ def test_a_missing_or_unreadable_run_config_file_is_one_line_naming_it(tmp_path,
     pytest.importorskip("flwr")
     (tmp_path / "folder.toml").mkdir()
     (tmp_path / "bad.toml").write_text('num-server-rounds = "x\n')
-    fix = "give the path of a TOML file of overrides, or KEY=VALUE pairs (a --run-config ending in .toml is a file)"
-    cases = [("missing.toml", f"--run-config missing.toml: no such file; {fix}"),
-             ("folder.toml", f"--run-config folder.toml: a folder, not a file; {fix}"),
-             ("bad.toml", "--run-config bad.toml: not valid TOML: ")]
+    fix = "(a --run-config ending in .toml is a file of overrides; else give KEY=VALUE pairs)"
+    cases = [("missing.toml", f"--run-config missing.toml does not exist {fix}"),
+             ("folder.toml", f"--run-config folder.toml is a folder; give a TOML file {fix}"),
+             ("bad.toml", "--run-config bad.toml is not valid TOML: ")]
     for given, line in cases:
         done = run_main([*CLIENT, "--flower-app", str(ROOT / "examples" / "flower_app"), "--run-config", given],
                         capfd, tmp_path)

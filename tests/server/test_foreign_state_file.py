@@ -6,7 +6,6 @@ files, and a real `fedpar serve --state` process."""
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 from fedpar.cli.main import main
 from fedpar.server.run_store import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION, RunStore, StoreError
+from support.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,11 +97,7 @@ def _start_and_stop(state: Path, certs: Path, tmp: Path) -> str:
                 time.sleep(0.1)
             assert process.poll() is None and port_file.exists(), (tmp / "serve.log").read_text()
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_processes(process, wait=30)
     return (tmp / "serve.log").read_text()
 
 

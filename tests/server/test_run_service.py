@@ -27,7 +27,7 @@ from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
 from support.devices import RANKS_ON_CPU
 from support.in_process import main_here
-from support.processes import children
+from support.processes import children, stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = 'local_epochs = 1\nbatch_size = 32\nclients_per_round = 2\nmin_reports = 2\n'
@@ -122,14 +122,7 @@ class Federation:
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def close(self) -> None:
-        for process in [*self.agents, self.service]:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in [*self.agents, self.service]:
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(*self.agents, self.service)
 
 
 @pytest.fixture(scope="module")

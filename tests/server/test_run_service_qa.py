@@ -6,7 +6,6 @@ folder that is not there is refused rather than made. Real gRPC over mutual TLS 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.run_control import RunControlServer
 from fedpar.server.run_store import MissingFolder, RunStore, StoreError, check_state_folder
 from support.in_process import main_here
+from support.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,11 +62,7 @@ def service(tmp_path_factory):
         submit.path = tmp / "run.toml"
         yield submit
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_processes(process)
         log.close()
 
 

@@ -7,7 +7,6 @@ on loopback."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from safetensors.numpy import load_file
 from fedpar.security.certs import ensure_certs
 from fedpar.server.run_store import RunStore
 from support.in_process import run_main
+from support.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -81,15 +81,7 @@ def test_a_simulation_host_under_mutual_tls_stays_joined_for_one_run_after_anoth
         assert host.poll() is None, log  # still joined, for the next run
         assert "Traceback" not in log and "training finished" not in log, log
     finally:
-        for process in (serve, host):
-            if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in (serve, host):
-            if process is not None:
-                try:
-                    process.wait(20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        stop_processes(serve, host)
 
 
 def test_a_host_without_its_certificate_is_told_which_to_make_in_one_line(tmp_path, capsys):

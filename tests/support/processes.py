@@ -148,3 +148,18 @@ def not_on_loopback(addresses: set[tuple[str, int]]) -> set[tuple[str, int]]:
         ip = ipaddress.ip_address(address)
         return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
     return {a for a in addresses if not loopback(a[0])}
+
+
+def stop_processes(*processes: subprocess.Popen | None, wait: float = 20.0) -> None:
+    """SIGTERM each of ``processes`` still running (None: not started), then wait ``wait`` seconds for each, and
+    kill the ones that did not end."""
+    started = [p for p in processes if p is not None]
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in started:
+        try:
+            process.wait(wait)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
