@@ -59,10 +59,11 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
 def strategy_class(name: str) -> type:
     """The class of strategy ``name`` (``dp-NAME``: NAME's; ``flower:REF``: the Flower class); ValueError listing
     the choices when unknown."""
+    key = name.strip().lower().replace("-", "_")
+    if key.startswith(DP_PREFIX):  # (a flower: reference keeps its case)
+        name, key = name.strip()[len(DP_PREFIX):], key[len(DP_PREFIX):]
     if _flower_name(name):
         return _flower_module().flower_class(name)
-    key = name.strip().lower().replace("-", "_")
-    key = key[len(DP_PREFIX):] if key.startswith(DP_PREFIX) else key
     classes = strategy_classes()
     if key not in classes:
         raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(classes)}, "
@@ -73,8 +74,10 @@ def strategy_class(name: str) -> type:
 def strategy_name(name: str) -> str:
     """The name a strategy built from ``name`` has (the DP wrapper's for ``dp-NAME``), without building it; ValueError
     for an unknown one."""
-    inner = strategy_class(name).name
     wrapped = name.strip().lower().replace("-", "_").startswith(DP_PREFIX)
+    bare = name.strip()[len(DP_PREFIX):] if wrapped else name.strip()
+    cls = strategy_class(bare)
+    inner = bare if _flower_name(bare) else cls.name  # a Flower strategy is named by its reference
     return DPStrategy.wrapping(inner) if wrapped else inner
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import build_strategy
-from fedpar.aggregation.compatibility import check_composition, options_privacy
+from fedpar.aggregation.compatibility import DP_PREFIX, check_composition, options_privacy
 from fedpar.aggregation.registry import FLOWER_PREFIX, strategy_name
 from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.task_options import REPLACED_BY_TASK
@@ -138,7 +138,9 @@ def check_resumed_strategy(cfg: SimulationConfig) -> None:
     """CheckpointError when ``cfg`` would resume a checkpoint made with another strategy: said now, from the
     checkpoint's state.json, not by the coordinator once the data is loaded (a Flower strategy is left to it)."""
     saved_by = saved_strategy(cfg.checkpoint_dir)
-    if saved_by is None or not cfg.strategy or cfg.strategy.startswith(FLOWER_PREFIX):
+    bare = cfg.strategy.strip()
+    bare = bare[len(DP_PREFIX):] if bare.lower().replace("_", "-").startswith(DP_PREFIX) else bare
+    if saved_by is None or not bare or bare.lower().startswith(FLOWER_PREFIX):  # dp-flower:REF too
         return
     name = strategy_name(cfg.strategy)
     if saved_by != name:

@@ -209,3 +209,26 @@ def test_every_simulate_setting_is_recorded_for_a_resume_or_left_out_on_purpose(
     for name, role in roles.items():  # the record keeps each as declared, by its flag
         flag = flag_of(SimulationConfig, name) if name != "upload_compression" else "--compression"
         assert (flag in defining, flag in noted) == (role == DEFINES, role == NOTED), (name, role)
+
+
+def test_a_private_secure_run_with_a_flower_strategy_resumes_where_it_stopped(tmp_path, capfd):
+    """QA: a checkpoint of --strategy flower:FedAdam --privacy client --secure-aggregation (strategy
+    'dp-flower:FedAdam') was refused on resume, "unknown strategy 'dp-flower:FedAdam'": the check of the resumed
+    strategy took dp-flower:REF for a registered name. It resumes: epsilon grows on, and the adaptive clip norm and
+    FedAdam's moments are the checkpoint's."""
+    private = ("--strategy", "flower:FedAdam", "--secure-aggregation", "--privacy", "client", "--privacy-clip", "0.5",
+               "--privacy-noise", "0.3", "--privacy-adaptive-quantile", "0.5")
+    ckpt = tmp_path / "ckpt"
+    code, err = _simulate(*private, out=tmp_path / "out", ckpt=ckpt, rounds=1, capfd=capfd)
+    assert code == 0, err
+    saved = json.loads((ckpt / "round-000001" / "state.json").read_text())["strategy"]
+    assert saved["strategy"] == "dp-flower:FedAdam" and {"m_t", "v_t"} <= set(saved["inner"]["flower_records"])
+    code, err = _simulate(*private, out=tmp_path / "out", ckpt=ckpt, rounds=2, capfd=capfd)
+    assert code == 0 and err == "", err
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
+    assert rows[1]["dp_epsilon"] > rows[0]["dp_epsilon"] > 0
+    assert rows[1]["dp_clip_norm"] == pytest.approx(saved["clip_norm"]) != 0.5  # the clip norm round 1 adapted to
+    code, err = _simulate("--strategy", "flower:FedAvg", *private[2:], out=tmp_path / "out", ckpt=ckpt, rounds=3,
+                          capfd=capfd)
+    assert code == 2 and "made with strategy 'dp-flower:FedAdam', not 'dp-flower:FedAvg'" in err, err
