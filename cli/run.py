@@ -332,9 +332,13 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     import grpc
 
     from fedpar.security.handshake import NO_ANSWER, NO_CONNECTION, OPERATOR, diagnose_handshake, silence_at
+    from fedpar.server.run_control import SERVICE_STOPPING
 
     control, code, details = args.control, err.code(), err.details() or ""
     said = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE and details == SERVICE_STOPPING:
+        return (f"the service at {control} stopped (a run it was executing resumes when it starts again on the same "
+                "--state); follow the run again then")
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
                 "--control-port")

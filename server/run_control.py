@@ -31,6 +31,8 @@ CONTROL_THREADS = 16
 # answer submit, ls and stop
 LONG_CALLS = CONTROL_THREADS - 4
 NAME_CHARS = 100  # a run's name: a label for 'fedpar run ls', not a document
+# what a follow hears when the service stops under it (UNAVAILABLE); 'fedpar run' says it in its own words
+SERVICE_STOPPING = "the service is stopping"
 
 # settings (JSON-ready dict) -> (the settings to store, a warning for the operator or ""); ValueError saying what is
 # wrong.
@@ -85,6 +87,7 @@ class RunControl(pb_grpc.RunControlServicer):
     def __init__(self, store: RunStore, validate: Validate, revocations: RevocationList | None = None):
         self.store, self.validate, self.revocations = store, validate, revocations
         self._long_calls = threading.BoundedSemaphore(LONG_CALLS)
+        self.stopping = threading.Event()  # set before the service closes its store: follows end, not read it
 
     @contextlib.contextmanager
     def _long_call(self, context) -> Iterator[None]:
@@ -164,7 +167,7 @@ class RunControl(pb_grpc.RunControlServicer):
         after, after_line = request.after_round, 0
         while True:
             ended = run.status in ENDED  # read before the rows: a run that ended has written all of them
-            for kind, key, entry in self.store.timeline(run.id, after_line, after):
+            for kind, key, entry in self._read(context, self.store.timeline, run.id, after_line, after):
                 if kind == "line":
                     after_line = key
                     yield pb.RunRound(line=entry, status=run.status)
@@ -175,7 +178,18 @@ class RunControl(pb_grpc.RunControlServicer):
                 yield pb.RunRound(status=run.status)
                 return
             time.sleep(FOLLOW_POLL_SECONDS)
-            run = self.store.get(run.id)
+            run = self._read(context, self.store.get, run.id)
+
+    def _read(self, context, fn, *args):
+        """``fn(*args)``, a read of the store by a follow; once the service stops (its store closing or closed), the
+        follow ends with UNAVAILABLE saying so, not with gRPC's traceback of the closed database."""
+        if not self.stopping.is_set():
+            try:
+                return fn(*args)
+            except StoreError as exc:
+                if not self.stopping.is_set():
+                    context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        context.abort(grpc.StatusCode.UNAVAILABLE, SERVICE_STOPPING)
 
     def Get(self, request: pb.RunRef, context):
         """A run's final model and metrics files."""
@@ -210,7 +224,8 @@ class RunControlServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=CONTROL_THREADS,
                                                               thread_name_prefix="fedpar-control"),
                                    options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_RunControlServicer_to_server(RunControl(store, validate, revocations), self._server)
+        self.servicer = RunControl(store, validate, revocations)
+        pb_grpc.add_RunControlServicer_to_server(self.servicer, self._server)
         try:
             self.port = self._server.add_secure_port(grpc_target(host, port), credentials)
         except RuntimeError:
@@ -219,5 +234,6 @@ class RunControlServer:
         self._server.start()
 
     def stop(self, grace: float = 1.0) -> None:
-        """Stop answering control calls."""
+        """Stop answering control calls: follows under way end first, saying the service stops."""
+        self.servicer.stopping.set()
         self._server.stop(grace).wait(grace + 1)
