@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import numpy as np
 import pytest
 
-from fedpar.client.secure_upload import SecureSession, flat_update
+from fedpar.aggregation import build_strategy
+from fedpar.client.secure_upload import SecureSession, SecureUpload, flat_update
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 
@@ -198,3 +200,58 @@ def test_a_cohort_too_small_to_mask_fails_the_round_cleanly(start_coordinator, a
     row = server.coordinator.metrics.last
     assert row["status"] == "failed" and "cannot set up secure aggregation for 1 agent: " in row["secagg_failure"]
     assert all(new.tobytes() == old.tobytes() for new, old in zip(server.coordinator.weights, init))
+
+
+NORMS = {"a": 2.0, "b": 0.5, "c": 3.0, "d": 0.2, "e": 4.0}  # each agent's delta norm, in clip norms
+
+
+def _play_private(bot, init, local, drop, errors):
+    """One agent's secure round as client/secure_upload.SecureUpload plays it under client-side DP (clipped, weighing
+    1, its clip bit after the update); ``drop`` as in :func:`_play`."""
+    layout = ModelLayout.of_arrays(_names(init), init)
+    task = bot.task()
+    upload = SecureUpload(SecureSession(bot.stub, bot.auth, task, poll_seconds=1.0, stage_timeout=30.0), layout,
+                          bot.max_chunk, lambda what, err: errors.append(f"{bot.agent_id}: {what}: {err}"))
+    if not upload.begin():
+        return
+    global_weights = bot.download(task, layout)
+    if drop == "before_upload" or not upload.upload(local, global_weights, None, {}, time.monotonic() + 30.0):
+        return
+    if drop != "after_upload":
+        upload.close()
+
+
+def test_client_dp_counts_the_clip_bits_of_the_survivors_only(start_coordinator, agents):
+    """Client-side DP under secure aggregation, one clipped agent dropping before its upload and one after: the sum
+    holds the four survivors' clipped updates and their bits only (2 of them clipped), and the coordinator's mean
+    is the clear one's."""
+    clip, init = 0.5, _weights()
+    strategy = build_strategy("dp-fedavg", noise_multiplier=1e-9, clip_norm=clip, population=5, clients_per_round=5,
+                              mode="client", seed=0)
+    server = start_coordinator(init, strategy=strategy, **SECURE, deadline_seconds=5.0)
+    bots = agents(server.address, IDS)
+    rng = np.random.default_rng(1)
+    deltas = {}
+    for i in IDS:
+        d = [rng.uniform(-1, 1, w.shape) for w in init]
+        scale = NORMS[i] * clip / np.sqrt(sum(float(np.sum(x * x)) for x in d))
+        deltas[i] = [x * scale for x in d]
+    locals_ = {i: [(w + x).astype(np.float32) for w, x in zip(init, deltas[i])] for i in IDS}
+    drops = {"c": "before_upload", "a": "after_upload"}
+    errors: list[str] = []
+    threads = [threading.Thread(target=_play_private, args=(b, init, locals_[b.agent_id], drops.get(b.agent_id),
+                                                            errors)) for b in bots]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert server.wait(60)
+    assert not errors, errors
+    row = server.coordinator.metrics.last
+    assert (row["status"], row["reported"], row["num_updates"], row["examples"]) == ("ok", 4, 4, 4)
+    assert (row["secagg_survivors"], row["secagg_dropped"]) == (4, 1)
+    assert row["dp_clipped_fraction"] == 0.5  # a and e of a, b, d, e (c clipped too, but is not in the sum)
+    survivors = ["a", "b", "d", "e"]
+    for k, (new, g) in enumerate(zip(server.coordinator.weights, init)):
+        clipped = sum(deltas[i][k] * min(1.0, 1 / NORMS[i]) for i in survivors)
+        np.testing.assert_allclose(new, g + clipped / 5, rtol=0, atol=1e-5)  # the fixed denominator, 5
