@@ -177,8 +177,8 @@ class DPStrategy(Strategy):
             raise ValueError(f"the secure sum weighs {total_weight} for {agents} agents; under DP each update weighs 1")
         clipped = round(sums[0]) if sums else agents
         if not 0 <= clipped <= agents:
-            raise ValueError(f"the secure sum counts {sums[0]:.3f} clipped updates of {agents}; the masks were not "
-                             "removed right")
+            raise ValueError(f"the secure sum counts {sums[0]:.3f} clipped updates of {agents}: an agent masked a "
+                             "clip bit other than 0 or 1, or the masks were not removed right")
         self._claim_all(["secure-aggregate"])
         assert self._acc is not None and self._shapes is not None
         arrays = self._shapes.check_update(mean, "the secure sum", False)

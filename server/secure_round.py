@@ -233,7 +233,11 @@ class SecureRound:
             offset += w.size
         # the values each agent added after its update, summed (its weight 1 each: DP's clip bits, as a count)
         sums = [float(v) * r.weight_sum / self.params.bit_value for v in r.mean[offset:]]
-        await self.in_thread(self.strategy.fold_secure_sum, update, r.weight_sum, len(r.survivors), sums)
+        try:
+            await self.in_thread(self.strategy.fold_secure_sum, update, r.weight_sum, len(r.survivors), sums)
+        except ValueError as exc:  # what the agents masked does not add up (e.g. a DP clip bit other than 0 or 1)
+            self._fail(f"the unmasked sum was refused: {exc}", state)
+            return
         self.surplus = len(r.dropped) - len(self._dropped(state, r.dropped))
         log.info("round %d: unmasked the sum of %d agents (%s) in %.2fs", self.params.round_id, len(r.survivors),
                  self._absent_words(len(r.dropped)), self.unmask_seconds)

@@ -255,3 +255,40 @@ def test_client_dp_counts_the_clip_bits_of_the_survivors_only(start_coordinator,
     for k, (new, g) in enumerate(zip(server.coordinator.weights, init)):
         clipped = sum(deltas[i][k] * min(1.0, 1 / NORMS[i]) for i in survivors)
         np.testing.assert_allclose(new, g + clipped / 5, rtol=0, atol=1e-5)  # the fixed denominator, 5
+
+
+def test_a_clip_bit_that_does_not_add_up_fails_its_round_not_the_coordinator(start_coordinator, agents, monkeypatch):
+    """QA: an agent masking a clip bit of -1 made the unmasked count -1 of 3, and DPStrategy.fold_secure_sum's
+    ValueError stopped the coordinator with a traceback. The round fails (the model stays, no privacy is charged) and
+    the next one runs."""
+    init = _weights()
+    strategy = build_strategy("dp-fedavg", noise_multiplier=1e-9, clip_norm=100.0, population=3,
+                              clients_per_round=3, mode="client", seed=0)
+    server = start_coordinator(init, strategy=strategy, **{**SECURE, "clients_per_round": 3, "min_available": 3},
+                               rounds=2)
+    bots = agents(server.address, IDS[:3])
+    honest = SecureUpload._private_update
+
+    def lying_in_round_1(self, trained, global_weights):
+        vector = honest(self, trained, global_weights)
+        if self.session.auth.agent_id == "a" and self.session.task.round == 1:
+            vector[-1] = -self.session.client.params.bit_value
+        return vector
+
+    monkeypatch.setattr(SecureUpload, "_private_update", lying_in_round_1)
+    errors: list[str] = []
+    for round_id in (1, 2):  # the agents play round 1, then round 2
+        threads = [threading.Thread(target=_play_private, args=(b, init, _local(init, i + 1), None, errors))
+                   for i, b in enumerate(bots)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, (round_id, errors)
+    assert server.wait(60)
+    first, second = server.coordinator.metrics.read_rows()
+    assert first["status"] == "failed" and "dp_epsilon" not in first
+    assert first["secagg_failure"] == ("the unmasked sum was refused: the secure sum counts -1.000 clipped updates "
+                                       "of 3: an agent masked a clip bit other than 0 or 1, or the masks were not "
+                                       "removed right")
+    assert second["status"] == "ok" and second["dp_clipped_fraction"] == 0.0 and second["dp_epsilon"] > 0
