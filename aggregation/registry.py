@@ -42,8 +42,8 @@ def build_strategy(name: str, **kwargs: Any) -> Strategy:
                    and p.name not in dp]
         if missing:  # Python's own words would name the wrapper's parameters, which no flag has
             raise ValueError(f"strategy {name!r} is the DP wrapper, built with {len(missing)} DP option(s) it was "
-                             f"not given; give --strategy {key[len(DP_PREFIX):]} with --privacy central (or client) "
-                             "and its --privacy-* settings, which set them")
+                             f"not given; give --strategy {name.strip()[len(DP_PREFIX):]} with --privacy central (or "
+                             "client) and its --privacy-* settings, which set them")
         return DPStrategy(inner, **dp)
     cls = strategy_class(name)
     try:

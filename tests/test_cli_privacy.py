@@ -74,3 +74,16 @@ def test_a_dp_strategy_named_on_the_command_line_says_which_flags_build_it(capsy
     assert lines == ["fedpar serve: strategy 'dp-fedavg' is the DP wrapper, built with 4 DP option(s) it was not "
                      "given; give --strategy fedavg with --privacy central (or client) and its --privacy-* settings, "
                      "which set them"]
+
+
+def test_a_dp_flower_strategy_named_on_the_command_line_is_told_back_in_its_own_case(capsys):
+    """QA: it said "give --strategy flower:fedadam", which names no Flower strategy (the reference is case-sensitive)."""
+    pytest.importorskip("flwr")
+    from fedpar.cli.main import main
+
+    assert main(["simulate", "--strategy", "dp-flower:FedAdam", "--secure-aggregation", "--privacy", "client",
+                 "--rounds", "1", "--quiet"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["fedpar simulate: strategy 'dp-flower:FedAdam' is the DP wrapper, built with 4 DP option(s) it "
+                     "was not given; give --strategy flower:FedAdam with --privacy central (or client) and its "
+                     "--privacy-* settings, which set them"]
