@@ -77,7 +77,8 @@ def test_a_dp_strategy_named_on_the_command_line_says_which_flags_build_it(capsy
 
 
 def test_a_dp_flower_strategy_named_on_the_command_line_is_told_back_in_its_own_case(capsys):
-    """QA: it said "give --strategy flower:fedadam", which names no Flower strategy (the reference is case-sensitive)."""
+    """QA: it said "give --strategy flower:fedadam", which names no Flower strategy (a reference is
+    case-sensitive)."""
     pytest.importorskip("flwr")
     from fedpar.cli.main import main
 
