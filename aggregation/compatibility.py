@@ -14,6 +14,7 @@ from fedpar.aggregation.catalog import strategy_classes
 from fedpar.aggregation.strategy import FLOWER_PREFIX
 
 DP_PREFIX = "dp-"
+FLOWER_LINEAR = "flower:FedAvg, flower:FedAvgM, flower:FedProx, flower:FedAdam, flower:FedAdagrad or flower:FedYogi"
 CLIENT_WITH_NOISE = "client with --privacy-local-noise"  # a privacy level: the server re-clips each noisy update
 # What each feature of the table is called in its lines and in the docs (a strategy's feature names it instead;
 # "robust" is followed by the names robust_strategies() gives).
@@ -73,6 +74,8 @@ class Clash:
         named = named or {}
         a, b = (named[f] if f in named else feature_name(f) for f in (self.first, self.second))
         instead = f"; use a linear strategy: {', '.join(linear_strategy_names())}" if self.linear_instead else ""
+        if self.linear_instead and self.second == "flower":
+            instead += f", or Flower's {FLOWER_LINEAR}"
         return f"{a} cannot run with {b}: {self.reason}{instead}"
 
 

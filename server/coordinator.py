@@ -397,6 +397,8 @@ class Coordinator(IngestPlane):
                "reported": state.accepted, "rejected": state.rejected, "late": state.late(),
                "silent": 0, "not_needed": 0, "examples": state.examples, "close_reason": state.close_reason,
                "cohort_digest": cohort_digest(state.slots)}
+        if state.examples is None:  # hidden (a secure round under DP): no figure rather than the agents' count
+            del row["examples"]
         if failure:
             row["failure"] = failure
         if state.training_error:

@@ -277,6 +277,9 @@ class RoundModes:
                  executor: Executor):
         if config.secure_aggregation:
             check_secure_setup(names, weights, strategy)
+            if config.secagg_max_weight is not None and strategy.privacy_level != "off":
+                raise ValueError("--secagg-max-weight does not apply with --privacy: DP-FedAvg weighs each update 1, "
+                                 "which a secure round under DP holds every agent to; leave it out")
         if config.max_agent_share is not None:
             strategy.cap_shares(config.max_agent_share)
         self.config = config

@@ -99,7 +99,7 @@ class RoundState:
     accepted: int = 0
     rejected: int = 0
     late_refused: int = 0
-    examples: int = 0
+    examples: int | None = 0  # None: hidden (a secure round under DP, whose agents each weigh 1)
     metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     pending_folds: set = field(default_factory=set)
     fold_seconds: float = 0.0  # spent folding this round's updates on this rank

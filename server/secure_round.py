@@ -225,7 +225,7 @@ class SecureRound:
         finally:
             self._notify(stage=True)
         r = self.result
-        state.examples = r.weight_sum
+        state.examples = r.weight_sum if self.strategy.privacy_level == "off" else None  # DP: each weighs 1
         update, offset = [], 0
         for w in global_weights:
             delta = r.mean[offset:offset + w.size].reshape(w.shape)

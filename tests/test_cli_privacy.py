@@ -88,3 +88,14 @@ def test_a_dp_flower_strategy_named_on_the_command_line_is_told_back_in_its_own_
     assert lines == ["fedpar simulate: strategy 'dp-flower:FedAdam' is the DP wrapper, built with 4 DP option(s) it "
                      "was not given; give --strategy flower:FedAdam with --privacy central (or client) and its "
                      "--privacy-* settings, which set them"]
+
+
+def test_secagg_max_weight_under_dp_is_one_line_and_no_run(capsys):
+    """DP-FedAvg weighs each update 1, which a secure round under DP holds every agent to: a weight cap is refused
+    rather than ignored."""
+    from fedpar.cli.main import main
+
+    assert main(["serve", "--secure-aggregation", "--privacy", "client", "--privacy-population", "10",
+                 "--secagg-max-weight", "100", "--rounds", "1", "--insecure", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--secagg-max-weight does not apply with --privacy" in err, err

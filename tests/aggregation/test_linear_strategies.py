@@ -103,4 +103,5 @@ def test_the_secure_aggregation_refusal_of_a_strategy_lists_the_linear_ones(stra
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"fedpar simulate: --secure-aggregation cannot run with "
                                                    f"--strategy {strategy}: ")
-    assert lines[0].endswith(f"; use a linear strategy: {', '.join(linear_strategy_names())}")
+    assert f"; use a linear strategy: {', '.join(linear_strategy_names())}" in lines[0]
+    assert lines[0].endswith("or flower:FedYogi") == strategy.startswith("flower:")  # Flower's own that compose

@@ -350,5 +350,7 @@ def test_a_secure_sum_is_refused_where_the_server_would_clip_or_the_weights_are_
         s.fold_secure_sum(_model(np.zeros(10)), 7, 4, [0.0])
     with pytest.raises(ValueError, match="counts 5.000 clipped updates of 4"):
         s.fold_secure_sum(_model(np.zeros(10)), 4, 4, [5.0])
+    with pytest.raises(ValueError, match="counts 1.500 clipped updates of 4: an agent masked a clip bit other"):
+        s.fold_secure_sum(_model(np.zeros(10)), 4, 4, [1.5])  # half a bit: no agent's clip bit is that
     s.fold_secure_sum(_model(np.zeros(10)), 4, 4, [1.0])  # the refusals changed nothing: it still takes one
     assert s.folded == 4

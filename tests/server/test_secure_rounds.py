@@ -248,7 +248,7 @@ def test_client_dp_counts_the_clip_bits_of_the_survivors_only(start_coordinator,
     assert server.wait(60)
     assert not errors, errors
     row = server.coordinator.metrics.last
-    assert (row["status"], row["reported"], row["num_updates"], row["examples"]) == ("ok", 4, 4, 4)
+    assert (row["status"], row["reported"], row["num_updates"]) == ("ok", 4, 4) and "examples" not in row  # hidden
     assert (row["secagg_survivors"], row["secagg_dropped"]) == (4, 1)
     assert row["dp_clipped_fraction"] == 0.5  # a and e of a, b, d, e (c clipped too, but is not in the sum)
     survivors = ["a", "b", "d", "e"]

@@ -62,6 +62,7 @@ def test_client_dp_under_secure_aggregation_counts_the_clip_bits_and_learns_as_i
         rows[how] = [json.loads(line) for line in (tmp_path / how / "metrics.jsonl").read_text().splitlines()]
     masked, clear = rows["masked"], rows["clear"]
     assert all(r["status"] == "ok" and r["reported"] == 10 and r["num_updates"] == 10 for r in masked)
+    assert not any("examples" in r for r in masked)  # hidden: each agent weighs 1, so the sum's weight is no count
     assert masked[0]["dp_clipped_fraction"] == clear[0]["dp_clipped_fraction"]  # round 1: the same training
     assert any(0 < r["dp_clipped_fraction"] < 1 for r in masked)  # (C = 1.7 clips some agents of a round, not all)
     assert [r["dp_epsilon"] for r in masked] == [r["dp_epsilon"] for r in clear]
