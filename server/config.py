@@ -82,7 +82,8 @@ class SecureAggregation:
              "epochs in the cohort)", resume=NOTED)
     secagg_stage_seconds: float = setting(30.0, check="seconds", group="secagg",
                                           help="with --secure-aggregation: longest wait for each key-exchange stage "
-                                               "and for unmasking", resume=UNRECORDED)
+                                               "(at most a third of --deadline) and for unmasking",
+                                          resume=UNRECORDED)
 
 
 @dataclass

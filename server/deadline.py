@@ -71,6 +71,13 @@ def wall_seconds(config: CoordinatorConfig) -> float:
     return config.round_wall_seconds if config.virtual_clock else config.deadline_seconds
 
 
+def secure_stage_seconds(config: CoordinatorConfig) -> float:
+    """The longest wait of each of a secure round's key stages: --secagg-stage-seconds, at most a third of the
+    round's real time (its two key stages and the masked uploads share it: an agent that died before sharing its keys
+    must not hold the stages past the deadline, which would fail the round)."""
+    return min(config.secagg_stage_seconds, wall_seconds(config) / 3)
+
+
 def seconds_left(state: Timed) -> float:
     """Real seconds left before the round's deadline: what a task handed out now carries."""
     return max(0.0, state.closes_at - time.monotonic())

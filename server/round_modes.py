@@ -31,6 +31,7 @@ from fedpar.protocol.compressed_wire import (CompressionConfig, EncodedUpdateErr
                                              with_compression)
 from fedpar.protocol.task_settings import TaskSettings
 from fedpar.server.config import CoordinatorConfig
+from fedpar.server.deadline import secure_stage_seconds
 from fedpar.server.registry import AgentRegistry
 from fedpar.server.rounds import Refusal, RoundMode, RoundState, RunUpdate, UploadTicket
 from fedpar.server.secure_round import SecureRound, check_secure_setup, default_max_weight
@@ -301,5 +302,5 @@ class RoundModes:
         else:
             registered = [r.num_examples for r in registry.get_many(cohort) if r]
             max_weight = c.secagg_max_weight or default_max_weight(registered, c.local_epochs, len(cohort))
-        return SecureRound(round_id, cohort, weights, c.secagg_clip, max_weight, c.secagg_stage_seconds,
+        return SecureRound(round_id, cohort, weights, c.secagg_clip, max_weight, secure_stage_seconds(c),
                            self.strategy, self.in_thread)

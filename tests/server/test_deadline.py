@@ -132,3 +132,10 @@ def test_an_update_begun_after_the_close_counts_late():
         open_round(plane, 1, "upload", "a")
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "closed (deadline)" in err.value.message
     assert (state.late(), state.unanswered("deadline")) == (1, {"silent": 1, "not_needed": 0})
+
+
+def test_a_secure_rounds_key_stages_wait_at_most_a_third_of_the_deadline():
+    from fedpar.server.deadline import secure_stage_seconds
+
+    assert secure_stage_seconds(CoordinatorConfig(deadline_seconds=15.0)) == 5.0  # not the default 30 s
+    assert secure_stage_seconds(CoordinatorConfig(deadline_seconds=600.0, secagg_stage_seconds=30.0)) == 30.0
