@@ -20,6 +20,9 @@ def entry() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
+        from fedpar.cli.log_level import set_grpc_verbosity  # (light: no gRPC)
+
+        set_grpc_verbosity(sys.argv[2:])  # before gRPC loads (cli/main.py's imports): it reads GRPC_VERBOSITY then
         from fedpar.cli.main import main
         code = main()
     except KeyboardInterrupt:

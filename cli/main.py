@@ -9,10 +9,14 @@ import os
 import signal
 import sys
 
+from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
+
+if __name__ == "__main__":  # python -m fedpar.cli.main: before gRPC loads (fedpar.cli.config imports it), as gRPC
+    set_grpc_verbosity(sys.argv[2:])  # reads GRPC_VERBOSITY once, when it is imported (cli/entry.py does the same)
+
 from fedpar.cli.argtypes import FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings, refuse_unswitched
 from fedpar.cli.declared import switched_options
-from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, setup_logging
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.cli.user_errors import UserError, describe, quiet_exit_for_pipe, reader_left, runs_service
 from fedpar.parallel.stopping import dump_stacks_on_signal, exit_code, signal_name
