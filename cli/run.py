@@ -125,8 +125,9 @@ def _refuse_unused(args: argparse.Namespace, action: str) -> None:
     """ValueError naming an option the user set (typed, or in a --config file) that ``action`` does not use."""
     for dest in sorted({d for used in ACTION_OPTIONS.values() for d in used} - set(ACTION_OPTIONS[action])):
         if chose(args, dest):
-            users = " and ".join(a for a, used in ACTION_OPTIONS.items() if dest in used)
-            raise ValueError(f"'fedpar run {action}' does not use --{dest} (only {users} does): leave it out")
+            users = [a for a, used in ACTION_OPTIONS.items() if dest in used]
+            raise ValueError(f"'fedpar run {action}' does not use --{dest} (only {' and '.join(users)} "
+                             f"{'does' if len(users) == 1 else 'do'}): leave it out")
 
 
 def _row_line(row: dict) -> str:

@@ -57,21 +57,21 @@ def _ended_run(store: RunStore, folder: Path, files: dict[str, bytes], status: s
 MODEL = safetensors.numpy.save({"w": numpy.arange(64, dtype=numpy.float32)})
 
 
-@pytest.mark.parametrize("argv, action, flag", [
-    (("ls", "--name", "foo"), "ls", "--name"),
-    (("ls", "-f"), "ls", "--follow"),
-    (("logs", "1", "--out", "zz"), "logs", "--out"),
-    (("stop", "1", "--name", "x"), "stop", "--name"),
-    (("get", "1", "--out", "zz", "--follow"), "get", "--follow"),
-    (("submit", "one.toml", "--out", "zz"), "submit", "--out"),
+@pytest.mark.parametrize("argv, action, flag, users", [
+    (("ls", "--name", "foo"), "ls", "--name", "submit does"),
+    (("ls", "-f"), "ls", "--follow", "submit and logs do"),
+    (("logs", "1", "--out", "zz"), "logs", "--out", "get does"),
+    (("stop", "1", "--name", "x"), "stop", "--name", "submit does"),
+    (("get", "1", "--out", "zz", "--follow"), "get", "--follow", "submit and logs do"),
+    (("submit", "one.toml", "--out", "zz"), "submit", "--out", "get does"),
 ])
-def test_an_option_the_action_does_not_use_is_refused(control, tmp_path, monkeypatch, argv, action, flag):
+def test_an_option_the_action_does_not_use_is_refused(control, tmp_path, monkeypatch, argv, action, flag, users):
     store, options, _, _ = control
     monkeypatch.chdir(tmp_path)
     (tmp_path / "one.toml").write_text("rounds = 1\n")
     store.submit("one", {"rounds": 1}, who="op")
     line = _one_line(_run(options, *argv), 2)
-    assert line.startswith(f"fedpar run: 'fedpar run {action}' does not use {flag} (only "), line
+    assert line == f"fedpar run: 'fedpar run {action}' does not use {flag} (only {users}): leave it out", line
     assert not (tmp_path / "zz").exists()
     assert [r.status for r in store.runs()] == ["queued"] and len(store.runs()) == 1  # nothing submitted or stopped
 
