@@ -287,8 +287,9 @@ class RunService:
         args = self.options_of(run)
         out = Path(args.out) if args.out else None  # None: a run that leaves no files (a simulation without --out)
         task = task_label(args)
+        began = "resumed" if run.started is not None else "started"  # (a restart of the service resumes a run)
         self.store.start(run.id, str(out or ""))
-        self._say(run, f"run {run.id} ({run.name}) started: task {task!r}, {args.rounds} rounds; only agents that "
+        self._say(run, f"run {run.id} ({run.name}) {began}: task {task!r}, {args.rounds} rounds; only agents that "
                        "have its task are sampled")
         events = None
         try:

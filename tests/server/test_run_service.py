@@ -375,6 +375,8 @@ def test_kill_9_at_seeded_random_moments_across_runs_loses_no_round_and_resumes(
         resumed = [run_id for run_id in planned if any(h.get(run_id, ("",))[0] == "running" for h in history)]
         lines = {run_id: [e for kind, _, e in store.timeline(run_id) if kind == "line"] for run_id in resumed}
         assert all(any("resumes from its last checkpoint" in line for line in lines[r]) for r in resumed), lines
+        assert all(sum(") started: task" in line for line in lines[r]) == 1 and  # started once, then resumed
+                   any(") resumed: task" in line for line in lines[r]) for r in resumed), lines
         assert all(agent.poll() is None for agent in fed.agents)  # the same agents throughout
     finally:
         fed.close()
