@@ -2,8 +2,8 @@
 
 One command: ``.venv/bin/python benchmarks/secure_dp_bench.py`` (``--quick`` for a smoke run).
 
-It runs `fedpar simulate` on digits (the MLP, --clients clients all sampled, one local epoch, --privacy client with
-adaptive clipping) three ways, alternated --repeats times: DP in the clear (each agent clips and reports its clip bit;
+It runs `fedpar simulate` on digits (the MLP, --clients clients all sampled with quantity-skewed shares, one local
+epoch, --privacy client with adaptive clipping) three ways, alternated --repeats times: DP in the clear (each agent clips and reports its clip bit;
 the coordinator re-clips, sums and noises), the same DP under --secure-aggregation (each agent clips, masks its update
 with weight 1 and its clip bit after it; the coordinator noises the unmasked sum and counts the bits), and secure
 aggregation without DP. For each: the steady round (the median of the seconds from one metrics row to the next,
@@ -28,7 +28,7 @@ from results import RESULTS, write_results  # noqa: E402
 
 from fedpar.cli.argtypes import FedparParser  # noqa: E402
 
-DP = ["--privacy", "client", "--privacy-noise", "0.3", "--privacy-clip", "1.5", "--privacy-adaptive-quantile", "0.5"]
+DP = ["--privacy", "client", "--privacy-noise", "0.3", "--privacy-clip", "0.3", "--privacy-adaptive-quantile", "0.5"]
 WAYS = {"dp_clear": DP, "dp_secure": [*DP, "--secure-aggregation"], "secure": ["--secure-aggregation"]}
 
 
@@ -42,8 +42,9 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=RESULTS / "secure_dp_bench.json")
     a = p.parse_args()
     clients, rounds, repeats = (4, 4, 1) if a.quick else (a.clients, a.rounds, a.repeats)
+    # quantity-skewed shares: the agents' updates differ in size, so C clips some of them (0.3: 4 of 10 in round 1)
     job = ["--dataset", "digits", "--model", "mlp", "--local-epochs", "1", "--clients", str(clients),
-           "--rounds", str(rounds), "--seed", "0"]
+           "--rounds", str(rounds), "--seed", "0", "--partition", "quantity:1"]
     runs: dict[str, list[dict]] = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(repeats):
