@@ -6,9 +6,10 @@ It runs `fedpar simulate` on digits (the MLP, --clients clients all sampled with
 epoch, --privacy client with adaptive clipping) three ways, alternated --repeats times: DP in the clear (each agent
 clips and reports its clip bit; the coordinator re-clips, sums and noises), the same DP under --secure-aggregation
 (each agent clips, masks its update with weight 1 and its clip bit after it; the coordinator noises the unmasked sum
-and counts the bits), and secure aggregation without DP. For each: the steady round (the median of the seconds from one metrics row to the next,
-rounds 2..R, as benchmarks/population_bench.py --steady measures it), the final test accuracy, and the round-1
-dp_clipped_fraction (the same seed trains the same first round, so the masked count must equal the clear one).
+and counts the bits), and secure aggregation without DP. For each: the steady round (the median of the seconds from
+one metrics row to the next, rounds 2..R, as benchmarks/population_bench.py --steady measures it), the final test
+accuracy, and the round-1 dp_clipped_fraction (the same seed trains the same first round, so the masked count must
+equal the clear one).
 Ratios: secure DP over clear DP, and secure DP over secure without DP (what the clip bit and the noise cost).
 Results: benchmarks/results/secure_dp_bench.json.
 """
