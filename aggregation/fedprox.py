@@ -51,7 +51,7 @@ class FedProx(StreamingStrategy):
         """Set the proximal coefficient mu (>= 0)."""
         super().__init__(fold_config)
         if proximal_mu < 0:
-            raise ValueError(f"proximal_mu must be >= 0, got {proximal_mu}")
+            raise ValueError(f"mu (proximal_mu) must be >= 0, got {proximal_mu}")
         self.proximal_mu = float(proximal_mu)
 
     def client_config(self, round_id: int) -> TaskSettings:

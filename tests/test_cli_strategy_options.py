@@ -78,7 +78,7 @@ def test_a_privacy_delta_at_or_above_one_over_the_population_is_refused_and_the_
     ("mu=abc", "option 'mu' (FedProx's proximal_mu) of strategy 'fedprox' must be a number, got 'abc'"),
     ("proximal_mu=abc", "option 'proximal_mu' of strategy 'fedprox' must be a number, got 'abc'"),
     ("mu=nan", "must be finite"),
-    ("mu=-1", "proximal_mu must be >= 0"),
+    ("mu=-1", "mu (proximal_mu) must be >= 0"),
     ("fold_config=x", "unknown option 'fold_config'"),  # not settable from text
 ])
 def test_a_bad_option_is_a_clear_error_before_anything_starts(option, message, capsys):
