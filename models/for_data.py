@@ -43,11 +43,13 @@ def model_kwargs_for(model: str, implied: dict[str, Any], user: dict[str, Any]) 
         fits = isinstance(given, int) and (given >= base[key] if key in AT_LEAST else given == base[key])
         if not fits:
             must = "at least" if key in AT_LEAST else "exactly"
+            also = f" (or lower --block-size to {given})" if key == "block_size" and isinstance(given, int) else ""
             raise ValueError(f"--model-arg {key}={user[key]!r}: the data needs {must} {base[key]}; leave it out and the "
-                             "data sets it")
+                             f"data sets it{also}")
     return {**base, **user}
 
 
-# What the data sizes: a user's value must match it (the inputs), or be at least it (the classes, the vocabulary).
-AT_LEAST = frozenset({"num_classes", "vocab_size"})
+# What the data sizes: a user's value must match it (the inputs), or be at least it (the classes, the vocabulary,
+# the context length: a gpt's block_size below --block-size raised on the first forward, in every rank).
+AT_LEAST = frozenset({"num_classes", "vocab_size", "block_size"})
 DATA_SIZED = AT_LEAST | {"in_features", "in_channels", "image_size"}

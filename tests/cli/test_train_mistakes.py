@@ -126,6 +126,11 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
      "fedpar train: model 'mlp' cannot be built with in_features=64, num_classes=10, hidden='x': invalid literal"),
     (["--model", "mlp", "--dataset", "digits", "--model-arg", "num_classes=3"],
      "fedpar train: --model-arg num_classes=3: the data needs at least 10; leave it out and the data sets it"),
+    # a gpt shorter than --block-size (QA): a ValueError traceback from every rank's first forward
+    (["--model", "gpt", "--dataset", "text", "--data-path", "{tmp}/corpus/input.txt", "--nproc", "2",
+      "--block-size", "32", "--model-arg", "block_size=16"],
+     "fedpar train: --model-arg block_size=16: the data needs at least 32; leave it out and the data sets it (or lower "
+     "--block-size to 16)"),
     (["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--microbatches", "8", "--cpu-offload"],
      "fedpar train: this run would ignore --microbatches (it needs --pp 2 or more) and --cpu-offload (it needs --fsdp "
      "2 or more): drop them, or give what they need"),
