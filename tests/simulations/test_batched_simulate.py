@@ -55,10 +55,16 @@ def test_a_convolutional_model_trains_one_by_one_on_the_cpu_by_default_and_the_s
     (["--client-batching", "--precision", "bf16"], "--client-batching trains in fp32"),
     (["--client-batching", "on", "--precision", "bf16"], "--client-batching trains in fp32"),
 ])
-def test_impossible_batching_settings_are_one_line_errors(tmp_path, capsys, flags, message):
+def test_impossible_batching_settings_are_one_line_errors_that_keep_an_earlier_runs_outputs(tmp_path, capsys, flags,
+                                                                                            message):
+    # a refused command leaves the earlier run's --out as it was (QA: bf16 was refused once its files were removed)
+    earlier = {name: f"{name} of an earlier run\n" for name in ("metrics.jsonl", "global.json", "summary.json")}
+    for name, text in earlier.items():
+        (tmp_path / name).write_text(text)
     assert main(["simulate", *SMALL, "--out", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if not p.name.startswith(".")} == earlier
 
 
 @pytest.mark.timeout(300)
