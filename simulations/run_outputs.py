@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +38,40 @@ def start_fresh(out: Path) -> None:
     """Remove the files an earlier run left in ``out``, for a run that does not resume it: a run that stops before
     its first round (or writes fewer files) would otherwise leave its summary beside the other run's rows, model and
     plots, where a finished run replaces them all."""
-    for name in RUN_FILES:
-        path = Path(out) / name
-        if not path.is_dir():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
-            path.unlink(missing_ok=True)
+    EarlierRun(out).drop()
+
+
+class EarlierRun:
+    """The files an earlier run left in ``out``, set aside (``OUT/.earlier-run``) while a new run that does not resume
+    it starts: :meth:`put_back` if the new run is refused before it writes a round (a setting or its data: a refused
+    command loses nothing), else :meth:`drop` (it ran, or was stopped: its summary must not sit beside the other
+    run's rows, model and plots)."""
+
+    FOLDER = ".earlier-run"
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.aside = self.out / self.FOLDER
+        shutil.rmtree(self.aside, ignore_errors=True)  # one a killed run left: older than the files now in ``out``
+        self.names = []
+        for name in RUN_FILES:
+            path = self.out / name
+            if path.is_file():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
+                self.aside.mkdir(exist_ok=True)
+                path.replace(self.aside / name)
+                self.names.append(name)
+
+    def put_back(self) -> None:
+        """The earlier run's files back where they were (none of them was written again: the new run wrote no
+        round)."""
+        for name in self.names:
+            if not (self.out / name).exists():
+                (self.aside / name).replace(self.out / name)
+        self.drop()
+
+    def drop(self) -> None:
+        """Forget the earlier run's files."""
+        shutil.rmtree(self.aside, ignore_errors=True)
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,

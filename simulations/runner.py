@@ -41,7 +41,7 @@ from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.resume import RunRecord, check_resume
-from fedpar.simulations.run_outputs import RunOutputs, start_fresh, write_run_outputs
+from fedpar.simulations.run_outputs import EarlierRun, RunOutputs, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.simulations.worker_processes import WorkerProcesses, check_population_fits, start_workers
 from fedpar.settings import composed
@@ -196,10 +196,11 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         # matplotlib takes about a second to import: do it while the workers start, not after the last round.
         threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     out = Path(cfg.out) if cfg.out else None
+    earlier = None
     if out:
         _make_out(out)
         if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
-            start_fresh(out)
+            earlier = EarlierRun(out)
     record = RunRecord(cfg)  # kept once the coordinator resumed (or started afresh): SimulationService.listening
     # The worker processes start as early as they can: their imports and data loading overlap the coordinator's.
     workers = workers or start_workers(cfg)
@@ -209,12 +210,27 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         # the workers train on the cores: the coordinator folds and evaluates on one thread, as torch's default of
         # one per core spin-waits on the cores the workers need (benchmarks/population_bench.py --steady)
         torch.set_num_threads(1)
+    def round_written(row: dict) -> None:  # the new run wrote a round: the earlier run's files are not put back
+        nonlocal earlier
+        if earlier is not None:
+            earlier.drop()
+            earlier = None
+        if on_round is not None:
+            on_round(row)
+
     try:
-        summary = _run(cfg, strategy, task, on_round, started, out, workers.procs, workers.sends, on_server,
+        summary = _run(cfg, strategy, task, round_written, started, out, workers.procs, workers.sends, on_server,
                        on_progress, flower_app, on_stage or (lambda what: None), store, record)
         interrupted = summary.get("interrupted", False)
         return summary
+    except Exception:
+        if earlier is not None and not (out / "metrics.jsonl").exists():  # refused before a round: it keeps them
+            earlier.put_back()
+            earlier = None
+        raise
     finally:
+        if earlier is not None:
+            earlier.drop()
         torch.set_num_threads(threads)
         with contextlib.suppress(OSError):  # however it ended, a resume counts this process's seconds too (a full
             record.update(time.monotonic() - started)  # disk: what stopped the run is what to say)

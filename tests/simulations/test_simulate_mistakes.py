@@ -112,3 +112,25 @@ def test_simulate_given_a_malformed_synthetic_name_says_one_line_and_exits_2(tmp
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fedpar simulate: {says}"), lines
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model", "gpt"], "model 'gpt' is not an image classifier for this data"),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "MNIST folder /nonexistent/mnist does not exist"),
+])
+def test_a_refusal_that_needs_the_data_keeps_an_earlier_runs_outputs(tmp_path, capfd, flags, says):
+    """A refused command loses nothing: these refusals come once the data is loaded, after the earlier run's files
+    were moved out of the way (QA: they were deleted); the next run that goes on replaces them."""
+    from support.in_process import run_main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = {name: f"{name} of an earlier run\n" for name in ("metrics.jsonl", "global.json", "summary.json")}
+    for name, text in earlier.items():
+        (out / name).write_text(text)
+    done = run_main(["simulate", "--clients", "4", "--rounds", "1", "--out", str(out), *flags], capfd)
+    assert done.returncode == 2 and done.stderr.strip().startswith(f"fedpar simulate: {says}"), done.stderr
+    assert {p.name: p.read_text() for p in out.iterdir()} == earlier  # and no folder of them left aside
+    assert run_main(["simulate", "--clients", "4", "--rounds", "1", "--out", str(out)], capfd).returncode == 0
+    assert not [p.name for p in out.iterdir() if p.read_text(errors="replace").endswith("of an earlier run\n")]
+    assert not (out / ".earlier-run").exists()
