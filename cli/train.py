@@ -175,6 +175,9 @@ def _resume_hint(cfg: TrainConfig) -> str:
         latest = None
     if latest is not None:
         return f"; the same command resumes from its checkpoint {latest.name}"
+    if cfg.checkpoint_every:  # asked for, but stopped before the first: pointing at the option the user gave misled
+        every = cfg.checkpoint_every
+        return f"; nothing to resume from yet (--checkpoint-every {every} keeps the first at step {every})"
     return "; nothing to resume from (--checkpoint-every K keeps a checkpoint every K steps)"
 
 

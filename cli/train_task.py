@@ -268,6 +268,9 @@ class TaskCheckpoints:
             latest = latest_epoch_checkpoint(self.directory, self.afresh)
         except ValueError:  # a damaged pointer is said when the run is resumed
             latest = None
+        if latest is None and self.every:  # asked for, but stopped before the first one was kept
+            return (f"; nothing to resume from yet (--checkpoint-every {self.every} keeps the first at the end of the "
+                    f"first epoch after {self.every} steps)")
         if latest is None:
             return ("; nothing to resume from (--checkpoint-every K keeps a checkpoint at the end of an epoch after "
                     "each K steps)")

@@ -89,3 +89,15 @@ def test_a_signal_an_inner_block_took_is_the_first_for_the_outer_one():
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.05)
         assert inner is outer and outer.signal == "SIGINT"  # another SIGINT now, a second later, exits at once
+
+
+@pytest.mark.parametrize("task", [False, True], ids=["engine-nproc2", "task"])
+def test_a_run_stopped_before_its_first_checkpoint_says_none_is_kept_yet_not_to_pass_checkpoint_every(tmp_path, task):
+    # QA: a run given --checkpoint-every 5, stopped at step 2, said "(--checkpoint-every K keeps a checkpoint ...)"
+    what = (["--task", "fedpar.tasks.zoo:classifier", "--task-option", "model=mlp", "--task-option", "dataset=digits"]
+            if task else ["--model", "mlp", "--dataset", "digits", "--nproc", "2", "--log-every", "2"])
+    code, err = _stopped(["train", *what, "--max-steps", "1000000", "--checkpoint-every", "1000000"],
+                         tmp_path / "run", signal.SIGINT, tmp_path)
+    assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    first = "at the end of the first epoch after 1000000 steps" if task else "at step 1000000"
+    assert err.strip().endswith(f"; nothing to resume from yet (--checkpoint-every 1000000 keeps the first {first})"), err
