@@ -44,8 +44,8 @@ def model_kwargs_for(model: str, implied: dict[str, Any], user: dict[str, Any]) 
         if not fits:
             must = "at least" if key in AT_LEAST else "exactly"
             also = f" (or lower --block-size to {given})" if key == "block_size" and isinstance(given, int) else ""
-            raise ValueError(f"--model-arg {key}={user[key]!r}: the data needs {must} {base[key]}; leave it out and the "
-                             f"data sets it{also}")
+            raise ValueError(f"--model-arg {key}={user[key]!r}: the data needs {must} {base[key]}; leave it out and "
+                             f"the data sets it{also}")
     return {**base, **user}
 
 

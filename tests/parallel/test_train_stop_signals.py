@@ -100,4 +100,5 @@ def test_a_run_stopped_before_its_first_checkpoint_says_none_is_kept_yet_not_to_
                          tmp_path / "run", signal.SIGINT, tmp_path)
     assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     first = "at the end of the first epoch after 1000000 steps" if task else "at step 1000000"
-    assert err.strip().endswith(f"; nothing to resume from yet (--checkpoint-every 1000000 keeps the first {first})"), err
+    said = f"; nothing to resume from yet (--checkpoint-every 1000000 keeps the first {first})"
+    assert err.strip().endswith(said), err
