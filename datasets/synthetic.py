@@ -76,7 +76,10 @@ class SyntheticSpec:
                              "CLIENTS a whole number") from None
         finite = all(map(math.isfinite, (alpha, beta, samples)))  # 'nan' and 'inf' read as numbers too
         if count is None or count < 1 or not finite or alpha < 0 or beta < 0 or samples <= 0:
-            raise ValueError(f"synthetic dataset {name!r} needs CLIENTS >= 1 (or --clients), ALPHA and BETA >= 0 "
+            # train and client have no --clients to fill CLIENTS in: the name must say it
+            form = "synthetic:iid:CLIENTS" if iid else "synthetic:ALPHA:BETA:CLIENTS"
+            where = "(or --clients)" if clients is not None else f"in the name ({form})"
+            raise ValueError(f"synthetic dataset {name!r} needs CLIENTS >= 1 {where}, ALPHA and BETA >= 0 "
                              "and SAMPLES > 0 (finite numbers)")
         return SyntheticSpec(alpha, beta, count, samples, iid=iid)
 
