@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 from fedpar.cli.agent_setup import agent_config, agent_data, agent_task, id_taken_line
 from fedpar.cli.declared import add_declared, from_args
@@ -138,10 +139,14 @@ def run_engine(args: argparse.Namespace) -> int:
     # terminate the other ranks while they are still leaving the group.
     # On a stop, rank 0 says what the agent did and sets it too: the launcher then says nothing more.
     code = torch.multiprocessing.get_context("spawn").Value("i", 0)
+    # Set once another rank failed, before the launch stops rank 0 with SIGTERM: rank 0 then says nothing (the launch
+    # says which rank failed), not "interrupted" (QA: two lines, the first wrong, for one rank killed).
+    lost = torch.multiprocessing.get_context("spawn").Value("i", 0)
     debug = _shows_tracebacks(args)
     try:
         with ranks_said_in_one_line(debug):  # Ctrl-C or SIGTERM here stops the ranks too (rank 0 first)
-            spawn(world, _spawned, options, layout, code, parent_stops=True, stop_grace=STOP_GRACE_SECONDS)
+            spawn(world, _spawned, options, layout, code, lost, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
+                  on_rank_lost=partial(setattr, lost, "value", 1))
     except KeyboardInterrupt as exc:  # LaunchStopped: SIGINT or SIGTERM to this process (or its group)
         if not code.value:  # rank 0 did not say what the agent did
             said_nothing = getattr(exc, "rank_0_said_nothing", False)  # it had not started: no task yet
@@ -179,17 +184,18 @@ def _shows_tracebacks(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "debug", False)) or args.log_level == "debug"
 
 
-def _spawned(options: dict, layout: ParallelLayout, code) -> None:
-    result = engine_process(argparse.Namespace(**options), layout, said=code)
+def _spawned(options: dict, layout: ParallelLayout, code, lost) -> None:
+    result = engine_process(argparse.Namespace(**options), layout, said=code, lost=lost)
     if result:
         code.value = result
 
 
-def engine_process(args: argparse.Namespace, layout: ParallelLayout, said=None) -> int:
+def engine_process(args: argparse.Namespace, layout: ParallelLayout, said=None, lost=None) -> int:
     """One rank of the agent (``layout``: the launcher's, as it resolved it): build the sharded trainer; rank 0 runs
     the Agent, the others follow it. Rank 0 takes its launcher's stop (SIGTERM; SIGINT under torchrun) from its
     start: it says what the agent did, as a one-process agent does, sets ``said`` (a shared int: its launcher then
-    says nothing more) and leaves at once with 130 or 143 (the launcher or torchrun stops the other ranks)."""
+    says nothing more) and leaves at once with 130 or 143 (the launcher or torchrun stops the other ranks); a stop
+    that comes once ``lost`` (a shared int) is set, when another rank failed, it does not say (its launcher does)."""
     from fedpar.parallel.init import exit_rank_process
     from fedpar.parallel.stopping import StopRequested, exit_code, signal_name, stop_on_signals
 
@@ -200,7 +206,8 @@ def engine_process(args: argparse.Namespace, layout: ParallelLayout, said=None) 
         with stop_on_signals(second_exits=False):  # the launcher escalates a second signal
             return _engine_rank(args, layout, driving)
     except StopRequested as exc:
-        if len(driving) < 2:  # not once the agent has said its own last line (a stop as its ranks leave)
+        # not once the agent has said its own last line (a stop as its ranks leave), nor when another rank failed
+        if len(driving) < 2 and not (lost is not None and lost.value):
             stats = driving[0].stats if driving else AgentStats()
             say_agent_interrupted(stats.summary())
         code = exit_code(signal_name(exc))

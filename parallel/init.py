@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from multiprocessing.connection import wait
 from typing import Any, Callable
 
 import torch
@@ -155,7 +156,8 @@ def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., An
 
 def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = False,
           stop_grace: float = 1.0, rank_0_decides: bool = False, start_method: str = "spawn",
-          rank_0_resumes: bool = False, restarts: RestartBudget | None = None) -> None:
+          rank_0_resumes: bool = False, restarts: RestartBudget | None = None,
+          on_rank_lost: Callable[[], None] | None = None) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh local processes set up like torchrun workers on 127.0.0.1.
 
     ``fn`` must be importable (a module-level function); a failure in any rank is re-raised here. With
@@ -171,6 +173,8 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     alone so: ``nproc`` 1). ``restarts``: that budget, shared by every slot (default: parallel/restarts.py's).
     ``start_method`` "fork" starts the ranks as copies of this process (no interpreter start or imports: seconds on
     a loaded machine); only for a caller that has started no threads, gRPC or CUDA (see :func:`fork_safe`).
+    ``on_rank_lost`` (with ``parent_stops``, where ranks end together) is called once a rank has failed, before
+    torch's join stops the others with SIGTERM: a rank 0 that says what it did on a stop can then tell the two apart.
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")
@@ -195,7 +199,7 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                     context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env),
                                                  nprocs=nproc, join=False, start_method=start_method)
                 if not (rank_0_decides or rank_0_resumes):
-                    while not context.join(timeout=0.5):
+                    while not _joined(context, on_rank_lost):
                         raise_lost_stop()
                 elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
                                                      env=env, start_method=start_method), budget, rank_0_resumes):
@@ -208,6 +212,23 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                 silent = context is None or context.processes[0].exitcode == -signal.SIGTERM
                 raise LaunchStopped(exc.signum if isinstance(exc, StopRequested) else signal.SIGINT, silent) from None
         return
+
+
+def _joined(context: mp.ProcessContext, on_rank_lost: Callable[[], None] | None) -> bool:
+    """``context.join`` for half a second; with ``on_rank_lost``, called first when a rank has failed (torch's join
+    then stops the other ranks and raises)."""
+    if on_rank_lost is None:
+        return context.join(timeout=0.5)
+    live = [p.sentinel for p in context.processes if p.exitcode is None]
+    ended = wait(live, timeout=0.5) if live else []
+    if live and not ended:  # none ended in this half second: torch's join now could see one end before this does
+        return False
+    for process in context.processes:
+        if process.sentinel in ended:
+            process.join()  # its sentinel closes a moment before its exit code can be read
+    if any(p.exitcode for p in context.processes):
+        on_rank_lost()
+    return context.join(timeout=0)
 
 
 class LaunchStopped(StopRequested):

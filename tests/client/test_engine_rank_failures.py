@@ -83,6 +83,10 @@ def test_a_rank_killed_from_outside_stops_the_agent_in_one_line():
         output = agent.stdout.read()
         assert code == 1 and "Traceback" not in output and "Terminating process" not in output, output[-3000:]
         assert "of agent big was killed by SIGKILL" in output and "start it again" in output, output
+        # QA: rank 0, stopped by the launch, first said "fedpar client: interrupted after 0 tasks, ..." (nobody was)
+        assert [line for line in output.splitlines() if line.startswith("fedpar client:")] == [
+            "fedpar client: rank 1 of agent big was killed by SIGKILL (out of memory, or stopped from outside), "
+            "which stops the agent; start it again"], output
         time.sleep(1)
         assert not [r for r in ranks if Path(f"/proc/{r}").exists()], "a rank outlived its agent"
     finally:
