@@ -199,7 +199,7 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                     context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env),
                                                  nprocs=nproc, join=False, start_method=start_method)
                 if not (rank_0_decides or rank_0_resumes):
-                    while not _joined(context, on_rank_lost):
+                    while not _ranks_joined(context, on_rank_lost):
                         raise_lost_stop()
                 elif _follow_rank_0(context, partial(_start_replacement, nproc=nproc, port=port, fn=fn, args=args,
                                                      env=env, start_method=start_method), budget, rank_0_resumes):
@@ -214,7 +214,7 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
         return
 
 
-def _joined(context: mp.ProcessContext, on_rank_lost: Callable[[], None] | None) -> bool:
+def _ranks_joined(context: mp.ProcessContext, on_rank_lost: Callable[[], None] | None) -> bool:
     """``context.join`` for half a second; with ``on_rank_lost``, called first when a rank has failed (torch's join
     then stops the other ranks and raises)."""
     if on_rank_lost is None:

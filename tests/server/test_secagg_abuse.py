@@ -210,6 +210,7 @@ def test_masked_uploads_out_of_turn_misshapen_or_twice_never_reach_the_sum(start
 def test_each_stage_message_does_not_wake_every_long_poll_of_the_cohort():
     # Every advert woke every agent's long-poll to re-check a condition only a stage's close changes: n^2 wakeups,
     # 2 s of the coordinator's loop for 1000 agents in each stage (8 s for 2000, minutes at the 10,000 allowed).
+    from fedpar.aggregation import FedAvg
     from fedpar.secagg import keys
     from fedpar.server.secure_round import SecureRound
 
@@ -218,7 +219,7 @@ def test_each_stage_message_does_not_wake_every_long_poll_of_the_cohort():
                                       s_public=keys.public_bytes(keys.generate_private_key())) for i in ids}
 
     async def stage_one():
-        secure = SecureRound(1, ids, [np.zeros(4, np.float32)], 1.0, 1, 30.0, None, None)
+        secure = SecureRound(1, ids, [np.zeros(4, np.float32)], 1.0, 1, 30.0, FedAvg(), None)
         polls = [asyncio.ensure_future(secure.exchange(i, pb.SecAggRequest(stage=pb.SECAGG_ADVERTISE,
                                                                             wait_seconds=30)))
                  for i in ids]
