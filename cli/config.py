@@ -52,8 +52,8 @@ def load_toml_section(path: str | Path, section: str, dict_options: set[str] | f
 
 
 def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str]
-          ) -> tuple[dict[str, Any], dict[str, str]]:
-    """:func:`load_toml_section`, and each option's key as written in the file (``parallel.tp``)."""
+          ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """:func:`load_toml_section`, each option's key as written in the file (``parallel.tp``), and the whole file."""
     path = Path(path)
     try:
         doc = read_toml_file(path, "config file")
@@ -70,7 +70,7 @@ def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str
                  values, {}, names)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    return values, names
+    return values, names, doc
 
 
 _FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
@@ -136,10 +136,10 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     # Options without a flag (set with parser.set_defaults) can be set from the file too.
     dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}
     dict_options = {k for k in dests if isinstance(parser.get_default(k), dict)}
-    values, names = _load(known.config, section, dict_options)
+    values, names, doc = _load(known.config, section, dict_options)
     if not values:  # a file of other commands' tables only would be ignored in silence
-        _refuse_if_for_others(known.config, section)
-    _refuse_beside_own_table(known.config, section)
+        _refuse_if_for_others(doc, known.config, section)
+    _refuse_beside_own_table(doc, known.config, section)
     aliases = {a.old_key: a for a in parser._actions if isinstance(a, AliasOption)}
     for old in [key for key in values if key in aliases]:  # an option's old name still works, with a note
         written = names[old]
@@ -197,20 +197,18 @@ def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[s
     return ", ".join(said)
 
 
-def _refuse_if_for_others(path: str, section: str) -> None:
-    """ConfigError when the file at ``path`` holds tables of other subcommands only, none of ``section``'s."""
-    doc = read_toml_file(path, "config file")  # read by _load already: it reads
+def _refuse_if_for_others(doc: dict[str, Any], path: str, section: str) -> None:
+    """ConfigError when ``doc``, the file at ``path``, holds tables of other subcommands only, none of ``section``'s."""
     others = [key for key in doc if key in SUBCOMMANDS]
     if others and section not in doc:
         raise ConfigError(f"config file {path} has nothing for '{section}': no [{section}] table and no option at its "
                           f"top level, only {', '.join(f'[{key}]' for key in others)}; add a [{section}] table")
 
 
-def _refuse_beside_own_table(path: str, section: str) -> None:
-    """ConfigError naming the top-level keys of the file at ``path`` beside its [``section``] table: the command
-    reads only that table then (the top level is for a file with no table of the command's), so they would be
-    ignored in silence. Other commands' tables are theirs."""
-    doc = read_toml_file(path, "config file")  # read by _load already: it reads
+def _refuse_beside_own_table(doc: dict[str, Any], path: str, section: str) -> None:
+    """ConfigError naming the top-level keys of ``doc``, the file at ``path``, beside its [``section``] table: the
+    command reads only that table then (the top level is for a file with no table of the command's), so they would
+    be ignored in silence. Other commands' tables are theirs."""
     if not isinstance(doc.get(section), dict):
         return
     beside = [f"[{key}]" if isinstance(value, dict) else key for key, value in doc.items()

@@ -75,8 +75,8 @@ class SecureRound:
 
     def __init__(self, round_id: int, cohort: Sequence[str], weights: Sequence[np.ndarray], clip: float,
                  max_weight: int, stage_seconds: float, strategy, in_thread: RunUpdate):
-        self.model_length = sum(int(w.size) for w in weights)
-        length = self.model_length + strategy.secure_values  # what each agent adds after its update (DP's clip bit)
+        # the model's values and what each agent adds after its update (DP's clip bit)
+        length = sum(int(w.size) for w in weights) + strategy.secure_values
         self.layout = masked_layout(length)
         self.strategy = strategy
         self.in_thread = in_thread

@@ -46,7 +46,6 @@ AUTO_MIN_MEMBERS_CPU = 5  # ... and on the CPU (measured faster at 5 and at 50 w
 # What one worker's stack may hold: its members' stacked parameters, their working copy, gradients, optimizer state
 # and FedProx anchor (about 8 copies of the model per member).
 STACK_BYTES = 2 << 30
-FP32_ONLY = "--client-batching trains in fp32; drop --precision bf16 or --client-batching"
 
 
 def batching_refusal_of(model: nn.Module, task: Task | None, precision: str, member_data: ClientData | None) -> \
@@ -54,7 +53,7 @@ def batching_refusal_of(model: nn.Module, task: Task | None, precision: str, mem
     """Why a simulation's members cannot train stacked (one line), or None when they can: ``model`` (the
     federation's), ``task`` (a --task, None for the zoo's models), ``precision`` and one member's ``member_data``."""
     if precision != "fp32":
-        return FP32_ONLY
+        return "--client-batching trains in fp32; drop --precision bf16 or --client-batching"
     if task is not None:
         refusal = batching_refusal(task)
         if refusal is not None:

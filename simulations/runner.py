@@ -36,7 +36,7 @@ from fedpar.server.checkpoint import CheckpointError, has_checkpoint, saved_stra
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.agents import TASK_FAILED_EXIT, WorkerConfig
-from fedpar.simulations.client_batching import FP32_ONLY, batched_seats, batching_refusal_of, client_batching_route
+from fedpar.simulations.client_batching import batched_seats, batching_refusal_of, client_batching_route
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
@@ -124,8 +124,6 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
     check_device_layout(cfg.device)
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
-    if cfg.client_batching and cfg.precision != "fp32":  # said before an earlier run's --out files are removed
-        raise ValueError(FP32_ONLY)
     check_seats(cfg)
     check_traces(cfg)
     check_client_speeds(cfg)
