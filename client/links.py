@@ -36,8 +36,8 @@ from fedpar.client.host_stream import KeptStream
 from fedpar.client.host_uploads import HostUploads
 from fedpar.client.transfer import SendSmall, ingest_address, upload_small
 from fedpar.protocol import fedpar_pb2 as pb
-from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SMALL_UPDATE_BYTES, CoordinatorStub,
-                                   channel_options, member_token, one_line)
+from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN, SMALL_UPDATE_BYTES,
+                                   CoordinatorStub, channel_options, member_token, one_line)
 from fedpar.protocol.task_settings import MAX_TASK_SECONDS
 from fedpar.security.handshake import diagnose_handshake, tls_mismatch
 from fedpar.security.tls import TlsFiles
@@ -57,8 +57,25 @@ JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinat
 # loaded cores 50 ms did best.
 UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
 # RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
+# A Join refused for a session another process holds waits for that place once, if it frees within this (a
+# coordinator's --liveness-timeout is seconds to minutes), a little past the time the coordinator gave.
+MAX_SESSION_WAIT_SECONDS = 3600.0
+SESSION_MARGIN_SECONDS = 0.5
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def session_free_in(err: grpc.RpcError) -> float | None:
+    """The seconds in which a refused Join's session, held by another process, is free unless that process is heard
+    from (protocol/codec.SESSION_FREE_IN), or None when the refusal does not say (or says it oddly)."""
+    for key, value in (err.trailing_metadata() or ()) if isinstance(err, grpc.Call) else ():
+        if key == SESSION_FREE_IN:
+            try:
+                seconds = float(value)
+            except ValueError:
+                return None
+            return seconds if 0 <= seconds <= MAX_SESSION_WAIT_SECONDS else None
+    return None
 
 
 def _duration(seconds: float) -> str:
@@ -94,7 +111,8 @@ class Reconnecting:
     unreachable: what may be the cause, said in each retry line (e.g. its TLS setting differs), or None; it raises
     FatalAgentError for a cause retrying cannot cure (the agent's TLS handshake check); ``on_rejoin()``: counted.
     Joins are one at a time, and threads whose calls were refused under one session join again once between them.
-    A join refused ALREADY_EXISTS (another live process holds the session) is an IdTaken.
+    A join refused ALREADY_EXISTS (another process holds the session) waits once for the time the coordinator says
+    that process has left unless heard from, and joins again; refused again (it was heard from), it is an IdTaken.
     """
 
     def __init__(self, who: str, server: str, join: Callable[[], None], first: float, cap: float, rng: Uniform,
@@ -139,7 +157,7 @@ class Reconnecting:
     def _retry(self, fn: Callable[[], T], rejoin: bool) -> T:
         backoff = Backoff(self.first, self.cap, self.rng)
         unreachable_since = None
-        rejoined = False
+        rejoined = held_waited = False
         while True:
             session = self._sessions
             try:
@@ -156,7 +174,16 @@ class Reconnecting:
                     rejoined = True
                     continue
                 if code == grpc.StatusCode.ALREADY_EXISTS and not rejoin:
-                    raise IdTaken(self.who, one_line(err.details() or "")) from None
+                    free_in = None if held_waited else session_free_in(err)
+                    if free_in is None:  # the holder was heard from while this one waited: it is alive
+                        raise IdTaken(self.who, one_line(err.details() or "")) from None
+                    log.warning("%s: %s; waiting for that place (this may be the same agent started again after its "
+                                "earlier process was killed), then joining", self.who, one_line(err.details() or ""))
+                    held_waited = True
+                    sleep_unless(free_in + SESSION_MARGIN_SECONDS, self.stopped)
+                    if self.stopped():
+                        raise FatalAgentError("stopped while waiting for the session another process held") from None
+                    continue
                 if code == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but not a coordinator's agents' port
                     raise FatalAgentError(f"{self.who}: {self.server} answers, but not as a coordinator (is it a "
                                           "service's control port?): give --server the coordinator's --port") from None

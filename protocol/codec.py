@@ -326,6 +326,10 @@ FRAMING_BYTES = 64 << 10
 # coordinator memory (without the wait, every refused stream would have a flow-control window of data
 # buffered in the coordinator's transport).
 UPLOAD_ADMITTED = ("fedpar-upload", "admitted")
+# Trailing metadata on a Join refused ALREADY_EXISTS: in how many seconds the session's holder, unheard since, loses
+# its place. A process restarted at once after its earlier one was killed waits that long and joins, where it used
+# to exit (a service manager restarting it would give up); a holder heard from again in the meantime is alive.
+SESSION_FREE_IN = "fedpar-session-free-in"
 # An update of fewer bytes is small, at both ends. The agent sends it whole without waiting for admission (a
 # refused one costs less than the extra round trip), as one UploadSmall when it fits a chunk; the coordinator
 # checks and folds it on its event loop (the hand-off to a thread would cost more: a 100-agent round of a

@@ -14,6 +14,7 @@ import inspect
 import logging
 import ssl
 import threading
+from contextlib import nullcontext
 from typing import Callable, NamedTuple
 
 import grpc
@@ -290,7 +291,7 @@ class CoordinatorService:
     async def PullTask(self, request: pb.PullTaskRequest, context) -> pb.PullTaskReply:
         """Long-poll for a task."""
         agent = self._auth(request.auth, context)
-        with self.limits.agent_call(agent.agent_id):
+        with self.limits.agent_call(agent.agent_id), self.coord.registry.long_polling(agent):
             try:
                 return await self.coord.next_task(agent, request.wait_seconds, request.finished_task_id,
                                                   request.failure)
@@ -357,7 +358,8 @@ class CoordinatorService:
         if self._host_streams.get(key) is host:  # (one of a session the host replaced is its old process's: moot)
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"host {host.host_id!r} already has {stream} open; "
                                                               "send on it (one per host), or end it first")
-        with self.limits.agent_call(HOST_CALLS + host.host_id):
+        polling = self.coord.registry.long_polling(host) if what == "PullHostTasksRequest" else nullcontext()
+        with self.limits.agent_call(HOST_CALLS + host.host_id), polling:
             self._host_streams[key] = host
             try:
                 while request is not None:
@@ -573,7 +575,7 @@ def answering_refusals(handler):
                 async for item in handler(request, context):
                     yield item
             except Refusal as r:
-                await context.abort(r.code, r.message)
+                await context.abort(r.code, r.message, r.trailing)
         return stream
 
     @functools.wraps(handler)
@@ -583,7 +585,7 @@ def answering_refusals(handler):
         try:
             return await handler(request, context)
         except Refusal as r:
-            await context.abort(r.code, r.message)
+            await context.abort(r.code, r.message, r.trailing)
     return unary
 
 

@@ -100,7 +100,7 @@ class Members:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except SessionInUse as exc:  # said here too: the operator sees why an agent went away
             log.warning("refused a second process for agent %r from %s: %s", agent_id, claim.address or "?", exc)
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc), trailing=exc.refusal_trailing()) from None
         except AdmissionRefused as exc:
             log.warning("refused to admit agent %r: %s", agent_id[:128], exc.message)
             raise Refusal(exc.code, exc.message) from None

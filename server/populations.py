@@ -79,7 +79,7 @@ class Populations(Members):
         except SessionInUse as exc:  # said here too: the operator sees why a launch went away
             log.warning("refused a second process for simulation host %r from %s: %s", host_id, claim.address or "?",
                         exc)
-            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, str(exc), trailing=exc.refusal_trailing()) from None
         except AdmissionRefused as exc:
             raise Refusal(exc.code, exc.message) from None
         self._host_tasks.setdefault(host_id, set())

@@ -7,17 +7,18 @@ count it declared first, stays in a compact map bounded by --max-agents (and, fo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.protocol.codec import member_token
+from fedpar.protocol.codec import SESSION_FREE_IN, member_token
 from fedpar.security.admission import Admission, PeerIdentity
 from fedpar.server.member_table import (GONE, MAX_AGENT_ID, LiveIds, MemberTable, id_array, insert_sorted,
                                         parse_members)
@@ -33,7 +34,16 @@ class AuthError(Exception):
 
 class SessionInUse(Exception):
     """A new session for an agent or a simulation host whose session another live process holds (and did not
-    present)."""
+    present); ``free_in``: the seconds until that process, unless heard from, is taken to be gone (None: it is
+    running, its long-poll open)."""
+
+    def __init__(self, message: str, free_in: float | None):
+        super().__init__(message)
+        self.free_in = free_in
+
+    def refusal_trailing(self) -> tuple[tuple[str, str], ...]:
+        """The refusal's trailing metadata: when the place is free (protocol/codec.SESSION_FREE_IN), if it may be."""
+        return () if self.free_in is None else ((SESSION_FREE_IN, f"{self.free_in:.3f}"),)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class AgentRecord:
     incarnation: str = ""  # the id the process holding its session drew (SessionClaim)
     # when its long-poll was last cut short (registry clock): with no call since, its process is taken to be gone
     gone_at: float = -math.inf
+    long_polls: int = 0  # open now: its process is running (one that dies ends them)
 
 
 @dataclass
@@ -82,6 +93,7 @@ class HostRecord:
     incarnation: str = ""  # the id the process holding its session drew (SessionClaim)
     # when its task stream last ended (registry clock): with no call since, its process is taken to be gone
     gone_at: float = -math.inf
+    long_polls: int = 0  # task streams open now: its process is running (one that dies ends them)
 
 
 def check_capabilities(capabilities: dict[str, str]) -> None:
@@ -228,10 +240,13 @@ class AgentRegistry:
         if claim.incarnation and hmac.compare_digest(held.incarnation.encode(), claim.incarnation.encode()):
             return
         ident = held.agent_id if isinstance(held, AgentRecord) else held.host_id
+        where = f"{kind} {ident!r} is already connected from {held.address or 'an unknown address'}"
+        if held.long_polls:
+            raise SessionInUse(f"{where} (its long-poll is open now: that process is running)", None)
         ago = max(0.0, self._clock() - held.last_seen)
-        raise SessionInUse(f"{kind} {ident!r} is already connected from {held.address or 'an unknown address'} "
-                           f"(heard from {ago:.1f} s ago; if that process was killed, its place is free in "
-                           f"{max(1, math.ceil(self.liveness_timeout - ago))} s)")
+        free_in = max(0.0, self.liveness_timeout - ago)
+        raise SessionInUse(f"{where} (heard from {ago:.1f} s ago; if that process was killed, its place is free in "
+                           f"{max(1, math.ceil(free_in))} s)", free_in)
 
     @staticmethod
     def another_process(held: AgentRecord | HostRecord | None, claim: SessionClaim) -> bool:
@@ -248,6 +263,17 @@ class AgentRegistry:
         liveness timeout (a live agent long-polls or heartbeats, a host calls), and not gone quiet since its
         long-poll (an agent's) or task stream (a host's) was cut (a process that exits or dies ends its calls)."""
         return self._clock() - held.last_seen <= self.liveness_timeout and held.last_seen > held.gone_at
+
+    @staticmethod
+    @contextlib.contextmanager
+    def long_polling(held: AgentRecord | HostRecord) -> Iterator[None]:
+        """While an agent's long-poll or a host's task stream is open: its process is running, and another asking
+        for its place is told so, not to wait for it."""
+        held.long_polls += 1
+        try:
+            yield
+        finally:
+            held.long_polls -= 1
 
     def calls_cut(self, held: AgentRecord | HostRecord) -> None:
         """The long-poll of an agent, or a host's task stream, ended with its caller gone: unless it calls again,

@@ -39,12 +39,14 @@ MAX_REFUSAL_CHARS = 1024
 class Refusal(Exception):
     """A request the coordinator refuses, with the gRPC status to send and a message for the agent."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False):
+    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False,
+                 trailing: tuple[tuple[str, str], ...] = ()):
         message = fitting(message)
         super().__init__(message)
         self.code = code
         self.message = message
         self.final = final  # the update itself is bad: the agent may not retry this round
+        self.trailing = trailing  # metadata sent with the refusal, for the agent's code to read
 
 
 def fitting(message: str) -> str:

@@ -5,10 +5,12 @@ process ended), or who went quiet may be replaced by a fresh process. Real coord
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import numpy as np
+import pytest
 
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import CoordinatorStub
@@ -117,3 +119,49 @@ def test_a_join_sent_again_after_its_reply_was_lost_is_the_same_process_s(start_
         refused(lambda: join("process-b"), grpc.StatusCode.ALREADY_EXISTS, "agent 'alice' is already connected")
         refused(lambda: join(""), grpc.StatusCode.ALREADY_EXISTS, "agent 'alice' is already connected")
         refused(lambda: join("x" * 257), grpc.StatusCode.INVALID_ARGUMENT, "incarnation has 257")
+
+
+def test_an_agent_started_again_after_its_process_was_killed_waits_for_its_place_and_a_live_holder_keeps_it(
+        start_coordinator, caplog):
+    """A process killed while training (heartbeating: no long-poll whose cut the coordinator hears) holds its place
+    for the liveness timeout; the agent started again at once is told when it frees, waits, and joins (a service
+    manager restarting it would otherwise see it exit, and give up). A holder heard from meanwhile is alive: the
+    second process is refused after one wait. The client's own joining code (client/links.Reconnecting)."""
+    import random
+
+    from fedpar.client.links import IdTaken, Reconnecting
+
+    server = start_coordinator([np.zeros(SHAPE, np.float32)], min_available=50, heartbeat_seconds=0.3,
+                               liveness_timeout_seconds=1.5)
+    registry = server.coordinator.registry
+    with grpc.insecure_channel(server.address) as channel:
+        stub = CoordinatorStub(channel)
+        killed = _join(stub)
+        stub.Heartbeat(pb.HeartbeatRequest(auth=pb.AgentAuth(agent_id="alice", token=killed.token)), timeout=10)
+        joined: list[pb.JoinReply] = []
+        restarted = Reconnecting("alice", server.address, lambda: joined.append(_join(stub)), first=0.01, cap=0.05,
+                                 rng=random.Random(0))
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="fedpar.client"):
+            restarted.join()
+        assert 1.0 < time.monotonic() - started < 5.0  # the rest of the liveness timeout, and a little
+        assert "waiting for that place" in caplog.text and "already connected" in caplog.text
+        assert registry.get("alice").token == joined[0].token != killed.token
+
+        live = joined[0].token
+        beating = threading.Event()
+
+        def heartbeats() -> None:
+            while not beating.wait(0.2):
+                stub.Heartbeat(pb.HeartbeatRequest(auth=pb.AgentAuth(agent_id="alice", token=live)), timeout=10)
+        beat = threading.Thread(target=heartbeats)
+        beat.start()
+        try:
+            second = Reconnecting("alice", server.address, lambda: _join(stub), first=0.01, cap=0.05,
+                                  rng=random.Random(0))
+            with pytest.raises(IdTaken, match="already connected"):
+                second.join()
+        finally:
+            beating.set()
+            beat.join(10)
+        assert registry.get("alice").token == live  # nothing of the live one changed
