@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fedpar.datasets.arrays import CLASSIFICATION, TrainData
+from fedpar.models.for_data import model_kwargs_for
 from fedpar.models.losses import classification_loss, language_model_loss
 from fedpar.parallel.checkpoint import (gather_full_state_dict, gather_pipeline_state_dict, latest_checkpoint,
                                        load_checkpoint, run_record, save_checkpoint)
@@ -427,6 +428,12 @@ class Trainer:
         self._write_final_model({}, interrupted=True)
         return True
 
+    def _model_kwargs(self) -> dict[str, Any]:
+        """The keywords the model was built with, what the data implied included: global.json alone rebuilds it."""
+        if self.data_shape is None:  # a model_fn of the caller's own, told nothing by the data
+            return dict(self.config.model_kwargs)
+        return model_kwargs_for(self.config.model, self.data_shape, self.config.model_kwargs)
+
     def _write_final_model(self, evals: dict[str, float], interrupted: bool = False) -> str:
         """Collectively gather the whole model to rank 0 (a pipeline's stages too), which writes it as
         OUT/global.safetensors and global.json (protocol/model_file.py, as ``train --task`` and federated runs keep
@@ -444,6 +451,6 @@ class Trainer:
         epochs = self.counters["epoch"]
         write_final_model(self.out, [name for name, _ in floats], [t.float().numpy() for _, t in floats],
                           max(epochs, 1), {"model": self.config.model, "dataset": self.config.dataset,
-                                           "model_kwargs": self.config.model_kwargs},
+                                           "model_kwargs": self._model_kwargs()},
                           {"round": epochs, "step": self.counters["step"], **evals}, interrupted)
         return f"{TENSORS}, {INFO}"

@@ -26,6 +26,7 @@ def test_two_ranks_write_the_final_model_and_export_reads_it(tmp_path, monkeypat
     assert main(["export", str(out), "--to", str(tmp_path / "m.pt")]) == 0
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     build_model("mlp", **classifier_kwargs("mlp", (1, 8, 8), 10)).load_state_dict(state)  # whole, plain names
+    build_model("mlp", **info["model"]["model_kwargs"]).load_state_dict(state)  # global.json alone rebuilds it
     capsys.readouterr()
     assert main(["export", str(out / "checkpoints"), "--to", str(tmp_path / "c.pt")]) == 2
     line = capsys.readouterr().err.strip()
@@ -53,3 +54,5 @@ def test_a_2d_layout_trains_and_gathers_its_final_model_without_torch_warnings(t
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     vocab = len(set(text.read_text()))
     build_model("gpt", vocab_size=vocab, block_size=16, n_layer=1, n_head=2, d_model=32).load_state_dict(state)
+    kwargs = json.loads((out / "global.json").read_text())["model"]["model_kwargs"]  # what the text implied too
+    assert kwargs == {"vocab_size": vocab, "block_size": 16, "n_layer": 1, "n_head": 2, "d_model": 32}, kwargs
