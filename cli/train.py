@@ -134,11 +134,13 @@ def _run(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")):
             return exit_code(signal_name(exc))
         from fedpar.parallel.metrics import write_interrupted_summary
+        kept_step = getattr(exc, "kept_step", None)  # set where the model of the last whole step was written
         summary = write_interrupted_summary(Path(cfg.out), cfg.model, cfg.dataset, world,
-                                            time.perf_counter() - started, cfg.to_dict())
-        model = ", global.safetensors and global.json" if getattr(exc, "kept_model", False) else ""
-        print(f"fedpar train: interrupted after {summary['steps']} logged steps; wrote {cfg.out}/summary.json{model}"
-              f"{_resume_hint(cfg)}", file=sys.stderr)
+                                            time.perf_counter() - started, cfg.to_dict(), kept_step)
+        steps, model = ((f"{kept_step} steps", ", global.safetensors and global.json") if kept_step is not None else
+                        (f"{summary['steps']} logged steps", ""))
+        print(f"fedpar train: interrupted after {steps}; wrote {cfg.out}/summary.json{model}{_resume_hint(cfg)}",
+              file=sys.stderr)
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
         _raise_if_reader_left(exc)

@@ -29,7 +29,7 @@ def train_process(config: dict[str, Any] | TrainConfig, timeout_seconds: float =
         try:
             summary = trainer.run() or {}
         except KeyboardInterrupt as exc:  # SIGINT or SIGTERM, between two steps: keep the model trained so far
-            exc.kept_model = trainer.keep_model()
+            exc.kept_step = trainer.keep_model()
             raise
         # Leave together: rank 0 hosts the rendezvous store, and a peer still using it when rank 0 tears it
         # down aborts ("terminate called without an active exception", seen under load).

@@ -420,13 +420,14 @@ class Trainer:
                       f"{' and loss_curve.png' if self.config.plot else ''} in {self.out}")
         return summary
 
-    def keep_model(self) -> bool:
+    def keep_model(self) -> int | None:
         """After a stop signal (parallel/stopping.py) between the steps of a run on one process: write the model of
-        the last whole step as the finished run's; whether it was written (not before the first step)."""
+        the last whole step as the finished run's; that step, or None when nothing was written (before the first
+        step, or several ranks)."""
         if not self.stepped or self.info.world_size > 1:  # several ranks: the others are stopped, no gathering
-            return False
+            return None
         self._write_final_model({}, interrupted=True)
-        return True
+        return self.counters["step"]
 
     def _model_kwargs(self) -> dict[str, Any]:
         """The keywords the model was built with, what the data implied included: global.json alone rebuilds it."""

@@ -451,8 +451,9 @@ def test_ctrl_c_stops_train_within_two_seconds_with_exit_130_and_a_summary(tmp_p
         summary = json.loads((outs[nproc] / "summary.json").read_text())
         logged = [json.loads(r) for r in (outs[nproc] / "metrics.jsonl").read_text().splitlines()]
         steps = [r["step"] for r in logged if r["kind"] == "train"]
-        assert summary["interrupted"] and summary["world_size"] == nproc and summary["steps"] == steps[-1] >= 2
-        assert f"after {steps[-1]} logged steps" in line
+        assert summary["interrupted"] and summary["world_size"] == nproc and summary["steps"] >= steps[-1] >= 2
+        # one process keeps the model of its last whole step, and counts its steps; two ranks, the logged ones
+        assert (f"after {summary['steps']} steps; " if nproc == 1 else f"after {steps[-1]} logged steps") in line
         assert (outs[nproc] / "metrics.csv").exists()
 
 
