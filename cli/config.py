@@ -51,6 +51,13 @@ def load_toml_section(path: str | Path, section: str, dict_options: set[str] | f
     return _load(path, section, dict_options)[0]
 
 
+def load_toml_section_and_file(path: str | Path, section: str, dict_options: set[str] | frozenset[str]
+                               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`load_toml_section`'s options, and the whole file as read (for checks of its layout: read once)."""
+    values, _, doc = _load(path, section, dict_options)
+    return values, doc
+
+
 def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str]
           ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     """:func:`load_toml_section`, each option's key as written in the file (``parallel.tp``), and the whole file."""

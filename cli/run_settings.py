@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fedpar.cli.config import ConfigError, flag_key_dests, load_toml_section, rename_key, typed_value
+from fedpar.cli.config import ConfigError, flag_key_dests, load_toml_section_and_file, rename_key, typed_value
 from fedpar.cli.privacy import PrivacyOptions
 from fedpar.datasets.settings import DataSource
 from fedpar.protocol.compressed_wire import CompressionConfig
@@ -95,19 +95,16 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
     """The checked settings of run file ``path`` (its [run] table or its top level); ConfigError when unusable."""
     dict_options = {setting_key(f) for cls in RUN_SECTIONS for f in declared_fields(cls) if f.default_factory is dict}
     try:  # first: a missing or invalid file is said as such
-        values = load_toml_section(path, TABLE, dict_options)
+        values, doc = load_toml_section_and_file(path, TABLE, dict_options)
     except ConfigError as exc:  # its lines call the file a config file (--config's): this one is a run file
         raise ConfigError(str(exc).replace("config file ", "run file ", 1)) from None
-    _check_tables(path, dict_options)
+    _check_tables(path, doc, dict_options)
     return run_settings(values, str(path))
 
 
-def _check_tables(path: str | Path, dict_options: set[str]) -> None:
-    """ConfigError for a table a run file may not have (e.g. [serve], whose keys would go unread), or for settings
-    both at its top level and in [run]."""
-    from fedpar.protocol.small_files import read_toml_file
-
-    doc = read_toml_file(path, "run file")  # checked whole by read_run_file already
+def _check_tables(path: str | Path, doc: dict[str, Any], dict_options: set[str]) -> None:
+    """ConfigError for a table run file ``path`` (read as ``doc``) may not have (e.g. [serve], whose keys would go
+    unread), or for settings both at its top level and in [run]."""
     others = ", ".join(f"[{name}]" for name in sorted(dict_options))
     if isinstance(doc.get(TABLE), dict):
         beside = sorted(key for key in doc if key != TABLE)
