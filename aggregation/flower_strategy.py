@@ -60,7 +60,7 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy as FlowerBase
 
 from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_example_count
-from fedpar.aggregation.options import typed_options
+from fedpar.aggregation.options import option_specs, typed_options
 from fedpar.aggregation.errors import NoUpdatesError
 from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem, Strategy
 from fedpar.models.references import load_reference
@@ -130,6 +130,23 @@ def linear_flower_class(cls: type) -> bool:
         or f"{cls.__module__}:{cls.__qualname__}" in LINEAR_CLASSES
 
 
+def _bind_refusal(name: str, cls: type, options: dict, exc: TypeError) -> str:
+    """The line refusing Flower class ``cls``'s constructor arguments ``options``: for a required one left out, how
+    to give it (a --strategy-option where it takes a number, text or flag; else a subclass that builds it)."""
+    missing = [p.name for p in inspect.signature(cls).parameters.values()
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name not in options and p.name != "initial_parameters"]
+    if not missing:
+        return f"bad options for {name}: {exc}"
+    settable = option_specs(cls)
+    if all(m in settable for m in missing):
+        given = " ".join(f"--strategy-option {m}=VALUE" for m in missing)
+        return f"{name} needs {', '.join(map(repr, missing))} (no default); give {given}"
+    objects = [m for m in missing if m not in settable]
+    return (f"{name} needs {', '.join(map(repr, objects))}, which no --strategy-option can give (not a number, text "
+            "or flag); give a subclass of your own that builds it, e.g. --strategy flower:my_strategy.py:MyStrategy")
+
+
 class FlowerStrategy(Strategy):
     """A Flower ``Strategy`` (a class, built at the first round, or an instance) as a fedpar strategy."""
 
@@ -146,7 +163,7 @@ class FlowerStrategy(Strategy):
             try:
                 inspect.signature(strategy).bind(**options, **extra)
             except TypeError as exc:
-                raise ValueError(f"bad options for {name or strategy.__name__}: {exc}") from None
+                raise ValueError(_bind_refusal(name or strategy.__name__, strategy, options, exc)) from None
             self._flower: FlowerBase | None = None
         elif options:
             raise ValueError("options go to a Flower strategy class, not to an instance built already")

@@ -33,9 +33,10 @@ class OptionSpec:
     aliases: tuple[str, ...] = ()
 
     def describe(self, aliases: bool = True) -> str:
-        """``name (alias a; float, default 0.01)``."""
+        """``name (alias a; float, default 0.01)``, or ``name (float, required)`` for one with no default."""
         alias = f"alias {', '.join(self.aliases)}; " if self.aliases and aliases else ""
-        return f"{self.name} ({alias}{self.type.__name__}, default {self.default!r})"
+        default = "required" if self.default is inspect.Parameter.empty else f"default {self.default!r}"
+        return f"{self.name} ({alias}{self.type.__name__}, {default})"
 
 
 def option_specs(cls: type) -> dict[str, OptionSpec]:

@@ -38,3 +38,36 @@ def test_a_trace_with_too_few_clients_online_is_refused_in_one_line(tmp_path):
     line = _refused(["--trace", _trace(tmp_path / "t.csv"), "--clock", "virtual", "--out", str(tmp_path / "o")],
                     tmp_path)
     assert "at most 2 of the 20 clients were online at once" in line and "a round needs 5" in line, line
+
+
+FLOWER_CLASS = '''
+from flwr.server.strategy import FedAvg
+
+
+class Scaled(FedAvg):
+    def __init__(self, factor: float, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+'''
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "Scaled needs 'factor' (no default); give --strategy-option factor=VALUE"),
+    (["--strategy-option", "nosuch=1"], "unknown option 'nosuch' for strategy 'flower:scaled.py:Scaled'; valid "
+                                        "options: factor (float, required)"),
+])
+def test_a_flower_class_whose_argument_is_missing_or_mistyped_says_how_to_give_it(args, says, tmp_path):
+    """QA: a required constructor argument was listed as 'default <class 'inspect._empty'>', and leaving it out said
+    Python's 'missing a required argument' with no flag to give it by."""
+    pytest.importorskip("flwr")
+    (tmp_path / "scaled.py").write_text(FLOWER_CLASS)
+    line = _refused(["--strategy", "flower:scaled.py:Scaled", *args, "--out", str(tmp_path / "o")], tmp_path)
+    assert line.endswith(says), line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_flower_class_needing_an_object_says_no_option_can_give_it(tmp_path):
+    pytest.importorskip("flwr")
+    line = _refused(["--strategy", "flower:flwr.server.strategy:DifferentialPrivacyServerSideFixedClipping"],
+                    tmp_path)
+    assert "needs 'strategy', which no --strategy-option can give" in line and "a subclass of your own" in line, line
