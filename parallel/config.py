@@ -117,7 +117,8 @@ class ParallelConfig:
             if world_size % known:
                 raise ConfigurationError(
                     f"cannot infer {flag_of(ParallelConfig, inferred[0])}: world size {world_size} is not divisible "
-                    f"by the product {known} of the other degrees; choose degrees whose product divides {world_size}")
+                    f"by the product {known} of the other degrees; ask for a multiple of {known} ranks (e.g. --nproc "
+                    f"{known}, or torchrun's world size), or choose degrees whose product divides {world_size}")
             degrees[inferred[0]] = world_size // known
         product = degrees["dp"] * degrees["fsdp"] * degrees["tp"] * degrees["pp"]
         if product != world_size:

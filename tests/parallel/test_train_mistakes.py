@@ -132,3 +132,16 @@ def test_a_reader_that_leaves_the_pipe_ends_two_ranks_quietly_with_141(tmp_path)
             os.killpg(proc.pid, signal.SIGKILL)
     assert (proc.returncode, err) == (141, ""), err[-3000:]
     assert _left_behind(proc.pid) == []
+
+
+@pytest.mark.parametrize("degrees, ranks", [(["--fsdp", "2"], 2), (["--nproc", "3", "--tp", "2"], 2)])
+def test_degrees_the_ranks_do_not_divide_say_how_many_ranks_to_ask_for(tmp_path, degrees, ranks):
+    """It said only 'choose degrees whose product divides 1' (QA, following the centralized-training guide without
+    --nproc): the way out is asking for more ranks."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED}
+    done = subprocess.run([sys.executable, "-m", "fedpar", *_train(tmp_path / "run", *degrees)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"ask for a multiple of {ranks} ranks (e.g. --nproc {ranks}, or torchrun's world size)" in lines[0], lines
+    assert not (tmp_path / "run").exists()  # refused before any rank started or wrote
