@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fedpar.protocol.model_file import INFO
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings, recorded_seconds
-from fedpar.server.checkpoint import has_checkpoint, latest_round
+from fedpar.server.checkpoint import CheckpointError, has_checkpoint, latest_round, load_checkpoint
 from fedpar.simulations.config import SimulationConfig
 from fedpar.simulations.run_outputs import SUMMARY
 
@@ -17,19 +17,30 @@ AFRESH = "give another --checkpoint-dir to start afresh"
 
 def check_resume(cfg: SimulationConfig) -> list[str]:
     """RunRecordError (a ValueError) when ``cfg`` would resume a checkpoint made for another federation
-    (:meth:`SimulationConfig.resume_record`); else one line for each setting the rounds after the checkpoint train
-    with otherwise, and one when the checkpoint has every round done already."""
+    (:meth:`SimulationConfig.resume_record`), CheckpointError when it would resume a damaged one; else one line for
+    each setting the rounds after the checkpoint train with otherwise, and one when the checkpoint has every round
+    done already."""
     done = latest_round(cfg.checkpoint_dir)
     if done is None:
         return []
     lines = check_settings(Path(cfg.checkpoint_dir) / RUN_RECORD, *cfg.resume_record(),
                            source=f"the checkpoint in {cfg.checkpoint_dir}", afresh=AFRESH)
+    if not nothing_to_do(cfg):  # a damaged one is refused now, alone, not after these lines by the coordinator
+        _check_loads(cfg.checkpoint_dir)
     if done >= cfg.rounds:
         kept = f" (its outputs are in {cfg.out} already)" if cfg.out and _outputs_of(Path(cfg.out), done) else ""
         lines.append(f"the checkpoint in {cfg.checkpoint_dir} has every round done already (round {done}, --rounds "
                      f"{cfg.rounds}): nothing to train{kept}; give --rounds above {done} to train on, or another "
                      "--checkpoint-dir to start afresh")
     return lines
+
+
+def _check_loads(root: str) -> None:
+    """CheckpointError, saying the resume cannot go on, when the latest checkpoint under ``root`` is damaged."""
+    try:
+        load_checkpoint(Path(root))
+    except CheckpointError as exc:
+        raise CheckpointError(f"cannot resume: {exc}") from None
 
 
 def nothing_to_do(cfg: SimulationConfig) -> bool:

@@ -21,3 +21,21 @@ def test_a_resume_with_another_strategy_says_only_its_refusal(tmp_path):
     assert done.stderr.splitlines() == ["fedpar simulate: checkpoint in D was made with strategy 'fedavg', not "
                                         "'dp-fedavg'; resume with the --strategy (and --privacy) it was made with, or "
                                         "point --checkpoint-dir elsewhere"], done.stderr
+
+
+def test_a_resume_of_a_damaged_checkpoint_says_only_its_refusal_and_keeps_the_outputs(tmp_path):
+    """QA: with --lr changed, a resume whose latest checkpoint had lost its global.safetensors first said 'resuming
+    ... with --lr 0.05', then, from the coordinator, that it cannot resume."""
+    made = subprocess.run(SIMULATE + ["--rounds", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "D" / "round-000002" / "global.safetensors").write_bytes(b"\0" * 100)
+    rows, record = (tmp_path / "O" / "metrics.jsonl").read_text(), (tmp_path / "D" / "run.json").read_text()
+    done = subprocess.run(SIMULATE + ["--rounds", "3", "--lr", "0.05"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("fedpar simulate: cannot resume: damaged checkpoint: D/round-000002/global.safetensors: "
+                           "not a safetensors file") and line.endswith(
+        "to resume from the previous checkpoint instead, write 'round-000001' into D/LATEST (the rounds after it run "
+        "again)"), line
+    assert (tmp_path / "O" / "metrics.jsonl").read_text() == rows and (tmp_path / "D" / "run.json").read_text() == record
