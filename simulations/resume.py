@@ -18,8 +18,8 @@ AFRESH = "give another --checkpoint-dir to start afresh"
 def check_resume(cfg: SimulationConfig) -> list[str]:
     """RunRecordError (a ValueError) when ``cfg`` would resume a checkpoint made for another federation
     (:meth:`SimulationConfig.resume_record`), CheckpointError when it would resume a damaged one; else one line for
-    each setting the rounds after the checkpoint train with otherwise, and one when the checkpoint has every round
-    done already."""
+    each setting the rounds after the checkpoint train with otherwise, or only one saying the checkpoint has every
+    round done already (no round trains with what changed)."""
     done = latest_round(cfg.checkpoint_dir)
     if done is None:
         return []
@@ -29,9 +29,9 @@ def check_resume(cfg: SimulationConfig) -> list[str]:
         _check_loads(cfg.checkpoint_dir)
     if done >= cfg.rounds:
         kept = f" (its outputs are in {cfg.out} already)" if cfg.out and _outputs_of(Path(cfg.out), done) else ""
-        lines.append(f"the checkpoint in {cfg.checkpoint_dir} has every round done already (round {done}, --rounds "
-                     f"{cfg.rounds}): nothing to train{kept}; give --rounds above {done} to train on, or another "
-                     "--checkpoint-dir to start afresh")
+        return [f"the checkpoint in {cfg.checkpoint_dir} has every round done already (round {done}, --rounds "
+                f"{cfg.rounds}): nothing to train{kept}; give --rounds above {done} to train on, or another "
+                "--checkpoint-dir to start afresh"]
     return lines
 
 
