@@ -98,11 +98,11 @@ CLASHES = (
           "--secagg-max-weight instead"),
     Clash("privacy", "robust",
           "DP-FedAvg releases only the noisy sum of the clipped updates (its noise is sized to that sum's "
-          "sensitivity), and a median, a trimmed mean or Krum's choice needs each update"),
+          "sensitivity), and a median, a trimmed mean or Krum's choice needs each update", linear_instead=True),
     Clash("privacy", "flower",
           "DP-FedAvg releases only the noisy sum of the clipped updates (its noise is sized to that sum's "
           "sensitivity), and such a strategy's aggregation (aggregate_fit, aggregate_train) needs each agent's "
-          "result"),
+          "result", linear_instead=True),
 )
 
 
