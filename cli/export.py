@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
                         "a coordinator checkpoint directory")
     if args.to.is_dir():
         raise UserError(f"--to {args.to} is a folder; name the file to write, e.g. {args.to / 'model.pt'}")
+    _check_folders_of(args.to)
     if _reads(args.source.resolve(), args.to.resolve()):  # the model read would be overwritten by its export
         raise UserError(f"--to {args.to} is a file of what is exported ({args.source}): writing it would replace "
                         f"the model itself; write the export elsewhere, e.g. --to "
@@ -58,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
     params = sum(a.size for a in arrays)
     print(f"wrote {args.to}: {len(names)} tensors, {params:,} parameters, from {args.source}")
     return 0
+
+
+def _check_folders_of(to: Path) -> None:
+    """UserError when a file stands where a folder of ``to`` would be (it cannot be made there)."""
+    blocker = next((part for part in to.parents if part.exists() and not part.is_dir()), None)
+    if blocker is not None:
+        raise UserError(f"--to {to}: {blocker} is a file, not a folder; write the export into a folder, e.g. --to "
+                        f"{blocker.parent / to.name}")
 
 
 def _reads(source: Path, to: Path) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -73,7 +75,11 @@ def test_export_errors_are_one_line_and_a_non_zero_exit(tmp_path, capsys):
              ([str(tmp_path / "run"), "--to", str(tmp_path / "run" / "global.safetensors")], "is a file of what is "
                                                                                             "exported"),
              ([str(tmp_path / "run" / "global.safetensors"), "--to", str(tmp_path / "run" / "global.safetensors")],
-              "is a file of what is exported")]
+              "is a file of what is exported"),
+             # it said 'File exists: notes.txt in folder ...' and exited 1 (QA)
+             ([str(tmp_path / "run"), "--to", str(tmp_path / "notes.txt" / "sub" / "m.pt")],
+              f"--to {tmp_path / 'notes.txt' / 'sub' / 'm.pt'}: {tmp_path / 'notes.txt'} is a file, not a folder; "
+              f"write the export into a folder, e.g. --to {tmp_path / 'm.pt'}")]
     for args, line in cases:
         to = [] if "--to" in args else ["--to", str(tmp_path / "m.pt")]
         assert main(["export", *args, *to]) == 2
@@ -96,3 +102,15 @@ def test_export_writes_through_a_link_and_refuses_a_pipe_it_would_replace(tmp_pa
     assert err.count("\n") == 1 and "a device, a pipe or a socket is there, not a file to replace: pipe in folder" \
         in err, err
     assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)  # still the pipe
+
+
+def test_export_under_a_file_is_refused_in_one_line_by_the_command(tmp_path):
+    """QA: `fedpar export RUN --to FILE/m.pt` said 'File exists: FILE in folder ...' and exited 1."""
+    _kept_model(tmp_path / "run")
+    (tmp_path / "notes.txt").write_text("kept")
+    done = subprocess.run([sys.executable, "-m", "fedpar", "export", "run", "--to", "notes.txt/m.pt"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == ["fedpar export: --to notes.txt/m.pt: notes.txt is a file, not a folder; write "
+                                        "the export into a folder, e.g. --to m.pt (--debug shows the traceback)"]
+    assert (tmp_path / "notes.txt").read_text() == "kept"
