@@ -93,6 +93,9 @@ def known_operators(paths: CertPaths) -> set[str]:
 def check_known_agent(paths: CertPaths, agent_id: str) -> str:
     """What ``agent_id`` names here, "agent" or "operator" (both: "agent and operator"); ValueError if neither has
     a certificate or token here: a typo must not leave the real agent or operator trusted."""
+    if not paths.root.is_dir():  # else said as an unknown name, 'agents there: none', in a folder typed wrong
+        raise ValueError(f"--revoke {agent_id}: {paths.root} does not exist; give --out the folder 'fedpar certs' "
+                         "made (the one holding ca.pem and the agents' certificates)")
     kinds = [kind for kind, known in (("agent", known_agents(paths)), ("operator", known_operators(paths)))
              if agent_id in known]
     if not kinds:

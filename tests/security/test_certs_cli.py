@@ -302,3 +302,22 @@ def test_a_revocation_line_naming_several_ids_revokes_each(caplog):
         ids, serials = parse_revocations("a1\na3,a4  # leaked\na5 a6\nserial:ff\n", "revoked.txt")
     assert ids == {"a1", "a3", "a4", "a5", "a6"} and serials == {255}
     assert "revoked.txt line 2 names 2 ids (a3, a4); each is revoked: write one id a line" in caplog.text
+
+
+def test_revoke_in_a_folder_that_is_not_there_says_so_and_makes_nothing(tmp_path):
+    """'fedpar certs --out cert --revoke bob' (a typo of certs) said 'no certificate ... for agent 'bob' ... (agents
+    there: none; operators: none); check the name': the name was right, the folder was not (QA, the TLS guide)."""
+    import subprocess
+    import sys
+
+    typo = tmp_path / "cert"
+    done = subprocess.run([sys.executable, "-m", "fedpar", "certs", "--out", str(typo), "--revoke", "bob"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == (f"fedpar certs: --revoke bob: {typo} does not exist; give --out the folder 'fedpar certs' "
+                           "made (the one holding ca.pem and the agents' certificates)\n"), done.stderr
+    assert not typo.exists()
+    right = [sys.executable, "-m", "fedpar", "certs", "--out", str(tmp_path / "certs")]
+    assert subprocess.run([*right, "--agents", "bob"], capture_output=True, timeout=60).returncode == 0
+    done = subprocess.run([*right, "--revoke", "bob"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "revoked agent bob" in done.stdout, done.stderr
