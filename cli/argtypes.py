@@ -75,11 +75,18 @@ secagg_clip = ranged(float, 0.0, MAX_CLIP, "a coordinate's clip", open_low=True,
                          "step grows with the clip: the metrics' secagg_error_bound shows its error)")
 
 
+WEB_SCHEMES = ("http", "https", "grpc", "grpcs", "tcp")  # not gRPC name resolvers, though users write them
+
+
 def address(text: str) -> str:
     """An argparse type: a coordinator's HOST:PORT (``[::1]:PORT`` for IPv6; a gRPC target with a scheme, e.g.
-    ``dns:///host:port`` or ``unix:PATH``, as it is)."""
+    ``dns:///host:port`` or ``unix:PATH``, as it is; a web URL's http:// or https:// is refused)."""
     text = text.strip()
-    if "://" in text or text.startswith(("unix:", "unix-abstract:")):
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() in WEB_SCHEMES:  # gRPC reads it as a host name that never resolves: retried for ever
+        raise argparse.ArgumentTypeError(f"{text!r}: a gRPC address has no {scheme}://; give HOST:PORT, e.g. "
+                                         f"{rest.rstrip('/') or '127.0.0.1:50051'} (TLS is set by --certs)")
+    if sep or text.startswith(("unix:", "unix-abstract:")):
         return text
     host, sep, port_text = text.rpartition(":")
     if not sep or not host or host.startswith("[") != host.endswith("]"):

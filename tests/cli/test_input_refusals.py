@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,32 @@ def test_top_level_keys_of_a_file_without_the_commands_table_still_apply(tmp_pat
     argv = ["--config", str(config)]
     assert apply_config_defaults(subcommand_parser(parser, "simulate"), argv, "simulate") == {"rounds"}
     assert parser.parse_args(["simulate", *argv]).rounds == 3
+
+
+@pytest.mark.parametrize("scheme", ["http", "https", "grpc"])
+def test_a_server_given_as_a_url_is_refused_and_its_host_port_reaches_the_coordinator(tmp_path, scheme):
+    """'--server http://127.0.0.1:PORT' was taken as a gRPC target whose host never resolves: the agent retried for
+    ever, 'coordinator unreachable (UNAVAILABLE)', beside a coordinator that was listening (QA, first deployment)."""
+    port_file = tmp_path / "port"
+    serve = subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--port-file",
+                              str(port_file), "--min-available", "1", "--rounds", "1", "--out", str(tmp_path / "run")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if port_file.exists() and port_file.read_text().strip():
+                break
+            time.sleep(0.05)
+        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        agent = [sys.executable, "-m", "fedpar", "client", "--insecure", "--agent-id", "a", "--give-up-after", "20"]
+        done = subprocess.run([*agent, "--server", f"{scheme}://{target}/"], capture_output=True, text=True,
+                              timeout=60)
+        line = _one_line(done.stderr, "a gRPC address has no")
+        assert done.returncode == 2 and line == (f"fedpar client: error: argument --server: '{scheme}://{target}/': a "
+                                                 f"gRPC address has no {scheme}://; give HOST:PORT, e.g. {target} (TLS "
+                                                 "is set by --certs); see 'fedpar client --help'"), done.stderr
+        done = subprocess.run([*agent, "--server", target], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "1 updates accepted" in done.stdout, done.stderr[-3000:]
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
