@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from fedpar.aggregation import build_strategy
-from fedpar.aggregation.compatibility import DP_PREFIX, check_composition, options_privacy
-from fedpar.aggregation.registry import FLOWER_PREFIX, strategy_name
+from fedpar.aggregation.compatibility import check_composition, options_privacy
+from fedpar.aggregation.registry import strategy_name
 from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.task_options import REPLACED_BY_TASK
 from fedpar.cli.user_errors import UserError, describe
@@ -136,13 +136,11 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
 
 def check_resumed_strategy(cfg: SimulationConfig) -> None:
     """CheckpointError when ``cfg`` would resume a checkpoint made with another strategy: said now, from the
-    checkpoint's state.json, not by the coordinator once the data is loaded (a Flower strategy is left to it)."""
+    checkpoint's state.json, not by the coordinator once the data is loaded."""
     saved_by = saved_strategy(cfg.checkpoint_dir)
-    bare = cfg.strategy.strip()
-    bare = bare[len(DP_PREFIX):] if bare.lower().replace("_", "-").startswith(DP_PREFIX) else bare
-    if saved_by is None or not bare or bare.lower().startswith(FLOWER_PREFIX):  # dp-flower:REF too
+    if saved_by is None or not cfg.strategy.strip():
         return
-    name = strategy_name(cfg.strategy)
+    name = strategy_name(cfg.strategy)  # a Flower strategy's is its reference, as given (the coordinator's too)
     if saved_by != name:
         raise CheckpointError(strategy_refusal(cfg.checkpoint_dir, saved_by, name))
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 SIMULATE = [sys.executable, "-m", "fedpar", "simulate", "--clients", "6", "--clients-per-round", "4", "--quiet",
             "--checkpoint-dir", "D", "--out", "O"]
 
@@ -39,3 +41,19 @@ def test_a_resume_of_a_damaged_checkpoint_says_only_its_refusal_and_keeps_the_ou
         "to resume from the previous checkpoint instead, write 'round-000001' into D/LATEST (the rounds after it run "
         "again)"), line
     assert (tmp_path / "O" / "metrics.jsonl").read_text() == rows and (tmp_path / "D" / "run.json").read_text() == record
+
+
+def test_a_resume_with_another_flower_strategy_says_only_its_refusal(tmp_path):
+    """QA: over a checkpoint of flower:...:FedAvgM with a server momentum, flower:...:FedAdam first said 'resuming ...
+    with --strategy-option {}', then, from the coordinator, refused the strategy."""
+    pytest.importorskip("flwr")
+    flower = "flower:flwr.server.strategy:"
+    made = subprocess.run(SIMULATE + ["--rounds", "1", "--strategy", f"{flower}FedAvgM", "--strategy-option",
+                                      "server_momentum=0.5"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert made.returncode == 0, made.stderr
+    done = subprocess.run(SIMULATE + ["--rounds", "2", "--strategy", f"{flower}FedAdam"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [f"fedpar simulate: checkpoint in D was made with strategy '{flower}FedAvgM', "
+                                        f"not '{flower}FedAdam'; resume with the --strategy (and --privacy) it was "
+                                        "made with, or point --checkpoint-dir elsewhere"], done.stderr
