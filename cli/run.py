@@ -121,6 +121,22 @@ def _run_id(words: list[str], action: str) -> int:
     return int(words[0])
 
 
+def _check_words(args: argparse.Namespace) -> None:
+    """ValueError for a mistake in the command line itself (an unknown action, a missing run file or id, an option
+    the action does not use), said before the certificates are read: they were asked for first."""
+    words = list(args.words)
+    action = words.pop(0)
+    if action not in ACTIONS:
+        raise ValueError(f"unknown action {action!r}: use one of {', '.join(ACTIONS)}")
+    _refuse_unused(args, action)
+    if action == "submit" and len(words) != 1:
+        raise ValueError("'fedpar run submit' takes one run file (TOML)")
+    if action in ("logs", "stop", "get"):
+        _run_id(words, action)
+    if action == "get" and not args.out:
+        raise ValueError("'fedpar run get' needs --out DIR")
+
+
 def _refuse_unused(args: argparse.Namespace, action: str) -> None:
     """ValueError naming an option the user set (typed, or in a --config file) that ``action`` does not use."""
     for dest in sorted({d for used in ACTION_OPTIONS.values() for d in used} - set(ACTION_OPTIONS[action])):
@@ -155,9 +171,6 @@ def _do(args: argparse.Namespace, stub) -> int:
     """Do the action of ``args.words``; the exit code."""
     words = list(args.words)
     action = words.pop(0)
-    if action not in ACTIONS:
-        raise ValueError(f"unknown action {action!r}: use one of {', '.join(ACTIONS)}")
-    _refuse_unused(args, action)
     if action == "submit":
         return _submit_file(args, stub, words)
     if action == "ls":
@@ -175,8 +188,6 @@ def _submit_file(args: argparse.Namespace, stub, words: list[str]) -> int:
     from fedpar.protocol import fedpar_pb2 as pb
     from fedpar.server.run_control import check_run_name
 
-    if len(words) != 1:
-        raise ValueError("'fedpar run submit' takes one run file (TOML)")
     name = check_run_name(args.name or Path(words[0]).stem)
     settings = read_run_file(words[0])
     reply = _submit(stub, pb.RunSubmit(name=name, settings_json=json.dumps(settings)), words[0])
@@ -240,8 +251,6 @@ def _get(args: argparse.Namespace, stub, run_id: int) -> int:
     from fedpar.protocol import fedpar_pb2 as pb
     from fedpar.server.run_control import MODEL_FILE
 
-    if not args.out:
-        raise ValueError("'fedpar run get' needs --out DIR")
     check_output_folder(args.out)
     out = Path(args.out)
     made = not out.exists()
@@ -310,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     try:
+        _check_words(args)
         code = _do(args, _stub(args))
         sys.stdout.flush()  # here, where a reader that left is handled
         return code

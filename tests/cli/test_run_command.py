@@ -201,3 +201,24 @@ def test_run_help_describes_the_operator_certificate():
     said = " ".join(done.stdout.split())
     assert done.returncode == 0 and "DIR/operators/NAME.pem and NAME.key of --operator NAME (run)" in said, said
     assert "with logs or submit (also -f)" in said
+
+
+@pytest.mark.parametrize("argv, said", [
+    (("lss",), "unknown action 'lss': use one of submit, ls, logs, stop, get"),
+    (("submit",), "'fedpar run submit' takes one run file (TOML)"),
+    (("logs",), "'fedpar run logs' takes one run id"),
+    (("stop", "abc"), "'fedpar run stop' takes one run id"),
+    (("get", "1"), "'fedpar run get' needs --out DIR"),
+    (("ls", "--name", "x"), "'fedpar run ls' does not use --name"),
+])
+def test_a_mistake_in_the_command_line_is_said_before_the_certificates_are_asked_for(tmp_path, argv, said):
+    """'fedpar run lss' (or a submit without its file) said 'the control API needs mutual TLS: give --certs DIR and
+    --operator NAME': the newcomer added them and only then learned what was wrong (QA, the service guide)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fedpar", "run", *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    line = _one_line(done, 2)
+    assert line.startswith(f"fedpar run: {said}"), line
+    assert list(tmp_path.iterdir()) == []
