@@ -107,6 +107,9 @@ def flower_options(name: str, cls: type, raw: dict[str, Any], from_text: bool) -
                              f"replaces; leave it out and use {SAMPLING_OPTIONS[key]}")
     if "initial_parameters" in options:
         raise ValueError(f"option 'initial_parameters' of {name}: the initial global model is the coordinator's")
+    mu = options.get("proximal_mu")
+    if isinstance(mu, (int, float)) and not (mu >= 0 and math.isfinite(mu)):  # fedpar's agents take it as their own
+        raise ValueError(f"option 'proximal_mu' of {name} must be >= 0, got {mu}")
     return options
 
 
@@ -227,7 +230,11 @@ class FlowerStrategy(Strategy):
             raise self._failed("configure_fit", exc, round_id) from exc
         config = self._fit_config(pairs, round_id)
         mu = config.pop("proximal_mu", None)
-        return TaskSettings(proximal_mu=mu, fit_config=config or None)
+        try:
+            return TaskSettings(proximal_mu=mu, fit_config=config or None)
+        except ValueError as exc:  # e.g. a negative proximal_mu: no agent can train with it
+            raise StrategyFailed(f"round {round_id}: {self.name}'s configure_fit config: {exc}; fix the strategy") \
+                from None
 
     def _fit_config(self, pairs: Any, round_id: int) -> dict[str, Any]:
         """The config of ``configure_fit``'s first (ClientProxy, FitIns) pair; StrategyFailed unless it is one."""

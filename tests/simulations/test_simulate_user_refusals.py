@@ -71,3 +71,31 @@ def test_a_flower_class_needing_an_object_says_no_option_can_give_it(tmp_path):
     line = _refused(["--strategy", "flower:flwr.server.strategy:DifferentialPrivacyServerSideFixedClipping"],
                     tmp_path)
     assert "needs 'strategy', which no --strategy-option can give" in line and "a subclass of your own" in line, line
+
+
+NEGATIVE_MU = '''
+from flwr.server.strategy import FedAvg
+
+
+class NegativeMu(FedAvg):
+    def configure_fit(self, server_round, parameters, client_manager):
+        pairs = super().configure_fit(server_round, parameters, client_manager)
+        for _, fit in pairs:
+            fit.config["proximal_mu"] = -0.5
+        return pairs
+'''
+
+
+def test_a_negative_proximal_mu_of_a_flower_strategy_is_one_line_with_no_traceback(tmp_path):
+    """QA: --strategy flower:...:FedProx --strategy-option proximal_mu=-1 started the run, then logged 'coordinator
+    stopped with an error' and a traceback at round 1: it is refused before anything starts; a strategy whose own
+    configure_fit asks for one stops the run in one line naming it."""
+    pytest.importorskip("flwr")
+    line = _refused(["--strategy", "flower:flwr.server.strategy:FedProx", "--strategy-option", "mu=-1"], tmp_path)
+    assert line == "fedpar simulate: option 'proximal_mu' of flower:flwr.server.strategy:FedProx must be >= 0, got -1.0"
+    (tmp_path / "negative_mu.py").write_text(NEGATIVE_MU)
+    done = subprocess.run(SIMULATE + ["--strategy", "flower:negative_mu.py:NegativeMu", "--out", "o"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == ["fedpar simulate: round 1: flower:negative_mu.py:NegativeMu's configure_fit "
+                                        "config: proximal_mu must be >= 0, got -0.5; fix the strategy"], done.stderr
