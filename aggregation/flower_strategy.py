@@ -150,6 +150,18 @@ def _bind_refusal(name: str, cls: type, options: dict, exc: TypeError) -> str:
             "or flag); give a subclass of your own that builds it, e.g. --strategy flower:my_strategy.py:MyStrategy")
 
 
+def _check_values(name: str, cls: type, options: dict, extra: dict) -> None:
+    """ValueError, before the rounds, when Flower class ``cls`` refuses the values of its ``options`` (its constructor
+    raises ValueError, as FedTrimmedAvg's does for a beta outside [0, 0.5)); it is built for the rounds only at the
+    first, on the global model, so anything else it raises here is left to that build to say."""
+    try:
+        cls(**options, **extra)
+    except ValueError as exc:
+        raise ValueError(f"{name} refused its options: {exc} (check --strategy-option)") from None
+    except Exception:  # noqa: BLE001 (its own code may want the real initial model: the first round's build says)
+        pass
+
+
 class FlowerStrategy(Strategy):
     """A Flower ``Strategy`` (a class, built at the first round, or an instance) as a fedpar strategy."""
 
@@ -167,6 +179,7 @@ class FlowerStrategy(Strategy):
                 inspect.signature(strategy).bind(**options, **extra)
             except TypeError as exc:
                 raise ValueError(_bind_refusal(name or strategy.__name__, strategy, options, exc)) from None
+            _check_values(name or strategy.__name__, strategy, options, extra)
             self._flower: FlowerBase | None = None
         elif options:
             raise ValueError("options go to a Flower strategy class, not to an instance built already")

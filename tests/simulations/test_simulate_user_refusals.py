@@ -99,3 +99,13 @@ def test_a_negative_proximal_mu_of_a_flower_strategy_is_one_line_with_no_traceba
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines() == ["fedpar simulate: round 1: flower:negative_mu.py:NegativeMu's configure_fit "
                                         "config: proximal_mu must be >= 0, got -0.5; fix the strategy"], done.stderr
+
+
+def test_a_flower_option_value_its_constructor_refuses_is_a_mistake_said_before_the_rounds(tmp_path):
+    """QA: FedTrimmedAvg's beta=0.9 ran until round 1 built the strategy, then exited 1 with 'fix the strategy'."""
+    pytest.importorskip("flwr")
+    line = _refused(["--strategy", "flower:flwr.server.strategy:FedTrimmedAvg", "--strategy-option", "beta=0.9",
+                     "--out", str(tmp_path / "o")], tmp_path)
+    assert line == ("fedpar simulate: flower:flwr.server.strategy:FedTrimmedAvg refused its options: `beta` must be in "
+                    "the range [0, 0.5). (check --strategy-option)"), line
+    assert not (tmp_path / "o").exists()
