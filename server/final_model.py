@@ -52,9 +52,14 @@ def load_final_model(source: Path) -> tuple[list[str], list[np.ndarray]]:
 def _not_a_model_folder(source: Path) -> str:
     """Why folder ``source`` holds no model export reads, and what to give instead."""
     from fedpar.parallel.checkpoint import LATEST as TRAIN_LATEST
+    from fedpar.parallel.epoch_checkpoint import MODEL_FILE
 
-    if (source / TRAIN_LATEST).is_file():  # `fedpar train`'s DCP checkpoints: shards, not one model
-        return (f"{source} is a `fedpar train` checkpoint directory "
-                "(sharded DCP checkpoints, not one model); export the "
-                f"run's --out folder, {source.parent}, whose {TENSORS} the run wrote as it ended")
+    if (source / TRAIN_LATEST).is_file():
+        ended = (f"the run's --out folder, {source.parent}, whose {TENSORS} the run wrote as it ended (a run stopped "
+                 "before its end wrote none: the same command resumes it)")
+        whole = source / (source / TRAIN_LATEST).read_text(errors="replace").strip() / MODEL_FILE
+        if whole.is_file():  # `fedpar train --task`'s: each checkpoint holds the whole model
+            return f"{source} is a `fedpar train --task` checkpoint directory; export {whole}, its latest, or {ended}"
+        return (f"{source} is a `fedpar train` checkpoint directory (sharded DCP checkpoints, not one model); "
+                f"export {ended}")
     return f"{source} holds neither {TENSORS} (a run's --out folder) nor {LATEST} (a coordinator checkpoint directory)"

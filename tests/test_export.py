@@ -114,3 +114,31 @@ def test_export_under_a_file_is_refused_in_one_line_by_the_command(tmp_path):
     assert done.stderr.splitlines() == ["fedpar export: --to notes.txt/m.pt: notes.txt is a file, not a folder; write "
                                         "the export into a folder, e.g. --to m.pt (--debug shows the traceback)"]
     assert (tmp_path / "notes.txt").read_text() == "kept"
+
+
+def test_export_of_a_task_runs_checkpoints_names_the_whole_model_its_latest_holds(tmp_path):
+    """QA: `fedpar export OUT/checkpoints` of a `train --task` run said 'sharded DCP checkpoints, not one model',
+    though each of its checkpoints holds the whole model, and pointed only at global.safetensors, which a run
+    stopped before its end never writes."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    fedpar = [sys.executable, "-m", "fedpar"]
+    trained = subprocess.run([*fedpar, "train", "--task", f"{root}/examples/own_task.py:task", "--task-option",
+                              f"csv={root}/examples/table.csv", "--epochs", "2", "--checkpoint-every", "1", "--no-plot",
+                              "--out", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    done = subprocess.run([*fedpar, "export", "run/checkpoints", "--to", "m.pt"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    whole = "run/checkpoints/epoch-000002/model.safetensors"
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"is a `fedpar train --task` checkpoint directory; export {whole}, its latest, or the run's --out " \
+           "folder, run," in done.stderr and "DCP" not in done.stderr, done.stderr
+    done = subprocess.run([*fedpar, "export", whole, "--to", "m.pt"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    final = torch.load(tmp_path / "m.pt", weights_only=True)
+    subprocess.run([*fedpar, "export", "run", "--to", "g.pt"], cwd=tmp_path, check=True, capture_output=True,
+                   timeout=120)
+    kept = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in kept)  # the run's last model
