@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from fedpar.cli.user_errors import UserError
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.model_file import INFO, TENSORS
 from fedpar.server.final_model import write_coordinator_model
@@ -57,9 +58,19 @@ class EarlierRun:
         for name in RUN_FILES:
             path = self.out / name
             if path.is_file():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
-                self.aside.mkdir(exist_ok=True)
-                path.replace(self.aside / name)
-                self.names.append(name)
+                self._set_aside(name)
+
+    def _set_aside(self, name: str) -> None:
+        """Move the earlier run's file ``name`` aside; UserError, with every file moved so far back in place, when it
+        cannot be moved (a file this user may not move: the run could not replace it either)."""
+        try:
+            self.aside.mkdir(exist_ok=True)
+            (self.out / name).replace(self.aside / name)
+        except OSError as exc:
+            self.put_back()
+            raise UserError(f"--out {self.out}: an earlier run's {name} there cannot be moved ({exc.strerror or exc}); "
+                            "give another --out, or one whose files this user may replace") from None
+        self.names.append(name)
 
     def put_back(self) -> None:
         """The earlier run's files back where they were (none of them was written again: the new run wrote no

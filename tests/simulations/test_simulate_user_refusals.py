@@ -109,3 +109,36 @@ def test_a_flower_option_value_its_constructor_refuses_is_a_mistake_said_before_
     assert line == ("fedpar simulate: flower:flwr.server.strategy:FedTrimmedAvg refused its options: `beta` must be in "
                     "the range [0, 0.5). (check --strategy-option)"), line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def immutable():
+    """``chattr +i`` on the paths given (skips where it cannot: not root, or a file system without the flag);
+    undone afterwards."""
+    import shutil
+
+    made = []
+
+    def make(path):
+        if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+            pytest.skip("chattr +i is not available here")
+        made.append(path)
+
+    yield make
+    for path in made:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
+
+
+@pytest.mark.parametrize("where", LAUNCHED)
+def test_an_earlier_runs_file_that_cannot_be_moved_is_one_line_and_the_folder_is_left_as_it_was(where, tmp_path,
+                                                                                                  immutable):
+    """QA: a run whose --out held an earlier run's summary.json it could not move exited 1 with the --debug hint,
+    and left that run's metrics, model and plots moved away into OUT/.earlier-run."""
+    made = subprocess.run(SIMULATE + ["--out", "o"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    before = {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir()}
+    immutable(tmp_path / "o" / "summary.json")
+    line = _refused(["--out", "o", *LAUNCHED[where]], tmp_path)
+    assert line == ("fedpar simulate: --out o: an earlier run's summary.json there cannot be moved (Operation not "
+                    "permitted); give another --out, or one whose files this user may replace"), line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir()} == before
