@@ -164,7 +164,9 @@ def load_pair(files: TlsFiles, usage: str | None = None) -> tuple[bytes, bytes]:
     if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
             != cert.public_key().public_bytes(serialization.Encoding.DER,
                                               serialization.PublicFormat.SubjectPublicKeyInfo):
-        raise TlsSetupError(f"{files.key} is not the private key of {files.cert}")
+        raise TlsSetupError(f"{files.key} is not the private key of {files.cert}; give the key made with it (one "
+                            "lost: re-issue the pair, 'fedpar certs --out DIR --agents ID --force', or --server-name "
+                            "NAME for the coordinator's)")
     return cert_pem, key_pem
 
 
