@@ -79,6 +79,9 @@ def hold_output_folder(path, option: str = "--out") -> contextlib.ExitStack:
         raise UserError(f"{option} {path} is in use by another fedpar run (pid {held.pid}); wait for it to end, or "
                         f"give another {option}") from None
     except OSError as exc:
+        if path.is_dir():  # it is there: what failed is writing in it
+            raise UserError(f"{option} {path}: cannot write in the folder: {exc.strerror or exc}; give a folder this "
+                            "user can write") from None
         raise UserError(f"{option} {path}: cannot make the folder: {exc.strerror or exc}") from None
     held = contextlib.ExitStack()
     held.callback(_remove_empty, made)  # a start refused before it wrote anything leaves no folder behind

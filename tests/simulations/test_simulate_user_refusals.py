@@ -142,3 +142,12 @@ def test_an_earlier_runs_file_that_cannot_be_moved_is_one_line_and_the_folder_is
     assert line == ("fedpar simulate: --out o: an earlier run's summary.json there cannot be moved (Operation not "
                     "permitted); give another --out, or one whose files this user may replace"), line
     assert {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir()} == before
+
+
+def test_an_out_folder_that_cannot_be_written_is_not_said_to_be_unmade(tmp_path, immutable):
+    """QA: an --out folder that was there but could not be written in read 'cannot make the folder'."""
+    (tmp_path / "o").mkdir()
+    immutable(tmp_path / "o")
+    line = _refused(["--out", "o"], tmp_path)
+    assert line == ("fedpar simulate: --out o: cannot write in the folder: Operation not permitted; give a folder this "
+                    "user can write"), line
