@@ -55,6 +55,7 @@ class Federation:
     num_supernodes: int | None
     address: str | None
     backend_options: tuple[str, ...]  # options.backend.* (client-resources, init-args, ...), dotted
+    table_missing: bool = False  # the default names no table: only a simulation without --clients needs one
 
     def simulated_clients(self, given: int | None) -> tuple[int | None, list[str]]:
         """The members ``fedpar simulate`` hosts (``given``: ``--clients``, None when not given; None back: the
@@ -65,9 +66,15 @@ class Federation:
             notes.append(f"the Ray backend options of federation {self.name!r} ({', '.join(self.backend_options)}) "
                          "do not apply: --workers and --seats say how many processes and threads host the members")
         if given is not None:
+            if self.table_missing:
+                notes.append(f"[tool.flwr.federations] default = {self.name!r} names no table; --clients "
+                             f"{given} says how many members to simulate")
             if self.address:
                 notes.append(f"federation {self.name!r}'s address {self.address} is not dialled: the members run here")
             return given, notes
+        if self.table_missing:
+            raise FlowerAppError(f"[tool.flwr.federations] default = {self.name!r} names no [tool.flwr.federations."
+                                 f"{self.name}] table; add it, or pass --clients N to simulate N members")
         if self.num_supernodes is not None:  # as flwr run simulates them
             return self.num_supernodes, notes
         if self.address:
@@ -229,15 +236,14 @@ def _is_terminal(stream) -> bool:
 
 
 def _default_federation(directory: str | Path, federations: Any) -> Federation | None:
-    """The federation ``[tool.flwr.federations] default`` names (None without one); FlowerAppError for one that is
-    not there or whose num-supernodes is not a whole number >= 1."""
+    """The federation ``[tool.flwr.federations] default`` names (None without one; ``table_missing`` for one that is
+    not there); FlowerAppError for one whose num-supernodes is not a whole number >= 1."""
     if not isinstance(federations, dict) or not isinstance(federations.get("default"), str):
         return None
     name = federations["default"]
     table = federations.get(name)
-    if not isinstance(table, dict):
-        raise FlowerAppError(f"--flower-app {directory}: [tool.flwr.federations] default = {name!r} names no "
-                             f"[tool.flwr.federations.{name}] table; add it or pass --clients")
+    if not isinstance(table, dict):  # said by a simulation that needs it (serve, client and --clients do not)
+        return Federation(name, None, None, (), table_missing=True)
     options = table.get("options") if isinstance(table.get("options"), dict) else {}
     count = options.get("num-supernodes")
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
