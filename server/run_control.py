@@ -57,10 +57,19 @@ def operator_of(context: grpc.ServicerContext, revocations: RevocationList | Non
     if revocations is not None:
         revocations.refresh()
         if revocations.is_revoked(peer.common_name, peer.serial):
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
-                           f"the certificate of operator {peer.common_name!r} was revoked; ask the service's "
-                           "operator for a new one ('fedpar certs --operators NAME')")
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, _revoked_line(peer, revocations))
     return peer.common_name
+
+
+def _revoked_line(peer, revocations: RevocationList) -> str:
+    """Why a revoked operator is refused, and what undoes it: a name revoked refuses a new certificate of it too."""
+    name = peer.common_name
+    if name in revocations.ids:
+        return (f"operator {name!r} was revoked by name (in the service's {Path(revocations.path).name}), so a new "
+                f"certificate of that name is refused too; ask the service's operator to remove {name!r} there, or "
+                "for a certificate under another name ('fedpar certs --operators NAME')")
+    return (f"the certificate (serial {peer.serial:x}) of operator {name!r} was revoked; ask the service's operator "
+            f"for a new one ('fedpar certs --operators {name} --force')")
 
 
 def check_run_name(name: str) -> str:
