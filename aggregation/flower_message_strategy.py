@@ -93,6 +93,7 @@ def flower_options(name: str, cls: type, raw: dict[str, Any], from_text: bool) -
         if key in SAMPLING_OPTIONS:
             raise ValueError(f"option {key!r} of {name} sizes the strategy's own node sample, which fedpar's sampler "
                              f"(with its deadline) replaces; leave it out and use {SAMPLING_OPTIONS[key]}")
+    legacy.check_proximal_mu(name, options)
     return options
 
 
@@ -144,7 +145,8 @@ class FlowerMessageStrategy(legacy.FlowerStrategy):
         mu = config.pop("proximal-mu", None)
         eval_config = self._config_of(self._configured(strategy, "configure_evaluate", round_id), "configure_evaluate",
                                       round_id)
-        return TaskSettings(proximal_mu=mu, fit_config=config or None, eval_config=eval_config or None)
+        return legacy.configured_settings(self.name, round_id, "configure_train", proximal_mu=mu,
+                                          fit_config=config or None, eval_config=eval_config or None)
 
     def _configured(self, strategy, method: str, round_id: int) -> list:
         """The messages the strategy's ``method`` (configure_train or configure_evaluate) sends this round; what it

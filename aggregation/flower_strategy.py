@@ -107,10 +107,24 @@ def flower_options(name: str, cls: type, raw: dict[str, Any], from_text: bool) -
                              f"replaces; leave it out and use {SAMPLING_OPTIONS[key]}")
     if "initial_parameters" in options:
         raise ValueError(f"option 'initial_parameters' of {name}: the initial global model is the coordinator's")
-    mu = options.get("proximal_mu")
-    if isinstance(mu, (int, float)) and not (mu >= 0 and math.isfinite(mu)):  # fedpar's agents take it as their own
-        raise ValueError(f"option 'proximal_mu' of {name} must be >= 0, got {mu}")
+    check_proximal_mu(name, options)
     return options
+
+
+def check_proximal_mu(name: str, options: dict[str, Any]) -> None:
+    """ValueError for a ``proximal_mu`` option below 0 (fedpar's agents take it as their own: none can train so)."""
+    mu = options.get("proximal_mu")
+    if isinstance(mu, (int, float)) and not (mu >= 0 and math.isfinite(mu)):
+        raise ValueError(f"option 'proximal_mu' of {name} must be >= 0, got {mu}")
+
+
+def configured_settings(name: str, round_id: int, method: str, **settings: Any) -> TaskSettings:
+    """The TaskSettings a strategy's ``method`` configured for round ``round_id``; StrategyFailed, naming it, for
+    values no agent can train with (a negative proximal_mu)."""
+    try:
+        return TaskSettings(**settings)
+    except ValueError as exc:
+        raise StrategyFailed(f"round {round_id}: {name}'s {method} config: {exc}; fix the strategy") from None
 
 
 def build_flower_strategy(name: str, **options: Any) -> FlowerStrategy:
@@ -243,11 +257,7 @@ class FlowerStrategy(Strategy):
             raise self._failed("configure_fit", exc, round_id) from exc
         config = self._fit_config(pairs, round_id)
         mu = config.pop("proximal_mu", None)
-        try:
-            return TaskSettings(proximal_mu=mu, fit_config=config or None)
-        except ValueError as exc:  # e.g. a negative proximal_mu: no agent can train with it
-            raise StrategyFailed(f"round {round_id}: {self.name}'s configure_fit config: {exc}; fix the strategy") \
-                from None
+        return configured_settings(self.name, round_id, "configure_fit", proximal_mu=mu, fit_config=config or None)
 
     def _fit_config(self, pairs: Any, round_id: int) -> dict[str, Any]:
         """The config of ``configure_fit``'s first (ClientProxy, FitIns) pair; StrategyFailed unless it is one."""

@@ -91,8 +91,9 @@ def test_a_negative_proximal_mu_of_a_flower_strategy_is_one_line_with_no_traceba
     stopped with an error' and a traceback at round 1: it is refused before anything starts; a strategy whose own
     configure_fit asks for one stops the run in one line naming it."""
     pytest.importorskip("flwr")
-    line = _refused(["--strategy", "flower:flwr.server.strategy:FedProx", "--strategy-option", "mu=-1"], tmp_path)
-    assert line == "fedpar simulate: option 'proximal_mu' of flower:flwr.server.strategy:FedProx must be >= 0, got -1.0"
+    for strategy in ("flower:flwr.server.strategy:FedProx", "flower:FedProx"):  # Flower's two APIs
+        line = _refused(["--strategy", strategy, "--strategy-option", "mu=-1"], tmp_path)
+        assert line == f"fedpar simulate: option 'proximal_mu' of {strategy} must be >= 0, got -1.0", line
     (tmp_path / "negative_mu.py").write_text(NEGATIVE_MU)
     done = subprocess.run(SIMULATE + ["--strategy", "flower:negative_mu.py:NegativeMu", "--out", "o"],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
