@@ -168,12 +168,16 @@ def _check_values(name: str, cls: type, options: dict, extra: dict) -> None:
     """ValueError, before the rounds, when Flower class ``cls`` refuses the values of its ``options`` (its constructor
     raises ValueError, as FedTrimmedAvg's does for a beta outside [0, 0.5)); it is built for the rounds only at the
     first, on the global model, so anything else it raises here is left to that build to say."""
+    flower_log = logging.getLogger("flwr")
+    quiet, flower_log.disabled = flower_log.disabled, True  # its notes (a deprecation, mu 0) come at the real build
     try:
         cls(**options, **extra)
     except ValueError as exc:
         raise ValueError(f"{name} refused its options: {exc} (check --strategy-option)") from None
     except Exception:  # noqa: BLE001 (its own code may want the real initial model: the first round's build says)
         pass
+    finally:
+        flower_log.disabled = quiet
 
 
 class FlowerStrategy(Strategy):
