@@ -216,6 +216,22 @@ def _ls(stub, words: list[str]) -> int:
 def _logs(stub, run_id: int, follow: bool) -> int:
     """Print run ``run_id``'s log lines and rounds (with ``follow``, until it ends): 1 if it followed a run that
     failed or was stopped."""
+    from fedpar.parallel.stopping import exit_code, signal_name
+
+    try:
+        status = _print_logs(stub, run_id, follow)
+    except KeyboardInterrupt as exc:
+        if not follow:
+            raise
+        # the follower stops, not the run: one-shot serve's Ctrl-C ends its run, so say which this was
+        print(f"fedpar run: stopped following run {run_id}, which goes on at the service ('fedpar run stop {run_id}' "
+              f"stops it; 'fedpar run logs {run_id} -f' follows it again)", file=sys.stderr)
+        return exit_code(signal_name(exc))
+    return 1 if follow and status in UNFINISHED else 0  # a script that waits on the run learns how it ended
+
+
+def _print_logs(stub, run_id: int, follow: bool) -> str:
+    """Print run ``run_id``'s log lines and rounds as they come; the status it ended with ("" if not told)."""
     from fedpar.protocol import fedpar_pb2 as pb
     from fedpar.server.run_control import printable
 
@@ -228,7 +244,7 @@ def _logs(stub, run_id: int, follow: bool) -> int:
         else:
             status = message.status
             print(f"run {run_id} is {status}")
-    return 1 if follow and status in UNFINISHED else 0  # a script that waits on the run learns how it ended
+    return status
 
 
 def _stop(stub, run_id: int) -> int:

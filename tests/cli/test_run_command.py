@@ -222,3 +222,35 @@ def test_a_mistake_in_the_command_line_is_said_before_the_certificates_are_asked
     line = _one_line(done, 2)
     assert line.startswith(f"fedpar run: {said}"), line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("action", ["logs", "submit"])
+def test_ctrl_c_of_a_follow_says_the_run_goes_on_and_how_to_stop_it(control, tmp_path, action):
+    """Ctrl-C of 'fedpar run submit -f' (or 'logs -f') said only 'fedpar run: interrupted', as one-shot serve's
+    Ctrl-C, which ends its run, says it: the run went on at the service (QA, the service guide)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    store, options, _, _ = control
+    (tmp_path / "one.toml").write_text("rounds = 1\n")
+    argv = ["logs", str(store.submit("one", {"rounds": 1}, who="op"))] if action == "logs" else ["submit", "one.toml"]
+    follow = subprocess.Popen([sys.executable, "-m", "fedpar", "run", *argv, "-f", *options], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        run_id = int(follow.stdout.readline()) if action == "submit" else 1  # submit prints the id, then follows
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(a["action"] == "logs" for a in store.audit_rows()):
+            time.sleep(0.05)  # the service audits the Logs call as it comes: the follow is open then
+        time.sleep(0.5)
+        os.killpg(follow.pid, signal.SIGINT)
+        _, err = follow.communicate(timeout=60)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"fedpar run: stopped following run {run_id}, which goes on at the "
+                                            f"service ('fedpar run stop {run_id}' stops it; 'fedpar run logs {run_id} "
+                                            "-f' follows it again)"), err
+    assert store.get(run_id).status == "queued"  # the run was not stopped
