@@ -53,12 +53,23 @@ class EarlierRun:
     def __init__(self, out: Path):
         self.out = Path(out)
         self.aside = self.out / self.FOLDER
-        shutil.rmtree(self.aside, ignore_errors=True)  # one a killed run left: older than the files now in ``out``
+        self._recover()
         self.names = []
         for name in RUN_FILES:
             path = self.out / name
             if path.is_file():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
                 self._set_aside(name)
+
+    def _recover(self) -> None:
+        """The files a killed run left set aside back in ``out``, each where no file of its name is (they are the
+        only copy of the run before it: one that had written a round had let them go)."""
+        if not self.aside.is_dir():
+            return
+        for name in RUN_FILES:
+            kept = self.aside / name
+            if kept.is_file() and not (self.out / name).exists():
+                kept.replace(self.out / name)
+        shutil.rmtree(self.aside, ignore_errors=True)
 
     def _set_aside(self, name: str) -> None:
         """Move the earlier run's file ``name`` aside; UserError, with every file moved so far back in place, when it

@@ -157,3 +157,30 @@ def test_an_out_folder_that_cannot_be_written_is_not_said_to_be_unmade(tmp_path,
     line = _refused(["--out", "o"], tmp_path)
     assert line == ("fedpar simulate: --out o: cannot write in the folder: Operation not permitted; give a folder this "
                     "user can write"), line
+
+
+def test_the_outputs_a_killed_run_had_set_aside_are_put_back_by_the_next_run(tmp_path):
+    """QA: a run into an earlier run's --out, killed (kill -9, the OOM killer) before its first round, left that
+    run's files only in OUT/.earlier-run; the next run deleted them, even one refused on its data."""
+    import os
+    import signal
+
+    made = subprocess.run(SIMULATE + ["--out", "o"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    before = {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir()}
+    killed = subprocess.Popen(SIMULATE + ["--out", "o", "--drop-probability", "1", "--deadline", "300", "--log-level",
+                                          "info"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        for line in killed.stderr:
+            if "round 1: sampled" in line:  # its workers joined: the earlier run's files are set aside
+                break
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+    finally:
+        killed.kill()
+    assert "metrics.jsonl" not in {p.name for p in (tmp_path / "o").iterdir()}
+    line = _refused(["--out", "o", "--partition", "shards:500"], tmp_path)
+    assert "500 shards" in line, line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir() if p.name in before} == before
+    assert not (tmp_path / "o" / ".earlier-run").exists()
