@@ -10,7 +10,7 @@ import argparse
 import sys
 import weakref
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from fedpar.meant import closest, did_you_mean
 from fedpar.ranges import (  # noqa: F401  the declared ranges (fedpar/ranges.py), argparse types by their names
@@ -51,17 +51,26 @@ class FedparParser(argparse.ArgumentParser):
         return head + ", ".join(f"{name} (or {keys[name]} in a --config file's [{table}] table)" if name in keys
                                 else name for name in message.removeprefix(head).split(", "))
 
-    def unrecognized(self, extra: list[str]):
+    def unrecognized(self, extra: list[str], coordinators: Collection[str] = ()):
         """:meth:`error` for arguments this command does not take, naming the option each one looks like, or the one
-        this command has for it under another name (:data:`ELSEWHERE_CALLED`)."""
+        this command has for it under another name (:data:`ELSEWHERE_CALLED`); flags of ``coordinators`` (fedpar
+        serve's, given to an agent) are said as the coordinator's, not as a misspelling of the agent's own."""
+        flags = [arg.split("=", 1)[0] for arg in extra if arg.startswith("--")]
+        theirs = [flag for flag in flags if flag in coordinators]
+        if theirs:
+            them = "it" if len(theirs) == 1 else "them"
+            self.error(f"unrecognized arguments: {' '.join(extra)} ({', '.join(theirs)}: fedpar serve's, not an "
+                       "agent's: the coordinator decides the rounds, the training settings and the outputs, and "
+                       f"sends each agent what it needs with its tasks; leave {them} out here)")
         options = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
-        meant = did_you_mean(meant_option(arg.split("=", 1)[0], options) for arg in extra if arg.startswith("--"))
+        meant = did_you_mean(meant_option(flag, options) for flag in flags)
         self.error(f"unrecognized arguments: {' '.join(extra)}{meant}")
 
 
 # A setting that commands name differently: a flag of one command -> what others call it. Said when a command lacks
 # the flag and has the other (`train --data-dir`: did you mean --data-path?); a misspelling is found by closest().
-ELSEWHERE_CALLED = {"--data-dir": ("--data-path",), "--data-path": ("--data-dir",)}
+ELSEWHERE_CALLED = {"--data-dir": ("--data-path",), "--data-path": ("--data-dir",), "--port": ("--server",),
+                    "--host": ("--server",)}
 
 
 def meant_option(flag: str, options: list[str]) -> str | None:
@@ -126,6 +135,17 @@ def host(text: str) -> str:
 
 
 host.kind = str
+
+
+def file_path(text: str) -> Path:
+    """An argparse type: the path of a file this command writes (export --to), not empty and not ending in '/'
+    (a folder's: Path drops the slash, and the file took the folder's name)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give the path of a file to write, e.g. model.pt")
+    if text.endswith("/"):
+        raise argparse.ArgumentTypeError(f"{text} ends in '/', which names a folder; name the file to write, e.g. "
+                                         f"{text}model.pt")
+    return Path(text)
 
 
 def file_to_write(text: str):

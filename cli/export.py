@@ -20,7 +20,7 @@ from fedpar.settings import setting
 class ExportOptions:
     """Where ``fedpar export`` writes the model (SOURCE, what it reads, is its one positional argument)."""
 
-    to: Path | None = setting(None, metavar="FILE",
+    to: Path | None = setting(None, metavar="FILE", check="file_path",
                               help="the torch state_dict file to write (e.g. model.pt); replaced if it exists")
 
 

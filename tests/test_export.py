@@ -142,3 +142,15 @@ def test_export_of_a_task_runs_checkpoints_names_the_whole_model_its_latest_hold
                    timeout=120)
     kept = torch.load(tmp_path / "g.pt", weights_only=True)
     assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in kept)  # the run's last model
+
+
+def test_export_to_a_path_ending_in_a_slash_is_refused_not_written_as_a_file(tmp_path):
+    """QA: `fedpar export RUN --to newdir/` wrote a file called newdir (Path drops the slash)."""
+    _kept_model(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-m", "fedpar", "export", "run", "--to", "newdir/"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == ["fedpar export: error: argument --to: newdir/ ends in '/', which names a "
+                                        "folder; name the file to write, e.g. newdir/model.pt; see 'fedpar export "
+                                        "--help'"], done.stderr
+    assert not (tmp_path / "newdir").exists()
