@@ -14,7 +14,7 @@ from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, set
 if __name__ == "__main__":  # python -m fedpar.cli.main: before gRPC loads (fedpar.cli.config imports it), as gRPC
     set_grpc_verbosity(sys.argv[2:])  # reads GRPC_VERBOSITY once, when it is imported (cli/entry.py does the same)
 
-from fedpar.cli.argtypes import FedparParser
+from fedpar.cli.argtypes import ELSEWHERE_CALLED, FedparParser
 from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings, refuse_unswitched
 from fedpar.cli.declared import switched_options
 from fedpar.cli.subcommands import SUBCOMMANDS
@@ -89,6 +89,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _coordinators_own(command: str, agent: argparse.ArgumentParser) -> set[str]:
+    """The flags of fedpar serve that ``agent``, the parser of `fedpar client`, lacks (none for other commands): given
+    to an agent, they are the coordinator's, not misspellings of the agent's (--compression: not --precision)."""
+    if command != "client":
+        return set()
+    serve = subcommand_parser(build_parser(only="serve"), "serve")
+    flags = [{s for a in p._actions for s in a.option_strings if s.startswith("--")} for p in (serve, agent)]
+    return flags[0] - flags[1] - set(ELSEWHERE_CALLED)
+
+
 def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     """The parser of subcommand ``name`` inside ``parser`` (from :func:`build_parser`)."""
     return parser._subparsers._group_actions[0].choices[name]
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
         args._given = given_settings(subparser, argv[1:], from_file)
         if extra:  # said by the subcommand, which knows its options: its own --help
-            subparser.unrecognized(extra)
+            subparser.unrecognized(extra, _coordinators_own(argv[0], subparser))
         refuse_unswitched(args, switched_options(subparser))  # e.g. --secagg-clip without --secure-aggregation
         if args.log_level:
             setup_logging(args)

@@ -218,3 +218,20 @@ def test_a_server_given_as_a_url_is_refused_and_its_host_port_reaches_the_coordi
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+@pytest.mark.parametrize("given, said", [
+    (["--compression", "topk"], "(--compression: fedpar serve's, not an agent's: the coordinator decides the rounds, "
+                                "the training settings and the outputs, and sends each agent what it needs with its "
+                                "tasks; leave it out here)"),
+    (["--lr", "0.1", "--rounds", "2"], "(--lr, --rounds: fedpar serve's, not an agent's:"),
+    (["--port", "50051"], "(did you mean --server?)"),
+    (["--serverr", "127.0.0.1:1"], "(did you mean --server?)"),
+])
+def test_a_coordinators_flag_given_to_an_agent_is_said_as_the_coordinators(given, said):
+    """`fedpar client --compression topk` said 'did you mean --precision?' (QA, the compression guide: the
+    coordinator puts the method in every task), and --port or --lr nothing at all."""
+    done = subprocess.run([sys.executable, "-m", "fedpar", *CLIENT, *given], capture_output=True, text=True,
+                          timeout=60)
+    line = _one_line(done.stderr, "unrecognized arguments")
+    assert done.returncode == 2 and said in line and "--precision" not in line, line
