@@ -189,9 +189,10 @@ def _plain_csv_table(path: Path, clients: int) -> Traces | None:
 
 
 def _csv_rows(path: Path):
-    """The rows of a CSV trace file as dicts, read one at a time (utf-8-sig: a spreadsheet's BOM is no column)."""
+    """The rows of a CSV trace file as dicts, read one at a time (utf-8-sig: a spreadsheet's BOM is no column; a space
+    after a comma, as a file written by hand has, is none of the name or value)."""
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
+        reader = csv.DictReader(f, skipinitialspace=True)
         missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
         if missing:
             header = ",".join(reader.fieldnames) if reader.fieldnames else "no header row (the file is empty)"

@@ -161,3 +161,17 @@ def test_a_trace_in_which_no_client_is_ever_online_is_refused_at_once(tmp_path, 
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert lines == [f"fedpar simulate: no client of --trace {trace} is ever online (every available_for is 0); "
                      "give a trace in which some clients are"], lines
+
+
+def test_a_trace_written_by_hand_with_spaces_after_its_commas_runs(tmp_path):
+    """QA: 'client, seconds_per_step, ...' was refused as a header that does not name the columns (it does)."""
+    import subprocess
+    import sys
+
+    rows = [", ".join(COLUMNS)] + [f"{i}, 0.01, 10, 5, 0, 86400" for i in range(3)]
+    (tmp_path / "by_hand.csv").write_text("\n".join(rows) + "\n")
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate", "--clients", "3", "--rounds", "1",
+                           "--local-epochs", "1", "--quiet", "--trace", "by_hand.csv", "--clock", "virtual", "--out",
+                           "o"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["rounds"] == 1
