@@ -20,7 +20,7 @@ from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.security.admission import append_revocation, has_token, mint_token, parse_revocations, \
     parse_token_hashes
 from fedpar.security.certs import DEFAULT_DAYS, DEFAULT_SERVER_NAMES, RESERVED_NAMES, CertPaths, check_agent_id, \
-    common_name, ensure_certs, load_certificate
+    common_name, ensure_certs, load_certificate, server_san
 from fedpar.sections import Output
 from fedpar.settings import setting
 
@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             check_agent_id(agent_id)
         for name in args.operators:
             check_agent_id(name, "operator name")
+        if args.server_name:
+            server_san(args.server_name)  # a bad name is said before a CA is made for a certificate never issued
         if args.agents or args.operators or args.server_name or args.force or not housekeeping:
             report = ensure_certs(args.out, args.agents, args.server_name, args.days, args.force, args.operators)
             if report.created_ca:

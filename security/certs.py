@@ -146,7 +146,9 @@ def server_san(names: Iterable[str]) -> x509.SubjectAlternativeName:
             entries.append(x509.IPAddress(ipaddress.ip_address(name)))
         except ValueError:
             if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.-]{0,252})", name):
-                raise ValueError(f"server name {name!r} is neither an IP address nor a DNS name") from None
+                raise ValueError(f"server name {name!r} is neither an IP address nor a DNS name; give each name the "
+                                 "agents dial as its own --server-name, e.g. --server-name fl.example.org "
+                                 "--server-name 10.0.0.5") from None
             entries.append(x509.DNSName(name))
     if not entries:
         raise ValueError("the server certificate needs at least one --server-name")

@@ -321,3 +321,26 @@ def test_revoke_in_a_folder_that_is_not_there_says_so_and_makes_nothing(tmp_path
     assert subprocess.run([*right, "--agents", "bob"], capture_output=True, timeout=60).returncode == 0
     done = subprocess.run([*right, "--revoke", "bob"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "revoked agent bob" in done.stdout, done.stderr
+
+
+def test_server_names_given_as_a_list_are_refused_before_a_ca_is_made(tmp_path):
+    """'--server-name fl.example.org,10.0.0.5' (as --agents takes a list) was refused after the CA was written, and
+    said only that the name was neither an IP address nor a DNS name (QA, the TLS guide)."""
+    import subprocess
+    import sys
+
+    certs = [sys.executable, "-m", "fedpar", "certs", "--out", "certs"]
+    done = subprocess.run([*certs, "--server-name", "fl.example.org,10.0.0.5"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == ["fedpar certs: server name 'fl.example.org,10.0.0.5' is neither an IP address "
+                                        "nor a DNS name; give each name the agents dial as its own --server-name, e.g. "
+                                        "--server-name fl.example.org --server-name 10.0.0.5"]
+    assert not (tmp_path / "certs").exists()
+    done = subprocess.run([*certs, "--server-name", "fl.example.org", "--server-name", "10.0.0.5"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    names = load_certificate(tmp_path / "certs" / "server.pem").extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
