@@ -44,9 +44,9 @@ def start_fresh(out: Path) -> None:
 
 class EarlierRun:
     """The files an earlier run left in ``out``, set aside (``OUT/.earlier-run``) while a new run that does not resume
-    it starts: :meth:`put_back` if the new run is refused before it writes a round (a setting or its data: a refused
-    command loses nothing), else :meth:`drop` (it ran, or was stopped: its summary must not sit beside the other
-    run's rows, model and plots)."""
+    it starts: :meth:`restore` if the new run is refused or stopped before it writes a round (a refused command, or
+    a Ctrl-C at start-up, loses nothing), else :meth:`drop` (it ran: its summary must not sit beside the other run's
+    rows, model and plots)."""
 
     FOLDER = ".earlier-run"
 
@@ -89,6 +89,18 @@ class EarlierRun:
         for name in self.names:
             if not (self.out / name).exists():
                 (self.aside / name).replace(self.out / name)
+        self.drop()
+
+    def restore(self) -> None:
+        """After a new run that wrote no round (refused, stopped or failed before one): the earlier run's files back,
+        over what the new run wrote of its own (a summary of no round, which would sit beside them); with no earlier
+        files, what the new run wrote stays."""
+        if self.names:
+            for name in RUN_FILES:
+                if name in self.names:
+                    (self.aside / name).replace(self.out / name)
+                elif (self.out / name).is_file():
+                    (self.out / name).unlink()
         self.drop()
 
     def drop(self) -> None:

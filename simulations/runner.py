@@ -218,15 +218,12 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         summary = _run(cfg, strategy, task, round_written, started, out, workers.procs, workers.sends, on_server,
                        on_progress, flower_app, on_stage or (lambda what: None), store, record)
         interrupted = summary.get("interrupted", False)
+        if earlier is not None and earlier.names:  # stopped before a round: the earlier run's files stay (below)
+            summary["written"] = []
         return summary
-    except Exception:
-        if earlier is not None and not (out / "metrics.jsonl").exists():  # refused before a round: it keeps them
-            earlier.put_back()
-            earlier = None
-        raise
     finally:
-        if earlier is not None:
-            earlier.drop()
+        if earlier is not None:  # no round written (refused, stopped or failed before one): nothing of it is lost
+            earlier.restore()
         torch.set_num_threads(threads)
         with contextlib.suppress(OSError):  # however it ended, a resume counts this process's seconds too (a full
             record.update(time.monotonic() - started)  # disk: what stopped the run is what to say)

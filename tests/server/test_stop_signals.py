@@ -247,8 +247,8 @@ def test_a_rank_that_raised_is_named_with_the_exception_it_ended_on():
 
 def test_a_simulate_into_an_earlier_runs_out_keeps_it_on_a_refusal_and_clears_it_once_its_settings_are_checked(
         tmp_path):
-    """A refused command loses nothing of the earlier run's outputs; one stopped after its settings were checked (its
-    set-up began, before round 1) leaves none of them beside its summary."""
+    """A refused command loses nothing of the earlier run's outputs; nor does one stopped after its settings were
+    checked (its set-up began, before round 1), which writes nothing of its own beside them."""
     out = tmp_path / "out"
     out.mkdir()
     earlier = ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "summary.json")
@@ -265,8 +265,8 @@ def test_a_simulate_into_an_earlier_runs_out_keeps_it_on_a_refusal_and_clears_it
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130, (tmp_path / "run.log").read_text()
-    assert not [p.name for p in out.iterdir() if p.read_text(errors="replace") == "of an earlier run\n"], \
-        (tmp_path / "run.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == sorted(earlier), (tmp_path / "run.log").read_text()
+    assert all((out / name).read_text() == "of an earlier run\n" for name in earlier)
 
 
 def test_serve_on_two_ranks_stopped_as_its_ranks_start_says_so_in_one_line(tmp_path):
