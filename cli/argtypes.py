@@ -51,6 +51,10 @@ class FedparParser(argparse.ArgumentParser):
         return head + ", ".join(f"{name} (or {keys[name]} in a --config file's [{table}] table)" if name in keys
                                 else name for name in message.removeprefix(head).split(", "))
 
+    def long_options(self) -> list[str]:
+        """The --options this command takes, in the order declared."""
+        return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+
     def unrecognized(self, extra: list[str], coordinators: Collection[str] = ()):
         """:meth:`error` for arguments this command does not take, naming the option each one looks like, or the one
         this command has for it under another name (:data:`ELSEWHERE_CALLED`); flags of ``coordinators`` (fedpar
@@ -62,8 +66,7 @@ class FedparParser(argparse.ArgumentParser):
             self.error(f"unrecognized arguments: {' '.join(extra)} ({', '.join(theirs)}: fedpar serve's, not an "
                        "agent's: the coordinator decides the rounds, the training settings and the outputs, and "
                        f"sends each agent what it needs with its tasks; leave {them} out here)")
-        options = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
-        meant = did_you_mean(meant_option(flag, options) for flag in flags)
+        meant = did_you_mean(meant_option(flag, self.long_options()) for flag in flags)
         self.error(f"unrecognized arguments: {' '.join(extra)}{meant}")
 
 

@@ -89,14 +89,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _coordinators_own(command: str, agent: argparse.ArgumentParser) -> set[str]:
+def _coordinators_own(command: str, agent: FedparParser) -> set[str]:
     """The flags of fedpar serve that ``agent``, the parser of `fedpar client`, lacks (none for other commands): given
     to an agent, they are the coordinator's, not misspellings of the agent's (--compression: not --precision)."""
     if command != "client":
         return set()
     serve = subcommand_parser(build_parser(only="serve"), "serve")
-    flags = [{s for a in p._actions for s in a.option_strings if s.startswith("--")} for p in (serve, agent)]
-    return flags[0] - flags[1] - set(ELSEWHERE_CALLED)
+    return set(serve.long_options()) - set(agent.long_options()) - set(ELSEWHERE_CALLED)
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
