@@ -57,7 +57,10 @@ LABEL_SKEW_CLIENTS = 2_000  # clients the summary's label skew is measured on (t
 
 
 class ProcessLost(RuntimeError):
-    """A process of the simulation (a worker, an aggregator rank) died; the message names it."""
+    """A process of the simulation (a worker, an aggregator rank) died; the message names it, ``written`` the files
+    of --out that hold the rounds completed before it (the model of the last one among them)."""
+
+    written: list[str] = []
 
 
 class TaskStopped(ProcessLost):
@@ -325,7 +328,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
         end = service.execute(run, ServePlan(coord_cfg, security, assembly, strategy),
                               ranks.leader if ranks else None)
         stopped_by = end.stopped_by
-        if stopped_by is None and end.outputs is not None:  # else no worker got its slice: the caller stops them
+        if stopped_by is None and end.outputs is not None and service.lost is None:  # else the caller stops them
             for p in procs:
                 p.join(timeout=30)
     finally:
@@ -337,6 +340,7 @@ def _run(cfg: SimulationConfig, strategy, task, on_round, started: float, out: P
             store.close()
     if end.outputs is None:  # the coordinator could not be built or started
         raise ValueError(end.reason)
+    service.raise_lost(end.outputs.written)
     return {**end.outputs.summary, "written": end.outputs.written}
 
 
@@ -358,6 +362,7 @@ class SimulationService(RunService):
         self.members, self.splits, self.batching = members, splits, batching
         self.record = record  # the --checkpoint-dir's run.json, kept once the coordinator resumed
         self.earlier = record.earlier  # what the processes before this one ran of the run it resumes
+        self.lost: ProcessLost | None = None  # a worker died: the rounds before are written, then it is raised
 
     def settle(self, run):
         """``run`` as it is: its settings are the simulation's, all of them, from the start."""
@@ -408,8 +413,18 @@ class SimulationService(RunService):
             p.join(timeout=max(0.0, end - time.monotonic()))
 
     def round_error(self, exc: Exception, config) -> str:
-        """Re-raised: the simulation ends with it."""
-        raise exc
+        """Re-raised: the simulation ends with it; a lost worker process once the outputs of the rounds completed
+        before it are written (:meth:`raise_lost`)."""
+        if not isinstance(exc, ProcessLost):
+            raise exc
+        self.lost = exc
+        return str(exc)
+
+    def raise_lost(self, written: list[str]) -> None:
+        """The lost worker's ProcessLost, if one was, told the files written (``written``)."""
+        if self.lost is not None:
+            self.lost.written = written
+            raise self.lost
 
     def outputs(self, out: Path | None, server, plan, run, args, extra: dict, plots: bool = True) -> RunOutputs:
         """The summary with how the simulation was set up, and, with --out, the files it leaves there (its plots
