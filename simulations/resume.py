@@ -4,6 +4,7 @@ protocol/run_record.py): the settings it is made with, checked on a resume, and 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from fedpar.protocol.model_file import INFO
@@ -13,6 +14,7 @@ from fedpar.simulations.config import SimulationConfig
 from fedpar.simulations.run_outputs import SUMMARY
 
 AFRESH = "give another --checkpoint-dir to start afresh"
+RECORD_SECONDS = 10.0  # a running simulation's seconds are recorded this often (each a durable write of run.json)
 
 
 def check_resume(cfg: SimulationConfig) -> list[str]:
@@ -73,6 +75,7 @@ class RunRecord:
         self.earlier = recorded_seconds(Path(cfg.checkpoint_dir) / RUN_RECORD) \
             if has_checkpoint(cfg.checkpoint_dir) else 0.0
         self.kept = False
+        self._updated_at = time.monotonic()
 
     def keep(self, seconds_here: float = 0.0) -> None:
         """Record the settings (checked already: :func:`check_resume`, and the coordinator's resume) and the run's
@@ -90,3 +93,10 @@ class RunRecord:
         """The run's seconds again, however this process's part ended, if the record was kept (:meth:`keep`)."""
         if self.kept:
             self.keep(seconds_here)
+            self._updated_at = time.monotonic()
+
+    def update_now_and_then(self, seconds_here: float) -> None:
+        """:meth:`update`, at most every RECORD_SECONDS (each a durable write): a process killed outright (kill -9)
+        leaves the run's seconds counted up to then, not to its start."""
+        if time.monotonic() - self._updated_at >= RECORD_SECONDS:
+            self.update(seconds_here)

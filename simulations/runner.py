@@ -214,6 +214,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         if earlier is not None:
             earlier.drop()
             earlier = None
+        record.update_now_and_then(time.monotonic() - started)
         if on_round is not None:
             on_round(row)
 

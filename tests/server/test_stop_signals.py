@@ -245,7 +245,7 @@ def test_a_rank_that_raised_is_named_with_the_exception_it_ended_on():
     assert _rank_failure(ProcessRaisedException(missing, 1, 42)) == "an aggregator rank failed: rank 0 is gone"
 
 
-def test_a_simulate_into_an_earlier_runs_out_keeps_it_on_a_refusal_and_clears_it_once_its_settings_are_checked(
+def test_a_simulate_into_an_earlier_runs_out_keeps_it_on_a_refusal_and_on_a_stop_before_round_1(
         tmp_path):
     """A refused command loses nothing of the earlier run's outputs; nor does one stopped after its settings were
     checked (its set-up began, before round 1), which writes nothing of its own beside them."""

@@ -166,7 +166,9 @@ def test_a_fresh_checkpoint_folder_records_the_new_federation(run, capfd):
     assert json.loads((run / "fresh" / "run.json").read_text())["defining"]["--clients"] == 6
 
 
-def test_a_fresh_run_into_an_earlier_runs_out_that_stops_before_round_1_leaves_none_of_the_earlier_outputs(run):
+def test_a_fresh_run_into_an_earlier_runs_out_that_stops_before_round_1_keeps_the_earlier_outputs(run):
+    kept = {p.name: p.read_bytes() for p in (run / "out").iterdir() if p.is_file()}
+    assert "global.safetensors" in kept and "summary.json" in kept
     cmd = [sys.executable, "-m", "fedpar.cli.main", "simulate", *[a for a in COMMON if a != "--quiet"], "--clients",
            "6", "--rounds", "2", "--out", str(run / "out")]  # no checkpoint: a fresh run
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
@@ -180,10 +182,9 @@ def test_a_fresh_run_into_an_earlier_runs_out_that_stops_before_round_1_leaves_n
     finally:
         proc.kill()
     assert proc.returncode == 130 and "interrupted" in err, err
-    # the 4-client run's rows, model, plots and summary stayed beside this one's (a finished run replaces them all)
-    left = sorted(p.name for p in (run / "out").iterdir())
-    assert left in ([], ["summary.json"]), left  # this run's summary, when it was written before the interrupt
-    assert not left or _summary(run / "out")["rounds"] == 0
+    # the 4-client run's rows, model, plots and summary are back as they were, and nothing of this one beside them
+    assert sorted(p.name for p in (run / "out").iterdir()) == sorted(kept), err
+    assert all((run / "out" / name).read_bytes() == data for name, data in kept.items())
 
 
 def test_a_checkpoint_of_older_code_without_its_record_still_resumes(run, capfd):
@@ -232,3 +233,19 @@ def test_a_private_secure_run_with_a_flower_strategy_resumes_where_it_stopped(tm
     code, err = _simulate("--strategy", "flower:FedAvg", *private[2:], out=tmp_path / "out", ckpt=ckpt, rounds=3,
                           capfd=capfd)
     assert code == 2 and "made with strategy 'dp-flower:FedAdam', not 'dp-flower:FedAvg'" in err, err
+
+
+def test_a_running_simulation_records_its_seconds_now_and_then(tmp_path, monkeypatch):
+    """A coordinator killed outright (kill -9) writes no end: its seconds are in run.json up to the last update
+    (QA: a resume after a kill counted 0.22 s of about 5 s before it)."""
+    from fedpar.protocol.run_record import recorded_seconds
+    from fedpar.simulations import resume
+    from fedpar.simulations.config import SimulationConfig
+
+    record = resume.RunRecord(SimulationConfig(clients=4, rounds=3, checkpoint_dir=str(tmp_path / "ckpt")))
+    record.keep(0.5)
+    record.update_now_and_then(3.0)  # within RECORD_SECONDS of the last write: none
+    assert recorded_seconds(tmp_path / "ckpt" / "run.json") == 0.5
+    monkeypatch.setattr(resume, "RECORD_SECONDS", 0.0)
+    record.update_now_and_then(4.0)
+    assert recorded_seconds(tmp_path / "ckpt" / "run.json") == 4.0
