@@ -71,8 +71,10 @@ def recorded_seconds(path: Path) -> float:
 
 
 def said(value) -> str:
-    """A recorded setting as a user gives it (None: not given)."""
-    return "(not given)" if value is None else value if isinstance(value, str) else json.dumps(value)
+    """A recorded setting as a user gives it (None, or an empty table of options: not given)."""
+    if value is None or value == {}:
+        return "(not given)"
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _section(saved: dict, key: str) -> dict:

@@ -249,3 +249,13 @@ def test_a_running_simulation_records_its_seconds_now_and_then(tmp_path, monkeyp
     monkeypatch.setattr(resume, "RECORD_SECONDS", 0.0)
     record.update_now_and_then(4.0)
     assert recorded_seconds(tmp_path / "ckpt" / "run.json") == 4.0
+
+
+def test_a_resume_note_says_an_empty_table_of_options_as_not_given(tmp_path):
+    """It said '--strategy-option {}' of a run given none (QA)."""
+    from fedpar.protocol.run_record import check_settings, record_settings
+
+    record_settings(tmp_path / "run.json", {"--clients": 4}, {"--strategy-option": {}})
+    lines = check_settings(tmp_path / "run.json", {"--clients": 4}, {"--strategy-option": {"mu": 0.1}}, source="it",
+                           afresh="start afresh")
+    assert len(lines) == 1 and "(not given)" in lines[0] and "{}" not in lines[0], lines
