@@ -158,7 +158,8 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     unknown = sorted(set(values) - dests)
     if unknown:
         raise ConfigError(
-            f"{known.config}: unknown option(s) for '{section}': {_unknown_said(unknown, names, dict_options)}; "
+            f"{known.config}: unknown option(s) for '{section}': "
+            f"{_unknown_said(unknown, names, dict_options, dests)}; "
             f"run 'fedpar {section} --help' for the valid ones"
         )
     actions = {a.dest: a for a in parser._actions}
@@ -188,9 +189,10 @@ def rename_key(values: dict[str, Any], names: dict[str, str], key: str, dest: st
     values[dest], names[dest] = values.pop(key), names.pop(key)
 
 
-def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[str]) -> str:
-    """The ``unknown`` options; those of a nested table named close to an option that takes a table are said as
-    that table, with the option: a misspelled ``[train.task_option]`` was flattened, and only its ``csv`` said."""
+def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[str], known: set[str]) -> str:
+    """The ``unknown`` options, each as the file writes it (``parallel.fdsp``) with the ``known`` one it likely
+    misspells; those of a nested table named close to an option that takes a table are said as that table, with the
+    option: a misspelled ``[train.task_option]`` was flattened, and only its ``csv`` said."""
     said, tables = [], {}
     for key in unknown:
         table, _, leaf = names[key].rpartition(".")
@@ -198,7 +200,8 @@ def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[s
         if meant:
             tables.setdefault((table, meant), []).append(leaf)
         else:
-            said.append(key)
+            option = closest(key, sorted(known - dict_options))
+            said.append(names[key] + (f" (did you mean {table + '.' if table else ''}{option}?)" if option else ""))
     said += [f"{table} (a table holding {', '.join(leaves)}; did you mean {meant}?)"
              for (table, meant), leaves in tables.items()]
     return ", ".join(said)

@@ -299,7 +299,10 @@ def test_cli_config_file_errors_name_the_table(tmp_path: Path, capsys, monkeypat
     assert "tp is set twice, in [train] and in [train.parallel]" in capsys.readouterr().err
     toml.write_text("[train.parallel]\ntensor_parallel = 2\n")
     assert main(["train", "--config", str(toml)]) == 2
-    assert "unknown option(s) for 'train': tensor_parallel" in capsys.readouterr().err
+    assert "unknown option(s) for 'train': parallel.tensor_parallel;" in capsys.readouterr().err
+    toml.write_text("[train.parallel]\nfdsp = 2\n")  # a typo: the key as written, and the one it misspells
+    assert main(["train", "--config", str(toml)]) == 2
+    assert "unknown option(s) for 'train': parallel.fdsp (did you mean parallel.fsdp?);" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, expected", [
