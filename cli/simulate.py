@@ -380,8 +380,8 @@ def _simulate(args: argparse.Namespace, cfg: SimulationConfig, workers) -> int:
         return 2
     except (ProcessLost, RankMissing) as exc:  # a worker or an aggregator rank died: named, with no traceback
         progress.close()
-        kept = exc.written if isinstance(exc, ProcessLost) else []  # the rounds before it: rows, model, summary
-        said = RunOutputs({}, kept).wrote_line(cfg.out) if kept else f"its rows are in {cfg.out}/metrics.jsonl"
+        kept = exc.written if isinstance(exc, ProcessLost) else ()  # the rounds before it: rows, model, summary
+        said = RunOutputs({}, list(kept)).wrote_line(cfg.out) if kept else f"its rows are in {cfg.out}/metrics.jsonl"
         print(f"fedpar simulate: {exc}; the run stopped after round {table.pace.last_round} ({said}); "
               f"{_how_to_go_on(cfg)}", file=sys.stderr)
         return 1

@@ -60,7 +60,7 @@ class ProcessLost(RuntimeError):
     """A process of the simulation (a worker, an aggregator rank) died; the message names it, ``written`` the files
     of --out that hold the rounds completed before it (the model of the last one among them)."""
 
-    written: list[str] = []
+    written: tuple[str, ...] = ()
 
 
 class TaskStopped(ProcessLost):
@@ -174,7 +174,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
                    workers: WorkerProcesses | None = None) -> dict:
     """Run the federation to the end (or a Ctrl-C: then the summary says ``interrupted``); writes metrics.jsonl,
     the final model (global.safetensors, global.json), summary.json, accuracy.png and loss.png (not after a Ctrl-C)
-    under ``cfg.out`` (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the files written.
+    under ``cfg.out`` (see :func:`write_run_outputs`), and returns the summary with ``written``: the names of the
+    files written.
     ``on_server(server)`` sees the coordinator before it starts; ``on_progress(coordinator)`` is called twice a
     second while it runs (clients joined, the open round); ``on_stage(what)`` as each set-up step starts (loading the
     data, indexing the clients' shares). The run is kept in ``store`` (default: one in memory), as a service keeps its
@@ -424,7 +425,7 @@ class SimulationService(RunService):
     def raise_lost(self, written: list[str]) -> None:
         """The lost worker's ProcessLost, if one was, told the files written (``written``)."""
         if self.lost is not None:
-            self.lost.written = written
+            self.lost.written = tuple(written)
             raise self.lost
 
     def outputs(self, out: Path | None, server, plan, run, args, extra: dict, plots: bool = True) -> RunOutputs:
