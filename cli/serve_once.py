@@ -29,7 +29,7 @@ from fedpar.protocol.codec import grpc_target
 from fedpar.protocol.wording import counted
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.run_store import RunStore
-from fedpar.simulations.run_outputs import start_fresh
+from fedpar.simulations.run_outputs import EarlierRun, RunOutputs
 
 
 class OneShotService(RunService):
@@ -40,11 +40,28 @@ class OneShotService(RunService):
     samples_by_task = False  # its own rule instead, set in watch(): see same_task
     records_rounds = False  # its store lives in memory and no one follows it: the rows are in --out's metrics.jsonl
 
-    def __init__(self, args: argparse.Namespace, store: RunStore, plan: Callable):
+    def __init__(self, args: argparse.Namespace, store: RunStore, plan: Callable, earlier: EarlierRun | None = None):
         super().__init__(args, store, args.port, plan)
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))
         self.progress: LiveBar | None = None
         self.server = None  # the run's coordinator server, once built
+        self.earlier = earlier  # an earlier run's outputs in --out, set aside until this run writes a round
+
+    def restore_earlier(self) -> bool:
+        """The earlier run's outputs back, if this run wrote no round (refused, stopped or failed before one);
+        whether there were any."""
+        if self.earlier is None:
+            return False
+        restored = bool(self.earlier.names)
+        self.earlier.restore()
+        self.earlier = None
+        return restored
+
+    def _round_written(self, row: dict) -> None:
+        """This run wrote a round: the earlier run's outputs are not put back."""
+        if self.earlier is not None:
+            self.earlier.drop()
+            self.earlier = None
 
     def options_of(self, run) -> argparse.Namespace:
         """serve's own options: --out, --checkpoint-dir and the rest as given."""
@@ -62,7 +79,8 @@ class OneShotService(RunService):
         if ranks is not None:
             columns = columns + rank_columns(ranks.world)
         self.progress = LiveBar(total=plan.config.rounds)
-        return [self.progress.round_ended, RoundTable(total=plan.config.rounds, columns=columns).row]
+        return [self._round_written, self.progress.round_ended,
+                RoundTable(total=plan.config.rounds, columns=columns).row]
 
     def watch(self, server, run) -> None:
         """The port file as soon as health checks are answered (NOT_SERVING while a checkpoint is restored)."""
@@ -153,10 +171,9 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
     aggregator ranks), print its summary and return the command's exit code."""
     # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
     threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
-    if not has_checkpoint(plan.config.checkpoint_dir):  # else the run resumes, and its rows go on
-        start_fresh(Path(args.out))
+    resumes = has_checkpoint(plan.config.checkpoint_dir)  # then its rows go on beside the earlier ones
     store = RunStore(":memory:")
-    service = OneShotService(args, store, lambda options: plan)
+    service = OneShotService(args, store, lambda options: plan, None if resumes else EarlierRun(Path(args.out)))
     run = store.get(store.submit("serve", json_ready(effective_settings(args))))
     try:
         end = service.execute(run, plan, ranks)
@@ -165,12 +182,13 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
             service.progress.close()
         service.observers.close()
         store.close()
+        kept_earlier = service.restore_earlier()  # no round written: nothing of the earlier run is lost
     if end.outputs is None:
         print(f"fedpar serve: {end.reason}", file=sys.stderr)
         return end.code
     metrics = service.server.coordinator.metrics
     if metrics.last:
         print(json.dumps({"rounds": metrics.summary.rounds, "final": metrics.last}, indent=2))
-    print(end.outputs.wrote_line(Path(args.out)))
+    print(RunOutputs(end.outputs.summary, [] if kept_earlier else end.outputs.written).wrote_line(Path(args.out)))
     return run_exit_code("fedpar serve", end.outputs.summary,
                          signal_name(end.stopped_by) if end.stopped_by is not None else None, args.task)

@@ -286,16 +286,19 @@ def test_serve_on_two_ranks_stopped_as_its_ranks_start_says_so_in_one_line(tmp_p
     assert "Traceback" not in (tmp_path / "run.log").read_text()
 
 
-def test_a_serve_into_an_earlier_runs_out_stopped_before_round_1_leaves_none_of_its_outputs(tmp_path):
-    """Its metrics rows were appended to the earlier run's (as simulate's were: simulations/run_outputs.py)."""
+def test_a_serve_into_an_earlier_runs_out_stopped_before_round_1_keeps_the_earlier_outputs(tmp_path):
+    """Its metrics rows were appended to the earlier run's (as simulate's were: simulations/run_outputs.py); then it
+    cleared them for a summary of no round; now they stay as they were, and it writes nothing of its own."""
     out = tmp_path / "out"
     out.mkdir()
-    for name in ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "accuracy.png"):
+    earlier = ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "accuracy.png")
+    for name in earlier:
         (out / name).write_text("of an earlier run\n")
     proc = _start(tmp_path, ["serve", "--insecure", "--port", "0", "--port-file", str(tmp_path / "port"), "--out",
                              str(out), "--no-central-eval", "--min-available", "2"])
     _port(tmp_path, proc)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130, (tmp_path / "run.log").read_text()
-    assert sorted(p.name for p in out.iterdir()) == ["summary.json"], (tmp_path / "run.log").read_text()
-    assert json.loads((out / "summary.json").read_text())["rounds"] == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(earlier), (tmp_path / "run.log").read_text()
+    assert all((out / name).read_text() == "of an earlier run\n" for name in earlier)
+    assert f"wrote nothing to {out}" in (tmp_path / "run.log").read_text()
