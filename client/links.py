@@ -56,11 +56,11 @@ JOIN_CHUNK = 10_000  # members registered per JoinPopulation call (the coordinat
 # per-call work); on a quiet machine 5, 20 and 50 ms gave the same 100-client digits round (0.08-0.09 s), on
 # loaded cores 50 ms did best.
 UPLOAD_LINGER = UPLOAD_MARGIN_SECONDS / 5
-# RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
 # A Join refused for a session another process holds waits for that place once, if it frees within this (a
 # coordinator's --liveness-timeout is seconds to minutes), a little past the time the coordinator gave.
 MAX_SESSION_WAIT_SECONDS = 3600.0
 SESSION_MARGIN_SECONDS = 0.5
+# RESOURCE_EXHAUSTED: a coordinator limit (join rate, calls in flight); backing off is the cure.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 
