@@ -13,19 +13,12 @@ import time
 
 from safetensors.numpy import load_file
 
-
-def _children(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
+from support.processes import children, stop_processes
 
 
 def _worker_of(pid: int) -> int | None:
     """A worker process of simulate ``pid`` (a child that is not multiprocessing's resource tracker)."""
-    for child in _children(pid):
+    for child in children(pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:
             if b"resource_tracker" not in f.read():
                 return child
@@ -47,9 +40,7 @@ def test_a_worker_killed_mid_run_ends_it_in_one_line_keeping_the_rounds_before(t
         os.kill(worker, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_processes(proc)
     assert proc.returncode == 1, stderr
     said = [line for line in stderr.splitlines() if line.strip()]
     assert len(said) == 1 and "Traceback" not in stderr, stderr
