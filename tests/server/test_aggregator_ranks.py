@@ -631,12 +631,12 @@ def test_rank_0_cannot_form_the_group_again_once_the_rendezvous_store_is_gone_an
     line naming the store: the error with which rank 0 stops the coordinator and says why in one line (leader.py,
     cli/serve.py, cli/simulate.py), not a traceback or a failed round. Rank 0 runs in a process of its own: the failed
     re-forming leaves torch's count of process groups behind, which would misname a later group in this process."""
-    port = free_port()
+    # The store binds port 0 and says which it got: a port picked here and bound there could be taken between.
     host = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; "
-                             f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
-                             "print('up', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+                             "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+                             "print('up', s.port, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
     rank_0 = tmp_path / "rank_0.py"
-    rank_0.write_text(f"""
+    rank_0.write_text("""
 import sys
 from datetime import timedelta
 
@@ -644,7 +644,7 @@ import torch.distributed as dist
 
 from fedpar.server.ranks.group import RankGroup, RankMissing
 
-store = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=timedelta(seconds=5))
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=5))
 dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=5))
 group = RankGroup(5.0, "fedpar/ranks/test")
 group.reform([0])  # with the store there, the group forms again
@@ -657,8 +657,9 @@ except RankMissing as exc:
 """)
     proc = None
     try:
-        assert host.stdout.readline().strip() == "up"
-        proc = subprocess.Popen([sys.executable, str(rank_0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        up, port = host.stdout.readline().split()
+        assert up == "up"
+        proc = subprocess.Popen([sys.executable, str(rank_0), port], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "formed 1 {}"
         host.kill()
