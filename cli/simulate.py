@@ -424,6 +424,9 @@ def run_server_app(cfg: SimulationConfig) -> int:
     except (ValueError, RuntimeError) as exc:  # a setting it cannot honour, an app that cannot load, a lost worker,
         print(f"fedpar simulate: {exc}", file=sys.stderr)  # the ServerApp's failure (TaskFailed: exit 1)
         return getattr(exc, "exit_code", 2 if isinstance(exc, ValueError) else 1)
+    except UserError as exc:  # an earlier run's file in --out that cannot be set aside
+        print(f"fedpar simulate: {exc}", file=sys.stderr)
+        return exc.exit_code
     summary.pop("config", None)
     written = RunOutputs(summary, summary.pop("written"))
     print(json.dumps(summary, indent=2))

@@ -106,14 +106,17 @@ class FlowerCoordinator(Coordinator):
             replies, self._replies, self._messages = self._replies, {}, {}
             self.round_id = round_id
             now = time.monotonic()
-            self.metrics.append({
+            row = {
                 "round": round_id, "status": exchange_status(replies.values(), len(slots)), "sampled": len(slots),
                 "reported": state.accepted, "error_replies": sum(r.has_error() for r in replies.values()),
                 "rejected": state.rejected, "late": state.late(),  # no "examples": a reply weighs as its strategy says
                 "close_reason": state.close_reason, "cohort_digest": cohort_digest(slots),
                 "flower_round": flower_round, "message_type": message_type, "upload_bytes": state.upload_bytes,
                 "download_bytes": sum(len(s.message) for s in slots.values() if s.dispatched),
-                "round_seconds": now - state.started, "wall_seconds": now - self.started_at})
+                "round_seconds": now - state.started, "wall_seconds": now - self.started_at}
+            self.metrics.append(row)
+            for callback in self.on_round_end:
+                callback(row)
             return replies
 
     def _redeliverable(self, state: RoundState, agent_id: str, finished_task_id: str = "") -> AgentSlot | None:

@@ -25,7 +25,7 @@ from fedpar.settings import composed
 from fedpar.simulations.client_app_population import ClientAppPopulation
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.simulations.population import PopulationSlice, host_population
-from fedpar.simulations.run_outputs import start_fresh, write_run_outputs
+from fedpar.simulations.run_outputs import EarlierRun, write_run_outputs
 from fedpar.task import Partition, TaskFailed
 from fedpar.tasks.flower_app import FlowerApp, load_flower_app
 
@@ -70,9 +70,23 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
         raise ValueError(problem)
     started = time.monotonic()
     out = Path(cfg.out) if cfg.out else None
-    if out:
+    earlier = None
+    if out:  # a Flower App run does not resume: an earlier run's files are set aside until this one writes a round
         out.mkdir(parents=True, exist_ok=True)
-        start_fresh(out)  # a Flower App run does not resume
+        earlier = EarlierRun(out)
+    try:
+        summary = _serve_app(cfg, app, run_config, out, started, earlier)
+        if earlier is not None and earlier.names:  # no round written: the earlier run's files stay (below)
+            summary["written"] = []
+        return summary
+    finally:
+        if earlier is not None:  # no round written (stopped or failed before one): nothing of it is lost
+            earlier.restore()
+
+
+def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, out: Path | None, started: float,
+               earlier: EarlierRun | None) -> dict:
+    """:func:`run_flower_app`'s run, ``earlier`` let go once it wrote a round."""
     workers = max(1, min(cfg.workers, cfg.clients))
     hosts = [f"host-{w}" for w in range(workers)]
     certs = temporary_cert_dir(hosts) if cfg.tls else None
@@ -85,7 +99,8 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
 
     coordinator = FlowerCoordinator(coord_cfg, build_strategy("fedavg"),
                                     server_app_main(app.server_app, app.run_config, NODE_PATIENCE_SECONDS),
-                                    admission=Admission(require_certificate=cfg.tls))
+                                    admission=Admission(require_certificate=cfg.tls),
+                                    on_round_end=[earlier.let_go] if earlier is not None else [])
     server = CoordinatorServer(coordinator, credentials=server_credentials(server_tls_files(certs.name))
                                if certs else None)
     ctx = mp.get_context("spawn")

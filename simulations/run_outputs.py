@@ -35,13 +35,6 @@ class RunOutputs:
         return f"wrote {out}/{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else f"wrote {out}/{names[0]}"
 
 
-def start_fresh(out: Path) -> None:
-    """Remove the files an earlier run left in ``out``, for a run that does not resume it: a run that stops before
-    its first round (or writes fewer files) would otherwise leave its summary beside the other run's rows, model and
-    plots, where a finished run replaces them all."""
-    EarlierRun(out).drop()
-
-
 class EarlierRun:
     """The files an earlier run left in ``out``, set aside (``OUT/.earlier-run``) while a new run that does not resume
     it starts: :meth:`restore` if the new run is refused or stopped before it writes a round (a refused command, or
@@ -101,6 +94,12 @@ class EarlierRun:
                     (self.aside / name).replace(self.out / name)
                 elif (self.out / name).is_file():
                     (self.out / name).unlink()
+        self.drop()
+
+    def let_go(self, row: dict | None = None) -> None:
+        """The new run wrote a round (an on_round_end callback): the earlier run's files are forgotten, and
+        :meth:`restore` leaves the new run's own."""
+        self.names = []
         self.drop()
 
     def drop(self) -> None:
