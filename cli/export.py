@@ -1,7 +1,8 @@
 """Write a fedpar model as a torch state_dict file.
 
-SOURCE is a run's --out folder (its global.safetensors), a global.safetensors file, or a coordinator checkpoint
-directory (--checkpoint-dir: its latest round). The file written holds a dict of tensors by state_dict name:
+SOURCE is a run's --out folder (its global.safetensors, taken before a checkpoint LATEST in the same folder), a
+global.safetensors file, or a coordinator checkpoint directory (--checkpoint-dir: its latest round). The line it prints
+names the file (or checkpoint) it read and its round. The file written holds a dict of tensors by state_dict name:
 torch.load(FILE, weights_only=True) reads it and model.load_state_dict takes it.
 """
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedpar.protocol.atomicfile import atomic_path
-    from fedpar.server.final_model import load_final_model
+    from fedpar.server.final_model import read_final_model
 
     if not args.source.exists():
         raise UserError(f"{args.source} does not exist; give a run's --out folder, a global.safetensors file or "
@@ -49,16 +50,46 @@ def run(args: argparse.Namespace) -> int:
                         f"the model itself; write the export elsewhere, e.g. --to "
                         f"{args.source.resolve().parent / 'model.pt'}")
     try:
-        names, arrays = load_final_model(args.source)
+        kept = read_final_model(args.source)
     except ValueError as exc:  # CodecError, CheckpointError: the message names the file
         raise UserError(f"{args.source} is not a fedpar model: {exc}") from None
-    state_dict = {name: torch.from_numpy(array) for name, array in zip(names, arrays)}
+    state_dict = {name: torch.from_numpy(array) for name, array in zip(kept.names, kept.arrays)}
     args.to.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(args.to) as tmp:
         torch.save(state_dict, tmp)
-    params = sum(a.size for a in arrays)
-    print(f"wrote {args.to}: {len(names)} tensors, {params:,} parameters, from {args.source}")
+    params = sum(a.size for a in kept.arrays)
+    print(f"wrote {args.to}: {len(kept.names)} tensors, {params:,} parameters, from {_taken(args.source, kept)}")
     return 0
+
+
+def _taken(source: Path, kept) -> str:
+    """Which model of ``source`` was exported, and its round (a folder's global.safetensors is taken before a
+    checkpoint LATEST beside it: then what of that checkpoint was not)."""
+    from fedpar.protocol.model_file import TENSORS
+    from fedpar.server.checkpoint import LATEST
+
+    if kept.path.parent == source and kept.path.name != TENSORS:  # a checkpoint directory's LATEST round folder
+        return f"{kept.origin()}, its latest checkpoint"
+    if kept.path != source / TENSORS or not (source / LATEST).is_file():
+        return kept.origin()
+    return f"{kept.origin()}, {_beside(source, kept.round_id)}"
+
+
+def _beside(source: Path, round_id: int | None) -> str:
+    """What a folder's checkpoint LATEST names, beside the global.safetensors exported instead, and how to export
+    it."""
+    from fedpar.server.checkpoint import LATEST, checkpoint_name, latest_round
+
+    try:
+        other = latest_round(source)
+    except ValueError:  # a LATEST that cannot be read (CheckpointError): exporting the folder never reads it
+        other = None
+    if other is None:
+        return f"not the checkpoint that {source / LATEST} names"
+    folder = source / checkpoint_name(other)
+    if other == round_id:
+        return f"the same round as the latest checkpoint beside it, {folder}"
+    return f"not the latest checkpoint beside it, {folder} (round {other}): export {folder} for that one"
 
 
 def _check_folders_of(to: Path) -> None:

@@ -6,6 +6,7 @@ completed), whether or not checkpoints are on; ``fedpar export`` reads them, or 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +28,31 @@ def write_coordinator_model(out: Path, coordinator, model: dict, interrupted: bo
                              interrupted)
 
 
+@dataclass
+class KeptModel:
+    """A kept global model: its tensors, the file (or checkpoint round folder) they were read from, and the round
+    they are the model after (None: the file does not say)."""
+
+    names: list[str]
+    arrays: list[np.ndarray]
+    path: Path
+    round_id: int | None
+
+    def origin(self) -> str:
+        """'PATH (round N)': where the model was read from, and its round."""
+        return str(self.path) if self.round_id is None else f"{self.path} (round {self.round_id})"
+
+
 def load_final_model(source: Path) -> tuple[list[str], list[np.ndarray]]:
-    """The names and arrays of the model at ``source``: a safetensors file, a folder holding global.safetensors
-    (an ``--out`` folder or one checkpoint round), or a checkpoint directory (its LATEST round).
+    """The names and arrays of the model at ``source`` (see :func:`read_final_model`)."""
+    kept = read_final_model(source)
+    return kept.names, kept.arrays
+
+
+def read_final_model(source: Path) -> KeptModel:
+    """The model at ``source``: a safetensors file, a folder holding global.safetensors (an ``--out`` folder or one
+    checkpoint round: the folder's global.safetensors is taken before a checkpoint LATEST beside it), or a checkpoint
+    directory (its LATEST round).
 
     Raises FileNotFoundError when ``source`` is missing, ValueError (CodecError, CheckpointError) when it is not
     a model fedpar can read.
@@ -40,13 +63,14 @@ def load_final_model(source: Path) -> tuple[list[str], list[np.ndarray]]:
             source = source / TENSORS
         elif (source / LATEST).is_file():
             ckpt = load_checkpoint(source)
-            return ckpt.names, ckpt.arrays
+            return KeptModel(ckpt.names, ckpt.arrays, ckpt.directory, ckpt.round_id)
         else:
             raise ValueError(_not_a_model_folder(source))
-    names, arrays, _ = load_tensors(source)
+    names, arrays, meta = load_tensors(source)
     if not names:
         raise ValueError(f"{source} holds no tensors")
-    return names, arrays
+    said = meta.get("round", "")
+    return KeptModel(names, arrays, source, int(said) if said.isdigit() else None)
 
 
 def _not_a_model_folder(source: Path) -> str:

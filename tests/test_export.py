@@ -154,3 +154,32 @@ def test_export_to_a_path_ending_in_a_slash_is_refused_not_written_as_a_file(tmp
                                         "folder; name the file to write, e.g. newdir/model.pt; see 'fedpar export "
                                         "--help'"], done.stderr
     assert not (tmp_path / "newdir").exists()
+
+
+def test_export_of_a_folder_holding_a_model_and_a_checkpoint_says_which_it_took_and_its_round(tmp_path, capsys):
+    """QA: with --out and --checkpoint-dir one folder, export took its global.safetensors, said only 'from FOLDER',
+    and the user could not tell it was not the later round the folder's checkpoint holds."""
+    from fedpar.server.checkpoint import Checkpoint, save_checkpoint
+
+    run = tmp_path / "run"
+    weights = _kept_model(run)
+    names = [n for n, _, _ in weight_specs(build_model_for_data("cnn", (1, 8, 8), 10))]
+    later = [w + 1 for w in weights]
+    save_checkpoint(run, Checkpoint(5, names, later, {}, {"sampler": {}}))
+    kept = run / "round-000005"
+    exports = [(run, weights, f"from {run / 'global.safetensors'} (round 3), not the latest checkpoint beside it, "
+                              f"{kept} (round 5): export {kept} for that one"),
+               (kept, later, f"from {kept / 'global.safetensors'} (round 5)\n")]
+    for source, arrays, said in exports:
+        assert main(["export", str(source), "--to", str(tmp_path / "m.pt")]) == 0
+        assert said in capsys.readouterr().out
+        exported = torch.load(tmp_path / "m.pt", weights_only=True)
+        assert all(np.array_equal(t.numpy(), a) for t, a in zip(exported.values(), arrays))
+    (run / "global.safetensors").unlink()
+    assert main(["export", str(run), "--to", str(tmp_path / "m.pt")]) == 0
+    assert f"from {kept} (round 5), its latest checkpoint\n" in capsys.readouterr().out
+    _kept_model(tmp_path / "same")
+    save_checkpoint(tmp_path / "same", Checkpoint(3, names, weights, {}, {"sampler": {}}))
+    assert main(["export", str(tmp_path / "same"), "--to", str(tmp_path / "m.pt")]) == 0
+    assert f"(round 3), the same round as the latest checkpoint beside it, {tmp_path / 'same' / 'round-000003'}\n" \
+        in capsys.readouterr().out
