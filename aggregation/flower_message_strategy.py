@@ -45,6 +45,7 @@ from fedpar.aggregation import flower_strategy as legacy
 from fedpar.aggregation.accumulator import ShapesAndDtypes, cast_like, check_example_count
 from fedpar.aggregation.options import typed_options
 from fedpar.aggregation.strategy import FLOWER_PREFIX, FoldItem
+from fedpar.meant import closest, did_you_mean
 from fedpar.models.references import load_reference
 from fedpar.protocol.flower_nodes import SERVER_NODE_ID, node_id_of
 from fedpar.protocol.task_settings import TaskSettings
@@ -65,18 +66,42 @@ def flower_class(name: str) -> type:
     names: a Message-API or a legacy one; ValueError unless it is one."""
     ref = name.strip()[len(FLOWER_PREFIX):]
     if ":" not in ref:
-        import flwr.serverapp.strategy as strategies
-        cls = getattr(strategies, ref, None)
-        if not (isinstance(cls, type) and issubclass(cls, MessageBase)) or cls is MessageBase:
-            known = sorted(n for n in dir(strategies) if isinstance(getattr(strategies, n), type)
-                           and issubclass(getattr(strategies, n), MessageBase) and n != "Strategy")
-            raise ValueError(f"flower:{ref} is not a strategy of {FLOWER_STRATEGIES}; choose one of "
-                             f"{', '.join(known)}, or give package.module:Class")
-        return cls
+        return _bundled_class(ref)
     cls = load_reference(ref, "Flower strategy class")
     if isinstance(cls, type) and issubclass(cls, MessageBase):
         return cls
     return legacy.flower_class(name)
+
+
+def _bundled_class(ref: str) -> type:
+    """The class of flwr.serverapp.strategy that ``flower:REF`` names; ValueError naming those fedpar accepts (the
+    ones :func:`class_refusal` refuses whatever their options are left out)."""
+    import flwr.serverapp.strategy as strategies
+
+    cls = getattr(strategies, ref, None)
+    if isinstance(cls, type) and issubclass(cls, MessageBase) and cls is not MessageBase:
+        return cls
+    classes = {n: c for n, c in vars(strategies).items() if isinstance(c, type) and issubclass(c, MessageBase)
+               and c is not MessageBase}
+    known = sorted(n for n, c in classes.items() if class_refusal(f"{FLOWER_PREFIX}{n}", c) is None)
+    by_case = {n.lower(): n for n in known}  # flower:fedavg meant FedAvg
+    meant = by_case.get(ref.lower()) or by_case.get(closest(ref.lower(), by_case) or "")
+    raise ValueError(f"flower:{ref} is not a strategy of {FLOWER_STRATEGIES}{did_you_mean([meant])}; choose one of "
+                     f"{', '.join(known)}, or give package.module:Class")
+
+
+def class_refusal(name: str, cls: type) -> str | None:
+    """Why fedpar refuses Message-API strategy class ``cls`` (named ``name``) whatever its options; None if it does
+    not."""
+    wrapped = inspect.signature(cls).parameters.get("strategy")
+    if wrapped is not None and wrapped.default is wrapped.empty:
+        return (f"{name} wraps another strategy instance, which options cannot build: use fedpar's --privacy "
+                "central|client for differential privacy, or name a subclass that builds it "
+                "(flower:package.module:Class)")
+    if "train_loss_key" in inspect.signature(cls).parameters:  # QFedAvg: its every aggregate_train would raise
+        return (f"{name} weighs each reply by the member's training loss, which the replies fedpar hands a strategy "
+                "do not carry (only the arrays and the example count); choose another strategy")
+    return None
 
 
 def is_message_api(cls: type) -> bool:
@@ -102,14 +127,9 @@ def build_flower_strategy(name: str, **options: Any):
     cls = flower_class(name)
     if not is_message_api(cls):
         return legacy.build_flower_strategy(name, **options)
-    wrapped = inspect.signature(cls).parameters.get("strategy")
-    if wrapped is not None and wrapped.default is wrapped.empty:
-        raise ValueError(f"{name} wraps another strategy instance, which options cannot build: use fedpar's "
-                         "--privacy central|client for differential privacy, or name a subclass that builds it "
-                         "(flower:package.module:Class)")
-    if "train_loss_key" in inspect.signature(cls).parameters:  # QFedAvg: its every aggregate_train would raise
-        raise ValueError(f"{name} weighs each reply by the member's training loss, which the replies fedpar hands a "
-                         "strategy do not carry (only the arrays and the example count); choose another strategy")
+    refusal = class_refusal(name.strip(), cls)
+    if refusal:
+        raise ValueError(refusal)
     return FlowerMessageStrategy(cls, name=name.strip(), **flower_options(name, cls, options, from_text=False))
 
 

@@ -112,6 +112,22 @@ def test_the_strategys_own_node_sampling_and_unknown_names_are_refused_in_one_li
     assert code == 2 and "\n" not in err and "option 'min_train_nodes' of flower:FedAvg sizes" in err
 
 
+
+@pytest.mark.parametrize("typed, meant", [("FedAvgg", "FedAvg"), ("fedprox", "FedProx"), ("Nope", None)])
+def test_a_mistyped_flower_class_is_offered_only_classes_fedpar_accepts(typed, meant, capsys):
+    """The choices named DifferentialPrivacy...Clipping and QFedAvg, which fedpar then refused (QA)."""
+    code = main(["simulate", "--strategy", f"flower:{typed}", "--out", "/nonexistent/never-written"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    said = f" (did you mean {meant}?)" if meant else ""
+    assert f"flower:{typed} is not a strategy of flwr.serverapp.strategy{said}; choose one of " in err, err
+    offered = err.partition("; choose one of ")[2].partition(", or give package.module:Class")[0].split(", ")
+    assert {"FedAvg", "FedProx", "Krum", "Bulyan"} <= set(offered), err
+    assert not [n for n in offered if n.startswith("DifferentialPrivacy") or n == "QFedAvg"], err
+    for name in offered:  # each one offered is built
+        build_strategy(f"flower:{name}")
+
+
 def run_example(strategy: str, rounds: int = 2) -> list[np.ndarray]:
     """The final global arrays of ``rounds`` rounds of the example ClientApp's two members under ``strategy``
     (a real coordinator, the members as agents over loopback gRPC)."""
