@@ -18,8 +18,9 @@ HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, NEGATABLE, APPEND, SITE, RESUME
     "help", "group", "check", "flag", "key", "choices", "metavar", "negatable", "append", "site", "resume")
 # What a simulation resumed from its --checkpoint-dir does with a setting given another value than its rounds ran
 # with (``setting(resume=...)``; simulations/resume.py): another value DEFINES another federation (the clients, the
-# data each holds, the model, the task: the resume is refused); a NOTED one only changes how the remaining rounds
-# train (said in one line, and resumed); an UNRECORDED one is how the run is hosted here, or a guard (neither).
+# data each holds, the model, the task, the clock its time is counted on: the resume is refused); a NOTED one only
+# changes how the remaining rounds train (said in one line, and resumed); an UNRECORDED one is how the run is hosted
+# here, or a guard (neither).
 DEFINES, NOTED, UNRECORDED = "defines", "noted", "unrecorded"
 
 

@@ -50,7 +50,8 @@ def check_settings(path: Path, defining: dict, noted: dict | None = None, *, sou
     if saved is None:
         return []
     defining, noted = _as_kept(defining), _as_kept(noted or {})  # compared as they read back (a tuple as a list)
-    was = _section(saved, "defining")
+    # a setting older code only noted (--clock) is checked against the value the record noted of it
+    was = {**_section(saved, "noted"), **_section(saved, "defining")}
     differences = [f"{key} {said(was[key])}, not {said(value)}" for key, value in defining.items()
                    if key in was and was[key] != value]
     if differences:

@@ -11,7 +11,7 @@ from fedpar.protocol.codec import DEFAULT_CHUNK_BYTES
 from fedpar.protocol.task_settings import LocalTraining
 from fedpar.secagg.field import MAX_CLIP
 from fedpar.sections import Seeded
-from fedpar.settings import NOTED, UNRECORDED, check_declared, redefault, setting
+from fedpar.settings import DEFINES, NOTED, UNRECORDED, check_declared, redefault, setting
 
 
 DATA_PLANE_MIN_BYTES = 8 << 20
@@ -95,7 +95,10 @@ class RoundClock:
         help="'virtual' runs the deadline and first-K on simulated time: each member's finish time comes from its "
              "trace and its work and only the first K in time train, so rounds run as fast as the machine allows "
              "and the table shows simulated seconds (needs simulation hosts: serve --accept-populations; every "
-             "simulate has them)", resume=NOTED)
+             "simulate has them)",
+        # a resume may not change it: simulated seconds are counted only on the virtual clock, so a run on two clocks
+        # would carry a sim_seconds that is neither clock's
+        resume=DEFINES)
     round_wall_seconds: float = setting(600.0, check="seconds", flag="round-wall-timeout", group="coordinator",
                                         help="with --clock virtual: the longest real time a round may take",
                                         resume=UNRECORDED)

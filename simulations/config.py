@@ -131,7 +131,8 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
         (``setting(resume=...)``: :data:`~fedpar.settings.DEFINES`, :data:`~fedpar.settings.NOTED`,
         :data:`~fedpar.settings.UNRECORDED`). A resume that differs in a defining one is refused: they say which
         federation is simulated (its clients, the data each holds, the model, the task), so rounds before and after
-        the checkpoint would belong to two federations in one metrics.jsonl. A noted one only changes how the
+        the checkpoint would belong to two federations in one metrics.jsonl; and the clock (simulated time counts only
+        on the virtual one, so rounds on two clocks give no run's sim_seconds). A noted one only changes how the
         remaining rounds train (sampling, local training, the devices' behaviour, the strategy's options,
         compression); changing them between rounds is a schedule a user may mean, as lowering --lr late, so it is
         said in one line and resumed. Kept by neither: how the run is hosted here (workers, seats, device, ranks,
@@ -151,6 +152,6 @@ class SimulationConfig(Output, AccuracyTarget, Precision, Device, Population, Ro
         # by the flags that set them, as given, so that a resume's line names what the user typed
         compression = {flag_of(CompressionConfig, k): getattr(self.upload_compression, k)
                        for k in ("method", "topk_ratio", "int8_block")}
-        return ({flag_of(SimulationConfig, k): v for k, v in defining.items()},
+        return ({flag_of(SimulationConfig, k): as_given(SimulationConfig, k, v) for k, v in defining.items()},
                 {**{flag_of(SimulationConfig, k): as_given(SimulationConfig, k, v) for k, v in noted.items()},
                  **compression, **privacy})

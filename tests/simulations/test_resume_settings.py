@@ -140,13 +140,58 @@ def test_a_resume_the_coordinator_refuses_leaves_the_record_as_the_rounds_ran(ru
 
 
 def test_a_resume_names_a_changed_setting_by_the_flag_and_word_the_user_gives(run, capfd):
-    """It said "--clock true; ... --clock false" and "--upload-compression {...}", neither of them a flag's value."""
-    code, err = _simulate("--clock", "virtual", "--compression", "int8", out=run / "out", ckpt=run / "ckpt", rounds=3,
-                          capfd=capfd)
+    """It said "--upload-compression {...}", not a flag's value (and "--clock true", which a resume now refuses:
+    test_a_resume_on_another_clock_is_refused_naming_the_clock_the_run_used says it by its word)."""
+    code, err = _simulate("--compression", "int8", out=run / "out", ckpt=run / "ckpt", rounds=3, capfd=capfd)
     assert code == 0, err
-    said = f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with"
-    assert err.splitlines() == [f"{said} --clock virtual; its last session went with --clock real",
-                                f"{said} --compression int8; its last session went with --compression none"], err
+    assert err.splitlines() == [f"fedpar simulate: resuming the checkpoint in {run / 'ckpt'} with --compression int8; "
+                                "its last session went with --compression none"], err
+
+
+def _sim_seconds(out: Path) -> list[float]:
+    return [json.loads(line)["sim_seconds"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resume_on_another_clock_is_refused_naming_the_clock_the_run_used(run, capsys):
+    """A real-clock run resumed with --clock virtual counted sim_seconds from 0 at round 3, as if rounds 1 and 2 took
+    no time; the clock is the run's, as its clients are."""
+    record = (run / "ckpt" / "run.json").read_text()
+    code, err = _refused("--clock", "virtual", out=run / "out", ckpt=run / "ckpt", clients=4, rounds=3, capsys=capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"cannot resume from the checkpoint in {run / 'ckpt'}: it was made with --clock real, not virtual; run " \
+           "with those settings to resume it, or give another --checkpoint-dir to start afresh" in err, err
+    assert (run / "ckpt" / "run.json").read_text() == record
+    assert _rounds(run / "out") == [1, 2]
+
+
+def test_a_virtual_clock_run_resumes_on_its_clock_only_and_counts_its_simulated_time_on(tmp_path, capfd):
+    """Resumed with --clock real, its summary kept round 2's sim_seconds for a run of 3 rounds; now that is refused,
+    and on its own clock round 3 goes on from round 2's simulated time."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    code, err = _simulate("--clock", "virtual", out=out, ckpt=ckpt, rounds=2, capfd=capfd)
+    assert code == 0, err
+    first = _sim_seconds(out)
+    code, err = _simulate("--clock", "real", out=out, ckpt=ckpt, rounds=3, capfd=capfd)
+    assert code == 2 and len(err.splitlines()) == 1 and "made with --clock virtual, not real" in err, err
+    assert _rounds(out) == [1, 2]
+    code, err = _simulate("--clock", "virtual", out=out, ckpt=ckpt, rounds=3, capfd=capfd)
+    assert code == 0 and err == "", err
+    seconds = _sim_seconds(out)
+    assert seconds[:2] == first and 0 < first[0] < first[1] < seconds[2]
+    assert _summary(out)["sim_seconds"] == seconds[2]
+
+
+def test_a_record_of_older_code_that_only_noted_the_clock_refuses_another(tmp_path):
+    """A run.json written while --clock was only noted keeps it among the noted settings: a resume on another clock
+    is refused all the same."""
+    from fedpar.protocol.run_record import RunRecordError, check_settings, record_settings
+
+    record_settings(tmp_path / "run.json", {"--clients": 4}, {"--clock": "virtual", "--lr": 0.1})
+    with pytest.raises(RunRecordError, match="it was made with --clock virtual, not real;"):
+        check_settings(tmp_path / "run.json", {"--clients": 4, "--clock": "real"}, {"--lr": 0.1}, source="it",
+                       afresh="start afresh")
+    assert check_settings(tmp_path / "run.json", {"--clients": 4, "--clock": "virtual"}, {"--lr": 0.1}, source="it",
+                          afresh="start afresh") == []
 
 
 def test_a_resume_of_a_private_run_names_the_privacy_flag_it_changes(tmp_path, capfd):
