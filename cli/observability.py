@@ -9,7 +9,7 @@ from typing import Callable
 
 from fedpar.cli.declared import add_declared
 from fedpar.cli.privacy import privacy_on
-from fedpar.cli.user_errors import UserError, check_output_folder, check_port_free
+from fedpar.cli.user_errors import UserError, check_folder_writable, check_output_folder, check_port_free
 from fedpar.settings import setting
 
 
@@ -52,15 +52,21 @@ def require_tensorboard() -> None:
         raise UserError(str(exc)) from None
 
 
+def check_tensorboard_folder(log_dir: str) -> None:
+    """A UserError saying how to install tensorboard, or what to give --tensorboard instead of ``log_dir`` (a file,
+    or a folder this user cannot make or write in)."""
+    require_tensorboard()
+    check_output_folder(log_dir, "--tensorboard")
+    check_folder_writable(log_dir, "--tensorboard")
+
+
 def tensorboard_writer(log_dir: str | None, step_key: str = "round"):
-    """A TensorBoardScalars for ``log_dir`` (None: none); a UserError saying how to install tensorboard, or that
-    --tensorboard needs a folder where a file is."""
+    """A TensorBoardScalars for ``log_dir`` (None: none); a UserError as :func:`check_tensorboard_folder` says."""
     if not log_dir:
         return None
     from fedpar.protocol.run_logs import TensorBoardScalars
 
-    require_tensorboard()
-    check_output_folder(log_dir, "--tensorboard")
+    check_tensorboard_folder(log_dir)
     return TensorBoardScalars(log_dir, step_key)
 
 

@@ -21,7 +21,7 @@ from fedpar.cli.config import chose
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.flower_app_refusals import flower_app_refusal
 from fedpar.cli.log_level import setup_logging
-from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint
+from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint, check_tensorboard_folder
 from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
 from fedpar.cli.serve_once import serve_once
 from fedpar.cli.serve_service import ServiceOptions, check_distinct_ports
@@ -196,6 +196,8 @@ def _run(args: argparse.Namespace) -> int:
     if _is_service(args):  # a ServerApp's run refuses --state below, in one line
         return _serve_runs(args)
     check_output_folder(args.out)
+    if args.tensorboard:  # said before a port is bound, as simulate and train say it
+        check_tensorboard_folder(args.tensorboard)
     if args.checkpoint_dir is not None:  # before a port is bound or a model built
         from fedpar.server.checkpoint import CheckpointError, check_checkpoint_dir
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fedpar.cli.observability import Observers, check_metrics_endpoint, tensorboard_writer
+from fedpar.cli.observability import Observers, check_metrics_endpoint, check_tensorboard_folder, tensorboard_writer
 from fedpar.cli.run_settings import RUN_KEYS, effective_settings, run_args, run_settings
 from fedpar.cli.task_options import task_label
 from fedpar.cli.user_errors import UserError, check_port_free, check_rank_ports, describe, every_round_failed
@@ -412,6 +412,8 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
     try:  # the flags and ports first: a start refused for them leaves no state file, nor a lock file
         check_state_folder(state)  # a mistyped --state is refused, not made
         _check_one_shot_outputs(args)
+        if args.tensorboard:  # each run writes under it: a folder no run can use is said at start
+            check_tensorboard_folder(args.tensorboard)
         check_distinct_ports(args)
         if args.insecure and not (args.certs or args.tls_ca):
             raise UserError("the control port of 'fedpar serve --state' needs mutual TLS even with --insecure (its "

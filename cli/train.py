@@ -97,13 +97,12 @@ def _run(args: argparse.Namespace) -> int:
     from fedpar.parallel.preflight import preflight
     from fedpar.parallel.run import spawned_train_process, train_process
 
-    from fedpar.cli.observability import require_tensorboard
+    from fedpar.cli.observability import check_tensorboard_folder
     from fedpar.cli.user_errors import check_output_folder
 
     check_output_folder(args.out)
-    if args.tensorboard:
-        require_tensorboard()  # a missing package is said before any rank starts
-        check_output_folder(args.tensorboard, "--tensorboard")
+    if args.tensorboard:  # a missing package, or a folder that cannot be made, is said before any rank starts
+        check_tensorboard_folder(args.tensorboard)
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     if args.task or args.task_options:

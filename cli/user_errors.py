@@ -62,6 +62,28 @@ def check_output_folder(path, option: str = "--out") -> None:
             return
 
 
+def check_folder_writable(path, option: str) -> None:
+    """UserError, saying what to do, unless ``path`` is a folder this user can write in or can make (tried: what the
+    try made is removed again, so that a command refused later leaves no folder behind)."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    made = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        if path.is_dir():  # it is there: what failed is writing in it
+            raise UserError(f"{option} {path}: cannot write in the folder: {exc.strerror or exc}; give a folder this "
+                            "user can write") from None
+        raise UserError(f"{option} {path}: cannot make the folder: {exc.strerror or exc}; give a folder this user "
+                        "can make, or one that exists") from None
+    finally:
+        _remove_empty(made)
+
+
 def hold_output_folder(path, option: str = "--out") -> contextlib.ExitStack:
     """The folder ``path`` (made if missing) held for this run alone until the returned stack closes: a second run
     into it is a UserError naming the first one's pid (two runs' rows went into one metrics.jsonl). The lock file

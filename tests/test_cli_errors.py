@@ -252,6 +252,24 @@ def test_a_tensorboard_or_run_get_folder_that_is_a_file_is_named_with_what_to_do
                                  "folder; remove it or point --out at a folder"]), lines
 
 
+@pytest.mark.parametrize("where, said", [("/proc/x", "cannot make the folder"),
+                                         ("/proc", "cannot write in the folder")])
+def test_a_tensorboard_folder_that_cannot_be_made_is_one_line_and_exit_2_on_every_command(where, said, tmp_path):
+    """QA: simulate and train exited 1 (the error of the event writer, unnamed), serve 2 without naming the option,
+    after it had made its --out."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'fedpar[tensorboard]')")
+    commands = [["serve", "--insecure", "--port", "0", "--rounds", "1"],
+                ["simulate", "--clients", "2", "--rounds", "1"], ["train", "--epochs", "1"]]
+    for command in commands:
+        done = subprocess.run([*FEDPAR, *command, "--out", str(tmp_path / "out"), "--tensorboard", where],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        lines = [line for line in done.stderr.splitlines() if " fedpar.security " not in line]  # --insecure's
+        assert (done.returncode, len(lines)) == (2, 1), done.stderr
+        assert lines[0].startswith(f"fedpar {command[0]}: --tensorboard {where}: {said}: "), lines
+        assert "; give a folder this user can " in lines[0] and "Traceback" not in done.stderr
+        assert not (tmp_path / "out").exists()  # refused before anything started
+
+
 def test_a_task_factory_that_raises_is_one_line_naming_it_and_its_error_on_every_command(tmp_path, capfd):
     # it was a traceback, where the same file's failing import was one line already
     (tmp_path / "raise_task.py").write_text("def task():\n    raise RuntimeError('boom')\n")
