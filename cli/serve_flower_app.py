@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedpar.cli.config import chose
 from fedpar.cli.declared import from_args
@@ -21,6 +22,9 @@ from fedpar.protocol.codec import grpc_target
 from fedpar.protocol.wording import counted
 from fedpar.server.config import CoordinatorConfig
 from fedpar.tasks.flower_app import ROUNDS_HINT
+
+if TYPE_CHECKING:
+    from fedpar.simulations.run_outputs import EarlierRun
 
 
 def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> str | None:
@@ -43,13 +47,24 @@ def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> s
 
 def serve_flower_app(args: argparse.Namespace) -> int:
     """Serve the ServerApp of ``args.flower_app`` until its ``main`` returns; write metrics, the final arrays and
-    summary.json under ``--out``."""
+    summary.json under ``--out``, whose earlier run's files are kept until this run writes a round."""
+    from fedpar.simulations.run_outputs import EarlierRun
+
+    earlier = EarlierRun(Path(args.out))  # a ServerApp's run does not resume (--checkpoint-dir is refused)
+    try:
+        return _serve(args, earlier)
+    finally:
+        earlier.restore()  # no round written (refused, stopped or failed before one): nothing of it is lost
+
+
+def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:
+    """:func:`serve_flower_app`'s run, ``earlier`` let go once it wrote a round."""
     from fedpar.aggregation import build_strategy
     from fedpar.cli.compression_options import compression_from_args
     from fedpar.server.app import CoordinatorServer
     from fedpar.server.flower_grid import server_app_main
     from fedpar.server.flower_rounds import FlowerCoordinator
-    from fedpar.simulations.run_outputs import write_run_outputs
+    from fedpar.simulations.run_outputs import RunOutputs, write_run_outputs
     from fedpar.tasks.flower_app import load_flower_app
 
     try:
@@ -65,7 +80,7 @@ def serve_flower_app(args: argparse.Namespace) -> int:
         coordinator = FlowerCoordinator(config, build_strategy("fedavg"),
                                         server_app_main(app.server_app, app.run_config,
                                                         config.wait_for_agents_seconds or float("inf")),
-                                        admission=security.admission)
+                                        admission=security.admission, on_round_end=[earlier.let_go])
     except ValueError as exc:  # TlsSetupError, FlowerAppError: one line each
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
@@ -98,5 +113,6 @@ def serve_flower_app(args: argparse.Namespace) -> int:
                                 {"wall_seconds": time.monotonic() - started, "interrupted": stopped_by is not None,
                                  "flower": coordinator.flower_summary},
                                 title=f"Flower App {app.directory.name}, fedpar serve")
-    print(outputs.wrote_line(args.out))
+    written = [] if earlier.restore() else outputs.written  # no round: the earlier run's files are back
+    print(RunOutputs(outputs.summary, written).wrote_line(args.out))
     return run_exit_code("fedpar serve", outputs.summary, signal_name(stopped_by) if stopped_by else None)

@@ -84,17 +84,20 @@ class EarlierRun:
                 (self.aside / name).replace(self.out / name)
         self.drop()
 
-    def restore(self) -> None:
+    def restore(self) -> bool:
         """After a new run that wrote no round (refused, stopped or failed before one): the earlier run's files back,
         over what the new run wrote of its own (a summary of no round, which would sit beside them); with no earlier
-        files, what the new run wrote stays."""
-        if self.names:
+        files, what the new run wrote stays. Whether there were earlier files (then the new run left nothing)."""
+        restored = bool(self.names)
+        if restored:
             for name in RUN_FILES:
                 if name in self.names:
                     (self.aside / name).replace(self.out / name)
                 elif (self.out / name).is_file():
                     (self.out / name).unlink()
+        self.names = []
         self.drop()
+        return restored
 
     def let_go(self, row: dict | None = None) -> None:
         """The new run wrote a round (an on_round_end callback): the earlier run's files are forgotten, and

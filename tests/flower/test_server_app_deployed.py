@@ -179,3 +179,61 @@ def test_deployed_agents_clientapps_see_the_coordinators_run_config(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["message_type"], r["error_replies"]) for r in rows] == \
         [("train", 1), ("evaluate", 0), ("train", 1), ("evaluate", 0)], (rows, serve_out)
+
+
+EARLIER = ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "summary.json", "labels.png")
+
+
+def _earlier_run(out: Path) -> dict[str, str]:
+    """An earlier run's files in ``out``; their digests by name."""
+    out.mkdir()
+    for name in EARLIER:
+        (out / name).write_text(f"{name} of an earlier run\n")
+    return _files(out)
+
+
+def _files(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_served_server_app_stopped_before_its_first_round_keeps_the_earlier_runs_outputs(tmp_path):
+    """serve --flower-app into an earlier run's --out, stopped (Ctrl-C) while it waits for agents: the earlier run's
+    files stay as they were and serve says it wrote nothing (QA: its summary.json replaced the earlier one, and its
+    rows would have gone on after the earlier run's)."""
+    import signal
+
+    out = tmp_path / "run"
+    before = _earlier_run(out)
+    serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--min-available", "2", "--flower-app",
+                              str(APP), "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        port_from(serve, lines, "(PLAINTEXT (--insecure)) for Flower App")
+        assert (out / ".earlier-run").is_dir()  # set aside while the run has written no round
+        serve.send_signal(signal.SIGINT)
+        serve_out = "".join(lines) + serve.communicate(timeout=30)[0]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
+    assert f"wrote nothing to {out}" in serve_out.splitlines(), serve_out[-3000:]
+    assert _files(out) == before
+    assert not (out / ".earlier-run").exists()
+
+
+def test_served_server_app_that_writes_a_round_replaces_every_file_of_the_earlier_run(tmp_path):
+    out = tmp_path / "run"
+    _earlier_run(out)
+    serve, serve_out, clients, outputs = _serve_and_two_agents(
+        APP, ["--insecure", "--run-config", "num-server-rounds=1", "--out", str(out)],
+        "(PLAINTEXT (--insecure)) for Flower App", ["--insecure"])
+    assert serve.returncode == 0 and all(c.returncode == 0 for c in clients), (serve_out, outputs)
+    assert not (out / "labels.png").exists() and not (out / ".earlier-run").exists()  # the earlier run's only
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["message_type"] for r in rows] == ["train", "evaluate"]
+    assert (out / "metrics.csv").read_text().count("\n") == 3  # its header and its two rows, none of the earlier's
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+    assert f"wrote {out}/metrics.jsonl" in serve_out, serve_out[-3000:]
