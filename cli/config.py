@@ -169,6 +169,10 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
                 values[key] = typed_value(actions[key], value)
             except ValueError as exc:
                 raise ConfigError(f"{known.config}: {names[key]}: {exc}") from None
+        elif key in dict_options and not isinstance(value, dict):  # the command reads it as a table: was a traceback
+            table = f"{section}.{names[key]}" if section in doc else names[key]
+            raise ConfigError(f"{known.config}: {names[key]}: expected a table ([{table}] with a KEY = VALUE line "
+                              f"each), got {value!r}")
     parser.set_defaults(**values)
     for action in parser._actions:
         if action.required and action.dest in values:  # argparse checks a required option's flag, never its default
