@@ -791,8 +791,8 @@ class HostLink:
 
     def leaving(self) -> None:
         """Leave the coordinator (once, if it still answers): the open round stops waiting for the members it sampled,
-        and none is sampled again. A signal's stop says it before the seats' last tasks end; their updates then find
-        the session gone, which is no refusal to warn of."""
+        and none is sampled again. A signal's stop says it at once, and does not wait for the seats' last tasks: an
+        update of theirs that still comes finds the session gone, which is no refusal to warn of."""
         if not self.host.token or self._left:
             return
         self._left = True

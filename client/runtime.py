@@ -178,18 +178,25 @@ class ClientRuntime:
             if not self._stop.is_set():
                 raise
             return self.stats  # stop() asked to leave while the coordinator was unreachable: no failure
-        except KeyboardInterrupt:  # a signal: the coordinator hears of it now, not after the seats' last tasks
+        except KeyboardInterrupt:  # a signal: the coordinator hears of it now, and no seat's last task is waited for
             self._stop.set()
             self.link.leaving()
+            workers = []
             raise
         finally:
-            self._forget_queued()  # training is over: tasks not started yet are moot
-            for _ in workers:
-                self._tasks.put(None)
-            for w in workers:
-                if w.ident is not None:  # started: a refused join ends the run before the seats start
-                    w.join(timeout=60)
+            self._end_seats(workers)
             self.close()
+
+    def _end_seats(self, workers: list[threading.Thread]) -> None:
+        """Call the seats off (training is over: tasks not started yet are moot) and wait for the tasks they are on;
+        none given (a signal's stop), they are not waited for: a slow member's task would hold the stop up to a
+        minute, and its update has no session left to go to."""
+        self._forget_queued()
+        for _ in self.seats:
+            self._tasks.put(None)
+        for w in workers:
+            if w.ident is not None:  # started: a refused join ends the run before the seats start
+                w.join(timeout=60)
 
     def _join(self) -> None:
         """A new session (for every member); the round's weights read under the old one are read again."""
@@ -249,7 +256,10 @@ class ClientRuntime:
             try:
                 self.run_task(seat, i, task)
             except Exception:  # one member's failure must not stop the seat
-                log.exception("%s: task of %s failed", self.config.agent_id, self.members.member_id(i))
+                # once stopped, what the task used (its connection, its residuals) may be closed under it: moot
+                level = logging.DEBUG if self._stop.is_set() else logging.ERROR
+                log.log(level, "%s: task of %s failed", self.config.agent_id, self.members.member_id(i),
+                        exc_info=True)
             finally:  # its update, if any, is queued by now
                 self.link.tasks_in_flight(-1)
 

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TASK = ["--dataset", "digits", "--model", "mlp"]
@@ -71,6 +73,31 @@ def test_a_worker_stopped_by_sigterm_leaves_and_the_round_stops_waiting_for_its_
         assert "simulation host host-0-of-1 left, with its 10 members" in log
         _wait_for(tmp_path / "serve.log", "waiting for 10 agents", 30)  # round 2 samples no departed member
         assert "round 2: sampled" not in (tmp_path / "serve.log").read_text()
+    finally:
+        _stop(worker, serve)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_worker_stopped_by_a_signal_mid_task_exits_at_once_not_after_its_seats_tasks(tmp_path, stop):
+    """It left the coordinator at once, then waited for the task each seat was on (up to a minute a seat) before
+    it exited: here about half a member's 30 s."""
+    serve, server = _serve(tmp_path, "--min-available", "4", "--clients-per-round", "4", "--rounds", "2",
+                           "--deadline", "300", "--local-epochs", "1")
+    # very slow members (3 s a step, about 10 steps each): both seats are mid-task when the worker is stopped
+    worker = _worker(tmp_path, server, "--clients", "4", "--seats", "2", "--slow-fraction", "1",
+                     "--slow-step-delay", "3")
+    try:
+        _wait_for(tmp_path / "serve.log", "round 1: sampled", 60)
+        time.sleep(3)
+        stopped = time.monotonic()
+        worker.send_signal(stop)
+        assert worker.wait(60) == 128 + stop
+        took = time.monotonic() - stopped
+        log = (tmp_path / "worker.log").read_text()
+        assert took < 8, (took, log[-3000:])
+        assert log.splitlines()[-1] == "fedpar simulate-workers: interrupted", log[-3000:]
+        assert "Traceback" not in log and "failed" not in log, log[-3000:]
+        assert "simulation host host-0-of-1 left, with its 4 members" in _wait_for(tmp_path / "serve.log", "left", 30)
     finally:
         _stop(worker, serve)
 
