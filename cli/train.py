@@ -14,6 +14,7 @@ apply it) stop the launcher before any rank starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -91,18 +92,32 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """What :func:`run` does, inside its handling of stop signals."""
-    from fedpar.parallel.checkpoint import check_resume
-    from fedpar.parallel.device import check_device_layout
-    from fedpar.parallel.init import exit_rank_process, spawn
-    from fedpar.parallel.preflight import preflight
-    from fedpar.parallel.run import spawned_train_process, train_process
-
     from fedpar.cli.observability import check_tensorboard_folder
     from fedpar.cli.user_errors import check_output_folder
 
     check_output_folder(args.out)
     if args.tensorboard:  # a missing package, or a folder that cannot be made, is said before any rank starts
         check_tensorboard_folder(args.tensorboard)
+    with _out_held(args.out):
+        return _train(args)
+
+
+def _out_held(out: str) -> contextlib.AbstractContextManager:
+    """``out`` made and held for this run alone (a second run into it, or a folder that cannot be made or written, is
+    one line: cli/user_errors.py), by the process that writes there: not by torchrun's other ranks."""
+    from fedpar.cli.user_errors import hold_output_folder
+
+    return hold_output_folder(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
+
+
+def _train(args: argparse.Namespace) -> int:
+    """What :func:`_run` does with ``--out`` held."""
+    from fedpar.parallel.checkpoint import check_resume
+    from fedpar.parallel.device import check_device_layout
+    from fedpar.parallel.init import exit_rank_process, spawn
+    from fedpar.parallel.preflight import preflight
+    from fedpar.parallel.run import spawned_train_process, train_process
+
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     if args.task or args.task_options:
@@ -122,7 +137,6 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
-            _make_output_folder(cfg.out)
             _spawn_ranks(spawn, world, spawned_train_process, cfg, args)
         else:
             train_process(cfg, args.dist_timeout, StepBar())
@@ -153,17 +167,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def _make_output_folder(out: str) -> None:
-    """``out``, made here before the ranks start: one that cannot be made is said as one process says it (UserError),
-    not as rank 0's FileNotFoundError."""
-    from fedpar.cli.user_errors import UserError, describe
-
-    try:
-        Path(out).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(describe(exc), exit_code=1) from None
 
 
 def _resume_hint(cfg: TrainConfig) -> str:

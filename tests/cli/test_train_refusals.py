@@ -29,3 +29,38 @@ def test_model_kwargs_in_a_config_file_that_is_no_table_is_one_line(written, tab
     assert lines[0].startswith(f"fedpar train: run.toml: model_kwargs: expected a table ({table} with a KEY = VALUE "
                                "line each), got "), lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_an_out_folder_that_cannot_be_made_is_one_line_and_exit_2(nproc, tmp_path):
+    """It was exit 1, not naming --out ('No such file or directory: x in folder /proc; check the path')."""
+    code, lines = _train(["--nproc", nproc, "--out", "/proc/x"], tmp_path)
+    assert (code, len(lines)) == (2, 1), lines
+    assert lines[0].startswith("fedpar train: --out /proc/x: cannot make the folder: No such file or directory"), lines
+
+
+def test_a_second_run_into_the_out_of_a_running_one_is_refused_and_mixes_nothing_into_it(tmp_path):
+    """Both ran: the second cut the first's metrics.jsonl and each appended its rows to the other's, and the last to
+    end left its summary beside the other's model."""
+    import signal
+
+    first = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "1", "--device", "cpu",
+                              "--no-plot", "--out", "out"], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:
+            if "training mlp on digits" in line:
+                break
+        code, lines = _train(["--model", "cnn", "--out", "out"], tmp_path)
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert (code, len(lines)) == (2, 1), lines
+    assert lines[0].startswith(f"fedpar train: --out out is in use by another fedpar run (pid {first.pid}); wait for "
+                               "it to end, or give another --out"), lines
+    assert first.returncode == 130
+    import json
+
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "mlp"
+    assert json.loads((tmp_path / "out" / "global.json").read_text())["model"]["model"] == "mlp"
