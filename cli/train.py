@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedpar.cli.declared import add_declared, from_args, section
 from fedpar.cli.observability import add_observability_arguments
@@ -32,6 +32,9 @@ from fedpar.cli.user_errors import reader_left
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, TrainConfig
 from fedpar.settings import setting
 from fedpar.task import TaskError, TaskReference
+
+if TYPE_CHECKING:
+    from fedpar.simulations.run_outputs import EarlierRun
 
 
 LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
@@ -112,11 +115,9 @@ def _out_held(out: str) -> contextlib.AbstractContextManager:
 
 def _train(args: argparse.Namespace) -> int:
     """What :func:`_run` does with ``--out`` held."""
-    from fedpar.parallel.checkpoint import check_resume
+    from fedpar.parallel.checkpoint import check_resume, latest_checkpoint
     from fedpar.parallel.device import check_device_layout
-    from fedpar.parallel.init import exit_rank_process, spawn
     from fedpar.parallel.preflight import preflight
-    from fedpar.parallel.run import spawned_train_process, train_process
 
     under_launcher = "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
@@ -131,9 +132,21 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
+    earlier = _earlier_outputs(cfg.out, cfg.resume and latest_checkpoint(Path(cfg.out) / "checkpoints") is not None)
+    try:
+        return _launch(args, cfg, world, earlier)
+    finally:
+        _settled(earlier, cfg.out)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
+
+
+def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: EarlierRun | None) -> int:
+    """Train ``cfg`` here or on ``world`` ranks; the command's exit code."""
+    from fedpar.parallel.init import exit_rank_process, spawn
     from fedpar.parallel.rank_failure import RankFailed
+    from fedpar.parallel.run import spawned_train_process, train_process
     from fedpar.parallel.safe_dcp import UnsafeCheckpointError
 
+    under_launcher = "WORLD_SIZE" in os.environ
     started = time.perf_counter()
     try:
         if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
@@ -141,6 +154,7 @@ def _train(args: argparse.Namespace) -> int:
         else:
             train_process(cfg, args.dist_timeout, StepBar())
             if under_launcher:
+                _settled(earlier, cfg.out)
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM (to the launcher: the ranks are stopped): say what completed
         from fedpar.parallel.stopping import exit_code, signal_name
@@ -152,8 +166,8 @@ def _train(args: argparse.Namespace) -> int:
                                             time.perf_counter() - started, cfg.to_dict(), kept_step)
         steps, model = ((f"{kept_step} steps", ", global.safetensors and global.json") if kept_step is not None else
                         (f"{summary['steps']} logged steps", ""))
-        print(f"fedpar train: interrupted after {steps}; wrote {cfg.out}/summary.json{model}{_resume_hint(cfg)}",
-              file=sys.stderr)
+        wrote = f"nothing to {cfg.out}" if _settled(earlier, cfg.out) else f"{cfg.out}/summary.json{model}"
+        print(f"fedpar train: interrupted after {steps}; wrote {wrote}{_resume_hint(cfg)}", file=sys.stderr)
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
         _raise_if_reader_left(exc)
@@ -167,6 +181,30 @@ def _train(args: argparse.Namespace) -> int:
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _earlier_outputs(out: str, resumes: bool) -> EarlierRun | None:
+    """The files an earlier run left in ``out``, set aside until this run writes (simulations/run_outputs.py); None
+    when this run resumes a checkpoint (its rows go on) or is not the rank that writes."""
+    if resumes or int(os.environ.get("RANK", "0")):
+        return None
+    from fedpar.simulations.run_outputs import EarlierRun
+
+    return EarlierRun(Path(out))
+
+
+def _settled(earlier: EarlierRun | None, out: str) -> bool:
+    """The earlier run's files let go once this run wrote (a logged step, or a model), else put back; whether they
+    were put back (over what this run wrote of its own: it then left nothing)."""
+    from fedpar.parallel.metrics import read_records
+    from fedpar.protocol.model_file import TENSORS
+
+    if earlier is None:
+        return False
+    if (Path(out) / TENSORS).is_file() or read_records(Path(out) / "metrics.jsonl"):
+        earlier.let_go()
+        return False
+    return earlier.restore()
 
 
 def _resume_hint(cfg: TrainConfig) -> str:
@@ -230,12 +268,8 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
-    from fedpar.cli.train_task import (PeerLost, TaskCheckpoints, check_data_parallel, check_task_degrees,
-                                       check_zoo_loop_unused, spawn_task_ranks, train_centrally, train_task_rank,
-                                       write_task_model)
-    from fedpar.parallel.device import check_device_layout, resolve_device
-    from fedpar.parallel.init import exit_rank_process
-    from fedpar.parallel.rank_failure import RankFailed
+    from fedpar.cli.train_task import TaskCheckpoints, check_data_parallel, check_task_degrees, check_zoo_loop_unused
+    from fedpar.parallel.device import check_device_layout
 
     under_launcher = "WORLD_SIZE" in os.environ
     try:
@@ -246,15 +280,32 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         cfg = given.resolved(world, check_device_layout(args.device, local_ranks))
         check_zoo_loop_unused(args)
         check_data_parallel(task, cfg)
-        TaskCheckpoints(cfg, task).latest()  # a checkpoint that cannot be resumed: said here, not by every rank
+        latest = TaskCheckpoints(cfg, task).latest()  # one that cannot be resumed: said here, not by every rank
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # the task's mistakes too (TaskError)
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
+    earlier = _earlier_outputs(cfg.out, latest is not None)
+    try:
+        return _launch_task(args, cfg, task, world, earlier)
+    finally:
+        _settled(earlier, cfg.out)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
+
+
+def _launch_task(args: argparse.Namespace, cfg: TrainConfig, task, world: int, earlier: EarlierRun | None) -> int:
+    """Train ``task`` as ``cfg`` says, here or on ``world`` ranks; the command's exit code."""
+    from fedpar.cli.train_task import (PeerLost, TaskCheckpoints, spawn_task_ranks, train_centrally, train_task_rank,
+                                       write_task_model)
+    from fedpar.parallel.device import resolve_device
+    from fedpar.parallel.init import exit_rank_process
+    from fedpar.parallel.rank_failure import RankFailed
+
+    under_launcher = "WORLD_SIZE" in os.environ
     try:
         if world > 1:  # the ranks get the layout resolved here, as it is
             rank_args = (cfg, args.task, task_options(args), args.dist_timeout)
             if under_launcher:
                 train_task_rank(*rank_args)
+                _settled(earlier, cfg.out)
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
             spawn_task_ranks(world, rank_args, quiet=not args.debug)
             summary = json.loads((Path(cfg.out) / "summary.json").read_text())

@@ -16,8 +16,10 @@ from fedpar.protocol.model_file import INFO, TENSORS
 from fedpar.server.final_model import write_coordinator_model
 
 SUMMARY = "summary.json"
-# Every file a run may leave in its --out folder (the round plots: simulations/plots.py; labels.png: the runner's)
-RUN_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "accuracy.png", "loss.png", "labels.png")
+# Every file a run may leave in its --out folder (the round plots: simulations/plots.py; labels.png: the runner's;
+# loss_curve.png: fedpar train's)
+RUN_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "accuracy.png", "loss.png", "labels.png",
+             "loss_curve.png")
 
 
 @dataclass

@@ -64,3 +64,62 @@ def test_a_second_run_into_the_out_of_a_running_one_is_refused_and_mixes_nothing
 
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "mlp"
     assert json.loads((tmp_path / "out" / "global.json").read_text())["model"]["model"] == "mlp"
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_run_that_fails_before_it_logs_a_step_keeps_the_earlier_runs_outputs(nproc, tmp_path):
+    """A diverging --lr (failed at step 2, logging every 10 steps) into an earlier run's --out: its metrics.jsonl was
+    cut to nothing, beside that run's summary and model."""
+    code, lines = _train(["--out", "out", "--plot"], tmp_path)
+    assert code == 0, lines
+    before = _files(tmp_path / "out")
+    code, lines = _train(["--out", "out", "--lr", "1e30", "--log-every", "10", "--nproc", nproc], tmp_path)
+    assert (code, len(lines)) == (1, 1) and "training diverged" in lines[0], lines
+    assert _files(tmp_path / "out") == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)  # no .earlier-run left
+
+
+def test_a_run_that_writes_replaces_every_file_of_the_earlier_run(tmp_path):
+    """A --no-plot run into an earlier run's --out left that run's loss_curve.png beside its own outputs."""
+    assert _train(["--out", "out", "--plot"], tmp_path)[0] == 0
+    code, lines = _train(["--out", "out", "--model", "cnn"], tmp_path)
+    assert code == 0, lines
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        ["global.json", "global.safetensors", "metrics.csv", "metrics.jsonl", "summary.json"]
+    import json
+
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "cnn"
+
+
+TASKS = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from fedpar import Task
+from fedpar.tasks import share_of
+
+X = torch.randn(80, 10, generator=torch.Generator().manual_seed(0))
+Y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()   # 3 classes
+TRAIN, TEST = TensorDataset(X[:64], Y[:64]), TensorDataset(X[64:], Y[64:])
+
+def task(classes=3):
+    return Task(model=lambda: nn.Linear(10, classes), client_data=lambda p: share_of(TRAIN, p),
+                test_data=lambda: TEST, loss=nn.functional.cross_entropy)
+'''
+
+
+def test_a_task_that_fails_as_it_trains_keeps_the_earlier_runs_outputs(tmp_path):
+    """A task whose model has too few outputs, into the --out of the same task's earlier run: its metrics.jsonl was
+    cut to nothing."""
+    (tmp_path / "tasks.py").write_text(TASKS)
+    assert _train(["--task", "tasks.py:task", "--max-steps", "0", "--out", "out"], tmp_path)[0] == 0
+    before = _files(tmp_path / "out")
+    code, lines = _train(["--task", "tasks.py:task", "--task-option", "classes=2", "--max-steps", "0", "--out", "out"],
+                         tmp_path)
+    assert (code, len(lines)) == (1, 1) and "Target 2 is out of bounds" in lines[0], lines
+    assert _files(tmp_path / "out") == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)
