@@ -99,10 +99,22 @@ def _run(args: argparse.Namespace) -> int:
     from fedpar.cli.user_errors import check_output_folder
 
     check_output_folder(args.out)
+    _check_checkpoint_folder(args)
     if args.tensorboard:  # a missing package, or a folder that cannot be made, is said before any rank starts
         check_tensorboard_folder(args.tensorboard)
     with _out_held(args.out):
         return _train(args)
+
+
+def _check_checkpoint_folder(args: argparse.Namespace) -> None:
+    """UserError, before any rank starts, when OUT/checkpoints, where --checkpoint-every keeps the checkpoints (of the
+    zoo's models and of a --task), is a file: each rank failed with a traceback at the first checkpoint."""
+    from fedpar.cli.user_errors import UserError
+
+    folder = Path(args.out) / "checkpoints"
+    if args.checkpoint_every and folder.exists() and not folder.is_dir():
+        raise UserError(f"--checkpoint-every {args.checkpoint_every}: {folder}, where the checkpoints are kept, is a "
+                        "file, not a folder; move it away, or give another --out")
 
 
 def _out_held(out: str) -> contextlib.AbstractContextManager:

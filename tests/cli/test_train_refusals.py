@@ -123,3 +123,15 @@ def test_a_task_that_fails_as_it_trains_keeps_the_earlier_runs_outputs(tmp_path)
     assert (code, len(lines)) == (1, 1) and "Target 2 is out of bounds" in lines[0], lines
     assert _files(tmp_path / "out") == before
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_file_where_the_checkpoints_go_is_one_line_before_any_rank_starts(nproc, tmp_path):
+    """Each rank failed at its first checkpoint with NotADirectoryError's traceback, exit 1."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoints").write_text("not a folder\n")
+    code, lines = _train(["--checkpoint-every", "1", "--nproc", nproc, "--out", "out"], tmp_path)
+    assert (code, len(lines)) == (2, 1), lines
+    assert lines[0].startswith("fedpar train: --checkpoint-every 1: out/checkpoints, where the checkpoints are kept, "
+                               "is a file, not a folder; move it away, or give another --out"), lines
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoints"]
