@@ -135,3 +135,27 @@ def test_a_file_where_the_checkpoints_go_is_one_line_before_any_rank_starts(npro
     assert lines[0].startswith("fedpar train: --checkpoint-every 1: out/checkpoints, where the checkpoints are kept, "
                                "is a file, not a folder; move it away, or give another --out"), lines
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoints"]
+
+
+def test_ctrl_c_before_a_step_is_logged_keeps_the_earlier_runs_outputs_and_says_it_wrote_nothing(tmp_path):
+    """Two ranks stopped before they logged a step (their model is not gathered): the run wrote its summary of no
+    step over the earlier run's, and cut that run's metrics.jsonl to nothing."""
+    import signal
+
+    assert _train(["--out", "out", "--plot"], tmp_path)[0] == 0
+    before = _files(tmp_path / "out")
+    run = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "100000", "--nproc", "2",
+                            "--device", "cpu", "--out", "out"], cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in run.stdout:
+            if "training mlp on digits" in line:
+                break
+        run.send_signal(signal.SIGINT)
+        said = run.communicate(timeout=60)[0].strip().splitlines()
+    finally:
+        run.kill()
+    assert run.returncode == 130, said
+    assert said[-1].startswith("fedpar train: interrupted after 0 logged steps; wrote nothing to out; "), said
+    assert _files(tmp_path / "out") == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)
