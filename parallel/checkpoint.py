@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fedpar.parallel import checkpoint_retention
 from fedpar.parallel.config import TrainConfig
+from fedpar.parallel.epoch_checkpoint import is_epoch_checkpoint
 from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, safe_load
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
@@ -102,6 +103,10 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()
+    if is_epoch_checkpoint(name):  # told to delete `latest`, the task run's user lost its way to resume it
+        raise UnsafeCheckpointError(f"{pointer} names {name}, a checkpoint of `fedpar train --task` (a task's "
+                                    "epochs), not of the zoo trainer's steps; resume it with that --task, or pass "
+                                    "--no-resume to start afresh (or another --out)")
     if not _STEP_NAME.fullmatch(name):
         raise UnsafeCheckpointError(f"{pointer} names {name!r}, not a step-NNNNNNNN folder beside it; "
                                     "delete the file to start afresh or write the folder name into it")

@@ -33,6 +33,11 @@ class EpochCheckpointError(ValueError):
     """A checkpoint that cannot be resumed, with what to do instead."""
 
 
+def is_epoch_checkpoint(name: str) -> bool:
+    """Whether ``name`` is the folder name of a task's epoch checkpoint (``epoch-NNNNNN``)."""
+    return bool(_EPOCH_NAME.fullmatch(name))
+
+
 def epoch_dir(directory: Path, epoch: int) -> Path:
     """The folder of the checkpoint taken after ``epoch`` epochs."""
     return Path(directory) / f"epoch-{epoch:06d}"

@@ -159,3 +159,17 @@ def test_ctrl_c_before_a_step_is_logged_keeps_the_earlier_runs_outputs_and_says_
     assert said[-1].startswith("fedpar train: interrupted after 0 logged steps; wrote nothing to out; "), said
     assert _files(tmp_path / "out") == before
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(before)
+
+
+def test_a_zoo_run_into_the_out_of_a_task_run_with_checkpoints_says_to_resume_it_with_its_task(tmp_path):
+    """It said `latest` named no step-NNNNNNNN folder and to delete the file, the task run's only way to resume."""
+    (tmp_path / "tasks.py").write_text(TASKS)
+    code, lines = _train(["--task", "tasks.py:task", "--max-steps", "0", "--checkpoint-every", "1", "--out", "out"],
+                         tmp_path)
+    assert code == 0, lines
+    before = _files(tmp_path / "out" / "checkpoints")
+    code, lines = _train(["--checkpoint-every", "1", "--out", "out"], tmp_path)
+    assert (code, lines) == (2, ["fedpar train: out/checkpoints/latest names epoch-000001, a checkpoint of `fedpar "
+                                 "train --task` (a task's epochs), not of the zoo trainer's steps; resume it with that "
+                                 "--task, or pass --no-resume to start afresh (or another --out)"]), lines
+    assert _files(tmp_path / "out" / "checkpoints") == before
