@@ -98,12 +98,24 @@ def _run(args: argparse.Namespace) -> int:
     from fedpar.cli.observability import check_tensorboard_folder
     from fedpar.cli.user_errors import check_output_folder
 
+    try:
+        world = _world(args)
+    except ConfigurationError as exc:  # torchrun's variables left in a shell, or half set
+        print(f"fedpar train: {exc}", file=sys.stderr)
+        return 2
     check_output_folder(args.out)
     _check_checkpoint_folder(args)
     if args.tensorboard:  # a missing package, or a folder that cannot be made, is said before any rank starts
         check_tensorboard_folder(args.tensorboard)
     with _out_held(args.out):
-        return _train(args)
+        return _train(args, world)
+
+
+def _world(args: argparse.Namespace) -> int:
+    """The world size: torchrun's, its variables checked (cli/engine_agent.py), else --nproc's."""
+    from fedpar.cli.engine_agent import check_launch_env
+
+    return check_launch_env("fedpar train") if "WORLD_SIZE" in os.environ else args.nproc
 
 
 def _check_checkpoint_folder(args: argparse.Namespace) -> None:
@@ -125,14 +137,13 @@ def _out_held(out: str) -> contextlib.AbstractContextManager:
     return hold_output_folder(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
 
 
-def _train(args: argparse.Namespace) -> int:
-    """What :func:`_run` does with ``--out`` held."""
+def _train(args: argparse.Namespace, world: int) -> int:
+    """What :func:`_run` does with ``--out`` held, on ``world`` ranks."""
     from fedpar.parallel.checkpoint import check_resume, latest_checkpoint
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.preflight import preflight
 
     under_launcher = "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher else args.nproc
     if args.task or args.task_options:
         return _train_task(args, world)
     try:

@@ -12,10 +12,13 @@ import pytest
 FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
 
 
-def _train(args: list[str], cwd: Path) -> tuple[int, list[str]]:
-    """``fedpar train ARGS`` (2 steps of the mlp on digits, on the CPU) in ``cwd``: its exit code and stderr lines."""
+def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """``fedpar train ARGS`` (2 steps of the mlp on digits, on the CPU) in ``cwd``, with ``env`` added to the
+    environment: its exit code and stderr lines."""
+    import os
+
     done = subprocess.run([*FEDPAR, "train", "--max-steps", "2", "--device", "cpu", "--no-plot", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     return done.returncode, done.stderr.splitlines()
 
 
@@ -173,3 +176,17 @@ def test_a_zoo_run_into_the_out_of_a_task_run_with_checkpoints_says_to_resume_it
                                  "train --task` (a task's epochs), not of the zoo trainer's steps; resume it with that "
                                  "--task, or pass --no-resume to start afresh (or another --out)"]), lines
     assert _files(tmp_path / "out" / "checkpoints") == before
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set in the environment but RANK, MASTER_ADDR, MASTER_PORT are not; launch "
+                          "'fedpar train' with torchrun, or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "the environment's RANK=2, WORLD_SIZE=2, MASTER_PORT=1 make no group (RANK must be 0 to WORLD_SIZE - 1, "
+     "MASTER_PORT 1 to 65535); launch 'fedpar train' with torchrun, or unset WORLD_SIZE, RANK, MASTER_ADDR, "
+     "MASTER_PORT")])
+def test_torchruns_variables_left_in_the_shell_are_one_line_saying_what_to_unset(env, said, tmp_path):
+    """They were a RuntimeError's traceback from init_distributed (exit 1), after --out was made."""
+    code, lines = _train(["--out", "out"], tmp_path, env)
+    assert (code, lines) == (2, [f"fedpar train: {said}"]), lines
+    assert not (tmp_path / "out").exists()
