@@ -175,6 +175,8 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
         if world > 1 and not under_launcher:  # the ranks get the layout resolved here, as it is
             _spawn_ranks(spawn, world, spawned_train_process, cfg, args)
         else:
+            if under_launcher:
+                _join_torchrun_group(cfg, args.dist_timeout)
             train_process(cfg, args.dist_timeout, StepBar())
             if under_launcher:
                 _settled(earlier, cfg.out)
@@ -204,6 +206,19 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _join_torchrun_group(cfg: TrainConfig, timeout: float) -> None:
+    """This torchrun rank in its group, before it trains (the training joins it then); UserError in one line when
+    the ranks do not all meet (torchrun's variables set by hand, for ranks that never came)."""
+    from fedpar.cli.engine_agent import join_failure
+    from fedpar.cli.user_errors import UserError
+    from fedpar.parallel.init import init_distributed
+
+    try:
+        init_distributed(timeout, cfg.device)
+    except RuntimeError as exc:
+        raise UserError(join_failure(exc, timeout)) from None
 
 
 def _earlier_outputs(out: str, resumes: bool) -> EarlierRun | None:
@@ -327,6 +342,7 @@ def _launch_task(args: argparse.Namespace, cfg: TrainConfig, task, world: int, e
         if world > 1:  # the ranks get the layout resolved here, as it is
             rank_args = (cfg, args.task, task_options(args), args.dist_timeout)
             if under_launcher:
+                _join_torchrun_group(cfg, args.dist_timeout)
                 train_task_rank(*rank_args)
                 _settled(earlier, cfg.out)
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort

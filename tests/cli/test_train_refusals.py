@@ -190,3 +190,22 @@ def test_torchruns_variables_left_in_the_shell_are_one_line_saying_what_to_unset
     code, lines = _train(["--out", "out"], tmp_path, env)
     assert (code, lines) == (2, [f"fedpar train: {said}"]), lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("task", [False, True])
+def test_a_torchrun_rank_whose_group_never_forms_is_one_line_and_exit_2(task, tmp_path):
+    """Rank 1 of 2 by hand, rank 0 never started: init_distributed's DistNetworkError traceback, exit 1."""
+    import socket
+
+    with socket.socket() as probe:  # a port no one listens on once it is closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "tasks.py").write_text(TASKS)
+    chosen = ["--task", "tasks.py:task"] if task else []
+    code, lines = _train([*chosen, "--dist-timeout", "2", "--out", "out"], tmp_path,
+                         {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert (code, len(lines)) == (2, 1), lines
+    assert lines[0].startswith(f"fedpar train: rank 1 of 2: the other ranks did not all meet at 127.0.0.1:{port} "
+                               "within 2 s; start every rank (torchrun on each node, the same --nnodes, --master-addr "
+                               "and --master-port), or unset WORLD_SIZE for one process"), lines
+    assert "Traceback" not in "\n".join(lines)
