@@ -203,9 +203,12 @@ def _unknown_said(unknown: list[str], names: dict[str, str], dict_options: set[s
         meant = closest(_key(table.rpartition(".")[2]), sorted(dict_options), cutoff=0.6) if table else None
         if meant:
             tables.setdefault((table, meant), []).append(leaf)
+        elif option := closest(key, sorted(known - dict_options)):
+            said.append(f"{names[key]} (did you mean {table + '.' if table else ''}{option}?)")
+        elif option := closest(key, sorted(dict_options)):  # task_option = "csv=..." as the flag is spelled
+            said.append(f"{names[key]} (did you mean {option}, a table with a KEY = VALUE line each?)")
         else:
-            option = closest(key, sorted(known - dict_options))
-            said.append(names[key] + (f" (did you mean {table + '.' if table else ''}{option}?)" if option else ""))
+            said.append(names[key])
     said += [f"{table} (a table holding {', '.join(leaves)}; did you mean {meant}?)"
              for (table, meant), leaves in tables.items()]
     return ", ".join(said)

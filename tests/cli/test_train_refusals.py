@@ -209,3 +209,13 @@ def test_a_torchrun_rank_whose_group_never_forms_is_one_line_and_exit_2(task, tm
                                "within 2 s; start every rank (torchrun on each node, the same --nnodes, --master-addr "
                                "and --master-port), or unset WORLD_SIZE for one process"), lines
     assert "Traceback" not in "\n".join(lines)
+
+
+def test_a_config_file_that_spells_a_table_option_as_its_flag_is_told_the_table(tmp_path):
+    """`task_option = "csv=..."`, as --task-option is spelled, was 'unknown option task_option' with no hint: the
+    option it meant, task_options, was left out of the guesses for taking a table."""
+    (tmp_path / "run.toml").write_text('[train]\ntask = "tasks.py:task"\ntask_option = "classes=3"\n')
+    code, lines = _train(["--config", "run.toml", "--out", "out"], tmp_path)
+    assert (code, lines) == (2, ["fedpar train: run.toml: unknown option(s) for 'train': task_option (did you mean "
+                                 "task_options, a table with a KEY = VALUE line each?); run 'fedpar train --help' for "
+                                 "the valid ones"]), lines
