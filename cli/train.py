@@ -275,7 +275,12 @@ def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
              "eval_batches": (text, "--dataset text (the others are scored on their whole test set)"),
              "pp_schedule": (p.pp > 1, pipeline), "microbatches": (p.pp > 1, pipeline),
              "stages_per_rank": (p.pp > 1, pipeline), "cpu_offload": (p.fsdp > 1, fsdp),
-             "reshard_after_forward": (p.fsdp > 1, fsdp), "sequence_parallel": (p.tp > 1, "--tp 2 or more")}
+             "reshard_after_forward": (p.fsdp > 1, fsdp), "sequence_parallel": (p.tp > 1, "--tp 2 or more"),
+             # --lr-scaling none with it: the user turned the scaling off on purpose
+             "base_batch_size": (cfg.lr_scaling != "none" or chose(args, "lr_scaling"), "--lr-scaling linear or sqrt"),
+             "lr_scaling": (cfg.base_batch_size > 0 or cfg.lr_scaling == "none",
+                            "--base-batch-size, the batch size --lr was tuned for"),
+             "momentum": (cfg.optimizer == "sgd", "--optimizer sgd")}
     unused = [f"{flag_of(ParallelConfig if dest in vars(ParallelConfig) else TrainConfig, dest)} (it needs {need})"
               for dest, (applies, need) in needs.items() if not applies and chose(args, dest)]
     if unused:

@@ -219,3 +219,14 @@ def test_a_config_file_that_spells_a_table_option_as_its_flag_is_told_the_table(
     assert (code, lines) == (2, ["fedpar train: run.toml: unknown option(s) for 'train': task_option (did you mean "
                                  "task_options, a table with a KEY = VALUE line each?); run 'fedpar train --help' for "
                                  "the valid ones"]), lines
+
+
+@pytest.mark.parametrize("given, said", [
+    (["--momentum", "0.5", "--optimizer", "adamw"], "--momentum (it needs --optimizer sgd)"),
+    (["--base-batch-size", "32"], "--base-batch-size (it needs --lr-scaling linear or sqrt)"),
+    (["--lr-scaling", "linear"], "--lr-scaling (it needs --base-batch-size, the batch size --lr was tuned for)")])
+def test_an_optimisation_option_the_run_would_ignore_is_refused_in_one_line(given, said, tmp_path):
+    """Each trained as if it had not been given, exit 0 (the lr unscaled, AdamW without momentum)."""
+    code, lines = _train([*given, "--out", "out"], tmp_path)
+    assert (code, lines) == (2, [f"fedpar train: this run would ignore {said}: drop it, or give what it needs"]), lines
+    assert not (tmp_path / "out").exists()
