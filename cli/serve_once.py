@@ -60,8 +60,7 @@ class OneShotService(RunService):
     def _round_written(self, row: dict) -> None:
         """This run wrote a round: the earlier run's outputs are not put back."""
         if self.earlier is not None:
-            self.earlier.drop()
-            self.earlier = None
+            self.earlier.let_go()
 
     def options_of(self, run) -> argparse.Namespace:
         """serve's own options: --out, --checkpoint-dir and the rest as given."""

@@ -211,10 +211,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         # one per core spin-waits on the cores the workers need (benchmarks/population_bench.py --steady)
         torch.set_num_threads(1)
     def round_written(row: dict) -> None:  # the new run wrote a round: the earlier run's files are not put back
-        nonlocal earlier
         if earlier is not None:
-            earlier.drop()
-            earlier = None
+            earlier.let_go()
         record.update_now_and_then(time.monotonic() - started)
         if on_round is not None:
             on_round(row)
