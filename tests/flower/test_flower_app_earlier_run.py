@@ -5,7 +5,6 @@ nothing of either run)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import subprocess
@@ -16,37 +15,25 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from support.earlier_run import earlier_run, file_digests  # noqa: E402
 from support.in_process import run_main  # noqa: E402
 
 APP = Path(__file__).parent / "tiny_app"
-EARLIER = ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "summary.json", "labels.png")
-
-
-def _earlier_run(out: Path) -> dict[str, str]:
-    """An earlier run's files in ``out``; their digests by name."""
-    out.mkdir()
-    for name in EARLIER:
-        (out / name).write_text(f"{name} of an earlier run\n")
-    return _files(out)
-
-
-def _files(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def test_a_server_app_that_fails_before_a_round_keeps_the_earlier_runs_outputs(tmp_path, capfd):
     out = tmp_path / "out"
-    before = _earlier_run(out)
+    before = earlier_run(out)
     done = run_main(["simulate", "--flower-app", str(APP), "--run-config", "send-nothing=true", "--clients", "2",
                      "--workers", "1", "--out", str(out)], capfd)
     assert done.returncode == 1 and "no round ran" in done.stderr, done.stderr[-3000:]
-    assert _files(out) == before
+    assert file_digests(out) == before
     assert not (out / ".earlier-run").exists()
 
 
-def test_a_run_that_writes_a_round_replaces_every_file_of_the_earlier_run(tmp_path, capfd):
+def test_a_run_that_writes_a_round_replaces_every_file_of_theearlier_run(tmp_path, capfd):
     out = tmp_path / "out"
-    _earlier_run(out)
+    earlier_run(out)
     done = run_main(["simulate", "--flower-app", str(APP), "--run-config", "num-server-rounds=1", "--clients", "2",
                      "--workers", "1", "--quiet", "--out", str(out)], capfd)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -59,7 +46,7 @@ def test_a_run_that_writes_a_round_replaces_every_file_of_the_earlier_run(tmp_pa
 
 def test_a_run_stopped_before_its_first_round_keeps_the_earlier_runs_outputs_and_says_it_wrote_nothing(tmp_path):
     out = tmp_path / "out"
-    before = _earlier_run(out)
+    before = earlier_run(out)
     run = subprocess.Popen([sys.executable, "-m", "fedpar", "simulate", "--flower-app", str(APP), "--run-config",
                             "train-seconds=120", "--clients", "2", "--workers", "1", "--quiet", "--log-level", "info",
                             "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -74,5 +61,5 @@ def test_a_run_stopped_before_its_first_round_keeps_the_earlier_runs_outputs_and
         run.kill()
     assert run.returncode == 130, stderr[-3000:]
     assert stdout.splitlines()[-1] == f"wrote nothing to {out}", stdout
-    assert _files(out) == before
+    assert file_digests(out) == before
     assert not (out / ".earlier-run").exists()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from support.earlier_run import earlier_run, file_digests
 from support.processes import port_from
 
 pytest.importorskip("flwr")
@@ -99,7 +100,6 @@ def test_ctrl_c_stops_a_served_server_app_at_once_keeping_its_global_model(tmp_p
     """serve wrote 'interrupted' and then hung (the ServerApp's thread waited for a round that was cancelled), and
     its global.safetensors held a one-element stand-in, not the app's arrays (QA)."""
     import signal
-    import time
 
     out = tmp_path / "run"
     serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--min-available", "2", "--flower-app",
@@ -181,21 +181,6 @@ def test_deployed_agents_clientapps_see_the_coordinators_run_config(tmp_path):
         [("train", 1), ("evaluate", 0), ("train", 1), ("evaluate", 0)], (rows, serve_out)
 
 
-EARLIER = ("metrics.jsonl", "metrics.csv", "global.safetensors", "global.json", "summary.json", "labels.png")
-
-
-def _earlier_run(out: Path) -> dict[str, str]:
-    """An earlier run's files in ``out``; their digests by name."""
-    out.mkdir()
-    for name in EARLIER:
-        (out / name).write_text(f"{name} of an earlier run\n")
-    return _files(out)
-
-
-def _files(folder: Path) -> dict[str, str]:
-    import hashlib
-
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def test_served_server_app_stopped_before_its_first_round_keeps_the_earlier_runs_outputs(tmp_path):
@@ -205,7 +190,7 @@ def test_served_server_app_stopped_before_its_first_round_keeps_the_earlier_runs
     import signal
 
     out = tmp_path / "run"
-    before = _earlier_run(out)
+    before = earlier_run(out)
     serve = subprocess.Popen([*FEDPAR, "serve", "--insecure", "--port", "0", "--min-available", "2", "--flower-app",
                               str(APP), "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -220,13 +205,13 @@ def test_served_server_app_stopped_before_its_first_round_keeps_the_earlier_runs
             serve.kill()
     assert serve.returncode == 130 and "Traceback" not in serve_out, serve_out[-3000:]
     assert f"wrote nothing to {out}" in serve_out.splitlines(), serve_out[-3000:]
-    assert _files(out) == before
+    assert file_digests(out) == before
     assert not (out / ".earlier-run").exists()
 
 
 def test_served_server_app_that_writes_a_round_replaces_every_file_of_the_earlier_run(tmp_path):
     out = tmp_path / "run"
-    _earlier_run(out)
+    earlier_run(out)
     serve, serve_out, clients, outputs = _serve_and_two_agents(
         APP, ["--insecure", "--run-config", "num-server-rounds=1", "--out", str(out)],
         "(PLAINTEXT (--insecure)) for Flower App", ["--insecure"])
