@@ -223,23 +223,26 @@ def _join_torchrun_group(cfg: TrainConfig, timeout: float) -> None:
 
 def _earlier_outputs(out: str, resumes: bool) -> EarlierRun | None:
     """The files an earlier run left in ``out``, set aside until this run writes (simulations/run_outputs.py); None
-    when this run resumes a checkpoint (its rows go on) or is not the rank that writes."""
-    if resumes or int(os.environ.get("RANK", "0")):
+    when this run resumes a checkpoint (its rows go on, with those a killed run had set aside put back) or is not the
+    rank that writes."""
+    if int(os.environ.get("RANK", "0")):
         return None
     from fedpar.simulations.run_outputs import EarlierRun
 
+    if resumes:  # what a run killed before its first step set aside is the resumed run's own rows
+        EarlierRun.recover(Path(out))
+        return None
     return EarlierRun(Path(out))
 
 
 def _settled(earlier: EarlierRun | None, out: str) -> bool:
     """The earlier run's files let go once this run wrote (a logged step, or a model), else put back; whether they
     were put back (over what this run wrote of its own: it then left nothing)."""
-    from fedpar.parallel.metrics import read_records
-    from fedpar.protocol.model_file import TENSORS
+    from fedpar.simulations.run_outputs import run_wrote
 
     if earlier is None:
         return False
-    if (Path(out) / TENSORS).is_file() or read_records(Path(out) / "metrics.jsonl"):
+    if run_wrote(Path(out)):
         earlier.let_go()
         return False
     return earlier.restore()

@@ -78,8 +78,8 @@ class StepMetricsLog:
             kept = [json.dumps(record) for record in read_records(self.path)  # a line torn by a kill: dropped
                     if record.get("step", 0) <= resume_step]
             atomic_write_bytes(self.path, [(line + "\n").encode() for line in kept])
-        elif not resume_step:
-            atomic_write_bytes(self.path, [])
+        elif not resume_step:  # no file until the first record: a run killed before one leaves none in the way of
+            self.path.unlink(missing_ok=True)  # the earlier run's, set aside (simulations/run_outputs.py EarlierRun)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record."""

@@ -48,23 +48,27 @@ class EarlierRun:
     def __init__(self, out: Path):
         self.out = Path(out)
         self.aside = self.out / self.FOLDER
-        self._recover()
+        self.recover(self.out)
         self.names = []
         for name in RUN_FILES:
             path = self.out / name
             if path.is_file():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
                 self._set_aside(name)
 
-    def _recover(self) -> None:
+    @classmethod
+    def recover(cls, out: Path) -> None:
         """The files a killed run left set aside back in ``out``, each where no file of its name is (they are the
-        only copy of the run before it: one that had written a round had let them go)."""
-        if not self.aside.is_dir():
+        only copy of the run before it: one that had written a round had let them go); also for a run that resumes,
+        and sets nothing aside."""
+        aside = Path(out) / cls.FOLDER
+        if not aside.is_dir():
             return
-        for name in RUN_FILES:
-            kept = self.aside / name
-            if kept.is_file() and not (self.out / name).exists():
-                kept.replace(self.out / name)
-        shutil.rmtree(self.aside, ignore_errors=True)
+        if not run_wrote(out):  # else it had let them go, had it not been killed before it could
+            for name in RUN_FILES:
+                kept = aside / name
+                if kept.is_file() and not (Path(out) / name).exists():
+                    kept.replace(Path(out) / name)
+        shutil.rmtree(aside, ignore_errors=True)
 
     def _set_aside(self, name: str) -> None:
         """Move the earlier run's file ``name`` aside; UserError, with every file moved so far back in place, when it
@@ -110,6 +114,13 @@ class EarlierRun:
     def drop(self) -> None:
         """Forget the earlier run's files."""
         shutil.rmtree(self.aside, ignore_errors=True)
+
+
+def run_wrote(out: Path) -> bool:
+    """Whether the run writing into ``out`` (an earlier run's files set aside) wrote something of its own: a metrics
+    row, or a model."""
+    metrics = Path(out) / "metrics.jsonl"
+    return (Path(out) / TENSORS).is_file() or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,

@@ -230,3 +230,31 @@ def test_an_optimisation_option_the_run_would_ignore_is_refused_in_one_line(give
     code, lines = _train([*given, "--out", "out"], tmp_path)
     assert (code, lines) == (2, [f"fedpar train: this run would ignore {said}: drop it, or give what it needs"]), lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_killed_before_its_first_step_leaves_the_earlier_runs_rows_to_the_run_that_resumes_it(tmp_path):
+    """A --no-resume run killed (kill -9) before it logged a step left the earlier run's files set aside, and an
+    empty metrics.jsonl in the way of its rows: the next run, resuming the earlier run's checkpoint, lost its rows
+    1-4 (kept only in OUT/.earlier-run)."""
+    import json
+    import signal
+
+    steps = ["--checkpoint-every", "2", "--log-every", "1"]
+    assert _train([*steps, "--max-steps", "4", "--out", "out"], tmp_path)[0] == 0
+    # its first row comes at step 1437, the end of an epoch of batches of 1
+    killed = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "100000", "--no-resume",
+                               "--batch-size", "1", "--device", "cpu", "--out", "out"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in killed.stdout:
+            if "training mlp on digits" in line:
+                break
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    finally:
+        killed.kill()
+    code, lines = _train([*steps, "--max-steps", "6", "--out", "out"], tmp_path)
+    assert code == 0, lines
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert not (tmp_path / "out" / ".earlier-run").exists()
