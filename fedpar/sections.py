@@ -24,6 +24,5 @@ class Output:
 
     out: str | None = setting(None, check="folder", group="outputs", metavar="DIR",
                               help="folder this command writes into, created if missing: a run's metrics, summary, "
-                                   "plots and final model (train: also its checkpoints, and with --pp its model only "
-                                   "there); certs: the CA, "
+                                   "plots and final model (train: also its checkpoints); certs: the CA, "
                                    "certificates, keys and tokens (a CA already there is reused)", resume=UNRECORDED)

@@ -258,3 +258,14 @@ def test_a_run_killed_before_its_first_step_leaves_the_earlier_runs_rows_to_the_
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     assert not (tmp_path / "out" / ".earlier-run").exists()
+
+
+def test_the_help_of_out_does_not_say_a_pipeline_keeps_its_model_only_in_its_checkpoints(tmp_path):
+    """It said 'with --pp its model only there' (in OUT/checkpoints), though a pipeline's stages are gathered into
+    OUT/global.safetensors as every run's model is: a --pp user looked for the model in the checkpoints."""
+    import os
+
+    done = subprocess.run([*FEDPAR, "train", "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "1000"})  # one line an option
+    said = next(line for line in done.stdout.splitlines() if line.strip().startswith("--out DIR"))
+    assert "final model (train: also its checkpoints);" in said and "--pp" not in said, said
