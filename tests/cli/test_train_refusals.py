@@ -3,6 +3,10 @@ exit code 2, and loses nothing already written (QA)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +19,6 @@ FEDPAR = [sys.executable, "-m", "fedpar.cli.main"]
 def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     """``fedpar train ARGS`` (2 steps of the mlp on digits, on the CPU) in ``cwd``, with ``env`` added to the
     environment: its exit code and stderr lines."""
-    import os
-
     done = subprocess.run([*FEDPAR, "train", "--max-steps", "2", "--device", "cpu", "--no-plot", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     return done.returncode, done.stderr.splitlines()
@@ -45,8 +47,6 @@ def test_an_out_folder_that_cannot_be_made_is_one_line_and_exit_2(nproc, tmp_pat
 def test_a_second_run_into_the_out_of_a_running_one_is_refused_and_mixes_nothing_into_it(tmp_path):
     """Both ran: the second cut the first's metrics.jsonl and each appended its rows to the other's, and the last to
     end left its summary beside the other's model."""
-    import signal
-
     first = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "1", "--device", "cpu",
                               "--no-plot", "--out", "out"], cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -63,8 +63,6 @@ def test_a_second_run_into_the_out_of_a_running_one_is_refused_and_mixes_nothing
     assert lines[0].startswith(f"fedpar train: --out out is in use by another fedpar run (pid {first.pid}); wait for "
                                "it to end, or give another --out"), lines
     assert first.returncode == 130
-    import json
-
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "mlp"
     assert json.loads((tmp_path / "out" / "global.json").read_text())["model"]["model"] == "mlp"
 
@@ -93,8 +91,6 @@ def test_a_run_that_writes_replaces_every_file_of_the_earlier_run(tmp_path):
     assert code == 0, lines
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
         ["global.json", "global.safetensors", "metrics.csv", "metrics.jsonl", "summary.json"]
-    import json
-
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["model"] == "cnn"
 
 
@@ -143,8 +139,6 @@ def test_a_file_where_the_checkpoints_go_is_one_line_before_any_rank_starts(npro
 def test_ctrl_c_before_a_step_is_logged_keeps_the_earlier_runs_outputs_and_says_it_wrote_nothing(tmp_path):
     """Two ranks stopped before they logged a step (their model is not gathered): the run wrote its summary of no
     step over the earlier run's, and cut that run's metrics.jsonl to nothing."""
-    import signal
-
     assert _train(["--out", "out", "--plot"], tmp_path)[0] == 0
     before = _files(tmp_path / "out")
     run = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "100000", "--nproc", "2",
@@ -195,8 +189,6 @@ def test_torchruns_variables_left_in_the_shell_are_one_line_saying_what_to_unset
 @pytest.mark.parametrize("task", [False, True])
 def test_a_torchrun_rank_whose_group_never_forms_is_one_line_and_exit_2(task, tmp_path):
     """Rank 1 of 2 by hand, rank 0 never started: init_distributed's DistNetworkError traceback, exit 1."""
-    import socket
-
     with socket.socket() as probe:  # a port no one listens on once it is closed
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -236,9 +228,6 @@ def test_a_run_killed_before_its_first_step_leaves_the_earlier_runs_rows_to_the_
     """A --no-resume run killed (kill -9) before it logged a step left the earlier run's files set aside, and an
     empty metrics.jsonl in the way of its rows: the next run, resuming the earlier run's checkpoint, lost its rows
     1-4 (kept only in OUT/.earlier-run)."""
-    import json
-    import signal
-
     steps = ["--checkpoint-every", "2", "--log-every", "1"]
     assert _train([*steps, "--max-steps", "4", "--out", "out"], tmp_path)[0] == 0
     # its first row comes at step 1437, the end of an epoch of batches of 1
@@ -263,8 +252,6 @@ def test_a_run_killed_before_its_first_step_leaves_the_earlier_runs_rows_to_the_
 def test_the_help_of_out_does_not_say_a_pipeline_keeps_its_model_only_in_its_checkpoints(tmp_path):
     """It said 'with --pp its model only there' (in OUT/checkpoints), though a pipeline's stages are gathered into
     OUT/global.safetensors as every run's model is: a --pp user looked for the model in the checkpoints."""
-    import os
-
     done = subprocess.run([*FEDPAR, "train", "--help"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "COLUMNS": "1000"})  # one line an option
     said = next(line for line in done.stdout.splitlines() if line.strip().startswith("--out DIR"))
