@@ -29,7 +29,7 @@ from fedpar.protocol.codec import grpc_target
 from fedpar.protocol.wording import counted
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.run_store import RunStore
-from fedpar.simulations.run_outputs import EarlierRun, RunOutputs
+from fedpar.simulations.run_outputs import EarlierRun, RunOutputs, earlier_run_in
 
 
 class OneShotService(RunService):
@@ -170,9 +170,10 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
     aggregator ranks), print its summary and return the command's exit code."""
     # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
     threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
-    resumes = has_checkpoint(plan.config.checkpoint_dir)  # then its rows go on beside the earlier ones
     store = RunStore(":memory:")
-    service = OneShotService(args, store, lambda options: plan, None if resumes else EarlierRun(Path(args.out)))
+    # a run that resumes its checkpoint goes on with the rows beside it
+    service = OneShotService(args, store, lambda options: plan,
+                             earlier_run_in(Path(args.out), has_checkpoint(plan.config.checkpoint_dir)))
     run = store.get(store.submit("serve", json_ready(effective_settings(args))))
     try:
         end = service.execute(run, plan, ranks)

@@ -227,12 +227,9 @@ def _earlier_outputs(out: str, resumes: bool) -> EarlierRun | None:
     rank that writes."""
     if int(os.environ.get("RANK", "0")):
         return None
-    from fedpar.simulations.run_outputs import EarlierRun
+    from fedpar.simulations.run_outputs import earlier_run_in
 
-    if resumes:  # what a run killed before its first step set aside is the resumed run's own rows
-        EarlierRun.recover(Path(out))
-        return None
-    return EarlierRun(Path(out))
+    return earlier_run_in(Path(out), resumes)
 
 
 def _settled(earlier: EarlierRun | None, out: str) -> bool:

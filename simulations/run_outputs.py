@@ -116,6 +116,15 @@ class EarlierRun:
         shutil.rmtree(self.aside, ignore_errors=True)
 
 
+def earlier_run_in(out: Path, resumes: bool) -> EarlierRun | None:
+    """An earlier run's outputs in ``out``, set aside for a new run; None for a run that resumes a checkpoint (its rows
+    go on), which first gets back what a run killed before it had set aside (:meth:`EarlierRun.recover`)."""
+    if resumes:
+        EarlierRun.recover(Path(out))
+        return None
+    return EarlierRun(Path(out))
+
+
 def run_wrote(out: Path) -> bool:
     """Whether the run writing into ``out`` (an earlier run's files set aside) wrote something of its own: a metrics
     row, or a model."""

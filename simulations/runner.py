@@ -41,7 +41,7 @@ from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
 from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.resume import RunRecord, check_resume
-from fedpar.simulations.run_outputs import EarlierRun, RunOutputs, write_run_outputs
+from fedpar.simulations.run_outputs import RunOutputs, earlier_run_in, write_run_outputs
 from fedpar.simulations.traces import Traces, traces_for
 from fedpar.simulations.worker_processes import WorkerProcesses, check_population_fits, start_workers
 from fedpar.settings import composed
@@ -199,8 +199,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     earlier = None
     if out:
         _make_out(out)
-        if not has_checkpoint(cfg.checkpoint_dir):  # else the run resumes, and its rows go on
-            earlier = EarlierRun(out)
+        earlier = earlier_run_in(out, has_checkpoint(cfg.checkpoint_dir))
     record = RunRecord(cfg)  # kept once the coordinator resumed (or started afresh): SimulationService.listening
     # The worker processes start as early as they can: their imports and data loading overlap the coordinator's.
     workers = workers or start_workers(cfg)

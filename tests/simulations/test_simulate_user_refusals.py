@@ -184,3 +184,34 @@ def test_the_outputs_a_killed_run_had_set_aside_are_put_back_by_the_next_run(tmp
     assert "500 shards" in line, line
     assert {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir() if p.name in before} == before
     assert not (tmp_path / "o" / ".earlier-run").exists()
+
+
+def test_a_resumed_run_gets_back_its_outputs_that_a_killed_fresh_run_had_set_aside(tmp_path):
+    """QA: a run with a checkpoint folder, then a fresh run into its --out killed (kill -9) before its first round:
+    the first run's files were left in OUT/.earlier-run, and resuming the first run started a metrics.jsonl of its
+    later rounds only. Its resume now puts them back first, and its rows go on."""
+    import json
+    import os
+    import signal
+
+    first = SIMULATE + ["--out", "o", "--checkpoint-dir", "ckpt"]
+    made = subprocess.run(first, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    killed = subprocess.Popen(SIMULATE + ["--out", "o", "--drop-probability", "1", "--deadline", "300", "--log-level",
+                                          "info"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        for line in killed.stderr:
+            if "round 1: sampled" in line:  # its workers joined: the first run's files are set aside
+                break
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+    finally:
+        killed.kill()
+    assert "metrics.jsonl" not in {p.name for p in (tmp_path / "o").iterdir()}
+    resumed = subprocess.run([*first[:first.index("--rounds") + 1], "3", *first[first.index("--rounds") + 2:]],
+                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["round"] for row in rows] == [1, 2, 3], rows
+    assert not (tmp_path / "o" / ".earlier-run").exists()
