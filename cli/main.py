@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             return quiet_exit_for_pipe()
         if args is not None and args.debug:
             raise
-        print(f"fedpar {argv[0]}: {describe(exc)} (--debug shows the traceback)", file=sys.stderr)
+        # a UserError's line is all there is to it; another error's traceback shows where it came from
+        hint = "" if isinstance(exc, UserError) else " (--debug shows the traceback)"
+        print(f"fedpar {argv[0]}: {describe(exc)}{hint}", file=sys.stderr)
         return getattr(exc, "exit_code", 1)
 
 

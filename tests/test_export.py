@@ -112,7 +112,7 @@ def test_export_under_a_file_is_refused_in_one_line_by_the_command(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines() == ["fedpar export: --to notes.txt/m.pt: notes.txt is a file, not a folder; write "
-                                        "the export into a folder, e.g. --to m.pt (--debug shows the traceback)"]
+                                        "the export into a folder, e.g. --to m.pt"]
     assert (tmp_path / "notes.txt").read_text() == "kept"
 
 
