@@ -186,11 +186,12 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
         if int(os.environ.get("RANK", "0")):
             return exit_code(signal_name(exc))
         from fedpar.parallel.metrics import write_interrupted_summary
+        from fedpar.protocol.wording import counted
         kept_step = getattr(exc, "kept_step", None)  # set where the model of the last whole step was written
         summary = write_interrupted_summary(Path(cfg.out), cfg.model, cfg.dataset, world,
                                             time.perf_counter() - started, cfg.to_dict(), kept_step)
-        steps, model = ((f"{kept_step} steps", ", global.safetensors and global.json") if kept_step is not None else
-                        (f"{summary['steps']} logged steps", ""))
+        steps, model = ((counted(kept_step, "step"), ", global.safetensors and global.json") if kept_step is not None
+                        else (counted(summary["steps"], "logged step"), ""))
         wrote = f"nothing to {cfg.out}" if _settled(earlier, cfg.out) else f"{cfg.out}/summary.json{model}"
         print(f"fedpar train: interrupted after {steps}; wrote {wrote}{_resume_hint(cfg)}", file=sys.stderr)
         return exit_code(signal_name(exc))

@@ -8,6 +8,7 @@ import os
 import sys
 
 from fedpar.parallel.stopping import exit_code
+from fedpar.protocol.wording import counted
 
 
 class UserError(Exception):
@@ -191,8 +192,8 @@ def run_exit_code(command: str, summary: dict, signal_name: str | None = None, t
     naming ``task``, the --task reference) when every round failed, else 0."""
     if summary.get("interrupted"):
         # a Flower App's run counts its rounds in Message exchanges: a ServerApp's server round is two (train, evaluate)
-        done = "Message exchanges" if "flower" in summary else "completed rounds"
-        print(f"{command}: interrupted after {summary['rounds']} {done}", file=sys.stderr)
+        done = "Message exchange" if "flower" in summary else "completed round"
+        print(f"{command}: interrupted after {counted(summary['rounds'], done)}", file=sys.stderr)
         return exit_code(signal_name or "SIGINT")
     failed = every_round_failed(summary, task)
     if failed:

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from fedpar.protocol.wording import counted  # noqa: E402
 from fedpar.server.final_model import load_final_model  # noqa: E402
 from fedpar.simulations.config import SimulationConfig  # noqa: E402
 from fedpar.simulations.flower_app_run import flower_app_refusal, run_flower_app  # noqa: E402
@@ -189,6 +190,6 @@ def test_ctrl_c_stops_a_server_app_simulation_writing_what_completed(tmp_path):
     assert len(warned) == 1 and warned[0].endswith(f"interrupted: stopping after {summary['rounds']} Message "
                                                    "exchanges (a ServerApp's round is usually two: train and "
                                                    "evaluate)"), warned
-    assert err.strip().splitlines()[-1] == f"fedpar simulate: interrupted after {summary['rounds']} Message exchanges"
+    assert err.strip().splitlines()[-1] == f"fedpar simulate: interrupted after {counted(summary['rounds'], 'Message exchange')}"
     names, arrays = load_final_model(out)  # the global model the last round's messages carried, not a stand-in
     assert sorted(names) == ["b", "w"]
