@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,6 @@ def read_idx(path: str | Path) -> np.ndarray:
     if path.suffix == ".gz":
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
-            raise IdxFormatError(f"{path}: not a valid gzip file ({exc})") from exc
+        except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a damaged compressed stream
+            raise IdxFormatError(f"{path}: not a valid gzip file ({exc}); download it again") from None
     return parse_idx(raw, str(path))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -102,7 +103,7 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
                 raise ValueError(f"{path} lacks the arrays {sorted(missing)}; it needs x, y and optionally client")
             x, y = _npz_array(f, path, "x"), _npz_array(f, path, "y")
             client = _npz_array(f, path, "client") if "client" in f.files else None
-    except (OSError, EOFError, zipfile.BadZipFile) as exc:  # a damaged archive: cut short, a member unreadable
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # damaged: cut short, a member unreadable
         raise ValueError(f"{path} cannot be read as a NumPy .npz archive ({exc}); save it again with "
                          "np.savez(path, x=..., y=...)") from None
     if x.ndim < 1 or y.ndim != 1:
