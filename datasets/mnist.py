@@ -78,6 +78,8 @@ def _check_pair(images: np.ndarray, labels: np.ndarray, source: str) -> None:
         raise ValueError(f"{source}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{source}: {images.shape[0]} images but {labels.shape[0]} labels")
+    if not labels.size:  # an empty test set trained with no accuracy (simulate) or stopped train with a traceback
+        raise ValueError(f"{source} holds no examples; train and test each need at least one image and label")
     if labels.size and (labels.min() < 0 or labels.max() > 9):
         raise ValueError(f"{source}: labels must be digits 0..9, found range [{labels.min()}, {labels.max()}]")
 

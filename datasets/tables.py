@@ -7,8 +7,8 @@
 
 Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
 clients of two or more) is held out as the pooled test set, as for the synthetic data; without a client column
-the whole file is one owner-less pool (use iid, dirichlet or shards then) and a fifth of it, drawn at random,
-is the test set.
+the whole file is one owner-less pool (use iid, dirichlet or shards then) and a fifth of it (one at least, of
+two or more), drawn at random, is the test set; a table that leaves no test example is refused.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def owned_splits(x: np.ndarray, y: np.ndarray, owners: np.ndarray | None, num_cl
     classes = int(num_classes if num_classes is not None else y.max() + 1)
     if owners is None:
         held_out = np.zeros(len(y), bool)
-        held_out[np.random.default_rng(seed).permutation(len(y))[:len(y) // TEST_SHARE]] = True
+        held = max(1, len(y) // TEST_SHARE) if len(y) >= 2 else 0  # as for an owner's: one at least, of two or more
+        held_out[np.random.default_rng(seed).permutation(len(y))[:held]] = True
     else:
         if np.any(owners[1:] < owners[:-1]):  # group each owner's examples (generated data comes grouped: no copy)
             order = np.argsort(owners, kind="stable")
@@ -164,7 +165,11 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
         raise ValueError(f"{path}: labels must be whole numbers >= 0")
     if not np.isfinite(x).all():
         raise ValueError(f"{path}: features hold NaN or Inf")
-    return owned_splits(x, y, owners)
+    splits = owned_splits(x, y, owners)
+    if not len(splits.test):  # else simulate reports no accuracy and train stops on an empty evaluation
+        raise ValueError(f"{path}: its {len(y)} examples leave none for the test set (a fifth of each client's, "
+                         "for clients of two or more); give it more examples")
+    return splits
 
 
 @register_dataset("npz", usage="npz:PATH", help="a table of features and labels")

@@ -57,3 +57,44 @@ def test_a_compressed_npz_table_with_a_damaged_member_is_named(tmp_path):
     data[100:140] = bytes(40)
     (tmp_path / "table.npz").write_bytes(bytes(data))
     _refused(f"npz:{tmp_path / 'table.npz'}", "table.npz cannot be read as a NumPy .npz archive", "np.savez")
+
+
+def _mnist_npz_folder(folder, train: int = 40, test: int = 10):
+    """A small MNIST folder of train.npz and test.npz."""
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    for name, n in (("train", train), ("test", test)):
+        np.savez(folder / f"{name}.npz", x=rng.integers(0, 256, (n, 28, 28), dtype=np.uint8),
+                 y=rng.integers(0, 10, n, dtype=np.uint8))
+    return folder
+
+
+def test_an_mnist_split_with_no_examples_is_refused(tmp_path):
+    """An empty test.npz trained with no accuracy (simulate) or ended train in a traceback."""
+    folder = _mnist_npz_folder(tmp_path / "mnist", test=0)
+    _refused("mnist", f"{folder / 'test.npz'} holds no examples", data_dir=folder)
+
+
+def test_a_table_too_small_for_a_test_set_is_refused_and_two_rows_are_enough(tmp_path):
+    (tmp_path / "one.csv").write_text("f1,label\n1.0,0\n")
+    (tmp_path / "singles.csv").write_text("f1,label,client\n1.0,0,a\n2.0,1,b\n3.0,1,c\n")
+    (tmp_path / "two.csv").write_text("f1,label\n1.0,0\n2.0,1\n")
+    _refused(f"csv:{tmp_path / 'one.csv'}", "its 1 examples leave none for the test set")
+    _refused(f"csv:{tmp_path / 'singles.csv'}", "its 3 examples leave none for the test set")
+    splits = load_dataset(f"csv:{tmp_path / 'two.csv'}")
+    assert (len(splits.train), len(splits.test)) == (1, 1)
+
+
+def _one_line(argv: list[str], capfd) -> str:
+    done = run_main(argv, capfd)
+    lines = done.stderr.strip().splitlines()
+    assert (done.returncode, len(lines)) == (2, 1), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return lines[0]
+
+
+def test_train_says_an_empty_mnist_test_set_in_one_line(tmp_path, capfd):
+    folder = _mnist_npz_folder(tmp_path / "mnist", test=0)
+    said = _one_line(["train", "--dataset", "mnist", "--data-path", str(folder), "--max-steps", "2",
+                      "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert said.startswith(f"fedpar train: {folder / 'test.npz'} holds no examples"), said
