@@ -24,6 +24,7 @@ from fedpar.datasets.arrays import ArrayDataset, DatasetSplits
 from fedpar.datasets.catalog import register_dataset
 
 TEST_SHARE = 5  # one example in TEST_SHARE of each client's goes to the test set
+MAX_CLASSES = 1 << 16  # labels are class numbers: one past this is an id (the model's output would not fit memory)
 
 
 def owned_splits(x: np.ndarray, y: np.ndarray, owners: np.ndarray | None, num_classes: int | None = None,
@@ -163,6 +164,9 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
         raise ValueError(f"{path}: x, y (and client) must hold the same, non-zero number of examples")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise ValueError(f"{path}: labels must be whole numbers >= 0")
+    if y.max() >= MAX_CLASSES:
+        raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is {y.max()}; "
+                         "renumber them, e.g. y = np.unique(y, return_inverse=True)[1]")
     if not np.isfinite(x).all():
         raise ValueError(f"{path}: features hold NaN or Inf")
     splits = owned_splits(x, y, owners)

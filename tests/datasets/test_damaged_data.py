@@ -98,3 +98,12 @@ def test_train_says_an_empty_mnist_test_set_in_one_line(tmp_path, capfd):
     said = _one_line(["train", "--dataset", "mnist", "--data-path", str(folder), "--max-steps", "2",
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
     assert said.startswith(f"fedpar train: {folder / 'test.npz'} holds no examples"), said
+
+
+def test_a_label_that_is_an_id_not_a_class_number_is_refused(tmp_path, capfd):
+    """A label of 2**40 sized the model's output by it: an out-of-memory traceback from simulate and train."""
+    np.savez(tmp_path / "ids.npz", x=np.ones((20, 3), np.float32), y=np.where(np.arange(20) % 2, 2**40, 0))
+    _refused(f"npz:{tmp_path / 'ids.npz'}", "labels are class numbers 0..K-1", f"one is {2**40}", "renumber them")
+    said = _one_line(["train", "--dataset", f"npz:{tmp_path / 'ids.npz'}", "--max-steps", "2", "--batch-size", "2",
+                      "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert "labels are class numbers 0..K-1" in said, said
