@@ -1,7 +1,7 @@
 """Your own tabular data with writers: ``--dataset npz:PATH`` or ``--dataset csv:PATH``, for ``--partition natural``.
 
-- npz: arrays ``x`` (examples first), ``y`` (integer labels) and, optionally, ``client`` (who wrote each example:
-  integers or strings).
+- npz: arrays ``x`` (real numbers, one example per row: 2-D or more), ``y`` (integer labels: class numbers
+  0..K-1) and, optionally, ``client`` (1-D: who wrote each example, integers or strings).
 - csv: a header row; a ``label`` column (integers), an optional ``client`` column, and every other column a
   numeric feature.
 
@@ -108,12 +108,23 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
     except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # damaged: cut short, a member unreadable
         raise ValueError(f"{path} cannot be read as a NumPy .npz archive ({exc}); save it again with "
                          "np.savez(path, x=..., y=...)") from None
-    if x.ndim < 1 or y.ndim != 1:
-        raise ValueError(f"{path}: x must hold one example per row and y must be 1-D, got x {x.shape} and y {y.shape}")
+    _check_npz_shapes(path, x, y, client)
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
         raise ValueError(f"{path}: x must be numeric, got dtype {x.dtype}")
+    if np.iscomplexobj(x):  # else cast to float32 with only a warning: the imaginary parts silently dropped
+        raise ValueError(f"{path}: x must be real numbers, got dtype {x.dtype}; save x.real, or the real and "
+                         "imaginary parts as two features")
     owners = owner_numbers(client) if client is not None else None
     return _checked(path, np.asarray(x, np.float32), y, owners)
+
+
+def _check_npz_shapes(path: Path, x: np.ndarray, y: np.ndarray, client: np.ndarray | None) -> None:
+    """ValueError saying the shapes an .npz table's arrays must have when they have others."""
+    if x.ndim < 2 or y.ndim != 1:  # a 1-D x is one feature per example to the loader, a batch of scalars to a model
+        raise ValueError(f"{path}: x must hold one example per row with its features after (2-D or more; one feature "
+                         f"each: x[:, None]) and y must be 1-D, got x {x.shape} and y {y.shape}")
+    if client is not None and client.ndim != 1:
+        raise ValueError(f"{path}: client must be 1-D, one id per example, got {client.shape}")
 
 
 NPZ_KINDS = {"x": "a numeric", "y": "an integer", "client": "an integer or string"}

@@ -107,3 +107,19 @@ def test_a_label_that_is_an_id_not_a_class_number_is_refused(tmp_path, capfd):
     said = _one_line(["train", "--dataset", f"npz:{tmp_path / 'ids.npz'}", "--max-steps", "2", "--batch-size", "2",
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
     assert "labels are class numbers 0..K-1" in said, said
+
+
+def test_npz_table_arrays_of_the_wrong_shape_or_kind_are_named(tmp_path, capfd):
+    """A 1-D x ended train in a torch IndexError traceback (simulate blamed the task); complex x trained on its real
+    part alone; a 2-D client said only numpy's 'object too deep for desired array'."""
+    rng = np.random.default_rng(0)
+    x, y, client = rng.standard_normal((20, 3)).astype(np.float32), np.arange(20) % 2, np.arange(20) % 4
+    for name, arrays, says in (
+            ("flat", dict(x=x[:, 0], y=y), "x must hold one example per row with its features after"),
+            ("complex", dict(x=x + 1j, y=y), "x must be real numbers, got dtype complex"),
+            ("client2d", dict(x=x, y=y, client=client[:, None]), "client must be 1-D, one id per example")):
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        _refused(f"npz:{tmp_path / name}.npz", says)
+    said = _one_line(["train", "--dataset", f"npz:{tmp_path / 'flat.npz'}", "--max-steps", "2", "--batch-size", "2",
+                      "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert "x must hold one example per row" in said, said
