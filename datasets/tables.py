@@ -2,8 +2,8 @@
 
 - npz: arrays ``x`` (real numbers, one example per row: 2-D or more), ``y`` (integer labels: class numbers
   0..K-1) and, optionally, ``client`` (1-D: who wrote each example, integers or strings).
-- csv: a header row; a ``label`` column (integers), an optional ``client`` column, and every other column a
-  numeric feature.
+- csv: a header row; a ``label`` column (integers), an optional ``client`` column (no blank cell), and every other
+  column a numeric feature; one cell per column on every row (blank lines are skipped).
 
 Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
 clients of two or more) is held out as the pooled test set, as for the synthetic data; without a client column
@@ -155,10 +155,10 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
             header = next(reader, None)
             if not header or "label" not in header:
                 raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
-            rows = list(reader)
+            label, client = header.index("label"), header.index("client") if "client" in header else None
+            rows = _csv_rows(reader, len(header), client, path)
     except (UnicodeDecodeError, csv.Error) as exc:  # a binary file, e.g. an .npz or a spreadsheet's own format
         raise ValueError(f"{path} is not a CSV text file ({exc}); it must be {CSV_FILE}, in UTF-8") from None
-    label, client = header.index("label"), header.index("client") if "client" in header else None
     features = [i for i in range(len(header)) if i not in (label, client)]
     try:
         x = np.array([[float(r[i]) for i in features] for r in rows], np.float32).reshape(len(rows), len(features))
@@ -167,6 +167,23 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
         raise ValueError(f"{path}: every row needs a whole-number label and numeric features ({exc})") from None
     owners = owner_numbers(np.array([r[client] for r in rows])) if client is not None else None
     return _checked(path, x, y, owners)
+
+
+def _csv_rows(reader, width: int, client: int | None, path: Path) -> list[list[str]]:
+    """The data rows of ``reader``, blank lines skipped (a spreadsheet's trailing ones); ValueError naming the first
+    line whose cells are not one per column, or whose client is blank."""
+    rows = []
+    for row in reader:
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != width:  # short: read as a missing feature; long: its extra cells silently dropped
+            raise ValueError(f"{path}: line {reader.line_num} has {len(row)} cells but the header has {width} "
+                             "columns; give every row one cell per column")
+        if client is not None and not row[client].strip():
+            raise ValueError(f"{path}: line {reader.line_num} has no client; fill in who wrote each example, or "
+                             "drop the client column")
+        rows.append(row)
+    return rows
 
 
 def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> DatasetSplits:

@@ -123,3 +123,18 @@ def test_npz_table_arrays_of_the_wrong_shape_or_kind_are_named(tmp_path, capfd):
     said = _one_line(["train", "--dataset", f"npz:{tmp_path / 'flat.npz'}", "--max-steps", "2", "--batch-size", "2",
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
     assert "x must hold one example per row" in said, said
+
+
+def test_csv_rows_that_do_not_fit_the_header_are_named_by_line_and_blank_lines_are_skipped(tmp_path):
+    """Blank trailing lines and short rows said only 'list index out of range'; a long row's extra cells were
+    dropped without a word; a blank client was a client of its own."""
+    rows = "f1,f2,label,client\n" + "".join(f"{i},{i % 3},{i % 2},c{i % 4}\n" for i in range(20))
+    (tmp_path / "blank.csv").write_text(rows + "\n\n")
+    splits = load_dataset(f"csv:{tmp_path / 'blank.csv'}")
+    assert len(splits.train) + len(splits.test) == 20
+    for name, text, says in (
+            ("short", rows + "1,2,0\n", "short.csv: line 22 has 3 cells but the header has 4 columns"),
+            ("long", rows + "1,2,0,c1,9\n", "long.csv: line 22 has 5 cells but the header has 4 columns"),
+            ("noclient", rows + "1,2,0,\n", "noclient.csv: line 22 has no client")):
+        (tmp_path / f"{name}.csv").write_text(text)
+        _refused(f"csv:{tmp_path / name}.csv", says)
