@@ -37,6 +37,7 @@ from fedpar.datasets.tables import TEST_SHARE
 
 DIM, CLASSES = 60, 10
 TEST_MEMBERS = 2_000  # clients whose held-out examples make the central test set (evenly spread)
+MAX_SPREAD = 1e3  # ALPHA and BETA at most: the paper's are 0..1; far larger ones overflow the float32 features
 _SCALE = np.arange(1, DIM + 1, dtype=np.float64) ** -0.6  # sqrt of Sigma_jj = j^-1.2
 # What a federation costs in memory, for the line that refuses one too big before anything is drawn (a name of
 # 10^11 clients was a MemoryError traceback in every worker process)
@@ -75,12 +76,13 @@ class SyntheticSpec:
             raise ValueError(f"bad synthetic dataset name {name!r}; ALPHA, BETA and SAMPLES are numbers, "
                              "CLIENTS a whole number") from None
         finite = all(map(math.isfinite, (alpha, beta, samples)))  # 'nan' and 'inf' read as numbers too
-        if count is None or count < 1 or not finite or alpha < 0 or beta < 0 or samples <= 0:
+        spread = 0 <= alpha <= MAX_SPREAD and 0 <= beta <= MAX_SPREAD  # larger: float32 features overflow to Inf/NaN
+        if count is None or count < 1 or not finite or not spread or samples <= 0:
             # train and client have no --clients to fill CLIENTS in: the name must say it
             form = "synthetic:iid:CLIENTS" if iid else "synthetic:ALPHA:BETA:CLIENTS"
             where = "(or --clients)" if clients is not None else f"in the name ({form})"
-            raise ValueError(f"synthetic dataset {name!r} needs CLIENTS >= 1 {where}, ALPHA and BETA >= 0 "
-                             "and SAMPLES > 0 (finite numbers)")
+            raise ValueError(f"synthetic dataset {name!r} needs CLIENTS >= 1 {where}, ALPHA and BETA in "
+                             f"0..{MAX_SPREAD:g} and SAMPLES > 0 (finite numbers)")
         return SyntheticSpec(alpha, beta, count, samples, iid=iid)
 
     @property

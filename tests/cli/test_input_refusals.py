@@ -73,7 +73,8 @@ def test_a_synthetic_dataset_of_no_finite_size_is_refused(tmp_path, capfd, value
     """'nan' passed every check (nan <= 0 is false) and reached numpy."""
     done = run_main(["simulate", "--dataset", f"synthetic:1:1:5:{value}", "--out", str(tmp_path / "s")], capfd)
     assert done.returncode == 2
-    _one_line(done.stderr, "needs CLIENTS >= 1 (or --clients), ALPHA and BETA >= 0 and SAMPLES > 0 (finite numbers)")
+    _one_line(done.stderr, "needs CLIENTS >= 1 (or --clients), ALPHA and BETA in 0..1000 and SAMPLES > 0 "
+                             "(finite numbers)")
 
 
 def test_the_memory_a_synthetic_federation_is_said_to_need_stays_small_for_the_documented_populations():

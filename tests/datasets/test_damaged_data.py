@@ -138,3 +138,14 @@ def test_csv_rows_that_do_not_fit_the_header_are_named_by_line_and_blank_lines_a
             ("noclient", rows + "1,2,0,\n", "noclient.csv: line 22 has no client")):
         (tmp_path / f"{name}.csv").write_text(text)
         _refused(f"csv:{tmp_path / name}.csv", says)
+
+
+def test_a_synthetic_spread_so_large_its_features_overflow_is_refused(tmp_path, capfd):
+    """synthetic:1e308:1 drew Inf/NaN features and simulate trained on them (accuracy 1.0: every label argmax(NaN))."""
+    _refused("synthetic:1e308:1:4", "ALPHA and BETA in 0..1000")
+    _refused("synthetic:1:1e39:4", "ALPHA and BETA in 0..1000")
+    x, _ = load_dataset("synthetic:1000:1000:4:20").train.to_tensors()
+    assert bool(x.isfinite().all())
+    said = _one_line(["simulate", "--dataset", "synthetic:1e308:1", "--clients", "4", "--rounds", "1",
+                      "--out", str(tmp_path / "out")], capfd)
+    assert said.startswith("fedpar simulate: synthetic dataset 'synthetic:1e308:1' needs"), said
