@@ -1,8 +1,8 @@
 """Your own tabular data with writers: ``--dataset npz:PATH`` or ``--dataset csv:PATH``, for ``--partition natural``.
 
 - npz: arrays ``x`` (real numbers, one example per row: 2-D or more), ``y`` (integer labels: class numbers
-  0..K-1) and, optionally, ``client`` (1-D: who wrote each example, integers or strings).
-- csv: a header row; a ``label`` column (integers), an optional ``client`` column (no blank cell), and every other
+  0..K-1, two classes or more) and, optionally, ``client`` (1-D: who wrote each example, integers or strings).
+- csv: a header row; a ``label`` column (integers, of two classes or more), an optional ``client`` column (no blank cell), and every other
   column a numeric feature; one cell per column on every row (blank lines are skipped).
 
 Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
@@ -192,6 +192,9 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
         raise ValueError(f"{path}: x, y (and client) must hold the same, non-zero number of examples")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise ValueError(f"{path}: labels must be whole numbers >= 0")
+    if (y == y[0]).all():  # a classifier of one class learns nothing and scores 1.0: a wrong label column, likely
+        raise ValueError(f"{path}: every label is {y[0]}; a classifier needs examples of two classes or more (is "
+                         "'label' the right column?)")
     if y.max() >= MAX_CLASSES:
         raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is {y.max()}; "
                          "renumber them, e.g. y = np.unique(y, return_inverse=True)[1]")

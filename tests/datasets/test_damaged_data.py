@@ -76,10 +76,8 @@ def test_an_mnist_split_with_no_examples_is_refused(tmp_path):
 
 
 def test_a_table_too_small_for_a_test_set_is_refused_and_two_rows_are_enough(tmp_path):
-    (tmp_path / "one.csv").write_text("f1,label\n1.0,0\n")
     (tmp_path / "singles.csv").write_text("f1,label,client\n1.0,0,a\n2.0,1,b\n3.0,1,c\n")
     (tmp_path / "two.csv").write_text("f1,label\n1.0,0\n2.0,1\n")
-    _refused(f"csv:{tmp_path / 'one.csv'}", "its 1 examples leave none for the test set")
     _refused(f"csv:{tmp_path / 'singles.csv'}", "its 3 examples leave none for the test set")
     splits = load_dataset(f"csv:{tmp_path / 'two.csv'}")
     assert (len(splits.train), len(splits.test)) == (1, 1)
@@ -149,3 +147,12 @@ def test_a_synthetic_spread_so_large_its_features_overflow_is_refused(tmp_path, 
     said = _one_line(["simulate", "--dataset", "synthetic:1e308:1", "--clients", "4", "--rounds", "1",
                       "--out", str(tmp_path / "out")], capfd)
     assert said.startswith("fedpar simulate: synthetic dataset 'synthetic:1e308:1' needs"), said
+
+
+def test_a_table_of_one_class_is_refused(tmp_path, capfd):
+    """Every label alike trained a model that always says it, reported as test accuracy 1.0."""
+    (tmp_path / "one.csv").write_text("f1,label,client\n" + "".join(f"{i},3,c{i % 4}\n" for i in range(20)))
+    _refused(f"csv:{tmp_path / 'one.csv'}", "one.csv: every label is 3; a classifier needs examples of two classes")
+    said = _one_line(["simulate", "--dataset", f"csv:{tmp_path / 'one.csv'}", "--clients", "4", "--rounds", "1",
+                      "--out", str(tmp_path / "out")], capfd)
+    assert "every label is 3" in said, said
