@@ -2,8 +2,9 @@
 
 - npz: arrays ``x`` (real numbers, one example per row: 2-D or more), ``y`` (integer labels: class numbers
   0..K-1, two classes or more) and, optionally, ``client`` (1-D: who wrote each example, integers or strings).
-- csv: a header row; a ``label`` column (integers, of two classes or more), an optional ``client`` column (no blank cell), and every other
-  column a numeric feature; one cell per column on every row (blank lines are skipped).
+- csv: a header row; a ``label`` column (integers, of two classes or more), an optional ``client`` column (no
+  blank cell), and every other column (one at least) a numeric feature; one cell per column on every row (blank
+  lines are skipped).
 
 Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
 clients of two or more) is held out as the pooled test set, as for the synthetic data; without a client column
@@ -190,6 +191,9 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
     y = np.asarray(y)
     if len(x) != len(y) or (owners is not None and len(owners) != len(y)) or not len(y):
         raise ValueError(f"{path}: x, y (and client) must hold the same, non-zero number of examples")
+    if not np.prod(x.shape[1:]):  # else the model's refusal, in the words of its in_features
+        raise ValueError(f"{path}: the examples have no features; give it at least one numeric feature (a csv: a "
+                         "column besides label and client)")
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise ValueError(f"{path}: labels must be whole numbers >= 0")
     if (y == y[0]).all():  # a classifier of one class learns nothing and scores 1.0: a wrong label column, likely

@@ -156,3 +156,11 @@ def test_a_table_of_one_class_is_refused(tmp_path, capfd):
     said = _one_line(["simulate", "--dataset", f"csv:{tmp_path / 'one.csv'}", "--clients", "4", "--rounds", "1",
                       "--out", str(tmp_path / "out")], capfd)
     assert "every label is 3" in said, said
+
+
+def test_a_table_with_no_features_is_refused_in_the_data_s_words(tmp_path):
+    """It was refused by the model: 'model 'mlp' cannot be built with in_features=0'."""
+    (tmp_path / "bare.csv").write_text("label,client\n" + "".join(f"{i % 2},c{i % 4}\n" for i in range(20)))
+    np.savez(tmp_path / "bare.npz", x=np.zeros((20, 0), np.float32), y=np.arange(20) % 2)
+    for name in ("csv:{}/bare.csv", "npz:{}/bare.npz"):
+        _refused(name.format(tmp_path), "the examples have no features; give it at least one numeric feature")
