@@ -156,6 +156,10 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
             header = next(reader, None)
             if not header or "label" not in header:
                 raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
+            twice = [name for name in ("label", "client") if header.count(name) > 1]
+            if twice:  # else the first is read and the others taken for features
+                raise ValueError(f"{path}: its header names the column {twice[0]!r} {header.count(twice[0])} times; "
+                                 "keep one, renaming the others")
             label, client = header.index("label"), header.index("client") if "client" in header else None
             rows = _csv_rows(reader, len(header), client, path)
     except (UnicodeDecodeError, csv.Error) as exc:  # a binary file, e.g. an .npz or a spreadsheet's own format

@@ -164,3 +164,9 @@ def test_a_table_with_no_features_is_refused_in_the_data_s_words(tmp_path):
     np.savez(tmp_path / "bare.npz", x=np.zeros((20, 0), np.float32), y=np.arange(20) % 2)
     for name in ("csv:{}/bare.csv", "npz:{}/bare.npz"):
         _refused(name.format(tmp_path), "the examples have no features; give it at least one numeric feature")
+
+
+def test_a_csv_header_naming_label_or_client_twice_is_refused(tmp_path):
+    """The first was read and the second trained on as a feature: the answer among the inputs."""
+    (tmp_path / "twice.csv").write_text("f1,label,label\n" + "".join(f"{i},{i % 2},{i % 2}\n" for i in range(20)))
+    _refused(f"csv:{tmp_path / 'twice.csv'}", "twice.csv: its header names the column 'label' 2 times")
