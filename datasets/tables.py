@@ -116,7 +116,7 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
         raise ValueError(f"{path}: x must be real numbers, got dtype {x.dtype}; save x.real, or the real and "
                          "imaginary parts as two features")
     owners = owner_numbers(client) if client is not None else None
-    return _checked(path, np.asarray(x, np.float32), y, owners)
+    return _checked(path, x, y, owners)
 
 
 def _check_npz_shapes(path: Path, x: np.ndarray, y: np.ndarray, client: np.ndarray | None) -> None:
@@ -166,7 +166,7 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
         raise ValueError(f"{path} is not a CSV text file ({exc}); it must be {CSV_FILE}, in UTF-8") from None
     features = [i for i in range(len(header)) if i not in (label, client)]
     try:
-        x = np.array([[float(r[i]) for i in features] for r in rows], np.float32).reshape(len(rows), len(features))
+        x = np.array([[float(r[i]) for i in features] for r in rows]).reshape(len(rows), len(features))
         y = np.array([int(r[label]) for r in rows], np.int64)
     except (ValueError, IndexError) as exc:
         raise ValueError(f"{path}: every row needs a whole-number label and numeric features ({exc})") from None
@@ -198,6 +198,16 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
     if not np.prod(x.shape[1:]):  # else the model's refusal, in the words of its in_features
         raise ValueError(f"{path}: the examples have no features; give it at least one numeric feature (a csv: a "
                          "column besides label and client)")
+    _check_labels(path, y)
+    splits = owned_splits(_float32_features(path, x), y, owners)
+    if not len(splits.test):  # else simulate reports no accuracy and train stops on an empty evaluation
+        raise ValueError(f"{path}: its {len(y)} examples leave none for the test set (a fifth of each client's, "
+                         "for clients of two or more); give it more examples")
+    return splits
+
+
+def _check_labels(path, y: np.ndarray) -> None:
+    """ValueError saying what is wrong with labels ``y`` unless they are class numbers of two classes or more."""
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0:
         raise ValueError(f"{path}: labels must be whole numbers >= 0")
     if (y == y[0]).all():  # a classifier of one class learns nothing and scores 1.0: a wrong label column, likely
@@ -206,13 +216,18 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
     if y.max() >= MAX_CLASSES:
         raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is {y.max()}; "
                          "renumber them, e.g. y = np.unique(y, return_inverse=True)[1]")
-    if not np.isfinite(x).all():
-        raise ValueError(f"{path}: features hold NaN or Inf")
-    splits = owned_splits(x, y, owners)
-    if not len(splits.test):  # else simulate reports no accuracy and train stops on an empty evaluation
-        raise ValueError(f"{path}: its {len(y)} examples leave none for the test set (a fifth of each client's, "
-                         "for clients of two or more); give it more examples")
-    return splits
+
+
+def _float32_features(path, x: np.ndarray) -> np.ndarray:
+    """Features ``x`` as float32; ValueError naming the first example with one that is NaN, Inf or beyond float32."""
+    rows = np.asarray(x, np.float64).reshape(len(x), -1)  # checked before the cast: 1e39 would become Inf
+    bad = ~(np.abs(rows) <= np.finfo(np.float32).max)  # NaN compares false: bad too
+    if bad.any():
+        row = int(np.flatnonzero(bad.any(axis=1))[0])
+        value = rows[row][bad[row]][0]
+        raise ValueError(f"{path}: features hold NaN or Inf, or numbers beyond float32's (about 3.4e38): example "
+                         f"{row} (counting from 0) has {value}; drop or fill in such examples")
+    return np.asarray(x, np.float32)
 
 
 @register_dataset("npz", usage="npz:PATH", help="a table of features and labels")

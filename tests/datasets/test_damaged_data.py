@@ -170,3 +170,17 @@ def test_a_csv_header_naming_label_or_client_twice_is_refused(tmp_path):
     """The first was read and the second trained on as a feature: the answer among the inputs."""
     (tmp_path / "twice.csv").write_text("f1,label,label\n" + "".join(f"{i},{i % 2},{i % 2}\n" for i in range(20)))
     _refused(f"csv:{tmp_path / 'twice.csv'}", "twice.csv: its header names the column 'label' 2 times")
+
+
+def test_features_beyond_float32_are_named_with_their_example(tmp_path, capfd):
+    """1e39 became Inf in the cast, with a RuntimeWarning on stderr above a line that blamed NaN or Inf."""
+    rows = "f1,f2,label\n" + "".join(f"{i},{i % 3},{i % 2}\n" for i in range(20))
+    (tmp_path / "huge.csv").write_text(rows + "1e39,1,0\n")
+    (tmp_path / "nan.csv").write_text(rows + "nan,1,0\n")
+    np.savez(tmp_path / "huge.npz", x=np.full((20, 2), 1e39), y=np.arange(20) % 2)
+    _refused(f"csv:{tmp_path / 'huge.csv'}", "beyond float32's", "example 20 (counting from 0) has 1e+39")
+    _refused(f"csv:{tmp_path / 'nan.csv'}", "NaN or Inf", "example 20 (counting from 0) has nan")
+    _refused(f"npz:{tmp_path / 'huge.npz'}", "example 0 (counting from 0) has 1e+39")
+    said = _one_line(["train", "--dataset", f"csv:{tmp_path / 'huge.csv'}", "--max-steps", "2", "--batch-size", "2",
+                      "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert "has 1e+39; drop or fill in such examples" in said, said
