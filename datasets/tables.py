@@ -115,8 +115,7 @@ def load_npz_table(path: str | Path) -> DatasetSplits:
     if np.iscomplexobj(x):  # else cast to float32 with only a warning: the imaginary parts silently dropped
         raise ValueError(f"{path}: x must be real numbers, got dtype {x.dtype}; save x.real, or the real and "
                          "imaginary parts as two features")
-    owners = owner_numbers(client) if client is not None else None
-    return _checked(path, x, y, owners)
+    return _checked(path, x, y, _npz_owners(path, client))
 
 
 def _check_npz_shapes(path: Path, x: np.ndarray, y: np.ndarray, client: np.ndarray | None) -> None:
@@ -126,6 +125,17 @@ def _check_npz_shapes(path: Path, x: np.ndarray, y: np.ndarray, client: np.ndarr
                          f"each: x[:, None]) and y must be 1-D, got x {x.shape} and y {y.shape}")
     if client is not None and client.ndim != 1:
         raise ValueError(f"{path}: client must be 1-D, one id per example, got {client.shape}")
+
+
+def _npz_owners(path: Path, client: np.ndarray | None) -> np.ndarray | None:
+    """Each example's client as a number (None without a client array); ValueError when an id is NaN."""
+    if client is None:
+        return None
+    missing = np.isnan(client) if np.issubdtype(client.dtype, np.floating) else np.zeros(len(client), bool)
+    if missing.any():  # else every NaN id is one client, "nan": likely a missing id (as pandas writes one)
+        raise ValueError(f"{path}: client is NaN for {int(missing.sum())} examples (the first is example "
+                         f"{int(np.argmax(missing))}); give every example its client")
+    return owner_numbers(client)
 
 
 NPZ_KINDS = {"x": "a numeric", "y": "an integer", "client": "an integer or string"}

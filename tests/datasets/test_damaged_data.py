@@ -184,3 +184,10 @@ def test_features_beyond_float32_are_named_with_their_example(tmp_path, capfd):
     said = _one_line(["train", "--dataset", f"csv:{tmp_path / 'huge.csv'}", "--max-steps", "2", "--batch-size", "2",
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
     assert "has 1e+39; drop or fill in such examples" in said, said
+
+
+def test_an_npz_client_id_that_is_nan_is_refused(tmp_path):
+    """Every NaN id was one client, 'nan', as a blank csv client was one of its own."""
+    client = np.where(np.arange(20) % 4 == 1, np.nan, np.arange(20) % 4)
+    np.savez(tmp_path / "nan.npz", x=np.ones((20, 2)), y=np.arange(20) % 2, client=client)
+    _refused(f"npz:{tmp_path / 'nan.npz'}", "client is NaN for 5 examples (the first is example 1)")
