@@ -191,3 +191,15 @@ def test_an_npz_client_id_that_is_nan_is_refused(tmp_path):
     client = np.where(np.arange(20) % 4 == 1, np.nan, np.arange(20) % 4)
     np.savez(tmp_path / "nan.npz", x=np.ones((20, 2)), y=np.arange(20) % 2, client=client)
     _refused(f"npz:{tmp_path / 'nan.npz'}", "client is NaN for 5 examples (the first is example 1)")
+
+
+def test_an_mnist_training_set_of_one_digit_is_refused(tmp_path):
+    """It trained a model that always says that digit (a test set of it scored 1.0)."""
+    folder = _mnist_npz_folder(tmp_path / "mnist")
+    with np.load(folder / "train.npz") as train:
+        np.savez(folder / "train.npz", x=train["x"], y=np.full(len(train["y"]), 7, np.uint8))
+    _refused("mnist", f"{folder / 'train.npz'}: every training label is 7", data_dir=folder)
+    with np.load(folder / "test.npz") as test:
+        np.savez(folder / "test.npz", x=test["x"], y=np.full(len(test["y"]), 7, np.uint8))
+    np.savez(folder / "train.npz", x=np.zeros((4, 28, 28), np.uint8), y=np.array([0, 1, 2, 3], np.uint8))
+    assert len(load_dataset("mnist", data_dir=folder).test) == 10  # a test set of one digit is no mistake
