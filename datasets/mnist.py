@@ -74,6 +74,9 @@ def shared_images(source: Path, read: Callable[[], np.ndarray]) -> np.ndarray:
 def _check_pair(images: np.ndarray, labels: np.ndarray, source: str) -> None:
     if images.dtype != np.uint8 or images.ndim != 3:
         raise ValueError(f"{source}: images must be uint8 with shape (N, H, W), got {images.dtype} {images.shape}")
+    if not images.shape[1] * images.shape[2]:  # else the model's refusal, in the words of its in_features
+        raise ValueError(f"{source}: images of {images.shape[1]}x{images.shape[2]} pixels hold nothing; save the "
+                         "images themselves, shape (N, 28, 28)")
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"{source}: labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
     if images.shape[0] != labels.shape[0]:

@@ -203,3 +203,11 @@ def test_an_mnist_training_set_of_one_digit_is_refused(tmp_path):
         np.savez(folder / "test.npz", x=test["x"], y=np.full(len(test["y"]), 7, np.uint8))
     np.savez(folder / "train.npz", x=np.zeros((4, 28, 28), np.uint8), y=np.array([0, 1, 2, 3], np.uint8))
     assert len(load_dataset("mnist", data_dir=folder).test) == 10  # a test set of one digit is no mistake
+
+
+def test_mnist_images_of_no_pixels_are_refused_in_the_data_s_words(tmp_path):
+    """It was the model's refusal: 'mlp cannot be built with in_features=0'."""
+    folder = _mnist_npz_folder(tmp_path / "mnist")
+    for name in ("train", "test"):
+        np.savez(folder / f"{name}.npz", x=np.zeros((10, 0, 28), np.uint8), y=np.arange(10, dtype=np.uint8))
+    _refused("mnist", "train.npz: images of 0x28 pixels hold nothing", data_dir=folder)
