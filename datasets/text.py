@@ -73,7 +73,31 @@ def load_text(path: str | Path, block_size: int, val_fraction: float = 0.1) -> C
     index = {c: i for i, c in enumerate(chars)}
     tokens = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
     n_train = int(len(tokens) * (1.0 - val_fraction))
+    _check_windows(path, len(tokens), val_fraction, block_size)
     return CharCorpus(chars=chars, train=tokens[:n_train].copy(), val=tokens[n_train:].copy(), block_size=block_size)
+
+
+def _check_windows(path: Path, total: int, val_fraction: float, block_size: int) -> None:
+    """ValueError, in the file's words, when its training part or the rest, held out for validation (a
+    ``val_fraction`` of its ``total`` characters), is shorter than one window of ``block_size`` + 1 characters."""
+    n_train = int(total * (1.0 - val_fraction))
+    shortest = min(n_train, total - n_train)
+    if shortest > block_size:
+        return
+    # else the windows' refusal named the held-out tenth's length as the text's
+    fix = f"a text of at least {_length_for(block_size, val_fraction)} characters" if val_fraction else "a longer text"
+    smaller = f" or --block-size {shortest - 1} or less" if shortest > 1 else ""
+    raise ValueError(f"{path} has {total} characters: its first {n_train} train and the other {total - n_train} "
+                     f"validate, and each part needs block_size+1={block_size + 1}; use {fix}{smaller}")
+
+
+def _length_for(block_size: int, val_fraction: float) -> int:
+    """The fewest characters whose training part and held-out ``val_fraction`` both hold ``block_size`` + 1."""
+    share = min(val_fraction, 1.0 - val_fraction)
+    n = max(1, int((block_size + 1) / share - 2 / share))  # below the answer: int() rounds each part down
+    while min(int(n * (1.0 - val_fraction)), n - int(n * (1.0 - val_fraction))) <= block_size:
+        n += 1
+    return n
 
 
 def text_windows(tokens: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedpar.datasets import load_dataset
+from fedpar.datasets.text import load_text
 
 from support.in_process import run_main
 
@@ -211,3 +212,16 @@ def test_mnist_images_of_no_pixels_are_refused_in_the_data_s_words(tmp_path):
     for name in ("train", "test"):
         np.savez(folder / f"{name}.npz", x=np.zeros((10, 0, 28), np.uint8), y=np.arange(10, dtype=np.uint8))
     _refused("mnist", "train.npz: images of 0x28 pixels hold nothing", data_dir=folder)
+
+
+def test_a_text_too_short_for_its_held_out_part_is_named_by_the_file_s_length(tmp_path, capfd):
+    """'the text has 161 tokens' of a 1,601-character file: the held-out tenth's length, said as the text's."""
+    (tmp_path / "corpus.txt").write_text("abcdefgh" * 200 + "\n")
+    said = _one_line(["train", "--model", "gpt", "--dataset", "text", "--data-path", str(tmp_path / "corpus.txt"),
+                      "--block-size", "200", "--batch-size", "2", "--max-steps", "2", "--device", "cpu",
+                      "--out", str(tmp_path / "out")], capfd)
+    assert said == (f"fedpar train: {tmp_path / 'corpus.txt'} has 1601 characters: its first 1440 train and the "
+                    "other 161 validate, and each part needs block_size+1=201; use a text of at least 2001 characters "
+                    "or --block-size 160 or less"), said
+    (tmp_path / "corpus.txt").write_text("a" * 2001)
+    assert len(load_text(tmp_path / "corpus.txt", 200).val) == 201
