@@ -180,6 +180,9 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
         y = np.array([int(r[label]) for r in rows], np.int64)
     except (ValueError, IndexError) as exc:
         raise ValueError(f"{path}: every row needs a whole-number label and numeric features ({exc})") from None
+    except OverflowError:  # a label past int64: no class number
+        raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is beyond "
+                         "int64; renumber them") from None
     owners = owner_numbers(np.array([r[client] for r in rows])) if client is not None else None
     return _checked(path, x, y, owners)
 

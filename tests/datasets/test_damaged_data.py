@@ -225,3 +225,12 @@ def test_a_text_too_short_for_its_held_out_part_is_named_by_the_file_s_length(tm
                     "or --block-size 160 or less"), said
     (tmp_path / "corpus.txt").write_text("a" * 2001)
     assert len(load_text(tmp_path / "corpus.txt", 200).val) == 201
+
+
+def test_a_csv_label_beyond_int64_is_refused(tmp_path, capfd):
+    """It ended train and simulate in an OverflowError traceback."""
+    (tmp_path / "big.csv").write_text("f1,label\n1,0\n2,99999999999999999999\n3,1\n")
+    said = _one_line(["train", "--dataset", f"csv:{tmp_path / 'big.csv'}", "--max-steps", "2", "--batch-size", "1",
+                      "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert said.endswith("big.csv: labels are class numbers 0..K-1 (K at most 65536), but one is beyond int64; "
+                         "renumber them"), said
