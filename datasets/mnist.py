@@ -96,7 +96,7 @@ def _read_npz(path: Path, key: str) -> np.ndarray:
             missing = {"x", "y"} - set(data.files)
             if missing:
                 raise ValueError(f"{path}: missing arrays {sorted(missing)}; expected keys x (images) and y (labels)")
-            return data[key]
+            array = data[key]
     except ValueError as exc:
         if "allow_pickle" in str(exc):
             raise ValueError(f"{path} stores object arrays, which need pickle and are refused; save x and y as "
@@ -104,6 +104,10 @@ def _read_npz(path: Path, key: str) -> np.ndarray:
         raise
     except Exception as exc:  # zipfile.BadZipFile, OSError, ...: all mean "not a readable npz"
         raise ValueError(f"{path}: cannot read as .npz ({exc})") from exc
+    if not isinstance(array, np.ndarray):  # a member that is no .npy: np.load hands back its raw bytes
+        raise ValueError(f"{path}: {key} is not a NumPy array (the archive was not written by np.savez); save it "
+                         "with np.savez(path, x=images, y=labels)")
+    return array
 
 
 def _find_idx(folder: Path, name: str) -> Path | None:

@@ -4,6 +4,7 @@ saying what is wrong with which file and what to do, never a traceback from the 
 from __future__ import annotations
 
 import gzip
+import zipfile
 
 import numpy as np
 import pytest
@@ -234,3 +235,15 @@ def test_a_csv_label_beyond_int64_is_refused(tmp_path, capfd):
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
     assert said.endswith("big.csv: labels are class numbers 0..K-1 (K at most 65536), but one is beyond int64; "
                          "renumber them"), said
+
+
+def test_an_mnist_npz_whose_members_are_no_arrays_is_named(tmp_path, capfd):
+    """A zip of raw files named train.npz ended train in "AttributeError: 'bytes' object has no attribute"."""
+    folder = _mnist_npz_folder(tmp_path / "mnist")
+    with zipfile.ZipFile(folder / "train.npz", "w") as z:
+        z.writestr("x", "abc")
+        z.writestr("y", "0")
+    _refused("mnist", "train.npz: y is not a NumPy array (the archive was not written by np.savez)", data_dir=folder)
+    said = _one_line(["train", "--dataset", "mnist", "--data-path", str(folder), "--max-steps", "2",
+                      "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert "is not a NumPy array" in said, said
