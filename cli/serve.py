@@ -36,6 +36,7 @@ from fedpar.protocol.heap import freeze_startup_heap
 from fedpar.sections import Output
 from fedpar.server.config import CoordinatorConfig
 from fedpar.settings import redefault, setting
+from fedpar.simulations.run_outputs import check_run_files
 from fedpar.task import FlowerAppReference, TaskReference
 
 if TYPE_CHECKING:
@@ -196,6 +197,7 @@ def _run(args: argparse.Namespace) -> int:
     if _is_service(args):  # a ServerApp's run refuses --state below, in one line
         return _serve_runs(args)
     check_output_folder(args.out)
+    check_run_files(args.out)
     if args.tensorboard:  # said before a port is bound, as simulate and train say it
         check_tensorboard_folder(args.tensorboard)
     if args.checkpoint_dir is not None:  # before a port is bound or a model built

@@ -31,6 +31,7 @@ from fedpar.cli.user_errors import UserError, check_output_folder, describe, hol
 from fedpar.parallel.stopping import stop_on_signals
 from fedpar.settings import setting
 from fedpar.simulations.config import SimulationConfig
+from fedpar.simulations.run_outputs import check_run_files
 
 
 LOG_LEVEL = None  # --log-level: none unless asked for (Python shows warnings)
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.tasks.flower_app import quiet_flower_logs
 
     check_output_folder(args.out)
+    check_run_files(args.out)
     if args.checkpoint_dir is not None:  # before --out is made or a worker started
         from fedpar.server.checkpoint import CheckpointError, check_checkpoint_dir
         try:

@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedpar train: {exc}", file=sys.stderr)
         return 2
     check_output_folder(args.out)
+    _check_run_files(args)
     _check_checkpoint_folder(args)
     if args.tensorboard:  # a missing package, or a folder that cannot be made, is said before any rank starts
         check_tensorboard_folder(args.tensorboard)
@@ -116,6 +117,13 @@ def _world(args: argparse.Namespace) -> int:
     from fedpar.cli.engine_agent import check_launch_env
 
     return check_launch_env("fedpar train") if "WORLD_SIZE" in os.environ else args.nproc
+
+
+def _check_run_files(args: argparse.Namespace) -> None:
+    """UserError, before any rank starts, when a folder is where the run writes one of its files in --out."""
+    from fedpar.simulations.run_outputs import TRAIN_FILES, check_run_files
+
+    check_run_files(args.out, tuple(name for name in TRAIN_FILES if args.plot or name != "loss_curve.png"))
 
 
 def _check_checkpoint_folder(args: argparse.Namespace) -> None:

@@ -16,10 +16,24 @@ from fedpar.protocol.model_file import INFO, TENSORS
 from fedpar.server.final_model import write_coordinator_model
 
 SUMMARY = "summary.json"
-# Every file a run may leave in its --out folder (the round plots: simulations/plots.py; labels.png: the runner's;
-# loss_curve.png: fedpar train's)
-RUN_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "accuracy.png", "loss.png", "labels.png",
-             "loss_curve.png")
+# The files a federated run (simulate, serve) may leave in its --out folder (the round plots: simulations/plots.py;
+# labels.png: the runner's)
+FEDERATED_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "accuracy.png", "loss.png", "labels.png")
+# fedpar train's (loss_curve.png: with --plot)
+TRAIN_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "loss_curve.png")
+# Every file a run may leave in its --out folder
+RUN_FILES = (*FEDERATED_FILES, "loss_curve.png")
+
+
+def check_run_files(out, names: tuple[str, ...] = FEDERATED_FILES, option: str = "--out") -> None:
+    """UserError, before a run starts, when something that is not a file (a folder) is where it writes one of
+    ``names`` in ``out``: the run would find out only once it had trained, and lose the training."""
+    for name in names:
+        path = Path(out) / name
+        if path.exists() and not path.is_file():  # a file is replaced, or set aside (EarlierRun); this cannot be
+            what = "a folder" if path.is_dir() else "not a file"
+            raise UserError(f"{option} {out}: {path}, a file the run writes, is {what}; move it away, "
+                            f"or give another {option}")
 
 
 @dataclass

@@ -475,20 +475,60 @@ def test_ctrl_c_stops_train_within_two_seconds_with_exit_130_and_a_summary(tmp_p
         assert (outs[nproc] / "metrics.csv").exists()
 
 
-def test_an_output_that_cannot_be_written_is_named_in_one_line_and_the_model_is_kept(tmp_path):
+@pytest.mark.parametrize("command, name", [
+    (["train", "--max-steps", "2", "--device", "cpu"], "summary.json"),
+    (["train", "--max-steps", "2", "--device", "cpu", "--nproc", "2"], "loss_curve.png"),
+    (["simulate", "--clients", "2", "--rounds", "1", "--workers", "1"], "global.safetensors"),
+    (["simulate", "--clients", "2", "--rounds", "1", "--workers", "1"], "accuracy.png"),
+    (["serve", "--host", "127.0.0.1", "--port", "0", "--insecure", "--rounds", "1"], "summary.json")])
+def test_a_folder_where_a_run_writes_a_file_is_refused_before_it_trains(command, name, tmp_path):
+    """It was said only once every round or step had run, exit 1: the run's training was lost."""
     out = tmp_path / "run"
-    (out / "accuracy.png").mkdir(parents=True)  # a folder where the plot goes
-    rc, stdout, err = _finish(_start(["simulate", "--clients", "2", "--rounds", "1", "--workers", "1",
-                                      "--local-epochs", "1", "--out", str(out), "--quiet"], tmp_path))
+    (out / name).mkdir(parents=True)
+    rc, _, err = _finish(_start([*command, "--out", "run"], tmp_path), timeout=60)
+    assert (rc, err.splitlines()) == (2, [f"fedpar {command[0]}: --out run: run/{name}, a file the run writes, is a "
+                                          "folder; move it away, or give another --out"]), err
+    assert sorted(p.name for p in out.iterdir()) == [name]  # nothing trained, logged or set aside
+
+
+LATE_FOLDER_TASK = """
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from fedpar import Task
+from fedpar.tasks import share_of
+
+X = torch.randn(80, 4)
+Y = (X[:, 0] > 0).long()
+TRAIN = TensorDataset(X[:60], Y[:60])
+
+
+def test_data():
+    (Path("run") / "accuracy.png").mkdir(exist_ok=True)  # a folder where the plot goes, made once the run started
+    return TensorDataset(X[60:], Y[60:])
+
+
+def task():
+    return Task(model=lambda: nn.Linear(4, 2), client_data=lambda p: share_of(TRAIN, p), test_data=test_data,
+                loss=nn.functional.cross_entropy, name="late")
+"""
+
+
+def test_an_output_that_cannot_be_written_is_named_in_one_line_and_the_model_is_kept(tmp_path):
+    out = tmp_path / "run"  # a folder in the way at the start is refused then (the test above): this one comes later
+    (tmp_path / "late.py").write_text(LATE_FOLDER_TASK)
+    rc, stdout, err = _finish(_start(["simulate", "--task", "late.py:task", "--clients", "2", "--rounds", "1",
+                                      "--workers", "1", "--local-epochs", "1", "--out", "run", "--quiet"], tmp_path))
     assert rc == 1, err
     line = _one_line(err, "fedpar simulate: ")
     assert f"accuracy.png in folder {out}; a folder is in the way: move it or pick another path" in line
-    # Written before the plot and after it all the same: the model first, then the summary, then the other plots.
-    assert f"wrote {out}/metrics.jsonl, metrics.csv, global.safetensors, global.json, summary.json, loss.png and " \
-           "labels.png" in line
+    # Written before the plot and after it all the same: the model first, then the summary, then the other plot.
+    assert "wrote run/metrics.jsonl, metrics.csv, global.safetensors, global.json, summary.json and loss.png" in line
     assert json.loads((out / "global.json").read_text())["round"] == 1 and (out / "global.safetensors").is_file()
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1
-    assert (out / "loss.png").is_file() and (out / "labels.png").is_file() and (out / "accuracy.png").is_dir()
+    assert (out / "loss.png").is_file() and (out / "accuracy.png").is_dir()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left behind
 
 
