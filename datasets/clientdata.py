@@ -53,10 +53,12 @@ def client_parts(splits: DatasetSplits, spec: str, num_clients: int, seed: int,
 
 
 def local_train_size(examples, val_fraction: float):
-    """How many of a client's ``examples`` :func:`local_split` keeps for training (of each client's, for an array)."""
+    """How many of a client's ``examples`` :func:`local_split` keeps for training (of each client's, for an array):
+    one at least (a large --val-fraction of a small client rounded to all of them, leaving it none to train on)."""
     if isinstance(examples, np.ndarray):
-        return examples - np.where(examples > 1, np.round(examples * val_fraction).astype(np.int64), 0)
-    return examples - (int(round(examples * val_fraction)) if examples > 1 else 0)
+        held = np.minimum(np.round(examples * val_fraction).astype(np.int64), examples - 1)
+        return examples - np.where(examples > 1, held, 0)
+    return examples - (min(int(round(examples * val_fraction)), examples - 1) if examples > 1 else 0)
 
 
 def local_split(train: ArrayDataset, indices: np.ndarray, val_fraction: float,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fedpar.datasets import load_dataset
+from fedpar.datasets.clientdata import local_train_size
 from fedpar.datasets.text import load_text
 
 from support.in_process import run_main
@@ -247,3 +248,16 @@ def test_an_mnist_npz_whose_members_are_no_arrays_is_named(tmp_path, capfd):
     said = _one_line(["train", "--dataset", "mnist", "--data-path", str(folder), "--max-steps", "2",
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
     assert "is not a NumPy array" in said, said
+
+
+def test_a_large_val_fraction_leaves_each_small_client_one_example_to_train(tmp_path, capfd):
+    """--val-fraction 0.99 rounded a 15-example client's validation share to all 15: every round failed with
+    "client_data gave no training examples: fix the app (None)", for fedpar's own task."""
+    rows = "f1,f2,label,client\n" + "".join(f"{i},{i % 5},{i % 3},c{i % 4}\n" for i in range(80))
+    (tmp_path / "t.csv").write_text(rows)
+    done = run_main(["simulate", "--dataset", f"csv:{tmp_path / 't.csv'}", "--clients", "4", "--rounds", "1",
+                     "--val-fraction", "0.99", "--out", str(tmp_path / "out")], capfd)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (tmp_path / "out" / "global.safetensors").is_file()
+    assert [local_train_size(n, 0.99) for n in (1, 2, 15)] == [1, 1, 1]
+    assert local_train_size(np.array([1, 2, 15]), 0.99).tolist() == [1, 1, 1]
