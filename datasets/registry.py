@@ -55,7 +55,8 @@ def load_train_data(name: str, data_path: str | Path | None, block_size: int, se
         return entry.train(name, data_path, block_size, seed)
     if entry.folder and not data_path:
         raise ValueError(f"--dataset {entry.name} needs --data-path DIR holding {entry.folder}")
-    options = {"seed": seed} if entry.takes("seed") else {}
+    # centralized: what a loader of a federation (synthetic) then fills in when the name does not say how many clients
+    options = {key: value for key, value in (("seed", seed), ("centralized", True)) if entry.takes(key)}
     splits = load_dataset(name, data_path or None, **options)
     x, y = splits.train.to_tensors()
     tx, ty = splits.test.to_tensors()

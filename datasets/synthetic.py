@@ -58,9 +58,9 @@ class SyntheticSpec:
     iid: bool = False  # the paper's Synthetic-IID: one model (W, b) for every client, inputs x ~ N(0, Sigma)
 
     @staticmethod
-    def parse(name: str, clients: int | None = None) -> SyntheticSpec:
+    def parse(name: str, clients: int | None = None, default: int | None = None) -> SyntheticSpec:
         """``synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]`` or ``synthetic:iid[:CLIENTS[:SAMPLES]]``; ``clients``
-        fills in CLIENTS when the name has none."""
+        (--clients) fills in CLIENTS when the name has none, else ``default``."""
         parts = name.split(":")
         iid = len(parts) > 1 and parts[1] == "iid"
         if iid:
@@ -70,7 +70,7 @@ class SyntheticSpec:
                              "or synthetic:iid[:CLIENTS[:SAMPLES]]")
         try:
             alpha, beta = (float(p) for p in parts[1:3]) if len(parts) >= 3 else (0.5, 0.5)
-            count = int(parts[3]) if len(parts) >= 4 else clients
+            count = int(parts[3]) if len(parts) >= 4 else clients if clients is not None else default
             samples = float(parts[4]) if len(parts) == 5 else SyntheticSpec.samples
         except ValueError:
             raise ValueError(f"bad synthetic dataset name {name!r}; ALPHA, BETA and SAMPLES are numbers, "
@@ -78,7 +78,7 @@ class SyntheticSpec:
         finite = all(map(math.isfinite, (alpha, beta, samples)))  # 'nan' and 'inf' read as numbers too
         spread = 0 <= alpha <= MAX_SPREAD and 0 <= beta <= MAX_SPREAD  # larger: float32 features overflow to Inf/NaN
         if count is None or count < 1 or not finite or not spread or samples <= 0:
-            # train and client have no --clients to fill CLIENTS in: the name must say it
+            # client and serve have no --clients to fill CLIENTS in: the name must say it
             form = "synthetic:iid:CLIENTS" if iid else "synthetic:ALPHA:BETA:CLIENTS"
             where = "(or --clients)" if clients is not None else f"in the name ({form})"
             raise ValueError(f"synthetic dataset {name!r} needs CLIENTS >= 1 {where}, ALPHA and BETA in "
@@ -225,9 +225,11 @@ def synthetic_name(name: str, clients: int) -> str:
 
 @register_dataset("synthetic", usage="synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]", full_name=synthetic_name,
                   fits=check_synthetic_fits, help="FedProx's generated federation (synthetic:iid: its IID one)")
-def synthetic_dataset(name: str, clients: int | None = None) -> DatasetSplits:
-    """``--dataset synthetic[:...]``; ``clients`` when the name does not say how many (ValueError, one line, when
-    this machine's memory cannot hold it)."""
-    spec = SyntheticSpec.parse(name.lower(), clients)
+def synthetic_dataset(name: str, clients: int | None = None, centralized: bool = False) -> DatasetSplits:
+    """``--dataset synthetic[:...]``; ``clients`` when the name does not say how many, else, ``centralized`` (fedpar
+    train, which pools the clients' examples), SyntheticSpec's default number (ValueError, one line, when this
+    machine's memory cannot hold it)."""
+    # a federation's processes must agree on its clients, so only a run that pools them all may take a default
+    spec = SyntheticSpec.parse(name.lower(), clients, SyntheticSpec.clients if centralized else None)
     check_spec_fits(spec)
     return load_synthetic(spec)

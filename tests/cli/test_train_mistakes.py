@@ -127,9 +127,9 @@ def test_two_ranks_say_the_task_s_failure_in_one_line_and_debug_shows_the_traceb
     (["--model", "mlp", "--dataset", "digits", "--model-arg", "num_classes=3"],
      "fedpar train: --model-arg num_classes=3: the data needs at least 10; leave it out and the data sets it"),
     # train has no --clients (QA: the line said "(or --clients)")
-    (["--model", "mlp", "--dataset", "synthetic:iid"],
-     "fedpar train: synthetic dataset 'synthetic:iid' needs CLIENTS >= 1 in the name (synthetic:iid:CLIENTS), ALPHA "
-     "and BETA >= 0 and SAMPLES > 0 (finite numbers)"),
+    (["--model", "mlp", "--dataset", "synthetic:iid:0"],
+     "fedpar train: synthetic dataset 'synthetic:iid:0' needs CLIENTS >= 1 in the name (synthetic:iid:CLIENTS), "
+     "ALPHA and BETA in 0..1000 and SAMPLES > 0 (finite numbers)"),
     # a gpt shorter than --block-size (QA): a ValueError traceback from every rank's first forward
     (["--model", "gpt", "--dataset", "text", "--data-path", "{tmp}/corpus/input.txt", "--nproc", "2",
       "--block-size", "32", "--model-arg", "block_size=16"],

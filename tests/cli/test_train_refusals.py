@@ -256,3 +256,19 @@ def test_the_help_of_out_does_not_say_a_pipeline_keeps_its_model_only_in_its_che
                           env={**os.environ, "COLUMNS": "1000"})  # one line an option
     said = next(line for line in done.stdout.splitlines() if line.strip().startswith("--out DIR"))
     assert "final model (train: also its checkpoints);" in said and "--pp" not in said, said
+
+
+def test_a_bare_synthetic_dataset_trains_on_the_default_federation_as_the_help_offers(tmp_path):
+    """--help offered synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]], but plain synthetic (and synthetic:iid) was refused
+    for lacking CLIENTS, exit 2: train pools the clients, so a bare name is the generator's default of 100."""
+    shown = subprocess.run([*FEDPAR, "train", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "synthetic[:ALPHA:BETA[:CLIENTS[:SAMPLES]]]" in " ".join(shown.split()), shown
+    results = {}
+    for name in ("synthetic", "synthetic:0.5:0.5:100", "synthetic:iid"):
+        out = name.replace(":", "-")
+        code, lines = _train(["--dataset", name, "--out", out], tmp_path)
+        assert code == 0, lines
+        summary = json.loads((tmp_path / out / "summary.json").read_text())
+        assert (summary["dataset"], summary["steps"]) == (name, 2), summary
+        results[name] = summary["test_loss"]
+    assert results["synthetic"] == results["synthetic:0.5:0.5:100"], results  # the same data, the same seed
