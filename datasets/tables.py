@@ -80,6 +80,9 @@ class DatasetFileMissing(FileNotFoundError, ValueError):
 def _dataset_file(name: str, kind: str, what: str) -> str:
     """PATH of ``--dataset KIND:PATH``; DatasetFileMissing naming the option and what to pass when it is no file."""
     path = name.split(":", 1)[1]
+    if not path.strip():  # else Path("") is the working folder, said to be "a folder"
+        raise DatasetFileMissing(f"--dataset {kind}: names no file; pass the path of {what} after the colon, e.g. "
+                                 f"--dataset {kind}:data/table.{kind}")
     if not Path(path).is_file():
         raise DatasetFileMissing(f"--dataset {kind}:{path}: {path} {_not_a_file(Path(path))}; pass the path of "
                                  f"{what}, e.g. --dataset {kind}:data/table.{kind}")

@@ -261,3 +261,10 @@ def test_a_large_val_fraction_leaves_each_small_client_one_example_to_train(tmp_
     assert (tmp_path / "out" / "global.safetensors").is_file()
     assert [local_train_size(n, 0.99) for n in (1, 2, 15)] == [1, 1, 1]
     assert local_train_size(np.array([1, 2, 15]), 0.99).tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("kind", ["csv", "npz"])
+def test_a_table_dataset_with_no_path_after_the_colon_says_so(tmp_path, capfd, kind):
+    """'--dataset csv::  is a folder': the empty path was read as the working folder."""
+    said = _one_line(["train", "--dataset", f"{kind}:", "--max-steps", "2", "--out", str(tmp_path / "out")], capfd)
+    assert said.startswith(f"fedpar train: --dataset {kind}: names no file; pass the path of "), said
