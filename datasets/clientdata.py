@@ -6,6 +6,7 @@ import numpy as np
 
 from fedpar.datasets import ArrayDataset, DatasetSplits
 from fedpar.datasets.partition import AUTO, parse_partition
+from fedpar.protocol.wording import counted
 
 
 def resolve_partition(spec: str, splits: DatasetSplits) -> str:
@@ -23,7 +24,8 @@ def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: 
     if spec == "natural" and splits.members is not None:  # the pool is the members' examples, member by member
         sizes = splits.members.sizes
         if len(sizes) != num_clients:
-            raise ValueError(f"the data has {len(sizes)} clients of its own; run it with --clients {len(sizes)}")
+            raise ValueError(f"the data has {counted(len(sizes), 'client')} of its own; run it with --clients "
+                             f"{len(sizes)}")
         return np.split(np.arange(int(sizes.sum()), dtype=np.int64), np.cumsum(sizes)[:-1])
     if spec == "natural":
         owners = splits.train_owners
@@ -32,7 +34,7 @@ def partition_indices(splits: DatasetSplits, spec: str, num_clients: int, seed: 
                              "use iid, dirichlet:ALPHA or shards:N")
         found = int(owners.max()) + 1 if len(owners) else 0
         if found != num_clients:
-            raise ValueError(f"the data has {found} clients of its own; run it with --clients {found}")
+            raise ValueError(f"the data has {counted(found, 'client')} of its own; run it with --clients {found}")
         order = np.argsort(owners, kind="stable")
         return np.split(order.astype(np.int64), np.cumsum(np.bincount(owners, minlength=found))[:-1])
     return parse_partition(spec)(splits.train.y, num_clients, seed)

@@ -19,6 +19,7 @@ import numpy as np
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits, Examples
 from fedpar.datasets.clientdata import client_parts, resolve_partition
+from fedpar.protocol.wording import counted
 
 
 class MemberSource(Protocol):
@@ -98,8 +99,8 @@ def member_source(splits: DatasetSplits, spec: str, num_clients: int, seed: int,
     members = splits.members
     if spec == "natural" and members is not None:
         if len(members.sizes) != num_clients:
-            raise ValueError(f"the data has {len(members.sizes)} clients of its own; run it with --clients "
-                             f"{len(members.sizes)}")
+            raise ValueError(f"the data has {counted(len(members.sizes), 'client')} of its own; run it with "
+                             f"--clients {len(members.sizes)}")
         if examples_per_client is not None:
             if examples_per_client < 1:
                 raise ValueError("--examples-per-client must be >= 1")

@@ -268,3 +268,10 @@ def test_a_table_dataset_with_no_path_after_the_colon_says_so(tmp_path, capfd, k
     """'--dataset csv::  is a folder': the empty path was read as the working folder."""
     said = _one_line(["train", "--dataset", f"{kind}:", "--max-steps", "2", "--out", str(tmp_path / "out")], capfd)
     assert said.startswith(f"fedpar train: --dataset {kind}: names no file; pass the path of "), said
+
+
+def test_a_federation_of_one_client_of_its_own_is_said_in_the_singular(tmp_path, capfd):
+    """'the data has 1 clients of its own'."""
+    said = _one_line(["simulate", "--dataset", "synthetic:1:1:1:5", "--clients", "4", "--rounds", "1",
+                      "--out", str(tmp_path / "out")], capfd)
+    assert said == "fedpar simulate: the data has 1 client of its own; run it with --clients 1", said
