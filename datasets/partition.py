@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedpar.protocol.wording import counted
+
 AUTO = "auto"  # natural where the data's examples have owners, else iid (datasets/clientdata.py)
 DEFAULT_MIN_SIZE = 10
 DEFAULT_MAX_ATTEMPTS = 1000
@@ -26,8 +28,8 @@ def _check_clients(num_examples: int, num_clients: int) -> None:
     if num_clients < 1:
         raise ValueError(f"num_clients must be at least 1, got {num_clients}")
     if num_examples < num_clients:
-        raise ValueError(f"cannot give {num_clients} clients at least one example each from {num_examples} "
-                         "examples; use fewer clients")
+        raise ValueError(f"cannot give {counted(num_clients, 'client')} at least one example each from "
+                         f"{counted(num_examples, 'example')}; use fewer clients")
 
 
 def _as_labels(labels: np.ndarray) -> np.ndarray:

@@ -275,3 +275,12 @@ def test_a_federation_of_one_client_of_its_own_is_said_in_the_singular(tmp_path,
     said = _one_line(["simulate", "--dataset", "synthetic:1:1:1:5", "--clients", "4", "--rounds", "1",
                       "--out", str(tmp_path / "out")], capfd)
     assert said == "fedpar simulate: the data has 1 client of its own; run it with --clients 1", said
+
+
+def test_too_few_examples_for_the_clients_are_counted_in_the_singular(tmp_path, capfd):
+    """'cannot give 4 clients at least one example each from 1 examples'."""
+    (tmp_path / "t.csv").write_text("f1,label\n1,0\n2,1\n")
+    said = _one_line(["simulate", "--dataset", f"csv:{tmp_path / 't.csv'}", "--clients", "4", "--rounds", "1",
+                      "--partition", "iid", "--out", str(tmp_path / "out")], capfd)
+    assert said == ("fedpar simulate: cannot give 4 clients at least one example each from 1 example; use fewer "
+                    "clients"), said
