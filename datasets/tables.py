@@ -131,14 +131,23 @@ def _check_npz_shapes(path: Path, x: np.ndarray, y: np.ndarray, client: np.ndarr
 
 
 def _npz_owners(path: Path, client: np.ndarray | None) -> np.ndarray | None:
-    """Each example's client as a number (None without a client array); ValueError when an id is NaN."""
+    """Each example's client as a number (None without a client array); ValueError when an id is NaN or blank."""
     if client is None:
         return None
-    missing = np.isnan(client) if np.issubdtype(client.dtype, np.floating) else np.zeros(len(client), bool)
-    if missing.any():  # else every NaN id is one client, "nan": likely a missing id (as pandas writes one)
-        raise ValueError(f"{path}: client is NaN for {int(missing.sum())} examples (the first is example "
+    missing = _missing_ids(client)
+    if missing.any():  # else every missing id is one client, "nan" or "": likely ids not filled in
+        raise ValueError(f"{path}: client is NaN or blank for {int(missing.sum())} examples (the first is example "
                          f"{int(np.argmax(missing))}); give every example its client")
     return owner_numbers(client)
+
+
+def _missing_ids(client: np.ndarray) -> np.ndarray:
+    """Which of the ids ``client`` are missing: NaN (float ids) or blank (text ids)."""
+    if np.issubdtype(client.dtype, np.floating):
+        return np.isnan(client)
+    if client.dtype.kind in "US":
+        return np.char.strip(client) == ("" if client.dtype.kind == "U" else b"")
+    return np.zeros(len(client), bool)
 
 
 NPZ_KINDS = {"x": "a numeric", "y": "an integer", "client": "an integer or string"}

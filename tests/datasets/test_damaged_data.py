@@ -193,7 +193,16 @@ def test_an_npz_client_id_that_is_nan_is_refused(tmp_path):
     """Every NaN id was one client, 'nan', as a blank csv client was one of its own."""
     client = np.where(np.arange(20) % 4 == 1, np.nan, np.arange(20) % 4)
     np.savez(tmp_path / "nan.npz", x=np.ones((20, 2)), y=np.arange(20) % 2, client=client)
-    _refused(f"npz:{tmp_path / 'nan.npz'}", "client is NaN for 5 examples (the first is example 1)")
+    _refused(f"npz:{tmp_path / 'nan.npz'}", "client is NaN or blank for 5 examples (the first is example 1)")
+
+
+def test_an_npz_client_id_that_is_blank_is_refused(tmp_path):
+    """Every blank id was one client, '', as a blank csv client was one of its own."""
+    client = np.array(["ann", " ", "bob", "cy"] * 5)
+    np.savez(tmp_path / "blank.npz", x=np.ones((20, 2)), y=np.arange(20) % 2, client=client)
+    _refused(f"npz:{tmp_path / 'blank.npz'}", "client is NaN or blank for 5 examples (the first is example 1)")
+    np.savez(tmp_path / "bytes.npz", x=np.ones((20, 2)), y=np.arange(20) % 2, client=client.astype("S"))
+    _refused(f"npz:{tmp_path / 'bytes.npz'}", "client is NaN or blank for 5 examples")
 
 
 def test_an_mnist_training_set_of_one_digit_is_refused(tmp_path):
