@@ -94,16 +94,17 @@ def _read_npz(path: Path, key: str) -> np.ndarray:
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = {"x", "y"} - set(data.files)
-            if missing:
-                raise ValueError(f"{path}: missing arrays {sorted(missing)}; expected keys x (images) and y (labels)")
-            array = data[key]
+            array = None if missing else data[key]
     except ValueError as exc:
         if "allow_pickle" in str(exc):
             raise ValueError(f"{path} stores object arrays, which need pickle and are refused; save x and y as "
                              "plain uint8/integer arrays (np.savez(path, x=images, y=labels))") from exc
-        raise
+        # e.g. a member cut short inside a whole archive: numpy's words alone did not name the file
+        raise ValueError(f"{path}: array {key} cannot be read ({exc}); replace it with a whole copy") from None
     except Exception as exc:  # zipfile.BadZipFile, OSError, ...: all mean "not a readable npz"
         raise ValueError(f"{path}: cannot read as .npz ({exc})") from exc
+    if missing:
+        raise ValueError(f"{path}: missing arrays {sorted(missing)}; expected keys x (images) and y (labels)")
     if not isinstance(array, np.ndarray):  # a member that is no .npy: np.load hands back its raw bytes
         raise ValueError(f"{path}: {key} is not a NumPy array (the archive was not written by np.savez); save it "
                          "with np.savez(path, x=images, y=labels)")

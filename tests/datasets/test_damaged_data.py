@@ -4,6 +4,7 @@ saying what is wrong with which file and what to do, never a traceback from the 
 from __future__ import annotations
 
 import gzip
+import io
 import zipfile
 
 import numpy as np
@@ -293,3 +294,23 @@ def test_too_few_examples_for_the_clients_are_counted_in_the_singular(tmp_path, 
                       "--partition", "iid", "--out", str(tmp_path / "out")], capfd)
     assert said == ("fedpar simulate: cannot give 4 clients at least one example each from 1 example; use fewer "
                     "clients"), said
+
+
+def _npy(array: np.ndarray) -> bytes:
+    """``array`` as the bytes of an .npy file."""
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def test_an_mnist_npz_with_an_array_cut_short_inside_is_named(tmp_path, capfd):
+    """A whole zip whose x.npy is cut short said only numpy's 'EOF: reading array data, ...', naming no file."""
+    folder = _mnist_npz_folder(tmp_path / "mnist")
+    with zipfile.ZipFile(folder / "train.npz", "w") as z:
+        z.writestr("x.npy", _npy(np.zeros((40, 28, 28), np.uint8))[:5000])
+        z.writestr("y.npy", _npy(np.arange(40) % 10))
+    _refused("mnist", f"{folder / 'train.npz'}: array x cannot be read (", "replace it with a whole copy",
+             data_dir=folder)
+    said = _one_line(["train", "--dataset", "mnist", "--data-path", str(folder), "--max-steps", "2",
+                      "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
+    assert f"{folder / 'train.npz'}: array x cannot be read" in said, said
