@@ -19,7 +19,7 @@ from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.codec import grpc_target
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 from fedpar.server.config import CoordinatorConfig
 from fedpar.tasks.flower_app import ROUNDS_HINT
 

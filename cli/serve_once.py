@@ -26,7 +26,7 @@ from fedpar.cli.user_errors import run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.codec import grpc_target
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 from fedpar.server.checkpoint import has_checkpoint
 from fedpar.server.run_store import RunStore
 from fedpar.simulations.run_outputs import EarlierRun, RunOutputs, earlier_run_in

@@ -25,7 +25,7 @@ from fedpar.parallel.stopping import signal_name, stop_on_signals
 from fedpar.protocol import file_lock
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.file_lock import FileLock
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 from fedpar.server.run_store import RunStore, StoreError, check_state_folder
 from fedpar.settings import setting
 

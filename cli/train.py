@@ -194,7 +194,7 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
         if int(os.environ.get("RANK", "0")):
             return exit_code(signal_name(exc))
         from fedpar.parallel.metrics import write_interrupted_summary
-        from fedpar.protocol.wording import counted
+        from fedpar.wording import counted
         kept_step = getattr(exc, "kept_step", None)  # set where the model of the last whole step was written
         summary = write_interrupted_summary(Path(cfg.out), cfg.model, cfg.dataset, world,
                                             time.perf_counter() - started, cfg.to_dict(), kept_step)

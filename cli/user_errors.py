@@ -8,7 +8,7 @@ import os
 import sys
 
 from fedpar.parallel.stopping import exit_code
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 
 
 class UserError(Exception):

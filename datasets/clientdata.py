@@ -6,7 +6,7 @@ import numpy as np
 
 from fedpar.datasets import ArrayDataset, DatasetSplits
 from fedpar.datasets.partition import AUTO, parse_partition
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 
 
 def resolve_partition(spec: str, splits: DatasetSplits) -> str:

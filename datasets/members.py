@@ -19,7 +19,7 @@ import numpy as np
 
 from fedpar.datasets.arrays import ArrayDataset, DatasetSplits, Examples
 from fedpar.datasets.clientdata import client_parts, resolve_partition
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 
 
 class MemberSource(Protocol):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 
 AUTO = "auto"  # natural where the data's examples have owners, else iid (datasets/clientdata.py)
 DEFAULT_MIN_SIZE = 10

@@ -28,7 +28,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import ModelLayout
 from fedpar.protocol.run_logs import RoundMetricsLog, clean_row
 from fedpar.protocol.task_settings import TaskSettings
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 from fedpar.security.admission import Admission
 from fedpar.server.checkpoint import (Checkpoint, CheckpointError, load_checkpoint, save_checkpoint,
                                      strategy_refusal)

@@ -30,7 +30,7 @@ import numpy as np
 from fedpar.aggregation.compatibility import check_composition, linear_strategy_names
 from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import FLOAT_DTYPES, NO_RUN_IN_PROGRESS, ModelLayout
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 from fedpar.secagg import wire
 from fedpar.secagg.errors import SecAggAbort, SecAggError, SecAggStageError
 from fedpar.secagg.field import DTYPE

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from fedpar.protocol.wording import counted  # noqa: E402
+from fedpar.wording import counted  # noqa: E402
 from fedpar.server.final_model import load_final_model  # noqa: E402
 from fedpar.simulations.config import SimulationConfig  # noqa: E402
 from fedpar.simulations.flower_app_run import flower_app_refusal, run_flower_app  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpar.protocol.wording import counted
+from fedpar.wording import counted
 from fedpar.server.checkpoint import load_checkpoint
 from fedpar.server.final_model import load_final_model
 from support.devices import RANKS_ON_CPU
