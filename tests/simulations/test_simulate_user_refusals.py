@@ -159,27 +159,33 @@ def test_an_out_folder_that_cannot_be_written_is_not_said_to_be_unmade(tmp_path,
                     "user can write"), line
 
 
-def test_the_outputs_a_killed_run_had_set_aside_are_put_back_by_the_next_run(tmp_path):
-    """QA: a run into an earlier run's --out, killed (kill -9, the OOM killer) before its first round, left that
-    run's files only in OUT/.earlier-run; the next run deleted them, even one refused on its data."""
+def _fresh_run_killed_before_its_first_round(cwd) -> None:
+    """A fresh run into ``cwd``/o, killed (kill -9 of its process group) once its workers joined: the files of the run
+    before it are set aside in OUT/.earlier-run, and it wrote no round."""
     import os
     import signal
 
-    made = subprocess.run(SIMULATE + ["--out", "o"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
-    before = {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir()}
     killed = subprocess.Popen(SIMULATE + ["--out", "o", "--drop-probability", "1", "--deadline", "300", "--log-level",
-                                          "info"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          "info"], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)
     try:
         for line in killed.stderr:
-            if "round 1: sampled" in line:  # its workers joined: the earlier run's files are set aside
+            if "round 1: sampled" in line:
                 break
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait(timeout=60)
     finally:
         killed.kill()
-    assert "metrics.jsonl" not in {p.name for p in (tmp_path / "o").iterdir()}
+    assert "metrics.jsonl" not in {p.name for p in (cwd / "o").iterdir()}
+
+
+def test_the_outputs_a_killed_run_had_set_aside_are_put_back_by_the_next_run(tmp_path):
+    """QA: a run into an earlier run's --out, killed (kill -9, the OOM killer) before its first round, left that
+    run's files only in OUT/.earlier-run; the next run deleted them, even one refused on its data."""
+    made = subprocess.run(SIMULATE + ["--out", "o"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    before = {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir()}
+    _fresh_run_killed_before_its_first_round(tmp_path)
     line = _refused(["--out", "o", "--partition", "shards:500"], tmp_path)
     assert "500 shards" in line, line
     assert {p.name: p.read_bytes() for p in (tmp_path / "o").iterdir() if p.name in before} == before
@@ -191,24 +197,11 @@ def test_a_resumed_run_gets_back_its_outputs_that_a_killed_fresh_run_had_set_asi
     the first run's files were left in OUT/.earlier-run, and resuming the first run started a metrics.jsonl of its
     later rounds only. Its resume now puts them back first, and its rows go on."""
     import json
-    import os
-    import signal
 
     first = SIMULATE + ["--out", "o", "--checkpoint-dir", "ckpt"]
     made = subprocess.run(first, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
-    killed = subprocess.Popen(SIMULATE + ["--out", "o", "--drop-probability", "1", "--deadline", "300", "--log-level",
-                                          "info"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
-    try:
-        for line in killed.stderr:
-            if "round 1: sampled" in line:  # its workers joined: the first run's files are set aside
-                break
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait(timeout=60)
-    finally:
-        killed.kill()
-    assert "metrics.jsonl" not in {p.name for p in (tmp_path / "o").iterdir()}
+    _fresh_run_killed_before_its_first_round(tmp_path)
     resumed = subprocess.run([*first[:first.index("--rounds") + 1], "3", *first[first.index("--rounds") + 2:]],
                              capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
