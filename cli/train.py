@@ -167,7 +167,7 @@ def _train(args: argparse.Namespace, world: int) -> int:
     try:
         return _launch(args, cfg, world, earlier)
     finally:
-        _settled(earlier, cfg.out)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
+        _settled(earlier)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
 
 
 def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: EarlierRun | None) -> int:
@@ -187,7 +187,7 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
                 _join_torchrun_group(cfg, args.dist_timeout)
             train_process(cfg, args.dist_timeout, StepBar())
             if under_launcher:
-                _settled(earlier, cfg.out)
+                _settled(earlier)
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM (to the launcher: the ranks are stopped): say what completed
         from fedpar.parallel.stopping import exit_code, signal_name
@@ -200,7 +200,7 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
                                             time.perf_counter() - started, cfg.to_dict(), kept_step)
         steps, model = ((counted(kept_step, "step"), ", global.safetensors and global.json") if kept_step is not None
                         else (counted(summary["steps"], "logged step"), ""))
-        wrote = f"nothing to {cfg.out}" if _settled(earlier, cfg.out) else f"{cfg.out}/summary.json{model}"
+        wrote = f"nothing to {cfg.out}" if _settled(earlier) else f"{cfg.out}/summary.json{model}"
         print(f"fedpar train: interrupted after {steps}; wrote {wrote}{_resume_hint(cfg)}", file=sys.stderr)
         return exit_code(signal_name(exc))
     except RankFailed as exc:  # not the user's settings (those are said before any rank starts): say which rank
@@ -241,17 +241,10 @@ def _earlier_outputs(out: str, resumes: bool) -> EarlierRun | None:
     return earlier_run_in(Path(out), resumes)
 
 
-def _settled(earlier: EarlierRun | None, out: str) -> bool:
+def _settled(earlier: EarlierRun | None) -> bool:
     """The earlier run's files let go once this run wrote (a logged step, or a model), else put back; whether they
     were put back (over what this run wrote of its own: it then left nothing)."""
-    from fedpar.simulations.run_outputs import run_wrote
-
-    if earlier is None:
-        return False
-    if run_wrote(Path(out)):
-        earlier.let_go()
-        return False
-    return earlier.restore()
+    return earlier is not None and earlier.settle()
 
 
 def _resume_hint(cfg: TrainConfig) -> str:
@@ -340,7 +333,7 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
     try:
         return _launch_task(args, cfg, task, world, earlier)
     finally:
-        _settled(earlier, cfg.out)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
+        _settled(earlier)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
 
 
 def _launch_task(args: argparse.Namespace, cfg: TrainConfig, task, world: int, earlier: EarlierRun | None) -> int:
@@ -358,7 +351,7 @@ def _launch_task(args: argparse.Namespace, cfg: TrainConfig, task, world: int, e
             if under_launcher:
                 _join_torchrun_group(cfg, args.dist_timeout)
                 train_task_rank(*rank_args)
-                _settled(earlier, cfg.out)
+                _settled(earlier)
                 exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
             spawn_task_ranks(world, rank_args, quiet=not args.debug)
             summary = json.loads((Path(cfg.out) / "summary.json").read_text())

@@ -119,6 +119,15 @@ class EarlierRun:
         self.drop()
         return restored
 
+    def settle(self) -> bool:
+        """At a run's end, for a run whose rows another process writes (train's ranks): the earlier run's files let go
+        if this run wrote something of its own (:func:`run_wrote`), else put back (:meth:`restore`); whether they
+        were put back."""
+        if run_wrote(self.out):
+            self.let_go()
+            return False
+        return self.restore()
+
     def let_go(self, row: dict | None = None) -> None:
         """The new run wrote a round (an on_round_end callback): the earlier run's files are forgotten, and
         :meth:`restore` leaves the new run's own."""
