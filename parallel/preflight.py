@@ -10,6 +10,7 @@ from fedpar.models.for_data import model_kwargs_for
 from fedpar.parallel.compile import check_compile_layout
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.parallelize import check_model_layout
+from fedpar.wording import counted
 
 
 def preflight(config: TrainConfig) -> dict:
@@ -31,6 +32,6 @@ def preflight(config: TrainConfig) -> dict:
         check_model_layout(model, config.model, pc)
     examples = len(data.train_inputs)
     if config.batch_size > examples:  # each step would repeat the set to fill its batch (10^12: a MemoryError)
-        raise ValueError(f"--batch-size {config.batch_size} is more than the {examples} training examples of "
-                         f"--dataset {config.dataset}; give --batch-size {examples} or less")
+        raise ValueError(f"--batch-size {config.batch_size} is more than the {counted(examples, 'training example')} "
+                         f"of --dataset {config.dataset}; give --batch-size {examples} or less")
     return implied

@@ -149,6 +149,16 @@ def test_a_data_or_layout_mistake_names_the_option_and_what_to_pass(extra, line,
     assert lines[0].startswith(line.replace("{tmp}", str(tmp_path))), lines
 
 
+def test_a_batch_larger_than_one_training_example_says_the_count_in_the_singular(tmp_path, capsys):
+    # two rows: one is held out to test, one trains; the line said "more than the 1 training examples"
+    (tmp_path / "one.csv").write_text("f,label\n0.1,0\n0.2,1\n")
+    table = tmp_path / "one.csv"
+    code, lines = _said(["train", "--model", "mlp", "--dataset", f"csv:{table}", "--batch-size", "2", "--device",
+                         "cpu", "--out", str(tmp_path / "out")], capsys)
+    assert (code, lines) == (2, [f"fedpar train: --batch-size 2 is more than the 1 training example of --dataset "
+                                 f"csv:{table}; give --batch-size 1 or less"]), lines
+
+
 @pytest.mark.parametrize("given, state", [("none.csv", "does not exist"), ("corpus", "is a folder")])
 def test_a_task_s_table_that_is_no_file_names_the_task_option_not_dataset(given, state, tmp_path, capsys):
     # the path came through the example task's csv option: the line named --dataset, which the user never gave
