@@ -2,9 +2,10 @@
 
 - npz: arrays ``x`` (real numbers, one example per row: 2-D or more), ``y`` (integer labels: class numbers
   0..K-1, two classes or more) and, optionally, ``client`` (1-D: who wrote each example, integers or strings).
-- csv: a header row; a ``label`` column (integers, of two classes or more), an optional ``client`` column (no
-  blank cell), and every other column (one at least) a numeric feature; one cell per column on every row (blank
-  lines are skipped).
+- csv: a comma-separated header row; a ``label`` column (whole numbers, of two classes or more; ``1.0`` is class
+  1), an optional ``client`` column (no blank cell; its ids are text, as written: ``1``, ``01`` and ``1.0`` are
+  three clients), and every other column (one at least) a numeric feature; one cell per column on every row
+  (blank lines are skipped).
 
 Clients are numbered in the sorted order of their ids. A fifth of each client's examples (one at least, for
 clients of two or more) is held out as the pooled test set, as for the synthetic data; without a client column
@@ -176,6 +177,10 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's UTF-8 CSV starts with a BOM
             reader = csv.reader(f)
             header = next(reader, None)
+            separator = _other_separator(header or [])
+            if separator:  # else "needs a 'label' column" of a header that has one, unsplit
+                raise ValueError(f"{path} looks separated by {separator}, not commas (its header row is one column); "
+                                 "fedpar reads comma-separated files: save it with commas between the cells")
             if not header or "label" not in header:
                 raise ValueError(f"{path} needs a header row with a 'label' column (and optionally 'client')")
             twice = [name for name in ("label", "client") if header.count(name) > 1]
@@ -189,7 +194,7 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
     features = [i for i in range(len(header)) if i not in (label, client)]
     try:
         x = np.array([[float(r[i]) for i in features] for r in rows]).reshape(len(rows), len(features))
-        y = np.array([int(r[label]) for r in rows], np.int64)
+        y = np.array([_class_number(r[label]) for r in rows], np.int64)
     except (ValueError, IndexError) as exc:
         raise ValueError(f"{path}: every row needs a whole-number label and numeric features ({exc})") from None
     except OverflowError:  # a label past int64: no class number
@@ -197,6 +202,27 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
                          "int64; renumber them") from None
     owners = owner_numbers(np.array([r[client] for r in rows])) if client is not None else None
     return _checked(path, x, y, owners)
+
+
+SEPARATORS = {";": "';'", "\t": "tabs"}  # what a spreadsheet writes instead of commas, as a line says it
+
+
+def _other_separator(header: list[str]) -> str | None:
+    """How a one-column ``header`` looks separated (';' or tabs, said as SEPARATORS says them); None otherwise."""
+    found = [sep for sep in SEPARATORS if len(header) == 1 and sep in header[0]]
+    return SEPARATORS[max(found, key=header[0].count)] if found else None
+
+
+def _class_number(cell: str) -> int:
+    """A label cell as its class number: a whole number, written as one ('1') or as a float ('1.0', as pandas
+    writes a float column); ValueError naming it when it is no whole number ('0.5', 'nan')."""
+    try:
+        return int(cell)
+    except ValueError:
+        value = float(cell)
+    if not value.is_integer():
+        raise ValueError(f"label {cell.strip()!r} is not a whole number")
+    return int(value)
 
 
 def _csv_rows(reader, width: int, client: int | None, path: Path) -> list[list[str]]:

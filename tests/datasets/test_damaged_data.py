@@ -314,3 +314,44 @@ def test_an_mnist_npz_with_an_array_cut_short_inside_is_named(tmp_path, capfd):
     said = _one_line(["train", "--dataset", "mnist", "--data-path", str(folder), "--max-steps", "2",
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
     assert f"{folder / 'train.npz'}: array x cannot be read" in said, said
+
+
+def test_csv_labels_written_as_whole_floats_are_their_classes(tmp_path, capfd):
+    """'0.0', '1.0' (as pandas writes a float column) were refused: 'every row needs a whole-number label'."""
+    rows = "".join(f"{i},{i % 3}.0\n" for i in range(20))
+    (tmp_path / "floats.csv").write_text("f1,label\n" + rows)
+    (tmp_path / "ints.csv").write_text("f1,label\n" + rows.replace(".0\n", "\n"))
+    floats, ints = load_dataset(f"csv:{tmp_path / 'floats.csv'}"), load_dataset(f"csv:{tmp_path / 'ints.csv'}")
+    assert floats.num_classes == ints.num_classes == 3
+    assert floats.train.y.tolist() == ints.train.y.tolist() and floats.test.y.tolist() == ints.test.y.tolist()
+    done = run_main(["train", "--dataset", f"csv:{tmp_path / 'floats.csv'}", "--max-steps", "2", "--batch-size", "2",
+                     "--device", "cpu", "--no-plot", "--out", str(tmp_path / "out")], capfd)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("label", ["0.5", "nan", "inf"])
+def test_a_csv_label_that_is_no_whole_number_is_refused(label, tmp_path, capfd):
+    (tmp_path / "half.csv").write_text("f1,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)) + f"3,{label}\n")
+    said = _one_line(["train", "--dataset", f"csv:{tmp_path / 'half.csv'}", "--max-steps", "2", "--device", "cpu",
+                      "--out", str(tmp_path / "out")], capfd)
+    assert said == (f"fedpar train: {tmp_path / 'half.csv'}: every row needs a whole-number label and numeric "
+                    f"features (label '{label}' is not a whole number)"), said
+
+
+@pytest.mark.parametrize("separator, said", [(";", "';'"), ("\t", "tabs")])
+def test_a_csv_separated_by_semicolons_or_tabs_is_said_so(separator, said, tmp_path, capfd):
+    """A spreadsheet's ';'-separated export was told only that it 'needs a header row with a 'label' column'."""
+    rows = "".join(f"{i}{separator}{i % 2}\n" for i in range(20))
+    (tmp_path / "semi.csv").write_text(f"f1{separator}label\n" + rows)
+    line = _one_line(["train", "--dataset", f"csv:{tmp_path / 'semi.csv'}", "--max-steps", "2", "--device", "cpu",
+                      "--out", str(tmp_path / "out")], capfd)
+    assert line == (f"fedpar train: {tmp_path / 'semi.csv'} looks separated by {said}, not commas (its header row "
+                    "is one column); fedpar reads comma-separated files: save it with commas between the cells"), line
+
+
+def test_csv_client_ids_are_text_as_written(tmp_path):
+    """As the loader's docs say: '1', '01' and '1.0' are three clients (ids such as '007' keep their zeros)."""
+    rows = "".join(f"{i},{i % 2},{('1', '01', '1.0')[i % 3]}\n" for i in range(30))
+    (tmp_path / "ids.csv").write_text("f1,label,client\n" + rows)
+    splits = load_dataset(f"csv:{tmp_path / 'ids.csv'}")
+    assert sorted(set(splits.train_owners.tolist())) == [0, 1, 2]
