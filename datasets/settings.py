@@ -37,4 +37,6 @@ class Partitioning:
     partition: str = setting("auto", group="data", help="how the training set is split over the clients, "
                                                         + PARTITION_HELP, resume=DEFINES)
     val_fraction: float = setting(0.1, check="held_out", group="data",
-                                  help="share of each client's data kept for federated evaluation", resume=DEFINES)
+                                  help="share of each client's data kept for federated evaluation, rounded to "
+                                       "whole examples; every client keeps one example at least to train on",
+                                  resume=DEFINES)

@@ -273,6 +273,16 @@ def test_a_large_val_fraction_leaves_each_small_client_one_example_to_train(tmp_
     assert local_train_size(np.array([1, 2, 15]), 0.99).tolist() == [1, 1, 1]
 
 
+@pytest.mark.parametrize("command", ["simulate", "client", "simulate-workers"])
+def test_the_help_of_val_fraction_states_that_each_client_keeps_one_example_to_train(command, capfd):
+    """It said only 'share of each client's data kept for federated evaluation': not the rule above."""
+    done = run_main([command, "--help"], capfd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("--val-fraction VAL_FRACTION share of each client's data kept for federated evaluation, rounded to whole "
+            "examples; every client keeps one example at least to train on (default: 0.1)") in " ".join(
+                done.stdout.split()), done.stdout
+
+
 @pytest.mark.parametrize("kind", ["csv", "npz"])
 def test_a_table_dataset_with_no_path_after_the_colon_says_so(tmp_path, capfd, kind):
     """'--dataset csv::  is a folder': the empty path was read as the working folder."""
