@@ -108,8 +108,8 @@ def _run(args: argparse.Namespace) -> int:
     _check_checkpoint_folder(args)
     if args.tensorboard:  # a missing package, or a folder that cannot be made, is said before any rank starts
         check_tensorboard_folder(args.tensorboard)
-    with _out_held(args.out):
-        return _train(args, world)
+    with _out_held(args.out) as held:
+        return _train(args, world, held)
 
 
 def _world(args: argparse.Namespace) -> int:
@@ -145,15 +145,16 @@ def _out_held(out: str) -> contextlib.AbstractContextManager:
     return hold_output_folder(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
 
 
-def _train(args: argparse.Namespace, world: int) -> int:
-    """What :func:`_run` does with ``--out`` held, on ``world`` ranks."""
+def _train(args: argparse.Namespace, world: int, held: contextlib.ExitStack | None) -> int:
+    """What :func:`_run` does with ``--out`` held (``held``: rank 0's hold, None on the others), on ``world``
+    ranks."""
     from fedpar.parallel.checkpoint import check_resume, latest_checkpoint
     from fedpar.parallel.device import check_device_layout
     from fedpar.parallel.preflight import preflight
 
     under_launcher = "WORLD_SIZE" in os.environ
     if args.task or args.task_options:
-        return _train_task(args, world)
+        return _train_task(args, world, held)
     try:
         # One GPU per rank on this machine: torchrun's LOCAL_WORLD_SIZE, else the ranks spawned here.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
@@ -165,14 +166,15 @@ def _train(args: argparse.Namespace, world: int) -> int:
         return 2
     earlier = _earlier_outputs(cfg.out, cfg.resume and latest_checkpoint(Path(cfg.out) / "checkpoints") is not None)
     try:
-        return _launch(args, cfg, world, earlier)
+        return _launch(args, cfg, world, earlier, held)
     finally:
         _settled(earlier)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
 
 
-def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: EarlierRun | None) -> int:
+def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: EarlierRun | None,
+            held: contextlib.ExitStack | None) -> int:
     """Train ``cfg`` here or on ``world`` ranks; the command's exit code."""
-    from fedpar.parallel.init import exit_rank_process, spawn
+    from fedpar.parallel.init import spawn
     from fedpar.parallel.rank_failure import RankFailed
     from fedpar.parallel.run import spawned_train_process, train_process
     from fedpar.parallel.safe_dcp import UnsafeCheckpointError
@@ -187,8 +189,7 @@ def _launch(args: argparse.Namespace, cfg: TrainConfig, world: int, earlier: Ear
                 _join_torchrun_group(cfg, args.dist_timeout)
             train_process(cfg, args.dist_timeout, StepBar())
             if under_launcher:
-                _settled(earlier)
-                exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
+                _leave_finished_rank(earlier, held)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM (to the launcher: the ranks are stopped): say what completed
         from fedpar.parallel.stopping import exit_code, signal_name
         if int(os.environ.get("RANK", "0")):
@@ -245,6 +246,17 @@ def _settled(earlier: EarlierRun | None) -> bool:
     """The earlier run's files let go once this run wrote (a logged step, or a model), else put back; whether they
     were put back (over what this run wrote of its own: it then left nothing)."""
     return earlier is not None and earlier.settle()
+
+
+def _leave_finished_rank(earlier: EarlierRun | None, held: contextlib.ExitStack | None) -> None:
+    """End a finished torchrun rank at once, without the teardown that can abort (parallel/init.py); on rank 0, the
+    earlier run's files settled and --out's lock let go first, as leaving so skips every ``finally`` and ``with``."""
+    from fedpar.parallel.init import exit_rank_process
+
+    _settled(earlier)
+    if held is not None:
+        held.close()
+    exit_rank_process(0)
 
 
 def _resume_hint(cfg: TrainConfig) -> str:
@@ -309,7 +321,7 @@ def _raise_if_reader_left(failure: Exception) -> None:
         raise BrokenPipeError(str(failure)) from None
 
 
-def _train_task(args: argparse.Namespace, world: int) -> int:
+def _train_task(args: argparse.Namespace, world: int, held: contextlib.ExitStack | None) -> int:
     """``fedpar train --task``: the task trained centrally (cli/train_task.py), in this process or on ``world``
     engine ranks (DDP, FSDP2, or TP with the task's plan), its model kept as OUT/global.safetensors and global.json
     (``round``: the epochs trained)."""
@@ -331,17 +343,17 @@ def _train_task(args: argparse.Namespace, world: int) -> int:
         return 2
     earlier = _earlier_outputs(cfg.out, latest is not None)
     try:
-        return _launch_task(args, cfg, task, world, earlier)
+        return _launch_task(args, cfg, task, world, earlier, held)
     finally:
         _settled(earlier)  # also after a failure: a run that wrote nothing loses nothing of the earlier one
 
 
-def _launch_task(args: argparse.Namespace, cfg: TrainConfig, task, world: int, earlier: EarlierRun | None) -> int:
+def _launch_task(args: argparse.Namespace, cfg: TrainConfig, task, world: int, earlier: EarlierRun | None,
+                 held: contextlib.ExitStack | None) -> int:
     """Train ``task`` as ``cfg`` says, here or on ``world`` ranks; the command's exit code."""
     from fedpar.cli.train_task import (PeerLost, TaskCheckpoints, spawn_task_ranks, train_centrally, train_task_rank,
                                        write_task_model)
     from fedpar.parallel.device import resolve_device
-    from fedpar.parallel.init import exit_rank_process
     from fedpar.parallel.rank_failure import RankFailed
 
     under_launcher = "WORLD_SIZE" in os.environ
@@ -351,8 +363,7 @@ def _launch_task(args: argparse.Namespace, cfg: TrainConfig, task, world: int, e
             if under_launcher:
                 _join_torchrun_group(cfg, args.dist_timeout)
                 train_task_rank(*rank_args)
-                _settled(earlier)
-                exit_rank_process(0)  # a finished torchrun rank leaves without the teardown that can abort
+                _leave_finished_rank(earlier, held)
             spawn_task_ranks(world, rank_args, quiet=not args.debug)
             summary = json.loads((Path(cfg.out) / "summary.json").read_text())
             evals = {k: v for k, v in summary.items() if k.startswith(("test_", "val_"))}

@@ -108,7 +108,7 @@ def hold_output_folder(path, option: str = "--out") -> contextlib.ExitStack:
         raise UserError(f"{option} {path}: cannot make the folder: {exc.strerror or exc}") from None
     held = contextlib.ExitStack()
     held.callback(_remove_empty, made)  # a start refused before it wrote anything leaves no folder behind
-    held.callback(lock.release, refused=True)  # the file it made goes (a run that opened it meanwhile takes a new one)
+    held.callback(lock.release, remove=True)  # no run leaves it behind (one that opened it meanwhile takes a new one)
     return held
 
 

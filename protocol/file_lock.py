@@ -26,10 +26,11 @@ class FileLock:
     handle: IO[str]
     made: bool
 
-    def release(self, refused: bool = False) -> None:
-        """Let the lock go; a start ``refused`` takes away the file it made (while it holds it: a start beside it
-        was refused, and the next one makes a new file)."""
-        if refused and self.made:
+    def release(self, refused: bool = False, remove: bool = False) -> None:
+        """Let the lock go; a start ``refused`` takes away the file it made, and ``remove`` the file whoever made it
+        (a crashed run's, taken over), while it holds it: a start beside it was refused, and the next one makes a
+        new file."""
+        if remove or (refused and self.made):
             Path(self.handle.name).unlink(missing_ok=True)
         self.handle.close()
 

@@ -437,3 +437,41 @@ def test_train_under_torchrun_takes_its_ranks_from_the_environment_and_a_pipelin
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r["loss"] for r in records if r["kind"] == "train"]
     assert math.isfinite(summary["val_loss"]) and train[-1] < train[0]
+
+
+_LINEAR_TASK = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from fedpar import Task
+from fedpar.tasks import share_of
+
+X = torch.randn(80, 10, generator=torch.Generator().manual_seed(0))
+Y = (X[:, 0] > 0).long()
+TRAIN, TEST = TensorDataset(X[:64], Y[:64]), TensorDataset(X[64:], Y[64:])
+
+def task():
+    return Task(model=lambda: nn.Linear(10, 2), client_data=lambda p: share_of(TRAIN, p),
+                test_data=lambda: TEST, loss=nn.functional.cross_entropy)
+"""
+
+
+@pytest.mark.parametrize("task", [False, True])
+def test_a_run_under_torchrun_leaves_no_lock_in_its_out_folder_not_even_a_crashed_runs(task, tmp_path: Path):
+    """Rank 0, which holds --out, ended by os._exit (parallel/init.py exit_rank_process), skipping the with block that
+    lets the lock go: OUT/.fedpar.lock stayed after every torchrun run. The stale lock a killed run left (its holder
+    gone, its pid in it) is taken over, and goes with this run too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / ".fedpar.lock").write_text(gone.stdout)
+    (tmp_path / "tasks.py").write_text(_LINEAR_TASK)
+    chosen = ["--task", "tasks.py:task"] if task else ["--model", "mlp", "--dataset", "digits"]
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "fedpar", "train", *chosen, *GLOO, "--max-steps", "2", "--no-plot", "--out", "out"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
