@@ -22,6 +22,7 @@ from fedpar.parallel.config import ConfigurationError, Device, Precision
 from fedpar.sections import Seeded
 from fedpar.settings import setting
 from fedpar.task import FlowerAppReference, TaskReference
+from fedpar.wording import counted
 
 
 @dataclass
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.flower_app:
         agent = Agent(agent_config(args, security), trainer)
     where = f"Flower App {args.flower_app}" if args.flower_app else f"Flower client {args.flower_client}" \
-        if args.flower_client else f"{trainer.num_examples} training examples of {task.name} on {device}"
+        if args.flower_client else f"{counted(trainer.num_examples, 'training example')} of {task.name} on {device}"
     print(f"agent {args.agent_id}: {where}, dialing {args.server}", flush=True)
     try:
         with stop_on_signals():  # SIGTERM (systemd, Docker, kill) stops it as Ctrl-C does, and says so as Ctrl-C does

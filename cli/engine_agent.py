@@ -23,6 +23,7 @@ from fedpar.client.stats import AgentStats
 from fedpar.parallel.config import ConfigurationError, Launch, ParallelConfig, ParallelLayout
 from fedpar.settings import setting
 from fedpar.task import raised
+from fedpar.wording import counted
 
 
 @dataclass
@@ -266,7 +267,7 @@ def _drive(args: argparse.Namespace, trainer, config, task_name: str, world: int
     agent = Agent(config, trainer)
     if driving is not None:
         driving.append(agent)
-    print(f"agent {args.agent_id}: {trainer.num_examples} training examples of {task_name} over {world} ranks, "
+    print(f"agent {args.agent_id}: {counted(trainer.num_examples, 'training example')} of {task_name} over {world} ranks, "
           f"dialing {args.server}", flush=True)
     # Any other exception ends this process; the other ranks then fail fast on the closed connection.
     try:
