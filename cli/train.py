@@ -139,10 +139,16 @@ def _check_checkpoint_folder(args: argparse.Namespace) -> None:
 
 def _out_held(out: str) -> contextlib.AbstractContextManager:
     """``out`` made and held for this run alone (a second run into it, or a folder that cannot be made or written, is
-    one line: cli/user_errors.py), by the process that writes there: not by torchrun's other ranks."""
+    one line: cli/user_errors.py), by the process that writes there: not by torchrun's other ranks. What a run killed
+    there had set aside is put back first (EarlierRun.recover): its ``latest`` decides whether this run resumes."""
     from fedpar.cli.user_errors import hold_output_folder
+    from fedpar.simulations.run_outputs import EarlierRun
 
-    return hold_output_folder(out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
+    if int(os.environ.get("RANK", "0")):
+        return contextlib.nullcontext()
+    with hold_output_folder(out) as held:
+        EarlierRun.recover(Path(out))
+        return held.pop_all()
 
 
 def _train(args: argparse.Namespace, world: int, held: contextlib.ExitStack | None) -> int:
@@ -267,8 +273,9 @@ def _resume_hint(cfg: TrainConfig) -> str:
         latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
     except ValueError:  # a damaged pointer is said when the run is resumed
         latest = None
-    if latest is not None:
-        return f"; the same command resumes from its checkpoint {latest.name}"
+    if latest is not None:  # this run's, or (put back) the earlier run's, which --no-resume did not take up
+        again = "the same command" if cfg.resume else "the same command without --no-resume"
+        return f"; {again} resumes from its checkpoint {latest.name}"
     if cfg.checkpoint_every:  # asked for, but stopped before the first: pointing at the option the user gave misled
         every = cfg.checkpoint_every
         return f"; nothing to resume from yet (--checkpoint-every {every} keeps the first at step {every})"

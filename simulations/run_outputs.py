@@ -23,6 +23,8 @@ FEDERATED_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "accu
 TRAIN_FILES = ("metrics.jsonl", "metrics.csv", TENSORS, INFO, SUMMARY, "loss_curve.png")
 # Every file a run may leave in its --out folder
 RUN_FILES = (*FEDERATED_FILES, "loss_curve.png")
+# fedpar train's pointer to the checkpoint a resume starts from (parallel/checkpoint.py, epoch_checkpoint.py)
+CHECKPOINT_POINTER = "checkpoints/latest"
 
 
 def check_run_files(out, names: tuple[str, ...] = FEDERATED_FILES, option: str = "--out") -> None:
@@ -55,16 +57,18 @@ class EarlierRun:
     """The files an earlier run left in ``out``, set aside (``OUT/.earlier-run``) while a new run that does not resume
     it starts: :meth:`restore` if the new run is refused or stopped before it writes a round (a refused command, or
     a Ctrl-C at start-up, loses nothing), else :meth:`drop` (it ran: its summary must not sit beside the other run's
-    rows, model and plots)."""
+    rows, model and plots). ``OUT/checkpoints/latest`` (fedpar train's) goes with them: the earlier run stays
+    resumable while the new run has written nothing, and no resume takes up its checkpoint beside the new run's rows."""
 
     FOLDER = ".earlier-run"
+    KEPT = (*RUN_FILES, CHECKPOINT_POINTER)  # paths in ``out``
 
     def __init__(self, out: Path):
         self.out = Path(out)
         self.aside = self.out / self.FOLDER
         self.recover(self.out)
         self.names = []
-        for name in RUN_FILES:
+        for name in self.KEPT:
             path = self.out / name
             if path.is_file():  # a folder in the way is no run's output: writing there says so (write_run_outputs)
                 self._set_aside(name)
@@ -78,18 +82,17 @@ class EarlierRun:
         if not aside.is_dir():
             return
         if not run_wrote(out):  # else it had let them go, had it not been killed before it could
-            for name in RUN_FILES:
+            for name in cls.KEPT:
                 kept = aside / name
                 if kept.is_file() and not (Path(out) / name).exists():
-                    kept.replace(Path(out) / name)
+                    _move(kept, Path(out) / name)
         shutil.rmtree(aside, ignore_errors=True)
 
     def _set_aside(self, name: str) -> None:
         """Move the earlier run's file ``name`` aside; UserError, with every file moved so far back in place, when it
         cannot be moved (a file this user may not move: the run could not replace it either)."""
         try:
-            self.aside.mkdir(exist_ok=True)
-            (self.out / name).replace(self.aside / name)
+            _move(self.out / name, self.aside / name)
         except OSError as exc:
             self.put_back()
             raise UserError(f"--out {self.out}: an earlier run's {name} there cannot be moved ({exc.strerror or exc}); "
@@ -101,7 +104,7 @@ class EarlierRun:
         round)."""
         for name in self.names:
             if not (self.out / name).exists():
-                (self.aside / name).replace(self.out / name)
+                _move(self.aside / name, self.out / name)
         self.drop()
 
     def restore(self) -> bool:
@@ -110,9 +113,9 @@ class EarlierRun:
         files, what the new run wrote stays. Whether there were earlier files (then the new run left nothing)."""
         restored = bool(self.names)
         if restored:
-            for name in RUN_FILES:
+            for name in self.KEPT:
                 if name in self.names:
-                    (self.aside / name).replace(self.out / name)
+                    _move(self.aside / name, self.out / name)
                 elif (self.out / name).is_file():
                     (self.out / name).unlink()
         self.names = []
@@ -139,6 +142,12 @@ class EarlierRun:
         shutil.rmtree(self.aside, ignore_errors=True)
 
 
+def _move(source: Path, target: Path) -> None:
+    """Move the file ``source`` to ``target``, making the folder it goes into."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source.replace(target)
+
+
 def earlier_run_in(out: Path, resumes: bool) -> EarlierRun | None:
     """An earlier run's outputs in ``out``, set aside for a new run; None for a run that resumes a checkpoint (its rows
     go on), which first gets back what a run killed before it had set aside (:meth:`EarlierRun.recover`)."""
@@ -150,9 +159,10 @@ def earlier_run_in(out: Path, resumes: bool) -> EarlierRun | None:
 
 def run_wrote(out: Path) -> bool:
     """Whether the run writing into ``out`` (an earlier run's files set aside) wrote something of its own: a metrics
-    row, or a model."""
+    row, a model, or a checkpoint (``latest``: the earlier run's was set aside)."""
     metrics = Path(out) / "metrics.jsonl"
-    return (Path(out) / TENSORS).is_file() or (metrics.is_file() and metrics.stat().st_size > 0)
+    return ((Path(out) / TENSORS).is_file() or (metrics.is_file() and metrics.stat().st_size > 0)
+            or (Path(out) / CHECKPOINT_POINTER).is_file())
 
 
 def write_run_outputs(out: Path, coordinator, model: dict, extra: dict, title: str,

@@ -53,6 +53,8 @@ def test_no_resume_starts_afresh_and_another_task_or_a_damaged_checkpoint_is_ref
     assert main([*common, "--epochs", "1", "--checkpoint-every", "1", "--out", str(out)]) == 0
     assert main([*common, "--epochs", "1", "--no-resume", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["resumed_from_epoch"] == 0
+    assert not (out / "checkpoints" / "latest").exists()  # the earlier run's, let go: no resume takes it up
+    assert main([*common, "--epochs", "1", "--checkpoint-every", "1", "--no-resume", "--out", str(out)]) == 0
     capsys.readouterr()
     checkpoint = out / "checkpoints" / "epoch-000001"
     record = checkpoint / "run.json"
