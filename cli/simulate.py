@@ -138,8 +138,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the dataset's name (synthetic:1): no worker started
         print(f"fedpar simulate: {setting_error(exc, args)}", file=sys.stderr)
         return 2
-    # Before this process imports torch (the strategy's module does, in a second): the workers' imports and data
-    # loading overlap it and the coordinator's set-up.
+    # Before the coordinator's set-up, which their data loading (and, spawned, their imports) overlaps.
     return simulate(args, cfg, WorkerProcesses(cfg.workers, preload, cfg.data_dir))
 
 

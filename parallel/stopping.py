@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import copyreg
 import faulthandler
 import multiprocessing
 import os
@@ -38,6 +39,11 @@ class StopRequested(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+    def __reduce__(self):
+        # pickle and copy rebuild an exception as type(self)(*self.args), and its args hold the signal's name: DCP
+        # pickles a stop raised inside its save or load to gather it from every rank, and that raised a ValueError
+        return copyreg.__newobj__, (type(self), *self.args), self.__dict__
 
 
 def signal_name(exc: BaseException) -> str:
@@ -225,6 +231,12 @@ def ignore_interrupts() -> None:
     stops it), and no longer blocked (one that came meanwhile is dropped)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def default_terminate() -> None:
+    """SIGTERM ends this process as it does by default: a forked child may have its parent's handler
+    (:func:`stop_on_signals`), and its parent ends it with SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def dump_stacks_on_signal() -> None:

@@ -180,7 +180,8 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     second while it runs (clients joined, the open round); ``on_stage(what)`` as each set-up step starts (loading the
     data, indexing the clients' shares). The run is kept in ``store`` (default: one in memory), as a service keeps its
     runs, and driven by the same code (:meth:`RunService.execute`). ``workers``: the worker processes, started
-    already (:func:`start_workers`; `fedpar simulate` starts them before it imports torch); they are ended here."""
+    already (:func:`start_workers`; `fedpar simulate` starts them before the coordinator is set up); they are ended
+    here."""
     started = workers.started if workers else time.monotonic()  # the run's set-up began with its workers
     cfg, notes = cfg.settled()  # `fedpar simulate` has settled them already, and said so
     for note in notes:
@@ -192,17 +193,18 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
     strategy.check_ranks(cfg.aggregator_ranks)
     flower_app = _flower_app(cfg)
     task = load_task(cfg.task, cfg.task_options) if cfg.task else None  # a task's mistakes, before anything starts
-    if cfg.out:
-        # matplotlib takes about a second to import: do it while the workers start, not after the last round.
-        threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     out = Path(cfg.out) if cfg.out else None
     earlier = None
     if out:
         _make_out(out)
         earlier = earlier_run_in(out, has_checkpoint(cfg.checkpoint_dir))
     record = RunRecord(cfg)  # kept once the coordinator resumed (or started afresh): SimulationService.listening
-    # The worker processes start as early as they can: their imports and data loading overlap the coordinator's.
+    # The worker processes start as early as they can (forked before this process runs a second thread): their data
+    # loading overlaps the coordinator's.
     workers = workers or start_workers(cfg)
+    if cfg.out:
+        # matplotlib takes about a second to import: do it while the workers start, not after the last round.
+        threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     interrupted = True  # until _run returns: then the workers are given time to finish by themselves
     threads = torch.get_num_threads()
     if device_kind(cfg.device) == "cpu":

@@ -1,13 +1,15 @@
-"""The simulation's worker processes, started as early as a run knows how many it needs: each imports torch and
-fedpar's client side and loads the data while the coordinator's process does the same, then waits on its pipe for
-the WorkerConfig of its slice of the population (simulations/agents.py).
+"""The simulation's worker processes: each hosts its slice of the population (simulations/agents.py) once the
+WorkerConfig of that slice comes down its pipe.
 
-This module imports nothing heavy, so that `fedpar simulate` can start them before it imports torch itself: on two
-cores the workers' start-up then overlaps the coordinator's instead of following it.
+Where this process may fork (parallel/init.fork_safe: one thread, no GPU), they are forked from it once it has
+imported torch and fedpar's client side, so that none imports them again (about 1.6 s of CPU each on this machine,
+which two workers spent beside the coordinator's own import on two cores); else they are spawned, each importing
+them itself.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import shutil
@@ -17,7 +19,7 @@ from multiprocessing.connection import Connection
 
 from fedpar.datasets.memory import check_fits
 from fedpar.datasets.registry import check_dataset_fits, full_dataset_name
-from fedpar.parallel.stopping import ignore_interrupts, interrupts_held
+from fedpar.parallel.stopping import default_terminate, ignore_interrupts, interrupts_held
 from fedpar.simulations.config import SimulationConfig
 
 # What a run needs, for the one line that says so before it starts (measured: benchmarks/population_bench.py)
@@ -31,22 +33,25 @@ class WorkerProcesses:
 
     def __init__(self, count: int, preload: str | None, data_dir: str | None):
         self.started = time.monotonic()
-        ctx = mp.get_context("spawn")
+        method = start_method()
+        ctx = mp.get_context(method)
         pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
         say = one_turn(ctx)  # a task that fails every worker alike is said once
         # the workers' temporary files (their members' top-k residuals: a model each): removed here with the workers,
         # however they end (an interrupted run terminates them, which skips their own clean-up)
         self.scratch = tempfile.mkdtemp(prefix="fedpar-simulation-")
+        sends = [send for _, send in pipes]
         self.procs = [ctx.Process(target=run_worker_entry, name=f"fedpar-worker-{w}",
-                                  args=(recv, preload, data_dir, say, self.scratch), daemon=True)
+                                  args=(recv, preload, data_dir, say, self.scratch,
+                                        others(pipes, w) if method == "fork" else []), daemon=True)
                       for w, (recv, _) in enumerate(pipes)]
-        with interrupts_held():  # this process stops them, so an interrupt prints no worker tracebacks
+        with interrupts_held(method):  # this process stops them, so an interrupt prints no worker tracebacks
             for p in self.procs:
                 p.start()
         for recv, _ in pipes:
             recv.close()  # the child's end
         say.close()
-        self.sends: list[Connection] = [send for _, send in pipes]
+        self.sends: list[Connection] = sends
         self.closed = False
 
     def close(self, wait: bool) -> None:
@@ -95,11 +100,32 @@ def check_population_fits(cfg: SimulationConfig) -> None:
         check_dataset_fits(full_dataset_name(cfg.dataset, cfg.clients), cfg.workers + 1, cfg.partition)
 
 
+def start_method() -> str:
+    """'fork' where this process may fork the workers (parallel/init.fork_safe), the modules they run imported here
+    first; else 'spawn'."""
+    from fedpar.parallel.init import fork_safe
+
+    if not fork_safe():
+        return "spawn"
+    importlib.import_module("fedpar.simulations.agents")  # the forked workers start with it, torch and gRPC loaded
+    return "fork"
+
+
+def others(pipes: list[tuple[Connection, Connection]], worker: int) -> list[Connection]:
+    """The pipe ends a worker forked with ``pipes`` holds and must close: every sending end (so that a closed one
+    reads as the end) and the other workers' receiving ends."""
+    return [send for _, send in pipes] + [recv for w, (recv, _) in enumerate(pipes) if w != worker]
+
+
 def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None, say: Connection,
-                     scratch: str) -> None:
-    """Process target: simulations/agents.py's worker (imported here, in the child: the parent need not), its
-    temporary files in ``scratch``, which the parent removes."""
+                     scratch: str, inherited: list[Connection]) -> None:
+    """Process target: simulations/agents.py's worker (imported here, in a spawned child), its temporary files in
+    ``scratch``, which the parent removes; a forked child first closes the pipe ends it ``inherited`` and puts back
+    the default stops its parent had changed."""
     ignore_interrupts()
+    default_terminate()
+    for end in inherited:
+        end.close()
     tempfile.tempdir = scratch
     from fedpar.simulations.agents import run_worker_process
 

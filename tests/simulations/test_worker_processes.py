@@ -1,21 +1,53 @@
-"""The simulation's worker processes start before the coordinator's process imports torch, and a run that stops
-before it hands them their slices ends them."""
+"""The simulation's worker processes: forked from the command's process once it has imported what they run, where
+it may fork (one thread, no GPU), else spawned; and a run that stops before it hands them their slices ends them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
-from fedpar.simulations.worker_processes import WorkerProcesses
+from support.processes import children
+
+from fedpar.simulations.worker_processes import WorkerProcesses, start_method
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_starting_the_workers_imports_no_torch_here():
-    # `fedpar simulate` starts them first so that their imports overlap its own: that needs this module to be light
-    code = ("import sys; from fedpar.simulations.worker_processes import start_workers; "
-            "print('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+def test_a_simulate_commands_workers_are_forked_copies_of_it_that_import_nothing_again(tmp_path):
+    cmd = [sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "300", "--out",
+           str(tmp_path / "out"), "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end, workers = time.monotonic() + 60, []
+        while len(workers) < 2 and proc.poll() is None and time.monotonic() < end:
+            workers = children(proc.pid)
+            time.sleep(0.05)
+        assert len(workers) == 2, proc.stderr.read() if proc.poll() is not None else "no 2 workers in 60 s"
+        mine = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        # a spawned worker runs `python -c 'from multiprocessing.spawn import ...'`; a forked one is this command
+        assert [Path(f"/proc/{w}/cmdline").read_bytes() for w in workers] == [mine, mine]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_workers_are_forked_from_a_process_of_one_thread_and_spawned_beside_another_thread():
+    code = "from fedpar.simulations.worker_processes import start_method; print(start_method())"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a visible GPU would have them spawned (CUDA and forks)
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip() == "fork"
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:  # the other thread might hold a lock the copy would need (a log's, gRPC's): a forked worker could hang
+        assert start_method() == "spawn"
+    finally:
+        stop.set()
+        other.join()
 
 
 def test_workers_of_a_run_that_stopped_before_their_slices_are_ended_and_closing_again_does_nothing():
