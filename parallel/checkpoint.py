@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fedpar.parallel import checkpoint_retention
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.epoch_checkpoint import is_epoch_checkpoint
-from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, safe_load
+from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, raise_wrapped_stop, safe_load
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
 
@@ -86,7 +87,11 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
     if dist.get_rank() == 0 and target.is_dir() and not named:
         shutil.rmtree(target)
     dist.barrier()
-    dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(target))
+    try:
+        dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(target))
+    except CheckpointException as exc:  # a stop while it writes: `latest` still names the last complete checkpoint
+        raise_wrapped_stop(exc)
+        raise
     dist.barrier()
     if dist.get_rank() == 0:
         if record is not None:

@@ -6,7 +6,8 @@ could run code on load. ``SafeFileSystemReader`` unpickles the metadata with an 
 itself writes (the restricted-``find_class`` pattern of Python's pickle documentation) and refuses storage
 entries that point outside the folder; ``SafeLoadPlanner`` reads non-tensor items with ``weights_only=True``.
 Tensor data is already read with ``weights_only=True`` by DCP. ``safe_load`` is ``dcp.load`` through both, and
-raises what fails on any rank as one UnsafeCheckpointError (DCP's own CheckpointException is a BaseException).
+raises what fails on any rank as one UnsafeCheckpointError (DCP's own CheckpointException is a BaseException), and a
+stop (SIGINT, SIGTERM) that DCP caught as the stop itself (``raise_wrapped_stop``, for ``dcp.save`` too).
 """
 
 from __future__ import annotations
@@ -124,12 +125,21 @@ def safe_load(state_dict: dict[str, Any], path: str | pathlib.Path, **dcp_kwargs
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), **dcp_kwargs)
     except CheckpointException as exc:  # a BaseException, which would end a rank past every handler
+        raise_wrapped_stop(exc)
         rank, (first, _) = next(iter(sorted(exc.failures.items())))
         if isinstance(first, UnsafeCheckpointError):  # the planner's refusal, as it said it
             raise first from None
         raise UnsafeCheckpointError(f"checkpoint {path} could not be read (rank {rank}: {type(first).__name__}: "
                                     f"{_first_line(first)}): it is damaged, or another run's settings wrote it"
                                     ) from None
+
+
+def raise_wrapped_stop(exc: CheckpointException) -> None:
+    """Raise, as itself, a stop (SIGINT, SIGTERM: a KeyboardInterrupt) that DCP caught on a rank and wrapped in exc."""
+    for rank in sorted(exc.failures):
+        failure = exc.failures[rank][0]
+        if isinstance(failure, KeyboardInterrupt):
+            raise failure from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -290,8 +290,6 @@ def test_a_fresh_run_killed_after_its_first_row_is_not_resumed_from_the_earlier_
 def test_a_fresh_run_stopped_after_its_checkpoint_says_to_resume_it_without_no_resume(tmp_path):
     """It said 'the same command resumes from its checkpoint', but the same command, --no-resume and all, starts
     afresh again."""
-    # the signal comes as the first checkpoint is kept, long before the next one is written (a SIGINT inside DCP's
-    # save ends in a ValueError traceback, exit 1: a defect of its own)
     run = subprocess.Popen([*FEDPAR, "train", "--max-steps", "100000", "--log-every", "100000", "--checkpoint-every",
                             "5000", "--no-resume", "--batch-size", "1", "--device", "cpu", "--out", "out"], cwd=tmp_path,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
