@@ -36,6 +36,7 @@ def test_a_stop_is_rebuilt_as_itself(stop, rebuild):
 # raised from within DCP, at the step named by argv[1]
 INSIDE_DCP = """
 import signal, sys, tempfile
+from pathlib import Path
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from fedpar.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
