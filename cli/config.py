@@ -135,10 +135,13 @@ def typed_value(action: argparse.Action, value: Any) -> Any:
 def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], section: str) -> frozenset[str]:
     """If ``--config FILE`` is among ``argv``, make the file's values the parser's defaults; returns the settings
     (dests) the file set."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    if not known.config:
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:  # --config without its file: the command's own parser says so, in its one line
+        return frozenset()
+    if not known.config:  # none, or an empty one ("$CONFIG" unset): the command's parser refuses the latter
         return frozenset()
     # Options without a flag (set with parser.set_defaults) can be set from the file too.
     dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}

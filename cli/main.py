@@ -14,7 +14,7 @@ from fedpar.cli.log_level import add_log_level_argument, set_grpc_verbosity, set
 if __name__ == "__main__":  # python -m fedpar.cli.main: before gRPC loads (fedpar.cli.config imports it), as gRPC
     set_grpc_verbosity(sys.argv[2:])  # reads GRPC_VERBOSITY once, when it is imported (cli/entry.py does the same)
 
-from fedpar.cli.argtypes import ELSEWHERE_CALLED, FedparParser
+from fedpar.cli.argtypes import ELSEWHERE_CALLED, FedparParser, text
 from fedpar.cli.config import ConfigError, apply_config_defaults, given_settings, refuse_unswitched
 from fedpar.cli.declared import switched_options
 from fedpar.cli.subcommands import SUBCOMMANDS
@@ -79,7 +79,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         mod = importlib.import_module(f"fedpar.cli.{module}")
         p = sub.add_parser(name, help=help_text, description=mod.__doc__,
                            formatter_class=DefaultsHelpFormatter)
-        p.add_argument("--config", metavar="FILE",
+        p.add_argument("--config", metavar="FILE", type=text,  # --config "$CONFIG" with it unset ran on defaults
                        help=f"TOML file whose [{name}] table (or, in a file without one, its top level) sets "
                             "defaults; flags override it")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its one line")

@@ -715,6 +715,20 @@ def test_a_service_refuses_run_folders_its_state_file_does_not_know(tmp_path, ca
 
 
 @pytest.mark.parametrize("args, says", [
+    (["simulate", "--clients", "4", "--rounds", "1", "--config", ""],
+     "fedpar simulate: error: argument --config: an empty value: give one, or leave the option out; see 'fedpar "
+     "simulate --help'"),
+    (["run", "ls", "--config"],
+     "fedpar run: error: argument --config: expected one argument; see 'fedpar run --help'"),
+], ids=["empty", "missing"])
+def test_a_config_option_without_a_file_is_one_line(args, says, capfd, tmp_path):
+    # QA: --config "" (a variable left unset) ran the simulation on its defaults; a bare --config printed the usage
+    # of a parser named 'fedpar' and argparse's own line
+    rc, out, err = astuple_of(run_main(args, capfd, tmp_path))
+    assert (rc, err) == (2, says + "\n") and list(tmp_path.iterdir()) == [], (rc, out, err)
+
+
+@pytest.mark.parametrize("args, says", [
     (["simulate", "--clients", "4", "--rounds", "1", "--config", "/dev/zero"],
      "fedpar simulate: config file /dev/zero is not a regular file; give a TOML file"),
     (["serve", "--insecure", "--port", "0", "--revoked", "/dev/zero"],
