@@ -88,8 +88,11 @@ def _check_one_shot_outputs(args: argparse.Namespace) -> None:
 
 def foreign_runs(state: str, known: set[int]) -> str | None:
     """The line refusing a service whose ``STATE.runs`` folder holds run folders its state file does not know (an
-    earlier state file's: a new run with the same id would resume their checkpoints), else None."""
+    earlier state file's: a new run with the same id would resume their checkpoints), or is not a folder, else None."""
     runs_dir = Path(f"{state}.runs")
+    if runs_dir.exists() and not runs_dir.is_dir():  # every run would fail at its start, 'Not a directory'
+        return (f"{runs_dir} is a file, not a folder: the service keeps its runs' outputs there; move it aside, or "
+                "give --state another path")
     try:
         ids = sorted(int(p.name) for p in runs_dir.iterdir() if p.name.isdigit() and p.is_dir())
     except OSError:  # no such folder yet

@@ -712,6 +712,14 @@ def test_a_service_refuses_run_folders_its_state_file_does_not_know(tmp_path, ca
     (tmp_path / "state.db.runs" / "2").mkdir()
     rc, _, err = astuple_of(run_main(serve, capfd, tmp_path))
     assert rc == 2 and "holds the outputs of run 2, which state file" in err, err
+    # QA: a file where the runs' folder goes: the service started, and each submitted run failed at its start
+    file_state = tmp_path / "file.db"
+    Path(f"{file_state}.runs").write_text("a user's file\n")
+    rc, _, err = astuple_of(run_main([*serve[:2], str(file_state), *serve[3:]], capfd, tmp_path))
+    assert (rc, err) == (2, f"fedpar serve: {file_state}.runs is a file, not a folder: the service keeps its runs' "
+                            "outputs there; move it aside, or give --state another path\n"), err
+    assert not file_state.exists() and not Path(f"{file_state}.lock").exists()
+    assert Path(f"{file_state}.runs").read_text() == "a user's file\n"
 
 
 @pytest.mark.parametrize("args, says", [
