@@ -43,6 +43,7 @@ class WorkerConfig(Precision, Device, Population, FlowerAppReference, TaskRefere
     client_batching: bool = False  # the seats of this process train as one batched model
     log_level: int = logging.WARNING  # of the worker's fedpar loggers: the parent's (simulate --log-level)
     certs_dir: str | None = None  # mutual TLS: DIR/ca.pem and DIR/HOST_ID.pem/.key (the host's); None: plaintext
+    answers_messages: bool = False  # the Flower App's ServerApp drives: its members answer its Messages
 
     def partition_of(self, index: int, agent_id: str) -> Partition:
         """The Partition of client ``index`` (``agent_id``) of this federation."""
@@ -72,7 +73,8 @@ def run_worker(cfg: WorkerConfig, splits=None) -> AgentStats:
     if cfg.flower_app:  # the app's ClientApp trains the members (simulations/client_app_population.py)
         from fedpar.simulations.client_app_population import ClientAppPopulation
         members = ClientAppPopulation(cfg.population, load_flower_app(cfg.flower_app, cfg.run_config),
-                                   cfg.partition_of, cfg.seed, cfg.trace_day_seconds)
+                                   cfg.partition_of, cfg.seed, cfg.trace_day_seconds,
+                                   answers_messages=cfg.answers_messages)
         return host_population(cfg.server, cfg.population, None, cfg.partition_of, cfg.seed, cfg.seats,
                                cfg.poll_seconds, give_up_after=60.0, tls=tls, members=members).run()
     task = worker_task(cfg, splits)

@@ -5,7 +5,6 @@ population, whose members answer the Messages with the app's ClientApp (simulati
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -13,21 +12,20 @@ from pathlib import Path
 import numpy as np
 
 from fedpar.aggregation import build_strategy
-from fedpar.parallel.child_logs import log_like_parent
-from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held
 from fedpar.security.admission import Admission
 from fedpar.security.certs import temporary_cert_dir
-from fedpar.security.tls import client_tls_files, server_credentials, server_tls_files
+from fedpar.security.tls import server_credentials, server_tls_files
 from fedpar.server.app import CoordinatorServer
 from fedpar.server.config import CoordinatorConfig
 from fedpar.server.flower_rounds import FlowerCoordinator
 from fedpar.settings import composed
-from fedpar.simulations.client_app_population import ClientAppPopulation
+from fedpar.simulations.agents import WorkerConfig
 from fedpar.simulations.config import WAITING_SEATS, SimulationConfig
-from fedpar.simulations.population import PopulationSlice, host_population
+from fedpar.simulations.population import PopulationSlice
 from fedpar.simulations.run_outputs import EarlierRun, write_run_outputs
-from fedpar.task import Partition, TaskFailed
-from fedpar.tasks.flower_app import FlowerApp, load_flower_app
+from fedpar.simulations.worker_processes import WorkerProcesses
+from fedpar.task import TaskFailed
+from fedpar.tasks.flower_app import FlowerApp
 
 log = logging.getLogger("fedpar.simulate")
 # Fixed, as a longer wait cannot help: every member joined before the ServerApp started; a lost worker ends the run
@@ -70,25 +68,29 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
         raise ValueError(problem)
     started = time.monotonic()
     out = Path(cfg.out) if cfg.out else None
-    earlier = None
+    earlier = workers = None
     if out:  # a Flower App run does not resume: an earlier run's files are set aside until this one writes a round
         out.mkdir(parents=True, exist_ok=True)
         earlier = EarlierRun(out)
     try:
-        summary = _serve_app(cfg, app, run_config, out, started, earlier)
+        # started before the coordinator's set-up, forked while this process runs one thread
+        workers = WorkerProcesses(max(1, min(cfg.workers, cfg.clients)), None, cfg.data_dir)
+        summary = _serve_app(cfg, app, run_config, out, started, earlier, workers)
         if earlier is not None and earlier.names:  # no round written: the earlier run's files stay (below)
             summary["written"] = []
         return summary
     finally:
+        if workers is not None:
+            workers.close(wait=False)
         if earlier is not None:  # no round written (stopped or failed before one): nothing of it is lost
             earlier.restore()
 
 
 def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, out: Path | None, started: float,
-               earlier: EarlierRun | None) -> dict:
-    """:func:`run_flower_app`'s run, ``earlier`` let go once it wrote a round."""
-    workers = max(1, min(cfg.workers, cfg.clients))
-    hosts = [f"host-{w}" for w in range(workers)]
+               earlier: EarlierRun | None, workers: WorkerProcesses) -> dict:
+    """:func:`run_flower_app`'s run on ``workers`` (each sent its slice once the coordinator listens), ``earlier``
+    let go once it wrote a round."""
+    hosts = [f"host-{w}" for w in range(len(workers.procs))]
     certs = temporary_cert_dir(hosts) if cfg.tls else None
     coord_cfg = composed(
         CoordinatorConfig, cfg, clients_per_round=cfg.clients, min_available=cfg.clients, heartbeat_seconds=2.0,
@@ -103,27 +105,25 @@ def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, ou
                                     on_round_end=[earlier.let_go] if earlier is not None else [])
     server = CoordinatorServer(coordinator, credentials=server_credentials(server_tls_files(certs.name))
                                if certs else None)
-    ctx = mp.get_context("spawn")
-    procs = []
     interrupted = False
     try:
         server.start()
-        with interrupts_held():
-            for w, host in enumerate(hosts):
-                numbers = list(range(w, cfg.clients, workers))
-                procs.append(ctx.Process(target=host_flower_members, name=f"fedpar-worker-{w}", daemon=True, args=(
-                    server.address, str(app.directory), run_config, host, numbers, cfg.clients,
-                    cfg.seats or WAITING_SEATS, cfg.seed, certs.name if certs else None,
-                    logging.getLogger("fedpar").getEffectiveLevel())))
-                procs[-1].start()
+        slices = [PopulationSlice.of(host, np.arange(w, cfg.clients, len(hosts)), None,
+                                     np.zeros(cfg.clients, np.float32)) for w, host in enumerate(hosts)]
+        for send, population in zip(workers.sends, slices):
+            send.send(composed(WorkerConfig, cfg, server=server.address, population=population,
+                               flower_app=str(app.directory), run_config=run_config, answers_messages=True,
+                               seats=cfg.seats or WAITING_SEATS, certs_dir=certs.name if certs else None,
+                               log_level=logging.getLogger("fedpar").getEffectiveLevel()))
+            send.close()
         while not server.wait(0.5):
-            dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+            dead = [p for p in workers.procs if not p.is_alive() and p.exitcode not in (0, None)]
             if dead:
                 raise RuntimeError(f"worker process {dead[0].name} died with exit code {dead[0].exitcode}")
         if server.error is not None:
             raise RuntimeError(f"{server.error}" if isinstance(server.error, TaskFailed) else
                                f"the ServerApp failed: {type(server.error).__name__}: {server.error}")
-        for p in procs:
+        for p in workers.procs:
             p.join(timeout=30)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (parallel/stopping.py): what completed is still written
         interrupted = True
@@ -132,9 +132,7 @@ def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, ou
         if interrupted:  # counted once stopped, as the summary and fedpar simulate's last line count them
             log.warning("interrupted: stopping after %d Message exchanges (a ServerApp's round is usually two: train "
                         "and evaluate)", coordinator.metrics.summary.rounds)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
+        workers.close(wait=False)  # a run that ended normally has joined them already
         if certs is not None:
             certs.cleanup()
     extra = {"wall_seconds": time.monotonic() - started, "flower": coordinator.flower_summary,
@@ -144,20 +142,3 @@ def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, ou
     outputs = write_run_outputs(out, coordinator, {"flower_app": str(app.directory)}, extra,
                                 title=f"Flower App {app.directory.name}, {cfg.clients} clients")
     return {**outputs.summary, "written": outputs.written}
-
-
-def host_flower_members(server: str, directory: str, run_config: str | None, host_id: str, numbers: list[int],
-                        clients: int, seats: int, seed: int, certs_dir: str | None, log_level: int) -> None:
-    """Worker process: host clients ``numbers`` of ``clients`` (partition id = client number) of the Flower App in
-    ``directory`` until the coordinator says the run is over."""
-    ignore_interrupts()
-    die_with_parent()
-    dump_stacks_on_signal()
-    log_like_parent(log_level)
-    app = load_flower_app(directory, run_config)
-    population = PopulationSlice.of(host_id, np.asarray(numbers), None, np.zeros(clients, np.float32))
-    members = ClientAppPopulation(population, app, lambda number, member: Partition(number, clients, member), seed,
-                                  answers_messages=True)
-    tls = client_tls_files(host_id, certs_dir) if certs_dir else None
-    host_population(server, population, None, members.partition_of, seed, seats, give_up_after=60.0, tls=tls,
-                    members=members).run()

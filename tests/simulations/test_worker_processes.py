@@ -3,6 +3,7 @@ it may fork (one thread, no GPU), else spawned; and a run that stops before it h
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,16 +11,23 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from support.processes import children
 
 from fedpar.simulations.worker_processes import WorkerProcesses, start_method
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVER_APP = ["--flower-app", str(ROOT / "tests" / "flower" / "tiny_app"), "--run-config", "num-server-rounds=100000"]
 
 
-def test_a_simulate_commands_workers_are_forked_copies_of_it_that_import_nothing_again(tmp_path):
-    cmd = [sys.executable, "-m", "fedpar", "simulate", "--clients", "4", "--rounds", "300", "--out",
-           str(tmp_path / "out"), "--quiet"]
+@pytest.mark.parametrize("options", [
+    ["--rounds", "300"],
+    pytest.param(SERVER_APP, id="server-app",  # its ServerApp drives: they were spawned after its coordinator started
+                 marks=pytest.mark.skipif(not importlib.util.find_spec("flwr"), reason="needs fedpar[flower]"))])
+def test_a_simulate_commands_workers_are_forked_copies_of_it_that_import_nothing_again(tmp_path, options):
+    cmd = [sys.executable, "-m", "fedpar", "simulate", "--clients", "4", *options, "--out", str(tmp_path / "out"),
+           "--quiet"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         end, workers = time.monotonic() + 60, []
