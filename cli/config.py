@@ -147,6 +147,7 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}
     dict_options = {k for k in dests if isinstance(parser.get_default(k), dict)}
     values, names, doc = _load(known.config, section, dict_options)
+    _refuse_misnamed_tables(doc, known.config, dict_options)
     if not values:  # a file of other commands' tables only would be ignored in silence
         _refuse_if_for_others(doc, known.config, section)
     _refuse_beside_own_table(doc, known.config, section)
@@ -223,6 +224,16 @@ def _refuse_if_for_others(doc: dict[str, Any], path: str, section: str) -> None:
     if others and section not in doc:
         raise ConfigError(f"config file {path} has nothing for '{section}': no [{section}] table and no option at its "
                           f"top level, only {', '.join(f'[{key}]' for key in others)}; add a [{section}] table")
+
+
+def _refuse_misnamed_tables(doc: dict[str, Any], path: str, dict_options: set[str]) -> None:
+    """ConfigError for a top-level table of ``doc``, the file at ``path``, named like a command but not one
+    (``[simulat]``, ``[server]``): read as a group of the command's options, a ``[serv]`` table's keys were taken by
+    'fedpar simulate'."""
+    for key, value in doc.items():
+        meant = closest(key, sorted(SUBCOMMANDS)) if isinstance(value, dict) and key not in SUBCOMMANDS else None
+        if meant and _key(key) not in dict_options:
+            raise ConfigError(f"{path}: [{key}] is no command's table (did you mean [{meant}]?); rename it")
 
 
 def _refuse_beside_own_table(doc: dict[str, Any], path: str, section: str) -> None:

@@ -180,6 +180,24 @@ def test_top_level_keys_beside_the_commands_table_are_refused_in_one_line(tmp_pa
         assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command, text, table, meant", [
+    ("simulate", "[simulat]\nrounds = 1\n", "simulat", "simulate"),  # read as simulate's, by chance
+    ("simulate", "[serv]\nrounds = 1\n", "serv", "serve"),  # serve's rounds, taken by simulate
+    ("run", '[runs]\ncontrol = "127.0.0.1:1"\n', "runs", "run"),
+])
+def test_a_table_named_like_a_command_but_not_one_is_refused_in_one_line(command, text, table, meant, tmp_path,
+                                                                          capfd):
+    """QA: a top-level table read as a group of the command's options, whatever its name: a [serv] table's keys
+    set 'fedpar simulate''s options, saying nothing."""
+    config = tmp_path / "c.toml"
+    config.write_text(text)
+    argv = [command, "ls"] if command == "run" else [command, "--out", str(tmp_path / "run")]
+    done = run_main([*argv, "--config", str(config)], capfd, tmp_path)
+    assert (done.returncode, done.stderr) == (2, f"fedpar {command}: {config}: [{table}] is no command's table (did "
+                                                 f"you mean [{meant}]?); rename it\n"), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]
+
+
 def test_top_level_keys_of_a_file_without_the_commands_table_still_apply(tmp_path):
     from fedpar.cli.config import apply_config_defaults
     from fedpar.cli.main import build_parser, subcommand_parser
