@@ -143,8 +143,11 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
         return frozenset()
     if not known.config:  # none, or an empty one ("$CONFIG" unset): the command's parser refuses the latter
         return frozenset()
-    # Options without a flag (set with parser.set_defaults) can be set from the file too.
-    dests = {a.dest for a in parser._actions} | {k for k in parser._defaults if not k.startswith("_")}
+    # Options without a flag (set with parser.set_defaults) can be set from the file too; --help, --config and the
+    # command's words (run's action, export's source) cannot: a file's config or help went unread, its words = "ls"
+    # was split into letters
+    dests = ({a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+             | {k for k in parser._defaults if not k.startswith("_")})
     dict_options = {k for k in dests if isinstance(parser.get_default(k), dict)}
     values, names, doc = _load(known.config, section, dict_options)
     _refuse_misnamed_tables(doc, known.config, dict_options)

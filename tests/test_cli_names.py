@@ -211,6 +211,21 @@ def test_a_misspelled_table_option_is_named_with_the_one_meant(command, tmp_path
                      f"csv; did you mean task_options?); run 'fedpar {command} --help' for the valid ones"]
 
 
+@pytest.mark.parametrize("argv, text, key", [
+    (["run", "ls"], 'config = "other.toml"\n', "config"),  # went unread
+    (["run", "ls"], "help = true\n", "help"),  # went unread
+    (["run"], 'words = "ls"\n', "words"),  # split into letters: "unknown action 'l'"
+    (["export"], 'source = "runs/x"\nto = "m.pt"\n', "source"),
+])
+def test_a_config_file_may_not_set_config_help_or_the_commands_words(argv, text, key, tmp_path, capfd):
+    """QA: these keys were taken as options, and went unread or were garbled, saying nothing of the file."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[{argv[0]}]\n{text}")
+    done = run_main([*argv, "--config", str(path)], capfd, tmp_path)
+    assert (done.returncode, done.stderr) == (2, f"fedpar {argv[0]}: {path}: unknown option(s) for '{argv[0]}': "
+                                                 f"{key}; run 'fedpar {argv[0]} --help' for the valid ones\n")
+
+
 @pytest.mark.parametrize("command", ["serve", "simulate"])
 def test_a_config_file_key_may_be_the_flags_own_name(command, tmp_path):
     """The guide listed deadline_seconds for --deadline, and deadline = 30 was an unknown option: a setting whose flag
