@@ -265,9 +265,11 @@ def _get(args: argparse.Namespace, stub, run_id: int) -> int:
     """Download run ``run_id``'s model and metrics files into --out; written only once all came and the model
     parses, else nothing is left behind."""
     from fedpar.protocol import fedpar_pb2 as pb
-    from fedpar.server.run_control import MODEL_FILE
+    from fedpar.server.run_control import MODEL_FILE, RUN_FILES
+    from fedpar.simulations.run_outputs import check_run_files
 
     check_output_folder(args.out)
+    check_run_files(args.out, RUN_FILES)  # a folder in a file's place: was exit 1 after the download, .part files left
     out = Path(args.out)
     made = not out.exists()
     names: list[str] = []

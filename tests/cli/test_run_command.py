@@ -166,6 +166,19 @@ def test_get_of_a_damaged_model_writes_nothing(control, tmp_path):
     assert done.returncode == 0 and (tmp_path / "got" / "global.safetensors").read_bytes() == MODEL, done
 
 
+def test_get_into_an_out_with_a_folder_where_a_file_goes_is_one_line_and_writes_nothing(control, tmp_path):
+    """QA: it downloaded, replaced the files before that name, then failed on the folder: exit 1 with a line naming
+    summary.json.part, the other files' .part left behind."""
+    store, options, _, _ = control
+    run_id = _ended_run(store, tmp_path / "run-1", {"global.safetensors": MODEL, "summary.json": b"{}"})
+    out = tmp_path / "got"
+    (out / "summary.json").mkdir(parents=True)
+    line = _one_line(_run(options, "get", str(run_id), "--out", str(out)), 2)
+    assert line == (f"fedpar run: --out {out}: {out / 'summary.json'}, a file the run writes, is a folder; move it "
+                    "away, or give another --out"), line
+    assert [p.name for p in out.iterdir()] == ["summary.json"]
+
+
 @pytest.mark.parametrize("status", ["finished", "failed", "stopped"])
 def test_stop_of_a_run_that_ended_is_one_line_and_exit_1(control, tmp_path, status):
     store, options, _, _ = control
