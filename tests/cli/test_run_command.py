@@ -6,7 +6,6 @@ run store, and `fedpar run` by its main."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
