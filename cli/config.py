@@ -81,6 +81,7 @@ def _load(path: str | Path, section: str, dict_options: set[str] | frozenset[str
 
 
 _FLAGS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+_LISTS = (argparse._AppendAction, argparse._ExtendAction)
 _KIND_WORDS = {int: "an integer", float: "a number", str: "a string", Path: "a path (a string)"}
 
 
@@ -95,7 +96,7 @@ def typed_value(action: argparse.Action, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
         return value
-    if isinstance(action, (argparse._AppendAction, argparse._ExtendAction)):
+    if isinstance(action, _LISTS):
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(item, str) for item in items):
             raise ValueError(f"expected a string or a list of strings, got {value!r}")
@@ -180,6 +181,9 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
             table = f"{section}.{names[key]}" if section in doc else names[key]
             raise ConfigError(f"{known.config}: {names[key]}: expected a table ([{table}] with a KEY = VALUE line "
                               f"each), got {value!r}")
+    typed = given_settings(parser, argv, frozenset())
+    for key in [key for key in values if key in typed and isinstance(actions.get(key), _LISTS)]:
+        del values[key]  # the flag's items replace the file's list: argparse would add them to it
     parser.set_defaults(**values)
     for action in parser._actions:
         if action.required and action.dest in values:  # argparse checks a required option's flag, never its default

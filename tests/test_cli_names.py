@@ -226,6 +226,22 @@ def test_a_config_file_may_not_set_config_help_or_the_commands_words(argv, text,
                                                  f"{key}; run 'fedpar {argv[0]} --help' for the valid ones\n")
 
 
+def test_a_list_option_given_as_a_flag_replaces_the_config_files_list(tmp_path, capfd):
+    """QA: the flag's items were added to the file's: allow_agents = ["a"] with --allow-agents b still let agent a in,
+    and agents = ["a"] with 'fedpar certs --agents b' made a's certificate too."""
+    path = tmp_path / "c.toml"
+    path.write_text('[certs]\nagents = ["a"]\n[serve]\nallow_agents = ["a"]\n')
+    done = run_main(["certs", "--config", str(path), "--out", str(tmp_path / "certs"), "--agents", "b"], capfd)
+    assert done.returncode == 0 and sorted(p.name for p in (tmp_path / "certs").glob("?.pem")) == ["b.pem"], done
+    parser = build_parser(only="serve")
+    argv = ["--config", str(path), "--allow-agents=b"]
+    apply_config_defaults(subcommand_parser(parser, "serve"), argv, "serve")
+    assert parser.parse_args(["serve", *argv]).allow_agents == ["b"]
+    parser = build_parser(only="serve")  # without the flag, the file's list
+    apply_config_defaults(subcommand_parser(parser, "serve"), argv[:2], "serve")
+    assert parser.parse_args(["serve", *argv[:2]]).allow_agents == ["a"]
+
+
 @pytest.mark.parametrize("command", ["serve", "simulate"])
 def test_a_config_file_key_may_be_the_flags_own_name(command, tmp_path):
     """The guide listed deadline_seconds for --deadline, and deadline = 30 was an unknown option: a setting whose flag
