@@ -44,15 +44,26 @@ def read_toml_file(path: str | Path, what: str) -> dict[str, Any]:
     """The TOML document of settings file ``path``; a ValueError, one line naming ``what`` and the path, for one that
     is missing, a folder, unreadable, not a regular file, too large, or not TOML in UTF-8."""
     path = Path(path)
-    try:
-        return tomllib.loads(read_small_file(path, what).decode("utf-8"))
+    try:  # utf-8-sig: a byte-order mark (Windows Notepad's) was 'not valid TOML: Invalid statement (at line 1 ...)'
+        return tomllib.loads(read_small_file(path, what).decode("utf-8-sig"))
     except FileNotFoundError:
         raise ValueError(f"{what} {path} does not exist") from None
     except IsADirectoryError:
         raise ValueError(f"{what} {path} is a folder; give a TOML file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path} {_not_utf8(exc)}") from None
+    except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{what} {path} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
     except NotASettingsFile as exc:
         raise ValueError(f"{exc}; give a TOML file") from None
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    """Where a settings file's first byte that is not UTF-8 is, and what to do (was the codec's 'can't decode byte
+    0xff in position 0')."""
+    before = exc.object[:exc.start]
+    line, column = before.count(b"\n") + 1, exc.start - before.rfind(b"\n")
+    return (f"is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at line {line}, column {column} (saved as UTF-16 "
+            "or Latin-1?); save it as UTF-8")

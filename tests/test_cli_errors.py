@@ -599,7 +599,9 @@ def test_a_config_file_that_cannot_be_read_as_toml_is_one_line(tmp_path, capsys)
     from fedpar.cli.main import main
 
     (tmp_path / "latin1.toml").write_bytes(b"\xff\xfe rounds = 3")
-    cases = [(tmp_path / "latin1.toml", "is not valid TOML: 'utf-8' codec can't decode byte 0xff"),
+    # QA: was "is not valid TOML: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"
+    cases = [(tmp_path / "latin1.toml", "latin1.toml is not UTF-8 text: byte 0xff at line 1, column 1 (saved as UTF-16 "
+                                        "or Latin-1?); save it as UTF-8"),
              (tmp_path, f"config file {tmp_path} is a folder; give a TOML file"),
              (tmp_path / "nowhere.toml", "does not exist")]
     (tmp_path / "revoke.toml").write_text('[certs]\nrevoke_cert = [""]\n')  # an ArgumentTypeError traceback
@@ -607,6 +609,10 @@ def test_a_config_file_that_cannot_be_read_as_toml_is_one_line(tmp_path, capsys)
     (tmp_path / "serve.toml").write_text('[serve]\nrounds = 1\n')  # simulate ran its default rounds, saying nothing
     cases.append((tmp_path / "serve.toml", "has nothing for 'simulate': no [simulate] table and no option at its top "
                                            "level, only [serve]; add a [simulate] table"))
+    (tmp_path / "bom.toml").write_bytes(b'\xef\xbb\xbf[simulate]\nrounds = "x"\n')  # QA: 'Invalid statement (at line 1'
+    cases.append((tmp_path / "bom.toml", "bom.toml: rounds: expected an integer, got 'x'"))  # read: Notepad's UTF-8
+    (tmp_path / "cafe.toml").write_bytes('[simulate]\nout = "café"\n'.encode("latin-1"))
+    cases.append((tmp_path / "cafe.toml", "cafe.toml is not UTF-8 text: byte 0xe9 at line 2, column 11"))
     for path, line in cases:
         assert main(["certs" if path.name == "revoke.toml" else "simulate", "--config", str(path)]) == 2
         err = capsys.readouterr().err
