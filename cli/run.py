@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _refusal_line(err, args: argparse.Namespace) -> str:
     """What a failed control call means for the operator: the service's own refusal as it said it, else what the
-    transport's words point to (the wrong port, a failed TLS handshake, a service that went away, one that takes
+    transport's words point to (a host name that cannot be looked up, the wrong port, a failed TLS handshake, a service that went away, one that takes
     connections and never answers, stopped or overloaded, or an address where nothing takes them)."""
     import grpc
 
@@ -371,6 +371,9 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
                 "--control-port")
+    if code == grpc.StatusCode.UNAVAILABLE and "resolv" in said:  # 'errors resolving ...', 'DNS resolution failed'
+        return (f"the host name of {control} cannot be looked up (mistyped? a name no DNS server knows); check "
+                "--control")
     silence = silence_at(control, SILENT_SECONDS) if code == grpc.StatusCode.UNAVAILABLE else None
     if silence == NO_ANSWER:
         # gRPC calls a handshake the server never answered 'Handshake read failed (Endpoint closing)' after its

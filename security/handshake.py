@@ -211,7 +211,7 @@ def _handshake(target: tuple[str, int], files: TlsFiles, name: str, timeout: flo
         return _REFUSED_OURS if handshake_done and files.cert is not None else None
     except ssl.SSLError as exc:
         return exc
-    except OSError:  # refused, timed out, no route: not a TLS matter (the agent keeps trying)
+    except (OSError, UnicodeError):  # refused, timed out, no route, a name that cannot be encoded: not a TLS matter
         return None
 
 

@@ -82,3 +82,17 @@ def test_an_address_whose_name_cannot_be_encoded_is_not_taken_for_silence():
     from fedpar.security.handshake import silence_at
 
     assert silence_at(f"{'a' * 64}.example:7000", 0.5) is None
+
+
+def test_a_control_host_that_cannot_be_looked_up_is_said_as_such(tmp_path, capfd):
+    """QA: a label over 63 characters was a traceback (the handshake probe's UnicodeError), and a name no DNS server
+    knows was gRPC's 'errors resolving ... [field:hostname lookup error ...]; is 'fedpar serve --state' running
+    there?'. Names that fail without asking a DNS server: one too long, one with a space."""
+    from support.in_process import run_main
+
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["ops"])
+    for control in (f"{'a' * 64}.example:7000", "bad host:7000"):
+        done = run_main(["run", "ls", "--control", control, "--certs", str(certs), "--operator", "ops"], capfd)
+        assert (done.returncode, done.stderr) == (1, f"fedpar run: the host name of {control} cannot be looked up "
+                                                     "(mistyped? a name no DNS server knows); check --control\n")
