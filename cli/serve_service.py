@@ -53,11 +53,15 @@ class ServiceOptions:
 def _lock(path: Path) -> FileLock:
     """An exclusive lock beside the state file: one service per state file, however a path names it (a symlink, a
     relative path: the resolved one is locked); UserError if another holds it."""
+    lock = Path(f"{path.resolve()}.lock")
     try:
-        return file_lock.hold(Path(f"{path.resolve()}.lock"))
+        return file_lock.hold(lock)
     except file_lock.LockHeld as held:
         by = f"another fedpar serve (pid {held.pid})" if held.pid else "another fedpar serve"
         raise UserError(f"state file {path} is in use by {by}; stop it, or give another --state") from None
+    except OSError as exc:  # a folder where its lock file goes: was exit 1, '(--debug shows the traceback)'
+        raise UserError(f"state file {path} cannot be locked: {lock} is not a file this service can use "
+                        f"({exc.strerror or exc}); move it aside, or give another --state") from None
 
 
 def check_distinct_ports(args: argparse.Namespace) -> None:

@@ -690,6 +690,15 @@ def test_a_refused_service_start_leaves_no_lock_file_and_a_busy_state_file_is_on
     assert line.startswith("fedpar serve: state file") and "--debug" not in line, err
     assert err.strip() == line, err  # nothing before it either (the certificates' log lines came first)
     assert not (tmp_path / "state.db").exists()
+    # QA: a folder where the lock file goes was exit 1, 'Is a directory: state.db.lock in folder ...; a folder is in
+    # the way: move it or pick another path (--debug shows the traceback)'
+    (tmp_path / "other.db.lock").mkdir()
+    rc, _, err = astuple_of(run_main(["serve", "--state", str(tmp_path / "other.db"), "--certs", str(certs), "--port",
+                                      "0", "--control-port", "0"], capfd, tmp_path))
+    assert (rc, err) == (2, f"fedpar serve: state file {tmp_path / 'other.db'} cannot be locked: "
+                            f"{tmp_path / 'other.db.lock'} is not a file this service can use (Is a directory); move "
+                            "it aside, or give another --state\n"), err
+    assert not (tmp_path / "other.db").exists() and (tmp_path / "other.db.lock").is_dir()
 
 
 def test_a_service_refuses_run_folders_its_state_file_does_not_know(tmp_path, capfd):
