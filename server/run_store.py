@@ -388,4 +388,7 @@ def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
                 f"{path}.runs, its runs' outputs) and start again, or give another --state")
     if "unable to open" in text and os.path.isdir(path):  # sqlite says only 'unable to open database file'
         return _a_folder(path)
+    if "unable to open" in text:  # or of the files beside it (WAL mode): a folder there, or one it may not write
+        return (f"state file {path}: {text}; SQLite keeps {path}-wal and {path}-shm beside it: each must be a file "
+                "this user may write, or not there (move aside what is in the way), or give another --state")
     return f"state file {path}: {text}"

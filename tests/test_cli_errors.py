@@ -701,6 +701,24 @@ def test_a_refused_service_start_leaves_no_lock_file_and_a_busy_state_file_is_on
     assert not (tmp_path / "other.db").exists() and (tmp_path / "other.db.lock").is_dir()
 
 
+def test_a_folder_where_sqlite_keeps_the_state_files_wal_is_one_line_saying_what_to_do(tmp_path, capfd):
+    """QA: 'state file S: unable to open database file', and nothing more."""
+    from fedpar.server.run_store import RunStore
+
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--agents", "a", "--operators", "op"], capfd).returncode == 0
+    state = tmp_path / "state.db"
+    RunStore(state).close()
+    kept = state.read_bytes()
+    Path(f"{state}-wal").mkdir()
+    rc, _, err = astuple_of(run_main(["serve", "--state", str(state), "--certs", str(certs), "--port", "0",
+                                      "--control-port", "0"], capfd, tmp_path))
+    assert (rc, err) == (2, f"fedpar serve: state file {state}: unable to open database file; SQLite keeps "
+                            f"{state}-wal and {state}-shm beside it: each must be a file this user may write, or not "
+                            "there (move aside what is in the way), or give another --state\n"), err
+    assert state.read_bytes() == kept
+
+
 def test_a_service_refuses_run_folders_its_state_file_does_not_know(tmp_path, capfd):
     """A new state file next to an earlier one's STATE.runs (the old file moved aside, as a damaged one's line says)
     numbers its runs from 1 again: run 1 would resume the old run 1's checkpoints and report its results. The start
