@@ -36,6 +36,9 @@ def _flatten(table: dict[str, Any], where: str, dict_options: set[str], skip: se
                 _flatten(value, f"{where}.{raw}" if where else raw, dict_options, set(), out, origin, names,
                          f"{prefix}{raw}.")
             continue
+        if key in out and origin[key] == label:  # learning-rate beside learning_rate: was 'in [serve] and in [serve]'
+            said = f"in {label}" if where else "at the top level"
+            raise ConfigError(f"{names[key]} and {prefix}{raw} {said} are the same option; keep {prefix}{key}")
         if key in out:
             raise ConfigError(f"option {key} is set twice, in {origin[key]} and in {label}; keep one of them")
         out[key], origin[key], names[key] = value, label, f"{prefix}{raw}"

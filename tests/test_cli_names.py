@@ -83,6 +83,11 @@ def test_serve_client_and_simulate_share_the_defaults_of_the_same_knob():
     ('[serve]\nlr = "fast"\n', "config.toml: lr: expected a number, got 'fast'"),  # a key may be the flag's name
     ("[serve]\nlr = 0.1\nlearning_rate = 0.2\n", "config.toml: lr and learning_rate are the same option; keep "
                                                  "learning_rate"),
+    # QA: was 'option learning_rate is set twice, in [serve] and in [serve]'
+    ("[serve]\nlearning-rate = 0.1\nlearning_rate = 0.2\n", "config.toml: learning-rate and learning_rate in [serve] "
+                                                           "are the same option; keep learning_rate"),
+    ("learning_rate = 0.1\nlearning-rate = 0.2\n", "config.toml: learning_rate and learning-rate at the top level are "
+                                                  "the same option; keep learning_rate"),
     ('[serve]\nlearning_rate = "fast"\n', "config.toml: learning_rate: expected a number, got 'fast'"),
     ("[serve]\nsecure_aggregation = 1\n", "config.toml: secure_aggregation: expected true or false, got 1"),
     ('[serve]\nprivacy = "centre"\n', "config.toml: privacy: expected one of off, central, client, got 'centre'"),
