@@ -105,6 +105,11 @@ def address(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r}: the port must be a number in 1..65535 (e.g. 127.0.0.1:50051)")
+    try:  # a part of 64+ characters, or an empty one (a..b): "encoding with 'idna' codec failed" (run: a traceback)
+        host.strip("[]").encode("idna")
+    except UnicodeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {host!r} is not a host name: each of its dot-separated parts "
+                                         "must have 1 to 63 characters") from None
     return text
 
 

@@ -85,14 +85,19 @@ def test_an_address_whose_name_cannot_be_encoded_is_not_taken_for_silence():
 
 
 def test_a_control_host_that_cannot_be_looked_up_is_said_as_such(tmp_path, capfd):
-    """QA: a label over 63 characters was a traceback (the handshake probe's UnicodeError), and a name no DNS server
-    knows was gRPC's 'errors resolving ... [field:hostname lookup error ...]; is 'fedpar serve --state' running
-    there?'. Names that fail without asking a DNS server: one too long, one with a space."""
+    """QA: a label over 63 characters was a traceback (the handshake probe's UnicodeError; --server's: "encoding with
+    'idna' codec failed"), and a name no DNS server knows was gRPC's 'errors resolving ... [field:hostname lookup
+    error ...]; is 'fedpar serve --state' running there?'. Names that fail without asking a DNS server."""
     from support.in_process import run_main
 
     certs = tmp_path / "certs"
     ensure_certs(certs, operators=["ops"])
-    for control in (f"{'a' * 64}.example:7000", "bad host:7000"):
-        done = run_main(["run", "ls", "--control", control, "--certs", str(certs), "--operator", "ops"], capfd)
-        assert (done.returncode, done.stderr) == (1, f"fedpar run: the host name of {control} cannot be looked up "
-                                                     "(mistyped? a name no DNS server knows); check --control\n")
+    control = "bad host:7000"
+    done = run_main(["run", "ls", "--control", control, "--certs", str(certs), "--operator", "ops"], capfd)
+    assert (done.returncode, done.stderr) == (1, f"fedpar run: the host name of {control} cannot be looked up "
+                                                 "(mistyped? a name no DNS server knows); check --control\n")
+    host = f"{'a' * 64}.example"  # no host name at all: refused as the option is parsed, as --server is too
+    done = run_main(["run", "ls", "--control", f"{host}:7000", "--certs", str(certs), "--operator", "ops"], capfd)
+    assert (done.returncode, done.stderr) == (2, f"fedpar run: error: argument --control: '{host}:7000': '{host}' is "
+                                                 "not a host name: each of its dot-separated parts must have 1 to 63 "
+                                                 "characters; see 'fedpar run --help'\n")
