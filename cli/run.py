@@ -356,8 +356,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _refusal_line(err, args: argparse.Namespace) -> str:
     """What a failed control call means for the operator: the service's own refusal as it said it, else what the
-    transport's words point to (a host name that cannot be looked up, the wrong port, a failed TLS handshake, a service that went away, one that takes
-    connections and never answers, stopped or overloaded, or an address where nothing takes them)."""
+    transport's words point to (no service, a host name that cannot be looked up, the wrong port, a failed TLS
+    handshake, a service that went away, one that takes connections and never answers, stopped or overloaded, or an
+    address where nothing takes them)."""
     import grpc
 
     from fedpar.security.handshake import NO_ANSWER, NO_CONNECTION, OPERATOR, diagnose_handshake, silence_at
@@ -371,6 +372,10 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (f"{control} answers, but has no control API (is it the agents' port?): give --control the service's "
                 "--control-port")
+    if code == grpc.StatusCode.UNAVAILABLE and "connection refused" in said:  # was gRPC's 'failed to connect to all
+        # addresses; last error: UNKNOWN: ipv4:...: Failed to connect to remote host: Connection refused'
+        return (f"nothing listens at {control} (connection refused): is 'fedpar serve --state' running there, and is "
+                f"{control.rpartition(':')[2]} its --control-port?")
     if code == grpc.StatusCode.UNAVAILABLE and "resolv" in said:  # 'errors resolving ...', 'DNS resolution failed'
         return (f"the host name of {control} cannot be looked up (mistyped? a name no DNS server knows); check "
                 "--control")

@@ -101,3 +101,18 @@ def test_a_control_host_that_cannot_be_looked_up_is_said_as_such(tmp_path, capfd
     assert (done.returncode, done.stderr) == (2, f"fedpar run: error: argument --control: '{host}:7000': '{host}' is "
                                                  "not a host name: each of its dot-separated parts must have 1 to 63 "
                                                  "characters; see 'fedpar run --help'\n")
+
+
+def test_a_control_port_where_nothing_listens_is_said_as_such(tmp_path, capfd):
+    """QA: 'failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:P: Failed to connect to remote
+    host: Connection refused at 127.0.0.1:P; is ...' (no service started yet, or the agents' --port mistyped)."""
+    from support.in_process import run_main
+
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["ops"])
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # a port nothing listens on once it is closed
+        port = taken.getsockname()[1]
+    done = run_main(["run", "ls", "--control", f"127.0.0.1:{port}", "--certs", str(certs), "--operator", "ops"], capfd)
+    assert (done.returncode, done.stderr) == (1, f"fedpar run: nothing listens at 127.0.0.1:{port} (connection "
+                                                 f"refused): is 'fedpar serve --state' running there, and is {port} "
+                                                 "its --control-port?\n")
