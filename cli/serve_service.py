@@ -30,6 +30,8 @@ from fedpar.server.run_store import RunStore, StoreError, check_state_folder
 from fedpar.settings import setting
 
 IDLE_POLL_SECONDS = 0.5
+CANNOT_RESUME = "cannot resume: "  # a failed run whose reason starts so is queued again at the next start (retry)
+TRIED_AGAIN = "the service tries again when it is started again on the same --state"
 WAIT_SAID_AFTER_SECONDS = 3.0  # a run waiting for agents says so after this long (agents re-join in about that)
 WAIT_SAID_EVERY_SECONDS = 60.0  # and again in its log while it still waits
 
@@ -329,7 +331,8 @@ class RunService:
             try:
                 server.start()
             except RestoreError as exc:  # e.g. a damaged checkpoint, or one made with another model
-                return self._end(run, "failed", f"cannot resume: {exc}", code=2)
+                return self._end(run, "failed", f"{CANNOT_RESUME}{exc}; {TRIED_AGAIN}", said=f"{CANNOT_RESUME}{exc}",
+                                 code=2)  # said: what a one-shot form (one run, no --state) exits with
             except (KeyboardInterrupt, UserError):
                 raise
             except Exception as exc:  # the port is taken
@@ -467,9 +470,10 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         finally:
             lock.release(refused=False)
     for run_id in store.recover():
-        line = f"run {run_id} was running when the service last ended: it resumes from its last checkpoint"
-        store.log(run_id, line)
-        print(line, flush=True)
+        _say_at_start(store, run_id, "was running when the service last ended: it resumes from its last checkpoint")
+    for run_id in store.retry(CANNOT_RESUME):
+        _say_at_start(store, run_id, "could not resume when the service last ran: it tries again from its last "
+                                     "checkpoint")
     service, control = RunService(args, store, args.port, plan, rank_group), None
     try:  # a signal at any moment, the first second's included, stops the service cleanly
         with stop_on_signals(second_exits=rank_group is None) as received:  # a rank's launcher escalates
@@ -514,6 +518,13 @@ def run_service(args: argparse.Namespace, plan: Callable, launch_ranks: Callable
         if lock is not None:
             lock.release(refused=False)
     return 0
+
+
+def _say_at_start(store: RunStore, run_id: int, what: str) -> None:
+    """Say in run ``run_id``'s log and on stdout ``what`` the service's start does with it."""
+    line = f"run {run_id} {what}"
+    store.log(run_id, line)
+    print(line, flush=True)
 
 
 def until_told(coordinator) -> None:

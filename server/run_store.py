@@ -337,6 +337,17 @@ class RunStore:
             return [run_id for run_id, stop in stuck if not stop]
         return self._run_write(write)
 
+    def retry(self, reason: str) -> list[int]:
+        """Queue again every failed run whose reason starts with ``reason`` (one that could not resume: its
+        checkpoint may have been mended since); returns their ids."""
+        def write(db):
+            again = [run_id for (run_id,) in db.execute(
+                "SELECT id FROM runs WHERE status = 'failed' AND substr(reason, 1, length(?)) = ?", (reason, reason))]
+            db.executemany("UPDATE runs SET status = 'queued', reason = 'tried again: it could not resume before', "
+                           "ended = NULL WHERE id = ?", [(run_id,) for run_id in again])
+            return again
+        return self._run_write(write)
+
     # ----------------------------------------------------------------- a run's log
     def log(self, run_id: int, line: str) -> None:
         """Add ``line`` to the log of ``run_id`` (what 'fedpar run logs' shows beside the rounds)."""

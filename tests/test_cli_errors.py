@@ -719,6 +719,54 @@ def test_a_folder_where_sqlite_keeps_the_state_files_wal_is_one_line_saying_what
     assert state.read_bytes() == kept
 
 
+def _serve_until(argv: list[str], cwd: Path, capfd, done) -> subprocess.CompletedProcess:
+    """`fedpar ARGV` (a service) by its main in this process, sent SIGTERM once ``done()`` holds (polled)."""
+    import threading
+
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(0.1):
+            if done():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        return run_main(argv, capfd, cwd)
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def test_a_run_that_could_not_resume_is_tried_again_at_the_services_next_start(tmp_path, capfd):
+    """QA: a run whose last checkpoint was damaged failed with 'to resume from the previous checkpoint instead, write
+    'round-000001' into .../LATEST', and doing so changed nothing: a failed run stayed failed across restarts (its
+    rounds so far lost to the service). It is queued again at the next start."""
+    from fedpar.server.run_store import RunStore
+
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--agents", "a", "--operators", "op"], capfd).returncode == 0
+    state = tmp_path / "state.db"
+    store = RunStore(state)
+    run_id = store.submit("r", {})
+    store.start(run_id, f"{state}.runs/{run_id}")  # running when the service was killed, its checkpoint damaged
+    checkpoint = Path(f"{state}.runs/{run_id}/checkpoints")
+    (checkpoint / "round-000001").mkdir(parents=True)
+    (checkpoint / "round-000001" / "global.safetensors").write_bytes(b"cut short")
+    (checkpoint / "LATEST").write_text("round-000001\n")
+    serve = ["serve", "--state", str(state), "--certs", str(certs), "--port", "0", "--control-port", "0"]
+    for start in ("was running when the service last ended: it resumes from its last checkpoint",
+                  "could not resume when the service last ran: it tries again from its last checkpoint"):
+        done = _serve_until(serve, tmp_path, capfd, lambda: store.get(run_id).status == "failed")
+        assert done.returncode == 0 and f"run {run_id} {start}\n" in done.stdout, done
+        run = store.get(run_id)
+        assert run.reason.startswith("cannot resume: damaged checkpoint: ") and run.reason.endswith(
+            "; the service tries again when it is started again on the same --state"), run.reason
+    store.close()
+
+
 def test_a_service_refuses_run_folders_its_state_file_does_not_know(tmp_path, capfd):
     """A new state file next to an earlier one's STATE.runs (the old file moved aside, as a damaged one's line says)
     numbers its runs from 1 again: run 1 would resume the old run 1's checkpoints and report its results. The start
