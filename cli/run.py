@@ -356,12 +356,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _refusal_line(err, args: argparse.Namespace) -> str:
     """What a failed control call means for the operator: the service's own refusal as it said it, else what the
-    transport's words point to (no service, a host name that cannot be looked up, the wrong port, a failed TLS
-    handshake, a service that went away, one that takes connections and never answers, stopped or overloaded, or an
-    address where nothing takes them)."""
+    transport's words point to (no service, a host name that cannot be looked up, the wrong port, a plaintext one,
+    a failed TLS handshake, a service that went away, one that takes connections and never answers, stopped or
+    overloaded, or an address where nothing takes them)."""
     import grpc
 
-    from fedpar.security.handshake import NO_ANSWER, NO_CONNECTION, OPERATOR, diagnose_handshake, silence_at
+    from fedpar.security.handshake import (NO_ANSWER, NO_CONNECTION, OPERATOR, diagnose_handshake, silence_at,
+                                           speaks_tls)
     from fedpar.server.run_control import SERVICE_STOPPING
 
     control, code, details = args.control, err.code(), err.details() or ""
@@ -389,6 +390,10 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     if silence == NO_CONNECTION:
         return (f"nothing at {control} took the connection within {CONNECT_SECONDS + SILENT_SECONDS:.0f} s (a host that "
                 "is down, a wrong address, or a firewall dropping the packets); check --control")
+    if code == grpc.StatusCode.UNAVAILABLE and speaks_tls(control) is False:  # was 'TLS handshake ... failed:
+        # WRONG_VERSION_NUMBER; check --certs DIR ...': no certificate helps
+        return (f"{control} speaks plaintext gRPC (an --insecure coordinator's agents' port?), not the control API's "
+                "mutual TLS: give --control the --control-port of a 'fedpar serve --state' service")
     if code == grpc.StatusCode.UNAVAILABLE:  # gRPC's words for a failed handshake are cut and vary: ask TLS itself
         problem = diagnose_handshake(control, _operator_files(args), who=OPERATOR)
         if problem is not None:

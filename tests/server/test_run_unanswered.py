@@ -116,3 +116,25 @@ def test_a_control_port_where_nothing_listens_is_said_as_such(tmp_path, capfd):
     assert (done.returncode, done.stderr) == (1, f"fedpar run: nothing listens at 127.0.0.1:{port} (connection "
                                                  f"refused): is 'fedpar serve --state' running there, and is {port} "
                                                  "its --control-port?\n")
+
+
+def test_a_plaintext_grpc_port_is_said_as_such_not_blamed_on_the_certificates(tmp_path):
+    """QA: `fedpar run` at a one-shot `fedpar serve --insecure`'s port said 'TLS handshake with the service at ...
+    failed: WRONG_VERSION_NUMBER; check --certs DIR and the service's TLS options'. A process: gRPC's own handshake
+    log line is quiet there (set before gRPC loads), not in this one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["ops"])
+    server = grpc.server(ThreadPoolExecutor(1))  # plaintext gRPC, as an --insecure coordinator's agents' port
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        done = _fedpar_run("ls", "--control", f"127.0.0.1:{port}", "--certs", str(certs), "--operator", "ops")
+    finally:
+        server.stop(0)
+    assert (done.returncode, done.stderr) == (1, f"fedpar run: 127.0.0.1:{port} speaks plaintext gRPC (an --insecure "
+                                                 "coordinator's agents' port?), not the control API's mutual TLS: give "
+                                                 "--control the --control-port of a 'fedpar serve --state' service\n")
