@@ -86,13 +86,27 @@ class MissingFolder(StoreError, FileNotFoundError):
 
 def check_state_folder(path: str | Path) -> None:
     """MissingFolder unless the folder state file ``path`` would be in exists (a file there is said too); StoreError
-    when ``path`` is a folder."""
+    when ``path`` is a folder, or a file SQLite keeps beside a state file."""
     folder = Path(path).absolute().parent
     if not folder.is_dir():
         what = "is a file, not a folder;" if folder.exists() else "does not exist; create it first, or"
         raise MissingFolder(f"the folder {folder} of state file {path} {what} give --state another path")
     if Path(path).is_dir():
         raise StoreError(_a_folder(path))
+    _refuse_side_file(str(path))
+
+
+SIDE_FILES = {"-wal": "write-ahead log", "-shm": "shared memory index", "-journal": "rollback journal"}  # SQLite's
+
+
+def _refuse_side_file(path: str) -> None:
+    """StoreError when ``path`` is one of the files SQLite keeps beside a state file (a tab completion's slip): it was
+    called a damaged state file to move aside, and a moved -wal takes the state file's latest writes with it."""
+    for suffix, what in SIDE_FILES.items():
+        state = path[:-len(suffix)]
+        if path.endswith(suffix) and os.path.isfile(state):
+            raise StoreError(f"{path} is the {what} SQLite keeps beside state file {state}, not a state file: give "
+                             f"--state {state} (and leave {path} where it is: it may hold that file's latest writes)")
 
 
 def _a_folder(path: str | Path) -> str:

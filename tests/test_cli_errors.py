@@ -719,6 +719,28 @@ def test_a_folder_where_sqlite_keeps_the_state_files_wal_is_one_line_saying_what
     assert state.read_bytes() == kept
 
 
+def test_a_state_files_write_ahead_log_given_as_the_state_file_is_refused_naming_the_state_file(tmp_path, capfd):
+    """QA: --state state.db-wal (a tab completion's slip, after a kill -9 left it) was 'not a fedpar state database or
+    is damaged ...; move it aside ... and start again': moving it aside takes the runs submitted since the last
+    checkpoint of the WAL with it."""
+    from fedpar.server.run_store import RunStore
+
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--agents", "a", "--operators", "op"], capfd).returncode == 0
+    state = tmp_path / "state.db"
+    RunStore(state).close()
+    Path(f"{state}-wal").write_bytes(b"a log of writes")
+    for suffix, what in (("-wal", "write-ahead log"), ("-shm", "shared memory index")):
+        Path(f"{state}{suffix}").touch()
+        rc, _, err = astuple_of(run_main(["serve", "--state", f"{state}{suffix}", "--certs", str(certs), "--port", "0",
+                                          "--control-port", "0"], capfd, tmp_path))
+        assert (rc, err) == (2, f"fedpar serve: {state}{suffix} is the {what} SQLite keeps beside state file {state}, "
+                                f"not a state file: give --state {state} (and leave {state}{suffix} where it is: it "
+                                "may hold that file's latest writes)\n"), err
+    assert Path(f"{state}-wal").read_bytes() == b"a log of writes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["certs", "state.db", "state.db-shm", "state.db-wal"]
+
+
 def _serve_until(argv: list[str], cwd: Path, capfd, done) -> subprocess.CompletedProcess:
     """`fedpar ARGV` (a service) by its main in this process, sent SIGTERM once ``done()`` holds (polled)."""
     import threading
