@@ -94,6 +94,11 @@ def check_state_folder(path: str | Path) -> None:
     if Path(path).is_dir():
         raise StoreError(_a_folder(path))
     _refuse_side_file(str(path))
+    links = os.stat(path).st_nlink if os.path.isfile(path) else 1
+    if links > 1:  # each name has its own lock and -wal: a second service under another name shared the database
+        raise StoreError(f"state file {path} has {links} names (hard links): a service under each would keep a "
+                         "write-ahead log of its own beside it and damage it; remove the other names, or give "
+                         "--state a copy")
 
 
 SIDE_FILES = {"-wal": "write-ahead log", "-shm": "shared memory index", "-journal": "rollback journal"}  # SQLite's

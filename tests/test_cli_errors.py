@@ -741,6 +741,31 @@ def test_a_state_files_write_ahead_log_given_as_the_state_file_is_refused_naming
     assert sorted(p.name for p in tmp_path.iterdir()) == ["certs", "state.db", "state.db-shm", "state.db-wal"]
 
 
+def test_a_state_file_with_two_names_is_refused_under_each(tmp_path, capfd):
+    """QA: a second service on the same state file under a hard link's name started (the lock goes by name), with a
+    write-ahead log of its own beside it: it did not see the first one's runs, and the two could damage the file."""
+    from fedpar.server.run_store import RunStore
+
+    certs = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(certs), "--agents", "a", "--operators", "op"], capfd).returncode == 0
+    state, other = tmp_path / "state.db", tmp_path / "other.db"
+    store = RunStore(state)
+    store.submit("kept", {})
+    store.close()
+    os.link(state, other)
+    for name in (other, state):
+        rc, _, err = astuple_of(run_main(["serve", "--state", str(name), "--certs", str(certs), "--port", "0",
+                                          "--control-port", "0"], capfd, tmp_path))
+        assert (rc, err) == (2, f"fedpar serve: state file {name} has 2 names (hard links): a service under each "
+                                "would keep a write-ahead log of its own beside it and damage it; remove the other "
+                                "names, or give --state a copy\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["certs", "other.db", "state.db"]
+    other.unlink()  # as the line says: then the file is taken, its runs kept
+    store = RunStore(state)
+    assert [run.name for run in store.runs()] == ["kept"]
+    store.close()
+
+
 def _serve_until(argv: list[str], cwd: Path, capfd, done) -> subprocess.CompletedProcess:
     """`fedpar ARGV` (a service) by its main in this process, sent SIGTERM once ``done()`` holds (polled)."""
     import threading
