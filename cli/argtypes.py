@@ -212,6 +212,11 @@ class KeyValueOption(argparse.Action):
         return self._keys
 
 
+def key_value_list(value) -> bool:
+    """Whether ``value`` is a TOML list of ``"KEY=VALUE"`` strings (a KEY=VALUE option's flag, repeated)."""
+    return isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value)
+
+
 def as_mapping(value, name: str = "strategy_options") -> dict:
     """The options (``name`` in a config file) as a dict, from a flag-built dict, a TOML table, or a TOML list of
     ``"KEY=VALUE"`` strings."""
@@ -219,7 +224,7 @@ def as_mapping(value, name: str = "strategy_options") -> dict:
         return {}
     if isinstance(value, dict):
         return dict(value)
-    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
+    if key_value_list(value):
         pairs: dict[str, str] = {}
         for key, _, text in (item.partition("=") for item in value):
             key, text = key.strip(), text.strip()

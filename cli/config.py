@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from fedpar.cli.argtypes import key_value_list
 from fedpar.cli.declared import Needs
 from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag
 from fedpar.cli.subcommands import SUBCOMMANDS
@@ -175,15 +176,15 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
         )
     actions = {a.dest: a for a in parser._actions}
     for key, value in values.items():
+        if key in dict_options and not _table_like(value, key in actions):  # was a traceback, or a line naming no file
+            table = f"{section}.{names[key]}" if section in doc else names[key]
+            raise ConfigError(f"{known.config}: {names[key]}: expected a table ([{table}] with a KEY = VALUE line "
+                              f"each), got {value!r}")
         if key in actions:
             try:
                 values[key] = typed_value(actions[key], value)
             except ValueError as exc:
                 raise ConfigError(f"{known.config}: {names[key]}: {exc}") from None
-        elif key in dict_options and not isinstance(value, dict):  # the command reads it as a table: was a traceback
-            table = f"{section}.{names[key]}" if section in doc else names[key]
-            raise ConfigError(f"{known.config}: {names[key]}: expected a table ([{table}] with a KEY = VALUE line "
-                              f"each), got {value!r}")
     typed = given_settings(parser, argv, frozenset())
     for key in [key for key in values if key in typed and isinstance(actions.get(key), _LISTS)]:
         del values[key]  # the flag's items replace the file's list: argparse would add them to it
@@ -192,6 +193,12 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
         if action.required and action.dest in values:  # argparse checks a required option's flag, never its default
             action.required = False
     return frozenset(values)
+
+
+def _table_like(value: Any, flagged: bool) -> bool:
+    """Whether ``value`` can be a table option's: a TOML table, or for one with a KEY=VALUE flag (``flagged``:
+    --strategy-option) also a list of "KEY=VALUE" strings, as the flag repeated."""
+    return isinstance(value, dict) or (flagged and key_value_list(value))
 
 
 def flag_key_dests(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -83,6 +83,9 @@ def test_serve_client_and_simulate_share_the_defaults_of_the_same_knob():
     ('[serve]\nlr = "fast"\n', "config.toml: lr: expected a number, got 'fast'"),  # a key may be the flag's name
     ("[serve]\nlr = 0.1\nlearning_rate = 0.2\n", "config.toml: lr and learning_rate are the same option; keep "
                                                  "learning_rate"),
+    # QA: was '--strategy-option must be a table or a list of "KEY=VALUE" strings, got [1, 2]', naming no file
+    ("[serve]\nstrategy_options = [1, 2]\n", "config.toml: strategy_options: expected a table "
+                                            "([serve.strategy_options] with a KEY = VALUE line each), got [1, 2]"),
     # QA: was 'option learning_rate is set twice, in [serve] and in [serve]'
     ("[serve]\nlearning-rate = 0.1\nlearning_rate = 0.2\n", "config.toml: learning-rate and learning_rate in [serve] "
                                                            "are the same option; keep learning_rate"),
