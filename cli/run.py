@@ -401,8 +401,10 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     if code == grpc.StatusCode.UNAVAILABLE and any(w in said for w in ("ssl", "handshake", "certificate", "tls")):
         return (f"the TLS handshake with {control} failed: --certs must hold the CA that signed the service's "
                 "certificate, and the operator's certificate must come from that CA (--debug shows gRPC's words)")
-    if code == grpc.StatusCode.CANCELLED or (code == grpc.StatusCode.UNAVAILABLE and "cancel" in said):
-        return f"the service at {control} went away (it stopped, or the connection broke)"
+    if code == grpc.StatusCode.CANCELLED or (code == grpc.StatusCode.UNAVAILABLE and (
+            "cancel" in said or "stream removed" in said or "socket closed" in said)):  # a kill -9 mid-call
+        return (f"the service at {control} went away (it stopped or crashed, or the connection broke): a run it was "
+                "executing resumes when it starts again on the same --state; try again then")
     if code == grpc.StatusCode.UNAVAILABLE:
         return f"{details} at {control}; is 'fedpar serve --state' running there?"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -138,3 +138,39 @@ def test_a_plaintext_grpc_port_is_said_as_such_not_blamed_on_the_certificates(tm
     assert (done.returncode, done.stderr) == (1, f"fedpar run: 127.0.0.1:{port} speaks plaintext gRPC (an --insecure "
                                                  "coordinator's agents' port?), not the control API's mutual TLS: give "
                                                  "--control the --control-port of a 'fedpar serve --state' service\n")
+
+
+def test_a_follow_whose_service_is_killed_says_the_run_resumes_when_it_is_back(tmp_path):
+    """QA: `fedpar run logs ID -f` when the service died by kill -9 ended with gRPC's 'Stream removed (Socket closed)
+    at HOST:PORT; is 'fedpar serve --state' running there?'. Real processes: the service, the follower."""
+    import time
+
+    certs = tmp_path / "certs"
+    ensure_certs(certs, operators=["ops"])
+    (tmp_path / "run.toml").write_text("rounds = 1\n")
+    service = subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--state", str(tmp_path / "state.db"),
+                                "--certs", str(certs), "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
+                                "--control-port-file", str(tmp_path / "cport")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    follow = None
+    try:
+        for _ in range(600):
+            if (tmp_path / "cport").exists() or service.poll() is not None:
+                break
+            time.sleep(0.1)
+        control = ["--control", f"127.0.0.1:{int((tmp_path / 'cport').read_text())}", "--certs", str(certs),
+                   "--operator", "ops"]
+        assert _fedpar_run("submit", str(tmp_path / "run.toml"), *control).stdout == "1\n"  # it waits for agents
+        follow = subprocess.Popen([sys.executable, "-m", "fedpar", "run", "logs", "1", "-f", *control], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "run 1 (run) started" in follow.stdout.readline()
+        service.kill()
+        out, err = follow.communicate(timeout=60)
+    finally:
+        for proc in (follow, service):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert (follow.returncode, err) == (1, f"fedpar run: the service at {control[1]} went away (it stopped or crashed, "
+                                           "or the connection broke): a run it was executing resumes when it starts "
+                                           "again on the same --state; try again then\n"), (out, err)
