@@ -256,11 +256,13 @@ def _store_env(store: dist.TCPStore | None) -> dict[str, str]:
 
 
 def fork_safe() -> bool:
-    """Whether ranks may be forked from this process: no GPU is visible (CUDA does not survive a fork) and only this
-    one thread runs Python (a lock another thread held would stay locked in the copy)."""
+    """Whether processes may be forked from this one: on Linux (macOS's system libraries do not survive a fork, which
+    is why Python spawns there), no GPU is visible (CUDA does not survive one either) and only this one thread runs
+    Python (a lock another thread held would stay locked in the copy)."""
     import threading
 
-    return threading.active_count() == 1 and not torch.cuda.is_available()
+    return (sys.platform.startswith("linux") and threading.active_count() == 1
+            and not torch.cuda.is_available())
 
 
 def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
