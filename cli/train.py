@@ -154,9 +154,7 @@ def _out_held(out: str) -> contextlib.AbstractContextManager:
 def _train(args: argparse.Namespace, world: int, held: contextlib.ExitStack | None) -> int:
     """What :func:`_run` does with ``--out`` held (``held``: rank 0's hold, None on the others), on ``world``
     ranks."""
-    from fedpar.parallel.checkpoint import check_resume, latest_checkpoint
     from fedpar.parallel.device import check_device_layout
-    from fedpar.parallel.preflight import preflight
 
     under_launcher = "WORLD_SIZE" in os.environ
     if args.task or args.task_options:
@@ -166,6 +164,10 @@ def _train(args: argparse.Namespace, world: int, held: contextlib.ExitStack | No
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher else world
         cfg = config_from_args(args).resolved(world, check_device_layout(args.device, local_ranks))
         check_all_apply(args, cfg)
+        # imported once the settings hold (torch.distributed.checkpoint: half a second a refusal need not wait for)
+        from fedpar.parallel.checkpoint import check_resume, latest_checkpoint
+        from fedpar.parallel.preflight import preflight
+
         check_resume(cfg, preflight(cfg))  # a checkpoint of another layout, model or data: said here, not by every rank
     except (ConfigurationError, ValueError, FileNotFoundError) as exc:  # data and model errors too
         print(f"fedpar train: {exc}", file=sys.stderr)
