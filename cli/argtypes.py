@@ -184,6 +184,16 @@ def id_list(text: str) -> list[str]:
 id_list.splits = True  # a repeated flag extends one list (cli/declared.py)
 
 
+class Switch(argparse.BooleanOptionalAction):
+    """A true/false setting's flag and its opposite, ``--no-FLAG``, which turns a --config file's true off."""
+
+    def __init__(self, *args, help=None, **kwargs):
+        super().__init__(*args, help=help, **kwargs)
+        # the help as declared: the formatter says the default, as for any option (argparse's own suffix said it twice
+        # where the help does, and left '%(default)s' in the generated reference)
+        self.help = help
+
+
 class KeyValueOption(argparse.Action):
     """Collect ``KEY=VALUE`` into a dict on top of the config file's table: a flag overrides the file's key; a key the
     flags give twice with two values is refused (one of them would be dropped in silence)."""

@@ -287,6 +287,12 @@ def chose(args: argparse.Namespace, dest: str) -> bool:
     return dest in getattr(args, "_given", frozenset())
 
 
+def typed(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the user typed ``dest``'s flag on this command's line, not only set it in a --config file (a file's
+    table is shared by all of a command's uses: a key one of them ignores is no mistake there)."""
+    return dest in getattr(args, "_typed", frozenset())
+
+
 def refuse_unswitched(args: argparse.Namespace, settings: list[tuple[str, str, Any, Needs]]) -> None:
     """ConfigError for the first of ``settings`` (cli/declared.py switched_options or switched_settings) that the user
     set, typed or in a file or as another value than its default, while its switch leaves its feature off."""

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fedpar.cli import argtypes
-from fedpar.settings import (APPEND, CHECK, CHOICES, FLAG, GROUP, HELP, METAVAR, NEGATABLE, declared_fields,
-                             setting_key, setting_site, word_for)
+from fedpar.settings import (APPEND, CHECK, CHOICES, FLAG, GROUP, HELP, METAVAR, declared_fields, setting_key,
+                             setting_site, word_for)
 
 # Section key -> (title, description). A subcommand's --help shows its sections in the order it first uses them.
 SECTIONS: dict[str, tuple[str, str | None]] = {
@@ -190,7 +190,7 @@ def add_declared(parser: argparse.ArgumentParser, cls: type, *, only: typing.Ite
             if convert or item in (int, float, Path):
                 kw["type"] = convert or (argtypes.path if item is Path else item)
         elif kind is bool and not isinstance(choices, dict):
-            kw["action"] = argparse.BooleanOptionalAction if (default or meta[NEGATABLE]) else "store_true"
+            kw["action"] = argtypes.Switch
         elif isinstance(choices, dict):
             kw.update(choices=tuple(choices), default=word_for(choices, default))
             if "on" in choices:  # an auto|on|off setting: the bare flag says on

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         subparser = subcommand_parser(parser, argv[0])
         from_file = apply_config_defaults(subparser, argv[1:], argv[0])
         args, extra = parser.parse_known_args(argv)  # a bad option: one line and SystemExit(2) (cli/argtypes.py)
-        args._given = given_settings(subparser, argv[1:], from_file)
+        args._typed = given_settings(subparser, argv[1:], frozenset())
+        args._given = args._typed | from_file
         if extra:  # said by the subcommand, which knows its options: its own --help
             subparser.unrecognized(extra, _coordinators_own(argv[0], subparser))
         refuse_unswitched(args, switched_options(subparser))  # e.g. --secagg-clip without --secure-aggregation

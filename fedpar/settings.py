@@ -14,8 +14,8 @@ import sys
 from typing import Any
 
 # Metadata keys of a declared field.
-HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, NEGATABLE, APPEND, SITE, RESUME = (
-    "help", "group", "check", "flag", "key", "choices", "metavar", "negatable", "append", "site", "resume")
+HELP, GROUP, CHECK, FLAG, KEY, CHOICES, METAVAR, APPEND, SITE, RESUME = (
+    "help", "group", "check", "flag", "key", "choices", "metavar", "append", "site", "resume")
 # What a simulation resumed from its --checkpoint-dir does with a setting given another value than its rounds ran
 # with (``setting(resume=...)``; simulations/resume.py): another value DEFINES another federation (the clients, the
 # data each holds, the model, the task, the clock its time is counted on: the resume is refused); a NOTED one only
@@ -26,7 +26,7 @@ DEFINES, NOTED, UNRECORDED = "defines", "noted", "unrecorded"
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, group: str | None = None, check: str | None = None,
             flag: str | None = None, key: str | None = None, choices: Any = None, metavar: str | None = None,
-            negatable: bool = False, append: bool = False, default_factory: Any = dataclasses.MISSING,
+            append: bool = False, default_factory: Any = dataclasses.MISSING,
             resume: str | None = None) -> Any:
     """A dataclass field that is also a command-line option.
 
@@ -34,14 +34,15 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, group: str | None 
     built in Python is checked against it too, :func:`check_declared`) or another of ``fedpar.cli.argtypes``;
     ``flag`` is the option's name without dashes when it is not the field's (``lr`` for ``learning_rate``);
     ``key`` is its TOML key and argparse dest when not the field's name; ``choices`` a tuple of allowed values, or a
-    dict from the words the command line takes to the values the field holds; ``negatable`` adds ``--no-FLAG``;
+    dict from the words the command line takes to the values the field holds; a bool field's flag comes with its
+    opposite, ``--no-FLAG`` (the command line can turn a --config file's value off);
     ``append``: a list field whose flag may be repeated (a dict field's flag always may: ``KEY=VALUE`` each time);
     ``resume``: :data:`DEFINES`, :data:`NOTED` or :data:`UNRECORDED`, for a setting a simulation has (its resume's
     check: :meth:`fedpar.simulations.config.SimulationConfig.resume_record`).
     """
     caller = sys._getframe(1)
     metadata = {HELP: help, GROUP: group, CHECK: check, FLAG: flag, KEY: key, CHOICES: choices,
-                METAVAR: metavar, NEGATABLE: negatable, APPEND: append, RESUME: resume,
+                METAVAR: metavar, APPEND: append, RESUME: resume,
                 SITE: f"{caller.f_globals.get('__name__', '?')}:{caller.f_lineno}"}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 

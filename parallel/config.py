@@ -80,7 +80,7 @@ class ParallelConfig:
                                       help="shard norms/activations along the sequence with --tp")
     mixed_precision: str = setting("auto", choices=MIXED_PRECISION, group="parallel",
                                    help="auto: bf16 params + fp32 reduce on GPU, fp32 on CPU")
-    cpu_offload: bool = setting(False, negatable=True, group="parallel", help="keep FSDP shards in CPU memory")
+    cpu_offload: bool = setting(False, group="parallel", help="keep FSDP shards in CPU memory")
     reshard_after_forward: bool = setting(True, group="parallel", help="free gathered FSDP params after forward")
     pp_schedule: str = setting("1f1b", choices=PIPELINE_SCHEDULES, group="parallel", help="pipeline schedule")
     microbatches: int = setting(4, check="count", group="parallel", help="pipeline microbatches per step")
@@ -263,9 +263,9 @@ class TrainConfig(Output, Seeded, Device, DataSource):
     grad_accum: int = setting(1, check="count", group="optimisation", help="microbatches accumulated per step")
     grad_clip: float = setting(0.0, check="non_negative", group="optimisation",
                                help="max global gradient norm (0: off)")
-    activation_checkpointing: bool = setting(False, negatable=True, group="optimisation",
+    activation_checkpointing: bool = setting(False, group="optimisation",
                                              help="recompute block activations in backward")
-    compile: bool = setting(False, negatable=True, group="optimisation",
+    compile: bool = setting(False, group="optimisation",
                             help="torch.compile each transformer block (the whole forward of other models)")
     block_size: int = setting(64, check="count", group="data", help="context length for text")
     model_kwargs: dict[str, Any] = field(default_factory=dict)

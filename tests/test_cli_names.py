@@ -250,6 +250,47 @@ def test_a_list_option_given_as_a_flag_replaces_the_config_files_list(tmp_path, 
     assert parser.parse_args(["serve", *argv[:2]]).allow_agents == ["a"]
 
 
+def test_every_true_false_setting_has_a_no_flag_and_its_help_as_declared():
+    """QA: only settings declared negatable had --no-X, so insecure = true or follow = true in a --config file could
+    not be turned off on the command line; and argparse's own --X/--no-X put '(default: %(default)s)' into its help
+    (twice where the help said its default, and unrendered in the generated reference)."""
+    import argparse
+
+    from fedpar.cli.argtypes import Switch
+
+    parser, switches = build_parser(), 0
+    for command in SUBCOMMANDS:
+        for action in subcommand_parser(parser, command)._actions:
+            if not hasattr(action, "setting_site") or action.nargs != 0:
+                continue
+            switches += 1
+            flag = next(s for s in action.option_strings if s.startswith("--"))
+            assert isinstance(action, Switch) and f"--no-{flag[2:]}" in action.option_strings, (command, flag)
+            assert "%(default)" not in action.help, (command, flag, action.help)
+            assert isinstance(action, argparse.BooleanOptionalAction)
+    assert switches >= 15
+
+
+@pytest.mark.parametrize("command, needed", [("serve", []), ("client", ["--agent-id", "a"])])
+def test_a_config_files_true_is_turned_off_by_the_no_flag(command, needed, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(f"[{command}]\ninsecure = true\n")
+    for argv, insecure in ((["--config", str(path)], True), (["--config", str(path), "--no-insecure"], False),
+                           (["--no-insecure", "--config", str(path)], False)):
+        parser = build_parser(only=command)
+        apply_config_defaults(subcommand_parser(parser, command), argv, command)
+        assert parser.parse_args([command, *needed, *argv]).insecure is insecure, argv
+
+
+def test_no_insecure_on_the_command_line_wins_over_the_files_insecure(tmp_path, capfd):
+    """The docs say flags override the file: with --no-insecure the agent asks for TLS, as with no file."""
+    path = tmp_path / "c.toml"
+    path.write_text("[client]\ninsecure = true\n")
+    done = run_main(["client", "--config", str(path), "--no-insecure", "--agent-id", "a", "--server",
+                     "127.0.0.1:1"], capfd, tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("fedpar client: TLS is required: "), done
+
+
 @pytest.mark.parametrize("command", ["serve", "simulate"])
 def test_a_config_file_key_may_be_the_flags_own_name(command, tmp_path):
     """The guide listed deadline_seconds for --deadline, and deadline = 30 was an unknown option: a setting whose flag

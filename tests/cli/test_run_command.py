@@ -75,6 +75,22 @@ def test_an_option_the_action_does_not_use_is_refused(control, tmp_path, monkeyp
     assert [r.status for r in store.runs()] == ["queued"] and len(store.runs()) == 1  # nothing submitted or stopped
 
 
+def test_a_config_files_follow_and_name_leave_the_actions_that_do_not_use_them_alone(control, tmp_path):
+    """QA: with [run] follow = true in a shared operator config, 'fedpar run ls', stop and get were refused ('does not
+    use --follow'), naming a flag nobody typed; the file's value is for the actions that use it, a typed flag is
+    still refused."""
+    store, options, _, _ = control
+    run_id = store.submit("one", {"rounds": 1}, who="op")
+    config = tmp_path / "ops.toml"
+    config.write_text('[run]\nfollow = true\nname = "nightly"\n')
+    listed = _run(options, "ls", "--config", str(config))
+    assert listed.returncode == 0 and "one" in listed.stdout and not listed.stderr, listed
+    assert _run(options, "stop", str(run_id), "--config", str(config)).returncode == 0
+    assert store.get(run_id).status == "stopped"
+    line = _one_line(_run(options, "ls", "--follow", "--config", str(config)), 2)
+    assert line == "fedpar run: 'fedpar run ls' does not use --follow (only submit and logs do): leave it out", line
+
+
 def test_submit_follow_submits_then_follows_the_run_to_its_end(control, tmp_path):
     store, options, _, _ = control
     (tmp_path / "one.toml").write_text("rounds = 1\n")
