@@ -363,7 +363,7 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
     import grpc
 
     from fedpar.security.handshake import (NO_ANSWER, NO_CONNECTION, OPERATOR, diagnose_handshake, silence_at,
-                                           speaks_tls)
+                                           speaks_tls, unknown_host)
     from fedpar.server.run_control import SERVICE_STOPPING
 
     control, code, details = args.control, err.code(), err.details() or ""
@@ -378,9 +378,9 @@ def _refusal_line(err, args: argparse.Namespace) -> str:
         # addresses; last error: UNKNOWN: ipv4:...: Failed to connect to remote host: Connection refused'
         return (f"nothing listens at {control} (connection refused): is 'fedpar serve --state' running there, and is "
                 f"{control.rpartition(':')[2]} its --control-port?")
-    if code == grpc.StatusCode.UNAVAILABLE and "resolv" in said:  # 'errors resolving ...', 'DNS resolution failed'
-        return (f"the host name of {control} cannot be looked up (mistyped? a name no DNS server knows); check "
-                "--control")
+    unknown = unknown_host(control, "--control", said) if code == grpc.StatusCode.UNAVAILABLE else None
+    if unknown is not None:
+        return unknown
     silence = silence_at(control, SILENT_SECONDS) if code == grpc.StatusCode.UNAVAILABLE else None
     if silence == NO_ANSWER:
         # gRPC calls a handshake the server never answered 'Handshake read failed (Endpoint closing)' after its

@@ -131,7 +131,7 @@ class ClientRuntime:
             self.link = AgentLink(self.conn, config, trainers[0])
         self._calls = Reconnecting(config.agent_id, config.server, self._join, config.initial_backoff,
                                    config.max_backoff, self._rng, config.give_up_after, self._stop.is_set,
-                                   self.conn.check_tls, lambda: self._count("reconnects"))
+                                   self.conn.why_unreachable, lambda: self._count("reconnects"))
 
     def say_outages_at(self, level: int) -> None:
         """Say an outage of the coordinator, its reminders and its end at ``level`` (INFO unless told)."""

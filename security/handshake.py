@@ -66,6 +66,26 @@ def split_address(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def unknown_host(address: str, flag: str, said: str = "") -> str | None:
+    """The line saying that the host name of ``address`` (given to ``flag``) cannot be looked up, or None when it can.
+    A failed gRPC call's words ``said`` settle it when they say resolving failed; else the resolver does: a name it
+    knows nothing of, or one that cannot be a name (a label over 63 characters), not a lookup that failed for now."""
+    target = split_address(address)
+    if "resol" not in said.lower():  # 'errors resolving ...', 'DNS resolution failed'
+        try:
+            if target is None or socket.getaddrinfo(*target, type=socket.SOCK_STREAM):
+                return None
+        except socket.gaierror as exc:
+            if exc.errno not in _NO_SUCH_NAME:  # no DNS server answered, say: it may answer the next time
+                return None
+        except (UnicodeError, ValueError):
+            pass
+    return f"the host name of {address} cannot be looked up (mistyped? a name no DNS server knows); check {flag}"
+
+
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
 def diagnose_handshake(address: str, files: TlsFiles, server_name: str | None = None,
                        timeout: float = 3.0, who: Dialler = AGENT) -> str | None:
     """What makes TLS to the coordinator at ``address`` fail, as one line, or None when TLS is not the problem
