@@ -224,13 +224,13 @@ def launch(args: argparse.Namespace, cfg: SimulationConfig) -> int:
     from torch.multiprocessing import ProcessExitedException
 
     from fedpar.cli.serve import plain_options
-    from fedpar.parallel.init import LaunchStopped, fork_safe, spawn
+    from fedpar.parallel.init import LaunchStopped, rank_start_method, spawn
     from fedpar.parallel.stopping import exit_code, signal_name
     options = {**plain_options(args), "coordinator_threads": torch.get_num_threads(), "launcher_pid": os.getpid()}
     try:
         with stop_on_signals() as received, _stops_told(received):  # spawn's own block shares `received`
             spawn(1, simulate_here, options, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
-                  start_method="fork" if fork_safe() else "spawn", rank_0_resumes=cfg.checkpoint_dir is not None)
+                  start_method=rank_start_method(), rank_0_resumes=cfg.checkpoint_dir is not None)
     except KeyboardInterrupt as exc:  # SIGINT or SIGTERM: the child wrote what completed, and said so
         if isinstance(exc, LaunchStopped) and exc.rank_0_said_nothing:  # stopped as it started (spawned ranks)
             print("fedpar simulate: interrupted", file=sys.stderr)

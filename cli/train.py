@@ -316,11 +316,12 @@ def _spawn_ranks(spawn, world: int, fn, cfg, args: argparse.Namespace) -> None:
     """``spawn`` the ``world`` ranks of ``fn``; a rank's TrainingDiverged (every rank's: the loss is summed over them)
     is raised here as it was, any other failure as RankFailed in one line (--debug: torch's exception, with the
     rank's traceback)."""
+    from fedpar.parallel.init import rank_start_method
     from fedpar.parallel.rank_failure import ranks_said_in_one_line
     from fedpar.parallel.trainer import TrainingDiverged
 
     with ranks_said_in_one_line(args.debug, passes=(TrainingDiverged,)):
-        spawn(world, fn, cfg, args.dist_timeout, StepBar(), parent_stops=True)
+        spawn(world, fn, cfg, args.dist_timeout, StepBar(), parent_stops=True, start_method=rank_start_method())
 
 
 def _raise_if_reader_left(failure: Exception) -> None:

@@ -348,11 +348,11 @@ def spawn_task_ranks(world: int, rank_args: tuple, quiet: bool = True) -> None:
     """:func:`train_task_rank` on ``world`` spawned ranks. A rank's TaskError (or TaskFailed) is raised here as it
     was (its one line), any other failure as RankFailed; unless ``quiet`` is False (--debug): then torch's own
     exception, with the rank's traceback, and torch's note that it stops the others."""
-    from fedpar.parallel.init import spawn
+    from fedpar.parallel.init import rank_start_method, spawn
     from fedpar.parallel.rank_failure import ranks_said_in_one_line
 
     with ranks_said_in_one_line(not quiet, passes=(TaskFailed, TaskError)):
-        spawn(world, train_task_rank, *rank_args, parent_stops=True)
+        spawn(world, train_task_rank, *rank_args, parent_stops=True, start_method=rank_start_method())
 
 
 def write_task_model(task: Task, cfg: TrainConfig, model: torch.nn.Module, summary: dict[str, Any]) -> dict:

@@ -4,6 +4,7 @@ the command's format."""
 from __future__ import annotations
 
 import logging
+import sys
 
 FORMAT = "%(asctime)s %(name)s %(message)s"
 
@@ -13,6 +14,15 @@ def log_like_parent(level: int) -> None:
     logging.basicConfig(level=min(level, logging.WARNING), format=FORMAT)
     logging.getLogger("fedpar").setLevel(level)
     quiet_libraries(level)
+
+
+def own_standard_streams() -> None:
+    """sys.stdout and sys.stderr write to this process's file descriptors 1 and 2, as in a spawned process: a forked
+    one holds its parent's, which may be a redirection (contextlib.redirect_stdout) whose copy here nobody reads."""
+    if sys.__stdout__ is not None:
+        sys.stdout = sys.__stdout__
+    if sys.__stderr__ is not None:
+        sys.stderr = sys.__stderr__
 
 
 def quiet_libraries(level: int) -> None:

@@ -18,11 +18,12 @@ import torch.multiprocessing as mp
 
 import secrets
 
+from fedpar.parallel.child_logs import own_standard_streams
 from fedpar.parallel.device import backend_for, resolve_device
 from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
-from fedpar.parallel.stopping import StopRequested, die_with_parent, dump_stacks_on_signal, ignore_interrupts, \
-    interrupts_held, raise_lost_stop, stop_on_signals
+from fedpar.parallel.stopping import StopRequested, default_terminate, die_with_parent, dump_stacks_on_signal, \
+    ignore_interrupts, interrupts_held, raise_lost_stop, stop_on_signals
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -140,6 +141,8 @@ def exit_rank_process(code: int = 0) -> None:
 
 def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
                     parent_stops: bool = False, env: dict[str, str] | None = None) -> None:
+    own_standard_streams()  # forked: where a spawned rank would write,
+    default_terminate()  # and ended by SIGTERM as a spawned one is (not by its launcher's handler, copied)
     if parent_stops:  # the launcher stops this rank: Ctrl-C is ignored; still leave when the launcher dies
         ignore_interrupts()
         die_with_parent(signal.SIGTERM)
@@ -263,6 +266,11 @@ def fork_safe() -> bool:
 
     return (sys.platform.startswith("linux") and threading.active_count() == 1
             and not torch.cuda.is_available())
+
+
+def rank_start_method() -> str:
+    """How a launch from this process starts its ranks: "fork" where :func:`fork_safe` holds, else "spawn"."""
+    return "fork" if fork_safe() else "spawn"
 
 
 def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from fedpar.datasets.memory import check_fits
 from fedpar.datasets.registry import check_dataset_fits, full_dataset_name
+from fedpar.parallel.child_logs import own_standard_streams
 from fedpar.parallel.stopping import default_terminate, ignore_interrupts, interrupts_held
 from fedpar.simulations.config import SimulationConfig
 
@@ -124,6 +125,7 @@ def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None
     the default stops its parent had changed."""
     ignore_interrupts()
     default_terminate()
+    own_standard_streams()
     for end in inherited:
         end.close()
     tempfile.tempdir = scratch
