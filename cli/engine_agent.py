@@ -106,7 +106,7 @@ def run_engine(args: argparse.Namespace) -> int:
     from fedpar.cli.tlsopts import client_security
     from fedpar.client.engine_trainer import check_engine_task
     from fedpar.parallel.device import check_device_layout
-    from fedpar.parallel.init import exit_rank_process, spawn
+    from fedpar.parallel.init import exit_rank_process, rank_start_method, spawn
     from fedpar.parallel.rank_failure import RankFailed, ranks_said_in_one_line
     from fedpar.parallel.stopping import exit_code, signal_name
 
@@ -139,15 +139,16 @@ def run_engine(args: argparse.Namespace) -> int:
     # Rank 0 reports its exit code here rather than by exiting non-zero, which would make torch's spawn
     # terminate the other ranks while they are still leaving the group.
     # On a stop, rank 0 says what the agent did and sets it too: the launcher then says nothing more.
-    code = torch.multiprocessing.get_context("spawn").Value("i", 0)
+    method = rank_start_method()
+    code = torch.multiprocessing.get_context(method).Value("i", 0)
     # Set once another rank failed, before the launch stops rank 0 with SIGTERM: rank 0 then says nothing (the launch
     # says which rank failed), not "interrupted" (QA: two lines, the first wrong, for one rank killed).
-    lost = torch.multiprocessing.get_context("spawn").Value("i", 0)
+    lost = torch.multiprocessing.get_context(method).Value("i", 0)
     debug = _shows_tracebacks(args)
     try:
         with ranks_said_in_one_line(debug):  # Ctrl-C or SIGTERM here stops the ranks too (rank 0 first)
             spawn(world, _spawned, options, layout, code, lost, parent_stops=True, stop_grace=STOP_GRACE_SECONDS,
-                  on_rank_lost=partial(setattr, lost, "value", 1))
+                  on_rank_lost=partial(setattr, lost, "value", 1), start_method=method)
     except KeyboardInterrupt as exc:  # LaunchStopped: SIGINT or SIGTERM to this process (or its group)
         if not code.value:  # rank 0 did not say what the agent did
             said_nothing = getattr(exc, "rank_0_said_nothing", False)  # it had not started: no task yet

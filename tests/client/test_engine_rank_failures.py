@@ -54,8 +54,9 @@ def _children(pid: int) -> list[int]:
 
 
 def _ranks(pid: int) -> list[int]:
-    """The spawned rank processes of agent process ``pid`` (not multiprocessing's resource tracker)."""
-    return [c for c in _children(pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    """The rank processes of agent process ``pid``: forked copies of it (not multiprocessing's resource tracker)."""
+    mine = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return [c for c in _children(pid) if Path(f"/proc/{c}/cmdline").read_bytes() == mine]
 
 
 def test_a_task_that_raises_as_its_ranks_train_is_one_line(tmp_path):
