@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -260,12 +261,28 @@ def _store_env(store: dist.TCPStore | None) -> dict[str, str]:
 
 def fork_safe() -> bool:
     """Whether processes may be forked from this one: on Linux (macOS's system libraries do not survive a fork, which
-    is why Python spawns there), no GPU is visible (CUDA does not survive one either) and only this one thread runs
-    Python (a lock another thread held would stay locked in the copy)."""
+    is why Python spawns there), no GPU is visible (CUDA does not survive one either), only this one thread runs
+    Python (a lock another thread held would stay locked in the copy) and gRPC has started no thread here."""
     import threading
 
-    return (sys.platform.startswith("linux") and threading.active_count() == 1
+    return (sys.platform.startswith("linux") and threading.active_count() == 1 and not _grpc_threads()
             and not torch.cuda.is_available())
+
+
+GRPC_THREADS = ("grpc", "event_engine", "lifeguard")  # gRPC core's threads, by name (its timer outlives its servers)
+
+
+def _grpc_threads() -> bool:
+    """Whether gRPC's core runs threads in this process (they are no Python threads; a copy made by fork has none of
+    them, and gRPC there may wait for a timer that never fires)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{task}/comm").read_text()
+        except OSError:  # that thread ended meanwhile
+            continue
+        if name.startswith(GRPC_THREADS):
+            return True
+    return False
 
 
 def rank_start_method() -> str:

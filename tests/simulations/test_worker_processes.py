@@ -43,11 +43,16 @@ def test_a_simulate_commands_workers_are_forked_copies_of_it_that_import_nothing
         proc.wait()
 
 
-def test_workers_are_forked_from_a_process_of_one_thread_and_spawned_beside_another_thread():
+def test_workers_are_forked_from_a_process_of_one_thread_and_spawned_beside_another_or_grpcs():
     code = "from fedpar.simulations.worker_processes import start_method; print(start_method())"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a visible GPU would have them spawned (CUDA and forks)
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env=env).stdout.strip() == "fork"
+    # gRPC's core keeps a timer thread (no Python thread) once it has served: a forked copy would have none
+    served = ("import grpc; s = grpc.server(None, handlers=[]); s.add_insecure_port('127.0.0.1:0'); s.start(); "
+              "s.stop(0).wait(); " + code)
+    assert subprocess.run([sys.executable, "-c", served], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip() == "spawn"
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
