@@ -205,12 +205,23 @@ def load_certificate(path: Path) -> x509.Certificate:
     return x509.load_pem_x509_certificate(Path(path).read_bytes())
 
 
+def key_matches(key, cert: x509.Certificate) -> bool:
+    """Whether the private ``key`` is the key of ``cert`` (their public keys are one)."""
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_key().public_bytes(*spki) == cert.public_key().public_bytes(*spki)
+
+
 def load_ca(paths: CertPaths) -> tuple[PrivateKey, x509.Certificate]:
-    """The CA key and certificate of a certificate folder."""
+    """The CA key and certificate of a certificate folder; ValueError unless the key is the certificate's."""
     key = serialization.load_pem_private_key(paths.ca_key.read_bytes(), password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{paths.ca_key} is not an EC private key made by 'fedpar certs'")
-    return key, load_certificate(paths.ca_cert)
+    cert = load_certificate(paths.ca_cert)
+    if not key_matches(key, cert):  # what it signed would be refused by every peer that checks against ca.pem
+        raise ValueError(f"{paths.ca_key} is not the private key of {paths.ca_cert}, so no peer would accept what it "
+                         f"signs; restore the ca.pem and ca.key 'fedpar certs' made together in {paths.root}, or use "
+                         "a new --out")
+    return key, cert
 
 
 def check_ca_dates(ca_cert: x509.Certificate, path: Path) -> None:

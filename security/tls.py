@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedpar.protocol.small_files import read_small_file
-from fedpar.security.certs import OPERATOR_ROLE, CertPaths, common_name
+from fedpar.security.certs import OPERATOR_ROLE, CertPaths, common_name, key_matches
 
 HOW_TO_FIX = ("make certificates with 'fedpar certs --out certs --agents ID1,ID2' and pass '--certs certs', "
               "or pass '--insecure' for plaintext gRPC (only on a network you trust)")
@@ -161,9 +161,7 @@ def load_pair(files: TlsFiles, usage: str | None = None) -> tuple[bytes, bytes]:
         key = serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError):
         raise TlsSetupError(f"{files.key} is not an unencrypted PEM private key") from None
-    if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
-            != cert.public_key().public_bytes(serialization.Encoding.DER,
-                                              serialization.PublicFormat.SubjectPublicKeyInfo):
+    if not key_matches(key, cert):
         raise TlsSetupError(f"{files.key} is not the private key of {files.cert}; give the key made with it (one "
                             "lost: re-issue the pair, 'fedpar certs --out DIR --agents ID --force', or --server-name "
                             "NAME for the coordinator's)")

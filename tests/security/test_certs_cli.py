@@ -344,3 +344,18 @@ def test_server_names_given_as_a_list_are_refused_before_a_ca_is_made(tmp_path):
         x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.DNSName) == ["fl.example.org"]
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+
+
+def test_a_ca_key_that_is_not_the_key_of_ca_pem_is_refused_before_anything_is_issued(tmp_path, capfd):
+    # QA: with another folder's ca.key beside ca.pem, 'fedpar certs --agents erin' wrote erin.pem (exit 0), which no
+    # peer checking against ca.pem accepts
+    out = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(out), "--agents", "alice"], capfd).returncode == 0
+    assert run_main(["certs", "--out", str(tmp_path / "other")], capfd).returncode == 0
+    (out / "ca.key").write_bytes((tmp_path / "other" / "ca.key").read_bytes())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    done = run_main(["certs", "--out", str(out), "--agents", "erin"], capfd)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+        f"fedpar certs: {out / 'ca.key'} is not the private key of {out / 'ca.pem'}, so no peer would accept what it "
+        f"signs; restore the ca.pem and ca.key 'fedpar certs' made together in {out}, or use a new --out\n"), done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
