@@ -213,14 +213,20 @@ def key_matches(key, cert: x509.Certificate) -> bool:
 
 def load_ca(paths: CertPaths) -> tuple[PrivateKey, x509.Certificate]:
     """The CA key and certificate of a certificate folder; ValueError unless the key is the certificate's."""
-    key = serialization.load_pem_private_key(paths.ca_key.read_bytes(), password=None)
+    restore = f"restore the ca.pem and ca.key 'fedpar certs' made together in {paths.root}, or use a new --out"
+    try:
+        key = serialization.load_pem_private_key(paths.ca_key.read_bytes(), password=None)
+    except (ValueError, TypeError):  # TypeError: a key encrypted with a password, which fedpar never asks for
+        raise ValueError(f"{paths.ca_key} is not an unencrypted PEM private key; {restore}") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{paths.ca_key} is not an EC private key made by 'fedpar certs'")
-    cert = load_certificate(paths.ca_cert)
+    try:
+        cert = load_certificate(paths.ca_cert)
+    except ValueError:  # cryptography's 'Unable to load PEM file. See https://... MalformedFraming'
+        raise ValueError(f"{paths.ca_cert} is not a PEM certificate; {restore}") from None
     if not key_matches(key, cert):  # what it signed would be refused by every peer that checks against ca.pem
         raise ValueError(f"{paths.ca_key} is not the private key of {paths.ca_cert}, so no peer would accept what it "
-                         f"signs; restore the ca.pem and ca.key 'fedpar certs' made together in {paths.root}, or use "
-                         "a new --out")
+                         f"signs; {restore}")
     return key, cert
 
 

@@ -359,3 +359,25 @@ def test_a_ca_key_that_is_not_the_key_of_ca_pem_is_refused_before_anything_is_is
         f"fedpar certs: {out / 'ca.key'} is not the private key of {out / 'ca.pem'}, so no peer would accept what it "
         f"signs; restore the ca.pem and ca.key 'fedpar certs' made together in {out}, or use a new --out\n"), done.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_ca_key_or_ca_pem_that_cannot_be_read_is_one_line_saying_which(tmp_path, capfd):
+    # QA: a ca.key encrypted with a password was a TypeError traceback; a damaged ca.pem said only 'Unable to load
+    # PEM file. See https://cryptography.io/... MalformedFraming'
+    from cryptography.hazmat.primitives import serialization
+
+    out = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(out), "--agents", "alice"], capfd).returncode == 0
+    key, pem = (out / "ca.key").read_bytes(), (out / "ca.pem").read_bytes()
+    (out / "ca.key").write_bytes(serialization.load_pem_private_key(key, None).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")))
+    restore = f"restore the ca.pem and ca.key 'fedpar certs' made together in {out}, or use a new --out"
+    done = run_main(["certs", "--out", str(out), "--agents", "erin"], capfd)
+    assert done.returncode == 2 and done.stderr == (f"fedpar certs: {out / 'ca.key'} is not an unencrypted PEM private "
+                                                    f"key; {restore}\n"), done.stderr
+    (out / "ca.key").write_bytes(key)
+    (out / "ca.pem").write_bytes(pem[:100])
+    done = run_main(["certs", "--out", str(out), "--agents", "erin"], capfd)
+    assert done.returncode == 2 and done.stderr == (f"fedpar certs: {out / 'ca.pem'} is not a PEM certificate; "
+                                                    f"{restore}\n"), done.stderr
+    assert not (out / "erin.pem").exists()
