@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.to.is_dir():
         raise UserError(f"--to {args.to} is a folder; name the file to write, e.g. {args.to / 'model.pt'}")
     _check_folders_of(args.to)
+    _check_ended(args.source)
     if _reads(args.source.resolve(), args.to.resolve()):  # the model read would be overwritten by its export
         raise UserError(f"--to {args.to} is a file of what is exported ({args.source}): writing it would replace "
                         f"the model itself; write the export elsewhere, e.g. --to "
@@ -98,6 +99,24 @@ def _check_folders_of(to: Path) -> None:
     if blocker is not None:
         raise UserError(f"--to {to}: {blocker} is a file, not a folder; write the export into a folder, e.g. --to "
                         f"{blocker.parent / to.name}")
+
+
+def _check_ended(source: Path) -> None:
+    """UserError when ``source`` (or the folder of the global.safetensors it names) is the --out of a run still going."""
+    from fedpar.cli.user_errors import OUTPUT_LOCK
+    from fedpar.protocol.file_lock import LockHeld, check_free
+    from fedpar.protocol.model_file import TENSORS
+
+    folder = source if source.is_dir() else source.parent if source.name == TENSORS else None
+    try:
+        if folder is not None:
+            check_free(folder / OUTPUT_LOCK)
+    except LockHeld as held:
+        pid = f" (pid {held.pid})" if held.pid else ""
+        there = "the one there now is an earlier run's" if (folder / TENSORS).is_file() else "there is none yet"
+        raise UserError(f"{folder} is the --out folder of a run still running{pid}: it writes its {TENSORS} as it "
+                        f"ends, and {there}; wait for it to end, or export its --checkpoint-dir for its latest "
+                        "round") from None
 
 
 def _reads(source: Path, to: Path) -> bool:

@@ -56,6 +56,19 @@ def hold(name: Path) -> FileLock:
     return FileLock(handle, made)
 
 
+def check_free(name: Path) -> None:
+    """LockHeld if another process holds the lock on file ``name`` now (nothing if it is free or missing)."""
+    try:
+        handle = open(name)
+    except OSError:  # missing: no run made it; unreadable: not this user's to tell
+        return
+    with handle:  # closing it lets go of the shared lock taken to test
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LockHeld(name, _pid_in(handle)) from None
+
+
 def _same_file(handle: IO[str], name: Path) -> bool:
     """Whether ``handle`` is still the file at ``name`` (not one unlinked since it was opened)."""
     try:

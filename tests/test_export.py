@@ -183,3 +183,25 @@ def test_export_of_a_folder_holding_a_model_and_a_checkpoint_says_which_it_took_
     assert main(["export", str(tmp_path / "same"), "--to", str(tmp_path / "m.pt")]) == 0
     assert f"(round 3), the same round as the latest checkpoint beside it, {tmp_path / 'same' / 'round-000003'}\n" \
         in capsys.readouterr().out
+
+
+def test_export_of_the_out_folder_of_a_run_still_running_says_so(tmp_path, capfd):
+    """QA: `fedpar export OUT` while a run into OUT was still going exported the model an earlier run had left there
+    (or said OUT held no model), with no word that the run had not ended."""
+    from fedpar.cli.user_errors import OUTPUT_LOCK
+    from fedpar.protocol.file_lock import hold
+    from support.in_process import run_main
+
+    _kept_model(tmp_path / "run")
+    lock = hold(tmp_path / "run" / OUTPUT_LOCK)  # as `fedpar simulate --out run` holds it while it runs
+    try:
+        for source in ("run", "run/global.safetensors"):
+            done = run_main(["export", source, "--to", "m.pt"], capfd, cwd=tmp_path)
+            assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+                f"fedpar export: run is the --out folder of a run still running (pid {os.getpid()}): it writes its "
+                "global.safetensors as it ends, and the one there now is an earlier run's; wait for it to end, or "
+                "export its --checkpoint-dir for its latest round\n"), done.stderr
+    finally:
+        lock.release(remove=True)
+    assert not (tmp_path / "m.pt").exists()
+    assert run_main(["export", "run", "--to", "m.pt"], capfd, cwd=tmp_path).returncode == 0  # the run has ended
