@@ -11,8 +11,8 @@ File format, one row (CSV) or object (JSON list) per client, clients numbered 0.
 - ``available_from`` / ``available_for``: seconds into the day the client comes online, and for how long (a window
   may wrap past midnight; ``available_for`` >= DAY_SECONDS: always online).
 
-Every client has exactly one row; every value is a number >= 0 (link speeds > 0, a step at most a day). A file whose
-name does not end in .csv is read as JSON.
+Every client has exactly one row; every value is a number >= 0 (link speeds at least 1e-6 Mbps, a step at most a
+day). A file whose name does not end in .csv is read as JSON.
 
 ``generate_traces`` follows FedScale (Lai et al., ICML 2022): compute speeds with a long tail (log-normal, the
 slowest devices several times the median), link speeds log-normal around a mobile median, and diurnal
@@ -124,6 +124,7 @@ BUILT_IN = ("fedscale",)  # --trace names that are no file: generated traces
 ROW_BYTES = 1024  # far more than one client's row or object takes: a larger file is not N clients' traces
 MOST_SECONDS_PER_STEP = DAY_SECONDS  # a step slept on the real clock; sleep() overflows at 1e30 (as --slow-step-delay)
 MOST_VALUE = float(np.finfo(np.float32).max)  # the columns are kept as float32
+LEAST_MBPS = 1e-6  # a bit a second: a link divides the model's bits, and 1e-50 is 0 in float32
 
 
 def load_traces(path: str | Path, clients: int) -> Traces:
@@ -179,7 +180,7 @@ def _plain_csv_table(path: Path, clients: int) -> Traces | None:
     if not np.array_equal(np.sort(client), np.arange(clients)):  # whole numbers 0..N-1, each once
         return None
     with np.errstate(invalid="ignore"):  # NaN fails every test below, as it should
-        fits = ((values >= 0) & (values <= MOST_VALUE)).all() and (values[:, 1:3] > 0).all() \
+        fits = ((values >= 0) & (values <= MOST_VALUE)).all() and (values[:, 1:3] >= LEAST_MBPS).all() \
             and (values[:, 0] <= MOST_SECONDS_PER_STEP).all()
     if not fits:
         return None
@@ -231,10 +232,11 @@ def _table_of(path: Path, rows, clients: int) -> Traces:
         if entry[client]:
             raise ValueError(f"{path}, entries {entry[client]} and {n} are both client {client}; give one row per "
                              "client")
-        if not all(0 <= v <= MOST_VALUE for v in values) or min(values[1:3]) <= 0 \
+        if not all(0 <= v <= MOST_VALUE for v in values) or min(values[1:3]) < LEAST_MBPS \
                 or values[0] > MOST_SECONDS_PER_STEP:
             raise ValueError(f"{path}, entry {n}: values must be numbers >= 0 (at most {MOST_VALUE:.3g}), link "
-                             f"speeds > 0, seconds_per_step at most {MOST_SECONDS_PER_STEP:g} (a day)")
+                             f"speeds > 0 (at least {LEAST_MBPS:g} Mbps), seconds_per_step at most "
+                             f"{MOST_SECONDS_PER_STEP:g} (a day)")
         table[client], entry[client] = values, n
     missing = np.flatnonzero(entry == 0)
     if len(missing):

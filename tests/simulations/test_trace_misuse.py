@@ -1,0 +1,27 @@
+"""A user's mistake with --trace or the virtual clock is one line and exit 2, before any round (QA)."""
+
+from __future__ import annotations
+
+from support.in_process import run_main
+
+from fedpar.simulations.traces import COLUMNS
+
+SIMULATE = ["simulate", "--clients", "4", "--rounds", "1", "--local-epochs", "1", "--quiet"]
+
+
+def _refused(argv: list[str], capfd, cwd) -> str:
+    """The one line ``fedpar ARGV`` said, run in ``cwd``; it exited 2."""
+    done = run_main(argv, capfd, cwd)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_a_link_speed_too_small_for_float32_is_refused_by_its_entry(tmp_path, capfd):
+    """QA: a download_mbps of 1e-50 passed the check (> 0), was 0 as float32, and under --clock virtual each worker
+    died of a ZeroDivisionError traceback (exit 1)."""
+    rows = [",".join(COLUMNS)] + [f"{i},0.01,1e-50,5,0,86400" for i in range(4)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    line = _refused(SIMULATE + ["--trace", "t.csv", "--clock", "virtual", "--out", "o"], capfd, tmp_path)
+    assert line == ("fedpar simulate: t.csv, entry 1: values must be numbers >= 0 (at most 3.4e+38), link speeds > 0 "
+                    "(at least 1e-06 Mbps), seconds_per_step at most 86400 (a day)"), line
