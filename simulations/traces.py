@@ -145,7 +145,7 @@ def load_traces(path: str | Path, clients: int) -> Traces:
             rows = json.loads(path.read_text(encoding="utf-8-sig"))
         except UnicodeDecodeError:  # a ValueError too: said below as what it is, not as bad JSON
             raise
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
             raise ValueError(f"cannot read the traces in {path} as JSON (a file not named .csv is read as JSON): "
                              f"{exc}") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):

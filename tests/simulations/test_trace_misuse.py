@@ -25,3 +25,11 @@ def test_a_link_speed_too_small_for_float32_is_refused_by_its_entry(tmp_path, ca
     line = _refused(SIMULATE + ["--trace", "t.csv", "--clock", "virtual", "--out", "o"], capfd, tmp_path)
     assert line == ("fedpar simulate: t.csv, entry 1: values must be numbers >= 0 (at most 3.4e+38), link speeds > 0 "
                     "(at least 1e-06 Mbps), seconds_per_step at most 86400 (a day)"), line
+
+
+def test_a_json_trace_nested_too_deep_is_refused_as_json_it_cannot_read(tmp_path, capfd):
+    """QA: a JSON file of 60,000 '[' (a file mangled, not a trace) ended in a RecursionError traceback (exit 1)."""
+    (tmp_path / "t.json").write_text("[" * 60_000)
+    line = _refused(SIMULATE + ["--clients", "100", "--trace", "t.json", "--out", "o"], capfd, tmp_path)
+    assert line == ("fedpar simulate: cannot read the traces in t.json as JSON (a file not named .csv is read as "
+                    "JSON): maximum recursion depth exceeded while decoding a JSON array from a unicode string"), line
