@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--to {args.to} is a file of what is exported ({args.source}): writing it would replace "
                         f"the model itself; write the export elsewhere, e.g. --to "
                         f"{args.source.resolve().parent / 'model.pt'}")
+    if args.to.suffix == ".safetensors":  # a torch file by that name: safetensors readers refuse it
+        raise UserError(f"--to {args.to}: export writes a torch state_dict file (torch.save), not safetensors; name "
+                        f"a .pt file, e.g. --to {args.to.with_suffix('.pt')} (a run's global.safetensors already is "
+                        "its model as safetensors: copy that)")
     try:
         kept = read_final_model(args.source)
     except ValueError as exc:  # CodecError, CheckpointError: the message names the file

@@ -71,6 +71,11 @@ def test_export_errors_are_one_line_and_a_non_zero_exit(tmp_path, capsys):
                                              f"{tmp_path / 'notes.txt'}: not a safetensors file"),
              ([str(tmp_path)], f"{tmp_path} is not a fedpar model: {tmp_path} holds neither global.safetensors"),
              ([str(tmp_path / "run"), "--to", str(tmp_path)], f"--to {tmp_path} is a folder"),
+             # it wrote a torch file named m.safetensors, which safetensors' load_file refuses (QA)
+             ([str(tmp_path / "run"), "--to", str(tmp_path / "m.safetensors")],
+              f"fedpar export: --to {tmp_path / 'm.safetensors'}: export writes a torch state_dict file (torch.save), "
+              f"not safetensors; name a .pt file, e.g. --to {tmp_path / 'm.pt'} (a run's global.safetensors already "
+              "is its model as safetensors: copy that)\n"),
              # it replaced the run's own model with a torch file (QA)
              ([str(tmp_path / "run"), "--to", str(tmp_path / "run" / "global.safetensors")], "is a file of what is "
                                                                                             "exported"),
