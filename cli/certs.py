@@ -146,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if paths.root.exists() and not paths.root.is_dir():  # said as 'File exists: ca.pem in folder ...'
             raise ValueError(f"--out {paths.root} is a file; give the folder of the certificates (made if missing)")
+        for option, names in (("--agents", args.agents), ("--operators", args.operators), ("--revoke", args.revoke),
+                              ("--mint-token", args.mint_token)):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:  # it issued (or minted) the first, then said it 'kept' it or replaced it with the second
+                raise ValueError(f"{option} names {', '.join(twice)} more than once; give each name once")
         for agent_id in [*args.agents, *args.revoke, *args.mint_token]:
             check_agent_id(agent_id)
         for name in args.operators:

@@ -381,3 +381,14 @@ def test_a_ca_key_or_ca_pem_that_cannot_be_read_is_one_line_saying_which(tmp_pat
     assert done.returncode == 2 and done.stderr == (f"fedpar certs: {out / 'ca.pem'} is not a PEM certificate; "
                                                     f"{restore}\n"), done.stderr
     assert not (out / "erin.pem").exists()
+
+
+def test_a_name_given_twice_is_refused_before_anything_is_made(tmp_path, capfd):
+    # QA: '--agents alice,alice' wrote alice.pem, then said 'kept alice.pem (exists; --force re-issues it)' of the
+    # one it had just made; with --force it issued two, and '--mint-token dave,dave' replaced the token it had minted
+    out = tmp_path / "certs"
+    for option in ("--agents", "--operators", "--mint-token", "--revoke"):
+        done = run_main(["certs", "--out", str(out), option, "bob,alice", option, "bob"], capfd)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+            f"fedpar certs: {option} names bob more than once; give each name once\n"), done.stderr
+    assert not out.exists()
