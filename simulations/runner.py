@@ -128,11 +128,11 @@ def check_settings(cfg: SimulationConfig) -> list[str]:
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     check_seats(cfg)
+    check_population_fits(cfg)  # before the traces: a trillion clients' would fill the memory first
     check_traces(cfg)
     check_client_speeds(cfg)
     check_composition(cfg.strategy, cfg.secure_aggregation, cfg.upload_compression.method,
                       privacy=options_privacy(cfg.strategy_options))
-    check_population_fits(cfg)
     check_resumed_strategy(cfg)  # before check_resume says what a resume changes: a refused one says only why
     return check_resume(cfg)
 

@@ -33,3 +33,13 @@ def test_a_json_trace_nested_too_deep_is_refused_as_json_it_cannot_read(tmp_path
     line = _refused(SIMULATE + ["--clients", "100", "--trace", "t.json", "--out", "o"], capfd, tmp_path)
     assert line == ("fedpar simulate: cannot read the traces in t.json as JSON (a file not named .csv is read as "
                     "JSON): maximum recursion depth exceeded while decoding a JSON array from a unicode string"), line
+
+
+def test_a_trillion_clients_with_a_trace_are_refused_by_memory_not_a_memory_error(tmp_path, capfd):
+    """QA: with --checkpoint-dir, --clients 10^12 --trace fedscale generated the traces before the population's memory
+    was checked: numpy's 'Unable to allocate 7.28 TiB' traceback (exit 1)."""
+    line = _refused(SIMULATE + ["--clients", str(10**12), "--clients-per-round", "10", "--trace", "fedscale",
+                                "--checkpoint-dir", "ck", "--out", "o"], capfd, tmp_path)
+    assert line.startswith("fedpar simulate: a population of 1,000,000,000,000 clients in 2 worker processes needs "
+                           "about 279397.7 GiB of memory"), line
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()
