@@ -152,6 +152,9 @@ def server_san(names: Iterable[str]) -> x509.SubjectAlternativeName:
             entries.append(x509.DNSName(name))
     if not entries:
         raise ValueError("the server certificate needs at least one --server-name")
+    if all(len(str(entry.value)) > 64 for entry in entries):  # its subject CN, which its ranks dial it by
+        raise ValueError("the server certificate needs one --server-name of 64 characters at most (its subject "
+                         "name); add one, e.g. the coordinator's IP address: --server-name 10.0.0.5")
     return x509.SubjectAlternativeName(entries)
 
 
@@ -160,7 +163,8 @@ def issue_server_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, names: Iter
     """The coordinator's certificate, valid for ``names`` (DNS names and IP addresses)."""
     names = list(names)
     san = server_san(names)
-    return _leaf(ca_key, ca_cert, names[0], ExtendedKeyUsageOID.SERVER_AUTH, days, san)
+    subject = next(name for name in names if len(name) <= 64)  # a CN's most; server_san saw that one fits
+    return _leaf(ca_key, ca_cert, subject, ExtendedKeyUsageOID.SERVER_AUTH, days, san)
 
 
 def issue_agent_cert(ca_key: PrivateKey, ca_cert: x509.Certificate, agent_id: str,

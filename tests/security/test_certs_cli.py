@@ -392,3 +392,20 @@ def test_a_name_given_twice_is_refused_before_anything_is_made(tmp_path, capfd):
         assert done.returncode == 2 and done.stdout == "" and done.stderr == (
             f"fedpar certs: {option} names bob more than once; give each name once\n"), done.stderr
     assert not out.exists()
+
+
+def test_a_server_name_longer_than_a_common_name_may_be_is_in_the_certificate(tmp_path, capfd):
+    # QA: a --server-name of 65 characters or more wrote a new CA, then said only "Attribute's length must be >= 1
+    # and <= 64, but it was 82" (exit 2) and issued no server.pem
+    long_name = "a" * 70 + ".example.org"
+    out = tmp_path / "certs"
+    done = run_main(["certs", "--out", str(out), "--server-name", long_name], capfd)
+    assert done.returncode == 2 and done.stderr == (
+        "fedpar certs: the server certificate needs one --server-name of 64 characters at most (its subject name); "
+        "add one, e.g. the coordinator's IP address: --server-name 10.0.0.5\n"), done.stderr
+    assert not out.exists()
+    done = run_main(["certs", "--out", str(out), "--server-name", long_name, "--server-name", "10.0.0.5"], capfd)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    server = load_certificate(out / "server.pem")
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == [long_name] and common_name(server) == "10.0.0.5"
