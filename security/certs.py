@@ -243,6 +243,16 @@ def check_ca_dates(ca_cert: x509.Certificate, path: Path) -> None:
                          "--agents ...' and give it to the coordinator and every agent")
 
 
+def check_ca_outlasts(ca_cert: x509.Certificate, days: int, path: Path) -> None:
+    """ValueError when certificates valid for ``days`` from now would outlive the CA at ``path``."""
+    left = (ca_cert.not_valid_after_utc - dt.datetime.now(dt.timezone.utc)).days
+    if days > left:  # each peer refuses what a CA issued once the CA has expired, whatever the certificate says
+        fewer = f"give --days {left} or fewer, or " if left >= 1 else ""
+        raise ValueError(f"--days {days} is longer than the CA certificate {path} is valid (until "
+                         f"{ca_cert.not_valid_after_utc:%Y-%m-%d}), and peers refuse what it issued once it expires; "
+                         f"{fewer}make a new folder with 'fedpar certs --out NEW_DIR --agents ...'")
+
+
 def common_name(cert: x509.Certificate) -> str:
     """The subject common name of ``cert`` ('' if it has none)."""
     attrs = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
@@ -293,14 +303,17 @@ def ensure_certs(out: Path, agents: Iterable[str] = (), server_names: Iterable[s
         write_certificate(paths.ca_cert, ca_cert)
         written += [paths.ca_cert, paths.ca_key]
         created_ca = True
-    if server_names is not None or not paths.server_cert.exists():  # not --force: it would drop its names
+    server_due = server_names is not None or not paths.server_cert.exists()  # not --force: it would drop its names
+    # agents and operators: one client certificate each, kept unless --force
+    wanted = [(paths.agent_cert(a), paths.agent_key(a), issue_agent_cert, a) for a in agents] + \
+        [(paths.operator_cert(n), paths.operator_key(n), issue_operator_cert, n) for n in operators]
+    if server_due or any(force or not cert_path.exists() for cert_path, *_ in wanted):
+        check_ca_outlasts(ca_cert, days, paths.ca_cert)
+    if server_due:
         key, cert = issue_server_cert(ca_key, ca_cert, list(server_names or DEFAULT_SERVER_NAMES), days)
         write_private_key(paths.server_key, key)
         write_certificate(paths.server_cert, cert)
         written += [paths.server_cert, paths.server_key]
-    # agents and operators: one client certificate each, kept unless --force
-    wanted = [(paths.agent_cert(a), paths.agent_key(a), issue_agent_cert, a) for a in agents] + \
-        [(paths.operator_cert(n), paths.operator_key(n), issue_operator_cert, n) for n in operators]
     for cert_path, key_path, issue, name in wanted:
         if cert_path.exists() and not force:
             skipped.append(cert_path)

@@ -3,6 +3,7 @@ secure-by-default start-up checks of ``fedpar serve`` and ``fedpar client``."""
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
 import stat
@@ -409,3 +410,20 @@ def test_a_server_name_longer_than_a_common_name_may_be_is_in_the_certificate(tm
     server = load_certificate(out / "server.pem")
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.DNSName) == [long_name] and common_name(server) == "10.0.0.5"
+
+
+def test_certificates_that_would_outlive_their_ca_are_refused(tmp_path, capfd):
+    # QA: '--agents carol --days 36500' in a folder whose CA is valid ten years wrote carol.pem valid until 2126 (exit
+    # 0): every peer refuses it once the CA expires
+    out = tmp_path / "certs"
+    assert run_main(["certs", "--out", str(out), "--agents", "alice"], capfd).returncode == 0
+    ca = load_certificate(out / "ca.pem")
+    left = (ca.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc)).days
+    done = run_main(["certs", "--out", str(out), "--agents", "carol", "--days", "36500"], capfd)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+        f"fedpar certs: --days 36500 is longer than the CA certificate {out / 'ca.pem'} is valid (until "
+        f"{ca.not_valid_after_utc:%Y-%m-%d}), and peers refuse what it issued once it expires; give --days {left} or "
+        "fewer, or make a new folder with 'fedpar certs --out NEW_DIR --agents ...'\n"), done.stderr
+    assert not (out / "carol.pem").exists()
+    done = run_main(["certs", "--out", str(out), "--agents", "carol", "--days", str(left)], capfd)
+    assert done.returncode == 0 and load_certificate(out / "carol.pem").not_valid_after_utc <= ca.not_valid_after_utc
