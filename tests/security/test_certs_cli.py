@@ -427,3 +427,14 @@ def test_certificates_that_would_outlive_their_ca_are_refused(tmp_path, capfd):
     assert not (out / "carol.pem").exists()
     done = run_main(["certs", "--out", str(out), "--agents", "carol", "--days", str(left)], capfd)
     assert done.returncode == 0 and load_certificate(out / "carol.pem").not_valid_after_utc <= ca.not_valid_after_utc
+
+
+def test_certs_out_under_a_file_says_so_in_one_line(tmp_path, capfd):
+    # QA: it said 'Not a directory: ... (--debug shows the traceback)' and exited 1
+    (tmp_path / "notes.txt").write_text("kept")
+    out = tmp_path / "notes.txt" / "certs"
+    done = run_main(["certs", "--out", str(out), "--agents", "x"], capfd)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+        f"fedpar certs: --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder; remove it or point --out at a "
+        "folder\n"), done.stderr
+    assert (tmp_path / "notes.txt").read_text() == "kept"
