@@ -124,12 +124,12 @@ def _check_ended(source: Path) -> None:
 
 
 def _reads(source: Path, to: Path) -> bool:
-    """Whether ``to`` is a file the export of ``source`` reads: the file itself, a run folder's model files, or a
-    checkpoint directory's (its LATEST and round folders)."""
+    """Whether ``to`` is a file the export of ``source`` reads: the file itself (a global.safetensors: global.json
+    beside it too), a run folder's model files, or a checkpoint directory's (its LATEST and round folders)."""
     from fedpar.protocol.model_file import INFO, TENSORS
     from fedpar.server.checkpoint import LATEST
 
-    if to == source:
+    if to == source or (source.name == TENSORS and to == source.with_name(INFO)):
         return True
     if not source.is_dir() or source not in to.parents:
         return False

@@ -81,6 +81,11 @@ def test_export_errors_are_one_line_and_a_non_zero_exit(tmp_path, capsys):
                                                                                             "exported"),
              ([str(tmp_path / "run" / "global.safetensors"), "--to", str(tmp_path / "run" / "global.safetensors")],
               "is a file of what is exported"),
+             # it replaced the run's global.json, the model's description, with a torch file (QA)
+             ([str(tmp_path / "run" / "global.safetensors"), "--to", str(tmp_path / "run" / "global.json")],
+              f"fedpar export: --to {tmp_path / 'run' / 'global.json'} is a file of what is exported "
+              f"({tmp_path / 'run' / 'global.safetensors'}): writing it would replace the model itself; write the "
+              f"export elsewhere, e.g. --to {tmp_path / 'run' / 'model.pt'}\n"),
              # it said 'File exists: notes.txt in folder ...' and exited 1 (QA)
              ([str(tmp_path / "run"), "--to", str(tmp_path / "notes.txt" / "sub" / "m.pt")],
               f"--to {tmp_path / 'notes.txt' / 'sub' / 'm.pt'}: {tmp_path / 'notes.txt'} is a file, not a folder; "
