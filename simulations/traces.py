@@ -12,7 +12,7 @@ File format, one row (CSV) or object (JSON list) per client, clients numbered 0.
   may wrap past midnight; ``available_for`` >= DAY_SECONDS: always online).
 
 Every client has exactly one row; every value is a number >= 0 (link speeds at least 1e-6 Mbps, a step at most a
-day). A file whose name does not end in .csv is read as JSON.
+day). A file whose name does not end in .csv (in any case) is read as JSON.
 
 ``generate_traces`` follows FedScale (Lai et al., ICML 2022): compute speeds with a long tail (log-normal, the
 slowest devices several times the median), link speeds log-normal around a mobile median, and diurnal
@@ -57,7 +57,7 @@ class Traces:
         """Write the traces as CSV (.csv) or JSON (anything else)."""
         rows = [dict(zip(COLUMNS, (i, *(float(c[i]) for c in self._columns())))) for i in range(len(self))]
         path = Path(path)
-        if path.suffix == ".csv":
+        if is_csv(path):
             with open(path, "w", newline="") as f:
                 writer = csv.DictWriter(f, COLUMNS)
                 writer.writeheader()
@@ -127,6 +127,11 @@ MOST_VALUE = float(np.finfo(np.float32).max)  # the columns are kept as float32
 LEAST_MBPS = 1e-6  # a bit a second: a link divides the model's bits, and 1e-50 is 0 in float32
 
 
+def is_csv(path: Path) -> bool:
+    """Whether a trace file is CSV by its name: .csv in any case (a spreadsheet on Windows writes T.CSV)."""
+    return path.suffix.lower() == ".csv"
+
+
 def load_traces(path: str | Path, clients: int) -> Traces:
     """The traces of ``clients`` clients from a CSV or JSON file; a ValueError names what is wrong."""
     path = Path(path)
@@ -138,7 +143,7 @@ def load_traces(path: str | Path, clients: int) -> Traces:
         if path.stat().st_size > clients * ROW_BYTES + (1 << 16):  # a 1 GB file would fill the memory first
             raise ValueError(f"the trace file {path} holds {path.stat().st_size / 2**20:,.0f} MiB, more than "
                              f"{clients:,} clients' rows can (--clients {clients}); give one row per client")
-        if path.suffix == ".csv":
+        if is_csv(path):
             plain = _plain_csv_table(path, clients)
             return plain if plain is not None else _table_of(path, _csv_rows(path), clients)
         try:

@@ -43,3 +43,15 @@ def test_a_trillion_clients_with_a_trace_are_refused_by_memory_not_a_memory_erro
     assert line.startswith("fedpar simulate: a population of 1,000,000,000,000 clients in 2 worker processes needs "
                            "about 279397.7 GiB of memory"), line
     assert not (tmp_path / "ck").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_csv_trace_named_in_capitals_is_read_as_csv(tmp_path, capfd):
+    """QA: T.CSV (as a spreadsheet on Windows names it) was read as JSON: 'cannot read the traces in T.CSV as JSON
+    ...: Expecting value: line 1 column 1 (char 0)' (exit 2)."""
+    import json
+
+    rows = [",".join(COLUMNS)] + [f"{i},0.01,10,5,0,86400" for i in range(4)]
+    (tmp_path / "T.CSV").write_text("\n".join(rows) + "\n")
+    done = run_main(SIMULATE + ["--trace", "T.CSV", "--out", "o"], capfd, tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["rounds"] == 1
