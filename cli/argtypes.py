@@ -177,8 +177,11 @@ file_to_write.kind = Path
 
 
 def id_list(text: str) -> list[str]:
-    """An argparse type: comma-separated ids (``alice,bob``), each stripped, empty ones dropped."""
-    return [part.strip() for part in text.split(",") if part.strip()]
+    """An argparse type: comma-separated ids (``alice,bob``), each stripped, empty ones dropped (none left: refused)."""
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    if not ids:  # e.g. --agents "$AGENTS" unset: the command went on as if the option were not given
+        raise argparse.ArgumentTypeError(f"{text!r} names no id; give one or more, e.g. alice,bob")
+    return ids
 
 
 id_list.splits = True  # a repeated flag extends one list (cli/declared.py)

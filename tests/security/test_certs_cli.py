@@ -358,7 +358,8 @@ def test_a_ca_key_that_is_not_the_key_of_ca_pem_is_refused_before_anything_is_is
     done = run_main(["certs", "--out", str(out), "--agents", "erin"], capfd)
     assert done.returncode == 2 and done.stdout == "" and done.stderr == (
         f"fedpar certs: {out / 'ca.key'} is not the private key of {out / 'ca.pem'}, so no peer would accept what it "
-        f"signs; restore the ca.pem and ca.key 'fedpar certs' made together in {out}, or use a new --out\n"), done.stderr
+        f"signs; restore the ca.pem and ca.key 'fedpar certs' made together in {out}, or use a new --out\n"), \
+        done.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
@@ -438,3 +439,15 @@ def test_certs_out_under_a_file_says_so_in_one_line(tmp_path, capfd):
         f"fedpar certs: --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder; remove it or point --out at a "
         "folder\n"), done.stderr
     assert (tmp_path / "notes.txt").read_text() == "kept"
+
+
+def test_an_option_naming_no_id_is_refused_before_anything_is_made(tmp_path, capfd):
+    # QA: '--revoke ""' (or '--agents ,', e.g. from an unset variable) was taken as no option at all: a new folder got
+    # a new CA and server certificate, exit 0
+    out = tmp_path / "certs"
+    for option, value in (("--revoke", ""), ("--agents", " , "), ("--mint-token", ","), ("--operators", "")):
+        done = run_main(["certs", "--out", str(out), option, value], capfd)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+            f"fedpar certs: error: argument {option}: {value!r} names no id; give one or more, e.g. alice,bob; see "
+            "'fedpar certs --help'\n"), done.stderr
+    assert not out.exists()
