@@ -106,7 +106,7 @@ def _check_folders_of(to: Path) -> None:
 
 
 def _check_ended(source: Path) -> None:
-    """UserError when ``source`` (or the folder of the global.safetensors it names) is the --out of a run still going."""
+    """UserError when ``source`` (or the folder of the global.safetensors it names) is a running run's --out."""
     from fedpar.cli.user_errors import OUTPUT_LOCK
     from fedpar.protocol.file_lock import LockHeld, check_free
     from fedpar.protocol.model_file import TENSORS
