@@ -21,6 +21,7 @@ availability: each client is online for a stretch of 2 to 18 hours starting at a
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import warnings
@@ -159,7 +160,10 @@ def load_traces(path: str | Path, clients: int) -> Traces:
     except OSError as exc:  # its strerror: not "[Errno 21] Is a directory: 'PATH'"
         raise ValueError(f"cannot read the traces in {path}: {exc.strerror or exc}; give a CSV or JSON file") from None
     except UnicodeDecodeError:
-        raise ValueError(f"cannot read the traces in {path}: it is not a text file; give a CSV or JSON file") from None
+        with open(path, "rb") as f:  # a spreadsheet's "Unicode text" is UTF-16: text, but not the UTF-8 read here
+            utf16 = f.read(2) in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+        said = "it is UTF-16 text; save it as UTF-8" if utf16 else "it is not a text file; give a CSV or JSON file"
+        raise ValueError(f"cannot read the traces in {path}: {said}") from None
     except csv.Error as exc:  # e.g. a field past csv's size limit
         raise ValueError(f"cannot read the traces in {path} as CSV: {exc}") from None
 

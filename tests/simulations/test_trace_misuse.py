@@ -55,3 +55,11 @@ def test_a_csv_trace_named_in_capitals_is_read_as_csv(tmp_path, capfd):
     done = run_main(SIMULATE + ["--trace", "T.CSV", "--out", "o"], capfd, tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["rounds"] == 1
+
+
+def test_a_utf16_trace_is_said_to_be_utf16_not_binary(tmp_path, capfd):
+    """QA: a CSV saved as UTF-16 (a spreadsheet's "Unicode text") was refused as 'not a text file'."""
+    rows = [",".join(COLUMNS)] + [f"{i},0.01,10,5,0,86400" for i in range(4)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n", encoding="utf-16")
+    line = _refused(SIMULATE + ["--trace", "t.csv", "--out", "o"], capfd, tmp_path)
+    assert line == "fedpar simulate: cannot read the traces in t.csv: it is UTF-16 text; save it as UTF-8", line
