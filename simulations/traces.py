@@ -147,11 +147,14 @@ def load_traces(path: str | Path, clients: int) -> Traces:
         if is_csv(path):
             plain = _plain_csv_table(path, clients)
             return plain if plain is not None else _table_of(path, _csv_rows(path), clients)
+        text = path.read_text(encoding="utf-8-sig")  # not UTF-8: said below as what it is, not as bad JSON
         try:
-            rows = json.loads(path.read_text(encoding="utf-8-sig"))
-        except UnicodeDecodeError:  # a ValueError too: said below as what it is, not as bad JSON
-            raise
+            rows = json.loads(text)
         except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
+            header = {name.strip() for name in text.partition("\n")[0].split(",")}
+            if header >= set(COLUMNS):
+                raise ValueError(f"{path} is a CSV (its first line names the columns), read as JSON as a file not "
+                                 "named .csv is; name it .csv") from None
             raise ValueError(f"cannot read the traces in {path} as JSON (a file not named .csv is read as JSON): "
                              f"{exc}") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):

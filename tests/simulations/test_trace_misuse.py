@@ -63,3 +63,13 @@ def test_a_utf16_trace_is_said_to_be_utf16_not_binary(tmp_path, capfd):
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n", encoding="utf-16")
     line = _refused(SIMULATE + ["--trace", "t.csv", "--out", "o"], capfd, tmp_path)
     assert line == "fedpar simulate: cannot read the traces in t.csv: it is UTF-16 text; save it as UTF-8", line
+
+
+def test_a_csv_trace_named_json_says_to_name_it_csv(tmp_path, capfd):
+    """QA: a CSV named t.json was refused as JSON: 'Expecting value: line 1 column 1 (char 0)', with no word that it
+    was a good CSV."""
+    rows = [",".join(COLUMNS)] + [f"{i},0.01,10,5,0,86400" for i in range(4)]
+    (tmp_path / "t.json").write_text("\n".join(rows) + "\n")
+    line = _refused(SIMULATE + ["--trace", "t.json", "--out", "o"], capfd, tmp_path)
+    assert line == ("fedpar simulate: t.json is a CSV (its first line names the columns), read as JSON as a file not "
+                    "named .csv is; name it .csv"), line
