@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedpar.cli.declared import add_declared
-from fedpar.cli.user_errors import UserError
+from fedpar.cli.user_errors import UserError, check_folder_writable
 from fedpar.settings import setting
 
 
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.to.is_dir():
         raise UserError(f"--to {args.to} is a folder; name the file to write, e.g. {args.to / 'model.pt'}")
     _check_folders_of(args.to)
+    check_folder_writable(args.to.parent, "--to")  # was said only after the model was read, and as exit 1
     _check_ended(args.source)
     if _reads(args.source.resolve(), args.to.resolve()):  # the model read would be overwritten by its export
         raise UserError(f"--to {args.to} is a file of what is exported ({args.source}): writing it would replace "

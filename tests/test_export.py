@@ -215,3 +215,17 @@ def test_export_of_the_out_folder_of_a_run_still_running_says_so(tmp_path, capfd
         lock.release(remove=True)
     assert not (tmp_path / "m.pt").exists()
     assert run_main(["export", "run", "--to", "m.pt"], capfd, cwd=tmp_path).returncode == 0  # the run has ended
+
+
+def test_export_into_a_folder_that_cannot_be_written_is_refused_before_the_model_is_read(tmp_path, capfd):
+    """QA: `fedpar export RUN --to /sys/m.pt` said 'Permission denied: m.pt in folder /sys; check the permissions, or
+    pick another path (--debug shows the traceback)' and exited 1, once it had read the model."""
+    from support.in_process import run_main
+
+    _kept_model(tmp_path / "run")
+    for to, line in (("/proc/m.pt", "--to /proc: cannot write in the folder: No such file or directory; give a folder "
+                                    "this user can write"),
+                     ("/proc/x/m.pt", "--to /proc/x: cannot make the folder: No such file or directory; give a folder "
+                                      "this user can make, or one that exists")):
+        done = run_main(["export", "run", "--to", to], capfd, cwd=tmp_path)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr == f"fedpar export: {line}\n", done.stderr
