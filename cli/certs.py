@@ -16,7 +16,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 
 from fedpar.cli.declared import add_declared, section
-from fedpar.cli.user_errors import check_output_folder
+from fedpar.cli.user_errors import check_folder_writable, check_output_folder
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.security.admission import append_revocation, has_token, mint_token, parse_revocations, \
     parse_token_hashes
@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         if paths.root.exists() and not paths.root.is_dir():  # said as 'File exists: ca.pem in folder ...'
             raise ValueError(f"--out {paths.root} is a file; give the folder of the certificates (made if missing)")
         check_output_folder(paths.root)  # a file on its way was 'Not a directory ... (--debug shows ...)', exit 1
+        check_folder_writable(paths.root, "--out")  # was '/proc/certs does not exist', or EPERM and exit 1
         for option, names in (("--agents", args.agents), ("--operators", args.operators), ("--revoke", args.revoke),
                               ("--mint-token", args.mint_token)):
             twice = sorted({name for name in names if names.count(name) > 1})

@@ -451,3 +451,14 @@ def test_an_option_naming_no_id_is_refused_before_anything_is_made(tmp_path, cap
             f"fedpar certs: error: argument {option}: {value!r} names no id; give one or more, e.g. alice,bob; see "
             "'fedpar certs --help'\n"), done.stderr
     assert not out.exists()
+
+
+def test_certs_out_that_cannot_be_made_or_written_says_so_in_one_line(tmp_path, capfd):
+    # QA: '--out /proc/certs' said '/proc/certs does not exist' of the folder it was to make, and '--out /sys/certs'
+    # 'Operation not permitted: certs in folder /sys; ... (--debug shows the traceback)', exit 1
+    for out, line in (("/proc/certs", "--out /proc/certs: cannot make the folder: No such file or directory; give a "
+                                      "folder this user can make, or one that exists"),
+                      ("/proc", "--out /proc: cannot write in the folder: No such file or directory; give a folder "
+                                "this user can write")):
+        done = run_main(["certs", "--out", out, "--agents", "alice"], capfd)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr == f"fedpar certs: {line}\n", done.stderr
