@@ -13,7 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.user_errors import check_folder_writable, check_output_folder
@@ -129,6 +131,15 @@ def serial_to_revoke(paths: CertPaths, pem: Path) -> int:
     except (InvalidSignature, ValueError, TypeError):
         raise ValueError(f"--revoke-cert {pem} was not issued by the CA in {paths.ca_cert}, so coordinators of "
                          f"{paths.root} refuse it already; give the certificate made in {paths.root}") from None
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:  # a certificate without usages may serve either end
+        usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in usages:
+        raise ValueError(f"--revoke-cert {pem} is the coordinator's certificate, which no agent presents, so revoking "
+                         "it would revoke nothing (revoked.txt is checked of agents and operators); to replace it, "
+                         f"re-issue it: 'fedpar certs --out {paths.root} --server-name NAME' (one per name agents "
+                         "dial)")
     return cert.serial_number
 
 

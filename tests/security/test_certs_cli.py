@@ -206,7 +206,12 @@ def test_revoke_cert_refuses_a_certificate_whose_serial_would_revoke_nothing(tmp
         assert run_main(["certs", "--out", str(folder), "--agents", "alice"], capfd).returncode == 0
     cases = {out / "ca.pem": "is a CA certificate, whose serial no agent presents",
              other / "alice.pem": f"was not issued by the CA in {out / 'ca.pem'}",
-             out: "is a folder; give the .pem file"}
+             out: "is a folder; give the .pem file",
+             # QA: it said 'revoked certificate .../server.pem', of a serial no client presents
+             out / "server.pem": (f"fedpar certs: --revoke-cert {out / 'server.pem'} is the coordinator's "
+                                  "certificate, which no agent presents, so revoking it would revoke nothing "
+                                  "(revoked.txt is checked of agents and operators); to replace it, re-issue it: "
+                                  f"'fedpar certs --out {out} --server-name NAME' (one per name agents dial)\n")}
     for pem, said in cases.items():
         done = run_main(["certs", "--out", str(out), "--revoke-cert", str(pem)], capfd)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and said in done.stderr, (pem, done.stderr)
