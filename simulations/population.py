@@ -40,7 +40,7 @@ from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.task import ClientData, Partition, Task, TaskError, checked_client_data, raised, steps_in_time
 from fedpar.tasks.data import in_memory
-from fedpar.simulations.traces import DAY_SECONDS, AvailabilityEvents, Traces, online, seconds_left_online
+from fedpar.simulations.traces import DAY_SECONDS, VIRTUAL_DAY, AvailabilityEvents, Traces, online, seconds_left_online
 
 # A worker keeps its recent members' data (in-memory datasets only) up to this many bytes: a member sampled again
 # trains without its share being cut and split again (measured: a third of a digits member's local epoch).
@@ -269,6 +269,8 @@ class PopulationMembers:
         """Members that went offline and that came back since the last call, by the trace's clock: the
         coordinator's simulated time under a virtual clock, else one real second is ``day_scale`` trace seconds,
         from when this host started."""
+        if clock_seconds is not None and self.day_scale != 1.0:  # simulate-workers against serve --clock virtual
+            raise ValueError(VIRTUAL_DAY)
         day = clock_seconds if clock_seconds is not None else (time.monotonic() - self.started) * self.day_scale
         if self.events is None:
             return [], []

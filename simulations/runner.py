@@ -42,7 +42,7 @@ from fedpar.server.ranks.local import IngestRankSpec, IngestRanks
 from fedpar.simulations.population import PopulationSlice, step_delays
 from fedpar.simulations.resume import RunRecord, check_resume
 from fedpar.simulations.run_outputs import RunOutputs, earlier_run_in, write_run_outputs
-from fedpar.simulations.traces import Traces, traces_for
+from fedpar.simulations.traces import VIRTUAL_DAY, Traces, traces_for
 from fedpar.simulations.worker_processes import WorkerProcesses, check_population_fits, start_workers
 from fedpar.settings import composed
 from fedpar.task import Partition
@@ -117,8 +117,7 @@ def check_client_speeds(cfg: SimulationConfig) -> None:
         raise ValueError("--slow-fraction: a Flower App's ClientApp trains at its own pace, which fedpar cannot slow "
                          "on the real clock; drop it, or use --clock virtual (a slow client then costs simulated time)")
     if cfg.virtual_clock and cfg.trace_day_seconds != SimulationConfig.trace_day_seconds:
-        raise ValueError("--trace-day-seconds: under --clock virtual a trace's days pass in simulated time, not in "
-                         "real seconds; drop it (or use --clock real)")
+        raise ValueError(VIRTUAL_DAY)
 
 
 def check_settings(cfg: SimulationConfig) -> list[str]:

@@ -126,6 +126,10 @@ ROW_BYTES = 1024  # far more than one client's row or object takes: a larger fil
 MOST_SECONDS_PER_STEP = DAY_SECONDS  # a step slept on the real clock; sleep() overflows at 1e30 (as --slow-step-delay)
 MOST_VALUE = float(np.finfo(np.float32).max)  # the columns are kept as float32
 LEAST_MBPS = 1e-6  # a bit a second: a link divides the model's bits, and 1e-50 is 0 in float32
+# --trace-day-seconds given to a run on the virtual clock: simulate refuses it at once, a simulate-workers host once its
+# coordinator says it runs that clock
+VIRTUAL_DAY = ("--trace-day-seconds: under --clock virtual a trace's days pass in simulated time, not in real "
+               "seconds; drop it (or use --clock real)")
 
 
 def is_csv(path: Path) -> bool:

@@ -73,3 +73,30 @@ def test_a_csv_trace_named_json_says_to_name_it_csv(tmp_path, capfd):
     line = _refused(SIMULATE + ["--trace", "t.json", "--out", "o"], capfd, tmp_path)
     assert line == ("fedpar simulate: t.json is a CSV (its first line names the columns), read as JSON as a file not "
                     "named .csv is; name it .csv"), line
+
+
+def test_a_simulate_workers_trace_day_against_a_virtual_clock_is_refused(tmp_path):
+    """QA: simulate-workers --trace-day-seconds 60 against serve --clock virtual ran, its day silently not taken
+    (simulate refuses the same flags at once); the host now stops in simulate's line, exit 2."""
+    import re
+    import subprocess
+    import sys
+
+    rows = [",".join(COLUMNS)] + [f"{i},0.01,10,5,0,86400" for i in range(4)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    fedpar = [sys.executable, "-m", "fedpar"]
+    serve = subprocess.Popen(fedpar + ["serve", "--insecure", "--host", "127.0.0.1", "--port", "0", "--rounds", "1",
+                                       "--accept-populations", "--clock", "virtual", "--min-available", "4", "--out",
+                                       "o"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = re.search(r"listening on (127\.0\.0\.1:\d+)", serve.stdout.readline()).group(1)
+        done = subprocess.run(fedpar + ["simulate-workers", "--insecure", "--server", address, "--clients", "4",
+                                        "--trace", "t.csv", "--trace-day-seconds", "60"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    finally:
+        serve.kill()
+        serve.wait(timeout=30)
+    lines = [line for line in done.stderr.splitlines() if "--insecure" not in line]
+    assert done.returncode == 2 and lines == [
+        "fedpar simulate-workers: --trace-day-seconds: under --clock virtual a trace's days pass in simulated time, "
+        "not in real seconds; drop it (or use --clock real)"], done.stderr
