@@ -29,7 +29,8 @@ GOOD = "0.01,20,5,0,86400"
     ("extra.csv", f"{HEADER}\n0,{GOOD},7\n", "7 values for the header's 6 columns"),
     ("empty.csv", "", "no header row"),
     ("semicolons.csv", "client;seconds_per_step\n0;0.01\n", "first line must name the columns"),
-    ("rows.txt", f"{HEADER}\n0,{GOOD}\n", "is a CSV (its first line names the columns), read as JSON as a file not named .csv is; name it .csv"),
+    ("rows.txt", f"{HEADER}\n0,{GOOD}\n",
+     "is a CSV (its first line names the columns), read as JSON as a file not named .csv is; name it .csv"),
     ("short.csv", f"{HEADER}\n0,{GOOD}\n", "no trace for 1 of the 2 clients"),
 ])
 def test_a_bad_trace_file_is_one_line_naming_what_is_wrong(tmp_path, name, text, says):
