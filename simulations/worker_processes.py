@@ -102,14 +102,14 @@ def check_population_fits(cfg: SimulationConfig) -> None:
 
 
 def start_method() -> str:
-    """'fork' where this process may fork the workers (parallel/init.fork_safe), the modules they run imported here
-    first; else 'spawn'."""
-    from fedpar.parallel.init import fork_safe
+    """'fork' where this process may fork the workers (parallel/init.rank_start_method), the modules they run
+    imported here first; else 'spawn'."""
+    from fedpar.parallel.init import rank_start_method
 
-    if not fork_safe():
-        return "spawn"
-    importlib.import_module("fedpar.simulations.agents")  # the forked workers start with it, torch and gRPC loaded
-    return "fork"
+    method = rank_start_method()
+    if method == "fork":
+        importlib.import_module("fedpar.simulations.agents")  # the forked workers start with it, torch and gRPC loaded
+    return method
 
 
 def others(pipes: list[tuple[Connection, Connection]], worker: int) -> list[Connection]:
