@@ -261,15 +261,15 @@ def _spawn_ranks(args: argparse.Namespace, world: int, more: dict | None = None)
     """Serve in ``world`` local aggregator rank processes (``more``: options only they get); the exit code."""
     from torch.multiprocessing import ProcessExitedException
 
-    from fedpar.parallel.init import LaunchStopped, fork_safe, spawn
+    from fedpar.parallel.init import LaunchStopped, rank_start_method, spawn
 
-    # Forked ranks skip the interpreter's start and torch's import: most of a restart's time. Not under a run
+    # Forked ranks skip the interpreter's start and torch's import: most of a restart's time. Not forked from a run
     # service (--state): its launcher may have served gRPC already, which does not survive a fork.
-    fork = args.state is None and fork_safe()
+    method = rank_start_method(may_fork=args.state is None)
     try:
         spawn(world, serve_rank, {**plain_options(args), "launcher_warned": True, **(more or {})}, parent_stops=True,
               stop_grace=STOP_GRACE_SECONDS, rank_0_decides=True,  # rank 0 goes on without a lost rank
-              start_method="fork" if fork else "spawn",
+              start_method=method,
               # and when it dies, every rank starts again where the agents find it: the same port
               # (a service's runs keep checkpoints; its operators find it on the same control port)
               rank_0_resumes=(args.checkpoint_dir is not None or args.state is not None) and bool(args.port)

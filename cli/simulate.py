@@ -28,7 +28,7 @@ from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.task_options import check_nothing_replaced, check_task_options, task_options
 from fedpar.cli.user_errors import UserError, check_output_folder, describe, hold_output_folder, run_exit_code
-from fedpar.parallel.stopping import stop_on_signals
+from fedpar.parallel.stopping import alive, stop_on_signals
 from fedpar.settings import setting
 from fedpar.simulations.config import SimulationConfig
 from fedpar.simulations.run_outputs import check_run_files
@@ -273,7 +273,7 @@ def _tell_launcher(launcher: int | None):
         return
 
     def tell(signum, frame) -> None:
-        if os.getppid() == launcher:  # else the launcher is gone, and this process is stopping for that
+        if alive(launcher):  # else the launcher is gone, and this process is stopping for that
             os.kill(launcher, TOLD_STOP)
 
     previous = signal.signal(signal.SIGINT, tell)

@@ -4,6 +4,7 @@ the command's format."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 FORMAT = "%(asctime)s %(name)s %(message)s"
@@ -16,13 +17,56 @@ def log_like_parent(level: int) -> None:
     quiet_libraries(level)
 
 
-def own_standard_streams() -> None:
+def own_standard_streams(launcher: LauncherSide | None = None) -> None:
     """sys.stdout and sys.stderr write to this process's file descriptors 1 and 2, as in a spawned process: a forked
-    one holds its parent's, which may be a redirection (contextlib.redirect_stdout) whose copy here nobody reads."""
+    one holds its parent's, which may be a redirection (contextlib.redirect_stdout) whose copy here nobody reads.
+    ``launcher``: what a child of a fork server takes from the process that started it (its descriptors 1 and 2,
+    its environment), first."""
+    if launcher is not None:
+        launcher.adopt()
     if sys.__stdout__ is not None:
         sys.stdout = sys.__stdout__
     if sys.__stderr__ is not None:
         sys.stderr = sys.__stderr__
+
+
+class LauncherSide:
+    """What a child started by a fork server (parallel/init.py rank_start_method) takes from the process that started
+    it, as a spawned child has them: its file descriptors 1 and 2 and its environment as they are now. The server's
+    are this process's of the moment the server started (a test's captured output, since gone, say)."""
+
+    def __init__(self):
+        self.env = dict(os.environ)
+        self.streams: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        from multiprocessing import reduction
+
+        streams = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed here: the child keeps the server's
+                streams.append(None)
+                continue
+            streams.append(reduction.DupFd(fd))  # handed over with the child's start (pickled by its Popen only)
+        return {"env": self.env, "streams": tuple(streams)}
+
+    def adopt(self) -> None:
+        """In the child: the launcher's descriptors 1 and 2 and its environment."""
+        for fd, handed in zip((1, 2), self.streams or ()):
+            if handed is not None:
+                held = handed.detach()
+                os.dup2(held, fd)
+                os.close(held)
+        os.environ.clear()
+        os.environ.update(self.env)
+
+
+def launcher_side(start_method: str) -> LauncherSide | None:
+    """What a child started by ``start_method`` must be handed to write and run where a spawned one would: only a
+    fork server's child needs it (a forked or spawned one inherits both)."""
+    return LauncherSide() if start_method == "forkserver" else None
 
 
 def quiet_libraries(level: int) -> None:

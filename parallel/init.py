@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import secrets
 
-from fedpar.parallel.child_logs import own_standard_streams
+from fedpar.parallel.child_logs import LauncherSide, launcher_side, own_standard_streams
 from fedpar.parallel.device import backend_for, resolve_device
 from fedpar.parallel.rendezvous import bound_store, gloo_on_loopback
 from fedpar.parallel.restarts import NAMESPACE_ENV, REPLACEMENT_ENV, RestartBudget
@@ -141,8 +141,9 @@ def exit_rank_process(code: int = 0) -> None:
 
 
 def _spawned_worker(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
-                    parent_stops: bool = False, env: dict[str, str] | None = None) -> None:
-    own_standard_streams()  # forked: where a spawned rank would write,
+                    parent_stops: bool = False, env: dict[str, str] | None = None,
+                    launcher: LauncherSide | None = None) -> None:
+    own_standard_streams(launcher)  # forked: where a spawned rank would write,
     default_terminate()  # and ended by SIGTERM as a spawned one is (not by its launcher's handler, copied)
     if parent_stops:  # the launcher stops this rank: Ctrl-C is ignored; still leave when the launcher dies
         ignore_interrupts()
@@ -186,9 +187,10 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
     # does: it binds a free port itself, so nothing can take the port between its choice and rank 0's bind
     # (EADDRINUSE, seen on a busy 16-core box). Where rank 0 outlives lost ranks or starts again, it holds the store
     # (a replacement rank meets it there); a forked rank would inherit the store's thread-less server.
-    held = None if rank_0_decides or rank_0_resumes or start_method != "spawn" else _launcher_store()
+    held = None if rank_0_decides or rank_0_resumes or start_method == "fork" else _launcher_store()
     if not parent_stops:  # `held` serves until this function returns
-        mp.start_processes(_spawned_worker, args=(nproc, _port_of(held), fn, args, False, _store_env(held)),
+        mp.start_processes(_spawned_worker, args=(nproc, _port_of(held), fn, args, False, _store_env(held),
+                                                  launcher_side(start_method)),
                            nprocs=nproc, join=True, start_method=start_method)
         return
     budget = restarts or RestartBudget()
@@ -200,7 +202,8 @@ def spawn(nproc: int, fn: Callable[..., Any], *args: Any, parent_stops: bool = F
                                                 if p.is_alive()]):
             try:
                 with interrupts_held(start_method):  # a Ctrl-C that comes while they start stops them after
-                    context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env),
+                    context = mp.start_processes(_spawned_worker, args=(nproc, port, fn, args, True, env,
+                                                                        launcher_side(start_method)),
                                                  nprocs=nproc, join=False, start_method=start_method)
                 if not (rank_0_decides or rank_0_resumes):
                     while not _ranks_joined(context, on_rank_lost):
@@ -285,9 +288,21 @@ def _grpc_threads() -> bool:
     return False
 
 
-def rank_start_method() -> str:
-    """How a launch from this process starts its ranks: "fork" where :func:`fork_safe` holds, else "spawn"."""
-    return "fork" if fork_safe() else "spawn"
+# What a fork server imports once, before it forks each child: torch, gRPC and fedpar's workers and ranks
+FORK_SERVER_PRELOAD = ("fedpar.parallel.init", "fedpar.simulations.agents", "fedpar.server.ranks.local")
+
+
+def rank_start_method(may_fork: bool = True) -> str:
+    """How a launch from this process starts its ranks (or workers): "fork" where :func:`fork_safe` holds (and
+    ``may_fork``); else, on Linux with no GPU visible, "forkserver": forked from one helper process that imported
+    torch and fedpar once (multiprocessing starts it at the first child and keeps it while this process lives), so
+    only the first child pays an interpreter's start and torch's import; else "spawn"."""
+    if may_fork and fork_safe():
+        return "fork"
+    if sys.platform.startswith("linux") and not torch.cuda.is_available():
+        mp.get_context("forkserver").set_forkserver_preload(list(FORK_SERVER_PRELOAD))
+        return "forkserver"
+    return "spawn"
 
 
 def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple,
@@ -295,7 +310,8 @@ def _start_replacement(rank: int, nproc: int, port: int, fn: Callable[..., Any],
     """A fresh process in lost rank ``rank``'s slot, told it replaces it (it asks rank 0 to take it back); started as
     the launch started its ranks (forked: the launcher still runs one thread, it only watches its ranks)."""
     process = mp.get_context(start_method).Process(target=_spawned_worker, name=f"fedpar-rank-{rank}",
-                                              args=(rank, nproc, port, fn, args, True, {**env, REPLACEMENT_ENV: "1"}))
+                                                   args=(rank, nproc, port, fn, args, True, {**env, REPLACEMENT_ENV: "1"},
+                                                         launcher_side(start_method)))
     with interrupts_held(start_method):
         process.start()
     return process

@@ -21,6 +21,7 @@ import copyreg
 import faulthandler
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -259,12 +260,50 @@ def dump_stacks_on_signal() -> None:
 
 def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """Have the kernel send ``signum`` to this process when its parent exits (Linux; elsewhere nothing); sent now
-    if the parent of this multiprocessing child is gone already."""
+    if the parent of this multiprocessing child is gone already. A fork server's child (parallel/init.py
+    rank_start_method) has the server for its parent in the kernel's eyes, which lives on while any of its children
+    does: a thread of its own watches the launcher instead."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # it died before the line above
+    if parent is not None and os.getppid() != parent.pid:  # a fork server's child, or its launcher died just now
+        _watch_launcher(parent.pid, signum)
+
+
+def _watch_launcher(pid: int, signum: int) -> None:
+    """Send ``signum`` to this process once process ``pid`` has ended (now, if it has)."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
         os.kill(os.getpid(), signum)
+        return
+    except OSError:  # a kernel before 5.3: asked once a second
+        handle = None
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while alive(pid):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=watch, name="fedpar-launcher-watch", daemon=True).start()
+
+
+def alive(parent: int) -> bool:
+    """Whether this process's launcher (pid ``parent``) still runs. A child of a fork server has the server for its
+    parent in the kernel's eyes (its death signal follows the server, which ends when the launcher does), so the
+    launcher's pid is asked of the kernel when it is not the parent's."""
+    if os.getppid() == parent:
+        return True
+    try:
+        os.kill(parent, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user has that pid now
+        return True
+    return True

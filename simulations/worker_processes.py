@@ -3,8 +3,9 @@ WorkerConfig of that slice comes down its pipe.
 
 Where this process may fork (parallel/init.fork_safe: one thread, no GPU), they are forked from it once it has
 imported torch and fedpar's client side, so that none imports them again (about 1.6 s of CPU each on this machine,
-which two workers spent beside the coordinator's own import on two cores); else they are spawned, each importing
-them itself.
+which two workers spent beside the coordinator's own import on two cores). Where it may not (it runs threads, or has
+served gRPC: a notebook, a test) they are forked from multiprocessing's fork server, which imports them once for
+every later run of this process; spawned, each importing them itself, only off Linux or with a GPU visible.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from multiprocessing.connection import Connection
 
 from fedpar.datasets.memory import check_fits
 from fedpar.datasets.registry import check_dataset_fits, full_dataset_name
-from fedpar.parallel.child_logs import own_standard_streams
+from fedpar.parallel.child_logs import LauncherSide, launcher_side, own_standard_streams
 from fedpar.parallel.stopping import default_terminate, ignore_interrupts, interrupts_held
 from fedpar.simulations.config import SimulationConfig
 
@@ -44,7 +45,8 @@ class WorkerProcesses:
         sends = [send for _, send in pipes]
         self.procs = [ctx.Process(target=run_worker_entry, name=f"fedpar-worker-{w}",
                                   args=(recv, preload, data_dir, say, self.scratch,
-                                        others(pipes, w) if method == "fork" else []), daemon=True)
+                                        others(pipes, w) if method == "fork" else [], launcher_side(method)),
+                                  daemon=True)
                       for w, (recv, _) in enumerate(pipes)]
         with interrupts_held(method):  # this process stops them, so an interrupt prints no worker tracebacks
             for p in self.procs:
@@ -103,7 +105,8 @@ def check_population_fits(cfg: SimulationConfig) -> None:
 
 def start_method() -> str:
     """'fork' where this process may fork the workers (parallel/init.rank_start_method), the modules they run
-    imported here first; else 'spawn'."""
+    imported here first; else 'forkserver' (Linux, no GPU: forked from a helper that imported them once) or
+    'spawn'."""
     from fedpar.parallel.init import rank_start_method
 
     method = rank_start_method()
@@ -119,13 +122,14 @@ def others(pipes: list[tuple[Connection, Connection]], worker: int) -> list[Conn
 
 
 def run_worker_entry(conn: Connection, dataset: str | None, data_dir: str | None, say: Connection,
-                     scratch: str, inherited: list[Connection]) -> None:
+                     scratch: str, inherited: list[Connection], launcher: LauncherSide | None = None) -> None:
     """Process target: simulations/agents.py's worker (imported here, in a spawned child), its temporary files in
     ``scratch``, which the parent removes; a forked child first closes the pipe ends it ``inherited`` and puts back
-    the default stops its parent had changed."""
+    the default stops its parent had changed; a fork server's child takes the ``launcher``'s streams and
+    environment."""
     ignore_interrupts()
     default_terminate()
-    own_standard_streams()
+    own_standard_streams(launcher)
     for end in inherited:
         end.close()
     tempfile.tempdir = scratch

@@ -18,9 +18,9 @@ import torch
 from fedpar.aggregation import build_strategy
 from fedpar.datasets import load_dataset
 from fedpar.datasets.settings import DataFiles, DataSource
-from fedpar.parallel.child_logs import log_like_parent
+from fedpar.parallel.child_logs import LauncherSide, launcher_side, log_like_parent, own_standard_streams
 from fedpar.parallel.restarts import RestartBudget
-from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, shutdown_distributed
+from fedpar.parallel.init import exit_rank_process, free_port, join_gloo_group, rank_start_method, shutdown_distributed
 from fedpar.parallel.stopping import die_with_parent, dump_stacks_on_signal, ignore_interrupts, interrupts_held
 from fedpar.security.admission import Admission
 from fedpar.security.sslcontext import server_ssl_context
@@ -68,9 +68,12 @@ def _assembly(spec: IngestRankSpec) -> CoordinatorAssembly:
     return CoordinatorAssembly.for_data(spec.model, load_dataset(spec.dataset, spec.data_dir), spec.seed, None)
 
 
-def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRankSpec, replacing: bool) -> None:
-    """A spawned process: join the group (or, ``replacing`` a lost rank, ask rank 0 to take it back), then serve as
-    aggregator rank ``rank`` until rank 0 stops (or dies)."""
+def _rank_main(rank: int, world: int, port: int, namespace: str, spec: IngestRankSpec, replacing: bool,
+               launcher: LauncherSide | None = None) -> None:
+    """A started process: join the group (or, ``replacing`` a lost rank, ask rank 0 to take it back), then serve as
+    aggregator rank ``rank`` until rank 0 stops (or dies); a fork server's child takes the ``launcher``'s streams and
+    environment first."""
+    own_standard_streams(launcher)
     ignore_interrupts()
     die_with_parent()
     dump_stacks_on_signal()
@@ -118,8 +121,10 @@ class IngestRanks:
         self.spec = dataclasses.replace(spec, config=rank_config)
         self.world = world
         self.restarts = RestartBudget()
+        # never forked: this process runs the coordinator's threads (a fork server's copies, else spawned)
+        self.start_method = rank_start_method(may_fork=False)
         self.procs = [self._process(r, replacing=False) for r in range(1, world)]
-        with interrupts_held():  # rank 0 stops them
+        with interrupts_held(self.start_method):  # rank 0 stops them
             for p in self.procs:
                 p.start()
         _join(0, world, self.port, self.spec)
@@ -128,8 +133,9 @@ class IngestRanks:
                                  ended=lambda rank: self.procs[rank - 1].exitcode is not None)
 
     def _process(self, rank: int, replacing: bool) -> mp.Process:
-        return mp.get_context("spawn").Process(
-            target=_rank_main, args=(rank, self.world, self.port, self.namespace, self.spec, replacing),
+        return mp.get_context(self.start_method).Process(
+            target=_rank_main, args=(rank, self.world, self.port, self.namespace, self.spec, replacing,
+                                     launcher_side(self.start_method)),
             name=f"fedpar-rank-{rank}", daemon=True)
 
     def end(self, ranks: list[int]) -> None:
@@ -142,7 +148,7 @@ class IngestRanks:
             if not self.restarts.allow(r):
                 continue
             self.procs[r - 1] = self._process(r, replacing=True)
-            with interrupts_held():
+            with interrupts_held(self.start_method):
                 self.procs[r - 1].start()
 
     def close(self, wait: bool = True) -> None:

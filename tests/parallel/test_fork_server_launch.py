@@ -1,0 +1,77 @@
+"""Ranks started from multiprocessing's fork server (a launcher that may not fork: it has served gRPC, or runs other
+threads) write where their launcher writes now, see its environment as it is now, and die with it: real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork server is Linux's here")
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED = ("import grpc; s = grpc.server(None, handlers=[]); s.add_insecure_port('127.0.0.1:0'); s.start(); "
+          "s.stop(0).wait()\n")
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT / "tests")}  # a GPU would have them spawned
+
+
+def test_a_fork_servers_ranks_write_to_the_launchers_streams_and_see_its_environment_as_they_are_now(tmp_path):
+    later = tmp_path / "later.txt"
+    script = SERVED + f"""
+import os, sys
+from fedpar.parallel.init import rank_start_method, spawn
+from support.launched import say_where
+method = rank_start_method()
+print(method, flush=True)
+spawn(1, say_where, start_method=method)  # the fork server starts now, with this process's streams of now
+fd = os.open({str(later)!r}, os.O_WRONLY | os.O_CREAT)
+os.dup2(fd, 1)
+os.dup2(fd, 2)
+os.environ["MARK"] = "set-later"
+spawn(1, say_where, start_method=method)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["forkserver", "rank 0 sees MARK=None"]
+    assert later.read_text().splitlines() == ["rank 0 sees MARK=set-later", "rank 0 on stderr"]
+
+
+def test_a_fork_servers_rank_dies_with_its_launcher(tmp_path):
+    pid_file = tmp_path / "rank.pid"
+    script = SERVED + f"""
+from fedpar.parallel.init import rank_start_method, spawn
+from support.launched import wait_long
+method = rank_start_method()
+assert method == "forkserver", method
+spawn(1, wait_long, {str(pid_file)!r}, parent_stops=True, start_method=method)
+"""
+    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 60
+        while not pid_file.exists() and launcher.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert pid_file.exists(), launcher.stderr.read() if launcher.poll() is not None else "no rank in 60 s"
+        rank = int(pid_file.read_text())
+        launcher.kill()  # kill -9: nothing of the launcher's runs to stop the rank
+        launcher.wait()
+        end = time.monotonic() + 20
+        while _runs(rank) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not _runs(rank), "the rank outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
