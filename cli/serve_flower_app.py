@@ -54,7 +54,7 @@ def serve_flower_app(args: argparse.Namespace) -> int:
     try:
         return _serve(args, earlier)
     finally:
-        earlier.restore()  # no round written (refused, stopped or failed before one): nothing of it is lost
+        earlier.settle()  # no round written (refused, stopped or failed before one): nothing of it is lost
 
 
 def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:
@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:
         coordinator = FlowerCoordinator(config, build_strategy("fedavg"),
                                         server_app_main(app.server_app, app.run_config,
                                                         config.wait_for_agents_seconds or float("inf")),
-                                        admission=security.admission, on_round_end=[earlier.let_go])
+                                        admission=security.admission)
     except ValueError as exc:  # TlsSetupError, FlowerAppError: one line each
         print(f"fedpar serve: {exc}", file=sys.stderr)
         return 2
@@ -113,6 +113,6 @@ def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:
                                 {"wall_seconds": time.monotonic() - started, "interrupted": stopped_by is not None,
                                  "flower": coordinator.flower_summary},
                                 title=f"Flower App {app.directory.name}, fedpar serve")
-    written = [] if earlier.restore() else outputs.written  # no round: the earlier run's files are back
+    written = [] if earlier.settle() else outputs.written  # no round: the earlier run's files are back
     print(RunOutputs(outputs.summary, written).wrote_line(args.out))
     return run_exit_code("fedpar serve", outputs.summary, signal_name(stopped_by) if stopped_by else None)

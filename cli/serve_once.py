@@ -45,22 +45,16 @@ class OneShotService(RunService):
         self.observers = Observers(argparse.Namespace(**{**vars(args), "tensorboard": None}))
         self.progress: LiveBar | None = None
         self.server = None  # the run's coordinator server, once built
-        self.earlier = earlier  # an earlier run's outputs in --out, set aside until this run writes a round
+        self.earlier = earlier  # an earlier run's outputs in --out, set aside until this run ends
 
-    def restore_earlier(self) -> bool:
-        """The earlier run's outputs back, if this run wrote no round (refused, stopped or failed before one);
-        whether there were any."""
+    def settle_earlier(self) -> bool:
+        """The earlier run's outputs back, if this run wrote no round (refused, stopped or failed before one), else
+        let go; whether they were put back."""
         if self.earlier is None:
             return False
-        restored = bool(self.earlier.names)
-        self.earlier.restore()
+        restored = self.earlier.settle()
         self.earlier = None
         return restored
-
-    def _round_written(self, row: dict) -> None:
-        """This run wrote a round: the earlier run's outputs are not put back."""
-        if self.earlier is not None:
-            self.earlier.let_go()
 
     def options_of(self, run) -> argparse.Namespace:
         """serve's own options: --out, --checkpoint-dir and the rest as given."""
@@ -78,7 +72,7 @@ class OneShotService(RunService):
         if ranks is not None:
             columns = columns + rank_columns(ranks.world)
         self.progress = LiveBar(total=plan.config.rounds)
-        return [self._round_written, self.progress.round_ended,
+        return [self.progress.round_ended,
                 RoundTable(total=plan.config.rounds, columns=columns).row]
 
     def watch(self, server, run) -> None:
@@ -182,7 +176,7 @@ def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
             service.progress.close()
         service.observers.close()
         store.close()
-        kept_earlier = service.restore_earlier()  # no round written: nothing of the earlier run is lost
+        kept_earlier = service.settle_earlier()  # no round written: nothing of the earlier run is lost
     if end.outputs is None:
         print(f"fedpar serve: {end.reason}", file=sys.stderr)
         return end.code

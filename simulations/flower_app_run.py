@@ -69,27 +69,26 @@ def run_flower_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None
     started = time.monotonic()
     out = Path(cfg.out) if cfg.out else None
     earlier = workers = None
-    if out:  # a Flower App run does not resume: an earlier run's files are set aside until this one writes a round
+    if out:  # a Flower App run does not resume: an earlier run's files are set aside until this one ends
         out.mkdir(parents=True, exist_ok=True)
         earlier = EarlierRun(out)
     try:
         # started before the coordinator's set-up, forked while this process runs one thread
         workers = WorkerProcesses(max(1, min(cfg.workers, cfg.clients)), None, cfg.data_dir)
-        summary = _serve_app(cfg, app, run_config, out, started, earlier, workers)
-        if earlier is not None and earlier.names:  # no round written: the earlier run's files stay (below)
+        summary = _serve_app(cfg, app, run_config, out, started, workers)
+        if earlier is not None and earlier.settle():  # no round written: the earlier run's files are back
             summary["written"] = []
         return summary
     finally:
         if workers is not None:
             workers.close(wait=False)
         if earlier is not None:  # no round written (stopped or failed before one): nothing of it is lost
-            earlier.restore()
+            earlier.settle()
 
 
 def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, out: Path | None, started: float,
-               earlier: EarlierRun | None, workers: WorkerProcesses) -> dict:
-    """:func:`run_flower_app`'s run on ``workers`` (each sent its slice once the coordinator listens), ``earlier``
-    let go once it wrote a round."""
+               workers: WorkerProcesses) -> dict:
+    """:func:`run_flower_app`'s run on ``workers`` (each sent its slice once the coordinator listens)."""
     hosts = [f"host-{w}" for w in range(len(workers.procs))]
     certs = temporary_cert_dir(hosts) if cfg.tls else None
     coord_cfg = composed(
@@ -101,8 +100,7 @@ def _serve_app(cfg: SimulationConfig, app: FlowerApp, run_config: str | None, ou
 
     coordinator = FlowerCoordinator(coord_cfg, build_strategy("fedavg"),
                                     server_app_main(app.server_app, app.run_config, NODE_PATIENCE_SECONDS),
-                                    admission=Admission(require_certificate=cfg.tls),
-                                    on_round_end=[earlier.let_go] if earlier is not None else [])
+                                    admission=Admission(require_certificate=cfg.tls))
     server = CoordinatorServer(coordinator, credentials=server_credentials(server_tls_files(certs.name))
                                if certs else None)
     interrupted = False

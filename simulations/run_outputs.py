@@ -57,7 +57,7 @@ class EarlierRun:
     """The files an earlier run left in ``out``, set aside (``OUT/.earlier-run``) while a new run that does not resume
     it starts: :meth:`restore` if the new run is refused or stopped before it writes a round (a refused command, or
     a Ctrl-C at start-up, loses nothing), else :meth:`drop` (it ran: its summary must not sit beside the other run's
-    rows, model and plots). ``OUT/checkpoints/latest`` (fedpar train's) goes with them: the earlier run stays
+    rows, model and plots): :meth:`settle` at its end chooses. ``OUT/checkpoints/latest`` (fedpar train's) goes with them: the earlier run stays
     resumable while the new run has written nothing, and no resume takes up its checkpoint beside the new run's rows."""
 
     FOLDER = ".earlier-run"
@@ -123,17 +123,17 @@ class EarlierRun:
         return restored
 
     def settle(self) -> bool:
-        """At a run's end, for a run whose rows another process writes (train's ranks): the earlier run's files let go
-        if this run wrote something of its own (:func:`run_wrote`), else put back (:meth:`restore`); whether they
-        were put back."""
+        """At a run's end: the earlier run's files let go if this run wrote something of its own (:func:`run_wrote`:
+        a round's row, a model, a checkpoint), else put back (:meth:`restore`); whether they were put back. Settling
+        again does nothing."""
         if run_wrote(self.out):
             self.let_go()
             return False
         return self.restore()
 
-    def let_go(self, row: dict | None = None) -> None:
-        """The new run wrote a round (an on_round_end callback): the earlier run's files are forgotten, and
-        :meth:`restore` leaves the new run's own."""
+    def let_go(self) -> None:
+        """The new run wrote a round: the earlier run's files are forgotten, and :meth:`restore` leaves the new run's
+        own."""
         self.names = []
         self.drop()
 

@@ -210,9 +210,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         # the workers train on the cores: the coordinator folds and evaluates on one thread, as torch's default of
         # one per core spin-waits on the cores the workers need (benchmarks/population_bench.py --steady)
         torch.set_num_threads(1)
-    def round_written(row: dict) -> None:  # the new run wrote a round: the earlier run's files are not put back
-        if earlier is not None:
-            earlier.let_go()
+    def round_written(row: dict) -> None:
         record.update_now_and_then(time.monotonic() - started)
         if on_round is not None:
             on_round(row)
@@ -221,12 +219,12 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict], None] | Non
         summary = _run(cfg, strategy, task, round_written, started, out, workers.procs, workers.sends, on_server,
                        on_progress, flower_app, on_stage or (lambda what: None), store, record)
         interrupted = summary.get("interrupted", False)
-        if earlier is not None and earlier.names:  # stopped before a round: the earlier run's files stay (below)
+        if earlier is not None and earlier.settle():  # stopped before a round: the earlier run's files are back
             summary["written"] = []
         return summary
     finally:
         if earlier is not None:  # no round written (refused, stopped or failed before one): nothing of it is lost
-            earlier.restore()
+            earlier.settle()
         torch.set_num_threads(threads)
         with contextlib.suppress(OSError):  # however it ended, a resume counts this process's seconds too (a full
             record.update(time.monotonic() - started)  # disk: what stopped the run is what to say)
