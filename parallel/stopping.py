@@ -267,10 +267,13 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         return
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # a fork server's child, or its launcher died just now
-        _watch_launcher(parent.pid, signum)
+    if parent is not None and os.getppid() != parent.pid:  # a fork server's child (the server's death is not its
+        _watch_launcher(parent.pid, signum)  # launcher's), or its launcher died just now
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent.pid:  # it died before the line above
+        os.kill(os.getpid(), signum)
 
 
 def _watch_launcher(pid: int, signum: int) -> None:

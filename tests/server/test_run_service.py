@@ -27,7 +27,7 @@ from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.server.run_store import RunStore
 from support.devices import RANKS_ON_CPU
 from support.in_process import main_here
-from support.processes import children, stop_processes
+from support.processes import started, stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = 'local_epochs = 1\nbatch_size = 32\nclients_per_round = 2\nmin_reports = 2\n'
@@ -624,8 +624,8 @@ def test_kill_9_of_rank_0_starts_every_rank_again_and_the_run_resumes(tmp_path):
         store = RunStore(fed.state)
         run = fed.submit_rpc("long", f"rounds = 100000\n{QUICK}")
         _wait_for(lambda: store.get(run).round >= 2, 240, "the run never completed two rounds")
-        ranks = [p for p in children(fed.service.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        rank_0 = [p for p in ranks if p != _rank_1_pids(log.read_text())[-1]]  # not multiprocessing's tracker
+        ranks = started(fed.service.pid)
+        rank_0 = [p for p in ranks if p != _rank_1_pids(log.read_text())[-1]]
         assert len(rank_0) == 1, ranks
         os.kill(rank_0[0], signal.SIGKILL)
         _wait_for(lambda: "resumed from checkpoint after round" in log.read_text(), 120, "the run did not resume")

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from support.processes import children
+from support.processes import descendants, started
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 50  # paced by --slow-step-delay: a replacement rank may come back before the last
@@ -69,8 +69,8 @@ def test_ranks_1_and_2_lost_at_random_rounds_cost_at_most_the_open_round_each(tm
     signalled = {}
     try:
         _until(out, proc, lambda rows: len(rows) >= 1)
-        # The coordinator's children: the resource tracker, the worker, then ranks 1 and 2 (once it is built).
-        ranks = dict(zip((1, 2), children(_coordinator(proc.pid))[-2:]))
+        # What the coordinator started: the worker, then ranks 1 and 2 (once it is built).
+        ranks = dict(zip((1, 2), started(_coordinator(proc.pid))[-2:]))
         for round_id, rank, sig in losses:
             _until(out, proc, lambda rows: len(rows) >= round_id)
             os.kill(ranks[rank], sig)
@@ -181,10 +181,8 @@ def test_replacements_that_die_asking_or_while_taken_back_are_replaced_and_cost_
 
 
 def _coordinator(launcher: int) -> int:
-    """The process `fedpar simulate` runs the simulation in: its child other than multiprocessing's resource
-    tracker."""
-    return next(p for p in children(launcher)
-                if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes())
+    """The process `fedpar simulate` runs the simulation in: its child other than multiprocessing's helpers."""
+    return started(launcher)[0]
 
 
 def _kill_coordinator(out: Path, *flags: str, rounds: int, after: int) -> tuple[subprocess.Popen, str]:
@@ -198,7 +196,7 @@ def _kill_coordinator(out: Path, *flags: str, rounds: int, after: int) -> tuple[
     try:
         _until(out, proc, lambda rows: len(rows) >= after)
         coordinator = _coordinator(proc.pid)
-        tree = children(coordinator)  # its resource tracker, the worker, rank 1
+        tree = descendants(coordinator)  # its resource tracker, the worker, rank 1 (and a fork server, if any)
         os.kill(coordinator, signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:

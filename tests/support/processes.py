@@ -68,6 +68,34 @@ def children(pid: int) -> list[int]:
     return [p for _, p in sorted(found)]
 
 
+def started(pid: int) -> list[int]:
+    """The live processes multiprocessing started for ``pid``, oldest first: its children but its resource tracker
+    and its fork server, and the fork server's children (forked there where ``pid`` may not fork: it has served
+    gRPC, or runs threads)."""
+    found = []
+    for child in children(pid):
+        line = _cmdline(child)
+        if b"multiprocessing.forkserver" in line:
+            found += children(child)
+        elif b"resource_tracker" not in line:
+            found.append(child)
+    return sorted(found, key=_start_time)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _start_time(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid``: its children, theirs, and so on."""
     found, todo = [], [pid]
