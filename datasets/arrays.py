@@ -158,6 +158,25 @@ class DatasetSplits:
     members: object | None = None  # data that makes each of its own clients' examples by itself (MemberSource)
 
 
+OUT_OF_SCALE = 1e3  # standardised features lie within a few units; raw amounts (money, counts) past this diverge
+
+
+def scale_hint(inputs: object) -> str:
+    """Why a loss that went NaN likely did when the floating-point features ``inputs`` (an array, a tensor, or a
+    dataset holding one as ``x``) are far out of scale; "" when they are not, or are no such features."""
+    x = getattr(inputs, "x", inputs)
+    if hasattr(x, "is_floating_point"):  # a tensor (a rank's, on its device): only its largest magnitude is read
+        largest = float(x.detach().abs().max()) if x.is_floating_point() and x.numel() else None
+    elif isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating) and x.size:
+        largest = float(np.max(np.abs(x)))
+    else:  # token ids, images decoded on demand, a task's own data: no scale to read
+        largest = None
+    if largest is None or not largest >= OUT_OF_SCALE:
+        return ""
+    return (f"likely because the features are far out of scale (they reach {largest:.3g}): standardise each "
+            "feature (e.g. to mean 0 and sd 1, with the same statistics at every site)")
+
+
 CLASSIFICATION = "classification"
 LANGUAGE_MODEL = "language_model"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import zipfile
+from typing import Callable
 import zlib
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from fedpar.datasets.catalog import register_dataset
 
 TEST_SHARE = 5  # one example in TEST_SHARE of each client's goes to the test set
 MAX_CLASSES = 1 << 16  # labels are class numbers: one past this is an id (the model's output would not fit memory)
+SPARSE_FROM = 1 << 10  # past this many class numbers, most of them unused means the labels are ids, not classes
+# A feature past this has a square beyond float32's range (about 3.4e38): losses, norms and the first steps overflow.
+LARGEST_FEATURE = float(np.sqrt(np.finfo(np.float32).max))
 
 
 def owned_splits(x: np.ndarray, y: np.ndarray, owners: np.ndarray | None, num_classes: int | None = None,
@@ -188,7 +192,7 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
                 raise ValueError(f"{path}: its header names the column {twice[0]!r} {header.count(twice[0])} times; "
                                  "keep one, renaming the others")
             label, client = header.index("label"), header.index("client") if "client" in header else None
-            rows = _csv_rows(reader, len(header), client, path)
+            rows, lines = _csv_rows(reader, len(header), client, path)
     except (UnicodeDecodeError, csv.Error) as exc:  # a binary file, e.g. an .npz or a spreadsheet's own format
         raise ValueError(f"{path} is not a CSV text file ({exc}); it must be {CSV_FILE}, in UTF-8") from None
     features = [i for i in range(len(header)) if i not in (label, client)]
@@ -201,7 +205,7 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
         raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is beyond "
                          "int64; renumber them") from None
     owners = owner_numbers(np.array([r[client] for r in rows])) if client is not None else None
-    return _checked(path, x, y, owners)
+    return _checked(path, x, y, owners, lambda row, col: f"line {lines[row]}, column {header[features[col]]!r}")
 
 
 SEPARATORS = {";": "';'", "\t": "tabs"}  # what a spreadsheet writes instead of commas, as a line says it
@@ -225,10 +229,10 @@ def _class_number(cell: str) -> int:
     return int(value)
 
 
-def _csv_rows(reader, width: int, client: int | None, path: Path) -> list[list[str]]:
-    """The data rows of ``reader``, blank lines skipped (a spreadsheet's trailing ones); ValueError naming the first
-    line whose cells are not one per column, or whose client is blank."""
-    rows = []
+def _csv_rows(reader, width: int, client: int | None, path: Path) -> tuple[list[list[str]], list[int]]:
+    """The data rows of ``reader``, blank lines skipped (a spreadsheet's trailing ones), and each one's line number;
+    ValueError naming the first line whose cells are not one per column, or whose client is blank."""
+    rows, lines = [], []
     for row in reader:
         if not any(cell.strip() for cell in row):
             continue
@@ -239,10 +243,14 @@ def _csv_rows(reader, width: int, client: int | None, path: Path) -> list[list[s
             raise ValueError(f"{path}: line {reader.line_num} has no client; fill in who wrote each example, or "
                              "drop the client column")
         rows.append(row)
-    return rows
+        lines.append(reader.line_num)
+    return rows, lines
 
 
-def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> DatasetSplits:
+def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None,
+             place: Callable[[int, int], str] | None = None) -> DatasetSplits:
+    """The splits of a table's examples, once its labels and features are checked; ``place(example, feature)`` says
+    where a bad feature is in the user's file."""
     y = np.asarray(y)
     if len(x) != len(y) or (owners is not None and len(owners) != len(y)) or not len(y):
         raise ValueError(f"{path}: x, y (and client) must hold the same, non-zero number of examples")
@@ -250,7 +258,7 @@ def _checked(path, x: np.ndarray, y: np.ndarray, owners: np.ndarray | None) -> D
         raise ValueError(f"{path}: the examples have no features; give it at least one numeric feature (a csv: a "
                          "column besides label and client)")
     _check_labels(path, y)
-    splits = owned_splits(_float32_features(path, x), y, owners)
+    splits = owned_splits(_float32_features(path, x, place or _npz_place), y, owners)
     if not len(splits.test):  # else simulate reports no accuracy and train stops on an empty evaluation
         raise ValueError(f"{path}: its {len(y)} examples leave none for the test set (a fifth of each client's, "
                          "for clients of two or more); give it more examples")
@@ -267,17 +275,33 @@ def _check_labels(path, y: np.ndarray) -> None:
     if y.max() >= MAX_CLASSES:
         raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is {y.max()}; "
                          "renumber them, e.g. y = np.unique(y, return_inverse=True)[1]")
+    used, numbers = len(np.unique(y)), int(y.max()) + 1
+    if numbers > SPARSE_FROM and 2 * used < numbers:  # not renumbered here: a class keeps its number at every site
+        raise ValueError(f"{path}: labels are class numbers 0..K-1, but only {used} of the {numbers} numbers "
+                         f"0..{numbers - 1} occur (a model of {numbers} outputs, most never trained); renumber them "
+                         f"0..{used - 1} the same way at every site, e.g. y = np.unique(y, return_inverse=True)[1]")
 
 
-def _float32_features(path, x: np.ndarray) -> np.ndarray:
-    """Features ``x`` as float32; ValueError naming the first example with one that is NaN, Inf or beyond float32."""
+def _npz_place(example: int, feature: int) -> str:
+    """Where feature ``feature`` (of the example's flattened features) of an .npz's example ``example`` is."""
+    return f"example {example} (counting from 0), feature {feature}"
+
+
+def _float32_features(path, x: np.ndarray, place: Callable[[int, int], str]) -> np.ndarray:
+    """Features ``x`` as float32; ValueError naming (``place``) the first one that is NaN or Inf, or so large that
+    training overflows on it."""
     rows = np.asarray(x, np.float64).reshape(len(x), -1)  # checked before the cast: 1e39 would become Inf
-    bad = ~(np.abs(rows) <= np.finfo(np.float32).max)  # NaN compares false: bad too
+    bad = ~(np.abs(rows) <= LARGEST_FEATURE)  # NaN compares false: bad too
     if bad.any():
         row = int(np.flatnonzero(bad.any(axis=1))[0])
-        value = rows[row][bad[row]][0]
-        raise ValueError(f"{path}: features hold NaN or Inf, or numbers beyond float32's (about 3.4e38): example "
-                         f"{row} (counting from 0) has {value}; drop or fill in such examples")
+        col = int(np.flatnonzero(bad[row])[0])
+        value = rows[row, col]
+        if not np.isfinite(value):
+            raise ValueError(f"{path}: {place(row, col)} is {value}: features must be finite numbers; drop or fill "
+                             "in such examples")
+        raise ValueError(f"{path}: {place(row, col)} is {value:g}, too large to train on (past about "
+                         f"{LARGEST_FEATURE:.2g}, its square overflows float32): standardise that feature (e.g. to "
+                         "mean 0 and sd 1, with the same statistics at every site), or drop such examples")
     return np.asarray(x, np.float32)
 
 

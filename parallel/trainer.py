@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fedpar.datasets.arrays import CLASSIFICATION, TrainData
+from fedpar.datasets.arrays import CLASSIFICATION, TrainData, scale_hint
 from fedpar.models.for_data import model_kwargs_for
 from fedpar.models.losses import classification_loss, language_model_loss
 from fedpar.parallel.checkpoint import (gather_full_state_dict, gather_pipeline_state_dict, latest_checkpoint,
@@ -160,6 +160,14 @@ class Trainer:
         return x.to(self.info.device, non_blocking=True), y.to(self.info.device, non_blocking=True)
 
     # -------------------------------------------------------------------------------------- one step
+    def _diverged(self, loss: float, step: int) -> str:
+        """The line a NaN or infinite training loss at ``step`` stops the run with: the likely cause, what to change."""
+        said = f"the training loss is {loss} at step {step} (lr {self.optimizers[0].param_groups[0]['lr']:g})"
+        hint = scale_hint(self.data.train_inputs) if self.data.task == CLASSIFICATION else ""
+        if hint:
+            return f"{said}: training diverged, {hint}; else lower --lr, or set --grad-clip"
+        return f"{said}: training diverged; lower --lr, or set --grad-clip"
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward, backward (accumulated), clip and optimizer step on this rank's batch; returns its loss as a
         0-d tensor on the device (reading it waits for the step: the loop reads it once per log interval)."""
@@ -313,10 +321,7 @@ class Trainer:
                     loss_sum, reporters = self._sum_over_reporters([float(interval_loss) / interval_steps, 1.0])
                     last_loss = loss_sum / reporters
                     if not math.isfinite(last_loss):  # the same on every rank: summed over them
-                        raise TrainingDiverged(
-                            f"the training loss is {last_loss} at step {c['step']} (lr "
-                            f"{self.optimizers[0].param_groups[0]['lr']:g}): training diverged; lower --lr, or set "
-                            "--grad-clip")
+                        raise TrainingDiverged(self._diverged(last_loss, c["step"]))
                     elapsed = max(time.perf_counter() - interval_start, 1e-9)
                     train_seconds += elapsed
                     rate = interval_steps * global_batch / elapsed

@@ -182,12 +182,12 @@ def test_features_beyond_float32_are_named_with_their_example(tmp_path, capfd):
     (tmp_path / "huge.csv").write_text(rows + "1e39,1,0\n")
     (tmp_path / "nan.csv").write_text(rows + "nan,1,0\n")
     np.savez(tmp_path / "huge.npz", x=np.full((20, 2), 1e39), y=np.arange(20) % 2)
-    _refused(f"csv:{tmp_path / 'huge.csv'}", "beyond float32's", "example 20 (counting from 0) has 1e+39")
-    _refused(f"csv:{tmp_path / 'nan.csv'}", "NaN or Inf", "example 20 (counting from 0) has nan")
-    _refused(f"npz:{tmp_path / 'huge.npz'}", "example 0 (counting from 0) has 1e+39")
+    _refused(f"csv:{tmp_path / 'huge.csv'}", "line 22, column 'f1' is 1e+39, too large to train on")
+    _refused(f"csv:{tmp_path / 'nan.csv'}", "line 22, column 'f1' is nan: features must be finite numbers")
+    _refused(f"npz:{tmp_path / 'huge.npz'}", "example 0 (counting from 0), feature 0 is 1e+39, too large")
     said = _one_line(["train", "--dataset", f"csv:{tmp_path / 'huge.csv'}", "--max-steps", "2", "--batch-size", "2",
                       "--device", "cpu", "--out", str(tmp_path / "out")], capfd)
-    assert "has 1e+39; drop or fill in such examples" in said, said
+    assert "column 'f1' is 1e+39, too large to train on" in said and "or drop such examples" in said, said
 
 
 def test_an_npz_client_id_that_is_nan_is_refused(tmp_path):
