@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from fedpar.simulations.population import PopulationSlice, host_population, step_delays
     from fedpar.task import Partition
     from fedpar.tasks.zoo import classifier_for
-    from fedpar.simulations.traces import traces_for
+    from fedpar.simulations.traces import check_day_seconds, traces_for
 
     setup_logging(args)
     torch.set_num_threads(1)
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"fedpar simulate-workers: {differ}", file=sys.stderr)
             return 2
         check_device_layout(args.device)
+        check_day_seconds(args.trace_day_seconds)
         # This machine's hosts are dealt over its GPUs, as simulate deals its worker processes.
         local_rank, local_world = (int(os.environ.get(k, d)) for k, d in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))
         device = worker_devices(args.device, local_world)[local_rank]

@@ -33,7 +33,7 @@ from fedpar.client.member_state import ResidualStore
 from fedpar.client.model_fit import ModelMismatch
 from fedpar.client.secure_members import SecureMembers
 from fedpar.client.stats import AgentStats
-from fedpar.client.trainer_protocol import UpdateRefused
+from fedpar.client.trainer_protocol import CalledOff, UpdateRefused
 from fedpar.client.transfer import (UPLOAD_RETRYABLE, CompressedUpload, PlainUpload, Send, UpdateSender,
                                     download_weights, ingest_address, task_weights)
 from fedpar.protocol import fedpar_pb2 as pb
@@ -184,8 +184,16 @@ class ClientRuntime:
             workers = []
             raise
         finally:
+            self._call_off_training()
             self._end_seats(workers)
             self.close()
+
+    def _call_off_training(self) -> None:
+        """Tell the seats' trainers that training is over: a slow device's pause (up to a day) ends at once."""
+        for seat in self.seats:
+            call_off = getattr(seat.trainer, "call_off", None)  # optional: only trainers that pause have it
+            if call_off is not None:
+                call_off()
 
     def _end_seats(self, workers: list[threading.Thread]) -> None:
         """Call the seats off (training is over: tasks not started yet are moot) and wait for the tasks they are on;
@@ -352,6 +360,8 @@ class ClientRuntime:
             try:
                 result = seat.trainer.train(task.local_epochs, task.batch_size, task.learning_rate, stop_at=stop_at,
                                             proximal_mu=settings.proximal_mu or 0.0, round_id=task.round, **extra)
+            except CalledOff:  # the runtime is stopping: the round's update is moot
+                return True
             except UpdateRefused as err:  # e.g. a Flower ClientApp's reply that cannot be an update
                 self._note_refusal(member, f"round {task.round} train", err, logging.WARNING)  # the user's code
                 self.link.failed(i, task, f"training made no update: {err}")

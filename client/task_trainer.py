@@ -26,7 +26,7 @@ from torch import nn
 
 from fedpar.client.local_loop import (Lane, OneMember, TrainResult, member_batches, objective, run_loop, trainable,
                                       update)
-from fedpar.client.trainer_protocol import Spec
+from fedpar.client.trainer_protocol import CalledOff, Spec
 from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight_specs
 from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
@@ -146,6 +146,7 @@ class TaskTrainer:
         self._weights = ModelWeights(self.model) if task.train is None else None
         self._turn = compute_lock
         self._said_late = False  # a train hook that overruns its deadline is said once
+        self._called_off = threading.Event()  # the runtime is stopping: a slow device's pause ends at once
         self.use_data(data, seed, seconds_per_step_delay)
 
     def use_data(self, data: ClientData, seed: int, seconds_per_step_delay: float = 0.0) -> None:
@@ -253,13 +254,23 @@ class TaskTrainer:
         with self._turn:
             yield
 
+    def call_off(self) -> None:
+        """End training now (the runtime is stopping): a slow device's pause wakes and its task ends in CalledOff."""
+        self._called_off.set()
+
     def _pause(self) -> None:
         """Sleep one step's delay like a slow device would, without holding the compute turn."""
         if self._turn is None:
-            time.sleep(self.delay)
+            self._sleep(self.delay)
             return
         self._turn.release()
         try:
-            time.sleep(self.delay)
+            self._sleep(self.delay)
         finally:
             self._turn.acquire()
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` as a slow device would; CalledOff as soon as :meth:`call_off` is called (a trace's step
+        may last a day, which a stopping run must not wait for)."""
+        if self._called_off.wait(seconds):
+            raise CalledOff("the runtime is stopping")

@@ -22,6 +22,11 @@ class UpdateRefused(Exception):
     shape): the runtime notes the reason among the round's refusals and goes on without the update."""
 
 
+class CalledOff(Exception):
+    """A member's training cut short because its runtime is stopping (the run is over, or a signal came): there is
+    no update and nothing to tell."""
+
+
 @runtime_checkable
 class Trainer(Protocol):
     """A member's local training, as the runtime drives it: Join declares ``framework`` and ``num_examples``; each

@@ -399,7 +399,7 @@ class BatchedTrainer(TaskTrainer):
         if self.trained.result.examples:  # as the member's own loop says it (NaN: no example trained on)
             check_training_loss(self.task, self.trained.result.loss, lr)
         if self.delay:  # the upload leaves when a slow device's would
-            time.sleep(self.trained.result.steps * self.delay)
+            self._sleep(self.trained.result.steps * self.delay)
         return replace(self.trained.result, rows=self._stack_row())
 
     def _stack_row(self) -> StackRow | None:

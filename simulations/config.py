@@ -15,6 +15,7 @@ from fedpar.sections import Output, Seeded
 from fedpar.server.config import (AccuracyTarget, AggregatorRanks, CoordinatorConfig, RoundClock, RoundSampling,
                                   SecureAggregation, StrategyChoice)
 from fedpar.settings import DEFINES, NOTED, RESUME, UNRECORDED, as_given, flag_of, redefault, setting
+from fedpar.simulations.traces import check_day_seconds
 from fedpar.task import FlowerAppReference, TaskReference
 
 
@@ -49,7 +50,7 @@ class Population:
              "decides when it can be sampled", resume=NOTED)
     trace_day_seconds: float = setting(86_400.0, check="seconds", group="simulation",
                                        help="real seconds one day of the trace lasts (e.g. 60: availability cycles "
-                                            "every minute)", resume=NOTED)
+                                            "every minute; at least 2, as often as the hosts read it)", resume=NOTED)
     seats: int | None = setting(
         None, check="count", group="simulation",
         help="sampled clients training at once in one worker process; when not given, 1 where no seat would wait "
@@ -58,6 +59,9 @@ class Population:
              "masked upload, a --task's data loading or a slow device's sleep overlaps the next member's training "
              f"(simulate-workers, which learns a round's settings only from its tasks: {WAITING_SEATS})",
                                 resume=UNRECORDED)
+
+    def __post_init__(self) -> None:
+        check_day_seconds(self.trace_day_seconds)  # from the command line, a TOML file or Python alike
 
 
 # Sections are listed last first: a dataclass takes its bases' fields from the last base on.

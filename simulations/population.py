@@ -40,7 +40,8 @@ from fedpar.security.tls import TlsFiles, channel_credentials
 from fedpar.simulations.client_batching import BatchedTrainer, ClientBatcher
 from fedpar.task import ClientData, Partition, Task, TaskError, checked_client_data, raised, steps_in_time
 from fedpar.tasks.data import in_memory
-from fedpar.simulations.traces import DAY_SECONDS, VIRTUAL_DAY, AvailabilityEvents, Traces, online, seconds_left_online
+from fedpar.simulations.traces import (DAY_SECONDS, VIRTUAL_DAY, AvailabilityEvents, Traces, check_day_seconds, online,
+                                       seconds_left_online)
 
 # A worker keeps its recent members' data (in-memory datasets only) up to this many bytes: a member sampled again
 # trains without its share being cut and split again (measured: a third of a digits member's local epoch).
@@ -158,6 +159,7 @@ class PopulationMembers:
                  client_batching: bool = False):
         self.pop, self.task, self.partition_of, self.seed = population, task, partition_of, seed
         self.device, self.precision, self.client_batching = device, precision, client_batching
+        check_day_seconds(day_seconds)
         self.day_scale = DAY_SECONDS / day_seconds  # trace seconds per real second
         self.started = time.monotonic()
         self.offline = population.away(0.0)  # whom the coordinator knows as away

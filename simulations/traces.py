@@ -130,6 +130,17 @@ LEAST_MBPS = 1e-6  # a bit a second: a link divides the model's bits, and 1e-50 
 # coordinator says it runs that clock
 VIRTUAL_DAY = ("--trace-day-seconds: under --clock virtual a trace's days pass in simulated time, not in real "
                "seconds; drop it (or use --clock real)")
+# a host reads its trace's clock when it polls, about every 2 s (host_population's poll_seconds): a shorter day's
+# hours pass between two reads, and its availability is noise (1e-300 overflowed it to NaN: every member away)
+LEAST_DAY_SECONDS = 2.0
+
+
+def check_day_seconds(day_seconds: float) -> None:
+    """ValueError, one line, for a ``--trace-day-seconds`` too short for the hosts to see a day pass."""
+    if not day_seconds >= LEAST_DAY_SECONDS:  # NaN too
+        raise ValueError(f"--trace-day-seconds {day_seconds:g}: a trace day must last at least {LEAST_DAY_SECONDS:g} "
+                         f"real seconds (hosts read the trace's clock about every {LEAST_DAY_SECONDS:g} s, so a "
+                         "shorter day passes unseen); give a longer one")
 
 
 def is_csv(path: Path) -> bool:

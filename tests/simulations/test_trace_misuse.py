@@ -100,3 +100,33 @@ def test_a_simulate_workers_trace_day_against_a_virtual_clock_is_refused(tmp_pat
     assert done.returncode == 2 and lines == [
         "fedpar simulate-workers: --trace-day-seconds: under --clock virtual a trace's days pass in simulated time, "
         "not in real seconds; drop it (or use --clock real)"], done.stderr
+
+
+DAY_TOO_SHORT = ("--trace-day-seconds {}: a trace day must last at least 2 real seconds (hosts read the trace's clock "
+                 "about every 2 s, so a shorter day passes unseen); give a longer one")
+
+
+def test_a_trace_day_shorter_than_the_hosts_read_it_is_refused(tmp_path, capfd):
+    """QA: --trace-day-seconds 1e-9 ran on noise for availability, and 1e-300 overflowed the trace's clock to NaN
+    (every member away: 'interrupted after 1 completed round'); a day the hosts cannot see pass is refused."""
+    rows = [",".join(COLUMNS)] + [f"{i},0.001,10,5,{i * 20000},40000" for i in range(4)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    for day in ("1e-300", "0.0001", "1.9"):
+        line = _refused(SIMULATE + ["--trace", "t.csv", "--trace-day-seconds", day, "--out", "o"], capfd, tmp_path)
+        assert line == "fedpar simulate: " + DAY_TOO_SHORT.format(f"{float(day):g}"), line
+    assert not (tmp_path / "o").exists()
+
+
+def test_simulate_workers_refuses_a_trace_day_too_short_before_it_dials(tmp_path):
+    """QA: simulate-workers took --trace-day-seconds 0.001 as simulate did; it now says simulate's line, exit 2,
+    before it dials the coordinator (none listens here)."""
+    import subprocess
+    import sys
+
+    rows = [",".join(COLUMNS)] + [f"{i},0.001,10,5,0,86400" for i in range(4)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    done = subprocess.run([sys.executable, "-m", "fedpar", "simulate-workers", "--insecure", "--server",
+                           "127.0.0.1:1", "--clients", "4", "--trace", "t.csv", "--trace-day-seconds", "0.001"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if "--insecure" not in line]
+    assert done.returncode == 2 and lines == ["fedpar simulate-workers: " + DAY_TOO_SHORT.format("0.001")], done.stderr
