@@ -15,11 +15,13 @@ from fedpar.cli.agent_setup import Connection, agent_config, agent_data, agent_t
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.engine_agent import add_engine_arguments, run_engine, wants_engine
 from fedpar.cli.log_level import setup_logging
+from fedpar.cli.renamed import add_negated_key
 from fedpar.cli.tlsopts import add_tls_arguments, client_security
 from fedpar.cli.user_errors import say_agent_interrupted
 from fedpar.datasets.settings import DataFiles, DataSource, Partitioning
 from fedpar.parallel.config import ConfigurationError, Device, Precision
 from fedpar.sections import Seeded
+from fedpar.server.config import DATA_PLANE_HELP
 from fedpar.settings import setting
 from fedpar.task import FlowerAppReference, TaskReference
 from fedpar.wording import counted
@@ -32,9 +34,7 @@ class AgentOptions:
     agent_id: str | None = setting(None, group="connection", help="this agent's unique name")
     poll_seconds: float = setting(5.0, check="seconds", flag="poll", group="connection",
                                   help="long-poll seconds per request")
-    no_data_plane: bool = setting(False, group="connection",
-                                  help="always move weights over the gRPC streams, even when the coordinator offers "
-                                       "its data plane")
+    data_plane: bool = setting(True, group="connection", help=DATA_PLANE_HELP)
     flower_client: str | None = setting(
         None, group="data", metavar="MODULE:FN",
         help="train with a Flower NumPyClient: FN (package.module:fn or path/file.py:fn) takes a Flower Context "
@@ -57,14 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for key in ("connection", "data", "device"):
         section(p, key)
     add_declared(p, Connection)
-    add_declared(p, AgentOptions, only=("agent_id", "poll_seconds", "no_data_plane"), required=("agent_id",))
+    options = add_declared(p, AgentOptions, only=("agent_id", "poll_seconds", "data_plane"), required=("agent_id",))
+    add_negated_key(options["data_plane"], "no_data_plane")
     add_declared(p, DataSource)
     add_declared(p, DataFiles)
     add_declared(p, TaskReference)
     add_declared(p, FlowerAppReference)
     add_declared(p, Partitioning)
     add_declared(p, Seeded)
-    add_declared(p, AgentOptions, skip=("agent_id", "poll_seconds", "no_data_plane"))
+    add_declared(p, AgentOptions, skip=("agent_id", "poll_seconds", "data_plane"))
     add_declared(p, Device)
     add_declared(p, Precision)
     add_tls_arguments(p, "client")

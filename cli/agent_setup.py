@@ -76,5 +76,5 @@ def agent_config(args: argparse.Namespace, security):
                        credentials=security.credentials, insecure=security.credentials is None,
                        tls_server_name=security.server_name,
                        enrollment_token=security.enrollment_token,
-                       data_plane=not getattr(args, "no_data_plane", False), data_tls=security.data_tls,
+                       data_plane=getattr(args, "data_plane", True), data_tls=security.data_tls,
                        tls_files=security.files, task=task_label(args))

@@ -78,7 +78,11 @@ ELSEWHERE_CALLED = {"--data-dir": ("--data-path",), "--data-path": ("--data-dir"
 
 def meant_option(flag: str, options: list[str]) -> str | None:
     """The one of ``options`` that the unknown ``flag`` most likely means: one it misspells, else this command's name
-    for a flag of another command."""
+    for a flag of another command; a double negative's positive flag (--no-no-central-eval: --central-eval, not
+    the closest spelling, --no-central-eval, which means the opposite)."""
+    positive = "--" + flag.removeprefix("--no-no-")
+    if flag.startswith("--no-no-") and positive in options:
+        return positive
     return closest(flag, options) or next((o for o in ELSEWHERE_CALLED.get(flag, ()) if o in options), None)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from fedpar.cli.argtypes import key_value_list
 from fedpar.cli.declared import Needs
-from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag
+from fedpar.cli.renamed import AliasOption, RenamedOption, RetiredFlag, note_renamed
 from fedpar.cli.subcommands import SUBCOMMANDS
 from fedpar.meant import closest
 from fedpar.protocol.small_files import read_toml_file
@@ -164,6 +164,9 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
         written = names[old]
         rename_key(values, names, old, aliases[old].dest, known.config)
         aliases[old].note(f"fedpar {section}", f"{written} in {known.config}", aliases[old].dest)
+    for key, dest in negated_key_dests(parser).items():  # no_central_eval = true: central_eval = false
+        if key in values:
+            _read_negated(values, names, key, dest, known.config, section)
     flag_keys = flag_key_dests(parser)
     for key in [key for key in values if key in flag_keys]:  # the flag's own name: deadline for deadline_seconds
         rename_key(values, names, key, flag_keys[key], known.config)
@@ -205,6 +208,30 @@ def flag_key_dests(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Each option's key spelled as its flag (``lr``, ``deadline``) -> the option's own (``learning_rate``,
     ``deadline_seconds``), for the options whose two differ: a file may use either."""
     return {a.flag_key: a.dest for a in parser._actions if getattr(a, "flag_key", None)}
+
+
+def negated_key_dests(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each old key of a true/false setting once declared negatively (``no_central_eval``) -> the option it became
+    (``central_eval``), which holds the opposite value (cli/renamed.py add_negated_key)."""
+    return {a.negated_key: a.dest for a in parser._actions if getattr(a, "negated_key", None)}
+
+
+def _read_negated(values: dict[str, Any], names: dict[str, str], key: str, dest: str, path: str,
+                  section: str) -> None:
+    """Move the file's ``key`` (``no_central_eval = true``) to the option ``dest`` it became, with the opposite
+    value (``central_eval = false``), and say so in one line."""
+    value = values[key]
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: {names[key]}: expected true or false, got {value!r}")
+    written = names[key]
+    rename_key(values, names, key, dest, path)
+    values[dest] = not value
+    new = written[:len(written) - len(key)] + dest  # in the file's own table: data.central_eval
+    note_renamed(f"fedpar {section}", f"{written} = {_toml_bool(value)} in {path}", f"{new} = {_toml_bool(not value)}")
+
+
+def _toml_bool(value: bool) -> str:
+    return "true" if value else "false"
 
 
 def rename_key(values: dict[str, Any], names: dict[str, str], key: str, dest: str, path: str) -> None:

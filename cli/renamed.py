@@ -46,7 +46,7 @@ class AliasOption(argparse.Action):
 
     def note(self, prog: str, old: str, new: str | None = None) -> None:
         """The one line saying that ``old`` is now ``new`` (default: this option's new flag)."""
-        print(f"{prog}: note: {old} is now {new or self.new_flag}; the old name still works", file=sys.stderr)
+        note_renamed(prog, old, new or self.new_flag)
 
     def __call__(self, parser, namespace, values, option_string=None):
         """Set the new option, and say its new name."""
@@ -54,9 +54,21 @@ class AliasOption(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def note_renamed(prog: str, old: str, new: str) -> None:
+    """The one line saying that ``old`` is now ``new`` and the old name still works."""
+    print(f"{prog}: note: {old} is now {new}; the old name still works", file=sys.stderr)
+
+
 def add_alias(parser: argparse.ArgumentParser, old_flag: str, new: argparse.Action) -> None:
     """Accept ``old_flag`` (and its TOML key) as the old name of option ``new``, with a one-line note."""
     parser.add_argument(old_flag, action=AliasOption, new=new)
+
+
+def add_negated_key(new: argparse.Action, old_key: str) -> None:
+    """Read a --config file's ``old_key`` (``no_central_eval = true``), the old name of a true/false setting once
+    declared negatively, as option ``new`` (``central_eval``) given the opposite value, with a one-line note (see
+    cli/config.py); the old flag (``--no-central-eval``) is ``new``'s own ``--no-`` form, with the same meaning."""
+    new.negated_key = old_key
 
 
 class RetiredFlag(argparse.Action):

@@ -23,6 +23,7 @@ from fedpar.cli.flower_app_refusals import flower_app_refusal
 from fedpar.cli.log_level import setup_logging
 from fedpar.cli.observability import add_observability_arguments, check_metrics_endpoint, check_tensorboard_folder
 from fedpar.cli.privacy import add_privacy_arguments, privacy_on, privacy_strategy
+from fedpar.cli.renamed import add_negated_key
 from fedpar.cli.serve_once import serve_once
 from fedpar.cli.serve_service import ServiceOptions, check_distinct_ports
 from fedpar.cli.strategy_options import add_strategy_arguments, strategy_options_from_args
@@ -60,7 +61,9 @@ class ServeOptions(Output):
     params: int = setting(1_000_000, check="count", group="data",
                           help="with --model synthetic: a model of about this many float32 parameters and no data or "
                                "central evaluation, for benchmarks and load tests")
-    no_central_eval: bool = setting(False, group="data", help="skip evaluating on the server-side test set")
+    central_eval: bool = setting(True, group="data",
+                                 help="evaluate the global model on the server-side test set every round "
+                                      "(--no-central-eval skips it)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_declared(p, DataFiles)
     add_declared(p, TaskReference)
     add_declared(p, FlowerAppReference)
-    add_declared(p, ServeOptions, skip=("host", "port", "port_file"))
+    options = add_declared(p, ServeOptions, skip=("host", "port", "port_file"))
+    add_negated_key(options["central_eval"], "no_central_eval")
     add_declared(p, Device)
     add_strategy_arguments(p, "serve")
     add_declared(p, CoordinatorConfig)
@@ -115,7 +119,7 @@ def _plan(args: argparse.Namespace, rank: int = 0) -> ServePlan:
     config.validate()
     strategy_options = strategy_options_from_args(args)
     task = load_task_from_args(args)
-    eval_device = None if args.no_central_eval or rank else resolve_device(args.device)
+    eval_device = None if not args.central_eval or rank else resolve_device(args.device)
     if args.flower_app:  # --strategy with --flower-app: fedpar drives the app's ClientApps from its model
         from fedpar.tasks.flower_app import load_flower_app
         assembly = CoordinatorAssembly.for_flower_app(load_flower_app(args.flower_app, args.run_config), args.seed)

@@ -15,6 +15,12 @@ from fedpar.settings import DEFINES, NOTED, UNRECORDED, check_declared, redefaul
 
 
 DATA_PLANE_MIN_BYTES = 8 << 20
+# serve's --data-plane (auto|on|off: whether the coordinator offers it) and client's (whether an agent takes it): two
+# settings under one flag, which --help describes alike
+DATA_PLANE_HELP = ("move weights over the data plane, a bulk socket beside gRPC (TLS with the same certificates when "
+                   f"gRPC uses TLS): the coordinator offers it (auto = for models of at least "
+                   f"{DATA_PLANE_MIN_BYTES >> 20} MiB) and agents take it (client --no-data-plane: it keeps to the "
+                   "gRPC streams, as agents that do not support it do)")
 
 
 @dataclass
@@ -201,9 +207,7 @@ class CoordinatorConfig(AccuracyTarget, RoundClock, SecureAggregation, Aggregato
     # bulk socket transfers beside gRPC; None: on for models >= data_plane_min_bytes
     data_plane: bool | None = setting(
         None, choices={"auto": None, "on": True, "off": False}, group="transfer",
-        help="move weights over a bulk socket beside gRPC (TLS with the same certificates when gRPC uses TLS): "
-             f"auto = for models of at least {DATA_PLANE_MIN_BYTES >> 20} MiB; agents that do not support it keep "
-             "using the gRPC streams")
+        help=DATA_PLANE_HELP)
     data_plane_min_bytes: int = DATA_PLANE_MIN_BYTES
     data_port: int = setting(0, check="port", group="transfer",
                              help="port of the data plane on --host (0 picks a free one; agents learn it with each "

@@ -15,8 +15,9 @@ from fedpar.cli.subcommands import SUBCOMMANDS
 # Options every subcommand gets from cli/main.py itself, not settings of any command.
 GENERAL = {"--help", "--config", "--debug", "--log-level"}
 # Flags with two declarations on purpose: train's global batch and rate (TrainConfig, one optimizer step over all
-# ranks) are other settings than an agent's local batch and rate (LocalTraining, sent with each task).
-TWO_SETTINGS = {"--batch-size": {"train"}, "--lr": {"train"}}
+# ranks) are other settings than an agent's local batch and rate (LocalTraining, sent with each task); an agent's
+# --data-plane (whether it takes the data plane a coordinator offers) is another than serve's (whether to offer one).
+TWO_SETTINGS = {"--batch-size": {"train"}, "--lr": {"train"}, "--data-plane": {"client"}}
 
 
 def _options() -> list[tuple[str, str, argparse.Action]]:
@@ -53,7 +54,7 @@ def test_no_flag_is_declared_at_two_sites_or_with_two_help_texts():
 
 
 def test_the_exceptions_are_really_other_settings():
-    """train's --batch-size/--lr: one declaration there, another one everywhere else."""
+    """train's --batch-size/--lr, client's --data-plane: one declaration there, another one everywhere else."""
     for flag, commands in TWO_SETTINGS.items():
         sites: dict[bool, set[str]] = {}
         for command, name, action in _options():
