@@ -39,7 +39,7 @@ from fedpar.protocol import fedpar_pb2 as pb
 from fedpar.protocol.codec import (DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SESSION_FREE_IN, SMALL_UPDATE_BYTES,
                                    CoordinatorStub, channel_options, member_token, one_line)
 from fedpar.protocol.task_settings import MAX_TASK_SECONDS
-from fedpar.security.handshake import diagnose_handshake, tls_mismatch, unknown_host
+from fedpar.security.handshake import answers_http1, diagnose_handshake, tls_mismatch, unknown_host
 from fedpar.security.tls import TlsFiles
 from fedpar.task import UPLOAD_MARGIN_SECONDS
 
@@ -340,7 +340,7 @@ class Connection:
         returned, to be said in each retry line (its operator may restart it with ours); a host name that cannot be
         looked up, a wrong CA, a name mismatch or a refused certificate, which retrying does not cure, is a
         FatalAgentError."""
-        unknown = unknown_host(self.config.server, "--server")
+        unknown = unknown_host(self.config.server, "--server") or answers_http1(self.config.server)
         if unknown is not None:
             raise FatalAgentError(f"{self.config.agent_id}: {unknown}")
         mismatch = tls_mismatch(self.config.server, self.config.credentials is None)

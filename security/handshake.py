@@ -37,6 +37,7 @@ from fedpar.security.sslcontext import client_ssl_context
 from fedpar.security.tls import TlsFiles, signed_by
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # preface + empty SETTINGS
+HTTP1_HEAD = b"HEAD / HTTP/1.0\r\n\r\n"  # an HTTP/1 server answers it with its status line; gRPC's, with HTTP/2 frames
 HTTP2_SETTINGS = 0x04  # the frame type a plaintext HTTP/2 server opens with
 UNKNOWN_ISSUER = {2, 18, 19, 20, 21}  # X509_V_ERR_*: issuer not found / self-signed / unable to verify leaf
 EXPIRED, NOT_YET_VALID, HOSTNAME_MISMATCH, IP_MISMATCH = 10, 9, 62, 64
@@ -127,20 +128,38 @@ def speaks_tls(address: str, timeout: float = 3.0) -> bool | None:
     # handshake failed"), and a handshake's own errors say little more. The bytes a server sends back do not vary:
     # a TLS server answers a ClientHello with a TLS record (handshake 0x16, or an alert 0x15), and a plaintext
     # gRPC server sends its HTTP/2 SETTINGS frame as soon as the connection opens, whatever it was sent.
-    target = split_address(address)
-    if target is None:
-        return None
-    try:
-        with socket.create_connection(target, timeout=timeout) as conn:
-            conn.sendall(_client_hello())
-            answer = _read_at_least(conn, 4)
-    except OSError:
+    answer = _answer_to(address, _client_hello(), timeout)
+    if answer is None:
         return None
     if answer[:1] in (b"\x16", b"\x15"):
         return True
     if len(answer) >= 4 and answer[3] == HTTP2_SETTINGS:
         return False
     return None
+
+
+def answers_http1(address: str, timeout: float = 3.0) -> str | None:
+    """What to change when the server at ``address`` answers in HTTP/1 (a web server, or a coordinator's metrics
+    port), which no gRPC client can talk to; None when it does not, or nothing answers."""
+    answer = _answer_to(address, HTTP1_HEAD, timeout)  # a request an HTTP/1 server answers (a ClientHello is none)
+    if answer is None or not answer.startswith(b"HTTP/"):
+        return None
+    return (f"{address} answers in HTTP/1, not gRPC: it is a web server (a coordinator's --metrics-port?), not a "
+            "coordinator's agents' port; give --server the coordinator's --port")
+
+
+def _answer_to(address: str, hello: bytes, timeout: float) -> bytes | None:
+    """The first bytes (5 at most) the server at ``address`` answers ``hello`` with; None when nothing listens
+    there or the address cannot be read."""
+    target = split_address(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout) as conn:
+            conn.sendall(hello)
+            return _read_at_least(conn, 5)
+    except OSError:
+        return None
 
 
 NO_CONNECTION, NO_ANSWER = "no connection", "no answer"  # how a server stays silent (silence_at)

@@ -62,10 +62,15 @@ def client_tls_files(agent_id: str, certs_dir: str | Path | None = None, cert: s
     paths = CertPaths(Path(certs_dir)) if certs_dir else None
     files = TlsFiles(_pick(cert, paths and paths.agent_cert(agent_id)),
                      _pick(key, paths and paths.agent_key(agent_id)), _pick(ca, paths and paths.ca_cert))
+    if files.key is None and files.cert is not None:  # said before a missing CA: the pair is the half given
+        raise TlsSetupError(f"--tls-cert {files.cert} needs its private key: add --tls-key KEY")
+    if files.cert is None and files.key is not None:
+        raise TlsSetupError(f"--tls-key {files.key} needs its certificate: add --tls-cert PEM")
+    if files.ca is None and files.cert is not None:
+        raise TlsSetupError("no CA certificate given to check the coordinator with: add --tls-ca CA.pem (the ca.pem "
+                            "of the 'fedpar certs' folder that issued the certificates), or pass --certs DIR")
     if files.ca is None:
         raise TlsSetupError(f"no CA certificate given to check the coordinator with; {HOW_TO_FIX}")
-    if (files.cert is None) != (files.key is None):
-        raise TlsSetupError("--tls-cert and --tls-key go together")
     return files
 
 
