@@ -8,6 +8,7 @@ named after the table, which then receives the whole table as a dict (``[train.m
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,7 @@ def apply_config_defaults(parser: argparse.ArgumentParser, argv: list[str], sect
     typed = given_settings(parser, argv, frozenset())
     for key in [key for key in values if key in typed and isinstance(actions.get(key), _LISTS)]:
         del values[key]  # the flag's items replace the file's list: argparse would add them to it
-    parser.set_defaults(**values)
+    parser.set_defaults(**values, _file_keys={key: names[key] for key in values})  # as the file spells them
     for action in parser._actions:
         if action.required and action.dest in values:  # argparse checks a required option's flag, never its default
             action.required = False
@@ -320,11 +321,39 @@ def typed(args: argparse.Namespace, dest: str) -> bool:
     return dest in getattr(args, "_typed", frozenset())
 
 
+def ignored_given(args: argparse.Namespace, ignored: dict[str, str]) -> list[str]:
+    """Of ``ignored`` (setting -> why this use of the command leaves it unused: 'it needs --optimizer sgd'), the
+    settings to refuse: those the user typed. One only a --config file set is no mistake (a file's table is shared by
+    all of a command's uses: momentum = 0.9 is for its runs with --optimizer sgd), so it is said in one note line,
+    unless a typed one is refused (the refusal is then the one line)."""
+    refused = [dest for dest in ignored if typed(args, dest)]
+    if not refused:
+        note_ignored(args, {dest: why for dest, why in ignored.items() if chose(args, dest)})
+    return refused
+
+
+def note_ignored(args: argparse.Namespace, from_file: dict[str, str]) -> None:
+    """One note line naming each setting of ``from_file`` (setting -> why it is unused) as the --config file's key;
+    each is said once, though the checks run again (a run's settings, an aggregator rank's: ``args._noted``)."""
+    noted = getattr(args, "_noted", frozenset())
+    new = {dest: why for dest, why in from_file.items() if dest not in noted}
+    if new:
+        args._noted = noted | set(new)
+        written = getattr(args, "_file_keys", {})
+        said = ", ".join(f"{written.get(dest, dest)} ({why})" for dest, why in new.items())
+        print(f"fedpar {args.command}: note: ignored from {args.config}: {said}", file=sys.stderr)
+
+
 def refuse_unswitched(args: argparse.Namespace, settings: list[tuple[str, str, Any, Needs]]) -> None:
     """ConfigError for the first of ``settings`` (cli/declared.py switched_options or switched_settings) that the user
-    set, typed or in a file or as another value than its default, while its switch leaves its feature off."""
+    typed, or that holds another value than its default without a --config file setting it (a service's run file),
+    while its switch leaves its feature off; those only a --config file set are said in a note
+    (:func:`ignored_given`)."""
+    ignored = {}
     for dest, flag, default, needs in settings:
         switch = getattr(args, needs.switch, None)
-        if hasattr(args, dest) and not needs.applies(switch) and not any(getattr(args, d, None) for d in needs.unless) \
-                and (chose(args, dest) or getattr(args, dest) != default):
-            raise ConfigError(needs.refusal(flag, switch))
+        if hasattr(args, dest) and not needs.applies(switch) and not any(getattr(args, d, None) for d in needs.unless):
+            if typed(args, dest) or not chose(args, dest) and getattr(args, dest) != default:
+                raise ConfigError(needs.refusal(flag, switch))
+            ignored.setdefault(dest, f"it needs {needs.words}")
+    ignored_given(args, ignored)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedpar.cli.config import chose
+from fedpar.cli.config import ignored_given
 
 # fedpar scores a model centrally on a test set of its own data or task; a Flower App's ClientApps load their own data
 # and evaluate it themselves (server/assembly.py for_flower_app, and a ServerApp's evaluation is its own), so
@@ -19,8 +19,9 @@ LOCAL_TRAINING = ("learning_rate", "local_epochs", "batch_size", "client_eval_ev
 
 
 def flower_app_refusal(args: argparse.Namespace, server_app_drives: bool) -> str | None:
-    """One line refusing what the user gave that a run of ``args.flower_app`` would ignore (``server_app_drives``:
-    its ServerApp drives the rounds), and what to do instead; None when there is none (or no Flower App)."""
+    """One line refusing what the user typed that a run of ``args.flower_app`` would ignore (``server_app_drives``:
+    its ServerApp drives the rounds), and what to do instead; None when there is none (or no Flower App). A --config
+    file's are said in a note (cli/config.py ignored_given)."""
     from fedpar.protocol.task_settings import LocalTraining
     from fedpar.settings import flag_of
 
@@ -30,11 +31,14 @@ def flower_app_refusal(args: argparse.Namespace, server_app_drives: bool) -> str
         return NO_CENTRAL_EVALUATION
     if not server_app_drives:
         return None
-    if chose(args, "strategy_options"):
+    decides = "the Flower App's ServerApp decides"
+    typed = ignored_given(args, {"strategy_options": f"{decides} its aggregation",
+                                 **dict.fromkeys(LOCAL_TRAINING, f"{decides} local training")})
+    if "strategy_options" in typed:
         return ("--strategy-option: the Flower App's ServerApp aggregates with its own strategy, so fedpar cannot "
                 "apply it; drop it, or add --strategy NAME to let that fedpar strategy (with its options) drive the "
                 "app's ClientApps")
-    given = [flag_of(LocalTraining, name) for name in LOCAL_TRAINING if chose(args, name)]
+    given = [flag_of(LocalTraining, name) for name in typed]
     if not given:
         return None
     it = "it" if len(given) == 1 else "them"

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpar.cli.config import ConfigError, typed
+from fedpar.cli.config import ConfigError, ignored_given
 from fedpar.cli.declared import add_declared, section
 from fedpar.cli.tlsopts import TlsFileOptions
 from fedpar.cli.user_errors import UserError, check_output_folder, quiet_exit_for_pipe
@@ -139,12 +139,14 @@ def _check_words(args: argparse.Namespace) -> None:
 
 def _refuse_unused(args: argparse.Namespace, action: str) -> None:
     """ValueError naming an option the user typed that ``action`` does not use (one a --config file sets is for the
-    actions that use it: 'follow = true' in [run] follows 'fedpar run logs' and leaves 'fedpar run ls' alone)."""
-    for dest in sorted({d for used in ACTION_OPTIONS.values() for d in used} - set(ACTION_OPTIONS[action])):
-        if typed(args, dest):
-            users = [a for a, used in ACTION_OPTIONS.items() if dest in used]
-            raise ValueError(f"'fedpar run {action}' does not use --{dest} (only {' and '.join(users)} "
-                             f"{'does' if len(users) == 1 else 'do'}): leave it out")
+    actions that use it: 'follow = true' in [run] follows 'fedpar run logs'; 'fedpar run ls' says it in a note)."""
+    users = {dest: [a for a, used in ACTION_OPTIONS.items() if dest in used]
+             for dest in sorted({d for used in ACTION_OPTIONS.values() for d in used} - set(ACTION_OPTIONS[action]))}
+    why = {dest: f"only {' and '.join(them)} {'uses' if len(them) == 1 else 'use'} it" for dest, them in users.items()}
+    for dest in ignored_given(args, why):
+        them = users[dest]
+        raise ValueError(f"'fedpar run {action}' does not use --{dest} (only {' and '.join(them)} "
+                         f"{'does' if len(them) == 1 else 'do'}): leave it out")
 
 
 def _row_line(row: dict) -> str:

@@ -316,9 +316,10 @@ def _rank_failure(exc: BaseException) -> str:
 
 
 def plain_options(args: argparse.Namespace) -> dict:
-    """The parsed options a spawned rank needs (values only: no handlers or modules)."""
+    """The parsed options a spawned rank needs (values only: no handlers or modules), and which of them the user
+    gave, typed or in a --config file (cli/config.py chose and typed; its notes said: ``_noted``)."""
     return {k: v for k, v in vars(args).items()
-            if isinstance(v, (str, int, float, bool, Path, list, tuple, dict, type(None)))}
+            if isinstance(v, (str, int, float, bool, Path, list, tuple, dict, frozenset, type(None)))}
 
 
 def serve_rank(args: argparse.Namespace | dict) -> None:

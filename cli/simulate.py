@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedpar.cli.compression_options import add_compression_arguments, compression_from_args
-from fedpar.cli.config import chose
+from fedpar.cli.config import ignored_given
 from fedpar.cli.declared import add_declared, from_args, said_with_flags, section
 from fedpar.cli.flower_app_refusals import flower_app_refusal
 from fedpar.cli.observability import Observers, add_observability_arguments, check_metrics_endpoint
@@ -116,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"fedpar simulate: {untaken}", file=sys.stderr)
         return 2
     if server_app_drives:
-        if chose(args, "rounds"):  # the ServerApp counts its own rounds: --rounds would be ignored
+        if ignored_given(args, {"rounds": "the Flower App's ServerApp decides its rounds"}):  # it counts its own
             from fedpar.tasks.flower_app import ROUNDS_HINT
             print(f"fedpar simulate: --rounds: the Flower App's ServerApp decides its rounds, so fedpar cannot apply "
                   f"it; drop it, or {ROUNDS_HINT}, or add --strategy NAME to let fedpar drive the app's ClientApps",

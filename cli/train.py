@@ -285,9 +285,9 @@ def _resume_hint(cfg: TrainConfig) -> str:
 
 
 def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
-    """ConfigurationError naming each option the user gave (typed, or in a --config file) that ``cfg``'s run would
-    ignore, and what it needs to apply."""
-    from fedpar.cli.config import chose
+    """ConfigurationError naming each option the user typed that ``cfg``'s run would ignore, and what it needs to
+    apply; one only a --config file set is said in a note (cli/config.py ignored_given)."""
+    from fedpar.cli.config import chose, ignored_given
     from fedpar.datasets.registry import dataset_entry
     from fedpar.settings import flag_of
 
@@ -304,8 +304,9 @@ def check_all_apply(args: argparse.Namespace, cfg: TrainConfig) -> None:
              "lr_scaling": (cfg.base_batch_size > 0 or cfg.lr_scaling == "none",
                             "--base-batch-size, the batch size --lr was tuned for"),
              "momentum": (cfg.optimizer == "sgd", "--optimizer sgd")}
-    unused = [f"{flag_of(ParallelConfig if dest in vars(ParallelConfig) else TrainConfig, dest)} (it needs {need})"
-              for dest, (applies, need) in needs.items() if not applies and chose(args, dest)]
+    ignored = {dest: f"it needs {need}" for dest, (applies, need) in needs.items() if not applies}
+    unused = [f"{flag_of(ParallelConfig if dest in vars(ParallelConfig) else TrainConfig, dest)} ({ignored[dest]})"
+              for dest in ignored_given(args, ignored)]
     if unused:
         raise ConfigurationError(f"this run would ignore {' and '.join(unused)}: drop "
                                  f"{'it' if len(unused) == 1 else 'them'}, or give what "

@@ -292,14 +292,14 @@ ZOO_LOOP = ("block_size", "optimizer", "optimizer_impl", "momentum", "weight_dec
 
 
 def check_zoo_loop_unused(args) -> None:
-    """TaskError naming the zoo trainer's options the user gave (typed, or in a --config file) beside --task, whose
-    own loop, optimizer and evaluation would ignore them."""
-    from fedpar.cli.config import chose
+    """TaskError naming the zoo trainer's options the user typed beside --task, whose own loop, optimizer and
+    evaluation would ignore them (a --config file's are said in a note: cli/config.py ignored_given)."""
+    from fedpar.cli.config import ignored_given
     from fedpar.parallel.config import ParallelConfig
     from fedpar.settings import flag_of
 
-    given = [flag_of(ParallelConfig if hasattr(ParallelConfig, k) else TrainConfig, k) for k in ZOO_LOOP
-             if chose(args, k)]
+    given = [flag_of(ParallelConfig if hasattr(ParallelConfig, k) else TrainConfig, k)
+             for k in ignored_given(args, dict.fromkeys(ZOO_LOOP, "--task trains with its own loop"))]
     if given:
         raise TaskError(f"--task trains with the task's own loop, optimizer and evaluation, one epoch at a time, so "
                         f"{' and '.join(given)} would be ignored: drop {'it' if len(given) == 1 else 'them'} (it "

@@ -23,12 +23,19 @@ def test_an_aggregator_timeout_without_several_ranks_is_refused(command, ranks, 
     assert _lines(capsys) == [f"fedpar {command[0]}: {REFUSAL}"]
 
 
-def test_a_config_file_aggregator_timeout_without_several_ranks_is_refused(tmp_path, monkeypatch, capsys):
+def test_a_config_file_aggregator_timeout_without_several_ranks_is_a_note(tmp_path, monkeypatch, capsys):
+    """A file's table is shared by all of a command's uses (cli/config.py ignored_given): the next check here, the
+    --out that is a file, is the refusal."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     config = tmp_path / "run.toml"
     config.write_text("[simulate]\naggregator_timeout_seconds = 5.0\n")
-    assert main(["simulate", "--config", str(config), "--rounds", "1", "--quiet", "--out", str(tmp_path / "o")]) == 2
-    assert _lines(capsys) == [f"fedpar simulate: {REFUSAL}"]
+    (tmp_path / "a-file").write_text("")
+    assert main(["simulate", "--config", str(config), "--rounds", "1", "--quiet", "--out", str(tmp_path / "a-file")]) \
+        == 2
+    lines = _lines(capsys)
+    assert lines[0] == f"fedpar simulate: note: ignored from {config}: aggregator_timeout_seconds (it needs " \
+                       "--aggregator-ranks above 1)"
+    assert len(lines) == 2 and "is a file, not a folder" in lines[1], lines
 
 
 @pytest.mark.parametrize("ranks, world", [(["--aggregator-ranks", "2"], None), ([], "2")],

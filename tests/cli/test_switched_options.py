@@ -30,12 +30,17 @@ def test_an_option_given_at_its_default_value_is_refused_too(capsys):
                               "client; add one of them (or drop the option)"]
 
 
-def test_a_config_file_key_without_its_switch_is_refused(tmp_path, capsys):
+def test_a_config_file_key_without_its_switch_is_said_in_a_note_and_the_command_goes_on(tmp_path, capsys):
+    """A file's table is shared by all of a command's uses (cli/config.py ignored_given): the next check here, the
+    --out that is a file, is the refusal."""
     config = tmp_path / "run.toml"
     config.write_text("[simulate]\nsecagg_clip = 1.0\n")
-    assert main(["simulate", "--config", str(config), "--rounds", "1", "--quiet"]) == 2
-    assert _lines(capsys) == ["fedpar simulate: --secagg-clip applies only with --secure-aggregation; add it (or "
-                              "drop the option)"]
+    (tmp_path / "a-file").write_text("")
+    assert main(["simulate", "--config", str(config), "--rounds", "1", "--quiet", "--out", str(tmp_path / "a-file")]) \
+        == 2
+    lines = _lines(capsys)
+    assert lines[0] == f"fedpar simulate: note: ignored from {config}: secagg_clip (it needs --secure-aggregation)"
+    assert len(lines) == 2 and "is a file, not a folder" in lines[1], lines
 
 
 def test_with_its_switch_the_option_is_taken(capsys):
@@ -83,11 +88,17 @@ def test_an_option_whose_switch_is_a_given_value_is_refused_without_it(option, l
                                               ("round_wall_timeout", "10.0", "--round-wall-timeout"),
                                               ("slow_step_delay", "0.1", "--slow-step-delay"),
                                               ("data_dir", '"/nonexistent"', "--data-dir")])
-def test_a_config_file_key_whose_switch_is_a_given_value_is_refused_without_it(key, value, flag, tmp_path, capsys):
+def test_a_config_file_key_whose_switch_is_a_given_value_is_a_note_without_it(key, value, flag, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text(f"[simulate]\n{key} = {value}\n")
-    assert main(["simulate", "--config", str(config), "--rounds", "1", "--quiet", "--out", str(tmp_path / "o")]) == 2
+    (tmp_path / "a-file").write_text("")
+    assert main(["simulate", "--config", str(config), "--rounds", "1", "--quiet", "--out", str(tmp_path / "a-file")]) \
+        == 2
     lines = _lines(capsys)
+    assert lines[0].startswith(f"fedpar simulate: note: ignored from {config}: {key} (it needs "), lines
+    assert len(lines) == 2 and "is a file, not a folder" in lines[1], lines
+    assert main(["simulate", "--config", str(config), flag, value.strip('"'), "--rounds", "1", "--quiet"]) == 2
+    lines = _lines(capsys)  # typed, it is refused
     assert len(lines) == 1 and lines[0].startswith(f"fedpar simulate: {flag} applies only with "), lines
 
 
