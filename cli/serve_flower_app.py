@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedpar.cli.config import chose
+from fedpar.cli.config import ignored_given
 from fedpar.cli.declared import from_args
 from fedpar.cli.privacy import privacy_on
 from fedpar.cli.serve_service import until_told
@@ -28,18 +28,21 @@ if TYPE_CHECKING:
 
 
 def server_app_refusal(config: CoordinatorConfig, args: argparse.Namespace) -> str | None:
-    """One line naming the settings a ServerApp-driven coordinator cannot honour, and what to do; None if none."""
+    """One line naming the settings a ServerApp-driven coordinator cannot honour, and what to do; None if none (a
+    --config file's rounds, which the app's ServerApp leaves unused, is said in a note: cli/config.py
+    ignored_given)."""
+    typed_rounds = bool(ignored_given(args, {"rounds": "the Flower App's ServerApp decides its rounds"}))
     asked = [(config.secure_aggregation, "--secure-aggregation"), (config.virtual_clock, "--clock virtual"),
              (getattr(args, "aggregator_ranks", 1) > 1, "--aggregator-ranks"),
              (config.upload_compression.method != "none", "--compression"),
              (args.state is not None, "--state"), (config.checkpoint_dir is not None, "--checkpoint-dir"),
              (privacy_on(args), "--privacy"), (config.max_agent_share is not None, "--max-agent-share"),
-             (chose(args, "rounds"), "--rounds")]
+             (typed_rounds, "--rounds")]
     named = [flag for on, flag in asked if on]
     if not named:
         return None
     resumable = " (a ServerApp run is not resumable)" if args.state is not None or config.checkpoint_dir else ""
-    rounds_hint = ", or " + ROUNDS_HINT if chose(args, "rounds") else ""
+    rounds_hint = ", or " + ROUNDS_HINT if typed_rounds else ""
     return (f"{', '.join(named)}: with --flower-app the app's ServerApp decides rounds, sampling and aggregation, so "
             f"fedpar cannot apply it; drop it{resumable}{rounds_hint}, or add --strategy NAME to let fedpar drive the "
             "app's ClientApps")

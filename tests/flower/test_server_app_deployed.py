@@ -96,6 +96,21 @@ def test_rounds_for_a_server_app_that_counts_its_own_is_refused_in_one_line(comm
     assert not (tmp_path / "run").exists()
 
 
+def test_a_config_files_rounds_for_a_server_app_is_a_note_and_only_what_was_typed_is_refused(tmp_path, capsys):
+    # a file's [serve] table is shared by the command's uses: its rounds are for runs fedpar drives (cli/config.py
+    # ignored_given); here the refusal names only the typed flag, after one note naming the file's key
+    from fedpar.cli.main import main
+
+    config = tmp_path / "serve.toml"
+    config.write_text("[serve]\nrounds = 3\n")
+    code = main(["serve", "--insecure", "--port", "0", "--config", str(config), "--flower-app", str(APP),
+                 "--secure-aggregation", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 2, err
+    assert err[0] == f"fedpar serve: note: ignored from {config}: rounds (the Flower App's ServerApp decides its rounds)"
+    assert err[1].startswith("fedpar serve: --secure-aggregation: with --flower-app") and "--rounds" not in err[1]
+
+
 def test_ctrl_c_stops_a_served_server_app_at_once_keeping_its_global_model(tmp_path):
     """serve wrote 'interrupted' and then hung (the ServerApp's thread waited for a round that was cancelled), and
     its global.safetensors held a one-element stand-in, not the app's arrays (QA)."""
