@@ -27,6 +27,7 @@ from torch import nn
 from fedpar.client.local_loop import (Lane, OneMember, TrainResult, member_batches, objective, run_loop, trainable,
                                       update)
 from fedpar.client.trainer_protocol import CalledOff, Spec
+from fedpar.datasets.arrays import scale_hint
 from fedpar.models.weights import ModelWeights, get_weights, set_weights, weight_specs
 from fedpar.parallel.config import PRECISIONS
 from fedpar.parallel.device import queue_waiter
@@ -99,16 +100,18 @@ def _builtin_loop(task: Task, model: nn.Module, data: ClientData, config: LocalC
                         after_step=after_step)
     deadline.taken, deadline.stopped_early = tally.steps, tally.stopped
     metrics = {"loss": float(tally.loss_sum) / tally.examples} if tally.examples else {}
-    check_training_loss(task, metrics.get("loss", 0.0), config.learning_rate)
+    check_training_loss(task, metrics.get("loss", 0.0), config.learning_rate, data.train)
     return Trained(tally.examples, tally.steps, metrics, tally.stopped)
 
 
-def check_training_loss(task: Task, loss: float, lr: float) -> None:
+def check_training_loss(task: Task, loss: float, lr: float, train: object = None) -> None:
     """TaskError, in one line, when a member's mean training loss is NaN or infinite: its weights are lost too, so
-    it is said now, not later as NaN weights."""
+    it is said now, not later as NaN weights (with features far out of scale in ``train``, said as the likely cause)."""
     if not math.isfinite(loss):
-        raise TaskError(f"task {task.name!r}: the training loss is {loss} (lr {lr:g}): training diverged (lower "
-                        "--lr), or loss(outputs, targets) is not finite")
+        hint = scale_hint(train)
+        raise TaskError(f"task {task.name!r}: the training loss is {loss} (lr {lr:g}): training diverged, {hint}"
+                        if hint else f"task {task.name!r}: the training loss is {loss} (lr {lr:g}): training "
+                        "diverged (lower --lr), or loss(outputs, targets) is not finite")
 
 
 class TaskTrainer:

@@ -163,8 +163,12 @@ OUT_OF_SCALE = 1e3  # standardised features lie within a few units; raw amounts 
 
 def scale_hint(inputs: object) -> str:
     """Why a loss that went NaN likely did when the floating-point features ``inputs`` (an array, a tensor, or a
-    dataset holding one as ``x``) are far out of scale; "" when they are not, or are no such features."""
+    dataset holding one as ``x`` or as the first of its ``tensors``) are far out of scale; "" when they are not, or
+    are no such features."""
     x = getattr(inputs, "x", inputs)
+    tensors = getattr(x, "tensors", None)  # a TensorDataset of (inputs, labels), as a trainer keeps a member's
+    if isinstance(tensors, tuple) and tensors:
+        x = tensors[0]
     if hasattr(x, "is_floating_point"):  # a tensor (a rank's, on its device): only its largest magnitude is read
         largest = float(x.detach().abs().max()) if x.is_floating_point() and x.numel() else None
     elif isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating) and x.size:

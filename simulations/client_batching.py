@@ -397,7 +397,7 @@ class BatchedTrainer(TaskTrainer):
         self.trained = self.batcher.train(self, self.task, self.model, client, epochs, batch_size, lr, round_id,
                                           proximal_mu)
         if self.trained.result.examples:  # as the member's own loop says it (NaN: no example trained on)
-            check_training_loss(self.task, self.trained.result.loss, lr)
+            check_training_loss(self.task, self.trained.result.loss, lr, self.data.train)
         if self.delay:  # the upload leaves when a slow device's would
             self._sleep(self.trained.result.steps * self.delay)
         return replace(self.trained.result, rows=self._stack_row())

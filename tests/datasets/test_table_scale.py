@@ -50,12 +50,20 @@ def test_an_overflowing_feature_is_refused_up_front_naming_its_line_and_column(t
 
 
 def test_a_loss_gone_nan_on_features_far_out_of_scale_names_them_as_the_likely_cause(tmp_path, capfd):
-    """Features of 1e15 load (they are finite and square within float32) but diverge: the line says why."""
-    said = _said(_train(_table(tmp_path / "large.csv", scale=1e15), tmp_path, capfd), 1)
+    """Features of 1e15 load (they are finite and square within float32) but diverge: the line said to lower --lr
+    (train, simulate), or that the task's loss might not be finite (simulate)."""
+    dataset = _table(tmp_path / "large.csv", scale=1e15)
+    said = _said(_train(dataset, tmp_path, capfd), 1)
     assert said.startswith("fedpar train: the training loss is nan at step "), said
     assert "training diverged, likely because the features are far out of scale (they reach 3.11e+15): standardise " \
            "each feature (e.g. to mean 0 and sd 1, with the same statistics at every site); else lower --lr, or " \
            "set --grad-clip" in said, said
+    said = _said(_simulate(dataset, tmp_path, capfd), 1)
+    assert said.startswith("fedpar simulate: every round failed (1 of 1): the members' training failed: task "
+                           f"'mlp on {dataset}': the training loss is nan (lr 0.1): training diverged, likely because "
+                           "the features are far out of scale (they reach "), said
+    assert said.endswith("): standardise each feature (e.g. to mean 0 and sd 1, with the same statistics at every "
+                         "site)"), said
 
 
 def test_labels_that_are_ids_are_refused_saying_they_are_not_renumbered(tmp_path, capfd):
