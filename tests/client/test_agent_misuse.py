@@ -1,13 +1,18 @@
 """`fedpar client` used wrongly, as a new user would: --server pointing at a web server (a coordinator's
---metrics-port), and TLS flags half given. Each ends in one line saying what to change, with its exit code and no
-traceback; none is retried for ever."""
+--metrics-port), TLS flags half given, Ctrl-C in the middle of a round. Each ends in one line saying what to change
+(or what it did), with its exit code and no traceback; none is retried for ever, and the coordinator loses nothing."""
 
 from __future__ import annotations
 
 import http.server
+import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +67,54 @@ def test_tls_flags_half_given_say_the_missing_half(tmp_path, capfd):
                          "--threads", "1", *flags], capfd)
         assert done.returncode == 2, done.stderr
         assert _said(done.stderr) == [f"fedpar client: {says}"], done.stderr
+
+
+def _fedpar(*argv: str, cwd, err) -> subprocess.Popen:
+    """A real `fedpar ARGV` process, its stderr written to the file ``err``."""
+    return subprocess.Popen([sys.executable, "-m", "fedpar", *argv], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait_for(path: Path, words: str, proc: subprocess.Popen) -> None:
+    """Until the file ``path`` holds ``words`` (a process that ends first fails the test)."""
+    while words not in path.read_text():
+        assert proc.poll() is None, path.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def test_ctrl_c_mid_round_ends_the_agent_in_one_line_and_its_coordinator_loses_nothing(tmp_path):
+    """An agent stopped as it trains its round's task (or downloads or uploads it): exit 130 and one line; the round
+    fails for want of its update, the global model unchanged, and the agent started again finishes the run."""
+    port_file, serve_log = tmp_path / "port", tmp_path / "serve.log"
+    with open(serve_log, "w") as err:
+        serve = _fedpar("serve", "--insecure", "--port", "0", "--port-file", str(port_file), "--min-available", "1",
+                        "--rounds", "2", "--model", "cnn", "--local-epochs", "8", "--deadline", "120",
+                        "--out", str(tmp_path / "out"), cwd=tmp_path, err=err)
+    try:
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert serve.poll() is None, serve_log.read_text()
+            time.sleep(0.05)
+        agent = ["client", "--server", f"127.0.0.1:{port_file.read_text().strip()}", "--insecure", "--agent-id", "a",
+                 "--model", "cnn", "--threads", "1"]
+        with open(tmp_path / "agent.log", "w") as err:
+            first = _fedpar(*agent, cwd=tmp_path, err=err)
+        _wait_for(serve_log, "round 1: sampled", serve)
+        time.sleep(0.5)  # into its training (8 epochs): any phase of the round must end the same way
+        first.send_signal(signal.SIGINT)
+        assert first.wait(60) == 130
+        said = (tmp_path / "agent.log").read_text()
+        assert "Traceback" not in said and _said(said) == [
+            "fedpar client: interrupted after 1 tasks, 0 updates accepted, 0 refused"], said
+        with open(tmp_path / "again.log", "w") as err:
+            again = _fedpar(*agent, cwd=tmp_path, err=err)
+        assert serve.wait(300) == 0, serve_log.read_text()[-3000:]
+        assert again.wait(60) == 0, (tmp_path / "again.log").read_text()[-3000:]
+    finally:
+        for proc in (p for p in (serve, locals().get("first"), locals().get("again")) if p is not None):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["status"]) for r in rows] == [(1, "failed"), (2, "ok")], rows
+    assert "round 1 failed: 0 accepted updates < --min-reports 1; global model unchanged" in serve_log.read_text()
+    assert "Traceback" not in serve_log.read_text()
