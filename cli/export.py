@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedpar.protocol.atomicfile import atomic_path
+    from fedpar.server.checkpoint import CheckpointError
     from fedpar.server.final_model import read_final_model
 
     if not args.source.exists():
@@ -57,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
                         "its model as safetensors: copy that)")
     try:
         kept = read_final_model(args.source)
-    except ValueError as exc:  # CodecError, CheckpointError: the message names the file
+    except CheckpointError as exc:  # its advice is a resume's: export resumes nothing
+        raise UserError(f"cannot export the latest checkpoint in {args.source}: {exc.what}; "
+                        f"{_instead_of_latest(args.source)}") from None
+    except ValueError as exc:  # CodecError: the message names the file
         raise UserError(f"{args.source} is not a fedpar model: {exc}") from None
     state_dict = {name: torch.from_numpy(array) for name, array in zip(kept.names, kept.arrays)}
     args.to.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +100,21 @@ def _beside(source: Path, round_id: int | None) -> str:
     if other == round_id:
         return f"the same round as the latest checkpoint beside it, {folder}"
     return f"not the latest checkpoint beside it, {folder} (round {other}): export {folder} for that one"
+
+
+def _instead_of_latest(source: Path) -> str:
+    """What to export instead of the checkpoint directory ``source`` whose latest checkpoint cannot be read: the
+    newest other round folder that holds a model, or the run's own model."""
+    from fedpar.protocol.model_file import TENSORS
+    from fedpar.server.checkpoint import LATEST
+
+    pointer = source / LATEST
+    named = pointer.read_bytes().decode("ascii", "replace").strip() if pointer.is_file() else ""
+    rounds = sorted(p for p in source.glob("round-*") if p.name != named and (p / TENSORS).is_file())
+    ended = f"the run's --out folder (its {TENSORS}, written as the run ended)"
+    if not rounds:
+        return f"export {ended} instead"
+    return f"export an earlier round instead, {rounds[-1]}, or {ended}"
 
 
 def _check_folders_of(to: Path) -> None:

@@ -15,7 +15,7 @@ from fedpar.cli.declared import from_args
 from fedpar.cli.privacy import privacy_on
 from fedpar.cli.serve_service import until_told
 from fedpar.cli.tlsopts import server_security
-from fedpar.cli.user_errors import run_exit_code
+from fedpar.cli.user_errors import hold_output_folder, run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.codec import grpc_target
@@ -53,11 +53,12 @@ def serve_flower_app(args: argparse.Namespace) -> int:
     summary.json under ``--out``, whose earlier run's files are kept until this run writes a round."""
     from fedpar.simulations.run_outputs import EarlierRun
 
-    earlier = EarlierRun(Path(args.out))  # a ServerApp's run does not resume (--checkpoint-dir is refused)
-    try:
-        return _serve(args, earlier)
-    finally:
-        earlier.settle()  # no round written (refused, stopped or failed before one): nothing of it is lost
+    with hold_output_folder(args.out):  # as simulate and train: export (and another run) can tell a run writes there
+        earlier = EarlierRun(Path(args.out))  # a ServerApp's run does not resume (--checkpoint-dir is refused)
+        try:
+            return _serve(args, earlier)
+        finally:
+            earlier.settle()  # no round written (refused, stopped or failed before one): nothing of it is lost
 
 
 def _serve(args: argparse.Namespace, earlier: EarlierRun) -> int:

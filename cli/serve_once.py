@@ -22,7 +22,7 @@ from fedpar.cli.progress import COLUMNS, LiveBar, RoundTable
 from fedpar.cli.run_settings import effective_settings
 from fedpar.cli.serve_service import RunService, json_ready
 from fedpar.cli.task_options import task_label
-from fedpar.cli.user_errors import run_exit_code
+from fedpar.cli.user_errors import hold_output_folder, run_exit_code
 from fedpar.parallel.stopping import signal_name
 from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.codec import grpc_target
@@ -162,6 +162,12 @@ def task_flags(args: argparse.Namespace) -> str:
 def serve_once(args: argparse.Namespace, plan, ranks=None) -> int:
     """Run the one run serve's flags describe (``plan``: its parts, built; ``ranks``: the RankLeader of the other
     aggregator ranks), print its summary and return the command's exit code."""
+    with hold_output_folder(args.out):  # as simulate and train: export (and another run) can tell a run writes there
+        return _serve_once(args, plan, ranks)
+
+
+def _serve_once(args: argparse.Namespace, plan, ranks) -> int:
+    """:func:`serve_once`, with --out held."""
     # matplotlib takes about a second to import: do it now, not after the last round (or a Ctrl-C).
     threading.Thread(target=importlib.import_module, args=("fedpar.simulations.plots",), daemon=True).start()
     store = RunStore(":memory:")

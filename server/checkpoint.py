@@ -42,7 +42,12 @@ MAX_STATE_BYTES = 256 << 20
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
+    """A checkpoint that cannot be used; the message names the file and what to do: ``what`` is wrong, then the
+    ``advice`` on resuming (another checkpoint), which a reader that does not resume (export) says otherwise."""
+
+    def __init__(self, what: str, advice: str = ""):
+        super().__init__(what + advice)
+        self.what, self.advice = what, advice
 
 
 @dataclass
@@ -67,7 +72,7 @@ class Checkpoint:
             where = self.directory / "state.json" if self.directory else "state.json"
             hint = _older_hint(self.directory.parent, self.round_id) if self.directory else ""
             raise CheckpointError(f"damaged checkpoint: {where}: its {entry!r} entry cannot be restored "
-                                  f"({exc}){hint}") from None
+                                  f"({exc})", hint) from None
 
 
 def checkpoint_name(round_id: int) -> str:
@@ -191,7 +196,7 @@ def _read_pointer(root: Path) -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{pointer} cannot be read ({exc}); restore it or delete the checkpoint "
+        raise CheckpointError(f"{pointer} cannot be read ({exc})", "; restore it or delete the checkpoint "
                               "directory to start over") from None
 
 
@@ -217,36 +222,36 @@ def load_checkpoint(root: Path) -> Checkpoint | None:
     match = _NAME.fullmatch(name)
     directory = root / name
     if match is None or not directory.is_dir():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}"
-                              f"{_older_hint(root, None)}")
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint directory in {root}",
+                              _older_hint(root, None))
     if directory.is_symlink() or directory.resolve().parent != root.resolve():
         raise CheckpointError(f"{pointer} names {name!r}, which is a link to {directory.resolve()}, outside {root}; "
-                              f"checkpoints are read only from real directories in it{_older_hint(root, None)}")
+                              f"checkpoints are read only from real directories in it", _older_hint(root, None))
     round_id = int(match.group(1))
     try:
         names, arrays, meta = load_tensors(directory / "global.safetensors")
         skeys, sarrays, _ = load_tensors(directory / "strategy.safetensors")
     except FileNotFoundError as exc:
-        raise CheckpointError(f"checkpoint file {exc.filename} is missing{_older_hint(root, round_id)}") from None
+        raise CheckpointError(f"checkpoint file {exc.filename} is missing", _older_hint(root, round_id)) from None
     except CodecError as exc:  # the message starts with the file's path
-        raise CheckpointError(f"damaged checkpoint: {exc}{_older_hint(root, round_id)}") from None
+        raise CheckpointError(f"damaged checkpoint: {exc}", _older_hint(root, round_id)) from None
     state = _load_state(directory / "state.json", root, round_id)
     if state.get("round") != round_id or meta.get("round") != str(round_id):
         raise CheckpointError(f"{directory}: state.json says round {state.get('round')!r} and global.safetensors "
-                              f"round {meta.get('round')!r}, but the directory is for round {round_id}"
-                              f"{_older_hint(root, round_id)}")
+                              f"round {meta.get('round')!r}, but the directory is for round {round_id}",
+                              _older_hint(root, round_id))
     for tensor_name, array in zip(names, arrays):
         if array.dtype.kind == "f" and not np.isfinite(array).all():
-            raise CheckpointError(f"{directory / 'global.safetensors'}: tensor {tensor_name!r} holds NaN or Inf"
-                                  f"{_older_hint(root, round_id)}")
+            raise CheckpointError(f"{directory / 'global.safetensors'}: tensor {tensor_name!r} holds NaN or Inf",
+                                  _older_hint(root, round_id))
     shapes = {"sampler": (dict,), "strategy": (dict,), "agents": (list,), "example_caps": (dict,),
               "metrics_row": (dict, type(None)), "metrics_summary": (dict,), "metrics_path": (str, type(None))}
     for entry, types in shapes.items():
         if (entry in state and not isinstance(state[entry], types)) or (entry == "sampler" and entry not in state):
             kinds = " or ".join({dict: "an object", list: "a list", str: "a string", type(None): "null"}[t]
                                 for t in types)
-            raise CheckpointError(f"damaged checkpoint: {directory / 'state.json'}: {entry!r} must be {kinds}"
-                                  f"{_older_hint(root, round_id)}")
+            raise CheckpointError(f"damaged checkpoint: {directory / 'state.json'}: {entry!r} must be {kinds}",
+                                  _older_hint(root, round_id))
     state.pop("round")
     return Checkpoint(round_id, names, arrays, dict(zip(skeys, sarrays)), state, directory)
 
@@ -275,11 +280,11 @@ def _load_state(path: Path, root: Path, round_id: int) -> dict:
             raise CheckpointError(f"{path} is implausibly large ({path.stat().st_size} bytes)")
         state = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing{_older_hint(root, round_id)}") from None
+        raise CheckpointError(f"checkpoint file {path} is missing", _older_hint(root, round_id)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"damaged checkpoint: {path} is not JSON ({exc}){_older_hint(root, round_id)}") from None
+        raise CheckpointError(f"damaged checkpoint: {path} is not JSON ({exc})", _older_hint(root, round_id)) from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"damaged checkpoint: {path} must hold a JSON object{_older_hint(root, round_id)}")
+        raise CheckpointError(f"damaged checkpoint: {path} must hold a JSON object", _older_hint(root, round_id))
     return state
 
 

@@ -229,3 +229,58 @@ def test_export_into_a_folder_that_cannot_be_written_is_refused_before_the_model
                                       "this user can make, or one that exists")):
         done = run_main(["export", "run", "--to", to], capfd, cwd=tmp_path)
         assert done.returncode == 2 and done.stdout == "" and done.stderr == f"fedpar export: {line}\n", done.stderr
+
+
+def test_export_of_the_out_folder_of_a_one_shot_serve_still_running_says_so(tmp_path):
+    """QA: a one-shot `fedpar serve --out so` held no lock on --out, so `fedpar export so` while it ran said 'so holds
+    neither global.safetensors ... nor LATEST' (or, beside a resumed run, exported the model an earlier run had left
+    there) with no word that the run had not ended; serve now holds --out as simulate and train do."""
+    import re
+
+    fedpar = [sys.executable, "-m", "fedpar"]
+    serve = subprocess.Popen(fedpar + ["serve", "--insecure", "--host", "127.0.0.1", "--port", "0", "--rounds", "1",
+                                       "--accept-populations", "--min-available", "4", "--out", "so"],
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:  # listening: --out is held by then (no agent joins, so its one round never starts)
+        assert re.search(r"listening on 127\.0\.0\.1:\d+", serve.stdout.readline())
+        done = subprocess.run(fedpar + ["export", "so", "--to", "m.pt"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        again = subprocess.run(fedpar + ["serve", "--insecure", "--host", "127.0.0.1", "--port", "0", "--rounds", "1",
+                                         "--min-available", "4", "--out", "so"], cwd=tmp_path, capture_output=True,
+                               text=True, timeout=120)
+    finally:
+        serve.kill()
+        serve.wait(timeout=30)
+    assert done.returncode == 2 and done.stderr == (
+        f"fedpar export: so is the --out folder of a run still running (pid {serve.pid}): it writes its "
+        "global.safetensors as it ends, and there is none yet; wait for it to end, or export its --checkpoint-dir for "
+        "its latest round\n"), done.stderr
+    assert not (tmp_path / "m.pt").exists()
+    lines = [line for line in again.stderr.splitlines() if "fedpar.security" not in line]
+    assert again.returncode == 2 and lines == [
+        f"fedpar serve: --out so is in use by another fedpar run (pid {serve.pid}); wait for it to end, or give "
+        "another --out"], again.stderr
+
+
+def test_export_of_a_damaged_checkpoint_says_what_is_damaged_and_what_to_export_not_how_to_resume(tmp_path, capfd):
+    """QA: `fedpar export CK` of a checkpoint directory whose latest round is damaged advised 'to resume from the
+    previous checkpoint instead, write 'round-000002' into CK/LATEST (the rounds after it run again)': a resume's
+    advice; export resumes nothing (and 'delete the checkpoint directory' would lose the older rounds)."""
+    from support.in_process import run_main
+
+    done = run_main(["simulate", "--clients", "4", "--rounds", "3", "--local-epochs", "1", "--quiet",
+                     "--checkpoint-dir", "ck", "--out", "o"], capfd, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    os.truncate(tmp_path / "ck" / "round-000003" / "global.safetensors", 100)  # a write cut short
+    done = run_main(["export", "ck", "--to", "m.pt"], capfd, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr == (
+        "fedpar export: cannot export the latest checkpoint in ck: damaged checkpoint: "
+        "ck/round-000003/global.safetensors: not a safetensors file, or a truncated or damaged one (Error while "
+        "deserializing header: invalid header length); export an earlier round instead, ck/round-000002, or the "
+        "run's --out folder (its global.safetensors, written as the run ended)\n"), done.stderr
+    assert run_main(["export", "ck/round-000002", "--to", "m.pt"], capfd, cwd=tmp_path).returncode == 0
+    (tmp_path / "ck" / "LATEST").write_text("round-000001\n")  # pruned: no round but the damaged one is left
+    done = run_main(["export", "ck", "--to", "m2.pt"], capfd, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.endswith(
+        "ck/LATEST names 'round-000001', which is not a checkpoint directory in ck; export an earlier round instead, "
+        "ck/round-000003, or the run's --out folder (its global.safetensors, written as the run ended)\n"), done.stderr
