@@ -67,10 +67,12 @@ class StepMetricsLog:
 
     def __init__(self, out_dir: Path, enabled: bool, resume_step: int = 0, tensorboard: str | None = None) -> None:
         """Open the log; on resume, drop lines written after ``resume_step`` by the interrupted run. With
-        ``tensorboard``, every record's numbers also go there as scalars at its step."""
+        ``tensorboard``, every record's numbers also go there as scalars at its step (and, on resume, the events of the
+        steps after ``resume_step`` that the interrupted run wrote there are dropped too)."""
         self.path = out_dir / "metrics.jsonl"
         self.enabled = enabled
-        self.tensorboard = TensorBoardScalars(tensorboard, "step") if enabled and tensorboard else None
+        purge = resume_step + 1 if resume_step else None
+        self.tensorboard = TensorBoardScalars(tensorboard, "step", purge_step=purge) if enabled and tensorboard else None
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)

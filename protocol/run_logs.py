@@ -417,13 +417,16 @@ def check_tensorboard() -> None:
 
 
 class TensorBoardScalars:
-    """Writes the numeric entries of each row as TensorBoard scalars at the row's step (round or step)."""
+    """Writes the numeric entries of each row as TensorBoard scalars at the row's step (round or step).
 
-    def __init__(self, log_dir: str | Path, step_key: str = "round", prefix: str = ""):
+    ``purge_step``: a resumed run's first step; TensorBoard drops the events an interrupted run wrote in this folder
+    from that step on (those steps run again), as metrics.jsonl drops their lines."""
+
+    def __init__(self, log_dir: str | Path, step_key: str = "round", prefix: str = "", purge_step: int | None = None):
         check_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         self.step_key = step_key
         self.prefix = prefix
 
