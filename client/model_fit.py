@@ -28,9 +28,26 @@ class ModelMismatch(CodecError):
             if theirs.name != ours.name:
                 return f"tensor {_said(theirs.name)} {coordinator} is {_said(ours.name)} {agent}"
             if (theirs.dtype, theirs.shape) != (ours.dtype, ours.shape):
+                meaning = self._in_data_terms(theirs, ours, coordinator, agent)
                 return (f"tensor {_said(theirs.name)} is {theirs.dtype}{list(theirs.shape)} {coordinator}, "
-                        f"{ours.dtype}{list(ours.shape)} {agent}")
+                        f"{ours.dtype}{list(ours.shape)} {agent}{meaning}")
         return "their tensors differ"
+
+    def _in_data_terms(self, theirs, ours, coordinator: str, agent: str) -> str:
+        """What a difference in the first layer's inputs or the last layer's outputs says of the agent's data (a
+        table of other columns, or labels to another largest class); "" for any other difference."""
+        if theirs.dtype != ours.dtype or len(theirs.shape) != 2 or len(ours.shape) != 2:
+            return ""
+        index = next(i for i, t in enumerate(self.ours.tensors) if t.name == ours.name)
+        last = len(self.ours.tensors) - (2 if len(self.ours.tensors[-1].shape) == 1 else 1)  # a bias after it
+        if index == 0 and theirs.shape[0] == ours.shape[0]:
+            return (f" (the first layer takes {theirs.shape[1]} inputs {coordinator}, {ours.shape[1]} {agent}: the "
+                    "agent's data has other features, e.g. a table of other columns)")
+        if index == last and theirs.shape[1] == ours.shape[1]:
+            return (f" (the last layer gives {theirs.shape[0]} outputs {coordinator}, {ours.shape[0]} {agent}: the "
+                    "agent's labels run to another largest class number; every site numbers the classes alike, "
+                    "0..K-1, with class K-1 in its data)")
+        return ""
 
     def reason(self) -> str:
         """The failure the agent tells the coordinator with (the coordinator says it as this agent's)."""

@@ -118,3 +118,47 @@ def test_ctrl_c_mid_round_ends_the_agent_in_one_line_and_its_coordinator_loses_n
     assert [(r["round"], r["status"]) for r in rows] == [(1, "failed"), (2, "ok")], rows
     assert "round 1 failed: 0 accepted updates < --min-reports 1; global model unchanged" in serve_log.read_text()
     assert "Traceback" not in serve_log.read_text()
+
+
+def _table(path: Path, columns: int, classes: int) -> None:
+    """A CSV of 80 rows: ``columns`` features, labels 0..classes-1, four clients."""
+    header = ",".join(f"f{c}" for c in range(columns))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{header},label,client\n" + "".join(
+        ",".join(str((i * (c + 3)) % 7 - 3) for c in range(columns)) + f",{i % classes},{i % 4}\n" for i in range(80)))
+
+
+def test_a_site_whose_table_makes_another_model_is_told_what_differs_in_its_data(tmp_path):
+    """It was told the tensors' shapes only ('net.0.weight' is float32[128, 4] there, float32[128, 3] here)."""
+    _table(tmp_path / "hub" / "table.csv", 4, 2)
+    _table(tmp_path / "narrow" / "table.csv", 3, 2)
+    _table(tmp_path / "classes" / "table.csv", 4, 3)
+    port_file, serve_log = tmp_path / "port", tmp_path / "serve.log"
+    with open(serve_log, "w") as err:
+        serve = _fedpar("serve", "--insecure", "--port", "0", "--port-file", str(port_file), "--min-available", "1",
+                        "--rounds", "100", "--dataset", f"csv:{tmp_path / 'hub' / 'table.csv'}",
+                        "--out", str(tmp_path / "out"), cwd=tmp_path, err=err)
+    try:
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert serve.poll() is None, serve_log.read_text()
+            time.sleep(0.05)
+        server = f"127.0.0.1:{port_file.read_text().strip()}"
+        for site, says in (("narrow", "tensor 'net.0.weight' is float32[128, 4] there, float32[128, 3] here (the "
+                                      "first layer takes 4 inputs there, 3 here: the agent's data has other "
+                                      "features, e.g. a table of other columns)"),
+                           ("classes", "tensor 'net.2.weight' is float32[2, 128] there, float32[3, 128] here (the "
+                                       "last layer gives 2 outputs there, 3 here: the agent's labels run to another "
+                                       "largest class number; every site numbers the classes alike, 0..K-1, with "
+                                       "class K-1 in its data)")):
+            done = subprocess.run([sys.executable, "-m", "fedpar", "client", "--server", server, "--insecure",
+                                   "--agent-id", site, "--threads", "1", "--num-partitions", "4",
+                                   "--dataset", f"csv:{tmp_path / site / 'table.csv'}"],
+                                  capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert done.returncode == 1, done.stderr
+            assert _said(done.stderr) == [f"fedpar client: {site}: the coordinator's model does not fit this agent's "
+                                          f"task: {says}; start the agent with the coordinator's task and "
+                                          "--task-option values (a Flower App: the one the coordinator's serve "
+                                          "--flower-app runs)"], done.stderr
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(60)
