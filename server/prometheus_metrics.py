@@ -85,6 +85,8 @@ class PrometheusExporter:
         coordinator, gauge = server.coordinator, self._of(self.last_round)
         gauge.set(coordinator.round_id)
         coordinator.on_restored.append(lambda: gauge.set(coordinator.round_id))
+        # Until a round closes, the ranks it started with (0 read as every rank lost: an alert fired at each start).
+        self._of(self.ranks_live).set(coordinator.ranks.world if coordinator.ranks is not None else 1)
 
     def _of(self, metric, *labels: str):
         """``metric``'s series for ``labels`` (and the current run's id, when runs are labelled)."""

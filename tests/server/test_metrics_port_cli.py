@@ -1,0 +1,54 @@
+"""`fedpar serve --metrics-port` as a user runs it: the endpoint scraped over HTTP on 127.0.0.1 while the
+coordinator waits for its agents."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from support.processes import stop_processes
+
+ENDPOINT = re.compile(r"Prometheus metrics at http://127\.0\.0\.1:(\d+)/metrics")
+
+
+def _serve(tmp_path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fedpar", "serve", "--insecure", "--port", "0", "--metrics-port", "0",
+                             "--min-available", "2", "--out", str(tmp_path / "out"), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _metrics_port(proc: subprocess.Popen) -> int:
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if match := ENDPOINT.search(line):
+            return int(match.group(1))
+    raise AssertionError(f"no metrics endpoint was printed: {''.join(said)}")
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_aggregator_ranks_live_is_the_ranks_started_before_the_first_round(tmp_path, ranks):
+    # Before its first round a coordinator was scraped as fedpar_aggregator_ranks_live 0, every rank lost: an
+    # alert on lost ranks fired at each start, for as long as the coordinator waited for its agents.
+    proc = _serve(tmp_path, "--aggregator-ranks", str(ranks))
+    try:
+        got = _scrape(_metrics_port(proc))
+        assert got[("fedpar_aggregator_ranks_live", ())] == ranks
+        assert got[("fedpar_round", ())] == 0
+        assert got[("fedpar_agents", (("state", "live"),))] == 0
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+    finally:
+        stop_processes(proc)
