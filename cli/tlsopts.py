@@ -221,6 +221,7 @@ def client_security(args: argparse.Namespace, host_id: str | None = None) -> Cli
         log.warning(PLAINTEXT_WARNING)
         return ClientSecurity(None, None, token)
     identity = host_id or args.agent_id
+    _check_token_agent_certs(args, token, identity)
     try:
         files = client_tls_files(identity, args.certs, args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as exc:  # an agent id that cannot name certificate files
@@ -234,3 +235,18 @@ def client_security(args: argparse.Namespace, host_id: str | None = None) -> Cli
             raise TlsSetupError(f"{files.cert} is the certificate of agent {cn!r}, not of {whose}; the coordinator "
                                 f"would refuse it")
     return ClientSecurity(credentials, args.tls_server_name, token, client_ssl_context(files), files)
+
+
+def _check_token_agent_certs(args: argparse.Namespace, token: str, identity: str) -> None:
+    """TlsSetupError saying to pass the CA alone when an agent given a token names a --certs folder that holds no
+    certificate of its own (it was told to make certificates, which an agent admitted by token has none of)."""
+    if not token or not args.certs or args.tls_cert or args.tls_key:
+        return
+    paths = CertPaths(args.certs)
+    try:
+        own = paths.agent_cert(identity)
+    except ValueError:  # an id that cannot name a file: said as client_tls_files says it
+        return
+    if not own.exists():
+        raise TlsSetupError(f"--certs {args.certs} holds no {own.name}: an agent admitted by --enrollment-token-file "
+                            f"has no certificate of its own; pass --tls-ca {paths.ca_cert} instead of --certs")

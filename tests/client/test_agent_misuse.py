@@ -162,3 +162,16 @@ def test_a_site_whose_table_makes_another_model_is_told_what_differs_in_its_data
     finally:
         serve.send_signal(signal.SIGINT)
         serve.wait(60)
+
+
+def test_a_token_agent_given_a_certs_folder_without_its_certificate_is_told_to_pass_the_ca(tmp_path, capfd):
+    """It was told 'certificate dave.pem does not exist; make certificates with fedpar certs ...'."""
+    certs = tmp_path / "certs"
+    ensure_certs(certs, ["alice"])
+    (tmp_path / "dave.token").write_text("a-token\n")
+    done = run_main(["client", "--server", "127.0.0.1:1", "--agent-id", "dave", "--certs", str(certs),
+                     "--enrollment-token-file", str(tmp_path / "dave.token"), "--threads", "1"], capfd)
+    assert done.returncode == 2, done.stderr
+    assert _said(done.stderr) == [
+        f"fedpar client: --certs {certs} holds no dave.pem: an agent admitted by --enrollment-token-file has no "
+        f"certificate of its own; pass --tls-ca {certs / 'ca.pem'} instead of --certs"], done.stderr
