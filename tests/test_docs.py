@@ -315,3 +315,23 @@ def test_the_readmes_run_file_is_one_a_service_takes():
 
     assert "run submit examples/run.toml" in (ROOT / "README.md").read_text()
     assert read_run_file(ROOT / "examples" / "run.toml")["rounds"] == 5
+
+
+def test_the_readmes_set_up_commands_run_what_it_says():
+    """The README's two set-up commands: `make simulate` runs the very command the README quotes (which the first
+    simulation's run block runs with 3 rounds), `make test` is what .ci/run calls, the targets the pages name exist,
+    and the one-shot serve the README names parses."""
+    readme = (ROOT / "README.md").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    quoted = re.search(r"`make simulate` runs `(fedpar simulate [^`]+)`", readme).group(1)
+    recipe = re.search(r"^simulate:.*\n\t(.+)$", makefile, re.M).group(1)
+    assert recipe == f"$(VENV)/bin/{quoted}", (recipe, quoted)
+    tutorial = [line for _, body, tag, _ in blocks(DOCS / "tutorials" / "first-simulation.md") if tag == "run"
+                for line in command_lines(body) if " simulate " in line]
+    assert tutorial == [f".venv/bin/{quoted}".replace("--rounds 10", "--rounds 3")], (tutorial, quoted)
+    for target in ("venv", "simulate", "test", "docs"):
+        assert re.search(rf"^{target}:", makefile, re.M), f"README or first-simulation.md names make {target}"
+    assert re.search(r"^TORCH \?=", makefile, re.M)  # make test TORCH=torch
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "make test"
+    one_shot = re.search(r"The one-shot form, one run and exit, is `fedpar (serve [^`]+)`", readme).group(1)
+    _parses(shlex.split(one_shot))
