@@ -146,7 +146,9 @@ def server_security(args: argparse.Namespace, warn: bool = True) -> ServerSecuri
         # agents are admitted by token, so the agents' port asks for no certificate: gRPC cannot make one optional.
         # The CA still serves `serve --state`'s control port (operators' certificates) and the ranks' control channel.
         agent_files = TlsFiles(files.cert, files.key, None)
-        if warn and getattr(args, "state", None) is None and not getattr(args, "launcher_warned", False):
+        # said only where a CA was given (tls.md's own --tls-cert/--tls-key/--enrollment-tokens names none)
+        if (warn and files.ca is not None and getattr(args, "state", None) is None
+                and not getattr(args, "launcher_warned", False)):
             log.warning("--enrollment-tokens: agents are admitted by token, so the agents' port asks for no client "
                         "certificate and the CA of --certs/--tls-ca is not used (agents with certificates only need "
                         "a token too)")

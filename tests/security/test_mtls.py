@@ -198,6 +198,21 @@ def test_a_real_agent_stops_with_a_clear_error_once_revoked(pki, coordinator_fac
         agent.run()
 
 
+def test_enrollment_tokens_without_a_ca_say_nothing_of_an_unused_ca(pki, tmp_path, caplog):
+    """tls.md's server-only form, --tls-cert/--tls-key with --enrollment-tokens, gives no CA: the line that a CA
+    beside tokens goes unused is not said (QA: it was, naming a CA nobody gave)."""
+    from fedpar.cli.run_settings import serve_parser
+    from fedpar.cli.tlsopts import server_security
+
+    tokens_file = tmp_path / "tokens.txt"
+    mint_token(tokens_file, "dave")
+    args = serve_parser().parse_args(["--tls-cert", str(pki.paths.server_cert), "--tls-key",
+                                      str(pki.paths.server_key), "--enrollment-tokens", str(tokens_file)])
+    security = server_security(args)
+    assert security.description == "server TLS + enrollment tokens"
+    assert not [r for r in caplog.records if "is not used" in r.getMessage()], caplog.text
+
+
 def test_enrollment_tokens_beside_certs_admit_token_agents_on_server_only_tls(pki, coordinator_factory, raw_agents,
                                                                               tmp_path, caplog):
     """serve --certs DIR --enrollment-tokens FILE (serve --state needs the CA for its control port): the agents' port
