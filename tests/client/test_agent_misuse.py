@@ -20,6 +20,8 @@ from fedpar.security.certs import ensure_certs
 
 from support.in_process import run_main
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture()
 def web_server():
@@ -175,3 +177,12 @@ def test_a_token_agent_given_a_certs_folder_without_its_certificate_is_told_to_p
     assert _said(done.stderr) == [
         f"fedpar client: --certs {certs} holds no dave.pem: an agent admitted by --enrollment-token-file has no "
         f"certificate of its own; pass --tls-ca {certs / 'ca.pem'} instead of --certs"], done.stderr
+
+
+def test_a_dataset_given_beside_a_flower_app_is_refused_not_ignored(tmp_path, capfd):
+    """The ClientApp loads its own data: the agent trained on it without a word about --dataset."""
+    done = run_main(["client", "--server", "127.0.0.1:1", "--insecure", "--agent-id", "a", "--threads", "1",
+                     "--flower-app", str(ROOT / "examples" / "flower_app"), "--dataset", "csv:table.csv"], capfd)
+    assert done.returncode == 2, done.stderr
+    assert _said(done.stderr) == ["fedpar client: --flower-app brings its own model and data, so --dataset would be "
+                                  "ignored: drop it (its own settings are --run-config 'KEY=VALUE ...')"], done.stderr
