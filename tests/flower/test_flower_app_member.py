@@ -243,3 +243,64 @@ def test_a_simulated_member_and_a_deployed_agent_answer_a_server_apps_message_al
                     np.testing.assert_array_equal(simulated.content["arrays"][name].numpy(),
                                                   deployed.content["arrays"][name].numpy())
                 assert not np.array_equal(simulated.content["arrays"]["w"].numpy(), start["w"])
+
+
+def test_a_clientapps_first_call_in_a_process_runs_alone_and_later_calls_side_by_side():
+    # a first call's lazy imports (torch.optim's of torch._dynamo) in two seats' threads at once raised SystemError in
+    # CI ('AST constructor recursion depth mismatch', CPython 3.11)
+    import threading
+
+    from fedpar.client.flower_app_member import _FirstCallAlone
+
+    gate, order = _FirstCallAlone(), []
+    inside, release = threading.Event(), threading.Event()
+
+    def first():
+        with gate():
+            inside.set()
+            release.wait(30)
+            order.append("first")
+
+    def second():
+        inside.wait(30)
+        with gate():
+            order.append("second")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    assert inside.wait(30)
+    threads[1].join(0.3)
+    assert threads[1].is_alive() and order == []  # the second waits for the first call to return
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert order == ["first", "second"]
+    both = threading.Barrier(2, timeout=30)  # broken (an error in a thread) unless two calls run at once
+
+    met = []
+
+    def side_by_side():
+        with gate():
+            both.wait()
+            met.append(True)
+
+    pair = [threading.Thread(target=side_by_side) for _ in range(2)]
+    for t in pair:
+        t.start()
+    for t in pair:
+        t.join(30)
+    assert met == [True, True] and not both.broken
+
+
+def test_after_a_first_call_that_raised_the_next_call_runs_alone_too():
+    from fedpar.client.flower_app_member import _FirstCallAlone
+
+    gate = _FirstCallAlone()
+    with pytest.raises(ValueError):
+        with gate():
+            raise ValueError("the app failed")
+    assert not gate._warm
+    with gate():
+        pass
+    assert gate._warm
