@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fedpar.parallel.device import flush_denormals
-from fedpar.parallel.init import init_distributed, shutdown_distributed, spawn
+from fedpar.parallel.init import init_distributed, rank_start_method, shutdown_distributed, spawn
 
 
 def backend_id(device: str) -> str:
@@ -59,7 +59,8 @@ def run_checks(nproc: int, checks_file: str | Path, names: list[str], out_dir: s
     out_dir.mkdir(parents=True, exist_ok=True)
     error: BaseException | None = None
     try:
-        spawn(nproc, _worker, str(checks_file), list(names), str(out_dir), device)
+        # forked from the fork server in a test process (it has served gRPC): torch is imported once, not per rank
+        spawn(nproc, _worker, str(checks_file), list(names), str(out_dir), device, start_method=rank_start_method())
     except Exception as exc:  # keep partial results; the tests report which check failed and why
         error = exc
     results = []
