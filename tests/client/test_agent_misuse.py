@@ -34,10 +34,10 @@ def web_server():
     server.server_close()
 
 
-def _said(err: str) -> list[str]:
-    """The lines `fedpar client` said as its own (not its log's)."""
+def _said(err: str, command: str = "client") -> list[str]:
+    """The lines `fedpar COMMAND` said as its own (not its log's)."""
     assert "Traceback" not in err, err
-    return [line for line in err.splitlines() if line.startswith("fedpar client:")]
+    return [line for line in err.splitlines() if line.startswith(f"fedpar {command}:")]
 
 
 def test_a_web_server_at_server_is_named_at_once_not_retried_for_ever(web_server, tmp_path):
@@ -180,9 +180,15 @@ def test_a_token_agent_given_a_certs_folder_without_its_certificate_is_told_to_p
 
 
 def test_a_dataset_given_beside_a_flower_app_is_refused_not_ignored(tmp_path, capfd):
-    """The ClientApp loads its own data: the agent trained on it without a word about --dataset."""
+    """The ClientApp loads its own data: the agent (and `fedpar serve --flower-app`) ran without a word about it."""
     done = run_main(["client", "--server", "127.0.0.1:1", "--insecure", "--agent-id", "a", "--threads", "1",
                      "--flower-app", str(ROOT / "examples" / "flower_app"), "--dataset", "csv:table.csv"], capfd)
     assert done.returncode == 2, done.stderr
     assert _said(done.stderr) == ["fedpar client: --flower-app brings its own model and data, so --dataset would be "
                                   "ignored: drop it (its own settings are --run-config 'KEY=VALUE ...')"], done.stderr
+    done = run_main(["serve", "--insecure", "--port", "0", "--flower-app", str(ROOT / "examples" / "flower_app"),
+                     "--dataset", "csv:table.csv", "--out", str(tmp_path / "out")], capfd)
+    assert done.returncode == 2, done.stderr
+    assert _said(done.stderr, "serve") == [
+        "fedpar serve: --flower-app brings its own model and data, so --dataset would be ignored: drop it (its own "
+        "settings are --run-config 'KEY=VALUE ...')"], done.stderr
