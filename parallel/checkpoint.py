@@ -1,7 +1,8 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), resume, and full-state-dict helpers for FL.
 
 A checkpoint directory holds ``step-XXXXXXXX/`` folders written by every rank (each writes its own shards;
-rank 0 writes DCP's metadata) and a ``latest`` file that rank 0 replaces atomically once all ranks finished.
+rank 0 writes DCP's metadata), each whole as ``step-XXXXXXXX.partial/`` before rank 0 renames it, and a ``latest``
+file that rank 0 replaces atomically once all ranks finished.
 Items are all tensors (model, optimizer, step counters, per-rank RNG); the only non-tensor entries are the
 optimizer's hyper-parameters. DCP pickles its metadata and would unpickle it (and non-tensor items) without
 restriction; checkpoints are read through ``safe_dcp`` instead, which allows only what DCP writes.
@@ -32,7 +33,6 @@ from fedpar.parallel import checkpoint_retention
 from fedpar.parallel.config import TrainConfig
 from fedpar.parallel.epoch_checkpoint import is_epoch_checkpoint
 from fedpar.parallel.safe_dcp import SafeFileSystemReader, UnsafeCheckpointError, raise_wrapped_stop, safe_load
-from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
 
 LATEST = "latest"
@@ -79,24 +79,23 @@ def save_checkpoint(directory: str | Path, model_parts: list[nn.Module], optimiz
     """
     directory = Path(directory)
     target = step_dir(directory, counters["step"])
-    # A run started afresh (--no-resume) or resumed from an earlier step writes a step folder again: the stale one
-    # goes first, as DCP's overwriting of it is announced to become a refusal (unless `latest` names it: then it is
-    # the only complete checkpoint, and is overwritten in place)
-    pointer = directory / LATEST
-    named = pointer.is_file() and pointer.read_text().strip() == target.name
-    if dist.get_rank() == 0 and target.is_dir() and not named:
-        shutil.rmtree(target)
+    # Written whole under another name, then renamed: a run started afresh (--no-resume) or resumed from an earlier
+    # step writes a step folder again, and the one there may be the only complete checkpoint (the one the `latest`
+    # it set aside names, put back if it is stopped before its own is complete)
+    staged = target.with_name(target.name + ".partial")
+    if dist.get_rank() == 0 and staged.exists():  # a stopped run's (DCP's overwriting is to become a refusal)
+        shutil.rmtree(staged)
     dist.barrier()
     try:
-        dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(target))
+        dcp.save(_state(_part_states(model_parts, optimizers), counters), checkpoint_id=str(staged))
     except CheckpointException as exc:  # a stop while it writes: `latest` still names the last complete checkpoint
         raise_wrapped_stop(exc)
         raise
     dist.barrier()
     if dist.get_rank() == 0:
         if record is not None:
-            record_settings(target / RUN_RECORD, record)
-        atomic_write_bytes(directory / LATEST, [(target.name + "\n").encode()])
+            record_settings(staged / RUN_RECORD, record)
+        checkpoint_retention.put_in_place(staged, target, directory / LATEST)
         checkpoint_retention.prune(directory, target.name, _STEP_GLOB, keep)
     dist.barrier()
     return target
@@ -124,7 +123,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 def _instead(damaged: Path) -> str:
     """What to do instead of resuming the checkpoint ``damaged``: an older one beside it, or start afresh."""
-    older = [p.name for p in sorted(damaged.parent.glob("step-*"), reverse=True)
+    older = [p.name for p in sorted(damaged.parent.glob(_STEP_GLOB), reverse=True)
              if p.name < damaged.name and (p / ".metadata").is_file()]
     use = f"write {older[0]} into {damaged.parent / LATEST} to resume the one before it, or " if older else ""
     return f"{use}pass --no-resume to start afresh (or another --out)"

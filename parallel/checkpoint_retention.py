@@ -14,6 +14,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from fedpar.parallel.stopping import held_stops
+from fedpar.protocol.atomicfile import atomic_write_bytes
+
 # this process's run, by checkpoint directory: the names of its checkpoints, oldest first
 _RUNS: dict[Path, list[str]] = {}
 
@@ -54,3 +57,18 @@ def prune(directory: str | Path, written: str, pattern: str, keep: int) -> list[
         print(f"removed {len(earlier)} checkpoint(s) of an earlier run in {directory}: {', '.join(earlier)} "
               f"(this run's {written} is latest)", flush=True)
     return others
+
+
+def put_in_place(staged: Path, target: Path, pointer: Path) -> None:
+    """Give the complete checkpoint folder ``staged`` the name ``target`` and write that name into ``pointer``
+    (``latest``), a stop signal held until both are done. A folder already of that name (an earlier run's, which the
+    ``latest`` a fresh run set aside may name, put back if this run is stopped) is replaced whole, never written
+    into or removed before the new one is complete."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    with held_stops():  # between the two renames no folder has the name: a stop there would leave `latest` dangling
+        if target.exists():
+            target.rename(old)
+        staged.rename(target)
+        atomic_write_bytes(pointer, [(target.name + "\n").encode()])
+    shutil.rmtree(old, ignore_errors=True)

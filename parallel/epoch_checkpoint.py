@@ -18,7 +18,6 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 from fedpar.parallel import checkpoint_retention
-from fedpar.protocol.atomicfile import atomic_write_bytes
 from fedpar.protocol.run_record import RUN_RECORD, check_settings, record_settings
 
 LATEST = "latest"
@@ -56,9 +55,7 @@ def save_epoch_checkpoint(directory: Path, model: nn.Module, counters: dict[str,
     state = {key: torch.tensor([float(value)], dtype=torch.float64) for key, value in counters.items()}
     save_file({**state, RNG_KEY: torch.get_rng_state()}, str(staged / STATE_FILE))
     record_settings(staged / RUN_RECORD, record)
-    shutil.rmtree(target, ignore_errors=True)  # an earlier run's (--no-resume)
-    staged.rename(target)
-    atomic_write_bytes(Path(directory) / LATEST, [(target.name + "\n").encode()])
+    checkpoint_retention.put_in_place(staged, target, Path(directory) / LATEST)  # over an earlier run's (--no-resume)
     checkpoint_retention.prune(directory, target.name, _EPOCH_GLOB, keep)
     return target
 

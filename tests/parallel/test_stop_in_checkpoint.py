@@ -106,3 +106,44 @@ def test_train_stopped_as_it_keeps_a_checkpoint_every_step_stops_in_one_line_and
         check_checkpoint(kept)
         assert run.returncode == 128 + signum and len(err.strip().splitlines()) == 1, err
         assert err.strip().endswith(f"; the same command resumes from its checkpoint {kept.name}"), err
+
+
+# `fedpar train ARGS` whose ranks, as they write their first checkpoint, send the launcher a Ctrl-C and wait in DCP's
+# write for the launcher to stop them (its ranks are forked: the patch is theirs too)
+STOPPED_IN_FIRST_SAVE = """
+import os, signal, sys, time
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+original = FileSystemWriter.write_data
+
+def stopped(self, *args, **kwargs):
+    os.kill(os.getppid(), signal.SIGINT)
+    time.sleep(60)
+    return original(self, *args, **kwargs)
+
+FileSystemWriter.write_data = stopped
+from fedpar.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_fresh_run_stopped_in_its_first_checkpoint_leaves_the_earlier_runs_checkpoint_whole_and_resumable(
+        tmp_path):
+    """QA: `fedpar train --no-resume --nproc 2` over an earlier run whose `latest` named step-00000001, stopped as it
+    wrote its own step-00000001, had removed the earlier one first and written into its folder; having written
+    nothing else, it put the earlier `latest` back, naming an empty folder: 'latest names step-00000001, which holds no
+    complete checkpoint' (exit 2). A checkpoint is now written whole under another name and takes the name after."""
+    train = ["train", "--dataset", "digits", "--checkpoint-every", "1", "--device", "cpu", "--no-plot", "--out", "r"]
+    assert subprocess.run([*FEDPAR, *train, "--max-steps", "1"], cwd=tmp_path, capture_output=True).returncode == 0
+    step = tmp_path / "r" / "checkpoints" / "step-00000001"
+    kept = {p.name: p.read_bytes() for p in step.iterdir()}
+    done = subprocess.run([sys.executable, "-c", STOPPED_IN_FIRST_SAVE, *train, "--max-steps", "5", "--no-resume",
+                           "--nproc", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 130 and done.stderr == (
+        "fedpar train: interrupted after 0 logged steps; wrote nothing to r; the same command without --no-resume "
+        "resumes from its checkpoint step-00000001\n"), done.stderr
+    assert latest_checkpoint(tmp_path / "r" / "checkpoints") == step
+    assert {p.name: p.read_bytes() for p in step.iterdir()} == kept  # the earlier run's, as it was
+    again = subprocess.run([*FEDPAR, *train, "--max-steps", "3"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=240)
+    assert again.returncode == 0 and "resumed from" in again.stdout + again.stderr, again.stderr
