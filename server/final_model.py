@@ -76,14 +76,28 @@ def read_final_model(source: Path) -> KeptModel:
 def _not_a_model_folder(source: Path) -> str:
     """Why folder ``source`` holds no model export reads, and what to give instead."""
     from fedpar.parallel.checkpoint import LATEST as TRAIN_LATEST
-    from fedpar.parallel.epoch_checkpoint import MODEL_FILE
 
+    if (source / "checkpoints" / TRAIN_LATEST).is_file():  # a `fedpar train` --out folder, its run not ended
+        whole = _latest_whole_model(source / "checkpoints")
+        export = f"; export {whole}, its latest checkpoint's model" if whole is not None else ""
+        return (f"{source} is the --out folder of a `fedpar train` run that has not ended (it writes its {TENSORS} as "
+                f"it ends): the same command resumes it{export}")
     if (source / TRAIN_LATEST).is_file():
         ended = (f"the run's --out folder, {source.parent}, whose {TENSORS} the run wrote as it ended (a run stopped "
                  "before its end wrote none: the same command resumes it)")
-        whole = source / (source / TRAIN_LATEST).read_text(errors="replace").strip() / MODEL_FILE
-        if whole.is_file():  # `fedpar train --task`'s: each checkpoint holds the whole model
+        whole = _latest_whole_model(source)
+        if whole is not None:
             return f"{source} is a `fedpar train --task` checkpoint directory; export {whole}, its latest, or {ended}"
         return (f"{source} is a `fedpar train` checkpoint directory (sharded DCP checkpoints, not one model); "
                 f"export {ended}")
     return f"{source} holds neither {TENSORS} (a run's --out folder) nor {LATEST} (a coordinator checkpoint directory)"
+
+
+def _latest_whole_model(checkpoints: Path) -> Path | None:
+    """The whole model of the checkpoint ``checkpoints/latest`` names, when it holds one (`fedpar train --task`'s
+    do; the zoo trainer's are sharded DCP checkpoints)."""
+    from fedpar.parallel.checkpoint import LATEST as TRAIN_LATEST
+    from fedpar.parallel.epoch_checkpoint import MODEL_FILE
+
+    whole = checkpoints / (checkpoints / TRAIN_LATEST).read_text(errors="replace").strip() / MODEL_FILE
+    return whole if whole.is_file() else None

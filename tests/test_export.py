@@ -284,3 +284,39 @@ def test_export_of_a_damaged_checkpoint_says_what_is_damaged_and_what_to_export_
     assert done.returncode == 2 and done.stderr.endswith(
         "ck/LATEST names 'round-000001', which is not a checkpoint directory in ck; export an earlier round instead, "
         "ck/round-000003, or the run's --out folder (its global.safetensors, written as the run ended)\n"), done.stderr
+
+
+def test_export_of_the_out_folder_of_a_stopped_task_run_names_its_latest_checkpoints_model(tmp_path):
+    """QA: `fedpar export OUT` of a `train --task` run stopped with Ctrl-C (which writes no global.safetensors) said
+    'OUT holds neither global.safetensors (a run's --out folder) nor LATEST (a coordinator checkpoint directory)',
+    though OUT is a run's --out folder and its latest checkpoint holds the whole model."""
+    import signal
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    fedpar = [sys.executable, "-m", "fedpar"]
+    run = subprocess.Popen([*fedpar, "train", "--task", f"{root}/examples/own_task.py:task", "--task-option",
+                            f"csv={root}/examples/table.csv", "--epochs", "100000", "--checkpoint-every", "1",
+                            "--no-plot", "--out", "run"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 120
+        while not latest.is_file():  # a checkpoint kept: the run is stopped after it
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.01)
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130 and not (tmp_path / "run" / "global.safetensors").exists()
+    whole = f"run/checkpoints/{latest.read_text().strip()}/model.safetensors"
+    done = subprocess.run([*fedpar, "export", "run", "--to", "m.pt"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr == (
+        "fedpar export: run is not a fedpar model: run is the --out folder of a `fedpar train` run that has not ended "
+        f"(it writes its global.safetensors as it ends): the same command resumes it; export {whole}, its latest "
+        "checkpoint's model\n"), done.stderr
+    assert subprocess.run([*fedpar, "export", whole, "--to", "m.pt"], cwd=tmp_path, capture_output=True,
+                          timeout=120).returncode == 0
