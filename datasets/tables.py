@@ -199,13 +199,34 @@ def load_csv_table(path: str | Path) -> DatasetSplits:
     try:
         x = np.array([[float(r[i]) for i in features] for r in rows]).reshape(len(rows), len(features))
         y = np.array([_class_number(r[label]) for r in rows], np.int64)
-    except (ValueError, IndexError) as exc:
-        raise ValueError(f"{path}: every row needs a whole-number label and numeric features ({exc})") from None
+    except ValueError:
+        raise ValueError(_first_bad_cell(path, rows, lines, header, features, label)) from None
     except OverflowError:  # a label past int64: no class number
         raise ValueError(f"{path}: labels are class numbers 0..K-1 (K at most {MAX_CLASSES}), but one is beyond "
                          "int64; renumber them") from None
     owners = owner_numbers(np.array([r[client] for r in rows])) if client is not None else None
     return _checked(path, x, y, owners, lambda row, col: f"line {lines[row]}, column {header[features[col]]!r}")
+
+
+def _first_bad_cell(path: Path, rows: list[list[str]], lines: list[int], header: list[str], features: list[int],
+                    label: int) -> str:
+    """The line naming the first cell of ``rows`` that is no number (a feature) or no whole number (the label), by its
+    line and column."""
+    for row, line in zip(rows, lines):
+        for i in features:
+            try:
+                float(row[i])
+            except ValueError:
+                if not row[i].strip():
+                    return f"{path}: line {line}, column {header[i]!r} is blank; fill in every feature, or drop the row"
+                return (f"{path}: line {line}, column {header[i]!r} is {row[i].strip()!r}, not a number; every "
+                        "feature must be numeric (drop the column, or encode it as numbers)")
+        try:
+            _class_number(row[label])
+        except ValueError:
+            return (f"{path}: line {line}, the label {row[label].strip()!r} is not a whole number; labels are class "
+                    "numbers 0..K-1")
+    return f"{path}: every row needs a whole-number label and numeric features"
 
 
 SEPARATORS = {";": "';'", "\t": "tabs"}  # what a spreadsheet writes instead of commas, as a line says it

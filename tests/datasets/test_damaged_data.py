@@ -344,8 +344,21 @@ def test_a_csv_label_that_is_no_whole_number_is_refused(label, tmp_path, capfd):
     (tmp_path / "half.csv").write_text("f1,label\n" + "".join(f"{i},{i % 2}\n" for i in range(20)) + f"3,{label}\n")
     said = _one_line(["train", "--dataset", f"csv:{tmp_path / 'half.csv'}", "--max-steps", "2", "--device", "cpu",
                       "--out", str(tmp_path / "out")], capfd)
-    assert said == (f"fedpar train: {tmp_path / 'half.csv'}: every row needs a whole-number label and numeric "
-                    f"features (label '{label}' is not a whole number)"), said
+    assert said == (f"fedpar train: {tmp_path / 'half.csv'}: line 22, the label '{label}' is not a whole number; "
+                    "labels are class numbers 0..K-1"), said
+
+
+@pytest.mark.parametrize("cell, says", [("abc", "is 'abc', not a number; every feature must be numeric (drop the "
+                                                 "column, or encode it as numbers)"),
+                                        (" ", "is blank; fill in every feature, or drop the row")])
+def test_a_csv_feature_that_is_no_number_is_named_by_its_line_and_column(cell, says, tmp_path, capfd):
+    """It was 'every row needs a whole-number label and numeric features (could not convert string to float: ...)',
+    naming neither the line nor the column."""
+    (tmp_path / "text.csv").write_text("f1,f2,label\n" + "".join(f"{i},{i},{i % 2}\n" for i in range(20)) +
+                                       f"3,{cell},1\n")
+    said = _one_line(["train", "--dataset", f"csv:{tmp_path / 'text.csv'}", "--max-steps", "2", "--device", "cpu",
+                      "--out", str(tmp_path / "out")], capfd)
+    assert said == f"fedpar train: {tmp_path / 'text.csv'}: line 22, column 'f2' {says}", said
 
 
 @pytest.mark.parametrize("separator, said", [(";", "';'"), ("\t", "tabs")])
